@@ -1,0 +1,1 @@
+"""Test-time algorithms built on the tllm consumer API."""

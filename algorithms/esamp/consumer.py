@@ -1,0 +1,313 @@
+"""ESamp consumer: predict f(h_1) in the sampler, mix it into the candidate logits, and train
+the group's distiller on the step's rows after sampling (strict staleness: guidance at step t
+uses the distiller trained through step t-1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.distiller import TrainResult, make_distiller
+from algorithms.esamp.guidance import (
+    candidate_dist_fn,
+    full_dist_logits,
+    mix_full_vocab_logits,
+    mix_latent,
+    mix_post_filter,
+    noise_prediction,
+)
+from tllm_core.bundles import Bundle, GuideView
+from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
+from tllm_core.rows import RequestInfo
+
+_BATCH_KEY = "__batch__"
+# On CUDA, losses stay on the device and are read back (one stream sync) this often.
+_FLUSH_EVERY = 256
+_CURVE_POINTS = 64
+
+COUNTER_NAMES = (
+    "decode_steps", "optimizer_steps", "rows_trained", "rows_guided", "candidates_guided",
+    "loss_first", "loss_last", "loss_mean", "groups_created", "groups_freed", "groups_alive",
+    "rows_skipped", "rows_skipped_prefill", "rows_skipped_greedy", "rows_skipped_no_distiller",
+    "rows_skipped_cap", "rows_skipped_mixed", "train_rows_skipped_cap",
+    "train_rows_skipped_recomputed", "train_rows_skipped_mixed", "train_rows_skipped_frozen",
+    "nonfinite_losses_skipped", "staleness", "memory_bytes_per_group", "latent_fallback_rows",
+    "finished_unseen",
+)
+
+
+@dataclass
+class _Group:
+    live: set[str] = field(default_factory=set)  # engine ids of its unfinished requests
+    slot: int | None = None
+    serial: int = -1  # creation order; stable id for loss bookkeeping (slots are reused)
+    age: int = 0  # train steps submitted
+
+
+class ESampConsumer(Consumer):
+    name = "esamp"
+    description = "Exploratory Sampling: an online Latent Distiller steers sampling away from familiar continuations."
+    Config = ESampConfig
+    delivery = Delivery.END_OF_STEP
+
+    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
+        if not isinstance(config, ESampConfig):
+            config = ESampConfig.model_validate(config.model_dump())
+        super().__init__(config, context)
+        cfg: ESampConfig = config
+        self.cfg = cfg
+        model = context.model
+        self._src = context.resolve_layer(cfg.source_layer)
+        self._tgt = FINAL if cfg.target_layer == FINAL else context.resolve_layer(cfg.target_layer)
+        if self._tgt == self._src:
+            raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
+        self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
+        self.distiller = make_distiller(
+            model.hidden_size, model.device, use_cuda_graph=cfg.use_cuda_graph,
+            intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
+            eps=cfg.eps, grad_clip=cfg.grad_clip, init=cfg.init, seed=cfg.seed)
+        self._weight = model.lm_head_weight
+        # Latent mixing is exact only for a plain linear head predicting the final state.
+        self._latent_ok = self._weight is not None and self._tgt == FINAL
+        self._training = cfg.train and cfg.ablation != "frozen"
+        self._noise_gen = torch.Generator(device=model.device).manual_seed(cfg.seed + 1)
+        self._groups: dict[str, _Group] = {}
+        self._slot_group: dict[int, _Group] = {}
+        self._serials = 0
+        self._pending: list[tuple[list[int], list[int], TrainResult]] = []
+        self._loss_sum, self._loss_n = 0.0, 0
+        self._loss_first: float | None = None
+        self._loss_last: float | None = None
+        self._age_sum: list[float] = []
+        self._age_n: list[int] = []
+        self._group_first: dict[int, float] = {}
+        self._group_last: dict[int, float] = {}
+        for name in COUNTER_NAMES:
+            self.counters.add(name, 0)
+        self.counters.set("staleness", 0)  # strict: training is ordered before the next predict
+        self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
+
+    # -- declarations -------------------------------------------------------------
+    def reads(self) -> list:
+        return [HiddenStates(self._src, Phase.DECODE), HiddenStates(self._tgt, Phase.DECODE)]
+
+    def writes(self) -> list:
+        # beta = 0 declares no write port at all: sampling is provably untouched.
+        return [SamplerGuide()] if self.cfg.beta > 0 else []
+
+    # -- groups -------------------------------------------------------------------
+    def _group_key(self, req: RequestInfo) -> str:
+        return req.group_key if self.cfg.scope == "group" else _BATCH_KEY
+
+    def _track(self, req: RequestInfo) -> _Group:
+        g = self._groups.setdefault(self._group_key(req), _Group())
+        g.live.add(req.engine_id)
+        return g
+
+    def _ensure_slot(self, g: _Group) -> int | None:
+        """The group's slot, allocated on its first decode row; None at the ``max_groups`` cap."""
+        if g.slot is None:
+            cap = self.cfg.max_groups
+            if cap is not None and self.distiller.num_live >= cap:
+                return None
+            g.slot = self.distiller.alloc()
+            g.serial, g.age = self._serials, 0
+            self._serials += 1
+            self._slot_group[g.slot] = g
+            self.counters.add("groups_created")
+            self.counters.set("groups_alive", self.distiller.num_live)
+        return g.slot
+
+    def on_request_finished(self, request: RequestInfo) -> None:
+        key = self._group_key(request)
+        g = self._groups.get(key)
+        if g is None or request.engine_id not in g.live:
+            # Finished before any decode row reached us (e.g. aborted in prefill, max_tokens=1).
+            self.counters.add("finished_unseen")
+            return
+        g.live.discard(request.engine_id)
+        if g.live:
+            return
+        del self._groups[key]
+        if g.slot is not None:
+            del self._slot_group[g.slot]
+            self.distiller.free(g.slot)
+            self.counters.add("groups_freed")
+            self.counters.set("groups_alive", self.distiller.num_live)
+
+    # -- guidance (in the sampler) ---------------------------------------------------
+    def _skip(self, reason: str, n: int = 1) -> None:
+        self.counters.add("rows_skipped", n)
+        self.counters.add(f"rows_skipped_{reason}", n)
+
+    def guide(self, view: GuideView) -> None:
+        cfg, rows = self.cfg, view.rows
+        if cfg.beta == 0 or len(rows) == 0:
+            return
+        is_dec = np.asarray(rows.is_decode, dtype=bool)
+        is_rand = np.asarray(view.is_random, dtype=bool)
+        if cfg.skip_mixed_batches and not is_dec.all():
+            self._skip("mixed", len(rows))
+            return
+        sel: list[int] = []
+        slots: list[int] = []
+        for i, req in enumerate(rows.requests):
+            if not is_dec[i]:
+                self._skip("prefill")  # the token sampled after prefill is the model's own
+            elif not is_rand[i]:
+                self._skip("greedy")
+            else:
+                slot = self._ensure_slot(self._track(req))
+                if slot is None:
+                    self._skip("cap")
+                else:
+                    sel.append(i)
+                    slots.append(slot)
+        if not sel:
+            return
+        idx = torch.tensor(sel, dtype=torch.long, device=view.logits.device)
+        f = self.distiller.predict(torch.tensor(slots, dtype=torch.long),
+                                   view.hidden(self._src_key)[idx])
+        if cfg.ablation == "noise":
+            h_t = view.hidden(self._tgt_key)[idx].float()
+            f = noise_prediction(h_t, f, self._noise_gen)
+        new = self._mix(view, idx, f)
+        before_rows, before_cand = view.rows_guided, view.candidates_guided
+        view.update(idx, new)
+        self.counters.add("rows_guided", view.rows_guided - before_rows)
+        self.counters.add("candidates_guided", view.candidates_guided - before_cand)
+
+    def _head(self, z: torch.Tensor) -> torch.Tensor:
+        model = self.context.model
+        return model.lm_head(z.to(model.dtype)).float()
+
+    def _mix(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        ref = view.logits[idx]
+        temp = view.temperature[idx].float()
+        post = cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered)
+        if post:
+            new = mix_post_filter(ref, candidate_dist_fn(f, self._weight, self._head), cfg.beta,
+                                  temp)
+        elif cfg.mix == "latent" and self._latent_ok:
+            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, cfg.beta)
+            new = self._head(h_mix) / temp[:, None]
+        else:
+            if cfg.mix == "latent":
+                self.counters.add("latent_fallback_rows", int(idx.numel()))
+            new = mix_full_vocab_logits(ref, full_dist_logits(f, self._weight, self._head),
+                                        cfg.beta, temp)
+        # A non-finite prediction must not poison sampling: keep such rows as they were
+        # (a device-side select, so no host sync).
+        ok = torch.isfinite(f).all(-1, keepdim=True)
+        return torch.where(ok, new, ref)
+
+    # -- training (after sampling) ------------------------------------------------
+    def on_bundle(self, bundle: Bundle) -> None:
+        rows = bundle.rows
+        is_dec = np.asarray(rows.is_decode, dtype=bool)
+        if len(rows) == 0 or not is_dec.any():
+            return
+        self.counters.add("decode_steps")
+        if self.cfg.skip_mixed_batches and not is_dec.all():
+            self.counters.add("train_rows_skipped_mixed", int(is_dec.sum()))
+            return
+        recomputed = np.asarray(rows.recomputed, dtype=bool)
+        sel: list[int] = []
+        slots: list[int] = []
+        for i, req in enumerate(rows.requests):
+            if not is_dec[i]:
+                continue
+            g = self._track(req)
+            if recomputed[i]:
+                # Preemption recomputation: this position was already trained on.
+                self.counters.add("train_rows_skipped_recomputed")
+                continue
+            slot = self._ensure_slot(g)
+            if slot is None:
+                self.counters.add("train_rows_skipped_cap")
+                continue
+            sel.append(i)
+            slots.append(slot)
+        if not sel:
+            return
+        if not self._training:
+            self.counters.add("train_rows_skipped_frozen", len(sel))
+            return
+        dev = bundle.hidden[self._src_key].device
+        idx = torch.tensor(sel, dtype=torch.long, device=dev)
+        res = self.distiller.train_step(torch.tensor(slots, dtype=torch.long),
+                                        bundle.hidden[self._src_key][idx],
+                                        bundle.hidden[self._tgt_key][idx])
+        groups = [self._slot_group[int(s)] for s in res.slots]
+        self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
+        for g in groups:
+            g.age += 1
+        self.counters.add("rows_trained", len(sel))
+        if self.distiller.device.type != "cuda" or len(self._pending) >= _FLUSH_EVERY:
+            self._flush()
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _flush(self) -> None:
+        """Read pending losses back to the host and update the loss counters."""
+        if not self._pending:
+            return
+        self.distiller.synchronize()
+        steps = bad = 0
+        for serials, ages, res in self._pending:
+            losses = res.losses.cpu().tolist()
+            ok = res.updated.cpu().tolist()
+            for serial, age, loss, good in zip(serials, ages, losses, ok):
+                if not good:
+                    bad += 1
+                    continue
+                steps += 1
+                self._loss_sum += loss
+                self._loss_n += 1
+                if self._loss_first is None:
+                    self._loss_first = loss
+                self._loss_last = loss
+                while len(self._age_sum) <= age:
+                    self._age_sum.append(0.0)
+                    self._age_n.append(0)
+                self._age_sum[age] += loss
+                self._age_n[age] += 1
+                self._group_first.setdefault(serial, loss)
+                self._group_last[serial] = loss
+        self._pending.clear()
+        self.counters.add("optimizer_steps", steps)
+        self.counters.add("nonfinite_losses_skipped", bad)
+        if self._loss_n:
+            self.counters.set("loss_first", self._loss_first)
+            self.counters.set("loss_last", self._loss_last)
+            self.counters.set("loss_mean", self._loss_sum / self._loss_n)
+
+    def _curve(self) -> list[list[float]]:
+        """Mean loss by a group's optimizer step index (its learning curve), <= 64 points."""
+        ages = [a for a, n in enumerate(self._age_n) if n]
+        if len(ages) > _CURVE_POINTS:
+            picks = np.unique(np.linspace(0, len(ages) - 1, _CURVE_POINTS).round().astype(int))
+            ages = [ages[i] for i in picks]
+        return [[a, self._age_sum[a] / self._age_n[a], self._age_n[a]] for a in ages]
+
+    def result(self) -> Any:
+        self._flush()
+        firsts, lasts = list(self._group_first.values()), list(self._group_last.values())
+        return {
+            "loss_first": self._loss_first,
+            "loss_last": self._loss_last,
+            "loss_mean": self._loss_sum / self._loss_n if self._loss_n else None,
+            "group_loss_first_mean": float(np.mean(firsts)) if firsts else None,
+            "group_loss_last_mean": float(np.mean(lasts)) if lasts else None,
+            # [step index within a group, mean loss over groups, number of groups]
+            "loss_curve": self._curve(),
+            "counters": self.counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        self._flush()

@@ -1,0 +1,322 @@
+"""Grouped Latent Distiller: G independent residual gated-SwiGLU MLPs run as one batched
+computation.
+
+Each group (slot) owns one flat fp32 parameter row of ``theta [C, P]`` plus its Adam state
+(``m``, ``v``, ``step``). Rows of a step are packed per group into ``[G, M, H]`` (padded,
+with a mask) so every block is one ``torch.bmm`` over groups; the update (per-group clip +
+Adam) is one set of tensor ops over ``[G, P]``. Groups never mix: each group's loss only
+depends on its own parameter row, and clipping/Adam are row-wise.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
+_CLIP_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DistillerShape:
+    hidden_size: int
+    intermediate_size: int = 384
+    num_blocks: int = 2
+
+    @property
+    def block_numel(self) -> int:
+        return self.num_blocks * self.intermediate_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        # gate, up: [NB, I, H]; down: [NB, H, I]
+        return 3 * self.block_numel
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    lr: float = 4e-4
+    eps: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 0.5
+
+
+@dataclass
+class Packing:
+    """Host-side plan mapping R rows onto ``[G, M]`` packed positions."""
+
+    slots: np.ndarray  # int64 [G]: slot of each packed group (sorted, unique)
+    row_group: np.ndarray  # int64 [R]: packed group of each row
+    row_pos: np.ndarray  # int64 [R]: position of each row inside its group
+    counts: np.ndarray  # int64 [G]
+    max_rows: int
+
+
+@dataclass
+class TrainResult:
+    """Outcome of one train step. ``losses``/``updated`` stay on the device (no host sync)."""
+
+    slots: np.ndarray  # int64 [G] (host)
+    losses: torch.Tensor  # fp32 [G]: MSE of each group before the update
+    updated: torch.Tensor  # bool [G]: False where the loss/grad was non-finite (skipped)
+
+
+def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
+    """Plan the per-group packing of rows; computed on the host so no device sync is needed."""
+    s = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    s = s.astype(np.int64).reshape(-1)
+    uniq, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(inv, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    pos = np.empty_like(inv)
+    pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
+    return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64),
+                   int(counts.max()) if counts.size else 0)
+
+
+def split_params(theta: torch.Tensor, shape: DistillerShape):
+    """Views ``(gate [G,NB,I,H], up [G,NB,I,H], down [G,NB,H,I])`` into ``theta [G, P]``."""
+    g, n = theta.shape[0], shape.block_numel
+    nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
+    return (theta[:, :n].reshape(g, nb, i, h), theta[:, n:2 * n].reshape(g, nb, i, h),
+            theta[:, 2 * n:].reshape(g, nb, h, i))
+
+
+def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
+    """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
+    gate, up, down = split_params(theta, shape)
+    h = xp
+    for b in range(shape.num_blocks):
+        a = torch.bmm(h, gate[:, b].transpose(1, 2))
+        u = torch.bmm(h, up[:, b].transpose(1, 2))
+        h = h + torch.bmm(F.silu(a) * u, down[:, b].transpose(1, 2))
+    return h
+
+
+def init_params(shape: DistillerShape, init: str, seed: int) -> torch.Tensor:
+    """One group's initial flat parameters (CPU, fp32), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    n = shape.block_numel
+
+    def uniform(fan_in: int) -> torch.Tensor:
+        # nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(fan_in)
+        return torch.rand(n, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+
+    gate, up = uniform(shape.hidden_size), uniform(shape.hidden_size)
+    down = uniform(shape.intermediate_size)
+    if init == "zero":
+        down.zero_()  # every block starts as the identity residual: f(x) = x
+    elif init != "paper":
+        raise ValueError(f"unknown init {init!r} (expected 'paper' or 'zero')")
+    return torch.cat([gate, up, down])
+
+
+def adam_clip_update(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                     step: torch.Tensor, ok: torch.Tensor, hp: AdamHyper):
+    """Row-wise clip + Adam (same formulas as clip_grad_norm_ + torch.optim.Adam).
+
+    All tensors are ``[G, P]`` except ``step``/``ok`` ``[G]``. Rows with ``ok`` False keep
+    their parameters and state unchanged. Returns new ``(theta, m, v, step)``.
+    """
+    b1, b2 = hp.betas
+    grad = torch.where(ok[:, None], grad, torch.zeros_like(grad))
+    if hp.grad_clip is not None:
+        norm = torch.linalg.vector_norm(grad, dim=1)
+        coef = (hp.grad_clip / (norm + _CLIP_EPS)).clamp(max=1.0)
+        grad = grad * coef[:, None]
+    step_n = step + 1
+    m_n = m.lerp(grad, 1 - b1)
+    v_n = v * b2 + (1 - b2) * grad * grad
+    bc1 = 1 - torch.pow(b1, step_n)
+    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, step_n))
+    denom = v_n.sqrt() / bc2_sqrt[:, None] + hp.eps
+    theta_n = theta - (hp.lr / bc1)[:, None] * (m_n / denom)
+    keep = ok[:, None]
+    return (torch.where(keep, theta_n, theta), torch.where(keep, m_n, m),
+            torch.where(keep, v_n, v), torch.where(ok, step_n, step))
+
+
+def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                 gslots: torch.Tensor, gvalid: torch.Tensor, xp: torch.Tensor, tp: torch.Tensor,
+                 mask: torch.Tensor, shape: DistillerShape, hp: AdamHyper):
+    """One Adam step per packed group, written in place into the slot state.
+
+    ``gslots [G]`` must be distinct except for padding groups (``gvalid`` False), which may
+    all point at one scratch slot. Loss of group g: mean over its rows (``mask``) and hidden
+    dims of ``(f(x) - target)^2``. Fixed shapes and no host sync, so it can be graph-captured.
+    Returns ``(losses [G], updated [G])``.
+    """
+    theta_g = theta.index_select(0, gslots).requires_grad_(True)
+    with torch.enable_grad():
+        y = forward_packed(theta_g, xp, shape)
+        err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
+        n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
+        losses = err.sum((1, 2)) / n
+        (grad,) = torch.autograd.grad(losses.sum(), theta_g)
+    with torch.no_grad():
+        losses = losses.detach()
+        ok = gvalid & torch.isfinite(losses) & torch.isfinite(grad).all(1)
+        t, m_n, v_n, s_n = adam_clip_update(theta_g.detach(), grad, m.index_select(0, gslots),
+                                            v.index_select(0, gslots),
+                                            step.index_select(0, gslots), ok, hp)
+        theta.index_copy_(0, gslots, t)
+        m.index_copy_(0, gslots, m_n)
+        v.index_copy_(0, gslots, v_n)
+        step.index_copy_(0, gslots, s_n)
+    return losses, ok
+
+
+class GroupedDistiller:
+    """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
+    see :mod:`algorithms.esamp.cuda` for the stream/graph version)."""
+
+    _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
+
+    def __init__(self, hidden_size: int, *, intermediate_size: int = 384, num_blocks: int = 2,
+                 lr: float = 4e-4, eps: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
+                 grad_clip: float | None = 0.5, init: str = "paper", seed: int = 0,
+                 capacity: int = 4, device: torch.device | str = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
+        self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip)
+        self.device = torch.device(device)
+        self.template = init_params(self.shape, init, seed).to(self.device)
+        self._capacity = 0
+        self.theta = self.m = self.v = self.step = torch.empty(0)
+        self._free: list[int] = []
+        self._live: set[int] = set()
+        self._grow(capacity)
+
+    # -- slots ----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def live_slots(self) -> list[int]:
+        return sorted(self._live)
+
+    def _grow(self, new_capacity: int) -> None:
+        """Reallocate the stacked state; new slots start from the template."""
+        rows = new_capacity + self._SCRATCH
+        p, dev = self.shape.num_params, self.device
+        theta = self.template.expand(rows, p).clone()
+        m = torch.zeros(rows, p, device=dev)
+        v = torch.zeros(rows, p, device=dev)
+        step = torch.zeros(rows, device=dev)
+        old = self._capacity
+        if old:
+            theta[:old].copy_(self.theta[:old])
+            m[:old].copy_(self.m[:old])
+            v[:old].copy_(self.v[:old])
+            step[:old].copy_(self.step[:old])
+        self.theta, self.m, self.v, self.step = theta, m, v, step
+        for s in range(old, new_capacity):
+            heapq.heappush(self._free, s)
+        self._capacity = new_capacity
+
+    def alloc(self) -> int:
+        """A fresh slot (state at init); doubles the capacity when all slots are live."""
+        if not self._free:
+            self._grow(2 * self._capacity)
+        slot = heapq.heappop(self._free)
+        self._live.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Release ``slot``: its parameters go back to init and its Adam state to zero."""
+        if slot not in self._live:
+            raise ValueError(f"slot {slot} is not live (live: {self.live_slots})")
+        self._reset(slot)
+        self._live.remove(slot)
+        heapq.heappush(self._free, slot)
+
+    def _reset(self, slot: int) -> None:
+        self.theta[slot].copy_(self.template)
+        self.m[slot].zero_()
+        self.v[slot].zero_()
+        self.step[slot].zero_()
+
+    def _check_live(self, pk: Packing) -> None:
+        dead = [int(s) for s in pk.slots if int(s) not in self._live]
+        if dead:
+            raise ValueError(f"slots {dead} are not live (live: {self.live_slots})")
+
+    # -- math -----------------------------------------------------------------------
+    def _pack(self, pk: Packing, x: torch.Tensor, m: int | None = None):
+        """``x [R, H]`` -> padded ``[G, M, H]`` fp32 and the mask ``[G, M]``."""
+        g, m = len(pk.slots), pk.max_rows if m is None else m
+        rg = torch.from_numpy(pk.row_group).to(x.device)
+        rp = torch.from_numpy(pk.row_pos).to(x.device)
+        xp = torch.zeros(g, m, x.shape[-1], device=x.device)
+        xp[rg, rp] = x.float()
+        mask = torch.zeros(g, m, dtype=torch.bool, device=x.device)
+        mask[rg, rp] = True
+        return xp, mask, rg, rp
+
+    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``."""
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            return torch.zeros(0, self.shape.hidden_size, device=x.device)
+        self._check_live(pk)
+        with torch.no_grad():
+            xp, _, rg, rp = self._pack(pk, x)
+            gs = torch.from_numpy(pk.slots).to(self.device)
+            yp = forward_packed(self.theta.index_select(0, gs), xp, self.shape)
+            return yp[rg, rp]
+
+    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
+                   ) -> TrainResult:
+        """One Adam step per group present, on that group's rows (MSE averaged over them).
+
+        Groups whose loss or gradient is non-finite are skipped (``updated`` False).
+        """
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            empty = torch.zeros(0, device=self.device)
+            return TrainResult(pk.slots, empty, empty.bool())
+        self._check_live(pk)
+        xp, mask, _, _ = self._pack(pk, x)
+        tp, _, _, _ = self._pack(pk, target)
+        gs = torch.from_numpy(pk.slots).to(self.device)
+        gvalid = torch.ones(len(pk.slots), dtype=torch.bool, device=self.device)
+        losses, ok = train_packed(self.theta, self.m, self.v, self.step, gs, gvalid, xp, tp,
+                                  mask, self.shape, self.hp)
+        return TrainResult(pk.slots, losses, ok)
+
+    def synchronize(self) -> None:
+        """Wait for pending device work (no-op on CPU, where everything is synchronous)."""
+
+    def memory_bytes_per_group(self) -> int:
+        """Parameters + Adam moments + step counter of one slot, in bytes (fp32)."""
+        return (3 * self.shape.num_params + 1) * 4
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the stacked state (all slots, live or not) plus the template."""
+        return (self._capacity + self._SCRATCH) * self.memory_bytes_per_group() + \
+            self.shape.num_params * 4
+
+
+def make_distiller(hidden_size: int, device: torch.device | str, use_cuda_graph: bool = True,
+                   **kwargs) -> GroupedDistiller:
+    """The CUDA implementation for CUDA devices, else the synchronous one."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from algorithms.esamp.cuda import CudaGroupedDistiller
+
+        return CudaGroupedDistiller(hidden_size, device=device, use_cuda_graph=use_cuda_graph,
+                                    **kwargs)
+    return GroupedDistiller(hidden_size, device=device, **kwargs)

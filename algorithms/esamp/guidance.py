@@ -1,0 +1,97 @@
+"""Pure mixing functions of ESamp guidance.
+
+Convention: ``ref`` logits are the sampler's (already divided by the row temperature, -inf
+off the candidate set); ``dist`` logits are raw head projections of the distiller's
+prediction, so they are divided by the same temperature here ("mix before temperature").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
+DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mix_post_filter(ref_logits: torch.Tensor, dist_fn: DistFn, beta: float,
+                    temperature: torch.Tensor) -> torch.Tensor:
+    """Mix on the surviving candidates only.
+
+    ``ref_logits [R, V]``: temperature-scaled, -inf for non-candidates. Candidates get
+    ``(1+beta)*ref - beta*dist/T``; non-candidates stay -inf. ``dist_fn`` is called once,
+    with exactly the candidate (row, token) pairs.
+    """
+    if beta == 0:
+        return ref_logits.clone()  # bit-identical: never touch the logits
+    rows, toks = torch.isfinite(ref_logits).nonzero(as_tuple=True)
+    out = torch.full_like(ref_logits, float("-inf"))
+    dist = dist_fn(rows, toks).to(ref_logits.dtype)
+    t = temperature.to(ref_logits.dtype)[rows]
+    out[rows, toks] = (1 + beta) * ref_logits[rows, toks] - beta * dist / t
+    return out
+
+
+def mix_full_vocab_logits(ref_logits: torch.Tensor, dist_logits: torch.Tensor, beta: float,
+                          temperature: torch.Tensor) -> torch.Tensor:
+    """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``."""
+    if beta == 0:
+        return ref_logits.clone()
+    t = temperature.to(ref_logits.dtype)[:, None]
+    return (1 + beta) * ref_logits - beta * dist_logits.to(ref_logits.dtype) / t
+
+
+def mix_latent(h_target: torch.Tensor, f_pred: torch.Tensor, beta: float) -> torch.Tensor:
+    """Latent mix ``(1+beta)*h_L - beta*f(h_1)``: one head projection of it equals the logits
+    mix exactly for a linear head without bias or soft-capping."""
+    return (1 + beta) * h_target - beta * f_pred
+
+
+def candidate_dist_fn(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
+                      lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      dense_fraction: float = 0.25, chunk: int = 16384) -> DistFn:
+    """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
+
+    With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
+    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``). Otherwise (dense set, or a
+    non-linear head given as ``lm_head``) projects the full vocabulary once and gathers.
+    """
+    if weight is None and lm_head is None:
+        raise ValueError("need the head weight or the lm_head callable")
+
+    def fn(rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
+        r, h = f_pred.shape
+        n = rows.numel()
+        if weight is not None and n <= dense_fraction * r * weight.shape[0]:
+            out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+            for i in range(0, n, chunk):
+                w = weight[toks[i:i + chunk]].float()
+                out[i:i + chunk] = (w * f_pred[rows[i:i + chunk]].float()).sum(-1)
+            return out
+        return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
+
+    return fn
+
+
+def full_dist_logits(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
+                     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+    """Raw dist logits over the vocabulary ``[R, V]`` (fp32). ``lm_head`` (fp32 in, any dtype
+    out; it casts to the model dtype itself) is preferred: it is exactly the model's head."""
+    if lm_head is not None:
+        return lm_head(f_pred).float()
+    if weight is None:
+        raise ValueError("need the head weight or the lm_head callable")
+    return (f_pred.to(weight.dtype) @ weight.t()).float()
+
+
+def noise_prediction(h_target: torch.Tensor, f_pred: torch.Tensor,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """Noise ablation: a stand-in prediction ``h_L - n`` whose error ``n`` is Gaussian with the
+    same per-row norm as the real error ``h_L - f(h_1)`` (direction randomised)."""
+    err_norm = torch.linalg.vector_norm(h_target - f_pred, dim=-1, keepdim=True)
+    n = torch.randn(h_target.shape, generator=generator, device=h_target.device,
+                    dtype=h_target.dtype)
+    n = n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * err_norm
+    return h_target - n

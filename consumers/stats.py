@@ -1,0 +1,58 @@
+"""``stats``: per-layer activation statistics per request — the smallest complete consumer."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from pydantic import Field
+
+from tllm_core import Bundle, Consumer, ConsumerConfig, HiddenStates, Phase
+
+
+class StatsConfig(ConsumerConfig):
+    layers: list[int | str] = Field(
+        default_factory=lambda: [0, -1, "final"],
+        description="layer indices (negative from the end) or 'final'",
+    )
+    phase: Phase = Field(Phase.ALL, description="rows to count: prefill, decode or all")
+
+
+class StatsConsumer(Consumer):
+    name = "stats"
+    description = "Per-layer activation statistics (rows, mean L2 norm, max |x|) per request."
+    Config = StatsConfig
+
+    def __init__(self, config: StatsConfig, context):
+        super().__init__(config, context)
+        self._ports = [
+            HiddenStates(layer if layer == "final" else context.resolve_layer(int(layer)), config.phase)
+            for layer in config.layers
+        ]
+        # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|]
+        self._acc: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(dict)
+
+    def reads(self):
+        return self._ports
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        reqs = bundle.rows.requests
+        for key, h in bundle.hidden.items():
+            norms = h.float().norm(dim=-1).tolist()
+            maxabs = h.float().abs().amax(dim=-1).tolist()
+            for req, n, m in zip(reqs, norms, maxabs):
+                acc = self._acc[(req.request_id, req.sample_index)].setdefault(key, [0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += n
+                acc[2] = max(acc[2], m)
+            self.counters.add(f"rows.{key}", h.shape[0])
+        self.counters.add("bundles")
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for (rid, sample), per_key in sorted(self._acc.items()):
+            out[f"{rid}/{sample}"] = {
+                key: {"rows": int(r), "mean_norm": s / max(r, 1), "max_abs": m}
+                for key, (r, s, m) in per_key.items()
+            }
+        return out

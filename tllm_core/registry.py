@@ -1,0 +1,135 @@
+"""Consumer discovery (pluggy) and spec parsing: ``NAME`` or ``NAME:{json config}``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pydantic import ValidationError
+
+from tllm_core import hookspecs
+from tllm_core.consumer import Consumer, ConsumerConfig
+
+ENTRY_POINT_GROUP = "tllm"
+# Built-ins register through the same hook as third-party plugins, like pytest's own.
+BUILTIN_PLUGINS = ("consumers.plugin",)
+
+
+class ConsumerSpecError(ValueError):
+    """A consumer name or config the user gave is not valid."""
+
+
+@dataclass
+class ConsumerSpec:
+    """A consumer to build in the engine: its registered name and its config dict."""
+
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> ConsumerSpec:
+        name, sep, raw = text.partition(":")
+        name = name.strip()
+        if not name:
+            raise ConsumerSpecError(f"empty consumer name in {text!r}; use NAME or NAME:{{json}}")
+        config: Any = {}
+        if sep:
+            try:
+                config = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConsumerSpecError(
+                    f"consumer {name!r}: config is not valid JSON ({e.msg} at column {e.colno}): {raw!r}"
+                ) from None
+            if not isinstance(config, dict):
+                raise ConsumerSpecError(
+                    f"consumer {name!r}: config must be a JSON object, got {type(config).__name__}"
+                )
+        return cls(name, config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "config": self.config}
+
+
+class Registry:
+    """Consumer classes by name, collected from built-ins and ``tllm`` entry points.
+
+    One per engine or command: no process-wide state.
+    """
+
+    def __init__(self, load_entry_points: bool = True):
+        import importlib
+
+        self.pm = pluggy.PluginManager("tllm")
+        self.pm.add_hookspecs(hookspecs)
+        for modname in BUILTIN_PLUGINS:
+            self.pm.register(importlib.import_module(modname), name=modname)
+        if load_entry_points:
+            self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        self._classes: dict[str, type[Consumer]] = {}
+        for classes in self.pm.hook.tllm_consumers():
+            for cls in classes:
+                if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
+                    raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
+                if cls.name in self._classes and self._classes[cls.name] is not cls:
+                    raise ValueError(
+                        f"two plugins register a consumer named {cls.name!r}: "
+                        f"{self._classes[cls.name].__module__} and {cls.__module__}"
+                    )
+                self._classes[cls.name] = cls
+
+    def register(self, plugin: object, name: str | None = None) -> None:
+        """Register a plugin object/module at runtime (tests, notebooks)."""
+        self.pm.register(plugin, name=name)
+        for cls in getattr(plugin, "tllm_consumers")():
+            self._classes[cls.name] = cls
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def get(self, name: str) -> type[Consumer]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise ConsumerSpecError(
+                f"unknown consumer {name!r}; available: {', '.join(self.names) or '(none)'}"
+            ) from None
+
+    def validate(self, spec: ConsumerSpec) -> ConsumerConfig:
+        """Build the consumer's config model; errors name the consumer and the field."""
+        cls = self.get(spec.name)
+        try:
+            return cls.Config(**spec.config)
+        except ValidationError as e:
+            raise ConsumerSpecError(f"invalid config for consumer {spec.name!r}:\n{e}") from None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Name, one-line description and config fields of every consumer."""
+        out = []
+        for name in self.names:
+            cls = self._classes[name]
+            fields = []
+            for fname, f in cls.Config.model_fields.items():
+                fields.append(
+                    {
+                        "name": fname,
+                        "type": getattr(f.annotation, "__name__", str(f.annotation)),
+                        "default": None if f.is_required() else _jsonable(f.get_default(call_default_factory=True)),
+                        "required": f.is_required(),
+                        "description": f.description or "",
+                    }
+                )
+            out.append(
+                {"name": name, "description": cls.description, "module": cls.__module__, "fields": fields}
+            )
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return repr(value)

@@ -1,0 +1,83 @@
+"""Row localization: which packed row belongs to which request, sample, position and phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RequestInfo:
+    """One engine request (one of the ``n`` samples of a prompt).
+
+    ``engine_id`` is vLLM's internal id; ``request_id`` the caller's id without vLLM's
+    random suffix or the ``n`` fan-out prefix.
+    """
+
+    engine_id: str
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    num_prompt_tokens: int
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    # Highest position already delivered: rows at or below it are recomputation
+    # (preemption) and are flagged, so consumers can count each position once.
+    max_position_seen: int = -1
+
+    @property
+    def group_key(self) -> str:
+        """Key shared by the ``n`` samples of one prompt (overridable via extra_args)."""
+        key = self.extra_args.get("tllm_group")
+        return str(key) if key is not None else self.request_id
+
+
+@dataclass
+class RowInfo:
+    """Metadata of a set of token rows (host arrays, one entry per row).
+
+    ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``.
+    ``token_ids`` is the token fed at that position (a device tensor; ``.cpu()`` it off the
+    hot path).
+    """
+
+    row: np.ndarray  # int64 [R]: packed row index in the step
+    requests: list[RequestInfo]
+    position: np.ndarray  # int64 [R]
+    is_decode: np.ndarray  # bool [R]
+    recomputed: np.ndarray  # bool [R]: position was delivered before (preemption)
+    token_ids: torch.Tensor  # [R]
+
+    def __len__(self) -> int:
+        return int(self.row.shape[0])
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    @property
+    def prompt_index(self) -> np.ndarray:
+        return np.fromiter((r.prompt_index for r in self.requests), np.int64, len(self.requests))
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        return np.fromiter((r.sample_index for r in self.requests), np.int64, len(self.requests))
+
+    def select(self, mask: np.ndarray) -> RowInfo:
+        idx = np.nonzero(mask)[0]
+        return RowInfo(
+            row=self.row[idx],
+            requests=[self.requests[i] for i in idx],
+            position=self.position[idx],
+            is_decode=self.is_decode[idx],
+            recomputed=self.recomputed[idx],
+            token_ids=self.token_ids[torch.from_numpy(idx).to(self.token_ids.device)],
+        )
+
+    def to_host(self) -> RowInfo:
+        return RowInfo(
+            self.row, self.requests, self.position, self.is_decode, self.recomputed,
+            self.token_ids.to("cpu"),
+        )

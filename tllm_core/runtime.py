@@ -1,0 +1,202 @@
+"""The engine-side runtime: builds consumers, routes each step's data to them.
+
+Engine-neutral: the vLLM bridge calls :meth:`begin_step`, :meth:`guide`,
+:meth:`end_step` and :meth:`finish_requests`; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from producers.bundle import ReadPlan, build_bundle, plan_reads
+from producers.step import StepCapture
+from tllm_core.bundles import EditPlan, GuideView
+from tllm_core.bus import Bus
+from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
+from tllm_core.counters import Counters
+from tllm_core.ports import FINAL, ResidualEdit, SamplerGuide, layer_key, resolve_layer
+from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.settings import RuntimeSettings
+
+log = logging.getLogger("tllm")
+
+
+@dataclass
+class _Slot:
+    consumer: Consumer
+    reads: ReadPlan
+    edit_layers: set[int] = field(default_factory=set)
+    guides: bool = False
+
+
+def build_consumers(
+    settings: RuntimeSettings, model: ModelInfo, registry: Registry, counters: Counters
+) -> list[_Slot]:
+    """Validate specs, construct consumers and resolve their ports (errors before generation)."""
+    slots = []
+    names = set()
+    for entry in settings.consumers:
+        spec = ConsumerSpec(entry.name, entry.config)
+        cls = registry.get(spec.name)
+        config = registry.validate(spec)
+        if spec.name in names:
+            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
+        names.add(spec.name)
+
+        def resolve(i: int, _n=model.num_layers) -> int:
+            return resolve_layer(i, _n)
+
+        consumer = cls(config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve))
+        reads = plan_reads(consumer.reads(), resolve)
+        slot = _Slot(consumer, reads)
+        for w in consumer.writes():
+            if isinstance(w, ResidualEdit):
+                slot.edit_layers.add(resolve(w.layer))
+            elif isinstance(w, SamplerGuide):
+                slot.guides = True
+            else:
+                raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+        slots.append(slot)
+    return slots
+
+
+class Runtime:
+    def __init__(self, settings: RuntimeSettings, model: ModelInfo, registry: Registry | None = None):
+        self.settings = settings
+        self.model = model
+        self.counters = Counters()
+        self.slots = build_consumers(settings, model, registry or Registry(), self.counters)
+        self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
+        self.step_index = 0
+        self._guide_hidden_keys: set[str] = set()
+        for s in self.slots:
+            if s.guides:
+                self._guide_hidden_keys |= set(s.reads.hidden)
+
+    # -- what the bridge must provide -------------------------------------------------
+    @property
+    def capture_layers(self) -> set[int]:
+        keys = {k for s in self.slots for k in s.reads.hidden if k != FINAL}
+        return {int(k.split(".")[1]) for k in keys}
+
+    @property
+    def needs_final(self) -> bool:
+        return any(FINAL in s.reads.hidden for s in self.slots)
+
+    @property
+    def edit_layers(self) -> set[int]:
+        return set().union(*(s.edit_layers for s in self.slots)) if self.slots else set()
+
+    @property
+    def guides(self) -> bool:
+        return any(s.guides for s in self.slots)
+
+    # -- per step ---------------------------------------------------------------------
+    def begin_step(self, rows: RowInfo) -> list[EditPlan]:
+        """Before the forward: collect each editing consumer's plan."""
+        self.step_index += 1
+        self.counters.add("engine_steps")
+        self.counters.add("rows_seen", len(rows))
+        plans = []
+        for s in self.slots:
+            if not s.edit_layers:
+                continue
+            plan = EditPlan(rows, s.edit_layers, self.model.hidden_size)
+            if self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) and plan.ops:
+                plans.append(plan)
+        return plans
+
+    def guide(self, step: StepCapture, logits: torch.Tensor, temperature: torch.Tensor,
+              is_random: np.ndarray, filtered: bool) -> None:
+        """In the sampler, after filtering: let guiding consumers change candidate logits."""
+        srows = step.sample_rows()
+        idx = torch.from_numpy(step.sample_token_row)
+        hidden = {}
+        for key in self._guide_hidden_keys:
+            buf = step.hidden[key]
+            hidden[key] = buf.index_select(0, idx.to(buf.device))
+        for s in self.slots:
+            if not s.guides or not self.bus.active(s.consumer):
+                continue
+            view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
+            journal = _Journal(view)
+            if self.bus.call(s.consumer, "guide", s.consumer.guide, view):
+                self.counters.add("rows_guided", view.rows_guided)
+                self.counters.add("candidates_guided", view.candidates_guided)
+            else:
+                journal.rollback()
+
+    def end_step(self, step: StepCapture) -> None:
+        """After sampling: deliver bundles, then mark positions as seen."""
+        for key, buf in step.hidden.items():
+            self.counters.add(f"rows_captured.{key}", len(step.rows))
+        if step.logits is not None:
+            self.counters.add("rows_captured.logits", int(step.sample_kept.sum()))
+        for s in self.slots:
+            if s.reads.empty and not step.finished:
+                continue
+            bundle = build_bundle(s.reads, step)
+            if bundle is not None:
+                self.bus.publish(s.consumer, bundle)
+        for i, req in enumerate(step.rows.requests):
+            pos = int(step.rows.position[i])
+            if pos > req.max_position_seen:
+                req.max_position_seen = pos
+
+    def finish_requests(self, requests: list[RequestInfo]) -> None:
+        for req in requests:
+            self.counters.add("requests_finished")
+            for s in self.slots:
+                self.bus.call(s.consumer, "on_request_finished", s.consumer.on_request_finished, req)
+
+    # -- results ----------------------------------------------------------------------
+    def collect(self) -> dict[str, Any]:
+        self.bus.flush()
+        consumers = {}
+        results = {}
+        for s in self.slots:
+            c = s.consumer
+            consumers[c.name] = c.counters.snapshot()
+            try:
+                results[c.name] = c.result()
+            except Exception as e:  # noqa: BLE001
+                results[c.name] = {"error": f"{type(e).__name__}: {e}"}
+        return {
+            "runtime": self.counters.snapshot(),
+            "consumers": consumers,
+            "results": results,
+            "errors": list(self.bus.errors),
+        }
+
+    def close(self) -> dict[str, Any]:
+        """Flush queues, close consumers, return the final report."""
+        self.bus.flush()
+        for s in self.slots:
+            self.bus.call(s.consumer, "close", s.consumer.close)
+        self.bus.close()
+        return self.collect()
+
+
+class _Journal:
+    """Undo log of a GuideView: a consumer that raises leaves no partial edit behind."""
+
+    def __init__(self, view: GuideView):
+        self.view = view
+        self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []
+        orig = view.update
+
+        def update(row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
+            self.entries.append((row_idx, view.logits[row_idx].clone()))
+            orig(row_idx, new_logits)
+
+        view.update = update  # type: ignore[method-assign]
+
+    def rollback(self) -> None:
+        for row_idx, old in reversed(self.entries):
+            self.view.logits[row_idx] = old
