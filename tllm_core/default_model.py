@@ -126,7 +126,9 @@ def default_model_path(progress: bool = True) -> Path:
         if _is_complete(target):  # another process converted it while we waited
             return target
         if progress:
-            print(f"[tllm] converting {source.name} -> {target} (once)", file=sys.stderr, flush=True)
+            print(
+                f"[tllm] converting {source.name} -> {target} (once)", file=sys.stderr, flush=True
+            )
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
         try:

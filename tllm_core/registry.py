@@ -14,7 +14,7 @@ from tllm_core.consumer import Consumer, ConsumerConfig
 
 ENTRY_POINT_GROUP = "tllm"
 # Built-ins register through the same hook as third-party plugins, like pytest's own.
-BUILTIN_PLUGINS = ("consumers.plugin",)
+BUILTIN_PLUGINS = ("consumers.plugin", "algorithms.esamp.plugin")
 
 
 class ConsumerSpecError(ValueError):

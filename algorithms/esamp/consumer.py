@@ -49,6 +49,15 @@ class _Group:
     age: int = 0  # train steps submitted
 
 
+def _index(sel: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device``; pinned + non_blocking on CUDA (a pageable copy would wait
+    for the stream)."""
+    t = torch.tensor(sel, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class ESampConsumer(Consumer):
     name = "esamp"
     description = "Exploratory Sampling: an online Latent Distiller steers sampling away from familiar continuations."
@@ -170,7 +179,7 @@ class ESampConsumer(Consumer):
                     slots.append(slot)
         if not sel:
             return
-        idx = torch.tensor(sel, dtype=torch.long, device=view.logits.device)
+        idx = _index(sel, view.logits.device)
         f = self.distiller.predict(torch.tensor(slots, dtype=torch.long),
                                    view.hidden(self._src_key)[idx])
         if cfg.ablation == "noise":
@@ -240,7 +249,7 @@ class ESampConsumer(Consumer):
             self.counters.add("train_rows_skipped_frozen", len(sel))
             return
         dev = bundle.hidden[self._src_key].device
-        idx = torch.tensor(sel, dtype=torch.long, device=dev)
+        idx = _index(sel, dev)
         res = self.distiller.train_step(torch.tensor(slots, dtype=torch.long),
                                         bundle.hidden[self._src_key][idx],
                                         bundle.hidden[self._tgt_key][idx])
@@ -262,7 +271,7 @@ class ESampConsumer(Consumer):
         for serials, ages, res in self._pending:
             losses = res.losses.cpu().tolist()
             ok = res.updated.cpu().tolist()
-            for serial, age, loss, good in zip(serials, ages, losses, ok):
+            for serial, age, loss, good in zip(serials, ages, losses, ok, strict=True):
                 if not good:
                     bad += 1
                     continue

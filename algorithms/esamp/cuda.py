@@ -74,10 +74,9 @@ class CudaGroupedDistiller(GroupedDistiller):
     # -- slots (state changes are ordered after pending side-stream work) -------------
     def _grow(self, new_capacity: int) -> None:
         if self.stream is not None:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_stream(self.stream)  # the copy below reads state the side stream updates
-            for t in (self.theta, self.m, self.v, self.step):
-                t.record_stream(self.stream)  # freed only after pending side work
+            # Rare (capacity doubles): one host wait so pending side-stream work that uses the
+            # old storage and the old graphs' pools has finished before they are released.
+            self.stream.synchronize()
         super()._grow(new_capacity)
         self._graphs.clear()  # graphs captured the old storage
         if self.stream is not None:
@@ -128,7 +127,11 @@ class CudaGroupedDistiller(GroupedDistiller):
 
     def _capture(self, e: _GraphEntry) -> None:
         """Warm up and capture the update for this bucket. With all groups invalid (as the
-        buffers are at creation) the warm-up runs change no state."""
+        buffers are at creation) the warm-up runs change no state. Capture happens once per
+        bucket and synchronizes the device (``torch.cuda.graph`` does); replays do not.
+
+        Graphs share one memory pool: safe because replays are serialized on one stream and
+        each graph's static outputs stay referenced."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(self.stream):
@@ -137,7 +140,8 @@ class CudaGroupedDistiller(GroupedDistiller):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
+                                  capture_error_mode="thread_local"):
                 e.losses, e.ok = self._run(e)
             e.graph = graph
         except RuntimeError:

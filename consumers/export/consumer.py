@@ -1,0 +1,353 @@
+"""``export``: write captured hidden states (plus token ids) to sharded safetensors files.
+
+Runs on the background thread (host copies). See ``docs/export-format.md`` for the layout
+and :func:`consumers.export.read_export` to read an export back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from consumers.export import format as fmt
+from consumers.export.writer import TORCH_DTYPES, ShardWriter, check_output_dir
+from tllm_core.bundles import Bundle
+from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.ports import (
+    FINAL,
+    Delivery,
+    HiddenStates,
+    Phase,
+    ReadPort,
+    SampledTokens,
+    layer_key,
+)
+from tllm_core.rows import RequestInfo
+
+_HAS_PROMPT_IDS = "prompt_token_ids" in {f.name for f in dataclasses.fields(RequestInfo)}
+
+DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+
+
+class ExportConfig(ConsumerConfig):
+    out: str = Field(
+        ...,
+        description="Output directory (created on the first write; must be new or empty "
+        "unless overwrite=true).",
+    )
+    layers: list[int | Literal["final"]] = Field(
+        default_factory=lambda: [-1, "final"],
+        min_length=1,
+        description="Hidden states to export: decoder-layer indices (residual stream after the "
+        "layer; negative counts from the end) and/or 'final' (after the final norm).",
+    )
+    phase: Literal["prefill", "decode", "all"] = Field(
+        "all", description="Rows to export: prompt rows, generated-token rows, or both."
+    )
+    shard_rows: int | None = Field(
+        None, ge=1, description="Rows per shard (at most one shard is buffered in memory)."
+    )
+    shard_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Target hidden-state bytes per shard, used when shard_rows is not given "
+        f"(default {DEFAULT_SHARD_BYTES // (1024 * 1024)} MiB).",
+    )
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="Storage dtype of the hidden states."
+    )
+    overwrite: bool = Field(
+        False,
+        description="Allow a non-empty 'out': its export files (manifest, shards, .tmp) are "
+        "removed at the first write; other files are left alone.",
+    )
+
+    @field_validator("out")
+    @classmethod
+    def _out_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("out must be a directory path, got an empty string")
+        return v
+
+    @model_validator(mode="after")
+    def _one_shard_size(self) -> ExportConfig:
+        if self.shard_rows is not None and self.shard_bytes is not None:
+            raise ValueError(
+                f"give shard_rows ({self.shard_rows}) or shard_bytes ({self.shard_bytes}), not both"
+            )
+        return self
+
+
+class _Request:
+    """One request's entry in the request table plus its token sequence so far."""
+
+    __slots__ = ("index", "info", "tokens", "length")
+
+    def __init__(self, index: int, info: RequestInfo):
+        self.index = index
+        self.info = info
+        self.tokens = np.full(max(16, info.num_prompt_tokens + 16), -1, np.int64)
+        self.length = 0
+        prompt = getattr(info, "prompt_token_ids", None)
+        if prompt is not None:
+            self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
+
+    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        if positions.size == 0:
+            return
+        end = int(positions.max()) + 1
+        if end > self.tokens.shape[0]:
+            grown = np.full(max(end, 2 * self.tokens.shape[0]), -1, np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        self.tokens[positions] = tokens
+        self.length = max(self.length, end)
+
+
+class ExportConsumer(Consumer):
+    name = "export"
+    description = (
+        "Export hidden states (chosen layers and/or final) with token ids and positions to "
+        "sharded safetensors files plus a JSON manifest."
+    )
+    Config = ExportConfig
+    delivery = Delivery.BACKGROUND
+
+    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
+        if not isinstance(config, ExportConfig):
+            config = ExportConfig.model_validate(config.model_dump())
+        super().__init__(config, context)
+        self.cfg: ExportConfig = config
+        model = context.model
+        self.hidden_size = int(model.hidden_size)
+        keys: list[str] = []
+        self._layer_specs: list[int | str] = []
+        for spec in config.layers:
+            if spec == FINAL:
+                key = FINAL
+                absolute: int | str = FINAL
+            else:
+                try:
+                    absolute = context.resolve_layer(int(spec))
+                except ValueError as e:
+                    raise ValueError(f"export: layers entry {spec!r}: {e}") from None
+                key = layer_key(absolute)
+            if key not in keys:
+                keys.append(key)
+                self._layer_specs.append(absolute)
+        self.keys = keys
+        self.path = check_output_dir(config.out, config.overwrite)
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        row_bytes = self.hidden_size * itemsize * len(keys)
+        if config.shard_rows is not None:
+            shard_rows = config.shard_rows
+        else:
+            target = config.shard_bytes if config.shard_bytes is not None else DEFAULT_SHARD_BYTES
+            shard_rows = target // row_bytes
+            if shard_rows < 1:
+                raise ValueError(
+                    f"export: shard_bytes={target} is smaller than one row "
+                    f"({row_bytes} bytes: {len(keys)} key(s) x hidden size {self.hidden_size} x "
+                    f"{itemsize} bytes); use at least {row_bytes}"
+                )
+        self.shard_rows = int(shard_rows)
+        self.phase = Phase(config.phase)
+        self._lock = threading.Lock()
+        self._fin_lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self._table: list[_Request] = []
+        self._used = False
+        self._complete = False
+        self.writer = ShardWriter(
+            self.path, keys, self.hidden_size, config.dtype, self.shard_rows,
+            config.overwrite, self._manifest,
+        )
+
+    # -- ports ------------------------------------------------------------------------------
+    def _capture_phase(self) -> Phase:
+        # Prompt token ids only reach a consumer through prefill rows, unless the runtime
+        # hands them over on RequestInfo (``prompt_token_ids``): a decode-only export then
+        # captures prompt rows too (for their token ids) and drops them before writing.
+        if self.phase is Phase.DECODE and not _HAS_PROMPT_IDS:
+            return Phase.ALL
+        return self.phase
+
+    def reads(self) -> list[ReadPort]:
+        phase = self._capture_phase()
+        ports: list[ReadPort] = [HiddenStates(spec, phase) for spec in self._layer_specs]
+        ports.append(SampledTokens(Phase.ALL))
+        return ports
+
+    # -- callbacks ------------------------------------------------------------------------
+    def _request(self, info: RequestInfo) -> _Request:
+        req = self._requests.get(info.engine_id)
+        if req is None:
+            req = _Request(len(self._table), info)
+            self._requests[info.engine_id] = req
+            self._table.append(req)
+            self.counters.add("requests_seen")
+        return req
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        with self._lock:
+            self._used = True
+            self._complete = False
+            self._take_rows(bundle)
+            self._take_sampled(bundle)
+            if bundle.finished:
+                with self._fin_lock:
+                    self._finished.update(r.engine_id for r in bundle.finished)
+
+    def _take_rows(self, bundle: Bundle) -> None:
+        rows = bundle.rows
+        n = len(rows)
+        if n == 0:
+            return
+        for key in self.keys:
+            t = bundle.hidden.get(key)
+            if t is None:
+                raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
+            if t.shape != (n, self.hidden_size):
+                raise ValueError(
+                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {self.hidden_size})"
+                )
+        tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
+        positions = np.asarray(rows.position, np.int64)
+        row_request = np.empty(n, np.int64)
+        # Rows of one request are contiguous in a step: walk runs, not rows.
+        reqs = rows.requests
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or reqs[i] is not reqs[start]:
+                req = self._request(reqs[start])
+                row_request[start:i] = req.index
+                req.put(positions[start:i], tokens[start:i])
+                start = i
+        is_decode = np.asarray(rows.is_decode, np.bool_)
+        recomputed = np.asarray(rows.recomputed, np.bool_)
+        if self.phase is Phase.ALL:
+            wanted = np.ones(n, np.bool_)
+        else:
+            wanted = is_decode if self.phase is Phase.DECODE else ~is_decode
+        skipped = int((wanted & recomputed).sum())
+        if skipped:
+            self.counters.add("rows_skipped_recomputed", skipped)
+        keep = wanted & ~recomputed
+        if not keep.any():
+            return
+        idx = np.nonzero(keep)[0]
+        tidx = torch.from_numpy(idx)
+        all_rows = idx.size == n
+        hidden = {
+            k: (bundle.hidden[k] if all_rows else bundle.hidden[k].index_select(0, tidx))
+            for k in self.keys
+        }
+        meta = {
+            fmt.ROW_REQUEST: row_request[idx],
+            fmt.POSITION: positions[idx],
+            fmt.TOKEN_ID: tokens[idx],
+            fmt.IS_DECODE: is_decode[idx],
+        }
+        before = len(self.writer.shards)
+        self.writer.append(hidden, meta)
+        self._sync_counters(before)
+
+    def _take_sampled(self, bundle: Bundle) -> None:
+        srows = bundle.sampled_rows
+        ids = bundle.sampled_token_ids
+        if srows is None or ids is None or len(srows) == 0:
+            return
+        ids_np = ids.detach().to("cpu", torch.int64).numpy()
+        pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
+        for j, info in enumerate(srows.requests):
+            self._request(info).put(pos[j : j + 1], ids_np[j : j + 1])
+
+    def _sync_counters(self, shards_before: int) -> None:
+        new = self.writer.shards[shards_before:]
+        if new:
+            self.counters.add("shards_written", len(new))
+            self.counters.add("rows_exported", sum(s["rows"] for s in new))
+            self.counters.add("bytes_written", sum(s["bytes"] for s in new))
+        self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
+
+    def on_request_finished(self, request: RequestInfo) -> None:
+        # Engine thread: never wait for a shard write in progress on the background thread.
+        with self._fin_lock:
+            self._finished.add(request.engine_id)
+
+    # -- manifest / results -----------------------------------------------------------------
+    def _manifest(self) -> dict[str, Any]:
+        with self._fin_lock:
+            finished = set(self._finished)
+        requests = []
+        for req in self._table:
+            info = req.info
+            requests.append(
+                {
+                    "request_id": info.request_id,
+                    "engine_id": info.engine_id,
+                    "prompt_index": info.prompt_index,
+                    "sample_index": info.sample_index,
+                    "num_prompt_tokens": info.num_prompt_tokens,
+                    "finished": info.engine_id in finished,
+                    "token_ids": req.tokens[: req.length].tolist(),
+                }
+            )
+        w = self.writer
+        return {
+            "format": fmt.FORMAT_NAME,
+            "version": fmt.FORMAT_VERSION,
+            "complete": self._complete,
+            "hidden_size": self.hidden_size,
+            "num_layers": int(self.context.model.num_layers),
+            "dtype": self.cfg.dtype,
+            "keys": list(self.keys),
+            "phase": self.cfg.phase,
+            "shard_rows": self.shard_rows,
+            "num_rows": w.rows_written,
+            "shards": [dict(s) for s in w.shards],
+            "requests": requests,
+        }
+
+    def flush(self) -> None:
+        """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
+        with self._lock:
+            if not self._used:
+                return
+            before = len(self.writer.shards)
+            if self.writer.buffered:
+                self.writer.write_shard()
+            self._sync_counters(before)
+            self.writer.write_manifest()
+
+    def close(self) -> None:
+        # Unused (e.g. the front end's dry build): write nothing, create nothing.
+        with self._lock:
+            if not self._used:
+                return
+            before = len(self.writer.shards)
+            self._complete = True
+            if self.writer.buffered:
+                self.writer.write_shard()  # rewrites the manifest too
+            else:
+                self.writer.write_manifest()
+            self._sync_counters(before)
+            self.writer.release()
+
+    def result(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "out": self.path,
+                "shards": len(self.writer.shards),
+                "rows": self.writer.rows_written,
+                "rows_buffered": self.writer.buffered,
+                "requests": len(self._table),
+                "keys": list(self.keys),
+                "complete": self._complete,
+            }

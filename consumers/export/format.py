@@ -1,0 +1,85 @@
+"""On-disk layout of an ``export`` directory (see ``docs/export-format.md``).
+
+Kept free of torch-heavy logic so the writer and the reader agree on one definition.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Any
+
+FORMAT_NAME = "tllm-export"
+FORMAT_VERSION = 1
+
+MANIFEST = "manifest.json"
+TMP_SUFFIX = ".tmp"
+SHARD_PATTERN = re.compile(r"^shard-(\d{5,})\.safetensors$")
+
+# Tensors of every shard (besides ``hidden.{key}``), all with one entry per row.
+ROW_REQUEST = "row_request"  # int64: index into the manifest's request table
+POSITION = "position"  # int64: token position within the request's sequence
+TOKEN_ID = "token_id"  # int64: token fed at that position
+IS_DECODE = "is_decode"  # bool: position >= num_prompt_tokens
+ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def hidden_tensor_name(key: str) -> str:
+    """Shard tensor name for bundle key ``"layer.{i}"`` / ``"final"``."""
+    return f"hidden.{key}"
+
+
+def is_export_file(name: str) -> bool:
+    """Files this format owns in a directory (removed by ``overwrite``)."""
+    return (
+        name == MANIFEST
+        or SHARD_PATTERN.match(name) is not None
+        or (name.endswith(TMP_SUFFIX) and (name.startswith("shard-") or name.startswith(MANIFEST)))
+    )
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> tuple[str, int]:
+    """(hex digest, size in bytes) of a file, read in chunks."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+            size += len(b)
+    return h.hexdigest(), size
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write JSON to ``path.tmp``, fsync, rename over ``path``, fsync the directory."""
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")

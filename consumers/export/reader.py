@@ -1,0 +1,207 @@
+"""Read an ``export`` directory back: one record per (request, sample).
+
+Only the shards listed in ``manifest.json`` are read (stray ``.tmp`` files and unlisted
+shards from an interrupted run are ignored), one shard at a time: a record is yielded as
+soon as the last shard holding its rows has been read, so memory stays bounded by one
+shard plus the rows of requests still "open" across shard boundaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from consumers.export import format as fmt
+
+
+class ExportFormatError(ValueError):
+    """The directory is not a readable export (missing/corrupt manifest or shard)."""
+
+
+@dataclass
+class ExportRecord:
+    """Everything exported for one request (one sample of one prompt).
+
+    ``token_ids``: the full sequence, prompt then generated tokens. ``positions``: the
+    captured positions (sorted, unique), indices into ``token_ids``; row ``j`` of every
+    ``hidden[key]`` (``key`` = ``"layer.{i}"`` with ``i`` absolute, or ``"final"``) is the
+    state at ``positions[j]``, i.e. after feeding ``token_ids[positions[j]]``.
+    """
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    num_prompt_tokens: int
+    token_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [P]
+    is_decode: torch.Tensor  # bool [P]
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
+    finished: bool = True
+    engine_id: str = ""
+
+    @property
+    def prompt_token_ids(self) -> torch.Tensor:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def generated_token_ids(self) -> torch.Tensor:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class ExportReader:
+    """An export directory: its manifest, request table and shards."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False):
+        self.path = os.fspath(path)
+        mpath = os.path.join(self.path, fmt.MANIFEST)
+        if not os.path.isfile(mpath):
+            raise ExportFormatError(
+                f"{self.path!r} holds no {fmt.MANIFEST}: not an export directory, or no shard "
+                f"was completed yet"
+            )
+        try:
+            with open(mpath, encoding="utf-8") as f:
+                self.manifest: dict[str, Any] = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ExportFormatError(f"{mpath!r} is not valid JSON: {e}") from None
+        if self.manifest.get("format") != fmt.FORMAT_NAME:
+            raise ExportFormatError(f"{mpath!r} is not a {fmt.FORMAT_NAME} manifest")
+        version = self.manifest.get("version")
+        if version != fmt.FORMAT_VERSION:
+            raise ExportFormatError(
+                f"{mpath!r} has format version {version!r}; this reader reads version "
+                f"{fmt.FORMAT_VERSION}"
+            )
+        self.keys: list[str] = list(self.manifest["keys"])
+        self.hidden_size: int = int(self.manifest["hidden_size"])
+        self.dtype: str = self.manifest["dtype"]
+        self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+        self.requests: list[dict[str, Any]] = list(self.manifest["requests"])
+        self.complete: bool = bool(self.manifest.get("complete", False))
+        self.verify = verify
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(s["rows"]) for s in self.shards)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def shard_path(self, i: int) -> str:
+        return os.path.join(self.path, self.shards[i]["file"])
+
+    def _check(self, i: int) -> str:
+        p = self.shard_path(i)
+        if not os.path.isfile(p):
+            raise ExportFormatError(f"shard {self.shards[i]['file']!r} listed in the manifest is missing")
+        if self.verify:
+            digest, size = fmt.sha256_file(p)
+            if digest != self.shards[i]["sha256"] or size != self.shards[i]["bytes"]:
+                raise ExportFormatError(f"shard {self.shards[i]['file']!r} fails its sha256 check")
+        return p
+
+    def load_shard(self, i: int, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Tensors of shard ``i``: row tensors plus ``hidden.{key}`` for ``keys`` (default all)."""
+        p = self._check(i)
+        names = list(fmt.ROW_TENSORS) + [fmt.hidden_tensor_name(k) for k in (keys or self.keys)]
+        out = {}
+        with safe_open(p, framework="pt") as f:
+            for name in names:
+                out[name] = f.get_tensor(name)
+        rows = int(self.shards[i]["rows"])
+        if out[fmt.POSITION].shape[0] != rows:
+            raise ExportFormatError(
+                f"shard {self.shards[i]['file']!r} has {out[fmt.POSITION].shape[0]} rows, the "
+                f"manifest says {rows}"
+            )
+        return out
+
+    def _row_requests(self, i: int) -> torch.Tensor:
+        with safe_open(self._check(i), framework="pt") as f:
+            return f.get_tensor(fmt.ROW_REQUEST)
+
+    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> ExportRecord:
+        meta = self.requests[r]
+        if pieces:
+            pos = torch.cat([p[fmt.POSITION] for p in pieces])
+            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
+            hidden = {k: torch.cat([p[k] for p in pieces]) for k in self.keys}
+            order = torch.argsort(pos, stable=True)
+            pos = pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[1:] = pos[1:] != pos[:-1]  # duplicates: keep the first written
+            order = order[keep]
+            pos, dec = pos[keep], dec[order]
+            hidden = {k: v[order] for k, v in hidden.items()}
+        else:
+            pos = torch.zeros(0, dtype=torch.int64)
+            dec = torch.zeros(0, dtype=torch.bool)
+            dt = getattr(torch, self.dtype)
+            hidden = {k: torch.zeros(0, self.hidden_size, dtype=dt) for k in self.keys}
+        return ExportRecord(
+            request_id=meta["request_id"],
+            prompt_index=int(meta["prompt_index"]),
+            sample_index=int(meta["sample_index"]),
+            num_prompt_tokens=int(meta["num_prompt_tokens"]),
+            token_ids=torch.tensor(meta["token_ids"], dtype=torch.int64),
+            positions=pos,
+            is_decode=dec,
+            hidden=hidden,
+            finished=bool(meta.get("finished", False)),
+            engine_id=meta.get("engine_id", ""),
+        )
+
+    def __iter__(self) -> Iterator[ExportRecord]:
+        """Records in the order their last shard is read (ties: request-table order);
+        requests without captured rows come last."""
+        n_req = len(self.requests)
+        last = [-1] * n_req
+        for i in range(len(self.shards)):
+            for r in torch.unique(self._row_requests(i)).tolist():
+                if not 0 <= r < n_req:
+                    raise ExportFormatError(
+                        f"shard {self.shards[i]['file']!r} refers to request {r}, the table has {n_req}"
+                    )
+                last[r] = i
+        closing: dict[int, list[int]] = {}
+        for r, i in enumerate(last):
+            closing.setdefault(i, []).append(r)
+        pending: dict[int, list[dict[str, torch.Tensor]]] = {}
+        for i in range(len(self.shards)):
+            t = self.load_shard(i)
+            rr = t[fmt.ROW_REQUEST]
+            order = torch.argsort(rr, stable=True)
+            uniq, counts = torch.unique_consecutive(rr[order], return_counts=True)
+            start = 0
+            for r, c in zip(uniq.tolist(), counts.tolist(), strict=True):
+                sel = order[start : start + c]
+                start += c
+                piece = {fmt.POSITION: t[fmt.POSITION][sel], fmt.IS_DECODE: t[fmt.IS_DECODE][sel]}
+                for k in self.keys:
+                    piece[k] = t[fmt.hidden_tensor_name(k)][sel]
+                pending.setdefault(r, []).append(piece)
+            del t
+            for r in closing.get(i, []):
+                yield self._record(r, pending.pop(r, []))
+        for r in closing.get(-1, []):
+            yield self._record(r, [])
+
+    def records(self) -> list[ExportRecord]:
+        """All records, sorted by (prompt_index, sample_index, request_id); loads everything."""
+        return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
+
+
+def read_export(path: str | os.PathLike, verify: bool = False) -> Iterator[ExportRecord]:
+    """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``.
+
+    The manifest is read (and checked) at once; shards are read one at a time, as the
+    records are consumed, in the order their last shard is read.
+    ``verify=True`` checks each shard's sha256 against the manifest first.
+    """
+    return iter(ExportReader(path, verify=verify))

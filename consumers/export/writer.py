@@ -1,0 +1,220 @@
+"""Shard writer of the ``export`` consumer: a bounded row buffer and atomic file writes.
+
+At most one shard of rows is held in memory. Each shard is written to a ``.tmp`` name
+in the output directory, fsynced and renamed into place; the manifest is then
+rewritten the same way, so at any moment the directory holds complete shards and a
+manifest that lists exactly the complete shards it names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from consumers.export import format as fmt
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
+_INITIAL_ROWS = 256
+
+
+def check_output_dir(out: str, overwrite: bool) -> str:
+    """Validate ``out`` without creating anything; returns its absolute path.
+
+    Raises ``ValueError`` naming the path when it is a file, lies under a file, is not
+    writable, or is a non-empty directory while ``overwrite`` is off.
+    """
+    if not out or not str(out).strip():
+        raise ValueError("export: 'out' must be a directory path, got an empty string")
+    path = os.path.abspath(os.path.expanduser(str(out)))
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(f"export: out={out!r} exists and is not a directory")
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"export: out={out!r} is a directory this process cannot write to")
+        with os.scandir(path) as it:
+            entries = sorted(e.name for e in it)
+        if entries and not overwrite:
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            raise ValueError(
+                f"export: out={out!r} is not empty ({shown}); choose an empty or new directory, "
+                f"or set overwrite=true to replace the export files in it"
+            )
+        return path
+    # Does not exist yet: the nearest existing ancestor must be a writable directory.
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        nxt = os.path.dirname(parent)
+        if nxt == parent:
+            break
+        parent = nxt
+    if not os.path.isdir(parent):
+        raise ValueError(
+            f"export: cannot create out={out!r}: {parent!r} exists and is not a directory"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"export: cannot create out={out!r}: directory {parent!r} is not writable"
+        )
+    return path
+
+
+class ShardWriter:
+    """Buffers rows (at most ``shard_rows``) and writes them as numbered shards."""
+
+    def __init__(
+        self,
+        path: str,
+        keys: list[str],
+        hidden_size: int,
+        dtype: str,
+        shard_rows: int,
+        overwrite: bool,
+        manifest_fn: Callable[[], dict[str, Any]],
+    ):
+        self.path = path
+        self.keys = list(keys)
+        self.hidden_size = hidden_size
+        self.dtype_name = dtype
+        self.dtype = TORCH_DTYPES[dtype]
+        self.shard_rows = shard_rows
+        self.overwrite = overwrite
+        self.manifest_fn = manifest_fn
+        self.shards: list[dict[str, Any]] = []
+        self.rows_written = 0
+        self.bytes_written = 0
+        self.buffer_rows_max = 0
+        self._prepared = False
+        self._cap = 0
+        self._fill = 0
+        self._hidden: dict[str, torch.Tensor] = {}
+        self._meta: dict[str, np.ndarray] = {}
+
+    # -- buffer ---------------------------------------------------------------------------
+    @property
+    def buffered(self) -> int:
+        return self._fill
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def _ensure_capacity(self, rows: int) -> None:
+        if rows <= self._cap:
+            return
+        cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self._cap)))
+        cap = min(cap, self.shard_rows)
+        n = self._fill
+        hidden = {}
+        for key in self.keys:
+            buf = torch.empty(cap, self.hidden_size, dtype=self.dtype)
+            if n:
+                buf[:n] = self._hidden[key][:n]
+            hidden[key] = buf
+        meta = {
+            fmt.ROW_REQUEST: np.empty(cap, np.int64),
+            fmt.POSITION: np.empty(cap, np.int64),
+            fmt.TOKEN_ID: np.empty(cap, np.int64),
+            fmt.IS_DECODE: np.empty(cap, np.bool_),
+        }
+        for k, arr in meta.items():
+            if n:
+                arr[:n] = self._meta[k][:n]
+        self._hidden, self._meta, self._cap = hidden, meta, cap
+
+    def append(
+        self,
+        hidden: dict[str, torch.Tensor],
+        meta: dict[str, np.ndarray],
+    ) -> int:
+        """Append rows (``hidden[key]`` is ``[R, H]``, ``meta`` arrays ``[R]``); writes a shard
+        each time the buffer reaches ``shard_rows``. Returns the number of shards written."""
+        total = len(meta[fmt.POSITION])
+        written = 0
+        start = 0
+        while start < total:
+            take = min(total - start, self.shard_rows - self._fill)
+            self._ensure_capacity(self._fill + take)
+            a, b = self._fill, self._fill + take
+            for key in self.keys:
+                self._hidden[key][a:b] = hidden[key][start : start + take]
+            for k in fmt.ROW_TENSORS:
+                self._meta[k][a:b] = meta[k][start : start + take]
+            self._fill = b
+            self.buffer_rows_max = max(self.buffer_rows_max, self._fill)
+            start += take
+            if self._fill >= self.shard_rows:
+                self.write_shard()
+                written += 1
+        return written
+
+    # -- files ----------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Create the directory (first write only); with ``overwrite``, remove old export files."""
+        if self._prepared:
+            return
+        os.makedirs(self.path, exist_ok=True)
+        names = sorted(os.listdir(self.path))
+        if names and not self.overwrite:
+            raise ValueError(
+                f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
+                f"refusing to mix exports (set overwrite=true to replace)"
+            )
+        # Manifest first: the directory never claims shards that are being removed.
+        if fmt.MANIFEST in names:
+            os.remove(os.path.join(self.path, fmt.MANIFEST))
+        for name in names:
+            if name != fmt.MANIFEST and fmt.is_export_file(name):
+                os.remove(os.path.join(self.path, name))
+        fmt.fsync_dir(self.path)
+        self._prepared = True
+
+    def write_shard(self) -> dict[str, Any] | None:
+        """Write the buffered rows as the next shard and rewrite the manifest."""
+        n = self._fill
+        if n == 0:
+            return None
+        self.prepare()
+        index = len(self.shards)
+        name = fmt.shard_name(index)
+        tensors = {fmt.hidden_tensor_name(k): self._hidden[k][:n] for k in self.keys}
+        for k in fmt.ROW_TENSORS:
+            tensors[k] = torch.from_numpy(self._meta[k][:n])
+        final = os.path.join(self.path, name)
+        tmp = final + fmt.TMP_SUFFIX
+        save_file(
+            tensors,
+            tmp,
+            metadata={"format": fmt.FORMAT_NAME, "version": str(fmt.FORMAT_VERSION),
+                      "shard_index": str(index), "rows": str(n)},
+        )
+        digest, size = fmt.sha256_file(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        fmt.fsync_dir(self.path)
+        entry = {"file": name, "rows": n, "bytes": size, "sha256": digest}
+        self.shards.append(entry)
+        self.rows_written += n
+        self.bytes_written += size
+        self._fill = 0
+        self.write_manifest()
+        return entry
+
+    def write_manifest(self) -> None:
+        self.prepare()
+        fmt.write_json_atomic(os.path.join(self.path, fmt.MANIFEST), self.manifest_fn())
+
+    def release(self) -> None:
+        """Drop the (empty) buffers."""
+        if self._fill == 0:
+            self._hidden, self._meta, self._cap = {}, {}, 0

@@ -1,0 +1,238 @@
+"""``steer``: add (or ablate) fixed vectors in the residual stream at chosen layers."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from consumers.steer.vectors import check_vector, load_vector
+from tllm_core.bundles import EditPlan
+from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.ports import ResidualEdit, WritePort
+from tllm_core.rows import RequestInfo, RowInfo
+
+log = logging.getLogger("tllm")
+
+STEER_FLAG = "tllm_steer"
+SCALE_KEY = "tllm_steer_scale"
+_FALSE_STRINGS = {"", "0", "false", "no", "off", "none", "null"}
+
+
+class SteerVector(BaseModel):
+    """One vector at one layer."""
+
+    model_config = ConfigDict(extra="forbid")
+    layer: int = Field(..., description="Decoder layer whose output residual stream is edited "
+                       "(negative counts from the end).")
+    path: str | None = Field(
+        None,
+        description="Vector file: .safetensors (one tensor, or 'file.safetensors::key'), "
+        ".pt/.pth (a tensor or a dict of tensors with '::key'), or .npy.",
+    )
+    vector: list[float] | None = Field(None, description="The vector inline (instead of path).")
+    scale: float = Field(1.0, description="Multiplier of the vector in 'add' mode (0 is allowed; "
+                         "ignored by 'ablate').")
+    mode: Literal["add", "ablate"] = Field(
+        "add",
+        description="'add': s += scale*v; 'ablate': remove the component of s along v "
+        "(s -= (s.u)u with u = v/|v|).",
+    )
+    normalize: bool = Field(False, description="Scale v to unit norm before applying 'scale'.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SteerVector:
+        if (self.path is None) == (self.vector is None):
+            raise ValueError("give exactly one of 'path' and 'vector'")
+        if not math.isfinite(self.scale):
+            raise ValueError(f"scale must be finite, got {self.scale}")
+        return self
+
+
+class SteerConfig(ConsumerConfig):
+    vectors: list[SteerVector] = Field(..., min_length=1, description="Vectors to apply.")
+    positions: Literal["prompt", "generated", "all"] = Field(
+        "all",
+        description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
+    )
+    per_request: bool = Field(
+        False,
+        description=f"False: steer every request. True: only requests whose extra_args hold "
+        f"{STEER_FLAG!r} truthy. Either way extra_args[{SCALE_KEY!r}] (a number) replaces the "
+        f"'scale' of every 'add' vector for that request.",
+    )
+
+
+class _Vec:
+    __slots__ = ("layer", "vector", "scale", "mode")
+
+    def __init__(self, layer: int, vector: torch.Tensor, scale: float, mode: str):
+        self.layer = layer
+        self.vector = vector
+        self.scale = scale
+        self.mode = mode
+
+
+def _truthy(v: Any) -> bool:
+    if isinstance(v, str):
+        return v.strip().lower() not in _FALSE_STRINGS
+    return bool(v)
+
+
+class SteerConsumer(Consumer):
+    name = "steer"
+    description = (
+        "Activation steering: add scale*vector to (or ablate a direction from) the residual "
+        "stream after chosen layers, on prompt and/or generated tokens."
+    )
+    Config = SteerConfig
+
+    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
+        if not isinstance(config, SteerConfig):
+            config = SteerConfig.model_validate(config.model_dump())
+        super().__init__(config, context)
+        self.cfg: SteerConfig = config
+        hidden = int(context.model.hidden_size)
+        device = context.model.device
+        self.vectors: list[_Vec] = []
+        ablated: dict[int, int] = {}
+        for i, entry in enumerate(config.vectors):
+            try:
+                layer = context.resolve_layer(entry.layer)
+            except ValueError as e:
+                raise ValueError(f"steer: vectors[{i}].layer: {e}") from None
+            if entry.path is not None:
+                try:
+                    vec = load_vector(entry.path, hidden)
+                except ValueError as e:
+                    raise ValueError(f"steer: vectors[{i}].path: {e}") from None
+            else:
+                try:
+                    vec = check_vector(torch.tensor(entry.vector, dtype=torch.float32), hidden,
+                                       f"vectors[{i}].vector")
+                except ValueError as e:
+                    raise ValueError(f"steer: {e}") from None
+            norm = float(vec.norm())
+            if (entry.mode == "ablate" or entry.normalize) and norm == 0.0:
+                raise ValueError(
+                    f"steer: vectors[{i}] is all zeros: 'ablate' and normalize=true need a "
+                    f"non-zero direction"
+                )
+            if entry.mode == "ablate":
+                if layer in ablated:
+                    raise ValueError(
+                        f"steer: vectors[{ablated[layer]}] and vectors[{i}] both ablate at layer "
+                        f"{layer}; one ablation direction per layer is supported"
+                    )
+                ablated[layer] = i
+                vec = vec / norm
+            elif entry.normalize:
+                vec = vec / norm
+            if device.type != "meta":
+                vec = vec.to(device)
+            self.vectors.append(_Vec(layer, vec, float(entry.scale), entry.mode))
+        self.layers = sorted({v.layer for v in self.vectors})
+        # engine_id -> scale override (None: config scales) or False (not steered)
+        self._req_cache: dict[str, float | None | bool] = {}
+
+    def writes(self) -> list[WritePort]:
+        return [ResidualEdit(layer) for layer in self.layers]
+
+    # -- selection -------------------------------------------------------------------------
+    def _request_state(self, req: RequestInfo) -> float | None | bool:
+        """False: not steered; None: steered with config scales; float: scale override."""
+        state = self._req_cache.get(req.engine_id, _MISSING)
+        if state is not _MISSING:
+            return state
+        extra = req.extra_args or {}
+        if self.cfg.per_request and not _truthy(extra.get(STEER_FLAG)):
+            state = False
+        elif SCALE_KEY in extra and extra[SCALE_KEY] is not None:
+            raw = extra[SCALE_KEY]
+            try:
+                if isinstance(raw, bool):
+                    raise TypeError("a boolean")
+                scale = float(raw)
+                if not math.isfinite(scale):
+                    raise ValueError("not finite")
+                state = scale
+            except (TypeError, ValueError):
+                # One bad request must not switch steering off for every other request.
+                self.counters.add("invalid_scale_override")
+                log.warning(
+                    "steer: request %r: extra_args[%r]=%r is not a finite number; the request "
+                    "is not steered", req.request_id, SCALE_KEY, raw,
+                )
+                state = False
+        else:
+            state = None
+        self._req_cache[req.engine_id] = state
+        return state
+
+    def select(self, rows: RowInfo) -> tuple[np.ndarray, np.ndarray | None]:
+        """Row indices to steer, and their per-row scale overrides (NaN: config scale) or None."""
+        n = len(rows)
+        if n == 0:
+            return np.zeros(0, np.int64), None
+        pos = self.cfg.positions
+        if pos == "all":
+            mask = np.ones(n, np.bool_)
+        else:
+            dec = np.asarray(rows.is_decode, np.bool_)
+            mask = dec.copy() if pos == "generated" else ~dec
+        overrides: np.ndarray | None = None
+        reqs = rows.requests
+        start = 0
+        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
+            if i == n or reqs[i] is not reqs[start]:
+                state = self._request_state(reqs[start])
+                if state is False:
+                    mask[start:i] = False
+                elif state is not None:
+                    if overrides is None:
+                        overrides = np.full(n, np.nan)
+                    overrides[start:i] = state
+                start = i
+        idx = np.nonzero(mask)[0].astype(np.int64)
+        if overrides is not None:
+            overrides = overrides[idx]
+            if np.isnan(overrides).all():
+                overrides = None
+        return idx, overrides
+
+    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
+        idx, overrides = self.select(rows)
+        if idx.size == 0:
+            return
+        for v in self.vectors:
+            if v.mode == "ablate":
+                plan.ablate(v.layer, idx, v.vector)
+            elif overrides is None:
+                plan.add(v.layer, idx, v.vector * v.scale)
+            else:
+                scales = np.where(np.isnan(overrides), v.scale, overrides)
+                if np.all(scales == scales[0]):
+                    plan.add(v.layer, idx, v.vector * float(scales[0]))
+                else:
+                    s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
+                    plan.add(v.layer, idx, s[:, None] * v.vector)
+        n = int(idx.size)
+        for layer in self.layers:
+            self.counters.add(f"rows_selected.layer.{layer}", n)
+        self.counters.add("rows_selected", n * len(self.layers))
+
+    def on_request_finished(self, request: RequestInfo) -> None:
+        self._req_cache.pop(request.engine_id, None)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "layers": self.layers,
+            "rows_selected": int(self.counters.get("rows_selected")),
+        }
+
+
+_MISSING = object()

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny models built once, vLLM engines shared across tests.
+
+In-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) start in seconds; tests of vLLM's
+default multiprocess layout run the ``tllm`` command in a subprocess instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODEL_CACHE = Path(os.environ.get("TLLM_TEST_MODELS", Path.home() / ".cache" / "tllm" / "test-models"))
+ENGINE_KW = dict(dtype="float32", max_model_len=512, enforce_eager=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from tiny_models import build_tiny_model
+
+    return str(build_tiny_model(MODEL_CACHE, arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen() -> str:
+    from tiny_models import build_tiny_model
+
+    return str(build_tiny_model(MODEL_CACHE, arch="qwen2", num_layers=3))
+
+
+class EngineCache:
+    """One live in-process engine at a time (each holds its KV cache), keyed by config."""
+
+    def __init__(self) -> None:
+        self.key = None
+        self.llm = None
+
+    def get(self, key, factory):
+        if self.key != key:
+            self.close()
+            self.llm = factory()
+            self.key = key
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            llm = self.llm
+            self.llm = None
+            self.key = None
+            inner = getattr(llm, "llm", llm)
+            engine = getattr(inner, "llm_engine", None)
+            if engine is not None and hasattr(engine, "engine_core"):
+                try:
+                    engine.engine_core.shutdown()
+                except Exception:  # noqa: BLE001
+                    pass
+            del llm, inner, engine
+            gc.collect()
+
+
+@pytest.fixture(scope="session")
+def engines():
+    cache = EngineCache()
+    yield cache
+    cache.close()
+
+
+def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``tllm`` in vLLM's default (multiprocess) layout."""
+    e = dict(os.environ)
+    e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "tllm_core.cli", *args], capture_output=True, text=True,
+        timeout=timeout, env=e,
+    )
+
+
+def cli_json(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, f"tllm failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,55 @@
+"""Independent reference: transformers' hidden states for the same token sequences."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=2)
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_states(path: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """``layer.{i}`` (residual stream after layer i) and ``final`` (normed) for every position.
+
+    transformers' last ``hidden_states`` entry is already normed, so the last layer's own
+    output is taken with a forward hook.
+    """
+    model = hf_model(path)
+    layers = model.model.layers
+    last = {}
+    handle = layers[-1].register_forward_hook(
+        lambda _m, _i, out: last.__setitem__("h", out[0] if isinstance(out, tuple) else out)
+    )
+    try:
+        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    hs = out.hidden_states
+    n = len(layers)
+    states = {f"layer.{i}": hs[i + 1][0] for i in range(n - 1)}
+    states[f"layer.{n - 1}"] = last["h"][0]
+    states["final"] = hs[n][0]
+    return states
+
+
+def sequences_from_rows(rows: list[dict], sampled: list[dict]) -> dict[tuple[str, int], list[int]]:
+    """Full token sequence per (request, sample): fed tokens by position, then the last sample."""
+    by = defaultdict(dict)
+    for r in rows:
+        by[(r["request_id"], r["sample_index"])][r["position"]] = r["token_id"]
+    for s in sampled:
+        by[(s["request_id"], s["sample_index"])].setdefault(s["position"] + 1, s["token_id"])
+    seqs = {}
+    for key, pos in by.items():
+        n = max(pos) + 1
+        assert sorted(pos) == list(range(n)), f"{key}: positions not contiguous"
+        seqs[key] = [pos[i] for i in range(n)]
+    return seqs

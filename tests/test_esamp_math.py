@@ -1,0 +1,454 @@
+"""Fast ESamp tests (CPU, no vLLM): mixing math, grouped distiller, consumer bookkeeping."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.consumer import ESampConsumer
+from algorithms.esamp.distiller import GroupedDistiller, make_packing, split_params
+from algorithms.esamp.guidance import (
+    candidate_dist_fn,
+    full_dist_logits,
+    mix_full_vocab_logits,
+    mix_latent,
+    mix_post_filter,
+    noise_prediction,
+)
+from tllm_core.bundles import Bundle, GuideView
+from tllm_core.consumer import ConsumerContext, ModelInfo
+from tllm_core.counters import Counters
+from tllm_core.ports import SamplerGuide, resolve_layer
+from tllm_core.rows import RequestInfo, RowInfo
+
+H, V, INTER = 16, 40, 8
+
+
+def _filtered_logits(r: int, v: int, keep: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(r, v, generator=g)
+    kth = logits.topk(keep, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _state(d: GroupedDistiller, slot: int) -> list[torch.Tensor]:
+    return [t[slot].clone() for t in (d.theta, d.m, d.v, d.step)]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# -- guidance -------------------------------------------------------------------------
+def test_post_filter_changes_exactly_the_candidates():
+    torch.manual_seed(0)
+    ref = _filtered_logits(3, V, keep=5)
+    w, f = torch.randn(V, H), torch.randn(3, H)
+    temp = torch.tensor([0.7, 1.0, 1.3])
+    seen = []
+
+    def dist_fn(rows, toks):
+        seen.append((rows.clone(), toks.clone()))
+        return (w[toks] * f[rows]).sum(-1)
+
+    beta = 0.25
+    new = mix_post_filter(ref, dist_fn, beta, temp)
+    cand = torch.isfinite(ref)
+    rows, toks = seen[0]
+    assert len(seen) == 1 and rows.numel() == int(cand.sum())  # only candidates projected
+    assert torch.equal(torch.isfinite(new), cand)  # non-candidates stay -inf
+    expect = (1 + beta) * ref - beta * (f @ w.t()) / temp[:, None]
+    torch.testing.assert_close(new[cand], expect[cand])
+    assert not torch.equal(new[cand], ref[cand])
+
+
+@pytest.mark.parametrize("dense_fraction", [0.0, 1.0])
+def test_candidate_dist_fn_paths_agree(dense_fraction):
+    w, f = torch.randn(V, H), torch.randn(4, H)
+    rows = torch.tensor([0, 0, 1, 3, 3])
+    toks = torch.tensor([1, 7, 2, 39, 0])
+    fn = candidate_dist_fn(f, w, lambda z: z @ w.t(), dense_fraction=dense_fraction, chunk=2)
+    torch.testing.assert_close(fn(rows, toks), (f @ w.t())[rows, toks])
+    torch.testing.assert_close(full_dist_logits(f, w), f @ w.t())
+
+
+def test_latent_mix_equals_two_projection_mix():
+    torch.manual_seed(1)
+    w, h_l, f = torch.randn(V, H), torch.randn(5, H) * 3, torch.randn(5, H) * 3
+    temp = torch.full((5,), 0.8)
+    beta = 0.25
+    two = mix_full_vocab_logits((h_l @ w.t()) / temp[:, None], f @ w.t(), beta, temp)
+    one = (mix_latent(h_l, f, beta) @ w.t()) / temp[:, None]
+    torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-4)
+    expect = (1 + beta) * (h_l @ w.t()) - beta * (f @ w.t())
+    torch.testing.assert_close(one * temp[:, None], expect, rtol=1e-5, atol=1e-4)
+
+
+def test_beta_zero_is_bit_identical():
+    ref = _filtered_logits(3, V, keep=7)
+    nan_dist = lambda rows, toks: torch.full((rows.numel(),), float("nan"))  # noqa: E731
+    assert torch.equal(mix_post_filter(ref, nan_dist, 0.0, torch.ones(3)), ref)
+    full = torch.randn(3, V)
+    assert torch.equal(mix_full_vocab_logits(full, torch.randn(3, V), 0.0, torch.ones(3)), full)
+
+
+def test_noise_prediction_matches_error_norm():
+    h_l, f = torch.randn(6, H), torch.randn(6, H)
+    g = torch.Generator().manual_seed(0)
+    fake = noise_prediction(h_l, f, g)
+    torch.testing.assert_close((h_l - fake).norm(dim=-1), (h_l - f).norm(dim=-1))
+    assert not torch.allclose(fake, f)
+
+
+# -- distiller ------------------------------------------------------------------------
+def _distiller(**kw) -> GroupedDistiller:
+    kw.setdefault("intermediate_size", INTER)
+    return GroupedDistiller(H, **kw)
+
+
+def test_packing_plan():
+    pk = make_packing(torch.tensor([3, 1, 3, 3, 1, 0]))
+    assert pk.slots.tolist() == [0, 1, 3] and pk.max_rows == 3
+    assert pk.row_group.tolist() == [2, 1, 2, 2, 1, 0]
+    assert pk.row_pos.tolist() == [0, 0, 1, 2, 1, 0]
+
+
+def test_predict_matches_per_group_forward():
+    d = _distiller(init="paper")
+    a, b = d.alloc(), d.alloc()
+    d.train_step(torch.tensor([a] * 3), torch.randn(3, H), torch.randn(3, H))  # make a != b
+    x = torch.randn(5, H)
+    slots = torch.tensor([a, b, a, b, b])
+    y = d.predict(slots, x)
+    for i in range(5):
+        torch.testing.assert_close(y[i:i + 1], d.predict(slots[i:i + 1], x[i:i + 1]))
+
+
+def test_zero_init_is_identity():
+    d = _distiller(init="zero")
+    s = d.alloc()
+    x = torch.randn(4, H)
+    assert torch.equal(d.predict(torch.tensor([s] * 4), x), x)
+
+
+def test_loss_falls_on_repeated_context():
+    torch.manual_seed(0)
+    d = _distiller(lr=1e-2)
+    s = d.alloc()
+    x, t = torch.randn(8, H), torch.randn(8, H)
+    losses = [float(d.train_step(torch.tensor([s] * 8), x, t).losses[0]) for _ in range(60)]
+    assert losses[-1] < 0.3 * losses[0], losses[::10]
+
+
+def test_groups_never_influence_each_other():
+    torch.manual_seed(0)
+    d = _distiller()
+    a, b, c = d.alloc(), d.alloc(), d.alloc()
+    xa, ta = torch.randn(5, H), torch.randn(5, H) * 10  # big: clipping active for a
+    xb, tb = torch.randn(2, H), torch.randn(2, H)
+    before_c = _state(d, c)
+    # b trained alone ...
+    solo = _distiller()
+    sb = solo.alloc()
+    solo.train_step(torch.tensor([sb, sb]), xb, tb)
+    # ... equals b trained alongside a (rows interleaved), and c is untouched bit for bit.
+    slots = torch.tensor([a, b, a, a, b, a, a])
+    x = torch.cat([xa[:1], xb[:1], xa[1:3], xb[1:], xa[3:]])
+    t = torch.cat([ta[:1], tb[:1], ta[1:3], tb[1:], ta[3:]])
+    res = d.train_step(slots, x, t)
+    assert res.slots.tolist() == [a, b, c][:2] and res.updated.all()
+    assert _same(_state(d, c), before_c)
+    torch.testing.assert_close(d.theta[b], solo.theta[sb], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(d.v[b], solo.v[sb], rtol=1e-6, atol=1e-12)
+    # Training only a leaves b and c bitwise unchanged.
+    before_b, before_c = _state(d, b), _state(d, c)
+    d.train_step(torch.tensor([a] * 5), xa, ta)
+    assert _same(_state(d, b), before_b) and _same(_state(d, c), before_c)
+
+
+def test_nonfinite_loss_is_skipped_per_group():
+    d = _distiller()
+    a, b = d.alloc(), d.alloc()
+    x, t = torch.randn(4, H), torch.randn(4, H)
+    x[0, 3] = float("nan")
+    before_a, before_b = _state(d, a), _state(d, b)
+    res = d.train_step(torch.tensor([a, a, b, b]), x, t)
+    assert res.updated.tolist() == [False, True]
+    assert not torch.isfinite(res.losses[0]) and torch.isfinite(res.losses[1])
+    assert _same(_state(d, a), before_a)
+    assert not _same(_state(d, b), before_b)
+
+
+def test_free_resets_and_capacity_is_bounded():
+    d = _distiller(capacity=4)
+    mem = d.memory_bytes()
+    for _ in range(200):
+        s = d.alloc()
+        d.train_step(torch.tensor([s, s]), torch.randn(2, H), torch.randn(2, H))
+        d.free(s)
+    assert d.num_live == 0 and d.capacity == 4 and d.memory_bytes() == mem
+    assert torch.equal(d.theta[:4], d.template.expand(4, -1))
+    assert not d.m.any() and not d.v.any() and not d.step.any()
+    with pytest.raises(ValueError, match="not live"):
+        d.free(0)
+    with pytest.raises(ValueError, match="not live"):
+        d.predict(torch.tensor([0]), torch.randn(1, H))
+
+
+def test_capacity_doubles_and_keeps_state():
+    d = _distiller(capacity=2)
+    slots = [d.alloc() for _ in range(2)]
+    d.train_step(torch.tensor(slots), torch.randn(2, H), torch.randn(2, H))
+    kept = [_state(d, s) for s in slots]
+    slots += [d.alloc() for _ in range(3)]
+    assert d.capacity == 8 and d.num_live == 5 and len(set(slots)) == 5
+    assert all(_same(_state(d, s), k) for s, k in zip(slots[:2], kept, strict=True))
+    assert d.memory_bytes_per_group() == (3 * 2 * INTER * H * 3 + 1) * 4
+
+
+@pytest.mark.parametrize("target_scale", [10.0, 0.01])  # clipping active / inactive
+def test_batched_adam_clip_matches_torch_optim(target_scale):
+    torch.manual_seed(0)
+    d = _distiller(lr=1e-2, eps=1e-4, grad_clip=0.5)
+    s = d.alloc()
+    gate, up, down = split_params(d.template[None].clone(), d.shape)
+    params = [torch.nn.Parameter(p[0].clone()) for p in (gate, up, down)]
+    opt = torch.optim.Adam(params, lr=1e-2, eps=1e-4, betas=(0.9, 0.999))
+    x, t = torch.randn(6, H), torch.randn(6, H) * target_scale
+    for _ in range(5):
+        h = x
+        for blk in range(d.shape.num_blocks):
+            a, u = h @ params[0][blk].t(), h @ params[1][blk].t()
+            h = h + (torch.nn.functional.silu(a) * u) @ params[2][blk].t()
+        loss = torch.nn.functional.mse_loss(h, t)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        res = d.train_step(torch.tensor([s] * 6), x, t)
+        torch.testing.assert_close(res.losses[0], loss.detach(), rtol=1e-5, atol=1e-6)
+    ref = torch.cat([p.detach().reshape(-1) for p in params])
+    torch.testing.assert_close(d.theta[s], ref, rtol=1e-5, atol=1e-6)
+
+
+# -- config ---------------------------------------------------------------------------
+def test_config_validation():
+    assert ESampConfig().beta == 0.25 and ESampConfig().mode == "auto"
+    with pytest.raises(ValidationError, match="beta must be >= 0"):
+        ESampConfig(beta=-0.1)
+    with pytest.raises(ValidationError, match="max_groups"):
+        ESampConfig(max_groups=0)
+    with pytest.raises(ValidationError, match="identity"):
+        ESampConfig(source_layer=3, target_layer=3)
+    with pytest.raises(ValidationError):
+        ESampConfig(betta=0.3)
+    with pytest.raises(ValidationError):
+        ESampConfig(mode="everything")
+    assert ESampConfig(target_layer=-1, grad_clip=None).target_layer == -1
+
+
+# -- consumer with fake runtime objects ------------------------------------------------
+class Fake:
+    """A tiny model and runtime stand-in: 4 layers, a random linear head."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.randn(V, H, generator=g)
+        self.model = ModelInfo(hidden_size=H, num_layers=4, vocab_size=V, dtype=torch.float32,
+                               device=torch.device("cpu"), lm_head=lambda z: z @ self.w.t(),
+                               lm_head_weight=self.w)
+        self.gen = g
+
+    def consumer(self, **cfg) -> ESampConsumer:
+        cfg.setdefault("intermediate_size", INTER)
+        ctx = ConsumerContext(self.model, Counters(), lambda i: resolve_layer(i, 4))
+        return ESampConsumer(ESampConfig(**cfg), ctx)
+
+    @staticmethod
+    def requests(prompts: int, n: int) -> list[RequestInfo]:
+        return [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts)
+                for s in range(n)]
+
+    def step(self, reqs, decode=None, h1=None, hl=None):
+        r = len(reqs)
+        decode = np.ones(r, bool) if decode is None else np.asarray(decode)
+        rows = RowInfo(np.arange(r), list(reqs), np.full(r, 5), decode, np.zeros(r, bool),
+                       torch.zeros(r, dtype=torch.long))
+        h1 = torch.randn(r, H, generator=self.gen) if h1 is None else h1
+        hl = torch.randn(r, H, generator=self.gen) if hl is None else hl
+        return rows, {"layer.0": h1, "final": hl}
+
+    @staticmethod
+    def view(rows, hidden, logits, is_random=None, filtered=True, temp=0.8):
+        r = len(rows)
+        is_random = np.ones(r, bool) if is_random is None else np.asarray(is_random)
+        return GuideView(0, rows, logits.clone(), torch.full((r,), temp), is_random, filtered,
+                         hidden)
+
+
+def test_consumer_end_to_end_counters_and_freeing():
+    fake = Fake()
+    c = fake.consumer()
+    assert c.name == "esamp" and c.writes() == [SamplerGuide()]
+    assert {p.layer for p in c.reads()} == {0, "final"}
+    reqs = fake.requests(prompts=2, n=3)
+    for t in range(6):
+        decode = [t > 0] * len(reqs)  # first step: the last prefill rows
+        rows, hidden = fake.step(reqs, decode)
+        logits = _filtered_logits(len(reqs), V, keep=6, seed=t) / 0.8
+        view = fake.view(rows, hidden, logits, is_random=[True] * 5 + [False])
+        c.guide(view)
+        if t == 0:
+            assert torch.equal(view.logits, logits)  # prefill rows are never guided
+        else:
+            assert torch.equal(view.logits[5], logits[5])  # greedy row untouched
+            assert not torch.equal(view.logits[:5], logits[:5])
+            assert torch.equal(torch.isfinite(view.logits), torch.isfinite(logits))
+        if t > 0:
+            c.on_bundle(Bundle(t, rows, hidden))
+    k = c.counters.snapshot()
+    assert k["groups_created"] == 2 and k["groups_alive"] == 2
+    assert k["decode_steps"] == 5 and k["optimizer_steps"] == 10 and k["rows_trained"] == 30
+    assert k["rows_guided"] == 25 and k["candidates_guided"] == 25 * 6
+    assert k["rows_skipped_prefill"] == 6 and k["rows_skipped_greedy"] == 5
+    assert k["rows_skipped"] == 11 and k["staleness"] == 0
+    assert k["loss_first"] > 0 and k["loss_last"] > 0 and k["loss_mean"] > 0
+    assert k["memory_bytes_per_group"] > 0
+    for r in reqs[:5]:
+        c.on_request_finished(r)
+    assert c.counters.get("groups_freed") == 1 and c.distiller.num_live == 1
+    c.on_request_finished(reqs[5])
+    c.on_request_finished(RequestInfo("ghost", "rx", 9, 0, 3))  # never delivered
+    k = c.counters.snapshot()
+    assert k["groups_freed"] == 2 and k["groups_alive"] == 0 and k["finished_unseen"] == 1
+    res = c.result()
+    json.dumps(res)
+    assert res["loss_curve"][0][2] == 2 and len(res["loss_curve"]) == 5
+
+
+def test_consumer_strict_staleness_training_changes_next_guidance():
+    fake = Fake()
+    for frozen in (False, True):
+        c = fake.consumer(ablation="frozen" if frozen else "none", lr=1e-2)
+        reqs = fake.requests(1, 2)
+        rows, hidden = fake.step(reqs)
+        logits = _filtered_logits(2, V, keep=8)
+        outs = []
+        for t in range(3):
+            v = fake.view(rows, hidden, logits)
+            c.guide(v)
+            outs.append(v.logits)
+            c.on_bundle(Bundle(t, rows, hidden))
+        assert torch.equal(outs[0], outs[1]) == frozen
+        assert (c.counters.get("optimizer_steps") == 0) == frozen
+
+
+def test_consumer_beta_zero_declares_no_write_and_keeps_logits():
+    fake = Fake()
+    c = fake.consumer(beta=0.0)
+    assert c.writes() == []
+    reqs = fake.requests(1, 2)
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(2, V, keep=8)
+    v = fake.view(rows, hidden, logits)
+    c.guide(v)
+    assert torch.equal(v.logits, logits)
+    c.on_bundle(Bundle(1, rows, hidden))
+    assert c.counters.get("optimizer_steps") == 1  # still learns (for the counters)
+
+
+def test_consumer_group_cap_and_batch_scope():
+    fake = Fake()
+    c = fake.consumer(max_groups=1)
+    reqs = fake.requests(2, 2)
+    rows, hidden = fake.step(reqs)
+    c.guide(fake.view(rows, hidden, _filtered_logits(4, V, keep=5)))
+    c.on_bundle(Bundle(1, rows, hidden))
+    k = c.counters.snapshot()
+    assert k["groups_created"] == 1 and k["rows_skipped_cap"] == 2
+    assert k["train_rows_skipped_cap"] == 2 and k["rows_trained"] == 2
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    rows, hidden = fake.step(reqs[2:])
+    c.on_bundle(Bundle(2, rows, hidden))
+    assert c.counters.get("groups_created") == 2 and c.distiller.num_live == 1
+
+    b = fake.consumer(scope="batch")
+    rows, hidden = fake.step(reqs)
+    b.on_bundle(Bundle(1, rows, hidden))
+    assert b.counters.get("groups_created") == 1 and b.counters.get("rows_trained") == 4
+    for r in reqs:
+        b.on_request_finished(r)
+    assert b.counters.get("groups_freed") == 1
+
+
+def test_consumer_latent_full_vocab_matches_logits_mode():
+    fake = Fake()
+    reqs = fake.requests(1, 3)
+    rows, hidden = fake.step(reqs)
+    temp = 0.7
+    ref = fake.model.lm_head(hidden["final"]) / temp
+    outs = {}
+    for mix in ("logits", "latent"):
+        c = fake.consumer(mode="full_vocab", mix=mix)
+        v = fake.view(rows, hidden, ref, filtered=False, temp=temp)
+        c.guide(v)
+        outs[mix] = v.logits
+    torch.testing.assert_close(outs["latent"], outs["logits"], rtol=1e-5, atol=1e-4)
+    assert not torch.equal(outs["logits"], ref)
+
+
+def test_consumer_noise_ablation_and_nonfinite_hidden():
+    fake = Fake()
+    c = fake.consumer(ablation="noise")
+    reqs = fake.requests(1, 2)
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(2, V, keep=5)
+    v = fake.view(rows, hidden, logits)
+    c.guide(v)
+    assert torch.isfinite(v.logits[torch.isfinite(logits)]).all()
+    hidden["layer.0"][0, 0] = float("nan")
+    v = fake.view(rows, hidden, logits)
+    c.guide(v)
+    assert torch.equal(v.logits[0], logits[0])  # non-finite prediction: row left as is
+    c.on_bundle(Bundle(1, rows, hidden))
+    assert c.counters.get("nonfinite_losses_skipped") == 1
+
+
+def test_padded_fixed_capacity_update_equals_unpadded():
+    """The CUDA-graph layout (groups/rows padded to a bucket, padded groups pointing at a
+    scratch slot, padded rows masked) gives the same update as the exact packing."""
+    from algorithms.esamp.distiller import train_packed
+
+    class Scratch(GroupedDistiller):
+        _SCRATCH = 1
+
+    torch.manual_seed(0)
+    exact, padded = _distiller(), Scratch(H, intermediate_size=INTER)
+    slots = [exact.alloc() for _ in range(3)]
+    assert [padded.alloc() for _ in range(3)] == slots
+    rows = torch.tensor([slots[0], slots[2], slots[0], slots[2], slots[2]])
+    x, t = torch.randn(5, H), torch.randn(5, H)
+    ref = exact.train_step(rows, x, t)
+    pk = make_packing(rows)
+    g, m, scratch = 4, 8, padded.capacity
+    xp, mask, _, _ = padded._pack(pk, x, m)
+    tp, _, _, _ = padded._pack(pk, t, m)
+    pad = g - len(pk.slots)
+    xp, tp = (torch.cat([a, torch.zeros(pad, m, H)]) for a in (xp, tp))
+    mask = torch.cat([mask, torch.zeros(pad, m, dtype=torch.bool)])
+    gslots = torch.tensor(list(pk.slots) + [scratch] * pad)
+    gvalid = torch.tensor([True] * len(pk.slots) + [False] * pad)
+    losses, ok = train_packed(padded.theta, padded.m, padded.v, padded.step, gslots, gvalid,
+                              xp, tp, mask, padded.shape, padded.hp)
+    assert ok.tolist() == [True, True, False, False]
+    torch.testing.assert_close(losses[:2], ref.losses)
+    for s in slots:
+        torch.testing.assert_close(padded.theta[s], exact.theta[s], rtol=1e-6, atol=1e-7)
+        assert torch.equal(padded.step[s], exact.step[s])
+    assert torch.equal(padded.theta[scratch], padded.template) and not padded.m[scratch].any()

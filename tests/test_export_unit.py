@@ -1,0 +1,555 @@
+"""Unit tests of the ``export`` consumer and its reader (no vLLM: synthetic engine steps)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from consumers.export import ExportReader, read_export
+from consumers.export import format as fmt
+from consumers.export.consumer import ExportConfig, ExportConsumer
+from consumers.export.reader import ExportFormatError
+from producers.bundle import build_bundle, plan_reads
+from producers.step import StepCapture
+from tllm_core.bus import Bus
+from tllm_core.consumer import ConsumerContext, ModelInfo
+from tllm_core.counters import Counters
+from tllm_core.ports import Phase, resolve_layer
+from tllm_core.rows import RequestInfo, RowInfo
+
+REPO = Path(__file__).resolve().parents[1]
+H = 8
+NUM_LAYERS = 4
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def model_info(hidden: int = H, device: str = "cpu") -> ModelInfo:
+    def no_head(_h):
+        raise RuntimeError("no head in unit tests")
+
+    return ModelInfo(
+        hidden_size=hidden, num_layers=NUM_LAYERS, vocab_size=128, dtype=torch.float32,
+        device=torch.device(device), lm_head=no_head, lm_head_weight=None,
+    )
+
+
+def context(hidden: int = H, device: str = "cpu") -> ConsumerContext:
+    return ConsumerContext(
+        model=model_info(hidden, device), counters=Counters(),
+        resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
+    )
+
+
+def make_export(out, hidden: int = H, device: str = "cpu", **cfg) -> ExportConsumer:
+    return ExportConsumer(ExportConfig(out=str(out), **cfg), context(hidden, device))
+
+
+def key_id(key: str) -> int:
+    return 9 if key == "final" else int(key.split(".")[1])
+
+
+def hidden_value(key: str, req: int, pos: int, hidden: int = H) -> torch.Tensor:
+    """Deterministic, exactly representable in float32 (and recognisable)."""
+    return key_id(key) * 100000.0 + req * 1000.0 + pos + torch.arange(hidden) * 0.25
+
+
+def token_at(req: int, pos: int) -> int:
+    return (req * 37 + pos * 11) % 97 + 3
+
+
+class FakeEngine:
+    """A tiny continuous-batching scheduler producing StepCaptures like the vLLM bridge."""
+
+    def __init__(self, prompt_lens, max_new, keys, chunk: int = 1000, hidden: int = H):
+        self.keys = keys
+        self.chunk = chunk
+        self.hidden = hidden
+        self.step_no = 0
+        self.state = []
+        for i, (n, m) in enumerate(zip(prompt_lens, max_new, strict=True)):
+            info = RequestInfo(
+                engine_id=f"{i}-0-x", request_id=f"req{i}", prompt_index=i, sample_index=0,
+                num_prompt_tokens=n,
+            )
+            self.state.append(
+                {"i": i, "info": info, "tokens": [token_at(i, p) for p in range(n)],
+                 "computed": 0, "gen": 0, "max_new": m}
+            )
+        self.active = list(self.state)
+
+    def preempt(self, i: int) -> None:
+        self.state[i]["computed"] = 0
+
+    def step(self) -> tuple[StepCapture, list[RequestInfo]]:
+        self.step_no += 1
+        req_list, pos_list, last_rows, kept = [], [], [], []
+        sched = []
+        for st in self.active:
+            k = min(self.chunk, len(st["tokens"]) - st["computed"])
+            pos = list(range(st["computed"], st["computed"] + k))
+            req_list += [st["info"]] * k
+            pos_list += pos
+            last_rows.append(len(pos_list) - 1)
+            kept.append(st["computed"] + k >= len(st["tokens"]))
+            sched.append((st, k))
+        positions = np.array(pos_list, np.int64)
+        n_prompt = np.array([r.num_prompt_tokens for r in req_list], np.int64)
+        seen = np.array([r.max_position_seen for r in req_list], np.int64)
+        token_ids = torch.tensor(
+            [self.state[r.prompt_index]["tokens"][p] for r, p in zip(req_list, pos_list, strict=True)],
+            dtype=torch.int64,
+        )
+        rows = RowInfo(
+            row=np.arange(len(pos_list), dtype=np.int64), requests=req_list, position=positions,
+            is_decode=positions >= n_prompt, recomputed=positions <= seen, token_ids=token_ids,
+        )
+        hidden = {
+            key: torch.stack(
+                [hidden_value(key, r.prompt_index, p, self.hidden) for r, p in zip(req_list, pos_list, strict=True)]
+            )
+            for key in self.keys
+        }
+        sampled = []
+        finished = []
+        for (st, k), keep in zip(sched, kept, strict=True):
+            st["computed"] += k
+            if keep:
+                tok = token_at(st["i"], len(st["tokens"]))
+                sampled.append(tok)
+                st["tokens"].append(tok)
+                st["gen"] += 1
+                if st["gen"] >= st["max_new"]:
+                    finished.append(st["info"])
+            else:
+                sampled.append(-1)
+        step = StepCapture(
+            step=self.step_no, rows=rows, sample_token_row=np.array(last_rows, np.int64),
+            sample_kept=np.array(kept), hidden=hidden,
+            logits=torch.zeros(len(last_rows), 4),
+            sampled_token_ids=torch.tensor(sampled, dtype=torch.int64),
+        )
+        self.active = [st for st in self.active if st["info"] not in finished]
+        return step, finished
+
+
+def run_engine(consumer, engine: FakeEngine, deliver, preempt_at: dict[int, int] | None = None,
+               max_steps: int | None = None) -> None:
+    """Drive ``consumer`` like Runtime.end_step / finish_requests do."""
+    plan = plan_reads(consumer.reads(), lambda i: resolve_layer(i, NUM_LAYERS))
+    steps = 0
+    while engine.active and (max_steps is None or steps < max_steps):
+        if preempt_at and steps in preempt_at:
+            engine.preempt(preempt_at[steps])
+        step, finished = engine.step()
+        steps += 1
+        bundle = build_bundle(plan, step)
+        if bundle is not None:
+            deliver(bundle)
+        for i, req in enumerate(step.rows.requests):
+            req.max_position_seen = max(req.max_position_seen, int(step.rows.position[i]))
+        for req in finished:
+            consumer.on_request_finished(req)
+
+
+def expected_positions(st, phase: str) -> list[int]:
+    fed = range(len(st["tokens"]) - 1)  # the last sampled token is never fed
+    n = st["info"].num_prompt_tokens
+    if phase == "prefill":
+        return [p for p in fed if p < n]
+    if phase == "decode":
+        return [p for p in fed if p >= n]
+    return list(fed)
+
+
+def check_records(records, engine: FakeEngine, keys, phase: str = "all", dtype=torch.float32):
+    records = sorted(records, key=lambda r: r.prompt_index)
+    assert [r.request_id for r in records] == [st["info"].request_id for st in engine.state]
+    for rec, st in zip(records, engine.state, strict=True):
+        assert rec.token_ids.tolist() == st["tokens"]
+        assert rec.num_prompt_tokens == st["info"].num_prompt_tokens
+        assert rec.sample_index == 0 and rec.finished
+        want = expected_positions(st, phase)
+        assert rec.positions.tolist() == want
+        assert rec.is_decode.tolist() == [p >= rec.num_prompt_tokens for p in want]
+        assert sorted(rec.hidden) == sorted(keys)
+        for key in keys:
+            h = rec.hidden[key]
+            assert h.dtype == dtype and h.shape == (len(want), H)
+            exp = torch.stack([hidden_value(key, st["i"], p) for p in want]) if want else torch.zeros(0, H)
+            torch.testing.assert_close(h, exp.to(dtype), rtol=0, atol=0)
+
+
+def check_directory(out: Path) -> dict:
+    """The crash-safety invariant: the manifest lists exactly the complete shard files."""
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    listed = [s["file"] for s in manifest["shards"]]
+    on_disk = sorted(p.name for p in out.iterdir() if fmt.SHARD_PATTERN.match(p.name))
+    assert listed == on_disk[: len(listed)]
+    for s in manifest["shards"]:
+        digest, size = fmt.sha256_file(str(out / s["file"]))
+        assert (digest, size) == (s["sha256"], s["bytes"])
+        t = load_file(str(out / s["file"]))
+        assert t["position"].shape[0] == s["rows"]
+    assert manifest["num_rows"] == sum(s["rows"] for s in manifest["shards"])
+    return manifest
+
+
+# -- round trips -------------------------------------------------------------------------------
+def test_round_trip_background_bus(tmp_path):
+    out = tmp_path / "exp"
+    c = make_export(out, layers=[1, -1, "final"], shard_rows=7)
+    keys = ["layer.1", "layer.3", "final"]
+    assert c.keys == keys
+    engine = FakeEngine([5, 9, 3], [4, 6, 1], keys, chunk=4)
+    bus = Bus(Counters(), queue_size=2)
+    run_engine(c, engine, lambda b: bus.publish(c, b))
+    bus.flush()
+    c.close()
+    bus.close()
+    assert not bus.errors
+    manifest = check_directory(out)
+    assert manifest["complete"] and manifest["keys"] == keys and manifest["hidden_size"] == H
+    assert manifest["dtype"] == "float32" and manifest["version"] == fmt.FORMAT_VERSION
+    total = sum(len(st["tokens"]) - 1 for st in engine.state)
+    snap = c.counters.snapshot()
+    assert snap["rows_exported"] == total == manifest["num_rows"]
+    assert snap["shards_written"] == math.ceil(total / 7) == len(manifest["shards"])
+    assert snap["requests_seen"] == 3
+    assert snap["bytes_written"] == sum(s["bytes"] for s in manifest["shards"])
+    check_records(list(read_export(out, verify=True)), engine, keys)
+    res = c.result()
+    assert res["rows"] == total and res["complete"] and res["out"] == str(out)
+    assert not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "all"])
+def test_phase_selects_rows_but_tokens_stay_complete(tmp_path, phase):
+    out = tmp_path / phase
+    c = make_export(out, layers=["final"], phase=phase, shard_rows=4)
+    engine = FakeEngine([6, 2, 4], [3, 5, 1], ["final"], chunk=3)
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    check_directory(out)
+    check_records(read_export(out), engine, ["final"], phase=phase)
+
+
+def test_decode_phase_captures_prompt_rows_for_token_ids(tmp_path):
+    c = make_export(tmp_path / "d", layers=[0], phase="decode")
+    hs = [p for p in c.reads() if hasattr(p, "layer")]
+    # RequestInfo carries no prompt ids yet: prompt rows are read (for their ids) and dropped.
+    assert all(p.phase in (Phase.ALL, Phase.DECODE) for p in hs)
+    assert any(type(p).__name__ == "SampledTokens" for p in c.reads())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_storage_dtype(tmp_path, dtype):
+    out = tmp_path / dtype
+    c = make_export(out, layers=[2], dtype=dtype, shard_rows=5)
+    engine = FakeEngine([4, 3], [2, 2], ["layer.2"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    recs = sorted(read_export(out), key=lambda r: r.prompt_index)
+    want = getattr(torch, dtype)
+    for rec, st in zip(recs, engine.state, strict=True):
+        h = rec.hidden["layer.2"]
+        assert h.dtype == want
+        exp = torch.stack([hidden_value("layer.2", st["i"], p) for p in rec.positions.tolist()])
+        torch.testing.assert_close(h, exp.to(want), rtol=0, atol=0)
+    shard = load_file(str(out / fmt.shard_name(0)))
+    assert shard["hidden.layer.2"].dtype == want
+
+
+def test_recomputed_rows_are_skipped(tmp_path):
+    out = tmp_path / "pre"
+    c = make_export(out, layers=[0, "final"], shard_rows=6)
+    engine = FakeEngine([5, 4], [6, 6], ["layer.0", "final"])
+    # Preempt request 0 after three decode steps: its whole sequence is prefilled again.
+    run_engine(c, engine, c.on_bundle, preempt_at={4: 0})
+    c.close()
+    snap = c.counters.snapshot()
+    assert snap["rows_skipped_recomputed"] > 0
+    total = sum(len(st["tokens"]) - 1 for st in engine.state)
+    assert snap["rows_exported"] == total
+    check_directory(out)
+    check_records(read_export(out), engine, ["layer.0", "final"])
+
+
+def test_many_samples_and_rows_of_one_request_across_shards(tmp_path):
+    out = tmp_path / "n"
+    c = make_export(out, layers=["final"], shard_rows=3)
+    engine = FakeEngine([7, 7], [8, 8], ["final"])
+    for st in engine.state[1:]:
+        st["info"].request_id = "req0"
+        st["info"].sample_index = 1
+        st["info"].prompt_index = 1
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    recs = sorted(read_export(out), key=lambda r: r.sample_index)
+    assert [(r.request_id, r.sample_index) for r in recs] == [("req0", 0), ("req0", 1)]
+    assert [r.token_ids.tolist() for r in recs] == [st["tokens"] for st in engine.state]
+
+
+# -- bounded memory ------------------------------------------------------------------------------
+def test_buffer_never_exceeds_one_shard(tmp_path):
+    out = tmp_path / "b"
+    c = make_export(out, layers=[1, "final"], shard_rows=5)
+    engine = FakeEngine([23, 11, 2], [4, 9, 3], ["layer.1", "final"])
+    plan = plan_reads(c.reads(), lambda i: resolve_layer(i, NUM_LAYERS))
+    while engine.active:
+        step, finished = engine.step()
+        b = build_bundle(plan, step)
+        if b is not None:
+            c.on_bundle(b)
+        assert c.writer.buffered < 5 and c.writer.capacity <= 5
+        for i, req in enumerate(step.rows.requests):
+            req.max_position_seen = max(req.max_position_seen, int(step.rows.position[i]))
+        for r in finished:
+            c.on_request_finished(r)
+    c.close()
+    snap = c.counters.snapshot()
+    assert snap["buffer_rows_max"] <= 5
+    manifest = check_directory(out)
+    assert all(s["rows"] == 5 for s in manifest["shards"][:-1])
+    assert 1 <= manifest["shards"][-1]["rows"] <= 5
+    check_records(read_export(out), engine, ["layer.1", "final"])
+
+
+def test_shard_bytes_sets_rows_per_shard(tmp_path):
+    c = make_export(tmp_path / "sb", layers=[0, "final"], shard_bytes=3 * 2 * H * 4)
+    assert c.shard_rows == 3
+    c2 = make_export(tmp_path / "sb2", layers=[0], dtype="float16", shard_bytes=10 * H * 2 + 1)
+    assert c2.shard_rows == 10
+    with pytest.raises(ValueError, match="smaller than one row"):
+        make_export(tmp_path / "sb3", layers=[0], shard_bytes=H * 4 - 1)
+
+
+# -- crash safety ------------------------------------------------------------------------------
+def test_interrupted_run_holds_only_complete_shards(tmp_path):
+    out = tmp_path / "crash"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    engine = FakeEngine([9, 6, 5], [10, 10, 10], ["final"], chunk=4)
+    run_engine(c, engine, c.on_bundle, max_steps=6)  # no close(): the process "dies" here
+    assert c.writer.buffered > 0
+    # Leftovers of a write that was cut short.
+    (out / "shard-00099.safetensors.tmp").write_bytes(b"garbage")
+    (out / "manifest.json.tmp").write_text("{not json")
+    manifest = check_directory(out)
+    assert not manifest["complete"]
+    n_rows = manifest["num_rows"]
+    assert n_rows == c.counters.get("rows_exported") > 0
+    recs = list(read_export(out, verify=True))
+    assert sum(len(r.positions) for r in recs) == n_rows
+    for rec in recs:
+        st = engine.state[rec.prompt_index]
+        assert rec.token_ids.tolist() == st["tokens"][: len(rec.token_ids)]
+        assert all(p < len(rec.token_ids) for p in rec.positions.tolist())
+        exp = [hidden_value("final", st["i"], p) for p in rec.positions.tolist()]
+        if exp:
+            torch.testing.assert_close(rec.hidden["final"], torch.stack(exp), rtol=0, atol=0)
+
+
+def test_failure_during_shard_write(tmp_path, monkeypatch):
+    out = tmp_path / "fail"
+    c = make_export(out, layers=["final"], shard_rows=3)
+    real_replace = os.replace
+    calls = {"n": 0}
+
+    def flaky_replace(src, dst):
+        if str(dst).endswith(".safetensors"):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError("disk gone")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr("consumers.export.writer.os.replace", flaky_replace)
+    engine = FakeEngine([4, 4, 4], [5, 5, 5], ["final"])
+    with pytest.raises(OSError, match="disk gone"):
+        run_engine(c, engine, c.on_bundle)
+    assert (out / "shard-00002.safetensors.tmp").exists()
+    assert not (out / "shard-00002.safetensors").exists()
+    manifest = check_directory(out)
+    assert [s["file"] for s in manifest["shards"]] == [fmt.shard_name(0), fmt.shard_name(1)]
+    recs = list(read_export(out))
+    assert sum(len(r.positions) for r in recs) == 6
+
+
+_KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np, torch
+    from consumers.export.consumer import ExportConfig, ExportConsumer
+    from tllm_core.bundles import Bundle
+    from tllm_core.consumer import ConsumerContext, ModelInfo
+    from tllm_core.counters import Counters
+    from tllm_core.ports import resolve_layer
+    from tllm_core.rows import RequestInfo, RowInfo
+    H = 512
+    info = ModelInfo(H, 4, 128, torch.float32, torch.device("cpu"), None, None)
+    ctx = ConsumerContext(info, Counters(), lambda i: resolve_layer(i, 4))
+    c = ExportConsumer(ExportConfig(out=sys.argv[1], layers=["final"], shard_rows=96), ctx)
+    r = 0
+    while True:
+        req = RequestInfo(f"e{r}", f"r{r}", r, 0, 40)
+        pos = np.arange(40, dtype=np.int64)
+        rows = RowInfo(pos.copy(), [req] * 40, pos, np.zeros(40, bool), np.zeros(40, bool),
+                       torch.from_numpy((pos * 7 + r) % 50))
+        h = r * 1000.0 + torch.from_numpy(pos).float()[:, None] + torch.arange(H) * 0.25
+        c.on_bundle(Bundle(step=r, rows=rows, hidden={"final": h}))
+        r += 1
+        if r == 8:
+            print("ready", flush=True)
+    """
+)
+
+
+def test_sigkill_mid_run_leaves_consistent_directory(tmp_path):
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == b"ready", proc.stderr.read().decode()
+        time.sleep(0.3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    manifest = check_directory(out)
+    assert len(manifest["shards"]) >= 3
+    reader = ExportReader(out, verify=True)
+    seen = 0
+    for rec in reader:
+        r = int(rec.request_id[1:])
+        pos = rec.positions
+        exp = r * 1000.0 + pos.float()[:, None] + torch.arange(512) * 0.25
+        torch.testing.assert_close(rec.hidden["final"], exp, rtol=0, atol=0)
+        assert rec.token_ids[pos].tolist() == ((pos * 7 + r) % 50).tolist()
+        seen += len(pos)
+    assert seen == manifest["num_rows"]
+
+
+# -- reader ------------------------------------------------------------------------------------
+def test_reader_streams_shard_by_shard(tmp_path, monkeypatch):
+    out = tmp_path / "lazy"
+    c = make_export(out, layers=["final"], shard_rows=2)
+    engine = FakeEngine([2, 3, 3], [1, 8, 8], ["final"])  # req0 finishes at once
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    reader = ExportReader(out)
+    loaded = []
+    real = ExportReader.load_shard
+
+    def spy(self, i, keys=None):
+        loaded.append(i)
+        return real(self, i, keys)
+
+    monkeypatch.setattr(ExportReader, "load_shard", spy)
+    it = iter(reader)
+    first = next(it)
+    assert first.request_id == "req0"
+    assert len(loaded) < len(reader.shards)
+    rest = list(it)
+    assert len(rest) == 2 and sorted(loaded) == list(range(len(reader.shards)))
+
+
+def test_reader_errors(tmp_path):
+    with pytest.raises(ExportFormatError, match="manifest"):
+        read_export(tmp_path)
+    out = tmp_path / "e"
+    c = make_export(out, layers=["final"], shard_rows=2)
+    run_engine(c, FakeEngine([3], [2], ["final"]), c.on_bundle)
+    c.close()
+    (out / fmt.shard_name(0)).write_bytes(b"corrupt")
+    with pytest.raises(ExportFormatError, match="sha256"):
+        list(read_export(out, verify=True))
+    os.remove(out / fmt.shard_name(0))
+    with pytest.raises(ExportFormatError, match="missing"):
+        list(read_export(out))
+
+
+# -- settings and dry build ------------------------------------------------------------------------
+def test_dry_build_close_writes_nothing(tmp_path):
+    out = tmp_path / "new" / "deeper"
+    c = make_export(out, device="meta")
+    assert c.keys == ["layer.3", "final"]  # default layers [-1, "final"]
+    c.close()
+    c.close()
+    assert not (tmp_path / "new").exists()
+    assert c.result()["shards"] == 0
+
+
+def test_out_under_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        make_export(f / "sub" / "dir")
+    with pytest.raises(ValueError, match="not a directory"):
+        make_export(f)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_parent(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="not writable"):
+            make_export(ro / "x")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_non_empty_dir_needs_overwrite(tmp_path):
+    out = tmp_path / "old"
+    c = make_export(out, layers=["final"], shard_rows=2)
+    run_engine(c, FakeEngine([3, 3], [3, 3], ["final"]), c.on_bundle)
+    c.close()
+    (out / "notes.txt").write_text("keep me")
+    old_shards = len(json.loads((out / fmt.MANIFEST).read_text())["shards"])
+    assert old_shards > 1
+    with pytest.raises(ValueError, match="not empty.*overwrite"):
+        make_export(out, layers=["final"])
+    c2 = make_export(out, layers=["final"], shard_rows=100, overwrite=True)
+    c2.close()  # unused: old export untouched
+    assert (out / fmt.shard_name(1)).exists()
+    run_engine(c2, FakeEngine([2], [2], ["final"]), c2.on_bundle)
+    c2.close()
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [fmt.MANIFEST, "notes.txt", fmt.shard_name(0)]
+    assert len(list(read_export(out))) == 1
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="out of range"):
+        make_export(tmp_path / "a", layers=[NUM_LAYERS])
+    with pytest.raises(ValidationError, match="not both"):
+        ExportConfig(out=str(tmp_path), shard_rows=3, shard_bytes=1000)
+    with pytest.raises(ValidationError):
+        ExportConfig(out=str(tmp_path), layers=[])
+    with pytest.raises(ValidationError):
+        ExportConfig(out=str(tmp_path), layers=["last"])
+    with pytest.raises(ValidationError):
+        ExportConfig(out=str(tmp_path), phase="generated")
+    with pytest.raises(ValidationError):
+        ExportConfig(out=str(tmp_path), dtype="int8")
+    with pytest.raises(ValidationError):
+        ExportConfig(out=str(tmp_path), shard_row=3)  # typo: extra fields are errors
+    with pytest.raises(ValidationError):
+        ExportConfig(out=" ")
+    with pytest.raises(ValidationError):
+        ExportConfig()
+    # Duplicates after resolution collapse to one key.
+    c = make_export(tmp_path / "dup", layers=[-1, NUM_LAYERS - 1, "final", "final"])
+    assert c.keys == ["layer.3", "final"]

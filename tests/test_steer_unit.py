@@ -1,0 +1,246 @@
+"""Unit tests of the ``steer`` consumer and ``load_vector`` (no vLLM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import save_file
+
+from consumers.steer import load_vector
+from consumers.steer.consumer import SteerConfig, SteerConsumer
+from tllm_core.bundles import EditPlan
+from tllm_core.consumer import ConsumerContext, ModelInfo
+from tllm_core.counters import Counters
+from tllm_core.ports import ResidualEdit, resolve_layer
+from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.vllm_bridge.taps import EditBuffers
+
+H = 8
+NUM_LAYERS = 4
+
+
+def context(device: str = "cpu") -> ConsumerContext:
+    info = ModelInfo(
+        hidden_size=H, num_layers=NUM_LAYERS, vocab_size=64, dtype=torch.float32,
+        device=torch.device(device), lm_head=lambda h: h, lm_head_weight=None,
+    )
+    return ConsumerContext(model=info, counters=Counters(),
+                           resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS))
+
+
+def steer(device: str = "cpu", **cfg) -> SteerConsumer:
+    return SteerConsumer(SteerConfig(**cfg), context(device))
+
+
+def vec(seed: int = 0) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, generator=g).tolist()
+
+
+def request(i: int, n_prompt: int, **extra) -> RequestInfo:
+    return RequestInfo(engine_id=f"e{i}", request_id=f"r{i}", prompt_index=i, sample_index=0,
+                       num_prompt_tokens=n_prompt, extra_args=dict(extra))
+
+
+def make_rows(spec: list[tuple[RequestInfo, list[int]]]) -> RowInfo:
+    reqs, pos = [], []
+    for req, positions in spec:
+        reqs += [req] * len(positions)
+        pos += positions
+    p = np.array(pos, np.int64)
+    n_prompt = np.array([r.num_prompt_tokens for r in reqs], np.int64)
+    return RowInfo(row=np.arange(len(pos), dtype=np.int64), requests=reqs, position=p,
+                   is_decode=p >= n_prompt, recomputed=np.zeros(len(pos), bool),
+                   token_ids=torch.zeros(len(pos), dtype=torch.int64))
+
+
+def plan_for(c: SteerConsumer, rows: RowInfo) -> EditPlan:
+    layers = {w.layer for w in c.writes() if isinstance(w, ResidualEdit)}
+    plan = EditPlan(rows, layers, H)
+    c.edit(rows, plan)
+    return plan
+
+
+def rows_in(plan: EditPlan, layer: int) -> list[int]:
+    return sorted({int(r) for rows, _, _ in plan.ops.get(layer, []) for r in rows})
+
+
+# rows 0-2: prompt of r0 (prefill), row 3: decode of r1, row 4: decode of r2, rows 5-6: prompt of r3
+def mixed_rows(extras: dict[int, dict] | None = None) -> RowInfo:
+    extras = extras or {}
+    r = [request(i, n, **extras.get(i, {})) for i, n in enumerate([3, 2, 2, 5])]
+    return make_rows([(r[0], [0, 1, 2]), (r[1], [4]), (r[2], [2]), (r[3], [0, 1])])
+
+
+# -- load_vector -------------------------------------------------------------------------------
+def test_load_vector_formats(tmp_path):
+    v = torch.arange(H, dtype=torch.float32)
+    save_file({"v": v}, str(tmp_path / "one.safetensors"))
+    save_file({"a": v, "b": 2 * v}, str(tmp_path / "two.safetensors"))
+    torch.save(v.double(), tmp_path / "t.pt")
+    torch.save({"dir": v}, tmp_path / "d.pt")
+    torch.save({"x": v, "y": -v}, tmp_path / "dd.pth")
+    np.save(tmp_path / "n.npy", v.numpy().astype(np.float16))
+    for p in ["one.safetensors", "two.safetensors::b", "t.pt", "d.pt", "dd.pth::y", "n.npy"]:
+        out = load_vector(str(tmp_path / p), H)
+        assert out.dtype == torch.float32 and out.shape == (H,)
+    torch.testing.assert_close(load_vector(str(tmp_path / "two.safetensors::b"), H), 2 * v)
+    torch.testing.assert_close(load_vector(tmp_path / "dd.pth::y", H), -v)
+
+
+def test_load_vector_errors(tmp_path):
+    v = torch.ones(H)
+    save_file({"a": v, "b": v.clone()}, str(tmp_path / "two.safetensors"))
+    save_file({"m": torch.ones(2, H)}, str(tmp_path / "mat.safetensors"))
+    np.save(tmp_path / "short.npy", np.ones(H - 1, np.float32))
+    np.save(tmp_path / "nan.npy", np.full(H, np.nan, np.float32))
+    torch.save(v, tmp_path / "t.pt")
+    (tmp_path / "v.txt").write_text("1 2 3")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    cases = [
+        ("missing.safetensors", "does not exist"),
+        ("two.safetensors", r"holds 2 tensors \(a, b\).*PATH::KEY"),
+        ("two.safetensors::c", "no tensor named 'c'.*a, b"),
+        ("mat.safetensors", r"1-D vector of size 8.*\(2, 8\)"),
+        ("short.npy", r"size 8.*\(7,\)"),
+        ("nan.npy", "NaN"),
+        ("t.pt::k", "not a dict"),
+        ("short.npy::k", "needs a .safetensors or .pt"),
+        ("v.txt", "unsupported file type '.txt'"),
+        ("bad.safetensors", "cannot read"),
+    ]
+    for name, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            load_vector(str(tmp_path / name), H)
+    with pytest.raises(ValueError, match="is not a file"):
+        load_vector(str(tmp_path), H)
+
+
+# -- config ------------------------------------------------------------------------------------
+def test_config_validation(tmp_path):
+    np.save(tmp_path / "v.npy", np.ones(H, np.float32))
+    np.save(tmp_path / "w.npy", np.ones(H + 1, np.float32))
+    c = steer(vectors=[{"layer": -1, "path": str(tmp_path / "v.npy"), "scale": 0.0}])
+    assert c.writes() == [ResidualEdit(NUM_LAYERS - 1)]
+    with pytest.raises(ValueError, match=r"vectors\[0\].layer.*out of range"):
+        steer(vectors=[{"layer": NUM_LAYERS, "vector": vec()}])
+    with pytest.raises(ValueError, match=r"vectors\[0\].path.*size 8"):
+        steer(vectors=[{"layer": 0, "path": str(tmp_path / "w.npy")}])
+    with pytest.raises(ValueError, match="does not exist"):
+        steer(vectors=[{"layer": 0, "path": str(tmp_path / "nope.npy")}])
+    with pytest.raises(ValueError, match="size 8"):
+        steer(vectors=[{"layer": 0, "vector": [1.0, 2.0]}])
+    with pytest.raises(ValidationError, match="exactly one of"):
+        SteerConfig(vectors=[{"layer": 0}])
+    with pytest.raises(ValidationError, match="exactly one of"):
+        SteerConfig(vectors=[{"layer": 0, "vector": vec(), "path": "x.npy"}])
+    with pytest.raises(ValidationError):
+        SteerConfig(vectors=[{"layer": 0, "vector": vec(), "mode": "subtract"}])
+    with pytest.raises(ValidationError):
+        SteerConfig(vectors=[{"layer": 0, "vector": vec(), "sclae": 2}])
+    with pytest.raises(ValidationError):
+        SteerConfig(vectors=[])
+    with pytest.raises(ValidationError):
+        SteerConfig(vectors=[{"layer": 0, "vector": vec()}], positions="decode")
+    with pytest.raises(ValueError, match="both ablate at layer 1"):
+        steer(vectors=[{"layer": 1, "vector": vec(), "mode": "ablate"},
+                       {"layer": -3, "vector": vec(1), "mode": "ablate"}])
+    with pytest.raises(ValueError, match="all zeros"):
+        steer(vectors=[{"layer": 1, "vector": [0.0] * H, "mode": "ablate"}])
+    # The dry build runs on the meta device: vectors stay usable.
+    steer(device="meta", vectors=[{"layer": 1, "vector": vec()}]).close()
+
+
+# -- edit selection --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "positions,want", [("all", [0, 1, 2, 3, 4, 5, 6]), ("prompt", [0, 1, 2, 5, 6]), ("generated", [3, 4])]
+)
+def test_positions_select_rows(positions, want):
+    c = steer(vectors=[{"layer": 1, "vector": vec(), "scale": 2.0},
+                       {"layer": 3, "vector": vec(1), "mode": "ablate"}], positions=positions)
+    plan = plan_for(c, mixed_rows())
+    assert rows_in(plan, 1) == want and rows_in(plan, 3) == want
+    (_, kind, value), = plan.ops[1]
+    assert kind == "add"
+    torch.testing.assert_close(value, 2.0 * torch.tensor(vec()))
+    (_, kind, value), = plan.ops[3]
+    assert kind == "ablate"
+    torch.testing.assert_close(value.norm(), torch.tensor(1.0))
+    snap = c.counters.snapshot()
+    assert snap["rows_selected.layer.1"] == snap["rows_selected.layer.3"] == len(want)
+    assert snap["rows_selected"] == 2 * len(want)
+
+
+def test_per_request_flag_and_scale_override():
+    c = steer(vectors=[{"layer": 2, "vector": vec(), "scale": 1.5}], per_request=True)
+    rows = mixed_rows({
+        0: {"tllm_steer": True},
+        1: {"tllm_steer": "false"},
+        2: {"tllm_steer": 1, "tllm_steer_scale": -4},
+        3: {},
+    })
+    plan = plan_for(c, rows)
+    assert rows_in(plan, 2) == [0, 1, 2, 4]
+    (idx, kind, value), = plan.ops[2]
+    v = torch.tensor(vec())
+    assert kind == "add" and value.shape == (4, H)  # per-row scales: 1.5 x3, then -4
+    torch.testing.assert_close(value, torch.tensor([1.5, 1.5, 1.5, -4.0])[:, None] * v)
+    assert c.counters.get("rows_selected") == 4
+
+
+def test_scale_override_without_per_request_and_bad_override():
+    c = steer(vectors=[{"layer": 0, "vector": vec(), "scale": 1.0}])
+    rows = mixed_rows({1: {"tllm_steer_scale": "0.5"}, 2: {"tllm_steer_scale": "lots"}})
+    plan = plan_for(c, rows)
+    assert rows_in(plan, 0) == [0, 1, 2, 3, 5, 6]  # request 2's bad override: not steered
+    assert c.counters.get("invalid_scale_override") == 1
+    (_, _, value), = plan.ops[0]
+    scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
+    torch.testing.assert_close(value, scales[:, None] * torch.tensor(vec()))
+
+
+def test_scale_zero_is_valid_and_still_selects_rows():
+    c = steer(vectors=[{"layer": 1, "vector": vec(), "scale": 0.0}], positions="generated")
+    rows = mixed_rows()
+    plan = plan_for(c, rows)
+    assert rows_in(plan, 1) == [3, 4]
+    buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
+    assert buf.apply(1, [plan]) == c.counters.get("rows_selected.layer.1") == 2
+    assert torch.count_nonzero(buf.add) == 0
+
+
+def test_runtime_edit_count_matches_rows_selected():
+    c = steer(vectors=[{"layer": 0, "vector": vec(), "scale": 3.0},
+                       {"layer": 0, "vector": vec(2), "scale": -1.0},
+                       {"layer": 2, "vector": vec(1), "mode": "ablate"}],
+              per_request=True)
+    total = {0: 0, 2: 0}
+    for step in range(3):
+        rows = mixed_rows({0: {"tllm_steer": True}, 3: {"tllm_steer": step % 2 == 0}})
+        plan = plan_for(c, rows)
+        for layer in (0, 2):
+            buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
+            total[layer] += buf.apply(layer, [plan])
+        # Two add vectors on layer 0 compose.
+        buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
+        buf.apply(0, [plan])
+        torch.testing.assert_close(buf.add[0], 3.0 * torch.tensor(vec()) - torch.tensor(vec(2)))
+    snap = c.counters.snapshot()
+    assert snap["rows_selected.layer.0"] == total[0] and snap["rows_selected.layer.2"] == total[2]
+    assert snap["rows_selected"] == total[0] + total[2]
+    # The flag is read once per request (cached until it finishes): request 3 kept step 0's value.
+    assert total[0] == 3 * 5
+
+
+def test_no_rows_and_finished_requests():
+    c = steer(vectors=[{"layer": 0, "vector": vec()}])
+    plan = plan_for(c, make_rows([]))
+    assert plan.ops == {}
+    rows = mixed_rows()
+    plan_for(c, rows)
+    for r in {id(r): r for r in rows.requests}.values():
+        c.on_request_finished(r)
+    assert c._req_cache == {}
+    assert c.result()["rows_selected"] == 7
