@@ -5,8 +5,8 @@ from tllm_core.hookspecs import hookimpl
 
 @hookimpl
 def tllm_consumers():
-
+    from consumers.export.consumer import ExportConsumer
     from consumers.stats import StatsConsumer
+    from consumers.steer.consumer import SteerConsumer
 
-
-    return [StatsConsumer]
+    return [StatsConsumer, ExportConsumer, SteerConsumer]

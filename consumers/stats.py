@@ -40,7 +40,7 @@ class StatsConsumer(Consumer):
         for key, h in bundle.hidden.items():
             norms = h.float().norm(dim=-1).tolist()
             maxabs = h.float().abs().amax(dim=-1).tolist()
-            for req, n, m in zip(reqs, norms, maxabs):
+            for req, n, m in zip(reqs, norms, maxabs, strict=False):
                 acc = self._acc[(req.request_id, req.sample_index)].setdefault(key, [0, 0.0, 0.0])
                 acc[0] += 1
                 acc[1] += n

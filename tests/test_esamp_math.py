@@ -348,10 +348,10 @@ def test_consumer_strict_staleness_training_changes_next_guidance():
         assert (c.counters.get("optimizer_steps") == 0) == frozen
 
 
-def test_consumer_beta_zero_declares_no_write_and_keeps_logits():
+def test_consumer_beta_zero_runs_guidance_and_keeps_logits():
     fake = Fake()
     c = fake.consumer(beta=0.0)
-    assert c.writes() == []
+    assert c.writes() == [SamplerGuide()]
     reqs = fake.requests(1, 2)
     rows, hidden = fake.step(reqs)
     logits = _filtered_logits(2, V, keep=8)

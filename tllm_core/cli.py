@@ -141,7 +141,7 @@ def _print_report(prompts, texts, report, as_json: bool) -> None:
             "errors": report.get("errors", []),
         }, default=str))
         return
-    for i, (p, samples) in enumerate(zip(prompts, texts)):
+    for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
         for j, t in enumerate(samples):
             print(f"--- sample {j}\n{t.strip()}")

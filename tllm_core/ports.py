@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal, Union
+from typing import Literal
 
 FINAL = "final"
 
@@ -40,7 +40,7 @@ class Delivery(str, Enum):
     BACKGROUND = "background"
 
 
-LayerSpec = Union[int, Literal["final"]]
+LayerSpec = int | Literal["final"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class SampledTokens:
     phase: Phase = Phase.ALL
 
 
-ReadPort = Union[HiddenStates, Logits, SampledTokens]
+ReadPort = HiddenStates | Logits | SampledTokens
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class SamplerGuide:
     for rows the consumer selects in :meth:`Consumer.guide`, in the same step."""
 
 
-WritePort = Union[ResidualEdit, SamplerGuide]
+WritePort = ResidualEdit | SamplerGuide
 
 
 def layer_key(layer: int | str) -> str:

@@ -82,7 +82,7 @@ class Registry:
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object/module at runtime (tests, notebooks)."""
         self.pm.register(plugin, name=name)
-        for cls in getattr(plugin, "tllm_consumers")():
+        for cls in plugin.tllm_consumers():
             self._classes[cls.name] = cls
 
     @property

@@ -19,7 +19,7 @@ from tllm_core.bundles import EditPlan, GuideView
 from tllm_core.bus import Bus
 from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
-from tllm_core.ports import FINAL, ResidualEdit, SamplerGuide, layer_key, resolve_layer
+from tllm_core.ports import FINAL, ResidualEdit, SamplerGuide, resolve_layer
 from tllm_core.registry import ConsumerSpec, Registry
 from tllm_core.rows import RequestInfo, RowInfo
 from tllm_core.settings import RuntimeSettings
@@ -134,7 +134,7 @@ class Runtime:
 
     def end_step(self, step: StepCapture) -> None:
         """After sampling: deliver bundles, then mark positions as seen."""
-        for key, buf in step.hidden.items():
+        for key, _buf in step.hidden.items():
             self.counters.add(f"rows_captured.{key}", len(step.rows))
         if step.logits is not None:
             self.counters.add("rows_captured.logits", int(step.sample_kept.sum()))

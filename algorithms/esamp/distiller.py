@@ -284,6 +284,13 @@ class GroupedDistiller:
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
         """
+        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
+        # train outside it on copies.
+        with torch.inference_mode(False):
+            return self._train_step(slots, x.clone(), target.clone())
+
+    def _train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
+                    ) -> TrainResult:
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0, device=self.device)

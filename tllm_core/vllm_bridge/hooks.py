@@ -243,7 +243,9 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     check_version()
     check_runner(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
-    runtime = Runtime(settings, _model_info(runner), Registry())
+    # Consumer state (e.g. trainable parameters) must not be inference tensors.
+    with torch.inference_mode(False):
+        runtime = Runtime(settings, _model_info(runner), Registry())
     hooks = RunnerHooks(runner, runtime)
     runner._tllm_hooks = hooks
     log.info(

@@ -1,0 +1,80 @@
+"""Real vLLM (CPU, in-process): non-intrusion, failure isolation, ESamp end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import ENGINE_KW
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["Write a poem about the sea.", "Tell me a story", "List three colours and explain"]
+
+
+def _params():
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(n=3, max_tokens=12, seed=11, temperature=1.0, min_p=0.1),
+        SamplingParams(n=2, max_tokens=12, seed=12, temperature=1.0),  # no filter: full vocab
+        SamplingParams(n=2, max_tokens=12, seed=13, temperature=0.8, top_k=20, top_p=0.9),
+    ]
+
+
+def _tokens(outputs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_model, engines):
+    from vllm import LLM
+
+    llm = engines.get(("plain", tiny_model), lambda: LLM(tiny_model, **ENGINE_KW))
+    return _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False))
+
+
+def _tllm(engines, model, consumers):
+    from tllm_core.engine import TllmLLM
+
+    return engines.get(("tllm", model, repr(consumers)), lambda: TllmLLM(model, consumers, **ENGINE_KW))
+
+
+def test_runtime_without_consumers_is_identical_to_plain_vllm(tiny_model, engines, plain_tokens):
+    llm = _tllm(engines, tiny_model, [])
+    assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == plain_tokens
+    assert llm.collect()["runtime"]["engine_steps"] > 0
+
+
+def test_read_only_failing_and_beta_zero_consumers_leave_output_identical(
+    tiny_model, engines, plain_tokens
+):
+    consumers = ["stats", 'crasher:{"after": 3}', 'esamp:{"beta": 0.0}']
+    llm = _tllm(engines, tiny_model, consumers)
+    assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == plain_tokens
+    rep = llm.collect()
+    rt = rep["runtime"]
+    # the failing consumer is reported by name, counted, and switched off; others go on
+    assert rt["consumer_errors"] == 1 and rt["consumer_errors.crasher"] == 1, rep["errors"]
+    assert [e["consumer"] for e in rep["errors"]] == ["crasher"]
+    assert "deliberate failure" in rep["errors"][0]["error"]
+    assert rep["consumers"]["stats"]["bundles"] == rt["engine_steps"]
+    # beta = 0 ran the whole guidance path, and it changed nothing
+    es = rep["consumers"]["esamp"]
+    assert es["rows_guided"] > 0 and es["optimizer_steps"] > 0
+    assert rt["rows_guided"] == es["rows_guided"]
+
+
+def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens):
+    llm = _tllm(engines, tiny_model, ['esamp:{"beta": 0.5}'])
+    toks = _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False))
+    assert toks != plain_tokens
+    rep = llm.collect()
+    es = rep["consumers"]["esamp"]
+    for name in ("optimizer_steps", "rows_trained", "rows_guided", "candidates_guided",
+                 "groups_created", "groups_freed", "rows_skipped"):
+        assert es[name] > 0, name
+    assert es["groups_alive"] == 0 and es["groups_created"] == es["groups_freed"] == 3
+    assert math.isfinite(es["loss_first"]) and math.isfinite(es["loss_last"])
+    assert es["nonfinite_losses_skipped"] == 0 if "nonfinite_losses_skipped" in es else True
+    assert rep["errors"] == []
