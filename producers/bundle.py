@@ -56,14 +56,21 @@ def _phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
     return is_decode if phase is Phase.DECODE else ~is_decode
 
 
-def build_bundle(plan: ReadPlan, step: StepCapture) -> Bundle | None:
-    """The consumer's bundle for this step, or None when it selects no row."""
+def build_bundle(
+    plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
+) -> Bundle | None:
+    """The consumer's bundle for this step, or None when it selects no row.
+
+    ``enabled`` masks token rows to requests the consumer acts on (per-request consumers).
+    """
     bundle = Bundle(step=step.step, rows=step.rows.select(np.zeros(len(step.rows), bool)))
     if plan.hidden:
         phase = None
         for ph in plan.hidden.values():
             phase = _union(phase, ph)
         mask = _phase_mask(step.rows.is_decode, phase)
+        if enabled is not None:
+            mask = mask & enabled
         if mask.any():
             rows = step.rows.select(mask)
             bundle.rows = rows
@@ -74,6 +81,8 @@ def build_bundle(plan: ReadPlan, step: StepCapture) -> Bundle | None:
     if plan.sampled_phase is not None and step.logits is not None:
         srows = step.sample_rows()
         mask = step.sample_kept & _phase_mask(srows.is_decode, plan.sampled_phase)
+        if enabled is not None:
+            mask = mask & enabled[step.sample_token_row]
         if mask.any():
             bundle.sampled_rows = srows.select(mask)
             sel = torch.from_numpy(np.nonzero(mask)[0])
@@ -82,7 +91,6 @@ def build_bundle(plan: ReadPlan, step: StepCapture) -> Bundle | None:
             if plan.tokens and step.sampled_token_ids is not None:
                 t = step.sampled_token_ids
                 bundle.sampled_token_ids = t.index_select(0, sel.to(t.device))
-    bundle.finished = step.finished
-    if not bundle.hidden and bundle.sampled_rows is None and not bundle.finished:
+    if not bundle.hidden and bundle.sampled_rows is None:
         return None
     return bundle

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RowInfo
 
 
 @dataclass
@@ -27,7 +27,6 @@ class StepCapture:
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [T, H]
     logits: torch.Tensor | None = None  # [S, V]
     sampled_token_ids: torch.Tensor | None = None  # [S]
-    finished: list[RequestInfo] = field(default_factory=list)
 
     def sample_rows(self) -> RowInfo:
         """RowInfo of the sampling rows, in logits order."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RowInfo
 
 
 @dataclass
@@ -29,7 +29,6 @@ class Bundle:
     sampled_rows: RowInfo | None = None
     logits: torch.Tensor | None = None
     sampled_token_ids: torch.Tensor | None = None
-    finished: list[RequestInfo] = field(default_factory=list)
 
 
 class EditPlan:
@@ -60,6 +59,17 @@ class EditPlan:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size:
             self.ops.setdefault(layer, []).append((rows, kind, value))
+
+    def restrict(self, mask: np.ndarray) -> None:
+        """Drop ops on rows outside ``mask`` (rows of requests the consumer may not touch)."""
+        for layer, ops in list(self.ops.items()):
+            kept = []
+            for rows, kind, value in ops:
+                sel = mask[rows]
+                if sel.any():
+                    v = value[torch.from_numpy(sel)] if value.dim() == 2 else value
+                    kept.append((rows[sel], kind, v))
+            self.ops[layer] = kept
 
     def add(self, layer: int, rows: np.ndarray, vector: torch.Tensor) -> None:
         """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the stream after ``layer``."""
@@ -93,8 +103,11 @@ class GuideView:
         is_random: np.ndarray,
         filtered: bool,
         hidden: dict[str, torch.Tensor],
+        allowed: np.ndarray | None = None,
     ):
         self.step = step
+        # Rows this consumer may change (per-request consumers); None means all.
+        self._allowed = None if allowed is None else torch.from_numpy(allowed)
         self.rows = rows
         self.logits = logits
         self.temperature = temperature
@@ -116,6 +129,9 @@ class GuideView:
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` on candidate entries only."""
+        if self._allowed is not None:
+            keep = self._allowed.to(row_idx.device)[row_idx]
+            row_idx, new_logits = row_idx[keep], new_logits[keep]
         if row_idx.numel() == 0:
             return
         old = self.logits[row_idx]

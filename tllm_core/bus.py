@@ -20,6 +20,7 @@ from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer
 from tllm_core.counters import Counters
 from tllm_core.ports import Delivery
+from tllm_core.rows import RequestInfo
 
 log = logging.getLogger("tllm")
 
@@ -60,7 +61,11 @@ class _BackgroundChannel:
             try:
                 if item is _STOP:
                     return
-                self.bus.deliver_now(self.consumer, item)
+                if isinstance(item, RequestInfo):
+                    c = self.consumer
+                    self.bus.call(c, "on_request_finished", c.on_request_finished, item)
+                else:
+                    self.bus.deliver_now(self.consumer, item)
             finally:
                 self.queue.task_done()
 
@@ -112,6 +117,14 @@ class Bus:
         else:
             self.deliver_now(consumer, bundle)
 
+    def finished(self, consumer: Consumer, request: RequestInfo) -> None:
+        """A request finished; background consumers hear it after its queued bundles."""
+        ch = self._channels.get(consumer.name)
+        if ch is not None:
+            ch.queue.put(request)  # never dropped: it carries no tensors
+        else:
+            self.call(consumer, "on_request_finished", consumer.on_request_finished, request)
+
     def deliver_now(self, consumer: Consumer, bundle: Bundle) -> None:
         if self.call(consumer, "on_bundle", consumer.on_bundle, bundle):
             self.counters.add("bundles_delivered")
@@ -144,5 +157,4 @@ def _to_host(bundle: Bundle) -> Bundle:
         sampled_rows=bundle.sampled_rows.to_host() if bundle.sampled_rows is not None else None,
         logits=host(bundle.logits),
         sampled_token_ids=host(bundle.sampled_token_ids),
-        finished=list(bundle.finished),
     )

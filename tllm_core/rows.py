@@ -28,6 +28,13 @@ class RequestInfo:
     max_position_seen: int = -1
 
     @property
+    def enabled_consumers(self) -> frozenset[str]:
+        """Consumers this request switched on (``extra_args["tllm_consumers"]``, comma-separated)."""
+        raw = self.extra_args.get("tllm_consumers", "")
+        names = raw.split(",") if isinstance(raw, str) else list(raw)
+        return frozenset(n.strip() for n in names if n and n.strip())
+
+    @property
     def group_key(self) -> str:
         """Key shared by the ``n`` samples of one prompt (overridable via extra_args)."""
         key = self.extra_args.get("tllm_group")

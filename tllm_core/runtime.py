@@ -33,6 +33,14 @@ class _Slot:
     reads: ReadPlan
     edit_layers: set[int] = field(default_factory=set)
     guides: bool = False
+    per_request: bool = False
+
+    def enabled(self, requests: list[RequestInfo]) -> np.ndarray | None:
+        """Row mask of requests this consumer acts on; None when it acts on all."""
+        if not self.per_request:
+            return None
+        name = self.consumer.name
+        return np.fromiter((name in r.enabled_consumers for r in requests), bool, len(requests))
 
 
 def build_consumers(
@@ -54,7 +62,7 @@ def build_consumers(
 
         consumer = cls(config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve))
         reads = plan_reads(consumer.reads(), resolve)
-        slot = _Slot(consumer, reads)
+        slot = _Slot(consumer, reads, per_request=entry.per_request)
         for w in consumer.writes():
             if isinstance(w, ResidualEdit):
                 slot.edit_layers.add(resolve(w.layer))
@@ -107,8 +115,13 @@ class Runtime:
         for s in self.slots:
             if not s.edit_layers:
                 continue
+            mask = s.enabled(rows.requests)
+            if mask is not None and not mask.any():
+                continue
             plan = EditPlan(rows, s.edit_layers, self.model.hidden_size)
             if self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) and plan.ops:
+                if mask is not None:
+                    plan.restrict(mask)
                 plans.append(plan)
         return plans
 
@@ -124,7 +137,11 @@ class Runtime:
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
-            view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
+            allowed = s.enabled(srows.requests)
+            if allowed is not None and not allowed.any():
+                continue
+            view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden,
+                             allowed)
             journal = _Journal(view)
             if self.bus.call(s.consumer, "guide", s.consumer.guide, view):
                 self.counters.add("rows_guided", view.rows_guided)
@@ -139,9 +156,9 @@ class Runtime:
         if step.logits is not None:
             self.counters.add("rows_captured.logits", int(step.sample_kept.sum()))
         for s in self.slots:
-            if s.reads.empty and not step.finished:
+            if s.reads.empty:
                 continue
-            bundle = build_bundle(s.reads, step)
+            bundle = build_bundle(s.reads, step, s.enabled(step.rows.requests))
             if bundle is not None:
                 self.bus.publish(s.consumer, bundle)
         for i, req in enumerate(step.rows.requests):
@@ -153,7 +170,9 @@ class Runtime:
         for req in requests:
             self.counters.add("requests_finished")
             for s in self.slots:
-                self.bus.call(s.consumer, "on_request_finished", s.consumer.on_request_finished, req)
+                if s.per_request and s.consumer.name not in req.enabled_consumers:
+                    continue
+                self.bus.finished(s.consumer, req)
 
     # -- results ----------------------------------------------------------------------
     def collect(self) -> dict[str, Any]:

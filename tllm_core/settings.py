@@ -13,6 +13,10 @@ class ConsumerEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     config: dict[str, Any] = Field(default_factory=dict)
+    per_request: bool = Field(
+        False,
+        description="act only on requests whose extra_args['tllm_consumers'] names this consumer",
+    )
 
 
 class RuntimeSettings(BaseModel):
@@ -24,5 +28,3 @@ class RuntimeSettings(BaseModel):
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
     )
-    # Consumers a request may switch on through SamplingParams.extra_args (serving).
-    per_request: bool = Field(False, description="consumers act only on requests that ask")

@@ -200,9 +200,6 @@ class ExportConsumer(Consumer):
             self._complete = False
             self._take_rows(bundle)
             self._take_sampled(bundle)
-            if bundle.finished:
-                with self._fin_lock:
-                    self._finished.update(r.engine_id for r in bundle.finished)
 
     def _take_rows(self, bundle: Bundle) -> None:
         rows = bundle.rows
