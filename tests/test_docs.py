@@ -1,0 +1,227 @@
+"""The docs are executable and complete.
+
+- ``docs/tutorial-first-consumer.md``: its fenced blocks tagged ``title="..."`` are extracted,
+  the consumer package is pip-installed into a temporary folder put on ``sys.path`` (so the
+  ``tllm`` entry point is discoverable, as after ``pip install -e .``), then the engine-free
+  check, the ``TllmLLM`` script and the ``tllm run`` command line are run on the tiny model.
+- Every built-in consumer has a page under ``docs/consumers/`` naming all its config fields
+  and counters; every runtime counter the code writes is in ``docs/counters.md``.
+- ``tllm --help`` and each subcommand's help work, and ``docs/cli.md`` names every option.
+- Relative links between docs pages resolve.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cli_json, run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+TUTORIAL = DOCS / "tutorial-first-consumer.md"
+# Pages owned by others: not checked here.
+NOT_CHECKED = {"results.md"}
+
+_FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
+_TITLE = re.compile(r'title="([^"]+)"')
+
+
+def doc_blocks(path: Path) -> dict[str, str]:
+    """Fenced code blocks of a page that carry ``title="..."``, by title (titles are unique)."""
+    out: dict[str, str] = {}
+    for m in _FENCE.finditer(path.read_text()):
+        t = _TITLE.search(m.group("info"))
+        if t:
+            assert t.group(1) not in out, f"{path.name}: two blocks titled {t.group(1)!r}"
+            out[t.group(1)] = m.group("body")
+    return out
+
+
+def _placeholders(name: str) -> str:
+    """``rows_captured.{key}`` and ``rows_captured.{self.key}`` compare equal."""
+    return re.sub(r"\{[^}]*\}", "{}", name)
+
+
+_COUNTER_CALL = re.compile(r"counters\.(?:add|set|max)\(\s*(f?)\"([^\"]+)\"")
+
+
+def counter_names(paths: list[Path]) -> set[str]:
+    names = set()
+    for p in paths:
+        for m in _COUNTER_CALL.finditer(p.read_text()):
+            names.add(_placeholders(m.group(2)))
+    return names
+
+
+def documented(page: Path) -> str:
+    """A page's text with ``{placeholders}`` normalised, for substring checks on `code` spans."""
+    return _placeholders(page.read_text())
+
+
+def _py(*folders: str) -> list[Path]:
+    return [p for f in folders for p in sorted((ROOT / f).rglob("*.py"))]
+
+
+# -- the tutorial -------------------------------------------------------------------------
+TUTORIAL_PACKAGE_FILES = ("pyproject.toml", "normtrack/__init__.py")
+
+
+@pytest.fixture(scope="module")
+def tutorial_site(tmp_path_factory):
+    """The tutorial's package, pip-installed (with its entry point) into a folder on sys.path."""
+    blocks = doc_blocks(TUTORIAL)
+    pkg = tmp_path_factory.mktemp("normtrack-src")
+    for name in TUTORIAL_PACKAGE_FILES:
+        assert name in blocks, f"tutorial lacks the block titled {name!r}"
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(blocks[name])
+    site = tmp_path_factory.mktemp("normtrack-site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "--no-input", "--disable-pip-version-check", "--target", str(site), str(pkg)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(site))
+    # importlib.metadata scans sys.path for *.dist-info on each call; clear the finders'
+    # caches so the new folder's entry points are seen now.
+    importlib.invalidate_caches()
+    try:
+        yield site
+    finally:
+        sys.path.remove(str(site))
+        for mod in [m for m in sys.modules if m == "normtrack" or m.startswith("normtrack.")]:
+            del sys.modules[mod]
+        importlib.invalidate_caches()
+
+
+def test_tutorial_consumer_is_discovered_and_checked_without_an_engine(tutorial_site, tiny_model):
+    from tllm_core.registry import Registry
+
+    assert "normtrack" in Registry().names
+    code = doc_blocks(TUTORIAL)["check_normtrack.py"]
+    code = code.replace('MODEL_DIR = "path/to/model"', f"MODEL_DIR = {tiny_model!r}")
+    exec(compile(code, "check_normtrack.py", "exec"), {"__name__": "__main__"})
+
+
+@pytest.mark.vllm
+def test_tutorial_script_runs_with_tllmllm(tutorial_site, tiny_model, engines):
+    code = doc_blocks(TUTORIAL)["run_normtrack.py"]
+    assert "MODEL = None" in code
+    code = code.replace("MODEL = None", f"MODEL = {tiny_model!r}", 1)
+    engines.close()  # one in-process engine at a time
+    ns: dict = {"__name__": "__main__"}
+    try:
+        exec(compile(code, "run_normtrack.py", "exec"), ns)
+    finally:
+        if "llm" in ns:  # let the shared cache shut the engine down
+            engines.llm, engines.key = ns["llm"], ("docs-tutorial",)
+    report = ns["report"]
+    assert report["errors"] == []
+    counters = report["consumers"]["normtrack"]
+    assert counters["rows"] > 0 and counters["pairs"] > 0
+    assert counters["requests_finished"] == 4
+    results = report["results"]["normtrack"]
+    assert sorted(results) == ["0/0", "0/1", "1/0", "1/1"]
+    for r in results.values():
+        assert r["rows"] == 7 and r["mean_norm"] > 0 and -1 <= r["mean_cos_consecutive"] <= 1
+
+
+@pytest.mark.vllm
+def test_tutorial_command_line_runs_in_the_default_multiprocess_layout(tutorial_site, tiny_model):
+    lines = [ln for ln in doc_blocks(TUTORIAL)["run.sh"].splitlines() if ln.startswith("tllm ")]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])[1:]
+    argv += ["--model", tiny_model, "--max-model-len", "512", "--enforce-eager"]
+    path = os.pathsep.join(p for p in (str(tutorial_site), os.environ.get("PYTHONPATH")) if p)
+    out = cli_json(run_cli(*argv, env={"PYTHONPATH": path, "VLLM_CPU_KVCACHE_SPACE": "1"}))
+    assert out["errors"] == []
+    assert out["counters"]["normtrack"]["rows"] > 0
+    assert out["counters"]["runtime"]["bundles_delivered.normtrack"] > 0
+    assert sorted(out["results"]["normtrack"]) == ["0/0", "0/1"]
+
+
+# -- completeness -------------------------------------------------------------------------
+def _builtin_consumers() -> list[dict]:
+    from tllm_core.registry import Registry
+
+    info = Registry(load_entry_points=False).describe()
+    assert info, "no built-in consumer registered"
+    return info
+
+
+def test_every_builtin_consumer_has_a_page_naming_its_fields():
+    index = (DOCS / "index.md").read_text()
+    for c in _builtin_consumers():
+        page = DOCS / "consumers" / f"{c['name']}.md"
+        assert page.is_file(), f"consumer {c['name']!r} has no page {page.relative_to(ROOT)}"
+        assert f"consumers/{c['name']}.md" in index, f"docs/index.md does not link {page.name}"
+        text = page.read_text()
+        for f in c["fields"]:
+            assert f"`{f['name']}`" in text, f"{page.name} does not document field {f['name']!r}"
+
+
+def test_every_runtime_counter_is_in_counters_md():
+    names = counter_names(_py("tllm_core", "producers"))
+    assert {"engine_steps", "rows_seen", "bundles_delivered", "consumer_errors"} <= names
+    text = documented(DOCS / "counters.md")
+    missing = sorted(n for n in names if f"`{n}`" not in text)
+    assert not missing, f"runtime counters missing from docs/counters.md: {missing}"
+
+
+CONSUMER_SOURCES = {
+    "stats": ["consumers/stats.py"],
+    "export": ["consumers/export"],
+    "steer": ["consumers/steer"],
+    "esamp": ["algorithms/esamp"],
+}
+
+
+def test_every_consumer_counter_is_on_its_page():
+    assert set(CONSUMER_SOURCES) == {c["name"] for c in _builtin_consumers()}
+    for name, sources in CONSUMER_SOURCES.items():
+        files = []
+        for s in sources:
+            p = ROOT / s
+            files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        names = counter_names(files)
+        if name == "esamp":
+            from algorithms.esamp.consumer import COUNTER_NAMES
+
+            names |= set(COUNTER_NAMES)
+        text = documented(DOCS / "consumers" / f"{name}.md")
+        missing = sorted(n for n in names if f"`{n}`" not in text)
+        assert not missing, f"docs/consumers/{name}.md lacks counters {missing}"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tllm_core.cli", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [(), ("run",), ("consumers",), ("export",), ("steer",),
+                                  ("steer", "compute")])
+def test_cli_help_works_and_every_option_is_documented(args):
+    proc = _cli(*args, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: tllm")
+    text = (DOCS / "cli.md").read_text()
+    for opt in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", proc.stdout))):
+        assert opt == "--help" or f"`{opt}" in text, f"docs/cli.md does not mention {opt} ({args})"
+
+
+def test_relative_links_between_pages_resolve():
+    pages = [p for p in DOCS.rglob("*.md") if p.name not in NOT_CHECKED]
+    pages.append(ROOT / "tllm_core" / "vllm_bridge" / "CONTRACT.md")
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: broken link {target}"
