@@ -176,9 +176,65 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
             rep = engine.close()
             counters = {"runtime": rep["runtime"], **rep["consumers"]}
             errors = rep.get("errors", [])
+        _shutdown(llm)
+        del llm, engine, outs
     return {"case": case, "tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s,
             "start_s": start_s, "peak_rss_mib": _rss_mib(), "rss_before_engine_mib": rss_before,
             "counters": counters, "errors": errors}
+
+
+class _PeakSampler:
+    """Peak RSS of this process over a block, sampled every 20 ms (in-process mode)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _current_rss_mib()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _current_rss_mib())
+
+    def __enter__(self) -> _PeakSampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _current_rss_mib())
+
+
+def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The worker in this process (faster, for small runs): the engine is shut down after."""
+    import gc
+
+    with _PeakSampler() as ps:
+        res = worker(cfg)
+    gc.collect()
+    res["peak_rss_mib"] = ps.peak  # peak of this case only (ru_maxrss spans all cases)
+    return res
+
+
+def _setup_env(kv_cache_gib: int) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _shutdown(llm: Any) -> None:
+    inner = getattr(llm, "llm", llm)
+    core = getattr(getattr(inner, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        try:
+            core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -254,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the cases one after another in this process instead of one fresh "
+                   "worker process each (faster start; memory then from sampled RSS)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -283,13 +342,16 @@ def main(argv: list[str] | None = None) -> int:
                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                     kv_cache_gib=args.kv_cache_gib, warmup_tokens=args.warmup_tokens)
 
+    if args.in_process:
+        _setup_env(args.kv_cache_gib)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     for r in range(args.rounds):
         order = cases[r % len(cases):] + cases[:r % len(cases)]
         if r % 2:
             order = order[::-1]
         for case in order:
-            res = run_worker({**base_cfg, "case": case}, args.timeout)
+            cfg = {**base_cfg, "case": case}
+            res = run_in_process(cfg) if args.in_process else run_worker(cfg, args.timeout)
             runs[case].append(res)
             print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
                   f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
@@ -326,8 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                      "max_tokens": args.max_tokens, "min_p": args.min_p, "temperature": 1.0,
                      "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds,
                      "dtype": args.dtype, "enforce_eager": args.enforce_eager,
-                     "kv_cache_gib": args.kv_cache_gib},
-        "memory_note": "peak RSS of the worker process (engine in-process); extra = case - plain",
+                     "kv_cache_gib": args.kv_cache_gib, "in_process": args.in_process},
+        "memory_note": ("peak RSS sampled while each case ran in this process" if args.in_process
+                        else "peak RSS (ru_maxrss) of each case's worker process, which holds "
+                        "the whole engine") + "; extra = case - plain",
         "machine": machine_info(),
         "ok": not failures, "failures": failures,
     }

@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+
+class CliError(ValueError):
+    """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
+
+
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 EPILOG_RUN = """examples:
@@ -55,11 +60,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts is not None:
         if not args.prompts.is_file():
-            raise SystemExit(f"tllm: --prompts file not found: {args.prompts}")
+            raise CliError(f"--prompts file not found: {args.prompts}")
         lines = [ln.strip() for ln in args.prompts.read_text().splitlines()]
         prompts = [ln for ln in lines if ln]
         if not prompts:
-            raise SystemExit(f"tllm: --prompts file {args.prompts} holds no prompt")
+            raise CliError(f"--prompts file {args.prompts} holds no prompt")
         return prompts
     return args.prompt or [DEFAULT_PROMPT]
 
@@ -68,9 +73,9 @@ def _sampling(args: argparse.Namespace):
     from vllm import SamplingParams
 
     if args.n < 1:
-        raise SystemExit(f"tllm: -n must be >= 1, got {args.n}")
+        raise CliError(f"-n must be >= 1, got {args.n}")
     if args.max_tokens < 1:
-        raise SystemExit(f"tllm: --max-tokens must be >= 1, got {args.max_tokens}")
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         return SamplingParams(
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -78,7 +83,7 @@ def _sampling(args: argparse.Namespace):
             seed=args.seed, ignore_eos=args.ignore_eos,
         )
     except ValueError as e:
-        raise SystemExit(f"tllm: bad sampling option: {e}") from None
+        raise CliError(f"bad sampling option: {e}") from None
 
 
 def _quiet(args: argparse.Namespace) -> None:
@@ -112,7 +117,7 @@ def generate_with(args: argparse.Namespace, consumers: list[str], extra_engine: 
     params = _sampling(args)
     model = args.model
     if model is not None and not Path(model).is_dir():
-        raise SystemExit(f"tllm: --model must be a local model folder; {model!r} is not a directory")
+        raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
     # Fail on names/configs before converting the default model or starting vLLM.
     validate_consumers(consumers, model)
     llm = TllmLLM(model, consumers, **_engine_kwargs(args), **(extra_engine or {}))
@@ -184,7 +189,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         layers = [parse_layer_spec(s) for s in args.layers.split(",") if s.strip()]
     except ValueError as e:
-        raise SystemExit(f"tllm export: {e}") from None
+        raise CliError(f"export: {e}") from None
     spec = {"name": "export", "config": {"out": str(args.out), "layers": layers,
                                          "phase": args.phase, "overwrite": args.overwrite}}
     consumers = [json_spec(spec)] + (args.consumer or [])

@@ -1,0 +1,79 @@
+"""Bad input fails before generation with a message naming the bad value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+
+
+def _fails(proc, *needles):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for n in needles:
+        assert n in proc.stderr, proc.stderr[-2000:]
+    # nothing was generated: no engine start in the log
+    assert "Processed prompts" not in proc.stderr
+
+
+def test_unknown_consumer_lists_available():
+    _fails(run_cli("run", "--consumer", "nope", "--prompt", "x"),
+           "unknown consumer 'nope'", "esamp", "stats")
+
+
+def test_invalid_config_names_the_field():
+    _fails(run_cli("run", "--consumer", 'esamp:{"beta": -1}', "--prompt", "x"),
+           "invalid config for consumer 'esamp'", "beta")
+    _fails(run_cli("run", "--consumer", "esamp:{oops", "--prompt", "x"), "not valid JSON")
+
+
+def test_layer_out_of_range_names_layer_count(tiny_model):
+    _fails(run_cli("run", "--model", tiny_model, "--consumer", 'stats:{"layers": [9]}',
+                   "--prompt", "x"), "layer index 9 is out of range", "4 decoder layers")
+
+
+def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    _fails(run_cli("export", "--model", tiny_model, "--layers", "0", "--out", str(f / "sub"),
+                   "--prompt", "x"), str(f))
+    _fails(run_cli("export", "--model", tiny_model, "--layers", "zero", "--out", str(tmp_path / "o"),
+                   "--prompt", "x"), "bad layer spec 'zero'")
+
+
+def test_steer_vector_checks(tiny_model, tmp_path):
+    bad = tmp_path / "v.npy"
+    np.save(bad, np.ones(7, dtype=np.float32))
+    cfg = {"vectors": [{"layer": 1, "path": str(bad)}]}
+    _fails(run_cli("run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}",
+                   "--prompt", "x"), "v.npy", "128")
+    cfg = {"vectors": [{"layer": 1, "path": str(tmp_path / "missing.pt")}]}
+    _fails(run_cli("run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}",
+                   "--prompt", "x"), "missing.pt")
+
+
+def test_bad_cli_values():
+    proc = run_cli("run", "--prompts", "/nonexistent/prompts.txt")
+    assert proc.returncode != 0 and "/nonexistent/prompts.txt" in proc.stderr
+    proc = run_cli("run", "-n", "0", "--prompt", "x")
+    assert proc.returncode != 0 and "-n must be >= 1" in proc.stderr
+
+
+def test_unsupported_vllm_version_is_refused(monkeypatch):
+    monkeypatch.delenv("TLLM_ALLOW_UNSUPPORTED_VLLM", raising=False)
+    with pytest.raises(UnsupportedEngineError, match="found 0.20.1"):
+        check_version("0.20.1")
+    assert check_version("0.33.0") == "0.33.0"
+
+
+def test_python_api_fails_before_engine_start(tiny_model):
+    from tllm_core.engine import TllmLLM
+    from tllm_core.registry import ConsumerSpecError
+
+    with pytest.raises(ValueError, match="out of range"):
+        TllmLLM(tiny_model, ['stats:{"layers": [-5]}'])
+    with pytest.raises(ConsumerSpecError, match="unknown consumer"):
+        TllmLLM(tiny_model, ["nope"])

@@ -1,0 +1,165 @@
+"""Unit tests of the engine-neutral core: specs, registry, bus, edits, guide views."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tllm_core import Bundle, Consumer, ConsumerConfig, EditPlan, GuideView, HiddenStates, Phase
+from tllm_core.bus import Bus
+from tllm_core.counters import Counters
+from tllm_core.ports import Delivery, parse_layer_spec, resolve_layer
+from tllm_core.registry import ConsumerSpec, ConsumerSpecError, Registry
+from tllm_core.rows import RequestInfo, RowInfo
+
+
+def _rows(n: int, decode=None) -> RowInfo:
+    req = RequestInfo("0-abcdefgh", "0", 0, 0, 4)
+    return RowInfo(
+        row=np.arange(n), requests=[req] * n, position=np.arange(n),
+        is_decode=np.zeros(n, bool) if decode is None else np.asarray(decode),
+        recomputed=np.zeros(n, bool), token_ids=torch.arange(n),
+    )
+
+
+def test_spec_parsing_and_errors():
+    assert ConsumerSpec.parse("esamp") == ConsumerSpec("esamp", {})
+    assert ConsumerSpec.parse('esamp:{"beta": 0.5}').config == {"beta": 0.5}
+    with pytest.raises(ConsumerSpecError, match="not valid JSON"):
+        ConsumerSpec.parse("esamp:{beta}")
+    with pytest.raises(ConsumerSpecError, match="JSON object"):
+        ConsumerSpec.parse("esamp:[1]")
+
+
+def test_registry_lists_builtins_and_names_bad_values():
+    reg = Registry()
+    assert {"stats", "export", "steer", "esamp"} <= set(reg.names)
+    with pytest.raises(ConsumerSpecError, match=r"unknown consumer 'nope'; available: .*esamp"):
+        reg.get("nope")
+    with pytest.raises(ConsumerSpecError, match="beta"):
+        reg.validate(ConsumerSpec("esamp", {"beta": -1}))
+    with pytest.raises(ConsumerSpecError, match="betta"):
+        reg.validate(ConsumerSpec("esamp", {"betta": 1}))
+    described = {c["name"]: c for c in reg.describe()}
+    assert any(f["name"] == "beta" for f in described["esamp"]["fields"])
+    assert described["stats"]["description"]
+
+
+def test_layer_specs():
+    assert parse_layer_spec("final") == "final" and parse_layer_spec("-2") == -2
+    with pytest.raises(ValueError, match="bad layer spec 'x'"):
+        parse_layer_spec("x")
+    assert resolve_layer(-1, 4) == 3
+    with pytest.raises(ValueError, match="has 4 decoder layers"):
+        resolve_layer(4, 4)
+
+
+class _Slow(Consumer):
+    name = "slow"
+    delivery = Delivery.BACKGROUND
+
+    def __init__(self):
+        super().__init__(ConsumerConfig(), None)
+        self.got = []
+        self.gate = threading.Event()
+
+    def on_bundle(self, bundle):
+        self.gate.wait(5)
+        self.got.append(bundle.step)
+
+
+@pytest.mark.parametrize("overflow", ["drop", "block"])
+def test_background_queue_overflow_policy_is_counted(overflow):
+    counters = Counters()
+    bus = Bus(counters, queue_size=2, overflow=overflow)
+    c = _Slow()
+    hidden = {"layer.0": torch.zeros(1, 4)}
+
+    def publish_all():
+        for i in range(6):
+            bus.publish(c, Bundle(i, _rows(1), dict(hidden)))
+
+    t = threading.Thread(target=publish_all)
+    t.start()
+    time.sleep(0.3)
+    c.gate.set()
+    t.join(5)
+    bus.flush()
+    bus.close()
+    snap = counters.snapshot()
+    if overflow == "drop":
+        assert snap["bundles_dropped"] > 0
+        assert snap["bundles_dropped"] + snap["bundles_delivered"] == 6
+    else:
+        assert snap.get("bundles_dropped", 0) == 0 and snap["bundles_delivered"] == 6
+        assert snap["queue_full_waits"] > 0 and c.got == list(range(6))
+
+
+def test_background_bundles_are_host_copies():
+    counters = Counters()
+    bus = Bus(counters)
+    c = _Slow()
+    c.gate.set()
+    seen = []
+    c.on_bundle = lambda b: seen.append(b.hidden["layer.0"])  # type: ignore[method-assign]
+    buf = torch.zeros(1, 4)
+    bus.publish(c, Bundle(0, _rows(1), {"layer.0": buf}))
+    buf.fill_(7)  # the engine reuses its buffers next step
+    bus.flush()
+    bus.close()
+    assert torch.equal(seen[0], torch.zeros(1, 4))
+
+
+def test_failing_consumer_is_isolated_and_reported():
+    counters = Counters()
+    bus = Bus(counters)
+
+    class Bad(Consumer):
+        name = "bad"
+
+        def on_bundle(self, b):
+            raise KeyError("boom")
+
+    bad = Bad(ConsumerConfig(), None)
+    bus.publish(bad, Bundle(0, _rows(1)))
+    bus.publish(bad, Bundle(1, _rows(1)))  # disabled after the first error
+    assert counters.get("consumer_errors") == 1 and not bus.active(bad)
+    assert "bad" in bus.errors[0]["error"] and "boom" in bus.errors[0]["error"]
+
+
+def test_edit_plan_checks_and_restrict():
+    plan = EditPlan(_rows(4), {1}, hidden_size=4)
+    with pytest.raises(ValueError, match="not declared"):
+        plan.add(2, np.array([0]), torch.ones(4))
+    with pytest.raises(ValueError, match="hidden size is 4"):
+        plan.add(1, np.array([0]), torch.ones(5))
+    plan.add(1, np.array([0, 1, 2]), torch.ones(3, 4))
+    plan.restrict(np.array([True, False, True, True]))
+    rows, kind, value = plan.ops[1][0]
+    assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
+
+
+def test_guide_view_update_touches_only_candidates_and_allowed_rows():
+    logits = torch.tensor([[1.0, float("-inf"), 2.0], [3.0, 4.0, float("-inf")]])
+    view = GuideView(0, _rows(2, [True, True]), logits, torch.ones(2), np.ones(2, bool), True, {},
+                     allowed=np.array([True, False]))
+    view.update(torch.tensor([0, 1]), torch.full((2, 3), 9.0))
+    assert logits[0].tolist() == [9.0, float("-inf"), 9.0]
+    assert logits[1].tolist() == [3.0, 4.0, float("-inf")]
+    assert view.rows_guided == 1 and view.candidates_guided == 2
+
+
+def test_stats_consumer_reads_ports():
+    from consumers.stats import StatsConsumer
+    from tllm_core.consumer import ConsumerContext, ModelInfo
+
+    info = ModelInfo(8, 4, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
+    ctx = ConsumerContext(info, Counters(), lambda i: resolve_layer(i, 4))
+    c = StatsConsumer(StatsConsumer.Config(layers=[0, -1], phase=Phase.DECODE), ctx)
+    assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
+    with pytest.raises(ValueError, match="4 decoder layers"):
+        StatsConsumer(StatsConsumer.Config(layers=[9]), ctx)
