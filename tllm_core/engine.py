@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -46,6 +47,26 @@ def validate_consumers(
 
         dry_build(parsed, model_path, registry)
     return parsed
+
+
+def _salted(prompt: Any, extra: dict[str, Any]) -> Any:
+    """Give requests with different per-request settings different prefix-cache salts.
+
+    With residual edits, a cached prompt block computed under one request's edits must
+    not be reused by a request with other (or no) edits.
+    """
+    keys = {k: v for k, v in extra.items() if k.startswith("tllm_") and k not in _TAG_KEYS}
+    if not keys:
+        return prompt
+    salt = "tllm:" + json.dumps(keys, sort_keys=True, default=str)
+    if isinstance(prompt, str):
+        return {"prompt": prompt, "cache_salt": salt}
+    if isinstance(prompt, dict) and "cache_salt" not in prompt:
+        return {**prompt, "cache_salt": salt}
+    return prompt
+
+
+_TAG_KEYS = {"tllm_prompt_index", "tllm_n"}
 
 
 class TllmLLM:
@@ -130,6 +151,8 @@ class TllmLLM:
             extra["tllm_n"] = sp.n
             sp.extra_args = extra
             tagged.append(sp)
+            if self.status.get("edit_layers") and not chat:
+                items[i] = _salted(items[i], extra)
         try:
             return fn(items, tagged, **kwargs)
         finally:

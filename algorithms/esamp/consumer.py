@@ -4,6 +4,8 @@ uses the distiller trained through step t-1)."""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,11 @@ from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
 from tllm_core.rows import RequestInfo
 
+log = logging.getLogger("tllm")
+
 _BATCH_KEY = "__batch__"
+# Per-request override of the config's beta (vllm_xargs in the OpenAI server).
+BETA_KEY = "tllm_esamp_beta"
 # On CUDA, losses stay on the device and are read back (one stream sync) this often.
 _FLUSH_EVERY = 256
 _CURVE_POINTS = 64
@@ -98,6 +104,7 @@ class ESampConsumer(Consumer):
         self._age_n: list[int] = []
         self._group_first: dict[int, float] = {}
         self._group_last: dict[int, float] = {}
+        self._req_beta: dict[str, float] = {}  # engine_id -> beta (override or config)
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
         self.counters.set("staleness", 0)  # strict: training is ordered before the next predict
@@ -135,7 +142,29 @@ class ESampConsumer(Consumer):
             self.counters.set("groups_alive", self.distiller.num_live)
         return g.slot
 
+    def _beta(self, req: RequestInfo) -> float:
+        """The request's beta: ``extra_args["tllm_esamp_beta"]`` when valid, else the config's."""
+        beta = self._req_beta.get(req.engine_id)
+        if beta is None:
+            beta = self.cfg.beta
+            raw = (req.extra_args or {}).get(BETA_KEY)
+            if raw is not None:
+                try:
+                    if isinstance(raw, bool):
+                        raise TypeError("a boolean")
+                    value = float(raw)
+                    if not (math.isfinite(value) and value >= 0):
+                        raise ValueError("not a finite number >= 0")
+                    beta = value
+                except (TypeError, ValueError):
+                    log.warning("esamp: request %r: extra_args[%r]=%r is not a finite number "
+                                ">= 0; using the configured beta %s", req.request_id, BETA_KEY,
+                                raw, self.cfg.beta)
+            self._req_beta[req.engine_id] = beta
+        return beta
+
     def on_request_finished(self, request: RequestInfo) -> None:
+        self._req_beta.pop(request.engine_id, None)
         key = self._group_key(request)
         g = self._groups.get(key)
         if g is None or request.engine_id not in g.live:
@@ -189,9 +218,16 @@ class ESampConsumer(Consumer):
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
-        new = self._mix(view, idx, f)
+        betas = [self._beta(rows.requests[i]) for i in sel]
         before_rows, before_cand = view.rows_guided, view.candidates_guided
-        view.update(idx, new)
+        if all(b == betas[0] for b in betas):
+            view.update(idx, self._mix(view, idx, f, betas[0]))
+        else:  # per-request betas: one mix per distinct value
+            for beta in sorted(set(betas)):
+                part = [j for j, b in enumerate(betas) if b == beta]
+                sub = torch.tensor(part, dtype=torch.long, device=f.device)
+                sub_idx = _index([sel[j] for j in part], view.logits.device)
+                view.update(sub_idx, self._mix(view, sub_idx, f.index_select(0, sub), beta))
         self.counters.add("rows_guided", view.rows_guided - before_rows)
         self.counters.add("candidates_guided", view.candidates_guided - before_cand)
 
@@ -199,22 +235,24 @@ class ESampConsumer(Consumer):
         model = self.context.model
         return model.lm_head(z.to(model.dtype)).float()
 
-    def _mix(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    def _mix(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
+             beta: float | None = None) -> torch.Tensor:
         cfg = self.cfg
+        beta = cfg.beta if beta is None else beta
         ref = view.logits[idx]
         temp = view.temperature[idx].float()
         post = cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered)
         if post:
-            new = mix_post_filter(ref, candidate_dist_fn(f, self._weight, self._head), cfg.beta,
+            new = mix_post_filter(ref, candidate_dist_fn(f, self._weight, self._head), beta,
                                   temp)
         elif cfg.mix == "latent" and self._latent_ok:
-            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, cfg.beta)
+            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, beta)
             new = self._head(h_mix) / temp[:, None]
         else:
             if cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
             new = mix_full_vocab_logits(ref, full_dist_logits(f, self._weight, self._head),
-                                        cfg.beta, temp)
+                                        beta, temp)
         # A non-finite prediction must not poison sampling: keep such rows as they were
         # (a device-side select, so no host sync).
         ok = torch.isfinite(f).all(-1, keepdim=True)

@@ -4,6 +4,11 @@ vLLM loads it in every process. It wraps the V1 runners' ``load_model`` so that,
 after the weights load and before anything compiles, a runner whose config carries
 ``additional_config["tllm"]`` gets the tllm hooks. Without that key the wrapper
 calls the original and returns: nothing of tllm is in the request path.
+
+In the OpenAI server (``vllm serve``) it also adds :class:`EndpointGate` to the endpoint
+plugins the API server loads; the gate does nothing unless the server's
+``--additional-config`` carries the ``tllm`` key, in which case it wires up
+:mod:`tllm_core.vllm_bridge.serving` (request checks, cache salt, ``/tllm/*`` routes).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ def _wrap_load_model(cls: type) -> None:
             from tllm_core.vllm_bridge.hooks import install
 
             install(self, cfg)
+            from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
+
+            ensure_worker_methods(self.vllm_config)
         return out
 
     setattr(load_model, _PATCHED_ATTR, True)
@@ -43,6 +51,7 @@ def register() -> None:
 
     _wrap_load_model(GPUModelRunner)
     _patch_v2_if_present()
+    _patch_endpoint_plugins()
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     except ImportError:  # CUDA builds may not ship the CPU runner
@@ -78,3 +87,67 @@ def _patch_v2_if_present() -> None:
     except Exception:  # noqa: BLE001 - absent or not importable on this platform (CPU)
         return
     _refuse_v2(V2Runner)
+
+
+# -- the OpenAI server ----------------------------------------------------------------------
+def _tllm_settings(additional_config) -> dict | None:
+    if isinstance(additional_config, str):
+        import json
+
+        try:
+            additional_config = json.loads(additional_config)
+        except ValueError:
+            return None
+    if not isinstance(additional_config, dict):
+        return None
+    return additional_config.get("tllm")
+
+
+class EndpointGate:
+    """vLLM endpoint plugin (API server only) that is inert unless the tllm switch is on."""
+
+    name = "tllm"
+    required_tasks = None
+
+    def __init__(self) -> None:
+        self.active = False
+
+    def attach_router(self, app) -> None:
+        cfg = _tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
+        if cfg is None:
+            return
+        from tllm_core.serving.keys import ServerConsumers
+        from tllm_core.vllm_bridge.serving import attach_routes
+
+        self.active = True
+        attach_routes(app, ServerConsumers.from_settings(cfg))
+
+    async def init_state(self, engine_client, state, args) -> None:
+        if engine_client is None:
+            return
+        cfg = _tllm_settings(engine_client.vllm_config.additional_config)
+        if cfg is None:
+            return
+        from tllm_core.vllm_bridge.serving import init_state
+
+        await init_state(engine_client, state, cfg)
+
+
+def _patch_endpoint_plugins() -> None:
+    """Append :class:`EndpointGate` to what ``vllm.plugins.load_endpoint_plugins`` returns.
+
+    vLLM loads ``vllm.endpoint_plugins`` entry points only when named in ``VLLM_PLUGINS``;
+    the gate is added here instead, so that ``--additional-config`` alone is the switch.
+    """
+    import vllm.plugins as vp
+
+    orig = getattr(vp, "load_endpoint_plugins", None)
+    if orig is None or getattr(orig, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(orig)
+    def load_endpoint_plugins(*args, **kwargs):
+        return [*orig(*args, **kwargs), EndpointGate()]
+
+    setattr(load_endpoint_plugins, _PATCHED_ATTR, True)
+    vp.load_endpoint_plugins = load_endpoint_plugins

@@ -1,4 +1,9 @@
-"""Worker extension (``LLM(worker_extension_cls=...)``): RPC methods to read results back."""
+"""Worker extension (``LLM(worker_extension_cls=...)``): RPC methods to read results back.
+
+``vllm serve`` needs no ``--worker-extension-cls``: when the tllm switch is on, the plugin's
+``load_model`` wrapper calls :func:`ensure_worker_methods`, which mixes the class in the way
+vLLM does for ``worker_extension_cls``.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +40,16 @@ class TllmWorkerExtension:
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
         return None if hooks is None else hooks.runtime.close()
+
+
+def ensure_worker_methods(vllm_config: Any) -> None:
+    """Give this process's worker class the ``tllm_*`` RPC methods (idempotent)."""
+    worker_cls = getattr(vllm_config.parallel_config, "worker_cls", None)
+    if not isinstance(worker_cls, str):
+        return
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    cls = resolve_obj_by_qualname(worker_cls)
+    if hasattr(cls, "tllm_collect") or TllmWorkerExtension in cls.__mro__:
+        return
+    cls.__bases__ = cls.__bases__ + (TllmWorkerExtension,)

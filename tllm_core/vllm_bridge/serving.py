@@ -1,0 +1,175 @@
+"""tllm in vLLM's OpenAI-compatible server (``vllm serve``), API-server side.
+
+Loaded only when the server was started with ``--additional-config '{"tllm": {...}}'``
+(see :class:`tllm_core.vllm_bridge.plugin.EndpointGate`). It then:
+
+- checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (an ASGI
+  middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
+  ``/v1/responses``; it parses only bodies containing ``tllm_``): a bad value gets HTTP 400
+  before any response starts, streaming included;
+- checks them again on every request vLLM admits, whatever the route (an instance-level
+  wrapper of the input processor's logits-processor parameter validator, the hook vLLM calls
+  for custom logits processors): a bad value raises ``VLLMValidationError`` (HTTP 400, or an
+  error event on a stream that already started);
+- salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
+  ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
+  unsteered requests never share cached KV blocks;
+- serves ``GET /tllm/counters`` (the runtime's report, read from the worker through
+  ``collective_rpc("tllm_collect")``) and ``GET /tllm/status``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from tllm_core.serving.keys import ServerConsumers, request_salt, validate_extra_args
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY
+
+# Under "vllm." so the line goes through vLLM's configured handler in the server log.
+log = logging.getLogger("vllm.tllm")
+
+COUNTERS_PATH = "/tllm/counters"
+STATUS_PATH = "/tllm/status"
+
+
+# Routes whose JSON body carries ``vllm_xargs`` at the top level.
+CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def check_body(body: bytes, server: ServerConsumers) -> str | None:
+    """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
+    if b"tllm_" not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None  # vLLM answers malformed JSON itself
+    xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+    if not isinstance(xargs, dict):
+        return None
+    try:
+        validate_extra_args(xargs, server)
+    except ValueError as e:
+        return f"tllm: {e}"
+    return None
+
+
+class XargsCheck:
+    """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
+
+    def __init__(self, app: Any, server: ServerConsumers):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send):
+        if (scope["type"] != "http" or scope["method"] != "POST"
+                or not scope["path"].endswith(CHECKED_PATHS)):
+            return await self.app(scope, receive, send)
+        messages, body = [], b""
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            body += msg.get("body", b"")
+            if not msg.get("more_body", False):
+                break
+        error = check_body(body, self.server)
+        if error is not None:
+            payload = json.dumps({"error": {"message": error, "type": "BadRequestError",
+                                            "param": "vllm_xargs", "code": 400}}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def attach_routes(app: Any, server: ServerConsumers) -> None:
+    app.add_middleware(XargsCheck, server=server)
+    router = APIRouter()
+
+    async def _rpc(request: Request, method: str) -> Any:
+        client = getattr(request.app.state, "tllm_engine_client", None)
+        if client is None:
+            return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
+        results = await client.collective_rpc(method)
+        return results[0] if isinstance(results, list) and len(results) == 1 else results
+
+    @router.get(COUNTERS_PATH)
+    async def tllm_counters(request: Request):
+        out = await _rpc(request, "tllm_collect")
+        return out if isinstance(out, JSONResponse) else JSONResponse(out)
+
+    @router.get(STATUS_PATH)
+    async def tllm_status(request: Request):
+        out = await _rpc(request, "tllm_status")
+        if isinstance(out, JSONResponse):
+            return out
+        server: ServerConsumers = request.app.state.tllm_server
+        return JSONResponse({"worker": out, **server.describe()})
+
+    app.include_router(router)
+
+
+def install_request_checks(input_processor: Any, server: ServerConsumers) -> None:
+    """Instance-level wrappers on the front end's input processor (this server only)."""
+    from vllm.exceptions import VLLMValidationError
+
+    if not hasattr(input_processor, "validate_logits_processors_params") or not hasattr(
+        input_processor, "assign_request_id"
+    ):
+        from tllm_core.vllm_bridge.version import UnsupportedEngineError
+
+        raise UnsupportedEngineError(
+            "vLLM's input processor lacks validate_logits_processors_params/assign_request_id: "
+            "this vLLM is not supported for serving with tllm"
+        )
+    validate_orig = input_processor.validate_logits_processors_params
+    assign_orig = input_processor.assign_request_id
+
+    def validate_logits_processors_params(params: Any) -> None:
+        validate_orig(params)
+        extra = getattr(params, "extra_args", None)
+        if extra:
+            try:
+                validate_extra_args(extra, server)
+            except ValueError as e:
+                raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
+
+    def assign_request_id(request: Any) -> None:
+        assign_orig(request)
+        params = getattr(request, "sampling_params", None)
+        salt = request_salt(getattr(params, "extra_args", None))
+        if salt is not None:
+            old = request.cache_salt
+            request.cache_salt = f"{old}|{salt}" if old else salt
+
+    input_processor.validate_logits_processors_params = validate_logits_processors_params
+    input_processor.assign_request_id = assign_request_id
+
+
+async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any]) -> None:
+    server = ServerConsumers.from_settings(raw_settings)
+    install_request_checks(engine_client.input_processor, server)
+    state.tllm_server = server
+    state.tllm_engine_client = engine_client
+    status = await engine_client.collective_rpc("tllm_status")
+    if not status or not all(s.get("installed") for s in status):
+        raise RuntimeError(
+            f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
+            f"installed in the model runner (worker status: {status})"
+        )
+    log.info("tllm: serving with consumers %s (per request: %s); counters at GET %s",
+                sorted(server.per_request),
+                sorted(n for n, p in server.per_request.items() if p), COUNTERS_PATH)
