@@ -143,11 +143,10 @@ def test_edit_plan_checks_and_restrict():
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
 
 
-def test_guide_view_update_touches_only_candidates_and_allowed_rows():
+def test_guide_view_update_touches_only_candidates_of_given_rows():
     logits = torch.tensor([[1.0, float("-inf"), 2.0], [3.0, 4.0, float("-inf")]])
-    view = GuideView(0, _rows(2, [True, True]), logits, torch.ones(2), np.ones(2, bool), True, {},
-                     allowed=np.array([True, False]))
-    view.update(torch.tensor([0, 1]), torch.full((2, 3), 9.0))
+    view = GuideView(0, _rows(2, [True, True]), logits, torch.ones(2), np.ones(2, bool), True, {})
+    view.update(torch.tensor([0]), torch.full((1, 3), 9.0))
     assert logits[0].tolist() == [9.0, float("-inf"), 9.0]
     assert logits[1].tolist() == [3.0, 4.0, float("-inf")]
     assert view.rows_guided == 1 and view.candidates_guided == 2

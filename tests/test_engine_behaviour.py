@@ -78,3 +78,16 @@ def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens)
     assert math.isfinite(es["loss_first"]) and math.isfinite(es["loss_last"])
     assert es["nonfinite_losses_skipped"] == 0 if "nonfinite_losses_skipped" in es else True
     assert rep["errors"] == []
+
+
+def test_per_request_consumer_acts_only_on_requests_that_ask(tiny_model, engines, plain_tokens):
+    spec = {"name": "esamp", "config": {"beta": 1.0}, "per_request": True}
+    llm = _tllm(engines, tiny_model, [spec])
+    params = _params()
+    params[0] = params[0].clone()
+    params[0].extra_args = {"tllm_consumers": "esamp"}
+    toks = _tokens(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert toks[1:] == plain_tokens[1:], "requests that did not ask must be untouched"
+    assert toks[0] != plain_tokens[0]
+    es = llm.collect()["consumers"]["esamp"]
+    assert es["groups_created"] == 1 and es["rows_guided"] > 0 and es["groups_alive"] == 0

@@ -38,14 +38,19 @@ class EditPlan:
     ``s' = keep·s + add − ((s·u)·u)`` with ``u`` the ablation direction.
     """
 
-    def __init__(self, rows: RowInfo, allowed_layers: set[int], hidden_size: int):
+    def __init__(
+        self, rows: RowInfo, allowed_layers: set[int], hidden_size: int, num_layers: int = 0
+    ):
         self.rows = rows
+        self._num_layers = num_layers
         self._allowed = allowed_layers
         self._hidden_size = hidden_size
         # layer -> list of (row indices, kind, tensor)
         self.ops: dict[int, list[tuple[np.ndarray, str, torch.Tensor]]] = {}
 
     def _push(self, layer: int, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
+        if layer < 0 and self._num_layers:
+            layer += self._num_layers  # same indexing as the ResidualEdit port
         if layer not in self._allowed:
             raise ValueError(
                 f"layer {layer} was not declared as a ResidualEdit port by this consumer "
@@ -80,8 +85,10 @@ class EditPlan:
         self._push(layer, rows, "replace", values)
 
     def ablate(self, layer: int, rows: np.ndarray, direction: torch.Tensor) -> None:
-        """Remove the component of the stream along ``direction`` (normalised here)."""
-        u = direction.float() / direction.float().norm().clamp_min(1e-12)
+        """Remove the component of the stream along ``direction`` (``[H]`` or one per row
+        ``[len(rows), H]``; each normalised here)."""
+        d = direction.float()
+        u = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         self._push(layer, rows, "ablate", u)
 
 
@@ -103,11 +110,8 @@ class GuideView:
         is_random: np.ndarray,
         filtered: bool,
         hidden: dict[str, torch.Tensor],
-        allowed: np.ndarray | None = None,
     ):
         self.step = step
-        # Rows this consumer may change (per-request consumers); None means all.
-        self._allowed = None if allowed is None else torch.from_numpy(allowed)
         self.rows = rows
         self.logits = logits
         self.temperature = temperature
@@ -129,9 +133,6 @@ class GuideView:
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` on candidate entries only."""
-        if self._allowed is not None:
-            keep = self._allowed.to(row_idx.device)[row_idx]
-            row_idx, new_logits = row_idx[keep], new_logits[keep]
         if row_idx.numel() == 0:
             return
         old = self.logits[row_idx]

@@ -26,7 +26,7 @@ def _as_spec(c: str | ConsumerSpec | dict) -> ConsumerSpec:
     if isinstance(c, ConsumerSpec):
         return c
     if isinstance(c, dict):
-        return ConsumerSpec(c["name"], dict(c.get("config", {})))
+        return ConsumerSpec(c["name"], dict(c.get("config", {})), bool(c.get("per_request", False)))
     return ConsumerSpec.parse(c)
 
 
@@ -93,7 +93,8 @@ class TllmLLM:
         self.model_path = model
         specs = validate_consumers(consumers, model if os.path.isdir(model) else None)
         self.settings = RuntimeSettings(
-            consumers=[ConsumerEntry(name=s.name, config=s.config) for s in specs],
+            consumers=[ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request)
+                       for s in specs],
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
         )

@@ -27,6 +27,8 @@ class ConsumerSpec:
 
     name: str
     config: dict[str, Any] = field(default_factory=dict)
+    # Act only on requests whose extra_args["tllm_consumers"] names this consumer.
+    per_request: bool = False
 
     @classmethod
     def parse(cls, text: str) -> ConsumerSpec:
@@ -49,7 +51,7 @@ class ConsumerSpec:
         return cls(name, config)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config}
+        return {"name": self.name, "config": self.config, "per_request": self.per_request}
 
 
 class Registry:

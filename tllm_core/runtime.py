@@ -50,7 +50,7 @@ def build_consumers(
     slots = []
     names = set()
     for entry in settings.consumers:
-        spec = ConsumerSpec(entry.name, entry.config)
+        spec = ConsumerSpec(entry.name, entry.config, entry.per_request)
         cls = registry.get(spec.name)
         config = registry.validate(spec)
         if spec.name in names:
@@ -118,7 +118,7 @@ class Runtime:
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
-            plan = EditPlan(rows, s.edit_layers, self.model.hidden_size)
+            plan = EditPlan(rows, s.edit_layers, self.model.hidden_size, self.model.num_layers)
             if self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) and plan.ops:
                 if mask is not None:
                     plan.restrict(mask)
@@ -138,16 +138,29 @@ class Runtime:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
             allowed = s.enabled(srows.requests)
-            if allowed is not None and not allowed.any():
-                continue
-            view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden,
-                             allowed)
-            journal = _Journal(view)
-            if self.bus.call(s.consumer, "guide", s.consumer.guide, view):
-                self.counters.add("rows_guided", view.rows_guided)
-                self.counters.add("candidates_guided", view.candidates_guided)
-            else:
+            if allowed is None:
+                view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
+                journal = _Journal(view)
+                if self._call_guide(s, view):
+                    continue
                 journal.rollback()
+            elif allowed.any():
+                # Per-request consumer: it sees only its requests' rows, on a copy written
+                # back only if it succeeds.
+                sel = torch.from_numpy(np.nonzero(allowed)[0]).to(logits.device)
+                view = GuideView(
+                    step.step, srows.select(allowed), logits[sel], temperature[sel],
+                    is_random[allowed], filtered, {k: v[sel] for k, v in hidden.items()},
+                )
+                if self._call_guide(s, view):
+                    logits[sel] = view.logits
+
+    def _call_guide(self, s: _Slot, view: GuideView) -> bool:
+        if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
+            return False
+        self.counters.add("rows_guided", view.rows_guided)
+        self.counters.add("candidates_guided", view.candidates_guided)
+        return True
 
     def end_step(self, step: StepCapture) -> None:
         """After sampling: deliver bundles, then mark positions as seen."""
