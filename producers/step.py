@@ -30,13 +30,4 @@ class StepCapture:
 
     def sample_rows(self) -> RowInfo:
         """RowInfo of the sampling rows, in logits order."""
-        idx = self.sample_token_row
-        r = self.rows
-        return RowInfo(
-            row=r.row[idx],
-            requests=[r.requests[i] for i in idx],
-            position=r.position[idx],
-            is_decode=r.is_decode[idx],
-            recomputed=r.recomputed[idx],
-            token_ids=r.token_ids[torch.from_numpy(idx).to(r.token_ids.device)],
-        )
+        return self.rows.take(self.sample_token_row)

@@ -129,7 +129,8 @@ class Server:
     def get(self, path: str) -> tuple[int, dict]:
         try:
             with urllib.request.urlopen(f"{self.url}{path}", timeout=60) as r:
-                return r.status, json.load(r)
+                body = r.read()
+                return r.status, json.loads(body) if body else {}
         except urllib.error.HTTPError as e:
             return e.code, {}
 

@@ -117,7 +117,7 @@ class Registry:
                 fields.append(
                     {
                         "name": fname,
-                        "type": getattr(f.annotation, "__name__", str(f.annotation)),
+                        "type": _type_name(f.annotation),
                         "default": None if f.is_required() else _jsonable(f.get_default(call_default_factory=True)),
                         "required": f.is_required(),
                         "description": f.description or "",
@@ -127,6 +127,23 @@ class Registry:
                 {"name": name, "description": cls.description, "module": cls.__module__, "fields": fields}
             )
         return out
+
+
+def _type_name(t: Any) -> str:
+    """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
+    import types
+    import typing
+
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+    if t is type(None):
+        return "None"
+    return getattr(t, "__name__", str(t))
 
 
 def _jsonable(value: Any) -> Any:

