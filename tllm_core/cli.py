@@ -44,8 +44,13 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts", type=Path, help="file with one prompt per line")
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
+    chat = g.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the model's chat template (default: when the model has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="send prompts as raw text")
+    g.add_argument("-n", type=int, default=4,
+                   help="samples per prompt (default 4; ESamp spreads the samples of a prompt apart)")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per sample (default 64)")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -120,6 +125,12 @@ def generate_with(args: argparse.Namespace, consumers: list[str], extra_engine: 
         raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
     # Fail on names/configs before converting the default model or starting vLLM.
     validate_consumers(consumers, model)
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path(progress=not args.json))
+    if args.chat is None:
+        args.chat = has_chat_template(Path(model))
     llm = TllmLLM(model, consumers, **_engine_kwargs(args), **(extra_engine or {}))
     if args.chat:
         convs = [[{"role": "user", "content": p}] for p in prompts]
@@ -129,6 +140,19 @@ def generate_with(args: argparse.Namespace, consumers: list[str], extra_engine: 
     report = llm.close()
     texts = [[c.text for c in o.outputs] for o in outs]
     return prompts, texts, report
+
+
+def has_chat_template(model: Path) -> bool:
+    if (model / "chat_template.jinja").is_file():
+        return True
+    cfg = model / "tokenizer_config.json"
+    return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+
+
+def _idle_consumers(report: dict[str, Any]) -> list[str]:
+    """Consumers whose counters are all zero: they did no work."""
+    return [name for name, c in report["consumers"].items()
+            if not any(v for k, v in c.items() if not k.startswith("memory"))]
 
 
 def _counters(report: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +181,8 @@ def _print_report(prompts, texts, report, as_json: bool) -> None:
             print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
     for e in report.get("errors", []):
         print(f"ERROR: {e['error']}", file=sys.stderr)
+    for name in _idle_consumers(report):
+        print(f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
