@@ -83,10 +83,18 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     e = dict(os.environ)
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "tllm_core.cli", *args], capture_output=True, text=True,
-        timeout=timeout, env=e,
-    )
+    with subprocess.Popen(
+        [sys.executable, "-m", "tllm_core.cli", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=e,
+    ) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise
+    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    proc.pid = p.pid  # the front end's pid: consumers must run elsewhere
+    return proc
 
 
 def cli_json(proc: subprocess.CompletedProcess) -> dict:
