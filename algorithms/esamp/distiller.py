@@ -91,11 +91,17 @@ def split_params(theta: torch.Tensor, shape: DistillerShape):
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
     """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
     gate, up, down = split_params(theta, shape)
+    nb = shape.num_blocks
+    return _forward_blocks([gate[:, b] for b in range(nb)], [up[:, b] for b in range(nb)],
+                           [down[:, b] for b in range(nb)], xp)
+
+
+def _forward_blocks(gate: list, up: list, down: list, xp: torch.Tensor) -> torch.Tensor:
     h = xp
-    for b in range(shape.num_blocks):
-        a = torch.bmm(h, gate[:, b].transpose(1, 2))
-        u = torch.bmm(h, up[:, b].transpose(1, 2))
-        h = h + torch.bmm(F.silu(a) * u, down[:, b].transpose(1, 2))
+    for g, u_w, d in zip(gate, up, down, strict=True):
+        a = torch.bmm(h, g.transpose(1, 2))
+        u = torch.bmm(h, u_w.transpose(1, 2))
+        h = h + torch.bmm(F.silu(a) * u, d.transpose(1, 2))
     return h
 
 
@@ -143,6 +149,75 @@ def adam_clip_update(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v
             torch.where(keep, v_n, v), torch.where(ok, step_n, step))
 
 
+def _losses_and_grads(theta_g, xp, tp, mask, shape):
+    """Per-group MSE and its gradient, flat ``[G, P]`` like ``theta_g``.
+
+    The gradient is taken per weight matrix: differentiating through slices of one flat
+    tensor would zero-fill a full ``[G, P]`` buffer for every slice.
+    """
+    nb, g = shape.num_blocks, theta_g.shape[0]
+    losses, grads = _losses_and_leaf_grads(theta_g, xp, tp, mask, shape)
+    grad = torch.cat([torch.stack(grads[k * nb:(k + 1) * nb], 1).reshape(g, -1)
+                      for k in range(3)], dim=1)
+    return losses, grad
+
+
+def _losses_and_leaf_grads(theta_g, xp, tp, mask, shape):
+    """Losses and gradients of each weight matrix, in flat order (gate, up, down; by block).
+
+    Leaf ``j`` covers ``theta[:, j*I*H:(j+1)*I*H]``.
+    """
+    gate, up, down = split_params(theta_g, shape)
+    nb = shape.num_blocks
+    leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
+    with torch.enable_grad():
+        y = _forward_blocks(leaves[:nb], leaves[nb:2 * nb], leaves[2 * nb:], xp)
+        err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
+        n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
+        losses = err.sum((1, 2)) / n
+        grads = torch.autograd.grad(losses.sum(), leaves)
+    return losses.detach(), grads
+
+
+def train_packed_host(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+                      gslots: torch.Tensor, xp: torch.Tensor, tp: torch.Tensor,
+                      mask: torch.Tensor, shape: DistillerShape, hp: AdamHyper):
+    """:func:`train_packed` for the CPU, where reading values on the host costs nothing.
+
+    Same math (clip_grad_norm_ + Adam per group) but updated in place, group by group, and
+    only for groups with a finite loss and gradient: a few passes over the state instead of
+    the masked, out-of-place passes a graph-capturable version needs.
+    """
+    losses, grads = _losses_and_leaf_grads(theta.index_select(0, gslots), xp, tp, mask, shape)
+    b1, b2 = hp.betas
+    flat = [gr.reshape(gr.shape[0], -1) for gr in grads]
+    bn = flat[0].shape[1]
+    ok = torch.isfinite(losses)
+    for f in flat:
+        # One pass: a sum is finite iff every term is (barring overflow, which is then
+        # treated as non-finite too: the step is skipped).
+        ok &= torch.isfinite(f.sum(1))
+    for i, (slot, good) in enumerate(zip(gslots.tolist(), ok.tolist(), strict=True)):
+        if not good:
+            continue
+        coef = 1.0
+        if hp.grad_clip is not None:
+            norm = math.sqrt(sum(float(f[i].square().sum()) for f in flat))
+            coef = min(1.0, hp.grad_clip / (norm + _CLIP_EPS))
+        n = int(step[slot]) + 1
+        step[slot] = n
+        step_size, bc2 = hp.lr / (1 - b1**n), math.sqrt(1 - b2**n)
+        for j, f in enumerate(flat):
+            sl = slice(j * bn, (j + 1) * bn)
+            g = f[i].mul_(coef) if coef < 1.0 else f[i]
+            m_s, v_s = m[slot, sl], v[slot, sl]
+            m_s.lerp_(g, 1 - b1)
+            v_s.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = v_s.sqrt().div_(bc2).add_(hp.eps)
+            theta[slot, sl].addcdiv_(m_s, denom, value=-step_size)
+    return losses, ok
+
+
 def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
                  gslots: torch.Tensor, gvalid: torch.Tensor, xp: torch.Tensor, tp: torch.Tensor,
                  mask: torch.Tensor, shape: DistillerShape, hp: AdamHyper):
@@ -153,15 +228,9 @@ def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: to
     dims of ``(f(x) - target)^2``. Fixed shapes and no host sync, so it can be graph-captured.
     Returns ``(losses [G], updated [G])``.
     """
-    theta_g = theta.index_select(0, gslots).requires_grad_(True)
-    with torch.enable_grad():
-        y = forward_packed(theta_g, xp, shape)
-        err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
-        n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
-        losses = err.sum((1, 2)) / n
-        (grad,) = torch.autograd.grad(losses.sum(), theta_g)
+    theta_g = theta.index_select(0, gslots)
+    losses, grad = _losses_and_grads(theta_g, xp, tp, mask, shape)
     with torch.no_grad():
-        losses = losses.detach()
         ok = gvalid & torch.isfinite(losses) & torch.isfinite(grad).all(1)
         t, m_n, v_n, s_n = adam_clip_update(theta_g.detach(), grad, m.index_select(0, gslots),
                                             v.index_select(0, gslots),
@@ -300,8 +369,12 @@ class GroupedDistiller:
         tp, _, _, _ = self._pack(pk, target)
         gs = torch.from_numpy(pk.slots).to(self.device)
         gvalid = torch.ones(len(pk.slots), dtype=torch.bool, device=self.device)
-        losses, ok = train_packed(self.theta, self.m, self.v, self.step, gs, gvalid, xp, tp,
-                                  mask, self.shape, self.hp)
+        if self.device.type == "cpu":
+            losses, ok = train_packed_host(self.theta, self.m, self.v, self.step, gs, xp, tp,
+                                           mask, self.shape, self.hp)
+        else:
+            losses, ok = train_packed(self.theta, self.m, self.v, self.step, gs, gvalid, xp, tp,
+                                      mask, self.shape, self.hp)
         return TrainResult(pk.slots, losses, ok)
 
     def synchronize(self) -> None:
