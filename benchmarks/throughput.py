@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"peak RSS {res['peak_rss_mib']:7.0f} MiB", file=sys.stderr, flush=True)
 
     base = statistics.median(x["tok_s"] for x in runs["plain"])
-    base_rss = statistics.median(x["peak_rss_mib"] for x in runs["plain"])
+    base_grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"]
+                                  for x in runs["plain"])
     expected = args.prompts * args.n * args.max_tokens
     out_cases: dict[str, Any] = {}
     failures: list[str] = []
@@ -366,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = runs[case]
         tok_s = statistics.median(x["tok_s"] for x in rs)
         peak = statistics.median(x["peak_rss_mib"] for x in rs)
+        grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in rs)
         last = rs[-1]
         probs = work_problems(case, last["counters"], last["errors"])
         probs += [f"generated {x['tokens']} tokens, expected {expected}" for x in rs
@@ -377,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_rounds": [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)],
             "consumers": case_consumers_public(case),
             "start_s": statistics.median(x["start_s"] for x in rs),
-            "peak_rss_mib": peak, "extra_peak_rss_mib": peak - base_rss,
+            "peak_rss_mib": peak, "peak_growth_mib": grow,
+            "extra_peak_rss_mib": grow - base_grow,
             "tokens": last["tokens"], "counters": last["counters"], "errors": last["errors"],
             "ok": not probs, "problems": probs,
         }
@@ -389,11 +392,15 @@ def main(argv: list[str] | None = None) -> int:
                      "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds,
                      "dtype": args.dtype, "enforce_eager": args.enforce_eager,
                      "kv_cache_gib": args.kv_cache_gib, "in_process": args.in_process},
-        "memory_note": ("peak RSS sampled while each case ran in this process" if args.in_process
-                        else "peak RSS (ru_maxrss) of each case's worker process, which holds "
-                        "the whole engine") + "; extra = case - plain",
+        "memory_note": ("peak RSS sampled every 20 ms while the case ran in this process"
+                        if args.in_process else "peak RSS (ru_maxrss) of the case's worker "
+                        "process, which holds the whole engine") + ", minus the RSS before the "
+                        "engine started (after imports); extra = that growth for the case minus "
+                        "the same for plain (medians over rounds)",
         "machine": machine_info(),
         "ok": not failures, "failures": failures,
+        "raw_rounds": {c: [{k: v for k, v in x.items() if k not in ("counters", "errors")}
+                           for x in rs] for c, rs in runs.items()},
     }
     if args.json:
         print(json.dumps(result, default=str))

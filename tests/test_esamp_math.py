@@ -452,3 +452,13 @@ def test_padded_fixed_capacity_update_equals_unpadded():
         torch.testing.assert_close(padded.theta[s], exact.theta[s], rtol=1e-6, atol=1e-7)
         assert torch.equal(padded.step[s], exact.step[s])
     assert torch.equal(padded.theta[scratch], padded.template) and not padded.m[scratch].any()
+
+
+def test_growth_under_inference_mode_keeps_state_trainable():
+    # vLLM runs sampling (and so consumer callbacks) under torch.inference_mode.
+    d = GroupedDistiller(8, intermediate_size=4, capacity=2)
+    with torch.inference_mode():
+        slots = [d.alloc() for _ in range(5)]  # grows twice
+        x = torch.randn(5, 8)
+        res = d.train_step(torch.tensor(slots), x, x.flip(0))
+    assert bool(res.updated.all()) and not d.theta.is_inference()

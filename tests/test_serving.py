@@ -6,8 +6,8 @@ Two servers start side by side (module fixture, bounded wait, stopped at the end
   per-request), on the tiny model;
 - ``off``: the same server without ``--additional-config``.
 
-Every server process records which tllm modules it imports (a ``sitecustomize`` with an
-import audit hook), so the switch-off test can show that no request-path module of tllm was
+Every server process records which tllm modules it imports (a ``sitecustomize`` with a
+recording meta-path finder), so the switch-off test can show that no request-path module of tllm was
 ever loaded there.
 """
 
@@ -44,14 +44,14 @@ AUDIT = '''
 import os, sys
 _log = os.environ.get("TLLM_TEST_IMPORT_LOG")
 if _log:
-    def _hook(event, args, _seen=set()):
-        if event == "import":
-            name = args[0]
-            if name not in _seen and name.split(".")[0] in ("tllm_core", "algorithms", "consumers"):
-                _seen.add(name)
+    class _RecordTllmImports:  # sees every import, importlib.import_module included
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.split(".")[0] in ("tllm_core", "algorithms", "consumers"):
                 with open(f"{_log}.{os.getpid()}", "a") as f:
                     f.write(name + "\\n")
-    sys.addaudithook(_hook)
+            return None
+    sys.meta_path.insert(0, _RecordTllmImports)
 '''
 
 

@@ -299,7 +299,10 @@ class GroupedDistiller:
     def alloc(self) -> int:
         """A fresh slot (state at init); doubles the capacity when all slots are live."""
         if not self._free:
-            self._grow(2 * self._capacity)
+            # vLLM calls consumers under inference mode; state made there could not be
+            # trained in place later.
+            with torch.inference_mode(False):
+                self._grow(2 * self._capacity)
         slot = heapq.heappop(self._free)
         self._live.add(slot)
         return slot
