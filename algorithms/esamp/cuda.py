@@ -167,13 +167,7 @@ class CudaGroupedDistiller(GroupedDistiller):
         e.gvalid.zero_()
         e.gvalid[:gp] = True
 
-    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
-                   ) -> TrainResult:
-        pk = make_packing(slots)
-        if not pk.slots.size:
-            empty = torch.zeros(0, device=self.device)
-            return TrainResult(pk.slots, empty, empty.bool())
-        self._check_live(pk)
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
         e = self._entry(_bucket(len(pk.slots)), _bucket(pk.max_rows))
         self._fill(e, pk, x, target)
         gp = len(pk.slots)

@@ -356,18 +356,17 @@ class GroupedDistiller:
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
         """
-        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
-        # train outside it on copies.
-        with torch.inference_mode(False):
-            return self._train_step(slots, x.clone(), target.clone())
-
-    def _train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
-                    ) -> TrainResult:
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0, device=self.device)
             return TrainResult(pk.slots, empty, empty.bool())
         self._check_live(pk)
+        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
+        # train outside it (subclasses override _train only).
+        with torch.inference_mode(False):
+            return self._train(pk, x.clone(), target.clone())
+
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
         xp, mask, _, _ = self._pack(pk, x)
         tp, _, _, _ = self._pack(pk, target)
         gs = torch.from_numpy(pk.slots).to(self.device)
