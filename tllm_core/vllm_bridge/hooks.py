@@ -118,7 +118,11 @@ class RunnerHooks:
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens, *a, **kw):
             out = prepare(scheduler_output, num_scheduled_tokens, *a, **kw)
-            self._begin_step(num_scheduled_tokens)
+            if self.runtime.slots:
+                self._begin_step(num_scheduled_tokens)
+            else:  # runtime loaded without consumers: count steps, build nothing
+                self.runtime.step_index += 1
+                self.runtime.counters.add("engine_steps")
             return out
 
         def execute_model(scheduler_output, *a, **kw):
