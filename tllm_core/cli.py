@@ -64,13 +64,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def _prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts is not None:
-        if not args.prompts.is_file():
-            raise CliError(f"--prompts file not found: {args.prompts}")
-        lines = [ln.strip() for ln in args.prompts.read_text().splitlines()]
-        prompts = [ln for ln in lines if ln]
-        if not prompts:
-            raise CliError(f"--prompts file {args.prompts} holds no prompt")
-        return prompts
+        from tllm_core.prompts import read_prompt_file
+
+        return read_prompt_file(args.prompts, "--prompts file")
     return args.prompt or [DEFAULT_PROMPT]
 
 

@@ -35,12 +35,14 @@ class _Slot:
     guides: bool = False
     per_request: bool = False
 
+    def acts_on(self, request: RequestInfo) -> bool:
+        return not self.per_request or self.consumer.name in request.enabled_consumers
+
     def enabled(self, requests: list[RequestInfo]) -> np.ndarray | None:
         """Row mask of requests this consumer acts on; None when it acts on all."""
         if not self.per_request:
             return None
-        name = self.consumer.name
-        return np.fromiter((name in r.enabled_consumers for r in requests), bool, len(requests))
+        return np.fromiter((self.acts_on(r) for r in requests), bool, len(requests))
 
 
 def build_consumers(
@@ -106,10 +108,14 @@ class Runtime:
         return any(s.guides for s in self.slots)
 
     # -- per step ---------------------------------------------------------------------
-    def begin_step(self, rows: RowInfo) -> list[EditPlan]:
-        """Before the forward: collect each editing consumer's plan."""
+    def count_step(self) -> None:
+        """One engine step (alone when there is no consumer to build row metadata for)."""
         self.step_index += 1
         self.counters.add("engine_steps")
+
+    def begin_step(self, rows: RowInfo) -> list[EditPlan]:
+        """Before the forward: collect each editing consumer's plan."""
+        self.count_step()
         self.counters.add("rows_seen", len(rows))
         plans = []
         for s in self.slots:
@@ -164,7 +170,7 @@ class Runtime:
 
     def end_step(self, step: StepCapture) -> None:
         """After sampling: deliver bundles, then mark positions as seen."""
-        for key, _buf in step.hidden.items():
+        for key in step.hidden:
             self.counters.add(f"rows_captured.{key}", len(step.rows))
         if step.logits is not None:
             self.counters.add("rows_captured.logits", int(step.sample_kept.sum()))
@@ -183,9 +189,8 @@ class Runtime:
         for req in requests:
             self.counters.add("requests_finished")
             for s in self.slots:
-                if s.per_request and s.consumer.name not in req.enabled_consumers:
-                    continue
-                self.bus.finished(s.consumer, req)
+                if s.acts_on(req):
+                    self.bus.finished(s.consumer, req)
 
     # -- results ----------------------------------------------------------------------
     def collect(self) -> dict[str, Any]:

@@ -13,15 +13,6 @@ import numpy as np
 import torch
 
 
-def _read_prompts(path: Path) -> list[str]:
-    if not path.is_file():
-        raise ValueError(f"prompt file not found: {path}")
-    prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
-    if not prompts:
-        raise ValueError(f"prompt file {path} holds no prompt")
-    return prompts
-
-
 def check_out(out: Path) -> None:
     if out.suffix not in (".safetensors", ".pt", ".npy"):
         raise ValueError(f"--out must end in .safetensors, .pt or .npy, got {out.name!r}")
@@ -69,8 +60,10 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
 
     from consumers.export import read_export
     from tllm_core.engine import TllmLLM
+    from tllm_core.prompts import read_prompt_file
 
-    positive, negative = _read_prompts(args.positive), _read_prompts(args.negative)
+    positive = read_prompt_file(args.positive, "--positive file")
+    negative = read_prompt_file(args.negative, "--negative file")
     check_out(args.out)  # before the engine starts
     with tempfile.TemporaryDirectory(prefix="tllm-steer-") as tmp:
         spec = {"name": "export", "config": {"out": tmp, "layers": [args.layer],

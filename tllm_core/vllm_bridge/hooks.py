@@ -121,8 +121,7 @@ class RunnerHooks:
             if self.runtime.slots:
                 self._begin_step(num_scheduled_tokens)
             else:  # runtime loaded without consumers: count steps, build nothing
-                self.runtime.step_index += 1
-                self.runtime.counters.add("engine_steps")
+                self.runtime.count_step()
             return out
 
         def execute_model(scheduler_output, *a, **kw):
