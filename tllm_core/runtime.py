@@ -199,11 +199,12 @@ class Runtime:
         results = {}
         for s in self.slots:
             c = s.consumer
-            consumers[c.name] = c.counters.snapshot()
             try:
+                # First: result() may settle deferred work that the counters then include.
                 results[c.name] = c.result()
             except Exception as e:  # noqa: BLE001
                 results[c.name] = {"error": f"{type(e).__name__}: {e}"}
+            consumers[c.name] = c.counters.snapshot()
         return {
             "runtime": self.counters.snapshot(),
             "consumers": consumers,

@@ -32,7 +32,7 @@ log = logging.getLogger("tllm")
 _BATCH_KEY = "__batch__"
 # Per-request override of the config's beta (vllm_xargs in the OpenAI server).
 BETA_KEY = "tllm_esamp_beta"
-# On CUDA, losses stay on the device and are read back (one stream sync) this often.
+# Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
 _FLUSH_EVERY = 256
 _CURVE_POINTS = 64
 
@@ -84,8 +84,11 @@ class ESampConsumer(Consumer):
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.distiller = make_distiller(
             model.hidden_size, model.device, use_cuda_graph=cfg.use_cuda_graph,
+            side_thread=cfg.cpu_update == "thread" and model.device.type == "cpu",
             intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
             eps=cfg.eps, grad_clip=cfg.grad_clip, init=cfg.init, seed=cfg.seed)
+        # Losses of queued updates (CUDA stream, CPU side thread) are read back in batches.
+        self._deferred = self.distiller.device.type == "cuda" or self.distiller.asynchronous
         self._weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self._latent_ok = self._weight is not None and self._tgt == FINAL
@@ -300,17 +303,25 @@ class ESampConsumer(Consumer):
         for g in groups:
             g.age += 1
         self.counters.add("rows_trained", len(sel))
-        if self.distiller.device.type != "cuda" or len(self._pending) >= _FLUSH_EVERY:
+        if not self._deferred or len(self._pending) >= _FLUSH_EVERY:
             self._flush()
+        else:  # the updates already run (side thread): counters stay current, no waiting
+            self._flush(block=False)
 
     # -- bookkeeping ----------------------------------------------------------------
-    def _flush(self) -> None:
-        """Read pending losses back to the host and update the loss counters."""
-        if not self._pending:
+    def _flush(self, block: bool = True) -> None:
+        """Read pending losses back to the host and update the loss counters; with
+        ``block=False`` only those of updates that have already run, oldest first."""
+        if block and self._pending:
+            self.distiller.synchronize()
+        n_ready = 0
+        while n_ready < len(self._pending) and (block or self._pending[n_ready][2].ready()):
+            n_ready += 1
+        if not n_ready:
             return
-        self.distiller.synchronize()
+        ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
         steps = bad = 0
-        for serials, ages, res in self._pending:
+        for serials, ages, res in ready:
             losses = res.losses.cpu().tolist()
             ok = res.updated.cpu().tolist()
             for serial, age, loss, good in zip(serials, ages, losses, ok, strict=True):
@@ -330,7 +341,6 @@ class ESampConsumer(Consumer):
                 self._age_n[age] += 1
                 self._group_first.setdefault(serial, loss)
                 self._group_last[serial] = loss
-        self._pending.clear()
         self.counters.add("optimizer_steps", steps)
         self.counters.add("nonfinite_losses_skipped", bad)
         if self._loss_n:
@@ -362,3 +372,4 @@ class ESampConsumer(Consumer):
 
     def close(self) -> None:
         self._flush()
+        self.distiller.close()

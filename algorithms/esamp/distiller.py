@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,12 @@ class TrainResult:
     slots: np.ndarray  # int64 [G] (host)
     losses: torch.Tensor  # fp32 [G]: MSE of each group before the update
     updated: torch.Tensor  # bool [G]: False where the loss/grad was non-finite (skipped)
+    # Set once the values are final (CPU side thread); None: final after synchronize().
+    done: threading.Event | None = None
+
+    def ready(self) -> bool:
+        """True when ``losses``/``updated`` can be read without waiting."""
+        return self.done is None or self.done.is_set()
 
 
 def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
@@ -78,6 +85,19 @@ def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
     pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
     return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64),
                    int(counts.max()) if counts.size else 0)
+
+
+def pack_rows(pk: Packing, x: torch.Tensor, m: int | None = None):
+    """``x [R, H]`` -> padded ``[G, M, H]`` fp32 and its row mask ``[G, M]`` (the layout of
+    the batched, graph-capturable update)."""
+    g, m = len(pk.slots), pk.max_rows if m is None else m
+    rg = torch.from_numpy(pk.row_group).to(x.device)
+    rp = torch.from_numpy(pk.row_pos).to(x.device)
+    xp = torch.zeros(g, m, x.shape[-1], device=x.device)
+    xp[rg, rp] = x.float()
+    mask = torch.zeros(g, m, dtype=torch.bool, device=x.device)
+    mask[rg, rp] = True
+    return xp, mask
 
 
 def split_params(theta: torch.Tensor, shape: DistillerShape):
@@ -150,25 +170,14 @@ def adam_clip_update(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v
 
 
 def _losses_and_grads(theta_g, xp, tp, mask, shape):
-    """Per-group MSE and its gradient, flat ``[G, P]`` like ``theta_g``.
+    """Per-group MSE and its gradient, flat ``[G, P]`` like ``theta_g`` (autograd; the
+    graph-capturable CUDA path).
 
     The gradient is taken per weight matrix: differentiating through slices of one flat
     tensor would zero-fill a full ``[G, P]`` buffer for every slice.
     """
-    nb, g = shape.num_blocks, theta_g.shape[0]
-    losses, grads = _losses_and_leaf_grads(theta_g, xp, tp, mask, shape)
-    grad = torch.cat([torch.stack(grads[k * nb:(k + 1) * nb], 1).reshape(g, -1)
-                      for k in range(3)], dim=1)
-    return losses, grad
-
-
-def _losses_and_leaf_grads(theta_g, xp, tp, mask, shape):
-    """Losses and gradients of each weight matrix, in flat order (gate, up, down; by block).
-
-    Leaf ``j`` covers ``theta[:, j*I*H:(j+1)*I*H]``.
-    """
     gate, up, down = split_params(theta_g, shape)
-    nb = shape.num_blocks
+    nb, g = shape.num_blocks, theta_g.shape[0]
     leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
     with torch.enable_grad():
         y = _forward_blocks(leaves[:nb], leaves[nb:2 * nb], leaves[2 * nb:], xp)
@@ -176,46 +185,111 @@ def _losses_and_leaf_grads(theta_g, xp, tp, mask, shape):
         n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
         losses = err.sum((1, 2)) / n
         grads = torch.autograd.grad(losses.sum(), leaves)
-    return losses.detach(), grads
+    grad = torch.cat([torch.stack(grads[k * nb:(k + 1) * nb], 1).reshape(g, -1)
+                      for k in range(3)], dim=1)
+    return losses.detach(), grad
 
 
-def train_packed_host(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                      gslots: torch.Tensor, xp: torch.Tensor, tp: torch.Tensor,
-                      mask: torch.Tensor, shape: DistillerShape, hp: AdamHyper):
-    """:func:`train_packed` for the CPU, where reading values on the host costs nothing.
+# -- CPU path: one group at a time, in place ---------------------------------------------
+def group_matrices(row: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
+    """Per block ``(gate [I,H], up [I,H], down [H,I])``: views into one flat row of theta, m
+    or v (the same layout for all three)."""
+    gate, up, down = split_params(row[None], shape)
+    return [(gate[0, b], up[0, b], down[0, b]) for b in range(shape.num_blocks)]
 
-    Same math (clip_grad_norm_ + Adam per group) but updated in place, group by group, and
-    only for groups with a finite loss and gradient: a few passes over the state instead of
-    the masked, out-of-place passes a graph-capturable version needs.
+
+def forward_group(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor) -> torch.Tensor:
+    """``f(x)`` of one group: ``x [R, H]`` fp32."""
+    h = x
+    for gate, up, down in mats:
+        h = h + (F.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
+    return h
+
+
+def _fused_adam_available() -> bool:
+    return hasattr(torch, "_fused_adam_")
+
+
+class HostTrainer:
+    """clip_grad_norm_ + Adam for one group's rows, in place, with the backward written out.
+
+    Each weight gradient is a product ``A^T B`` of two thin ``[R, .]`` factors, so its squared
+    norm is ``sum((A A^T) * (B B^T))``: the clip coefficient is known from R x R Gram matrices
+    before any gradient exists. Each gradient matrix is then formed once, already clipped, in
+    a scratch buffer that stays in cache, and handed straight to PyTorch's fused Adam kernel:
+    per step the optimizer streams parameters and moments once, and no full-size gradient is
+    ever written to memory.
     """
-    losses, grads = _losses_and_leaf_grads(theta.index_select(0, gslots), xp, tp, mask, shape)
-    b1, b2 = hp.betas
-    flat = [gr.reshape(gr.shape[0], -1) for gr in grads]
-    bn = flat[0].shape[1]
-    ok = torch.isfinite(losses)
-    for f in flat:
-        # One pass: a sum is finite iff every term is (barring overflow, which is then
-        # treated as non-finite too: the step is skipped).
-        ok &= torch.isfinite(f.sum(1))
-    for i, (slot, good) in enumerate(zip(gslots.tolist(), ok.tolist(), strict=True)):
-        if not good:
-            continue
+
+    def __init__(self, shape: DistillerShape, hp: AdamHyper):
+        self.shape, self.hp = shape, hp
+        self.scratch = torch.empty(shape.intermediate_size * shape.hidden_size)
+        self.fused = _fused_adam_available()
+
+    def step(self, theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
+             x: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:
+        """One update of the group whose flat state rows are given; returns (loss, updated).
+
+        ``step`` is the group's 0-d step counter. A non-finite loss or gradient norm leaves
+        the state untouched (updated False).
+        """
+        mats = group_matrices(theta, self.shape)
+        acts = []
+        h = x
+        for gate, up, down in mats:
+            a, u = h @ gate.t(), h @ up.t()
+            s = F.silu(a)
+            p = s * u
+            acts.append((h, a, u, s, p))
+            h = h + p @ down.t()
+        diff = h - target
+        loss = float(diff.square().mean())
+        dy = diff.mul_(2.0 / diff.numel())
+        # (matrix index in flat order, A, B): gradient of that matrix is A^T B.
+        factors: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        for b in reversed(range(len(mats))):
+            gate, up, down = mats[b]
+            h_in, a, u, s, p = acts[b]
+            dp = dy @ down
+            du = dp * s
+            sig = torch.sigmoid(a)
+            da = dp * u * sig * (1 + a * (1 - sig))
+            factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+            if b:
+                dy = dy + du @ up + da @ gate
+        sq = 0.0
+        for _, _, a_f, b_f in factors:
+            sq += float(((a_f @ a_f.t()) * (b_f @ b_f.t())).sum())
+        if not (math.isfinite(loss) and math.isfinite(sq)):
+            return loss, False
+        hp = self.hp
         coef = 1.0
         if hp.grad_clip is not None:
-            norm = math.sqrt(sum(float(f[i].square().sum()) for f in flat))
-            coef = min(1.0, hp.grad_clip / (norm + _CLIP_EPS))
-        n = int(step[slot]) + 1
-        step[slot] = n
-        step_size, bc2 = hp.lr / (1 - b1**n), math.sqrt(1 - b2**n)
-        for j, f in enumerate(flat):
-            sl = slice(j * bn, (j + 1) * bn)
-            g = f[i].mul_(coef) if coef < 1.0 else f[i]
-            m_s, v_s = m[slot, sl], v[slot, sl]
-            m_s.lerp_(g, 1 - b1)
-            v_s.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = v_s.sqrt().div_(bc2).add_(hp.eps)
-            theta[slot, sl].addcdiv_(m_s, denom, value=-step_size)
-    return losses, ok
+            coef = min(1.0, hp.grad_clip / (math.sqrt(sq) + _CLIP_EPS))
+        step += 1
+        m_mats, v_mats = group_matrices(m, self.shape), group_matrices(v, self.shape)
+        for b, k, a_f, b_f in factors:
+            w = mats[b][k]
+            grad = self.scratch[:w.numel()].view(w.shape)
+            torch.mm(a_f.t(), b_f, out=grad)
+            if coef < 1.0:
+                grad.mul_(coef)
+            self._adam(w, grad, m_mats[b][k], v_mats[b][k], step)
+        return loss, True
+
+    def _adam(self, w, grad, m, v, step) -> None:
+        hp = self.hp
+        b1, b2 = hp.betas
+        if self.fused:
+            torch._fused_adam_([w], [grad], [m], [v], [], [step], lr=hp.lr, beta1=b1,
+                               beta2=b2, weight_decay=0.0, eps=hp.eps, amsgrad=False,
+                               maximize=False)
+            return
+        n = float(step)
+        m.lerp_(grad, 1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = v.sqrt().div_(math.sqrt(1 - b2**n)).add_(hp.eps)
+        w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))
 
 
 def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
@@ -244,14 +318,21 @@ def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: to
 
 class GroupedDistiller:
     """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
-    see :mod:`algorithms.esamp.cuda` for the stream/graph version)."""
+    see :mod:`algorithms.esamp.cuda` for the stream/graph version).
+
+    With ``side_thread=True`` training steps and slot resets run on a
+    :class:`~algorithms.esamp.side_thread.SideThread`, in order; every method that reads the
+    state (``predict``, ``synchronize``, growth) first waits for them, so a prediction always
+    sees every update submitted before it (strict staleness).
+    """
 
     _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
 
     def __init__(self, hidden_size: int, *, intermediate_size: int = 384, num_blocks: int = 2,
                  lr: float = 4e-4, eps: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
                  grad_clip: float | None = 0.5, init: str = "paper", seed: int = 0,
-                 capacity: int = 4, device: torch.device | str = "cpu"):
+                 capacity: int = 4, device: torch.device | str = "cpu",
+                 side_thread: bool = False):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
@@ -262,7 +343,30 @@ class GroupedDistiller:
         self.theta = self.m = self.v = self.step = torch.empty(0)
         self._free: list[int] = []
         self._live: set[int] = set()
+        self._side = None
+        if side_thread:
+            from algorithms.esamp.side_thread import SideThread
+
+            self._side = SideThread("tllm-esamp-update")
+        self._host = HostTrainer(self.shape, self.hp)
         self._grow(capacity)
+
+    @property
+    def asynchronous(self) -> bool:
+        """True when train steps return before they have run (read results after
+        :meth:`synchronize`)."""
+        return self._side is not None
+
+    def _wait_side(self) -> None:
+        if self._side is not None:
+            self._side.wait()
+
+    def close(self) -> None:
+        """Finish pending work and stop the side thread (if any)."""
+        if self._side is not None:
+            self._side.wait()
+            self._side.close()
+            self._side = None
 
     # -- slots ----------------------------------------------------------------------
     @property
@@ -279,6 +383,7 @@ class GroupedDistiller:
 
     def _grow(self, new_capacity: int) -> None:
         """Reallocate the stacked state; new slots start from the template."""
+        self._wait_side()  # pending jobs hold views of the old storage
         rows = new_capacity + self._SCRATCH
         p, dev = self.shape.num_params, self.device
         theta = self.template.expand(rows, p).clone()
@@ -316,10 +421,14 @@ class GroupedDistiller:
         heapq.heappush(self._free, slot)
 
     def _reset(self, slot: int) -> None:
-        self.theta[slot].copy_(self.template)
-        self.m[slot].zero_()
-        self.v[slot].zero_()
-        self.step[slot].zero_()
+        def reset() -> None:
+            self.theta[slot].copy_(self.template)
+            self.m[slot].zero_()
+            self.v[slot].zero_()
+            self.step[slot].zero_()
+
+        # Queued after the slot's pending updates, before any later use of the slot.
+        self._side.submit(reset) if self._side is not None else reset()
 
     def _check_live(self, pk: Packing) -> None:
         dead = [int(s) for s in pk.slots if int(s) not in self._live]
@@ -327,28 +436,23 @@ class GroupedDistiller:
             raise ValueError(f"slots {dead} are not live (live: {self.live_slots})")
 
     # -- math -----------------------------------------------------------------------
-    def _pack(self, pk: Packing, x: torch.Tensor, m: int | None = None):
-        """``x [R, H]`` -> padded ``[G, M, H]`` fp32 and the mask ``[G, M]``."""
-        g, m = len(pk.slots), pk.max_rows if m is None else m
-        rg = torch.from_numpy(pk.row_group).to(x.device)
-        rp = torch.from_numpy(pk.row_pos).to(x.device)
-        xp = torch.zeros(g, m, x.shape[-1], device=x.device)
-        xp[rg, rp] = x.float()
-        mask = torch.zeros(g, m, dtype=torch.bool, device=x.device)
-        mask[rg, rp] = True
-        return xp, mask, rg, rp
-
     def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``."""
         pk = make_packing(slots)
         if not pk.slots.size:
             return torch.zeros(0, self.shape.hidden_size, device=x.device)
         self._check_live(pk)
+        self._wait_side()
         with torch.no_grad():
-            xp, _, rg, rp = self._pack(pk, x)
-            gs = torch.from_numpy(pk.slots).to(self.device)
-            yp = forward_packed(self.theta.index_select(0, gs), xp, self.shape)
-            return yp[rg, rp]
+            x = x.float()
+            if len(pk.slots) == 1:
+                return forward_group(group_matrices(self.theta[int(pk.slots[0])], self.shape), x)
+            y = torch.empty_like(x)
+            for gi, slot in enumerate(pk.slots.tolist()):
+                rows = torch.from_numpy(np.nonzero(pk.row_group == gi)[0]).to(x.device)
+                mats = group_matrices(self.theta[slot], self.shape)
+                y.index_copy_(0, rows, forward_group(mats, x.index_select(0, rows)))
+            return y
 
     def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
                    ) -> TrainResult:
@@ -367,20 +471,30 @@ class GroupedDistiller:
             return self._train(pk, x.clone(), target.clone())
 
     def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
-        xp, mask, _, _ = self._pack(pk, x)
-        tp, _, _, _ = self._pack(pk, target)
-        gs = torch.from_numpy(pk.slots).to(self.device)
-        gvalid = torch.ones(len(pk.slots), dtype=torch.bool, device=self.device)
-        if self.device.type == "cpu":
-            losses, ok = train_packed_host(self.theta, self.m, self.v, self.step, gs, xp, tp,
-                                           mask, self.shape, self.hp)
-        else:
-            losses, ok = train_packed(self.theta, self.m, self.v, self.step, gs, gvalid, xp, tp,
-                                      mask, self.shape, self.hp)
-        return TrainResult(pk.slots, losses, ok)
+        """CPU: one in-place update per group (see :class:`HostTrainer`), inline or queued on
+        the side thread; ``losses``/``updated`` are filled when the update has run."""
+        losses = torch.full((len(pk.slots),), float("nan"))
+        updated = torch.zeros(len(pk.slots), dtype=torch.bool)
+        x, target = x.float(), target.float()
+        groups = [(gi, slot, torch.from_numpy(np.nonzero(pk.row_group == gi)[0]))
+                  for gi, slot in enumerate(pk.slots.tolist())]
+
+        done = threading.Event()
+
+        def run() -> None:
+            for gi, slot, rows in groups:
+                loss, ok = self._host.step(self.theta[slot], self.m[slot], self.v[slot],
+                                           self.step[slot], x.index_select(0, rows),
+                                           target.index_select(0, rows))
+                losses[gi], updated[gi] = loss, ok
+            done.set()
+
+        self._side.submit(run) if self._side is not None else run()
+        return TrainResult(pk.slots, losses, updated, done)
 
     def synchronize(self) -> None:
-        """Wait for pending device work (no-op on CPU, where everything is synchronous)."""
+        """Wait for pending work (the side thread's queue on CPU)."""
+        self._wait_side()
 
     def memory_bytes_per_group(self) -> int:
         """Parameters + Adam moments + step counter of one slot, in bytes (fp32)."""
@@ -393,12 +507,13 @@ class GroupedDistiller:
 
 
 def make_distiller(hidden_size: int, device: torch.device | str, use_cuda_graph: bool = True,
-                   **kwargs) -> GroupedDistiller:
-    """The CUDA implementation for CUDA devices, else the synchronous one."""
+                   side_thread: bool = False, **kwargs) -> GroupedDistiller:
+    """The CUDA implementation (side stream, graphs) for CUDA devices, else the CPU one
+    (updates on a side thread when ``side_thread``)."""
     device = torch.device(device)
     if device.type == "cuda":
         from algorithms.esamp.cuda import CudaGroupedDistiller
 
         return CudaGroupedDistiller(hidden_size, device=device, use_cuda_graph=use_cuda_graph,
                                     **kwargs)
-    return GroupedDistiller(hidden_size, device=device, **kwargs)
+    return GroupedDistiller(hidden_size, device=device, side_thread=side_thread, **kwargs)
