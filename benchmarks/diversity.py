@@ -51,7 +51,9 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def build_methods(betas: list[float], temperature: float) -> list[dict[str, Any]]:
+def build_methods(betas: list[float], temperature: float,
+                  variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The methods to run; ``variants`` {name: extra ESamp config} add ``esamp_{name}_b{B}``."""
     methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature,
                 "consumers": []}]
     for b in betas:
@@ -59,6 +61,9 @@ def build_methods(betas: list[float], temperature: float) -> list[dict[str, Any]
         methods += [
             {"name": f"esamp_b{_fmt(b)}", "kind": "esamp", "beta": b, "temperature": temperature,
              "consumers": ["esamp:" + json.dumps(esamp)]},
+            *({"name": f"esamp_{v}_b{_fmt(b)}", "kind": "esamp", "beta": b,
+               "temperature": temperature, "consumers": ["esamp:" + json.dumps({**extra, **esamp})]}
+              for v, extra in (variants or {}).items()),
             {"name": f"temp_{temperature / (1 + b):.3g}", "kind": "temperature", "beta": b,
              "temperature": temperature / (1 + b), "consumers": []},
             {"name": f"noise_b{_fmt(b)}", "kind": "noise", "beta": b, "temperature": temperature,
@@ -280,9 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None, help="quality-diversity PNG to write")
     p.add_argument("--bars", type=Path, default=None, help="per-method metrics PNG to write")
     p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
+    p.add_argument("--esamp-variant", action="append", default=[], metavar="NAME=JSON",
+                   help='extra ESamp method esamp_NAME_bB with these config fields, e.g. '
+                   'lr4e-3=\'{"lr": 0.004}\' (repeatable; compared with the same controls)')
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in args.esamp_variant:
+        name, sep, raw = spec.partition("=")
+        try:
+            extra = json.loads(raw) if sep else None
+        except ValueError as e:
+            p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
+        if not name.isidentifier() or not isinstance(extra, dict) or "beta" in extra:
+            p.error(f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME a word, no "
+                    "'beta' field: --beta sets it)")
+        variants[name] = extra
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")
     if any(b <= 0 for b in betas):
@@ -310,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path())
 
     t_start = time.perf_counter()
-    methods = build_methods(betas, args.temperature)
+    methods = build_methods(betas, args.temperature, variants)
+    if variants:  # bad fields fail here, before any engine starts
+        from tllm_core.engine import validate_consumers
+
+        for m in methods:
+            if m["consumers"]:
+                validate_consumers(m["consumers"], model)
     gen = generate_all(methods, prompts, args, model)
     t_gen = time.perf_counter() - t_start
 
@@ -353,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "config": {"model": model, "prompts_file": str(args.prompts), "num_prompts": len(prompts),
                    "n": args.n, "max_tokens": args.max_tokens, "betas": betas,
+                   "esamp_variants": variants,
                    "temperature": args.temperature, "min_p": args.min_p, "seed": args.seed,
                    "chat_template": True, "enforce_eager": args.enforce_eager,
                    "dtype": args.dtype},

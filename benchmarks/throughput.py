@@ -17,15 +17,20 @@ Cases (one engine each; consumers are fixed per engine):
 it is the baseline). Any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds
 a case named by the spec string, on top of the default cases or the narrowed set.
 
-Method. Every case runs in its own fresh worker process (vLLM in-process mode, so the
-process holds the whole engine): start the engine, warm up (one short generate on the same
-batch), time one ``generate`` of the workload, read the tllm counters (``close()``), report
-the process's peak RSS. One round runs every case once; the order rotates each round and
-is reversed on odd rounds, so slow drift of a shared machine does not favour one case.
-Per case the result is the median over rounds; ``ratio`` is median tok/s over the median of
-``plain``. Every case samples with the same parameters and ``ignore_eos``, so all generate
-exactly prompts x n x max_tokens tokens. A case whose counters show no work (e.g. nothing
-captured, no optimizer step) or that reports consumer errors fails the run (exit 1).
+Method (``--method paired``, the default). Every case's engine runs in its own process (vLLM
+in-process mode, so that process holds the whole engine) and stays up for the whole run:
+start, warm up (one short generate on the same batch), then timed ``generate`` calls of the
+workload. The ``plain`` engine stays up throughout; each other case alternates with it, round
+by round (plain then case, case then plain, ...), so every timed case run has a plain run of
+the same round beside it on the same machine state. ``ratio`` is the median over rounds of
+case tok/s divided by the paired plain tok/s; ``tok_s`` the median of the case's runs. Only
+two engines are up at a time. ``--method fresh`` starts a fresh process per case and round
+(rotating order); ``--method in-process`` runs the cases one after another in this process
+(for smoke tests). Every case samples with the same parameters and ``ignore_eos``, so all
+generate exactly prompts x n x max_tokens tokens. Counters are read when a case's engine
+closes, over all its runs; a case whose counters show no work (e.g. nothing captured, no
+optimizer step) or that reports consumer errors fails the run (exit 1). Memory: peak RSS of
+the case's process minus its RSS before the engine started, and that growth minus plain's.
 
 ``--json`` prints one object: ``baseline_tok_s`` and ``cases`` {name: {tok_s, ratio,
 counters, ...}} plus the workload, memory and machine.
@@ -138,49 +143,141 @@ def _current_rss_mib() -> float:
         return float("nan")
 
 
-def worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one case in this process; returns its measurements."""
-    sys.path.insert(0, str(ROOT))
-    from vllm import LLM, SamplingParams
+class _Case:
+    """One case's engine in this process: start, warm up, timed generates, close."""
 
-    case, model = cfg["case"], cfg["model"]
-    rss_before = _current_rss_mib()
-    with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
-        consumers = case_consumers(case, model, Path(tmpdir))
+    def __init__(self, cfg: dict[str, Any], tmpdir: Path):
+        sys.path.insert(0, str(ROOT))
+        from vllm import LLM, SamplingParams
+
+        self.cfg, self.case, model = cfg, cfg["case"], cfg["model"]
+        self.rss_before = _current_rss_mib()
+        consumers = case_consumers(self.case, model, tmpdir)
         kw = dict(dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
                   enforce_eager=cfg["enforce_eager"], seed=0)
         t0 = time.perf_counter()
         if consumers is None:
-            llm, engine = LLM(model, **kw), None
+            self.llm, self.engine = LLM(model, **kw), None
         else:
             from tllm_core.engine import TllmLLM
 
-            engine = TllmLLM(model, consumers, **kw)
-            llm = engine
-        start_s = time.perf_counter() - t0
-        prompts = cfg["prompts"]
-        params = [SamplingParams(n=cfg["n"], max_tokens=cfg["max_tokens"], temperature=1.0,
-                                 min_p=cfg["min_p"], seed=1000 + i, ignore_eos=True)
-                  for i in range(len(prompts))]
-        warm = [p.clone() for p in params]
+            self.engine = TllmLLM(model, consumers, **kw)
+            self.llm = self.engine
+        self.start_s = time.perf_counter() - t0
+        self.prompts = cfg["prompts"]
+        self.params = [SamplingParams(n=cfg["n"], max_tokens=cfg["max_tokens"], temperature=1.0,
+                                      min_p=cfg["min_p"], seed=1000 + i, ignore_eos=True)
+                       for i in range(len(self.prompts))]
+        warm = [p.clone() for p in self.params]
         for p in warm:
             p.max_tokens = min(cfg["warmup_tokens"], cfg["max_tokens"])
-        llm.generate(prompts, warm, use_tqdm=False)
+        self.llm.generate(self.prompts, warm, use_tqdm=False)
+
+    def run(self) -> dict[str, Any]:
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         gen_s = time.perf_counter() - t1
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s}
+
+    def close(self) -> dict[str, Any]:
         counters: dict[str, Any] = {}
         errors: list = []
-        if engine is not None:
-            rep = engine.close()
+        if self.engine is not None:
+            rep = self.engine.close()
             counters = {"runtime": rep["runtime"], **rep["consumers"]}
             errors = rep.get("errors", [])
-        _shutdown(llm)
-        del llm, engine, outs
-    return {"case": case, "tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s,
-            "start_s": start_s, "peak_rss_mib": _rss_mib(), "rss_before_engine_mib": rss_before,
-            "counters": counters, "errors": errors}
+        _shutdown(self.llm)
+        self.llm = self.engine = None
+        return {"case": self.case, "start_s": self.start_s, "peak_rss_mib": _rss_mib(),
+                "rss_before_engine_mib": self.rss_before, "counters": counters,
+                "errors": errors}
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one case once in this process; returns its measurements."""
+    with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+        c = _Case(cfg, Path(tmpdir))
+        res = c.run()
+        return {**c.close(), **res}
+
+
+def serve(cfg: dict[str, Any]) -> None:
+    """Persistent case worker (paired method): one engine, a timed generate per ``run`` line
+    on stdin, counters and memory on ``close``. Replies are JSON lines on stdout."""
+    with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+        c = _Case(cfg, Path(tmpdir))
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "run":
+                print(json.dumps(c.run()), flush=True)
+            elif line.strip() == "close":
+                break
+        print(json.dumps(c.close(), default=str), flush=True)
+
+
+class _Served:
+    """Driver side of :func:`serve`: a case's engine kept alive in its own process."""
+
+    def __init__(self, cfg: dict[str, Any], timeout: float):
+        self.case, self.timeout = cfg["case"], timeout
+        # stderr to a file: a pipe nobody reads would fill up and stall the engine.
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--_serve", json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True, env=_worker_env(cfg))
+        self._reply()  # ready
+
+    def _reply(self) -> dict[str, Any]:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self.stderr.seek(0)
+        err = self.stderr.read()[-3000:]
+        raise RuntimeError(f"case {self.case!r} worker died (exit {self.proc.wait()}):\n{err}")
+
+    def run(self) -> dict[str, Any]:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> dict[str, Any]:
+        self.proc.stdin.write("close\n")
+        self.proc.stdin.flush()
+        out = self._reply()
+        self.proc.stdin.close()
+        self.proc.wait(timeout=self.timeout)
+        return out
+
+
+def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, timeout: float,
+               log: Any) -> dict[str, list[dict[str, Any]]]:
+    """Engines stay up; each case alternates with plain (plain, case, case, plain, ...), so
+    every case run has a plain run of the same round next to it on the same machine state."""
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+    plain = _Served({**base_cfg, "case": "plain"}, timeout)
+    plain_close = None
+    try:
+        for case in [c for c in cases if c != "plain"]:
+            other = _Served({**base_cfg, "case": case}, timeout)
+            for r in range(rounds):
+                pair = {}
+                for who in ((plain, other) if r % 2 == 0 else (other, plain)):
+                    pair[who.case] = who.run()
+                    log(r, who.case, pair[who.case])
+                pair[case]["paired_plain_tok_s"] = pair["plain"]["tok_s"]
+                runs["plain"].append(pair["plain"])
+                runs[case].append(pair[case])
+            closing = other.close()
+            for x in runs[case]:
+                x.update(closing)
+        plain_close = plain.close()
+    finally:
+        if plain.proc.poll() is None and plain_close is None:
+            plain.proc.kill()
+    for x in runs["plain"]:
+        x.update(plain_close)
+    return runs
 
 
 class _PeakSampler:
@@ -237,7 +334,7 @@ def _shutdown(llm: Any) -> None:
             pass
 
 
-def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in the worker: RSS covers it all
     env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # what TllmLLM sets: same runner for every case
@@ -246,6 +343,11 @@ def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    env = _worker_env(cfg)
     proc = subprocess.run([sys.executable, __file__, "--_worker", json.dumps(cfg)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -310,15 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the cases one after another in this process instead of one fresh "
-                   "worker process each (faster start; memory then from sampled RSS)")
+    p.add_argument("--method", choices=["paired", "fresh", "in-process"], default="paired",
+                   help="paired (default): every engine stays up in its own process and each "
+                   "case alternates with plain, ratio = median of the per-round ratios; fresh: "
+                   "a fresh process per case and round; in-process: the cases one after another "
+                   "in this process (fast start, for smoke tests)")
+    p.add_argument("--in-process", action="store_true", help="same as --method in-process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
+    p.add_argument("--_serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args._worker:
         print(json.dumps(worker(json.loads(args._worker)), default=str), flush=True)
+        return 0
+    if args._serve:
+        serve(json.loads(args._serve))
         return 0
     if args.rounds < 1 or args.prompts < 1 or args.n < 1 or args.max_tokens < 1:
         p.error("--rounds, --prompts, -n and --max-tokens must be >= 1")
@@ -342,16 +451,24 @@ def main(argv: list[str] | None = None) -> int:
                     max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                     kv_cache_gib=args.kv_cache_gib, warmup_tokens=args.warmup_tokens)
 
-    if args.in_process:
+    method = "in-process" if args.in_process else args.method
+    if method == "in-process":
         _setup_env(args.kv_cache_gib)
+
+    def log(r: int, case: str, res: dict[str, Any]) -> None:
+        print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} {res['tok_s']:8.1f} tok/s",
+              file=sys.stderr, flush=True)
+
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-    for r in range(args.rounds):
+    if method == "paired":
+        runs = run_paired(cases, base_cfg, args.rounds, args.timeout, log)
+    for r in range(args.rounds if method != "paired" else 0):
         order = cases[r % len(cases):] + cases[:r % len(cases)]
         if r % 2:
             order = order[::-1]
         for case in order:
             cfg = {**base_cfg, "case": case}
-            res = run_in_process(cfg) if args.in_process else run_worker(cfg, args.timeout)
+            res = run_in_process(cfg) if method == "in-process" else run_worker(cfg, args.timeout)
             runs[case].append(res)
             print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
                   f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
@@ -369,14 +486,19 @@ def main(argv: list[str] | None = None) -> int:
         peak = statistics.median(x["peak_rss_mib"] for x in rs)
         grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in rs)
         last = rs[-1]
+        if method == "paired" and case != "plain":
+            ratios = [x["tok_s"] / x["paired_plain_tok_s"] for x in rs]
+        else:
+            ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)]
         probs = work_problems(case, last["counters"], last["errors"])
         probs += [f"generated {x['tokens']} tokens, expected {expected}" for x in rs
                   if x["tokens"] != expected]
         failures += [f"{case}: {m}" for m in probs]
         out_cases[case] = {
-            "tok_s": tok_s, "ratio": tok_s / base,
+            "tok_s": tok_s,
+            "ratio": statistics.median(ratios) if method == "paired" else tok_s / base,
             "tok_s_rounds": [x["tok_s"] for x in rs],
-            "ratio_rounds": [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)],
+            "ratio_rounds": ratios,
             "consumers": case_consumers_public(case),
             "start_s": statistics.median(x["start_s"] for x in rs),
             "peak_rss_mib": peak, "peak_growth_mib": grow,
@@ -391,9 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                      "max_tokens": args.max_tokens, "min_p": args.min_p, "temperature": 1.0,
                      "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds,
                      "dtype": args.dtype, "enforce_eager": args.enforce_eager,
-                     "kv_cache_gib": args.kv_cache_gib, "in_process": args.in_process},
+                     "kv_cache_gib": args.kv_cache_gib, "method": method},
         "memory_note": ("peak RSS sampled every 20 ms while the case ran in this process"
-                        if args.in_process else "peak RSS (ru_maxrss) of the case's worker "
+                        if method == "in-process" else "peak RSS (ru_maxrss) of the case's worker "
                         "process, which holds the whole engine") + ", minus the RSS before the "
                         "engine started (after imports); extra = that growth for the case minus "
                         "the same for plain (medians over rounds)",

@@ -152,6 +152,29 @@ def test_guide_view_update_touches_only_candidates_of_given_rows():
     assert view.rows_guided == 1 and view.candidates_guided == 2
 
 
+def test_guide_view_sparse_candidates_update_and_rollback():
+    logits = torch.full((3, 6), float("-inf"))
+    logits[0, [1, 4]] = torch.tensor([0.5, 1.5])
+    logits[2, [0, 2, 5]] = torch.tensor([2.0, -1.0, 0.25])
+    before = logits.clone()
+    rows = RowInfo(np.arange(3), [RequestInfo("e", "r", 0, 0, 1)] * 3, np.arange(3),
+                   np.ones(3, bool), np.zeros(3, bool), torch.zeros(3, dtype=torch.long))
+    view = GuideView(1, rows, logits, torch.ones(3), np.ones(3, bool), True, {})
+    c = view.candidates()
+    assert len(c) == 5 and c.rows.tolist() == [0, 0, 2, 2, 2] and c.tokens.tolist() == [1, 4, 0, 2, 5]
+    assert torch.equal(c.logits, before[c.rows, c.tokens])
+    view.update_candidates(torch.tensor([1, 3]), torch.tensor([9.0, 7.0]))
+    assert view.rows_guided == 2 and view.candidates_guided == 2
+    changed = (logits != before) & torch.isfinite(before)
+    assert changed.nonzero().tolist() == [[0, 4], [2, 2]]
+    assert logits[0, 4] == 9.0 and logits[2, 2] == 7.0
+    assert torch.equal(torch.isinf(logits), torch.isinf(before))
+    assert view.candidates().logits[1] == 9.0  # the cache follows writes
+    view.update(torch.tensor([2]), torch.zeros(1, 6))
+    view.rollback()  # what Runtime.guide does when the consumer raised
+    assert torch.equal(logits, before)
+
+
 def test_stats_consumer_reads_ports():
     from consumers.stats import StatsConsumer
     from tllm_core.consumer import ConsumerContext, ModelInfo

@@ -523,3 +523,29 @@ def test_consumer_side_thread_counters_settle_in_result():
     assert res["counters"]["optimizer_steps"] == 6
     assert c.counters.snapshot()["optimizer_steps"] == 6
     c.close()
+
+
+@pytest.mark.parametrize("cpu_update", ["inline", "thread"])
+def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
+    """The consumer's sparse candidate write equals the dense reference mix_post_filter,
+    per-request betas included, and leaves non-candidates and other rows untouched."""
+    fake = Fake()
+    c = fake.consumer(beta=0.5, cpu_update=cpu_update)
+    reqs = fake.requests(prompts=2, n=2)
+    reqs[2].extra_args = {"tllm_esamp_beta": 1.5}
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(4, V, keep=7, seed=3) / 0.7
+    view = fake.view(rows, hidden, logits, is_random=[True, True, True, False], temp=0.7)
+    c.guide(view)
+    idx = torch.tensor([0, 1, 2])
+    slots = torch.tensor([c._groups["r0"].slot] * 2 + [c._groups["r1"].slot])
+    f = c.distiller.predict(slots, hidden["layer.0"][idx])
+    temp = torch.full((3,), 0.7)
+    dist_fn = candidate_dist_fn(f, fake.w)
+    ref = logits[idx]
+    expect = torch.cat([mix_post_filter(ref[:2], dist_fn, 0.5, temp[:2]),
+                        mix_post_filter(ref[2:], lambda r, t: dist_fn(r + 2, t), 1.5, temp[2:])])
+    torch.testing.assert_close(view.logits[idx], expect, rtol=1e-5, atol=1e-5)
+    assert torch.equal(view.logits[3], logits[3])  # greedy row
+    assert c.counters.get("rows_guided") == 3 and c.counters.get("candidates_guided") == 21
+    c.close()

@@ -92,13 +92,31 @@ class EditPlan:
         self._push(layer, rows, "ablate", u)
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The candidate entries of a :class:`GuideView`: the finite logits, row-major.
+
+    Entry ``j`` is token ``tokens[j]`` of view row ``rows[j]``, with current (temperature-
+    scaled) logit ``logits[j]``. Write back through :meth:`GuideView.update_candidates`
+    with indices into these entries.
+    """
+
+    rows: torch.Tensor  # int64 [N]: view row of each entry
+    tokens: torch.Tensor  # int64 [N]
+    logits: torch.Tensor  # fp32 [N]
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+
 class GuideView:
     """The sampler's view for one step (write port ``SamplerGuide``).
 
     ``logits`` are fp32, already divided by each row's temperature and filtered by
     top-k/top-p/min-p: non-candidates are ``-inf``. Row ``i`` of ``logits`` belongs to
-    ``rows[i]``. Change logits only through :meth:`update`, which keeps filtered-out
-    entries at ``-inf``, leaves other rows bit for bit and counts what changed.
+    ``rows[i]``. Change logits only through :meth:`update_candidates` (sparse: the few
+    surviving candidates) or :meth:`update` (dense rows); both keep filtered-out entries at
+    ``-inf``, leave other entries bit for bit and count what changed.
     """
 
     def __init__(
@@ -120,6 +138,9 @@ class GuideView:
         self._hidden = hidden
         self.rows_guided = 0
         self.candidates_guided = 0
+        self._candidates: Candidates | None = None
+        # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
+        self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
 
     def hidden(self, key: str) -> torch.Tensor:
         """Captured states (``"layer.{i}"`` / ``"final"``) at the sampling rows, ``[R, H]``."""
@@ -131,12 +152,42 @@ class GuideView:
                 f"(captured: {sorted(self._hidden)})"
             ) from None
 
+    def candidates(self) -> Candidates:
+        """The surviving (row, token) entries (one scan of the logits, cached until a write)."""
+        if self._candidates is None:
+            rows, toks = torch.isfinite(self.logits).nonzero(as_tuple=True)
+            self._candidates = Candidates(rows, toks, self.logits[rows, toks])
+        return self._candidates
+
+    def update_candidates(self, entries: torch.Tensor, new_logits: torch.Tensor) -> None:
+        """Set candidate entries ``entries`` (indices into :meth:`candidates`) to
+        ``new_logits`` ``[len(entries)]``; every other logit stays bit for bit."""
+        if entries.numel() == 0:
+            return
+        cand = self.candidates()
+        rows, toks = cand.rows[entries], cand.tokens[entries]
+        self._undo.append(((rows, toks), cand.logits[entries]))
+        self.logits[rows, toks] = new_logits.to(self.logits.dtype)
+        self._candidates = None
+        self.rows_guided += int(torch.unique(rows).numel())
+        self.candidates_guided += int(entries.numel())
+
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
-        """Set ``logits[row_idx]`` to ``new_logits`` on candidate entries only."""
+        """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
+        only (dense: prefer :meth:`update_candidates` when only candidates change)."""
         if row_idx.numel() == 0:
             return
         old = self.logits[row_idx]
         cand = torch.isfinite(old)
+        self._undo.append(((row_idx,), old))
         self.logits[row_idx] = torch.where(cand, new_logits.to(old.dtype), old)
+        self._candidates = None
         self.rows_guided += int(row_idx.numel())
         self.candidates_guided += int(cand.sum())
+
+    def rollback(self) -> None:
+        """Undo every write made through this view (newest first)."""
+        for index, old in reversed(self._undo):
+            self.logits[index] = old
+        self._undo.clear()
+        self._candidates = None

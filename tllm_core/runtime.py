@@ -146,10 +146,8 @@ class Runtime:
             allowed = s.enabled(srows.requests)
             if allowed is None:
                 view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
-                journal = _Journal(view)
-                if self._call_guide(s, view):
-                    continue
-                journal.rollback()
+                if not self._call_guide(s, view):
+                    view.rollback()
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
@@ -219,22 +217,3 @@ class Runtime:
             self.bus.call(s.consumer, "close", s.consumer.close)
         self.bus.close()
         return self.collect()
-
-
-class _Journal:
-    """Undo log of a GuideView: a consumer that raises leaves no partial edit behind."""
-
-    def __init__(self, view: GuideView):
-        self.view = view
-        self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []
-        orig = view.update
-
-        def update(row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
-            self.entries.append((row_idx, view.logits[row_idx].clone()))
-            orig(row_idx, new_logits)
-
-        view.update = update  # type: ignore[method-assign]
-
-    def rollback(self) -> None:
-        for row_idx, old in reversed(self.entries):
-            self.view.logits[row_idx] = old

@@ -17,9 +17,9 @@ from algorithms.esamp.distiller import TrainResult, make_distiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
     full_dist_logits,
+    mix_candidates,
     mix_full_vocab_logits,
     mix_latent,
-    mix_post_filter,
     noise_prediction,
 )
 from tllm_core.bundles import Bundle, GuideView
@@ -221,16 +221,15 @@ class ESampConsumer(Consumer):
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
-        betas = [self._beta(rows.requests[i]) for i in sel]
+        betas = torch.tensor([self._beta(rows.requests[i]) for i in sel], dtype=torch.float32,
+                             device=f.device)
+        # A non-finite prediction must not poison sampling: such rows keep their logits.
+        ok = torch.isfinite(f).all(-1)
         before_rows, before_cand = view.rows_guided, view.candidates_guided
-        if all(b == betas[0] for b in betas):
-            view.update(idx, self._mix(view, idx, f, betas[0]))
-        else:  # per-request betas: one mix per distinct value
-            for beta in sorted(set(betas)):
-                part = [j for j, b in enumerate(betas) if b == beta]
-                sub = torch.tensor(part, dtype=torch.long, device=f.device)
-                sub_idx = _index([sel[j] for j in part], view.logits.device)
-                view.update(sub_idx, self._mix(view, sub_idx, f.index_select(0, sub), beta))
+        if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
+            self._mix_candidates(view, idx, f, betas, ok)
+        else:
+            self._mix_full_vocab(view, idx, f, betas, ok)
         self.counters.add("rows_guided", view.rows_guided - before_rows)
         self.counters.add("candidates_guided", view.candidates_guided - before_cand)
 
@@ -238,28 +237,39 @@ class ESampConsumer(Consumer):
         model = self.context.model
         return model.lm_head(z.to(model.dtype)).float()
 
-    def _mix(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
-             beta: float | None = None) -> torch.Tensor:
-        cfg = self.cfg
-        beta = cfg.beta if beta is None else beta
+    def _mix_candidates(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
+                        betas: torch.Tensor, ok: torch.Tensor) -> None:
+        """Post-filter mode: dist logits and the mix for the surviving candidates only, as a
+        sparse write (no pass over the vocabulary beyond finding the candidates)."""
+        cand = view.candidates()
+        pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
+        pos[idx] = torch.arange(idx.numel(), device=idx.device)
+        p = pos[cand.rows]
+        entries = (p >= 0).nonzero().squeeze(1)
+        p = p[entries]
+        ref = cand.logits[entries]
+        dist = candidate_dist_fn(f, self._weight, self._head)(p, cand.tokens[entries])
+        temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
+        beta = betas[p]
+        new = mix_candidates(ref, dist, beta, temp)
+        # beta 0 keeps the reference bit for bit (1*x - 0*d could still round or be NaN).
+        view.update_candidates(entries, torch.where(ok[p] & (beta != 0), new, ref))
+
+    def _mix_full_vocab(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
+                        betas: torch.Tensor, ok: torch.Tensor) -> None:
+        """Whole-vocabulary mix: in latent space when exact, else two projections."""
         ref = view.logits[idx]
-        temp = view.temperature[idx].float()
-        post = cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered)
-        if post:
-            new = mix_post_filter(ref, candidate_dist_fn(f, self._weight, self._head), beta,
-                                  temp)
-        elif cfg.mix == "latent" and self._latent_ok:
-            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, beta)
+        temp = view.temperature[idx].float().to(ref.device)
+        if self.cfg.mix == "latent" and self._latent_ok:
+            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, betas)
             new = self._head(h_mix) / temp[:, None]
         else:
-            if cfg.mix == "latent":
+            if self.cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
             new = mix_full_vocab_logits(ref, full_dist_logits(f, self._weight, self._head),
-                                        beta, temp)
-        # A non-finite prediction must not poison sampling: keep such rows as they were
-        # (a device-side select, so no host sync).
-        ok = torch.isfinite(f).all(-1, keepdim=True)
-        return torch.where(ok, new, ref)
+                                        betas, temp)
+        keep = (ok & (betas != 0))[:, None]
+        view.update(idx, torch.where(keep, new, ref))
 
     # -- training (after sampling) ------------------------------------------------
     def on_bundle(self, bundle: Bundle) -> None:

@@ -15,6 +15,14 @@ import torch
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def mix_candidates(ref: torch.Tensor, dist: torch.Tensor, beta: torch.Tensor | float,
+                   temperature: torch.Tensor) -> torch.Tensor:
+    """The ESamp mix for candidate entries: ``(1+beta)*ref - beta*dist/T`` elementwise
+    (``ref`` temperature-scaled, ``dist`` raw head projections)."""
+    t = temperature.to(ref.dtype)
+    return (1 + beta) * ref - beta * dist.to(ref.dtype) / t
+
+
 def mix_post_filter(ref_logits: torch.Tensor, dist_fn: DistFn, beta: float,
                     temperature: torch.Tensor) -> torch.Tensor:
     """Mix on the surviving candidates only.
@@ -27,25 +35,34 @@ def mix_post_filter(ref_logits: torch.Tensor, dist_fn: DistFn, beta: float,
         return ref_logits.clone()  # bit-identical: never touch the logits
     rows, toks = torch.isfinite(ref_logits).nonzero(as_tuple=True)
     out = torch.full_like(ref_logits, float("-inf"))
-    dist = dist_fn(rows, toks).to(ref_logits.dtype)
-    t = temperature.to(ref_logits.dtype)[rows]
-    out[rows, toks] = (1 + beta) * ref_logits[rows, toks] - beta * dist / t
+    out[rows, toks] = mix_candidates(ref_logits[rows, toks], dist_fn(rows, toks), beta,
+                                     temperature[rows])
     return out
 
 
-def mix_full_vocab_logits(ref_logits: torch.Tensor, dist_logits: torch.Tensor, beta: float,
-                          temperature: torch.Tensor) -> torch.Tensor:
-    """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``."""
-    if beta == 0:
+def _per_row(beta: torch.Tensor | float) -> torch.Tensor | float:
+    """A per-row beta ``[R]`` as a column ``[R, 1]``; a float stays a float."""
+    return beta[:, None] if isinstance(beta, torch.Tensor) else beta
+
+
+def mix_full_vocab_logits(ref_logits: torch.Tensor, dist_logits: torch.Tensor,
+                          beta: torch.Tensor | float, temperature: torch.Tensor) -> torch.Tensor:
+    """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
+    (``beta`` a float or one value per row)."""
+    if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
+    b = _per_row(beta)
     t = temperature.to(ref_logits.dtype)[:, None]
-    return (1 + beta) * ref_logits - beta * dist_logits.to(ref_logits.dtype) / t
+    return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
 
 
-def mix_latent(h_target: torch.Tensor, f_pred: torch.Tensor, beta: float) -> torch.Tensor:
-    """Latent mix ``(1+beta)*h_L - beta*f(h_1)``: one head projection of it equals the logits
-    mix exactly for a linear head without bias or soft-capping."""
-    return (1 + beta) * h_target - beta * f_pred
+def mix_latent(h_target: torch.Tensor, f_pred: torch.Tensor,
+               beta: torch.Tensor | float) -> torch.Tensor:
+    """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` (``beta`` a float or one value per row): one
+    head projection of it equals the logits mix exactly for a linear head without bias or
+    soft-capping."""
+    b = _per_row(beta)
+    return (1 + b) * h_target - b * f_pred
 
 
 def candidate_dist_fn(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
