@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path())
 
     t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
     methods = build_methods(betas, args.temperature, variants)
     if variants:  # bad fields fail here, before any engine starts
         from tllm_core.engine import validate_consumers
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": comparisons,
         "ppl_check": check,
         "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": machine_info(),
+        "machine": {**machine_info(), "loadavg_1m_start": load_start,
+                    "loadavg_1m_end": os.getloadavg()[0]},
         "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
     }
     if args.save_samples:

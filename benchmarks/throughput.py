@@ -32,6 +32,11 @@ closes, over all its runs; a case whose counters show no work (e.g. nothing capt
 optimizer step) or that reports consumer errors fails the run (exit 1). Memory: peak RSS of
 the case's process minus its RSS before the engine started, and that growth minus plain's.
 
+Besides the wall-clock ``ratio``, every engine step of the timed runs is timed (scheduling,
+forward, sampling, output processing): ``step_ratio`` is the median step time of the plain runs
+paired with a case over the case's median step time. A median over hundreds of steps is robust
+to bursts of outside load on a shared machine, which skew a run's total time.
+
 ``--json`` prints one object: ``baseline_tok_s`` and ``cases`` {name: {tok_s, ratio,
 counters, ...}} plus the workload, memory and machine.
 """
@@ -172,13 +177,31 @@ class _Case:
         for p in warm:
             p.max_tokens = min(cfg["warmup_tokens"], cfg["max_tokens"])
         self.llm.generate(self.prompts, warm, use_tqdm=False)
+        self._step_s: list[float] = []
+        self._time_engine_steps()
+
+    def _time_engine_steps(self) -> None:
+        """Time every engine step (schedule + forward + sample + outputs) of the timed runs:
+        the median step is robust to bursts of outside load that skew a run's mean."""
+        engine = getattr(self.llm, "llm", self.llm).llm_engine
+        orig = engine.step
+
+        def step(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            out = orig(*a, **kw)
+            self._step_s.append(time.perf_counter() - t)
+            return out
+
+        engine.step = step
 
     def run(self) -> dict[str, Any]:
+        self._step_s.clear()
         t1 = time.perf_counter()
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         gen_s = time.perf_counter() - t1
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s}
+        return {"tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s,
+                "step_ms": [round(x * 1e3, 3) for x in self._step_s]}
 
     def close(self) -> dict[str, Any]:
         counters: dict[str, Any] = {}
@@ -266,6 +289,7 @@ def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, timeout:
                     pair[who.case] = who.run()
                     log(r, who.case, pair[who.case])
                 pair[case]["paired_plain_tok_s"] = pair["plain"]["tok_s"]
+                pair["plain"]["paired_with"] = case
                 runs["plain"].append(pair["plain"])
                 runs[case].append(pair[case])
             closing = other.close()
@@ -375,7 +399,7 @@ def select_cases(specs: list[str] | None) -> list[str]:
 
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpus": os.cpu_count()}
+                            "cpus": os.cpu_count(), "loadavg_1m_start": os.getloadavg()[0]}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -452,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                     kv_cache_gib=args.kv_cache_gib, warmup_tokens=args.warmup_tokens)
 
     method = "in-process" if args.in_process else args.method
+    load_start = os.getloadavg()[0]
     if method == "in-process":
         _setup_env(args.kv_cache_gib)
 
@@ -480,12 +505,22 @@ def main(argv: list[str] | None = None) -> int:
     expected = args.prompts * args.n * args.max_tokens
     out_cases: dict[str, Any] = {}
     failures: list[str] = []
+    # Median engine-step time of the plain runs that were paired with each case (all plain
+    # runs for the other methods).
+    plain_step_med: dict[str, float] = {}
+    for case in cases:
+        mine = [t for x in runs["plain"] if x.get("paired_with", case) == case
+                for t in x.get("step_ms", [])]
+        if mine:
+            plain_step_med[case] = statistics.median(mine)
     for case in cases:
         rs = runs[case]
         tok_s = statistics.median(x["tok_s"] for x in rs)
         peak = statistics.median(x["peak_rss_mib"] for x in rs)
         grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in rs)
         last = rs[-1]
+        steps = [t for x in rs for t in x.get("step_ms", [])]
+        step_med = statistics.median(steps) if steps else None
         if method == "paired" and case != "plain":
             ratios = [x["tok_s"] / x["paired_plain_tok_s"] for x in rs]
         else:
@@ -499,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": statistics.median(ratios) if method == "paired" else tok_s / base,
             "tok_s_rounds": [x["tok_s"] for x in rs],
             "ratio_rounds": ratios,
+            "step_ms_median": step_med,
+            "step_ratio": (plain_step_med[case] / step_med
+                           if step_med and plain_step_med.get(case) else None),
             "consumers": case_consumers_public(case),
             "start_s": statistics.median(x["start_s"] for x in rs),
             "peak_rss_mib": peak, "peak_growth_mib": grow,
@@ -506,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": last["tokens"], "counters": last["counters"], "errors": last["errors"],
             "ok": not probs, "problems": probs,
         }
+    machine = machine_info()
+    machine["loadavg_1m_start"] = load_start
+    machine["loadavg_1m_end"] = os.getloadavg()[0]
     result = {
         "baseline_tok_s": base,
         "cases": out_cases,
@@ -519,19 +560,21 @@ def main(argv: list[str] | None = None) -> int:
                         "process, which holds the whole engine") + ", minus the RSS before the "
                         "engine started (after imports); extra = that growth for the case minus "
                         "the same for plain (medians over rounds)",
-        "machine": machine_info(),
+        "machine": machine,
         "ok": not failures, "failures": failures,
-        "raw_rounds": {c: [{k: v for k, v in x.items() if k not in ("counters", "errors")}
-                           for x in rs] for c, rs in runs.items()},
+        "raw_rounds": {c: [{k: v for k, v in x.items()
+                            if k not in ("counters", "errors", "step_ms")} for x in rs]
+                       for c, rs in runs.items()},
     }
     if args.json:
         print(json.dumps(result, default=str))
     else:
         print(f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
               f"{args.rounds} rounds, median)")
-        print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'extra MiB':>11}  ok")
+        print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'step ratio':>12}{'extra MiB':>11}  ok")
         for case, c in out_cases.items():
-            print(f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}"
+            sr = f"{c['step_ratio']:.3f}" if c["step_ratio"] else "-"
+            print(f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}{sr:>12}"
                   f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}")
     for f in failures:
         print(f"throughput: FAILED {f}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,17 @@ def _index(sel: list[int], device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _use_side_thread(mode: str) -> bool:
+    """``cpu_update`` resolved: 'auto' means a side thread only if a core is left idle."""
+    if mode != "auto":
+        return mode == "thread"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
 class ESampConsumer(Consumer):
     name = "esamp"
     description = "Exploratory Sampling: an online Latent Distiller steers sampling away from familiar continuations."
@@ -84,7 +96,7 @@ class ESampConsumer(Consumer):
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.distiller = make_distiller(
             model.hidden_size, model.device, use_cuda_graph=cfg.use_cuda_graph,
-            side_thread=cfg.cpu_update == "thread" and model.device.type == "cpu",
+            side_thread=model.device.type == "cpu" and _use_side_thread(cfg.cpu_update),
             intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
             eps=cfg.eps, grad_clip=cfg.grad_clip, init=cfg.init, seed=cfg.seed)
         # Losses of queued updates (CUDA stream, CPU side thread) are read back in batches.

@@ -5,11 +5,11 @@ is the event the engine thread waits on before it reads state the jobs write (th
 prediction), so ordering stays strict while the work itself overlaps with the engine.
 
 Why it helps: vLLM's CPU backend runs the model with one OpenMP thread per core it binds
-and leaves the rest to its scheduler (on a 2-core machine the model gets one core). The
-side thread asks the kernel for the idle-only scheduling class (``SCHED_IDLE``, falling back
-to the lowest nice value) and may run on every core the process is allowed, so it soaks up
-idle cycles and yields at once when vLLM's own threads want the core. When no core is idle,
-the engine thread's :meth:`wait` blocks, its core falls idle, and the job finishes there.
+and leaves the rest to its scheduler (on a 2-core machine the model gets one core). The side
+thread may run on every core the process is allowed, so it takes a core the model leaves
+idle. It keeps normal priority on purpose: its work is on the critical path of the next
+prediction, and a low-priority thread would be starved whenever other work shares the
+machine, stalling the engine thread at :meth:`wait` instead.
 """
 
 from __future__ import annotations
@@ -25,25 +25,14 @@ log = logging.getLogger("tllm")
 _STOP = object()
 
 
-def _lower_priority_and_widen_affinity() -> str:
-    """Make the calling thread a background thread; returns what was set (for logs)."""
-    done = []
+def _widen_affinity() -> str:
+    """Let the calling thread run on every core of the process (vLLM pins its engine thread,
+    and a new thread inherits that pin); returns what was set, for the log."""
     try:  # Linux: the affinity of the calling thread only.
-        allowed = set(range(os.cpu_count() or 1))
-        os.sched_setaffinity(0, allowed)
-        done.append(f"cpus {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        return f"cpus {sorted(os.sched_getaffinity(0))}"
     except (AttributeError, OSError):
-        pass
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        done.append("SCHED_IDLE")
-    except (AttributeError, OSError):
-        try:  # Linux applies setpriority to the calling thread (its task id).
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            done.append("nice 19")
-        except (AttributeError, OSError):
-            pass
-    return ", ".join(done) or "default scheduling"
+        return "inherited affinity"
 
 
 class SideThread:
@@ -77,7 +66,7 @@ class SideThread:
             raise RuntimeError(f"side-thread job failed: {type(err).__name__}: {err}") from err
 
     def _loop(self) -> None:
-        log.debug("tllm: side thread started (%s)", _lower_priority_and_widen_affinity())
+        log.debug("tllm: side thread started (%s)", _widen_affinity())
         while True:
             job = self._jobs.get()
             try:
