@@ -33,6 +33,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -298,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = json.loads(raw) if sep else None
         except ValueError as e:
             p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
-        if not name.isidentifier() or not isinstance(extra, dict) or "beta" in extra:
-            p.error(f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME a word, no "
-                    "'beta' field: --beta sets it)")
+        if (not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not isinstance(extra, dict)
+                or "beta" in extra):
+            p.error(f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
+                    "digits, '_', '.', '-'; no 'beta' field: --beta sets it)")
         variants[name] = extra
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")

@@ -121,9 +121,10 @@ def throughput_section(tp: dict) -> list[str]:
         f"Baseline (plain vLLM): **{tp['baseline_tok_s']:.1f} tok/s**. "
         f"All cases did their work: **{'yes' if tp['ok'] else 'NO: ' + '; '.join(tp['failures'])}**.",
         "",
-        "| case | consumers | tok/s | ratio | ratio per round | extra peak RSS vs plain (MiB) "
+        "| case | consumers | tok/s | ratio | ratio per round | step ratio | tllm host ms/step "
+        "| step ms (median) | extra peak RSS vs plain (MiB) "
         "| work counters (all runs of the case, incl. warm-up) |",
-        "|---|---|---:|---:|---|---:|---|",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for n in names:
         c = tp["cases"][n]
@@ -132,8 +133,13 @@ def throughput_section(tp: dict) -> list[str]:
         ctr = ", ".join(f"{k}={_get(c['counters'], k)}" for k in KEY_COUNTERS.get(n, [])
                         if _get(c["counters"], k) is not None)
         rounds = ", ".join(f"{r:.2f}" for r in c["ratio_rounds"])
-        out.append(f"| {n} | {cons} | {c['tok_s']:.1f} | {c['ratio']:.3f} | {rounds} | "
-                   f"{c['extra_peak_rss_mib']:+.0f} | {ctr or '—'} |")
+        rt = c["counters"].get("runtime", {})
+        host = (f"{1e3 * rt['host_s'] / rt['engine_steps']:.2f}"
+                if rt.get("host_s") is not None and rt.get("engine_steps") else "—")
+        sr = f"{c['step_ratio']:.3f}" if c.get("step_ratio") else "—"
+        sm = f"{c['step_ms_median']:.0f}" if c.get("step_ms_median") else "—"
+        out.append(f"| {n} | {cons} | {c['tok_s']:.1f} | {c['ratio']:.3f} | {rounds} | {sr} | "
+                   f"{host} | {sm} | {c['extra_peak_rss_mib']:+.0f} | {ctr or '—'} |")
     spread = {n: max(c["ratio_rounds"]) / max(min(c["ratio_rounds"]), 1e-9)
               for n, c in tp["cases"].items() if n != "plain"}
     below = [n for n, c in tp["cases"].items() if n != "plain" and max(c["ratio_rounds"]) < 1]
@@ -143,7 +149,11 @@ def throughput_section(tp: dict) -> list[str]:
                 "most effects, so ratios near or above 1 say nothing (tllm cannot make vLLM "
                 "faster). Below plain in every round: "
                 f"{', '.join(below) if below else 'no case'}."]
-    out += ["", "![throughput ratio per case](img/throughput_ratio.png)", "",
+    out += ["", "Step ratio: median engine-step time of the plain runs paired with the case over "
+            "the case's median step time (every step of every timed run; robust to bursts of "
+            "outside load). tllm host ms/step: engine-thread time in tllm's per-step code "
+            "(`host_s` counter / `engine_steps`), the runtime's own cost without machine noise.",
+            "", "![throughput ratio per case](img/throughput_ratio.png)", "",
             f"Memory: {tp.get('memory_note', '')}. Peak RSS of plain vLLM: "
             f"{tp['cases']['plain']['peak_rss_mib']:.0f} MiB (KV cache "
             f"{w['kv_cache_gib']} GiB reserved)."

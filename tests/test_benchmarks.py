@@ -58,6 +58,15 @@ def test_throughput_case_selection_and_no_work_check():
     assert tp.work_problems("steer", {"runtime": {"engine_steps": 5, "rows_edited": 0}}, [])
 
 
+def test_diversity_methods_with_an_esamp_variant():
+    dv = _load("diversity")
+    ms = {m["name"]: m for m in dv.build_methods([0.25], 1.0, {"lr3e-3": {"lr": 0.003}})}
+    assert set(ms) == {"vanilla", "esamp_b0.25", "esamp_lr3e-3_b0.25", "temp_0.8",
+                       "noise_b0.25", "frozen_b0.25"}
+    spec = json.loads(ms["esamp_lr3e-3_b0.25"]["consumers"][0].split(":", 1)[1])
+    assert spec == {"lr": 0.003, "beta": 0.25} and ms["esamp_lr3e-3_b0.25"]["kind"] == "esamp"
+
+
 @pytest.mark.vllm
 def test_throughput_script_small_run(tiny_model):
     proc = _run("throughput.py", "--model", tiny_model, "--prompts", "2", "-n", "2",

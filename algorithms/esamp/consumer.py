@@ -327,7 +327,9 @@ class ESampConsumer(Consumer):
         self.counters.add("rows_trained", len(sel))
         if not self._deferred or len(self._pending) >= _FLUSH_EVERY:
             self._flush()
-        else:  # the updates already run (side thread): counters stay current, no waiting
+        elif self.distiller.asynchronous:
+            # CPU side thread: take the updates that have already run (no waiting). Not on
+            # CUDA: reading a loss there would sync the stream every step.
             self._flush(block=False)
 
     # -- bookkeeping ----------------------------------------------------------------

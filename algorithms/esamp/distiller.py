@@ -245,8 +245,9 @@ class HostTrainer:
         diff = h - target
         loss = float(diff.square().mean())
         dy = diff.mul_(2.0 / diff.numel())
-        # (matrix index in flat order, A, B): gradient of that matrix is A^T B.
+        # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
         factors: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        sq_terms = []
         for b in reversed(range(len(mats))):
             gate, up, down = mats[b]
             h_in, a, u, s, p = acts[b]
@@ -255,11 +256,12 @@ class HostTrainer:
             sig = torch.sigmoid(a)
             da = dp * u * sig * (1 + a * (1 - sig))
             factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+            # ||A^T B||^2 = sum((A A^T) * (B B^T)); gate and up share B = h_in.
+            sq_terms.append(((dy @ dy.t()) * (p @ p.t())).sum()
+                            + ((du @ du.t() + da @ da.t()) * (h_in @ h_in.t())).sum())
             if b:
                 dy = dy + du @ up + da @ gate
-        sq = 0.0
-        for _, _, a_f, b_f in factors:
-            sq += float(((a_f @ a_f.t()) * (b_f @ b_f.t())).sum())
+        sq = float(torch.stack(sq_terms).sum())
         if not (math.isfinite(loss) and math.isfinite(sq)):
             return loss, False
         hp = self.hp

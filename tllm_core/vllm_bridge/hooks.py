@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -118,10 +119,12 @@ class RunnerHooks:
 
         def _prepare_inputs(scheduler_output, num_scheduled_tokens, *a, **kw):
             out = prepare(scheduler_output, num_scheduled_tokens, *a, **kw)
+            t = perf_counter()
             if self.runtime.slots:
                 self._begin_step(num_scheduled_tokens)
             else:  # runtime loaded without consumers: count steps, build nothing
                 self.runtime.count_step()
+            self._host_time("begin_step", t)
             return out
 
         def execute_model(scheduler_output, *a, **kw):
@@ -138,8 +141,10 @@ class RunnerHooks:
         def _sample(logits, spec_decode_metadata, *a, **kw):
             out = sample(logits, spec_decode_metadata, *a, **kw)
             if self.step is not None:
+                t = perf_counter()
                 self.step.sampled_token_ids = out.sampled_token_ids[:, 0]
                 self.runtime.end_step(self.step)
+                self._host_time("end_step", t)
             return out
 
         r._prepare_inputs = _prepare_inputs
@@ -156,6 +161,7 @@ class RunnerHooks:
             step = self.step
             if step is None:
                 return orig(logits, generators, k, p)
+            t = perf_counter()
             logits = apply_top_k_top_p(logits, k, p)
             md = self.runner.input_batch.sampling_metadata
             n = logits.shape[0]
@@ -163,9 +169,16 @@ class RunnerHooks:
             is_random = (temp.cpu().numpy() >= 1e-5) if not md.all_random else np.ones(n, bool)
             filtered = k is not None or p is not None or self._min_p_active(step)
             self.runtime.guide(step, logits, temp, is_random, filtered)
+            self._host_time("guide", t)
             return orig(logits, generators, None, None)
 
         return forward
+
+    def _host_time(self, phase: str, since: float) -> None:
+        """Engine-thread seconds tllm spent in ``phase`` (``host_s.*`` runtime counters)."""
+        dt = perf_counter() - since
+        self.runtime.counters.add(f"host_s.{phase}", dt)
+        self.runtime.counters.add("host_s", dt)
 
     def _min_p_active(self, step: StepCapture) -> bool:
         ids = {r.engine_id for r in step.rows.requests}
