@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -384,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     from throughput import machine_info  # same folder
 
     result = {
+        "command": "python " + shlex.join(["benchmarks/diversity.py", *(argv or sys.argv[1:])]),
         "config": {"model": model, "prompts_file": str(args.prompts), "num_prompts": len(prompts),
                    "n": args.n, "max_tokens": args.max_tokens, "betas": betas,
                    "esamp_variants": variants,

@@ -107,7 +107,7 @@ def throughput_section(tp: dict) -> list[str]:
 
     out = [
         "## Throughput", "",
-        f"Command: `{cmd('throughput.py', THROUGHPUT_ARGS)}`", "",
+        f"Command: `{tp.get('command') or cmd('throughput.py', THROUGHPUT_ARGS)}`", "",
         f"Workload: embedded SmolLM2-135M-Instruct (fp32, eager={w['enforce_eager']}), "
         f"{w['prompts']} prompts x n={w['n']} x {w['max_tokens']} new tokens "
         f"(`ignore_eos`, temperature {w['temperature']}, min-p {w['min_p']}) = "
@@ -176,7 +176,7 @@ def diversity_section(dv: dict) -> list[str]:
     c = dv["config"]
     out = [
         "## Diversity and quality", "",
-        f"Command: `{cmd('diversity.py', DIVERSITY_ARGS)}`", "",
+        f"Command: `{dv.get('command') or cmd('diversity.py', DIVERSITY_ARGS)}`", "",
         f"{c['num_prompts']} prompts (the first of `benchmarks/prompts.txt`, chat template) x "
         f"n={c['n']} samples x up to {c['max_tokens']} new tokens; temperature "
         f"{c['temperature']}, min-p {c['min_p']}, prompt i seeded {c['seed']}+i in every "

@@ -48,6 +48,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -548,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_1m_start"] = load_start
     machine["loadavg_1m_end"] = os.getloadavg()[0]
     result = {
+        "command": "python " + shlex.join(["benchmarks/throughput.py", *(argv or sys.argv[1:])]),
         "baseline_tok_s": base,
         "cases": out_cases,
         "workload": {"model": model, "prompts": args.prompts, "n": args.n,
