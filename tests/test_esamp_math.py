@@ -549,3 +549,17 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
     assert torch.equal(view.logits[3], logits[3])  # greedy row
     assert c.counters.get("rows_guided") == 3 and c.counters.get("candidates_guided") == 21
     c.close()
+
+
+def test_host_adam_fallback_equals_fused_kernel():
+    """The in-place fallback (for a torch without ``_fused_adam_``) matches the fused kernel."""
+    torch.manual_seed(0)
+    fused, plain = _distiller(lr=1e-2), _distiller(lr=1e-2)
+    plain._host.fused = False
+    a, b = fused.alloc(), plain.alloc()
+    x, t = torch.randn(5, H), torch.randn(5, H) * 5
+    for _ in range(4):
+        fused.train_step(torch.tensor([a] * 5), x, t)
+        plain.train_step(torch.tensor([b] * 5), x, t)
+    torch.testing.assert_close(plain.theta[b], fused.theta[a], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain.v[b], fused.v[a], rtol=1e-5, atol=1e-9)
