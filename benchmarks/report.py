@@ -223,9 +223,8 @@ def verdict(dv: dict) -> list[str]:
                      f"(higher on {v['improved']}/{v['prompts']} prompts, {sig} at 0.05), "
                      f"PPL {p['mean_delta']:+.2f}")
     lines[0] += "; ".join(parts) + "." if parts else "no ESamp comparison."
-    lines += ["", "With this few prompts and samples the test has little power: a difference "
-              "that is not significant here is not evidence of no effect, and a single run on "
-              "a 135M model says little about the 7B models of the paper.", ""]
+    lines += ["", "A difference that is not significant here is not evidence of no effect, and "
+              "one run on a 135M model says little about the 7B models of the paper.", ""]
     return lines
 
 
