@@ -57,6 +57,10 @@ class Packing:
     counts: np.ndarray  # int64 [G]
     max_rows: int
 
+    def group_rows(self, gi: int) -> torch.Tensor:
+        """Indices (host int64) of the rows of packed group ``gi``, in row order."""
+        return torch.from_numpy(np.nonzero(self.row_group == gi)[0])
+
 
 @dataclass
 class TrainResult:
@@ -451,7 +455,7 @@ class GroupedDistiller:
                 return forward_group(group_matrices(self.theta[int(pk.slots[0])], self.shape), x)
             y = torch.empty_like(x)
             for gi, slot in enumerate(pk.slots.tolist()):
-                rows = torch.from_numpy(np.nonzero(pk.row_group == gi)[0]).to(x.device)
+                rows = pk.group_rows(gi).to(x.device)
                 mats = group_matrices(self.theta[slot], self.shape)
                 y.index_copy_(0, rows, forward_group(mats, x.index_select(0, rows)))
             return y
@@ -478,8 +482,7 @@ class GroupedDistiller:
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
         x, target = x.float(), target.float()
-        groups = [(gi, slot, torch.from_numpy(np.nonzero(pk.row_group == gi)[0]))
-                  for gi, slot in enumerate(pk.slots.tolist())]
+        groups = [(gi, slot, pk.group_rows(gi)) for gi, slot in enumerate(pk.slots.tolist())]
 
         done = threading.Event()
 
