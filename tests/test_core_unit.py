@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -185,3 +186,15 @@ def test_stats_consumer_reads_ports():
     assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
     with pytest.raises(ValueError, match="4 decoder layers"):
         StatsConsumer(StatsConsumer.Config(layers=[9]), ctx)
+
+
+def test_vllm_env_workarounds_default_only_where_needed(monkeypatch):
+    from tllm_core.vllm_bridge import workarounds
+
+    assert workarounds.env_defaults("0.32.0", is_cpu=True) == {"VLLM_USE_AOT_COMPILE": "0"}
+    assert workarounds.env_defaults("0.32.0", is_cpu=False) == {}
+    assert workarounds.env_defaults("0.33.1", is_cpu=True) == {}
+    # A value the user set is kept.
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert "VLLM_USE_AOT_COMPILE" not in workarounds.apply()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"

@@ -563,3 +563,35 @@ def test_host_adam_fallback_equals_fused_kernel():
         plain.train_step(torch.tensor([b] * 5), x, t)
     torch.testing.assert_close(plain.theta[b], fused.theta[a], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain.v[b], fused.v[a], rtol=1e-5, atol=1e-9)
+
+
+def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
+    """predict -> train_step on the same rows skips the training forward (same result as a
+    distiller that never predicted); any other rows or changed parameters recompute it."""
+    import algorithms.esamp.distiller as dist
+
+    calls = []
+    real = dist.forward_acts
+    monkeypatch.setattr(dist, "forward_acts", lambda *a: calls.append(1) or real(*a))
+    reuse, fresh = _distiller(capacity=2), _distiller(capacity=2)
+    for d in (reuse, fresh):
+        d.alloc(), d.alloc()
+    gen = torch.Generator().manual_seed(3)
+    slots = torch.tensor([0, 1, 0, 1, 1])
+    for step in range(4):
+        x, t = torch.randn(5, H, generator=gen), torch.randn(5, H, generator=gen)
+        reuse.predict(slots, x)
+        calls.clear()
+        if step == 2:  # different rows than predicted: recomputed
+            x = x + 1
+        r_reuse = reuse.train_step(slots, x, t)
+        assert len(calls) == (2 if step == 2 else 0)
+        r_fresh = fresh.train_step(slots, x, t)
+        torch.testing.assert_close(r_reuse.losses, r_fresh.losses, rtol=0, atol=0)
+        torch.testing.assert_close(reuse.theta, fresh.theta, rtol=0, atol=0)
+    # A second train step has no saved forward (the parameters changed): recomputed.
+    reuse.predict(slots, x)
+    reuse.train_step(slots, x, t)
+    calls.clear()
+    reuse.train_step(slots, x, t)
+    assert len(calls) == 2

@@ -155,7 +155,9 @@ class GuideView:
     def candidates(self) -> Candidates:
         """The surviving (row, token) entries (one scan of the logits, cached until a write)."""
         if self._candidates is None:
-            rows, toks = torch.isfinite(self.logits).nonzero(as_tuple=True)
+            # "> -inf" rather than isfinite: one comparison pass instead of several, and
+            # candidates are exactly the entries the filters did not set to -inf.
+            rows, toks = (self.logits > float("-inf")).nonzero(as_tuple=True)
             self._candidates = Candidates(rows, toks, self.logits[rows, toks])
         return self._candidates
 
@@ -178,7 +180,7 @@ class GuideView:
         if row_idx.numel() == 0:
             return
         old = self.logits[row_idx]
-        cand = torch.isfinite(old)
+        cand = old > float("-inf")
         self._undo.append(((row_idx,), old))
         self.logits[row_idx] = torch.where(cand, new_logits.to(old.dtype), old)
         self._candidates = None

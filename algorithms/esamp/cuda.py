@@ -167,7 +167,9 @@ class CudaGroupedDistiller(GroupedDistiller):
         e.gvalid.zero_()
         e.gvalid[:gp] = True
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor,
+               forward: list | None = None) -> TrainResult:
+        # forward (CPU activations) is not used: the graph runs its own forward.
         e = self._entry(_bucket(len(pk.slots)), _bucket(pk.max_rows))
         self._fill(e, pk, x, target)
         gp = len(pk.slots)

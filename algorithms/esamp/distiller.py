@@ -210,6 +210,25 @@ def forward_group(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor) -> torc
     return h
 
 
+# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u): what the backward
+# needs from the forward.
+Activations = list[tuple[torch.Tensor, ...]]
+
+
+def forward_acts(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor
+                 ) -> tuple[torch.Tensor, Activations]:
+    """``f(x)`` of one group and its activations (same math as :func:`forward_group`)."""
+    acts = []
+    h = x
+    for gate, up, down in mats:
+        a, u = h @ gate.t(), h @ up.t()
+        s = F.silu(a)
+        p = s * u
+        acts.append((h, a, u, s, p))
+        h = h + p @ down.t()
+    return h, acts
+
+
 def _fused_adam_available() -> bool:
     return hasattr(torch, "_fused_adam_")
 
@@ -231,21 +250,16 @@ class HostTrainer:
         self.fused = _fused_adam_available()
 
     def step(self, theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-             x: torch.Tensor, target: torch.Tensor) -> tuple[float, bool]:
+             x: torch.Tensor, target: torch.Tensor,
+             forward: tuple[torch.Tensor, Activations] | None = None) -> tuple[float, bool]:
         """One update of the group whose flat state rows are given; returns (loss, updated).
 
-        ``step`` is the group's 0-d step counter. A non-finite loss or gradient norm leaves
-        the state untouched (updated False).
+        ``step`` is the group's 0-d step counter. ``forward``: :func:`forward_acts` of these
+        parameters on ``x``, when already computed (a prediction of the same rows). A
+        non-finite loss or gradient norm leaves the state untouched (updated False).
         """
         mats = group_matrices(theta, self.shape)
-        acts = []
-        h = x
-        for gate, up, down in mats:
-            a, u = h @ gate.t(), h @ up.t()
-            s = F.silu(a)
-            p = s * u
-            acts.append((h, a, u, s, p))
-            h = h + p @ down.t()
+        h, acts = forward if forward is not None else forward_acts(mats, x)
         diff = h - target
         loss = float(diff.square().mean())
         dy = diff.mul_(2.0 / diff.numel())
@@ -330,6 +344,10 @@ class GroupedDistiller:
     :class:`~algorithms.esamp.side_thread.SideThread`, in order; every method that reads the
     state (``predict``, ``synchronize``, growth) first waits for them, so a prediction always
     sees every update submitted before it (strict staleness).
+
+    A prediction keeps its forward activations; a train step on the same rows with the
+    parameters unchanged since (the usual ESamp step: predict in the sampler, then train on
+    those rows) reuses them instead of running the forward again.
     """
 
     _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
@@ -355,6 +373,10 @@ class GroupedDistiller:
 
             self._side = SideThread("tllm-esamp-update")
         self._host = HostTrainer(self.shape, self.hp)
+        # Bumped by every change of the parameters (update, slot reset, growth).
+        self._version = 0
+        # The last prediction: (version, slots [G], x fp32 [R, H], per group (f, activations)).
+        self._saved: tuple[int, np.ndarray, torch.Tensor, list] | None = None
         self._grow(capacity)
 
     @property
@@ -390,6 +412,7 @@ class GroupedDistiller:
     def _grow(self, new_capacity: int) -> None:
         """Reallocate the stacked state; new slots start from the template."""
         self._wait_side()  # pending jobs hold views of the old storage
+        self._version += 1
         rows = new_capacity + self._SCRATCH
         p, dev = self.shape.num_params, self.device
         theta = self.template.expand(rows, p).clone()
@@ -433,6 +456,7 @@ class GroupedDistiller:
             self.v[slot].zero_()
             self.step[slot].zero_()
 
+        self._version += 1
         # Queued after the slot's pending updates, before any later use of the slot.
         self._side.submit(reset) if self._side is not None else reset()
 
@@ -450,15 +474,33 @@ class GroupedDistiller:
         self._check_live(pk)
         self._wait_side()
         with torch.no_grad():
-            x = x.float()
+            # A copy: x may be a view of a capture buffer that the next step overwrites.
+            x = x.to(torch.float32, copy=True)
             if len(pk.slots) == 1:
-                return forward_group(group_matrices(self.theta[int(pk.slots[0])], self.shape), x)
-            y = torch.empty_like(x)
-            for gi, slot in enumerate(pk.slots.tolist()):
-                rows = pk.group_rows(gi).to(x.device)
-                mats = group_matrices(self.theta[slot], self.shape)
-                y.index_copy_(0, rows, forward_group(mats, x.index_select(0, rows)))
-            return y
+                fwd = [forward_acts(group_matrices(self.theta[int(pk.slots[0])], self.shape), x)]
+                y = fwd[0][0]
+            else:
+                y = torch.empty_like(x)
+                fwd = []
+                for gi, slot in enumerate(pk.slots.tolist()):
+                    rows = pk.group_rows(gi).to(x.device)
+                    mats = group_matrices(self.theta[slot], self.shape)
+                    fwd.append(forward_acts(mats, x.index_select(0, rows)))
+                    y.index_copy_(0, rows, fwd[-1][0])
+            self._saved = (self._version, pk.slots, x, fwd)
+            return y.clone() if len(pk.slots) == 1 else y
+
+    def _saved_forward(self, pk: Packing, x: torch.Tensor) -> list | None:
+        """The last prediction's per-group forward if it was on exactly these rows and
+        parameters (checked, not assumed: the inputs are compared)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None
+        version, slots, x_saved, fwd = saved
+        if (version != self._version or not np.array_equal(slots, pk.slots)
+                or x.shape != x_saved.shape or not torch.equal(x.float(), x_saved)):
+            return None
+        return fwd
 
     def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
                    ) -> TrainResult:
@@ -474,11 +516,15 @@ class GroupedDistiller:
         # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
         # train outside it (subclasses override _train only).
         with torch.inference_mode(False):
-            return self._train(pk, x.clone(), target.clone())
+            fwd = self._saved_forward(pk, x)
+            self._version += 1
+            return self._train(pk, x.clone(), target.clone(), fwd)
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor,
+               forward: list | None = None) -> TrainResult:
         """CPU: one in-place update per group (see :class:`HostTrainer`), inline or queued on
-        the side thread; ``losses``/``updated`` are filled when the update has run."""
+        the side thread; ``losses``/``updated`` are filled when the update has run.
+        ``forward``: the groups' forward on these rows (from :meth:`predict`), or None."""
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
         x, target = x.float(), target.float()
@@ -490,7 +536,8 @@ class GroupedDistiller:
             for gi, slot, rows in groups:
                 loss, ok = self._host.step(self.theta[slot], self.m[slot], self.v[slot],
                                            self.step[slot], x.index_select(0, rows),
-                                           target.index_select(0, rows))
+                                           target.index_select(0, rows),
+                                           forward[gi] if forward is not None else None)
                 losses[gi], updated[gi] = loss, ok
             done.set()
 

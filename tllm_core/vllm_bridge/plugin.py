@@ -47,6 +47,9 @@ def _wrap_load_model(cls: type) -> None:
 def register() -> None:
     if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
         return
+    from tllm_core.vllm_bridge import workarounds
+
+    workarounds.apply()
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _wrap_load_model(GPUModelRunner)
