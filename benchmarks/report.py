@@ -26,7 +26,7 @@ IMG = ROOT / "docs" / "img"
 
 # The settings of the published CPU run: the issues' workloads (throughput: 8 prompts x 16 x
 # 128 tokens, compiled, paired method; diversity: 40 prompts x 16 samples, chat, T=1, min-p 0.1).
-THROUGHPUT_ARGS = ["--rounds", "3"]
+THROUGHPUT_ARGS = ["--rounds", "2", "--restarts", "2"]
 DIVERSITY_ARGS = ["--num-prompts", "40", "-n", "16", "--max-tokens", "96", "--batch-prompts",
                   "8", "--esamp-variant", 'lr3e-3={"lr": 0.003}', "--ppl-check", "8",
                   "--plot", "docs/img/diversity_quality.png",
@@ -98,7 +98,8 @@ def throughput_section(tp: dict) -> list[str]:
            color=["black"] + ["tab:blue"] * (len(names) - 1))
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_ylabel("throughput / plain vLLM")
-    ax.set_title(f"tok/s ratio (median of {w['rounds']} rounds; bars: per-round range)")
+    n_runs = w["rounds"] * (w.get("restarts") or 1)
+    ax.set_title(f"tok/s ratio (median of {n_runs} paired runs; bars: their range)")
     plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
     fig.tight_layout()
     IMG.mkdir(parents=True, exist_ok=True)
@@ -111,17 +112,19 @@ def throughput_section(tp: dict) -> list[str]:
         f"Workload: embedded SmolLM2-135M-Instruct (fp32, eager={w['enforce_eager']}), "
         f"{w['prompts']} prompts x n={w['n']} x {w['max_tokens']} new tokens "
         f"(`ignore_eos`, temperature {w['temperature']}, min-p {w['min_p']}) = "
-        f"{w['tokens_per_case']} tokens per timed run; {w['rounds']} rounds; method "
-        f"`{w.get('method', 'fresh')}`"
-        + (": every engine stays up in its own process, each case alternates with plain "
-           "(plain-case, case-plain, ...), ratio = median over rounds of case tok/s / the "
-           "paired plain tok/s. " if w.get("method") == "paired" else
+        f"{w['tokens_per_case']} tokens per timed run; {w['rounds']} rounds"
+        + (f" in each of {w['restarts']} fresh process pairs" if w.get("restarts") else "")
+        + f"; method `{w.get('method', 'fresh')}`"
+        + (": every engine runs in its own process; for each case, fresh pairs of processes "
+           "(plain and the case) are started, and within a pair the two alternate "
+           "(plain-case, case-plain, ...); ratio = median over all paired runs of case tok/s / "
+           "the paired plain tok/s. " if w.get("method") == "paired" else
            ": order rotated and reversed every other round, ratio = median case tok/s / "
            "median plain tok/s. ") +
         f"Baseline (plain vLLM): **{tp['baseline_tok_s']:.1f} tok/s**. "
         f"All cases did their work: **{'yes' if tp['ok'] else 'NO: ' + '; '.join(tp['failures'])}**.",
         "",
-        "| case | consumers | tok/s | ratio | ratio per round | step ratio | tllm host ms/step "
+        "| case | consumers | tok/s | ratio | ratio per paired run | step ratio | tllm host ms/step "
         "| step ms (median) | extra peak RSS vs plain (MiB) "
         "| work counters (all runs of the case, incl. warm-up) |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---|",

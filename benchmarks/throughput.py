@@ -17,14 +17,17 @@ Cases (one engine each; consumers are fixed per engine):
 it is the baseline). Any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds
 a case named by the spec string, on top of the default cases or the narrowed set.
 
-Method (``--method paired``, the default). Every case's engine runs in its own process (vLLM
-in-process mode, so that process holds the whole engine) and stays up for the whole run:
-start, warm up (one short generate on the same batch), then timed ``generate`` calls of the
-workload. The ``plain`` engine stays up throughout; each other case alternates with it, round
-by round (plain then case, case then plain, ...), so every timed case run has a plain run of
-the same round beside it on the same machine state. ``ratio`` is the median over rounds of
-case tok/s divided by the paired plain tok/s; ``tok_s`` the median of the case's runs. Only
-two engines are up at a time. ``--method fresh`` starts a fresh process per case and round
+Method (``--method paired``, the default). Every engine runs in its own process (vLLM
+in-process mode, so that process holds the whole engine): start, warm up (one short generate
+on the same batch), then timed ``generate`` calls of the workload. For each case,
+``--restarts`` fresh pairs of processes (a ``plain`` engine and the case's engine) are
+started; within a pair the two alternate, round by round (plain then case, case then plain,
+...), so every timed case run has a plain run of the same round beside it on the same
+machine state, and fresh pairs average out what one process keeps for its whole life (where
+its memory and threads landed: identical plain engines differed by up to 10% between
+processes on the 2-core development VM). ``ratio`` is the median over all rounds of all pairs
+of case tok/s divided by the paired plain tok/s (``ratio_min``/``ratio_max``/``ratio_by_pair``
+show the spread); ``tok_s`` the median of the case's runs. Only two engines are up at a time. ``--method fresh`` starts a fresh process per case and round
 (rotating order); ``--method in-process`` runs the cases one after another in this process
 (for smoke tests). Every case samples with the same parameters and ``ignore_eos``, so all
 generate exactly prompts x n x max_tokens tokens. Counters are read when a case's engine
@@ -274,34 +277,43 @@ class _Served:
         return out
 
 
-def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, timeout: float,
-               log: Any) -> dict[str, list[dict[str, Any]]]:
-    """Engines stay up; each case alternates with plain (plain, case, case, plain, ...), so
-    every case run has a plain run of the same round next to it on the same machine state."""
+def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, restarts: int,
+               timeout: float, log: Any) -> dict[str, list[dict[str, Any]]]:
+    """For each case, ``restarts`` fresh process pairs (plain and the case); within a pair the
+    two alternate (plain, case, case, plain, ...), so every case run has a plain run of the
+    same round beside it on the same machine state. Fresh pairs average out the per-process
+    bias (memory placement, which core each thread lands on) that one pair keeps for all its
+    rounds."""
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-    plain = _Served({**base_cfg, "case": "plain"}, timeout)
-    plain_close = None
-    try:
-        for case in [c for c in cases if c != "plain"]:
-            other = _Served({**base_cfg, "case": case}, timeout)
-            for r in range(rounds):
-                pair = {}
-                for who in ((plain, other) if r % 2 == 0 else (other, plain)):
-                    pair[who.case] = who.run()
-                    log(r, who.case, pair[who.case])
-                pair[case]["paired_plain_tok_s"] = pair["plain"]["tok_s"]
-                pair["plain"]["paired_with"] = case
-                runs["plain"].append(pair["plain"])
-                runs[case].append(pair[case])
-            closing = other.close()
-            for x in runs[case]:
-                x.update(closing)
-        plain_close = plain.close()
-    finally:
-        if plain.proc.poll() is None and plain_close is None:
-            plain.proc.kill()
-    for x in runs["plain"]:
-        x.update(plain_close)
+    for case in [c for c in cases if c != "plain"]:
+        for k in range(restarts):
+            served: list[_Served] = []
+            try:
+                plain = _Served({**base_cfg, "case": "plain"}, timeout)
+                served.append(plain)
+                other = _Served({**base_cfg, "case": case}, timeout)
+                served.append(other)
+                mine: dict[str, list[dict[str, Any]]] = {"plain": [], case: []}
+                for r in range(rounds):
+                    pair = {}
+                    first = (r + k) % 2 == 0  # alternate the order across rounds and pairs
+                    for who in ((plain, other) if first else (other, plain)):
+                        pair[who.case] = who.run()
+                        log(r, who.case, pair[who.case], k)
+                    pair[case]["paired_plain_tok_s"] = pair["plain"]["tok_s"]
+                    pair["plain"]["paired_with"] = case
+                    for name in (case, "plain"):
+                        pair[name]["restart"] = k
+                        mine[name].append(pair[name])
+                closing = {case: other.close(), "plain": plain.close()}
+            finally:
+                for s in served:
+                    if s.proc.poll() is None:  # left running by an error
+                        s.proc.kill()
+            for name in (case, "plain"):
+                for x in mine[name]:
+                    x.update(closing[name])
+                runs[name].extend(mine[name])
     return runs
 
 
@@ -430,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (default 128)")
     p.add_argument("--min-p", type=float, default=0.1, help="min-p of every case (default 0.1)")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per case (default 3)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="timed rounds per case and process pair (default 2)")
+    p.add_argument("--restarts", type=int, default=2,
+                   help="paired method: fresh process pairs per case (default 2)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -454,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     if args._serve:
         serve(json.loads(args._serve))
         return 0
-    if args.rounds < 1 or args.prompts < 1 or args.n < 1 or args.max_tokens < 1:
-        p.error("--rounds, --prompts, -n and --max-tokens must be >= 1")
+    if min(args.rounds, args.restarts, args.prompts, args.n, args.max_tokens) < 1:
+        p.error("--rounds, --restarts, --prompts, -n and --max-tokens must be >= 1")
 
     model = args.model
     if model is None:
@@ -481,13 +496,13 @@ def main(argv: list[str] | None = None) -> int:
     if method == "in-process":
         _setup_env(args.kv_cache_gib)
 
-    def log(r: int, case: str, res: dict[str, Any]) -> None:
-        print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} {res['tok_s']:8.1f} tok/s",
-              file=sys.stderr, flush=True)
+    def log(r: int, case: str, res: dict[str, Any], pair: int = 0) -> None:
+        print(f"[throughput] pair {pair + 1}/{args.restarts} round {r + 1}/{args.rounds} "
+              f"{case:<12} {res['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
 
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     if method == "paired":
-        runs = run_paired(cases, base_cfg, args.rounds, args.timeout, log)
+        runs = run_paired(cases, base_cfg, args.rounds, args.restarts, args.timeout, log)
     for r in range(args.rounds if method != "paired" else 0):
         order = cases[r % len(cases):] + cases[:r % len(cases)]
         if r % 2:
@@ -535,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
             "ratio": statistics.median(ratios) if method == "paired" else tok_s / base,
             "tok_s_rounds": [x["tok_s"] for x in rs],
             "ratio_rounds": ratios,
+            "ratio_min": min(ratios) if ratios else None,
+            "ratio_max": max(ratios) if ratios else None,
+            "ratio_by_pair": ([statistics.median(r for r, x in zip(ratios, rs, strict=True)
+                                                 if x.get("restart") == k)
+                               for k in sorted({x.get("restart", 0) for x in rs})]
+                              if method == "paired" and case != "plain" else None),
             "step_ms_median": step_med,
             "step_ratio": (plain_step_med[case] / step_med
                            if step_med and plain_step_med.get(case) else None),
@@ -554,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": out_cases,
         "workload": {"model": model, "prompts": args.prompts, "n": args.n,
                      "max_tokens": args.max_tokens, "min_p": args.min_p, "temperature": 1.0,
-                     "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds,
+                     "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds, "restarts": args.restarts if method == "paired" else None,
                      "dtype": args.dtype, "enforce_eager": args.enforce_eager,
                      "kv_cache_gib": args.kv_cache_gib, "method": method},
         "memory_note": ("peak RSS sampled every 20 ms while the case ran in this process"

@@ -88,14 +88,16 @@ def test_throughput_script_small_run(tiny_model):
 
 @pytest.mark.vllm
 def test_throughput_paired_method_small_run(tiny_model):
-    """The default method: persistent engines, each case alternating with plain."""
+    """The default method: fresh process pairs, each case alternating with plain."""
     proc = _run("throughput.py", "--model", tiny_model, "--prompts", "2", "-n", "2",
-                "--max-tokens", "4", "--rounds", "2", "--consumer", "steer", "--json",
-                *SMALL_ENGINE)
+                "--max-tokens", "4", "--rounds", "1", "--restarts", "2", "--consumer", "steer",
+                "--json", *SMALL_ENGINE)
     out = _json(proc)
     assert out["ok"] is True and out["workload"]["method"] == "paired"
     steer, plain = out["cases"]["steer"], out["cases"]["plain"]
     assert len(steer["ratio_rounds"]) == 2 and len(plain["tok_s_rounds"]) == 2
+    assert len(steer["ratio_by_pair"]) == 2
+    assert steer["ratio_min"] <= steer["ratio"] <= steer["ratio_max"]
     assert steer["counters"]["runtime"]["rows_edited"] > 0
     assert steer["step_ms_median"] > 0 and steer["step_ratio"] > 0
     assert out["machine"]["loadavg_1m_start"] >= 0
