@@ -135,7 +135,7 @@ def throughput_section(tp: dict) -> list[str]:
             "none" if not c["consumers"] else "<br>".join(f"`{s}`" for s in c["consumers"]))
         ctr = ", ".join(f"{k}={_get(c['counters'], k)}" for k in KEY_COUNTERS.get(n, [])
                         if _get(c["counters"], k) is not None)
-        rounds = ", ".join(f"{r:.2f}" for r in c["ratio_rounds"])
+        rounds = "baseline" if n == "plain" else ", ".join(f"{r:.2f}" for r in c["ratio_rounds"])
         rt = c["counters"].get("runtime", {})
         host = (f"{1e3 * rt['host_s'] / rt['engine_steps']:.2f}"
                 if rt.get("host_s") is not None and rt.get("engine_steps") else "—")
@@ -146,12 +146,16 @@ def throughput_section(tp: dict) -> list[str]:
     spread = {n: max(c["ratio_rounds"]) / max(min(c["ratio_rounds"]), 1e-9)
               for n, c in tp["cases"].items() if n != "plain"}
     below = [n for n, c in tp["cases"].items() if n != "plain" and max(c["ratio_rounds"]) < 1]
-    if spread and max(spread.values()) > 1.5:
-        out += ["", f"**Reading.** The per-round ratios of one case differ by up to "
-                f"{max(spread.values()):.1f}x: on this shared machine the noise is larger than "
-                "most effects, so ratios near or above 1 say nothing (tllm cannot make vLLM "
-                "faster). Below plain in every round: "
-                f"{', '.join(below) if below else 'no case'}."]
+    if spread:
+        worst = max(spread, key=spread.get)
+        out += ["", f"**Reading.** The paired runs of one case spread by up to "
+                f"{100 * (spread[worst] - 1):.0f}% ({worst}): on this shared machine, a ratio "
+                "that close to 1 is within noise (tllm cannot make vLLM faster). Below plain in "
+                f"every paired run: {', '.join(below) if below else 'no case'}."]
+    ex = tp["cases"].get("export", {}).get("counters", {}).get("export", {})
+    if ex.get("rows_exported"):
+        out += ["", f"Export wrote {ex['bytes_written'] / ex['rows_exported']:.0f} bytes per "
+                "exported token (all files, shards and manifest, over rows exported)."]
     out += ["", "Step ratio: median engine-step time of the plain runs paired with the case over "
             "the case's median step time (every step of every timed run; robust to bursts of "
             "outside load). tllm host ms/step: engine-thread time in tllm's per-step code "
