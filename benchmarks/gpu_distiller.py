@@ -42,19 +42,25 @@ sys.path.insert(0, str(ROOT))
 
 from algorithms.esamp.distiller import GroupedDistiller  # noqa: E402
 
-QWEN2_7B = dict(layers=28, hidden=3584, intermediate=18944, q_heads=28, kv_heads=4,
-                head_dim=128, vocab=152064)
+QWEN2_7B = dict(
+    layers=28, hidden=3584, intermediate=18944, q_heads=28, kv_heads=4, head_dim=128, vocab=152064
+)
 
 
 def make(variant: str, args, device) -> GroupedDistiller:
-    kw = dict(intermediate_size=args.intermediate, num_blocks=args.blocks,
-              capacity=max(4, args.groups), seed=0)
+    kw = dict(
+        intermediate_size=args.intermediate,
+        num_blocks=args.blocks,
+        capacity=max(4, args.groups),
+        seed=0,
+    )
     if variant == "eager_main":
         return GroupedDistiller(args.hidden, device=device, **kw)
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
-    d = CudaGroupedDistiller(args.hidden, device=device,
-                             use_cuda_graph=variant.startswith("graph"), **kw)
+    d = CudaGroupedDistiller(
+        args.hidden, device=device, use_cuda_graph=variant.startswith("graph"), **kw
+    )
     if variant.endswith("_main"):
         d.stream = torch.cuda.current_stream(device)  # no side stream: serialized
     return d
@@ -64,13 +70,14 @@ def _inputs(args, device):
     g = torch.Generator(device="cpu").manual_seed(0)
     rows = args.groups * args.rows
     x = torch.randn(rows, args.hidden, generator=g).to(device)
-    t = (x + 0.1 * torch.randn(rows, args.hidden, generator=g).to(device))
+    t = x + 0.1 * torch.randn(rows, args.hidden, generator=g).to(device)
     slots = torch.arange(args.groups).repeat_interleave(args.rows)
     return slots, x, t
 
 
 def _timer(device):
     if device.type == "cuda":
+
         def timed(fn, iters):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,11 +88,13 @@ def _timer(device):
             torch.cuda.synchronize()
             return start.elapsed_time(end) * 1000 / iters  # us
     else:
+
         def timed(fn, iters):
             t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
             return (time.perf_counter() - t0) * 1e6 / iters
+
     return timed
 
 
@@ -171,6 +180,7 @@ def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) ->
             decode()
             d.predict(slots, decode.h1)  # the sampler needs it: the main stream waits for it
             d.train_step(slots, decode.h1, decode.hL)  # side stream: may overlap next step
+
     for _ in range(args.warmup):
         fn()
     torch.cuda.synchronize()
@@ -187,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (median)")
-    p.add_argument("--decode-ms", type=float, default=None,
-                   help="decode-step time of a real engine (ms) for the fraction")
+    p.add_argument(
+        "--decode-ms",
+        type=float,
+        default=None,
+        help="decode-step time of a real engine (ms) for the fraction",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -206,14 +220,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, device) -> int:
-    variants = (["eager_main", "eager_side", "graph_main", "graph_side"]
-                if device.type == "cuda" else ["eager_main"])
+    variants = (
+        ["eager_main", "eager_side", "graph_main", "graph_side"]
+        if device.type == "cuda"
+        else ["eager_main"]
+    )
     out: dict[str, Any] = {
-        "shape": {"hidden": args.hidden, "groups": args.groups, "rows_per_group": args.rows,
-                  "batch_rows": args.groups * args.rows, "intermediate": args.intermediate,
-                  "blocks": args.blocks},
+        "shape": {
+            "hidden": args.hidden,
+            "groups": args.groups,
+            "rows_per_group": args.rows,
+            "batch_rows": args.groups * args.rows,
+            "intermediate": args.intermediate,
+            "blocks": args.blocks,
+        },
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "distiller": {}, "in_step": {},
+        "torch": torch.__version__,
+        "distiller": {},
+        "in_step": {},
     }
     try:
         import triton
@@ -223,21 +247,30 @@ def _run(args, device) -> int:
         out["triton"] = None
     for v in variants:
         out["distiller"][v] = bench_distiller(v, args, device)
-        print(f"[gpu_distiller] {v:<11} " + "  ".join(
-            f"{k}={val:.1f}" for k, val in out["distiller"][v].items()), file=sys.stderr)
+        print(
+            f"[gpu_distiller] {v:<11} "
+            + "  ".join(f"{k}={val:.1f}" for k, val in out["distiller"][v].items()),
+            file=sys.stderr,
+        )
 
     if device.type == "cuda":
         decode = SyntheticDecode(args.groups * args.rows, device)
         base = bench_in_step(None, decode, args, device)
         step_us = args.decode_ms * 1000 if args.decode_ms else base
         out["decode_step_us"] = step_us
-        out["decode_step_source"] = ("--decode-ms" if args.decode_ms else
-                                     "synthetic Qwen2-7B linear layers, bf16, CUDA graph")
+        out["decode_step_source"] = (
+            "--decode-ms"
+            if args.decode_ms
+            else "synthetic Qwen2-7B linear layers, bf16, CUDA graph"
+        )
         out["synthetic_decode_us"] = base
         for v in variants:
             t = bench_in_step(v, decode, args, device)
-            out["in_step"][v] = {"step_us": t, "added_us": t - base,
-                                 "fraction_of_step": (t - base) / step_us}
+            out["in_step"][v] = {
+                "step_us": t,
+                "added_us": t - base,
+                "fraction_of_step": (t - base) / step_us,
+            }
         for d in out["distiller"].values():
             d["isolated_fraction_of_step"] = d["step_us"] / step_us
     if args.json:
@@ -245,13 +278,17 @@ def _run(args, device) -> int:
     else:
         print(f"shape: {out['shape']}  device: {out['device']}")
         for v, d in out["distiller"].items():
-            print(f"{v:<11} predict {d['predict_us']:9.1f} us  train {d['train_us']:9.1f} us  "
-                  f"both {d['step_us']:9.1f} us")
+            print(
+                f"{v:<11} predict {d['predict_us']:9.1f} us  train {d['train_us']:9.1f} us  "
+                f"both {d['step_us']:9.1f} us"
+            )
         if out["in_step"]:
             print(f"decode step: {out['decode_step_us']:.1f} us ({out['decode_step_source']})")
             for v, d in out["in_step"].items():
-                print(f"{v:<11} step {d['step_us']:9.1f} us  added {d['added_us']:8.1f} us  "
-                      f"= {100 * d['fraction_of_step']:.1f}% of a decode step")
+                print(
+                    f"{v:<11} step {d['step_us']:9.1f} us  added {d['added_us']:8.1f} us  "
+                    f"= {100 * d['fraction_of_step']:.1f}% of a decode step"
+                )
     return 0
 
 

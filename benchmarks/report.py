@@ -27,10 +27,24 @@ IMG = ROOT / "docs" / "img"
 # The settings of the published CPU run: the issues' workloads (throughput: 8 prompts x 16 x
 # 128 tokens, compiled, paired method; diversity: 40 prompts x 16 samples, chat, T=1, min-p 0.1).
 THROUGHPUT_ARGS = ["--rounds", "2", "--restarts", "2"]
-DIVERSITY_ARGS = ["--num-prompts", "40", "-n", "16", "--max-tokens", "96", "--batch-prompts",
-                  "8", "--esamp-variant", 'lr3e-3={"lr": 0.003}', "--ppl-check", "8",
-                  "--plot", "docs/img/diversity_quality.png",
-                  "--bars", "docs/img/diversity_metrics.png"]
+DIVERSITY_ARGS = [
+    "--num-prompts",
+    "40",
+    "-n",
+    "16",
+    "--max-tokens",
+    "96",
+    "--batch-prompts",
+    "8",
+    "--esamp-variant",
+    'lr3e-3={"lr": 0.003}',
+    "--ppl-check",
+    "8",
+    "--plot",
+    "docs/img/diversity_quality.png",
+    "--bars",
+    "docs/img/diversity_metrics.png",
+]
 
 KEY_COUNTERS = {
     "tllm_idle": ["runtime.engine_steps"],
@@ -48,11 +62,17 @@ def cmd(script: str, args: list[str]) -> str:
 
 def run_all() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    for script, args, out in (("throughput.py", THROUGHPUT_ARGS, "throughput.json"),
-                              ("diversity.py", DIVERSITY_ARGS, "diversity.json")):
+    for script, args, out in (
+        ("throughput.py", THROUGHPUT_ARGS, "throughput.json"),
+        ("diversity.py", DIVERSITY_ARGS, "diversity.json"),
+    ):
         print(f"[report] {cmd(script, args)}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, str(HERE / script), *args, "--json"], cwd=ROOT,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, str(HERE / script), *args, "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         sys.stderr.write(proc.stderr[-2000:])
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if lines:
@@ -68,18 +88,29 @@ def _get(counters: dict, dotted: str) -> Any:
 
 def _load_note(*runs: dict | None) -> str:
     """The machine's load average as recorded by each run (other work skews tok/s)."""
-    parts = [f"{name}: {r['machine']['loadavg_1m_start']:.2f} at start, "
-             f"{r['machine'].get('loadavg_1m_end', float('nan')):.2f} at end"
-             for name, r in zip(("throughput", "diversity"), runs, strict=True)
-             if r and "loadavg_1m_start" in r.get("machine", {})]
-    return (" 1-minute load average (2 cores; a benchmark itself keeps about one busy) — "
-            + "; ".join(parts) + ".") if parts else ""
+    parts = [
+        f"{name}: {r['machine']['loadavg_1m_start']:.2f} at start, "
+        f"{r['machine'].get('loadavg_1m_end', float('nan')):.2f} at end"
+        for name, r in zip(("throughput", "diversity"), runs, strict=True)
+        if r and "loadavg_1m_start" in r.get("machine", {})
+    ]
+    return (
+        (
+            " 1-minute load average (2 cores; a benchmark itself keeps about one busy) — "
+            + "; ".join(parts)
+            + "."
+        )
+        if parts
+        else ""
+    )
 
 
 def _machine(m: dict) -> str:
-    return (f"{m.get('cpu', '?')}, {m.get('cpus', '?')} logical CPUs, {m.get('mem_gib', '?')} GiB "
-            f"RAM, {m.get('device', 'cpu')}; {m.get('platform', '')}; Python {m.get('python')}, "
-            f"torch {m.get('torch')}, vLLM {m.get('vllm')}")
+    return (
+        f"{m.get('cpu', '?')}, {m.get('cpus', '?')} logical CPUs, {m.get('mem_gib', '?')} GiB "
+        f"RAM, {m.get('device', 'cpu')}; {m.get('platform', '')}; Python {m.get('python')}, "
+        f"torch {m.get('torch')}, vLLM {m.get('vllm')}"
+    )
 
 
 def throughput_section(tp: dict) -> list[str]:
@@ -94,8 +125,13 @@ def throughput_section(tp: dict) -> list[str]:
     ratios = [tp["cases"][n]["ratio"] for n in names]
     lo = [r - min(tp["cases"][n]["ratio_rounds"]) for n, r in zip(names, ratios, strict=False)]
     hi = [max(tp["cases"][n]["ratio_rounds"]) - r for n, r in zip(names, ratios, strict=False)]
-    ax.bar(names, ratios, yerr=[[max(0, x) for x in lo], [max(0, x) for x in hi]], capsize=3,
-           color=["black"] + ["tab:blue"] * (len(names) - 1))
+    ax.bar(
+        names,
+        ratios,
+        yerr=[[max(0, x) for x in lo], [max(0, x) for x in hi]],
+        capsize=3,
+        color=["black"] + ["tab:blue"] * (len(names) - 1),
+    )
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_ylabel("throughput / plain vLLM")
     n_runs = w["rounds"] * (w.get("restarts") or 1)
@@ -107,21 +143,26 @@ def throughput_section(tp: dict) -> list[str]:
     plt.close(fig)
 
     out = [
-        "## Throughput", "",
-        f"Command: `{tp.get('command') or cmd('throughput.py', THROUGHPUT_ARGS)}`", "",
+        "## Throughput",
+        "",
+        f"Command: `{tp.get('command') or cmd('throughput.py', THROUGHPUT_ARGS)}`",
+        "",
         f"Workload: embedded SmolLM2-135M-Instruct (fp32, eager={w['enforce_eager']}), "
         f"{w['prompts']} prompts x n={w['n']} x {w['max_tokens']} new tokens "
         f"(`ignore_eos`, temperature {w['temperature']}, min-p {w['min_p']}) = "
         f"{w['tokens_per_case']} tokens per timed run; {w['rounds']} rounds"
         + (f" in each of {w['restarts']} fresh process pairs" if w.get("restarts") else "")
         + f"; method `{w.get('method', 'fresh')}`"
-        + (": every engine runs in its own process; for each case, fresh pairs of processes "
-           "(plain and the case) are started, and within a pair the two alternate "
-           "(plain-case, case-plain, ...); ratio = median over all paired runs of case tok/s / "
-           "the paired plain tok/s. " if w.get("method") == "paired" else
-           ": order rotated and reversed every other round, ratio = median case tok/s / "
-           "median plain tok/s. ") +
-        f"Baseline (plain vLLM): **{tp['baseline_tok_s']:.1f} tok/s**. "
+        + (
+            ": every engine runs in its own process; for each case, fresh pairs of processes "
+            "(plain and the case) are started, and within a pair the two alternate "
+            "(plain-case, case-plain, ...); ratio = median over all paired runs of case tok/s / "
+            "the paired plain tok/s. "
+            if w.get("method") == "paired"
+            else ": order rotated and reversed every other round, ratio = median case tok/s / "
+            "median plain tok/s. "
+        )
+        + f"Baseline (plain vLLM): **{tp['baseline_tok_s']:.1f} tok/s**. "
         f"All cases did their work: **{'yes' if tp['ok'] else 'NO: ' + '; '.join(tp['failures'])}**.",
         "",
         "| case | consumers | tok/s | ratio | ratio per paired run | step ratio | tllm host ms/step "
@@ -131,43 +172,72 @@ def throughput_section(tp: dict) -> list[str]:
     ]
     for n in names:
         c = tp["cases"][n]
-        cons = "—" if c["consumers"] is None else (
-            "none" if not c["consumers"] else "<br>".join(f"`{s}`" for s in c["consumers"]))
-        ctr = ", ".join(f"{k}={_get(c['counters'], k)}" for k in KEY_COUNTERS.get(n, [])
-                        if _get(c["counters"], k) is not None)
+        cons = (
+            "—"
+            if c["consumers"] is None
+            else ("none" if not c["consumers"] else "<br>".join(f"`{s}`" for s in c["consumers"]))
+        )
+        ctr = ", ".join(
+            f"{k}={_get(c['counters'], k)}"
+            for k in KEY_COUNTERS.get(n, [])
+            if _get(c["counters"], k) is not None
+        )
         rounds = "baseline" if n == "plain" else ", ".join(f"{r:.2f}" for r in c["ratio_rounds"])
         rt = c["counters"].get("runtime", {})
-        host = (f"{1e3 * rt['host_s'] / rt['engine_steps']:.2f}"
-                if rt.get("host_s") is not None and rt.get("engine_steps") else "—")
+        host = (
+            f"{1e3 * rt['host_s'] / rt['engine_steps']:.2f}"
+            if rt.get("host_s") is not None and rt.get("engine_steps")
+            else "—"
+        )
         sr = f"{c['step_ratio']:.3f}" if c.get("step_ratio") else "—"
         sm = f"{c['step_ms_median']:.0f}" if c.get("step_ms_median") else "—"
-        out.append(f"| {n} | {cons} | {c['tok_s']:.1f} | {c['ratio']:.3f} | {rounds} | {sr} | "
-                   f"{host} | {sm} | {c['extra_peak_rss_mib']:+.0f} | {ctr or '—'} |")
-    spread = {n: max(c["ratio_rounds"]) / max(min(c["ratio_rounds"]), 1e-9)
-              for n, c in tp["cases"].items() if n != "plain"}
+        out.append(
+            f"| {n} | {cons} | {c['tok_s']:.1f} | {c['ratio']:.3f} | {rounds} | {sr} | "
+            f"{host} | {sm} | {c['extra_peak_rss_mib']:+.0f} | {ctr or '—'} |"
+        )
+    spread = {
+        n: max(c["ratio_rounds"]) / max(min(c["ratio_rounds"]), 1e-9)
+        for n, c in tp["cases"].items()
+        if n != "plain"
+    }
     below = [n for n, c in tp["cases"].items() if n != "plain" and max(c["ratio_rounds"]) < 1]
     if spread:
         worst = max(spread, key=spread.get)
-        out += ["", f"**Reading.** The paired runs of one case spread by up to "
-                f"{100 * (spread[worst] - 1):.0f}% ({worst}): on this shared machine, a ratio "
-                "that close to 1 is within noise (tllm cannot make vLLM faster). Below plain in "
-                f"every paired run: {', '.join(below) if below else 'no case'}."]
+        out += [
+            "",
+            f"**Reading.** The paired runs of one case spread by up to "
+            f"{100 * (spread[worst] - 1):.0f}% ({worst}): on this shared machine, a ratio "
+            "that close to 1 is within noise (tllm cannot make vLLM faster). Below plain in "
+            f"every paired run: {', '.join(below) if below else 'no case'}.",
+        ]
     ex = tp["cases"].get("export", {}).get("counters", {}).get("export", {})
     if ex.get("rows_exported"):
-        out += ["", f"Export wrote {ex['bytes_written'] / ex['rows_exported']:.0f} bytes per "
-                "exported token (all files, shards and manifest, over rows exported)."]
-    out += ["", "Step ratio: median engine-step time of the plain runs paired with the case over "
-            "the case's median step time (every step of every timed run; robust to bursts of "
-            "outside load). tllm host ms/step: engine-thread time in tllm's per-step code "
-            "(`host_s` counter / `engine_steps`), the runtime's own cost without machine noise.",
-            "", "![throughput ratio per case](img/throughput_ratio.png)", "",
-            f"Memory: {tp.get('memory_note', '')}. Peak RSS of plain vLLM: "
-            f"{tp['cases']['plain']['peak_rss_mib']:.0f} MiB (KV cache "
-            f"{w['kv_cache_gib']} GiB reserved)."
-            + (" In-process mode: the cases share one process, so memory that an earlier "
-               "engine freed but the allocator did not return to the OS can show up in a later "
-               "case; the extra-memory column is approximate."
-               if w.get("method") == "in-process" or w.get("in_process") else ""), ""]
+        out += [
+            "",
+            f"Export wrote {ex['bytes_written'] / ex['rows_exported']:.0f} bytes per "
+            "exported token (all files, shards and manifest, over rows exported).",
+        ]
+    out += [
+        "",
+        "Step ratio: median engine-step time of the plain runs paired with the case over "
+        "the case's median step time (every step of every timed run; robust to bursts of "
+        "outside load). tllm host ms/step: engine-thread time in tllm's per-step code "
+        "(`host_s` counter / `engine_steps`), the runtime's own cost without machine noise.",
+        "",
+        "![throughput ratio per case](img/throughput_ratio.png)",
+        "",
+        f"Memory: {tp.get('memory_note', '')}. Peak RSS of plain vLLM: "
+        f"{tp['cases']['plain']['peak_rss_mib']:.0f} MiB (KV cache "
+        f"{w['kv_cache_gib']} GiB reserved)."
+        + (
+            " In-process mode: the cases share one process, so memory that an earlier "
+            "engine freed but the allocator did not return to the OS can show up in a later "
+            "case; the extra-memory column is approximate."
+            if w.get("method") == "in-process" or w.get("in_process")
+            else ""
+        ),
+        "",
+    ]
     return out
 
 
@@ -182,28 +252,41 @@ def diversity_section(dv: dict) -> list[str]:
     diversity.plot(dv, IMG / "diversity_quality.png", IMG / "diversity_metrics.png")
     c = dv["config"]
     out = [
-        "## Diversity and quality", "",
-        f"Command: `{dv.get('command') or cmd('diversity.py', DIVERSITY_ARGS)}`", "",
+        "## Diversity and quality",
+        "",
+        f"Command: `{dv.get('command') or cmd('diversity.py', DIVERSITY_ARGS)}`",
+        "",
         f"{c['num_prompts']} prompts (the first of `benchmarks/prompts.txt`, chat template) x "
         f"n={c['n']} samples x up to {c['max_tokens']} new tokens; temperature "
         f"{c['temperature']}, min-p {c['min_p']}, prompt i seeded {c['seed']}+i in every "
         f"method; ESamp beta {c['betas']}. Mean over prompts ± standard error. Vendi and "
         "cosine similarity: all-MiniLM-L6-v2 embeddings of the n completions of a prompt. "
         "PPL: under the generating model (vLLM raw log-probs)"
-        + (f", checked against transformers on {dv['ppl_check']['completions']} completions "
-           f"(max |ΔNLL| = {dv['ppl_check']['max_abs_nll_diff']:.2g})" if dv.get("ppl_check")
-           else "") + ". distinct-2: unique token bigrams / bigrams within a completion.", "",
+        + (
+            f", checked against transformers on {dv['ppl_check']['completions']} completions "
+            f"(max |ΔNLL| = {dv['ppl_check']['max_abs_nll_diff']:.2g})"
+            if dv.get("ppl_check")
+            else ""
+        )
+        + ". distinct-2: unique token bigrams / bigrams within a completion.",
+        "",
         "| method | Vendi ↑ | mean cos sim ↓ | PPL | distinct-2 ↑ | generate (s) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for n, m in dv["methods"].items():
-        out.append(f"| {n} | {_pm(m, 'vendi')} | {_pm(m, 'cos_sim')} | {_pm(m, 'ppl', '.2f')} "
-                   f"| {_pm(m, 'distinct2')} | {m['generate_s']:.0f} |")
-    out += ["", "Paired per prompt (improved = higher Vendi / lower similarity / lower PPL / "
-            "higher distinct-2; p: two-sided sign test and paired t-test):", "",
-            "| method vs reference | Vendi: improved, Δ, p_sign, p_t | cos sim: improved, Δ, "
-            "p_t | PPL: lower, Δ, p_t | distinct-2: improved, Δ |",
-            "|---|---|---|---|---|"]
+        out.append(
+            f"| {n} | {_pm(m, 'vendi')} | {_pm(m, 'cos_sim')} | {_pm(m, 'ppl', '.2f')} "
+            f"| {_pm(m, 'distinct2')} | {m['generate_s']:.0f} |"
+        )
+    out += [
+        "",
+        "Paired per prompt (improved = higher Vendi / lower similarity / lower PPL / "
+        "higher distinct-2; p: two-sided sign test and paired t-test):",
+        "",
+        "| method vs reference | Vendi: improved, Δ, p_sign, p_t | cos sim: improved, Δ, "
+        "p_t | PPL: lower, Δ, p_t | distinct-2: improved, Δ |",
+        "|---|---|---|---|---|",
+    ]
     for cmpn in dv["comparisons"]:
         v, s, p, d = (cmpn["metrics"][k] for k in ("vendi", "cos_sim", "ppl", "distinct2"))
         out.append(
@@ -211,9 +294,15 @@ def diversity_section(dv: dict) -> list[str]:
             f"{v['mean_delta']:+.3f}, {v['sign_test_p']:.2g}, {v['t_test_p']:.2g} | "
             f"{s['improved']}/{s['prompts']}, {s['mean_delta']:+.4f}, {s['t_test_p']:.2g} | "
             f"{p['improved']}/{p['prompts']}, {p['mean_delta']:+.2f}, {p['t_test_p']:.2g} | "
-            f"{d['improved']}/{d['prompts']}, {d['mean_delta']:+.3f} |")
-    out += ["", "![quality-diversity](img/diversity_quality.png)", "",
-            "![per-method metrics](img/diversity_metrics.png)", ""]
+            f"{d['improved']}/{d['prompts']}, {d['mean_delta']:+.3f} |"
+        )
+    out += [
+        "",
+        "![quality-diversity](img/diversity_quality.png)",
+        "",
+        "![per-method metrics](img/diversity_metrics.png)",
+        "",
+    ]
     out += verdict(dv)
     return out
 
@@ -226,36 +315,55 @@ def verdict(dv: dict) -> list[str]:
             continue
         v, p = cmpn["metrics"]["vendi"], cmpn["metrics"]["ppl"]
         sig = "significant" if min(v["sign_test_p"], v["t_test_p"]) < 0.05 else "not significant"
-        parts.append(f"{cmpn['method']} vs {cmpn['against']}: Vendi {v['mean_delta']:+.3f} "
-                     f"(higher on {v['improved']}/{v['prompts']} prompts, {sig} at 0.05), "
-                     f"PPL {p['mean_delta']:+.2f}")
+        parts.append(
+            f"{cmpn['method']} vs {cmpn['against']}: Vendi {v['mean_delta']:+.3f} "
+            f"(higher on {v['improved']}/{v['prompts']} prompts, {sig} at 0.05), "
+            f"PPL {p['mean_delta']:+.2f}"
+        )
     lines[0] += "; ".join(parts) + "." if parts else "no ESamp comparison."
-    lines += ["", "A difference that is not significant here is not evidence of no effect, and "
-              "one run on a 135M model says little about the 7B models of the paper.", ""]
+    lines += [
+        "",
+        "A difference that is not significant here is not evidence of no effect, and "
+        "one run on a 135M model says little about the 7B models of the paper.",
+        "",
+    ]
     return lines
 
 
 def gpu_section(gp: dict | None) -> list[str]:
-    out = ["## ESamp distiller on a GPU (7B shapes)", "",
-           "Script: `python benchmarks/gpu_distiller.py --json` (PyTorch + Triton, no vLLM): "
-           "grouped distiller predict + update at hidden 3584, 8 groups x 16 rows, eager vs "
-           "CUDA graph, with and without the side stream, in µs per decode step and as a "
-           "fraction of a decode step (synthetic Qwen2-7B linear layers in bf16 at batch 128, "
-           "or `--decode-ms` of a real engine).", ""]
+    out = [
+        "## ESamp distiller on a GPU (7B shapes)",
+        "",
+        "Script: `python benchmarks/gpu_distiller.py --json` (PyTorch + Triton, no vLLM): "
+        "grouped distiller predict + update at hidden 3584, 8 groups x 16 rows, eager vs "
+        "CUDA graph, with and without the side stream, in µs per decode step and as a "
+        "fraction of a decode step (synthetic Qwen2-7B linear layers in bf16 at batch 128, "
+        "or `--decode-ms` of a real engine).",
+        "",
+    ]
     if gp is None:
-        out += ["**Not run**: the machine these results come from has no GPU. "
-                "Run it on a CUDA machine and save its output as "
-                "`benchmarks/results/gpu_distiller.json`, then `python benchmarks/report.py`.", ""]
+        out += [
+            "**Not run**: the machine these results come from has no GPU. "
+            "Run it on a CUDA machine and save its output as "
+            "`benchmarks/results/gpu_distiller.json`, then `python benchmarks/report.py`.",
+            "",
+        ]
         return out
-    out += [f"Device: {gp['device']}, torch {gp['torch']}, triton {gp.get('triton')}; "
-            f"decode step {gp['decode_step_us']:.0f} µs ({gp['decode_step_source']}).", "",
-            "| variant | predict (µs) | update (µs) | both (µs) | added to a step (µs) "
-            "| fraction of step |", "|---|---:|---:|---:|---:|---:|"]
+    out += [
+        f"Device: {gp['device']}, torch {gp['torch']}, triton {gp.get('triton')}; "
+        f"decode step {gp['decode_step_us']:.0f} µs ({gp['decode_step_source']}).",
+        "",
+        "| variant | predict (µs) | update (µs) | both (µs) | added to a step (µs) "
+        "| fraction of step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for v, d in gp["distiller"].items():
         s = gp["in_step"].get(v, {})
-        out.append(f"| {v} | {d['predict_us']:.1f} | {d['train_us']:.1f} | {d['step_us']:.1f} "
-                   f"| {s.get('added_us', float('nan')):.1f} | "
-                   f"{100 * s.get('fraction_of_step', float('nan')):.1f}% |")
+        out.append(
+            f"| {v} | {d['predict_us']:.1f} | {d['train_us']:.1f} | {d['step_us']:.1f} "
+            f"| {s.get('added_us', float('nan')):.1f} | "
+            f"{100 * s.get('fraction_of_step', float('nan')):.1f}% |"
+        )
     return out + [""]
 
 
@@ -264,11 +372,16 @@ def render() -> None:
     dv = _load("diversity.json")
     gp = _load("gpu_distiller.json")
     machine = (tp or dv or {}).get("machine", {})
-    out = ["# Benchmark results", "",
-           "Generated by `python benchmarks/report.py --run` (runs the two CPU benchmarks with "
-           "the commands below, writes `benchmarks/results/*.json`, then this page and "
-           "`docs/img/*.png`); `python benchmarks/report.py` re-renders from the saved JSON.", "",
-           f"Machine: {_machine(machine)}.{_load_note(tp, dv)}", ""]
+    out = [
+        "# Benchmark results",
+        "",
+        "Generated by `python benchmarks/report.py --run` (runs the two CPU benchmarks with "
+        "the commands below, writes `benchmarks/results/*.json`, then this page and "
+        "`docs/img/*.png`); `python benchmarks/report.py` re-renders from the saved JSON.",
+        "",
+        f"Machine: {_machine(machine)}.{_load_note(tp, dv)}",
+        "",
+    ]
     out += throughput_section(tp) if tp else ["## Throughput", "", "(no results yet)", ""]
     out += diversity_section(dv) if dv else ["## Diversity and quality", "", "(no results yet)", ""]
     out += gpu_section(gp)

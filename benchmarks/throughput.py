@@ -77,8 +77,10 @@ def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
         return ['stats:{"layers": [0, -1], "phase": "all"}']
     if case == "export":
         out = tmp / "export"
-        return ["export:" + json.dumps({"out": str(out), "layers": [0, -1], "phase": "decode",
-                                        "overwrite": True})]
+        return [
+            "export:"
+            + json.dumps({"out": str(out), "layers": [0, -1], "phase": "decode", "overwrite": True})
+        ]
     if case == "steer":
         import torch
 
@@ -86,8 +88,12 @@ def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
         vec = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
         path = tmp / "steer_vec.pt"
         torch.save(vec, path)
-        return ["steer:" + json.dumps({"vectors": [{"layer": -2, "path": str(path),
-                                                    "scale": 2.0, "normalize": True}]})]
+        return [
+            "steer:"
+            + json.dumps(
+                {"vectors": [{"layer": -2, "path": str(path), "scale": 2.0, "normalize": True}]}
+            )
+        ]
     if case == "esamp_train":
         return ['esamp:{"beta": 0.0}']
     if case == "esamp":
@@ -111,29 +117,36 @@ def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) 
     captured = sum(_num(rt, k) for k in rt if k.startswith("rows_captured."))
     need: list[tuple[str, float]] = []
     if case == "capture":
-        need = [("runtime.rows_captured.*", captured),
-                ("stats.bundles", _num(counters.get("stats", {}), "bundles"))]
+        need = [
+            ("runtime.rows_captured.*", captured),
+            ("stats.bundles", _num(counters.get("stats", {}), "bundles")),
+        ]
     elif case == "export":
         need = [("export.rows_exported", _num(counters.get("export", {}), "rows_exported"))]
     elif case == "steer":
         need = [("runtime.rows_edited", _num(rt, "rows_edited"))]
     elif case == "esamp_train":
         es = counters.get("esamp", {})
-        need = [("esamp.optimizer_steps", _num(es, "optimizer_steps")),
-                ("esamp.rows_trained", _num(es, "rows_trained"))]
+        need = [
+            ("esamp.optimizer_steps", _num(es, "optimizer_steps")),
+            ("esamp.rows_trained", _num(es, "rows_trained")),
+        ]
     elif case == "esamp":
         es = counters.get("esamp", {})
-        need = [("esamp.optimizer_steps", _num(es, "optimizer_steps")),
-                ("esamp.rows_guided", _num(es, "rows_guided")),
-                ("runtime.rows_guided", _num(rt, "rows_guided"))]
+        need = [
+            ("esamp.optimizer_steps", _num(es, "optimizer_steps")),
+            ("esamp.rows_guided", _num(es, "rows_guided")),
+            ("runtime.rows_guided", _num(rt, "rows_guided")),
+        ]
     elif case != "tllm_idle":  # custom: each consumer must have been delivered something
         for name, values in counters.items():
             if name == "runtime":
                 continue
             delivered = _num(rt, f"bundles_delivered.{name}")
             did = any(isinstance(v, (int, float)) and v > 0 for v in values.values())
-            need.append((f"{name}: bundles delivered or a positive counter",
-                         max(delivered, float(did))))
+            need.append(
+                (f"{name}: bundles delivered or a positive counter", max(delivered, float(did)))
+            )
     probs += [f"{what} is 0" for what, value in need if value <= 0]
     return probs
 
@@ -162,8 +175,12 @@ class _Case:
         self.cfg, self.case, model = cfg, cfg["case"], cfg["model"]
         self.rss_before = _current_rss_mib()
         consumers = case_consumers(self.case, model, tmpdir)
-        kw = dict(dtype=cfg["dtype"], max_model_len=cfg["max_model_len"],
-                  enforce_eager=cfg["enforce_eager"], seed=0)
+        kw = dict(
+            dtype=cfg["dtype"],
+            max_model_len=cfg["max_model_len"],
+            enforce_eager=cfg["enforce_eager"],
+            seed=0,
+        )
         t0 = time.perf_counter()
         if consumers is None:
             self.llm, self.engine = LLM(model, **kw), None
@@ -174,9 +191,17 @@ class _Case:
             self.llm = self.engine
         self.start_s = time.perf_counter() - t0
         self.prompts = cfg["prompts"]
-        self.params = [SamplingParams(n=cfg["n"], max_tokens=cfg["max_tokens"], temperature=1.0,
-                                      min_p=cfg["min_p"], seed=1000 + i, ignore_eos=True)
-                       for i in range(len(self.prompts))]
+        self.params = [
+            SamplingParams(
+                n=cfg["n"],
+                max_tokens=cfg["max_tokens"],
+                temperature=1.0,
+                min_p=cfg["min_p"],
+                seed=1000 + i,
+                ignore_eos=True,
+            )
+            for i in range(len(self.prompts))
+        ]
         warm = [p.clone() for p in self.params]
         for p in warm:
             p.max_tokens = min(cfg["warmup_tokens"], cfg["max_tokens"])
@@ -204,8 +229,12 @@ class _Case:
         outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
         gen_s = time.perf_counter() - t1
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"tokens": tokens, "generate_s": gen_s, "tok_s": tokens / gen_s,
-                "step_ms": [round(x * 1e3, 3) for x in self._step_s]}
+        return {
+            "tokens": tokens,
+            "generate_s": gen_s,
+            "tok_s": tokens / gen_s,
+            "step_ms": [round(x * 1e3, 3) for x in self._step_s],
+        }
 
     def close(self) -> dict[str, Any]:
         counters: dict[str, Any] = {}
@@ -216,9 +245,14 @@ class _Case:
             errors = rep.get("errors", [])
         _shutdown(self.llm)
         self.llm = self.engine = None
-        return {"case": self.case, "start_s": self.start_s, "peak_rss_mib": _rss_mib(),
-                "rss_before_engine_mib": self.rss_before, "counters": counters,
-                "errors": errors}
+        return {
+            "case": self.case,
+            "start_s": self.start_s,
+            "peak_rss_mib": _rss_mib(),
+            "rss_before_engine_mib": self.rss_before,
+            "counters": counters,
+            "errors": errors,
+        }
 
 
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -250,9 +284,14 @@ class _Served:
         self.case, self.timeout = cfg["case"], timeout
         # stderr to a file: a pipe nobody reads would fill up and stall the engine.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--_serve", json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, env=_worker_env(cfg))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--_serve", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=_worker_env(cfg),
+        )
         self._reply()  # ready
 
     def _reply(self) -> dict[str, Any]:
@@ -277,8 +316,9 @@ class _Served:
         return out
 
 
-def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, restarts: int,
-               timeout: float, log: Any) -> dict[str, list[dict[str, Any]]]:
+def run_paired(
+    cases: list[str], base_cfg: dict[str, Any], rounds: int, restarts: int, timeout: float, log: Any
+) -> dict[str, list[dict[str, Any]]]:
     """For each case, ``restarts`` fresh process pairs (plain and the case); within a pair the
     two alternate (plain, case, case, plain, ...), so every case run has a plain run of the
     same round beside it on the same machine state. Fresh pairs average out the per-process
@@ -297,7 +337,7 @@ def run_paired(cases: list[str], base_cfg: dict[str, Any], rounds: int, restarts
                 for r in range(rounds):
                     pair = {}
                     first = (r + k) % 2 == 0  # alternate the order across rounds and pairs
-                    for who in ((plain, other) if first else (other, plain)):
+                    for who in (plain, other) if first else (other, plain):
                         pair[who.case] = who.run()
                         log(r, who.case, pair[who.case], k)
                     pair[case]["paired_plain_tok_s"] = pair["plain"]["tok_s"]
@@ -385,12 +425,18 @@ def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
 
 def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = _worker_env(cfg)
-    proc = subprocess.run([sys.executable, __file__, "--_worker", json.dumps(cfg)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--_worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"case {cfg['case']!r} failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"case {cfg['case']!r} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -405,14 +451,21 @@ def select_cases(specs: list[str] | None) -> list[str]:
         return list(DEFAULT_CASES)
     named = [s for s in specs if s in DEFAULT_CASES]
     custom = [s for s in specs if s not in DEFAULT_CASES]
-    base = ["plain"] + [c for c in DEFAULT_CASES if c in named and c != "plain"] if named \
+    base = (
+        ["plain"] + [c for c in DEFAULT_CASES if c in named and c != "plain"]
+        if named
         else list(DEFAULT_CASES)
+    )
     return base + [c for c in dict.fromkeys(custom)]
 
 
 def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpus": os.cpu_count(), "loadavg_1m_start": os.getloadavg()[0]}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_start": os.getloadavg()[0],
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -427,7 +480,7 @@ def machine_info() -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["vllm"] = vllm.__version__
-        info["device"] = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001
         pass
     return info
@@ -435,28 +488,43 @@ def machine_info() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--consumer", action="append", metavar="SPEC",
-                   help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)")
+    p.add_argument(
+        "--consumer",
+        action="append",
+        metavar="SPEC",
+        help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)",
+    )
     p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
     p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (default 128)")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per sample (default 128)"
+    )
     p.add_argument("--min-p", type=float, default=0.1, help="min-p of every case (default 0.1)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="timed rounds per case and process pair (default 2)")
-    p.add_argument("--restarts", type=int, default=2,
-                   help="paired method: fresh process pairs per case (default 2)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="timed rounds per case and process pair (default 2)"
+    )
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=2,
+        help="paired method: fresh process pairs per case (default 2)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
-    p.add_argument("--method", choices=["paired", "fresh", "in-process"], default="paired",
-                   help="paired (default): every engine stays up in its own process and each "
-                   "case alternates with plain, ratio = median of the per-round ratios; fresh: "
-                   "a fresh process per case and round; in-process: the cases one after another "
-                   "in this process (fast start, for smoke tests)")
+    p.add_argument(
+        "--method",
+        choices=["paired", "fresh", "in-process"],
+        default="paired",
+        help="paired (default): every engine stays up in its own process and each "
+        "case alternates with plain, ratio = median of the per-round ratios; fresh: "
+        "a fresh process per case and round; in-process: the cases one after another "
+        "in this process (fast start, for smoke tests)",
+    )
     p.add_argument("--in-process", action="store_true", help="same as --method in-process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -486,10 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         for c in cases:
             if c not in DEFAULT_CASES:
                 validate_consumers([c], model)
-    base_cfg = dict(model=model, prompts=load_prompts(args.prompts), n=args.n,
-                    max_tokens=args.max_tokens, min_p=args.min_p, dtype=args.dtype,
-                    max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                    kv_cache_gib=args.kv_cache_gib, warmup_tokens=args.warmup_tokens)
+    base_cfg = dict(
+        model=model,
+        prompts=load_prompts(args.prompts),
+        n=args.n,
+        max_tokens=args.max_tokens,
+        min_p=args.min_p,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        kv_cache_gib=args.kv_cache_gib,
+        warmup_tokens=args.warmup_tokens,
+    )
 
     method = "in-process" if args.in_process else args.method
     load_start = os.getloadavg()[0]
@@ -497,27 +573,36 @@ def main(argv: list[str] | None = None) -> int:
         _setup_env(args.kv_cache_gib)
 
     def log(r: int, case: str, res: dict[str, Any], pair: int = 0) -> None:
-        print(f"[throughput] pair {pair + 1}/{args.restarts} round {r + 1}/{args.rounds} "
-              f"{case:<12} {res['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+        print(
+            f"[throughput] pair {pair + 1}/{args.restarts} round {r + 1}/{args.rounds} "
+            f"{case:<12} {res['tok_s']:8.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     if method == "paired":
         runs = run_paired(cases, base_cfg, args.rounds, args.restarts, args.timeout, log)
     for r in range(args.rounds if method != "paired" else 0):
-        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        order = cases[r % len(cases) :] + cases[: r % len(cases)]
         if r % 2:
             order = order[::-1]
         for case in order:
             cfg = {**base_cfg, "case": case}
             res = run_in_process(cfg) if method == "in-process" else run_worker(cfg, args.timeout)
             runs[case].append(res)
-            print(f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
-                  f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
-                  f"peak RSS {res['peak_rss_mib']:7.0f} MiB", file=sys.stderr, flush=True)
+            print(
+                f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
+                f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
+                f"peak RSS {res['peak_rss_mib']:7.0f} MiB",
+                file=sys.stderr,
+                flush=True,
+            )
 
     base = statistics.median(x["tok_s"] for x in runs["plain"])
-    base_grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"]
-                                  for x in runs["plain"])
+    base_grow = statistics.median(
+        x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in runs["plain"]
+    )
     expected = args.prompts * args.n * args.max_tokens
     out_cases: dict[str, Any] = {}
     failures: list[str] = []
@@ -525,8 +610,12 @@ def main(argv: list[str] | None = None) -> int:
     # runs for the other methods).
     plain_step_med: dict[str, float] = {}
     for case in cases:
-        mine = [t for x in runs["plain"] if x.get("paired_with", case) == case
-                for t in x.get("step_ms", [])]
+        mine = [
+            t
+            for x in runs["plain"]
+            if x.get("paired_with", case) == case
+            for t in x.get("step_ms", [])
+        ]
         if mine:
             plain_step_med[case] = statistics.median(mine)
     for case in cases:
@@ -542,8 +631,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)]
         probs = work_problems(case, last["counters"], last["errors"])
-        probs += [f"generated {x['tokens']} tokens, expected {expected}" for x in rs
-                  if x["tokens"] != expected]
+        probs += [
+            f"generated {x['tokens']} tokens, expected {expected}"
+            for x in rs
+            if x["tokens"] != expected
+        ]
         failures += [f"{case}: {m}" for m in probs]
         out_cases[case] = {
             "tok_s": tok_s,
@@ -552,19 +644,30 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_rounds": ratios,
             "ratio_min": min(ratios) if ratios else None,
             "ratio_max": max(ratios) if ratios else None,
-            "ratio_by_pair": ([statistics.median(r for r, x in zip(ratios, rs, strict=True)
-                                                 if x.get("restart") == k)
-                               for k in sorted({x.get("restart", 0) for x in rs})]
-                              if method == "paired" and case != "plain" else None),
+            "ratio_by_pair": (
+                [
+                    statistics.median(
+                        r for r, x in zip(ratios, rs, strict=True) if x.get("restart") == k
+                    )
+                    for k in sorted({x.get("restart", 0) for x in rs})
+                ]
+                if method == "paired" and case != "plain"
+                else None
+            ),
             "step_ms_median": step_med,
-            "step_ratio": (plain_step_med[case] / step_med
-                           if step_med and plain_step_med.get(case) else None),
+            "step_ratio": (
+                plain_step_med[case] / step_med if step_med and plain_step_med.get(case) else None
+            ),
             "consumers": case_consumers_public(case),
             "start_s": statistics.median(x["start_s"] for x in rs),
-            "peak_rss_mib": peak, "peak_growth_mib": grow,
+            "peak_rss_mib": peak,
+            "peak_growth_mib": grow,
             "extra_peak_rss_mib": grow - base_grow,
-            "tokens": last["tokens"], "counters": last["counters"], "errors": last["errors"],
-            "ok": not probs, "problems": probs,
+            "tokens": last["tokens"],
+            "counters": last["counters"],
+            "errors": last["errors"],
+            "ok": not probs,
+            "problems": probs,
         }
     machine = machine_info()
     machine["loadavg_1m_start"] = load_start
@@ -573,32 +676,55 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python " + shlex.join(["benchmarks/throughput.py", *(argv or sys.argv[1:])]),
         "baseline_tok_s": base,
         "cases": out_cases,
-        "workload": {"model": model, "prompts": args.prompts, "n": args.n,
-                     "max_tokens": args.max_tokens, "min_p": args.min_p, "temperature": 1.0,
-                     "ignore_eos": True, "tokens_per_case": expected, "rounds": args.rounds, "restarts": args.restarts if method == "paired" else None,
-                     "dtype": args.dtype, "enforce_eager": args.enforce_eager,
-                     "kv_cache_gib": args.kv_cache_gib, "method": method},
-        "memory_note": ("peak RSS sampled every 20 ms while the case ran in this process"
-                        if method == "in-process" else "peak RSS (ru_maxrss) of the case's worker "
-                        "process, which holds the whole engine") + ", minus the RSS before the "
-                        "engine started (after imports); extra = that growth for the case minus "
-                        "the same for plain (medians over rounds)",
+        "workload": {
+            "model": model,
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "min_p": args.min_p,
+            "temperature": 1.0,
+            "ignore_eos": True,
+            "tokens_per_case": expected,
+            "rounds": args.rounds,
+            "restarts": args.restarts if method == "paired" else None,
+            "dtype": args.dtype,
+            "enforce_eager": args.enforce_eager,
+            "kv_cache_gib": args.kv_cache_gib,
+            "method": method,
+        },
+        "memory_note": (
+            "peak RSS sampled every 20 ms while the case ran in this process"
+            if method == "in-process"
+            else "peak RSS (ru_maxrss) of the case's worker process, which holds the whole engine"
+        )
+        + ", minus the RSS before the "
+        "engine started (after imports); extra = that growth for the case minus "
+        "the same for plain (medians over rounds)",
         "machine": machine,
-        "ok": not failures, "failures": failures,
-        "raw_rounds": {c: [{k: v for k, v in x.items()
-                            if k not in ("counters", "errors", "step_ms")} for x in rs]
-                       for c, rs in runs.items()},
+        "ok": not failures,
+        "failures": failures,
+        "raw_rounds": {
+            c: [
+                {k: v for k, v in x.items() if k not in ("counters", "errors", "step_ms")}
+                for x in rs
+            ]
+            for c, rs in runs.items()
+        },
     }
     if args.json:
         print(json.dumps(result, default=str))
     else:
-        print(f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
-              f"{args.rounds} rounds, median)")
+        print(
+            f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
+            f"{args.rounds} rounds, median)"
+        )
         print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'step ratio':>12}{'extra MiB':>11}  ok")
         for case, c in out_cases.items():
             sr = f"{c['step_ratio']:.3f}" if c["step_ratio"] else "-"
-            print(f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}{sr:>12}"
-                  f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}")
+            print(
+                f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}{sr:>12}"
+                f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}"
+            )
     for f in failures:
         print(f"throughput: FAILED {f}", file=sys.stderr)
     return 1 if failures else 0
@@ -606,11 +732,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def case_consumers_public(case: str) -> list[str] | None:
     """The consumer specs of a case as documented (temporary paths elided)."""
-    table = {"plain": None, "tllm_idle": [], "capture": ['stats:{"layers": [0, -1]}'],
-             "export": ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
-             "steer": ['steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
-                       '"scale": 2.0, "normalize": true}]}'],
-             "esamp_train": ['esamp:{"beta": 0.0}'], "esamp": ['esamp:{"beta": 0.25}']}
+    table = {
+        "plain": None,
+        "tllm_idle": [],
+        "capture": ['stats:{"layers": [0, -1]}'],
+        "export": ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
+        "steer": [
+            'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
+            '"scale": 2.0, "normalize": true}]}'
+        ],
+        "esamp_train": ['esamp:{"beta": 0.0}'],
+        "esamp": ['esamp:{"beta": 0.25}'],
+    }
     return table.get(case, [case])
 
 

@@ -26,7 +26,9 @@ class StatsConsumer(Consumer):
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)
         self._ports = [
-            HiddenStates(layer if layer == "final" else context.resolve_layer(int(layer)), config.phase)
+            HiddenStates(
+                layer if layer == "final" else context.resolve_layer(int(layer)), config.phase
+            )
             for layer in config.layers
         ]
         # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|]

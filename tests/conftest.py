@@ -23,7 +23,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-MODEL_CACHE = Path(os.environ.get("TLLM_TEST_MODELS", Path.home() / ".cache" / "tllm" / "test-models"))
+MODEL_CACHE = Path(
+    os.environ.get("TLLM_TEST_MODELS", Path.home() / ".cache" / "tllm" / "test-models")
+)
 ENGINE_KW = dict(dtype="float32", max_model_len=512, enforce_eager=True)
 
 
@@ -84,8 +86,11 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     e.update(env or {})
     with subprocess.Popen(
-        [sys.executable, "-m", "tllm_core.cli", *args], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=e,
+        [sys.executable, "-m", "tllm_core.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=e,
     ) as p:
         try:
             out, err = p.communicate(timeout=timeout)

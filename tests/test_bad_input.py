@@ -20,39 +20,84 @@ def _fails(proc, *needles):
 
 
 def test_unknown_consumer_lists_available():
-    _fails(run_cli("run", "--consumer", "nope", "--prompt", "x"),
-           "unknown consumer 'nope'", "esamp", "stats")
+    _fails(
+        run_cli("run", "--consumer", "nope", "--prompt", "x"),
+        "unknown consumer 'nope'",
+        "esamp",
+        "stats",
+    )
 
 
 def test_invalid_config_names_the_field():
-    _fails(run_cli("run", "--consumer", 'esamp:{"beta": -1}', "--prompt", "x"),
-           "invalid config for consumer 'esamp'", "beta")
+    _fails(
+        run_cli("run", "--consumer", 'esamp:{"beta": -1}', "--prompt", "x"),
+        "invalid config for consumer 'esamp'",
+        "beta",
+    )
     _fails(run_cli("run", "--consumer", "esamp:{oops", "--prompt", "x"), "not valid JSON")
 
 
 def test_layer_out_of_range_names_layer_count(tiny_model):
-    _fails(run_cli("run", "--model", tiny_model, "--consumer", 'stats:{"layers": [9]}',
-                   "--prompt", "x"), "layer index 9 is out of range", "4 decoder layers")
+    _fails(
+        run_cli(
+            "run", "--model", tiny_model, "--consumer", 'stats:{"layers": [9]}', "--prompt", "x"
+        ),
+        "layer index 9 is out of range",
+        "4 decoder layers",
+    )
 
 
 def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    _fails(run_cli("export", "--model", tiny_model, "--layers", "0", "--out", str(f / "sub"),
-                   "--prompt", "x"), str(f))
-    _fails(run_cli("export", "--model", tiny_model, "--layers", "zero", "--out", str(tmp_path / "o"),
-                   "--prompt", "x"), "bad layer spec 'zero'")
+    _fails(
+        run_cli(
+            "export",
+            "--model",
+            tiny_model,
+            "--layers",
+            "0",
+            "--out",
+            str(f / "sub"),
+            "--prompt",
+            "x",
+        ),
+        str(f),
+    )
+    _fails(
+        run_cli(
+            "export",
+            "--model",
+            tiny_model,
+            "--layers",
+            "zero",
+            "--out",
+            str(tmp_path / "o"),
+            "--prompt",
+            "x",
+        ),
+        "bad layer spec 'zero'",
+    )
 
 
 def test_steer_vector_checks(tiny_model, tmp_path):
     bad = tmp_path / "v.npy"
     np.save(bad, np.ones(7, dtype=np.float32))
     cfg = {"vectors": [{"layer": 1, "path": str(bad)}]}
-    _fails(run_cli("run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}",
-                   "--prompt", "x"), "v.npy", "128")
+    _fails(
+        run_cli(
+            "run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}", "--prompt", "x"
+        ),
+        "v.npy",
+        "128",
+    )
     cfg = {"vectors": [{"layer": 1, "path": str(tmp_path / "missing.pt")}]}
-    _fails(run_cli("run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}",
-                   "--prompt", "x"), "missing.pt")
+    _fails(
+        run_cli(
+            "run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(cfg)}", "--prompt", "x"
+        ),
+        "missing.pt",
+    )
 
 
 def test_bad_cli_values():

@@ -23,8 +23,14 @@ SMALL_ENGINE = ["--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "25
 def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _json(proc: subprocess.CompletedProcess) -> dict:
@@ -48,11 +54,15 @@ def test_throughput_case_selection_and_no_work_check():
     tp = _load("throughput")
     assert tp.select_cases(None) == tp.DEFAULT_CASES
     assert tp.select_cases(["esamp"]) == ["plain", "esamp"]
-    assert tp.select_cases(['stats:{"layers": [1]}']) == tp.DEFAULT_CASES + ['stats:{"layers": [1]}']
+    assert tp.select_cases(['stats:{"layers": [1]}']) == tp.DEFAULT_CASES + [
+        'stats:{"layers": [1]}'
+    ]
     idle = {"runtime": {"engine_steps": 5}, "esamp": {"optimizer_steps": 0, "rows_guided": 0}}
     assert tp.work_problems("esamp", idle, [])  # counters show no work: the case fails
-    busy = {"runtime": {"engine_steps": 5, "rows_guided": 9},
-            "esamp": {"optimizer_steps": 3, "rows_guided": 9}}
+    busy = {
+        "runtime": {"engine_steps": 5, "rows_guided": 9},
+        "esamp": {"optimizer_steps": 3, "rows_guided": 9},
+    }
     assert tp.work_problems("esamp", busy, []) == []
     assert tp.work_problems("esamp", busy, [{"consumer": "esamp", "error": "boom"}])
     assert tp.work_problems("steer", {"runtime": {"engine_steps": 5, "rows_edited": 0}}, [])
@@ -61,17 +71,40 @@ def test_throughput_case_selection_and_no_work_check():
 def test_diversity_methods_with_an_esamp_variant():
     dv = _load("diversity")
     ms = {m["name"]: m for m in dv.build_methods([0.25], 1.0, {"lr3e-3": {"lr": 0.003}})}
-    assert set(ms) == {"vanilla", "esamp_b0.25", "esamp_lr3e-3_b0.25", "temp_0.8",
-                       "noise_b0.25", "frozen_b0.25"}
+    assert set(ms) == {
+        "vanilla",
+        "esamp_b0.25",
+        "esamp_lr3e-3_b0.25",
+        "temp_0.8",
+        "noise_b0.25",
+        "frozen_b0.25",
+    }
     spec = json.loads(ms["esamp_lr3e-3_b0.25"]["consumers"][0].split(":", 1)[1])
     assert spec == {"lr": 0.003, "beta": 0.25} and ms["esamp_lr3e-3_b0.25"]["kind"] == "esamp"
 
 
 @pytest.mark.vllm
 def test_throughput_script_small_run(tiny_model):
-    proc = _run("throughput.py", "--model", tiny_model, "--prompts", "2", "-n", "2",
-                "--max-tokens", "4", "--rounds", "1", "--in-process", "--consumer", "capture",
-                "--consumer", "esamp", "--json", *SMALL_ENGINE)
+    proc = _run(
+        "throughput.py",
+        "--model",
+        tiny_model,
+        "--prompts",
+        "2",
+        "-n",
+        "2",
+        "--max-tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--in-process",
+        "--consumer",
+        "capture",
+        "--consumer",
+        "esamp",
+        "--json",
+        *SMALL_ENGINE,
+    )
     out = _json(proc)
     assert out["baseline_tok_s"] > 0 and out["ok"] is True
     assert set(out["cases"]) == {"plain", "capture", "esamp"}
@@ -89,9 +122,25 @@ def test_throughput_script_small_run(tiny_model):
 @pytest.mark.vllm
 def test_throughput_paired_method_small_run(tiny_model):
     """The default method: fresh process pairs, each case alternating with plain."""
-    proc = _run("throughput.py", "--model", tiny_model, "--prompts", "2", "-n", "2",
-                "--max-tokens", "4", "--rounds", "1", "--restarts", "2", "--consumer", "steer",
-                "--json", *SMALL_ENGINE)
+    proc = _run(
+        "throughput.py",
+        "--model",
+        tiny_model,
+        "--prompts",
+        "2",
+        "-n",
+        "2",
+        "--max-tokens",
+        "4",
+        "--rounds",
+        "1",
+        "--restarts",
+        "2",
+        "--consumer",
+        "steer",
+        "--json",
+        *SMALL_ENGINE,
+    )
     out = _json(proc)
     assert out["ok"] is True and out["workload"]["method"] == "paired"
     steer, plain = out["cases"]["steer"], out["cases"]["plain"]
@@ -108,9 +157,27 @@ def test_diversity_script_small_run(tiny_model, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Write a poem about the sea.\nTell me a story.\n")
     qd, bars = tmp_path / "qd.png", tmp_path / "bars.png"
-    proc = _run("diversity.py", "--model", tiny_model, "--prompts", str(prompts), "-n", "2",
-                "--max-tokens", "4", "--beta", "0.5", "--ppl-check", "2", "--plot", str(qd),
-                "--bars", str(bars), "--json", *SMALL_ENGINE)
+    proc = _run(
+        "diversity.py",
+        "--model",
+        tiny_model,
+        "--prompts",
+        str(prompts),
+        "-n",
+        "2",
+        "--max-tokens",
+        "4",
+        "--beta",
+        "0.5",
+        "--ppl-check",
+        "2",
+        "--plot",
+        str(qd),
+        "--bars",
+        str(bars),
+        "--json",
+        *SMALL_ENGINE,
+    )
     out = _json(proc)
     methods = out["methods"]
     assert set(methods) == {"vanilla", "esamp_b0.5", "temp_0.667", "noise_b0.5", "frozen_b0.5"}
@@ -131,8 +198,28 @@ def test_diversity_script_small_run(tiny_model, tmp_path):
 
 
 def test_gpu_distiller_script_cpu_smoke():
-    out = _json(_run("gpu_distiller.py", "--device", "cpu", "--hidden", "64", "--groups", "2",
-                     "--rows", "4", "--intermediate", "32", "--iters", "2", "--warmup", "1",
-                     "--repeats", "1", "--json", timeout=120))
+    out = _json(
+        _run(
+            "gpu_distiller.py",
+            "--device",
+            "cpu",
+            "--hidden",
+            "64",
+            "--groups",
+            "2",
+            "--rows",
+            "4",
+            "--intermediate",
+            "32",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--repeats",
+            "1",
+            "--json",
+            timeout=120,
+        )
+    )
     d = out["distiller"]["eager_main"]
     assert d["predict_us"] > 0 and d["train_us"] > 0 and out["shape"]["batch_rows"] == 8

@@ -10,7 +10,11 @@ import torch
 from conftest import ENGINE_KW, cli_json, run_cli
 from reference import hf_states, sequences_from_rows
 
-PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog and keeps running", "One two three four"]
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog and keeps running",
+    "One two three four",
+]
 LAYERS = [0, 1, -1, "final"]
 
 
@@ -30,7 +34,9 @@ def check_against_hf(model: str, result: dict, num_layers: int, n: int) -> int:
             for k, v in r["hidden"].items():
                 got = torch.tensor(v)
                 want = ref[k][pos]
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{key} pos {pos} {k}")
+                torch.testing.assert_close(
+                    got, want, rtol=1e-4, atol=1e-4, msg=f"{key} pos {pos} {k}"
+                )
                 checked += 1
         # every position but the last (never fed) was captured exactly once
         positions = sorted(r["position"] for r in by_key[key] if not r["recomputed"])
@@ -41,9 +47,25 @@ def check_against_hf(model: str, result: dict, num_layers: int, n: int) -> int:
 @pytest.mark.vllm
 def test_compiled_multiprocess_third_party_consumer_matches_transformers(tiny_model):
     cfg = json.dumps({"layers": LAYERS})
-    args = ["run", "--model", tiny_model, "--consumer", f"recorder:{cfg}", "-n", "2",
-            "--max-tokens", "5", "--seed", "7", "--no-prefix-caching", "--json",
-            "--max-model-len", "512", "--kv-cache-gib", "1"]
+    args = [
+        "run",
+        "--model",
+        tiny_model,
+        "--consumer",
+        f"recorder:{cfg}",
+        "-n",
+        "2",
+        "--max-tokens",
+        "5",
+        "--seed",
+        "7",
+        "--no-prefix-caching",
+        "--json",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+    ]
     for p in PROMPTS:
         args += ["--prompt", p]
     proc = run_cli(*args)
@@ -64,8 +86,12 @@ def test_eager_in_process_matches_transformers(tiny_model, engines):
 
     llm = engines.get(
         ("truth-eager", tiny_model),
-        lambda: TllmLLM(tiny_model, [{"name": "recorder", "config": {"layers": LAYERS}}],
-                        enable_prefix_caching=False, **ENGINE_KW),
+        lambda: TllmLLM(
+            tiny_model,
+            [{"name": "recorder", "config": {"layers": LAYERS}}],
+            enable_prefix_caching=False,
+            **ENGINE_KW,
+        ),
     )
     llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=5, seed=3), use_tqdm=False)
     report = llm.close()

@@ -21,9 +21,12 @@ from tllm_core.rows import RequestInfo, RowInfo
 def _rows(n: int, decode=None) -> RowInfo:
     req = RequestInfo("0-abcdefgh", "0", 0, 0, 4)
     return RowInfo(
-        row=np.arange(n), requests=[req] * n, position=np.arange(n),
+        row=np.arange(n),
+        requests=[req] * n,
+        position=np.arange(n),
         is_decode=np.zeros(n, bool) if decode is None else np.asarray(decode),
-        recomputed=np.zeros(n, bool), token_ids=torch.arange(n),
+        recomputed=np.zeros(n, bool),
+        token_ids=torch.arange(n),
     )
 
 
@@ -158,11 +161,19 @@ def test_guide_view_sparse_candidates_update_and_rollback():
     logits[0, [1, 4]] = torch.tensor([0.5, 1.5])
     logits[2, [0, 2, 5]] = torch.tensor([2.0, -1.0, 0.25])
     before = logits.clone()
-    rows = RowInfo(np.arange(3), [RequestInfo("e", "r", 0, 0, 1)] * 3, np.arange(3),
-                   np.ones(3, bool), np.zeros(3, bool), torch.zeros(3, dtype=torch.long))
+    rows = RowInfo(
+        np.arange(3),
+        [RequestInfo("e", "r", 0, 0, 1)] * 3,
+        np.arange(3),
+        np.ones(3, bool),
+        np.zeros(3, bool),
+        torch.zeros(3, dtype=torch.long),
+    )
     view = GuideView(1, rows, logits, torch.ones(3), np.ones(3, bool), True, {})
     c = view.candidates()
-    assert len(c) == 5 and c.rows.tolist() == [0, 0, 2, 2, 2] and c.tokens.tolist() == [1, 4, 0, 2, 5]
+    assert (
+        len(c) == 5 and c.rows.tolist() == [0, 0, 2, 2, 2] and c.tokens.tolist() == [1, 4, 0, 2, 5]
+    )
     assert torch.equal(c.logits, before[c.rows, c.tokens])
     view.update_candidates(torch.tensor([1, 3]), torch.tensor([9.0, 7.0]))
     assert view.rows_guided == 2 and view.candidates_guided == 2

@@ -84,9 +84,22 @@ def tutorial_site(tmp_path_factory):
         (pkg / name).write_text(blocks[name])
     site = tmp_path_factory.mktemp("normtrack-site")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-         "--no-input", "--disable-pip-version-check", "--target", str(site), str(pkg)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--target",
+            str(site),
+            str(pkg),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sys.path.insert(0, str(site))
@@ -202,12 +215,14 @@ def test_every_consumer_counter_is_on_its_page():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tllm_core.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tllm_core.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args", [(), ("run",), ("consumers",), ("export",), ("steer",),
-                                  ("steer", "compute")])
+@pytest.mark.parametrize(
+    "args", [(), ("run",), ("consumers",), ("export",), ("steer",), ("steer", "compute")]
+)
 def test_cli_help_works_and_every_option_is_documented(args):
     proc = _cli(*args, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -224,4 +239,6 @@ def test_relative_links_between_pages_resolve():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
             if re.match(r"[a-z]+:", target):
                 continue
-            assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: broken link {target}"
+            assert (page.parent / target).exists(), (
+                f"{page.relative_to(ROOT)}: broken link {target}"
+            )

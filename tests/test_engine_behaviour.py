@@ -37,7 +37,9 @@ def plain_tokens(tiny_model, engines):
 def _tllm(engines, model, consumers):
     from tllm_core.engine import TllmLLM
 
-    return engines.get(("tllm", model, repr(consumers)), lambda: TllmLLM(model, consumers, **ENGINE_KW))
+    return engines.get(
+        ("tllm", model, repr(consumers)), lambda: TllmLLM(model, consumers, **ENGINE_KW)
+    )
 
 
 def test_runtime_without_consumers_is_identical_to_plain_vllm(tiny_model, engines, plain_tokens):
@@ -71,8 +73,15 @@ def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens)
     assert toks != plain_tokens
     rep = llm.collect()
     es = rep["consumers"]["esamp"]
-    for name in ("optimizer_steps", "rows_trained", "rows_guided", "candidates_guided",
-                 "groups_created", "groups_freed", "rows_skipped"):
+    for name in (
+        "optimizer_steps",
+        "rows_trained",
+        "rows_guided",
+        "candidates_guided",
+        "groups_created",
+        "groups_freed",
+        "rows_skipped",
+    ):
         assert es[name] > 0, name
     assert es["groups_alive"] == 0 and es["groups_created"] == es["groups_freed"] == 3
     assert math.isfinite(es["loss_first"]) and math.isfinite(es["loss_last"])

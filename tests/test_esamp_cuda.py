@@ -73,8 +73,11 @@ def test_cuda_free_cycles_bounded():
     before = torch.cuda.memory_allocated()
     for _ in range(200):
         s = gpu.alloc()
-        gpu.train_step(torch.tensor([s, s, s]), torch.randn(3, H, device="cuda"),
-                       torch.randn(3, H, device="cuda"))
+        gpu.train_step(
+            torch.tensor([s, s, s]),
+            torch.randn(3, H, device="cuda"),
+            torch.randn(3, H, device="cuda"),
+        )
         gpu.free(s)
     gpu.synchronize()
     assert gpu.num_live == 0 and gpu.capacity == 4
@@ -95,19 +98,30 @@ def test_cuda_consumer_runs():
     dev = torch.device("cuda")
     w = torch.randn(100, H, device=dev, dtype=torch.bfloat16)
     model = ModelInfo(H, 4, 100, torch.bfloat16, dev, lambda z: z @ w.t(), w)
-    c = ESampConsumer(ESampConfig(intermediate_size=INTER),
-                      ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)))
+    c = ESampConsumer(
+        ESampConfig(intermediate_size=INTER),
+        ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)),
+    )
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(4)]
     n = len(reqs)
-    rows = RowInfo(np.arange(n), reqs, np.full(n, 5), np.ones(n, bool), np.zeros(n, bool),
-                   torch.zeros(n, dtype=torch.long, device=dev))
+    rows = RowInfo(
+        np.arange(n),
+        reqs,
+        np.full(n, 5),
+        np.ones(n, bool),
+        np.zeros(n, bool),
+        torch.zeros(n, dtype=torch.long, device=dev),
+    )
     for t in range(5):
-        hidden = {"layer.0": torch.randn(n, H, device=dev, dtype=torch.bfloat16),
-                  "final": torch.randn(n, H, device=dev, dtype=torch.bfloat16)}
+        hidden = {
+            "layer.0": torch.randn(n, H, device=dev, dtype=torch.bfloat16),
+            "final": torch.randn(n, H, device=dev, dtype=torch.bfloat16),
+        }
         logits = torch.randn(n, 100, device=dev)
         logits = logits.masked_fill(logits < logits.topk(10, -1).values[:, -1:], float("-inf"))
-        view = GuideView(t, rows, logits.clone(), torch.ones(n, device=dev),
-                         np.ones(n, bool), True, hidden)
+        view = GuideView(
+            t, rows, logits.clone(), torch.ones(n, device=dev), np.ones(n, bool), True, hidden
+        )
         c.guide(view)
         assert not torch.equal(view.logits, logits)
         if t < 4:

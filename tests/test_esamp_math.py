@@ -126,7 +126,7 @@ def test_predict_matches_per_group_forward():
     slots = torch.tensor([a, b, a, b, b])
     y = d.predict(slots, x)
     for i in range(5):
-        torch.testing.assert_close(y[i:i + 1], d.predict(slots[i:i + 1], x[i:i + 1]))
+        torch.testing.assert_close(y[i : i + 1], d.predict(slots[i : i + 1], x[i : i + 1]))
 
 
 def test_zero_init_is_identity():
@@ -259,9 +259,15 @@ class Fake:
     def __init__(self, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.w = torch.randn(V, H, generator=g)
-        self.model = ModelInfo(hidden_size=H, num_layers=4, vocab_size=V, dtype=torch.float32,
-                               device=torch.device("cpu"), lm_head=lambda z: z @ self.w.t(),
-                               lm_head_weight=self.w)
+        self.model = ModelInfo(
+            hidden_size=H,
+            num_layers=4,
+            vocab_size=V,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            lm_head=lambda z: z @ self.w.t(),
+            lm_head_weight=self.w,
+        )
         self.gen = g
 
     def consumer(self, **cfg) -> ESampConsumer:
@@ -271,14 +277,19 @@ class Fake:
 
     @staticmethod
     def requests(prompts: int, n: int) -> list[RequestInfo]:
-        return [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts)
-                for s in range(n)]
+        return [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts) for s in range(n)]
 
     def step(self, reqs, decode=None, h1=None, hl=None):
         r = len(reqs)
         decode = np.ones(r, bool) if decode is None else np.asarray(decode)
-        rows = RowInfo(np.arange(r), list(reqs), np.full(r, 5), decode, np.zeros(r, bool),
-                       torch.zeros(r, dtype=torch.long))
+        rows = RowInfo(
+            np.arange(r),
+            list(reqs),
+            np.full(r, 5),
+            decode,
+            np.zeros(r, bool),
+            torch.zeros(r, dtype=torch.long),
+        )
         h1 = torch.randn(r, H, generator=self.gen) if h1 is None else h1
         hl = torch.randn(r, H, generator=self.gen) if hl is None else hl
         return rows, {"layer.0": h1, "final": hl}
@@ -287,8 +298,9 @@ class Fake:
     def view(rows, hidden, logits, is_random=None, filtered=True, temp=0.8):
         r = len(rows)
         is_random = np.ones(r, bool) if is_random is None else np.asarray(is_random)
-        return GuideView(0, rows, logits.clone(), torch.full((r,), temp), is_random, filtered,
-                         hidden)
+        return GuideView(
+            0, rows, logits.clone(), torch.full((r,), temp), is_random, filtered, hidden
+        )
 
 
 @pytest.mark.parametrize("cpu_update", ["inline", "thread"])
@@ -448,8 +460,19 @@ def test_padded_fixed_capacity_update_equals_unpadded():
     mask = torch.cat([mask, torch.zeros(pad, m, dtype=torch.bool)])
     gslots = torch.tensor(list(pk.slots) + [scratch] * pad)
     gvalid = torch.tensor([True] * len(pk.slots) + [False] * pad)
-    losses, ok = train_packed(padded.theta, padded.m, padded.v, padded.step, gslots, gvalid,
-                              xp, tp, mask, padded.shape, padded.hp)
+    losses, ok = train_packed(
+        padded.theta,
+        padded.m,
+        padded.v,
+        padded.step,
+        gslots,
+        gvalid,
+        xp,
+        tp,
+        mask,
+        padded.shape,
+        padded.hp,
+    )
     assert ok.tolist() == [True, True, False, False]
     torch.testing.assert_close(losses[:2], ref.losses)
     for s in slots:
@@ -543,8 +566,12 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
     temp = torch.full((3,), 0.7)
     dist_fn = candidate_dist_fn(f, fake.w)
     ref = logits[idx]
-    expect = torch.cat([mix_post_filter(ref[:2], dist_fn, 0.5, temp[:2]),
-                        mix_post_filter(ref[2:], lambda r, t: dist_fn(r + 2, t), 1.5, temp[2:])])
+    expect = torch.cat(
+        [
+            mix_post_filter(ref[:2], dist_fn, 0.5, temp[:2]),
+            mix_post_filter(ref[2:], lambda r, t: dist_fn(r + 2, t), 1.5, temp[2:]),
+        ]
+    )
     torch.testing.assert_close(view.logits[idx], expect, rtol=1e-5, atol=1e-5)
     assert torch.equal(view.logits[3], logits[3])  # greedy row
     assert c.counters.get("rows_guided") == 3 and c.counters.get("candidates_guided") == 21

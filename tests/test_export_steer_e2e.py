@@ -28,17 +28,24 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
     from tllm_core.engine import TllmLLM
 
     out = tmp_path / "exp"
-    spec = {"name": "export", "config": {"out": str(out), "layers": [0, -1, "final"],
-                                         "phase": "all", "shard_rows": 16}}
-    llm = engines.get(("export", str(out)), lambda: TllmLLM(
-        tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW))
+    spec = {
+        "name": "export",
+        "config": {"out": str(out), "layers": [0, -1, "final"], "phase": "all", "shard_rows": 16},
+    }
+    llm = engines.get(
+        ("export", str(out)),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
     outs = llm.generate(PROMPTS, SamplingParams(n=2, max_tokens=6, seed=5), use_tqdm=False)
     report = llm.close()
     engines.close()
     assert report["consumers"]["export"]["shards_written"] > 1
     assert report["runtime"]["bundles_delivered.export"] > 0
-    expected = {(o.request_id, c.index): list(o.prompt_token_ids) + list(c.token_ids)
-                for o in outs for c in o.outputs}
+    expected = {
+        (o.request_id, c.index): list(o.prompt_token_ids) + list(c.token_ids)
+        for o in outs
+        for c in o.outputs
+    }
     records = list(read_export(out, verify=True))
     assert len(records) == len(expected)
     checked = 0
@@ -49,7 +56,9 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
         assert rec.prompt_index == PROMPTS.index(outs[rec.prompt_index].prompt)
         ref = hf_states(tiny_model, seq)
         for key in ("layer.0", "layer.3", "final"):
-            torch.testing.assert_close(rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
+            )
             checked += 1
     assert checked == 3 * len(expected)
 
@@ -61,11 +70,36 @@ def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     env = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tllm_core.cli", "export", "--model", tiny_model, "--layers", "0,final",
-         "--out", str(out), "--prompt", "Tell me a long story", "-n", "8", "--max-tokens", "400",
-         "--ignore-eos", "--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1",
-         "--consumer", "stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "tllm_core.cli",
+            "export",
+            "--model",
+            tiny_model,
+            "--layers",
+            "0,final",
+            "--out",
+            str(out),
+            "--prompt",
+            "Tell me a long story",
+            "-n",
+            "8",
+            "--max-tokens",
+            "400",
+            "--ignore-eos",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--kv-cache-gib",
+            "1",
+            "--consumer",
+            "stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + 240
@@ -108,14 +142,20 @@ def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines
     plain = engines.get(("plain", tiny_model), lambda: LLM(tiny_model, **ENGINE_KW))
     plain_tokens = _tokens(plain.generate(prompts, [params()] * 3, use_tqdm=False))
 
-    cfg = {"vectors": [{"layer": 1, "path": str(_vector(tmp_path)), "scale": 20.0}],
-           "per_request": True}
-    llm = engines.get(("steer", tiny_model), lambda: TllmLLM(
-        tiny_model, [{"name": "steer", "config": cfg}], **ENGINE_KW))
+    cfg = {
+        "vectors": [{"layer": 1, "path": str(_vector(tmp_path)), "scale": 20.0}],
+        "per_request": True,
+    }
+    llm = engines.get(
+        ("steer", tiny_model),
+        lambda: TllmLLM(tiny_model, [{"name": "steer", "config": cfg}], **ENGINE_KW),
+    )
     # one batch: unsteered, steered, steered with scale 0 — all in flight together
     mixed = llm.generate(
-        prompts, [params(), params({"tllm_steer": 1}),
-                  params({"tllm_steer": 1, "tllm_steer_scale": 0.0})], use_tqdm=False)
+        prompts,
+        [params(), params({"tllm_steer": 1}), params({"tllm_steer": 1, "tllm_steer_scale": 0.0})],
+        use_tqdm=False,
+    )
     toks = _tokens(mixed)
     assert toks[0] == plain_tokens[0], "an unsteered request must be identical to plain vLLM"
     assert toks[2] == plain_tokens[2], "steering with scale 0 must be identical to no steering"
@@ -136,10 +176,28 @@ def test_steer_compute_cli(tiny_model, tmp_path):
     pos.write_text("I love this\nThis is wonderful\n")
     neg.write_text("I hate this\nThis is awful\n")
     out = tmp_path / "v.npy"
-    res = cli_json(run_cli("steer", "compute", "--positive", str(pos), "--negative", str(neg),
-                           "--layer", "-2", "--out", str(out), "--model", tiny_model,
-                           "--enforce-eager", "--max-model-len", "256", "--kv-cache-gib", "1",
-                           "--json"))
+    res = cli_json(
+        run_cli(
+            "steer",
+            "compute",
+            "--positive",
+            str(pos),
+            "--negative",
+            str(neg),
+            "--layer",
+            "-2",
+            "--out",
+            str(out),
+            "--model",
+            tiny_model,
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--kv-cache-gib",
+            "1",
+            "--json",
+        )
+    )
     v = np.load(out)
     assert v.shape == (128,) and np.isfinite(v).all() and res["layer"] == 2
     assert res["norm"] > 0 and res["positive_rows"] == 2 and res["negative_rows"] == 2

@@ -41,14 +41,20 @@ def model_info(hidden: int = H, device: str = "cpu") -> ModelInfo:
         raise RuntimeError("no head in unit tests")
 
     return ModelInfo(
-        hidden_size=hidden, num_layers=NUM_LAYERS, vocab_size=128, dtype=torch.float32,
-        device=torch.device(device), lm_head=no_head, lm_head_weight=None,
+        hidden_size=hidden,
+        num_layers=NUM_LAYERS,
+        vocab_size=128,
+        dtype=torch.float32,
+        device=torch.device(device),
+        lm_head=no_head,
+        lm_head_weight=None,
     )
 
 
 def context(hidden: int = H, device: str = "cpu") -> ConsumerContext:
     return ConsumerContext(
-        model=model_info(hidden, device), counters=Counters(),
+        model=model_info(hidden, device),
+        counters=Counters(),
         resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
     )
 
@@ -81,12 +87,21 @@ class FakeEngine:
         self.state = []
         for i, (n, m) in enumerate(zip(prompt_lens, max_new, strict=True)):
             info = RequestInfo(
-                engine_id=f"{i}-0-x", request_id=f"req{i}", prompt_index=i, sample_index=0,
+                engine_id=f"{i}-0-x",
+                request_id=f"req{i}",
+                prompt_index=i,
+                sample_index=0,
                 num_prompt_tokens=n,
             )
             self.state.append(
-                {"i": i, "info": info, "tokens": [token_at(i, p) for p in range(n)],
-                 "computed": 0, "gen": 0, "max_new": m}
+                {
+                    "i": i,
+                    "info": info,
+                    "tokens": [token_at(i, p) for p in range(n)],
+                    "computed": 0,
+                    "gen": 0,
+                    "max_new": m,
+                }
             )
         self.active = list(self.state)
 
@@ -109,16 +124,26 @@ class FakeEngine:
         n_prompt = np.array([r.num_prompt_tokens for r in req_list], np.int64)
         seen = np.array([r.max_position_seen for r in req_list], np.int64)
         token_ids = torch.tensor(
-            [self.state[r.prompt_index]["tokens"][p] for r, p in zip(req_list, pos_list, strict=True)],
+            [
+                self.state[r.prompt_index]["tokens"][p]
+                for r, p in zip(req_list, pos_list, strict=True)
+            ],
             dtype=torch.int64,
         )
         rows = RowInfo(
-            row=np.arange(len(pos_list), dtype=np.int64), requests=req_list, position=positions,
-            is_decode=positions >= n_prompt, recomputed=positions <= seen, token_ids=token_ids,
+            row=np.arange(len(pos_list), dtype=np.int64),
+            requests=req_list,
+            position=positions,
+            is_decode=positions >= n_prompt,
+            recomputed=positions <= seen,
+            token_ids=token_ids,
         )
         hidden = {
             key: torch.stack(
-                [hidden_value(key, r.prompt_index, p, self.hidden) for r, p in zip(req_list, pos_list, strict=True)]
+                [
+                    hidden_value(key, r.prompt_index, p, self.hidden)
+                    for r, p in zip(req_list, pos_list, strict=True)
+                ]
             )
             for key in self.keys
         }
@@ -136,8 +161,11 @@ class FakeEngine:
             else:
                 sampled.append(-1)
         step = StepCapture(
-            step=self.step_no, rows=rows, sample_token_row=np.array(last_rows, np.int64),
-            sample_kept=np.array(kept), hidden=hidden,
+            step=self.step_no,
+            rows=rows,
+            sample_token_row=np.array(last_rows, np.int64),
+            sample_kept=np.array(kept),
+            hidden=hidden,
             logits=torch.zeros(len(last_rows), 4),
             sampled_token_ids=torch.tensor(sampled, dtype=torch.int64),
         )
@@ -145,8 +173,13 @@ class FakeEngine:
         return step, finished
 
 
-def run_engine(consumer, engine: FakeEngine, deliver, preempt_at: dict[int, int] | None = None,
-               max_steps: int | None = None) -> None:
+def run_engine(
+    consumer,
+    engine: FakeEngine,
+    deliver,
+    preempt_at: dict[int, int] | None = None,
+    max_steps: int | None = None,
+) -> None:
     """Drive ``consumer`` like Runtime.end_step / finish_requests do."""
     plan = plan_reads(consumer.reads(), lambda i: resolve_layer(i, NUM_LAYERS))
     steps = 0
@@ -188,7 +221,11 @@ def check_records(records, engine: FakeEngine, keys, phase: str = "all", dtype=t
         for key in keys:
             h = rec.hidden[key]
             assert h.dtype == dtype and h.shape == (len(want), H)
-            exp = torch.stack([hidden_value(key, st["i"], p) for p in want]) if want else torch.zeros(0, H)
+            exp = (
+                torch.stack([hidden_value(key, st["i"], p) for p in want])
+                if want
+                else torch.zeros(0, H)
+            )
             torch.testing.assert_close(h, exp.to(dtype), rtol=0, atol=0)
 
 
@@ -417,8 +454,13 @@ _KILL_SCRIPT = textwrap.dedent(
 def test_sigkill_mid_run_leaves_consistent_directory(tmp_path):
     out = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, str(out)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILL_SCRIPT, str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == b"ready", proc.stderr.read().decode()

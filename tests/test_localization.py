@@ -16,8 +16,13 @@ VOCAB = 49152
 def _engine(engines, model, budget: int, blocks: int | None):
     from tllm_core.engine import TllmLLM
 
-    kw = dict(ENGINE_KW, max_num_batched_tokens=budget, max_num_seqs=4,
-              enable_prefix_caching=False, max_model_len=256)
+    kw = dict(
+        ENGINE_KW,
+        max_num_batched_tokens=budget,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        max_model_len=256,
+    )
     if blocks is not None:
         kw["num_gpu_blocks_override"] = blocks
     spec = {"name": "recorder", "config": {"layers": [0], "keep_hidden": False}}

@@ -36,11 +36,17 @@ DOC = ROOT / "docs" / "serving.md"
 START_TIMEOUT = 300
 ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
 # Modules that implement tllm's request path; none may be imported when the switch is off.
-REQUEST_PATH_MODULES = ("tllm_core.vllm_bridge.hooks", "tllm_core.runtime",
-                        "tllm_core.vllm_bridge.serving", "tllm_core.serving",
-                        "tllm_core.vllm_bridge.taps", "algorithms.esamp", "consumers.steer")
+REQUEST_PATH_MODULES = (
+    "tllm_core.vllm_bridge.hooks",
+    "tllm_core.runtime",
+    "tllm_core.vllm_bridge.serving",
+    "tllm_core.serving",
+    "tllm_core.vllm_bridge.taps",
+    "algorithms.esamp",
+    "consumers.steer",
+)
 
-AUDIT = '''
+AUDIT = """
 import os, sys
 _log = os.environ.get("TLLM_TEST_IMPORT_LOG")
 if _log:
@@ -52,7 +58,7 @@ if _log:
                     f.write(name + "\\n")
             return None
     sys.meta_path.insert(0, _RecordTllmImports)
-'''
+"""
 
 
 _FENCE = re.compile(r"^```(?P<lang>[\w-]*)(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
@@ -83,16 +89,27 @@ class Server:
         self.import_log = workdir / "imports"
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's default layout
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="INFO",
-                   TLLM_TEST_IMPORT_LOG=str(self.import_log))
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE="1",
+            HF_HUB_OFFLINE="1",
+            VLLM_LOGGING_LEVEL="INFO",
+            TLLM_TEST_IMPORT_LOG=str(self.import_log),
+        )
         site = workdir / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(AUDIT)
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(site), str(ROOT), env.get("PYTHONPATH")) if p)
+            p for p in (str(site), str(ROOT), env.get("PYTHONPATH")) if p
+        )
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -123,8 +140,7 @@ class Server:
     def client(self):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0,
-                             timeout=120)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0, timeout=120)
 
     def get(self, path: str) -> tuple[int, dict]:
         try:
@@ -149,8 +165,17 @@ def doc_serve_argv(model: str, port: int) -> list[str]:
     assert argv[:2] == ["vllm", "serve"], argv
     rest = argv[3:]
     rest[rest.index("--port") + 1] = str(port)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--host", "127.0.0.1", *rest, *ENGINE_ARGS]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        *rest,
+        *ENGINE_ARGS,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +188,18 @@ def servers(tiny_model, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     save_file({"v": torch.randn(hidden, generator=gen)}, str(on_dir / "steer_vector.safetensors"))
     p_on, p_off = _free_port(), _free_port()
-    off_argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                tiny_model, "--host", "127.0.0.1", "--port", str(p_off), *ENGINE_ARGS]
+    off_argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(p_off),
+        *ENGINE_ARGS,
+    ]
     started = []
     try:
         started.append(Server("on", doc_serve_argv(tiny_model, p_on), on_dir, p_on))
@@ -185,12 +220,20 @@ def _complete(server: Server, model: str, xargs: dict | None = None, **kw):
     return server.client().completions.create(model=model, extra_body=body, **args)
 
 
-def _chat_stream(server: Server, model: str, xargs: dict | None = None, n: int = 2,
-                 max_tokens: int = 10) -> dict[int, str]:
+def _chat_stream(
+    server: Server, model: str, xargs: dict | None = None, n: int = 2, max_tokens: int = 10
+) -> dict[int, str]:
     body = {"vllm_xargs": xargs} if xargs else None
     stream = server.client().chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Tell me about the sea."}],
-        max_tokens=max_tokens, temperature=1.0, seed=11, n=n, stream=True, extra_body=body)
+        model=model,
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=11,
+        n=n,
+        stream=True,
+        extra_body=body,
+    )
     texts: dict[int, str] = {}
     for chunk in stream:
         for c in chunk.choices:
@@ -317,12 +360,21 @@ def test_bad_settings_are_400_and_do_not_disturb_a_running_request(servers):
             for stream in (False, True):
                 with pytest.raises(openai.BadRequestError) as ei:
                     if kind == "completion":
-                        client.completions.create(model=model, prompt="Hi", max_tokens=4,
-                                                  stream=stream, extra_body={"vllm_xargs": xargs})
+                        client.completions.create(
+                            model=model,
+                            prompt="Hi",
+                            max_tokens=4,
+                            stream=stream,
+                            extra_body={"vllm_xargs": xargs},
+                        )
                     else:
                         client.chat.completions.create(
-                            model=model, messages=[{"role": "user", "content": "Hi"}],
-                            max_tokens=4, stream=stream, extra_body={"vllm_xargs": xargs})
+                            model=model,
+                            messages=[{"role": "user", "content": "Hi"}],
+                            max_tokens=4,
+                            stream=stream,
+                            extra_body={"vllm_xargs": xargs},
+                        )
                 assert ei.value.status_code == 400
                 assert msg in ei.value.message, (xargs, ei.value.message)
     t.join(180)
@@ -368,18 +420,23 @@ def test_docs_client_example_runs(servers):
 def test_key_validation_units():
     from tllm_core.serving import ServerConsumers, request_salt, validate_extra_args
 
-    server = ServerConsumers.from_settings({"consumers": [
-        {"name": "esamp", "per_request": True},
-        {"name": "stats"},
-    ]})
-    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]},
-                        server)
+    server = ServerConsumers.from_settings(
+        {
+            "consumers": [
+                {"name": "esamp", "per_request": True},
+                {"name": "stats"},
+            ]
+        }
+    )
+    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]}, server)
     validate_extra_args({"tllm_consumers": "stats"}, server)  # always on: naming it is fine
-    for bad, msg in [({"tllm_esamp_beta": 1}, "not active"),
-                     ({"tllm_consumers": "esamp", "tllm_esamp_beta": float("inf")}, "finite"),
-                     ({"tllm_consumers": "esamp", "tllm_esamp_beta": True}, "number"),
-                     ({"tllm_consumers": "esamp,x"}, "unknown consumer 'x'"),
-                     ({"tllm_steer_scale": 1}, "does not run")]:
+    for bad, msg in [
+        ({"tllm_esamp_beta": 1}, "not active"),
+        ({"tllm_consumers": "esamp", "tllm_esamp_beta": float("inf")}, "finite"),
+        ({"tllm_consumers": "esamp", "tllm_esamp_beta": True}, "number"),
+        ({"tllm_consumers": "esamp,x"}, "unknown consumer 'x'"),
+        ({"tllm_steer_scale": 1}, "does not run"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             validate_extra_args(bad, server)
     assert request_salt({"x": 1}) is None

@@ -11,8 +11,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def test_main_job_esamp_on_embedded_model():
-    out = cli_json(run_cli("run", "--consumer", "esamp", "--chat", "-n", "4", "--max-tokens", "48",
-                           "--min-p", "0.1", "--seed", "0", "--json", timeout=900))
+    out = cli_json(
+        run_cli(
+            "run",
+            "--consumer",
+            "esamp",
+            "--chat",
+            "-n",
+            "4",
+            "--max-tokens",
+            "48",
+            "--min-p",
+            "0.1",
+            "--seed",
+            "0",
+            "--json",
+            timeout=900,
+        )
+    )
     es = out["counters"]["esamp"]
     assert len(out["outputs"]) == 1 and len(out["outputs"][0]) == 4
     assert all(t.strip() for t in out["outputs"][0])

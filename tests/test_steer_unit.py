@@ -23,11 +23,17 @@ NUM_LAYERS = 4
 
 def context(device: str = "cpu") -> ConsumerContext:
     info = ModelInfo(
-        hidden_size=H, num_layers=NUM_LAYERS, vocab_size=64, dtype=torch.float32,
-        device=torch.device(device), lm_head=lambda h: h, lm_head_weight=None,
+        hidden_size=H,
+        num_layers=NUM_LAYERS,
+        vocab_size=64,
+        dtype=torch.float32,
+        device=torch.device(device),
+        lm_head=lambda h: h,
+        lm_head_weight=None,
     )
-    return ConsumerContext(model=info, counters=Counters(),
-                           resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS))
+    return ConsumerContext(
+        model=info, counters=Counters(), resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS)
+    )
 
 
 def steer(device: str = "cpu", **cfg) -> SteerConsumer:
@@ -40,8 +46,14 @@ def vec(seed: int = 0) -> list[float]:
 
 
 def request(i: int, n_prompt: int, **extra) -> RequestInfo:
-    return RequestInfo(engine_id=f"e{i}", request_id=f"r{i}", prompt_index=i, sample_index=0,
-                       num_prompt_tokens=n_prompt, extra_args=dict(extra))
+    return RequestInfo(
+        engine_id=f"e{i}",
+        request_id=f"r{i}",
+        prompt_index=i,
+        sample_index=0,
+        num_prompt_tokens=n_prompt,
+        extra_args=dict(extra),
+    )
 
 
 def make_rows(spec: list[tuple[RequestInfo, list[int]]]) -> RowInfo:
@@ -51,9 +63,14 @@ def make_rows(spec: list[tuple[RequestInfo, list[int]]]) -> RowInfo:
         pos += positions
     p = np.array(pos, np.int64)
     n_prompt = np.array([r.num_prompt_tokens for r in reqs], np.int64)
-    return RowInfo(row=np.arange(len(pos), dtype=np.int64), requests=reqs, position=p,
-                   is_decode=p >= n_prompt, recomputed=np.zeros(len(pos), bool),
-                   token_ids=torch.zeros(len(pos), dtype=torch.int64))
+    return RowInfo(
+        row=np.arange(len(pos), dtype=np.int64),
+        requests=reqs,
+        position=p,
+        is_decode=p >= n_prompt,
+        recomputed=np.zeros(len(pos), bool),
+        token_ids=torch.zeros(len(pos), dtype=torch.int64),
+    )
 
 
 def plan_for(c: SteerConsumer, rows: RowInfo) -> EditPlan:
@@ -145,8 +162,12 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValidationError):
         SteerConfig(vectors=[{"layer": 0, "vector": vec()}], positions="decode")
     with pytest.raises(ValueError, match="both ablate at layer 1"):
-        steer(vectors=[{"layer": 1, "vector": vec(), "mode": "ablate"},
-                       {"layer": -3, "vector": vec(1), "mode": "ablate"}])
+        steer(
+            vectors=[
+                {"layer": 1, "vector": vec(), "mode": "ablate"},
+                {"layer": -3, "vector": vec(1), "mode": "ablate"},
+            ]
+        )
     with pytest.raises(ValueError, match="all zeros"):
         steer(vectors=[{"layer": 1, "vector": [0.0] * H, "mode": "ablate"}])
     # The dry build runs on the meta device: vectors stay usable.
@@ -155,17 +176,23 @@ def test_config_validation(tmp_path):
 
 # -- edit selection --------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "positions,want", [("all", [0, 1, 2, 3, 4, 5, 6]), ("prompt", [0, 1, 2, 5, 6]), ("generated", [3, 4])]
+    "positions,want",
+    [("all", [0, 1, 2, 3, 4, 5, 6]), ("prompt", [0, 1, 2, 5, 6]), ("generated", [3, 4])],
 )
 def test_positions_select_rows(positions, want):
-    c = steer(vectors=[{"layer": 1, "vector": vec(), "scale": 2.0},
-                       {"layer": 3, "vector": vec(1), "mode": "ablate"}], positions=positions)
+    c = steer(
+        vectors=[
+            {"layer": 1, "vector": vec(), "scale": 2.0},
+            {"layer": 3, "vector": vec(1), "mode": "ablate"},
+        ],
+        positions=positions,
+    )
     plan = plan_for(c, mixed_rows())
     assert rows_in(plan, 1) == want and rows_in(plan, 3) == want
-    (_, kind, value), = plan.ops[1]
+    ((_, kind, value),) = plan.ops[1]
     assert kind == "add"
     torch.testing.assert_close(value, 2.0 * torch.tensor(vec()))
-    (_, kind, value), = plan.ops[3]
+    ((_, kind, value),) = plan.ops[3]
     assert kind == "ablate"
     torch.testing.assert_close(value.norm(), torch.tensor(1.0))
     snap = c.counters.snapshot()
@@ -175,15 +202,17 @@ def test_positions_select_rows(positions, want):
 
 def test_per_request_flag_and_scale_override():
     c = steer(vectors=[{"layer": 2, "vector": vec(), "scale": 1.5}], per_request=True)
-    rows = mixed_rows({
-        0: {"tllm_steer": True},
-        1: {"tllm_steer": "false"},
-        2: {"tllm_steer": 1, "tllm_steer_scale": -4},
-        3: {},
-    })
+    rows = mixed_rows(
+        {
+            0: {"tllm_steer": True},
+            1: {"tllm_steer": "false"},
+            2: {"tllm_steer": 1, "tllm_steer_scale": -4},
+            3: {},
+        }
+    )
     plan = plan_for(c, rows)
     assert rows_in(plan, 2) == [0, 1, 2, 4]
-    (idx, kind, value), = plan.ops[2]
+    ((idx, kind, value),) = plan.ops[2]
     v = torch.tensor(vec())
     assert kind == "add" and value.shape == (4, H)  # per-row scales: 1.5 x3, then -4
     torch.testing.assert_close(value, torch.tensor([1.5, 1.5, 1.5, -4.0])[:, None] * v)
@@ -196,7 +225,7 @@ def test_scale_override_without_per_request_and_bad_override():
     plan = plan_for(c, rows)
     assert rows_in(plan, 0) == [0, 1, 2, 3, 5, 6]  # request 2's bad override: not steered
     assert c.counters.get("invalid_scale_override") == 1
-    (_, _, value), = plan.ops[0]
+    ((_, _, value),) = plan.ops[0]
     scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
     torch.testing.assert_close(value, scales[:, None] * torch.tensor(vec()))
 
@@ -212,10 +241,14 @@ def test_scale_zero_is_valid_and_still_selects_rows():
 
 
 def test_runtime_edit_count_matches_rows_selected():
-    c = steer(vectors=[{"layer": 0, "vector": vec(), "scale": 3.0},
-                       {"layer": 0, "vector": vec(2), "scale": -1.0},
-                       {"layer": 2, "vector": vec(1), "mode": "ablate"}],
-              per_request=True)
+    c = steer(
+        vectors=[
+            {"layer": 0, "vector": vec(), "scale": 3.0},
+            {"layer": 0, "vector": vec(2), "scale": -1.0},
+            {"layer": 2, "vector": vec(1), "mode": "ablate"},
+        ],
+        per_request=True,
+    )
     total = {0: 0, 2: 0}
     for step in range(3):
         rows = mixed_rows({0: {"tllm_steer": True}, 3: {"tllm_steer": step % 2 == 0}})

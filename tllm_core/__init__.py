@@ -20,10 +20,26 @@ from tllm_core.registry import ConsumerSpec, ConsumerSpecError
 from tllm_core.rows import RequestInfo, RowInfo
 
 __all__ = [
-    "Bundle", "Consumer", "ConsumerConfig", "ConsumerContext", "ConsumerSpec",
-    "ConsumerSpecError", "Delivery", "EditPlan", "GuideView", "HiddenStates", "Logits",
-    "ModelInfo", "Phase", "RequestInfo", "ResidualEdit", "RowInfo", "SampledTokens",
-    "SamplerGuide", "TllmLLM", "hookimpl",
+    "Bundle",
+    "Consumer",
+    "ConsumerConfig",
+    "ConsumerContext",
+    "ConsumerSpec",
+    "ConsumerSpecError",
+    "Delivery",
+    "EditPlan",
+    "GuideView",
+    "HiddenStates",
+    "Logits",
+    "ModelInfo",
+    "Phase",
+    "RequestInfo",
+    "ResidualEdit",
+    "RowInfo",
+    "SampledTokens",
+    "SamplerGuide",
+    "TllmLLM",
+    "hookimpl",
 ]
 
 

@@ -100,7 +100,9 @@ class Bus:
             self.counters.add("consumer_errors")
             self.counters.add(f"consumer_errors.{consumer.name}")
             msg = f"consumer {consumer.name!r} raised in {what}: {type(e).__name__}: {e}"
-            log.error("%s (consumer disabled for the rest of the run)\n%s", msg, traceback.format_exc())
+            log.error(
+                "%s (consumer disabled for the rest of the run)\n%s", msg, traceback.format_exc()
+            )
             self.errors.append({"consumer": consumer.name, "where": what, "error": msg})
             return False
 

@@ -30,27 +30,52 @@ Without --prompt/--prompts a built-in creative prompt is used.
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", help="model dtype: float32, bfloat16, auto (default float32)")
+    g.add_argument(
+        "--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)"
+    )
+    g.add_argument(
+        "--dtype", default="float32", help="model dtype: float32, bfloat16, auto (default float32)"
+    )
     g.add_argument("--max-model-len", type=int, default=2048, help="context length (default 2048)")
-    g.add_argument("--enforce-eager", action="store_true", help="disable compilation (faster start)")
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="disable compilation (faster start)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM token budget per step")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="disable prefix caching (every prompt row is computed and captured)")
-    g.add_argument("--kv-cache-gib", type=int, default=None,
-                   help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="vLLM token budget per step"
+    )
+    g.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="disable prefix caching (every prompt row is computed and captured)",
+    )
+    g.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
+    )
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts", type=Path, help="file with one prompt per line")
     chat = g.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="apply the model's chat template (default: when the model has one)")
-    chat.add_argument("--no-chat", dest="chat", action="store_false",
-                      help="send prompts as raw text")
-    g.add_argument("-n", type=int, default=4,
-                   help="samples per prompt (default 4; ESamp spreads the samples of a prompt apart)")
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="apply the model's chat template (default: when the model has one)",
+    )
+    chat.add_argument(
+        "--no-chat", dest="chat", action="store_false", help="send prompts as raw text"
+    )
+    g.add_argument(
+        "-n",
+        type=int,
+        default=4,
+        help="samples per prompt (default 4; ESamp spreads the samples of a prompt apart)",
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per sample (default 64)")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -79,9 +104,14 @@ def _sampling(args: argparse.Namespace):
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         return SamplingParams(
-            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k if args.top_k > 0 else 0, min_p=args.min_p,
-            seed=args.seed, ignore_eos=args.ignore_eos,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k if args.top_k > 0 else 0,
+            min_p=args.min_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
         )
     except ValueError as e:
         raise CliError(f"bad sampling option: {e}") from None
@@ -99,8 +129,9 @@ def _quiet(args: argparse.Namespace) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(dtype=args.dtype, max_model_len=args.max_model_len,
-                              enforce_eager=args.enforce_eager)
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager
+    )
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
     if args.max_num_seqs:
@@ -147,8 +178,11 @@ def has_chat_template(model: Path) -> bool:
 
 def _idle_consumers(report: dict[str, Any]) -> list[str]:
     """Consumers whose counters are all zero: they did no work."""
-    return [name for name, c in report["consumers"].items()
-            if not any(v for k, v in c.items() if not k.startswith("memory"))]
+    return [
+        name
+        for name, c in report["consumers"].items()
+        if not any(v for k, v in c.items() if not k.startswith("memory"))
+    ]
 
 
 def _counters(report: dict[str, Any]) -> dict[str, Any]:
@@ -159,12 +193,17 @@ def _counters(report: dict[str, Any]) -> dict[str, Any]:
 
 def _print_report(prompts, texts, report, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({
-            "outputs": texts,
-            "counters": _counters(report),
-            "results": report.get("results", {}),
-            "errors": report.get("errors", []),
-        }, default=str))
+        print(
+            json.dumps(
+                {
+                    "outputs": texts,
+                    "counters": _counters(report),
+                    "results": report.get("results", {}),
+                    "errors": report.get("errors", []),
+                },
+                default=str,
+            )
+        )
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
@@ -178,7 +217,9 @@ def _print_report(prompts, texts, report, as_json: bool) -> None:
     for e in report.get("errors", []):
         print(f"ERROR: {e['error']}", file=sys.stderr)
     for name in _idle_consumers(report):
-        print(f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr)
+        print(
+            f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr
+        )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -198,7 +239,9 @@ def cmd_consumers(args: argparse.Namespace) -> int:
     for c in info:
         print(f"{c['name']:<10} {c['description']}")
         for f in c["fields"]:
-            default = "(required)" if f["required"] else f"= {json.dumps(f['default'], default=str)}"
+            default = (
+                "(required)" if f["required"] else f"= {json.dumps(f['default'], default=str)}"
+            )
             desc = f"  {f['description']}" if f["description"] else ""
             print(f"    {f['name']}: {f['type']} {default}{desc}")
     return 0
@@ -212,8 +255,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         layers = [parse_layer_spec(s) for s in args.layers.split(",") if s.strip()]
     except ValueError as e:
         raise CliError(f"export: {e}") from None
-    spec = {"name": "export", "config": {"out": str(args.out), "layers": layers,
-                                         "phase": args.phase, "overwrite": args.overwrite}}
+    spec = {
+        "name": "export",
+        "config": {
+            "out": str(args.out),
+            "layers": layers,
+            "phase": args.phase,
+            "overwrite": args.overwrite,
+        },
+    }
     consumers = [json_spec(spec)] + (args.consumer or [])
     # Cached prompt blocks are not recomputed, so their rows would be missing.
     logging.getLogger("tllm").warning("tllm export: prefix caching is turned off for this run")
@@ -235,22 +285,36 @@ def cmd_steer_compute(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info))
     else:
-        print(f"wrote {args.out}: layer {info['layer']}, norm {info['norm']:.4f}, "
-              f"{info['positive_rows']} positive / {info['negative_rows']} negative rows")
+        print(
+            f"wrote {args.out}: layer {info['layer']}, norm {info['norm']:.4f}, "
+            f"{info['positive_rows']} positive / {info['negative_rows']} negative rows"
+        )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tllm", description=(
-        "Run test-time intervention consumers inside vLLM generation: capture hidden states, "
-        "edit them, guide sampling (ESamp)."))
+    p = argparse.ArgumentParser(
+        prog="tllm",
+        description=(
+            "Run test-time intervention consumers inside vLLM generation: capture hidden states, "
+            "edit them, guide sampling (ESamp)."
+        ),
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="generate with consumers and print outputs and counters",
-                       description="Generate with consumers; print completions and counters.",
-                       epilog=EPILOG_RUN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--consumer", action="append", metavar="NAME[:JSON]",
-                   help="consumer to run, with an optional JSON config (repeatable)")
+    r = sub.add_parser(
+        "run",
+        help="generate with consumers and print outputs and counters",
+        description="Generate with consumers; print completions and counters.",
+        epilog=EPILOG_RUN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument(
+        "--consumer",
+        action="append",
+        metavar="NAME[:JSON]",
+        help="consumer to run, with an optional JSON config (repeatable)",
+    )
     _add_generation_args(r)
     r.set_defaults(func=cmd_run)
 
@@ -258,9 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_consumers)
 
-    e = sub.add_parser("export", help="export hidden states to safetensors shards",
-                       description="Generate and export hidden states (see docs/export-format.md).")
-    e.add_argument("--layers", required=True, help="comma-separated layer indices (negative ok) or 'final'")
+    e = sub.add_parser(
+        "export",
+        help="export hidden states to safetensors shards",
+        description="Generate and export hidden states (see docs/export-format.md).",
+    )
+    e.add_argument(
+        "--layers", required=True, help="comma-separated layer indices (negative ok) or 'final'"
+    )
     e.add_argument("--phase", choices=["prefill", "decode", "all"], default="all")
     e.add_argument("--out", required=True, type=Path, help="output directory")
     e.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory")

@@ -34,7 +34,11 @@ def model_info_from_config(model_path: str) -> ModelInfo:
 def dry_build(specs: list[ConsumerSpec], model_path: str, registry: Registry) -> None:
     from tllm_core.runtime import build_consumers
 
-    settings = RuntimeSettings(consumers=[ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request) for s in specs])
+    settings = RuntimeSettings(
+        consumers=[
+            ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request) for s in specs
+        ]
+    )
     slots = build_consumers(settings, model_info_from_config(model_path), registry, Counters())
     for s in slots:
         s.consumer.close()

@@ -1,9 +1,9 @@
 """User-facing engine: vLLM's ``LLM`` with tllm consumers, and their counters afterwards.
 
-    from tllm_core import TllmLLM
-    llm = TllmLLM("path/to/model", consumers=["stats", 'esamp:{"beta": 0.5}'])
-    outputs = llm.generate(["Once upon a time"], SamplingParams(n=4, max_tokens=32))
-    report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": {...}}
+from tllm_core import TllmLLM
+llm = TllmLLM("path/to/model", consumers=["stats", 'esamp:{"beta": 0.5}'])
+outputs = llm.generate(["Once upon a time"], SamplingParams(n=4, max_tokens=32))
+report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": {...}}
 """
 
 from __future__ import annotations
@@ -93,15 +93,19 @@ class TllmLLM:
         self.model_path = model
         specs = validate_consumers(consumers, model if os.path.isdir(model) else None)
         self.settings = RuntimeSettings(
-            consumers=[ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request)
-                       for s in specs],
+            consumers=[
+                ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request)
+                for s in specs
+            ],
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
         )
         # The bridge hooks the V1 runner; on GPU vLLM would otherwise pick V2.
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0"):
-            log.warning("tllm: overriding VLLM_USE_V2_MODEL_RUNNER=%s with 0",
-                        os.environ["VLLM_USE_V2_MODEL_RUNNER"])
+            log.warning(
+                "tllm: overriding VLLM_USE_V2_MODEL_RUNNER=%s with 0",
+                os.environ["VLLM_USE_V2_MODEL_RUNNER"],
+            )
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_dump()
@@ -143,7 +147,9 @@ class TllmLLM:
         items = [prompts] if one else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        per = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        per = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        )
         tagged = []
         for i, sp in enumerate(per):
             sp = sp.clone()

@@ -118,13 +118,20 @@ class Registry:
                     {
                         "name": fname,
                         "type": _type_name(f.annotation),
-                        "default": None if f.is_required() else _jsonable(f.get_default(call_default_factory=True)),
+                        "default": None
+                        if f.is_required()
+                        else _jsonable(f.get_default(call_default_factory=True)),
                         "required": f.is_required(),
                         "description": f.description or "",
                     }
                 )
             out.append(
-                {"name": name, "description": cls.description, "module": cls.__module__, "fields": fields}
+                {
+                    "name": name,
+                    "description": cls.description,
+                    "module": cls.__module__,
+                    "fields": fields,
+                }
             )
         return out
 
@@ -140,7 +147,9 @@ def _type_name(t: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in args)
     if origin is not None:
-        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+        return (
+            f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
+        )
     if t is type(None):
         return "None"
     return getattr(t, "__name__", str(t))

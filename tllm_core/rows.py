@@ -89,6 +89,10 @@ class RowInfo:
 
     def to_host(self) -> RowInfo:
         return RowInfo(
-            self.row, self.requests, self.position, self.is_decode, self.recomputed,
+            self.row,
+            self.requests,
+            self.position,
+            self.is_decode,
+            self.recomputed,
             self.token_ids.to("cpu"),
         )

@@ -62,7 +62,9 @@ def build_consumers(
         def resolve(i: int, _n=model.num_layers) -> int:
             return resolve_layer(i, _n)
 
-        consumer = cls(config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve))
+        consumer = cls(
+            config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve)
+        )
         reads = plan_reads(consumer.reads(), resolve)
         slot = _Slot(consumer, reads, per_request=entry.per_request)
         for w in consumer.writes():
@@ -77,7 +79,9 @@ def build_consumers(
 
 
 class Runtime:
-    def __init__(self, settings: RuntimeSettings, model: ModelInfo, registry: Registry | None = None):
+    def __init__(
+        self, settings: RuntimeSettings, model: ModelInfo, registry: Registry | None = None
+    ):
         self.settings = settings
         self.model = model
         self.counters = Counters()
@@ -131,8 +135,14 @@ class Runtime:
                 plans.append(plan)
         return plans
 
-    def guide(self, step: StepCapture, logits: torch.Tensor, temperature: torch.Tensor,
-              is_random: np.ndarray, filtered: bool) -> None:
+    def guide(
+        self,
+        step: StepCapture,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        is_random: np.ndarray,
+        filtered: bool,
+    ) -> None:
         """In the sampler, after filtering: let guiding consumers change candidate logits."""
         srows = step.sample_rows()
         idx = torch.from_numpy(step.sample_token_row)
@@ -153,8 +163,13 @@ class Runtime:
                 # back only if it succeeds.
                 sel = torch.from_numpy(np.nonzero(allowed)[0]).to(logits.device)
                 view = GuideView(
-                    step.step, srows.select(allowed), logits[sel], temperature[sel],
-                    is_random[allowed], filtered, {k: v[sel] for k, v in hidden.items()},
+                    step.step,
+                    srows.select(allowed),
+                    logits[sel],
+                    temperature[sel],
+                    is_random[allowed],
+                    filtered,
+                    {k: v[sel] for k, v in hidden.items()},
                 )
                 if self._call_guide(s, view):
                     logits[sel] = view.logits

@@ -38,12 +38,31 @@ _FLUSH_EVERY = 256
 _CURVE_POINTS = 64
 
 COUNTER_NAMES = (
-    "decode_steps", "optimizer_steps", "rows_trained", "rows_guided", "candidates_guided",
-    "loss_first", "loss_last", "loss_mean", "groups_created", "groups_freed", "groups_alive",
-    "rows_skipped", "rows_skipped_prefill", "rows_skipped_greedy", "rows_skipped_no_distiller",
-    "rows_skipped_cap", "rows_skipped_mixed", "train_rows_skipped_cap",
-    "train_rows_skipped_recomputed", "train_rows_skipped_mixed", "train_rows_skipped_frozen",
-    "nonfinite_losses_skipped", "staleness", "memory_bytes_per_group", "latent_fallback_rows",
+    "decode_steps",
+    "optimizer_steps",
+    "rows_trained",
+    "rows_guided",
+    "candidates_guided",
+    "loss_first",
+    "loss_last",
+    "loss_mean",
+    "groups_created",
+    "groups_freed",
+    "groups_alive",
+    "rows_skipped",
+    "rows_skipped_prefill",
+    "rows_skipped_greedy",
+    "rows_skipped_no_distiller",
+    "rows_skipped_cap",
+    "rows_skipped_mixed",
+    "train_rows_skipped_cap",
+    "train_rows_skipped_recomputed",
+    "train_rows_skipped_mixed",
+    "train_rows_skipped_frozen",
+    "nonfinite_losses_skipped",
+    "staleness",
+    "memory_bytes_per_group",
+    "latent_fallback_rows",
     "finished_unseen",
 )
 
@@ -95,10 +114,18 @@ class ESampConsumer(Consumer):
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.distiller = make_distiller(
-            model.hidden_size, model.device, use_cuda_graph=cfg.use_cuda_graph,
+            model.hidden_size,
+            model.device,
+            use_cuda_graph=cfg.use_cuda_graph,
             side_thread=model.device.type == "cpu" and _use_side_thread(cfg.cpu_update),
-            intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
-            eps=cfg.eps, grad_clip=cfg.grad_clip, init=cfg.init, seed=cfg.seed)
+            intermediate_size=cfg.intermediate_size,
+            num_blocks=cfg.num_blocks,
+            lr=cfg.lr,
+            eps=cfg.eps,
+            grad_clip=cfg.grad_clip,
+            init=cfg.init,
+            seed=cfg.seed,
+        )
         # Losses of queued updates (CUDA stream, CPU side thread) are read back in batches.
         self._deferred = self.distiller.device.type == "cuda" or self.distiller.asynchronous
         self._weight = model.lm_head_weight
@@ -172,9 +199,14 @@ class ESampConsumer(Consumer):
                         raise ValueError("not a finite number >= 0")
                     beta = value
                 except (TypeError, ValueError):
-                    log.warning("esamp: request %r: extra_args[%r]=%r is not a finite number "
-                                ">= 0; using the configured beta %s", req.request_id, BETA_KEY,
-                                raw, self.cfg.beta)
+                    log.warning(
+                        "esamp: request %r: extra_args[%r]=%r is not a finite number "
+                        ">= 0; using the configured beta %s",
+                        req.request_id,
+                        BETA_KEY,
+                        raw,
+                        self.cfg.beta,
+                    )
             self._req_beta[req.engine_id] = beta
         return beta
 
@@ -228,13 +260,15 @@ class ESampConsumer(Consumer):
         if not sel:
             return
         idx = _index(sel, view.logits.device)
-        f = self.distiller.predict(torch.tensor(slots, dtype=torch.long),
-                                   view.hidden(self._src_key)[idx])
+        f = self.distiller.predict(
+            torch.tensor(slots, dtype=torch.long), view.hidden(self._src_key)[idx]
+        )
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
-        betas = torch.tensor([self._beta(rows.requests[i]) for i in sel], dtype=torch.float32,
-                             device=f.device)
+        betas = torch.tensor(
+            [self._beta(rows.requests[i]) for i in sel], dtype=torch.float32, device=f.device
+        )
         # A non-finite prediction must not poison sampling: such rows keep their logits.
         ok = torch.isfinite(f).all(-1)
         before_rows, before_cand = view.rows_guided, view.candidates_guided
@@ -249,8 +283,14 @@ class ESampConsumer(Consumer):
         model = self.context.model
         return model.lm_head(z.to(model.dtype)).float()
 
-    def _mix_candidates(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
-                        betas: torch.Tensor, ok: torch.Tensor) -> None:
+    def _mix_candidates(
+        self,
+        view: GuideView,
+        idx: torch.Tensor,
+        f: torch.Tensor,
+        betas: torch.Tensor,
+        ok: torch.Tensor,
+    ) -> None:
         """Post-filter mode: dist logits and the mix for the surviving candidates only, as a
         sparse write (no pass over the vocabulary beyond finding the candidates)."""
         cand = view.candidates()
@@ -267,8 +307,14 @@ class ESampConsumer(Consumer):
         # beta 0 keeps the reference bit for bit (1*x - 0*d could still round or be NaN).
         view.update_candidates(entries, torch.where(ok[p] & (beta != 0), new, ref))
 
-    def _mix_full_vocab(self, view: GuideView, idx: torch.Tensor, f: torch.Tensor,
-                        betas: torch.Tensor, ok: torch.Tensor) -> None:
+    def _mix_full_vocab(
+        self,
+        view: GuideView,
+        idx: torch.Tensor,
+        f: torch.Tensor,
+        betas: torch.Tensor,
+        ok: torch.Tensor,
+    ) -> None:
         """Whole-vocabulary mix: in latent space when exact, else two projections."""
         ref = view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
@@ -278,8 +324,9 @@ class ESampConsumer(Consumer):
         else:
             if self.cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
-            new = mix_full_vocab_logits(ref, full_dist_logits(f, self._weight, self._head),
-                                        betas, temp)
+            new = mix_full_vocab_logits(
+                ref, full_dist_logits(f, self._weight, self._head), betas, temp
+            )
         keep = (ok & (betas != 0))[:, None]
         view.update(idx, torch.where(keep, new, ref))
 
@@ -317,9 +364,11 @@ class ESampConsumer(Consumer):
             return
         dev = bundle.hidden[self._src_key].device
         idx = _index(sel, dev)
-        res = self.distiller.train_step(torch.tensor(slots, dtype=torch.long),
-                                        bundle.hidden[self._src_key][idx],
-                                        bundle.hidden[self._tgt_key][idx])
+        res = self.distiller.train_step(
+            torch.tensor(slots, dtype=torch.long),
+            bundle.hidden[self._src_key][idx],
+            bundle.hidden[self._tgt_key][idx],
+        )
         groups = [self._slot_group[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:

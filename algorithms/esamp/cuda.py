@@ -53,8 +53,14 @@ class _GraphEntry:
 class CudaGroupedDistiller(GroupedDistiller):
     _SCRATCH = 1  # one extra slot at index ``capacity`` absorbs padded graph groups
 
-    def __init__(self, hidden_size: int, *, device: torch.device | str = "cuda",
-                 use_cuda_graph: bool = True, **kwargs):
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        device: torch.device | str = "cuda",
+        use_cuda_graph: bool = True,
+        **kwargs,
+    ):
         self._graphs: dict[tuple[int, int], _GraphEntry] = {}
         self.stream: torch.cuda.Stream | None = None
         super().__init__(hidden_size, device=device, **kwargs)
@@ -112,18 +118,31 @@ class CudaGroupedDistiller(GroupedDistiller):
         if e is None:
             h, dev = self.shape.hidden_size, self.device
             e = _GraphEntry(
-                xp=torch.zeros(g, m, h, device=dev), tp=torch.zeros(g, m, h, device=dev),
+                xp=torch.zeros(g, m, h, device=dev),
+                tp=torch.zeros(g, m, h, device=dev),
                 mask=torch.zeros(g, m, dtype=torch.bool, device=dev),
                 gslots=torch.full((g,), self.scratch_slot, dtype=torch.long, device=dev),
-                gvalid=torch.zeros(g, dtype=torch.bool, device=dev))
+                gvalid=torch.zeros(g, dtype=torch.bool, device=dev),
+            )
             if self.use_cuda_graph:
                 self._capture(e)
             self._graphs[key] = e
         return e
 
     def _run(self, e: _GraphEntry):
-        return train_packed(self.theta, self.m, self.v, self.step, e.gslots, e.gvalid, e.xp,
-                            e.tp, e.mask, self.shape, self.hp)
+        return train_packed(
+            self.theta,
+            self.m,
+            self.v,
+            self.step,
+            e.gslots,
+            e.gvalid,
+            e.xp,
+            e.tp,
+            e.mask,
+            self.shape,
+            self.hp,
+        )
 
     def _capture(self, e: _GraphEntry) -> None:
         """Warm up and capture the update for this bucket. With all groups invalid (as the
@@ -140,8 +159,9 @@ class CudaGroupedDistiller(GroupedDistiller):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream,
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
                 e.losses, e.ok = self._run(e)
             e.graph = graph
         except RuntimeError:
@@ -167,8 +187,9 @@ class CudaGroupedDistiller(GroupedDistiller):
         e.gvalid.zero_()
         e.gvalid[:gp] = True
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor,
-               forward: list | None = None) -> TrainResult:
+    def _train(
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, forward: list | None = None
+    ) -> TrainResult:
         # forward (CPU activations) is not used: the graph runs its own forward.
         e = self._entry(_bucket(len(pk.slots)), _bucket(pk.max_rows))
         self._fill(e, pk, x, target)

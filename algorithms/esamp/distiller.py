@@ -87,8 +87,13 @@ def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     pos = np.empty_like(inv)
     pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
-    return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64),
-                   int(counts.max()) if counts.size else 0)
+    return Packing(
+        uniq,
+        inv.astype(np.int64),
+        pos,
+        counts.astype(np.int64),
+        int(counts.max()) if counts.size else 0,
+    )
 
 
 def pack_rows(pk: Packing, x: torch.Tensor, m: int | None = None):
@@ -108,16 +113,23 @@ def split_params(theta: torch.Tensor, shape: DistillerShape):
     """Views ``(gate [G,NB,I,H], up [G,NB,I,H], down [G,NB,H,I])`` into ``theta [G, P]``."""
     g, n = theta.shape[0], shape.block_numel
     nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
-    return (theta[:, :n].reshape(g, nb, i, h), theta[:, n:2 * n].reshape(g, nb, i, h),
-            theta[:, 2 * n:].reshape(g, nb, h, i))
+    return (
+        theta[:, :n].reshape(g, nb, i, h),
+        theta[:, n : 2 * n].reshape(g, nb, i, h),
+        theta[:, 2 * n :].reshape(g, nb, h, i),
+    )
 
 
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
     """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
     gate, up, down = split_params(theta, shape)
     nb = shape.num_blocks
-    return _forward_blocks([gate[:, b] for b in range(nb)], [up[:, b] for b in range(nb)],
-                           [down[:, b] for b in range(nb)], xp)
+    return _forward_blocks(
+        [gate[:, b] for b in range(nb)],
+        [up[:, b] for b in range(nb)],
+        [down[:, b] for b in range(nb)],
+        xp,
+    )
 
 
 def _forward_blocks(gate: list, up: list, down: list, xp: torch.Tensor) -> torch.Tensor:
@@ -148,8 +160,15 @@ def init_params(shape: DistillerShape, init: str, seed: int) -> torch.Tensor:
     return torch.cat([gate, up, down])
 
 
-def adam_clip_update(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-                     step: torch.Tensor, ok: torch.Tensor, hp: AdamHyper):
+def adam_clip_update(
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    ok: torch.Tensor,
+    hp: AdamHyper,
+):
     """Row-wise clip + Adam (same formulas as clip_grad_norm_ + torch.optim.Adam).
 
     All tensors are ``[G, P]`` except ``step``/``ok`` ``[G]``. Rows with ``ok`` False keep
@@ -169,8 +188,12 @@ def adam_clip_update(theta: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v
     denom = v_n.sqrt() / bc2_sqrt[:, None] + hp.eps
     theta_n = theta - (hp.lr / bc1)[:, None] * (m_n / denom)
     keep = ok[:, None]
-    return (torch.where(keep, theta_n, theta), torch.where(keep, m_n, m),
-            torch.where(keep, v_n, v), torch.where(ok, step_n, step))
+    return (
+        torch.where(keep, theta_n, theta),
+        torch.where(keep, m_n, m),
+        torch.where(keep, v_n, v),
+        torch.where(ok, step_n, step),
+    )
 
 
 def _losses_and_grads(theta_g, xp, tp, mask, shape):
@@ -184,13 +207,14 @@ def _losses_and_grads(theta_g, xp, tp, mask, shape):
     nb, g = shape.num_blocks, theta_g.shape[0]
     leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
     with torch.enable_grad():
-        y = _forward_blocks(leaves[:nb], leaves[nb:2 * nb], leaves[2 * nb:], xp)
+        y = _forward_blocks(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], xp)
         err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
         n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
         losses = err.sum((1, 2)) / n
         grads = torch.autograd.grad(losses.sum(), leaves)
-    grad = torch.cat([torch.stack(grads[k * nb:(k + 1) * nb], 1).reshape(g, -1)
-                      for k in range(3)], dim=1)
+    grad = torch.cat(
+        [torch.stack(grads[k * nb : (k + 1) * nb], 1).reshape(g, -1) for k in range(3)], dim=1
+    )
     return losses.detach(), grad
 
 
@@ -215,8 +239,9 @@ def forward_group(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor) -> torc
 Activations = list[tuple[torch.Tensor, ...]]
 
 
-def forward_acts(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor
-                 ) -> tuple[torch.Tensor, Activations]:
+def forward_acts(
+    mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor
+) -> tuple[torch.Tensor, Activations]:
     """``f(x)`` of one group and its activations (same math as :func:`forward_group`)."""
     acts = []
     h = x
@@ -249,9 +274,16 @@ class HostTrainer:
         self.scratch = torch.empty(shape.intermediate_size * shape.hidden_size)
         self.fused = _fused_adam_available()
 
-    def step(self, theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-             x: torch.Tensor, target: torch.Tensor,
-             forward: tuple[torch.Tensor, Activations] | None = None) -> tuple[float, bool]:
+    def step(
+        self,
+        theta: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        step: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        forward: tuple[torch.Tensor, Activations] | None = None,
+    ) -> tuple[float, bool]:
         """One update of the group whose flat state rows are given; returns (loss, updated).
 
         ``step`` is the group's 0-d step counter. ``forward``: :func:`forward_acts` of these
@@ -275,8 +307,10 @@ class HostTrainer:
             da = dp * u * sig * (1 + a * (1 - sig))
             factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
             # ||A^T B||^2 = sum((A A^T) * (B B^T)); gate and up share B = h_in.
-            sq_terms.append(((dy @ dy.t()) * (p @ p.t())).sum()
-                            + ((du @ du.t() + da @ da.t()) * (h_in @ h_in.t())).sum())
+            sq_terms.append(
+                ((dy @ dy.t()) * (p @ p.t())).sum()
+                + ((du @ du.t() + da @ da.t()) * (h_in @ h_in.t())).sum()
+            )
             if b:
                 dy = dy + du @ up + da @ gate
         sq = float(torch.stack(sq_terms).sum())
@@ -290,7 +324,7 @@ class HostTrainer:
         m_mats, v_mats = group_matrices(m, self.shape), group_matrices(v, self.shape)
         for b, k, a_f, b_f in factors:
             w = mats[b][k]
-            grad = self.scratch[:w.numel()].view(w.shape)
+            grad = self.scratch[: w.numel()].view(w.shape)
             torch.mm(a_f.t(), b_f, out=grad)
             if coef < 1.0:
                 grad.mul_(coef)
@@ -301,9 +335,21 @@ class HostTrainer:
         hp = self.hp
         b1, b2 = hp.betas
         if self.fused:
-            torch._fused_adam_([w], [grad], [m], [v], [], [step], lr=hp.lr, beta1=b1,
-                               beta2=b2, weight_decay=0.0, eps=hp.eps, amsgrad=False,
-                               maximize=False)
+            torch._fused_adam_(
+                [w],
+                [grad],
+                [m],
+                [v],
+                [],
+                [step],
+                lr=hp.lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=0.0,
+                eps=hp.eps,
+                amsgrad=False,
+                maximize=False,
+            )
             return
         n = float(step)
         m.lerp_(grad, 1 - b1)
@@ -312,9 +358,19 @@ class HostTrainer:
         w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))
 
 
-def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: torch.Tensor,
-                 gslots: torch.Tensor, gvalid: torch.Tensor, xp: torch.Tensor, tp: torch.Tensor,
-                 mask: torch.Tensor, shape: DistillerShape, hp: AdamHyper):
+def train_packed(
+    theta: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: torch.Tensor,
+    gslots: torch.Tensor,
+    gvalid: torch.Tensor,
+    xp: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    shape: DistillerShape,
+    hp: AdamHyper,
+):
     """One Adam step per packed group, written in place into the slot state.
 
     ``gslots [G]`` must be distinct except for padding groups (``gvalid`` False), which may
@@ -326,9 +382,15 @@ def train_packed(theta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: to
     losses, grad = _losses_and_grads(theta_g, xp, tp, mask, shape)
     with torch.no_grad():
         ok = gvalid & torch.isfinite(losses) & torch.isfinite(grad).all(1)
-        t, m_n, v_n, s_n = adam_clip_update(theta_g.detach(), grad, m.index_select(0, gslots),
-                                            v.index_select(0, gslots),
-                                            step.index_select(0, gslots), ok, hp)
+        t, m_n, v_n, s_n = adam_clip_update(
+            theta_g.detach(),
+            grad,
+            m.index_select(0, gslots),
+            v.index_select(0, gslots),
+            step.index_select(0, gslots),
+            ok,
+            hp,
+        )
         theta.index_copy_(0, gslots, t)
         m.index_copy_(0, gslots, m_n)
         v.index_copy_(0, gslots, v_n)
@@ -352,11 +414,22 @@ class GroupedDistiller:
 
     _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
 
-    def __init__(self, hidden_size: int, *, intermediate_size: int = 384, num_blocks: int = 2,
-                 lr: float = 4e-4, eps: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 grad_clip: float | None = 0.5, init: str = "paper", seed: int = 0,
-                 capacity: int = 4, device: torch.device | str = "cpu",
-                 side_thread: bool = False):
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        intermediate_size: int = 384,
+        num_blocks: int = 2,
+        lr: float = 4e-4,
+        eps: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float | None = 0.5,
+        init: str = "paper",
+        seed: int = 0,
+        capacity: int = 4,
+        device: torch.device | str = "cpu",
+        side_thread: bool = False,
+    ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
@@ -497,13 +570,16 @@ class GroupedDistiller:
         if saved is None:
             return None
         version, slots, x_saved, fwd = saved
-        if (version != self._version or not np.array_equal(slots, pk.slots)
-                or x.shape != x_saved.shape or not torch.equal(x.float(), x_saved)):
+        if (
+            version != self._version
+            or not np.array_equal(slots, pk.slots)
+            or x.shape != x_saved.shape
+            or not torch.equal(x.float(), x_saved)
+        ):
             return None
         return fwd
 
-    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor
-                   ) -> TrainResult:
+    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
         """One Adam step per group present, on that group's rows (MSE averaged over them).
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
@@ -520,8 +596,9 @@ class GroupedDistiller:
             self._version += 1
             return self._train(pk, x.clone(), target.clone(), fwd)
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor,
-               forward: list | None = None) -> TrainResult:
+    def _train(
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, forward: list | None = None
+    ) -> TrainResult:
         """CPU: one in-place update per group (see :class:`HostTrainer`), inline or queued on
         the side thread; ``losses``/``updated`` are filled when the update has run.
         ``forward``: the groups' forward on these rows (from :meth:`predict`), or None."""
@@ -534,10 +611,15 @@ class GroupedDistiller:
 
         def run() -> None:
             for gi, slot, rows in groups:
-                loss, ok = self._host.step(self.theta[slot], self.m[slot], self.v[slot],
-                                           self.step[slot], x.index_select(0, rows),
-                                           target.index_select(0, rows),
-                                           forward[gi] if forward is not None else None)
+                loss, ok = self._host.step(
+                    self.theta[slot],
+                    self.m[slot],
+                    self.v[slot],
+                    self.step[slot],
+                    x.index_select(0, rows),
+                    target.index_select(0, rows),
+                    forward[gi] if forward is not None else None,
+                )
                 losses[gi], updated[gi] = loss, ok
             done.set()
 
@@ -554,18 +636,25 @@ class GroupedDistiller:
 
     def memory_bytes(self) -> int:
         """Bytes held by the stacked state (all slots, live or not) plus the template."""
-        return (self._capacity + self._SCRATCH) * self.memory_bytes_per_group() + \
-            self.shape.num_params * 4
+        return (
+            self._capacity + self._SCRATCH
+        ) * self.memory_bytes_per_group() + self.shape.num_params * 4
 
 
-def make_distiller(hidden_size: int, device: torch.device | str, use_cuda_graph: bool = True,
-                   side_thread: bool = False, **kwargs) -> GroupedDistiller:
+def make_distiller(
+    hidden_size: int,
+    device: torch.device | str,
+    use_cuda_graph: bool = True,
+    side_thread: bool = False,
+    **kwargs,
+) -> GroupedDistiller:
     """The CUDA implementation (side stream, graphs) for CUDA devices, else the CPU one
     (updates on a side thread when ``side_thread``)."""
     device = torch.device(device)
     if device.type == "cuda":
         from algorithms.esamp.cuda import CudaGroupedDistiller
 
-        return CudaGroupedDistiller(hidden_size, device=device, use_cuda_graph=use_cuda_graph,
-                                    **kwargs)
+        return CudaGroupedDistiller(
+            hidden_size, device=device, use_cuda_graph=use_cuda_graph, **kwargs
+        )
     return GroupedDistiller(hidden_size, device=device, side_thread=side_thread, **kwargs)

@@ -15,16 +15,18 @@ import torch
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def mix_candidates(ref: torch.Tensor, dist: torch.Tensor, beta: torch.Tensor | float,
-                   temperature: torch.Tensor) -> torch.Tensor:
+def mix_candidates(
+    ref: torch.Tensor, dist: torch.Tensor, beta: torch.Tensor | float, temperature: torch.Tensor
+) -> torch.Tensor:
     """The ESamp mix for candidate entries: ``(1+beta)*ref - beta*dist/T`` elementwise
     (``ref`` temperature-scaled, ``dist`` raw head projections)."""
     t = temperature.to(ref.dtype)
     return (1 + beta) * ref - beta * dist.to(ref.dtype) / t
 
 
-def mix_post_filter(ref_logits: torch.Tensor, dist_fn: DistFn, beta: float,
-                    temperature: torch.Tensor) -> torch.Tensor:
+def mix_post_filter(
+    ref_logits: torch.Tensor, dist_fn: DistFn, beta: float, temperature: torch.Tensor
+) -> torch.Tensor:
     """Mix on the surviving candidates only.
 
     ``ref_logits [R, V]``: temperature-scaled, -inf for non-candidates. Candidates get
@@ -35,8 +37,9 @@ def mix_post_filter(ref_logits: torch.Tensor, dist_fn: DistFn, beta: float,
         return ref_logits.clone()  # bit-identical: never touch the logits
     rows, toks = torch.isfinite(ref_logits).nonzero(as_tuple=True)
     out = torch.full_like(ref_logits, float("-inf"))
-    out[rows, toks] = mix_candidates(ref_logits[rows, toks], dist_fn(rows, toks), beta,
-                                     temperature[rows])
+    out[rows, toks] = mix_candidates(
+        ref_logits[rows, toks], dist_fn(rows, toks), beta, temperature[rows]
+    )
     return out
 
 
@@ -45,8 +48,12 @@ def _per_row(beta: torch.Tensor | float) -> torch.Tensor | float:
     return beta[:, None] if isinstance(beta, torch.Tensor) else beta
 
 
-def mix_full_vocab_logits(ref_logits: torch.Tensor, dist_logits: torch.Tensor,
-                          beta: torch.Tensor | float, temperature: torch.Tensor) -> torch.Tensor:
+def mix_full_vocab_logits(
+    ref_logits: torch.Tensor,
+    dist_logits: torch.Tensor,
+    beta: torch.Tensor | float,
+    temperature: torch.Tensor,
+) -> torch.Tensor:
     """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
     (``beta`` a float or one value per row)."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
@@ -56,8 +63,9 @@ def mix_full_vocab_logits(ref_logits: torch.Tensor, dist_logits: torch.Tensor,
     return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
 
 
-def mix_latent(h_target: torch.Tensor, f_pred: torch.Tensor,
-               beta: torch.Tensor | float) -> torch.Tensor:
+def mix_latent(
+    h_target: torch.Tensor, f_pred: torch.Tensor, beta: torch.Tensor | float
+) -> torch.Tensor:
     """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` (``beta`` a float or one value per row): one
     head projection of it equals the logits mix exactly for a linear head without bias or
     soft-capping."""
@@ -65,9 +73,13 @@ def mix_latent(h_target: torch.Tensor, f_pred: torch.Tensor,
     return (1 + b) * h_target - b * f_pred
 
 
-def candidate_dist_fn(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
-                      lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                      dense_fraction: float = 0.25, chunk: int = 16384) -> DistFn:
+def candidate_dist_fn(
+    f_pred: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dense_fraction: float = 0.25,
+    chunk: int = 16384,
+) -> DistFn:
     """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
 
     With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
@@ -83,17 +95,19 @@ def candidate_dist_fn(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
         if weight is not None and n <= dense_fraction * r * weight.shape[0]:
             out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
             for i in range(0, n, chunk):
-                w = weight[toks[i:i + chunk]].float()
-                out[i:i + chunk] = (w * f_pred[rows[i:i + chunk]].float()).sum(-1)
+                w = weight[toks[i : i + chunk]].float()
+                out[i : i + chunk] = (w * f_pred[rows[i : i + chunk]].float()).sum(-1)
             return out
         return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
 
     return fn
 
 
-def full_dist_logits(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
-                     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None
-                     ) -> torch.Tensor:
+def full_dist_logits(
+    f_pred: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Raw dist logits over the vocabulary ``[R, V]`` (fp32). ``lm_head`` (fp32 in, any dtype
     out; it casts to the model dtype itself) is preferred: it is exactly the model's head."""
     if lm_head is not None:
@@ -103,12 +117,14 @@ def full_dist_logits(f_pred: torch.Tensor, weight: torch.Tensor | None = None,
     return (f_pred.to(weight.dtype) @ weight.t()).float()
 
 
-def noise_prediction(h_target: torch.Tensor, f_pred: torch.Tensor,
-                     generator: torch.Generator | None = None) -> torch.Tensor:
+def noise_prediction(
+    h_target: torch.Tensor, f_pred: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Noise ablation: a stand-in prediction ``h_L - n`` whose error ``n`` is Gaussian with the
     same per-row norm as the real error ``h_L - f(h_1)`` (direction randomised)."""
     err_norm = torch.linalg.vector_norm(h_target - f_pred, dim=-1, keepdim=True)
-    n = torch.randn(h_target.shape, generator=generator, device=h_target.device,
-                    dtype=h_target.dtype)
+    n = torch.randn(
+        h_target.shape, generator=generator, device=h_target.device, dtype=h_target.dtype
+    )
     n = n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * err_norm
     return h_target - n

@@ -165,8 +165,13 @@ class ExportConsumer(Consumer):
         self._used = False
         self._complete = False
         self.writer = ShardWriter(
-            self.path, keys, self.hidden_size, config.dtype, self.shard_rows,
-            config.overwrite, self._manifest,
+            self.path,
+            keys,
+            self.hidden_size,
+            config.dtype,
+            self.shard_rows,
+            config.overwrite,
+            self._manifest,
         )
 
     # -- ports ------------------------------------------------------------------------------

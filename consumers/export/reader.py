@@ -99,7 +99,9 @@ class ExportReader:
     def _check(self, i: int) -> str:
         p = self.shard_path(i)
         if not os.path.isfile(p):
-            raise ExportFormatError(f"shard {self.shards[i]['file']!r} listed in the manifest is missing")
+            raise ExportFormatError(
+                f"shard {self.shards[i]['file']!r} listed in the manifest is missing"
+            )
         if self.verify:
             digest, size = fmt.sha256_file(p)
             if digest != self.shards[i]["sha256"] or size != self.shards[i]["bytes"]:

@@ -59,9 +59,7 @@ def check_output_dir(out: str, overwrite: bool) -> str:
             f"export: cannot create out={out!r}: {parent!r} exists and is not a directory"
         )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"export: cannot create out={out!r}: directory {parent!r} is not writable"
-        )
+        raise ValueError(f"export: cannot create out={out!r}: directory {parent!r} is not writable")
     return path
 
 
@@ -191,8 +189,12 @@ class ShardWriter:
         save_file(
             tensors,
             tmp,
-            metadata={"format": fmt.FORMAT_NAME, "version": str(fmt.FORMAT_VERSION),
-                      "shard_index": str(index), "rows": str(n)},
+            metadata={
+                "format": fmt.FORMAT_NAME,
+                "version": str(fmt.FORMAT_VERSION),
+                "shard_index": str(index),
+                "rows": str(n),
+            },
         )
         digest, size = fmt.sha256_file(tmp)
         fd = os.open(tmp, os.O_RDONLY)

@@ -66,16 +66,29 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
     negative = read_prompt_file(args.negative, "--negative file")
     check_out(args.out)  # before the engine starts
     with tempfile.TemporaryDirectory(prefix="tllm-steer-") as tmp:
-        spec = {"name": "export", "config": {"out": tmp, "layers": [args.layer],
-                                             "phase": "prefill", "overwrite": True}}
+        spec = {
+            "name": "export",
+            "config": {"out": tmp, "layers": [args.layer], "phase": "prefill", "overwrite": True},
+        }
         if args.kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
-        llm = TllmLLM(args.model, [spec], dtype=args.dtype, max_model_len=args.max_model_len,
-                      enforce_eager=args.enforce_eager, enable_prefix_caching=False)
+        llm = TllmLLM(
+            args.model,
+            [spec],
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            enable_prefix_caching=False,
+        )
         layer = llm.status["capture_layers"][0]
         llm.generate(positive + negative, SamplingParams(max_tokens=1), use_tqdm=False)
         llm.close()
         vec, n_pos, n_neg = mean_difference(read_export(tmp), f"layer.{layer}", len(positive))
     save_vector(vec, args.out)
-    return vec, {"out": str(args.out), "layer": layer, "norm": float(vec.norm()),
-                 "positive_rows": n_pos, "negative_rows": n_neg}
+    return vec, {
+        "out": str(args.out),
+        "layer": layer,
+        "norm": float(vec.norm()),
+        "positive_rows": n_pos,
+        "negative_rows": n_neg,
+    }

@@ -27,16 +27,21 @@ class SteerVector(BaseModel):
     """One vector at one layer."""
 
     model_config = ConfigDict(extra="forbid")
-    layer: int = Field(..., description="Decoder layer whose output residual stream is edited "
-                       "(negative counts from the end).")
+    layer: int = Field(
+        ...,
+        description="Decoder layer whose output residual stream is edited "
+        "(negative counts from the end).",
+    )
     path: str | None = Field(
         None,
         description="Vector file: .safetensors (one tensor, or 'file.safetensors::key'), "
         ".pt/.pth (a tensor or a dict of tensors with '::key'), or .npy.",
     )
     vector: list[float] | None = Field(None, description="The vector inline (instead of path).")
-    scale: float = Field(1.0, description="Multiplier of the vector in 'add' mode (0 is allowed; "
-                         "ignored by 'ablate').")
+    scale: float = Field(
+        1.0,
+        description="Multiplier of the vector in 'add' mode (0 is allowed; ignored by 'ablate').",
+    )
     mode: Literal["add", "ablate"] = Field(
         "add",
         description="'add': s += scale*v; 'ablate': remove the component of s along v "
@@ -112,8 +117,11 @@ class SteerConsumer(Consumer):
                     raise ValueError(f"steer: vectors[{i}].path: {e}") from None
             else:
                 try:
-                    vec = check_vector(torch.tensor(entry.vector, dtype=torch.float32), hidden,
-                                       f"vectors[{i}].vector")
+                    vec = check_vector(
+                        torch.tensor(entry.vector, dtype=torch.float32),
+                        hidden,
+                        f"vectors[{i}].vector",
+                    )
                 except ValueError as e:
                     raise ValueError(f"steer: {e}") from None
             norm = float(vec.norm())
@@ -165,7 +173,10 @@ class SteerConsumer(Consumer):
                 self.counters.add("invalid_scale_override")
                 log.warning(
                     "steer: request %r: extra_args[%r]=%r is not a finite number; the request "
-                    "is not steered", req.request_id, SCALE_KEY, raw,
+                    "is not steered",
+                    req.request_id,
+                    SCALE_KEY,
+                    raw,
                 )
                 state = False
         else:

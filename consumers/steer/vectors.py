@@ -83,10 +83,14 @@ def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - any reader failure becomes a clear config error
-        raise ValueError(f"steering vector {what}: cannot read {file!r}: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"steering vector {what}: cannot read {file!r}: {type(e).__name__}: {e}"
+        ) from None
     if isinstance(value, np.ndarray):
         if not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
-            raise ValueError(f"steering vector {what}: numeric array expected, got dtype {value.dtype}")
+            raise ValueError(
+                f"steering vector {what}: numeric array expected, got dtype {value.dtype}"
+            )
         value = torch.from_numpy(np.ascontiguousarray(value))
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"steering vector {what}: expected a tensor, got {type(value).__name__}")

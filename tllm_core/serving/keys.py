@@ -62,7 +62,7 @@ def enabled_names(extra: dict[str, Any]) -> list[str]:
     raw = extra.get(CONSUMERS, "")
     if not isinstance(raw, str):
         raise ValueError(
-            f"vllm_xargs[{CONSUMERS!r}] must be a comma-separated string (e.g. \"esamp,steer\"), "
+            f'vllm_xargs[{CONSUMERS!r}] must be a comma-separated string (e.g. "esamp,steer"), '
             f"got {raw!r}"
         )
     return [n.strip() for n in raw.split(",") if n.strip()]
@@ -108,8 +108,11 @@ def _need_active(server: ServerConsumers, name: str, key: str, extra: dict[str, 
             f"(configured: {sorted(server.per_request) or 'none'})"
         )
     if not server.active(name, extra):
-        how = (f'add "{name}" to vllm_xargs[{CONSUMERS!r}]' if server.per_request[name]
-               else f"set vllm_xargs[{STEER_FLAG!r}] to true")
+        how = (
+            f'add "{name}" to vllm_xargs[{CONSUMERS!r}]'
+            if server.per_request[name]
+            else f"set vllm_xargs[{STEER_FLAG!r}] to true"
+        )
         raise ValueError(
             f"vllm_xargs[{key!r}] has no effect: {name!r} is not active for this request ({how})"
         )
@@ -139,14 +142,17 @@ def validate_extra_args(extra: dict[str, Any] | None, server: ServerConsumers) -
     if ESAMP_BETA in extra:
         beta = parse_number(ESAMP_BETA, extra[ESAMP_BETA])
         if beta < 0:
-            raise ValueError(f"vllm_xargs[{ESAMP_BETA!r}] must be >= 0 (0: no guidance), got {beta}")
+            raise ValueError(
+                f"vllm_xargs[{ESAMP_BETA!r}] must be >= 0 (0: no guidance), got {beta}"
+            )
         _need_active(server, "esamp", ESAMP_BETA, extra)
     if STEER_SCALE in extra:
         parse_number(STEER_SCALE, extra[STEER_SCALE])
         _need_active(server, "steer", STEER_SCALE, extra)
     if STEER_FLAG in extra and "steer" not in server.per_request:
-        raise ValueError(f"vllm_xargs[{STEER_FLAG!r}] needs the 'steer' consumer, which this "
-                         f"server does not run")
+        raise ValueError(
+            f"vllm_xargs[{STEER_FLAG!r}] needs the 'steer' consumer, which this server does not run"
+        )
     if GROUP in extra and isinstance(extra[GROUP], str) and not extra[GROUP].strip():
         raise ValueError(f"vllm_xargs[{GROUP!r}] must not be empty")
 

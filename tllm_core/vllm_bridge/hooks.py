@@ -104,11 +104,15 @@ class RunnerHooks:
         for i in sorted(runtime.capture_layers | runtime.edit_layers):
             cap = None
             if i in runtime.capture_layers:
-                cap = torch.zeros(max_tokens, info.hidden_size, dtype=info.dtype, device=info.device)
+                cap = torch.zeros(
+                    max_tokens, info.hidden_size, dtype=info.dtype, device=info.device
+                )
                 self.capture[layer_key(i)] = cap
             edit = None
             if i in runtime.edit_layers:
-                edit = self.edits[i] = EditBuffers(max_tokens, info.hidden_size, info.dtype, info.device)
+                edit = self.edits[i] = EditBuffers(
+                    max_tokens, info.hidden_size, info.dtype, info.device
+                )
             layers[i] = LayerTap(layers[i], cap, edit)
         self._install_wrappers()
 
@@ -266,7 +270,11 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     runner._tllm_hooks = hooks
     log.info(
         "tllm: hooked %s (capture layers %s, final %s, edit layers %s, guide %s) for consumers %s",
-        type(runner).__name__, sorted(runtime.capture_layers), runtime.needs_final,
-        sorted(runtime.edit_layers), runtime.guides, [s.consumer.name for s in runtime.slots],
+        type(runner).__name__,
+        sorted(runtime.capture_layers),
+        runtime.needs_final,
+        sorted(runtime.edit_layers),
+        runtime.guides,
+        [s.consumer.name for s in runtime.slots],
     )
     return hooks

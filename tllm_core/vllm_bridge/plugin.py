@@ -147,8 +147,10 @@ def _patch_endpoint_plugins() -> None:
     orig = getattr(vp, "load_endpoint_plugins", None)
     if orig is None:
         # Not silent: serving would run without per-request validation or /tllm endpoints.
-        log.warning("tllm: vllm.plugins.load_endpoint_plugins is missing in this vLLM; "
-                    "serving runs without tllm's request checks and /tllm endpoints")
+        log.warning(
+            "tllm: vllm.plugins.load_endpoint_plugins is missing in this vLLM; "
+            "serving runs without tllm's request checks and /tllm endpoints"
+        )
         return
     if getattr(orig, _PATCHED_ATTR, False):
         return

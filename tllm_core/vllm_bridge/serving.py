@@ -67,8 +67,11 @@ class XargsCheck:
         self.server = server
 
     async def __call__(self, scope, receive, send):
-        if (scope["type"] != "http" or scope["method"] != "POST"
-                or not scope["path"].endswith(CHECKED_PATHS)):
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not scope["path"].endswith(CHECKED_PATHS)
+        ):
             return await self.app(scope, receive, send)
         messages, body = [], b""
         while True:
@@ -81,11 +84,26 @@ class XargsCheck:
                 break
         error = check_body(body, self.server)
         if error is not None:
-            payload = json.dumps({"error": {"message": error, "type": "BadRequestError",
-                                            "param": "vllm_xargs", "code": 400}}).encode()
-            await send({"type": "http.response.start", "status": 400,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(payload)).encode())]})
+            payload = json.dumps(
+                {
+                    "error": {
+                        "message": error,
+                        "type": "BadRequestError",
+                        "param": "vllm_xargs",
+                        "code": 400,
+                    }
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 400,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(payload)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": payload})
             return
 
@@ -170,6 +188,9 @@ async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    log.info("tllm: serving with consumers %s (per request: %s); counters at GET %s",
-                sorted(server.per_request),
-                sorted(n for n, p in server.per_request.items() if p), COUNTERS_PATH)
+    log.info(
+        "tllm: serving with consumers %s (per request: %s); counters at GET %s",
+        sorted(server.per_request),
+        sorted(n for n, p in server.per_request.items() if p),
+        COUNTERS_PATH,
+    )

@@ -37,6 +37,7 @@ def apply() -> dict[str, str]:
             os.environ[key] = value
             applied[key] = value
     if applied:
-        log.debug("tllm: vLLM environment defaults %s (see tllm_core/vllm_bridge/workarounds.py)",
-                  applied)
+        log.debug(
+            "tllm: vLLM environment defaults %s (see tllm_core/vllm_bridge/workarounds.py)", applied
+        )
     return applied

@@ -33,33 +33,49 @@ class Recorder(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         r = bundle.rows
         tok = r.token_ids.tolist()
-        hidden = {k: v.float().tolist() for k, v in bundle.hidden.items()} if self.config.keep_hidden else {}
+        hidden = (
+            {k: v.float().tolist() for k, v in bundle.hidden.items()}
+            if self.config.keep_hidden
+            else {}
+        )
         for i, req in enumerate(r.requests):
-            self.rows.append({
-                "step": bundle.step,
-                "request_id": req.request_id,
-                "prompt_index": req.prompt_index,
-                "sample_index": req.sample_index,
-                "position": int(r.position[i]),
-                "is_decode": bool(r.is_decode[i]),
-                "recomputed": bool(r.recomputed[i]),
-                "token_id": tok[i],
-                "hidden": {k: v[i] for k, v in hidden.items()},
-            })
+            self.rows.append(
+                {
+                    "step": bundle.step,
+                    "request_id": req.request_id,
+                    "prompt_index": req.prompt_index,
+                    "sample_index": req.sample_index,
+                    "position": int(r.position[i]),
+                    "is_decode": bool(r.is_decode[i]),
+                    "recomputed": bool(r.recomputed[i]),
+                    "token_id": tok[i],
+                    "hidden": {k: v[i] for k, v in hidden.items()},
+                }
+            )
         if bundle.sampled_rows is not None and bundle.sampled_token_ids is not None:
             s = bundle.sampled_rows
             for i, t in enumerate(bundle.sampled_token_ids.tolist()):
                 req = s.requests[i]
-                self.sampled.append({"request_id": req.request_id, "sample_index": req.sample_index,
-                                     "position": int(s.position[i]), "token_id": t})
+                self.sampled.append(
+                    {
+                        "request_id": req.request_id,
+                        "sample_index": req.sample_index,
+                        "position": int(s.position[i]),
+                        "token_id": t,
+                    }
+                )
         self.counters.add("rows", len(r))
 
     def on_request_finished(self, request) -> None:
         self.finished.append(f"{request.request_id}/{request.sample_index}")
 
     def result(self):
-        return {"pid": os.getpid(), "rows": self.rows, "sampled": self.sampled,
-                "finished": self.finished}
+        return {
+            "pid": os.getpid(),
+            "rows": self.rows,
+            "sampled": self.sampled,
+            "finished": self.finished,
+        }
 
 
 class Crasher(Consumer):
