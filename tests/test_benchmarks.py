@@ -18,6 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 SMALL_ENGINE = ["--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "256"]
+# 2 prompts x n=2 x 4 tokens.
+SMALL_WORKLOAD = "--prompts 2 -n 2 --max-tokens 4".split()
 
 
 def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -85,26 +87,8 @@ def test_diversity_methods_with_an_esamp_variant():
 
 @pytest.mark.vllm
 def test_throughput_script_small_run(tiny_model):
-    proc = _run(
-        "throughput.py",
-        "--model",
-        tiny_model,
-        "--prompts",
-        "2",
-        "-n",
-        "2",
-        "--max-tokens",
-        "4",
-        "--rounds",
-        "1",
-        "--in-process",
-        "--consumer",
-        "capture",
-        "--consumer",
-        "esamp",
-        "--json",
-        *SMALL_ENGINE,
-    )
+    args = "--rounds 1 --in-process --consumer capture --consumer esamp --json".split()
+    proc = _run("throughput.py", "--model", tiny_model, *SMALL_WORKLOAD, *args, *SMALL_ENGINE)
     out = _json(proc)
     assert out["baseline_tok_s"] > 0 and out["ok"] is True
     assert set(out["cases"]) == {"plain", "capture", "esamp"}
@@ -122,25 +106,8 @@ def test_throughput_script_small_run(tiny_model):
 @pytest.mark.vllm
 def test_throughput_paired_method_small_run(tiny_model):
     """The default method: fresh process pairs, each case alternating with plain."""
-    proc = _run(
-        "throughput.py",
-        "--model",
-        tiny_model,
-        "--prompts",
-        "2",
-        "-n",
-        "2",
-        "--max-tokens",
-        "4",
-        "--rounds",
-        "1",
-        "--restarts",
-        "2",
-        "--consumer",
-        "steer",
-        "--json",
-        *SMALL_ENGINE,
-    )
+    args = "--rounds 1 --restarts 2 --consumer steer --json".split()
+    proc = _run("throughput.py", "--model", tiny_model, *SMALL_WORKLOAD, *args, *SMALL_ENGINE)
     out = _json(proc)
     assert out["ok"] is True and out["workload"]["method"] == "paired"
     steer, plain = out["cases"]["steer"], out["cases"]["plain"]
