@@ -622,21 +622,3 @@ def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     calls.clear()
     reuse.train_step(slots, x, t)
     assert len(calls) == 2
-
-
-def test_split_groups_update_equals_inline():
-    """cpu_update 'split': half of the groups on a helper thread, same state as inline."""
-    inline, split = _distiller(capacity=4), _distiller(capacity=4, split_groups=True)
-    for d in (inline, split):
-        for _ in range(4):
-            d.alloc()
-    gen = torch.Generator().manual_seed(5)
-    slots = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 3])
-    for _ in range(5):
-        x, t = torch.randn(9, H, generator=gen), torch.randn(9, H, generator=gen)
-        for d in (inline, split):
-            d.predict(slots, x)
-        r_inline, r_split = inline.train_step(slots, x, t), split.train_step(slots, x, t)
-        assert torch.equal(r_inline.losses, r_split.losses)
-    assert torch.equal(inline.theta, split.theta) and torch.equal(inline.v, split.v)
-    split.close()

@@ -82,15 +82,14 @@ class ESampConfig(ConsumerConfig):
         description="Paper's guardrail: bypass the distiller (no guidance, no training) on steps "
         "that also contain prefill rows. Off by default: rows are selected one by one instead.",
     )
-    cpu_update: Literal["auto", "thread", "inline", "split"] = Field(
+    cpu_update: Literal["auto", "thread", "inline"] = Field(
         "auto",
         description="On CPU: 'thread' runs each training step on a side thread (the CPU "
         "counterpart of the CUDA side stream; the next prediction waits for it, so guidance "
         "stays strictly fresh); 'inline' runs it on the engine thread right after sampling; "
         "'auto' picks 'thread' only when a core is idle (torch uses fewer threads than the "
         "process may use cores), since a side thread competing with the model's OpenMP "
-        "threads slows the forward more than it saves; 'split' runs the update inline but "
-        "with half of the groups on a helper thread (experimental). Same math either way.",
+        "threads slows the forward more than it saves. Same math either way.",
     )
     use_cuda_graph: bool = Field(
         True, description="On CUDA, capture the update step as a CUDA graph (else eager)."

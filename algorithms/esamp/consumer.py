@@ -118,7 +118,6 @@ class ESampConsumer(Consumer):
             model.device,
             use_cuda_graph=cfg.use_cuda_graph,
             side_thread=model.device.type == "cpu" and _use_side_thread(cfg.cpu_update),
-            split_groups=model.device.type == "cpu" and cfg.cpu_update == "split",
             intermediate_size=cfg.intermediate_size,
             num_blocks=cfg.num_blocks,
             lr=cfg.lr,

@@ -429,7 +429,6 @@ class GroupedDistiller:
         capacity: int = 4,
         device: torch.device | str = "cpu",
         side_thread: bool = False,
-        split_groups: bool = False,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -447,14 +446,6 @@ class GroupedDistiller:
 
             self._side = SideThread("tllm-esamp-update")
         self._host = HostTrainer(self.shape, self.hp)
-        # split_groups: an inline update runs half of the groups on a helper thread (own
-        # scratch), the other half on the calling thread; groups are independent.
-        self._helper = self._host2 = None
-        if split_groups and not side_thread:
-            from algorithms.esamp.side_thread import SideThread
-
-            self._helper = SideThread("tllm-esamp-split")
-            self._host2 = HostTrainer(self.shape, self.hp)
         # Bumped by every change of the parameters (update, slot reset, growth).
         self._version = 0
         # The last prediction: (version, slots [G], x fp32 [R, H], per group (f, activations)).
@@ -477,9 +468,6 @@ class GroupedDistiller:
             self._side.wait()
             self._side.close()
             self._side = None
-        if self._helper is not None:
-            self._helper.close()
-            self._helper = None
 
     # -- slots ----------------------------------------------------------------------
     @property
@@ -621,9 +609,9 @@ class GroupedDistiller:
 
         done = threading.Event()
 
-        def run_part(part: list, host: HostTrainer) -> None:
-            for gi, slot, rows in part:
-                loss, ok = host.step(
+        def run() -> None:
+            for gi, slot, rows in groups:
+                loss, ok = self._host.step(
                     self.theta[slot],
                     self.m[slot],
                     self.v[slot],
@@ -633,15 +621,6 @@ class GroupedDistiller:
                     forward[gi] if forward is not None else None,
                 )
                 losses[gi], updated[gi] = loss, ok
-
-        def run() -> None:
-            if self._helper is not None and len(groups) > 1:
-                half = len(groups) // 2
-                self._helper.submit(lambda: run_part(groups[half:], self._host2))
-                run_part(groups[:half], self._host)
-                self._helper.wait()
-            else:
-                run_part(groups, self._host)
             done.set()
 
         self._side.submit(run) if self._side is not None else run()
