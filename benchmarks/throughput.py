@@ -1,7 +1,7 @@
 """Throughput of plain vLLM and tllm configurations on one workload, in one run.
 
     python benchmarks/throughput.py [--consumer SPEC]... [--model PATH] [--prompts N] [-n N]
-        [--max-tokens T] [--min-p P] [--rounds R] [--json]
+        [--max-tokens T] [--min-p P] [--rounds R] [--restarts K] [--json]
 
 Cases (one engine each; consumers are fixed per engine):
 

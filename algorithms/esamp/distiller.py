@@ -226,14 +226,6 @@ def group_matrices(row: torch.Tensor, shape: DistillerShape) -> list[tuple[torch
     return [(gate[0, b], up[0, b], down[0, b]) for b in range(shape.num_blocks)]
 
 
-def forward_group(mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor) -> torch.Tensor:
-    """``f(x)`` of one group: ``x [R, H]`` fp32."""
-    h = x
-    for gate, up, down in mats:
-        h = h + (F.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
-    return h
-
-
 # Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u): what the backward
 # needs from the forward.
 Activations = list[tuple[torch.Tensor, ...]]
@@ -242,7 +234,7 @@ Activations = list[tuple[torch.Tensor, ...]]
 def forward_acts(
     mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor
 ) -> tuple[torch.Tensor, Activations]:
-    """``f(x)`` of one group and its activations (same math as :func:`forward_group`)."""
+    """``f(x)`` of one group (``x [R, H]`` fp32) and the activations its backward needs."""
     acts = []
     h = x
     for gate, up, down in mats:
@@ -549,19 +541,15 @@ class GroupedDistiller:
         with torch.no_grad():
             # A copy: x may be a view of a capture buffer that the next step overwrites.
             x = x.to(torch.float32, copy=True)
-            if len(pk.slots) == 1:
-                fwd = [forward_acts(group_matrices(self.theta[int(pk.slots[0])], self.shape), x)]
-                y = fwd[0][0]
-            else:
-                y = torch.empty_like(x)
-                fwd = []
-                for gi, slot in enumerate(pk.slots.tolist()):
-                    rows = pk.group_rows(gi).to(x.device)
-                    mats = group_matrices(self.theta[slot], self.shape)
-                    fwd.append(forward_acts(mats, x.index_select(0, rows)))
-                    y.index_copy_(0, rows, fwd[-1][0])
+            y = torch.empty_like(x)
+            fwd = []
+            for gi, slot in enumerate(pk.slots.tolist()):
+                rows = pk.group_rows(gi).to(x.device)
+                mats = group_matrices(self.theta[slot], self.shape)
+                fwd.append(forward_acts(mats, x.index_select(0, rows)))
+                y.index_copy_(0, rows, fwd[-1][0])
             self._saved = (self._version, pk.slots, x, fwd)
-            return y.clone() if len(pk.slots) == 1 else y
+            return y
 
     def _saved_forward(self, pk: Packing, x: torch.Tensor) -> list | None:
         """The last prediction's per-group forward if it was on exactly these rows and

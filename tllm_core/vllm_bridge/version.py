@@ -17,9 +17,14 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def in_series(version: str, series: str) -> bool:
+    """``version`` belongs to release series ``series`` ("0.32" holds "0.32" and "0.32.1")."""
+    return version == series or version.startswith(series + ".")
+
+
 def check_version(version: str | None = None) -> str:
     version = version or vllm_version()
-    if not any(version == s or version.startswith(s + ".") for s in SUPPORTED_SERIES):
+    if not any(in_series(version, s) for s in SUPPORTED_SERIES):
         if os.environ.get("TLLM_ALLOW_UNSUPPORTED_VLLM") != "1":
             raise UnsupportedEngineError(
                 f"tllm supports vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}; found {version}. "

@@ -15,13 +15,15 @@ from __future__ import annotations
 import logging
 import os
 
+from tllm_core.vllm_bridge.version import in_series
+
 log = logging.getLogger("tllm")
 
 
 def env_defaults(vllm_version: str, is_cpu: bool) -> dict[str, str]:
     """The variables to default for this vLLM build (pure: for tests)."""
     out: dict[str, str] = {}
-    if is_cpu and (vllm_version == "0.32" or vllm_version.startswith("0.32.")):
+    if is_cpu and in_series(vllm_version, "0.32"):
         out["VLLM_USE_AOT_COMPILE"] = "0"
     return out
 
