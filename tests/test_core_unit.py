@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tllm_core import Bundle, Consumer, ConsumerConfig, EditPlan, GuideView, HiddenStates, Phase
 from tllm_core.bus import Bus
@@ -145,6 +147,30 @@ def test_edit_plan_checks_and_restrict():
     plan.restrict(np.array([True, False, True, True]))
     rows, kind, value = plan.ops[1][0]
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 300),
+    keep=st.floats(0.0, 1.0),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_candidate_entries_equal_a_full_nonzero_scan(rows, vocab, keep, specials, seed):
+    """The block scan finds exactly the entries > -inf, in row-major order, whatever the
+    vocabulary size (partial last block), density, NaN or infinities."""
+    from tllm_core.bundles import candidate_entries
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[torch.rand(rows, vocab, generator=g) >= keep] = float("-inf")
+    for i, value in enumerate(specials):
+        logits.view(-1)[(i * 7919 + seed) % logits.numel()] = float(value)
+    for block in (4, 64):
+        got = candidate_entries(logits, block=block)
+        want = (logits > float("-inf")).nonzero(as_tuple=True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_guide_view_update_touches_only_candidates_of_given_rows():

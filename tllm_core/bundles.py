@@ -92,6 +92,32 @@ class EditPlan:
         self._push(layer, rows, "ablate", u)
 
 
+def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, tokens)`` of the entries ``> -inf`` of ``logits [R, V]``, row-major: what
+    ``(logits > -inf).nonzero(as_tuple=True)`` returns, at a fraction of its cost.
+
+    Filters leave a few dozen candidates among tens of thousands of tokens, and a full
+    ``nonzero`` pass over ``R x V`` is single-threaded. So: one max per block of ``block``
+    tokens, ``nonzero`` over those blocks only, then an exact scan inside the blocks that
+    hold a candidate. A block max that is NaN keeps the block (the exact scan decides).
+    """
+    r, v = logits.shape
+    nb = v // block
+    if nb == 0 or logits.stride(-1) != 1:
+        return (logits > float("-inf")).nonzero(as_tuple=True)
+    main = logits[:, : nb * block].view(r, nb, block)
+    br, bb = (main.amax(-1) != float("-inf")).nonzero(as_tuple=True)
+    k, j = (main[br, bb] > float("-inf")).nonzero(as_tuple=True)
+    rows, toks = br[k], bb[k] * block + j
+    if v > nb * block:  # the tail past the last whole block, merged back in row order
+        tr, tt = (logits[:, nb * block :] > float("-inf")).nonzero(as_tuple=True)
+        if tr.numel():
+            rows, toks = torch.cat([rows, tr]), torch.cat([toks, tt + nb * block])
+            order = torch.argsort(rows * v + toks)
+            rows, toks = rows[order], toks[order]
+    return rows, toks
+
+
 @dataclass(frozen=True)
 class Candidates:
     """The candidate entries of a :class:`GuideView`: the finite logits, row-major.
@@ -155,9 +181,7 @@ class GuideView:
     def candidates(self) -> Candidates:
         """The surviving (row, token) entries (one scan of the logits, cached until a write)."""
         if self._candidates is None:
-            # "> -inf" rather than isfinite: one comparison pass instead of several, and
-            # candidates are exactly the entries the filters did not set to -inf.
-            rows, toks = (self.logits > float("-inf")).nonzero(as_tuple=True)
+            rows, toks = candidate_entries(self.logits)
             self._candidates = Candidates(rows, toks, self.logits[rows, toks])
         return self._candidates
 

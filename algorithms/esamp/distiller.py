@@ -218,31 +218,33 @@ def _losses_and_grads(theta_g, xp, tp, mask, shape):
     return losses.detach(), grad
 
 
-# -- CPU path: one group at a time, in place ---------------------------------------------
-def group_matrices(row: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
-    """Per block ``(gate [I,H], up [I,H], down [H,I])``: views into one flat row of theta, m
-    or v (the same layout for all three)."""
-    gate, up, down = split_params(row[None], shape)
-    return [(gate[0, b], up[0, b], down[0, b]) for b in range(shape.num_blocks)]
+# -- CPU path: all groups of a step at once, in place -----------------------------------
+def block_weights(theta: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
+    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]`` (or
+    the same rows of ``m``/``v``, which share the layout)."""
+    gate, up, down = split_params(theta, shape)
+    return [(gate[:, b], up[:, b], down[:, b]) for b in range(shape.num_blocks)]
 
 
-# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u): what the backward
-# needs from the forward.
+# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
+# what the backward needs from the forward.
 Activations = list[tuple[torch.Tensor, ...]]
 
 
 def forward_acts(
-    mats: list[tuple[torch.Tensor, ...]], x: torch.Tensor
+    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor
 ) -> tuple[torch.Tensor, Activations]:
-    """``f(x)`` of one group (``x [R, H]`` fp32) and the activations its backward needs."""
+    """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
+    activations its backward needs. All-zero padding rows stay exactly zero (no biases)."""
     acts = []
-    h = x
-    for gate, up, down in mats:
-        a, u = h @ gate.t(), h @ up.t()
+    h = xp
+    for gate, up, down in weights:
+        a = torch.bmm(h, gate.transpose(1, 2))
+        u = torch.bmm(h, up.transpose(1, 2))
         s = F.silu(a)
         p = s * u
         acts.append((h, a, u, s, p))
-        h = h + p @ down.t()
+        h = h + torch.bmm(p, down.transpose(1, 2))
     return h, acts
 
 
@@ -250,90 +252,163 @@ def _fused_adam_available() -> bool:
     return hasattr(torch, "_fused_adam_")
 
 
-class HostTrainer:
-    """clip_grad_norm_ + Adam for one group's rows, in place, with the backward written out.
+@dataclass
+class HostBatch:
+    """Where the packed groups of one step live in the stacked state.
 
-    Each weight gradient is a product ``A^T B`` of two thin ``[R, .]`` factors, so its squared
-    norm is ``sum((A A^T) * (B B^T))``: the clip coefficient is known from R x R Gram matrices
-    before any gradient exists. Each gradient matrix is then formed once, already clipped, in
-    a scratch buffer that stays in cache, and handed straight to PyTorch's fused Adam kernel:
-    per step the optimizer streams parameters and moments once, and no full-size gradient is
-    ever written to memory.
+    ``rows`` selects a block of state rows: a slice (so weights are views, nothing copied)
+    when the slots fill a short range, else the slots themselves (weights gathered).
+    ``pos [G]``: batch index of each packed group inside that block; batch entries that are
+    no packed group get all-zero rows, so they contribute nothing and are never updated.
+    """
+
+    rows: slice | torch.Tensor
+    pos: np.ndarray
+    size: int
+
+    @classmethod
+    def plan(cls, slots: np.ndarray) -> HostBatch:
+        lo, hi = int(slots[0]), int(slots[-1]) + 1  # slots: sorted, unique
+        if hi - lo <= 2 * len(slots):
+            return cls(slice(lo, hi), slots - lo, hi - lo)
+        return cls(torch.from_numpy(slots), np.arange(len(slots)), len(slots))
+
+    def take(self, state: torch.Tensor) -> torch.Tensor:
+        return (
+            state[self.rows] if isinstance(self.rows, slice) else state.index_select(0, self.rows)
+        )
+
+    def pack(self, pk: Packing, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, H]`` -> zero-padded fp32 ``[size, max_rows, H]``."""
+        xp = torch.zeros(self.size, pk.max_rows, x.shape[-1], device=x.device)
+        xp[self._index(pk)] = x.float()
+        return xp
+
+    def unpack(self, pk: Packing, yp: torch.Tensor) -> torch.Tensor:
+        return yp[self._index(pk)]
+
+    def _index(self, pk: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.pos[pk.row_group]), torch.from_numpy(pk.row_pos)
+
+
+class HostTrainer:
+    """clip_grad_norm_ + Adam for the packed groups of one step, in place, with the backward
+    written out as batched products over groups (both cores work on it through torch's
+    intra-op pool; 16-row products of one group alone run on one core).
+
+    Each weight gradient is a product ``A^T B`` of two thin ``[M, .]`` factors, so its squared
+    norm is ``sum((A A^T) * (B B^T))``: every group's clip coefficient is known from M x M
+    Gram matrices before any gradient exists. Each weight's gradients (all groups) are then
+    formed once, already clipped, in a scratch buffer that stays in cache, and handed to
+    PyTorch's fused Adam kernel: per step the optimizer streams parameters and moments once,
+    and no full-size gradient is ever written to memory.
     """
 
     def __init__(self, shape: DistillerShape, hp: AdamHyper):
         self.shape, self.hp = shape, hp
-        self.scratch = torch.empty(shape.intermediate_size * shape.hidden_size)
+        self.scratch = torch.empty(0)
         self.fused = _fused_adam_available()
 
     def step(
         self,
-        theta: torch.Tensor,
-        m: torch.Tensor,
-        v: torch.Tensor,
-        step: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pk: Packing,
+        batch: HostBatch,
         x: torch.Tensor,
         target: torch.Tensor,
         forward: tuple[torch.Tensor, Activations] | None = None,
-    ) -> tuple[float, bool]:
-        """One update of the group whose flat state rows are given; returns (loss, updated).
+    ) -> tuple[list[float], list[bool]]:
+        """One update of each packed group; returns per group (loss, updated).
 
-        ``step`` is the group's 0-d step counter. ``forward``: :func:`forward_acts` of these
-        parameters on ``x``, when already computed (a prediction of the same rows). A
-        non-finite loss or gradient norm leaves the state untouched (updated False).
+        ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
+        these parameters on the packed ``x``, when already computed (a prediction of the same
+        rows). A group with a non-finite loss or gradient norm keeps its state (updated False).
         """
-        mats = group_matrices(theta, self.shape)
-        h, acts = forward if forward is not None else forward_acts(mats, x)
-        diff = h - target
-        loss = float(diff.square().mean())
-        dy = diff.mul_(2.0 / diff.numel())
+        theta, m, v, step = state
+        shape, hp = self.shape, self.hp
+        weights = block_weights(batch.take(theta), shape)
+        xp = batch.pack(pk, x)
+        h, acts = forward if forward is not None else forward_acts(weights, xp)
+        diff = h - batch.pack(pk, target)
+        counts = torch.ones(batch.size, dtype=torch.float32)
+        counts[torch.from_numpy(batch.pos)] = torch.from_numpy(pk.counts).float()
+        denom = counts * shape.hidden_size
+        losses = diff.square().sum((1, 2)) / denom
+        dy = diff.mul_((2.0 / denom)[:, None, None])
         # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
         factors: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        sq_terms = []
-        for b in reversed(range(len(mats))):
-            gate, up, down = mats[b]
+        sq = torch.zeros(batch.size)
+        for b in reversed(range(len(weights))):
+            gate, up, down = weights[b]
             h_in, a, u, s, p = acts[b]
-            dp = dy @ down
+            dp = torch.bmm(dy, down)
             du = dp * s
             sig = torch.sigmoid(a)
             da = dp * u * sig * (1 + a * (1 - sig))
             factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
             # ||A^T B||^2 = sum((A A^T) * (B B^T)); gate and up share B = h_in.
-            sq_terms.append(
-                ((dy @ dy.t()) * (p @ p.t())).sum()
-                + ((du @ du.t() + da @ da.t()) * (h_in @ h_in.t())).sum()
-            )
+            gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
+            gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
+            sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
+            sq += (gram_g * gram_in).sum((1, 2))
             if b:
-                dy = dy + du @ up + da @ gate
-        sq = float(torch.stack(sq_terms).sum())
-        if not (math.isfinite(loss) and math.isfinite(sq)):
-            return loss, False
-        hp = self.hp
-        coef = 1.0
+                dy = dy + torch.bmm(du, up) + torch.bmm(da, gate)
+        loss_l = losses[torch.from_numpy(batch.pos)].tolist()
+        sq_l = sq[torch.from_numpy(batch.pos)].tolist()
+        ok = [math.isfinite(lo) and math.isfinite(q) for lo, q in zip(loss_l, sq_l, strict=True)]
+        coef = torch.ones(batch.size)
         if hp.grad_clip is not None:
-            coef = min(1.0, hp.grad_clip / (math.sqrt(sq) + _CLIP_EPS))
-        step += 1
-        m_mats, v_mats = group_matrices(m, self.shape), group_matrices(v, self.shape)
-        for b, k, a_f, b_f in factors:
-            w = mats[b][k]
-            grad = self.scratch[: w.numel()].view(w.shape)
-            torch.mm(a_f.t(), b_f, out=grad)
-            if coef < 1.0:
-                grad.mul_(coef)
-            self._adam(w, grad, m_mats[b][k], v_mats[b][k], step)
-        return loss, True
+            for gi, q in enumerate(sq_l):
+                if ok[gi]:
+                    coef[batch.pos[gi]] = min(1.0, hp.grad_clip / (math.sqrt(q) + _CLIP_EPS))
+        todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
+        if todo:
+            self._update(theta, m, v, step, factors, coef, todo, batch.size)
+        return loss_l, ok
 
-    def _adam(self, w, grad, m, v, step) -> None:
+    def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
+        """Form each weight's clipped gradient for all groups and apply Adam to the groups in
+        ``todo`` (batch index, slot)."""
+        shape = self.shape
+        steps = [step[slot] for _, slot in todo]
+        for s in steps:
+            s += 1
+        rows = [
+            (
+                block_weights(theta[slot][None], shape),
+                block_weights(m[slot][None], shape),
+                block_weights(v[slot][None], shape),
+            )
+            for _, slot in todo
+        ]
+        numel = shape.intermediate_size * shape.hidden_size
+        if self.scratch.numel() < size * numel:
+            self.scratch = torch.empty(size * numel)
+        scale = coef[:, None, None]
+        for b, k, a_f, b_f in factors:
+            w_shape = rows[0][0][b][k].shape[1:]
+            grad = self.scratch[: size * numel].view(size, *w_shape)
+            # Clipping folded into the thin factor: (c A)^T B = c (A^T B).
+            torch.bmm((a_f * scale).transpose(1, 2), b_f, out=grad)
+            self._adam(
+                [r[0][b][k][0] for r in rows],
+                [grad[i] for i, _ in todo],
+                [r[1][b][k][0] for r in rows],
+                [r[2][b][k][0] for r in rows],
+                steps,
+            )
+
+    def _adam(self, ws, grads, ms, vs, steps) -> None:
         hp = self.hp
         b1, b2 = hp.betas
         if self.fused:
             torch._fused_adam_(
-                [w],
-                [grad],
-                [m],
-                [v],
+                ws,
+                grads,
+                ms,
+                vs,
                 [],
-                [step],
+                steps,
                 lr=hp.lr,
                 beta1=b1,
                 beta2=b2,
@@ -343,11 +418,12 @@ class HostTrainer:
                 maximize=False,
             )
             return
-        n = float(step)
-        m.lerp_(grad, 1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        denom = v.sqrt().div_(math.sqrt(1 - b2**n)).add_(hp.eps)
-        w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))
+        for w, grad, m, v, step in zip(ws, grads, ms, vs, steps, strict=True):
+            n = float(step)
+            m.lerp_(grad, 1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            denom = v.sqrt().div_(math.sqrt(1 - b2**n)).add_(hp.eps)
+            w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))
 
 
 def train_packed(
@@ -440,7 +516,7 @@ class GroupedDistiller:
         self._host = HostTrainer(self.shape, self.hp)
         # Bumped by every change of the parameters (update, slot reset, growth).
         self._version = 0
-        # The last prediction: (version, slots [G], x fp32 [R, H], per group (f, activations)).
+        # The last prediction: (version, slots [G], x fp32 [R, H], packed (f, activations)).
         self._saved: tuple[int, np.ndarray, torch.Tensor, list] | None = None
         self._grow(capacity)
 
@@ -541,18 +617,13 @@ class GroupedDistiller:
         with torch.no_grad():
             # A copy: x may be a view of a capture buffer that the next step overwrites.
             x = x.to(torch.float32, copy=True)
-            y = torch.empty_like(x)
-            fwd = []
-            for gi, slot in enumerate(pk.slots.tolist()):
-                rows = pk.group_rows(gi).to(x.device)
-                mats = group_matrices(self.theta[slot], self.shape)
-                fwd.append(forward_acts(mats, x.index_select(0, rows)))
-                y.index_copy_(0, rows, fwd[-1][0])
+            batch = HostBatch.plan(pk.slots)
+            fwd = forward_acts(block_weights(batch.take(self.theta), self.shape), batch.pack(pk, x))
             self._saved = (self._version, pk.slots, x, fwd)
-            return y
+            return batch.unpack(pk, fwd[0])
 
-    def _saved_forward(self, pk: Packing, x: torch.Tensor) -> list | None:
-        """The last prediction's per-group forward if it was on exactly these rows and
+    def _saved_forward(self, pk: Packing, x: torch.Tensor) -> tuple | None:
+        """The last prediction's packed forward if it was on exactly these rows and
         parameters (checked, not assumed: the inputs are compared)."""
         saved, self._saved = self._saved, None
         if saved is None:
@@ -585,30 +656,21 @@ class GroupedDistiller:
             return self._train(pk, x.clone(), target.clone(), fwd)
 
     def _train(
-        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, forward: list | None = None
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, forward: tuple | None = None
     ) -> TrainResult:
-        """CPU: one in-place update per group (see :class:`HostTrainer`), inline or queued on
-        the side thread; ``losses``/``updated`` are filled when the update has run.
-        ``forward``: the groups' forward on these rows (from :meth:`predict`), or None."""
+        """CPU: one in-place update of all packed groups (see :class:`HostTrainer`), inline or
+        queued on the side thread; ``losses``/``updated`` are filled when the update has run.
+        ``forward``: the packed forward on these rows (from :meth:`predict`), or None."""
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
-        x, target = x.float(), target.float()
-        groups = [(gi, slot, pk.group_rows(gi)) for gi, slot in enumerate(pk.slots.tolist())]
-
         done = threading.Event()
 
         def run() -> None:
-            for gi, slot, rows in groups:
-                loss, ok = self._host.step(
-                    self.theta[slot],
-                    self.m[slot],
-                    self.v[slot],
-                    self.step[slot],
-                    x.index_select(0, rows),
-                    target.index_select(0, rows),
-                    forward[gi] if forward is not None else None,
-                )
-                losses[gi], updated[gi] = loss, ok
+            state = (self.theta, self.m, self.v, self.step)
+            batch = HostBatch.plan(pk.slots)
+            loss, ok = self._host.step(state, pk, batch, x, target, forward)
+            losses.copy_(torch.tensor(loss))
+            updated.copy_(torch.tensor(ok))
             done.set()
 
         self._side.submit(run) if self._side is not None else run()
