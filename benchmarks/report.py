@@ -147,6 +147,12 @@ def throughput_section(tp: dict) -> list[str]:
         "",
         f"Command: `{tp.get('command') or cmd('throughput.py', THROUGHPUT_ARGS)}`",
         "",
+        *(
+            f"Re-measured later (after a change to that case only), with its own paired plain "
+            f"runs: {', '.join(f'`{n}`' for n in names_)}: `{command}`."
+            for command, names_ in _remeasured(tp)
+        ),
+        "",
         f"Workload: embedded SmolLM2-135M-Instruct (fp32, eager={w['enforce_eager']}), "
         f"{w['prompts']} prompts x n={w['n']} x {w['max_tokens']} new tokens "
         f"(`ignore_eos`, temperature {w['temperature']}, min-p {w['min_p']}) = "
@@ -387,6 +393,15 @@ def render() -> None:
     out += gpu_section(gp)
     DOC.write_text("\n".join(out))
     print(f"wrote {DOC}", file=sys.stderr)
+
+
+def _remeasured(tp: dict) -> list[tuple[str, list[str]]]:
+    """Cases replaced by a later run (``case_commands``: case -> command), grouped by
+    command."""
+    groups: dict[str, list[str]] = {}
+    for name, command in (tp.get("case_commands") or {}).items():
+        groups.setdefault(command, []).append(name)
+    return list(groups.items())
 
 
 def _load(name: str) -> dict | None:
