@@ -57,10 +57,6 @@ class Packing:
     counts: np.ndarray  # int64 [G]
     max_rows: int
 
-    def group_rows(self, gi: int) -> torch.Tensor:
-        """Indices (host int64) of the rows of packed group ``gi``, in row order."""
-        return torch.from_numpy(np.nonzero(self.row_group == gi)[0])
-
 
 @dataclass
 class TrainResult:
@@ -133,12 +129,7 @@ def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape)
 
 
 def _forward_blocks(gate: list, up: list, down: list, xp: torch.Tensor) -> torch.Tensor:
-    h = xp
-    for g, u_w, d in zip(gate, up, down, strict=True):
-        a = torch.bmm(h, g.transpose(1, 2))
-        u = torch.bmm(h, u_w.transpose(1, 2))
-        h = h + torch.bmm(F.silu(a) * u, d.transpose(1, 2))
-    return h
+    return forward_acts(list(zip(gate, up, down, strict=True)), xp)[0]
 
 
 def init_params(shape: DistillerShape, init: str, seed: int) -> torch.Tensor:
