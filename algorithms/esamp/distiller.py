@@ -116,20 +116,38 @@ def split_params(theta: torch.Tensor, shape: DistillerShape):
     )
 
 
+def block_weights(theta: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
+    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]`` (or
+    the same rows of ``m``/``v``, which share the layout)."""
+    gate, up, down = split_params(theta, shape)
+    return [(gate[:, b], up[:, b], down[:, b]) for b in range(shape.num_blocks)]
+
+
+# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
+# what the backward needs from the forward.
+Activations = list[tuple[torch.Tensor, ...]]
+
+
+def forward_acts(
+    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor
+) -> tuple[torch.Tensor, Activations]:
+    """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
+    activations its backward needs. All-zero padding rows stay exactly zero (no biases)."""
+    acts = []
+    h = xp
+    for gate, up, down in weights:
+        a = torch.bmm(h, gate.transpose(1, 2))
+        u = torch.bmm(h, up.transpose(1, 2))
+        s = F.silu(a)
+        p = s * u
+        acts.append((h, a, u, s, p))
+        h = h + torch.bmm(p, down.transpose(1, 2))
+    return h, acts
+
+
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
     """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
-    gate, up, down = split_params(theta, shape)
-    nb = shape.num_blocks
-    return _forward_blocks(
-        [gate[:, b] for b in range(nb)],
-        [up[:, b] for b in range(nb)],
-        [down[:, b] for b in range(nb)],
-        xp,
-    )
-
-
-def _forward_blocks(gate: list, up: list, down: list, xp: torch.Tensor) -> torch.Tensor:
-    return forward_acts(list(zip(gate, up, down, strict=True)), xp)[0]
+    return forward_acts(block_weights(theta, shape), xp)[0]
 
 
 def init_params(shape: DistillerShape, init: str, seed: int) -> torch.Tensor:
@@ -198,7 +216,8 @@ def _losses_and_grads(theta_g, xp, tp, mask, shape):
     nb, g = shape.num_blocks, theta_g.shape[0]
     leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
     with torch.enable_grad():
-        y = _forward_blocks(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], xp)
+        blocks = list(zip(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], strict=True))
+        y = forward_acts(blocks, xp)[0]
         err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
         n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
         losses = err.sum((1, 2)) / n
@@ -210,35 +229,6 @@ def _losses_and_grads(theta_g, xp, tp, mask, shape):
 
 
 # -- CPU path: all groups of a step at once, in place -----------------------------------
-def block_weights(theta: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
-    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]`` (or
-    the same rows of ``m``/``v``, which share the layout)."""
-    gate, up, down = split_params(theta, shape)
-    return [(gate[:, b], up[:, b], down[:, b]) for b in range(shape.num_blocks)]
-
-
-# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
-# what the backward needs from the forward.
-Activations = list[tuple[torch.Tensor, ...]]
-
-
-def forward_acts(
-    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor
-) -> tuple[torch.Tensor, Activations]:
-    """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
-    activations its backward needs. All-zero padding rows stay exactly zero (no biases)."""
-    acts = []
-    h = xp
-    for gate, up, down in weights:
-        a = torch.bmm(h, gate.transpose(1, 2))
-        u = torch.bmm(h, up.transpose(1, 2))
-        s = F.silu(a)
-        p = s * u
-        acts.append((h, a, u, s, p))
-        h = h + torch.bmm(p, down.transpose(1, 2))
-    return h, acts
-
-
 def _fused_adam_available() -> bool:
     return hasattr(torch, "_fused_adam_")
 
@@ -318,8 +308,9 @@ class HostTrainer:
         theta, m, v, step = state
         shape, hp = self.shape, self.hp
         weights = block_weights(batch.take(theta), shape)
-        xp = batch.pack(pk, x)
-        h, acts = forward if forward is not None else forward_acts(weights, xp)
+        if forward is None:
+            forward = forward_acts(weights, batch.pack(pk, x))
+        h, acts = forward
         diff = h - batch.pack(pk, target)
         counts = torch.ones(batch.size, dtype=torch.float32)
         counts[torch.from_numpy(batch.pos)] = torch.from_numpy(pk.counts).float()
