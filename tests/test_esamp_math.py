@@ -214,13 +214,13 @@ def test_capacity_doubles_and_keeps_state():
 @pytest.mark.parametrize("target_scale", [10.0, 0.01])  # clipping active / inactive
 def test_batched_adam_clip_matches_torch_optim(target_scale):
     torch.manual_seed(0)
-    d = _distiller(lr=1e-2, eps=1e-4, grad_clip=0.5)
+    d = _distiller(lr=1e-2, eps=1e-4, grad_clip=0.5, capacity=1)
     s = d.alloc()
     gate, up, down = split_params(d.template[None].clone(), d.shape)
     params = [torch.nn.Parameter(p[0].clone()) for p in (gate, up, down)]
     opt = torch.optim.Adam(params, lr=1e-2, eps=1e-4, betas=(0.9, 0.999))
     x, t = torch.randn(6, H), torch.randn(6, H) * target_scale
-    for _ in range(5):
+    for step in range(5):
         h = x
         for blk in range(d.shape.num_blocks):
             a, u = h @ params[0][blk].t(), h @ params[1][blk].t()
@@ -230,6 +230,9 @@ def test_batched_adam_clip_matches_torch_optim(target_scale):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
+        if step == 2:  # growth moves the state: the update must follow it
+            d.alloc()
+            assert d.capacity == 2
         res = d.train_step(torch.tensor([s] * 6), x, t)
         torch.testing.assert_close(res.losses[0], loss.detach(), rtol=1e-5, atol=1e-6)
     ref = torch.cat([p.detach().reshape(-1) for p in params])

@@ -75,6 +75,12 @@ class _Group:
     age: int = 0  # train steps submitted
 
 
+def _select(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]``, or ``t`` itself when ``sel`` is every row in order (the usual decode step:
+    the distiller copies its inputs anyway, so the gather would be a second copy)."""
+    return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
+
+
 def _index(sel: list[int], device: torch.device) -> torch.Tensor:
     """Row indices on ``device``; pinned + non_blocking on CUDA (a pageable copy would wait
     for the stream)."""
@@ -261,7 +267,7 @@ class ESampConsumer(Consumer):
             return
         idx = _index(sel, view.logits.device)
         f = self.distiller.predict(
-            torch.tensor(slots, dtype=torch.long), view.hidden(self._src_key)[idx]
+            torch.tensor(slots, dtype=torch.long), _select(view.hidden(self._src_key), sel, idx)
         )
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
@@ -366,8 +372,8 @@ class ESampConsumer(Consumer):
         idx = _index(sel, dev)
         res = self.distiller.train_step(
             torch.tensor(slots, dtype=torch.long),
-            bundle.hidden[self._src_key][idx],
-            bundle.hidden[self._tgt_key][idx],
+            _select(bundle.hidden[self._src_key], sel, idx),
+            _select(bundle.hidden[self._tgt_key], sel, idx),
         )
         groups = [self._slot_group[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))

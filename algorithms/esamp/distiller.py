@@ -289,6 +289,10 @@ class HostTrainer:
         self.shape, self.hp = shape, hp
         self.scratch = torch.empty(0)
         self.fused = _fused_adam_available()
+        # Per slot: its weight matrices in theta, m and v (flat, index 3 * block + matrix),
+        # kept while the state tensors are the same storage (they change only on growth).
+        self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        self._views_key: tuple[int, ...] = ()
 
     def step(
         self,
@@ -355,30 +359,38 @@ class HostTrainer:
         steps = [step[slot] for _, slot in todo]
         for s in steps:
             s += 1
-        rows = [
-            (
-                block_weights(theta[slot][None], shape),
-                block_weights(m[slot][None], shape),
-                block_weights(v[slot][None], shape),
-            )
-            for _, slot in todo
-        ]
+        rows = [self._slot_views(theta, m, v, slot) for _, slot in todo]
         numel = shape.intermediate_size * shape.hidden_size
         if self.scratch.numel() < size * numel:
             self.scratch = torch.empty(size * numel)
         scale = coef[:, None, None]
         for b, k, a_f, b_f in factors:
-            w_shape = rows[0][0][b][k].shape[1:]
+            j = 3 * b + k
+            w_shape = rows[0][0][j].shape
             grad = self.scratch[: size * numel].view(size, *w_shape)
             # Clipping folded into the thin factor: (c A)^T B = c (A^T B).
             torch.bmm((a_f * scale).transpose(1, 2), b_f, out=grad)
             self._adam(
-                [r[0][b][k][0] for r in rows],
+                [r[0][j] for r in rows],
                 [grad[i] for i, _ in todo],
-                [r[1][b][k][0] for r in rows],
-                [r[2][b][k][0] for r in rows],
+                [r[1][j] for r in rows],
+                [r[2][j] for r in rows],
                 steps,
             )
+
+    def _slot_views(self, theta, m, v, slot: int) -> tuple[list[torch.Tensor], ...]:
+        # Capacity only grows, so a row count names one allocation of the state.
+        key = (theta.data_ptr(), theta.shape[0], m.data_ptr(), v.data_ptr())
+        if key != self._views_key:
+            self._views, self._views_key = {}, key
+        views = self._views.get(slot)
+        if views is None:
+            views = tuple(
+                [w[0] for blk in block_weights(t[slot][None], self.shape) for w in blk]
+                for t in (theta, m, v)
+            )
+            self._views[slot] = views
+        return views
 
     def _adam(self, ws, grads, ms, vs, steps) -> None:
         hp = self.hp

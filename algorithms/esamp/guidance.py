@@ -94,9 +94,13 @@ def candidate_dist_fn(
         n = rows.numel()
         if weight is not None and n <= dense_fraction * r * weight.shape[0]:
             out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+            f32 = f_pred.float()
             for i in range(0, n, chunk):
-                w = weight[toks[i : i + chunk]].float()
-                out[i : i + chunk] = (w * f_pred[rows[i : i + chunk]].float()).sum(-1)
+                # The gathered head rows are a fresh buffer: multiply in place (one fewer
+                # [chunk, H] temporary, the same products and sums).
+                w = weight.index_select(0, toks[i : i + chunk]).float()
+                w.mul_(f32.index_select(0, rows[i : i + chunk]))
+                torch.sum(w, -1, out=out[i : i + chunk])
             return out
         return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
 
