@@ -6,9 +6,14 @@ plugins are found through the entry-point group ``tllm``::
     # pyproject.toml of your package
     [project.entry-points.tllm]
     my_plugin = "my_package.plugin"
+
+Built-in consumers, producers and commands register through these same hooks, as
+pytest's own plugins do: nothing in ``tllm_core`` names a built-in.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import pluggy
 
@@ -31,4 +36,55 @@ def tllm_consumers() -> list[type]:
         @hookimpl
         def tllm_consumers():
             return [Echo]
+    """
+
+
+@hookspec
+def tllm_producers() -> list[type]:
+    """Return the :class:`~tllm_core.producer.Producer` subclasses this plugin provides.
+
+    A producer serves one or more port types: it names the taps it needs from the
+    engine bridge and reads a step's tapped tensors into the bundle part of a port.
+
+    Example::
+
+        from dataclasses import dataclass
+        from tllm_core import Phase, Producer, TapRequest, TokenPort, hookimpl
+
+        @dataclass(frozen=True)
+        class AttentionOutput(TokenPort):
+            layer: int
+            phase: Phase = Phase.ALL
+            key_prefix = "attn"
+
+        class AttentionProducer(Producer):
+            name = "attention"
+            ports = (AttentionOutput,)
+
+            def taps(self, port):
+                return [TapRequest("attn", port.layer)]
+
+        @hookimpl
+        def tllm_producers():
+            return [AttentionProducer]
+    """
+
+
+@hookspec
+def tllm_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tllm`` subcommands (as datasette's ``register_commands`` does).
+
+    Call ``subparsers.add_parser(...)`` and give the new parser a ``func`` default that
+    takes the parsed arguments and returns an exit status. A ``ValueError`` raised by
+    ``func`` is printed as ``tllm: <message>`` with exit status 2.
+
+    Example::
+
+        from tllm_core import hookimpl
+
+        @hookimpl
+        def tllm_commands(subparsers):
+            p = subparsers.add_parser("hello", help="say hello")
+            p.add_argument("--name", default="world")
+            p.set_defaults(func=lambda args: print(f"hello {args.name}") or 0)
     """
