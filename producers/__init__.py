@@ -1,11 +1,14 @@
-"""Producers: turn what an engine step computed into typed bundles.
+"""Built-in producers: they name the engine taps each port needs and read them per step.
 
-The vLLM bridge (``tllm_core.vllm_bridge``) fills a :class:`StepCapture` per step; the
-functions here cut it into each consumer's :class:`~tllm_core.bundles.Bundle` and
-:class:`~tllm_core.bundles.GuideView`.
+One file per port family; each registers through the ``tllm_producers`` hook
+(:mod:`producers.plugin`), exactly as a third-party producer would. The ports declared
+here (beside the core's ``HiddenStates``, ``Logits``, ``SampledTokens``):
+
+- :class:`~producers.attention.AttentionOutput` (``attn.{i}``)
+- :class:`~producers.mlp.MlpOutput` (``mlp.{i}``)
 """
 
-from producers.bundle import build_bundle, plan_reads
-from producers.step import StepCapture
+from producers.attention import AttentionOutput
+from producers.mlp import MlpOutput
 
-__all__ = ["StepCapture", "build_bundle", "plan_reads"]
+__all__ = ["AttentionOutput", "MlpOutput"]

@@ -138,14 +138,14 @@ def test_failing_consumer_is_isolated_and_reported():
 
 
 def test_edit_plan_checks_and_restrict():
-    plan = EditPlan(_rows(4), {1}, hidden_size=4)
+    plan = EditPlan(_rows(4), {"layer.1": "residual.1"}, hidden_size=4)
     with pytest.raises(ValueError, match="not declared"):
         plan.add(2, np.array([0]), torch.ones(4))
-    with pytest.raises(ValueError, match="hidden size is 4"):
+    with pytest.raises(ValueError, match="width is 4"):
         plan.add(1, np.array([0]), torch.ones(5))
     plan.add(1, np.array([0, 1, 2]), torch.ones(3, 4))
     plan.restrict(np.array([True, False, True, True]))
-    rows, kind, value = plan.ops[1][0]
+    rows, kind, value = plan.ops["layer.1"][0]
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
 
 

@@ -162,9 +162,25 @@ def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines
     assert toks[1] != plain_tokens[1], "steering must change the text"
     rep = llm.collect()
     rt, st = rep["runtime"], rep["consumers"]["steer"]
-    assert rt["rows_edited"] > 0
-    assert rt["rows_edited"] == st["rows_selected"]
-    assert rt["rows_edited.layer.1"] == st["rows_selected.layer.1"]
+    # rows_edited comes from the tap inside the forward: rows whose stream changed. The
+    # scale-0 request's rows are selected but unchanged, so fewer rows are edited.
+    assert 0 < rt["rows_edited"] < st["rows_selected"]
+    assert rt["rows_edited.layer.1"] == rt["rows_edited"]
+
+    def delta(extra):
+        before = llm.collect()
+        llm.generate([prompts[0]], [params(extra)], use_tqdm=False)
+        after = llm.collect()
+        return (
+            after["runtime"].get("rows_edited", 0) - before["runtime"].get("rows_edited", 0),
+            after["consumers"]["steer"]["rows_selected"]
+            - before["consumers"]["steer"]["rows_selected"],
+        )
+
+    edited, selected = delta({"tllm_steer": 1, "tllm_steer_scale": 0.0})
+    assert selected > 0 and edited == 0, "a zero edit changes nothing and must count nothing"
+    edited, selected = delta({"tllm_steer": 1, "tllm_steer_scale": 5.0})
+    assert edited == selected > 0, "every selected row's stream changes under a non-zero vector"
     # same prompt again, unsteered, after the steered request filled the prefix cache
     again = llm.generate([prompts[1]], [params()], use_tqdm=False)
     assert _tokens(again)[0] == plain_tokens[1], "steered prompt blocks leaked through the cache"

@@ -41,7 +41,7 @@ REQUEST_PATH_MODULES = (
     "tllm_core.runtime",
     "tllm_core.vllm_bridge.serving",
     "tllm_core.serving",
-    "tllm_core.vllm_bridge.taps",
+    "tllm_core.vllm_bridge.sites",
     "algorithms.esamp",
     "consumers.steer",
 )

@@ -10,12 +10,11 @@ from safetensors.torch import save_file
 
 from consumers.steer import load_vector
 from consumers.steer.consumer import SteerConfig, SteerConsumer
-from tllm_core.bundles import EditPlan
+from tllm_core.edits import EditBuffers, EditPlan
 from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.ports import ResidualEdit, resolve_layer
 from tllm_core.rows import RequestInfo, RowInfo
-from tllm_core.vllm_bridge.taps import EditBuffers
 
 H = 8
 NUM_LAYERS = 4
@@ -75,13 +74,13 @@ def make_rows(spec: list[tuple[RequestInfo, list[int]]]) -> RowInfo:
 
 def plan_for(c: SteerConsumer, rows: RowInfo) -> EditPlan:
     layers = {w.layer for w in c.writes() if isinstance(w, ResidualEdit)}
-    plan = EditPlan(rows, layers, H)
+    plan = EditPlan(rows, {f"layer.{i}": f"residual.{i}" for i in layers}, H)
     c.edit(rows, plan)
     return plan
 
 
 def rows_in(plan: EditPlan, layer: int) -> list[int]:
-    return sorted({int(r) for rows, _, _ in plan.ops.get(layer, []) for r in rows})
+    return sorted({int(r) for rows, _, _ in plan.ops.get(f"layer.{layer}", []) for r in rows})
 
 
 # rows 0-2: prompt of r0 (prefill), row 3: decode of r1, row 4: decode of r2, rows 5-6: prompt of r3
@@ -189,10 +188,10 @@ def test_positions_select_rows(positions, want):
     )
     plan = plan_for(c, mixed_rows())
     assert rows_in(plan, 1) == want and rows_in(plan, 3) == want
-    ((_, kind, value),) = plan.ops[1]
+    ((_, kind, value),) = plan.ops["layer.1"]
     assert kind == "add"
     torch.testing.assert_close(value, 2.0 * torch.tensor(vec()))
-    ((_, kind, value),) = plan.ops[3]
+    ((_, kind, value),) = plan.ops["layer.3"]
     assert kind == "ablate"
     torch.testing.assert_close(value.norm(), torch.tensor(1.0))
     snap = c.counters.snapshot()
@@ -212,7 +211,7 @@ def test_per_request_flag_and_scale_override():
     )
     plan = plan_for(c, rows)
     assert rows_in(plan, 2) == [0, 1, 2, 4]
-    ((idx, kind, value),) = plan.ops[2]
+    ((idx, kind, value),) = plan.ops["layer.2"]
     v = torch.tensor(vec())
     assert kind == "add" and value.shape == (4, H)  # per-row scales: 1.5 x3, then -4
     torch.testing.assert_close(value, torch.tensor([1.5, 1.5, 1.5, -4.0])[:, None] * v)
@@ -225,7 +224,7 @@ def test_scale_override_without_per_request_and_bad_override():
     plan = plan_for(c, rows)
     assert rows_in(plan, 0) == [0, 1, 2, 3, 5, 6]  # request 2's bad override: not steered
     assert c.counters.get("invalid_scale_override") == 1
-    ((_, _, value),) = plan.ops[0]
+    ((_, _, value),) = plan.ops["layer.0"]
     scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
     torch.testing.assert_close(value, scales[:, None] * torch.tensor(vec()))
 
@@ -236,7 +235,8 @@ def test_scale_zero_is_valid_and_still_selects_rows():
     plan = plan_for(c, rows)
     assert rows_in(plan, 1) == [3, 4]
     buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
-    assert buf.apply(1, [plan]) == c.counters.get("rows_selected.layer.1") == 2
+    buf.write(plan.ops["layer.1"])
+    assert int(buf.mask.sum()) == c.counters.get("rows_selected.layer.1") == 2
     assert torch.count_nonzero(buf.add) == 0
 
 
@@ -255,10 +255,11 @@ def test_runtime_edit_count_matches_rows_selected():
         plan = plan_for(c, rows)
         for layer in (0, 2):
             buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
-            total[layer] += buf.apply(layer, [plan])
+            buf.write(plan.ops.get(f"layer.{layer}", []))
+            total[layer] += int(buf.mask.sum())
         # Two add vectors on layer 0 compose.
         buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))
-        buf.apply(0, [plan])
+        buf.write(plan.ops["layer.0"])
         torch.testing.assert_close(buf.add[0], 3.0 * torch.tensor(vec()) - torch.tensor(vec(2)))
     snap = c.counters.snapshot()
     assert snap["rows_selected.layer.0"] == total[0] and snap["rows_selected.layer.2"] == total[2]

@@ -1,23 +1,33 @@
 """tllm: run consumers inside vLLM generation.
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`, the port
-types, :class:`Bundle`, :class:`EditPlan`, :class:`GuideView` and ``hookimpl``.
+types, :class:`Bundle`, :class:`EditPlan`, :class:`GuideView` and ``hookimpl``; for
+producer authors: :class:`Producer`, :class:`TapRequest`, :class:`StepCapture` and the
+port bases :class:`TokenPort`, :class:`SamplePort`, :class:`LayerPort`.
 """
 
-from tllm_core.bundles import Bundle, EditPlan, GuideView
+from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+from tllm_core.edits import EditPlan
 from tllm_core.hookspecs import hookimpl
 from tllm_core.ports import (
     Delivery,
+    Edit,
     HiddenStates,
+    LayerPort,
     Logits,
     Phase,
+    ReadPort,
     ResidualEdit,
     SampledTokens,
+    SamplePort,
     SamplerGuide,
+    TokenPort,
 )
+from tllm_core.producer import Producer, TapRequest
 from tllm_core.registry import ConsumerSpec, ConsumerSpecError
 from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.step import StepCapture
 
 __all__ = [
     "Bundle",
@@ -27,18 +37,26 @@ __all__ = [
     "ConsumerSpec",
     "ConsumerSpecError",
     "Delivery",
+    "Edit",
     "EditPlan",
     "GuideView",
     "HiddenStates",
+    "LayerPort",
     "Logits",
     "ModelInfo",
     "Phase",
+    "Producer",
+    "ReadPort",
     "RequestInfo",
     "ResidualEdit",
     "RowInfo",
+    "SamplePort",
     "SampledTokens",
     "SamplerGuide",
+    "StepCapture",
+    "TapRequest",
     "TllmLLM",
+    "TokenPort",
     "hookimpl",
 ]
 

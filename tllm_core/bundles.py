@@ -1,4 +1,4 @@
-"""Typed bundles handed to consumers, and the in-step views for edits and guidance."""
+"""Typed bundles handed to consumers, and the sampler's in-step view for guidance."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from tllm_core.rows import RowInfo
 class Bundle:
     """What one engine step produced for one consumer's read ports.
 
-    ``hidden[key]`` is ``[len(rows), hidden_size]`` (key ``"layer.{i}"`` or ``"final"``);
-    ``rows`` is the union of the phases the consumer's hidden-state ports select.
-    ``logits`` / ``sampled_token_ids`` belong to ``sampled_rows``: the rows whose sampled
-    token is kept (the last row of a finished prefill, every decode row).
+    ``hidden[key]`` holds each token port's data, ``[len(rows), ...]`` (keys such as
+    ``"layer.{i}"``, ``"final"``, ``"attn.{i}"``); ``rows`` is the union of the phases the
+    consumer's token ports select. ``per_sample[key]`` holds each sample port's data for
+    ``sampled_rows``: the rows whose sampled token is kept (the last row of a finished
+    prefill, every decode row); ``logits`` and ``sampled_token_ids`` are its built-in keys.
 
     End-of-step bundles hold device tensors valid only during the call; background
     bundles hold host copies the consumer may keep.
@@ -27,69 +28,17 @@ class Bundle:
     rows: RowInfo
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
     sampled_rows: RowInfo | None = None
-    logits: torch.Tensor | None = None
-    sampled_token_ids: torch.Tensor | None = None
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """Raw logits of ``sampled_rows`` (port ``Logits``), or None."""
+        return self.per_sample.get("logits")
 
-class EditPlan:
-    """Edits a consumer asks for before this step's forward (write port ``ResidualEdit``).
-
-    Row indices index ``rows`` (all token rows of the step). Edits compose per row as
-    ``s' = keep·s + add − ((s·u)·u)`` with ``u`` the ablation direction.
-    """
-
-    def __init__(
-        self, rows: RowInfo, allowed_layers: set[int], hidden_size: int, num_layers: int = 0
-    ):
-        self.rows = rows
-        self._num_layers = num_layers
-        self._allowed = allowed_layers
-        self._hidden_size = hidden_size
-        # layer -> list of (row indices, kind, tensor)
-        self.ops: dict[int, list[tuple[np.ndarray, str, torch.Tensor]]] = {}
-
-    def _push(self, layer: int, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
-        if layer < 0 and self._num_layers:
-            layer += self._num_layers  # same indexing as the ResidualEdit port
-        if layer not in self._allowed:
-            raise ValueError(
-                f"layer {layer} was not declared as a ResidualEdit port by this consumer "
-                f"(declared: {sorted(self._allowed)})"
-            )
-        if value.shape[-1] != self._hidden_size:
-            raise ValueError(
-                f"edit vector has size {value.shape[-1]}, the model's hidden size is "
-                f"{self._hidden_size}"
-            )
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size:
-            self.ops.setdefault(layer, []).append((rows, kind, value))
-
-    def restrict(self, mask: np.ndarray) -> None:
-        """Drop ops on rows outside ``mask`` (rows of requests the consumer may not touch)."""
-        for layer, ops in list(self.ops.items()):
-            kept = []
-            for rows, kind, value in ops:
-                sel = mask[rows]
-                if sel.any():
-                    v = value[torch.from_numpy(sel)] if value.dim() == 2 else value
-                    kept.append((rows[sel], kind, v))
-            self.ops[layer] = kept
-
-    def add(self, layer: int, rows: np.ndarray, vector: torch.Tensor) -> None:
-        """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the stream after ``layer``."""
-        self._push(layer, rows, "add", vector)
-
-    def replace(self, layer: int, rows: np.ndarray, values: torch.Tensor) -> None:
-        """Replace the stream after ``layer`` at ``rows`` with ``values``."""
-        self._push(layer, rows, "replace", values)
-
-    def ablate(self, layer: int, rows: np.ndarray, direction: torch.Tensor) -> None:
-        """Remove the component of the stream along ``direction`` (``[H]`` or one per row
-        ``[len(rows), H]``; each normalised here)."""
-        d = direction.float()
-        u = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        self._push(layer, rows, "ablate", u)
+    @property
+    def sampled_token_ids(self) -> torch.Tensor | None:
+        """Sampled token ids of ``sampled_rows`` (port ``SampledTokens``), or None."""
+        return self.per_sample.get("sampled")
 
 
 def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +91,8 @@ class GuideView:
     top-k/top-p/min-p: non-candidates are ``-inf``. Row ``i`` of ``logits`` belongs to
     ``rows[i]``. Change logits only through :meth:`update_candidates` (sparse: the few
     surviving candidates) or :meth:`update` (dense rows); both keep filtered-out entries at
-    ``-inf``, leave other entries bit for bit and count what changed.
+    ``-inf``, leave other entries bit for bit and count what changed (``rows_guided``,
+    ``candidates_guided``: a write of an unchanged value counts nothing).
     """
 
     def __init__(
@@ -162,19 +112,20 @@ class GuideView:
         self.is_random = is_random
         self.filtered = filtered
         self._hidden = hidden
-        self.rows_guided = 0
+        # What the writes really changed (a write of an unchanged value counts nothing).
+        self._changed_rows = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         self.candidates_guided = 0
         self._candidates: Candidates | None = None
         # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
         self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
 
     def hidden(self, key: str) -> torch.Tensor:
-        """Captured states (``"layer.{i}"`` / ``"final"``) at the sampling rows, ``[R, H]``."""
+        """A token port's data (``"layer.{i}"``, ``"final"``, ...) at the sampling rows, ``[R, H]``."""
         try:
             return self._hidden[key]
         except KeyError:
             raise KeyError(
-                f"{key!r} is not captured in this step; declare a HiddenStates port for it "
+                f"{key!r} is not captured in this step; declare a read port with that key "
                 f"(captured: {sorted(self._hidden)})"
             ) from None
 
@@ -192,11 +143,14 @@ class GuideView:
             return
         cand = self.candidates()
         rows, toks = cand.rows[entries], cand.tokens[entries]
-        self._undo.append(((rows, toks), cand.logits[entries]))
-        self.logits[rows, toks] = new_logits.to(self.logits.dtype)
+        old = cand.logits[entries]
+        new = new_logits.to(self.logits.dtype)
+        self._undo.append(((rows, toks), old))
+        self.logits[rows, toks] = new
         self._candidates = None
-        self.rows_guided += int(torch.unique(rows).numel())
-        self.candidates_guided += int(entries.numel())
+        changed = new != old
+        self._changed_rows[rows[changed]] = True
+        self.candidates_guided += int(changed.sum())
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -205,11 +159,18 @@ class GuideView:
             return
         old = self.logits[row_idx]
         cand = old > float("-inf")
+        new = torch.where(cand, new_logits.to(old.dtype), old)
         self._undo.append(((row_idx,), old))
-        self.logits[row_idx] = torch.where(cand, new_logits.to(old.dtype), old)
+        self.logits[row_idx] = new
         self._candidates = None
-        self.rows_guided += int(row_idx.numel())
-        self.candidates_guided += int(cand.sum())
+        changed = cand & (new != old)
+        self._changed_rows[row_idx[changed.any(-1)]] = True
+        self.candidates_guided += int(changed.sum())
+
+    @property
+    def rows_guided(self) -> int:
+        """Rows with at least one logit changed through this view."""
+        return int(self._changed_rows.sum())
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
@@ -217,3 +178,5 @@ class GuideView:
             self.logits[index] = old
         self._undo.clear()
         self._candidates = None
+        self._changed_rows.zero_()
+        self.candidates_guided = 0

@@ -157,6 +157,5 @@ def _to_host(bundle: Bundle) -> Bundle:
         rows=bundle.rows.to_host(),
         hidden={k: host(v) for k, v in bundle.hidden.items()},
         sampled_rows=bundle.sampled_rows.to_host() if bundle.sampled_rows is not None else None,
-        logits=host(bundle.logits),
-        sampled_token_ids=host(bundle.sampled_token_ids),
+        per_sample={k: host(v) for k, v in bundle.per_sample.items()},
     )

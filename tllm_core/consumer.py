@@ -9,8 +9,9 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from tllm_core.bundles import Bundle, EditPlan, GuideView
+from tllm_core.bundles import Bundle, GuideView
 from tllm_core.counters import Counters
+from tllm_core.edits import EditPlan
 from tllm_core.ports import Delivery, ReadPort, WritePort
 from tllm_core.rows import RequestInfo, RowInfo
 

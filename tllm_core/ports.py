@@ -1,17 +1,27 @@
-"""Port specs: what a consumer reads from, and writes into, a running engine.
+"""Ports: what a consumer reads from, and writes into, a running engine.
 
-A consumer declares its ports once, at construction; the runtime sizes capture
-buffers and wraps decoder layers from these declarations before the model is
-compiled, so nothing about them can change mid-run.
+A port is data: a frozen dataclass that knows its bundle key. A consumer declares its
+ports once, at construction; the runtime asks the producer serving each read port which
+engine taps it needs, and the bridge installs them before the model is compiled, so
+nothing about them can change mid-run.
+
+Built-in read ports here: :class:`HiddenStates`, :class:`Logits`, :class:`SampledTokens`
+(served by the producers in ``producers/``). Any package can declare more: subclass
+:class:`TokenPort` (one row per token row, e.g. a layer's attention output) or
+:class:`SamplePort` (one row per sampling row) and register a producer for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Literal
+from typing import ClassVar, Literal
 
 FINAL = "final"
+
+ResolveLayer = Callable[[int], int]
 
 
 class Phase(str, Enum):
@@ -27,6 +37,9 @@ class Phase(str, Enum):
     def selects(self, is_decode: bool) -> bool:
         return self is Phase.ALL or (self is Phase.DECODE) == is_decode
 
+    def union(self, other: Phase | None) -> Phase:
+        return self if other is None or other is self else Phase.ALL
+
 
 class Delivery(str, Enum):
     """When a consumer receives its bundles.
@@ -40,11 +53,61 @@ class Delivery(str, Enum):
     BACKGROUND = "background"
 
 
+class ReadPort:
+    """Base of read ports. Subclasses are frozen dataclasses with a ``phase`` field.
+
+    ``key`` is the port's bundle key; ``resolve`` returns the port with absolute layer
+    indices (negative indices count from the end), raising ``ValueError`` on bad ones.
+    """
+
+    rows: ClassVar[Literal["token", "sample"]]
+    phase: Phase
+
+    @property
+    def key(self) -> str:
+        raise NotImplementedError
+
+    def resolve(self, resolve_layer: ResolveLayer) -> ReadPort:
+        return self
+
+
+class TokenPort(ReadPort):
+    """A read port with one row per token row of the step (prompt and generated tokens);
+    its data arrive in ``Bundle.hidden[port.key]``."""
+
+    rows = "token"
+
+
+class SamplePort(ReadPort):
+    """A read port with one row per sampling row (rows whose sampled token is kept); its
+    data arrive in ``Bundle.per_sample[port.key]``."""
+
+    rows = "sample"
+
+
+class LayerPort(TokenPort):
+    """A token port at one decoder layer: key ``"{prefix}.{layer}"``.
+
+    Subclasses are frozen dataclasses with fields ``layer: int`` and ``phase``, and set
+    the class attribute ``prefix``.
+    """
+
+    prefix: ClassVar[str]
+    layer: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.prefix}.{int(self.layer)}"
+
+    def resolve(self, resolve_layer: ResolveLayer) -> LayerPort:
+        return dataclasses.replace(self, layer=resolve_layer(int(self.layer)))
+
+
 LayerSpec = int | Literal["final"]
 
 
 @dataclass(frozen=True)
-class HiddenStates:
+class HiddenStates(TokenPort):
     """Residual stream after decoder layer ``layer`` (negative counts from the end),
     or the final hidden state (``layer="final"``: after the final norm, the LM head's input).
 
@@ -54,43 +117,76 @@ class HiddenStates:
     layer: LayerSpec
     phase: Phase = Phase.ALL
 
+    @property
+    def key(self) -> str:
+        return layer_key(self.layer)
+
+    def resolve(self, resolve_layer: ResolveLayer) -> HiddenStates:
+        if self.layer == FINAL:
+            return self
+        return dataclasses.replace(self, layer=resolve_layer(int(self.layer)))
+
 
 @dataclass(frozen=True)
-class Logits:
-    """Raw model logits of the rows that sample a token (before processors/temperature)."""
+class Logits(SamplePort):
+    """Raw model logits of the rows that sample a token (before processors/temperature).
+
+    Bundle: ``Bundle.logits`` (key ``"logits"``)."""
 
     phase: Phase = Phase.ALL
 
+    @property
+    def key(self) -> str:
+        return "logits"
+
 
 @dataclass(frozen=True)
-class SampledTokens:
-    """The token id sampled for each sampling row."""
+class SampledTokens(SamplePort):
+    """The token id sampled for each sampling row.
+
+    Bundle: ``Bundle.sampled_token_ids`` (key ``"sampled"``)."""
 
     phase: Phase = Phase.ALL
 
+    @property
+    def key(self) -> str:
+        return "sampled"
 
-ReadPort = HiddenStates | Logits | SampledTokens
 
-
-@dataclass(frozen=True)
-class ResidualEdit:
-    """Write port: edit the residual stream after decoder layer ``layer`` for rows the
-    consumer selects in :meth:`Consumer.edit`. Unselected rows are untouched bit for bit."""
-
-    layer: int
+class WritePort:
+    """Base of write ports."""
 
 
 @dataclass(frozen=True)
-class SamplerGuide:
+class Edit(WritePort):
+    """Write port: edit the tensor of token port ``target`` (any port whose producer names
+    an editable tap, e.g. ``HiddenStates(layer)`` or a layer's attention/MLP output) for
+    rows the consumer selects in :meth:`Consumer.edit`. Unselected rows are untouched bit
+    for bit."""
+
+    target: TokenPort
+
+
+@dataclass(frozen=True)
+class ResidualEdit(Edit):
+    """Write port: edit the residual stream after decoder layer ``layer`` (shorthand for
+    ``Edit(HiddenStates(layer))``)."""
+
+    target: TokenPort = dataclasses.field(init=False, repr=False)
+    layer: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target", HiddenStates(self.layer))
+
+
+@dataclass(frozen=True)
+class SamplerGuide(WritePort):
     """Write port: change the logits of the candidates that survive top-k/top-p/min-p,
     for rows the consumer selects in :meth:`Consumer.guide`, in the same step."""
 
 
-WritePort = ResidualEdit | SamplerGuide
-
-
 def layer_key(layer: int | str) -> str:
-    """Bundle key for an absolute layer index or ``"final"``."""
+    """Bundle key of the residual stream after an absolute layer index, or ``"final"``."""
     return FINAL if layer == FINAL else f"layer.{int(layer)}"
 
 

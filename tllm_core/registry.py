@@ -1,4 +1,5 @@
-"""Consumer discovery (pluggy) and spec parsing: ``NAME`` or ``NAME:{json config}``."""
+"""Plugin discovery (pluggy): consumers, producers and commands; consumer spec parsing
+(``NAME`` or ``NAME:{json config}``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pydantic import ValidationError
 
 from tllm_core import hookspecs
 from tllm_core.consumer import Consumer, ConsumerConfig
+from tllm_core.ports import FINAL, HiddenStates, LayerPort, Phase, ReadPort, TokenPort
+from tllm_core.producer import Producer
 
+# Built-ins register through this entry-point group and the same hooks as third-party
+# plugins (see pyproject.toml), so the core names none of them.
 ENTRY_POINT_GROUP = "tllm"
-# Built-ins register through the same hook as third-party plugins, like pytest's own.
-BUILTIN_PLUGINS = ("consumers.plugin", "algorithms.esamp.plugin")
 
 
 class ConsumerSpecError(ValueError):
@@ -55,21 +58,22 @@ class ConsumerSpec:
 
 
 class Registry:
-    """Consumer classes by name, collected from built-ins and ``tllm`` entry points.
+    """Consumer and producer classes, collected from the ``tllm`` entry points (built-ins
+    included) and plugins registered at run time.
 
     One per engine or command: no process-wide state.
     """
 
     def __init__(self, load_entry_points: bool = True):
-        import importlib
-
         self.pm = pluggy.PluginManager("tllm")
         self.pm.add_hookspecs(hookspecs)
-        for modname in BUILTIN_PLUGINS:
-            self.pm.register(importlib.import_module(modname), name=modname)
         if load_entry_points:
             self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         self._classes: dict[str, type[Consumer]] = {}
+        self._producers: dict[type[ReadPort], Producer] = {}
+        self._collect()
+
+    def _collect(self) -> None:
         for classes in self.pm.hook.tllm_consumers():
             for cls in classes:
                 if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
@@ -80,12 +84,65 @@ class Registry:
                         f"{self._classes[cls.name].__module__} and {cls.__module__}"
                     )
                 self._classes[cls.name] = cls
+        for classes in self.pm.hook.tllm_producers():
+            for cls in classes:
+                if not (isinstance(cls, type) and issubclass(cls, Producer)) or not cls.ports:
+                    raise TypeError(
+                        f"plugin returned {cls!r}: expected a Producer subclass serving ports"
+                    )
+                for port_cls in cls.ports:
+                    old = self._producers.get(port_cls)
+                    if old is not None and type(old) is not cls:
+                        raise ValueError(
+                            f"two plugins serve port {port_cls.__name__}: "
+                            f"{type(old).__module__}.{type(old).__name__} and "
+                            f"{cls.__module__}.{cls.__name__}"
+                        )
+                    if old is None:
+                        self._producers[port_cls] = cls()
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object/module at runtime (tests, notebooks)."""
+        """Register a plugin object/module at run time (tests, notebooks)."""
         self.pm.register(plugin, name=name)
-        for cls in plugin.tllm_consumers():
-            self._classes[cls.name] = cls
+        self._collect()
+
+    # -- producers --------------------------------------------------------------------
+    def producer_for(self, port: ReadPort) -> Producer:
+        """The producer serving ``port``'s type (or its nearest registered base type)."""
+        for t in type(port).__mro__:
+            prod = self._producers.get(t)
+            if prod is not None:
+                return prod
+        raise ValueError(
+            f"no producer serves port {type(port).__name__}; served: "
+            f"{', '.join(sorted(t.__name__ for t in self._producers)) or '(none)'}"
+        )
+
+    def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
+        """A token port from its export name: ``{i}`` / ``final`` (residual stream) or
+        ``{prefix}.{i}`` of any registered layer port (``attn.3``, ``mlp.-1``)."""
+        text = text.strip()
+        prefixes = {
+            t.prefix: t
+            for t in self._producers
+            if isinstance(t, type) and issubclass(t, LayerPort) and hasattr(t, "prefix")
+        }
+        if text == FINAL:
+            return HiddenStates(FINAL, phase)
+        head, sep, tail = text.partition(".")
+        try:
+            if not sep:
+                return HiddenStates(int(text), phase)
+            if head in prefixes:
+                return prefixes[head](int(tail), phase)
+            if head == "layer":
+                return HiddenStates(int(tail), phase)
+        except ValueError:
+            pass
+        names = ", ".join(["{i}", "final", "layer.{i}", *(f"{p}.{{i}}" for p in sorted(prefixes))])
+        raise ValueError(
+            f"bad port {text!r}: expected one of {names} (i a layer index, negative from the end)"
+        )
 
     @property
     def names(self) -> list[str]:

@@ -96,3 +96,52 @@ class RowInfo:
             self.recomputed,
             self.token_ids.to("cpu"),
         )
+
+
+@dataclass
+class StepLayout:
+    """How a runner packed one step, in engine-neutral form (filled by a runner adapter).
+
+    Per scheduled request, in packing order: its engine id, tokens scheduled this step,
+    tokens computed before this step, and its total token count so far (prompt + output,
+    without speculative tokens). ``token_ids`` are the packed input tokens ``[T]``.
+    """
+
+    engine_ids: list[str]
+    num_scheduled: np.ndarray  # int64 [R]
+    num_computed: np.ndarray  # int64 [R]
+    num_tokens: np.ndarray  # int64 [R]
+    token_ids: torch.Tensor  # [T]
+
+    @property
+    def total(self) -> int:
+        return int(self.num_scheduled.sum())
+
+
+def layout_rows(
+    layout: StepLayout, requests: list[RequestInfo]
+) -> tuple[RowInfo, np.ndarray, np.ndarray]:
+    """Row metadata of a step: ``(rows, sample_token_row, sample_kept)``.
+
+    ``requests[j]`` describes ``layout.engine_ids[j]``. The sampling row of request ``j`` is
+    its last scheduled token row; its token is kept unless the request is mid-prefill.
+    """
+    nsched = layout.num_scheduled.astype(np.int64)
+    total = int(nsched.sum())
+    req_idx = np.repeat(np.arange(len(requests)), nsched)
+    cu = np.cumsum(nsched)
+    offs = np.arange(total) - np.repeat(cu - nsched, nsched)
+    computed = layout.num_computed.astype(np.int64)
+    positions = computed[req_idx] + offs
+    n_prompt = np.array([q.num_prompt_tokens for q in requests], dtype=np.int64)
+    seen = np.array([q.max_position_seen for q in requests], dtype=np.int64)
+    rows = RowInfo(
+        row=np.arange(total, dtype=np.int64),
+        requests=[requests[i] for i in req_idx],
+        position=positions,
+        is_decode=positions >= n_prompt[req_idx],
+        recomputed=positions <= seen[req_idx],
+        token_ids=layout.token_ids[:total],
+    )
+    kept = computed + nsched >= layout.num_tokens.astype(np.int64)
+    return rows, cu - 1, kept

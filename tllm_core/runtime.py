@@ -13,16 +13,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from producers.bundle import ReadPlan, build_bundle, plan_reads
-from producers.step import StepCapture
-from tllm_core.bundles import EditPlan, GuideView
+from tllm_core.bundles import GuideView
 from tllm_core.bus import Bus
 from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
-from tllm_core.ports import FINAL, ResidualEdit, SamplerGuide, resolve_layer
+from tllm_core.edits import EditBuffers, EditPlan
+from tllm_core.ports import Edit, SamplerGuide, resolve_layer
+from tllm_core.producer import TapRequest
+from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
 from tllm_core.registry import ConsumerSpec, Registry
 from tllm_core.rows import RequestInfo, RowInfo
 from tllm_core.settings import RuntimeSettings
+from tllm_core.step import StaleTapError, StepCapture
 
 log = logging.getLogger("tllm")
 
@@ -31,7 +33,7 @@ log = logging.getLogger("tllm")
 class _Slot:
     consumer: Consumer
     reads: ReadPlan
-    edit_layers: set[int] = field(default_factory=set)
+    edits: dict[str, TapRequest] = field(default_factory=dict)  # port key -> its edit tap
     guides: bool = False
     per_request: bool = False
 
@@ -43,6 +45,20 @@ class _Slot:
         if not self.per_request:
             return None
         return np.fromiter((self.acts_on(r) for r in requests), bool, len(requests))
+
+
+def _write_plan(plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers]) -> None:
+    """Check, then write, one consumer's plan into the edit taps' buffers."""
+    for key, ops in plan.ops.items():
+        buffers[allowed[key]].check(ops, key)
+    for key, ops in plan.ops.items():
+        buffers[allowed[key]].write(ops)
+
+
+def _edit_counter_key(tap_key: str) -> str:
+    """Counter suffix of an edit tap: the residual site keeps its port key ``layer.{i}``."""
+    site, _, layer = tap_key.partition(".")
+    return f"layer.{layer}" if site == "residual" else tap_key
 
 
 def build_consumers(
@@ -65,11 +81,12 @@ def build_consumers(
         consumer = cls(
             config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve)
         )
-        reads = plan_reads(consumer.reads(), resolve)
+        reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
         slot = _Slot(consumer, reads, per_request=entry.per_request)
         for w in consumer.writes():
-            if isinstance(w, ResidualEdit):
-                slot.edit_layers.add(resolve(w.layer))
+            if isinstance(w, Edit):
+                target = w.target.resolve(resolve)
+                slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
             elif isinstance(w, SamplerGuide):
                 slot.guides = True
             else:
@@ -88,24 +105,26 @@ class Runtime:
         self.slots = build_consumers(settings, model, registry or Registry(), self.counters)
         self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
         self.step_index = 0
-        self._guide_hidden_keys: set[str] = set()
+        self.tap_errors: list[dict[str, str]] = []
+        # Every port read by some consumer, by key (phases merged): what rows_captured counts.
+        self._read_ports: dict[str, PortRead] = {}
         for s in self.slots:
-            if s.guides:
-                self._guide_hidden_keys |= set(s.reads.hidden)
+            self._read_ports.update(s.reads.token)
+            self._read_ports.update(s.reads.sample)
+        self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     # -- what the bridge must provide -------------------------------------------------
     @property
-    def capture_layers(self) -> set[int]:
-        keys = {k for s in self.slots for k in s.reads.hidden if k != FINAL}
-        return {int(k.split(".")[1]) for k in keys}
+    def taps(self) -> set[TapRequest]:
+        """Every tap the bridge must install (reads and edits)."""
+        out: set[TapRequest] = set()
+        for s in self.slots:
+            out |= s.reads.taps() | set(s.edits.values())
+        return out
 
     @property
-    def needs_final(self) -> bool:
-        return any(FINAL in s.reads.hidden for s in self.slots)
-
-    @property
-    def edit_layers(self) -> set[int]:
-        return set().union(*(s.edit_layers for s in self.slots)) if self.slots else set()
+    def edit_taps(self) -> set[TapRequest]:
+        return {t for s in self.slots for t in s.edits.values()}
 
     @property
     def guides(self) -> bool:
@@ -117,23 +136,29 @@ class Runtime:
         self.step_index += 1
         self.counters.add("engine_steps")
 
-    def begin_step(self, rows: RowInfo) -> list[EditPlan]:
-        """Before the forward: collect each editing consumer's plan."""
+    def begin_step(self, rows: RowInfo, buffers: dict[str, EditBuffers]) -> None:
+        """Before the forward: reset the edit taps' buffers (``buffers`` by tap key) and
+        write each editing consumer's plan into them, in consumer order."""
         self.count_step()
         self.counters.add("rows_seen", len(rows))
-        plans = []
+        for b in buffers.values():
+            b.reset()
         for s in self.slots:
-            if not s.edit_layers:
+            if not s.edits or not self.bus.active(s.consumer):
                 continue
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
-            plan = EditPlan(rows, s.edit_layers, self.model.hidden_size, self.model.num_layers)
-            if self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) and plan.ops:
-                if mask is not None:
-                    plan.restrict(mask)
-                plans.append(plan)
-        return plans
+            allowed = {k: t.key for k, t in s.edits.items()}
+            plan = EditPlan(rows, allowed, self.model.hidden_size, self._resolve)
+            if not self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) or not plan.ops:
+                continue
+            if mask is not None:
+                plan.restrict(mask)
+            self.bus.call(s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers)
+
+    def _resolve(self, layer: int) -> int:
+        return resolve_layer(layer, self.model.num_layers)
 
     def guide(
         self,
@@ -147,8 +172,12 @@ class Runtime:
         srows = step.sample_rows()
         idx = torch.from_numpy(step.sample_token_row)
         hidden = {}
-        for key in self._guide_hidden_keys:
-            buf = step.hidden[key]
+        for key, r in self._guide_reads.items():
+            try:
+                buf = r.producer.read(r.port, step)
+            except StaleTapError as e:
+                self._stale(key, e)
+                continue
             hidden[key] = buf.index_select(0, idx.to(buf.device))
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
@@ -175,22 +204,40 @@ class Runtime:
                     logits[sel] = view.logits
 
     def _call_guide(self, s: _Slot, view: GuideView) -> bool:
+        self.counters.add("rows_guide_visited", len(view.rows))
         if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
             return False
         self.counters.add("rows_guided", view.rows_guided)
         self.counters.add("candidates_guided", view.candidates_guided)
         return True
 
+    def _stale(self, key: str, error: StaleTapError) -> None:
+        """A tap buffer the forward did not write: never delivered, counted, an error."""
+        self.counters.add("stale_captures")
+        self.counters.add(f"stale_captures.{key}")
+        if not any(e["where"] == key for e in self.tap_errors):
+            log.error("tllm: %s; not delivered", error)
+            self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
+
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: deliver bundles, then mark positions as seen."""
-        for key in step.hidden:
-            self.counters.add(f"rows_captured.{key}", len(step.rows))
-        if step.logits is not None:
-            self.counters.add("rows_captured.logits", int(step.sample_kept.sum()))
+        """After sampling: count what the taps confirm, deliver bundles, mark positions."""
+        stale = step.confirm()
+        kept = int(step.sample_kept.sum())
+        for key, r in self._read_ports.items():
+            taps = r.producer.taps(r.port)
+            if any(t.key in stale for t in taps):
+                continue
+            if all(t.key in step.tensors for t in taps):
+                self.counters.add(
+                    f"rows_captured.{key}", len(step.rows) if r.port.rows == "token" else kept
+                )
+        for tap_key, n in step.edited_rows().items():
+            self.counters.add("rows_edited", n)
+            self.counters.add(f"rows_edited.{_edit_counter_key(tap_key)}", n)
         for s in self.slots:
             if s.reads.empty:
                 continue
-            bundle = build_bundle(s.reads, step, s.enabled(step.rows.requests))
+            bundle = build_bundle(s.reads, step, s.enabled(step.rows.requests), self._stale)
             if bundle is not None:
                 self.bus.publish(s.consumer, bundle)
         for i, req in enumerate(step.rows.requests):
@@ -222,7 +269,7 @@ class Runtime:
             "runtime": self.counters.snapshot(),
             "consumers": consumers,
             "results": results,
-            "errors": list(self.bus.errors),
+            "errors": list(self.bus.errors) + list(self.tap_errors),
         }
 
     def close(self) -> dict[str, Any]:

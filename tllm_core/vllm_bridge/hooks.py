@@ -1,14 +1,10 @@
-"""Per-runner hooks: the only code that reads vLLM runner state (see CONTRACT.md).
+"""Runner hooks: the taps and per-step flow of one engine, behind a runner adapter.
 
-Instance-level wrappers (never class-level) on one V1 runner:
-
-- ``_prepare_inputs``: after vLLM lays out the step, build row metadata and write
-  consumers' residual edits into the layer taps' buffers.
-- ``execute_model``: before, report finished requests; after, pick up the final
-  hidden states and logits the forward produced.
-- ``sampler.topk_topp_sampler.forward``: filter (top-k/top-p; min-p already applied),
-  let guiding consumers change candidate logits, then sample with vLLM's own code.
-- ``_sample``: after sampling, hand the step to producers and the bus.
+``install`` builds the engine-side :class:`~tllm_core.runtime.Runtime`, installs the taps
+its consumers' ports need, and connects a runner adapter's step events to the runtime:
+``begin`` (row metadata, edit buffers, step clock) -> forward (taps write and stamp) ->
+``forward_done`` (final hidden state, logits) -> ``guide`` -> ``sampled`` (bundles).
+Nothing here reads a runner's internals: that is the adapter's job (``v1_runner.py``).
 """
 
 from __future__ import annotations
@@ -20,17 +16,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from producers.step import StepCapture
-from tllm_core.consumer import ModelInfo
-from tllm_core.ports import FINAL, layer_key
+from tllm_core.edits import EditBuffers
 from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.runtime import Runtime
 from tllm_core.settings import RuntimeSettings
-from tllm_core.vllm_bridge.taps import EditBuffers, LayerTap
-from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, check_version
+from tllm_core.step import StepCapture
+from tllm_core.vllm_bridge.sites import TapBuffers, install_tap
+from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
+from tllm_core.vllm_bridge.version import check_runner, check_version
 
 log = logging.getLogger("tllm")
 
@@ -50,230 +45,151 @@ def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, in
     return (m.group("base") if m else rest), sample
 
 
-def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UnsupportedEngineError(
-            f"tllm cannot find decoder layers at model.model.layers in {type(model).__name__}; "
-            f"supported: Llama/Qwen2/Qwen3/Mistral-style decoders"
-        )
-    return layers
-
-
-def _model_info(runner: Any) -> ModelInfo:
-    model = runner.model
-    mc = runner.model_config
-    vocab = mc.get_vocab_size()
-    weight = None
-    head = getattr(model, "lm_head", None)
-    lp = getattr(model, "logits_processor", None)
-    plain = (
-        head is not None
-        and getattr(head, "bias", None) is None
-        and lp is not None
-        and getattr(lp, "soft_cap", None) is None
-        and float(getattr(lp, "scale", 1.0)) == 1.0
-        and isinstance(getattr(head, "weight", None), torch.Tensor)
-    )
-    if plain:
-        weight = head.weight[:vocab]
-    return ModelInfo(
-        hidden_size=mc.get_hidden_size(),
-        num_layers=mc.hf_config.num_hidden_layers,
-        vocab_size=vocab,
-        dtype=mc.dtype,
-        device=runner.device,
-        lm_head=model.compute_logits,
-        lm_head_weight=weight,
-    )
-
-
 class RunnerHooks:
-    def __init__(self, runner: Any, runtime: Runtime):
-        self.runner = runner
+    """Implements the adapter's step events on top of a :class:`Runtime`."""
+
+    def __init__(self, adapter: V1RunnerAdapter, runtime: Runtime):
+        self.adapter = adapter
         self.runtime = runtime
         self.requests: dict[str, RequestInfo] = {}
         self.step: StepCapture | None = None
         self.num_tokens = 0
         info = runtime.model
-        max_tokens = runner.max_num_tokens
-        layers = find_decoder_layers(runner.model)
+        dev, max_tokens = info.device, adapter.max_num_tokens
+        self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.capture: dict[str, torch.Tensor] = {}
-        self.edits: dict[int, EditBuffers] = {}
-        for i in sorted(runtime.capture_layers | runtime.edit_layers):
-            cap = None
-            if i in runtime.capture_layers:
-                cap = torch.zeros(
-                    max_tokens, info.hidden_size, dtype=info.dtype, device=info.device
-                )
-                self.capture[layer_key(i)] = cap
+        self.stamps: dict[str, torch.Tensor] = {}
+        self.edit_counts: dict[str, torch.Tensor] = {}
+        self.edits: dict[str, EditBuffers] = {}
+        self._needs = {t.key for t in runtime.taps}
+        edit_keys = {t.key for t in runtime.edit_taps}
+        layers = adapter.decoder_layers()
+        # Child sites (attn, mlp) first: the residual tap wraps the whole layer.
+        for tap in sorted(runtime.taps, key=lambda t: (t.site == "residual", t.key)):
+            if tap.layer is None:
+                continue  # step sites: read from the runner after the forward
+            cap = torch.zeros(max_tokens, info.hidden_size, dtype=info.dtype, device=dev)
             edit = None
-            if i in runtime.edit_layers:
-                edit = self.edits[i] = EditBuffers(
-                    max_tokens, info.hidden_size, info.dtype, info.device
+            if tap.key in edit_keys:
+                edit = self.edits[tap.key] = EditBuffers(
+                    max_tokens, info.hidden_size, info.dtype, dev
                 )
-            layers[i] = LayerTap(layers[i], cap, edit)
-        self._install_wrappers()
+            buffers = TapBuffers(
+                capture=cap,
+                edit=edit,
+                clock=self.clock,
+                stamp=torch.full((1,), -1, dtype=torch.int64, device=dev),
+                edited=torch.zeros(1, dtype=torch.int64, device=dev),
+            )
+            self.capture[tap.key] = cap
+            self.stamps[tap.key] = buffers.stamp
+            if edit is not None:
+                self.edit_counts[tap.key] = buffers.edited
+            install_tap(layers, tap.site, tap.layer, buffers)
+        adapter.install(self, guides=runtime.guides)
 
-    # -- installation -------------------------------------------------------------------
-    def _install_wrappers(self) -> None:
-        r = self.runner
-        prepare, execute, sample = r._prepare_inputs, r.execute_model, r._sample
+    @property
+    def active(self) -> bool:
+        return bool(self.runtime.slots)
 
-        def _prepare_inputs(scheduler_output, num_scheduled_tokens, *a, **kw):
-            out = prepare(scheduler_output, num_scheduled_tokens, *a, **kw)
-            t = perf_counter()
-            if self.runtime.slots:
-                self._begin_step(num_scheduled_tokens)
-            else:  # runtime loaded without consumers: count steps, build nothing
-                self.runtime.count_step()
-            self._host_time("begin_step", t)
-            return out
-
-        def execute_model(scheduler_output, *a, **kw):
-            self._finish(scheduler_output.finished_req_ids)
-            self.step = None
-            out = execute(scheduler_output, *a, **kw)
-            st = r.execute_model_state
-            if st is not None and self.step is not None:
-                if self.runtime.needs_final:
-                    self.step.hidden[FINAL] = st.hidden_states[: self.num_tokens]
-                self.step.logits = st.logits
-            return out
-
-        def _sample(logits, spec_decode_metadata, *a, **kw):
-            out = sample(logits, spec_decode_metadata, *a, **kw)
-            if self.step is not None:
-                t = perf_counter()
-                self.step.sampled_token_ids = out.sampled_token_ids[:, 0]
-                self.runtime.end_step(self.step)
-                self._host_time("end_step", t)
-            return out
-
-        r._prepare_inputs = _prepare_inputs
-        r.execute_model = execute_model
-        r._sample = _sample
-        if self.runtime.guides:
-            tk = r.sampler.topk_topp_sampler
-            tk.forward = self._make_guided_forward(tk.forward)
-
-    def _make_guided_forward(self, orig):
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
-        def forward(logits, generators, k, p):
-            step = self.step
-            if step is None:
-                return orig(logits, generators, k, p)
-            t = perf_counter()
-            logits = apply_top_k_top_p(logits, k, p)
-            md = self.runner.input_batch.sampling_metadata
-            n = logits.shape[0]
-            temp = md.temperature[:n] if md.temperature is not None else torch.ones(n)
-            is_random = (temp.cpu().numpy() >= 1e-5) if not md.all_random else np.ones(n, bool)
-            filtered = k is not None or p is not None or self._min_p_active(step)
-            self.runtime.guide(step, logits, temp, is_random, filtered)
-            self._host_time("guide", t)
-            return orig(logits, generators, None, None)
-
-        return forward
-
+    # -- step events -----------------------------------------------------------------------
     def _host_time(self, phase: str, since: float) -> None:
         """Engine-thread seconds tllm spent in ``phase`` (``host_s.*`` runtime counters)."""
         dt = perf_counter() - since
         self.runtime.counters.add(f"host_s.{phase}", dt)
         self.runtime.counters.add("host_s", dt)
 
-    def _min_p_active(self, step: StepCapture) -> bool:
-        ids = {r.engine_id for r in step.rows.requests}
-        for rid in ids:
-            st = self.runner.requests.get(rid)
-            if st is not None and st.sampling_params is not None and st.sampling_params.min_p > 0:
-                return True
-        return False
-
-    # -- per step -------------------------------------------------------------------------
     def _request(self, engine_id: str) -> RequestInfo:
         req = self.requests.get(engine_id)
         if req is None:
-            st = self.runner.requests[engine_id]
-            extra = dict((st.sampling_params.extra_args or {}) if st.sampling_params else {})
+            extra, n_prompt = self.adapter.request(engine_id)
             rid, sample = parse_engine_id(engine_id, extra)
             req = RequestInfo(
                 engine_id=engine_id,
                 request_id=rid,
                 prompt_index=int(extra.get("tllm_prompt_index", -1)),
                 sample_index=sample,
-                num_prompt_tokens=len(st.prompt_token_ids or ()),
+                num_prompt_tokens=n_prompt,
                 extra_args=extra,
             )
             self.requests[engine_id] = req
         return req
 
-    def _begin_step(self, num_scheduled_tokens: np.ndarray) -> None:
-        ib = self.runner.input_batch
-        num_reqs = ib.num_reqs
-        reqs = [self._request(rid) for rid in ib.req_ids[:num_reqs]]
-        nsched = np.asarray(num_scheduled_tokens[:num_reqs], dtype=np.int64)
-        total = int(nsched.sum())
+    def begin(self, layout: StepLayout | None) -> None:
+        t = perf_counter()
+        self.step = None
+        if layout is None:
+            self.runtime.count_step()
+            self._host_time("begin_step", t)
+            return
+        reqs = [self._request(e) for e in layout.engine_ids]
+        rows, sample_row, kept = layout_rows(layout, reqs)
+        total = layout.total
         self.num_tokens = total
-        req_idx = np.repeat(np.arange(num_reqs), nsched)
-        cu = np.cumsum(nsched)
-        offs = np.arange(total) - np.repeat(cu - nsched, nsched)
-        computed = ib.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        positions = computed[req_idx] + offs
-        n_prompt = np.array([q.num_prompt_tokens for q in reqs], dtype=np.int64)
-        seen = np.array([q.max_position_seen for q in reqs], dtype=np.int64)
-        rows = RowInfo(
-            row=np.arange(total, dtype=np.int64),
-            requests=[reqs[i] for i in req_idx],
-            position=positions,
-            is_decode=positions >= n_prompt[req_idx],
-            recomputed=positions <= seen[req_idx],
-            token_ids=self.runner.input_ids.gpu[:total],
-        )
-        kept = computed + nsched >= ib.num_tokens_no_spec[:num_reqs]
+        step_no = self.runtime.step_index + 1
         self.step = StepCapture(
-            step=self.runtime.step_index + 1,
+            step=step_no,
             rows=rows,
-            sample_token_row=cu - 1,
+            sample_token_row=sample_row,
             sample_kept=kept,
-            hidden={k: buf[:total] for k, buf in self.capture.items()},
+            tensors={k: buf[:total] for k, buf in self.capture.items()},
+            stamps=dict(self.stamps),
+            edited=dict(self.edit_counts),
         )
-        plans = self.runtime.begin_step(rows)
-        for layer, buffers in self.edits.items():
-            buffers.reset()
-            if plans:
-                n = buffers.apply(layer, plans)
-                self.runtime.counters.add(f"rows_edited.layer.{layer}", n)
-                self.runtime.counters.add("rows_edited", n)
+        self.clock.fill_(step_no)
+        self.runtime.begin_step(rows, self.edits)
+        self._host_time("begin_step", t)
 
-    def _finish(self, engine_ids) -> None:
+    def finished(self, engine_ids: list[str]) -> None:
         done = [self.requests.pop(e) for e in engine_ids if e in self.requests]
         if done:
             self.runtime.finish_requests(done)
 
+    def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None:
+        if self.step is None:
+            return
+        if "final" in self._needs and final_hidden is not None:
+            self.step.tensors["final"] = final_hidden[: self.num_tokens]
+        self.step.tensors["logits"] = logits
+
+    def guide(
+        self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
+    ) -> None:
+        if self.step is None:
+            return
+        t = perf_counter()
+        self.runtime.guide(self.step, logits, temperature, is_random, filtered)
+        self._host_time("guide", t)
+
+    def sampled(self, token_ids: torch.Tensor) -> None:
+        if self.step is None:
+            return
+        t = perf_counter()
+        self.step.tensors["sampled"] = token_ids
+        self.runtime.end_step(self.step)
+        self._host_time("end_step", t)
+
     def finish_all(self) -> None:
         """Treat every known request as finished (offline runs: generate() has returned)."""
-        self._finish(list(self.requests))
+        self.finished(list(self.requests))
 
 
 def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     """Called from the plugin's ``load_model`` wrapper in the process that runs the model."""
     check_version()
     check_runner(runner)
+    adapter = V1RunnerAdapter(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
     with torch.inference_mode(False):
-        runtime = Runtime(settings, _model_info(runner), Registry())
-    hooks = RunnerHooks(runner, runtime)
+        runtime = Runtime(settings, adapter.model_info(), Registry())
+    hooks = RunnerHooks(adapter, runtime)
     runner._tllm_hooks = hooks
     log.info(
-        "tllm: hooked %s (capture layers %s, final %s, edit layers %s, guide %s) for consumers %s",
+        "tllm: hooked %s (taps %s, edit taps %s, guide %s) for consumers %s",
         type(runner).__name__,
-        sorted(runtime.capture_layers),
-        runtime.needs_final,
-        sorted(runtime.edit_layers),
+        sorted(t.key for t in runtime.taps),
+        sorted(t.key for t in runtime.edit_taps),
         runtime.guides,
         [s.consumer.name for s in runtime.slots],
     )

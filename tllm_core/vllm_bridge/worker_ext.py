@@ -23,8 +23,10 @@ class TllmWorkerExtension:
         return {
             "installed": True,
             "consumers": [s.consumer.name for s in rt.slots],
-            "capture_layers": sorted(rt.capture_layers),
-            "edit_layers": sorted(rt.edit_layers),
+            "taps": sorted(t.key for t in rt.taps),
+            "edit_taps": sorted(t.key for t in rt.edit_taps),
+            "capture_layers": sorted(t.layer for t in rt.taps if t.site == "residual"),
+            "edit_layers": sorted({t.layer for t in rt.edit_taps}),
             "guides": rt.guides,
         }
 

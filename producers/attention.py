@@ -1,0 +1,29 @@
+"""``AttentionOutput``: a decoder layer's self-attention block output (after its output
+projection, before it is added to the residual stream)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tllm_core.ports import LayerPort, Phase
+from tllm_core.producer import Producer, TapRequest
+
+
+@dataclass(frozen=True)
+class AttentionOutput(LayerPort):
+    """Self-attention output of decoder layer ``layer`` (negative counts from the end).
+
+    Bundle key: ``"attn.{absolute index}"``. Editable through ``Edit(AttentionOutput(i))``.
+    """
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "attn"
+
+
+class AttentionProducer(Producer):
+    name = "attention"
+    ports = (AttentionOutput,)
+
+    def taps(self, port: AttentionOutput) -> list[TapRequest]:
+        return [TapRequest("attn", port.layer)]

@@ -1,0 +1,29 @@
+"""``MlpOutput``: a decoder layer's MLP block output (before it is added to the residual
+stream)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tllm_core.ports import LayerPort, Phase
+from tllm_core.producer import Producer, TapRequest
+
+
+@dataclass(frozen=True)
+class MlpOutput(LayerPort):
+    """MLP output of decoder layer ``layer`` (negative counts from the end).
+
+    Bundle key: ``"mlp.{absolute index}"``. Editable through ``Edit(MlpOutput(i))``.
+    """
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "mlp"
+
+
+class MlpProducer(Producer):
+    name = "mlp"
+    ports = (MlpOutput,)
+
+    def taps(self, port: MlpOutput) -> list[TapRequest]:
+        return [TapRequest("mlp", port.layer)]

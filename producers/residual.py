@@ -1,0 +1,16 @@
+"""``HiddenStates``: the residual stream after a decoder layer, or the final hidden state."""
+
+from __future__ import annotations
+
+from tllm_core.ports import FINAL, HiddenStates
+from tllm_core.producer import Producer, TapRequest
+
+
+class ResidualProducer(Producer):
+    name = "residual"
+    ports = (HiddenStates,)
+
+    def taps(self, port: HiddenStates) -> list[TapRequest]:
+        if port.layer == FINAL:
+            return [TapRequest("final")]
+        return [TapRequest("residual", int(port.layer))]

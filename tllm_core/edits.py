@@ -1,0 +1,170 @@
+"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the
+forward, the per-row buffers a tap reads inside the forward, and the edit math.
+
+Composition, per row and tap, in consumer order: an edit is the affine map
+``s' = keep·(s − (s·u)u) + add`` of the tapped tensor ``s``:
+
+- ``ablate(u)`` removes direction ``u`` from the *incoming* tensor (before any add);
+  two different directions on one row in one step are an error;
+- ``add(v)`` adds ``v`` (adds of several consumers sum);
+- ``replace(v)`` discards the incoming tensor and the adds made before it: ``s' = v``
+  (adds made after it still add).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from tllm_core.ports import ReadPort, layer_key
+from tllm_core.rows import RowInfo
+
+EditTarget = int | str | ReadPort
+
+
+def apply_edit(
+    s: torch.Tensor,
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    add: torch.Tensor,
+    direction: torch.Tensor,
+) -> torch.Tensor:
+    """The edited tensor: ``keep·(s − (s·u)u) + add`` on rows where ``mask`` is set, ``s``
+    bit for bit elsewhere. Shapes: ``s, add, direction [n, H]``, ``mask [n, 1]`` bool,
+    ``keep [n, 1]``. Only tensor operations: this runs inside traced/compiled forwards."""
+    edited = (s - (s * direction).sum(-1, keepdim=True) * direction) * keep + add
+    return torch.where(mask, edited, s)
+
+
+class EditPlan:
+    """Edits a consumer asks for before this step's forward.
+
+    Row indices index ``rows`` (all token rows of the step). ``target`` is a decoder layer
+    index (the residual stream after it; negative counts from the end), a token port the
+    consumer declared in an ``Edit`` write port, or that port's key (``"attn.3"``).
+    """
+
+    def __init__(
+        self,
+        rows: RowInfo,
+        allowed: dict[str, str],
+        hidden_size: int,
+        resolve_layer: Callable[[int], int] | None = None,
+    ):
+        self.rows = rows
+        self._allowed = allowed  # port key -> tap key
+        self._hidden_size = hidden_size
+        self._resolve = resolve_layer
+        # port key -> list of (row indices, kind, tensor)
+        self.ops: dict[str, list[tuple[np.ndarray, str, torch.Tensor]]] = {}
+
+    def _key(self, target: EditTarget) -> str:
+        if isinstance(target, ReadPort):
+            key = (target.resolve(self._resolve) if self._resolve else target).key
+        elif isinstance(target, str) and not target.lstrip("-").isdigit():
+            key = target
+        else:
+            layer = int(target)
+            key = layer_key(self._resolve(layer) if self._resolve else layer)
+        if key not in self._allowed:
+            raise ValueError(
+                f"{key!r} was not declared as an edit port by this consumer "
+                f"(declared: {sorted(self._allowed)})"
+            )
+        return key
+
+    def _push(self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
+        key = self._key(target)
+        if value.shape[-1] != self._hidden_size:
+            raise ValueError(
+                f"edit vector has size {value.shape[-1]}, the tapped tensor's width is "
+                f"{self._hidden_size}"
+            )
+        rows = np.asarray(rows, dtype=np.int64)
+        if value.dim() == 2 and value.shape[0] != rows.size:
+            raise ValueError(
+                f"edit values have {value.shape[0]} rows for {rows.size} selected rows"
+            )
+        if rows.size:
+            self.ops.setdefault(key, []).append((rows, kind, value))
+
+    def restrict(self, mask: np.ndarray) -> None:
+        """Drop ops on rows outside ``mask`` (rows of requests the consumer may not touch)."""
+        for key, ops in list(self.ops.items()):
+            kept = []
+            for rows, kind, value in ops:
+                sel = mask[rows]
+                if sel.any():
+                    v = value[torch.from_numpy(sel).to(value.device)] if value.dim() == 2 else value
+                    kept.append((rows[sel], kind, v))
+            self.ops[key] = kept
+
+    def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
+        """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the target at ``rows``."""
+        self._push(target, rows, "add", vector)
+
+    def replace(self, target: EditTarget, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Replace the target at ``rows`` with ``values``."""
+        self._push(target, rows, "replace", values)
+
+    def ablate(self, target: EditTarget, rows: np.ndarray, direction: torch.Tensor) -> None:
+        """Remove the component along ``direction`` (``[H]`` or one per row ``[len(rows), H]``;
+        each normalised here) from the incoming tensor at ``rows``."""
+        d = direction.float()
+        u = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        self._push(target, rows, "ablate", u)
+
+
+class EditBuffers:
+    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`."""
+
+    def __init__(self, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device):
+        self.mask = torch.zeros(max_tokens, 1, dtype=torch.bool, device=device)
+        self.keep = torch.ones(max_tokens, 1, dtype=dtype, device=device)
+        self.add = torch.zeros(max_tokens, width, dtype=dtype, device=device)
+        self.dir = torch.zeros(max_tokens, width, dtype=dtype, device=device)
+        self._dirty = 0  # rows [0, dirty) may hold non-identity values
+
+    def reset(self) -> None:
+        n = self._dirty
+        if n:
+            self.mask[:n].fill_(False)
+            self.keep[:n].fill_(1)
+            self.add[:n].zero_()
+            self.dir[:n].zero_()
+            self._dirty = 0
+
+    def check(self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str) -> None:
+        """Raise ``ValueError`` before writing if ``ops`` would ablate a second, different
+        direction on a row (one consumer's ops, checked against what is written)."""
+        for rows, kind, value in ops:
+            if kind != "ablate":
+                continue
+            idx = torch.from_numpy(rows).to(self.dir.device)
+            old = self.dir[idx]
+            new = value.to(old.dtype) if value.dim() == 2 else value.to(old.dtype).expand_as(old)
+            had = old.abs().sum(-1) > 0
+            if bool((had & ~torch.isclose(old, new, atol=1e-6).all(-1)).any()):
+                raise ValueError(
+                    f"{what}: a second, different ablation direction on a row that another "
+                    f"consumer already ablates in this step (one direction per row and tap)"
+                )
+
+    def write(self, ops: list[tuple[np.ndarray, str, torch.Tensor]]) -> None:
+        """Compose ``ops`` (one consumer's, in order) into the buffers."""
+        dev = self.add.device
+        for rows, kind, value in ops:
+            idx = torch.from_numpy(rows).to(dev)
+            v = value.to(device=dev, dtype=self.add.dtype)
+            if kind == "add":
+                self.add[idx] += v
+            elif kind == "replace":
+                self.keep[idx] = 0
+                self.dir[idx] = 0
+                self.add[idx] = v if v.dim() == 2 else v.expand(len(rows), -1)
+            elif kind == "ablate":
+                self.dir[idx] = v if v.dim() == 2 else v.expand(len(rows), -1)
+            self.mask[idx] = True
+            self._dirty = max(self._dirty, int(rows.max()) + 1)

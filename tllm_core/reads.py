@@ -1,0 +1,131 @@
+"""A consumer's read ports resolved to producers, and the cut of a step into its bundle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tllm_core.bundles import Bundle
+from tllm_core.ports import Phase, ReadPort
+from tllm_core.producer import Producer, TapRequest
+from tllm_core.step import StaleTapError, StepCapture
+
+
+@dataclass
+class PortRead:
+    """One resolved port (phases of ports with the same key merged) and its producer."""
+
+    port: ReadPort
+    producer: Producer
+    phase: Phase
+
+
+@dataclass
+class ReadPlan:
+    """A consumer's read ports by key, split by row kind."""
+
+    token: dict[str, PortRead] = field(default_factory=dict)
+    sample: dict[str, PortRead] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.token and not self.sample
+
+    def taps(self) -> set[TapRequest]:
+        return {
+            t
+            for r in (*self.token.values(), *self.sample.values())
+            for t in r.producer.taps(r.port)
+        }
+
+    @staticmethod
+    def phase(reads: dict[str, PortRead]) -> Phase | None:
+        out: Phase | None = None
+        for r in reads.values():
+            out = r.phase.union(out)
+        return out
+
+
+def plan_reads(
+    ports: list[ReadPort],
+    resolve_layer: Callable[[int], int],
+    producer_for: Callable[[ReadPort], Producer],
+) -> ReadPlan:
+    """Resolve layer indices (raising ValueError on bad ones), find each port's producer
+    and merge the phases of ports with the same key."""
+    plan = ReadPlan()
+    for p in ports:
+        if not isinstance(p, ReadPort):
+            raise TypeError(f"not a read port: {p!r}")
+        port = p.resolve(resolve_layer)
+        table = plan.token if port.rows == "token" else plan.sample
+        old = table.get(port.key)
+        if old is None:
+            table[port.key] = PortRead(port, producer_for(port), port.phase)
+        else:
+            old.phase = port.phase.union(old.phase)
+    return plan
+
+
+def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
+    if phase is Phase.ALL:
+        return np.ones_like(is_decode)
+    return is_decode if phase is Phase.DECODE else ~is_decode
+
+
+def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    return t.index_select(0, torch.from_numpy(idx).to(t.device))
+
+
+def build_bundle(
+    plan: ReadPlan,
+    step: StepCapture,
+    enabled: np.ndarray | None = None,
+    on_stale: Callable[[str, StaleTapError], None] | None = None,
+) -> Bundle | None:
+    """The consumer's bundle for this step, or None when it selects no row.
+
+    ``enabled`` masks token rows to requests the consumer acts on (per-request consumers).
+    A port whose tap is stale is left out of the bundle and reported to ``on_stale``.
+    """
+    bundle = Bundle(step=step.step, rows=step.rows.take(np.zeros(0, np.int64)))
+
+    def read(r: PortRead) -> torch.Tensor | None:
+        try:
+            return r.producer.read(r.port, step)
+        except StaleTapError as e:
+            if on_stale is not None:
+                on_stale(r.port.key, e)
+            return None
+
+    phase = ReadPlan.phase(plan.token)
+    if phase is not None:
+        mask = phase_mask(step.rows.is_decode, phase)
+        if enabled is not None:
+            mask = mask & enabled
+        if mask.any():
+            idx = np.nonzero(mask)[0]
+            bundle.rows = step.rows.take(idx)
+            for key, r in plan.token.items():
+                t = read(r)
+                if t is not None:
+                    bundle.hidden[key] = _gather(t, idx)
+    phase = ReadPlan.phase(plan.sample)
+    if phase is not None:
+        srows = step.sample_rows()
+        mask = step.sample_kept & phase_mask(srows.is_decode, phase)
+        if enabled is not None:
+            mask = mask & enabled[step.sample_token_row]
+        if mask.any():
+            idx = np.nonzero(mask)[0]
+            bundle.sampled_rows = srows.take(idx)
+            for key, r in plan.sample.items():
+                t = read(r)
+                if t is not None:
+                    bundle.per_sample[key] = _gather(t, idx)
+    if not bundle.hidden and not bundle.per_sample:
+        return None
+    return bundle

@@ -1,0 +1,74 @@
+"""What one engine step computed, in engine-neutral form: the contract between the engine
+bridge (which fills it) and the runtime and producers (which read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tllm_core.rows import RowInfo
+
+
+class StaleTapError(RuntimeError):
+    """A tap's buffer was not written by this step's forward."""
+
+
+@dataclass
+class StepCapture:
+    """One engine step.
+
+    ``rows`` are all packed token rows of the step. Sampling row ``j`` (row ``j`` of the
+    logits) is the last token row of the ``j``-th scheduled request, ``sample_token_row[j]``;
+    its token is kept unless the request is mid-prefill (``sample_kept[j]`` False).
+
+    ``tensors[tap_key]`` holds what a tap captured: ``[T, ...]`` for token sites, ``[S, ...]``
+    for sampling sites. Taps inside the model's forward also write ``stamps[tap_key]``, a
+    one-element tensor set to the step number by the traced forward itself, so a buffer
+    the forward did not write this step is detected (:meth:`confirm`) instead of delivered.
+    """
+
+    step: int
+    rows: RowInfo
+    sample_token_row: np.ndarray  # int64 [S]
+    sample_kept: np.ndarray  # bool [S]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stamps: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Rows each edit tap changed in this step's forward (one-element tensors, written in-graph).
+    edited: dict[str, torch.Tensor] = field(default_factory=dict)
+    _stale: set[str] | None = None
+    _edited_rows: dict[str, int] = field(default_factory=dict)
+
+    def sample_rows(self) -> RowInfo:
+        """RowInfo of the sampling rows, in logits order."""
+        return self.rows.take(self.sample_token_row)
+
+    def confirm(self) -> set[str]:
+        """Read every stamp and edit count once (one host read); returns the stale tap keys."""
+        if self._stale is None:
+            stamps, edited = list(self.stamps), list(self.edited)
+            parts = [self.stamps[k].reshape(1) for k in stamps]
+            parts += [self.edited[k].reshape(1) for k in edited]
+            values = torch.cat(parts).cpu().tolist() if parts else []
+            self._stale = {k for k, v in zip(stamps, values, strict=False) if v != self.step}
+            self._edited_rows = dict(zip(edited, values[len(stamps) :], strict=True))
+        return self._stale
+
+    def edited_rows(self) -> dict[str, int]:
+        """Rows whose tapped tensor each edit tap changed in this step's forward."""
+        self.confirm()
+        return {k: int(v) for k, v in self._edited_rows.items() if k not in self._stale}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it."""
+        if key in self.confirm():
+            raise StaleTapError(
+                f"tap {key!r} was not written by step {self.step}'s forward (stale buffer)"
+            )
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise KeyError(
+                f"tap {key!r} is not captured in this step (captured: {sorted(self.tensors)})"
+            ) from None
