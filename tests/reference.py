@@ -17,7 +17,9 @@ def hf_model(path: str):
 
 @torch.no_grad()
 def hf_states(path: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """``layer.{i}`` (residual stream after layer i) and ``final`` (normed) for every position.
+    """``layer.{i}`` (residual stream after layer i), ``final`` (normed), ``attn.{i}`` and
+    ``mlp.{i}`` (the blocks' outputs, from forward hooks on ``self_attn`` / ``mlp``) for
+    every position.
 
     transformers' last ``hidden_states`` entry is already normed, so the last layer's own
     output is taken with a forward hook.
@@ -25,18 +27,27 @@ def hf_states(path: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
     model = hf_model(path)
     layers = model.model.layers
     last = {}
-    handle = layers[-1].register_forward_hook(
-        lambda _m, _i, out: last.__setitem__("h", out[0] if isinstance(out, tuple) else out)
-    )
+
+    def keep(name):
+        return lambda _m, _i, out: last.__setitem__(name, out[0] if isinstance(out, tuple) else out)
+
+    handles = [layers[-1].register_forward_hook(keep("h"))]
+    for i, layer in enumerate(layers):
+        handles.append(layer.self_attn.register_forward_hook(keep(f"attn.{i}")))
+        handles.append(layer.mlp.register_forward_hook(keep(f"mlp.{i}")))
     try:
         out = model(torch.tensor([token_ids]), output_hidden_states=True)
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     hs = out.hidden_states
     n = len(layers)
     states = {f"layer.{i}": hs[i + 1][0] for i in range(n - 1)}
     states[f"layer.{n - 1}"] = last["h"][0]
     states["final"] = hs[n][0]
+    for i in range(n):
+        states[f"attn.{i}"] = last[f"attn.{i}"][0]
+        states[f"mlp.{i}"] = last[f"mlp.{i}"][0]
     return states
 
 

@@ -22,8 +22,9 @@ from consumers.export import ExportReader, read_export
 from consumers.export import format as fmt
 from consumers.export.consumer import ExportConfig, ExportConsumer
 from consumers.export.reader import ExportFormatError
-from producers.bundle import build_bundle, plan_reads
-from producers.step import StepCapture
+from tllm_core.reads import build_bundle, plan_reads
+from tllm_core.registry import Registry
+from tllm_core.step import StepCapture
 from tllm_core.bus import Bus
 from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
@@ -56,6 +57,7 @@ def context(hidden: int = H, device: str = "cpu") -> ConsumerContext:
         model=model_info(hidden, device),
         counters=Counters(),
         resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
+        parse_port=Registry().parse_port,
     )
 
 
@@ -165,12 +167,22 @@ class FakeEngine:
             rows=rows,
             sample_token_row=np.array(last_rows, np.int64),
             sample_kept=np.array(kept),
-            hidden=hidden,
-            logits=torch.zeros(len(last_rows), 4),
-            sampled_token_ids=torch.tensor(sampled, dtype=torch.int64),
+            tensors={
+                **{_tap_key(k): v for k, v in hidden.items()},
+                "logits": torch.zeros(len(last_rows), 4),
+                "sampled": torch.tensor(sampled, dtype=torch.int64),
+            },
         )
         self.active = [st for st in self.active if st["info"] not in finished]
         return step, finished
+
+
+PRODUCERS = Registry().producer_for
+
+
+def _tap_key(key: str) -> str:
+    """The bridge's tap key of a residual-stream bundle key (``layer.3`` -> ``residual.3``)."""
+    return "residual." + key.split(".")[1] if key.startswith("layer.") else key
 
 
 def run_engine(
@@ -181,7 +193,7 @@ def run_engine(
     max_steps: int | None = None,
 ) -> None:
     """Drive ``consumer`` like Runtime.end_step / finish_requests do."""
-    plan = plan_reads(consumer.reads(), lambda i: resolve_layer(i, NUM_LAYERS))
+    plan = plan_reads(consumer.reads(), lambda i: resolve_layer(i, NUM_LAYERS), PRODUCERS)
     steps = 0
     while engine.active and (max_steps is None or steps < max_steps):
         if preempt_at and steps in preempt_at:
@@ -344,7 +356,7 @@ def test_buffer_never_exceeds_one_shard(tmp_path):
     out = tmp_path / "b"
     c = make_export(out, layers=[1, "final"], shard_rows=5)
     engine = FakeEngine([23, 11, 2], [4, 9, 3], ["layer.1", "final"])
-    plan = plan_reads(c.reads(), lambda i: resolve_layer(i, NUM_LAYERS))
+    plan = plan_reads(c.reads(), lambda i: resolve_layer(i, NUM_LAYERS), PRODUCERS)
     while engine.active:
         step, finished = engine.step()
         b = build_bundle(plan, step)
@@ -592,6 +604,8 @@ def test_config_errors(tmp_path):
         ExportConfig(out=" ")
     with pytest.raises(ValidationError):
         ExportConfig()
+    with pytest.raises(ValueError, match=r"layers entry 'bogus\.1'.*attn\.\{i\}"):
+        make_export(tmp_path / "p", layers=["bogus.1"])
     # Duplicates after resolution collapse to one key.
     c = make_export(tmp_path / "dup", layers=[-1, NUM_LAYERS - 1, "final", "final"])
     assert c.keys == ["layer.3", "final"]

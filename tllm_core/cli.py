@@ -249,12 +249,11 @@ def cmd_consumers(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     _quiet(args)
-    from tllm_core.ports import parse_layer_spec
-
-    try:
-        layers = [parse_layer_spec(s) for s in args.layers.split(",") if s.strip()]
-    except ValueError as e:
-        raise CliError(f"export: {e}") from None
+    layers: list[int | str] = [
+        int(s) if s.strip().lstrip("-").isdigit() else s.strip()
+        for s in args.layers.split(",")
+        if s.strip()
+    ]
     spec = {
         "name": "export",
         "config": {
@@ -328,7 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate and export hidden states (see docs/export-format.md).",
     )
     e.add_argument(
-        "--layers", required=True, help="comma-separated layer indices (negative ok) or 'final'"
+        "--layers",
+        required=True,
+        help="comma-separated ports: layer indices (residual stream; negative ok), 'final', "
+        "'attn.{i}' (self-attention output), 'mlp.{i}' (MLP output)",
     )
     e.add_argument("--phase", choices=["prefill", "decode", "all"], default="all")
     e.add_argument("--out", required=True, type=Path, help="output directory")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.counters import Counters
 from tllm_core.edits import EditPlan
-from tllm_core.ports import Delivery, ReadPort, WritePort
+from tllm_core.ports import Delivery, Phase, ReadPort, TokenPort, WritePort
 from tllm_core.rows import RequestInfo, RowInfo
 
 
@@ -44,6 +44,9 @@ class ConsumerContext:
     counters: Counters
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
+    # A token port from its export name ("3", "final", "attn.2", "mlp.-1", ...), served by
+    # the registered producers; raises ValueError naming the accepted forms.
+    parse_port: Callable[[str, Phase], TokenPort] | None = None
 
 
 class Consumer:

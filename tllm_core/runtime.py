@@ -78,9 +78,10 @@ def build_consumers(
         def resolve(i: int, _n=model.num_layers) -> int:
             return resolve_layer(i, _n)
 
-        consumer = cls(
-            config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve)
+        context = ConsumerContext(
+            model=model, counters=counters, resolve_layer=resolve, parse_port=registry.parse_port
         )
+        consumer = cls(config, context)
         reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
         slot = _Slot(consumer, reads, per_request=entry.per_request)
         for w in consumer.writes():

@@ -7,6 +7,7 @@ and :func:`consumers.export.read_export` to read an export back.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from typing import Any, Literal
 
@@ -19,19 +20,20 @@ from consumers.export.writer import TORCH_DTYPES, ShardWriter, check_output_dir
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import (
-    FINAL,
     Delivery,
     HiddenStates,
     Phase,
     ReadPort,
     SampledTokens,
-    layer_key,
+    TokenPort,
+    parse_layer_spec,
 )
 from tllm_core.rows import RequestInfo
 
 _HAS_PROMPT_IDS = "prompt_token_ids" in {f.name for f in dataclasses.fields(RequestInfo)}
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+_PORT_NAME = re.compile(r"final|-?\d+|[A-Za-z_]\w*\.-?\d+")
 
 
 class ExportConfig(ConsumerConfig):
@@ -40,11 +42,12 @@ class ExportConfig(ConsumerConfig):
         description="Output directory (created on the first write; must be new or empty "
         "unless overwrite=true).",
     )
-    layers: list[int | Literal["final"]] = Field(
+    layers: list[int | str] = Field(
         default_factory=lambda: [-1, "final"],
         min_length=1,
-        description="Hidden states to export: decoder-layer indices (residual stream after the "
-        "layer; negative counts from the end) and/or 'final' (after the final norm).",
+        description="Token ports to export: decoder-layer indices (residual stream after the "
+        "layer; negative counts from the end), 'final' (after the final norm), 'attn.{i}' "
+        "(self-attention output of layer i) or 'mlp.{i}' (MLP output of layer i).",
     )
     phase: Literal["prefill", "decode", "all"] = Field(
         "all", description="Rows to export: prompt rows, generated-token rows, or both."
@@ -67,6 +70,17 @@ class ExportConfig(ConsumerConfig):
         "removed at the first write; other files are left alone.",
     )
 
+    @field_validator("layers")
+    @classmethod
+    def _port_names(cls, v: list[int | str]) -> list[int | str]:
+        for item in v:
+            if isinstance(item, str) and not _PORT_NAME.fullmatch(item.strip()):
+                raise ValueError(
+                    f"bad layers entry {item!r}: expected a layer index, 'final', or "
+                    f"'<port>.<layer>' such as 'attn.3' or 'mlp.-1'"
+                )
+        return v
+
     @field_validator("out")
     @classmethod
     def _out_not_empty(cls, v: str) -> str:
@@ -81,6 +95,11 @@ class ExportConfig(ConsumerConfig):
                 f"give shard_rows ({self.shard_rows}) or shard_bytes ({self.shard_bytes}), not both"
             )
         return self
+
+
+def _residual_port(text: str, phase: Phase) -> TokenPort:
+    """Port parsing without a registry (unit tests): residual stream and 'final' only."""
+    return HiddenStates(parse_layer_spec(text), phase)
 
 
 class _Request:
@@ -126,20 +145,16 @@ class ExportConsumer(Consumer):
         model = context.model
         self.hidden_size = int(model.hidden_size)
         keys: list[str] = []
-        self._layer_specs: list[int | str] = []
+        self._ports: list[TokenPort] = []
+        parse = context.parse_port or _residual_port
         for spec in config.layers:
-            if spec == FINAL:
-                key = FINAL
-                absolute: int | str = FINAL
-            else:
-                try:
-                    absolute = context.resolve_layer(int(spec))
-                except ValueError as e:
-                    raise ValueError(f"export: layers entry {spec!r}: {e}") from None
-                key = layer_key(absolute)
-            if key not in keys:
-                keys.append(key)
-                self._layer_specs.append(absolute)
+            try:
+                port = parse(str(spec), Phase.ALL).resolve(context.resolve_layer)
+            except ValueError as e:
+                raise ValueError(f"export: layers entry {spec!r}: {e}") from None
+            if port.key not in keys:
+                keys.append(port.key)
+                self._ports.append(port)
         self.keys = keys
         self.path = check_output_dir(config.out, config.overwrite)
         itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
@@ -185,7 +200,7 @@ class ExportConsumer(Consumer):
 
     def reads(self) -> list[ReadPort]:
         phase = self._capture_phase()
-        ports: list[ReadPort] = [HiddenStates(spec, phase) for spec in self._layer_specs]
+        ports: list[ReadPort] = [dataclasses.replace(p, phase=phase) for p in self._ports]
         ports.append(SampledTokens(Phase.ALL))
         return ports
 

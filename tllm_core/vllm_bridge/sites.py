@@ -47,7 +47,8 @@ class _Tap(nn.Module):
     def value(self, out):
         return out
 
-    def rebuild(self, out, new: torch.Tensor, mask: torch.Tensor):
+    def rebuild(self, out, new: torch.Tensor, changed: torch.Tensor):
+        """The module output carrying ``new`` on rows where ``changed``."""
         return new
 
     def forward(self, *args, **kwargs):
@@ -58,8 +59,9 @@ class _Tap(nn.Module):
             e = self.edit
             mask = e.mask[:n]
             new = apply_edit(s, mask, e.keep[:n], e.add[:n], e.dir[:n])
-            self.edited.copy_(((new != s).any(-1, keepdim=True) & mask).sum())
-            out = self.rebuild(out, new, mask)
+            changed = (new != s).any(-1, keepdim=True) & mask
+            self.edited.copy_(changed.sum())
+            out = self.rebuild(out, new, changed)
             s = new
         if self.capture is not None:
             # Copy now: on GPU the next fused add-norm overwrites these tensors in place.
@@ -76,10 +78,10 @@ class ResidualTap(_Tap):
         h, r = out
         return h + r
 
-    def rebuild(self, out, new, mask):
+    def rebuild(self, out, new, changed):
         h, r = out
-        # torch.where keeps unselected rows' h bit for bit ((h + r) - r may differ from h).
-        return torch.where(mask, new - r, h), r
+        # torch.where keeps unchanged rows' h bit for bit ((h + r) - r may differ from h).
+        return torch.where(changed, new - r, h), r
 
 
 class OutputTap(_Tap):

@@ -1,0 +1,325 @@
+"""Unit tests of the opened core: port/producer plugins, step stamps, edit math and order.
+
+A test double of the step (a fake tap that writes or does not write its stamp) shows that
+the runtime only delivers and counts what the forward really wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from tllm_core import (
+    Consumer,
+    ConsumerConfig,
+    Edit,
+    GuideView,
+    HiddenStates,
+    LayerPort,
+    Phase,
+    Producer,
+    ResidualEdit,
+    SampledTokens,
+    TapRequest,
+    hookimpl,
+)
+from tllm_core.consumer import ModelInfo
+from tllm_core.edits import EditBuffers, EditPlan, apply_edit
+from tllm_core.registry import Registry
+from tllm_core.rows import RequestInfo, StepLayout, layout_rows
+from tllm_core.runtime import Runtime
+from tllm_core.settings import RuntimeSettings
+from tllm_core.step import StepCapture
+from tllm_core.vllm_bridge.sites import OutputTap, ResidualTap, TapBuffers
+
+H = 4
+
+
+# -- a third-party port and producer, registered at run time ----------------------------
+@dataclass(frozen=True)
+class DoubledResidual(LayerPort):
+    """Test port: twice the residual stream after a layer (reads the residual tap)."""
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "twice"
+
+
+class DoubledProducer(Producer):
+    name = "doubled"
+    ports = (DoubledResidual,)
+
+    def taps(self, port):
+        return [TapRequest("residual", port.layer)]
+
+    def read(self, port, step):
+        return 2 * step.tensor(f"residual.{port.layer}")
+
+
+class Reader(Consumer):
+    name = "reader"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.bundles = []
+
+    def reads(self):
+        return [DoubledResidual(-1), HiddenStates(0, Phase.DECODE), SampledTokens()]
+
+    def on_bundle(self, bundle):
+        self.bundles.append(bundle)
+
+
+class Adder(Consumer):
+    name = "adder"
+
+    class Config(ConsumerConfig):
+        value: float = 1.0
+        replace: bool = False
+
+    def writes(self):
+        return [ResidualEdit(1)]
+
+    def edit(self, rows, plan):
+        v = torch.full((H,), self.config.value)
+        if self.config.replace:
+            plan.replace(1, np.arange(len(rows)), v)
+        else:
+            plan.add(1, np.arange(len(rows)), v)
+
+
+class Ablator(Consumer):
+    name = "ablator"
+
+    class Config(ConsumerConfig):
+        axis: int = 0
+
+    def writes(self):
+        return [Edit(HiddenStates(-1))]
+
+    def edit(self, rows, plan):
+        d = torch.zeros(H)
+        d[self.config.axis] = 1.0
+        plan.ablate(HiddenStates(1), np.arange(len(rows)), d)
+
+
+class _Plugin:
+    @hookimpl
+    def tllm_producers(self):
+        return [DoubledProducer]
+
+    @hookimpl
+    def tllm_consumers(self):
+        return [Reader, Adder, Ablator]
+
+
+def _model() -> ModelInfo:
+    return ModelInfo(H, 2, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
+
+
+def _runtime(*specs: dict) -> Runtime:
+    reg = Registry()
+    reg.register(_Plugin(), name="test-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": list(specs)})
+    return Runtime(settings, _model(), reg)
+
+
+def _step(rt: Runtime, n_prompt: int = 2, decode: int = 1):
+    """A step of one request: ``n_prompt`` prefill rows finished earlier, ``decode`` rows now
+    (decode rows only), with fake tap buffers for every tap the runtime asked for."""
+    req = RequestInfo("r-abcdefgh", "r", 0, 0, n_prompt)
+    layout = StepLayout(
+        engine_ids=["r-abcdefgh"],
+        num_scheduled=np.array([decode]),
+        num_computed=np.array([n_prompt]),
+        num_tokens=np.array([n_prompt + decode]),
+        token_ids=torch.arange(decode),
+    )
+    rows, srow, kept = layout_rows(layout, [req])
+    step_no = rt.step_index + 1
+    tensors, stamps = {}, {}
+    for t in rt.taps:
+        if t.layer is not None:
+            tensors[t.key] = torch.randn(decode, H)
+            stamps[t.key] = torch.tensor([step_no])
+    tensors["sampled"] = torch.tensor([7] * decode)
+    return rows, StepCapture(step_no, rows, srow, kept, tensors, stamps)
+
+
+def test_third_party_port_is_served_by_its_producer():
+    rt = _runtime({"name": "reader"})
+    assert {t.key for t in rt.taps} == {"residual.1", "residual.0", "sampled"}
+    rows, step = _step(rt)
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    (b,) = rt.slots[0].consumer.bundles
+    assert torch.equal(b.hidden["twice.1"], 2 * step.tensors["residual.1"])
+    assert torch.equal(b.hidden["layer.0"], step.tensors["residual.0"])
+    assert b.sampled_token_ids.tolist() == [7]
+    snap = rt.counters.snapshot()
+    assert snap["rows_captured.twice.1"] == 1 and snap["rows_captured.sampled"] == 1
+
+
+def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
+    rt = _runtime({"name": "reader"})
+    rows, step = _step(rt)
+    step.stamps["residual.0"] = torch.tensor([step.step - 1])  # the forward skipped this tap
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    (b,) = rt.slots[0].consumer.bundles
+    assert "layer.0" not in b.hidden and "twice.1" in b.hidden
+    report = rt.collect()
+    assert report["runtime"]["stale_captures"] == 1
+    assert "rows_captured.layer.0" not in report["runtime"]
+    assert any("residual.0" in e["error"] for e in report["errors"])
+
+
+def test_registry_parses_ports_and_names_bad_ones():
+    reg = Registry()
+    reg.register(_Plugin(), name="test-plugin")
+    assert reg.parse_port("3") == HiddenStates(3)
+    assert reg.parse_port("final", Phase.DECODE) == HiddenStates("final", Phase.DECODE)
+    assert reg.parse_port("twice.-1") == DoubledResidual(-1)
+    assert type(reg.parse_port("attn.2")).__name__ == "AttentionOutput"
+    with pytest.raises(ValueError, match=r"bad port 'attn\.x'.*mlp\.\{i\}"):
+        reg.parse_port("attn.x")
+
+
+def test_edit_tap_only_on_editable_sites():
+    with pytest.raises(ValueError, match="read-only"):
+        Registry().producer_for(HiddenStates("final")).edit_tap(HiddenStates("final"))
+    with pytest.raises(ValueError, match="unknown tap site"):
+        TapRequest("nowhere", 1)
+
+
+# -- edit math ------------------------------------------------------------------------
+def test_apply_edit_math_add_replace_ablate():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(4, H, generator=g)
+    u = torch.nn.functional.normalize(torch.randn(H, generator=g), dim=0)
+    v = torch.randn(H, generator=g)
+    buf = EditBuffers(4, H, torch.float32, torch.device("cpu"))
+    rows = RowsStub(4)
+    plan = EditPlan(rows, {"layer.1": "residual.1"}, H)
+    plan.add(1, np.array([0]), v)
+    plan.replace(1, np.array([1]), v)
+    plan.ablate(1, np.array([2]), 3 * u)  # normalised by the plan
+    buf.write(plan.ops["layer.1"])
+    out = apply_edit(s, buf.mask, buf.keep, buf.add, buf.dir)
+    torch.testing.assert_close(out[0], s[0] + v)
+    torch.testing.assert_close(out[1], v)
+    torch.testing.assert_close(out[2], s[2] - (s[2] @ u) * u)
+    assert torch.equal(out[3], s[3])  # unselected: bit for bit
+
+
+def test_ablation_then_add_and_two_consumers_compose_in_order():
+    """Ablation acts on the incoming stream, adds sum after it, replace discards earlier adds."""
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(2, H, generator=g)
+    e0 = torch.eye(H)[0]
+    buf = EditBuffers(2, H, torch.float32, torch.device("cpu"))
+    first = EditPlan(RowsStub(2), {"layer.1": "residual.1"}, H)
+    first.add(1, np.array([0, 1]), torch.ones(H))
+    second = EditPlan(RowsStub(2), {"layer.1": "residual.1"}, H)
+    second.ablate(1, np.array([0, 1]), e0)
+    second.replace(1, np.array([1]), torch.full((H,), 5.0))
+    second.add(1, np.array([1]), torch.ones(H))
+    for p in (first, second):
+        buf.check(p.ops["layer.1"], "layer.1")
+        buf.write(p.ops["layer.1"])
+    out = apply_edit(s, buf.mask, buf.keep, buf.add, buf.dir)
+    expect0 = s[0] - s[0, 0] * e0 + torch.ones(H)  # the added ones keep their axis-0 part
+    torch.testing.assert_close(out[0], expect0)
+    torch.testing.assert_close(out[1], torch.full((H,), 6.0))
+    # a third consumer ablating another direction on the same rows is refused before writing
+    third = EditPlan(RowsStub(2), {"layer.1": "residual.1"}, H)
+    third.ablate(1, np.array([0]), torch.eye(H)[1])
+    with pytest.raises(ValueError, match="second, different ablation direction"):
+        buf.check(third.ops["layer.1"], "layer.1")
+
+
+def test_runtime_isolates_a_conflicting_ablation_and_keeps_consumer_order():
+    rt = _runtime(
+        {"name": "adder", "config": {"value": 2.0}},
+        {"name": "ablator", "config": {"axis": 0}},
+    )
+    (tap,) = rt.edit_taps
+    assert tap.key == "residual.1"
+    buf = EditBuffers(3, H, torch.float32, torch.device("cpu"))
+    rows, _ = _step(rt, decode=3)
+    rt.begin_step(rows, {tap.key: buf})
+    s = torch.randn(3, H)
+    out = apply_edit(s, buf.mask[:3], buf.keep[:3], buf.add[:3], buf.dir[:3])
+    expect = s.clone()
+    expect[:, 0] = 0
+    torch.testing.assert_close(out, expect + 2.0)
+    assert rt.collect()["errors"] == []
+
+
+# -- taps (engine-neutral wrappers) -----------------------------------------------------
+class _Layer(torch.nn.Module):
+    def forward(self, h, r):
+        return h * 2, r + 1
+
+
+def _tap_buffers(n: int, edit: bool) -> TapBuffers:
+    return TapBuffers(
+        capture=torch.zeros(n, H),
+        edit=EditBuffers(n, H, torch.float32, torch.device("cpu")) if edit else None,
+        clock=torch.tensor([5]),
+        stamp=torch.tensor([-1]),
+        edited=torch.zeros(1, dtype=torch.int64),
+    )
+
+
+def test_residual_tap_captures_stamps_and_counts_changed_rows():
+    b = _tap_buffers(4, edit=True)
+    plan = EditPlan(RowsStub(3), {"layer.0": "residual.0"}, H)
+    plan.add(0, np.array([0, 1]), torch.tensor([1.0, 0, 0, 0]))
+    plan.add(0, np.array([2]), torch.zeros(H))  # selected, but changes nothing
+    b.edit.write(plan.ops["layer.0"])
+    tap = ResidualTap(_Layer(), b)
+    h, r = torch.randn(3, H), torch.randn(3, H)
+    h2, r2 = tap(h, r)
+    assert b.stamp.item() == 5 and b.edited.item() == 2
+    torch.testing.assert_close(b.capture[:3], h2 + r2)
+    torch.testing.assert_close(h2[0] + r2[0], 2 * h[0] + r[0] + 1 + torch.tensor([1.0, 0, 0, 0]))
+    assert torch.equal(h2[2], 2 * h[2])  # unselected or unchanged rows keep h bit for bit
+
+
+def test_output_tap_edits_the_block_output():
+    b = _tap_buffers(2, edit=True)
+    plan = EditPlan(RowsStub(2), {"attn.0": "attn.0"}, H)
+    plan.replace("attn.0", np.array([1]), torch.ones(H))
+    b.edit.write(plan.ops["attn.0"])
+    tap = OutputTap(torch.nn.Identity(), b)
+    x = torch.randn(2, H)
+    y = tap(x)
+    assert torch.equal(y[0], x[0]) and torch.equal(y[1], torch.ones(H))
+    assert b.edited.item() == 1 and b.stamp.item() == 5
+
+
+# -- guide view counts only what changed -----------------------------------------------
+def test_guide_view_counts_only_changed_rows():
+    logits = torch.tensor([[0.0, 1.0, float("-inf")], [2.0, float("-inf"), 3.0]])
+    view = GuideView(1, RowsStub(2), logits.clone(), torch.ones(2), np.ones(2, bool), True, {})
+    cand = view.candidates()
+    view.update_candidates(torch.arange(len(cand)), cand.logits.clone())  # same values back
+    assert view.rows_guided == 0 and view.candidates_guided == 0
+    view.update(torch.tensor([1]), torch.tensor([[2.0, 0.0, 4.0]]))
+    assert view.rows_guided == 1 and view.candidates_guided == 1
+    view.rollback()
+    assert view.rows_guided == 0 and torch.equal(view.logits, logits)
+
+
+class RowsStub:
+    """Only ``len`` is used by EditPlan/GuideView bookkeeping in these tests."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
