@@ -22,14 +22,14 @@ from consumers.export import ExportReader, read_export
 from consumers.export import format as fmt
 from consumers.export.consumer import ExportConfig, ExportConsumer
 from consumers.export.reader import ExportFormatError
-from tllm_core.reads import build_bundle, plan_reads
-from tllm_core.registry import Registry
-from tllm_core.step import StepCapture
 from tllm_core.bus import Bus
 from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.ports import Phase, resolve_layer
+from tllm_core.reads import build_bundle, plan_reads
+from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.step import StepCapture
 
 REPO = Path(__file__).resolve().parents[1]
 H = 8

@@ -11,8 +11,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from consumers.steer.vectors import check_vector, load_vector
-from tllm_core.edits import EditPlan
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.edits import EditPlan
 from tllm_core.ports import ResidualEdit, WritePort
 from tllm_core.rows import RequestInfo, RowInfo
 
