@@ -1,0 +1,122 @@
+"""Architecture boundaries, read from the source (no imports executed):
+
+- only ``tllm_core/vllm_bridge/`` imports vLLM internals (anything of ``vllm`` beyond
+  ``LLM``, ``SamplingParams`` and the public entry points);
+- ``tllm_core`` imports neither ``consumers``, ``algorithms`` nor ``producers``, and names
+  no built-in consumer module;
+- there are no import cycles between the project's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("tllm_core", "producers", "consumers", "algorithms")
+# What any module may import from vLLM: the public offline API.
+PUBLIC_VLLM = {"vllm.LLM", "vllm.SamplingParams"}
+BRIDGE = "tllm_core.vllm_bridge"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """Every imported name (``pkg.mod`` or ``pkg.mod.attr``), with its line, including
+    imports inside functions (lazy imports are still dependencies)."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+    return out
+
+
+def test_only_the_bridge_imports_vllm_internals():
+    bad = []
+    for mod, path in _modules().items():
+        if mod == BRIDGE or mod.startswith(BRIDGE + "."):
+            continue
+        for name, line in _imports(path, mod):
+            if (name == "vllm" or name.startswith("vllm.")) and name not in PUBLIC_VLLM:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, "vLLM internals outside tllm_core/vllm_bridge:\n" + "\n".join(bad)
+
+
+def test_core_imports_no_builtin_package():
+    bad = []
+    for mod, path in _modules().items():
+        if not mod.startswith("tllm_core"):
+            continue
+        for name, line in _imports(path, mod):
+            if name.split(".")[0] in ("consumers", "algorithms", "producers"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+        text = path.read_text()
+        for builtin in ("consumers.", "algorithms.", "producers."):
+            if f'"{builtin}' in text or f"'{builtin}" in text:
+                bad.append(f"{path.relative_to(ROOT)} names a built-in module ({builtin}...)")
+    assert not bad, "tllm_core reaches into built-ins:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for name, _ in _imports(path, mod):
+            # the longest project module the imported name refers to
+            parts = name.split(".")
+            for k in range(len(parts), 0, -1):
+                target = ".".join(parts[:k])
+                if target in mods:
+                    if target != mod:
+                        graph[mod].add(target)
+                    break
+    # Importing a package runs its __init__; a module importing its own package's
+    # __init__ (which re-exports it) is not a cycle of responsibilities.
+    for mod in graph:
+        graph[mod] = {t for t in graph[mod] if not mod.startswith(t + ".")}
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]))
+            elif t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The parser resolves relative and lazy imports, so the checks above can fail."""
+    f = tmp_path / "mod.py"
+    f.write_text("def f():\n    from ..x import y\n    import vllm.v1.worker\n")
+    names = [n for n, _ in _imports(f, "tllm_core.sub.mod")]
+    assert names == ["tllm_core.x.y", "vllm.v1.worker"]
