@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.esamp.distiller import GroupedDistiller, make_distiller
+from algorithms.esamp.cpu import GroupedDistiller
+from algorithms.esamp.factory import make_distiller
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

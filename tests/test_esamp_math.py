@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.distiller import GroupedDistiller, make_packing, pack_rows, split_params
+from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
     full_dist_logits,
@@ -20,6 +20,8 @@ from algorithms.esamp.guidance import (
     mix_post_filter,
     noise_prediction,
 )
+from algorithms.esamp.packing import make_packing, pack_rows
+from algorithms.esamp.params import split_params
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
@@ -442,7 +444,7 @@ def test_consumer_noise_ablation_and_nonfinite_hidden():
 def test_padded_fixed_capacity_update_equals_unpadded():
     """The CUDA-graph layout (groups/rows padded to a bucket, padded groups pointing at a
     scratch slot, padded rows masked) gives the same update as the exact packing."""
-    from algorithms.esamp.distiller import train_packed
+    from algorithms.esamp.graph_update import train_packed
 
     class Scratch(GroupedDistiller):
         _SCRATCH = 1
@@ -598,7 +600,7 @@ def test_host_adam_fallback_equals_fused_kernel():
 def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     """predict -> train_step on the same rows skips the training forward (same result as a
     distiller that never predicted); any other rows or changed parameters recompute it."""
-    import algorithms.esamp.distiller as dist
+    import algorithms.esamp.host_trainer as dist
 
     calls = []
     real = dist.forward_acts

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.distiller import TrainResult, make_distiller
+from algorithms.esamp.factory import make_distiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
     full_dist_logits,
@@ -23,6 +23,7 @@ from algorithms.esamp.guidance import (
     mix_latent,
     noise_prediction,
 )
+from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
