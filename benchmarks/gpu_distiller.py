@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from algorithms.esamp.distiller import GroupedDistiller  # noqa: E402
+from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
 
 QWEN2_7B = dict(
     layers=28, hidden=3584, intermediate=18944, q_heads=28, kv_heads=4, head_dim=128, vocab=152064

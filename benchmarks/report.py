@@ -24,6 +24,9 @@ RESULTS = HERE / "results"
 DOC = ROOT / "docs" / "results.md"
 IMG = ROOT / "docs" / "img"
 
+sys.path.insert(0, str(HERE))
+from throughput import CASES  # noqa: E402  (same folder: the one table of cases)
+
 # The settings of the published CPU run: the issues' workloads (throughput: 8 prompts x 16 x
 # 128 tokens, compiled, paired method; diversity: 40 prompts x 16 samples, chat, T=1, min-p 0.1).
 THROUGHPUT_ARGS = ["--rounds", "2", "--restarts", "2"]
@@ -46,14 +49,12 @@ DIVERSITY_ARGS = [
     "docs/img/diversity_metrics.png",
 ]
 
-KEY_COUNTERS = {
-    "tllm_idle": ["runtime.engine_steps"],
-    "capture": ["runtime.rows_captured.layer.0", "stats.bundles"],
-    "export": ["export.rows_exported", "export.bytes_written"],
-    "steer": ["runtime.rows_edited"],
-    "esamp_train": ["esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_guided"],
-    "esamp": ["esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_guided"],
-}
+
+def key_counters(case: str) -> list[str]:
+    """The work counters shown for a case: those its table entry in throughput.py requires,
+    then the ones it asks to report."""
+    c = CASES.get(case)
+    return [*c.required, *c.also_report] if c else []
 
 
 def cmd(script: str, args: list[str]) -> str:
@@ -185,7 +186,7 @@ def throughput_section(tp: dict) -> list[str]:
         )
         ctr = ", ".join(
             f"{k}={_get(c['counters'], k)}"
-            for k in KEY_COUNTERS.get(n, [])
+            for k in key_counters(n)
             if _get(c["counters"], k) is not None
         )
         rounds = "baseline" if n == "plain" else ", ".join(f"{r:.2f}" for r in c["ratio_rounds"])

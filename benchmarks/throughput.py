@@ -3,7 +3,8 @@
     python benchmarks/throughput.py [--consumer SPEC]... [--model PATH] [--prompts N] [-n N]
         [--max-tokens T] [--min-p P] [--rounds R] [--restarts K] [--json]
 
-Cases (one engine each; consumers are fixed per engine):
+Cases (one engine each; consumers are fixed per engine; all defined in the one table
+``CASES``, with the counters each must show as non-zero):
 
     plain        vLLM without tllm (``vllm.LLM``)
     tllm_idle    tllm runtime installed, no consumer
@@ -57,52 +58,108 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 
-DEFAULT_CASES = ["plain", "tllm_idle", "capture", "export", "steer", "esamp_train", "esamp"]
-
 
 # ----------------------------------------------------------------------------- cases
+def _export_specs(model: str, tmp: Path) -> list[str]:
+    spec = {"out": str(tmp / "export"), "layers": [0, -1], "phase": "decode", "overwrite": True}
+    return ["export:" + json.dumps(spec)]
+
+
+def _steer_specs(model: str, tmp: Path) -> list[str]:
+    import torch
+
+    hidden = int(json.loads((Path(model) / "config.json").read_text())["hidden_size"])
+    vec = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
+    path = tmp / "steer_vec.pt"
+    torch.save(vec, path)
+    vectors = [{"layer": -2, "path": str(path), "scale": 2.0, "normalize": True}]
+    return ["steer:" + json.dumps({"vectors": vectors})]
+
+
+def _fixed(specs: list[str] | None) -> Callable[[str, Path], list[str] | None]:
+    return lambda model, tmp: specs
+
+
+class Case(NamedTuple):
+    """One benchmark case: everything the script (and report.py) knows about it."""
+
+    name: str
+    # (model folder, temporary folder) -> consumer specs; None = plain vLLM, no tllm.
+    specs: Callable[[str, Path], list[str] | None]
+    # The specs as shown in the JSON output (temporary paths elided).
+    shown: list[str] | None
+    # Counters ("runtime.<name>" or "<consumer>.<name>") that must be > 0 after the case ran,
+    # else the run fails; report.py shows them (and ``also_report``).
+    required: tuple[str, ...] = ()
+    also_report: tuple[str, ...] = ()
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case("plain", _fixed(None), None),
+        Case("tllm_idle", _fixed([]), [], also_report=("runtime.engine_steps",)),
+        Case(
+            "capture",
+            _fixed(['stats:{"layers": [0, -1], "phase": "all"}']),
+            ['stats:{"layers": [0, -1]}'],
+            required=("runtime.rows_captured.layer.0", "stats.bundles"),
+        ),
+        Case(
+            "export",
+            _export_specs,
+            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
+            required=("export.rows_exported",),
+            also_report=("export.bytes_written",),
+        ),
+        Case(
+            "steer",
+            _steer_specs,
+            [
+                'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
+                '"scale": 2.0, "normalize": true}]}'
+            ],
+            required=("runtime.rows_edited",),
+        ),
+        Case(
+            "esamp_train",
+            _fixed(['esamp:{"beta": 0.0}']),
+            ['esamp:{"beta": 0.0}'],
+            required=("esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_visited"),
+        ),
+        Case(
+            "esamp",
+            _fixed(['esamp:{"beta": 0.25}']),
+            ['esamp:{"beta": 0.25}'],
+            required=("esamp.optimizer_steps", "esamp.rows_guided", "runtime.rows_guided"),
+            also_report=("esamp.rows_trained",),
+        ),
+    )
+}
+DEFAULT_CASES = list(CASES)
+
+
 def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
-    """Consumer specs of a case (None = plain vLLM, no tllm)."""
-    if case == "plain":
-        return None
-    if case == "tllm_idle":
-        return []
-    if case == "capture":
-        return ['stats:{"layers": [0, -1], "phase": "all"}']
-    if case == "export":
-        out = tmp / "export"
-        return [
-            "export:"
-            + json.dumps({"out": str(out), "layers": [0, -1], "phase": "decode", "overwrite": True})
-        ]
-    if case == "steer":
-        import torch
-
-        hidden = int(json.loads((Path(model) / "config.json").read_text())["hidden_size"])
-        vec = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
-        path = tmp / "steer_vec.pt"
-        torch.save(vec, path)
-        return [
-            "steer:"
-            + json.dumps(
-                {"vectors": [{"layer": -2, "path": str(path), "scale": 2.0, "normalize": True}]}
-            )
-        ]
-    if case == "esamp_train":
-        return ['esamp:{"beta": 0.0}']
-    if case == "esamp":
-        return ['esamp:{"beta": 0.25}']
-    return [case]  # a custom spec
+    """Consumer specs of a case (None = plain vLLM, no tllm); a custom case is its spec."""
+    return CASES[case].specs(model, tmp) if case in CASES else [case]
 
 
-def _num(d: dict, key: str) -> float:
-    v = d.get(key, 0)
+def case_consumers_public(case: str) -> list[str] | None:
+    """The consumer specs of a case as documented (temporary paths elided)."""
+    return CASES[case].shown if case in CASES else [case]
+
+
+def counter_value(counters: dict[str, dict[str, Any]], name: str) -> float:
+    """``counters["runtime"]["x"]`` for ``"runtime.x"`` (0 when absent or not a number)."""
+    group, _, key = name.partition(".")
+    v = counters.get(group, {}).get(key, 0)
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
@@ -110,39 +167,17 @@ def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) 
     """Why the counters of ``case`` show no (or failed) work; empty when fine."""
     if case == "plain":
         return []
-    rt = counters.get("runtime", {})
     probs = [f"consumer error: {e.get('consumer')}: {e.get('error')}" for e in errors]
-    if _num(rt, "engine_steps") <= 0:
+    if counter_value(counters, "runtime.engine_steps") <= 0:
         probs.append("runtime.engine_steps is 0: the tllm runtime saw no step")
-    captured = sum(_num(rt, k) for k in rt if k.startswith("rows_captured."))
-    need: list[tuple[str, float]] = []
-    if case == "capture":
-        need = [
-            ("runtime.rows_captured.*", captured),
-            ("stats.bundles", _num(counters.get("stats", {}), "bundles")),
-        ]
-    elif case == "export":
-        need = [("export.rows_exported", _num(counters.get("export", {}), "rows_exported"))]
-    elif case == "steer":
-        need = [("runtime.rows_edited", _num(rt, "rows_edited"))]
-    elif case == "esamp_train":
-        es = counters.get("esamp", {})
-        need = [
-            ("esamp.optimizer_steps", _num(es, "optimizer_steps")),
-            ("esamp.rows_trained", _num(es, "rows_trained")),
-        ]
-    elif case == "esamp":
-        es = counters.get("esamp", {})
-        need = [
-            ("esamp.optimizer_steps", _num(es, "optimizer_steps")),
-            ("esamp.rows_guided", _num(es, "rows_guided")),
-            ("runtime.rows_guided", _num(rt, "rows_guided")),
-        ]
-    elif case != "tllm_idle":  # custom: each consumer must have been delivered something
+    if case in CASES:
+        need = [(name, counter_value(counters, name)) for name in CASES[case].required]
+    else:  # custom: each consumer must have been delivered something
+        need = []
         for name, values in counters.items():
             if name == "runtime":
                 continue
-            delivered = _num(rt, f"bundles_delivered.{name}")
+            delivered = counter_value(counters, f"runtime.bundles_delivered.{name}")
             did = any(isinstance(v, (int, float)) and v > 0 for v in values.values())
             need.append(
                 (f"{name}: bundles delivered or a positive counter", max(delivered, float(did)))
@@ -728,23 +763,6 @@ def main(argv: list[str] | None = None) -> int:
     for f in failures:
         print(f"throughput: FAILED {f}", file=sys.stderr)
     return 1 if failures else 0
-
-
-def case_consumers_public(case: str) -> list[str] | None:
-    """The consumer specs of a case as documented (temporary paths elided)."""
-    table = {
-        "plain": None,
-        "tllm_idle": [],
-        "capture": ['stats:{"layers": [0, -1]}'],
-        "export": ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
-        "steer": [
-            'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
-            '"scale": 2.0, "normalize": true}]}'
-        ],
-        "esamp_train": ['esamp:{"beta": 0.0}'],
-        "esamp": ['esamp:{"beta": 0.25}'],
-    }
-    return table.get(case, [case])
 
 
 if __name__ == "__main__":

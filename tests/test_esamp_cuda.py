@@ -1,4 +1,6 @@
-"""The CUDA distiller (side stream, CUDA-graph update) against the CPU math."""
+"""The CUDA distiller (side stream, CUDA-graph update) against the CPU math.
+
+These tests have never run: no GPU was available where this code was written."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.esamp.distiller import GroupedDistiller, make_distiller
+from algorithms.esamp.cpu import GroupedDistiller
+from algorithms.esamp.factory import make_distiller
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,22 +24,27 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _pair(**kw):
-    kw = {"intermediate_size": INTER, "lr": 1e-2, "capacity": 2, **kw}
-    return GroupedDistiller(H, **kw), make_distiller(H, "cuda", **kw)
+def _pair(use_cuda_graph=True, **kw):
+    kw = {"intermediate_size": INTER, "lr": 1e-2, "capacity": 8, **kw}
+    gpu = make_distiller(H, "cuda", use_cuda_graph=use_cuda_graph, graph_max_rows=16, **kw)
+    return GroupedDistiller(H, **kw), gpu
 
 
 @pytest.mark.parametrize("use_graph", [True, False])
 def test_cuda_matches_cpu(use_graph):
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
-    cpu, gpu = _pair()
-    gpu.use_cuda_graph = use_graph
+    cpu, gpu = _pair(use_cuda_graph=use_graph)
     assert isinstance(gpu, CudaGroupedDistiller)
+    # Every bucket (groups 1..8 x rows 1..16, powers of two) was captured at construction.
+    if use_graph:
+        assert len(gpu._graphs) == 4 * 5 and gpu.graph_failures == 0
+        assert all(e.graph is not None for e in gpu._graphs.values())
+    mem = torch.cuda.memory_allocated()
     rng = np.random.default_rng(0)
     live: list[int] = []
     for step in range(30):
-        if len(live) < 5 and step % 3 == 0:  # grows capacity 2 -> 4 -> 8 mid-run
+        if len(live) < 5 and step % 3 == 0:
             s = cpu.alloc()
             assert gpu.alloc() == s
             live.append(s)
@@ -62,9 +70,30 @@ def test_cuda_matches_cpu(use_graph):
     cap = cpu.capacity
     torch.testing.assert_close(gpu.theta[:cap].cpu(), cpu.theta, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gpu.step[:cap].cpu(), cpu.step)
-    if use_graph:
-        assert gpu.graph_failures == 0 and gpu._graphs
-        assert all(e.graph is not None for e in gpu._graphs.values())
+    assert gpu.capacity == 8 and gpu.eager_updates == (0 if use_graph else 30)
+    assert gpu.staleness_max() == 0
+    # Nothing was allocated for the update during the run (the graphs' pool is warm).
+    assert torch.cuda.memory_allocated() - mem < 2**20
+
+
+def test_cuda_capacity_is_fixed_and_capture_failures_are_loud(monkeypatch, caplog):
+    _, gpu = _pair(capacity=2)
+    gpu.alloc(), gpu.alloc()
+    with pytest.raises(RuntimeError, match="capacity is fixed"):
+        gpu.alloc()
+
+    def broken(*a, **k):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    with caplog.at_level("WARNING", logger="tllm"):
+        _, bad = _pair(capacity=2)
+    assert bad.graph_failures == len(bad._graphs) > 0
+    assert "capture failed" in caplog.text
+    s = bad.alloc()
+    res = bad.train_step(torch.tensor([s, s]), torch.randn(2, H).cuda(), torch.randn(2, H).cuda())
+    bad.synchronize()
+    assert bool(res.updated.all()) and bad.eager_updates == 1
 
 
 def test_cuda_free_cycles_bounded():
@@ -136,6 +165,7 @@ def test_cuda_consumer_runs():
             torch.cuda.set_sync_debug_mode(0)
     res = c.result()
     assert res["counters"]["optimizer_steps"] == 10 and res["loss_mean"] > 0
+    assert res["counters"]["graph_failures"] == 0 and res["counters"]["staleness_max"] == 0
     for r in reqs:
         c.on_request_finished(r)
     assert c.counters.get("groups_alive") == 0

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.distiller import GroupedDistiller, make_packing, pack_rows, split_params
+from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
     full_dist_logits,
@@ -20,6 +20,8 @@ from algorithms.esamp.guidance import (
     mix_post_filter,
     noise_prediction,
 )
+from algorithms.esamp.packing import make_packing, pack_rows
+from algorithms.esamp.params import split_params
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
@@ -333,7 +335,9 @@ def test_consumer_end_to_end_counters_and_freeing(cpu_update):
     assert k["decode_steps"] == 5 and k["optimizer_steps"] == 10 and k["rows_trained"] == 30
     assert k["rows_guided"] == 25 and k["candidates_guided"] == 25 * 6
     assert k["rows_skipped_prefill"] == 6 and k["rows_skipped_greedy"] == 5
-    assert k["rows_skipped"] == 11 and k["staleness"] == 0
+    assert k["rows_skipped"] == 11 and k["rows_visited"] == 25
+    # Measured at each prediction (test_staleness_sees_a_missed_update shows it can rise).
+    assert k["staleness_max"] == 0
     assert k["loss_first"] > 0 and k["loss_last"] > 0 and k["loss_mean"] > 0
     assert k["memory_bytes_per_group"] > 0
     for r in reqs[:5]:
@@ -375,6 +379,9 @@ def test_consumer_beta_zero_runs_guidance_and_keeps_logits():
     v = fake.view(rows, hidden, logits)
     c.guide(v)
     assert torch.equal(v.logits, logits)
+    # The path ran (both rows predicted) but no logit changed, and nothing was written.
+    assert c.counters.get("rows_visited") == 2 and c.counters.get("rows_guided") == 0
+    assert c.counters.get("candidates_guided") == 0 and v.rows_guided == 0
     c.on_bundle(Bundle(1, rows, hidden))
     c.result()
     assert c.counters.get("optimizer_steps") == 1  # still learns (for the counters)
@@ -442,7 +449,7 @@ def test_consumer_noise_ablation_and_nonfinite_hidden():
 def test_padded_fixed_capacity_update_equals_unpadded():
     """The CUDA-graph layout (groups/rows padded to a bucket, padded groups pointing at a
     scratch slot, padded rows masked) gives the same update as the exact packing."""
-    from algorithms.esamp.distiller import train_packed
+    from algorithms.esamp.graph_update import train_packed
 
     class Scratch(GroupedDistiller):
         _SCRATCH = 1
@@ -598,7 +605,7 @@ def test_host_adam_fallback_equals_fused_kernel():
 def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     """predict -> train_step on the same rows skips the training forward (same result as a
     distiller that never predicted); any other rows or changed parameters recompute it."""
-    import algorithms.esamp.distiller as dist
+    import algorithms.esamp.host_trainer as dist
 
     calls = []
     real = dist.forward_acts
@@ -625,3 +632,113 @@ def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     calls.clear()
     reuse.train_step(slots, x, t)
     assert len(calls) == 1
+
+
+# -- counters measured where the work happens --------------------------------------------
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+def test_rows_guided_counts_only_rows_whose_logits_changed(mode):
+    """beta 0 rows and rows with a non-finite prediction are visited but not guided: nothing
+    is written back for them; beta > 0 rows are guided and their candidates counted."""
+    fake = Fake()
+    reqs = fake.requests(prompts=3, n=1)
+    reqs[1].extra_args = {"tllm_esamp_beta": 0.0}
+    rows, hidden = fake.step(reqs)
+    hidden["layer.0"][2, 0] = float("nan")  # row 2: non-finite prediction
+    logits = _filtered_logits(3, V, keep=6, seed=5)
+    c = fake.consumer(beta=0.5, mode=mode)
+    v = fake.view(rows, hidden, logits, filtered=mode == "post_filter")
+    c.guide(v)
+    k = c.counters.snapshot()
+    assert k["rows_visited"] == 3 and k["rows_guided"] == 1
+    assert k["candidates_guided"] == 6  # row 0's candidates (full_vocab: the finite ones)
+    assert not torch.equal(v.logits[0], logits[0])
+    assert torch.equal(v.logits[1:], logits[1:])
+    assert v.rows_guided == 1  # the view saw writes to row 0 only
+
+
+def test_training_counters_count_only_steps_and_rows_really_trained():
+    fake = Fake()
+    reqs = fake.requests(prompts=2, n=2)
+    # Frozen: rows selected, nothing trained.
+    c = fake.consumer(ablation="frozen")
+    rows, hidden = fake.step(reqs)
+    c.on_bundle(Bundle(1, rows, hidden))
+    c.result()
+    k = c.counters.snapshot()
+    assert k["train_rows_skipped_frozen"] == 4
+    assert k["decode_steps"] == 0 and k["rows_trained"] == 0 and k["optimizer_steps"] == 0
+    # One group's rows are non-finite: only the other group's rows count as trained.
+    c = fake.consumer(cpu_update="inline")
+    rows, hidden = fake.step(reqs)
+    hidden["layer.0"][0, 0] = float("nan")  # group r0
+    c.on_bundle(Bundle(1, rows, hidden))
+    k = c.counters.snapshot()
+    assert k["nonfinite_losses_skipped"] == 1 and k["optimizer_steps"] == 1
+    assert k["rows_trained"] == 2 and k["decode_steps"] == 1
+    # A step where every group is skipped is no training step.
+    rows, hidden = fake.step(reqs)
+    hidden["layer.0"][:, 0] = float("nan")
+    c.on_bundle(Bundle(2, rows, hidden))
+    k = c.counters.snapshot()
+    assert k["nonfinite_losses_skipped"] == 3
+    assert k["rows_trained"] == 2 and k["decode_steps"] == 1
+
+
+def test_fixed_capacity_distiller_skips_new_groups_as_cap():
+    """The CUDA distiller never grows: a group arriving with every slot live is skipped
+    (shown here with the CPU distiller marked fixed)."""
+    fake = Fake()
+    c = fake.consumer()
+    c.distiller.growable = False
+    cap = c.distiller.capacity
+    reqs = fake.requests(prompts=cap + 1, n=1)
+    rows, hidden = fake.step(reqs)
+    c.guide(fake.view(rows, hidden, _filtered_logits(cap + 1, V, keep=5)))
+    assert c.counters.get("groups_created") == cap and c.counters.get("rows_skipped_cap") == 1
+    assert c.distiller.capacity == cap
+
+
+def _gate_side_thread(d: GroupedDistiller):
+    """Hold the side thread until the returned event is set."""
+    import threading
+
+    gate = threading.Event()
+    d._side.submit(gate.wait)
+    return gate
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_staleness_sees_a_missed_update(broken, monkeypatch):
+    """staleness_max compares the updates submitted for a slot with those processed when a
+    prediction reads it: strict ordering reads 0; a prediction that skips the wait (the
+    ordering broken on purpose) sees the queued update."""
+    d = _distiller(side_thread=True)
+    s = d.alloc()
+    x = torch.randn(3, H)
+    gate = _gate_side_thread(d)
+    d.train_step(torch.tensor([s] * 3), x, x + 1)
+    if broken:
+        monkeypatch.setattr(d, "_wait_side", lambda: None)
+    else:
+        gate.set()
+    d.predict(torch.tensor([s]), x[:1])
+    assert d.staleness_max() == (1 if broken else 0)
+    gate.set()
+    d.close()
+
+
+def test_consumer_reports_measured_staleness(monkeypatch):
+    fake = Fake()
+    c = fake.consumer(cpu_update="thread")
+    reqs = fake.requests(1, 2)
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(2, V, keep=5)
+    c.guide(fake.view(rows, hidden, logits))
+    gate = _gate_side_thread(c.distiller)
+    c.on_bundle(Bundle(1, rows, hidden))
+    monkeypatch.setattr(c.distiller, "_wait_side", lambda: None)  # ordering broken
+    c.guide(fake.view(rows, hidden, logits))
+    assert c.counters.get("staleness_max") == 1
+    gate.set()
+    monkeypatch.undo()
+    c.close()

@@ -3,6 +3,6 @@ from what it already predicts. See ``docs`` and the spec for the exact semantics
 
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.distiller import GroupedDistiller
+from algorithms.esamp.cpu import GroupedDistiller
 
 __all__ = ["ESampConfig", "ESampConsumer", "GroupedDistiller"]

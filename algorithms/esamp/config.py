@@ -92,7 +92,22 @@ class ESampConfig(ConsumerConfig):
         "threads slows the forward more than it saves. Same math either way.",
     )
     use_cuda_graph: bool = Field(
-        True, description="On CUDA, capture the update step as a CUDA graph (else eager)."
+        True,
+        description="On CUDA, capture the update step as CUDA graphs when the consumer is "
+        "built (one per bucket of groups x rows per group) and replay them (else eager).",
+    )
+    cuda_capacity: int = Field(
+        64,
+        description="On CUDA: distiller slots allocated when the consumer is built (inside "
+        "vLLM's load_model, so vLLM's memory profile sees them); the CUDA distiller never grows, "
+        "so a group arriving while this many are live gets none (rows_skipped_cap) until one is "
+        "freed. max_groups, when set, is used instead. Ignored on CPU (its state grows).",
+    )
+    cuda_graph_max_rows: int = Field(
+        64,
+        description="On CUDA: update graphs are captured for up to this many rows of one group "
+        "in a step (rounded up to a power of two); a step with more runs eagerly (counter "
+        "eager_updates, logged).",
     )
 
     @field_validator("beta")
@@ -102,7 +117,7 @@ class ESampConfig(ConsumerConfig):
             raise ValueError(f"beta must be >= 0 (0 disables guidance), got {v}")
         return v
 
-    @field_validator("intermediate_size", "num_blocks")
+    @field_validator("intermediate_size", "num_blocks", "cuda_capacity", "cuda_graph_max_rows")
     @classmethod
     def _positive_int(cls, v: int) -> int:
         if v < 1:

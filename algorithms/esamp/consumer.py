@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.distiller import TrainResult, make_distiller
+from algorithms.esamp.factory import make_distiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
     full_dist_logits,
@@ -23,6 +23,7 @@ from algorithms.esamp.guidance import (
     mix_latent,
     noise_prediction,
 )
+from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
@@ -41,6 +42,7 @@ COUNTER_NAMES = (
     "decode_steps",
     "optimizer_steps",
     "rows_trained",
+    "rows_visited",
     "rows_guided",
     "candidates_guided",
     "loss_first",
@@ -52,7 +54,6 @@ COUNTER_NAMES = (
     "rows_skipped",
     "rows_skipped_prefill",
     "rows_skipped_greedy",
-    "rows_skipped_no_distiller",
     "rows_skipped_cap",
     "rows_skipped_mixed",
     "train_rows_skipped_cap",
@@ -60,10 +61,12 @@ COUNTER_NAMES = (
     "train_rows_skipped_mixed",
     "train_rows_skipped_frozen",
     "nonfinite_losses_skipped",
-    "staleness",
+    "staleness_max",
     "memory_bytes_per_group",
     "latent_fallback_rows",
     "finished_unseen",
+    "graph_failures",
+    "eager_updates",
 )
 
 
@@ -119,21 +122,36 @@ class ESampConsumer(Consumer):
         if self._tgt == self._src:
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
-        self.distiller = make_distiller(
-            model.hidden_size,
-            model.device,
-            use_cuda_graph=cfg.use_cuda_graph,
-            side_thread=model.device.type == "cpu" and _use_side_thread(cfg.cpu_update),
-            intermediate_size=cfg.intermediate_size,
-            num_blocks=cfg.num_blocks,
-            lr=cfg.lr,
-            eps=cfg.eps,
-            grad_clip=cfg.grad_clip,
-            init=cfg.init,
-            seed=cfg.seed,
-        )
-        # Losses of queued updates (CUDA stream, CPU side thread) are read back in batches.
-        self._deferred = self.distiller.device.type == "cuda" or self.distiller.asynchronous
+        on_cuda = model.device.type == "cuda"
+        extra = {}
+        if on_cuda:
+            # Everything the CUDA distiller needs is allocated (and its update graphs
+            # captured) now: construction runs inside vLLM's load_model, before vLLM
+            # profiles memory and sizes the KV cache.
+            extra = {
+                "capacity": cfg.max_groups or cfg.cuda_capacity,
+                "graph_max_rows": cfg.cuda_graph_max_rows,
+            }
+        # Not under inference mode: state made there could not be trained in place.
+        with torch.inference_mode(False):
+            self.distiller = make_distiller(
+                model.hidden_size,
+                model.device,
+                use_cuda_graph=cfg.use_cuda_graph,
+                side_thread=model.device.type == "cpu" and _use_side_thread(cfg.cpu_update),
+                intermediate_size=cfg.intermediate_size,
+                num_blocks=cfg.num_blocks,
+                lr=cfg.lr,
+                eps=cfg.eps,
+                grad_clip=cfg.grad_clip,
+                init=cfg.init,
+                seed=cfg.seed,
+                **extra,
+            )
+        # Losses of queued updates (CUDA stream, CPU side thread) are read back in batches;
+        # on CUDA every read of a device counter is a host sync, so only there.
+        self._on_cuda = self.distiller.device.type == "cuda"
+        self._deferred = self._on_cuda or self.distiller.asynchronous
         self._weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self._latent_ok = self._weight is not None and self._tgt == FINAL
@@ -155,8 +173,8 @@ class ESampConsumer(Consumer):
         self._req_beta: dict[str, float] = {}  # engine_id -> beta (override or config)
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
-        self.counters.set("staleness", 0)  # strict: training is ordered before the next predict
         self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
+        self.counters.set("graph_failures", self.distiller.graph_failures)
 
     # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
@@ -177,10 +195,13 @@ class ESampConsumer(Consumer):
         return g
 
     def _ensure_slot(self, g: _Group) -> int | None:
-        """The group's slot, allocated on its first decode row; None at the ``max_groups`` cap."""
+        """The group's slot, allocated on its first decode row; None at the ``max_groups`` cap
+        (or when a fixed-capacity distiller, the CUDA one, has every slot live)."""
         if g.slot is None:
-            cap = self.cfg.max_groups
-            if cap is not None and self.distiller.num_live >= cap:
+            d, cap = self.distiller, self.cfg.max_groups
+            if (cap is not None and d.num_live >= cap) or (
+                not d.growable and d.num_live >= d.capacity
+            ):
                 return None
             g.slot = self.distiller.alloc()
             g.serial, g.age = self._serials, 0
@@ -241,7 +262,7 @@ class ESampConsumer(Consumer):
 
     def guide(self, view: GuideView) -> None:
         cfg, rows = self.cfg, view.rows
-        # beta = 0 still runs the full path: (1+0)·ref − 0·dist must equal ref bit for bit.
+        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
         if len(rows) == 0:
             return
         is_dec = np.asarray(rows.is_decode, dtype=bool)
@@ -265,25 +286,28 @@ class ESampConsumer(Consumer):
                     slots.append(slot)
         if not sel:
             return
+        self.counters.add("rows_visited", len(sel))
         idx = _index(sel, view.logits.device)
         f = self.distiller.predict(
             torch.tensor(slots, dtype=torch.long), _select(view.hidden(self._src_key), sel, idx)
         )
+        if not self._on_cuda:  # on CUDA read at the next blocking flush (a host sync)
+            self.counters.max("staleness_max", self.distiller.staleness_max())
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
         betas = torch.tensor(
             [self._beta(rows.requests[i]) for i in sel], dtype=torch.float32, device=f.device
         )
-        # A non-finite prediction must not poison sampling: such rows keep their logits.
-        ok = torch.isfinite(f).all(-1)
-        before_rows, before_cand = view.rows_guided, view.candidates_guided
+        # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
+        # logits untouched (nothing is written back for them).
+        mixed = torch.isfinite(f).all(-1) & (betas != 0)
         if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-            self._mix_candidates(view, idx, f, betas, ok)
+            n_rows, n_cand = self._mix_candidates(view, idx, f, betas, mixed)
         else:
-            self._mix_full_vocab(view, idx, f, betas, ok)
-        self.counters.add("rows_guided", view.rows_guided - before_rows)
-        self.counters.add("candidates_guided", view.candidates_guided - before_cand)
+            n_rows, n_cand = self._mix_full_vocab(view, idx, f, betas, mixed)
+        self.counters.add("rows_guided", n_rows)
+        self.counters.add("candidates_guided", n_cand)
 
     def _head(self, z: torch.Tensor) -> torch.Tensor:
         model = self.context.model
@@ -295,23 +319,27 @@ class ESampConsumer(Consumer):
         idx: torch.Tensor,
         f: torch.Tensor,
         betas: torch.Tensor,
-        ok: torch.Tensor,
-    ) -> None:
-        """Post-filter mode: dist logits and the mix for the surviving candidates only, as a
-        sparse write (no pass over the vocabulary beyond finding the candidates)."""
+        mixed: torch.Tensor,
+    ) -> tuple[int, int]:
+        """Post-filter mode: dist logits and the mix for the surviving candidates of the
+        ``mixed`` rows only, as a sparse write of the entries that changed (no pass over the
+        vocabulary beyond finding the candidates). Returns (rows, candidates) changed."""
         cand = view.candidates()
         pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
-        pos[idx] = torch.arange(idx.numel(), device=idx.device)
+        pos[idx[mixed]] = mixed.nonzero().squeeze(1)
         p = pos[cand.rows]
         entries = (p >= 0).nonzero().squeeze(1)
+        if entries.numel() == 0:
+            return 0, 0
         p = p[entries]
         ref = cand.logits[entries]
         dist = candidate_dist_fn(f, self._weight, self._head)(p, cand.tokens[entries])
         temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
-        beta = betas[p]
-        new = mix_candidates(ref, dist, beta, temp)
-        # beta 0 keeps the reference bit for bit (1*x - 0*d could still round or be NaN).
-        view.update_candidates(entries, torch.where(ok[p] & (beta != 0), new, ref))
+        new = mix_candidates(ref, dist, betas[p], temp)
+        changed = (new != ref).nonzero().squeeze(1)
+        n_rows = int(torch.unique(cand.rows[entries[changed]]).numel())
+        view.update_candidates(entries[changed], new[changed])
+        return n_rows, int(changed.numel())
 
     def _mix_full_vocab(
         self,
@@ -319,9 +347,15 @@ class ESampConsumer(Consumer):
         idx: torch.Tensor,
         f: torch.Tensor,
         betas: torch.Tensor,
-        ok: torch.Tensor,
-    ) -> None:
-        """Whole-vocabulary mix: in latent space when exact, else two projections."""
+        mixed: torch.Tensor,
+    ) -> tuple[int, int]:
+        """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
+        projections; only rows with a changed candidate are written. Returns (rows,
+        candidates) changed."""
+        sub = mixed.nonzero().squeeze(1)
+        if sub.numel() == 0:
+            return 0, 0
+        idx, f, betas = idx[sub], f[sub], betas[sub]
         ref = view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
         if self.cfg.mix == "latent" and self._latent_ok:
@@ -333,8 +367,11 @@ class ESampConsumer(Consumer):
             new = mix_full_vocab_logits(
                 ref, full_dist_logits(f, self._weight, self._head), betas, temp
             )
-        keep = (ok & (betas != 0))[:, None]
-        view.update(idx, torch.where(keep, new, ref))
+        # GuideView.update writes candidate (finite) entries only.
+        changed = (new != ref) & (ref > float("-inf"))
+        rows = changed.any(1)
+        view.update(idx[rows], new[rows])
+        return int(rows.sum()), int(changed.sum())
 
     # -- training (after sampling) ------------------------------------------------
     def on_bundle(self, bundle: Bundle) -> None:
@@ -342,7 +379,6 @@ class ESampConsumer(Consumer):
         is_dec = np.asarray(rows.is_decode, dtype=bool)
         if len(rows) == 0 or not is_dec.any():
             return
-        self.counters.add("decode_steps")
         if self.cfg.skip_mixed_batches and not is_dec.all():
             self.counters.add("train_rows_skipped_mixed", int(is_dec.sum()))
             return
@@ -379,7 +415,6 @@ class ESampConsumer(Consumer):
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:
             g.age += 1
-        self.counters.add("rows_trained", len(sel))
         if not self._deferred or len(self._pending) >= _FLUSH_EVERY:
             self._flush()
         elif self.distiller.asynchronous:
@@ -393,21 +428,27 @@ class ESampConsumer(Consumer):
         ``block=False`` only those of updates that have already run, oldest first."""
         if block and self._pending:
             self.distiller.synchronize()
+        if block or not self._on_cuda:  # a device read on CUDA: only where a sync is paid
+            self.counters.max("staleness_max", self.distiller.staleness_max())
+            self.counters.set("eager_updates", self.distiller.eager_updates)
         n_ready = 0
         while n_ready < len(self._pending) and (block or self._pending[n_ready][2].ready()):
             n_ready += 1
         if not n_ready:
             return
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
-        steps = bad = 0
+        steps = bad = rows = train_steps = 0
         for serials, ages, res in ready:
             losses = res.losses.cpu().tolist()
             ok = res.updated.cpu().tolist()
-            for serial, age, loss, good in zip(serials, ages, losses, ok, strict=True):
+            counts = res.counts.tolist()
+            train_steps += any(ok)
+            for serial, age, loss, good, n in zip(serials, ages, losses, ok, counts, strict=True):
                 if not good:
                     bad += 1
                     continue
                 steps += 1
+                rows += n
                 self._loss_sum += loss
                 self._loss_n += 1
                 if self._loss_first is None:
@@ -421,6 +462,8 @@ class ESampConsumer(Consumer):
                 self._group_first.setdefault(serial, loss)
                 self._group_last[serial] = loss
         self.counters.add("optimizer_steps", steps)
+        self.counters.add("rows_trained", rows)
+        self.counters.add("decode_steps", train_steps)
         self.counters.add("nonfinite_losses_skipped", bad)
         if self._loss_n:
             self.counters.set("loss_first", self._loss_first)

@@ -1,0 +1,119 @@
+"""The CPU grouped distiller: all groups of a step in one batched computation, updated in
+place by :class:`~algorithms.esamp.host_trainer.HostTrainer`, inline or on a side thread."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from algorithms.esamp.host_trainer import HostTrainer
+from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.packing import HostBatch, Packing, make_packing
+from algorithms.esamp.params import block_weights
+from algorithms.esamp.side_thread import SideThread
+from algorithms.esamp.slots import SlotDistiller, TrainResult
+
+
+class GroupedDistiller(SlotDistiller):
+    """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
+    see :mod:`algorithms.esamp.cuda` for the stream/graph version).
+
+    With ``side_thread=True`` training steps and slot resets run on a
+    :class:`~algorithms.esamp.side_thread.SideThread`, in order; every method that reads the
+    state (``predict``, ``synchronize``, growth) first waits for them, so a prediction always
+    sees every update submitted before it (strict staleness, measured by
+    :meth:`staleness_max`).
+
+    A prediction keeps its forward activations; a train step on the same rows with the
+    parameters unchanged since (the usual ESamp step: predict in the sampler, then train on
+    those rows) reuses them instead of running the forward again.
+    """
+
+    def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
+        # Set before the base class allocates the state (growth drains the side thread).
+        self._side = SideThread("tllm-esamp-update") if side_thread else None
+        # The last prediction: (version, slots [G], x fp32 [R, H], packed (f, activations)).
+        self._saved: tuple[int, np.ndarray, torch.Tensor, tuple] | None = None
+        super().__init__(hidden_size, **kwargs)
+        self._host = HostTrainer(self.shape, self.hp)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._side is not None
+
+    def _wait_side(self) -> None:
+        if self._side is not None:
+            self._side.wait()
+
+    def _drain(self) -> None:
+        self._wait_side()
+
+    def _ordered(self, change) -> None:
+        self._side.submit(change) if self._side is not None else change()
+
+    def close(self) -> None:
+        """Finish pending work and stop the side thread (if any)."""
+        if self._side is not None:
+            self._side.wait()
+            self._side.close()
+            self._side = None
+
+    # -- math -----------------------------------------------------------------------
+    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            return torch.zeros(0, self.shape.hidden_size, device=x.device)
+        self._check_live(pk)
+        self._wait_side()
+        lag = self._submitted[pk.slots] - self.applied.numpy()[pk.slots]
+        self._staleness_max = max(self._staleness_max, int(lag.max()))
+        with torch.no_grad():
+            # A copy: x may be a view of a capture buffer that the next step overwrites.
+            x = x.to(torch.float32, copy=True)
+            batch = HostBatch.plan(pk.slots)
+            fwd = forward_acts(block_weights(batch.take(self.theta), self.shape), batch.pack(pk, x))
+            self._saved = (self._version, pk.slots, x, fwd)
+            return batch.unpack(pk, fwd[0])
+
+    def _saved_forward(
+        self, pk: Packing, x: torch.Tensor
+    ) -> tuple[torch.Tensor, Activations] | None:
+        """The last prediction's packed forward if it was on exactly these rows and
+        parameters (checked, not assumed: the inputs are compared)."""
+        saved, self._saved = self._saved, None
+        if saved is None:
+            return None
+        version, slots, x_saved, fwd = saved
+        if (
+            version != self._version
+            or not np.array_equal(slots, pk.slots)
+            or x.shape != x_saved.shape
+            or not torch.equal(x.float(), x_saved)
+        ):
+            return None
+        return fwd
+
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+        """One in-place update of all packed groups (see :class:`HostTrainer`), inline or
+        queued on the side thread; ``losses``/``updated`` are filled when the update has run.
+        Reuses the prediction's forward when it was on these rows and parameters."""
+        forward = self._saved_forward(pk, x)
+        self._version += 1
+        losses = torch.full((len(pk.slots),), float("nan"))
+        updated = torch.zeros(len(pk.slots), dtype=torch.bool)
+        done = threading.Event()
+
+        def run() -> None:
+            state = (self.theta, self.m, self.v, self.step)
+            batch = HostBatch.plan(pk.slots)
+            loss, ok = self._host.step(state, pk, batch, x, target, forward)
+            self.applied[torch.from_numpy(pk.slots)] += 1
+            losses.copy_(torch.tensor(loss))
+            updated.copy_(torch.tensor(ok))
+            done.set()
+
+        self._ordered(run)
+        return TrainResult(pk.slots, losses, updated, done)

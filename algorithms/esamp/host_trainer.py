@@ -1,0 +1,165 @@
+"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, with
+the backward written out as batched products over groups (no autograd)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from algorithms.esamp.adam import CLIP_EPS
+from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.packing import HostBatch, Packing
+from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
+
+
+def _fused_adam_available() -> bool:
+    return hasattr(torch, "_fused_adam_")
+
+
+class HostTrainer:
+    """clip_grad_norm_ + Adam for the packed groups of one step, in place, with the backward
+    written out as batched products over groups (both cores work on it through torch's
+    intra-op pool; 16-row products of one group alone run on one core).
+
+    Each weight gradient is a product ``A^T B`` of two thin ``[M, .]`` factors, so its squared
+    norm is ``sum((A A^T) * (B B^T))``: every group's clip coefficient is known from M x M
+    Gram matrices before any gradient exists. Each weight's gradients (all groups) are then
+    formed once, already clipped, in a scratch buffer that stays in cache, and handed to
+    PyTorch's fused Adam kernel: per step the optimizer streams parameters and moments once,
+    and no full-size gradient is ever written to memory.
+    """
+
+    def __init__(self, shape: DistillerShape, hp: AdamHyper):
+        self.shape, self.hp = shape, hp
+        self.scratch = torch.empty(0)
+        self.fused = _fused_adam_available()
+        # Per slot: its weight matrices in theta, m and v (flat, index 3 * block + matrix),
+        # kept while the state tensors are the same storage (they change only on growth).
+        self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        self._views_key: tuple[int, ...] = ()
+
+    def step(
+        self,
+        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        pk: Packing,
+        batch: HostBatch,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        forward: tuple[torch.Tensor, Activations] | None = None,
+    ) -> tuple[list[float], list[bool]]:
+        """One update of each packed group; returns per group (loss, updated).
+
+        ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
+        these parameters on the packed ``x``, when already computed (a prediction of the same
+        rows). A group with a non-finite loss or gradient norm keeps its state (updated False).
+        """
+        theta, m, v, step = state
+        shape, hp = self.shape, self.hp
+        weights = block_weights(batch.take(theta), shape)
+        if forward is None:
+            forward = forward_acts(weights, batch.pack(pk, x))
+        h, acts = forward
+        diff = h - batch.pack(pk, target)
+        counts = torch.ones(batch.size, dtype=torch.float32)
+        counts[torch.from_numpy(batch.pos)] = torch.from_numpy(pk.counts).float()
+        denom = counts * shape.hidden_size
+        losses = diff.square().sum((1, 2)) / denom
+        dy = diff.mul_((2.0 / denom)[:, None, None])
+        # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
+        factors: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
+        sq = torch.zeros(batch.size)
+        for b in reversed(range(len(weights))):
+            gate, up, down = weights[b]
+            h_in, a, u, s, p = acts[b]
+            dp = torch.bmm(dy, down)
+            du = dp * s
+            sig = torch.sigmoid(a)
+            da = dp * u * sig * (1 + a * (1 - sig))
+            factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+            # ||A^T B||^2 = sum((A A^T) * (B B^T)); gate and up share B = h_in.
+            gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
+            gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
+            sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
+            sq += (gram_g * gram_in).sum((1, 2))
+            if b:
+                dy = dy + torch.bmm(du, up) + torch.bmm(da, gate)
+        loss_l = losses[torch.from_numpy(batch.pos)].tolist()
+        sq_l = sq[torch.from_numpy(batch.pos)].tolist()
+        ok = [math.isfinite(lo) and math.isfinite(q) for lo, q in zip(loss_l, sq_l, strict=True)]
+        coef = torch.ones(batch.size)
+        if hp.grad_clip is not None:
+            for gi, q in enumerate(sq_l):
+                if ok[gi]:
+                    coef[batch.pos[gi]] = min(1.0, hp.grad_clip / (math.sqrt(q) + CLIP_EPS))
+        todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
+        if todo:
+            self._update(theta, m, v, step, factors, coef, todo, batch.size)
+        return loss_l, ok
+
+    def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
+        """Form each weight's clipped gradient for all groups and apply Adam to the groups in
+        ``todo`` (batch index, slot)."""
+        shape = self.shape
+        steps = [step[slot] for _, slot in todo]
+        for s in steps:
+            s += 1
+        rows = [self._slot_views(theta, m, v, slot) for _, slot in todo]
+        numel = shape.intermediate_size * shape.hidden_size
+        if self.scratch.numel() < size * numel:
+            self.scratch = torch.empty(size * numel)
+        scale = coef[:, None, None]
+        for b, k, a_f, b_f in factors:
+            j = 3 * b + k
+            w_shape = rows[0][0][j].shape
+            grad = self.scratch[: size * numel].view(size, *w_shape)
+            # Clipping folded into the thin factor: (c A)^T B = c (A^T B).
+            torch.bmm((a_f * scale).transpose(1, 2), b_f, out=grad)
+            self._adam(
+                [r[0][j] for r in rows],
+                [grad[i] for i, _ in todo],
+                [r[1][j] for r in rows],
+                [r[2][j] for r in rows],
+                steps,
+            )
+
+    def _slot_views(self, theta, m, v, slot: int) -> tuple[list[torch.Tensor], ...]:
+        # Capacity only grows, so a row count names one allocation of the state.
+        key = (theta.data_ptr(), theta.shape[0], m.data_ptr(), v.data_ptr())
+        if key != self._views_key:
+            self._views, self._views_key = {}, key
+        views = self._views.get(slot)
+        if views is None:
+            views = tuple(
+                [w[0] for blk in block_weights(t[slot][None], self.shape) for w in blk]
+                for t in (theta, m, v)
+            )
+            self._views[slot] = views
+        return views
+
+    def _adam(self, ws, grads, ms, vs, steps) -> None:
+        hp = self.hp
+        b1, b2 = hp.betas
+        if self.fused:
+            torch._fused_adam_(
+                ws,
+                grads,
+                ms,
+                vs,
+                [],
+                steps,
+                lr=hp.lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=0.0,
+                eps=hp.eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            return
+        for w, grad, m, v, step in zip(ws, grads, ms, vs, steps, strict=True):
+            n = float(step)
+            m.lerp_(grad, 1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+            denom = v.sqrt().div_(math.sqrt(1 - b2**n)).add_(hp.eps)
+            w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))

@@ -1,0 +1,77 @@
+"""The distiller's parameter layout: shapes, optimizer settings, the flat parameter row of
+one group and its views per weight matrix.
+
+Each group (slot) owns one flat fp32 row of ``P`` parameters; ``m`` and ``v`` (Adam's
+moments) share the layout. Row layout: gate ``[NB, I, H]``, up ``[NB, I, H]``, down
+``[NB, H, I]`` (``NB`` blocks, intermediate size ``I``, hidden size ``H``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistillerShape:
+    hidden_size: int
+    intermediate_size: int = 384
+    num_blocks: int = 2
+
+    @property
+    def block_numel(self) -> int:
+        return self.num_blocks * self.intermediate_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        # gate, up: [NB, I, H]; down: [NB, H, I]
+        return 3 * self.block_numel
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    lr: float = 4e-4
+    eps: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 0.5
+
+
+def split_params(
+    theta: torch.Tensor, shape: DistillerShape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``(gate [G,NB,I,H], up [G,NB,I,H], down [G,NB,H,I])`` into ``theta [G, P]``."""
+    g, n = theta.shape[0], shape.block_numel
+    nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
+    return (
+        theta[:, :n].reshape(g, nb, i, h),
+        theta[:, n : 2 * n].reshape(g, nb, i, h),
+        theta[:, 2 * n :].reshape(g, nb, h, i),
+    )
+
+
+def block_weights(theta: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
+    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]`` (or
+    the same rows of ``m``/``v``, which share the layout)."""
+    gate, up, down = split_params(theta, shape)
+    return [(gate[:, b], up[:, b], down[:, b]) for b in range(shape.num_blocks)]
+
+
+def init_params(shape: DistillerShape, init: str, seed: int) -> torch.Tensor:
+    """One group's initial flat parameters (CPU, fp32), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    n = shape.block_numel
+
+    def uniform(fan_in: int) -> torch.Tensor:
+        # nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(fan_in)
+        return torch.rand(n, generator=gen, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+
+    gate, up = uniform(shape.hidden_size), uniform(shape.hidden_size)
+    down = uniform(shape.intermediate_size)
+    if init == "zero":
+        down.zero_()  # every block starts as the identity residual: f(x) = x
+    elif init != "paper":
+        raise ValueError(f"unknown init {init!r} (expected 'paper' or 'zero')")
+    return torch.cat([gate, up, down])

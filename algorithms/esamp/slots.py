@@ -1,0 +1,231 @@
+"""Slots of independent distillers: the stacked parameter and optimizer state, its slot
+lifecycle (alloc, free, growth) and the bookkeeping that measures staleness.
+
+Each group (slot) owns one flat fp32 parameter row of ``theta [C, P]`` plus its Adam state
+(``m``, ``v``, ``step``). Groups never mix: each group's loss only depends on its own
+parameter row, and clipping/Adam are row-wise. The device-specific math lives in the
+subclasses (:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from algorithms.esamp.packing import Packing, make_packing
+from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
+
+
+@dataclass
+class TrainResult:
+    """Outcome of one train step. ``losses``/``updated`` stay on the device (no host sync)."""
+
+    slots: np.ndarray  # int64 [G] (host)
+    losses: torch.Tensor  # fp32 [G]: MSE of each group before the update
+    updated: torch.Tensor  # bool [G]: False where the loss/grad was non-finite (skipped)
+    # Set once the values are final (CPU side thread); None: final after synchronize().
+    done: threading.Event | None = None
+    counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
+
+    def ready(self) -> bool:
+        """True when ``losses``/``updated`` can be read without waiting."""
+        return self.done is None or self.done.is_set()
+
+
+class SlotDistiller:
+    """Stacked state of ``capacity`` distiller slots and their lifecycle (base class).
+
+    Staleness is measured, not assumed: ``_submitted[slot]`` counts the train steps handed
+    to the distiller for a slot (host), ``applied[slot]`` (on the device) the ones the update
+    code has processed, incremented where the update runs. A prediction compares the two for
+    its slots at the moment it reads the parameters; :meth:`staleness_max` is the largest
+    gap seen (0 when every update submitted before a prediction ran before it).
+    """
+
+    _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
+    growable = True  # False: alloc() never reallocates the state (fixed capacity)
+    graph_failures = 0  # CUDA only: update graphs whose capture failed
+    eager_updates = 0  # CUDA only: update steps run without a captured graph
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        intermediate_size: int = 384,
+        num_blocks: int = 2,
+        lr: float = 4e-4,
+        eps: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float | None = 0.5,
+        init: str = "paper",
+        seed: int = 0,
+        capacity: int = 4,
+        device: torch.device | str = "cpu",
+    ):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
+        self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip)
+        self.device = torch.device(device)
+        self.template = init_params(self.shape, init, seed).to(self.device)
+        self._capacity = 0
+        self.theta = self.m = self.v = self.step = torch.empty(0)
+        self.applied = torch.empty(0, dtype=torch.long)
+        self._submitted = np.zeros(0, dtype=np.int64)
+        self._staleness_max = 0
+        self._free: list[int] = []
+        self._live: set[int] = set()
+        # Bumped by every change of the parameters (update, slot reset, growth).
+        self._version = 0
+        self._grow(capacity)
+
+    # -- ordering hooks (the subclasses' queues) -------------------------------------
+    @property
+    def asynchronous(self) -> bool:
+        """True when train steps return before they have run (read results after
+        :meth:`synchronize`)."""
+        return False
+
+    def _drain(self) -> None:
+        """Wait for pending work that uses the state (before it is reallocated)."""
+
+    def _ordered(self, change: Callable[[], None]) -> None:
+        """Apply a state change after every update queued before it."""
+        change()
+
+    def synchronize(self) -> None:
+        """Wait for pending work."""
+        self._drain()
+
+    def close(self) -> None:
+        """Finish pending work and release helpers (threads, streams)."""
+        self._drain()
+
+    # -- slots ----------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def live_slots(self) -> list[int]:
+        return sorted(self._live)
+
+    def _grow(self, new_capacity: int) -> None:
+        """Reallocate the stacked state; new slots start from the template."""
+        self._drain()  # pending jobs hold views of the old storage
+        self._version += 1
+        rows = new_capacity + self._SCRATCH
+        p, dev = self.shape.num_params, self.device
+        theta = self.template.expand(rows, p).clone()
+        m = torch.zeros(rows, p, device=dev)
+        v = torch.zeros(rows, p, device=dev)
+        step = torch.zeros(rows, device=dev)
+        applied = torch.zeros(rows, dtype=torch.long, device=dev)
+        submitted = np.zeros(rows, dtype=np.int64)
+        old = self._capacity
+        if old:
+            theta[:old].copy_(self.theta[:old])
+            m[:old].copy_(self.m[:old])
+            v[:old].copy_(self.v[:old])
+            step[:old].copy_(self.step[:old])
+            applied[:old].copy_(self.applied[:old])
+            submitted[:old] = self._submitted[:old]
+        self.theta, self.m, self.v, self.step = theta, m, v, step
+        self.applied, self._submitted = applied, submitted
+        for s in range(old, new_capacity):
+            heapq.heappush(self._free, s)
+        self._capacity = new_capacity
+
+    def alloc(self) -> int:
+        """A fresh slot (state at init); doubles the capacity when all slots are live (a
+        fixed-capacity distiller raises instead: check :attr:`num_live` first)."""
+        if not self._free:
+            if not self.growable:
+                raise RuntimeError(
+                    f"all {self._capacity} distiller slots are live and this distiller's "
+                    "capacity is fixed"
+                )
+            # vLLM calls consumers under inference mode; state made there could not be
+            # trained in place later.
+            with torch.inference_mode(False):
+                self._grow(2 * self._capacity)
+        slot = heapq.heappop(self._free)
+        self._live.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Release ``slot``: its parameters go back to init and its Adam state to zero."""
+        if slot not in self._live:
+            raise ValueError(f"slot {slot} is not live (live: {self.live_slots})")
+        self._reset(slot)
+        self._live.remove(slot)
+        heapq.heappush(self._free, slot)
+
+    def _reset(self, slot: int) -> None:
+        def reset() -> None:
+            self.theta[slot].copy_(self.template)
+            self.m[slot].zero_()
+            self.v[slot].zero_()
+            self.step[slot].zero_()
+            self.applied[slot].zero_()
+
+        self._version += 1
+        self._submitted[slot] = 0
+        # Queued after the slot's pending updates, before any later use of the slot.
+        self._ordered(reset)
+
+    def _check_live(self, pk: Packing) -> None:
+        dead = [int(s) for s in pk.slots if int(s) not in self._live]
+        if dead:
+            raise ValueError(f"slots {dead} are not live (live: {self.live_slots})")
+
+    # -- math (device-specific parts in the subclasses) ---------------------------------
+    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``."""
+        raise NotImplementedError
+
+    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+        """One Adam step per group present, on that group's rows (MSE averaged over them).
+
+        Groups whose loss or gradient is non-finite are skipped (``updated`` False).
+        """
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            empty = torch.zeros(0, device=self.device)
+            return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
+        self._check_live(pk)
+        self._submitted[pk.slots] += 1
+        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
+        # train outside it (subclasses override _train only).
+        with torch.inference_mode(False):
+            res = self._train(pk, x.clone(), target.clone())
+        res.counts = pk.counts
+        return res
+
+    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+        raise NotImplementedError
+
+    def staleness_max(self) -> int:
+        """The largest number of submitted-but-unprocessed updates any prediction's slot had
+        when the prediction read its parameters (0: strict ordering held)."""
+        return self._staleness_max
+
+    def memory_bytes_per_group(self) -> int:
+        """Parameters + Adam moments + step counter of one slot, in bytes (fp32; the 8-byte
+        update counter used for staleness is not included)."""
+        return (3 * self.shape.num_params + 1) * 4
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the stacked state (all slots, live or not) plus the template."""
+        return (
+            self._capacity + self._SCRATCH
+        ) * self.memory_bytes_per_group() + self.shape.num_params * 4
