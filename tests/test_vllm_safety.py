@@ -147,7 +147,8 @@ CHAT = [
     {
         "role": "user",
         "content": " ".join(
-            f"Step {i}: describe how the tides of the sea rise and fall, and why." for i in range(12)
+            f"Step {i}: describe how the tides of the sea rise and fall, and why."
+            for i in range(12)
         ),
     }
 ]
