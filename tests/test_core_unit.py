@@ -225,13 +225,26 @@ def test_stats_consumer_reads_ports():
         StatsConsumer(StatsConsumer.Config(layers=[9]), ctx)
 
 
-def test_vllm_env_workarounds_default_only_where_needed(monkeypatch):
+def test_vllm_runner_workarounds_only_where_needed():
     from tllm_core.vllm_bridge import workarounds
 
-    assert workarounds.env_defaults("0.32.0", is_cpu=True) == {"VLLM_USE_AOT_COMPILE": "0"}
-    assert workarounds.env_defaults("0.32.0", is_cpu=False) == {}
-    assert workarounds.env_defaults("0.33.1", is_cpu=True) == {}
-    # A value the user set is kept.
+    assert workarounds.runner_fixes("0.32.0", is_cpu=True) == ["seeded_chunked_prefill"]
+    assert workarounds.runner_fixes("0.32.0", is_cpu=False) == []
+    assert workarounds.runner_fixes("0.33.1", is_cpu=True) == []
+
+
+def test_tllm_engines_switch_aot_compile_off_even_under_a_frozen_env_cache(monkeypatch, caplog):
+    import vllm.envs as envs
+
+    from tllm_core.vllm_bridge.worker_setup import aot_compile_off
+
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
-    assert "VLLM_USE_AOT_COMPILE" not in workarounds.apply()
-    assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+    envs.enable_envs_cache()  # as after an earlier engine in this process
+    try:
+        assert envs.VLLM_USE_AOT_COMPILE
+        aot_compile_off()
+        assert os.environ["VLLM_USE_AOT_COMPILE"] == "0"
+        assert not envs.VLLM_USE_AOT_COMPILE
+        assert "overriding VLLM_USE_AOT_COMPILE=1 with 0" in caplog.text
+    finally:
+        envs.disable_envs_cache()

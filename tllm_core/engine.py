@@ -49,16 +49,22 @@ def validate_consumers(
     return parsed
 
 
-def _salted(prompt: Any, extra: dict[str, Any]) -> Any:
-    """Give requests with different per-request settings different prefix-cache salts.
+def _salt(extra: dict[str, Any]) -> str | None:
+    """The prefix-cache salt of a request with these extra args (None: no per-request keys).
 
     With residual edits, a cached prompt block computed under one request's edits must
     not be reused by a request with other (or no) edits.
     """
     keys = {k: v for k, v in extra.items() if k.startswith("tllm_") and k not in _TAG_KEYS}
     if not keys:
+        return None
+    return "tllm:" + json.dumps(keys, sort_keys=True, default=str)
+
+
+def _salted(prompt: Any, salt: str | None) -> Any:
+    """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
+    if salt is None:
         return prompt
-    salt = "tllm:" + json.dumps(keys, sort_keys=True, default=str)
     if isinstance(prompt, str):
         return {"prompt": prompt, "cache_salt": salt}
     if isinstance(prompt, dict) and "cache_salt" not in prompt:
@@ -139,18 +145,23 @@ class TllmLLM:
         return self._run(self.llm.chat, messages, sampling_params, chat=True, **kwargs)
 
     def _run(self, fn, prompts, sampling_params, chat: bool, **kwargs):
-        from vllm import SamplingParams
-
         one = isinstance(prompts, (str, dict)) or (
             chat and len(prompts) > 0 and isinstance(prompts[0], dict)
         )
         items = [prompts] if one else list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
-        per = (
-            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-        )
-        tagged = []
+            # As vllm.LLM does: the model's generation config (or vLLM's neutral defaults).
+            sampling_params = self.llm.get_default_sampling_params()
+        if isinstance(sampling_params, (list, tuple)):
+            per = list(sampling_params)
+            if len(per) != len(items):
+                raise ValueError(
+                    f"got {len(items)} prompts and {len(per)} sampling params; give one "
+                    f"SamplingParams, or one per prompt"
+                )
+        else:
+            per = [sampling_params] * len(items)
+        tagged, salts = [], []
         for i, sp in enumerate(per):
             sp = sp.clone()
             extra = dict(sp.extra_args or {})
@@ -158,10 +169,13 @@ class TllmLLM:
             extra["tllm_n"] = sp.n
             sp.extra_args = extra
             tagged.append(sp)
-            if self.status.get("edit_layers") and not chat:
-                items[i] = _salted(items[i], extra)
+            salts.append(_salt(extra) if self.status.get("edit_layers") else None)
         try:
-            return fn(items, tagged, **kwargs)
+            if chat:
+                from tllm_core.vllm_bridge.offline import chat_with_salts
+
+                return chat_with_salts(self.llm, salts, items, tagged, **kwargs)
+            return fn([_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs)
         finally:
             # generate() is synchronous: every request of this call is done.
             self._rpc("tllm_end_batch")

@@ -1,111 +1,94 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: tllm``).
 
-vLLM loads it in every process. It wraps the V1 runners' ``load_model`` so that,
-after the weights load and before anything compiles, a runner whose config carries
-``additional_config["tllm"]`` gets the tllm hooks. Without that key the wrapper
-calls the original and returns: nothing of tllm is in the request path.
+vLLM calls :func:`register` in every process it starts. It must never harm a plain vLLM
+engine, so it imports no model runner and changes no behaviour; it installs two switches
+that only read the configuration:
 
-In the OpenAI server (``vllm serve``) it also adds :class:`EndpointGate` to the endpoint
-plugins the API server loads; the gate does nothing unless the server's
-``--additional-config`` carries the ``tllm`` key, in which case it wires up
-:mod:`tllm_core.vllm_bridge.serving` (request checks, cache salt, ``/tllm/*`` routes).
+- ``WorkerWrapperBase.init_device`` (class-level wrap): vLLM calls it in the process that
+  runs the model, with the engine's config, after the worker is built and before the
+  weights load. Without ``additional_config["tllm"]`` the wrapper calls the original and
+  returns. With it, :mod:`tllm_core.vllm_bridge.worker_setup` takes over (version check,
+  runner check, hooks after ``load_model``).
+- ``vllm.plugins.load_endpoint_plugins`` (API server): appends :class:`EndpointGate`, which
+  does nothing unless the server's ``--additional-config`` carries the ``tllm`` key; then it
+  wires up :mod:`tllm_core.vllm_bridge.serving` (request checks, cache salt, ``/tllm/*``).
+
+``register`` itself never raises: vLLM does not guard general plugins, and an exception
+here would break plain vLLM. A vLLM whose layout lacks these two points is logged; a tllm
+engine on it then fails loudly (``TllmLLM`` and the server check that tllm is installed).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+from typing import Any
 
 log = logging.getLogger("tllm")
 
 _PATCHED_ATTR = "_tllm_patched"
+SETTINGS_KEY = "tllm"  # == tllm_core.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
 
 
-def _wrap_load_model(cls: type) -> None:
-    orig = cls.__dict__.get("load_model")
-    if orig is None or getattr(orig, _PATCHED_ATTR, False):
-        return
-
-    @functools.wraps(orig)
-    def load_model(self, *args, **kwargs):
-        out = orig(self, *args, **kwargs)
-        cfg = (self.vllm_config.additional_config or {}).get("tllm")
-        if cfg is not None:
-            from tllm_core.vllm_bridge.hooks import install
-
-            install(self, cfg)
-            from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
-
-            ensure_worker_methods(self.vllm_config)
-        return out
-
-    setattr(load_model, _PATCHED_ATTR, True)
-    cls.load_model = load_model
-
-
-def register() -> None:
-    if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
-        return
-    from tllm_core.vllm_bridge import workarounds
-
-    workarounds.apply()
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    _wrap_load_model(GPUModelRunner)
-    _patch_v2_if_present()
-    _patch_endpoint_plugins()
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except ImportError:  # CUDA builds may not ship the CPU runner
-        return
-    _wrap_load_model(CPUModelRunner)
-
-
-def _refuse_v2(cls: type) -> None:
-    """The V2 GPU runner is not hooked: refuse loudly instead of capturing nothing."""
-    orig = cls.__dict__.get("load_model")
-    if orig is None or getattr(orig, _PATCHED_ATTR, False):
-        return
-
-    @functools.wraps(orig)
-    def load_model(self, *args, **kwargs):
-        if (self.vllm_config.additional_config or {}).get("tllm") is not None:
-            from tllm_core.vllm_bridge.version import UnsupportedEngineError
-
-            raise UnsupportedEngineError(
-                "tllm consumers are configured but vLLM selected its V2 model runner, which "
-                "tllm does not hook. Set VLLM_USE_V2_MODEL_RUNNER=0 (tllm's own LLM wrapper "
-                "and CLI do this for you)."
-            )
-        return orig(self, *args, **kwargs)
-
-    setattr(load_model, _PATCHED_ATTR, True)
-    cls.load_model = load_model
-
-
-def _patch_v2_if_present() -> None:
-    try:
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-    except Exception:  # noqa: BLE001 - absent or not importable on this platform (CPU)
-        return
-    _refuse_v2(V2Runner)
-
-
-# -- the OpenAI server ----------------------------------------------------------------------
-def _tllm_settings(additional_config) -> dict | None:
+def tllm_settings(additional_config: Any) -> dict | None:
+    """The tllm settings in an engine's ``additional_config`` (dict or JSON text), else None."""
     if isinstance(additional_config, str):
-        import json
-
         try:
             additional_config = json.loads(additional_config)
         except ValueError:
             return None
     if not isinstance(additional_config, dict):
         return None
-    return additional_config.get("tllm")
+    return additional_config.get(SETTINGS_KEY)
 
 
+def register() -> None:
+    if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
+        return
+    for install in (_wrap_init_device, _patch_endpoint_plugins):
+        try:
+            install()
+        except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
+            log.warning(
+                "tllm: %s failed (%s: %s); plain vLLM is unaffected, but tllm is not "
+                "available in this process",
+                install.__name__,
+                type(e).__name__,
+                e,
+            )
+
+
+# -- the engine (the process that runs the model) ------------------------------------------
+def _wrap_init_device() -> None:
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    cls = WorkerWrapperBase
+    orig = cls.__dict__.get("init_device")
+    if orig is None:
+        raise AttributeError("vllm WorkerWrapperBase has no init_device")
+    if getattr(orig, _PATCHED_ATTR, False):
+        return
+
+    @functools.wraps(orig)
+    def init_device(self, *args, **kwargs):
+        config = getattr(self, "vllm_config", None)
+        settings = tllm_settings(getattr(config, "additional_config", None))
+        if settings is None:
+            return orig(self, *args, **kwargs)
+        from tllm_core.vllm_bridge import worker_setup
+
+        worker_setup.before_device(config)
+        out = orig(self, *args, **kwargs)
+        worker_setup.attach(self.worker, settings)
+        return out
+
+    setattr(init_device, _PATCHED_ATTR, True)
+    cls.init_device = init_device
+
+
+# -- the OpenAI server ----------------------------------------------------------------------
 class EndpointGate:
     """vLLM endpoint plugin (API server only) that is inert unless the tllm switch is on."""
 
@@ -116,7 +99,7 @@ class EndpointGate:
         self.active = False
 
     def attach_router(self, app) -> None:
-        cfg = _tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
+        cfg = tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
         if cfg is None:
             return
         from tllm_core.serving.keys import ServerConsumers
@@ -128,7 +111,7 @@ class EndpointGate:
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
             return
-        cfg = _tllm_settings(engine_client.vllm_config.additional_config)
+        cfg = tllm_settings(engine_client.vllm_config.additional_config)
         if cfg is None:
             return
         from tllm_core.vllm_bridge.serving import init_state
@@ -146,12 +129,10 @@ def _patch_endpoint_plugins() -> None:
 
     orig = getattr(vp, "load_endpoint_plugins", None)
     if orig is None:
-        # Not silent: serving would run without per-request validation or /tllm endpoints.
-        log.warning(
-            "tllm: vllm.plugins.load_endpoint_plugins is missing in this vLLM; "
-            "serving runs without tllm's request checks and /tllm endpoints"
+        raise AttributeError(
+            "vllm.plugins.load_endpoint_plugins is missing: serving would run without tllm's "
+            "request checks and /tllm endpoints"
         )
-        return
     if getattr(orig, _PATCHED_ATTR, False):
         return
 

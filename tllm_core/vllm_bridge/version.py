@@ -34,19 +34,68 @@ def check_version(version: str | None = None) -> str:
     return version
 
 
+# Every runner attribute the hooks read or wrap (see CONTRACT.md), as dotted paths. Checked when
+# tllm attaches to the worker, before the weights load, and again when the hooks are installed.
+RUNNER_ATTRS = (
+    "_prepare_inputs",
+    "execute_model",
+    "execute_model_state",
+    "_sample",
+    "sampler.topk_topp_sampler.forward",
+    "input_batch.req_ids",
+    "input_batch.num_reqs",
+    "input_batch.num_computed_tokens_cpu",
+    "input_batch.num_tokens_no_spec",
+    "input_batch.sampling_metadata",
+    "requests",
+    "input_ids.gpu",
+    "max_num_tokens",
+    "device",
+    "model_config",
+    "vllm_config.additional_config",
+    "vllm_config.parallel_config",
+)
+# Read once the weights are loaded (``runner.model`` exists only then).
+LOADED_MODEL_ATTRS = ("model.compute_logits", "model.model.layers")
+
+
+def missing_attrs(obj: object, paths: tuple[str, ...]) -> list[str]:
+    """The dotted attribute paths of ``paths`` that ``obj`` does not have."""
+    missing = []
+    for path in paths:
+        cur = obj
+        for part in path.split("."):
+            if not hasattr(cur, part):
+                missing.append(path)
+                break
+            cur = getattr(cur, part)
+    return missing
+
+
 def check_runner(runner: object) -> None:
     """The bridge hooks the V1 runner (GPUModelRunner and its CPU subclass) only."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as e:  # noqa: BLE001 - reported, never swallowed
+        raise UnsupportedEngineError(
+            f"tllm cannot import vLLM's V1 model runner ({type(e).__name__}: {e}): "
+            f"this vLLM is not supported"
+        ) from e
 
     if not isinstance(runner, GPUModelRunner):
         raise UnsupportedEngineError(
             f"tllm hooks vLLM's V1 model runner; this engine uses {type(runner).__module__}."
-            f"{type(runner).__name__}. On GPU set VLLM_USE_V2_MODEL_RUNNER=0 (tllm sets it "
-            f"when it starts the engine itself)."
+            f"{type(runner).__name__} (vLLM's V2 runner is not supported). On GPU set "
+            f"VLLM_USE_V2_MODEL_RUNNER=0 (tllm sets it when it starts the engine itself)."
         )
-    for name in ("_prepare_inputs", "execute_model", "_sample", "sampler", "input_batch"):
-        if not hasattr(runner, name):
-            raise UnsupportedEngineError(f"vLLM runner lacks {name!r}: this vLLM is not supported")
+    paths = RUNNER_ATTRS
+    if getattr(runner, "model", None) is not None:
+        paths = paths + LOADED_MODEL_ATTRS
+    missing = missing_attrs(runner, paths)
+    if missing:
+        raise UnsupportedEngineError(
+            f"vLLM runner lacks {', '.join(repr(m) for m in missing)}: this vLLM is not supported"
+        )
     if getattr(runner, "speculative_config", None) is not None:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
     pc = runner.vllm_config.parallel_config

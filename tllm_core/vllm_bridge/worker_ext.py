@@ -1,8 +1,9 @@
 """Worker extension (``LLM(worker_extension_cls=...)``): RPC methods to read results back.
 
-``vllm serve`` needs no ``--worker-extension-cls``: when the tllm switch is on, the plugin's
-``load_model`` wrapper calls :func:`ensure_worker_methods`, which mixes the class in the way
-vLLM does for ``worker_extension_cls``.
+``vllm serve`` needs no ``--worker-extension-cls``: when the tllm switch is on,
+:func:`tllm_core.vllm_bridge.worker_setup.attach` calls :func:`ensure_worker_methods`, which
+mixes the class into the worker's class the way vLLM does for ``worker_extension_cls``
+(appending it to the class's ``__bases__``, in the engine's process).
 """
 
 from __future__ import annotations
@@ -44,14 +45,8 @@ class TllmWorkerExtension:
         return None if hooks is None else hooks.runtime.close()
 
 
-def ensure_worker_methods(vllm_config: Any) -> None:
-    """Give this process's worker class the ``tllm_*`` RPC methods (idempotent)."""
-    worker_cls = getattr(vllm_config.parallel_config, "worker_cls", None)
-    if not isinstance(worker_cls, str):
+def ensure_worker_methods(worker_cls: type) -> None:
+    """Give the worker class the ``tllm_*`` RPC methods (idempotent)."""
+    if hasattr(worker_cls, "tllm_collect") or TllmWorkerExtension in worker_cls.__mro__:
         return
-    from vllm.utils.import_utils import resolve_obj_by_qualname
-
-    cls = resolve_obj_by_qualname(worker_cls)
-    if hasattr(cls, "tllm_collect") or TllmWorkerExtension in cls.__mro__:
-        return
-    cls.__bases__ = cls.__bases__ + (TllmWorkerExtension,)
+    worker_cls.__bases__ = worker_cls.__bases__ + (TllmWorkerExtension,)

