@@ -69,12 +69,15 @@ def test_read_only_failing_and_beta_zero_consumers_leave_output_identical(
     assert [e["consumer"] for e in rep["errors"]] == ["crasher"]
     assert "deliberate failure" in rep["errors"][0]["error"]
     assert rep["consumers"]["stats"]["bundles"] == rt["engine_steps"]
-    # beta = 0 ran the whole guidance path, and it changed nothing
+    # beta = 0 ran the whole guidance path (rows visited, distiller trained) and changed
+    # nothing, so no row counts as guided, in ESamp's counters nor in the runtime's
     es = rep["consumers"]["esamp"]
-    assert es["rows_guided"] > 0 and es["optimizer_steps"] > 0
-    # ESamp guides decode rows only, at most once per step: bounded by the decode rows
+    assert es["rows_visited"] > 0 and es["optimizer_steps"] > 0
+    assert es["rows_guided"] == 0 and rt.get("rows_guided", 0) == 0
+    assert rt["rows_guide_visited"] > 0
+    # ESamp visits decode rows only, at most once per step: bounded by the decode rows
     # counted from the outputs (not by another counter fed from the same value)
-    assert es["rows_guided"] <= _decode_rows(toks), (es["rows_guided"], _decode_rows(toks))
+    assert es["rows_visited"] <= _decode_rows(toks), (es["rows_visited"], _decode_rows(toks))
 
 
 def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens):

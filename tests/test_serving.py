@@ -274,7 +274,9 @@ def test_esamp_on_and_off_per_request(servers):
     strong = _complete(on, model, {"tllm_consumers": "esamp", "tllm_esamp_beta": 4})
     assert strong.choices[0].text != plain
     c4 = _esamp(on)
-    assert c4["rows_guided"] - c3["rows_guided"] == 22
+    # beta 0 visits its 11 rows but changes none: only the strong request's rows are guided
+    assert c4["rows_guided"] - c3["rows_guided"] == 11
+    assert c4["rows_visited"] - c3["rows_visited"] == 22
 
     # Chat, n=2, streaming: both samples guided (9 decode rows each).
     texts = _chat_stream(on, model, {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5})
