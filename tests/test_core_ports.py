@@ -323,3 +323,25 @@ class RowsStub:
 
     def __len__(self) -> int:
         return self.n
+
+
+def test_per_request_editor_sees_and_edits_only_its_rows():
+    rt = _runtime({"name": "adder", "config": {"value": 1.0}, "per_request": True})
+    on = RequestInfo("a-abcdefgh", "a", 0, 0, 1, extra_args={"tllm_consumers": "adder"})
+    off = RequestInfo("b-abcdefgh", "b", 1, 0, 1)
+    layout = StepLayout(
+        engine_ids=["a-abcdefgh", "b-abcdefgh"],
+        num_scheduled=np.array([2, 3]),
+        num_computed=np.array([0, 0]),
+        num_tokens=np.array([2, 3]),
+        token_ids=torch.arange(5),
+    )
+    rows, _, _ = layout_rows(layout, [off, on][::-1])
+    seen = []
+    adder = rt.slots[0].consumer
+    orig = adder.edit
+    adder.edit = lambda r, plan: (seen.append(len(r)), orig(r, plan))  # type: ignore[method-assign]
+    buf = EditBuffers(5, H, torch.float32, torch.device("cpu"))
+    rt.begin_step(rows, {"residual.1": buf})
+    assert seen == [2]  # the consumer was handed only request a's rows
+    assert buf.mask[:, 0].tolist() == [True, True, False, False, False]

@@ -143,8 +143,8 @@ def test_edit_plan_checks_and_restrict():
         plan.add(2, np.array([0]), torch.ones(4))
     with pytest.raises(ValueError, match="width is 4"):
         plan.add(1, np.array([0]), torch.ones(5))
-    plan.add(1, np.array([0, 1, 2]), torch.ones(3, 4))
-    plan.restrict(np.array([True, False, True, True]))
+    plan.add(1, np.array([0, 1]), torch.ones(2, 4))
+    plan.remap(np.array([0, 2, 3]))  # the plan was made on rows 0, 2, 3 of the step
     rows, kind, value = plan.ops["layer.1"][0]
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
 

@@ -90,16 +90,12 @@ class EditPlan:
         if rows.size:
             self.ops.setdefault(key, []).append((rows, kind, value))
 
-    def restrict(self, mask: np.ndarray) -> None:
-        """Drop ops on rows outside ``mask`` (rows of requests the consumer may not touch)."""
-        for key, ops in list(self.ops.items()):
-            kept = []
-            for rows, kind, value in ops:
-                sel = mask[rows]
-                if sel.any():
-                    v = value[torch.from_numpy(sel).to(value.device)] if value.dim() == 2 else value
-                    kept.append((rows[sel], kind, v))
-            self.ops[key] = kept
+    def remap(self, index: np.ndarray) -> None:
+        """Translate row indices through ``index`` (the plan was made on a subset of the
+        step's rows: ``index[j]`` is subset row ``j``'s row in the step)."""
+        for ops in self.ops.values():
+            for i, (rows, kind, value) in enumerate(ops):
+                ops[i] = (index[rows], kind, value)
 
     def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
         """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the target at ``rows``."""

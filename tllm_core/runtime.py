@@ -150,12 +150,15 @@ class Runtime:
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
+            # A per-request consumer sees (and can select) only its requests' rows.
+            index = None if mask is None else np.nonzero(mask)[0]
+            own = rows if index is None else rows.take(index)
             allowed = {k: t.key for k, t in s.edits.items()}
-            plan = EditPlan(rows, allowed, self.model.hidden_size, self._resolve)
-            if not self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) or not plan.ops:
+            plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve)
+            if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
-            if mask is not None:
-                plan.restrict(mask)
+            if index is not None:
+                plan.remap(index)
             self.bus.call(s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers)
 
     def _resolve(self, layer: int) -> int:
