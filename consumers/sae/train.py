@@ -34,7 +34,7 @@ def train_sae(
     k: int | None = None,
     steps: int = 300,
     lr: float = 3e-3,
-    l1_coefficient: float = 1e-3,
+    l1_coefficient: float = 3e-2,
     batch_size: int = 256,
     threshold_quantile: float = 0.25,
     seed: int = 0,
