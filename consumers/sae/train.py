@@ -95,8 +95,25 @@ def train_sae(
         acts, _ = sae.encode(x)
         thr = torch.zeros(d_sae)
         for f in range(d_sae):
-            pos = acts[:, f][acts[:, f] > 0]
-            thr[f] = pos.quantile(threshold_quantile) if pos.numel() else 0.0
+            thr[f] = _threshold(acts[:, f][acts[:, f] > 0], threshold_quantile)
         sae.architecture = "jumprelu"
         sae.threshold = thr
         return sae
+
+
+def _threshold(pos: torch.Tensor, quantile: float, rel_gap: float = 1e-3) -> float:
+    """A threshold near the ``quantile`` of the positive activations ``pos``, placed in the
+    middle of a clear gap between two of them: repeated rows (a shared first token) must
+    not sit within rounding noise of the threshold, where ``pre > threshold`` would flip."""
+    if pos.numel() == 0:
+        return 0.0
+    s = pos.sort().values
+    if s.numel() == 1:
+        return float(s[0]) / 2
+    gaps = s[1:] - s[:-1]
+    clear = (gaps > rel_gap * s[1:].abs().clamp_min(1e-6)).nonzero().squeeze(1)
+    if clear.numel() == 0:
+        return float(s[0]) / 2
+    target = quantile * (s.numel() - 1)
+    j = int(clear[(clear.float() - target).abs().argmin()])
+    return float(s[j] + s[j + 1]) / 2
