@@ -157,6 +157,8 @@ class SaeConsumer(Consumer):
             vec = self._vector(s.steer)
         else:
             vec = self._config_vector
+        if vec is not None and not bool(vec.any()):
+            vec = None  # an all-zero vector (scale 0) changes nothing: not planned, not counted
         self._vectors[req.engine_id] = vec
         return vec
 
