@@ -34,6 +34,7 @@ class _Slot:
     consumer: Consumer
     reads: ReadPlan
     edits: dict[str, TapRequest] = field(default_factory=dict)  # port key -> its edit tap
+    transforms: dict[str, Any] = field(default_factory=dict)  # port key -> in-graph module
     guides: bool = False
     per_request: bool = False
 
@@ -47,12 +48,14 @@ class _Slot:
         return np.fromiter((self.acts_on(r) for r in requests), bool, len(requests))
 
 
-def _write_plan(plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers]) -> None:
+def _write_plan(
+    plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers], owner: str
+) -> None:
     """Check, then write, one consumer's plan into the edit taps' buffers."""
     for key, ops in plan.ops.items():
         buffers[allowed[key]].check(ops, key)
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].write(ops)
+        buffers[allowed[key]].write(ops, owner)
 
 
 def _edit_counter_key(tap_key: str) -> str:
@@ -88,6 +91,8 @@ def build_consumers(
             if isinstance(w, Edit):
                 target = w.target.resolve(resolve)
                 slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
+                if w.transform is not None:
+                    slot.transforms[target.key] = w.transform
             elif isinstance(w, SamplerGuide):
                 slot.guides = True
             else:
@@ -127,6 +132,15 @@ class Runtime:
     def edit_taps(self) -> set[TapRequest]:
         return {t for s in self.slots for t in s.edits.values()}
 
+    def transforms(self, tap_key: str) -> list[tuple[str, Any]]:
+        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``."""
+        return [
+            (s.consumer.name, s.transforms[k])
+            for s in self.slots
+            for k, t in s.edits.items()
+            if t.key == tap_key and k in s.transforms
+        ]
+
     @property
     def guides(self) -> bool:
         return any(s.guides for s in self.slots)
@@ -154,12 +168,14 @@ class Runtime:
             index = None if mask is None else np.nonzero(mask)[0]
             own = rows if index is None else rows.take(index)
             allowed = {k: t.key for k, t in s.edits.items()}
-            plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve)
+            plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
             if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
             if index is not None:
                 plan.remap(index)
-            self.bus.call(s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers)
+            self.bus.call(
+                s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers, s.consumer.name
+            )
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
