@@ -380,7 +380,6 @@ def test_steering_plans_scale_times_decoder_row_and_per_request_settings(tmp_pat
 CONFIG_ERRORS = [
     ({"site": 9}, "out of range"),
     ({"steer": [{"feature": D_SAE, "scale": 1.0}]}, f"the SAE has {D_SAE} features"),
-    ({"steer": [{"feature": 1, "clamp": 1.0}]}, "clamp"),
     ({"watch": [-1]}, "watch[0]"),
 ]
 
@@ -472,3 +471,38 @@ def test_saes_written_by_sae_lens_load_and_encode_identically(tmp_path):
             sae.decode(acts, st), torch.tensor(res[name]["recon"]), rtol=1e-5, atol=1e-4
         )
     torch.testing.assert_close(ours.encode(x)[0], torch.tensor(res["ours"]), rtol=1e-5, atol=1e-5)
+
+
+def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
+    """A config clamp is an in-graph transform on the site's tap: selected rows get the
+    decoded difference of setting the feature; other rows are untouched."""
+    from tllm_core.edits import EditBuffers
+    from tllm_core.vllm_bridge.sites import OutputTap, TapBuffers
+
+    c = make(tmp_path, site=2, steer=[{"feature": 3, "clamp": 2.5}])
+    (port,) = c.writes()
+    assert port.transform is not None
+    req = RequestInfo("r-abcdefgh", "r", 0, 0, 2)
+    plain = RequestInfo("p-abcdefgh", "p", 1, 0, 2, extra_args={"tllm_sae_steer": "[]"})
+    rows = rows_of([req, req, plain], [0, 1, 0])
+    plan = EditPlan(rows, {"layer.2": "residual.2"}, D_IN, transforms={"layer.2"})
+    c.edit(rows, plan)
+    buf = EditBuffers(3, D_IN, torch.float32, torch.device("cpu"))
+    buf.add_transform("sae", port.transform)
+    buf.write(plan.ops["layer.2"], "sae")
+    tap = TapBuffers(
+        None, buf, torch.tensor([1]), torch.tensor([0]), torch.zeros(1, dtype=torch.int64)
+    )
+    x = torch.randn(3, D_IN, generator=torch.Generator().manual_seed(5))
+    y = OutputTap(torch.nn.Identity(), tap)(x)
+    # encode, set feature 3 to 2.5, add the decoded difference (a plain reference)
+    acts, state = c.sae.encode(x[:2])
+    target = acts.clone()
+    target[:, 3] = 2.5
+    want = x[:2] + c.sae.decode(target, state) - c.sae.decode(acts, state)
+    torch.testing.assert_close(y[:2], want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(y[:2], x[:2])
+    assert torch.equal(y[2], x[2])  # the request that turned steering off
+    assert c.counters.get("rows_clamped") == 2 and tap.edited.item() == 2
+    with pytest.raises(ValueError, match="config 'steer' only"):
+        c._check_clamps(c.cfg.steer, "tllm_sae_steer")

@@ -25,7 +25,13 @@ from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_features
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site
-from consumers.sae.steer import FeatureSteer, check_features, clamps_of, scale_vector
+from consumers.sae.steer import (
+    FeatureSteer,
+    apply_clamp,
+    check_features,
+    clamps_of,
+    scale_vector,
+)
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.edits import EditPlan
@@ -75,18 +81,14 @@ class SaeConsumer(Consumer):
                     f"sae: watch[{i}] is {f}: the SAE has {sae.d_sae} features "
                     f"(valid: 0..{sae.d_sae - 1})"
                 )
-        self._check_clamps(config.steer, "sae: steer")
         self.sae = sae  # host copy (fp32): encodes background bundles
         self._dev = model.device if model.device.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if self._dev.type == "cpu" else sae.to(self._dev)
         # Edit port: always for residual sites (per-request steering needs it declared now);
         # for attn/mlp only where the core has one.
-        try:
-            self._edit_port: WritePort | None = core_api.edit_port(self.site)
-        except ValueError as e:
-            if config.steer:
-                raise ValueError(f"sae: {e}") from None
-            self._edit_port = None
+        self._clamps = clamps_of(config.steer)
+        self._clamp = _Clamp(self.sae_dev, self._clamps) if self._clamps else None
+        self._edit_port: WritePort | None = core_api.edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
         self._settings: dict[str, Any] = {}  # engine_id -> validated settings / None / _INVALID
         self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
@@ -105,11 +107,11 @@ class SaeConsumer(Consumer):
 
     # -- helpers ------------------------------------------------------------------------
     def _check_clamps(self, entries: list[FeatureSteer], where: str) -> None:
-        if clamps_of(entries) and not core_api.clamp_supported():
+        if clamps_of(entries):
             i = next(i for i, e in enumerate(entries) if e.clamp is not None)
             raise ValueError(
-                f"{where}[{i}] uses 'clamp', which needs an in-graph encode-clamp-decode edit "
-                f"that this tllm's taps do not support yet; use 'scale'"
+                f"{where}[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
+                f"so they are given in the consumer's config 'steer' only; use 'scale' here"
             )
 
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
@@ -146,6 +148,14 @@ class SaeConsumer(Consumer):
             settings = _INVALID
         self._settings[req.engine_id] = settings
         return settings
+
+    def _clamped(self, req: RequestInfo) -> bool:
+        """Whether the config's clamps apply to ``req`` (a request's own 'steer' replaces
+        the config's, clamps included)."""
+        if self._clamp is None:
+            return False
+        s = self._request_settings(req)
+        return s is not _INVALID and (s is None or s.steer is None)
 
     def _steer_vector(self, req: RequestInfo) -> torch.Tensor | None:
         if req.engine_id in self._vectors:
@@ -189,6 +199,7 @@ class SaeConsumer(Consumer):
             return
         idx: list[np.ndarray] = []
         vecs: list[torch.Tensor] = []
+        clamped: list[np.ndarray] = []
         reqs = rows.requests
         start = 0
         for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
@@ -197,7 +208,13 @@ class SaeConsumer(Consumer):
                 if vec is not None:
                     idx.append(np.arange(start, i, dtype=np.int64))
                     vecs.append(vec)
+                if self._clamped(reqs[start]):
+                    clamped.append(np.arange(start, i, dtype=np.int64))
                 start = i
+        if clamped:
+            rows_clamped = np.concatenate(clamped)
+            plan.transform(self.site.key, rows_clamped)
+            self.counters.add("rows_clamped", int(rows_clamped.size))
         if not idx:
             return
         rows_sel = np.concatenate(idx)
@@ -327,3 +344,16 @@ class SaeConsumer(Consumer):
 
 
 _MISSING = object()
+
+
+class _Clamp(torch.nn.Module):
+    """In-graph edit: encode each selected row, set the clamped features, decode the
+    difference and add it (``consumers.sae.steer.apply_clamp``); tensor operations only."""
+
+    def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
+        super().__init__()
+        self.sae = sae
+        self.clamps = clamps
+
+    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return apply_clamp(self.sae, s, self.clamps)

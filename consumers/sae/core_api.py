@@ -1,22 +1,6 @@
-"""PLANNED CORE APIS: the only module of the ``sae`` consumer that touches parts of the
-core that "Open the core" adds. Everything else codes against the functions here.
-
-Status in this tllm (each function says what it does once the core lands):
-
-* ports ``AttentionOutput(layer, phase)`` / ``MlpOutput(layer, phase)`` from ``producers``
-  (bundle keys ``attn.{i}`` / ``mlp.{i}``): :func:`read_port` imports them when present,
-  otherwise an ``attn``/``mlp`` site is refused before generation;
-* a write port ``Edit(port)`` with ``plan.add(port.key, rows, vec)`` for attn/mlp sites:
-  :func:`edit_port` / :func:`plan_add` (residual sites use ``ResidualEdit`` /
-  ``plan.add(layer, ...)``, which exist);
-* per-request settings (``Request: ClassVar[type[RequestSettings]]``, read with
-  ``request.settings(consumer)``): :data:`RequestSettings` and :func:`request_settings`
-  (until then: the same keys ``tllm_sae_{field}`` are read from ``extra_args`` and
-  validated here);
-* clamp steering needs an in-graph edit that depends on the row's pre-edit activation:
-  :func:`clamp_supported` is ``False`` until the tap supports one (see
-  ``consumers.sae.steer.clamp_delta`` for the math it must run).
-"""
+"""The parts of the core the ``sae`` consumer uses beyond a plain consumer: the block ports
+(``AttentionOutput`` / ``MlpOutput``), the ``Edit`` write port (with an in-graph transform
+for clamps), and per-request settings (``tllm_sae_{field}``)."""
 
 from __future__ import annotations
 
@@ -51,22 +35,16 @@ def read_port(site: Site, phase: Phase) -> Any:
     return cls(site.layer, phase)
 
 
-def edit_port(site: Site) -> Any:
-    """The write port that edits ``site``."""
-    if site.kind == "residual":
+def edit_port(site: Site, transform: Any = None) -> Any:
+    """The write port that edits ``site`` (with an optional in-graph transform)."""
+    if site.kind == "residual" and transform is None:
         return ResidualEdit(site.layer)
-    return Edit(read_port(site, Phase.ALL))
+    return Edit(read_port(site, Phase.ALL), transform=transform)
 
 
 def plan_add(plan: EditPlan, site: Site, rows: np.ndarray, vector: torch.Tensor) -> None:
     """Ask ``plan`` to add ``vector`` (``[H]`` or ``[len(rows), H]``) at ``site``."""
     plan.add(site.key, rows, vector)
-
-
-def clamp_supported() -> bool:
-    """PLANNED: ``True`` once the tap can run a per-row function of the pre-edit activation
-    inside the forward (an "encode-clamp-decode" op registered with the edit)."""
-    return False
 
 
 def request_settings(consumer: Any, request: Any) -> BaseModel | None:
