@@ -127,6 +127,15 @@ class EditBuffers:
         self.dir = torch.zeros(max_tokens, width, dtype=dtype, device=device)
         self._dirty = 0  # rows [0, dirty) may hold non-identity values
 
+    @property
+    def rows_used(self) -> int:
+        """Rows ``[0, rows_used)`` may hold non-identity values."""
+        return self._dirty
+
+    def mark_used(self, rows: int) -> None:
+        """Rows ``[0, rows)`` were written from outside (another rank's buffers)."""
+        self._dirty = max(self._dirty, int(rows))
+
     def reset(self) -> None:
         n = self._dirty
         if n:

@@ -98,9 +98,6 @@ def check_runner(runner: object) -> None:
         )
     if getattr(runner, "speculative_config", None) is not None:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
-    pc = runner.vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise UnsupportedEngineError(
-            "tllm supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
-            f"(got tp={pc.tensor_parallel_size}, pp={pc.pipeline_parallel_size})"
-        )
+    from tllm_core.vllm_bridge.parallel import check_layout
+
+    check_layout(runner.vllm_config.parallel_config)
