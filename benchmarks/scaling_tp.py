@@ -63,9 +63,7 @@ def _engine(case: str, model: str, kw: dict):
 def run_case(case: str, model: str, args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
-    kw = dict(
-        tensor_parallel_size=args.tp, dtype="float32", max_model_len=512, enforce_eager=True
-    )
+    kw = dict(tensor_parallel_size=args.tp, dtype="float32", max_model_len=512, enforce_eager=True)
     prompts = [f"Prompt number {i}: tell me about the sea" for i in range(args.prompts)]
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
     llm = _engine(case, model, kw)
