@@ -58,6 +58,7 @@ def plain_tp2(even_model, engines):
     return _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False))
 
 
+@pytest.mark.slow  # ~3 min on an idle 2-core machine (two TP=2 engines), 8 min loaded
 def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2):
     from tllm_core.engine import TllmLLM
 
