@@ -49,6 +49,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="disable prefix caching (every prompt row is computed and captured)",
     )
+    for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        g.add_argument(opt, type=int, default=1, help="vLLM's option (docs/scaling.md)")
     g.add_argument(
         "--kv-cache-gib",
         type=int,
@@ -132,6 +134,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager
     )
+    for k in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, k, 1) != 1:
+            kw[k] = getattr(args, k)
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
     if args.max_num_seqs:

@@ -142,6 +142,15 @@ class EditBuffers:
         mask = torch.zeros_like(self.mask)
         self.transforms.append((owner, module, mask))
 
+    @property
+    def rows_used(self) -> int:
+        """Rows ``[0, rows_used)`` may hold non-identity values."""
+        return self._dirty
+
+    def mark_used(self, rows: int) -> None:
+        """Rows ``[0, rows)`` were written from outside (another rank's buffers)."""
+        self._dirty = max(self._dirty, int(rows))
+
     def reset(self) -> None:
         n = self._dirty
         if n:

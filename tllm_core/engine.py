@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.reports import merge_reports
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerEntry, RuntimeSettings
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
@@ -80,6 +81,8 @@ class TllmLLM:
 
     Extra keyword arguments go to ``vllm.LLM``. Consumers are validated here, before the
     engine starts; ``collect()`` returns counters and results from the engine process.
+    ``tensor_parallel_size=2`` runs the engine on two ranks (on a CPU machine each rank gets
+    its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` is set; see docs/scaling.md).
     """
 
     def __init__(
@@ -113,18 +116,31 @@ class TllmLLM:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"],
             )
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+
+        world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
+            llm_kwargs.get("pipeline_parallel_size") or 1
+        )
+        bound = bind_cpu_threads(world)
+        if bound is not None:
+            log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_dump()
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model,
-            additional_config=additional,
-            worker_extension_cls=WORKER_EXTENSION,
-            **llm_kwargs,
-        )
-        status = self._rpc("tllm_status")
-        if not status or not status.get("installed"):
+        try:
+            self.llm = LLM(
+                model=model,
+                additional_config=additional,
+                worker_extension_cls=WORKER_EXTENSION,
+                **llm_kwargs,
+            )
+        finally:
+            if bound is not None:  # the workers are bound: leave the caller's env as it was
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        statuses = self.llm.collective_rpc("tllm_status")
+        status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
+        if not statuses or not all(s.get("installed") for s in statuses) or status is None:
             raise UnsupportedEngineError(
                 "the tllm runtime was not installed in the engine: is the package installed "
                 "(its vllm.general_plugins entry point 'tllm' must be visible) and not "
@@ -134,7 +150,8 @@ class TllmLLM:
         self._closed_report: dict[str, Any] | None = None
 
     def _rpc(self, method: str) -> Any:
-        return self.llm.collective_rpc(method)[0]
+        """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
+        return merge_reports(self.llm.collective_rpc(method))
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
@@ -178,7 +195,7 @@ class TllmLLM:
             return fn([_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs)
         finally:
             # generate() is synchronous: every request of this call is done.
-            self._rpc("tllm_end_batch")
+            self.llm.collective_rpc("tllm_end_batch")
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""

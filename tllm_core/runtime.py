@@ -102,13 +102,34 @@ def build_consumers(
 
 
 class Runtime:
+    """One engine's consumers and their step flow.
+
+    ``deliver=False`` makes a *follower* runtime (a tensor-parallel rank other than the one
+    whose output the engine keeps): consumers are built, so that every rank asks for the
+    same taps, and closed at once; the follower never calls a consumer (no edit plans, no
+    bundles, no guidance) and its counters are not part of the engine's report.
+    """
+
     def __init__(
-        self, settings: RuntimeSettings, model: ModelInfo, registry: Registry | None = None
+        self,
+        settings: RuntimeSettings,
+        model: ModelInfo,
+        registry: Registry | None = None,
+        deliver: bool = True,
     ):
         self.settings = settings
         self.model = model
+        self.deliver = deliver
         self.counters = Counters()
         self.slots = build_consumers(settings, model, registry or Registry(), self.counters)
+        self.configured = bool(self.slots)
+        self._taps = self._collect_taps()
+        self._edit_taps = {t for s in self.slots for t in s.edits.values()}
+        self._guides = any(s.guides for s in self.slots)
+        if not deliver:
+            for s in self.slots:
+                s.consumer.close()  # never used: writes and keeps nothing
+            self.slots = []
         self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
@@ -120,17 +141,20 @@ class Runtime:
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     # -- what the bridge must provide -------------------------------------------------
-    @property
-    def taps(self) -> set[TapRequest]:
-        """Every tap the bridge must install (reads and edits)."""
+    def _collect_taps(self) -> set[TapRequest]:
         out: set[TapRequest] = set()
         for s in self.slots:
             out |= s.reads.taps() | set(s.edits.values())
         return out
 
     @property
+    def taps(self) -> set[TapRequest]:
+        """Every tap the bridge must install (reads and edits)."""
+        return set(self._taps)
+
+    @property
     def edit_taps(self) -> set[TapRequest]:
-        return {t for s in self.slots for t in s.edits.values()}
+        return set(self._edit_taps)
 
     def transforms(self, tap_key: str) -> list[tuple[str, Any]]:
         """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``."""
@@ -143,7 +167,7 @@ class Runtime:
 
     @property
     def guides(self) -> bool:
-        return any(s.guides for s in self.slots)
+        return self._guides
 
     # -- per step ---------------------------------------------------------------------
     def count_step(self) -> None:

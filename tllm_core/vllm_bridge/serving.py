@@ -14,8 +14,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
 - salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
   ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
   unsteered requests never share cached KV blocks;
-- serves ``GET /tllm/counters`` (the runtime's report, read from the worker through
-  ``collective_rpc("tllm_collect")``) and ``GET /tllm/status``.
+- serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
+  data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
+  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures) and ``GET /tllm/status``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tllm_core.reports import merge_reports
 from tllm_core.serving.keys import ServerConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY
 
@@ -113,6 +115,21 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
+async def rpc_all(engine_client: Any, method: str) -> list[Any]:
+    """``collective_rpc(method)`` on every worker of every engine core, flattened.
+
+    With ``--data-parallel-size`` > 1 the engine client's ``collective_rpc`` answers with the
+    first engine's workers only; the client's ``engine_core.call_utility_all_async`` reaches
+    every engine core.
+    """
+    core = getattr(engine_client, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
+        per_engine = await call_all("collective_rpc", method, None, (), None)
+        return [r for rs in per_engine for r in rs]
+    return list(await engine_client.collective_rpc(method))
+
+
 def attach_routes(app: Any, server: ServerConsumers) -> None:
     app.add_middleware(XargsCheck, server=server)
     router = APIRouter()
@@ -121,13 +138,12 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
         client = getattr(request.app.state, "tllm_engine_client", None)
         if client is None:
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-        results = await client.collective_rpc(method)
-        return results[0] if isinstance(results, list) and len(results) == 1 else results
+        return await rpc_all(client, method)
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         out = await _rpc(request, "tllm_collect")
-        return out if isinstance(out, JSONResponse) else JSONResponse(out)
+        return out if isinstance(out, JSONResponse) else JSONResponse(merge_reports(out))
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
@@ -135,7 +151,11 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
         if isinstance(out, JSONResponse):
             return out
         server: ServerConsumers = request.app.state.tllm_server
-        return JSONResponse({"worker": out, **server.describe()})
+        leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
+        body = {"worker": leader, **server.describe()}
+        if len(out) > 1:
+            body["ranks"] = out
+        return JSONResponse(body)
 
     app.include_router(router)
 
@@ -182,7 +202,7 @@ async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any
     install_request_checks(engine_client.input_processor, server)
     state.tllm_server = server
     state.tllm_engine_client = engine_client
-    status = await engine_client.collective_rpc("tllm_status")
+    status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
