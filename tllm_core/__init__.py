@@ -1,7 +1,8 @@
 """tllm: run consumers inside vLLM generation.
 
-Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`, the port
-types, :class:`Bundle`, :class:`EditPlan`, :class:`GuideView` and ``hookimpl``.
+Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
+:class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
+:class:`GuideView` and ``hookimpl``. Command authors: :mod:`tllm_core.cli_common`.
 """
 
 from tllm_core.bundles import Bundle, EditPlan, GuideView
@@ -16,8 +17,9 @@ from tllm_core.ports import (
     SampledTokens,
     SamplerGuide,
 )
-from tllm_core.registry import ConsumerSpec, ConsumerSpecError
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.settings import ConsumerSpec, ConsumerSpecError
 
 __all__ = [
     "Bundle",
@@ -34,6 +36,7 @@ __all__ = [
     "ModelInfo",
     "Phase",
     "RequestInfo",
+    "RequestSettings",
     "ResidualEdit",
     "RowInfo",
     "SampledTokens",

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from tllm_core.bundles import Bundle, EditPlan, GuideView
 from tllm_core.counters import Counters
 from tllm_core.ports import Delivery, ReadPort, WritePort
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
 
 
@@ -43,6 +44,8 @@ class ConsumerContext:
     counters: Counters
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
+    # The consumer acts only on requests naming it in extra_args["tllm_consumers"].
+    per_request: bool = False
 
 
 class Consumer:
@@ -52,11 +55,17 @@ class Consumer:
     :meth:`reads` / :meth:`writes`; and implement the callbacks they need. Construction
     happens in the process that runs the model, before the first forward: raise
     ``ValueError`` there for bad settings so the user sees it before generation.
+
+    ``Request`` (optional) declares per-request settings: field ``f`` is the request key
+    ``tllm_{name}_{f}`` (``vllm_xargs`` in the server, ``SamplingParams.extra_args``
+    offline), validated before a request reaches the engine; read a request's values with
+    ``request.settings(self)``.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[ConsumerConfig]] = ConsumerConfig
+    Request: ClassVar[type[RequestSettings] | None] = None
     delivery: ClassVar[Delivery] = Delivery.END_OF_STEP
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):

@@ -1,9 +1,9 @@
-"""Consumer discovery (pluggy) and spec parsing: ``NAME`` or ``NAME:{json config}``."""
+"""Plugin discovery (pluggy): consumers by name, their configs and request keys."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import pluggy
@@ -11,81 +11,87 @@ from pydantic import ValidationError
 
 from tllm_core import hookspecs
 from tllm_core.consumer import Consumer, ConsumerConfig
+from tllm_core.request_settings import (
+    GENERIC_KEYS,
+    RequestSettings,
+    describe_request_keys,
+    request_keys,
+    type_name,
+)
+from tllm_core.settings import ConsumerSpec, ConsumerSpecError
 
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ConsumerSpec",
+    "ConsumerSpecError",
+    "Registry",
+    "plugin_manager",
+]
+
+# Built-ins register through this entry-point group and the same hooks as third-party
+# plugins (see pyproject.toml), so the core names none of them.
 ENTRY_POINT_GROUP = "tllm"
-# Built-ins register through the same hook as third-party plugins, like pytest's own.
-BUILTIN_PLUGINS = ("consumers.plugin", "algorithms.esamp.plugin")
 
 
-class ConsumerSpecError(ValueError):
-    """A consumer name or config the user gave is not valid."""
-
-
-@dataclass
-class ConsumerSpec:
-    """A consumer to build in the engine: its registered name and its config dict."""
-
-    name: str
-    config: dict[str, Any] = field(default_factory=dict)
-    # Act only on requests whose extra_args["tllm_consumers"] names this consumer.
-    per_request: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> ConsumerSpec:
-        name, sep, raw = text.partition(":")
-        name = name.strip()
-        if not name:
-            raise ConsumerSpecError(f"empty consumer name in {text!r}; use NAME or NAME:{{json}}")
-        config: Any = {}
-        if sep:
-            try:
-                config = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config is not valid JSON ({e.msg} at column {e.colno}): {raw!r}"
-                ) from None
-            if not isinstance(config, dict):
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config must be a JSON object, got {type(config).__name__}"
-                )
-        return cls(name, config)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config, "per_request": self.per_request}
+def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A new plugin manager with every ``tllm`` entry point (built-ins included) loaded."""
+    pm = pluggy.PluginManager("tllm")
+    pm.add_hookspecs(hookspecs)
+    if load_entry_points:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    return pm
 
 
 class Registry:
-    """Consumer classes by name, collected from built-ins and ``tllm`` entry points.
+    """Consumer classes by name, collected from the ``tllm`` entry points (built-ins included)
+    and plugins registered at run time.
 
     One per engine or command: no process-wide state.
     """
 
     def __init__(self, load_entry_points: bool = True):
-        import importlib
-
-        self.pm = pluggy.PluginManager("tllm")
-        self.pm.add_hookspecs(hookspecs)
-        for modname in BUILTIN_PLUGINS:
-            self.pm.register(importlib.import_module(modname), name=modname)
-        if load_entry_points:
-            self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        self.pm = plugin_manager(load_entry_points)
         self._classes: dict[str, type[Consumer]] = {}
+        # request key -> (consumer name, field name)
+        self._keys: dict[str, tuple[str, str]] = {}
         for classes in self.pm.hook.tllm_consumers():
-            for cls in classes:
-                if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
-                    raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
-                if cls.name in self._classes and self._classes[cls.name] is not cls:
+            self._add(classes)
+
+    def _add(self, classes: Iterable[type]) -> None:
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
+                raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
+            if cls.name in self._classes and self._classes[cls.name] is not cls:
+                raise ValueError(
+                    f"two plugins register a consumer named {cls.name!r}: "
+                    f"{self._classes[cls.name].__module__} and {cls.__module__}"
+                )
+            req = cls.Request
+            if req is not None and not (isinstance(req, type) and issubclass(req, RequestSettings)):
+                raise TypeError(
+                    f"consumer {cls.name!r}: Request must be a RequestSettings subclass or None, "
+                    f"got {req!r}"
+                )
+            for key, fname in request_keys(cls.name, req).items():
+                owner = self._keys.get(key)
+                if key in GENERIC_KEYS or (owner is not None and owner[0] != cls.name):
+                    taken = f"consumer {owner[0]!r}" if owner else "tllm itself"
                     raise ValueError(
-                        f"two plugins register a consumer named {cls.name!r}: "
-                        f"{self._classes[cls.name].__module__} and {cls.__module__}"
+                        f"consumer {cls.name!r}: request key {key!r} (field {fname!r}) is "
+                        f"already used by {taken}; rename the field"
                     )
-                self._classes[cls.name] = cls
+                self._keys[key] = (cls.name, fname)
+            self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object/module at runtime (tests, notebooks)."""
         self.pm.register(plugin, name=name)
-        for cls in plugin.tllm_consumers():
-            self._classes[cls.name] = cls
+        self._add(plugin.tllm_consumers())
+
+    @property
+    def request_keys(self) -> dict[str, tuple[str, str]]:
+        """Every consumer-declared request key -> (consumer name, field name)."""
+        return dict(self._keys)
 
     @property
     def names(self) -> list[str]:
@@ -107,8 +113,18 @@ class Registry:
         except ValidationError as e:
             raise ConsumerSpecError(f"invalid config for consumer {spec.name!r}:\n{e}") from None
 
+    def check(self, specs: Iterable[ConsumerSpec]) -> list[ConsumerConfig]:
+        """Names, configs and uniqueness of ``specs``: their config models, in order."""
+        configs, seen = [], set()
+        for spec in specs:
+            configs.append(self.validate(spec))
+            if spec.name in seen:
+                raise ConsumerSpecError(f"consumer {spec.name!r} is given twice; give it once")
+            seen.add(spec.name)
+        return configs
+
     def describe(self) -> list[dict[str, Any]]:
-        """Name, one-line description and config fields of every consumer."""
+        """Name, one-line description, config fields and request keys of every consumer."""
         out = []
         for name in self.names:
             cls = self._classes[name]
@@ -117,7 +133,7 @@ class Registry:
                 fields.append(
                     {
                         "name": fname,
-                        "type": _type_name(f.annotation),
+                        "type": type_name(f.annotation),
                         "default": None
                         if f.is_required()
                         else _jsonable(f.get_default(call_default_factory=True)),
@@ -131,28 +147,13 @@ class Registry:
                     "description": cls.description,
                     "module": cls.__module__,
                     "fields": fields,
+                    "request_keys": [
+                        {**k, "default": _jsonable(k["default"])}
+                        for k in describe_request_keys(name, cls.Request)
+                    ],
                 }
             )
         return out
-
-
-def _type_name(t: Any) -> str:
-    """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        return (
-            f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
-        )
-    if t is type(None):
-        return "None"
-    return getattr(t, "__name__", str(t))
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,7 +20,7 @@ from tllm_core.bus import Bus
 from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.ports import FINAL, ResidualEdit, SamplerGuide, resolve_layer
-from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, RowInfo
 from tllm_core.settings import RuntimeSettings
 
@@ -50,23 +50,19 @@ def build_consumers(
 ) -> list[_Slot]:
     """Validate specs, construct consumers and resolve their ports (errors before generation)."""
     slots = []
-    names = set()
-    for entry in settings.consumers:
-        spec = ConsumerSpec(entry.name, entry.config, entry.per_request)
+    configs = registry.check(settings.consumers)
+    for spec, config in zip(settings.consumers, configs, strict=True):
         cls = registry.get(spec.name)
-        config = registry.validate(spec)
-        if spec.name in names:
-            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
-        names.add(spec.name)
 
         def resolve(i: int, _n=model.num_layers) -> int:
             return resolve_layer(i, _n)
 
-        consumer = cls(
-            config, ConsumerContext(model=model, counters=counters, resolve_layer=resolve)
+        context = ConsumerContext(
+            model=model, counters=counters, resolve_layer=resolve, per_request=spec.per_request
         )
+        consumer = cls(config, context)
         reads = plan_reads(consumer.reads(), resolve)
-        slot = _Slot(consumer, reads, per_request=entry.per_request)
+        slot = _Slot(consumer, reads, per_request=spec.per_request)
         for w in consumer.writes():
             if isinstance(w, ResidualEdit):
                 slot.edit_layers.add(resolve(w.layer))

@@ -3,8 +3,9 @@
 Loaded only when the server was started with ``--additional-config '{"tllm": {...}}'``
 (see :class:`tllm_core.vllm_bridge.plugin.EndpointGate`). It then:
 
-- checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (an ASGI
-  middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
+- checks the consumer names and configs at start-up, then the ``tllm_*`` ``vllm_xargs``
+  (generic keys and the keys the configured consumers declare) of OpenAI requests before
+  vLLM handles them (an ASGI middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/responses``; it parses only bodies containing ``tllm_``): a bad value gets HTTP 400
   before any response starts, streaming included;
 - checks them again on every request vLLM admits, whatever the route (an instance-level
@@ -27,7 +28,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tllm_core.serving.keys import ServerConsumers, request_salt, validate_extra_args
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -41,7 +42,7 @@ STATUS_PATH = "/tllm/status"
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def check_body(body: bytes, server: ServerConsumers) -> str | None:
+def check_body(body: bytes, server: EngineConsumers) -> str | None:
     """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
     if b"tllm_" not in body:
         return None
@@ -62,7 +63,7 @@ def check_body(body: bytes, server: ServerConsumers) -> str | None:
 class XargsCheck:
     """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
 
-    def __init__(self, app: Any, server: ServerConsumers):
+    def __init__(self, app: Any, server: EngineConsumers):
         self.app = app
         self.server = server
 
@@ -113,7 +114,7 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
-def attach_routes(app: Any, server: ServerConsumers) -> None:
+def attach_routes(app: Any, server: EngineConsumers) -> None:
     app.add_middleware(XargsCheck, server=server)
     router = APIRouter()
 
@@ -134,13 +135,13 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
         out = await _rpc(request, "tllm_status")
         if isinstance(out, JSONResponse):
             return out
-        server: ServerConsumers = request.app.state.tllm_server
+        server: EngineConsumers = request.app.state.tllm_server
         return JSONResponse({"worker": out, **server.describe()})
 
     app.include_router(router)
 
 
-def install_request_checks(input_processor: Any, server: ServerConsumers) -> None:
+def install_request_checks(input_processor: Any, server: EngineConsumers) -> None:
     """Instance-level wrappers on the front end's input processor (this server only)."""
     from vllm.exceptions import VLLMValidationError
 
@@ -177,8 +178,7 @@ def install_request_checks(input_processor: Any, server: ServerConsumers) -> Non
     input_processor.assign_request_id = assign_request_id
 
 
-async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any]) -> None:
-    server = ServerConsumers.from_settings(raw_settings)
+async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
     install_request_checks(engine_client.input_processor, server)
     state.tllm_server = server
     state.tllm_engine_client = engine_client
