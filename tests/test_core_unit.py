@@ -33,8 +33,14 @@ def _rows(n: int, decode=None) -> RowInfo:
 
 
 def test_spec_parsing_and_errors():
-    assert ConsumerSpec.parse("esamp") == ConsumerSpec("esamp", {})
+    assert ConsumerSpec.parse("esamp") == ConsumerSpec(name="esamp")
     assert ConsumerSpec.parse('esamp:{"beta": 0.5}').config == {"beta": 0.5}
+    # One spec type from the command line to the worker: strings, dicts and specs.
+    spec = ConsumerSpec.coerce({"name": "steer", "config": {"x": 1}, "per_request": True})
+    assert spec == ConsumerSpec(name="steer", config={"x": 1}, per_request=True)
+    assert ConsumerSpec.coerce(spec) is spec
+    with pytest.raises(ConsumerSpecError, match="per_reqest"):
+        ConsumerSpec.coerce({"name": "steer", "per_reqest": True})
     with pytest.raises(ConsumerSpecError, match="not valid JSON"):
         ConsumerSpec.parse("esamp:{beta}")
     with pytest.raises(ConsumerSpecError, match="JSON object"):
@@ -47,11 +53,17 @@ def test_registry_lists_builtins_and_names_bad_values():
     with pytest.raises(ConsumerSpecError, match=r"unknown consumer 'nope'; available: .*esamp"):
         reg.get("nope")
     with pytest.raises(ConsumerSpecError, match="beta"):
-        reg.validate(ConsumerSpec("esamp", {"beta": -1}))
+        reg.validate(ConsumerSpec(name="esamp", config={"beta": -1}))
     with pytest.raises(ConsumerSpecError, match="betta"):
-        reg.validate(ConsumerSpec("esamp", {"betta": 1}))
+        reg.validate(ConsumerSpec(name="esamp", config={"betta": 1}))
+    with pytest.raises(ConsumerSpecError, match="'stats' is given twice"):
+        reg.check([ConsumerSpec(name="stats"), ConsumerSpec.parse("stats")])
     described = {c["name"]: c for c in reg.describe()}
     assert any(f["name"] == "beta" for f in described["esamp"]["fields"])
+    keys = {k["key"]: k for c in described.values() for k in c["request_keys"]}
+    assert keys["tllm_esamp_beta"]["allowed"] == "float | None, >= 0, finite"
+    assert keys["tllm_steer_scale"]["description"]
+    assert reg.request_keys["tllm_esamp_beta"] == ("esamp", "beta")
     assert described["stats"]["description"]
 
 

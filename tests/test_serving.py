@@ -418,9 +418,9 @@ def test_docs_client_example_runs(servers):
 
 # -- no server --------------------------------------------------------------------------------
 def test_key_validation_units():
-    from tllm_core.serving import ServerConsumers, request_salt, validate_extra_args
+    from tllm_core.serving import EngineConsumers, request_salt, validate_extra_args
 
-    server = ServerConsumers.from_settings(
+    engine = EngineConsumers.from_settings(
         {
             "consumers": [
                 {"name": "esamp", "per_request": True},
@@ -428,17 +428,26 @@ def test_key_validation_units():
             ]
         }
     )
-    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]}, server)
-    validate_extra_args({"tllm_consumers": "stats"}, server)  # always on: naming it is fine
+    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]}, engine)
+    validate_extra_args({"tllm_consumers": "stats"}, engine)  # always on: naming it is fine
     for bad, msg in [
         ({"tllm_esamp_beta": 1}, "not active"),
         ({"tllm_consumers": "esamp", "tllm_esamp_beta": float("inf")}, "finite"),
         ({"tllm_consumers": "esamp", "tllm_esamp_beta": True}, "number"),
         ({"tllm_consumers": "esamp,x"}, "unknown consumer 'x'"),
         ({"tllm_steer_scale": 1}, "does not run"),
+        ({"tllm_steer": 1}, "unknown tllm key"),  # steer's old flag: gone
+        ({"tllm_n": 2}, "unknown tllm key"),  # internal tag, not for clients
     ]:
         with pytest.raises(ValueError, match=msg):
-            validate_extra_args(bad, server)
+            validate_extra_args(bad, engine)
+    with pytest.raises(ValueError, match=r"extra_args\['tllm_esamp_beta'\] must be >= 0"):
+        validate_extra_args(
+            {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}, engine, where="extra_args"
+        )
+    described = engine.describe()
+    assert described["consumers"]["esamp"]["request_keys"][0]["key"] == "tllm_esamp_beta"
+    assert "tllm_esamp_beta" in described["keys"] and "tllm_steer_scale" not in described["keys"]
     assert request_salt({"x": 1}) is None
     a = request_salt({"tllm_consumers": "steer", "tllm_steer_scale": 8})
     assert a == request_salt({"tllm_steer_scale": 8, "tllm_consumers": "steer"})

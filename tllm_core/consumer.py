@@ -82,6 +82,10 @@ class Consumer:
         """Write ports: ``ResidualEdit`` layers (see :meth:`edit`) and/or ``SamplerGuide``."""
         return []
 
+    def acts_on(self, request: RequestInfo) -> bool:
+        """Whether this consumer acts on ``request`` (always, unless it is per-request)."""
+        return not self.context.per_request or self.name in request.enabled_consumers
+
     # -- callbacks ----------------------------------------------------------------
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         """Before the forward of a step: ask for residual edits on selected rows."""
