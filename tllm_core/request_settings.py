@@ -91,6 +91,8 @@ def _message(err: dict[str, Any]) -> str:
     kind, ctx = err["type"], {k: _num(v) for k, v in (err.get("ctx") or {}).items()}
     if kind in ("float_parsing", "float_type", "int_parsing", "int_type"):
         return "must be a number"
+    if kind == "int_from_float":
+        return "must be a whole number"
     if kind == "finite_number":
         return "must be finite"
     if kind == "greater_than_equal":
@@ -103,7 +105,7 @@ def _message(err: dict[str, Any]) -> str:
         return f"must be < {ctx.get('lt')}"
     if kind in ("bool_parsing", "bool_type"):
         return "must be a boolean (true/false, 1/0, yes/no, on/off)"
-    return str(err["msg"])
+    return f"is not valid ({err['msg']})"
 
 
 def parse_request_settings(
