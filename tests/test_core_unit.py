@@ -247,3 +247,32 @@ def test_vllm_env_workarounds_default_only_where_needed(monkeypatch):
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     assert "VLLM_USE_AOT_COMPILE" not in workarounds.apply()
     assert os.environ["VLLM_USE_AOT_COMPILE"] == "1"
+
+
+def test_front_end_checks_run_once(tiny_model, monkeypatch):
+    """``tllm run``'s path: names/configs, then (model known) one dry build; never twice."""
+    import tllm_core.dry_run as dry_run
+    from tllm_core.engine import validate_consumers
+
+    builds = []
+    real = dry_run.dry_build
+    monkeypatch.setattr(dry_run, "dry_build", lambda *a: builds.append(a[0]) or real(*a))
+    specs = [
+        'stats:{"layers": [0]}',
+        {
+            "name": "steer",
+            "config": {"vectors": [{"layer": 1, "vector": [0.0] * 128}]},
+            "per_request": True,
+        },
+    ]
+    checked = validate_consumers(specs)  # before the model is known: no build
+    assert builds == [] and checked.model_path is None
+    assert checked.specs[1].per_request
+    checked = validate_consumers(checked, tiny_model)
+    assert len(builds) == 1 and checked.model_path == tiny_model
+    assert validate_consumers(checked, tiny_model) is checked  # what TllmLLM does next
+    assert len(builds) == 1
+    with pytest.raises(ConsumerSpecError, match="'stats' is given twice"):
+        validate_consumers(["stats", "stats"])
+    with pytest.raises(ValueError, match="out of range"):
+        validate_consumers(['stats:{"layers": [9]}'], tiny_model)
