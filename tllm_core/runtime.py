@@ -21,7 +21,7 @@ from tllm_core.edits import EditBuffers, EditPlan
 from tllm_core.ports import Edit, SamplerGuide, resolve_layer
 from tllm_core.producer import TapRequest
 from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
-from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, RowInfo
 from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StaleTapError, StepCapture
@@ -69,24 +69,23 @@ def build_consumers(
 ) -> list[_Slot]:
     """Validate specs, construct consumers and resolve their ports (errors before generation)."""
     slots = []
-    names = set()
-    for entry in settings.consumers:
-        spec = ConsumerSpec(entry.name, entry.config, entry.per_request)
+    configs = registry.check(settings.consumers)
+    for spec, config in zip(settings.consumers, configs, strict=True):
         cls = registry.get(spec.name)
-        config = registry.validate(spec)
-        if spec.name in names:
-            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
-        names.add(spec.name)
 
         def resolve(i: int, _n=model.num_layers) -> int:
             return resolve_layer(i, _n)
 
         context = ConsumerContext(
-            model=model, counters=counters, resolve_layer=resolve, parse_port=registry.parse_port
+            model=model,
+            counters=counters,
+            resolve_layer=resolve,
+            parse_port=registry.parse_port,
+            per_request=spec.per_request,
         )
         consumer = cls(config, context)
         reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
-        slot = _Slot(consumer, reads, per_request=entry.per_request)
+        slot = _Slot(consumer, reads, per_request=spec.per_request)
         for w in consumer.writes():
             if isinstance(w, Edit):
                 target = w.target.resolve(resolve)

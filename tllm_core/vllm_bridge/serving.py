@@ -3,8 +3,9 @@
 Loaded only when the server was started with ``--additional-config '{"tllm": {...}}'``
 (see :class:`tllm_core.vllm_bridge.plugin.EndpointGate`). It then:
 
-- checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (an ASGI
-  middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
+- checks the consumer names and configs at start-up, then the ``tllm_*`` ``vllm_xargs``
+  (generic keys and the keys the configured consumers declare) of OpenAI requests before
+  vLLM handles them (an ASGI middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/responses``; it parses only bodies containing ``tllm_``): a bad value gets HTTP 400
   before any response starts, streaming included;
 - checks them again on every request vLLM admits, whatever the route (an instance-level
@@ -29,7 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.reports import merge_reports
-from tllm_core.serving.keys import ServerConsumers, request_salt, validate_extra_args
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -43,7 +44,7 @@ STATUS_PATH = "/tllm/status"
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def check_body(body: bytes, server: ServerConsumers) -> str | None:
+def check_body(body: bytes, server: EngineConsumers) -> str | None:
     """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
     if b"tllm_" not in body:
         return None
@@ -64,7 +65,7 @@ def check_body(body: bytes, server: ServerConsumers) -> str | None:
 class XargsCheck:
     """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
 
-    def __init__(self, app: Any, server: ServerConsumers):
+    def __init__(self, app: Any, server: EngineConsumers):
         self.app = app
         self.server = server
 
@@ -130,7 +131,7 @@ async def rpc_all(engine_client: Any, method: str) -> list[Any]:
     return list(await engine_client.collective_rpc(method))
 
 
-def attach_routes(app: Any, server: ServerConsumers) -> None:
+def attach_routes(app: Any, server: EngineConsumers) -> None:
     app.add_middleware(XargsCheck, server=server)
     router = APIRouter()
 
@@ -150,7 +151,7 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
         out = await _rpc(request, "tllm_status")
         if isinstance(out, JSONResponse):
             return out
-        server: ServerConsumers = request.app.state.tllm_server
+        server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
         body = {"worker": leader, **server.describe()}
         if len(out) > 1:
@@ -160,7 +161,7 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
     app.include_router(router)
 
 
-def install_request_checks(input_processor: Any, server: ServerConsumers) -> None:
+def install_request_checks(input_processor: Any, server: EngineConsumers) -> None:
     """Instance-level wrappers on the front end's input processor (this server only)."""
     from vllm.exceptions import VLLMValidationError
 
@@ -197,8 +198,7 @@ def install_request_checks(input_processor: Any, server: ServerConsumers) -> Non
     input_processor.assign_request_id = assign_request_id
 
 
-async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any]) -> None:
-    server = ServerConsumers.from_settings(raw_settings)
+async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
     install_request_checks(engine_client.input_processor, server)
     state.tllm_server = server
     state.tllm_engine_client = engine_client
