@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from consumers.export.tokens import rows_to_write
 from consumers.export.writer import check_output_dir
 from consumers.sae import core_api
 from consumers.sae.config import SaeConfig
@@ -243,16 +244,7 @@ class SaeConsumer(Consumer):
 
     def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
         n = len(rows)
-        is_decode = np.asarray(rows.is_decode, np.bool_)
-        recomputed = np.asarray(rows.recomputed, np.bool_)
-        if self.phase is Phase.ALL:
-            wanted = np.ones(n, np.bool_)
-        else:
-            wanted = is_decode if self.phase is Phase.DECODE else ~is_decode
-        skipped = int((wanted & recomputed).sum())
-        if skipped:
-            self.counters.add("rows_skipped_recomputed", skipped)
-        keep = wanted & ~recomputed
+        keep = rows_to_write(rows, self.phase, self.counters)
         positions = np.asarray(rows.position, np.int64)
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         if self.writer is not None:
@@ -288,7 +280,7 @@ class SaeConsumer(Consumer):
             [rows.requests[j] for j in rsel],
             positions[rsel],
             tokens[rsel],
-            is_decode[rsel],
+            np.asarray(rows.is_decode, np.bool_)[rsel],
             ind.cpu(),
             val.to("cpu", vdt),
         )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from consumers.export import format as fmt
+from consumers.export.tokens import RequestTokens
 from consumers.export.writer import TORCH_DTYPES, ShardWriter
 
 FORMAT_NAME = "tllm-sae-features"
@@ -43,27 +44,6 @@ def bytes_per_row(top_k: int, value_dtype: str) -> int:
     )
 
 
-class _Request:
-    __slots__ = ("index", "info", "tokens", "length")
-
-    def __init__(self, index: int, info: Any):
-        self.index = index
-        self.info = info
-        self.tokens = np.full(max(16, int(info.num_prompt_tokens) + 16), -1, np.int64)
-        self.length = 0
-
-    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
-        if positions.size == 0:
-            return
-        end = int(positions.max()) + 1
-        if end > self.tokens.shape[0]:
-            grown = np.full(max(end, 2 * self.tokens.shape[0]), -1, np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
-        self.tokens[positions] = tokens
-        self.length = max(self.length, end)
-
-
 class FeatureWriter:
     """Request table + shard writer for sparse feature rows (thread-safe)."""
 
@@ -85,8 +65,8 @@ class FeatureWriter:
         self._lock = threading.Lock()
         self._fin_lock = threading.Lock()
         self._finished: set[str] = set()
-        self._requests: dict[str, _Request] = {}
-        self._table: list[_Request] = []
+        self._requests: dict[str, RequestTokens] = {}
+        self._table: list[RequestTokens] = []
         self.used = False
         self.complete = False
         self.shards = ShardWriter(
@@ -102,10 +82,10 @@ class FeatureWriter:
             format_name=FORMAT_NAME,
         )
 
-    def _request(self, info: Any) -> _Request:
+    def _request(self, info: Any) -> RequestTokens:
         req = self._requests.get(info.engine_id)
         if req is None:
-            req = _Request(len(self._table), info)
+            req = RequestTokens(len(self._table), info)
             self._requests[info.engine_id] = req
             self._table.append(req)
         return req
