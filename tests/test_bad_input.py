@@ -76,7 +76,7 @@ def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
             "--prompt",
             "x",
         ),
-        "bad layer spec 'zero'",
+        "bad layers entry 'zero'",
     )
 
 
