@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -44,8 +45,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word")
-# Calibrated on the embedded model (vanilla, T=1, min-p 0.1): families it solves sometimes.
-DEFAULT_FAMILIES = ("add", "add_worked", "mul", "convert", "word")
+# Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
+# pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
+DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
 DIRECT = " Reply with just the number."
 WORKED = " Work it out in one or two short steps, then end with 'Answer: <number>'."
 
@@ -118,7 +120,9 @@ _MAKERS = {
 }
 
 
-def make_problems(count: int, seed: int, families: tuple[str, ...] = DEFAULT_FAMILIES) -> list[dict]:
+def make_problems(
+    count: int, seed: int, families: tuple[str, ...] = DEFAULT_FAMILIES
+) -> list[dict]:
     """``count`` problems ``{"id", "family", "prompt", "answer"}``, round-robin over
     ``families``, reproducible from ``seed``; no prompt repeats."""
     bad = [f for f in families if f not in _MAKERS]
@@ -181,6 +185,14 @@ def pass_curve(n: int, c: int) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- methods
+def _sibling(name: str) -> Any:
+    """A module of this folder (diversity, throughput), importable from anywhere."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
 def build_methods(
     betas: list[float],
     temperature: float,
@@ -189,9 +201,7 @@ def build_methods(
 ) -> list[dict[str, Any]]:
     """diversity.py's methods, plus a frozen (and optionally noise) ablation of each variant
     run through the variant's own switches."""
-    from diversity import build_methods as base
-
-    methods = base(betas, temperature, variants)
+    methods = _sibling("diversity").build_methods(betas, temperature, variants)
     extra = []
     for b in betas:
         for v, cfg in variants.items():
@@ -227,8 +237,7 @@ def score(samples: list[list[dict]], problems: list[dict]) -> dict[str, Any]:
 
 def compare(a: list[list[float]], b: list[list[float]], ks: list[int]) -> dict[str, Any]:
     """Paired comparison of per-problem pass@k (a against b) at each k in ``ks``."""
-    from diversity import paired
-
+    paired = _sibling("diversity").paired
     return {str(k): paired([c[k - 1] for c in a], [c[k - 1] for c in b], True) for k in ks}
 
 
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--task-seed", type=int, default=0, help="seed of the problem generator")
     p.add_argument("-n", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per sample (default 32)")
+    p.add_argument("--max-tokens", type=int, default=40, help="new tokens per sample (default 40)")
     p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; 0.25)")
     p.add_argument(
         "--no-controls",
@@ -369,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = build_methods(betas, args.temperature, variants, args.variant_noise)
     if args.no_controls:
-        methods = [m for m in methods if m["kind"] not in ("temperature", "noise") or "variant" in m]
+        methods = [
+            m for m in methods if m["kind"] not in ("temperature", "noise") or "variant" in m
+        ]
     if args.no_default:
         methods = [
             m
@@ -382,8 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         if m["consumers"]:
             validate_consumers(m["consumers"], model)
 
-    from diversity import generate_all
-
+    generate_all = _sibling("diversity").generate_all
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     gen = generate_all(methods, [q["prompt"] for q in problems], args, model)
@@ -444,8 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for a, b in pairs
     ]
-    from throughput import machine_info
-
+    machine_info = _sibling("throughput").machine_info
     result = {
         "command": "python " + shlex.join(["benchmarks/passk.py", *(argv or sys.argv[1:])]),
         "config": {
