@@ -320,9 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=40, help="new tokens per sample (default 40)")
     p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; 0.25)")
     p.add_argument(
-        "--no-controls",
-        action="store_true",
-        help="skip the temperature-matched and noise controls of the default recipe",
+        "--controls",
+        default="temperature,noise",
+        help="controls of the default recipe to run: comma-separated subset of "
+        "temperature,noise ('' for none; default both)",
     )
     p.add_argument("--no-default", action="store_true", help="skip the default ESamp recipe")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -377,10 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path())
 
     methods = build_methods(betas, args.temperature, variants, args.variant_noise)
-    if args.no_controls:
-        methods = [
-            m for m in methods if m["kind"] not in ("temperature", "noise") or "variant" in m
-        ]
+    controls = {c.strip() for c in args.controls.split(",") if c.strip()}
+    if controls - {"temperature", "noise"}:
+        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise")
+    methods = [
+        m
+        for m in methods
+        if m["kind"] not in ("temperature", "noise") or "variant" in m or m["kind"] in controls
+    ]
     if args.no_default:
         methods = [
             m

@@ -94,7 +94,7 @@ def test_methods_give_each_variant_its_own_frozen_ablation():
 def test_passk_script_small_run(tiny_model, tmp_path):
     png = tmp_path / "passk.png"
     args = ["--model", tiny_model, "--problems", "3", "-n", "3", "--max-tokens", "4"]
-    args += ["--beta", "0.5", "--esamp-variant", 'zo={"init": "zero_output"}', "--no-controls"]
+    args += ["--beta", "0.5", "--esamp-variant", 'zo={"init": "zero_output"}', "--controls", ""]
     out = _json(_run("passk.py", *args, "--plot", str(png), "--json", *SMALL_ENGINE))
     methods = out["methods"]
     assert set(methods) == {
