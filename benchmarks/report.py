@@ -339,16 +339,16 @@ def verdict(dv: dict) -> list[str]:
     return lines
 
 
-def passk_section(pk: dict) -> list[str]:
-    """pass@k on verifiable tasks (benchmarks/passk.py)."""
+def passk_section(pk: dict, stem: str = "passk") -> list[str]:
+    """pass@k on verifiable tasks (one benchmarks/passk.py run, ``results/{stem}.json``)."""
     sys.path.insert(0, str(HERE))
     import passk
 
-    passk.plot(pk, IMG / "passk.png")
+    passk.plot(pk, IMG / f"{stem}.png")
     c = pk["config"]
     ks = [k for k in (1, 2, 4, 8, 16) if k <= c["n"]]
     out = [
-        "## pass@k on verifiable tasks",
+        f"## pass@k on verifiable tasks (`{stem}.json`)",
         "",
         f"Command: `{pk['command']}`",
         "",
@@ -384,7 +384,7 @@ def passk_section(pk: dict) -> list[str]:
             for v in cm["pass_at_k"].values()
         )
         out.append(f"| {cm['method']} vs {cm['against']} | {cells} |")
-    out += ["", "![pass@k curves](img/passk.png)", ""]
+    out += ["", f"![pass@k curves](img/{stem}.png)", ""]
     return out
 
 
@@ -429,7 +429,7 @@ def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
     gp = _load("gpu_distiller.json")
-    pk = _load("passk.json")
+    pks = {p.stem: _load(p.name) for p in sorted(RESULTS.glob("passk*.json"))}
     dvv = _load("diversity_variants.json")
     machine = (tp or dv or {}).get("machine", {})
     out = [
@@ -444,8 +444,9 @@ def render() -> None:
     ]
     out += throughput_section(tp) if tp else ["## Throughput", "", "(no results yet)", ""]
     out += diversity_section(dv) if dv else ["## Diversity and quality", "", "(no results yet)", ""]
-    if pk:
-        out += passk_section(pk)
+    for stem, pk in pks.items():
+        if pk:
+            out += passk_section(pk, stem)
     if dvv:
         out += diversity_section(dvv, "Diversity of the ESamp learning variants", "variants")
     out += gpu_section(gp)
