@@ -367,7 +367,13 @@ def passk_section(pk: dict, stem: str = "passk") -> list[str]:
             f"{m['pass_at_k'][k - 1]:.3f} ± {m['pass_at_k_sem'][k - 1]:.3f}" for k in ks
         )
         out.append(f"| {n} | {cells} | {m['mean_tokens']:.1f} | {m['generate_s']:.0f} |")
+    out += ["", "pass@1 by task family:", ""]
+    for n, m in pk["methods"].items():
+        fams = ", ".join(f"{f} {c[0]:.3f}" for f, c in m["pass_at_k_by_family"].items())
+        out.append(f"- {n}: {fams}")
     cks = list(pk["comparisons"][0]["pass_at_k"]) if pk["comparisons"] else []
+    if not cks:
+        return out + ["", f"![pass@k curves](img/{stem}.png)", ""]
     out += [
         "",
         "Paired per problem (better = higher pass@k; p: two-sided sign test, paired t-test):",
