@@ -431,6 +431,38 @@ def gpu_section(gp: dict | None) -> list[str]:
     return out + [""]
 
 
+def soak_section(sk: dict | None) -> list[str]:
+    out = ["## A long day in the server (soak)", ""]
+    if sk is None:
+        return out + ["(no results yet: `python benchmarks/soak.py --json`)", ""]
+    c = sk["counters"]
+    kinds = ", ".join(f"{k} {v['sent']}" for k, v in sorted(sk["by_kind"].items()))
+    out += [
+        f"Command: `{sk.get('command', 'python benchmarks/soak.py')}` — the OpenAI server with "
+        "`esamp`, `steer` and the test package's crashing consumer, all per request; "
+        f"{sk['requests']} requests, at most {sk['concurrency']} in flight ({kinds}).",
+        "",
+        "| check | result |",
+        "|---|---|",
+    ]
+    out += [
+        f"| {k.replace('_', ' ')} | {'yes' if v else '**no**'} |" for k, v in sk["checks"].items()
+    ]
+    out += [
+        "",
+        f"Wall time {sk['wall_s']} s ({sk['requests_per_s']} requests/s). Engine memory (RSS of "
+        f"the server's engine processes): {sk['engine_rss_mib_after_warmup']} MiB after warm-up, "
+        f"{sk['engine_rss_mib_end']} MiB at the end ({sk['engine_rss_change_pct']:+.2f}%). "
+        f"Counters: ESamp guided {c['esamp']['rows_guided']} rows (its requests generated "
+        f"{c['esamp_request_tokens']} tokens), groups created {c['esamp']['groups_created']} = "
+        f"freed {c['esamp']['groups_freed']}, alive {c['esamp']['groups_alive']}; steer selected "
+        f"{c['steer']['rows_selected']} rows, runtime rows_edited {c['runtime']['rows_edited']}; "
+        f"consumer errors {c['runtime']['consumer_errors']} (the crasher, isolated).",
+        "",
+    ]
+    return out
+
+
 def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
@@ -455,6 +487,7 @@ def render() -> None:
             out += passk_section(pk, stem)
     if dvv:
         out += diversity_section(dvv, "Diversity of the ESamp learning variants", "variants")
+    out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
     DOC.write_text("\n".join(out))
     print(f"wrote {DOC}", file=sys.stderr)

@@ -11,6 +11,8 @@ Cases (one engine each; consumers are fixed per engine; all defined in the one t
     capture      read-only consumer ``stats`` capturing two layers (0 and -1), all rows
     export       ``export`` of layers 0 and -1, decode rows, to a temporary folder
     steer        ``steer`` adding a random unit vector (scale 2) at layer -2 on every row
+    sae          ``sae`` recording the top-32 features (random top-k SAE, d_sae 8 x hidden)
+                 of every decode row at layer -2
     esamp_train  ``esamp`` with beta 0: the distiller trains, sampling is not guided
     esamp        ``esamp`` with beta 0.25: training and guidance
 
@@ -83,6 +85,38 @@ def _steer_specs(model: str, tmp: Path) -> list[str]:
     return ["steer:" + json.dumps({"vectors": vectors})]
 
 
+def _sae_specs(model: str, tmp: Path) -> list[str]:
+    """A random top-k SAE with d_sae = 8 x hidden at layer -2; features of every decode row
+    recorded (top 32)."""
+    import torch
+
+    from consumers.sae.loader import save_sae
+    from consumers.sae.model import SparseAutoencoder
+
+    hidden = int(json.loads((Path(model) / "config.json").read_text())["hidden_size"])
+    g = torch.Generator().manual_seed(0)
+    d_sae = 8 * hidden
+    w = torch.randn(hidden, d_sae, generator=g) / hidden**0.5
+    sae = SparseAutoencoder(
+        W_enc=w,
+        b_enc=torch.zeros(d_sae),
+        W_dec=w.T.contiguous(),
+        b_dec=torch.zeros(hidden),
+        architecture="topk",
+        k=32,
+    )
+    save_sae(sae, tmp / "sae")
+    spec = {
+        "path": str(tmp / "sae"),
+        "site": -2,
+        "top_k": 32,
+        "phase": "decode",
+        "out": str(tmp / "features"),
+        "overwrite": True,
+    }
+    return ["sae:" + json.dumps(spec)]
+
+
 def _fixed(specs: list[str] | None) -> Callable[[str, Path], list[str] | None]:
     return lambda model, tmp: specs
 
@@ -127,6 +161,16 @@ CASES: dict[str, Case] = {
                 '"scale": 2.0, "normalize": true}]}'
             ],
             required=("runtime.rows_edited",),
+        ),
+        Case(
+            "sae",
+            _sae_specs,
+            [
+                'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
+                '"phase": "decode", "out": <tmp>}'
+            ],
+            required=("sae.rows_encoded", "sae.rows_recorded"),
+            also_report=("sae.shards_written",),
         ),
         Case(
             "esamp_train",

@@ -1,2 +1,2 @@
-"""Built-in consumers: ``stats``, ``export``, ``steer``. They register through the same
+"""Built-in consumers: ``stats``, ``export``, ``steer``, ``sae``. They register through the same
 pluggy hook as third-party consumers (see ``consumers.plugin``)."""

@@ -323,3 +323,81 @@ class RowsStub:
 
     def __len__(self) -> int:
         return self.n
+
+
+def test_per_request_editor_sees_and_edits_only_its_rows():
+    rt = _runtime({"name": "adder", "config": {"value": 1.0}, "per_request": True})
+    on = RequestInfo("a-abcdefgh", "a", 0, 0, 1, extra_args={"tllm_consumers": "adder"})
+    off = RequestInfo("b-abcdefgh", "b", 1, 0, 1)
+    layout = StepLayout(
+        engine_ids=["a-abcdefgh", "b-abcdefgh"],
+        num_scheduled=np.array([2, 3]),
+        num_computed=np.array([0, 0]),
+        num_tokens=np.array([2, 3]),
+        token_ids=torch.arange(5),
+    )
+    rows, _, _ = layout_rows(layout, [off, on][::-1])
+    seen = []
+    adder = rt.slots[0].consumer
+    orig = adder.edit
+    adder.edit = lambda r, plan: (seen.append(len(r)), orig(r, plan))  # type: ignore[method-assign]
+    buf = EditBuffers(5, H, torch.float32, torch.device("cpu"))
+    rt.begin_step(rows, {"residual.1": buf})
+    assert seen == [2]  # the consumer was handed only request a's rows
+    assert buf.mask[:, 0].tolist() == [True, True, False, False, False]
+
+
+class _SetFirst(torch.nn.Module):
+    """In-graph transform: set component 0 of each row to 5 (depends on nothing else)."""
+
+    def forward(self, s, rows):
+        out = s.clone()
+        out[:, 0] = 5.0
+        return out
+
+
+class Clamper(Consumer):
+    name = "clamper"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.module = _SetFirst()
+
+    def writes(self):
+        return [Edit(HiddenStates(1), transform=self.module)]
+
+    def edit(self, rows, plan):
+        plan.transform(1, np.array([0, 2]))
+
+
+def test_in_graph_transform_runs_on_selected_rows_only():
+    reg = Registry()
+    reg.register(_Plugin(), name="test-plugin")
+
+    class _More:
+        @hookimpl
+        def tllm_consumers(self):
+            return [Clamper]
+
+    reg.register(_More(), name="more")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "clamper"}]})
+    rt = Runtime(settings, _model(), reg)
+    (tap,) = rt.edit_taps
+    buf = EditBuffers(4, H, torch.float32, torch.device("cpu"))
+    for owner, module in rt.transforms(tap.key):
+        buf.add_transform(owner, module)
+    rows, _ = _step(rt, decode=3)
+    rt.begin_step(rows, {tap.key: buf})
+    b = TapBuffers(
+        torch.zeros(4, H),
+        buf,
+        torch.tensor([1]),
+        torch.tensor([0]),
+        torch.zeros(1, dtype=torch.int64),
+    )
+    x = torch.randn(3, H)
+    y = OutputTap(torch.nn.Identity(), b)(x)
+    assert y[0, 0] == 5.0 and y[2, 0] == 5.0 and torch.equal(y[1], x[1])
+    assert torch.equal(y[0, 1:], x[0, 1:]) and b.edited.item() == 2
+    with pytest.raises(ValueError, match="declares no transform"):
+        EditPlan(RowsStub(1), {"layer.1": "residual.1"}, H).transform(1, np.array([0]))

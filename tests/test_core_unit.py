@@ -33,8 +33,14 @@ def _rows(n: int, decode=None) -> RowInfo:
 
 
 def test_spec_parsing_and_errors():
-    assert ConsumerSpec.parse("esamp") == ConsumerSpec("esamp", {})
+    assert ConsumerSpec.parse("esamp") == ConsumerSpec(name="esamp")
     assert ConsumerSpec.parse('esamp:{"beta": 0.5}').config == {"beta": 0.5}
+    # One spec type from the command line to the worker: strings, dicts and specs.
+    spec = ConsumerSpec.coerce({"name": "steer", "config": {"x": 1}, "per_request": True})
+    assert spec == ConsumerSpec(name="steer", config={"x": 1}, per_request=True)
+    assert ConsumerSpec.coerce(spec) is spec
+    with pytest.raises(ConsumerSpecError, match="per_reqest"):
+        ConsumerSpec.coerce({"name": "steer", "per_reqest": True})
     with pytest.raises(ConsumerSpecError, match="not valid JSON"):
         ConsumerSpec.parse("esamp:{beta}")
     with pytest.raises(ConsumerSpecError, match="JSON object"):
@@ -47,11 +53,17 @@ def test_registry_lists_builtins_and_names_bad_values():
     with pytest.raises(ConsumerSpecError, match=r"unknown consumer 'nope'; available: .*esamp"):
         reg.get("nope")
     with pytest.raises(ConsumerSpecError, match="beta"):
-        reg.validate(ConsumerSpec("esamp", {"beta": -1}))
+        reg.validate(ConsumerSpec(name="esamp", config={"beta": -1}))
     with pytest.raises(ConsumerSpecError, match="betta"):
-        reg.validate(ConsumerSpec("esamp", {"betta": 1}))
+        reg.validate(ConsumerSpec(name="esamp", config={"betta": 1}))
+    with pytest.raises(ConsumerSpecError, match="'stats' is given twice"):
+        reg.check([ConsumerSpec(name="stats"), ConsumerSpec.parse("stats")])
     described = {c["name"]: c for c in reg.describe()}
     assert any(f["name"] == "beta" for f in described["esamp"]["fields"])
+    keys = {k["key"]: k for c in described.values() for k in c["request_keys"]}
+    assert keys["tllm_esamp_beta"]["allowed"] == "float | None, >= 0, finite"
+    assert keys["tllm_steer_scale"]["description"]
+    assert reg.request_keys["tllm_esamp_beta"] == ("esamp", "beta")
     assert described["stats"]["description"]
 
 
@@ -143,8 +155,8 @@ def test_edit_plan_checks_and_restrict():
         plan.add(2, np.array([0]), torch.ones(4))
     with pytest.raises(ValueError, match="width is 4"):
         plan.add(1, np.array([0]), torch.ones(5))
-    plan.add(1, np.array([0, 1, 2]), torch.ones(3, 4))
-    plan.restrict(np.array([True, False, True, True]))
+    plan.add(1, np.array([0, 1]), torch.ones(2, 4))
+    plan.remap(np.array([0, 2, 3]))  # the plan was made on rows 0, 2, 3 of the step
     rows, kind, value = plan.ops["layer.1"][0]
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
 
@@ -248,3 +260,32 @@ def test_tllm_engines_switch_aot_compile_off_even_under_a_frozen_env_cache(monke
         assert "overriding VLLM_USE_AOT_COMPILE=1 with 0" in caplog.text
     finally:
         envs.disable_envs_cache()
+
+
+def test_front_end_checks_run_once(tiny_model, monkeypatch):
+    """``tllm run``'s path: names/configs, then (model known) one dry build; never twice."""
+    import tllm_core.dry_run as dry_run
+    from tllm_core.engine import validate_consumers
+
+    builds = []
+    real = dry_run.dry_build
+    monkeypatch.setattr(dry_run, "dry_build", lambda *a: builds.append(a[0]) or real(*a))
+    specs = [
+        'stats:{"layers": [0]}',
+        {
+            "name": "steer",
+            "config": {"vectors": [{"layer": 1, "vector": [0.0] * 128}]},
+            "per_request": True,
+        },
+    ]
+    checked = validate_consumers(specs)  # before the model is known: no build
+    assert builds == [] and checked.model_path is None
+    assert checked.specs[1].per_request
+    checked = validate_consumers(checked, tiny_model)
+    assert len(builds) == 1 and checked.model_path == tiny_model
+    assert validate_consumers(checked, tiny_model) is checked  # what TllmLLM does next
+    assert len(builds) == 1
+    with pytest.raises(ConsumerSpecError, match="'stats' is given twice"):
+        validate_consumers(["stats", "stats"])
+    with pytest.raises(ValueError, match="out of range"):
+        validate_consumers(['stats:{"layers": [9]}'], tiny_model)

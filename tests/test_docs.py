@@ -196,6 +196,7 @@ CONSUMER_SOURCES = {
     "stats": ["consumers/stats.py"],
     "export": ["consumers/export"],
     "steer": ["consumers/steer"],
+    "sae": ["consumers/sae"],
     "esamp": ["algorithms/esamp"],
 }
 

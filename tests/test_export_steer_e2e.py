@@ -142,18 +142,17 @@ def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines
     plain = engines.get(("plain", tiny_model), lambda: LLM(tiny_model, **ENGINE_KW))
     plain_tokens = _tokens(plain.generate(prompts, [params()] * 3, use_tqdm=False))
 
-    cfg = {
-        "vectors": [{"layer": 1, "path": str(_vector(tmp_path)), "scale": 20.0}],
-        "per_request": True,
-    }
-    llm = engines.get(
-        ("steer", tiny_model),
-        lambda: TllmLLM(tiny_model, [{"name": "steer", "config": cfg}], **ENGINE_KW),
-    )
+    cfg = {"vectors": [{"layer": 1, "path": str(_vector(tmp_path)), "scale": 20.0}]}
+    spec = {"name": "steer", "config": cfg, "per_request": True}
+    llm = engines.get(("steer", tiny_model), lambda: TllmLLM(tiny_model, [spec], **ENGINE_KW))
     # one batch: unsteered, steered, steered with scale 0 — all in flight together
     mixed = llm.generate(
         prompts,
-        [params(), params({"tllm_steer": 1}), params({"tllm_steer": 1, "tllm_steer_scale": 0.0})],
+        [
+            params(),
+            params({"tllm_consumers": "steer"}),
+            params({"tllm_consumers": "steer", "tllm_steer_scale": 0.0}),
+        ],
         use_tqdm=False,
     )
     toks = _tokens(mixed)

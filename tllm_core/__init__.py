@@ -1,9 +1,10 @@
 """tllm: run consumers inside vLLM generation.
 
-Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`, the port
-types, :class:`Bundle`, :class:`EditPlan`, :class:`GuideView` and ``hookimpl``; for
-producer authors: :class:`Producer`, :class:`TapRequest`, :class:`StepCapture` and the
-port bases :class:`TokenPort`, :class:`SamplePort`, :class:`LayerPort`.
+Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
+:class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
+:class:`GuideView` and ``hookimpl``; for producer authors: :class:`Producer`,
+:class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
+:class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.cli_common`.
 """
 
 from tllm_core.bundles import Bundle, GuideView
@@ -25,8 +26,9 @@ from tllm_core.ports import (
     TokenPort,
 )
 from tllm_core.producer import Producer, TapRequest
-from tllm_core.registry import ConsumerSpec, ConsumerSpecError
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.settings import ConsumerSpec, ConsumerSpecError
 from tllm_core.step import StepCapture
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "Producer",
     "ReadPort",
     "RequestInfo",
+    "RequestSettings",
     "ResidualEdit",
     "RowInfo",
     "SamplePort",

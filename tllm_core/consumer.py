@@ -13,6 +13,7 @@ from tllm_core.bundles import Bundle, GuideView
 from tllm_core.counters import Counters
 from tllm_core.edits import EditPlan
 from tllm_core.ports import Delivery, Phase, ReadPort, TokenPort, WritePort
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
 
 
@@ -47,6 +48,8 @@ class ConsumerContext:
     # A token port from its export name ("3", "final", "attn.2", "mlp.-1", ...), served by
     # the registered producers; raises ValueError naming the accepted forms.
     parse_port: Callable[[str, Phase], TokenPort] | None = None
+    # The consumer acts only on requests naming it in extra_args["tllm_consumers"].
+    per_request: bool = False
 
 
 class Consumer:
@@ -56,11 +59,17 @@ class Consumer:
     :meth:`reads` / :meth:`writes`; and implement the callbacks they need. Construction
     happens in the process that runs the model, before the first forward: raise
     ``ValueError`` there for bad settings so the user sees it before generation.
+
+    ``Request`` (optional) declares per-request settings: field ``f`` is the request key
+    ``tllm_{name}_{f}`` (``vllm_xargs`` in the server, ``SamplingParams.extra_args``
+    offline), validated before a request reaches the engine; read a request's values with
+    ``request.settings(self)``.
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     Config: ClassVar[type[ConsumerConfig]] = ConsumerConfig
+    Request: ClassVar[type[RequestSettings] | None] = None
     delivery: ClassVar[Delivery] = Delivery.END_OF_STEP
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
@@ -76,6 +85,10 @@ class Consumer:
     def writes(self) -> list[WritePort]:
         """Write ports: ``ResidualEdit`` layers (see :meth:`edit`) and/or ``SamplerGuide``."""
         return []
+
+    def acts_on(self, request: RequestInfo) -> bool:
+        """Whether this consumer acts on ``request`` (always, unless it is per-request)."""
+        return not self.context.per_request or self.name in request.enabled_consumers
 
     # -- callbacks ----------------------------------------------------------------
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from tllm_core.consumer import ModelInfo
 from tllm_core.counters import Counters
-from tllm_core.registry import ConsumerSpec, Registry
-from tllm_core.settings import ConsumerEntry, RuntimeSettings
+from tllm_core.registry import Registry
+from tllm_core.settings import ConsumerSpec, RuntimeSettings
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
@@ -31,14 +32,11 @@ def model_info_from_config(model_path: str) -> ModelInfo:
     )
 
 
-def dry_build(specs: list[ConsumerSpec], model_path: str, registry: Registry) -> None:
+def dry_build(specs: Sequence[ConsumerSpec], model_path: str, registry: Registry) -> None:
+    """Names, configs, uniqueness and every consumer's construction, on the meta device."""
     from tllm_core.runtime import build_consumers
 
-    settings = RuntimeSettings(
-        consumers=[
-            ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request) for s in specs
-        ]
-    )
+    settings = RuntimeSettings(consumers=list(specs))
     slots = build_consumers(settings, model_info_from_config(model_path), registry, Counters())
     for s in slots:
         s.consumer.close()

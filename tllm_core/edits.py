@@ -52,9 +52,11 @@ class EditPlan:
         allowed: dict[str, str],
         hidden_size: int,
         resolve_layer: Callable[[int], int] | None = None,
+        transforms: set[str] = frozenset(),
     ):
         self.rows = rows
         self._allowed = allowed  # port key -> tap key
+        self._transforms = transforms  # port keys whose Edit port has a transform
         self._hidden_size = hidden_size
         self._resolve = resolve_layer
         # port key -> list of (row indices, kind, tensor)
@@ -90,16 +92,23 @@ class EditPlan:
         if rows.size:
             self.ops.setdefault(key, []).append((rows, kind, value))
 
-    def restrict(self, mask: np.ndarray) -> None:
-        """Drop ops on rows outside ``mask`` (rows of requests the consumer may not touch)."""
-        for key, ops in list(self.ops.items()):
-            kept = []
-            for rows, kind, value in ops:
-                sel = mask[rows]
-                if sel.any():
-                    v = value[torch.from_numpy(sel).to(value.device)] if value.dim() == 2 else value
-                    kept.append((rows[sel], kind, v))
-            self.ops[key] = kept
+    def remap(self, index: np.ndarray) -> None:
+        """Translate row indices through ``index`` (the plan was made on a subset of the
+        step's rows: ``index[j]`` is subset row ``j``'s row in the step)."""
+        for ops in self.ops.values():
+            for i, (rows, kind, value) in enumerate(ops):
+                ops[i] = (index[rows], kind, value)
+
+    def transform(self, target: EditTarget, rows: np.ndarray) -> None:
+        """Run the ``transform`` of the consumer's ``Edit(target, transform=...)`` port on
+        ``rows`` in this step's forward (after the add/replace/ablate edits of all consumers
+        on that target)."""
+        key = self._key(target)
+        if key not in self._transforms:
+            raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size:
+            self.ops.setdefault(key, []).append((rows, "transform", torch.empty(0)))
 
     def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
         """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the target at ``rows``."""
@@ -125,7 +134,22 @@ class EditBuffers:
         self.keep = torch.ones(max_tokens, 1, dtype=dtype, device=device)
         self.add = torch.zeros(max_tokens, width, dtype=dtype, device=device)
         self.dir = torch.zeros(max_tokens, width, dtype=dtype, device=device)
+        # One row mask per in-graph transform on this tap (consumer order), and its owner.
+        self.transforms: list[tuple[str, torch.nn.Module, torch.Tensor]] = []
         self._dirty = 0  # rows [0, dirty) may hold non-identity values
+
+    def add_transform(self, owner: str, module: torch.nn.Module) -> None:
+        mask = torch.zeros_like(self.mask)
+        self.transforms.append((owner, module, mask))
+
+    @property
+    def rows_used(self) -> int:
+        """Rows ``[0, rows_used)`` may hold non-identity values."""
+        return self._dirty
+
+    def mark_used(self, rows: int) -> None:
+        """Rows ``[0, rows)`` were written from outside (another rank's buffers)."""
+        self._dirty = max(self._dirty, int(rows))
 
     def reset(self) -> None:
         n = self._dirty
@@ -134,6 +158,8 @@ class EditBuffers:
             self.keep[:n].fill_(1)
             self.add[:n].zero_()
             self.dir[:n].zero_()
+            for _, _, mask in self.transforms:
+                mask[:n].fill_(False)
             self._dirty = 0
 
     def check(self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str) -> None:
@@ -152,11 +178,17 @@ class EditBuffers:
                     f"consumer already ablates in this step (one direction per row and tap)"
                 )
 
-    def write(self, ops: list[tuple[np.ndarray, str, torch.Tensor]]) -> None:
+    def write(self, ops: list[tuple[np.ndarray, str, torch.Tensor]], owner: str = "") -> None:
         """Compose ``ops`` (one consumer's, in order) into the buffers."""
         dev = self.add.device
         for rows, kind, value in ops:
             idx = torch.from_numpy(rows).to(dev)
+            self._dirty = max(self._dirty, int(rows.max()) + 1)
+            if kind == "transform":
+                for name, _, mask in self.transforms:
+                    if name == owner:
+                        mask[idx] = True
+                continue
             v = value.to(device=dev, dtype=self.add.dtype)
             if kind == "add":
                 self.add[idx] += v
@@ -167,4 +199,3 @@ class EditBuffers:
             elif kind == "ablate":
                 self.dir[idx] = v if v.dim() == 2 else v.expand(len(rows), -1)
             self.mask[idx] = True
-            self._dirty = max(self._dirty, int(rows.max()) + 1)

@@ -12,41 +12,55 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tllm_core.registry import ConsumerSpec, Registry
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerEntry, RuntimeSettings
+from tllm_core.registry import Registry
+from tllm_core.reports import merge_reports
+from tllm_core.serving.keys import TAGS, EngineConsumers, validate_extra_args
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerSpec, RuntimeSettings
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
 
 
-def _as_spec(c: str | ConsumerSpec | dict) -> ConsumerSpec:
-    if isinstance(c, ConsumerSpec):
-        return c
-    if isinstance(c, dict):
-        return ConsumerSpec(c["name"], dict(c.get("config", {})), bool(c.get("per_request", False)))
-    return ConsumerSpec.parse(c)
+@dataclass(frozen=True)
+class CheckedConsumers:
+    """Consumer specs checked once in the front end (see :func:`validate_consumers`)."""
+
+    specs: tuple[ConsumerSpec, ...]
+    registry: Registry
+    # The model folder the specs were dry-built against (None: names and configs only).
+    model_path: str | None = None
+
+
+ConsumersArg = Sequence[str | ConsumerSpec | dict] | CheckedConsumers
 
 
 def validate_consumers(
-    specs: Sequence[str | ConsumerSpec | dict], model_path: str | None = None
-) -> list[ConsumerSpec]:
-    """Check names, configs and (with the model folder) layer indices before the engine starts."""
-    registry = Registry()
-    parsed = [_as_spec(c) for c in specs]
-    seen = set()
-    for spec in parsed:
-        registry.validate(spec)
-        if spec.name in seen:
-            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
-        seen.add(spec.name)
-    if model_path is not None and parsed:
-        from tllm_core.dry_run import dry_build
+    specs: ConsumersArg, model_path: str | None = None, registry: Registry | None = None
+) -> CheckedConsumers:
+    """Check names and configs and, given the model folder, build every consumer on the meta
+    device (layer indices, vector files...), before the engine starts.
 
-        dry_build(parsed, model_path, registry)
-    return parsed
+    Each check runs once: passing the result back in (to ``TllmLLM`` or here) adds only what
+    was not done yet (the dry build, once the model folder is known).
+    """
+    if isinstance(specs, CheckedConsumers):
+        if model_path is None or specs.model_path == model_path:
+            return specs
+        checked = specs
+    else:
+        registry = registry or Registry()
+        checked = CheckedConsumers(tuple(ConsumerSpec.coerce(c) for c in specs), registry)
+        if model_path is None or not checked.specs:
+            checked.registry.check(checked.specs)
+            return checked
+    from tllm_core.dry_run import dry_build
+
+    dry_build(checked.specs, model_path, checked.registry)
+    return replace(checked, model_path=model_path)
 
 
 def _salt(extra: dict[str, Any]) -> str | None:
@@ -55,7 +69,7 @@ def _salt(extra: dict[str, Any]) -> str | None:
     With residual edits, a cached prompt block computed under one request's edits must
     not be reused by a request with other (or no) edits.
     """
-    keys = {k: v for k, v in extra.items() if k.startswith("tllm_") and k not in _TAG_KEYS}
+    keys = {k: v for k, v in extra.items() if k.startswith("tllm_") and k not in TAGS}
     if not keys:
         return None
     return "tllm:" + json.dumps(keys, sort_keys=True, default=str)
@@ -72,20 +86,20 @@ def _salted(prompt: Any, salt: str | None) -> Any:
     return prompt
 
 
-_TAG_KEYS = {"tllm_prompt_index", "tllm_n"}
-
-
 class TllmLLM:
     """A vLLM ``LLM`` whose engine runs tllm consumers.
 
     Extra keyword arguments go to ``vllm.LLM``. Consumers are validated here, before the
-    engine starts; ``collect()`` returns counters and results from the engine process.
+    engine starts, and each request's ``tllm_*`` extra_args in ``generate`` / ``chat``,
+    before generation; ``collect()`` returns counters and results from the engine process.
+    ``tensor_parallel_size=2`` runs the engine on two ranks (on a CPU machine each rank gets
+    its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` is set; see docs/scaling.md).
     """
 
     def __init__(
         self,
         model: str | None = None,
-        consumers: Sequence[str | ConsumerSpec | dict] = (),
+        consumers: ConsumersArg = (),
         *,
         queue_size: int = 64,
         overflow: str = "block",
@@ -97,12 +111,10 @@ class TllmLLM:
 
             model = str(default_model_path())
         self.model_path = model
-        specs = validate_consumers(consumers, model if os.path.isdir(model) else None)
+        checked = validate_consumers(consumers, model if os.path.isdir(model) else None)
+        self.consumers = EngineConsumers.of(checked.specs, checked.registry)
         self.settings = RuntimeSettings(
-            consumers=[
-                ConsumerEntry(name=s.name, config=s.config, per_request=s.per_request)
-                for s in specs
-            ],
+            consumers=list(checked.specs),
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
         )
@@ -113,18 +125,31 @@ class TllmLLM:
                 os.environ["VLLM_USE_V2_MODEL_RUNNER"],
             )
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+
+        world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
+            llm_kwargs.get("pipeline_parallel_size") or 1
+        )
+        bound = bind_cpu_threads(world)
+        if bound is not None:
+            log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_dump()
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model,
-            additional_config=additional,
-            worker_extension_cls=WORKER_EXTENSION,
-            **llm_kwargs,
-        )
-        status = self._rpc("tllm_status")
-        if not status or not status.get("installed"):
+        try:
+            self.llm = LLM(
+                model=model,
+                additional_config=additional,
+                worker_extension_cls=WORKER_EXTENSION,
+                **llm_kwargs,
+            )
+        finally:
+            if bound is not None:  # the workers are bound: leave the caller's env as it was
+                os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        statuses = self.llm.collective_rpc("tllm_status")
+        status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
+        if not statuses or not all(s.get("installed") for s in statuses) or status is None:
             raise UnsupportedEngineError(
                 "the tllm runtime was not installed in the engine: is the package installed "
                 "(its vllm.general_plugins entry point 'tllm' must be visible) and not "
@@ -134,7 +159,8 @@ class TllmLLM:
         self._closed_report: dict[str, Any] | None = None
 
     def _rpc(self, method: str) -> Any:
-        return self.llm.collective_rpc(method)[0]
+        """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
+        return merge_reports(self.llm.collective_rpc(method))
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
@@ -161,6 +187,11 @@ class TllmLLM:
                 )
         else:
             per = [sampling_params] * len(items)
+        for sp in per:
+            # The one check of request keys the server also runs: bad values fail here,
+            # before anything is generated.
+            user = {k: v for k, v in (sp.extra_args or {}).items() if k not in TAGS}
+            validate_extra_args(user, self.consumers, where="extra_args")
         tagged, salts = [], []
         for i, sp in enumerate(per):
             sp = sp.clone()
@@ -178,7 +209,7 @@ class TllmLLM:
             return fn([_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs)
         finally:
             # generate() is synchronous: every request of this call is done.
-            self._rpc("tllm_end_batch")
+            self.llm.collective_rpc("tllm_end_batch")
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""

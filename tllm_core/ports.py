@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 FINAL = "final"
 
@@ -162,9 +162,17 @@ class Edit(WritePort):
     """Write port: edit the tensor of token port ``target`` (any port whose producer names
     an editable tap, e.g. ``HiddenStates(layer)`` or a layer's attention/MLP output) for
     rows the consumer selects in :meth:`Consumer.edit`. Unselected rows are untouched bit
-    for bit."""
+    for bit.
+
+    ``transform`` (optional, keyword): a ``torch.nn.Module`` run *inside* the forward on the
+    tapped tensor, ``transform(s, rows) -> s'`` with ``rows`` a ``[n, 1]`` bool mask of the
+    rows the consumer selected this step with ``plan.transform(target, row_idx)``; for edits
+    that depend on the row's own value (e.g. clamping an SAE feature). It must use tensor
+    operations only (it is traced into the compiled graph) and live on the model's device;
+    rows outside the mask are kept bit for bit whatever it returns."""
 
     target: TokenPort
+    transform: Any = dataclasses.field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True)

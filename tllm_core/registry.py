@@ -1,10 +1,10 @@
-"""Plugin discovery (pluggy): consumers, producers and commands; consumer spec parsing
-(``NAME`` or ``NAME:{json config}``)."""
+"""Plugin discovery (pluggy): consumers (by name, with their configs and request keys) and
+the producers serving each port type."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import pluggy
@@ -14,47 +14,35 @@ from tllm_core import hookspecs
 from tllm_core.consumer import Consumer, ConsumerConfig
 from tllm_core.ports import FINAL, HiddenStates, LayerPort, Phase, ReadPort, TokenPort
 from tllm_core.producer import Producer
+from tllm_core.request_settings import (
+    GENERIC_KEYS,
+    RequestSettings,
+    describe_request_keys,
+    request_keys,
+    type_name,
+)
+from tllm_core.settings import ConsumerSpec, ConsumerSpecError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ConsumerSpec",
+    "ConsumerSpecError",
+    "Registry",
+    "plugin_manager",
+]
 
 # Built-ins register through this entry-point group and the same hooks as third-party
 # plugins (see pyproject.toml), so the core names none of them.
 ENTRY_POINT_GROUP = "tllm"
 
 
-class ConsumerSpecError(ValueError):
-    """A consumer name or config the user gave is not valid."""
-
-
-@dataclass
-class ConsumerSpec:
-    """A consumer to build in the engine: its registered name and its config dict."""
-
-    name: str
-    config: dict[str, Any] = field(default_factory=dict)
-    # Act only on requests whose extra_args["tllm_consumers"] names this consumer.
-    per_request: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> ConsumerSpec:
-        name, sep, raw = text.partition(":")
-        name = name.strip()
-        if not name:
-            raise ConsumerSpecError(f"empty consumer name in {text!r}; use NAME or NAME:{{json}}")
-        config: Any = {}
-        if sep:
-            try:
-                config = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config is not valid JSON ({e.msg} at column {e.colno}): {raw!r}"
-                ) from None
-            if not isinstance(config, dict):
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config must be a JSON object, got {type(config).__name__}"
-                )
-        return cls(name, config)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config, "per_request": self.per_request}
+def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A new plugin manager with every ``tllm`` entry point (built-ins included) loaded."""
+    pm = pluggy.PluginManager("tllm")
+    pm.add_hookspecs(hookspecs)
+    if load_entry_points:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    return pm
 
 
 class Registry:
@@ -65,48 +53,73 @@ class Registry:
     """
 
     def __init__(self, load_entry_points: bool = True):
-        self.pm = pluggy.PluginManager("tllm")
-        self.pm.add_hookspecs(hookspecs)
-        if load_entry_points:
-            self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        self.pm = plugin_manager(load_entry_points)
         self._classes: dict[str, type[Consumer]] = {}
+        # request key -> (consumer name, field name)
+        self._keys: dict[str, tuple[str, str]] = {}
         self._producers: dict[type[ReadPort], Producer] = {}
         self._collect()
 
     def _collect(self) -> None:
-        for classes in self.pm.hook.tllm_consumers():
-            for cls in classes:
-                if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
-                    raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
-                if cls.name in self._classes and self._classes[cls.name] is not cls:
-                    raise ValueError(
-                        f"two plugins register a consumer named {cls.name!r}: "
-                        f"{self._classes[cls.name].__module__} and {cls.__module__}"
-                    )
-                self._classes[cls.name] = cls
         for classes in self.pm.hook.tllm_producers():
-            for cls in classes:
-                if not (isinstance(cls, type) and issubclass(cls, Producer)) or not cls.ports:
-                    raise TypeError(
-                        f"plugin returned {cls!r}: expected a Producer subclass serving ports"
+            self._add_producers(classes)
+        for classes in self.pm.hook.tllm_consumers():
+            self._add(classes)
+
+    def _add(self, classes: Iterable[type]) -> None:
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
+                raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
+            if cls.name in self._classes and self._classes[cls.name] is not cls:
+                raise ValueError(
+                    f"two plugins register a consumer named {cls.name!r}: "
+                    f"{self._classes[cls.name].__module__} and {cls.__module__}"
+                )
+            req = cls.Request
+            if req is not None and not (isinstance(req, type) and issubclass(req, RequestSettings)):
+                raise TypeError(
+                    f"consumer {cls.name!r}: Request must be a RequestSettings subclass or None, "
+                    f"got {req!r}"
+                )
+            for key, fname in request_keys(cls.name, req).items():
+                owner = self._keys.get(key)
+                if key in GENERIC_KEYS or (owner is not None and owner[0] != cls.name):
+                    taken = f"consumer {owner[0]!r}" if owner else "tllm itself"
+                    raise ValueError(
+                        f"consumer {cls.name!r}: request key {key!r} (field {fname!r}) is "
+                        f"already used by {taken}; rename the field"
                     )
-                for port_cls in cls.ports:
-                    old = self._producers.get(port_cls)
-                    if old is not None and type(old) is not cls:
-                        raise ValueError(
-                            f"two plugins serve port {port_cls.__name__}: "
-                            f"{type(old).__module__}.{type(old).__name__} and "
-                            f"{cls.__module__}.{cls.__name__}"
-                        )
-                    if old is None:
-                        self._producers[port_cls] = cls()
+                self._keys[key] = (cls.name, fname)
+            self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
         """Register a plugin object/module at run time (tests, notebooks)."""
         self.pm.register(plugin, name=name)
         self._collect()
 
+    @property
+    def request_keys(self) -> dict[str, tuple[str, str]]:
+        """Every consumer-declared request key -> (consumer name, field name)."""
+        return dict(self._keys)
+
     # -- producers --------------------------------------------------------------------
+    def _add_producers(self, classes: Iterable[type]) -> None:
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, Producer)) or not cls.ports:
+                raise TypeError(
+                    f"plugin returned {cls!r}: expected a Producer subclass serving ports"
+                )
+            for port_cls in cls.ports:
+                old = self._producers.get(port_cls)
+                if old is not None and type(old) is not cls:
+                    raise ValueError(
+                        f"two plugins serve port {port_cls.__name__}: "
+                        f"{type(old).__module__}.{type(old).__name__} and "
+                        f"{cls.__module__}.{cls.__name__}"
+                    )
+                if old is None:
+                    self._producers[port_cls] = cls()
+
     def producer_for(self, port: ReadPort) -> Producer:
         """The producer serving ``port``'s type (or its nearest registered base type)."""
         for t in type(port).__mro__:
@@ -164,8 +177,18 @@ class Registry:
         except ValidationError as e:
             raise ConsumerSpecError(f"invalid config for consumer {spec.name!r}:\n{e}") from None
 
+    def check(self, specs: Iterable[ConsumerSpec]) -> list[ConsumerConfig]:
+        """Names, configs and uniqueness of ``specs``: their config models, in order."""
+        configs, seen = [], set()
+        for spec in specs:
+            configs.append(self.validate(spec))
+            if spec.name in seen:
+                raise ConsumerSpecError(f"consumer {spec.name!r} is given twice; give it once")
+            seen.add(spec.name)
+        return configs
+
     def describe(self) -> list[dict[str, Any]]:
-        """Name, one-line description and config fields of every consumer."""
+        """Name, one-line description, config fields and request keys of every consumer."""
         out = []
         for name in self.names:
             cls = self._classes[name]
@@ -174,7 +197,7 @@ class Registry:
                 fields.append(
                     {
                         "name": fname,
-                        "type": _type_name(f.annotation),
+                        "type": type_name(f.annotation),
                         "default": None
                         if f.is_required()
                         else _jsonable(f.get_default(call_default_factory=True)),
@@ -188,28 +211,13 @@ class Registry:
                     "description": cls.description,
                     "module": cls.__module__,
                     "fields": fields,
+                    "request_keys": [
+                        {**k, "default": _jsonable(k["default"])}
+                        for k in describe_request_keys(name, cls.Request)
+                    ],
                 }
             )
         return out
-
-
-def _type_name(t: Any) -> str:
-    """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
-    import types
-    import typing
-
-    origin, args = typing.get_origin(t), typing.get_args(t)
-    if origin is typing.Literal:
-        return " | ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        return (
-            f"{getattr(origin, '__name__', str(origin))}[{', '.join(_type_name(a) for a in args)}]"
-        )
-    if t is type(None):
-        return "None"
-    return getattr(t, "__name__", str(t))
 
 
 def _jsonable(value: Any) -> Any:

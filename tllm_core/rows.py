@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from tllm_core.request_settings import RequestSettings, parse_request_settings
+
+if TYPE_CHECKING:
+    from tllm_core.consumer import Consumer
 
 
 @dataclass
@@ -26,6 +31,26 @@ class RequestInfo:
     # Highest position already delivered: rows at or below it are recomputation
     # (preemption) and are flagged, so consumers can count each position once.
     max_position_seen: int = -1
+    # consumer name -> its validated RequestSettings (see settings())
+    _settings: dict[str, RequestSettings] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def settings(self, consumer: Consumer) -> RequestSettings:
+        """This request's validated settings for ``consumer`` (an instance of its ``Request``).
+
+        Keys the request does not carry take the field defaults. Parsed once per request;
+        the front end has already rejected bad values, so an error here means the request
+        bypassed it (``ValueError`` naming the key).
+        """
+        out = self._settings.get(consumer.name)
+        if out is None:
+            model = type(consumer).Request
+            if model is None:
+                raise TypeError(f"consumer {consumer.name!r} declares no Request settings")
+            out = parse_request_settings(consumer.name, model, self.extra_args)
+            self._settings[consumer.name] = out
+        return out
 
     @property
     def enabled_consumers(self) -> frozenset[str]:

@@ -21,7 +21,7 @@ from tllm_core.edits import EditBuffers, EditPlan
 from tllm_core.ports import Edit, SamplerGuide, resolve_layer
 from tllm_core.producer import TapRequest
 from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
-from tllm_core.registry import ConsumerSpec, Registry
+from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, RowInfo
 from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StaleTapError, StepCapture
@@ -34,6 +34,7 @@ class _Slot:
     consumer: Consumer
     reads: ReadPlan
     edits: dict[str, TapRequest] = field(default_factory=dict)  # port key -> its edit tap
+    transforms: dict[str, Any] = field(default_factory=dict)  # port key -> in-graph module
     guides: bool = False
     per_request: bool = False
 
@@ -47,12 +48,14 @@ class _Slot:
         return np.fromiter((self.acts_on(r) for r in requests), bool, len(requests))
 
 
-def _write_plan(plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers]) -> None:
+def _write_plan(
+    plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers], owner: str
+) -> None:
     """Check, then write, one consumer's plan into the edit taps' buffers."""
     for key, ops in plan.ops.items():
         buffers[allowed[key]].check(ops, key)
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].write(ops)
+        buffers[allowed[key]].write(ops, owner)
 
 
 def _edit_counter_key(tap_key: str) -> str:
@@ -66,28 +69,29 @@ def build_consumers(
 ) -> list[_Slot]:
     """Validate specs, construct consumers and resolve their ports (errors before generation)."""
     slots = []
-    names = set()
-    for entry in settings.consumers:
-        spec = ConsumerSpec(entry.name, entry.config, entry.per_request)
+    configs = registry.check(settings.consumers)
+    for spec, config in zip(settings.consumers, configs, strict=True):
         cls = registry.get(spec.name)
-        config = registry.validate(spec)
-        if spec.name in names:
-            raise ValueError(f"consumer {spec.name!r} is given twice; give it once")
-        names.add(spec.name)
 
         def resolve(i: int, _n=model.num_layers) -> int:
             return resolve_layer(i, _n)
 
         context = ConsumerContext(
-            model=model, counters=counters, resolve_layer=resolve, parse_port=registry.parse_port
+            model=model,
+            counters=counters,
+            resolve_layer=resolve,
+            parse_port=registry.parse_port,
+            per_request=spec.per_request,
         )
         consumer = cls(config, context)
         reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
-        slot = _Slot(consumer, reads, per_request=entry.per_request)
+        slot = _Slot(consumer, reads, per_request=spec.per_request)
         for w in consumer.writes():
             if isinstance(w, Edit):
                 target = w.target.resolve(resolve)
                 slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
+                if w.transform is not None:
+                    slot.transforms[target.key] = w.transform
             elif isinstance(w, SamplerGuide):
                 slot.guides = True
             else:
@@ -97,13 +101,34 @@ def build_consumers(
 
 
 class Runtime:
+    """One engine's consumers and their step flow.
+
+    ``deliver=False`` makes a *follower* runtime (a tensor-parallel rank other than the one
+    whose output the engine keeps): consumers are built, so that every rank asks for the
+    same taps, and closed at once; the follower never calls a consumer (no edit plans, no
+    bundles, no guidance) and its counters are not part of the engine's report.
+    """
+
     def __init__(
-        self, settings: RuntimeSettings, model: ModelInfo, registry: Registry | None = None
+        self,
+        settings: RuntimeSettings,
+        model: ModelInfo,
+        registry: Registry | None = None,
+        deliver: bool = True,
     ):
         self.settings = settings
         self.model = model
+        self.deliver = deliver
         self.counters = Counters()
         self.slots = build_consumers(settings, model, registry or Registry(), self.counters)
+        self.configured = bool(self.slots)
+        self._taps = self._collect_taps()
+        self._edit_taps = {t for s in self.slots for t in s.edits.values()}
+        self._guides = any(s.guides for s in self.slots)
+        if not deliver:
+            for s in self.slots:
+                s.consumer.close()  # never used: writes and keeps nothing
+            self.slots = []
         self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
@@ -115,21 +140,33 @@ class Runtime:
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     # -- what the bridge must provide -------------------------------------------------
-    @property
-    def taps(self) -> set[TapRequest]:
-        """Every tap the bridge must install (reads and edits)."""
+    def _collect_taps(self) -> set[TapRequest]:
         out: set[TapRequest] = set()
         for s in self.slots:
             out |= s.reads.taps() | set(s.edits.values())
         return out
 
     @property
+    def taps(self) -> set[TapRequest]:
+        """Every tap the bridge must install (reads and edits)."""
+        return set(self._taps)
+
+    @property
     def edit_taps(self) -> set[TapRequest]:
-        return {t for s in self.slots for t in s.edits.values()}
+        return set(self._edit_taps)
+
+    def transforms(self, tap_key: str) -> list[tuple[str, Any]]:
+        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``."""
+        return [
+            (s.consumer.name, s.transforms[k])
+            for s in self.slots
+            for k, t in s.edits.items()
+            if t.key == tap_key and k in s.transforms
+        ]
 
     @property
     def guides(self) -> bool:
-        return any(s.guides for s in self.slots)
+        return self._guides
 
     # -- per step ---------------------------------------------------------------------
     def count_step(self) -> None:
@@ -150,13 +187,18 @@ class Runtime:
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
+            # A per-request consumer sees (and can select) only its requests' rows.
+            index = None if mask is None else np.nonzero(mask)[0]
+            own = rows if index is None else rows.take(index)
             allowed = {k: t.key for k, t in s.edits.items()}
-            plan = EditPlan(rows, allowed, self.model.hidden_size, self._resolve)
-            if not self.bus.call(s.consumer, "edit", s.consumer.edit, rows, plan) or not plan.ops:
+            plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
+            if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
-            if mask is not None:
-                plan.restrict(mask)
-            self.bus.call(s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers)
+            if index is not None:
+                plan.remap(index)
+            self.bus.call(
+                s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers, s.consumer.name
+            )
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.factory import make_distiller
@@ -30,13 +31,12 @@ from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo
 
 log = logging.getLogger("tllm")
 
 _BATCH_KEY = "__batch__"
-# Per-request override of the config's beta (vllm_xargs in the OpenAI server).
-BETA_KEY = "tllm_esamp_beta"
 # Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
 _FLUSH_EVERY = 256
 _CURVE_POINTS = 64
@@ -118,10 +118,22 @@ def _use_side_thread(mode: str) -> bool:
     return torch.get_num_threads() < cores
 
 
+class ESampRequest(RequestSettings):
+    """Per-request settings: ``tllm_esamp_beta``."""
+
+    beta: float | None = Field(
+        None,
+        ge=0,
+        allow_inf_nan=False,
+        description="ESamp's beta for this request (0: no guidance); default: the config's beta",
+    )
+
+
 class ESampConsumer(Consumer):
     name = "esamp"
     description = "Exploratory Sampling: an online Latent Distiller steers sampling away from familiar continuations."
     Config = ESampConfig
+    Request = ESampRequest
     delivery = Delivery.END_OF_STEP
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
@@ -186,7 +198,6 @@ class ESampConsumer(Consumer):
         self._age_n: list[int] = []
         self._group_first: dict[int, float] = {}
         self._group_last: dict[int, float] = {}
-        self._req_beta: dict[str, float] = {}  # engine_id -> beta (override or config)
         self._zero_out = cfg.init == "zero_output"
         self._warm = cfg.warm_start_steps > 0
         self._fit_n, self._fit_sum = 0, 0.0
@@ -235,33 +246,11 @@ class ESampConsumer(Consumer):
         return g.slot
 
     def _beta(self, req: RequestInfo) -> float:
-        """The request's beta: ``extra_args["tllm_esamp_beta"]`` when valid, else the config's."""
-        beta = self._req_beta.get(req.engine_id)
-        if beta is None:
-            beta = self.cfg.beta
-            raw = (req.extra_args or {}).get(BETA_KEY)
-            if raw is not None:
-                try:
-                    if isinstance(raw, bool):
-                        raise TypeError("a boolean")
-                    value = float(raw)
-                    if not (math.isfinite(value) and value >= 0):
-                        raise ValueError("not a finite number >= 0")
-                    beta = value
-                except (TypeError, ValueError):
-                    log.warning(
-                        "esamp: request %r: extra_args[%r]=%r is not a finite number "
-                        ">= 0; using the configured beta %s",
-                        req.request_id,
-                        BETA_KEY,
-                        raw,
-                        self.cfg.beta,
-                    )
-            self._req_beta[req.engine_id] = beta
-        return beta
+        """The request's beta: its ``tllm_esamp_beta`` if given, else the config's."""
+        given = req.settings(self).beta  # validated and cached per request
+        return self.cfg.beta if given is None else given
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        self._req_beta.pop(request.engine_id, None)
         key = self._group_key(request)
         g = self._groups.get(key)
         if g is None or request.engine_id not in g.live:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from algorithms.esamp.consumer import ESampConsumer
 from tllm_core.hookspecs import hookimpl
 
 
 @hookimpl
 def tllm_consumers() -> list[type]:
+    from algorithms.esamp.consumer import ESampConsumer  # torch: only when asked for
+
     return [ESampConsumer]

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
+from consumers.export.tokens import RequestTokens, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, check_output_dir
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
@@ -102,32 +103,6 @@ def _residual_port(text: str, phase: Phase) -> TokenPort:
     return HiddenStates(parse_layer_spec(text), phase)
 
 
-class _Request:
-    """One request's entry in the request table plus its token sequence so far."""
-
-    __slots__ = ("index", "info", "tokens", "length")
-
-    def __init__(self, index: int, info: RequestInfo):
-        self.index = index
-        self.info = info
-        self.tokens = np.full(max(16, info.num_prompt_tokens + 16), -1, np.int64)
-        self.length = 0
-        prompt = getattr(info, "prompt_token_ids", None)
-        if prompt is not None:
-            self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
-
-    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
-        if positions.size == 0:
-            return
-        end = int(positions.max()) + 1
-        if end > self.tokens.shape[0]:
-            grown = np.full(max(end, 2 * self.tokens.shape[0]), -1, np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
-        self.tokens[positions] = tokens
-        self.length = max(self.length, end)
-
-
 class ExportConsumer(Consumer):
     name = "export"
     description = (
@@ -175,8 +150,8 @@ class ExportConsumer(Consumer):
         self._lock = threading.Lock()
         self._fin_lock = threading.Lock()
         self._finished: set[str] = set()
-        self._requests: dict[str, _Request] = {}
-        self._table: list[_Request] = []
+        self._requests: dict[str, RequestTokens] = {}
+        self._table: list[RequestTokens] = []
         self._used = False
         self._complete = False
         self.writer = ShardWriter(
@@ -205,10 +180,10 @@ class ExportConsumer(Consumer):
         return ports
 
     # -- callbacks ------------------------------------------------------------------------
-    def _request(self, info: RequestInfo) -> _Request:
+    def _request(self, info: RequestInfo) -> RequestTokens:
         req = self._requests.get(info.engine_id)
         if req is None:
-            req = _Request(len(self._table), info)
+            req = RequestTokens(len(self._table), info)
             self._requests[info.engine_id] = req
             self._table.append(req)
             self.counters.add("requests_seen")
@@ -246,16 +221,7 @@ class ExportConsumer(Consumer):
                 row_request[start:i] = req.index
                 req.put(positions[start:i], tokens[start:i])
                 start = i
-        is_decode = np.asarray(rows.is_decode, np.bool_)
-        recomputed = np.asarray(rows.recomputed, np.bool_)
-        if self.phase is Phase.ALL:
-            wanted = np.ones(n, np.bool_)
-        else:
-            wanted = is_decode if self.phase is Phase.DECODE else ~is_decode
-        skipped = int((wanted & recomputed).sum())
-        if skipped:
-            self.counters.add("rows_skipped_recomputed", skipped)
-        keep = wanted & ~recomputed
+        keep = rows_to_write(rows, self.phase, self.counters)
         if not keep.any():
             return
         idx = np.nonzero(keep)[0]
@@ -269,7 +235,7 @@ class ExportConsumer(Consumer):
             fmt.ROW_REQUEST: row_request[idx],
             fmt.POSITION: positions[idx],
             fmt.TOKEN_ID: tokens[idx],
-            fmt.IS_DECODE: is_decode[idx],
+            fmt.IS_DECODE: np.asarray(rows.is_decode, np.bool_)[idx],
         }
         before = len(self.writer.shards)
         self.writer.append(hidden, meta)

@@ -55,7 +55,18 @@ class ExportRecord:
 
 
 class ExportReader:
-    """An export directory: its manifest, request table and shards."""
+    """An export directory: its manifest, request table and shards.
+
+    Formats built on the same layout subclass it and set ``format_name`` /
+    ``format_version`` and :meth:`tensor_name`.
+    """
+
+    format_name = fmt.FORMAT_NAME
+    format_version = fmt.FORMAT_VERSION
+
+    def tensor_name(self, key: str) -> str:
+        """Shard tensor name of manifest key ``key``."""
+        return fmt.hidden_tensor_name(key)
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
         self.path = os.fspath(path)
@@ -70,13 +81,13 @@ class ExportReader:
                 self.manifest: dict[str, Any] = json.load(f)
         except json.JSONDecodeError as e:
             raise ExportFormatError(f"{mpath!r} is not valid JSON: {e}") from None
-        if self.manifest.get("format") != fmt.FORMAT_NAME:
-            raise ExportFormatError(f"{mpath!r} is not a {fmt.FORMAT_NAME} manifest")
+        if self.manifest.get("format") != self.format_name:
+            raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
-        if version != fmt.FORMAT_VERSION:
+        if version != self.format_version:
             raise ExportFormatError(
                 f"{mpath!r} has format version {version!r}; this reader reads version "
-                f"{fmt.FORMAT_VERSION}"
+                f"{self.format_version}"
             )
         self.keys: list[str] = list(self.manifest["keys"])
         self.hidden_size: int = int(self.manifest["hidden_size"])
@@ -111,7 +122,7 @@ class ExportReader:
     def load_shard(self, i: int, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of shard ``i``: row tensors plus ``hidden.{key}`` for ``keys`` (default all)."""
         p = self._check(i)
-        names = list(fmt.ROW_TENSORS) + [fmt.hidden_tensor_name(k) for k in (keys or self.keys)]
+        names = list(fmt.ROW_TENSORS) + [self.tensor_name(k) for k in (keys or self.keys)]
         out = {}
         with safe_open(p, framework="pt") as f:
             for name in names:
@@ -186,7 +197,7 @@ class ExportReader:
                 start += c
                 piece = {fmt.POSITION: t[fmt.POSITION][sel], fmt.IS_DECODE: t[fmt.IS_DECODE][sel]}
                 for k in self.keys:
-                    piece[k] = t[fmt.hidden_tensor_name(k)][sel]
+                    piece[k] = t[self.tensor_name(k)][sel]
                 pending.setdefault(r, []).append(piece)
             del t
             for r in closing.get(i, []):

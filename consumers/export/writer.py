@@ -75,12 +75,22 @@ class ShardWriter:
         shard_rows: int,
         overwrite: bool,
         manifest_fn: Callable[[], dict[str, Any]],
+        *,
+        columns: dict[str, tuple[int, torch.dtype]] | None = None,
+        tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
+        format_name: str = fmt.FORMAT_NAME,
     ):
+        """``columns`` (optional) gives each key its own ``(width, dtype)`` instead of
+        ``(hidden_size, dtype)``; ``tensor_name`` maps a key to its shard tensor name and
+        ``format_name`` goes into each shard's metadata (formats built on this writer)."""
         self.path = path
         self.keys = list(keys)
         self.hidden_size = hidden_size
         self.dtype_name = dtype
         self.dtype = TORCH_DTYPES[dtype]
+        self.columns = columns or {k: (hidden_size, self.dtype) for k in self.keys}
+        self.tensor_name = tensor_name
+        self.format_name = format_name
         self.shard_rows = shard_rows
         self.overwrite = overwrite
         self.manifest_fn = manifest_fn
@@ -111,7 +121,8 @@ class ShardWriter:
         n = self._fill
         hidden = {}
         for key in self.keys:
-            buf = torch.empty(cap, self.hidden_size, dtype=self.dtype)
+            width, dtype = self.columns[key]
+            buf = torch.empty(cap, width, dtype=dtype)
             if n:
                 buf[:n] = self._hidden[key][:n]
             hidden[key] = buf
@@ -181,7 +192,7 @@ class ShardWriter:
         self.prepare()
         index = len(self.shards)
         name = fmt.shard_name(index)
-        tensors = {fmt.hidden_tensor_name(k): self._hidden[k][:n] for k in self.keys}
+        tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.keys}
         for k in fmt.ROW_TENSORS:
             tensors[k] = torch.from_numpy(self._meta[k][:n])
         final = os.path.join(self.path, name)
@@ -190,7 +201,7 @@ class ShardWriter:
             tensors,
             tmp,
             metadata={
-                "format": fmt.FORMAT_NAME,
+                "format": self.format_name,
                 "version": str(fmt.FORMAT_VERSION),
                 "shard_index": str(index),
                 "rows": str(n),

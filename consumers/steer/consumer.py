@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Literal
 
@@ -14,13 +13,8 @@ from consumers.steer.vectors import check_vector, load_vector
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.edits import EditPlan
 from tllm_core.ports import ResidualEdit, WritePort
+from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
-
-log = logging.getLogger("tllm")
-
-STEER_FLAG = "tllm_steer"
-SCALE_KEY = "tllm_steer_scale"
-_FALSE_STRINGS = {"", "0", "false", "no", "off", "none", "null"}
 
 
 class SteerVector(BaseModel):
@@ -64,11 +58,27 @@ class SteerConfig(ConsumerConfig):
         "all",
         description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
     )
-    per_request: bool = Field(
-        False,
-        description=f"False: steer every request. True: only requests whose extra_args hold "
-        f"{STEER_FLAG!r} truthy. Either way extra_args[{SCALE_KEY!r}] (a number) replaces the "
-        f"'scale' of every 'add' vector for that request.",
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_per_request(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "per_request" in data:
+            raise ValueError(
+                'steer\'s config.per_request was removed: set "per_request": true on the '
+                'consumer entry (beside "name" and "config") and name steer in a request\'s '
+                "tllm_consumers"
+            )
+        return data
+
+
+class SteerRequest(RequestSettings):
+    """Per-request settings: ``tllm_steer_scale``."""
+
+    scale: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="replaces the 'scale' of every 'add' vector for this request "
+        "(default: each vector's configured scale)",
     )
 
 
@@ -82,12 +92,6 @@ class _Vec:
         self.mode = mode
 
 
-def _truthy(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() not in _FALSE_STRINGS
-    return bool(v)
-
-
 class SteerConsumer(Consumer):
     name = "steer"
     description = (
@@ -95,6 +99,7 @@ class SteerConsumer(Consumer):
         "stream after chosen layers, on prompt and/or generated tokens."
     )
     Config = SteerConfig
+    Request = SteerRequest
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
         if not isinstance(config, SteerConfig):
@@ -156,31 +161,10 @@ class SteerConsumer(Consumer):
         state = self._req_cache.get(req.engine_id, _MISSING)
         if state is not _MISSING:
             return state
-        extra = req.extra_args or {}
-        if self.cfg.per_request and not _truthy(extra.get(STEER_FLAG)):
-            state = False
-        elif SCALE_KEY in extra and extra[SCALE_KEY] is not None:
-            raw = extra[SCALE_KEY]
-            try:
-                if isinstance(raw, bool):
-                    raise TypeError("a boolean")
-                scale = float(raw)
-                if not math.isfinite(scale):
-                    raise ValueError("not finite")
-                state = scale
-            except (TypeError, ValueError):
-                # One bad request must not switch steering off for every other request.
-                self.counters.add("invalid_scale_override")
-                log.warning(
-                    "steer: request %r: extra_args[%r]=%r is not a finite number; the request "
-                    "is not steered",
-                    req.request_id,
-                    SCALE_KEY,
-                    raw,
-                )
-                state = False
+        if not self.acts_on(req):
+            state = False  # per-request steer that this request did not name
         else:
-            state = None
+            state = req.settings(self).scale
         self._req_cache[req.engine_id] = state
         return state
 

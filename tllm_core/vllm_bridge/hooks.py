@@ -23,6 +23,7 @@ from tllm_core.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.runtime import Runtime
 from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StepCapture
+from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap
 from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
 from tllm_core.vllm_bridge.version import check_runner, check_version
@@ -48,9 +49,14 @@ def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, in
 class RunnerHooks:
     """Implements the adapter's step events on top of a :class:`Runtime`."""
 
-    def __init__(self, adapter: V1RunnerAdapter, runtime: Runtime):
+    def __init__(
+        self, adapter: V1RunnerAdapter, runtime: Runtime, rank: ParallelInfo | None = None
+    ):
         self.adapter = adapter
         self.runtime = runtime
+        self.rank = rank or ParallelInfo()
+        # Tensor parallel: the leader's edits and (when guiding) sampled tokens go to all ranks.
+        self._sync = self.rank.tp_size > 1
         self.requests: dict[str, RequestInfo] = {}
         self.step: StepCapture | None = None
         self.num_tokens = 0
@@ -86,11 +92,12 @@ class RunnerHooks:
             if edit is not None:
                 self.edit_counts[tap.key] = buffers.edited
             install_tap(layers, tap.site, tap.layer, buffers)
-        adapter.install(self, guides=runtime.guides)
+        sync = sync_sampled if self._sync and runtime.guides else None
+        adapter.install(self, guides=runtime.guides, sync_sampled=sync)
 
     @property
     def active(self) -> bool:
-        return bool(self.runtime.slots)
+        return self.runtime.configured
 
     # -- step events -----------------------------------------------------------------------
     def _host_time(self, phase: str, since: float) -> None:
@@ -138,6 +145,8 @@ class RunnerHooks:
         )
         self.clock.fill_(step_no)
         self.runtime.begin_step(rows, self.edits)
+        if self._sync and self.edits:
+            sync_edits([self.edits[k] for k in sorted(self.edits)], self.clock.device)
         self._host_time("begin_step", t)
 
     def finished(self, engine_ids: list[str]) -> None:
@@ -180,17 +189,19 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     check_runner(runner)
     adapter = V1RunnerAdapter(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
+    rank = parallel_info(adapter.parallel_config)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
     with torch.inference_mode(False):
-        runtime = Runtime(settings, adapter.model_info(), Registry())
-    hooks = RunnerHooks(adapter, runtime)
+        runtime = Runtime(settings, adapter.model_info(), Registry(), deliver=rank.leader)
+    hooks = RunnerHooks(adapter, runtime, rank)
     runner._tllm_hooks = hooks
     log.info(
-        "tllm: hooked %s (taps %s, edit taps %s, guide %s) for consumers %s",
+        "tllm: hooked %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
         type(runner).__name__,
         sorted(t.key for t in runtime.taps),
         sorted(t.key for t in runtime.edit_taps),
         runtime.guides,
-        [s.consumer.name for s in runtime.slots],
+        [e.name for e in settings.consumers],
+        rank.as_dict(),
     )
     return hooks

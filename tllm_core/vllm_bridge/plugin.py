@@ -97,16 +97,19 @@ class EndpointGate:
 
     def __init__(self) -> None:
         self.active = False
+        self.engine = None  # EngineConsumers, built once in attach_router
 
     def attach_router(self, app) -> None:
         cfg = tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
         if cfg is None:
             return
-        from tllm_core.serving.keys import ServerConsumers
+        from tllm_core.serving.keys import EngineConsumers
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True
-        attach_routes(app, ServerConsumers.from_settings(cfg))
+        # The front end's check of the consumer names and configs (the worker checks again).
+        self.engine = EngineConsumers.from_settings(cfg)
+        attach_routes(app, self.engine)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:
@@ -114,9 +117,11 @@ class EndpointGate:
         cfg = tllm_settings(engine_client.vllm_config.additional_config)
         if cfg is None:
             return
+        from tllm_core.serving.keys import EngineConsumers
         from tllm_core.vllm_bridge.serving import init_state
 
-        await init_state(engine_client, state, cfg)
+        engine = self.engine if self.engine is not None else EngineConsumers.from_settings(cfg)
+        await init_state(engine_client, state, engine)
 
 
 def _patch_endpoint_plugins() -> None:

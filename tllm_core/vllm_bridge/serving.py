@@ -3,8 +3,9 @@
 Loaded only when the server was started with ``--additional-config '{"tllm": {...}}'``
 (see :class:`tllm_core.vllm_bridge.plugin.EndpointGate`). It then:
 
-- checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (an ASGI
-  middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
+- checks the consumer names and configs at start-up, then the ``tllm_*`` ``vllm_xargs``
+  (generic keys and the keys the configured consumers declare) of OpenAI requests before
+  vLLM handles them (an ASGI middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/responses``; it parses only bodies containing ``tllm_``): a bad value gets HTTP 400
   before any response starts, streaming included;
 - checks them again on every request vLLM admits, whatever the route (an instance-level
@@ -14,8 +15,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
 - salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
   ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
   unsteered requests never share cached KV blocks;
-- serves ``GET /tllm/counters`` (the runtime's report, read from the worker through
-  ``collective_rpc("tllm_collect")``) and ``GET /tllm/status``.
+- serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
+  data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
+  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures) and ``GET /tllm/status``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tllm_core.serving.keys import ServerConsumers, request_salt, validate_extra_args
+from tllm_core.reports import merge_reports
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -41,7 +44,7 @@ STATUS_PATH = "/tllm/status"
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def check_body(body: bytes, server: ServerConsumers) -> str | None:
+def check_body(body: bytes, server: EngineConsumers) -> str | None:
     """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
     if b"tllm_" not in body:
         return None
@@ -62,7 +65,7 @@ def check_body(body: bytes, server: ServerConsumers) -> str | None:
 class XargsCheck:
     """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
 
-    def __init__(self, app: Any, server: ServerConsumers):
+    def __init__(self, app: Any, server: EngineConsumers):
         self.app = app
         self.server = server
 
@@ -113,7 +116,22 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
-def attach_routes(app: Any, server: ServerConsumers) -> None:
+async def rpc_all(engine_client: Any, method: str) -> list[Any]:
+    """``collective_rpc(method)`` on every worker of every engine core, flattened.
+
+    With ``--data-parallel-size`` > 1 the engine client's ``collective_rpc`` answers with the
+    first engine's workers only; the client's ``engine_core.call_utility_all_async`` reaches
+    every engine core.
+    """
+    core = getattr(engine_client, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
+        per_engine = await call_all("collective_rpc", method, None, (), None)
+        return [r for rs in per_engine for r in rs]
+    return list(await engine_client.collective_rpc(method))
+
+
+def attach_routes(app: Any, server: EngineConsumers) -> None:
     app.add_middleware(XargsCheck, server=server)
     router = APIRouter()
 
@@ -121,26 +139,29 @@ def attach_routes(app: Any, server: ServerConsumers) -> None:
         client = getattr(request.app.state, "tllm_engine_client", None)
         if client is None:
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-        results = await client.collective_rpc(method)
-        return results[0] if isinstance(results, list) and len(results) == 1 else results
+        return await rpc_all(client, method)
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         out = await _rpc(request, "tllm_collect")
-        return out if isinstance(out, JSONResponse) else JSONResponse(out)
+        return out if isinstance(out, JSONResponse) else JSONResponse(merge_reports(out))
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         out = await _rpc(request, "tllm_status")
         if isinstance(out, JSONResponse):
             return out
-        server: ServerConsumers = request.app.state.tllm_server
-        return JSONResponse({"worker": out, **server.describe()})
+        server: EngineConsumers = request.app.state.tllm_server
+        leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
+        body = {"worker": leader, **server.describe()}
+        if len(out) > 1:
+            body["ranks"] = out
+        return JSONResponse(body)
 
     app.include_router(router)
 
 
-def install_request_checks(input_processor: Any, server: ServerConsumers) -> None:
+def install_request_checks(input_processor: Any, server: EngineConsumers) -> None:
     """Instance-level wrappers on the front end's input processor (this server only)."""
     from vllm.exceptions import VLLMValidationError
 
@@ -177,12 +198,11 @@ def install_request_checks(input_processor: Any, server: ServerConsumers) -> Non
     input_processor.assign_request_id = assign_request_id
 
 
-async def init_state(engine_client: Any, state: Any, raw_settings: dict[str, Any]) -> None:
-    server = ServerConsumers.from_settings(raw_settings)
+async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
     install_request_checks(engine_client.input_processor, server)
     state.tllm_server = server
     state.tllm_engine_client = engine_client
-    status = await engine_client.collective_rpc("tllm_status")
+    status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "

@@ -59,7 +59,12 @@ class _Tap(nn.Module):
             e = self.edit
             mask = e.mask[:n]
             new = apply_edit(s, mask, e.keep[:n], e.add[:n], e.dir[:n])
-            changed = (new != s).any(-1, keepdim=True) & mask
+            for _, module, rows in e.transforms:
+                rows = rows[:n]
+                new = torch.where(rows, module(new, rows), new)
+                mask = mask | rows
+            # NaN-safe "value differs" (a NaN row left as it was is not a change)
+            changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
             self.edited.copy_(changed.sum())
             out = self.rebuild(out, new, changed)
             s = new

@@ -15,6 +15,7 @@ Instance-level wrappers (never class-level) on one runner:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -58,6 +59,10 @@ class V1RunnerAdapter:
     def device(self) -> torch.device:
         return self.runner.device
 
+    @property
+    def parallel_config(self) -> Any:
+        return self.runner.vllm_config.parallel_config
+
     def decoder_layers(self) -> nn.ModuleList:
         inner = getattr(self.runner.model, "model", None)
         layers = getattr(inner, "layers", None)
@@ -85,7 +90,13 @@ class V1RunnerAdapter:
             and float(getattr(lp, "scale", 1.0)) == 1.0
             and isinstance(getattr(head, "weight", None), torch.Tensor)
         )
-        if plain:
+        lm_head = model.compute_logits
+        if self.parallel_config.tensor_parallel_size > 1:
+            # compute_logits all-gathers over the TP group: a collective that only the leader
+            # would call. Consumers get a local head built from the gathered weight instead.
+            lm_head, full = self._local_head(head, lp, vocab)
+            weight = full if plain else None
+        elif plain:
             weight = head.weight[:vocab]
         return ModelInfo(
             hidden_size=mc.get_hidden_size(),
@@ -93,9 +104,39 @@ class V1RunnerAdapter:
             vocab_size=vocab,
             dtype=mc.dtype,
             device=runner.device,
-            lm_head=model.compute_logits,
+            lm_head=lm_head,
             lm_head_weight=weight,
         )
+
+    @staticmethod
+    def _local_head(head: Any, lp: Any, vocab: int) -> tuple[Any, torch.Tensor]:
+        """(hidden -> logits without collectives, full ``[vocab, H]`` weight); called on every
+        TP rank at once (it all-gathers the vocabulary shards of the lm_head)."""
+        weight = getattr(head, "weight", None)
+        if (
+            not isinstance(weight, torch.Tensor)
+            or getattr(head, "bias", None) is not None
+            or lp is None
+            or getattr(lp, "logits_as_input", False)
+        ):
+            raise UnsupportedEngineError(
+                "tllm under tensor parallel needs a plain lm_head (an unquantized weight, no "
+                f"bias); this model's is {type(head).__name__}"
+            )
+        from vllm.distributed.parallel_state import get_tp_group
+
+        full = get_tp_group().all_gather(weight.detach(), dim=0)[:vocab].contiguous()
+        soft_cap, scale = getattr(lp, "soft_cap", None), float(getattr(lp, "scale", 1.0))
+
+        def lm_head(hidden: torch.Tensor) -> torch.Tensor:
+            logits = torch.nn.functional.linear(hidden.to(full.dtype), full)
+            if soft_cap is not None:
+                logits = torch.tanh(logits / soft_cap) * soft_cap
+            if scale != 1.0:
+                logits = logits * scale
+            return logits
+
+        return lm_head, full
 
     # -- per request / per step reads ---------------------------------------------------
     def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
@@ -124,7 +165,14 @@ class V1RunnerAdapter:
         return False
 
     # -- wrappers -----------------------------------------------------------------------
-    def install(self, events: StepEvents, guides: bool) -> None:
+    def install(
+        self,
+        events: StepEvents,
+        guides: bool,
+        sync_sampled: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Wrap the runner. ``sync_sampled`` (tensor parallel with guidance) makes every rank
+        continue from the same sampled tokens; it runs after every sampling, on every rank."""
         r = self.runner
         prepare, execute, sample = r._prepare_inputs, r.execute_model, r._sample
         state = {"ids": [], "live": False}
@@ -150,6 +198,8 @@ class V1RunnerAdapter:
 
         def _sample(logits, spec_decode_metadata, *a, **kw):
             out = sample(logits, spec_decode_metadata, *a, **kw)
+            if sync_sampled is not None:
+                sync_sampled(out.sampled_token_ids)
             if state["live"]:
                 events.sampled(out.sampled_token_ids[:, 0])
             return out

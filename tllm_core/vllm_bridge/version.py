@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.parallel import check_layout
+
 SUPPORTED_SERIES = ("0.32", "0.33")
-
-
-class UnsupportedEngineError(RuntimeError):
-    """vLLM version, runner or model layout the bridge does not support."""
 
 
 def vllm_version() -> str:
@@ -98,9 +97,5 @@ def check_runner(runner: object) -> None:
         )
     if getattr(runner, "speculative_config", None) is not None:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
-    pc = runner.vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise UnsupportedEngineError(
-            "tllm supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
-            f"(got tp={pc.tensor_parallel_size}, pp={pc.pipeline_parallel_size})"
-        )
+
+    check_layout(runner.vllm_config.parallel_config)

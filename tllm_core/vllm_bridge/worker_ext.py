@@ -23,7 +23,8 @@ class TllmWorkerExtension:
         rt = hooks.runtime
         return {
             "installed": True,
-            "consumers": [s.consumer.name for s in rt.slots],
+            "rank": hooks.rank.as_dict(),
+            "consumers": [e.name for e in rt.settings.consumers],
             "taps": sorted(t.key for t in rt.taps),
             "edit_taps": sorted(t.key for t in rt.edit_taps),
             "capture_layers": sorted(t.layer for t in rt.taps if t.site == "residual"),
@@ -38,11 +39,11 @@ class TllmWorkerExtension:
 
     def tllm_collect(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
-        return None if hooks is None else hooks.runtime.collect()
+        return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
-        return None if hooks is None else hooks.runtime.close()
+        return None if hooks is None else {**hooks.runtime.close(), "rank": hooks.rank.as_dict()}
 
 
 def ensure_worker_methods(worker_cls: type) -> None:

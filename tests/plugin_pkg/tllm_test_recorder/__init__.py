@@ -1,4 +1,6 @@
-"""A third-party consumer, as a separate package would ship it: records every row it sees."""
+"""A third-party plugin, as a separate package would ship it: consumers (``recorder`` records
+every row it sees; ``tally`` has its own per-request key ``tllm_tally_weight``) and a ``tllm``
+subcommand (``tllm recorder-hello``). Nothing under ``tllm_core/`` names any of them."""
 
 from __future__ import annotations
 
@@ -6,7 +8,16 @@ import os
 
 from pydantic import Field
 
-from tllm_core import Bundle, Consumer, ConsumerConfig, HiddenStates, Phase, SampledTokens, hookimpl
+from tllm_core import (
+    Bundle,
+    Consumer,
+    ConsumerConfig,
+    HiddenStates,
+    Phase,
+    RequestSettings,
+    SampledTokens,
+    hookimpl,
+)
 
 
 class RecorderConfig(ConsumerConfig):
@@ -94,6 +105,55 @@ class Crasher(Consumer):
             raise RuntimeError("crasher: deliberate failure")
 
 
+class TallyConfig(ConsumerConfig):
+    weight: int = Field(1, ge=0, description="weight of a sampled token (default of requests)")
+
+
+class TallyRequest(RequestSettings):
+    weight: int | None = Field(
+        None, ge=0, le=1000, description="weight of this request's sampled tokens"
+    )
+
+
+class Tally(Consumer):
+    """Counts sampled tokens, and their sum weighted by each request's ``tllm_tally_weight``."""
+
+    name = "tally"
+    description = "Test consumer: counts sampled tokens, weighted per request (tllm_tally_weight)."
+    Config = TallyConfig
+    Request = TallyRequest
+
+    def reads(self):
+        return [SampledTokens(Phase.ALL)]
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        rows = bundle.sampled_rows
+        if rows is None:
+            return
+        for req in rows.requests:
+            given = req.settings(self).weight
+            self.counters.add("tokens")
+            self.counters.add("weighted_tokens", self.config.weight if given is None else given)
+
+
+def hello(args) -> int:
+    if args.times < 1:
+        raise ValueError(f"recorder-hello: --times must be >= 1, got {args.times}")
+    for _ in range(args.times):
+        print(f"hello {args.name} from tllm_test_recorder")
+    return 0
+
+
 @hookimpl
 def tllm_consumers():
-    return [Recorder, Crasher]
+    return [Recorder, Crasher, Tally]
+
+
+@hookimpl
+def tllm_commands(subparsers):
+    p = subparsers.add_parser(
+        "recorder-hello", help="test command of the tllm-test-recorder plugin"
+    )
+    p.add_argument("--name", default="world", help="who to greet")
+    p.add_argument("--times", type=int, default=1, help="how many greetings (>= 1)")
+    p.set_defaults(func=hello)

@@ -1,0 +1,348 @@
+"""A long day in the server: mixed traffic against vLLM's OpenAI server with tllm consumers.
+
+    python benchmarks/soak.py [--model PATH] [--requests N] [--concurrency C] [--max-tokens T]
+        [--enforce-eager] [--json]
+
+Starts ``python -m vllm.entrypoints.openai.api_server`` on loopback with ``esamp`` and
+``steer`` (both per request) and the test package's deliberately crashing third-party
+consumer ``crasher`` (per request, raises on its 3rd bundle), then sends ``--requests``
+requests with at most ``--concurrency`` in flight, in a seeded mix: plain completions,
+ESamp completions (n = 1 and n = 2), steered completions, streamed chats (ESamp or plain),
+streams cancelled after two chunks, requests that switch the crasher on, and bad requests
+(negative beta, unknown key, unknown consumer). It checks and prints:
+
+* every good request completed (a finish reason; cancelled streams are not counted) and every
+  bad one got HTTP 400 naming the key;
+* the crasher was isolated: ``consumer_errors.crasher`` is 1, nothing else failed, and
+  requests after the crash still completed;
+* ``groups_alive`` is back to 0 and ``groups_freed == groups_created`` at the end;
+* the engine process's resident memory at the end against after warm-up (percent);
+* the counters add up: ESamp guided rows only for ESamp requests (at most their generated
+  tokens), steered rows only for steered requests.
+
+Figures go to stdout (``--json``: one object); exit status 1 when a check fails. Needs the
+test package ``tests/plugin_pkg`` installed (``bash install.sh --test`` does it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CRASH_AFTER = 3
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int  # HTTP status, 0 for a cancelled stream
+    tokens: int = 0
+    finished: bool = False
+    error: str = ""
+
+
+@dataclass
+class Soak:
+    url: str
+    model: str
+    max_tokens: int
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0, timeout=300)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=120) as r:
+            return json.loads(r.read())
+
+    # -- one request of each kind ---------------------------------------------------------
+    def complete(self, kind: str, xargs: dict | None, n: int = 1) -> Outcome:
+        import openai
+
+        try:
+            r = self.client().completions.create(
+                model=self.model,
+                prompt="Write about the sea and its colours:",
+                max_tokens=self.max_tokens,
+                temperature=1.0,
+                n=n,
+                extra_body={"vllm_xargs": xargs} if xargs else None,
+            )
+        except openai.BadRequestError as e:
+            return Outcome(kind, 400, error=str(e))
+        ok = all(c.finish_reason in ("length", "stop") for c in r.choices) and len(r.choices) == n
+        return Outcome(kind, 200, r.usage.completion_tokens, ok)
+
+    def chat_stream(self, kind: str, xargs: dict | None, cancel_after: int | None = None):
+        stream = self.client().chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "Tell me a short story about a fox."}],
+            max_tokens=self.max_tokens,
+            temperature=1.0,
+            stream=True,
+            extra_body={"vllm_xargs": xargs} if xargs else None,
+        )
+        chunks, finished = 0, False
+        for chunk in stream:
+            chunks += 1
+            if chunk.choices and chunk.choices[0].finish_reason is not None:
+                finished = True
+            if cancel_after is not None and chunks >= cancel_after:
+                stream.close()  # the client goes away mid-stream: vLLM aborts the request
+                return Outcome(kind, 0, chunks, False)
+        return Outcome(kind, 200, chunks, finished)
+
+    def run_one(self, kind: str, rng: random.Random) -> Outcome:
+        esamp = {"tllm_consumers": "esamp", "tllm_esamp_beta": rng.choice([0.25, 0.5, 1.0])}
+        steer = {"tllm_consumers": "steer", "tllm_steer_scale": rng.choice([2.0, 4.0])}
+        if kind == "plain":
+            return self.complete(kind, None)
+        if kind == "esamp":
+            return self.complete(kind, esamp)
+        if kind == "esamp_n2":
+            return self.complete(kind, esamp, n=2)
+        if kind == "steer":
+            return self.complete(kind, steer)
+        if kind == "stream_esamp":
+            return self.chat_stream(kind, esamp)
+        if kind == "stream_plain":
+            return self.chat_stream(kind, None)
+        if kind == "cancel":
+            return self.chat_stream(kind, esamp, cancel_after=2)
+        if kind == "crash":
+            return self.complete(kind, {"tllm_consumers": "crasher"})
+        if kind == "bad_beta":
+            return self.complete(kind, {"tllm_consumers": "esamp", "tllm_esamp_beta": -1})
+        if kind == "bad_key":
+            return self.complete(kind, {"tllm_no_such_key": 1})
+        if kind == "bad_consumer":
+            return self.complete(kind, {"tllm_consumers": "nobody"})
+        raise ValueError(kind)
+
+
+GOOD = ["plain", "esamp", "esamp_n2", "steer", "stream_esamp", "stream_plain"]
+WEIGHTS = {k: 3 for k in GOOD} | {"cancel": 1, "crash": 1, "bad_beta": 1, "bad_key": 1}
+WEIGHTS["bad_consumer"] = 1
+BAD = ("bad_beta", "bad_key", "bad_consumer")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_settings(vector_path: str) -> dict[str, Any]:
+    return {
+        "consumers": [
+            {"name": "esamp", "per_request": True, "config": {"beta": 0.25}},
+            {
+                "name": "steer",
+                "per_request": True,
+                "config": {"vectors": [{"layer": 1, "path": vector_path, "scale": 4.0}]},
+            },
+            {"name": "crasher", "per_request": True, "config": {"after": CRASH_AFTER}},
+        ]
+    }
+
+
+def start_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[subprocess.Popen, str]:
+    import torch
+    from safetensors.torch import save_file
+
+    hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    save_file({"v": torch.randn(hidden, generator=g)}, str(workdir / "vector.safetensors"))
+    port = _free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    argv += ["--max-model-len", "512", "--served-model-name", "m"]
+    argv += ["--additional-config", json.dumps({"tllm": server_settings("vector.safetensors")})]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    log = open(workdir / "server.log", "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{(workdir / 'server.log').read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise TimeoutError("server did not start in 900 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def engine_rss(server_pid: int) -> int:
+    """Resident bytes of the server's child processes (the engine core and its worker)."""
+    import psutil
+
+    return sum(c.memory_info().rss for c in psutil.Process(server_pid).children(recursive=True))
+
+
+def soak(
+    model: str,
+    requests: int = 300,
+    concurrency: int = 8,
+    max_tokens: int = 16,
+    seed: int = 0,
+    enforce_eager: bool = False,
+) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="tllm-soak-"))
+    proc, url = start_server(model, workdir, enforce_eager)
+    try:
+        s = Soak(url, "m", max_tokens)
+        rng = random.Random(seed)
+        kinds = [rng.choices(list(WEIGHTS), list(WEIGHTS.values()))[0] for _ in range(requests)]
+        warm = [s.run_one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
+        rss_warm = engine_rss(proc.pid)
+        t0 = time.monotonic()
+        with cf.ThreadPoolExecutor(concurrency) as pool:
+            futs = [pool.submit(s.run_one, k, random.Random(seed + i)) for i, k in enumerate(kinds)]
+            outcomes = [f.result() for f in futs]
+        wall = time.monotonic() - t0
+        after = [s.run_one(k, random.Random(i)) for i, k in enumerate(GOOD)]  # after the crash
+        s.complete("flush", None)  # finished requests are reported on a later engine step
+        time.sleep(1)
+        s.complete("flush", None)
+        rss_end = engine_rss(proc.pid)
+        report = s.get("/tllm/counters")
+    finally:
+        stop_server(proc)
+    return summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency)
+
+
+def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency):
+    by_kind: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        k = by_kind.setdefault(o.kind, {"sent": 0, "ok": 0, "400": 0, "other": 0})
+        k["sent"] += 1
+        if o.kind in BAD:
+            k["400" if o.status == 400 else "other"] += 1
+        elif o.kind == "cancel" or o.finished:
+            k["ok"] += 1
+        else:
+            k["other"] += 1
+    es = report["consumers"]["esamp"]
+    st = report["consumers"]["steer"]
+    rt = report["runtime"]
+    esamp_tokens = sum(o.tokens for o in [*warm, *outcomes, *after] if "esamp" in o.kind)
+    esamp_tokens += sum(o.tokens for o in outcomes if o.kind == "cancel")
+    checks = {
+        "good_requests_completed": all(v["other"] == 0 for k, v in by_kind.items() if k not in BAD)
+        and all(o.finished for o in [*warm, *after]),
+        "bad_requests_got_400": all(v["400"] == v["sent"] for k, v in by_kind.items() if k in BAD),
+        "crasher_isolated": rt.get("consumer_errors.crasher") == 1
+        and rt.get("consumer_errors") == 1
+        and all(o.finished for o in after),
+        "groups_back_to_zero": es.get("groups_alive") == 0
+        and es.get("groups_freed") == es.get("groups_created"),
+        "esamp_guided_only_esamp_rows": 0 < es.get("rows_guided", 0) <= esamp_tokens,
+        "steer_edited": st.get("rows_selected", 0) > 0 and rt.get("rows_edited", 0) > 0,
+        "memory_within_5_percent": abs(rss_end - rss_warm) <= 0.05 * rss_warm,
+    }
+    return {
+        "requests": requests,
+        "concurrency": concurrency,
+        "wall_s": round(wall, 1),
+        "requests_per_s": round(requests / wall, 2),
+        "by_kind": by_kind,
+        "engine_rss_mib_after_warmup": round(rss_warm / 2**20, 1),
+        "engine_rss_mib_end": round(rss_end / 2**20, 1),
+        "engine_rss_change_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
+        "counters": {
+            "esamp": {
+                k: es.get(k)
+                for k in (
+                    "rows_guided",
+                    "rows_visited",
+                    "rows_trained",
+                    "groups_created",
+                    "groups_freed",
+                    "groups_alive",
+                )
+            },
+            "steer": {"rows_selected": st.get("rows_selected")},
+            "runtime": {
+                k: rt.get(k)
+                for k in (
+                    "engine_steps",
+                    "rows_edited",
+                    "rows_guided",
+                    "consumer_errors",
+                    "consumer_errors.crasher",
+                    "requests_finished",
+                )
+            },
+            "esamp_request_tokens": esamp_tokens,
+        },
+        "errors": report["errors"],
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args()
+    model = a.model
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path())
+    out = soak(model, a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager)
+    out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(json.dumps(out, indent=2))
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

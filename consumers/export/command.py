@@ -1,0 +1,55 @@
+"""``tllm export``: generate and export hidden states (contributed through ``tllm_commands``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from tllm_core import cli_common
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    cli_common.quiet(args)
+    # Ports by their export names; the export consumer checks them against the producers.
+    layers: list[int | str] = [
+        int(s) if s.strip().lstrip("-").isdigit() else s.strip()
+        for s in args.layers.split(",")
+        if s.strip()
+    ]
+    spec = {
+        "name": "export",
+        "config": {
+            "out": str(args.out),
+            "layers": layers,
+            "phase": args.phase,
+            "overwrite": args.overwrite,
+        },
+    }
+    consumers = [cli_common.json_spec(spec)] + (args.consumer or [])
+    # Cached prompt blocks are not recomputed, so their rows would be missing.
+    logging.getLogger("tllm").warning("tllm export: prefix caching is turned off for this run")
+    args.no_prefix_caching = True
+    prompts, texts, report = cli_common.generate_with(args, consumers)
+    cli_common.print_report(prompts, texts, report, args.json)
+    return cli_common.exit_status(report)
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    e = subparsers.add_parser(
+        "export",
+        help="export hidden states to safetensors shards",
+        description="Generate and export hidden states (see docs/export-format.md).",
+    )
+    e.add_argument(
+        "--layers",
+        required=True,
+        help="comma-separated ports: layer indices (residual stream; negative ok), 'final', "
+        "'attn.{i}' (self-attention output), 'mlp.{i}' (MLP output)",
+    )
+    e.add_argument("--phase", choices=["prefill", "decode", "all"], default="all")
+    e.add_argument("--out", required=True, type=Path, help="output directory")
+    e.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory")
+    e.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help="more consumers")
+    cli_common.add_generation_args(e)
+    e.set_defaults(func=cmd_export)

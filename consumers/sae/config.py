@@ -1,0 +1,60 @@
+"""Config of the ``sae`` consumer (field names fixed by the issue: ``path``, ``site``,
+``top_k``, ``out``, ``steer``, ``watch``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from consumers.sae.site import parse_site
+from consumers.sae.steer import FeatureSteer
+from tllm_core.consumer import ConsumerConfig
+
+
+class SaeConfig(ConsumerConfig):
+    path: str = Field(
+        ..., description="SAE folder in SAELens's layout (cfg.json + sae_weights.safetensors)."
+    )
+    site: int | str = Field(
+        -1,
+        description="Where the SAE reads (and steers): '{i}' residual stream after layer i, "
+        "'attn.{i}' or 'mlp.{i}' (negative i counts from the end).",
+    )
+    top_k: int = Field(
+        32, ge=1, le=65536, description="Active features recorded per row (with 'out')."
+    )
+    out: str | None = Field(
+        None,
+        description="Directory for sparse feature records (export layout); none: no records.",
+    )
+    steer: list[FeatureSteer] = Field(
+        default_factory=list,
+        description="Steering entries applied to every row: {'feature': f, 'scale': s} adds "
+        "s*W_dec[f]; {'feature': f, 'clamp': v} clamps feature f to v.",
+    )
+    watch: list[int] = Field(
+        default_factory=list,
+        description="Features whose firing rate (fraction of encoded rows) is counted.",
+    )
+    phase: Literal["prefill", "decode", "all"] = Field(
+        "all", description="Rows encoded and recorded: prompt rows, generated rows, or both."
+    )
+    values_dtype: Literal["float16", "float32"] = Field(
+        "float16", description="Storage dtype of recorded feature values."
+    )
+    shard_rows: int = Field(65536, ge=1, description="Rows per feature shard.")
+    overwrite: bool = Field(False, description="Allow a non-empty 'out' (as export's).")
+
+    @field_validator("site")
+    @classmethod
+    def _site(cls, v: int | str) -> int | str:
+        parse_site(v)
+        return v
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("path must be an SAE folder, got an empty string")
+        return v

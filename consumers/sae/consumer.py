@@ -1,0 +1,351 @@
+"""``sae``: encode activations at one site with a sparse autoencoder while vLLM serves.
+
+Reads the site (residual stream after a layer; attention / MLP outputs once the core
+has those ports), encodes every row with the SAE on the background thread, counts a
+summary (rows, mean L0, watched features' firing rates, relative reconstruction error),
+optionally records each row's ``top_k`` features (``out``), and steers by feature
+before the forward (``steer``). Per request: ``tllm_sae_steer`` / ``tllm_sae_record``
+(see ``consumers/sae/request.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from consumers.export.tokens import rows_to_write
+from consumers.export.writer import check_output_dir
+from consumers.sae import core_api
+from consumers.sae.config import SaeConfig
+from consumers.sae.features_writer import FeatureWriter, bytes_per_row
+from consumers.sae.loader import load_sae
+from consumers.sae.model import SparseAutoencoder, top_features
+from consumers.sae.request import SaeRequest
+from consumers.sae.site import parse_site
+from consumers.sae.steer import (
+    FeatureSteer,
+    apply_clamp,
+    check_features,
+    clamps_of,
+    scale_vector,
+)
+from tllm_core.bundles import Bundle
+from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.edits import EditPlan
+from tllm_core.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
+from tllm_core.rows import RequestInfo, RowInfo
+
+log = logging.getLogger("tllm")
+
+_INVALID = object()  # request settings that failed validation
+
+
+class SaeConsumer(Consumer):
+    name = "sae"
+    description = (
+        "Sparse-autoencoder features at one site: summary counters, top-k feature records "
+        "(sparse shards) and steering by feature, per request."
+    )
+    Config = SaeConfig
+    Request: ClassVar[type[SaeRequest]] = SaeRequest
+    delivery = Delivery.BACKGROUND
+
+    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
+        if not isinstance(config, SaeConfig):
+            config = SaeConfig.model_validate(config.model_dump())
+        super().__init__(config, context)
+        self.cfg: SaeConfig = config
+        model = context.model
+        site = parse_site(config.site)
+        try:
+            layer = context.resolve_layer(site.layer)
+        except ValueError as e:
+            raise ValueError(f"sae: site {config.site!r}: {e}") from None
+        self.site = type(site)(site.kind, layer)
+        self.phase = Phase(config.phase)
+        try:
+            self._read_port = core_api.read_port(self.site, self.phase)
+        except ValueError as e:
+            raise ValueError(f"sae: {e}") from None
+        try:
+            sae = load_sae(config.path, d_model=int(model.hidden_size))
+        except ValueError as e:
+            raise ValueError(f"sae: path {config.path!r}: {e}") from None
+        check_features(config.steer, sae.d_sae, "sae: steer")
+        for i, f in enumerate(config.watch):
+            if not 0 <= f < sae.d_sae:
+                raise ValueError(
+                    f"sae: watch[{i}] is {f}: the SAE has {sae.d_sae} features "
+                    f"(valid: 0..{sae.d_sae - 1})"
+                )
+        self.sae = sae  # host copy (fp32): encodes background bundles
+        self._dev = model.device if model.device.type != "meta" else torch.device("cpu")
+        self.sae_dev = sae if self._dev.type == "cpu" else sae.to(self._dev)
+        # Edit port: always for residual sites (per-request steering needs it declared now);
+        # for attn/mlp only where the core has one.
+        self._clamps = clamps_of(config.steer)
+        self._clamp = _Clamp(self.sae_dev, self._clamps) if self._clamps else None
+        self._edit_port: WritePort | None = core_api.edit_port(self.site, self._clamp)
+        self._config_vector = self._vector(config.steer)
+        self._settings: dict[str, Any] = {}  # engine_id -> validated settings / None / _INVALID
+        self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
+        self._lock = threading.Lock()
+        self.writer: FeatureWriter | None = None
+        if config.out is not None:
+            path = check_output_dir(config.out, config.overwrite)
+            self.writer = FeatureWriter(
+                path,
+                config.top_k,
+                config.values_dtype,
+                config.shard_rows,
+                config.overwrite,
+                self.describe,
+            )
+
+    # -- helpers ------------------------------------------------------------------------
+    def _check_clamps(self, entries: list[FeatureSteer], where: str) -> None:
+        if clamps_of(entries):
+            i = next(i for i, e in enumerate(entries) if e.clamp is not None)
+            raise ValueError(
+                f"{where}[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
+                f"so they are given in the consumer's config 'steer' only; use 'scale' here"
+            )
+
+    def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
+        v = scale_vector(self.sae_dev, entries)
+        return None if v is None else v.to(self.context.model.dtype)
+
+    def describe(self) -> dict[str, Any]:
+        """What the feature manifest says about the SAE."""
+        s = self.sae
+        return {
+            "path": self.cfg.path,
+            "site": str(self.site),
+            "key": self.site.key,
+            "architecture": s.architecture,
+            "d_in": s.d_in,
+            "d_sae": s.d_sae,
+            "k": s.k,
+            "hook_name": s.metadata.get("hook_name"),
+        }
+
+    def _request_settings(self, req: RequestInfo) -> Any:
+        """Validated settings of ``req`` (cached), ``None`` or ``_INVALID``."""
+        got = self._settings.get(req.engine_id, _MISSING)
+        if got is not _MISSING:
+            return got
+        try:
+            settings = core_api.request_settings(self, req)
+            if settings is not None and settings.steer is not None:
+                check_features(settings.steer, self.sae.d_sae, "tllm_sae_steer")
+                self._check_clamps(settings.steer, "tllm_sae_steer")
+        except ValueError as e:
+            self.counters.add("invalid_request_settings")
+            log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
+            settings = _INVALID
+        self._settings[req.engine_id] = settings
+        return settings
+
+    def _clamped(self, req: RequestInfo) -> bool:
+        """Whether the config's clamps apply to ``req`` (a request's own 'steer' replaces
+        the config's, clamps included)."""
+        if self._clamp is None:
+            return False
+        s = self._request_settings(req)
+        return s is not _INVALID and (s is None or s.steer is None)
+
+    def _steer_vector(self, req: RequestInfo) -> torch.Tensor | None:
+        if req.engine_id in self._vectors:
+            return self._vectors[req.engine_id]
+        s = self._request_settings(req)
+        if s is _INVALID:
+            vec = None
+        elif s is not None and s.steer is not None:
+            vec = self._vector(s.steer)
+        else:
+            vec = self._config_vector
+        if vec is not None and not bool(vec.any()):
+            vec = None  # an all-zero vector (scale 0) changes nothing: not planned, not counted
+        self._vectors[req.engine_id] = vec
+        return vec
+
+    def _records(self, req: RequestInfo) -> bool:
+        s = self._request_settings(req)
+        if s is _INVALID:
+            return False
+        if s is not None and s.record is not None:
+            if s.record and self.writer is None:
+                self.counters.add("record_without_out")
+            return bool(s.record) and self.writer is not None
+        return self.writer is not None
+
+    # -- ports ----------------------------------------------------------------------------
+    def reads(self) -> list[ReadPort]:
+        if self.writer is None:
+            return [self._read_port]
+        # Records need every fed token id (prompt rows too) and the sampled ones.
+        return [core_api.read_port(self.site, Phase.ALL), SampledTokens(Phase.ALL)]
+
+    def writes(self) -> list[WritePort]:
+        return [self._edit_port] if self._edit_port is not None else []
+
+    # -- steering (engine thread, before the forward) ------------------------------------
+    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
+        n = len(rows)
+        if n == 0 or self._edit_port is None:
+            return
+        idx: list[np.ndarray] = []
+        vecs: list[torch.Tensor] = []
+        clamped: list[np.ndarray] = []
+        reqs = rows.requests
+        start = 0
+        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
+            if i == n or reqs[i] is not reqs[start]:
+                vec = self._steer_vector(reqs[start])
+                if vec is not None:
+                    idx.append(np.arange(start, i, dtype=np.int64))
+                    vecs.append(vec)
+                if self._clamped(reqs[start]):
+                    clamped.append(np.arange(start, i, dtype=np.int64))
+                start = i
+        if clamped:
+            rows_clamped = np.concatenate(clamped)
+            plan.transform(self.site.key, rows_clamped)
+            self.counters.add("rows_clamped", int(rows_clamped.size))
+        if not idx:
+            return
+        rows_sel = np.concatenate(idx)
+        if all(v is vecs[0] for v in vecs):
+            value = vecs[0]
+        else:
+            value = torch.cat([v.expand(len(r), -1) for r, v in zip(idx, vecs, strict=True)])
+        core_api.plan_add(plan, self.site, rows_sel, value)
+        self.counters.add("rows_steered", int(rows_sel.size))
+
+    # -- encoding (background thread) ------------------------------------------------------
+    def _sae_for(self, device: torch.device) -> SparseAutoencoder:
+        return self.sae if device.type == "cpu" else self.sae_dev
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        rows = bundle.rows
+        n = len(rows)
+        if n:
+            x = bundle.hidden.get(self.site.key)
+            if x is None:
+                raise ValueError(
+                    f"sae: bundle lacks {self.site.key!r} (has {sorted(bundle.hidden)})"
+                )
+            self._encode(rows, x)
+        self._take_sampled(bundle)
+
+    def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
+        n = len(rows)
+        keep = rows_to_write(rows, self.phase, self.counters)
+        positions = np.asarray(rows.position, np.int64)
+        tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
+        if self.writer is not None:
+            self.writer.note_tokens(rows.requests, positions, tokens)
+        if not keep.any():
+            return
+        sel = np.nonzero(keep)[0]
+        xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
+        sae = self._sae_for(xs.device)
+        with torch.no_grad():
+            acts, state = sae.encode(xs)
+            recon = sae.decode(acts, state)
+            xf = xs.float()
+            active = acts > 0
+            m = int(sel.size)
+            self.counters.add("rows_encoded", m)
+            self.counters.add("active_features", int(active.sum()))
+            self.counters.add("recon_sq_error", float(((xf - recon) ** 2).sum()))
+            self.counters.add("input_sq_norm", float((xf**2).sum()))
+            for f in self.cfg.watch:
+                self.counters.add(f"watch_fired.{f}", int(active[:, f].sum()))
+            if self.writer is None:
+                return
+            rec = np.fromiter((self._records(rows.requests[j]) for j in sel), np.bool_, m)
+            if not rec.any():
+                return
+            ridx = np.nonzero(rec)[0]
+            r_acts = acts if ridx.size == m else acts[torch.from_numpy(ridx).to(acts.device)]
+            ind, val = top_features(r_acts, self.cfg.top_k)
+        vdt = torch.float16 if self.cfg.values_dtype == "float16" else torch.float32
+        rsel = sel[ridx]
+        wrote = self.writer.append(
+            [rows.requests[j] for j in rsel],
+            positions[rsel],
+            tokens[rsel],
+            np.asarray(rows.is_decode, np.bool_)[rsel],
+            ind.cpu(),
+            val.to("cpu", vdt),
+        )
+        self.counters.add("rows_recorded", int(rsel.size))
+        if wrote:
+            self.counters.add("shards_written", wrote)
+
+    def _take_sampled(self, bundle: Bundle) -> None:
+        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
+        if self.writer is None or srows is None or ids is None or len(srows) == 0:
+            return
+        ids_np = ids.detach().to("cpu", torch.int64).numpy()
+        pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
+        self.writer.note_tokens(srows.requests, pos, ids_np)
+
+    def on_request_finished(self, request: RequestInfo) -> None:
+        self._settings.pop(request.engine_id, None)
+        self._vectors.pop(request.engine_id, None)
+        if self.writer is not None:
+            self.writer.finished(request.engine_id)
+
+    # -- results --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.writer is not None:
+            wrote = self.writer.close()
+            if wrote:
+                self.counters.add("shards_written", wrote)
+
+    def result(self) -> dict[str, Any]:
+        c = self.counters
+        rows = c.get("rows_encoded")
+        norm = c.get("input_sq_norm")
+        out: dict[str, Any] = {
+            **self.describe(),
+            "rows_encoded": int(rows),
+            "mean_l0": c.get("active_features") / rows if rows else None,
+            "relative_mse": c.get("recon_sq_error") / norm if norm else None,
+            "watch": {
+                str(f): (c.get(f"watch_fired.{f}") / rows if rows else None) for f in self.cfg.watch
+            },
+            "rows_steered": int(c.get("rows_steered")),
+        }
+        if self.writer is not None:
+            w = self.writer.shards
+            out["out"] = self.writer.path
+            out["rows_recorded"] = int(c.get("rows_recorded"))
+            out["shards"] = len(w.shards)
+            out["bytes_per_row"] = {
+                "features": bytes_per_row(self.cfg.top_k, self.cfg.values_dtype),
+                "dense_float32": self.sae.d_in * 4 + 25,
+            }
+        return out
+
+
+_MISSING = object()
+
+
+class _Clamp(torch.nn.Module):
+    """In-graph edit: encode each selected row, set the clamped features, decode the
+    difference and add it (``consumers.sae.steer.apply_clamp``); tensor operations only."""
+
+    def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
+        super().__init__()
+        self.sae = sae
+        self.clamps = clamps
+
+    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return apply_clamp(self.sae, s, self.clamps)

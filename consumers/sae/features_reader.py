@@ -1,0 +1,95 @@
+"""Read sparse feature records written by the ``sae`` consumer (one per request/sample)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from consumers.export import format as fmt
+from consumers.export.reader import ExportReader
+from consumers.sae import features_writer as fw
+
+
+@dataclass
+class FeatureRecord:
+    """The features recorded for one request (one sample of one prompt).
+
+    ``token_ids``: the full sequence (prompt, then generated tokens). Row ``j`` of
+    ``indices`` / ``values`` (``[rows, top_k]``, sorted by value, index ``-1`` and value 0 in
+    unused slots) belongs to ``positions[j]``: the SAE's features of the activation after
+    feeding ``token_ids[positions[j]]``.
+    """
+
+    request_id: str
+    prompt_index: int
+    sample_index: int
+    num_prompt_tokens: int
+    token_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [rows]
+    is_decode: torch.Tensor  # bool [rows]
+    indices: torch.Tensor  # int32 [rows, top_k]
+    values: torch.Tensor  # fp16/fp32 [rows, top_k]
+    finished: bool = True
+    engine_id: str = ""
+
+
+class FeatureReader(ExportReader):
+    """A feature directory: manifest (``format: tllm-sae-features``), requests, shards."""
+
+    format_name = fw.FORMAT_NAME
+    format_version = fw.FORMAT_VERSION
+
+    def tensor_name(self, key: str) -> str:
+        return fw.tensor_name(key)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.manifest["top_k"])
+
+    @property
+    def sae(self) -> dict[str, Any]:
+        """The SAE's description stored by the writer (path, site, architecture, sizes)."""
+        return dict(self.manifest.get("sae", {}))
+
+    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> FeatureRecord:  # type: ignore[override]
+        meta = self.requests[r]
+        k = self.top_k
+        if pieces:
+            pos = torch.cat([p[fmt.POSITION] for p in pieces])
+            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
+            idx = torch.cat([p[fw.INDICES] for p in pieces])
+            val = torch.cat([p[fw.VALUES] for p in pieces])
+            order = torch.argsort(pos, stable=True)
+            pos = pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[1:] = pos[1:] != pos[:-1]  # duplicates: keep the first written
+            order = order[keep]
+            pos, dec, idx, val = pos[keep], dec[order], idx[order], val[order]
+        else:
+            pos = torch.zeros(0, dtype=torch.int64)
+            dec = torch.zeros(0, dtype=torch.bool)
+            idx = torch.zeros(0, k, dtype=torch.int32)
+            val = torch.zeros(0, k, dtype=getattr(torch, self.dtype))
+        return FeatureRecord(
+            request_id=meta["request_id"],
+            prompt_index=int(meta["prompt_index"]),
+            sample_index=int(meta["sample_index"]),
+            num_prompt_tokens=int(meta["num_prompt_tokens"]),
+            token_ids=torch.tensor(meta["token_ids"], dtype=torch.int64),
+            positions=pos,
+            is_decode=dec,
+            indices=idx,
+            values=val,
+            finished=bool(meta.get("finished", False)),
+            engine_id=meta.get("engine_id", ""),
+        )
+
+
+def read_features(path: str | os.PathLike, verify: bool = False) -> Iterator[FeatureRecord]:
+    """Yield one :class:`FeatureRecord` per (request, sample) of the feature directory
+    ``path``, reading one shard at a time. ``verify=True`` checks shard sha256 sums."""
+    return iter(FeatureReader(path, verify=verify))

@@ -1,0 +1,181 @@
+"""Sparse feature records on disk: the export layout with ``indices``/``values`` columns.
+
+Same directory layout as ``export`` (``manifest.json`` + atomic ``shard-NNNNN.safetensors``,
+see ``docs/export-format.md``), written by the same :class:`ShardWriter`. A shard holds
+per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` in unused slots), ``values``
+(fp16 or fp32 ``[rows, top_k]``) and the export's row tensors (``row_request``,
+``position``, ``token_id``, ``is_decode``). The manifest's ``format`` is
+``tllm-sae-features``; it carries the export's request table plus the SAE's description.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from consumers.export import format as fmt
+from consumers.export.tokens import RequestTokens
+from consumers.export.writer import TORCH_DTYPES, ShardWriter
+
+FORMAT_NAME = "tllm-sae-features"
+FORMAT_VERSION = 1
+INDICES = "indices"
+VALUES = "values"
+KEYS = (INDICES, VALUES)
+VALUE_DTYPES = ("float16", "float32")
+# bytes of the row tensors every shard row carries (row_request, position, token_id: int64;
+# is_decode: bool)
+ROW_META_BYTES = 8 + 8 + 8 + 1
+
+
+def tensor_name(key: str) -> str:
+    """Shard tensor name of a feature column (the key itself)."""
+    return key
+
+
+def bytes_per_row(top_k: int, value_dtype: str) -> int:
+    """Payload bytes of one sparse row (indices + values + row tensors)."""
+    return top_k * (4 + torch.empty((), dtype=TORCH_DTYPES[value_dtype]).element_size()) + (
+        ROW_META_BYTES
+    )
+
+
+class FeatureWriter:
+    """Request table + shard writer for sparse feature rows (thread-safe)."""
+
+    def __init__(
+        self,
+        path: str,
+        top_k: int,
+        value_dtype: str,
+        shard_rows: int,
+        overwrite: bool,
+        describe: Callable[[], dict[str, Any]],
+    ):
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"feature values dtype {value_dtype!r}: allowed {VALUE_DTYPES}")
+        self.path = path
+        self.top_k = top_k
+        self.value_dtype = value_dtype
+        self._describe = describe
+        self._lock = threading.Lock()
+        self._fin_lock = threading.Lock()
+        self._finished: set[str] = set()
+        self._requests: dict[str, RequestTokens] = {}
+        self._table: list[RequestTokens] = []
+        self.used = False
+        self.complete = False
+        self.shards = ShardWriter(
+            path,
+            list(KEYS),
+            top_k,
+            value_dtype,
+            shard_rows,
+            overwrite,
+            self._manifest,
+            columns={INDICES: (top_k, torch.int32), VALUES: (top_k, TORCH_DTYPES[value_dtype])},
+            tensor_name=tensor_name,
+            format_name=FORMAT_NAME,
+        )
+
+    def _request(self, info: Any) -> RequestTokens:
+        req = self._requests.get(info.engine_id)
+        if req is None:
+            req = RequestTokens(len(self._table), info)
+            self._requests[info.engine_id] = req
+            self._table.append(req)
+        return req
+
+    def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Record token ids at positions (rows of one request are contiguous)."""
+        with self._lock:
+            self._note(requests, positions, tokens)
+
+    def _note(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        n = len(requests)
+        row_request = np.empty(n, np.int64)
+        start = 0
+        for i in range(1, n + 1):
+            if i == n or requests[i] is not requests[start]:
+                req = self._request(requests[start])
+                row_request[start:i] = req.index
+                req.put(positions[start:i], tokens[start:i])
+                start = i
+        return row_request
+
+    def append(
+        self,
+        requests: list[Any],
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        is_decode: np.ndarray,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+    ) -> int:
+        """Append rows; returns the number of shards written by this call."""
+        with self._lock:
+            self.used = True
+            self.complete = False
+            row_request = self._note(requests, positions, tokens)
+            meta = {
+                fmt.ROW_REQUEST: row_request,
+                fmt.POSITION: positions,
+                fmt.TOKEN_ID: tokens,
+                fmt.IS_DECODE: is_decode,
+            }
+            before = len(self.shards.shards)
+            self.shards.append({INDICES: indices, VALUES: values}, meta)
+            return len(self.shards.shards) - before
+
+    def finished(self, engine_id: str) -> None:
+        with self._fin_lock:
+            self._finished.add(engine_id)
+
+    def _manifest(self) -> dict[str, Any]:
+        with self._fin_lock:
+            finished = set(self._finished)
+        requests = [
+            {
+                "request_id": r.info.request_id,
+                "engine_id": r.info.engine_id,
+                "prompt_index": r.info.prompt_index,
+                "sample_index": r.info.sample_index,
+                "num_prompt_tokens": r.info.num_prompt_tokens,
+                "finished": r.info.engine_id in finished,
+                "token_ids": r.tokens[: r.length].tolist(),
+            }
+            for r in self._table
+        ]
+        w = self.shards
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "complete": self.complete,
+            "hidden_size": self.top_k,  # width of each column (the reader's generic field)
+            "top_k": self.top_k,
+            "dtype": self.value_dtype,
+            "keys": list(KEYS),
+            "sae": self._describe(),
+            "shard_rows": w.shard_rows,
+            "num_rows": w.rows_written,
+            "shards": [dict(s) for s in w.shards],
+            "requests": requests,
+        }
+
+    def close(self) -> int:
+        """Write buffered rows and the final manifest (nothing when never used)."""
+        with self._lock:
+            if not self.used:
+                return 0
+            before = len(self.shards.shards)
+            self.complete = True
+            if self.shards.buffered:
+                self.shards.write_shard()
+            else:
+                self.shards.write_manifest()
+            self.shards.release()
+            return len(self.shards.shards) - before

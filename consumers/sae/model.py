@@ -1,0 +1,164 @@
+"""A sparse autoencoder's encode/decode math, as SAELens defines it for inference.
+
+Architectures: ``standard`` (ReLU), ``jumprelu`` (ReLU, zeroed where the pre-activation
+is not above ``threshold``) and ``topk`` (the ``k`` largest pre-activations, ReLU'd).
+Input preprocessing follows the config: optional activation normalization
+(``layer_norm``, ``constant_norm_rescale``), then ``x - b_dec`` when
+``apply_b_dec_to_input``. Decoding undoes the normalization with the statistics of the
+row that was encoded, so :meth:`encode` returns them alongside the activations.
+
+Everything is computed in fp32 whatever the weights' storage dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+Architecture = Literal["standard", "jumprelu", "topk"]
+Normalization = Literal["none", "layer_norm", "constant_norm_rescale"]
+
+ARCHITECTURES: tuple[str, ...] = ("standard", "jumprelu", "topk")
+NORMALIZATIONS: tuple[str, ...] = ("none", "layer_norm", "constant_norm_rescale")
+_LN_EPS = 1e-5
+
+
+@dataclass
+class NormState:
+    """Per-row statistics of the input normalization, needed to decode (``None``: identity)."""
+
+    mean: torch.Tensor | None = None  # [R, 1] (layer_norm)
+    scale: torch.Tensor | None = None  # [R, 1]: normalized = (x - mean) * scale
+
+
+@dataclass
+class SparseAutoencoder:
+    """Weights and settings of one SAE (SAELens layout: ``W_enc [d_in, d_sae]``,
+    ``b_enc [d_sae]``, ``W_dec [d_sae, d_in]``, ``b_dec [d_in]``, ``threshold [d_sae]``)."""
+
+    W_enc: torch.Tensor
+    b_enc: torch.Tensor
+    W_dec: torch.Tensor
+    b_dec: torch.Tensor
+    architecture: Architecture = "standard"
+    threshold: torch.Tensor | None = None
+    k: int | None = None
+    apply_b_dec_to_input: bool = True
+    normalize_activations: Normalization = "none"
+    rescale_acts_by_decoder_norm: bool = False
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def d_in(self) -> int:
+        return int(self.W_enc.shape[0])
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.W_enc.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_enc.device
+
+    def to(self, device: torch.device | str) -> SparseAutoencoder:
+        """A copy with every tensor on ``device`` (fp32)."""
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=torch.float32)
+
+        return SparseAutoencoder(
+            W_enc=mv(self.W_enc),
+            b_enc=mv(self.b_enc),
+            W_dec=mv(self.W_dec),
+            b_dec=mv(self.b_dec),
+            architecture=self.architecture,
+            threshold=mv(self.threshold),
+            k=self.k,
+            apply_b_dec_to_input=self.apply_b_dec_to_input,
+            normalize_activations=self.normalize_activations,
+            rescale_acts_by_decoder_norm=self.rescale_acts_by_decoder_norm,
+            metadata=dict(self.metadata),
+        )
+
+    # -- input normalization ------------------------------------------------------------
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
+        """``x`` (any float dtype, ``[R, d_in]``) -> fp32 normalized input and its statistics."""
+        x = x.float()
+        if self.normalize_activations == "layer_norm":
+            mean = x.mean(dim=-1, keepdim=True)
+            centered = x - mean
+            scale = 1.0 / (centered.std(dim=-1, keepdim=True) + _LN_EPS)
+            return centered * scale, NormState(mean, scale)
+        if self.normalize_activations == "constant_norm_rescale":
+            scale = (self.d_in**0.5) / x.norm(dim=-1, keepdim=True)
+            return x * scale, NormState(None, scale)
+        return x, NormState()
+
+    @staticmethod
+    def denormalize(y: torch.Tensor, state: NormState) -> torch.Tensor:
+        if state.scale is not None:
+            y = y / state.scale
+        if state.mean is not None:
+            y = y + state.mean
+        return y
+
+    # -- encode / decode ----------------------------------------------------------------
+    def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
+        """Encoder pre-activations ``[R, d_sae]`` of raw inputs ``x [R, d_in]``."""
+        xn, state = self.normalize(x)
+        if self.apply_b_dec_to_input:
+            xn = xn - self.b_dec
+        pre = xn @ self.W_enc + self.b_enc
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            pre = pre * self.W_dec.norm(dim=-1)
+        return pre, state
+
+    def activate(self, pre: torch.Tensor) -> torch.Tensor:
+        """The architecture's activation function on pre-activations."""
+        if self.architecture == "standard":
+            return torch.relu(pre)
+        if self.architecture == "jumprelu":
+            assert self.threshold is not None
+            return torch.relu(pre) * (pre > self.threshold).to(pre.dtype)
+        if self.architecture == "topk":
+            assert self.k is not None
+            k = min(self.k, pre.shape[-1])
+            vals, idx = pre.topk(k, dim=-1, sorted=False)
+            return torch.zeros_like(pre).scatter_(-1, idx, torch.relu(vals))
+        raise ValueError(f"unknown SAE architecture {self.architecture!r}")
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
+        """Feature activations ``[R, d_sae]`` (fp32) and the rows' normalization state."""
+        pre, state = self.pre_activations(x)
+        return self.activate(pre), state
+
+    def decode(self, acts: torch.Tensor, state: NormState | None = None) -> torch.Tensor:
+        """Reconstruction ``[R, d_in]`` in the input's own space (normalization undone)."""
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            acts = acts / self.W_dec.norm(dim=-1)
+        y = acts @ self.W_dec + self.b_dec
+        return self.denormalize(y, state) if state is not None else y
+
+    def decoder_direction(self, feature: int) -> torch.Tensor:
+        """``W_dec[feature]`` (fp32), the vector a unit of the feature adds before any
+        output normalization."""
+        return self.W_dec[feature].float()
+
+
+def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest activations per row: ``(indices int32, values fp32)``, each
+    ``[R, top_k]``, sorted by value (descending). Slots beyond a row's active features
+    (activation 0) get index ``-1`` and value ``0``."""
+    k = min(top_k, acts.shape[-1])
+    vals, idx = acts.topk(k, dim=-1, sorted=True)
+    idx = idx.to(torch.int32)
+    inactive = vals <= 0
+    idx = idx.masked_fill(inactive, -1)
+    vals = vals.masked_fill(inactive, 0.0)
+    if k < top_k:  # the SAE has fewer features than top_k: pad
+        pad = top_k - k
+        idx = torch.cat([idx, idx.new_full((idx.shape[0], pad), -1)], dim=1)
+        vals = torch.cat([vals, vals.new_zeros(vals.shape[0], pad)], dim=1)
+    return idx, vals

@@ -1,0 +1,101 @@
+"""Steering by SAE feature: the entries users write, and the math of each kind.
+
+* ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]`` to every selected row;
+* ``{"feature": f, "clamp": v}`` encodes the row, sets feature ``f`` to ``v``, decodes,
+  and adds the difference of the two reconstructions (the SAE's error term is kept):
+  ``x' = x + decode(a with a_f = v) - decode(a)``.
+
+The clamp edit depends on the row's own activation *before* the edit, which is known
+only inside the forward: :func:`clamp_delta` is the pure function an in-graph edit op
+would run (see ``consumers/sae/core_api.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from consumers.sae.model import SparseAutoencoder
+
+
+class FeatureSteer(BaseModel):
+    """One steering entry: exactly one of ``scale`` and ``clamp``."""
+
+    model_config = ConfigDict(extra="forbid")
+    feature: int = Field(..., ge=0, description="SAE feature index (0 <= feature < d_sae).")
+    scale: float | None = Field(None, description="Add scale * W_dec[feature] to every row.")
+    clamp: float | None = Field(
+        None,
+        description="Set the feature's activation to this value in every row (encode, set, "
+        "decode the difference, add it).",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> FeatureSteer:
+        if (self.scale is None) == (self.clamp is None):
+            raise ValueError(
+                f"feature {self.feature}: give exactly one of 'scale' and 'clamp', got "
+                f"scale={self.scale!r}, clamp={self.clamp!r}"
+            )
+        value = self.scale if self.scale is not None else self.clamp
+        if not math.isfinite(value):
+            raise ValueError(f"feature {self.feature}: value must be finite, got {value}")
+        return self
+
+
+def check_features(entries: list[FeatureSteer], d_sae: int, where: str) -> None:
+    """Raise ``ValueError`` for a feature index outside the SAE."""
+    for i, e in enumerate(entries):
+        if not 0 <= e.feature < d_sae:
+            raise ValueError(
+                f"{where}[{i}].feature is {e.feature}: the SAE has {d_sae} features "
+                f"(valid: 0..{d_sae - 1})"
+            )
+
+
+def scale_vector(sae: SparseAutoencoder, entries: list[FeatureSteer]) -> torch.Tensor | None:
+    """``sum(scale * W_dec[feature])`` over the ``scale`` entries (fp32 ``[d_in]``), or
+    ``None`` when there is none."""
+    vec = None
+    for e in entries:
+        if e.scale is not None:
+            v = e.scale * sae.decoder_direction(e.feature)
+            vec = v if vec is None else vec + v
+    return vec
+
+
+def clamps_of(entries: list[FeatureSteer]) -> list[tuple[int, float]]:
+    """The ``(feature, value)`` pairs of the ``clamp`` entries (a later entry for the same
+    feature wins)."""
+    out: dict[int, float] = {}
+    for e in entries:
+        if e.clamp is not None:
+            out[e.feature] = float(e.clamp)
+    return list(out.items())
+
+
+@torch.no_grad()
+def clamp_delta(
+    sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
+) -> torch.Tensor:
+    """What to add to rows ``x [R, d_in]`` so that, seen through the SAE, each clamped
+    feature takes its value: ``decode(a') - decode(a)`` with ``a = encode(x)`` and ``a'``
+    equal to ``a`` except ``a'[:, f] = v``. fp32 ``[R, d_in]``; zero where nothing changes.
+
+    For a top-k SAE the clamped value replaces the feature's activation even if the
+    feature was not among the row's ``k`` (the others are left as encoded).
+    """
+    acts, state = sae.encode(x)
+    changed = acts.clone()
+    for f, v in clamps:
+        changed[:, f] = v
+    return sae.decode(changed, state) - sae.decode(acts, state)
+
+
+def apply_clamp(
+    sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
+) -> torch.Tensor:
+    """``x + clamp_delta(sae, x, clamps)`` in ``x``'s dtype: the edit an in-graph op applies."""
+    return (x.float() + clamp_delta(sae, x, clamps)).to(x.dtype)

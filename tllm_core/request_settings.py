@@ -1,0 +1,163 @@
+"""Per-request settings that a consumer declares (``vllm_xargs`` / ``SamplingParams.extra_args``).
+
+A consumer class sets ``Request`` to a :class:`RequestSettings` subclass; field ``f`` of
+consumer ``c`` is the request key ``tllm_{c}_{f}``. A field whose value is ``None`` (the usual
+default) means "use the consumer's config". Validation (:func:`parse_request_settings`) is
+the same in the server front end, in ``TllmLLM.generate`` / ``chat`` and in the engine, where a
+consumer reads a request's settings with ``request.settings(self)``.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
+
+PREFIX = "tllm_"
+# Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
+CONSUMERS_KEY = "tllm_consumers"
+GROUP_KEY = "tllm_group"
+# Internal tags TllmLLM adds to every request (row localization); not for clients.
+TAGS = ("tllm_prompt_index", "tllm_n")
+GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, *TAGS)
+
+
+class RequestSettings(BaseModel):
+    """Base of a consumer's per-request settings: one field per request key."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def request_key(consumer: str, field: str) -> str:
+    """The ``extra_args`` key of ``field`` of consumer ``consumer``: ``tllm_{consumer}_{field}``."""
+    return f"{PREFIX}{consumer}_{field}"
+
+
+def request_keys(consumer: str, model: type[RequestSettings] | None) -> dict[str, str]:
+    """Key -> field name of every field of ``model`` (empty when the consumer declares none)."""
+    if model is None:
+        return {}
+    return {request_key(consumer, f): f for f in model.model_fields}
+
+
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _admits_bool(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_admits_bool(a) for a in typing.get_args(annotation))
+    return False
+
+
+def type_name(t: Any) -> str:
+    """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    if origin is not None:
+        return (
+            f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
+        )
+    if t is type(None):
+        return "None"
+    return getattr(t, "__name__", str(t))
+
+
+def allowed(field: FieldInfo) -> str:
+    """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
+    text = type_name(field.annotation)
+    for m in field.metadata:
+        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            bound = getattr(m, attr, None)
+            if bound is not None:
+                text += f", {op} {bound}"
+        if getattr(m, "allow_inf_nan", None) is False:
+            text += ", finite"
+    return text
+
+
+def _num(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _message(err: dict[str, Any]) -> str:
+    kind, ctx = err["type"], {k: _num(v) for k, v in (err.get("ctx") or {}).items()}
+    if kind in ("float_parsing", "float_type", "int_parsing", "int_type"):
+        return "must be a number"
+    if kind == "int_from_float":
+        return "must be a whole number"
+    if kind == "finite_number":
+        return "must be finite"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx.get('ge')}"
+    if kind == "greater_than":
+        return f"must be > {ctx.get('gt')}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx.get('le')}"
+    if kind == "less_than":
+        return f"must be < {ctx.get('lt')}"
+    if kind in ("bool_parsing", "bool_type"):
+        return "must be a boolean (true/false, 1/0, yes/no, on/off)"
+    return f"is not valid ({err['msg']})"
+
+
+def parse_request_settings(
+    consumer: str,
+    model: type[RequestSettings],
+    extra: dict[str, Any] | None,
+    where: str = "extra_args",
+) -> RequestSettings:
+    """Consumer ``consumer``'s settings from a request's ``extra``; keys absent take defaults.
+
+    Raises ``ValueError`` naming the key (as ``{where}['tllm_c_f']``), the bad value and what
+    is allowed.
+    """
+    extra = extra or {}
+    data: dict[str, Any] = {}
+    for key, fname in request_keys(consumer, model).items():
+        if key not in extra:
+            continue
+        value = extra[key]
+        field = model.model_fields[fname]
+        if isinstance(value, bool) and not _admits_bool(field.annotation):
+            raise ValueError(
+                f"{where}[{key!r}] must be a number, got {value!r} (allowed: {allowed(field)})"
+            )
+        data[fname] = value
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"][0] if err["loc"] else None
+        if isinstance(loc, str) and loc in model.model_fields:
+            key = request_key(consumer, loc)
+            raise ValueError(
+                f"{where}[{key!r}] {_message(err)}, got {data.get(loc)!r} "
+                f"(allowed: {allowed(model.model_fields[loc])})"
+            ) from None
+        # A model-level check (several fields together): name every key that was given.
+        keys = ", ".join(repr(request_key(consumer, f)) for f in data) or "(none)"
+        raise ValueError(f"{where}[{keys}]: {err['msg']}") from None
+
+
+def describe_request_keys(consumer: str, model: type[RequestSettings] | None) -> list[dict]:
+    """Key, allowed values, default and description of each request key of a consumer."""
+    out = []
+    for key, fname in request_keys(consumer, model).items():
+        f = model.model_fields[fname]  # type: ignore[union-attr]
+        out.append(
+            {
+                "key": key,
+                "allowed": allowed(f),
+                "default": None if f.is_required() else f.get_default(call_default_factory=True),
+                "description": f.description or "",
+            }
+        )
+    return out

