@@ -468,7 +468,7 @@ def render() -> None:
     dv = _load("diversity.json")
     gp = _load("gpu_distiller.json")
     pks = {p.stem: _load(p.name) for p in sorted(RESULTS.glob("passk*.json"))}
-    dvv = _load("diversity_variants.json")
+    dvvs = {p.stem: _load(p.name) for p in sorted(RESULTS.glob("diversity_variants*.json"))}
     machine = (tp or dv or {}).get("machine", {})
     out = [
         "# Benchmark results",
@@ -485,8 +485,10 @@ def render() -> None:
     for stem, pk in pks.items():
         if pk:
             out += passk_section(pk, stem)
-    if dvv:
-        out += diversity_section(dvv, "Diversity of the ESamp learning variants", "variants")
+    for stem, dvv in dvvs.items():
+        if dvv:
+            title = f"Diversity of the ESamp learning variants (`{stem}.json`)"
+            out += diversity_section(dvv, title, stem.replace("diversity_", ""))
     out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
     DOC.write_text("\n".join(out))
