@@ -409,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         help="extra ESamp method esamp_NAME_bB with these config fields, e.g. "
         "lr4e-3='{\"lr\": 0.004}' (repeatable; compared with the same controls)",
     )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names to run (default: all), e.g. vanilla,esamp_b0.25",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
@@ -458,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     methods = build_methods(betas, args.temperature, variants)
+    if args.methods:
+        keep = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = sorted(set(keep) - {m["name"] for m in methods})
+        if unknown:
+            p.error(f"--methods: unknown {unknown}; available: {[m['name'] for m in methods]}")
+        methods = [m for m in methods if m["name"] in keep]
     if variants:  # bad fields fail here, before any engine starts
         from tllm_core.engine import validate_consumers
 

@@ -252,14 +252,16 @@ def _pm(m: dict, k: str, fmt: str = ".3f") -> str:
     return f"{m['means'][k]:{fmt}} ± {m['sem'][k]:{fmt}}"
 
 
-def diversity_section(dv: dict) -> list[str]:
+def diversity_section(
+    dv: dict, title: str = "Diversity and quality", img: str = "diversity"
+) -> list[str]:
     sys.path.insert(0, str(HERE))
     import diversity
 
-    diversity.plot(dv, IMG / "diversity_quality.png", IMG / "diversity_metrics.png")
+    diversity.plot(dv, IMG / f"{img}_quality.png", IMG / f"{img}_metrics.png")
     c = dv["config"]
     out = [
-        "## Diversity and quality",
+        f"## {title}",
         "",
         f"Command: `{dv.get('command') or cmd('diversity.py', DIVERSITY_ARGS)}`",
         "",
@@ -305,9 +307,9 @@ def diversity_section(dv: dict) -> list[str]:
         )
     out += [
         "",
-        "![quality-diversity](img/diversity_quality.png)",
+        f"![quality-diversity](img/{img}_quality.png)",
         "",
-        "![per-method metrics](img/diversity_metrics.png)",
+        f"![per-method metrics](img/{img}_metrics.png)",
         "",
     ]
     out += verdict(dv)
@@ -335,6 +337,61 @@ def verdict(dv: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def passk_section(pk: dict, stem: str = "passk") -> list[str]:
+    """pass@k on verifiable tasks (one benchmarks/passk.py run, ``results/{stem}.json``)."""
+    sys.path.insert(0, str(HERE))
+    import passk
+
+    passk.plot(pk, IMG / f"{stem}.png")
+    c = pk["config"]
+    ks = [k for k in (1, 2, 4, 8, 16) if k <= c["n"]]
+    out = [
+        f"## pass@k on verifiable tasks (`{stem}.json`)",
+        "",
+        f"Command: `{pk['command']}`",
+        "",
+        f"{c['num_problems']} problems generated from task seed {c['task_seed']} (families "
+        f"{', '.join(c['families'])}; see `benchmarks/passk.py`), chat template, n={c['n']} "
+        f"samples x up to {c['max_tokens']} new tokens, temperature {c['temperature']}, "
+        f"min-p {c['min_p']}, problem i seeded {c['seed']}+i in every method; ESamp beta "
+        f"{c['betas']}; variants {json.dumps(c['esamp_variants'])}. pass@k: the unbiased "
+        "estimator per problem, mean over problems ± standard error.",
+        "",
+        "| method | " + " | ".join(f"pass@{k}" for k in ks) + " | tokens | generate (s) |",
+        "|---|" + "---:|" * (len(ks) + 2),
+    ]
+    for n, m in pk["methods"].items():
+        cells = " | ".join(
+            f"{m['pass_at_k'][k - 1]:.3f} ± {m['pass_at_k_sem'][k - 1]:.3f}" for k in ks
+        )
+        out.append(f"| {n} | {cells} | {m['mean_tokens']:.1f} | {m['generate_s']:.0f} |")
+    out += ["", "pass@1 by task family:", ""]
+    for n, m in pk["methods"].items():
+        fams = ", ".join(f"{f} {c[0]:.3f}" for f, c in m["pass_at_k_by_family"].items())
+        out.append(f"- {n}: {fams}")
+    cks = list(pk["comparisons"][0]["pass_at_k"]) if pk["comparisons"] else []
+    if not cks:
+        return out + ["", f"![pass@k curves](img/{stem}.png)", ""]
+    out += [
+        "",
+        "Paired per problem (better = higher pass@k; p: two-sided sign test, paired t-test):",
+        "",
+        "| method vs reference | "
+        + " | ".join(f"pass@{k}: better/worse, Δ, p_sign, p_t" for k in cks)
+        + " |",
+        "|---|" + "---|" * len(cks),
+    ]
+    for cm in pk["comparisons"]:
+        cells = " | ".join(
+            f"{v['improved']}/{v['worse']}, {v['mean_delta']:+.3f}, {v['sign_test_p']:.2g}, "
+            f"{v['t_test_p']:.2g}"
+            for v in cm["pass_at_k"].values()
+        )
+        out.append(f"| {cm['method']} vs {cm['against']} | {cells} |")
+    out += ["", f"![pass@k curves](img/{stem}.png)", ""]
+    return out
 
 
 def gpu_section(gp: dict | None) -> list[str]:
@@ -410,6 +467,8 @@ def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
     gp = _load("gpu_distiller.json")
+    pks = {p.stem: _load(p.name) for p in sorted(RESULTS.glob("passk*.json"))}
+    dvvs = {p.stem: _load(p.name) for p in sorted(RESULTS.glob("diversity_variants*.json"))}
     machine = (tp or dv or {}).get("machine", {})
     out = [
         "# Benchmark results",
@@ -423,6 +482,13 @@ def render() -> None:
     ]
     out += throughput_section(tp) if tp else ["## Throughput", "", "(no results yet)", ""]
     out += diversity_section(dv) if dv else ["## Diversity and quality", "", "(no results yet)", ""]
+    for stem, pk in pks.items():
+        if pk:
+            out += passk_section(pk, stem)
+    for stem, dvv in dvvs.items():
+        if dvv:
+            title = f"Diversity of the ESamp learning variants (`{stem}.json`)"
+            out += diversity_section(dvv, title, stem.replace("diversity_", ""))
     out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
     DOC.write_text("\n".join(out))

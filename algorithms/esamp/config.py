@@ -65,11 +65,41 @@ class ESampConfig(ConsumerConfig):
         description="'noise': replace the error direction h_L - f(h_1) by Gaussian noise of the "
         "same norm per row; 'frozen': the distiller is never trained (stays at init).",
     )
-    init: Literal["paper", "zero"] = Field(
+    init: Literal["paper", "zero", "zero_output"] = Field(
         "paper",
         description="'paper': random init (nn.Linear default, U(+-1/sqrt(fan_in))) for every "
         "projection; 'zero': the down projection of each block starts at zero, so f(x) = x "
-        "initially (gate/up stay random so learning starts at once).",
+        "initially (gate/up stay random so learning starts at once); 'zero_output': down "
+        "projections at zero and the input is not added to the output (f(x) = blocks(x) - x, "
+        "trained on h_tgt + x), so an untrained distiller predicts exactly 0: its guidance "
+        "is then the pure (1+beta) sharpening.",
+    )
+    warm_start_steps: int = Field(
+        0,
+        description="Optimizer steps on the prompt's own prefill rows (pairs h_src -> h_tgt of "
+        "the prompt tokens) when a group's distiller is created, before its first decode step. "
+        "The consumer then reads prefill rows too and creates the group's distiller at "
+        "prefill. 0 = off (the paper: decode rows only). Not done under ablation 'frozen'.",
+    )
+    beta_schedule: Literal["constant", "fit"] = Field(
+        "constant",
+        description="'constant': every row uses beta (the paper). 'fit': a row's beta is "
+        "multiplied by clamp(1 - e, 0, 1), where e is its group's recent relative prediction "
+        "error ||h_tgt - f(h_src)|| / ||h_tgt||, an average over the group's previous decode "
+        "steps (decay fit_decay), measured on each step's rows before the distiller trains on "
+        "them and starting at 1: guidance is strong only once the distiller predicts well.",
+    )
+    fit_decay: float = Field(
+        0.8,
+        description="beta_schedule 'fit': e <- fit_decay * e + (1 - fit_decay) * (this step's "
+        "mean relative error of the group's rows); in [0, 1).",
+    )
+    diagnostics: bool = Field(
+        False,
+        description="Record, for every guided row, the group's step index, the prediction's "
+        "relative error, the number of candidates, the top candidate before and after the mix "
+        "and the total-variation distance between the two candidate distributions (result "
+        "key 'diagnostics'; capped at 50000 rows). Host reads every step: a sync on CUDA.",
     )
     seed: int = Field(
         0,
@@ -115,6 +145,20 @@ class ESampConfig(ConsumerConfig):
     def _beta(cls, v: float) -> float:
         if not v >= 0:
             raise ValueError(f"beta must be >= 0 (0 disables guidance), got {v}")
+        return v
+
+    @field_validator("warm_start_steps")
+    @classmethod
+    def _nonneg(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"warm_start_steps must be >= 0 (0 disables it), got {v}")
+        return v
+
+    @field_validator("fit_decay")
+    @classmethod
+    def _decay(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError(f"fit_decay must be in [0, 1), got {v}")
         return v
 
     @field_validator("intermediate_size", "num_blocks", "cuda_capacity", "cuda_graph_max_rows")

@@ -5,6 +5,7 @@ uses the distiller trained through step t-1)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +18,14 @@ from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.factory import make_distiller
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
+    candidate_shift,
+    fit_scale,
     full_dist_logits,
     mix_candidates,
     mix_full_vocab_logits,
     mix_latent,
     noise_prediction,
+    relative_error,
 )
 from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
@@ -36,6 +40,8 @@ _BATCH_KEY = "__batch__"
 # Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
 _FLUSH_EVERY = 256
 _CURVE_POINTS = 64
+_DIAG_CAP = 50000
+_DIAG_FIELDS = ("age", "rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
 
 COUNTER_NAMES = (
     "decode_steps",
@@ -66,6 +72,13 @@ COUNTER_NAMES = (
     "finished_unseen",
     "graph_failures",
     "eager_updates",
+    "warm_start_groups",
+    "warm_start_rows",
+    "warm_start_steps",
+    "fit_rows",
+    "fit_scale_mean",
+    "diag_rows",
+    "diag_top_changed",
 )
 
 
@@ -75,6 +88,8 @@ class _Group:
     slot: int | None = None
     serial: int = -1  # creation order; stable id for loss bookkeeping (slots are reused)
     age: int = 0  # train steps submitted
+    warmed: bool = False  # warm start done (or not needed)
+    fit_err: float = 1.0  # beta_schedule 'fit': recent relative prediction error
 
 
 def _select(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:
@@ -155,7 +170,9 @@ class ESampConsumer(Consumer):
                 lr=cfg.lr,
                 eps=cfg.eps,
                 grad_clip=cfg.grad_clip,
-                init=cfg.init,
+                # zero_output: the blocks start at zero (f(x) = x) and the consumer
+                # subtracts the input (see _predict / _target).
+                init="zero" if cfg.init == "zero_output" else cfg.init,
                 seed=cfg.seed,
                 **extra,
             )
@@ -181,6 +198,11 @@ class ESampConsumer(Consumer):
         self._age_n: list[int] = []
         self._group_first: dict[int, float] = {}
         self._group_last: dict[int, float] = {}
+        self._zero_out = cfg.init == "zero_output"
+        self._warm = cfg.warm_start_steps > 0
+        self._fit_n, self._fit_sum = 0, 0.0
+        self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
+        self._err_age: list[list[float]] = []  # per group step index: [sum, count]
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
         self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
@@ -188,7 +210,9 @@ class ESampConsumer(Consumer):
 
     # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
-        return [HiddenStates(self._src, Phase.DECODE), HiddenStates(self._tgt, Phase.DECODE)]
+        # Warm start trains on the prompt's prefill rows too.
+        phase = Phase.ALL if self.cfg.warm_start_steps > 0 else Phase.DECODE
+        return [HiddenStates(self._src, phase), HiddenStates(self._tgt, phase)]
 
     def writes(self) -> list:
         # Declared even for beta = 0: the guidance path then runs and must leave sampling
@@ -276,11 +300,12 @@ class ESampConsumer(Consumer):
             return
         self.counters.add("rows_visited", len(sel))
         idx = _index(sel, view.logits.device)
-        f = self.distiller.predict(
+        f = self._predict(
             torch.tensor(slots, dtype=torch.long), _select(view.hidden(self._src_key), sel, idx)
         )
         if not self._on_cuda:  # on CUDA read at the next blocking flush (a host sync)
             self.counters.max("staleness_max", self.distiller.staleness_max())
+        f_real = f
         if cfg.ablation == "noise":
             h_t = view.hidden(self._tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
@@ -289,13 +314,97 @@ class ESampConsumer(Consumer):
         )
         # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
         # logits untouched (nothing is written back for them).
+        rel = None
+        if cfg.beta_schedule == "fit" or cfg.diagnostics:
+            rel = relative_error(view.hidden(self._tgt_key)[idx], f_real)
+        if cfg.diagnostics:
+            self._record_error(slots, rel)
+        if cfg.beta_schedule == "fit":
+            betas = betas * self._fit(slots, rel).to(betas.device)
         mixed = torch.isfinite(f).all(-1) & (betas != 0)
         if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-            n_rows, n_cand = self._mix_candidates(view, idx, f, betas, mixed)
+            n_rows, n_cand = self._mix_candidates(
+                view, idx, f, betas, mixed, (slots, rel) if cfg.diagnostics else None
+            )
         else:
             n_rows, n_cand = self._mix_full_vocab(view, idx, f, betas, mixed)
         self.counters.add("rows_guided", n_rows)
         self.counters.add("candidates_guided", n_cand)
+
+    def _predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The distiller's prediction; with init 'zero_output' the blocks' residual sum
+        alone (the input subtracted), so an untrained distiller predicts 0."""
+        f = self.distiller.predict(slots, x)
+        return f - x.float() if self._zero_out else f
+
+    def _target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
+        so that ``blocks(x) - x`` learns ``target``)."""
+        return target.float() + x.float() if self._zero_out else target
+
+    def _fit(self, slots: list[int], rel: torch.Tensor) -> torch.Tensor:
+        """beta_schedule 'fit': each row's factor clamp(1 - e, 0, 1) from its group's error
+        average *before* this step, then the averages updated with this step's rows."""
+        errs = rel.cpu().tolist()
+        groups = [self._slot_group[s] for s in slots]
+        scale = fit_scale(torch.tensor([g.fit_err for g in groups], dtype=torch.float32))
+        d = self.cfg.fit_decay
+        step: dict[int, list[float]] = {}
+        for g, e in zip(groups, errs, strict=True):
+            if math.isfinite(e):
+                step.setdefault(id(g), []).append(e)
+        for g in {id(g): g for g in groups}.values():
+            if id(g) in step:
+                g.fit_err = d * g.fit_err + (1 - d) * float(np.mean(step[id(g)]))
+        self._fit_n += len(errs)
+        self._fit_sum += float(scale.sum())
+        self.counters.add("fit_rows", len(errs))
+        self.counters.set("fit_scale_mean", self._fit_sum / self._fit_n)
+        return scale
+
+    def _record_error(self, slots: list[int], rel: torch.Tensor) -> None:
+        """diagnostics: the prediction's relative error by the group's step index."""
+        for s, e in zip(slots, rel.cpu().tolist(), strict=True):
+            age = self._slot_group[s].age
+            while len(self._err_age) <= age:
+                self._err_age.append([0.0, 0])
+            if math.isfinite(e):
+                self._err_age[age][0] += e
+                self._err_age[age][1] += 1
+
+    def _record(
+        self,
+        rows_idx: torch.Tensor,
+        entries: torch.Tensor,
+        cand,
+        ref: torch.Tensor,
+        new: torch.Tensor,
+        p: torch.Tensor,
+        betas: torch.Tensor,
+        diag: tuple[list[int], torch.Tensor],
+    ) -> None:
+        """diagnostics: one record per mixed row (see ESampConfig.diagnostics)."""
+        slots, rel = diag
+        n = len(slots)
+        tv, top_ref, top_new, count = candidate_shift(p, cand.tokens[entries], ref, new, n)
+        has = (count > 0).cpu().tolist()
+        cols = {
+            "age": [self._slot_group[s].age for s in slots],
+            "rel_err": rel.cpu().tolist(),
+            "candidates": count.cpu().tolist(),
+            "top_ref": top_ref.cpu().tolist(),
+            "top_new": top_new.cpu().tolist(),
+            "tv": tv.cpu().tolist(),
+            "beta": betas.cpu().tolist(),
+        }
+        rows = [i for i in range(n) if has[i]]
+        self.counters.add("diag_rows", len(rows))
+        self.counters.add(
+            "diag_top_changed", sum(cols["top_ref"][i] != cols["top_new"][i] for i in rows)
+        )
+        room = _DIAG_CAP - len(self._diag["age"])
+        for k, v in cols.items():
+            self._diag[k].extend([v[i] for i in rows[: max(room, 0)]])
 
     def _head(self, z: torch.Tensor) -> torch.Tensor:
         model = self.context.model
@@ -308,6 +417,7 @@ class ESampConsumer(Consumer):
         f: torch.Tensor,
         betas: torch.Tensor,
         mixed: torch.Tensor,
+        diag: tuple[list[int], torch.Tensor] | None = None,
     ) -> tuple[int, int]:
         """Post-filter mode: dist logits and the mix for the surviving candidates of the
         ``mixed`` rows only, as a sparse write of the entries that changed (no pass over the
@@ -324,6 +434,8 @@ class ESampConsumer(Consumer):
         dist = candidate_dist_fn(f, self._weight, self._head)(p, cand.tokens[entries])
         temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
         new = mix_candidates(ref, dist, betas[p], temp)
+        if diag is not None:
+            self._record(idx, entries, cand, ref, new, p, betas, diag)
         changed = (new != ref).nonzero().squeeze(1)
         n_rows = int(torch.unique(cand.rows[entries[changed]]).numel())
         view.update_candidates(entries[changed], new[changed])
@@ -365,6 +477,8 @@ class ESampConsumer(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         rows = bundle.rows
         is_dec = np.asarray(rows.is_decode, dtype=bool)
+        if self._warm and len(rows) and not is_dec.all():
+            self._warm_start(bundle, is_dec)
         if len(rows) == 0 or not is_dec.any():
             return
         if self.cfg.skip_mixed_batches and not is_dec.all():
@@ -394,10 +508,11 @@ class ESampConsumer(Consumer):
             return
         dev = bundle.hidden[self._src_key].device
         idx = _index(sel, dev)
+        x = _select(bundle.hidden[self._src_key], sel, idx)
         res = self.distiller.train_step(
             torch.tensor(slots, dtype=torch.long),
-            _select(bundle.hidden[self._src_key], sel, idx),
-            _select(bundle.hidden[self._tgt_key], sel, idx),
+            x,
+            self._target(x, _select(bundle.hidden[self._tgt_key], sel, idx)),
         )
         groups = [self._slot_group[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
@@ -409,6 +524,46 @@ class ESampConsumer(Consumer):
             # CPU side thread: take the updates that have already run (no waiting). Not on
             # CUDA: reading a loss there would sync the stream every step.
             self._flush(block=False)
+
+    def _warm_start(self, bundle: Bundle, is_dec: np.ndarray) -> None:
+        """warm_start_steps: create the distiller of each group whose prompt rows arrive and
+        train it on them (the rows of the group's first request in this step; a group warms
+        once). Counted in warm_start_groups / warm_start_rows / warm_start_steps."""
+        rows = bundle.rows
+        recomputed = np.asarray(rows.recomputed, dtype=bool)
+        first: dict[int, str] = {}  # id(group) -> engine id whose rows are used
+        sel: list[int] = []
+        slots: list[int] = []
+        for i, req in enumerate(rows.requests):
+            if is_dec[i] or recomputed[i]:
+                continue
+            g = self._track(req)
+            if g.warmed and id(g) not in first:
+                continue
+            if first.setdefault(id(g), req.engine_id) != req.engine_id:
+                continue
+            slot = self._ensure_slot(g)
+            if slot is None:
+                self.counters.add("train_rows_skipped_cap")
+                continue
+            g.warmed = True
+            sel.append(i)
+            slots.append(slot)
+        if not sel:
+            return
+        if not self._training:
+            self.counters.add("train_rows_skipped_frozen", len(sel))
+            return
+        idx = _index(sel, bundle.hidden[self._src_key].device)
+        x = _select(bundle.hidden[self._src_key], sel, idx)
+        target = self._target(x, _select(bundle.hidden[self._tgt_key], sel, idx))
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        for _ in range(self.cfg.warm_start_steps):
+            self.distiller.train_step(slot_t, x, target)
+        n_groups = len(set(slots))
+        self.counters.add("warm_start_groups", n_groups)
+        self.counters.add("warm_start_rows", len(sel))
+        self.counters.add("warm_start_steps", n_groups * self.cfg.warm_start_steps)
 
     # -- bookkeeping ----------------------------------------------------------------
     def _flush(self, block: bool = True) -> None:
@@ -478,6 +633,19 @@ class ESampConsumer(Consumer):
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._curve(),
             "counters": self.counters.snapshot(),
+            **(
+                {
+                    "diagnostics": {
+                        **self._diag,
+                        # [group step index, mean relative error, rows]
+                        "rel_err_curve": [
+                            [a, s / n, n] for a, (s, n) in enumerate(self._err_age) if n
+                        ],
+                    }
+                }
+                if self.cfg.diagnostics
+                else {}
+            ),
         }
 
     def close(self) -> None:

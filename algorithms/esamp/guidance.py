@@ -132,3 +132,56 @@ def noise_prediction(
     )
     n = n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * err_norm
     return h_target - n
+
+
+def relative_error(h_target: torch.Tensor, f_pred: torch.Tensor) -> torch.Tensor:
+    """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; a zero target counts as 1)."""
+    h = h_target.float()
+    num = torch.linalg.vector_norm(h - f_pred.float(), dim=-1)
+    den = torch.linalg.vector_norm(h, dim=-1)
+    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.ones_like(num))
+
+
+def fit_scale(err: torch.Tensor) -> torch.Tensor:
+    """beta_schedule 'fit': the factor ``clamp(1 - err, 0, 1)`` of a group's recent relative
+    error (1 = the distiller predicts perfectly, 0 = no better than predicting zero)."""
+    return (1 - err).clamp(0.0, 1.0)
+
+
+def candidate_shift(
+    rows: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor, new: torch.Tensor, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How a mix moved each row's candidate distribution. Entries ``(rows[j], tokens[j])``
+    with logits ``ref[j]`` before and ``new[j]`` after (rows in ``0..n_rows-1``). Returns per
+    row: total-variation distance between softmax(ref) and softmax(new) over its candidates,
+    the top token before, the top token after, the number of candidates (rows without
+    candidates: 0, -1, -1, 0)."""
+    ref, new = ref.float(), new.float()
+
+    def softmax(x: torch.Tensor) -> torch.Tensor:
+        mx = torch.full((n_rows,), float("-inf"), device=x.device)
+        mx = mx.scatter_reduce(0, rows, x, "amax")
+        e = torch.exp(x - mx[rows])
+        s = torch.zeros(n_rows, device=x.device).index_add_(0, rows, e)
+        return e / s[rows]
+
+    def top(x: torch.Tensor) -> torch.Tensor:
+        mx = torch.full((n_rows,), float("-inf"), device=x.device)
+        mx = mx.scatter_reduce(0, rows, x, "amax")
+        # Lowest-index entry reaching the row max (ties: the first candidate).
+        pos = torch.arange(x.numel(), device=x.device)
+        hit = torch.where(x == mx[rows], pos, torch.full_like(pos, x.numel()))
+        first = torch.full((n_rows,), x.numel(), device=x.device, dtype=torch.long)
+        first = first.scatter_reduce(0, rows, hit, "amin")
+        tok = torch.full((n_rows,), -1, device=x.device, dtype=torch.long)
+        ok = first < x.numel()
+        tok[ok] = tokens[first[ok]].long()
+        return tok
+
+    tv = torch.zeros(n_rows, device=ref.device).index_add_(
+        0, rows, (softmax(ref) - softmax(new)).abs()
+    )
+    count = torch.zeros(n_rows, device=ref.device, dtype=torch.long).index_add_(
+        0, rows, torch.ones_like(rows)
+    )
+    return tv / 2, top(ref), top(new), count

@@ -1,0 +1,193 @@
+"""Where ESamp's guidance acts, token by token, on the pass@k problems.
+
+    python benchmarks/esamp_tokens.py [--problems P] [-n N] [--config NAME=JSON]... [--json]
+
+Runs each ESamp config (``diagnostics`` switched on) on problems of ``benchmarks/passk.py`` and
+summarises the consumer's per-row records: for rows whose candidate set (after min-p) holds
+more than one token, how often the mix changes the top candidate and how far it moves the
+candidate distribution (total variation), split by the class of the model's own top token
+(digit / word / other) and by the group's step index; and the distiller's relative
+prediction error ``||h_L - f(h_1)|| / ||h_L||`` over a group's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+AGE_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 10**9))
+
+
+def token_class(text: str) -> str:
+    """'digit' (a token of digits), 'word' (letters), else 'other' (spaces, punctuation)."""
+    t = text.strip()
+    if t and t.isdigit():
+        return "digit"
+    if re.search(r"[A-Za-z]", t):
+        return "word"
+    return "other"
+
+
+def summarise(diag: dict[str, list], tokenizer) -> dict[str, Any]:
+    """Per token class and per step bucket: rows, share with >1 candidate, and over those
+    rows the mean TV and the share whose top candidate changed; the error curve."""
+    n = len(diag["age"])
+    cls = [token_class(tokenizer.decode([t])) if t >= 0 else "other" for t in diag["top_ref"]]
+    age = np.asarray(diag["age"])
+    multi = np.asarray(diag["candidates"]) > 1
+    tv = np.asarray(diag["tv"])
+    changed = np.asarray(diag["top_ref"]) != np.asarray(diag["top_new"])
+
+    def stats(mask: np.ndarray) -> dict[str, Any]:
+        m = mask & multi
+        return {
+            "rows": int(mask.sum()),
+            "multi_candidate_share": float(m.sum() / max(mask.sum(), 1)),
+            "tv_mean_multi": float(tv[m].mean()) if m.any() else None,
+            "top_changed_share_multi": float(changed[m].mean()) if m.any() else None,
+            "top_changed_rows": int((changed & mask).sum()),
+        }
+
+    by_class = {c: stats(np.asarray([x == c for x in cls])) for c in ("digit", "word", "other")}
+    by_age = {
+        f"{lo}-{hi - 1 if hi < 10**9 else 'end'}": stats((age >= lo) & (age < hi))
+        for lo, hi in AGE_BUCKETS
+    }
+    changed_total = int(changed.sum())
+    return {
+        "rows": n,
+        "all": stats(np.ones(n, bool)),
+        "by_top_token_class": by_class,
+        "by_step": by_age,
+        "changed_rows_by_class": {
+            c: int(sum(1 for i in range(n) if changed[i] and cls[i] == c)) for c in by_class
+        },
+        "changed_rows_total": changed_total,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--problems", type=int, default=24)
+    p.add_argument("--families", default="add,add_worked,mul,count,convert")
+    p.add_argument("--task-seed", type=int, default=0)
+    p.add_argument("-n", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--min-p", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='ESamp config to analyse (repeatable; default paper={"beta": 0.25})',
+    )
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    configs = {}
+    for spec in args.config or ['paper={"beta": 0.25}']:
+        name, _, raw = spec.partition("=")
+        try:
+            configs[name] = {**json.loads(raw), "diagnostics": True}
+        except ValueError as e:
+            p.error(f"--config {spec!r}: bad JSON ({e})")
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import passk
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from tllm_core.engine import TllmLLM
+
+    model = args.model
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path())
+    tok = AutoTokenizer.from_pretrained(model)
+    fams = tuple(f for f in args.families.split(",") if f)
+    problems = passk.make_problems(args.problems, args.task_seed, fams)
+    convs = [[{"role": "user", "content": q["prompt"]}] for q in problems]
+    out: dict[str, Any] = {}
+    for name, cfg in configs.items():
+        t0 = time.perf_counter()
+        llm = TllmLLM(
+            model,
+            ["esamp:" + json.dumps(cfg)],
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=args.enforce_eager,
+            seed=0,
+            max_num_batched_tokens=8192,
+        )
+        params = [
+            SamplingParams(
+                n=args.n, max_tokens=args.max_tokens, min_p=args.min_p, seed=args.seed + i
+            )
+            for i in range(len(convs))
+        ]
+        outs = []
+        for s in range(0, len(convs), 8):
+            outs += llm.chat(convs[s : s + 8], params[s : s + 8], use_tqdm=False)
+        rep = llm.close()
+        res = rep["results"]["esamp"]
+        diag = res["diagnostics"]
+        correct = [
+            sum(passk.check(q, c.text) for c in o.outputs)
+            for q, o in zip(problems, outs, strict=True)
+        ]
+        out[name] = {
+            "config": cfg,
+            "summary": summarise(diag, tok),
+            "rel_err_curve": diag["rel_err_curve"],
+            "loss_curve": res["loss_curve"],
+            "pass_at_1": float(np.mean(correct) / args.n),
+            "counters": res["counters"],
+            "seconds": time.perf_counter() - t0,
+        }
+        print(f"[esamp_tokens] {name} done in {out[name]['seconds']:.0f}s", file=sys.stderr)
+        core = getattr(getattr(llm.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del llm
+    result = {
+        "command": "python " + shlex.join(["benchmarks/esamp_tokens.py", *(argv or sys.argv[1:])]),
+        "problems": len(problems),
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "configs": out,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, r in out.items():
+            s = r["summary"]
+            print(f"== {name}: pass@1 {r['pass_at_1']:.3f}, rows {s['rows']}")
+            for c, v in s["by_top_token_class"].items():
+                print(f"  {c:<6} {v}")
+            for a, v in s["by_step"].items():
+                print(f"  step {a:<6} {v}")
+            print("  rel err by step:", [(a, round(e, 3)) for a, e, _ in r["rel_err_curve"][:12]])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""pass@k of ESamp against vanilla sampling on verifiable tasks, with its controls and ablations.
+
+    python benchmarks/passk.py [--problems P] [-n 16] [--max-tokens T] [--beta B]... [--json]
+
+Problems are generated from ``--task-seed`` (no data set): each has a prompt, an integer answer
+and a family; the checker reads the *last integer* of a completion (after "Answer:" when the
+completion says so) and compares it with the answer. Families (``--families``):
+
+    add            two-digit addition, answer only                ("What is 47 + 38? ...")
+    add_worked     two-digit addition with a short worked solution, "Answer: N" at the end
+    mul            one-digit times one/two-digit multiplication, answer only
+    count          how many items a short comma-separated list holds
+    convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
+    word           one-step word problems (gains and losses of apples, coins, ...)
+
+Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
+min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
+``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations; each
+``--esamp-variant NAME=JSON`` as ``esamp_NAME_bB`` together with its own frozen ablation
+(``frozen_NAME_bB``: the same switches, never trained) and, with ``--variant-noise``, its noise
+ablation.
+
+pass@k per problem is the unbiased estimator of Chen et al. (2021): with c correct among n
+samples, ``1 - C(n-c, k) / C(n, k)``; a method's pass@k is its mean over problems. Methods are
+compared problem by problem (paired t-test and sign test on the per-problem pass@k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word")
+# Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
+# pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
+DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
+DIRECT = " Reply with just the number."
+WORKED = " Work it out in one or two short steps, then end with 'Answer: <number>'."
+
+
+# ----------------------------------------------------------------------------- tasks
+def _add(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(10, 89), rng.randint(10, 89)
+    return f"What is {a} + {b}?" + DIRECT, a + b
+
+
+def _add_worked(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(10, 89), rng.randint(10, 89)
+    return f"What is {a} + {b}?" + WORKED, a + b
+
+
+def _mul(rng: random.Random) -> tuple[str, int]:
+    a, b = rng.randint(2, 9), rng.randint(3, 12)
+    return f"What is {a} times {b}?" + DIRECT, a * b
+
+
+_ITEMS = ("apple", "pear", "cat", "dog", "car", "book", "cup", "hat", "pen", "star", "tree")
+
+
+def _count(rng: random.Random) -> tuple[str, int]:
+    k = rng.randint(3, 7)
+    items = [rng.choice(_ITEMS) for _ in range(k)]
+    return f"How many words are in this list: {', '.join(items)}?" + DIRECT, k
+
+
+_UNITS = (  # (from, to, factor, lo, hi)
+    ("hours", "minutes", 60, 2, 9),
+    ("minutes", "seconds", 60, 2, 9),
+    ("meters", "centimeters", 100, 2, 19),
+    ("kilograms", "grams", 1000, 2, 9),
+    ("days", "hours", 24, 2, 6),
+    ("weeks", "days", 7, 2, 12),
+    ("dozens", "items", 12, 2, 9),
+)
+
+
+def _convert(rng: random.Random) -> tuple[str, int]:
+    src, dst, f, lo, hi = rng.choice(_UNITS)
+    x = rng.randint(lo, hi)
+    return f"How many {dst} are in {x} {src}?" + DIRECT, x * f
+
+
+_NAMES = ("Tom", "Anna", "Lee", "Maria", "Sam", "Ravi", "Emma", "Omar")
+_THINGS = ("apples", "coins", "marbles", "stickers", "books", "pencils")
+
+
+def _word(rng: random.Random) -> tuple[str, int]:
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    a = rng.randint(5, 30)
+    if rng.random() < 0.5:
+        b = rng.randint(2, 20)
+        q = f"{name} has {a} {thing} and gets {b} more. How many {thing} does {name} have now?"
+        return q + DIRECT, a + b
+    b = rng.randint(1, a - 1)
+    q = f"{name} has {a} {thing} and gives away {b}. How many {thing} does {name} have left?"
+    return q + DIRECT, a - b
+
+
+_MAKERS = {
+    "add": _add,
+    "add_worked": _add_worked,
+    "mul": _mul,
+    "count": _count,
+    "convert": _convert,
+    "word": _word,
+}
+
+
+def make_problems(
+    count: int, seed: int, families: tuple[str, ...] = DEFAULT_FAMILIES
+) -> list[dict]:
+    """``count`` problems ``{"id", "family", "prompt", "answer"}``, round-robin over
+    ``families``, reproducible from ``seed``; no prompt repeats."""
+    bad = [f for f in families if f not in _MAKERS]
+    if bad or not families:
+        raise ValueError(f"unknown task families {bad or families!r}; allowed: {list(FAMILIES)}")
+    rng = random.Random(seed)
+    out: list[dict] = []
+    seen: set[str] = set()
+    tries = 0
+    while len(out) < count:
+        fam = families[len(out) % len(families)]
+        prompt, answer = _MAKERS[fam](rng)
+        tries += 1
+        if prompt in seen and tries < 100 * count:
+            continue
+        seen.add(prompt)
+        out.append({"id": len(out), "family": fam, "prompt": prompt, "answer": answer})
+    return out
+
+
+_INT = re.compile(r"-?\d[\d,]*")
+
+
+def extract_answer(text: str) -> int | None:
+    """The integer a completion answers with: the first integer after its last "Answer" if
+    one follows it, else the completion's last integer (thousands separators allowed)."""
+    marks = list(re.finditer(r"answer", text, flags=re.IGNORECASE))
+    after = _INT.findall(text[marks[-1].end() :]) if marks else []
+    nums = after[:1] or _INT.findall(text)[-1:]
+    if not nums:
+        return None
+    try:
+        return int(nums[0].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def check(problem: dict, text: str) -> bool:
+    """True when the completion's answer (:func:`extract_answer`) equals the problem's."""
+    return extract_answer(text) == problem["answer"]
+
+
+# ----------------------------------------------------------------------------- pass@k
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``c`` correct among ``n`` samples: ``1 - C(n-c,k)/C(n,k)``,
+    as the product ``prod_{i=n-c+1..n} (1 - k/i)`` (no large binomials)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def pass_curve(n: int, c: int) -> list[float]:
+    """pass@k for k = 1..n."""
+    return [pass_at_k(n, c, k) for k in range(1, n + 1)]
+
+
+# ----------------------------------------------------------------------------- methods
+def _sibling(name: str) -> Any:
+    """A module of this folder (diversity, throughput), importable from anywhere."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
+def build_methods(
+    betas: list[float],
+    temperature: float,
+    variants: dict[str, dict[str, Any]],
+    variant_noise: bool = False,
+) -> list[dict[str, Any]]:
+    """diversity.py's methods, plus a frozen (and optionally noise) ablation of each variant
+    run through the variant's own switches."""
+    methods = _sibling("diversity").build_methods(betas, temperature, variants)
+    extra = []
+    for b in betas:
+        for v, cfg in variants.items():
+            abl = [("frozen", "frozen")] + ([("noise", "noise")] if variant_noise else [])
+            for kind, ablation in abl:
+                conf = {**cfg, "beta": b, "ablation": ablation}
+                extra.append(
+                    {
+                        "name": f"{kind}_{v}_b{b:g}",
+                        "kind": kind,
+                        "beta": b,
+                        "variant": v,
+                        "temperature": temperature,
+                        "consumers": ["esamp:" + json.dumps(conf)],
+                    }
+                )
+    for m in methods:
+        if m["kind"] == "esamp" and m["name"] != f"esamp_b{m['beta']:g}":
+            m["variant"] = m["name"][len("esamp_") :].rsplit("_b", 1)[0]
+    return methods + extra
+
+
+def score(samples: list[list[dict]], problems: list[dict]) -> dict[str, Any]:
+    """Per problem: correct count, pass@k curve; answers seen."""
+    correct, curves, answers = [], [], []
+    for prob, comp in zip(problems, samples, strict=True):
+        ok = [check(prob, c["text"]) for c in comp]
+        correct.append(int(sum(ok)))
+        curves.append(pass_curve(len(comp), int(sum(ok))))
+        answers.append([extract_answer(c["text"]) for c in comp])
+    return {"correct": correct, "curves": curves, "answers": answers}
+
+
+def compare(a: list[list[float]], b: list[list[float]], ks: list[int]) -> dict[str, Any]:
+    """Paired comparison of per-problem pass@k (a against b) at each k in ``ks``."""
+    paired = _sibling("diversity").paired
+    return {str(k): paired([c[k - 1] for c in a], [c[k - 1] for c in b], True) for k in ks}
+
+
+# ----------------------------------------------------------------------------- plot
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {
+        "vanilla": "black",
+        "esamp": "tab:red",
+        "temperature": "tab:blue",
+        "noise": "tab:gray",
+        "frozen": "tab:green",
+    }
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    seen: dict[str, int] = {}
+    for name, m in result["methods"].items():
+        i = seen[m["kind"]] = seen.get(m["kind"], -1) + 1
+        ks = list(range(1, len(m["pass_at_k"]) + 1))
+        ax.plot(
+            ks,
+            m["pass_at_k"],
+            styles[i % len(styles)],
+            marker="o",
+            ms=3,
+            color=colors.get(m["kind"], "tab:purple"),
+            label=name,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (samples)")
+    ax.set_ylabel("pass@k (mean over problems)")
+    cfg = result["config"]
+    ax.set_title(f"pass@k, {cfg['num_problems']} problems, n={cfg['n']}, embedded model")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+def _parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, dict[str, Any]]:
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, sep, raw = spec.partition("=")
+        try:
+            extra = json.loads(raw) if sep else None
+        except ValueError as e:
+            p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
+        if (
+            not re.fullmatch(r"[A-Za-z0-9_.-]+", name)
+            or not isinstance(extra, dict)
+            or "beta" in extra
+            or "ablation" in extra
+        ):
+            p.error(
+                f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
+                "digits, '_', '.', '-'; no 'beta' (--beta sets it) nor 'ablation' field)"
+            )
+        variants[name] = extra
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--problems", type=int, default=40, help="problems (default 40)")
+    p.add_argument(
+        "--families",
+        default=",".join(DEFAULT_FAMILIES),
+        help=f"comma-separated task families (default {','.join(DEFAULT_FAMILIES)}; "
+        f"all: {','.join(FAMILIES)})",
+    )
+    p.add_argument("--task-seed", type=int, default=0, help="seed of the problem generator")
+    p.add_argument("-n", type=int, default=16, help="samples per problem (default 16)")
+    p.add_argument("--max-tokens", type=int, default=40, help="new tokens per sample (default 40)")
+    p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; 0.25)")
+    p.add_argument(
+        "--controls",
+        default="temperature,noise",
+        help="controls of the default recipe to run: comma-separated subset of "
+        "temperature,noise ('' for none; default both)",
+    )
+    p.add_argument("--no-default", action="store_true", help="skip the default ESamp recipe")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="problem i uses seed SEED+i everywhere")
+    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--batch-prompts", type=int, default=8, help="problems per generate call")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument(
+        "--esamp-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="extra ESamp method esamp_NAME_bB with these config fields, run with its own "
+        "frozen ablation (repeatable)",
+    )
+    p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
+    p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
+    p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
+    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    betas = args.beta or [0.25]
+    variants = _parse_variants(p, args.esamp_variant)
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    try:
+        problems = make_problems(args.problems, args.task_seed, families)
+    except ValueError as e:
+        p.error(str(e))
+    if args.n < 1:
+        p.error("-n must be >= 1")
+    if any(b <= 0 for b in betas):
+        p.error("--beta must be > 0")
+    ks = sorted({int(k) for k in args.ks.split(",") if k.strip() and 1 <= int(k) <= args.n})
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    model = args.model
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path())
+
+    methods = build_methods(betas, args.temperature, variants, args.variant_noise)
+    controls = {c.strip() for c in args.controls.split(",") if c.strip()}
+    if controls - {"temperature", "noise"}:
+        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise")
+    methods = [
+        m
+        for m in methods
+        if m["kind"] not in ("temperature", "noise") or "variant" in m or m["kind"] in controls
+    ]
+    if args.no_default:
+        methods = [
+            m
+            for m in methods
+            if m["kind"] not in ("esamp", "noise", "frozen", "temperature") or "variant" in m
+        ]
+    from tllm_core.engine import validate_consumers
+
+    for m in methods:  # bad fields fail here, before any engine starts
+        if m["consumers"]:
+            validate_consumers(m["consumers"], model)
+
+    generate_all = _sibling("diversity").generate_all
+    t_start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    gen = generate_all(methods, [q["prompt"] for q in problems], args, model)
+    t_gen = time.perf_counter() - t_start
+
+    out_methods: dict[str, Any] = {}
+    for m in methods:
+        g = gen[m["name"]]
+        s = score(g["samples"], problems)
+        curves = np.asarray(s["curves"], float)
+        fams = {}
+        for fam in families:
+            idx = [i for i, q in enumerate(problems) if q["family"] == fam]
+            if idx:
+                fams[fam] = curves[idx].mean(0).tolist()
+        out_methods[m["name"]] = {
+            "kind": m["kind"],
+            "beta": m.get("beta"),
+            "variant": m.get("variant"),
+            "temperature": m["temperature"],
+            "consumers": m["consumers"],
+            "pass_at_k": curves.mean(0).tolist(),
+            "pass_at_k_sem": (curves.std(0, ddof=1) / math.sqrt(len(problems))).tolist()
+            if len(problems) > 1
+            else [0.0] * args.n,
+            "pass_at_k_by_family": fams,
+            "per_problem": {"correct": s["correct"], "curves": s["curves"]},
+            "answers": s["answers"],
+            "mean_tokens": float(
+                np.mean([len(c["token_ids"]) for comp in g["samples"] for c in comp])
+            ),
+            "generate_s": g["gen_s"],
+            "counters": g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]},
+            "errors": g["errors"],
+        }
+
+    pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
+    for m in methods:
+        if m["kind"] != "esamp":
+            continue
+        v = m.get("variant")
+        for c in methods:
+            if c.get("beta") != m["beta"] or c is m:
+                continue
+            if c["kind"] == "temperature" or (
+                c["kind"] in ("noise", "frozen") and c.get("variant") == v
+            ):
+                pairs.append((m["name"], c["name"]))
+            elif v is not None and c["kind"] == "esamp" and c.get("variant") is None:
+                pairs.append((m["name"], c["name"]))
+    comparisons = [
+        {
+            "method": a,
+            "against": b,
+            "pass_at_k": compare(
+                out_methods[a]["per_problem"]["curves"], out_methods[b]["per_problem"]["curves"], ks
+            ),
+        }
+        for a, b in pairs
+    ]
+    machine_info = _sibling("throughput").machine_info
+    result = {
+        "command": "python " + shlex.join(["benchmarks/passk.py", *(argv or sys.argv[1:])]),
+        "config": {
+            "model": model,
+            "num_problems": len(problems),
+            "families": list(families),
+            "task_seed": args.task_seed,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "betas": betas,
+            "esamp_variants": variants,
+            "temperature": args.temperature,
+            "min_p": args.min_p,
+            "seed": args.seed,
+            "chat_template": True,
+            "dtype": args.dtype,
+        },
+        "problems": problems,
+        "methods": out_methods,
+        "comparisons": comparisons,
+        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
+        "machine": {
+            **machine_info(),
+            "loadavg_1m_start": load_start,
+            "loadavg_1m_end": os.getloadavg()[0],
+        },
+        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+    }
+    if args.save_samples:
+        args.save_samples.parent.mkdir(parents=True, exist_ok=True)
+        args.save_samples.write_text(
+            json.dumps(
+                {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
+            )
+        )
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        print(f"{len(problems)} problems x n={args.n}, {args.max_tokens} tokens, betas {betas}")
+        show = [k for k in (1, 2, 4, 8, 16) if k <= args.n]
+        print(f"{'method':<26}" + "".join(f"{'pass@' + str(k):>10}" for k in show))
+        for name, m in out_methods.items():
+            print(f"{name:<26}" + "".join(f"{m['pass_at_k'][k - 1]:>10.3f}" for k in show))
+        for c in comparisons:
+            cells = ", ".join(
+                f"@{k} {v['mean_delta']:+.3f} (p_t={v['t_test_p']:.2g})"
+                for k, v in c["pass_at_k"].items()
+            )
+            print(f"{c['method']} vs {c['against']}: {cells}")
+    gc.collect()
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
