@@ -246,3 +246,36 @@ def test_relative_links_between_pages_resolve():
             assert (page.parent / target).exists(), (
                 f"{page.relative_to(ROOT)}: broken link {target}"
             )
+
+
+# -- the sae worked example ----------------------------------------------------------------
+@pytest.mark.vllm
+def test_sae_worked_example_runs(tiny_model, tmp_path):
+    """docs/consumers/sae.md's example, as written, on the tiny model (two engines, in order)."""
+    code = doc_blocks(DOCS / "consumers" / "sae.md")["sae_example.py"]
+    assert "MODEL = None" in code
+    (tmp_path / "sae_example.py").write_text(
+        code.replace("MODEL = None", f"MODEL = {tiny_model!r}")
+    )
+    proc = subprocess.run(
+        [sys.executable, "sae_example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # vLLM logs to stdout too: find the example's own lines
+    lines = proc.stdout.splitlines()
+    nums = [ln for ln in lines if re.fullmatch(r"\S+ \S+", ln) and _floats(ln)]
+    mean_l0, rel_mse = _floats(nums[0])
+    assert 0 < mean_l0 <= 16 and 0 <= rel_mse < 1  # a top-k SAE with k = 16
+    records = [ln for ln in lines if re.match(r"\S+ \[\d+(, \d+)*\]$", ln)]
+    assert len(records) == 2  # one feature record per request
+
+
+def _floats(line: str) -> tuple[float, ...] | None:
+    try:
+        return tuple(float(v) for v in line.split())
+    except ValueError:
+        return None
