@@ -176,9 +176,9 @@ def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines
             - before["consumers"]["steer"]["rows_selected"],
         )
 
-    edited, selected = delta({"tllm_steer": 1, "tllm_steer_scale": 0.0})
+    edited, selected = delta({"tllm_consumers": "steer", "tllm_steer_scale": 0.0})
     assert selected > 0 and edited == 0, "a zero edit changes nothing and must count nothing"
-    edited, selected = delta({"tllm_steer": 1, "tllm_steer_scale": 5.0})
+    edited, selected = delta({"tllm_consumers": "steer", "tllm_steer_scale": 5.0})
     assert edited == selected > 0, "every selected row's stream changes under a non-zero vector"
     # same prompt again, unsteered, after the steered request filled the prefix cache
     again = llm.generate([prompts[1]], [params()], use_tqdm=False)

@@ -17,8 +17,8 @@ TP_KW = dict(ENGINE_KW, tensor_parallel_size=2, enable_prefix_caching=False, max
 PROMPTS = ["Hello there, how are", "The cat sat on", "One two three", "Four"]
 EXTRAS = [
     {},  # untouched: ESamp at beta 0 visits it, nothing edits it
-    {"tllm_steer": 1},  # steered (scale 4)
-    {"tllm_steer": 1, "tllm_steer_scale": 0.0},  # steered with scale 0
+    {"tllm_consumers": "steer"},  # steered (scale 4)
+    {"tllm_consumers": "steer", "tllm_steer_scale": 0.0},  # steered with scale 0
     {"tllm_esamp_beta": 0.5},  # ESamp guides this one
 ]
 LAYERS = [0, 1, -1, "final"]
@@ -62,10 +62,10 @@ def plain_tp2(even_model, engines):
 def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2):
     from tllm_core.engine import TllmLLM
 
-    steer = {"vectors": [{"layer": 1, "vector": [0.5] * 128, "scale": 4.0}], "per_request": True}
+    steer = {"vectors": [{"layer": 1, "vector": [0.5] * 128, "scale": 4.0}]}
     consumers = [
         {"name": "recorder", "config": {"layers": LAYERS}},
-        {"name": "steer", "config": steer},
+        {"name": "steer", "config": steer, "per_request": True},
         'esamp:{"beta": 0.0}',
         'crasher:{"after": 3}',
     ]
@@ -112,7 +112,7 @@ def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2
     checked = expected = 0
     for key, seq in seqs.items():
         extra = EXTRAS[by_key[key][0]["prompt_index"]]
-        steered = "tllm_steer" in extra and extra.get("tllm_steer_scale") != 0.0
+        steered = "tllm_consumers" in extra and extra.get("tllm_steer_scale") != 0.0
         expected += len(by_key[key]) * (1 if steered else len(LAYERS))
         ref = hf_states(even_model, seq)
         for r in by_key[key]:

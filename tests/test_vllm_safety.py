@@ -168,12 +168,12 @@ def steer_llm(tiny_model, engines, tmp_path_factory):
     hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
     path = tmp_path_factory.mktemp("steer") / "v.safetensors"
     save_file({"v": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(path))
-    cfg = {"vectors": [{"layer": 1, "path": str(path), "scale": 20.0}], "per_request": True}
+    cfg = {"vectors": [{"layer": 1, "path": str(path), "scale": 20.0}]}
     return engines.get(
         ("steer-genconfig", tiny_model),
         lambda: TllmLLM(
             tiny_model,
-            [{"name": "steer", "config": cfg}],
+            [{"name": "steer", "config": cfg, "per_request": True}],
             override_generation_config=GEN_CONFIG,
             enable_prefix_caching=True,
             **ENGINE_KW,
@@ -200,12 +200,12 @@ def test_steered_chats_are_salted_like_completions(steer_llm):
         return SamplingParams(max_tokens=4, temperature=0.0, extra_args=extra)
 
     steer_llm.llm.reset_prefix_cache()
-    steered = steer_llm.chat(CHAT, params({"tllm_steer": 1}), use_tqdm=False)[0]
+    steered = steer_llm.chat(CHAT, params({"tllm_consumers": "steer"}), use_tqdm=False)[0]
     block = steer_llm.llm.llm_engine.vllm_config.cache_config.block_size
     assert len(steered.prompt_token_ids) > block, "the conversation must fill a cache block"
     plain = steer_llm.chat(CHAT, params(), use_tqdm=False)[0]
     assert not plain.num_cached_tokens, "an unsteered chat reused a steered chat's prompt blocks"
-    again = steer_llm.chat(CHAT, params({"tllm_steer": 1}), use_tqdm=False)[0]
+    again = steer_llm.chat(CHAT, params({"tllm_consumers": "steer"}), use_tqdm=False)[0]
     assert again.num_cached_tokens > 0, "same steering, same salt: the cache must be shared"
     assert list(again.outputs[0].token_ids) == list(steered.outputs[0].token_ids)
     plain2 = steer_llm.chat(CHAT, params(), use_tqdm=False)[0]
