@@ -130,6 +130,7 @@ class _Request:
 
 class ExportConsumer(Consumer):
     name = "export"
+    proof_counter = "rows_exported"
     description = (
         "Export hidden states (chosen layers and/or final) with token ids and positions to "
         "sharded safetensors files plus a JSON manifest."

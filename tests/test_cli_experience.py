@@ -1,0 +1,184 @@
+"""What a user sees from the ``tllm`` command: a quiet stderr with tllm's lines, a summary,
+engine processes that end on their own, Ctrl-C that leaves valid results (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytestmark = pytest.mark.vllm
+
+# Lines that must not reach a user's default stderr: vLLM's log lines (any level, any
+# process), Python and torch warnings, vLLM's own progress bars, the allocator advice, and
+# the signs of an unclean shutdown.
+NOISE = [
+    r"\((MainProcess|EngineCore|Worker|APIServer)[^)]*pid=\d+\)",  # vLLM's log prefix
+    r"\b(INFO|WARNING|DEBUG)\b",
+    r"Warning:",  # Python warnings (FutureWarning: ..., UserWarning: ...) and torch C++
+    r"Triton",
+    r"LD_PRELOAD",
+    r"NUMA",
+    r"force killing",
+    r"leaked",
+    r"Traceback",
+    r"Loading safetensors",
+    r"Processed prompts",
+    r"Rendering conversations",
+]
+SUMMARY = re.compile(
+    r"^tllm: (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\); stats bundles=(\d+)$", re.M
+)
+
+
+def noise(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if any(re.search(p, ln) for p in NOISE)]
+
+
+def engine_processes(cli_pid: int) -> list[str]:
+    """Processes still alive that the command with ``cli_pid`` started (by their environment)."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if p.pid != cli_pid and p.environ().get("TLLM_CLI_PID") == str(cli_pid):
+                left.append(f"{p.info['name']} pid {p.pid}")
+        except (psutil.Error, OSError):
+            continue
+    return left
+
+
+def test_noise_patterns_catch_what_vllm_prints():
+    # Lines a plain vLLM run printed before issue 15, and tllm's own lines that must pass.
+    seen = [
+        "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+        "(EngineCore pid=19472) WARNING 11-23 17:04:15 [vllm.py:1703] Enforce eager set",
+        "/x/vllm/triton_utils/dispatcher.py:138: FutureWarning: `torch.distributed.reduce_op`",
+        "[W1123 17:04:07.198044982 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy",
+        "(Worker pid=19789) WARNING 11-23 17:04:07 [cpu_worker.py:114] libtcmalloc is not found",
+        "Loading safetensors checkpoint shards: 100% Completed | 1/1",
+        "(MainProcess pid=18777) WARNING [utils.py:653] force killing remaining process EngineCore",
+        "vLLM WARNING (EngineCore): something new",
+    ]
+    assert noise("\n".join(seen)) == seen
+    ours = "tllm: engine ready in 21 s\ntllm: 16 tokens in 0.4 s (40.0 tok/s); stats bundles=9"
+    assert noise(ours) == []
+    assert SUMMARY.search(ours)
+
+
+def test_default_run_is_quiet_summarised_and_stops_its_engine(tiny_model):
+    proc = run_cli(
+        "run",
+        "--model",
+        tiny_model,
+        "--consumer",
+        "stats",
+        "--prompt",
+        "Hello there",
+        "-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+        env={"VLLM_LOGGING_LEVEL": "INFO"},  # the quiet setting must win over the env's level
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert noise(proc.stderr) == [], proc.stderr[-4000:]
+    m = SUMMARY.search(proc.stderr)
+    assert m, proc.stderr[-4000:]
+    assert int(m.group(1)) == 2 * 8 and int(m.group(2)) > 0
+    assert "tllm: engine ready in" in proc.stderr
+    assert "=== counters" in proc.stdout
+    assert engine_processes(proc.pid) == []
+
+
+def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        err = path.read_text() if path.exists() else ""
+        if text in err:
+            return err
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} not seen on stderr:\n{path.read_text()[-4000:]}")
+
+
+def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
+    from consumers.export import read_export
+
+    out = tmp_path / "exp"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(24)))
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tllm_core.cli",
+                "export",
+                "--model",
+                tiny_model,
+                "--layers",
+                "0,final",
+                "--out",
+                str(out),
+                "--prompts",
+                str(prompts),
+                "-n",
+                "4",
+                "--max-tokens",
+                "400",
+                "--ignore-eos",
+                "--enforce-eager",
+                "--max-model-len",
+                "512",
+                "--kv-cache-gib",
+                "1",
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            _stderr_until(err_path, "tllm: engine ready", proc, 300)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (out / "manifest.json").exists():
+                time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
+            stdout, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = err_path.read_text()
+    assert proc.returncode == 130, stderr[-4000:]
+    assert "tllm: interrupted" in stderr
+    assert noise(stderr) == [], stderr[-4000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["run"]["interrupted"] is True
+    samples = [t for ts in result["outputs"] for t in ts]
+    assert len(samples) == 24 * 4 and None in samples  # partial: unfinished samples are null
+    exported = result["counters"]["export"]["rows_exported"]
+    assert exported > 0
+    records = list(read_export(out, verify=True))
+    assert sum(len(r.positions) for r in records) == exported
+    assert engine_processes(proc.pid) == []
