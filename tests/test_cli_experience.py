@@ -123,7 +123,8 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
 
     out = tmp_path / "exp"
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(24)))
+    # 64 x 4 samples x 400 tokens: a minute or more of generation on 2 cores.
+    prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(64)))
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     err_path = tmp_path / "stderr.txt"
@@ -161,9 +162,8 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
         )
         try:
             _stderr_until(err_path, "tllm: engine ready", proc, 300)
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not (out / "manifest.json").exists():
-                time.sleep(0.2)
+            time.sleep(10)  # well into generation
+            assert proc.poll() is None
             proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
             stdout, _ = proc.communicate(timeout=180)
         finally:
@@ -176,7 +176,7 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["run"]["interrupted"] is True
     samples = [t for ts in result["outputs"] for t in ts]
-    assert len(samples) == 24 * 4 and None in samples  # partial: unfinished samples are null
+    assert len(samples) == 64 * 4 and None in samples  # partial: unfinished samples are null
     exported = result["counters"]["export"]["rows_exported"]
     assert exported > 0
     records = list(read_export(out, verify=True))

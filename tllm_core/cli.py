@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConsumerSpecError and CliError included
         print(f"tllm: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...
+        print("tllm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -149,6 +149,9 @@ def quiet(args: argparse.Namespace) -> None:
         else:  # the user's own logging settings win
             os.environ.setdefault(k, v)
     os.environ[CLI_PID_ENV] = str(os.getpid())
+    # The worker process gets this long to exit after its engine stops (vLLM's default, 5 s,
+    # is too short on a busy 2-core machine: vLLM then terminates it with a warning).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     install_if_quiet()
     kv = getattr(args, "kv_cache_gib", None)
     if kv is not None:
@@ -226,7 +229,7 @@ def generate_with(
     t0 = time.perf_counter()
     llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
     say(f"engine ready in {time.perf_counter() - t0:.0f} s")
-    progress = RunProgress(enabled=not args.json or sys.stderr.isatty(), extra=status)
+    progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
     n_seqs = len(texts_in) * params.n
     interrupted = False
     try:
@@ -236,13 +239,14 @@ def generate_with(
             try:
                 if args.chat:
                     convs = [[{"role": "user", "content": p}] for p in texts_in]
-                    llm.chat(convs, params, use_tqdm=progress)
+                    llm.chat(convs, params, use_tqdm=progress or False)
                 else:
-                    llm.generate(texts_in, params, use_tqdm=progress)
+                    llm.generate(texts_in, params, use_tqdm=progress or False)
             except KeyboardInterrupt:
                 interrupted = True
             finally:
-                progress.close()
+                if progress is not None:
+                    progress.close()
         seconds = time.perf_counter() - t1
         if interrupted:
             say("interrupted: aborting requests, flushing consumers, stopping the engine")

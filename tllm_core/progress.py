@@ -42,10 +42,10 @@ class _Bar(tqdm):
 class RunProgress:
     """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat`` (see module doc).
 
-    vLLM's second bar (``Rendering conversations`` of ``chat``) is not shown."""
+    vLLM's second bar (``Rendering conversations`` of ``chat``) is not shown. Pass
+    ``use_tqdm=False`` rather than a disabled bar: vLLM divides by the bar's elapsed time."""
 
-    def __init__(self, enabled: bool = True, extra: Callable[[], str] | None = None):
-        self.enabled = enabled
+    def __init__(self, extra: Callable[[], str] | None = None):
         self.extra = extra
         self.bar: _Bar | None = None
         self._stop = threading.Event()
@@ -54,11 +54,11 @@ class RunProgress:
     def __call__(self, *args: Any, **kwargs: Any) -> tqdm:
         if args:  # an iterable to wrap: vLLM's chat rendering
             return tqdm(args[0], disable=True)
-        kwargs.update(desc="generating", unit="seq", file=sys.stderr, disable=not self.enabled)
+        kwargs.update(desc="generating", unit="seq", file=sys.stderr)
         bar = _Bar(**kwargs)
         bar.extra = self.extra
         self.bar = bar
-        if self.enabled and self.extra is not None and self._thread is None:
+        if self.extra is not None and self._thread is None:
             self._thread = threading.Thread(target=self._refresh, daemon=True)
             self._thread.start()
         return bar
@@ -66,7 +66,7 @@ class RunProgress:
     def _refresh(self) -> None:
         while not self._stop.wait(1.0):
             bar = self.bar
-            if bar is not None and not bar.disable:
+            if bar is not None:
                 bar.refresh()
 
     def close(self) -> None:
