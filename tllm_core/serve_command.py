@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 import urllib.request
@@ -40,8 +41,11 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     argv += ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     if args.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
+    # them; its default, 0, kills them at once ("force killing remaining process").
+    argv += ["--shutdown-timeout", "30"]
     if not args.verbose:
-        argv += ["--uvicorn-log-level", "warning"]
+        argv += ["--uvicorn-log-level", "warning", "--no-use-tqdm-on-load"]
     tllm = {ADDITIONAL_CONFIG_KEY: settings.model_dump()}
     return [*argv, "--additional-config", json.dumps(tllm), *extra]
 
@@ -111,7 +115,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     bind_cpu_threads(args.tensor_parallel_size)
     _announce_when_ready(url)
     run_openai_server(server_argv(args, model, settings))
-    return 0
+    say("server stopped")
+    # The server has stopped its engine. Skip the interpreter's teardown: it only adds
+    # "nanobind: leaked ..." reports from the Triton module vLLM imported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
