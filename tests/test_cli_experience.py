@@ -182,3 +182,42 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     records = list(read_export(out, verify=True))
     assert sum(len(r.positions) for r in records) == exported
     assert engine_processes(proc.pid) == []
+
+
+def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):
+    from consumers.export.command import written
+    from tllm_core.progress import summary
+    from tllm_core.registry import Registry
+
+    reg = Registry()
+    assert reg.get("esamp").proof_counter == "rows_guided"
+    proofs = {"esamp": "rows_guided", "mine": ""}  # "mine": a consumer naming none
+    consumers = {
+        "esamp": {"optimizer_steps": 3, "rows_guided": 7},
+        "mine": {"memory_bytes": 10, "zero": 0, "seen": 5},
+    }
+    line = summary(40, 2.0, consumers, proofs)
+    assert line == "40 tokens in 2.0 s (20.0 tok/s); esamp rows_guided=7, mine seen=5"
+    assert summary(1, 1.0, {"idle": {"x": 0}}, {}).endswith("idle: no work")
+
+    assert written(tmp_path) == "written: 0 rows, 0.0 MB"
+    shards = [{"file": "a", "rows": 3, "bytes": 2_000_000}, {"file": "b", "rows": 4, "bytes": 0}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
+    assert written(tmp_path) == "written: 7 rows, 2.0 MB"
+
+
+def test_harmless_filter_drops_only_the_listed_messages():
+    import logging
+
+    from tllm_core.quiet import HarmlessFilter
+
+    f = HarmlessFilter()
+
+    def shown(level: int, msg: str) -> bool:
+        return f.filter(logging.LogRecord("vllm.x", level, "f.py", 1, msg, None, None))
+
+    assert not shown(logging.WARNING, "Triton is installed, but doesn't include CPU backend. X")
+    assert not shown(logging.WARNING, "libiomp is not found in LD_PRELOAD. For best performance")
+    assert shown(logging.WARNING, "Model context length 4096 exceeds the KV cache")  # unknown
+    assert shown(logging.ERROR, "Triton is not installed. triton-cpu is expected")  # errors show
+    assert not shown(logging.ERROR, "AsyncLLM output_handler failed.")  # after the engine stopped

@@ -49,6 +49,13 @@ HARMLESS: tuple[str, ...] = (
     r"Default sampling parameters have been overridden",
 )
 
+# Errors vLLM logs after its engine has stopped, as a consequence (any level). When an engine
+# dies for a real reason, the engine's own error is logged as well, and that one shows.
+CONSEQUENCES: tuple[str, ...] = (
+    # The server's output task sees the engine gone when the server stops it.
+    r"AsyncLLM output_handler failed",
+)
+
 # Python warnings ignored (``PYTHONWARNINGS`` entries: action:message-prefix:category).
 PY_WARNINGS: tuple[str, ...] = (
     # vLLM's Triton dispatcher looks at every torch attribute, deprecated ones included.
@@ -56,19 +63,21 @@ PY_WARNINGS: tuple[str, ...] = (
 )
 
 _PATTERN = re.compile("|".join(f"(?:{p})" for p in HARMLESS))
+_CONSEQUENCE = re.compile("|".join(f"(?:{p})" for p in CONSEQUENCES))
 
 
 class HarmlessFilter(logging.Filter):
-    """Drops records below ERROR whose message matches :data:`HARMLESS`."""
+    """Drops records below ERROR whose message matches :data:`HARMLESS`, and those matching
+    :data:`CONSEQUENCES` at any level."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            return True
         try:
             msg = record.getMessage()
         except Exception:  # noqa: BLE001 - a broken record is vLLM's to show
             return True
-        return _PATTERN.search(msg) is None
+        if _CONSEQUENCE.search(msg):
+            return False
+        return record.levelno >= logging.ERROR or _PATTERN.search(msg) is None
 
 
 def quiet_env(verbose: bool) -> dict[str, str]:

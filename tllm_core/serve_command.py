@@ -42,8 +42,9 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     if args.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
-    # them; its default, 0, kills them at once ("force killing remaining process").
-    argv += ["--shutdown-timeout", "30"]
+    # them; its default, 0, kills them at once ("force killing remaining process"). 60 s: the
+    # worker alone may take up to 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS set by the command).
+    argv += ["--shutdown-timeout", "60"]
     if not args.verbose:
         argv += ["--uvicorn-log-level", "warning", "--no-use-tqdm-on-load"]
     tllm = {ADDITIONAL_CONFIG_KEY: settings.model_dump()}
@@ -107,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     url = f"http://{host}:{args.port}"
     for line in describe(url, checked):
         say(line)
+    args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
     say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner tllm hooks (as TllmLLM)
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
