@@ -71,7 +71,6 @@ def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
         "-m",
         "tllm_core.cli",
         "serve",
-        *os.environ.get("TLLM_TEST_SERVE_FLAGS", "").split(),
         "--model",
         tiny_model,
         "--consumer",
