@@ -33,8 +33,8 @@ class CliError(ValueError):
     """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
 
 
-# Engine start times of the embedded model on a 2-core machine (docs/getting-started.md).
-START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 45, 30
+# Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
+START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

@@ -127,7 +127,7 @@ def default_model_path(progress: bool = True) -> Path:
             return target
         if progress:
             print(
-                f"tllm: converting {source.name} -> {target} (once, about 15 s)",
+                f"tllm: converting {source.name} -> {target} (once, under a minute)",
                 file=sys.stderr,
                 flush=True,
             )
