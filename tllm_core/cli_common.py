@@ -204,7 +204,8 @@ def generate_with(
     Status lines, a progress bar (with ``status()`` shown beside it) and a closing summary go
     to stderr. Ctrl-C stops generation: the report is then partial (``report["run"]
     ["interrupted"]``; unfinished samples are None), consumers are flushed and the engine is
-    stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted``."""
+    stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
+    the ``summary`` line that :func:`print_report` prints last."""
     from tllm_core.engine import TllmLLM, validate_consumers
     from tllm_core.progress import RunProgress, say, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
@@ -249,7 +250,7 @@ def generate_with(
                     progress.close()
         seconds = time.perf_counter() - t1
         if interrupted:
-            say("interrupted: aborting requests, flushing consumers, stopping the engine")
+            say("interrupted: requests aborted; flushing consumers, stopping the engine")
         report = llm.close()
     finally:
         llm.shutdown()
@@ -261,11 +262,17 @@ def generate_with(
             for c in o.outputs:
                 texts[i][c.index] = c.text
                 tokens += len(c.token_ids)
-    report["run"] = {"tokens": tokens, "seconds": round(seconds, 3), "interrupted": interrupted}
-    proofs = {n: checked.registry.get(n).proof_counter for n in report["consumers"]}
+    proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     finished = sum(t is not None for ts in texts for t in ts)
     line = summary(tokens, seconds, report["consumers"], proofs)
-    say(f"interrupted after {finished}/{n_seqs} samples; " + line if interrupted else line)
+    report["run"] = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "interrupted": interrupted,
+        "summary": f"interrupted after {finished}/{n_seqs} samples; {line}"
+        if interrupted
+        else line,
+    }
     return texts_in, texts, report
 
 
@@ -295,7 +302,8 @@ def _counters(report: dict[str, Any]) -> dict[str, Any]:
 def print_report(
     prompts: list[str], texts: list[list[str]], report: dict[str, Any], as_json: bool
 ) -> None:
-    """Completions and counters as text (errors and idle consumers on stderr), or one JSON."""
+    """Completions and counters as text (errors, idle consumers and the run's summary line
+    on stderr), or one JSON (the summary line on stderr as well)."""
     if as_json:
         print(
             json.dumps(
@@ -309,6 +317,8 @@ def print_report(
                 default=str,
             )
         )
+        if report.get("run", {}).get("summary"):
+            print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
@@ -325,6 +335,9 @@ def print_report(
         print(
             f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr
         )
+    if report.get("run", {}).get("summary"):
+        sys.stdout.flush()
+        print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
 
 
 def exit_status(report: dict[str, Any]) -> int:

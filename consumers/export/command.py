@@ -34,12 +34,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     prompts, texts, report = cli_common.generate_with(
         args, consumers, status=lambda: written(args.out)
     )
+    cli_common.print_report(prompts, texts, report, args.json)
     c = report["consumers"].get("export", {})
     say(
         f"export: {c.get('rows_exported', 0)} rows, {c.get('bytes_written', 0) / 1e6:.1f} MB "
         f"in {c.get('shards_written', 0)} shards written to {args.out}"
     )
-    cli_common.print_report(prompts, texts, report, args.json)
     return cli_common.exit_status(report)
 
 
