@@ -221,3 +221,17 @@ def test_harmless_filter_drops_only_the_listed_messages():
     assert shown(logging.WARNING, "Model context length 4096 exceeds the KV cache")  # unknown
     assert shown(logging.ERROR, "Triton is not installed. triton-cpu is expected")  # errors show
     assert not shown(logging.ERROR, "AsyncLLM output_handler failed.")  # after the engine stopped
+
+
+def test_cpu_preload_env():
+    from tllm_core import cpu_preload
+
+    libs = cpu_preload.preload_libs()
+    if not libs:
+        pytest.skip("neither tcmalloc nor libiomp5 is installed here")
+    env: dict[str, str] = {"LD_PRELOAD": "/x/libfoo.so"}
+    assert cpu_preload.apply(env) == libs
+    assert env["LD_PRELOAD"] == ":".join([*libs, "/x/libfoo.so"])
+    assert cpu_preload.apply(env) == []  # already there: nothing added twice
+    off = {"TLLM_NO_PRELOAD": "1"}
+    assert cpu_preload.apply(off) == [] and "LD_PRELOAD" not in off
