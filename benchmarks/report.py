@@ -463,6 +463,43 @@ def soak_section(sk: dict | None) -> list[str]:
     return out
 
 
+def preload_section(cp: dict) -> list[str]:
+    """tcmalloc + Intel OpenMP preloaded vs not (``benchmarks/cpu_preload.py``)."""
+    w = cp["workload"]
+    out = [
+        "## tcmalloc and Intel OpenMP preloaded",
+        "",
+        f"Command: `{cp.get('command', 'python benchmarks/cpu_preload.py --json')}` "
+        "(saved as `benchmarks/results/cpu_preload.json`).",
+        "",
+        f"Plain vLLM (no tllm), embedded SmolLM2-135M-Instruct, fp32, "
+        f"{'eager' if w['enforce_eager'] else 'compiled'}, {w['prompts']} prompts x n={w['n']} "
+        f"x {w['max_tokens']} tokens (`ignore_eos`, min-p 0.1), vLLM's default multiprocess "
+        f"layout; {len(cp['pairs'])} pairs of fresh processes, alternating which starts first, "
+        f"{w['rounds']} timed runs each. In one process of a pair `LD_PRELOAD` holds "
+        + ", ".join(f"`{lib}`" for lib in cp["libs"])
+        + " (as `tllm` sets it for its engines), in the other it is unset (vLLM then preloads "
+        "PyTorch's libgomp itself).",
+        "",
+        "| pair | preload tok/s | plain tok/s | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    for i, p in enumerate(cp["pairs"]):
+        out.append(
+            f"| {i} | {p['preload_tok_s']:.0f} | {p['plain_tok_s']:.0f} | {p['ratio']:.2f} |"
+        )
+    out += [
+        "",
+        f"Ratio (median over pairs): **{cp['ratio']:.2f}** (min {cp['ratio_min']:.2f}, max "
+        f"{cp['ratio_max']:.2f}); 1-minute load average at the end: {cp['loadavg_1m_end']:.1f} "
+        "on 2 cores (the machine was shared).",
+        "",
+    ]
+    if cp.get("reading"):
+        out += [f"**Reading.** {cp['reading']}", ""]
+    return out
+
+
 def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
@@ -481,6 +518,8 @@ def render() -> None:
         "",
     ]
     out += throughput_section(tp) if tp else ["## Throughput", "", "(no results yet)", ""]
+    cp = _load("cpu_preload.json")
+    out += preload_section(cp) if cp else []
     out += diversity_section(dv) if dv else ["## Diversity and quality", "", "(no results yet)", ""]
     for stem, pk in pks.items():
         if pk:

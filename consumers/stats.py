@@ -20,6 +20,7 @@ class StatsConfig(ConsumerConfig):
 
 class StatsConsumer(Consumer):
     name = "stats"
+    proof_counter = "bundles"
     description = "Per-layer activation statistics (rows, mean L2 norm, max |x|) per request."
     Config = StatsConfig
 

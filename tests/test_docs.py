@@ -225,7 +225,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "args", [(), ("run",), ("consumers",), ("export",), ("steer",), ("steer", "compute")]
+    "args",
+    [(), ("run",), ("consumers",), ("serve",), ("export",), ("steer",), ("steer", "compute")],
 )
 def test_cli_help_works_and_every_option_is_documented(args):
     proc = _cli(*args, "--help")

@@ -1,4 +1,4 @@
-"""The ``tllm`` command: ``run`` and ``consumers``, plus the commands plugins contribute
+"""The ``tllm`` command: ``run``, ``consumers`` and ``serve``, plus the commands plugins contribute
 through the ``tllm_commands`` hook (the built-ins add ``export`` and ``steer compute``)."""
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from tllm_core.cli_common import (
     print_report,
     quiet,
 )
+from tllm_core.quiet import install_if_quiet
 from tllm_core.registry import plugin_manager
+from tllm_core.serve_command import add_command as add_serve_command
+
+# vLLM starts its engine processes with ``spawn``: they import this module (the command's
+# main module) before anything of vLLM, so its import-time warnings are filtered there too.
+install_if_quiet()
 
 EPILOG_RUN = """examples:
   tllm run --consumer esamp --prompt "Write a haiku about rain" -n 4
@@ -28,7 +34,7 @@ Without --prompt/--prompts a built-in creative prompt is used.
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    quiet(args)
+    quiet(args)  # before vLLM loads
     prompts, texts, report = generate_with(args, args.consumer or [])
     print_report(prompts, texts, report, args.json)
     return exit_status(report)
@@ -87,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_consumers)
 
+    add_serve_command(sub)
+
     # Commands of plugins (built-ins included), e.g. `tllm export`, `tllm steer compute`.
     plugin_manager().hook.tllm_commands(subparsers=sub)
     return p
@@ -99,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ConsumerSpecError and CliError included
         print(f"tllm: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...
+        print("tllm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

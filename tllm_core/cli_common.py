@@ -23,6 +23,8 @@ import argparse
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ from typing import Any
 class CliError(ValueError):
     """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
 
+
+# Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
+START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -93,7 +98,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs, counters)")
-    p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's logs")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="show vLLM's and torch's logs and warnings"
+    )
 
 
 def prompts(args: argparse.Namespace) -> list[str]:
@@ -129,15 +136,29 @@ def sampling(args: argparse.Namespace):
 
 
 def quiet(args: argparse.Namespace) -> None:
-    """vLLM logs to stderr (WARNING unless ``-v``) and the CPU KV cache size, before vLLM loads."""
-    # stdout is for results (JSON for scripts); vLLM logs to stdout by default.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not args.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if args.kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    """Set up this process before vLLM loads: quiet logs unless ``-v`` (:mod:`tllm_core.quiet`),
+    Ctrl-C handled by the command, the CPU KV cache size, and tcmalloc / Intel OpenMP preloaded
+    for the engine processes (:mod:`tllm_core.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
+    from tllm_core.cpu_preload import apply as preload
+    from tllm_core.quiet import install_if_quiet, quiet_env
+    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+
+    for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
+        if k in ("PYTHONWARNINGS", "TLLM_QUIET"):
+            os.environ[k] = v
+        else:  # the user's own logging settings win
+            os.environ.setdefault(k, v)
+    os.environ[CLI_PID_ENV] = str(os.getpid())
+    # The worker process gets this long to exit after its engine stops (vLLM's default, 5 s,
+    # is too short on a busy 2-core machine: vLLM then terminates it with a warning).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+    install_if_quiet()
+    kv = getattr(args, "kv_cache_gib", None)
+    if kv is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    preload()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,6 +171,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[k] = getattr(args, k)
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
+    # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
+    kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
@@ -157,13 +180,35 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def engine_note(args: argparse.Namespace) -> str:
+    """What starting the engine involves and about how long it takes (2-core machine)."""
+    if getattr(args, "enforce_eager", False):
+        return f"eager mode, no compilation: about {START_EAGER_S} s"
+    return (
+        f"the first start of a model compiles it with torch.compile: about {START_COMPILE_S} s "
+        f"on 2 cores; later starts reuse vLLM's compile cache: about {START_CACHED_S} s "
+        f"(--enforce-eager skips compiling and generates slower)"
+    )
+
+
 def generate_with(
-    args: argparse.Namespace, consumers: list[str], extra_engine: dict | None = None
-) -> tuple[list[str], list[list[str]], dict[str, Any]]:
+    args: argparse.Namespace,
+    consumers: list[str],
+    extra_engine: dict | None = None,
+    status: Callable[[], str] | None = None,
+) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
     """Start the engine with ``consumers`` (``NAME[:JSON]``), generate for the prompts of
     ``args`` (options of :func:`add_generation_args`), close; return (prompts, texts per
-    prompt and sample, report)."""
+    prompt and sample, report).
+
+    Status lines, a progress bar (with ``status()`` shown beside it) and a closing summary go
+    to stderr. Ctrl-C stops generation: the report is then partial (``report["run"]
+    ["interrupted"]``; unfinished samples are None), consumers are flushed and the engine is
+    stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
+    the ``summary`` line that :func:`print_report` prints last."""
     from tllm_core.engine import TllmLLM, validate_consumers
+    from tllm_core.progress import RunProgress, say, summary
+    from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     texts_in = prompts(args)
     params = sampling(args)
@@ -176,17 +221,58 @@ def generate_with(
     if model is None:
         from tllm_core.default_model import default_model_path
 
-        model = str(default_model_path(progress=not args.json))
+        model = str(default_model_path(progress=True))
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
+    names = [s.name for s in checked.specs]
+    say(f"loading {Path(model).name} with consumers {', '.join(names) or '(none)'}")
+    say(f"starting vLLM ({engine_note(args)})")
+    t0 = time.perf_counter()
     llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
-    if args.chat:
-        convs = [[{"role": "user", "content": p}] for p in texts_in]
-        outs = llm.chat(convs, params, use_tqdm=not args.json)
-    else:
-        outs = llm.generate(texts_in, params, use_tqdm=not args.json)
-    report = llm.close()
-    texts = [[c.text for c in o.outputs] for o in outs]
+    say(f"engine ready in {time.perf_counter() - t0:.0f} s")
+    progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
+    n_seqs = len(texts_in) * params.n
+    interrupted = False
+    try:
+        first = next_request_index(llm.llm)
+        t1 = time.perf_counter()
+        with finished_outputs(llm.llm) as done:
+            try:
+                if args.chat:
+                    convs = [[{"role": "user", "content": p}] for p in texts_in]
+                    llm.chat(convs, params, use_tqdm=progress or False)
+                else:
+                    llm.generate(texts_in, params, use_tqdm=progress or False)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                if progress is not None:
+                    progress.close()
+        seconds = time.perf_counter() - t1
+        if interrupted:
+            say("interrupted: requests aborted; flushing consumers, stopping the engine")
+        report = llm.close()
+    finally:
+        llm.shutdown()
+    texts: list[list[str | None]] = [[None] * params.n for _ in texts_in]
+    tokens = 0
+    for o in done:
+        i = int(o.request_id) - first
+        if 0 <= i < len(texts):
+            for c in o.outputs:
+                texts[i][c.index] = c.text
+                tokens += len(c.token_ids)
+    proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
+    finished = sum(t is not None for ts in texts for t in ts)
+    line = summary(tokens, seconds, report["consumers"], proofs)
+    report["run"] = {
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "interrupted": interrupted,
+        "summary": f"interrupted after {finished}/{n_seqs} samples; {line}"
+        if interrupted
+        else line,
+    }
     return texts_in, texts, report
 
 
@@ -216,7 +302,8 @@ def _counters(report: dict[str, Any]) -> dict[str, Any]:
 def print_report(
     prompts: list[str], texts: list[list[str]], report: dict[str, Any], as_json: bool
 ) -> None:
-    """Completions and counters as text (errors and idle consumers on stderr), or one JSON."""
+    """Completions and counters as text (errors, idle consumers and the run's summary line
+    on stderr), or one JSON (the summary line on stderr as well)."""
     if as_json:
         print(
             json.dumps(
@@ -225,15 +312,18 @@ def print_report(
                     "counters": _counters(report),
                     "results": report.get("results", {}),
                     "errors": report.get("errors", []),
+                    "run": report.get("run", {}),
                 },
                 default=str,
             )
         )
+        if report.get("run", {}).get("summary"):
+            print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
         for j, t in enumerate(samples):
-            print(f"--- sample {j}\n{t.strip()}")
+            print(f"--- sample {j}\n{t.strip() if t is not None else '(not finished)'}")
     print("\n=== counters")
     for group, values in _counters(report).items():
         print(f"[{group}]")
@@ -245,10 +335,15 @@ def print_report(
         print(
             f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr
         )
+    if report.get("run", {}).get("summary"):
+        sys.stdout.flush()
+        print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
 
 
 def exit_status(report: dict[str, Any]) -> int:
-    """1 when a consumer failed during the run, else 0."""
+    """130 when interrupted (Ctrl-C), 1 when a consumer failed during the run, else 0."""
+    if report.get("run", {}).get("interrupted"):
+        return 130
     return 1 if report.get("errors") else 0
 
 

@@ -60,6 +60,9 @@ class Consumer:
     happens in the process that runs the model, before the first forward: raise
     ``ValueError`` there for bad settings so the user sees it before generation.
 
+    ``proof_counter`` (optional) names the counter that proves the consumer did its work
+    (the ``tllm`` command's summary line shows it).
+
     ``Request`` (optional) declares per-request settings: field ``f`` is the request key
     ``tllm_{name}_{f}`` (``vllm_xargs`` in the server, ``SamplingParams.extra_args``
     offline), validated before a request reaches the engine; read a request's values with
@@ -71,6 +74,9 @@ class Consumer:
     Config: ClassVar[type[ConsumerConfig]] = ConsumerConfig
     Request: ClassVar[type[RequestSettings] | None] = None
     delivery: ClassVar[Delivery] = Delivery.END_OF_STEP
+    # The counter that proves this consumer's work, shown in the ``tllm`` command's summary
+    # line (empty: its first non-zero counter).
+    proof_counter: ClassVar[str] = ""
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
         self.config = config

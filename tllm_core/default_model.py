@@ -127,7 +127,9 @@ def default_model_path(progress: bool = True) -> Path:
             return target
         if progress:
             print(
-                f"[tllm] converting {source.name} -> {target} (once)", file=sys.stderr, flush=True
+                f"tllm: converting {source.name} -> {target} (once, under a minute)",
+                file=sys.stderr,
+                flush=True,
             )
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
@@ -144,7 +146,7 @@ def default_model_path(progress: bool = True) -> Path:
             raise
         if progress:
             print(
-                f"[tllm] default model ready in {time.perf_counter() - t0:.1f}s",
+                f"tllm: default model ready in {time.perf_counter() - t0:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )

@@ -8,6 +8,7 @@ report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -207,7 +208,16 @@ class TllmLLM:
 
                 return chat_with_salts(self.llm, salts, items, tagged, **kwargs)
             return fn([_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs)
-        finally:
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
+            from tllm_core.vllm_bridge.lifecycle import abort_unfinished
+
+            with contextlib.suppress(Exception):
+                abort_unfinished(self.llm)
+            with contextlib.suppress(Exception):
+                self.llm.collective_rpc("tllm_end_batch")
+            raise
+        else:
             # generate() is synchronous: every request of this call is done.
             self.llm.collective_rpc("tllm_end_batch")
 
@@ -218,7 +228,31 @@ class TllmLLM:
         return self._rpc("tllm_collect")
 
     def close(self) -> dict[str, Any]:
-        """Flush consumers (exports finish writing), return the final report."""
+        """Flush consumers (exports finish writing), stop the engine processes, return the
+        final report (again on later calls). ``with TllmLLM(...) as llm:`` closes at the end."""
         if self._closed_report is None:
-            self._closed_report = self._rpc("tllm_close")
+            try:
+                self._closed_report = self._rpc("tllm_close")
+            finally:
+                self.shutdown()
         return self._closed_report
+
+    def shutdown(self) -> None:
+        """Stop the engine processes now (idempotent), without waiting for vLLM's exit
+        handler, which kills engines that take more than 5 s to stop."""
+        from tllm_core.vllm_bridge.lifecycle import shutdown_engine
+
+        shutdown_engine(self.llm)
+
+    def __enter__(self) -> TllmLLM:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # Failed or interrupted: still flush consumers if the engine answers (an export
+        # stays readable), but the original error is what the caller sees.
+        with contextlib.suppress(Exception):
+            self.close()
+        self.shutdown()

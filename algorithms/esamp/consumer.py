@@ -131,6 +131,7 @@ class ESampRequest(RequestSettings):
 
 class ESampConsumer(Consumer):
     name = "esamp"
+    proof_counter = "rows_guided"
     description = "Exploratory Sampling: an online Latent Distiller steers sampling away from familiar continuations."
     Config = ESampConfig
     Request = ESampRequest

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 from pathlib import Path
 
 from tllm_core import cli_common
+from tllm_core.progress import say
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -28,11 +29,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     }
     consumers = [cli_common.json_spec(spec)] + (args.consumer or [])
     # Cached prompt blocks are not recomputed, so their rows would be missing.
-    logging.getLogger("tllm").warning("tllm export: prefix caching is turned off for this run")
+    say("export: prefix caching is turned off for this run (every prompt row is exported)")
     args.no_prefix_caching = True
-    prompts, texts, report = cli_common.generate_with(args, consumers)
+    prompts, texts, report = cli_common.generate_with(
+        args, consumers, status=lambda: written(args.out)
+    )
     cli_common.print_report(prompts, texts, report, args.json)
+    c = report["consumers"].get("export", {})
+    say(
+        f"export: {c.get('rows_exported', 0)} rows, {c.get('bytes_written', 0) / 1e6:.1f} MB "
+        f"in {c.get('shards_written', 0)} shards written to {args.out}"
+    )
     return cli_common.exit_status(report)
+
+
+def written(out: Path) -> str:
+    """Rows and bytes of the complete shards in ``out`` so far (from its manifest)."""
+    try:
+        shards = json.loads((out / "manifest.json").read_text()).get("shards", [])
+    except (OSError, ValueError):
+        shards = []
+    rows = sum(int(s.get("rows", 0)) for s in shards)
+    size = sum(int(s.get("bytes", 0)) for s in shards)
+    return f"written: {rows} rows, {size / 1e6:.1f} MB"
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

@@ -105,6 +105,7 @@ def _residual_port(text: str, phase: Phase) -> TokenPort:
 
 class ExportConsumer(Consumer):
     name = "export"
+    proof_counter = "rows_exported"
     description = (
         "Export hidden states (chosen layers and/or final) with token ids and positions to "
         "sharded safetensors files plus a JSON manifest."

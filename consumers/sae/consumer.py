@@ -46,6 +46,7 @@ _INVALID = object()  # request settings that failed validation
 
 class SaeConsumer(Consumer):
     name = "sae"
+    proof_counter = "rows_encoded"
     description = (
         "Sparse-autoencoder features at one site: summary counters, top-k feature records "
         "(sparse shards) and steering by feature, per request."

@@ -94,6 +94,7 @@ class _Vec:
 
 class SteerConsumer(Consumer):
     name = "steer"
+    proof_counter = "rows_selected"
     description = (
         "Activation steering: add scale*vector to (or ablate a direction from) the residual "
         "stream after chosen layers, on prompt and/or generated tokens."

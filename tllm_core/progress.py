@@ -1,0 +1,101 @@
+"""What the ``tllm`` command tells the user on stderr: status lines, the progress bar, the summary.
+
+:class:`RunProgress` is handed to vLLM's ``generate``/``chat`` as ``use_tqdm`` (vLLM accepts
+a tqdm factory): one bar, ``generating``, over the run's sequences (prompts x ``n``), with
+vLLM's token rates and, when given, a live status of the command (``tllm export``: bytes
+written so far), refreshed every second. :func:`summary` is the closing line: tokens,
+seconds, tokens/s and, per consumer, the counter that proves its work
+(:func:`proof_counter`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+
+
+def say(message: str) -> None:
+    """One ``tllm:`` status line on stderr."""
+    print(f"tllm: {message}", file=sys.stderr, flush=True)
+
+
+class _Bar(tqdm):
+    """A tqdm bar whose postfix is vLLM's (token rates) plus the command's own status."""
+
+    extra: Callable[[], str] | None = None
+
+    @property
+    def postfix(self) -> str | None:  # type: ignore[override]
+        base = self.__dict__.get("_vllm_postfix")
+        more = self.extra() if self.extra is not None else ""
+        return ", ".join(p for p in (base, more) if p) or None
+
+    @postfix.setter
+    def postfix(self, value: Any) -> None:
+        self.__dict__["_vllm_postfix"] = value
+
+
+class RunProgress:
+    """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat`` (see module doc).
+
+    vLLM's second bar (``Rendering conversations`` of ``chat``) is not shown. Pass
+    ``use_tqdm=False`` rather than a disabled bar: vLLM divides by the bar's elapsed time."""
+
+    def __init__(self, extra: Callable[[], str] | None = None):
+        self.extra = extra
+        self.bar: _Bar | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tqdm:
+        if args:  # an iterable to wrap: vLLM's chat rendering
+            return tqdm(args[0], disable=True)
+        kwargs.update(desc="generating", unit="seq", file=sys.stderr)
+        bar = _Bar(**kwargs)
+        bar.extra = self.extra
+        self.bar = bar
+        if self.extra is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._refresh, daemon=True)
+            self._thread.start()
+        return bar
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(1.0):
+            bar = self.bar
+            if bar is not None:
+                bar.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+        if self.bar is not None:
+            self.bar.close()
+
+
+def proof_counter(counters: dict[str, Any], declared: str = "") -> tuple[str, Any] | None:
+    """The counter that proves a consumer's work: the one its class names
+    (``Consumer.proof_counter``), else the first non-zero counter (memory gauges aside)."""
+    if declared:
+        return declared, counters.get(declared, 0)
+    for k, v in counters.items():
+        if v and not k.startswith("memory"):
+            return k, v
+    return None
+
+
+def summary(
+    tokens: int, seconds: float, consumers: dict[str, dict[str, Any]], proofs: dict[str, str]
+) -> str:
+    """``N tokens in S s (R tok/s); esamp rows_guided=..., stats bundles=...``."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    parts = []
+    for name, counters in consumers.items():
+        found = proof_counter(counters, proofs.get(name, ""))
+        parts.append(f"{name} {found[0]}={found[1]:g}" if found else f"{name}: no work")
+    line = f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
+    return line + ("; " + ", ".join(parts) if parts else "")

@@ -1,0 +1,118 @@
+"""A quiet ``tllm`` command: vLLM's and torch's known-harmless messages hidden, in every process.
+
+Used by the ``tllm`` command only (a ``TllmLLM`` in your own program logs as vLLM does).
+Unless ``-v/--verbose`` is given, :func:`quiet_env` sets, for the command's process and the
+engine processes vLLM starts from it (they inherit the environment):
+
+- ``VLLM_LOGGING_CONFIG_PATH``: vLLM's logging at level WARNING on stderr through
+  :class:`HarmlessFilter`, which drops the warnings listed in :data:`HARMLESS` (vLLM applies
+  this config in each process when it configures logging);
+- ``PYTHONWARNINGS``: the Python warnings listed in :data:`PY_WARNINGS` ignored;
+- ``TORCH_CPP_LOG_LEVEL=ERROR``: torch's C++ warnings (the NUMA binding notice) hidden;
+- ``TLLM_QUIET=1``: :func:`install` runs in the command's processes — in the front end, and
+  in engine processes when they import the command's main module (vLLM starts them with
+  ``spawn``) and again in the tllm vLLM plugin — so messages logged before vLLM configures its
+  logging are filtered too.
+
+Every warning not listed still shows, as do all errors. ``-v`` shows everything.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import re
+import warnings
+from pathlib import Path
+
+QUIET_ENV = "TLLM_QUIET"
+LOGGING_CONFIG = Path(__file__).with_name("vllm_quiet_logging.json")
+
+# vLLM log messages that carry no information for a tllm user (regular expressions, searched
+# in the message). Each is known to be harmless on the CPU build tllm supports.
+HARMLESS: tuple[str, ...] = (
+    # No Triton for CPU in the wheel: vLLM uses its own CPU kernels.
+    r"Triton is installed, but doesn't include CPU backend",
+    r"Triton is not installed\. triton-cpu is expected",
+    # --enforce-eager does what it says.
+    r"Enforce eager set, disabling torch\.compile",
+    r"Inductor compilation was disabled by user settings",
+    # Mamba-only setting, reset for every model on CPU.
+    r"Reset SSM cache type to float32",
+    # Allocator/OpenMP advice: tllm preloads these itself (docs/results.md), or the user
+    # turned that off with TLLM_NO_PRELOAD=1.
+    r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
+    # The default 2 GiB KV cache is tllm's choice (--kv-cache-gib).
+    r"VLLM_CPU_KVCACHE_SPACE",
+    # vLLM's default sampling settings notice (the command sets its own).
+    r"Default sampling parameters have been overridden",
+)
+
+# Errors vLLM logs after its engine has stopped, as a consequence (any level). When an engine
+# dies for a real reason, the engine's own error is logged as well, and that one shows.
+CONSEQUENCES: tuple[str, ...] = (
+    # The server's output task sees the engine gone when the server stops it.
+    r"AsyncLLM output_handler failed",
+)
+
+# Python warnings ignored (``PYTHONWARNINGS`` entries: action:message-prefix:category).
+PY_WARNINGS: tuple[str, ...] = (
+    # vLLM's Triton dispatcher looks at every torch attribute, deprecated ones included.
+    "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
+)
+
+_PATTERN = re.compile("|".join(f"(?:{p})" for p in HARMLESS))
+_CONSEQUENCE = re.compile("|".join(f"(?:{p})" for p in CONSEQUENCES))
+
+
+class HarmlessFilter(logging.Filter):
+    """Drops records below ERROR whose message matches :data:`HARMLESS`, and those matching
+    :data:`CONSEQUENCES` at any level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a broken record is vLLM's to show
+            return True
+        if _CONSEQUENCE.search(msg):
+            return False
+        return record.levelno >= logging.ERROR or _PATTERN.search(msg) is None
+
+
+def quiet_env(verbose: bool) -> dict[str, str]:
+    """Environment for the command's process and its engine processes (see module doc)."""
+    env = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout is for results
+    if verbose:
+        return env
+    ours = ",".join(PY_WARNINGS)
+    theirs = os.environ.get("PYTHONWARNINGS", "")
+    env.update(
+        {
+            QUIET_ENV: "1",
+            "VLLM_LOGGING_CONFIG_PATH": str(LOGGING_CONFIG),
+            "VLLM_LOGGING_LEVEL": "WARNING",
+            "PYTHONWARNINGS": f"{theirs},{ours}" if theirs else ours,
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+        }
+    )
+    return env
+
+
+def install() -> None:
+    """In this process: the filter on logging's last-resort handler and vLLM's handlers, and
+    the ignored Python warnings. Idempotent."""
+    for handler in (logging.lastResort, *logging.getLogger("vllm").handlers):
+        if handler is not None and not any(isinstance(f, HarmlessFilter) for f in handler.filters):
+            handler.addFilter(HarmlessFilter())
+    for entry in PY_WARNINGS:
+        _, message, category = entry.split(":")
+        warnings.filterwarnings(
+            "ignore", message=re.escape(message), category=getattr(builtins, category)
+        )
+
+
+def install_if_quiet() -> None:
+    """:func:`install` when the ``tllm`` command asked for quiet processes."""
+    if os.environ.get(QUIET_ENV) == "1":
+        install()

@@ -1,0 +1,163 @@
+"""``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md).
+
+The consumers are given as for ``tllm run`` and validated once, before vLLM starts
+(:func:`tllm_core.engine.validate_consumers`); they travel to the server as its
+``--additional-config '{"tllm": ...}'``, the switch the tllm vLLM plugin looks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from tllm_core import cli_common
+from tllm_core.progress import say
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
+
+EPILOG = """examples:
+  tllm serve --consumer esamp --per-request
+  tllm serve --consumer 'esamp:{"beta": 0.5}' --consumer stats --port 8001
+  tllm serve --model ./my-hf-model --consumer esamp -- --max-num-seqs 64 --enforce-eager
+
+Arguments after `--` go to vLLM's server unchanged (`python -m
+vllm.entrypoints.openai.api_server --help` lists them). Without --model the embedded
+SmolLM2-135M-Instruct is served, under its folder name and as `default`."""
+
+
+def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings) -> list[str]:
+    """vLLM server arguments: ours first, then the user's (after ``--``), which win."""
+    extra = list(args.vllm_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    argv = ["--model", model, "--host", args.host, "--port", str(args.port)]
+    if not any(a.startswith("--served-model-name") for a in extra):
+        argv += ["--served-model-name", Path(model).name, "default"]
+    argv += ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    if args.tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
+    # them; its default, 0, kills them at once ("force killing remaining process"). 60 s: the
+    # worker alone may take up to 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS set by the command).
+    argv += ["--shutdown-timeout", "60"]
+    if not args.verbose:
+        argv += ["--uvicorn-log-level", "warning", "--no-use-tqdm-on-load"]
+    tllm = {ADDITIONAL_CONFIG_KEY: settings.model_dump()}
+    return [*argv, "--additional-config", json.dumps(tllm), *extra]
+
+
+def describe(url: str, checked) -> list[str]:
+    """Lines naming the URL, the consumers and their request keys."""
+    from tllm_core.serving.keys import KEYS, EngineConsumers
+
+    info = EngineConsumers.of(checked.specs, checked.registry).describe()
+    lines = [f"OpenAI API at {url}/v1 (model names: see GET {url}/v1/models)"]
+    lines.append(f"counters at GET {url}/tllm/counters, status at GET {url}/tllm/status")
+    if not info["consumers"]:
+        lines.append("no consumers (the tllm runtime runs without any)")
+    for name, c in info["consumers"].items():
+        scope = "only on requests naming it in tllm_consumers" if c["per_request"] else "always"
+        lines.append(f"consumer {name}: acts {scope}")
+        for k in c["request_keys"]:
+            lines.append(f"  vllm_xargs {k['key']}: {k['allowed']}")
+    lines.append("request keys for all: " + ", ".join(KEYS))
+    return lines
+
+
+def _announce_when_ready(url: str, timeout: float = 3600) -> None:
+    def wait() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        say(f"ready: {url}/v1 (Ctrl-C stops the server)")
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+
+    threading.Thread(target=wait, daemon=True, name="tllm-serve-ready").start()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tllm_core.engine import validate_consumers
+
+    cli_common.quiet(args)
+    model = args.model
+    if model is not None and not Path(model).is_dir():
+        raise cli_common.CliError(
+            f"--model must be a local model folder; {model!r} is not a directory"
+        )
+    checked = validate_consumers(args.consumer or [], model)
+    if args.per_request:
+        specs = tuple(s.model_copy(update={"per_request": True}) for s in checked.specs)
+        checked = type(checked)(specs, checked.registry, checked.model_path)
+    if model is None:
+        from tllm_core.default_model import default_model_path
+
+        model = str(default_model_path(progress=True))
+        checked = validate_consumers(checked, model)
+    settings = RuntimeSettings(consumers=list(checked.specs))
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    url = f"http://{host}:{args.port}"
+    for line in describe(url, checked):
+        say(line)
+    args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
+    say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner tllm hooks (as TllmLLM)
+    from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+    from tllm_core.vllm_bridge.server_entry import run_openai_server
+
+    bind_cpu_threads(args.tensor_parallel_size)
+    _announce_when_ready(url)
+    run_openai_server(server_argv(args, model, settings))
+    say("server stopped")
+    # The server has stopped its engine. Skip the interpreter's teardown: it only adds
+    # "nanobind: leaked ..." reports from the Triton module vLLM imported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    s = subparsers.add_parser(
+        "serve",
+        help="start vLLM's OpenAI-compatible server with tllm consumers",
+        description="Start vLLM's OpenAI-compatible server with tllm switched on.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument(
+        "--consumer",
+        action="append",
+        metavar="NAME[:JSON]",
+        help="consumer to run, with an optional JSON config (repeatable), as for `tllm run`",
+    )
+    s.add_argument(
+        "--per-request",
+        action="store_true",
+        help="consumers act only on requests naming them in vllm_xargs tllm_consumers",
+    )
+    s.add_argument("--model", help="local Hugging Face model folder (default: embedded model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's option")
+    s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
+    s.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    s.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache GiB (default 2)")
+    s.add_argument(
+        "-v", "--verbose", action="store_true", help="show vLLM's logs and request lines"
+    )
+    s.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="-- VLLM_ARGS",
+        help="more vLLM server arguments, after `--`",
+    )
+    s.set_defaults(func=cmd_serve)
