@@ -233,5 +233,10 @@ def test_cpu_preload_env():
     assert cpu_preload.apply(env) == libs
     assert env["LD_PRELOAD"] == ":".join([*libs, "/x/libfoo.so"])
     assert cpu_preload.apply(env) == []  # already there: nothing added twice
+    # Another OpenMP runtime already preloaded (vLLM puts PyTorch's libgomp there): no libiomp,
+    # vLLM refuses both at once.
+    gomp = {"LD_PRELOAD": "/t/torch/lib/libgomp-a34b3233.so.1"}
+    cpu_preload.apply(gomp)
+    assert "libiomp" not in gomp["LD_PRELOAD"]
     off = {"TLLM_NO_PRELOAD": "1"}
     assert cpu_preload.apply(off) == [] and "LD_PRELOAD" not in off
