@@ -20,6 +20,7 @@ from pathlib import Path
 OFF_ENV = "TLLM_NO_PRELOAD"
 TCMALLOC_FILES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 IOMP_FILES = ("libiomp5.so",)
+OPENMP_KINDS = ("libiomp", "libomp", "libgomp")
 
 
 def _lib_dirs() -> list[Path]:
@@ -47,16 +48,21 @@ def preload_libs() -> list[str]:
 def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
     """Prepend the found libraries to ``env["LD_PRELOAD"]`` (default: ``os.environ``) for
     processes started afterwards; returns what was added. Nothing on non-Linux systems, with
-    ``TLLM_NO_PRELOAD=1``, or for a library kind ``LD_PRELOAD`` already names."""
+    ``TLLM_NO_PRELOAD=1``, or for a library kind ``LD_PRELOAD`` already names (Intel OpenMP
+    is not added next to another OpenMP runtime)."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(OFF_ENV, "") not in ("", "0"):
         return []
     current = env.get("LD_PRELOAD", "")
-    added = [
-        p
-        for p, kind in ((find(TCMALLOC_FILES), "libtcmalloc"), (find(IOMP_FILES), "libiomp"))
-        if p and kind not in current
-    ]
+    added = []
+    tcmalloc = find(TCMALLOC_FILES)
+    if tcmalloc and "libtcmalloc" not in current:
+        added.append(tcmalloc)
+    iomp = find(IOMP_FILES)
+    # One OpenMP runtime only: vLLM refuses an LD_PRELOAD naming both libiomp and libgomp
+    # (e.g. inherited from a process where vLLM preloaded PyTorch's libgomp itself).
+    if iomp and not any(k in current for k in OPENMP_KINDS):
+        added.append(iomp)
     if added:
         env["LD_PRELOAD"] = ":".join([*added, *([current] if current else [])])
     return added
