@@ -73,6 +73,15 @@ class EngineCache:
             gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_dist_ident():
+    """vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; an in-process engine thus
+    leaves it in the test process, and a ``tllm`` subprocess started later would inherit it
+    and be warned about an unknown vLLM variable. Tests see the environment a user has."""
+    yield
+    os.environ.pop("VLLM_DIST_IDENT", None)
+
+
 @pytest.fixture(scope="session")
 def engines():
     cache = EngineCache()

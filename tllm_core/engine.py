@@ -206,8 +206,11 @@ class TllmLLM:
             if chat:
                 from tllm_core.vllm_bridge.offline import chat_with_salts
 
-                return chat_with_salts(self.llm, salts, items, tagged, **kwargs)
-            return fn([_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs)
+                outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
+            else:
+                outputs = fn(
+                    [_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs
+                )
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
             from tllm_core.vllm_bridge.lifecycle import abort_unfinished
@@ -217,9 +220,9 @@ class TllmLLM:
             with contextlib.suppress(Exception):
                 self.llm.collective_rpc("tllm_end_batch")
             raise
-        else:
-            # generate() is synchronous: every request of this call is done.
-            self.llm.collective_rpc("tllm_end_batch")
+        # generate() is synchronous: every request of this call is done.
+        self.llm.collective_rpc("tllm_end_batch")
+        return outputs
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""
