@@ -18,6 +18,7 @@ from consumers.sae import SAEFileError, load_sae, read_features, save_sae, top_f
 from consumers.sae.consumer import SaeConsumer
 from consumers.sae.features_writer import FeatureWriter
 from consumers.sae.model import SparseAutoencoder
+from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site
 from consumers.sae.steer import FeatureSteer, clamp_delta
 from tllm_core.bundles import Bundle
@@ -25,6 +26,7 @@ from tllm_core.consumer import ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.edits import EditPlan
 from tllm_core.ports import resolve_layer
+from tllm_core.request_settings import parse_request_settings
 from tllm_core.rows import RequestInfo, RowInfo
 
 D_IN, D_SAE, LAYERS = 8, 24, 4
@@ -505,4 +507,29 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     assert torch.equal(y[2], x[2])  # the request that turned steering off
     assert c.counters.get("rows_clamped") == 2 and tap.edited.item() == 2
     with pytest.raises(ValueError, match="config 'steer' only"):
-        c._check_clamps(c.cfg.steer, "tllm_sae_steer")
+        parse_request_settings(
+            "sae", SaeRequest, {"tllm_sae_steer": '[{"feature": 3, "clamp": 1}]'}, config=c.cfg
+        )
+
+
+def test_request_feature_out_of_range_is_refused_by_the_front_end_check(tmp_path):
+    """The one validation the server (HTTP 400) and TllmLLM run: it reads d_sae from the
+    SAE folder the consumer's config names, so a bad index never reaches the engine."""
+    from tllm_core.registry import Registry
+    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+    from tllm_core.settings import ConsumerSpec
+
+    folder = tmp_path / "sae"
+    save_sae(random_sae("standard"), folder)
+    spec = ConsumerSpec(name="sae", config={"path": str(folder)})
+    engine = EngineConsumers.of([spec], Registry())
+    good = json.dumps([{"feature": D_SAE - 1, "scale": 1.0}])
+    validate_extra_args({"tllm_sae_steer": good}, engine)
+    bad = json.dumps([{"feature": D_SAE, "scale": 1.0}])
+    with pytest.raises(ValueError, match=rf"tllm_sae_steer.*{D_SAE}.*valid: 0\.\.{D_SAE - 1}"):
+        validate_extra_args({"tllm_sae_steer": bad}, engine)
+    # the engine's own parse (a request that bypassed the front end) refuses it the same way
+    c = make(tmp_path)
+    r = req(1, tllm_sae_steer=bad)
+    with pytest.raises(ValueError, match="valid: 0"):
+        r.settings(c)

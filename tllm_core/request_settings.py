@@ -4,7 +4,9 @@ A consumer class sets ``Request`` to a :class:`RequestSettings` subclass; field 
 consumer ``c`` is the request key ``tllm_{c}_{f}``. A field whose value is ``None`` (the usual
 default) means "use the consumer's config". Validation (:func:`parse_request_settings`) is
 the same in the server front end, in ``TllmLLM.generate`` / ``chat`` and in the engine, where a
-consumer reads a request's settings with ``request.settings(self)``.
+consumer reads a request's settings with ``request.settings(self)``. Validators that need the
+consumer's config (e.g. a feature index below the size the config's file declares) find it in
+pydantic's validation context: ``info.context["config"]`` (``None`` when validated alone).
 """
 
 from __future__ import annotations
@@ -113,10 +115,12 @@ def parse_request_settings(
     model: type[RequestSettings],
     extra: dict[str, Any] | None,
     where: str = "extra_args",
+    config: Any = None,
 ) -> RequestSettings:
     """Consumer ``consumer``'s settings from a request's ``extra``; keys absent take defaults.
 
-    Raises ``ValueError`` naming the key (as ``{where}['tllm_c_f']``), the bad value and what
+    ``config`` (the consumer's validated config model) is handed to validators as
+    ``info.context["config"]``. Raises ``ValueError`` naming the key (as ``{where}['tllm_c_f']``), the bad value and what
     is allowed.
     """
     extra = extra or {}
@@ -132,7 +136,7 @@ def parse_request_settings(
             )
         data[fname] = value
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"config": config})
     except ValidationError as e:
         err = e.errors()[0]
         loc = err["loc"][0] if err["loc"] else None

@@ -48,7 +48,9 @@ class RequestInfo:
             model = type(consumer).Request
             if model is None:
                 raise TypeError(f"consumer {consumer.name!r} declares no Request settings")
-            out = parse_request_settings(consumer.name, model, self.extra_args)
+            out = parse_request_settings(
+                consumer.name, model, self.extra_args, config=consumer.config
+            )
             self._settings[consumer.name] = out
         return out
 

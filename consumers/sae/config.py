@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
+from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.site import parse_site
 from consumers.sae.steer import FeatureSteer
 from tllm_core.consumer import ConsumerConfig
@@ -45,6 +46,18 @@ class SaeConfig(ConsumerConfig):
     )
     shard_rows: int = Field(65536, ge=1, description="Rows per feature shard.")
     overwrite: bool = Field(False, description="Allow a non-empty 'out' (as export's).")
+
+    _d_sae: int | None = PrivateAttr(None)
+
+    def declared_d_sae(self) -> int | None:
+        """``d_sae`` as the SAE folder's ``cfg.json`` declares it (read once), or ``None`` when
+        the folder cannot be read here (the engine, which loads it, reports why)."""
+        if self._d_sae is None:
+            try:
+                self._d_sae = int(read_config(self.path)["d_sae"])
+            except (SAEFileError, OSError):
+                return None
+        return self._d_sae
 
     @field_validator("site")
     @classmethod

@@ -19,11 +19,11 @@ import torch
 
 from consumers.export.tokens import rows_to_write
 from consumers.export.writer import check_output_dir
-from consumers.sae import core_api
 from consumers.sae.config import SaeConfig
 from consumers.sae.features_writer import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_features
+from consumers.sae.ports import edit_port, read_port
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site
 from consumers.sae.steer import (
@@ -69,7 +69,7 @@ class SaeConsumer(Consumer):
         self.site = type(site)(site.kind, layer)
         self.phase = Phase(config.phase)
         try:
-            self._read_port = core_api.read_port(self.site, self.phase)
+            self._read_port = read_port(self.site, self.phase)
         except ValueError as e:
             raise ValueError(f"sae: {e}") from None
         try:
@@ -90,7 +90,7 @@ class SaeConsumer(Consumer):
         # for attn/mlp only where the core has one.
         self._clamps = clamps_of(config.steer)
         self._clamp = _Clamp(self.sae_dev, self._clamps) if self._clamps else None
-        self._edit_port: WritePort | None = core_api.edit_port(self.site, self._clamp)
+        self._edit_port: WritePort | None = edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
         self._settings: dict[str, Any] = {}  # engine_id -> validated settings / None / _INVALID
         self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
@@ -108,14 +108,6 @@ class SaeConsumer(Consumer):
             )
 
     # -- helpers ------------------------------------------------------------------------
-    def _check_clamps(self, entries: list[FeatureSteer], where: str) -> None:
-        if clamps_of(entries):
-            i = next(i for i, e in enumerate(entries) if e.clamp is not None)
-            raise ValueError(
-                f"{where}[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
-                f"so they are given in the consumer's config 'steer' only; use 'scale' here"
-            )
-
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
         v = scale_vector(self.sae_dev, entries)
         return None if v is None else v.to(self.context.model.dtype)
@@ -140,10 +132,9 @@ class SaeConsumer(Consumer):
         if got is not _MISSING:
             return got
         try:
-            settings = core_api.request_settings(self, req)
-            if settings is not None and settings.steer is not None:
-                check_features(settings.steer, self.sae.d_sae, "tllm_sae_steer")
-                self._check_clamps(settings.steer, "tllm_sae_steer")
+            # The same validation as the front end's (feature range, no clamps): a failure
+            # here means the request bypassed it.
+            settings = req.settings(self)
         except ValueError as e:
             self.counters.add("invalid_request_settings")
             log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
@@ -189,7 +180,7 @@ class SaeConsumer(Consumer):
         if self.writer is None:
             return [self._read_port]
         # Records need every fed token id (prompt rows too) and the sampled ones.
-        return [core_api.read_port(self.site, Phase.ALL), SampledTokens(Phase.ALL)]
+        return [read_port(self.site, Phase.ALL), SampledTokens(Phase.ALL)]
 
     def writes(self) -> list[WritePort]:
         return [self._edit_port] if self._edit_port is not None else []
@@ -224,7 +215,7 @@ class SaeConsumer(Consumer):
             value = vecs[0]
         else:
             value = torch.cat([v.expand(len(r), -1) for r, v in zip(idx, vecs, strict=True)])
-        core_api.plan_add(plan, self.site, rows_sel, value)
+        plan.add(self.site.key, rows_sel, value)
         self.counters.add("rows_steered", int(rows_sel.size))
 
     # -- encoding (background thread) ------------------------------------------------------

@@ -3,7 +3,8 @@
 ``tllm_sae_steer``: the steering entries for this request, replacing the config's
 ``steer`` (``[]`` turns steering off for it); ``tllm_sae_record``: record this request's
 features (``false`` skips it; needs ``out`` in the config). Unset fields keep the
-config's behaviour.
+config's behaviour. Feature indices are checked against the SAE the consumer's config names
+(its ``cfg.json``), so the server answers 400 to an index out of range.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from consumers.sae.core_api import RequestSettings
-from consumers.sae.steer import FeatureSteer
+from consumers.sae.steer import FeatureSteer, check_features
+from tllm_core import RequestSettings
 
 
 class SaeRequest(RequestSettings):
@@ -37,3 +38,19 @@ class SaeRequest(RequestSettings):
             except json.JSONDecodeError as e:
                 raise ValueError(f"steer: not valid JSON: {e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _fits_the_sae(self, info: ValidationInfo) -> SaeRequest:
+        if not self.steer:
+            return self
+        for i, e in enumerate(self.steer):
+            if e.clamp is not None:
+                raise ValueError(
+                    f"steer[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
+                    f"so they are given in the consumer's config 'steer' only; use 'scale' here"
+                )
+        config = (info.context or {}).get("config")
+        d_sae = config.declared_d_sae() if config is not None else None
+        if d_sae is not None:
+            check_features(self.steer, d_sae, "steer")
+        return self

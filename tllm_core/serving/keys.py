@@ -67,6 +67,8 @@ class EngineConsumers:
 
     per_request: dict[str, bool] = field(default_factory=dict)
     models: dict[str, type[RequestSettings] | None] = field(default_factory=dict)
+    # consumer name -> its validated config (the context of its request-settings validators)
+    configs: dict[str, Any] = field(default_factory=dict)
     # every registered consumer's request key -> (consumer name, field name)
     owners: dict[str, tuple[str, str]] = field(default_factory=dict)
 
@@ -89,6 +91,7 @@ class EngineConsumers:
         for spec in specs:
             out.per_request[spec.name] = spec.per_request
             out.models[spec.name] = registry.get(spec.name).Request
+            out.configs[spec.name] = registry.validate(spec)
         return out
 
     def active(self, name: str, extra: dict[str, Any]) -> bool:
@@ -164,7 +167,7 @@ def validate_extra_args(
             )
         model = engine.models[name]
         assert model is not None  # it owns a key
-        parse_request_settings(name, model, extra, where)
+        parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
 
 
 def request_salt(extra: dict[str, Any] | None) -> str | None:
