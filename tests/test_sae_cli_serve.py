@@ -1,0 +1,159 @@
+"""The ``sae`` consumer through the two front doors users take: ``tllm run --consumer
+'sae:{...}'`` and ``tllm serve --consumer sae:... --per-request`` (steering and recording
+chosen per request, a feature out of range answered with HTTP 400)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli_json, run_cli
+
+from consumers.sae import SparseAutoencoder, read_features, save_sae
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+D_IN, D_SAE, SITE, TOP_K = 128, 256, 1, 8
+
+
+def _sae(folder: Path) -> str:
+    """A random ReLU SAE for the tiny model's residual stream (d_in 128): enough features
+    fire on every row for recording, and a decoder row big enough to steer greedy text."""
+    g = torch.Generator().manual_seed(3)
+    sae = SparseAutoencoder(
+        W_enc=torch.randn(D_IN, D_SAE, generator=g) / D_IN**0.5,
+        b_enc=torch.zeros(D_SAE),
+        W_dec=torch.randn(D_SAE, D_IN, generator=g),
+        b_dec=torch.zeros(D_IN),
+        architecture="standard",
+    )
+    return save_sae(sae, folder)
+
+
+def test_tllm_run_with_sae_records_summarises_and_steers(tiny_model, tmp_path):
+    path = _sae(tmp_path / "sae")
+    out = tmp_path / "feats"
+    config = {
+        "path": path,
+        "site": SITE,
+        "top_k": TOP_K,
+        "out": str(out),
+        "steer": [{"feature": 7, "scale": 4.0}],
+        "watch": [7, 11],
+        "phase": "decode",
+    }
+    prompts, n, max_tokens = ["Hello there", "The sea is"], 2, 6
+    args = ["run", "--model", tiny_model, "--consumer", f"sae:{json.dumps(config)}"]
+    for p in prompts:
+        args += ["--prompt", p]
+    args += ["-n", str(n), "--max-tokens", str(max_tokens), "--ignore-eos", "--seed", "1"]
+    args += ["--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1", "--json"]
+    report = cli_json(run_cli(*args, timeout=900))
+    res = report["results"]["sae"]
+    decode_rows = len(prompts) * n * (max_tokens - 1)  # the last sampled token is never fed back
+    assert res["rows_encoded"] == decode_rows
+    assert res["rows_recorded"] == decode_rows
+    assert 0 < res["mean_l0"] <= D_SAE and 0 < res["relative_mse"]
+    assert set(res["watch"]) == {"7", "11"} and all(0 <= v <= 1 for v in res["watch"].values())
+    assert res["rows_steered"] > 0
+    assert report["counters"]["runtime"]["rows_edited"] > 0
+    assert res["bytes_per_row"]["features"] < res["bytes_per_row"]["dense_float32"]
+    records = list(read_features(out))
+    assert len(records) == len(prompts) * n
+    for rec in records:
+        assert rec.indices.shape == (max_tokens - 1, TOP_K) == rec.values.shape
+        assert ((rec.indices >= 0) & (rec.indices < D_SAE)).all()
+    assert report["errors"] == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny_model, tmp_path):
+    import openai
+
+    path = _sae(tmp_path / "sae")
+    out = tmp_path / "feats"
+    config = {"path": path, "site": SITE, "top_k": TOP_K, "out": str(out), "phase": "decode"}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    err_path = tmp_path / "serve.err"
+    argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--model", tiny_model]
+    argv += ["--consumer", f"sae:{json.dumps(config)}", "--per-request", "--port", str(port)]
+    argv += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "tllm: ready" not in err_path.read_text():
+            assert proc.poll() is None, err_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, err_path.read_text()[-4000:]
+            time.sleep(1)
+        assert "tllm_sae_steer" in err_path.read_text()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+
+        def complete(xargs: dict | None) -> str:
+            r = client.completions.create(
+                model="default",
+                prompt="The lighthouse keeper",
+                max_tokens=8,
+                temperature=0.0,
+                extra_body={"vllm_xargs": xargs} if xargs else {},
+            )
+            return r.choices[0].text
+
+        plain = complete(None)
+        c0 = _get(f"{url}/tllm/counters")["consumers"].get("sae", {})
+        assert c0.get("rows_encoded", 0) == 0  # a request that did not ask
+        recorded = complete({"tllm_consumers": "sae"})
+        assert recorded == plain  # recording alone leaves the text alone
+        c1 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        assert c1["rows_recorded"] == 7 and c1.get("rows_steered", 0) == 0
+        steer = json.dumps([{"feature": 5, "scale": 40.0}])
+        steered = complete(
+            {"tllm_consumers": "sae", "tllm_sae_steer": steer, "tllm_sae_record": "false"}
+        )
+        assert steered != plain
+        c2 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        assert c2["rows_steered"] > 0 and c2["rows_recorded"] == 7  # not recorded
+
+        bad = json.dumps([{"feature": D_SAE, "scale": 1.0}])
+        with pytest.raises(openai.BadRequestError) as ei:
+            complete({"tllm_consumers": "sae", "tllm_sae_steer": bad})
+        assert ei.value.status_code == 400
+        assert "tllm_sae_steer" in ei.value.message and f"0..{D_SAE - 1}" in ei.value.message
+        c3 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        assert c3.get("invalid_request_settings", 0) == 0  # refused before the engine
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    log = err_path.read_text()
+    assert "Traceback" not in log, log[-4000:]
+    records = list(read_features(out))  # the server flushed its records when it stopped
+    assert len(records) == 1 and records[0].indices.shape == (7, TOP_K)
