@@ -132,6 +132,7 @@ class Runtime:
         self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
+        self._closed_report: dict[str, Any] | None = None
         # Every port read by some consumer, by key (phases merged): what rows_captured counts.
         self._read_ports: dict[str, PortRead] = {}
         for s in self.slots:
@@ -316,9 +317,12 @@ class Runtime:
         }
 
     def close(self) -> dict[str, Any]:
-        """Flush queues, close consumers, return the final report."""
-        self.bus.flush()
-        for s in self.slots:
-            self.bus.call(s.consumer, "close", s.consumer.close)
-        self.bus.close()
-        return self.collect()
+        """Flush queues, close consumers, return the final report (the same report again
+        on later calls: consumers are closed once)."""
+        if self._closed_report is None:
+            self.bus.flush()
+            for s in self.slots:
+                self.bus.call(s.consumer, "close", s.consumer.close)
+            self.bus.close()
+            self._closed_report = self.collect()
+        return self._closed_report

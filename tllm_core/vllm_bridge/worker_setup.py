@@ -76,6 +76,7 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
 
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
+    _close_consumers_on_shutdown(worker)
 
 
 def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
@@ -92,3 +93,22 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         return out
 
     runner.load_model = load_model
+
+
+def _close_consumers_on_shutdown(worker: Any) -> None:
+    """Close the runtime (flush queues, close consumers: exports write their manifest)
+    when vLLM shuts this worker down, as a server does when it stops. An offline engine
+    has closed it already (``tllm_close``); closing is idempotent."""
+    shutdown = worker.shutdown
+
+    @functools.wraps(shutdown)
+    def closing_shutdown(*args, **kwargs):
+        hooks = getattr(worker.model_runner, "_tllm_hooks", None)
+        if hooks is not None:
+            try:
+                hooks.runtime.close()
+            except Exception:  # noqa: BLE001 - never keep vLLM from shutting down
+                log.exception("tllm: closing consumers at engine shutdown failed")
+        return shutdown(*args, **kwargs)
+
+    worker.shutdown = closing_shutdown
