@@ -5,18 +5,12 @@ chosen per request, a feature out of range answered with HTTP 400)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import cli_json, run_cli
+from serve_util import get_json, tllm_serve
 
 from consumers.sae import SparseAutoencoder, read_features, save_sae
 
@@ -76,40 +70,16 @@ def test_tllm_run_with_sae_records_summarises_and_steers(tiny_model, tmp_path):
     assert report["errors"] == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
-
-
 def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny_model, tmp_path):
     import openai
 
     path = _sae(tmp_path / "sae")
     out = tmp_path / "feats"
     config = {"path": path, "site": SITE, "top_k": TOP_K, "out": str(out), "phase": "decode"}
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     err_path = tmp_path / "serve.err"
-    argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--model", tiny_model]
-    argv += ["--consumer", f"sae:{json.dumps(config)}", "--per-request", "--port", str(port)]
-    argv += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while "tllm: ready" not in err_path.read_text():
-            assert proc.poll() is None, err_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, err_path.read_text()[-4000:]
-            time.sleep(1)
+    args = ["--model", tiny_model, "--consumer", f"sae:{json.dumps(config)}", "--per-request"]
+    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    with tllm_serve(args, err_path) as url:
         assert "tllm_sae_steer" in err_path.read_text()
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
@@ -124,18 +94,18 @@ def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny
             return r.choices[0].text
 
         plain = complete(None)
-        c0 = _get(f"{url}/tllm/counters")["consumers"].get("sae", {})
+        c0 = get_json(f"{url}/tllm/counters")["consumers"].get("sae", {})
         assert c0.get("rows_encoded", 0) == 0  # a request that did not ask
         recorded = complete({"tllm_consumers": "sae"})
         assert recorded == plain  # recording alone leaves the text alone
-        c1 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        c1 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
         assert c1["rows_recorded"] == 7 and c1.get("rows_steered", 0) == 0
         steer = json.dumps([{"feature": 5, "scale": 40.0}])
         steered = complete(
             {"tllm_consumers": "sae", "tllm_sae_steer": steer, "tllm_sae_record": "false"}
         )
         assert steered != plain
-        c2 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        c2 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
         assert c2["rows_steered"] > 0 and c2["rows_recorded"] == 7  # not recorded
 
         bad = json.dumps([{"feature": D_SAE, "scale": 1.0}])
@@ -143,16 +113,8 @@ def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny
             complete({"tllm_consumers": "sae", "tllm_sae_steer": bad})
         assert ei.value.status_code == 400
         assert "tllm_sae_steer" in ei.value.message and f"0..{D_SAE - 1}" in ei.value.message
-        c3 = _get(f"{url}/tllm/counters")["consumers"]["sae"]
+        c3 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
         assert c3.get("invalid_request_settings", 0) == 0  # refused before the engine
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
     log = err_path.read_text()
     assert "Traceback" not in log, log[-4000:]
     records = list(read_features(out))  # the server flushed its records when it stopped

@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from serve_util import get_json, tllm_serve
 
 pytestmark = pytest.mark.vllm
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
 
 
 def test_serve_argv_and_description_units():
@@ -60,46 +40,17 @@ def test_serve_argv_and_description_units():
 def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
     import openai
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     err_path = tmp_path / "serve.err"
-    argv = [
-        sys.executable,
-        "-m",
-        "tllm_core.cli",
-        "serve",
-        "--model",
-        tiny_model,
-        "--consumer",
-        "esamp",
-        "--per-request",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "1",
-        "--",
-        "--enforce-eager",
-    ]
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while "tllm: ready" not in err_path.read_text():
-            assert proc.poll() is None, err_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, err_path.read_text()[-4000:]
-            time.sleep(1)
+    args = ["--model", tiny_model, "--consumer", "esamp", "--per-request"]
+    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    with tllm_serve(args, err_path) as url:
         startup = err_path.read_text()
         assert f"{url}/v1" in startup and "tllm_esamp_beta" in startup
-        models = {m["id"] for m in _get(f"{url}/v1/models")["data"]}
+        models = {m["id"] for m in get_json(f"{url}/v1/models")["data"]}
         assert {"default", Path(tiny_model).name} <= models
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
-        before = _get(f"{url}/tllm/counters")["consumers"]["esamp"]
+        before = get_json(f"{url}/tllm/counters")["consumers"]["esamp"]
         r = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Tell me about the sea."}],
@@ -107,7 +58,7 @@ def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
             extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}},
         )
         assert r.choices[0].message.content
-        after = _get(f"{url}/tllm/counters")["consumers"]["esamp"]
+        after = get_json(f"{url}/tllm/counters")["consumers"]["esamp"]
         assert after["rows_guided"] > before.get("rows_guided", 0)
         assert after["optimizer_steps"] > before.get("optimizer_steps", 0)
 
@@ -119,13 +70,5 @@ def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
                 extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}},
             )
         assert ei.value.status_code == 400 and "tllm_esamp_beta" in ei.value.message
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGINT)  # Ctrl-C stops the server and its engine
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
     log = err_path.read_text()
     assert "force killing" not in log and "Traceback" not in log, log[-4000:]

@@ -1,0 +1,56 @@
+"""Start ``tllm serve`` on loopback for a test, and stop it with Ctrl-C (SIGINT)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@contextlib.contextmanager
+def tllm_serve(args: list[str], log: Path, ready_timeout: float = 300) -> Iterator[str]:
+    """Run ``tllm serve ARGS --port P`` (vLLM's multiprocess layout) until it prints
+    ``tllm: ready``; yield its base URL; stop it with SIGINT as a user's Ctrl-C would."""
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--port", str(port), *args]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while "tllm: ready" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)  # Ctrl-C stops the server and its engine
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
