@@ -533,3 +533,14 @@ def test_request_feature_out_of_range_is_refused_by_the_front_end_check(tmp_path
     r = req(1, tllm_sae_steer=bad)
     with pytest.raises(ValueError, match="valid: 0"):
         r.settings(c)
+
+
+@pytest.mark.parametrize("arch", ["standard", "jumprelu", "topk"])
+def test_sparse_decode_equals_dense_decode(arch):
+    sae = random_sae(arch, seed=4, normalize_activations="layer_norm")
+    x = torch.randn(6, D_IN, generator=torch.Generator().manual_seed(2))
+    acts, state = sae.encode(x)
+    sparse = torch.zeros_like(acts)
+    sparse[:, 3] = 1.5  # one of D_SAE features active (at most 1/16): the CSR path
+    for a in (acts, sparse):
+        torch.testing.assert_close(sae.decode_sparse(a, state), sae.decode(a, state))

@@ -248,7 +248,7 @@ class SaeConsumer(Consumer):
         sae = self._sae_for(xs.device)
         with torch.no_grad():
             acts, state = sae.encode(xs)
-            recon = sae.decode(acts, state)
+            recon = sae.decode_sparse(acts, state)
             xf = xs.float()
             active = acts > 0
             m = int(sel.size)
