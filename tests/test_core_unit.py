@@ -132,6 +132,22 @@ def test_background_bundles_are_host_copies():
     assert torch.equal(seen[0], torch.zeros(1, 4))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_background_consumer_thread_gets_its_own_intra_op_threads(threads):
+    main = torch.get_num_threads()
+    counters = Counters()
+    bus = Bus(counters, background_threads=threads)
+    c = _Slow()
+    c.gate.set()
+    seen = []
+    c.on_bundle = lambda b: seen.append(torch.get_num_threads())  # type: ignore[method-assign]
+    bus.publish(c, Bundle(0, _rows(1), {"layer.0": torch.zeros(1, 4)}))
+    bus.flush()
+    bus.close()
+    assert seen == [threads] and counters.get("background_threads") == threads
+    assert torch.get_num_threads() == main  # the engine's threads keep their setting
+
+
 def test_failing_consumer_is_isolated_and_reported():
     counters = Counters()
     bus = Bus(counters)

@@ -56,6 +56,14 @@ class _BackgroundChannel:
         self.bus.counters.max("queue_depth_max", self.queue.qsize())
 
     def _drain(self) -> None:
+        # Intra-op threads are a per-thread setting (OpenMP): the engine's threads keep
+        # theirs. torch._C's binding: vLLM's CPU worker replaces torch.set_num_threads with
+        # a no-op once it has bound its threads.
+        try:
+            torch._C.set_num_threads(self.bus.background_threads)
+        except Exception:  # noqa: BLE001 - the consumer still runs, with torch's default
+            log.exception("tllm: could not set the threads of %s", self.thread.name)
+        self.bus.counters.max("background_threads", torch.get_num_threads())
         while True:
             item = self.queue.get()
             try:
@@ -76,11 +84,16 @@ class _BackgroundChannel:
 
 class Bus:
     def __init__(
-        self, counters: Counters, queue_size: int = 64, overflow: Overflow = "block"
+        self,
+        counters: Counters,
+        queue_size: int = 64,
+        overflow: Overflow = "block",
+        background_threads: int = 1,
     ) -> None:
         self.counters = counters
         self.queue_size = queue_size
         self.overflow = overflow
+        self.background_threads = background_threads
         self.errors: list[dict[str, str]] = []
         self.disabled: set[str] = set()
         self._channels: dict[str, _BackgroundChannel] = {}

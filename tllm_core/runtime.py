@@ -129,7 +129,9 @@ class Runtime:
             for s in self.slots:
                 s.consumer.close()  # never used: writes and keeps nothing
             self.slots = []
-        self.bus = Bus(self.counters, settings.queue_size, settings.overflow)
+        self.bus = Bus(
+            self.counters, settings.queue_size, settings.overflow, settings.background_threads
+        )
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None

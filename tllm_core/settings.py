@@ -79,3 +79,10 @@ class RuntimeSettings(BaseModel):
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
     )
+    background_threads: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="torch intra-op threads of each background consumer's thread (the "
+        "engine's own threads already use the cores)",
+    )
