@@ -104,6 +104,7 @@ class TllmLLM:
         *,
         queue_size: int = 64,
         overflow: str = "block",
+        background_threads: int = 1,
         **llm_kwargs: Any,
     ):
         check_version()
@@ -118,6 +119,7 @@ class TllmLLM:
             consumers=list(checked.specs),
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
+            background_threads=background_threads,
         )
         # The bridge hooks the V1 runner; on GPU vLLM would otherwise pick V2.
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0"):
