@@ -3,18 +3,24 @@
 vLLM 0.32's ``LLM`` has no ``shutdown``/``close``: its engine processes are stopped by a
 finalizer at interpreter exit, which gives them 5 s after SIGTERM and then kills them
 ("force killing remaining process EngineCore"). :func:`shutdown_engine` stops them while the
-program still runs, with a longer grace period. See CONTRACT.md ("Engine lifecycle").
+program still runs, with a longer grace period, and wakes the engine core up while it waits
+(see :func:`wakeups_while_stopping`). See CONTRACT.md ("Engine lifecycle").
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Seconds the engine processes get to exit after SIGTERM before vLLM kills them. Measured:
-# 2-10 s on a busy 2-core machine (the worker process exits after the engine core).
+# 2-20 s on a busy 2-core machine (the worker process exits after the engine core).
 SHUTDOWN_TIMEOUT_S = 60.0
+# Seconds between two wake-up messages to an engine core that has not exited yet.
+WAKE_INTERVAL_S = 0.5
+# The request id a wake-up message aborts: no request has it, so the abort changes nothing.
+WAKE_REQUEST_ID = "tllm-shutdown-wakeup"
 
 
 def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -24,10 +30,61 @@ def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:
         return
+    with wakeups_while_stopping(core):
+        try:
+            core.shutdown(timeout=timeout)
+        except TypeError:  # a client whose shutdown takes no timeout
+            core.shutdown()
+
+
+def engine_processes(core: Any) -> list[Any]:
+    """The engine-core processes a multiprocess client started (empty for other clients)."""
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    return [p for p in procs or () if callable(getattr(p, "join", None))]
+
+
+@contextlib.contextmanager
+def wakeups_while_stopping(core: Any) -> Iterator[None]:
+    """While inside, waiting for an engine-core process to exit also wakes it up, every
+    :data:`WAKE_INTERVAL_S`, with a message (the abort of :data:`WAKE_REQUEST_ID`).
+
+    vLLM stops an engine core with SIGTERM. Its Python handler (which ends the busy loop) runs
+    in the process's main thread only when that thread next runs Python code. If the signal
+    arrives just as the thread goes to sleep waiting for input, which happens right after the
+    last request it answered, it sleeps on with the handler pending, until vLLM kills the
+    process ("force killing remaining process EngineCore"). Any message wakes it up and lets
+    the handler run. The messages are sent from vLLM's own wait (``Process.join``, an
+    **instance attribute** here), so they go out before vLLM closes its sockets.
+    """
+    procs = engine_processes(core)
+
+    def wake() -> None:
+        with contextlib.suppress(Exception):  # engine gone or client closed: nothing to wake
+            core.abort_requests([WAKE_REQUEST_ID])
+
+    for p in procs:
+        p.join = _waking_join(p, p.join, wake)
     try:
-        core.shutdown(timeout=timeout)
-    except TypeError:  # a client whose shutdown takes no timeout
-        core.shutdown()
+        yield
+    finally:
+        for p in procs:
+            vars(p).pop("join", None)
+
+
+def _waking_join(
+    proc: Any, join: Callable[[float | None], None], wake: Callable[[], None]
+) -> Callable[..., None]:
+    def waking_join(timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
+            join(max(0.0, min(WAKE_INTERVAL_S, left)))
+            if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                return
+            wake()
+
+    return waking_join
 
 
 def abort_unfinished(llm: Any) -> int:
