@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
 from types import SimpleNamespace
 
 from tllm_core.vllm_bridge.lifecycle import WAKE_REQUEST_ID, shutdown_engine
@@ -95,11 +94,10 @@ def test_shutdown_engine_wakes_an_engine_core_that_missed_sigterm():
         assert proc.is_alive()
         assert client.aborted == []
 
-        t0 = time.monotonic()
         shutdown_engine(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client)), 20)
+        # Within the grace given (the fake client never kills): it stopped itself.
         assert not proc.is_alive()
-        assert popen.returncode == 0  # it stopped itself: not killed
-        assert time.monotonic() - t0 < 10
+        assert popen.returncode == 0
         assert set(client.aborted) == {WAKE_REQUEST_ID}
         assert "join" not in vars(proc)  # vLLM's own join again afterwards
     finally:
