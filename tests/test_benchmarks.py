@@ -104,6 +104,7 @@ def test_throughput_script_small_run(tiny_model):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # the default suite runs the smaller throughput and pass@k runs
 def test_throughput_paired_method_small_run(tiny_model):
     """The default method: fresh process pairs, each case alternating with plain."""
     args = "--rounds 1 --restarts 2 --consumer steer --json".split()
@@ -120,6 +121,7 @@ def test_throughput_paired_method_small_run(tiny_model):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # the default suite runs the smaller throughput and pass@k runs
 def test_diversity_script_small_run(tiny_model, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("Write a poem about the sea.\nTell me a story.\n")
