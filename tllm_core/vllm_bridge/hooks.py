@@ -192,7 +192,13 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     rank = parallel_info(adapter.parallel_config)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
     with torch.inference_mode(False):
-        runtime = Runtime(settings, adapter.model_info(), Registry(), deliver=rank.leader)
+        runtime = Runtime(
+            settings,
+            adapter.model_info(),
+            Registry(),
+            deliver=rank.leader,
+            data_parallel=(rank.dp_rank, rank.dp_size),
+        )
     hooks = RunnerHooks(adapter, runtime, rank)
     runner._tllm_hooks = hooks
     log.info(
