@@ -154,3 +154,34 @@ def test_output_checks_and_stale_parts(tmp_path):
 def test_bad_rank_is_refused(tmp_path):
     with pytest.raises(ValueError, match="data-parallel rank 2 of size 2 is invalid"):
         dp_export(tmp_path / "x", 2, 2)
+
+
+def test_sae_feature_records_of_two_ranks_are_merged(tmp_path):
+    import numpy as np
+    import torch
+
+    from consumers.export.writer import output_layout
+    from consumers.sae import read_features
+    from consumers.sae.features_writer import FeatureWriter
+    from tllm_core.rows import RequestInfo
+
+    out = tmp_path / "feat"
+    layouts = [output_layout(str(out), False, r, 2) for r in (0, 1)]  # both built before writing
+    for rank, layout in enumerate(layouts):
+        w = FeatureWriter(layout.path, 2, "float32", 4, False, lambda: {"site": "1"}, layout)
+        info = RequestInfo(
+            engine_id=f"r{rank}-x", request_id=f"r{rank}", prompt_index=0, sample_index=0,
+            num_prompt_tokens=3,
+        )  # fmt: skip
+        idx = torch.tensor([[rank, 5], [7, rank]], dtype=torch.int32)
+        w.append([info, info], np.array([0, 1]), np.array([10, 11]), np.array([False] * 2),
+                 idx, torch.ones(2, 2))  # fmt: skip
+        w.finished(info.engine_id)
+        w.close()
+    assert sorted(p.name for p in out.iterdir()) == ["dp0", "dp1"]
+    recs = {r.request_id: r for r in read_features(out, verify=True)}
+    assert sorted(recs) == ["r0", "r1"]
+    for rank in (0, 1):
+        rec = recs[f"r{rank}"]
+        assert rec.data_parallel_rank == rank
+        assert rec.indices.tolist() == [[rank, 5], [7, rank]]
