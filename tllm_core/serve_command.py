@@ -67,9 +67,7 @@ def parallel_ranks(args: argparse.Namespace) -> int:
             try:
                 dp = int(value)
             except ValueError:
-                raise cli_common.CliError(
-                    f"{flag} must be a whole number, got {value!r}"
-                ) from None
+                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
     return args.tensor_parallel_size * dp
