@@ -94,6 +94,43 @@ def test_counters_route_asks_every_engine_core():
     assert calls == [("collective_rpc", ("tllm_collect", None, (), None))]
 
 
+def test_worker_shutdown_closes_the_runtime_once():
+    from tllm_core.vllm_bridge.hooks import RunnerHooks
+    from tllm_core.vllm_bridge.worker_ext import TllmWorkerExtension
+    from tllm_core.vllm_bridge.worker_setup import close_on_shutdown
+
+    events = []
+
+    class Runtime:
+        def close(self):
+            events.append("close")
+            return {"runtime": {"closed": 1}}
+
+    def make_worker():
+        hooks = RunnerHooks.__new__(RunnerHooks)  # only the close() bookkeeping
+        hooks.runtime, hooks._final = Runtime(), None
+
+        class Worker(TllmWorkerExtension):
+            model_runner = SimpleNamespace(_tllm_hooks=hooks)
+            rank = None
+
+            def shutdown(self):
+                events.append("shutdown")
+
+        w = Worker()
+        hooks.rank = SimpleNamespace(as_dict=lambda: {"dp_rank": 0})
+        close_on_shutdown(w)
+        return w
+
+    make_worker().shutdown()  # a server stopping: consumers closed, then vLLM's shutdown
+    assert events == ["close", "shutdown"]
+    events.clear()
+    w = make_worker()
+    assert w.tllm_close()["runtime"] == {"closed": 1}  # TllmLLM.close(), then the engine stops
+    w.shutdown()
+    assert events == ["close", "shutdown"]
+
+
 # -- real vLLM ---------------------------------------------------------------------------------
 def _free_port() -> int:
     import socket
@@ -177,6 +214,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         ranks = rep["ranks"]
         assert [r["rank"]["dp_rank"] for r in ranks] == [0, 1]
         finished = [r["runtime"].get("requests_finished", 0) for r in ranks]
+        print("requests finished per engine:", finished)
         assert all(f > 0 for f in finished), f"one engine got no request: {finished}"
         # Summed over the engines, and every request counted once.
         assert rep["runtime"]["requests_finished"] == sum(finished) == 16
@@ -202,6 +240,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
     # named export, each with its prompt and 8 generated tokens.
     exp = open_export(out, verify=True)
     assert isinstance(exp, DataParallelExport) and exp.data_parallel_size == 2
+    assert exp.complete  # each engine closed its consumers when the server stopped
     records = exp.records()
     assert len(records) == 8
     assert {r.data_parallel_rank for r in records} <= {0, 1}

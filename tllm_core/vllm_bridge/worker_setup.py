@@ -10,6 +10,8 @@ Imported only then, by the plugin's ``WorkerWrapperBase.init_device`` wrapper
    the V2 runner, or any other, is refused here whatever could be imported), the worker
    class gets the ``tllm_*`` RPC methods, and the runner's ``load_model`` is wrapped on the
    instance: after the weights load, the hooks are installed, then the runner workarounds.
+   The worker's ``shutdown`` is wrapped on the instance too: the consumers are closed
+   (flushed) when the engine stops, whoever stops it (:func:`close_on_shutdown`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,30 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
 
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
+    close_on_shutdown(worker)
+
+
+def close_on_shutdown(worker: Any) -> None:
+    """Close the runtime before the worker shuts down (instance wrapper of ``shutdown``).
+
+    A server has no other moment to close its consumers: vLLM calls the worker's
+    ``shutdown`` when the engine stops (Ctrl-C of ``tllm serve``, SIGTERM). An export then
+    writes its buffered rows and a manifest with ``complete: true``. After the ``tllm_close``
+    RPC (``TllmLLM.close``) this closes nothing again.
+    """
+    shutdown = worker.shutdown
+
+    @functools.wraps(shutdown)
+    def close_then_shutdown(*args, **kwargs):
+        hooks = getattr(getattr(worker, "model_runner", None), "_tllm_hooks", None)
+        if hooks is not None:
+            try:
+                hooks.close()
+            except Exception:  # noqa: BLE001 - the engine must still shut down
+                log.exception("tllm: closing the consumers at engine shutdown failed")
+        return shutdown(*args, **kwargs)
+
+    worker.shutdown = close_then_shutdown
 
 
 def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
