@@ -247,7 +247,7 @@ class SaeConsumer(Consumer):
         positions = np.asarray(rows.position, np.int64)
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         if self.writer is not None:
-            self.writer.note_tokens(rows.requests, positions, tokens)
+            self._note_tokens(rows.requests, positions, tokens)
         if not keep.any():
             return
         sel = np.nonzero(keep)[0]
@@ -293,7 +293,17 @@ class SaeConsumer(Consumer):
             return
         ids_np = ids.detach().to("cpu", torch.int64).numpy()
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
-        self.writer.note_tokens(srows.requests, pos, ids_np)
+        self._note_tokens(srows.requests, pos, ids_np)
+
+    def _note_tokens(self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray) -> None:
+        """Token ids of recorded requests only: a request this consumer only steers gets no
+        record (it would appear, without rows, in the feature files)."""
+        keep = np.fromiter((self._records(r) for r in requests), np.bool_, len(requests))
+        if keep.all():
+            self.writer.note_tokens(requests, pos, ids)
+        elif keep.any():
+            idx = np.nonzero(keep)[0]
+            self.writer.note_tokens([requests[j] for j in idx], pos[idx], ids[idx])
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._settings.pop(request.engine_id, None)
