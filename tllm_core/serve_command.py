@@ -24,6 +24,7 @@ EPILOG = """examples:
   tllm serve --consumer esamp --per-request
   tllm serve --consumer 'esamp:{"beta": 0.5}' --consumer stats --port 8001
   tllm serve --model ./my-hf-model --consumer esamp -- --max-num-seqs 64 --enforce-eager
+  tllm serve --data-parallel-size 2 --consumer esamp --per-request   # two engines
 
 Arguments after `--` go to vLLM's server unchanged (`python -m
 vllm.entrypoints.openai.api_server --help` lists them). Without --model the embedded
