@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, check_version
@@ -26,6 +27,7 @@ from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, 
 log = logging.getLogger("tllm")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
+CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker has 30 s)
 
 
 def aot_compile_off() -> None:
@@ -91,14 +93,25 @@ def close_on_shutdown(worker: Any) -> None:
     """
     shutdown = worker.shutdown
 
+    def close(hooks: Any) -> None:
+        try:
+            hooks.close()
+        except Exception:  # noqa: BLE001 - the engine must still shut down
+            log.exception("tllm: closing the consumers at engine shutdown failed")
+
     @functools.wraps(shutdown)
     def close_then_shutdown(*args, **kwargs):
         hooks = getattr(getattr(worker, "model_runner", None), "_tllm_hooks", None)
         if hooks is not None:
-            try:
-                hooks.close()
-            except Exception:  # noqa: BLE001 - the engine must still shut down
-                log.exception("tllm: closing the consumers at engine shutdown failed")
+            # Bounded: a consumer that hangs must not keep the engine from stopping.
+            t = threading.Thread(target=close, args=(hooks,), name="tllm-close", daemon=True)
+            t.start()
+            t.join(CLOSE_TIMEOUT_S)
+            if t.is_alive():
+                log.warning(
+                    "tllm: closing the consumers took over %s s; shutting down without them",
+                    CLOSE_TIMEOUT_S,
+                )
         return shutdown(*args, **kwargs)
 
     worker.shutdown = close_then_shutdown
