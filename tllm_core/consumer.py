@@ -50,6 +50,10 @@ class ConsumerContext:
     parse_port: Callable[[str, Phase], TokenPort] | None = None
     # The consumer acts only on requests naming it in extra_args["tllm_consumers"].
     per_request: bool = False
+    # Data parallel: this engine's rank among ``data_parallel_size`` independent engines
+    # (each with its own consumers). A consumer writing files names them per rank.
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
 
 class Consumer:

@@ -65,7 +65,11 @@ def _edit_counter_key(tap_key: str) -> str:
 
 
 def build_consumers(
-    settings: RuntimeSettings, model: ModelInfo, registry: Registry, counters: Counters
+    settings: RuntimeSettings,
+    model: ModelInfo,
+    registry: Registry,
+    counters: Counters,
+    data_parallel: tuple[int, int] = (0, 1),
 ) -> list[_Slot]:
     """Validate specs, construct consumers and resolve their ports (errors before generation)."""
     slots = []
@@ -82,6 +86,8 @@ def build_consumers(
             resolve_layer=resolve,
             parse_port=registry.parse_port,
             per_request=spec.per_request,
+            data_parallel_rank=data_parallel[0],
+            data_parallel_size=data_parallel[1],
         )
         consumer = cls(config, context)
         reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
@@ -107,6 +113,8 @@ class Runtime:
     whose output the engine keeps): consumers are built, so that every rank asks for the
     same taps, and closed at once; the follower never calls a consumer (no edit plans, no
     bundles, no guidance) and its counters are not part of the engine's report.
+    ``data_parallel`` is ``(rank, size)`` of this engine among data-parallel engines; the
+    consumers see it on their context.
     """
 
     def __init__(
@@ -115,12 +123,15 @@ class Runtime:
         model: ModelInfo,
         registry: Registry | None = None,
         deliver: bool = True,
+        data_parallel: tuple[int, int] = (0, 1),
     ):
         self.settings = settings
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
-        self.slots = build_consumers(settings, model, registry or Registry(), self.counters)
+        self.slots = build_consumers(
+            settings, model, registry or Registry(), self.counters, data_parallel
+        )
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
         self._edit_taps = {t for s in self.slots for t in s.edits.values()}

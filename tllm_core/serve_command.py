@@ -24,6 +24,7 @@ EPILOG = """examples:
   tllm serve --consumer esamp --per-request
   tllm serve --consumer 'esamp:{"beta": 0.5}' --consumer stats --port 8001
   tllm serve --model ./my-hf-model --consumer esamp -- --max-num-seqs 64 --enforce-eager
+  tllm serve --data-parallel-size 2 --consumer esamp --per-request   # two engines
 
 Arguments after `--` go to vLLM's server unchanged (`python -m
 vllm.entrypoints.openai.api_server --help` lists them). Without --model the embedded
@@ -41,6 +42,8 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     argv += ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
     if args.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.data_parallel_size != 1:
+        argv += ["--data-parallel-size", str(args.data_parallel_size)]
     # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
     # them; its default, 0, kills them at once ("force killing remaining process"). 60 s: the
     # worker alone may take up to 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS set by the command).
@@ -49,6 +52,26 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
         argv += ["--uvicorn-log-level", "warning", "--no-use-tqdm-on-load"]
     tllm = {ADDITIONAL_CONFIG_KEY: settings.model_dump()}
     return [*argv, "--additional-config", json.dumps(tllm), *extra]
+
+
+DP_FLAGS = ("--data-parallel-size", "-dp")
+
+
+def parallel_ranks(args: argparse.Namespace) -> int:
+    """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins)."""
+    dp = args.data_parallel_size
+    extra = list(args.vllm_args or [])
+    for i, a in enumerate(extra):
+        flag, eq, value = a.partition("=")
+        if flag in DP_FLAGS:
+            value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+            try:
+                dp = int(value)
+            except ValueError:
+                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
+    if dp < 1:
+        raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
+    return args.tensor_parallel_size * dp
 
 
 def describe(url: str, checked) -> list[str]:
@@ -89,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.engine import validate_consumers
 
     cli_common.quiet(args)
+    ranks = parallel_ranks(args)
     model = args.model
     if model is not None and not Path(model).is_dir():
         raise cli_common.CliError(
@@ -114,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
     from tllm_core.vllm_bridge.server_entry import run_openai_server
 
-    bind_cpu_threads(args.tensor_parallel_size)
+    bind_cpu_threads(ranks)
     _announce_when_ready(url)
     run_openai_server(server_argv(args, model, settings))
     say("server stopped")
@@ -148,6 +172,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's option")
+    s.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's option: engines behind this one server, each with its own consumers "
+        "(docs/scaling.md)",
+    )
     s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     s.add_argument("--max-model-len", type=int, default=2048, help="context length")
     s.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache GiB (default 2)")

@@ -1,5 +1,11 @@
 """``export`` consumer: hidden states to sharded safetensors, and the reader for them."""
 
-from consumers.export.reader import ExportReader, ExportRecord, read_export
+from consumers.export.reader import (
+    DataParallelExport,
+    ExportReader,
+    ExportRecord,
+    open_export,
+    read_export,
+)
 
-__all__ = ["ExportReader", "ExportRecord", "read_export"]
+__all__ = ["DataParallelExport", "ExportReader", "ExportRecord", "open_export", "read_export"]

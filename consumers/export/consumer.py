@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens, rows_to_write
-from consumers.export.writer import TORCH_DTYPES, ShardWriter, check_output_dir
+from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.ports import (
@@ -132,7 +132,11 @@ class ExportConsumer(Consumer):
                 keys.append(port.key)
                 self._ports.append(port)
         self.keys = keys
-        self.path = check_output_dir(config.out, config.overwrite)
+        # Data parallel: this engine writes its own part folder (out/dp{rank}).
+        self.layout = output_layout(
+            config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
+        )
+        self.path = self.layout.path
         itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
         row_bytes = self.hidden_size * itemsize * len(keys)
         if config.shard_rows is not None:
@@ -163,6 +167,7 @@ class ExportConsumer(Consumer):
             self.shard_rows,
             config.overwrite,
             self._manifest,
+            before_first_write=self.layout.clean_root,
         )
 
     # -- ports ------------------------------------------------------------------------------
@@ -284,7 +289,11 @@ class ExportConsumer(Consumer):
                 }
             )
         w = self.writer
+        part = {}
+        if self.layout.dp_size > 1:
+            part = {"data_parallel": {"rank": self.layout.dp_rank, "size": self.layout.dp_size}}
         return {
+            **part,
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
             "complete": self._complete,

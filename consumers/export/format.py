@@ -1,6 +1,10 @@
 """On-disk layout of an ``export`` directory (see ``docs/export-format.md``).
 
 Kept free of torch-heavy logic so the writer and the reader agree on one definition.
+
+Data parallel: each of the ``N`` engines writes a complete export of its own requests into
+the part folder ``dp{rank}`` of the one output directory (``out/dp0``, ``out/dp1``, ...);
+the reader merges the parts.
 """
 
 from __future__ import annotations
@@ -26,6 +30,19 @@ IS_DECODE = "is_decode"  # bool: position >= num_prompt_tokens
 ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+PART_PATTERN = re.compile(r"^dp(\d+)$")
+
+
+def part_name(rank: int) -> str:
+    """Folder of data-parallel engine ``rank`` inside the output directory."""
+    return f"dp{rank}"
+
+
+def part_rank(name: str) -> int | None:
+    """The rank of a part folder name (``"dp3"`` -> 3), else None."""
+    m = PART_PATTERN.match(name)
+    return None if m is None else int(m.group(1))
 
 
 def shard_name(index: int) -> str:

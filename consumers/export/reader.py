@@ -4,6 +4,10 @@ Only the shards listed in ``manifest.json`` are read (stray ``.tmp`` files and u
 shards from an interrupted run are ignored), one shard at a time: a record is yielded as
 soon as the last shard holding its rows has been read, so memory stays bounded by one
 shard plus the rows of requests still "open" across shard boundaries.
+
+An export written by data-parallel engines holds one complete export per engine in part
+folders ``dp{rank}``; :func:`open_export` / :func:`read_export` merge them
+(:class:`DataParallelExport`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ExportRecord:
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
     finished: bool = True
     engine_id: str = ""
+    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
     @property
     def prompt_token_ids(self) -> torch.Tensor:
@@ -72,6 +77,12 @@ class ExportReader:
         self.path = os.fspath(path)
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
+            parts = [os.path.basename(p) for _, p in export_parts(self.path)]
+            if parts:
+                raise ExportFormatError(
+                    f"{self.path!r} holds the parts of a data-parallel export ({', '.join(parts)}), "
+                    f"not one manifest: read it with read_export() or open_export()"
+                )
             raise ExportFormatError(
                 f"{self.path!r} holds no {fmt.MANIFEST}: not an export directory, or no shard "
                 f"was completed yet"
@@ -210,11 +221,102 @@ class ExportReader:
         return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
 
 
+def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
+    """``(rank, folder)`` of the data-parallel parts in ``path`` holding a manifest, by rank."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        rank = fmt.part_rank(name)
+        folder = os.path.join(root, name)
+        if rank is not None and os.path.isfile(os.path.join(folder, fmt.MANIFEST)):
+            found.append((rank, folder))
+    return sorted(found)
+
+
+class DataParallelExport:
+    """An export written by data-parallel engines: one complete export per engine, in the
+    part folders ``dp{rank}`` of ``path``. Iterating yields the records of every part, part
+    by part in rank order (each record's ``data_parallel_rank`` names its engine); the keys,
+    hidden size and dtype are those of every part (they must agree)."""
+
+    def __init__(self, path: str | os.PathLike, parts: list[tuple[int, ExportReader]]):
+        self.path = os.fspath(path)
+        if not parts:
+            raise ExportFormatError(f"{self.path!r} holds no data-parallel part")
+        self.parts = sorted(parts, key=lambda p: p[0])
+        sizes = set()
+        for rank, part in self.parts:
+            dp = part.manifest.get("data_parallel")
+            if (
+                not isinstance(dp, dict)
+                or dp.get("rank") != rank
+                or not isinstance(dp.get("size"), int)
+            ):
+                raise ExportFormatError(
+                    f"{part.path!r} is not the part of data-parallel rank {rank} (its manifest "
+                    f"says data_parallel={dp!r})"
+                )
+            sizes.add(dp.get("size"))
+        first = self.parts[0][1]
+        for what in ("keys", "hidden_size", "dtype"):
+            values = {repr(getattr(p, what)) for _, p in self.parts}
+            if len(values) > 1:
+                raise ExportFormatError(
+                    f"the parts of {self.path!r} disagree on {what}: {sorted(values)}"
+                )
+        ranks = [r for r, _ in self.parts]
+        if len(sizes) > 1 or max(ranks) >= min(sizes):
+            raise ExportFormatError(
+                f"the parts of {self.path!r} ({', '.join(fmt.part_name(r) for r in ranks)}) come "
+                f"from exports with different data-parallel sizes {sorted(sizes)}: remove the "
+                f"stale parts, or export again with overwrite=true"
+            )
+        self.data_parallel_size: int = sizes.pop()
+        self.keys: list[str] = first.keys
+        self.hidden_size: int = first.hidden_size
+        self.dtype: str = first.dtype
+        self.complete: bool = all(p.complete for _, p in self.parts)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.num_rows for _, p in self.parts)
+
+    def __len__(self) -> int:
+        return sum(len(p) for _, p in self.parts)
+
+    def __iter__(self) -> Iterator[Any]:
+        for rank, part in self.parts:
+            for record in part:
+                record.data_parallel_rank = rank
+                yield record
+
+    def records(self) -> list[Any]:
+        """All records, sorted by (prompt_index, sample_index, request_id); loads everything."""
+        return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
+
+
+def open_export(
+    path: str | os.PathLike, verify: bool = False, reader: type[ExportReader] = ExportReader
+) -> ExportReader | DataParallelExport:
+    """The export at ``path``: one export (its ``manifest.json``), or the parts a
+    data-parallel run wrote (``dp{rank}/manifest.json``) merged. ``reader`` reads one
+    export (formats built on this layout pass their subclass)."""
+    root = os.fspath(path)
+    if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
+        parts = export_parts(root)
+        if parts:
+            return DataParallelExport(root, [(r, reader(p, verify=verify)) for r, p in parts])
+    return reader(root, verify=verify)
+
+
 def read_export(path: str | os.PathLike, verify: bool = False) -> Iterator[ExportRecord]:
     """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``.
 
     The manifest is read (and checked) at once; shards are read one at a time, as the
-    records are consumed, in the order their last shard is read.
+    records are consumed, in the order their last shard is read. A data-parallel export
+    (part folders ``dp{rank}``) yields the records of every part, part by part.
     ``verify=True`` checks each shard's sha256 against the manifest first.
     """
-    return iter(ExportReader(path, verify=verify))
+    return iter(open_export(path, verify=verify))

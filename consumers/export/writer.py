@@ -8,8 +8,10 @@ manifest that lists exactly the complete shards it names.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,11 +26,12 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 _INITIAL_ROWS = 256
 
 
-def check_output_dir(out: str, overwrite: bool) -> str:
+def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
     """Validate ``out`` without creating anything; returns its absolute path.
 
     Raises ``ValueError`` naming the path when it is a file, lies under a file, is not
-    writable, or is a non-empty directory while ``overwrite`` is off.
+    writable, or is a non-empty directory while ``overwrite`` is off. Data-parallel part
+    folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own).
     """
     if not out or not str(out).strip():
         raise ValueError("export: 'out' must be a directory path, got an empty string")
@@ -40,6 +43,7 @@ def check_output_dir(out: str, overwrite: bool) -> str:
             raise ValueError(f"export: out={out!r} is a directory this process cannot write to")
         with os.scandir(path) as it:
             entries = sorted(e.name for e in it)
+        entries = [e for e in entries if not _part_below(e, parts_below)]
         if entries and not overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise ValueError(
@@ -63,6 +67,69 @@ def check_output_dir(out: str, overwrite: bool) -> str:
     return path
 
 
+def _part_below(name: str, size: int) -> bool:
+    """``name`` is the part folder of a data-parallel rank below ``size``."""
+    rank = fmt.part_rank(name)
+    return rank is not None and rank < size
+
+
+def remove_export_files(path: str) -> None:
+    """Remove the export files in ``path`` (manifest first); other files stay. A file that
+    vanishes meanwhile (another data-parallel engine cleaning the same folder) is fine."""
+    names = sorted(os.listdir(path))
+    # Manifest first: the directory never claims shards that are being removed.
+    names.sort(key=lambda n: n != fmt.MANIFEST)
+    for name in names:
+        if fmt.is_export_file(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, name))
+    fmt.fsync_dir(path)
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where one engine writes: the output directory ``root`` itself, or, under data
+    parallel, its part folder ``root/dp{dp_rank}`` (see :mod:`consumers.export.format`)."""
+
+    root: str
+    path: str
+    dp_rank: int = 0
+    dp_size: int = 1
+    overwrite: bool = False
+
+    def clean_root(self) -> None:
+        """With ``overwrite``, before the first write: remove what an earlier export left in
+        ``root`` that this one does not replace itself (top-level files under data parallel,
+        part folders of ranks this export does not have). Every engine does it (an engine
+        that gets no request never writes), tolerating the others doing the same."""
+        if not self.overwrite or not os.path.isdir(self.root):
+            return
+        if self.dp_size > 1:
+            remove_export_files(self.root)
+        keep = self.dp_size if self.dp_size > 1 else 0
+        with os.scandir(self.root) as it:
+            parts = [e for e in it if e.is_dir() and fmt.part_rank(e.name) is not None]
+        stale = [e.path for e in parts if not _part_below(e.name, keep)]
+        for part in stale:
+            with contextlib.suppress(FileNotFoundError):  # another engine removed it
+                remove_export_files(part)
+            with contextlib.suppress(OSError):  # removed already, or holds other files
+                os.rmdir(part)
+
+
+def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1) -> OutputLayout:
+    """Check ``out`` (and, under data parallel, this engine's part folder in it) without
+    creating anything; raises ``ValueError`` as :func:`check_output_dir`."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"export: data-parallel rank {dp_rank} of size {dp_size} is invalid")
+    if dp_size == 1:
+        root = check_output_dir(out, overwrite)
+        return OutputLayout(root, root, 0, 1, overwrite)
+    root = check_output_dir(out, overwrite, parts_below=dp_size)
+    path = check_output_dir(os.path.join(root, fmt.part_name(dp_rank)), overwrite)
+    return OutputLayout(root, path, dp_rank, dp_size, overwrite)
+
+
 class ShardWriter:
     """Buffers rows (at most ``shard_rows``) and writes them as numbered shards."""
 
@@ -79,10 +146,13 @@ class ShardWriter:
         columns: dict[str, tuple[int, torch.dtype]] | None = None,
         tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
         format_name: str = fmt.FORMAT_NAME,
+        before_first_write: Callable[[], None] | None = None,
     ):
         """``columns`` (optional) gives each key its own ``(width, dtype)`` instead of
         ``(hidden_size, dtype)``; ``tensor_name`` maps a key to its shard tensor name and
-        ``format_name`` goes into each shard's metadata (formats built on this writer)."""
+        ``format_name`` goes into each shard's metadata (formats built on this writer).
+        ``before_first_write`` runs once, before the directory is created
+        (:meth:`OutputLayout.clean_root`)."""
         self.path = path
         self.keys = list(keys)
         self.hidden_size = hidden_size
@@ -94,6 +164,7 @@ class ShardWriter:
         self.shard_rows = shard_rows
         self.overwrite = overwrite
         self.manifest_fn = manifest_fn
+        self.before_first_write = before_first_write
         self.shards: list[dict[str, Any]] = []
         self.rows_written = 0
         self.bytes_written = 0
@@ -168,6 +239,8 @@ class ShardWriter:
         """Create the directory (first write only); with ``overwrite``, remove old export files."""
         if self._prepared:
             return
+        if self.before_first_write is not None:
+            self.before_first_write()
         os.makedirs(self.path, exist_ok=True)
         names = sorted(os.listdir(self.path))
         if names and not self.overwrite:
@@ -175,13 +248,7 @@ class ShardWriter:
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
                 f"refusing to mix exports (set overwrite=true to replace)"
             )
-        # Manifest first: the directory never claims shards that are being removed.
-        if fmt.MANIFEST in names:
-            os.remove(os.path.join(self.path, fmt.MANIFEST))
-        for name in names:
-            if name != fmt.MANIFEST and fmt.is_export_file(name):
-                os.remove(os.path.join(self.path, name))
-        fmt.fsync_dir(self.path)
+        remove_export_files(self.path)
         self._prepared = True
 
     def write_shard(self) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from consumers.export.tokens import rows_to_write
-from consumers.export.writer import check_output_dir
+from consumers.export.writer import output_layout
 from consumers.sae.config import SaeConfig
 from consumers.sae.features_writer import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
@@ -97,14 +97,21 @@ class SaeConsumer(Consumer):
         self._lock = threading.Lock()
         self.writer: FeatureWriter | None = None
         if config.out is not None:
-            path = check_output_dir(config.out, config.overwrite)
+            # Data parallel: this engine writes its own part folder (out/dp{rank}).
+            layout = output_layout(
+                config.out,
+                config.overwrite,
+                context.data_parallel_rank,
+                context.data_parallel_size,
+            )
             self.writer = FeatureWriter(
-                path,
+                layout.path,
                 config.top_k,
                 config.values_dtype,
                 config.shard_rows,
                 config.overwrite,
                 self.describe,
+                layout,
             )
 
     # -- helpers ------------------------------------------------------------------------

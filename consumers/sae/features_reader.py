@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from consumers.export import format as fmt
-from consumers.export.reader import ExportReader
+from consumers.export.reader import ExportReader, open_export
 from consumers.sae import features_writer as fw
 
 
@@ -35,6 +35,7 @@ class FeatureRecord:
     values: torch.Tensor  # fp16/fp32 [rows, top_k]
     finished: bool = True
     engine_id: str = ""
+    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
 
 class FeatureReader(ExportReader):
@@ -91,5 +92,6 @@ class FeatureReader(ExportReader):
 
 def read_features(path: str | os.PathLike, verify: bool = False) -> Iterator[FeatureRecord]:
     """Yield one :class:`FeatureRecord` per (request, sample) of the feature directory
-    ``path``, reading one shard at a time. ``verify=True`` checks shard sha256 sums."""
-    return iter(FeatureReader(path, verify=verify))
+    ``path``, reading one shard at a time (the parts of a data-parallel run, ``dp{rank}``,
+    part by part). ``verify=True`` checks shard sha256 sums."""
+    return iter(open_export(path, verify=verify, reader=FeatureReader))

@@ -19,7 +19,7 @@ import torch
 
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens
-from consumers.export.writer import TORCH_DTYPES, ShardWriter
+from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
 
 FORMAT_NAME = "tllm-sae-features"
 FORMAT_VERSION = 1
@@ -55,13 +55,16 @@ class FeatureWriter:
         shard_rows: int,
         overwrite: bool,
         describe: Callable[[], dict[str, Any]],
+        layout: OutputLayout | None = None,
     ):
+        """``layout`` (data parallel): this engine's part folder of the output directory."""
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(f"feature values dtype {value_dtype!r}: allowed {VALUE_DTYPES}")
         self.path = path
         self.top_k = top_k
         self.value_dtype = value_dtype
         self._describe = describe
+        self.layout = layout
         self._lock = threading.Lock()
         self._fin_lock = threading.Lock()
         self._finished: set[str] = set()
@@ -80,6 +83,7 @@ class FeatureWriter:
             columns={INDICES: (top_k, torch.int32), VALUES: (top_k, TORCH_DTYPES[value_dtype])},
             tensor_name=tensor_name,
             format_name=FORMAT_NAME,
+            before_first_write=None if layout is None else layout.clean_root,
         )
 
     def _request(self, info: Any) -> RequestTokens:
@@ -151,7 +155,11 @@ class FeatureWriter:
             for r in self._table
         ]
         w = self.shards
+        part = {}
+        if self.layout is not None and self.layout.dp_size > 1:
+            part = {"data_parallel": {"rank": self.layout.dp_rank, "size": self.layout.dp_size}}
         return {
+            **part,
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "complete": self.complete,

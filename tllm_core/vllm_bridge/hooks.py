@@ -178,6 +178,11 @@ class RunnerHooks:
         self.runtime.end_step(self.step)
         self._host_time("end_step", t)
 
+    def close(self) -> dict[str, Any]:
+        """Close the runtime (flush and close the consumers); it closes once, and later
+        calls (the ``tllm_close`` RPC, then the worker's shutdown) get the same report."""
+        return self.runtime.close()
+
     def finish_all(self) -> None:
         """Treat every known request as finished (offline runs: generate() has returned)."""
         self.finished(list(self.requests))
@@ -192,7 +197,13 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     rank = parallel_info(adapter.parallel_config)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
     with torch.inference_mode(False):
-        runtime = Runtime(settings, adapter.model_info(), Registry(), deliver=rank.leader)
+        runtime = Runtime(
+            settings,
+            adapter.model_info(),
+            Registry(),
+            deliver=rank.leader,
+            data_parallel=(rank.dp_rank, rank.dp_size),
+        )
     hooks = RunnerHooks(adapter, runtime, rank)
     runner._tllm_hooks = hooks
     log.info(

@@ -14,7 +14,8 @@ own sampled tokens into its next step; the engine returns the output of one rank
   (:func:`sync_sampled`), so followers continue from the tokens the engine returns.
 
 Pipeline parallel is refused (:func:`check_layout`): plain vLLM fails at PP = 2 on the CPU
-build. Data parallel engines are independent engines: each has its own leader.
+build. Data parallel engines are independent engines: each has its own leader
+(:func:`data_parallel_layout` tells an engine its DP rank and the number of engines).
 """
 
 from __future__ import annotations
@@ -68,6 +69,25 @@ def check_layout(parallel_config: Any) -> None:
         raise UnsupportedEngineError(PP_REFUSAL.format(pp=pp))
 
 
+def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
+    """``(rank, size)`` of this engine among the data-parallel engines.
+
+    vLLM runs the DP ranks of a dense model as independent engines: each engine core calls
+    ``ParallelConfig.reconfigure_for_independent_dp_rank()``, which sets
+    ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0. The rank survives in
+    ``data_parallel_index``; the number of engines in ``elastic_ep_max_dp_size``, which
+    vLLM sets to the initial ``data_parallel_size`` when elastic EP is off and does not reset.
+    """
+    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    if rank is None:
+        rank = getattr(parallel_config, "data_parallel_rank", 0)
+    rank = int(rank or 0)
+    if not getattr(parallel_config, "enable_elastic_ep", False):
+        size = max(size, int(getattr(parallel_config, "elastic_ep_max_dp_size", None) or 1))
+    return rank, max(size, rank + 1)
+
+
 def parallel_info(parallel_config: Any) -> ParallelInfo:
     """Ranks of this worker, read from vLLM's initialised parallel groups."""
     tp, pp = int(parallel_config.tensor_parallel_size), int(parallel_config.pipeline_parallel_size)
@@ -76,13 +96,14 @@ def parallel_info(parallel_config: Any) -> ParallelInfo:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    dp_rank, dp_size = data_parallel_layout(parallel_config)
     return ParallelInfo(
         tp_rank=tp_rank,
         tp_size=tp,
         pp_rank=pp_rank,
         pp_size=pp,
-        dp_rank=int(getattr(parallel_config, "data_parallel_rank", 0) or 0),
-        dp_size=int(getattr(parallel_config, "data_parallel_size", 1) or 1),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
 
 
@@ -135,8 +156,8 @@ def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
     if len(ids) < world_size:
         raise ValueError(
             f"{world_size} ranks need at least {world_size} CPU cores, one per rank; this "
-            f"process may use {len(ids)} ({ids}). Lower tensor_parallel_size, or set "
-            f"{BIND_ENV} yourself"
+            f"process may use {len(ids)} ({ids}). Lower tensor_parallel_size (times "
+            f"data_parallel_size), or set {BIND_ENV} yourself"
         )
     per, extra = divmod(len(ids), world_size)
     groups, start = [], 0
@@ -149,7 +170,11 @@ def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
 
 def bind_cpu_threads(world_size: int) -> str | None:
     """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for a multi-rank engine
-    unless the user set it; returns the value set (None when nothing was set)."""
+    unless the user set it; returns the value set (None when nothing was set).
+
+    ``world_size`` counts every rank on this machine: tensor parallel size times data
+    parallel size (vLLM gives DP engine ``d`` the groups ``d * tp`` to ``(d + 1) * tp - 1``).
+    """
     if world_size <= 1 or os.environ.get(BIND_ENV):
         return None
     from vllm.platforms import current_platform

@@ -43,7 +43,7 @@ class TllmWorkerExtension:
 
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
-        return None if hooks is None else {**hooks.runtime.close(), "rank": hooks.rank.as_dict()}
+        return None if hooks is None else {**hooks.close(), "rank": hooks.rank.as_dict()}
 
 
 def ensure_worker_methods(worker_cls: type) -> None:

@@ -10,6 +10,8 @@ Imported only then, by the plugin's ``WorkerWrapperBase.init_device`` wrapper
    the V2 runner, or any other, is refused here whatever could be imported), the worker
    class gets the ``tllm_*`` RPC methods, and the runner's ``load_model`` is wrapped on the
    instance: after the weights load, the hooks are installed, then the runner workarounds.
+   The worker's ``shutdown`` is wrapped on the instance too: the consumers are closed
+   (flushed) when the engine stops, whoever stops it (:func:`close_on_shutdown`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from typing import Any
 
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, check_version
@@ -24,6 +27,7 @@ from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, 
 log = logging.getLogger("tllm")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
+CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker has 30 s)
 
 
 def aot_compile_off() -> None:
@@ -76,7 +80,41 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
 
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
-    _close_consumers_on_shutdown(worker)
+    close_on_shutdown(worker)
+
+
+def close_on_shutdown(worker: Any) -> None:
+    """Close the runtime before the worker shuts down (instance wrapper of ``shutdown``).
+
+    A server has no other moment to close its consumers: vLLM calls the worker's
+    ``shutdown`` when the engine stops (Ctrl-C of ``tllm serve``, SIGTERM). An export then
+    writes its buffered rows and a manifest with ``complete: true``. After the ``tllm_close``
+    RPC (``TllmLLM.close``) this closes nothing again.
+    """
+    shutdown = worker.shutdown
+
+    def close(hooks: Any) -> None:
+        try:
+            hooks.close()
+        except Exception:  # noqa: BLE001 - the engine must still shut down
+            log.exception("tllm: closing the consumers at engine shutdown failed")
+
+    @functools.wraps(shutdown)
+    def close_then_shutdown(*args, **kwargs):
+        hooks = getattr(getattr(worker, "model_runner", None), "_tllm_hooks", None)
+        if hooks is not None:
+            # Bounded: a consumer that hangs must not keep the engine from stopping.
+            t = threading.Thread(target=close, args=(hooks,), name="tllm-close", daemon=True)
+            t.start()
+            t.join(CLOSE_TIMEOUT_S)
+            if t.is_alive():
+                log.warning(
+                    "tllm: closing the consumers took over %s s; shutting down without them",
+                    CLOSE_TIMEOUT_S,
+                )
+        return shutdown(*args, **kwargs)
+
+    worker.shutdown = close_then_shutdown
 
 
 def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
@@ -93,22 +131,3 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         return out
 
     runner.load_model = load_model
-
-
-def _close_consumers_on_shutdown(worker: Any) -> None:
-    """Close the runtime (flush queues, close consumers: exports write their manifest)
-    when vLLM shuts this worker down, as a server does when it stops. An offline engine
-    has closed it already (``tllm_close``); closing is idempotent."""
-    shutdown = worker.shutdown
-
-    @functools.wraps(shutdown)
-    def closing_shutdown(*args, **kwargs):
-        hooks = getattr(worker.model_runner, "_tllm_hooks", None)
-        if hooks is not None:
-            try:
-                hooks.runtime.close()
-            except Exception:  # noqa: BLE001 - never keep vLLM from shutting down
-                log.exception("tllm: closing consumers at engine shutdown failed")
-        return shutdown(*args, **kwargs)
-
-    worker.shutdown = closing_shutdown

@@ -1,0 +1,250 @@
+"""Data parallel (docs/scaling.md): units without vLLM, and ``tllm serve --data-parallel-size 2``
+on loopback (real vLLM, two engine cores, marked ``slow``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tllm_core.vllm_bridge.parallel import data_parallel_layout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_engine_reads_its_dp_rank_and_size_after_vllm_made_it_independent():
+    # What vLLM 0.32 leaves in an engine core of a dense model at DP = 2, rank 1
+    # (ParallelConfig.reconfigure_for_independent_dp_rank): size 1, rank 0, index 1.
+    pc = SimpleNamespace(
+        data_parallel_size=1,
+        data_parallel_rank=0,
+        data_parallel_index=1,
+        enable_elastic_ep=False,
+        elastic_ep_max_dp_size=2,
+    )
+    assert data_parallel_layout(pc) == (1, 2)
+    pc.data_parallel_index = 0
+    assert data_parallel_layout(pc) == (0, 2)
+    plain = SimpleNamespace(
+        data_parallel_size=1,
+        data_parallel_rank=0,
+        data_parallel_index=0,
+        enable_elastic_ep=False,
+        elastic_ep_max_dp_size=1,
+    )
+    assert data_parallel_layout(plain) == (0, 1)
+    # MoE engines keep their DP fields
+    moe = SimpleNamespace(data_parallel_size=4, data_parallel_rank=3, data_parallel_index=3)
+    assert data_parallel_layout(moe) == (3, 4)
+
+
+def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
+    from tllm_core.cli import build_parser
+    from tllm_core.cli_common import CliError
+    from tllm_core.serve_command import parallel_ranks, server_argv
+    from tllm_core.settings import RuntimeSettings
+
+    def parse(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    args = parse("--data-parallel-size", "2")
+    argv = server_argv(args, "/m/tiny", RuntimeSettings())
+    assert argv[argv.index("--data-parallel-size") + 1] == "2"
+    assert parallel_ranks(args) == 2
+    assert parallel_ranks(parse("--tensor-parallel-size", "2", "--data-parallel-size", "2")) == 4
+    assert "--data-parallel-size" not in server_argv(parse(), "/m/tiny", RuntimeSettings())
+    # A size given to vLLM after `--` is the one vLLM uses: bind for it.
+    assert parallel_ranks(parse("--", "--data-parallel-size", "2")) == 2
+    assert parallel_ranks(parse("--", "-dp=3")) == 3
+    with pytest.raises(CliError, match="--data-parallel-size must be a whole number, got 'x'"):
+        parallel_ranks(parse("--", "--data-parallel-size", "x"))
+    with pytest.raises(CliError, match="must be >= 1, got 0"):
+        parallel_ranks(parse("--data-parallel-size", "0"))
+
+
+def test_counters_route_asks_every_engine_core():
+    from tllm_core.vllm_bridge.serving import rpc_all
+
+    calls = []
+
+    class Core:
+        core_engines = [b"e0", b"e1"]
+
+        async def call_utility_all_async(self, method, *args):
+            calls.append((method, args))
+            return [[{"rank": 0}], [{"rank": 1}]]
+
+    class Client:
+        engine_core = Core()
+
+        async def collective_rpc(self, method):
+            raise AssertionError("the first engine only")
+
+    out = asyncio.run(rpc_all(Client(), "tllm_collect"))
+    assert out == [{"rank": 0}, {"rank": 1}]
+    assert calls == [("collective_rpc", ("tllm_collect", None, (), None))]
+
+
+def test_worker_shutdown_closes_the_runtime_once():
+    from tllm_core.vllm_bridge.hooks import RunnerHooks
+    from tllm_core.vllm_bridge.worker_ext import TllmWorkerExtension
+    from tllm_core.vllm_bridge.worker_setup import close_on_shutdown
+
+    events = []
+
+    class Runtime:
+        def close(self):
+            events.append("close")
+            return {"runtime": {"closed": 1}}
+
+    def make_worker():
+        hooks = RunnerHooks.__new__(RunnerHooks)  # only the close() bookkeeping
+        hooks.runtime, hooks._final = Runtime(), None
+
+        class Worker(TllmWorkerExtension):
+            model_runner = SimpleNamespace(_tllm_hooks=hooks)
+            rank = None
+
+            def shutdown(self):
+                events.append("shutdown")
+
+        w = Worker()
+        hooks.rank = SimpleNamespace(as_dict=lambda: {"dp_rank": 0})
+        close_on_shutdown(w)
+        return w
+
+    make_worker().shutdown()  # a server stopping: consumers closed, then vLLM's shutdown
+    assert events == ["close", "shutdown"]
+    events.clear()
+    w = make_worker()
+    assert w.tllm_close()["runtime"] == {"closed": 1}  # TllmLLM.close(), then the engine stops
+    w.shutdown()
+    assert events == ["close", "shutdown"]
+
+
+# -- real vLLM ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two engine cores start one after the other: ~3-6 min on 2 cores
+def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_model, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from consumers.export import DataParallelExport, open_export
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("data parallel 2 needs 2 CPU cores (one per engine)")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = tmp_path / "exp"
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core per engine
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    err_path = tmp_path / "serve.err"
+    export = json.dumps({"out": str(out), "layers": [0, "final"], "shard_rows": 16})
+    argv = [
+        sys.executable, "-m", "tllm_core.cli", "serve", "--model", tiny_model,
+        "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "256",
+        "--consumer", "esamp", "--consumer", "stats", "--consumer", f"export:{export}",
+        "--per-request", "--", "--enforce-eager", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 900
+        while "tllm: ready" not in err_path.read_text():
+            assert proc.poll() is None, err_path.read_text()[-4000:]
+            assert time.monotonic() < deadline, err_path.read_text()[-4000:]
+            time.sleep(2)
+        status = _get(f"{url}/tllm/status")
+        assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
+        assert {r["rank"]["dp_size"] for r in status["ranks"]} == {2}
+
+        # Several requests at once: the load balancer spreads them over both engines.
+        # Odd requests name every consumer (ESamp guides them), even ones only stats.
+        def complete(i: int) -> dict:
+            consumers = "esamp,stats,export" if i % 2 else "stats"
+            xargs = {"tllm_consumers": consumers}
+            if i % 2:
+                xargs["tllm_esamp_beta"] = 0.5
+            body = {
+                "model": "default",
+                "prompt": f"Story number {i}: once upon a time",
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "vllm_xargs": xargs,
+            }
+            return _post(f"{url}/v1/completions", body)
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(complete, range(16)))
+        assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+        rep = _get(f"{url}/tllm/counters")
+
+        ranks = rep["ranks"]
+        assert [r["rank"]["dp_rank"] for r in ranks] == [0, 1]
+        finished = [r["runtime"].get("requests_finished", 0) for r in ranks]
+        print("requests finished per engine:", finished)
+        assert all(f > 0 for f in finished), f"one engine got no request: {finished}"
+        # Summed over the engines, and every request counted once.
+        assert rep["runtime"]["requests_finished"] == sum(finished) == 16
+        for name, key in (("esamp", "rows_guided"), ("stats", "bundles")):
+            per_rank = [r["consumers"][name].get(key, 0) for r in ranks]
+            assert rep["consumers"][name][key] == sum(per_rank) > 0
+        # Only the 8 requests naming esamp are guided: at most 7 decode rows each.
+        assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 8 * 7
+        assert len(rep["results"]["export"]) == 2
+        assert rep["errors"] == []
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGINT)  # Ctrl-C stops the server and its engines
+            try:
+                proc.wait(180)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    log = err_path.read_text()
+    assert "Traceback" not in log, log[-4000:]
+
+    # Export: one part per engine in one folder, merged by the reader; the 8 requests that
+    # named export, each with its prompt and 8 generated tokens.
+    exp = open_export(out, verify=True)
+    assert isinstance(exp, DataParallelExport) and exp.data_parallel_size == 2
+    assert exp.complete  # each engine closed its consumers when the server stopped
+    records = exp.records()
+    assert len(records) == 8
+    assert {r.data_parallel_rank for r in records} <= {0, 1}
+    for rec in records:
+        assert len(rec.generated_token_ids) == 8
+        assert rec.positions.tolist() == list(range(len(rec.token_ids) - 1))
+        assert set(rec.hidden) == {"layer.0", "final"}
