@@ -58,6 +58,7 @@ class RunnerHooks:
         # Tensor parallel: the leader's edits and (when guiding) sampled tokens go to all ranks.
         self._sync = self.rank.tp_size > 1
         self.requests: dict[str, RequestInfo] = {}
+        self._final: dict[str, Any] | None = None  # the report of close()
         self.step: StepCapture | None = None
         self.num_tokens = 0
         info = runtime.model
@@ -179,9 +180,11 @@ class RunnerHooks:
         self._host_time("end_step", t)
 
     def close(self) -> dict[str, Any]:
-        """Close the runtime (flush and close the consumers); it closes once, and later
-        calls (the ``tllm_close`` RPC, then the worker's shutdown) get the same report."""
-        return self.runtime.close()
+        """Close the runtime (flush and close the consumers) once; later calls (the
+        ``tllm_close`` RPC, then the worker's shutdown) return the same final report."""
+        if self._final is None:
+            self._final = self.runtime.close()
+        return self._final
 
     def finish_all(self) -> None:
         """Treat every known request as finished (offline runs: generate() has returned)."""
