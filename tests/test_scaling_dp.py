@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from serve_util import free_port, get_json
 
 from tllm_core.vllm_bridge.parallel import data_parallel_layout
 
@@ -132,19 +133,6 @@ def test_worker_shutdown_closes_the_runtime_once():
 
 
 # -- real vLLM ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=120) as r:
-        return json.loads(r.read())
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -162,7 +150,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("data parallel 2 needs 2 CPU cores (one per engine)")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     out = tmp_path / "exp"
     env = dict(os.environ)
@@ -185,7 +173,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
             assert proc.poll() is None, err_path.read_text()[-4000:]
             assert time.monotonic() < deadline, err_path.read_text()[-4000:]
             time.sleep(2)
-        status = _get(f"{url}/tllm/status")
+        status = get_json(f"{url}/tllm/status")
         assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
         assert {r["rank"]["dp_size"] for r in status["ranks"]} == {2}
 
@@ -209,7 +197,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(complete, range(16)))
         assert all(r["usage"]["completion_tokens"] == 8 for r in results)
-        rep = _get(f"{url}/tllm/counters")
+        rep = get_json(f"{url}/tllm/counters")
 
         ranks = rep["ranks"]
         assert [r["rank"]["dp_rank"] for r in ranks] == [0, 1]
