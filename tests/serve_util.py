@@ -29,12 +29,15 @@ def get_json(url: str) -> dict:
 
 
 @contextlib.contextmanager
-def tllm_serve(args: list[str], log: Path, ready_timeout: float = 300) -> Iterator[str]:
+def tllm_serve(
+    args: list[str], log: Path, ready_timeout: float = 300, stop_timeout: float = 120
+) -> Iterator[str]:
     """Run ``tllm serve ARGS --port P`` (vLLM's multiprocess layout) until it prints
     ``tllm: ready``; yield its base URL; stop it with SIGINT as a user's Ctrl-C would."""
     port = free_port()
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core group per rank
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--port", str(port), *args]
     with open(log, "w") as err:
@@ -50,7 +53,7 @@ def tllm_serve(args: list[str], log: Path, ready_timeout: float = 300) -> Iterat
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGINT)  # Ctrl-C stops the server and its engine
             try:
-                proc.wait(120)
+                proc.wait(stop_timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)

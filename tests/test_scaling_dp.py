@@ -6,16 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from serve_util import free_port, get_json
+from serve_util import get_json, tllm_serve
 
 from tllm_core.vllm_bridge.parallel import data_parallel_layout
 
@@ -150,29 +146,15 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("data parallel 2 needs 2 CPU cores (one per engine)")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     out = tmp_path / "exp"
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core per engine
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     err_path = tmp_path / "serve.err"
     export = json.dumps({"out": str(out), "layers": [0, "final"], "shard_rows": 16})
-    argv = [
-        sys.executable, "-m", "tllm_core.cli", "serve", "--model", tiny_model,
-        "--data-parallel-size", "2", "--port", str(port), "--max-model-len", "256",
+    args = [
+        "--model", tiny_model, "--data-parallel-size", "2", "--max-model-len", "256",
         "--consumer", "esamp", "--consumer", "stats", "--consumer", f"export:{export}",
         "--per-request", "--", "--enforce-eager", "--max-num-seqs", "4", "--no-enable-prefix-caching",
     ]  # fmt: skip
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 900
-        while "tllm: ready" not in err_path.read_text():
-            assert proc.poll() is None, err_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, err_path.read_text()[-4000:]
-            time.sleep(2)
+    with tllm_serve(args, err_path, ready_timeout=900, stop_timeout=180) as url:
         status = get_json(f"{url}/tllm/status")
         assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
         assert {r["rank"]["dp_size"] for r in status["ranks"]} == {2}
@@ -213,14 +195,6 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 8 * 7
         assert len(rep["results"]["export"]) == 2
         assert rep["errors"] == []
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGINT)  # Ctrl-C stops the server and its engines
-            try:
-                proc.wait(180)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
     log = err_path.read_text()
     assert "Traceback" not in log, log[-4000:]
 
