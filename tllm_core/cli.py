@@ -8,6 +8,7 @@ import json
 import sys
 
 from tllm_core.cli_common import (
+    add_consumer_arg,
     add_generation_args,
     exit_status,
     generate_with,
@@ -80,12 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG_RUN,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    r.add_argument(
-        "--consumer",
-        action="append",
-        metavar="NAME[:JSON]",
-        help="consumer to run, with an optional JSON config (repeatable)",
-    )
+    add_consumer_arg(r, "consumer to run, with an optional JSON config (repeatable)")
     add_generation_args(r)
     r.set_defaults(func=cmd_run)
 

@@ -39,6 +39,11 @@ START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
+    parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
+
+
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
     g = p.add_argument_group("model and engine")

@@ -157,11 +157,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument(
-        "--consumer",
-        action="append",
-        metavar="NAME[:JSON]",
-        help="consumer to run, with an optional JSON config (repeatable), as for `tllm run`",
+    cli_common.add_consumer_arg(
+        s, "consumer to run, with an optional JSON config (repeatable), as for `tllm run`"
     )
     s.add_argument(
         "--per-request",

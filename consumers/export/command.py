@@ -69,6 +69,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--phase", choices=["prefill", "decode", "all"], default="all")
     e.add_argument("--out", required=True, type=Path, help="output directory")
     e.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory")
-    e.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help="more consumers")
+    cli_common.add_consumer_arg(e, "more consumers")
     cli_common.add_generation_args(e)
     e.set_defaults(func=cmd_export)
