@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_setup import model_path, offline_engine_env, run_machine, write_samples
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 METRICS = {  # name -> True when higher is better (an "improvement")
     "vendi": True,
@@ -439,13 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(b <= 0 for b in betas):
         p.error("--beta must be > 0")
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
+    offline_engine_env(args.kv_cache_gib)
 
     if not args.prompts.is_file():
         p.error(f"--prompts file not found: {args.prompts}")
@@ -454,11 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompts[: args.num_prompts]
     if len(prompts) < 2:
         p.error("need at least 2 prompts")
-    model = args.model
-    if model is None:
-        from tllm_core.default_model import default_model_path
-
-        model = str(default_model_path())
+    model = model_path(args.model)
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
@@ -528,8 +518,6 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
-    from throughput import machine_info  # same folder
-
     result = {
         "command": "python " + shlex.join(["benchmarks/diversity.py", *(argv or sys.argv[1:])]),
         "config": {
@@ -551,20 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": comparisons,
         "ppl_check": check,
         "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": {
-            **machine_info(),
-            "loadavg_1m_start": load_start,
-            "loadavg_1m_end": os.getloadavg()[0],
-        },
+        "machine": run_machine(load_start),
         "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
     }
     if args.save_samples:
-        args.save_samples.parent.mkdir(parents=True, exist_ok=True)
-        args.save_samples.write_text(
-            json.dumps(
-                {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
-            )
-        )
+        write_samples(args.save_samples, gen)
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
     if args.json:

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_setup import model_path, offline_engine_env
 
-ROOT = Path(__file__).resolve().parent.parent
 AGE_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 10**9))
 
 
@@ -104,24 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             p.error(f"--config {spec!r}: bad JSON ({e})")
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    offline_engine_env(2)
     import passk
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from tllm_core.engine import TllmLLM
 
-    model = args.model
-    if model is None:
-        from tllm_core.default_model import default_model_path
-
-        model = str(default_model_path())
+    model = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(model)
     fams = tuple(f for f in args.families.split(",") if f)
     problems = passk.make_problems(args.problems, args.task_seed, fams)

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_setup import model_path, offline_engine_env, run_machine, write_samples
 
-ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
@@ -363,19 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--beta must be > 0")
     ks = sorted({int(k) for k in args.ks.split(",") if k.strip() and 1 <= int(k) <= args.n})
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    model = args.model
-    if model is None:
-        from tllm_core.default_model import default_model_path
-
-        model = str(default_model_path())
+    offline_engine_env(args.kv_cache_gib)
+    model = model_path(args.model)
 
     methods = build_methods(betas, args.temperature, variants, args.variant_noise)
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
@@ -459,7 +448,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         for a, b in pairs
     ]
-    machine_info = _sibling("throughput").machine_info
     result = {
         "command": "python " + shlex.join(["benchmarks/passk.py", *(argv or sys.argv[1:])]),
         "config": {
@@ -481,20 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         "methods": out_methods,
         "comparisons": comparisons,
         "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": {
-            **machine_info(),
-            "loadavg_1m_start": load_start,
-            "loadavg_1m_end": os.getloadavg()[0],
-        },
+        "machine": run_machine(load_start),
         "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
     }
     if args.save_samples:
-        args.save_samples.parent.mkdir(parents=True, exist_ok=True)
-        args.save_samples.write_text(
-            json.dumps(
-                {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
-            )
-        )
+        write_samples(args.save_samples, gen)
     if args.plot:
         plot(result, args.plot)
     if args.json:

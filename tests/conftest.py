@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_util import cli_env
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -91,15 +92,12 @@ def engines():
 
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``tllm`` in vLLM's default (multiprocess) layout."""
-    e = dict(os.environ)
-    e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    e.update(env or {})
     with subprocess.Popen(
         [sys.executable, "-m", "tllm_core.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=e,
+        env=cli_env(**(env or {})),
     ) as p:
         try:
             out, err = p.communicate(timeout=timeout)

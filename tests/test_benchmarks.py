@@ -41,6 +41,8 @@ def _json(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _load(name: str):
+    if str(BENCH) not in sys.path:  # the scripts import their siblings (bench_setup, throughput)
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -4,15 +4,14 @@ engine processes that end on their own, Ctrl-C that leaves valid results (issue 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_util import cli_env, long_export_argv
 from conftest import run_cli
 
 pytestmark = pytest.mark.vllm
@@ -125,37 +124,14 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     prompts = tmp_path / "prompts.txt"
     # 64 x 4 samples x 400 tokens: a minute or more of generation on 2 cores.
     prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(64)))
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "tllm_core.cli",
-                "export",
-                "--model",
-                tiny_model,
-                "--layers",
-                "0,final",
-                "--out",
-                str(out),
-                "--prompts",
-                str(prompts),
-                "-n",
-                "4",
-                "--max-tokens",
-                "400",
-                "--ignore-eos",
-                "--enforce-eager",
-                "--max-model-len",
-                "512",
-                "--kv-cache-gib",
-                "1",
+                *long_export_argv(tiny_model, str(out), "--prompts", str(prompts), "-n", "4"),
                 "--json",
             ],
-            env=env,
+            env=cli_env(),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

@@ -7,12 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from cli_util import cli_env, long_export_argv
 from conftest import ENGINE_KW, cli_json, run_cli
 from reference import hf_states
 
@@ -67,36 +67,13 @@ def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     from consumers.export import read_export
 
     out = tmp_path / "exp"
-    env = dict(os.environ, VLLM_LOGGING_STREAM="ext://sys.stderr")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "tllm_core.cli",
-            "export",
-            "--model",
-            tiny_model,
-            "--layers",
-            "0,final",
-            "--out",
-            str(out),
-            "--prompt",
-            "Tell me a long story",
-            "-n",
-            "8",
-            "--max-tokens",
-            "400",
-            "--ignore-eos",
-            "--enforce-eager",
-            "--max-model-len",
-            "512",
-            "--kv-cache-gib",
-            "1",
+            *long_export_argv(tiny_model, str(out), "--prompt", "Tell me a long story", "-n", "8"),
             "--consumer",
             "stats",
         ],
-        env=env,
+        env=cli_env(VLLM_LOGGING_STREAM="ext://sys.stderr"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -16,7 +16,7 @@ from tllm_core.cli_common import (
     quiet,
 )
 from tllm_core.quiet import install_if_quiet
-from tllm_core.registry import plugin_manager
+from tllm_core.registry import PluginLoadError, plugin_manager
 from tllm_core.serve_command import add_command as add_serve_command
 
 # vLLM starts its engine processes with ``spawn``: they import this module (the command's
@@ -97,10 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except PluginLoadError as e:  # the commands of every plugin are needed to parse
+        print(f"tllm: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:  # ConsumerSpecError and CliError included
+    except (ValueError, PluginLoadError) as e:  # ConsumerSpecError and CliError included
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...

@@ -3,6 +3,7 @@ the producers serving each port type."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "ConsumerSpec",
     "ConsumerSpecError",
+    "PluginLoadError",
     "Registry",
     "plugin_manager",
 ]
@@ -36,12 +38,33 @@ __all__ = [
 ENTRY_POINT_GROUP = "tllm"
 
 
+class PluginLoadError(RuntimeError):
+    """An installed ``tllm`` entry point cannot be imported."""
+
+
 def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A new plugin manager with every ``tllm`` entry point (built-ins included) loaded."""
+    """A new plugin manager with every ``tllm`` entry point (built-ins included) loaded.
+
+    Raises :class:`PluginLoadError` naming the entry point and its distribution when one
+    fails to import (pluggy's own loader would surface a bare ImportError)."""
     pm = pluggy.PluginManager("tllm")
     pm.add_hookspecs(hookspecs)
-    if load_entry_points:
-        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    if not load_entry_points:
+        return pm
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if ep.group != ENTRY_POINT_GROUP or pm.get_plugin(ep.name) or pm.is_blocked(ep.name):
+                continue  # a distribution seen twice on sys.path registers once
+            try:
+                plugin = ep.load()
+            except Exception as e:
+                name = dist.metadata["name"]
+                raise PluginLoadError(
+                    f"tllm plugin {ep.name!r} ({ep.value}, from the installed distribution "
+                    f"{name!r}) failed to import: {type(e).__name__}: {e}. Fix or uninstall "
+                    f"it (pip uninstall {name})."
+                ) from e
+            pm.register(plugin, name=ep.name)
     return pm
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,19 +150,26 @@ class ExportReader:
         with safe_open(self._check(i), framework="pt") as f:
             return f.get_tensor(fmt.ROW_REQUEST)
 
+    @staticmethod
+    def _merge_rows(
+        pieces: list[dict[str, torch.Tensor]], keys: Iterable[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """One request's rows from its shard pieces, in position order: positions, decode
+        flags and the tensors under ``keys``. A position written twice keeps its first row."""
+        pos = torch.cat([p[fmt.POSITION] for p in pieces])
+        dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
+        order = torch.argsort(pos, stable=True)
+        pos = pos[order]
+        keep = torch.ones_like(pos, dtype=torch.bool)
+        keep[1:] = pos[1:] != pos[:-1]
+        order = order[keep]
+        data = {k: torch.cat([p[k] for p in pieces])[order] for k in keys}
+        return pos[keep], dec[order], data
+
     def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> ExportRecord:
         meta = self.requests[r]
         if pieces:
-            pos = torch.cat([p[fmt.POSITION] for p in pieces])
-            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
-            hidden = {k: torch.cat([p[k] for p in pieces]) for k in self.keys}
-            order = torch.argsort(pos, stable=True)
-            pos = pos[order]
-            keep = torch.ones_like(pos, dtype=torch.bool)
-            keep[1:] = pos[1:] != pos[:-1]  # duplicates: keep the first written
-            order = order[keep]
-            pos, dec = pos[keep], dec[order]
-            hidden = {k: v[order] for k, v in hidden.items()}
+            pos, dec, hidden = self._merge_rows(pieces, self.keys)
         else:
             pos = torch.zeros(0, dtype=torch.int64)
             dec = torch.zeros(0, dtype=torch.bool)

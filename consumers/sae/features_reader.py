@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from consumers.export import format as fmt
 from consumers.export.reader import ExportReader, open_export
 from consumers.sae import features_writer as fw
 
@@ -60,16 +59,8 @@ class FeatureReader(ExportReader):
         meta = self.requests[r]
         k = self.top_k
         if pieces:
-            pos = torch.cat([p[fmt.POSITION] for p in pieces])
-            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
-            idx = torch.cat([p[fw.INDICES] for p in pieces])
-            val = torch.cat([p[fw.VALUES] for p in pieces])
-            order = torch.argsort(pos, stable=True)
-            pos = pos[order]
-            keep = torch.ones_like(pos, dtype=torch.bool)
-            keep[1:] = pos[1:] != pos[:-1]  # duplicates: keep the first written
-            order = order[keep]
-            pos, dec, idx, val = pos[keep], dec[order], idx[order], val[order]
+            pos, dec, data = self._merge_rows(pieces, (fw.INDICES, fw.VALUES))
+            idx, val = data[fw.INDICES], data[fw.VALUES]
         else:
             pos = torch.zeros(0, dtype=torch.int64)
             dec = torch.zeros(0, dtype=torch.bool)

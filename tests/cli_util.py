@@ -1,0 +1,40 @@
+"""Command lines for tests that start ``tllm`` as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The test's environment in vLLM's default (multiprocess) layout, plus ``extra``."""
+    env = dict(os.environ)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.update(extra)
+    return env
+
+
+def long_export_argv(model: str, out: str, *source: str) -> list[str]:
+    """``tllm export`` of layers 0 and final, 400 tokens per sample whatever the model says:
+    long enough on 2 cores to interrupt it mid-generation. ``source``: prompts and options."""
+    return [
+        sys.executable,
+        "-m",
+        "tllm_core.cli",
+        "export",
+        "--model",
+        model,
+        "--layers",
+        "0,final",
+        "--out",
+        out,
+        *source,
+        "--max-tokens",
+        "400",
+        "--ignore-eos",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+    ]
