@@ -221,3 +221,66 @@ def test_topk_features_and_feature_steering(tiny_model, engines, saes, tmp_path)
         assert not torch.allclose(rec.hidden[f"layer.{SITE + 1}"], unsteered_next, atol=1e-2)
         checked += 1
     assert checked == 2
+
+
+@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes, tmp_path, eager):
+    """A config clamp runs in the forward: the site's state is h + decode(a with a_f = v) -
+    decode(a) on every row, computed from transformers' h with the same SAE, and the next
+    layer equals transformers' with that per-row edit added after the site."""
+    from vllm import LLM, SamplingParams
+
+    from consumers.export import read_export
+    from tllm_core.engine import TllmLLM
+
+    paths, x = saes
+    sae = load_sae(paths["jumprelu"])
+    acts, _ = sae.encode(x)
+    feature = int((acts > 0).float().mean(0).argmax())
+    value = 4.0 * float(acts[:, feature].max())  # far above anything the model produces
+    params = SamplingParams(n=2, max_tokens=10, seed=21, temperature=1.0)
+    kw = {**ENGINE_KW, "enforce_eager": eager}
+
+    plain = engines.get(("plain", tiny_model, eager), lambda: LLM(tiny_model, **kw))
+    plain_tokens = _tokens(plain.generate(PROMPTS[:2], params, use_tqdm=False))
+    exp = tmp_path / "exp"
+    specs = [
+        {
+            "name": "sae",
+            "config": {
+                "path": str(paths["jumprelu"]),
+                "site": SITE,
+                "steer": [{"feature": feature, "clamp": value}],
+            },
+        },
+        {"name": "export", "config": {"out": str(exp), "layers": [SITE, SITE + 1]}},
+    ]
+    llm = engines.get(
+        ("sae-clamp", str(exp)),
+        lambda: TllmLLM(tiny_model, specs, enable_prefix_caching=False, **kw),
+    )
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    report = llm.close()
+    engines.close()
+    assert report["errors"] == []
+    assert _tokens(outs) != plain_tokens, "clamping a feature far above its range must change text"
+    rows = sum(len(o.prompt_token_ids) + len(c.token_ids) - 1 for o in outs for c in o.outputs)
+    assert report["consumers"]["sae"]["rows_clamped"] == rows
+    assert report["runtime"]["rows_edited"] == rows
+
+    checked = 0
+    for rec in read_export(exp):
+        seq = rec.token_ids.tolist()
+        h = hf_states(tiny_model, seq)[f"layer.{SITE}"]
+        a, state = sae.encode(h)
+        target = a.clone()
+        target[:, feature] = value
+        delta = sae.decode(target, state) - sae.decode(a, state)
+        p = rec.positions
+        torch.testing.assert_close(
+            rec.hidden[f"layer.{SITE}"], (h + delta)[p], rtol=1e-4, atol=1e-4
+        )
+        nxt = hf_steered_layer(tiny_model, seq, SITE, delta, SITE + 1)[p]
+        torch.testing.assert_close(rec.hidden[f"layer.{SITE + 1}"], nxt, rtol=1e-4, atol=1e-4)
+        checked += 1
+    assert checked == 4

@@ -134,7 +134,8 @@ def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path):
 
     out = tmp_path / "exp"
     proc = run_cli(
-        "export", "--model", even_model, "--tensor-parallel-size", "2", "--layers", "0,-1,final",
+        "export", "--model", even_model, "--tensor-parallel-size", "2",
+        "--layers", "0,-1,final,attn.1,mlp.1",
         "--out", str(out), "--consumer", "esamp", "--prompt", "Hello there", "--prompt", "The cat",
         "-n", "2", "--max-tokens", "6", "--seed", "3", "--no-chat", "--json",
         "--max-model-len", "256", "--kv-cache-gib", "1", "--enforce-eager",
@@ -147,7 +148,9 @@ def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path):
     assert len(records) == 4
     for rec in records:
         ref = hf_states(even_model, rec.token_ids.tolist())
-        for key in ("layer.0", "layer.3", "final"):
+        # attn/mlp: the blocks' outputs are all-reduced inside vLLM's row-parallel projections,
+        # so the leader's copy is whole
+        for key in ("layer.0", "layer.3", "final", "attn.1", "mlp.1"):
             torch.testing.assert_close(
                 rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
             )
