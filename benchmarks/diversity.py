@@ -57,9 +57,14 @@ def _fmt(x: float) -> str:
 
 
 def build_methods(
-    betas: list[float], temperature: float, variants: dict[str, dict[str, Any]] | None = None
+    betas: list[float],
+    temperature: float,
+    variants: dict[str, dict[str, Any]] | None = None,
+    variant_noise: bool = False,
 ) -> list[dict[str, Any]]:
-    """The methods to run; ``variants`` {name: extra ESamp config} add ``esamp_{name}_b{B}``."""
+    """The methods to run; ``variants`` {name: extra ESamp config} add ``esamp_{name}_b{B}``
+    and its frozen ablation ``frozen_{name}_b{B}`` (with ``variant_noise`` also
+    ``noise_{name}_b{B}``), run through the variant's own switches; these carry ``variant``."""
     methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature, "consumers": []}]
     for b in betas:
         esamp = {"beta": b}
@@ -76,6 +81,7 @@ def build_methods(
                     "name": f"esamp_{v}_b{_fmt(b)}",
                     "kind": "esamp",
                     "beta": b,
+                    "variant": v,
                     "temperature": temperature,
                     "consumers": ["esamp:" + json.dumps({**extra, **esamp})],
                 }
@@ -103,12 +109,49 @@ def build_methods(
                 "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})],
             },
         ]
+    for b in betas:
+        for v, extra in (variants or {}).items():
+            for kind in ("frozen", "noise") if variant_noise else ("frozen",):
+                conf = {**extra, "beta": b, "ablation": kind}
+                methods.append(
+                    {
+                        "name": f"{kind}_{v}_b{_fmt(b)}",
+                        "kind": kind,
+                        "beta": b,
+                        "variant": v,
+                        "temperature": temperature,
+                        "consumers": ["esamp:" + json.dumps(conf)],
+                    }
+                )
     seen, out = set(), []
     for m in methods:  # e.g. two betas giving the same temperature
         if m["name"] not in seen:
             seen.add(m["name"])
             out.append(m)
     return out
+
+
+def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, dict[str, Any]]:
+    """``--esamp-variant NAME=JSON`` options as {name: ESamp config fields}."""
+    variants: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        name, sep, raw = spec.partition("=")
+        try:
+            extra = json.loads(raw) if sep else None
+        except ValueError as e:
+            p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
+        if (
+            not re.fullmatch(r"[A-Za-z0-9_.-]+", name)
+            or not isinstance(extra, dict)
+            or "beta" in extra
+            or "ablation" in extra
+        ):
+            p.error(
+                f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
+                "digits, '_', '.', '-'; no 'beta' (--beta sets it) nor 'ablation' field)"
+            )
+        variants[name] = extra
+    return variants
 
 
 # ----------------------------------------------------------------------------- generation
@@ -409,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         help="extra ESamp method esamp_NAME_bB with these config fields, e.g. "
         "lr4e-3='{\"lr\": 0.004}' (repeatable; compared with the same controls)",
     )
+    p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
     p.add_argument(
         "--methods",
         default=None,
@@ -417,23 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
-    variants: dict[str, dict[str, Any]] = {}
-    for spec in args.esamp_variant:
-        name, sep, raw = spec.partition("=")
-        try:
-            extra = json.loads(raw) if sep else None
-        except ValueError as e:
-            p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
-        if (
-            not re.fullmatch(r"[A-Za-z0-9_.-]+", name)
-            or not isinstance(extra, dict)
-            or "beta" in extra
-        ):
-            p.error(
-                f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
-                "digits, '_', '.', '-'; no 'beta' field: --beta sets it)"
-            )
-        variants[name] = extra
+    variants = parse_variants(p, args.esamp_variant)
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")
     if any(b <= 0 for b in betas):
@@ -452,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
-    methods = build_methods(betas, args.temperature, variants)
+    methods = build_methods(betas, args.temperature, variants, args.variant_noise)
     if args.methods:
         keep = [m.strip() for m in args.methods.split(",") if m.strip()]
         unknown = sorted(set(keep) - {m["name"] for m in methods})

@@ -193,37 +193,6 @@ def _sibling(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def build_methods(
-    betas: list[float],
-    temperature: float,
-    variants: dict[str, dict[str, Any]],
-    variant_noise: bool = False,
-) -> list[dict[str, Any]]:
-    """diversity.py's methods, plus a frozen (and optionally noise) ablation of each variant
-    run through the variant's own switches."""
-    methods = _sibling("diversity").build_methods(betas, temperature, variants)
-    extra = []
-    for b in betas:
-        for v, cfg in variants.items():
-            abl = [("frozen", "frozen")] + ([("noise", "noise")] if variant_noise else [])
-            for kind, ablation in abl:
-                conf = {**cfg, "beta": b, "ablation": ablation}
-                extra.append(
-                    {
-                        "name": f"{kind}_{v}_b{b:g}",
-                        "kind": kind,
-                        "beta": b,
-                        "variant": v,
-                        "temperature": temperature,
-                        "consumers": ["esamp:" + json.dumps(conf)],
-                    }
-                )
-    for m in methods:
-        if m["kind"] == "esamp" and m["name"] != f"esamp_b{m['beta']:g}":
-            m["variant"] = m["name"][len("esamp_") :].rsplit("_b", 1)[0]
-    return methods + extra
-
-
 def score(samples: list[list[dict]], problems: list[dict]) -> dict[str, Any]:
     """Per problem: correct count, pass@k curve; answers seen."""
     correct, curves, answers = [], [], []
@@ -284,28 +253,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def _parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, dict[str, Any]]:
-    variants: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        name, sep, raw = spec.partition("=")
-        try:
-            extra = json.loads(raw) if sep else None
-        except ValueError as e:
-            p.error(f"--esamp-variant {spec!r}: bad JSON ({e})")
-        if (
-            not re.fullmatch(r"[A-Za-z0-9_.-]+", name)
-            or not isinstance(extra, dict)
-            or "beta" in extra
-            or "ablation" in extra
-        ):
-            p.error(
-                f"--esamp-variant {spec!r}: expected NAME=JSON-object (NAME of letters, "
-                "digits, '_', '.', '-'; no 'beta' (--beta sets it) nor 'ablation' field)"
-            )
-        variants[name] = extra
-    return variants
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--problems", type=int, default=40, help="problems (default 40)")
@@ -351,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
-    variants = _parse_variants(p, args.esamp_variant)
+    variants = _sibling("diversity").parse_variants(p, args.esamp_variant)
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     try:
         problems = make_problems(args.problems, args.task_seed, families)
@@ -366,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     offline_engine_env(args.kv_cache_gib)
     model = model_path(args.model)
 
-    methods = build_methods(betas, args.temperature, variants, args.variant_noise)
+    methods = _sibling("diversity").build_methods(
+        betas, args.temperature, variants, args.variant_noise
+    )
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
     if controls - {"temperature", "noise"}:
         p.error(f"--controls {args.controls!r}: allowed values are temperature, noise")

@@ -82,6 +82,7 @@ def test_diversity_methods_with_an_esamp_variant():
         "temp_0.8",
         "noise_b0.25",
         "frozen_b0.25",
+        "frozen_lr3e-3_b0.25",  # each variant's own frozen ablation
     }
     spec = json.loads(ms["esamp_lr3e-3_b0.25"]["consumers"][0].split(":", 1)[1])
     assert spec == {"lr": 0.003, "beta": 0.25} and ms["esamp_lr3e-3_b0.25"]["kind"] == "esamp"

@@ -76,7 +76,8 @@ def test_problems_are_reproducible_distinct_and_checkable():
 
 
 def test_methods_give_each_variant_its_own_frozen_ablation():
-    ms = pk.build_methods([0.25], 1.0, {"warm": {"warm_start_steps": 4}}, variant_noise=True)
+    dv = _load("diversity")  # one method table for both benchmarks
+    ms = dv.build_methods([0.25], 1.0, {"warm": {"warm_start_steps": 4}}, variant_noise=True)
     by = {m["name"]: m for m in ms}
     assert {
         "vanilla",
