@@ -13,6 +13,7 @@ Cases (one engine each; consumers are fixed per engine; all defined in the one t
     steer        ``steer`` adding a random unit vector (scale 2) at layer -2 on every row
     sae          ``sae`` recording the top-32 features (random top-k SAE, d_sae 8 x hidden)
                  of every decode row at layer -2
+    sae_background  the same with ``"delivery": "background"`` (only when named)
     esamp_train  ``esamp`` with beta 0: the distiller trains, sampling is not guided
     esamp        ``esamp`` with beta 0.25: training and guidance
 
@@ -50,6 +51,7 @@ counters, ...}} plus the workload, memory and machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -85,9 +87,9 @@ def _steer_specs(model: str, tmp: Path) -> list[str]:
     return ["steer:" + json.dumps({"vectors": vectors})]
 
 
-def _sae_specs(model: str, tmp: Path) -> list[str]:
+def _sae_specs(model: str, tmp: Path, delivery: str = "end_of_step") -> list[str]:
     """A random top-k SAE with d_sae = 8 x hidden at layer -2; features of every decode row
-    recorded (top 32)."""
+    recorded (top 32), encoded where ``delivery`` says."""
     import torch
 
     from consumers.sae.loader import save_sae
@@ -113,6 +115,7 @@ def _sae_specs(model: str, tmp: Path) -> list[str]:
         "phase": "decode",
         "out": str(tmp / "features"),
         "overwrite": True,
+        "delivery": delivery,
     }
     return ["sae:" + json.dumps(spec)]
 
@@ -173,6 +176,16 @@ CASES: dict[str, Case] = {
             also_report=("sae.shards_written",),
         ),
         Case(
+            "sae_background",
+            functools.partial(_sae_specs, delivery="background"),
+            [
+                'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
+                '"phase": "decode", "out": <tmp>, "delivery": "background"}'
+            ],
+            required=("sae.rows_encoded", "sae.rows_recorded"),
+            also_report=("sae.shards_written",),
+        ),
+        Case(
             "esamp_train",
             _fixed(['esamp:{"beta": 0.0}']),
             ['esamp:{"beta": 0.0}'],
@@ -187,7 +200,8 @@ CASES: dict[str, Case] = {
         ),
     )
 }
-DEFAULT_CASES = list(CASES)
+# sae_background: the other sae delivery, for comparison on request only
+DEFAULT_CASES = [c for c in CASES if c != "sae_background"]
 
 
 def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:

@@ -98,6 +98,7 @@ def test_jumprelu_features_equal_transformers_reference(tiny_model, engines, sae
             "values_dtype": "float32",
             "watch": [0, 1],
             "shard_rows": 32,
+            "delivery": "background",  # the other tests here encode at the end of the step
         },
     }
     llm = engines.get(("sae-jr", str(out)), lambda: TllmLLM(tiny_model, [spec], **ENGINE_KW))
@@ -105,6 +106,7 @@ def test_jumprelu_features_equal_transformers_reference(tiny_model, engines, sae
     report = llm.close()
     engines.close()
     assert report["errors"] == []
+    assert report["runtime"]["background_threads"] == 1  # encoded on a consumer thread
     c, res = report["consumers"]["sae"], report["results"]["sae"]
     records = list(read_features(out, verify=True))
     assert len(records) == 6 and res["shards"] > 1

@@ -77,7 +77,8 @@ class Consumer:
     description: ClassVar[str] = ""
     Config: ClassVar[type[ConsumerConfig]] = ConsumerConfig
     Request: ClassVar[type[RequestSettings] | None] = None
-    delivery: ClassVar[Delivery] = Delivery.END_OF_STEP
+    # A class attribute, or set per instance in ``__init__`` (e.g. from the config).
+    delivery: Delivery = Delivery.END_OF_STEP
     # The counter that proves this consumer's work, shown in the ``tllm`` command's summary
     # line (empty: its first non-zero counter).
     proof_counter: ClassVar[str] = ""

@@ -45,6 +45,12 @@ class SaeConfig(ConsumerConfig):
         "float16", description="Storage dtype of recorded feature values."
     )
     shard_rows: int = Field(65536, ge=1, description="Rows per feature shard.")
+    delivery: Literal["end_of_step", "background"] = Field(
+        "end_of_step",
+        description="Where rows are encoded: 'end_of_step' on the engine thread, on the "
+        "model's device, right after each step (only the top-k leave the device); "
+        "'background' on a consumer thread from host copies of the site's rows.",
+    )
     overwrite: bool = Field(False, description="Allow a non-empty 'out' (as export's).")
 
     _d_sae: int | None = PrivateAttr(None)

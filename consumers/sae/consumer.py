@@ -53,13 +53,13 @@ class SaeConsumer(Consumer):
     )
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
-    delivery = Delivery.BACKGROUND
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
         if not isinstance(config, SaeConfig):
             config = SaeConfig.model_validate(config.model_dump())
         super().__init__(config, context)
         self.cfg: SaeConfig = config
+        self.delivery = Delivery(config.delivery)
         model = context.model
         site = parse_site(config.site)
         try:
@@ -259,12 +259,21 @@ class SaeConsumer(Consumer):
             xf = xs.float()
             active = acts > 0
             m = int(sel.size)
+            # one device-to-host read for all the summary figures of this step
+            stats = torch.stack(
+                [
+                    active.sum().float(),
+                    ((xf - recon) ** 2).sum(),
+                    (xf**2).sum(),
+                    *(active[:, f].sum().float() for f in self.cfg.watch),
+                ]
+            ).tolist()
             self.counters.add("rows_encoded", m)
-            self.counters.add("active_features", int(active.sum()))
-            self.counters.add("recon_sq_error", float(((xf - recon) ** 2).sum()))
-            self.counters.add("input_sq_norm", float((xf**2).sum()))
-            for f in self.cfg.watch:
-                self.counters.add(f"watch_fired.{f}", int(active[:, f].sum()))
+            self.counters.add("active_features", int(stats[0]))
+            self.counters.add("recon_sq_error", stats[1])
+            self.counters.add("input_sq_norm", stats[2])
+            for f, fired in zip(self.cfg.watch, stats[3:], strict=True):
+                self.counters.add(f"watch_fired.{f}", int(fired))
             if self.writer is None:
                 return
             rec = np.fromiter((self._records(rows.requests[j]) for j in sel), np.bool_, m)

@@ -146,7 +146,12 @@ class SparseAutoencoder:
         """:meth:`decode` for inference outside a graph (no autograd): when at most 1/16 of
         the activations are non-zero, as in a working SAE, the product runs on a CSR copy
         of ``acts`` and costs O(active features x d_in) instead of O(d_sae x d_in)."""
-        if acts.layout is not torch.strided or acts.dim() != 2 or acts.requires_grad:
+        if (
+            acts.layout is not torch.strided
+            or acts.dim() != 2
+            or acts.requires_grad
+            or acts.device.type != "cpu"  # a GPU's dense product beats the count's sync
+        ):
             return self.decode(acts, state)
         if int(torch.count_nonzero(acts)) * 16 > acts.numel():
             return self.decode(acts, state)
