@@ -86,13 +86,15 @@ def run_case(case: str, model: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("-n", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--model", help="model folder with an even head count (default: a tiny random Llama)"
+    )
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts (default 4)")
+    p.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per sample (default 32)")
+    p.add_argument("--rounds", type=int, default=3, help="timed generates per case (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
