@@ -543,6 +543,35 @@ def _remeasured(tp: dict) -> list[tuple[str, list[str]]]:
     return list(groups.items())
 
 
+def merge_throughput(run_path: Path, note: str) -> list[str]:
+    """Fold a later ``throughput.py --json`` run into ``results/throughput.json``: its cases
+    (not ``plain``) replace the published ones, ``case_commands`` names the run that measured
+    each, and the run's command, baseline, machine and ``note`` go to ``later_runs``. The
+    replaced figures stay in the earlier ``later_runs`` entries' notes or raw runs."""
+    run = json.loads(run_path.read_text())
+    if "cases" not in run or "command" not in run:
+        raise SystemExit(f"{run_path}: not a throughput.py --json result")
+    if not run.get("ok", False):
+        raise SystemExit(f"{run_path}: the run failed ({run.get('failures')}); not merged")
+    path = RESULTS / "throughput.json"
+    tp = json.loads(path.read_text())
+    cases = [c for c in run["cases"] if c != "plain"]
+    for c in cases:
+        tp["cases"][c] = run["cases"][c]
+        tp.setdefault("case_commands", {})[c] = run["command"]
+    tp.setdefault("later_runs", []).append(
+        {
+            "command": run["command"],
+            "baseline_tok_s": run["baseline_tok_s"],
+            "machine": run.get("machine", {}),
+            "note": note,
+            "cases": {c: run["cases"][c] for c in cases},
+        }
+    )
+    path.write_text(json.dumps(tp))
+    return cases
+
+
 def _load(name: str) -> dict | None:
     p = RESULTS / name
     if not p.is_file() or not p.read_text().strip():
@@ -553,7 +582,19 @@ def _load(name: str) -> dict | None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="store_true", help="run the benchmarks first")
+    ap.add_argument(
+        "--merge",
+        type=Path,
+        metavar="RUN.json",
+        help="fold a later throughput.py --json run (some cases re-measured with their own "
+        "paired plain runs) into results/throughput.json, then render",
+    )
+    ap.add_argument("--note", default="", help="with --merge: why and when the run was made")
     a = ap.parse_args()
+    if a.merge is not None and not a.note:
+        ap.error("--merge needs --note (when, on what machine state, why)")
     if a.run:
         run_all()
+    if a.merge is not None:
+        print(f"merged: {', '.join(merge_throughput(a.merge, a.note))}", file=sys.stderr)
     render()
