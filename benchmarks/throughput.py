@@ -542,10 +542,10 @@ def load_prompts(n: int, path: Path = PROMPTS_FILE) -> list[str]:
 def select_cases(specs: list[str] | None) -> list[str]:
     if not specs:
         return list(DEFAULT_CASES)
-    named = [s for s in specs if s in DEFAULT_CASES]
-    custom = [s for s in specs if s not in DEFAULT_CASES]
+    named = [s for s in specs if s in CASES]  # any case of the table, defaults or not
+    custom = [s for s in specs if s not in CASES]
     base = (
-        ["plain"] + [c for c in DEFAULT_CASES if c in named and c != "plain"]
+        ["plain"] + [c for c in CASES if c in named and c != "plain"]
         if named
         else list(DEFAULT_CASES)
     )

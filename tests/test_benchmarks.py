@@ -58,6 +58,9 @@ def test_throughput_case_selection_and_no_work_check():
     tp = _load("throughput")
     assert tp.select_cases(None) == tp.DEFAULT_CASES
     assert tp.select_cases(["esamp"]) == ["plain", "esamp"]
+    # a case outside the defaults runs when named
+    assert "sae_background" not in tp.DEFAULT_CASES
+    assert tp.select_cases(["sae", "sae_background"]) == ["plain", "sae", "sae_background"]
     assert tp.select_cases(['stats:{"layers": [1]}']) == tp.DEFAULT_CASES + [
         'stats:{"layers": [1]}'
     ]
