@@ -640,12 +640,12 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(default_model_path())
     cases = select_cases(args.consumer)
-    if any(c not in DEFAULT_CASES for c in cases):  # check custom specs before running
+    if any(c not in CASES for c in cases):  # check custom specs before running
         sys.path.insert(0, str(ROOT))
         from tllm_core.engine import validate_consumers
 
         for c in cases:
-            if c not in DEFAULT_CASES:
+            if c not in CASES:
                 validate_consumers([c], model)
     base_cfg = dict(
         model=model,
