@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from bench_setup import offline_engine_env, run_machine
 
 CASES = {
     "plain": None,
@@ -96,19 +99,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed generates per case (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    offline_engine_env(1)  # logs (the rank workers' too) on stderr: stdout is the result
     model = _model(args.model)
+    load_start = os.getloadavg()[0]
     results = [run_case(c, model, args) for c in CASES]
     base = results[0]["tok_s"]
     for r in results:
         r["ratio"] = r["tok_s"] / base
     if args.json:
-        print(json.dumps({"tp": args.tp, "model": model, "results": results}))
+        workload = {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}
+        command = "python " + shlex.join(["benchmarks/scaling_tp.py", *(argv or sys.argv[1:])])
+        print(
+            json.dumps(
+                {
+                    "command": command,
+                    "tp": args.tp,
+                    "model": model,
+                    "workload": {**workload, "rounds": args.rounds},
+                    "results": results,
+                    "machine": run_machine(load_start),
+                }
+            )
+        )
     else:
         for r in results:
-            print(f"{r['case']:<8} {r['tok_s']:9.1f} tok/s  ratio {r['ratio']:.3f}")
+            counters = " ".join(f"{k}={v}" for k, v in r.get("counters", {}).items())
+            print(f"{r['case']:<8} {r['tok_s']:9.1f} tok/s  ratio {r['ratio']:.3f}  {counters}")
     return 1 if any(r.get("errors") for r in results) else 0
 
 
