@@ -489,6 +489,7 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     rows = rows_of([req, req, plain], [0, 1, 0])
     plan = EditPlan(rows, {"layer.2": "residual.2"}, D_IN, transforms={"layer.2"})
     c.edit(rows, plan)
+    assert c.counters.get("rows_clamped") == 0  # planned is not done
     buf = EditBuffers(3, D_IN, torch.float32, torch.device("cpu"))
     buf.add_transform("sae", port.transform)
     buf.write(plan.ops["layer.2"], "sae")
@@ -505,6 +506,7 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     torch.testing.assert_close(y[:2], want, rtol=1e-5, atol=1e-5)
     assert not torch.equal(y[:2], x[:2])
     assert torch.equal(y[2], x[2])  # the request that turned steering off
+    c.result()  # the consumer reads the forward's own count between forwards
     assert c.counters.get("rows_clamped") == 2 and tap.edited.item() == 2
     with pytest.raises(ValueError, match="config 'steer' only"):
         parse_request_settings(

@@ -136,6 +136,14 @@ class Runtime:
         self._taps = self._collect_taps()
         self._edit_taps = {t for s in self.slots for t in s.edits.values()}
         self._guides = any(s.guides for s in self.slots)
+        # Collected before a follower drops its slots: every rank runs the same transforms.
+        self._transforms: dict[str, list[tuple[str, Any]]] = {}
+        for s in self.slots:
+            for k, t in s.edits.items():
+                if k in s.transforms:
+                    self._transforms.setdefault(t.key, []).append(
+                        (s.consumer.name, s.transforms[k])
+                    )
         if not deliver:
             for s in self.slots:
                 s.consumer.close()  # never used: writes and keeps nothing
@@ -170,13 +178,9 @@ class Runtime:
         return set(self._edit_taps)
 
     def transforms(self, tap_key: str) -> list[tuple[str, Any]]:
-        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``."""
-        return [
-            (s.consumer.name, s.transforms[k])
-            for s in self.slots
-            for k, t in s.edits.items()
-            if t.key == tap_key and k in s.transforms
-        ]
+        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``;
+        the same on a follower, whose consumers are closed but whose forward must match."""
+        return list(self._transforms.get(tap_key, []))
 
     @property
     def guides(self) -> bool:

@@ -193,7 +193,12 @@ class SaeConsumer(Consumer):
         return [self._edit_port] if self._edit_port is not None else []
 
     # -- steering (engine thread, before the forward) ------------------------------------
+    def _count_clamped(self) -> None:
+        if self._clamp is not None:
+            self.counters.add("rows_clamped", self._clamp.take_rows())
+
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
+        self._count_clamped()  # the previous forward's, before this step's
         n = len(rows)
         if n == 0 or self._edit_port is None:
             return
@@ -212,9 +217,7 @@ class SaeConsumer(Consumer):
                     clamped.append(np.arange(start, i, dtype=np.int64))
                 start = i
         if clamped:
-            rows_clamped = np.concatenate(clamped)
-            plan.transform(self.site.key, rows_clamped)
-            self.counters.add("rows_clamped", int(rows_clamped.size))
+            plan.transform(self.site.key, np.concatenate(clamped))
         if not idx:
             return
         rows_sel = np.concatenate(idx)
@@ -327,6 +330,7 @@ class SaeConsumer(Consumer):
                 self.counters.add("shards_written", wrote)
 
     def result(self) -> dict[str, Any]:
+        self._count_clamped()  # the last forward's (no forward runs while results are read)
         c = self.counters
         rows = c.get("rows_encoded")
         norm = c.get("input_sq_norm")
@@ -363,6 +367,16 @@ class _Clamp(torch.nn.Module):
         super().__init__()
         self.sae = sae
         self.clamps = clamps
+        # Rows the forward clamped, counted in the graph where the work happens.
+        self.rows_done = torch.zeros((), dtype=torch.int64, device=sae.device)
 
     def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.rows_done.add_(rows.sum())
         return apply_clamp(self.sae, s, self.clamps)
+
+    def take_rows(self) -> int:
+        """Rows clamped since the last call; call between forwards (engine thread)."""
+        n = int(self.rows_done.item())
+        if n:
+            self.rows_done.sub_(n)
+        return n

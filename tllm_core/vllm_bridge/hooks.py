@@ -81,6 +81,8 @@ class RunnerHooks:
                 edit = self.edits[tap.key] = EditBuffers(
                     max_tokens, info.hidden_size, info.dtype, dev
                 )
+                for owner, module in runtime.transforms(tap.key):
+                    edit.add_transform(owner, module)
             buffers = TapBuffers(
                 capture=cap,
                 edit=edit,
