@@ -59,7 +59,7 @@ def test_tllm_run_with_sae_records_summarises_and_steers(tiny_model, tmp_path):
     assert res["rows_recorded"] == decode_rows
     assert 0 < res["mean_l0"] <= D_SAE and 0 < res["relative_mse"]
     assert set(res["watch"]) == {"7", "11"} and all(0 <= v <= 1 for v in res["watch"].values())
-    assert res["rows_steered"] > 0
+    assert res["rows_selected_steer"] > 0
     assert report["counters"]["runtime"]["rows_edited"] > 0
     assert res["bytes_per_row"]["features"] < res["bytes_per_row"]["dense_float32"]
     records = list(read_features(out))
@@ -99,14 +99,14 @@ def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny
         recorded = complete({"tllm_consumers": "sae"})
         assert recorded == plain  # recording alone leaves the text alone
         c1 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
-        assert c1["rows_recorded"] == 7 and c1.get("rows_steered", 0) == 0
+        assert c1["rows_recorded"] == 7 and c1.get("rows_selected_steer", 0) == 0
         steer = json.dumps([{"feature": 5, "scale": 40.0}])
         steered = complete(
             {"tllm_consumers": "sae", "tllm_sae_steer": steer, "tllm_sae_record": "false"}
         )
         assert steered != plain
         c2 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
-        assert c2["rows_steered"] > 0 and c2["rows_recorded"] == 7  # not recorded
+        assert c2["rows_selected_steer"] > 0 and c2["rows_recorded"] == 7  # not recorded
 
         bad = json.dumps([{"feature": D_SAE, "scale": 1.0}])
         with pytest.raises(openai.BadRequestError) as ei:

@@ -196,7 +196,7 @@ def test_topk_features_and_feature_steering(tiny_model, engines, saes, tmp_path)
     steered_rows = sum(
         len(outs[2].prompt_token_ids) + len(c.token_ids) - 1 for c in outs[2].outputs
     )
-    assert c["rows_steered"] == steered_rows == report["runtime"]["rows_edited"]
+    assert c["rows_selected_steer"] == steered_rows == report["runtime"]["rows_edited"]
     assert "invalid_request_settings" not in c
 
     # the unsteered prompt's features equal the reference (top-k architecture)

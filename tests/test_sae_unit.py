@@ -375,7 +375,7 @@ def test_steering_plans_scale_times_decoder_row_and_per_request_settings(tmp_pat
     torch.testing.assert_close(value[0], 2.0 * sae.W_dec[3])
     torch.testing.assert_close(value[2], -1.0 * sae.W_dec[5])
     snap = c.counters.snapshot()
-    assert snap["rows_steered"] == 3 and snap["invalid_request_settings"] == 1
+    assert snap["rows_selected_steer"] == 3 and snap["invalid_request_settings"] == 1
     assert c.writes()[0].layer == 2
 
 

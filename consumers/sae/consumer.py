@@ -226,7 +226,7 @@ class SaeConsumer(Consumer):
         else:
             value = torch.cat([v.expand(len(r), -1) for r, v in zip(idx, vecs, strict=True)])
         plan.add(self.site.key, rows_sel, value)
-        self.counters.add("rows_steered", int(rows_sel.size))
+        self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     # -- encoding (background thread) ------------------------------------------------------
     def _sae_for(self, device: torch.device) -> SparseAutoencoder:
@@ -342,7 +342,7 @@ class SaeConsumer(Consumer):
             "watch": {
                 str(f): (c.get(f"watch_fired.{f}") / rows if rows else None) for f in self.cfg.watch
             },
-            "rows_steered": int(c.get("rows_steered")),
+            "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
         if self.writer is not None:
             w = self.writer.shards
