@@ -546,3 +546,37 @@ def test_sparse_decode_equals_dense_decode(arch):
     sparse[:, 3] = 1.5  # one of D_SAE features active (at most 1/16): the CSR path
     for a in (acts, sparse):
         torch.testing.assert_close(sae.decode_sparse(a, state), sae.decode(a, state))
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+@pytest.mark.parametrize("top_k", [3, 5, 9])
+def test_topk_codes_equal_the_dense_activations(rescale, top_k):
+    """The consumer's top-k path (codes, never a dense [R, d_sae] tensor) gives what the
+    dense definitions give: activations, reconstruction, recorded top features, counters."""
+    from consumers.sae.consumer import _Codes
+    from consumers.sae.model import top_codes
+
+    sae = random_sae(
+        "topk", seed=6, normalize_activations="layer_norm", rescale_acts_by_decoder_norm=rescale
+    )
+    x = torch.randn(7, D_IN, generator=torch.Generator().manual_seed(3))
+    acts, state = sae.encode(x)
+    idx, vals, st = sae.encode_codes(x)
+    dense = torch.zeros_like(acts).scatter_(-1, idx, vals)
+    torch.testing.assert_close(dense, acts)
+    torch.testing.assert_close(sae.decode_codes(idx, vals, st), sae.decode(acts, state))
+    i_ref, v_ref = top_features(acts, top_k)
+    i, v = top_codes(idx, vals, top_k)
+    assert torch.equal(i, i_ref) and torch.equal(v, v_ref)
+
+    watch = [int(idx[0, 0]), int(idx[1, 2]), D_SAE - 1]
+    fast = _Codes.encode(sae, x, watch)
+    assert fast.dense is None  # the codes path was taken
+    active = acts > 0
+    want = [active.sum(), ((x - sae.decode(acts, state)) ** 2).sum(), (x**2).sum()]
+    want += [active[:, f].sum() for f in watch]
+    torch.testing.assert_close(fast.stats, torch.stack([w.float() for w in want]))
+    rows = np.array([1, 4, 6])
+    i, v = fast.top(top_k, rows)
+    i_ref, v_ref = top_features(acts[rows], top_k)
+    assert torch.equal(i, i_ref) and torch.equal(v, v_ref)

@@ -22,7 +22,7 @@ from consumers.export.writer import output_layout
 from consumers.sae.config import SaeConfig
 from consumers.sae.features_writer import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
-from consumers.sae.model import SparseAutoencoder, top_features
+from consumers.sae.model import SparseAutoencoder, top_codes, top_features
 from consumers.sae.ports import edit_port, read_port
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site
@@ -257,20 +257,10 @@ class SaeConsumer(Consumer):
         xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
         sae = self._sae_for(xs.device)
         with torch.no_grad():
-            acts, state = sae.encode(xs)
-            recon = sae.decode_sparse(acts, state)
-            xf = xs.float()
-            active = acts > 0
+            codes = _Codes.encode(sae, xs, self.cfg.watch)
             m = int(sel.size)
             # one device-to-host read for all the summary figures of this step
-            stats = torch.stack(
-                [
-                    active.sum().float(),
-                    ((xf - recon) ** 2).sum(),
-                    (xf**2).sum(),
-                    *(active[:, f].sum().float() for f in self.cfg.watch),
-                ]
-            ).tolist()
+            stats = codes.stats.tolist()
             self.counters.add("rows_encoded", m)
             self.counters.add("active_features", int(stats[0]))
             self.counters.add("recon_sq_error", stats[1])
@@ -283,8 +273,7 @@ class SaeConsumer(Consumer):
             if not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
-            r_acts = acts if ridx.size == m else acts[torch.from_numpy(ridx).to(acts.device)]
-            ind, val = top_features(r_acts, self.cfg.top_k)
+            ind, val = codes.top(self.cfg.top_k, None if ridx.size == m else ridx)
         vdt = torch.float16 if self.cfg.values_dtype == "float16" else torch.float32
         rsel = sel[ridx]
         wrote = self.writer.append(
@@ -357,6 +346,54 @@ class SaeConsumer(Consumer):
 
 
 _MISSING = object()
+
+
+class _Codes:
+    """One step's SAE activations of the selected rows, in the cheapest form the
+    architecture allows (``topk``: k codes per row; otherwise dense), with the summary
+    figures ``stats`` = [active features, squared reconstruction error, squared input norm,
+    rows where each watched feature fired] as one tensor."""
+
+    def __init__(self, dense, codes, stats):
+        self.dense, self.codes, self.stats = dense, codes, stats
+
+    @classmethod
+    def encode(cls, sae: SparseAutoencoder, x: torch.Tensor, watch: list[int]) -> _Codes:
+        xf = x.float()
+        if sae.architecture == "topk":
+            idx, vals, state = sae.encode_codes(x)
+            recon = sae.decode_codes(idx, vals, state)
+            active = vals > 0
+            fired = [((idx == f) & active).any(-1).sum() for f in watch]
+            dense, codes = None, (idx, vals)
+        else:
+            acts, state = sae.encode(x)
+            recon = sae.decode_sparse(acts, state)
+            active = acts > 0
+            fired = [active[:, f].sum() for f in watch]
+            dense, codes = acts, None
+        stats = torch.stack(
+            [
+                active.sum().float(),
+                ((xf - recon) ** 2).sum(),
+                (xf**2).sum(),
+                *(f.float() for f in fired),
+            ]
+        )
+        return cls(dense, codes, stats)
+
+    def top(self, top_k: int, rows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`top_features` of ``rows`` (all when None)."""
+        if self.codes is not None:
+            idx, vals = self.codes
+            if rows is not None:
+                sel = torch.from_numpy(rows).to(idx.device)
+                idx, vals = idx[sel], vals[sel]
+            return top_codes(idx, vals, top_k)
+        acts = self.dense
+        if rows is not None:
+            acts = acts[torch.from_numpy(rows).to(acts.device)]
+        return top_features(acts, top_k)
 
 
 class _Clamp(torch.nn.Module):

@@ -162,10 +162,52 @@ class SparseAutoencoder:
             y = torch.sparse.mm(acts.to_sparse_csr(), self.W_dec) + self.b_dec
         return self.denormalize(y, state) if state is not None else y
 
+    # -- top-k SAEs: sparse codes without a dense [R, d_sae] tensor ----------------------
+    def encode_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, NormState]:
+        """A ``topk`` SAE's activations as codes: feature indices ``[R, k]`` (int64) and
+        their activations ``[R, k]`` (fp32, 0 where the ReLU zeroed one); :meth:`encode`
+        scattered into a dense tensor holds exactly these."""
+        if self.architecture != "topk" or self.k is None:
+            raise ValueError(f"encode_codes needs a topk SAE, this one is {self.architecture!r}")
+        pre, state = self.pre_activations(x)
+        vals, idx = pre.topk(min(self.k, pre.shape[-1]), dim=-1, sorted=False)
+        return idx, torch.relu(vals), state
+
+    def decode_codes(
+        self, idx: torch.Tensor, vals: torch.Tensor, state: NormState | None = None
+    ) -> torch.Tensor:
+        """:meth:`decode` of codes from :meth:`encode_codes`: a weighted sum of ``k`` decoder
+        rows per row (O(k x d_in), not O(d_sae x d_in))."""
+        if self.rescale_acts_by_decoder_norm:
+            vals = vals / self.W_dec.norm(dim=-1)[idx]
+        y = (
+            torch.nn.functional.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
+            + self.b_dec
+        )
+        return self.denormalize(y, state) if state is not None else y
+
     def decoder_direction(self, feature: int) -> torch.Tensor:
         """``W_dec[feature]`` (fp32), the vector a unit of the feature adds before any
         output normalization."""
         return self.W_dec[feature].float()
+
+
+def top_codes(
+    idx: torch.Tensor, vals: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_features` of the dense activations that the codes ``(idx, vals)`` stand
+    for (every feature outside ``idx`` is 0), without building them."""
+    k = min(top_k, vals.shape[-1])
+    v, order = vals.topk(k, dim=-1, sorted=True)
+    i = idx.gather(-1, order).to(torch.int32)
+    inactive = v <= 0
+    i = i.masked_fill(inactive, -1)
+    v = v.masked_fill(inactive, 0.0)
+    if k < top_k:  # fewer codes than top_k: pad
+        pad = top_k - k
+        i = torch.cat([i, i.new_full((i.shape[0], pad), -1)], dim=1)
+        v = torch.cat([v, v.new_zeros(v.shape[0], pad)], dim=1)
+    return i, v
 
 
 def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
