@@ -66,6 +66,10 @@ def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
         parallel_ranks(parse("--", "--data-parallel-size", "x"))
     with pytest.raises(CliError, match="must be >= 1, got 0"):
         parallel_ranks(parse("--data-parallel-size", "0"))
+    # One API server: tllm's request checks and /tllm routes live in it.
+    assert parallel_ranks(parse("--", "--api-server-count", "1")) == 1
+    with pytest.raises(CliError, match="--api-server-count 2: tllm serve runs one API server"):
+        parallel_ranks(parse("--data-parallel-size", "2", "--", "--api-server-count=2"))
 
 
 def test_counters_route_asks_every_engine_core():

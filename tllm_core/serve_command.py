@@ -55,20 +55,37 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 
 
 DP_FLAGS = ("--data-parallel-size", "-dp")
+API_SERVER_FLAGS = ("--api-server-count", "-asc")
+
+
+def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
+    """The whole-number value of the last of ``flags`` among vLLM's arguments, if given."""
+    found = None
+    for i, a in enumerate(extra):
+        flag, eq, value = a.partition("=")
+        if flag in flags:
+            value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+            try:
+                found = int(value)
+            except ValueError:
+                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
+    return found
 
 
 def parallel_ranks(args: argparse.Namespace) -> int:
-    """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins)."""
-    dp = args.data_parallel_size
+    """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
+    Refuses more than one API server: tllm's request checks and ``/tllm`` routes live in
+    the one API server process that ``tllm serve`` starts."""
     extra = list(args.vllm_args or [])
-    for i, a in enumerate(extra):
-        flag, eq, value = a.partition("=")
-        if flag in DP_FLAGS:
-            value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
-            try:
-                dp = int(value)
-            except ValueError:
-                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
+    servers = _int_flag(extra, API_SERVER_FLAGS)
+    if servers is not None and servers != 1:
+        raise cli_common.CliError(
+            f"--api-server-count {servers}: tllm serve runs one API server (its request "
+            "checks and /tllm routes live in that process); allowed: 1. Several engines "
+            "behind it: --data-parallel-size N"
+        )
+    dp = _int_flag(extra, DP_FLAGS)
+    dp = args.data_parallel_size if dp is None else dp
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
     return args.tensor_parallel_size * dp
