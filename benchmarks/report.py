@@ -151,6 +151,7 @@ def throughput_section(tp: dict) -> list[str]:
         *(
             f"Re-measured later (after a change to that case only), with its own paired plain "
             f"runs: {', '.join(f'`{n}`' for n in names_)}: `{command}`."
+            + (f" Note: {note}" if (note := _run_note(tp, command)) else "")
             for command, names_ in _remeasured(tp)
         ),
         "",
@@ -570,6 +571,12 @@ def merge_throughput(run_path: Path, note: str) -> list[str]:
     )
     path.write_text(json.dumps(tp))
     return cases
+
+
+def _run_note(tp: dict, command: str) -> str:
+    """The note of the newest later run made with ``command``."""
+    notes = [r.get("note", "") for r in tp.get("later_runs", []) if r.get("command") == command]
+    return notes[-1] if notes else ""
 
 
 def _load(name: str) -> dict | None:
