@@ -6,6 +6,10 @@ import os
 import sys
 
 
+# Engine options of the small command-line runs: eager, short context, 1 GiB of KV cache.
+SMALL_ENGINE = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1")
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The test's environment in vLLM's default (multiprocess) layout, plus ``extra``."""
     env = dict(os.environ)
@@ -32,9 +36,5 @@ def long_export_argv(model: str, out: str, *source: str) -> list[str]:
         "--max-tokens",
         "400",
         "--ignore-eos",
-        "--enforce-eager",
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "1",
+        *SMALL_ENGINE,
     ]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_util import cli_env, long_export_argv
+from cli_util import SMALL_ENGINE, cli_env, long_export_argv
 from conftest import run_cli
 
 pytestmark = pytest.mark.vllm
@@ -88,11 +88,7 @@ def test_default_run_is_quiet_summarised_and_stops_its_engine(tiny_model):
         "--max-tokens",
         "8",
         "--ignore-eos",
-        "--enforce-eager",
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "1",
+        *SMALL_ENGINE,
         env={"VLLM_LOGGING_LEVEL": "INFO"},  # the quiet setting must win over the env's level
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
