@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-
 # Engine options of the small command-line runs: eager, short context, 1 GiB of KV cache.
 SMALL_ENGINE = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1")
 
