@@ -151,6 +151,19 @@ class ExportReader:
             return f.get_tensor(fmt.ROW_REQUEST)
 
     @staticmethod
+    def _request_fields(meta: dict[str, Any]) -> dict[str, Any]:
+        """A record's fields from its request-table entry (those of every record kind)."""
+        return {
+            "request_id": meta["request_id"],
+            "prompt_index": int(meta["prompt_index"]),
+            "sample_index": int(meta["sample_index"]),
+            "num_prompt_tokens": int(meta["num_prompt_tokens"]),
+            "token_ids": torch.tensor(meta["token_ids"], dtype=torch.int64),
+            "finished": bool(meta.get("finished", False)),
+            "engine_id": meta.get("engine_id", ""),
+        }
+
+    @staticmethod
     def _merge_rows(
         pieces: list[dict[str, torch.Tensor]], keys: Iterable[str]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -176,16 +189,7 @@ class ExportReader:
             dt = getattr(torch, self.dtype)
             hidden = {k: torch.zeros(0, self.hidden_size, dtype=dt) for k in self.keys}
         return ExportRecord(
-            request_id=meta["request_id"],
-            prompt_index=int(meta["prompt_index"]),
-            sample_index=int(meta["sample_index"]),
-            num_prompt_tokens=int(meta["num_prompt_tokens"]),
-            token_ids=torch.tensor(meta["token_ids"], dtype=torch.int64),
-            positions=pos,
-            is_decode=dec,
-            hidden=hidden,
-            finished=bool(meta.get("finished", False)),
-            engine_id=meta.get("engine_id", ""),
+            **self._request_fields(meta), positions=pos, is_decode=dec, hidden=hidden
         )
 
     def __iter__(self) -> Iterator[ExportRecord]:

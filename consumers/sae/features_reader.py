@@ -67,17 +67,7 @@ class FeatureReader(ExportReader):
             idx = torch.zeros(0, k, dtype=torch.int32)
             val = torch.zeros(0, k, dtype=getattr(torch, self.dtype))
         return FeatureRecord(
-            request_id=meta["request_id"],
-            prompt_index=int(meta["prompt_index"]),
-            sample_index=int(meta["sample_index"]),
-            num_prompt_tokens=int(meta["num_prompt_tokens"]),
-            token_ids=torch.tensor(meta["token_ids"], dtype=torch.int64),
-            positions=pos,
-            is_decode=dec,
-            indices=idx,
-            values=val,
-            finished=bool(meta.get("finished", False)),
-            engine_id=meta.get("engine_id", ""),
+            **self._request_fields(meta), positions=pos, is_decode=dec, indices=idx, values=val
         )
 
 
