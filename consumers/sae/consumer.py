@@ -228,7 +228,7 @@ class SaeConsumer(Consumer):
         plan.add(self.site.key, rows_sel, value)
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
-    # -- encoding (background thread) ------------------------------------------------------
+    # -- encoding (end of step on the engine thread, or the background thread) ---------------
     def _sae_for(self, device: torch.device) -> SparseAutoencoder:
         return self.sae if device.type == "cpu" else self.sae_dev
 
