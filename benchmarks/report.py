@@ -2,6 +2,8 @@
 
     python benchmarks/report.py --run     # run throughput + diversity (CPU settings below), then render
     python benchmarks/report.py           # render from benchmarks/results/*.json only
+    python benchmarks/report.py --merge run.json --note "when, why"
+                                          # fold a later throughput.py --json run in, render
 
 Runs write benchmarks/results/throughput.json and diversity.json; a GPU run of
 ``benchmarks/gpu_distiller.py --json > benchmarks/results/gpu_distiller.json`` is picked up
