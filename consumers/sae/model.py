@@ -124,10 +124,8 @@ class SparseAutoencoder:
             assert self.threshold is not None
             return torch.relu(pre) * (pre > self.threshold).to(pre.dtype)
         if self.architecture == "topk":
-            assert self.k is not None
-            k = min(self.k, pre.shape[-1])
-            vals, idx = pre.topk(k, dim=-1, sorted=False)
-            return torch.zeros_like(pre).scatter_(-1, idx, torch.relu(vals))
+            idx, vals = self._top_k_codes(pre)
+            return torch.zeros_like(pre).scatter_(-1, idx, vals)
         raise ValueError(f"unknown SAE architecture {self.architecture!r}")
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
@@ -170,8 +168,14 @@ class SparseAutoencoder:
         if self.architecture != "topk" or self.k is None:
             raise ValueError(f"encode_codes needs a topk SAE, this one is {self.architecture!r}")
         pre, state = self.pre_activations(x)
+        idx, vals = self._top_k_codes(pre)
+        return idx, vals, state
+
+    def _top_k_codes(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest pre-activations of each row, ReLU'd: (indices, values)."""
+        assert self.k is not None
         vals, idx = pre.topk(min(self.k, pre.shape[-1]), dim=-1, sorted=False)
-        return idx, torch.relu(vals), state
+        return idx, torch.relu(vals)
 
     def decode_codes(
         self, idx: torch.Tensor, vals: torch.Tensor, state: NormState | None = None
@@ -197,31 +201,29 @@ def top_codes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`top_features` of the dense activations that the codes ``(idx, vals)`` stand
     for (every feature outside ``idx`` is 0), without building them."""
-    k = min(top_k, vals.shape[-1])
-    v, order = vals.topk(k, dim=-1, sorted=True)
-    i = idx.gather(-1, order).to(torch.int32)
-    inactive = v <= 0
-    i = i.masked_fill(inactive, -1)
-    v = v.masked_fill(inactive, 0.0)
-    if k < top_k:  # fewer codes than top_k: pad
-        pad = top_k - k
-        i = torch.cat([i, i.new_full((i.shape[0], pad), -1)], dim=1)
-        v = torch.cat([v, v.new_zeros(v.shape[0], pad)], dim=1)
-    return i, v
+    v, order = vals.topk(min(top_k, vals.shape[-1]), dim=-1, sorted=True)
+    return _marked_and_padded(idx.gather(-1, order), v, top_k)
 
 
 def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``top_k`` largest activations per row: ``(indices int32, values fp32)``, each
     ``[R, top_k]``, sorted by value (descending). Slots beyond a row's active features
     (activation 0) get index ``-1`` and value ``0``."""
-    k = min(top_k, acts.shape[-1])
-    vals, idx = acts.topk(k, dim=-1, sorted=True)
+    vals, idx = acts.topk(min(top_k, acts.shape[-1]), dim=-1, sorted=True)
+    return _marked_and_padded(idx, vals, top_k)
+
+
+def _marked_and_padded(
+    idx: torch.Tensor, vals: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted top features as records store them: int32 indices, inactive slots (value
+    <= 0) as index -1 / value 0, padded the same way to ``top_k`` columns."""
     idx = idx.to(torch.int32)
     inactive = vals <= 0
     idx = idx.masked_fill(inactive, -1)
     vals = vals.masked_fill(inactive, 0.0)
-    if k < top_k:  # the SAE has fewer features than top_k: pad
-        pad = top_k - k
+    pad = top_k - vals.shape[-1]
+    if pad > 0:
         idx = torch.cat([idx, idx.new_full((idx.shape[0], pad), -1)], dim=1)
         vals = torch.cat([vals, vals.new_zeros(vals.shape[0], pad)], dim=1)
     return idx, vals
