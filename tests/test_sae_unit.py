@@ -360,6 +360,39 @@ def test_summary_counters_and_records_equal_the_sae_on_the_rows(tmp_path):
     torch.testing.assert_close(recs["1"].values, val[2:])
 
 
+def test_decode_phase_records_carry_the_whole_token_sequence(tmp_path):
+    """Only decode rows are encoded and recorded, yet each record's token ids are the whole
+    sequence: prompt ids come from the (unrecorded) prefill rows, the last one from the
+    sampled token of the final step."""
+    c = make(tmp_path, site=1, top_k=2, out=str(tmp_path / "f"), phase="decode")
+    a, b = req(0, n_prompt=2), req(1, n_prompt=2)
+    g = torch.Generator().manual_seed(1)
+
+    def step(i, reqs, positions, fed, sampled):
+        rows = rows_of(reqs, positions)
+        rows.token_ids = torch.tensor(fed)
+        last = [j for j in range(len(reqs)) if j == len(reqs) - 1 or reqs[j + 1] is not reqs[j]]
+        c.on_bundle(
+            Bundle(
+                step=i,
+                rows=rows,
+                hidden={"layer.1": torch.randn(len(reqs), D_IN, generator=g)},
+                sampled_rows=rows.take(np.array(last)),
+                per_sample={"sampled": torch.tensor(sampled)},
+            )
+        )
+
+    step(0, [a, a, b, b], [0, 1, 0, 1], [10, 11, 20, 21], [12, 22])  # prefill
+    step(1, [a, b], [2, 2], [12, 22], [13, 23])
+    step(2, [a, b], [3, 3], [13, 23], [14, 24])
+    c.close()
+    assert c.counters.get("rows_recorded") == 4  # decode rows only
+    recs = {r.request_id: r for r in read_features(tmp_path / "f")}
+    assert recs["0"].token_ids.tolist() == [10, 11, 12, 13, 14]
+    assert recs["1"].token_ids.tolist() == [20, 21, 22, 23, 24]
+    assert recs["0"].positions.tolist() == [2, 3]
+
+
 def test_steering_plans_scale_times_decoder_row_and_per_request_settings(tmp_path):
     c = make(tmp_path, site=-2, steer=[{"feature": 3, "scale": 2.0}])
     sae = load_sae(tmp_path / "sae")
@@ -535,6 +568,10 @@ def test_request_feature_out_of_range_is_refused_by_the_front_end_check(tmp_path
     r = req(1, tllm_sae_steer=bad)
     with pytest.raises(ValueError, match="valid: 0"):
         r.settings(c)
+    # recording asked for where the config gives no folder to record into
+    with pytest.raises(ValueError, match="tllm_sae_record.*no 'out' folder"):
+        validate_extra_args({"tllm_sae_record": "true"}, engine)
+    validate_extra_args({"tllm_sae_record": "false"}, engine)
 
 
 @pytest.mark.parametrize("arch", ["standard", "jumprelu", "topk"])

@@ -28,6 +28,9 @@ class RequestTokens:
             self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
 
     def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        if positions.size == 1:  # a decode row: the common case, kept cheap
+            self.put_one(int(positions[0]), int(tokens[0]))
+            return
         if positions.size == 0:
             return
         end = int(positions.max()) + 1
@@ -37,6 +40,15 @@ class RequestTokens:
             self.tokens = grown
         self.tokens[positions] = tokens
         self.length = max(self.length, end)
+
+    def put_one(self, position: int, token: int) -> None:
+        if position >= self.tokens.shape[0]:
+            grown = np.full(max(position + 1, 2 * self.tokens.shape[0]), -1, np.int64)
+            grown[: self.length] = self.tokens[: self.length]
+            self.tokens = grown
+        self.tokens[position] = token
+        if position >= self.length:
+            self.length = position + 1
 
 
 def rows_to_write(rows: RowInfo, phase: Phase, counters: Counters) -> np.ndarray:

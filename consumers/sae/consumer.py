@@ -177,8 +177,6 @@ class SaeConsumer(Consumer):
         if s is _INVALID:
             return False
         if s is not None and s.record is not None:
-            if s.record and self.writer is None:
-                self.counters.add("record_without_out")
             return bool(s.record) and self.writer is not None
         return self.writer is not None
 
@@ -249,11 +247,16 @@ class SaeConsumer(Consumer):
         keep = rows_to_write(rows, self.phase, self.counters)
         positions = np.asarray(rows.position, np.int64)
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
-        if self.writer is not None:
-            self._note_tokens(rows.requests, positions, tokens)
-        if not keep.any():
-            return
         sel = np.nonzero(keep)[0]
+        rec = None
+        if self.writer is not None:
+            rec = np.fromiter((self._records(rows.requests[j]) for j in sel), np.bool_, sel.size)
+            # Token ids of the rows that are not recorded below (recorded rows carry theirs).
+            unrecorded = np.ones(n, np.bool_)
+            unrecorded[sel[rec]] = False
+            self._note_tokens(rows.requests, positions, tokens, unrecorded)
+        if sel.size == 0:
+            return
         xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
         sae = self._sae_for(xs.device)
         with torch.no_grad():
@@ -267,10 +270,7 @@ class SaeConsumer(Consumer):
             self.counters.add("input_sq_norm", stats[2])
             for f, fired in zip(self.cfg.watch, stats[3:], strict=True):
                 self.counters.add(f"watch_fired.{f}", int(fired))
-            if self.writer is None:
-                return
-            rec = np.fromiter((self._records(rows.requests[j]) for j in sel), np.bool_, m)
-            if not rec.any():
+            if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
             ind, val = codes.top(self.cfg.top_k, None if ridx.size == m else ridx)
@@ -296,9 +296,20 @@ class SaeConsumer(Consumer):
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
         self._note_tokens(srows.requests, pos, ids_np)
 
-    def _note_tokens(self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray) -> None:
-        """Token ids of the requests that record (only those enter the feature records)."""
+    def _note_tokens(
+        self,
+        requests: list[RequestInfo],
+        pos: np.ndarray,
+        ids: np.ndarray,
+        among: np.ndarray | None = None,
+    ) -> None:
+        """Token ids of the requests that record (only those enter the feature records);
+        only the rows in the mask ``among`` when given."""
+        if among is not None and not among.any():
+            return
         rec = np.fromiter((self._records(r) for r in requests), np.bool_, len(requests))
+        if among is not None:
+            rec &= among
         if rec.all():
             self.writer.note_tokens(requests, pos, ids)
         elif rec.any():

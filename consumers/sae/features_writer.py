@@ -101,15 +101,20 @@ class FeatureWriter:
 
     def _note(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         n = len(requests)
-        row_request = np.empty(n, np.int64)
+        index = [0] * n
+        pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
         start = 0
         for i in range(1, n + 1):
             if i == n or requests[i] is not requests[start]:
                 req = self._request(requests[start])
-                row_request[start:i] = req.index
-                req.put(positions[start:i], tokens[start:i])
+                if i - start == 1:  # a decode row
+                    req.put_one(pos[start], tok[start])
+                    index[start] = req.index
+                else:
+                    req.put(positions[start:i], tokens[start:i])
+                    index[start:i] = [req.index] * (i - start)
                 start = i
-        return row_request
+        return np.asarray(index, np.int64)
 
     def append(
         self,

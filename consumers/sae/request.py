@@ -41,6 +41,13 @@ class SaeRequest(RequestSettings):
 
     @model_validator(mode="after")
     def _fits_the_sae(self, info: ValidationInfo) -> SaeRequest:
+        config = (info.context or {}).get("config")
+        if self.record and config is not None and getattr(config, "out", None) is None:
+            raise ValueError(
+                "record is true but the sae consumer's config sets no 'out' folder to record "
+                "into; set 'out' in the config (per-request 'record' can only switch "
+                "recording off or back on)"
+            )
         if not self.steer:
             return self
         for i, e in enumerate(self.steer):
@@ -49,7 +56,6 @@ class SaeRequest(RequestSettings):
                     f"steer[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
                     f"so they are given in the consumer's config 'steer' only; use 'scale' here"
                 )
-        config = (info.context or {}).get("config")
         d_sae = config.declared_d_sae() if config is not None else None
         if d_sae is not None:
             check_features(self.steer, d_sae, "steer")
