@@ -164,7 +164,22 @@ def _shutdown(llm: Any) -> None:
             pass
 
 
-def generate_all(methods, prompts, args, model) -> dict[str, Any]:
+def select_methods(
+    p: argparse.ArgumentParser, methods: list[dict[str, Any]], spec: str | None
+) -> list[dict[str, Any]]:
+    """The methods named in ``spec`` (``--methods``: comma-separated; None: all), in run
+    order, with ``vanilla`` always (every comparison is against it); an unknown name is a
+    usage error listing the available ones."""
+    if not spec:
+        return methods
+    keep = ["vanilla"] + [m.strip() for m in spec.split(",") if m.strip()]
+    unknown = sorted(set(keep) - {m["name"] for m in methods})
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; available: {[m['name'] for m in methods]}")
+    return [m for m in methods if m["name"] in keep]
+
+
+def generate_all(methods, prompts, args, model, tag: str = "diversity") -> dict[str, Any]:
     """{method: {"samples": [[{token_ids, nll}]...], "counters", "gen_s"}}; one engine per
     distinct consumer list (vanilla and temperature methods share one)."""
     from vllm import SamplingParams
@@ -188,7 +203,7 @@ def generate_all(methods, prompts, args, model) -> dict[str, Any]:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
         print(
-            f"[diversity] engine {key} started in {time.perf_counter() - t0:.1f}s",
+            f"[{tag}] engine {key} started in {time.perf_counter() - t0:.1f}s",
             file=sys.stderr,
             flush=True,
         )
@@ -230,7 +245,7 @@ def generate_all(methods, prompts, args, model) -> dict[str, Any]:
                     samples.append(comp)
             gen_s = time.perf_counter() - t1
             print(
-                f"[diversity] {m['name']:<14} generated in {gen_s:.1f}s",
+                f"[{tag}] {m['name']:<14} generated in {gen_s:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -456,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--methods",
         default=None,
-        help="comma-separated method names to run (default: all), e.g. vanilla,esamp_b0.25",
+        help="comma-separated method names to run besides vanilla (default: all), e.g. "
+        "esamp_b0.25,frozen_b0.25",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -481,12 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     methods = build_methods(betas, args.temperature, variants, args.variant_noise)
-    if args.methods:
-        keep = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = sorted(set(keep) - {m["name"] for m in methods})
-        if unknown:
-            p.error(f"--methods: unknown {unknown}; available: {[m['name'] for m in methods]}")
-        methods = [m for m in methods if m["name"] in keep]
+    methods = select_methods(p, methods, args.methods)
     if variants:  # bad fields fail here, before any engine starts
         from tllm_core.engine import validate_consumers
 

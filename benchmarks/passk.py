@@ -292,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         "frozen ablation (repeatable)",
     )
     p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names to run besides vanilla (default: all the options "
+        "select), e.g. noise_b0.25,frozen_b0.25",
+    )
     p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
     p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
@@ -330,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in methods
             if m["kind"] not in ("esamp", "noise", "frozen", "temperature") or "variant" in m
         ]
+    methods = _sibling("diversity").select_methods(p, methods, args.methods)
     from tllm_core.engine import validate_consumers
 
     for m in methods:  # bad fields fail here, before any engine starts
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     generate_all = _sibling("diversity").generate_all
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
-    gen = generate_all(methods, [q["prompt"] for q in problems], args, model)
+    gen = generate_all(methods, [q["prompt"] for q in problems], args, model, tag="passk")
     t_gen = time.perf_counter() - t_start
 
     out_methods: dict[str, Any] = {}

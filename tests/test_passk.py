@@ -91,6 +91,20 @@ def test_methods_give_each_variant_its_own_frozen_ablation():
     assert by["esamp_warm_b0.25"]["variant"] == "warm" and "variant" not in by["esamp_b0.25"]
 
 
+def test_methods_option_keeps_vanilla_and_names_unknown_methods(capsys):
+    import argparse
+
+    dv = _load("diversity")
+    ms = dv.build_methods([0.25], 1.0, {}, variant_noise=False)
+    p = argparse.ArgumentParser(prog="passk.py")
+    picked = dv.select_methods(p, ms, "noise_b0.25")
+    assert [m["name"] for m in picked] == ["vanilla", "noise_b0.25"]  # the reference stays
+    assert dv.select_methods(p, ms, None) == ms
+    with pytest.raises(SystemExit):
+        dv.select_methods(p, ms, "noise_b0.25,esamp_b9")
+    assert "unknown ['esamp_b9']" in capsys.readouterr().err
+
+
 @pytest.mark.vllm
 def test_passk_script_small_run(tiny_model, tmp_path):
     png = tmp_path / "passk.png"
