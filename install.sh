@@ -28,4 +28,11 @@ fi
 if [ "${1:-}" = "--test" ]; then
   # A separately installable third-party consumer: the tests check entry-point discovery.
   "$PY" -m pip install -q --no-deps -e tests/plugin_pkg
+  # SAELens in a side environment (it sees this one's torch, adds its own dependencies
+  # there): the interop test writes SAEs with SAELens itself and loads them with tllm.
+  sae_lens_env="${XDG_CACHE_HOME:-$HOME/.cache}/tllm/sae-lens-venv"
+  if [ ! -x "$sae_lens_env/bin/python" ]; then
+    "$PY" -m venv --system-site-packages "$sae_lens_env"
+  fi
+  "$sae_lens_env/bin/python" -m pip install -q "sae-lens==6.54.*"
 fi
