@@ -397,6 +397,88 @@ def passk_section(pk: dict, stem: str = "passk") -> list[str]:
     return out
 
 
+def _cmp(c: dict | None, fmt: str = "+.3f") -> str:
+    """A paired comparison as 'Δ (better/worse, p_t)'."""
+    if not c:
+        return "—"
+    return f"{c['mean_delta']:{fmt}} ({c['improved']}/{c['worse']}, p_t {c['t_test_p']:.2g})"
+
+
+def _yes(v: bool | None) -> str:
+    return "—" if v is None else ("**yes**" if v else "no")
+
+
+def variants_section() -> list[str]:
+    """ESamp's variants on both benchmarks, paired across runs (benchmarks/variants.py)."""
+    import variants
+
+    passk_runs = [RESULTS / n for n in variants.DEFAULT_RUNS["passk"] if (RESULTS / n).exists()]
+    div_runs = [RESULTS / n for n in variants.DEFAULT_RUNS["diversity"] if (RESULTS / n).exists()]
+    if not passk_runs or not div_runs:
+        return []
+    res = variants.load(passk_runs, div_runs)
+    van = res["vanilla"]
+    out = [
+        "## ESamp variants on both benchmarks, with their ablations",
+        "",
+        "Command: `python benchmarks/variants.py` (pairs the runs below problem by problem and "
+        "prompt by prompt after checking that vanilla's samples are identical in all of them; "
+        "`--json` for everything). pass@k runs: "
+        + ", ".join(f"`{n}`" for n in res["runs"]["passk"])
+        + "; diversity runs: "
+        + ", ".join(f"`{n}`" for n in res["runs"]["diversity"])
+        + f". Vanilla: pass@1 {van['passk']['pass@1']:.3f}, pass@16 "
+        f"{van['passk']['pass@16']:.3f}; Vendi {van['diversity']['vendi']:.3f}, PPL "
+        f"{van['diversity']['ppl']:.2f}. Each cell: Δ (better/worse items, paired t-test p).",
+        "",
+        "| variant | pass@1 | pass@16 | pass@16 vs vanilla | vs frozen: pass@1 | "
+        "vs frozen: pass@16 | vs noise: pass@16 | Vendi | PPL | Vendi vs vanilla | "
+        "vs frozen: Vendi | vs noise: Vendi | vs noise: PPL |",
+        "|---|---:|---:|---|---|---|---|---:|---:|---|---|---|---|",
+    ]
+    rows = []
+    for row in res["variants"].values():
+        pk, dv = row["passk"] or {}, row["diversity"] or {}
+        pvs, dvs = pk.get("vs", {}), dv.get("vs", {})
+        out.append(
+            " | ".join(
+                [
+                    f"| `{row['variant']}` β {row['beta']:g}",
+                    f"{pk['means']['pass@1']:.3f}" if pk else "—",
+                    f"{pk['means']['pass@16']:.3f}" if pk else "—",
+                    _cmp(pvs.get("vanilla", {}).get("pass@16")),
+                    _cmp(pvs.get("frozen", {}).get("pass@1")),
+                    _cmp(pvs.get("frozen", {}).get("pass@16")),
+                    _cmp(pvs.get("noise", {}).get("pass@16")),
+                    f"{dv['means']['vendi']:.3f}" if dv else "—",
+                    f"{dv['means']['ppl']:.2f}" if dv else "—",
+                    _cmp(dvs.get("vanilla", {}).get("vendi")),
+                    _cmp(dvs.get("frozen", {}).get("vendi")),
+                    _cmp(dvs.get("noise", {}).get("vendi")),
+                    _cmp(dvs.get("noise", {}).get("ppl"), "+.2f") + " |",
+                ]
+            )
+        )
+        g = row["goals"]
+        rows.append(
+            f"| `{row['variant']}` β {row['beta']:g} | {_yes(g['a'])} | {_yes(g['b'])} | "
+            f"{_yes(g['c_passk'])} | {_yes(g['c_diversity'])} | {_yes(g['all'])} |"
+        )
+    out += [
+        "",
+        "Goals (rules in `benchmarks/variants.py`): (a) pass@16 at or above vanilla within "
+        "noise; (b) a significant Vendi gain at PPL ≤ +5%; (c) significantly better than its "
+        "frozen ablation on pass@k (pass@1 or pass@16) and on Vendi. — where a figure was not "
+        "measured.",
+        "",
+        "| variant | (a) | (b) | (c) pass@k | (c) Vendi | all three |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    return out
+
+
 def gpu_section(gp: dict | None) -> list[str]:
     out = [
         "## ESamp distiller on a GPU (7B shapes)",
@@ -531,6 +613,7 @@ def render() -> None:
         if dvv:
             title = f"Diversity of the ESamp learning variants (`{stem}.json`)"
             out += diversity_section(dvv, title, stem.replace("diversity_", ""))
+    out += variants_section()
     out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
     DOC.write_text("\n".join(out))
