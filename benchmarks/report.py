@@ -412,8 +412,7 @@ def variants_section() -> list[str]:
     """ESamp's variants on both benchmarks, paired across runs (benchmarks/variants.py)."""
     import variants
 
-    passk_runs = [RESULTS / n for n in variants.DEFAULT_RUNS["passk"] if (RESULTS / n).exists()]
-    div_runs = [RESULTS / n for n in variants.DEFAULT_RUNS["diversity"] if (RESULTS / n).exists()]
+    passk_runs, div_runs = variants.published_runs("passk"), variants.published_runs("diversity")
     if not passk_runs or not div_runs:
         return []
     res = variants.load(passk_runs, div_runs)

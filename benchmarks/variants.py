@@ -201,8 +201,9 @@ def load(passk_paths: list[Path], diversity_paths: list[Path]) -> dict[str, Any]
     }
 
 
-def _existing(names: list[str]) -> list[Path]:
-    return [RESULTS / n for n in names if (RESULTS / n).exists()]
+def published_runs(bench: str) -> list[Path]:
+    """The runs of ``DEFAULT_RUNS[bench]`` that are in ``benchmarks/results``."""
+    return [RESULTS / n for n in DEFAULT_RUNS[bench] if (RESULTS / n).exists()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diversity", action="append", type=Path, help="a diversity.py --json run")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
-    passk_paths = args.passk or _existing(DEFAULT_RUNS["passk"])
-    div_paths = args.diversity or _existing(DEFAULT_RUNS["diversity"])
+    passk_paths = args.passk or published_runs("passk")
+    div_paths = args.diversity or published_runs("diversity")
     try:
         res = load(passk_paths, div_paths)
     except RunsDoNotPair as e:
