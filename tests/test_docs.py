@@ -251,13 +251,15 @@ def test_relative_links_between_pages_resolve():
 
 # -- the sae worked example ----------------------------------------------------------------
 @pytest.mark.vllm
-def test_sae_worked_example_runs(tiny_model, tmp_path):
-    """docs/consumers/sae.md's example, as written, on the tiny model (two engines, in order)."""
+@pytest.mark.parametrize("model", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_sae_worked_example_runs(model, request, tmp_path):
+    """docs/consumers/sae.md's example (two engines, in order): on the tiny model, and as
+    written (the embedded SmolLM2-135M-Instruct) in the slow run."""
     code = doc_blocks(DOCS / "consumers" / "sae.md")["sae_example.py"]
     assert "MODEL = None" in code
-    (tmp_path / "sae_example.py").write_text(
-        code.replace("MODEL = None", f"MODEL = {tiny_model!r}")
-    )
+    if model == "tiny":
+        code = code.replace("MODEL = None", f"MODEL = {request.getfixturevalue('tiny_model')!r}")
+    (tmp_path / "sae_example.py").write_text(code)
     proc = subprocess.run(
         [sys.executable, "sae_example.py"],
         cwd=tmp_path,
