@@ -119,3 +119,57 @@ def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny
     assert "Traceback" not in log, log[-4000:]
     records = list(read_features(out))  # the server flushed its records when it stopped
     assert len(records) == 1 and records[0].indices.shape == (7, TOP_K)
+
+
+@pytest.mark.slow
+def test_tllm_serve_sae_per_request_on_the_embedded_model(tmp_path):
+    """The issue's "done when" on the embedded SmolLM2-135M-Instruct (no --model): chat
+    requests record features, steer by a feature, and a bad feature is an HTTP 400."""
+    import openai
+
+    d_in, d_sae = 576, 1152
+    g = torch.Generator().manual_seed(3)
+    sae = SparseAutoencoder(
+        W_enc=torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
+        b_enc=torch.zeros(d_sae),
+        W_dec=torch.randn(d_sae, d_in, generator=g),
+        b_dec=torch.zeros(d_in),
+        architecture="standard",
+    )
+    path = save_sae(sae, tmp_path / "sae")
+    out = tmp_path / "feats"
+    config = {"path": path, "site": 1, "top_k": TOP_K, "out": str(out), "phase": "decode"}
+    err_path = tmp_path / "serve.err"
+    args = ["--consumer", f"sae:{json.dumps(config)}", "--per-request"]
+    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    with tllm_serve(args, err_path, ready_timeout=600) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+
+        def chat(xargs: dict | None) -> str:
+            r = client.chat.completions.create(
+                model="default",
+                messages=[{"role": "user", "content": "Tell me about lighthouses."}],
+                max_tokens=8,
+                temperature=0.0,
+                extra_body={"ignore_eos": True, **({"vllm_xargs": xargs} if xargs else {})},
+            )
+            return r.choices[0].message.content
+
+        plain = chat(None)
+        assert chat({"tllm_consumers": "sae"}) == plain  # recording leaves the text alone
+        c1 = get_json(f"{url}/tllm/counters")["consumers"]["sae"]
+        assert c1["rows_recorded"] == 7 and c1["rows_encoded"] == 7
+        steer = json.dumps([{"feature": 5, "scale": 40.0}])
+        steered = chat(
+            {"tllm_consumers": "sae", "tllm_sae_steer": steer, "tllm_sae_record": "false"}
+        )
+        assert steered != plain
+        runtime = get_json(f"{url}/tllm/counters")["runtime"]
+        assert runtime["rows_edited"] > 0  # the edit ran in the forward
+        bad = json.dumps([{"feature": d_sae, "scale": 1.0}])
+        with pytest.raises(openai.BadRequestError) as ei:
+            chat({"tllm_consumers": "sae", "tllm_sae_steer": bad})
+        assert ei.value.status_code == 400 and f"0..{d_sae - 1}" in ei.value.message
+    assert "Traceback" not in err_path.read_text()
+    (record,) = read_features(out)
+    assert record.indices.shape == (7, TOP_K) and (record.indices < d_sae).all()
