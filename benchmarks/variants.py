@@ -46,12 +46,14 @@ DEFAULT_RUNS = {
         "passk_single_options.json",
         "passk_zwf60.json",
         "passk_noise60.json",
+        "passk_warm32.json",
     ],
     "diversity": [
         "diversity.json",
         "diversity_variants_zw40.json",
         "diversity_variants_all40.json",
         "diversity_variants_noise40.json",
+        "diversity_variants_warm32.json",
     ],
 }
 # Config fields that may differ between runs that pair (what each run chose to measure).
