@@ -478,6 +478,38 @@ def variants_section() -> list[str]:
     return out
 
 
+def tokens_section(stem: str, run: dict) -> list[str]:
+    """Where ESamp's guidance acts (one benchmarks/esamp_tokens.py run)."""
+    steps = (0, 1, 2, 5, 9, 19)
+    out = [
+        f"## Where ESamp's guidance acts, token by token (`{stem}.json`)",
+        "",
+        f"Command: `{run['command']}`",
+        "",
+        f"{run['problems']} pass@k problems x n={run['n']} x up to {run['max_tokens']} tokens. "
+        "Changed: share of the rows with more than one min-p candidate whose top candidate "
+        "the guidance changed (TV: mean total-variation distance of the mix from the model's "
+        "distribution there). Relative error: `||h_L - f(h_1)|| / ||h_L||` of the group's "
+        "distiller at decode step s (1 = as good as predicting zero). Read in "
+        "[consumers/esamp.md](consumers/esamp.md).",
+        "",
+        "| config | pass@1 | changed, TV | changed where the top token is a digit | "
+        "relative error at steps " + " / ".join(map(str, steps)) + " |",
+        "|---|---:|---|---|---|",
+    ]
+    for name, c in run["configs"].items():
+        a, dg = c["summary"]["all"], c["summary"]["by_top_token_class"]["digit"]
+        err = {int(s_): e for s_, e, _ in c["rel_err_curve"]}
+        out.append(
+            f"| {name} `{json.dumps(c['config'])}` | {c['pass_at_1']:.3f} | "
+            f"{a['top_changed_share_multi']:.1%}, {a['tv_mean_multi']:.2f} | "
+            f"{dg['top_changed_share_multi']:.1%}, {dg['tv_mean_multi']:.2f} | "
+            + " / ".join(f"{err[s_]:.2f}" if s_ in err else "—" for s_ in steps)
+            + " |"
+        )
+    return out + [""]
+
+
 def gpu_section(gp: dict | None) -> list[str]:
     out = [
         "## ESamp distiller on a GPU (7B shapes)",
@@ -612,6 +644,8 @@ def render() -> None:
         if dvv:
             title = f"Diversity of the ESamp learning variants (`{stem}.json`)"
             out += diversity_section(dvv, title, stem.replace("diversity_", ""))
+    for p in sorted(RESULTS.glob("esamp_tokens*.json")):
+        out += tokens_section(p.stem, _load(p.name))
     out += variants_section()
     out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
