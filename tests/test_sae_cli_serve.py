@@ -20,15 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 D_IN, D_SAE, SITE, TOP_K = 128, 256, 1, 8
 
 
-def _sae(folder: Path) -> str:
-    """A random ReLU SAE for the tiny model's residual stream (d_in 128): enough features
-    fire on every row for recording, and a decoder row big enough to steer greedy text."""
+def _sae(folder: Path, d_in: int = D_IN, d_sae: int = D_SAE) -> str:
+    """A random ReLU SAE for a residual stream of width ``d_in`` (the tiny model's: 128):
+    enough features fire on every row for recording, and a decoder row big enough to steer
+    greedy text."""
     g = torch.Generator().manual_seed(3)
     sae = SparseAutoencoder(
-        W_enc=torch.randn(D_IN, D_SAE, generator=g) / D_IN**0.5,
-        b_enc=torch.zeros(D_SAE),
-        W_dec=torch.randn(D_SAE, D_IN, generator=g),
-        b_dec=torch.zeros(D_IN),
+        W_enc=torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
+        b_enc=torch.zeros(d_sae),
+        W_dec=torch.randn(d_sae, d_in, generator=g),
+        b_dec=torch.zeros(d_in),
         architecture="standard",
     )
     return save_sae(sae, folder)
@@ -127,16 +128,8 @@ def test_tllm_serve_sae_per_request_on_the_embedded_model(tmp_path):
     requests record features, steer by a feature, and a bad feature is an HTTP 400."""
     import openai
 
-    d_in, d_sae = 576, 1152
-    g = torch.Generator().manual_seed(3)
-    sae = SparseAutoencoder(
-        W_enc=torch.randn(d_in, d_sae, generator=g) / d_in**0.5,
-        b_enc=torch.zeros(d_sae),
-        W_dec=torch.randn(d_sae, d_in, generator=g),
-        b_dec=torch.zeros(d_in),
-        architecture="standard",
-    )
-    path = save_sae(sae, tmp_path / "sae")
+    d_sae = 1152
+    path = _sae(tmp_path / "sae", d_in=576, d_sae=d_sae)
     out = tmp_path / "feats"
     config = {"path": path, "site": 1, "top_k": TOP_K, "out": str(out), "phase": "decode"}
     err_path = tmp_path / "serve.err"
