@@ -126,6 +126,23 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     assert c.counters.get("optimizer_steps") == 2 and c.counters.get("rows_trained") == 4
 
 
+def test_warm_start_steps_count_only_updates_that_ran():
+    """warm_start_steps is read back from the distiller's results: steps whose loss is
+    non-finite update nothing and are counted as skipped, not as done."""
+    fake = Fake()
+    steps = 3
+    c = fake.consumer(warm_start_steps=steps, lr=1e-2)
+    reqs = fake.requests(prompts=2, n=1)
+    bundle, _, hidden = _prefill_bundle(fake, reqs, n_tok=4)
+    hidden["final"][:4] = float("nan")  # the first group's targets: its loss is NaN
+    c.on_bundle(bundle)
+    c.result()
+    k = c.counters.snapshot()
+    assert k["warm_start_groups"] == 2  # both were selected ...
+    assert k["warm_start_steps"] == steps  # ... only the finite group was updated
+    assert k["nonfinite_losses_skipped"] == steps
+
+
 # -- beta scaled by the distiller's fit -------------------------------------------------------
 def test_fit_scale_and_relative_error_reference():
     h = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]])

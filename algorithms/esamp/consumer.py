@@ -192,6 +192,7 @@ class ESampConsumer(Consumer):
         self._slot_group: dict[int, _Group] = {}
         self._serials = 0
         self._pending: list[tuple[list[int], list[int], TrainResult]] = []
+        self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
         self._loss_sum, self._loss_n = 0.0, 0
         self._loss_first: float | None = None
         self._loss_last: float | None = None
@@ -519,6 +520,10 @@ class ESampConsumer(Consumer):
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:
             g.age += 1
+        self._after_submit()
+
+    def _after_submit(self) -> None:
+        """Read back the results of submitted train steps as the distiller allows."""
         if not self._deferred or len(self._pending) >= _FLUSH_EVERY:
             self._flush()
         elif self.distiller.asynchronous:
@@ -560,21 +565,33 @@ class ESampConsumer(Consumer):
         target = self._target(x, _select(bundle.hidden[self._tgt_key], sel, idx))
         slot_t = torch.tensor(slots, dtype=torch.long)
         for _ in range(self.cfg.warm_start_steps):
-            self.distiller.train_step(slot_t, x, target)
-        n_groups = len(set(slots))
-        self.counters.add("warm_start_groups", n_groups)
+            self._warm_pending.append(self.distiller.train_step(slot_t, x, target))
+        self.counters.add("warm_start_groups", len(set(slots)))
         self.counters.add("warm_start_rows", len(sel))
-        self.counters.add("warm_start_steps", n_groups * self.cfg.warm_start_steps)
+        self._after_submit()  # warm_start_steps: counted from the results, in _flush
 
     # -- bookkeeping ----------------------------------------------------------------
+    def _flush_warm(self, block: bool) -> None:
+        """Count the warm-start updates that ran (one per group and step; a group whose
+        loss was non-finite was not updated) once their results are final."""
+        n = 0
+        while n < len(self._warm_pending) and (block or self._warm_pending[n].ready()):
+            n += 1
+        done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
+        for res in done:
+            ok = res.updated.cpu().tolist()
+            self.counters.add("warm_start_steps", sum(ok))
+            self.counters.add("nonfinite_losses_skipped", len(ok) - sum(ok))
+
     def _flush(self, block: bool = True) -> None:
         """Read pending losses back to the host and update the loss counters; with
         ``block=False`` only those of updates that have already run, oldest first."""
-        if block and self._pending:
+        if block and (self._pending or self._warm_pending):
             self.distiller.synchronize()
         if block or not self._on_cuda:  # a device read on CUDA: only where a sync is paid
             self.counters.max("staleness_max", self.distiller.staleness_max())
             self.counters.set("eager_updates", self.distiller.eager_updates)
+        self._flush_warm(block)
         n_ready = 0
         while n_ready < len(self._pending) and (block or self._pending[n_ready][2].ready()):
             n_ready += 1
