@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from tllm_core.vllm_bridge.lifecycle import WAKE_REQUEST_ID, shutdown_engine
 
 FAKE_ENGINE_CORE = r"""
-import queue, signal, sys, threading
+import queue, signal, sys, threading, time
 
 inputs = queue.Queue()
 stop = []
@@ -26,6 +26,12 @@ signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
 
 
 def feed():  # vLLM's input thread: messages from the front end into the queue
+    # "ready" only once the main thread sleeps in inputs.get(): a SIGTERM that came while
+    # it still ran Python would be handled there (on a loaded machine it did).
+    while not inputs.not_empty._waiters:
+        time.sleep(0.001)
+    time.sleep(0.05)  # from joining the waiters to blocking: a few bytecodes
+    print("ready", flush=True)
     for line in sys.stdin:
         inputs.put(line)
 
@@ -34,7 +40,6 @@ threading.Thread(target=feed, daemon=True).start()
 # SIGTERM off the main thread: it lands on the input thread, which cannot run the handler,
 # and the sleeping main thread is not woken (the race, made certain).
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-print("ready", flush=True)
 while not stop:  # vLLM's busy loop, idle
     inputs.get()
 """
