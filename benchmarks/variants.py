@@ -47,6 +47,7 @@ DEFAULT_RUNS = {
         "passk_zwf60.json",
         "passk_noise60.json",
         "passk_warm32.json",
+        "passk_zw32.json",
     ],
     "diversity": [
         "diversity.json",
@@ -54,6 +55,7 @@ DEFAULT_RUNS = {
         "diversity_variants_all40.json",
         "diversity_variants_noise40.json",
         "diversity_variants_warm32.json",
+        "diversity_variants_zw32.json",
     ],
 }
 # Config fields that may differ between runs that pair (what each run chose to measure).
