@@ -574,9 +574,7 @@ class ESampConsumer(Consumer):
     def _flush_warm(self, block: bool) -> None:
         """Count the warm-start updates that ran (one per group and step; a group whose
         loss was non-finite was not updated) once their results are final."""
-        n = 0
-        while n < len(self._warm_pending) and (block or self._warm_pending[n].ready()):
-            n += 1
+        n = _final_prefix(self._warm_pending, block)
         done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
         for res in done:
             ok = res.updated.cpu().tolist()
@@ -592,9 +590,7 @@ class ESampConsumer(Consumer):
             self.counters.max("staleness_max", self.distiller.staleness_max())
             self.counters.set("eager_updates", self.distiller.eager_updates)
         self._flush_warm(block)
-        n_ready = 0
-        while n_ready < len(self._pending) and (block or self._pending[n_ready][2].ready()):
-            n_ready += 1
+        n_ready = _final_prefix([res for _, _, res in self._pending], block)
         if not n_ready:
             return
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
@@ -669,3 +665,12 @@ class ESampConsumer(Consumer):
     def close(self) -> None:
         self._flush()
         self.distiller.close()
+
+
+def _final_prefix(results: list[TrainResult], block: bool) -> int:
+    """How many results, oldest first, can be read now: all of them after a synchronize
+    (``block``), else those already final (results complete in order)."""
+    n = 0
+    while n < len(results) and (block or results[n].ready()):
+        n += 1
+    return n
