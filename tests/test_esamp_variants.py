@@ -94,6 +94,7 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     reqs = fake.requests(prompts=2, n=2)  # groups r0, r1 of two requests each
     bundle, rows, hidden = _prefill_bundle(fake, reqs, n_tok=4)
     c.on_bundle(bundle)
+    c.result()  # reads the steps' results back (the CPU distiller trains on a side thread)
     k = c.counters.snapshot()
     assert k["groups_created"] == 2
     h = hidden["layer.0"].shape[1]
@@ -118,6 +119,7 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     # A group warms once: a later prefill chunk of the same prompt does not train again.
     bundle2, _, _ = _prefill_bundle(fake, reqs[:1], n_tok=2, step=1)
     c.on_bundle(bundle2)
+    c.result()
     assert c.counters.get("warm_start_steps") == 2 * steps
     # Decode rows still train as before (the warm steps are not counted as decode steps).
     rows_d, hidden_d = fake.step(reqs)
