@@ -394,6 +394,7 @@ def test_consumer_group_cap_and_batch_scope():
     rows, hidden = fake.step(reqs)
     c.guide(fake.view(rows, hidden, _filtered_logits(4, V, keep=5)))
     c.on_bundle(Bundle(1, rows, hidden))
+    c.result()  # training counters are final once the side thread's results are read back
     k = c.counters.snapshot()
     assert k["groups_created"] == 1 and k["rows_skipped_cap"] == 2
     assert k["train_rows_skipped_cap"] == 2 and k["rows_trained"] == 2
@@ -406,6 +407,7 @@ def test_consumer_group_cap_and_batch_scope():
     b = fake.consumer(scope="batch")
     rows, hidden = fake.step(reqs)
     b.on_bundle(Bundle(1, rows, hidden))
+    b.result()
     assert b.counters.get("groups_created") == 1 and b.counters.get("rows_trained") == 4
     for r in reqs:
         b.on_request_finished(r)
