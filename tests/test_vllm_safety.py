@@ -125,20 +125,29 @@ def test_runner_check_refuses_other_runners_and_names_missing_attributes():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from tllm_core.vllm_bridge import UnsupportedEngineError
-    from tllm_core.vllm_bridge.version import check_runner
+    from tllm_core.vllm_bridge.runners import adapter_class, check_runner
     from tllm_core.vllm_bridge.worker_setup import attach
 
-    class V2LikeRunner:  # what vLLM's V2 runner is to the check: not a V1 runner
+    class SomeOtherRunner:  # a runner no adapter hooks (e.g. a pooling or TPU runner)
         pass
 
     class Worker:
-        model_runner = V2LikeRunner()
+        model_runner = SomeOtherRunner()
 
-    with pytest.raises(UnsupportedEngineError, match="V2 runner is not supported"):
+    with pytest.raises(UnsupportedEngineError, match="no adapter for .*SomeOtherRunner"):
         attach(Worker(), {})
     bare = object.__new__(CPUModelRunner)  # a V1 runner class whose instance lacks everything
-    with pytest.raises(UnsupportedEngineError, match="'input_batch.num_computed_tokens_cpu'"):
+    with pytest.raises(
+        UnsupportedEngineError, match="V1 runner lacks .*'input_batch.num_computed_tokens_cpu'"
+    ):
         check_runner(bare)
+    # V2 is recognised by its class hierarchy, without importing V2's module here.
+    V2Like = type("GPUModelRunner", (), {"__module__": "vllm.v1.worker.gpu.model_runner"})
+    V2Cpu = type("CPUModelRunner", (V2Like,), {"__module__": "vllm.v1.worker.cpu.model_runner"})
+    assert adapter_class(V2Cpu()).generation == "V2"
+    assert adapter_class(bare).generation == "V1"
+    with pytest.raises(UnsupportedEngineError, match="V2 runner lacks .*'prepare_inputs'"):
+        check_runner(V2Cpu())
 
 
 # -- fidelity to vllm.LLM ---------------------------------------------------------------------

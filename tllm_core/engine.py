@@ -121,13 +121,6 @@ class TllmLLM:
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,
         )
-        # The bridge hooks the V1 runner; on GPU vLLM would otherwise pick V2.
-        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0"):
-            log.warning(
-                "tllm: overriding VLLM_USE_V2_MODEL_RUNNER=%s with 0",
-                os.environ["VLLM_USE_V2_MODEL_RUNNER"],
-            )
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 
         world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(

@@ -228,8 +228,10 @@ class Runtime:
         temperature: torch.Tensor,
         is_random: np.ndarray,
         filtered: bool,
-    ) -> None:
-        """In the sampler, after filtering: let guiding consumers change candidate logits."""
+    ) -> bool:
+        """In the sampler, after filtering: let guiding consumers change candidate logits.
+        True when a logit changed (a runner adapter then samples from the guided logits;
+        otherwise vLLM's own sampling call goes on as it was made)."""
         srows = step.sample_rows()
         idx = torch.from_numpy(step.sample_token_row)
         hidden = {}
@@ -240,6 +242,7 @@ class Runtime:
                 self._stale(key, e)
                 continue
             hidden[key] = buf.index_select(0, idx.to(buf.device))
+        changed = False
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
@@ -248,6 +251,8 @@ class Runtime:
                 view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
                 if not self._call_guide(s, view):
                     view.rollback()
+                else:
+                    changed |= view.rows_guided > 0
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
@@ -261,8 +266,10 @@ class Runtime:
                     filtered,
                     {k: v[sel] for k, v in hidden.items()},
                 )
-                if self._call_guide(s, view):
+                if self._call_guide(s, view) and view.rows_guided > 0:
                     logits[sel] = view.logits
+                    changed = True
+        return changed
 
     def _call_guide(self, s: _Slot, view: GuideView) -> bool:
         self.counters.add("rows_guide_visited", len(view.rows))

@@ -151,7 +151,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(line)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
     say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner tllm hooks (as TllmLLM)
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
     from tllm_core.vllm_bridge.server_entry import run_openai_server
 

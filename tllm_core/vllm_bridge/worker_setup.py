@@ -5,9 +5,10 @@ Imported only then, by the plugin's ``WorkerWrapperBase.init_device`` wrapper
 
 1. :func:`before_device` (before the worker builds its model runner): the vLLM version
    check, and AOT compilation switched off for this engine (:func:`aot_compile_off`).
-2. :func:`attach` (runner built, weights not loaded yet): the runner must be the V1 runner
-   with every attribute the hooks use (:func:`~tllm_core.vllm_bridge.version.check_runner`;
-   the V2 runner, or any other, is refused here whatever could be imported), the worker
+2. :func:`attach` (runner built, weights not loaded yet): the runner must be one an adapter
+   hooks (vLLM's V1 or V2 runner), with every attribute that adapter uses
+   (:func:`~tllm_core.vllm_bridge.runners.check_runner`; any other runner is refused here,
+   named), the worker
    class gets the ``tllm_*`` RPC methods, and the runner's ``load_model`` is wrapped on the
    instance: after the weights load, the hooks are installed, then the runner workarounds.
    The worker's ``shutdown`` is wrapped on the instance too: the consumers are closed
@@ -22,7 +23,7 @@ import os
 import threading
 from typing import Any
 
-from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_runner, check_version
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
 
@@ -75,8 +76,10 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
         raise UnsupportedEngineError(
             f"tllm found no model_runner on vLLM's worker {type(worker).__name__}"
         )
-    check_runner(runner)
+    from tllm_core.vllm_bridge.runners import check_runner
     from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
+
+    check_runner(runner)
 
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
@@ -126,8 +129,8 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         from tllm_core.vllm_bridge import workarounds
         from tllm_core.vllm_bridge.hooks import install
 
-        install(runner, settings)
-        workarounds.apply_to_runner(runner)
+        hooks = install(runner, settings)
+        workarounds.apply_to_runner(runner, hooks.adapter.generation)
         return out
 
     runner.load_model = load_model

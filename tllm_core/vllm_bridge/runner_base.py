@@ -1,0 +1,123 @@
+"""What every runner adapter reads the same way: the model, its config, its decoder layers.
+
+vLLM's V1 and V2 runners both keep ``model`` (after ``load_model``), ``model_config``,
+``vllm_config``, ``device`` and ``max_num_tokens``; the per-step reads and the wrappers
+differ and live in each runner's own adapter module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tllm_core.consumer import ModelInfo
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+# Read once the weights are loaded (``runner.model`` exists only then), on every runner.
+LOADED_MODEL_ATTRS = ("model.compute_logits", "model.model.layers")
+
+
+class RunnerAdapterBase:
+    """Static facts of a hooked runner. Subclasses add ``install`` and ``request``."""
+
+    #: the runner generation this adapter hooks ("V1", "V2"), for logs and errors
+    generation: ClassVar[str] = "?"
+    #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
+    #: weights load (``runners.check_runner``)
+    required_attrs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    @property
+    def max_num_tokens(self) -> int:
+        return int(self.runner.max_num_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def parallel_config(self) -> Any:
+        return self.runner.vllm_config.parallel_config
+
+    def describe(self) -> str:
+        cls = type(self.runner)
+        return f"{self.generation} runner {cls.__module__}.{cls.__name__}"
+
+    def decoder_layers(self) -> nn.ModuleList:
+        inner = getattr(self.runner.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise UnsupportedEngineError(
+                f"tllm cannot find decoder layers at model.model.layers in "
+                f"{type(self.runner.model).__name__}; supported: Llama/Qwen2/Qwen3/Mistral-style "
+                f"decoders"
+            )
+        return layers
+
+    def model_info(self) -> ModelInfo:
+        runner = self.runner
+        model = runner.model
+        mc = runner.model_config
+        vocab = mc.get_vocab_size()
+        weight = None
+        head = getattr(model, "lm_head", None)
+        lp = getattr(model, "logits_processor", None)
+        plain = (
+            head is not None
+            and getattr(head, "bias", None) is None
+            and lp is not None
+            and getattr(lp, "soft_cap", None) is None
+            and float(getattr(lp, "scale", 1.0)) == 1.0
+            and isinstance(getattr(head, "weight", None), torch.Tensor)
+        )
+        lm_head = model.compute_logits
+        if self.parallel_config.tensor_parallel_size > 1:
+            # compute_logits all-gathers over the TP group: a collective that only the leader
+            # would call. Consumers get a local head built from the gathered weight instead.
+            lm_head, full = _local_head(head, lp, vocab)
+            weight = full if plain else None
+        elif plain:
+            weight = head.weight[:vocab]
+        return ModelInfo(
+            hidden_size=mc.get_hidden_size(),
+            num_layers=mc.hf_config.num_hidden_layers,
+            vocab_size=vocab,
+            dtype=mc.dtype,
+            device=runner.device,
+            lm_head=lm_head,
+            lm_head_weight=weight,
+        )
+
+
+def _local_head(head: Any, lp: Any, vocab: int) -> tuple[Any, torch.Tensor]:
+    """(hidden -> logits without collectives, full ``[vocab, H]`` weight); called on every
+    TP rank at once (it all-gathers the vocabulary shards of the lm_head)."""
+    weight = getattr(head, "weight", None)
+    if (
+        not isinstance(weight, torch.Tensor)
+        or getattr(head, "bias", None) is not None
+        or lp is None
+        or getattr(lp, "logits_as_input", False)
+    ):
+        raise UnsupportedEngineError(
+            "tllm under tensor parallel needs a plain lm_head (an unquantized weight, no "
+            f"bias); this model's is {type(head).__name__}"
+        )
+    from vllm.distributed.parallel_state import get_tp_group
+
+    full = get_tp_group().all_gather(weight.detach(), dim=0)[:vocab].contiguous()
+    soft_cap, scale = getattr(lp, "soft_cap", None), float(getattr(lp, "scale", 1.0))
+
+    def lm_head(hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.nn.functional.linear(hidden.to(full.dtype), full)
+        if soft_cap is not None:
+            logits = torch.tanh(logits / soft_cap) * soft_cap
+        if scale != 1.0:
+            logits = logits * scale
+        return logits
+
+    return lm_head, full
