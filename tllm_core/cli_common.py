@@ -234,7 +234,7 @@ def generate_with(
     say(f"starting vLLM ({engine_note(args)})")
     t0 = time.perf_counter()
     llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
-    say(f"engine ready in {time.perf_counter() - t0:.0f} s")
+    say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
     n_seqs = len(texts_in) * params.n
     interrupted = False
@@ -271,6 +271,7 @@ def generate_with(
     finished = sum(t is not None for ts in texts for t in ts)
     line = summary(tokens, seconds, report["consumers"], proofs)
     report["run"] = {
+        "runner": llm.status["runner"],
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "interrupted": interrupted,

@@ -3,7 +3,8 @@
 vLLM refuses V2 when ``vllm.triton_utils.importing.HAS_TRITON`` is False, which it is here: the
 Triton wheel has no CPU driver. With ``TRITON_INTERPRET=1`` Triton's interpreter runs V2's
 kernels on CPU tensors, so this file flips that one flag right after the module computes it
-(before ``vllm.triton_utils`` picks real Triton over placeholders). Put this folder on
+(before ``vllm.triton_utils`` picks real Triton over placeholders), and routes the one kernel
+the interpreter cannot run (top-k/top-p filtering) to vLLM's PyTorch version of it. Put this folder on
 ``PYTHONPATH`` (with ``TRITON_INTERPRET=1`` and ``VLLM_USE_V2_MODEL_RUNNER=1``) and every
 Python process, vLLM's spawned engine processes included, gets it. It never ships with tllm.
 """
@@ -13,28 +14,49 @@ import importlib.machinery
 import os
 import sys
 
-_TARGET = "vllm.triton_utils.importing"
 
 
-class _FlipAfterExec(importlib.abc.Loader):
-    def __init__(self, loader):
+def _has_triton(module):
+    module.HAS_TRITON = True
+
+
+def _torch_top_k_top_p(module):
+    # vLLM's Triton top-k/top-p kernel fails in the interpreter ("'int' object has no
+    # attribute 'to'"); its PyTorch twin computes the same filter.
+    def apply_top_k_top_p_triton(logits, k, p, *args, **kwargs):
+        return module.apply_top_k_top_p_pytorch(logits, k, p)
+
+    module.apply_top_k_top_p_triton = apply_top_k_top_p_triton
+
+
+# module -> what to change right after it has run
+_AFTER_EXEC = {
+    "vllm.triton_utils.importing": _has_triton,
+    "vllm.v1.sample.ops.topk_topp_sampler": _torch_top_k_top_p,
+}
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    def __init__(self, loader, patch):
         self._loader = loader
+        self._patch = patch
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        module.HAS_TRITON = True
+        self._patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        patch = _AFTER_EXEC.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _FlipAfterExec(spec.loader)
+            spec.loader = _PatchAfterExec(spec.loader, patch)
         return spec
 
 

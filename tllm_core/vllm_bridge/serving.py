@@ -209,8 +209,9 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
             f"installed in the model runner (worker status: {status})"
         )
     log.info(
-        "tllm: serving with consumers %s (per request: %s); counters at GET %s",
+        "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
         sorted(n for n, p in server.per_request.items() if p),
+        status[0].get("runner", "?"),
         COUNTERS_PATH,
     )

@@ -23,6 +23,7 @@ class TllmWorkerExtension:
         rt = hooks.runtime
         return {
             "installed": True,
+            "runner": hooks.adapter.describe(),
             "rank": hooks.rank.as_dict(),
             "consumers": [e.name for e in rt.settings.consumers],
             "taps": sorted(t.key for t in rt.taps),

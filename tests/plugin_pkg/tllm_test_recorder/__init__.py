@@ -13,6 +13,7 @@ from tllm_core import (
     Consumer,
     ConsumerConfig,
     HiddenStates,
+    Logits,
     Phase,
     RequestSettings,
     SampledTokens,
@@ -24,6 +25,7 @@ class RecorderConfig(ConsumerConfig):
     layers: list[int | str] = Field(default_factory=lambda: [0, "final"])
     phase: Phase = Phase.ALL
     keep_hidden: bool = True
+    logits: bool = False  # also record the raw logits of sampling rows (top 8 and their sum)
 
 
 class Recorder(Consumer):
@@ -39,7 +41,8 @@ class Recorder(Consumer):
 
     def reads(self):
         ports = [HiddenStates(layer, self.config.phase) for layer in self.config.layers]
-        return ports + [SampledTokens(Phase.ALL)]
+        ports.append(SampledTokens(Phase.ALL))
+        return ports + [Logits(Phase.ALL)] if self.config.logits else ports
 
     def on_bundle(self, bundle: Bundle) -> None:
         r = bundle.rows
@@ -65,16 +68,22 @@ class Recorder(Consumer):
             )
         if bundle.sampled_rows is not None and bundle.sampled_token_ids is not None:
             s = bundle.sampled_rows
+            top = None
+            if bundle.logits is not None:
+                lg = bundle.logits.float()
+                v, ix = lg.topk(8, dim=-1)
+                top = list(zip(ix.tolist(), v.tolist(), lg.sum(-1).tolist(), strict=True))
             for i, t in enumerate(bundle.sampled_token_ids.tolist()):
                 req = s.requests[i]
-                self.sampled.append(
-                    {
-                        "request_id": req.request_id,
-                        "sample_index": req.sample_index,
-                        "position": int(s.position[i]),
-                        "token_id": t,
-                    }
-                )
+                entry = {
+                    "request_id": req.request_id,
+                    "sample_index": req.sample_index,
+                    "position": int(s.position[i]),
+                    "token_id": t,
+                }
+                if top is not None:
+                    entry["logits_top_ids"], entry["logits_top"], entry["logits_sum"] = top[i]
+                self.sampled.append(entry)
         self.counters.add("rows", len(r))
 
     def on_request_finished(self, request) -> None:
