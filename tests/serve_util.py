@@ -30,14 +30,19 @@ def get_json(url: str) -> dict:
 
 @contextlib.contextmanager
 def tllm_serve(
-    args: list[str], log: Path, ready_timeout: float = 300, stop_timeout: float = 120
+    args: list[str],
+    log: Path,
+    ready_timeout: float = 300,
+    stop_timeout: float = 120,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Run ``tllm serve ARGS --port P`` (vLLM's multiprocess layout) until it prints
     ``tllm: ready``; yield its base URL; stop it with SIGINT as a user's Ctrl-C would."""
     port = free_port()
-    env = dict(os.environ)
+    extra, env = env or {}, dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core group per rank
+    env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--port", str(port), *args]
     with open(log, "w") as err:

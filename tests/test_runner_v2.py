@@ -77,3 +77,84 @@ def test_v2_beta_zero_leaves_sampling_identical_and_guides_nothing(tiny_model):
     es, rt = zero["counters"]["esamp"], zero["counters"]["runtime"]
     assert es["optimizer_steps"] > 0, "beta 0 still trains the distiller"
     assert rt.get("rows_guided", 0) == 0
+
+
+def _unit_vector(path, hidden: int = 128, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(hidden, generator=g)
+    torch.save(v / v.norm(), path)
+    return v / v.norm()
+
+
+def test_v2_steering_edit_matches_transformers_with_the_same_edit(tiny_model, tmp_path):
+    """A residual edit at layer 1 (every row): the downstream states and the greedy tokens
+    equal transformers' with the same vector added by a forward hook."""
+    scale = 4.0
+    vec = _unit_vector(tmp_path / "v.pt")
+    steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": scale}]}
+    rec = json.dumps({"layers": [2, "final"]})
+    args = ["run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(steer)}"]
+    args += ["--consumer", f"recorder:{rec}", "-n", "1", "--max-tokens", "5"]
+    args += ["--temperature", "0", "--no-prefix-caching", "--json"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    out = _run_v2(*args, *ENGINE)
+    assert out["counters"]["runtime"]["rows_edited"] > 0
+    layer = hf_model(tiny_model).model.layers[1]
+
+    def add(_m, _i, output):
+        if isinstance(output, tuple):
+            return (output[0] + scale * vec, *output[1:])
+        return output + scale * vec
+
+    handle = layer.register_forward_hook(add)
+    try:
+        assert check_against_hf(tiny_model, out["results"]["recorder"], 4, 1) > 0
+    finally:
+        handle.remove()
+
+
+def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from serve_util import get_json, tllm_serve
+
+    _unit_vector(tmp_path / "v.pt")
+    steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": 8.0}]}
+    args = ["--model", tiny_model, "--consumer", "esamp", "--per-request"]
+    args += ["--consumer", f"steer:{json.dumps(steer)}", "--max-model-len", "512"]
+    args += ["--kv-cache-gib", "1", "--", "--enforce-eager"]
+    log = tmp_path / "serve.log"
+
+    def complete(url: str, xargs: dict | None, **kw) -> tuple[int, dict]:
+        body = {"model": "default", "prompt": "The quick brown fox", "max_tokens": 4}
+        body.update(kw)
+        if xargs:
+            body["vllm_xargs"] = xargs
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, {}
+
+    with tllm_serve(args, log, env=v2_env()) as url:
+        assert "on vLLM's V2 runner" in log.read_text()
+        status, plain = complete(url, None, temperature=0)
+        assert status == 200
+        status, steered = complete(url, {"tllm_consumers": "steer"}, temperature=0)
+        assert status == 200
+        assert steered["choices"][0]["text"] != plain["choices"][0]["text"]
+        status, _ = complete(url, {"tllm_consumers": "esamp"}, temperature=1.0, n=2, seed=1)
+        assert status == 200
+        status, _ = complete(url, {"tllm_consumers": "esamp", "tllm_esamp_beta": "x"})
+        assert status == 400
+        report = get_json(f"{url}/tllm/counters")
+    es, rt = report["consumers"]["esamp"], report["runtime"]
+    assert es["optimizer_steps"] > 0 and es["groups_created"] == 1
+    assert rt["rows_edited"] > 0 and rt["rows_guided"] > 0

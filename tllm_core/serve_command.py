@@ -109,6 +109,17 @@ def describe(url: str, checked) -> list[str]:
     return lines
 
 
+def _runner_note(url: str) -> str:
+    """ " on vLLM's V2 runner ..." from ``/tllm/status``; empty when it cannot be read (the
+    route may require the server's API key)."""
+    try:
+        with urllib.request.urlopen(f"{url}/tllm/status", timeout=10) as r:
+            runner = json.loads(r.read())["worker"]["runner"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" on vLLM's {runner}"
+
+
 def _announce_when_ready(url: str, timeout: float = 3600) -> None:
     def wait() -> None:
         deadline = time.monotonic() + timeout
@@ -116,7 +127,7 @@ def _announce_when_ready(url: str, timeout: float = 3600) -> None:
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                     if r.status == 200:
-                        say(f"ready: {url}/v1 (Ctrl-C stops the server)")
+                        say(f"ready: {url}/v1{_runner_note(url)} (Ctrl-C stops the server)")
                         return
             except OSError:
                 pass

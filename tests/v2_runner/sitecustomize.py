@@ -15,7 +15,6 @@ import os
 import sys
 
 
-
 def _has_triton(module):
     module.HAS_TRITON = True
 
