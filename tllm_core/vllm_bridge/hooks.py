@@ -62,6 +62,13 @@ class RunnerHooks:
         self.requests: dict[str, RequestInfo] = {}
         self._final: dict[str, Any] | None = None  # the report of close()
         self.step: StepCapture | None = None
+        # Async scheduling (vLLM's default on GPU) schedules step k+1 before step k's tokens
+        # are known, so a request that stopped at step k still gets a row in step k+1, which
+        # the scheduler discards. Its step is delivered when the next step reports which
+        # requests finished (before that step's forward overwrites the tap buffers), with
+        # those rows' sampled tokens marked not kept.
+        self._defer = bool(getattr(adapter, "async_scheduling", False))
+        self._pending: StepCapture | None = None
         self.num_tokens = 0
         info = runtime.model
         dev, max_tokens = info.device, adapter.max_num_tokens
@@ -155,9 +162,30 @@ class RunnerHooks:
         self._host_time("begin_step", t)
 
     def finished(self, engine_ids: list[str]) -> None:
+        self._deliver_pending(set(engine_ids))
         done = [self.requests.pop(e) for e in engine_ids if e in self.requests]
         if done:
             self.runtime.finish_requests(done)
+
+    def _deliver_pending(self, stopped: set[str]) -> None:
+        """Deliver the deferred step; sampling rows of ``stopped`` requests are not kept
+        (under async scheduling they were computed past the request's stop)."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        t = perf_counter()
+        if stopped:
+            past = np.fromiter(
+                (r.engine_id in stopped for r in step.sample_rows().requests),
+                bool,
+                len(step.sample_kept),
+            )
+            past &= step.sample_kept
+            if past.any():
+                step.sample_kept = step.sample_kept & ~past
+                self.runtime.counters.add("rows_past_stop", int(past.sum()))
+        self.runtime.end_step(step)
+        self._host_time("end_step", t)
 
     def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None:
         if self.step is None:
@@ -181,8 +209,11 @@ class RunnerHooks:
     def sampled(self, token_ids: torch.Tensor) -> None:
         if self.step is None:
             return
-        t = perf_counter()
         self.step.tensors["sampled"] = token_ids
+        if self._defer:
+            self._pending = self.step
+            return
+        t = perf_counter()
         self.runtime.end_step(self.step)
         self._host_time("end_step", t)
 
@@ -190,11 +221,14 @@ class RunnerHooks:
         """Close the runtime (flush and close the consumers) once; later calls (the
         ``tllm_close`` RPC, then the worker's shutdown) return the same final report."""
         if self._final is None:
+            self._deliver_pending(set())
             self._final = self.runtime.close()
         return self._final
 
     def finish_all(self) -> None:
-        """Treat every known request as finished (offline runs: generate() has returned)."""
+        """Treat every known request as finished (offline runs: generate() has returned).
+        A deferred last step is delivered as it is: no later step says who stopped."""
+        self._deliver_pending(set())
         self.finished(list(self.requests))
 
 

@@ -43,6 +43,12 @@ class RunnerAdapterBase:
     def parallel_config(self) -> Any:
         return self.runner.vllm_config.parallel_config
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether vLLM schedules step k+1 before step k's sampled tokens are known."""
+        sched = getattr(self.runner.vllm_config, "scheduler_config", None)
+        return bool(getattr(sched, "async_scheduling", False))
+
     def describe(self) -> str:
         cls = type(self.runner)
         return f"{self.generation} runner {cls.__module__}.{cls.__name__}"

