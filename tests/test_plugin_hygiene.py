@@ -212,3 +212,24 @@ def test_tllm_command_passes_the_working_plugins_to_its_processes(site, monkeypa
 
 def test_the_allow_list_set_by_the_command_is_undone(site):
     assert ALLOW_ENV not in os.environ  # the test above's main() changed it under monkeypatch
+
+
+COMMAND_FAILS = """
+from tllm_core import hookimpl
+
+@hookimpl
+def tllm_commands(subparsers):
+    raise RuntimeError("boom in tllm_commands")
+"""
+
+
+def test_a_plugin_whose_command_hook_fails_leaves_the_other_commands(site):
+    from tllm_core.cli import build_parser
+
+    install(site, "tllm-bad-command", {"badcmd": COMMAND_FAILS})
+    named = []
+    plugins = Plugins.load(on_broken=named.append)
+    help_text = build_parser(plugins).format_help()
+    assert "recorder-hello" in help_text and "export" in help_text
+    assert [b.name for b in named] == ["badcmd"] and "boom in tllm_commands" in named[0].error
+    assert not plugins.pm.has_plugin("badcmd")
