@@ -308,3 +308,42 @@ def test_front_end_checks_run_once(tiny_model, monkeypatch):
         validate_consumers(["stats", "stats"])
     with pytest.raises(ValueError, match="out of range"):
         validate_consumers(['stats:{"layers": [9]}'], tiny_model)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tllm_consumers": ""}, {"tllm_consumers": "me"}, {"tllm_consumers": " other , me "}]
+    + [{"tllm_consumers": "mine,other"}, {"tllm_consumers": "other"}, {"tllm_group": "me"}],
+)
+@pytest.mark.parametrize("per_request", [False, True])
+def test_every_acts_on_asks_the_one_rule(extra, per_request):
+    """Consumer, runtime slot, request and the front end's engine answer "does consumer X act
+    on this request?" alike (one function: ``request_settings.acts_on``)."""
+    from tllm_core.consumer import ConsumerContext
+    from tllm_core.request_settings import acts_on
+    from tllm_core.runtime import _Slot
+    from tllm_core.serving.keys import EngineConsumers
+
+    class Me(Consumer):
+        name = "me"
+
+    context = ConsumerContext(None, Counters(), int, per_request=per_request)
+    consumer = Me(ConsumerConfig(), context)
+    req = RequestInfo("0-abcdefgh", "0", 0, 0, 4, extra_args=extra)
+    expected = not per_request or "me" in [
+        n.strip() for n in extra.get("tllm_consumers", "").split(",")
+    ]
+    engine = EngineConsumers(per_request={"me": per_request})
+    answers = {
+        "rule": acts_on("me", per_request, extra),
+        "Consumer.acts_on": consumer.acts_on(req),
+        "_Slot.acts_on": _Slot(consumer, None, per_request=per_request).acts_on(req),
+        "RequestInfo.acted_on_by": req.acted_on_by("me", per_request),
+        "EngineConsumers.active": engine.active("me", extra),
+    }
+    assert answers == dict.fromkeys(answers, expected)
+    assert not engine.active("not-configured", extra)
+    mask = _Slot(consumer, None, per_request=per_request).enabled([req, req])
+    assert (mask is None) if not per_request else (mask.tolist() == [expected] * 2)
+    with pytest.raises(ValueError, match=r"extra_args\['tllm_consumers'\] must be a comma"):
+        acts_on("me", True, {"tllm_consumers": ["me"]})

@@ -99,7 +99,7 @@ class Consumer:
 
     def acts_on(self, request: RequestInfo) -> bool:
         """Whether this consumer acts on ``request`` (always, unless it is per-request)."""
-        return not self.context.per_request or self.name in request.enabled_consumers
+        return request.acted_on_by(self.name, self.context.per_request)
 
     # -- callbacks ----------------------------------------------------------------
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:

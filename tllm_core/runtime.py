@@ -39,7 +39,7 @@ class _Slot:
     per_request: bool = False
 
     def acts_on(self, request: RequestInfo) -> bool:
-        return not self.per_request or self.consumer.name in request.enabled_consumers
+        return request.acted_on_by(self.consumer.name, self.per_request)
 
     def enabled(self, requests: list[RequestInfo]) -> np.ndarray | None:
         """Row mask of requests this consumer acts on; None when it acts on all."""
