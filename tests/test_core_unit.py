@@ -347,3 +347,55 @@ def test_every_acts_on_asks_the_one_rule(extra, per_request):
     assert (mask is None) if not per_request else (mask.tolist() == [expected] * 2)
     with pytest.raises(ValueError, match=r"extra_args\['tllm_consumers'\] must be a comma"):
         acts_on("me", True, {"tllm_consumers": ["me"]})
+
+
+def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
+    """``request_salt`` is the salt of both paths: format, what it hashes, when it is None."""
+    import re
+    from dataclasses import dataclass, field
+
+    from tllm_core.engine import TllmLLM
+    from tllm_core.serving.keys import EngineConsumers, request_salt
+
+    a = request_salt({"tllm_group": "g", "tllm_steer_scale": 8, "other": 1})
+    assert re.fullmatch(r"tllm-[0-9a-f]{16}", a)
+    assert a == request_salt({"tllm_steer_scale": "8", "tllm_group": "g"})  # order, str(value)
+    assert a != request_salt({"tllm_group": "g", "tllm_steer_scale": 4})
+    assert a == request_salt({"tllm_group": "g", "tllm_steer_scale": 8, "tllm_n": 3})  # tags out
+    assert request_salt({"tllm_prompt_index": 0, "tllm_n": 1, "x": 2}) is None
+    assert request_salt({"tllm_group": "g"}, can_change_kv=False) is None
+    assert request_salt(None) is None
+
+    @dataclass
+    class Params:  # the parts of SamplingParams TllmLLM uses
+        n: int = 1
+        extra_args: dict | None = None
+
+        def clone(self):
+            return Params(self.n, dict(self.extra_args or {}))
+
+    @dataclass
+    class FakeLLM:
+        seen: list = field(default_factory=list)
+
+        def generate(self, prompts, params, **kwargs):
+            self.seen = prompts
+            return prompts
+
+        def collective_rpc(self, method):
+            return []
+
+    llm = TllmLLM.__new__(TllmLLM)  # no engine: only generate's own work runs
+    llm.llm, llm.consumers = FakeLLM(), EngineConsumers()
+    for edit_layers, extra, salt in [
+        ([3], {"tllm_group": "g"}, request_salt({"tllm_group": "g"})),
+        ([3], None, None),
+        ([], {"tllm_group": "g"}, None),
+    ]:
+        llm.status = {"edit_layers": edit_layers}
+        got = llm.generate(["p0", "p1"], Params(n=2, extra_args=extra))
+        assert got == (
+            ["p0", "p1"]
+            if salt is None
+            else [{"prompt": p, "cache_salt": salt} for p in ("p0", "p1")]
+        )

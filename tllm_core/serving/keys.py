@@ -160,15 +160,24 @@ def validate_extra_args(
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
 
 
-def request_salt(extra: dict[str, Any] | None) -> str | None:
-    """Prefix-cache salt of a request with tllm settings (None: no ``tllm_*`` key).
+def request_salt(extra: dict[str, Any] | None, *, can_change_kv: bool = True) -> str | None:
+    """The prefix-cache salt of a request: the one rule, offline (``TllmLLM``) and served.
 
     Requests with different tllm settings may compute different KV for the same tokens
     (steering edits the residual stream), so they must not share cached blocks; requests with
-    identical settings compute identical KV and may.
+    identical settings compute identical KV and may. So a request is salted when it carries
+    per-request tllm settings (any ``tllm_*`` key but tllm's internal tags, which differ per
+    prompt) and they can change its KV (``can_change_kv``: False when the engine runs no
+    consumer that edits; the server does not know and passes True). None: no salt.
+
+    Format: ``tllm-`` and the first 16 hex digits of the sha256 of the JSON list of sorted
+    ``[key, str(value)]`` pairs (``str``: a number and its numeric string, equal once
+    validated, give one salt).
     """
-    items = sorted((k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX))
-    if not items:
+    items = sorted(
+        (k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX) and k not in TAGS
+    )
+    if not items or not can_change_kv:
         return None
     digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
     return f"tllm-{digest}"
