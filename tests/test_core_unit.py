@@ -249,7 +249,7 @@ def test_stats_consumer_reads_ports():
     from tllm_core.consumer import ConsumerContext, ModelInfo
 
     info = ModelInfo(8, 4, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
-    ctx = ConsumerContext(info, Counters(), lambda i: resolve_layer(i, 4))
+    ctx = ConsumerContext(info, lambda i: resolve_layer(i, 4))
     c = StatsConsumer(StatsConsumer.Config(layers=[0, -1], phase=Phase.DECODE), ctx)
     assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
     with pytest.raises(ValueError, match="4 decoder layers"):
@@ -327,7 +327,7 @@ def test_every_acts_on_asks_the_one_rule(extra, per_request):
     class Me(Consumer):
         name = "me"
 
-    context = ConsumerContext(None, Counters(), int, per_request=per_request)
+    context = ConsumerContext(None, int, per_request=per_request)
     consumer = Me(ConsumerConfig(), context)
     req = RequestInfo("0-abcdefgh", "0", 0, 0, 4, extra_args=extra)
     expected = not per_request or "me" in [

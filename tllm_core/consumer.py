@@ -42,7 +42,6 @@ class ModelInfo:
 @dataclass
 class ConsumerContext:
     model: ModelInfo
-    counters: Counters
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
     # A token port from its export name ("3", "final", "attn.2", "mlp.-1", ...), served by
