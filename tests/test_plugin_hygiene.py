@@ -233,3 +233,24 @@ def test_a_plugin_whose_command_hook_fails_leaves_the_other_commands(site):
     assert "recorder-hello" in help_text and "export" in help_text
     assert [b.name for b in named] == ["badcmd"] and "boom in tllm_commands" in named[0].error
     assert not plugins.pm.has_plugin("badcmd")
+
+
+def test_esamp_entry_point_imports_no_torch():
+    """``algorithms/esamp/plugin.py`` imports torch only when its hook is called (the package
+    and ``tllm_core`` import their names on first use)."""
+    code = (
+        "import sys, algorithms.esamp.plugin as p\n"
+        "assert 'torch' not in sys.modules, 'torch imported with the entry point'\n"
+        "from algorithms.esamp import ESampConsumer\n"
+        "assert p.tllm_consumers() == [ESampConsumer] and 'torch' in sys.modules\n"
+        "from tllm_core import Consumer, TllmLLM, hookimpl\n"
+        "assert issubclass(ESampConsumer, Consumer)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -1,8 +1,30 @@
 """ESamp (Exploratory Sampling): an online-trained Latent Distiller steers sampling away
-from what it already predicts. See ``docs`` and the spec for the exact semantics."""
+from what it already predicts. See ``docs`` and the spec for the exact semantics.
 
-from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.cpu import GroupedDistiller
+The names below are imported on first use (PEP 562), so that importing the entry point
+``algorithms.esamp.plugin`` (which imports this package first) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from algorithms.esamp.config import ESampConfig
+    from algorithms.esamp.consumer import ESampConsumer
+    from algorithms.esamp.cpu import GroupedDistiller
 
 __all__ = ["ESampConfig", "ESampConsumer", "GroupedDistiller"]
+
+_HOME = {
+    "ESampConfig": "algorithms.esamp.config",
+    "ESampConsumer": "algorithms.esamp.consumer",
+    "GroupedDistiller": "algorithms.esamp.cpu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
