@@ -9,8 +9,9 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tllm_core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from tllm_core.bundles import Bundle, GuideView
@@ -105,8 +106,4 @@ _HOME = {
     "TllmLLM": "tllm_core.engine",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _HOME)

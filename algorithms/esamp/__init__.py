@@ -7,8 +7,9 @@ The names below are imported on first use (PEP 562), so that importing the entry
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tllm_core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
@@ -23,8 +24,4 @@ _HOME = {
     "GroupedDistiller": "algorithms.esamp.cpu",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _HOME:
-        return getattr(importlib.import_module(_HOME[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _HOME)
