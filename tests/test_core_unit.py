@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -251,7 +249,7 @@ def test_stats_consumer_reads_ports():
     from tllm_core.consumer import ConsumerContext, ModelInfo
 
     info = ModelInfo(8, 4, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
-    ctx = ConsumerContext(info, Counters(), lambda i: resolve_layer(i, 4))
+    ctx = ConsumerContext(info, lambda i: resolve_layer(i, 4))
     c = StatsConsumer(StatsConsumer.Config(layers=[0, -1], phase=Phase.DECODE), ctx)
     assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
     with pytest.raises(ValueError, match="4 decoder layers"):
@@ -312,30 +310,92 @@ def test_front_end_checks_run_once(tiny_model, monkeypatch):
         validate_consumers(['stats:{"layers": [9]}'], tiny_model)
 
 
-def _broken_plugin_dist(root):
-    """A distribution on ``root`` whose ``tllm`` entry point names a module that is missing."""
-    info = root / "tllm_broken_example-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: tllm-broken-example\nVersion: 0.1\n"
-    )
-    (info / "entry_points.txt").write_text("[tllm]\nbroken = tllm_broken_example_missing\n")
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"tllm_consumers": ""}, {"tllm_consumers": "me"}, {"tllm_consumers": " other , me "}]
+    + [{"tllm_consumers": "mine,other"}, {"tllm_consumers": "other"}, {"tllm_group": "me"}],
+)
+@pytest.mark.parametrize("per_request", [False, True])
+def test_every_acts_on_asks_the_one_rule(extra, per_request):
+    """Consumer, runtime slot, request and the front end's engine answer "does consumer X act
+    on this request?" alike (one function: ``request_settings.acts_on``)."""
+    from tllm_core.consumer import ConsumerContext
+    from tllm_core.request_settings import acts_on
+    from tllm_core.runtime import _Slot
+    from tllm_core.serving.keys import EngineConsumers
+
+    class Me(Consumer):
+        name = "me"
+
+    context = ConsumerContext(None, int, per_request=per_request)
+    consumer = Me(ConsumerConfig(), context)
+    req = RequestInfo("0-abcdefgh", "0", 0, 0, 4, extra_args=extra)
+    expected = not per_request or "me" in [
+        n.strip() for n in extra.get("tllm_consumers", "").split(",")
+    ]
+    engine = EngineConsumers(per_request={"me": per_request})
+    answers = {
+        "rule": acts_on("me", per_request, extra),
+        "Consumer.acts_on": consumer.acts_on(req),
+        "_Slot.acts_on": _Slot(consumer, None, per_request=per_request).acts_on(req),
+        "RequestInfo.acted_on_by": req.acted_on_by("me", per_request),
+        "EngineConsumers.active": engine.active("me", extra),
+    }
+    assert answers == dict.fromkeys(answers, expected)
+    assert not engine.active("not-configured", extra)
+    mask = _Slot(consumer, None, per_request=per_request).enabled([req, req])
+    assert (mask is None) if not per_request else (mask.tolist() == [expected] * 2)
+    with pytest.raises(ValueError, match=r"extra_args\['tllm_consumers'\] must be a comma"):
+        acts_on("me", True, {"tllm_consumers": ["me"]})
 
 
-def test_a_broken_plugin_is_named_with_its_distribution(tmp_path, monkeypatch):
-    from tllm_core.registry import PluginLoadError, Registry
+def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
+    """``request_salt`` is the salt of both paths: format, what it hashes, when it is None."""
+    import re
+    from dataclasses import dataclass, field
 
-    _broken_plugin_dist(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(PluginLoadError, match=r"'broken'.*'tllm-broken-example'.*pip uninstall"):
-        Registry()
+    from tllm_core.engine import TllmLLM
+    from tllm_core.serving.keys import EngineConsumers, request_salt
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tllm_core.cli", "consumers"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)])),
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "tllm: tllm plugin 'broken'" in proc.stderr and "Traceback" not in proc.stderr
+    a = request_salt({"tllm_group": "g", "tllm_steer_scale": 8, "other": 1})
+    assert re.fullmatch(r"tllm-[0-9a-f]{16}", a)
+    assert a == request_salt({"tllm_steer_scale": "8", "tllm_group": "g"})  # order, str(value)
+    assert a != request_salt({"tllm_group": "g", "tllm_steer_scale": 4})
+    assert a == request_salt({"tllm_group": "g", "tllm_steer_scale": 8, "tllm_n": 3})  # tags out
+    assert request_salt({"tllm_prompt_index": 0, "tllm_n": 1, "x": 2}) is None
+    assert request_salt({"tllm_group": "g"}, can_change_kv=False) is None
+    assert request_salt(None) is None
+
+    @dataclass
+    class Params:  # the parts of SamplingParams TllmLLM uses
+        n: int = 1
+        extra_args: dict | None = None
+
+        def clone(self):
+            return Params(self.n, dict(self.extra_args or {}))
+
+    @dataclass
+    class FakeLLM:
+        seen: list = field(default_factory=list)
+
+        def generate(self, prompts, params, **kwargs):
+            self.seen = prompts
+            return prompts
+
+        def collective_rpc(self, method):
+            return []
+
+    llm = TllmLLM.__new__(TllmLLM)  # no engine: only generate's own work runs
+    llm.llm, llm.consumers = FakeLLM(), EngineConsumers()
+    for edit_layers, extra, salt in [
+        ([3], {"tllm_group": "g"}, request_salt({"tllm_group": "g"})),
+        ([3], None, None),
+        ([], {"tllm_group": "g"}, None),
+    ]:
+        llm.status = {"edit_layers": edit_layers}
+        got = llm.generate(["p0", "p1"], Params(n=2, extra_args=extra))
+        assert got == (
+            ["p0", "p1"]
+            if salt is None
+            else [{"prompt": p, "cache_salt": salt} for p in ("p0", "p1")]
+        )

@@ -120,7 +120,6 @@ def test_cuda_consumer_runs():
     from algorithms.esamp.consumer import ESampConsumer
     from tllm_core.bundles import Bundle, GuideView
     from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.counters import Counters
     from tllm_core.ports import resolve_layer
     from tllm_core.rows import RequestInfo, RowInfo
 
@@ -129,7 +128,7 @@ def test_cuda_consumer_runs():
     model = ModelInfo(H, 4, 100, torch.bfloat16, dev, lambda z: z @ w.t(), w)
     c = ESampConsumer(
         ESampConfig(intermediate_size=INTER),
-        ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)),
+        ConsumerContext(model, lambda i: resolve_layer(i, 4)),
     )
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(4)]
     n = len(reqs)

@@ -24,7 +24,6 @@ from algorithms.esamp.packing import make_packing, pack_rows
 from algorithms.esamp.params import split_params
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
 from tllm_core.ports import SamplerGuide, resolve_layer
 from tllm_core.rows import RequestInfo, RowInfo
 
@@ -277,7 +276,7 @@ class Fake:
 
     def consumer(self, **cfg) -> ESampConsumer:
         cfg.setdefault("intermediate_size", INTER)
-        ctx = ConsumerContext(self.model, Counters(), lambda i: resolve_layer(i, 4))
+        ctx = ConsumerContext(self.model, lambda i: resolve_layer(i, 4))
         return ESampConsumer(ESampConfig(**cfg), ctx)
 
     @staticmethod

@@ -21,7 +21,6 @@ from consumers.export import format as fmt
 from consumers.export.consumer import ExportConfig, ExportConsumer
 from consumers.export.reader import ExportFormatError
 from tllm_core.consumer import ConsumerContext
-from tllm_core.counters import Counters
 from tllm_core.ports import resolve_layer
 from tllm_core.registry import Registry
 
@@ -31,7 +30,6 @@ KEYS = ["layer.1", "final"]
 def dp_export(out, rank: int, size: int, **cfg) -> ExportConsumer:
     ctx = ConsumerContext(
         model=model_info(),
-        counters=Counters(),
         resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
         parse_port=Registry().parse_port,
         data_parallel_rank=rank,

@@ -55,7 +55,6 @@ def model_info(hidden: int = H, device: str = "cpu") -> ModelInfo:
 def context(hidden: int = H, device: str = "cpu") -> ConsumerContext:
     return ConsumerContext(
         model=model_info(hidden, device),
-        counters=Counters(),
         resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
         parse_port=Registry().parse_port,
     )
@@ -441,12 +440,11 @@ _KILL_SCRIPT = textwrap.dedent(
     from consumers.export.consumer import ExportConfig, ExportConsumer
     from tllm_core.bundles import Bundle
     from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.counters import Counters
     from tllm_core.ports import resolve_layer
     from tllm_core.rows import RequestInfo, RowInfo
     H = 512
     info = ModelInfo(H, 4, 128, torch.float32, torch.device("cpu"), None, None)
-    ctx = ConsumerContext(info, Counters(), lambda i: resolve_layer(i, 4))
+    ctx = ConsumerContext(info, lambda i: resolve_layer(i, 4))
     c = ExportConsumer(ExportConfig(out=sys.argv[1], layers=["final"], shard_rows=96), ctx)
     r = 0
     while True:

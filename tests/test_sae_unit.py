@@ -23,7 +23,6 @@ from consumers.sae.site import parse_site
 from consumers.sae.steer import FeatureSteer, clamp_delta
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
 from tllm_core.edits import EditPlan
 from tllm_core.ports import resolve_layer
 from tllm_core.request_settings import parse_request_settings
@@ -308,7 +307,7 @@ def ctx(hidden: int = D_IN) -> ConsumerContext:
         lm_head=lambda h: h,
         lm_head_weight=None,
     )
-    return ConsumerContext(model, Counters(), lambda i: resolve_layer(i, LAYERS))
+    return ConsumerContext(model, lambda i: resolve_layer(i, LAYERS))
 
 
 def make(tmp_path, **cfg) -> SaeConsumer:

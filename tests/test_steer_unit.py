@@ -11,7 +11,6 @@ from safetensors.torch import save_file
 from consumers.steer import load_vector
 from consumers.steer.consumer import SteerConfig, SteerConsumer
 from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
 from tllm_core.edits import EditBuffers, EditPlan
 from tllm_core.ports import ResidualEdit, resolve_layer
 from tllm_core.rows import RequestInfo, RowInfo
@@ -32,7 +31,6 @@ def context(device: str = "cpu", per_request: bool = False) -> ConsumerContext:
     )
     return ConsumerContext(
         model=info,
-        counters=Counters(),
         resolve_layer=lambda i: resolve_layer(i, NUM_LAYERS),
         per_request=per_request,
     )

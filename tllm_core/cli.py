@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tllm_core.cli_common import (
@@ -15,8 +16,8 @@ from tllm_core.cli_common import (
     print_report,
     quiet,
 )
+from tllm_core.plugins import ALLOW_ENV, BrokenPlugin, Plugins
 from tllm_core.quiet import install_if_quiet
-from tllm_core.registry import PluginLoadError, plugin_manager
 from tllm_core.serve_command import add_command as add_serve_command
 
 # vLLM starts its engine processes with ``spawn``: they import this module (the command's
@@ -44,11 +45,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_consumers(args: argparse.Namespace) -> int:
     from tllm_core.registry import Registry
 
-    info = Registry().describe()
+    info = Registry(plugins=args.plugins).describe()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
     for c in info:
+        if c["broken"]:
+            print(f"{c['name']:<10} BROKEN (skipped): {c['error']}")
+            continue
         print(f"{c['name']:<10} {c['description']}")
         for f in c["fields"]:
             default = (
@@ -64,7 +68,13 @@ def cmd_consumers(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def print_broken(broken: BrokenPlugin) -> None:
+    print(f"tllm: warning: {broken.message()}", file=sys.stderr)
+
+
+def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; ``plugins`` (loaded here when None) adds theirs."""
+    plugins = plugins or Plugins.load()
     p = argparse.ArgumentParser(
         prog="tllm",
         description=(
@@ -87,25 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("consumers", help="list consumers, their config fields and per-request keys")
     c.add_argument("--json", action="store_true")
-    c.set_defaults(func=cmd_consumers)
+    c.set_defaults(func=cmd_consumers, plugins=plugins)
 
     add_serve_command(sub)
 
-    # Commands of plugins (built-ins included), e.g. `tllm export`, `tllm steer compute`.
-    plugin_manager().hook.tllm_commands(subparsers=sub)
+    # Commands of plugins (built-ins included), e.g. `tllm export`, `tllm steer compute`; one
+    # plugin at a time, so that a failing one is skipped and the others' commands work.
+    for impl in plugins.pm.hook.tllm_commands.get_hookimpls():
+        try:
+            impl.function(subparsers=sub)
+        except Exception as e:  # noqa: BLE001 - a broken plugin must not stop `tllm --help`
+            plugins.mark_broken(impl.plugin_name, f"{type(e).__name__}: {e}")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        parser = build_parser()
-    except PluginLoadError as e:  # the commands of every plugin are needed to parse
-        print(f"tllm: {e}", file=sys.stderr)
-        return 2
+    plugins = Plugins.load(on_broken=print_broken)
+    parser = build_parser(plugins)
+    if plugins.broken and ALLOW_ENV not in os.environ:
+        # Named once: this process's later registries and the engine processes it starts
+        # (they inherit the environment) load only the plugins that loaded here.
+        os.environ[ALLOW_ENV] = ",".join(plugins.loaded)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, PluginLoadError) as e:  # ConsumerSpecError and CliError included
+    except ValueError as e:  # ConsumerSpecError and CliError included
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...

@@ -42,7 +42,6 @@ class ModelInfo:
 @dataclass
 class ConsumerContext:
     model: ModelInfo
-    counters: Counters
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
     # A token port from its export name ("3", "final", "attn.2", "mlp.-1", ...), served by
@@ -99,7 +98,7 @@ class Consumer:
 
     def acts_on(self, request: RequestInfo) -> bool:
         """Whether this consumer acts on ``request`` (always, unless it is per-request)."""
-        return not self.context.per_request or self.name in request.enabled_consumers
+        return request.acted_on_by(self.name, self.context.per_request)
 
     # -- callbacks ----------------------------------------------------------------
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:

@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from tllm_core.consumer import ModelInfo
-from tllm_core.counters import Counters
 from tllm_core.registry import Registry
 from tllm_core.settings import ConsumerSpec, RuntimeSettings
 
@@ -37,6 +36,6 @@ def dry_build(specs: Sequence[ConsumerSpec], model_path: str, registry: Registry
     from tllm_core.runtime import build_consumers
 
     settings = RuntimeSettings(consumers=list(specs))
-    slots = build_consumers(settings, model_info_from_config(model_path), registry, Counters())
+    slots = build_consumers(settings, model_info_from_config(model_path), registry)
     for s in slots:
         s.consumer.close()

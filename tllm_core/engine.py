@@ -9,7 +9,6 @@ report = llm.collect()      # {"runtime": {...}, "consumers": {...}, "results": 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 from tllm_core.registry import Registry
 from tllm_core.reports import merge_reports
-from tllm_core.serving.keys import TAGS, EngineConsumers, validate_extra_args
+from tllm_core.serving.keys import TAGS, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerSpec, RuntimeSettings
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
@@ -62,18 +61,6 @@ def validate_consumers(
 
     dry_build(checked.specs, model_path, checked.registry)
     return replace(checked, model_path=model_path)
-
-
-def _salt(extra: dict[str, Any]) -> str | None:
-    """The prefix-cache salt of a request with these extra args (None: no per-request keys).
-
-    With residual edits, a cached prompt block computed under one request's edits must
-    not be reused by a request with other (or no) edits.
-    """
-    keys = {k: v for k, v in extra.items() if k.startswith("tllm_") and k not in TAGS}
-    if not keys:
-        return None
-    return "tllm:" + json.dumps(keys, sort_keys=True, default=str)
 
 
 def _salted(prompt: Any, salt: str | None) -> Any:
@@ -189,6 +176,8 @@ class TllmLLM:
             user = {k: v for k, v in (sp.extra_args or {}).items() if k not in TAGS}
             validate_extra_args(user, self.consumers, where="extra_args")
         tagged, salts = [], []
+        # Only edits change KV: without edit layers, no request needs its own cache.
+        edits = bool(self.status.get("edit_layers"))
         for i, sp in enumerate(per):
             sp = sp.clone()
             extra = dict(sp.extra_args or {})
@@ -196,7 +185,7 @@ class TllmLLM:
             extra["tllm_n"] = sp.n
             sp.extra_args = extra
             tagged.append(sp)
-            salts.append(_salt(extra) if self.status.get("edit_layers") else None)
+            salts.append(request_salt(extra, can_change_kv=edits))
         try:
             if chat:
                 from tllm_core.vllm_bridge.offline import chat_with_salts

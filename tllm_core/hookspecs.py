@@ -8,7 +8,11 @@ plugins are found through the entry-point group ``tllm``::
     my_plugin = "my_package.plugin"
 
 Built-in consumers, producers and commands register through these same hooks, as
-pytest's own plugins do: nothing in ``tllm_core`` names a built-in.
+pytest's own plugins do: nothing in ``tllm_core`` names a built-in. Loading
+(``tllm_core/plugins.py``): a ``@hookimpl`` named like no hook below is an error naming it
+(pluggy's ``check_pending``); a plugin that fails to load is skipped and named once;
+``TLLM_PLUGINS`` limits which third-party entry points load. docs/hooks.md has each hook's
+and callback's thread, timing and tensor lifetime.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ hookimpl = pluggy.HookimplMarker("tllm")
 @hookspec
 def tllm_consumers() -> list[type]:
     """Return the :class:`~tllm_core.consumer.Consumer` subclasses this plugin provides.
+
+    Called once per ``Registry``, on the thread building it, in every process that builds one
+    (the caller's and the engine's); no tensors. Import heavy dependencies inside the hook.
 
     Example::
 
@@ -42,6 +49,8 @@ def tllm_consumers() -> list[type]:
 @hookspec
 def tllm_producers() -> list[type]:
     """Return the :class:`~tllm_core.producer.Producer` subclasses this plugin provides.
+
+    Called like ``tllm_consumers``: once per ``Registry``, on the thread building it.
 
     A producer serves one or more port types: it names the taps it needs from the
     engine bridge and reads a step's tapped tensors into the bundle part of a port.
@@ -73,6 +82,9 @@ def tllm_producers() -> list[type]:
 @hookspec
 def tllm_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tllm`` subcommands (as datasette's ``register_commands`` does).
+
+    Called once, on the ``tllm`` command's main thread, while its parser is built (before any
+    command runs, ``--help`` included): keep it cheap.
 
     Call ``subparsers.add_parser(...)`` and give the new parser a ``func`` default that
     takes the parsed arguments and returns an exit status. A ``ValueError`` raised by

@@ -3,16 +3,14 @@ the producers serving each port type."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-import pluggy
 from pydantic import ValidationError
 
-from tllm_core import hookspecs
 from tllm_core.consumer import Consumer, ConsumerConfig
+from tllm_core.plugins import ENTRY_POINT_GROUP, BrokenPlugin, Plugins, TllmPluginWarning
 from tllm_core.ports import FINAL, HiddenStates, LayerPort, Phase, ReadPort, TokenPort
 from tllm_core.producer import Producer
 from tllm_core.request_settings import (
@@ -26,46 +24,13 @@ from tllm_core.settings import ConsumerSpec, ConsumerSpecError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BrokenPlugin",
     "ConsumerSpec",
     "ConsumerSpecError",
-    "PluginLoadError",
+    "Plugins",
     "Registry",
-    "plugin_manager",
+    "TllmPluginWarning",
 ]
-
-# Built-ins register through this entry-point group and the same hooks as third-party
-# plugins (see pyproject.toml), so the core names none of them.
-ENTRY_POINT_GROUP = "tllm"
-
-
-class PluginLoadError(RuntimeError):
-    """An installed ``tllm`` entry point cannot be imported."""
-
-
-def plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
-    """A new plugin manager with every ``tllm`` entry point (built-ins included) loaded.
-
-    Raises :class:`PluginLoadError` naming the entry point and its distribution when one
-    fails to import (pluggy's own loader would surface a bare ImportError)."""
-    pm = pluggy.PluginManager("tllm")
-    pm.add_hookspecs(hookspecs)
-    if not load_entry_points:
-        return pm
-    for dist in importlib.metadata.distributions():
-        for ep in dist.entry_points:
-            if ep.group != ENTRY_POINT_GROUP or pm.get_plugin(ep.name) or pm.is_blocked(ep.name):
-                continue  # a distribution seen twice on sys.path registers once
-            try:
-                plugin = ep.load()
-            except Exception as e:
-                name = dist.metadata["name"]
-                raise PluginLoadError(
-                    f"tllm plugin {ep.name!r} ({ep.value}, from the installed distribution "
-                    f"{name!r}) failed to import: {type(e).__name__}: {e}. Fix or uninstall "
-                    f"it (pip uninstall {name})."
-                ) from e
-            pm.register(plugin, name=ep.name)
-    return pm
 
 
 class Registry:
@@ -75,19 +40,45 @@ class Registry:
     One per engine or command: no process-wide state.
     """
 
-    def __init__(self, load_entry_points: bool = True):
-        self.pm = plugin_manager(load_entry_points)
+    def __init__(self, load_entry_points: bool = True, plugins: Plugins | None = None):
+        self.plugins = plugins or Plugins.load(load_entry_points)
+        self.pm = self.plugins.pm
         self._classes: dict[str, type[Consumer]] = {}
         # request key -> (consumer name, field name)
         self._keys: dict[str, tuple[str, str]] = {}
         self._producers: dict[type[ReadPort], Producer] = {}
-        self._collect()
+        self._collected: set[str] = set()
+        for name in self.plugins.loaded:
+            try:
+                self._collect(name)
+            except Exception as e:  # noqa: BLE001 - one plugin's failure skips that plugin only
+                self.plugins.mark_broken(name, f"{type(e).__name__}: {e}")
 
-    def _collect(self) -> None:
-        for classes in self.pm.hook.tllm_producers():
-            self._add_producers(classes)
-        for classes in self.pm.hook.tllm_consumers():
-            self._add(classes)
+    @property
+    def broken(self) -> list[BrokenPlugin]:
+        """The plugins skipped because they failed to load or register."""
+        return list(self.plugins.broken)
+
+    def _collect(self, plugin_name: str) -> None:
+        """Add one plugin's producers and consumers, all or none (its hooks are called one
+        plugin at a time so that a failing plugin can be skipped alone)."""
+        saved = dict(self._classes), dict(self._keys), dict(self._producers)
+        try:
+            for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
+                self._add_producers(classes)
+            for classes in self._call(self.pm.hook.tllm_consumers, plugin_name):
+                self._add(classes)
+        except BaseException:
+            self._classes, self._keys, self._producers = saved
+            raise
+        self._collected.add(plugin_name)
+
+    @staticmethod
+    def _call(hook: Any, plugin_name: str) -> list[Any]:
+        impls: list[Callable[[], Any]] = [
+            i.function for i in hook.get_hookimpls() if i.plugin_name == plugin_name
+        ]
+        return [r for r in (f() for f in impls) if r is not None]
 
     def _add(self, classes: Iterable[type]) -> None:
         for cls in classes:
@@ -116,9 +107,14 @@ class Registry:
             self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object/module at run time (tests, notebooks)."""
-        self.pm.register(plugin, name=name)
-        self._collect()
+        """Register a plugin object/module at run time (tests, notebooks); errors raise (a
+        misspelled hook: ``pluggy.PluginValidationError``) and leave the registry unchanged."""
+        registered = self.plugins.register(plugin, name)
+        try:
+            self._collect(registered)
+        except BaseException:
+            self.pm.unregister(name=registered)
+            raise
 
     @property
     def request_keys(self) -> dict[str, tuple[str, str]]:
@@ -188,8 +184,10 @@ class Registry:
         try:
             return self._classes[name]
         except KeyError:
+            skipped = "".join(f"; skipped: {b.message()}" for b in self.plugins.broken)
             raise ConsumerSpecError(
                 f"unknown consumer {name!r}; available: {', '.join(self.names) or '(none)'}"
+                f"{skipped}"
             ) from None
 
     def validate(self, spec: ConsumerSpec) -> ConsumerConfig:
@@ -231,6 +229,7 @@ class Registry:
             out.append(
                 {
                     "name": name,
+                    "broken": False,
                     "description": cls.description,
                     "module": cls.__module__,
                     "fields": fields,
@@ -238,6 +237,19 @@ class Registry:
                         {**k, "default": _jsonable(k["default"])}
                         for k in describe_request_keys(name, cls.Request)
                     ],
+                }
+            )
+        # Broken plugins are listed in the same shape (their consumers are unknown).
+        for b in self.plugins.broken:
+            out.append(
+                {
+                    "name": b.name,
+                    "broken": True,
+                    "error": b.message(),
+                    "description": f"BROKEN plugin, skipped: {b.error}",
+                    "module": b.source,
+                    "fields": [],
+                    "request_keys": [],
                 }
             )
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -25,6 +26,25 @@ GROUP_KEY = "tllm_group"
 # Internal tags TllmLLM adds to every request (row localization); not for clients.
 TAGS = ("tllm_prompt_index", "tllm_n")
 GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, *TAGS)
+
+
+def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
+    """The per-request consumers a request switches on: ``extra_args["tllm_consumers"]``, a
+    comma-separated string, in order. Any other type is a ``ValueError`` naming ``where``."""
+    raw = extra_args.get(CONSUMERS_KEY, "")
+    if not isinstance(raw, str):
+        raise ValueError(
+            f'{where}[{CONSUMERS_KEY!r}] must be a comma-separated string (e.g. "esamp,steer"), '
+            f"got {raw!r}"
+        )
+    return [n.strip() for n in raw.split(",") if n.strip()]
+
+
+def acts_on(consumer: str, per_request: bool, extra_args: Mapping[str, Any]) -> bool:
+    """Whether consumer ``consumer`` acts on a request with these ``extra_args``: always,
+    unless it is per-request; then only when the request names it. The one rule, used by the
+    engine's runtime, by consumers and by the front end's validation."""
+    return not per_request or consumer in enabled_consumers(extra_args)
 
 
 class RequestSettings(BaseModel):

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tllm_core.request_settings import RequestSettings, parse_request_settings
+from tllm_core.request_settings import (
+    GROUP_KEY,
+    RequestSettings,
+    acts_on,
+    enabled_consumers,
+    parse_request_settings,
+)
 
 if TYPE_CHECKING:
     from tllm_core.consumer import Consumer
@@ -57,14 +63,16 @@ class RequestInfo:
     @property
     def enabled_consumers(self) -> frozenset[str]:
         """Consumers this request switched on (``extra_args["tllm_consumers"]``, comma-separated)."""
-        raw = self.extra_args.get("tllm_consumers", "")
-        names = raw.split(",") if isinstance(raw, str) else list(raw)
-        return frozenset(n.strip() for n in names if n and n.strip())
+        return frozenset(enabled_consumers(self.extra_args))
+
+    def acted_on_by(self, consumer: str, per_request: bool) -> bool:
+        """Whether consumer ``consumer`` (per-request or not) acts on this request."""
+        return acts_on(consumer, per_request, self.extra_args)
 
     @property
     def group_key(self) -> str:
         """Key shared by the ``n`` samples of one prompt (overridable via extra_args)."""
-        key = self.extra_args.get("tllm_group")
+        key = self.extra_args.get(GROUP_KEY)
         return str(key) if key is not None else self.request_id
 
 

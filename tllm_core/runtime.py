@@ -39,7 +39,7 @@ class _Slot:
     per_request: bool = False
 
     def acts_on(self, request: RequestInfo) -> bool:
-        return not self.per_request or self.consumer.name in request.enabled_consumers
+        return request.acted_on_by(self.consumer.name, self.per_request)
 
     def enabled(self, requests: list[RequestInfo]) -> np.ndarray | None:
         """Row mask of requests this consumer acts on; None when it acts on all."""
@@ -68,7 +68,6 @@ def build_consumers(
     settings: RuntimeSettings,
     model: ModelInfo,
     registry: Registry,
-    counters: Counters,
     data_parallel: tuple[int, int] = (0, 1),
 ) -> list[_Slot]:
     """Validate specs, construct consumers and resolve their ports (errors before generation)."""
@@ -82,7 +81,6 @@ def build_consumers(
 
         context = ConsumerContext(
             model=model,
-            counters=counters,
             resolve_layer=resolve,
             parse_port=registry.parse_port,
             per_request=spec.per_request,
@@ -129,9 +127,7 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
-        self.slots = build_consumers(
-            settings, model, registry or Registry(), self.counters, data_parallel
-        )
+        self.slots = build_consumers(settings, model, registry or Registry(), data_parallel)
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
         self._edit_taps = {t for s in self.slots for t in s.edits.values()}

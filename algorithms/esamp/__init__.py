@@ -1,8 +1,27 @@
 """ESamp (Exploratory Sampling): an online-trained Latent Distiller steers sampling away
-from what it already predicts. See ``docs`` and the spec for the exact semantics."""
+from what it already predicts. See ``docs`` and the spec for the exact semantics.
 
-from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.cpu import GroupedDistiller
+The names below are imported on first use (PEP 562), so that importing the entry point
+``algorithms.esamp.plugin`` (which imports this package first) does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tllm_core.lazy import lazy_getattr
+
+if TYPE_CHECKING:
+    from algorithms.esamp.config import ESampConfig
+    from algorithms.esamp.consumer import ESampConsumer
+    from algorithms.esamp.cpu import GroupedDistiller
 
 __all__ = ["ESampConfig", "ESampConsumer", "GroupedDistiller"]
+
+_HOME = {
+    "ESampConfig": "algorithms.esamp.config",
+    "ESampConsumer": "algorithms.esamp.consumer",
+    "GroupedDistiller": "algorithms.esamp.cpu",
+}
+
+__getattr__ = lazy_getattr(__name__, _HOME)

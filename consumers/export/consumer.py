@@ -31,8 +31,6 @@ from tllm_core.ports import (
 )
 from tllm_core.rows import RequestInfo
 
-_HAS_PROMPT_IDS = "prompt_token_ids" in {f.name for f in dataclasses.fields(RequestInfo)}
-
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 _PORT_NAME = re.compile(r"final|-?\d+|[A-Za-z_]\w*\.-?\d+")
 
@@ -172,10 +170,9 @@ class ExportConsumer(Consumer):
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Phase:
-        # Prompt token ids only reach a consumer through prefill rows, unless the runtime
-        # hands them over on RequestInfo (``prompt_token_ids``): a decode-only export then
+        # Prompt token ids only reach a consumer through prefill rows: a decode-only export
         # captures prompt rows too (for their token ids) and drops them before writing.
-        if self.phase is Phase.DECODE and not _HAS_PROMPT_IDS:
+        if self.phase is Phase.DECODE:
             return Phase.ALL
         return self.phase
 

@@ -1,7 +1,7 @@
 """``sae``: encode activations at one site with a sparse autoencoder while vLLM serves.
 
-Reads the site (residual stream after a layer; attention / MLP outputs once the core
-has those ports), encodes every row with the SAE on the background thread, counts a
+Reads the site (the residual stream after a layer, or a layer's attention / MLP output:
+``consumers/sae/site.py``), encodes every row with the SAE on the background thread, counts a
 summary (rows, mean L0, watched features' firing rates, relative reconstruction error),
 optionally records each row's ``top_k`` features (``out``), and steers by feature
 before the forward (``steer``). Per request: ``tllm_sae_steer`` / ``tllm_sae_record``

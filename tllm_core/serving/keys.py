@@ -23,7 +23,9 @@ from tllm_core.request_settings import (
     PREFIX,
     TAGS,
     RequestSettings,
+    acts_on,
     describe_request_keys,
+    enabled_consumers,
     parse_request_settings,
 )
 from tllm_core.settings import ConsumerSpec, RuntimeSettings
@@ -49,16 +51,6 @@ KEYS: dict[str, str] = {
     GROUP: "string: requests sharing this value form one group (consumers that keep state per "
     "group, e.g. ESamp's distiller; default: the n samples of one request)",
 }
-
-
-def enabled_names(extra: dict[str, Any], where: str = "vllm_xargs") -> list[str]:
-    raw = extra.get(CONSUMERS, "")
-    if not isinstance(raw, str):
-        raise ValueError(
-            f'{where}[{CONSUMERS!r}] must be a comma-separated string (e.g. "esamp,steer"), '
-            f"got {raw!r}"
-        )
-    return [n.strip() for n in raw.split(",") if n.strip()]
 
 
 @dataclass
@@ -96,9 +88,7 @@ class EngineConsumers:
 
     def active(self, name: str, extra: dict[str, Any]) -> bool:
         """Whether consumer ``name`` acts on a request with these extra_args."""
-        if name not in self.per_request:
-            return False
-        return not self.per_request[name] or name in enabled_names(extra)
+        return name in self.per_request and acts_on(name, self.per_request[name], extra)
 
     def keys(self) -> dict[str, str]:
         """Every key a request may carry on this engine, with its description."""
@@ -143,7 +133,7 @@ def validate_extra_args(
             raise ValueError(f"unknown tllm key {where}[{key!r}]; known keys: {', '.join(known)}")
         if not isinstance(value, (str, int, float)):
             raise ValueError(f"{where}[{key!r}] must be a flat string or number, got {value!r}")
-    names = enabled_names(extra, where)
+    names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
         if n not in engine.per_request:
@@ -170,15 +160,24 @@ def validate_extra_args(
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
 
 
-def request_salt(extra: dict[str, Any] | None) -> str | None:
-    """Prefix-cache salt of a request with tllm settings (None: no ``tllm_*`` key).
+def request_salt(extra: dict[str, Any] | None, *, can_change_kv: bool = True) -> str | None:
+    """The prefix-cache salt of a request: the one rule, offline (``TllmLLM``) and served.
 
     Requests with different tllm settings may compute different KV for the same tokens
     (steering edits the residual stream), so they must not share cached blocks; requests with
-    identical settings compute identical KV and may.
+    identical settings compute identical KV and may. So a request is salted when it carries
+    per-request tllm settings (any ``tllm_*`` key but tllm's internal tags, which differ per
+    prompt) and they can change its KV (``can_change_kv``: False when the engine runs no
+    consumer that edits; the server does not know and passes True). None: no salt.
+
+    Format: ``tllm-`` and the first 16 hex digits of the sha256 of the JSON list of sorted
+    ``[key, str(value)]`` pairs (``str``: a number and its numeric string, equal once
+    validated, give one salt).
     """
-    items = sorted((k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX))
-    if not items:
+    items = sorted(
+        (k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX) and k not in TAGS
+    )
+    if not items or not can_change_kv:
         return None
     digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
     return f"tllm-{digest}"

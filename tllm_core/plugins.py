@@ -1,0 +1,174 @@
+"""Loading the ``tllm`` entry points into a pluggy manager (see docs/hooks.md).
+
+A plugin that fails to import, declares a hook implementation with no specification (a
+misspelled hook: pluggy's ``check_pending``) or fails when its hooks are collected is
+*broken*: it is named once, skipped, and the other plugins and commands keep working.
+``TLLM_PLUGINS`` (an allow-list of entry-point names, as vLLM's ``VLLM_PLUGINS``) limits which
+third-party entry points load; tllm's own built-ins always load.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import pluggy
+
+from tllm_core import hookspecs
+
+__all__ = [
+    "ALLOW_ENV",
+    "ENTRY_POINT_GROUP",
+    "BrokenPlugin",
+    "Plugins",
+    "TllmPluginWarning",
+    "allowed_plugins",
+]
+
+# Built-ins register through this entry-point group and the same hooks as third-party
+# plugins (see pyproject.toml), so the core names none of them.
+ENTRY_POINT_GROUP = "tllm"
+ALLOW_ENV = "TLLM_PLUGINS"
+# The distribution whose entry points are the built-ins: never filtered by the allow-list
+# (as datasette's default plugins), since consumers need its producers.
+OWN_DISTRIBUTION = "tllm"
+
+
+class TllmPluginWarning(UserWarning):
+    """A ``tllm`` plugin is broken and was skipped."""
+
+
+@dataclass(frozen=True)
+class BrokenPlugin:
+    """A plugin that was skipped: its entry-point name, what it points at, and why."""
+
+    name: str
+    source: str  # the entry point's value, or the plugin object's repr
+    error: str
+    distribution: str | None = None
+
+    def message(self) -> str:
+        where = self.source
+        fix = "Fix it"
+        if self.distribution:
+            where += f", from the installed distribution {self.distribution!r}"
+            fix = f"Fix or uninstall it (pip uninstall {self.distribution})"
+        return (
+            f"tllm plugin {self.name!r} ({where}) is broken and was skipped: {self.error}. "
+            f"{fix}, or leave it out of {ALLOW_ENV}."
+        )
+
+    def describe(self) -> dict[str, str | None]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "distribution": self.distribution,
+            "error": self.error,
+        }
+
+
+def allowed_plugins(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """The entry-point names ``TLLM_PLUGINS`` allows (comma-separated); None when unset (all).
+
+    Set but empty allows no third-party plugin."""
+    raw = (os.environ if environ is None else environ).get(ALLOW_ENV)
+    if raw is None:
+        return None
+    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+def warn(broken: BrokenPlugin) -> None:
+    """The default report of a broken plugin: a Python warning (shown once per process)."""
+    warnings.warn(broken.message(), TllmPluginWarning, stacklevel=2)
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass
+class Plugins:
+    """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it.
+
+    One per engine or command (no process-wide state); ``on_broken`` names each broken plugin
+    once (a warning by default; the ``tllm`` command prints it)."""
+
+    pm: pluggy.PluginManager = field(default_factory=lambda: _new_manager())
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    on_broken: Callable[[BrokenPlugin], None] = warn
+    # entry-point name -> distribution, for messages about failures after loading
+    _dists: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(
+        cls,
+        load_entry_points: bool = True,
+        on_broken: Callable[[BrokenPlugin], None] = warn,
+        environ: Mapping[str, str] | None = None,
+    ) -> Plugins:
+        """Every ``tllm`` entry point the allow-list lets through, each registered and checked."""
+        out = cls(on_broken=on_broken)
+        if load_entry_points:
+            out._load_entry_points(allowed_plugins(environ))
+        return out
+
+    def _load_entry_points(self, allowed: frozenset[str] | None) -> None:
+        for dist in importlib.metadata.distributions():
+            dist_name = dist.metadata["name"] or "?"
+            own = _canonical(dist_name) == OWN_DISTRIBUTION
+            for ep in dist.entry_points:
+                if ep.group != ENTRY_POINT_GROUP or self.pm.has_plugin(ep.name):
+                    continue  # a distribution seen twice on sys.path registers once
+                if self.pm.is_blocked(ep.name) or any(b.name == ep.name for b in self.broken):
+                    continue
+                if not own and allowed is not None and ep.name not in allowed:
+                    continue
+                self._dists[ep.name] = dist_name
+                try:
+                    plugin = ep.load()
+                except Exception as e:  # noqa: BLE001 - any import failure skips the plugin
+                    self._skip(ep.name, ep.value, f"import failed: {type(e).__name__}: {e}")
+                    continue
+                try:
+                    self.register(plugin, ep.name)
+                except Exception as e:  # noqa: BLE001 - e.g. a misspelled hook
+                    self._skip(ep.name, ep.value, f"{type(e).__name__}: {e}")
+
+    def register(self, plugin: object, name: str | None = None) -> str:
+        """Register ``plugin`` and check every hook implementation has a spec (pluggy's
+        ``check_pending``: a misspelled hook raises ``PluginValidationError`` naming it); on
+        failure the plugin is unregistered again. Returns the plugin's name."""
+        registered = self.pm.register(plugin, name=name)
+        if registered is None:
+            raise ValueError(f"plugin {name or plugin!r} is blocked")
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            self.pm.unregister(name=registered)
+            raise
+        return registered
+
+    def mark_broken(self, name: str, error: str) -> None:
+        """Unregister a registered plugin whose hooks failed, and name it."""
+        plugin = self.pm.unregister(name=name)
+        self._skip(name, getattr(plugin, "__name__", None) or repr(plugin), error)
+
+    def _skip(self, name: str, source: str, error: str) -> None:
+        broken = BrokenPlugin(name, source, error, self._dists.get(name))
+        self.broken.append(broken)
+        self.on_broken(broken)
+
+    @property
+    def loaded(self) -> list[str]:
+        """Names of the registered plugins."""
+        return [n for n, _ in self.pm.list_name_plugin()]
+
+
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("tllm")
+    pm.add_hookspecs(hookspecs)
+    return pm
