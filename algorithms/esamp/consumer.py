@@ -27,6 +27,12 @@ from algorithms.esamp.guidance import (
     noise_prediction,
     relative_error,
 )
+from algorithms.esamp.memory_plan import (
+    check_plan,
+    default_slots,
+    device_total_bytes,
+    plan_memory,
+)
 from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
@@ -68,6 +74,7 @@ COUNTER_NAMES = (
     "nonfinite_losses_skipped",
     "staleness_max",
     "memory_bytes_per_group",
+    "memory_plan_bytes",
     "latent_fallback_rows",
     "finished_unseen",
     "graph_failures",
@@ -150,15 +157,28 @@ class ESampConsumer(Consumer):
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
         on_cuda = model.device.type == "cuda"
+        slots = cfg.max_groups or cfg.cuda_capacity
+        slots = slots or default_slots(cfg.cuda_rows_per_step, cfg.cuda_graph_max_rows)
+        self.memory_plan = plan_memory(
+            model.hidden_size,
+            model.vocab_size,
+            slots=slots,
+            graph_rows=cfg.cuda_graph_max_rows,
+            rows_per_step=cfg.cuda_rows_per_step,
+            intermediate_size=cfg.intermediate_size,
+            num_blocks=cfg.num_blocks,
+        )
+        # Checked before anything is allocated: a plan that does not fit is refused here,
+        # with its numbers, instead of failing later for lack of KV cache.
+        self._device_bytes = device_total_bytes(model.device)
+        if self._device_bytes is not None:
+            check_plan(self.memory_plan, self._device_bytes, cfg.max_memory_fraction)
         extra = {}
         if on_cuda:
-            # Everything the CUDA distiller needs is allocated (and its update graphs
+            # Everything the CUDA distiller needs is allocated (and its update graph
             # captured) now: construction runs inside vLLM's load_model, before vLLM
             # profiles memory and sizes the KV cache.
-            extra = {
-                "capacity": cfg.max_groups or cfg.cuda_capacity,
-                "graph_max_rows": cfg.cuda_graph_max_rows,
-            }
+            extra = {"capacity": slots, "graph_max_rows": cfg.cuda_graph_max_rows}
         # Not under inference mode: state made there could not be trained in place.
         with torch.inference_mode(False):
             self.distiller = make_distiller(
@@ -208,6 +228,7 @@ class ESampConsumer(Consumer):
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
         self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
+        self.counters.set("memory_plan_bytes", self.memory_plan.total_bytes)
         self.counters.set("graph_failures", self.distiller.graph_failures)
 
     # -- declarations -------------------------------------------------------------
@@ -647,6 +668,12 @@ class ESampConsumer(Consumer):
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._curve(),
             "counters": self.counters.snapshot(),
+            "memory_plan": {
+                **self.memory_plan.as_dict(),
+                "max_memory_fraction": self.cfg.max_memory_fraction,
+                # None: not checked (CPU: the state grows with live groups instead).
+                "device_bytes": self._device_bytes,
+            },
             **(
                 {
                     "diagnostics": {

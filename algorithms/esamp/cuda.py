@@ -33,16 +33,12 @@ from typing import Any
 import torch
 
 from algorithms.esamp.graph_update import train_dense
+from algorithms.esamp.memory_plan import round_rows as _bucket
 from algorithms.esamp.mlp import forward_packed
 from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 log = logging.getLogger("tllm")
-
-
-def _bucket(n: int) -> int:
-    """Next power of two (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _to_device(a: Any, device: torch.device) -> torch.Tensor:

@@ -78,6 +78,7 @@ def train_dense(
             c1 = min(s_total, c0 + chunk)
             block = torch.cat([g[c0:c1].reshape(c1 - c0, -1) for g in grads], dim=1)
             adam_clip_(theta[c0:c1], block, m[c0:c1], v[c0:c1], step[c0:c1], ok[c0:c1], hp)
+            del block  # else the next block is allocated while this one is still held
         if applied is not None:
             applied.add_(valid.to(applied.dtype))
     return losses, ok

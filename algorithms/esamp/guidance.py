@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from algorithms.esamp.memory_plan import CANDIDATE_CHUNK
+
 # dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -78,13 +80,14 @@ def candidate_dist_fn(
     weight: torch.Tensor | None = None,
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dense_fraction: float = 0.25,
-    chunk: int = 16384,
+    chunk: int = CANDIDATE_CHUNK,
 ) -> DistFn:
     """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
 
     With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
-    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``). Otherwise (dense set, or a
-    non-linear head given as ``lm_head``) projects the full vocabulary once and gathers.
+    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``, budgeted by the memory plan).
+    Otherwise (dense set, or a non-linear head given as ``lm_head``) projects the full
+    vocabulary once and gathers.
     """
     if weight is None and lm_head is None:
         raise ValueError("need the head weight or the lm_head callable")
