@@ -112,9 +112,9 @@ class GuideView:
         self.is_random = is_random
         self.filtered = filtered
         self._hidden = hidden
-        # What the writes really changed (a write of an unchanged value counts nothing).
-        self._changed_rows = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        self.candidates_guided = 0
+        # What the writes really changed (a write of an unchanged value counts nothing),
+        # per row, kept on the logits' device: counted without a host sync, read on demand.
+        self._changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         self._candidates: Candidates | None = None
         # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
         self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
@@ -148,9 +148,7 @@ class GuideView:
         self._undo.append(((rows, toks), old))
         self.logits[rows, toks] = new
         self._candidates = None
-        changed = new != old
-        self._changed_rows[rows[changed]] = True
-        self.candidates_guided += int(changed.sum())
+        self._changed.index_add_(0, rows, (new != old).long())
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -163,14 +161,17 @@ class GuideView:
         self._undo.append(((row_idx,), old))
         self.logits[row_idx] = new
         self._candidates = None
-        changed = cand & (new != old)
-        self._changed_rows[row_idx[changed.any(-1)]] = True
-        self.candidates_guided += int(changed.sum())
+        self._changed.index_add_(0, row_idx, (cand & (new != old)).sum(-1))
 
     @property
     def rows_guided(self) -> int:
-        """Rows with at least one logit changed through this view."""
-        return int(self._changed_rows.sum())
+        """Rows with at least one logit changed through this view (a host read)."""
+        return int((self._changed > 0).sum())
+
+    @property
+    def candidates_guided(self) -> int:
+        """Logits changed through this view (a host read)."""
+        return int(self._changed.sum())
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
@@ -178,5 +179,4 @@ class GuideView:
             self.logits[index] = old
         self._undo.clear()
         self._candidates = None
-        self._changed_rows.zero_()
-        self.candidates_guided = 0
+        self._changed.zero_()
