@@ -125,3 +125,47 @@ def test_consumer_reports_its_plan_and_refuses_at_start(monkeypatch):
     with pytest.raises(ValueError, match="max_memory_fraction"):
         fake.consumer()
     assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 1 MB
+
+
+def test_plan_bounds_the_measured_guidance_step():
+    """A full-vocabulary guidance step (the larger of the two modes' temporaries) stays under
+    the plan's guidance + predict terms, measured by the CPU allocator."""
+    import numpy as np
+
+    from algorithms.esamp.consumer import ESampConsumer
+    from tllm_core.bundles import GuideView
+    from tllm_core.consumer import ConsumerContext, ModelInfo
+    from tllm_core.counters import Counters
+    from tllm_core.ports import resolve_layer
+    from tllm_core.rows import RequestInfo, RowInfo
+
+    h, v, r = 64, 16384, 32
+    w = torch.randn(v, h)
+    model = ModelInfo(h, 4, v, torch.float32, torch.device("cpu"), lambda z: z @ w.t(), w)
+    cfg = ESampConfig(intermediate_size=32, mode="full_vocab", cpu_update="inline")
+    c = ESampConsumer(cfg, ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)))
+    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(r // 2)]
+    rows = RowInfo(
+        np.arange(r),
+        reqs,
+        np.full(r, 5),
+        np.ones(r, bool),
+        np.zeros(r, bool),
+        torch.zeros(r, dtype=torch.long),
+    )
+    hidden = {"layer.0": torch.randn(r, h), "final": torch.randn(r, h)}
+    logits = torch.randn(r, v)
+
+    def view() -> GuideView:
+        return GuideView(
+            0, rows, logits.clone(), torch.full((r,), 0.8), np.ones(r, bool), False, hidden
+        )
+
+    c.guide(view())  # creates the groups' distillers
+    step = view()
+    used = cpu_peak_bytes(lambda: c.guide(step))
+    assert step.rows_guided == r
+    plan = mp.plan_memory(h, v, slots=2, graph_rows=16, rows_per_step=r, intermediate_size=32)
+    bound = plan.guidance_workspace_bytes + plan.predict_workspace_bytes
+    assert 0.5 * bound <= used <= bound, (used, bound)
+    c.close()

@@ -67,6 +67,12 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
     return rows, toks
 
 
+def _count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
+    """True entries per row of a bool ``[R, V]`` mask, a few rows at a time: summing a bool
+    tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an entry)."""
+    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
+
+
 @dataclass(frozen=True)
 class Candidates:
     """The candidate entries of a :class:`GuideView`: the finite logits, row-major.
@@ -161,7 +167,12 @@ class GuideView:
         self._undo.append(((row_idx,), old))
         self.logits[row_idx] = new
         self._candidates = None
-        self._changed.index_add_(0, row_idx, (cand & (new != old)).sum(-1))
+        self._changed.index_add_(0, row_idx, _count_rows(cand & (new != old)))
+
+    def changed_per_row(self) -> torch.Tensor:
+        """Logits changed through this view so far, per row (int64 ``[R]``, on the logits'
+        device: reading it is up to the caller)."""
+        return self._changed
 
     @property
     def rows_guided(self) -> int:

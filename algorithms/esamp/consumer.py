@@ -496,23 +496,25 @@ class ESampConsumer(Consumer):
         """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
         projections; the other rows keep their logits. Returns (rows, candidates) changed,
         as device scalars."""
-        ref = view.logits[idx]
+        # All rows in order (the usual decode step): the view's logits themselves, no copy
+        # (read only until view.update below).
+        ref = view.logits if idx.numel() == view.logits.shape[0] else view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
         if self.cfg.mix == "latent" and self._latent_ok:
             h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, betas)
-            new = self._head(h_mix) / temp[:, None]
+            new = self._head(h_mix).div_(temp[:, None])
         else:
             if self.cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
-            new = mix_full_vocab_logits(
-                ref, full_dist_logits(f, self._weight, self._head), betas, temp
-            )
+            dist = full_dist_logits(f, self._weight, self._head).to(ref.dtype)
+            new = mix_full_vocab_logits(ref, dist, betas, temp, inplace=True)
         # Rows not mixed keep their logits exactly (a mask, not a nonzero); GuideView.update
         # writes candidate (finite) entries only.
-        new = torch.where(mixed[:, None], new, ref)
-        changed = (new != ref) & (ref > float("-inf"))
+        new = torch.where(mixed[:, None], new, ref, out=new)
+        before = view.changed_per_row().clone()  # the view counts what really changed
         view.update(idx, new)
-        return changed.any(1).sum(), changed.sum()
+        delta = view.changed_per_row() - before
+        return (delta > 0).sum(), delta.sum()
 
     # -- training (after sampling) ------------------------------------------------
     def on_bundle(self, bundle: Bundle) -> None:

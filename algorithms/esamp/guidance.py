@@ -55,14 +55,23 @@ def mix_full_vocab_logits(
     dist_logits: torch.Tensor,
     beta: torch.Tensor | float,
     temperature: torch.Tensor,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
-    (``beta`` a float or one value per row)."""
+    (``beta`` a float or one value per row). ``inplace``: the result is written into
+    ``dist_logits`` (same dtype as ``ref_logits``), so the mix needs no ``[R, V]``
+    temporary of its own."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
     b = _per_row(beta)
     t = temperature.to(ref_logits.dtype)[:, None]
-    return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
+    if not inplace:
+        return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
+    # -(b*dist/t) + (1+b)*ref in one fused pass (addcmul may round the last bit differently
+    # from the two-step form above).
+    out = dist_logits.mul_(b).div_(t).neg_()
+    one_b = 1 + b if isinstance(b, torch.Tensor) else torch.tensor(1 + b, device=out.device)
+    return out.addcmul_(ref_logits, one_b)
 
 
 def mix_latent(
