@@ -49,8 +49,11 @@ def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
         src = args[1] if name == "copy_" else args[0]
         dst = args[0] if name == "copy_" else out
         a, b = _device(src), _device(dst)
+        blocking = not kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
         if a is not None and b is not None and (a.type == "cpu") != (b.type == "cpu"):
-            return "host_device_copy"
+            # A non-blocking copy from pinned memory to the device does not wait.
+            if blocking or b.type == "cpu":
+                return "host_device_copy"
     return None
 
 

@@ -106,7 +106,7 @@ def test_plan_over_the_device_share_is_refused_with_its_numbers():
     with pytest.raises(ValueError) as err:
         mp.check_plan(plan, 8 * mp.GIB, 0.1)
     msg = str(err.value)
-    assert "1.439 GiB" in msg and "8.00 GiB" in msg and "0.800 GiB" in msg
+    assert "1.470 GiB" in msg and "8.00 GiB" in msg and "0.800 GiB" in msg
     assert "max_memory_fraction 0.1" in msg and "8 slots" in msg
 
 
@@ -121,10 +121,10 @@ def test_consumer_reports_its_plan_and_refuses_at_start(monkeypatch):
     assert plan["device_bytes"] is None  # CPU: reported, not checked
     assert plan["slots"] == 8 and plan["max_memory_fraction"] == 0.1
     # A device whose share is too small: the consumer refuses before allocating.
-    monkeypatch.setattr("algorithms.esamp.consumer.device_total_bytes", lambda dev: 10**6)
+    monkeypatch.setattr("algorithms.esamp.consumer.device_total_bytes", lambda dev: 4 * 10**6)
     with pytest.raises(ValueError, match="max_memory_fraction"):
         fake.consumer()
-    assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 1 MB
+    assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 4 MB
 
 
 def test_plan_bounds_the_measured_guidance_step():

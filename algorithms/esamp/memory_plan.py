@@ -14,7 +14,8 @@ vocabulary):
   ``+ P * 4`` (the init template);
 - update inputs: ``2 * S*M*H * 4 + S*M + S`` (static ``xp``, ``tp``, mask, valid);
 - update workspace (the graph's private pool): ``S * P * 4`` (gradients of every slot)
-  ``+ chunk * P * 4`` (one Adam block) ``+`` activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
+  ``+ 2 * chunk * P * 4`` (one Adam block, and the copy of a transposed gradient or a
+  norm's temporary beside it) ``+`` activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
   gathered head rows) and full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
@@ -113,7 +114,7 @@ def plan_memory(
     state = s * (3 * p + 1) * 4 + s * 8 + p * 4
     inputs = 2 * s * m * h * 4 + s * m + s
     acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
-    update = s * p * 4 + min(adam_chunk, s) * p * 4 + acts_update
+    update = s * p * 4 + 2 * min(adam_chunk, s) * p * 4 + acts_update
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     guidance = max(10 * candidate_chunk * h, 5 * rows_per_step * vocab_size * 4)
     return MemoryPlan(
