@@ -24,18 +24,22 @@ def adam_clip_(
     step: torch.Tensor,
     ok: torch.Tensor,
     hp: AdamHyper,
+    norm: torch.Tensor | None = None,
 ) -> None:
     """Row-wise clip + Adam, writing ``theta``, ``m``, ``v``, ``step`` in place.
 
     All tensors are ``[c, P]`` except ``step``/``ok`` ``[c]``. ``grad`` is scratch: it is
-    overwritten. Rows with ``ok`` False keep their parameters and state bit for bit (their
+    overwritten. ``norm [c]``: each row's gradient norm when already known (else computed
+    here). Rows with ``ok`` False keep their parameters and state bit for bit (their
     learning rate and moment weights are zero, their gradient is zeroed first). No host sync
     and fixed shapes, so it can be captured in a CUDA graph.
     """
     b1, b2 = hp.betas
     grad.masked_fill_(~ok[:, None], 0.0)  # a where, not a product: nan * 0 is nan
     if hp.grad_clip is not None:
-        norm = torch.linalg.vector_norm(grad, dim=1)
+        if norm is None:
+            norm = torch.linalg.vector_norm(grad, dim=1)
+        norm = torch.where(ok, norm, torch.zeros_like(norm))  # as after the zeroing above
         grad.mul_((hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)[:, None])
     step.add_(ok.to(step.dtype))
     one = torch.ones_like(step)

@@ -71,13 +71,26 @@ def train_dense(
     losses, grads = losses_and_grads(theta, xp, tp, mask, shape)
     s_total = theta.shape[0]
     with torch.no_grad():
-        ok = valid & torch.isfinite(losses)
+        # Each slot's gradient norm, one reduction per weight (no temporaries: isfinite on
+        # the gradients would allocate a copy of them); non-finite anywhere -> non-finite.
+        sq = torch.zeros_like(losses)
         for g in grads:
-            ok &= torch.isfinite(g).flatten(1).all(1)
+            sq += torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))).square()
+        norm = sq.sqrt()
+        ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
         for c0 in range(0, s_total, chunk):
             c1 = min(s_total, c0 + chunk)
             block = torch.cat([g[c0:c1].reshape(c1 - c0, -1) for g in grads], dim=1)
-            adam_clip_(theta[c0:c1], block, m[c0:c1], v[c0:c1], step[c0:c1], ok[c0:c1], hp)
+            adam_clip_(
+                theta[c0:c1],
+                block,
+                m[c0:c1],
+                v[c0:c1],
+                step[c0:c1],
+                ok[c0:c1],
+                hp,
+                norm=norm[c0:c1],
+            )
             del block  # else the next block is allocated while this one is still held
         if applied is not None:
             applied.add_(valid.to(applied.dtype))
