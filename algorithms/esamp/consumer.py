@@ -502,7 +502,7 @@ class ESampConsumer(Consumer):
         temp = view.temperature[idx].float().to(ref.device)
         if self.cfg.mix == "latent" and self._latent_ok:
             h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, betas)
-            new = self._head(h_mix).div_(temp[:, None])
+            new = self._head(h_mix) / temp[:, None]
         else:
             if self.cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
