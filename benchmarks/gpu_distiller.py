@@ -41,17 +41,33 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
+from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
 
 QWEN2_7B = dict(
     layers=28, hidden=3584, intermediate=18944, q_heads=28, kv_heads=4, head_dim=128, vocab=152064
 )
 
 
+def plan(args) -> MemoryPlan:
+    """ESamp's memory plan for this workload: as many slots as groups (the consumer's
+    default for rows_per_step = groups x rows), rows per group in the graph."""
+    rows = args.groups * args.rows
+    return plan_memory(
+        args.hidden,
+        QWEN2_7B["vocab"],
+        slots=default_slots(rows, args.rows),
+        graph_rows=args.rows,
+        rows_per_step=rows,
+        intermediate_size=args.intermediate,
+        num_blocks=args.blocks,
+    )
+
+
 def make(variant: str, args, device) -> GroupedDistiller:
     kw = dict(
         intermediate_size=args.intermediate,
         num_blocks=args.blocks,
-        capacity=max(4, args.groups),
+        capacity=plan(args).slots,  # the consumer's sizing, not a benchmark-only one
         seed=0,
     )
     if variant == "eager_main":
@@ -59,7 +75,11 @@ def make(variant: str, args, device) -> GroupedDistiller:
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
     d = CudaGroupedDistiller(
-        args.hidden, device=device, use_cuda_graph=variant.startswith("graph"), **kw
+        args.hidden,
+        device=device,
+        use_cuda_graph=variant.startswith("graph"),
+        graph_max_rows=args.rows,
+        **kw,
     )
     if variant.endswith("_main"):
         d.stream = torch.cuda.current_stream(device)  # no side stream: serialized
@@ -238,6 +258,7 @@ def _run(args, device) -> int:
         "torch": torch.__version__,
         "distiller": {},
         "in_step": {},
+        "memory_plan": plan(args).as_dict(),
     }
     try:
         import triton

@@ -547,6 +547,61 @@ def gpu_section(gp: dict | None) -> list[str]:
     return out + [""]
 
 
+def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
+    """``benchmarks/gpu_smoke.py``: ESamp's memory plan against measurements, host syncs."""
+    out = [
+        "## ESamp memory plan and host syncs (`gpu_smoke.py`)",
+        "",
+        "Script: `python benchmarks/gpu_smoke.py --out benchmarks/results/gpu_smoke.json` "
+        "(torch only) on a GPU; `--device cpu --out benchmarks/results/gpu_smoke_cpu.json` "
+        "for its CPU parts (tiny shapes: hidden 256, intermediate 64, 4 rows per group).",
+        "",
+    ]
+    if gpu is None:
+        out += [
+            "**GPU: not run** (no GPU where these results were made): the CUDA distiller "
+            "tests, the 7B-shape distiller benchmark and the plan against "
+            "`torch.cuda.max_memory_allocated` have never run.",
+            "",
+        ]
+    for label, sm in (("CPU", cpu), ("GPU", gpu)):
+        if sm is None:
+            continue
+        mem = sm["memory"]
+        plan7 = mem.get("qwen2.5_7b_default_plan", {})
+        out += [
+            f"{label} ({sm['device']}, torch {sm['torch']}): Qwen2.5-7B default plan "
+            f"**{plan7.get('total_gib', float('nan')):.3f} GiB** (8 slots, 16 rows per "
+            "slot, 128 rows per step).",
+            "",
+            "| slots | measured (bytes) | plan (bytes) | measured / plan | within plan |",
+            "|---:|---:|---:|---:|---|",
+        ]
+        for k, rec in mem.items():
+            if not k.startswith("groups_"):
+                continue
+            used = rec.get("update_peak_bytes", rec.get("peak_bytes"))
+            plan = rec.get("plan_update_workspace_bytes", rec.get("plan_distiller_bytes"))
+            out.append(f"| {k[7:]} | {used} | {plan} | {used / plan:.2f} | {rec['within_plan']} |")
+        what = (
+            "the update's peak over the CPU allocator"
+            if label == "CPU"
+            else "peak allocated over build + predict/train"
+        )
+        cs = sm["syncs"].get("consumer_step", {})
+        syncs = ", ".join(
+            f"{m} {sum(v[-1].values())}" for m, v in cs.items() if isinstance(v, list)
+        )
+        out += [
+            "",
+            f"Measured: {what}. Host syncs per ESamp decode step (consumer, CUDA branches): "
+            f"{syncs or 'not run'}; distiller step: "
+            f"{sum(sm['syncs']['distiller_step'][-1].values())}.",
+            "",
+        ]
+    return out
+
+
 def soak_section(sk: dict | None) -> list[str]:
     out = ["## A long day in the server (soak)", ""]
     if sk is None:
@@ -649,6 +704,7 @@ def render() -> None:
     out += variants_section()
     out += soak_section(_load("soak.json"))
     out += gpu_section(gp)
+    out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     DOC.write_text("\n".join(out))
     print(f"wrote {DOC}", file=sys.stderr)
 

@@ -263,3 +263,24 @@ def test_gpu_distiller_script_cpu_smoke():
     )
     d = out["distiller"]["eager_main"]
     assert d["predict_us"] > 0 and d["train_us"] > 0 and out["shape"]["batch_rows"] == 8
+
+
+def test_gpu_smoke_script_cpu_quick(tmp_path):
+    """``gpu_smoke.py --device cpu --quick``: every CPU-possible part runs and reports."""
+    out_file = tmp_path / "smoke.json"
+    out = _json(
+        _run("gpu_smoke.py", "--device", "cpu", "--quick", "--out", str(out_file), timeout=120)
+    )
+    assert json.loads(out_file.read_text()) == out
+    assert out["cuda_tests"] == {"skipped": "needs a CUDA device"}
+    for part in ("distiller", "memory", "syncs"):
+        assert "error" not in out[part], out[part]
+    assert out["distiller"]["results"]["groups_4"]["eager_main"]["train_us"] > 0
+    mem = out["memory"]
+    assert mem["qwen2.5_7b_default_plan"]["total_gib"] <= 1.5
+    for k in ("groups_2", "groups_4"):
+        assert mem[k]["within_plan"] and mem[k]["update_peak_bytes"] > 0
+    syncs = out["syncs"]
+    assert syncs["distiller_step"] == [{}, {}, {}]  # on CPU nothing in it would sync
+    assert syncs["consumer_step"]["full_vocab"][-1] == {}
+    assert sum(syncs["consumer_step"]["post_filter"][-1].values()) == 1

@@ -36,10 +36,10 @@ def test_cuda_matches_cpu(use_graph):
 
     cpu, gpu = _pair(use_cuda_graph=use_graph)
     assert isinstance(gpu, CudaGroupedDistiller)
-    # Every bucket (groups 1..8 x rows 1..16, powers of two) was captured at construction.
+    # The one update graph (dense over the 8 slots, 16 rows each) was captured at
+    # construction.
     if use_graph:
-        assert len(gpu._graphs) == 4 * 5 and gpu.graph_failures == 0
-        assert all(e.graph is not None for e in gpu._graphs.values())
+        assert gpu.graph is not None and gpu.graph_failures == 0
     mem = torch.cuda.memory_allocated()
     rng = np.random.default_rng(0)
     live: list[int] = []
@@ -88,7 +88,7 @@ def test_cuda_capacity_is_fixed_and_capture_failures_are_loud(monkeypatch, caplo
     monkeypatch.setattr(torch.cuda, "graph", broken)
     with caplog.at_level("WARNING", logger="tllm"):
         _, bad = _pair(capacity=2)
-    assert bad.graph_failures == len(bad._graphs) > 0
+    assert bad.graph_failures == 1 and bad.graph is None
     assert "capture failed" in caplog.text
     s = bad.alloc()
     res = bad.train_step(torch.tensor([s, s]), torch.randn(2, H).cuda(), torch.randn(2, H).cuda())
@@ -116,6 +116,7 @@ def test_cuda_free_cycles_bounded():
 
 
 def test_cuda_consumer_runs():
+    pytest.importorskip("pydantic", reason="the consumer needs pydantic (the GPU image lacks it)")
     from algorithms.esamp.config import ESampConfig
     from algorithms.esamp.consumer import ESampConsumer
     from tllm_core.bundles import Bundle, GuideView

@@ -20,7 +20,7 @@ from algorithms.esamp.guidance import (
     mix_post_filter,
     noise_prediction,
 )
-from algorithms.esamp.packing import make_packing, pack_rows
+from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import split_params
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import ConsumerContext, ModelInfo
@@ -447,49 +447,77 @@ def test_consumer_noise_ablation_and_nonfinite_hidden():
     assert c.counters.get("nonfinite_losses_skipped") == 1
 
 
-def test_padded_fixed_capacity_update_equals_unpadded():
-    """The CUDA-graph layout (groups/rows padded to a bucket, padded groups pointing at a
-    scratch slot, padded rows masked) gives the same update as the exact packing."""
-    from algorithms.esamp.graph_update import train_packed
+def test_dense_fixed_capacity_update_equals_unpadded():
+    """The CUDA-graph layout (every slot of the state computed in place, each on its own
+    rows padded to a fixed row count, slots without rows and padded rows masked) gives the
+    same update as the exact packing, and leaves the other slots bit for bit."""
+    from algorithms.esamp.graph_update import train_dense
 
     class Scratch(GroupedDistiller):
         _SCRATCH = 1
 
     torch.manual_seed(0)
-    exact, padded = _distiller(), Scratch(H, intermediate_size=INTER)
+    exact, dense = _distiller(), Scratch(H, intermediate_size=INTER)
     slots = [exact.alloc() for _ in range(3)]
-    assert [padded.alloc() for _ in range(3)] == slots
+    assert [dense.alloc() for _ in range(3)] == slots
+    dense.theta[dense.capacity] += 1.0  # the scratch slot: must stay as it is
+    before = dense.theta.clone()
     rows = torch.tensor([slots[0], slots[2], slots[0], slots[2], slots[2]])
     x, t = torch.randn(5, H), torch.randn(5, H)
     ref = exact.train_step(rows, x, t)
     pk = make_packing(rows)
-    g, m, scratch = 4, 8, padded.capacity
-    xp, mask = pack_rows(pk, x, m)
-    tp, _ = pack_rows(pk, t, m)
-    pad = g - len(pk.slots)
-    xp, tp = (torch.cat([a, torch.zeros(pad, m, H)]) for a in (xp, tp))
-    mask = torch.cat([mask, torch.zeros(pad, m, dtype=torch.bool)])
-    gslots = torch.tensor(list(pk.slots) + [scratch] * pad)
-    gvalid = torch.tensor([True] * len(pk.slots) + [False] * pad)
-    losses, ok = train_packed(
-        padded.theta,
-        padded.m,
-        padded.v,
-        padded.step,
-        gslots,
-        gvalid,
+    s_total, m = dense.theta.shape[0], 8
+    rg, rp = torch.from_numpy(pk.slots[pk.row_group]), torch.from_numpy(pk.row_pos)
+    xp, tp = torch.zeros(s_total, m, H), torch.zeros(s_total, m, H)
+    mask = torch.zeros(s_total, m, dtype=torch.bool)
+    xp[rg, rp], tp[rg, rp], mask[rg, rp] = x, t, True
+    valid = torch.zeros(s_total, dtype=torch.bool)
+    valid[torch.from_numpy(pk.slots)] = True
+    applied = torch.zeros(s_total, dtype=torch.long)
+    losses, ok = train_dense(
+        dense.theta,
+        dense.m,
+        dense.v,
+        dense.step,
+        valid,
         xp,
         tp,
         mask,
-        padded.shape,
-        padded.hp,
+        dense.shape,
+        dense.hp,
+        applied=applied,
+        chunk=2,
     )
-    assert ok.tolist() == [True, True, False, False]
-    torch.testing.assert_close(losses[:2], ref.losses)
+    assert ok.tolist() == valid.tolist() and applied.tolist() == valid.long().tolist()
+    torch.testing.assert_close(losses[torch.from_numpy(pk.slots)], ref.losses)
     for s in slots:
-        torch.testing.assert_close(padded.theta[s], exact.theta[s], rtol=1e-6, atol=1e-7)
-        assert torch.equal(padded.step[s], exact.step[s])
-    assert torch.equal(padded.theta[scratch], padded.template) and not padded.m[scratch].any()
+        torch.testing.assert_close(dense.theta[s], exact.theta[s], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(dense.m[s], exact.m[s], rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(dense.v[s], exact.v[s], rtol=1e-5, atol=1e-12)
+        assert torch.equal(dense.step[s], exact.step[s])
+    for s in range(s_total):
+        if not valid[s]:
+            assert torch.equal(dense.theta[s], before[s]) and not dense.m[s].any()
+            assert not dense.v[s].any() and dense.step[s] == 0
+
+
+def test_dense_update_skips_nonfinite_slot_bit_for_bit():
+    """A slot whose rows give a non-finite loss keeps its state exactly; the others train."""
+    from algorithms.esamp.graph_update import train_dense
+
+    d = _distiller(capacity=2)
+    a, b = d.alloc(), d.alloc()
+    mask, valid = torch.ones(2, 3, dtype=torch.bool), torch.ones(2, dtype=torch.bool)
+    # One good step first, so the skipped slot has moments and a step count to keep.
+    train_dense(d.theta, d.m, d.v, d.step, valid, *torch.randn(2, 2, 3, H), mask, d.shape, d.hp)
+    xp, tp = torch.randn(2, 3, H), torch.randn(2, 3, H)
+    xp[b, 0, 0] = float("nan")
+    before = [t.clone() for t in (d.theta, d.m, d.v, d.step)]
+    _, ok = train_dense(d.theta, d.m, d.v, d.step, valid, xp, tp, mask, d.shape, d.hp)
+    assert ok.tolist() == [True, False]
+    for now, then in zip((d.theta, d.m, d.v, d.step), before, strict=True):
+        assert torch.equal(now[b], then[b])
+        assert not torch.equal(now[a], then[a])
 
 
 def test_growth_under_inference_mode_keeps_state_trainable():

@@ -67,6 +67,12 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
     return rows, toks
 
 
+def _count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
+    """True entries per row of a bool ``[R, V]`` mask, a few rows at a time: summing a bool
+    tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an entry)."""
+    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
+
+
 @dataclass(frozen=True)
 class Candidates:
     """The candidate entries of a :class:`GuideView`: the finite logits, row-major.
@@ -112,9 +118,9 @@ class GuideView:
         self.is_random = is_random
         self.filtered = filtered
         self._hidden = hidden
-        # What the writes really changed (a write of an unchanged value counts nothing).
-        self._changed_rows = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        self.candidates_guided = 0
+        # What the writes really changed (a write of an unchanged value counts nothing),
+        # per row, kept on the logits' device: counted without a host sync, read on demand.
+        self._changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         self._candidates: Candidates | None = None
         # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
         self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
@@ -148,9 +154,7 @@ class GuideView:
         self._undo.append(((rows, toks), old))
         self.logits[rows, toks] = new
         self._candidates = None
-        changed = new != old
-        self._changed_rows[rows[changed]] = True
-        self.candidates_guided += int(changed.sum())
+        self._changed.index_add_(0, rows, (new != old).long())
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -163,14 +167,22 @@ class GuideView:
         self._undo.append(((row_idx,), old))
         self.logits[row_idx] = new
         self._candidates = None
-        changed = cand & (new != old)
-        self._changed_rows[row_idx[changed.any(-1)]] = True
-        self.candidates_guided += int(changed.sum())
+        self._changed.index_add_(0, row_idx, _count_rows(cand & (new != old)))
+
+    def changed_per_row(self) -> torch.Tensor:
+        """Logits changed through this view so far, per row (int64 ``[R]``, on the logits'
+        device: reading it is up to the caller)."""
+        return self._changed
 
     @property
     def rows_guided(self) -> int:
-        """Rows with at least one logit changed through this view."""
-        return int(self._changed_rows.sum())
+        """Rows with at least one logit changed through this view (a host read)."""
+        return int((self._changed > 0).sum())
+
+    @property
+    def candidates_guided(self) -> int:
+        """Logits changed through this view (a host read)."""
+        return int(self._changed.sum())
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
@@ -178,5 +190,4 @@ class GuideView:
             self.logits[index] = old
         self._undo.clear()
         self._candidates = None
-        self._changed_rows.zero_()
-        self.candidates_guided = 0
+        self._changed.zero_()

@@ -1,6 +1,10 @@
-"""Row-wise gradient clipping + Adam as plain tensor formulas over ``[G, P]`` (one row per
-group): the optimizer of the graph-capturable update (:mod:`algorithms.esamp.graph_update`).
-Same formulas as ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Adam``."""
+"""Row-wise gradient clipping + Adam, in place over ``[c, P]`` row blocks (one row per slot):
+the optimizer of the graph-capturable update (:mod:`algorithms.esamp.graph_update`). Same
+formulas as ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Adam``.
+
+In place so that the update's memory is the state itself plus one gradient block: the
+out-of-place form held about a dozen ``[G, P]`` temporaries at once (see the memory plan,
+:mod:`algorithms.esamp.memory_plan`)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from algorithms.esamp.params import AdamHyper
 CLIP_EPS = 1e-6
 
 
-def adam_clip_update(
+def adam_clip_(
     theta: torch.Tensor,
     grad: torch.Tensor,
     m: torch.Tensor,
@@ -20,29 +24,32 @@ def adam_clip_update(
     step: torch.Tensor,
     ok: torch.Tensor,
     hp: AdamHyper,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row-wise clip + Adam (same formulas as clip_grad_norm_ + torch.optim.Adam).
+    norm: torch.Tensor | None = None,
+) -> None:
+    """Row-wise clip + Adam, writing ``theta``, ``m``, ``v``, ``step`` in place.
 
-    All tensors are ``[G, P]`` except ``step``/``ok`` ``[G]``. Rows with ``ok`` False keep
-    their parameters and state unchanged. Returns new ``(theta, m, v, step)``.
+    All tensors are ``[c, P]`` except ``step``/``ok`` ``[c]``. ``grad`` is scratch: it is
+    overwritten. ``norm [c]``: each row's gradient norm when already known (else computed
+    here). Rows with ``ok`` False keep their parameters and state bit for bit (their
+    learning rate and moment weights are zero, their gradient is zeroed first). No host sync
+    and fixed shapes, so it can be captured in a CUDA graph.
     """
     b1, b2 = hp.betas
-    grad = torch.where(ok[:, None], grad, torch.zeros_like(grad))
+    grad.masked_fill_(~ok[:, None], 0.0)  # a where, not a product: nan * 0 is nan
     if hp.grad_clip is not None:
-        norm = torch.linalg.vector_norm(grad, dim=1)
-        coef = (hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)
-        grad = grad * coef[:, None]
-    step_n = step + 1
-    m_n = m.lerp(grad, 1 - b1)
-    v_n = v * b2 + (1 - b2) * grad * grad
-    bc1 = 1 - torch.pow(b1, step_n)
-    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, step_n))
-    denom = v_n.sqrt() / bc2_sqrt[:, None] + hp.eps
-    theta_n = theta - (hp.lr / bc1)[:, None] * (m_n / denom)
-    keep = ok[:, None]
-    return (
-        torch.where(keep, theta_n, theta),
-        torch.where(keep, m_n, m),
-        torch.where(keep, v_n, v),
-        torch.where(ok, step_n, step),
-    )
+        if norm is None:
+            norm = torch.linalg.vector_norm(grad, dim=1)
+        norm = torch.where(ok, norm, torch.zeros_like(norm))  # as after the zeroing above
+        grad.mul_((hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)[:, None])
+    step.add_(ok.to(step.dtype))
+    one = torch.ones_like(step)
+    m.lerp_(grad, torch.where(ok, (1 - b1) * one, 0 * one)[:, None])
+    v.mul_(torch.where(ok, b2 * one, one)[:, None]).addcmul_(grad, grad, value=1 - b2)
+    # Skipped rows may still be at step 0: clamp so their (unused) corrections stay finite.
+    t = step.clamp(min=1)
+    bc1 = 1 - torch.pow(b1, t)
+    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
+    denom = torch.sqrt(v, out=grad)  # the gradient is no longer needed: reuse its block
+    denom.div_(bc2_sqrt[:, None]).add_(hp.eps)
+    upd = torch.div(m, denom, out=denom)
+    theta.addcmul_(upd, torch.where(ok, hp.lr / bc1, 0 * one)[:, None], value=-1)

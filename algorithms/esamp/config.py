@@ -126,18 +126,32 @@ class ESampConfig(ConsumerConfig):
         description="On CUDA, capture the update step as CUDA graphs when the consumer is "
         "built (one per bucket of groups x rows per group) and replay them (else eager).",
     )
-    cuda_capacity: int = Field(
-        64,
+    cuda_capacity: int | None = Field(
+        None,
         description="On CUDA: distiller slots allocated when the consumer is built (inside "
         "vLLM's load_model, so vLLM's memory profile sees them); the CUDA distiller never grows, "
         "so a group arriving while this many are live gets none (rows_skipped_cap) until one is "
-        "freed. max_groups, when set, is used instead. Ignored on CPU (its state grows).",
+        "freed. None: ceil(cuda_rows_per_step / cuda_graph_max_rows), the prompts in flight "
+        "when each has that many samples (8 for 128 rows in groups of 16). max_groups, when "
+        "set, is used instead. Ignored on CPU (its state grows).",
     )
     cuda_graph_max_rows: int = Field(
-        64,
-        description="On CUDA: update graphs are captured for up to this many rows of one group "
-        "in a step (rounded up to a power of two); a step with more runs eagerly (counter "
-        "eager_updates, logged).",
+        16,
+        description="On CUDA: rows of one group per step the captured update graph holds "
+        "(rounded up to a power of two; the samples per prompt, n); a step with more runs "
+        "eagerly (counter eager_updates, logged).",
+    )
+    cuda_rows_per_step: int = Field(
+        128,
+        description="Decode rows of one step the memory plan budgets for: set it to vLLM's "
+        "max_num_seqs (prompts x samples per prompt).",
+    )
+    max_memory_fraction: float = Field(
+        0.1,
+        description="Refuse to start (an error naming the numbers) when the memory plan "
+        "(state + update graph pool + step workspace, counter memory_plan_bytes, result key "
+        "'memory_plan') exceeds this share of the device's memory. Checked on CUDA; on CPU "
+        "the state grows with live groups, so the plan is reported but not enforced.",
     )
 
     @field_validator("beta")
@@ -161,11 +175,24 @@ class ESampConfig(ConsumerConfig):
             raise ValueError(f"fit_decay must be in [0, 1), got {v}")
         return v
 
-    @field_validator("intermediate_size", "num_blocks", "cuda_capacity", "cuda_graph_max_rows")
+    @field_validator(
+        "intermediate_size",
+        "num_blocks",
+        "cuda_capacity",
+        "cuda_graph_max_rows",
+        "cuda_rows_per_step",
+    )
     @classmethod
-    def _positive_int(cls, v: int) -> int:
-        if v < 1:
+    def _positive_int(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
             raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("max_memory_fraction")
+    @classmethod
+    def _fraction(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError(f"max_memory_fraction must be in (0, 1], got {v}")
         return v
 
     @field_validator("lr", "eps")

@@ -27,6 +27,12 @@ from algorithms.esamp.guidance import (
     noise_prediction,
     relative_error,
 )
+from algorithms.esamp.memory_plan import (
+    check_plan,
+    default_slots,
+    device_total_bytes,
+    plan_memory,
+)
 from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
@@ -68,6 +74,7 @@ COUNTER_NAMES = (
     "nonfinite_losses_skipped",
     "staleness_max",
     "memory_bytes_per_group",
+    "memory_plan_bytes",
     "latent_fallback_rows",
     "finished_unseen",
     "graph_failures",
@@ -150,15 +157,28 @@ class ESampConsumer(Consumer):
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
         self._src_key, self._tgt_key = layer_key(self._src), layer_key(self._tgt)
         on_cuda = model.device.type == "cuda"
+        slots = cfg.max_groups or cfg.cuda_capacity
+        slots = slots or default_slots(cfg.cuda_rows_per_step, cfg.cuda_graph_max_rows)
+        self.memory_plan = plan_memory(
+            model.hidden_size,
+            model.vocab_size,
+            slots=slots,
+            graph_rows=cfg.cuda_graph_max_rows,
+            rows_per_step=cfg.cuda_rows_per_step,
+            intermediate_size=cfg.intermediate_size,
+            num_blocks=cfg.num_blocks,
+        )
+        # Checked before anything is allocated: a plan that does not fit is refused here,
+        # with its numbers, instead of failing later for lack of KV cache.
+        self._device_bytes = device_total_bytes(model.device)
+        if self._device_bytes is not None:
+            check_plan(self.memory_plan, self._device_bytes, cfg.max_memory_fraction)
         extra = {}
         if on_cuda:
-            # Everything the CUDA distiller needs is allocated (and its update graphs
+            # Everything the CUDA distiller needs is allocated (and its update graph
             # captured) now: construction runs inside vLLM's load_model, before vLLM
             # profiles memory and sizes the KV cache.
-            extra = {
-                "capacity": cfg.max_groups or cfg.cuda_capacity,
-                "graph_max_rows": cfg.cuda_graph_max_rows,
-            }
+            extra = {"capacity": slots, "graph_max_rows": cfg.cuda_graph_max_rows}
         # Not under inference mode: state made there could not be trained in place.
         with torch.inference_mode(False):
             self.distiller = make_distiller(
@@ -203,11 +223,13 @@ class ESampConsumer(Consumer):
         self._zero_out = cfg.init == "zero_output"
         self._warm = cfg.warm_start_steps > 0
         self._fit_n, self._fit_sum = 0, 0.0
+        self._guided: torch.Tensor | None = None  # CUDA: [rows, candidates] not yet counted
         self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
         self._err_age: list[list[float]] = []  # per group step index: [sum, count]
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
         self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
+        self.counters.set("memory_plan_bytes", self.memory_plan.total_bytes)
         self.counters.set("graph_failures", self.distiller.graph_failures)
 
     # -- declarations -------------------------------------------------------------
@@ -330,8 +352,17 @@ class ESampConsumer(Consumer):
             )
         else:
             n_rows, n_cand = self._mix_full_vocab(view, idx, f, betas, mixed)
-        self.counters.add("rows_guided", n_rows)
-        self.counters.add("candidates_guided", n_cand)
+        self._add_guided(n_rows, n_cand)
+
+    def _add_guided(self, n_rows: torch.Tensor, n_cand: torch.Tensor) -> None:
+        """Count guided rows and candidates: on CUDA summed on the device and read at the
+        next blocking flush (a read is a host sync); elsewhere counted now."""
+        if self._on_cuda:
+            pair = torch.stack([n_rows, n_cand])
+            self._guided = pair if self._guided is None else self._guided + pair
+            return
+        self.counters.add("rows_guided", int(n_rows))
+        self.counters.add("candidates_guided", int(n_cand))
 
     def _predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The distiller's prediction; with init 'zero_output' the blocks' residual sum
@@ -420,28 +451,39 @@ class ESampConsumer(Consumer):
         betas: torch.Tensor,
         mixed: torch.Tensor,
         diag: tuple[list[int], torch.Tensor] | None = None,
-    ) -> tuple[int, int]:
-        """Post-filter mode: dist logits and the mix for the surviving candidates of the
-        ``mixed`` rows only, as a sparse write of the entries that changed (no pass over the
-        vocabulary beyond finding the candidates). Returns (rows, candidates) changed."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-filter mode: dist logits and the mix for the surviving candidates, written
+        back sparsely (no pass over the vocabulary beyond finding the candidates); the
+        candidates of rows not ``mixed`` keep their logits. Returns (rows, candidates)
+        changed, as device scalars."""
         cand = view.candidates()
+        # Position in ``f`` of each view row that is mixed, -1 elsewhere: masks, no nonzero.
         pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
-        pos[idx[mixed]] = mixed.nonzero().squeeze(1)
+        here = torch.arange(len(idx), device=idx.device)
+        pos[idx] = torch.where(mixed, here, torch.full_like(here, -1))
         p = pos[cand.rows]
-        entries = (p >= 0).nonzero().squeeze(1)
-        if entries.numel() == 0:
-            return 0, 0
-        p = p[entries]
+        live = p >= 0
+        if diag is not None:  # diagnostics read the host every step anyway
+            entries = live.nonzero().squeeze(1)
+        else:
+            entries = torch.arange(len(p), device=p.device)
+        p, live = p[entries].clamp(min=0), live[entries]
         ref = cand.logits[entries]
+        if ref.numel() == 0:
+            zero = torch.zeros((), dtype=torch.long, device=ref.device)
+            return zero, zero
+        # Every candidate is computed; those of rows not mixed keep their logit exactly.
         dist = candidate_dist_fn(f, self._weight, self._head)(p, cand.tokens[entries])
         temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
-        new = mix_candidates(ref, dist, betas[p], temp)
+        new = torch.where(live, mix_candidates(ref, dist, betas[p], temp), ref)
         if diag is not None:
             self._record(idx, entries, cand, ref, new, p, betas, diag)
-        changed = (new != ref).nonzero().squeeze(1)
-        n_rows = int(torch.unique(cand.rows[entries[changed]]).numel())
-        view.update_candidates(entries[changed], new[changed])
-        return n_rows, int(changed.numel())
+        changed = new != ref
+        # Rows with a changed candidate, counted by scatter (no unique).
+        per_row = torch.zeros(len(view.rows), dtype=torch.long, device=ref.device)
+        per_row.index_add_(0, cand.rows[entries], changed.long())
+        view.update_candidates(entries, new)  # unchanged entries are written as they are
+        return (per_row > 0).sum(), changed.sum()
 
     def _mix_full_vocab(
         self,
@@ -450,15 +492,13 @@ class ESampConsumer(Consumer):
         f: torch.Tensor,
         betas: torch.Tensor,
         mixed: torch.Tensor,
-    ) -> tuple[int, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
-        projections; only rows with a changed candidate are written. Returns (rows,
-        candidates) changed."""
-        sub = mixed.nonzero().squeeze(1)
-        if sub.numel() == 0:
-            return 0, 0
-        idx, f, betas = idx[sub], f[sub], betas[sub]
-        ref = view.logits[idx]
+        projections; the other rows keep their logits. Returns (rows, candidates) changed,
+        as device scalars."""
+        # All rows in order (the usual decode step): the view's logits themselves, no copy
+        # (read only until view.update below).
+        ref = view.logits if idx.numel() == view.logits.shape[0] else view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
         if self.cfg.mix == "latent" and self._latent_ok:
             h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, betas)
@@ -466,14 +506,15 @@ class ESampConsumer(Consumer):
         else:
             if self.cfg.mix == "latent":
                 self.counters.add("latent_fallback_rows", int(idx.numel()))
-            new = mix_full_vocab_logits(
-                ref, full_dist_logits(f, self._weight, self._head), betas, temp
-            )
-        # GuideView.update writes candidate (finite) entries only.
-        changed = (new != ref) & (ref > float("-inf"))
-        rows = changed.any(1)
-        view.update(idx[rows], new[rows])
-        return int(rows.sum()), int(changed.sum())
+            dist = full_dist_logits(f, self._weight, self._head).to(ref.dtype)
+            new = mix_full_vocab_logits(ref, dist, betas, temp, inplace=True)
+        # Rows not mixed keep their logits exactly (a mask, not a nonzero); GuideView.update
+        # writes candidate (finite) entries only.
+        new = torch.where(mixed[:, None], new, ref, out=new)
+        before = view.changed_per_row().clone()  # the view counts what really changed
+        view.update(idx, new)
+        delta = view.changed_per_row() - before
+        return (delta > 0).sum(), delta.sum()
 
     # -- training (after sampling) ------------------------------------------------
     def on_bundle(self, bundle: Bundle) -> None:
@@ -589,6 +630,11 @@ class ESampConsumer(Consumer):
         if block or not self._on_cuda:  # a device read on CUDA: only where a sync is paid
             self.counters.max("staleness_max", self.distiller.staleness_max())
             self.counters.set("eager_updates", self.distiller.eager_updates)
+        if block and self._guided is not None:
+            rows, cand = self._guided.tolist()
+            self._guided = None
+            self.counters.add("rows_guided", rows)
+            self.counters.add("candidates_guided", cand)
         self._flush_warm(block)
         n_ready = _final_prefix([res for _, _, res in self._pending], block)
         if not n_ready:
@@ -647,6 +693,12 @@ class ESampConsumer(Consumer):
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._curve(),
             "counters": self.counters.snapshot(),
+            "memory_plan": {
+                **self.memory_plan.as_dict(),
+                "max_memory_fraction": self.cfg.max_memory_fraction,
+                # None: not checked (CPU: the state grows with live groups instead).
+                "device_bytes": self._device_bytes,
+            },
             **(
                 {
                     "diagnostics": {

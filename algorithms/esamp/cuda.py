@@ -3,17 +3,19 @@
 - everything is allocated at construction: the consumer is built inside vLLM's
   ``load_model``, before vLLM profiles memory and sizes the KV cache, so the slots'
   parameters and Adam state (a fixed ``capacity``: this distiller never grows), the static
-  input buffers and the graph pool are accounted for;
-- the update step is captured as a CUDA graph at construction for every bucket (groups and
-  rows per group, each a power of two, up to ``capacity`` and ``graph_max_rows``), never
-  during generation. A failed capture is counted (``graph_failures``) and logged, and that
-  bucket's updates run eagerly; a step outside the captured buckets also runs eagerly
-  (``eager_updates``, logged once);
-- prediction and training run on a side stream, ordered against the main (current) stream
-  with CUDA events only (``wait_stream`` / ``wait_event``): no device-wide or host sync;
-- training inputs are packed by the main stream into the static ``[G, M]`` buffers (padded
-  rows are masked out of the loss, padded groups point at a scratch slot and are never
-  updated), then the bucket's graph is replayed.
+  input buffers and the graph pool are accounted for (the sizes are the memory plan's,
+  :mod:`algorithms.esamp.memory_plan`);
+- the update is dense over slots: one step computes every slot of the state in place on
+  its own rows (slots without rows are masked and keep their state), so nothing is gathered
+  or scattered and one CUDA graph, captured at construction, covers every step with up to
+  ``graph_max_rows`` rows per group. A failed capture is counted (``graph_failures``) and
+  logged, and updates then run eagerly; a step with more rows in one group also runs
+  eagerly (``eager_updates``, logged once);
+- prediction reads the state rows as views (no gather) and runs, like training, on a side
+  stream ordered against the main (current) stream with CUDA events only
+  (``wait_stream`` / ``wait_event``): no device-wide or host sync;
+- training inputs are packed by the main stream into the static ``[S, M]`` buffers (slot
+  ``s``'s rows at ``[s, :count]``), then the graph is replayed.
 
 Ordering: every predict and train is enqueued on the one side stream, so a prediction always
 sees every update enqueued before it (strict staleness; measured on the device, read at
@@ -30,22 +32,13 @@ from typing import Any
 
 import torch
 
-from algorithms.esamp.graph_update import train_packed
+from algorithms.esamp.graph_update import train_dense
+from algorithms.esamp.memory_plan import round_rows as _bucket
 from algorithms.esamp.mlp import forward_packed
 from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 log = logging.getLogger("tllm")
-
-
-def _bucket(n: int) -> int:
-    """Next power of two (>= 1): a few graphs cover every batch shape."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _buckets(limit: int) -> list[int]:
-    """Every bucket up to ``_bucket(limit)``: 1, 2, 4, ..."""
-    return [1 << k for k in range(_bucket(limit).bit_length())]
 
 
 def _to_device(a: Any, device: torch.device) -> torch.Tensor:
@@ -55,20 +48,29 @@ def _to_device(a: Any, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
-class _GraphEntry:
-    xp: torch.Tensor  # [G, M, H] static inputs
+class _Inputs:
+    xp: torch.Tensor  # [S, M, H]: slot s's rows at [s, :count]
     tp: torch.Tensor
-    mask: torch.Tensor  # [G, M] bool
-    gslots: torch.Tensor  # [G] long
-    gvalid: torch.Tensor  # [G] bool
-    losses: torch.Tensor | None = None  # [G] static outputs
+    mask: torch.Tensor  # [S, M] bool
+    valid: torch.Tensor  # [S] bool: slots with rows in the step
+    losses: torch.Tensor | None = None  # [S] static outputs of the graph
     ok: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+
+    @classmethod
+    def zeros(cls, slots: int, rows: int, hidden: int, device: torch.device) -> _Inputs:
+        return cls(
+            xp=torch.zeros(slots, rows, hidden, device=device),
+            tp=torch.zeros(slots, rows, hidden, device=device),
+            mask=torch.zeros(slots, rows, dtype=torch.bool, device=device),
+            valid=torch.zeros(slots, dtype=torch.bool, device=device),
+        )
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.xp, self.tp, self.mask, self.valid)
 
 
 class CudaGroupedDistiller(SlotDistiller):
-    _SCRATCH = 1  # one extra slot at index ``capacity`` absorbs padded graph groups
-    growable = False  # graphs and the memory profile hold the state's storage
+    growable = False  # the graph and the memory profile hold the state's storage
 
     def __init__(
         self,
@@ -76,8 +78,9 @@ class CudaGroupedDistiller(SlotDistiller):
         *,
         device: torch.device | str = "cuda",
         use_cuda_graph: bool = True,
-        capacity: int = 64,
-        graph_max_rows: int = 64,
+        capacity: int = 8,
+        graph_max_rows: int = 16,
+        adam_chunk: int = 1,
         **kwargs: Any,
     ):
         if graph_max_rows < 1:
@@ -87,34 +90,21 @@ class CudaGroupedDistiller(SlotDistiller):
         dev = self.device
         self.stream = torch.cuda.Stream(device=dev)
         self.use_cuda_graph = use_cuda_graph
+        self.adam_chunk = adam_chunk
         self.graph_failures = 0
         self.eager_updates = 0
         self._warned_eager = False
-        self._pool = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         # Guards the static input buffers: the main stream must not refill them before the
         # side stream has consumed the previous step.
         self._inputs_free = torch.cuda.Event()
         self._stale = torch.zeros((), dtype=torch.long, device=dev)
-        # Static inputs of the largest bucket; every bucket uses a prefix of them (replays
-        # are serialized on the side stream and guarded by _inputs_free).
-        g, m, h = _bucket(capacity), _bucket(graph_max_rows), self.shape.hidden_size
-        self._static = _GraphEntry(
-            xp=torch.zeros(g * m * h, device=dev),
-            tp=torch.zeros(g * m * h, device=dev),
-            mask=torch.zeros(g * m, dtype=torch.bool, device=dev),
-            gslots=torch.full((g,), self.scratch_slot, dtype=torch.long, device=dev),
-            gvalid=torch.zeros(g, dtype=torch.bool, device=dev),
-        )
+        self.graph_rows = _bucket(graph_max_rows)
+        self._static = _Inputs.zeros(capacity, self.graph_rows, self.shape.hidden_size, dev)
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # initial state
-        self._graphs: dict[tuple[int, int], _GraphEntry] = {}
-        for gb in _buckets(capacity):
-            for mb in _buckets(graph_max_rows):
-                self._graphs[(gb, mb)] = self._new_entry(gb, mb)
+        if use_cuda_graph:
+            self._capture()
         self.stream.synchronize()
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.capacity
 
     # -- ordering ---------------------------------------------------------------------
     def _drain(self) -> None:
@@ -143,132 +133,106 @@ class CudaGroupedDistiller(SlotDistiller):
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream), torch.no_grad():
-            rg, rp = _to_device(pk.row_group, self.device), _to_device(pk.row_pos, self.device)
-            xp = torch.zeros(len(pk.slots), pk.max_rows, x.shape[-1], device=self.device)
-            xp[rg, rp] = x.float()
-            gs = _to_device(pk.slots, self.device)
-            lag = _to_device(self._submitted[pk.slots], self.device) - self.applied[gs]
+            dev = self.device
+            rs = _to_device(pk.slots[pk.row_group], dev)
+            rp = _to_device(pk.row_pos, dev)
+            # Every slot's weights as views (dense, like the update): no [G, P] gather.
+            xp = torch.zeros(self.capacity, pk.max_rows, x.shape[-1], device=dev)
+            xp[rs, rp] = x.float()
+            gs = _to_device(pk.slots, dev)
+            lag = _to_device(self._submitted[pk.slots], dev) - self.applied.index_select(0, gs)
             torch.maximum(self._stale, lag.max(), out=self._stale)
-            y = forward_packed(self.theta.index_select(0, gs), xp, self.shape)[rg, rp]
+            y = forward_packed(self.theta, xp, self.shape)[rs, rp]
         x.record_stream(self.stream)
         cur.wait_stream(self.stream)  # the sampler consumes y on the main stream
         y.record_stream(cur)
         return y
 
     # -- train ----------------------------------------------------------------------
-    def _new_entry(self, g: int, m: int) -> _GraphEntry:
-        """The entry of bucket ``(g, m)``: views of the static inputs, and its graph
-        captured now when graphs are on."""
-        h, s = self.shape.hidden_size, self._static
-        e = _GraphEntry(
-            xp=s.xp[: g * m * h].view(g, m, h),
-            tp=s.tp[: g * m * h].view(g, m, h),
-            mask=s.mask[: g * m].view(g, m),
-            gslots=s.gslots[:g],
-            gvalid=s.gvalid[:g],
-        )
-        if self.use_cuda_graph:
-            self._capture(e)
-        return e
-
-    def _transient_entry(self, g: int, m: int) -> _GraphEntry:
-        """Buffers for a step outside the captured buckets (run eagerly, counted)."""
-        h, dev = self.shape.hidden_size, self.device
-        self.eager_updates += 1
-        if not self._warned_eager:
-            self._warned_eager = True
-            log.warning(
-                "esamp: an update step with %d rows in one group exceeds the CUDA graph "
-                "buckets (graph_max_rows); such steps run eagerly (counter eager_updates)",
-                m,
-            )
-        return _GraphEntry(
-            xp=torch.zeros(g, m, h, device=dev),
-            tp=torch.zeros(g, m, h, device=dev),
-            mask=torch.zeros(g, m, dtype=torch.bool, device=dev),
-            gslots=torch.full((g,), self.scratch_slot, dtype=torch.long, device=dev),
-            gvalid=torch.zeros(g, dtype=torch.bool, device=dev),
-        )
-
-    def _run(self, e: _GraphEntry) -> tuple[torch.Tensor, torch.Tensor]:
-        return train_packed(
+    def _run(self, e: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return train_dense(
             self.theta,
             self.m,
             self.v,
             self.step,
-            e.gslots,
-            e.gvalid,
+            e.valid,
             e.xp,
             e.tp,
             e.mask,
             self.shape,
             self.hp,
             applied=self.applied,
+            chunk=self.adam_chunk,
         )
 
-    def _capture(self, e: _GraphEntry) -> None:
-        """Warm up and capture the update for this bucket. With all groups invalid (as the
-        buffers are at construction) the warm-up runs change no state. Capture synchronizes
-        the device (``torch.cuda.graph`` does): it happens only here, at construction.
-
-        Graphs share one memory pool: safe because replays are serialized on one stream and
-        each graph's static outputs stay referenced."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _capture(self) -> None:
+        """Warm up and capture the update. With no slot valid (as the buffers are at
+        construction) the warm-up runs change no state. Capture synchronizes the device
+        (``torch.cuda.graph`` does): it happens only here, at construction."""
+        e = self._static
         try:
             with torch.cuda.stream(self.stream):
                 for _ in range(2):
                     self._run(e)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"
-            ):
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 e.losses, e.ok = self._run(e)
-            e.graph = graph
+            self.graph = graph
         except RuntimeError as err:
-            # Capture is an optimisation: fall back to eager updates for this bucket, loudly.
+            # Capture is an optimisation: fall back to eager updates, loudly.
             self.graph_failures += 1
-            e.graph = None
+            self.graph = None
             log.warning(
-                "esamp: CUDA graph capture failed for bucket %s (%s); its update steps run "
+                "esamp: CUDA graph capture of the update failed (%s); update steps run "
                 "eagerly (counters graph_failures, eager_updates)",
-                tuple(e.xp.shape[:2]),
                 err,
             )
 
-    def _fill(self, e: _GraphEntry, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> None:
-        """Pack the rows into the static buffers, on the main stream (the bundle tensors are
+    def _inputs_for(self, max_rows: int) -> _Inputs:
+        """The static buffers, or fresh ones for a step with more rows per group than the
+        graph holds (run eagerly, counted)."""
+        if max_rows <= self.graph_rows:
+            return self._static
+        if not self._warned_eager:
+            self._warned_eager = True
+            log.warning(
+                "esamp: an update step with %d rows in one group exceeds the CUDA graph's "
+                "%d (graph_max_rows); such steps run eagerly (counter eager_updates)",
+                max_rows,
+                self.graph_rows,
+            )
+        e = _Inputs.zeros(self.capacity, _bucket(max_rows), self.shape.hidden_size, self.device)
+        for t in e.tensors():
+            t.record_stream(self.stream)  # made on the main stream, read on the side one
+        return e
+
+    def _fill(self, e: _Inputs, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> None:
+        """Pack the rows into the input buffers, on the main stream (the bundle tensors are
         only valid there and during the call)."""
-        dev, gp = self.device, len(pk.slots)
+        dev = self.device
         cur = torch.cuda.current_stream(dev)
         cur.wait_event(self._inputs_free)  # previous replay has read the buffers
-        rg, rp = _to_device(pk.row_group, dev), _to_device(pk.row_pos, dev)
-        e.xp.zero_()
-        e.tp.zero_()
-        e.mask.zero_()
-        e.xp[rg, rp] = x.float()
-        e.tp[rg, rp] = target.float()
-        e.mask[rg, rp] = True
-        e.gslots.fill_(self.scratch_slot)
-        e.gslots[:gp] = _to_device(pk.slots, dev)
-        e.gvalid.zero_()
-        e.gvalid[:gp] = True
+        rs = _to_device(pk.slots[pk.row_group], dev)
+        rp = _to_device(pk.row_pos, dev)
+        for t in e.tensors():
+            t.zero_()
+        e.xp[rs, rp] = x.float()
+        e.tp[rs, rp] = target.float()
+        e.mask[rs, rp] = True
+        e.valid[_to_device(pk.slots, dev)] = True
 
     def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
-        key = (_bucket(len(pk.slots)), _bucket(pk.max_rows))
-        e = self._graphs.get(key) or self._transient_entry(*key)
+        e = self._inputs_for(pk.max_rows)
         self._fill(e, pk, x, target)
-        gp = len(pk.slots)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            if e.graph is not None:
-                e.graph.replay()
-                losses, ok = e.losses[:gp].clone(), e.ok[:gp].clone()
+            gs = _to_device(pk.slots, self.device)
+            if e is self._static and self.graph is not None:
+                self.graph.replay()
+                losses, ok = e.losses, e.ok
             else:
-                if key in self._graphs:  # a bucket whose capture failed
-                    self.eager_updates += 1
+                self.eager_updates += 1
                 losses, ok = self._run(e)
-                losses, ok = losses[:gp], ok[:gp]
+            losses, ok = losses.index_select(0, gs), ok.index_select(0, gs)
             self._inputs_free.record(self.stream)
         return TrainResult(pk.slots, losses, ok)

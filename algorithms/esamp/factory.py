@@ -16,7 +16,7 @@ def make_distiller(
     device: torch.device | str,
     use_cuda_graph: bool = True,
     side_thread: bool = False,
-    graph_max_rows: int = 64,
+    graph_max_rows: int = 16,
     **kwargs: Any,
 ) -> SlotDistiller:
     """The CUDA implementation (side stream, graphs captured here, fixed capacity) for CUDA

@@ -1,31 +1,38 @@
 """The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
 (the CUDA path replays it; the CPU path uses :mod:`algorithms.esamp.host_trainer`). Gradients
-come from autograd; clipping and Adam from :func:`~algorithms.esamp.adam.adam_clip_update`.
-Runs on any device: the CPU tests check it against the CPU trainer."""
+come from autograd; clipping and Adam from :func:`~algorithms.esamp.adam.adam_clip_`.
+Runs on any device: the CPU tests check it against the CPU trainer.
+
+Dense over slots: the step computes every slot of the stacked state (live or not) on its own
+rows, directly on the state tensors, so nothing is gathered or scattered: the only full-size
+temporaries are the gradients of all slots and one slot block of Adam scratch. Slots with no
+row in the step (``valid`` False) keep their state bit for bit."""
 
 from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.adam import adam_clip_update
+from algorithms.esamp.adam import adam_clip_
 from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.params import AdamHyper, DistillerShape, split_params
 
 
 def losses_and_grads(
-    theta_g: torch.Tensor,
+    theta: torch.Tensor,
     xp: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
     shape: DistillerShape,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group MSE and its gradient, flat ``[G, P]`` like ``theta_g``.
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Per-slot MSE and its gradient per weight matrix, in the flat row's order (gate blocks,
+    up blocks, down blocks; each ``[S, ., .]``).
 
-    The gradient is taken per weight matrix: differentiating through slices of one flat
-    tensor would zero-fill a full ``[G, P]`` buffer for every slice.
+    Leaves are views of ``theta`` (no copy). The gradient is taken per weight matrix:
+    differentiating through slices of one flat tensor would zero-fill a full ``[S, P]``
+    buffer for every slice.
     """
-    gate, up, down = split_params(theta_g, shape)
-    nb, g = shape.num_blocks, theta_g.shape[0]
+    gate, up, down = split_params(theta.detach(), shape)
+    nb = shape.num_blocks
     leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
     with torch.enable_grad():
         blocks = list(zip(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], strict=True))
@@ -34,52 +41,57 @@ def losses_and_grads(
         n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
         losses = err.sum((1, 2)) / n
         grads = torch.autograd.grad(losses.sum(), leaves)
-    grad = torch.cat(
-        [torch.stack(grads[k * nb : (k + 1) * nb], 1).reshape(g, -1) for k in range(3)], dim=1
-    )
-    return losses.detach(), grad
+    return losses.detach(), list(grads)
 
 
-def train_packed(
+def train_dense(
     theta: torch.Tensor,
     m: torch.Tensor,
     v: torch.Tensor,
     step: torch.Tensor,
-    gslots: torch.Tensor,
-    gvalid: torch.Tensor,
+    valid: torch.Tensor,
     xp: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
     shape: DistillerShape,
     hp: AdamHyper,
     applied: torch.Tensor | None = None,
+    chunk: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adam step per packed group, written in place into the slot state.
+    """One Adam step for every slot with rows, written in place into the slot state.
 
-    ``gslots [G]`` must be distinct except for padding groups (``gvalid`` False), which may
-    all point at one scratch slot. Loss of group g: mean over its rows (``mask``) and hidden
-    dims of ``(f(x) - target)^2``. Fixed shapes and no host sync, so it can be graph-captured.
-    ``applied`` (int64 per slot, optional): incremented for every valid group once its update
-    has been processed (applied, or skipped as non-finite): what staleness is measured
-    against. Returns ``(losses [G], updated [G])``.
+    ``theta``/``m``/``v`` ``[S, P]``, ``step``/``valid`` ``[S]``; ``xp``/``tp`` ``[S, M, H]``
+    hold slot ``s``'s rows at ``[s, :count]``, ``mask [S, M]`` marks them. Loss of slot s:
+    mean over its rows and hidden dims of ``(f(x) - target)^2``. Adam runs ``chunk`` slots at
+    a time (the scratch is ``chunk x P``). ``applied`` (int64 per slot, optional):
+    incremented for every valid slot once its update has been processed (applied, or
+    skipped as non-finite): what staleness is measured against. Returns
+    ``(losses [S], updated [S])``.
     """
-    theta_g = theta.index_select(0, gslots)
-    losses, grad = losses_and_grads(theta_g, xp, tp, mask, shape)
+    losses, grads = losses_and_grads(theta, xp, tp, mask, shape)
+    s_total = theta.shape[0]
     with torch.no_grad():
-        ok = gvalid & torch.isfinite(losses) & torch.isfinite(grad).all(1)
-        t, m_n, v_n, s_n = adam_clip_update(
-            theta_g.detach(),
-            grad,
-            m.index_select(0, gslots),
-            v.index_select(0, gslots),
-            step.index_select(0, gslots),
-            ok,
-            hp,
-        )
-        theta.index_copy_(0, gslots, t)
-        m.index_copy_(0, gslots, m_n)
-        v.index_copy_(0, gslots, v_n)
-        step.index_copy_(0, gslots, s_n)
+        # Each slot's gradient norm, one reduction per weight (no temporaries: isfinite on
+        # the gradients would allocate a copy of them); non-finite anywhere -> non-finite.
+        sq = torch.zeros_like(losses)
+        for g in grads:
+            sq += torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))).square()
+        norm = sq.sqrt()
+        ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
+        for c0 in range(0, s_total, chunk):
+            c1 = min(s_total, c0 + chunk)
+            block = torch.cat([g[c0:c1].reshape(c1 - c0, -1) for g in grads], dim=1)
+            adam_clip_(
+                theta[c0:c1],
+                block,
+                m[c0:c1],
+                v[c0:c1],
+                step[c0:c1],
+                ok[c0:c1],
+                hp,
+                norm=norm[c0:c1],
+            )
+            del block  # else the next block is allocated while this one is still held
         if applied is not None:
-            applied.index_add_(0, gslots, gvalid.to(applied.dtype))
+            applied.add_(valid.to(applied.dtype))
     return losses, ok

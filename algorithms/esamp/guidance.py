@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 
+from algorithms.esamp.memory_plan import CANDIDATE_CHUNK
+
 # dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,14 +55,23 @@ def mix_full_vocab_logits(
     dist_logits: torch.Tensor,
     beta: torch.Tensor | float,
     temperature: torch.Tensor,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
-    (``beta`` a float or one value per row)."""
+    (``beta`` a float or one value per row). ``inplace``: the result is written into
+    ``dist_logits`` (same dtype as ``ref_logits``), so the mix needs no ``[R, V]``
+    temporary of its own."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
     b = _per_row(beta)
     t = temperature.to(ref_logits.dtype)[:, None]
-    return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
+    if not inplace:
+        return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
+    # -(b*dist/t) + (1+b)*ref in one fused pass (addcmul may round the last bit differently
+    # from the two-step form above).
+    out = dist_logits.mul_(b).div_(t).neg_()
+    one_b = 1 + b if isinstance(b, torch.Tensor) else torch.tensor(1 + b, device=out.device)
+    return out.addcmul_(ref_logits, one_b)
 
 
 def mix_latent(
@@ -78,13 +89,14 @@ def candidate_dist_fn(
     weight: torch.Tensor | None = None,
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dense_fraction: float = 0.25,
-    chunk: int = 16384,
+    chunk: int = CANDIDATE_CHUNK,
 ) -> DistFn:
     """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
 
     With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
-    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``). Otherwise (dense set, or a
-    non-linear head given as ``lm_head``) projects the full vocabulary once and gathers.
+    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``, budgeted by the memory plan).
+    Otherwise (dense set, or a non-linear head given as ``lm_head``) projects the full
+    vocabulary once and gathers.
     """
     if weight is None and lm_head is None:
         raise ValueError("need the head weight or the lm_head callable")

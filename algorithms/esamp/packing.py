@@ -40,21 +40,6 @@ def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
     )
 
 
-def pack_rows(
-    pk: Packing, x: torch.Tensor, m: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [R, H]`` -> padded ``[G, M, H]`` fp32 and its row mask ``[G, M]`` (the layout of
-    the batched, graph-capturable update)."""
-    g, m = len(pk.slots), pk.max_rows if m is None else m
-    rg = torch.from_numpy(pk.row_group).to(x.device)
-    rp = torch.from_numpy(pk.row_pos).to(x.device)
-    xp = torch.zeros(g, m, x.shape[-1], device=x.device)
-    xp[rg, rp] = x.float()
-    mask = torch.zeros(g, m, dtype=torch.bool, device=x.device)
-    mask[rg, rp] = True
-    return xp, mask
-
-
 @dataclass
 class HostBatch:
     """Where the packed groups of one step live in the stacked state (CPU path).

@@ -1,0 +1,157 @@
+"""ESamp's device memory, planned from shapes before anything is allocated.
+
+The consumer is built inside vLLM's ``load_model``, before vLLM sizes the KV cache: what it
+holds then (state, static inputs, the update graph's pool) and what it needs per step
+(prediction and guidance temporaries) comes out of the KV cache. The plan states those bytes
+from the model's shapes, vLLM's batch limit and the ESamp settings, so a setting that does
+not fit is refused at start with the numbers, not found out as an out-of-memory error.
+
+Terms (fp32 = 4 bytes; ``P`` distiller parameters, ``S`` slots, ``M`` rows per slot in the
+update graph, ``R`` rows per step, ``H`` hidden, ``I`` intermediate, ``NB`` blocks, ``V``
+vocabulary):
+
+- state: ``S * (3P + 1) * 4`` (weights, two Adam moments, step) ``+ S * 8`` (update counter)
+  ``+ P * 4`` (the init template);
+- update inputs: ``2 * S*M*H * 4 + S*M + S`` (static ``xp``, ``tp``, mask, valid);
+- update workspace (the graph's private pool): ``S * P * 4`` (gradients of every slot)
+  ``+ 2 * chunk * P * 4`` (one Adam block, and the copy of a transposed gradient or a
+  norm's temporary beside it) ``+`` activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
+- predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
+- guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
+  gathered head rows) and full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
+
+Activation and guidance terms are upper-bound estimates of temporaries; the state and input
+terms are the exact sizes of the tensors allocated (a test counts them on the real objects).
+Torch only: this module imports on a machine without pydantic or vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from algorithms.esamp.params import DistillerShape
+
+GIB = 2**30
+# Rows of head weights gathered at once by post-filter guidance (guidance.candidate_dist_fn).
+CANDIDATE_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    hidden_size: int
+    intermediate_size: int
+    num_blocks: int
+    vocab_size: int
+    slots: int  # S: distiller slots (concurrent prompt groups)
+    graph_rows: int  # M: rows per slot the update graph holds
+    rows_per_step: int  # R: vLLM's max_num_seqs (decode rows of one step)
+    adam_chunk: int
+    params: int  # P
+    state_bytes: int
+    inputs_bytes: int
+    update_workspace_bytes: int
+    predict_workspace_bytes: int
+    guidance_workspace_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.state_bytes
+            + self.inputs_bytes
+            + self.update_workspace_bytes
+            + self.predict_workspace_bytes
+            + self.guidance_workspace_bytes
+        )
+
+    def as_dict(self) -> dict[str, int | float]:
+        d: dict[str, int | float] = asdict(self)
+        d["total_bytes"] = self.total_bytes
+        d["total_gib"] = round(self.total_bytes / GIB, 4)
+        return d
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / GIB:.3f} GiB"  # noqa: E731
+        return (
+            f"{gib(self.total_bytes)} = state {gib(self.state_bytes)} ({self.slots} slots x "
+            f"{self.params} params x weights + 2 Adam moments) + update inputs "
+            f"{gib(self.inputs_bytes)} + update workspace {gib(self.update_workspace_bytes)} "
+            f"+ predict {gib(self.predict_workspace_bytes)} + guidance "
+            f"{gib(self.guidance_workspace_bytes)} (rows per step {self.rows_per_step}, "
+            f"graph rows per slot {self.graph_rows})"
+        )
+
+
+def round_rows(n: int) -> int:
+    """Rows per slot the update graph holds: the next power of two (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_slots(rows_per_step: int, graph_rows: int) -> int:
+    """Slots for a batch of ``rows_per_step`` rows in groups of ``graph_rows`` (vLLM's
+    max_num_seqs / samples per prompt): prompts in flight at once."""
+    return max(1, math.ceil(rows_per_step / graph_rows))
+
+
+def plan_memory(
+    hidden_size: int,
+    vocab_size: int,
+    *,
+    slots: int,
+    graph_rows: int,
+    rows_per_step: int,
+    intermediate_size: int = 384,
+    num_blocks: int = 2,
+    adam_chunk: int = 1,
+    candidate_chunk: int = CANDIDATE_CHUNK,
+) -> MemoryPlan:
+    """The plan for these shapes (see the module docstring for each term)."""
+    sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
+    p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
+    s, m = slots, round_rows(graph_rows)
+    state = s * (3 * p + 1) * 4 + s * 8 + p * 4
+    inputs = 2 * s * m * h * 4 + s * m + s
+    acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
+    update = s * p * 4 + 2 * min(adam_chunk, s) * p * 4 + acts_update
+    predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
+    guidance = max(10 * candidate_chunk * h, 5 * rows_per_step * vocab_size * 4)
+    return MemoryPlan(
+        hidden_size,
+        intermediate_size,
+        num_blocks,
+        vocab_size,
+        s,
+        m,
+        rows_per_step,
+        adam_chunk,
+        p,
+        state,
+        inputs,
+        update,
+        predict,
+        guidance,
+    )
+
+
+def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:
+    """Refuse (ValueError naming the numbers) when the plan needs more than ``max_fraction``
+    of the device's ``device_bytes``."""
+    limit = max_fraction * device_bytes
+    if plan.total_bytes > limit:
+        raise ValueError(
+            f"esamp: the memory plan needs {plan.describe()}, more than max_memory_fraction "
+            f"{max_fraction} of the device's {device_bytes / GIB:.2f} GiB "
+            f"({limit / GIB:.3f} GiB). Lower cuda_capacity or cuda_graph_max_rows, or raise "
+            "max_memory_fraction."
+        )
+
+
+def device_total_bytes(device: torch.device | str) -> int | None:
+    """Total memory of a CUDA device; None elsewhere (the CPU state grows with live groups,
+    so no fixed share of host memory is checked)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(dev)[1])

@@ -1,0 +1,223 @@
+"""ESamp's GPU readiness in one command, torch only (no vLLM, no pydantic needed):
+
+    python benchmarks/gpu_smoke.py [--device cuda|cpu] [--quick] [--out smoke.json]
+
+Parts (each a key of the JSON printed on the last line and written to ``--out``):
+
+1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math) in a
+   subprocess; on CPU they skip, so they run only with ``--device cuda``.
+2. ``distiller``: the distiller benchmark (``gpu_distiller.bench_distiller``) at Qwen2.5-7B
+   shapes (hidden 3584, 16 rows per group) for 8 and 64 groups, every variant; ``--quick``
+   or CPU: tiny shapes, eager only.
+3. ``memory``: the memory plan (``algorithms.esamp.memory_plan``) against what was
+   allocated: on CUDA ``torch.cuda.memory_allocated`` after building the distiller (state,
+   inputs, graph pool) and ``max_memory_allocated`` over predict + train steps; on CPU the
+   allocator's peak during the update (``host_memory.cpu_peak_bytes``).
+4. ``syncs``: synchronising operations (``sync_count.SyncCounter``) per step of the
+   distiller's predict + train submission; plus the ESamp consumer's decode step when the
+   consumer can be imported (it needs pydantic).
+
+Not covered here (issue 30): taps compiled with ``torch.compile`` and captured in a CUDA graph
+on a toy decoder. No GPU was available where this script was written: its CUDA parts have
+never run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from gpu_distiller import bench_distiller  # noqa: E402
+from host_memory import cpu_peak_bytes  # noqa: E402
+from sync_count import SyncCounter  # noqa: E402
+
+from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
+
+VOCAB_7B = 152064
+
+
+def _shape(quick: bool, device: torch.device) -> dict[str, int]:
+    if quick or device.type == "cpu":
+        return dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
+    return dict(hidden=3584, intermediate=384, rows=16, iters=50, warmup=10, repeats=3)
+
+
+def run_cuda_tests(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"skipped": "needs a CUDA device"}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_esamp_cuda.py", "-q", "--noconftest"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=900,
+    )
+    return {"rc": proc.returncode, "seconds": time.time() - t0, "tail": proc.stdout[-3000:]}
+
+
+def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
+    s = _shape(quick, device)
+    variants = (
+        ["eager_main", "eager_side", "graph_main", "graph_side"]
+        if device.type == "cuda"
+        else ["eager_main"]
+    )
+    out: dict[str, Any] = {}
+    for groups in (8, 64) if not quick else (2, 4):
+        args = SimpleNamespace(groups=groups, blocks=2, **s)
+        out[f"groups_{groups}"] = {v: bench_distiller(v, args, device) for v in variants}
+    return {"shape": s, "results": out}
+
+
+def _distiller(device: torch.device, hidden: int, inter: int, slots: int, rows: int):
+    if device.type == "cuda":
+        from algorithms.esamp.cuda import CudaGroupedDistiller
+
+        return CudaGroupedDistiller(
+            hidden, device=device, intermediate_size=inter, capacity=slots, graph_max_rows=rows
+        )
+    from algorithms.esamp.cpu import GroupedDistiller
+
+    return GroupedDistiller(hidden, intermediate_size=inter, capacity=slots)
+
+
+def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
+    s = _shape(quick, device)
+    h, inter, rows = s["hidden"], s["intermediate"], s["rows"]
+    out: dict[str, Any] = {}
+    for groups in (8, 64) if not quick else (2, 4):
+        plan = plan_memory(
+            h,
+            VOCAB_7B,
+            slots=groups,
+            graph_rows=rows,
+            rows_per_step=groups * rows,
+            intermediate_size=inter,
+        )
+        rec: dict[str, Any] = {"plan": plan.as_dict()}
+        # The plan's terms that the distiller alone allocates (no guidance here).
+        distiller_plan = plan.total_bytes - plan.guidance_workspace_bytes
+        slots = torch.arange(groups).repeat_interleave(rows)
+        x = torch.randn(groups * rows, h, device=device)
+        t = x + 0.1 * torch.randn_like(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            d = _distiller(device, h, inter, groups, rows)
+            torch.cuda.synchronize(device)
+            rec["built_bytes"] = torch.cuda.memory_allocated(device) - base
+            rec["plan_built_bytes"] = (
+                plan.state_bytes + plan.inputs_bytes + plan.update_workspace_bytes
+            )
+            live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
+            for _ in range(3):
+                d.predict(live, x)
+                d.train_step(live, x, t)
+            d.synchronize()
+            rec["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+            rec["plan_distiller_bytes"] = distiller_plan
+            rec["within_plan"] = rec["peak_bytes"] <= distiller_plan
+            d.close()
+            del d
+        else:
+            from algorithms.esamp.cuda import _Inputs
+            from algorithms.esamp.graph_update import train_dense
+
+            d = _distiller(device, h, inter, groups, rows)
+            e = _Inputs.zeros(groups, rows, h, device)
+            e.xp.normal_(), e.tp.normal_(), e.mask.fill_(True), e.valid.fill_(True)
+
+            def update(d=d, e=e) -> None:
+                train_dense(d.theta, d.m, d.v, d.step, e.valid, e.xp, e.tp, e.mask, d.shape, d.hp)
+
+            update()
+            rec["update_peak_bytes"] = cpu_peak_bytes(update)
+            rec["plan_update_workspace_bytes"] = plan.update_workspace_bytes
+            rec["within_plan"] = rec["update_peak_bytes"] <= plan.update_workspace_bytes
+        rec["plan_gib"] = round(plan.total_bytes / GIB, 4)
+        out[f"groups_{groups}"] = rec
+    out["qwen2.5_7b_default_plan"] = plan_memory(
+        3584, VOCAB_7B, slots=8, graph_rows=16, rows_per_step=128
+    ).as_dict()
+    return out
+
+
+def run_syncs(device: torch.device) -> dict[str, Any]:
+    h, inter, groups, rows = 64, 32, 4, 4
+    d = _distiller(device, h, inter, groups, rows)
+    live = torch.tensor([d.alloc() for _ in range(groups)]).repeat_interleave(rows)
+    x = torch.randn(groups * rows, h, device=device)
+    per_step = []
+    for _ in range(3):
+        with SyncCounter() as sc:
+            d.predict(live, x)
+            d.train_step(live, x, x)
+        per_step.append(dict(sc.kinds))
+    d.synchronize()
+    d.close()
+    out: dict[str, Any] = {"distiller_step": per_step}
+    try:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from test_esamp_syncs import syncs_per_step
+    except ImportError as err:  # the consumer needs pydantic
+        out["consumer_step"] = {"skipped": f"consumer not importable: {err}"}
+    else:
+        out["consumer_step"] = {m: syncs_per_step(m) for m in ("post_filter", "full_vocab")}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CI)")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (use --device cpu)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "quick": args.quick,
+    }
+    parts = (
+        ("cuda_tests", lambda: run_cuda_tests(device)),
+        ("distiller", lambda: run_distiller(device, args.quick)),
+        ("memory", lambda: run_memory(device, args.quick)),
+        ("syncs", lambda: run_syncs(device)),
+    )
+    for name, fn in parts:
+        t = time.time()
+        try:
+            out[name] = fn()
+        except Exception as err:  # one broken part must not hide the others' results
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+        print(f"[gpu_smoke] {name}: {time.time() - t:.1f} s", file=sys.stderr)
+    out["seconds"] = time.time() - t0
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""ESamp's memory plan: the 7B defaults fit, the plan's exact terms equal the bytes of the
+tensors the code allocates, its estimates bound what the CPU allocator measures, and a plan
+over the device share is refused with its numbers. All on CPU (no GPU where this was
+written)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from algorithms.esamp import memory_plan as mp
+from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.cpu import GroupedDistiller
+from algorithms.esamp.cuda import _Inputs
+from algorithms.esamp.graph_update import train_dense
+from algorithms.esamp.mlp import forward_packed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from host_memory import cpu_peak_bytes  # noqa: E402
+
+QWEN25_7B = dict(hidden_size=3584, vocab_size=152064)  # 28 layers: no term depends on them
+
+
+def _config_plan(**cfg) -> mp.MemoryPlan:
+    """The plan the consumer makes for a config (same defaults path)."""
+    c = ESampConfig(**cfg)
+    slots = c.max_groups or c.cuda_capacity
+    slots = slots or mp.default_slots(c.cuda_rows_per_step, c.cuda_graph_max_rows)
+    return mp.plan_memory(
+        **QWEN25_7B,
+        slots=slots,
+        graph_rows=c.cuda_graph_max_rows,
+        rows_per_step=c.cuda_rows_per_step,
+        intermediate_size=c.intermediate_size,
+        num_blocks=c.num_blocks,
+    )
+
+
+def test_7b_plan_at_batch_8x16_fits_in_1_5_gib():
+    plan = _config_plan()  # defaults: 128 rows per step, groups of 16
+    assert plan.slots == 8 and plan.graph_rows == 16 and plan.rows_per_step == 128
+    assert plan.total_bytes <= 1.5 * mp.GIB, plan.describe()
+    # The former defaults (64 slots, 64 rows per slot) would not.
+    assert _config_plan(cuda_capacity=64, cuda_graph_max_rows=64).total_bytes > 6 * mp.GIB
+
+
+def _tensor_bytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+@pytest.mark.parametrize("slots,rows", [(3, 4), (5, 3)])
+def test_plan_exact_terms_equal_the_allocated_tensors(slots, rows):
+    h, inter = 48, 24
+    d = GroupedDistiller(h, intermediate_size=inter, capacity=slots)
+    plan = mp.plan_memory(
+        h, 100, slots=slots, graph_rows=rows, rows_per_step=16, intermediate_size=inter
+    )
+    # Counted on the real objects, not from the formula.
+    assert plan.state_bytes == _tensor_bytes(d.theta, d.m, d.v, d.step, d.applied, d.template)
+    inputs = _Inputs.zeros(slots, mp.round_rows(rows), h, torch.device("cpu"))
+    assert plan.inputs_bytes == _tensor_bytes(*inputs.tensors())
+    assert plan.params == d.shape.num_params
+
+
+def test_plan_estimates_bound_the_measured_workspace():
+    """The update's and the prediction's temporaries, measured by the CPU allocator, stay
+    under the plan's estimates and are not far below them (an estimate that is ten times too
+    large would hide a real regression)."""
+    h, inter, slots, rows = 256, 64, 4, 8
+    d = GroupedDistiller(h, intermediate_size=inter, capacity=slots)
+    plan = mp.plan_memory(
+        h, 100, slots=slots, graph_rows=rows, rows_per_step=32, intermediate_size=inter
+    )
+    e = _Inputs.zeros(slots, rows, h, torch.device("cpu"))
+    e.xp.normal_(), e.tp.normal_(), e.mask.fill_(True), e.valid.fill_(True)
+
+    def update():
+        with torch.inference_mode(False):
+            train_dense(d.theta, d.m, d.v, d.step, e.valid, e.xp, e.tp, e.mask, d.shape, d.hp)
+
+    update()  # first call: lazy one-time allocations out of the way
+    used = cpu_peak_bytes(update)
+    assert 0.5 * plan.update_workspace_bytes <= used <= plan.update_workspace_bytes, (
+        used,
+        plan.update_workspace_bytes,
+    )
+
+    def predict():
+        with torch.no_grad():
+            xp = torch.zeros(slots, rows, h)
+            forward_packed(d.theta, xp, d.shape)
+
+    used = cpu_peak_bytes(predict)
+    assert 0.3 * plan.predict_workspace_bytes <= used <= plan.predict_workspace_bytes, (
+        used,
+        plan.predict_workspace_bytes,
+    )
+
+
+def test_plan_over_the_device_share_is_refused_with_its_numbers():
+    plan = _config_plan()
+    mp.check_plan(plan, 80 * mp.GIB, 0.1)  # an 80 GiB card: fits
+    with pytest.raises(ValueError) as err:
+        mp.check_plan(plan, 8 * mp.GIB, 0.1)
+    msg = str(err.value)
+    assert "1.470 GiB" in msg and "8.00 GiB" in msg and "0.800 GiB" in msg
+    assert "max_memory_fraction 0.1" in msg and "8 slots" in msg
+
+
+def test_consumer_reports_its_plan_and_refuses_at_start(monkeypatch):
+    from test_esamp_math import Fake
+
+    fake = Fake()
+    c = fake.consumer()
+    res = c.result()
+    plan = res["memory_plan"]
+    assert plan["total_bytes"] == c.counters.get("memory_plan_bytes") > 0
+    assert plan["device_bytes"] is None  # CPU: reported, not checked
+    assert plan["slots"] == 8 and plan["max_memory_fraction"] == 0.1
+    # A device whose share is too small: the consumer refuses before allocating.
+    monkeypatch.setattr("algorithms.esamp.consumer.device_total_bytes", lambda dev: 4 * 10**6)
+    with pytest.raises(ValueError, match="max_memory_fraction"):
+        fake.consumer()
+    assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 4 MB
+
+
+def test_plan_bounds_the_measured_guidance_step():
+    """A full-vocabulary guidance step (the larger of the two modes' temporaries) stays under
+    the plan's guidance + predict terms, measured by the CPU allocator."""
+    import numpy as np
+
+    from algorithms.esamp.consumer import ESampConsumer
+    from tllm_core.bundles import GuideView
+    from tllm_core.consumer import ConsumerContext, ModelInfo
+    from tllm_core.counters import Counters
+    from tllm_core.ports import resolve_layer
+    from tllm_core.rows import RequestInfo, RowInfo
+
+    h, v, r = 64, 16384, 32
+    w = torch.randn(v, h)
+    model = ModelInfo(h, 4, v, torch.float32, torch.device("cpu"), lambda z: z @ w.t(), w)
+    cfg = ESampConfig(intermediate_size=32, mode="full_vocab", cpu_update="inline")
+    c = ESampConsumer(cfg, ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)))
+    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(r // 2)]
+    rows = RowInfo(
+        np.arange(r),
+        reqs,
+        np.full(r, 5),
+        np.ones(r, bool),
+        np.zeros(r, bool),
+        torch.zeros(r, dtype=torch.long),
+    )
+    hidden = {"layer.0": torch.randn(r, h), "final": torch.randn(r, h)}
+    logits = torch.randn(r, v)
+
+    def view() -> GuideView:
+        return GuideView(
+            0, rows, logits.clone(), torch.full((r,), 0.8), np.ones(r, bool), False, hidden
+        )
+
+    c.guide(view())  # creates the groups' distillers
+    step = view()
+    used = cpu_peak_bytes(lambda: c.guide(step))
+    assert step.rows_guided == r
+    plan = mp.plan_memory(h, v, slots=2, graph_rows=16, rows_per_step=r, intermediate_size=32)
+    bound = plan.guidance_workspace_bytes + plan.predict_workspace_bytes
+    assert 0.5 * bound <= used <= bound, (used, bound)
+    c.close()

@@ -1,0 +1,85 @@
+"""Host syncs in an ESamp decode step, counted on CPU: the operations that would make the
+host wait for a CUDA device (``benchmarks/sync_count.py``: ``.item()``/``int()`` of a
+tensor, ``nonzero``, ``unique``, boolean-mask indexing, host<->device copies) during the
+consumer's per-step work, guidance plus the update's submission.
+
+The consumer runs its CUDA branches (``_on_cuda``: counters and losses read back only at a
+blocking flush) with the CPU distiller training on its side thread (dispatch modes are
+thread-local: the CPU-only trainer is not counted; the CUDA trainer is one graph replay).
+Not seen here: ``.cpu()``/``.tolist()`` of device tensors (nothing dispatches on CPU) and
+the runtime's own reads around the consumer. The bounds are the counts measured now: one
+more synchronising operation in the step fails the test.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_esamp_math import Fake, V, _filtered_logits
+
+from tllm_core.bundles import Bundle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from sync_count import SyncCounter  # noqa: E402
+
+# Per decode step. Post-filter: the one ``nonzero`` that finds the candidates
+# (GuideView.candidates; at a real vocabulary its blocked scan makes it two). Was 8 and 7
+# before the mixes used masks and the guided counts stayed on the device.
+MAX_SYNCS = {"post_filter": 1, "full_vocab": 0}
+
+
+def syncs_per_step(mode: str, steps: int = 4) -> list[dict[str, int]]:
+    """Sync counts of each decode step of 2 prompts x 4 samples (the first step creates
+    the groups' distillers)."""
+    fake = Fake()
+    c = fake.consumer(cpu_update="thread", mode=mode)
+    c._on_cuda = True  # the consumer's CUDA branches (see the module docstring)
+    reqs = fake.requests(2, 4)
+    out = []
+    for t in range(steps):
+        rows, hidden = fake.step(reqs)
+        filtered = mode == "post_filter"
+        logits = (
+            _filtered_logits(len(reqs), V, keep=6, seed=t)
+            if filtered
+            else torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(t))
+        )
+        view = fake.view(rows, hidden, logits, filtered=filtered)
+        with SyncCounter() as sc:
+            c.guide(view)
+            c.on_bundle(Bundle(t, rows, hidden))
+        out.append(dict(sc.kinds))
+    res = c.result()
+    c.close()
+    # The step did its work: rows were guided and trained.
+    k = res["counters"]
+    assert k["rows_guided"] == 8 * steps and k["rows_trained"] == 8 * steps
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(MAX_SYNCS))
+def test_decode_step_syncs_at_most_the_measured_count(mode):
+    counts = syncs_per_step(mode)
+    totals = [sum(k.values()) for k in counts]
+    print(f"{mode}: syncs per decode step {totals}, last step by kind {counts[-1]}")
+    assert max(totals[1:]) <= MAX_SYNCS[mode], counts
+
+
+def test_the_counter_sees_each_kind_of_sync():
+    x = torch.arange(6.0)
+    with SyncCounter() as sc:
+        int(x.sum())
+        x.nonzero()
+        torch.unique(x)
+        x[x > 2]
+        x[torch.tensor([0, 1])]  # integer indexing: no sync
+        x.add(1)
+    assert dict(sc.kinds) == {
+        "_local_scalar_dense": 1,
+        "nonzero": 1,
+        "unique": 1,
+        "bool_index": 1,
+    }
