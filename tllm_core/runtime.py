@@ -245,10 +245,11 @@ class Runtime:
             allowed = s.enabled(srows.requests)
             if allowed is None:
                 view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
-                if not self._call_guide(s, view):
+                rows = self._call_guide(s, view)
+                if rows is None:
                     view.rollback()
                 else:
-                    changed |= view.rows_guided > 0
+                    changed |= rows > 0
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
@@ -262,18 +263,20 @@ class Runtime:
                     filtered,
                     {k: v[sel] for k, v in hidden.items()},
                 )
-                if self._call_guide(s, view) and view.rows_guided > 0:
+                if self._call_guide(s, view):  # None (failed) or 0 rows: nothing to write back
                     logits[sel] = view.logits
                     changed = True
         return changed
 
-    def _call_guide(self, s: _Slot, view: GuideView) -> bool:
+    def _call_guide(self, s: _Slot, view: GuideView) -> int | None:
+        """Rows the consumer's guide changed, or None when it failed."""
         self.counters.add("rows_guide_visited", len(view.rows))
         if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
-            return False
-        self.counters.add("rows_guided", view.rows_guided)
+            return None
+        rows = view.rows_guided
+        self.counters.add("rows_guided", rows)
         self.counters.add("candidates_guided", view.candidates_guided)
-        return True
+        return rows
 
     def _stale(self, key: str, error: StaleTapError) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
