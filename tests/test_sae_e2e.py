@@ -225,6 +225,38 @@ def test_topk_features_and_feature_steering(tiny_model, engines, saes, tmp_path)
     assert checked == 2
 
 
+def _clamp_target(paths, x) -> tuple[object, int, float]:
+    """The jumprelu SAE, its most often active feature, and a clamp value far above its range."""
+    sae = load_sae(paths["jumprelu"])
+    acts, _ = sae.encode(x)
+    feature = int((acts > 0).float().mean(0).argmax())
+    return sae, feature, 4.0 * float(acts[:, feature].max())
+
+
+def _check_clamp(tiny_model, sae, feature: int, value: float, exp) -> int:
+    """Each exported record's site state is h + decode(a with a_f = v) - decode(a), from
+    transformers' h with the same SAE, and the next layer equals transformers' with that
+    per-row edit added after the site. Returns the records checked."""
+    from consumers.export import read_export
+
+    checked = 0
+    for rec in read_export(exp):
+        seq = rec.token_ids.tolist()
+        h = hf_states(tiny_model, seq)[f"layer.{SITE}"]
+        a, state = sae.encode(h)
+        target = a.clone()
+        target[:, feature] = value
+        delta = sae.decode(target, state) - sae.decode(a, state)
+        p = rec.positions
+        torch.testing.assert_close(
+            rec.hidden[f"layer.{SITE}"], (h + delta)[p], rtol=1e-4, atol=1e-4
+        )
+        nxt = hf_steered_layer(tiny_model, seq, SITE, delta, SITE + 1)[p]
+        torch.testing.assert_close(rec.hidden[f"layer.{SITE + 1}"], nxt, rtol=1e-4, atol=1e-4)
+        checked += 1
+    return checked
+
+
 @pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes, tmp_path, eager):
     """A config clamp runs in the forward: the site's state is h + decode(a with a_f = v) -
@@ -232,14 +264,10 @@ def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes
     layer equals transformers' with that per-row edit added after the site."""
     from vllm import LLM, SamplingParams
 
-    from consumers.export import read_export
     from tllm_core.engine import TllmLLM
 
     paths, x = saes
-    sae = load_sae(paths["jumprelu"])
-    acts, _ = sae.encode(x)
-    feature = int((acts > 0).float().mean(0).argmax())
-    value = 4.0 * float(acts[:, feature].max())  # far above anything the model produces
+    sae, feature, value = _clamp_target(paths, x)
     params = SamplingParams(n=2, max_tokens=10, seed=21, temperature=1.0)
     kw = {**ENGINE_KW, "enforce_eager": eager}
 
@@ -269,20 +297,31 @@ def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes
     assert report["consumers"]["sae"]["rows_clamped"] == rows
     assert report["runtime"]["rows_edited"] == rows
 
-    checked = 0
-    for rec in read_export(exp):
-        seq = rec.token_ids.tolist()
-        h = hf_states(tiny_model, seq)[f"layer.{SITE}"]
-        a, state = sae.encode(h)
-        target = a.clone()
-        target[:, feature] = value
-        delta = sae.decode(target, state) - sae.decode(a, state)
-        p = rec.positions
-        torch.testing.assert_close(
-            rec.hidden[f"layer.{SITE}"], (h + delta)[p], rtol=1e-4, atol=1e-4
-        )
-        nxt = hf_steered_layer(tiny_model, seq, SITE, delta, SITE + 1)[p]
-        torch.testing.assert_close(rec.hidden[f"layer.{SITE + 1}"], nxt, rtol=1e-4, atol=1e-4)
-        checked += 1
-    assert checked == 4
+    assert _check_clamp(tiny_model, sae, feature, value, exp) == 4
     assert _tokens(outs) != plain_tokens, "clamping a feature far above its range must change text"
+
+
+def test_feature_clamp_on_model_runner_v2_matches_transformers(tiny_model, saes, tmp_path):
+    """The same clamp on vLLM's V2 runner (``tllm run`` under the V2 test fixture)."""
+    from cli_util import v2_env
+    from conftest import cli_json, run_cli
+
+    paths, x = saes
+    sae, feature, value = _clamp_target(paths, x)
+    exp = tmp_path / "exp"
+    clamp = {
+        "path": str(paths["jumprelu"]),
+        "site": SITE,
+        "steer": [{"feature": feature, "clamp": value}],
+    }
+    export = {"out": str(exp), "layers": [SITE, SITE + 1]}
+    args = ["run", "--model", tiny_model, "--consumer", f"sae:{json.dumps(clamp)}"]
+    args += ["--consumer", f"export:{json.dumps(export)}", "-n", "2", "--max-tokens", "4"]
+    args += ["--seed", "21", "--temperature", "1.0", "--no-prefix-caching", "--no-chat"]
+    args += ["--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1", "--json"]
+    for p in PROMPTS[:2]:
+        args += ["--prompt", p]
+    out = cli_json(run_cli(*args, env=v2_env()))
+    assert out["run"]["runner"].startswith("V2 runner"), out["run"]["runner"]
+    assert out["counters"]["runtime"]["rows_edited"] == out["counters"]["sae"]["rows_clamped"] > 0
+    assert _check_clamp(tiny_model, sae, feature, value, exp) == 4
