@@ -67,7 +67,7 @@ def test_v2_capture_logits_chunked_prefill_n2_and_esamp_guidance(tiny_model):
     assert rt["rows_guided"] <= rt["candidates_guided"] <= 20 * rt["rows_guided"]
 
 
-def test_v2_beta_zero_leaves_sampling_identical_and_guides_nothing(tiny_model):
+def test_v2_beta_zero_leaves_sampling_identical_and_guidance_changes_it(tiny_model):
     args = ["run", "--model", tiny_model, "--prompt", "Once upon a time", "-n", "2"]
     args += ["--max-tokens", "4", "--seed", "3", "--temperature", "0.9", "--top-k", "30"]
     args += ["--min-p", "0.01", "--json", *ENGINE]
@@ -77,6 +77,10 @@ def test_v2_beta_zero_leaves_sampling_identical_and_guides_nothing(tiny_model):
     es, rt = zero["counters"]["esamp"], zero["counters"]["runtime"]
     assert es["optimizer_steps"] > 0, "beta 0 still trains the distiller"
     assert rt.get("rows_guided", 0) == 0
+    # the guided logits are what V2 samples from
+    guided = _run_v2(*args, "--consumer", 'esamp:{"beta": 2.0}')
+    assert guided["counters"]["runtime"]["rows_guided"] > 0
+    assert guided["outputs"] != plain["outputs"]
 
 
 def _unit_vector(path, hidden: int = 128, seed: int = 0):

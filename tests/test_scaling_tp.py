@@ -129,7 +129,10 @@ def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2
 
 
 @pytest.mark.slow
-def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path):
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path, runner):
+    from cli_util import v2_env
+
     from consumers.export import read_export
 
     out = tmp_path / "exp"
@@ -139,8 +142,10 @@ def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path):
         "--out", str(out), "--consumer", "esamp", "--prompt", "Hello there", "--prompt", "The cat",
         "-n", "2", "--max-tokens", "6", "--seed", "3", "--no-chat", "--json",
         "--max-model-len", "256", "--kv-cache-gib", "1", "--enforce-eager",
+        env=v2_env() if runner == "v2" else None,
     )  # fmt: skip
     rep = cli_json(proc)
+    assert rep["run"]["runner"].startswith(f"{runner.upper()} runner"), rep["run"]["runner"]
     assert rep["errors"] == []
     assert rep["counters"]["esamp"]["optimizer_steps"] > 0
     assert rep["counters"]["esamp"]["rows_guided"] > 0
