@@ -99,3 +99,23 @@ def test_rows_past_a_stop_are_not_kept_under_async_scheduling(async_scheduling):
         assert kept["a"] == [5, 7]
         assert runtime.get("rows_past_stop", 0) == 0
     assert runtime["engine_steps"] == 3
+
+
+def test_tllm_never_sets_the_runner_choice():
+    """tllm follows vLLM's choice of model runner: no shipped module writes, pops or
+    defaults ``VLLM_USE_V2_MODEL_RUNNER`` (the V2 test fixture lives under tests/)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shipped = ["tllm_core", "producers", "consumers", "algorithms"]
+    writes = re.compile(
+        r"environ(\[|\.setdefault\(|\.pop\(|\.update\()[^\n]*VLLM_USE_V2_MODEL_RUNNER"
+    )
+    offenders = [
+        str(p.relative_to(root))
+        for d in shipped
+        for p in (root / d).rglob("*.py")
+        if writes.search(p.read_text())
+    ]
+    assert offenders == []
