@@ -44,6 +44,7 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
             "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,  # vLLM's Gemma2ForCausalLM has no lm_head of its own
         },
     ),
     "gemma3": (
@@ -94,16 +95,20 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2": (
         "DeepseekV2Config",
         {
-            "kv_lora_rank": 64,
+            "num_key_value_heads": 2,  # MLA has no grouped KV heads (transformers needs equal)
+            # vLLM's MLA backends take kv_lora_rank + qk_rope_head_dim in (320, 512, 576)
+            "kv_lora_rank": 256,
             "q_lora_rank": None,
-            "qk_nope_head_dim": 32,
-            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
             "v_head_dim": 64,
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "n_shared_experts": 1,
             "moe_intermediate_size": 64,
-            "first_k_dense_replace": 1,
+            # dense MLPs only: the matrix tests MLA here (MoE: qwen3_moe, olmoe); vLLM's CPU
+            # router also needs grouped top-k for DeepSeek's MoE
+            "first_k_dense_replace": 64,
             "topk_method": "greedy",
         },
     ),
@@ -206,7 +211,7 @@ def build_tiny_model(
     if arch == "granitemoehybrid":
         # every layer type listed; ``num_layers`` alternates mamba / attention layers
         extra = {**extra, "layer_types": [("mamba", "attention")[i % 2] for i in range(num_layers)]}
-    config = getattr(transformers, cls_name)(**common, **extra)
+    config = getattr(transformers, cls_name)(**{**common, **extra})
     config.dtype = "float32"
 
     torch.manual_seed(seed)
