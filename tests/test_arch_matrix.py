@@ -414,3 +414,28 @@ def test_residual_tap_reads_and_edits_each_layer_convention(convention):
     # the edited stream is what the next layer / final norm will see
     seen = out if convention == "tensor" else (out[0] if convention == "stream_first" else sum(out))
     torch.testing.assert_close(seen, buffers.capture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["granite", "granitemoehybrid"])
+def test_compiled_export_of_other_layer_conventions(arch, tmp_path):
+    """The single-tensor (Granite) and stream-first (hybrid) residual taps traced by
+    torch.compile (``tllm export`` in vLLM's default multiprocess layout) equal transformers."""
+    from conftest import cli_json, run_cli
+
+    from consumers.export import read_export
+
+    path = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=LAYERS, hidden=HIDDEN))
+    ports = _ports(arch)
+    out = tmp_path / "x"
+    args = ["export", "--model", path, "--layers", ",".join(ports), "--out", str(out)]
+    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
+    cli_json(run_cli(*args, "--prompt", PROMPTS[0], timeout=900))
+    records = list(read_export(out, verify=True))
+    assert records
+    for rec in records:  # one per sample (the command's default n)
+        ref = _reference(path, rec.token_ids.tolist(), None)
+        for name in ports:
+            key = f"layer.{name}" if name.isdigit() else name
+            want = ref[key][rec.positions]
+            torch.testing.assert_close(rec.hidden[key], want, rtol=TOL, atol=TOL, msg=key)
