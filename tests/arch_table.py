@@ -32,6 +32,7 @@ NAMES = {
     "olmoe": "OLMoE",
     "gpt_oss": "gpt-oss",
     "granitemoehybrid": "Granite-4 hybrid (Mamba2 + attention, MoE)",
+    "jamba": "Jamba (Mamba + attention)",
     "deepseek_v2": "DeepSeek-V2 (MLA)",
 }
 

@@ -92,6 +92,17 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_chunk_size": 64,
         },
     ),
+    "jamba": (
+        "JambaConfig",
+        {
+            "num_experts": 1,  # dense MLPs (MoE: qwen3_moe, olmoe)
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,  # layer 0: Mamba, layer 1: attention
+            "mamba_d_state": 16,
+            "mamba_expand": 2,
+            "use_mamba_kernels": False,
+        },
+    ),
     "deepseek_v2": (
         "DeepseekV2Config",
         {

@@ -31,6 +31,31 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+# vLLM model modules built on the Mamba-1 mixer (``MambaMixer``), whose selective scan is the
+# custom op ``torch.ops._C.selective_scan_fwd``; the CPU build lacks it (measured: Jamba starts,
+# then its first forward raises "'_C' object has no attribute 'selective_scan_fwd'").
+_MAMBA1_MODULES = ("jamba", "mamba")
+
+
+def _vllm_module(cls: str) -> str | None:
+    try:
+        from vllm.model_executor.models.registry import _VLLM_MODELS
+    except ImportError:
+        return None
+    entry = _VLLM_MODELS.get(cls)
+    return entry[0] if entry else None
+
+
+def _has_selective_scan() -> bool:
+    import torch
+
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads vLLM's op library)
+    except ImportError:
+        return True  # cannot tell: let vLLM decide
+    return hasattr(torch.ops._C, "selective_scan_fwd")
+
+
 def check_model(model: str, dtype: Any) -> None:
     """Raise :class:`UnsupportedEngineError` for a known refusal of ``model`` at ``dtype``."""
     cfg = _config(model)
@@ -48,4 +73,10 @@ def check_model(model: str, dtype: Any) -> None:
         raise UnsupportedEngineError(
             f"{cls} uses multi-head latent attention (MLA), whose CPU kernel in vLLM takes "
             f"bf16 weights only: start it with dtype='bfloat16' (tllm: --dtype bfloat16)"
+        )
+    if _vllm_module(cls) in _MAMBA1_MODULES and not _has_selective_scan():
+        raise UnsupportedEngineError(
+            f"{cls} has Mamba (v1) layers, whose selective-scan kernel "
+            f"(torch.ops._C.selective_scan_fwd) this build of vLLM lacks (the CPU build): its "
+            f"first forward would fail. Mamba2 hybrids (e.g. GraniteMoeHybrid) run."
         )
