@@ -307,6 +307,17 @@ def test_mla_in_fp32_is_refused_before_vllm_starts(results):
         results["deepseek_v2"]["float32"] = str(e.value)
 
 
+def test_cli_refusal_is_one_line_naming_the_model_class():
+    """``tllm run`` on a refused family: exit 2 and tllm's one line, no traceback."""
+    from conftest import run_cli
+
+    path = str(build_tiny_model(MODEL_CACHE, arch="jamba", num_layers=LAYERS))
+    proc = run_cli("run", "--model", path, "--prompt", "Hi", "--max-tokens", "2", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "tllm: JambaForCausalLM has Mamba (v1) layers" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_committed_table_matches_this_run(results):
     """Runs last (file order): the committed matrix (``docs/architectures.json``) says what this
     run found; re-render with ``tests/arch_table.py`` when a family's status changes."""

@@ -18,6 +18,7 @@ from tllm_core.cli_common import (
 from tllm_core.quiet import install_if_quiet
 from tllm_core.registry import PluginLoadError, plugin_manager
 from tllm_core.serve_command import add_command as add_serve_command
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # vLLM starts its engine processes with ``spawn``: they import this module (the command's
 # main module) before anything of vLLM, so its import-time warnings are filtered there too.
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, PluginLoadError) as e:  # ConsumerSpecError and CliError included
+        print(f"tllm: {e}", file=sys.stderr)
+        return 2
+    except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...

@@ -146,6 +146,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         model = str(default_model_path(progress=True))
         checked = validate_consumers(checked, model)
+    from tllm_core.vllm_bridge.families import check_model
+
+    check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
     settings = RuntimeSettings(consumers=list(checked.specs))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
