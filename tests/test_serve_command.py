@@ -25,6 +25,7 @@ def test_serve_argv_and_description_units():
     i = argv.index("--served-model-name")
     assert argv[i + 1 : i + 3] == ["tiny", "default"]
     assert argv[-1] == "--enforce-eager" and "--" not in argv
+    assert "--max-model-len" not in argv  # vLLM derives it from the model (issue 27)
     tllm = json.loads(argv[argv.index("--additional-config") + 1])["tllm"]
     assert tllm["consumers"][0]["name"] == "esamp"
     assert tllm["consumers"][0]["config"] == {"beta": 0.5}

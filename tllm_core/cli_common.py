@@ -53,7 +53,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dtype", default="float32", help="model dtype: float32, bfloat16, auto (default float32)"
     )
-    g.add_argument("--max-model-len", type=int, default=2048, help="context length (default 2048)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's own, as vLLM derives it)",
+    )
     g.add_argument(
         "--enforce-eager", action="store_true", help="disable compilation (faster start)"
     )
@@ -168,9 +173,11 @@ def quiet(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments from the model and engine options."""
-    kw: dict[str, Any] = dict(
-        dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager
-    )
+    kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=args.enforce_eager)
+    # No length given: vLLM derives it from the model's config (a fixed default would refuse
+    # every model with a shorter context).
+    if args.max_model_len is not None:
+        kw["max_model_len"] = args.max_model_len
     for k in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, k, 1) != 1:
             kw[k] = getattr(args, k)

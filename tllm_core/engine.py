@@ -101,6 +101,9 @@ class TllmLLM:
             model = str(default_model_path())
         self.model_path = model
         checked = validate_consumers(consumers, model if os.path.isdir(model) else None)
+        from tllm_core.vllm_bridge.families import check_model
+
+        check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.registry)
         self.settings = RuntimeSettings(
             consumers=list(checked.specs),

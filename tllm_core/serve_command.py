@@ -39,7 +39,9 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     argv = ["--model", model, "--host", args.host, "--port", str(args.port)]
     if not any(a.startswith("--served-model-name") for a in extra):
         argv += ["--served-model-name", Path(model).name, "default"]
-    argv += ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len)]
+    argv += ["--dtype", args.dtype]
+    if args.max_model_len is not None:  # else vLLM derives it from the model's config
+        argv += ["--max-model-len", str(args.max_model_len)]
     if args.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.data_parallel_size != 1:
@@ -155,6 +157,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         model = str(default_model_path(progress=True))
         checked = validate_consumers(checked, model)
+    from tllm_core.vllm_bridge.families import check_model
+
+    check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
     settings = RuntimeSettings(consumers=list(checked.specs))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
@@ -204,7 +209,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "(docs/scaling.md)",
     )
     s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
-    s.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    s.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (default: the model's own, as vLLM derives it)",
+    )
     s.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache GiB (default 2)")
     s.add_argument(
         "-v", "--verbose", action="store_true", help="show vLLM's logs and request lines"

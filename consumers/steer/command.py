@@ -34,7 +34,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     sc.add_argument("--out", required=True, type=Path, help="output .safetensors/.pt/.npy")
     sc.add_argument("--model")
     sc.add_argument("--dtype", default="float32")
-    sc.add_argument("--max-model-len", type=int, default=2048)
+    sc.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
     sc.add_argument("--enforce-eager", action="store_true")
     sc.add_argument("--kv-cache-gib", type=int, default=None)
     sc.add_argument("--json", action="store_true")

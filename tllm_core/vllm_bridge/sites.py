@@ -77,16 +77,54 @@ class _Tap(nn.Module):
 
 class ResidualTap(_Tap):
     """Decoder layer ``(positions, h, residual) -> (h, residual)``; the residual stream
-    after the layer is ``h + residual``."""
+    after the layer is ``h + residual`` (Llama-style: the next layer's fused add-norm adds
+    them). Two other conventions exist in vLLM's models, seen in the layer's output:
+
+    - a single tensor (Granite): the stream itself;
+    - ``stream_first`` (layer classes in :data:`STREAM_FIRST_LAYERS`): ``h`` already is the
+      stream and ``residual`` is an intermediate the next layer ignores.
+    """
+
+    stream_first = False
 
     def value(self, out):
+        if isinstance(out, torch.Tensor):
+            return out
         h, r = out
-        return h + r
+        return h if self.stream_first else h + r
 
     def rebuild(self, out, new, changed):
+        if isinstance(out, torch.Tensor):
+            return torch.where(changed, new, out)
         h, r = out
+        if self.stream_first:
+            return torch.where(changed, new, h), r
         # torch.where keeps unchanged rows' h bit for bit ((h + r) - r may differ from h).
         return torch.where(changed, new - r, h), r
+
+
+class StreamFirstResidualTap(ResidualTap):
+    stream_first = True
+
+
+# Decoder layers returning ``(stream, residual)`` whose first element already includes the
+# residual (``hidden_states = residual + block(...)``) and whose model applies the final norm
+# to that element alone: ``h + residual`` would count the residual twice. GraniteMoeHybrid is
+# checked by tests/test_arch_matrix.py; the others are from reading vLLM 0.32's model files.
+STREAM_FIRST_LAYERS = frozenset(
+    {
+        "GraniteMoeHybridAttentionDecoderLayer",
+        "GraniteMoeHybridMambaDecoderLayer",
+        "CohereDecoderLayer",
+        "Cohere2MoeDecoderLayer",
+        "CohereCompassDecoderLayer",
+        "Exaone4DecoderLayer",
+        "HyperCLOVAXDecoderLayer",
+        "MuseGlimmerDecoderLayer",
+        "PhiMoEDecoderLayer",
+        "StablelmDecoderLayer",
+    }
+)
 
 
 class OutputTap(_Tap):
@@ -98,13 +136,25 @@ class Site:
     """Where in decoder layer ``model.model.layers[i]`` a tap sits."""
 
     tap: type[_Tap]
-    attribute: str | None  # child module of the layer; None: the layer itself
+    # Child modules of the layer that carry the block's output, tried in order (families name
+    # them differently: gpt-oss ``attn``, Jamba ``feed_forward``, Granite-MoE
+    # ``block_sparse_moe``); empty: the layer itself.
+    attributes: tuple[str, ...] = ()
+    what: str = "decoder layer"
+    # Sibling modules whose output the layer adds to the block's inline: with one present the
+    # block's module carries only part of the site's value, so the site is refused.
+    partial_if: tuple[str, ...] = ()
 
 
 SITES: dict[str, Site] = {
-    "residual": Site(ResidualTap, None),
-    "attn": Site(OutputTap, "self_attn"),
-    "mlp": Site(OutputTap, "mlp"),
+    "residual": Site(ResidualTap),
+    "attn": Site(OutputTap, ("self_attn", "attn", "self_attention"), "self-attention block"),
+    "mlp": Site(
+        OutputTap,
+        ("mlp", "feed_forward", "block_sparse_moe"),
+        "MLP / MoE block",
+        ("shared_mlp", "shared_expert", "shared_experts"),
+    ),
 }
 
 
@@ -114,19 +164,57 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-def install_tap(layers: nn.ModuleList, site: str, index: int, buffers: TapBuffers) -> None:
-    """Wrap the module of ``site`` in decoder layer ``index``."""
-    spec = SITES[site]
-    if spec.attribute is None:
-        layers[index] = spec.tap(layers[index], buffers)
-        return
-    layer = unwrap(layers[index])
-    child = getattr(layer, spec.attribute, None)
-    if not isinstance(child, nn.Module):
-        from tllm_core.vllm_bridge.version import UnsupportedEngineError
+def _is_core_op(module: nn.Module) -> bool:
+    """vLLM's attention / Mamba kernels (``Attention``, ``MLAAttention``, mixers): a layer
+    that holds one directly (Jamba's ``attn``) does its projections itself, so the module's
+    output is not the block's output."""
+    try:
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    except ImportError:  # another vLLM layout: no such check
+        return False
+    return isinstance(module, AttentionLayerBase)
 
+
+def find_block(layer: nn.Module, site: str) -> tuple[str | None, str | None]:
+    """``(attribute, None)`` of ``site``'s module in ``layer``, or ``(None, why)``."""
+    spec = SITES[site]
+    for name in spec.attributes:
+        child = getattr(layer, name, None)
+        if isinstance(child, nn.Module) and not _is_core_op(child):
+            extra = [p for p in spec.partial_if if isinstance(getattr(layer, p, None), nn.Module)]
+            if extra:
+                return None, (
+                    f"its {spec.what} output is {name} + {' + '.join(extra)}, added inline by "
+                    f"the layer: no one module carries it"
+                )
+            return name, None
+    children = ", ".join(n for n, _ in layer.named_children()) or "none"
+    return None, (
+        f"it has no {spec.what} module (looked for {', '.join(spec.attributes)}; "
+        f"its children: {children})"
+    )
+
+
+def install_tap(
+    layers: nn.ModuleList, site: str, index: int, buffers: TapBuffers, model: str | None = None
+) -> None:
+    """Wrap the module of ``site`` in decoder layer ``index``; ``model`` (the model class
+    name) only makes the error clearer."""
+    spec = SITES[site]
+    layer = unwrap(layers[index])
+    if not spec.attributes:
+        tap = spec.tap
+        if tap is ResidualTap and type(layer).__name__ in STREAM_FIRST_LAYERS:
+            tap = StreamFirstResidualTap
+        layers[index] = tap(layers[index], buffers)
+        return
+    name, why = find_block(layer, site)
+    if name is None:
+        from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+        of = f" of {model}" if model else ""
         raise UnsupportedEngineError(
-            f"decoder layer {index} ({type(layer).__name__}) has no module "
-            f"{spec.attribute!r}: tap site {site!r} is not supported for this model"
+            f"tap site {site!r} is not supported at decoder layer {index} "
+            f"({type(layer).__name__}){of}: {why}"
         )
-    setattr(layer, spec.attribute, spec.tap(child, buffers))
+    setattr(layer, name, spec.tap(getattr(layer, name), buffers))
