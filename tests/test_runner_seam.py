@@ -29,6 +29,7 @@ class FakeAdapter:
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
         self.events = None
+        self.runner = None  # the fake has no vLLM runner behind it
 
     def decoder_layers(self) -> nn.ModuleList:
         return nn.ModuleList()

@@ -80,6 +80,7 @@ class RunnerHooks:
         self._needs = {t.key for t in runtime.taps}
         edit_keys = {t.key for t in runtime.edit_taps}
         layers = adapter.decoder_layers()
+        model_name = type(getattr(adapter.runner, "model", None)).__name__
         # Child sites (attn, mlp) first: the residual tap wraps the whole layer.
         for tap in sorted(runtime.taps, key=lambda t: (t.site == "residual", t.key)):
             if tap.layer is None:
@@ -103,7 +104,7 @@ class RunnerHooks:
             self.stamps[tap.key] = buffers.stamp
             if edit is not None:
                 self.edit_counts[tap.key] = buffers.edited
-            install_tap(layers, tap.site, tap.layer, buffers)
+            install_tap(layers, tap.site, tap.layer, buffers, model=model_name)
         sync = sync_sampled if self._sync and runtime.guides else None
         adapter.install(self, guides=runtime.guides, sync_sampled=sync)
 

@@ -59,8 +59,8 @@ class RunnerAdapterBase:
         if not isinstance(layers, nn.ModuleList):
             raise UnsupportedEngineError(
                 f"tllm cannot find decoder layers at model.model.layers in "
-                f"{type(self.runner.model).__name__}; supported: Llama/Qwen2/Qwen3/Mistral-style "
-                f"decoders"
+                f"{type(self.runner.model).__name__}; supported decoder families: "
+                f"docs/architectures.md"
             )
         return layers
 
