@@ -11,6 +11,7 @@ from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
 from tllm_core.edits import EditPlan
 from tllm_core.hookspecs import hookimpl
+from tllm_core.numbers import FiniteF32
 from tllm_core.ports import (
     Delivery,
     Edit,
@@ -38,6 +39,7 @@ __all__ = [
     "ConsumerContext",
     "ConsumerSpec",
     "ConsumerSpecError",
+    "FiniteF32",
     "Delivery",
     "Edit",
     "EditPlan",

@@ -18,6 +18,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
+from tllm_core.numbers import ERROR_TYPE as F32_ERROR
+from tllm_core.numbers import MAX_TEXT as F32_MAX_TEXT
+from tllm_core.numbers import is_f32_marker
+
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
 CONSUMERS_KEY = "tllm_consumers"
@@ -59,6 +63,8 @@ def _admits_bool(annotation: Any) -> bool:
 def type_name(t: Any) -> str:
     """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
     origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Annotated:
+        return type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -72,6 +78,16 @@ def type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
+def _f32_inside(annotation: Any) -> bool:
+    """Whether :data:`FiniteF32` is the annotation or one arm of its union."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return any(is_f32_marker(m) for m in args[1:]) or _f32_inside(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_f32_inside(a) for a in args)
+    return False
+
+
 def allowed(field: FieldInfo) -> str:
     """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
     text = type_name(field.annotation)
@@ -82,6 +98,10 @@ def allowed(field: FieldInfo) -> str:
                 text += f", {op} {bound}"
         if getattr(m, "allow_inf_nan", None) is False:
             text += ", finite"
+        if getattr(m, "max_length", None) is not None:
+            text += f", at most {m.max_length} entries"
+    if _f32_inside(field.annotation) or any(is_f32_marker(m) for m in field.metadata):
+        text += f", finite float32 (|x| <= {F32_MAX_TEXT})"
     return text
 
 
@@ -97,6 +117,8 @@ def _message(err: dict[str, Any]) -> str:
         return "must be a whole number"
     if kind == "finite_number":
         return "must be finite"
+    if kind == F32_ERROR:
+        return err["msg"]
     if kind == "greater_than_equal":
         return f"must be >= {ctx.get('ge')}"
     if kind == "greater_than":

@@ -70,11 +70,35 @@ class ConsumerSpec(BaseModel):
         )
 
 
+MIB = 1024 * 1024
+
+
+class ServerSettings(BaseModel):
+    """Settings of tllm's part of an OpenAI server (``tllm serve``/``vllm serve``), API-server side."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(
+        32 * MIB,
+        ge=1024,
+        le=2**31,
+        description="largest request body accepted (HTTP 413 past it): a body is read whole "
+        "to check its tllm keys before vLLM sees it",
+    )
+    show_paths: bool = Field(
+        False,
+        description="show server filesystem paths in /tllm/* responses (hidden by default: "
+        "a server may face strangers)",
+    )
+
+
 class RuntimeSettings(BaseModel):
     """Engine-side runtime settings (JSON in ``additional_config["tllm"]``)."""
 
     model_config = ConfigDict(extra="forbid")
     consumers: list[ConsumerSpec] = Field(default_factory=list)
+    server: ServerSettings = Field(
+        default_factory=ServerSettings, description="the OpenAI server's limits (serving only)"
+    )
     queue_size: int = Field(64, ge=1, description="bundles per background queue")
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"

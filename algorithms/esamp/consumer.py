@@ -30,6 +30,7 @@ from algorithms.esamp.guidance import (
 from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.numbers import FiniteF32
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
 from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo
@@ -121,10 +122,9 @@ def _use_side_thread(mode: str) -> bool:
 class ESampRequest(RequestSettings):
     """Per-request settings: ``tllm_esamp_beta``."""
 
-    beta: float | None = Field(
+    beta: FiniteF32 | None = Field(
         None,
         ge=0,
-        allow_inf_nan=False,
         description="ESamp's beta for this request (0: no guidance); default: the config's beta",
     )
 

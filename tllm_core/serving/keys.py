@@ -12,6 +12,7 @@ is allowed.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -170,15 +171,21 @@ def validate_extra_args(
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
 
 
-def request_salt(extra: dict[str, Any] | None) -> str | None:
+def request_salt(extra: dict[str, Any] | None, key: bytes | None = None) -> str | None:
     """Prefix-cache salt of a request with tllm settings (None: no ``tllm_*`` key).
 
     Requests with different tllm settings may compute different KV for the same tokens
     (steering edits the residual stream), so they must not share cached blocks; requests with
-    identical settings compute identical KV and may.
+    identical settings compute identical KV and may. A server passes its secret ``key``: the
+    salt is then an HMAC that no client can compute, so a client's own ``cache_salt`` can never
+    equal it (a predictable salt would let an unsteered request reuse steered KV blocks).
     """
     items = sorted((k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX))
     if not items:
         return None
-    digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+    text = json.dumps(items).encode()
+    if key is None:
+        digest = hashlib.sha256(text).hexdigest()[:16]
+    else:
+        digest = hmac.new(key, text, hashlib.sha256).hexdigest()[:32]
     return f"tllm-{digest}"

@@ -130,12 +130,14 @@ class EndpointGate:
         if cfg is None:
             return
         from tllm_core.serving.keys import EngineConsumers
+        from tllm_core.settings import RuntimeSettings
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True
         # The front end's check of the consumer names and configs (the worker checks again).
-        self.engine = EngineConsumers.from_settings(cfg)
-        attach_routes(app, self.engine)
+        settings = RuntimeSettings.model_validate(cfg)
+        self.engine = EngineConsumers.from_settings(settings)
+        attach_routes(app, self.engine, settings.server)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
+from collections import deque
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.reports import merge_reports
+from tllm_core.serving.guard import BearerGuard, hide_paths
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -62,56 +65,88 @@ def check_body(body: bytes, server: EngineConsumers) -> str | None:
     return None
 
 
-class XargsCheck:
-    """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
+def _error_response(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    ).encode()
 
-    def __init__(self, app: Any, server: EngineConsumers):
+
+async def send_json_error(send: Any, status: int, payload: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _too_large(limit: int) -> bytes:
+    return _error_response(
+        413,
+        f"tllm: request body is larger than this server's limit of {limit} bytes "
+        "(server setting max_body_bytes)",
+        "RequestEntityTooLarge",
+    )
+
+
+def _declared_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class XargsCheck:
+    """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
+    tllm vllm_xargs, both before the handler runs.
+
+    Chunks are kept in a list and joined once: appending each chunk to one bytes object
+    copies the body so far every time, quadratic in the number of chunks, on the event loop.
+    """
+
+    def __init__(self, app: Any, server: EngineConsumers, max_body_bytes: int = 32 * MIB):
         self.app = app
         self.server = server
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].endswith(CHECKED_PATHS)
-        ):
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        messages, body = [], b""
+        declared = _declared_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            return await send_json_error(send, 413, _too_large(self.max_body_bytes))
+        if not scope["path"].endswith(CHECKED_PATHS):
+            return await self.app(scope, receive, send)
+        messages: deque = deque()
+        chunks: list[bytes] = []
+        size = 0
         while True:
             msg = await receive()
             messages.append(msg)
             if msg["type"] != "http.request":
                 break
-            body += msg.get("body", b"")
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await send_json_error(send, 413, _too_large(self.max_body_bytes))
+            chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        error = check_body(body, self.server)
+        error = check_body(b"".join(chunks), self.server)
         if error is not None:
-            payload = json.dumps(
-                {
-                    "error": {
-                        "message": error,
-                        "type": "BadRequestError",
-                        "param": "vllm_xargs",
-                        "code": 400,
-                    }
-                }
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(payload)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload})
-            return
+            payload = _error_response(400, error, "BadRequestError", "vllm_xargs")
+            return await send_json_error(send, 400, payload)
 
         async def replay():
-            return messages.pop(0) if messages else await receive()
+            return messages.popleft() if messages else await receive()
 
         await self.app(scope, replay, send)
 
@@ -131,9 +166,26 @@ async def rpc_all(engine_client: Any, method: str) -> list[Any]:
     return list(await engine_client.collective_rpc(method))
 
 
-def attach_routes(app: Any, server: EngineConsumers) -> None:
-    app.add_middleware(XargsCheck, server=server)
+def api_tokens(args: Any) -> list[str]:
+    """The API keys vLLM's server guards ``/v1`` with: ``--api-key`` (one or more), else
+    ``VLLM_API_KEY`` (vLLM's rule, ``entrypoints/serve/middleware/register.py``)."""
+    from vllm import envs
+
+    given = getattr(args, "api_key", None)
+    if isinstance(given, str):
+        given = [given]
+    return [k for k in (given or [envs.VLLM_API_KEY]) if k]
+
+
+def attach_routes(
+    app: Any, server: EngineConsumers, settings: ServerSettings | None = None
+) -> None:
+    settings = settings or ServerSettings()
+    app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
+    # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
+    app.add_middleware(BearerGuard, tokens=api_tokens(getattr(app.state, "args", None)))
     router = APIRouter()
+    shown = (lambda body: body) if settings.show_paths else hide_paths
 
     async def _rpc(request: Request, method: str) -> Any:
         client = getattr(request.app.state, "tllm_engine_client", None)
@@ -144,7 +196,7 @@ def attach_routes(app: Any, server: EngineConsumers) -> None:
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         out = await _rpc(request, "tllm_collect")
-        return out if isinstance(out, JSONResponse) else JSONResponse(merge_reports(out))
+        return out if isinstance(out, JSONResponse) else JSONResponse(shown(merge_reports(out)))
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
@@ -156,7 +208,7 @@ def attach_routes(app: Any, server: EngineConsumers) -> None:
         body = {"worker": leader, **server.describe()}
         if len(out) > 1:
             body["ranks"] = out
-        return JSONResponse(body)
+        return JSONResponse(shown(body))
 
     app.include_router(router)
 
@@ -174,6 +226,8 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
             "vLLM's input processor lacks validate_logits_processors_params/assign_request_id: "
             "this vLLM is not supported for serving with tllm"
         )
+    # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
+    salt_key = secrets.token_bytes(32)
     validate_orig = input_processor.validate_logits_processors_params
     assign_orig = input_processor.assign_request_id
 
@@ -189,7 +243,7 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
     def assign_request_id(request: Any) -> None:
         assign_orig(request)
         params = getattr(request, "sampling_params", None)
-        salt = request_salt(getattr(params, "extra_args", None))
+        salt = request_salt(getattr(params, "extra_args", None), salt_key)
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt

@@ -1,0 +1,182 @@
+"""The server's guards at the ASGI level, without an engine (issue 26): body size limit and
+linear reading, the API key on ``/tllm/*``, hidden paths, unforgeable cache salts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tllm_core.serving import EngineConsumers, request_salt
+from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
+from tllm_core.settings import RuntimeSettings, ServerSettings
+from tllm_core.vllm_bridge.serving import XargsCheck, api_tokens
+
+
+@pytest.fixture(scope="module")
+def engine() -> EngineConsumers:
+    return EngineConsumers.from_settings({"consumers": [{"name": "esamp", "per_request": True}]})
+
+
+class FakeApp:
+    """The app behind the middleware: reads the whole body through ``receive``, answers 200."""
+
+    def __init__(self):
+        self.calls = 0
+        self.body = b""
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        parts = []
+        while True:
+            msg = await receive()
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        self.body = b"".join(parts)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+class Chunks:
+    """A fake ``receive``: the body in the given pieces, counting the calls."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = list(pieces)
+        self.calls = 0
+
+    async def __call__(self):
+        self.calls += 1
+        assert self.calls <= len(self.pieces), "receive called past the end of the body"
+        i = self.calls - 1
+        return {
+            "type": "http.request",
+            "body": self.pieces[i],
+            "more_body": i + 1 < len(self.pieces),
+        }
+
+
+def _call(middleware, receive, path="/v1/completions", method="POST", headers=()):
+    sent: list[dict] = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers)}
+    asyncio.run(middleware(scope, receive, send))
+    status = sent[0]["status"]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, body
+
+
+def _pieces(body: bytes, size: int) -> list[bytes]:
+    return [body[i : i + size] for i in range(0, len(body), size)]
+
+
+def test_body_past_the_limit_is_413_before_the_app(engine):
+    app = FakeApp()
+    mw = XargsCheck(app, engine, max_body_bytes=4096)
+    status, body = _call(mw, Chunks([b"x" * 1000] * 5))  # 5000 bytes, no Content-Length
+    assert status == 413 and app.calls == 0
+    assert "4096 bytes" in json.loads(body)["error"]["message"]
+    # A declared Content-Length past the limit is refused before reading, on any POST route.
+    receive = Chunks([b"{}"])
+    status, _ = _call(mw, receive, path="/v1/embeddings", headers=[(b"content-length", b"5000")])
+    assert status == 413 and receive.calls == 0 and app.calls == 0
+    # At the limit it passes, whole.
+    status, _ = _call(mw, Chunks([b"x" * 1024] * 4))
+    assert status == 200 and app.body == b"x" * 4096
+
+
+def test_many_tiny_chunks_are_read_once_and_replayed_whole(engine):
+    # 200,000 one-byte chunks: with `body += chunk` this copies ~20 GB (minutes); joined once,
+    # a blink. The test does not time it: the CI timeout catches the quadratic version.
+    good = json.dumps(
+        {
+            "prompt": "hi " * 66_000,
+            "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5},
+        }
+    ).encode()
+    assert len(good) > 190_000
+    app = FakeApp()
+    mw = XargsCheck(app, engine, max_body_bytes=ServerSettings().max_body_bytes)
+    receive = Chunks(_pieces(good, 1))
+    status, _ = _call(mw, receive)
+    assert status == 200 and app.body == good and receive.calls == len(good)
+    bad = good.replace(b'"tllm_esamp_beta": 0.5', b'"tllm_esamp_beta": 1e39')
+    status, body = _call(XargsCheck(FakeApp(), engine), Chunks(_pieces(bad, 1)))
+    assert status == 400 and "float32" in json.loads(body)["error"]["message"]
+
+
+def test_body_limit_is_a_server_setting():
+    assert ServerSettings().max_body_bytes == 32 * 1024 * 1024
+    s = RuntimeSettings.model_validate({"server": {"max_body_bytes": 1 << 20}})
+    assert s.server.max_body_bytes == 1 << 20
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        RuntimeSettings.model_validate({"server": {"max_body_bytes": 0}})
+
+
+def test_tllm_routes_need_the_api_key():
+    app = FakeApp()
+    guard = BearerGuard(app, tokens=["s3cret", "other"])
+    for path in ("/tllm/counters", "/tllm/status"):
+        status, _ = _call(guard, Chunks([b""]), path=path, method="GET")
+        assert status == 401
+        wrong = [(b"authorization", b"Bearer nope")]
+        assert _call(guard, Chunks([b""]), path=path, method="GET", headers=wrong)[0] == 401
+        for key in (b"s3cret", b"other"):
+            ok = [(b"authorization", b"Bearer " + key)]
+            assert _call(guard, Chunks([b""]), path=path, method="GET", headers=ok)[0] == 200
+    # Other routes are vLLM's business; no key configured: nothing is guarded.
+    assert _call(guard, Chunks([b""]), path="/health", method="GET")[0] == 200
+    assert _call(guard, Chunks([b""]), path="/tllmx", method="GET")[0] == 200
+    open_guard = BearerGuard(FakeApp(), tokens=[])
+    assert _call(open_guard, Chunks([b""]), path="/tllm/counters", method="GET")[0] == 200
+
+
+def test_api_tokens_follow_vllms_rule(monkeypatch):
+    from types import SimpleNamespace
+
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    if hasattr(vllm.envs, "cache_clear"):
+        vllm.envs.cache_clear()  # vLLM may cache environment reads
+    assert api_tokens(SimpleNamespace(api_key=["a", "b"])) == ["a", "b"]
+    assert api_tokens(SimpleNamespace(api_key=None)) == ["from-env"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    if hasattr(vllm.envs, "cache_clear"):
+        vllm.envs.cache_clear()
+    assert api_tokens(SimpleNamespace(api_key=None)) == []
+
+
+def test_paths_are_hidden_from_responses():
+    report = {
+        "results": {
+            "export": {"out": "/srv/data/run1", "rows": 3},
+            "sae": {"path": "saes/layer3", "site": "3"},
+        },
+        "errors": [{"message": 'File "/home/op/tllm/x.py", line 3: boom; top-k/top-p 1/0'}],
+        "keys": {"tllm_x": "e.g. true/false"},
+    }
+    shown = hide_paths(report)
+    assert shown["results"]["export"] == {"out": HIDDEN, "rows": 3}
+    assert shown["results"]["sae"] == {"path": HIDDEN, "site": "3"}
+    assert shown["errors"][0]["message"] == f'File "{HIDDEN}", line 3: boom; top-k/top-p 1/0'
+    assert shown["keys"] == report["keys"]
+    assert "/srv" not in json.dumps(shown) and "/home" not in json.dumps(shown)
+
+
+def test_client_cache_salt_cannot_equal_tllms():
+    steered = {"tllm_consumers": "steer", "tllm_steer_scale": 8}
+    key_a, key_b = b"a" * 32, b"b" * 32
+    # The salt is keyed by the server's secret: what a client can compute (no key, or a
+    # guessed one) is not it; the same settings on one server still share the cache.
+    assert request_salt(steered, key_a) == request_salt(dict(steered), key_a)
+    assert request_salt(steered, key_a) != request_salt(steered)
+    assert request_salt(steered, key_a) != request_salt(steered, key_b)
+    assert request_salt(steered, key_a) != request_salt(
+        {"tllm_consumers": "steer", "tllm_steer_scale": 4}, key_a
+    )
+    assert request_salt({"x": 1}, key_a) is None
