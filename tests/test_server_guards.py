@@ -70,8 +70,19 @@ def _call(middleware, receive, path="/v1/completions", method="POST", headers=()
     return status, body
 
 
+class Piece(bytes):
+    """A body chunk that counts how often it is appended with ``+``: ``body += chunk`` copies
+    the body so far each time (quadratic in the number of chunks); a join copies once."""
+
+    appended = 0
+
+    def __radd__(self, other: bytes) -> bytes:
+        Piece.appended += 1
+        return bytes(other) + bytes(self)
+
+
 def _pieces(body: bytes, size: int) -> list[bytes]:
-    return [body[i : i + size] for i in range(0, len(body), size)]
+    return [Piece(body[i : i + size]) for i in range(0, len(body), size)]
 
 
 def test_body_past_the_limit_is_413_before_the_app(engine):
@@ -102,8 +113,10 @@ def test_many_tiny_chunks_are_read_once_and_replayed_whole(engine):
     app = FakeApp()
     mw = XargsCheck(app, engine, max_body_bytes=ServerSettings().max_body_bytes)
     receive = Chunks(_pieces(good, 1))
+    Piece.appended = 0
     status, _ = _call(mw, receive)
     assert status == 200 and app.body == good and receive.calls == len(good)
+    assert Piece.appended == 0  # joined once, never grown chunk by chunk
     bad = good.replace(b'"tllm_esamp_beta": 0.5', b'"tllm_esamp_beta": 1e39')
     status, body = _call(XargsCheck(FakeApp(), engine), Chunks(_pieces(bad, 1)))
     assert status == 400 and "float32" in json.loads(body)["error"]["message"]
@@ -180,3 +193,30 @@ def test_client_cache_salt_cannot_equal_tllms():
         {"tllm_consumers": "steer", "tllm_steer_scale": 4}, key_a
     )
     assert request_salt({"x": 1}, key_a) is None
+
+
+def test_server_salts_requests_with_its_secret(engine):
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.serving import install_request_checks
+
+    processor = SimpleNamespace(
+        validate_logits_processors_params=lambda params: None,
+        assign_request_id=lambda request: None,
+    )
+    install_request_checks(processor, engine)
+    steered = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
+
+    def admitted(extra, cache_salt=None):
+        request = SimpleNamespace(
+            sampling_params=SimpleNamespace(extra_args=extra), cache_salt=cache_salt
+        )
+        processor.assign_request_id(request)
+        return request.cache_salt
+
+    mine = admitted(steered)
+    assert mine.startswith("tllm-") and mine == admitted(dict(steered))
+    # A plain request whose client salt is the one anyone can compute does not share its KV.
+    assert admitted({}, cache_salt=request_salt(steered)) != mine
+    assert admitted({}, cache_salt="x") == "x"
+    assert admitted(steered, cache_salt="x") == f"x|{mine}"
