@@ -105,6 +105,12 @@ def allowed(field: FieldInfo) -> str:
     return text
 
 
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a message must not echo a huge request."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _num(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -127,6 +133,8 @@ def _message(err: dict[str, Any]) -> str:
         return f"must be <= {ctx.get('le')}"
     if kind == "less_than":
         return f"must be < {ctx.get('lt')}"
+    if kind == "too_long":
+        return f"must have at most {ctx.get('max_length')} entries (got {ctx.get('actual_length')})"
     if kind in ("bool_parsing", "bool_type"):
         return "must be a boolean (true/false, 1/0, yes/no, on/off)"
     return f"is not valid ({err['msg']})"
@@ -164,8 +172,11 @@ def parse_request_settings(
         loc = err["loc"][0] if err["loc"] else None
         if isinstance(loc, str) and loc in model.model_fields:
             key = request_key(consumer, loc)
+            # Inside a list or object value: name the entry too (``['tllm_sae_steer'][2].scale``).
+            inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
+            value = err.get("input") if inner else data.get(loc)
             raise ValueError(
-                f"{where}[{key!r}] {_message(err)}, got {data.get(loc)!r} "
+                f"{where}[{key!r}]{inner} {_message(err)}, got {short_repr(value)} "
                 f"(allowed: {allowed(model.model_fields[loc])})"
             ) from None
         # A model-level check (several fields together): name every key that was given.

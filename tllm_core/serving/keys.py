@@ -26,6 +26,7 @@ from tllm_core.request_settings import (
     RequestSettings,
     describe_request_keys,
     parse_request_settings,
+    short_repr,
 )
 from tllm_core.settings import ConsumerSpec, RuntimeSettings
 
@@ -44,6 +45,9 @@ __all__ = [
     "validate_extra_args",
 ]
 
+# A group name is kept per live group by consumers (ESamp): bounded like any request value.
+MAX_GROUP_CHARS = 1024
+
 KEYS: dict[str, str] = {
     CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
     "request (each must be configured)",
@@ -57,7 +61,7 @@ def enabled_names(extra: dict[str, Any], where: str = "vllm_xargs") -> list[str]
     if not isinstance(raw, str):
         raise ValueError(
             f'{where}[{CONSUMERS!r}] must be a comma-separated string (e.g. "esamp,steer"), '
-            f"got {raw!r}"
+            f"got {short_repr(raw)}"
         )
     return [n.strip() for n in raw.split(",") if n.strip()]
 
@@ -141,19 +145,28 @@ def validate_extra_args(
             known = sorted(
                 [*KEYS, *(k for k, (c, _) in engine.owners.items() if c in engine.models)]
             )
-            raise ValueError(f"unknown tllm key {where}[{key!r}]; known keys: {', '.join(known)}")
+            raise ValueError(
+                f"unknown tllm key {where}[{short_repr(key)}]; known keys: {', '.join(known)}"
+            )
         if not isinstance(value, (str, int, float)):
-            raise ValueError(f"{where}[{key!r}] must be a flat string or number, got {value!r}")
+            raise ValueError(
+                f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
+            )
     names = enabled_names(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
         if n not in engine.per_request:
             raise ValueError(
-                f"unknown consumer {n!r} in {where}[{CONSUMERS!r}]; this engine's per-request "
+                f"unknown consumer {short_repr(n)} in {where}[{CONSUMERS!r}]; this engine's per-request "
                 f"consumers: {optional or 'none'}"
             )
-    if GROUP in extra and isinstance(extra[GROUP], str) and not extra[GROUP].strip():
+    group = extra.get(GROUP)
+    if isinstance(group, str) and not group.strip():
         raise ValueError(f"{where}[{GROUP!r}] must not be empty")
+    if isinstance(group, str) and len(group) > MAX_GROUP_CHARS:
+        raise ValueError(
+            f"{where}[{GROUP!r}] has {len(group)} characters; allowed: at most {MAX_GROUP_CHARS}"
+        )
     for name, keys in mine.items():
         key = keys[0]
         if name not in engine.per_request:
