@@ -220,3 +220,61 @@ def test_server_salts_requests_with_its_secret(engine):
     assert admitted({}, cache_salt=request_salt(steered)) != mine
     assert admitted({}, cache_salt="x") == "x"
     assert admitted(steered, cache_salt="x") == f"x|{mine}"
+
+
+def _app(engine, api_key, settings=None):
+    """A FastAPI app with tllm's routes and middlewares as the plugin attaches them, and a
+    fake engine client whose report shows server paths."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from tllm_core.vllm_bridge.serving import attach_routes
+
+    class FakeEngineClient:
+        async def collective_rpc(self, method):
+            if method == "tllm_status":
+                return [{"installed": True, "rank": {"leader": True}}]
+            return [
+                {
+                    "runtime": {"steps": 1},
+                    "consumers": {"export": {"rows_written": 3}},
+                    "results": {"export": {"out": "/srv/secret/run", "rows": 3}},
+                    "errors": [{"message": "OSError: [Errno 28] /srv/secret/run/shard.npy"}],
+                }
+            ]
+
+    app = FastAPI()
+    app.state.args = SimpleNamespace(api_key=api_key)
+    attach_routes(app, engine, settings)
+    app.state.tllm_engine_client = FakeEngineClient()
+    app.state.tllm_server = engine
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"ok": True}
+
+    return TestClient(app)
+
+
+def test_app_routes_ask_the_servers_api_key_and_hide_paths(engine):
+    client = _app(engine, ["k1"])
+    assert client.get("/tllm/counters").status_code == 401
+    assert client.get("/tllm/status", headers={"Authorization": "Bearer no"}).status_code == 401
+    ok = {"Authorization": "Bearer k1"}
+    counters = client.get("/tllm/counters", headers=ok)
+    assert counters.status_code == 200
+    assert "/srv" not in counters.text and counters.json()["results"]["export"]["out"] == HIDDEN
+    assert client.get("/tllm/status", headers=ok).status_code == 200
+    # The request checks and body limit are wired in too.
+    bad = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39}}
+    assert client.post("/v1/completions", json=bad).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "x"}).json() == {"ok": True}
+    # No key on the server: open, as /v1 is; the operator may show paths.
+    shown = _app(engine, None, ServerSettings(show_paths=True)).get("/tllm/counters")
+    assert (
+        shown.status_code == 200 and shown.json()["results"]["export"]["out"] == "/srv/secret/run"
+    )
+    small = _app(engine, None, ServerSettings(max_body_bytes=2048))
+    assert small.post("/v1/completions", content=b"x" * 4096).status_code == 413
