@@ -91,10 +91,19 @@ def test_body_past_the_limit_is_413_before_the_app(engine):
     status, body = _call(mw, Chunks([b"x" * 1000] * 5))  # 5000 bytes, no Content-Length
     assert status == 413 and app.calls == 0
     assert "4096 bytes" in json.loads(body)["error"]["message"]
-    # A declared Content-Length past the limit is refused before reading, on any POST route.
-    receive = Chunks([b"{}"])
+    # A declared Content-Length past the limit is refused on any POST route, the body read
+    # and dropped (the client can then read the 413), or, past 4 times the limit, not read.
+    receive = Chunks([b"x" * 1000] * 5)
     status, _ = _call(mw, receive, path="/v1/embeddings", headers=[(b"content-length", b"5000")])
+    assert status == 413 and receive.calls == 5 and app.calls == 0
+    receive = Chunks([b"x" * 1000] * 5)
+    huge = [(b"content-length", b"1000000000")]
+    status, _ = _call(mw, receive, path="/v1/embeddings", headers=huge)
     assert status == 413 and receive.calls == 0 and app.calls == 0
+    # Past the limit without a Content-Length: the rest is drained up to 4 times the limit.
+    receive = Chunks([b"x" * 1000] * 40)
+    status, _ = _call(mw, receive)
+    assert status == 413 and receive.calls == 5 + 17 and app.calls == 0
     # At the limit it passes, whole.
     status, _ = _call(mw, Chunks([b"x" * 1024] * 4))
     assert status == 200 and app.body == b"x" * 4096

@@ -45,6 +45,9 @@ STATUS_PATH = "/tllm/status"
 
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# A body past the limit is still read (and dropped) up to this many times the limit, so that
+# the client can read the 413 (see XargsCheck.refuse).
+DRAIN_FACTOR = 4
 
 
 def check_body(body: bytes, server: EngineConsumers) -> str | None:
@@ -117,12 +120,28 @@ class XargsCheck:
         self.server = server
         self.max_body_bytes = max_body_bytes
 
+    async def refuse(self, receive, send, more: bool) -> None:
+        """413. First the rest of a body up to ``DRAIN_FACTOR`` times the limit is read and
+        dropped: a client still sending when the server answers and closes sees a connection
+        reset, not the 413 (vLLM's server cannot be read from once it has answered)."""
+        budget = DRAIN_FACTOR * self.max_body_bytes
+        while more and budget > 0:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break
+            budget -= len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        await send_json_error(send, 413, _too_large(self.max_body_bytes))
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         declared = _declared_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            return await send_json_error(send, 413, _too_large(self.max_body_bytes))
+            # Past the drain budget: answer at once, the client may see a reset instead.
+            return await self.refuse(
+                receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
+            )
         if not scope["path"].endswith(CHECKED_PATHS):
             return await self.app(scope, receive, send)
         messages: deque = deque()
@@ -136,7 +155,7 @@ class XargsCheck:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await send_json_error(send, 413, _too_large(self.max_body_bytes))
+                return await self.refuse(receive, send, more=msg.get("more_body", False))
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
