@@ -39,3 +39,15 @@ def test_export_layers_entry_that_is_no_number_is_named():
     assert [_port(s) for s in ("3", " -1", "final", "attn.2")] == [3, -1, "final", "attn.2"]
     with pytest.raises(ValueError, match="bad layers entry '--1'"):
         ExportConfig(out="o", layers=[_port("--1")])
+
+
+def test_json_report_is_strict_json_with_nan_figures(capsys):
+    import json
+
+    from tllm_core.cli_common import print_report
+
+    report = {"runtime": {}, "consumers": {"stats": {"mean": float("nan")}}, "results": {}}
+    report["results"]["stats"] = {"loss": [float("inf"), 1.0]}
+    print_report(["p"], [["t"]], report, as_json=True)
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert out["results"]["stats"]["loss"] == ["Infinity", 1.0]

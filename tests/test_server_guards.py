@@ -248,7 +248,7 @@ def _app(engine, api_key, settings=None):
             return [
                 {
                     "runtime": {"steps": 1},
-                    "consumers": {"export": {"rows_written": 3}},
+                    "consumers": {"export": {"rows_written": 3, "mean": float("nan")}},
                     "results": {"export": {"out": "/srv/secret/run", "rows": 3}},
                     "errors": [{"message": "OSError: [Errno 28] /srv/secret/run/shard.npy"}],
                 }
@@ -275,6 +275,7 @@ def test_app_routes_ask_the_servers_api_key_and_hide_paths(engine):
     counters = client.get("/tllm/counters", headers=ok)
     assert counters.status_code == 200
     assert "/srv" not in counters.text and counters.json()["results"]["export"]["out"] == HIDDEN
+    assert counters.json()["consumers"]["export"]["mean"] == "NaN"  # strict JSON, still served
     assert client.get("/tllm/status", headers=ok).status_code == 200
     # The request checks and body limit are wired in too.
     bad = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39}}

@@ -332,18 +332,17 @@ def print_report(
     """Completions and counters as text (errors, idle consumers and the run's summary line
     on stderr), or one JSON (the summary line on stderr as well)."""
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "outputs": texts,
-                    "counters": _counters(report),
-                    "results": report.get("results", {}),
-                    "errors": report.get("errors", []),
-                    "run": report.get("run", {}),
-                },
-                default=str,
-            )
-        )
+        from tllm_core.reports import json_safe
+
+        out = {
+            "outputs": texts,
+            "counters": _counters(report),
+            "results": report.get("results", {}),
+            "errors": report.get("errors", []),
+            "run": report.get("run", {}),
+        }
+        # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
+        print(json.dumps(json_safe(out), default=str, allow_nan=False))
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
         return

@@ -31,7 +31,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tllm_core.reports import merge_reports
+from tllm_core.reports import json_safe, merge_reports
 from tllm_core.serving.guard import BearerGuard, hide_paths
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
@@ -204,7 +204,10 @@ def attach_routes(
     # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
     app.add_middleware(BearerGuard, tokens=api_tokens(getattr(app.state, "args", None)))
     router = APIRouter()
-    shown = (lambda body: body) if settings.show_paths else hide_paths
+
+    def shown(body: Any) -> Any:
+        body = json_safe(body)
+        return body if settings.show_paths else hide_paths(body)
 
     async def _rpc(request: Request, method: str) -> Any:
         client = getattr(request.app.state, "tllm_engine_client", None)
