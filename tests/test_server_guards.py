@@ -104,6 +104,9 @@ def test_body_past_the_limit_is_413_before_the_app(engine):
     receive = Chunks([b"x" * 1000] * 40)
     status, _ = _call(mw, receive)
     assert status == 413 and receive.calls == 5 + 17 and app.calls == 0
+    # Any POST route is counted, not only the checked ones.
+    status, _ = _call(mw, Chunks([b"x" * 1000] * 5), path="/v1/audio/transcriptions")
+    assert status == 413 and app.calls == 0
     # At the limit it passes, whole.
     status, _ = _call(mw, Chunks([b"x" * 1024] * 4))
     assert status == 200 and app.body == b"x" * 4096

@@ -142,8 +142,6 @@ class XargsCheck:
             return await self.refuse(
                 receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
             )
-        if not scope["path"].endswith(CHECKED_PATHS):
-            return await self.app(scope, receive, send)
         messages: deque = deque()
         chunks: list[bytes] = []
         size = 0
@@ -159,7 +157,9 @@ class XargsCheck:
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        error = check_body(b"".join(chunks), self.server)
+        # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
+        checked = scope["path"].endswith(CHECKED_PATHS)
+        error = check_body(b"".join(chunks), self.server) if checked else None
         if error is not None:
             payload = _error_response(400, error, "BadRequestError", "vllm_xargs")
             return await send_json_error(send, 400, payload)
