@@ -207,31 +207,76 @@ def test_client_cache_salt_cannot_equal_tllms():
     assert request_salt({"x": 1}, key_a) is None
 
 
-def test_server_salts_requests_with_its_secret(engine):
+def _admit(engine):
+    """``admit(extra, cache_salt, request_id)``: a request through the input-processor
+    wrappers of a server (a fake processor whose own ``assign_request_id`` adds a suffix)."""
     from types import SimpleNamespace
 
     from tllm_core.vllm_bridge.serving import install_request_checks
 
+    def assign(request):
+        request.request_id = f"{request.request_id}-rand{next(ids)}"
+
+    ids = iter(range(10**6))
     processor = SimpleNamespace(
-        validate_logits_processors_params=lambda params: None,
-        assign_request_id=lambda request: None,
+        validate_logits_processors_params=lambda params: None, assign_request_id=assign
     )
     install_request_checks(processor, engine)
-    steered = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
 
-    def admitted(extra, cache_salt=None):
+    def admit(extra, cache_salt=None, request_id="r"):
+        params = SimpleNamespace(extra_args=extra)
         request = SimpleNamespace(
-            sampling_params=SimpleNamespace(extra_args=extra), cache_salt=cache_salt
+            sampling_params=params, cache_salt=cache_salt, request_id=request_id
         )
         processor.assign_request_id(request)
-        return request.cache_salt
+        return request
 
-    mine = admitted(steered)
-    assert mine.startswith("tllm-") and mine == admitted(dict(steered))
+    return admit
+
+
+def test_server_salts_requests_with_its_secret(engine):
+    admit = _admit(engine)
+    steered = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
+    mine = admit(steered).cache_salt
+    assert mine.startswith("tllm-") and mine == admit(dict(steered)).cache_salt
     # A plain request whose client salt is the one anyone can compute does not share its KV.
-    assert admitted({}, cache_salt=request_salt(steered)) != mine
-    assert admitted({}, cache_salt="x") == "x"
-    assert admitted(steered, cache_salt="x") == f"x|{mine}"
+    assert admit({}, cache_salt=request_salt(steered)).cache_salt != mine
+    assert admit({}, cache_salt="x").cache_salt == "x"
+    assert admit(steered, cache_salt="x").cache_salt == f"x|{mine}"
+
+
+def test_groups_are_scoped_to_a_client(engine):
+    from tllm_core.serving.guard import CLIENT, ClientScope
+
+    admit = _admit(engine)
+
+    def group(extra, client="anon", request_id="r"):
+        token = CLIENT.set(client)
+        try:
+            return admit(extra, request_id=request_id).sampling_params.extra_args["tllm_group"]
+        finally:
+            CLIENT.reset(token)
+
+    named = {"tllm_consumers": "esamp", "tllm_group": "g"}
+    assert group(named, "alice") == group(dict(named), "alice")  # one client: one group
+    assert group(named, "alice") != group(named, "mallory")  # another cannot join it
+    # Default group: the request's own; the same X-Request-Id does not make two share one.
+    assert group({}, request_id="x") != group({}, request_id="x")
+    assert group(None, request_id="x").startswith("request/x-rand")
+    # The middleware names the client by its Authorization header, keyed by the secret.
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(CLIENT.get())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = ClientScope(app, secret=b"s" * 32)
+    for auth in (b"Bearer a", b"Bearer a", b"Bearer b"):
+        _call(mw, Chunks([b""]), headers=[(b"authorization", auth)])
+    _call(mw, Chunks([b""]))
+    assert seen[0] == seen[1] != seen[2] and seen[3] == "anon" and len(seen[0]) == 12
+    assert CLIENT.get() == "anon"  # reset after the request
 
 
 def _app(engine, api_key, settings=None):

@@ -9,10 +9,14 @@ Engine-neutral: the vLLM wiring is in :mod:`tllm_core.vllm_bridge.serving`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import secrets
+from contextvars import ContextVar
 from typing import Any
+
+from tllm_core.request_settings import GROUP_KEY
 
 TLLM_PREFIX = "/tllm"
 HIDDEN = "<hidden>"
@@ -39,6 +43,46 @@ def hide_paths(value: Any) -> Any:
     if isinstance(value, str):
         return _ABS_PATH.sub(HIDDEN, value)
     return value
+
+
+# The client of the HTTP request being handled (set by ClientScope, read where vLLM admits the
+# request: the same asyncio task, or a task it started, which copies the context).
+CLIENT: ContextVar[str] = ContextVar("tllm_client", default="anon")
+
+
+def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
+    """A short keyed digest of the request's ``Authorization`` header (``anon`` without one):
+    requests with the same API key are one client; the key itself never leaves this process."""
+    value = next((v for k, v in headers if k.lower() == b"authorization"), None)
+    if not value:
+        return "anon"
+    return hmac.new(secret, value, hashlib.sha256).hexdigest()[:12]
+
+
+def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
+    """The group a server request joins: a client's own ``tllm_group`` inside its namespace
+    (one client cannot join, and train, another's group), else the request's own unique id
+    (the default, the ``n`` samples of one request; a client-chosen ``X-Request-Id`` cannot
+    make two requests share it)."""
+    group = extra.get(GROUP_KEY)
+    return f"client-{client}/{group}" if group is not None else f"request/{request_id}"
+
+
+class ClientScope:
+    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on."""
+
+    def __init__(self, app: Any, secret: bytes):
+        self.app = app
+        self.secret = secret
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        token = CLIENT.set(client_id(scope["headers"], self.secret))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
 
 
 class BearerGuard:

@@ -52,7 +52,8 @@ KEYS: dict[str, str] = {
     CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
     "request (each must be configured)",
     GROUP: "string: requests sharing this value form one group (consumers that keep state per "
-    "group, e.g. ESamp's distiller; default: the n samples of one request)",
+    "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
+    "requests of the same client, i.e. API key, share a group)",
 }
 
 

@@ -32,8 +32,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.reports import json_safe, merge_reports
-from tllm_core.serving.guard import BearerGuard, hide_paths
-from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
+from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
+from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -201,6 +201,8 @@ def attach_routes(
 ) -> None:
     settings = settings or ServerSettings()
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
+    app.state.tllm_secret = secrets.token_bytes(32)
+    app.add_middleware(ClientScope, secret=app.state.tllm_secret)
     # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
     app.add_middleware(BearerGuard, tokens=api_tokens(getattr(app.state, "args", None)))
     router = APIRouter()
@@ -235,8 +237,13 @@ def attach_routes(
     app.include_router(router)
 
 
-def install_request_checks(input_processor: Any, server: EngineConsumers) -> None:
-    """Instance-level wrappers on the front end's input processor (this server only)."""
+def install_request_checks(
+    input_processor: Any, server: EngineConsumers, secret: bytes | None = None
+) -> None:
+    """Instance-level wrappers on the front end's input processor (this server only).
+
+    ``secret``: this server's secret (cache salts and client ids; drawn here when not given).
+    """
     from vllm.exceptions import VLLMValidationError
 
     if not hasattr(input_processor, "validate_logits_processors_params") or not hasattr(
@@ -249,7 +256,7 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
             "this vLLM is not supported for serving with tllm"
         )
     # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
-    salt_key = secrets.token_bytes(32)
+    salt_key = secret if secret is not None else secrets.token_bytes(32)
     validate_orig = input_processor.validate_logits_processors_params
     assign_orig = input_processor.assign_request_id
 
@@ -265,17 +272,25 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
     def assign_request_id(request: Any) -> None:
         assign_orig(request)
         params = getattr(request, "sampling_params", None)
-        salt = request_salt(getattr(params, "extra_args", None), salt_key)
+        extra = getattr(params, "extra_args", None)
+        salt = request_salt(extra, salt_key)
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
+        if params is not None:
+            # After the salt (the group does not change KV); before the n fan-out, so the
+            # samples of one request share the group.
+            group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
+            params.extra_args = {**(extra or {}), GROUP: group}
 
     input_processor.validate_logits_processors_params = validate_logits_processors_params
     input_processor.assign_request_id = assign_request_id
 
 
 async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
-    install_request_checks(engine_client.input_processor, server)
+    install_request_checks(
+        engine_client.input_processor, server, getattr(state, "tllm_secret", None)
+    )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
     status = await rpc_all(engine_client, "tllm_status")
