@@ -201,3 +201,71 @@ def test_any_request_value_is_accepted_or_a_clean_error(engine, extra):
             if isinstance(v, list):
                 for entry in v:
                     assert _fits_f32(entry.get("scale")) and _fits_f32(entry.get("clamp"))
+
+
+# -- property: any JSON config is a config or a ConsumerSpecError -----------------------------
+def _fields(name: str) -> list[str]:
+    return list(Registry().get(name).Config.model_fields)
+
+
+def _floats_fit(value) -> bool:
+    if isinstance(value, float):
+        return _fits_f32(value)
+    if isinstance(value, dict):
+        return all(_floats_fit(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_floats_fit(v) for v in value)
+    return True
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_any_config_is_valid_or_a_clean_error(data):
+    name = data.draw(st.sampled_from(["esamp", "steer", "sae"] * 3 + ["stats", "export"]))
+    keys = st.one_of(st.sampled_from(_fields(name)), st.text(max_size=8))
+    steer_vectors = st.lists(
+        st.fixed_dictionaries(
+            {"layer": st.integers(-3, 3)},
+            optional={"vector": st.lists(numbers, max_size=3), "path": st.just("v.pt")},
+        )
+        | json_values,
+        max_size=3,
+    )
+    # Mostly configs whose structure is right, so that the numbers are what is tested.
+    focused = {
+        "esamp": st.fixed_dictionaries(
+            {}, optional={f: numbers for f in ("beta", "lr", "eps", "grad_clip", "fit_decay")}
+        ),
+        "steer": st.fixed_dictionaries(
+            {
+                "vectors": st.lists(
+                    st.fixed_dictionaries(
+                        {"layer": st.just(1), "vector": st.lists(numbers, min_size=1, max_size=3)},
+                        optional={"scale": numbers},
+                    ),
+                    min_size=1,
+                    max_size=2,
+                )
+            }
+        ),
+        "sae": st.fixed_dictionaries(
+            {
+                "steer": st.lists(
+                    st.fixed_dictionaries(
+                        {"feature": st.integers(0, 3)}, optional={"scale": numbers}
+                    ),
+                    max_size=3,
+                )
+            }
+        ),
+    }.get(name, st.fixed_dictionaries({}))
+    anything = st.dictionaries(keys, st.one_of(values, steer_vectors), max_size=5)
+    config = data.draw(st.one_of(focused, focused, focused, anything), label="config")
+    if name == "sae":
+        config.setdefault("path", "p")
+    try:
+        validated = Registry().validate(ConsumerSpec(name=name, config=config))
+    except ConsumerSpecError as e:
+        assert str(e)
+        return
+    assert _floats_fit(validated.model_dump())
