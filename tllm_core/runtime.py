@@ -149,7 +149,11 @@ class Runtime:
                 s.consumer.close()  # never used: writes and keeps nothing
             self.slots = []
         self.bus = Bus(
-            self.counters, settings.queue_size, settings.overflow, settings.background_threads
+            self.counters,
+            settings.queue_size,
+            settings.overflow,
+            settings.background_threads,
+            settings.wait_timeout_s,
         )
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
@@ -339,7 +343,8 @@ class Runtime:
         if self._closed_report is None:
             self.bus.flush()
             for s in self.slots:
-                self.bus.call(s.consumer, "close", s.consumer.close)
+                # Failed consumers too: what they hold (buffered rows, a manifest) is written.
+                self.bus.call(s.consumer, "close", s.consumer.close, even_if_disabled=True)
             self.bus.close()
             self._closed_report = self.collect()
         return self._closed_report

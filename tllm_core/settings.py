@@ -103,6 +103,13 @@ class RuntimeSettings(BaseModel):
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
     )
+    wait_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="longest wait for a background consumer to catch up (flush: reading "
+        "results, closing) before going on without it (counted: flush_timeouts, close_timeouts)",
+    )
     background_threads: int = Field(
         1,
         ge=1,
