@@ -269,3 +269,16 @@ def test_any_config_is_valid_or_a_clean_error(data):
         assert str(e)
         return
     assert _floats_fit(validated.model_dump())
+
+
+def test_row_tags_given_to_tllmllm_are_checked(engine):
+    # TllmLLM's callers may number their prompts (tllm_prompt_index); a string or a negative
+    # index used to reach the engine and kill it.
+    validate_extra_args({"tllm_prompt_index": 3, "tllm_n": 2}, engine, tags=True)
+    for bad in ("x", -1, 1.5, True, 2**40):
+        with pytest.raises(ValueError, match=r"extra_args\['tllm_prompt_index'\] must be a whole"):
+            validate_extra_args({"tllm_prompt_index": bad}, engine, "extra_args", tags=True)
+    with pytest.raises(ValueError, match="tllm_n'] must be a whole number in"):
+        validate_extra_args({"tllm_n": 0}, engine, tags=True)
+    with pytest.raises(ValueError, match="unknown tllm key"):  # server clients: not theirs
+        validate_extra_args({"tllm_prompt_index": 3}, engine)

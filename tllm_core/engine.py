@@ -193,8 +193,7 @@ class TllmLLM:
         for sp in per:
             # The one check of request keys the server also runs: bad values fail here,
             # before anything is generated.
-            user = {k: v for k, v in (sp.extra_args or {}).items() if k not in TAGS}
-            validate_extra_args(user, self.consumers, where="extra_args")
+            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
         tagged, salts = [], []
         for i, sp in enumerate(per):
             sp = sp.clone()

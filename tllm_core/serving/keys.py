@@ -127,18 +127,37 @@ class EngineConsumers:
         }
 
 
+def _check_tag(key: str, value: Any, where: str) -> None:
+    """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers the engine can
+    index with (``tllm_prompt_index`` >= 0: the caller's own prompt numbering)."""
+    low = 0 if key == "tllm_prompt_index" else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+        raise ValueError(
+            f"{where}[{key!r}] must be a whole number in [{low}, {2**31 - 1}], got "
+            f"{short_repr(value)}"
+        )
+
+
 def validate_extra_args(
-    extra: dict[str, Any] | None, engine: EngineConsumers, where: str = "vllm_xargs"
+    extra: dict[str, Any] | None,
+    engine: EngineConsumers,
+    where: str = "vllm_xargs",
+    tags: bool = False,
 ) -> None:
     """Check every ``tllm_*`` key of a request; raise ValueError naming the key.
 
     ``where`` names the dict in messages: ``vllm_xargs`` (server) or ``extra_args``.
+    ``tags``: the internal row tags (:data:`TAGS`) are allowed and checked (``TllmLLM``'s
+    callers may number their prompts); else they are unknown keys (server clients).
     """
     if not extra:
         return
     mine: dict[str, list[str]] = {}  # consumer -> its keys in this request
     for key, value in extra.items():
         if not key.startswith(PREFIX):
+            continue
+        if tags and key in TAGS:
+            _check_tag(key, value, where)
             continue
         if key in engine.owners:
             mine.setdefault(engine.owners[key][0], []).append(key)
