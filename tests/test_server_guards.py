@@ -336,3 +336,29 @@ def test_app_routes_ask_the_servers_api_key_and_hide_paths(engine):
     )
     small = _app(engine, None, ServerSettings(max_body_bytes=2048))
     assert small.post("/v1/completions", content=b"x" * 4096).status_code == 413
+
+
+def test_counters_reads_are_shared_and_never_older_than_the_request():
+    from tllm_core.serving.throttle import Throttle
+
+    async def scenario(min_interval_s):
+        calls = []
+
+        async def fetch():
+            calls.append(len(calls))
+            await asyncio.sleep(0.05)
+            return len(calls)
+
+        t = Throttle(fetch, min_interval_s)
+        first = asyncio.ensure_future(t.get())
+        await asyncio.sleep(0.01)  # the first read is in flight
+        rest = await asyncio.gather(*(t.get() for _ in range(9)))
+        assert await first == 1
+        after = await t.get()  # arrives after every read so far: needs a new one
+        return rest, after, t.reads
+
+    rest, after, reads = asyncio.run(scenario(0.0))
+    # Ten requests, two reads: the nine waiting share the read that began after they came.
+    assert rest == [2] * 9 and after == 3 and reads == 3
+    rest, after, reads = asyncio.run(scenario(60.0))
+    assert rest == [1] * 9 and after == 1 and reads == 1  # an operator's interval: reused

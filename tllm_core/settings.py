@@ -84,6 +84,14 @@ class ServerSettings(BaseModel):
         description="largest request body accepted (HTTP 413 past it): a body is read whole "
         "to check its tllm keys before vLLM sees it",
     )
+    counters_interval_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="GET /tllm/counters may answer with a read of the engine this many seconds "
+        "old (0: only with a read that started after the request arrived); reads run one at "
+        "a time and are shared by the requests waiting for them",
+    )
     show_paths: bool = Field(
         False,
         description="show server filesystem paths in /tllm/* responses (hidden by default: "

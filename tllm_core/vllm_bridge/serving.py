@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse
 from tllm_core.reports import json_safe, merge_reports
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
+from tllm_core.serving.throttle import Throttle
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -217,10 +218,16 @@ def attach_routes(
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
         return await rpc_all(client, method)
 
+    async def _read_counters() -> Any:
+        return shown(merge_reports(await rpc_all(app.state.tllm_engine_client, "tllm_collect")))
+
+    counters = Throttle(_read_counters, settings.counters_interval_s)
+
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        out = await _rpc(request, "tllm_collect")
-        return out if isinstance(out, JSONResponse) else JSONResponse(shown(merge_reports(out)))
+        if getattr(request.app.state, "tllm_engine_client", None) is None:
+            return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
+        return JSONResponse(await counters.get())
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
