@@ -7,6 +7,8 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tllm_core.serving import EngineConsumers, request_salt
 from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
@@ -362,3 +364,59 @@ def test_counters_reads_are_shared_and_never_older_than_the_request():
     assert rest == [2] * 9 and after == 3 and reads == 3
     rest, after, reads = asyncio.run(scenario(60.0))
     assert rest == [1] * 9 and after == 1 and reads == 1  # an operator's interval: reused
+
+
+json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+    st.sampled_from(["esamp", "tllm_esamp_beta", "Infinity", "1e39"]),
+)
+json_any = st.recursive(
+    json_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+xargs = st.dictionaries(
+    st.sampled_from(["tllm_consumers", "tllm_esamp_beta", "tllm_group", "tllm_x", "other"]),
+    json_any,
+    max_size=4,
+)
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"vllm_xargs": ' + b"[" * depth + b'"tllm_"' + b"]" * depth + b"}"
+
+
+bodies = st.one_of(
+    st.builds(lambda x: json.dumps({"prompt": "p", "vllm_xargs": x}).encode(), xargs),
+    st.builds(lambda x: json.dumps(x).encode(), json_any),
+    st.binary(max_size=60).map(lambda b: b + b"tllm_"),
+    st.integers(1, 2000).map(_nested),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies, piece=st.integers(1, 64))
+def test_any_body_is_passed_on_or_refused_cleanly(engine, body, piece):
+    app = FakeApp()
+    status, answer = _call(
+        XargsCheck(app, engine, max_body_bytes=4096), Chunks(_pieces(body, piece))
+    )
+    if len(body) > 4096:
+        assert status == 413
+    elif status == 200:
+        assert app.calls == 1 and app.body == body  # passed on whole
+    else:
+        assert status == 400 and app.calls == 0
+        assert json.loads(answer)["error"]["message"].startswith("tllm: ")
+
+
+def test_deeply_nested_body_is_a_400_not_a_crash(engine):
+    app = FakeApp()
+    status, answer = _call(XargsCheck(app, engine), Chunks([_nested(1500)]))
+    assert status == 400 and b"nested too deeply" in answer and app.calls == 0

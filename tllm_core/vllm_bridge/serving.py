@@ -14,10 +14,14 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   error event on a stream that already started);
 - salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
   ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
-  unsteered requests never share cached KV blocks;
+  unsteered requests never share cached KV blocks (an HMAC under a per-server secret: no
+  client can forge it), and scopes each request's group to its client;
 - serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
   data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
-  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures) and ``GET /tllm/status``.
+  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
+  ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
+  operator shows them;
+- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def check_body(body: bytes, server: EngineConsumers) -> str | None:
         data = json.loads(body)
     except ValueError:
         return None  # vLLM answers malformed JSON itself
+    except RecursionError:  # Python's parser gives up on deep nesting (vLLM's would, with 500)
+        return "tllm: the JSON body is nested too deeply"
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
     if not isinstance(xargs, dict):
         return None
