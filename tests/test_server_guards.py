@@ -281,7 +281,7 @@ def test_groups_are_scoped_to_a_client(engine):
     assert CLIENT.get() == "anon"  # reset after the request
 
 
-def _app(engine, api_key, settings=None):
+def _app(engine, api_key, settings=None, errors=None):
     """A FastAPI app with tllm's routes and middlewares as the plugin attaches them, and a
     fake engine client whose report shows server paths."""
     from types import SimpleNamespace
@@ -300,7 +300,8 @@ def _app(engine, api_key, settings=None):
                     "runtime": {"steps": 1},
                     "consumers": {"export": {"rows_written": 3, "mean": float("nan")}},
                     "results": {"export": {"out": "/srv/secret/run", "rows": 3}},
-                    "errors": [{"message": "OSError: [Errno 28] /srv/secret/run/shard.npy"}],
+                    "errors": errors
+                    or [{"message": "OSError: [Errno 28] /srv/secret/run/shard.npy"}],
                 }
             ]
 
@@ -420,3 +421,20 @@ def test_deeply_nested_body_is_a_400_not_a_crash(engine):
     app = FakeApp()
     status, answer = _call(XargsCheck(app, engine), Chunks([_nested(1500)]))
     assert status == 400 and b"nested too deeply" in answer and app.calls == 0
+
+
+def test_requests_naming_a_failed_consumer_get_503():
+    from tllm_core.serving import EngineConsumers
+
+    engine = EngineConsumers.from_settings(
+        {"consumers": [{"name": "esamp", "per_request": True}, {"name": "stats"}]}
+    )
+    failed = [{"consumer": "esamp", "where": "on_bundle", "error": "consumer 'esamp' raised"}]
+    client = _app(engine, None, errors=failed)
+    named = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp"}}
+    assert client.post("/v1/completions", json=named).status_code == 200  # not known yet
+    status = client.get("/tllm/status")  # a status (or counters) read learns of the failure
+    assert status.status_code == 200 and status.json()["failed_consumers"] == ["esamp"]
+    refused = client.post("/v1/completions", json=named)
+    assert refused.status_code == 503 and "'esamp' failed" in refused.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200

@@ -77,6 +77,8 @@ class EngineConsumers:
     configs: dict[str, Any] = field(default_factory=dict)
     # every registered consumer's request key -> (consumer name, field name)
     owners: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # consumers the engine reported failed (switched off until restart), learned from reports
+    failed: set[str] = field(default_factory=set)
 
     @classmethod
     def from_settings(
@@ -105,6 +107,20 @@ class EngineConsumers:
         if name not in self.per_request:
             return False
         return not self.per_request[name] or name in enabled_names(extra)
+
+    def note_report(self, report: dict[str, Any]) -> None:
+        """Learn from an engine report which consumers failed (its ``errors``)."""
+        self.failed.update(
+            e["consumer"] for e in report.get("errors", []) if e.get("consumer") in self.models
+        )
+
+    def failed_named(self, extra: dict[str, Any]) -> list[str]:
+        """Failed consumers that a request names in ``tllm_consumers``."""
+        try:
+            names = enabled_names(extra)
+        except ValueError:
+            return []  # the key check reports it
+        return sorted(set(names) & self.failed)
 
     def keys(self) -> dict[str, str]:
         """Every key a request may carry on this engine, with its description."""

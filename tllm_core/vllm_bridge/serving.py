@@ -55,8 +55,9 @@ CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 DRAIN_FACTOR = 4
 
 
-def check_body(body: bytes, server: EngineConsumers) -> str | None:
-    """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
+def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
+    """(HTTP status, message) for a request body that must not reach vLLM, else None: 400 for
+    bad ``tllm_*`` vllm_xargs, 503 for a request naming a consumer that failed."""
     if b"tllm_" not in body:
         return None
     try:
@@ -64,14 +65,21 @@ def check_body(body: bytes, server: EngineConsumers) -> str | None:
     except ValueError:
         return None  # vLLM answers malformed JSON itself
     except RecursionError:  # Python's parser gives up on deep nesting (vLLM's would, with 500)
-        return "tllm: the JSON body is nested too deeply"
+        return 400, "tllm: the JSON body is nested too deeply"
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
     if not isinstance(xargs, dict):
         return None
     try:
         validate_extra_args(xargs, server)
     except ValueError as e:
-        return f"tllm: {e}"
+        return 400, f"tllm: {e}"
+    failed = server.failed_named(xargs)
+    if failed:
+        return 503, (
+            f"tllm: consumer {', '.join(map(repr, failed))} failed on this server and is "
+            f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
+            "refused rather than served without it"
+        )
     return None
 
 
@@ -168,8 +176,10 @@ class XargsCheck:
         checked = scope["path"].endswith(CHECKED_PATHS)
         error = check_body(b"".join(chunks), self.server) if checked else None
         if error is not None:
-            payload = _error_response(400, error, "BadRequestError", "vllm_xargs")
-            return await send_json_error(send, 400, payload)
+            status, message = error
+            kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+            payload = _error_response(status, message, kind, "vllm_xargs")
+            return await send_json_error(send, status, payload)
 
         async def replay():
             return messages.popleft() if messages else await receive()
@@ -225,7 +235,9 @@ def attach_routes(
         return await rpc_all(client, method)
 
     async def _read_counters() -> Any:
-        return shown(merge_reports(await rpc_all(app.state.tllm_engine_client, "tllm_collect")))
+        report = merge_reports(await rpc_all(app.state.tllm_engine_client, "tllm_collect"))
+        server.note_report(report)  # failed consumers: requests naming them get 503
+        return shown(report)
 
     counters = Throttle(_read_counters, settings.counters_interval_s)
 
@@ -240,9 +252,10 @@ def attach_routes(
         out = await _rpc(request, "tllm_status")
         if isinstance(out, JSONResponse):
             return out
+        await counters.get()  # learns which consumers failed
         server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-        body = {"worker": leader, **server.describe()}
+        body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
         if len(out) > 1:
             body["ranks"] = out
         return JSONResponse(shown(body))
