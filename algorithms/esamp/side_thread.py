@@ -20,16 +20,19 @@ import queue
 import threading
 from collections.abc import Callable
 
+from tllm_core.cpus import allowed_cpus
+
 log = logging.getLogger("tllm")
 
 _STOP = object()
 
 
 def _widen_affinity() -> str:
-    """Let the calling thread run on every core of the process (vLLM pins its engine thread,
-    and a new thread inherits that pin); returns what was set, for the log."""
+    """Let the calling thread run on every core the process may use (vLLM pins its engine
+    thread, and a new thread inherits that pin), not on cores outside the process's allowed
+    set (taskset, a container's cpuset); returns what was set, for the log."""
     try:  # Linux: the affinity of the calling thread only.
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        os.sched_setaffinity(0, allowed_cpus())
         return f"cpus {sorted(os.sched_getaffinity(0))}"
     except (AttributeError, OSError):
         return "inherited affinity"

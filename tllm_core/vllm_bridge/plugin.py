@@ -103,8 +103,10 @@ def _wrap_init_device() -> None:
         settings = tllm_settings(getattr(config, "additional_config", None))
         if settings is None:
             return orig(self, *args, **kwargs)
+        from tllm_core.cpus import note_allowed_cpus
         from tllm_core.vllm_bridge import worker_setup
 
+        note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
         worker_setup.before_device(config)
         out = orig(self, *args, **kwargs)
         worker_setup.attach(self.worker, settings)
