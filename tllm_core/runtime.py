@@ -216,11 +216,13 @@ class Runtime:
             plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
             if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
-            if index is not None:
-                plan.remap(index)
-            self.bus.call(
-                s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers, s.consumer.name
-            )
+
+            def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
+                if index is not None:  # inside the consumer's isolation, as the write is
+                    plan.remap(index)
+                _write_plan(plan, allowed, buffers, name)
+
+            self.bus.call(s.consumer, "edit (buffers)", write)
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
