@@ -779,3 +779,20 @@ def test_group_loss_means_follow_each_groups_first_and_last_step():
     assert c.counters.get("optimizer_steps") == 4 and res["loss_first"] != res["loss_last"]
     assert res["group_loss_first_mean"] == pytest.approx(res["loss_first"], rel=1e-9)
     assert res["group_loss_last_mean"] == pytest.approx(res["loss_last"], rel=1e-9)
+
+
+def test_side_thread_waits_are_bounded():
+    import threading
+
+    from algorithms.esamp.side_thread import SideThread
+
+    st = SideThread()
+    gate = threading.Event()
+    st.submit(lambda: gate.wait(30))  # a job that hangs
+    with pytest.raises(RuntimeError, match=r"has not finished its jobs after 0 s \(1 still"):
+        st.wait(timeout=0.2)
+    st.close(timeout=0.2)  # returns, though the thread is still in the job
+    assert st._thread.is_alive()
+    gate.set()
+    st.close()
+    assert not st._thread.is_alive()
