@@ -84,6 +84,9 @@ def test_request_lists_are_bounded(engine):
     assert len(str(e.value)) < 1000  # the message does not echo the whole request
     with pytest.raises(ValueError, match=r"tllm_group'\] has 5000 characters; allowed: at most"):
         validate_extra_args({"tllm_group": "g" * 5000}, engine)
+    many = ",".join(["esamp"] * 1000)
+    with pytest.raises(ValueError, match=r"tllm_consumers'\] has 5999 characters; allowed"):
+        validate_extra_args({"tllm_consumers": many}, engine)
     with pytest.raises(ValueError, match="nested too deeply"):
         validate_extra_args(
             {"tllm_consumers": "sae", "tllm_sae_steer": "[" * 100_000 + "]" * 100_000}, engine

@@ -47,6 +47,8 @@ __all__ = [
 
 # A group name is kept per live group by consumers (ESamp): bounded like any request value.
 MAX_GROUP_CHARS = 1024
+# tllm_consumers is split again wherever a consumer asks whether it acts on the request.
+MAX_CONSUMERS_CHARS = 1024
 
 KEYS: dict[str, str] = {
     CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
@@ -188,6 +190,12 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
+    raw = extra.get(CONSUMERS)
+    if isinstance(raw, str) and len(raw) > MAX_CONSUMERS_CHARS:
+        raise ValueError(
+            f"{where}[{CONSUMERS!r}] has {len(raw)} characters; allowed: at most "
+            f"{MAX_CONSUMERS_CHARS}"
+        )
     names = enabled_names(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
