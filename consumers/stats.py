@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict
 from typing import Any
 
 from pydantic import Field
@@ -16,6 +16,13 @@ class StatsConfig(ConsumerConfig):
         description="layer indices (negative from the end) or 'final'",
     )
     phase: Phase = Field(Phase.ALL, description="rows to count: prefill, decode or all")
+    max_requests: int | None = Field(
+        1000,
+        ge=1,
+        description="per-request figures are kept for at most this many requests, the oldest "
+        "dropped first (counter requests_dropped): a server's result stays bounded; None "
+        "keeps every request",
+    )
 
 
 class StatsConsumer(Consumer):
@@ -32,8 +39,9 @@ class StatsConsumer(Consumer):
             )
             for layer in config.layers
         ]
-        # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|]
-        self._acc: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(dict)
+        self._max = config.max_requests
+        # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|], oldest first
+        self._acc: OrderedDict[tuple[str, int], dict[str, list[float]]] = OrderedDict()
 
     def reads(self):
         return self._ports
@@ -44,12 +52,21 @@ class StatsConsumer(Consumer):
             norms = h.float().norm(dim=-1).tolist()
             maxabs = h.float().abs().amax(dim=-1).tolist()
             for req, n, m in zip(reqs, norms, maxabs, strict=False):
-                acc = self._acc[(req.request_id, req.sample_index)].setdefault(key, [0, 0.0, 0.0])
+                acc = self._request(req.request_id, req.sample_index).setdefault(key, [0, 0.0, 0.0])
                 acc[0] += 1
                 acc[1] += n
                 acc[2] = max(acc[2], m)
             self.counters.add(f"rows.{key}", h.shape[0])
         self.counters.add("bundles")
+
+    def _request(self, rid: str, sample: int) -> dict[str, list[float]]:
+        per_key = self._acc.get((rid, sample))
+        if per_key is None:
+            per_key = self._acc[(rid, sample)] = {}
+            if self._max is not None and len(self._acc) > self._max:
+                self._acc.popitem(last=False)
+                self.counters.add("requests_dropped")
+        return per_key
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

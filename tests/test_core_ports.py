@@ -401,3 +401,59 @@ def test_in_graph_transform_runs_on_selected_rows_only():
     assert torch.equal(y[0, 1:], x[0, 1:]) and b.edited.item() == 2
     with pytest.raises(ValueError, match="declares no transform"):
         EditPlan(RowsStub(1), {"layer.1": "residual.1"}, H).transform(1, np.array([0]))
+
+
+def test_edit_rows_out_of_range_are_refused_before_any_write():
+    """A negative row index used to wrap to the buffer's last row, which reset() never
+    clears: the edit then stayed on for later steps (issue 26)."""
+    v = torch.ones(H)
+    for bad in ([-1], [3], [0, 7]):
+        plan = EditPlan(RowsStub(3), {"layer.1": "residual.1"}, H)
+        with pytest.raises(ValueError, match=rf"row index {bad[-1]} is out of range.*0\.\.2"):
+            plan.add(1, np.array(bad), v)
+        assert plan.ops == {}
+    plan = EditPlan(RowsStub(3), {"layer.1": "residual.1"}, H)
+    plan.add(1, np.array([0, 2]), v)  # in range: accepted
+    assert plan.ops["layer.1"][0][0].tolist() == [0, 2]
+
+
+def test_a_bad_remap_is_isolated_to_its_consumer():
+    """A per-request consumer's plan is made on its requests' rows and remapped to the
+    step's; an index the remap cannot translate fails that consumer, not the step."""
+
+    class Forger(Consumer):
+        name = "forger"
+
+        def writes(self):
+            return [ResidualEdit(1)]
+
+        def edit(self, rows, plan):  # bypasses the plan's checks, as a buggy consumer might
+            plan.ops["layer.1"] = [(np.array([5]), "add", torch.ones(H))]
+
+    class _Forge:
+        @hookimpl
+        def tllm_consumers(self):
+            return [Forger]
+
+    reg = Registry()
+    reg.register(_Plugin(), name="test-plugin")
+    reg.register(_Forge(), name="forge")
+    settings = RuntimeSettings.model_validate(
+        {"consumers": [{"name": "forger", "per_request": True}, {"name": "adder"}]}
+    )
+    rt = Runtime(settings, _model(), reg)
+    req = RequestInfo("r-abcdefgh", "r", 0, 0, 2, {"tllm_consumers": "forger"})
+    layout = StepLayout(
+        engine_ids=["r-abcdefgh"],
+        num_scheduled=np.array([1]),
+        num_computed=np.array([2]),
+        num_tokens=np.array([3]),
+        token_ids=torch.arange(1),
+    )
+    rows, _, _ = layout_rows(layout, [req])
+    (tap,) = rt.edit_taps
+    buf = EditBuffers(4, H, torch.float32, torch.device("cpu"))
+    rt.begin_step(rows, {tap.key: buf})  # does not raise
+    assert rt.counters.get("consumer_errors.forger") == 1
+    assert rt.bus.errors[0]["where"] == "edit (buffers)"
+    assert bool(buf.mask[0]) and buf.add[0, 0] == 1.0  # adder, after it, still edited

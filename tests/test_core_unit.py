@@ -64,7 +64,9 @@ def test_registry_lists_builtins_and_names_bad_values():
     described = {c["name"]: c for c in reg.describe()}
     assert any(f["name"] == "beta" for f in described["esamp"]["fields"])
     keys = {k["key"]: k for c in described.values() for k in c["request_keys"]}
-    assert keys["tllm_esamp_beta"]["allowed"] == "float | None, >= 0, finite"
+    assert keys["tllm_esamp_beta"]["allowed"] == (
+        "float | None, >= 0, finite float32 (|x| <= 3.4028235e+38)"
+    )
     assert keys["tllm_steer_scale"]["description"]
     assert reg.request_keys["tllm_esamp_beta"] == ("esamp", "beta")
     assert described["stats"]["description"]

@@ -771,3 +771,55 @@ def test_consumer_reports_measured_staleness(monkeypatch):
     gate.set()
     monkeypatch.undo()
     c.close()
+
+
+def test_group_loss_state_stays_flat_over_many_finished_groups():
+    """A server frees groups for ever: per-group loss state is kept only while a group may
+    still report a loss, and the per-group means are still over every group (issue 26)."""
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline")
+    for g in range(40):
+        (req,) = [RequestInfo(f"g{g}-0", f"g{g}", g, 0, 3)]
+        rows, hidden = fake.step([req])
+        c.guide(fake.view(rows, hidden, _filtered_logits(1, V, keep=6, seed=g) / 0.8))
+        c.on_bundle(Bundle(g, rows, hidden))  # one optimizer step: first loss == last loss
+        res = c.result()
+        c.on_request_finished(req)
+        assert len(c._group_last) + len(c._freed_serials) <= 1
+    res = c.result()
+    assert c._group_last == {} and c._freed_serials == set()
+    assert c.counters.get("optimizer_steps") == 40
+    # One step per group: the mean of firsts, of lasts and of all losses agree.
+    assert res["group_loss_first_mean"] == pytest.approx(res["loss_mean"], rel=1e-9)
+    assert res["group_loss_last_mean"] == pytest.approx(res["loss_mean"], rel=1e-9)
+
+
+def test_group_loss_means_follow_each_groups_first_and_last_step():
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline")
+    (req,) = fake.requests(prompts=1, n=1)
+    for t in range(4):
+        rows, hidden = fake.step([req])
+        c.guide(fake.view(rows, hidden, _filtered_logits(1, V, keep=6, seed=t) / 0.8))
+        c.on_bundle(Bundle(t, rows, hidden))
+    res = c.result()
+    assert c.counters.get("optimizer_steps") == 4 and res["loss_first"] != res["loss_last"]
+    assert res["group_loss_first_mean"] == pytest.approx(res["loss_first"], rel=1e-9)
+    assert res["group_loss_last_mean"] == pytest.approx(res["loss_last"], rel=1e-9)
+
+
+def test_side_thread_waits_are_bounded():
+    import threading
+
+    from algorithms.esamp.side_thread import SideThread
+
+    st = SideThread()
+    gate = threading.Event()
+    st.submit(lambda: gate.wait(30))  # a job that hangs
+    with pytest.raises(RuntimeError, match=r"has not finished its jobs after 0 s \(1 still"):
+        st.wait(timeout=0.2)
+    st.close(timeout=0.2)  # returns, though the thread is still in the job
+    assert st._thread.is_alive()
+    gate.set()
+    st.close()
+    assert not st._thread.is_alive()

@@ -202,6 +202,18 @@ def test_no_sampling_params_means_the_models_generation_config_as_in_vllm(steer_
 
 
 @pytest.mark.vllm
+def test_bad_prompt_index_fails_before_generation_and_the_engine_lives_on(steer_llm):
+    from vllm import SamplingParams
+
+    for bad in ("x", -2):
+        sp = SamplingParams(max_tokens=2, extra_args={"tllm_prompt_index": bad})
+        with pytest.raises(ValueError, match=r"extra_args\['tllm_prompt_index'\] must be"):
+            steer_llm.generate(["Hi"], sp, use_tqdm=False)
+    sp = SamplingParams(max_tokens=2, extra_args={"tllm_prompt_index": 7})
+    assert len(steer_llm.generate(["Hi"], sp, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.vllm
 def test_steered_chats_are_salted_like_completions(steer_llm):
     from vllm import SamplingParams
 

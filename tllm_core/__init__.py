@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tllm_core.edits import EditPlan
     from tllm_core.engine import TllmLLM
     from tllm_core.hookspecs import hookimpl
+    from tllm_core.numbers import FiniteF32
     from tllm_core.ports import (
         Delivery,
         Edit,
@@ -46,6 +47,7 @@ __all__ = [
     "ConsumerContext",
     "ConsumerSpec",
     "ConsumerSpecError",
+    "FiniteF32",
     "Delivery",
     "Edit",
     "EditPlan",
@@ -83,6 +85,7 @@ _HOME = {
     "ModelInfo": "tllm_core.consumer",
     "EditPlan": "tllm_core.edits",
     "hookimpl": "tllm_core.hookspecs",
+    "FiniteF32": "tllm_core.numbers",
     "Delivery": "tllm_core.ports",
     "Edit": "tllm_core.ports",
     "HiddenStates": "tllm_core.ports",

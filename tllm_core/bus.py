@@ -25,35 +25,47 @@ from tllm_core.rows import RequestInfo
 log = logging.getLogger("tllm")
 
 Overflow = Literal["block", "drop"]
+# How long flush and close wait for a background consumer before going on without it.
+WAIT_TIMEOUT_S = 120.0
 _STOP = object()
 
 
 class _BackgroundChannel:
-    """A bounded queue drained by one daemon thread per background consumer."""
+    """A queue drained by one daemon thread per background consumer.
+
+    Bundles take one of ``maxsize`` slots (a full channel blocks or drops them, per
+    ``overflow``); finish notices take none, so announcing a finished request never waits and
+    is never dropped, and still reaches the consumer after that request's queued bundles.
+    """
 
     def __init__(self, bus: Bus, consumer: Consumer, maxsize: int, overflow: Overflow):
         self.bus = bus
         self.consumer = consumer
         self.overflow = overflow
-        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
+        self.slots = threading.BoundedSemaphore(maxsize)
+        self._pending = 0  # bundles queued, for queue_depth_max
+        self._lock = threading.Lock()
         self.thread = threading.Thread(
             target=self._drain, name=f"tllm-{consumer.name}", daemon=True
         )
         self.thread.start()
 
     def put(self, bundle: Bundle) -> None:
-        if self.overflow == "drop":
-            try:
-                self.queue.put_nowait(bundle)
-            except queue.Full:
+        if not self.slots.acquire(blocking=False):
+            if self.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
                 return
-        else:
-            if self.queue.full():
-                self.bus.counters.add("queue_full_waits")
-            self.queue.put(bundle)
-        self.bus.counters.max("queue_depth_max", self.queue.qsize())
+            self.bus.counters.add("queue_full_waits")
+            self.slots.acquire()
+        with self._lock:
+            self._pending += 1
+            self.bus.counters.max("queue_depth_max", self._pending)
+        self.queue.put(bundle)
+
+    def notify_finished(self, request: RequestInfo) -> None:
+        self.queue.put(request)
 
     def _drain(self) -> None:
         # Intra-op threads are a per-thread setting (OpenMP): the engine's threads keep
@@ -66,20 +78,35 @@ class _BackgroundChannel:
         self.bus.counters.max("background_threads", torch.get_num_threads())
         while True:
             item = self.queue.get()
+            if isinstance(item, Bundle):  # taken: its slot is free again (as a queue's would be)
+                with self._lock:
+                    self._pending -= 1
+                self.slots.release()
             try:
                 if item is _STOP:
                     return
+                c = self.consumer
                 if isinstance(item, RequestInfo):
-                    c = self.consumer
                     self.bus.call(c, "on_request_finished", c.on_request_finished, item)
                 else:
-                    self.bus.deliver_now(self.consumer, item)
+                    self.bus.deliver_now(c, item)
+            except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put
+                # Bus.call isolates Exceptions; this is SystemExit & co. The thread goes on
+                # draining (the consumer is off) so that the engine never waits on it.
+                self.bus.fail(self.consumer, "the background thread", e)
             finally:
                 self.queue.task_done()
 
-    def close(self) -> None:
+    def join(self, timeout: float) -> bool:
+        """Wait until everything queued is handled; False when ``timeout`` s pass first."""
+        q = self.queue
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+
+    def close(self, timeout: float) -> bool:
         self.queue.put(_STOP)
-        self.thread.join()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
 
 class Bus:
@@ -89,8 +116,10 @@ class Bus:
         queue_size: int = 64,
         overflow: Overflow = "block",
         background_threads: int = 1,
+        wait_timeout_s: float = WAIT_TIMEOUT_S,
     ) -> None:
         self.counters = counters
+        self.wait_timeout_s = wait_timeout_s
         self.queue_size = queue_size
         self.overflow = overflow
         self.background_threads = background_threads
@@ -101,23 +130,40 @@ class Bus:
     def active(self, consumer: Consumer) -> bool:
         return consumer.name not in self.disabled
 
-    def call(self, consumer: Consumer, what: str, fn: Callable[..., Any], *args: Any) -> bool:
-        """Run one consumer callback; on error report, count, disable. True if it succeeded."""
-        if consumer.name in self.disabled:
+    def call(
+        self,
+        consumer: Consumer,
+        what: str,
+        fn: Callable[..., Any],
+        *args: Any,
+        even_if_disabled: bool = False,
+    ) -> bool:
+        """Run one consumer callback; on error report, count, disable. True if it succeeded.
+
+        ``even_if_disabled``: run it although the consumer failed before (``close``: a failed
+        consumer still gets to write what it holds, e.g. a final manifest).
+        """
+        if consumer.name in self.disabled and not even_if_disabled:
             return False
         try:
             fn(*args)
             return True
         except Exception as e:  # noqa: BLE001 - isolation is the point
-            self.disabled.add(consumer.name)
-            self.counters.add("consumer_errors")
-            self.counters.add(f"consumer_errors.{consumer.name}")
-            msg = f"consumer {consumer.name!r} raised in {what}: {type(e).__name__}: {e}"
-            log.error(
-                "%s (consumer disabled for the rest of the run)\n%s", msg, traceback.format_exc()
-            )
-            self.errors.append({"consumer": consumer.name, "where": what, "error": msg})
+            self.fail(consumer, what, e)
             return False
+
+    def fail(self, consumer: Consumer, what: str, e: BaseException) -> None:
+        """Report, count and disable ``consumer`` after ``e`` was raised in ``what``."""
+        self.disabled.add(consumer.name)
+        self.counters.add("consumer_errors")
+        self.counters.add(f"consumer_errors.{consumer.name}")
+        msg = f"consumer {consumer.name!r} raised in {what}: {type(e).__name__}: {e}"
+        log.error(
+            "%s (consumer disabled for the rest of the run)\n%s",
+            msg,
+            "".join(traceback.format_exception(e)),
+        )
+        self.errors.append({"consumer": consumer.name, "where": what, "error": msg})
 
     def publish(self, consumer: Consumer, bundle: Bundle) -> None:
         if consumer.name in self.disabled:
@@ -136,7 +182,7 @@ class Bus:
         """A request finished; background consumers hear it after its queued bundles."""
         ch = self._channels.get(consumer.name)
         if ch is not None:
-            ch.queue.put(request)  # never dropped: it carries no tensors
+            ch.notify_finished(request)  # never dropped, never waits: it carries no tensors
         else:
             self.call(consumer, "on_request_finished", consumer.on_request_finished, request)
 
@@ -145,14 +191,32 @@ class Bus:
             self.counters.add("bundles_delivered")
             self.counters.add(f"bundles_delivered.{consumer.name}")
 
-    def flush(self) -> None:
-        """Wait until every queued bundle has been handled."""
-        for ch in self._channels.values():
-            ch.queue.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued bundle has been handled, at most ``timeout`` seconds per
+        consumer (default: the bus's ``wait_timeout_s``). False (counted ``flush_timeouts``,
+        logged) when a consumer has not caught up by then."""
+        timeout = self.wait_timeout_s if timeout is None else timeout
+        ok = True
+        for name, ch in self._channels.items():
+            if not ch.join(timeout):
+                ok = False
+                self.counters.add("flush_timeouts")
+                log.error(
+                    "tllm: consumer %r has not handled its queued bundles after %.0f s "
+                    "(%d still queued); going on without waiting",
+                    name,
+                    timeout,
+                    ch.queue.unfinished_tasks,
+                )
+        return ok
 
-    def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the background threads (each given at most ``timeout`` seconds)."""
+        timeout = self.wait_timeout_s if timeout is None else timeout
+        for name, ch in self._channels.items():
+            if not ch.close(timeout):
+                self.counters.add("close_timeouts")
+                log.error("tllm: the thread of consumer %r did not stop in %.0f s", name, timeout)
         self._channels.clear()
 
 

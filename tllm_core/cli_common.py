@@ -39,6 +39,23 @@ START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: a whole number >= ``low``; anything else is an error naming the
+    value and what is allowed (vLLM would otherwise replace some values silently)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}{note}, got {value}")
+        return value
+
+    parse.__name__ = "whole number"  # argparse names the type in some messages
+    return parse
+
+
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
@@ -62,9 +79,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--enforce-eager", action="store_true", help="disable compilation (faster start)"
     )
-    g.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs")
+    g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="vLLM max_num_seqs")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="vLLM token budget per step"
+        "--max-num-batched-tokens",
+        type=int_at_least(1),
+        default=None,
+        help="vLLM token budget per step",
     )
     g.add_argument(
         "--no-prefix-caching",
@@ -103,7 +123,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per sample (default 64)")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    g.add_argument(
+        "--top-k", type=int_at_least(0, " (0 disables top-k)"), default=0, help="0 disables top-k"
+    )
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -136,7 +158,7 @@ def sampling(args: argparse.Namespace):
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
-            top_k=args.top_k if args.top_k > 0 else 0,
+            top_k=args.top_k,
             min_p=args.min_p,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
@@ -185,9 +207,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["enable_prefix_caching"] = False
     # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
     kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))
-    if args.max_num_seqs:
+    if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
+    if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
 
@@ -318,18 +340,17 @@ def print_report(
     """Completions and counters as text (errors, idle consumers and the run's summary line
     on stderr), or one JSON (the summary line on stderr as well)."""
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "outputs": texts,
-                    "counters": _counters(report),
-                    "results": report.get("results", {}),
-                    "errors": report.get("errors", []),
-                    "run": report.get("run", {}),
-                },
-                default=str,
-            )
-        )
+        from tllm_core.reports import json_safe
+
+        out = {
+            "outputs": texts,
+            "counters": _counters(report),
+            "results": report.get("results", {}),
+            "errors": report.get("errors", []),
+            "run": report.get("run", {}),
+        }
+        # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
+        print(json.dumps(json_safe(out), default=str, allow_nan=False))
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
         return

@@ -77,6 +77,19 @@ class EditPlan:
             )
         return key
 
+    def _row_indices(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as int64 indices, each in ``[0, len(self.rows))``, else ``ValueError``
+        (a negative index would wrap to a buffer row that is never reset)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        n = len(self.rows)
+        bad = rows[(rows < 0) | (rows >= n)]
+        if bad.size:
+            raise ValueError(
+                f"edit row index {int(bad[0])} is out of range: this plan has {n} rows "
+                f"(valid: 0..{n - 1})"
+            )
+        return rows
+
     def _push(self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
         key = self._key(target)
         if value.shape[-1] != self._hidden_size:
@@ -84,7 +97,7 @@ class EditPlan:
                 f"edit vector has size {value.shape[-1]}, the tapped tensor's width is "
                 f"{self._hidden_size}"
             )
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self._row_indices(rows)
         if value.dim() == 2 and value.shape[0] != rows.size:
             raise ValueError(
                 f"edit values have {value.shape[0]} rows for {rows.size} selected rows"
@@ -106,7 +119,7 @@ class EditPlan:
         key = self._key(target)
         if key not in self._transforms:
             raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
-        rows = np.asarray(rows, dtype=np.int64)
+        rows = self._row_indices(rows)
         if rows.size:
             self.ops.setdefault(key, []).append((rows, "transform", torch.empty(0)))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from tllm_core.registry import Registry
 from tllm_core.reports import merge_reports
-from tllm_core.serving.keys import TAGS, EngineConsumers, request_salt, validate_extra_args
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerSpec, RuntimeSettings
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
@@ -176,8 +176,7 @@ class TllmLLM:
         for sp in per:
             # The one check of request keys the server also runs: bad values fail here,
             # before anything is generated.
-            user = {k: v for k, v in (sp.extra_args or {}).items() if k not in TAGS}
-            validate_extra_args(user, self.consumers, where="extra_args")
+            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
         tagged, salts = [], []
         # Only edits change KV: without edit layers, no request needs its own cache.
         edits = bool(self.status.get("edit_layers"))

@@ -13,7 +13,21 @@ engine: the tensor-parallel rank whose output the engine returns) run consumers,
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as the strings ``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"``: strict JSON has no such numbers, and one NaN counter would otherwise make
+    the whole report unservable."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _is_number(v: Any) -> bool:

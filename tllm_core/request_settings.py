@@ -19,6 +19,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
+from tllm_core.numbers import ERROR_TYPE as F32_ERROR
+from tllm_core.numbers import MAX_TEXT as F32_MAX_TEXT
+from tllm_core.numbers import is_f32_marker
+
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
 CONSUMERS_KEY = "tllm_consumers"
@@ -35,7 +39,7 @@ def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") 
     if not isinstance(raw, str):
         raise ValueError(
             f'{where}[{CONSUMERS_KEY!r}] must be a comma-separated string (e.g. "esamp,steer"), '
-            f"got {raw!r}"
+            f"got {short_repr(raw)}"
         )
     return [n.strip() for n in raw.split(",") if n.strip()]
 
@@ -79,6 +83,8 @@ def _admits_bool(annotation: Any) -> bool:
 def type_name(t: Any) -> str:
     """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
     origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin is typing.Annotated:
+        return type_name(args[0])
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -92,6 +98,16 @@ def type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
+def _f32_inside(annotation: Any) -> bool:
+    """Whether :data:`FiniteF32` is the annotation or one arm of its union."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return any(is_f32_marker(m) for m in args[1:]) or _f32_inside(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_f32_inside(a) for a in args)
+    return False
+
+
 def allowed(field: FieldInfo) -> str:
     """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
     text = type_name(field.annotation)
@@ -102,7 +118,17 @@ def allowed(field: FieldInfo) -> str:
                 text += f", {op} {bound}"
         if getattr(m, "allow_inf_nan", None) is False:
             text += ", finite"
+        if getattr(m, "max_length", None) is not None:
+            text += f", at most {m.max_length} entries"
+    if _f32_inside(field.annotation) or any(is_f32_marker(m) for m in field.metadata):
+        text += f", finite float32 (|x| <= {F32_MAX_TEXT})"
     return text
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a message must not echo a huge request."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _num(v: Any) -> str:
@@ -117,6 +143,8 @@ def _message(err: dict[str, Any]) -> str:
         return "must be a whole number"
     if kind == "finite_number":
         return "must be finite"
+    if kind == F32_ERROR:
+        return err["msg"]
     if kind == "greater_than_equal":
         return f"must be >= {ctx.get('ge')}"
     if kind == "greater_than":
@@ -125,6 +153,8 @@ def _message(err: dict[str, Any]) -> str:
         return f"must be <= {ctx.get('le')}"
     if kind == "less_than":
         return f"must be < {ctx.get('lt')}"
+    if kind == "too_long":
+        return f"must have at most {ctx.get('max_length')} entries (got {ctx.get('actual_length')})"
     if kind in ("bool_parsing", "bool_type"):
         return "must be a boolean (true/false, 1/0, yes/no, on/off)"
     return f"is not valid ({err['msg']})"
@@ -162,8 +192,11 @@ def parse_request_settings(
         loc = err["loc"][0] if err["loc"] else None
         if isinstance(loc, str) and loc in model.model_fields:
             key = request_key(consumer, loc)
+            # Inside a list or object value: name the entry too (``['tllm_sae_steer'][2].scale``).
+            inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
+            value = err.get("input") if inner else data.get(loc)
             raise ValueError(
-                f"{where}[{key!r}] {_message(err)}, got {data.get(loc)!r} "
+                f"{where}[{key!r}]{inner} {_message(err)}, got {short_repr(value)} "
                 f"(allowed: {allowed(model.model_fields[loc])})"
             ) from None
         # A model-level check (several fields together): name every key that was given.

@@ -145,7 +145,11 @@ class Runtime:
                 s.consumer.close()  # never used: writes and keeps nothing
             self.slots = []
         self.bus = Bus(
-            self.counters, settings.queue_size, settings.overflow, settings.background_threads
+            self.counters,
+            settings.queue_size,
+            settings.overflow,
+            settings.background_threads,
+            settings.wait_timeout_s,
         )
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []
@@ -208,11 +212,13 @@ class Runtime:
             plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
             if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
-            if index is not None:
-                plan.remap(index)
-            self.bus.call(
-                s.consumer, "edit (buffers)", _write_plan, plan, allowed, buffers, s.consumer.name
-            )
+
+            def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
+                if index is not None:  # inside the consumer's isolation, as the write is
+                    plan.remap(index)
+                _write_plan(plan, allowed, buffers, name)
+
+            self.bus.call(s.consumer, "edit (buffers)", write)
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
@@ -345,7 +351,8 @@ class Runtime:
         if self._closed_report is None:
             self.bus.flush()
             for s in self.slots:
-                self.bus.call(s.consumer, "close", s.consumer.close)
+                # Failed consumers too: what they hold (buffered rows, a manifest) is written.
+                self.bus.call(s.consumer, "close", s.consumer.close, even_if_disabled=True)
             self.bus.close()
             self._closed_report = self.collect()
         return self._closed_report

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tllm_core import cli_common
 from tllm_core.progress import say
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 
 EPILOG = """examples:
   tllm serve --consumer esamp --per-request
@@ -160,7 +160,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.families import check_model
 
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
-    settings = RuntimeSettings(consumers=list(checked.specs))
+    settings = RuntimeSettings(
+        consumers=list(checked.specs),
+        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
+    )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
     for line in describe(url, checked):
@@ -216,6 +219,17 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="context length (default: the model's own, as vLLM derives it)",
     )
     s.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache GiB (default 2)")
+    s.add_argument(
+        "--max-body-mib",
+        type=cli_common.int_at_least(1),
+        default=32,
+        help="largest request body in MiB (HTTP 413 past it; default 32)",
+    )
+    s.add_argument(
+        "--show-paths",
+        action="store_true",
+        help="show server filesystem paths in /tllm/* responses (hidden by default)",
+    )
     s.add_argument(
         "-v", "--verbose", action="store_true", help="show vLLM's logs and request lines"
     )

@@ -70,14 +70,53 @@ class ConsumerSpec(BaseModel):
         )
 
 
+MIB = 1024 * 1024
+
+
+class ServerSettings(BaseModel):
+    """Settings of tllm's part of an OpenAI server (``tllm serve``/``vllm serve``), API-server side."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_body_bytes: int = Field(
+        32 * MIB,
+        ge=1024,
+        le=2**31,
+        description="largest request body accepted (HTTP 413 past it): a body is read whole "
+        "to check its tllm keys before vLLM sees it",
+    )
+    counters_interval_s: float = Field(
+        0.0,
+        ge=0,
+        le=3600,
+        description="GET /tllm/counters may answer with a read of the engine this many seconds "
+        "old (0: only with a read that started after the request arrived); reads run one at "
+        "a time and are shared by the requests waiting for them",
+    )
+    show_paths: bool = Field(
+        False,
+        description="show server filesystem paths in /tllm/* responses (hidden by default: "
+        "a server may face strangers)",
+    )
+
+
 class RuntimeSettings(BaseModel):
     """Engine-side runtime settings (JSON in ``additional_config["tllm"]``)."""
 
     model_config = ConfigDict(extra="forbid")
     consumers: list[ConsumerSpec] = Field(default_factory=list)
+    server: ServerSettings = Field(
+        default_factory=ServerSettings, description="the OpenAI server's limits (serving only)"
+    )
     queue_size: int = Field(64, ge=1, description="bundles per background queue")
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
+    )
+    wait_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="longest wait for a background consumer to catch up (flush: reading "
+        "results, closing) before going on without it (counted: flush_timeouts, close_timeouts)",
     )
     background_threads: int = Field(
         1,

@@ -7,12 +7,13 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from tllm_core.consumer import ConsumerConfig
+from tllm_core.numbers import FiniteF32
 
 
 class ESampConfig(ConsumerConfig):
     """ESamp settings. Unknown fields are errors (inherited)."""
 
-    beta: float = Field(
+    beta: FiniteF32 = Field(
         0.25,
         description="Exploration strength: logits_new = (1+beta)*logits_ref - beta*logits_dist. "
         "0 leaves sampling bit-identical to vanilla (the distiller still trains).",
@@ -30,9 +31,9 @@ class ESampConfig(ConsumerConfig):
     )
     intermediate_size: int = Field(384, description="Intermediate width of each SwiGLU block.")
     num_blocks: int = Field(2, description="Number of residual gated-SwiGLU blocks.")
-    lr: float = Field(4e-4, description="Adam learning rate.")
-    eps: float = Field(1e-4, description="Adam epsilon.")
-    grad_clip: float | None = Field(
+    lr: FiniteF32 = Field(4e-4, description="Adam learning rate.")
+    eps: FiniteF32 = Field(1e-4, description="Adam epsilon.")
+    grad_clip: FiniteF32 | None = Field(
         0.5, description="Per-group gradient-norm clip (None disables clipping)."
     )
     scope: Literal["group", "batch"] = Field(
@@ -89,7 +90,7 @@ class ESampConfig(ConsumerConfig):
         "steps (decay fit_decay), measured on each step's rows before the distiller trains on "
         "them and starting at 1: guidance is strong only once the distiller predicts well.",
     )
-    fit_decay: float = Field(
+    fit_decay: FiniteF32 = Field(
         0.8,
         description="beta_schedule 'fit': e <- fit_decay * e + (1 - fit_decay) * (this step's "
         "mean relative error of the group's rows); in [0, 1).",

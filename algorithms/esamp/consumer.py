@@ -36,6 +36,7 @@ from algorithms.esamp.memory_plan import (
 from algorithms.esamp.slots import TrainResult
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.numbers import FiniteF32
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
 from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo
@@ -128,10 +129,9 @@ def _use_side_thread(mode: str) -> bool:
 class ESampRequest(RequestSettings):
     """Per-request settings: ``tllm_esamp_beta``."""
 
-    beta: float | None = Field(
+    beta: FiniteF32 | None = Field(
         None,
         ge=0,
-        allow_inf_nan=False,
         description="ESamp's beta for this request (0: no guidance); default: the config's beta",
     )
 
@@ -218,8 +218,12 @@ class ESampConsumer(Consumer):
         self._loss_last: float | None = None
         self._age_sum: list[float] = []
         self._age_n: list[int] = []
-        self._group_first: dict[int, float] = {}
-        self._group_last: dict[int, float] = {}
+        # Per-group first and last losses, as sums over every group so far (a server runs
+        # for ever: state is kept only for groups that may still report a loss).
+        self._group_last: dict[int, float] = {}  # serial -> last loss, live groups only
+        self._freed_serials: set[int] = set()  # freed, with losses still to read back
+        self._gfirst_sum = self._glast_sum = 0.0
+        self._g_n = 0
         self._zero_out = cfg.init == "zero_output"
         self._warm = cfg.warm_start_steps > 0
         self._fit_n, self._fit_sum = 0, 0.0
@@ -285,6 +289,8 @@ class ESampConsumer(Consumer):
         if g.live:
             return
         del self._groups[key]
+        self._freed_serials.add(g.serial)
+        self._prune_groups()
         if g.slot is not None:
             del self._slot_group[g.slot]
             self.distiller.free(g.slot)
@@ -662,8 +668,15 @@ class ESampConsumer(Consumer):
                     self._age_n.append(0)
                 self._age_sum[age] += loss
                 self._age_n[age] += 1
-                self._group_first.setdefault(serial, loss)
+                last = self._group_last.get(serial)
+                if last is None:  # the group's first loss
+                    self._g_n += 1
+                    self._gfirst_sum += loss
+                    self._glast_sum += loss
+                else:
+                    self._glast_sum += loss - last
                 self._group_last[serial] = loss
+        self._prune_groups()
         self.counters.add("optimizer_steps", steps)
         self.counters.add("rows_trained", rows)
         self.counters.add("decode_steps", train_steps)
@@ -672,6 +685,15 @@ class ESampConsumer(Consumer):
             self.counters.set("loss_first", self._loss_first)
             self.counters.set("loss_last", self._loss_last)
             self.counters.set("loss_mean", self._loss_sum / self._loss_n)
+
+    def _prune_groups(self) -> None:
+        """Forget the last loss of freed groups whose updates have all been read back."""
+        if not self._freed_serials:
+            return
+        waiting = {s for serials, _, _ in self._pending for s in serials}
+        for s in self._freed_serials - waiting:
+            self._group_last.pop(s, None)
+            self._freed_serials.discard(s)
 
     def _curve(self) -> list[list[float]]:
         """Mean loss by a group's optimizer step index (its learning curve), <= 64 points."""
@@ -683,13 +705,12 @@ class ESampConsumer(Consumer):
 
     def result(self) -> Any:
         self._flush()
-        firsts, lasts = list(self._group_first.values()), list(self._group_last.values())
         return {
             "loss_first": self._loss_first,
             "loss_last": self._loss_last,
             "loss_mean": self._loss_sum / self._loss_n if self._loss_n else None,
-            "group_loss_first_mean": float(np.mean(firsts)) if firsts else None,
-            "group_loss_last_mean": float(np.mean(lasts)) if lasts else None,
+            "group_loss_first_mean": self._gfirst_sum / self._g_n if self._g_n else None,
+            "group_loss_last_mean": self._glast_sum / self._g_n if self._g_n else None,
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._curve(),
             "counters": self.counters.snapshot(),

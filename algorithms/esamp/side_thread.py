@@ -20,16 +20,22 @@ import queue
 import threading
 from collections.abc import Callable
 
+from tllm_core.cpus import allowed_cpus
+
 log = logging.getLogger("tllm")
 
 _STOP = object()
+# Longest wait for the jobs (a training step takes milliseconds to seconds): past it the
+# engine thread gives up with an error (the consumer is then switched off) instead of hanging.
+WAIT_TIMEOUT_S = 300.0
 
 
 def _widen_affinity() -> str:
-    """Let the calling thread run on every core of the process (vLLM pins its engine thread,
-    and a new thread inherits that pin); returns what was set, for the log."""
+    """Let the calling thread run on every core the process may use (vLLM pins its engine
+    thread, and a new thread inherits that pin), not on cores outside the process's allowed
+    set (taskset, a container's cpuset); returns what was set, for the log."""
     try:  # Linux: the affinity of the calling thread only.
-        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+        os.sched_setaffinity(0, allowed_cpus())
         return f"cpus {sorted(os.sched_getaffinity(0))}"
     except (AttributeError, OSError):
         return "inherited affinity"
@@ -50,15 +56,26 @@ class SideThread:
         self._raise()
         self._jobs.put(job)
 
-    def wait(self) -> None:
-        """Block until every submitted job has run; re-raise a job's error here."""
-        self._jobs.join()
+    def wait(self, timeout: float = WAIT_TIMEOUT_S) -> None:
+        """Block until every submitted job has run; re-raise a job's error here. Raises
+        ``RuntimeError`` when the jobs have not finished after ``timeout`` seconds."""
+        q = self._jobs
+        with q.all_tasks_done:
+            done = q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+        if not done:
+            raise RuntimeError(
+                f"side thread {self._thread.name!r} has not finished its jobs after "
+                f"{timeout:.0f} s ({q.unfinished_tasks} still queued or running)"
+            )
         self._raise()
 
-    def close(self) -> None:
+    def close(self, timeout: float = WAIT_TIMEOUT_S) -> None:
+        """Stop the thread after its queued jobs, waiting at most ``timeout`` seconds."""
         if self._thread.is_alive():
             self._jobs.put(_STOP)
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("tllm: side thread %r did not stop in %.0f s", self._thread.name, timeout)
 
     def _raise(self) -> None:
         if self._error is not None:

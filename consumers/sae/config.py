@@ -9,7 +9,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.site import parse_site
-from consumers.sae.steer import FeatureSteer
+from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer
 from tllm_core.consumer import ConsumerConfig
 
 
@@ -31,6 +31,7 @@ class SaeConfig(ConsumerConfig):
     )
     steer: list[FeatureSteer] = Field(
         default_factory=list,
+        max_length=MAX_STEER_ENTRIES,
         description="Steering entries applied to every row: {'feature': f, 'scale': s} adds "
         "s*W_dec[f]; {'feature': f, 'clamp': v} clamps feature f to v.",
     )

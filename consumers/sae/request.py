@@ -14,13 +14,14 @@ from typing import Any
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from consumers.sae.steer import FeatureSteer, check_features
+from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer, check_features
 from tllm_core import RequestSettings
 
 
 class SaeRequest(RequestSettings):
     steer: list[FeatureSteer] | None = Field(
         None,
+        max_length=MAX_STEER_ENTRIES,
         description="Steering entries for this request ({'feature': f, 'scale': s} or "
         "{'feature': f, 'clamp': v}); replaces the config's 'steer'; [] turns it off.",
     )
@@ -37,6 +38,8 @@ class SaeRequest(RequestSettings):
                 return json.loads(v)
             except json.JSONDecodeError as e:
                 raise ValueError(f"steer: not valid JSON: {e}") from None
+            except RecursionError:  # nested deeper than Python's parser goes
+                raise ValueError("steer: not valid JSON: nested too deeply") from None
         return v
 
     @model_validator(mode="after")

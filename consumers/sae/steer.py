@@ -12,21 +12,27 @@ would run (see ``consumers/sae/ports.py``).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from consumers.sae.model import SparseAutoencoder
+from tllm_core.numbers import FiniteF32
+
+# Entries of one steering list (config or request): each is a vector add or a clamp per row.
+MAX_STEER_ENTRIES = 1024
+# Feature indices index int32-sized tensors.
+MAX_FEATURE = 2**31 - 1
 
 
 class FeatureSteer(BaseModel):
     """One steering entry: exactly one of ``scale`` and ``clamp``."""
 
     model_config = ConfigDict(extra="forbid")
-    feature: int = Field(..., ge=0, description="SAE feature index (0 <= feature < d_sae).")
-    scale: float | None = Field(None, description="Add scale * W_dec[feature] to every row.")
-    clamp: float | None = Field(
+    feature: int = Field(
+        ..., ge=0, le=MAX_FEATURE, description="SAE feature index (0 <= feature < d_sae)."
+    )
+    scale: FiniteF32 | None = Field(None, description="Add scale * W_dec[feature] to every row.")
+    clamp: FiniteF32 | None = Field(
         None,
         description="Set the feature's activation to this value in every row (encode, set, "
         "decode the difference, add it).",
@@ -39,9 +45,6 @@ class FeatureSteer(BaseModel):
                 f"feature {self.feature}: give exactly one of 'scale' and 'clamp', got "
                 f"scale={self.scale!r}, clamp={self.clamp!r}"
             )
-        value = self.scale if self.scale is not None else self.clamp
-        if not math.isfinite(value):
-            raise ValueError(f"feature {self.feature}: value must be finite, got {value}")
         return self
 
 

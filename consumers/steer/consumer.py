@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import numpy as np
@@ -12,9 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
 from tllm_core.edits import EditPlan
+from tllm_core.numbers import FiniteF32
 from tllm_core.ports import ResidualEdit, WritePort
 from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
+
+# Inline vectors are model-width; a million entries is past any model (and bounds the JSON).
+MAX_INLINE_VECTOR = 1 << 20
 
 
 class SteerVector(BaseModel):
@@ -31,8 +34,10 @@ class SteerVector(BaseModel):
         description="Vector file: .safetensors (one tensor, or 'file.safetensors::key'), "
         ".pt/.pth (a tensor or a dict of tensors with '::key'), or .npy.",
     )
-    vector: list[float] | None = Field(None, description="The vector inline (instead of path).")
-    scale: float = Field(
+    vector: list[FiniteF32] | None = Field(
+        None, max_length=MAX_INLINE_VECTOR, description="The vector inline (instead of path)."
+    )
+    scale: FiniteF32 = Field(
         1.0,
         description="Multiplier of the vector in 'add' mode (0 is allowed; ignored by 'ablate').",
     )
@@ -47,8 +52,6 @@ class SteerVector(BaseModel):
     def _one_source(self) -> SteerVector:
         if (self.path is None) == (self.vector is None):
             raise ValueError("give exactly one of 'path' and 'vector'")
-        if not math.isfinite(self.scale):
-            raise ValueError(f"scale must be finite, got {self.scale}")
         return self
 
 
@@ -74,9 +77,8 @@ class SteerConfig(ConsumerConfig):
 class SteerRequest(RequestSettings):
     """Per-request settings: ``tllm_steer_scale``."""
 
-    scale: float | None = Field(
+    scale: FiniteF32 | None = Field(
         None,
-        allow_inf_nan=False,
         description="replaces the 'scale' of every 'add' vector for this request "
         "(default: each vector's configured scale)",
     )

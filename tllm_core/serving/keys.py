@@ -12,6 +12,7 @@ is allowed.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from tllm_core.request_settings import (
     describe_request_keys,
     enabled_consumers,
     parse_request_settings,
+    short_repr,
 )
 from tllm_core.settings import ConsumerSpec, RuntimeSettings
 
@@ -45,11 +47,17 @@ __all__ = [
     "validate_extra_args",
 ]
 
+# A group name is kept per live group by consumers (ESamp): bounded like any request value.
+MAX_GROUP_CHARS = 1024
+# tllm_consumers is split again wherever a consumer asks whether it acts on the request.
+MAX_CONSUMERS_CHARS = 1024
+
 KEYS: dict[str, str] = {
     CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
     "request (each must be configured)",
     GROUP: "string: requests sharing this value form one group (consumers that keep state per "
-    "group, e.g. ESamp's distiller; default: the n samples of one request)",
+    "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
+    "requests of the same client, i.e. API key, share a group)",
 }
 
 
@@ -63,6 +71,8 @@ class EngineConsumers:
     configs: dict[str, Any] = field(default_factory=dict)
     # every registered consumer's request key -> (consumer name, field name)
     owners: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # consumers the engine reported failed (switched off until restart), learned from reports
+    failed: set[str] = field(default_factory=set)
 
     @classmethod
     def from_settings(
@@ -90,6 +100,20 @@ class EngineConsumers:
         """Whether consumer ``name`` acts on a request with these extra_args."""
         return name in self.per_request and acts_on(name, self.per_request[name], extra)
 
+    def note_report(self, report: dict[str, Any]) -> None:
+        """Learn from an engine report which consumers failed (its ``errors``)."""
+        self.failed.update(
+            e["consumer"] for e in report.get("errors", []) if e.get("consumer") in self.models
+        )
+
+    def failed_named(self, extra: dict[str, Any]) -> list[str]:
+        """Failed consumers that a request names in ``tllm_consumers``."""
+        try:
+            names = enabled_consumers(extra)
+        except ValueError:
+            return []  # the key check reports it
+        return sorted(set(names) & self.failed)
+
     def keys(self) -> dict[str, str]:
         """Every key a request may carry on this engine, with its description."""
         out = dict(KEYS)
@@ -111,12 +135,28 @@ class EngineConsumers:
         }
 
 
+def _check_tag(key: str, value: Any, where: str) -> None:
+    """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers the engine can
+    index with (``tllm_prompt_index`` >= 0: the caller's own prompt numbering)."""
+    low = 0 if key == "tllm_prompt_index" else 1
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+        raise ValueError(
+            f"{where}[{key!r}] must be a whole number in [{low}, {2**31 - 1}], got "
+            f"{short_repr(value)}"
+        )
+
+
 def validate_extra_args(
-    extra: dict[str, Any] | None, engine: EngineConsumers, where: str = "vllm_xargs"
+    extra: dict[str, Any] | None,
+    engine: EngineConsumers,
+    where: str = "vllm_xargs",
+    tags: bool = False,
 ) -> None:
     """Check every ``tllm_*`` key of a request; raise ValueError naming the key.
 
     ``where`` names the dict in messages: ``vllm_xargs`` (server) or ``extra_args``.
+    ``tags``: the internal row tags (:data:`TAGS`) are allowed and checked (``TllmLLM``'s
+    callers may number their prompts); else they are unknown keys (server clients).
     """
     if not extra:
         return
@@ -124,25 +164,43 @@ def validate_extra_args(
     for key, value in extra.items():
         if not key.startswith(PREFIX):
             continue
+        if tags and key in TAGS:
+            _check_tag(key, value, where)
+            continue
         if key in engine.owners:
             mine.setdefault(engine.owners[key][0], []).append(key)
         elif key not in KEYS:
             known = sorted(
                 [*KEYS, *(k for k, (c, _) in engine.owners.items() if c in engine.models)]
             )
-            raise ValueError(f"unknown tllm key {where}[{key!r}]; known keys: {', '.join(known)}")
+            raise ValueError(
+                f"unknown tllm key {where}[{short_repr(key)}]; known keys: {', '.join(known)}"
+            )
         if not isinstance(value, (str, int, float)):
-            raise ValueError(f"{where}[{key!r}] must be a flat string or number, got {value!r}")
+            raise ValueError(
+                f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
+            )
+    raw = extra.get(CONSUMERS)
+    if isinstance(raw, str) and len(raw) > MAX_CONSUMERS_CHARS:
+        raise ValueError(
+            f"{where}[{CONSUMERS!r}] has {len(raw)} characters; allowed: at most "
+            f"{MAX_CONSUMERS_CHARS}"
+        )
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
         if n not in engine.per_request:
             raise ValueError(
-                f"unknown consumer {n!r} in {where}[{CONSUMERS!r}]; this engine's per-request "
+                f"unknown consumer {short_repr(n)} in {where}[{CONSUMERS!r}]; this engine's per-request "
                 f"consumers: {optional or 'none'}"
             )
-    if GROUP in extra and isinstance(extra[GROUP], str) and not extra[GROUP].strip():
+    group = extra.get(GROUP)
+    if isinstance(group, str) and not group.strip():
         raise ValueError(f"{where}[{GROUP!r}] must not be empty")
+    if isinstance(group, str) and len(group) > MAX_GROUP_CHARS:
+        raise ValueError(
+            f"{where}[{GROUP!r}] has {len(group)} characters; allowed: at most {MAX_GROUP_CHARS}"
+        )
     for name, keys in mine.items():
         key = keys[0]
         if name not in engine.per_request:
@@ -160,7 +218,9 @@ def validate_extra_args(
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
 
 
-def request_salt(extra: dict[str, Any] | None, *, can_change_kv: bool = True) -> str | None:
+def request_salt(
+    extra: dict[str, Any] | None, key: bytes | None = None, *, can_change_kv: bool = True
+) -> str | None:
     """The prefix-cache salt of a request: the one rule, offline (``TllmLLM``) and served.
 
     Requests with different tllm settings may compute different KV for the same tokens
@@ -172,12 +232,18 @@ def request_salt(extra: dict[str, Any] | None, *, can_change_kv: bool = True) ->
 
     Format: ``tllm-`` and the first 16 hex digits of the sha256 of the JSON list of sorted
     ``[key, str(value)]`` pairs (``str``: a number and its numeric string, equal once
-    validated, give one salt).
+    validated, give one salt). A server passes its secret ``key``: the salt is then 32 hex
+    digits of an HMAC that no client can compute, so a client's own ``cache_salt`` can never
+    equal it (a predictable salt would let an unsteered request reuse steered KV blocks).
     """
     items = sorted(
         (k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX) and k not in TAGS
     )
     if not items or not can_change_kv:
         return None
-    digest = hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+    text = json.dumps(items).encode()
+    if key is None:
+        digest = hashlib.sha256(text).hexdigest()[:16]
+    else:
+        digest = hmac.new(key, text, hashlib.sha256).hexdigest()[:32]
     return f"tllm-{digest}"

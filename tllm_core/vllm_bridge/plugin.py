@@ -103,8 +103,10 @@ def _wrap_init_device() -> None:
         settings = tllm_settings(getattr(config, "additional_config", None))
         if settings is None:
             return orig(self, *args, **kwargs)
+        from tllm_core.cpus import note_allowed_cpus
         from tllm_core.vllm_bridge import worker_setup
 
+        note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
         worker_setup.before_device(config)
         out = orig(self, *args, **kwargs)
         worker_setup.attach(self.worker, settings)
@@ -130,12 +132,14 @@ class EndpointGate:
         if cfg is None:
             return
         from tllm_core.serving.keys import EngineConsumers
+        from tllm_core.settings import RuntimeSettings
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True
         # The front end's check of the consumer names and configs (the worker checks again).
-        self.engine = EngineConsumers.from_settings(cfg)
-        attach_routes(app, self.engine)
+        settings = RuntimeSettings.model_validate(cfg)
+        self.engine = EngineConsumers.from_settings(settings)
+        attach_routes(app, self.engine, settings.server)
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

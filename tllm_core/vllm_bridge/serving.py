@@ -14,24 +14,32 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   error event on a stream that already started);
 - salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
   ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
-  unsteered requests never share cached KV blocks;
+  unsteered requests never share cached KV blocks (an HMAC under a per-server secret: no
+  client can forge it), and scopes each request's group to its client;
 - serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
   data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
-  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures) and ``GET /tllm/status``.
+  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
+  ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
+  operator shows them;
+- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
+from collections import deque
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tllm_core.reports import merge_reports
-from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY
+from tllm_core.reports import json_safe, merge_reports
+from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
+from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
+from tllm_core.serving.throttle import Throttle
+from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -42,76 +50,139 @@ STATUS_PATH = "/tllm/status"
 
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# A body past the limit is still read (and dropped) up to this many times the limit, so that
+# the client can read the 413 (see XargsCheck.refuse).
+DRAIN_FACTOR = 4
 
 
-def check_body(body: bytes, server: EngineConsumers) -> str | None:
-    """The error message for a request body with bad ``tllm_*`` vllm_xargs, else None."""
+def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
+    """(HTTP status, message) for a request body that must not reach vLLM, else None: 400 for
+    bad ``tllm_*`` vllm_xargs, 503 for a request naming a consumer that failed."""
     if b"tllm_" not in body:
         return None
     try:
         data = json.loads(body)
     except ValueError:
         return None  # vLLM answers malformed JSON itself
+    except RecursionError:  # Python's parser gives up on deep nesting (vLLM's would, with 500)
+        return 400, "tllm: the JSON body is nested too deeply"
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
     if not isinstance(xargs, dict):
         return None
     try:
         validate_extra_args(xargs, server)
     except ValueError as e:
-        return f"tllm: {e}"
+        return 400, f"tllm: {e}"
+    failed = server.failed_named(xargs)
+    if failed:
+        return 503, (
+            f"tllm: consumer {', '.join(map(repr, failed))} failed on this server and is "
+            f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
+            "refused rather than served without it"
+        )
+    return None
+
+
+def _error_response(status: int, message: str, kind: str, param: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    ).encode()
+
+
+async def send_json_error(send: Any, status: int, payload: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(payload)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": payload})
+
+
+def _too_large(limit: int) -> bytes:
+    return _error_response(
+        413,
+        f"tllm: request body is larger than this server's limit of {limit} bytes "
+        "(server setting max_body_bytes)",
+        "RequestEntityTooLarge",
+    )
+
+
+def _declared_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
     return None
 
 
 class XargsCheck:
-    """Pure ASGI middleware: HTTP 400 for bad tllm vllm_xargs before the handler runs."""
+    """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
+    tllm vllm_xargs, both before the handler runs.
 
-    def __init__(self, app: Any, server: EngineConsumers):
+    Chunks are kept in a list and joined once: appending each chunk to one bytes object
+    copies the body so far every time, quadratic in the number of chunks, on the event loop.
+    """
+
+    def __init__(self, app: Any, server: EngineConsumers, max_body_bytes: int = 32 * MIB):
         self.app = app
         self.server = server
+        self.max_body_bytes = max_body_bytes
+
+    async def refuse(self, receive, send, more: bool) -> None:
+        """413. First the rest of a body up to ``DRAIN_FACTOR`` times the limit is read and
+        dropped: a client still sending when the server answers and closes sees a connection
+        reset, not the 413 (vLLM's server cannot be read from once it has answered)."""
+        budget = DRAIN_FACTOR * self.max_body_bytes
+        while more and budget > 0:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break
+            budget -= len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        await send_json_error(send, 413, _too_large(self.max_body_bytes))
 
     async def __call__(self, scope, receive, send):
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].endswith(CHECKED_PATHS)
-        ):
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        messages, body = [], b""
+        declared = _declared_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            # Past the drain budget: answer at once, the client may see a reset instead.
+            return await self.refuse(
+                receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
+            )
+        messages: deque = deque()
+        chunks: list[bytes] = []
+        size = 0
         while True:
             msg = await receive()
             messages.append(msg)
             if msg["type"] != "http.request":
                 break
-            body += msg.get("body", b"")
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await self.refuse(receive, send, more=msg.get("more_body", False))
+            chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        error = check_body(body, self.server)
+        # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
+        checked = scope["path"].endswith(CHECKED_PATHS)
+        error = check_body(b"".join(chunks), self.server) if checked else None
         if error is not None:
-            payload = json.dumps(
-                {
-                    "error": {
-                        "message": error,
-                        "type": "BadRequestError",
-                        "param": "vllm_xargs",
-                        "code": 400,
-                    }
-                }
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 400,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(payload)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": payload})
-            return
+            status, message = error
+            kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+            payload = _error_response(status, message, kind, "vllm_xargs")
+            return await send_json_error(send, status, payload)
 
         async def replay():
-            return messages.pop(0) if messages else await receive()
+            return messages.popleft() if messages else await receive()
 
         await self.app(scope, replay, send)
 
@@ -131,9 +202,31 @@ async def rpc_all(engine_client: Any, method: str) -> list[Any]:
     return list(await engine_client.collective_rpc(method))
 
 
-def attach_routes(app: Any, server: EngineConsumers) -> None:
-    app.add_middleware(XargsCheck, server=server)
+def api_tokens(args: Any) -> list[str]:
+    """The API keys vLLM's server guards ``/v1`` with: ``--api-key`` (one or more), else
+    ``VLLM_API_KEY`` (vLLM's rule, ``entrypoints/serve/middleware/register.py``)."""
+    from vllm import envs
+
+    given = getattr(args, "api_key", None)
+    if isinstance(given, str):
+        given = [given]
+    return [k for k in (given or [envs.VLLM_API_KEY]) if k]
+
+
+def attach_routes(
+    app: Any, server: EngineConsumers, settings: ServerSettings | None = None
+) -> None:
+    settings = settings or ServerSettings()
+    app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
+    app.state.tllm_secret = secrets.token_bytes(32)
+    app.add_middleware(ClientScope, secret=app.state.tllm_secret)
+    # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
+    app.add_middleware(BearerGuard, tokens=api_tokens(getattr(app.state, "args", None)))
     router = APIRouter()
+
+    def shown(body: Any) -> Any:
+        body = json_safe(body)
+        return body if settings.show_paths else hide_paths(body)
 
     async def _rpc(request: Request, method: str) -> Any:
         client = getattr(request.app.state, "tllm_engine_client", None)
@@ -141,28 +234,42 @@ def attach_routes(app: Any, server: EngineConsumers) -> None:
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
         return await rpc_all(client, method)
 
+    async def _read_counters() -> Any:
+        report = merge_reports(await rpc_all(app.state.tllm_engine_client, "tllm_collect"))
+        server.note_report(report)  # failed consumers: requests naming them get 503
+        return shown(report)
+
+    counters = Throttle(_read_counters, settings.counters_interval_s)
+
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        out = await _rpc(request, "tllm_collect")
-        return out if isinstance(out, JSONResponse) else JSONResponse(merge_reports(out))
+        if getattr(request.app.state, "tllm_engine_client", None) is None:
+            return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
+        return JSONResponse(await counters.get())
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         out = await _rpc(request, "tllm_status")
         if isinstance(out, JSONResponse):
             return out
+        await counters.get()  # learns which consumers failed
         server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-        body = {"worker": leader, **server.describe()}
+        body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
         if len(out) > 1:
             body["ranks"] = out
-        return JSONResponse(body)
+        return JSONResponse(shown(body))
 
     app.include_router(router)
 
 
-def install_request_checks(input_processor: Any, server: EngineConsumers) -> None:
-    """Instance-level wrappers on the front end's input processor (this server only)."""
+def install_request_checks(
+    input_processor: Any, server: EngineConsumers, secret: bytes | None = None
+) -> None:
+    """Instance-level wrappers on the front end's input processor (this server only).
+
+    ``secret``: this server's secret (cache salts and client ids; drawn here when not given).
+    """
     from vllm.exceptions import VLLMValidationError
 
     if not hasattr(input_processor, "validate_logits_processors_params") or not hasattr(
@@ -174,6 +281,8 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
             "vLLM's input processor lacks validate_logits_processors_params/assign_request_id: "
             "this vLLM is not supported for serving with tllm"
         )
+    # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
+    salt_key = secret if secret is not None else secrets.token_bytes(32)
     validate_orig = input_processor.validate_logits_processors_params
     assign_orig = input_processor.assign_request_id
 
@@ -189,17 +298,25 @@ def install_request_checks(input_processor: Any, server: EngineConsumers) -> Non
     def assign_request_id(request: Any) -> None:
         assign_orig(request)
         params = getattr(request, "sampling_params", None)
-        salt = request_salt(getattr(params, "extra_args", None))
+        extra = getattr(params, "extra_args", None)
+        salt = request_salt(extra, salt_key)
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
+        if params is not None:
+            # After the salt (the group does not change KV); before the n fan-out, so the
+            # samples of one request share the group.
+            group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
+            params.extra_args = {**(extra or {}), GROUP: group}
 
     input_processor.validate_logits_processors_params = validate_logits_processors_params
     input_processor.assign_request_id = assign_request_id
 
 
 async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
-    install_request_checks(engine_client.input_processor, server)
+    install_request_checks(
+        engine_client.input_processor, server, getattr(state, "tllm_secret", None)
+    )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
     status = await rpc_all(engine_client, "tllm_status")

@@ -1,0 +1,168 @@
+"""The bus never leaves the engine thread waiting without bound (issue 26): finish notices
+never wait on a full queue, a background thread survives any error, flush and close time
+out, and a failed consumer is still closed."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from tllm_core import Bundle, Consumer, ConsumerConfig
+from tllm_core.bus import Bus
+from tllm_core.counters import Counters
+from tllm_core.ports import Delivery
+from tllm_core.rows import RequestInfo, RowInfo
+
+# Generous bounds for "returned at all" on a busy machine; a hang would exceed them.
+HANG_S = 20
+
+
+def _rows(n: int) -> RowInfo:
+    req = RequestInfo("0-abcdefgh", "0", 0, 0, 4)
+    return RowInfo(
+        row=np.arange(n),
+        requests=[req] * n,
+        position=np.arange(n),
+        is_decode=np.zeros(n, bool),
+        recomputed=np.zeros(n, bool),
+        token_ids=torch.arange(n),
+    )
+
+
+class Gated(Consumer):
+    """A background consumer that handles nothing until its gate opens."""
+
+    name = "gated"
+    delivery = Delivery.BACKGROUND
+
+    def __init__(self):
+        super().__init__(ConsumerConfig(), None)
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.got: list[object] = []
+
+    def on_bundle(self, bundle):
+        self.entered.set()
+        self.gate.wait(HANG_S)
+        self.got.append(bundle.step)
+
+    def on_request_finished(self, request):
+        self.got.append(request.engine_id)
+
+
+def _returns(fn, *args) -> bool:
+    """Whether ``fn(*args)`` returns within HANG_S seconds (run on a side thread)."""
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(HANG_S)
+    return not t.is_alive()
+
+
+@pytest.mark.parametrize("overflow", ["drop", "block"])
+def test_finish_notices_never_wait_on_a_full_queue(overflow):
+    counters = Counters()
+    bus = Bus(counters, queue_size=1, overflow=overflow)
+    c = Gated()
+    bus.publish(c, Bundle(0, _rows(1)))
+    assert c.entered.wait(HANG_S)  # taken by the thread, which waits at the gate
+    bus.publish(c, Bundle(1, _rows(1)))  # fills the one slot
+    done = [RequestInfo(f"r{i}-abcdefgh", f"r{i}", 0, 0, 4) for i in range(3)]
+    assert _returns(lambda: [bus.finished(c, r) for r in done])  # the engine is not held
+    c.gate.set()
+    assert bus.flush(HANG_S)
+    bus.close()
+    # In order: the request's bundles first, then its notices; nothing dropped.
+    assert c.got == [0, 1, *(r.engine_id for r in done)]
+    assert counters.get("bundles_dropped") == 0
+
+
+def test_background_thread_survives_any_error():
+    counters = Counters()
+    bus = Bus(counters, queue_size=1)
+
+    class Exits(Consumer):
+        name = "exits"
+        delivery = Delivery.BACKGROUND
+
+        def on_bundle(self, bundle):
+            raise SystemExit("bye")
+
+    c = Exits(ConsumerConfig(), None)
+    bus.publish(c, Bundle(0, _rows(1)))
+    # The thread is alive and draining: these puts (queue size 1) do not block.
+    assert _returns(lambda: [bus.publish(c, Bundle(i, _rows(1))) for i in range(1, 4)])
+    assert bus.flush(HANG_S)
+    assert not bus.active(c) and counters.get("consumer_errors.exits") == 1
+    assert "SystemExit: bye" in bus.errors[0]["error"]
+    bus.close(HANG_S)
+    assert counters.get("close_timeouts") == 0
+
+
+def test_flush_and_close_time_out():
+    counters = Counters()
+    bus = Bus(counters, queue_size=4, wait_timeout_s=0.2)
+    c = Gated()
+    bus.publish(c, Bundle(0, _rows(1)))
+    assert bus.flush() is False and counters.get("flush_timeouts") == 1
+    assert _returns(bus.close)
+    assert counters.get("close_timeouts") == 1
+    c.gate.set()
+
+
+def test_a_failed_consumer_is_still_closed():
+    counters = Counters()
+    bus = Bus(counters)
+    closed = []
+
+    class Fails(Consumer):
+        name = "fails"
+
+        def on_bundle(self, bundle):
+            raise RuntimeError("boom")
+
+        def close(self):
+            closed.append(True)
+
+    c = Fails(ConsumerConfig(), None)
+    bus.publish(c, Bundle(0, _rows(1)))
+    assert not bus.active(c)
+    assert bus.call(c, "on_bundle", c.on_bundle, Bundle(1, _rows(1))) is False  # still off
+    assert bus.call(c, "close", c.close, even_if_disabled=True) and closed == [True]
+
+
+def test_runtime_closes_a_failed_consumer():
+    from tllm_core import ConsumerContext, HiddenStates, ModelInfo, hookimpl
+    from tllm_core.registry import Registry
+    from tllm_core.runtime import Runtime
+    from tllm_core.settings import RuntimeSettings
+
+    closed = []
+
+    class Holder(Consumer):
+        name = "holder"
+
+        def __init__(self, config, context: ConsumerContext):
+            super().__init__(config, context)
+
+        def reads(self):
+            return [HiddenStates(0)]
+
+        def close(self):
+            closed.append(self.name)
+
+    class Plugin:
+        @hookimpl
+        def tllm_consumers(self):
+            return [Holder]
+
+    reg = Registry()
+    reg.register(Plugin(), name="test-holder")
+    model = ModelInfo(4, 2, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
+    rt = Runtime(RuntimeSettings.model_validate({"consumers": [{"name": "holder"}]}), model, reg)
+    (slot,) = rt.slots
+    rt.bus.fail(slot.consumer, "on_bundle", RuntimeError("boom"))  # as a failed callback does
+    rt.close()
+    assert closed == ["holder"]

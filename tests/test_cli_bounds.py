@@ -1,0 +1,53 @@
+"""Engine and sampling options out of range are errors naming the value (issue 26), not
+values vLLM or tllm silently replaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from tllm_core.cli import build_parser
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
+        (["run", "--max-num-batched-tokens", "-3"], "--max-num-batched-tokens: must be >= 1"),
+        (["run", "--top-k", "-5"], "argument --top-k: must be >= 0 (0 disables top-k), got -5"),
+        (["run", "--top-k", "x"], "argument --top-k: must be a whole number, got 'x'"),
+    ],
+)
+def test_out_of_range_options_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_in_range_options_reach_the_engine_unchanged():
+    from tllm_core.cli_common import engine_kwargs
+
+    args = build_parser().parse_args(["run", "--max-num-seqs", "1", "--top-k", "5"])
+    assert engine_kwargs(args)["max_num_seqs"] == 1 and args.top_k == 5
+    assert "max_num_seqs" not in engine_kwargs(build_parser().parse_args(["run"]))
+
+
+def test_export_layers_entry_that_is_no_number_is_named():
+    from consumers.export.command import _port
+    from consumers.export.consumer import ExportConfig
+
+    assert [_port(s) for s in ("3", " -1", "final", "attn.2")] == [3, -1, "final", "attn.2"]
+    with pytest.raises(ValueError, match="bad layers entry '--1'"):
+        ExportConfig(out="o", layers=[_port("--1")])
+
+
+def test_json_report_is_strict_json_with_nan_figures(capsys):
+    import json
+
+    from tllm_core.cli_common import print_report
+
+    report = {"runtime": {}, "consumers": {"stats": {"mean": float("nan")}}, "results": {}}
+    report["results"]["stats"] = {"loss": [float("inf"), 1.0]}
+    print_report(["p"], [["t"]], report, as_json=True)
+    out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert out["results"]["stats"]["loss"] == ["Infinity", 1.0]

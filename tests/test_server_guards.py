@@ -1,0 +1,440 @@
+"""The server's guards at the ASGI level, without an engine (issue 26): body size limit and
+linear reading, the API key on ``/tllm/*``, hidden paths, unforgeable cache salts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tllm_core.serving import EngineConsumers, request_salt
+from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
+from tllm_core.settings import RuntimeSettings, ServerSettings
+from tllm_core.vllm_bridge.serving import XargsCheck, api_tokens
+
+
+@pytest.fixture(scope="module")
+def engine() -> EngineConsumers:
+    return EngineConsumers.from_settings({"consumers": [{"name": "esamp", "per_request": True}]})
+
+
+class FakeApp:
+    """The app behind the middleware: reads the whole body through ``receive``, answers 200."""
+
+    def __init__(self):
+        self.calls = 0
+        self.body = b""
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        parts = []
+        while True:
+            msg = await receive()
+            parts.append(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                break
+        self.body = b"".join(parts)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+class Chunks:
+    """A fake ``receive``: the body in the given pieces, counting the calls."""
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = list(pieces)
+        self.calls = 0
+
+    async def __call__(self):
+        self.calls += 1
+        assert self.calls <= len(self.pieces), "receive called past the end of the body"
+        i = self.calls - 1
+        return {
+            "type": "http.request",
+            "body": self.pieces[i],
+            "more_body": i + 1 < len(self.pieces),
+        }
+
+
+def _call(middleware, receive, path="/v1/completions", method="POST", headers=()):
+    sent: list[dict] = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers)}
+    asyncio.run(middleware(scope, receive, send))
+    status = sent[0]["status"]
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return status, body
+
+
+class Piece(bytes):
+    """A body chunk that counts how often it is appended with ``+``: ``body += chunk`` copies
+    the body so far each time (quadratic in the number of chunks); a join copies once."""
+
+    appended = 0
+
+    def __radd__(self, other: bytes) -> bytes:
+        Piece.appended += 1
+        return bytes(other) + bytes(self)
+
+
+def _pieces(body: bytes, size: int) -> list[bytes]:
+    return [Piece(body[i : i + size]) for i in range(0, len(body), size)]
+
+
+def test_body_past_the_limit_is_413_before_the_app(engine):
+    app = FakeApp()
+    mw = XargsCheck(app, engine, max_body_bytes=4096)
+    status, body = _call(mw, Chunks([b"x" * 1000] * 5))  # 5000 bytes, no Content-Length
+    assert status == 413 and app.calls == 0
+    assert "4096 bytes" in json.loads(body)["error"]["message"]
+    # A declared Content-Length past the limit is refused on any POST route, the body read
+    # and dropped (the client can then read the 413), or, past 4 times the limit, not read.
+    receive = Chunks([b"x" * 1000] * 5)
+    status, _ = _call(mw, receive, path="/v1/embeddings", headers=[(b"content-length", b"5000")])
+    assert status == 413 and receive.calls == 5 and app.calls == 0
+    receive = Chunks([b"x" * 1000] * 5)
+    huge = [(b"content-length", b"1000000000")]
+    status, _ = _call(mw, receive, path="/v1/embeddings", headers=huge)
+    assert status == 413 and receive.calls == 0 and app.calls == 0
+    # Past the limit without a Content-Length: the rest is drained up to 4 times the limit.
+    receive = Chunks([b"x" * 1000] * 40)
+    status, _ = _call(mw, receive)
+    assert status == 413 and receive.calls == 5 + 17 and app.calls == 0
+    # Any POST route is counted, not only the checked ones.
+    status, _ = _call(mw, Chunks([b"x" * 1000] * 5), path="/v1/audio/transcriptions")
+    assert status == 413 and app.calls == 0
+    # At the limit it passes, whole.
+    status, _ = _call(mw, Chunks([b"x" * 1024] * 4))
+    assert status == 200 and app.body == b"x" * 4096
+
+
+def test_many_tiny_chunks_are_read_once_and_replayed_whole(engine):
+    # 200,000 one-byte chunks: with `body += chunk` this copies ~20 GB (minutes); joined once,
+    # a blink. The test does not time it: the CI timeout catches the quadratic version.
+    good = json.dumps(
+        {
+            "prompt": "hi " * 66_000,
+            "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5},
+        }
+    ).encode()
+    assert len(good) > 190_000
+    app = FakeApp()
+    mw = XargsCheck(app, engine, max_body_bytes=ServerSettings().max_body_bytes)
+    receive = Chunks(_pieces(good, 1))
+    Piece.appended = 0
+    status, _ = _call(mw, receive)
+    assert status == 200 and app.body == good and receive.calls == len(good)
+    assert Piece.appended == 0  # joined once, never grown chunk by chunk
+    bad = good.replace(b'"tllm_esamp_beta": 0.5', b'"tllm_esamp_beta": 1e39')
+    status, body = _call(XargsCheck(FakeApp(), engine), Chunks(_pieces(bad, 1)))
+    assert status == 400 and "float32" in json.loads(body)["error"]["message"]
+
+
+def test_body_limit_is_a_server_setting():
+    assert ServerSettings().max_body_bytes == 32 * 1024 * 1024
+    s = RuntimeSettings.model_validate({"server": {"max_body_bytes": 1 << 20}})
+    assert s.server.max_body_bytes == 1 << 20
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        RuntimeSettings.model_validate({"server": {"max_body_bytes": 0}})
+
+
+def test_tllm_routes_need_the_api_key():
+    app = FakeApp()
+    guard = BearerGuard(app, tokens=["s3cret", "other"])
+    for path in ("/tllm/counters", "/tllm/status"):
+        status, _ = _call(guard, Chunks([b""]), path=path, method="GET")
+        assert status == 401
+        wrong = [(b"authorization", b"Bearer nope")]
+        assert _call(guard, Chunks([b""]), path=path, method="GET", headers=wrong)[0] == 401
+        for key in (b"s3cret", b"other"):
+            ok = [(b"authorization", b"Bearer " + key)]
+            assert _call(guard, Chunks([b""]), path=path, method="GET", headers=ok)[0] == 200
+    # Other routes are vLLM's business; no key configured: nothing is guarded.
+    assert _call(guard, Chunks([b""]), path="/health", method="GET")[0] == 200
+    assert _call(guard, Chunks([b""]), path="/tllmx", method="GET")[0] == 200
+    open_guard = BearerGuard(FakeApp(), tokens=[])
+    assert _call(open_guard, Chunks([b""]), path="/tllm/counters", method="GET")[0] == 200
+
+
+def test_api_tokens_follow_vllms_rule(monkeypatch):
+    from types import SimpleNamespace
+
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    if hasattr(vllm.envs, "cache_clear"):
+        vllm.envs.cache_clear()  # vLLM may cache environment reads
+    assert api_tokens(SimpleNamespace(api_key=["a", "b"])) == ["a", "b"]
+    assert api_tokens(SimpleNamespace(api_key=None)) == ["from-env"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    if hasattr(vllm.envs, "cache_clear"):
+        vllm.envs.cache_clear()
+    assert api_tokens(SimpleNamespace(api_key=None)) == []
+
+
+def test_paths_are_hidden_from_responses():
+    report = {
+        "results": {
+            "export": {"out": "/srv/data/run1", "rows": 3},
+            "sae": {"path": "saes/layer3", "site": "3"},
+        },
+        "errors": [{"message": 'File "/home/op/tllm/x.py", line 3: boom; top-k/top-p 1/0'}],
+        "keys": {"tllm_x": "e.g. true/false"},
+    }
+    shown = hide_paths(report)
+    assert shown["results"]["export"] == {"out": HIDDEN, "rows": 3}
+    assert shown["results"]["sae"] == {"path": HIDDEN, "site": "3"}
+    assert shown["errors"][0]["message"] == f'File "{HIDDEN}", line 3: boom; top-k/top-p 1/0'
+    assert shown["keys"] == report["keys"]
+    assert "/srv" not in json.dumps(shown) and "/home" not in json.dumps(shown)
+
+
+def test_client_cache_salt_cannot_equal_tllms():
+    steered = {"tllm_consumers": "steer", "tllm_steer_scale": 8}
+    key_a, key_b = b"a" * 32, b"b" * 32
+    # The salt is keyed by the server's secret: what a client can compute (no key, or a
+    # guessed one) is not it; the same settings on one server still share the cache.
+    assert request_salt(steered, key_a) == request_salt(dict(steered), key_a)
+    assert request_salt(steered, key_a) != request_salt(steered)
+    assert request_salt(steered, key_a) != request_salt(steered, key_b)
+    assert request_salt(steered, key_a) != request_salt(
+        {"tllm_consumers": "steer", "tllm_steer_scale": 4}, key_a
+    )
+    assert request_salt({"x": 1}, key_a) is None
+
+
+def _admit(engine):
+    """``admit(extra, cache_salt, request_id)``: a request through the input-processor
+    wrappers of a server (a fake processor whose own ``assign_request_id`` adds a suffix)."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.serving import install_request_checks
+
+    def assign(request):
+        request.request_id = f"{request.request_id}-rand{next(ids)}"
+
+    ids = iter(range(10**6))
+    processor = SimpleNamespace(
+        validate_logits_processors_params=lambda params: None, assign_request_id=assign
+    )
+    install_request_checks(processor, engine)
+
+    def admit(extra, cache_salt=None, request_id="r"):
+        params = SimpleNamespace(extra_args=extra)
+        request = SimpleNamespace(
+            sampling_params=params, cache_salt=cache_salt, request_id=request_id
+        )
+        processor.assign_request_id(request)
+        return request
+
+    return admit
+
+
+def test_server_salts_requests_with_its_secret(engine):
+    admit = _admit(engine)
+    steered = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
+    mine = admit(steered).cache_salt
+    assert mine.startswith("tllm-") and mine == admit(dict(steered)).cache_salt
+    # A plain request whose client salt is the one anyone can compute does not share its KV.
+    assert admit({}, cache_salt=request_salt(steered)).cache_salt != mine
+    assert admit({}, cache_salt="x").cache_salt == "x"
+    assert admit(steered, cache_salt="x").cache_salt == f"x|{mine}"
+
+
+def test_groups_are_scoped_to_a_client(engine):
+    from tllm_core.serving.guard import CLIENT, ClientScope
+
+    admit = _admit(engine)
+
+    def group(extra, client="anon", request_id="r"):
+        token = CLIENT.set(client)
+        try:
+            return admit(extra, request_id=request_id).sampling_params.extra_args["tllm_group"]
+        finally:
+            CLIENT.reset(token)
+
+    named = {"tllm_consumers": "esamp", "tllm_group": "g"}
+    assert group(named, "alice") == group(dict(named), "alice")  # one client: one group
+    assert group(named, "alice") != group(named, "mallory")  # another cannot join it
+    # Default group: the request's own; the same X-Request-Id does not make two share one.
+    assert group({}, request_id="x") != group({}, request_id="x")
+    assert group(None, request_id="x").startswith("request/x-rand")
+    # The middleware names the client by its Authorization header, keyed by the secret.
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(CLIENT.get())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = ClientScope(app, secret=b"s" * 32)
+    for auth in (b"Bearer a", b"Bearer a", b"Bearer b"):
+        _call(mw, Chunks([b""]), headers=[(b"authorization", auth)])
+    _call(mw, Chunks([b""]))
+    assert seen[0] == seen[1] != seen[2] and seen[3] == "anon" and len(seen[0]) == 12
+    assert CLIENT.get() == "anon"  # reset after the request
+
+
+def _app(engine, api_key, settings=None, errors=None):
+    """A FastAPI app with tllm's routes and middlewares as the plugin attaches them, and a
+    fake engine client whose report shows server paths."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from tllm_core.vllm_bridge.serving import attach_routes
+
+    class FakeEngineClient:
+        async def collective_rpc(self, method):
+            if method == "tllm_status":
+                return [{"installed": True, "rank": {"leader": True}}]
+            return [
+                {
+                    "runtime": {"steps": 1},
+                    "consumers": {"export": {"rows_written": 3, "mean": float("nan")}},
+                    "results": {"export": {"out": "/srv/secret/run", "rows": 3}},
+                    "errors": errors
+                    or [{"message": "OSError: [Errno 28] /srv/secret/run/shard.npy"}],
+                }
+            ]
+
+    app = FastAPI()
+    app.state.args = SimpleNamespace(api_key=api_key)
+    attach_routes(app, engine, settings)
+    app.state.tllm_engine_client = FakeEngineClient()
+    app.state.tllm_server = engine
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"ok": True}
+
+    return TestClient(app)
+
+
+def test_app_routes_ask_the_servers_api_key_and_hide_paths(engine):
+    client = _app(engine, ["k1"])
+    assert client.get("/tllm/counters").status_code == 401
+    assert client.get("/tllm/status", headers={"Authorization": "Bearer no"}).status_code == 401
+    ok = {"Authorization": "Bearer k1"}
+    counters = client.get("/tllm/counters", headers=ok)
+    assert counters.status_code == 200
+    assert "/srv" not in counters.text and counters.json()["results"]["export"]["out"] == HIDDEN
+    assert counters.json()["consumers"]["export"]["mean"] == "NaN"  # strict JSON, still served
+    assert client.get("/tllm/status", headers=ok).status_code == 200
+    # The request checks and body limit are wired in too.
+    bad = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39}}
+    assert client.post("/v1/completions", json=bad).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "x"}).json() == {"ok": True}
+    # No key on the server: open, as /v1 is; the operator may show paths.
+    shown = _app(engine, None, ServerSettings(show_paths=True)).get("/tllm/counters")
+    assert (
+        shown.status_code == 200 and shown.json()["results"]["export"]["out"] == "/srv/secret/run"
+    )
+    small = _app(engine, None, ServerSettings(max_body_bytes=2048))
+    assert small.post("/v1/completions", content=b"x" * 4096).status_code == 413
+
+
+def test_counters_reads_are_shared_and_never_older_than_the_request():
+    from tllm_core.serving.throttle import Throttle
+
+    async def scenario(min_interval_s):
+        calls = []
+
+        async def fetch():
+            calls.append(len(calls))
+            await asyncio.sleep(0.05)
+            return len(calls)
+
+        t = Throttle(fetch, min_interval_s)
+        first = asyncio.ensure_future(t.get())
+        await asyncio.sleep(0.01)  # the first read is in flight
+        rest = await asyncio.gather(*(t.get() for _ in range(9)))
+        assert await first == 1
+        after = await t.get()  # arrives after every read so far: needs a new one
+        return rest, after, t.reads
+
+    rest, after, reads = asyncio.run(scenario(0.0))
+    # Ten requests, two reads: the nine waiting share the read that began after they came.
+    assert rest == [2] * 9 and after == 3 and reads == 3
+    rest, after, reads = asyncio.run(scenario(60.0))
+    assert rest == [1] * 9 and after == 1 and reads == 1  # an operator's interval: reused
+
+
+json_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+    st.sampled_from(["esamp", "tllm_esamp_beta", "Infinity", "1e39"]),
+)
+json_any = st.recursive(
+    json_leaves,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+xargs = st.dictionaries(
+    st.sampled_from(["tllm_consumers", "tllm_esamp_beta", "tllm_group", "tllm_x", "other"]),
+    json_any,
+    max_size=4,
+)
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"vllm_xargs": ' + b"[" * depth + b'"tllm_"' + b"]" * depth + b"}"
+
+
+bodies = st.one_of(
+    st.builds(lambda x: json.dumps({"prompt": "p", "vllm_xargs": x}).encode(), xargs),
+    st.builds(lambda x: json.dumps(x).encode(), json_any),
+    st.binary(max_size=60).map(lambda b: b + b"tllm_"),
+    st.integers(1, 2000).map(_nested),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=bodies, piece=st.integers(1, 64))
+def test_any_body_is_passed_on_or_refused_cleanly(engine, body, piece):
+    app = FakeApp()
+    status, answer = _call(
+        XargsCheck(app, engine, max_body_bytes=4096), Chunks(_pieces(body, piece))
+    )
+    if len(body) > 4096:
+        assert status == 413
+    elif status == 200:
+        assert app.calls == 1 and app.body == body  # passed on whole
+    else:
+        assert status == 400 and app.calls == 0
+        assert json.loads(answer)["error"]["message"].startswith("tllm: ")
+
+
+def test_deeply_nested_body_is_a_400_not_a_crash(engine):
+    app = FakeApp()
+    status, answer = _call(XargsCheck(app, engine), Chunks([_nested(1500)]))
+    assert status == 400 and b"nested too deeply" in answer and app.calls == 0
+
+
+def test_requests_naming_a_failed_consumer_get_503():
+    from tllm_core.serving import EngineConsumers
+
+    engine = EngineConsumers.from_settings(
+        {"consumers": [{"name": "esamp", "per_request": True}, {"name": "stats"}]}
+    )
+    failed = [{"consumer": "esamp", "where": "on_bundle", "error": "consumer 'esamp' raised"}]
+    client = _app(engine, None, errors=failed)
+    named = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp"}}
+    assert client.post("/v1/completions", json=named).status_code == 200  # not known yet
+    status = client.get("/tllm/status")  # a status (or counters) read learns of the failure
+    assert status.status_code == 200 and status.json()["failed_consumers"] == ["esamp"]
+    refused = client.post("/v1/completions", json=named)
+    assert refused.status_code == 503 and "'esamp' failed" in refused.json()["error"]["message"]
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200

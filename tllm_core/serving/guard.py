@@ -1,0 +1,130 @@
+"""What guards tllm's own server routes (``/tllm/*``): the API key and path hiding.
+
+vLLM's ``--api-key`` middleware covers ``/v1`` and a few other prefixes, not ``/tllm``:
+:class:`BearerGuard` asks the same keys there. :func:`hide_paths` takes server filesystem
+paths out of a JSON response (a server may face strangers; the operator can show them).
+Engine-neutral: the vLLM wiring is in :mod:`tllm_core.vllm_bridge.serving`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from contextvars import ContextVar
+from typing import Any
+
+from tllm_core.request_settings import GROUP_KEY
+
+TLLM_PREFIX = "/tllm"
+HIDDEN = "<hidden>"
+# Keys whose string values are filesystem paths (consumer results: export/sae "out", sae "path").
+PATH_KEYS = ("path", "out", "dir")
+# An absolute POSIX path inside any text (tracebacks, error messages): "/" not preceded by a
+# word character, so "top-k/top-p" or "1/0" are left alone.
+_ABS_PATH = re.compile(r"(?<![\w./:-])/[^\s'\"()<>,;:]+")
+
+
+def _is_path_key(key: Any) -> bool:
+    return isinstance(key, str) and (key in PATH_KEYS or key.endswith(("_path", "_dir")))
+
+
+def hide_paths(value: Any) -> Any:
+    """``value`` (JSON-like) with path-valued keys and absolute paths in strings hidden."""
+    if isinstance(value, dict):
+        return {
+            k: HIDDEN if _is_path_key(k) and isinstance(v, str) else hide_paths(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [hide_paths(v) for v in value]
+    if isinstance(value, str):
+        return _ABS_PATH.sub(HIDDEN, value)
+    return value
+
+
+# The client of the HTTP request being handled (set by ClientScope, read where vLLM admits the
+# request: the same asyncio task, or a task it started, which copies the context).
+CLIENT: ContextVar[str] = ContextVar("tllm_client", default="anon")
+
+
+def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
+    """A short keyed digest of the request's ``Authorization`` header (``anon`` without one):
+    requests with the same API key are one client; the key itself never leaves this process."""
+    value = next((v for k, v in headers if k.lower() == b"authorization"), None)
+    if not value:
+        return "anon"
+    return hmac.new(secret, value, hashlib.sha256).hexdigest()[:12]
+
+
+def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
+    """The group a server request joins: a client's own ``tllm_group`` inside its namespace
+    (one client cannot join, and train, another's group), else the request's own unique id
+    (the default, the ``n`` samples of one request; a client-chosen ``X-Request-Id`` cannot
+    make two requests share it)."""
+    group = extra.get(GROUP_KEY)
+    return f"client-{client}/{group}" if group is not None else f"request/{request_id}"
+
+
+class ClientScope:
+    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on."""
+
+    def __init__(self, app: Any, secret: bytes):
+        self.app = app
+        self.secret = secret
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        token = CLIENT.set(client_id(scope["headers"], self.secret))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CLIENT.reset(token)
+
+
+class BearerGuard:
+    """Pure ASGI middleware: HTTP 401 on ``/tllm/*`` without ``Authorization: Bearer KEY``.
+
+    ``tokens`` are the server's API keys (any one is accepted); compared as SHA-256 digests
+    in constant time, as vLLM's own check does. With no tokens nothing is guarded.
+    """
+
+    def __init__(self, app: Any, tokens: list[str], prefix: str = TLLM_PREFIX):
+        self.app = app
+        self.prefix = prefix
+        self.digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, token = value.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for d in self.digests:  # no early exit: the time does not tell which key matched
+            ok |= secrets.compare_digest(digest, d)
+        return ok
+
+    async def __call__(self, scope, receive, send):
+        if not self.digests or scope["type"] != "http":  # tllm has no websocket route
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        guarded = path == self.prefix or path.startswith(self.prefix + "/")
+        if not guarded or scope.get("method") == "OPTIONS" or self.allowed(scope["headers"]):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": "Unauthorized"}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,37 @@
+"""At most one read of the engine's report at a time, shared by the requests waiting for it.
+
+``GET /tllm/counters`` runs every consumer's ``result()`` on the engine thread between steps
+(some force a device sync): many clients polling it would slow everyone's generation.
+:class:`Throttle` runs one read at a time; a request is answered with the first read that
+started after it arrived (so it never sees figures older than itself), or, with
+``min_interval_s`` > 0, with any read younger than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+class Throttle:
+    def __init__(self, fetch: Callable[[], Awaitable[Any]], min_interval_s: float = 0.0):
+        self.fetch = fetch
+        self.min_interval_s = min_interval_s
+        self.reads = 0
+        self._lock = asyncio.Lock()
+        self._value: Any = None
+        self._started = -float("inf")  # when the last completed read started
+
+    async def get(self) -> Any:
+        arrived = time.monotonic()
+        async with self._lock:
+            fresh = self._started >= arrived  # a read that began after this request did
+            recent = time.monotonic() - self._started < self.min_interval_s
+            if not (fresh or recent):
+                started = time.monotonic()
+                self._value = await self.fetch()
+                self._started = started
+                self.reads += 1
+            return self._value
