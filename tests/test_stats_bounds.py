@@ -10,7 +10,6 @@ import torch
 
 from consumers.stats import StatsConfig, StatsConsumer
 from tllm_core import Bundle, ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
 from tllm_core.ports import resolve_layer
 from tllm_core.rows import RequestInfo, RowInfo
 
@@ -19,7 +18,7 @@ H = 8
 
 def _consumer(**cfg) -> StatsConsumer:
     model = ModelInfo(H, 4, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
-    ctx = ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4))
+    ctx = ConsumerContext(model, lambda i: resolve_layer(i, 4))
     return StatsConsumer(StatsConfig(layers=[0], **cfg), ctx)
 
 
