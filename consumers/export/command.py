@@ -12,12 +12,9 @@ from tllm_core.progress import say
 
 def cmd_export(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
-    # Ports by their export names; the export consumer checks them against the producers.
-    layers: list[int | str] = [
-        int(s) if s.strip().lstrip("-").isdigit() else s.strip()
-        for s in args.layers.split(",")
-        if s.strip()
-    ]
+    # Port names as given (grammar: tllm_core.port_names); the config checks their syntax,
+    # the export consumer checks them against the registered producers.
+    layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
     spec = {
         "name": "export",
         "config": {

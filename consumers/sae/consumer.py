@@ -10,6 +10,7 @@ before the forward (``steer``). Per request: ``tllm_sae_steer`` / ``tllm_sae_rec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, ClassVar
@@ -66,7 +67,8 @@ class SaeConsumer(Consumer):
             layer = context.resolve_layer(site.layer)
         except ValueError as e:
             raise ValueError(f"sae: site {config.site!r}: {e}") from None
-        self.site = type(site)(site.kind, layer)
+        self.site = dataclasses.replace(site, layer=layer)
+        self.key = str(self.site)  # bundle key and edit target
         self.phase = Phase(config.phase)
         try:
             self._read_port = read_port(self.site, self.phase)
@@ -124,8 +126,8 @@ class SaeConsumer(Consumer):
         s = self.sae
         return {
             "path": self.cfg.path,
-            "site": str(self.site),
-            "key": self.site.key,
+            "site": self.site.short(),
+            "key": self.key,
             "architecture": s.architecture,
             "d_in": s.d_in,
             "d_sae": s.d_sae,
@@ -215,7 +217,7 @@ class SaeConsumer(Consumer):
                     clamped.append(np.arange(start, i, dtype=np.int64))
                 start = i
         if clamped:
-            plan.transform(self.site.key, np.concatenate(clamped))
+            plan.transform(self.key, np.concatenate(clamped))
         if not idx:
             return
         rows_sel = np.concatenate(idx)
@@ -223,7 +225,7 @@ class SaeConsumer(Consumer):
             value = vecs[0]
         else:
             value = torch.cat([v.expand(len(r), -1) for r, v in zip(idx, vecs, strict=True)])
-        plan.add(self.site.key, rows_sel, value)
+        plan.add(self.key, rows_sel, value)
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     # -- encoding (end of step on the engine thread, or the background thread) ---------------
@@ -234,11 +236,9 @@ class SaeConsumer(Consumer):
         rows = bundle.rows
         n = len(rows)
         if n:
-            x = bundle.hidden.get(self.site.key)
+            x = bundle.hidden.get(self.key)
             if x is None:
-                raise ValueError(
-                    f"sae: bundle lacks {self.site.key!r} (has {sorted(bundle.hidden)})"
-                )
+                raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
             self._encode(rows, x)
         self._take_sampled(bundle)
 
