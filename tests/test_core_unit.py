@@ -18,7 +18,7 @@ from tllm_core.bus import Bus
 from tllm_core.counters import Counters
 from tllm_core.ports import Delivery, parse_layer_spec, resolve_layer
 from tllm_core.registry import ConsumerSpec, ConsumerSpecError, Registry
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RequestInfo, RowInfo, request_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -178,6 +178,26 @@ def test_edit_plan_checks_and_restrict():
     plan.remap(np.array([0, 2, 3]))  # the plan was made on rows 0, 2, 3 of the step
     rows, kind, value = plan.ops["layer.1"][0]
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
+
+
+def test_request_runs_walk_each_requests_rows_once():
+    a, b = RequestInfo("0-x", "0", 0, 0, 4), RequestInfo("1-x", "1", 1, 0, 4)
+    twin = RequestInfo("0-x", "0", 0, 0, 4)  # equal to a, but another request object
+    runs = list(request_runs([a, a, b, twin, twin, a]))
+    assert [(r is a, r is b, s, e) for r, s, e in runs] == [
+        (True, False, 0, 2),
+        (False, True, 2, 3),
+        (False, False, 3, 5),
+        (True, False, 5, 6),
+    ]
+    assert list(request_runs([])) == []
+    rows = _rows(3)
+    assert [(s, e) for _, s, e in rows.runs()] == [(0, 3)]
+    # Edits through EditPlan targets name layers by the port-name grammar.
+    plan = EditPlan(rows, {"layer.1": "residual.1"}, hidden_size=4)
+    for target in (1, "1", "layer.1"):
+        plan.add(target, np.array([0]), torch.ones(4))
+    assert len(plan.ops["layer.1"]) == 3
 
 
 @settings(max_examples=60, deadline=None)

@@ -197,15 +197,10 @@ class ExportConsumer(Consumer):
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         row_request = np.empty(n, np.int64)
-        # Rows of one request are contiguous in a step: walk runs, not rows.
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or reqs[i] is not reqs[start]:
-                req = self._request(reqs[start])
-                row_request[start:i] = req.index
-                req.put(positions[start:i], tokens[start:i])
-                start = i
+        for info, start, stop in rows.runs():
+            req = self._request(info)
+            row_request[start:stop] = req.index
+            req.put(positions[start:stop], tokens[start:stop])
         keep = rows_to_write(rows, self.phase, self.counters)
         if not keep.any():
             return

@@ -205,17 +205,13 @@ class SaeConsumer(Consumer):
         idx: list[np.ndarray] = []
         vecs: list[torch.Tensor] = []
         clamped: list[np.ndarray] = []
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
-            if i == n or reqs[i] is not reqs[start]:
-                vec = self._steer_vector(reqs[start])
-                if vec is not None:
-                    idx.append(np.arange(start, i, dtype=np.int64))
-                    vecs.append(vec)
-                if self._clamped(reqs[start]):
-                    clamped.append(np.arange(start, i, dtype=np.int64))
-                start = i
+        for req, start, stop in rows.runs():
+            vec = self._steer_vector(req)
+            if vec is not None:
+                idx.append(np.arange(start, stop, dtype=np.int64))
+                vecs.append(vec)
+            if self._clamped(req):
+                clamped.append(np.arange(start, stop, dtype=np.int64))
         if clamped:
             plan.transform(self.key, np.concatenate(clamped))
         if not idx:

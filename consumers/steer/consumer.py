@@ -181,18 +181,14 @@ class SteerConsumer(Consumer):
             dec = np.asarray(rows.is_decode, np.bool_)
             mask = dec.copy() if pos == "generated" else ~dec
         overrides: np.ndarray | None = None
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
-            if i == n or reqs[i] is not reqs[start]:
-                state = self._request_state(reqs[start])
-                if state is False:
-                    mask[start:i] = False
-                elif state is not None:
-                    if overrides is None:
-                        overrides = np.full(n, np.nan)
-                    overrides[start:i] = state
-                start = i
+        for req, start, stop in rows.runs():
+            state = self._request_state(req)
+            if state is False:
+                mask[start:stop] = False
+            elif state is not None:
+                if overrides is None:
+                    overrides = np.full(n, np.nan)
+                overrides[start:stop] = state
         idx = np.nonzero(mask)[0].astype(np.int64)
         if overrides is not None:
             overrides = overrides[idx]
