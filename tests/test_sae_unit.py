@@ -557,7 +557,7 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     assert c.counters.get("rows_clamped") == 2 and tap.edited.item() == 2
     with pytest.raises(ValueError, match="config 'steer' only"):
         parse_request_settings(
-            "sae", SaeRequest, {"tllm_sae_steer": '[{"feature": 3, "clamp": 1}]'}, config=c.cfg
+            "sae", SaeRequest, {"tllm_sae_steer": '[{"feature": 3, "clamp": 1}]'}, config=c.config
         )
 
 

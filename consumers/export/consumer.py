@@ -94,11 +94,10 @@ class ExportConsumer(Consumer):
     Config = ExportConfig
     delivery = Delivery.BACKGROUND
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, ExportConfig):
-            config = ExportConfig.model_validate(config.model_dump())
+    config: ExportConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: ExportConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: ExportConfig = config
         model = context.model
         self.hidden_size = int(model.hidden_size)
         keys: list[str] = []
@@ -273,9 +272,9 @@ class ExportConsumer(Consumer):
             "complete": self._complete,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
-            "dtype": self.cfg.dtype,
+            "dtype": self.config.dtype,
             "keys": list(self.keys),
-            "phase": self.cfg.phase,
+            "phase": self.config.phase,
             "shard_rows": self.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],

@@ -35,7 +35,7 @@ from consumers.sae.steer import (
     scale_vector,
 )
 from tllm_core.bundles import Bundle
-from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.consumer import Consumer, ConsumerContext
 from tllm_core.edits import EditPlan
 from tllm_core.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
 from tllm_core.rows import RequestInfo, RowInfo
@@ -55,11 +55,10 @@ class SaeConsumer(Consumer):
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, SaeConfig):
-            config = SaeConfig.model_validate(config.model_dump())
+    config: SaeConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: SaeConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: SaeConfig = config
         self.delivery = Delivery(config.delivery)
         model = context.model
         site = parse_site(config.site)
@@ -125,7 +124,7 @@ class SaeConsumer(Consumer):
         """What the feature manifest says about the SAE."""
         s = self.sae
         return {
-            "path": self.cfg.path,
+            "path": self.config.path,
             "site": self.site.short(),
             "key": self.key,
             "architecture": s.architecture,
@@ -256,7 +255,7 @@ class SaeConsumer(Consumer):
         xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
         sae = self._sae_for(xs.device)
         with torch.no_grad():
-            codes = _Codes.encode(sae, xs, self.cfg.watch)
+            codes = _Codes.encode(sae, xs, self.config.watch)
             m = int(sel.size)
             # one device-to-host read for all the summary figures of this step
             stats = codes.stats.tolist()
@@ -264,13 +263,13 @@ class SaeConsumer(Consumer):
             self.counters.add("active_features", int(stats[0]))
             self.counters.add("recon_sq_error", stats[1])
             self.counters.add("input_sq_norm", stats[2])
-            for f, fired in zip(self.cfg.watch, stats[3:], strict=True):
+            for f, fired in zip(self.config.watch, stats[3:], strict=True):
                 self.counters.add(f"watch_fired.{f}", int(fired))
             if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
-            ind, val = codes.top(self.cfg.top_k, None if ridx.size == m else ridx)
-        vdt = torch.float16 if self.cfg.values_dtype == "float16" else torch.float32
+            ind, val = codes.top(self.config.top_k, None if ridx.size == m else ridx)
+        vdt = torch.float16 if self.config.values_dtype == "float16" else torch.float32
         rsel = sel[ridx]
         wrote = self.writer.append(
             [rows.requests[j] for j in rsel],
@@ -336,7 +335,8 @@ class SaeConsumer(Consumer):
             "mean_l0": c.get("active_features") / rows if rows else None,
             "relative_mse": c.get("recon_sq_error") / norm if norm else None,
             "watch": {
-                str(f): (c.get(f"watch_fired.{f}") / rows if rows else None) for f in self.cfg.watch
+                str(f): (c.get(f"watch_fired.{f}") / rows if rows else None)
+                for f in self.config.watch
             },
             "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
@@ -346,7 +346,7 @@ class SaeConsumer(Consumer):
             out["rows_recorded"] = int(c.get("rows_recorded"))
             out["shards"] = len(w.shards)
             out["bytes_per_row"] = {
-                "features": bytes_per_row(self.cfg.top_k, self.cfg.values_dtype),
+                "features": bytes_per_row(self.config.top_k, self.config.values_dtype),
                 "dense_float32": self.sae.d_in * 4 + 25,
             }
         return out

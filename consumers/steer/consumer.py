@@ -102,11 +102,10 @@ class SteerConsumer(Consumer):
     Config = SteerConfig
     Request = SteerRequest
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, SteerConfig):
-            config = SteerConfig.model_validate(config.model_dump())
+    config: SteerConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: SteerConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: SteerConfig = config
         hidden = int(context.model.hidden_size)
         device = context.model.device
         self.vectors: list[_Vec] = []
@@ -174,7 +173,7 @@ class SteerConsumer(Consumer):
         n = len(rows)
         if n == 0:
             return np.zeros(0, np.int64), None
-        pos = self.cfg.positions
+        pos = self.config.positions
         if pos == "all":
             mask = np.ones(n, np.bool_)
         else:
