@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tllm_core import Bundle, Consumer, ConsumerConfig, EditPlan, GuideView, HiddenStates, Phase
 from tllm_core.bus import Bus
 from tllm_core.counters import Counters
-from tllm_core.ports import Delivery, parse_layer_spec, resolve_layer
+from tllm_core.ports import Delivery, residual_port, resolve_layer
 from tllm_core.registry import ConsumerSpec, ConsumerSpecError, Registry
 from tllm_core.rows import RequestInfo, RowInfo, request_runs
 
@@ -71,9 +71,11 @@ def test_registry_lists_builtins_and_names_bad_values():
 
 
 def test_layer_specs():
-    assert parse_layer_spec("final") == "final" and parse_layer_spec("-2") == -2
-    with pytest.raises(ValueError, match="bad layer spec 'x'"):
-        parse_layer_spec("x")
+    assert residual_port("final") == HiddenStates("final") and residual_port("-2").layer == -2
+    assert residual_port("layer.3", Phase.DECODE) == HiddenStates(3, Phase.DECODE)
+    for bad in ("x", "attn.1"):  # no registry: residual stream and final only
+        with pytest.raises(ValueError, match=f"bad port '{bad}'"):
+            residual_port(bad)
     assert resolve_layer(-1, 4) == 3
     with pytest.raises(ValueError, match="has 4 decoder layers"):
         resolve_layer(4, 4)
@@ -274,6 +276,11 @@ def test_stats_consumer_reads_ports():
     assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
     with pytest.raises(ValueError, match="4 decoder layers"):
         StatsConsumer(StatsConsumer.Config(layers=[9]), ctx)
+    c = StatsConsumer(StatsConsumer.Config(layers=["layer.1", "final"]), ctx)
+    assert c.reads() == [HiddenStates(1), HiddenStates("final")]
+    # The config names a bad entry and the forms allowed (stats reads the residual stream).
+    with pytest.raises(ValueError, match=r"bad layers entry 'attn\.1'.*'final'"):
+        StatsConsumer.Config(layers=["attn.1"])
 
 
 def test_vllm_runner_workarounds_only_where_needed():

@@ -44,7 +44,8 @@ class EditPlan:
 
     Row indices index ``rows`` (all token rows of the step). ``target`` is a decoder layer
     index (the residual stream after it; negative counts from the end), a token port the
-    consumer declared in an ``Edit`` write port, or that port's key (``"attn.3"``).
+    consumer declared in an ``Edit`` write port, or that port's name (``"attn.3"``,
+    ``"layer.-1"``; grammar: :mod:`tllm_core.port_names`).
     """
 
     def __init__(

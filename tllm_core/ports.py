@@ -198,13 +198,6 @@ def layer_key(layer: int | str) -> str:
     return FINAL if layer == FINAL else format_port_name(RESIDUAL, int(layer))
 
 
-def parse_layer_spec(text: str) -> LayerSpec:
-    """``"final"`` or a residual-stream layer (``"3"``, ``"layer.-1"``): the port-name grammar
-    of :mod:`tllm_core.port_names` without layer-port prefixes. ``ValueError`` names the value."""
-    name = parse_port_name(text, prefixes=(), what="layer spec")
-    return FINAL if name.is_final else int(name.layer)  # type: ignore[arg-type]
-
-
 def residual_port(text: str, phase: Phase = Phase.ALL) -> HiddenStates:
     """A residual-stream port (``{i}``, ``layer.{i}``, ``final``) from its name, without a
     registry: what a :class:`ConsumerContext` parses when it has no registry (unit tests)."""
