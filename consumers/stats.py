@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from tllm_core import Bundle, Consumer, ConsumerConfig, HiddenStates, Phase
+from tllm_core import Bundle, Consumer, ConsumerConfig, Phase
+from tllm_core.port_names import parse_port_name
+from tllm_core.ports import residual_port
 
 
 class StatsConfig(ConsumerConfig):
@@ -24,6 +26,13 @@ class StatsConfig(ConsumerConfig):
         "keeps every request",
     )
 
+    @field_validator("layers")
+    @classmethod
+    def _layer_names(cls, v: list[int | str]) -> list[int | str]:
+        for item in v:
+            parse_port_name(item, prefixes=(), what="layers entry")  # residual stream, final
+        return v
+
 
 class StatsConsumer(Consumer):
     name = "stats"
@@ -34,9 +43,7 @@ class StatsConsumer(Consumer):
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)
         self._ports = [
-            HiddenStates(
-                layer if layer == "final" else context.resolve_layer(int(layer)), config.phase
-            )
+            residual_port(str(layer), config.phase).resolve(context.resolve_layer)
             for layer in config.layers
         ]
         self._max = config.max_requests

@@ -28,6 +28,7 @@ from tllm_core import (
 )
 from tllm_core.consumer import ModelInfo
 from tllm_core.edits import EditBuffers, EditPlan, apply_edit
+from tllm_core.port_names import PortName, format_port_name, parse_port_name, tap_port_name
 from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.runtime import Runtime
@@ -174,7 +175,9 @@ def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
     report = rt.collect()
     assert report["runtime"]["stale_captures"] == 1
     assert "rows_captured.layer.0" not in report["runtime"]
-    assert any("residual.0" in e["error"] for e in report["errors"])
+    # Users see the edit/read location by its port name, not the bridge's tap key.
+    assert any("'layer.0'" in e["error"] for e in report["errors"])
+    assert not any("residual" in e["error"] for e in report["errors"])
 
 
 def test_registry_parses_ports_and_names_bad_ones():
@@ -186,6 +189,31 @@ def test_registry_parses_ports_and_names_bad_ones():
     assert type(reg.parse_port("attn.2")).__name__ == "AttentionOutput"
     with pytest.raises(ValueError, match=r"bad port 'attn\.x'.*mlp\.\{i\}"):
         reg.parse_port("attn.x")
+
+
+def test_port_name_grammar_is_one_parser_and_formatter():
+    # Every spelling of the residual stream parses to one name, formatted as its bundle key.
+    for spelling in (3, "3", " layer.3 "):
+        assert parse_port_name(spelling) == PortName("layer", 3)
+        assert str(parse_port_name(spelling)) == "layer.3"
+    assert parse_port_name("final").is_final and str(parse_port_name("final")) == "final"
+    assert parse_port_name("mlp.-2", ("attn", "mlp")) == PortName("mlp", -2)
+    assert parse_port_name("rnorm.1") == PortName("rnorm", 1)  # None: syntax only
+    assert PortName("layer", 4).short() == "4" and PortName("attn", 4).short() == "attn.4"
+    assert format_port_name("attn", 2) == "attn.2"
+    bad = {
+        ("resid.1", ("attn", "mlp"), True): r"bad site 'resid\.1'.*'attn\.\{i\}'",
+        ("final", ("attn",), False): r"bad site 'final'",
+        ("1.5", None, True): r"bad site '1\.5'",
+        ("", None, True): r"bad site ''",
+        (True, None, True): r"bad site True",
+    }
+    for (value, prefixes, final), match in bad.items():
+        with pytest.raises(ValueError, match=match):
+            parse_port_name(value, prefixes, final=final, what="site")
+    # The bridge's residual tap is shown by the port's name; other taps keep theirs.
+    assert tap_port_name("residual.12") == "layer.12"
+    assert tap_port_name("attn.3") == "attn.3" and tap_port_name("final") == "final"
 
 
 def test_edit_tap_only_on_editable_sites():

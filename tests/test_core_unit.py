@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from tllm_core import Bundle, Consumer, ConsumerConfig, EditPlan, GuideView, HiddenStates, Phase
 from tllm_core.bus import Bus
 from tllm_core.counters import Counters
-from tllm_core.ports import Delivery, parse_layer_spec, resolve_layer
+from tllm_core.ports import Delivery, residual_port, resolve_layer
 from tllm_core.registry import ConsumerSpec, ConsumerSpecError, Registry
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RequestInfo, RowInfo, request_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,9 +73,11 @@ def test_registry_lists_builtins_and_names_bad_values():
 
 
 def test_layer_specs():
-    assert parse_layer_spec("final") == "final" and parse_layer_spec("-2") == -2
-    with pytest.raises(ValueError, match="bad layer spec 'x'"):
-        parse_layer_spec("x")
+    assert residual_port("final") == HiddenStates("final") and residual_port("-2").layer == -2
+    assert residual_port("layer.3", Phase.DECODE) == HiddenStates(3, Phase.DECODE)
+    for bad in ("x", "attn.1"):  # no registry: residual stream and final only
+        with pytest.raises(ValueError, match=f"bad port '{bad}'"):
+            residual_port(bad)
     assert resolve_layer(-1, 4) == 3
     with pytest.raises(ValueError, match="has 4 decoder layers"):
         resolve_layer(4, 4)
@@ -182,6 +184,26 @@ def test_edit_plan_checks_and_restrict():
     assert rows.tolist() == [0, 2] and value.shape == (2, 4) and kind == "add"
 
 
+def test_request_runs_walk_each_requests_rows_once():
+    a, b = RequestInfo("0-x", "0", 0, 0, 4), RequestInfo("1-x", "1", 1, 0, 4)
+    twin = RequestInfo("0-x", "0", 0, 0, 4)  # equal to a, but another request object
+    runs = list(request_runs([a, a, b, twin, twin, a]))
+    assert [(r is a, r is b, s, e) for r, s, e in runs] == [
+        (True, False, 0, 2),
+        (False, True, 2, 3),
+        (False, False, 3, 5),
+        (True, False, 5, 6),
+    ]
+    assert list(request_runs([])) == []
+    rows = _rows(3)
+    assert [(s, e) for _, s, e in rows.runs()] == [(0, 3)]
+    # Edits through EditPlan targets name layers by the port-name grammar.
+    plan = EditPlan(rows, {"layer.1": "residual.1"}, hidden_size=4)
+    for target in (1, "1", "layer.1"):
+        plan.add(target, np.array([0]), torch.ones(4))
+    assert len(plan.ops["layer.1"]) == 3
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     rows=st.integers(1, 5),
@@ -256,6 +278,11 @@ def test_stats_consumer_reads_ports():
     assert c.reads() == [HiddenStates(0, Phase.DECODE), HiddenStates(3, Phase.DECODE)]
     with pytest.raises(ValueError, match="4 decoder layers"):
         StatsConsumer(StatsConsumer.Config(layers=[9]), ctx)
+    c = StatsConsumer(StatsConsumer.Config(layers=["layer.1", "final"]), ctx)
+    assert c.reads() == [HiddenStates(1), HiddenStates("final")]
+    # The config names a bad entry and the forms allowed (stats reads the residual stream).
+    with pytest.raises(ValueError, match=r"bad layers entry 'attn\.1'.*'final'"):
+        StatsConsumer.Config(layers=["attn.1"])
 
 
 def test_vllm_runner_workarounds_only_where_needed():

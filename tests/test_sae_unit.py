@@ -247,8 +247,9 @@ def test_feature_steer_entries_need_exactly_one_kind():
 
 
 def test_site_parsing():
-    assert parse_site(2).key == "layer.2" and parse_site("-1").layer == -1
-    assert parse_site("attn.3").key == "attn.3" and parse_site("mlp.-2").kind == "mlp"
+    assert str(parse_site(2)) == "layer.2" and parse_site("-1").layer == -1
+    assert str(parse_site("attn.3")) == "attn.3" and parse_site("mlp.-2").prefix == "mlp"
+    assert parse_site("layer.4").short() == "4" and parse_site("attn.4").short() == "attn.4"
     for bad in ("final", "attn", "resid.1", "1.5", True):
         with pytest.raises(ValueError, match="attn"):
             parse_site(bad)
@@ -556,7 +557,7 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     assert c.counters.get("rows_clamped") == 2 and tap.edited.item() == 2
     with pytest.raises(ValueError, match="config 'steer' only"):
         parse_request_settings(
-            "sae", SaeRequest, {"tllm_sae_steer": '[{"feature": 3, "clamp": 1}]'}, config=c.cfg
+            "sae", SaeRequest, {"tllm_sae_steer": '[{"feature": 3, "clamp": 1}]'}, config=c.config
         )
 
 

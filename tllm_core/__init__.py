@@ -2,7 +2,8 @@
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
-:class:`GuideView` and ``hookimpl``; for producer authors: :class:`Producer`,
+:class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
+``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.cli_common`.
 """
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from tllm_core.engine import TllmLLM
     from tllm_core.hookspecs import hookimpl
     from tllm_core.numbers import FiniteF32
+    from tllm_core.port_names import PortName, format_port_name, parse_port_name
     from tllm_core.ports import (
         Delivery,
         Edit,
@@ -57,6 +59,7 @@ __all__ = [
     "Logits",
     "ModelInfo",
     "Phase",
+    "PortName",
     "Producer",
     "ReadPort",
     "RequestInfo",
@@ -70,7 +73,9 @@ __all__ = [
     "TapRequest",
     "TllmLLM",
     "TokenPort",
+    "format_port_name",
     "hookimpl",
+    "parse_port_name",
 ]
 
 
@@ -86,6 +91,9 @@ _HOME = {
     "EditPlan": "tllm_core.edits",
     "hookimpl": "tllm_core.hookspecs",
     "FiniteF32": "tllm_core.numbers",
+    "PortName": "tllm_core.port_names",
+    "format_port_name": "tllm_core.port_names",
+    "parse_port_name": "tllm_core.port_names",
     "Delivery": "tllm_core.ports",
     "Edit": "tllm_core.ports",
     "HiddenStates": "tllm_core.ports",

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from tllm_core.bundles import Bundle, GuideView
 from tllm_core.counters import Counters
 from tllm_core.edits import EditPlan
-from tllm_core.ports import Delivery, Phase, ReadPort, TokenPort, WritePort
+from tllm_core.ports import Delivery, Phase, ReadPort, TokenPort, WritePort, residual_port
 from tllm_core.request_settings import RequestSettings
 from tllm_core.rows import RequestInfo, RowInfo
 
@@ -44,9 +44,10 @@ class ConsumerContext:
     model: ModelInfo
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
-    # A token port from its export name ("3", "final", "attn.2", "mlp.-1", ...), served by
-    # the registered producers; raises ValueError naming the accepted forms.
-    parse_port: Callable[[str, Phase], TokenPort] | None = None
+    # A token port from its name ("3", "final", "attn.2", "mlp.-1", ...; grammar in
+    # tllm_core.port_names), served by the registered producers; raises ValueError naming
+    # the accepted forms. Without a registry (unit tests): residual stream and final only.
+    parse_port: Callable[[str, Phase], TokenPort] = residual_port
     # The consumer acts only on requests naming it in extra_args["tllm_consumers"].
     per_request: bool = False
     # Data parallel: this engine's rank among ``data_parallel_size`` independent engines

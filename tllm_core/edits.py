@@ -18,7 +18,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tllm_core.ports import ReadPort, layer_key
+from tllm_core.port_names import format_port_name, parse_port_name
+from tllm_core.ports import ReadPort
 from tllm_core.rows import RowInfo
 
 EditTarget = int | str | ReadPort
@@ -43,7 +44,8 @@ class EditPlan:
 
     Row indices index ``rows`` (all token rows of the step). ``target`` is a decoder layer
     index (the residual stream after it; negative counts from the end), a token port the
-    consumer declared in an ``Edit`` write port, or that port's key (``"attn.3"``).
+    consumer declared in an ``Edit`` write port, or that port's name (``"attn.3"``,
+    ``"layer.-1"``; grammar: :mod:`tllm_core.port_names`).
     """
 
     def __init__(
@@ -65,11 +67,12 @@ class EditPlan:
     def _key(self, target: EditTarget) -> str:
         if isinstance(target, ReadPort):
             key = (target.resolve(self._resolve) if self._resolve else target).key
-        elif isinstance(target, str) and not target.lstrip("-").isdigit():
-            key = target
         else:
-            layer = int(target)
-            key = layer_key(self._resolve(layer) if self._resolve else layer)
+            name = parse_port_name(target, what="edit target")
+            layer = name.layer
+            if layer is not None and self._resolve:
+                layer = self._resolve(layer)
+            key = format_port_name(name.prefix, layer)
         if key not in self._allowed:
             raise ValueError(
                 f"{key!r} was not declared as an edit port by this consumer "

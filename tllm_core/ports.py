@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Literal
 
-FINAL = "final"
+from tllm_core.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
 
 ResolveLayer = Callable[[int], int]
 
@@ -97,7 +97,7 @@ class LayerPort(TokenPort):
 
     @property
     def key(self) -> str:
-        return f"{self.prefix}.{int(self.layer)}"
+        return format_port_name(self.prefix, int(self.layer))
 
     def resolve(self, resolve_layer: ResolveLayer) -> LayerPort:
         return dataclasses.replace(self, layer=resolve_layer(int(self.layer)))
@@ -195,21 +195,14 @@ class SamplerGuide(WritePort):
 
 def layer_key(layer: int | str) -> str:
     """Bundle key of the residual stream after an absolute layer index, or ``"final"``."""
-    return FINAL if layer == FINAL else f"layer.{int(layer)}"
+    return FINAL if layer == FINAL else format_port_name(RESIDUAL, int(layer))
 
 
-def parse_layer_spec(text: str) -> LayerSpec:
-    """``"final"`` or an integer (negative allowed). Raises ``ValueError`` naming the bad value."""
-    text = text.strip()
-    if text == FINAL:
-        return FINAL
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(
-            f"bad layer spec {text!r}: expected an integer layer index (negative counts "
-            f"from the end) or 'final'"
-        ) from None
+def residual_port(text: str, phase: Phase = Phase.ALL) -> HiddenStates:
+    """A residual-stream port (``{i}``, ``layer.{i}``, ``final``) from its name, without a
+    registry: what a :class:`ConsumerContext` parses when it has no registry (unit tests)."""
+    name = parse_port_name(text, prefixes=())
+    return HiddenStates(FINAL if name.is_final else int(name.layer), phase)  # type: ignore[arg-type]
 
 
 def resolve_layer(layer: int, num_layers: int) -> int:

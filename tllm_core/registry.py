@@ -11,7 +11,8 @@ from pydantic import ValidationError
 
 from tllm_core.consumer import Consumer, ConsumerConfig
 from tllm_core.plugins import ENTRY_POINT_GROUP, BrokenPlugin, Plugins, TllmPluginWarning
-from tllm_core.ports import FINAL, HiddenStates, LayerPort, Phase, ReadPort, TokenPort
+from tllm_core.port_names import FINAL, parse_port_name
+from tllm_core.ports import HiddenStates, LayerPort, Phase, ReadPort, TokenPort
 from tllm_core.producer import Producer
 from tllm_core.request_settings import (
     GENERIC_KEYS,
@@ -151,30 +152,20 @@ class Registry:
         )
 
     def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
-        """A token port from its export name: ``{i}`` / ``final`` (residual stream) or
-        ``{prefix}.{i}`` of any registered layer port (``attn.3``, ``mlp.-1``)."""
-        text = text.strip()
+        """A token port from its name (grammar: :mod:`tllm_core.port_names`): ``{i}`` /
+        ``layer.{i}`` / ``final`` (residual stream) or ``{prefix}.{i}`` of any registered
+        layer port (``attn.3``, ``mlp.-1``)."""
         prefixes = {
             t.prefix: t
             for t in self._producers
             if isinstance(t, type) and issubclass(t, LayerPort) and hasattr(t, "prefix")
         }
-        if text == FINAL:
+        name = parse_port_name(text, prefixes)
+        if name.is_final:
             return HiddenStates(FINAL, phase)
-        head, sep, tail = text.partition(".")
-        try:
-            if not sep:
-                return HiddenStates(int(text), phase)
-            if head in prefixes:
-                return prefixes[head](int(tail), phase)
-            if head == "layer":
-                return HiddenStates(int(tail), phase)
-        except ValueError:
-            pass
-        names = ", ".join(["{i}", "final", "layer.{i}", *(f"{p}.{{i}}" for p in sorted(prefixes))])
-        raise ValueError(
-            f"bad port {text!r}: expected one of {names} (i a layer index, negative from the end)"
-        )
+        if name.is_residual:
+            return HiddenStates(int(name.layer), phase)  # type: ignore[arg-type]
+        return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
 
     @property
     def names(self) -> list[str]:

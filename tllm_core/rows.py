@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,20 @@ class RequestInfo:
         return str(key) if key is not None else self.request_id
 
 
+def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
+    """``(request, start, stop)`` for each run of consecutive rows of one request, in order.
+
+    Rows of one request are contiguous in a step, so per-request work is done once per run
+    (``rows[start:stop]``), not once per row. Requests are compared by identity.
+    """
+    n = len(requests)
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or requests[i] is not requests[start]:
+            yield requests[start], start, i
+            start = i
+
+
 @dataclass
 class RowInfo:
     """Metadata of a set of token rows (host arrays, one entry per row).
@@ -94,6 +109,10 @@ class RowInfo:
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
+
+    def runs(self) -> Iterator[tuple[RequestInfo, int, int]]:
+        """``(request, start, stop)`` per run of one request's rows (see :func:`request_runs`)."""
+        return request_runs(self.requests)
 
     @property
     def request_ids(self) -> list[str]:

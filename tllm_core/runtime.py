@@ -18,6 +18,7 @@ from tllm_core.bus import Bus
 from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.edits import EditBuffers, EditPlan
+from tllm_core.port_names import tap_port_name
 from tllm_core.ports import Edit, SamplerGuide, resolve_layer
 from tllm_core.producer import TapRequest
 from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
@@ -56,12 +57,6 @@ def _write_plan(
         buffers[allowed[key]].check(ops, key)
     for key, ops in plan.ops.items():
         buffers[allowed[key]].write(ops, owner)
-
-
-def _edit_counter_key(tap_key: str) -> str:
-    """Counter suffix of an edit tap: the residual site keeps its port key ``layer.{i}``."""
-    site, _, layer = tap_key.partition(".")
-    return f"layer.{layer}" if site == "residual" else tap_key
 
 
 def build_consumers(
@@ -306,7 +301,7 @@ class Runtime:
                 )
         for tap_key, n in step.edited_rows().items():
             self.counters.add("rows_edited", n)
-            self.counters.add(f"rows_edited.{_edit_counter_key(tap_key)}", n)
+            self.counters.add(f"rows_edited.{tap_port_name(tap_key)}", n)
         for s in self.slots:
             if s.reads.empty:
                 continue

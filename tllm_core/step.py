@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tllm_core.port_names import tap_port_name
 from tllm_core.rows import RowInfo
 
 
@@ -64,7 +65,8 @@ class StepCapture:
         """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it."""
         if key in self.confirm():
             raise StaleTapError(
-                f"tap {key!r} was not written by step {self.step}'s forward (stale buffer)"
+                f"the tap of {tap_port_name(key)!r} was not written by step {self.step}'s "
+                f"forward (stale buffer)"
             )
         try:
             return self.tensors[key]

@@ -12,8 +12,9 @@ from tllm_core.progress import say
 
 def cmd_export(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
-    # Ports by their export names; the export consumer checks them against the producers.
-    layers = [_port(s) for s in args.layers.split(",") if s.strip()]
+    # Port names as given (grammar: tllm_core.port_names); the config checks their syntax,
+    # the export consumer checks them against the registered producers.
+    layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
     spec = {
         "name": "export",
         "config": {
@@ -37,16 +38,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"in {c.get('shards_written', 0)} shards written to {args.out}"
     )
     return cli_common.exit_status(report)
-
-
-def _port(text: str) -> int | str:
-    """A ``--layers`` entry: a layer index, or a port name the export config checks (so
-    ``--1`` is reported as a bad entry, not as a failed number conversion)."""
-    text = text.strip()
-    try:
-        return int(text)
-    except ValueError:
-        return text
 
 
 def written(out: Path) -> str:

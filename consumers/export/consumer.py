@@ -7,7 +7,6 @@ and :func:`consumers.export.read_export` to read an export back.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from typing import Any, Literal
 
@@ -20,19 +19,11 @@ from consumers.export.tokens import RequestTokens, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
-from tllm_core.ports import (
-    Delivery,
-    HiddenStates,
-    Phase,
-    ReadPort,
-    SampledTokens,
-    TokenPort,
-    parse_layer_spec,
-)
+from tllm_core.port_names import parse_port_name
+from tllm_core.ports import Delivery, Phase, ReadPort, SampledTokens, TokenPort
 from tllm_core.rows import RequestInfo
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
-_PORT_NAME = re.compile(r"final|-?\d+|[A-Za-z_]\w*\.-?\d+")
 
 
 class ExportConfig(ConsumerConfig):
@@ -72,12 +63,9 @@ class ExportConfig(ConsumerConfig):
     @field_validator("layers")
     @classmethod
     def _port_names(cls, v: list[int | str]) -> list[int | str]:
+        # Syntax only: which prefixes exist is known where the registry is (the consumer).
         for item in v:
-            if isinstance(item, str) and not _PORT_NAME.fullmatch(item.strip()):
-                raise ValueError(
-                    f"bad layers entry {item!r}: expected a layer index, 'final', or "
-                    f"'<port>.<layer>' such as 'attn.3' or 'mlp.-1'"
-                )
+            parse_port_name(item, what="layers entry")
         return v
 
     @field_validator("out")
@@ -96,11 +84,6 @@ class ExportConfig(ConsumerConfig):
         return self
 
 
-def _residual_port(text: str, phase: Phase) -> TokenPort:
-    """Port parsing without a registry (unit tests): residual stream and 'final' only."""
-    return HiddenStates(parse_layer_spec(text), phase)
-
-
 class ExportConsumer(Consumer):
     name = "export"
     proof_counter = "rows_exported"
@@ -111,19 +94,17 @@ class ExportConsumer(Consumer):
     Config = ExportConfig
     delivery = Delivery.BACKGROUND
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, ExportConfig):
-            config = ExportConfig.model_validate(config.model_dump())
+    config: ExportConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: ExportConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: ExportConfig = config
         model = context.model
         self.hidden_size = int(model.hidden_size)
         keys: list[str] = []
         self._ports: list[TokenPort] = []
-        parse = context.parse_port or _residual_port
         for spec in config.layers:
             try:
-                port = parse(str(spec), Phase.ALL).resolve(context.resolve_layer)
+                port = context.parse_port(str(spec), Phase.ALL).resolve(context.resolve_layer)
             except ValueError as e:
                 raise ValueError(f"export: layers entry {spec!r}: {e}") from None
             if port.key not in keys:
@@ -215,15 +196,10 @@ class ExportConsumer(Consumer):
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         row_request = np.empty(n, np.int64)
-        # Rows of one request are contiguous in a step: walk runs, not rows.
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or reqs[i] is not reqs[start]:
-                req = self._request(reqs[start])
-                row_request[start:i] = req.index
-                req.put(positions[start:i], tokens[start:i])
-                start = i
+        for info, start, stop in rows.runs():
+            req = self._request(info)
+            row_request[start:stop] = req.index
+            req.put(positions[start:stop], tokens[start:stop])
         keep = rows_to_write(rows, self.phase, self.counters)
         if not keep.any():
             return
@@ -296,9 +272,9 @@ class ExportConsumer(Consumer):
             "complete": self._complete,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
-            "dtype": self.cfg.dtype,
+            "dtype": self.config.dtype,
             "keys": list(self.keys),
-            "phase": self.cfg.phase,
+            "phase": self.config.phase,
             "shard_rows": self.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],

@@ -19,7 +19,8 @@ class SaeConfig(ConsumerConfig):
     )
     site: int | str = Field(
         -1,
-        description="Where the SAE reads (and steers): '{i}' residual stream after layer i, "
+        description="Where the SAE reads (and steers), a port name: '{i}' or 'layer.{i}' residual "
+        "stream after layer i, "
         "'attn.{i}' or 'mlp.{i}' (negative i counts from the end).",
     )
     top_k: int = Field(

@@ -10,6 +10,7 @@ before the forward (``steer``). Per request: ``tllm_sae_steer`` / ``tllm_sae_rec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any, ClassVar
@@ -34,7 +35,7 @@ from consumers.sae.steer import (
     scale_vector,
 )
 from tllm_core.bundles import Bundle
-from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.consumer import Consumer, ConsumerContext
 from tllm_core.edits import EditPlan
 from tllm_core.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
 from tllm_core.rows import RequestInfo, RowInfo
@@ -54,11 +55,10 @@ class SaeConsumer(Consumer):
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, SaeConfig):
-            config = SaeConfig.model_validate(config.model_dump())
+    config: SaeConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: SaeConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: SaeConfig = config
         self.delivery = Delivery(config.delivery)
         model = context.model
         site = parse_site(config.site)
@@ -66,7 +66,8 @@ class SaeConsumer(Consumer):
             layer = context.resolve_layer(site.layer)
         except ValueError as e:
             raise ValueError(f"sae: site {config.site!r}: {e}") from None
-        self.site = type(site)(site.kind, layer)
+        self.site = dataclasses.replace(site, layer=layer)
+        self.key = str(self.site)  # bundle key and edit target
         self.phase = Phase(config.phase)
         try:
             self._read_port = read_port(self.site, self.phase)
@@ -123,9 +124,9 @@ class SaeConsumer(Consumer):
         """What the feature manifest says about the SAE."""
         s = self.sae
         return {
-            "path": self.cfg.path,
-            "site": str(self.site),
-            "key": self.site.key,
+            "path": self.config.path,
+            "site": self.site.short(),
+            "key": self.key,
             "architecture": s.architecture,
             "d_in": s.d_in,
             "d_sae": s.d_sae,
@@ -203,19 +204,15 @@ class SaeConsumer(Consumer):
         idx: list[np.ndarray] = []
         vecs: list[torch.Tensor] = []
         clamped: list[np.ndarray] = []
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
-            if i == n or reqs[i] is not reqs[start]:
-                vec = self._steer_vector(reqs[start])
-                if vec is not None:
-                    idx.append(np.arange(start, i, dtype=np.int64))
-                    vecs.append(vec)
-                if self._clamped(reqs[start]):
-                    clamped.append(np.arange(start, i, dtype=np.int64))
-                start = i
+        for req, start, stop in rows.runs():
+            vec = self._steer_vector(req)
+            if vec is not None:
+                idx.append(np.arange(start, stop, dtype=np.int64))
+                vecs.append(vec)
+            if self._clamped(req):
+                clamped.append(np.arange(start, stop, dtype=np.int64))
         if clamped:
-            plan.transform(self.site.key, np.concatenate(clamped))
+            plan.transform(self.key, np.concatenate(clamped))
         if not idx:
             return
         rows_sel = np.concatenate(idx)
@@ -223,7 +220,7 @@ class SaeConsumer(Consumer):
             value = vecs[0]
         else:
             value = torch.cat([v.expand(len(r), -1) for r, v in zip(idx, vecs, strict=True)])
-        plan.add(self.site.key, rows_sel, value)
+        plan.add(self.key, rows_sel, value)
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     # -- encoding (end of step on the engine thread, or the background thread) ---------------
@@ -234,11 +231,9 @@ class SaeConsumer(Consumer):
         rows = bundle.rows
         n = len(rows)
         if n:
-            x = bundle.hidden.get(self.site.key)
+            x = bundle.hidden.get(self.key)
             if x is None:
-                raise ValueError(
-                    f"sae: bundle lacks {self.site.key!r} (has {sorted(bundle.hidden)})"
-                )
+                raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
             self._encode(rows, x)
         self._take_sampled(bundle)
 
@@ -260,7 +255,7 @@ class SaeConsumer(Consumer):
         xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
         sae = self._sae_for(xs.device)
         with torch.no_grad():
-            codes = _Codes.encode(sae, xs, self.cfg.watch)
+            codes = _Codes.encode(sae, xs, self.config.watch)
             m = int(sel.size)
             # one device-to-host read for all the summary figures of this step
             stats = codes.stats.tolist()
@@ -268,13 +263,13 @@ class SaeConsumer(Consumer):
             self.counters.add("active_features", int(stats[0]))
             self.counters.add("recon_sq_error", stats[1])
             self.counters.add("input_sq_norm", stats[2])
-            for f, fired in zip(self.cfg.watch, stats[3:], strict=True):
+            for f, fired in zip(self.config.watch, stats[3:], strict=True):
                 self.counters.add(f"watch_fired.{f}", int(fired))
             if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
-            ind, val = codes.top(self.cfg.top_k, None if ridx.size == m else ridx)
-        vdt = torch.float16 if self.cfg.values_dtype == "float16" else torch.float32
+            ind, val = codes.top(self.config.top_k, None if ridx.size == m else ridx)
+        vdt = torch.float16 if self.config.values_dtype == "float16" else torch.float32
         rsel = sel[ridx]
         wrote = self.writer.append(
             [rows.requests[j] for j in rsel],
@@ -340,7 +335,8 @@ class SaeConsumer(Consumer):
             "mean_l0": c.get("active_features") / rows if rows else None,
             "relative_mse": c.get("recon_sq_error") / norm if norm else None,
             "watch": {
-                str(f): (c.get(f"watch_fired.{f}") / rows if rows else None) for f in self.cfg.watch
+                str(f): (c.get(f"watch_fired.{f}") / rows if rows else None)
+                for f in self.config.watch
             },
             "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
@@ -350,7 +346,7 @@ class SaeConsumer(Consumer):
             out["rows_recorded"] = int(c.get("rows_recorded"))
             out["shards"] = len(w.shards)
             out["bytes_per_row"] = {
-                "features": bytes_per_row(self.cfg.top_k, self.cfg.values_dtype),
+                "features": bytes_per_row(self.config.top_k, self.config.values_dtype),
                 "dense_float32": self.sae.d_in * 4 + 25,
             }
         return out

@@ -20,6 +20,7 @@ import torch
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
+from tllm_core.rows import request_runs
 
 FORMAT_NAME = "tllm-sae-features"
 FORMAT_VERSION = 1
@@ -103,17 +104,14 @@ class FeatureWriter:
         n = len(requests)
         index = [0] * n
         pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
-        start = 0
-        for i in range(1, n + 1):
-            if i == n or requests[i] is not requests[start]:
-                req = self._request(requests[start])
-                if i - start == 1:  # a decode row
-                    req.put_one(pos[start], tok[start])
-                    index[start] = req.index
-                else:
-                    req.put(positions[start:i], tokens[start:i])
-                    index[start:i] = [req.index] * (i - start)
-                start = i
+        for info, start, stop in request_runs(requests):
+            req = self._request(info)
+            if stop - start == 1:  # a decode row
+                req.put_one(pos[start], tok[start])
+                index[start] = req.index
+            else:
+                req.put(positions[start:stop], tokens[start:stop])
+                index[start:stop] = [req.index] * (stop - start)
         return np.asarray(index, np.int64)
 
     def append(

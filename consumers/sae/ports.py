@@ -4,22 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from consumers.sae.site import Site
 from producers import AttentionOutput, MlpOutput
+from tllm_core.port_names import PortName
 from tllm_core.ports import Edit, HiddenStates, Phase, ReadPort, ResidualEdit, WritePort
 
 
-def read_port(site: Site, phase: Phase) -> ReadPort:
+def read_port(site: PortName, phase: Phase) -> ReadPort:
     """The read port of ``site`` (absolute layer)."""
-    if site.kind == "residual":
-        return HiddenStates(site.layer, phase)
-    cls = AttentionOutput if site.kind == "attn" else MlpOutput
-    return cls(site.layer, phase)
+    layer = int(site.layer)  # type: ignore[arg-type]  # a site is never 'final'
+    if site.is_residual:
+        return HiddenStates(layer, phase)
+    cls = AttentionOutput if site.prefix == "attn" else MlpOutput
+    return cls(layer, phase)
 
 
-def edit_port(site: Site, transform: Any = None) -> WritePort:
+def edit_port(site: PortName, transform: Any = None) -> WritePort:
     """The write port that edits ``site``: a plain residual edit, or an ``Edit`` of the
     site's tensor with an in-graph per-row ``transform`` (clamps)."""
-    if site.kind == "residual" and transform is None:
-        return ResidualEdit(site.layer)
+    if site.is_residual and transform is None:
+        return ResidualEdit(int(site.layer))  # type: ignore[arg-type]
     return Edit(read_port(site, Phase.ALL), transform=transform)

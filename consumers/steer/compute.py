@@ -60,6 +60,7 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
 
     from consumers.export import read_export
     from tllm_core.engine import TllmLLM
+    from tllm_core.ports import layer_key
     from tllm_core.prompts import read_prompt_file
 
     positive = read_prompt_file(args.positive, "--positive file")
@@ -83,7 +84,7 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
         layer = llm.status["capture_layers"][0]
         llm.generate(positive + negative, SamplingParams(max_tokens=1), use_tqdm=False)
         llm.close()
-        vec, n_pos, n_neg = mean_difference(read_export(tmp), f"layer.{layer}", len(positive))
+        vec, n_pos, n_neg = mean_difference(read_export(tmp), layer_key(layer), len(positive))
     save_vector(vec, args.out)
     return vec, {
         "out": str(args.out),

@@ -104,11 +104,10 @@ class SteerConsumer(Consumer):
     Config = SteerConfig
     Request = SteerRequest
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, SteerConfig):
-            config = SteerConfig.model_validate(config.model_dump())
+    config: SteerConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: SteerConfig, context: ConsumerContext):
         super().__init__(config, context)
-        self.cfg: SteerConfig = config
         hidden = int(context.model.hidden_size)
         device = context.model.device
         self.vectors: list[_Vec] = []
@@ -176,25 +175,21 @@ class SteerConsumer(Consumer):
         n = len(rows)
         if n == 0:
             return np.zeros(0, np.int64), None
-        pos = self.cfg.positions
+        pos = self.config.positions
         if pos == "all":
             mask = np.ones(n, np.bool_)
         else:
             dec = np.asarray(rows.is_decode, np.bool_)
             mask = dec.copy() if pos == "generated" else ~dec
         overrides: np.ndarray | None = None
-        reqs = rows.requests
-        start = 0
-        for i in range(1, n + 1):  # rows of one request are contiguous: walk runs
-            if i == n or reqs[i] is not reqs[start]:
-                state = self._request_state(reqs[start])
-                if state is False:
-                    mask[start:i] = False
-                elif state is not None:
-                    if overrides is None:
-                        overrides = np.full(n, np.nan)
-                    overrides[start:i] = state
-                start = i
+        for req, start, stop in rows.runs():
+            state = self._request_state(req)
+            if state is False:
+                mask[start:stop] = False
+            elif state is not None:
+                if overrides is None:
+                    overrides = np.full(n, np.nan)
+                overrides[start:stop] = state
         idx = np.nonzero(mask)[0].astype(np.int64)
         if overrides is not None:
             overrides = overrides[idx]

@@ -1,0 +1,102 @@
+"""Port names: the one grammar for naming a token port in text, and its one formatter.
+
+Users write port names in ``tllm export --layers``, the ``export`` and ``stats`` configs'
+``layers``, the ``sae`` config's ``site``; bundles, counters and export files key data
+by them. The grammar (``i`` a decoder-layer index, negative counts from the end):
+
+- ``{i}`` (an ``int`` or its text) or ``layer.{i}``: the residual stream after layer ``i``;
+- ``final``: the final hidden state (after the final norm);
+- ``{prefix}.{i}``: a layer port registered under ``prefix`` (built-ins: ``attn``, ``mlp``).
+
+Which prefixes exist depends on the producers registered, so callers pass them; ``None``
+checks the syntax only (a config validated before the registry is at hand).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+
+FINAL = "final"
+RESIDUAL = "layer"  # prefix of the residual stream's name: "layer.{i}"
+# The engine bridge taps the residual stream at site "residual" (its contract); users see
+# that tap by the residual stream's port name, so one edit location has one name.
+_TAP_SITE_NAMES = {"residual": RESIDUAL}
+
+_NAME = re.compile(r"(?:([A-Za-z_]\w*)\.)?(-?\d+)")
+
+
+@dataclass(frozen=True)
+class PortName:
+    """A parsed port name: ``prefix`` is :data:`RESIDUAL`, :data:`FINAL` or a layer port's
+    prefix; ``layer`` is the layer index (``None`` for ``final``)."""
+
+    prefix: str
+    layer: int | None = None
+
+    @property
+    def is_residual(self) -> bool:
+        return self.prefix == RESIDUAL
+
+    @property
+    def is_final(self) -> bool:
+        return self.prefix == FINAL
+
+    def short(self) -> str:
+        """The shortest spelling: a bare ``{i}`` for the residual stream."""
+        return str(self.layer) if self.is_residual else str(self)
+
+    def __str__(self) -> str:
+        return format_port_name(self.prefix, self.layer)
+
+
+def format_port_name(prefix: str, layer: int | None = None) -> str:
+    """The canonical name (and bundle/counter key): ``"layer.3"``, ``"attn.-1"``, ``"final"``."""
+    if prefix == FINAL:
+        return FINAL
+    if layer is None:
+        raise ValueError(f"port prefix {prefix!r} needs a layer index")
+    return f"{prefix}.{int(layer)}"
+
+
+def allowed_port_names(prefixes: Collection[str] | None = None, final: bool = True) -> str:
+    """The forms :func:`parse_port_name` accepts, for error messages and help texts."""
+    forms = ["'{i}'", f"'{RESIDUAL}.{{i}}'"]
+    if final:
+        forms.append(f"'{FINAL}'")
+    if prefixes is None:
+        forms.append("'<port>.{i}' (e.g. 'attn.3', 'mlp.-1')")
+    else:
+        forms += [f"'{p}.{{i}}'" for p in sorted(prefixes) if p != RESIDUAL]
+    return ", ".join(forms) + " (i a layer index, negative counts from the end)"
+
+
+def parse_port_name(
+    value: int | str,
+    prefixes: Collection[str] | None = None,
+    *,
+    final: bool = True,
+    what: str = "port",
+) -> PortName:
+    """Parse a port name (see the module doc). ``prefixes``: the layer-port prefixes allowed
+    besides the residual stream (``None``: any identifier); ``final``: whether ``"final"``
+    is allowed. Raises ``ValueError`` naming ``what``, the bad value and the allowed forms."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return PortName(RESIDUAL, value)
+    text = value.strip() if isinstance(value, str) else None
+    if text == FINAL and final:
+        return PortName(FINAL)
+    m = _NAME.fullmatch(text) if text is not None else None
+    if m is not None:
+        prefix = m.group(1) or RESIDUAL
+        if prefix == RESIDUAL or prefixes is None or prefix in prefixes:
+            return PortName(prefix, int(m.group(2)))
+    raise ValueError(f"bad {what} {value!r}: expected {allowed_port_names(prefixes, final)}")
+
+
+def tap_port_name(tap_key: str) -> str:
+    """The name users see (counters, errors) for an engine tap key: ``"residual.12"`` ->
+    ``"layer.12"``; other taps (``"attn.3"``, ``"final"``) are named as their ports."""
+    site, dot, layer = tap_key.partition(".")
+    return f"{_TAP_SITE_NAMES.get(site, site)}{dot}{layer}"
