@@ -600,7 +600,7 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
     view = fake.view(rows, hidden, logits, is_random=[True, True, True, False], temp=0.7)
     c.guide(view)
     idx = torch.tensor([0, 1, 2])
-    slots = torch.tensor([c._groups["r0"].slot] * 2 + [c._groups["r1"].slot])
+    slots = torch.tensor([c.groups.by_key["r0"].slot] * 2 + [c.groups.by_key["r1"].slot])
     f = c.distiller.predict(slots, hidden["layer.0"][idx])
     temp = torch.full((3,), 0.7)
     dist_fn = candidate_dist_fn(f, fake.w)

@@ -135,7 +135,6 @@ def test_plan_bounds_the_measured_guidance_step():
     from algorithms.esamp.consumer import ESampConsumer
     from tllm_core.bundles import GuideView
     from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.counters import Counters
     from tllm_core.ports import resolve_layer
     from tllm_core.rows import RequestInfo, RowInfo
 
@@ -143,7 +142,7 @@ def test_plan_bounds_the_measured_guidance_step():
     w = torch.randn(v, h)
     model = ModelInfo(h, 4, v, torch.float32, torch.device("cpu"), lambda z: z @ w.t(), w)
     cfg = ESampConfig(intermediate_size=32, mode="full_vocab", cpu_update="inline")
-    c = ESampConsumer(cfg, ConsumerContext(model, Counters(), lambda i: resolve_layer(i, 4)))
+    c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(r // 2)]
     rows = RowInfo(
         np.arange(r),
