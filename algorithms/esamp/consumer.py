@@ -162,7 +162,7 @@ class ESampConsumer(Consumer):
 
     def result(self) -> Any:
         self.trainer.flush()
-        return {
+        out = {
             **self.losses.summary(),
             "counters": self.counters.snapshot(),
             "memory_plan": {
@@ -171,8 +171,10 @@ class ESampConsumer(Consumer):
                 # None: not checked (CPU: the state grows with live groups instead).
                 "device_bytes": self._device_bytes,
             },
-            **({"diagnostics": self.diagnostics.as_result()} if self.diagnostics is not None else {}),
         }
+        if self.diagnostics is not None:
+            out["diagnostics"] = self.diagnostics.as_result()
+        return out
 
     def close(self) -> None:
         self.trainer.flush()
