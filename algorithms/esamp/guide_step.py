@@ -5,6 +5,7 @@ each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'f
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,16 @@ from tllm_core.bundles import GuideView
 from tllm_core.consumer import ModelInfo
 from tllm_core.ports import FINAL
 from tllm_core.rows import RequestInfo
+
+
+@dataclass
+class _Mix:
+    """One step's prediction, as both mixes take it."""
+
+    idx: torch.Tensor  # the view rows predicted
+    f: torch.Tensor  # their prediction f(h_1)
+    betas: torch.Tensor  # their beta
+    mixed: torch.Tensor  # which of them are mixed (finite prediction, beta != 0)
 
 
 class GuideStep:
@@ -102,9 +113,9 @@ class GuideStep:
         # candidates_guided are that count, per consumer (the runtime's are totals).
         before = view.changed_per_row().clone()
         if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-            self._mix_candidates(view, idx, f, betas, mixed, diag)
+            self._mix_candidates(view, _Mix(idx, f, betas, mixed), diag)
         else:
-            self._mix_full_vocab(view, idx, f, betas, mixed)
+            self._mix_full_vocab(view, _Mix(idx, f, betas, mixed))
         self._add_guided(view.changed_per_row() - before)
 
     def _add_guided(self, delta: torch.Tensor) -> None:
@@ -130,17 +141,12 @@ class GuideStep:
         return self.model.lm_head(z.to(self.model.dtype)).float()
 
     def _mix_candidates(
-        self,
-        view: GuideView,
-        idx: torch.Tensor,
-        f: torch.Tensor,
-        betas: torch.Tensor,
-        mixed: torch.Tensor,
-        diag: tuple[list[int], torch.Tensor] | None,
+        self, view: GuideView, m: _Mix, diag: tuple[list[int], torch.Tensor] | None
     ) -> None:
         """Post-filter mode: dist logits and the mix for the surviving candidates, written
         back sparsely (no pass over the vocabulary beyond finding the candidates); the
         candidates of rows not ``mixed`` keep their logits."""
+        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
         cand = view.candidates()
         # Position in ``f`` of each view row that is mixed, -1 elsewhere: masks, no nonzero.
         pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
@@ -165,16 +171,10 @@ class GuideStep:
             self.diagnostics.record_shift(*diag, tokens, ref, new, p, betas)
         view.update_candidates(entries, new)  # unchanged entries are written as they are
 
-    def _mix_full_vocab(
-        self,
-        view: GuideView,
-        idx: torch.Tensor,
-        f: torch.Tensor,
-        betas: torch.Tensor,
-        mixed: torch.Tensor,
-    ) -> None:
+    def _mix_full_vocab(self, view: GuideView, m: _Mix) -> None:
         """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
         projections; the other rows keep their logits."""
+        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
         # All rows in order (the usual decode step): the view's logits themselves, no copy
         # (read only until view.update below).
         ref = view.logits if idx.numel() == view.logits.shape[0] else view.logits[idx]
