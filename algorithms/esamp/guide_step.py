@@ -108,14 +108,14 @@ class GuideStep:
             diag = (ages, rel)
         if self.fit is not None:
             betas = betas * self.fit([self.groups.by_slot[x] for x in slots], rel).to(betas.device)
-        mixed = torch.isfinite(f).all(-1) & (betas != 0)
+        m = _Mix(idx, f, betas, torch.isfinite(f).all(-1) & (betas != 0))
         # The view counts what its writes really change; ESamp's rows_guided and
         # candidates_guided are that count, per consumer (the runtime's are totals).
         before = view.changed_per_row().clone()
         if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-            self._mix_candidates(view, _Mix(idx, f, betas, mixed), diag)
+            self._mix_candidates(view, m, diag)
         else:
-            self._mix_full_vocab(view, _Mix(idx, f, betas, mixed))
+            self._mix_full_vocab(view, m)
         self._add_guided(view.changed_per_row() - before)
 
     def _add_guided(self, delta: torch.Tensor) -> None:
