@@ -600,7 +600,7 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
     view = fake.view(rows, hidden, logits, is_random=[True, True, True, False], temp=0.7)
     c.guide(view)
     idx = torch.tensor([0, 1, 2])
-    slots = torch.tensor([c._groups["r0"].slot] * 2 + [c._groups["r1"].slot])
+    slots = torch.tensor([c.groups.by_key["r0"].slot] * 2 + [c.groups.by_key["r1"].slot])
     f = c.distiller.predict(slots, hidden["layer.0"][idx])
     temp = torch.full((3,), 0.7)
     dist_fn = candidate_dist_fn(f, fake.w)
@@ -785,9 +785,9 @@ def test_group_loss_state_stays_flat_over_many_finished_groups():
         c.on_bundle(Bundle(g, rows, hidden))  # one optimizer step: first loss == last loss
         res = c.result()
         c.on_request_finished(req)
-        assert len(c._group_last) + len(c._freed_serials) <= 1
+        assert len(c.losses._group_last) + len(c.losses._freed) <= 1
     res = c.result()
-    assert c._group_last == {} and c._freed_serials == set()
+    assert c.losses._group_last == {} and c.losses._freed == set()
     assert c.counters.get("optimizer_steps") == 40
     # One step per group: the mean of firsts, of lasts and of all losses agree.
     assert res["group_loss_first_mean"] == pytest.approx(res["loss_mean"], rel=1e-9)

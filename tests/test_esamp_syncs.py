@@ -3,7 +3,7 @@ host wait for a CUDA device (``benchmarks/sync_count.py``: ``.item()``/``int()``
 tensor, ``nonzero``, ``unique``, boolean-mask indexing, host<->device copies) during the
 consumer's per-step work, guidance plus the update's submission.
 
-The consumer runs its CUDA branches (``_on_cuda``: counters and losses read back only at a
+The consumer runs its CUDA branches (``Shared.on_cuda``: counters and losses read back only at a
 blocking flush) with the CPU distiller training on its side thread (dispatch modes are
 thread-local: the CPU-only trainer is not counted; the CUDA trainer is one graph replay).
 Not seen here: ``.cpu()``/``.tolist()`` of device tensors (nothing dispatches on CPU) and
@@ -36,7 +36,7 @@ def syncs_per_step(mode: str, steps: int = 4) -> list[dict[str, int]]:
     the groups' distillers)."""
     fake = Fake()
     c = fake.consumer(cpu_update="thread", mode=mode)
-    c._on_cuda = True  # the consumer's CUDA branches (see the module docstring)
+    c.shared.on_cuda = True  # the consumer's CUDA branches (see the module docstring)
     reqs = fake.requests(2, 4)
     out = []
     for t in range(steps):

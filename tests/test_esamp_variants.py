@@ -67,13 +67,13 @@ def test_zero_output_untrained_is_pure_sharpening_and_learns_like_reference():
     for step in range(3):
         c.on_bundle(Bundle(step, rows, hidden))
         ref.train_step(slots, x, t + x)
-    got = c._predict(torch.tensor([c._groups["r0"].slot] * 2), x)
+    got = c.shared.predict(torch.tensor([c.groups.by_key["r0"].slot] * 2), x)
     torch.testing.assert_close(got, ref.predict(slots, x) - x)
     assert not torch.equal(got, torch.zeros_like(got))  # it learned something
     # ... and the paper init would not start at zero.
     p = fake.consumer()
     p.guide(fake.view(rows, hidden, logits))
-    assert not torch.allclose(p._predict(torch.tensor([0, 0]), x), torch.zeros_like(x))
+    assert not torch.allclose(p.shared.predict(torch.tensor([0, 0]), x), torch.zeros_like(x))
 
 
 # -- warm start on prefill rows --------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
         x, t = hidden["layer.0"][first_rows], hidden["final"][first_rows]
         for _ in range(steps):
             ref.train_step(torch.tensor([s] * 4), x, t)
-        slot = c._groups[f"r{g_idx}"].slot
+        slot = c.groups.by_key[f"r{g_idx}"].slot
         c.distiller.synchronize()
         torch.testing.assert_close(c.distiller.theta[slot], ref.theta[s])
     # A group warms once: a later prefill chunk of the same prompt does not train again.
@@ -168,9 +168,9 @@ def test_fit_schedule_beta_follows_the_groups_error_average():
     err = torch.ones(2)  # every group starts at error 1: no guidance
     for step in range(4):
         v = fake.view(rows, hidden, logits, temp=temp)
-        slots = torch.tensor([c._groups[f"r{i}"].slot for i in range(2)] if step else [0, 1])
+        slots = torch.tensor([c.groups.by_key[f"r{i}"].slot for i in range(2)] if step else [0, 1])
         c.guide(v)
-        f = c._predict(slots, x)
+        f = c.shared.predict(slots, x)
         expect = _mixed_as(logits, f, fake.w, beta * (1 - err).clamp(0, 1), temp)
         torch.testing.assert_close(v.logits, expect)
         if step == 0:
@@ -226,7 +226,7 @@ def test_diagnostics_record_each_guided_row():
     for step in range(2):
         c.guide(fake.view(rows, hidden, logits))
         # The prediction the guidance just used (before this step's training).
-        f = c._predict(torch.tensor([0, 0, 0]), hidden["layer.0"])
+        f = c.shared.predict(torch.tensor([0, 0, 0]), hidden["layer.0"])
         c.on_bundle(Bundle(step, rows, hidden))
     d = c.result()["diagnostics"]
     json.dumps(d)

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tllm_core.consumer import ConsumerConfig
 from tllm_core.numbers import FiniteF32
+
+# Range checks, one per field: (value is allowed, error message). None passes where the
+# field allows it (the type does the rest).
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "beta": (lambda v: v >= 0, "beta must be >= 0 (0 disables guidance)"),
+    "warm_start_steps": (lambda v: v >= 0, "warm_start_steps must be >= 0 (0 disables it)"),
+    "fit_decay": (lambda v: 0 <= v < 1, "fit_decay must be in [0, 1)"),
+    **{
+        name: (lambda v: v is None or v >= 1, "must be >= 1")
+        for name in (
+            "intermediate_size",
+            "num_blocks",
+            "cuda_capacity",
+            "cuda_graph_max_rows",
+            "cuda_rows_per_step",
+        )
+    },
+    "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
+    "lr": (lambda v: v > 0, "must be > 0"),
+    "eps": (lambda v: v > 0, "must be > 0"),
+    "grad_clip": (lambda v: v is None or v > 0, "grad_clip must be > 0 or None (no clipping)"),
+    "max_groups": (lambda v: v is None or v >= 1, "max_groups must be >= 1 or None (unlimited)"),
+}
 
 
 class ESampConfig(ConsumerConfig):
@@ -155,66 +179,12 @@ class ESampConfig(ConsumerConfig):
         "the state grows with live groups, so the plan is reported but not enforced.",
     )
 
-    @field_validator("beta")
+    @field_validator(*_RULES)
     @classmethod
-    def _beta(cls, v: float) -> float:
-        if not v >= 0:
-            raise ValueError(f"beta must be >= 0 (0 disables guidance), got {v}")
-        return v
-
-    @field_validator("warm_start_steps")
-    @classmethod
-    def _nonneg(cls, v: int) -> int:
-        if v < 0:
-            raise ValueError(f"warm_start_steps must be >= 0 (0 disables it), got {v}")
-        return v
-
-    @field_validator("fit_decay")
-    @classmethod
-    def _decay(cls, v: float) -> float:
-        if not 0 <= v < 1:
-            raise ValueError(f"fit_decay must be in [0, 1), got {v}")
-        return v
-
-    @field_validator(
-        "intermediate_size",
-        "num_blocks",
-        "cuda_capacity",
-        "cuda_graph_max_rows",
-        "cuda_rows_per_step",
-    )
-    @classmethod
-    def _positive_int(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
-
-    @field_validator("max_memory_fraction")
-    @classmethod
-    def _fraction(cls, v: float) -> float:
-        if not 0 < v <= 1:
-            raise ValueError(f"max_memory_fraction must be in (0, 1], got {v}")
-        return v
-
-    @field_validator("lr", "eps")
-    @classmethod
-    def _positive(cls, v: float) -> float:
-        if not v > 0:
-            raise ValueError(f"must be > 0, got {v}")
-        return v
-
-    @field_validator("grad_clip")
-    @classmethod
-    def _clip(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(f"grad_clip must be > 0 or None (no clipping), got {v}")
-        return v
-
-    @field_validator("max_groups")
-    @classmethod
-    def _cap(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"max_groups must be >= 1 or None (unlimited), got {v}")
+    def _in_range(cls, v: float | None, info: ValidationInfo) -> float | None:
+        ok, message = _RULES[info.field_name]
+        if not ok(v):
+            raise ValueError(f"{message}, got {v}")
         return v
 
     @model_validator(mode="after")

@@ -1,14 +1,18 @@
-"""Picks the distiller implementation for a device."""
+"""Picks the distiller implementation for a device and builds it from an ESamp config."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.slots import SlotDistiller
+
+if TYPE_CHECKING:
+    from algorithms.esamp.config import ESampConfig
 
 
 def make_distiller(
@@ -31,3 +35,44 @@ def make_distiller(
             **kwargs,
         )
     return GroupedDistiller(hidden_size, device=device, side_thread=side_thread, **kwargs)
+
+
+def _use_side_thread(mode: str) -> bool:
+    """``cpu_update`` resolved: 'auto' means a side thread only if a core is left idle."""
+    if mode != "auto":
+        return mode == "thread"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
+
+
+def distiller_for(
+    cfg: ESampConfig, hidden_size: int, device: torch.device, slots: int
+) -> SlotDistiller:
+    """The distiller ``cfg`` asks for on ``device`` (``slots``: the CUDA one's capacity)."""
+    extra = {}
+    if device.type == "cuda":
+        # Everything the CUDA distiller needs is allocated (and its update graph
+        # captured) now: construction runs inside vLLM's load_model, before vLLM
+        # profiles memory and sizes the KV cache.
+        extra = {"capacity": slots, "graph_max_rows": cfg.cuda_graph_max_rows}
+    # Not under inference mode: state made there could not be trained in place.
+    with torch.inference_mode(False):
+        return make_distiller(
+            hidden_size,
+            device,
+            use_cuda_graph=cfg.use_cuda_graph,
+            side_thread=device.type == "cpu" and _use_side_thread(cfg.cpu_update),
+            intermediate_size=cfg.intermediate_size,
+            num_blocks=cfg.num_blocks,
+            lr=cfg.lr,
+            eps=cfg.eps,
+            grad_clip=cfg.grad_clip,
+            # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts
+            # the input (see Shared.predict / Shared.target).
+            init="zero" if cfg.init == "zero_output" else cfg.init,
+            seed=cfg.seed,
+            **extra,
+        )

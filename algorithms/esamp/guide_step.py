@@ -1,0 +1,193 @@
+"""ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
+decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
+each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit')."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from algorithms.esamp.diagnostics import Diagnostics
+from algorithms.esamp.fit_beta import FitScale
+from algorithms.esamp.guidance import (
+    candidate_dist_fn,
+    full_dist_logits,
+    mix_candidates,
+    mix_full_vocab_logits,
+    mix_latent,
+    noise_prediction,
+    relative_error,
+)
+from algorithms.esamp.lifecycle import Groups
+from algorithms.esamp.shared import Shared, row_index, select_rows
+from tllm_core.bundles import GuideView
+from tllm_core.consumer import ModelInfo
+from tllm_core.ports import FINAL
+from tllm_core.rows import RequestInfo
+
+
+@dataclass
+class _Mix:
+    """One step's prediction, as both mixes take it."""
+
+    idx: torch.Tensor  # the view rows predicted
+    f: torch.Tensor  # their prediction f(h_1)
+    betas: torch.Tensor  # their beta
+    mixed: torch.Tensor  # which of them are mixed (finite prediction, beta != 0)
+
+
+class GuideStep:
+    def __init__(
+        self,
+        shared: Shared,
+        groups: Groups,
+        model: ModelInfo,
+        beta_of: Callable[[RequestInfo], float],
+        diagnostics: Diagnostics | None,
+    ):
+        self.s, self.groups, self.model, self.beta_of = shared, groups, model, beta_of
+        self.diagnostics = diagnostics
+        cfg = shared.cfg
+        self.fit = FitScale(cfg.fit_decay, shared.counters) if cfg.beta_schedule == "fit" else None
+        self._weight = model.lm_head_weight
+        # Latent mixing is exact only for a plain linear head predicting the final state.
+        self._latent_ok = self._weight is not None and shared.tgt_key == FINAL
+        # The front end's dry build runs on the meta device, which has no generator.
+        gen_device = "cpu" if model.device.type == "meta" else model.device
+        self._noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
+        self._guided: torch.Tensor | None = None  # CUDA: [rows, candidates] not yet counted
+
+    def _skip(self, reason: str, n: int) -> None:
+        if n:
+            self.s.counters.add("rows_skipped", n)
+            self.s.counters.add(f"rows_skipped_{reason}", n)
+
+    def __call__(self, view: GuideView) -> None:
+        s, cfg, rows = self.s, self.s.cfg, view.rows
+        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
+        if len(rows) == 0:
+            return
+        is_dec = np.asarray(rows.is_decode, dtype=bool)
+        is_rand = np.asarray(view.is_random, dtype=bool)
+        if cfg.skip_mixed_batches and not is_dec.all():
+            self._skip("mixed", len(rows))
+            return
+        self._skip("prefill", int((~is_dec).sum()))  # the token after prefill is the model's own
+        self._skip("greedy", int((is_dec & ~is_rand).sum()))
+        sel, slots, capped = self.groups.claim(
+            rows.requests, np.flatnonzero(is_dec & is_rand).tolist()
+        )
+        self._skip("cap", capped)
+        if not sel:
+            return
+        s.counters.add("rows_visited", len(sel))
+        idx = row_index(sel, view.logits.device)
+        f = s.predict(
+            torch.tensor(slots, dtype=torch.long), select_rows(view.hidden(s.src_key), sel, idx)
+        )
+        if not s.on_cuda:  # on CUDA read at the next blocking flush (a host sync)
+            s.counters.max("staleness_max", s.distiller.staleness_max())
+        f_real = f
+        if cfg.ablation == "noise":
+            h_t = view.hidden(s.tgt_key)[idx].float()
+            f = noise_prediction(h_t, f, self._noise_gen)
+        betas = torch.tensor(
+            [self.beta_of(rows.requests[i]) for i in sel], dtype=torch.float32, device=f.device
+        )
+        # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
+        # logits untouched (nothing is written back for them).
+        rel = diag = None
+        if self.fit is not None or self.diagnostics is not None:
+            rel = relative_error(view.hidden(s.tgt_key)[idx], f_real)
+        if self.diagnostics is not None:
+            ages = [self.groups.by_slot[slot].age for slot in slots]
+            self.diagnostics.record_error(ages, rel)
+            diag = (ages, rel)
+        if self.fit is not None:
+            betas = betas * self.fit([self.groups.by_slot[x] for x in slots], rel).to(betas.device)
+        m = _Mix(idx, f, betas, torch.isfinite(f).all(-1) & (betas != 0))
+        # The view counts what its writes really change; ESamp's rows_guided and
+        # candidates_guided are that count, per consumer (the runtime's are totals).
+        before = view.changed_per_row().clone()
+        if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
+            self._mix_candidates(view, m, diag)
+        else:
+            self._mix_full_vocab(view, m)
+        self._add_guided(view.changed_per_row() - before)
+
+    def _add_guided(self, delta: torch.Tensor) -> None:
+        """Count guided rows and candidates: on CUDA summed on the device and read at the
+        next blocking flush (a read is a host sync); elsewhere counted now."""
+        pair = torch.stack([(delta > 0).sum(), delta.sum()])
+        if self.s.on_cuda:
+            self._guided = pair if self._guided is None else self._guided + pair
+            return
+        n_rows, n_cand = pair.tolist()
+        self.s.counters.add("rows_guided", n_rows)
+        self.s.counters.add("candidates_guided", n_cand)
+
+    def read_guided(self) -> None:
+        """The guided counts summed on the device since the last read (after a sync)."""
+        if self._guided is not None:
+            rows, cand = self._guided.tolist()
+            self._guided = None
+            self.s.counters.add("rows_guided", rows)
+            self.s.counters.add("candidates_guided", cand)
+
+    def _head(self, z: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(z.to(self.model.dtype)).float()
+
+    def _mix_candidates(
+        self, view: GuideView, m: _Mix, diag: tuple[list[int], torch.Tensor] | None
+    ) -> None:
+        """Post-filter mode: dist logits and the mix for the surviving candidates, written
+        back sparsely (no pass over the vocabulary beyond finding the candidates); the
+        candidates of rows not ``mixed`` keep their logits."""
+        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
+        cand = view.candidates()
+        # Position in ``f`` of each view row that is mixed, -1 elsewhere: masks, no nonzero.
+        pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
+        here = torch.arange(len(idx), device=idx.device)
+        pos[idx] = torch.where(mixed, here, torch.full_like(here, -1))
+        p = pos[cand.rows]
+        live = p >= 0
+        if diag is not None:  # diagnostics read the host every step anyway
+            entries = live.nonzero().squeeze(1)
+        else:
+            entries = torch.arange(len(p), device=p.device)
+        p, live = p[entries].clamp(min=0), live[entries]
+        ref = cand.logits[entries]
+        if ref.numel() == 0:
+            return
+        # Every candidate is computed; those of rows not mixed keep their logit exactly.
+        tokens = cand.tokens[entries]
+        dist = candidate_dist_fn(f, self._weight, self._head)(p, tokens)
+        temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
+        new = torch.where(live, mix_candidates(ref, dist, betas[p], temp), ref)
+        if diag is not None:
+            self.diagnostics.record_shift(*diag, tokens, ref, new, p, betas)
+        view.update_candidates(entries, new)  # unchanged entries are written as they are
+
+    def _mix_full_vocab(self, view: GuideView, m: _Mix) -> None:
+        """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
+        projections; the other rows keep their logits."""
+        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
+        # All rows in order (the usual decode step): the view's logits themselves, no copy
+        # (read only until view.update below).
+        ref = view.logits if idx.numel() == view.logits.shape[0] else view.logits[idx]
+        temp = view.temperature[idx].float().to(ref.device)
+        if self.s.cfg.mix == "latent" and self._latent_ok:
+            h_mix = mix_latent(view.hidden(FINAL)[idx].float(), f, betas)
+            new = self._head(h_mix) / temp[:, None]
+        else:
+            if self.s.cfg.mix == "latent":
+                self.s.counters.add("latent_fallback_rows", int(idx.numel()))
+            dist = full_dist_logits(f, self._weight, self._head).to(ref.dtype)
+            new = mix_full_vocab_logits(ref, dist, betas, temp, inplace=True)
+        # Rows not mixed keep their logits exactly (a mask, not a nonzero); GuideView.update
+        # writes candidate (finite) entries only.
+        new = torch.where(mixed[:, None], new, ref, out=new)
+        view.update(idx, new)

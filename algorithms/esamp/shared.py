@@ -1,0 +1,59 @@
+"""What every job of the ESamp consumer shares: its config, distiller, counters and layer
+keys, the distiller's input/output convention (init 'zero_output') and the row gathers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.slots import SlotDistiller
+from tllm_core.counters import Counters
+
+
+@dataclass
+class Shared:
+    cfg: ESampConfig
+    distiller: SlotDistiller
+    counters: Counters
+    src_key: str  # the source layer's port key (the distiller's input)
+    tgt_key: str  # the target layer's port key (what it predicts)
+    # Device counters and losses are read back only at a blocking flush: on CUDA every
+    # read is a host sync.
+    on_cuda: bool
+
+    @property
+    def zero_out(self) -> bool:
+        return self.cfg.init == "zero_output"
+
+    @property
+    def deferred(self) -> bool:
+        """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
+        return self.on_cuda or self.distiller.asynchronous
+
+    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The distiller's prediction; with init 'zero_output' the blocks' residual sum
+        alone (the input subtracted), so an untrained distiller predicts 0."""
+        f = self.distiller.predict(slots, x)
+        return f - x.float() if self.zero_out else f
+
+    def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
+        so that ``blocks(x) - x`` learns ``target``)."""
+        return target.float() + x.float() if self.zero_out else target
+
+
+def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]``, or ``t`` itself when ``sel`` is every row in order (the usual decode step:
+    the distiller copies its inputs anyway, so the gather would be a second copy)."""
+    return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
+
+
+def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices on ``device``; pinned + non_blocking on CUDA (a pageable copy would wait
+    for the stream)."""
+    t = torch.tensor(sel, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -1,0 +1,142 @@
+"""ESamp's training, after sampling: each step's decode rows train their group's distiller
+(warm start: a group's prompt rows first), and the results are read back as the distiller
+allows (queued updates in batches)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from algorithms.esamp.lifecycle import Group, Groups
+from algorithms.esamp.losses import LossBook, Submitted, final_prefix
+from algorithms.esamp.shared import Shared, row_index, select_rows
+from algorithms.esamp.slots import TrainResult
+from tllm_core.bundles import Bundle
+from tllm_core.rows import RequestInfo
+
+# Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
+_FLUSH_EVERY = 256
+
+
+class Trainer:
+    def __init__(
+        self, shared: Shared, groups: Groups, losses: LossBook, read_deferred: Callable[[], None]
+    ):
+        self.s, self.groups, self.losses = shared, groups, losses
+        self.read_deferred = read_deferred  # device counters read at a blocking flush
+        self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
+        self._pending: list[Submitted] = []
+        self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        rows, counters = bundle.rows, self.s.counters
+        is_dec = np.asarray(rows.is_decode, dtype=bool)
+        if self.s.cfg.warm_start_steps > 0 and len(rows) and not is_dec.all():
+            self._warm_start(bundle, is_dec)
+        if len(rows) == 0 or not is_dec.any():
+            return
+        if self.s.cfg.skip_mixed_batches and not is_dec.all():
+            counters.add("train_rows_skipped_mixed", int(is_dec.sum()))
+            return
+        recomputed = np.asarray(rows.recomputed, dtype=bool)
+        # Preemption recomputation: those positions were already trained on (their groups
+        # are tracked all the same).
+        sel, slots, capped = self.groups.claim(
+            rows.requests, np.flatnonzero(is_dec).tolist(), lambda i, *_: not recomputed[i]
+        )
+        counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
+        counters.add("train_rows_skipped_cap", capped)
+        submitted = self._submit(bundle, sel, slots, 1)
+        if not submitted:
+            return
+        res = submitted[0]
+        groups = [self.groups.by_slot[int(s)] for s in res.slots]
+        self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
+        for g in groups:
+            g.age += 1
+        self._after_submit()
+
+    def _warm_start(self, bundle: Bundle, is_dec: np.ndarray) -> None:
+        """warm_start_steps: create the distiller of each group whose prompt rows arrive and
+        train it on them (the rows of the group's first request in this step; a group warms
+        once). Counted in warm_start_groups / warm_start_rows / warm_start_steps."""
+        recomputed = np.asarray(bundle.rows.recomputed, dtype=bool)
+        first: dict[int, str] = {}  # id(group) -> engine id whose rows are used
+
+        def admit(i: int, req: RequestInfo, g: Group) -> bool:
+            if g.warmed and id(g) not in first:
+                return False
+            return first.setdefault(id(g), req.engine_id) == req.engine_id
+
+        prompt_rows = np.flatnonzero(~is_dec & ~recomputed).tolist()
+        sel, slots, capped = self.groups.claim(bundle.rows.requests, prompt_rows, admit)
+        self.s.counters.add("train_rows_skipped_cap", capped)
+        for slot in slots:
+            self.groups.by_slot[slot].warmed = True
+        submitted = self._submit(bundle, sel, slots, self.s.cfg.warm_start_steps)
+        if not submitted:
+            return
+        self._warm_pending += submitted
+        self.s.counters.add("warm_start_groups", len(set(slots)))
+        self.s.counters.add("warm_start_rows", len(sel))
+        self._after_submit()  # warm_start_steps: counted from the results, in _flush_warm
+
+    def _submit(
+        self, bundle: Bundle, sel: list[int], slots: list[int], steps: int
+    ) -> list[TrainResult]:
+        """``steps`` train steps of the rows ``sel`` (their groups' ``slots``); none when
+        there are no rows or training is off (then counted as frozen)."""
+        if not sel:
+            return []
+        if not self.training:
+            self.s.counters.add("train_rows_skipped_frozen", len(sel))
+            return []
+        src, tgt = bundle.hidden[self.s.src_key], bundle.hidden[self.s.tgt_key]
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        idx = row_index(sel, src.device)
+        x = select_rows(src, sel, idx)
+        target = self.s.target(x, select_rows(tgt, sel, idx))
+        return [self.s.distiller.train_step(slot_t, x, target) for _ in range(steps)]
+
+    def _after_submit(self) -> None:
+        """Read back the results of submitted train steps as the distiller allows."""
+        if not self.s.deferred or len(self._pending) >= _FLUSH_EVERY:
+            self.flush()
+        elif self.s.distiller.asynchronous:
+            # CPU side thread: take the updates that have already run (no waiting). Not on
+            # CUDA: reading a loss there would sync the stream every step.
+            self.flush(block=False)
+
+    def flush(self, block: bool = True) -> None:
+        """Read results back to the host and update the counters; with ``block=False`` only
+        those of updates that have already run, oldest first."""
+        s = self.s
+        if block and (self._pending or self._warm_pending):
+            s.distiller.synchronize()
+        if block or not s.on_cuda:  # a device read on CUDA: only where a sync is paid
+            s.counters.max("staleness_max", s.distiller.staleness_max())
+            s.counters.set("eager_updates", s.distiller.eager_updates)
+        if block:
+            self.read_deferred()
+        self._flush_warm(block)
+        n_ready = final_prefix([res for _, _, res in self._pending], block)
+        ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
+        if ready:
+            self.losses.add(ready)
+        self.prune_losses()
+
+    def prune_losses(self) -> None:
+        """Drop the loss state of freed groups with no update still to read back."""
+        self.losses.prune({s for serials, _, _ in self._pending for s in serials})
+
+    def _flush_warm(self, block: bool) -> None:
+        """Count the warm-start updates that ran (one per group and step; a group whose
+        loss was non-finite was not updated) once their results are final."""
+        n = final_prefix(self._warm_pending, block)
+        done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
+        for res in done:
+            ok = res.updated.cpu().tolist()
+            self.s.counters.add("warm_start_steps", sum(ok))
+            self.s.counters.add("nonfinite_losses_skipped", len(ok) - sum(ok))
