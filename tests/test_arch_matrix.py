@@ -101,17 +101,17 @@ class _ProbePlugin:
 def probe_registered():
     """Registers ``archprobe`` in every Registry built in this process (the in-process
     engine's worker builds its own), as an installed plugin package would."""
-    import tllm_core.registry as registry
+    from tllm_core.plugins import Plugins
 
-    original = registry.plugin_manager
+    original = Plugins.load.__func__
 
-    def with_probe(load_entry_points: bool = True):
-        pm = original(load_entry_points)
-        pm.register(_ProbePlugin(), name="arch-probe")
-        return pm
+    def with_probe(cls, *args, **kwargs):
+        plugins = original(cls, *args, **kwargs)
+        plugins.register(_ProbePlugin(), "arch-probe")
+        return plugins
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry, "plugin_manager", with_probe)
+        mp.setattr(Plugins, "load", classmethod(with_probe))
         yield
 
 
