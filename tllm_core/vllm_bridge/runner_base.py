@@ -7,6 +7,7 @@ differ and live in each runner's own adapter module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -14,6 +15,11 @@ from torch import nn
 
 from tllm_core.consumer import ModelInfo
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.step_events import StepEvents
+
+# Tensor parallel with guidance: makes every rank continue from the same sampled tokens; runs
+# after every sampling, on every rank.
+SyncSampled = Callable[[torch.Tensor], None] | None
 
 # Read once the weights are loaded (``runner.model`` exists only then), on every runner.
 LOADED_MODEL_ATTRS = ("model.compute_logits", "model.model.layers")
@@ -30,6 +36,15 @@ class RunnerAdapterBase:
 
     def __init__(self, runner: Any):
         self.runner = runner
+
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
+        """``(extra_args, prompt length)`` of a scheduled request."""
+        raise NotImplementedError
+
+    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
+        """Wrap the runner (instance attributes only) so that each step reports ``events``;
+        the guide is wired only when ``guides``; ``sync_sampled`` runs after every sampling."""
+        raise NotImplementedError
 
     @property
     def max_num_tokens(self) -> int:

@@ -16,14 +16,13 @@ Instance-level wrappers (never class-level) on one runner:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from tllm_core.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
+from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 
@@ -76,14 +75,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
         return False
 
     # -- wrappers -----------------------------------------------------------------------
-    def install(
-        self,
-        events: StepEvents,
-        guides: bool,
-        sync_sampled: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        """Wrap the runner. ``sync_sampled`` (tensor parallel with guidance) makes every rank
-        continue from the same sampled tokens; it runs after every sampling, on every rank."""
+    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
         prepare, execute, sample = r._prepare_inputs, r.execute_model, r._sample
         state = {"ids": [], "live": False}

@@ -25,14 +25,13 @@ only when a consumer guides, ``sampler._sample_random``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from tllm_core.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
+from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 # Below this a temperature means greedy (vLLM's sampling epsilon).
@@ -94,14 +93,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
         )
 
     # -- wrappers -----------------------------------------------------------------------
-    def install(
-        self,
-        events: StepEvents,
-        guides: bool,
-        sync_sampled: Callable[[torch.Tensor], None] | None = None,
-    ) -> None:
-        """Wrap the runner. ``sync_sampled`` (tensor parallel with guidance) makes every rank
-        continue from the same sampled tokens; it runs after every sampling, on every rank."""
+    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         from tllm_core.vllm_bridge.errors import UnsupportedEngineError
         from tllm_core.vllm_bridge.version import missing_attrs
 
