@@ -302,9 +302,12 @@ def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes
 
 
 def test_feature_clamp_on_model_runner_v2_matches_transformers(tiny_model, saes, tmp_path):
-    """The same clamp on vLLM's V2 runner (``tllm run`` under the V2 test fixture)."""
+    """The same clamp on vLLM's V2 runner (``tllm run`` under the V2 test fixture), with
+    the attention and MLP outputs of the clamped layer checked against transformers too."""
     from cli_util import v2_env
     from conftest import cli_json, run_cli
+
+    from consumers.export import read_export
 
     paths, x = saes
     sae, feature, value = _clamp_target(paths, x)
@@ -314,7 +317,8 @@ def test_feature_clamp_on_model_runner_v2_matches_transformers(tiny_model, saes,
         "site": SITE,
         "steer": [{"feature": feature, "clamp": value}],
     }
-    export = {"out": str(exp), "layers": [SITE, SITE + 1]}
+    # attn/mlp of the clamp's layer come before the clamp (it edits the layer's output)
+    export = {"out": str(exp), "layers": [SITE, SITE + 1, f"attn.{SITE}", f"mlp.{SITE}"]}
     args = ["run", "--model", tiny_model, "--consumer", f"sae:{json.dumps(clamp)}"]
     args += ["--consumer", f"export:{json.dumps(export)}", "-n", "2", "--max-tokens", "4"]
     args += ["--seed", "21", "--temperature", "1.0", "--no-prefix-caching", "--no-chat"]
@@ -325,3 +329,9 @@ def test_feature_clamp_on_model_runner_v2_matches_transformers(tiny_model, saes,
     assert out["run"]["runner"].startswith("V2 runner"), out["run"]["runner"]
     assert out["counters"]["runtime"]["rows_edited"] == out["counters"]["sae"]["rows_clamped"] > 0
     assert _check_clamp(tiny_model, sae, feature, value, exp) == 4
+    for rec in read_export(exp):
+        ref = hf_states(tiny_model, rec.token_ids.tolist())
+        for key in (f"attn.{SITE}", f"mlp.{SITE}"):
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4, msg=key
+            )
