@@ -191,6 +191,10 @@ def test_harmless_filter_drops_only_the_listed_messages():
 
     assert not shown(logging.WARNING, "Triton is installed, but doesn't include CPU backend. X")
     assert not shown(logging.WARNING, "libiomp is not found in LD_PRELOAD. For best performance")
+    # vLLM's own runner choice on the CPU build; tllm names the runner it hooked instead
+    assert not shown(
+        logging.WARNING, "Model Runner V2 requires Triton; using the V1 model runner instead."
+    )
     assert shown(logging.WARNING, "Model context length 4096 exceeds the KV cache")  # unknown
     assert shown(logging.ERROR, "Triton is not installed. triton-cpu is expected")  # errors show
     assert not shown(logging.ERROR, "AsyncLLM output_handler failed.")  # after the engine stopped

@@ -35,6 +35,9 @@ HARMLESS: tuple[str, ...] = (
     # No Triton for CPU in the wheel: vLLM uses its own CPU kernels.
     r"Triton is installed, but doesn't include CPU backend",
     r"Triton is not installed\. triton-cpu is expected",
+    # vLLM's own runner choice on the CPU build (V2 needs Triton): tllm follows it and names
+    # the runner it hooked ("engine ready ... on vLLM's V1 runner ...").
+    r"Model Runner V2 requires Triton; using the V1 model runner instead",
     # --enforce-eager does what it says.
     r"Enforce eager set, disabling torch\.compile",
     r"Inductor compilation was disabled by user settings",
