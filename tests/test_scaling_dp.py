@@ -109,7 +109,7 @@ def test_worker_shutdown_closes_the_runtime_once():
 
     def make_worker():
         hooks = RunnerHooks.__new__(RunnerHooks)  # only the close() bookkeeping
-        hooks.runtime, hooks._final = Runtime(), None
+        hooks.runtime, hooks._final, hooks._pending = Runtime(), None, None
 
         class Worker(TllmWorkerExtension):
             model_runner = SimpleNamespace(_tllm_hooks=hooks)

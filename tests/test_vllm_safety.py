@@ -259,7 +259,7 @@ def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(
 
     engines.close()
     # Without the workaround vLLM's generator rewind kills the engine.
-    monkeypatch.setattr(workarounds, "runner_fixes", lambda version, is_cpu: [])
+    monkeypatch.setattr(workarounds, "runner_fixes", lambda version, is_cpu, generation="V1": [])
     broken = TllmLLM(tiny_model, [], **CHUNKED, **ENGINE_KW)
     with pytest.raises(Exception) as info:
         _seeded_run(broken)
