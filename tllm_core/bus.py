@@ -30,6 +30,20 @@ WAIT_TIMEOUT_S = 120.0
 _STOP = object()
 
 
+class _Dropped:
+    """Queued in place of a dropped bundle: the consumer hears which requests lost data."""
+
+    __slots__ = ("step", "requests")
+
+    def __init__(self, bundle: Bundle):
+        self.step = bundle.step
+        seen: dict[str, RequestInfo] = {}
+        for rows in (bundle.rows, bundle.sampled_rows):
+            for r in rows.requests if rows is not None else ():
+                seen.setdefault(r.engine_id, r)
+        self.requests = list(seen.values())
+
+
 class _BackgroundChannel:
     """A queue drained by one daemon thread per background consumer.
 
@@ -56,6 +70,7 @@ class _BackgroundChannel:
             if self.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
+                self.queue.put(_Dropped(bundle))  # takes no slot, like finish notices
                 return
             self.bus.counters.add("queue_full_waits")
             self.slots.acquire()
@@ -88,6 +103,10 @@ class _BackgroundChannel:
                 c = self.consumer
                 if isinstance(item, RequestInfo):
                     self.bus.call(c, "on_request_finished", c.on_request_finished, item)
+                elif isinstance(item, _Dropped):
+                    self.bus.call(
+                        c, "on_bundle_dropped", c.on_bundle_dropped, item.step, item.requests
+                    )
                 else:
                     self.bus.deliver_now(c, item)
             except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put

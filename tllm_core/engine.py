@@ -199,10 +199,15 @@ class TllmLLM:
                 )
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
-            from tllm_core.vllm_bridge.lifecycle import abort_unfinished
+            from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
 
+            ids = None
             with contextlib.suppress(Exception):
-                abort_unfinished(self.llm)
+                ids = unfinished_ids(self.llm)
+                # First mark them (their records then say "not finished"), then abort.
+                self.llm.collective_rpc("tllm_mark_aborted", args=(ids,))
+            with contextlib.suppress(Exception):
+                abort_unfinished(self.llm, ids)
             with contextlib.suppress(Exception):
                 self.llm.collective_rpc("tllm_end_batch")
             raise
