@@ -114,7 +114,7 @@ def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float)
 
 
 def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
-    from consumers.export import read_export
+    from consumers.export import IncompleteExportWarning, read_export
 
     out = tmp_path / "exp"
     prompts = tmp_path / "prompts.txt"
@@ -152,7 +152,17 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     assert len(samples) == 64 * 4 and None in samples  # partial: unfinished samples are null
     exported = result["counters"]["export"]["rows_exported"]
     assert exported > 0
-    records = list(read_export(out, verify=True))
+    # The export was closed (flushed) after the interruption, and says it is not complete;
+    # exactly the samples the run returned are "finished", the aborted ones are not.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False
+    unfinished = [r for r in manifest["requests"] if not r["finished"]]
+    assert unfinished and manifest["losses"]["requests_unfinished"] == len(unfinished)
+    done = sum(t is not None for t in samples)
+    assert sum(r["finished"] for r in manifest["requests"]) == done
+    assert result["counters"]["export"]["requests_cut_short"] == len(unfinished)
+    with pytest.warns(IncompleteExportWarning, match="requests_unfinished"):
+        records = list(read_export(out, verify=True))
     assert sum(len(r.positions) for r in records) == exported
     assert engine_processes(proc.pid) == []
 
