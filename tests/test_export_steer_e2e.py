@@ -67,12 +67,19 @@ def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
 
     out = tmp_path / "exp"
+    # tllm run with an export of 64-row shards: the first manifest appears mid-generation
+    # (tllm export's default shards hold the whole run, so its manifest comes at the end).
+    spec = {"out": str(out), "layers": [0, "final"], "shard_rows": 64}
+    argv = [
+        *long_export_argv(tiny_model, str(out), "--prompt", "Tell me a long story", "-n", "8"),
+        "--consumer",
+        "stats",
+    ]
+    i = argv.index("export")
+    argv[i : i + 7] = ["run", "--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
+    assert argv[i + 5 : i + 7] == ["--prompt", "Tell me a long story"], argv
     proc = subprocess.Popen(
-        [
-            *long_export_argv(tiny_model, str(out), "--prompt", "Tell me a long story", "-n", "8"),
-            "--consumer",
-            "stats",
-        ],
+        argv,
         env=cli_env(VLLM_LOGGING_STREAM="ext://sys.stderr"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
