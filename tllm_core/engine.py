@@ -92,6 +92,7 @@ class TllmLLM:
         queue_size: int = 64,
         overflow: str = "block",
         background_threads: int = 1,
+        max_consecutive_failures: int = 3,
         **llm_kwargs: Any,
     ):
         check_version()
@@ -110,6 +111,7 @@ class TllmLLM:
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,
+            max_consecutive_failures=max_consecutive_failures,
         )
         from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 
