@@ -46,6 +46,10 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
         for o in outs
         for c in o.outputs
     }
+    # A run that went to its end is complete: every sample finished, nothing missing.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and not any(manifest["losses"].values()), manifest["losses"]
+    assert all(r["finished"] for r in manifest["requests"])
     records = list(read_export(out, verify=True))
     assert len(records) == len(expected)
     checked = 0
