@@ -13,7 +13,8 @@ streams cancelled after two chunks, requests that switch the crasher on, and bad
 
 * every good request completed (a finish reason; cancelled streams are not counted) and every
   bad one got HTTP 400 naming the key;
-* the crasher was isolated: ``consumer_errors.crasher`` is 1, nothing else failed, and
+* the crasher was isolated: ``consumer_errors.crasher`` is 3 (3 failures in a row switch it
+  off: ``consumers_disabled`` 1), nothing else failed, and
   requests after the crash still completed;
 * ``groups_alive`` is back to 0 and ``groups_freed == groups_created`` at the end;
 * the engine process's resident memory at the end against after warm-up (percent);
@@ -270,8 +271,10 @@ def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, 
         "good_requests_completed": all(v["other"] == 0 for k, v in by_kind.items() if k not in BAD)
         and all(o.finished for o in [*warm, *after]),
         "bad_requests_got_400": all(v["400"] == v["sent"] for k, v in by_kind.items() if k in BAD),
-        "crasher_isolated": rt.get("consumer_errors.crasher") == 1
-        and rt.get("consumer_errors") == 1
+        # it raises on every bundle from its 3rd: 3 failures in a row switch it off
+        "crasher_isolated": rt.get("consumer_errors.crasher") == 3
+        and rt.get("consumer_errors") == 3
+        and rt.get("consumers_disabled") == 1
         and all(o.finished for o in after),
         "groups_back_to_zero": es.get("groups_alive") == 0
         and es.get("groups_freed") == es.get("groups_created"),

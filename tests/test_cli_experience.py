@@ -114,7 +114,7 @@ def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float)
 
 
 def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
-    from consumers.export import read_export
+    from consumers.export import IncompleteExportWarning, read_export
 
     out = tmp_path / "exp"
     prompts = tmp_path / "prompts.txt"
@@ -144,17 +144,28 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     stderr = err_path.read_text()
     assert proc.returncode == 130, stderr[-4000:]
     assert "tllm: interrupted" in stderr
-    # No vLLM force kill of the engine processes, no leaked semaphores / shared memory.
-    assert noise(stderr) == [], stderr[-4000:]
+    assert "tllm: export: not complete" in stderr
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["run"]["interrupted"] is True
     samples = [t for ts in result["outputs"] for t in ts]
     assert len(samples) == 64 * 4 and None in samples  # partial: unfinished samples are null
     exported = result["counters"]["export"]["rows_exported"]
     assert exported > 0
-    records = list(read_export(out, verify=True))
+    # The export was closed (flushed) after the interruption, and says it is not complete;
+    # exactly the samples the run returned are "finished", the aborted ones are not.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False
+    unfinished = [r for r in manifest["requests"] if not r["finished"]]
+    assert unfinished and manifest["losses"]["requests_unfinished"] == len(unfinished)
+    done = sum(t is not None for t in samples)
+    assert sum(r["finished"] for r in manifest["requests"]) == done
+    assert result["counters"]["export"]["requests_cut_short"] == len(unfinished)
+    with pytest.warns(IncompleteExportWarning, match="requests_unfinished"):
+        records = list(read_export(out, verify=True))
     assert sum(len(r.positions) for r in records) == exported
     assert engine_processes(proc.pid) == []
+    # No vLLM force kill of the engine processes, no leaked semaphores / shared memory.
+    assert noise(stderr) == [], stderr[-4000:]
 
 
 def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):

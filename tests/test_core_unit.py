@@ -166,10 +166,73 @@ def test_failing_consumer_is_isolated_and_reported():
             raise KeyError("boom")
 
     bad = Bad(ConsumerConfig(), None)
-    bus.publish(bad, Bundle(0, _rows(1)))
-    bus.publish(bad, Bundle(1, _rows(1)))  # disabled after the first error
-    assert counters.get("consumer_errors") == 1 and not bus.active(bad)
+    for step in range(5):
+        bus.publish(bad, Bundle(step, _rows(1)))  # disabled after 3 failures in a row
+    assert counters.get("consumer_errors") == 3 and not bus.active(bad)
+    assert counters.get("consumers_disabled") == 1
     assert "bad" in bus.errors[0]["error"] and "boom" in bus.errors[0]["error"]
+    # reported twice: its first error (it went on) and the one that switched it off
+    assert [e["disabled"] for e in bus.errors] == [False, True]
+
+
+def test_a_consumer_error_is_counted_and_logged_once_and_the_consumer_goes_on(caplog):
+    """Failure isolated per request: errors that do not repeat in a row leave the consumer
+    on for later requests; each is counted, only the first is logged (with its name)."""
+    counters = Counters()
+    bus = Bus(counters, max_consecutive_failures=2)
+
+    class Flaky(Consumer):
+        name = "flaky"
+
+        def __init__(self):
+            super().__init__(ConsumerConfig(), None)
+            self.seen = []
+
+        def on_bundle(self, b):
+            if b.step % 2 == 0:  # every other request's data is bad
+                raise ValueError(f"bad row in step {b.step}")
+            self.seen.append(b.step)
+
+    c = Flaky()
+    with caplog.at_level("ERROR", logger="tllm"):
+        for step in range(6):
+            bus.publish(c, Bundle(step, _rows(1)))
+    assert bus.active(c) and c.seen == [1, 3, 5]
+    assert counters.get("consumer_errors") == 3 == counters.get("consumer_errors.flaky")
+    assert counters.get("consumers_disabled") == 0
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "'flaky'" in logged[0] and "step 0" in logged[0]
+    assert bus.errors == [
+        {
+            "consumer": "flaky",
+            "where": "on_bundle",
+            "error": "consumer 'flaky' raised in on_bundle: ValueError: bad row in step 0",
+            "disabled": False,
+        }
+    ]
+    # A run of failures of one callback switches it off; max_consecutive_failures=1 at once.
+    bus.publish(c, Bundle(8, _rows(1)))
+    bus.publish(c, Bundle(10, _rows(1)))
+    assert not bus.active(c) and bus.errors[-1]["disabled"] is True
+    strict = Bus(Counters(), max_consecutive_failures=1)
+    strict.publish(c, Bundle(0, _rows(1)))
+    assert not strict.active(c)
+
+
+def test_the_server_refuses_only_consumers_that_were_switched_off():
+    from tllm_core.serving.keys import EngineConsumers
+
+    engine = EngineConsumers(models={"flaky": None, "dead": None})
+    engine.note_report(
+        {
+            "errors": [
+                {"consumer": "flaky", "where": "on_bundle", "error": "x", "disabled": False},
+                {"consumer": "dead", "where": "on_bundle", "error": "y", "disabled": True},
+            ]
+        }
+    )
+    assert engine.failed == {"dead"}
+    assert engine.failed_named({"tllm_consumers": "flaky,dead"}) == ["dead"]
 
 
 def test_edit_plan_checks_and_restrict():

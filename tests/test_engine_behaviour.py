@@ -64,9 +64,14 @@ def test_read_only_failing_and_beta_zero_consumers_leave_output_identical(
     rt = rep["runtime"]
     # one token per request per step: at least as many steps as the longest completion
     assert rt["engine_steps"] >= max(len(c) for o in toks for c in o)
-    # the failing consumer is reported by name, counted, and switched off; others go on
-    assert rt["consumer_errors"] == 1 and rt["consumer_errors.crasher"] == 1, rep["errors"]
-    assert [e["consumer"] for e in rep["errors"]] == ["crasher"]
+    # the failing consumer is reported by name (its first error, then the one that switched
+    # it off: it fails on every bundle, 3 in a row), counted, and switched off; others go on
+    assert rt["consumer_errors"] == 3 and rt["consumer_errors.crasher"] == 3, rep["errors"]
+    assert rt["consumers_disabled"] == 1
+    assert [(e["consumer"], e["disabled"]) for e in rep["errors"]] == [
+        ("crasher", False),
+        ("crasher", True),
+    ]
     assert "deliberate failure" in rep["errors"][0]["error"]
     assert rep["consumers"]["stats"]["bundles"] == rt["engine_steps"]
     # beta = 0 ran the whole guidance path (rows visited, distiller trained) and changed

@@ -174,7 +174,7 @@ def test_sae_feature_records_of_two_ranks_are_merged(tmp_path):
         idx = torch.tensor([[rank, 5], [7, rank]], dtype=torch.int32)
         w.append([info, info], np.array([0, 1]), np.array([10, 11]), np.array([False] * 2),
                  idx, torch.ones(2, 2))  # fmt: skip
-        w.finished(info.engine_id)
+        w.finished(info)
         w.close()
     assert sorted(p.name for p in out.iterdir()) == ["dp0", "dp1"]
     recs = {r.request_id: r for r in read_features(out, verify=True)}

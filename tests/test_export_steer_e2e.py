@@ -46,6 +46,10 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
         for o in outs
         for c in o.outputs
     }
+    # A run that went to its end is complete: every sample finished, nothing missing.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and not any(manifest["losses"].values()), manifest["losses"]
+    assert all(r["finished"] for r in manifest["requests"])
     records = list(read_export(out, verify=True))
     assert len(records) == len(expected)
     checked = 0
@@ -64,15 +68,22 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
 
 
 def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
-    from consumers.export import read_export
+    from consumers.export import IncompleteExportWarning, read_export
 
     out = tmp_path / "exp"
+    # tllm run with an export of 64-row shards: the first manifest appears mid-generation
+    # (tllm export's default shards hold the whole run, so its manifest comes at the end).
+    spec = {"out": str(out), "layers": [0, "final"], "shard_rows": 64}
+    argv = [
+        *long_export_argv(tiny_model, str(out), "--prompt", "Tell me a long story", "-n", "8"),
+        "--consumer",
+        "stats",
+    ]
+    i = argv.index("export")
+    argv[i : i + 7] = ["run", "--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
+    assert argv[i + 5 : i + 7] == ["--prompt", "Tell me a long story"], argv
     proc = subprocess.Popen(
-        [
-            *long_export_argv(tiny_model, str(out), "--prompt", "Tell me a long story", "-n", "8"),
-            "--consumer",
-            "stats",
-        ],
+        argv,
         env=cli_env(VLLM_LOGGING_STREAM="ext://sys.stderr"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -90,7 +101,11 @@ def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     listed = {s["file"] for s in manifest["shards"]}
     assert listed and all((out / f).exists() for f in listed)
-    records = list(read_export(out, verify=True))
+    # Killed mid-run: the last manifest says so (none of the 400-token samples finished).
+    assert manifest["complete"] is False
+    assert not any(r["finished"] for r in manifest["requests"])
+    with pytest.warns(IncompleteExportWarning):
+        records = list(read_export(out, verify=True))
     assert sum(len(r.positions) for r in records) == sum(s["rows"] for s in manifest["shards"])
 
 

@@ -607,3 +607,111 @@ def test_config_errors(tmp_path):
     # Duplicates after resolution collapse to one key.
     c = make_export(tmp_path / "dup", layers=[-1, NUM_LAYERS - 1, "final", "final"])
     assert c.keys == ["layer.3", "final"]
+
+
+# -- honest records: complete only when nothing was lost ---------------------------------------
+def _finish_rest(c, engine, cut_short: bool) -> list[str]:
+    """What ``RunnerHooks.finish_all`` does after an interrupted batch: the requests still
+    running get their finish notice, marked ``cut_short`` when they were aborted."""
+    ids = []
+    for st in engine.active:
+        st["info"].cut_short = cut_short
+        c.on_request_finished(st["info"])
+        ids.append(st["info"].request_id)
+    return ids
+
+
+def test_cut_short_requests_make_the_export_incomplete(tmp_path):
+    from consumers.export import IncompleteExportWarning
+
+    out = tmp_path / "cut"
+    c = make_export(out, layers=["final"], shard_rows=5)
+    engine = FakeEngine([4, 4, 4], [1, 20, 20], ["final"], chunk=4)
+    run_engine(c, engine, c.on_bundle, max_steps=4)  # request 0 finished on its own
+    cut = _finish_rest(c, engine, cut_short=True)  # aborted (Ctrl-C): 1 and 2
+    assert cut == ["req1", "req2"]
+    c.close()
+    manifest = check_directory(out)
+    assert manifest["complete"] is False and c.result()["complete"] is False
+    assert manifest["losses"] == {
+        "requests_unfinished": 2,
+        "positions_missing": 0,
+        "bundles_dropped": 0,
+    }
+    assert {r["request_id"]: r["finished"] for r in manifest["requests"]} == {
+        "req0": True,
+        "req1": False,
+        "req2": False,
+    }
+    assert c.counters.get("requests_cut_short") == 2
+    with pytest.warns(IncompleteExportWarning, match="requests_unfinished: 2"):
+        recs = {r.request_id: r for r in read_export(out, verify=True)}
+    assert recs["req0"].finished and not recs["req1"].finished
+
+
+def test_a_batch_that_ran_to_its_end_is_complete(tmp_path, recwarn):
+    out = tmp_path / "whole"
+    c = make_export(out, layers=["final"], shard_rows=5)
+    engine = FakeEngine([4, 4], [2, 3], ["final"], chunk=4)
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    manifest = check_directory(out)
+    assert manifest["complete"] is True and not any(manifest["losses"].values())
+    assert all(r["finished"] and r["positions_missing"] == 0 for r in manifest["requests"])
+    list(read_export(out))
+    assert not recwarn.list  # a complete export reads without a warning
+
+
+def test_dropped_bundles_make_the_export_incomplete(tmp_path):
+    import threading
+
+    out = tmp_path / "drop"
+    c = make_export(out, layers=["final"], shard_rows=5)
+    engine = FakeEngine([4, 4], [6, 6], ["final"], chunk=4)
+    bus = Bus(Counters(), queue_size=1, overflow="drop")
+    gate = threading.Event()
+    take = c.on_bundle
+
+    def slow(bundle):  # the consumer falls behind: the queue fills and bundles are dropped
+        gate.wait(10)
+        take(bundle)
+
+    c.on_bundle = slow
+    run_engine(c, engine, lambda b: bus.publish(c, b))
+    gate.set()
+    assert bus.flush(10)
+    c.close()
+    bus.close()
+    dropped = bus.counters.get("bundles_dropped.export")
+    assert dropped > 0
+    manifest = check_directory(out)
+    assert manifest["complete"] is False
+    assert manifest["losses"]["bundles_dropped"] == dropped
+    assert all(r["bundles_dropped"] > 0 for r in manifest["requests"])
+
+
+def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
+    """Prefix caching: the cached prompt positions are never computed, so no rows (and no
+    token ids) exist for them; the manifest says how many are missing."""
+    out = tmp_path / "cached"
+    c = make_export(out, layers=["final"], shard_rows=5)
+    engine = FakeEngine([8], [2], ["final"], chunk=4)
+    first = [True]
+
+    def deliver(bundle):
+        if first[0]:  # the first prompt chunk came from the prefix cache
+            first[0] = False
+            return
+        c.on_bundle(bundle)
+
+    run_engine(c, engine, deliver)
+    c.close()
+    manifest = check_directory(out)
+    assert manifest["complete"] is False
+    assert manifest["losses"] == {
+        "requests_unfinished": 0,
+        "positions_missing": 4,
+        "bundles_dropped": 0,
+    }
+    assert manifest["requests"][0]["finished"] is True
+    assert manifest["requests"][0]["token_ids"][:4] == [-1] * 4

@@ -120,3 +120,27 @@ def test_tllm_never_sets_the_runner_choice():
         if writes.search(p.read_text())
     ]
     assert offenders == []
+
+
+def test_finish_notices_say_which_requests_were_cut_short():
+    """Requests the front end aborts (marked before the abort) reach consumers with
+    ``cut_short``, whether the scheduler reports them or ``finish_all`` closes them; requests
+    that stopped on their own do not, including one whose notice was still pending."""
+    hooks, adapter = _hooks(False)
+    ev = adapter.events
+    consumer = hooks.runtime.slots[0].consumer
+    notices = []
+    consumer.on_request_finished = lambda r: notices.append((r.request_id, r.cut_short))
+    a, b, c, d = (f"{x}-00000000" for x in "abcd")
+    _step(ev, [a, b, c], [PROMPT] * 3, [0] * 3, [5, 6, 7])
+    _step(ev, [a, b, c], [1] * 3, [PROMPT] * 3, [8, 9, 10], finished=[])
+    ev.finished([a])  # a stopped on its own
+    hooks.mark_aborted(["b", "d"])  # interrupted: b (and d, not scheduled yet) are aborted
+    _step(ev, [d], [PROMPT], [0], [11], finished=[b])  # the scheduler reports b's abort
+    hooks.finish_all()  # c stopped on its own (notice pending), d was aborted
+    assert sorted(notices) == [("a", False), ("b", True), ("c", False), ("d", True)]
+    # a later batch starts clean
+    e = "e-00000000"
+    _step(ev, [e], [PROMPT], [0], [12])
+    hooks.finish_all()
+    assert notices[-1] == ("e", False)

@@ -282,7 +282,7 @@ def test_feature_records_round_trip_across_shards(tmp_path):
         for j, r in enumerate(rs):
             expected[(r.request_id, pos[j])] = (idx[j].tolist(), val[j].tolist())
     w.note_tokens([a], np.array([4]), np.array([99]))  # a sampled token, never fed
-    w.finished(a.engine_id)
+    w.finished(a)
     w.close()
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["format"] == "tllm-sae-features" and len(manifest["shards"]) == 2
@@ -631,3 +631,32 @@ def test_topk_codes_equal_the_dense_activations(rescale, top_k):
     i, v = fast.top(top_k, rows)
     i_ref, v_ref = top_features(acts[rows], top_k)
     assert torch.equal(i, i_ref) and torch.equal(v, v_ref)
+
+
+def test_feature_records_say_when_they_are_not_complete(tmp_path):
+    """A request cut short (aborted) or a dropped bundle: ``complete: false`` with the losses;
+    the reader warns. All requests finished on their own: complete."""
+    from consumers.export import IncompleteExportWarning
+
+    def run(name, cut_short=False, drop=False):
+        w = FeatureWriter(str(tmp_path / name), 2, "float32", 4, False, lambda: {})
+        a, b = req(0), req(1)
+        idx, val = torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+        w.append([a, a, b], np.array([0, 1, 0]), np.array([5, 6, 7]), np.zeros(3, bool), idx, val)
+        b.cut_short = cut_short
+        if drop:
+            w.dropped([b])
+        w.finished(a)
+        w.finished(b)
+        w.close()
+        return json.loads((tmp_path / name / "manifest.json").read_text())
+
+    m = run("whole")
+    assert m["complete"] is True and not any(m["losses"].values())
+    m = run("cut", cut_short=True)
+    assert m["complete"] is False and m["losses"]["requests_unfinished"] == 1
+    assert [r["finished"] for r in m["requests"]] == [True, False]
+    m = run("drop", drop=True)
+    assert m["complete"] is False and m["losses"]["bundles_dropped"] == 1
+    with pytest.warns(IncompleteExportWarning, match="bundles_dropped: 1"):
+        list(read_features(tmp_path / "drop"))

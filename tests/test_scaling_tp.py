@@ -97,9 +97,10 @@ def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2
     assert es["optimizer_steps"] > 0 and es["rows_trained"] > 0
     # only request 3 (2 samples) is guided, on its decode rows
     assert 0 < es["rows_guided"] <= 2 * 7 and rt["rows_guided"] == es["rows_guided"]
-    # the failing consumer is reported once, from the leader, and isolated
-    assert rt["consumer_errors"] == 1
-    assert [(e["consumer"], e["tp_rank"]) for e in rep["errors"]] == [("crasher", 0)]
+    # the failing consumer is reported from the leader only (its first error, then the one
+    # that switched it off after 3 in a row), and isolated
+    assert rt["consumer_errors"] == 3
+    assert [(e["consumer"], e["tp_rank"]) for e in rep["errors"]] == [("crasher", 0)] * 2
 
     # Captured states equal transformers' at every position and layer asked for.
     result = rep["results"]["recorder"]

@@ -17,4 +17,4 @@ def test_soak_mixed_traffic_keeps_every_promise(tiny_model):
     failed = [k for k, ok in out["checks"].items() if not ok]
     assert not failed, (failed, out)
     assert out["by_kind"]["crash"]["sent"] > 0 and out["by_kind"]["cancel"]["sent"] > 0
-    assert [e["consumer"] for e in out["errors"]] == ["crasher"]
+    assert {e["consumer"] for e in out["errors"]} == {"crasher"}

@@ -1,8 +1,10 @@
 """Delivery of bundles to consumers: on the engine thread, or on a background thread.
 
 Every consumer call goes through :meth:`Bus.call`, which isolates failures: a consumer
-that raises is reported with its name, counted, and switched off for the rest of the
-run, so it cannot corrupt later steps or other consumers.
+that raises is counted and reported with its name (logged once), and goes on serving later
+steps and requests; only a callback that keeps failing (``max_consecutive_failures`` calls
+in a row) switches the consumer off for the rest of the run. Either way its error cannot
+break the step or other consumers.
 """
 
 from __future__ import annotations
@@ -27,7 +29,23 @@ log = logging.getLogger("tllm")
 Overflow = Literal["block", "drop"]
 # How long flush and close wait for a background consumer before going on without it.
 WAIT_TIMEOUT_S = 120.0
+# Failures in a row of one callback (e.g. on_bundle) after which its consumer is switched off.
+MAX_CONSECUTIVE_FAILURES = 3
 _STOP = object()
+
+
+class _Dropped:
+    """Queued in place of a dropped bundle: the consumer hears which requests lost data."""
+
+    __slots__ = ("step", "requests")
+
+    def __init__(self, bundle: Bundle):
+        self.step = bundle.step
+        seen: dict[str, RequestInfo] = {}
+        for rows in (bundle.rows, bundle.sampled_rows):
+            for r in rows.requests if rows is not None else ():
+                seen.setdefault(r.engine_id, r)
+        self.requests = list(seen.values())
 
 
 class _BackgroundChannel:
@@ -56,6 +74,7 @@ class _BackgroundChannel:
             if self.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
+                self.queue.put(_Dropped(bundle))  # takes no slot, like finish notices
                 return
             self.bus.counters.add("queue_full_waits")
             self.slots.acquire()
@@ -88,12 +107,16 @@ class _BackgroundChannel:
                 c = self.consumer
                 if isinstance(item, RequestInfo):
                     self.bus.call(c, "on_request_finished", c.on_request_finished, item)
+                elif isinstance(item, _Dropped):
+                    self.bus.call(
+                        c, "on_bundle_dropped", c.on_bundle_dropped, item.step, item.requests
+                    )
                 else:
                     self.bus.deliver_now(c, item)
             except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put
                 # Bus.call isolates Exceptions; this is SystemExit & co. The thread goes on
                 # draining (the consumer is off) so that the engine never waits on it.
-                self.bus.fail(self.consumer, "the background thread", e)
+                self.bus.fail(self.consumer, "the background thread", e, disable=True)
             finally:
                 self.queue.task_done()
 
@@ -117,14 +140,20 @@ class Bus:
         overflow: Overflow = "block",
         background_threads: int = 1,
         wait_timeout_s: float = WAIT_TIMEOUT_S,
+        max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
     ) -> None:
         self.counters = counters
+        self.max_consecutive_failures = max(1, int(max_consecutive_failures))
         self.wait_timeout_s = wait_timeout_s
         self.queue_size = queue_size
         self.overflow = overflow
         self.background_threads = background_threads
         self.errors: list[dict[str, str]] = []
         self.disabled: set[str] = set()
+        # (consumer, callback) -> its failures in a row; a call that returns resets it.
+        self._failures: dict[tuple[str, str], int] = {}
+        self._reported: set[str] = set()  # consumers whose first error was logged
+        self._fail_lock = threading.Lock()  # engine thread and background threads fail
         self._channels: dict[str, _BackgroundChannel] = {}
 
     def active(self, consumer: Consumer) -> bool:
@@ -138,7 +167,8 @@ class Bus:
         *args: Any,
         even_if_disabled: bool = False,
     ) -> bool:
-        """Run one consumer callback; on error report, count, disable. True if it succeeded.
+        """Run one consumer callback; on error count and report it (see :meth:`fail`). True
+        if it succeeded.
 
         ``even_if_disabled``: run it although the consumer failed before (``close``: a failed
         consumer still gets to write what it holds, e.g. a final manifest).
@@ -147,23 +177,49 @@ class Bus:
             return False
         try:
             fn(*args)
-            return True
         except Exception as e:  # noqa: BLE001 - isolation is the point
             self.fail(consumer, what, e)
             return False
+        if self._failures:  # a call that returns ends its callback's run of failures
+            self._failures.pop((consumer.name, what), None)
+        return True
 
-    def fail(self, consumer: Consumer, what: str, e: BaseException) -> None:
-        """Report, count and disable ``consumer`` after ``e`` was raised in ``what``."""
-        self.disabled.add(consumer.name)
+    def fail(self, consumer: Consumer, what: str, e: BaseException, disable: bool = False) -> None:
+        """Count ``e``, raised by ``consumer`` in ``what``; report the consumer's first error
+        (log with traceback, ``errors``); switch the consumer off when ``what`` failed
+        ``max_consecutive_failures`` times in a row, or when ``disable``."""
+        name = consumer.name
         self.counters.add("consumer_errors")
-        self.counters.add(f"consumer_errors.{consumer.name}")
-        msg = f"consumer {consumer.name!r} raised in {what}: {type(e).__name__}: {e}"
-        log.error(
-            "%s (consumer disabled for the rest of the run)\n%s",
-            msg,
-            "".join(traceback.format_exception(e)),
-        )
-        self.errors.append({"consumer": consumer.name, "where": what, "error": msg})
+        self.counters.add(f"consumer_errors.{name}")
+        msg = f"consumer {name!r} raised in {what}: {type(e).__name__}: {e}"
+        limit = self.max_consecutive_failures
+        with self._fail_lock:
+            n = self._failures[(name, what)] = self._failures.get((name, what), 0) + 1
+            off = (disable or n >= limit) and name not in self.disabled
+            first = name not in self._reported
+            self._reported.add(name)
+            if off:
+                self.disabled.add(name)
+        if off:
+            self.counters.add("consumers_disabled")
+            why = "failed in a background thread" if disable else f"{n} failures in a row"
+            log.error(
+                "%s (consumer disabled for the rest of the run: %s)\n%s",
+                msg,
+                why,
+                "".join(traceback.format_exception(e)),
+            )
+        elif first:
+            log.error(
+                "%s (the consumer goes on; it is disabled after %d failures in a row of one "
+                "callback; its later errors are counted in consumer_errors.%s, not logged)\n%s",
+                msg,
+                limit,
+                name,
+                "".join(traceback.format_exception(e)),
+            )
+        if off or first:
+            self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
     def publish(self, consumer: Consumer, bundle: Bundle) -> None:
         if consumer.name in self.disabled:

@@ -112,7 +112,13 @@ class Consumer:
         """Receive the read ports' data (end of step, or on the background thread)."""
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        """A request (one sample) finished or was aborted."""
+        """A request (one sample) finished or was aborted: ``request.cut_short`` tells
+        which (True: aborted or closed before its end, see :class:`RequestInfo`)."""
+
+    def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
+        """A bundle of ``step`` was dropped (background delivery with ``overflow: "drop"``
+        and a full queue); ``requests`` lost rows or sampled tokens. Delivered in order on
+        the consumer's background thread, like bundles."""
 
     def result(self) -> Any:
         """A JSON-able result returned to the caller after the run (optional)."""

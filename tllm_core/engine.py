@@ -92,6 +92,7 @@ class TllmLLM:
         queue_size: int = 64,
         overflow: str = "block",
         background_threads: int = 1,
+        max_consecutive_failures: int = 3,
         **llm_kwargs: Any,
     ):
         check_version()
@@ -110,6 +111,7 @@ class TllmLLM:
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,
+            max_consecutive_failures=max_consecutive_failures,
         )
         from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 
@@ -199,10 +201,15 @@ class TllmLLM:
                 )
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
-            from tllm_core.vllm_bridge.lifecycle import abort_unfinished
+            from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
 
+            ids = None
             with contextlib.suppress(Exception):
-                abort_unfinished(self.llm)
+                ids = unfinished_ids(self.llm)
+                # First mark them (their records then say "not finished"), then abort.
+                self.llm.collective_rpc("tllm_mark_aborted", args=(ids,))
+            with contextlib.suppress(Exception):
+                abort_unfinished(self.llm, ids)
             with contextlib.suppress(Exception):
                 self.llm.collective_rpc("tllm_end_batch")
             raise

@@ -38,6 +38,11 @@ class RequestInfo:
     # Highest position already delivered: rows at or below it are recomputation
     # (preemption) and are flagged, so consumers can count each position once.
     max_position_seen: int = -1
+    # True when the request did not run to its end: aborted by tllm's front end (an
+    # interrupted ``generate``) or closed at the end of a batch it did not finish. False
+    # when vLLM's scheduler reported it finished on its own (stop, length). Set before the
+    # finish notice (``Consumer.on_request_finished``) is sent.
+    cut_short: bool = False
     # consumer name -> its validated RequestSettings (see settings())
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False

@@ -145,6 +145,7 @@ class Runtime:
             settings.overflow,
             settings.background_threads,
             settings.wait_timeout_s,
+            settings.max_consecutive_failures,
         )
         self.step_index = 0
         self.tap_errors: list[dict[str, str]] = []

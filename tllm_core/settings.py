@@ -118,6 +118,14 @@ class RuntimeSettings(BaseModel):
         description="longest wait for a background consumer to catch up (flush: reading "
         "results, closing) before going on without it (counted: flush_timeouts, close_timeouts)",
     )
+    max_consecutive_failures: int = Field(
+        3,
+        ge=1,
+        le=1_000_000,
+        description="a consumer callback (edit, guide, on_bundle, ...) that raises this many "
+        "times in a row switches its consumer off for the rest of the run (1: at the first "
+        "error); fewer errors are counted (consumer_errors) and the consumer goes on",
+    )
     background_threads: int = Field(
         1,
         ge=1,

@@ -4,8 +4,16 @@ from consumers.export.reader import (
     DataParallelExport,
     ExportReader,
     ExportRecord,
+    IncompleteExportWarning,
     open_export,
     read_export,
 )
 
-__all__ = ["DataParallelExport", "ExportReader", "ExportRecord", "open_export", "read_export"]
+__all__ = [
+    "DataParallelExport",
+    "ExportReader",
+    "ExportRecord",
+    "IncompleteExportWarning",
+    "open_export",
+    "read_export",
+]

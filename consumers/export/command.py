@@ -37,6 +37,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"export: {c.get('rows_exported', 0)} rows, {c.get('bytes_written', 0) / 1e6:.1f} MB "
         f"in {c.get('shards_written', 0)} shards written to {args.out}"
     )
+    res = report.get("results", {}).get("export")
+    if isinstance(res, dict) and res.get("requests") and res.get("complete") is False:
+        say(
+            f"export: not complete ({c.get('requests_cut_short', 0)} request(s) cut short; "
+            f"see 'losses' and each request's 'finished' in the manifest)"
+        )
     return cli_common.exit_status(report)
 
 

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestTokens, rows_to_write
+from consumers.export.tokens import RequestFates, RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
@@ -132,12 +132,12 @@ class ExportConsumer(Consumer):
         self.shard_rows = int(shard_rows)
         self.phase = Phase(config.phase)
         self._lock = threading.Lock()
-        self._fin_lock = threading.Lock()
-        self._finished: set[str] = set()
+        self._fates = RequestFates()
         self._requests: dict[str, RequestTokens] = {}
         self._table: list[RequestTokens] = []
         self._used = False
-        self._complete = False
+        self._closed = False  # closed after the last data
+        self._complete = False  # ... and nothing was lost (see completeness)
         self.writer = ShardWriter(
             self.path,
             keys,
@@ -176,7 +176,7 @@ class ExportConsumer(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         with self._lock:
             self._used = True
-            self._complete = False
+            self._closed = False
             self._take_rows(bundle)
             self._take_sampled(bundle)
 
@@ -240,27 +240,18 @@ class ExportConsumer(Consumer):
 
     def on_request_finished(self, request: RequestInfo) -> None:
         # Engine thread: never wait for a shard write in progress on the background thread.
-        with self._fin_lock:
-            self._finished.add(request.engine_id)
+        self._fates.finish(request)
+        if request.cut_short:
+            self.counters.add("requests_cut_short")
+
+    def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
+        self._fates.drop(requests)  # the bus counts it (bundles_dropped.export)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
-        with self._fin_lock:
-            finished = set(self._finished)
-        requests = []
-        for req in self._table:
-            info = req.info
-            requests.append(
-                {
-                    "request_id": info.request_id,
-                    "engine_id": info.engine_id,
-                    "prompt_index": info.prompt_index,
-                    "sample_index": info.sample_index,
-                    "num_prompt_tokens": info.num_prompt_tokens,
-                    "finished": info.engine_id in finished,
-                    "token_ids": req.tokens[: req.length].tolist(),
-                }
-            )
+        requests = self._fates.request_table(self._table)
+        losses = self._fates.losses(requests)
+        self._complete = completeness(self._closed, losses)
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:
@@ -270,6 +261,7 @@ class ExportConsumer(Consumer):
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
             "complete": self._complete,
+            "losses": losses,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
@@ -298,7 +290,7 @@ class ExportConsumer(Consumer):
             if not self._used:
                 return
             before = len(self.writer.shards)
-            self._complete = True
+            self._closed = True
             if self.writer.buffered:
                 self.writer.write_shard()  # rewrites the manifest too
             else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,25 @@ from consumers.export import format as fmt
 
 class ExportFormatError(ValueError):
     """The directory is not a readable export (missing/corrupt manifest or shard)."""
+
+
+class IncompleteExportWarning(UserWarning):
+    """The export (or feature record) says ``complete: false``: the run was interrupted or
+    is still writing, or it lost data (unfinished requests, missing positions, dropped
+    bundles; see the manifest's ``losses``)."""
+
+
+def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
+    """Why the export at ``path`` is not complete, from its manifest."""
+    losses = manifest.get("losses")
+    if not isinstance(losses, dict) or not any(losses.values()):
+        why = "it was interrupted or is still being written"
+    else:
+        why = ", ".join(f"{k}: {v}" for k, v in losses.items() if v)
+    return (
+        f"{path!r} is not a complete record (complete: false; {why}); records may be "
+        f"truncated or lack positions; each request's 'finished' says whether it ran to its end"
+    )
 
 
 @dataclass
@@ -107,6 +127,10 @@ class ExportReader:
         self.requests: list[dict[str, Any]] = list(self.manifest["requests"])
         self.complete: bool = bool(self.manifest.get("complete", False))
         self.verify = verify
+        if not self.complete:
+            warnings.warn(
+                incomplete_message(self.path, self.manifest), IncompleteExportWarning, stacklevel=2
+            )
 
     @property
     def num_rows(self) -> int:

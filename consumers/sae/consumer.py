@@ -315,7 +315,13 @@ class SaeConsumer(Consumer):
         self._settings.pop(request.engine_id, None)
         self._vectors.pop(request.engine_id, None)
         if self.writer is not None:
-            self.writer.finished(request.engine_id)
+            self.writer.finished(request)
+            if request.cut_short:
+                self.counters.add("requests_cut_short")
+
+    def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
+        if self.writer is not None:
+            self.writer.dropped(requests)  # the bus counts it (bundles_dropped.sae)
 
     # -- results --------------------------------------------------------------------------
     def close(self) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestTokens
+from consumers.export.tokens import RequestFates, RequestTokens, completeness
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
 from tllm_core.rows import request_runs
 
@@ -67,12 +67,12 @@ class FeatureWriter:
         self._describe = describe
         self.layout = layout
         self._lock = threading.Lock()
-        self._fin_lock = threading.Lock()
-        self._finished: set[str] = set()
+        self.fates = RequestFates()
         self._requests: dict[str, RequestTokens] = {}
         self._table: list[RequestTokens] = []
         self.used = False
-        self.complete = False
+        self.closed = False  # closed after the last data
+        self.complete = False  # ... and nothing was lost (see completeness)
         self.shards = ShardWriter(
             path,
             list(KEYS),
@@ -126,7 +126,7 @@ class FeatureWriter:
         """Append rows; returns the number of shards written by this call."""
         with self._lock:
             self.used = True
-            self.complete = False
+            self.closed = False
             row_request = self._note(requests, positions, tokens)
             meta = {
                 fmt.ROW_REQUEST: row_request,
@@ -138,25 +138,18 @@ class FeatureWriter:
             self.shards.append({INDICES: indices, VALUES: values}, meta)
             return len(self.shards.shards) - before
 
-    def finished(self, engine_id: str) -> None:
-        with self._fin_lock:
-            self._finished.add(engine_id)
+    def finished(self, request: Any) -> None:
+        """A request's finish notice (``request.cut_short``: it did not run to its end)."""
+        self.fates.finish(request)
+
+    def dropped(self, requests: list[Any]) -> None:
+        """A bundle holding rows or tokens of ``requests`` was dropped."""
+        self.fates.drop(requests)
 
     def _manifest(self) -> dict[str, Any]:
-        with self._fin_lock:
-            finished = set(self._finished)
-        requests = [
-            {
-                "request_id": r.info.request_id,
-                "engine_id": r.info.engine_id,
-                "prompt_index": r.info.prompt_index,
-                "sample_index": r.info.sample_index,
-                "num_prompt_tokens": r.info.num_prompt_tokens,
-                "finished": r.info.engine_id in finished,
-                "token_ids": r.tokens[: r.length].tolist(),
-            }
-            for r in self._table
-        ]
+        requests = self.fates.request_table(self._table)
+        losses = self.fates.losses(requests)
+        self.complete = completeness(self.closed, losses)
         w = self.shards
         part = {}
         if self.layout is not None and self.layout.dp_size > 1:
@@ -166,6 +159,7 @@ class FeatureWriter:
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "complete": self.complete,
+            "losses": losses,
             "hidden_size": self.top_k,  # width of each column (the reader's generic field)
             "top_k": self.top_k,
             "dtype": self.value_dtype,
@@ -183,7 +177,7 @@ class FeatureWriter:
             if not self.used:
                 return 0
             before = len(self.shards.shards)
-            self.complete = True
+            self.closed = True
             if self.shards.buffered:
                 self.shards.write_shard()
             else:

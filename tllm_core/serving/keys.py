@@ -101,9 +101,12 @@ class EngineConsumers:
         return name in self.per_request and acts_on(name, self.per_request[name], extra)
 
     def note_report(self, report: dict[str, Any]) -> None:
-        """Learn from an engine report which consumers failed (its ``errors``)."""
+        """Learn from an engine report which consumers failed and were switched off (its
+        ``errors`` with ``disabled``; an error the consumer survived does not count)."""
         self.failed.update(
-            e["consumer"] for e in report.get("errors", []) if e.get("consumer") in self.models
+            e["consumer"]
+            for e in report.get("errors", [])
+            if e.get("consumer") in self.models and e.get("disabled", True)
         )
 
     def failed_named(self, extra: dict[str, Any]) -> list[str]:

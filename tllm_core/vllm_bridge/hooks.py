@@ -60,6 +60,9 @@ class RunnerHooks:
         # Tensor parallel: the leader's edits and (when guiding) sampled tokens go to all ranks.
         self._sync = self.rank.tp_size > 1
         self.requests: dict[str, RequestInfo] = {}
+        # Caller ids the front end is aborting (mark_aborted): their finish notices say
+        # ``cut_short``, whenever the scheduler reports them.
+        self._aborting: set[str] = set()
         self._final: dict[str, Any] | None = None  # the report of close()
         self.step: StepCapture | None = None
         # Async scheduling (vLLM's default on GPU) schedules step k+1 before step k's tokens
@@ -132,6 +135,7 @@ class RunnerHooks:
                 num_prompt_tokens=n_prompt,
                 extra_args=extra,
             )
+            req.cut_short = rid in self._aborting
             self.requests[engine_id] = req
         return req
 
@@ -226,11 +230,26 @@ class RunnerHooks:
             self._final = self.runtime.close()
         return self._final
 
+    def mark_aborted(self, request_ids: list[str]) -> None:
+        """The front end is about to abort the requests with these caller ids (an
+        interrupted ``generate``): their finish notices, sent when the scheduler reports them
+        or at :meth:`finish_all`, carry ``RequestInfo.cut_short``. Called before the abort,
+        so no notice can overtake the mark (a request that stops on its own meanwhile is
+        marked too: the record errs towards "not finished")."""
+        ids = {str(i) for i in request_ids}
+        self._aborting |= ids
+        for req in self.requests.values():
+            if req.request_id in ids:
+                req.cut_short = True
+
     def finish_all(self) -> None:
-        """Treat every known request as finished (offline runs: generate() has returned).
-        A deferred last step is delivered as it is: no later step says who stopped."""
+        """Treat every known request as finished (offline runs: generate() has returned,
+        or was interrupted and its requests aborted; those were marked by
+        :meth:`mark_aborted`). A deferred last step is delivered as it is: no later step says
+        who stopped."""
         self._deliver_pending(set())
         self.finished(list(self.requests))
+        self._aborting.clear()
 
 
 def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:

@@ -87,11 +87,16 @@ def _waking_join(
     return waking_join
 
 
-def abort_unfinished(llm: Any) -> int:
-    """Abort every request the front end still tracks (after an interrupted ``generate``);
-    returns how many external requests were aborted."""
+def unfinished_ids(llm: Any) -> list[str]:
+    """The external (caller's) ids of the requests the front end still tracks."""
+    return list(getattr(llm.llm_engine.output_processor, "external_req_ids", {}) or {})
+
+
+def abort_unfinished(llm: Any, ids: list[str] | None = None) -> int:
+    """Abort every request the front end still tracks (after an interrupted ``generate``),
+    or the external requests ``ids``; returns how many external requests were aborted."""
     engine = llm.llm_engine
-    ids = list(getattr(engine.output_processor, "external_req_ids", {}) or {})
+    ids = unfinished_ids(llm) if ids is None else ids
     if ids:
         engine.abort_request(ids, internal=False)
     return len(ids)

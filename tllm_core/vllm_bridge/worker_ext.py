@@ -33,6 +33,11 @@ class TllmWorkerExtension:
             "guides": rt.guides,
         }
 
+    def tllm_mark_aborted(self, request_ids: list[str]) -> None:
+        hooks = self._tllm_hooks()
+        if hooks is not None:
+            hooks.mark_aborted(request_ids)
+
     def tllm_end_batch(self) -> None:
         hooks = self._tllm_hooks()
         if hooks is not None:
