@@ -15,7 +15,9 @@ completion says so) and compares it with the answer. Families (``--families``):
 
 Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
 min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
-``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations; each
+``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations (and, with
+``--controls ...,fnoise``, the f-noise ablation ``fnoise_bB``: f replaced by noise of its norm,
+the (1+B) sharpening kept; also ``fnoise_NAME_bB`` of each variant); each
 ``--esamp-variant NAME=JSON`` as ``esamp_NAME_bB`` together with its own frozen ablation
 (``frozen_NAME_bB``: the same switches, never trained) and, with ``--variant-noise``, its noise
 ablation.
@@ -223,6 +225,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "temperature": "tab:blue",
         "noise": "tab:gray",
         "frozen": "tab:green",
+        "fnoise": "tab:purple",
     }
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         "--controls",
         default="temperature,noise",
         help="controls of the default recipe to run: comma-separated subset of "
-        "temperature,noise ('' for none; default both)",
+        "temperature,noise,fnoise ('' for none; default temperature,noise; fnoise also adds "
+        "each variant's f-noise ablation)",
     )
     p.add_argument("--no-default", action="store_true", help="skip the default ESamp recipe")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -319,12 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     offline_engine_env(args.kv_cache_gib)
     model = model_path(args.model)
 
-    methods = _sibling("diversity").build_methods(
-        betas, args.temperature, variants, args.variant_noise
-    )
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
-    if controls - {"temperature", "noise"}:
-        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise")
+    if controls - {"temperature", "noise", "fnoise"}:
+        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise, fnoise")
+    methods = _sibling("diversity").build_methods(
+        betas, args.temperature, variants, args.variant_noise, "fnoise" in controls
+    )
     methods = [
         m
         for m in methods
@@ -334,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         methods = [
             m
             for m in methods
-            if m["kind"] not in ("esamp", "noise", "frozen", "temperature") or "variant" in m
+            if m["kind"] not in ("esamp", "noise", "frozen", "temperature", "fnoise")
+            or "variant" in m
         ]
     methods = _sibling("diversity").select_methods(p, methods, args.methods)
     from tllm_core.engine import validate_consumers
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             if c.get("beta") != m["beta"] or c is m:
                 continue
             if c["kind"] == "temperature" or (
-                c["kind"] in ("noise", "frozen") and c.get("variant") == v
+                c["kind"] in ("noise", "frozen", "fnoise") and c.get("variant") == v
             ):
                 pairs.append((m["name"], c["name"]))
             elif v is not None and c["kind"] == "esamp" and c.get("variant") is None:

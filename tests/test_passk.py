@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -127,3 +128,20 @@ def test_passk_script_small_run(tiny_model, tmp_path):
     assert ("esamp_zo_b0.5", "frozen_zo_b0.5") in pairs and ("esamp_zo_b0.5", "vanilla") in pairs
     assert set(out["comparisons"][0]["pass_at_k"]) == {"1"}  # ks 1,4,16 capped at n=3
     assert png.stat().st_size > 0
+
+
+def test_fnoise_methods_of_the_recipe_and_each_variant():
+    dv = _load("diversity")
+    plain = {m["name"] for m in dv.build_methods([0.25], 1.0, {"warm": {}})}
+    assert not any(n.startswith("fnoise") for n in plain)  # only on request
+    ms = dv.build_methods([0.25], 1.0, {"warm": {"warm_start_steps": 4}}, fnoise=True)
+    by = {m["name"]: m for m in ms}
+    for name in ("fnoise_b0.25", "fnoise_warm_b0.25"):
+        conf = json.loads(by[name]["consumers"][0].split(":", 1)[1])
+        assert (
+            conf["ablation"] == "f_noise" and conf["beta"] == 0.25 and by[name]["kind"] == "fnoise"
+        )
+    assert (
+        json.loads(by["fnoise_warm_b0.25"]["consumers"][0].split(":", 1)[1])["warm_start_steps"]
+        == 4
+    )
