@@ -12,6 +12,9 @@ completion says so) and compares it with the answer. Families (``--families``):
     count          how many items a short comma-separated list holds
     convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
     word           one-step word problems (gains and losses of apples, coins, ...)
+    multi_worked   three-step word problems (start, buy boxes of k, give some away) with a
+                   worked solution in full sentences, "Answer: N" at the end (long answers:
+                   the distiller gets updates before the answer)
 
 Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
 min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
@@ -46,12 +49,13 @@ from typing import Any
 import numpy as np
 from bench_setup import model_path, offline_engine_env, run_machine, write_samples
 
-FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word")
+FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
 DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
 DIRECT = " Reply with just the number."
 WORKED = " Work it out in one or two short steps, then end with 'Answer: <number>'."
+WORKED_LONG = " Explain each step in a full sentence, then end with 'Answer: <number>'."
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -112,6 +116,17 @@ def _word(rng: random.Random) -> tuple[str, int]:
     return q + DIRECT, a - b
 
 
+def _multi_worked(rng: random.Random) -> tuple[str, int]:
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    a, boxes, each = rng.randint(12, 40), rng.randint(2, 6), rng.randint(3, 9)
+    d = rng.randint(2, a - 1)
+    q = (
+        f"{name} has {a} {thing}. {name} buys {boxes} boxes with {each} {thing} in each box, "
+        f"then gives {d} {thing} to a friend. How many {thing} does {name} have now?"
+    )
+    return q + WORKED_LONG, a + boxes * each - d
+
+
 _MAKERS = {
     "add": _add,
     "add_worked": _add_worked,
@@ -119,6 +134,7 @@ _MAKERS = {
     "count": _count,
     "convert": _convert,
     "word": _word,
+    "multi_worked": _multi_worked,
 }
 
 

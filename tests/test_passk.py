@@ -72,6 +72,8 @@ def test_problems_are_reproducible_distinct_and_checkable():
             assert q["answer"] == nums[0] * nums[1]
         elif q["family"] == "count":
             assert q["answer"] == q["prompt"].split(":")[1].count(",") + 1
+        elif q["family"] == "multi_worked":  # start + boxes x each - given away
+            assert q["answer"] == nums[0] + nums[1] * nums[2] - nums[3] > 0
     with pytest.raises(ValueError, match="unknown task families"):
         pk.make_problems(3, 0, ("add", "poetry"))
 
@@ -145,3 +147,10 @@ def test_fnoise_methods_of_the_recipe_and_each_variant():
         json.loads(by["fnoise_warm_b0.25"]["consumers"][0].split(":", 1)[1])["warm_start_steps"]
         == 4
     )
+
+
+def test_fit_in_window_is_the_row_weighted_mean_over_steps_5_to_60():
+    et = _load("esamp_tokens")
+    curve = [[0, 9.0, 16], [5, 1.0, 16], [6, 0.5, 16], [60, 0.25, 32], [61, 9.0, 16], [7, 7.0, 0]]
+    assert et.fit_in_window(curve) == (16 * 1.0 + 16 * 0.5 + 32 * 0.25) / 64
+    assert et.fit_in_window([[0, 1.0, 4]]) is None
