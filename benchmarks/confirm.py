@@ -78,6 +78,29 @@ def noninferior(a: list[float], b: list[float], margin: float = MARGIN) -> dict[
     return {"mean_delta": mean, "lower95": lower, "margin": margin, "pass": lower > margin}
 
 
+def validity(passk: dict[str, Any], div: dict[str, Any]) -> dict[str, Any]:
+    """The run is valid only if every ESamp method created one distiller per problem /
+    prompt, trained (optimizer steps > 0, unless never trained by design) with staleness 0,
+    and vanilla's completions average at least 64 tokens on the pass@k problems."""
+    bad = []
+    for run, items in ((passk, len(passk["methods"]["vanilla"]["per_problem"]["correct"])),
+                       (div, len(div["methods"]["vanilla"]["per_prompt"]["vendi"]))):  # fmt: skip
+        for name, m in run["methods"].items():
+            c = m.get("counters", {}).get("esamp")
+            if c is None:
+                continue
+            untrained = any('"frozen"' in x or '"train": false' in x for x in m["consumers"])
+            if c["groups_created"] != items or c["staleness_max"] != 0:
+                bad.append(f"{name}: groups {c['groups_created']} of {items}, staleness "
+                           f"{c['staleness_max']}")  # fmt: skip
+            elif not untrained and c["optimizer_steps"] <= 0:
+                bad.append(f"{name}: no optimizer step")
+    tokens = float(passk["methods"]["vanilla"]["mean_tokens"])
+    if tokens < 64:
+        bad.append(f"vanilla's pass@k completions average {tokens:.1f} tokens (< 64)")
+    return {"valid": not bad, "problems": bad}
+
+
 def decide(
     passk: dict[str, Any], div: dict[str, Any], esamp: str, ablations: list[str], frozen: str
 ) -> dict[str, Any]:
@@ -104,6 +127,7 @@ def decide(
     }
     ni = noninferior(p16[esamp], p16["vanilla"])
     return {
+        "validity": validity(passk, div),
         "tests": tests,
         "pass16_vs_vanilla": ni,
         "ppl": ppl,
@@ -142,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print("pass@16 vs vanilla:", out["pass16_vs_vanilla"])
         print("learning wins:", out["learning_wins"], "quality guard:", out["quality_guard"])
         print("default follows the selection:", out["default_follows_selection"])
+        print("validity:", out["validity"])
     return 0
 
 

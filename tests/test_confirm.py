@@ -38,10 +38,18 @@ def _runs(shift: float, ppl_esamp: float):
     base = rng.integers(0, 12, 130)
     names = ["vanilla", "esamp_sel_b0.25", "frozen_sel_b0.25", "fnoise_sel_b0.25"]
     up = {"esamp_sel_b0.25": int(round(shift * 4))}
+    counters = {"groups_created": 0, "staleness_max": 0, "optimizer_steps": 5}
     passk = {
         "config": {"n": 16},
         "methods": {
-            m: {"per_problem": {"correct": [int(min(16, c + up.get(m, 0))) for c in base]}}
+            m: {
+                "per_problem": {"correct": [int(min(16, c + up.get(m, 0))) for c in base]},
+                "mean_tokens": 80.0,
+                "consumers": [] if m == "vanilla" else ["esamp:{}"],
+                "counters": {}
+                if m == "vanilla"
+                else {"esamp": {**counters, "groups_created": 130}},
+            }
             for m in names
         },
     }
@@ -52,7 +60,9 @@ def _runs(shift: float, ppl_esamp: float):
                 "per_prompt": {
                     "vendi": list(vendi + (shift if m == "esamp_sel_b0.25" else 0.0)),
                     "ppl": [ppl_esamp if m == "esamp_sel_b0.25" else 10.0] * 48,
-                }
+                },
+                "consumers": [] if m == "vanilla" else ["esamp:{}"],
+                "counters": {} if m == "vanilla" else {"esamp": {**counters, "groups_created": 48}},
             }
             for m in names
         }
@@ -77,3 +87,14 @@ def test_decide(shift, ppl, wins, default):
     assert out["quality_guard"] == (ppl <= 10.5)
     assert out["default_follows_selection"] == default
     assert len(out["tests"]) == 4 and out["pass16_vs_vanilla"]["pass"]
+    assert out["validity"] == {"valid": True, "problems": []}
+
+
+def test_validity_catches_missing_groups_staleness_and_short_answers():
+    passk, div = _runs(0.5, 10.0)
+    passk["methods"]["frozen_sel_b0.25"]["counters"]["esamp"]["groups_created"] = 129
+    div["methods"]["fnoise_sel_b0.25"]["counters"]["esamp"]["staleness_max"] = 1
+    passk["methods"]["vanilla"]["mean_tokens"] = 23.0
+    div["methods"]["esamp_sel_b0.25"]["counters"]["esamp"]["optimizer_steps"] = 0
+    bad = confirm.validity(passk, div)
+    assert not bad["valid"] and len(bad["problems"]) == 4
