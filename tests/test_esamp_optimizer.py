@@ -10,8 +10,10 @@ from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.graph_update import losses_and_grads, train_dense
 from algorithms.esamp.guidance import f_noise_prediction
+from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.packing import make_packing
+from algorithms.esamp.params import block_weights
 from tllm_core.bundles import Bundle
 
 
@@ -80,14 +82,18 @@ def test_sum_reduction_host_and_dense_agree():
     torch.testing.assert_close(dense.theta, host.theta, rtol=1e-6, atol=1e-7)
 
 
-def _manual_stats(before, d: GroupedDistiller, slot: int, eps: float) -> list[float]:
-    """eps share and mean |delta theta| / lr from the state itself (no formula shared)."""
+def _manual_stats(before, d: GroupedDistiller, slot: int, eps: float, x, t) -> list[float]:
+    """eps share, mean |delta theta| / lr and the gradient norm from the state itself and
+    autograd (no formula shared)."""
     b2 = d.hp.betas[1]
     n = float(d.step[slot])
     v_hat_sqrt = (d.v[slot] / (1 - b2**n)).sqrt()
     share = float((v_hat_sqrt < eps).float().mean())
     size = float((d.theta[slot] - before[slot]).abs().mean()) / d.hp.lr
-    return [share, size]
+    w = before[slot].clone().requires_grad_(True)
+    loss = (forward_acts(block_weights(w[None], d.shape), x[None])[0][0] - t).square().mean()
+    (g,) = torch.autograd.grad(loss, w)
+    return [share, size, float(g.norm())]
 
 
 @pytest.mark.parametrize("clip, clipped", [(1e-6, 1.0), (1e6, 0.0), (None, 0.0)])
@@ -107,16 +113,17 @@ def test_optimizer_stats_match_the_update(clip, clipped, eps):
         res = host.train_step(rows, x, t)
         host.synchronize()
         pk, valid, xp, tp, mask = _dense_inputs(dense, rows, x, t)
-        out = torch.full((dense.theta.shape[0], 3), float("nan"))
+        out = torch.full((dense.theta.shape[0], len(STATS)), float("nan"))
         train_dense(
             dense.theta, dense.m, dense.v, dense.step, valid, xp, tp, mask,
             dense.shape, dense.hp, stats=out,
         )  # fmt: skip
         for gi, slot in enumerate(pk.slots):
-            want = [clipped, *_manual_stats(before, host, slot, eps)]
+            sel = rows == int(slot)
+            want = [clipped, *_manual_stats(before, host, slot, eps, x[sel], t[sel])]
             torch.testing.assert_close(res.stats[gi], torch.tensor(want), rtol=2e-3, atol=1e-6)
             torch.testing.assert_close(out[slot], res.stats[gi], rtol=1e-4, atol=1e-6)
-    assert len(STATS) == 3
+    assert len(STATS) == 4
     # eps 10 dominates every denominator of these gradients, and so does 1e-4 once the
     # gradient is clipped to norm 1e-6; unclipped, 1e-4 does not dominate them all.
     share = float(res.stats[:, 1].mean())
@@ -143,8 +150,9 @@ def test_consumer_optimizer_counters():
     assert k["optimizer_updates_measured"] == k["optimizer_steps"] == 8
     assert k["optimizer_clipped_updates"] == 8 and k["optimizer_clip_rate"] == 1.0
     assert 0.0 <= k["optimizer_eps_share"] <= 1.0 and k["optimizer_update_size"] > 0
+    assert k["optimizer_grad_norm"] > 1e-3
     curve = out["optimizer_curve"]
-    assert [row[0] for row in curve] == [0, 1, 2, 3] and all(row[4] == 2 for row in curve)
+    assert [row[0] for row in curve] == [0, 1, 2, 3] and all(row[-1] == 2 for row in curve)
     plain = fake.consumer(cpu_update="inline")
     rows, hidden = fake.step(reqs)
     plain.on_bundle(Bundle(0, rows, hidden))

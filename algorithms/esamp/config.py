@@ -70,7 +70,8 @@ class ESampConfig(ConsumerConfig):
         False,
         description="Measure every decode update where it runs: whether clipping fired, the "
         "share of parameters whose Adam denominator is dominated by eps (sqrt(v_hat) < eps) "
-        "and the step size mean |delta theta| / lr (counters optimizer_*, result key "
+        "the step size mean |delta theta| / lr and the gradient norm before clipping "
+        "(counters optimizer_*, result key "
         "'optimizer_curve'). One extra pass over the Adam moments per update.",
     )
     scope: Literal["group", "batch"] = Field(

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.host_trainer import HostTrainer
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
@@ -104,7 +105,7 @@ class GroupedDistiller(SlotDistiller):
         self._version += 1
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
-        stats = torch.full((len(pk.slots), 3), float("nan")) if self.hp.stats else None
+        stats = torch.full((len(pk.slots), len(STATS)), float("nan")) if self.hp.stats else None
         done = threading.Event()
 
         def run() -> None:

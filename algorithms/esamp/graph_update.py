@@ -68,7 +68,7 @@ def train_dense(
     summed ``(f(x) - target)^2`` over the loss denominator (``hp.loss_reduction``). Adam runs ``chunk`` slots at
     a time (the scratch is ``chunk x P``). ``applied`` (int64 per slot, optional):
     incremented for every valid slot once its update has been processed (applied, or
-    skipped as non-finite): what staleness is measured against. ``stats [S, 3]``
+    skipped as non-finite): what staleness is measured against. ``stats [S, len(STATS)]``
     (optional, with ``hp.stats``): written in place with each slot's update statistics
     (:func:`~algorithms.esamp.adam.adam_stats`; NaN for slots not updated). Returns
     ``(losses [S], updated [S])``.

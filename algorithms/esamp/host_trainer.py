@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from algorithms.esamp.adam import CLIP_EPS, adam_stats
+from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.packing import HostBatch, Packing
@@ -50,7 +50,7 @@ class HostTrainer:
         forward: tuple[torch.Tensor, Activations] | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
         """One update of each packed group; returns per group (loss, updated) and, with
-        ``hp.stats``, the update's statistics ``[groups, 3]`` (:func:`adam_stats`; rows of
+        ``hp.stats``, the update's statistics ``[groups, len(STATS)]`` (:func:`adam_stats`; rows of
         groups not updated are NaN), else None.
 
         ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
@@ -100,7 +100,7 @@ class HostTrainer:
             self._update(theta, m, v, step, factors, coef, todo, batch.size)
         stats = None
         if hp.stats:
-            stats = torch.full((len(ok), 3), float("nan"))
+            stats = torch.full((len(ok), len(STATS)), float("nan"))
             done = [gi for gi in range(len(ok)) if ok[gi]]
             if done:
                 sl = torch.from_numpy(pk.slots[done])

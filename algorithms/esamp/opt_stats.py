@@ -8,30 +8,32 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.esamp.adam import STATS
 from tllm_core.counters import Counters
 
 _CURVE_POINTS = 64
+_K = len(STATS)  # clipped, eps share, update size, gradient norm
 
 
 class OptStats:
     def __init__(self, counters: Counters):
         self.counters = counters
-        # Per step index within a group: [clipped, eps share, update size, updates].
+        # Per step index within a group: the sums of the STATS columns, then the updates.
         self._by_age: list[list[float]] = []
-        self._tot = [0.0, 0.0, 0.0, 0]
+        self._tot = [0.0] * (_K + 1)
 
     def add(self, age: int, row: list[float]) -> None:
-        """One decode update's statistics ``(clipped, eps_share, update_size)``."""
+        """One decode update's statistics (a row in :data:`STATS` order)."""
         while len(self._by_age) <= age:
-            self._by_age.append([0.0, 0.0, 0.0, 0])
+            self._by_age.append([0.0] * (_K + 1))
         for acc in (self._by_age[age], self._tot):
-            for i in range(3):
+            for i in range(_K):
                 acc[i] += row[i]
-            acc[3] += 1
+            acc[_K] += 1
 
     def publish(self) -> None:
         """Set the counters from everything measured so far."""
-        clipped, share, size, n = self._tot
+        clipped, share, size, norm, n = self._tot
         if not n:
             return
         self.counters.set("optimizer_updates_measured", n)
@@ -39,16 +41,17 @@ class OptStats:
         self.counters.set("optimizer_clip_rate", clipped / n)
         self.counters.set("optimizer_eps_share", share / n)
         self.counters.set("optimizer_update_size", size / n)
+        self.counters.set("optimizer_grad_norm", norm / n)
 
     def summary(self) -> dict[str, Any]:
-        """``optimizer_curve``: [step index, clip rate, eps share, update size, updates] for at
-        most 64 step indices (empty without ``optimizer_stats``)."""
-        ages = [a for a, acc in enumerate(self._by_age) if acc[3]]
+        """``optimizer_curve``: [step index, clip rate, eps share, update size, gradient norm,
+        updates] for at most 64 step indices (empty without ``optimizer_stats``)."""
+        ages = [a for a, acc in enumerate(self._by_age) if acc[_K]]
         if len(ages) > _CURVE_POINTS:
             picks = np.unique(np.linspace(0, len(ages) - 1, _CURVE_POINTS).round().astype(int))
             ages = [ages[i] for i in picks]
         curve = []
         for a in ages:
-            c, s, z, n = self._by_age[a]
-            curve.append([a, c / n, s / n, z / n, n])
+            acc = self._by_age[a]
+            curve.append([a, *(x / acc[_K] for x in acc[:_K]), acc[_K]])
         return {"optimizer_curve": curve}

@@ -31,7 +31,7 @@ class TrainResult:
     # Set once the values are final (CPU side thread); None: final after synchronize().
     done: threading.Event | None = None
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
-    # fp32 [G, 3] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
+    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
     stats: torch.Tensor | None = None
 
     def ready(self) -> bool:
