@@ -9,7 +9,9 @@ Endpoints: per problem the pass@k AUC, the mean of the unbiased pass@k over k in
 ablation on both endpoints: one-sided paired t-tests (ESamp higher), Holm-corrected over all
 these comparisons together at alpha 0.05. pass@16 against vanilla: non-inferiority with
 margin -0.05 (the one-sided 95% lower bound of the mean paired difference above -0.05).
-Quality guard: ESamp's mean per-prompt perplexity at most 5% above the frozen ablation's.
+Quality guard: ESamp's mean per-prompt perplexity at most 5% above the frozen ablation's,
+or, when it is not, ESamp's Vendi above vanilla's at matched perplexity (``vanilla_t*``
+runs of ``diversity.py --vanilla-temps``, interpolated per prompt; one-sided p < 0.05).
 """
 
 from __future__ import annotations
@@ -101,6 +103,28 @@ def validity(passk: dict[str, Any], div: dict[str, Any]) -> dict[str, Any]:
     return {"valid": not bad, "problems": bad}
 
 
+def matched_ppl(div: dict[str, Any], esamp: str) -> dict[str, Any] | None:
+    """Vendi at matched perplexity, prompt by prompt: vanilla's Vendi interpolated (linearly
+    in perplexity, over vanilla and every ``vanilla_t*`` temperature) at ESamp's perplexity
+    of that prompt, against ESamp's Vendi (one-sided paired t-test, ESamp higher). None
+    without ``vanilla_t*`` runs. Prompts where ESamp's perplexity is outside vanilla's range
+    are counted (``outside``) and use the nearest end."""
+    names = ["vanilla"] + [k for k in div["methods"] if k.startswith("vanilla_t")]
+    if len(names) < 2:
+        return None
+    ppl = np.array([div["methods"][k]["per_prompt"]["ppl"] for k in names], float)
+    ven = np.array([div["methods"][k]["per_prompt"]["vendi"] for k in names], float)
+    e_ppl = np.asarray(div["methods"][esamp]["per_prompt"]["ppl"], float)
+    e_ven = div["methods"][esamp]["per_prompt"]["vendi"]
+    interp, outside = [], 0
+    for i in range(e_ppl.size):
+        order = np.argsort(ppl[:, i])
+        xs, ys = ppl[order, i], ven[order, i]
+        outside += int(not xs[0] <= e_ppl[i] <= xs[-1])
+        interp.append(float(np.interp(e_ppl[i], xs, ys)))
+    return {**one_sided(e_ven, interp), "outside": outside, "temperatures": names}
+
+
 def decide(
     passk: dict[str, Any], div: dict[str, Any], esamp: str, ablations: list[str], frozen: str
 ) -> dict[str, Any]:
@@ -121,9 +145,12 @@ def decide(
         tests[k].update(adj[k])
     ppl = {k: float(np.mean(div["methods"][k]["per_prompt"]["ppl"])) for k in (esamp, frozen)}
     guard = ppl[esamp] <= PPL_GUARD * ppl[frozen]
+    matched = matched_ppl(div, esamp)
+    # The quality guard, or (when it fails) Vendi above vanilla's at matched perplexity.
+    quality_ok = guard or (matched is not None and matched["p"] < ALPHA)
     wins = {
         "passk": all(tests[f"passk_auc:{a}"]["reject"] for a in ablations),
-        "diversity": guard and all(tests[f"vendi:{a}"]["reject"] for a in ablations),
+        "diversity": quality_ok and all(tests[f"vendi:{a}"]["reject"] for a in ablations),
     }
     ni = noninferior(p16[esamp], p16["vanilla"])
     return {
@@ -132,6 +159,7 @@ def decide(
         "pass16_vs_vanilla": ni,
         "ppl": ppl,
         "quality_guard": guard,
+        "vendi_at_matched_ppl": matched,
         "learning_wins": wins,
         # The rule written before the run: the selected config becomes the default only
         # when the learned direction wins on at least one benchmark and pass@16 is

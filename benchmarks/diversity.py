@@ -181,6 +181,25 @@ def _shutdown(llm: Any) -> None:
             pass
 
 
+def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[dict[str, Any]]:
+    """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
+    ``vanilla_t``), for comparing Vendi at matched perplexity (benchmarks/confirm.py)."""
+    out = []
+    for raw in (spec or "").split(","):
+        if not raw.strip():
+            continue
+        try:
+            t = float(raw)
+        except ValueError:
+            p.error(f"--vanilla-temps: not a number: {raw!r}")
+        if not t > 0:
+            p.error(f"--vanilla-temps: temperatures must be > 0, got {t}")
+        out.append(
+            {"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t, "consumers": []}
+        )
+    return out
+
+
 def select_methods(
     p: argparse.ArgumentParser, methods: list[dict[str, Any]], spec: str | None
 ) -> list[dict[str, Any]]:
@@ -498,6 +517,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated method names to run besides vanilla (default: all), e.g. "
         "esamp_b0.25,frozen_b0.25",
     )
+    p.add_argument(
+        "--vanilla-temps",
+        default=None,
+        help="comma-separated extra temperatures for vanilla (methods vanilla_tT), to compare "
+        "Vendi at matched perplexity",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
@@ -521,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     methods = build_methods(betas, args.temperature, variants, args.variant_noise, args.fnoise)
+    methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
     if variants:  # bad fields fail here, before any engine starts
         from tllm_core.engine import validate_consumers

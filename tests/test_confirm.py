@@ -84,10 +84,21 @@ def test_decide(shift, ppl, wins, default):
         passk, div, "esamp_sel_b0.25", ["frozen_sel_b0.25", "fnoise_sel_b0.25"], "frozen_sel_b0.25"
     )
     assert (out["learning_wins"]["passk"], out["learning_wins"]["diversity"]) == wins
-    assert out["quality_guard"] == (ppl <= 10.5)
+    assert out["quality_guard"] == (ppl <= 10.5) and out["vendi_at_matched_ppl"] is None
     assert out["default_follows_selection"] == default
     assert len(out["tests"]) == 4 and out["pass16_vs_vanilla"]["pass"]
     assert out["validity"] == {"valid": True, "problems": []}
+
+
+def test_vendi_at_matched_ppl_interpolates_vanilla_per_prompt():
+    ppl = {"vanilla": [10.0, 20.0], "vanilla_t0.8": [6.0, 10.0], "e": [8.0, 30.0]}
+    ven = {"vanilla": [4.0, 5.0], "vanilla_t0.8": [2.0, 3.0], "e": [3.5, 6.0]}
+    div = {"methods": {k: {"per_prompt": {"ppl": ppl[k], "vendi": ven[k]}} for k in ppl}}
+    out = confirm.matched_ppl(div, "e")
+    # prompt 0: vanilla interpolated at ppl 8 -> 3.0 (delta 0.5); prompt 1: ppl 30 is above
+    # vanilla's range, nearest end 5.0 (delta 1.0).
+    assert out["mean_delta"] == pytest.approx(0.75) and out["outside"] == 1
+    assert confirm.matched_ppl({"methods": {"vanilla": {}, "e": {}}}, "e") is None
 
 
 def test_validity_catches_missing_groups_staleness_and_short_answers():
@@ -98,3 +109,19 @@ def test_validity_catches_missing_groups_staleness_and_short_answers():
     div["methods"]["esamp_sel_b0.25"]["counters"]["esamp"]["optimizer_steps"] = 0
     bad = confirm.validity(passk, div)
     assert not bad["valid"] and len(bad["problems"]) == 4
+
+
+def test_vanilla_temperatures_option():
+    import argparse
+
+    import diversity
+
+    p = argparse.ArgumentParser()
+    ms = diversity.vanilla_temperatures(p, "0.7, 1.2")
+    assert [(m["name"], m["kind"], m["temperature"]) for m in ms] == [
+        ("vanilla_t0.7", "vanilla_t", 0.7),
+        ("vanilla_t1.2", "vanilla_t", 1.2),
+    ]
+    assert diversity.vanilla_temperatures(p, None) == []
+    with pytest.raises(SystemExit):
+        diversity.vanilla_temperatures(p, "0.7,-1")
