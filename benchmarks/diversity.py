@@ -9,6 +9,8 @@ Methods, all on the same prompts (chat template) with the same per-prompt seeds,
     esamp_b{B}       ESamp, beta B (``esamp:{"beta": B}``)
     temp_{T/(1+B)}   vanilla at temperature T/(1+B) (the sharpening ESamp's (1+B) factor alone does)
     noise_b{B}       ESamp's noise ablation (``"ablation": "noise"``: random direction, same norm)
+    fnoise_b{B}      with ``--fnoise``: ESamp's f-noise ablation (``"ablation": "f_noise"``: the
+                     prediction f replaced by noise of its norm; the (1+B) sharpening is kept)
     frozen_b{B}      ESamp's frozen-distiller ablation (``"ablation": "frozen"``: never trained)
 
 Per prompt (its n completions): Vendi score (``vendi-score``, cosine kernel) and mean pairwise
@@ -61,10 +63,13 @@ def build_methods(
     temperature: float,
     variants: dict[str, dict[str, Any]] | None = None,
     variant_noise: bool = False,
+    fnoise: bool = False,
 ) -> list[dict[str, Any]]:
     """The methods to run; ``variants`` {name: extra ESamp config} add ``esamp_{name}_b{B}``
     and its frozen ablation ``frozen_{name}_b{B}`` (with ``variant_noise`` also
-    ``noise_{name}_b{B}``), run through the variant's own switches; these carry ``variant``."""
+    ``noise_{name}_b{B}``), run through the variant's own switches; these carry ``variant``.
+    ``fnoise``: also the f-noise ablation ``fnoise_b{B}`` (and ``fnoise_{name}_b{B}`` of
+    each variant)."""
     methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature, "consumers": []}]
     for b in betas:
         esamp = {"beta": b}
@@ -109,10 +114,22 @@ def build_methods(
                 "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})],
             },
         ]
+        if fnoise:
+            methods.append(
+                {
+                    "name": f"fnoise_b{_fmt(b)}",
+                    "kind": "fnoise",
+                    "beta": b,
+                    "temperature": temperature,
+                    "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "f_noise"})],
+                }
+            )
     for b in betas:
         for v, extra in (variants or {}).items():
-            for kind in ("frozen", "noise") if variant_noise else ("frozen",):
-                conf = {**extra, "beta": b, "ablation": kind}
+            kinds = ("frozen", "noise") if variant_noise else ("frozen",)
+            for kind in kinds + (("fnoise",) if fnoise else ()):
+                ablation = "f_noise" if kind == "fnoise" else kind
+                conf = {**extra, "beta": b, "ablation": ablation}
                 methods.append(
                     {
                         "name": f"{kind}_{v}_b{_fmt(b)}",
@@ -162,6 +179,25 @@ def _shutdown(llm: Any) -> None:
             core.shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[dict[str, Any]]:
+    """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
+    ``vanilla_t``), for comparing Vendi at matched perplexity (benchmarks/confirm.py)."""
+    out = []
+    for raw in (spec or "").split(","):
+        if not raw.strip():
+            continue
+        try:
+            t = float(raw)
+        except ValueError:
+            p.error(f"--vanilla-temps: not a number: {raw!r}")
+        if not t > 0:
+            p.error(f"--vanilla-temps: temperatures must be > 0, got {t}")
+        out.append(
+            {"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t, "consumers": []}
+        )
+    return out
 
 
 def select_methods(
@@ -353,6 +389,7 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
         "temperature": "tab:blue",
         "noise": "tab:gray",
         "frozen": "tab:green",
+        "fnoise": "tab:purple",
     }
     if qd_path is not None:
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
@@ -469,10 +506,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
     p.add_argument(
+        "--fnoise",
+        action="store_true",
+        help="the f-noise ablation fnoise_bB (f replaced by noise of its norm, sharpening kept), "
+        "of the default recipe and of each variant",
+    )
+    p.add_argument(
         "--methods",
         default=None,
         help="comma-separated method names to run besides vanilla (default: all), e.g. "
         "esamp_b0.25,frozen_b0.25",
+    )
+    p.add_argument(
+        "--vanilla-temps",
+        default=None,
+        help="comma-separated extra temperatures for vanilla (methods vanilla_tT), to compare "
+        "Vendi at matched perplexity",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -496,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
-    methods = build_methods(betas, args.temperature, variants, args.variant_noise)
+    methods = build_methods(betas, args.temperature, variants, args.variant_noise, args.fnoise)
+    methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
     if variants:  # bad fields fail here, before any engine starts
         from tllm_core.engine import validate_consumers
@@ -542,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             pairs += [
                 (m["name"], c["name"])
                 for c in methods
-                if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen")
+                if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen", "fnoise")
             ]
     for a, b in pairs:
         comparisons.append(

@@ -26,6 +26,20 @@ from bench_setup import model_path, offline_engine_env
 AGE_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 10**9))
 
 
+FIT_WINDOW = (5, 60)  # decode steps of a group over which the stage-0 fit is averaged
+
+
+def fit_in_window(curve: list[list[float]], lo: int = 5, hi: int = 60) -> float | None:
+    """Mean relative error ``||h_L - f(h_1)|| / ||h_L||`` over a group's decode steps
+    ``lo..hi`` (inclusive), weighted by rows: from ``rel_err_curve`` rows ``[step, mean,
+    rows]``. None when no row falls in the window (the stage-0 selection statistic of the
+    pre-registered experiment, docs/consumers/esamp.md)."""
+    pts = [(e, n) for a, e, n in curve if lo <= a <= hi and n]
+    if not pts:
+        return None
+    return sum(e * n for e, n in pts) / sum(n for _, n in pts)
+
+
 def token_class(text: str) -> str:
     """'digit' (a token of digits), 'word' (letters), else 'other' (spaces, punctuation)."""
     t = text.strip()
@@ -146,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": cfg,
             "summary": summarise(diag, tok),
             "rel_err_curve": diag["rel_err_curve"],
+            "fit_5_60": fit_in_window(diag["rel_err_curve"], *FIT_WINDOW),
             "loss_curve": res["loss_curve"],
             "pass_at_1": float(np.mean(correct) / args.n),
             "counters": res["counters"],
@@ -168,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, r in out.items():
             s = r["summary"]
-            print(f"== {name}: pass@1 {r['pass_at_1']:.3f}, rows {s['rows']}")
+            print(
+                f"== {name}: pass@1 {r['pass_at_1']:.3f}, rows {s['rows']}, fit 5-60 {r['fit_5_60']}"
+            )
             for c, v in s["by_top_token_class"].items():
                 print(f"  {c:<6} {v}")
             for a, v in s["by_step"].items():

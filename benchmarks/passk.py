@@ -12,10 +12,15 @@ completion says so) and compares it with the answer. Families (``--families``):
     count          how many items a short comma-separated list holds
     convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
     word           one-step word problems (gains and losses of apples, coins, ...)
+    multi_worked   three-step word problems (start, buy boxes of k, give some away) with a
+                   worked solution in full sentences, "Answer: N" at the end (long answers:
+                   the distiller gets updates before the answer)
 
 Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
 min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
-``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations; each
+``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations (and, with
+``--controls ...,fnoise``, the f-noise ablation ``fnoise_bB``: f replaced by noise of its norm,
+the (1+B) sharpening kept; also ``fnoise_NAME_bB`` of each variant); each
 ``--esamp-variant NAME=JSON`` as ``esamp_NAME_bB`` together with its own frozen ablation
 (``frozen_NAME_bB``: the same switches, never trained) and, with ``--variant-noise``, its noise
 ablation.
@@ -44,12 +49,13 @@ from typing import Any
 import numpy as np
 from bench_setup import model_path, offline_engine_env, run_machine, write_samples
 
-FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word")
+FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
 DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
 DIRECT = " Reply with just the number."
 WORKED = " Work it out in one or two short steps, then end with 'Answer: <number>'."
+WORKED_LONG = " Explain each step in a full sentence, then end with 'Answer: <number>'."
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -110,6 +116,17 @@ def _word(rng: random.Random) -> tuple[str, int]:
     return q + DIRECT, a - b
 
 
+def _multi_worked(rng: random.Random) -> tuple[str, int]:
+    name, thing = rng.choice(_NAMES), rng.choice(_THINGS)
+    a, boxes, each = rng.randint(12, 40), rng.randint(2, 6), rng.randint(3, 9)
+    d = rng.randint(2, a - 1)
+    q = (
+        f"{name} has {a} {thing}. {name} buys {boxes} boxes with {each} {thing} in each box, "
+        f"then gives {d} {thing} to a friend. How many {thing} does {name} have now?"
+    )
+    return q + WORKED_LONG, a + boxes * each - d
+
+
 _MAKERS = {
     "add": _add,
     "add_worked": _add_worked,
@@ -117,6 +134,7 @@ _MAKERS = {
     "count": _count,
     "convert": _convert,
     "word": _word,
+    "multi_worked": _multi_worked,
 }
 
 
@@ -223,6 +241,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         "temperature": "tab:blue",
         "noise": "tab:gray",
         "frozen": "tab:green",
+        "fnoise": "tab:purple",
     }
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -270,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         "--controls",
         default="temperature,noise",
         help="controls of the default recipe to run: comma-separated subset of "
-        "temperature,noise ('' for none; default both)",
+        "temperature,noise,fnoise ('' for none; default temperature,noise; fnoise also adds "
+        "each variant's f-noise ablation)",
     )
     p.add_argument("--no-default", action="store_true", help="skip the default ESamp recipe")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -319,12 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     offline_engine_env(args.kv_cache_gib)
     model = model_path(args.model)
 
-    methods = _sibling("diversity").build_methods(
-        betas, args.temperature, variants, args.variant_noise
-    )
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
-    if controls - {"temperature", "noise"}:
-        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise")
+    if controls - {"temperature", "noise", "fnoise"}:
+        p.error(f"--controls {args.controls!r}: allowed values are temperature, noise, fnoise")
+    methods = _sibling("diversity").build_methods(
+        betas, args.temperature, variants, args.variant_noise, "fnoise" in controls
+    )
     methods = [
         m
         for m in methods
@@ -334,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         methods = [
             m
             for m in methods
-            if m["kind"] not in ("esamp", "noise", "frozen", "temperature") or "variant" in m
+            if m["kind"] not in ("esamp", "noise", "frozen", "temperature", "fnoise")
+            or "variant" in m
         ]
     methods = _sibling("diversity").select_methods(p, methods, args.methods)
     from tllm_core.engine import validate_consumers
@@ -389,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             if c.get("beta") != m["beta"] or c is m:
                 continue
             if c["kind"] == "temperature" or (
-                c["kind"] in ("noise", "frozen") and c.get("variant") == v
+                c["kind"] in ("noise", "frozen", "fnoise") and c.get("variant") == v
             ):
                 pairs.append((m["name"], c["name"]))
             elif v is not None and c["kind"] == "esamp" and c.get("variant") is None:

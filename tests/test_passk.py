@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -71,6 +72,8 @@ def test_problems_are_reproducible_distinct_and_checkable():
             assert q["answer"] == nums[0] * nums[1]
         elif q["family"] == "count":
             assert q["answer"] == q["prompt"].split(":")[1].count(",") + 1
+        elif q["family"] == "multi_worked":  # start + boxes x each - given away
+            assert q["answer"] == nums[0] + nums[1] * nums[2] - nums[3] > 0
     with pytest.raises(ValueError, match="unknown task families"):
         pk.make_problems(3, 0, ("add", "poetry"))
 
@@ -127,3 +130,27 @@ def test_passk_script_small_run(tiny_model, tmp_path):
     assert ("esamp_zo_b0.5", "frozen_zo_b0.5") in pairs and ("esamp_zo_b0.5", "vanilla") in pairs
     assert set(out["comparisons"][0]["pass_at_k"]) == {"1"}  # ks 1,4,16 capped at n=3
     assert png.stat().st_size > 0
+
+
+def test_fnoise_methods_of_the_recipe_and_each_variant():
+    dv = _load("diversity")
+    plain = {m["name"] for m in dv.build_methods([0.25], 1.0, {"warm": {}})}
+    assert not any(n.startswith("fnoise") for n in plain)  # only on request
+    ms = dv.build_methods([0.25], 1.0, {"warm": {"warm_start_steps": 4}}, fnoise=True)
+    by = {m["name"]: m for m in ms}
+    for name in ("fnoise_b0.25", "fnoise_warm_b0.25"):
+        conf = json.loads(by[name]["consumers"][0].split(":", 1)[1])
+        assert (
+            conf["ablation"] == "f_noise" and conf["beta"] == 0.25 and by[name]["kind"] == "fnoise"
+        )
+    assert (
+        json.loads(by["fnoise_warm_b0.25"]["consumers"][0].split(":", 1)[1])["warm_start_steps"]
+        == 4
+    )
+
+
+def test_fit_in_window_is_the_row_weighted_mean_over_steps_5_to_60():
+    et = _load("esamp_tokens")
+    curve = [[0, 9.0, 16], [5, 1.0, 16], [6, 0.5, 16], [60, 0.25, 32], [61, 9.0, 16], [7, 7.0, 0]]
+    assert et.fit_in_window(curve) == (16 * 1.0 + 16 * 0.5 + 32 * 0.25) / 64
+    assert et.fit_in_window([[0, 1.0, 4]]) is None

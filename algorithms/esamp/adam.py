@@ -53,3 +53,32 @@ def adam_clip_(
     denom.div_(bc2_sqrt[:, None]).add_(hp.eps)
     upd = torch.div(m, denom, out=denom)
     theta.addcmul_(upd, torch.where(ok, hp.lr / bc1, 0 * one)[:, None], value=-1)
+
+
+# Columns of a step's optimizer statistics, one row per group update (adam_stats).
+STATS = ("clipped", "eps_share", "update_size", "grad_norm")
+
+
+def clipped(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
+    """Per row: 1.0 where clipping scaled the gradient down (``grad_clip / (norm + eps) < 1``,
+    the test :func:`adam_clip_` and the host trainer apply), else 0.0."""
+    if hp.grad_clip is None:
+        return torch.zeros_like(norm)
+    return (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)
+
+
+def adam_stats(
+    m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, norm: torch.Tensor, hp: AdamHyper
+) -> torch.Tensor:
+    """Statistics of the Adam update just applied to rows ``m``/``v`` ``[c, P]`` (their state
+    after it; ``step [c]`` already counts it; ``norm [c]`` the gradient norms before
+    clipping). Returns ``[c, 4]`` in :data:`STATS` order: clipped (0/1); the share of
+    parameters whose denominator is dominated by eps (``sqrt(v_hat) < eps``); the update's
+    mean ``|delta theta| / lr`` = mean of ``|m_hat| / (sqrt(v_hat) + eps)`` (exactly the
+    step Adam took, in units of lr); the gradient norm before clipping."""
+    b1, b2 = hp.betas
+    t = step.clamp(min=1).to(m.dtype)[:, None]
+    v_hat_sqrt = (v / (1 - torch.pow(b2, t))).sqrt_()
+    share = (v_hat_sqrt < hp.eps).to(m.dtype).mean(1)
+    size = (m.abs() / (1 - torch.pow(b1, t))).div_(v_hat_sqrt.add_(hp.eps)).mean(1)
+    return torch.stack([clipped(norm, hp), share, size, norm.to(m.dtype)], dim=1)

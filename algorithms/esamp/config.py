@@ -60,6 +60,20 @@ class ESampConfig(ConsumerConfig):
     grad_clip: FiniteF32 | None = Field(
         0.5, description="Per-group gradient-norm clip (None disables clipping)."
     )
+    loss_reduction: Literal["mean", "sum"] = Field(
+        "mean",
+        description="Distiller loss of a group: its squared error ||f(h_1) - h_L||^2 summed "
+        "over hidden dims and rows, divided by rows x hidden size ('mean', as F.mse_loss) or "
+        "by rows ('sum', the paper's equation: hidden_size times larger loss and gradient).",
+    )
+    optimizer_stats: bool = Field(
+        False,
+        description="Measure every decode update where it runs: whether clipping fired, the "
+        "share of parameters whose Adam denominator is dominated by eps (sqrt(v_hat) < eps) "
+        "the step size mean |delta theta| / lr and the gradient norm before clipping "
+        "(counters optimizer_*, result key "
+        "'optimizer_curve'). One extra pass over the Adam moments per update.",
+    )
     scope: Literal["group", "batch"] = Field(
         "group",
         description="'group': one distiller per prompt group (requests sharing group_key); "
@@ -85,10 +99,13 @@ class ESampConfig(ConsumerConfig):
         "target 'final', else it falls back to 'logits' (counter latent_fallback_rows). Latent "
         "recomputes the reference logits from h_L, so logits processors are not applied to them.",
     )
-    ablation: Literal["none", "noise", "frozen"] = Field(
+    ablation: Literal["none", "noise", "frozen", "f_noise"] = Field(
         "none",
         description="'noise': replace the error direction h_L - f(h_1) by Gaussian noise of the "
-        "same norm per row; 'frozen': the distiller is never trained (stays at init).",
+        "same norm per row; 'frozen': the distiller is never trained (stays at init); "
+        "'f_noise': replace the prediction f(h_1) by Gaussian noise of the same norm per row "
+        "(the distiller still trains, setting that norm), keeping the (1+beta) sharpening "
+        "of the mix and only the learned direction replaced.",
     )
     init: Literal["paper", "zero", "zero_output"] = Field(
         "paper",

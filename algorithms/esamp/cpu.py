@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.host_trainer import HostTrainer
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
@@ -104,16 +105,19 @@ class GroupedDistiller(SlotDistiller):
         self._version += 1
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
+        stats = torch.full((len(pk.slots), len(STATS)), float("nan")) if self.hp.stats else None
         done = threading.Event()
 
         def run() -> None:
             state = (self.theta, self.m, self.v, self.step)
             batch = HostBatch.plan(pk.slots)
-            loss, ok = self._host.step(state, pk, batch, x, target, forward)
+            loss, ok, st = self._host.step(state, pk, batch, x, target, forward)
             self.applied[torch.from_numpy(pk.slots)] += 1
             losses.copy_(torch.tensor(loss))
             updated.copy_(torch.tensor(ok))
+            if stats is not None:
+                stats.copy_(st)
             done.set()
 
         self._ordered(run)
-        return TrainResult(pk.slots, losses, updated, done)
+        return TrainResult(pk.slots, losses, updated, done, stats=stats)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.graph_update import train_dense
 from algorithms.esamp.memory_plan import round_rows as _bucket
 from algorithms.esamp.mlp import forward_packed
@@ -55,6 +56,7 @@ class _Inputs:
     valid: torch.Tensor  # [S] bool: slots with rows in the step
     losses: torch.Tensor | None = None  # [S] static outputs of the graph
     ok: torch.Tensor | None = None
+    stats: torch.Tensor | None = None  # [S, len(STATS)] written by the update (optimizer_stats)
 
     @classmethod
     def zeros(cls, slots: int, rows: int, hidden: int, device: torch.device) -> _Inputs:
@@ -63,6 +65,7 @@ class _Inputs:
             tp=torch.zeros(slots, rows, hidden, device=device),
             mask=torch.zeros(slots, rows, dtype=torch.bool, device=device),
             valid=torch.zeros(slots, dtype=torch.bool, device=device),
+            stats=torch.full((slots, len(STATS)), float("nan"), device=device),
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -163,6 +166,7 @@ class CudaGroupedDistiller(SlotDistiller):
             self.hp,
             applied=self.applied,
             chunk=self.adam_chunk,
+            stats=e.stats,
         )
 
     def _capture(self) -> None:
@@ -234,5 +238,6 @@ class CudaGroupedDistiller(SlotDistiller):
                 self.eager_updates += 1
                 losses, ok = self._run(e)
             losses, ok = losses.index_select(0, gs), ok.index_select(0, gs)
+            stats = e.stats.index_select(0, gs) if self.hp.stats else None
             self._inputs_free.record(self.stream)
-        return TrainResult(pk.slots, losses, ok)
+        return TrainResult(pk.slots, losses, ok, stats=stats)

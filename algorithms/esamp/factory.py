@@ -70,6 +70,8 @@ def distiller_for(
             lr=cfg.lr,
             eps=cfg.eps,
             grad_clip=cfg.grad_clip,
+            loss_reduction=cfg.loss_reduction,
+            optimizer_stats=cfg.optimizer_stats,
             # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts
             # the input (see Shared.predict / Shared.target).
             init="zero" if cfg.init == "zero_output" else cfg.init,

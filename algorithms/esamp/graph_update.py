@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.adam import adam_clip_
+from algorithms.esamp.adam import adam_clip_, adam_stats
 from algorithms.esamp.mlp import forward_acts
+from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, split_params
 
 
@@ -23,8 +24,9 @@ def losses_and_grads(
     tp: torch.Tensor,
     mask: torch.Tensor,
     shape: DistillerShape,
+    reduction: str = "mean",
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per-slot MSE and its gradient per weight matrix, in the flat row's order (gate blocks,
+    """Per-slot loss (:mod:`~algorithms.esamp.objective`, ``reduction``) and its gradient per weight matrix, in the flat row's order (gate blocks,
     up blocks, down blocks; each ``[S, ., .]``).
 
     Leaves are views of ``theta`` (no copy). The gradient is taken per weight matrix:
@@ -38,7 +40,7 @@ def losses_and_grads(
         blocks = list(zip(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], strict=True))
         y = forward_acts(blocks, xp)[0]
         err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
-        n = (mask.sum(1) * shape.hidden_size).clamp_min(1).to(y.dtype)
+        n = loss_denominator(mask.sum(1), shape.hidden_size, reduction).to(y.dtype)
         losses = err.sum((1, 2)) / n
         grads = torch.autograd.grad(losses.sum(), leaves)
     return losses.detach(), list(grads)
@@ -57,18 +59,21 @@ def train_dense(
     hp: AdamHyper,
     applied: torch.Tensor | None = None,
     chunk: int = 1,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Adam step for every slot with rows, written in place into the slot state.
 
     ``theta``/``m``/``v`` ``[S, P]``, ``step``/``valid`` ``[S]``; ``xp``/``tp`` ``[S, M, H]``
-    hold slot ``s``'s rows at ``[s, :count]``, ``mask [S, M]`` marks them. Loss of slot s:
-    mean over its rows and hidden dims of ``(f(x) - target)^2``. Adam runs ``chunk`` slots at
+    hold slot ``s``'s rows at ``[s, :count]``, ``mask [S, M]`` marks them. Loss of slot s: its
+    summed ``(f(x) - target)^2`` over the loss denominator (``hp.loss_reduction``). Adam runs ``chunk`` slots at
     a time (the scratch is ``chunk x P``). ``applied`` (int64 per slot, optional):
     incremented for every valid slot once its update has been processed (applied, or
-    skipped as non-finite): what staleness is measured against. Returns
+    skipped as non-finite): what staleness is measured against. ``stats [S, len(STATS)]``
+    (optional, with ``hp.stats``): written in place with each slot's update statistics
+    (:func:`~algorithms.esamp.adam.adam_stats`; NaN for slots not updated). Returns
     ``(losses [S], updated [S])``.
     """
-    losses, grads = losses_and_grads(theta, xp, tp, mask, shape)
+    losses, grads = losses_and_grads(theta, xp, tp, mask, shape, hp.loss_reduction)
     s_total = theta.shape[0]
     with torch.no_grad():
         # Each slot's gradient norm, one reduction per weight (no temporaries: isfinite on
@@ -92,6 +97,9 @@ def train_dense(
                 norm=norm[c0:c1],
             )
             del block  # else the next block is allocated while this one is still held
+            if stats is not None and hp.stats:
+                st = adam_stats(m[c0:c1], v[c0:c1], step[c0:c1], norm[c0:c1], hp)
+                stats[c0:c1] = torch.where(ok[c0:c1, None], st, torch.full_like(st, float("nan")))
         if applied is not None:
             applied.add_(valid.to(applied.dtype))
     return losses, ok

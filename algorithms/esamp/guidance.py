@@ -146,6 +146,17 @@ def noise_prediction(
     return h_target - n
 
 
+def f_noise_prediction(
+    f_pred: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """f-noise ablation: Gaussian noise with the same per-row norm as the prediction
+    ``f(h_1)`` (direction randomised). The mix ``(1+beta) ref - beta dist`` keeps its
+    ``(1+beta)`` sharpening; only the learned direction of ``f`` is replaced."""
+    n = torch.randn(f_pred.shape, generator=generator, device=f_pred.device, dtype=f_pred.dtype)
+    norm = torch.linalg.vector_norm(f_pred, dim=-1, keepdim=True)
+    return n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * norm
+
+
 def relative_error(h_target: torch.Tensor, f_pred: torch.Tensor) -> torch.Tensor:
     """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; a zero target counts as 1)."""
     h = h_target.float()

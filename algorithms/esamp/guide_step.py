@@ -14,6 +14,7 @@ from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
+    f_noise_prediction,
     full_dist_logits,
     mix_candidates,
     mix_full_vocab_logits,
@@ -94,6 +95,8 @@ class GuideStep:
         if cfg.ablation == "noise":
             h_t = view.hidden(s.tgt_key)[idx].float()
             f = noise_prediction(h_t, f, self._noise_gen)
+        elif cfg.ablation == "f_noise":
+            f = f_noise_prediction(f, self._noise_gen)
         betas = torch.tensor(
             [self.beta_of(rows.requests[i]) for i in sel], dtype=torch.float32, device=f.device
         )

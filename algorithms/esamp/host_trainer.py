@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from algorithms.esamp.adam import CLIP_EPS
+from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats
 from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.packing import HostBatch, Packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 
@@ -47,8 +48,10 @@ class HostTrainer:
         x: torch.Tensor,
         target: torch.Tensor,
         forward: tuple[torch.Tensor, Activations] | None = None,
-    ) -> tuple[list[float], list[bool]]:
-        """One update of each packed group; returns per group (loss, updated).
+    ) -> tuple[list[float], list[bool], torch.Tensor | None]:
+        """One update of each packed group; returns per group (loss, updated) and, with
+        ``hp.stats``, the update's statistics ``[groups, len(STATS)]`` (:func:`adam_stats`; rows of
+        groups not updated are NaN), else None.
 
         ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
         these parameters on the packed ``x``, when already computed (a prediction of the same
@@ -63,7 +66,7 @@ class HostTrainer:
         diff = h - batch.pack(pk, target)
         counts = torch.ones(batch.size, dtype=torch.float32)
         counts[torch.from_numpy(batch.pos)] = torch.from_numpy(pk.counts).float()
-        denom = counts * shape.hidden_size
+        denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
         losses = diff.square().sum((1, 2)) / denom
         dy = diff.mul_((2.0 / denom)[:, None, None])
         # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
@@ -95,7 +98,15 @@ class HostTrainer:
         todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
         if todo:
             self._update(theta, m, v, step, factors, coef, todo, batch.size)
-        return loss_l, ok
+        stats = None
+        if hp.stats:
+            stats = torch.full((len(ok), len(STATS)), float("nan"))
+            done = [gi for gi in range(len(ok)) if ok[gi]]
+            if done:
+                sl = torch.from_numpy(pk.slots[done])
+                norm = torch.tensor([sq_l[gi] for gi in done]).sqrt()
+                stats[done] = adam_stats(m[sl], v[sl], step[sl], norm, hp)
+        return loss_l, ok, stats
 
     def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
         """Form each weight's clipped gradient for all groups and apply Adam to the groups in

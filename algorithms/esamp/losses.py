@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.esamp.opt_stats import OptStats
 from algorithms.esamp.slots import TrainResult
 from tllm_core.counters import Counters
 
@@ -28,6 +29,7 @@ def final_prefix(results: list[TrainResult], block: bool) -> int:
 class LossBook:
     def __init__(self, counters: Counters):
         self.counters = counters
+        self.opt = OptStats(counters)
         self._sum, self._n = 0.0, 0
         self._first: float | None = None
         self._last: float | None = None
@@ -47,14 +49,20 @@ class LossBook:
             losses = res.losses.cpu().tolist()
             ok = res.updated.cpu().tolist()
             counts = res.counts.tolist()
+            stats = res.stats.cpu().tolist() if res.stats is not None else None
             train_steps += any(ok)
-            for serial, age, loss, good, n in zip(serials, ages, losses, ok, counts, strict=True):
+            for i, (serial, age, loss, good, n) in enumerate(
+                zip(serials, ages, losses, ok, counts, strict=True)
+            ):
                 if not good:
                     bad += 1
                     continue
                 steps += 1
                 rows += n
                 self._add_loss(serial, age, loss)
+                if stats is not None:
+                    self.opt.add(age, stats[i])
+        self.opt.publish()
         self.counters.add("optimizer_steps", steps)
         self.counters.add("rows_trained", rows)
         self.counters.add("decode_steps", train_steps)
@@ -111,4 +119,5 @@ class LossBook:
             "group_loss_last_mean": self._glast_sum / self._g_n if self._g_n else None,
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._curve(),
+            **self.opt.summary(),
         }

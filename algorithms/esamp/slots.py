@@ -31,6 +31,8 @@ class TrainResult:
     # Set once the values are final (CPU side thread); None: final after synchronize().
     done: threading.Event | None = None
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
+    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
+    stats: torch.Tensor | None = None
 
     def ready(self) -> bool:
         """True when ``losses``/``updated`` can be read without waiting."""
@@ -62,6 +64,8 @@ class SlotDistiller:
         eps: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float | None = 0.5,
+        loss_reduction: str = "mean",
+        optimizer_stats: bool = False,
         init: str = "paper",
         seed: int = 0,
         capacity: int = 4,
@@ -70,7 +74,7 @@ class SlotDistiller:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
-        self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip)
+        self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip, loss_reduction, optimizer_stats)
         self.device = torch.device(device)
         self.template = init_params(self.shape, init, seed).to(self.device)
         self._capacity = 0
@@ -194,7 +198,7 @@ class SlotDistiller:
         raise NotImplementedError
 
     def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
-        """One Adam step per group present, on that group's rows (MSE averaged over them).
+        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.objective`).
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
         """

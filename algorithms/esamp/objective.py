@@ -1,0 +1,27 @@
+"""The distiller's loss, defined once for both update paths (the CPU host trainer and the
+graph-capturable update): a group's summed squared error ``sum ||f(x) - target||^2`` over
+its rows, divided by :func:`loss_denominator`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LossReduction = Literal["mean", "sum"]
+
+
+def loss_denominator(rows: torch.Tensor, hidden_size: int, reduction: str) -> torch.Tensor:
+    """What each group's summed squared error is divided by (fp32, at least 1).
+
+    ``rows``: each group's row count. ``"mean"``: rows x hidden size (the mean over rows and
+    hidden dims, as ``F.mse_loss``); ``"sum"``: rows (the paper's loss: summed over hidden
+    dims, averaged over rows), so loss and gradient are ``hidden_size`` times the mean's.
+    """
+    if reduction == "mean":
+        per_row = hidden_size
+    elif reduction == "sum":
+        per_row = 1
+    else:
+        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+    return (rows.to(torch.float32) * per_row).clamp_min(1.0)

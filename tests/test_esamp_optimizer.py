@@ -1,0 +1,192 @@
+"""ESamp's loss reduction, optimizer statistics and f-noise ablation (CPU, no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_esamp_math import INTER, Fake, H, _filtered_logits
+
+from algorithms.esamp.adam import STATS
+from algorithms.esamp.cpu import GroupedDistiller
+from algorithms.esamp.graph_update import losses_and_grads, train_dense
+from algorithms.esamp.guidance import f_noise_prediction
+from algorithms.esamp.mlp import forward_acts
+from algorithms.esamp.objective import loss_denominator
+from algorithms.esamp.packing import make_packing
+from algorithms.esamp.params import block_weights
+from tllm_core.bundles import Bundle
+
+
+def _dist(**kw) -> GroupedDistiller:
+    kw.setdefault("intermediate_size", INTER)
+    return GroupedDistiller(H, **kw)
+
+
+def _dense_inputs(d: GroupedDistiller, rows: torch.Tensor, x, t, m: int = 4):
+    pk = make_packing(rows)
+    s_total = d.theta.shape[0]
+    rg, rp = torch.from_numpy(pk.slots[pk.row_group]), torch.from_numpy(pk.row_pos)
+    xp, tp = torch.zeros(s_total, m, H), torch.zeros(s_total, m, H)
+    mask = torch.zeros(s_total, m, dtype=torch.bool)
+    xp[rg, rp], tp[rg, rp], mask[rg, rp] = x, t, True
+    valid = torch.zeros(s_total, dtype=torch.bool)
+    valid[torch.from_numpy(pk.slots)] = True
+    return pk, valid, xp, tp, mask
+
+
+def test_loss_denominator():
+    rows = torch.tensor([0, 1, 3])
+    assert loss_denominator(rows, H, "mean").tolist() == [1.0, H, 3.0 * H]
+    assert loss_denominator(rows, H, "sum").tolist() == [1.0, 1.0, 3.0]
+    with pytest.raises(ValueError):
+        loss_denominator(rows, H, "max")
+
+
+def test_sum_is_mean_times_hidden_in_loss_and_gradient():
+    """Both update paths: the summed loss and its gradient are H times the mean's."""
+    torch.manual_seed(0)
+    rows = torch.tensor([0, 1, 0, 1, 1])
+    x, t = torch.randn(5, H), torch.randn(5, H)
+    got = {}
+    for red in ("mean", "sum"):
+        d = _dist(loss_reduction=red, grad_clip=None, capacity=2)
+        d.alloc(), d.alloc()
+        pk, valid, xp, tp, mask = _dense_inputs(d, rows, x, t)
+        # The graph path's loss and autograd gradient, before any update.
+        loss_g, grads = losses_and_grads(d.theta, xp, tp, mask, d.shape, red)
+        # The host trainer's loss, and its gradient read off Adam's first moment (m = (1-b1) g).
+        res = d.train_step(rows, x, t)
+        d.synchronize()
+        got[red] = (loss_g, grads, res.losses, d.m.clone())
+    (lm, gm, hm, mm), (ls, gs, hs, ms) = got["mean"], got["sum"]
+    torch.testing.assert_close(ls, lm * H)
+    for a, b in zip(gm, gs, strict=True):
+        torch.testing.assert_close(b, a * H, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(hs, hm * H)
+    torch.testing.assert_close(ms, mm * H, rtol=1e-5, atol=1e-9)
+
+
+def test_sum_reduction_host_and_dense_agree():
+    torch.manual_seed(1)
+    rows = torch.tensor([0, 1, 1])
+    x, t = torch.randn(3, H), torch.randn(3, H)
+    host, dense = _dist(loss_reduction="sum"), _dist(loss_reduction="sum")
+    for d in (host, dense):
+        d.alloc(), d.alloc()
+    ref = host.train_step(rows, x, t)
+    pk, valid, xp, tp, mask = _dense_inputs(dense, rows, x, t)
+    losses, ok = train_dense(
+        dense.theta, dense.m, dense.v, dense.step, valid, xp, tp, mask, dense.shape, dense.hp
+    )
+    torch.testing.assert_close(losses[torch.from_numpy(pk.slots)], ref.losses)
+    torch.testing.assert_close(dense.theta, host.theta, rtol=1e-6, atol=1e-7)
+
+
+def _manual_stats(before, d: GroupedDistiller, slot: int, eps: float, x, t) -> list[float]:
+    """eps share, mean |delta theta| / lr and the gradient norm from the state itself and
+    autograd (no formula shared)."""
+    b2 = d.hp.betas[1]
+    n = float(d.step[slot])
+    v_hat_sqrt = (d.v[slot] / (1 - b2**n)).sqrt()
+    share = float((v_hat_sqrt < eps).float().mean())
+    size = float((d.theta[slot] - before[slot]).abs().mean()) / d.hp.lr
+    w = before[slot].clone().requires_grad_(True)
+    loss = (forward_acts(block_weights(w[None], d.shape), x[None])[0][0] - t).square().mean()
+    (g,) = torch.autograd.grad(loss, w)
+    return [share, size, float(g.norm())]
+
+
+@pytest.mark.parametrize("clip, clipped", [(1e-6, 1.0), (1e6, 0.0), (None, 0.0)])
+@pytest.mark.parametrize("eps", [1e-4, 10.0])
+def test_optimizer_stats_match_the_update(clip, clipped, eps):
+    """Stats of both paths equal what the update did: its |delta theta| / lr, the share of
+    sqrt(v_hat) < eps, and whether the gradient norm exceeded the clip."""
+    torch.manual_seed(2)
+    rows = torch.tensor([0, 1, 1, 0])
+    host = _dist(optimizer_stats=True, grad_clip=clip, eps=eps)
+    dense = _dist(optimizer_stats=True, grad_clip=clip, eps=eps)
+    for d in (host, dense):
+        d.alloc(), d.alloc()
+    for _ in range(3):
+        x, t = torch.randn(4, H), torch.randn(4, H) * 0.01
+        before = host.theta.clone()
+        res = host.train_step(rows, x, t)
+        host.synchronize()
+        pk, valid, xp, tp, mask = _dense_inputs(dense, rows, x, t)
+        out = torch.full((dense.theta.shape[0], len(STATS)), float("nan"))
+        train_dense(
+            dense.theta, dense.m, dense.v, dense.step, valid, xp, tp, mask,
+            dense.shape, dense.hp, stats=out,
+        )  # fmt: skip
+        for gi, slot in enumerate(pk.slots):
+            sel = rows == int(slot)
+            want = [clipped, *_manual_stats(before, host, slot, eps, x[sel], t[sel])]
+            torch.testing.assert_close(res.stats[gi], torch.tensor(want), rtol=2e-3, atol=1e-6)
+            torch.testing.assert_close(out[slot], res.stats[gi], rtol=1e-4, atol=1e-6)
+    assert len(STATS) == 4
+    # eps 10 dominates every denominator of these gradients, and so does 1e-4 once the
+    # gradient is clipped to norm 1e-6; unclipped, 1e-4 does not dominate them all.
+    share = float(res.stats[:, 1].mean())
+    assert (share == 1.0) if eps == 10.0 or clip == 1e-6 else (share < 1.0)
+
+
+def test_optimizer_stats_off_by_default():
+    d = _dist()
+    d.alloc()
+    res = d.train_step(torch.tensor([0]), torch.randn(1, H), torch.randn(1, H))
+    assert res.stats is None
+
+
+def test_consumer_optimizer_counters():
+    fake = Fake()
+    c = fake.consumer(optimizer_stats=True, cpu_update="inline", grad_clip=1e-3)
+    reqs = fake.requests(2, 2)
+    for t in range(4):
+        rows, hidden = fake.step(reqs)
+        c.guide(fake.view(rows, hidden, _filtered_logits(4, 40, keep=5, seed=t)))
+        c.on_bundle(Bundle(t, rows, hidden))
+    out = c.result()
+    k = c.counters.snapshot()
+    assert k["optimizer_updates_measured"] == k["optimizer_steps"] == 8
+    assert k["optimizer_clipped_updates"] == 8 and k["optimizer_clip_rate"] == 1.0
+    assert 0.0 <= k["optimizer_eps_share"] <= 1.0 and k["optimizer_update_size"] > 0
+    assert k["optimizer_grad_norm"] > 1e-3
+    curve = out["optimizer_curve"]
+    assert [row[0] for row in curve] == [0, 1, 2, 3] and all(row[-1] == 2 for row in curve)
+    plain = fake.consumer(cpu_update="inline")
+    rows, hidden = fake.step(reqs)
+    plain.on_bundle(Bundle(0, rows, hidden))
+    assert "optimizer_updates_measured" not in plain.counters.snapshot()
+    assert plain.result()["optimizer_curve"] == []
+
+
+def test_f_noise_prediction_keeps_row_norm():
+    f = torch.randn(6, H)
+    f[2] = 0.0
+    g = torch.Generator().manual_seed(0)
+    fake = f_noise_prediction(f, g)
+    torch.testing.assert_close(fake.norm(dim=-1), f.norm(dim=-1))
+    assert not torch.allclose(fake, f) and not fake[2].any()
+
+
+def test_consumer_f_noise_keeps_sharpening_and_norm():
+    """ablation f_noise: the mix is still (1+beta) ref - beta W f' / T, with ||f'|| = ||f||
+    per row and f' != f (the learned direction is replaced, the sharpening kept)."""
+    beta, temp = 0.5, 0.7
+    fake = Fake()
+    reqs = fake.requests(1, 3)
+    rows, hidden = fake.step(reqs)
+    ref = fake.model.lm_head(hidden["final"]) / temp
+    f = {}
+    for ablation in ("none", "f_noise"):
+        c = fake.consumer(ablation=ablation, beta=beta, mode="full_vocab")
+        v = fake.view(rows, hidden, ref, filtered=False, temp=temp)
+        c.guide(v)
+        dist = ((1 + beta) * ref - v.logits) * temp / beta  # = W f' if the form holds
+        sol = torch.linalg.lstsq(fake.w, dist.t()).solution.t()
+        torch.testing.assert_close(sol @ fake.w.t(), dist, rtol=1e-4, atol=1e-4)
+        f[ablation] = sol
+    torch.testing.assert_close(
+        f["f_noise"].norm(dim=-1), f["none"].norm(dim=-1), rtol=1e-4, atol=1e-4
+    )
+    assert not torch.allclose(f["f_noise"], f["none"], atol=1e-2)
