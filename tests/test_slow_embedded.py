@@ -40,12 +40,17 @@ def test_main_job_esamp_on_embedded_model():
 
 def test_embedded_model_on_model_runner_v2_captures_like_transformers_and_guides():
     """The embedded model on vLLM's V2 runner (test fixture): residual and final states of
-    every row equal transformers' on the same tokens while ESamp trains and guides."""
+    every row equal transformers' on the same tokens while ESamp trains and guides.
+
+    30 fp32 layers with large activations (up to ~2.5e4 at layer 14) differ from
+    transformers by kernel order: each state is compared at 1e-4 of its own scale (on V1
+    the errors are the same; docs/runners.md)."""
     import json
 
+    import torch
     from cli_util import v2_env
-    from reference import sequences_from_rows
-    from test_capture_truth import PROMPTS, check_against_hf
+    from reference import hf_states, sequences_from_rows
+    from test_capture_truth import PROMPTS
 
     from tllm_core.default_model import default_model_path
 
@@ -62,6 +67,19 @@ def test_embedded_model_on_model_runner_v2_captures_like_transformers_and_guides
     for name in ("optimizer_steps", "rows_trained", "rows_guided", "candidates_guided"):
         assert es[name] > 0, name
     result = out["results"]["recorder"]
-    assert len(sequences_from_rows(result["rows"], result["sampled"])) == len(PROMPTS) * 2
-    assert check_against_hf(model, result, 30, 2) > 0
+    seqs = sequences_from_rows(result["rows"], result["sampled"])
+    assert len(seqs) == len(PROMPTS) * 2
+    checked = 0
+    for key, seq in seqs.items():
+        ref = hf_states(model, seq)
+        rows = [r for r in result["rows"] if (r["request_id"], r["sample_index"]) == key]
+        assert sorted(r["position"] for r in rows) == list(range(len(seq) - 1)), key
+        for r in rows:
+            assert r["token_id"] == seq[r["position"]]
+            for k, v in r["hidden"].items():
+                want = ref[k][r["position"]]
+                err = (torch.tensor(v) - want).abs().max().item()
+                assert err <= 1e-4 * max(1.0, want.abs().max().item()), (key, r["position"], k, err)
+                checked += 1
+    assert checked == 4 * sum(len(s) - 1 for s in seqs.values())
     assert out["errors"] == []
