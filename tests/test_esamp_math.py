@@ -46,6 +46,18 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 # -- guidance -------------------------------------------------------------------------
+def _dense_inputs(d: GroupedDistiller, rows: torch.Tensor, x, t, m: int = 4):
+    pk = make_packing(rows)
+    s_total = d.theta.shape[0]
+    rg, rp = torch.from_numpy(pk.slots[pk.row_group]), torch.from_numpy(pk.row_pos)
+    xp, tp = torch.zeros(s_total, m, H), torch.zeros(s_total, m, H)
+    mask = torch.zeros(s_total, m, dtype=torch.bool)
+    xp[rg, rp], tp[rg, rp], mask[rg, rp] = x, t, True
+    valid = torch.zeros(s_total, dtype=torch.bool)
+    valid[torch.from_numpy(pk.slots)] = True
+    return pk, valid, xp, tp, mask
+
+
 def test_post_filter_changes_exactly_the_candidates():
     torch.manual_seed(0)
     ref = _filtered_logits(3, V, keep=5)
@@ -465,14 +477,8 @@ def test_dense_fixed_capacity_update_equals_unpadded():
     rows = torch.tensor([slots[0], slots[2], slots[0], slots[2], slots[2]])
     x, t = torch.randn(5, H), torch.randn(5, H)
     ref = exact.train_step(rows, x, t)
-    pk = make_packing(rows)
-    s_total, m = dense.theta.shape[0], 8
-    rg, rp = torch.from_numpy(pk.slots[pk.row_group]), torch.from_numpy(pk.row_pos)
-    xp, tp = torch.zeros(s_total, m, H), torch.zeros(s_total, m, H)
-    mask = torch.zeros(s_total, m, dtype=torch.bool)
-    xp[rg, rp], tp[rg, rp], mask[rg, rp] = x, t, True
-    valid = torch.zeros(s_total, dtype=torch.bool)
-    valid[torch.from_numpy(pk.slots)] = True
+    pk, valid, xp, tp, mask = _dense_inputs(dense, rows, x, t, m=8)
+    s_total = dense.theta.shape[0]
     applied = torch.zeros(s_total, dtype=torch.long)
     losses, ok = train_dense(
         dense.theta,

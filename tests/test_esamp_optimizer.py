@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_esamp_math import INTER, Fake, H, _filtered_logits
+from test_esamp_math import INTER, Fake, H, _dense_inputs, _filtered_logits
 
 from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
@@ -12,7 +12,6 @@ from algorithms.esamp.graph_update import losses_and_grads, train_dense
 from algorithms.esamp.guidance import f_noise_prediction
 from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.objective import loss_denominator
-from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import block_weights
 from tllm_core.bundles import Bundle
 
@@ -20,18 +19,6 @@ from tllm_core.bundles import Bundle
 def _dist(**kw) -> GroupedDistiller:
     kw.setdefault("intermediate_size", INTER)
     return GroupedDistiller(H, **kw)
-
-
-def _dense_inputs(d: GroupedDistiller, rows: torch.Tensor, x, t, m: int = 4):
-    pk = make_packing(rows)
-    s_total = d.theta.shape[0]
-    rg, rp = torch.from_numpy(pk.slots[pk.row_group]), torch.from_numpy(pk.row_pos)
-    xp, tp = torch.zeros(s_total, m, H), torch.zeros(s_total, m, H)
-    mask = torch.zeros(s_total, m, dtype=torch.bool)
-    xp[rg, rp], tp[rg, rp], mask[rg, rp] = x, t, True
-    valid = torch.zeros(s_total, dtype=torch.bool)
-    valid[torch.from_numpy(pk.slots)] = True
-    return pk, valid, xp, tp, mask
 
 
 def test_loss_denominator():
