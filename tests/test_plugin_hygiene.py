@@ -89,6 +89,18 @@ def install(root: Path, dist: str, plugins: dict[str, str | None]) -> None:
     (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_leaked_allow_list():
+    """``tllm``'s main() sets TLLM_PLUGINS for the processes it starts when a plugin is
+    broken; the module leaves the variable as it found it, so later tests load every plugin."""
+    before = os.environ.get(ALLOW_ENV)
+    yield
+    if before is None:
+        os.environ.pop(ALLOW_ENV, None)
+    else:
+        os.environ[ALLOW_ENV] = before
+
+
 @pytest.fixture
 def site(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
