@@ -14,7 +14,7 @@ from tllm_core.vllm_bridge.parallel import check_layout
 from tllm_core.vllm_bridge.runner_base import LOADED_MODEL_ATTRS, RunnerAdapterBase
 from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
 from tllm_core.vllm_bridge.v2_runner import V2RunnerAdapter
-from tllm_core.vllm_bridge.version import missing_attrs
+from tllm_core.vllm_bridge.version import require_attrs
 
 # (module, class) of each runner generation's base class -> its adapter
 ADAPTERS: dict[tuple[str, str], type[RunnerAdapterBase]] = {
@@ -43,12 +43,7 @@ def check_runner(runner: object) -> type[RunnerAdapterBase]:
     paths = adapter.required_attrs
     if getattr(runner, "model", None) is not None:
         paths = paths + LOADED_MODEL_ATTRS
-    missing = missing_attrs(runner, paths)
-    if missing:
-        raise UnsupportedEngineError(
-            f"vLLM's {adapter.generation} runner lacks {', '.join(repr(m) for m in missing)}: "
-            f"this vLLM is not supported"
-        )
+    require_attrs(runner, paths, f"{adapter.generation} runner")
     if getattr(runner, "speculative_config", None) is not None:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
     check_layout(runner.vllm_config.parallel_config)

@@ -33,6 +33,7 @@ import torch
 from tllm_core.rows import StepLayout
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
+from tllm_core.vllm_bridge.version import require_attrs
 
 # Below this a temperature means greedy (vLLM's sampling epsilon).
 _GREEDY_EPS = 1e-5
@@ -94,16 +95,8 @@ class V2RunnerAdapter(RunnerAdapterBase):
 
     # -- wrappers -----------------------------------------------------------------------
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
-        from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-        from tllm_core.vllm_bridge.version import missing_attrs
-
         r = self.runner
-        missing = missing_attrs(r, self.sampler_attrs)
-        if missing:
-            raise UnsupportedEngineError(
-                f"vLLM's V2 runner lacks {', '.join(repr(m) for m in missing)}: this vLLM is "
-                f"not supported"
-            )
+        require_attrs(r, self.sampler_attrs, "V2 runner")
         execute, add, prepare, sample = r.execute_model, r.add_requests, r.prepare_inputs, r.sample
         sampler = r.sampler
         raw_sample = sampler.sample

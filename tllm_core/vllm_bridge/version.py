@@ -43,3 +43,13 @@ def missing_attrs(obj: object, paths: tuple[str, ...]) -> list[str]:
                 break
             cur = getattr(cur, part)
     return missing
+
+
+def require_attrs(obj: object, paths: tuple[str, ...], what: str) -> None:
+    """``UnsupportedEngineError`` naming every path of ``paths`` that ``obj`` (vLLM's
+    ``what``, e.g. "V2 runner") lacks; nothing when it has them all."""
+    missing = missing_attrs(obj, paths)
+    if missing:
+        raise UnsupportedEngineError(
+            f"vLLM's {what} lacks {', '.join(repr(m) for m in missing)}: this vLLM is not supported"
+        )

@@ -22,7 +22,7 @@ import functools
 import logging
 from typing import Any
 
-from tllm_core.vllm_bridge.version import UnsupportedEngineError, in_series, missing_attrs
+from tllm_core.vllm_bridge.version import in_series, require_attrs
 
 log = logging.getLogger("tllm")
 
@@ -71,12 +71,7 @@ def _discarded_generators(runner: Any) -> dict[int, Any]:
 
 
 def _fix_seeded_chunked_prefill(runner: Any) -> None:
-    missing = missing_attrs(runner, _SEEDED_ATTRS)
-    if missing:
-        raise UnsupportedEngineError(
-            f"vLLM runner lacks {missing} (needed by tllm's seeded chunked-prefill fix): "
-            f"this vLLM is not supported"
-        )
+    require_attrs(runner, _SEEDED_ATTRS, "V1 runner (for tllm's seeded chunked-prefill fix)")
     sample, bookkeeping = runner._sample, runner._bookkeeping_sync
 
     @functools.wraps(sample)
