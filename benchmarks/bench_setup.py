@@ -30,7 +30,7 @@ def model_path(model: str | None) -> str:
     """The model folder asked for, or the embedded SmolLM2."""
     if model is not None:
         return model
-    from tllm_core.default_model import default_model_path
+    from tllm_core.app.default_model import default_model_path
 
     return str(default_model_path())
 

@@ -10,7 +10,7 @@ measures what they bring on the benchmark workload of benchmarks/throughput.py (
 Method: ``--pairs`` pairs of fresh processes; each process starts plain ``vllm.LLM`` in vLLM's
 default multiprocess layout (what ``tllm run`` uses), warms up, then times ``--rounds``
 generate calls. In one process of a pair ``LD_PRELOAD`` holds the libraries
-(:func:`tllm_core.cpu_preload.apply`, as the ``tllm`` command sets it), in the other it is
+(:func:`tllm_core.app.cpu_preload.apply`, as the ``tllm`` command sets it), in the other it is
 unset (vLLM then preloads PyTorch's libgomp itself); the order alternates between pairs.
 ``ratio`` is the median over pairs of preload tok/s / plain tok/s (min and max: the spread;
 the machine may be shared).
@@ -35,7 +35,7 @@ PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One process: start plain vLLM, warm up, time the rounds (tok/s each)."""
     if cfg["preload"]:
-        from tllm_core.cpu_preload import apply
+        from tllm_core.app.cpu_preload import apply
 
         added = apply()
     else:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(args._child))))
         return 0
     sys.path.insert(0, str(ROOT))
-    from tllm_core.cpu_preload import preload_libs
+    from tllm_core.app.cpu_preload import preload_libs
 
     libs = preload_libs()
     if not libs:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     model = args.model
     if model is None:
-        from tllm_core.default_model import default_model_path
+        from tllm_core.app.default_model import default_model_path
 
         model = str(default_model_path())
     base = dict(

@@ -220,7 +220,7 @@ def generate_all(methods, prompts, args, model, tag: str = "diversity") -> dict[
     distinct consumer list (vanilla and temperature methods share one)."""
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     convs = [[{"role": "user", "content": p}] for p in prompts]
     by_engine: dict[str, list[dict]] = {}
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
     if variants:  # bad fields fail here, before any engine starts
-        from tllm_core.engine import validate_consumers
+        from tllm_core.app.engine import validate_consumers
 
         for m in methods:
             if m["consumers"]:

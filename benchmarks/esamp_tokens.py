@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     model = model_path(args.model)
     tok = AutoTokenizer.from_pretrained(model)

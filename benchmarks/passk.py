@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             or "variant" in m
         ]
     methods = _sibling("diversity").select_methods(p, methods, args.methods)
-    from tllm_core.engine import validate_consumers
+    from tllm_core.app.engine import validate_consumers
 
     for m in methods:  # bad fields fail here, before any engine starts
         if m["consumers"]:

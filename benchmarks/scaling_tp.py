@@ -58,7 +58,7 @@ def _engine(case: str, model: str, kw: dict):
         finally:
             if bound is not None:
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     return TllmLLM(model, CASES[case], **kw)
 

@@ -335,7 +335,7 @@ def main() -> int:
     a = p.parse_args()
     model = a.model
     if model is None:
-        from tllm_core.default_model import default_model_path
+        from tllm_core.app.default_model import default_model_path
 
         model = str(default_model_path())
     out = soak(model, a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager)

@@ -283,7 +283,7 @@ class _Case:
         if consumers is None:
             self.llm, self.engine = LLM(model, **kw), None
         else:
-            from tllm_core.engine import TllmLLM
+            from tllm_core.app.engine import TllmLLM
 
             self.engine = TllmLLM(model, consumers, **kw)
             self.llm = self.engine
@@ -667,13 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     if model is None:
         sys.path.insert(0, str(ROOT))
-        from tllm_core.default_model import default_model_path
+        from tllm_core.app.default_model import default_model_path
 
         model = str(default_model_path())
     cases = select_cases(args.consumer)
     if any(c not in CASES for c in cases):  # check custom specs before running
         sys.path.insert(0, str(ROOT))
-        from tllm_core.engine import validate_consumers
+        from tllm_core.app.engine import validate_consumers
 
         for c in cases:
             if c not in CASES:

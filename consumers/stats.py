@@ -8,8 +8,8 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from tllm_core import Bundle, Consumer, ConsumerConfig, Phase
-from tllm_core.port_names import parse_port_name
-from tllm_core.ports import residual_port
+from tllm_core.api.port_names import parse_port_name
+from tllm_core.api.ports import residual_port
 
 
 class StatsConfig(ConsumerConfig):

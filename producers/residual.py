@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tllm_core.ports import FINAL, HiddenStates
-from tllm_core.producer import Producer, TapRequest
+from tllm_core.api.ports import FINAL, HiddenStates
+from tllm_core.api.producer import Producer, TapRequest
 
 
 class ResidualProducer(Producer):

@@ -39,7 +39,7 @@ def long_export_argv(model: str, out: str, *source: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "tllm_core.cli",
+        "tllm_core.app.cli",
         "export",
         "--model",
         model,

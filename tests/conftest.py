@@ -93,7 +93,7 @@ def engines():
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``tllm`` in vLLM's default (multiprocess) layout."""
     with subprocess.Popen(
-        [sys.executable, "-m", "tllm_core.cli", *args],
+        [sys.executable, "-m", "tllm_core.app.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -44,7 +44,7 @@ def tllm_serve(
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core group per rank
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "tllm_core.app.cli", "serve", "--port", str(port), *args]
     with open(log, "w") as err:
         proc = subprocess.Popen(argv, env=env, stdout=err, stderr=err, start_new_session=True)
     try:

@@ -101,7 +101,7 @@ class _ProbePlugin:
 def probe_registered():
     """Registers ``archprobe`` in every Registry built in this process (the in-process
     engine's worker builds its own), as an installed plugin package would."""
-    from tllm_core.plugins import Plugins
+    from tllm_core.plugins.loader import Plugins
 
     original = Plugins.load.__func__
 
@@ -231,7 +231,7 @@ def _compare(path: str, outs, rows: dict, steered_index: int, tol: float) -> dic
 def test_architecture_matches_transformers(arch, engines, probe_registered, results):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     path = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=LAYERS, hidden=HIDDEN))
     consumers = [
@@ -279,7 +279,7 @@ def test_architecture_matches_transformers(arch, engines, probe_registered, resu
 
 def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str, str]:
     """Asking for a port the family lacks fails at start, naming the layer and why."""
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     errors = {}
     for port, words in LACKING[arch].items():
@@ -297,7 +297,7 @@ def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str,
 def test_mla_in_fp32_is_refused_before_vllm_starts(results):
     """vLLM's CPU MLA kernel fails at load in fp32 with a message naming neither the model nor
     the remedy; tllm refuses first, naming both."""
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
     from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
     path = str(build_tiny_model(MODEL_CACHE, arch="deepseek_v2", num_layers=LAYERS))
@@ -399,7 +399,7 @@ def test_raw_attention_kernel_is_not_taken_for_the_block():
 
 @pytest.mark.parametrize("convention", ["sum", "tensor", "stream_first"])
 def test_residual_tap_reads_and_edits_each_layer_convention(convention):
-    from tllm_core.edits import EditBuffers
+    from tllm_core.api.edits import EditBuffers
     from tllm_core.vllm_bridge.sites import STREAM_FIRST_LAYERS, install_tap
 
     h, r = torch.randn(3, 2), torch.randn(3, 2)

@@ -115,8 +115,8 @@ def test_unsupported_vllm_version_is_refused(monkeypatch):
 
 
 def test_python_api_fails_before_engine_start(tiny_model):
-    from tllm_core.engine import TllmLLM
-    from tllm_core.registry import ConsumerSpecError
+    from tllm_core.app.engine import TllmLLM
+    from tllm_core.plugins.registry import ConsumerSpecError
 
     with pytest.raises(ValueError, match="out of range"):
         TllmLLM(tiny_model, ['stats:{"layers": [-5]}'])

@@ -58,7 +58,7 @@ def test_compiled_export_of_block_outputs_matches_transformers(tiny_model, tmp_p
 def test_eager_block_outputs_match_transformers_qwen2(tiny_qwen, engines, tmp_path):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     out = tmp_path / "qblocks"
     spec = {"name": "export", "config": {"out": str(out), "layers": PORTS}}

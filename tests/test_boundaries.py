@@ -4,6 +4,7 @@
   ``LLM``, ``SamplingParams`` and the public entry points);
 - ``tllm_core`` imports neither ``consumers``, ``algorithms`` nor ``producers``, and names
   no built-in consumer module;
+- ``tllm_core``'s layers import only the layers below them (``LAYERS``);
 - there are no import cycles between the project's modules.
 """
 
@@ -86,6 +87,45 @@ def test_core_imports_no_builtin_package():
             if f'"{builtin}' in text or f"'{builtin}" in text:
                 bad.append(f"{path.relative_to(ROOT)} names a built-in module ({builtin}...)")
     assert not bad, "tllm_core reaches into built-ins:\n" + "\n".join(bad)
+
+
+# tllm_core's sub-packages, lowest first: the data flow read upwards from the consumer API
+# (docs/index.md, "Layout"). A layer may import its own modules and the layers before it.
+LAYERS = ("api", "plugins", "runtime", "serving", "vllm_bridge", "app")
+# Modules of tllm_core's top level: the public API and its lazy loader may import any layer.
+TOP = {"tllm_core", "tllm_core.lazy"}
+
+
+def _layer_violations(mods: dict[str, Path]) -> list[str]:
+    bad = []
+    for mod, path in mods.items():
+        if not mod.startswith("tllm_core.") or mod in TOP:
+            continue
+        own = LAYERS.index(mod.split(".")[1])
+        for name, line in _imports(path, mod):
+            parts = name.split(".")
+            if parts[0] != "tllm_core" or len(parts) < 2 or parts[1] not in LAYERS:
+                continue
+            if LAYERS.index(parts[1]) > own:
+                bad.append(f"{path.name}:{line}: layer {LAYERS[own]} imports {name}")
+    return bad
+
+
+def test_core_layers_import_only_layers_below():
+    mods = _modules()
+    layered = {m.split(".")[1] for m in mods if m.startswith("tllm_core.") and m not in TOP}
+    assert layered == set(LAYERS), f"tllm_core sub-packages {sorted(layered)} != {LAYERS}"
+    bad = _layer_violations(mods)
+    assert not bad, "a tllm_core layer imports a layer above it:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path):
+    f = tmp_path / "rows.py"
+    f.write_text("def f():\n    from tllm_core.app.engine import TllmLLM\n")
+    assert _layer_violations({"tllm_core.api.rows": f}) == [
+        "rows.py:2: layer api imports tllm_core.app.engine.TllmLLM"
+    ]
+    assert _layer_violations({"tllm_core.app.cli": f}) == []
 
 
 def test_no_import_cycles():

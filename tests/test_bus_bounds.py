@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tllm_core import Bundle, Consumer, ConsumerConfig
-from tllm_core.bus import Bus
-from tllm_core.counters import Counters
-from tllm_core.ports import Delivery
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.counters import Counters
+from tllm_core.api.ports import Delivery
+from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.runtime.bus import Bus
 
 # Generous bounds for "returned at all" on a busy machine; a hang would exceed them.
 HANG_S = 20
@@ -135,9 +135,9 @@ def test_a_failed_consumer_is_still_closed():
 
 def test_runtime_closes_a_failed_consumer():
     from tllm_core import ConsumerContext, HiddenStates, ModelInfo, hookimpl
-    from tllm_core.registry import Registry
-    from tllm_core.runtime import Runtime
-    from tllm_core.settings import RuntimeSettings
+    from tllm_core.plugins.registry import Registry
+    from tllm_core.runtime.runtime import Runtime
+    from tllm_core.runtime.settings import RuntimeSettings
 
     closed = []
 

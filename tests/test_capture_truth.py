@@ -82,7 +82,7 @@ def test_compiled_multiprocess_third_party_consumer_matches_transformers(tiny_mo
 def test_eager_in_process_matches_transformers(tiny_model, engines):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     llm = engines.get(
         ("truth-eager", tiny_model),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tllm_core.cli import build_parser
+from tllm_core.app.cli import build_parser
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ def test_out_of_range_options_are_refused(capsys, argv, message):
 
 
 def test_in_range_options_reach_the_engine_unchanged():
-    from tllm_core.cli_common import engine_kwargs
+    from tllm_core.app.cli_common import engine_kwargs
 
     args = build_parser().parse_args(["run", "--max-num-seqs", "1", "--top-k", "5"])
     assert engine_kwargs(args)["max_num_seqs"] == 1 and args.top_k == 5
@@ -44,7 +44,7 @@ def test_export_layers_entry_that_is_no_number_is_named():
 def test_json_report_is_strict_json_with_nan_figures(capsys):
     import json
 
-    from tllm_core.cli_common import print_report
+    from tllm_core.app.cli_common import print_report
 
     report = {"runtime": {}, "consumers": {"stats": {"mean": float("nan")}}, "results": {}}
     report["results"]["stats"] = {"loss": [float("inf"), 1.0]}

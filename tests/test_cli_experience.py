@@ -170,8 +170,8 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
 
 def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):
     from consumers.export.command import written
-    from tllm_core.progress import summary
-    from tllm_core.registry import Registry
+    from tllm_core.app.progress import summary
+    from tllm_core.plugins.registry import Registry
 
     reg = Registry()
     assert reg.get("esamp").proof_counter == "rows_guided"
@@ -193,7 +193,7 @@ def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path
 def test_harmless_filter_drops_only_the_listed_messages():
     import logging
 
-    from tllm_core.quiet import HarmlessFilter
+    from tllm_core.vllm_bridge.quiet import HarmlessFilter
 
     f = HarmlessFilter()
 
@@ -212,7 +212,7 @@ def test_harmless_filter_drops_only_the_listed_messages():
 
 
 def test_cpu_preload_env():
-    from tllm_core import cpu_preload
+    from tllm_core.app import cpu_preload
 
     libs = cpu_preload.preload_libs()
     if not libs:

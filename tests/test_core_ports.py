@@ -26,14 +26,14 @@ from tllm_core import (
     TapRequest,
     hookimpl,
 )
-from tllm_core.consumer import ModelInfo
-from tllm_core.edits import EditBuffers, EditPlan, apply_edit
-from tllm_core.port_names import PortName, format_port_name, parse_port_name, tap_port_name
-from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, StepLayout, layout_rows
-from tllm_core.runtime import Runtime
-from tllm_core.settings import RuntimeSettings
-from tllm_core.step import StepCapture
+from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.edits import EditBuffers, EditPlan, apply_edit
+from tllm_core.api.port_names import PortName, format_port_name, parse_port_name, tap_port_name
+from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
+from tllm_core.api.step import StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.sites import OutputTap, ResidualTap, TapBuffers
 
 H = 4

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tllm_core import Bundle, Consumer, ConsumerConfig, EditPlan, GuideView, HiddenStates, Phase
-from tllm_core.bus import Bus
-from tllm_core.counters import Counters
-from tllm_core.ports import Delivery, residual_port, resolve_layer
-from tllm_core.registry import ConsumerSpec, ConsumerSpecError, Registry
-from tllm_core.rows import RequestInfo, RowInfo, request_runs
+from tllm_core.api.counters import Counters
+from tllm_core.api.ports import Delivery, residual_port, resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo, request_runs
+from tllm_core.plugins.registry import ConsumerSpec, ConsumerSpecError, Registry
+from tllm_core.runtime.bus import Bus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -278,7 +278,7 @@ def test_request_runs_walk_each_requests_rows_once():
 def test_candidate_entries_equal_a_full_nonzero_scan(rows, vocab, keep, specials, seed):
     """The block scan finds exactly the entries > -inf, in row-major order, whatever the
     vocabulary size (partial last block), density, NaN or infinities."""
-    from tllm_core.bundles import candidate_entries
+    from tllm_core.api.bundles import candidate_entries
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g)
@@ -333,7 +333,7 @@ def test_guide_view_sparse_candidates_update_and_rollback():
 
 def test_stats_consumer_reads_ports():
     from consumers.stats import StatsConsumer
-    from tllm_core.consumer import ConsumerContext, ModelInfo
+    from tllm_core.api.consumer import ConsumerContext, ModelInfo
 
     info = ModelInfo(8, 4, 10, torch.float32, torch.device("cpu"), lambda h: h, None)
     ctx = ConsumerContext(info, lambda i: resolve_layer(i, 4))
@@ -375,8 +375,8 @@ def test_tllm_engines_switch_aot_compile_off_even_under_a_frozen_env_cache(monke
 
 def test_front_end_checks_run_once(tiny_model, monkeypatch):
     """``tllm run``'s path: names/configs, then (model known) one dry build; never twice."""
-    import tllm_core.dry_run as dry_run
-    from tllm_core.engine import validate_consumers
+    import tllm_core.runtime.dry_run as dry_run
+    from tllm_core.app.engine import validate_consumers
 
     builds = []
     real = dry_run.dry_build
@@ -411,9 +411,9 @@ def test_front_end_checks_run_once(tiny_model, monkeypatch):
 def test_every_acts_on_asks_the_one_rule(extra, per_request):
     """Consumer, runtime slot, request and the front end's engine answer "does consumer X act
     on this request?" alike (one function: ``request_settings.acts_on``)."""
-    from tllm_core.consumer import ConsumerContext
-    from tllm_core.request_settings import acts_on
-    from tllm_core.runtime import _Slot
+    from tllm_core.api.consumer import ConsumerContext
+    from tllm_core.api.request_settings import acts_on
+    from tllm_core.runtime.runtime import _Slot
     from tllm_core.serving.keys import EngineConsumers
 
     class Me(Consumer):
@@ -446,7 +446,7 @@ def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
     import re
     from dataclasses import dataclass, field
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
     from tllm_core.serving.keys import EngineConsumers, request_salt
 
     a = request_salt({"tllm_group": "g", "tllm_steer_scale": 8, "other": 1})

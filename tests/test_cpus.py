@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tllm_core import cpus
+from tllm_core.runtime import cpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 

@@ -116,7 +116,7 @@ def tutorial_site(tmp_path_factory):
 
 
 def test_tutorial_consumer_is_discovered_and_checked_without_an_engine(tutorial_site, tiny_model):
-    from tllm_core.registry import Registry
+    from tllm_core.plugins.registry import Registry
 
     assert "normtrack" in Registry().names
     code = doc_blocks(TUTORIAL)["check_normtrack.py"]
@@ -163,7 +163,7 @@ def test_tutorial_command_line_runs_in_the_default_multiprocess_layout(tutorial_
 
 # -- completeness -------------------------------------------------------------------------
 def _builtin_consumers() -> list[dict]:
-    from tllm_core.registry import Registry
+    from tllm_core.plugins.registry import Registry
 
     # Built-ins register through the same entry points as third-party plugins.
     info = [
@@ -220,7 +220,10 @@ def test_every_consumer_counter_is_on_its_page():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tllm_core.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tllm_core.app.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

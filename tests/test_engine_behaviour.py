@@ -40,7 +40,7 @@ def plain_tokens(tiny_model, engines):
 
 
 def _tllm(engines, model, consumers):
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     return engines.get(
         ("tllm", model, repr(consumers)), lambda: TllmLLM(model, consumers, **ENGINE_KW)

@@ -119,10 +119,10 @@ def test_cuda_consumer_runs():
     pytest.importorskip("pydantic", reason="the consumer needs pydantic (the GPU image lacks it)")
     from algorithms.esamp.config import ESampConfig
     from algorithms.esamp.consumer import ESampConsumer
-    from tllm_core.bundles import Bundle, GuideView
-    from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.ports import resolve_layer
-    from tllm_core.rows import RequestInfo, RowInfo
+    from tllm_core.api.bundles import Bundle, GuideView
+    from tllm_core.api.consumer import ConsumerContext, ModelInfo
+    from tllm_core.api.ports import resolve_layer
+    from tllm_core.api.rows import RequestInfo, RowInfo
 
     dev = torch.device("cuda")
     w = torch.randn(100, H, device=dev, dtype=torch.bfloat16)

@@ -22,10 +22,10 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import split_params
-from tllm_core.bundles import Bundle, GuideView
-from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.ports import SamplerGuide, resolve_layer
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.bundles import Bundle, GuideView
+from tllm_core.api.consumer import ConsumerContext, ModelInfo
+from tllm_core.api.ports import SamplerGuide, resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 H, V, INTER = 16, 40, 8
 

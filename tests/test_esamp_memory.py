@@ -133,10 +133,10 @@ def test_plan_bounds_the_measured_guidance_step():
     import numpy as np
 
     from algorithms.esamp.consumer import ESampConsumer
-    from tllm_core.bundles import GuideView
-    from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.ports import resolve_layer
-    from tllm_core.rows import RequestInfo, RowInfo
+    from tllm_core.api.bundles import GuideView
+    from tllm_core.api.consumer import ConsumerContext, ModelInfo
+    from tllm_core.api.ports import resolve_layer
+    from tllm_core.api.rows import RequestInfo, RowInfo
 
     h, v, r = 64, 16384, 32
     w = torch.randn(v, h)

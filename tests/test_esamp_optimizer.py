@@ -13,7 +13,7 @@ from algorithms.esamp.guidance import f_noise_prediction
 from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import block_weights
-from tllm_core.bundles import Bundle
+from tllm_core.api.bundles import Bundle
 
 
 def _dist(**kw) -> GroupedDistiller:

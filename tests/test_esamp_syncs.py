@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_esamp_math import Fake, V, _filtered_logits
 
-from tllm_core.bundles import Bundle
+from tllm_core.api.bundles import Bundle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from sync_count import SyncCounter  # noqa: E402

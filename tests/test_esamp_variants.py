@@ -14,8 +14,8 @@ from test_esamp_math import INTER, Fake, V, _filtered_logits
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import candidate_shift, fit_scale, mix_candidates, relative_error
-from tllm_core.bundles import Bundle
-from tllm_core.ports import Phase
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.ports import Phase
 
 
 def _ref_distiller(h: int, init: str) -> GroupedDistiller:

@@ -20,9 +20,9 @@ from consumers.export import DataParallelExport, ExportReader, open_export, read
 from consumers.export import format as fmt
 from consumers.export.consumer import ExportConfig, ExportConsumer
 from consumers.export.reader import ExportFormatError
-from tllm_core.consumer import ConsumerContext
-from tllm_core.ports import resolve_layer
-from tllm_core.registry import Registry
+from tllm_core.api.consumer import ConsumerContext
+from tllm_core.api.ports import resolve_layer
+from tllm_core.plugins.registry import Registry
 
 KEYS = ["layer.1", "final"]
 
@@ -161,7 +161,7 @@ def test_sae_feature_records_of_two_ranks_are_merged(tmp_path):
     from consumers.export.writer import output_layout
     from consumers.sae import read_features
     from consumers.sae.features_writer import FeatureWriter
-    from tllm_core.rows import RequestInfo
+    from tllm_core.api.rows import RequestInfo
 
     out = tmp_path / "feat"
     layouts = [output_layout(str(out), False, r, 2) for r in (0, 1)]  # both built before writing

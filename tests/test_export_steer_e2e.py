@@ -25,7 +25,7 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
     from vllm import SamplingParams
 
     from consumers.export import read_export
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     out = tmp_path / "exp"
     spec = {
@@ -124,7 +124,7 @@ def _tokens(outs):
 def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines, tmp_path):
     from vllm import LLM, SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     prompts = ["Write a poem", "Tell me about cats", "Once upon a time"]
 

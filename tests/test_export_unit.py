@@ -22,14 +22,14 @@ from consumers.export import ExportReader, read_export
 from consumers.export import format as fmt
 from consumers.export.consumer import ExportConfig, ExportConsumer
 from consumers.export.reader import ExportFormatError
-from tllm_core.bus import Bus
-from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
-from tllm_core.ports import Phase, resolve_layer
-from tllm_core.reads import build_bundle, plan_reads
-from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, RowInfo
-from tllm_core.step import StepCapture
+from tllm_core.api.consumer import ConsumerContext, ModelInfo
+from tllm_core.api.counters import Counters
+from tllm_core.api.ports import Phase, resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.api.step import StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.bus import Bus
+from tllm_core.runtime.reads import build_bundle, plan_reads
 
 REPO = Path(__file__).resolve().parents[1]
 H = 8
@@ -438,10 +438,10 @@ _KILL_SCRIPT = textwrap.dedent(
     """
     import sys, numpy as np, torch
     from consumers.export.consumer import ExportConfig, ExportConsumer
-    from tllm_core.bundles import Bundle
-    from tllm_core.consumer import ConsumerContext, ModelInfo
-    from tllm_core.ports import resolve_layer
-    from tllm_core.rows import RequestInfo, RowInfo
+    from tllm_core.api.bundles import Bundle
+    from tllm_core.api.consumer import ConsumerContext, ModelInfo
+    from tllm_core.api.ports import resolve_layer
+    from tllm_core.api.rows import RequestInfo, RowInfo
     H = 512
     info = ModelInfo(H, 4, 128, torch.float32, torch.device("cpu"), None, None)
     ctx = ConsumerContext(info, lambda i: resolve_layer(i, 4))

@@ -14,7 +14,7 @@ VOCAB = 49152
 
 
 def _engine(engines, model, budget: int, blocks: int | None):
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     kw = dict(
         ENGINE_KW,

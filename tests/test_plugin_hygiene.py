@@ -17,8 +17,8 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from tllm_core.plugins import ALLOW_ENV, Plugins, TllmPluginWarning, allowed_plugins
-from tllm_core.registry import ConsumerSpecError, Registry
+from tllm_core.plugins.loader import ALLOW_ENV, Plugins, TllmPluginWarning, allowed_plugins
+from tllm_core.plugins.registry import ConsumerSpecError, Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,7 +184,7 @@ def test_allow_list_limits_third_party_entry_points(site, monkeypatch):
 def _tllm(site: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != ALLOW_ENV}
     return subprocess.run(
-        [sys.executable, "-m", "tllm_core.cli", *argv],
+        [sys.executable, "-m", "tllm_core.app.cli", *argv],
         capture_output=True,
         text=True,
         env={**base, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]), **env},
@@ -210,7 +210,7 @@ def test_tllm_command_names_a_broken_plugin_once_and_keeps_working(site):
 
 
 def test_tllm_command_passes_the_working_plugins_to_its_processes(site, monkeypatch):
-    from tllm_core import cli
+    from tllm_core.app import cli
 
     install(site, "tllm-broken-example", {"broken": None})
     seen = {}
@@ -236,7 +236,7 @@ def tllm_commands(subparsers):
 
 
 def test_a_plugin_whose_command_hook_fails_leaves_the_other_commands(site):
-    from tllm_core.cli import build_parser
+    from tllm_core.app.cli import build_parser
 
     install(site, "tllm-bad-command", {"badcmd": COMMAND_FAILS})
     named = []

@@ -47,7 +47,7 @@ def test_tllm_consumers_lists_request_keys():
 def test_plugin_key_offline_good_value_counts_and_bad_value_fails_first(tiny_model, engines):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     llm = engines.get(
         ("plugin-keys", tiny_model), lambda: TllmLLM(tiny_model, CONSUMERS, **ENGINE_KW)

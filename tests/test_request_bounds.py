@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from tllm_core.numbers import F32_MAX, FiniteF32
-from tllm_core.registry import Registry
+from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+from tllm_core.api.numbers import F32_MAX, FiniteF32
+from tllm_core.plugins.registry import Registry
 from tllm_core.serving import EngineConsumers, validate_extra_args
-from tllm_core.settings import ConsumerSpec, ConsumerSpecError
 
 RANGE = "within float32's range [-3.4028235e+38, 3.4028235e+38]"
 
@@ -195,7 +195,7 @@ def test_any_request_value_is_accepted_or_a_clean_error(engine, extra):
     for name in ("esamp", "steer", "sae"):
         if not engine.active(name, extra):
             continue
-        from tllm_core.request_settings import parse_request_settings
+        from tllm_core.api.request_settings import parse_request_settings
 
         got = parse_request_settings(name, engine.models[name], extra)
         for v in got.model_dump().values():

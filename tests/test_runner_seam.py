@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from tllm_core.consumer import ModelInfo
-from tllm_core.registry import Registry
-from tllm_core.rows import StepLayout
-from tllm_core.runtime import Runtime
-from tllm_core.settings import RuntimeSettings
+from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.rows import StepLayout
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.hooks import RunnerHooks
 
 H, V, PROMPT = 8, 16, 3

@@ -36,7 +36,7 @@ def saes(tiny_model, engines, tmp_path_factory):
     """SAEs trained on layer-1 activations exported by the export consumer."""
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     root = tmp_path_factory.mktemp("sae")
     spec = {"name": "export", "config": {"out": str(root / "acts"), "layers": [SITE]}}
@@ -84,7 +84,7 @@ def check_features_against_transformers(tiny_model, sae_path, records, only=None
 def test_jumprelu_features_equal_transformers_reference(tiny_model, engines, saes, tmp_path):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     paths, _ = saes
     out = tmp_path / "feat"
@@ -150,7 +150,7 @@ def test_topk_features_and_feature_steering(tiny_model, engines, saes, tmp_path)
     from vllm import LLM, SamplingParams
 
     from consumers.export import read_export
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     paths, x = saes
     sae = load_sae(paths["topk"])
@@ -264,7 +264,7 @@ def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes
     layer equals transformers' with that per-row edit added after the site."""
     from vllm import LLM, SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     paths, x = saes
     sae, feature, value = _clamp_target(paths, x)

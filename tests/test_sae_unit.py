@@ -21,12 +21,12 @@ from consumers.sae.model import SparseAutoencoder
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site
 from consumers.sae.steer import FeatureSteer, clamp_delta
-from tllm_core.bundles import Bundle
-from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.edits import EditPlan
-from tllm_core.ports import resolve_layer
-from tllm_core.request_settings import parse_request_settings
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.consumer import ConsumerContext, ModelInfo
+from tllm_core.api.edits import EditPlan
+from tllm_core.api.ports import resolve_layer
+from tllm_core.api.request_settings import parse_request_settings
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 D_IN, D_SAE, LAYERS = 8, 24, 4
 
@@ -525,7 +525,7 @@ def test_saes_written_by_sae_lens_load_and_encode_identically(tmp_path):
 def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
     """A config clamp is an in-graph transform on the site's tap: selected rows get the
     decoded difference of setting the feature; other rows are untouched."""
-    from tllm_core.edits import EditBuffers
+    from tllm_core.api.edits import EditBuffers
     from tllm_core.vllm_bridge.sites import OutputTap, TapBuffers
 
     c = make(tmp_path, site=2, steer=[{"feature": 3, "clamp": 2.5}])
@@ -564,9 +564,9 @@ def test_clamp_runs_in_the_tap_and_sets_the_feature(tmp_path):
 def test_request_feature_out_of_range_is_refused_by_the_front_end_check(tmp_path):
     """The one validation the server (HTTP 400) and TllmLLM run: it reads d_sae from the
     SAE folder the consumer's config names, so a bad index never reaches the engine."""
-    from tllm_core.registry import Registry
+    from tllm_core.api.consumer_spec import ConsumerSpec
+    from tllm_core.plugins.registry import Registry
     from tllm_core.serving.keys import EngineConsumers, validate_extra_args
-    from tllm_core.settings import ConsumerSpec
 
     folder = tmp_path / "sae"
     save_sae(random_sae("standard"), folder)

@@ -45,10 +45,10 @@ def test_engine_reads_its_dp_rank_and_size_after_vllm_made_it_independent():
 
 
 def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
-    from tllm_core.cli import build_parser
-    from tllm_core.cli_common import CliError
-    from tllm_core.serve_command import parallel_ranks, server_argv
-    from tllm_core.settings import RuntimeSettings
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.cli_common import CliError
+    from tllm_core.app.serve_command import parallel_ranks, server_argv
+    from tllm_core.runtime.settings import RuntimeSettings
 
     def parse(*argv):
         return build_parser().parse_args(["serve", *argv])

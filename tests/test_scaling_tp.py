@@ -60,7 +60,7 @@ def plain_tp2(even_model, engines):
 
 @pytest.mark.slow  # ~3 min on an idle 2-core machine (two TP=2 engines), 8 min loaded
 def test_tp2_captures_edits_guidance_and_counters(even_model, engines, plain_tp2):
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     steer = {"vectors": [{"layer": 1, "vector": [0.5] * 128, "scale": 4.0}]}
     consumers = [

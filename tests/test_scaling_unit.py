@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tllm_core.consumer import ModelInfo
-from tllm_core.registry import Registry
-from tllm_core.reports import merge_reports
-from tllm_core.runtime import Runtime
-from tllm_core.settings import RuntimeSettings
+from tllm_core.api.consumer import ModelInfo
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.reports import merge_reports
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.parallel import ParallelInfo, check_layout, cpu_thread_binding
 from tllm_core.vllm_bridge.version import UnsupportedEngineError
 

@@ -12,10 +12,10 @@ pytestmark = pytest.mark.vllm
 
 
 def test_serve_argv_and_description_units():
-    from tllm_core.cli import build_parser
-    from tllm_core.engine import validate_consumers
-    from tllm_core.serve_command import describe, server_argv
-    from tllm_core.settings import RuntimeSettings
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.engine import validate_consumers
+    from tllm_core.app.serve_command import describe, server_argv
+    from tllm_core.runtime.settings import RuntimeSettings
 
     args = build_parser().parse_args(
         ["serve", "--consumer", 'esamp:{"beta": 0.5}', "--per-request", "--", "--enforce-eager"]

@@ -28,10 +28,10 @@ def _call(url: str, key: str | None = None, body: bytes | None = None) -> tuple[
 
 
 def test_server_settings_reach_the_additional_config():
-    from tllm_core.cli import build_parser
-    from tllm_core.engine import validate_consumers
-    from tllm_core.serve_command import server_argv
-    from tllm_core.settings import MIB, RuntimeSettings, ServerSettings
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.engine import validate_consumers
+    from tllm_core.app.serve_command import server_argv
+    from tllm_core.runtime.settings import MIB, RuntimeSettings, ServerSettings
 
     args = build_parser().parse_args(["serve", "--max-body-mib", "2", "--show-paths"])
     settings = RuntimeSettings(

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tllm_core.runtime.settings import RuntimeSettings, ServerSettings
 from tllm_core.serving import EngineConsumers, request_salt
 from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
-from tllm_core.settings import RuntimeSettings, ServerSettings
 from tllm_core.vllm_bridge.serving import XargsCheck, api_tokens
 
 

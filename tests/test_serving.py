@@ -39,7 +39,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager"
 # Modules that implement tllm's request path; none may be imported when the switch is off.
 REQUEST_PATH_MODULES = (
     "tllm_core.vllm_bridge.hooks",
-    "tllm_core.runtime",
+    "tllm_core.runtime.runtime",
     "tllm_core.vllm_bridge.serving",
     "tllm_core.serving",
     "tllm_core.vllm_bridge.sites",

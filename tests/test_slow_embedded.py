@@ -52,7 +52,7 @@ def test_embedded_model_on_model_runner_v2_captures_like_transformers_and_guides
     from reference import hf_states, sequences_from_rows
     from test_capture_truth import PROMPTS
 
-    from tllm_core.default_model import default_model_path
+    from tllm_core.app.default_model import default_model_path
 
     model = str(default_model_path())
     rec = json.dumps({"layers": [0, 14, -1, "final"]})

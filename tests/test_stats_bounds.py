@@ -10,8 +10,8 @@ import torch
 
 from consumers.stats import StatsConfig, StatsConsumer
 from tllm_core import Bundle, ConsumerContext, ModelInfo
-from tllm_core.ports import resolve_layer
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.ports import resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 H = 8
 

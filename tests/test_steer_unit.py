@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 
 from consumers.steer import load_vector
 from consumers.steer.consumer import SteerConfig, SteerConsumer
-from tllm_core.consumer import ConsumerContext, ModelInfo
-from tllm_core.edits import EditBuffers, EditPlan
-from tllm_core.ports import ResidualEdit, resolve_layer
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.consumer import ConsumerContext, ModelInfo
+from tllm_core.api.edits import EditBuffers, EditPlan
+from tllm_core.api.ports import ResidualEdit, resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 H = 8
 NUM_LAYERS = 4

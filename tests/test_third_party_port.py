@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm
 def test_third_party_port_matches_transformers(tiny_model, engines):
     from vllm import SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     llm = engines.get(
         ("normrec", tiny_model),

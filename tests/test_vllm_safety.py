@@ -25,7 +25,7 @@ TLLM_ENGINE_MODULES = (
     "tllm_core.vllm_bridge.taps",
     "tllm_core.vllm_bridge.workarounds",
     "tllm_core.vllm_bridge.serving",
-    "tllm_core.runtime",
+    "tllm_core.runtime.runtime",
 )
 PROMPTS = ["Write a poem about the sea.", "Tell me a story", "List three colours and explain"]
 
@@ -94,7 +94,7 @@ def test_unsupported_vllm_version_leaves_plain_vllm_alone_and_refuses_tllm(
     import vllm
     from vllm import LLM, SamplingParams
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
     from tllm_core.vllm_bridge import UnsupportedEngineError
 
     params = SamplingParams(max_tokens=6, seed=3, temperature=1.0)
@@ -172,7 +172,7 @@ def steer_llm(tiny_model, engines, tmp_path_factory):
     import torch
     from safetensors.torch import save_file
 
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
 
     hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
     path = tmp_path_factory.mktemp("steer") / "v.safetensors"
@@ -254,7 +254,7 @@ def _seeded_run(llm):
 def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(
     tiny_model, engines, monkeypatch
 ):
-    from tllm_core.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM
     from tllm_core.vllm_bridge import workarounds
 
     engines.close()

@@ -5,7 +5,7 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
 ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
-:class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.cli_common`.
+:class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.app.cli_common`.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 from tllm_core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from tllm_core.bundles import Bundle, GuideView
-    from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
-    from tllm_core.edits import EditPlan
-    from tllm_core.engine import TllmLLM
-    from tllm_core.hookspecs import hookimpl
-    from tllm_core.numbers import FiniteF32
-    from tllm_core.port_names import PortName, format_port_name, parse_port_name
-    from tllm_core.ports import (
+    from tllm_core.api.bundles import Bundle, GuideView
+    from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+    from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+    from tllm_core.api.edits import EditPlan
+    from tllm_core.api.hookspecs import hookimpl
+    from tllm_core.api.numbers import FiniteF32
+    from tllm_core.api.port_names import PortName, format_port_name, parse_port_name
+    from tllm_core.api.ports import (
         Delivery,
         Edit,
         HiddenStates,
@@ -36,11 +36,11 @@ if TYPE_CHECKING:
         SamplerGuide,
         TokenPort,
     )
-    from tllm_core.producer import Producer, TapRequest
-    from tllm_core.request_settings import RequestSettings
-    from tllm_core.rows import RequestInfo, RowInfo
-    from tllm_core.settings import ConsumerSpec, ConsumerSpecError
-    from tllm_core.step import StepCapture
+    from tllm_core.api.producer import Producer, TapRequest
+    from tllm_core.api.request_settings import RequestSettings
+    from tllm_core.api.rows import RequestInfo, RowInfo
+    from tllm_core.api.step import StepCapture
+    from tllm_core.app.engine import TllmLLM
 
 __all__ = [
     "Bundle",
@@ -82,39 +82,39 @@ __all__ = [
 # Each public name -> its module, imported on first use (PEP 562): importing a plugin's entry
 # point (``from tllm_core import hookimpl``) then costs neither torch nor vLLM.
 _HOME = {
-    "Bundle": "tllm_core.bundles",
-    "GuideView": "tllm_core.bundles",
-    "Consumer": "tllm_core.consumer",
-    "ConsumerConfig": "tllm_core.consumer",
-    "ConsumerContext": "tllm_core.consumer",
-    "ModelInfo": "tllm_core.consumer",
-    "EditPlan": "tllm_core.edits",
-    "hookimpl": "tllm_core.hookspecs",
-    "FiniteF32": "tllm_core.numbers",
-    "PortName": "tllm_core.port_names",
-    "format_port_name": "tllm_core.port_names",
-    "parse_port_name": "tllm_core.port_names",
-    "Delivery": "tllm_core.ports",
-    "Edit": "tllm_core.ports",
-    "HiddenStates": "tllm_core.ports",
-    "LayerPort": "tllm_core.ports",
-    "Logits": "tllm_core.ports",
-    "Phase": "tllm_core.ports",
-    "ReadPort": "tllm_core.ports",
-    "ResidualEdit": "tllm_core.ports",
-    "SampledTokens": "tllm_core.ports",
-    "SamplePort": "tllm_core.ports",
-    "SamplerGuide": "tllm_core.ports",
-    "TokenPort": "tllm_core.ports",
-    "Producer": "tllm_core.producer",
-    "TapRequest": "tllm_core.producer",
-    "RequestSettings": "tllm_core.request_settings",
-    "RequestInfo": "tllm_core.rows",
-    "RowInfo": "tllm_core.rows",
-    "ConsumerSpec": "tllm_core.settings",
-    "ConsumerSpecError": "tllm_core.settings",
-    "StepCapture": "tllm_core.step",
-    "TllmLLM": "tllm_core.engine",
+    "Bundle": "tllm_core.api.bundles",
+    "GuideView": "tllm_core.api.bundles",
+    "Consumer": "tllm_core.api.consumer",
+    "ConsumerConfig": "tllm_core.api.consumer",
+    "ConsumerContext": "tllm_core.api.consumer",
+    "ModelInfo": "tllm_core.api.consumer",
+    "EditPlan": "tllm_core.api.edits",
+    "hookimpl": "tllm_core.api.hookspecs",
+    "FiniteF32": "tllm_core.api.numbers",
+    "PortName": "tllm_core.api.port_names",
+    "format_port_name": "tllm_core.api.port_names",
+    "parse_port_name": "tllm_core.api.port_names",
+    "Delivery": "tllm_core.api.ports",
+    "Edit": "tllm_core.api.ports",
+    "HiddenStates": "tllm_core.api.ports",
+    "LayerPort": "tllm_core.api.ports",
+    "Logits": "tllm_core.api.ports",
+    "Phase": "tllm_core.api.ports",
+    "ReadPort": "tllm_core.api.ports",
+    "ResidualEdit": "tllm_core.api.ports",
+    "SampledTokens": "tllm_core.api.ports",
+    "SamplePort": "tllm_core.api.ports",
+    "SamplerGuide": "tllm_core.api.ports",
+    "TokenPort": "tllm_core.api.ports",
+    "Producer": "tllm_core.api.producer",
+    "TapRequest": "tllm_core.api.producer",
+    "RequestSettings": "tllm_core.api.request_settings",
+    "RequestInfo": "tllm_core.api.rows",
+    "RowInfo": "tllm_core.api.rows",
+    "ConsumerSpec": "tllm_core.runtime.settings",
+    "ConsumerSpecError": "tllm_core.runtime.settings",
+    "StepCapture": "tllm_core.api.step",
+    "TllmLLM": "tllm_core.app.engine",
 }
 
 __getattr__ = lazy_getattr(__name__, _HOME)

@@ -6,13 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from tllm_core import cli_common
-from tllm_core.progress import say
+from tllm_core.app import cli_common
+from tllm_core.app.progress import say
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
-    # Port names as given (grammar: tllm_core.port_names); the config checks their syntax,
+    # Port names as given (grammar: tllm_core.api.port_names); the config checks their syntax,
     # the export consumer checks them against the registered producers.
     layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
     spec = {

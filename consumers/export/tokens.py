@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core.counters import Counters
-from tllm_core.ports import Phase
-from tllm_core.reads import phase_mask
-from tllm_core.rows import RowInfo
+from tllm_core.api.counters import Counters
+from tllm_core.api.ports import Phase
+from tllm_core.api.rows import RowInfo
+from tllm_core.runtime.reads import phase_mask
 
 
 class RequestTokens:

@@ -34,11 +34,11 @@ from consumers.sae.steer import (
     clamps_of,
     scale_vector,
 )
-from tllm_core.bundles import Bundle
-from tllm_core.consumer import Consumer, ConsumerContext
-from tllm_core.edits import EditPlan
-from tllm_core.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.consumer import Consumer, ConsumerContext
+from tllm_core.api.edits import EditPlan
+from tllm_core.api.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 log = logging.getLogger("tllm")
 

@@ -1,4 +1,4 @@
-"""The ``site`` an SAE reads and edits: a port name (grammar: :mod:`tllm_core.port_names`).
+"""The ``site`` an SAE reads and edits: a port name (grammar: :mod:`tllm_core.api.port_names`).
 
 ``{i}`` / ``layer.{i}``: the residual stream after decoder layer ``i``; ``attn.{i}`` /
 ``mlp.{i}``: the output of layer ``i``'s attention / MLP block. ``final`` is not a site
@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from tllm_core.port_names import PortName, parse_port_name
+from tllm_core.api.port_names import PortName, parse_port_name
 
 SITE_PREFIXES = ("attn", "mlp")
 

@@ -59,9 +59,9 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
     from vllm import SamplingParams
 
     from consumers.export import read_export
-    from tllm_core.engine import TllmLLM
-    from tllm_core.ports import layer_key
-    from tllm_core.prompts import read_prompt_file
+    from tllm_core.api.ports import layer_key
+    from tllm_core.app.engine import TllmLLM
+    from tllm_core.app.prompts import read_prompt_file
 
     positive = read_prompt_file(args.positive, "--positive file")
     negative = read_prompt_file(args.negative, "--negative file")

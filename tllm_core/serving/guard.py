@@ -16,7 +16,7 @@ import secrets
 from contextvars import ContextVar
 from typing import Any
 
-from tllm_core.request_settings import GROUP_KEY
+from tllm_core.api.request_settings import GROUP_KEY
 
 TLLM_PREFIX = "/tllm"
 HIDDEN = "<hidden>"

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tllm_core.request_settings import (
+from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.request_settings import (
     CONSUMERS_KEY,
     GROUP_KEY,
     PREFIX,
@@ -30,10 +31,10 @@ from tllm_core.request_settings import (
     parse_request_settings,
     short_repr,
 )
-from tllm_core.settings import ConsumerSpec, RuntimeSettings
+from tllm_core.runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
-    from tllm_core.registry import Registry
+    from tllm_core.plugins.registry import Registry
 
 CONSUMERS = CONSUMERS_KEY
 GROUP = GROUP_KEY
@@ -79,7 +80,7 @@ class EngineConsumers:
         cls, raw: dict[str, Any] | RuntimeSettings, registry: Registry | None = None
     ) -> EngineConsumers:
         """From runtime settings; checks consumer names and configs (``ConsumerSpecError``)."""
-        from tllm_core.registry import Registry
+        from tllm_core.plugins.registry import Registry
 
         settings = raw if isinstance(raw, RuntimeSettings) else RuntimeSettings.model_validate(raw)
         registry = registry or Registry()

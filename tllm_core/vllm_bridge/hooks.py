@@ -1,6 +1,6 @@
 """Runner hooks: the taps and per-step flow of one engine, behind a runner adapter.
 
-``install`` builds the engine-side :class:`~tllm_core.runtime.Runtime`, installs the taps
+``install`` builds the engine-side :class:`~tllm_core.runtime.runtime.Runtime`, installs the taps
 its consumers' ports need, and connects a runner adapter's step events to the runtime:
 ``begin`` (row metadata, edit buffers, step clock) -> forward (taps write and stamp) ->
 ``forward_done`` (final hidden state, logits) -> ``guide`` -> ``sampled`` (bundles).
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tllm_core.edits import EditBuffers
-from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, StepLayout, layout_rows
-from tllm_core.runtime import Runtime
-from tllm_core.settings import RuntimeSettings
-from tllm_core.step import StepCapture
+from tllm_core.api.edits import EditBuffers
+from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
+from tllm_core.api.step import StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
 from tllm_core.vllm_bridge.runners import adapter_for

@@ -3,7 +3,7 @@
 ``LLM.chat`` takes no ``cache_salt``, while a completion prompt may carry one
 (``{"prompt": ..., "cache_salt": ...}``). :func:`chat_with_salts` gives each conversation of
 one ``LLM.chat`` call its own salt, so that steered and unsteered chats never share
-prefix-cache blocks, exactly as :func:`tllm_core.engine.TllmLLM.generate` does for prompts.
+prefix-cache blocks, exactly as :func:`tllm_core.app.engine.TllmLLM.generate` does for prompts.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tllm_core.edits import EditBuffers
+from tllm_core.api.edits import EditBuffers
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"

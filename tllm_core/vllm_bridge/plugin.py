@@ -17,7 +17,7 @@ In the processes of the ``tllm`` command only (it sets ``TLLM_CLI_PID`` to its o
 plain vLLM never sees that variable), ``register`` also applies the command's process
 settings (:func:`command_process`): Ctrl-C is left to the command, which stops the engine
 cleanly, and with ``TLLM_QUIET=1`` known-harmless warnings are filtered
-(:mod:`tllm_core.quiet`).
+(:mod:`tllm_core.vllm_bridge.quiet`).
 
 ``register`` itself never raises: vLLM does not guard general plugins, and an exception
 here would break plain vLLM. A vLLM whose layout lacks these two points is logged; a tllm
@@ -37,7 +37,9 @@ from typing import Any
 log = logging.getLogger("tllm")
 
 _PATCHED_ATTR = "_tllm_patched"
-SETTINGS_KEY = "tllm"  # == tllm_core.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
+SETTINGS_KEY = (
+    "tllm"  # == tllm_core.runtime.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
+)
 
 
 def tllm_settings(additional_config: Any) -> dict | None:
@@ -76,7 +78,7 @@ def command_process() -> None:
     cli_pid = os.environ.get(CLI_PID_ENV)
     if not cli_pid:
         return
-    from tllm_core.quiet import install_if_quiet
+    from tllm_core.vllm_bridge.quiet import install_if_quiet
 
     install_if_quiet()
     if cli_pid != str(os.getpid()) and threading.current_thread() is threading.main_thread():
@@ -103,7 +105,7 @@ def _wrap_init_device() -> None:
         settings = tllm_settings(getattr(config, "additional_config", None))
         if settings is None:
             return orig(self, *args, **kwargs)
-        from tllm_core.cpus import note_allowed_cpus
+        from tllm_core.runtime.cpus import note_allowed_cpus
         from tllm_core.vllm_bridge import worker_setup
 
         note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
@@ -131,8 +133,8 @@ class EndpointGate:
         cfg = tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
         if cfg is None:
             return
+        from tllm_core.runtime.settings import RuntimeSettings
         from tllm_core.serving.keys import EngineConsumers
-        from tllm_core.settings import RuntimeSettings
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tllm_core.consumer import ModelInfo
+from tllm_core.api.consumer import ModelInfo
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.step_events import StepEvents
 

@@ -18,7 +18,7 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   client can forge it), and scopes each request's group to its client;
 - serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
   data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
-  :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
+  :func:`tllm_core.runtime.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
   ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
   operator shows them;
 - answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`).
@@ -35,11 +35,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tllm_core.reports import json_safe, merge_reports
+from tllm_core.runtime.reports import json_safe, merge_reports
+from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tllm_core.edits import EditBuffers, apply_edit
+from tllm_core.api.edits import EditBuffers, apply_edit
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from tllm_core.rows import StepLayout
+from tllm_core.api.rows import StepLayout
 
 
 class StepEvents(Protocol):

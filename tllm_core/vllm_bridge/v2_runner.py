@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tllm_core.rows import StepLayout
+from tllm_core.api.rows import StepLayout
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 from tllm_core.vllm_bridge.version import require_attrs

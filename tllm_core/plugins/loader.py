@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pluggy
 
-from tllm_core import hookspecs
+from tllm_core.api import hookspecs
 
 __all__ = [
     "ALLOW_ENV",

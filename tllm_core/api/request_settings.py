@@ -19,9 +19,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic.fields import FieldInfo
 
-from tllm_core.numbers import ERROR_TYPE as F32_ERROR
-from tllm_core.numbers import MAX_TEXT as F32_MAX_TEXT
-from tllm_core.numbers import is_f32_marker
+from tllm_core.api.numbers import ERROR_TYPE as F32_ERROR
+from tllm_core.api.numbers import MAX_TEXT as F32_MAX_TEXT
+from tllm_core.api.numbers import is_f32_marker
 
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.

@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from tllm_core.ports import ReadPort
-from tllm_core.step import StepCapture
+from tllm_core.api.ports import ReadPort
+from tllm_core.api.step import StepCapture
 
 # Tap sites the vLLM bridge knows (tllm_core/vllm_bridge/sites.py and its CONTRACT.md):
 #   per decoder layer (``layer`` set), one row per token, editable:
@@ -80,7 +80,7 @@ class Producer:
         return step.tensor(self.taps(port)[0].key)
 
     def edit_tap(self, port: ReadPort) -> TapRequest:
-        """The tap whose tensor an :class:`~tllm_core.ports.Edit` of ``port`` changes."""
+        """The tap whose tensor an :class:`~tllm_core.api.ports.Edit` of ``port`` changes."""
         tap = self.taps(port)[0]
         if not tap.editable:
             raise ValueError(

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tllm_core.port_names import tap_port_name
-from tllm_core.rows import RowInfo
+from tllm_core.api.port_names import tap_port_name
+from tllm_core.api.rows import RowInfo
 
 
 class StaleTapError(RuntimeError):

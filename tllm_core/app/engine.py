@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tllm_core.registry import Registry
-from tllm_core.reports import merge_reports
+from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.reports import merge_reports
+from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY, ConsumerSpec, RuntimeSettings
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
@@ -57,7 +58,7 @@ def validate_consumers(
         if model_path is None or not checked.specs:
             checked.registry.check(checked.specs)
             return checked
-    from tllm_core.dry_run import dry_build
+    from tllm_core.runtime.dry_run import dry_build
 
     dry_build(checked.specs, model_path, checked.registry)
     return replace(checked, model_path=model_path)
@@ -97,7 +98,7 @@ class TllmLLM:
     ):
         check_version()
         if model is None:
-            from tllm_core.default_model import default_model_path
+            from tllm_core.app.default_model import default_model_path
 
             model = str(default_model_path())
         self.model_path = model

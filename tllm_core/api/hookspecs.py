@@ -9,7 +9,7 @@ plugins are found through the entry-point group ``tllm``::
 
 Built-in consumers, producers and commands register through these same hooks, as
 pytest's own plugins do: nothing in ``tllm_core`` names a built-in. Loading
-(``tllm_core/plugins.py``): a ``@hookimpl`` named like no hook below is an error naming it
+(``tllm_core/plugins/loader.py``): a ``@hookimpl`` named like no hook below is an error naming it
 (pluggy's ``check_pending``); a plugin that fails to load is skipped and named once;
 ``TLLM_PLUGINS`` limits which third-party entry points load. docs/hooks.md has each hook's
 and callback's thread, timing and tensor lifetime.
@@ -27,7 +27,7 @@ hookimpl = pluggy.HookimplMarker("tllm")
 
 @hookspec
 def tllm_consumers() -> list[type]:
-    """Return the :class:`~tllm_core.consumer.Consumer` subclasses this plugin provides.
+    """Return the :class:`~tllm_core.api.consumer.Consumer` subclasses this plugin provides.
 
     Called once per ``Registry``, on the thread building it, in every process that builds one
     (the caller's and the engine's); no tensors. Import heavy dependencies inside the hook.
@@ -48,7 +48,7 @@ def tllm_consumers() -> list[type]:
 
 @hookspec
 def tllm_producers() -> list[type]:
-    """Return the :class:`~tllm_core.producer.Producer` subclasses this plugin provides.
+    """Return the :class:`~tllm_core.api.producer.Producer` subclasses this plugin provides.
 
     Called like ``tllm_consumers``: once per ``Registry``, on the thread building it.
 

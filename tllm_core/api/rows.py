@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tllm_core.request_settings import (
+from tllm_core.api.request_settings import (
     GROUP_KEY,
     RequestSettings,
     acts_on,
@@ -18,7 +18,7 @@ from tllm_core.request_settings import (
 )
 
 if TYPE_CHECKING:
-    from tllm_core.consumer import Consumer
+    from tllm_core.api.consumer import Consumer
 
 
 @dataclass

@@ -13,19 +13,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from tllm_core.bundles import GuideView
-from tllm_core.bus import Bus
-from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
-from tllm_core.counters import Counters
-from tllm_core.edits import EditBuffers, EditPlan
-from tllm_core.port_names import tap_port_name
-from tllm_core.ports import Edit, SamplerGuide, resolve_layer
-from tllm_core.producer import TapRequest
-from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
-from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, RowInfo
-from tllm_core.settings import RuntimeSettings
-from tllm_core.step import StaleTapError, StepCapture
+from tllm_core.api.bundles import GuideView
+from tllm_core.api.consumer import Consumer, ConsumerContext, ModelInfo
+from tllm_core.api.counters import Counters
+from tllm_core.api.edits import EditBuffers, EditPlan
+from tllm_core.api.port_names import tap_port_name
+from tllm_core.api.ports import Edit, SamplerGuide, resolve_layer
+from tllm_core.api.producer import TapRequest
+from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.api.step import StaleTapError, StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.bus import Bus
+from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, plan_reads
+from tllm_core.runtime.settings import RuntimeSettings
 
 log = logging.getLogger("tllm")
 

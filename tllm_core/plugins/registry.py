@@ -9,19 +9,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tllm_core.consumer import Consumer, ConsumerConfig
-from tllm_core.plugins import ENTRY_POINT_GROUP, BrokenPlugin, Plugins, TllmPluginWarning
-from tllm_core.port_names import FINAL, parse_port_name
-from tllm_core.ports import HiddenStates, LayerPort, Phase, ReadPort, TokenPort
-from tllm_core.producer import Producer
-from tllm_core.request_settings import (
+from tllm_core.api.consumer import Consumer, ConsumerConfig
+from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+from tllm_core.api.port_names import FINAL, parse_port_name
+from tllm_core.api.ports import HiddenStates, LayerPort, Phase, ReadPort, TokenPort
+from tllm_core.api.producer import Producer
+from tllm_core.api.request_settings import (
     GENERIC_KEYS,
     RequestSettings,
     describe_request_keys,
     request_keys,
     type_name,
 )
-from tllm_core.settings import ConsumerSpec, ConsumerSpecError
+from tllm_core.plugins.loader import ENTRY_POINT_GROUP, BrokenPlugin, Plugins, TllmPluginWarning
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -152,7 +152,7 @@ class Registry:
         )
 
     def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
-        """A token port from its name (grammar: :mod:`tllm_core.port_names`): ``{i}`` /
+        """A token port from its name (grammar: :mod:`tllm_core.api.port_names`): ``{i}`` /
         ``layer.{i}`` / ``final`` (residual stream) or ``{prefix}.{i}`` of any registered
         layer port (``attn.3``, ``mlp.-1``)."""
         prefixes = {

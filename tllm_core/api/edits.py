@@ -18,9 +18,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tllm_core.port_names import format_port_name, parse_port_name
-from tllm_core.ports import ReadPort
-from tllm_core.rows import RowInfo
+from tllm_core.api.port_names import format_port_name, parse_port_name
+from tllm_core.api.ports import ReadPort
+from tllm_core.api.rows import RowInfo
 
 EditTarget = int | str | ReadPort
 
@@ -45,7 +45,7 @@ class EditPlan:
     Row indices index ``rows`` (all token rows of the step). ``target`` is a decoder layer
     index (the residual stream after it; negative counts from the end), a token port the
     consumer declared in an ``Edit`` write port, or that port's name (``"attn.3"``,
-    ``"layer.-1"``; grammar: :mod:`tllm_core.port_names`).
+    ``"layer.-1"``; grammar: :mod:`tllm_core.api.port_names`).
     """
 
     def __init__(

@@ -1,73 +1,15 @@
-"""Runtime settings: what travels to the engine in ``additional_config["tllm"]``.
-
-:class:`ConsumerSpec` is the one form a consumer choice takes from the command line or
-``TllmLLM`` to the worker: ``{"name", "config", "per_request"}``.
-"""
+"""Runtime settings: what travels to the engine in ``additional_config["tllm"]``, the consumers
+among them as :class:`~tllm_core.api.consumer_spec.ConsumerSpec`\ s."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tllm_core.api.consumer_spec import ConsumerSpec
+
 ADDITIONAL_CONFIG_KEY = "tllm"
-
-
-class ConsumerSpecError(ValueError):
-    """A consumer name or config the user gave is not valid."""
-
-
-class ConsumerSpec(BaseModel):
-    """A consumer to build in the engine: its registered name, config dict and scope."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    config: dict[str, Any] = Field(default_factory=dict)
-    per_request: bool = Field(
-        False,
-        description="act only on requests whose extra_args['tllm_consumers'] names this consumer",
-    )
-
-    @classmethod
-    def parse(cls, text: str) -> ConsumerSpec:
-        """``NAME`` or ``NAME:{json config}`` (the command line's ``--consumer``)."""
-        name, sep, raw = text.partition(":")
-        name = name.strip()
-        if not name:
-            raise ConsumerSpecError(f"empty consumer name in {text!r}; use NAME or NAME:{{json}}")
-        config: Any = {}
-        if sep:
-            try:
-                config = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config is not valid JSON ({e.msg} at column {e.colno}): {raw!r}"
-                ) from None
-            if not isinstance(config, dict):
-                raise ConsumerSpecError(
-                    f"consumer {name!r}: config must be a JSON object, got {type(config).__name__}"
-                )
-        return cls(name=name, config=config)
-
-    @classmethod
-    def coerce(cls, value: str | dict | ConsumerSpec) -> ConsumerSpec:
-        """A spec from a ``NAME[:JSON]`` string, a ``{"name", "config", "per_request"}`` dict
-        or a spec."""
-        if isinstance(value, ConsumerSpec):
-            return value
-        if isinstance(value, str):
-            return cls.parse(value)
-        if isinstance(value, dict):
-            from pydantic import ValidationError
-
-            try:
-                return cls.model_validate(value)
-            except ValidationError as e:
-                raise ConsumerSpecError(f"invalid consumer spec {value!r}:\n{e}") from None
-        raise ConsumerSpecError(
-            f"a consumer is a 'NAME[:JSON]' string, a dict or a ConsumerSpec, got {value!r}"
-        )
 
 
 MIB = 1024 * 1024

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from tllm_core.cli_common import (
+from tllm_core.app.cli_common import (
     add_consumer_arg,
     add_generation_args,
     exit_status,
@@ -16,10 +16,10 @@ from tllm_core.cli_common import (
     print_report,
     quiet,
 )
-from tllm_core.plugins import ALLOW_ENV, BrokenPlugin, Plugins
-from tllm_core.quiet import install_if_quiet
-from tllm_core.serve_command import add_command as add_serve_command
+from tllm_core.app.serve_command import add_command as add_serve_command
+from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.quiet import install_if_quiet
 
 # vLLM starts its engine processes with ``spawn``: they import this module (the command's
 # main module) before anything of vLLM, so its import-time warnings are filtered there too.
@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_consumers(args: argparse.Namespace) -> int:
-    from tllm_core.registry import Registry
+    from tllm_core.plugins.registry import Registry
 
     info = Registry(plugins=args.plugins).describe()
     if args.json:

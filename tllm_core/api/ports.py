@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar, Literal
 
-from tllm_core.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
+from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
 
 ResolveLayer = Callable[[int], int]
 

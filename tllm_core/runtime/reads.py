@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tllm_core.bundles import Bundle
-from tllm_core.ports import Phase, ReadPort
-from tllm_core.producer import Producer, TapRequest
-from tllm_core.step import StaleTapError, StepCapture
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.ports import Phase, ReadPort
+from tllm_core.api.producer import Producer, TapRequest
+from tllm_core.api.step import StaleTapError, StepCapture
 
 
 @dataclass

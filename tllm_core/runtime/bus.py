@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 import torch
 
-from tllm_core.bundles import Bundle
-from tllm_core.consumer import Consumer
-from tllm_core.counters import Counters
-from tllm_core.ports import Delivery
-from tllm_core.rows import RequestInfo
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.consumer import Consumer
+from tllm_core.api.counters import Counters
+from tllm_core.api.ports import Delivery
+from tllm_core.api.rows import RequestInfo
 
 log = logging.getLogger("tllm")
 

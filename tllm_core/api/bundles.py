@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tllm_core.rows import RowInfo
+from tllm_core.api.rows import RowInfo
 
 
 @dataclass

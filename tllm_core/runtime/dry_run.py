@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
-from tllm_core.consumer import ModelInfo
-from tllm_core.registry import Registry
-from tllm_core.settings import ConsumerSpec, RuntimeSettings
+from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.settings import RuntimeSettings
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
@@ -33,7 +34,7 @@ def model_info_from_config(model_path: str) -> ModelInfo:
 
 def dry_build(specs: Sequence[ConsumerSpec], model_path: str, registry: Registry) -> None:
     """Names, configs, uniqueness and every consumer's construction, on the meta device."""
-    from tllm_core.runtime import build_consumers
+    from tllm_core.runtime.runtime import build_consumers
 
     settings = RuntimeSettings(consumers=list(specs))
     slots = build_consumers(settings, model_info_from_config(model_path), registry)

@@ -1,8 +1,9 @@
 """Helpers shared by ``tllm`` commands, built-in or contributed by plugins.
 
-A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.hookspecs`) can reuse them::
+A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.api.hookspecs`) can reuse them::
 
-    from tllm_core import cli_common, hookimpl
+    from tllm_core import hookimpl
+    from tllm_core.app import cli_common
 
     def run_mine(args):
         cli_common.quiet(args)
@@ -138,7 +139,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 def prompts(args: argparse.Namespace) -> list[str]:
     """``--prompt``s, the ``--prompts`` file, or the built-in prompt."""
     if args.prompts is not None:
-        from tllm_core.prompts import read_prompt_file
+        from tllm_core.app.prompts import read_prompt_file
 
         return read_prompt_file(args.prompts, "--prompts file")
     return args.prompt or [DEFAULT_PROMPT]
@@ -168,12 +169,12 @@ def sampling(args: argparse.Namespace):
 
 
 def quiet(args: argparse.Namespace) -> None:
-    """Set up this process before vLLM loads: quiet logs unless ``-v`` (:mod:`tllm_core.quiet`),
+    """Set up this process before vLLM loads: quiet logs unless ``-v`` (:mod:`tllm_core.vllm_bridge.quiet`),
     Ctrl-C handled by the command, the CPU KV cache size, and tcmalloc / Intel OpenMP preloaded
-    for the engine processes (:mod:`tllm_core.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
-    from tllm_core.cpu_preload import apply as preload
-    from tllm_core.quiet import install_if_quiet, quiet_env
+    for the engine processes (:mod:`tllm_core.app.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
+    from tllm_core.app.cpu_preload import apply as preload
     from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+    from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
 
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
         if k in ("PYTHONWARNINGS", "TLLM_QUIET"):
@@ -240,8 +241,8 @@ def generate_with(
     ["interrupted"]``; unfinished samples are None), consumers are flushed and the engine is
     stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
     the ``summary`` line that :func:`print_report` prints last."""
-    from tllm_core.engine import TllmLLM, validate_consumers
-    from tllm_core.progress import RunProgress, say, summary
+    from tllm_core.app.engine import TllmLLM, validate_consumers
+    from tllm_core.app.progress import RunProgress, say, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     texts_in = prompts(args)
@@ -253,7 +254,7 @@ def generate_with(
     # or starting vLLM; TllmLLM then adds only the checks that were not run yet.
     checked = validate_consumers(consumers, model)
     if model is None:
-        from tllm_core.default_model import default_model_path
+        from tllm_core.app.default_model import default_model_path
 
         model = str(default_model_path(progress=True))
     if args.chat is None:
@@ -340,7 +341,7 @@ def print_report(
     """Completions and counters as text (errors, idle consumers and the run's summary line
     on stderr), or one JSON (the summary line on stderr as well)."""
     if as_json:
-        from tllm_core.reports import json_safe
+        from tllm_core.runtime.reports import json_safe
 
         out = {
             "outputs": texts,

@@ -9,12 +9,12 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from tllm_core.bundles import Bundle, GuideView
-from tllm_core.counters import Counters
-from tllm_core.edits import EditPlan
-from tllm_core.ports import Delivery, Phase, ReadPort, TokenPort, WritePort, residual_port
-from tllm_core.request_settings import RequestSettings
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.api.bundles import Bundle, GuideView
+from tllm_core.api.counters import Counters
+from tllm_core.api.edits import EditPlan
+from tllm_core.api.ports import Delivery, Phase, ReadPort, TokenPort, WritePort, residual_port
+from tllm_core.api.request_settings import RequestSettings
+from tllm_core.api.rows import RequestInfo, RowInfo
 
 
 class ConsumerConfig(BaseModel):
@@ -45,7 +45,7 @@ class ConsumerContext:
     # Resolves a (possibly negative) layer index; raises ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
     # A token port from its name ("3", "final", "attn.2", "mlp.-1", ...; grammar in
-    # tllm_core.port_names), served by the registered producers; raises ValueError naming
+    # tllm_core.api.port_names), served by the registered producers; raises ValueError naming
     # the accepted forms. Without a registry (unit tests): residual stream and final only.
     parse_port: Callable[[str, Phase], TokenPort] = residual_port
     # The consumer acts only on requests naming it in extra_args["tllm_consumers"].

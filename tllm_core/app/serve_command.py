@@ -1,7 +1,7 @@
 """``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md).
 
 The consumers are given as for ``tllm run`` and validated once, before vLLM starts
-(:func:`tllm_core.engine.validate_consumers`); they travel to the server as its
+(:func:`tllm_core.app.engine.validate_consumers`); they travel to the server as its
 ``--additional-config '{"tllm": ...}'``, the switch the tllm vLLM plugin looks for.
 """
 
@@ -16,9 +16,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tllm_core import cli_common
-from tllm_core.progress import say
-from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
+from tllm_core.app import cli_common
+from tllm_core.app.progress import say
+from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 
 EPILOG = """examples:
   tllm serve --consumer esamp --per-request
@@ -139,7 +139,7 @@ def _announce_when_ready(url: str, timeout: float = 3600) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tllm_core.engine import validate_consumers
+    from tllm_core.app.engine import validate_consumers
 
     cli_common.quiet(args)
     ranks = parallel_ranks(args)
@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         specs = tuple(s.model_copy(update={"per_request": True}) for s in checked.specs)
         checked = type(checked)(specs, checked.registry, checked.model_path)
     if model is None:
-        from tllm_core.default_model import default_model_path
+        from tllm_core.app.default_model import default_model_path
 
         model = str(default_model_path(progress=True))
         checked = validate_consumers(checked, model)
