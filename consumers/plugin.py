@@ -1,6 +1,6 @@
 """Registers the built-in consumers (``tllm_consumers``) and their commands (``tllm_commands``)."""
 
-from tllm_core.api.hookspecs import hookimpl
+from tllm_core import hookimpl
 
 
 @hookimpl

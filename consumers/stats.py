@@ -7,9 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from tllm_core import Bundle, Consumer, ConsumerConfig, Phase
-from tllm_core.api.port_names import parse_port_name
-from tllm_core.api.ports import residual_port
+from tllm_core import Bundle, Consumer, ConsumerConfig, Phase, parse_port_name, residual_port
 
 
 class StatsConfig(ConsumerConfig):

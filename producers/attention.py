@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tllm_core.api.ports import LayerPort, Phase
-from tllm_core.api.producer import Producer, TapRequest
+from tllm_core import LayerPort, Phase, Producer, TapRequest
 
 
 @dataclass(frozen=True)

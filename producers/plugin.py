@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tllm_core.api.hookspecs import hookimpl
+from tllm_core import hookimpl
 
 
 @hookimpl

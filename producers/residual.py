@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tllm_core.api.ports import FINAL, HiddenStates
-from tllm_core.api.producer import Producer, TapRequest
+from tllm_core import FINAL, HiddenStates, Producer, TapRequest
 
 
 class ResidualProducer(Producer):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tllm_core.api.ports import Logits, ReadPort, SampledTokens
-from tllm_core.api.producer import Producer, TapRequest
+from tllm_core import Logits, Producer, ReadPort, SampledTokens, TapRequest
 
 
 class SamplerProducer(Producer):

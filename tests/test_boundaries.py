@@ -5,6 +5,7 @@
 - ``tllm_core`` imports neither ``consumers``, ``algorithms`` nor ``producers``, and names
   no built-in consumer module;
 - ``tllm_core``'s layers import only the layers below them (``LAYERS``);
+- the built-ins import ``tllm_core``'s public API (its ``__all__``), nothing deeper;
 - there are no import cycles between the project's modules.
 """
 
@@ -126,6 +127,43 @@ def test_the_layer_check_sees_an_upward_import(tmp_path):
         "rows.py:2: layer api imports tllm_core.app.engine.TllmLLM"
     ]
     assert _layer_violations({"tllm_core.app.cli": f}) == []
+
+
+def _public_names() -> set[str]:
+    tree = ast.parse((ROOT / "tllm_core" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("tllm_core/__init__.py has no __all__")
+
+
+def _deep_core_imports(mods: dict[str, Path], public: set[str]) -> list[str]:
+    bad = []
+    for mod, path in mods.items():
+        if mod.split(".")[0] == "tllm_core":
+            continue
+        for name, line in _imports(path, mod):
+            parts = name.split(".")
+            if parts[0] != "tllm_core" or parts[:2] == ["tllm_core", "lazy"]:
+                continue
+            if len(parts) != 2 or parts[1] not in public:
+                bad.append(f"{path.name}:{line} imports {name}")
+    return bad
+
+
+def test_builtins_import_only_the_public_api():
+    bad = _deep_core_imports(_modules(), _public_names())
+    assert not bad, "built-ins reach past tllm_core's public API:\n" + "\n".join(bad)
+
+
+def test_the_public_api_check_sees_a_deep_import(tmp_path):
+    f = tmp_path / "mine.py"
+    f.write_text("from tllm_core import Consumer\nfrom tllm_core.api.rows import RowInfo\n")
+    assert _deep_core_imports({"consumers.mine": f}, {"Consumer", "RowInfo"}) == [
+        "mine.py:2 imports tllm_core.api.rows.RowInfo"
+    ]
 
 
 def test_no_import_cycles():

@@ -5,7 +5,7 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
 ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
-:class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.app.cli_common`.
+:class:`SamplePort`, :class:`LayerPort`. Command authors: ``cli_common`` (:mod:`tllm_core.app.cli_common`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from tllm_core.api.bundles import Bundle, GuideView
     from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+    from tllm_core.api.counters import Counters
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.hookspecs import hookimpl
     from tllm_core.api.numbers import FiniteF32
-    from tllm_core.api.port_names import PortName, format_port_name, parse_port_name
+    from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
     from tllm_core.api.ports import (
         Delivery,
         Edit,
@@ -35,14 +36,27 @@ if TYPE_CHECKING:
         SamplePort,
         SamplerGuide,
         TokenPort,
+        layer_key,
+        residual_port,
     )
     from tllm_core.api.producer import Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.rows import RequestInfo, RowInfo
+    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
+    from tllm_core.app import cli_common
     from tllm_core.app.engine import TllmLLM
+    from tllm_core.runtime.cpus import allowed_cpus
 
 __all__ = [
+    "WritePort",
+    "cli_common",
+    "allowed_cpus",
+    "phase_mask",
+    "request_runs",
+    "residual_port",
+    "layer_key",
+    "FINAL",
+    "Counters",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -106,15 +120,24 @@ _HOME = {
     "SamplePort": "tllm_core.api.ports",
     "SamplerGuide": "tllm_core.api.ports",
     "TokenPort": "tllm_core.api.ports",
+    "WritePort": "tllm_core.api.ports",
     "Producer": "tllm_core.api.producer",
     "TapRequest": "tllm_core.api.producer",
     "RequestSettings": "tllm_core.api.request_settings",
     "RequestInfo": "tllm_core.api.rows",
     "RowInfo": "tllm_core.api.rows",
-    "ConsumerSpec": "tllm_core.runtime.settings",
-    "ConsumerSpecError": "tllm_core.runtime.settings",
+    "ConsumerSpec": "tllm_core.api.consumer_spec",
+    "ConsumerSpecError": "tllm_core.api.consumer_spec",
     "StepCapture": "tllm_core.api.step",
     "TllmLLM": "tllm_core.app.engine",
+    "cli_common": "tllm_core.app.cli_common",
+    "allowed_cpus": "tllm_core.runtime.cpus",
+    "phase_mask": "tllm_core.api.rows",
+    "request_runs": "tllm_core.api.rows",
+    "residual_port": "tllm_core.api.ports",
+    "layer_key": "tllm_core.api.ports",
+    "FINAL": "tllm_core.api.port_names",
+    "Counters": "tllm_core.api.counters",
 }
 
 __getattr__ = lazy_getattr(__name__, _HOME)

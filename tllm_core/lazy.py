@@ -10,11 +10,13 @@ from typing import Any
 
 def lazy_getattr(package: str, home: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: each name of ``home`` (name -> module)
-    imported from its module when first asked for."""
+    imported from its module when first asked for; a name that is its module's own last
+    component (``"cli_common": "pkg.app.cli_common"``) is the module itself."""
 
     def __getattr__(name: str) -> Any:
         if name in home:
-            return getattr(importlib.import_module(home[name]), name)
+            module = importlib.import_module(home[name])
+            return module if home[name].rpartition(".")[2] == name else getattr(module, name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__

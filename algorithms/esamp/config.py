@@ -7,8 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from tllm_core.api.consumer import ConsumerConfig
-from tllm_core.api.numbers import FiniteF32
+from tllm_core import ConsumerConfig, FiniteF32
 
 # Range checks, one per field: (value is allowed, error message). None passes where the
 # field allows it (the type does the rest).

@@ -27,12 +27,22 @@ from algorithms.esamp.memory_plan import (
 )
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.training import Trainer
-from tllm_core.api.bundles import Bundle, GuideView
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext
-from tllm_core.api.numbers import FiniteF32
-from tllm_core.api.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
-from tllm_core.api.request_settings import RequestSettings
-from tllm_core.api.rows import RequestInfo
+from tllm_core import (
+    FINAL,
+    Bundle,
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    Delivery,
+    FiniteF32,
+    GuideView,
+    HiddenStates,
+    Phase,
+    RequestInfo,
+    RequestSettings,
+    SamplerGuide,
+    layer_key,
+)
 
 COUNTER_NAMES = (
     "decode_steps",

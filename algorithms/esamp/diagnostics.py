@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from algorithms.esamp.guidance import candidate_shift
-from tllm_core.api.counters import Counters
+from tllm_core import Counters
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
 _DIAG_FIELDS = ("age", "rel_err", "candidates", "top_ref", "top_new", "tv", "beta")

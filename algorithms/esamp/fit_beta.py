@@ -10,7 +10,7 @@ import torch
 
 from algorithms.esamp.guidance import fit_scale
 from algorithms.esamp.lifecycle import Group
-from tllm_core.api.counters import Counters
+from tllm_core import Counters
 
 
 class FitScale:

@@ -24,10 +24,7 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, row_index, select_rows
-from tllm_core.api.bundles import GuideView
-from tllm_core.api.consumer import ModelInfo
-from tllm_core.api.ports import FINAL
-from tllm_core.api.rows import RequestInfo
+from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
 
 @dataclass

@@ -8,8 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from algorithms.esamp.slots import SlotDistiller
-from tllm_core.api.counters import Counters
-from tllm_core.api.rows import RequestInfo
+from tllm_core import Counters, RequestInfo
 
 _BATCH_KEY = "__batch__"
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from algorithms.esamp.opt_stats import OptStats
 from algorithms.esamp.slots import TrainResult
-from tllm_core.api.counters import Counters
+from tllm_core import Counters
 
 _CURVE_POINTS = 64
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from algorithms.esamp.adam import STATS
-from tllm_core.api.counters import Counters
+from tllm_core import Counters
 
 _CURVE_POINTS = 64
 _K = len(STATS)  # clipped, eps share, update size, gradient norm

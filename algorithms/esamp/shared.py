@@ -9,7 +9,7 @@ import torch
 
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.slots import SlotDistiller
-from tllm_core.api.counters import Counters
+from tllm_core import Counters
 
 
 @dataclass

@@ -20,7 +20,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from tllm_core.runtime.cpus import allowed_cpus
+from tllm_core import allowed_cpus
 
 log = logging.getLogger("tllm")
 

@@ -13,8 +13,7 @@ from algorithms.esamp.lifecycle import Group, Groups
 from algorithms.esamp.losses import LossBook, Submitted, final_prefix
 from algorithms.esamp.shared import Shared, row_index, select_rows
 from algorithms.esamp.slots import TrainResult
-from tllm_core.api.bundles import Bundle
-from tllm_core.api.rows import RequestInfo
+from tllm_core import Bundle, RequestInfo
 
 # Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
 _FLUSH_EVERY = 256

@@ -6,8 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tllm_core.app import cli_common
-from tllm_core.app.progress import say
+from tllm_core import cli_common
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -26,20 +25,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     }
     consumers = [cli_common.json_spec(spec)] + (args.consumer or [])
     # Cached prompt blocks are not recomputed, so their rows would be missing.
-    say("export: prefix caching is turned off for this run (every prompt row is exported)")
+    cli_common.say(
+        "export: prefix caching is turned off for this run (every prompt row is exported)"
+    )
     args.no_prefix_caching = True
     prompts, texts, report = cli_common.generate_with(
         args, consumers, status=lambda: written(args.out)
     )
     cli_common.print_report(prompts, texts, report, args.json)
     c = report["consumers"].get("export", {})
-    say(
+    cli_common.say(
         f"export: {c.get('rows_exported', 0)} rows, {c.get('bytes_written', 0) / 1e6:.1f} MB "
         f"in {c.get('shards_written', 0)} shards written to {args.out}"
     )
     res = report.get("results", {}).get("export")
     if isinstance(res, dict) and res.get("requests") and res.get("complete") is False:
-        say(
+        cli_common.say(
             f"export: not complete ({c.get('requests_cut_short', 0)} request(s) cut short; "
             f"see 'losses' and each request's 'finished' in the manifest)"
         )

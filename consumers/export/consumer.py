@@ -17,11 +17,19 @@ from pydantic import Field, field_validator, model_validator
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestFates, RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
-from tllm_core.api.bundles import Bundle
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext
-from tllm_core.api.port_names import parse_port_name
-from tllm_core.api.ports import Delivery, Phase, ReadPort, SampledTokens, TokenPort
-from tllm_core.api.rows import RequestInfo
+from tllm_core import (
+    Bundle,
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    Delivery,
+    Phase,
+    ReadPort,
+    RequestInfo,
+    SampledTokens,
+    TokenPort,
+    parse_port_name,
+)
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 

@@ -8,10 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core.api.counters import Counters
-from tllm_core.api.ports import Phase
-from tllm_core.api.rows import RowInfo
-from tllm_core.runtime.reads import phase_mask
+from tllm_core import Counters, Phase, RowInfo, phase_mask
 
 
 class RequestTokens:

@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr, field_validator
 from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.site import parse_site
 from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer
-from tllm_core.api.consumer import ConsumerConfig
+from tllm_core import ConsumerConfig
 
 
 class SaeConfig(ConsumerConfig):

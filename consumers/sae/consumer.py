@@ -34,11 +34,19 @@ from consumers.sae.steer import (
     clamps_of,
     scale_vector,
 )
-from tllm_core.api.bundles import Bundle
-from tllm_core.api.consumer import Consumer, ConsumerContext
-from tllm_core.api.edits import EditPlan
-from tllm_core.api.ports import Delivery, Phase, ReadPort, SampledTokens, WritePort
-from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core import (
+    Bundle,
+    Consumer,
+    ConsumerContext,
+    Delivery,
+    EditPlan,
+    Phase,
+    ReadPort,
+    RequestInfo,
+    RowInfo,
+    SampledTokens,
+    WritePort,
+)
 
 log = logging.getLogger("tllm")
 

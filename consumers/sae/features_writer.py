@@ -20,7 +20,7 @@ import torch
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestFates, RequestTokens, completeness
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
-from tllm_core.api.rows import request_runs
+from tllm_core import request_runs
 
 FORMAT_NAME = "tllm-sae-features"
 FORMAT_VERSION = 1

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from producers import AttentionOutput, MlpOutput
-from tllm_core.api.port_names import PortName
-from tllm_core.api.ports import Edit, HiddenStates, Phase, ReadPort, ResidualEdit, WritePort
+from tllm_core import Edit, HiddenStates, Phase, PortName, ReadPort, ResidualEdit, WritePort
 
 
 def read_port(site: PortName, phase: Phase) -> ReadPort:

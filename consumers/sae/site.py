@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from tllm_core.api.port_names import PortName, parse_port_name
+from tllm_core import PortName, parse_port_name
 
 SITE_PREFIXES = ("attn", "mlp")
 

@@ -16,7 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from consumers.sae.model import SparseAutoencoder
-from tllm_core.api.numbers import FiniteF32
+from tllm_core import FiniteF32
 
 # Entries of one steering list (config or request): each is a vector add or a clamp per row.
 MAX_STEER_ENTRIES = 1024

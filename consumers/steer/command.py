@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tllm_core.app import cli_common
+from tllm_core import cli_common
 
 
 def cmd_steer_compute(args: argparse.Namespace) -> int:

@@ -59,12 +59,10 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
     from vllm import SamplingParams
 
     from consumers.export import read_export
-    from tllm_core.api.ports import layer_key
-    from tllm_core.app.engine import TllmLLM
-    from tllm_core.app.prompts import read_prompt_file
+    from tllm_core import TllmLLM, cli_common, layer_key
 
-    positive = read_prompt_file(args.positive, "--positive file")
-    negative = read_prompt_file(args.negative, "--negative file")
+    positive = cli_common.read_prompt_file(args.positive, "--positive file")
+    negative = cli_common.read_prompt_file(args.negative, "--negative file")
     check_out(args.out)  # before the engine starts
     with tempfile.TemporaryDirectory(prefix="tllm-steer-") as tmp:
         spec = {

@@ -9,12 +9,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from consumers.steer.vectors import check_vector, load_vector
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext
-from tllm_core.api.edits import EditPlan
-from tllm_core.api.numbers import FiniteF32
-from tllm_core.api.ports import ResidualEdit, WritePort
-from tllm_core.api.request_settings import RequestSettings
-from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    EditPlan,
+    FiniteF32,
+    RequestInfo,
+    RequestSettings,
+    ResidualEdit,
+    RowInfo,
+    WritePort,
+)
 
 # Inline vectors are model-width; a million entries is past any model (and bounds the JSON).
 MAX_INLINE_VECTOR = 1 << 20

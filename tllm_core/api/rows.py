@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tllm_core.api.ports import Phase
 from tllm_core.api.request_settings import (
     GROUP_KEY,
     RequestSettings,
@@ -204,3 +205,10 @@ def layout_rows(
     )
     kept = computed + nsched >= layout.num_tokens.astype(np.int64)
     return rows, cu - 1, kept
+
+
+def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
+    """Which of the rows (``is_decode`` per row) belong to ``phase``."""
+    if phase is Phase.ALL:
+        return np.ones_like(is_decode)
+    return is_decode if phase is Phase.DECODE else ~is_decode

@@ -2,8 +2,7 @@
 
 A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.api.hookspecs`) can reuse them::
 
-    from tllm_core import hookimpl
-    from tllm_core.app import cli_common
+    from tllm_core import cli_common, hookimpl
 
     def run_mine(args):
         cli_common.quiet(args)
@@ -28,6 +27,26 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tllm_core.app.progress import say
+from tllm_core.app.prompts import read_prompt_file
+
+__all__ = [
+    "CliError",
+    "add_consumer_arg",
+    "add_generation_args",
+    "engine_kwargs",
+    "engine_note",
+    "exit_status",
+    "generate_with",
+    "int_at_least",
+    "print_report",
+    "prompts",
+    "quiet",
+    "read_prompt_file",
+    "sampling",
+    "say",
+]
 
 
 class CliError(ValueError):
@@ -139,8 +158,6 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 def prompts(args: argparse.Namespace) -> list[str]:
     """``--prompt``s, the ``--prompts`` file, or the built-in prompt."""
     if args.prompts is not None:
-        from tllm_core.app.prompts import read_prompt_file
-
         return read_prompt_file(args.prompts, "--prompts file")
     return args.prompt or [DEFAULT_PROMPT]
 
@@ -242,7 +259,7 @@ def generate_with(
     stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
     the ``summary`` line that :func:`print_report` prints last."""
     from tllm_core.app.engine import TllmLLM, validate_consumers
-    from tllm_core.app.progress import RunProgress, say, summary
+    from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     texts_in = prompts(args)

@@ -11,6 +11,7 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
+from tllm_core.api.rows import phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 
 
@@ -68,12 +69,6 @@ def plan_reads(
         else:
             old.phase = port.phase.union(old.phase)
     return plan
-
-
-def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
-    if phase is Phase.ALL:
-        return np.ones_like(is_decode)
-    return is_decode if phase is Phase.DECODE else ~is_decode
 
 
 def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
