@@ -18,6 +18,7 @@ import re
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,19 @@ def summarise(diag: dict[str, list], tokenizer) -> dict[str, Any]:
     }
 
 
+def _resumed(path: Path | None, settings: dict[str, Any], configs: dict[str, Any]):
+    """The finished configs of an earlier run written to ``path`` with the same settings and
+    the same config for that name."""
+    if path is None or not path.exists():
+        return
+    old = json.loads(path.read_text())
+    if any(old.get(k) != v for k, v in settings.items()):
+        raise SystemExit(f"{path}: written by a run with other settings; remove it or use --out")
+    for name, r in old["configs"].items():
+        if configs.get(name) == r["config"]:
+            yield name, r
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--problems", type=int, default=24)
@@ -107,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         help='ESamp config to analyse (repeatable; default paper={"beta": 0.25})',
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the JSON result here after every config; configs already in the file, "
+        "from a run with the same settings, are kept and not run again (a long run resumes)",
+    )
     args = p.parse_args(argv)
     configs = {}
     for spec in args.config or ['paper={"beta": 0.25}']:
@@ -128,8 +149,29 @@ def main(argv: list[str] | None = None) -> int:
     fams = tuple(f for f in args.families.split(",") if f)
     problems = passk.make_problems(args.problems, args.task_seed, fams)
     convs = [[{"role": "user", "content": q["prompt"]}] for q in problems]
-    out: dict[str, Any] = {}
+    settings = {
+        "problems": len(problems),
+        "families": list(fams),
+        "task_seed": args.task_seed,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "min_p": args.min_p,
+        "seed": args.seed,
+    }
+    out: dict[str, Any] = dict(_resumed(args.out, settings, configs))
+
+    def result() -> dict[str, Any]:
+        return {
+            "command": "python "
+            + shlex.join(["benchmarks/esamp_tokens.py", *(argv or sys.argv[1:])]),
+            **settings,
+            "configs": out,
+        }
+
     for name, cfg in configs.items():
+        if name in out:
+            print(f"[esamp_tokens] {name}: kept from {args.out}", file=sys.stderr)
+            continue
         t0 = time.perf_counter()
         llm = TllmLLM(
             model,
@@ -167,19 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.perf_counter() - t0,
         }
         print(f"[esamp_tokens] {name} done in {out[name]['seconds']:.0f}s", file=sys.stderr)
+        if args.out is not None:
+            tmp = args.out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result()))
+            tmp.replace(args.out)
         core = getattr(getattr(llm.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
         del llm
-    result = {
-        "command": "python " + shlex.join(["benchmarks/esamp_tokens.py", *(argv or sys.argv[1:])]),
-        "problems": len(problems),
-        "n": args.n,
-        "max_tokens": args.max_tokens,
-        "configs": out,
-    }
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result()))
     else:
         for name, r in out.items():
             s = r["summary"]
