@@ -5,7 +5,8 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
 ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
-:class:`SamplePort`, :class:`LayerPort`. Command authors: :mod:`tllm_core.cli_common`.
+:class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
+:class:`ArchitectureSpec`. Command authors: :mod:`tllm_core.cli_common`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from tllm_core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from tllm_core.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.bundles import Bundle, GuideView
     from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
     from tllm_core.edits import EditPlan
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from tllm_core.step import StepCapture
 
 __all__ = [
+    "ArchitectureSpec",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -69,6 +72,7 @@ __all__ = [
     "SamplePort",
     "SampledTokens",
     "SamplerGuide",
+    "SiteSpec",
     "StepCapture",
     "TapRequest",
     "TllmLLM",
@@ -82,6 +86,8 @@ __all__ = [
 # Each public name -> its module, imported on first use (PEP 562): importing a plugin's entry
 # point (``from tllm_core import hookimpl``) then costs neither torch nor vLLM.
 _HOME = {
+    "ArchitectureSpec": "tllm_core.architectures",
+    "SiteSpec": "tllm_core.architectures",
     "Bundle": "tllm_core.bundles",
     "GuideView": "tllm_core.bundles",
     "Consumer": "tllm_core.consumer",

@@ -36,6 +36,10 @@ ALLOW_ENV = "TLLM_PLUGINS"
 # The distribution whose entry points are the built-ins: never filtered by the allow-list
 # (as datasette's default plugins), since consumers need its producers.
 OWN_DISTRIBUTION = "tllm"
+# Plugin modules inside tllm_core itself, registered before the entry points: the engine
+# bridge describes vLLM's model families through the ``tllm_architectures`` hook, as a
+# third-party plugin would (the bridge is no entry point: it is part of the core).
+CORE_PLUGINS = {"vllm-bridge": "tllm_core.vllm_bridge.plugin"}
 
 
 class TllmPluginWarning(UserWarning):
@@ -113,6 +117,8 @@ class Plugins:
         """Every ``tllm`` entry point the allow-list lets through, each registered and checked."""
         out = cls(on_broken=on_broken)
         if load_entry_points:
+            for name, module in CORE_PLUGINS.items():
+                out.register(importlib.import_module(module), name)
             out._load_entry_points(allowed_plugins(environ))
         return out
 
