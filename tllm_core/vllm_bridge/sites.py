@@ -25,6 +25,8 @@ from tllm_core.edits import EditBuffers, apply_edit
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import STREAM_FIRST_LAYERS, builtin_architectures
 
+__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap"]
+
 
 @dataclass
 class TapBuffers:
@@ -117,8 +119,6 @@ TAPS: dict[str, type[_Tap]] = {
     "sum": ResidualTap,
     "first": StreamFirstResidualTap,
 }
-
-__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap"]
 
 
 def unwrap(module: nn.Module) -> nn.Module:
