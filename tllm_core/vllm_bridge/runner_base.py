@@ -17,6 +17,7 @@ from tllm_core.architectures import Architectures
 from tllm_core.consumer import ModelInfo
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import builtin_architectures
+from tllm_core.vllm_bridge.sites import find_layers
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 # Tensor parallel with guidance: makes every rank continue from the same sampled tokens; runs
@@ -73,8 +74,6 @@ class RunnerAdapterBase:
 
     def decoder_layers(self, architectures: Architectures | None = None) -> nn.ModuleList:
         """The model's decoder layers, where ``architectures`` (default: the built-ins) say."""
-        from tllm_core.vllm_bridge.sites import find_layers
-
         num = self.runner.model_config.hf_config.num_hidden_layers
         return find_layers(self.runner.model, num, architectures or builtin_architectures())
 
