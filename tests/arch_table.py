@@ -51,6 +51,17 @@ fails above 1e-4 (fp32) or 1e-1 (bf16); `-`: the family has no such port. A fami
 port that cannot run fails at engine start with an error naming the model or layer class and
 why (the notes quote it).
 
+What the bridge knows of a family is data: architecture specs (`tllm_core/api/architectures.py`)
+returned by the `tllm_architectures` hook ([hooks.md](hooks.md)). The built-ins
+(`tllm_core/vllm_bridge/layouts.py`) are the default family (decoder layers at `model.layers`,
+else the shallowest `ModuleList` with one entry per layer; sites `residual`, a layer output
+`(hidden, residual)` read as their sum or a single tensor; `attn` and `mlp`, the first child
+module present of `self_attn` / `attn` / `self_attention` and `mlp` / `feed_forward` /
+`block_sparse_moe`) and `stream-first` (GraniteMoeHybrid, Cohere, Exaone4, PhiMoE, StableLM,
+...: `residual` is the first element of the layer's output). A plugin adds a family (by
+decoder layer class, with its own layer path and site variants) or a site (any child module)
+without editing tllm: `tests/plugin_pkg` adds `post_norm` on `post_attention_layernorm`.
+
 | family | model class | status | layer | attn | mlp | final | logits | notes |
 |---|---|---|---|---|---|---|---|---|
 """

@@ -219,8 +219,12 @@ def test_port_name_grammar_is_one_parser_and_formatter():
 def test_edit_tap_only_on_editable_sites():
     with pytest.raises(ValueError, match="read-only"):
         Registry().producer_for(HiddenStates("final")).edit_tap(HiddenStates("final"))
-    with pytest.raises(ValueError, match="unknown tap site"):
-        TapRequest("nowhere", 1)
+    with pytest.raises(
+        ValueError, match="unknown tap site 'nowhere'; the registered sites are attn"
+    ):
+        Registry().architectures.check_site("nowhere")
+    with pytest.raises(ValueError, match="needs an absolute layer index"):
+        TapRequest("nowhere")
 
 
 # -- edit math ------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class FakeAdapter:
         self.events = None
         self.runner = None  # the fake has no vLLM runner behind it
 
-    def decoder_layers(self) -> nn.ModuleList:
+    def decoder_layers(self, architectures=None) -> nn.ModuleList:
         return nn.ModuleList()
 
     def request(self, engine_id: str):

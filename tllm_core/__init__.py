@@ -5,7 +5,8 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
 ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
-:class:`SamplePort`, :class:`LayerPort`. Command authors: ``cli_common`` (:mod:`tllm_core.app.cli_common`).
+:class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
+:class:`ArchitectureSpec`. Command authors: ``cli_common`` (:mod:`tllm_core.app.cli_common`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from tllm_core.lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView
     from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from tllm_core.runtime.cpus import allowed_cpus
 
 __all__ = [
+    "ArchitectureSpec",
+    "SiteSpec",
     "WritePort",
     "cli_common",
     "allowed_cpus",
@@ -96,6 +100,8 @@ __all__ = [
 # Each public name -> its module, imported on first use (PEP 562): importing a plugin's entry
 # point (``from tllm_core import hookimpl``) then costs neither torch nor vLLM.
 _HOME = {
+    "ArchitectureSpec": "tllm_core.api.architectures",
+    "SiteSpec": "tllm_core.api.architectures",
     "Bundle": "tllm_core.api.bundles",
     "GuideView": "tllm_core.api.bundles",
     "Consumer": "tllm_core.api.consumer",

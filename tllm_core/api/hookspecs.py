@@ -100,3 +100,26 @@ def tllm_commands(subparsers: argparse._SubParsersAction) -> None:
             p.add_argument("--name", default="world")
             p.set_defaults(func=lambda args: print(f"hello {args.name}") or 0)
     """
+
+
+@hookspec
+def tllm_architectures() -> list[object]:
+    """Return :class:`~tllm_core.api.architectures.SiteSpec` s (a tap site in every decoder
+    layer) and :class:`~tllm_core.api.architectures.ArchitectureSpec` s (a family of decoder
+    layers, by class name, with its own variants of sites) for the engine bridge.
+
+    Called like ``tllm_consumers``: once per ``Registry``, on the thread building it; no
+    tensors. The engine checks every port's tap against the merged specs before the first
+    step, and wraps each site's module once, after the weights load. The bridge describes
+    vLLM's built-in families through this hook too; a site or layer class defined twice is
+    an error naming both.
+
+    Example (a read and edit site on each layer's post-attention norm; a producer's
+    ``taps`` then asks for ``TapRequest("post_norm", layer)``)::
+
+        from tllm_core import SiteSpec, hookimpl
+
+        @hookimpl
+        def tllm_architectures():
+            return [SiteSpec("post_norm", ("post_attention_layernorm",), output="first")]
+    """

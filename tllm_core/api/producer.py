@@ -16,40 +16,35 @@ from typing import ClassVar
 
 import torch
 
+from tllm_core.api.architectures import STEP_SITES
 from tllm_core.api.ports import ReadPort
 from tllm_core.api.step import StepCapture
 
-# Tap sites the vLLM bridge knows (tllm_core/vllm_bridge/sites.py and its CONTRACT.md):
-#   per decoder layer (``layer`` set), one row per token, editable:
-#     "residual"  residual stream after the layer (h + residual)
-#     "attn"      the layer's self-attention block output (after o_proj, before the add)
-#     "mlp"       the layer's MLP block output (before the add)
-#   per step (``layer`` None):
-#     "final"     final hidden state (after the final norm), one row per token
-#     "logits"    raw logits, one row per sampling row
-#     "sampled"   sampled token ids, one per sampling row
-LAYER_SITES = ("residual", "attn", "mlp")
-STEP_SITES = ("final", "logits", "sampled")
+# Tap sites: per decoder layer (``layer`` set; one row per token, editable) the sites that
+# the registered architectures describe (``tllm_core/api/architectures.py``; built-ins: "residual"
+# the residual stream after the layer, "attn" / "mlp" the blocks' outputs before the add);
+# per step (``layer`` None, read-only) :data:`STEP_SITES`: "final" (final hidden state, one
+# row per token), "logits" and "sampled" (one row per sampling row).
 
 
 @dataclass(frozen=True)
 class TapRequest:
-    """One tensor a producer needs the engine bridge to capture each step."""
+    """One tensor a producer needs the engine bridge to capture each step.
+
+    Checked here for its form only: whether a layer site exists depends on the plugins
+    registered, so the runtime checks it against its registry's architectures."""
 
     site: str
     layer: int | None = None
 
     def __post_init__(self) -> None:
-        if self.site in LAYER_SITES:
-            if self.layer is None or self.layer < 0:
-                raise ValueError(f"tap site {self.site!r} needs an absolute layer index")
-        elif self.site in STEP_SITES:
+        if not (isinstance(self.site, str) and self.site.isidentifier()):
+            raise ValueError(f"tap site must be an identifier, got {self.site!r}")
+        if self.site in STEP_SITES:
             if self.layer is not None:
                 raise ValueError(f"tap site {self.site!r} takes no layer")
-        else:
-            raise ValueError(
-                f"unknown tap site {self.site!r}; the bridge knows {LAYER_SITES + STEP_SITES}"
-            )
+        elif self.layer is None or self.layer < 0:
+            raise ValueError(f"tap site {self.site!r} needs an absolute layer index")
 
     @property
     def key(self) -> str:
@@ -57,7 +52,7 @@ class TapRequest:
 
     @property
     def editable(self) -> bool:
-        return self.site in LAYER_SITES
+        return self.layer is not None
 
 
 class Producer:
@@ -85,6 +80,6 @@ class Producer:
         if not tap.editable:
             raise ValueError(
                 f"{type(port).__name__} ({port.key}) cannot be edited: its tap {tap.site!r} "
-                f"is read-only (editable sites: {', '.join(LAYER_SITES)})"
+                f"is read-only (per-step sites {', '.join(STEP_SITES)} cannot be edited)"
             )
         return tap

@@ -1,14 +1,16 @@
-"""Plugin discovery (pluggy): consumers (by name, with their configs and request keys) and
-the producers serving each port type."""
+"""Plugin discovery (pluggy): consumers (by name, with their configs and request keys), the
+producers serving each port type and the architectures (tap sites) the bridge knows."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from pydantic import ValidationError
 
+from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import Consumer, ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
 from tllm_core.api.port_names import FINAL, parse_port_name
@@ -48,6 +50,7 @@ class Registry:
         # request key -> (consumer name, field name)
         self._keys: dict[str, tuple[str, str]] = {}
         self._producers: dict[type[ReadPort], Producer] = {}
+        self.architectures = Architectures()
         self._collected: set[str] = set()
         for name in self.plugins.loaded:
             try:
@@ -63,14 +66,20 @@ class Registry:
     def _collect(self, plugin_name: str) -> None:
         """Add one plugin's producers and consumers, all or none (its hooks are called one
         plugin at a time so that a failing plugin can be skipped alone)."""
-        saved = dict(self._classes), dict(self._keys), dict(self._producers)
+        saved = dict(self._classes), dict(self._keys), dict(self._producers), self.architectures
         try:
             for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
                 self._add_producers(classes)
             for classes in self._call(self.pm.hook.tllm_consumers, plugin_name):
                 self._add(classes)
+            specs = self._call(self.pm.hook.tllm_architectures, plugin_name)
+            if specs:
+                merged = copy.deepcopy(self.architectures)
+                for spec in (s for group in specs for s in group):
+                    merged.add(spec, f"plugin {plugin_name!r}")
+                self.architectures = merged
         except BaseException:
-            self._classes, self._keys, self._producers = saved
+            self._classes, self._keys, self._producers, self.architectures = saved
             raise
         self._collected.add(plugin_name)
 

@@ -122,9 +122,12 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
-        self.slots = build_consumers(settings, model, registry or Registry(), data_parallel)
+        registry = registry or Registry()
+        self.slots = build_consumers(settings, model, registry, data_parallel)
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
+        for tap in sorted(self._taps, key=lambda t: t.key):  # before any consumer's first step
+            registry.architectures.check_site(tap.site)
         self._edit_taps = {t for s in self.slots for t in s.edits.values()}
         self._guides = any(s.guides for s in self.slots)
         # Collected before a follower drops its slots: every rank runs the same transforms.

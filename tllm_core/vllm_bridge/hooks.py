@@ -18,12 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from tllm_core.api.architectures import Architectures
 from tllm_core.api.edits import EditBuffers
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
 from tllm_core.vllm_bridge.runners import adapter_for
@@ -52,7 +54,11 @@ class RunnerHooks:
     """Implements the adapter's step events on top of a :class:`Runtime`."""
 
     def __init__(
-        self, adapter: RunnerAdapterBase, runtime: Runtime, rank: ParallelInfo | None = None
+        self,
+        adapter: RunnerAdapterBase,
+        runtime: Runtime,
+        rank: ParallelInfo | None = None,
+        architectures: Architectures | None = None,
     ):
         self.adapter = adapter
         self.runtime = runtime
@@ -82,7 +88,8 @@ class RunnerHooks:
         self.edits: dict[str, EditBuffers] = {}
         self._needs = {t.key for t in runtime.taps}
         edit_keys = {t.key for t in runtime.edit_taps}
-        layers = adapter.decoder_layers()
+        archs = architectures or builtin_architectures()
+        layers = adapter.decoder_layers(archs)
         model_name = type(getattr(adapter.runner, "model", None)).__name__
         # Child sites (attn, mlp) first: the residual tap wraps the whole layer.
         for tap in sorted(runtime.taps, key=lambda t: (t.site == "residual", t.key)):
@@ -107,7 +114,7 @@ class RunnerHooks:
             self.stamps[tap.key] = buffers.stamp
             if edit is not None:
                 self.edit_counts[tap.key] = buffers.edited
-            install_tap(layers, tap.site, tap.layer, buffers, model=model_name)
+            install_tap(layers, tap.site, tap.layer, buffers, model_name, archs)
         sync = sync_sampled if self._sync and runtime.guides else None
         adapter.install(self, guides=runtime.guides, sync_sampled=sync)
 
@@ -259,15 +266,16 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     settings = RuntimeSettings.model_validate(raw_settings)
     rank = parallel_info(adapter.parallel_config)
     # Consumer state (e.g. trainable parameters) must not be inference tensors.
+    registry = Registry()
     with torch.inference_mode(False):
         runtime = Runtime(
             settings,
             adapter.model_info(),
-            Registry(),
+            registry,
             deliver=rank.leader,
             data_parallel=(rank.dp_rank, rank.dp_size),
         )
-    hooks = RunnerHooks(adapter, runtime, rank)
+    hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
     runner._tllm_hooks = hooks
     runner._tllm_generation = adapter.generation
     log.info(

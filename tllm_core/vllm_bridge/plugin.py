@@ -19,6 +19,9 @@ settings (:func:`command_process`): Ctrl-C is left to the command, which stops t
 cleanly, and with ``TLLM_QUIET=1`` known-harmless warnings are filtered
 (:mod:`tllm_core.vllm_bridge.quiet`).
 
+The module is also a ``tllm`` entry point of tllm's own distribution (``vllm-bridge``): its
+``tllm_architectures`` hook describes vLLM's decoder families (``layouts.py``).
+
 ``register`` itself never raises: vLLM does not guard general plugins, and an exception
 here would break plain vLLM. A vLLM whose layout lacks these two points is logged; a tllm
 engine on it then fails loudly (``TllmLLM`` and the server check that tllm is installed).
@@ -33,6 +36,8 @@ import os
 import signal
 import threading
 from typing import Any
+
+from tllm_core.api.hookspecs import hookimpl
 
 log = logging.getLogger("tllm")
 
@@ -86,6 +91,15 @@ def command_process() -> None:
         # command catches it, aborts the requests, flushes consumers and stops the engine
         # (vLLM would otherwise stop the engine under the command's feet).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# -- the tllm plugin (tllm_core.plugins.loader registers this module) -----------------------------
+@hookimpl
+def tllm_architectures() -> list[object]:
+    """vLLM's decoder families and the built-in tap sites (``layouts.py``)."""
+    from tllm_core.vllm_bridge.layouts import ARCHITECTURES
+
+    return list(ARCHITECTURES)
 
 
 # -- the engine (the process that runs the model) ------------------------------------------

@@ -13,8 +13,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.layouts import builtin_architectures
+from tllm_core.vllm_bridge.sites import find_layers
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 # Tensor parallel with guidance: makes every rank continue from the same sampled tokens; runs
@@ -22,7 +25,8 @@ from tllm_core.vllm_bridge.step_events import StepEvents
 SyncSampled = Callable[[torch.Tensor], None] | None
 
 # Read once the weights are loaded (``runner.model`` exists only then), on every runner.
-LOADED_MODEL_ATTRS = ("model.compute_logits", "model.model.layers")
+# (The decoder layers are found where the architecture specs say, or by shape: sites.py.)
+LOADED_MODEL_ATTRS = ("model.compute_logits",)
 
 
 class RunnerAdapterBase:
@@ -68,16 +72,10 @@ class RunnerAdapterBase:
         cls = type(self.runner)
         return f"{self.generation} runner {cls.__module__}.{cls.__name__}"
 
-    def decoder_layers(self) -> nn.ModuleList:
-        inner = getattr(self.runner.model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise UnsupportedEngineError(
-                f"tllm cannot find decoder layers at model.model.layers in "
-                f"{type(self.runner.model).__name__}; supported decoder families: "
-                f"docs/architectures.md"
-            )
-        return layers
+    def decoder_layers(self, architectures: Architectures | None = None) -> nn.ModuleList:
+        """The model's decoder layers, where ``architectures`` (default: the built-ins) say."""
+        num = self.runner.model_config.hf_config.num_hidden_layers
+        return find_layers(self.runner.model, num, architectures or builtin_architectures())
 
     def model_info(self) -> ModelInfo:
         runner = self.runner

@@ -8,7 +8,9 @@ forward without recompilation, and the same holds under CUDA graphs.
 
 Every tap writes two proofs inside the forward: its ``stamp`` (a copy of the step clock,
 so a buffer the forward did not write is detected) and, when it edits, ``edited`` (rows
-whose tensor the edit changed). A new site is one :class:`Site` entry in ``SITES``.
+whose tensor the edit changed). Which module a site wraps and how its output holds the
+value come from the architecture specs (``tllm_core/api/architectures.py``; the built-ins in
+``layouts.py``): a new site is one ``SiteSpec``, no code here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tllm_core.api.architectures import Architectures, SiteSpec
 from tllm_core.api.edits import EditBuffers, apply_edit
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.layouts import STREAM_FIRST_LAYERS, builtin_architectures
+
+__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap"]
 
 
 @dataclass
@@ -76,29 +83,24 @@ class _Tap(nn.Module):
 
 
 class ResidualTap(_Tap):
-    """Decoder layer ``(positions, h, residual) -> (h, residual)``; the residual stream
-    after the layer is ``h + residual`` (Llama-style: the next layer's fused add-norm adds
-    them). Two other conventions exist in vLLM's models, seen in the layer's output:
-
-    - a single tensor (Granite): the stream itself;
-    - ``stream_first`` (layer classes in :data:`STREAM_FIRST_LAYERS`): ``h`` already is the
-      stream and ``residual`` is an intermediate the next layer ignores.
-    """
+    """Output ``(h, residual)`` ("sum"): the value is ``h + residual``; with
+    ``stream_first`` ("first") it is ``h`` and the rest passes through. A bare tensor is the
+    value itself (Granite's decoder layers)."""
 
     stream_first = False
 
     def value(self, out):
         if isinstance(out, torch.Tensor):
             return out
-        h, r = out
+        h, r = out[0], out[1]
         return h if self.stream_first else h + r
 
     def rebuild(self, out, new, changed):
         if isinstance(out, torch.Tensor):
             return torch.where(changed, new, out)
-        h, r = out
+        h, r = out[0], out[1]
         if self.stream_first:
-            return torch.where(changed, new, h), r
+            return (torch.where(changed, new, h), *out[1:])
         # torch.where keeps unchanged rows' h bit for bit ((h + r) - r may differ from h).
         return torch.where(changed, new - r, h), r
 
@@ -107,54 +109,15 @@ class StreamFirstResidualTap(ResidualTap):
     stream_first = True
 
 
-# Decoder layers returning ``(stream, residual)`` whose first element already includes the
-# residual (``hidden_states = residual + block(...)``) and whose model applies the final norm
-# to that element alone: ``h + residual`` would count the residual twice. GraniteMoeHybrid is
-# checked by tests/test_arch_matrix.py; the others are from reading vLLM 0.32's model files.
-STREAM_FIRST_LAYERS = frozenset(
-    {
-        "GraniteMoeHybridAttentionDecoderLayer",
-        "GraniteMoeHybridMambaDecoderLayer",
-        "CohereDecoderLayer",
-        "Cohere2MoeDecoderLayer",
-        "CohereCompassDecoderLayer",
-        "Exaone4DecoderLayer",
-        "HyperCLOVAXDecoderLayer",
-        "MuseGlimmerDecoderLayer",
-        "PhiMoEDecoderLayer",
-        "StablelmDecoderLayer",
-    }
-)
-
-
 class OutputTap(_Tap):
     """A block whose output is one tensor (self-attention, MLP)."""
 
 
-@dataclass(frozen=True)
-class Site:
-    """Where in decoder layer ``model.model.layers[i]`` a tap sits."""
-
-    tap: type[_Tap]
-    # Child modules of the layer that carry the block's output, tried in order (families name
-    # them differently: gpt-oss ``attn``, Jamba ``feed_forward``, Granite-MoE
-    # ``block_sparse_moe``); empty: the layer itself.
-    attributes: tuple[str, ...] = ()
-    what: str = "decoder layer"
-    # Sibling modules whose output the layer adds to the block's inline: with one present the
-    # block's module carries only part of the site's value, so the site is refused.
-    partial_if: tuple[str, ...] = ()
-
-
-SITES: dict[str, Site] = {
-    "residual": Site(ResidualTap),
-    "attn": Site(OutputTap, ("self_attn", "attn", "self_attention"), "self-attention block"),
-    "mlp": Site(
-        OutputTap,
-        ("mlp", "feed_forward", "block_sparse_moe"),
-        "MLP / MoE block",
-        ("shared_mlp", "shared_expert", "shared_experts"),
-    ),
+# SiteSpec.output -> the wrapper reading that convention
+TAPS: dict[str, type[_Tap]] = {
+    "tensor": OutputTap,
+    "sum": ResidualTap,
+    "first": StreamFirstResidualTap,
 }
 
 
@@ -175,46 +138,86 @@ def _is_core_op(module: nn.Module) -> bool:
     return isinstance(module, AttentionLayerBase)
 
 
-def find_block(layer: nn.Module, site: str) -> tuple[str | None, str | None]:
-    """``(attribute, None)`` of ``site``'s module in ``layer``, or ``(None, why)``."""
-    spec = SITES[site]
-    for name in spec.attributes:
+def find_block(layer: nn.Module, spec: SiteSpec) -> tuple[str | None, str | None]:
+    """``(attribute, None)`` of ``spec``'s module in ``layer``, or ``(None, why)``."""
+    for name in spec.children:
         child = getattr(layer, name, None)
         if isinstance(child, nn.Module) and not _is_core_op(child):
             extra = [p for p in spec.partial_if if isinstance(getattr(layer, p, None), nn.Module)]
             if extra:
                 return None, (
-                    f"its {spec.what} output is {name} + {' + '.join(extra)}, added inline by "
+                    f"its {spec.label} output is {name} + {' + '.join(extra)}, added inline by "
                     f"the layer: no one module carries it"
                 )
             return name, None
     children = ", ".join(n for n, _ in layer.named_children()) or "none"
     return None, (
-        f"it has no {spec.what} module (looked for {', '.join(spec.attributes)}; "
+        f"it has no {spec.label} module (looked for {', '.join(spec.children)}; "
         f"its children: {children})"
     )
 
 
 def install_tap(
-    layers: nn.ModuleList, site: str, index: int, buffers: TapBuffers, model: str | None = None
+    layers: nn.ModuleList,
+    site: str,
+    index: int,
+    buffers: TapBuffers,
+    model: str | None = None,
+    architectures: Architectures | None = None,
 ) -> None:
-    """Wrap the module of ``site`` in decoder layer ``index``; ``model`` (the model class
-    name) only makes the error clearer."""
-    spec = SITES[site]
+    """Wrap the module of ``site`` in decoder layer ``index``, as ``architectures`` (default:
+    the built-ins) describe that layer's class; ``model`` (the model class name) only makes
+    the error clearer."""
+    archs = architectures or builtin_architectures()
     layer = unwrap(layers[index])
-    if not spec.attributes:
-        tap = spec.tap
-        if tap is ResidualTap and type(layer).__name__ in STREAM_FIRST_LAYERS:
-            tap = StreamFirstResidualTap
+    of = f" of {model}" if model else ""
+    spec = archs.site(site, type(layer).__name__)
+    if spec is None:
+        raise UnsupportedEngineError(
+            f"tap site {site!r} is not defined for decoder layer {index} "
+            f"({type(layer).__name__}){of}; its sites: {', '.join(archs.names())}"
+        )
+    tap = TAPS[spec.output]
+    if not spec.children:
         layers[index] = tap(layers[index], buffers)
         return
-    name, why = find_block(layer, site)
+    name, why = find_block(layer, spec)
     if name is None:
-        from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-
-        of = f" of {model}" if model else ""
         raise UnsupportedEngineError(
             f"tap site {site!r} is not supported at decoder layer {index} "
             f"({type(layer).__name__}){of}: {why}"
         )
-    setattr(layer, name, spec.tap(getattr(layer, name), buffers))
+    setattr(layer, name, tap(getattr(layer, name), buffers))
+
+
+def _at(root: nn.Module, path: str) -> object:
+    for part in path.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
+def find_layers(model: nn.Module, num_layers: int, architectures: Architectures) -> nn.ModuleList:
+    """The ``ModuleList`` of decoder layers: at a registered spec's ``layers`` path (a family's
+    only where its first layer is of its classes), else the shallowest list of
+    ``num_layers`` modules (found by shape, whatever the model is called)."""
+    for spec, path in architectures.layer_paths():
+        found = _at(model, path)
+        if (
+            isinstance(found, nn.ModuleList)
+            and len(found)
+            and (not spec.layer_classes or type(unwrap(found[0])).__name__ in spec.layer_classes)
+        ):
+            return found
+    lists = [
+        (name.count("."), name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) == num_layers
+    ]
+    if not lists:
+        tried = ", ".join(p for _, p in architectures.layer_paths()) or "no path"
+        raise UnsupportedEngineError(
+            f"tllm cannot find the decoder layers of {type(model).__name__}: nothing at "
+            f"{tried} and no ModuleList of {num_layers} layers; supported decoder families: "
+            f"docs/architectures.md (a plugin describes another through tllm_architectures)"
+        )
+    return min(lists, key=lambda t: t[:2])[2]
