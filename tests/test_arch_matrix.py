@@ -143,7 +143,8 @@ def _reference(path: str, token_ids: list[int], steer: torch.Tensor | None) -> d
     ``final`` (the final norm's output) and ``logits`` at every position; with ``steer``
     added to layer 0's output by a forward hook."""
     model = _hf(path)
-    layers = model.model.layers
+    decoder = _text_decoder(model)
+    layers = decoder.layers
     got: dict[str, torch.Tensor] = {}
 
     def first(o):
@@ -165,7 +166,7 @@ def _reference(path: str, token_ids: list[int], steer: torch.Tensor | None) -> d
             child = _child(layer, kind)
             if child is not None:
                 handles.append(child.register_forward_hook(keep(f"{kind}.{i}")))
-    handles.append(model.model.norm.register_forward_hook(keep("final")))
+    handles.append(decoder.norm.register_forward_hook(keep("final")))
     try:
         got["logits"] = model(torch.tensor([token_ids])).logits[0].float()
     finally:
@@ -183,16 +184,24 @@ def _child(layer: torch.nn.Module, kind: str) -> torch.nn.Module | None:
     return None
 
 
+def _text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' decoder (``layers``, ``norm``): a vision-language model's text model."""
+    inner = model.model
+    return getattr(inner, "text_model", None) or getattr(inner, "language_model", None) or inner
+
+
 _HF: dict[str, torch.nn.Module] = {}
 
 
 def _hf(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if path not in _HF:
         _HF.clear()
+        vision = "vision_config" in json.loads((Path(path) / "config.json").read_text())
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         # eager attention: the plain softmax(QK^T)V reference (soft-capping, sliding windows)
-        _HF[path] = AutoModelForCausalLM.from_pretrained(
+        _HF[path] = auto.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager"
         ).eval()
     return _HF[path]

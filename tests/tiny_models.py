@@ -123,7 +123,12 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "topk_method": "greedy",
         },
     ),
+    # A vision-language model's text decoder (SmolVLM's architecture: Llama text model, SigLIP-
+    # style vision tower); the matrix feeds it text only. Built by ``_vision_language``.
+    "idefics3": ("LlamaConfig", {}),
 }
+# Composite vision-language families: arch -> the special tokens their processor needs.
+_VISION_LANGUAGE = {"idefics3": ("<fake_token_around_image>", "<image>", "<global-img>")}
 # The architecture matrix (issue 27), in table order.
 MATRIX_ARCHS = tuple(_FAMILIES)
 
@@ -202,6 +207,8 @@ def build_tiny_model(
 
     tok_dir = tokenizer_dir(root)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    if arch in _VISION_LANGUAGE:
+        tok.add_special_tokens({"additional_special_tokens": list(_VISION_LANGUAGE[arch])})
     common = dict(
         vocab_size=vocab_size or len(tok),
         hidden_size=hidden,
@@ -226,7 +233,11 @@ def build_tiny_model(
     config.dtype = "float32"
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    processor = None
+    if arch in _VISION_LANGUAGE:
+        model, processor = _vision_language(config, tok)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         # HF zero-initialises biases and sets norms to 1: perturb both so every parameter matters.
         gen = torch.Generator().manual_seed(seed + 1)
@@ -248,5 +259,40 @@ def build_tiny_model(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
+    (processor or tok).save_pretrained(str(tmp))
     return _publish(tmp, target)
+
+
+def _vision_language(text_config: Any, tok: Any) -> tuple[Any, Any]:
+    """Idefics3 (SmolVLM) around ``text_config``: a 2-layer 64-wide vision tower (vLLM's
+    SigLIP-style encoder) and the processor vLLM loads at start, tiny images (64 pixels)."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+
+    vision = Idefics3VisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        image_size=64,
+        patch_size=16,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=text_config.to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    config.dtype = "float32"
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    images = Idefics3ImageProcessor(size={"longest_edge": 128}, max_image_size={"longest_edge": 64})
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=tok.chat_template
+    )
+    return model, processor

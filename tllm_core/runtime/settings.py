@@ -1,5 +1,5 @@
 """Runtime settings: what travels to the engine in ``additional_config["tllm"]``, the consumers
-among them as :class:`~tllm_core.api.consumer_spec.ConsumerSpec`\ s."""
+among them as consumer specs (:class:`~tllm_core.api.consumer_spec.ConsumerSpec`)."""
 
 from __future__ import annotations
 

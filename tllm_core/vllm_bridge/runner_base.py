@@ -74,7 +74,7 @@ class RunnerAdapterBase:
 
     def decoder_layers(self, architectures: Architectures | None = None) -> nn.ModuleList:
         """The model's decoder layers, where ``architectures`` (default: the built-ins) say."""
-        num = self.runner.model_config.hf_config.num_hidden_layers
+        num = self.runner.model_config.get_total_num_hidden_layers()
         return find_layers(self.runner.model, num, architectures or builtin_architectures())
 
     def model_info(self) -> ModelInfo:
@@ -103,7 +103,7 @@ class RunnerAdapterBase:
             weight = head.weight[:vocab]
         return ModelInfo(
             hidden_size=mc.get_hidden_size(),
-            num_layers=mc.hf_config.num_hidden_layers,
+            num_layers=mc.get_total_num_hidden_layers(),
             vocab_size=vocab,
             dtype=mc.dtype,
             device=runner.device,
