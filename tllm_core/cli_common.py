@@ -26,7 +26,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tllm_core.engine import ConsumersArg
 
 
 class CliError(ValueError):
@@ -227,11 +230,11 @@ def engine_note(args: argparse.Namespace) -> str:
 
 def generate_with(
     args: argparse.Namespace,
-    consumers: list[str],
+    consumers: ConsumersArg,
     extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
-    """Start the engine with ``consumers`` (``NAME[:JSON]``), generate for the prompts of
+    """Start the engine with ``consumers`` (as ``TllmLLM`` takes them), generate for the prompts of
     ``args`` (options of :func:`add_generation_args`), close; return (prompts, texts per
     prompt and sample, report).
 
@@ -379,8 +382,3 @@ def exit_status(report: dict[str, Any]) -> int:
     if report.get("run", {}).get("interrupted"):
         return 130
     return 1 if report.get("errors") else 0
-
-
-def json_spec(spec: dict) -> str:
-    """``NAME:{json}`` of a ``{"name", "config"}`` dict (a ``--consumer`` value)."""
-    return f"{spec['name']}:{json.dumps(spec['config'])}"

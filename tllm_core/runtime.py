@@ -7,6 +7,7 @@ Engine-neutral: the vLLM bridge calls :meth:`begin_step`, :meth:`guide`,
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from tllm_core.bundles import GuideView
 from tllm_core.bus import Bus
-from tllm_core.consumer import Consumer, ConsumerContext, ModelInfo
+from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
 from tllm_core.counters import Counters
 from tllm_core.edits import EditBuffers, EditPlan
 from tllm_core.port_names import tap_port_name
@@ -24,7 +25,7 @@ from tllm_core.producer import TapRequest
 from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
 from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, RowInfo
-from tllm_core.settings import RuntimeSettings
+from tllm_core.settings import ConsumerSpec, RuntimeSettings
 from tllm_core.step import StaleTapError, StepCapture
 
 log = logging.getLogger("tllm")
@@ -60,15 +61,16 @@ def _write_plan(
 
 
 def build_consumers(
-    settings: RuntimeSettings,
+    specs: Sequence[ConsumerSpec],
+    configs: Sequence[ConsumerConfig],
     model: ModelInfo,
     registry: Registry,
     data_parallel: tuple[int, int] = (0, 1),
 ) -> list[_Slot]:
-    """Validate specs, construct consumers and resolve their ports (errors before generation)."""
+    """Construct consumers from their checked configs (``Registry.check``) and resolve their
+    ports (errors before generation)."""
     slots = []
-    configs = registry.check(settings.consumers)
-    for spec, config in zip(settings.consumers, configs, strict=True):
+    for spec, config in zip(specs, configs, strict=True):
         cls = registry.get(spec.name)
 
         def resolve(i: int, _n=model.num_layers) -> int:
@@ -122,7 +124,10 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
-        self.slots = build_consumers(settings, model, registry or Registry(), data_parallel)
+        registry = registry or Registry()
+        # The engine side's one check of the configs that arrived as JSON.
+        configs = registry.check(settings.consumers)
+        self.slots = build_consumers(settings.consumers, configs, model, registry, data_parallel)
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
         self._edit_taps = {t for s in self.slots for t in s.edits.values()}

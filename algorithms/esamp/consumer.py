@@ -28,7 +28,7 @@ from algorithms.esamp.memory_plan import (
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.training import Trainer
 from tllm_core.bundles import Bundle, GuideView
-from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
+from tllm_core.consumer import Consumer, ConsumerContext
 from tllm_core.numbers import FiniteF32
 from tllm_core.ports import FINAL, Delivery, HiddenStates, Phase, SamplerGuide, layer_key
 from tllm_core.request_settings import RequestSettings
@@ -92,12 +92,11 @@ class ESampConsumer(Consumer):
     Request = ESampRequest
     delivery = Delivery.END_OF_STEP
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, ESampConfig):
-            config = ESampConfig.model_validate(config.model_dump())
+    config: ESampConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: ESampConfig, context: ConsumerContext):
         super().__init__(config, context)
-        cfg: ESampConfig = config
-        self.cfg = cfg
+        cfg = config
         model = context.model
         self._src = context.resolve_layer(cfg.source_layer)
         self._tgt = FINAL if cfg.target_layer == FINAL else context.resolve_layer(cfg.target_layer)
@@ -137,7 +136,7 @@ class ESampConsumer(Consumer):
     # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
         # Warm start trains on the prompt's prefill rows too.
-        phase = Phase.ALL if self.cfg.warm_start_steps > 0 else Phase.DECODE
+        phase = Phase.ALL if self.config.warm_start_steps > 0 else Phase.DECODE
         return [HiddenStates(self._src, phase), HiddenStates(self._tgt, phase)]
 
     def writes(self) -> list:
@@ -149,7 +148,7 @@ class ESampConsumer(Consumer):
     def _beta(self, req: RequestInfo) -> float:
         """The request's beta: its ``tllm_esamp_beta`` if given, else the config's."""
         given = req.settings(self).beta  # validated and cached per request
-        return self.cfg.beta if given is None else given
+        return self.config.beta if given is None else given
 
     def guide(self, view: GuideView) -> None:
         self.guide_step(view)
@@ -170,7 +169,7 @@ class ESampConsumer(Consumer):
             "counters": self.counters.snapshot(),
             "memory_plan": {
                 **self.memory_plan.as_dict(),
-                "max_memory_fraction": self.cfg.max_memory_fraction,
+                "max_memory_fraction": self.config.max_memory_fraction,
                 # None: not checked (CPU: the state grows with live groups instead).
                 "device_bytes": self._device_bytes,
             },
