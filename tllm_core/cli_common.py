@@ -171,28 +171,50 @@ def sampling(args: argparse.Namespace):
 
 
 def quiet(args: argparse.Namespace) -> None:
-    """Set up this process before vLLM loads: quiet logs unless ``-v`` (:mod:`tllm_core.quiet`),
-    Ctrl-C handled by the command, the CPU KV cache size, and tcmalloc / Intel OpenMP preloaded
-    for the engine processes (:mod:`tllm_core.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
-    from tllm_core.cpu_preload import apply as preload
+    """Quiet logs and warnings unless ``-v`` (:mod:`tllm_core.quiet`); call it first, before
+    vLLM loads."""
     from tllm_core.quiet import install_if_quiet, quiet_env
-    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
 
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
         if k in ("PYTHONWARNINGS", "TLLM_QUIET"):
             os.environ[k] = v
         else:  # the user's own logging settings win
             os.environ.setdefault(k, v)
-    os.environ[CLI_PID_ENV] = str(os.getpid())
-    # The worker process gets this long to exit after its engine stops (vLLM's default, 5 s,
-    # is too short on a busy 2-core machine: vLLM then terminates it with a warning).
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     install_if_quiet()
-    kv = getattr(args, "kv_cache_gib", None)
-    if kv is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
+
+
+def mark_command_process() -> None:
+    """Name this process as the command's: the engine processes it starts leave Ctrl-C to
+    it (it aborts the requests, flushes consumers, stops the engine) and stay quiet."""
+    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+
+    os.environ[CLI_PID_ENV] = str(os.getpid())
+
+
+def set_worker_shutdown_timeout() -> None:
+    """Give a worker process 30 s to exit after its engine stops: vLLM's default, 5 s, is too
+    short on a busy 2-core machine (vLLM then terminates it with a warning)."""
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+
+
+def set_cpu_kv_cache(gib: int | None) -> None:
+    """The CPU KV cache size: ``--kv-cache-gib`` when given, else the user's
+    ``VLLM_CPU_KVCACHE_SPACE``, else 2 GiB."""
+    if gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+def prepare_engine_processes(args: argparse.Namespace) -> None:
+    """The environment the engine processes of this command inherit; call it before the
+    engine starts (:func:`generate_with` does). tcmalloc / Intel OpenMP are preloaded there
+    (:mod:`tllm_core.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
+    from tllm_core.cpu_preload import apply as preload
+
+    mark_command_process()
+    set_worker_shutdown_timeout()
+    set_cpu_kv_cache(getattr(args, "kv_cache_gib", None))
     preload()
 
 
@@ -247,6 +269,7 @@ def generate_with(
     from tllm_core.progress import RunProgress, say, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
+    prepare_engine_processes(args)
     texts_in = prompts(args)
     params = sampling(args)
     model = args.model

@@ -142,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.engine import validate_consumers
 
     cli_common.quiet(args)
+    cli_common.prepare_engine_processes(args)
     ranks = parallel_ranks(args)
     model = args.model
     if model is not None and not Path(model).is_dir():
