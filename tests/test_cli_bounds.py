@@ -51,3 +51,24 @@ def test_json_report_is_strict_json_with_nan_figures(capsys):
     print_report(["p"], [["t"]], report, as_json=True)
     out = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
     assert out["results"]["stats"]["loss"] == ["Infinity", 1.0]
+
+
+def test_quiet_sets_logging_only_and_the_engine_environment_is_set_apart(monkeypatch):
+    """``quiet`` quiets; the engine processes' settings (command pid, worker shutdown time,
+    KV cache size, preload) come from ``prepare_engine_processes``, with ``--kv-cache-gib``."""
+    import os
+
+    from tllm_core import cli_common
+
+    names = ("TLLM_CLI_PID", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "VLLM_CPU_KVCACHE_SPACE")
+    monkeypatch.setattr(os, "environ", {**os.environ, "TLLM_NO_PRELOAD": "1"})  # a copy
+    for k in names:
+        os.environ.pop(k, None)
+    args = build_parser().parse_args(["run", "-v", "--kv-cache-gib", "3"])  # -v: no filters
+    cli_common.quiet(args)
+    assert not any(k in os.environ for k in names)
+    cli_common.prepare_engine_processes(args)
+    assert [os.environ[k] for k in names] == [str(os.getpid()), "30", "3"]
+    del os.environ["VLLM_CPU_KVCACHE_SPACE"]
+    cli_common.set_cpu_kv_cache(None)
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"

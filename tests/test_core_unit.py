@@ -402,6 +402,64 @@ def test_front_end_checks_run_once(tiny_model, monkeypatch):
         validate_consumers(['stats:{"layers": [9]}'], tiny_model)
 
 
+class _CountingValidator:
+    """Stands in for a config model's pydantic validator and counts its validations."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def validate_python(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.validate_python(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_consumer_config_is_validated_once_on_each_side_of_the_engine_boundary(
+    tiny_model, monkeypatch
+):
+    """``TllmLLM``'s front end (the edge's check, the dry build, the request-key checks)
+    validates ESamp's config once; the engine process validates the JSON it receives once;
+    the consumer keeps the object it was given."""
+    import json
+
+    import vllm
+
+    from algorithms.esamp.config import ESampConfig
+    from tllm_core.app.engine import TllmLLM
+    from tllm_core.runtime.dry_run import model_info_from_config
+    from tllm_core.runtime.runtime import Runtime
+    from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
+
+    sent = {}
+
+    class FakeLLM:  # the engine process is not started: its side runs below
+        def __init__(self, **kwargs):
+            sent.update(kwargs["additional_config"])
+
+        def collective_rpc(self, method, args=()):
+            return [{"installed": True}]
+
+    counting = _CountingValidator(ESampConfig.__pydantic_validator__)
+    monkeypatch.setattr(ESampConfig, "__pydantic_validator__", counting)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    llm = TllmLLM(tiny_model, ['esamp:{"beta": 0.5, "intermediate_size": 8}'])
+    assert counting.calls == 1
+    assert llm.consumers.configs["esamp"].beta == 0.5
+
+    counting.calls = 0
+    wire = json.loads(json.dumps(sent[ADDITIONAL_CONFIG_KEY]))  # additional_config is JSON
+    runtime = Runtime(RuntimeSettings.model_validate(wire), model_info_from_config(tiny_model))
+    try:
+        assert counting.calls == 1
+        consumer = runtime.slots[0].consumer
+        assert isinstance(consumer.config, ESampConfig) and consumer.config.beta == 0.5
+        assert not hasattr(consumer, "cfg")  # one name for the config
+    finally:
+        runtime.close()
+
+
 @pytest.mark.parametrize(
     "extra",
     [{}, {"tllm_consumers": ""}, {"tllm_consumers": "me"}, {"tllm_consumers": " other , me "}]

@@ -8,6 +8,11 @@
   and counters; every runtime counter the code writes is in ``docs/counters.md``.
 - ``tllm --help`` and each subcommand's help work, and ``docs/cli.md`` names every option.
 - Relative links between docs pages resolve.
+- Every ```python block of README.md and docs/ runs as written, as a script
+  (``python3 file.py``), unless a comment right before it says why not: ``<!-- not-run:
+  reason -->`` (a fragment) or ``<!-- run-by: tests/FILE.py::TEST -->`` (a test runs it with
+  what it needs, e.g. a server). Blocks that start an engine (``TllmLLM(``) run on the
+  embedded model in the slow run.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -159,6 +165,66 @@ def test_tutorial_command_line_runs_in_the_default_multiprocess_layout(tutorial_
     assert out["counters"]["normtrack"]["rows"] > 0
     assert out["counters"]["runtime"]["bundles_delivered.normtrack"] > 0
     assert sorted(out["results"]["normtrack"]) == ["0/0", "0/1"]
+
+
+# -- every python example, as a script ------------------------------------------------------
+_PY_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
+)
+_MARK = re.compile(r"<!--\s*(not-run|run-by):\s*((?:(?!-->).)*?)\s*-->\s*\Z", re.S)
+
+
+def python_blocks() -> list[tuple[str, str, str | None]]:
+    """(``page:line``, body, the comment before it or None) of every ```python block."""
+    out = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        if page.name in NOT_CHECKED:
+            continue
+        text = page.read_text()
+        for m in _PY_FENCE.finditer(text):
+            where = f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+            mark = _MARK.search(text[: m.start()].rstrip() + "\n")
+            body = textwrap.dedent(m.group("body"))  # a block inside a list item is indented
+            out.append((where, body, mark and f"{mark.group(1)}: {mark.group(2)}"))
+    return out
+
+
+_BLOCKS = python_blocks()
+_RUN = [
+    pytest.param(body, id=where, marks=[pytest.mark.vllm, pytest.mark.slow])
+    if "TllmLLM(" in body
+    else pytest.param(body, id=where)
+    for where, body, mark in _BLOCKS
+    if mark is None
+]
+
+
+def test_python_blocks_that_are_not_run_say_why():
+    """Each fragment says why, and each block run elsewhere names an existing test."""
+    skipped = {where: mark for where, _, mark in _BLOCKS if mark is not None}
+    for where, mark in skipped.items():
+        kind, _, reason = mark.partition(": ")
+        assert reason, f"{where}: <!-- {kind}: --> needs a reason"
+        if kind == "run-by":
+            path, _, test = reason.partition("::")
+            assert f"def {test}(" in (ROOT / path).read_text(), f"{where}: no test {reason}"
+    assert len(_RUN) + len(skipped) == len(_BLOCKS) and _RUN
+
+
+@pytest.mark.parametrize("body", _RUN)
+def test_python_block_runs_as_a_script(body, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(body)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, script.name],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 # -- completeness -------------------------------------------------------------------------

@@ -715,3 +715,21 @@ def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
     }
     assert manifest["requests"][0]["finished"] is True
     assert manifest["requests"][0]["token_ids"][:4] == [-1] * 4
+
+
+def test_request_table_numbers_requests_in_order_of_first_sight():
+    """The one request table of export and the sae feature records."""
+    from consumers.export.tokens import RequestTable
+    from tllm_core.api.rows import RequestInfo
+
+    new = []
+    table = RequestTable(on_new=lambda: new.append(1))
+    a, b = (RequestInfo(f"e{i}", f"r{i}", i, 0, 2) for i in range(2))
+    assert [table.entry(r).index for r in (b, a, b)] == [0, 1, 0]
+    assert len(table) == len(new) == 2
+    table.entry(a).put(np.arange(3), np.array([5, 6, 7]))
+    table.fates.finish(a)
+    requests, losses, complete = table.summary(closed=True)
+    assert [r["engine_id"] for r in requests] == ["e1", "e0"]
+    assert requests[1]["token_ids"] == [5, 6, 7] and requests[1]["finished"]
+    assert losses["requests_unfinished"] == 1 and not complete

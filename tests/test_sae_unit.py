@@ -571,7 +571,8 @@ def test_request_feature_out_of_range_is_refused_by_the_front_end_check(tmp_path
     folder = tmp_path / "sae"
     save_sae(random_sae("standard"), folder)
     spec = ConsumerSpec(name="sae", config={"path": str(folder)})
-    engine = EngineConsumers.of([spec], Registry())
+    registry = Registry()
+    engine = EngineConsumers.of([spec], registry.check([spec]), registry)
     good = json.dumps([{"feature": D_SAE - 1, "scale": 1.0}])
     validate_extra_args({"tllm_sae_steer": good}, engine)
     bad = json.dumps([{"feature": D_SAE, "scale": 1.0}])

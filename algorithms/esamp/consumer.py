@@ -31,7 +31,6 @@ from tllm_core import (
     FINAL,
     Bundle,
     Consumer,
-    ConsumerConfig,
     ConsumerContext,
     Delivery,
     FiniteF32,
@@ -102,39 +101,39 @@ class ESampConsumer(Consumer):
     Request = ESampRequest
     delivery = Delivery.END_OF_STEP
 
-    def __init__(self, config: ConsumerConfig, context: ConsumerContext):
-        if not isinstance(config, ESampConfig):
-            config = ESampConfig.model_validate(config.model_dump())
+    config: ESampConfig  # the registry builds it from the spec (validated there, once)
+
+    def __init__(self, config: ESampConfig, context: ConsumerContext):
         super().__init__(config, context)
-        cfg: ESampConfig = config
-        self.cfg = cfg
         model = context.model
-        self._src = context.resolve_layer(cfg.source_layer)
-        self._tgt = FINAL if cfg.target_layer == FINAL else context.resolve_layer(cfg.target_layer)
+        self._src = context.resolve_layer(config.source_layer)
+        self._tgt = (
+            FINAL if config.target_layer == FINAL else context.resolve_layer(config.target_layer)
+        )
         if self._tgt == self._src:
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
-        slots = cfg.max_groups or cfg.cuda_capacity
-        slots = slots or default_slots(cfg.cuda_rows_per_step, cfg.cuda_graph_max_rows)
+        slots = config.max_groups or config.cuda_capacity
+        slots = slots or default_slots(config.cuda_rows_per_step, config.cuda_graph_max_rows)
         self.memory_plan = plan_memory(
             model.hidden_size,
             model.vocab_size,
             slots=slots,
-            graph_rows=cfg.cuda_graph_max_rows,
-            rows_per_step=cfg.cuda_rows_per_step,
-            intermediate_size=cfg.intermediate_size,
-            num_blocks=cfg.num_blocks,
+            graph_rows=config.cuda_graph_max_rows,
+            rows_per_step=config.cuda_rows_per_step,
+            intermediate_size=config.intermediate_size,
+            num_blocks=config.num_blocks,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.
         self._device_bytes = device_total_bytes(model.device)
         if self._device_bytes is not None:
-            check_plan(self.memory_plan, self._device_bytes, cfg.max_memory_fraction)
-        self.distiller = distiller_for(cfg, model.hidden_size, model.device, slots)
+            check_plan(self.memory_plan, self._device_bytes, config.max_memory_fraction)
+        self.distiller = distiller_for(config, model.hidden_size, model.device, slots)
         on_cuda = self.distiller.device.type == "cuda"
         src_key, tgt_key = layer_key(self._src), layer_key(self._tgt)
-        self.shared = Shared(cfg, self.distiller, self.counters, src_key, tgt_key, on_cuda)
-        self.groups = Groups(self.distiller, self.counters, cfg.scope, cfg.max_groups)
-        self.diagnostics = Diagnostics(self.counters) if cfg.diagnostics else None
+        self.shared = Shared(config, self.distiller, self.counters, src_key, tgt_key, on_cuda)
+        self.groups = Groups(self.distiller, self.counters, config.scope, config.max_groups)
+        self.diagnostics = Diagnostics(self.counters) if config.diagnostics else None
         self.guide_step = GuideStep(self.shared, self.groups, model, self._beta, self.diagnostics)
         self.losses = LossBook(self.counters)
         self.trainer = Trainer(self.shared, self.groups, self.losses, self.guide_step.read_guided)
@@ -147,7 +146,7 @@ class ESampConsumer(Consumer):
     # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
         # Warm start trains on the prompt's prefill rows too.
-        phase = Phase.ALL if self.cfg.warm_start_steps > 0 else Phase.DECODE
+        phase = Phase.ALL if self.config.warm_start_steps > 0 else Phase.DECODE
         return [HiddenStates(self._src, phase), HiddenStates(self._tgt, phase)]
 
     def writes(self) -> list:
@@ -159,7 +158,7 @@ class ESampConsumer(Consumer):
     def _beta(self, req: RequestInfo) -> float:
         """The request's beta: its ``tllm_esamp_beta`` if given, else the config's."""
         given = req.settings(self).beta  # validated and cached per request
-        return self.cfg.beta if given is None else given
+        return self.config.beta if given is None else given
 
     def guide(self, view: GuideView) -> None:
         self.guide_step(view)
@@ -180,7 +179,7 @@ class ESampConsumer(Consumer):
             "counters": self.counters.snapshot(),
             "memory_plan": {
                 **self.memory_plan.as_dict(),
-                "max_memory_fraction": self.cfg.max_memory_fraction,
+                "max_memory_fraction": self.config.max_memory_fraction,
                 # None: not checked (CPU: the state grows with live groups instead).
                 "device_bytes": self._device_bytes,
             },

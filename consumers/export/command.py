@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tllm_core import cli_common
+from tllm_core import ConsumerSpec, cli_common
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -14,16 +14,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     # Port names as given (grammar: tllm_core.api.port_names); the config checks their syntax,
     # the export consumer checks them against the registered producers.
     layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
-    spec = {
-        "name": "export",
-        "config": {
-            "out": str(args.out),
-            "layers": layers,
-            "phase": args.phase,
-            "overwrite": args.overwrite,
-        },
-    }
-    consumers = [cli_common.json_spec(spec)] + (args.consumer or [])
+    config = dict(out=str(args.out), layers=layers, phase=args.phase, overwrite=args.overwrite)
+    spec = ConsumerSpec(name="export", config=config)
+    consumers = [spec, *(args.consumer or [])]
     # Cached prompt blocks are not recomputed, so their rows would be missing.
     cli_common.say(
         "export: prefix caching is turned off for this run (every prompt row is exported)"

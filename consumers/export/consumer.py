@@ -15,7 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestFates, RequestTokens, completeness, rows_to_write
+from consumers.export.tokens import RequestTable, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core import (
     Bundle,
@@ -140,9 +140,7 @@ class ExportConsumer(Consumer):
         self.shard_rows = int(shard_rows)
         self.phase = Phase(config.phase)
         self._lock = threading.Lock()
-        self._fates = RequestFates()
-        self._requests: dict[str, RequestTokens] = {}
-        self._table: list[RequestTokens] = []
+        self._table = RequestTable(on_new=lambda: self.counters.add("requests_seen"))
         self._used = False
         self._closed = False  # closed after the last data
         self._complete = False  # ... and nothing was lost (see completeness)
@@ -172,15 +170,6 @@ class ExportConsumer(Consumer):
         return ports
 
     # -- callbacks ------------------------------------------------------------------------
-    def _request(self, info: RequestInfo) -> RequestTokens:
-        req = self._requests.get(info.engine_id)
-        if req is None:
-            req = RequestTokens(len(self._table), info)
-            self._requests[info.engine_id] = req
-            self._table.append(req)
-            self.counters.add("requests_seen")
-        return req
-
     def on_bundle(self, bundle: Bundle) -> None:
         with self._lock:
             self._used = True
@@ -205,7 +194,7 @@ class ExportConsumer(Consumer):
         positions = np.asarray(rows.position, np.int64)
         row_request = np.empty(n, np.int64)
         for info, start, stop in rows.runs():
-            req = self._request(info)
+            req = self._table.entry(info)
             row_request[start:stop] = req.index
             req.put(positions[start:stop], tokens[start:stop])
         keep = rows_to_write(rows, self.phase, self.counters)
@@ -236,7 +225,7 @@ class ExportConsumer(Consumer):
         ids_np = ids.detach().to("cpu", torch.int64).numpy()
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
         for j, info in enumerate(srows.requests):
-            self._request(info).put(pos[j : j + 1], ids_np[j : j + 1])
+            self._table.entry(info).put(pos[j : j + 1], ids_np[j : j + 1])
 
     def _sync_counters(self, shards_before: int) -> None:
         new = self.writer.shards[shards_before:]
@@ -248,18 +237,16 @@ class ExportConsumer(Consumer):
 
     def on_request_finished(self, request: RequestInfo) -> None:
         # Engine thread: never wait for a shard write in progress on the background thread.
-        self._fates.finish(request)
+        self._table.fates.finish(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
-        self._fates.drop(requests)  # the bus counts it (bundles_dropped.export)
+        self._table.fates.drop(requests)  # the bus counts it (bundles_dropped.export)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
-        requests = self._fates.request_table(self._table)
-        losses = self._fates.losses(requests)
-        self._complete = completeness(self._closed, losses)
+        requests, losses, self._complete = self._table.summary(self._closed)
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -118,6 +119,39 @@ class RequestFates:
             "positions_missing": sum(r["positions_missing"] for r in requests),
             "bundles_dropped": self.bundles_dropped,
         }
+
+
+class RequestTable:
+    """The requests of a record, numbered in order of first sight (the manifest's
+    ``requests`` table), with their token sequences and fates: one table shape for the
+    export and the ``sae`` feature records."""
+
+    def __init__(self, on_new: Callable[[], None] | None = None) -> None:
+        """``on_new``: called once per request when it enters the table (a counter)."""
+        self.fates = RequestFates()
+        self.entries: list[RequestTokens] = []
+        self._by_id: dict[str, RequestTokens] = {}
+        self._on_new = on_new
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def entry(self, info: Any) -> RequestTokens:
+        """The request's entry, added at the end of the table when it is new."""
+        req = self._by_id.get(info.engine_id)
+        if req is None:
+            req = RequestTokens(len(self.entries), info)
+            self._by_id[info.engine_id] = req
+            self.entries.append(req)
+            if self._on_new is not None:
+                self._on_new()
+        return req
+
+    def summary(self, closed: bool) -> tuple[list[dict[str, Any]], dict[str, int], bool]:
+        """The manifest's ``requests``, ``losses`` and ``complete`` (see :func:`completeness`)."""
+        requests = self.fates.request_table(self.entries)
+        losses = self.fates.losses(requests)
+        return requests, losses, completeness(closed, losses)
 
 
 def completeness(closed: bool, losses: dict[str, int]) -> bool:

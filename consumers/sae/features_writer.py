@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestFates, RequestTokens, completeness
+from consumers.export.tokens import RequestTable
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
 from tllm_core import request_runs
 
@@ -67,9 +67,7 @@ class FeatureWriter:
         self._describe = describe
         self.layout = layout
         self._lock = threading.Lock()
-        self.fates = RequestFates()
-        self._requests: dict[str, RequestTokens] = {}
-        self._table: list[RequestTokens] = []
+        self.table = RequestTable()
         self.used = False
         self.closed = False  # closed after the last data
         self.complete = False  # ... and nothing was lost (see completeness)
@@ -87,14 +85,6 @@ class FeatureWriter:
             before_first_write=None if layout is None else layout.clean_root,
         )
 
-    def _request(self, info: Any) -> RequestTokens:
-        req = self._requests.get(info.engine_id)
-        if req is None:
-            req = RequestTokens(len(self._table), info)
-            self._requests[info.engine_id] = req
-            self._table.append(req)
-        return req
-
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record token ids at positions (rows of one request are contiguous)."""
         with self._lock:
@@ -105,7 +95,7 @@ class FeatureWriter:
         index = [0] * n
         pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
         for info, start, stop in request_runs(requests):
-            req = self._request(info)
+            req = self.table.entry(info)
             if stop - start == 1:  # a decode row
                 req.put_one(pos[start], tok[start])
                 index[start] = req.index
@@ -140,16 +130,14 @@ class FeatureWriter:
 
     def finished(self, request: Any) -> None:
         """A request's finish notice (``request.cut_short``: it did not run to its end)."""
-        self.fates.finish(request)
+        self.table.fates.finish(request)
 
     def dropped(self, requests: list[Any]) -> None:
         """A bundle holding rows or tokens of ``requests`` was dropped."""
-        self.fates.drop(requests)
+        self.table.fates.drop(requests)
 
     def _manifest(self) -> dict[str, Any]:
-        requests = self.fates.request_table(self._table)
-        losses = self.fates.losses(requests)
-        self.complete = completeness(self.closed, losses)
+        requests, losses, self.complete = self.table.summary(self.closed)
         w = self.shards
         part = {}
         if self.layout is not None and self.layout.dp_size > 1:

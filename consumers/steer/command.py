@@ -11,6 +11,7 @@ from tllm_core import cli_common
 
 def cmd_steer_compute(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
+    cli_common.prepare_engine_processes(args)
     from consumers.steer.compute import compute_steering_vector
 
     vec, info = compute_steering_vector(args)

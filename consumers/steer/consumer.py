@@ -153,9 +153,7 @@ class SteerConsumer(Consumer):
                 vec = vec / norm
             elif entry.normalize:
                 vec = vec / norm
-            if device.type != "meta":
-                vec = vec.to(device)
-            self.vectors.append(_Vec(layer, vec, float(entry.scale), entry.mode))
+            self.vectors.append(_Vec(layer, vec.to(device), float(entry.scale), entry.mode))
         self.layers = sorted({v.layer for v in self.vectors})
         # engine_id -> scale override (None: config scales) or False (not steered)
         self._req_cache: dict[str, float | None | bool] = {}

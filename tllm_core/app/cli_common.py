@@ -26,7 +26,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tllm_core.app.engine import ConsumersArg
 
 from tllm_core.app.progress import say
 from tllm_core.app.prompts import read_prompt_file
@@ -186,11 +189,8 @@ def sampling(args: argparse.Namespace):
 
 
 def quiet(args: argparse.Namespace) -> None:
-    """Set up this process before vLLM loads: quiet logs unless ``-v`` (:mod:`tllm_core.vllm_bridge.quiet`),
-    Ctrl-C handled by the command, the CPU KV cache size, and tcmalloc / Intel OpenMP preloaded
-    for the engine processes (:mod:`tllm_core.app.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
-    from tllm_core.app.cpu_preload import apply as preload
-    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+    """Quiet logs and warnings unless ``-v`` (:mod:`tllm_core.vllm_bridge.quiet`); call it first, before
+    vLLM loads."""
     from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
 
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
@@ -198,16 +198,41 @@ def quiet(args: argparse.Namespace) -> None:
             os.environ[k] = v
         else:  # the user's own logging settings win
             os.environ.setdefault(k, v)
-    os.environ[CLI_PID_ENV] = str(os.getpid())
-    # The worker process gets this long to exit after its engine stops (vLLM's default, 5 s,
-    # is too short on a busy 2-core machine: vLLM then terminates it with a warning).
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     install_if_quiet()
-    kv = getattr(args, "kv_cache_gib", None)
-    if kv is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
+
+
+def mark_command_process() -> None:
+    """Name this process as the command's: the engine processes it starts leave Ctrl-C to
+    it (it aborts the requests, flushes consumers, stops the engine) and stay quiet."""
+    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+
+    os.environ[CLI_PID_ENV] = str(os.getpid())
+
+
+def set_worker_shutdown_timeout() -> None:
+    """Give a worker process 30 s to exit after its engine stops: vLLM's default, 5 s, is too
+    short on a busy 2-core machine (vLLM then terminates it with a warning)."""
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
+
+
+def set_cpu_kv_cache(gib: int | None) -> None:
+    """The CPU KV cache size: ``--kv-cache-gib`` when given, else the user's
+    ``VLLM_CPU_KVCACHE_SPACE``, else 2 GiB."""
+    if gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
     else:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+def prepare_engine_processes(args: argparse.Namespace) -> None:
+    """The environment the engine processes of this command inherit; call it before the
+    engine starts (:func:`generate_with` does). tcmalloc / Intel OpenMP are preloaded there
+    (:mod:`tllm_core.app.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
+    from tllm_core.app.cpu_preload import apply as preload
+
+    mark_command_process()
+    set_worker_shutdown_timeout()
+    set_cpu_kv_cache(getattr(args, "kv_cache_gib", None))
     preload()
 
 
@@ -245,11 +270,11 @@ def engine_note(args: argparse.Namespace) -> str:
 
 def generate_with(
     args: argparse.Namespace,
-    consumers: list[str],
+    consumers: ConsumersArg,
     extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
-    """Start the engine with ``consumers`` (``NAME[:JSON]``), generate for the prompts of
+    """Start the engine with ``consumers`` (as ``TllmLLM`` takes them), generate for the prompts of
     ``args`` (options of :func:`add_generation_args`), close; return (prompts, texts per
     prompt and sample, report).
 
@@ -262,6 +287,7 @@ def generate_with(
     from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
+    prepare_engine_processes(args)
     texts_in = prompts(args)
     params = sampling(args)
     model = args.model
@@ -397,8 +423,3 @@ def exit_status(report: dict[str, Any]) -> int:
     if report.get("run", {}).get("interrupted"):
         return 130
     return 1 if report.get("errors") else 0
-
-
-def json_spec(spec: dict) -> str:
-    """``NAME:{json}`` of a ``{"name", "config"}`` dict (a ``--consumer`` value)."""
-    return f"{spec['name']}:{json.dumps(spec['config'])}"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
@@ -28,14 +29,30 @@ log = logging.getLogger("tllm")
 
 @dataclass(frozen=True)
 class CheckedConsumers:
-    """Consumer specs checked once in the front end (see :func:`validate_consumers`)."""
+    """Consumer specs checked once in the front end (see :func:`validate_consumers`): the one
+    form a consumer choice takes in this process after the edge."""
 
     specs: tuple[ConsumerSpec, ...]
+    # Each spec's config model, validated once here; the dry build and the request-key
+    # checks use these, never the dicts again.
+    configs: tuple[ConsumerConfig, ...]
     registry: Registry
     # The model folder the specs were dry-built against (None: names and configs only).
     model_path: str | None = None
 
+    def all_per_request(self) -> CheckedConsumers:
+        """The same consumers, each acting only on requests that name it."""
+        specs = tuple(s.model_copy(update={"per_request": True}) for s in self.specs)
+        return replace(self, specs=specs)
 
+    def settings(self, **kwargs: Any) -> RuntimeSettings:
+        """The runtime settings sent to the engine (``additional_config``: JSON) with these
+        consumers; ``kwargs`` are the other settings' fields."""
+        return RuntimeSettings(consumers=list(self.specs), **kwargs)
+
+
+# The edge's forms (a ``NAME[:JSON]`` string, a spec dict, a spec), each converted once by
+# validate_consumers; past it only CheckedConsumers travels.
 ConsumersArg = Sequence[str | ConsumerSpec | dict] | CheckedConsumers
 
 
@@ -54,13 +71,13 @@ def validate_consumers(
         checked = specs
     else:
         registry = registry or Registry()
-        checked = CheckedConsumers(tuple(ConsumerSpec.coerce(c) for c in specs), registry)
+        parsed = tuple(ConsumerSpec.coerce(c) for c in specs)
+        checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
         if model_path is None or not checked.specs:
-            checked.registry.check(checked.specs)
             return checked
     from tllm_core.runtime.dry_run import dry_build
 
-    dry_build(checked.specs, model_path, checked.registry)
+    dry_build(checked.specs, checked.configs, model_path, checked.registry)
     return replace(checked, model_path=model_path)
 
 
@@ -106,9 +123,8 @@ class TllmLLM:
         from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
-        self.consumers = EngineConsumers.of(checked.specs, checked.registry)
-        self.settings = RuntimeSettings(
-            consumers=list(checked.specs),
+        self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        self.settings = checked.settings(
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,

@@ -97,7 +97,7 @@ def describe(url: str, checked) -> list[str]:
     """Lines naming the URL, the consumers and their request keys."""
     from tllm_core.serving.keys import KEYS, EngineConsumers
 
-    info = EngineConsumers.of(checked.specs, checked.registry).describe()
+    info = EngineConsumers.of(checked.specs, checked.configs, checked.registry).describe()
     lines = [f"OpenAI API at {url}/v1 (model names: see GET {url}/v1/models)"]
     lines.append(f"counters at GET {url}/tllm/counters, status at GET {url}/tllm/status")
     if not info["consumers"]:
@@ -142,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.app.engine import validate_consumers
 
     cli_common.quiet(args)
+    cli_common.prepare_engine_processes(args)
     ranks = parallel_ranks(args)
     model = args.model
     if model is not None and not Path(model).is_dir():
@@ -150,8 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     checked = validate_consumers(args.consumer or [], model)
     if args.per_request:
-        specs = tuple(s.model_copy(update={"per_request": True}) for s in checked.specs)
-        checked = type(checked)(specs, checked.registry, checked.model_path)
+        checked = checked.all_per_request()
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
@@ -160,8 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.families import check_model
 
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
-    settings = RuntimeSettings(
-        consumers=list(checked.specs),
+    settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.consumer import ConsumerConfig, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.plugins.registry import Registry
-from tllm_core.runtime.settings import RuntimeSettings
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
@@ -32,11 +31,15 @@ def model_info_from_config(model_path: str) -> ModelInfo:
     )
 
 
-def dry_build(specs: Sequence[ConsumerSpec], model_path: str, registry: Registry) -> None:
-    """Names, configs, uniqueness and every consumer's construction, on the meta device."""
+def dry_build(
+    specs: Sequence[ConsumerSpec],
+    configs: Sequence[ConsumerConfig],
+    model_path: str,
+    registry: Registry,
+) -> None:
+    """Every consumer's construction from its checked config, on the meta device."""
     from tllm_core.runtime.runtime import build_consumers
 
-    settings = RuntimeSettings(consumers=list(specs))
-    slots = build_consumers(settings, model_info_from_config(model_path), registry)
+    slots = build_consumers(specs, configs, model_info_from_config(model_path), registry)
     for s in slots:
         s.consumer.close()

@@ -7,6 +7,7 @@ Engine-neutral: the vLLM bridge calls :meth:`begin_step`, :meth:`guide`,
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ import numpy as np
 import torch
 
 from tllm_core.api.bundles import GuideView
-from tllm_core.api.consumer import Consumer, ConsumerContext, ModelInfo
+from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
@@ -60,15 +62,16 @@ def _write_plan(
 
 
 def build_consumers(
-    settings: RuntimeSettings,
+    specs: Sequence[ConsumerSpec],
+    configs: Sequence[ConsumerConfig],
     model: ModelInfo,
     registry: Registry,
     data_parallel: tuple[int, int] = (0, 1),
 ) -> list[_Slot]:
-    """Validate specs, construct consumers and resolve their ports (errors before generation)."""
+    """Construct consumers from their checked configs (``Registry.check``) and resolve their
+    ports (errors before generation)."""
     slots = []
-    configs = registry.check(settings.consumers)
-    for spec, config in zip(settings.consumers, configs, strict=True):
+    for spec, config in zip(specs, configs, strict=True):
         cls = registry.get(spec.name)
 
         def resolve(i: int, _n=model.num_layers) -> int:
@@ -123,7 +126,9 @@ class Runtime:
         self.deliver = deliver
         self.counters = Counters()
         registry = registry or Registry()
-        self.slots = build_consumers(settings, model, registry, data_parallel)
+        # The engine side's one check of the configs that arrived as JSON.
+        configs = registry.check(settings.consumers)
+        self.slots = build_consumers(settings.consumers, configs, model, registry, data_parallel)
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
         for tap in sorted(self._taps, key=lambda t: t.key):  # before any consumer's first step

@@ -84,17 +84,18 @@ class EngineConsumers:
 
         settings = raw if isinstance(raw, RuntimeSettings) else RuntimeSettings.model_validate(raw)
         registry = registry or Registry()
-        registry.check(settings.consumers)
-        return cls.of(settings.consumers, registry)
+        return cls.of(settings.consumers, registry.check(settings.consumers), registry)
 
     @classmethod
-    def of(cls, specs: Iterable[ConsumerSpec], registry: Registry) -> EngineConsumers:
-        """From specs already checked against ``registry``."""
+    def of(
+        cls, specs: Iterable[ConsumerSpec], configs: Iterable[Any], registry: Registry
+    ) -> EngineConsumers:
+        """From specs and their configs, already checked against ``registry``."""
         out = cls(owners=registry.request_keys)
-        for spec in specs:
+        for spec, config in zip(specs, configs, strict=True):
             out.per_request[spec.name] = spec.per_request
             out.models[spec.name] = registry.get(spec.name).Request
-            out.configs[spec.name] = registry.validate(spec)
+            out.configs[spec.name] = config
         return out
 
     def active(self, name: str, extra: dict[str, Any]) -> bool:
