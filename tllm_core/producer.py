@@ -24,11 +24,13 @@ from tllm_core.step import StepCapture
 #     "residual"  residual stream after the layer (h + residual)
 #     "attn"      the layer's self-attention block output (after o_proj, before the add)
 #     "mlp"       the layer's MLP block output (before the add)
+#     "router"    the layer's MoE router logits [rows, experts] (fp32, before softmax/top-k);
+#                 StepCapture.tap_info says how vLLM's router picks experts from them
 #   per step (``layer`` None):
 #     "final"     final hidden state (after the final norm), one row per token
 #     "logits"    raw logits, one row per sampling row
 #     "sampled"   sampled token ids, one per sampling row
-LAYER_SITES = ("residual", "attn", "mlp")
+LAYER_SITES = ("residual", "attn", "mlp", "router")
 STEP_SITES = ("final", "logits", "sampled")
 
 

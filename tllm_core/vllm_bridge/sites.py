@@ -8,12 +8,14 @@ forward without recompilation, and the same holds under CUDA graphs.
 
 Every tap writes two proofs inside the forward: its ``stamp`` (a copy of the step clock,
 so a buffer the forward did not write is detected) and, when it edits, ``edited`` (rows
-whose tensor the edit changed). A new site is one :class:`Site` entry in ``SITES``.
+whose tensor the edit changed). A new site is one :class:`Site` entry in ``SITES``; a site
+whose tensor is not hidden-size wide (``router``) says so in :func:`tap_info`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +54,10 @@ class _Tap(nn.Module):
         return new
 
     def forward(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
+        return self.process(self.inner(*args, **kwargs))
+
+    def process(self, out):
+        """Capture (and edit) the tapped tensor of the wrapped module's output ``out``."""
         s = self.value(out)
         n = s.shape[0]
         if self.edit is not None:
@@ -131,6 +136,28 @@ class OutputTap(_Tap):
     """A block whose output is one tensor (self-attention, MLP)."""
 
 
+class RouterTap(_Tap):
+    """An MoE block's router gate ``x -> logits`` (vLLM's linear layers: ``(logits, bias)``):
+    router logits ``[tokens, experts]`` before softmax and top-k, captured and edited in fp32
+    and handed on in the gate's dtype.
+
+    Installed as a forward hook on the gate module, not as a wrapper: vLLM's MoE runner keeps
+    its own reference to the gate (Qwen3-MoE: ``experts.gate``, called inside the runner)
+    besides the block's (OLMoE calls ``self.gate`` itself), and a hook sees every call."""
+
+    def __init__(self, gate: nn.Module, buffers: TapBuffers):
+        super().__init__(None, buffers)
+        gate.register_forward_hook(lambda _module, _args, out: self.process(out))
+
+    def value(self, out):
+        return (out[0] if isinstance(out, tuple) else out).float()
+
+    def rebuild(self, out, new, changed):
+        logits = out[0] if isinstance(out, tuple) else out
+        new = new.to(logits.dtype)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+
+
 @dataclass(frozen=True)
 class Site:
     """Where in decoder layer ``model.model.layers[i]`` a tap sits."""
@@ -155,7 +182,11 @@ SITES: dict[str, Site] = {
         "MLP / MoE block",
         ("shared_mlp", "shared_expert", "shared_experts"),
     ),
+    # The gate's module inside the MoE block (one of ``attributes``): see find_router.
+    "router": Site(RouterTap, ("mlp", "feed_forward", "block_sparse_moe"), "MoE router"),
 }
+# Names of an MoE block's router gate (gpt-oss: ``router``), beside its ``experts``.
+ROUTER_GATES = ("gate", "router")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -195,26 +226,95 @@ def find_block(layer: nn.Module, site: str) -> tuple[str | None, str | None]:
     )
 
 
+def find_router(layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None, str | None]:
+    """``(MoE block, its router gate, None)`` of a decoder layer, or ``(None, None, why)``."""
+    for name in SITES["router"].attributes:
+        block = getattr(layer, name, None)
+        if not isinstance(block, nn.Module):
+            continue
+        block = unwrap(block)  # an ``mlp`` tap may wrap it
+        gate = next(
+            (g for n in ROUTER_GATES if isinstance(g := getattr(block, n, None), nn.Module)), None
+        )
+        if gate is not None and isinstance(getattr(block, "experts", None), nn.Module):
+            return block, gate, None
+        return (
+            None,
+            None,
+            (
+                f"its {name} ({type(block).__name__}) is a dense MLP, not an MoE block "
+                f"(no router gate {' / '.join(ROUTER_GATES)} beside experts)"
+            ),
+        )
+    return (
+        None,
+        None,
+        f"it has no MLP / MoE block (looked for {', '.join(SITES['mlp'].attributes)})",
+    )
+
+
+def _refuse(site: str, index: int, layer: nn.Module, model: str | None, why: str):
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+    of = f" of {model}" if model else ""
+    return UnsupportedEngineError(
+        f"tap site {site!r} is not supported at decoder layer {index} "
+        f"({type(layer).__name__}){of}: {why}"
+    )
+
+
+def tap_info(
+    layers: nn.ModuleList, site: str, index: int, model: str | None = None
+) -> dict[str, Any]:
+    """What a site's tap holds besides hidden-size rows, read once before it is installed;
+    ``{}`` for sites whose tensor has the model's hidden size and dtype. ``router``: ``width``
+    (experts) and ``dtype`` (fp32) of its buffers, and how vLLM's router turns the logits into
+    experts (``top_k``, ``renormalize``, ``routing``: ``"softmax_topk"`` for softmax then top-k,
+    else the router's kind), so that the chosen experts can be computed from the logits."""
+    if site != "router":
+        return {}
+    layer = unwrap(layers[index])
+    block, gate, why = find_router(layer)
+    if gate is None:
+        raise _refuse(site, index, layer, model, why)
+    router = getattr(block.experts, "router", None)
+    scoring = getattr(router, "scoring_func", None)
+    plain = (
+        scoring == "softmax"
+        and not getattr(router, "use_grouped_topk", False)
+        and getattr(router, "custom_routing_function", None) is None
+        and getattr(router, "e_score_correction_bias", None) is None
+    )
+    width = getattr(gate, "output_size", None) or getattr(gate, "out_features", None)
+    return {
+        "width": int(width if width is not None else gate.weight.shape[0]),
+        "dtype": torch.float32,
+        "top_k": getattr(router, "top_k", None),
+        "renormalize": bool(getattr(router, "renormalize", False)),
+        "routing": "softmax_topk" if plain else f"{type(router).__name__} ({scoring})",
+    }
+
+
 def install_tap(
     layers: nn.ModuleList, site: str, index: int, buffers: TapBuffers, model: str | None = None
 ) -> None:
     """Wrap the module of ``site`` in decoder layer ``index``; ``model`` (the model class
     name) only makes the error clearer."""
     spec = SITES[site]
+    tap = spec.tap
     layer = unwrap(layers[index])
     if not spec.attributes:
-        tap = spec.tap
         if tap is ResidualTap and type(layer).__name__ in STREAM_FIRST_LAYERS:
             tap = StreamFirstResidualTap
         layers[index] = tap(layers[index], buffers)
         return
+    if tap is RouterTap:
+        _block, gate, why = find_router(layer)
+        if gate is None:
+            raise _refuse(site, index, layer, model, why)
+        RouterTap(gate, buffers)
+        return
     name, why = find_block(layer, site)
     if name is None:
-        from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-
-        of = f" of {model}" if model else ""
-        raise UnsupportedEngineError(
-            f"tap site {site!r} is not supported at decoder layer {index} "
-            f"({type(layer).__name__}){of}: {why}"
-        )
+        raise _refuse(site, index, layer, model, why)
     setattr(layer, name, spec.tap(getattr(layer, name), buffers))

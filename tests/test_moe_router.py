@@ -1,0 +1,214 @@
+"""MoE routing ports (issue 27): ``router.{i}`` (router logits before softmax and top-k),
+``router_topk.{i}`` and ``router_weights.{i}`` (the chosen experts and their weights) equal
+transformers' on tiny random Qwen3-MoE (``norm_topk_prob``) and OLMoE (no renormalisation)
+models, and an edit of the router logits (suppress one expert) changes which experts vLLM runs
+exactly as the same edit in transformers' gate does.
+
+Per family, one in-process engine (eager, fp32) runs two greedy requests in one batch: one
+plain, one with the edit (a per-request test consumer adding ``-inf`` to one expert's logit in
+layer 0 at every row). The reference is transformers' forward on the generated tokens, with a
+forward hook on each layer's gate reading (and, for the edited request, editing) the logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import ENGINE_KW, MODEL_CACHE
+from tiny_models import build_tiny_model
+
+from tllm_core import Bundle, Consumer, ConsumerConfig, Logits, Phase, hookimpl
+
+LAYERS = 2
+HIDDEN = 128
+EXPERTS = 4
+PROMPTS = ["The quick brown fox jumps", "One two three"]
+MAX_TOKENS = 3
+EDIT_LAYER = 0
+TOL = 1e-5  # fp32 on both sides
+
+
+class RouterProbeConfig(ConsumerConfig):
+    ports: list[str]
+
+
+class RouterProbe(Consumer):
+    """Keeps every token port's rows and the logits, keyed by request and position."""
+
+    name = "routerprobe"
+    Config = RouterProbeConfig
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+
+    def reads(self):
+        parse = self.context.parse_port
+        return [parse(p, Phase.ALL) for p in self.config.ports] + [Logits(Phase.ALL)]
+
+    def on_bundle(self, bundle: Bundle) -> None:
+        r = bundle.rows
+        for i, req in enumerate(r.requests):
+            row = self.rows.setdefault(req.request_id, {}).setdefault(int(r.position[i]), {})
+            for k, v in bundle.hidden.items():
+                row[k] = v[i].cpu().clone()
+        s = bundle.sampled_rows
+        for i, req in enumerate(s.requests):
+            at = self.rows.setdefault(req.request_id, {}).setdefault(int(s.position[i]), {})
+            at["logits"] = bundle.logits[i].float().cpu().clone()
+
+    def result(self):
+        return {"rows": self.rows}
+
+
+class RouterEditConfig(ConsumerConfig):
+    layer: int
+    offset: list[float]  # added to the router logits of every row (-inf suppresses an expert)
+
+
+class RouterEdit(Consumer):
+    name = "routeredit"
+    Config = RouterEditConfig
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        from producers.router import RouterLogits
+
+        self.port = RouterLogits(config.layer)
+        self.offset = torch.tensor(config.offset, dtype=torch.float32)
+
+    def writes(self):
+        from tllm_core.ports import Edit
+
+        return [Edit(self.port)]
+
+    def edit(self, rows, plan) -> None:
+        plan.add(self.port, np.arange(len(rows)), self.offset)
+
+
+class _Plugin:
+    @hookimpl
+    def tllm_consumers(self):
+        return [RouterProbe, RouterEdit]
+
+
+@pytest.fixture(scope="module")
+def consumers_registered():
+    """Registers the test consumers in every Registry built in this process (the in-process
+    engine's worker builds its own), as an installed plugin package would."""
+    from tllm_core.plugins import Plugins
+
+    original = Plugins.load.__func__
+
+    def with_ours(cls, *args, **kwargs):
+        plugins = original(cls, *args, **kwargs)
+        plugins.register(_Plugin(), "router-test")
+        return plugins
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Plugins, "load", classmethod(with_ours))
+        yield
+
+
+def _ports() -> list[str]:
+    kinds = ("router", "router_topk", "router_weights")
+    return [f"{k}.{i}" for k in kinds for i in range(LAYERS)]
+
+
+@torch.no_grad()
+def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> dict:
+    """transformers' router logits, chosen experts and weights per layer, and the logits; with
+    ``offset`` added to layer EDIT_LAYER's router logits by a forward hook on its gate, which
+    then picks the experts from the edited logits as the gate itself does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    got: dict[str, torch.Tensor] = {}
+
+    def hook(i):
+        def run(gate, _args, out):
+            logits, weights, ids = out
+            if offset is not None and i == EDIT_LAYER:
+                logits = logits + offset
+                probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+                weights, ids = probs.topk(gate.top_k, dim=-1)
+                if gate.norm_topk_prob:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
+            got[f"router.{i}"], got[f"router_topk.{i}"] = logits, ids
+            got[f"router_weights.{i}"] = weights
+            return logits, weights, ids
+
+        return run
+
+    handles = [
+        layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        got["logits"] = model(torch.tensor([token_ids])).logits[0]
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_router_ports_and_edit_match_transformers(arch, engines, consumers_registered):
+    from vllm import SamplingParams
+
+    from tllm_core.engine import TllmLLM
+
+    path = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=LAYERS, hidden=HIDDEN))
+    # The expert to suppress: the one transformers' layer-EDIT_LAYER router picks first for the
+    # edited prompt's first token (so the edit changes the routing there).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt_ids = tok(PROMPTS[1])["input_ids"]
+    top = _reference(path, prompt_ids, None)[f"router_topk.{EDIT_LAYER}"]
+    expert = int(top[0, 0])
+    offset = torch.zeros(EXPERTS)
+    offset[expert] = float("-inf")
+    consumers = [
+        {"name": "routerprobe", "config": {"ports": _ports()}},
+        {
+            "name": "routeredit",
+            "config": {"layer": EDIT_LAYER, "offset": offset.tolist()},
+            "per_request": True,
+        },
+    ]
+    llm = engines.get(
+        ("moe-router", arch),
+        lambda: TllmLLM(path, consumers, enable_prefix_caching=False, **ENGINE_KW),
+    )
+    greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [
+        SamplingParams(**greedy),
+        SamplingParams(**greedy, extra_args={"tllm_consumers": "routeredit"}),
+    ]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    report = llm.close()
+    engines.close()
+    assert not report.get("errors"), report["errors"]
+    assert report["runtime"][f"rows_edited.router.{EDIT_LAYER}"] > 0
+    rows = report["results"]["routerprobe"]["rows"]
+    for o, edited in zip(outs, (False, True), strict=True):
+        seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        ref = _reference(path, seq, offset if edited else None)
+        by_pos = rows[o.request_id]
+        assert sorted(by_pos) == list(range(len(seq) - 1))
+        for pos, got in by_pos.items():
+            at = f"{arch} {'edited' if edited else 'plain'} pos {pos}"
+            for key, value in got.items():
+                want = ref[key][pos]
+                if key.startswith("router_topk"):
+                    assert value.dtype == torch.int64 and value.tolist() == want.tolist(), at
+                else:
+                    tol = 1e-4 if key == "logits" else TOL
+                    torch.testing.assert_close(
+                        value[: want.shape[-1]], want, rtol=tol, atol=tol, msg=f"{at} {key}"
+                    )
+        if edited:  # the edit reached vLLM's expert selection: the suppressed expert never ran
+            chosen = torch.stack([g[f"router_topk.{EDIT_LAYER}"] for g in by_pos.values()])
+            assert expert not in chosen.flatten().tolist(), (arch, expert, chosen)
