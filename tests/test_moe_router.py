@@ -212,3 +212,116 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
         if edited:  # the edit reached vLLM's expert selection: the suppressed expert never ran
             chosen = torch.stack([g[f"router_topk.{EDIT_LAYER}"] for g in by_pos.values()])
             assert expert not in chosen.flatten().tolist(), (arch, expert, chosen)
+
+
+@pytest.mark.vllm
+def test_export_writes_router_ports_and_the_reader_reads_them(tmp_path):
+    """``tllm export --layers router.1,router_topk.1,router_weights.1`` (the command's engine,
+    its own process, eager): each key keeps its width and dtype, and equals transformers'."""
+    from conftest import cli_json, run_cli
+
+    from consumers.export import read_export
+
+    path = str(build_tiny_model(MODEL_CACHE, arch="qwen3_moe", num_layers=LAYERS, hidden=HIDDEN))
+    keys = ["router.1", "router_topk.1", "router_weights.1"]
+    out = tmp_path / "x"
+    args = ["export", "--model", path, "--layers", ",".join(keys), "--out", str(out)]
+    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
+    cli_json(run_cli(*args, "--enforce-eager", "--prompt", PROMPTS[0], timeout=600))
+    records = list(read_export(out, verify=True))
+    assert records
+    for rec in records:
+        ref = _reference(path, rec.token_ids.tolist(), None)
+        assert rec.hidden["router_topk.1"].dtype == torch.int64
+        assert rec.hidden["router.1"].shape == (len(rec.positions), EXPERTS)
+        for key in keys:
+            want = ref[key][rec.positions]
+            torch.testing.assert_close(rec.hidden[key], want, rtol=TOL, atol=TOL, msg=key)
+
+
+# -- without an engine -----------------------------------------------------------------------
+def _layer(**children) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    for name, child in children.items():
+        setattr(layer, name, child)
+    return layer
+
+
+def _moe_block(gate_name: str = "gate") -> torch.nn.Module:
+    block = torch.nn.Module()
+    setattr(block, gate_name, torch.nn.Linear(3, EXPERTS, bias=False))
+    block.experts = torch.nn.Module()
+    return block
+
+
+def _dense_mlp() -> torch.nn.Module:
+    mlp = torch.nn.Module()
+    mlp.gate_up_proj = torch.nn.Linear(3, 8)
+    return mlp
+
+
+@pytest.mark.parametrize(
+    ("layer", "words"),
+    [
+        (_layer(mlp=_dense_mlp()), ("dense MLP", "no router gate")),
+        (_layer(mamba=torch.nn.Linear(3, 3)), ("no MLP / MoE block",)),
+    ],
+)
+def test_router_is_refused_where_there_is_no_moe_block(layer, words):
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+    from tllm_core.vllm_bridge.sites import tap_info
+
+    with pytest.raises(UnsupportedEngineError) as info:
+        tap_info(torch.nn.ModuleList([layer]), "router", 0, model="ToyForCausalLM")
+    msg = str(info.value)
+    for word in ("'router'", "decoder layer 0", "ToyForCausalLM", *words):
+        assert word in msg, (word, msg)
+
+
+@pytest.mark.parametrize("gate_name", ["gate", "router"])
+def test_router_tap_captures_and_edits_through_a_hook_on_the_gate(gate_name):
+    """The hook sees every caller of the gate (vLLM's MoE runner holds its own reference),
+    captures the logits and hands on the edited ones; unedited rows stay bit for bit."""
+    from tllm_core.edits import EditBuffers
+    from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
+
+    block = _moe_block(gate_name)
+    runner_ref = getattr(block, gate_name)  # e.g. MoERunner.gate: the same module object
+    layers = torch.nn.ModuleList([_layer(mlp=block)])
+    info = tap_info(layers, "router", 0)
+    assert info["width"] == EXPERTS and info["dtype"] == torch.float32
+    one = torch.zeros(1, dtype=torch.long)
+    edit = EditBuffers(3, EXPERTS, torch.float32, torch.device("cpu"))
+    buffers = TapBuffers(torch.zeros(3, EXPERTS), edit, one, one.clone(), one.clone())
+    install_tap(layers, "router", 0, buffers)
+    edit.mask[1] = True
+    edit.add[1, 2] = float("-inf")
+    x = torch.randn(3, 3)
+    plain = x @ runner_ref.weight.T
+    out = runner_ref(x)
+    torch.testing.assert_close(out[[0, 2]], plain[[0, 2]], rtol=0, atol=0)
+    assert out[1, 2] == float("-inf") and torch.equal(out[1, :2], plain[1, :2])
+    assert torch.equal(buffers.capture, out) and int(buffers.edited) == 1
+
+
+def test_chosen_experts_follow_the_router_settings():
+    from producers.router import chosen_experts
+
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    ids, w = chosen_experts(logits, {"routing": "softmax_topk", "top_k": 2, "renormalize": False})
+    p = torch.softmax(logits, -1)[0]
+    assert ids.tolist() == [[2, 3]]
+    torch.testing.assert_close(w[0], p[[2, 3]])
+    _, w = chosen_experts(logits, {"routing": "softmax_topk", "top_k": 2, "renormalize": True})
+    torch.testing.assert_close(w[0], p[[2, 3]] / p[[2, 3]].sum())
+    with pytest.raises(ValueError, match=r"GroupedTopKRouter \(sigmoid\)"):
+        chosen_experts(logits, {"routing": "GroupedTopKRouter (sigmoid)", "top_k": 2})
+
+
+def test_only_the_router_logits_are_editable():
+    from producers.router import RouterLogits, RouterProducer, RouterTopK
+
+    producer = RouterProducer()
+    assert producer.edit_tap(RouterLogits(1)).key == "router.1"
+    with pytest.raises(ValueError, match=r"RouterTopK \(router_topk.1\) cannot be edited"):
+        producer.edit_tap(RouterTopK(1))
