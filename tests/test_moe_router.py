@@ -5,14 +5,13 @@ models, and an edit of the router logits (suppress one expert) changes which exp
 exactly as the same edit in transformers' gate does.
 
 Per family, one in-process engine (eager, fp32) runs two greedy requests in one batch: one
-plain, one with the edit (a per-request test consumer adding ``-inf`` to one expert's logit in
-layer 0 at every row). The reference is transformers' forward on the generated tokens, with a
+plain, one with the edit (docs/ports.md's ``suppress_expert`` consumer, per request: ``-inf``
+added to one expert's router logit in layer 0 at every row). The reference is transformers' forward on the generated tokens, with a
 forward hook on each layer's gate reading (and, for the edited request, editing) the logits.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_KW, MODEL_CACHE
@@ -62,35 +61,23 @@ class RouterProbe(Consumer):
         return {"rows": self.rows}
 
 
-class RouterEditConfig(ConsumerConfig):
-    layer: int
-    offset: list[float]  # added to the router logits of every row (-inf suppresses an expert)
+def _doc_consumer() -> type[Consumer]:
+    """The ``suppress_expert.py`` consumer of docs/ports.md, run as the page shows it."""
+    from test_docs import DOCS, doc_blocks
+
+    namespace: dict = {}
+    code = doc_blocks(DOCS / "ports.md")["suppress_expert.py"]
+    exec(compile(code, "suppress_expert.py", "exec"), namespace)  # noqa: S102 - our own docs
+    return namespace["SuppressExpert"]
 
 
-class RouterEdit(Consumer):
-    name = "routeredit"
-    Config = RouterEditConfig
-
-    def __init__(self, config, context):
-        super().__init__(config, context)
-        from producers.router import RouterLogits
-
-        self.port = RouterLogits(config.layer)
-        self.offset = torch.tensor(config.offset, dtype=torch.float32)
-
-    def writes(self):
-        from tllm_core.ports import Edit
-
-        return [Edit(self.port)]
-
-    def edit(self, rows, plan) -> None:
-        plan.add(self.port, np.arange(len(rows)), self.offset)
+SuppressExpert = _doc_consumer()
 
 
 class _Plugin:
     @hookimpl
     def tllm_consumers(self):
-        return [RouterProbe, RouterEdit]
+        return [RouterProbe, SuppressExpert]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +160,8 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
     consumers = [
         {"name": "routerprobe", "config": {"ports": _ports()}},
         {
-            "name": "routeredit",
-            "config": {"layer": EDIT_LAYER, "offset": offset.tolist()},
+            "name": "suppress_expert",
+            "config": {"layer": EDIT_LAYER, "expert": expert},
             "per_request": True,
         },
     ]
@@ -185,7 +172,7 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
     greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     params = [
         SamplingParams(**greedy),
-        SamplingParams(**greedy, extra_args={"tllm_consumers": "routeredit"}),
+        SamplingParams(**greedy, extra_args={"tllm_consumers": "suppress_expert"}),
     ]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     report = llm.close()
@@ -215,9 +202,12 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
 
 
 @pytest.mark.vllm
-def test_export_writes_router_ports_and_the_reader_reads_them(tmp_path):
+@pytest.mark.parametrize("runner", ["V1", pytest.param("V2", marks=pytest.mark.slow)])
+def test_export_writes_router_ports_and_the_reader_reads_them(runner, tmp_path):
     """``tllm export --layers router.1,router_topk.1,router_weights.1`` (the command's engine,
-    its own process, eager): each key keeps its width and dtype, and equals transformers'."""
+    its own process, eager; V2: under the test fixture, docs/runners.md): each key keeps its
+    width and dtype, and equals transformers'."""
+    from cli_util import v2_env
     from conftest import cli_json, run_cli
 
     from consumers.export import read_export
@@ -227,7 +217,9 @@ def test_export_writes_router_ports_and_the_reader_reads_them(tmp_path):
     out = tmp_path / "x"
     args = ["export", "--model", path, "--layers", ",".join(keys), "--out", str(out)]
     args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
-    cli_json(run_cli(*args, "--enforce-eager", "--prompt", PROMPTS[0], timeout=600))
+    env = v2_env() if runner == "V2" else None
+    done = cli_json(run_cli(*args, "--enforce-eager", "--prompt", PROMPTS[0], timeout=600, env=env))
+    assert done["run"]["runner"].startswith(f"{runner} runner"), done["run"]["runner"]
     records = list(read_export(out, verify=True))
     assert records
     for rec in records:

@@ -111,6 +111,11 @@ class EditPlan:
         if rows.size:
             self.ops.setdefault(key, []).append((rows, kind, value))
 
+    def width(self, target: EditTarget) -> int:
+        """The last dimension of ``target``'s values: the hidden size, or for a router's logits
+        (``"router.{i}"``) its number of experts."""
+        return self._widths.get(self._key(target), self._hidden_size)
+
     def remap(self, index: np.ndarray) -> None:
         """Translate row indices through ``index`` (the plan was made on a subset of the
         step's rows: ``index[j]`` is subset row ``j``'s row in the step)."""
