@@ -12,6 +12,7 @@ forward hook on each layer's gate reading (and, for the edited request, editing)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_KW, MODEL_CACHE
@@ -317,3 +318,19 @@ def test_only_the_router_logits_are_editable():
     assert producer.edit_tap(RouterLogits(1)).key == "router.1"
     with pytest.raises(ValueError, match=r"RouterTopK \(router_topk.1\) cannot be edited"):
         producer.edit_tap(RouterTopK(1))
+
+
+def test_edit_plan_sizes_a_router_edit_by_the_number_of_experts():
+    from tllm_core.edits import EditPlan
+
+    class Rows:
+        def __len__(self):
+            return 2
+
+    plan = EditPlan(
+        Rows(), {"router.1": "router.1", "layer.1": "residual.1"}, 8, widths={"router.1": 4}
+    )
+    assert plan.width("router.1") == 4 and plan.width(1) == 8
+    plan.add("router.1", np.array([0, 1]), torch.zeros(4))
+    with pytest.raises(ValueError, match=r"'router.1' has size 8, the tapped tensor's width is 4"):
+        plan.add("router.1", np.array([0]), torch.zeros(8))
