@@ -6,7 +6,8 @@ exactly as the same edit in transformers' gate does.
 
 Per family, one in-process engine (eager, fp32) runs two greedy requests in one batch: one
 plain, one with the edit (docs/ports.md's ``suppress_expert`` consumer, per request: ``-inf``
-added to one expert's router logit in layer 0 at every row). The reference is transformers' forward on the generated tokens, with a
+added to one expert's router logit in layer 0 at every row); the architecture matrix's probe
+records the ports. The reference is transformers' forward on the generated tokens, with a
 forward hook on each layer's gate reading (and, for the edited request, editing) the logits.
 """
 
@@ -15,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import ENGINE_KW, MODEL_CACHE
+from conftest import ENGINE_KW, MODEL_CACHE, registered_plugin
+from test_arch_matrix import Probe
 from tiny_models import build_tiny_model
 
-from tllm_core import Bundle, Consumer, ConsumerConfig, Logits, Phase, hookimpl
+from tllm_core import Consumer, hookimpl
 
 LAYERS = 2
 HIDDEN = 128
@@ -27,39 +29,6 @@ PROMPTS = ["The quick brown fox jumps", "One two three"]
 MAX_TOKENS = 3
 EDIT_LAYER = 0
 TOL = 1e-5  # fp32 on both sides
-
-
-class RouterProbeConfig(ConsumerConfig):
-    ports: list[str]
-
-
-class RouterProbe(Consumer):
-    """Keeps every token port's rows and the logits, keyed by request and position."""
-
-    name = "routerprobe"
-    Config = RouterProbeConfig
-
-    def __init__(self, config, context):
-        super().__init__(config, context)
-        self.rows: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-
-    def reads(self):
-        parse = self.context.parse_port
-        return [parse(p, Phase.ALL) for p in self.config.ports] + [Logits(Phase.ALL)]
-
-    def on_bundle(self, bundle: Bundle) -> None:
-        r = bundle.rows
-        for i, req in enumerate(r.requests):
-            row = self.rows.setdefault(req.request_id, {}).setdefault(int(r.position[i]), {})
-            for k, v in bundle.hidden.items():
-                row[k] = v[i].cpu().clone()
-        s = bundle.sampled_rows
-        for i, req in enumerate(s.requests):
-            at = self.rows.setdefault(req.request_id, {}).setdefault(int(s.position[i]), {})
-            at["logits"] = bundle.logits[i].float().cpu().clone()
-
-    def result(self):
-        return {"rows": self.rows}
 
 
 def _doc_consumer() -> type[Consumer]:
@@ -78,24 +47,12 @@ SuppressExpert = _doc_consumer()
 class _Plugin:
     @hookimpl
     def tllm_consumers(self):
-        return [RouterProbe, SuppressExpert]
+        return [Probe, SuppressExpert]
 
 
 @pytest.fixture(scope="module")
 def consumers_registered():
-    """Registers the test consumers in every Registry built in this process (the in-process
-    engine's worker builds its own), as an installed plugin package would."""
-    from tllm_core.plugins import Plugins
-
-    original = Plugins.load.__func__
-
-    def with_ours(cls, *args, **kwargs):
-        plugins = original(cls, *args, **kwargs)
-        plugins.register(_Plugin(), "router-test")
-        return plugins
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Plugins, "load", classmethod(with_ours))
+    with registered_plugin(_Plugin(), "router-test"):
         yield
 
 
@@ -159,7 +116,7 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
     offset = torch.zeros(EXPERTS)
     offset[expert] = float("-inf")
     consumers = [
-        {"name": "routerprobe", "config": {"ports": _ports()}},
+        {"name": "archprobe", "config": {"ports": _ports()}},
         {
             "name": "suppress_expert",
             "config": {"layer": EDIT_LAYER, "expert": expert},
@@ -180,18 +137,18 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
     engines.close()
     assert not report.get("errors"), report["errors"]
     assert report["runtime"][f"rows_edited.router.{EDIT_LAYER}"] > 0
-    rows = report["results"]["routerprobe"]["rows"]
+    rows = report["results"]["archprobe"]["rows"]
     for o, edited in zip(outs, (False, True), strict=True):
         seq = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         ref = _reference(path, seq, offset if edited else None)
-        by_pos = rows[o.request_id]
+        by_pos = rows[(o.request_id, 0)]
         assert sorted(by_pos) == list(range(len(seq) - 1))
         for pos, got in by_pos.items():
             at = f"{arch} {'edited' if edited else 'plain'} pos {pos}"
             for key, value in got.items():
                 want = ref[key][pos]
-                if key.startswith("router_topk"):
-                    assert value.dtype == torch.int64 and value.tolist() == want.tolist(), at
+                if key.startswith("router_topk"):  # (the probe keeps floats)
+                    assert value.tolist() == want.tolist(), at
                 else:
                     tol = 1e-4 if key == "logits" else TOL
                     torch.testing.assert_close(
