@@ -238,19 +238,13 @@ def find_router(layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None, s
         )
         if gate is not None and isinstance(getattr(block, "experts", None), nn.Module):
             return block, gate, None
-        return (
-            None,
-            None,
-            (
-                f"its {name} ({type(block).__name__}) is a dense MLP, not an MoE block "
-                f"(no router gate {' / '.join(ROUTER_GATES)} beside experts)"
-            ),
+        why = (
+            f"its {name} ({type(block).__name__}) is a dense MLP, not an MoE block "
+            f"(no router gate {' / '.join(ROUTER_GATES)} beside experts)"
         )
-    return (
-        None,
-        None,
-        f"it has no MLP / MoE block (looked for {', '.join(SITES['mlp'].attributes)})",
-    )
+        return None, None, why
+    looked = ", ".join(SITES["router"].attributes)
+    return None, None, f"it has no MLP / MoE block (looked for {looked})"
 
 
 def _refuse(site: str, index: int, layer: nn.Module, model: str | None, why: str):
