@@ -78,7 +78,8 @@ def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> 
                 logits = logits + offset
                 probs = torch.softmax(logits, dim=-1, dtype=torch.float)
                 weights, ids = probs.topk(gate.top_k, dim=-1)
-                if gate.norm_topk_prob:
+                # gpt-oss's router: softmax over the top-k logits, i.e. renormalised
+                if getattr(gate, "norm_topk_prob", True):
                     weights = weights / weights.sum(dim=-1, keepdim=True)
             got[f"router.{i}"], got[f"router_topk.{i}"] = logits, ids
             got[f"router_weights.{i}"] = weights
@@ -86,9 +87,8 @@ def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> 
 
         return run
 
-    handles = [
-        layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
-    ]
+    gates = [getattr(layer.mlp, "gate", None) or layer.mlp.router for layer in model.model.layers]
+    handles = [gate.register_forward_hook(hook(i)) for i, gate in enumerate(gates)]
     try:
         got["logits"] = model(torch.tensor([token_ids])).logits[0]
     finally:
@@ -98,7 +98,9 @@ def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> 
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3_moe", "olmoe", pytest.param("gpt_oss", marks=pytest.mark.slow)]
+)
 def test_router_ports_and_edit_match_transformers(arch, engines, consumers_registered):
     from vllm import SamplingParams
 
