@@ -102,6 +102,7 @@ def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> 
     "arch", ["qwen3_moe", "olmoe", pytest.param("gpt_oss", marks=pytest.mark.slow)]
 )
 def test_router_ports_and_edit_match_transformers(arch, engines, consumers_registered):
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from tllm_core.engine import TllmLLM
@@ -109,8 +110,6 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
     path = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=LAYERS, hidden=HIDDEN))
     # The expert to suppress: the one transformers' layer-EDIT_LAYER router picks first for the
     # edited prompt's first token (so the edit changes the routing there).
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(path)
     prompt_ids = tok(PROMPTS[1])["input_ids"]
     top = _reference(path, prompt_ids, None)[f"router_topk.{EDIT_LAYER}"]
