@@ -7,8 +7,10 @@ exactly as the same edit in transformers' gate does.
 Per family, one in-process engine (eager, fp32) runs two greedy requests in one batch: one
 plain, one with the edit (docs/ports.md's ``suppress_expert`` consumer, per request: ``-inf``
 added to one expert's router logit in layer 0 at every row); the architecture matrix's probe
-records the ports. The reference is transformers' forward on the generated tokens, with a
+records the ports and the built-in ``export`` consumer writes ``router*.1`` (read back with
+``read_export``). The reference is transformers' forward on the generated tokens, with a
 forward hook on each layer's gate reading (and, for the edited request, editing) the logits.
+The ``tllm export`` command (V1, V2, compiled) is checked the same way, marked slow.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ PROMPTS = ["The quick brown fox jumps", "One two three"]
 MAX_TOKENS = 3
 EDIT_LAYER = 0
 TOL = 1e-5  # fp32 on both sides
+EXPORTED = ["router.1", "router_topk.1", "router_weights.1"]  # what the export consumer writes
 
 
 def _doc_consumer() -> type[Consumer]:
@@ -101,7 +104,7 @@ def _reference(path: str, token_ids: list[int], offset: torch.Tensor | None) -> 
 @pytest.mark.parametrize(
     "arch", ["qwen3_moe", "olmoe", pytest.param("gpt_oss", marks=pytest.mark.slow)]
 )
-def test_router_ports_and_edit_match_transformers(arch, engines, consumers_registered):
+def test_router_ports_and_edit_match_transformers(arch, engines, consumers_registered, tmp_path):
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -123,6 +126,7 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
             "config": {"layer": EDIT_LAYER, "expert": expert},
             "per_request": True,
         },
+        {"name": "export", "config": {"out": str(tmp_path / "x"), "layers": EXPORTED}},
     ]
     llm = engines.get(
         ("moe-router", arch),
@@ -158,44 +162,45 @@ def test_router_ports_and_edit_match_transformers(arch, engines, consumers_regis
         if edited:  # the edit reached vLLM's expert selection: the suppressed expert never ran
             chosen = torch.stack([g[f"router_topk.{EDIT_LAYER}"] for g in by_pos.values()])
             assert expert not in chosen.flatten().tolist(), (arch, expert, chosen)
+    edited_id = outs[1].request_id
+    _check_export(path, tmp_path / "x", lambda rid: offset if rid == edited_id else None)
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize(
-    ("runner", "eager"),
-    [
-        ("V1", True),
-        pytest.param("V2", True, marks=pytest.mark.slow),
-        pytest.param("V1", False, marks=pytest.mark.slow),  # the gate hook traced by Dynamo
-    ],
-)
-def test_export_writes_router_ports_and_the_reader_reads_them(runner, eager, tmp_path):
-    """``tllm export --layers router.1,router_topk.1,router_weights.1`` (the command's engine,
-    its own process; V2: under the test fixture, docs/runners.md, eager): each key keeps its
-    width and dtype, and equals transformers'."""
-    from cli_util import v2_env
-    from conftest import cli_json, run_cli
-
+def _check_export(path: str, out, offset_of) -> None:
+    """The export under ``out`` (the ``EXPORTED`` keys, both requests) equals transformers':
+    each key keeps its width and dtype (ids int64) and the reader reads it back."""
     from consumers.export import read_export
 
-    path = str(build_tiny_model(MODEL_CACHE, arch="qwen3_moe", num_layers=LAYERS, hidden=HIDDEN))
-    keys = ["router.1", "router_topk.1", "router_weights.1"]
-    out = tmp_path / "x"
-    args = ["export", "--model", path, "--layers", ",".join(keys), "--out", str(out)]
-    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
-    env = v2_env() if runner == "V2" else None
-    args += ["--enforce-eager"] if eager else []
-    done = cli_json(run_cli(*args, "--prompt", PROMPTS[0], timeout=900, env=env))
-    assert done["run"]["runner"].startswith(f"{runner} runner"), done["run"]["runner"]
     records = list(read_export(out, verify=True))
     assert records
     for rec in records:
-        ref = _reference(path, rec.token_ids.tolist(), None)
+        ref = _reference(path, rec.token_ids.tolist(), offset_of(rec.request_id))
         assert rec.hidden["router_topk.1"].dtype == torch.int64
         assert rec.hidden["router.1"].shape == (len(rec.positions), EXPERTS)
-        for key in keys:
+        for key in EXPORTED:
             want = ref[key][rec.positions]
             torch.testing.assert_close(rec.hidden[key], want, rtol=TOL, atol=TOL, msg=key)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize(("runner", "eager"), [("V1", True), ("V2", True), ("V1", False)])
+def test_export_command_writes_router_ports(runner, eager, tmp_path):
+    """``tllm export --layers router.1,router_topk.1,router_weights.1`` (the command's engine,
+    its own process; V2 under the test fixture, docs/runners.md; compiled: the gate hook
+    traced by Dynamo) equals transformers'."""
+    from cli_util import v2_env
+    from conftest import cli_json, run_cli
+
+    path = str(build_tiny_model(MODEL_CACHE, arch="qwen3_moe", num_layers=LAYERS, hidden=HIDDEN))
+    out = tmp_path / "x"
+    args = ["export", "--model", path, "--layers", ",".join(EXPORTED), "--out", str(out)]
+    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
+    args += ["--enforce-eager"] if eager else []
+    env = v2_env() if runner == "V2" else None
+    done = cli_json(run_cli(*args, "--prompt", PROMPTS[0], timeout=900, env=env))
+    assert done["run"]["runner"].startswith(f"{runner} runner"), done["run"]["runner"]
+    _check_export(path, out, lambda _rid: None)
 
 
 # -- without an engine -----------------------------------------------------------------------
