@@ -6,9 +6,13 @@ here (beside the core's ``HiddenStates``, ``Logits``, ``SampledTokens``):
 
 - :class:`~producers.attention.AttentionOutput` (``attn.{i}``)
 - :class:`~producers.mlp.MlpOutput` (``mlp.{i}``)
+- :class:`~producers.router.RouterLogits` (``router.{i}``), :class:`~producers.router.RouterTopK`
+  (``router_topk.{i}``), :class:`~producers.router.RouterWeights` (``router_weights.{i}``): MoE
+  routing
 """
 
 from producers.attention import AttentionOutput
 from producers.mlp import MlpOutput
+from producers.router import RouterLogits, RouterTopK, RouterWeights
 
-__all__ = ["AttentionOutput", "MlpOutput"]
+__all__ = ["AttentionOutput", "MlpOutput", "RouterLogits", "RouterTopK", "RouterWeights"]

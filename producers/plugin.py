@@ -10,6 +10,7 @@ def tllm_producers() -> list[type]:
     from producers.attention import AttentionProducer
     from producers.mlp import MlpProducer
     from producers.residual import ResidualProducer
+    from producers.router import RouterProducer
     from producers.sampler import SamplerProducer
 
-    return [ResidualProducer, SamplerProducer, AttentionProducer, MlpProducer]
+    return [ResidualProducer, SamplerProducer, AttentionProducer, MlpProducer, RouterProducer]

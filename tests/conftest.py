@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,25 @@ def _no_leaked_dist_ident():
     and be warned about an unknown vLLM variable. Tests see the environment a user has."""
     yield
     os.environ.pop("VLLM_DIST_IDENT", None)
+
+
+@contextmanager
+def registered_plugin(plugin: object, name: str):
+    """Registers ``plugin`` (an object with hookimpls) in every Registry built in this process
+    while active (an in-process engine's worker builds its own), as an installed plugin package
+    would."""
+    from tllm_core.plugins.loader import Plugins
+
+    original = Plugins.load.__func__
+
+    def with_plugin(cls, *args, **kwargs):
+        plugins = original(cls, *args, **kwargs)
+        plugins.register(plugin, name)
+        return plugins
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Plugins, "load", classmethod(with_plugin))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from arch_table import COMMITTED, TABLE, load_results, render
-from conftest import ENGINE_KW, MODEL_CACHE
+from conftest import ENGINE_KW, MODEL_CACHE, registered_plugin
 from tiny_models import MATRIX_ARCHS, build_tiny_model
 
 from tllm_core import Bundle, Consumer, ConsumerConfig, Logits, Phase, hookimpl
@@ -99,19 +99,7 @@ class _ProbePlugin:
 
 @pytest.fixture(scope="module")
 def probe_registered():
-    """Registers ``archprobe`` in every Registry built in this process (the in-process
-    engine's worker builds its own), as an installed plugin package would."""
-    from tllm_core.plugins.loader import Plugins
-
-    original = Plugins.load.__func__
-
-    def with_probe(cls, *args, **kwargs):
-        plugins = original(cls, *args, **kwargs)
-        plugins.register(_ProbePlugin(), "arch-probe")
-        return plugins
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Plugins, "load", classmethod(with_probe))
+    with registered_plugin(_ProbePlugin(), "arch-probe"):
         yield
 
 

@@ -18,7 +18,7 @@ NORM = SiteSpec("post_norm", ("post_attention_layernorm",), output="first")
 
 def test_specs_merge_and_name_conflicts():
     archs = Architectures([*ARCHITECTURES, NORM])
-    assert archs.names() == ["attn", "mlp", "post_norm", "residual"]
+    assert archs.names() == ["attn", "mlp", "post_norm", "residual", "router"]
     # a family's own variant of a site wins at its layer classes only
     assert archs.site("residual", "CohereDecoderLayer").output == "first"
     assert archs.site("residual", "LlamaDecoderLayer").output == "sum"

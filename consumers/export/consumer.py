@@ -142,6 +142,7 @@ class ExportConsumer(Consumer):
         self._lock = threading.Lock()
         self._table = RequestTable(on_new=lambda: self.counters.add("requests_seen"))
         self._used = False
+        self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
         self._closed = False  # closed after the last data
         self._complete = False  # ... and nothing was lost (see completeness)
         self.writer = ShardWriter(
@@ -186,9 +187,10 @@ class ExportConsumer(Consumer):
             t = bundle.hidden.get(key)
             if t is None:
                 raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
-            if t.shape != (n, self.hidden_size):
+            width = self._width(key, t)
+            if t.shape != (n, width):
                 raise ValueError(
-                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {self.hidden_size})"
+                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {width})"
                 )
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
@@ -216,6 +218,15 @@ class ExportConsumer(Consumer):
         before = len(self.writer.shards)
         self.writer.append(hidden, meta)
         self._sync_counters(before)
+
+    def _width(self, key: str, t: torch.Tensor) -> int:
+        """The key's row width, fixed by its first rows: the hidden size, or (router ports) the
+        number of experts or top-k; floats are stored as the config's dtype, ids as int64."""
+        if key not in self._fixed:
+            self._fixed.add(key)
+            dtype = TORCH_DTYPES[self.config.dtype] if t.is_floating_point() else torch.int64
+            self.writer.columns[key] = (int(t.shape[-1]), dtype)
+        return self.writer.columns[key][0]
 
     def _take_sampled(self, bundle: Bundle) -> None:
         srows = bundle.sampled_rows
@@ -261,6 +272,7 @@ class ExportConsumer(Consumer):
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
             "keys": list(self.keys),
+            **fmt.columns_entry(w.columns, self.hidden_size, TORCH_DTYPES[self.config.dtype]),
             "phase": self.config.phase,
             "shard_rows": self.shard_rows,
             "num_rows": w.rows_written,

@@ -100,3 +100,14 @@ def write_json_atomic(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path) or ".")
+
+
+def columns_entry(columns: dict[str, tuple[int, Any]], hidden_size: int, dtype: Any) -> dict:
+    """The manifest's optional ``columns`` field, ``{key: {"width", "dtype"}}``, for keys whose
+    rows are not ``hidden_size`` wide in ``dtype`` (router ports); ``{}`` when there are none."""
+    other = {
+        k: {"width": int(w), "dtype": str(d).removeprefix("torch.")}
+        for k, (w, d) in columns.items()
+        if (w, d) != (hidden_size, dtype)
+    }
+    return {"columns": other} if other else {}

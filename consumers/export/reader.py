@@ -210,8 +210,13 @@ class ExportReader:
         else:
             pos = torch.zeros(0, dtype=torch.int64)
             dec = torch.zeros(0, dtype=torch.bool)
-            dt = getattr(torch, self.dtype)
-            hidden = {k: torch.zeros(0, self.hidden_size, dtype=dt) for k in self.keys}
+            cols = self.manifest.get("columns", {})
+            default = {"width": self.hidden_size, "dtype": self.dtype}
+            hidden = {
+                k: torch.zeros(0, c["width"], dtype=getattr(torch, c["dtype"]))
+                for k in self.keys
+                for c in [cols.get(k, default)]
+            }
         return ExportRecord(
             **self._request_fields(meta), positions=pos, is_decode=dec, hidden=hidden
         )

@@ -55,11 +55,13 @@ class EditPlan:
         hidden_size: int,
         resolve_layer: Callable[[int], int] | None = None,
         transforms: set[str] = frozenset(),
+        widths: dict[str, int] | None = None,
     ):
         self.rows = rows
         self._allowed = allowed  # port key -> tap key
         self._transforms = transforms  # port keys whose Edit port has a transform
         self._hidden_size = hidden_size
+        self._widths = widths or {}  # port key -> width, where not the hidden size (router)
         self._resolve = resolve_layer
         # port key -> list of (row indices, kind, tensor)
         self.ops: dict[str, list[tuple[np.ndarray, str, torch.Tensor]]] = {}
@@ -95,10 +97,11 @@ class EditPlan:
 
     def _push(self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
         key = self._key(target)
-        if value.shape[-1] != self._hidden_size:
+        width = self._widths.get(key, self._hidden_size)
+        if value.shape[-1] != width:
             raise ValueError(
-                f"edit vector has size {value.shape[-1]}, the tapped tensor's width is "
-                f"{self._hidden_size}"
+                f"edit vector for {key!r} has size {value.shape[-1]}, the tapped tensor's "
+                f"width is {width}"
             )
         rows = self._row_indices(rows)
         if value.dim() == 2 and value.shape[0] != rows.size:
@@ -107,6 +110,11 @@ class EditPlan:
             )
         if rows.size:
             self.ops.setdefault(key, []).append((rows, kind, value))
+
+    def width(self, target: EditTarget) -> int:
+        """The last dimension of ``target``'s values: the hidden size, or for a router's logits
+        (``"router.{i}"``) its number of experts."""
+        return self._widths.get(self._key(target), self._hidden_size)
 
     def remap(self, index: np.ndarray) -> None:
         """Translate row indices through ``index`` (the plan was made on a subset of the

@@ -4,6 +4,7 @@ bridge (which fills it) and the runtime and producers (which read it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ class StepCapture:
     stamps: dict[str, torch.Tensor] = field(default_factory=dict)
     # Rows each edit tap changed in this step's forward (one-element tensors, written in-graph).
     edited: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Static facts of taps whose tensor is not hidden-size rows, by tap key, set by the bridge
+    # at install (``router.{i}``: ``width``, ``top_k``, ``renormalize``, ``routing``).
+    tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
 

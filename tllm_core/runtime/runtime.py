@@ -213,7 +213,10 @@ class Runtime:
             index = None if mask is None else np.nonzero(mask)[0]
             own = rows if index is None else rows.take(index)
             allowed = {k: t.key for k, t in s.edits.items()}
-            plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
+            widths = {k: buffers[t].add.shape[-1] for k, t in allowed.items() if t in buffers}
+            plan = EditPlan(
+                own, allowed, self.model.hidden_size, self._resolve, set(s.transforms), widths
+            )
             if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
                 continue
 

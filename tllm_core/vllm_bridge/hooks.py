@@ -29,7 +29,7 @@ from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
 from tllm_core.vllm_bridge.runners import adapter_for
-from tllm_core.vllm_bridge.sites import TapBuffers, install_tap
+from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
 from tllm_core.vllm_bridge.version import check_version
 
 log = logging.getLogger("tllm")
@@ -86,6 +86,7 @@ class RunnerHooks:
         self.stamps: dict[str, torch.Tensor] = {}
         self.edit_counts: dict[str, torch.Tensor] = {}
         self.edits: dict[str, EditBuffers] = {}
+        self.tap_info: dict[str, dict[str, Any]] = {}  # sites.tap_info of non-hidden taps
         self._needs = {t.key for t in runtime.taps}
         edit_keys = {t.key for t in runtime.edit_taps}
         archs = architectures or builtin_architectures()
@@ -95,12 +96,14 @@ class RunnerHooks:
         for tap in sorted(runtime.taps, key=lambda t: (t.site == "residual", t.key)):
             if tap.layer is None:
                 continue  # step sites: read from the runner after the forward
-            cap = torch.zeros(max_tokens, info.hidden_size, dtype=info.dtype, device=dev)
+            site = tap_info(layers, tap.site, tap.layer, model_name, archs)
+            if site:
+                self.tap_info[tap.key] = site
+            width, dtype = site.get("width", info.hidden_size), site.get("dtype", info.dtype)
+            cap = torch.zeros(max_tokens, width, dtype=dtype, device=dev)
             edit = None
             if tap.key in edit_keys:
-                edit = self.edits[tap.key] = EditBuffers(
-                    max_tokens, info.hidden_size, info.dtype, dev
-                )
+                edit = self.edits[tap.key] = EditBuffers(max_tokens, width, dtype, dev)
                 for owner, module in runtime.transforms(tap.key):
                     edit.add_transform(owner, module)
             buffers = TapBuffers(
@@ -166,6 +169,7 @@ class RunnerHooks:
             tensors={k: buf[:total] for k, buf in self.capture.items()},
             stamps=dict(self.stamps),
             edited=dict(self.edit_counts),
+            tap_info=self.tap_info,
         )
         self.clock.fill_(step_no)
         self.runtime.begin_step(rows, self.edits)

@@ -22,6 +22,9 @@ SITES = (
         what="MLP / MoE block",
         partial_if=("shared_mlp", "shared_expert", "shared_experts"),
     ),
+    # An MoE block's router logits: a forward hook on its gate (``gate``; gpt-oss ``router``),
+    # refused at layers whose block is a dense MLP.
+    SiteSpec("router", ("mlp", "feed_forward", "block_sparse_moe"), "router", "MLP / MoE block"),
 )
 
 # Decoder layers returning ``(stream, residual)`` whose first element already includes the

@@ -10,12 +10,14 @@ Every tap writes two proofs inside the forward: its ``stamp`` (a copy of the ste
 so a buffer the forward did not write is detected) and, when it edits, ``edited`` (rows
 whose tensor the edit changed). Which module a site wraps and how its output holds the
 value come from the architecture specs (``tllm_core/api/architectures.py``; the built-ins in
-``layouts.py``): a new site is one ``SiteSpec``, no code here.
+``layouts.py``): a new site is one ``SiteSpec``, no code here. A site whose tensor is not
+hidden-size wide (``router``) says so in :func:`tap_info`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +27,7 @@ from tllm_core.api.edits import EditBuffers, apply_edit
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import STREAM_FIRST_LAYERS, builtin_architectures
 
-__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap"]
+__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap", "tap_info"]
 
 
 @dataclass
@@ -59,7 +61,10 @@ class _Tap(nn.Module):
         return new
 
     def forward(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
+        return self.process(self.inner(*args, **kwargs))
+
+    def process(self, out):
+        """Capture (and edit) the tapped tensor of the wrapped module's output ``out``."""
         s = self.value(out)
         n = s.shape[0]
         if self.edit is not None:
@@ -113,12 +118,37 @@ class OutputTap(_Tap):
     """A block whose output is one tensor (self-attention, MLP)."""
 
 
-# SiteSpec.output -> the wrapper reading that convention
+class RouterTap(_Tap):
+    """An MoE block's router gate ``x -> logits`` (vLLM's linear layers: ``(logits, bias)``):
+    router logits ``[tokens, experts]`` before softmax and top-k, captured and edited in fp32
+    and handed on in the gate's dtype.
+
+    Installed as a forward hook on the gate module, not as a wrapper: vLLM's MoE runner keeps
+    its own reference to the gate (Qwen3-MoE: ``experts.gate``, called inside the runner)
+    besides the block's (OLMoE calls ``self.gate`` itself), and a hook sees every call."""
+
+    def __init__(self, gate: nn.Module, buffers: TapBuffers):
+        super().__init__(None, buffers)
+        gate.register_forward_hook(lambda _module, _args, out: self.process(out))
+
+    def value(self, out):
+        return (out[0] if isinstance(out, tuple) else out).float()
+
+    def rebuild(self, out, new, changed):
+        logits = out[0] if isinstance(out, tuple) else out
+        new = new.to(logits.dtype)
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+
+
+# SiteSpec.output -> the tap reading that convention
 TAPS: dict[str, type[_Tap]] = {
     "tensor": OutputTap,
     "sum": ResidualTap,
     "first": StreamFirstResidualTap,
+    "router": RouterTap,
 }
+# Names of an MoE block's router gate (gpt-oss: ``router``), beside its ``experts``.
+ROUTER_GATES = ("gate", "router")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -157,18 +187,25 @@ def find_block(layer: nn.Module, spec: SiteSpec) -> tuple[str | None, str | None
     )
 
 
-def install_tap(
-    layers: nn.ModuleList,
-    site: str,
-    index: int,
-    buffers: TapBuffers,
-    model: str | None = None,
-    architectures: Architectures | None = None,
-) -> None:
-    """Wrap the module of ``site`` in decoder layer ``index``, as ``architectures`` (default:
-    the built-ins) describe that layer's class; ``model`` (the model class name) only makes
-    the error clearer."""
-    archs = architectures or builtin_architectures()
+def find_router(block: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """``(router gate, None)`` of an MoE block (``experts`` beside a gate), or ``(None, why)``."""
+    block = unwrap(block)  # an ``mlp`` tap may wrap it
+    gate = next(
+        (g for n in ROUTER_GATES if isinstance(g := getattr(block, n, None), nn.Module)), None
+    )
+    if gate is not None and isinstance(getattr(block, "experts", None), nn.Module):
+        return gate, None
+    return None, (
+        f"its {type(block).__name__} is a dense MLP, not an MoE block "
+        f"(no router gate {' / '.join(ROUTER_GATES)} beside experts)"
+    )
+
+
+def _site_module(
+    layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures
+) -> tuple[SiteSpec, nn.Module, str | None]:
+    """``site``'s spec at decoder layer ``index``, the layer and the attribute holding the
+    site's module (None: the layer itself); refusals name the layer, the site and why."""
     layer = unwrap(layers[index])
     of = f" of {model}" if model else ""
     spec = archs.site(site, type(layer).__name__)
@@ -177,17 +214,76 @@ def install_tap(
             f"tap site {site!r} is not defined for decoder layer {index} "
             f"({type(layer).__name__}){of}; its sites: {', '.join(archs.names())}"
         )
-    tap = TAPS[spec.output]
     if not spec.children:
-        layers[index] = tap(layers[index], buffers)
-        return
+        return spec, layer, None
     name, why = find_block(layer, spec)
+    if name is not None and spec.output == "router":
+        _gate, why = find_router(getattr(layer, name))
+        name = None if why else name
     if name is None:
         raise UnsupportedEngineError(
             f"tap site {site!r} is not supported at decoder layer {index} "
             f"({type(layer).__name__}){of}: {why}"
         )
-    setattr(layer, name, tap(getattr(layer, name), buffers))
+    return spec, layer, name
+
+
+def tap_info(
+    layers: nn.ModuleList,
+    site: str,
+    index: int,
+    model: str | None = None,
+    architectures: Architectures | None = None,
+) -> dict[str, Any]:
+    """What a site's tap holds besides hidden-size rows, read once before it is installed;
+    ``{}`` for sites whose tensor has the model's hidden size and dtype. ``router``: ``width``
+    (experts) and ``dtype`` (fp32) of its buffers, and how vLLM's router turns the logits into
+    experts (``top_k``, ``renormalize``, ``routing``: ``"softmax_topk"`` for softmax then top-k,
+    else the router's kind), so that the chosen experts can be computed from the logits."""
+    archs = architectures or builtin_architectures()
+    spec, layer, name = _site_module(layers, site, index, model, archs)
+    if spec.output != "router":
+        return {}
+    block = unwrap(getattr(layer, name))
+    gate, _why = find_router(block)
+    router = getattr(block.experts, "router", None)
+    scoring = getattr(router, "scoring_func", None)
+    plain = (
+        scoring == "softmax"
+        and not getattr(router, "use_grouped_topk", False)
+        and getattr(router, "custom_routing_function", None) is None
+        and getattr(router, "e_score_correction_bias", None) is None
+    )
+    width = getattr(gate, "output_size", None) or getattr(gate, "out_features", None)
+    return {
+        "width": int(width if width is not None else gate.weight.shape[0]),
+        "dtype": torch.float32,
+        "top_k": getattr(router, "top_k", None),
+        "renormalize": bool(getattr(router, "renormalize", False)),
+        "routing": "softmax_topk" if plain else f"{type(router).__name__} ({scoring})",
+    }
+
+
+def install_tap(
+    layers: nn.ModuleList,
+    site: str,
+    index: int,
+    buffers: TapBuffers,
+    model: str | None = None,
+    architectures: Architectures | None = None,
+) -> None:
+    """Wrap the module of ``site`` in decoder layer ``index`` (a router: hook its gate), as
+    ``architectures`` (default: the built-ins) describe that layer's class; ``model`` (the model
+    class name) only makes the error clearer."""
+    archs = architectures or builtin_architectures()
+    spec, layer, name = _site_module(layers, site, index, model, archs)
+    tap = TAPS[spec.output]
+    if name is None:
+        layers[index] = tap(layers[index], buffers)
+    elif tap is RouterTap:
+        RouterTap(find_router(getattr(layer, name))[0], buffers)
+    else:
+        setattr(layer, name, tap(getattr(layer, name), buffers))
 
 
 def _at(root: nn.Module, path: str) -> object:

@@ -1,0 +1,95 @@
+"""MoE routing ports of a decoder layer: the router logits and the experts chosen from them.
+
+- :class:`RouterLogits` (``router.{i}``): ``[rows, experts]`` fp32 logits of the layer's MoE
+  router, before softmax and top-k; editable (``Edit(RouterLogits(i))``): the edited logits are
+  what vLLM's router picks experts from, in the same forward;
+- :class:`RouterTopK` (``router_topk.{i}``): ``[rows, top_k]`` int64 ids of the chosen experts,
+  heaviest first;
+- :class:`RouterWeights` (``router_weights.{i}``): ``[rows, top_k]`` fp32 weights of those
+  experts, in the same order.
+
+The chosen experts are computed here from the captured logits as vLLM's router does (softmax,
+top-k, renormalised when the model's router renormalises, e.g. Qwen3-MoE's ``norm_topk_prob``),
+with the router's settings the bridge read at install (``StepCapture.tap_info``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tllm_core import LayerPort, Phase, Producer, ReadPort, StepCapture, TapRequest
+
+
+@dataclass(frozen=True)
+class RouterLogits(LayerPort):
+    """Router logits of decoder layer ``layer``'s MoE block (negative counts from the end).
+
+    Bundle key: ``"router.{absolute index}"``. Editable through ``Edit(RouterLogits(i))``."""
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "router"
+
+
+@dataclass(frozen=True)
+class RouterTopK(LayerPort):
+    """Ids of the experts layer ``layer``'s router chose, heaviest first (int64).
+
+    Bundle key: ``"router_topk.{absolute index}"``."""
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "router_topk"
+
+
+@dataclass(frozen=True)
+class RouterWeights(LayerPort):
+    """Weights of the experts of :class:`RouterTopK`, in its order (fp32).
+
+    Bundle key: ``"router_weights.{absolute index}"``."""
+
+    layer: int
+    phase: Phase = Phase.ALL
+    prefix = "router_weights"
+
+
+def chosen_experts(logits: torch.Tensor, info: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, weights)`` ``[rows, top_k]`` from router logits, as a softmax-then-top-k router
+    with ``info``'s ``top_k`` and ``renormalize`` picks them. ``ValueError`` for another kind of
+    router (``info["routing"]`` names it)."""
+    if info.get("routing") != "softmax_topk" or not info.get("top_k"):
+        raise ValueError(
+            f"chosen experts are computed for softmax-then-top-k routers only; this model's "
+            f"router is {info.get('routing')!r} (top_k {info.get('top_k')}): read 'router.{{i}}'"
+        )
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(int(info["top_k"]), dim=-1)
+    if info.get("renormalize"):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class RouterProducer(Producer):
+    name = "router"
+    ports = (RouterLogits, RouterTopK, RouterWeights)
+
+    def taps(self, port: ReadPort) -> list[TapRequest]:
+        return [TapRequest("router", port.layer)]  # type: ignore[attr-defined]
+
+    def read(self, port: ReadPort, step: StepCapture) -> torch.Tensor:
+        key = self.taps(port)[0].key
+        logits = step.tensor(key)
+        if isinstance(port, RouterLogits):
+            return logits
+        ids, weights = chosen_experts(logits, step.tap_info.get(key, {}))
+        return ids if isinstance(port, RouterTopK) else weights
+
+    def edit_tap(self, port: ReadPort) -> TapRequest:
+        if not isinstance(port, RouterLogits):
+            raise ValueError(
+                f"{type(port).__name__} ({port.key}) cannot be edited: edit the router logits "
+                f"(RouterLogits, 'router.{{i}}'), from which the experts are chosen"
+            )
+        return super().edit_tap(port)
