@@ -15,7 +15,8 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestFates, RequestTokens, completeness, rows_to_write
+from consumers.export.requests import RequestTable
+from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core.bundles import Bundle
 from tllm_core.consumer import Consumer, ConsumerConfig, ConsumerContext
@@ -132,9 +133,6 @@ class ExportConsumer(Consumer):
         self.shard_rows = int(shard_rows)
         self.phase = Phase(config.phase)
         self._lock = threading.Lock()
-        self._fates = RequestFates()
-        self._requests: dict[str, RequestTokens] = {}
-        self._table: list[RequestTokens] = []
         self._used = False
         self._closed = False  # closed after the last data
         self._complete = False  # ... and nothing was lost (see completeness)
@@ -148,6 +146,7 @@ class ExportConsumer(Consumer):
             self._manifest,
             before_first_write=self.layout.clean_root,
         )
+        self._table = RequestTable(self.path, self.writer.prepare)
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Phase:
@@ -165,11 +164,9 @@ class ExportConsumer(Consumer):
 
     # -- callbacks ------------------------------------------------------------------------
     def _request(self, info: RequestInfo) -> RequestTokens:
-        req = self._requests.get(info.engine_id)
-        if req is None:
-            req = RequestTokens(len(self._table), info)
-            self._requests[info.engine_id] = req
-            self._table.append(req)
+        seen = self._table.seen
+        req = self._table.get(info)
+        if self._table.seen != seen:
             self.counters.add("requests_seen")
         return req
 
@@ -239,19 +236,21 @@ class ExportConsumer(Consumer):
         self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        # Engine thread: never wait for a shard write in progress on the background thread.
-        self._fates.finish(request)
+        # Background thread (after the request's bundles), or the engine thread when no
+        # bundle ever reached this consumer: then no shard write holds the lock.
+        with self._lock:
+            self._table.finish(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
-        self._fates.drop(requests)  # the bus counts it (bundles_dropped.export)
+        with self._lock:
+            self._table.drop(requests)  # the bus counts it (bundles_dropped.export)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
-        requests = self._fates.request_table(self._table)
-        losses = self._fates.losses(requests)
-        self._complete = completeness(self._closed, losses)
+        table = self._table.manifest_fields()
+        self._complete = completeness(self._closed, table["losses"])
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:
@@ -261,7 +260,6 @@ class ExportConsumer(Consumer):
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
             "complete": self._complete,
-            "losses": losses,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
@@ -270,7 +268,7 @@ class ExportConsumer(Consumer):
             "shard_rows": self.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],
-            "requests": requests,
+            **table,
         }
 
     def flush(self) -> None:
@@ -297,6 +295,7 @@ class ExportConsumer(Consumer):
                 self.writer.write_manifest()
             self._sync_counters(before)
             self.writer.release()
+            self._table.release()
 
     def result(self) -> dict[str, Any]:
         with self._lock:
@@ -305,7 +304,8 @@ class ExportConsumer(Consumer):
                 "shards": len(self.writer.shards),
                 "rows": self.writer.rows_written,
                 "rows_buffered": self.writer.buffered,
-                "requests": len(self._table),
+                "requests": self._table.seen,
+                "requests_open": self._table.open_count,
                 "keys": list(self.keys),
                 "complete": self._complete,
             }

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestFates, RequestTokens, completeness
+from consumers.export.requests import RequestTable
+from consumers.export.tokens import completeness
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
 from tllm_core.rows import request_runs
 
 FORMAT_NAME = "tllm-sae-features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # as the export format's (closed requests in requests.jsonl)
 INDICES = "indices"
 VALUES = "values"
 KEYS = (INDICES, VALUES)
@@ -67,9 +68,6 @@ class FeatureWriter:
         self._describe = describe
         self.layout = layout
         self._lock = threading.Lock()
-        self.fates = RequestFates()
-        self._requests: dict[str, RequestTokens] = {}
-        self._table: list[RequestTokens] = []
         self.used = False
         self.closed = False  # closed after the last data
         self.complete = False  # ... and nothing was lost (see completeness)
@@ -86,14 +84,7 @@ class FeatureWriter:
             format_name=FORMAT_NAME,
             before_first_write=None if layout is None else layout.clean_root,
         )
-
-    def _request(self, info: Any) -> RequestTokens:
-        req = self._requests.get(info.engine_id)
-        if req is None:
-            req = RequestTokens(len(self._table), info)
-            self._requests[info.engine_id] = req
-            self._table.append(req)
-        return req
+        self.table = RequestTable(path, self.shards.prepare)
 
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record token ids at positions (rows of one request are contiguous)."""
@@ -105,7 +96,7 @@ class FeatureWriter:
         index = [0] * n
         pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
         for info, start, stop in request_runs(requests):
-            req = self._request(info)
+            req = self.table.get(info)
             if stop - start == 1:  # a decode row
                 req.put_one(pos[start], tok[start])
                 index[start] = req.index
@@ -140,16 +131,17 @@ class FeatureWriter:
 
     def finished(self, request: Any) -> None:
         """A request's finish notice (``request.cut_short``: it did not run to its end)."""
-        self.fates.finish(request)
+        with self._lock:
+            self.table.finish(request)
 
     def dropped(self, requests: list[Any]) -> None:
         """A bundle holding rows or tokens of ``requests`` was dropped."""
-        self.fates.drop(requests)
+        with self._lock:
+            self.table.drop(requests)
 
     def _manifest(self) -> dict[str, Any]:
-        requests = self.fates.request_table(self._table)
-        losses = self.fates.losses(requests)
-        self.complete = completeness(self.closed, losses)
+        table = self.table.manifest_fields()
+        self.complete = completeness(self.closed, table["losses"])
         w = self.shards
         part = {}
         if self.layout is not None and self.layout.dp_size > 1:
@@ -159,7 +151,6 @@ class FeatureWriter:
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "complete": self.complete,
-            "losses": losses,
             "hidden_size": self.top_k,  # width of each column (the reader's generic field)
             "top_k": self.top_k,
             "dtype": self.value_dtype,
@@ -168,7 +159,7 @@ class FeatureWriter:
             "shard_rows": w.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],
-            "requests": requests,
+            **table,
         }
 
     def close(self) -> int:
@@ -183,4 +174,5 @@ class FeatureWriter:
             else:
                 self.shards.write_manifest()
             self.shards.release()
+            self.table.release()
             return len(self.shards.shards) - before
