@@ -292,7 +292,7 @@ def _app(engine, api_key, settings=None, errors=None):
     from tllm_core.vllm_bridge.serving import attach_routes
 
     class FakeEngineClient:
-        async def collective_rpc(self, method):
+        async def collective_rpc(self, method, args=()):
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
             return [
@@ -438,3 +438,39 @@ def test_requests_naming_a_failed_consumer_get_503():
     refused = client.post("/v1/completions", json=named)
     assert refused.status_code == 503 and "'esamp' failed" in refused.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_aborted_requests_are_marked_cut_short_before_the_abort():
+    """A client that disconnects: vLLM aborts its request; the workers hear which requests
+    are cut short before the engine core gets the abort (so no finish notice overtakes it),
+    and the abort happens even when the mark cannot be sent."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.serving import install_abort_marks
+
+    calls = []
+
+    async def abort(ids):
+        calls.append(("abort", list(ids)))
+
+    class FakeEngineClient:
+        engine_core = SimpleNamespace(abort_requests_async=abort)
+        broken = False
+
+        async def collective_rpc(self, method, args=()):
+            if self.broken:
+                raise RuntimeError("engine core gone")
+            calls.append((method, *args))
+            return [None]
+
+    client = FakeEngineClient()
+    install_abort_marks(client)
+    asyncio.run(client.engine_core.abort_requests_async(["0_r-abcdefgh", "1_r-abcdefgh"]))
+    assert calls == [
+        ("tllm_mark_cut_short", ["0_r-abcdefgh", "1_r-abcdefgh"]),
+        ("abort", ["0_r-abcdefgh", "1_r-abcdefgh"]),
+    ]
+    calls.clear()
+    client.broken = True
+    asyncio.run(client.engine_core.abort_requests_async(["x-abcdefgh"]))
+    assert calls == [("abort", ["x-abcdefgh"])]

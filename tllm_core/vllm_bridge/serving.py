@@ -187,8 +187,8 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
-async def rpc_all(engine_client: Any, method: str) -> list[Any]:
-    """``collective_rpc(method)`` on every worker of every engine core, flattened.
+async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
+    """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened.
 
     With ``--data-parallel-size`` > 1 the engine client's ``collective_rpc`` answers with the
     first engine's workers only; the client's ``engine_core.call_utility_all_async`` reaches
@@ -197,9 +197,32 @@ async def rpc_all(engine_client: Any, method: str) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-        per_engine = await call_all("collective_rpc", method, None, (), None)
+        per_engine = await call_all("collective_rpc", method, None, args, None)
         return [r for rs in per_engine for r in rs]
-    return list(await engine_client.collective_rpc(method))
+    return list(await engine_client.collective_rpc(method, args=args))
+
+
+def install_abort_marks(engine_client: Any) -> None:
+    """Requests vLLM aborts (a client that disconnects, a failed request) reach the consumers
+    as ``cut_short``, so records say they did not finish.
+
+    ``AsyncLLM.abort`` hands the engine-core ids (the children of an ``n`` > 1 request
+    included) to ``engine_core.abort_requests_async``; this instance-level wrapper first marks
+    them on the workers and waits for that, so the mark reaches the engine core before the
+    abort does (it handles its input in order).
+    """
+    core = engine_client.engine_core
+    abort_orig = core.abort_requests_async
+
+    async def abort_requests_async(request_ids: list[str]) -> None:
+        if request_ids:
+            try:
+                await rpc_all(engine_client, "tllm_mark_cut_short", list(request_ids))
+            except Exception:  # noqa: BLE001 - the abort itself must still happen
+                log.exception("tllm: could not mark aborted requests %s", request_ids)
+        await abort_orig(request_ids)
+
+    core.abort_requests_async = abort_requests_async
 
 
 def api_tokens(args: Any) -> list[str]:
@@ -317,6 +340,7 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
     install_request_checks(
         engine_client.input_processor, server, getattr(state, "tllm_secret", None)
     )
+    install_abort_marks(engine_client)
     state.tllm_server = server
     state.tllm_engine_client = engine_client
     status = await rpc_all(engine_client, "tllm_status")
