@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
 from tllm_core.serving import EngineConsumers, request_salt
 from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
@@ -289,12 +290,14 @@ def _app(engine, api_key, settings=None, errors=None):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tllm_core.vllm_bridge.serving import attach_routes
+    from tllm_core.vllm_bridge.serving import REQUEST_IDS, attach_routes
 
     class FakeEngineClient:
         async def collective_rpc(self, method, args=()):
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
+            if method == "tllm_failed_requests":  # requests named "bad*" met a failing esamp
+                return [{r: ["esamp"] for r in args[0] if r.startswith("bad")}]
             return [
                 {
                     "runtime": {"steps": 1},
@@ -312,7 +315,10 @@ def _app(engine, api_key, settings=None, errors=None):
     app.state.tllm_server = engine
 
     @app.post("/v1/completions")
-    async def completions():
+    async def completions(request: Request):
+        body = await request.json()
+        if "run" in body:  # what vLLM's assign_request_id (wrapped) does per request it runs
+            REQUEST_IDS.get().extend(body["run"])
         return {"ok": True}
 
     return TestClient(app)
@@ -474,3 +480,13 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     client.broken = True
     asyncio.run(client.engine_core.abort_requests_async(["x-abcdefgh"]))
     assert calls == [("abort", ["x-abcdefgh"])]
+
+
+def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
+    client = _app(engine, None)
+    marked = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-1", "bad-2"]})
+    assert marked.status_code == 200 and marked.headers["x-tllm-failed"] == "esamp"
+    clean = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-3"]})
+    assert clean.status_code == 200 and "x-tllm-failed" not in clean.headers
+    # Nothing ran (a refused body): the workers are not asked.
+    assert "x-tllm-failed" not in client.post("/v1/completions", json={"prompt": "x"}).headers

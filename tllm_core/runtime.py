@@ -206,7 +206,11 @@ class Runtime:
             own = rows if index is None else rows.take(index)
             allowed = {k: t.key for k, t in s.edits.items()}
             plan = EditPlan(own, allowed, self.model.hidden_size, self._resolve, set(s.transforms))
-            if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
+            acted = own.requests
+            if (
+                not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan, requests=acted)
+                or not plan.ops
+            ):
                 continue
 
             def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
@@ -214,7 +218,7 @@ class Runtime:
                     plan.remap(index)
                 _write_plan(plan, allowed, buffers, name)
 
-            self.bus.call(s.consumer, "edit (buffers)", write)
+            self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
@@ -273,7 +277,9 @@ class Runtime:
     def _call_guide(self, s: _Slot, view: GuideView) -> int | None:
         """Rows the consumer's guide changed, or None when it failed."""
         self.counters.add("rows_guide_visited", len(view.rows))
-        if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
+        if not self.bus.call(
+            s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
+        ):
             return None
         rows = view.rows_guided
         self.counters.add("rows_guided", rows)

@@ -21,7 +21,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   :func:`tllm_core.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
   ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
   operator shows them;
-- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`).
+- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`);
+- marks a non-streamed response whose request a consumer failed on with the header
+  ``X-Tllm-Failed: <consumers>`` (:class:`FailureMarks`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import logging
 import secrets
 from collections import deque
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -50,6 +53,10 @@ STATUS_PATH = "/tllm/status"
 
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# Caller ids of the requests an HTTP request made vLLM run (FailureMarks gives each HTTP
+# request its own list; the assign_request_id wrapper fills it).
+REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
+FAILED_HEADER = b"x-tllm-failed"
 # A body past the limit is still read (and dropped) up to this many times the limit, so that
 # the client can read the 413 (see XargsCheck.refuse).
 DRAIN_FACTOR = 4
@@ -187,6 +194,52 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
+class FailureMarks:
+    """Pure ASGI middleware: a response on the OpenAI routes whose requests a consumer failed
+    on (a callback raised while acting on them, :attr:`Bus.failed_requests`) gets the header
+    ``X-Tllm-Failed: name[,name]``.
+
+    The workers are asked when the response starts, only for responses that ran requests
+    before starting (non-streamed ones: a stream starts before its first token, so it is
+    never marked). A background consumer that fails after the response started is not
+    reported in it either: the header marks what is known when the answer is sent.
+    """
+
+    def __init__(self, app: Any, state: Any):
+        self.app = app
+        self.state = state
+
+    async def failed(self, ids: list[str]) -> list[str]:
+        client = getattr(self.state, "tllm_engine_client", None)
+        if client is None:
+            return []
+        try:
+            answers = await rpc_all(client, "tllm_failed_requests", ids)
+        except Exception:  # noqa: BLE001 - the response goes out unmarked
+            log.exception("tllm: could not read which consumers failed on %s", ids)
+            return []
+        return sorted({n for a in answers for names in (a or {}).values() for n in names})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].endswith(CHECKED_PATHS):
+            return await self.app(scope, receive, send)
+        ids: list[str] = []
+        token = REQUEST_IDS.set(ids)
+
+        async def marked(msg: dict) -> None:
+            if msg["type"] == "http.response.start" and ids:
+                names = await self.failed(list(ids))
+                if names:
+                    header = (FAILED_HEADER, ",".join(names).encode())
+                    msg = {**msg, "headers": [*msg.get("headers", ()), header]}
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, marked)
+        finally:
+            REQUEST_IDS.reset(token)
+
+
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened.
 
@@ -240,6 +293,7 @@ def attach_routes(
     app: Any, server: EngineConsumers, settings: ServerSettings | None = None
 ) -> None:
     settings = settings or ServerSettings()
+    app.add_middleware(FailureMarks, state=app.state)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
     app.add_middleware(ClientScope, secret=app.state.tllm_secret)
@@ -326,6 +380,9 @@ def install_request_checks(
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
+        ids = REQUEST_IDS.get()
+        if ids is not None:  # the caller id, as the workers name the request
+            ids.append(getattr(request, "external_req_id", None) or request.request_id)
         if params is not None:
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group.
