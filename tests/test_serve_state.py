@@ -85,6 +85,7 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
         small = _state(url)
         _serve(url, small_n, 9 * small_n)
         large = _state(url)
+        print(f"server state after {small_n} and {10 * small_n} requests: {small} {large}")
         assert (small["requests"], large["requests"]) == (small_n, 10 * small_n)
         assert small["export_open"] == large["export_open"] == 0
         assert small["runner_open"] == large["runner_open"] == 0
