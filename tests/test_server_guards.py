@@ -290,7 +290,8 @@ def _app(engine, api_key, settings=None, errors=None):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tllm_core.vllm_bridge.serving import REQUEST_IDS, attach_routes
+    from tllm_core.vllm_bridge.request_marks import REQUEST_IDS
+    from tllm_core.vllm_bridge.serving import attach_routes
 
     class FakeEngineClient:
         async def collective_rpc(self, method, args=()):
@@ -452,33 +453,30 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     and the abort happens even when the mark cannot be sent."""
     from types import SimpleNamespace
 
-    from tllm_core.vllm_bridge.serving import install_abort_marks
+    from tllm_core.vllm_bridge.request_marks import install_abort_marks
 
     calls = []
+    broken = []
 
     async def abort(ids):
         calls.append(("abort", list(ids)))
 
-    class FakeEngineClient:
-        engine_core = SimpleNamespace(abort_requests_async=abort)
-        broken = False
+    async def ask(method, ids):  # serving's rpc_all on every worker
+        if broken:
+            raise RuntimeError("engine core gone")
+        calls.append((method, ids))
+        return [None]
 
-        async def collective_rpc(self, method, args=()):
-            if self.broken:
-                raise RuntimeError("engine core gone")
-            calls.append((method, *args))
-            return [None]
-
-    client = FakeEngineClient()
-    install_abort_marks(client)
-    asyncio.run(client.engine_core.abort_requests_async(["0_r-abcdefgh", "1_r-abcdefgh"]))
+    core = SimpleNamespace(abort_requests_async=abort)
+    install_abort_marks(core, ask)
+    asyncio.run(core.abort_requests_async(["0_r-abcdefgh", "1_r-abcdefgh"]))
     assert calls == [
         ("tllm_mark_cut_short", ["0_r-abcdefgh", "1_r-abcdefgh"]),
         ("abort", ["0_r-abcdefgh", "1_r-abcdefgh"]),
     ]
     calls.clear()
-    client.broken = True
-    asyncio.run(client.engine_core.abort_requests_async(["x-abcdefgh"]))
+    broken.append(True)
+    asyncio.run(core.abort_requests_async(["x-abcdefgh"]))
     assert calls == [("abort", ["x-abcdefgh"])]
 
 
@@ -488,5 +486,5 @@ def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     assert marked.status_code == 200 and marked.headers["x-tllm-failed"] == "esamp"
     clean = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-3"]})
     assert clean.status_code == 200 and "x-tllm-failed" not in clean.headers
-    # Nothing ran (a refused body): the workers are not asked.
+    # No request ran before the response started (a stream): no header.
     assert "x-tllm-failed" not in client.post("/v1/completions", json={"prompt": "x"}).headers

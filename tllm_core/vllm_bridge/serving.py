@@ -23,7 +23,8 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   operator shows them;
 - answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`);
 - marks a non-streamed response whose request a consumer failed on with the header
-  ``X-Tllm-Failed: <consumers>`` (:class:`FailureMarks`).
+  ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
+  (:mod:`tllm_core.vllm_bridge.request_marks`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import json
 import logging
 import secrets
 from collections import deque
-from contextvars import ContextVar
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -43,6 +43,7 @@ from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
+from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -53,10 +54,6 @@ STATUS_PATH = "/tllm/status"
 
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-# Caller ids of the requests an HTTP request made vLLM run (FailureMarks gives each HTTP
-# request its own list; the assign_request_id wrapper fills it).
-REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
-FAILED_HEADER = b"x-tllm-failed"
 # A body past the limit is still read (and dropped) up to this many times the limit, so that
 # the client can read the 413 (see XargsCheck.refuse).
 DRAIN_FACTOR = 4
@@ -194,52 +191,6 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
-class FailureMarks:
-    """Pure ASGI middleware: a response on the OpenAI routes whose requests a consumer failed
-    on (a callback raised while acting on them, :attr:`Bus.failed_requests`) gets the header
-    ``X-Tllm-Failed: name[,name]``.
-
-    The workers are asked when the response starts, only for responses that ran requests
-    before starting (non-streamed ones: a stream starts before its first token, so it is
-    never marked). A background consumer that fails after the response started is not
-    reported in it either: the header marks what is known when the answer is sent.
-    """
-
-    def __init__(self, app: Any, state: Any):
-        self.app = app
-        self.state = state
-
-    async def failed(self, ids: list[str]) -> list[str]:
-        client = getattr(self.state, "tllm_engine_client", None)
-        if client is None:
-            return []
-        try:
-            answers = await rpc_all(client, "tllm_failed_requests", ids)
-        except Exception:  # noqa: BLE001 - the response goes out unmarked
-            log.exception("tllm: could not read which consumers failed on %s", ids)
-            return []
-        return sorted({n for a in answers for names in (a or {}).values() for n in names})
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].endswith(CHECKED_PATHS):
-            return await self.app(scope, receive, send)
-        ids: list[str] = []
-        token = REQUEST_IDS.set(ids)
-
-        async def marked(msg: dict) -> None:
-            if msg["type"] == "http.response.start" and ids:
-                names = await self.failed(list(ids))
-                if names:
-                    header = (FAILED_HEADER, ",".join(names).encode())
-                    msg = {**msg, "headers": [*msg.get("headers", ()), header]}
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, marked)
-        finally:
-            REQUEST_IDS.reset(token)
-
-
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened.
 
@@ -253,29 +204,6 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
         per_engine = await call_all("collective_rpc", method, None, args, None)
         return [r for rs in per_engine for r in rs]
     return list(await engine_client.collective_rpc(method, args=args))
-
-
-def install_abort_marks(engine_client: Any) -> None:
-    """Requests vLLM aborts (a client that disconnects, a failed request) reach the consumers
-    as ``cut_short``, so records say they did not finish.
-
-    ``AsyncLLM.abort`` hands the engine-core ids (the children of an ``n`` > 1 request
-    included) to ``engine_core.abort_requests_async``; this instance-level wrapper first marks
-    them on the workers and waits for that, so the mark reaches the engine core before the
-    abort does (it handles its input in order).
-    """
-    core = engine_client.engine_core
-    abort_orig = core.abort_requests_async
-
-    async def abort_requests_async(request_ids: list[str]) -> None:
-        if request_ids:
-            try:
-                await rpc_all(engine_client, "tllm_mark_cut_short", list(request_ids))
-            except Exception:  # noqa: BLE001 - the abort itself must still happen
-                log.exception("tllm: could not mark aborted requests %s", request_ids)
-        await abort_orig(request_ids)
-
-    core.abort_requests_async = abort_requests_async
 
 
 def api_tokens(args: Any) -> list[str]:
@@ -293,7 +221,12 @@ def attach_routes(
     app: Any, server: EngineConsumers, settings: ServerSettings | None = None
 ) -> None:
     settings = settings or ServerSettings()
-    app.add_middleware(FailureMarks, state=app.state)
+
+    def ask_workers():
+        client = getattr(app.state, "tllm_engine_client", None)
+        return None if client is None else lambda method, ids: rpc_all(client, method, ids)
+
+    app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
     app.add_middleware(ClientScope, secret=app.state.tllm_secret)
@@ -380,9 +313,7 @@ def install_request_checks(
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
-        ids = REQUEST_IDS.get()
-        if ids is not None:  # the caller id, as the workers name the request
-            ids.append(getattr(request, "external_req_id", None) or request.request_id)
+        note_request(request)
         if params is not None:
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group.
@@ -397,7 +328,9 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
     install_request_checks(
         engine_client.input_processor, server, getattr(state, "tllm_secret", None)
     )
-    install_abort_marks(engine_client)
+    install_abort_marks(
+        engine_client.engine_core, lambda method, ids: rpc_all(engine_client, method, ids)
+    )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
     status = await rpc_all(engine_client, "tllm_status")
