@@ -1,5 +1,6 @@
-"""A server's state stays flat however many requests it served, and a request whose client
-went away is recorded as cut short (issue 26)."""
+"""A server's state stays flat however many requests it served, a response whose request a
+consumer failed on says so, and a request whose client went away is recorded as cut short
+(issue 26)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from serve_util import get_json, tllm_serve
 pytestmark = pytest.mark.vllm
 
 
-def _complete(url: str, i: int) -> None:
+def _complete(url: str, i: int) -> str | None:
+    """A short completion; its X-Tllm-Failed header."""
     body = {"model": "default", "prompt": f"Note {i}:", "max_tokens": 2, "temperature": 0}
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
@@ -28,13 +30,14 @@ def _complete(url: str, i: int) -> None:
         r = conn.getresponse()
         assert r.status == 200, r.read()[:500]
         r.read()
+        return r.getheader("X-Tllm-Failed")
     finally:
         conn.close()
 
 
-def _serve(url: str, first: int, count: int) -> None:
+def _serve(url: str, first: int, count: int) -> list[str | None]:
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: _complete(url, i), range(first, first + count)))
+        return list(pool.map(lambda i: _complete(url, i), range(first, first + count)))
 
 
 def _state(url: str) -> dict:
@@ -79,11 +82,16 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
     export = {"out": str(out), "layers": ["final"], "shard_rows": 64}
     args = ["--model", tiny_model, "--consumer", "export:" + json.dumps(export)]
     args += ["--consumer", 'stats:{"max_requests": 8}', "--consumer", "esamp"]
+    # The test package's consumer that raises on every bundle from its first: switched off
+    # after 3 failures in a row, having failed on the requests of those bundles.
+    args += ["--consumer", 'crasher:{"after": 1}']
     args += ["--max-model-len", "2048", "--kv-cache-gib", "1", "--", "--enforce-eager"]
     with tllm_serve(args, tmp_path / "serve.err") as url:
-        _serve(url, 0, small_n)
+        marks = _serve(url, 0, small_n)
         small = _state(url)
-        _serve(url, small_n, 9 * small_n)
+        assert "crasher" in marks and set(marks) <= {"crasher", None}, marks
+        assert get_json(f"{url}/tllm/status")["failed_consumers"] == ["crasher"]
+        assert _serve(url, small_n, 9 * small_n) == [None] * 9 * small_n  # it is off
         large = _state(url)
         print(f"server state after {small_n} and {10 * small_n} requests: {small} {large}")
         assert (small["requests"], large["requests"]) == (small_n, 10 * small_n)
@@ -106,5 +114,7 @@ def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, sm
     assert len(records) == 10 * small_n + 1
     (cut,) = [r for r in records if not r.finished]
     assert 1 <= len(cut.generated_token_ids) < 2000  # stopped early, not at max_tokens
-    text = (tmp_path / "serve.err").read_text()
-    assert "Traceback" not in text, text[-4000:]
+    # No traceback but the crasher's own (its first error and its switch-off are logged).
+    tracebacks = (tmp_path / "serve.err").read_text().split("Traceback")[1:]
+    others = [t for t in tracebacks if "crasher: deliberate failure" not in t[:3000]]
+    assert len(tracebacks) == 2 and not others, others
