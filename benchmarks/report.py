@@ -634,6 +634,27 @@ def soak_section(sk: dict | None) -> list[str]:
     return out
 
 
+def state_section(st: dict | None) -> list[str]:
+    """``tests/test_serve_state.py`` (slow case): what a server keeps after N and 10 N
+    requests (``benchmarks/results/server_state.json``, copied from the test's output)."""
+    out = ["## What a server keeps per request (`server_state.json`)", ""]
+    if st is None:
+        return out + ["(no results yet)", ""]
+    out += [
+        f"Command: `{st['command']}` — one `tllm serve` of the tiny test model with `export`, "
+        "`stats` (`max_requests` 8) and `esamp`, short requests (`max_tokens` 2, 8 in flight).",
+        "",
+        "| requests served | `/tllm/counters` bytes | export requests open | runner requests open |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in st["reads"]:
+        out.append(
+            f"| {r['requests']} | {r['counters_bytes']} | {r['export_open']} | {r['runner_open']} |"
+        )
+    out += ["", st.get("note", ""), ""]
+    return out
+
+
 def preload_section(cp: dict) -> list[str]:
     """tcmalloc + Intel OpenMP preloaded vs not (``benchmarks/cpu_preload.py``)."""
     w = cp["workload"]
@@ -703,6 +724,7 @@ def render() -> None:
         out += tokens_section(p.stem, _load(p.name))
     out += variants_section()
     out += soak_section(_load("soak.json"))
+    out += state_section(_load("server_state.json"))
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     DOC.write_text("\n".join(out))

@@ -166,3 +166,31 @@ def test_runtime_closes_a_failed_consumer():
     rt.bus.fail(slot.consumer, "on_bundle", RuntimeError("boom"))  # as a failed callback does
     rt.close()
     assert closed == ["holder"]
+
+
+def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
+    """A consumer that raises on a bundle is noted against the requests of that bundle (the
+    server marks their responses); the record keeps the newest requests only."""
+    import tllm_core.runtime.bus as bus_mod
+
+    monkeypatch.setattr(bus_mod, "MAX_FAILED_REQUESTS", 3)
+    bus = Bus(Counters(), max_consecutive_failures=100)
+
+    class Picky(Consumer):
+        name = "picky"
+
+        def on_bundle(self, bundle):
+            if bundle.step % 2:
+                raise ValueError("odd step")
+
+    c = Picky(ConsumerConfig(), None)
+    for step in range(10):
+        req = RequestInfo(f"r{step}-abcdefgh", f"r{step}", 0, 0, 4)
+        rows = _rows(2)
+        rows.requests = [req, req]
+        bus.publish(c, Bundle(step, rows))
+    assert bus.failures_of(["r1", "r2", "r5", "r7", "r9"]) == {
+        "r5": ["picky"],
+        "r7": ["picky"],
+        "r9": ["picky"],
+    }

@@ -115,6 +115,7 @@ def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float)
 
 def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
+    from consumers.export import format as fmt
 
     out = tmp_path / "exp"
     prompts = tmp_path / "prompts.txt"
@@ -155,10 +156,11 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     # exactly the samples the run returned are "finished", the aborted ones are not.
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False
-    unfinished = [r for r in manifest["requests"] if not r["finished"]]
+    table = fmt.request_table(str(out), manifest)
+    unfinished = [r for r in table if not r["finished"]]
     assert unfinished and manifest["losses"]["requests_unfinished"] == len(unfinished)
     done = sum(t is not None for t in samples)
-    assert sum(r["finished"] for r in manifest["requests"]) == done
+    assert sum(r["finished"] for r in table) == done
     assert result["counters"]["export"]["requests_cut_short"] == len(unfinished)
     with pytest.warns(IncompleteExportWarning, match="requests_unfinished"):
         records = list(read_export(out, verify=True))

@@ -143,6 +143,7 @@ def test_output_checks_and_stale_parts(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [
         fmt.MANIFEST,
         "notes.txt",
+        fmt.REQUESTS_FILE,
         "shard-00000.safetensors",
     ]
     assert isinstance(open_export(out), ExportReader)

@@ -24,6 +24,7 @@ PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog", "One two three f
 def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
     from vllm import SamplingParams
 
+    from consumers.export import format as fmt
     from consumers.export import read_export
     from tllm_core.app.engine import TllmLLM
 
@@ -49,7 +50,7 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
     # A run that went to its end is complete: every sample finished, nothing missing.
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is True and not any(manifest["losses"].values()), manifest["losses"]
-    assert all(r["finished"] for r in manifest["requests"])
+    assert all(r["finished"] for r in fmt.request_table(str(out), manifest))
     records = list(read_export(out, verify=True))
     assert len(records) == len(expected)
     checked = 0
@@ -69,6 +70,7 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
 
 def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
+    from consumers.export import format as fmt
 
     out = tmp_path / "exp"
     # tllm run with an export of 64-row shards: the first manifest appears mid-generation
@@ -103,7 +105,7 @@ def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     assert listed and all((out / f).exists() for f in listed)
     # Killed mid-run: the last manifest says so (none of the 400-token samples finished).
     assert manifest["complete"] is False
-    assert not any(r["finished"] for r in manifest["requests"])
+    assert not any(r["finished"] for r in fmt.request_table(str(out), manifest))
     with pytest.warns(IncompleteExportWarning):
         records = list(read_export(out, verify=True))
     assert sum(len(r.positions) for r in records) == sum(s["rows"] for s in manifest["shards"])

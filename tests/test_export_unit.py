@@ -190,8 +190,10 @@ def run_engine(
     deliver,
     preempt_at: dict[int, int] | None = None,
     max_steps: int | None = None,
+    bus: Bus | None = None,
 ) -> None:
-    """Drive ``consumer`` like Runtime.end_step / finish_requests do."""
+    """Drive ``consumer`` like Runtime.end_step / finish_requests do (through ``bus`` when
+    given: finish notices then reach the consumer after its queued bundles)."""
     plan = plan_reads(consumer.reads(), lambda i: resolve_layer(i, NUM_LAYERS), PRODUCERS)
     steps = 0
     while engine.active and (max_steps is None or steps < max_steps):
@@ -205,7 +207,10 @@ def run_engine(
         for i, req in enumerate(step.rows.requests):
             req.max_position_seen = max(req.max_position_seen, int(step.rows.position[i]))
         for req in finished:
-            consumer.on_request_finished(req)
+            if bus is None:
+                consumer.on_request_finished(req)
+            else:
+                bus.finished(consumer, req)
 
 
 def expected_positions(st, phase: str) -> list[int]:
@@ -263,7 +268,7 @@ def test_round_trip_background_bus(tmp_path):
     assert c.keys == keys
     engine = FakeEngine([5, 9, 3], [4, 6, 1], keys, chunk=4)
     bus = Bus(Counters(), queue_size=2)
-    run_engine(c, engine, lambda b: bus.publish(c, b))
+    run_engine(c, engine, lambda b: bus.publish(c, b), bus=bus)
     bus.flush()
     c.close()
     bus.close()
@@ -579,7 +584,7 @@ def test_non_empty_dir_needs_overwrite(tmp_path):
     run_engine(c2, FakeEngine([2], [2], ["final"]), c2.on_bundle)
     c2.close()
     names = sorted(p.name for p in out.iterdir())
-    assert names == [fmt.MANIFEST, "notes.txt", fmt.shard_name(0)]
+    assert names == [fmt.MANIFEST, "notes.txt", fmt.REQUESTS_FILE, fmt.shard_name(0)]
     assert len(list(read_export(out))) == 1
 
 
@@ -638,7 +643,8 @@ def test_cut_short_requests_make_the_export_incomplete(tmp_path):
         "positions_missing": 0,
         "bundles_dropped": 0,
     }
-    assert {r["request_id"]: r["finished"] for r in manifest["requests"]} == {
+    table = fmt.request_table(str(out), manifest)
+    assert {r["request_id"]: r["finished"] for r in table} == {
         "req0": True,
         "req1": False,
         "req2": False,
@@ -657,7 +663,8 @@ def test_a_batch_that_ran_to_its_end_is_complete(tmp_path, recwarn):
     c.close()
     manifest = check_directory(out)
     assert manifest["complete"] is True and not any(manifest["losses"].values())
-    assert all(r["finished"] and r["positions_missing"] == 0 for r in manifest["requests"])
+    table = fmt.request_table(str(out), manifest)
+    assert all(r["finished"] and r["positions_missing"] == 0 for r in table)
     list(read_export(out))
     assert not recwarn.list  # a complete export reads without a warning
 
@@ -677,7 +684,7 @@ def test_dropped_bundles_make_the_export_incomplete(tmp_path):
         take(bundle)
 
     c.on_bundle = slow
-    run_engine(c, engine, lambda b: bus.publish(c, b))
+    run_engine(c, engine, lambda b: bus.publish(c, b), bus=bus)
     gate.set()
     assert bus.flush(10)
     c.close()
@@ -687,7 +694,7 @@ def test_dropped_bundles_make_the_export_incomplete(tmp_path):
     manifest = check_directory(out)
     assert manifest["complete"] is False
     assert manifest["losses"]["bundles_dropped"] == dropped
-    assert all(r["bundles_dropped"] > 0 for r in manifest["requests"])
+    assert all(r["bundles_dropped"] > 0 for r in fmt.request_table(str(out), manifest))
 
 
 def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
@@ -713,23 +720,73 @@ def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
         "positions_missing": 4,
         "bundles_dropped": 0,
     }
-    assert manifest["requests"][0]["finished"] is True
-    assert manifest["requests"][0]["token_ids"][:4] == [-1] * 4
+    (entry,) = fmt.request_table(str(out), manifest)
+    assert entry["finished"] is True
+    assert entry["token_ids"][:4] == [-1] * 4
 
 
-def test_request_table_numbers_requests_in_order_of_first_sight():
-    """The one request table of export and the sae feature records."""
-    from consumers.export.tokens import RequestTable
-    from tllm_core.api.rows import RequestInfo
+# -- bounded state: a long-running server --------------------------------------------------------
+def test_finished_requests_leave_memory_and_the_manifest(tmp_path):
+    """Each manifest rewrite carries only the requests still running; finished ones are
+    appended once to requests.jsonl, so memory and bytes written per shard stay flat however
+    many requests were served (before: every token id ever seen, rewritten per shard)."""
+    out = tmp_path / "serve"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    manifest_sizes = []
+    real = c.writer.write_manifest
 
-    new = []
-    table = RequestTable(on_new=lambda: new.append(1))
-    a, b = (RequestInfo(f"e{i}", f"r{i}", i, 0, 2) for i in range(2))
-    assert [table.entry(r).index for r in (b, a, b)] == [0, 1, 0]
-    assert len(table) == len(new) == 2
-    table.entry(a).put(np.arange(3), np.array([5, 6, 7]))
-    table.fates.finish(a)
-    requests, losses, complete = table.summary(closed=True)
-    assert [r["engine_id"] for r in requests] == ["e1", "e0"]
-    assert requests[1]["token_ids"] == [5, 6, 7] and requests[1]["finished"]
-    assert losses["requests_unfinished"] == 1 and not complete
+    def measured():  # the manifest less its shard list (one entry per shard, by design)
+        real()
+        m = json.loads((out / fmt.MANIFEST).read_text())
+        manifest_sizes.append(len(json.dumps({**m, "shards": None})))
+
+    c.writer.write_manifest = measured
+    for wave in range(40):  # one request at a time, as a server answering short requests
+        engine = FakeEngine([3], [2], ["final"])
+        engine.state[0]["info"].engine_id = f"{wave}-0-x"
+        engine.state[0]["info"].request_id = f"w{wave}"
+        run_engine(c, engine, c.on_bundle)
+        assert c.result()["requests_open"] == 0
+    assert c.result()["requests"] == 40 and manifest_sizes
+    half = len(manifest_sizes) // 2  # flat: the later manifests are no larger (but digits)
+    assert max(manifest_sizes[half:]) <= max(manifest_sizes[:half]) + 8
+    c.close()
+    lines = (out / fmt.REQUESTS_FILE).read_text().splitlines()
+    assert len(lines) == 40
+    recs = {r.request_id: r for r in read_export(out, verify=True)}
+    assert sorted(recs) == sorted(f"w{i}" for i in range(40))
+    assert all(r.finished and len(r.positions) == 4 for r in recs.values())
+
+
+def test_reader_uses_only_the_requests_file_lines_its_manifest_names(tmp_path):
+    """A crash after a request was closed but before the next manifest: the later lines
+    (and a torn last line) are not read; a file shorter than the manifest says is an error."""
+    out = tmp_path / "torn"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([3, 3], [2, 2], ["final"]), c.on_bundle)
+    c.close()
+    manifest = json.loads((out / fmt.MANIFEST).read_text())
+    assert manifest["requests_closed"] == 2 and manifest["requests"] == []
+    with open(out / fmt.REQUESTS_FILE, "a") as f:
+        f.write('{"index": 2, "torn')
+    assert len(ExportReader(out)) == 2
+    (out / fmt.REQUESTS_FILE).write_text((out / fmt.REQUESTS_FILE).read_text().split("\n")[0])
+    with pytest.raises(ExportFormatError, match="holds 1 requests, the manifest says 2"):
+        ExportReader(out)
+
+
+def test_reader_reads_version_1_manifests(tmp_path):
+    """Version 1 kept the whole request table in the manifest (no index field)."""
+    out = tmp_path / "v1"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([3, 3], [2, 2], ["final"]), c.on_bundle)
+    c.close()
+    m = json.loads((out / fmt.MANIFEST).read_text())
+    table = fmt.request_table(str(out), m)
+    for e in table:
+        del e["index"]
+    m.update(version=1, requests=table)
+    del m["requests_closed"], m["requests_file"]
+    (out / fmt.MANIFEST).write_text(json.dumps(m))
+    (out / fmt.REQUESTS_FILE).unlink()
+    assert sorted(r.request_id for r in read_export(out)) == ["req0", "req1"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from consumers.export import format as fmt
 from consumers.sae import SAEFileError, load_sae, read_features, save_sae, top_features
 from consumers.sae.consumer import SaeConsumer
 from consumers.sae.features_writer import FeatureWriter
@@ -656,7 +657,8 @@ def test_feature_records_say_when_they_are_not_complete(tmp_path):
     assert m["complete"] is True and not any(m["losses"].values())
     m = run("cut", cut_short=True)
     assert m["complete"] is False and m["losses"]["requests_unfinished"] == 1
-    assert [r["finished"] for r in m["requests"]] == [True, False]
+    table = fmt.request_table(str(tmp_path / "cut"), m)
+    assert [r["finished"] for r in table] == [True, False]
     m = run("drop", drop=True)
     assert m["complete"] is False and m["losses"]["bundles_dropped"] == 1
     with pytest.warns(IncompleteExportWarning, match="bundles_dropped: 1"):

@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
 from tllm_core.runtime.settings import RuntimeSettings, ServerSettings
 from tllm_core.serving import EngineConsumers, request_salt
@@ -289,12 +290,15 @@ def _app(engine, api_key, settings=None, errors=None):
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
+    from tllm_core.vllm_bridge.request_marks import REQUEST_IDS
     from tllm_core.vllm_bridge.serving import attach_routes
 
     class FakeEngineClient:
-        async def collective_rpc(self, method):
+        async def collective_rpc(self, method, args=()):
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
+            if method == "tllm_failed_requests":  # requests named "bad*" met a failing esamp
+                return [{r: ["esamp"] for r in args[0] if r.startswith("bad")}]
             return [
                 {
                     "runtime": {"steps": 1},
@@ -312,7 +316,10 @@ def _app(engine, api_key, settings=None, errors=None):
     app.state.tllm_server = engine
 
     @app.post("/v1/completions")
-    async def completions():
+    async def completions(request: Request):
+        body = await request.json()
+        if "run" in body:  # what vLLM's assign_request_id (wrapped) does per request it runs
+            REQUEST_IDS.get().extend(body["run"])
         return {"ok": True}
 
     return TestClient(app)
@@ -438,3 +445,46 @@ def test_requests_naming_a_failed_consumer_get_503():
     refused = client.post("/v1/completions", json=named)
     assert refused.status_code == 503 and "'esamp' failed" in refused.json()["error"]["message"]
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_aborted_requests_are_marked_cut_short_before_the_abort():
+    """A client that disconnects: vLLM aborts its request; the workers hear which requests
+    are cut short before the engine core gets the abort (so no finish notice overtakes it),
+    and the abort happens even when the mark cannot be sent."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.request_marks import install_abort_marks
+
+    calls = []
+    broken = []
+
+    async def abort(ids):
+        calls.append(("abort", list(ids)))
+
+    async def ask(method, ids):  # serving's rpc_all on every worker
+        if broken:
+            raise RuntimeError("engine core gone")
+        calls.append((method, ids))
+        return [None]
+
+    core = SimpleNamespace(abort_requests_async=abort)
+    install_abort_marks(core, ask)
+    asyncio.run(core.abort_requests_async(["0_r-abcdefgh", "1_r-abcdefgh"]))
+    assert calls == [
+        ("tllm_mark_cut_short", ["0_r-abcdefgh", "1_r-abcdefgh"]),
+        ("abort", ["0_r-abcdefgh", "1_r-abcdefgh"]),
+    ]
+    calls.clear()
+    broken.append(True)
+    asyncio.run(core.abort_requests_async(["x-abcdefgh"]))
+    assert calls == [("abort", ["x-abcdefgh"])]
+
+
+def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
+    client = _app(engine, None)
+    marked = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-1", "bad-2"]})
+    assert marked.status_code == 200 and marked.headers["x-tllm-failed"] == "esamp"
+    clean = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-3"]})
+    assert clean.status_code == 200 and "x-tllm-failed" not in clean.headers
+    # No request ran before the response started (a stream): no header.
+    assert "x-tllm-failed" not in client.post("/v1/completions", json={"prompt": "x"}).headers

@@ -15,7 +15,8 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestTable, rows_to_write
+from consumers.export.requests import RequestTable
+from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core import (
     Bundle,
@@ -140,7 +141,6 @@ class ExportConsumer(Consumer):
         self.shard_rows = int(shard_rows)
         self.phase = Phase(config.phase)
         self._lock = threading.Lock()
-        self._table = RequestTable(on_new=lambda: self.counters.add("requests_seen"))
         self._used = False
         self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
         self._closed = False  # closed after the last data
@@ -155,6 +155,7 @@ class ExportConsumer(Consumer):
             self._manifest,
             before_first_write=self.layout.clean_root,
         )
+        self._table = RequestTable(self.path, self.writer.prepare)
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Phase:
@@ -171,6 +172,13 @@ class ExportConsumer(Consumer):
         return ports
 
     # -- callbacks ------------------------------------------------------------------------
+    def _request(self, info: RequestInfo) -> RequestTokens:
+        seen = self._table.seen
+        req = self._table.get(info)
+        if self._table.seen != seen:
+            self.counters.add("requests_seen")
+        return req
+
     def on_bundle(self, bundle: Bundle) -> None:
         with self._lock:
             self._used = True
@@ -196,7 +204,7 @@ class ExportConsumer(Consumer):
         positions = np.asarray(rows.position, np.int64)
         row_request = np.empty(n, np.int64)
         for info, start, stop in rows.runs():
-            req = self._table.entry(info)
+            req = self._request(info)
             row_request[start:stop] = req.index
             req.put(positions[start:stop], tokens[start:stop])
         keep = rows_to_write(rows, self.phase, self.counters)
@@ -236,7 +244,7 @@ class ExportConsumer(Consumer):
         ids_np = ids.detach().to("cpu", torch.int64).numpy()
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
         for j, info in enumerate(srows.requests):
-            self._table.entry(info).put(pos[j : j + 1], ids_np[j : j + 1])
+            self._request(info).put(pos[j : j + 1], ids_np[j : j + 1])
 
     def _sync_counters(self, shards_before: int) -> None:
         new = self.writer.shards[shards_before:]
@@ -247,17 +255,21 @@ class ExportConsumer(Consumer):
         self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        # Engine thread: never wait for a shard write in progress on the background thread.
-        self._table.fates.finish(request)
+        # Background thread (after the request's bundles), or the engine thread when no
+        # bundle ever reached this consumer: then no shard write holds the lock.
+        with self._lock:
+            self._table.finish(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
-        self._table.fates.drop(requests)  # the bus counts it (bundles_dropped.export)
+        with self._lock:
+            self._table.drop(requests)  # the bus counts it (bundles_dropped.export)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
-        requests, losses, self._complete = self._table.summary(self._closed)
+        table = self._table.manifest_fields()
+        self._complete = completeness(self._closed, table["losses"])
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:
@@ -267,7 +279,6 @@ class ExportConsumer(Consumer):
             "format": fmt.FORMAT_NAME,
             "version": fmt.FORMAT_VERSION,
             "complete": self._complete,
-            "losses": losses,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
@@ -277,7 +288,7 @@ class ExportConsumer(Consumer):
             "shard_rows": self.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],
-            "requests": requests,
+            **table,
         }
 
     def flush(self) -> None:
@@ -304,6 +315,7 @@ class ExportConsumer(Consumer):
                 self.writer.write_manifest()
             self._sync_counters(before)
             self.writer.release()
+            self._table.release()
 
     def result(self) -> dict[str, Any]:
         with self._lock:
@@ -312,7 +324,8 @@ class ExportConsumer(Consumer):
                 "shards": len(self.writer.shards),
                 "rows": self.writer.rows_written,
                 "rows_buffered": self.writer.buffered,
-                "requests": len(self._table),
+                "requests": self._table.seen,
+                "requests_open": self._table.open_count,
                 "keys": list(self.keys),
                 "complete": self._complete,
             }

@@ -16,9 +16,11 @@ import re
 from typing import Any
 
 FORMAT_NAME = "tllm-export"
-FORMAT_VERSION = 1
+# 2: closed requests in REQUESTS_FILE (1: the whole request table in the manifest).
+FORMAT_VERSION = 2
 
 MANIFEST = "manifest.json"
+REQUESTS_FILE = "requests.jsonl"
 TMP_SUFFIX = ".tmp"
 SHARD_PATTERN = re.compile(r"^shard-(\d{5,})\.safetensors$")
 
@@ -57,7 +59,7 @@ def hidden_tensor_name(key: str) -> str:
 def is_export_file(name: str) -> bool:
     """Files this format owns in a directory (removed by ``overwrite``)."""
     return (
-        name == MANIFEST
+        name in (MANIFEST, REQUESTS_FILE)
         or SHARD_PATTERN.match(name) is not None
         or (name.endswith(TMP_SUFFIX) and (name.startswith("shard-") or name.startswith(MANIFEST)))
     )
@@ -111,3 +113,27 @@ def columns_entry(columns: dict[str, tuple[int, Any]], hidden_size: int, dtype: 
         if (w, d) != (hidden_size, dtype)
     }
     return {"columns": other} if other else {}
+
+
+def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request table of the export in directory ``path``: the first
+    ``manifest["requests_closed"]`` lines of its requests file plus the manifest's own
+    ``requests``, in index order (a version-1 manifest holds the whole table itself).
+    Raises ``ValueError`` when the file is short or the indices have gaps."""
+    inline = list(manifest["requests"])
+    n = int(manifest.get("requests_closed", 0))
+    if n == 0:
+        return inline
+    name = manifest.get("requests_file", REQUESTS_FILE)
+    closed = []
+    with open(os.path.join(path, name), encoding="utf-8") as f:
+        for line in f:
+            if len(closed) == n:
+                break  # later lines: requests closed after this manifest was written
+            closed.append(json.loads(line))
+    if len(closed) < n:
+        raise ValueError(f"{name!r} holds {len(closed)} requests, the manifest says {n}")
+    table = sorted(closed + inline, key=lambda e: e["index"])
+    if [e["index"] for e in table] != list(range(len(table))):
+        raise ValueError(f"the request table of {path!r} has gaps or duplicate indices")
+    return table

@@ -115,16 +115,19 @@ class ExportReader:
         if self.manifest.get("format") != self.format_name:
             raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
-        if version != self.format_version:
+        if version not in range(1, self.format_version + 1):
             raise ExportFormatError(
-                f"{mpath!r} has format version {version!r}; this reader reads version "
+                f"{mpath!r} has format version {version!r}; this reader reads versions 1 to "
                 f"{self.format_version}"
             )
         self.keys: list[str] = list(self.manifest["keys"])
         self.hidden_size: int = int(self.manifest["hidden_size"])
         self.dtype: str = self.manifest["dtype"]
         self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
-        self.requests: list[dict[str, Any]] = list(self.manifest["requests"])
+        try:
+            self.requests: list[dict[str, Any]] = fmt.request_table(self.path, self.manifest)
+        except (OSError, ValueError) as e:
+            raise ExportFormatError(f"{self.path!r}: cannot read its request table: {e}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
         self.verify = verify
         if not self.complete:

@@ -18,12 +18,13 @@ import numpy as np
 import torch
 
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestTable
+from consumers.export.requests import RequestTable
+from consumers.export.tokens import completeness
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
 from tllm_core import request_runs
 
 FORMAT_NAME = "tllm-sae-features"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # as the export format's (closed requests in requests.jsonl)
 INDICES = "indices"
 VALUES = "values"
 KEYS = (INDICES, VALUES)
@@ -67,7 +68,6 @@ class FeatureWriter:
         self._describe = describe
         self.layout = layout
         self._lock = threading.Lock()
-        self.table = RequestTable()
         self.used = False
         self.closed = False  # closed after the last data
         self.complete = False  # ... and nothing was lost (see completeness)
@@ -84,6 +84,7 @@ class FeatureWriter:
             format_name=FORMAT_NAME,
             before_first_write=None if layout is None else layout.clean_root,
         )
+        self.table = RequestTable(path, self.shards.prepare)
 
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record token ids at positions (rows of one request are contiguous)."""
@@ -95,7 +96,7 @@ class FeatureWriter:
         index = [0] * n
         pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
         for info, start, stop in request_runs(requests):
-            req = self.table.entry(info)
+            req = self.table.get(info)
             if stop - start == 1:  # a decode row
                 req.put_one(pos[start], tok[start])
                 index[start] = req.index
@@ -130,14 +131,17 @@ class FeatureWriter:
 
     def finished(self, request: Any) -> None:
         """A request's finish notice (``request.cut_short``: it did not run to its end)."""
-        self.table.fates.finish(request)
+        with self._lock:
+            self.table.finish(request)
 
     def dropped(self, requests: list[Any]) -> None:
         """A bundle holding rows or tokens of ``requests`` was dropped."""
-        self.table.fates.drop(requests)
+        with self._lock:
+            self.table.drop(requests)
 
     def _manifest(self) -> dict[str, Any]:
-        requests, losses, self.complete = self.table.summary(self.closed)
+        table = self.table.manifest_fields()
+        self.complete = completeness(self.closed, table["losses"])
         w = self.shards
         part = {}
         if self.layout is not None and self.layout.dp_size > 1:
@@ -147,7 +151,6 @@ class FeatureWriter:
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "complete": self.complete,
-            "losses": losses,
             "hidden_size": self.top_k,  # width of each column (the reader's generic field)
             "top_k": self.top_k,
             "dtype": self.value_dtype,
@@ -156,7 +159,7 @@ class FeatureWriter:
             "shard_rows": w.shard_rows,
             "num_rows": w.rows_written,
             "shards": [dict(s) for s in w.shards],
-            "requests": requests,
+            **table,
         }
 
     def close(self) -> int:
@@ -171,4 +174,5 @@ class FeatureWriter:
             else:
                 self.shards.write_manifest()
             self.shards.release()
+            self.table.release()
             return len(self.shards.shards) - before

@@ -40,7 +40,8 @@ class RequestInfo:
     # (preemption) and are flagged, so consumers can count each position once.
     max_position_seen: int = -1
     # True when the request did not run to its end: aborted by tllm's front end (an
-    # interrupted ``generate``) or closed at the end of a batch it did not finish. False
+    # interrupted ``generate``) or by the server (a client that disconnected), or closed at
+    # the end of a batch it did not finish. False
     # when vLLM's scheduler reported it finished on its own (stop, length). Set before the
     # finish notice (``Consumer.on_request_finished``) is sent.
     cut_short: bool = False

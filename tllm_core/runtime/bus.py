@@ -13,7 +13,8 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -31,7 +32,19 @@ Overflow = Literal["block", "drop"]
 WAIT_TIMEOUT_S = 120.0
 # Failures in a row of one callback (e.g. on_bundle) after which its consumer is switched off.
 MAX_CONSECUTIVE_FAILURES = 3
+# Requests whose consumers failed, kept for the server's response marks (newest kept).
+MAX_FAILED_REQUESTS = 1024
 _STOP = object()
+
+
+def bundle_requests(bundle: Bundle) -> Iterator[RequestInfo]:
+    """The requests with rows or sampled tokens in ``bundle``, each once."""
+    seen: set[str] = set()
+    for rows in (bundle.rows, bundle.sampled_rows):
+        for r in rows.requests if rows is not None else ():
+            if r.engine_id not in seen:
+                seen.add(r.engine_id)
+                yield r
 
 
 class _Dropped:
@@ -41,11 +54,7 @@ class _Dropped:
 
     def __init__(self, bundle: Bundle):
         self.step = bundle.step
-        seen: dict[str, RequestInfo] = {}
-        for rows in (bundle.rows, bundle.sampled_rows):
-            for r in rows.requests if rows is not None else ():
-                seen.setdefault(r.engine_id, r)
-        self.requests = list(seen.values())
+        self.requests = list(bundle_requests(bundle))
 
 
 class _BackgroundChannel:
@@ -106,7 +115,9 @@ class _BackgroundChannel:
                     return
                 c = self.consumer
                 if isinstance(item, RequestInfo):
-                    self.bus.call(c, "on_request_finished", c.on_request_finished, item)
+                    self.bus.call(
+                        c, "on_request_finished", c.on_request_finished, item, requests=(item,)
+                    )
                 elif isinstance(item, _Dropped):
                     self.bus.call(
                         c, "on_bundle_dropped", c.on_bundle_dropped, item.step, item.requests
@@ -155,6 +166,8 @@ class Bus:
         self._reported: set[str] = set()  # consumers whose first error was logged
         self._fail_lock = threading.Lock()  # engine thread and background threads fail
         self._channels: dict[str, _BackgroundChannel] = {}
+        # Caller request id -> consumers that failed while acting on it (bounded, oldest out).
+        self.failed_requests: OrderedDict[str, set[str]] = OrderedDict()
 
     def active(self, consumer: Consumer) -> bool:
         return consumer.name not in self.disabled
@@ -166,9 +179,10 @@ class Bus:
         fn: Callable[..., Any],
         *args: Any,
         even_if_disabled: bool = False,
+        requests: Iterable[RequestInfo] = (),
     ) -> bool:
         """Run one consumer callback; on error count and report it (see :meth:`fail`). True
-        if it succeeded.
+        if it succeeded. ``requests``: those the callback acted on (read only on failure).
 
         ``even_if_disabled``: run it although the consumer failed before (``close``: a failed
         consumer still gets to write what it holds, e.g. a final manifest).
@@ -178,16 +192,24 @@ class Bus:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - isolation is the point
-            self.fail(consumer, what, e)
+            self.fail(consumer, what, e, requests)
             return False
         if self._failures:  # a call that returns ends its callback's run of failures
             self._failures.pop((consumer.name, what), None)
         return True
 
-    def fail(self, consumer: Consumer, what: str, e: BaseException, disable: bool = False) -> None:
+    def fail(
+        self,
+        consumer: Consumer,
+        what: str,
+        e: BaseException,
+        requests: Iterable[RequestInfo] = (),
+        disable: bool = False,
+    ) -> None:
         """Count ``e``, raised by ``consumer`` in ``what``; report the consumer's first error
         (log with traceback, ``errors``); switch the consumer off when ``what`` failed
-        ``max_consecutive_failures`` times in a row, or when ``disable``."""
+        ``max_consecutive_failures`` times in a row, or when ``disable``. ``requests``, those
+        it acted on, are noted in :attr:`failed_requests`."""
         name = consumer.name
         self.counters.add("consumer_errors")
         self.counters.add(f"consumer_errors.{name}")
@@ -200,6 +222,11 @@ class Bus:
             self._reported.add(name)
             if off:
                 self.disabled.add(name)
+            for r in requests:
+                self.failed_requests.setdefault(r.request_id, set()).add(name)
+                self.failed_requests.move_to_end(r.request_id)
+            while len(self.failed_requests) > MAX_FAILED_REQUESTS:
+                self.failed_requests.popitem(last=False)
         if off:
             self.counters.add("consumers_disabled")
             why = "failed in a background thread" if disable else f"{n} failures in a row"
@@ -221,6 +248,14 @@ class Bus:
         if off or first:
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
+    def failures_of(self, request_ids: Iterable[str]) -> dict[str, list[str]]:
+        """The consumers that failed while acting on each of ``request_ids`` (caller ids),
+        for those among the last ``MAX_FAILED_REQUESTS`` requests with a failure."""
+        with self._fail_lock:
+            return {
+                r: sorted(self.failed_requests[r]) for r in request_ids if r in self.failed_requests
+            }
+
     def publish(self, consumer: Consumer, bundle: Bundle) -> None:
         if consumer.name in self.disabled:
             return
@@ -240,10 +275,18 @@ class Bus:
         if ch is not None:
             ch.notify_finished(request)  # never dropped, never waits: it carries no tensors
         else:
-            self.call(consumer, "on_request_finished", consumer.on_request_finished, request)
+            self.call(
+                consumer,
+                "on_request_finished",
+                consumer.on_request_finished,
+                request,
+                requests=(request,),
+            )
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle) -> None:
-        if self.call(consumer, "on_bundle", consumer.on_bundle, bundle):
+        if self.call(
+            consumer, "on_bundle", consumer.on_bundle, bundle, requests=bundle_requests(bundle)
+        ):
             self.counters.add("bundles_delivered")
             self.counters.add(f"bundles_delivered.{consumer.name}")
 

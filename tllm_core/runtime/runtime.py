@@ -217,7 +217,11 @@ class Runtime:
             plan = EditPlan(
                 own, allowed, self.model.hidden_size, self._resolve, set(s.transforms), widths
             )
-            if not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan) or not plan.ops:
+            acted = own.requests
+            if (
+                not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan, requests=acted)
+                or not plan.ops
+            ):
                 continue
 
             def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
@@ -225,7 +229,7 @@ class Runtime:
                     plan.remap(index)
                 _write_plan(plan, allowed, buffers, name)
 
-            self.bus.call(s.consumer, "edit (buffers)", write)
+            self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
 
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
@@ -284,7 +288,9 @@ class Runtime:
     def _call_guide(self, s: _Slot, view: GuideView) -> int | None:
         """Rows the consumer's guide changed, or None when it failed."""
         self.counters.add("rows_guide_visited", len(view.rows))
-        if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
+        if not self.bus.call(
+            s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
+        ):
             return None
         rows = view.rows_guided
         self.counters.add("rows_guided", rows)

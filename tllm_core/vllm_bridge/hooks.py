@@ -253,6 +253,15 @@ class RunnerHooks:
             if req.request_id in ids:
                 req.cut_short = True
 
+    def mark_cut_short(self, engine_ids: list[str]) -> None:
+        """The server is about to abort these requests (engine ids): their finish notices
+        carry ``RequestInfo.cut_short``. Ids not seen yet are ignored: a request aborted
+        before it was scheduled never reaches the runner, so it gets no notice."""
+        for e in engine_ids:
+            req = self.requests.get(e)
+            if req is not None:
+                req.cut_short = True
+
     def finish_all(self) -> None:
         """Treat every known request as finished (offline runs: generate() has returned,
         or was interrupted and its requests aborted; those were marked by

@@ -21,7 +21,10 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   :func:`tllm_core.runtime.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
   ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
   operator shows them;
-- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`).
+- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`);
+- marks a non-streamed response whose request a consumer failed on with the header
+  ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
+  (:mod:`tllm_core.vllm_bridge.request_marks`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSetting
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -187,8 +191,8 @@ class XargsCheck:
         await self.app(scope, replay, send)
 
 
-async def rpc_all(engine_client: Any, method: str) -> list[Any]:
-    """``collective_rpc(method)`` on every worker of every engine core, flattened.
+async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
+    """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened.
 
     With ``--data-parallel-size`` > 1 the engine client's ``collective_rpc`` answers with the
     first engine's workers only; the client's ``engine_core.call_utility_all_async`` reaches
@@ -197,9 +201,9 @@ async def rpc_all(engine_client: Any, method: str) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
-        per_engine = await call_all("collective_rpc", method, None, (), None)
+        per_engine = await call_all("collective_rpc", method, None, args, None)
         return [r for rs in per_engine for r in rs]
-    return list(await engine_client.collective_rpc(method))
+    return list(await engine_client.collective_rpc(method, args=args))
 
 
 def api_tokens(args: Any) -> list[str]:
@@ -217,6 +221,12 @@ def attach_routes(
     app: Any, server: EngineConsumers, settings: ServerSettings | None = None
 ) -> None:
     settings = settings or ServerSettings()
+
+    def ask_workers():
+        client = getattr(app.state, "tllm_engine_client", None)
+        return None if client is None else lambda method, ids: rpc_all(client, method, ids)
+
+    app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
     app.add_middleware(ClientScope, secret=app.state.tllm_secret)
@@ -303,6 +313,7 @@ def install_request_checks(
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
+        note_request(request)
         if params is not None:
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group.
@@ -316,6 +327,9 @@ def install_request_checks(
 async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
     install_request_checks(
         engine_client.input_processor, server, getattr(state, "tllm_secret", None)
+    )
+    install_abort_marks(
+        engine_client.engine_core, lambda method, ids: rpc_all(engine_client, method, ids)
     )
     state.tllm_server = server
     state.tllm_engine_client = engine_client

@@ -31,12 +31,24 @@ class TllmWorkerExtension:
             "capture_layers": sorted(t.layer for t in rt.taps if t.site == "residual"),
             "edit_layers": sorted({t.layer for t in rt.edit_taps}),
             "guides": rt.guides,
+            "requests_open": len(hooks.requests),
         }
 
     def tllm_mark_aborted(self, request_ids: list[str]) -> None:
         hooks = self._tllm_hooks()
         if hooks is not None:
             hooks.mark_aborted(request_ids)
+
+    def tllm_failed_requests(self, request_ids: list[str]) -> dict[str, list[str]]:
+        """The consumers that failed while acting on each of ``request_ids`` (caller ids;
+        those with no failure left out)."""
+        hooks = self._tllm_hooks()
+        return {} if hooks is None else hooks.runtime.bus.failures_of(request_ids)
+
+    def tllm_mark_cut_short(self, engine_ids: list[str]) -> None:
+        hooks = self._tllm_hooks()
+        if hooks is not None:
+            hooks.mark_cut_short(engine_ids)
 
     def tllm_end_batch(self) -> None:
         hooks = self._tllm_hooks()

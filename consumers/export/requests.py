@@ -1,0 +1,125 @@
+"""The request table of an export-layout record (``export``, ``sae`` features), bounded.
+
+Only the requests still running are held in memory. A request's finish notice closes it:
+its entry is appended to ``requests.jsonl`` and forgotten. Each manifest rewrite then carries
+the open requests only, plus how many lines of ``requests.jsonl`` it vouches for; without
+this a long-running server kept every token id it ever saw and rewrote them all after each
+shard (memory and disk writes growing with the number of requests served).
+
+Not thread-safe: the owner calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+from consumers.export import format as fmt
+from consumers.export.tokens import RequestTokens
+
+
+def entry(req: RequestTokens, finished: bool, bundles_dropped: int) -> dict[str, Any]:
+    """One request's entry in the table (``docs/export-format.md``)."""
+    info = req.info
+    tokens = req.tokens[: req.length]
+    return {
+        "index": req.index,
+        "request_id": info.request_id,
+        "engine_id": info.engine_id,
+        "prompt_index": info.prompt_index,
+        "sample_index": info.sample_index,
+        "num_prompt_tokens": info.num_prompt_tokens,
+        "finished": finished,
+        "positions_missing": int((tokens < 0).sum()),
+        "bundles_dropped": bundles_dropped,
+        "token_ids": tokens.tolist(),
+    }
+
+
+class RequestTable:
+    """Open requests in memory, closed ones in ``{path}/requests.jsonl``.
+
+    ``prepare`` creates the directory (the shard writer's first-write step); it runs before
+    the first line is written, and only for a request that had data.
+    """
+
+    def __init__(self, path: str, prepare: Callable[[], None]):
+        self.path = path
+        self._prepare = prepare
+        self._open: dict[str, RequestTokens] = {}
+        self._dropped: dict[str, int] = {}  # bundles dropped per open request
+        self.seen = 0  # requests given an index
+        self.closed = 0  # lines in requests.jsonl
+        self.bundles_dropped = 0
+        self._closed_losses = {"requests_unfinished": 0, "positions_missing": 0}
+        self._file: IO[str] | None = None
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def get(self, info: Any) -> RequestTokens:
+        """The entry of ``info`` (``RequestInfo``), created at its first data."""
+        req = self._open.get(info.engine_id)
+        if req is None:
+            req = self._open[info.engine_id] = RequestTokens(self.seen, info)
+            self.seen += 1
+        return req
+
+    def drop(self, requests: list[Any]) -> None:
+        """A bundle with rows or tokens of ``requests`` was dropped."""
+        self.bundles_dropped += 1
+        for r in requests:
+            self._dropped[r.engine_id] = self._dropped.get(r.engine_id, 0) + 1
+
+    def finish(self, request: Any) -> None:
+        """A request's finish notice: ``finished`` unless ``request.cut_short`` (aborted or
+        closed before its end). Its entry goes to ``requests.jsonl``."""
+        dropped = self._dropped.pop(request.engine_id, 0)
+        req = self._open.pop(request.engine_id, None)
+        if req is None:  # no data reached the record: it has no entry
+            return
+        e = entry(req, not getattr(request, "cut_short", False), dropped)
+        self._closed_losses["requests_unfinished"] += not e["finished"]
+        self._closed_losses["positions_missing"] += e["positions_missing"]
+        if self._file is None:
+            self._prepare()
+            mode = "a" if self.closed else "w"  # "a": used again after release()
+            self._file = open(self._jsonl(), mode, encoding="utf-8")  # noqa: SIM115 - kept open
+        self._file.write(json.dumps(e, separators=(",", ":")) + "\n")
+        self.closed += 1
+
+    def _jsonl(self) -> str:
+        return os.path.join(self.path, fmt.REQUESTS_FILE)
+
+    def _open_entries(self) -> list[dict[str, Any]]:
+        return [entry(r, False, self._dropped.get(e, 0)) for e, r in self._open.items()]
+
+    def _losses(self, requests: list[dict[str, Any]]) -> dict[str, int]:
+        return {
+            "requests_unfinished": self._closed_losses["requests_unfinished"] + len(requests),
+            "positions_missing": self._closed_losses["positions_missing"]
+            + sum(r["positions_missing"] for r in requests),
+            "bundles_dropped": self.bundles_dropped,
+        }
+
+    def manifest_fields(self) -> dict[str, Any]:
+        """A manifest's ``losses`` and table: the open requests inline, the closed ones as
+        the first ``requests_closed`` lines of the file (made durable here, before the
+        manifest that names them)."""
+        requests = self._open_entries()
+        out: dict[str, Any] = {"losses": self._losses(requests)}
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        if self.closed:
+            out.update(requests_file=fmt.REQUESTS_FILE, requests_closed=self.closed)
+        return {**out, "requests": requests}
+
+    def release(self) -> None:
+        """Close the file (after the final manifest); a later request reopens it."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

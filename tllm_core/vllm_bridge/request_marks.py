@@ -1,0 +1,100 @@
+"""What the server tells about single requests: the ``X-Tllm-Failed`` response header and
+the ``cut_short`` mark of requests vLLM aborts (API-server side; wired by ``serving.py``).
+
+The workers are reached through an injected ``ask(method, ids)`` coroutine (``serving``'s
+``rpc_all`` on the engine client), so this module holds no engine state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from typing import Any
+
+log = logging.getLogger("vllm.tllm")
+
+# Caller ids of the requests an HTTP request made vLLM run (FailureMarks gives each HTTP
+# request its own list; serving's assign_request_id wrapper fills it through note_request).
+REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
+FAILED_HEADER = b"x-tllm-failed"
+
+Ask = Callable[[str, list[str]], Awaitable[list[Any]]]
+
+
+def note_request(request: Any) -> None:
+    """Called once per request vLLM admits (after its ``assign_request_id``): remember its
+    caller id, as the workers name the request, for the HTTP request being served."""
+    ids = REQUEST_IDS.get()
+    if ids is not None:
+        ids.append(getattr(request, "external_req_id", None) or request.request_id)
+
+
+class FailureMarks:
+    """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on (a
+    callback raised while acting on them, ``Bus.failed_requests``) gets the header
+    ``X-Tllm-Failed: name[,name]``.
+
+    The workers are asked when the response starts, only for responses that ran requests
+    before starting (non-streamed ones: a stream starts before its first token, so it is
+    never marked). A background consumer that fails after the response started is not
+    reported in it either: the header marks what is known when the answer is sent.
+    """
+
+    def __init__(self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None]):
+        """``ask()``: the way to the workers, None while the engine is not up."""
+        self.app = app
+        self.paths = paths
+        self.ask = ask
+
+    async def failed(self, ids: list[str]) -> list[str]:
+        ask = self.ask()
+        if ask is None:
+            return []
+        try:
+            answers = await ask("tllm_failed_requests", ids)
+        except Exception:  # noqa: BLE001 - the response goes out unmarked
+            log.exception("tllm: could not read which consumers failed on %s", ids)
+            return []
+        return sorted({n for a in answers for names in (a or {}).values() for n in names})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].endswith(self.paths):
+            return await self.app(scope, receive, send)
+        ids: list[str] = []
+        token = REQUEST_IDS.set(ids)
+
+        async def marked(msg: dict) -> None:
+            if msg["type"] == "http.response.start" and ids:
+                names = await self.failed(list(ids))
+                if names:
+                    header = (FAILED_HEADER, ",".join(names).encode())
+                    msg = {**msg, "headers": [*msg.get("headers", ()), header]}
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, marked)
+        finally:
+            REQUEST_IDS.reset(token)
+
+
+def install_abort_marks(engine_core: Any, ask: Ask) -> None:
+    """Requests vLLM aborts (a client that disconnects, a failed request) reach the consumers
+    as ``cut_short``, so records say they did not finish.
+
+    ``AsyncLLM.abort`` hands the engine-core ids (the children of an ``n`` > 1 request
+    included) to ``engine_core.abort_requests_async``; this instance-level wrapper first marks
+    them on the workers and waits for that, so the mark reaches the engine core before the
+    abort does (it handles its input in order).
+    """
+    abort_orig = engine_core.abort_requests_async
+
+    async def abort_requests_async(request_ids: list[str]) -> None:
+        if request_ids:
+            try:
+                await ask("tllm_mark_cut_short", list(request_ids))
+            except Exception:  # noqa: BLE001 - the abort itself must still happen
+                log.exception("tllm: could not mark aborted requests %s", request_ids)
+        await abort_orig(request_ids)
+
+    engine_core.abort_requests_async = abort_requests_async
