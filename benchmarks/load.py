@@ -399,8 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     load_start = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="tllm-load-"))
-    with tllm_serve(model_path(a.model), workdir, a.enforce_eager) as (url, pid):
+    model = model_path(a.model)
+    with tllm_serve(model, workdir, a.enforce_eager) as (url, pid):
         out = asyncio.run(drive(url, pid, a))
+    out["workload"] = {
+        k: getattr(a, k)
+        for k in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval", "seed")
+    } | {"model": Path(model).name, "enforce_eager": a.enforce_eager}
     out["machine"] = run_machine(load_start)
     out["command"] = "python benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(json.dumps(out) if a.json else json.dumps(out, indent=2))

@@ -634,6 +634,57 @@ def soak_section(sk: dict | None) -> list[str]:
     return out
 
 
+def load_section(ld: dict | None) -> list[str]:
+    """``tllm serve`` under concurrent mixed load, with and without a counters poller
+    (``load.py``)."""
+    out = ["## Server under load (issue 26)", ""]
+    if ld is None:
+        return out + ["(no results yet: `python benchmarks/load.py --json`)", ""]
+    a, b, m, w = ld["phases"]["A"], ld["phases"]["B"], ld["machine"], ld["workload"]
+    kinds = ", ".join(f"{k} {v}" for k, v in a["by_kind"].items())
+    out += [
+        f"Command: `{ld['command']}` (saved as `benchmarks/results/load.json`) — `tllm serve` "
+        "with `esamp` and `stats` per request and a 1 MiB body limit; one server for every "
+        f"phase, in the order {ld['phase_order']}, after a warm-up. Each phase: "
+        f"{w['rounds']} rounds of {w['requests']} requests, the same seeded mix in A and B "
+        f"({kinds}; totals over the rounds), at most {w['concurrency']} in flight, "
+        f"`max_tokens` {w['max_tokens']}, model {w['model']} "
+        f"({'eager' if w['enforce_eager'] else 'compiled'}). In phase A another client reads "
+        f"`GET /tllm/counters` every {w['poll_interval']} s; in B nobody does. 1-minute load "
+        f"average {m['loadavg_1m_start']:.1f} at the start, "
+        f"{m['loadavg_1m_end']:.1f} at the end, on {m.get('cpus', '?')} cores shared with "
+        "other work.",
+        "",
+        "| phase | good tok/s (per round) | good completed | status codes | 5xx | polls (failed) |",
+        "|---|---|---|---|---:|---|",
+    ]
+    for p in (a, b):
+        rounds = ", ".join(f"{t:.0f}" for t in p["good_tok_s_rounds"])
+        codes = ", ".join(f"{k}: {v}" for k, v in p["status_codes"].items())
+        out.append(
+            f"| {p['phase']} | {p['good_tok_s']:.1f} ({rounds}) | {p['good_completed']}/"
+            f"{p['good_sent']} | {codes} | {p['status_5xx']} | {p['polls']} "
+            f"({p['polls_failed']}) |"
+        )
+    rss, c = ld["rss_mib"], ld["counters_end"]
+    checks = ", ".join(
+        f"{k.replace('_', ' ')}: {'yes' if v else '**no**'}" for k, v in ld["checks"].items()
+    )
+    out += [
+        "",
+        f"Tokens/s with polling over without: **{ld['tok_s_ratio_polled_to_unpolled']:.3f}**. "
+        f"Resident memory of the server's process tree: {rss['start']} MiB when ready, "
+        f"{rss['after_warmup']} MiB after warm-up, {rss['end']} MiB at the end. Counters at "
+        f"the end: ESamp guided {c['esamp.rows_guided']} rows, groups created "
+        f"{c['esamp.groups_created']} = freed {c['esamp.groups_freed']}, alive "
+        f"{c['esamp.groups_alive']}; stats bundles {c['stats.bundles']}; requests finished "
+        f"{c['runtime.requests_finished']}; consumer errors: {len(ld['errors'])}. Checks: "
+        f"{checks}.",
+        "",
+    ]
+    return out
+
+
 def preload_section(cp: dict) -> list[str]:
     """tcmalloc + Intel OpenMP preloaded vs not (``benchmarks/cpu_preload.py``)."""
     w = cp["workload"]
@@ -703,6 +754,7 @@ def render() -> None:
         out += tokens_section(p.stem, _load(p.name))
     out += variants_section()
     out += soak_section(_load("soak.json"))
+    out += load_section(_load("load.json"))
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     DOC.write_text("\n".join(out))
