@@ -634,16 +634,22 @@ def soak_section(sk: dict | None) -> list[str]:
     return out
 
 
-def load_section(ld: dict | None) -> list[str]:
+RSS_WHEN = {"start": "when ready", "after_warmup": "after warm-up", "end": "at the end"}
+
+
+def _rss(v: float | dict) -> str:
+    """MiB of a process tree; older runs recorded the total only."""
+    return f"{v} MiB" if not isinstance(v, dict) else f"{v['total']} MiB ({v['front_end']})"
+
+
+def load_section(ld: dict, stem: str = "load") -> list[str]:
     """``tllm serve`` under concurrent mixed load, with and without a counters poller
     (``load.py``)."""
-    out = ["## Server under load (issue 26)", ""]
-    if ld is None:
-        return out + ["(no results yet: `python benchmarks/load.py --json`)", ""]
+    out = [f"## Server under load (issue 26, `{stem}.json`)", ""]
     a, b, m, w = ld["phases"]["A"], ld["phases"]["B"], ld["machine"], ld["workload"]
     kinds = ", ".join(f"{k} {v}" for k, v in a["by_kind"].items())
     out += [
-        f"Command: `{ld['command']}` (saved as `benchmarks/results/load.json`) — `tllm serve` "
+        f"Command: `{ld['command']}` (saved as `benchmarks/results/{stem}.json`) — `tllm serve` "
         "with `esamp` and `stats` per request and a 1 MiB body limit; one server for every "
         f"phase, in the order {ld['phase_order']}, after a warm-up. Each phase: "
         f"{w['rounds']} rounds of {w['requests']} requests, the same seeded mix in A and B "
@@ -655,14 +661,16 @@ def load_section(ld: dict | None) -> list[str]:
         f"{m['loadavg_1m_end']:.1f} at the end, on {m.get('cpus', '?')} cores shared with "
         "other work.",
         "",
-        "| phase | good tok/s (per round) | good completed | status codes | 5xx | polls (failed) |",
-        "|---|---|---|---|---:|---|",
+        "| phase | good tok/s (per round) | wall s | engine steps | good completed | status codes "
+        "| 5xx | polls (failed) |",
+        "|---|---|---:|---:|---|---|---:|---|",
     ]
     for p in (a, b):
         rounds = ", ".join(f"{t:.0f}" for t in p["good_tok_s_rounds"])
         codes = ", ".join(f"{k}: {v}" for k, v in p["status_codes"].items())
         out.append(
-            f"| {p['phase']} | {p['good_tok_s']:.1f} ({rounds}) | {p['good_completed']}/"
+            f"| {p['phase']} | {p['good_tok_s']:.1f} ({rounds}) | {p['wall_s']:.0f} | "
+            f"{p['counters_added']['runtime.engine_steps']} | {p['good_completed']}/"
             f"{p['good_sent']} | {codes} | {p['status_5xx']} | {p['polls']} "
             f"({p['polls_failed']}) |"
         )
@@ -673,8 +681,11 @@ def load_section(ld: dict | None) -> list[str]:
     out += [
         "",
         f"Tokens/s with polling over without: **{ld['tok_s_ratio_polled_to_unpolled']:.3f}**. "
-        f"Resident memory of the server's process tree: {rss['start']} MiB when ready, "
-        f"{rss['after_warmup']} MiB after warm-up, {rss['end']} MiB at the end. Counters at "
+        "Resident memory of the server's process tree"
+        + (" (of which the API server process)" if isinstance(rss["end"], dict) else "")
+        + ": "
+        + ", ".join(f"{_rss(rss[k])} {when}" for k, when in RSS_WHEN.items())
+        + ". Counters at "
         f"the end: ESamp guided {c['esamp.rows_guided']} rows, groups created "
         f"{c['esamp.groups_created']} = freed {c['esamp.groups_freed']}, alive "
         f"{c['esamp.groups_alive']}; stats bundles {c['stats.bundles']}; requests finished "
@@ -754,7 +765,8 @@ def render() -> None:
         out += tokens_section(p.stem, _load(p.name))
     out += variants_section()
     out += soak_section(_load("soak.json"))
-    out += load_section(_load("load.json"))
+    for p in sorted(RESULTS.glob("load*.json")):
+        out += load_section(_load(p.name), p.stem)
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     DOC.write_text("\n".join(out))
