@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import ROOT, model_path, run_machine  # noqa: E402
+from soak import stop_server  # noqa: E402
 
 MIB = 1 << 20
 LIMIT_MIB = 1
@@ -96,7 +96,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, int]]:
     """``tllm serve`` (vLLM's multiprocess layout) until it prints ``tllm: ready``; yields its
-    URL and process id; stops it with SIGINT, as Ctrl-C would."""
+    URL and process id; stops it (SIGTERM to its process group)."""
     port = _free_port()
     argv = [sys.executable, "-m", "tllm_core.cli", "serve", "--model", model, "--port", str(port)]
     argv += ["--consumer", "esamp", "--consumer", "stats", "--per-request"]
@@ -115,13 +115,7 @@ def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, in
             time.sleep(1)
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_server(proc)
 
 
 def tree_rss_mib(pid: int) -> dict[str, float]:
@@ -303,6 +297,7 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out["wall_s"] = round(sum(r["wall_s"] for r in rounds), 2)
     out["good_tok_s"] = round(out["good_tokens"] / out["wall_s"], 2)
     out["good_tok_s_rounds"] = [r["good_tok_s"] for r in rounds]
+    out["rss_mib_after_rounds"] = [r["rss_mib_after"] for r in rounds]  # a leak would climb
     for k in ("status_codes", "by_kind", "counters_added"):
         total: Counter = Counter()
         for r in rounds:
@@ -334,6 +329,7 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
             for name, poll_s in (("A", a.poll_interval), ("B", None)):
                 seed = a.seed + 1000 * r
                 phases[name].append(await phase(load, name, kinds, a.concurrency, poll_s, seed))
+                phases[name][-1]["rss_mib_after"] = tree_rss_mib(pid)["total"]
         final = await load.counters()
         rss_end = tree_rss_mib(pid)
     a_, b_ = merge(phases["A"]), merge(phases["B"])

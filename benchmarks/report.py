@@ -642,6 +642,18 @@ def _rss(v: float | dict) -> str:
     return f"{v} MiB" if not isinstance(v, dict) else f"{v['total']} MiB ({v['front_end']})"
 
 
+def _rss_by_phase(ld: dict) -> str:
+    a, b = ld["phases"]["A"], ld["phases"]["B"]
+    if "rss_mib_after_rounds" not in a:
+        return ""
+    after = [
+        x
+        for pair in zip(a["rss_mib_after_rounds"], b["rss_mib_after_rounds"], strict=True)
+        for x in pair
+    ]
+    return f"; the tree after each phase, in order: {', '.join(map(str, after))} MiB"
+
+
 def load_section(ld: dict, stem: str = "load") -> list[str]:
     """``tllm serve`` under concurrent mixed load, with and without a counters poller
     (``load.py``)."""
@@ -685,6 +697,7 @@ def load_section(ld: dict, stem: str = "load") -> list[str]:
         + (" (of which the API server process)" if isinstance(rss["end"], dict) else "")
         + ": "
         + ", ".join(f"{_rss(rss[k])} {when}" for k, when in RSS_WHEN.items())
+        + _rss_by_phase(ld)
         + ". Counters at "
         f"the end: ESamp guided {c['esamp.rows_guided']} rows, groups created "
         f"{c['esamp.groups_created']} = freed {c['esamp.groups_freed']}, alive "

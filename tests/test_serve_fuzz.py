@@ -107,10 +107,11 @@ def bodies(draw) -> tuple[str, str, bool]:
         head["prompt"] = "The sea"
     text = raw(head)[:-1] + ', "vllm_xargs": ' + draw(xargs()) + "}"
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    return path, text[:MAX_BODY] if len(text) > MAX_BODY else text, stream
+    return path, text[:MAX_BODY], stream  # a cut body is still past the limit: 413
 
 
-def post(url: str, body: bytes) -> tuple[int, bytes]:
+def post(url: str, body: bytes | None) -> tuple[int, bytes]:
+    """(status, body) of a POST, or of a GET when ``body`` is None."""
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
@@ -180,7 +181,8 @@ def fuzz(url: str, examples: int) -> None:
     good = {"model": "default", "prompt": "The sea", "max_tokens": 3}
     good["vllm_xargs"] = {"tllm_consumers": "esamp,steer,stats", "tllm_esamp_beta": 0.5}
     status, data = post(f"{url}/v1/completions", raw(good).encode())
-    assert status == 200 and strict_json(data)["choices"][0]["finish_reason"] == "length", data
+    assert status == 200, data
+    assert strict_json(data)["choices"][0]["finish_reason"] in ("length", "stop"), data
     counters = strict_json(post(f"{url}/tllm/counters", None)[1])
     assert counters["consumers"]["esamp"]["rows_guided"] > 0, counters
 
