@@ -687,12 +687,15 @@ def load_section(ld: dict, stem: str = "load") -> list[str]:
             f"({p['polls_failed']}) |"
         )
     rss, c = ld["rss_mib"], ld["counters_end"]
+    ra, rb = a["good_tok_s_rounds"], b["good_tok_s_rounds"]
+    pairs = ", ".join(f"{x / y:.2f}" for x, y in zip(ra, rb, strict=True))
     checks = ", ".join(
         f"{k.replace('_', ' ')}: {'yes' if v else '**no**'}" for k, v in ld["checks"].items()
     )
     out += [
         "",
-        f"Tokens/s with polling over without: **{ld['tok_s_ratio_polled_to_unpolled']:.3f}**. "
+        f"Tokens/s with polling over without: **{ld['tok_s_ratio_polled_to_unpolled']:.3f}** "
+        f"(round by round: {pairs}). "
         "Resident memory of the server's process tree"
         + (" (of which the API server process)" if isinstance(rss["end"], dict) else "")
         + ": "
