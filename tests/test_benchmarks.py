@@ -302,6 +302,8 @@ def test_load_script_small_run(tiny_model):
     for p in (a, b):
         assert p["good_completed"] == p["good_sent"] > 0 and p["status_5xx"] == 0
         assert p["good_tok_s"] > 0 and p["counters_added"]["runtime.requests_finished"] > 0
-    assert all(out["rss_mib"][k] > 0 for k in ("start", "after_warmup", "end"))
+    rss = out["rss_mib"]
+    assert all(0 < rss[k]["front_end"] < rss[k]["total"] for k in ("start", "after_warmup", "end"))
+    assert len(a["rss_mib_after_rounds"]) == 1
     assert out["workload"]["concurrency"] == 4 and out["machine"]["loadavg_1m_end"] >= 0
     assert "| A |" in "\n".join(_load("report").load_section(out))  # docs/results.md renders it
