@@ -3,7 +3,7 @@ JSON type and size, tllm keys or not, on ``/v1/completions`` and ``/v1/chat/comp
 streamed or not. Every answer is 200 or 4xx (never 5xx, on a stream: no error event with a
 5xx code), the engine still serves a good request, and ``/tllm/counters`` stays strict JSON.
 
-``TLLM_FUZZ_EXAMPLES`` sets the default test's number of bodies; the slow test sends 400.
+``TLLM_FUZZ_EXAMPLES`` sets the default test's number of bodies; the slow test sends 2000.
 """
 
 from __future__ import annotations
@@ -193,4 +193,4 @@ def test_fuzzed_requests_get_200_or_4xx(server):
 
 @pytest.mark.slow
 def test_fuzzed_requests_get_200_or_4xx_many(server):
-    fuzz(server, 400)
+    fuzz(server, 2000)
