@@ -22,9 +22,10 @@ It reports per phase: tokens/s of the good requests (their completion tokens ove
 wall time), the status-code histogram, 5xx answers (must be 0), good requests completed of
 those sent, the polls (count, failures, non-strict JSON), and the tllm counters the phase
 added; overall: the ratio of A's tokens/s to B's, the resident memory of the server's process
-tree (front end, engine core, worker) at start (server ready), after warm-up and at the end,
-and the machine's load. ``--json`` prints one JSON object; a progress line goes to stderr.
-Exit status 1 when a check fails (a 5xx, a good request unfinished, a bad one not refused).
+tree (API server, engine core, worker; the API server's alone beside it) when ready, after
+warm-up, after every phase and at the end, and the machine's load. ``--json`` prints one JSON object; a progress line goes to stderr.
+Exit status 1 when a check fails (a 5xx, a good request unfinished, a bad or huge one not
+refused, a failed or non-strict counters read, a consumer error).
 """
 
 from __future__ import annotations
