@@ -655,6 +655,84 @@ def state_section(st: dict | None) -> list[str]:
     return out
 
 
+RSS_WHEN = {"start": "when ready", "after_warmup": "after warm-up", "end": "at the end"}
+
+
+def _rss(v: float | dict) -> str:
+    """MiB of a process tree; older runs recorded the total only."""
+    return f"{v} MiB" if not isinstance(v, dict) else f"{v['total']} MiB ({v['front_end']})"
+
+
+def _rss_by_phase(ld: dict) -> str:
+    a, b = ld["phases"]["A"], ld["phases"]["B"]
+    if "rss_mib_after_rounds" not in a:
+        return ""
+    after = [
+        x
+        for pair in zip(a["rss_mib_after_rounds"], b["rss_mib_after_rounds"], strict=True)
+        for x in pair
+    ]
+    return f"; the tree after each phase, in order: {', '.join(map(str, after))} MiB"
+
+
+def load_section(ld: dict, stem: str = "load") -> list[str]:
+    """``tllm serve`` under concurrent mixed load, with and without a counters poller
+    (``load.py``)."""
+    out = [f"## Server under load (issue 26, `{stem}.json`)", ""]
+    a, b, m, w = ld["phases"]["A"], ld["phases"]["B"], ld["machine"], ld["workload"]
+    kinds = ", ".join(f"{k} {v}" for k, v in a["by_kind"].items())
+    out += [
+        f"Command: `{ld['command']}` (saved as `benchmarks/results/{stem}.json`) — `tllm serve` "
+        "with `esamp` and `stats` per request and a 1 MiB body limit; one server for every "
+        f"phase, in the order {ld['phase_order']}, after a warm-up. Each phase: "
+        f"{w['rounds']} rounds of {w['requests']} requests, the same seeded mix in A and B "
+        f"({kinds}; totals over the rounds), at most {w['concurrency']} in flight, "
+        f"`max_tokens` {w['max_tokens']}, model {w['model']} "
+        f"({'eager' if w['enforce_eager'] else 'compiled'}). In phase A another client reads "
+        f"`GET /tllm/counters` every {w['poll_interval']} s; in B nobody does. 1-minute load "
+        f"average {m['loadavg_1m_start']:.1f} at the start, "
+        f"{m['loadavg_1m_end']:.1f} at the end, on {m.get('cpus', '?')} cores shared with "
+        "other work.",
+        "",
+        "| phase | good tok/s (per round) | wall s | engine steps | good completed | status codes "
+        "| 5xx | polls (failed) |",
+        "|---|---|---:|---:|---|---|---:|---|",
+    ]
+    for p in (a, b):
+        rounds = ", ".join(f"{t:.0f}" for t in p["good_tok_s_rounds"])
+        codes = ", ".join(f"{k}: {v}" for k, v in p["status_codes"].items())
+        out.append(
+            f"| {p['phase']} | {p['good_tok_s']:.1f} ({rounds}) | {p['wall_s']:.0f} | "
+            f"{p['counters_added']['runtime.engine_steps']} | {p['good_completed']}/"
+            f"{p['good_sent']} | {codes} | {p['status_5xx']} | {p['polls']} "
+            f"({p['polls_failed']}) |"
+        )
+    rss, c = ld["rss_mib"], ld["counters_end"]
+    ra, rb = a["good_tok_s_rounds"], b["good_tok_s_rounds"]
+    pairs = ", ".join(f"{x / y:.2f}" for x, y in zip(ra, rb, strict=True))
+    checks = ", ".join(
+        f"{k.replace('_', ' ')}: {'yes' if v else '**no**'}" for k, v in ld["checks"].items()
+    )
+    out += [
+        "",
+        f"Tokens/s with polling over without: **{ld['tok_s_ratio_polled_to_unpolled']:.3f}** "
+        f"(round by round: {pairs}). "
+        "Resident memory of the server's process tree"
+        + (" (of which the API server process)" if isinstance(rss["end"], dict) else "")
+        + ": "
+        + ", ".join(f"{_rss(rss[k])} {when}" for k, when in RSS_WHEN.items())
+        + _rss_by_phase(ld)
+        + ". Counters at "
+        f"the end: ESamp guided {c['esamp.rows_guided']} rows, groups created "
+        f"{c['esamp.groups_created']} = freed {c['esamp.groups_freed']}, alive "
+        f"{c['esamp.groups_alive']}; stats bundles {c['stats.bundles']}; requests finished "
+        f"{c['runtime.requests_finished']}; consumer errors: {len(ld['errors'])}. Checks: "
+        f"{checks}.",
+        "",
+    ]
+    return out
+
+
 def preload_section(cp: dict) -> list[str]:
     """tcmalloc + Intel OpenMP preloaded vs not (``benchmarks/cpu_preload.py``)."""
     w = cp["workload"]
@@ -725,6 +803,9 @@ def render() -> None:
     out += variants_section()
     out += soak_section(_load("soak.json"))
     out += state_section(_load("server_state.json"))
+
+    for p in sorted(RESULTS.glob("load*.json")):
+        out += load_section(_load(p.name), p.stem)
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     DOC.write_text("\n".join(out))

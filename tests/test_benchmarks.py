@@ -284,3 +284,26 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
     assert syncs["distiller_step"] == [{}, {}, {}]  # on CPU nothing in it would sync
     assert syncs["consumer_step"]["full_vocab"][-1] == {}
     assert sum(syncs["consumer_step"]["post_filter"][-1].values()) == 1
+
+
+@pytest.mark.vllm
+def test_load_script_small_run(tiny_model):
+    """``load.py`` on the tiny model, a handful of requests of every kind: both phases report
+    and every check holds (no 5xx, good requests finished, bad ones 400, huge ones 413)."""
+    args = "--requests 16 --concurrency 4 --max-tokens 4 --enforce-eager --json".split()
+    out = _json(_run("load.py", "--model", tiny_model, *args))
+    assert out["passed"] is True, out["checks"]
+    assert out["phase_order"] == "A, B" and out["tok_s_ratio_polled_to_unpolled"] > 0
+    a, b = out["phases"]["A"], out["phases"]["B"]
+    assert a["by_kind"] == b["by_kind"] and a["requests"] == 16
+    kinds = {"plain", "esamp", "chat_stats", "stream_esamp", "stream_plain", "cancel", "bad"}
+    assert set(a["by_kind"]) == kinds | {"huge"}
+    assert a["polls"] > 0 and b["polls"] == 0
+    for p in (a, b):
+        assert p["good_completed"] == p["good_sent"] > 0 and p["status_5xx"] == 0
+        assert p["good_tok_s"] > 0 and p["counters_added"]["runtime.requests_finished"] > 0
+    rss = out["rss_mib"]
+    assert all(0 < rss[k]["front_end"] < rss[k]["total"] for k in ("start", "after_warmup", "end"))
+    assert len(a["rss_mib_after_rounds"]) == 1
+    assert out["workload"]["concurrency"] == 4 and out["machine"]["loadavg_1m_end"] >= 0
+    assert "| A |" in "\n".join(_load("report").load_section(out))  # docs/results.md renders it

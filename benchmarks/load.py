@@ -1,0 +1,422 @@
+"""``tllm serve`` under load (issue 26): concurrency 16 of a mixed workload, with and without a
+client polling ``/tllm/counters``.
+
+    python benchmarks/load.py [--model PATH] [--requests N] [--rounds R] [--concurrency C]
+        [--max-tokens T] [--poll-interval S] [--enforce-eager] [--json]
+
+Starts ``tllm serve --consumer esamp --consumer stats --per-request --max-body-mib 1`` on
+loopback (the embedded SmolLM2-135M-Instruct unless ``--model``), warms it up, then runs
+phases on that same server: A (a second client reads ``GET /tllm/counters`` every
+``--poll-interval`` seconds) and B (the same requests, nobody polling), alternating A, B for
+``--rounds`` rounds of ``--requests`` requests each. The requests of a phase, in a seeded mix,
+at most ``--concurrency`` in flight:
+
+* good: completions (plain, or naming ``esamp`` per request in ``vllm_xargs``), chats naming
+  ``stats``, streamed chats naming ``esamp`` and streamed plain completions (SSE, read to
+  ``[DONE]``); each must finish with a finish reason;
+* cancelled: streamed chats naming ``esamp`` that the client drops after two chunks;
+* bad: bad ``tllm_*`` keys or values (expect 400);
+* huge: a body past the 1 MiB limit (expect 413).
+
+It reports per phase: tokens/s of the good requests (their completion tokens over the phase's
+wall time), the status-code histogram, 5xx answers (must be 0), good requests completed of
+those sent, the polls (count, failures, non-strict JSON), and the tllm counters the phase
+added; overall: the ratio of A's tokens/s to B's, the resident memory of the server's process
+tree (API server, engine core, worker; the API server's alone beside it) when ready, after
+warm-up, after every phase and at the end, and the machine's load. ``--json`` prints one JSON object; a progress line goes to stderr.
+Exit status 1 when a check fails (a 5xx, a good request unfinished, a bad or huge one not
+refused, a failed or non-strict counters read, a consumer error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import ROOT, model_path, run_machine  # noqa: E402
+from soak import stop_server  # noqa: E402
+
+MIB = 1 << 20
+LIMIT_MIB = 1
+PROMPT = "Write about the sea and its colours:"
+CHAT = [{"role": "user", "content": "Tell me a short story about a fox."}]
+ESAMP = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
+BAD_XARGS = [
+    {"tllm_consumers": "esamp", "tllm_esamp_beta": -1},
+    {"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39},
+    {"tllm_no_such_key": 1},
+    {"tllm_consumers": "nobody"},
+    {"tllm_group": ["not", "flat"]},
+]
+GOOD = ("plain", "esamp", "chat_stats", "stream_esamp", "stream_plain")
+WEIGHTS = {k: 3 for k in GOOD} | {"cancel": 2, "bad": 2, "huge": 1}
+EXPECTED = {"bad": 400, "huge": 413}
+# Counters whose growth per phase is reported (missing ones count 0).
+COUNTERS = {
+    "runtime": ("engine_steps", "requests_finished", "rows_guided", "bundles_delivered"),
+    "esamp": ("rows_guided", "groups_created", "groups_freed"),
+    "stats": ("bundles",),
+}
+
+
+@dataclass
+class Outcome:
+    kind: str
+    status: int  # HTTP status (a cancelled stream: 200, the status it had when dropped)
+    tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Polls:
+    count: int = 0
+    failed: int = 0  # not 200, or not strict JSON
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, int]]:
+    """``tllm serve`` (vLLM's multiprocess layout) until it prints ``tllm: ready``; yields its
+    URL and process id; stops it (SIGTERM to its process group)."""
+    port = _free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "tllm_core.app.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+    ]
+    argv += ["--consumer", "esamp", "--consumer", "stats", "--per-request"]
+    argv += ["--max-body-mib", str(LIMIT_MIB), "--max-model-len", "512", "--kv-cache-gib", "1"]
+    if eager:
+        argv += ["--", "--enforce-eager"]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    log = workdir / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    try:
+        while "tllm: ready" not in log.read_text():
+            if proc.poll() is not None:
+                raise RuntimeError(f"tllm serve exited:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        stop_server(proc)
+
+
+def tree_rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory (MiB) of a process and all its descendants (``total``), and of the
+    process alone (``front_end``: the API server, which reads every body)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    own = root.memory_info().rss
+    total = own + sum(p.memory_info().rss for p in root.children(True))
+    return {"total": round(total / MIB, 1), "front_end": round(own / MIB, 1)}
+
+
+def _strict(data: bytes) -> Any:
+    def refuse(name: str) -> None:
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(data, parse_constant=refuse)
+
+
+class Load:
+    def __init__(self, client: Any, max_tokens: int):
+        self.client = client
+        self.max_tokens = max_tokens
+
+    def body(self, chat: bool, xargs: dict | None, stream: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": "default", "max_tokens": self.max_tokens}
+        body |= {"messages": CHAT} if chat else {"prompt": PROMPT}
+        body["temperature"] = 1.0  # ESamp guides sampled rows only
+        if xargs:
+            body["vllm_xargs"] = xargs
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return body
+
+    async def post(self, kind: str, chat: bool, xargs: dict | None) -> Outcome:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        r = await self.client.post(path, json=self.body(chat, xargs))
+        if r.status_code != 200:
+            return Outcome(kind, r.status_code)
+        out = r.json()
+        done = all(c.get("finish_reason") in ("length", "stop") for c in out["choices"])
+        return Outcome(kind, 200, out["usage"]["completion_tokens"], done)
+
+    async def stream(self, kind: str, chat: bool, xargs: dict | None, cancel_after: int = 0):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tokens, finished, chunks = 0, False, 0
+        async with self.client.stream("POST", path, json=self.body(chat, xargs, True)) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return Outcome(kind, r.status_code)
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:  # an error after the stream started
+                    return Outcome(kind, event["error"].get("code", 500))
+                chunks += 1
+                if cancel_after and chunks >= cancel_after:
+                    return Outcome(kind, 200)  # leaving the block drops the connection
+                choices = event.get("choices") or []
+                finished |= any(c.get("finish_reason") for c in choices)
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+        return Outcome(kind, 200, tokens, finished)
+
+    async def huge(self) -> Outcome:
+        body = json.dumps(self.body(False, ESAMP)).encode()
+        pad = b" " * (LIMIT_MIB * MIB + MIB // 2)  # whitespace: still valid JSON, 1.5 MiB
+        headers = {"Content-Type": "application/json"}
+        r = await self.client.post("/v1/completions", content=body + pad, headers=headers)
+        return Outcome("huge", r.status_code)
+
+    async def one(self, kind: str, rng: random.Random) -> Outcome:
+        if kind == "plain":
+            return await self.post(kind, False, None)
+        if kind == "esamp":
+            return await self.post(kind, False, ESAMP)
+        if kind == "chat_stats":
+            return await self.post(kind, True, {"tllm_consumers": "stats"})
+        if kind == "stream_esamp":
+            return await self.stream(kind, True, ESAMP)
+        if kind == "stream_plain":
+            return await self.stream(kind, False, None)
+        if kind == "cancel":
+            return await self.stream(kind, True, ESAMP, cancel_after=2)
+        if kind == "bad":
+            return await self.post(kind, False, rng.choice(BAD_XARGS))
+        if kind == "huge":
+            return await self.huge()
+        raise ValueError(f"unknown request kind {kind!r}; known: {sorted(WEIGHTS)}")
+
+    async def counters(self) -> dict[str, Any]:
+        r = await self.client.get("/tllm/counters")
+        r.raise_for_status()
+        return _strict(r.content)
+
+    async def poll(self, interval: float, polls: Polls, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.counters()
+                polls.count += 1
+            except Exception:  # noqa: BLE001 - a failed read is counted, the load goes on
+                polls.failed += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+
+def picked(report: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for part, names in COUNTERS.items():
+        src = report["runtime"] if part == "runtime" else report["consumers"].get(part, {})
+        out |= {f"{part}.{n}": src.get(n, 0) for n in names}
+    return out
+
+
+async def phase(
+    load: Load, name: str, kinds: list[str], concurrency: int, poll_s: float | None, seed: int
+) -> dict[str, Any]:
+    before = picked(await load.counters())
+    queue = list(enumerate(kinds))
+    outcomes: list[Outcome] = []
+    polls, stop = Polls(), asyncio.Event()
+    poller = asyncio.create_task(load.poll(poll_s, polls, stop)) if poll_s else None
+    t0 = time.monotonic()
+
+    async def worker() -> None:
+        while queue:
+            i, kind = queue.pop(0)
+            outcomes.append(await load.one(kind, random.Random(seed + i)))
+            if len(outcomes) % 25 == 0:
+                good_tokens = sum(o.tokens for o in outcomes if o.kind in GOOD)
+                print(
+                    f"load: phase {name}: {len(outcomes)}/{len(kinds)} answered, "
+                    f"{good_tokens / (time.monotonic() - t0):.1f} good tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.monotonic() - t0
+    stop.set()
+    if poller is not None:
+        await poller
+    after = picked(await load.counters())
+    good = [o for o in outcomes if o.kind in GOOD]
+    tokens = sum(o.tokens for o in good)
+    return {
+        "phase": name,
+        "polling_s": poll_s,
+        "requests": len(outcomes),
+        "wall_s": round(wall, 2),
+        "good_tokens": tokens,
+        "good_tok_s": round(tokens / wall, 2),
+        "good_sent": len(good),
+        "good_completed": sum(o.status == 200 and o.finished for o in good),
+        "cancelled": sum(o.kind == "cancel" for o in outcomes),
+        "status_codes": dict(sorted(Counter(str(o.status) for o in outcomes).items())),
+        "status_5xx": sum(o.status >= 500 for o in outcomes),
+        "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
+        "polls": polls.count,
+        "polls_failed": polls.failed,
+        "counters_added": {k: after[k] - before[k] for k in after},
+        "_unexpected": [
+            o.kind
+            for o in outcomes
+            if (o.kind in GOOD and not (o.status == 200 and o.finished))
+            or (o.kind in EXPECTED and o.status != EXPECTED[o.kind])
+            or (o.kind == "cancel" and o.status != 200)
+        ],
+    }
+
+
+def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase's rounds summed; tokens/s over their total wall time."""
+    out = {"phase": rounds[0]["phase"], "polling_s": rounds[0]["polling_s"]}
+    for k in ("requests", "good_tokens", "good_sent", "good_completed", "cancelled"):
+        out[k] = sum(r[k] for r in rounds)
+    out["wall_s"] = round(sum(r["wall_s"] for r in rounds), 2)
+    out["good_tok_s"] = round(out["good_tokens"] / out["wall_s"], 2)
+    out["good_tok_s_rounds"] = [r["good_tok_s"] for r in rounds]
+    out["rss_mib_after_rounds"] = [r["rss_mib_after"] for r in rounds]  # a leak would climb
+    for k in ("status_codes", "by_kind", "counters_added"):
+        total: Counter = Counter()
+        for r in rounds:
+            total.update(r[k])
+        out[k] = dict(sorted(total.items()))
+    out["status_5xx"] = sum(r["status_5xx"] for r in rounds)
+    out["polls"] = sum(r["polls"] for r in rounds)
+    out["polls_failed"] = sum(r["polls_failed"] for r in rounds)
+    out["unexpected"] = [k for r in rounds for k in r["_unexpected"]]
+    return out
+
+
+async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=a.concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        load = Load(client, a.max_tokens)
+        rss_start = tree_rss_mib(pid)
+        warm = [await load.one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
+        rss_warm = tree_rss_mib(pid)
+        rng = random.Random(a.seed)
+        phases: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
+        for r in range(a.rounds):
+            # every kind at least once (given the requests), the rest drawn by weight
+            kinds = list(WEIGHTS)[: a.requests]
+            kinds += rng.choices(list(WEIGHTS), list(WEIGHTS.values()), k=a.requests - len(kinds))
+            rng.shuffle(kinds)
+            for name, poll_s in (("A", a.poll_interval), ("B", None)):
+                seed = a.seed + 1000 * r
+                phases[name].append(await phase(load, name, kinds, a.concurrency, poll_s, seed))
+                phases[name][-1]["rss_mib_after"] = tree_rss_mib(pid)["total"]
+        final = await load.counters()
+        rss_end = tree_rss_mib(pid)
+    a_, b_ = merge(phases["A"]), merge(phases["B"])
+    warm_ok = all(o.status == 200 and o.finished for o in warm)
+    checks = {
+        "no_5xx": a_["status_5xx"] + b_["status_5xx"] == 0,
+        "every_good_request_completed": warm_ok
+        and a_["good_completed"] == a_["good_sent"]
+        and b_["good_completed"] == b_["good_sent"],
+        "every_expectation_met": not a_["unexpected"] and not b_["unexpected"],
+        "polls_all_strict_json": a_["polls"] > 0 and a_["polls_failed"] == 0,
+        "no_consumer_errors": not final.get("errors"),
+    }
+    return {
+        "same_server": True,
+        "phase_order": ", ".join(["A", "B"] * a.rounds),
+        "tok_s_ratio_polled_to_unpolled": round(a_["good_tok_s"] / b_["good_tok_s"], 3),
+        "phases": {"A": a_, "B": b_},
+        "rss_mib": {"start": rss_start, "after_warmup": rss_warm, "end": rss_end},
+        "counters_end": picked(final) | {"esamp.groups_alive": _alive(final)},
+        "errors": final.get("errors", []),
+        "checks": checks,
+        "passed": all(checks.values()),
+    }
+
+
+def _alive(report: dict[str, Any]) -> int:
+    return report["consumers"].get("esamp", {}).get("groups_alive", 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--requests", type=int, default=200, help="requests per phase and round")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of phase A then phase B")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
+    p.add_argument(
+        "--poll-interval", type=float, default=0.2, help="seconds between counter reads in A"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    for name in ("requests", "rounds", "concurrency", "max_tokens"):
+        if getattr(a, name) < 1:
+            raise SystemExit(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}"
+            )
+    if not a.poll_interval > 0:
+        raise SystemExit(
+            f"--poll-interval must be a positive number of seconds, got {a.poll_interval}"
+        )
+    load_start = os.getloadavg()[0]
+    model = model_path(a.model)
+    with (
+        tempfile.TemporaryDirectory(prefix="tllm-load-") as workdir,
+        tllm_serve(model, Path(workdir), a.enforce_eager) as (url, pid),
+    ):
+        out = asyncio.run(drive(url, pid, a))
+    out["workload"] = {
+        k: getattr(a, k)
+        for k in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval", "seed")
+    } | {"model": Path(model).name, "enforce_eager": a.enforce_eager}
+    out["machine"] = run_machine(load_start)
+    out["command"] = "python benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+    return 0 if out["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
