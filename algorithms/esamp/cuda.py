@@ -83,7 +83,6 @@ class CudaGroupedDistiller(SlotDistiller):
         use_cuda_graph: bool = True,
         capacity: int = 8,
         graph_max_rows: int = 16,
-        adam_chunk: int = 1,
         **kwargs: Any,
     ):
         if graph_max_rows < 1:
@@ -93,7 +92,6 @@ class CudaGroupedDistiller(SlotDistiller):
         dev = self.device
         self.stream = torch.cuda.Stream(device=dev)
         self.use_cuda_graph = use_cuda_graph
-        self.adam_chunk = adam_chunk
         self.graph_failures = 0
         self.eager_updates = 0
         self._warned_eager = False
@@ -165,7 +163,6 @@ class CudaGroupedDistiller(SlotDistiller):
             self.shape,
             self.hp,
             applied=self.applied,
-            chunk=self.adam_chunk,
             stats=e.stats,
         )
 
