@@ -69,7 +69,12 @@ class _Inputs:
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The inputs, refilled each step."""
         return (self.xp, self.tp, self.mask, self.valid)
+
+    def allocated(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor :meth:`zeros` allocated (the inputs and the stats the update writes)."""
+        return (*self.tensors(), self.stats)
 
 
 class CudaGroupedDistiller(SlotDistiller):
@@ -203,8 +208,8 @@ class CudaGroupedDistiller(SlotDistiller):
                 self.graph_rows,
             )
         e = _Inputs.zeros(self.capacity, _bucket(max_rows), self.shape.hidden_size, self.device)
-        for t in e.tensors():
-            t.record_stream(self.stream)  # made on the main stream, read on the side one
+        for t in e.allocated():
+            t.record_stream(self.stream)  # made on the main stream, used on the side one
         return e
 
     def _fill(self, e: _Inputs, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> None:
