@@ -11,6 +11,7 @@ import torch
 from tllm_core.bundles import Bundle
 from tllm_core.ports import Phase, ReadPort
 from tllm_core.producer import Producer, TapRequest
+from tllm_core.rows import index_to
 from tllm_core.step import StaleTapError, StepCapture
 
 
@@ -77,7 +78,7 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
 
 
 def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-    return t.index_select(0, torch.from_numpy(idx).to(t.device))
+    return t.index_select(0, index_to(idx, t.device))
 
 
 def build_bundle(

@@ -23,7 +23,7 @@ from tllm_core.ports import Edit, SamplerGuide, resolve_layer
 from tllm_core.producer import TapRequest
 from tllm_core.reads import PortRead, ReadPlan, build_bundle, plan_reads
 from tllm_core.registry import Registry
-from tllm_core.rows import RequestInfo, RowInfo
+from tllm_core.rows import RequestInfo, RowInfo, index_to
 from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StaleTapError, StepCapture
 
@@ -231,7 +231,6 @@ class Runtime:
         True when a logit changed (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
         srows = step.sample_rows()
-        idx = torch.from_numpy(step.sample_token_row)
         hidden = {}
         for key, r in self._guide_reads.items():
             try:
@@ -239,7 +238,7 @@ class Runtime:
             except StaleTapError as e:
                 self._stale(key, e)
                 continue
-            hidden[key] = buf.index_select(0, idx.to(buf.device))
+            hidden[key] = buf.index_select(0, index_to(step.sample_token_row, buf.device))
         changed = False
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
@@ -255,7 +254,7 @@ class Runtime:
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
-                sel = torch.from_numpy(np.nonzero(allowed)[0]).to(logits.device)
+                sel = index_to(np.nonzero(allowed)[0], logits.device)
                 view = GuideView(
                     step.step,
                     srows.select(allowed),
