@@ -25,6 +25,7 @@ class Events:
 
     def guide(self, logits, temperature, is_random, filtered) -> bool:
         self.calls.append((logits.clone(), filtered))
+        self.is_random = is_random
         if self.edit:
             logits[0, int(logits[0].argmax())] += 1.0
         return self.edit
@@ -38,10 +39,11 @@ def _forward(events: Events, live: bool = True):
         return "sampled"
 
     md = SimpleNamespace(temperature=torch.ones(ROWS), all_random=True)
-    runner = SimpleNamespace(input_batch=SimpleNamespace(sampling_metadata=md), requests={})
+    batch = SimpleNamespace(sampling_metadata=md, temperature_cpu=np.ones(ROWS, np.float32))
+    runner = SimpleNamespace(input_batch=batch, requests={})
     adapter = V1RunnerAdapter(runner)
     state = {"live": live, "ids": ["a", "b", "c"]}
-    return adapter._guided_forward(events, orig, state), seen
+    return adapter._guided_forward(events, orig, state), seen, runner
 
 
 def _kp(filters: bool):
@@ -53,7 +55,7 @@ def _kp(filters: bool):
 @pytest.mark.parametrize("filters", [True, False])
 def test_unguided_step_calls_vllms_forward_unchanged(filters):
     events = Events(edit=False)
-    forward, seen = _forward(events)
+    forward, seen, _ = _forward(events)
     logits = torch.randn(ROWS, V, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
     k, p = _kp(filters)
@@ -68,7 +70,7 @@ def test_unguided_step_calls_vllms_forward_unchanged(filters):
 
 @pytest.mark.parametrize("filters", [True, False])
 def test_guided_step_samples_the_guided_candidates_without_k_and_p(filters):
-    forward, seen = _forward(Events(edit=True))
+    forward, seen, _ = _forward(Events(edit=True))
     logits = torch.randn(ROWS, V, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
     k, p = _kp(filters)
@@ -83,9 +85,21 @@ def test_guided_step_samples_the_guided_candidates_without_k_and_p(filters):
 
 def test_no_live_step_passes_through():
     events = Events(edit=True)
-    forward, seen = _forward(events, live=False)
+    forward, seen, _ = _forward(events, live=False)
     logits = torch.randn(ROWS, V)
     k, p = _kp(True)
     forward(logits, {}, k, p)
     assert seen[0][0] is logits and seen[0][2] is k and not events.calls
     assert np.array_equal(seen[0][1].numpy(), logits.numpy())
+
+
+def test_greedy_rows_come_from_the_host_temperatures():
+    """Which rows sample randomly is read from the input batch's host copy: the device
+    temperatures (here on the meta device, which has no values) are never read back."""
+    events = Events(edit=False)
+    forward, _, runner = _forward(events)
+    md = runner.input_batch.sampling_metadata
+    md.all_random, md.temperature = False, torch.ones(ROWS, device="meta")
+    runner.input_batch.temperature_cpu = np.array([0.0, 1.0, 0.7], np.float32)
+    forward(torch.randn(ROWS, V), {}, None, None)
+    assert events.is_random.tolist() == [False, True, True]

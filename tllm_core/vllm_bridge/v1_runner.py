@@ -40,6 +40,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_batch.num_computed_tokens_cpu",
         "input_batch.num_tokens_no_spec",
         "input_batch.sampling_metadata",
+        "input_batch.temperature_cpu",
         "requests",
         "input_ids.gpu",
         "max_num_tokens",
@@ -130,7 +131,9 @@ class V1RunnerAdapter(RunnerAdapterBase):
             md = self.runner.input_batch.sampling_metadata
             n = logits.shape[0]
             temp = md.temperature[:n] if md.temperature is not None else torch.ones(n)
-            is_random = (temp.cpu().numpy() >= 1e-5) if not md.all_random else np.ones(n, bool)
+            # From the host copy of the temperatures: reading md.temperature would sync.
+            ib = self.runner.input_batch
+            is_random = np.ones(n, bool) if md.all_random else ib.temperature_cpu[:n] >= 1e-5
             if events.guide(cand, temp, is_random, filters or self._min_p_active(state["ids"])):
                 return orig(cand, generators, None, None)
             return orig(logits, generators, k, p)
