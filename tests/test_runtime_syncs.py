@@ -13,9 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_core_ports import H, _runtime
+from test_core_ports import H, _model, _runtime
 
+from tllm_core import Consumer, HiddenStates, Phase, SamplerGuide, hookimpl
+from tllm_core.registry import Registry
 from tllm_core.rows import RequestInfo, StepLayout, index_to, layout_rows
+from tllm_core.runtime import Runtime
+from tllm_core.settings import RuntimeSettings
 from tllm_core.step import StepCapture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -77,6 +81,49 @@ def test_runtime_step_reads_the_device_once(device_reads):
     assert counts == [({}, 1)] * 3
     (b, *_) = rt.slots[0].consumer.bundles
     assert b.hidden["layer.0"].device == META and len(b.rows) == 3  # the step was delivered
+
+
+class Looker(Consumer):
+    """Guides without changing anything, reading the first layer's state at its rows."""
+
+    name = "looker"
+
+    def reads(self):
+        return [HiddenStates(0, Phase.DECODE)]
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        view.hidden("layer.0")
+
+
+class _LookerPlugin:
+    @hookimpl
+    def tllm_consumers(self):
+        return [Looker]
+
+
+def test_runtime_guide_reads_the_device_once_more(device_reads):
+    """A step with a guiding consumer (its read of the step's states, the view, the guided
+    counts): one read more, the counts that decide whether vLLM's own call goes on."""
+    reg = Registry()
+    reg.register(_LookerPlugin(), name="looker-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "looker"}]})
+    rt = Runtime(settings, _model(), reg)
+    for _ in range(2):
+        rows, step = _meta_step(rt, decode=3)
+        device_reads.step, before = step.step, device_reads.count
+        logits = torch.zeros(3, 10, device=META)
+        with SyncCounter() as sc:
+            rt.begin_step(rows, {})
+            rt.guide(step, logits, torch.ones(3, device=META), np.ones(3, bool), False)
+            rt.end_step(step)
+        assert dict(sc.kinds) == {} and device_reads.count - before == 2
+    # The guide ran (it read its states without an error; the counts it returned are the
+    # stand-in's, not the view's).
+    snap = rt.counters.snapshot()
+    assert snap["rows_guide_visited"] == 6 and "consumer_errors" not in snap, snap
 
 
 def test_index_copies_do_not_wait_for_the_device():

@@ -274,9 +274,9 @@ class Runtime:
         self.counters.add("rows_guide_visited", len(view.rows))
         if not self.bus.call(s.consumer, "guide", s.consumer.guide, view):
             return None
-        rows = view.rows_guided
+        rows, candidates = view.guided_counts()
         self.counters.add("rows_guided", rows)
-        self.counters.add("candidates_guided", view.candidates_guided)
+        self.counters.add("candidates_guided", candidates)
         return rows
 
     def _stale(self, key: str, error: StaleTapError) -> None:
