@@ -20,6 +20,12 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
    ``train_step`` (which may overlap the next step on the side stream). Reported: the decode
    step alone, the step with the distiller, and the added time as a fraction of the step.
 
+3. ``bytes_per_param``: the bytes one update moves per distiller parameter and group, counted
+   from the tensor sizes of the operations it dispatches (``bytes_count.BytesCounter``;
+   device independent): the dense update that the CUDA graph replays (``dense_update``, run
+   eagerly so that its operations dispatch) and the CPU trainer after a prediction of the
+   same rows (``host_update``, as ESamp runs it); ``*_adam``: the share of Adam's kernel.
+
 ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
 the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
 the script without a GPU.
@@ -38,7 +44,9 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from bytes_count import BytesCounter  # noqa: E402
 
 from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
@@ -143,6 +151,39 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
         res[name] = statistics.median(timed(fn, args.iters) for _ in range(args.repeats))
     res["graph_failures"] = getattr(d, "graph_failures", 0)
     return res
+
+
+def update_bytes_per_param(args, device) -> dict[str, float]:
+    """Bytes per parameter and group of one update of ``args.groups`` groups of ``args.rows``
+    rows: the dense (graph) update and the CPU trainer (see the module docstring, part 3)."""
+    from algorithms.esamp.cuda import _Inputs
+    from algorithms.esamp.graph_update import train_dense
+
+    slots, x, t = _inputs(args, device)
+    d = GroupedDistiller(
+        args.hidden,
+        device=device,
+        intermediate_size=args.intermediate,
+        num_blocks=args.blocks,
+        capacity=args.groups,
+    )
+    live = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
+    per = args.groups * d.shape.num_params
+    out: dict[str, float] = {}
+    e = _Inputs.zeros(args.groups, args.rows, args.hidden, device)
+    e.xp.copy_(x.view(e.xp.shape)), e.tp.copy_(t.view(e.tp.shape))
+    e.mask.fill_(True), e.valid.fill_(True)
+    with BytesCounter() as bc:
+        train_dense(d.theta, d.m, d.v, d.step, e.valid, e.xp, e.tp, e.mask, d.shape, d.hp)
+    out["dense_update"] = bc.total / per
+    out["dense_update_adam"] = bc.by_op["_fused_adam_"] / per
+    if device.type == "cpu":
+        d.predict(live, x)
+        with BytesCounter() as bc:
+            d.train_step(live, x, t)
+        out["host_update"] = bc.total / per
+        out["host_update_adam"] = bc.by_op["_fused_adam_"] / per
+    return out
 
 
 class SyntheticDecode:
@@ -273,6 +314,9 @@ def _run(args, device) -> int:
             + "  ".join(f"{k}={val:.1f}" for k, val in out["distiller"][v].items()),
             file=sys.stderr,
         )
+
+    out["bytes_per_param"] = update_bytes_per_param(args, device)
+    print(f"[gpu_distiller] bytes per parameter {out['bytes_per_param']}", file=sys.stderr)
 
     if device.type == "cuda":
         decode = SyntheticDecode(args.groups * args.rows, device)

@@ -8,7 +8,8 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    subprocess; on CPU they skip, so they run only with ``--device cuda``.
 2. ``distiller``: the distiller benchmark (``gpu_distiller.bench_distiller``) at Qwen2.5-7B
    shapes (hidden 3584, 16 rows per group) for 8 and 64 groups, every variant; ``--quick``
-   or CPU: tiny shapes, eager only.
+   or CPU: tiny shapes, eager only. With each, the update's bytes per parameter
+   (``gpu_distiller.update_bytes_per_param``).
 3. ``memory``: the memory plan (``algorithms.esamp.memory_plan``) against what was
    allocated: on CUDA ``torch.cuda.memory_allocated`` after building the distiller (state,
    inputs, graph pool) and ``max_memory_allocated`` over predict + train steps; on CPU the
@@ -17,9 +18,12 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    distiller's predict + train submission; plus the ESamp consumer's decode step when the
    consumer can be imported (it needs pydantic).
 
-Not covered here (issue 30): taps compiled with ``torch.compile`` and captured in a CUDA graph
-on a toy decoder. No GPU was available where this script was written: its CUDA parts have
-never run.
+5. ``compiled_taps``: tllm's residual taps with edits on a toy decoder with vLLM's layer
+   signature, ``torch.compile``'d and (CUDA only) captured in a CUDA graph, replayed with
+   changing edit buffers and compared with eager (``compiled_taps.run``); on CPU the compile
+   takes about 20-30 s, so ``--quick`` skips it.
+
+No GPU was available where this script was written: its CUDA parts have never run.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from gpu_distiller import bench_distiller  # noqa: E402
+from compiled_taps import run as run_compiled_taps  # noqa: E402
+from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
 from host_memory import cpu_peak_bytes  # noqa: E402
 from sync_count import SyncCounter  # noqa: E402
 
@@ -80,6 +85,7 @@ def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     for groups in (8, 64) if not quick else (2, 4):
         args = SimpleNamespace(groups=groups, blocks=2, **s)
         out[f"groups_{groups}"] = {v: bench_distiller(v, args, device) for v in variants}
+        out[f"groups_{groups}"]["bytes_per_param"] = update_bytes_per_param(args, device)
     return {"shape": s, "results": out}
 
 
@@ -203,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         ("distiller", lambda: run_distiller(device, args.quick)),
         ("memory", lambda: run_memory(device, args.quick)),
         ("syncs", lambda: run_syncs(device)),
+        (
+            "compiled_taps",
+            lambda: {"skipped": "--quick"} if args.quick else run_compiled_taps(device),
+        ),
     )
     for name, fn in parts:
         t = time.time()

@@ -599,6 +599,30 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
             f"{sum(sm['syncs']['distiller_step'][-1].values())}.",
             "",
         ]
+        out += _bytes_and_compile_lines(sm)
+    return out
+
+
+def _bytes_and_compile_lines(sm: dict) -> list[str]:
+    """Bytes per parameter per update (``bytes_per_param`` of each distiller run) and the
+    compiled-taps comparison, when the run has them."""
+    out = []
+    for k, rec in sm["distiller"].get("results", {}).items():
+        b = rec.get("bytes_per_param")
+        if b:
+            parts = ", ".join(f"{name} {v:.1f}" for name, v in b.items())
+            out += [f"Bytes per parameter per update, {k[7:]} groups: {parts}.", ""]
+    ct = sm.get("compiled_taps")
+    if ct and "compiled_max_abs_diff" in ct:
+        replay = ct["cuda_graph"].get("replay_max_abs_diff")
+        graph = f"max abs difference {max(replay):.1e}" if replay else ct["cuda_graph"]["skipped"]
+        out += [
+            "Compiled taps (toy decoder, `torch.compile`, edit buffers changed each step): "
+            f"max abs difference from eager {max(ct['compiled_max_abs_diff']):.1e} over "
+            f"{len(ct['compiled_max_abs_diff'])} steps "
+            f"(compile + run {ct['compile_seconds']:.0f} s); CUDA graph replay: {graph}.",
+            "",
+        ]
     return out
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -276,6 +277,8 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
     for part in ("distiller", "memory", "syncs"):
         assert "error" not in out[part], out[part]
     assert out["distiller"]["results"]["groups_4"]["eager_main"]["train_us"] > 0
+    assert out["distiller"]["results"]["groups_4"]["bytes_per_param"]["dense_update"] > 0
+    assert out["compiled_taps"] == {"skipped": "--quick"}
     mem = out["memory"]
     assert mem["qwen2.5_7b_default_plan"]["total_gib"] <= 1.5
     for k in ("groups_2", "groups_4"):
@@ -307,3 +310,13 @@ def test_load_script_small_run(tiny_model):
     assert len(a["rss_mib_after_rounds"]) == 1
     assert out["workload"]["concurrency"] == 4 and out["machine"]["loadavg_1m_end"] >= 0
     assert "| A |" in "\n".join(_load("report").load_section(out))  # docs/results.md renders it
+
+
+@pytest.mark.slow  # torch.compile of the toy decoder takes 20-30 s on CPU
+def test_compiled_taps_follow_edit_buffers_like_eager():
+    """The toy decoder's taps, compiled, give eager's outputs, captures, stamps and edit
+    counts at each step, as the edit buffers change in place between steps."""
+    out = _load("compiled_taps").run(torch.device("cpu"))
+    assert max(out["compiled_max_abs_diff"]) < 1e-5, out
+    assert len(set(out["rows_edited_eager"])) > 1  # the edits differ between steps
+    assert out["cuda_graph"] == {"skipped": "no CUDA"}

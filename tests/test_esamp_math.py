@@ -492,7 +492,6 @@ def test_dense_fixed_capacity_update_equals_unpadded():
         dense.shape,
         dense.hp,
         applied=applied,
-        chunk=2,
     )
     assert ok.tolist() == valid.tolist() and applied.tolist() == valid.long().tolist()
     torch.testing.assert_close(losses[torch.from_numpy(pk.slots)], ref.losses)

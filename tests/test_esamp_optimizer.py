@@ -8,17 +8,40 @@ from test_esamp_math import INTER, Fake, H, _dense_inputs, _filtered_logits
 
 from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
-from algorithms.esamp.graph_update import losses_and_grads, train_dense
+from algorithms.esamp.graph_update import train_dense
 from algorithms.esamp.guidance import f_noise_prediction
 from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.objective import loss_denominator
-from algorithms.esamp.params import block_weights
+from algorithms.esamp.params import DistillerShape, block_weights, split_params
 from tllm_core.api.bundles import Bundle
 
 
 def _dist(**kw) -> GroupedDistiller:
     kw.setdefault("intermediate_size", INTER)
     return GroupedDistiller(H, **kw)
+
+
+def losses_and_grads(
+    theta: torch.Tensor,
+    xp: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    shape: DistillerShape,
+    reduction: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Autograd's per-slot loss and gradient per weight matrix: a reference that shares
+    only the forward with the written-out backward of both update paths."""
+    gate, up, down = split_params(theta.detach(), shape)
+    nb = shape.num_blocks
+    leaves = [w[:, b].detach().requires_grad_(True) for w in (gate, up, down) for b in range(nb)]
+    with torch.enable_grad():
+        blocks = list(zip(leaves[:nb], leaves[nb : 2 * nb], leaves[2 * nb :], strict=True))
+        y = forward_acts(blocks, xp)[0]
+        err = torch.where(mask[..., None], (y - tp).square(), torch.zeros_like(y))
+        n = loss_denominator(mask.sum(1), shape.hidden_size, reduction)
+        losses = err.sum((1, 2)) / n
+        grads = torch.autograd.grad(losses.sum(), leaves)
+    return losses.detach(), list(grads)
 
 
 def test_loss_denominator():
@@ -39,7 +62,7 @@ def test_sum_is_mean_times_hidden_in_loss_and_gradient():
         d = _dist(loss_reduction=red, grad_clip=None, capacity=2)
         d.alloc(), d.alloc()
         pk, valid, xp, tp, mask = _dense_inputs(d, rows, x, t)
-        # The graph path's loss and autograd gradient, before any update.
+        # Autograd's loss and gradient, before any update.
         loss_g, grads = losses_and_grads(d.theta, xp, tp, mask, d.shape, red)
         # The host trainer's loss, and its gradient read off Adam's first moment (m = (1-b1) g).
         res = d.train_step(rows, x, t)

@@ -1,10 +1,8 @@
-"""Row-wise gradient clipping + Adam, in place over ``[c, P]`` row blocks (one row per slot):
-the optimizer of the graph-capturable update (:mod:`algorithms.esamp.graph_update`). Same
-formulas as ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Adam``.
+"""Gradient clipping and Adam for the distiller's updates (same formulas as
+``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Adam``), and the statistics of an update.
 
-In place so that the update's memory is the state itself plus one gradient block: the
-out-of-place form held about a dozen ``[G, P]`` temporaries at once (see the memory plan,
-:mod:`algorithms.esamp.memory_plan`)."""
+Adam is PyTorch's fused kernel: per call it reads each parameter, gradient and both moments
+once and writes parameter and moments once, the floor of what an Adam step moves."""
 
 from __future__ import annotations
 
@@ -16,43 +14,44 @@ from algorithms.esamp.params import AdamHyper
 CLIP_EPS = 1e-6
 
 
-def adam_clip_(
-    theta: torch.Tensor,
-    grad: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    step: torch.Tensor,
-    ok: torch.Tensor,
-    hp: AdamHyper,
-    norm: torch.Tensor | None = None,
-) -> None:
-    """Row-wise clip + Adam, writing ``theta``, ``m``, ``v``, ``step`` in place.
+def clip_scale(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
+    """Per row, what ``clip_grad_norm_`` multiplies the gradient by: ``min(1, grad_clip /
+    (norm + eps))``; ones without clipping. No host sync."""
+    if hp.grad_clip is None:
+        return torch.ones_like(norm)
+    return (hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)
 
-    All tensors are ``[c, P]`` except ``step``/``ok`` ``[c]``. ``grad`` is scratch: it is
-    overwritten. ``norm [c]``: each row's gradient norm when already known (else computed
-    here). Rows with ``ok`` False keep their parameters and state bit for bit (their
-    learning rate and moment weights are zero, their gradient is zeroed first). No host sync
-    and fixed shapes, so it can be captured in a CUDA graph.
-    """
+
+def fused_adam_(
+    ws: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hp: AdamHyper,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """One Adam step of each ``ws[i]`` in place (``ms``/``vs`` its moments, ``steps[i]`` its
+    step count, already incremented for this step). ``found_inf`` (a one-element float
+    tensor): when it holds 1.0 the kernel returns without touching anything, read on the
+    device (no host sync: the CUDA update graph skips rows this way)."""
     b1, b2 = hp.betas
-    grad.masked_fill_(~ok[:, None], 0.0)  # a where, not a product: nan * 0 is nan
-    if hp.grad_clip is not None:
-        if norm is None:
-            norm = torch.linalg.vector_norm(grad, dim=1)
-        norm = torch.where(ok, norm, torch.zeros_like(norm))  # as after the zeroing above
-        grad.mul_((hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)[:, None])
-    step.add_(ok.to(step.dtype))
-    one = torch.ones_like(step)
-    m.lerp_(grad, torch.where(ok, (1 - b1) * one, 0 * one)[:, None])
-    v.mul_(torch.where(ok, b2 * one, one)[:, None]).addcmul_(grad, grad, value=1 - b2)
-    # Skipped rows may still be at step 0: clamp so their (unused) corrections stay finite.
-    t = step.clamp(min=1)
-    bc1 = 1 - torch.pow(b1, t)
-    bc2_sqrt = torch.sqrt(1 - torch.pow(b2, t))
-    denom = torch.sqrt(v, out=grad)  # the gradient is no longer needed: reuse its block
-    denom.div_(bc2_sqrt[:, None]).add_(hp.eps)
-    upd = torch.div(m, denom, out=denom)
-    theta.addcmul_(upd, torch.where(ok, hp.lr / bc1, 0 * one)[:, None], value=-1)
+    torch._fused_adam_(
+        ws,
+        grads,
+        ms,
+        vs,
+        [],
+        steps,
+        lr=hp.lr,
+        beta1=b1,
+        beta2=b2,
+        weight_decay=0.0,
+        eps=hp.eps,
+        amsgrad=False,
+        maximize=False,
+        found_inf=found_inf,
+    )
 
 
 # Columns of a step's optimizer statistics, one row per group update (adam_stats).
@@ -61,7 +60,7 @@ STATS = ("clipped", "eps_share", "update_size", "grad_norm")
 
 def clipped(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
     """Per row: 1.0 where clipping scaled the gradient down (``grad_clip / (norm + eps) < 1``,
-    the test :func:`adam_clip_` and the host trainer apply), else 0.0."""
+    the test both update paths apply), else 0.0."""
     if hp.grad_clip is None:
         return torch.zeros_like(norm)
     return (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)

@@ -69,7 +69,12 @@ class _Inputs:
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The inputs, refilled each step."""
         return (self.xp, self.tp, self.mask, self.valid)
+
+    def allocated(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor :meth:`zeros` allocated (the inputs and the stats the update writes)."""
+        return (*self.tensors(), self.stats)
 
 
 class CudaGroupedDistiller(SlotDistiller):
@@ -83,7 +88,6 @@ class CudaGroupedDistiller(SlotDistiller):
         use_cuda_graph: bool = True,
         capacity: int = 8,
         graph_max_rows: int = 16,
-        adam_chunk: int = 1,
         **kwargs: Any,
     ):
         if graph_max_rows < 1:
@@ -93,7 +97,6 @@ class CudaGroupedDistiller(SlotDistiller):
         dev = self.device
         self.stream = torch.cuda.Stream(device=dev)
         self.use_cuda_graph = use_cuda_graph
-        self.adam_chunk = adam_chunk
         self.graph_failures = 0
         self.eager_updates = 0
         self._warned_eager = False
@@ -165,7 +168,6 @@ class CudaGroupedDistiller(SlotDistiller):
             self.shape,
             self.hp,
             applied=self.applied,
-            chunk=self.adam_chunk,
             stats=e.stats,
         )
 
@@ -206,8 +208,8 @@ class CudaGroupedDistiller(SlotDistiller):
                 self.graph_rows,
             )
         e = _Inputs.zeros(self.capacity, _bucket(max_rows), self.shape.hidden_size, self.device)
-        for t in e.tensors():
-            t.record_stream(self.stream)  # made on the main stream, read on the side one
+        for t in e.allocated():
+            t.record_stream(self.stream)  # made on the main stream, used on the side one
         return e
 
     def _fill(self, e: _Inputs, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> None:

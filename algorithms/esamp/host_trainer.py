@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats
+from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
+from algorithms.esamp.backward import backward_factors, clipped_grad
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.packing import HostBatch, Packing
@@ -23,12 +24,11 @@ class HostTrainer:
     written out as batched products over groups (both cores work on it through torch's
     intra-op pool; 16-row products of one group alone run on one core).
 
-    Each weight gradient is a product ``A^T B`` of two thin ``[M, .]`` factors, so its squared
-    norm is ``sum((A A^T) * (B B^T))``: every group's clip coefficient is known from M x M
-    Gram matrices before any gradient exists. Each weight's gradients (all groups) are then
-    formed once, already clipped, in a scratch buffer that stays in cache, and handed to
-    PyTorch's fused Adam kernel: per step the optimizer streams parameters and moments once,
-    and no full-size gradient is ever written to memory.
+    The backward is :mod:`algorithms.esamp.backward`'s: every group's clip coefficient is
+    known before any gradient exists. Each weight's gradients (all groups) are then formed
+    once, already clipped, in a scratch buffer that stays in cache, and handed to PyTorch's
+    fused Adam kernel: per step the optimizer streams parameters and moments once, and no
+    full-size gradient is ever written to memory.
     """
 
     def __init__(self, shape: DistillerShape, hp: AdamHyper):
@@ -69,24 +69,7 @@ class HostTrainer:
         denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
         losses = diff.square().sum((1, 2)) / denom
         dy = diff.mul_((2.0 / denom)[:, None, None])
-        # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
-        factors: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        sq = torch.zeros(batch.size)
-        for b in reversed(range(len(weights))):
-            gate, up, down = weights[b]
-            h_in, a, u, s, p = acts[b]
-            dp = torch.bmm(dy, down)
-            du = dp * s
-            sig = torch.sigmoid(a)
-            da = dp * u * sig * (1 + a * (1 - sig))
-            factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
-            # ||A^T B||^2 = sum((A A^T) * (B B^T)); gate and up share B = h_in.
-            gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
-            gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
-            sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
-            sq += (gram_g * gram_in).sum((1, 2))
-            if b:
-                dy = dy + torch.bmm(du, up) + torch.bmm(da, gate)
+        factors, sq = backward_factors(weights, acts, dy)
         loss_l = losses[torch.from_numpy(batch.pos)].tolist()
         sq_l = sq[torch.from_numpy(batch.pos)].tolist()
         ok = [math.isfinite(lo) and math.isfinite(q) for lo, q in zip(loss_l, sq_l, strict=True)]
@@ -119,13 +102,10 @@ class HostTrainer:
         numel = shape.intermediate_size * shape.hidden_size
         if self.scratch.numel() < size * numel:
             self.scratch = torch.empty(size * numel)
-        scale = coef[:, None, None]
-        for b, k, a_f, b_f in factors:
-            j = 3 * b + k
-            w_shape = rows[0][0][j].shape
-            grad = self.scratch[: size * numel].view(size, *w_shape)
-            # Clipping folded into the thin factor: (c A)^T B = c (A^T B).
-            torch.bmm((a_f * scale).transpose(1, 2), b_f, out=grad)
+        for f in factors:
+            j = 3 * f[0] + f[1]
+            grad = self.scratch[: size * numel].view(size, *rows[0][0][j].shape)
+            clipped_grad(f, coef, grad)
             self._adam(
                 [r[0][j] for r in rows],
                 [grad[i] for i, _ in todo],
@@ -152,21 +132,7 @@ class HostTrainer:
         hp = self.hp
         b1, b2 = hp.betas
         if self.fused:
-            torch._fused_adam_(
-                ws,
-                grads,
-                ms,
-                vs,
-                [],
-                steps,
-                lr=hp.lr,
-                beta1=b1,
-                beta2=b2,
-                weight_decay=0.0,
-                eps=hp.eps,
-                amsgrad=False,
-                maximize=False,
-            )
+            fused_adam_(ws, grads, ms, vs, steps, hp)
             return
         for w, grad, m, v, step in zip(ws, grads, ms, vs, steps, strict=True):
             n = float(step)

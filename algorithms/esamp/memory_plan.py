@@ -13,9 +13,9 @@ vocabulary):
 - state: ``S * (3P + 1) * 4`` (weights, two Adam moments, step) ``+ S * 8`` (update counter)
   ``+ P * 4`` (the init template);
 - update inputs: ``2 * S*M*H * 4 + S*M + S`` (static ``xp``, ``tp``, mask, valid);
-- update workspace (the graph's private pool): ``S * P * 4`` (gradients of every slot)
-  ``+ 2 * chunk * P * 4`` (one Adam block, and the copy of a transposed gradient or a
-  norm's temporary beside it) ``+`` activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
+- update workspace (the graph's private pool): ``S * I*H * 4`` (one weight matrix's
+  gradients for every slot: Adam reads each matrix's right after it is formed) ``+``
+  activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
   gathered head rows) and full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
@@ -48,7 +48,6 @@ class MemoryPlan:
     slots: int  # S: distiller slots (concurrent prompt groups)
     graph_rows: int  # M: rows per slot the update graph holds
     rows_per_step: int  # R: vLLM's max_num_seqs (decode rows of one step)
-    adam_chunk: int
     params: int  # P
     state_bytes: int
     inputs_bytes: int
@@ -104,7 +103,6 @@ def plan_memory(
     rows_per_step: int,
     intermediate_size: int = 384,
     num_blocks: int = 2,
-    adam_chunk: int = 1,
     candidate_chunk: int = CANDIDATE_CHUNK,
 ) -> MemoryPlan:
     """The plan for these shapes (see the module docstring for each term)."""
@@ -114,7 +112,7 @@ def plan_memory(
     state = s * (3 * p + 1) * 4 + s * 8 + p * 4
     inputs = 2 * s * m * h * 4 + s * m + s
     acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
-    update = s * p * 4 + 2 * min(adam_chunk, s) * p * 4 + acts_update
+    update = s * i * h * 4 + acts_update
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     guidance = max(10 * candidate_chunk * h, 5 * rows_per_step * vocab_size * 4)
     return MemoryPlan(
@@ -125,7 +123,6 @@ def plan_memory(
         s,
         m,
         rows_per_step,
-        adam_chunk,
         p,
         state,
         inputs,

@@ -174,15 +174,21 @@ class GuideView:
         device: reading it is up to the caller)."""
         return self._changed
 
+    def guided_counts(self) -> tuple[int, int]:
+        """``(rows_guided, candidates_guided)`` in one host read."""
+        c = self._changed
+        rows, cands = torch.stack([(c > 0).sum(), c.sum()]).cpu().tolist()
+        return rows, cands
+
     @property
     def rows_guided(self) -> int:
         """Rows with at least one logit changed through this view (a host read)."""
-        return int((self._changed > 0).sum())
+        return self.guided_counts()[0]
 
     @property
     def candidates_guided(self) -> int:
         """Logits changed through this view (a host read)."""
-        return int(self._changed.sum())
+        return self.guided_counts()[1]
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""

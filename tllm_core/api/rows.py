@@ -98,6 +98,18 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
             start = i
 
 
+def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices ``idx`` as an index tensor on ``device`` without making the host wait
+    for the device: a copy from pageable memory would synchronise the stream; from pinned
+    memory it is asynchronous (the caching host allocator keeps the block until it ran)."""
+    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class RowInfo:
     """Metadata of a set of token rows (host arrays, one entry per row).
@@ -145,7 +157,7 @@ class RowInfo:
             position=self.position[idx],
             is_decode=self.is_decode[idx],
             recomputed=self.recomputed[idx],
-            token_ids=self.token_ids[torch.from_numpy(idx).to(self.token_ids.device)],
+            token_ids=self.token_ids[index_to(idx, self.token_ids.device)],
         )
 
     def to_host(self) -> RowInfo:

@@ -11,7 +11,7 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import phase_mask
+from tllm_core.api.rows import index_to, phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 
 
@@ -72,7 +72,7 @@ def plan_reads(
 
 
 def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-    return t.index_select(0, torch.from_numpy(idx).to(t.device))
+    return t.index_select(0, index_to(idx, t.device))
 
 
 def build_bundle(

@@ -22,7 +22,7 @@ from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
-from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.api.rows import RequestInfo, RowInfo, index_to
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.bus import Bus
@@ -246,7 +246,6 @@ class Runtime:
         True when a logit changed (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
         srows = step.sample_rows()
-        idx = torch.from_numpy(step.sample_token_row)
         hidden = {}
         for key, r in self._guide_reads.items():
             try:
@@ -254,7 +253,7 @@ class Runtime:
             except StaleTapError as e:
                 self._stale(key, e)
                 continue
-            hidden[key] = buf.index_select(0, idx.to(buf.device))
+            hidden[key] = buf.index_select(0, index_to(step.sample_token_row, buf.device))
         changed = False
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
@@ -270,7 +269,7 @@ class Runtime:
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
-                sel = torch.from_numpy(np.nonzero(allowed)[0]).to(logits.device)
+                sel = index_to(np.nonzero(allowed)[0], logits.device)
                 view = GuideView(
                     step.step,
                     srows.select(allowed),
@@ -292,9 +291,9 @@ class Runtime:
             s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
         ):
             return None
-        rows = view.rows_guided
+        rows, candidates = view.guided_counts()
         self.counters.add("rows_guided", rows)
-        self.counters.add("candidates_guided", view.candidates_guided)
+        self.counters.add("candidates_guided", candidates)
         return rows
 
     def _stale(self, key: str, error: StaleTapError) -> None:

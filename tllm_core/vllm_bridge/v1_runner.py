@@ -9,8 +9,9 @@ Instance-level wrappers (never class-level) on one runner:
 
 - ``_prepare_inputs``: after vLLM lays out the step -> ``begin(layout)``.
 - ``execute_model``: before -> ``finished(ids)``; after -> ``forward_done(final, logits)``.
-- ``sampler.topk_topp_sampler.forward`` (only when a consumer guides): filter
-  (top-k/top-p; min-p already applied) -> ``guide(...)`` -> sample with vLLM's own code.
+- ``sampler.topk_topp_sampler.forward`` (only when a consumer guides): filter a copy
+  (top-k/top-p; min-p already applied) -> ``guide(...)`` -> sample with vLLM's own code: the
+  guided logits with ``k = p = None``, or, when no logit changed, vLLM's own call unchanged.
 - ``_sample``: after sampling -> ``sampled(token_ids)``.
 """
 
@@ -39,6 +40,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_batch.num_computed_tokens_cpu",
         "input_batch.num_tokens_no_spec",
         "input_batch.sampling_metadata",
+        "input_batch.temperature_cpu",
         "requests",
         "input_ids.gpu",
         "max_num_tokens",
@@ -111,21 +113,29 @@ class V1RunnerAdapter(RunnerAdapterBase):
         r.execute_model = execute_model
         r._sample = _sample
         if guides:
-            from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
             tk = r.sampler.topk_topp_sampler
-            orig = tk.forward
+            tk.forward = self._guided_forward(events, tk.forward, state)
 
-            def forward(logits, generators, k, p):
-                if not state["live"]:
-                    return orig(logits, generators, k, p)
-                logits = apply_top_k_top_p(logits, k, p)
-                md = r.input_batch.sampling_metadata
-                n = logits.shape[0]
-                temp = md.temperature[:n] if md.temperature is not None else torch.ones(n)
-                is_random = (temp.cpu().numpy() >= 1e-5) if not md.all_random else np.ones(n, bool)
-                filtered = k is not None or p is not None or self._min_p_active(state["ids"])
-                events.guide(logits, temp, is_random, filtered)
-                return orig(logits, generators, None, None)
+    def _guided_forward(self, events: StepEvents, orig: Any, state: dict[str, Any]):
+        """``topk_topp_sampler.forward`` with the guide between filtering and sampling."""
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-            tk.forward = forward
+        def forward(logits, generators, k, p):
+            if not state["live"]:
+                return orig(logits, generators, k, p)
+            filters = k is not None or p is not None
+            # Filter a copy: when nothing is guided vLLM's own call goes on with its input
+            # and k/p (on CUDA it then samples with FlashInfer, which draws differently from
+            # sampling pre-filtered logits with k = p = None).
+            cand = apply_top_k_top_p(logits.clone() if filters else logits, k, p)
+            md = self.runner.input_batch.sampling_metadata
+            n = logits.shape[0]
+            temp = md.temperature[:n] if md.temperature is not None else torch.ones(n)
+            # From the host copy of the temperatures: reading md.temperature would sync.
+            ib = self.runner.input_batch
+            is_random = np.ones(n, bool) if md.all_random else ib.temperature_cpu[:n] >= 1e-5
+            if events.guide(cand, temp, is_random, filters or self._min_p_active(state["ids"])):
+                return orig(cand, generators, None, None)
+            return orig(logits, generators, k, p)
+
+        return forward

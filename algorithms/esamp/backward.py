@@ -1,0 +1,48 @@
+"""The distiller's backward written out (no autograd), shared by both update paths.
+
+Each weight's gradient is a product ``A^T B`` of two thin ``[B, M, .]`` factors, so its
+squared norm is ``sum((A A^T) * (B B^T))``: each group's gradient norm (for clipping) comes
+from ``M x M`` Gram matrices before any gradient exists, and each gradient can then be
+formed once, already clipped, right before Adam reads it."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.mlp import Activations
+
+# (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
+Factor = tuple[int, int, torch.Tensor, torch.Tensor]
+
+
+def backward_factors(
+    weights: list[tuple[torch.Tensor, ...]], acts: Activations, dy: torch.Tensor
+) -> tuple[list[Factor], torch.Tensor]:
+    """The gradient factors of every weight matrix and each group's squared gradient norm
+    ``[B]``, from the forward's activations (:func:`~algorithms.esamp.mlp.forward_acts`) and
+    the loss's gradient ``dy [B, M, H]`` with respect to the output."""
+    factors: list[Factor] = []
+    sq = torch.zeros(dy.shape[0], dtype=dy.dtype, device=dy.device)
+    for b in reversed(range(len(weights))):
+        gate, up, down = weights[b]
+        h_in, a, u, s, p = acts[b]
+        dp = torch.bmm(dy, down)
+        du = dp * s
+        sig = torch.sigmoid(a)
+        da = dp * u * sig * (1 + a * (1 - sig))
+        factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+        # Gate and up share B = h_in.
+        gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
+        gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
+        sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
+        sq += (gram_g * gram_in).sum((1, 2))
+        if b:
+            dy = dy + torch.bmm(du, up) + torch.bmm(da, gate)
+    return factors, sq
+
+
+def clipped_grad(factor: Factor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [B, ., .]`` <- each group's gradient of the factor's matrix times ``scale [B]``
+    (the clip coefficient folded into the thin factor: ``(c A)^T B = c (A^T B)``)."""
+    _, _, a_f, b_f = factor
+    return torch.bmm((a_f * scale[:, None, None]).transpose(1, 2), b_f, out=out)
