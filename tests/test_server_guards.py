@@ -318,6 +318,15 @@ def _app(engine, api_key, settings=None, errors=None):
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()
+        if body.get("stream"):  # vLLM's stream: headers first, requests admitted afterwards
+            from fastapi.responses import StreamingResponse
+
+            async def events():
+                yield b'data: {"text": "a"}\n\n'
+                REQUEST_IDS.get().extend(body.get("run", []))
+                yield b'data: {"text": "b"}\n\ndata: [DONE]\n\n'
+
+            return StreamingResponse(events(), media_type="text/event-stream")
         if "run" in body:  # what vLLM's assign_request_id (wrapped) does per request it runs
             REQUEST_IDS.get().extend(body["run"])
         return {"ok": True}
@@ -486,5 +495,12 @@ def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     assert marked.status_code == 200 and marked.headers["x-tllm-failed"] == "esamp"
     clean = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-3"]})
     assert clean.status_code == 200 and "x-tllm-failed" not in clean.headers
-    # No request ran before the response started (a stream): no header.
     assert "x-tllm-failed" not in client.post("/v1/completions", json={"prompt": "x"}).headers
+    # A stream: its headers left before its requests ran; an SSE comment before [DONE].
+    streamed = client.post(
+        "/v1/completions", json={"prompt": "x", "stream": True, "run": ["bad-4"]}
+    )
+    assert "x-tllm-failed" not in streamed.headers
+    assert streamed.text.endswith('"b"}\n\n: tllm-failed esamp\n\ndata: [DONE]\n\n'), streamed.text
+    clean = client.post("/v1/completions", json={"prompt": "x", "stream": True, "run": ["ok-5"]})
+    assert "tllm-failed" not in clean.text and clean.text.endswith("data: [DONE]\n\n")

@@ -18,6 +18,10 @@ log = logging.getLogger("vllm.tllm")
 # request its own list; serving's assign_request_id wrapper fills it through note_request).
 REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
 FAILED_HEADER = b"x-tllm-failed"
+# The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it
+# (clients skip comment lines, as the SSE format says they must).
+STREAM_END = b"data: [DONE]"
+SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str]], Awaitable[list[Any]]]
 
@@ -32,13 +36,15 @@ def note_request(request: Any) -> None:
 
 class FailureMarks:
     """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on (a
-    callback raised while acting on them, ``Bus.failed_requests``) gets the header
-    ``X-Tllm-Failed: name[,name]``.
+    callback raised while acting on them, ``Bus.failed_requests``) is marked with the
+    consumers' names: a non-streamed one by the header ``X-Tllm-Failed: name[,name]``, a
+    stream (whose headers left before its first token) by the SSE comment line
+    ``: tllm-failed name[,name]`` just before its closing ``data: [DONE]``.
 
-    The workers are asked when the response starts, only for responses that ran requests
-    before starting (non-streamed ones: a stream starts before its first token, so it is
-    never marked). A background consumer that fails after the response started is not
-    reported in it either: the header marks what is known when the answer is sent.
+    The workers are asked once per response, when the answer is complete (the response
+    start, or a stream's last event), and only when it ran requests. A background consumer
+    that fails after that is not reported in it: the mark says what is known when the answer
+    is sent.
     """
 
     def __init__(self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None]):
@@ -64,12 +70,21 @@ class FailureMarks:
         ids: list[str] = []
         token = REQUEST_IDS.set(ids)
 
+        stream = False
+
         async def marked(msg: dict) -> None:
-            if msg["type"] == "http.response.start" and ids:
-                names = await self.failed(list(ids))
-                if names:
+            nonlocal stream
+            if msg["type"] == "http.response.start":
+                headers = msg.get("headers", ())
+                stream = any(k.lower() == b"content-type" and SSE in v for k, v in headers)
+                if not stream and ids and (names := await self.failed(list(ids))):
                     header = (FAILED_HEADER, ",".join(names).encode())
-                    msg = {**msg, "headers": [*msg.get("headers", ()), header]}
+                    msg = {**msg, "headers": [*headers, header]}
+            elif stream and ids and STREAM_END in (body := msg.get("body", b"")):
+                if names := await self.failed(list(ids)):
+                    at = body.index(STREAM_END)
+                    line = b": tllm-failed " + ",".join(names).encode() + b"\n\n"
+                    msg = {**msg, "body": body[:at] + line + body[at:]}
             await send(msg)
 
         try:
