@@ -305,3 +305,20 @@ def test_edit_plan_sizes_a_router_edit_by_the_number_of_experts():
     plan.add("router.1", np.array([0, 1]), torch.zeros(4))
     with pytest.raises(ValueError, match=r"'router.1' has size 8, the tapped tensor's width is 4"):
         plan.add("router.1", np.array([0]), torch.zeros(8))
+
+
+@pytest.mark.vllm
+def test_cli_refusal_at_engine_start_is_one_line(tiny_model, tmp_path):
+    """The router asked of a dense model is refused where the layers are known, in the
+    engine; vLLM's own error there says only "see root cause above". The command ends with
+    tllm's one line naming the site, the layer and why, and exit 2."""
+    from conftest import run_cli
+
+    proc = run_cli(
+        "export", "--model", tiny_model, "--layers", "router.1", "--out", str(tmp_path / "x"),
+        "--enforce-eager", "--prompt", "Hi", "--max-tokens", "2", timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("tllm: the engine refused to start: tap site 'router' is not "), last
+    assert "decoder layer 1 (LlamaDecoderLayer)" in last and "dense MLP" in last, last

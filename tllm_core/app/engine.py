@@ -20,6 +20,7 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
+from tllm_core.runtime.start_error import StartErrorNote
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
@@ -138,8 +139,10 @@ class TllmLLM:
         bound = bind_cpu_threads(world)
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
+        note = StartErrorNote()
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
-        additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_dump()
+        sent = self.settings.model_copy(update={"start_error_file": note.path})
+        additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
         from vllm import LLM
 
         try:
@@ -149,7 +152,13 @@ class TllmLLM:
                 worker_extension_cls=WORKER_EXTENSION,
                 **llm_kwargs,
             )
+        except Exception as e:
+            why = note.read()  # vLLM's own error says only "see root cause above"
+            if why:
+                raise UnsupportedEngineError(f"the engine refused to start: {why}") from e
+            raise
         finally:
+            note.close()
             if bound is not None:  # the workers are bound: leave the caller's env as it was
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         statuses = self.llm.collective_rpc("tllm_status")

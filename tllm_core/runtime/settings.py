@@ -75,3 +75,8 @@ class RuntimeSettings(BaseModel):
         description="torch intra-op threads of each background consumer's thread (the "
         "engine's own threads already use the cores)",
     )
+    start_error_file: str | None = Field(
+        None,
+        description="a file the engine writes why tllm refused to start into, for the front "
+        "end to report (runtime/start_error.py)",
+    )

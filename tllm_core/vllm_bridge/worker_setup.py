@@ -129,7 +129,14 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         from tllm_core.vllm_bridge import workarounds
         from tllm_core.vllm_bridge.hooks import install
 
-        hooks = install(runner, settings)
+        try:
+            hooks = install(runner, settings)
+        except Exception as e:
+            from tllm_core.runtime.start_error import record
+
+            tllm = isinstance(e, (UnsupportedEngineError, ValueError))
+            record(settings.get("start_error_file"), str(e) if tllm else f"{type(e).__name__}: {e}")
+            raise
         workarounds.apply_to_runner(runner, hooks.adapter.generation)
         return out
 
