@@ -293,12 +293,19 @@ def _app(engine, api_key, settings=None, errors=None):
     from tllm_core.vllm_bridge.request_marks import REQUEST_IDS
     from tllm_core.vllm_bridge.serving import attach_routes
 
+    ran: list[str] = []  # caller ids of every request run, as the workers would know them
+
     class FakeEngineClient:
+        failure_reads = 0
+
         async def collective_rpc(self, method, args=()):
             if method == "tllm_status":
                 return [{"installed": True, "rank": {"leader": True}}]
             if method == "tllm_failed_requests":  # requests named "bad*" met a failing esamp
-                return [{r: ["esamp"] for r in args[0] if r.startswith("bad")}]
+                assert args == (None,)  # every failure the workers remember
+                FakeEngineClient.failure_reads += 1
+                await asyncio.sleep(0.05)  # a round trip to the engine
+                return [{r: ["esamp"] for r in ran if r.startswith("bad")}]
             return [
                 {
                     "runtime": {"steps": 1},
@@ -324,11 +331,13 @@ def _app(engine, api_key, settings=None, errors=None):
             async def events():
                 yield b'data: {"text": "a"}\n\n'
                 REQUEST_IDS.get().extend(body.get("run", []))
+                ran.extend(body.get("run", []))
                 yield b'data: {"text": "b"}\n\ndata: [DONE]\n\n'
 
             return StreamingResponse(events(), media_type="text/event-stream")
         if "run" in body:  # what vLLM's assign_request_id (wrapped) does per request it runs
             REQUEST_IDS.get().extend(body["run"])
+            ran.extend(body["run"])
         return {"ok": True}
 
     return TestClient(app)
@@ -504,3 +513,25 @@ def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     assert streamed.text.endswith('"b"}\n\n: tllm-failed esamp\n\ndata: [DONE]\n\n'), streamed.text
     clean = client.post("/v1/completions", json={"prompt": "x", "stream": True, "run": ["ok-5"]})
     assert "tllm-failed" not in clean.text and clean.text.endswith("data: [DONE]\n\n")
+
+
+def test_responses_completing_together_share_one_read_of_the_failures(engine):
+    """16 answers at once: the workers are asked once at a time, not once per response,
+    and each response is still marked from a read that began after it was complete."""
+    import httpx
+
+    client = _app(engine, None)
+    fake = type(client.app.state.tllm_engine_client)
+
+    async def burst():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            bodies = [
+                {"prompt": "x", "run": [f"{'bad' if i % 4 == 0 else 'ok'}-{i}"]} for i in range(16)
+            ]
+            return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+    answers = asyncio.run(burst())
+    marked = [i for i, r in enumerate(answers) if r.headers.get("x-tllm-failed") == "esamp"]
+    assert marked == [0, 4, 8, 12]
+    assert 1 <= fake.failure_reads < 16, fake.failure_reads

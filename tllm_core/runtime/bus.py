@@ -248,13 +248,14 @@ class Bus:
         if off or first:
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
-    def failures_of(self, request_ids: Iterable[str]) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``request_ids`` (caller ids),
-        for those among the last ``MAX_FAILED_REQUESTS`` requests with a failure."""
+    def failures_of(self, request_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
+        """The consumers that failed while acting on each of ``request_ids`` (caller ids; None:
+        every request), for those among the last ``MAX_FAILED_REQUESTS`` requests with a
+        failure."""
         with self._fail_lock:
-            return {
-                r: sorted(self.failed_requests[r]) for r in request_ids if r in self.failed_requests
-            }
+            known = self.failed_requests
+            ids = known if request_ids is None else [r for r in request_ids if r in known]
+            return {r: sorted(known[r]) for r in ids}
 
     def publish(self, consumer: Consumer, bundle: Bundle) -> None:
         if consumer.name in self.disabled:

@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
+from tllm_core.serving.throttle import Throttle
+
 log = logging.getLogger("vllm.tllm")
 
 # Caller ids of the requests an HTTP request made vLLM run (FailureMarks gives each HTTP
@@ -41,10 +43,12 @@ class FailureMarks:
     stream (whose headers left before its first token) by the SSE comment line
     ``: tllm-failed name[,name]`` just before its closing ``data: [DONE]``.
 
-    The workers are asked once per response, when the answer is complete (the response
-    start, or a stream's last event), and only when it ran requests. A background consumer
-    that fails after that is not reported in it: the mark says what is known when the answer
-    is sent.
+    A response is marked from a read of the workers' failure records (the last 1024 requests
+    with a failure) that started after its answer was complete (the response start, or a
+    stream's last event); responses completing together share one read (``Throttle``), so the
+    workers are asked at most once at a time however many responses go out. A background
+    consumer that fails after that is not reported in it: the mark says what is known when
+    the answer is sent.
     """
 
     def __init__(self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None]):
@@ -52,17 +56,24 @@ class FailureMarks:
         self.app = app
         self.paths = paths
         self.ask = ask
+        self.reads = Throttle(self._read)
+
+    async def _read(self) -> dict[str, set[str]]:
+        """Every request the workers remember a failure of, with the consumers' names."""
+        ask = self.ask()
+        known: dict[str, set[str]] = {}
+        for answer in [] if ask is None else await ask("tllm_failed_requests", None):
+            for request, names in (answer or {}).items():
+                known.setdefault(request, set()).update(names)
+        return known
 
     async def failed(self, ids: list[str]) -> list[str]:
-        ask = self.ask()
-        if ask is None:
-            return []
         try:
-            answers = await ask("tllm_failed_requests", ids)
+            known = await self.reads.get()
         except Exception:  # noqa: BLE001 - the response goes out unmarked
             log.exception("tllm: could not read which consumers failed on %s", ids)
             return []
-        return sorted({n for a in answers for names in (a or {}).values() for n in names})
+        return sorted({n for r in ids for n in known.get(r, ())})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):

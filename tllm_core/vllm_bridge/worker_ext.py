@@ -39,9 +39,9 @@ class TllmWorkerExtension:
         if hooks is not None:
             hooks.mark_aborted(request_ids)
 
-    def tllm_failed_requests(self, request_ids: list[str]) -> dict[str, list[str]]:
+    def tllm_failed_requests(self, request_ids: list[str] | None = None) -> dict[str, list[str]]:
         """The consumers that failed while acting on each of ``request_ids`` (caller ids;
-        those with no failure left out)."""
+        those with no failure left out; None: every request the bus remembers)."""
         hooks = self._tllm_hooks()
         return {} if hooks is None else hooks.runtime.bus.failures_of(request_ids)
 
