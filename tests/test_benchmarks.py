@@ -289,6 +289,7 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
     assert sum(syncs["consumer_step"]["post_filter"][-1].values()) == 1
 
 
+@pytest.mark.slow  # a benchmark's smoke run; the default suite fuzzes the server itself
 @pytest.mark.vllm
 def test_load_script_small_run(tiny_model):
     """``load.py`` on the tiny model, a handful of requests of every kind: both phases report
