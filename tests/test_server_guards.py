@@ -535,3 +535,53 @@ def test_responses_completing_together_share_one_read_of_the_failures(engine):
     marked = [i for i, r in enumerate(answers) if r.headers.get("x-tllm-failed") == "esamp"]
     assert marked == [0, 4, 8, 12]
     assert 1 <= fake.failure_reads < 16, fake.failure_reads
+
+
+def test_a_served_requests_keys_are_validated_once_in_the_api_server(engine, monkeypatch):
+    """XargsCheck validates the body of the OpenAI routes; the input processor's check (which
+    vLLM runs in the same request) then skips them, and checks only what the body check did
+    not see (another route), refusing a bad value there."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.exceptions import VLLMValidationError
+
+    from tllm_core.vllm_bridge import serving
+
+    calls = []
+    real = serving.validate_extra_args
+    monkeypatch.setattr(
+        serving, "validate_extra_args", lambda x, s: (calls.append(dict(x)), real(x, s))
+    )
+    processor = SimpleNamespace(assign_request_id=lambda request: None)
+    serving.install_request_checks(processor, engine, b"k" * 32)
+    app = FastAPI()
+    app.add_middleware(serving.XargsCheck, server=engine)
+
+    def admit(body):  # what vLLM's add_request does with the request's vllm_xargs
+        params = SimpleNamespace(extra_args=dict(body["vllm_xargs"]))
+        request = SimpleNamespace(sampling_params=params, cache_salt=None, request_id="r")
+        try:
+            processor.assign_request_id(request)
+        except VLLMValidationError as e:
+            return {"error": str(e)}
+        return {"ok": True}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return admit(await request.json())
+
+    @app.post("/v1/other")
+    async def other(request: Request):
+        return admit(await request.json())
+
+    client = TestClient(app)
+    good = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}}
+    assert client.post("/v1/completions", json=good).json() == {"ok": True}
+    assert len(calls) == 1  # the body check's; the input processor skipped it
+    assert client.post("/v1/other", json=good).json() == {"ok": True}
+    assert len(calls) == 2  # not a checked route: the input processor's
+    bad = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": "x"}}
+    assert "tllm_esamp_beta" in client.post("/v1/other", json=bad).json()["error"]
+    assert client.post("/v1/completions", json=bad).status_code == 400

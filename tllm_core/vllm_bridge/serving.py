@@ -33,6 +33,7 @@ import json
 import logging
 import secrets
 from collections import deque
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -52,6 +53,9 @@ COUNTERS_PATH = "/tllm/counters"
 STATUS_PATH = "/tllm/status"
 
 
+# Whether the HTTP request being served had its ``vllm_xargs`` checked by XargsCheck (set
+# there, read in the input processor's assign_request_id, which runs in the request's task).
+XARGS_CHECKED: ContextVar[bool] = ContextVar("tllm_xargs_checked", default=False)
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # A body past the limit is still read (and dropped) up to this many times the limit, so that
@@ -59,20 +63,24 @@ CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 DRAIN_FACTOR = 4
 
 
-def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
-    """(HTTP status, message) for a request body that must not reach vLLM, else None: 400 for
-    bad ``tllm_*`` vllm_xargs, 503 for a request naming a consumer that failed."""
+def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
+    """The ``vllm_xargs`` of a request body that names tllm keys (None: it does not, or the
+    body is vLLM's to refuse), or the HTTP 400 of a body too deeply nested to parse."""
     if b"tllm_" not in body:
-        return None
+        return None, None
     try:
         data = json.loads(body)
     except ValueError:
-        return None  # vLLM answers malformed JSON itself
+        return None, None  # vLLM answers malformed JSON itself
     except RecursionError:  # Python's parser gives up on deep nesting (vLLM's would, with 500)
-        return 400, "tllm: the JSON body is nested too deeply"
+        return None, (400, "tllm: the JSON body is nested too deeply")
     xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
-    if not isinstance(xargs, dict):
-        return None
+    return (xargs, None) if isinstance(xargs, dict) else (None, None)
+
+
+def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
+    """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
+    bad ``tllm_*`` keys, 503 for a request naming a consumer that failed."""
     try:
         validate_extra_args(xargs, server)
     except ValueError as e:
@@ -85,6 +93,12 @@ def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
             "refused rather than served without it"
         )
     return None
+
+
+def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
+    """(HTTP status, message) for a request body that must not reach vLLM, else None."""
+    xargs, error = parse_xargs(body)
+    return error if xargs is None else check_xargs(xargs, server)
 
 
 def _error_response(status: int, message: str, kind: str, param: str | None = None) -> bytes:
@@ -177,8 +191,11 @@ class XargsCheck:
             if not msg.get("more_body", False):
                 break
         # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
-        checked = scope["path"].endswith(CHECKED_PATHS)
-        error = check_body(b"".join(chunks), self.server) if checked else None
+        xargs, error = (None, None)
+        if scope["path"].endswith(CHECKED_PATHS):
+            xargs, error = parse_xargs(b"".join(chunks))
+        if xargs is not None and error is None:
+            error = check_xargs(xargs, self.server)
         if error is not None:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
@@ -188,7 +205,12 @@ class XargsCheck:
         async def replay():
             return messages.popleft() if messages else await receive()
 
-        await self.app(scope, replay, send)
+        # The request's tllm keys passed here: the input processor does not check them again.
+        token = XARGS_CHECKED.set(xargs is not None)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            XARGS_CHECKED.reset(token)
 
 
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
@@ -282,33 +304,29 @@ def install_request_checks(
     """
     from vllm.exceptions import VLLMValidationError
 
-    if not hasattr(input_processor, "validate_logits_processors_params") or not hasattr(
-        input_processor, "assign_request_id"
-    ):
+    if not hasattr(input_processor, "assign_request_id"):
         from tllm_core.vllm_bridge.version import UnsupportedEngineError
 
         raise UnsupportedEngineError(
-            "vLLM's input processor lacks validate_logits_processors_params/assign_request_id: "
+            "vLLM's input processor lacks assign_request_id: "
             "this vLLM is not supported for serving with tllm"
         )
     # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
     salt_key = secret if secret is not None else secrets.token_bytes(32)
-    validate_orig = input_processor.validate_logits_processors_params
     assign_orig = input_processor.assign_request_id
 
-    def validate_logits_processors_params(params: Any) -> None:
-        validate_orig(params)
+    def assign_request_id(request: Any) -> None:
+        params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None)
-        if extra:
+        # Requests whose body XargsCheck parsed were checked there (once per process); others
+        # (routes it does not parse, keys it could not see) are checked here, before the
+        # request reaches the engine.
+        if extra and not XARGS_CHECKED.get():
             try:
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
-
-    def assign_request_id(request: Any) -> None:
         assign_orig(request)
-        params = getattr(request, "sampling_params", None)
-        extra = getattr(params, "extra_args", None)
         salt = request_salt(extra, salt_key)
         if salt is not None:
             old = request.cache_salt
@@ -320,7 +338,6 @@ def install_request_checks(
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
             params.extra_args = {**(extra or {}), GROUP: group}
 
-    input_processor.validate_logits_processors_params = validate_logits_processors_params
     input_processor.assign_request_id = assign_request_id
 
 
