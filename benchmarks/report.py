@@ -658,6 +658,28 @@ def soak_section(sk: dict | None) -> list[str]:
     return out
 
 
+def fuzz_section(fz: dict | None) -> list[str]:
+    """``tests/test_serve_fuzz.py``: random bodies at a real ``tllm serve``, what came back
+    (``benchmarks/results/fuzz.json``, written with ``TLLM_FUZZ_RESULTS``)."""
+    out = ["## Server fuzzing (issue 26, `fuzz.json`)", ""]
+    if fz is None:
+        return out + ["(no results yet)", ""]
+    out += [
+        f"Command: `{fz['command']}` — one `tllm serve` of the tiny test model with `esamp`, "
+        "`steer` and `stats` per request and a 1 MiB body limit; hypothesis writes raw JSON "
+        "bodies (random `vllm_xargs` of every type and size, tllm keys or not, NaN/Infinity "
+        f"literals, deep nesting, duplicate keys). {fz['bodies']} bodies in {fz['seconds']} s; "
+        f"after each, `GET /tllm/counters` parsed as strict JSON; afterwards a good request "
+        f"answered {fz['good_request_after']} and was guided. No 5xx, no Traceback in the "
+        "server log (the test fails otherwise).",
+        "",
+        "| route, kind, status | answers |",
+        "|---|---:|",
+    ]
+    out += [f"| {k} | {v} |" for k, v in fz["answers"].items()]
+    return out + [""]
+
+
 def state_section(st: dict | None) -> list[str]:
     """``tests/test_serve_state.py`` (slow case): what a server keeps after N and 10 N
     requests (``benchmarks/results/server_state.json``, copied from the test's output)."""
@@ -827,6 +849,7 @@ def render() -> None:
     out += variants_section()
     out += soak_section(_load("soak.json"))
     out += state_section(_load("server_state.json"))
+    out += fuzz_section(_load("fuzz.json"))
 
     for p in sorted(RESULTS.glob("load*.json")):
         out += load_section(_load(p.name), p.stem)

@@ -4,14 +4,18 @@ streamed or not. Every answer is 200 or 4xx (never 5xx, on a stream: no error ev
 5xx code), the engine still serves a good request, and ``/tllm/counters`` stays strict JSON.
 
 ``TLLM_FUZZ_EXAMPLES`` sets the default test's number of bodies; the slow test sends 2000.
+``TLLM_FUZZ_RESULTS=path.json`` writes what a run sent and got (docs/results.md renders
+``benchmarks/results/fuzz.json``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -163,6 +167,9 @@ def server(tiny_model, tmp_path_factory):
 
 
 def fuzz(url: str, examples: int) -> None:
+    seen: Counter = Counter()
+    started = time.monotonic()
+
     @settings(
         max_examples=examples,
         deadline=None,
@@ -172,7 +179,9 @@ def fuzz(url: str, examples: int) -> None:
     @given(bodies())
     def one(request: tuple[str, str, bool]) -> None:
         path, text, stream = request
-        check_answer(*post(f"{url}{path}", text.encode()), stream)
+        answer = post(f"{url}{path}", text.encode())
+        seen[f"{path} {'stream' if stream else 'plain'} {answer[0]}"] += 1
+        check_answer(*answer, stream)
         status, data = post(f"{url}/tllm/counters", None)
         assert status == 200, data[:2000]
         strict_json(data)
@@ -185,6 +194,17 @@ def fuzz(url: str, examples: int) -> None:
     assert strict_json(data)["choices"][0]["finish_reason"] in ("length", "stop"), data
     counters = strict_json(post(f"{url}/tllm/counters", None)[1])
     assert counters["consumers"]["esamp"]["rows_guided"] > 0, counters
+    if os.environ.get("TLLM_FUZZ_RESULTS"):
+        record = {
+            "command": "TLLM_FUZZ_RESULTS=benchmarks/results/fuzz.json python -m pytest tests/test_serve_fuzz.py"
+            + ("" if examples == 50 else " -m slow -k many"),
+            "bodies": sum(seen.values()),
+            "answers": dict(sorted(seen.items())),
+            "seconds": round(time.monotonic() - started, 1),
+            "good_request_after": "200",
+            "counters_reads_strict_json": sum(seen.values()),
+        }
+        Path(os.environ["TLLM_FUZZ_RESULTS"]).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def test_fuzzed_requests_get_200_or_4xx(server):
