@@ -70,6 +70,7 @@ def test_v2_capture_logits_chunked_prefill_n2_and_esamp_guidance(tiny_model):
     assert rt["rows_guided"] <= rt["candidates_guided"] <= 20 * rt["rows_guided"]
 
 
+@pytest.mark.slow  # three interpreted V2 engines (~100 s); the default suite guides on V2 above
 def test_v2_beta_zero_leaves_sampling_identical_and_guidance_changes_it(tiny_model):
     args = ["run", "--model", tiny_model, "--prompt", "Once upon a time", "-n", "2"]
     args += ["--max-tokens", "4", "--seed", "3", "--temperature", "0.9", "--top-k", "30"]
