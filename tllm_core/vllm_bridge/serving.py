@@ -95,12 +95,6 @@ def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
     return None
 
 
-def check_body(body: bytes, server: EngineConsumers) -> tuple[int, str] | None:
-    """(HTTP status, message) for a request body that must not reach vLLM, else None."""
-    xargs, error = parse_xargs(body)
-    return error if xargs is None else check_xargs(xargs, server)
-
-
 def _error_response(status: int, message: str, kind: str, param: str | None = None) -> bytes:
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
