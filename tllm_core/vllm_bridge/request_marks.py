@@ -25,7 +25,7 @@ FAILED_HEADER = b"x-tllm-failed"
 STREAM_END = b"data: [DONE]"
 SSE = b"text/event-stream"
 
-Ask = Callable[[str, list[str]], Awaitable[list[Any]]]
+Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 
 
 def note_request(request: Any) -> None:
