@@ -29,7 +29,10 @@ def test_serve_argv_and_description_units():
     tllm = json.loads(argv[argv.index("--additional-config") + 1])["tllm"]
     assert tllm["consumers"][0]["name"] == "esamp"
     assert tllm["consumers"][0]["config"] == {"beta": 0.5}
-    lines = "\n".join(describe("http://127.0.0.1:8000", checked))
+    from tllm_core.serving.keys import EngineConsumers
+
+    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+    lines = "\n".join(describe("http://127.0.0.1:8000", engine))
     assert "http://127.0.0.1:8000/v1" in lines and "tllm_esamp_beta" in lines
     # A bad consumer fails before anything starts, with the validation TllmLLM uses.
     from conftest import run_cli
@@ -73,3 +76,59 @@ def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
         assert ei.value.status_code == 400 and "tllm_esamp_beta" in ei.value.message
     log = err_path.read_text()
     assert "force killing" not in log and "Traceback" not in log, log[-4000:]
+
+
+def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_model, monkeypatch):
+    """The command checks ESamp's config before vLLM starts; the API server it runs in the
+    same process (its endpoint gate) reuses that check instead of validating again. A
+    server started without the command still checks the configs it is given."""
+    import types
+
+    import vllm.entrypoints.launchers.api_server.entry as entry
+    from test_core_unit import _CountingValidator
+
+    import tllm_core.app.serve_command as serve_command
+    import tllm_core.vllm_bridge.serving as bridge_serving
+    from algorithms.esamp.config import ESampConfig
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.engine import validate_consumers
+    from tllm_core.vllm_bridge.plugin import EndpointGate
+    from tllm_core.vllm_bridge.server_entry import run_openai_server
+
+    gates = []
+
+    def fake_vllm_server():  # what vLLM's build_app does with an endpoint plugin
+        import sys
+
+        raw = sys.argv[sys.argv.index("--additional-config") + 1]
+        app = types.SimpleNamespace(
+            state=types.SimpleNamespace(args=types.SimpleNamespace(additional_config=raw))
+        )
+        gate = EndpointGate()
+        gate.attach_router(app)
+        gates.append(gate)
+
+    counting = _CountingValidator(ESampConfig.__pydantic_validator__)
+    monkeypatch.setattr(ESampConfig, "__pydantic_validator__", counting)
+    monkeypatch.setattr(entry, "main", fake_vllm_server)
+    monkeypatch.setattr(bridge_serving, "attach_routes", lambda *a: None)
+    monkeypatch.setattr(serve_command, "_announce_when_ready", lambda url: None)
+    monkeypatch.setattr(serve_command.os, "_exit", lambda code: None)
+    monkeypatch.setattr("tllm_core.vllm_bridge.parallel.bind_cpu_threads", lambda ranks: None)
+    for var in ("VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
+        monkeypatch.setenv(var, "")  # restored after the test: quiet() sets them
+    args = build_parser().parse_args(
+        ["serve", "--model", tiny_model, "--consumer", 'esamp:{"beta": 0.5}', "--per-request"]
+    )
+    serve_command.cmd_serve(args)
+    assert counting.calls == 1  # the command's check; the gate took it over
+    assert gates[0].active and gates[0].engine.configs["esamp"].beta == 0.5
+    assert gates[0].engine.per_request == {"esamp": True}
+
+    # `python -m vllm...api_server --additional-config ...` without the command: one check.
+    counting.calls = 0
+    checked = validate_consumers(args.consumer, tiny_model)
+    argv = serve_command.server_argv(args, tiny_model, checked.settings())
+    counting.calls = 0
+    run_openai_server(argv)
+    assert counting.calls == 1 and gates[1].engine.configs["esamp"].beta == 0.5

@@ -2,7 +2,8 @@
 
 The consumers are given as for ``tllm run`` and validated once, before vLLM starts
 (:func:`tllm_core.app.engine.validate_consumers`); they travel to the server as its
-``--additional-config '{"tllm": ...}'``, the switch the tllm vLLM plugin looks for.
+``--additional-config '{"tllm": ...}'``, the switch the tllm vLLM plugin looks for. The server
+runs in this process and reuses the checked configs; the engine process checks them once.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ def parallel_ranks(args: argparse.Namespace) -> int:
     return args.tensor_parallel_size * dp
 
 
-def describe(url: str, checked) -> list[str]:
-    """Lines naming the URL, the consumers and their request keys."""
-    from tllm_core.serving.keys import KEYS, EngineConsumers
+def describe(url: str, engine) -> list[str]:
+    """Lines naming the URL, the consumers and their request keys (``engine``: the checked
+    consumers, a :class:`tllm_core.serving.keys.EngineConsumers`)."""
+    from tllm_core.serving.keys import KEYS
 
-    info = EngineConsumers.of(checked.specs, checked.configs, checked.registry).describe()
+    info = engine.describe()
     lines = [f"OpenAI API at {url}/v1 (model names: see GET {url}/v1/models)"]
     lines.append(f"counters at GET {url}/tllm/counters, status at GET {url}/tllm/status")
     if not info["consumers"]:
@@ -165,16 +167,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
-    for line in describe(url, checked):
+    from tllm_core.serving.keys import EngineConsumers
+
+    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+    for line in describe(url, engine):
         say(line)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
     say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import run_openai_server
+    from tllm_core.vllm_bridge.server_entry import CheckedServer, run_openai_server
 
     bind_cpu_threads(ranks)
     _announce_when_ready(url)
-    run_openai_server(server_argv(args, model, settings))
+    wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
+    pre = CheckedServer(settings=wire, engine=engine)
+    run_openai_server(server_argv(args, model, settings), pre)
     say("server stopped")
     # The server has stopped its engine. Skip the interpreter's teardown: it only adds
     # "nanobind: leaked ..." reports from the Triton module vLLM imported.

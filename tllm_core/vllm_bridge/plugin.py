@@ -149,12 +149,16 @@ class EndpointGate:
             return
         from tllm_core.runtime.settings import RuntimeSettings
         from tllm_core.serving.keys import EngineConsumers
+        from tllm_core.vllm_bridge.server_entry import CHECKED
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True
-        # The front end's check of the consumer names and configs (the worker checks again).
         settings = RuntimeSettings.model_validate(cfg)
-        self.engine = EngineConsumers.from_settings(settings)
+        pre = CHECKED.get()
+        if pre is not None and pre.settings == cfg:
+            self.engine = pre.engine  # `tllm serve` checked these in this process
+        else:  # `python -m vllm...api_server --additional-config ...`: the front end's check
+            self.engine = EngineConsumers.from_settings(settings)
         attach_routes(app, self.engine, settings.server)
 
     async def init_state(self, engine_client, state, args) -> None:
