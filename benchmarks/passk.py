@@ -322,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
     p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--partial",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
+        "with the same settings, finished engines are not run again (a long run resumes)",
+    )
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
     variants = _sibling("diversity").parse_variants(p, args.esamp_variant)
@@ -367,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     generate_all = _sibling("diversity").generate_all
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
-    gen = generate_all(methods, [q["prompt"] for q in problems], args, model, tag="passk")
+    gen = generate_all(
+        methods, [q["prompt"] for q in problems], args, model, tag="passk", partial=args.partial
+    )
     t_gen = time.perf_counter() - t_start
 
     out_methods: dict[str, Any] = {}

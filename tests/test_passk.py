@@ -113,6 +113,8 @@ def test_passk_script_small_run(tiny_model, tmp_path):
     png = tmp_path / "passk.png"
     args = ["--model", tiny_model, "--problems", "3", "-n", "3", "--max-tokens", "4"]
     args += ["--beta", "0.5", "--esamp-variant", 'zo={"init": "zero_output"}', "--no-default"]
+    partial = tmp_path / "samples.json.gz"
+    args += ["--partial", str(partial)]
     proc = _run("passk.py", *args, "--plot", str(png), "--json", *SMALL_ENGINE, timeout=900)
     out = _json(proc)
     methods = out["methods"]
@@ -130,6 +132,14 @@ def test_passk_script_small_run(tiny_model, tmp_path):
     assert ("esamp_zo_b0.5", "frozen_zo_b0.5") in pairs and ("esamp_zo_b0.5", "vanilla") in pairs
     assert set(out["comparisons"][0]["pass_at_k"]) == {"1"}  # ks 1,4,16 capped at n=3
     assert png.stat().st_size > 0
+    # Run again: every engine's samples come from the partial file, none is started.
+    again = _run("passk.py", *args, "--json", *SMALL_ENGINE, timeout=900)
+    assert again.stderr.count("kept from") == 3 and "started in" not in again.stderr
+    assert {n: m["pass_at_k"] for n, m in _json(again)["methods"].items()} == {
+        n: m["pass_at_k"] for n, m in methods.items()
+    }
+    other = _run("passk.py", *args[:-2], "--partial", str(partial), "-n", "2", *SMALL_ENGINE)
+    assert other.returncode != 0 and "other settings" in other.stderr
 
 
 def test_fnoise_methods_of_the_recipe_and_each_variant():
