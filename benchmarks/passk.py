@@ -296,40 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="problem i uses seed SEED+i everywhere")
-    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--kv-cache-gib", type=int, default=2)
-    p.add_argument("--batch-prompts", type=int, default=8, help="problems per generate call")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument(
-        "--esamp-variant",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help="extra ESamp method esamp_NAME_bB with these config fields, run with its own "
-        "frozen ablation (repeatable)",
-    )
-    p.add_argument("--variant-noise", action="store_true", help="noise ablation of variants too")
-    p.add_argument(
-        "--methods",
-        default=None,
-        help="comma-separated method names to run besides vanilla (default: all the options "
-        "select), e.g. noise_b0.25,frozen_b0.25",
-    )
+    _sibling("diversity").add_engine_args(p, max_model_len=512, kv_cache_gib=2, batch_prompts=8)
     p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
-    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument(
-        "--partial",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
-        "with the same settings, finished engines are not run again (a long run resumes)",
-    )
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
     variants = _sibling("diversity").parse_variants(p, args.esamp_variant)
