@@ -125,3 +125,57 @@ def test_vanilla_temperatures_option():
     assert diversity.vanilla_temperatures(p, None) == []
     with pytest.raises(SystemExit):
         diversity.vanilla_temperatures(p, "0.7,-1")
+
+
+def _stage0(fits: dict[str, tuple[float, dict]], **counters):
+    base = {"groups_created": 3, "optimizer_steps": 10, "staleness_max": 0} | counters
+    configs = {
+        name: {
+            "config": {"beta": 0.25, "diagnostics": True, **cfg},
+            "fit_5_60": fit,
+            "counters": dict(base),
+        }
+        for name, (fit, cfg) in fits.items()
+    }
+    command = "python benchmarks/esamp_tokens.py " + " ".join(
+        f"--config '{n}={{}}'" for n in sorted(fits)
+    )
+    return {"problems": 3, "configs": configs, "command": command}
+
+
+def test_stage0_rule_lowest_fit_then_fewest_departures_then_loop_order():
+    import stage0_select as s0
+
+    paper = {
+        "source_layer": 0,
+        "lr": 4e-4,
+        "loss_reduction": "sum",
+        "init": "paper",
+        "warm_start_steps": 0,
+    }
+    run = _stage0(
+        {
+            "a_far": (0.500, {**paper, "source_layer": 4, "init": "zero_output"}),
+            "b_near": (0.504, {**paper, "lr": 1e-3}),  # tied (within 0.005), one departure
+            "c_out": (0.506, dict(paper)),  # outside the tie: the recipe itself loses
+            "d_near": (0.503, {**paper, "warm_start_steps": 32}),  # tied, one departure, later
+        }
+    )
+    out = s0.select(run)
+    assert out["valid"] and out["tied"] == ["a_far", "b_near", "d_near"]
+    assert out["selected"] == "b_near"  # fewer departures than a_far, earlier than d_near
+    assert out["sel"] == {**paper, "lr": 1e-3}  # without beta and diagnostics
+    assert (
+        s0.select(_stage0({"x": (0.9, paper), "y": (0.1, {**paper, "lr": 1e-3})}))["selected"]
+        == "y"
+    )  # a clear winner wins whatever its departures
+
+
+@pytest.mark.parametrize(
+    "counters", [{"groups_created": 2}, {"optimizer_steps": 0}, {"staleness_max": 1}]
+)
+def test_stage0_rule_refuses_a_run_with_missing_work(counters):
+    import stage0_select as s0
+
+    out = s0.select(_stage0({"a": (0.5, {}), "b": (0.6, {})}, **counters))
+    assert not out["valid"] and out["sel"] is None and len(out["problems"]) == 2
