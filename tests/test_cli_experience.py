@@ -245,3 +245,92 @@ def test_run_without_max_model_len_follows_a_short_context_model():
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "greater than the derived max_model_len" not in proc.stderr
     assert "=== counters" in proc.stdout
+
+
+def test_a_swallowed_interrupt_goes_on_after_the_original_cleanup():
+    """vLLM's ``zmq_socket_ctx`` logs and drops ``KeyboardInterrupt``; wrapped, it still
+    cleans up first, then the interrupt reaches the caller (other exceptions unchanged)."""
+    import contextlib
+
+    from tllm_core.vllm_bridge.startup_interrupt import keeping_interrupts
+
+    closed = []
+
+    @contextlib.contextmanager
+    def swallowing(name):
+        try:
+            yield name
+        except KeyboardInterrupt:
+            pass  # what vLLM 0.32 does
+        finally:
+            closed.append(name)
+
+    with pytest.raises(KeyboardInterrupt):
+        with keeping_interrupts(swallowing)("sock") as s:
+            assert s == "sock"
+            raise KeyboardInterrupt
+    assert closed == ["sock"]
+    with pytest.raises(ValueError):
+        with keeping_interrupts(swallowing)("other"):
+            raise ValueError
+    with keeping_interrupts(swallowing)("fine"):
+        pass
+    assert closed == ["sock", "other", "fine"]
+
+
+def _engine_started(cli_pid: int) -> bool:
+    """Whether an engine process of the command runs (vLLM's spawned engine core, named
+    ``VLLM::EngineCore`` once it sets its title)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TLLM_CLI_PID") != str(cli_pid) or p.pid == cli_pid:
+                continue
+            line = " ".join(p.cmdline())
+        except (psutil.Error, OSError):
+            continue
+        if "spawn_main" in line or "VLLM::" in line:
+            return True
+    return False
+
+
+def test_ctrl_c_while_the_engine_starts_stops_it_at_once(tiny_model, tmp_path):
+    """Ctrl-C once the engine process is up, while it loads: exit 130, no engine left. Before
+    the fix vLLM dropped the interrupt in its handshake and the command hung for 600 s."""
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [
+                "tllm",
+                "run",
+                "--model",
+                tiny_model,
+                "--prompt",
+                "hi",
+                "--max-tokens",
+                "2",
+                *SMALL_ENGINE,
+            ],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not _engine_started(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            time.sleep(2)  # the engine is loading; the front end waits in the handshake
+            assert "engine ready" not in err_path.read_text()
+            proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
+            proc.communicate(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    stderr = err_path.read_text()
+    assert proc.returncode == 130, stderr[-4000:]
+    assert "tllm: interrupted" in stderr
+    time.sleep(1)
+    assert not _engine_started(proc.pid)

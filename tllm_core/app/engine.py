@@ -145,13 +145,16 @@ class TllmLLM:
         additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
         from vllm import LLM
 
+        from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
+
         try:
-            self.llm = LLM(
-                model=model,
-                additional_config=additional,
-                worker_extension_cls=WORKER_EXTENSION,
-                **llm_kwargs,
-            )
+            with interrupts_reach_caller():  # Ctrl-C while the engine starts stops it
+                self.llm = LLM(
+                    model=model,
+                    additional_config=additional,
+                    worker_extension_cls=WORKER_EXTENSION,
+                    **llm_kwargs,
+                )
         except Exception as e:
             why = note.read()  # vLLM's own error says only "see root cause above"
             if why:
