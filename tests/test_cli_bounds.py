@@ -72,3 +72,21 @@ def test_quiet_sets_logging_only_and_the_engine_environment_is_set_apart(monkeyp
     del os.environ["VLLM_CPU_KVCACHE_SPACE"]
     cli_common.set_cpu_kv_cache(None)
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "export"])
+def test_a_model_folder_without_config_json_is_named_before_anything_starts(
+    command, tmp_path, capsys
+):
+    """One check for ``--model`` on every command (and a clear error from ``TllmLLM``), not a
+    ``FileNotFoundError`` traceback from the dry build."""
+    from tllm_core.app.cli import main
+    from tllm_core.app.engine import TllmLLM
+
+    extra = ["--out", str(tmp_path / "exp"), "--layers", "0"] if command == "export" else []
+    assert main([command, "--model", str(tmp_path / "none"), *extra]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main([command, "--model", str(tmp_path), *extra]) == 2
+    assert f"--model {str(tmp_path)!r} has no config.json" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="has no config.json"):
+        TllmLLM(str(tmp_path), ["stats"])

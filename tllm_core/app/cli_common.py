@@ -62,6 +62,21 @@ START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
+def local_model(model: str | None) -> str | None:
+    """``--model`` checked: a local folder with a Hugging Face ``config.json`` (None: the
+    embedded model)."""
+    if model is None:
+        return None
+    if not Path(model).is_dir():
+        raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
+    if not (Path(model) / "config.json").is_file():
+        raise CliError(
+            f"--model {model!r} has no config.json: a model folder holds a Hugging Face "
+            "config.json, tokenizer and weights"
+        )
+    return model
+
+
 def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
     """An argparse ``type``: a whole number >= ``low``; anything else is an error naming the
     value and what is allowed (vLLM would otherwise replace some values silently)."""
@@ -290,9 +305,7 @@ def generate_with(
     prepare_engine_processes(args)
     texts_in = prompts(args)
     params = sampling(args)
-    model = args.model
-    if model is not None and not Path(model).is_dir():
-        raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
+    model = local_model(args.model)
     # Fail on names/configs (and, with --model, layers) before converting the default model
     # or starting vLLM; TllmLLM then adds only the checks that were not run yet.
     checked = validate_consumers(consumers, model)

@@ -146,11 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
     ranks = parallel_ranks(args)
-    model = args.model
-    if model is not None and not Path(model).is_dir():
-        raise cli_common.CliError(
-            f"--model must be a local model folder; {model!r} is not a directory"
-        )
+    model = cli_common.local_model(args.model)
     checked = validate_consumers(args.consumer or [], model)
     if args.per_request:
         checked = checked.all_per_request()

@@ -14,7 +14,13 @@ from tllm_core.plugins.registry import Registry
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model {str(model_path)!r} has no config.json: a model folder holds a Hugging "
+            "Face config.json, tokenizer and weights"
+        )
+    cfg = json.loads(path.read_text())
     cfg = cfg.get("text_config", cfg)
 
     def no_head(_h: torch.Tensor) -> torch.Tensor:
