@@ -42,6 +42,13 @@ def noise(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if any(re.search(p, ln) for p in NOISE)]
 
 
+def default_sigint() -> None:
+    """In the child before exec: Ctrl-C as in a terminal, even when this test process was
+    started in the background (a shell without job control starts it with SIGINT ignored,
+    and a command started so keeps ignoring it, as it should)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def engine_processes(cli_pid: int) -> list[str]:
     """Processes still alive that the command with ``cli_pid`` started (by their environment)."""
     import psutil
@@ -132,6 +139,7 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
+            preexec_fn=default_sigint,
         )
         try:
             _stderr_until(err_path, "tllm: engine ready", proc, 300)
@@ -316,6 +324,7 @@ def test_ctrl_c_while_the_engine_starts_stops_it_at_once(tiny_model, tmp_path):
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
+            preexec_fn=default_sigint,
         )
         try:
             deadline = time.monotonic() + 120

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,12 +116,16 @@ def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_mode
     monkeypatch.setattr(serve_command, "_announce_when_ready", lambda url: None)
     monkeypatch.setattr(serve_command.os, "_exit", lambda code: None)
     monkeypatch.setattr("tllm_core.vllm_bridge.parallel.bind_cpu_threads", lambda ranks: None)
-    for var in ("VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"):
-        monkeypatch.setenv(var, "")  # restored after the test: quiet() sets them
+    # Logging and engine-process settings are the command's business, not this test's: left
+    # out, so that nothing of this process's environment leaks into later tests' servers.
+    monkeypatch.setattr(serve_command.cli_common, "quiet", lambda args: None)
+    monkeypatch.setattr(serve_command.cli_common, "prepare_engine_processes", lambda args: None)
     args = build_parser().parse_args(
         ["serve", "--model", tiny_model, "--consumer", 'esamp:{"beta": 0.5}', "--per-request"]
     )
+    env_before = dict(os.environ)
     serve_command.cmd_serve(args)
+    assert dict(os.environ) == env_before  # nothing leaks into later tests
     assert counting.calls == 1  # the command's check; the gate took it over
     assert gates[0].active and gates[0].engine.configs["esamp"].beta == 0.5
     assert gates[0].engine.per_request == {"esamp": True}
