@@ -2,7 +2,7 @@
 run, is in docs/consumers/esamp.md, "Confirmatory experiment (pre-registered)").
 
     python benchmarks/confirm.py --passk RUN.json --diversity RUN.json --esamp NAME \
-        --ablations FROZEN,FNOISE,NOISE [--frozen FROZEN] [--json]
+        --ablations FROZEN,FNOISE,NOISE [--frozen FROZEN] [--json | --markdown]
 
 Endpoints: per problem the pass@k AUC, the mean of the unbiased pass@k over k in
 {1, 2, 4, 8, 16}; per prompt the Vendi score. ESamp (method ``--esamp``) against each
@@ -168,6 +168,84 @@ def decide(
     }
 
 
+def _means(passk: dict[str, Any], div: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per method: mean pass@k AUC, pass@1 and pass@16, completion tokens (pass@k run);
+    mean Vendi and perplexity (diversity run). Reported, not tested."""
+    n = passk["config"]["n"]
+    out: dict[str, dict[str, float]] = {}
+    for k, m in passk["methods"].items():
+        c = m["per_problem"]["correct"]
+        out.setdefault(k, {}).update(
+            auc=float(np.mean(auc(c, n))),
+            pass1=float(np.mean([pass_at_k(n, x, 1) for x in c])),
+            pass16=float(np.mean([pass_at_k(n, x, 16) for x in c])),
+            tokens=float(m["mean_tokens"]),
+        )
+    for k, m in div["methods"].items():
+        out.setdefault(k, {}).update(
+            vendi=float(np.mean(m["per_prompt"]["vendi"])),
+            ppl=float(np.mean(m["per_prompt"]["ppl"])),
+        )
+    return out
+
+
+def markdown(out: dict[str, Any], passk: dict[str, Any], div: dict[str, Any], esamp: str) -> str:
+    """The verdict as Markdown tables, every figure from ``out`` (:func:`decide`) and the runs."""
+
+    def f(x: float | None, fmt: str = ".4f") -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+    lines = []
+    v = out["validity"]
+    lines.append(f"Validity: {'valid' if v['valid'] else 'INVALID: ' + '; '.join(v['problems'])}.")
+    lines += ["", "| method | pass@k AUC | pass@1 | pass@16 | tokens | Vendi | PPL |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    for k, m in _means(passk, div).items():
+        cells = [f(m.get(x)) for x in ("auc", "pass1", "pass16")]
+        cells += [f(m.get("tokens"), ".1f"), f(m.get("vendi"), ".3f"), f(m.get("ppl"), ".3f")]
+        lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"| `{esamp}` against | mean Δ | 95% interval | p (one-sided) | Holm p | rejects |",
+    ]
+    lines.append("|---|---:|---|---:|---:|---|")
+    for k, t in out["tests"].items():
+        lo, hi = t["ci95"]
+        lines.append(
+            f"| {k.replace(':', ': `')}` | {t['mean_delta']:+.4f} | [{lo:+.4f}, {hi:+.4f}] "
+            f"| {t['p']:.4f} | {t['p_holm']:.4f} | {'yes' if t['reject'] else 'no'} |"
+        )
+    ni = out["pass16_vs_vanilla"]
+    lines += [
+        "",
+        f"pass@16 against vanilla: mean Δ {ni['mean_delta']:+.4f}, one-sided 95% lower bound "
+        f"{ni['lower95']:+.4f} (margin {ni['margin']}): "
+        f"{'non-inferior' if ni['pass'] else 'non-inferiority not shown'}.",
+    ]
+    ppl = out["ppl"]
+    names = list(ppl)
+    lines.append(
+        f"Quality guard: mean PPL {ppl[names[0]]:.3f} (`{names[0]}`) against "
+        f"{ppl[names[-1]]:.3f} (`{names[-1]}`), limit x{PPL_GUARD}: "
+        f"{'holds' if out['quality_guard'] else 'fails'}."
+    )
+    mp = out["vendi_at_matched_ppl"]
+    if mp is not None:
+        lo, hi = mp["ci95"]
+        lines.append(
+            f"Vendi against vanilla at matched perplexity: mean Δ {mp['mean_delta']:+.4f} "
+            f"[{lo:+.4f}, {hi:+.4f}], p {mp['p']:.4f}, {mp['outside']} prompts outside "
+            f"vanilla's range."
+        )
+    w = out["learning_wins"]
+    lines.append(
+        f"Learned direction helps: pass@k {'yes' if w['passk'] else 'no'}, diversity "
+        f"{'yes' if w['diversity'] else 'no'}. Default follows the selection: "
+        f"{'yes' if out['default_follows_selection'] else 'no'}."
+    )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--passk", type=Path, required=True)
@@ -176,17 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablations", required=True, help="comma-separated method names")
     p.add_argument("--frozen", default=None, help="the frozen ablation (quality guard)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="the verdict as Markdown tables")
     args = p.parse_args(argv)
     ablations = [a for a in args.ablations.split(",") if a]
     frozen = args.frozen or next(a for a in ablations if a.startswith("frozen"))
-    out = decide(
-        json.loads(args.passk.read_text()),
-        json.loads(args.diversity.read_text()),
-        args.esamp,
-        ablations,
-        frozen,
-    )
-    if args.json:
+    passk, div = json.loads(args.passk.read_text()), json.loads(args.diversity.read_text())
+    out = decide(passk, div, args.esamp, ablations, frozen)
+    if args.markdown:
+        print(markdown(out, passk, div, args.esamp), end="")
+    elif args.json:
         print(json.dumps(out))
     else:
         for k, t in out["tests"].items():

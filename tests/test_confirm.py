@@ -179,3 +179,18 @@ def test_stage0_rule_refuses_a_run_with_missing_work(counters):
 
     out = s0.select(_stage0({"a": (0.5, {}), "b": (0.6, {})}, **counters))
     assert not out["valid"] and out["sel"] is None and len(out["problems"]) == 2
+
+
+@pytest.mark.parametrize("shift, says", [(0.5, "pass@k yes, diversity yes"), (0.0, "pass@k no")])
+def test_markdown_verdict_reads_the_decision(shift, says):
+    passk, div = _runs(shift, 10.2)
+    ablations = ["frozen_sel_b0.25", "fnoise_sel_b0.25"]
+    out = confirm.decide(passk, div, "esamp_sel_b0.25", ablations, "frozen_sel_b0.25")
+    text = confirm.markdown(out, passk, div, "esamp_sel_b0.25")
+    assert says in text and "Validity: valid." in text
+    for key, t in out["tests"].items():
+        name, abl = key.split(":")
+        row = next(r for r in text.splitlines() if r.startswith(f"| {name}: `{abl}`"))
+        assert f"{t['mean_delta']:+.4f}" in row and f"{t['p_holm']:.4f}" in row
+    means = confirm._means(passk, div)["esamp_sel_b0.25"]
+    assert f"| `esamp_sel_b0.25` | {means['auc']:.4f} |" in text
