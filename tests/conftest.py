@@ -84,6 +84,17 @@ def _no_leaked_dist_ident():
     os.environ.pop("VLLM_DIST_IDENT", None)
 
 
+@pytest.fixture
+def restored_environ():
+    """For a test that runs a command's ``main`` in this process: the command sets the
+    environment its engine processes inherit (``quiet``: vLLM's logging level and config,
+    ``TLLM_QUIET``), which would reach every server and command later tests start."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @contextmanager
 def registered_plugin(plugin: object, name: str):
     """Registers ``plugin`` (an object with hookimpls) in every Registry built in this process

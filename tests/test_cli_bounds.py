@@ -76,7 +76,7 @@ def test_quiet_sets_logging_only_and_the_engine_environment_is_set_apart(monkeyp
 
 @pytest.mark.parametrize("command", ["run", "serve", "export"])
 def test_a_model_folder_without_config_json_is_named_before_anything_starts(
-    command, tmp_path, capsys
+    command, tmp_path, capsys, restored_environ
 ):
     """One check for ``--model`` on every command (and a clear error from ``TllmLLM``), not a
     ``FileNotFoundError`` traceback from the dry build."""

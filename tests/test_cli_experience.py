@@ -49,6 +49,32 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def ctrl_c_when(
+    argv: list[str], err_path: Path, ready, timeout: float
+) -> tuple[subprocess.Popen, str]:
+    """Run the command ``argv`` (stderr to ``err_path``), wait for ``ready(proc)``, press
+    Ctrl-C (SIGINT to the command only) and wait up to ``timeout`` s for it to end; returns
+    the process and its stdout. The process is killed if it is still running."""
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            argv,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            preexec_fn=default_sigint,
+        )
+        try:
+            ready(proc)
+            assert proc.poll() is None
+            proc.send_signal(signal.SIGINT)
+            stdout, _ = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return proc, stdout
+
+
 def engine_processes(cli_pid: int) -> list[str]:
     """Processes still alive that the command with ``cli_pid`` started (by their environment)."""
     import psutil
@@ -129,27 +155,13 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     # 64 x 4 samples x 400 tokens: a minute or more of generation on 2 cores.
     prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(64)))
     err_path = tmp_path / "stderr.txt"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [
-                *long_export_argv(tiny_model, str(out), "--prompts", str(prompts), "-n", "4"),
-                "--json",
-            ],
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            preexec_fn=default_sigint,
-        )
-        try:
-            _stderr_until(err_path, "tllm: engine ready", proc, 300)
-            time.sleep(10)  # well into generation
-            assert proc.poll() is None
-            proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
-            stdout, _ = proc.communicate(timeout=180)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+
+    def well_into_generation(proc: subprocess.Popen) -> None:
+        _stderr_until(err_path, "tllm: engine ready", proc, 300)
+        time.sleep(10)
+
+    argv = long_export_argv(tiny_model, str(out), "--prompts", str(prompts), "-n", "4")
+    proc, stdout = ctrl_c_when([*argv, "--json"], err_path, well_into_generation, 180)
     stderr = err_path.read_text()
     assert proc.returncode == 130, stderr[-4000:]
     assert "tllm: interrupted" in stderr
@@ -307,37 +319,17 @@ def test_ctrl_c_while_the_engine_starts_stops_it_at_once(tiny_model, tmp_path):
     """Ctrl-C once the engine process is up, while it loads: exit 130, no engine left. Before
     the fix vLLM dropped the interrupt in its handshake and the command hung for 600 s."""
     err_path = tmp_path / "stderr.txt"
-    with open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [
-                "tllm",
-                "run",
-                "--model",
-                tiny_model,
-                "--prompt",
-                "hi",
-                "--max-tokens",
-                "2",
-                *SMALL_ENGINE,
-            ],
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            preexec_fn=default_sigint,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not _engine_started(proc.pid):
-                assert proc.poll() is None and time.monotonic() < deadline
-                time.sleep(0.2)
-            time.sleep(2)  # the engine is loading; the front end waits in the handshake
-            assert "engine ready" not in err_path.read_text()
-            proc.send_signal(signal.SIGINT)  # Ctrl-C, to the command only
-            proc.communicate(timeout=90)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+
+    def engine_loading(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 120
+        while not _engine_started(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(2)  # the engine is loading; the front end waits in the handshake
+        assert "engine ready" not in err_path.read_text()
+
+    argv = ["tllm", "run", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2"]
+    proc, _ = ctrl_c_when([*argv, *SMALL_ENGINE], err_path, engine_loading, 90)
     stderr = err_path.read_text()
     assert proc.returncode == 130, stderr[-4000:]
     assert "tllm: interrupted" in stderr
