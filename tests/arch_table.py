@@ -82,8 +82,10 @@ def _notes(e: dict) -> str:
     notes = []
     if e.get("dtype", "float32") != "float32":
         notes.append(f"runs in {e['dtype']}")
-    if "float32" in e:
-        notes.append(f"float32 refused at start: {e['float32']}")
+    if "float32" in e:  # vLLM's AMX MLA backend
+        notes.append(f"on CPUs with AMX tiles float32 refused at start: {e['float32']}")
+    if "latent" in e:  # vLLM's reference MLA backend
+        notes.append(f"on CPUs without AMX other latent shapes refused at start: {e['latent']}")
     for port, msg in sorted(e.get("lacking", {}).items()):
         notes.append(f"`{port}` refused at start: {msg}")
     return "; ".join(notes).replace("|", "\\|")

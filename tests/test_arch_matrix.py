@@ -291,17 +291,56 @@ def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str,
     return errors
 
 
-def test_mla_in_fp32_is_refused_before_vllm_starts(results):
-    """vLLM's CPU MLA kernel fails at load in fp32 with a message naming neither the model nor
-    the remedy; tllm refuses first, naming both."""
+def test_mla_outside_the_cpu_kernel_is_refused_before_vllm_starts(results, tmp_path):
+    """vLLM's CPU MLA kernels fail in the first forward with messages naming neither the model
+    nor the remedy: with AMX tiles (bf16 weights only) on fp32, without them ("Unsupported
+    block size: 16") on any latent but 512 + 64. tllm refuses first, naming both. Which one
+    this machine takes is vLLM's choice; the other is checked on its config below."""
     from tllm_core.app.engine import TllmLLM
     from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+    from tllm_core.vllm_bridge.families import _cpu_has_amx
 
-    path = str(build_tiny_model(MODEL_CACHE, arch="deepseek_v2", num_layers=LAYERS))
-    with pytest.raises(UnsupportedEngineError, match=r"DeepseekV2ForCausalLM .*bfloat16") as e:
-        TllmLLM(path, [], **ENGINE_KW)
+    path = build_tiny_model(MODEL_CACHE, arch="deepseek_v2", num_layers=LAYERS)
+    if _cpu_has_amx():
+        with pytest.raises(UnsupportedEngineError, match=r"DeepseekV2ForCausalLM .*bfloat16") as e:
+            TllmLLM(str(path), [], **ENGINE_KW)
+        if "deepseek_v2" in results:
+            results["deepseek_v2"]["float32"] = str(e.value)
+        return
+    cfg = json.loads((path / "config.json").read_text()) | {"kv_lora_rank": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # refused before any weight is read
+    with pytest.raises(UnsupportedEngineError, match=r"kv_lora_rank=256.*kv_lora_rank=512") as e:
+        TllmLLM(str(tmp_path), [], **{**ENGINE_KW, "dtype": "bfloat16"})
     if "deepseek_v2" in results:
-        results["deepseek_v2"]["float32"] = str(e.value)
+        results["deepseek_v2"]["latent"] = str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("amx", "fields", "dtype", "refused"),
+    [
+        (True, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "float32", "bf16 weights only"),
+        (True, {"kv_lora_rank": 256, "qk_rope_head_dim": 64}, "bfloat16", None),
+        (False, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "float32", None),
+        (False, {"kv_lora_rank": 256, "qk_rope_head_dim": 64}, "bfloat16", "kv_lora_rank=256"),
+        (False, {"kv_lora_rank": 512, "qk_rope_head_dim": 32}, "float32", "qk_rope_head_dim=32"),
+        (False, {}, "float32", None),  # no MLA
+    ],
+)
+def test_cpu_mla_check_follows_vllms_backend_choice(
+    monkeypatch, tmp_path, amx, fields, dtype, refused
+):
+    from tllm_core.vllm_bridge import families
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+    monkeypatch.setattr(families, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(families, "_on_cpu", lambda: True)
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], **fields}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if refused is None:
+        families.check_model(str(tmp_path), dtype)
+    else:
+        with pytest.raises(UnsupportedEngineError, match=refused):
+            families.check_model(str(tmp_path), dtype)
 
 
 def test_cli_refusal_is_one_line_naming_the_model_class():

