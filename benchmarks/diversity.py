@@ -254,6 +254,7 @@ def generate_all(
     ``partial``: a file (JSON, gzipped when it ends in ``.gz``) that keeps each engine's
     samples once it has closed; run again with the same settings, the engines whose methods
     (names, temperatures, consumers) are all in it are not run again. A long run resumes."""
+    from tqdm import tqdm
     from vllm import SamplingParams
 
     from tllm_core.app.engine import TllmLLM
@@ -293,7 +294,11 @@ def generate_all(
             samples: list[list[dict]] = []
             # ESamp keeps one distiller per prompt group; a few prompts per call keeps the
             # number of live groups small.
-            for s in range(0, len(convs), args.batch_prompts):
+            # A bar per method (stderr; every 30 s at most): an engine's methods can take an
+            # hour on a 2-core machine.
+            starts = range(0, len(convs), args.batch_prompts)
+            bar = tqdm(starts, f"[{tag}] {m['name']}", unit="call", file=sys.stderr, mininterval=30)
+            for s in bar:
                 chunk = convs[s : s + args.batch_prompts]
                 params = [
                     SamplingParams(
