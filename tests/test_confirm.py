@@ -194,3 +194,35 @@ def test_markdown_verdict_reads_the_decision(shift, says):
         assert f"{t['mean_delta']:+.4f}" in row and f"{t['p_holm']:.4f}" in row
     means = confirm._means(passk, div)["esamp_sel_b0.25"]
     assert f"| `esamp_sel_b0.25` | {means['auc']:.4f} |" in text
+
+
+def _commands(text: str) -> list[list[str]]:
+    """The ``python benchmarks/...`` commands of a bash text, as words up to a redirection."""
+    import shlex
+
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if line.strip().startswith("python benchmarks/"):
+            words = shlex.split(line.replace('"$SEL"', "SEL").replace('"$SHARP"', "SHARP"))
+            out.append(words[: words.index(">")] if ">" in words else words)
+    return out
+
+
+def test_stage1_script_runs_the_pre_registered_commands_as_written():
+    """benchmarks/confirm_stage1.sh (the resumable runner) runs the plan's stage-1 commands
+    word for word (docs/consumers/esamp.md), with SEL from stage 0's rule."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "consumers" / "esamp.md").read_text()
+    plan = doc[doc.index("**Stage 1 — confirmation") :]
+    plan = plan[plan.index("```bash") : plan.index("```", plan.index("```bash") + 7)]
+    script = (root / "benchmarks" / "confirm_stage1.sh").read_text()
+    planned = _commands(plan)
+    assert [c[1] for c in planned] == [
+        "benchmarks/passk.py",
+        "benchmarks/diversity.py",
+        "benchmarks/confirm.py",
+    ]
+    assert "$(python benchmarks/stage0_select.py benchmarks/results/confirm_stage0.json " in script
+    assert _commands(script)[:3] == planned
+    assert 'SHARP=\'sharp={"init": "zero_output", "train": false}\'' in plan
+    assert 'SHARP=\'sharp={"init": "zero_output", "train": false}\'' in script
