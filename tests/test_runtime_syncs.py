@@ -47,23 +47,24 @@ def device_reads(monkeypatch):
     return Reads
 
 
-def _meta_step(rt, decode: int) -> tuple:
-    """A decode step of ``decode`` requests, its tensors on the meta device."""
+def _meta_step(rt, decode: int, device: torch.device = META) -> tuple:
+    """A decode step of ``decode`` requests, its tensors on the meta device (or ``device``,
+    with the stamps the taps would write)."""
     reqs = [RequestInfo(f"r{i}-abcdefgh", f"r{i}", i, 0, 2) for i in range(decode)]
     layout = StepLayout(
         engine_ids=[r.engine_id for r in reqs],
         num_scheduled=np.ones(decode, np.int64),
         num_computed=np.full(decode, 2),
         num_tokens=np.full(decode, 3),
-        token_ids=torch.zeros(decode, dtype=torch.long, device=META),
+        token_ids=torch.zeros(decode, dtype=torch.long, device=device),
     )
     rows, srow, kept = layout_rows(layout, reqs)
     n = rt.step_index + 1
-    tensors, stamps = {"sampled": torch.zeros(decode, dtype=torch.long, device=META)}, {}
+    tensors, stamps = {"sampled": torch.zeros(decode, dtype=torch.long, device=device)}, {}
     for t in rt.taps:
         if t.layer is not None:
-            tensors[t.key] = torch.zeros(decode, H, device=META)
-            stamps[t.key] = torch.zeros(1, dtype=torch.long, device=META)
+            tensors[t.key] = torch.zeros(decode, H, device=device)
+            stamps[t.key] = torch.full((1,), n if device != META else 0, device=device)
     return rows, StepCapture(n, rows, srow, kept, tensors, stamps)
 
 
@@ -84,9 +85,11 @@ def test_runtime_step_reads_the_device_once(device_reads):
 
 
 class Looker(Consumer):
-    """Guides without changing anything, reading the first layer's state at its rows."""
+    """Guides: reads the first layer's state at its rows and, when ``write``, raises every
+    candidate logit of its rows by one (a dense ``update``)."""
 
     name = "looker"
+    write = False
 
     def reads(self):
         return [HiddenStates(0, Phase.DECODE)]
@@ -96,6 +99,8 @@ class Looker(Consumer):
 
     def guide(self, view):
         view.hidden("layer.0")
+        if self.write:
+            view.update(torch.arange(len(view.rows), device=view.logits.device), view.logits + 1)
 
 
 class _LookerPlugin:
@@ -104,9 +109,13 @@ class _LookerPlugin:
         return [Looker]
 
 
-def test_runtime_guide_reads_the_device_once_more(device_reads):
-    """A step with a guiding consumer (its read of the step's states, the view, the guided
-    counts): one read more, the counts that decide whether vLLM's own call goes on."""
+@pytest.mark.parametrize("write", [False, True])
+def test_runtime_guide_reads_the_device_no_more(device_reads, monkeypatch, write):
+    """A step with a guiding consumer (its read of the step's states, the view, its writes)
+    reads the device no more than one without: whether vLLM's own call goes on is decided on
+    the host (``GuideView.wrote``) and the guided counts stay on the device until the
+    counters are collected (one read then)."""
+    monkeypatch.setattr(Looker, "write", write)
     reg = Registry()
     reg.register(_LookerPlugin(), name="looker-plugin")
     settings = RuntimeSettings.model_validate({"consumers": [{"name": "looker"}]})
@@ -117,13 +126,17 @@ def test_runtime_guide_reads_the_device_once_more(device_reads):
         logits = torch.zeros(3, 10, device=META)
         with SyncCounter() as sc:
             rt.begin_step(rows, {})
-            rt.guide(step, logits, torch.ones(3, device=META), np.ones(3, bool), False)
+            wrote = rt.guide(step, logits, torch.ones(3, device=META), np.ones(3, bool), False)
             rt.end_step(step)
-        assert dict(sc.kinds) == {} and device_reads.count - before == 2
-    # The guide ran (it read its states without an error; the counts it returned are the
-    # stand-in's, not the view's).
-    snap = rt.counters.snapshot()
+        assert dict(sc.kinds) == {} and device_reads.count - before == 1
+        assert wrote is write  # the path decision: vLLM's own call goes on when nothing was written
+    # The guide ran (it read its states without an error); the counts are read once, at
+    # collect (on meta the stand-in answers with the step number for both).
+    before = device_reads.count
+    snap = rt.collect()["runtime"]
+    assert device_reads.count - before == int(write)
     assert snap["rows_guide_visited"] == 6 and "consumer_errors" not in snap, snap
+    assert snap["rows_guided"] == (step.step if write else 0)
 
 
 def test_index_copies_do_not_wait_for_the_device():
@@ -134,3 +147,56 @@ def test_index_copies_do_not_wait_for_the_device():
     with SyncCounter() as sc:
         torch.from_numpy(idx).to(META)  # what the runtime did before: a blocking copy
     assert sc.kinds == {"host_device_copy": 1}
+
+
+class Writer(Consumer):
+    """Raises the candidates of rows 0 and 2 by one and writes row 1's own values back."""
+
+    name = "writer"
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        view.update(torch.tensor([0, 2]), view.logits[[0, 2]] + 1)
+        view.update(torch.tensor([1]), view.logits[[1]].clone())
+
+
+class _WriterPlugin:
+    @hookimpl
+    def tllm_consumers(self):
+        return [Writer]
+
+
+def test_guided_counts_summed_on_the_device_are_right_at_collect():
+    """What the device-side counts add up to, on real values: rows and candidates whose
+    logits changed (a row written with its own values counts nothing, though the step takes
+    the guided path), over two steps."""
+    reg = Registry()
+    reg.register(_WriterPlugin(), name="writer-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "writer"}]})
+    rt = Runtime(settings, _model(), reg)
+    cpu = torch.device("cpu")
+    for _ in range(2):
+        rows, step = _meta_step(rt, decode=3, device=cpu)
+        logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+        logits[:, 5:] = float("-inf")  # 5 candidates per row
+        rt.begin_step(rows, {})
+        assert rt.guide(step, logits, torch.ones(3), np.ones(3, bool), True) is True
+        rt.end_step(step)
+    snap = rt.collect()["runtime"]
+    assert (snap["rows_guided"], snap["candidates_guided"]) == (2 * 2, 2 * 2 * 5), snap
+    again = rt.collect()["runtime"]  # drained once: a second collect adds nothing
+    assert (again["rows_guided"], again["candidates_guided"]) == (4, 20)
+
+
+def test_guided_counts_made_in_inference_mode_are_drained_outside_it():
+    """The sampler runs under ``torch.inference_mode``; ``collect`` (an RPC) does not."""
+    from tllm_core.runtime.guided_counts import GuidedCounts
+
+    counts = GuidedCounts()
+    for _ in range(2):
+        with torch.inference_mode():
+            counts.add(torch.tensor([0, 3, 1]))
+        assert counts.drain() == (2, 4)
+    assert counts.drain() == (0, 0)

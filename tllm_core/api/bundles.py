@@ -98,7 +98,10 @@ class GuideView:
     ``rows[i]``. Change logits only through :meth:`update_candidates` (sparse: the few
     surviving candidates) or :meth:`update` (dense rows); both keep filtered-out entries at
     ``-inf``, leave other entries bit for bit and count what changed (``rows_guided``,
-    ``candidates_guided``: a write of an unchanged value counts nothing).
+    ``candidates_guided``: a write of an unchanged value counts nothing; counted on the
+    logits' device and read when the counters are). ``wrote`` says, without a device read,
+    whether any write was made: vLLM then samples from the guided logits, otherwise its
+    own sampling call goes on as it was made.
     """
 
     def __init__(
@@ -122,6 +125,8 @@ class GuideView:
         # per row, kept on the logits' device: counted without a host sync, read on demand.
         self._changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         self._candidates: Candidates | None = None
+        # Whether a write was made (host-side: the runtime decides on it without a read).
+        self.wrote = False
         # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
         self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
 
@@ -152,6 +157,7 @@ class GuideView:
         old = cand.logits[entries]
         new = new_logits.to(self.logits.dtype)
         self._undo.append(((rows, toks), old))
+        self.wrote = True
         self.logits[rows, toks] = new
         self._candidates = None
         self._changed.index_add_(0, rows, (new != old).long())
@@ -165,6 +171,7 @@ class GuideView:
         cand = old > float("-inf")
         new = torch.where(cand, new_logits.to(old.dtype), old)
         self._undo.append(((row_idx,), old))
+        self.wrote = True
         self.logits[row_idx] = new
         self._candidates = None
         self._changed.index_add_(0, row_idx, _count_rows(cand & (new != old)))
@@ -197,3 +204,4 @@ class GuideView:
         self._undo.clear()
         self._candidates = None
         self._changed.zero_()
+        self.wrote = False

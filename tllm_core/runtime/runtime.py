@@ -26,6 +26,7 @@ from tllm_core.api.rows import RequestInfo, RowInfo, index_to
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.bus import Bus
+from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, plan_reads
 from tllm_core.runtime.settings import RuntimeSettings
 
@@ -156,6 +157,7 @@ class Runtime:
             settings.max_consecutive_failures,
         )
         self.step_index = 0
+        self._guided = GuidedCounts()
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None
         # Every port read by some consumer, by key (phases merged): what rows_captured counts.
@@ -243,7 +245,7 @@ class Runtime:
         filtered: bool,
     ) -> bool:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
-        True when a logit changed (a runner adapter then samples from the guided logits;
+        True when a guide wrote logits (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
         srows = step.sample_rows()
         hidden = {}
@@ -265,7 +267,7 @@ class Runtime:
                 if rows is None:
                     view.rollback()
                 else:
-                    changed |= rows > 0
+                    changed |= rows
             elif allowed.any():
                 # Per-request consumer: it sees only its requests' rows, on a copy written
                 # back only if it succeeds.
@@ -279,22 +281,22 @@ class Runtime:
                     filtered,
                     {k: v[sel] for k, v in hidden.items()},
                 )
-                if self._call_guide(s, view):  # None (failed) or 0 rows: nothing to write back
+                if self._call_guide(s, view):  # None (failed) or no write: nothing to write back
                     logits[sel] = view.logits
                     changed = True
         return changed
 
-    def _call_guide(self, s: _Slot, view: GuideView) -> int | None:
-        """Rows the consumer's guide changed, or None when it failed."""
+    def _call_guide(self, s: _Slot, view: GuideView) -> bool | None:
+        """Whether the consumer's guide wrote logits, or None when it failed. What the
+        writes changed is counted on the device (no host read in the step)."""
         self.counters.add("rows_guide_visited", len(view.rows))
         if not self.bus.call(
             s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
         ):
             return None
-        rows, candidates = view.guided_counts()
-        self.counters.add("rows_guided", rows)
-        self.counters.add("candidates_guided", candidates)
-        return rows
+        if view.wrote:
+            self._guided.add(view.changed_per_row())
+        return view.wrote
 
     def _stale(self, key: str, error: StaleTapError) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
@@ -340,6 +342,9 @@ class Runtime:
     # -- results ----------------------------------------------------------------------
     def collect(self) -> dict[str, Any]:
         self.bus.flush()
+        rows, candidates = self._guided.drain()
+        self.counters.add("rows_guided", rows)
+        self.counters.add("candidates_guided", candidates)
         consumers = {}
         results = {}
         for s in self.slots:

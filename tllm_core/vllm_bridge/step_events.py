@@ -36,7 +36,7 @@ class StepEvents(Protocol):
     def guide(
         self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
     ) -> bool:
-        """Let guiding consumers edit ``logits`` in place; True when a logit changed."""
+        """Let guiding consumers edit ``logits`` in place; True when a guide wrote logits."""
         ...
 
     def sampled(self, token_ids: torch.Tensor) -> None: ...

@@ -11,7 +11,7 @@ Instance-level wrappers (never class-level) on one runner:
 - ``execute_model``: before -> ``finished(ids)``; after -> ``forward_done(final, logits)``.
 - ``sampler.topk_topp_sampler.forward`` (only when a consumer guides): filter a copy
   (top-k/top-p; min-p already applied) -> ``guide(...)`` -> sample with vLLM's own code: the
-  guided logits with ``k = p = None``, or, when no logit changed, vLLM's own call unchanged.
+  guided logits with ``k = p = None``, or, when no guide wrote a logit, vLLM's own call unchanged.
 - ``_sample``: after sampling -> ``sampled(token_ids)``.
 """
 

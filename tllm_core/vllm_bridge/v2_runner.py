@@ -13,7 +13,7 @@ runner"). V2 differs from V1 in ways that decide where each event comes from:
   read where the sampler receives them (``sampler.sample``);
 - the post-filter candidates exist only inside ``sampler._sample_random`` (top-k/top-p run
   there, after temperature and min-p); the guide filters them itself and hands vLLM's own
-  sampling code the guided logits. When no logit changed, vLLM's call goes on exactly as it
+  sampling code the guided logits. When no guide wrote a logit, vLLM's call goes on exactly as it
   was made (fused samplers included);
 - the sampled tokens are final when ``runner.sample`` returns, before
   ``postprocess_sampled`` writes them into the request state.
