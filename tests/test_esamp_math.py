@@ -393,6 +393,7 @@ def test_consumer_beta_zero_runs_guidance_and_keeps_logits():
     # The path ran (both rows predicted) but no logit changed, and nothing was written.
     assert c.counters.get("rows_visited") == 2 and c.counters.get("rows_guided") == 0
     assert c.counters.get("candidates_guided") == 0 and v.rows_guided == 0
+    assert not v.wrote  # so the runtime lets vLLM's own sampling call go on
     c.on_bundle(Bundle(1, rows, hidden))
     c.result()
     assert c.counters.get("optimizer_steps") == 1  # still learns (for the counters)

@@ -1,5 +1,5 @@
 """The V1 adapter's guided ``topk_topp_sampler.forward`` with a fake runner and fake step
-events: when the guide changes no logit, vLLM's own forward receives exactly the call it
+events: when the guide writes no logit, vLLM's own forward receives exactly the call it
 would have received without tllm (its logits tensor, values untouched, and its k and p: on
 CUDA those route filtered rows to FlashInfer); when it does, the guided candidates with
 ``k = p = None``."""

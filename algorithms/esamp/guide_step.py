@@ -65,7 +65,9 @@ class GuideStep:
 
     def __call__(self, view: GuideView) -> None:
         s, cfg, rows = self.s, self.s.cfg, view.rows
-        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
+        # beta = 0 still runs the path (selection, prediction) but writes nothing back. With
+        # some rows at beta != 0, the others' candidates are written with their own values
+        # (masks, no nonzero): the step takes the guided path, which it would anyway.
         if len(rows) == 0:
             return
         is_dec = np.asarray(rows.is_decode, dtype=bool)
@@ -94,9 +96,8 @@ class GuideStep:
             f = noise_prediction(h_t, f, self._noise_gen)
         elif cfg.ablation == "f_noise":
             f = f_noise_prediction(f, self._noise_gen)
-        betas = torch.tensor(
-            [self.beta_of(rows.requests[i]) for i in sel], dtype=torch.float32, device=f.device
-        )
+        host_betas = [self.beta_of(rows.requests[i]) for i in sel]
+        betas = torch.tensor(host_betas, dtype=torch.float32, device=f.device)
         # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
         # logits untouched (nothing is written back for them).
         rel = diag = None
@@ -108,6 +109,10 @@ class GuideStep:
             diag = (ages, rel)
         if self.fit is not None:
             betas = betas * self.fit([self.groups.by_slot[x] for x in slots], rel).to(betas.device)
+        if not any(host_betas) and diag is None:
+            # beta = 0 on every row: nothing is written, so the runtime lets vLLM's own
+            # sampling call go on (it decides on whether a write was made, host-side).
+            return
         m = _Mix(idx, f, betas, torch.isfinite(f).all(-1) & (betas != 0))
         # The view counts what its writes really change; ESamp's rows_guided and
         # candidates_guided are that count, per consumer (the runtime's are totals).
