@@ -287,7 +287,7 @@ def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str,
         msg = str(info.value)
         for word in (port.split(".")[0], *words):
             assert word in msg, f"{arch} {port}: start error does not name {word!r}: {msg}"
-        errors[port] = msg.splitlines()[0][:300]
+        errors[port] = msg.splitlines()[0][:600]
     return errors
 
 
