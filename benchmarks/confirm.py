@@ -153,8 +153,9 @@ def decide(
         "diversity": quality_ok and all(tests[f"vendi:{a}"]["reject"] for a in ablations),
     }
     ni = noninferior(p16[esamp], p16["vanilla"])
+    valid = validity(passk, div)
     return {
-        "validity": validity(passk, div),
+        "validity": valid,
         "tests": tests,
         "pass16_vs_vanilla": ni,
         "ppl": ppl,
@@ -163,8 +164,10 @@ def decide(
         "learning_wins": wins,
         # The rule written before the run: the selected config becomes the default only
         # when the learned direction wins on at least one benchmark and pass@16 is
-        # non-inferior to vanilla.
-        "default_follows_selection": (wins["passk"] or wins["diversity"]) and ni["pass"],
+        # non-inferior to vanilla; an invalid run is reported, not analysed.
+        "default_follows_selection": valid["valid"]
+        and (wins["passk"] or wins["diversity"])
+        and ni["pass"],
     }
 
 
@@ -198,6 +201,9 @@ def markdown(out: dict[str, Any], passk: dict[str, Any], div: dict[str, Any], es
     lines = []
     v = out["validity"]
     lines.append(f"Validity: {'valid' if v['valid'] else 'INVALID: ' + '; '.join(v['problems'])}.")
+    if not v["valid"]:  # the plan: an invalid run is reported as invalid, not analysed
+        lines.append("The run is invalid: no comparison is reported and the default stays.")
+        return "\n".join(lines) + "\n"
     lines += ["", "| method | pass@k AUC | pass@1 | pass@16 | tokens | Vendi | PPL |"]
     lines.append("|---|---:|---:|---:|---:|---:|---:|")
     for k, m in _means(passk, div).items():

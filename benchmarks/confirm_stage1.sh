@@ -27,7 +27,8 @@ mv benchmarks/results/confirm_diversity.json.tmp benchmarks/results/confirm_dive
 python benchmarks/confirm.py --passk benchmarks/results/confirm_passk.json \
   --diversity benchmarks/results/confirm_diversity.json --esamp esamp_sel_b0.25 \
   --ablations frozen_sel_b0.25,fnoise_sel_b0.25,noise_sel_b0.25,esamp_sharp_b0.25 \
-  --frozen frozen_sel_b0.25 --json > benchmarks/results/confirm_verdict.json
+  --frozen frozen_sel_b0.25 --json > benchmarks/results/confirm_verdict.json.tmp
+mv benchmarks/results/confirm_verdict.json.tmp benchmarks/results/confirm_verdict.json
 python benchmarks/confirm.py --passk benchmarks/results/confirm_passk.json \
   --diversity benchmarks/results/confirm_diversity.json --esamp esamp_sel_b0.25 \
   --ablations frozen_sel_b0.25,fnoise_sel_b0.25,noise_sel_b0.25,esamp_sharp_b0.25 \

@@ -226,3 +226,13 @@ def test_stage1_script_runs_the_pre_registered_commands_as_written():
     assert _commands(script)[:3] == planned
     assert 'SHARP=\'sharp={"init": "zero_output", "train": false}\'' in plan
     assert 'SHARP=\'sharp={"init": "zero_output", "train": false}\'' in script
+
+
+def test_an_invalid_run_is_reported_not_analysed():
+    passk, div = _runs(0.5, 10.2)  # a clear win, were it valid
+    passk["methods"]["vanilla"]["mean_tokens"] = 23.0
+    ablations = ["frozen_sel_b0.25", "fnoise_sel_b0.25"]
+    out = confirm.decide(passk, div, "esamp_sel_b0.25", ablations, "frozen_sel_b0.25")
+    assert out["learning_wins"]["passk"] and not out["default_follows_selection"]
+    text = confirm.markdown(out, passk, div, "esamp_sel_b0.25")
+    assert text.startswith("Validity: INVALID") and "helps" not in text and "| `" not in text
