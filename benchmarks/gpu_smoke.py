@@ -15,8 +15,10 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    inputs, graph pool) and ``max_memory_allocated`` over predict + train steps; on CPU the
    allocator's peak during the update (``host_memory.cpu_peak_bytes``).
 4. ``syncs``: synchronising operations (``sync_count.SyncCounter``) per step of the
-   distiller's predict + train submission; plus the ESamp consumer's decode step when the
-   consumer can be imported (it needs pydantic).
+   distiller's predict + train submission; the two candidate searches at 128 rows x the
+   7B vocabulary (exact: ``nonzero``; fixed-size: ``topk`` + ``scatter``, on CUDA also run
+   under ``torch.cuda.set_sync_debug_mode("error")``); plus the ESamp consumer's decode
+   step when the consumer can be imported (it needs pydantic).
 
 5. ``compiled_taps``: tllm's residual taps with edits on a toy decoder with vLLM's layer
    signature, ``torch.compile``'d and (CUDA only) captured in a CUDA graph, replayed with
@@ -164,6 +166,41 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
     return out
 
 
+def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B) -> dict:
+    """Syncs of the two candidate searches on min-p-filtered logits (SyncCounter), and on
+    CUDA the fixed-size search and write under ``torch.cuda.set_sync_debug_mode("error")``,
+    which raises at any real synchronisation."""
+    from tllm_core.api.candidates import candidate_entries, top_candidate_entries
+
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=device, generator=g) * 3
+    p = logits.softmax(-1)
+    logits[p < 0.1 * p.amax(-1, keepdim=True)] = float("-inf")
+    out: dict[str, Any] = {}
+    with SyncCounter() as sc:
+        candidate_entries(logits)
+    out["exact"] = dict(sc.kinds)
+
+    def fixed() -> None:
+        top = top_candidate_entries(logits, 64)
+        logits.scatter_(1, top.tokens, torch.where(top.valid, top.logits + 1, top.logits))
+
+    with SyncCounter() as sc:
+        fixed()
+    out["fixed_size"] = dict(sc.kinds)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fixed()
+            out["fixed_size_cuda_sync_debug"] = "no sync"
+        except RuntimeError as err:
+            out["fixed_size_cuda_sync_debug"] = f"synced: {err}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out
+
+
 def run_syncs(device: torch.device) -> dict[str, Any]:
     h, inter, groups, rows = 64, 32, 4, 4
     d = _distiller(device, h, inter, groups, rows)
@@ -177,7 +214,7 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
         per_step.append(dict(sc.kinds))
     d.synchronize()
     d.close()
-    out: dict[str, Any] = {"distiller_step": per_step}
+    out: dict[str, Any] = {"distiller_step": per_step, "candidate_search": candidate_syncs(device)}
     try:
         sys.path.insert(0, str(ROOT / "tests"))
         from test_esamp_syncs import syncs_per_step

@@ -291,6 +291,64 @@ def test_candidate_entries_equal_a_full_nonzero_scan(rows, vocab, keep, specials
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 300),
+    keep=st.floats(0.0, 1.0),
+    k=st.integers(1, 40),
+    specials=st.lists(st.sampled_from(["nan", "inf", "-inf"]), max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_top_candidates_are_the_k_highest_and_count_the_rest(rows, vocab, keep, k, specials, seed):
+    """Fixed-size search: each row's valid slots are distinct candidates (entries > -inf),
+    all of them when the row has at most k, else k of them none lower than any left out;
+    over_cap counts exactly the candidates left out; invalid slots hold no candidate."""
+    from tllm_core.api.candidates import top_candidate_entries
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[torch.rand(rows, vocab, generator=g) >= keep] = float("-inf")
+    for i, value in enumerate(specials):
+        logits.view(-1)[(i * 7919 + seed) % logits.numel()] = float(value)
+    top = top_candidate_entries(logits, k)
+    assert top.tokens.shape == (rows, min(k, vocab)) == top.logits.shape == top.valid.shape
+    for r in range(rows):
+        cand = set((logits[r] > float("-inf")).nonzero().view(-1).tolist())
+        taken = top.tokens[r][top.valid[r]].tolist()
+        assert len(set(taken)) == len(taken) and set(taken) <= cand
+        assert torch.equal(top.logits[r][top.valid[r]], logits[r, taken])
+        assert top.over_cap[r] == len(cand) - len(taken)
+        if len(cand) <= min(k, vocab) and not torch.isnan(logits[r]).any():
+            assert set(taken) == cand
+        left = torch.tensor(sorted(cand - set(taken)), dtype=torch.long)
+        if left.numel() and taken:
+            assert logits[r, left].max() <= logits[r, taken].min()
+        assert not (top.logits[r][~top.valid[r]] > float("-inf")).any()  # no candidate
+
+
+def test_guide_view_top_candidates_update_count_and_rollback():
+    """update_top_candidates writes the valid slots only (empty slots and every other logit
+    bit for bit), counts what changed, invalidates the exact cache and rolls back."""
+    logits = torch.full((3, 6), float("-inf"))
+    logits[0, [1, 4]] = torch.tensor([0.5, 1.5])
+    logits[2, [0, 2, 5]] = torch.tensor([2.0, -1.0, 0.25])
+    before = logits.clone()
+    view = GuideView(0, _rows(3, [True] * 3), logits, torch.ones(3), np.ones(3, bool), True, {})
+    assert len(view.candidates()) == 5  # cached now: the write below must invalidate it
+    top = view.top_candidates(2)
+    assert top.over_cap.tolist() == [0, 0, 1]  # row 2 keeps its lowest candidate (-1.0)
+    new = torch.where(top.tokens == 1, top.logits, top.logits + 10.0)  # (0, 1) unchanged
+    view.update_top_candidates(top, new)
+    assert logits[0].tolist() == [float("-inf"), 0.5, *[float("-inf")] * 2, 11.5, float("-inf")]
+    assert logits[2].tolist() == [12.0, float("-inf"), -1.0, float("-inf"), float("-inf"), 10.25]
+    assert torch.equal(logits[1], before[1])  # no candidates: nothing written
+    assert view.wrote and view.guided_counts() == (2, 3)
+    assert view.candidates().logits.tolist() == [0.5, 11.5, 12.0, -1.0, 10.25]
+    view.rollback()
+    assert torch.equal(logits, before) and not view.wrote
+
+
 def test_guide_view_update_touches_only_candidates_of_given_rows():
     logits = torch.tensor([[1.0, float("-inf"), 2.0], [3.0, 4.0, float("-inf")]])
     view = GuideView(0, _rows(2, [True, True]), logits, torch.ones(2), np.ones(2, bool), True, {})

@@ -623,6 +623,41 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
     c.close()
 
 
+@pytest.mark.parametrize("cap", [64, 4])
+def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap):
+    """The CUDA branch's fixed-size search (GuideView.top_candidates) mixes the same values
+    as the exact search while a row has at most cuda_max_candidates candidates; past it, the
+    row's lowest candidates keep their logits and are counted in candidates_over_cap."""
+    fake = Fake()
+    reqs = fake.requests(prompts=2, n=3)
+    reqs[2].extra_args = {"tllm_esamp_beta": 1.5}
+    reqs[4].extra_args = {"tllm_esamp_beta": 0.0}
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(6, V, keep=7, seed=11) / 0.7
+    out = {}
+    for branch in ("exact", "top"):
+        c = fake.consumer(beta=0.5, cuda_max_candidates=cap)
+        c.shared.on_cuda = branch == "top"
+        view = fake.view(rows, hidden, logits, is_random=[True] * 5 + [False], temp=0.7)
+        c.guide(view)
+        out[branch] = (view.logits.clone(), c.result()["counters"])
+        c.close()
+    (exact, k_exact), (top, k_top) = out["exact"], out["top"]
+    if cap >= 7:
+        torch.testing.assert_close(top, exact, rtol=1e-6, atol=1e-6)
+        assert k_top["candidates_over_cap"] == 0
+    else:
+        kept = logits.topk(cap, dim=-1).indices  # each row's cap highest: mixed
+        mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, kept, True)
+        torch.testing.assert_close(top[mask], exact[mask], rtol=1e-6, atol=1e-6)
+        assert torch.equal(top[~mask], logits[~mask])  # the rest: untouched
+        assert k_top["candidates_over_cap"] == 4 * (7 - cap)  # 4 mixed rows (beta > 0)
+    assert torch.equal(top[4:], logits[4:])  # beta 0 and greedy rows
+    assert k_exact["candidates_over_cap"] == 0
+    assert k_top["rows_guided"] == k_exact["rows_guided"] == 4
+    assert k_top["candidates_guided"] == 4 * min(cap, 7)
+
+
 def test_host_adam_fallback_equals_fused_kernel():
     """The in-place fallback (for a torch without ``_fused_adam_``) matches the fused kernel."""
     torch.manual_seed(0)

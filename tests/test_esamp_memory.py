@@ -127,9 +127,8 @@ def test_consumer_reports_its_plan_and_refuses_at_start(monkeypatch):
     assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 4 MB
 
 
-def test_plan_bounds_the_measured_guidance_step():
-    """A full-vocabulary guidance step (the larger of the two modes' temporaries) stays under
-    the plan's guidance + predict terms, measured by the CPU allocator."""
+def _guidance_setup(mode: str, on_cuda: bool = False):
+    """A consumer whose two groups have distillers, and a fresh view of a 32-row step."""
     import numpy as np
 
     from algorithms.esamp.consumer import ESampConsumer
@@ -141,8 +140,9 @@ def test_plan_bounds_the_measured_guidance_step():
     h, v, r = 64, 16384, 32
     w = torch.randn(v, h)
     model = ModelInfo(h, 4, v, torch.float32, torch.device("cpu"), lambda z: z @ w.t(), w)
-    cfg = ESampConfig(intermediate_size=32, mode="full_vocab", cpu_update="inline")
+    cfg = ESampConfig(intermediate_size=32, mode=mode, cpu_update="inline")
     c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
+    c.shared.on_cuda = on_cuda  # the CUDA branches (the fixed-size candidate search)
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(r // 2)]
     rows = RowInfo(
         np.arange(r),
@@ -154,17 +154,39 @@ def test_plan_bounds_the_measured_guidance_step():
     )
     hidden = {"layer.0": torch.randn(r, h), "final": torch.randn(r, h)}
     logits = torch.randn(r, v)
+    filtered = mode == "post_filter"
+    if filtered:  # a few dozen candidates per row, as min-p leaves them
+        logits[logits < 2.0] = float("-inf")
 
     def view() -> GuideView:
         return GuideView(
-            0, rows, logits.clone(), torch.full((r,), 0.8), np.ones(r, bool), False, hidden
+            0, rows, logits.clone(), torch.full((r,), 0.8), np.ones(r, bool), filtered, hidden
         )
 
     c.guide(view())  # creates the groups' distillers
-    step = view()
-    used = cpu_peak_bytes(lambda: c.guide(step))
-    assert step.rows_guided == r
     plan = mp.plan_memory(h, v, slots=2, graph_rows=16, rows_per_step=r, intermediate_size=32)
+    return c, view(), plan
+
+
+def test_plan_bounds_the_measured_guidance_step():
+    """A full-vocabulary guidance step (the larger of the two modes' temporaries) stays under
+    the plan's guidance + predict terms, measured by the CPU allocator."""
+    c, step, plan = _guidance_setup("full_vocab")
+    used = cpu_peak_bytes(lambda: c.guide(step))
+    assert step.rows_guided == 32
     bound = plan.guidance_workspace_bytes + plan.predict_workspace_bytes
     assert 0.5 * bound <= used <= bound, (used, bound)
+    c.close()
+
+
+def test_plan_bounds_the_measured_sync_free_post_filter_step():
+    """The CUDA branch's post-filter step (fixed-size candidates) stays under the plan's
+    post-filter term + predict term, measured by the CPU allocator."""
+    c, step, plan = _guidance_setup("post_filter", on_cuda=True)
+    used = cpu_peak_bytes(lambda: c.guide(step))
+    c.guide_step.read_guided()
+    assert c.counters.get("rows_guided") == 2 * 32  # this step and the setup's
+    post = mp.guidance_post_filter_bytes(64, 16384, 32, c.config.cuda_max_candidates)
+    bound = post + plan.predict_workspace_bytes
+    assert 32 * 16384 <= used <= bound, (used, bound)  # at least the candidate mask
     c.close()

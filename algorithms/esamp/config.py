@@ -23,6 +23,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
             "cuda_capacity",
             "cuda_graph_max_rows",
             "cuda_rows_per_step",
+            "cuda_max_candidates",
         )
     },
     "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
@@ -186,6 +187,14 @@ class ESampConfig(ConsumerConfig):
         128,
         description="Decode rows of one step the memory plan budgets for: set it to vLLM's "
         "max_num_seqs (prompts x samples per prompt).",
+    )
+    cuda_max_candidates: int = Field(
+        64,
+        description="On CUDA, post-filter guidance mixes up to this many candidates per row "
+        "(the highest model logits), found in fixed-size tensors without a host sync (a "
+        "variable-length search would make the host wait for the GPU every step); a row's "
+        "candidates past it keep their logits (counter candidates_over_cap). min-p 0.1 keeps "
+        "at most 10 / p_max per row, top-k k; raise it for wide top-p. CPU searches exactly.",
     )
     max_memory_fraction: float = Field(
         0.1,

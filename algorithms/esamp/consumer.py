@@ -50,6 +50,7 @@ COUNTER_NAMES = (
     "rows_visited",
     "rows_guided",
     "candidates_guided",
+    "candidates_over_cap",
     "loss_first",
     "loss_last",
     "loss_mean",
@@ -122,6 +123,7 @@ class ESampConsumer(Consumer):
             rows_per_step=config.cuda_rows_per_step,
             intermediate_size=config.intermediate_size,
             num_blocks=config.num_blocks,
+            max_candidates=config.cuda_max_candidates,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

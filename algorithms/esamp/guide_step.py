@@ -26,6 +26,9 @@ from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, row_index, select_rows
 from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
+# What _add_guided sums per step, in order.
+_GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
+
 
 @dataclass
 class _Mix:
@@ -117,30 +120,36 @@ class GuideStep:
         # The view counts what its writes really change; ESamp's rows_guided and
         # candidates_guided are that count, per consumer (the runtime's are totals).
         before = view.changed_per_row().clone()
+        over = None
         if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-            self._mix_candidates(view, m, diag)
+            if s.on_cuda:
+                over = self._mix_top_candidates(view, m, diag)
+            else:
+                self._mix_candidates(view, m, diag)
         else:
             self._mix_full_vocab(view, m)
-        self._add_guided(view.changed_per_row() - before)
+        self._add_guided(view.changed_per_row() - before, over)
 
-    def _add_guided(self, delta: torch.Tensor) -> None:
-        """Count guided rows and candidates: on CUDA summed on the device and read at the
-        next blocking flush (a read is a host sync); elsewhere counted now."""
-        pair = torch.stack([(delta > 0).sum(), delta.sum()])
+    def _add_guided(self, delta: torch.Tensor, over: torch.Tensor | None) -> None:
+        """Count guided rows and candidates (and candidates past the cap): on CUDA summed on
+        the device and read at the next blocking flush (a read is a host sync); elsewhere
+        counted now."""
+        zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
+        counts = torch.stack([(delta > 0).sum(), delta.sum(), zero if over is None else over])
         if self.s.on_cuda:
-            self._guided = pair if self._guided is None else self._guided + pair
+            self._guided = counts if self._guided is None else self._guided + counts
             return
-        n_rows, n_cand = pair.tolist()
-        self.s.counters.add("rows_guided", n_rows)
-        self.s.counters.add("candidates_guided", n_cand)
+        self._count_guided(counts.tolist())
+
+    def _count_guided(self, counts: list[int]) -> None:
+        for name, n in zip(_GUIDED_COUNTERS, counts, strict=True):
+            self.s.counters.add(name, n)
 
     def read_guided(self) -> None:
         """The guided counts summed on the device since the last read (after a sync)."""
         if self._guided is not None:
-            rows, cand = self._guided.tolist()
-            self._guided = None
-            self.s.counters.add("rows_guided", rows)
-            self.s.counters.add("candidates_guided", cand)
+            counts, self._guided = self._guided.tolist(), None
+            self._count_guided(counts)
 
     def _head(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(z.to(self.model.dtype)).float()
@@ -175,6 +184,41 @@ class GuideStep:
         if diag is not None:
             self.diagnostics.record_shift(*diag, tokens, ref, new, p, betas)
         view.update_candidates(entries, new)  # unchanged entries are written as they are
+
+    def _mix_top_candidates(
+        self, view: GuideView, m: _Mix, diag: tuple[list[int], torch.Tensor] | None
+    ) -> torch.Tensor:
+        """Post-filter mode without a host sync (CUDA): the same mix on up to
+        ``cuda_max_candidates`` candidates per row, in fixed-size ``[R, k]`` tensors, every
+        row's slots computed and those of rows not ``mixed`` (and empty slots) written back
+        unchanged. Returns the mixed rows' candidates past the cap (a device scalar)."""
+        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
+        top = view.top_candidates(self.s.cfg.cuda_max_candidates)
+        n_rows, k = top.tokens.shape
+        pos = torch.full((n_rows,), -1, dtype=torch.long, device=idx.device)
+        here = torch.arange(len(idx), device=idx.device)
+        pos[idx] = torch.where(mixed, here, torch.full_like(here, -1))
+        row_live = pos >= 0
+        p = pos.clamp(min=0)
+        p_slot = p[:, None].expand(n_rows, k).reshape(-1)  # each slot's row in f
+        dist_fn = candidate_dist_fn(f, self._weight, self._head)
+        dist = dist_fn(p_slot, top.tokens.reshape(-1)).view(n_rows, k)
+        temp = view.temperature.to(top.logits.device).float()[:, None]
+        mixed_logits = mix_candidates(top.logits, dist, betas[p][:, None], temp)
+        live = row_live[:, None] & top.valid
+        new = torch.where(live, mixed_logits, top.logits)
+        if diag is not None:  # diagnostics read the host every step anyway
+            ent = live.reshape(-1)
+            self.diagnostics.record_shift(
+                *diag,
+                top.tokens.reshape(-1)[ent],
+                top.logits.reshape(-1)[ent],
+                new.reshape(-1)[ent],
+                p_slot[ent],
+                betas,
+            )
+        view.update_top_candidates(top, new)
+        return (top.over_cap * row_live).sum()
 
     def _mix_full_vocab(self, view: GuideView, m: _Mix) -> None:
         """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two

@@ -18,7 +18,9 @@ vocabulary):
   activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
-  gathered head rows) and full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
+  gathered head rows, ``+ R * V`` for the candidate mask and ``48 * R * k`` for the
+  fixed-size candidates of the CUDA path, ``k`` = ``cuda_max_candidates``) and
+  full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
 
 Activation and guidance terms are upper-bound estimates of temporaries; the state and input
 terms are the exact sizes of the tensors allocated (a test counts them on the real objects).
@@ -104,6 +106,7 @@ def plan_memory(
     intermediate_size: int = 384,
     num_blocks: int = 2,
     candidate_chunk: int = CANDIDATE_CHUNK,
+    max_candidates: int = 64,
 ) -> MemoryPlan:
     """The plan for these shapes (see the module docstring for each term)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
@@ -114,7 +117,8 @@ def plan_memory(
     acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     update = s * i * h * 4 + acts_update
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
-    guidance = max(10 * candidate_chunk * h, 5 * rows_per_step * vocab_size * 4)
+    post_filter = guidance_post_filter_bytes(h, vocab_size, rows_per_step, max_candidates)
+    guidance = max(post_filter, 5 * rows_per_step * vocab_size * 4)
     return MemoryPlan(
         hidden_size,
         intermediate_size,
@@ -130,6 +134,19 @@ def plan_memory(
         predict,
         guidance,
     )
+
+
+def guidance_post_filter_bytes(
+    hidden_size: int,
+    vocab_size: int,
+    rows_per_step: int,
+    max_candidates: int,
+    candidate_chunk: int = CANDIDATE_CHUNK,
+) -> int:
+    """Post-filter guidance's temporaries (module docstring): one chunk of gathered head
+    rows, the candidate mask and the fixed-size candidates."""
+    k = min(max_candidates, vocab_size)
+    return 10 * candidate_chunk * hidden_size + rows_per_step * vocab_size + 48 * rows_per_step * k
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

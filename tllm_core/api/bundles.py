@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from tllm_core.api.candidates import (
+    Candidates,
+    TopCandidates,
+    candidate_entries,
+    count_rows,
+    top_candidate_entries,
+)
 from tllm_core.api.rows import RowInfo
 
 
@@ -41,62 +49,14 @@ class Bundle:
         return self.per_sample.get("sampled")
 
 
-def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, tokens)`` of the entries ``> -inf`` of ``logits [R, V]``, row-major: what
-    ``(logits > -inf).nonzero(as_tuple=True)`` returns, at a fraction of its cost.
-
-    Filters leave a few dozen candidates among tens of thousands of tokens, and a full
-    ``nonzero`` pass over ``R x V`` is single-threaded. So: one max per block of ``block``
-    tokens, ``nonzero`` over those blocks only, then an exact scan inside the blocks that
-    hold a candidate. A block max that is NaN keeps the block (the exact scan decides).
-    """
-    r, v = logits.shape
-    nb = v // block
-    if nb == 0 or logits.stride(-1) != 1:
-        return (logits > float("-inf")).nonzero(as_tuple=True)
-    main = logits[:, : nb * block].view(r, nb, block)
-    br, bb = (main.amax(-1) != float("-inf")).nonzero(as_tuple=True)
-    k, j = (main[br, bb] > float("-inf")).nonzero(as_tuple=True)
-    rows, toks = br[k], bb[k] * block + j
-    if v > nb * block:  # the tail past the last whole block, merged back in row order
-        tr, tt = (logits[:, nb * block :] > float("-inf")).nonzero(as_tuple=True)
-        if tr.numel():
-            rows, toks = torch.cat([rows, tr]), torch.cat([toks, tt + nb * block])
-            order = torch.argsort(rows * v + toks)
-            rows, toks = rows[order], toks[order]
-    return rows, toks
-
-
-def _count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
-    """True entries per row of a bool ``[R, V]`` mask, a few rows at a time: summing a bool
-    tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an entry)."""
-    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
-
-
-@dataclass(frozen=True)
-class Candidates:
-    """The candidate entries of a :class:`GuideView`: the finite logits, row-major.
-
-    Entry ``j`` is token ``tokens[j]`` of view row ``rows[j]``, with current (temperature-
-    scaled) logit ``logits[j]``. Write back through :meth:`GuideView.update_candidates`
-    with indices into these entries.
-    """
-
-    rows: torch.Tensor  # int64 [N]: view row of each entry
-    tokens: torch.Tensor  # int64 [N]
-    logits: torch.Tensor  # fp32 [N]
-
-    def __len__(self) -> int:
-        return int(self.rows.numel())
-
-
 class GuideView:
     """The sampler's view for one step (write port ``SamplerGuide``).
 
     ``logits`` are fp32, already divided by each row's temperature and filtered by
     top-k/top-p/min-p: non-candidates are ``-inf``. Row ``i`` of ``logits`` belongs to
     ``rows[i]``. Change logits only through :meth:`update_candidates` (sparse: the few
-    surviving candidates) or :meth:`update` (dense rows); both keep filtered-out entries at
+    surviving candidates), :meth:`update_top_candidates` (up to ``k`` per row, fixed-size:
+    no host sync) or :meth:`update` (dense rows); all keep filtered-out entries at
     ``-inf``, leave other entries bit for bit and count what changed (``rows_guided``,
     ``candidates_guided``: a write of an unchanged value counts nothing; counted on the
     logits' device and read when the counters are). ``wrote`` says, without a device read,
@@ -127,8 +87,9 @@ class GuideView:
         self._candidates: Candidates | None = None
         # Whether a write was made (host-side: the runtime decides on it without a read).
         self.wrote = False
-        # Undo log (old values of every write) so a consumer that raises leaves nothing behind.
-        self._undo: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]] = []
+        # Undo log (how to restore each write, newest last) so a consumer that raises leaves
+        # nothing behind.
+        self._undo: list[Callable[[], None]] = []
 
     def hidden(self, key: str) -> torch.Tensor:
         """A token port's data (``"layer.{i}"``, ``"final"``, ...) at the sampling rows, ``[R, H]``."""
@@ -156,11 +117,29 @@ class GuideView:
         rows, toks = cand.rows[entries], cand.tokens[entries]
         old = cand.logits[entries]
         new = new_logits.to(self.logits.dtype)
-        self._undo.append(((rows, toks), old))
+        self._undo.append(lambda: self.logits.index_put_((rows, toks), old))
         self.wrote = True
         self.logits[rows, toks] = new
         self._candidates = None
         self._changed.index_add_(0, rows, (new != old).long())
+
+    def top_candidates(self, k: int) -> TopCandidates:
+        """Up to ``k`` surviving entries of every row, in fixed ``[R, k]`` tensors (see
+        :class:`TopCandidates`): found without a host sync, where :meth:`candidates` ends in
+        a ``nonzero`` (on CUDA the host then waits for the device). Not cached."""
+        return top_candidate_entries(self.logits, k)
+
+    def update_top_candidates(self, top: TopCandidates, new_logits: torch.Tensor) -> None:
+        """Set the valid slots of ``top`` (from :meth:`top_candidates`) to ``new_logits``
+        ``[R, k]``; invalid slots and every other logit stay bit for bit. No host sync."""
+        old = self.logits.gather(1, top.tokens)  # current values: earlier writes count
+        new = torch.where(top.valid, new_logits.to(self.logits.dtype), old)
+        toks = top.tokens
+        self._undo.append(lambda: self.logits.scatter_(1, toks, old))
+        self.wrote = True
+        self.logits.scatter_(1, toks, new)
+        self._candidates = None
+        self._changed += ((new != old) & top.valid).sum(-1)
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -170,11 +149,11 @@ class GuideView:
         old = self.logits[row_idx]
         cand = old > float("-inf")
         new = torch.where(cand, new_logits.to(old.dtype), old)
-        self._undo.append(((row_idx,), old))
+        self._undo.append(lambda: self.logits.index_put_((row_idx,), old))
         self.wrote = True
         self.logits[row_idx] = new
         self._candidates = None
-        self._changed.index_add_(0, row_idx, _count_rows(cand & (new != old)))
+        self._changed.index_add_(0, row_idx, count_rows(cand & (new != old)))
 
     def changed_per_row(self) -> torch.Tensor:
         """Logits changed through this view so far, per row (int64 ``[R]``, on the logits'
@@ -199,8 +178,8 @@ class GuideView:
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
-        for index, old in reversed(self._undo):
-            self.logits[index] = old
+        for restore in reversed(self._undo):
+            restore()
         self._undo.clear()
         self._candidates = None
         self._changed.zero_()

@@ -14,13 +14,16 @@ Composition, per row and tap, in consumer order: an edit is the affine map
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tllm_core.api.port_names import format_port_name, parse_port_name
 from tllm_core.api.ports import ReadPort
-from tllm_core.api.rows import RowInfo
+
+if TYPE_CHECKING:  # only a type here: rows needs pydantic, the taps run without it
+    from tllm_core.api.rows import RowInfo
 
 EditTarget = int | str | ReadPort
 

@@ -1,0 +1,106 @@
+"""Finding the candidates of a guided step: the logits that survive top-k/top-p/min-p
+(``> -inf``), in two forms.
+
+- :class:`Candidates`: every candidate, row-major, variable length. Exact; finding them ends
+  in a ``nonzero``, which on CUDA makes the host wait for the device.
+- :class:`TopCandidates`: up to ``k`` per row (the highest logits) in fixed ``[R, k]``
+  tensors, found with ``topk``: no host sync, so a CUDA step keeps vLLM's asynchronous
+  scheduling. Candidates past ``k`` are counted per row (``over_cap``), on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, tokens)`` of the entries ``> -inf`` of ``logits [R, V]``, row-major: what
+    ``(logits > -inf).nonzero(as_tuple=True)`` returns, at a fraction of its cost.
+
+    Filters leave a few dozen candidates among tens of thousands of tokens, and a full
+    ``nonzero`` pass over ``R x V`` is single-threaded. So: one max per block of ``block``
+    tokens, ``nonzero`` over those blocks only, then an exact scan inside the blocks that
+    hold a candidate. A block max that is NaN keeps the block (the exact scan decides).
+    """
+    r, v = logits.shape
+    nb = v // block
+    if nb == 0 or logits.stride(-1) != 1:
+        return (logits > NEG_INF).nonzero(as_tuple=True)
+    main = logits[:, : nb * block].view(r, nb, block)
+    br, bb = (main.amax(-1) != NEG_INF).nonzero(as_tuple=True)
+    k, j = (main[br, bb] > NEG_INF).nonzero(as_tuple=True)
+    rows, toks = br[k], bb[k] * block + j
+    if v > nb * block:  # the tail past the last whole block, merged back in row order
+        tr, tt = (logits[:, nb * block :] > NEG_INF).nonzero(as_tuple=True)
+        if tr.numel():
+            rows, toks = torch.cat([rows, tr]), torch.cat([toks, tt + nb * block])
+            order = torch.argsort(rows * v + toks)
+            rows, toks = rows[order], toks[order]
+    return rows, toks
+
+
+def count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
+    """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
+    summing a bool tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an
+    entry)."""
+    if mask.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=mask.device)
+    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`: the finite
+    logits, row-major.
+
+    Entry ``j`` is token ``tokens[j]`` of view row ``rows[j]``, with current (temperature-
+    scaled) logit ``logits[j]``. Write back through ``GuideView.update_candidates`` with
+    indices into these entries.
+    """
+
+    rows: torch.Tensor  # int64 [N]: view row of each entry
+    tokens: torch.Tensor  # int64 [N]
+    logits: torch.Tensor  # fp32 [N]
+
+    def __len__(self) -> int:
+        return int(self.rows.numel())
+
+
+@dataclass(frozen=True)
+class TopCandidates:
+    """Up to ``k`` candidates of every view row, fixed-size (found without a host sync).
+
+    Slot ``[i, j]`` is token ``tokens[i, j]`` of view row ``i`` with logit ``logits[i, j]``;
+    ``valid[i, j]`` is False where row ``i`` has fewer than ``k`` candidates (its logit is
+    then ``-inf``: a filtered-out token, never written). A row with more than ``k``
+    candidates holds its ``k`` highest; ``over_cap[i]`` counts the others, which keep their
+    logits. Slots are in no particular order within a row; the tokens of a row are distinct.
+    Write back through ``GuideView.update_top_candidates``.
+    """
+
+    tokens: torch.Tensor  # int64 [R, k]
+    logits: torch.Tensor  # fp32 [R, k]
+    valid: torch.Tensor  # bool [R, k]
+    over_cap: torch.Tensor  # int64 [R]
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def top_candidate_entries(logits: torch.Tensor, k: int) -> TopCandidates:
+    """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
+    with every shape fixed by ``R`` and ``k``: ``topk``, compares and one count per row, no
+    operation whose output size depends on the data."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    k = min(k, logits.shape[-1])
+    vals, toks = logits.topk(k, dim=-1, sorted=False)
+    valid = vals > NEG_INF
+    # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
+    over = count_rows(logits > NEG_INF) - valid.sum(-1)
+    return TopCandidates(toks, vals, valid, over)
