@@ -592,15 +592,31 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
         syncs = ", ".join(
             f"{m} {sum(v[-1].values())}" for m, v in cs.items() if isinstance(v, list)
         )
+        search = sm["syncs"].get("candidate_search")
+        found = (
+            f" Candidate search at 128 rows x {VOCAB_7B_NAME}: exact "
+            f"{sum(search['exact'].values())} syncs, fixed-size {sum(search['fixed_size'].values())}"
+            + (
+                f" (CUDA sync debug mode: {search['fixed_size_cuda_sync_debug']})"
+                if "fixed_size_cuda_sync_debug" in search
+                else ""
+            )
+            + "."
+            if isinstance(search, dict) and "exact" in search
+            else ""
+        )
         out += [
             "",
             f"Measured: {what}. Host syncs per ESamp decode step (consumer, CUDA branches): "
             f"{syncs or 'not run'}; distiller step: "
-            f"{sum(sm['syncs']['distiller_step'][-1].values())}.",
+            f"{sum(sm['syncs']['distiller_step'][-1].values())}.{found}",
             "",
         ]
         out += _bytes_and_compile_lines(sm)
     return out
+
+
+VOCAB_7B_NAME = "the Qwen2.5-7B vocabulary"
 
 
 def _bytes_and_compile_lines(sm: dict) -> list[str]:
