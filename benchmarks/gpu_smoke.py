@@ -176,7 +176,7 @@ def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B
     logits = torch.randn(rows, vocab, device=device, generator=g) * 3
     p = logits.softmax(-1)
     logits[p < 0.1 * p.amax(-1, keepdim=True)] = float("-inf")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"rows": rows, "vocab": vocab}
     with SyncCounter() as sc:
         candidate_entries(logits)
     out["exact"] = dict(sc.kinds)

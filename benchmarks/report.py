@@ -594,7 +594,8 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
         )
         search = sm["syncs"].get("candidate_search")
         found = (
-            f" Candidate search at 128 rows x {VOCAB_7B_NAME}: exact "
+            f" Candidate search at {search.get('rows', 128)} rows x "
+            f"{search.get('vocab', 152064)} tokens: exact "
             f"{sum(search['exact'].values())} syncs, fixed-size {sum(search['fixed_size'].values())}"
             + (
                 f" (CUDA sync debug mode: {search['fixed_size_cuda_sync_debug']})"
@@ -614,9 +615,6 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
         ]
         out += _bytes_and_compile_lines(sm)
     return out
-
-
-VOCAB_7B_NAME = "the Qwen2.5-7B vocabulary"
 
 
 def _bytes_and_compile_lines(sm: dict) -> list[str]:

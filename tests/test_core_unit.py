@@ -278,7 +278,7 @@ def test_request_runs_walk_each_requests_rows_once():
 def test_candidate_entries_equal_a_full_nonzero_scan(rows, vocab, keep, specials, seed):
     """The block scan finds exactly the entries > -inf, in row-major order, whatever the
     vocabulary size (partial last block), density, NaN or infinities."""
-    from tllm_core.api.bundles import candidate_entries
+    from tllm_core.api.candidates import candidate_entries
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g)
@@ -345,8 +345,51 @@ def test_guide_view_top_candidates_update_count_and_rollback():
     assert torch.equal(logits[1], before[1])  # no candidates: nothing written
     assert view.wrote and view.guided_counts() == (2, 3)
     assert view.candidates().logits.tolist() == [0.5, 11.5, 12.0, -1.0, 10.25]
+    # A stale top never brings back a candidate filtered out since it was taken.
+    view.update_candidates(torch.tensor([1]), torch.tensor([float("-inf")]))  # (0, 4) out
+    view.update_top_candidates(top, top.logits + 20.0)
+    assert torch.isneginf(logits[0, 4]) and logits[0, 1] == 20.5
     view.rollback()
     assert torch.equal(logits, before) and not view.wrote
+
+
+def test_guide_view_top_candidates_drop_the_rest_of_selected_rows():
+    """drop_rest: in the selected rows every candidate outside the top k goes to -inf
+    (counted as changed); other rows keep all of theirs; rollback restores everything."""
+    logits = torch.full((3, 6), float("-inf"))
+    logits[0, [1, 3, 4]] = torch.tensor([0.5, 0.1, 1.5])
+    logits[2, [0, 2, 5]] = torch.tensor([2.0, -1.0, 0.25])
+    before = logits.clone()
+    view = GuideView(0, _rows(3, [True] * 3), logits, torch.ones(3), np.ones(3, bool), True, {})
+    top = view.top_candidates(2)
+    view.update_top_candidates(top, top.logits, drop_rest=torch.tensor([True, True, False]))
+    assert torch.isneginf(logits[0, 3]) and logits[0, 1] == 0.5 and logits[0, 4] == 1.5
+    assert torch.equal(logits[1:], before[1:])  # row 2 not selected: its third one stays
+    assert view.guided_counts() == (1, 1) and view.wrote
+    view.rollback()
+    assert torch.equal(logits, before)
+
+
+def test_guide_view_writes_leave_no_reference_cycle():
+    """A view is freed when the step drops it, without the cyclic collector: its undo log
+    (old values, whole rows for dense writes) must not keep it alive."""
+    import gc
+    import weakref
+
+    logits = torch.randn(2, 8)
+    logits[:, ::2] = float("-inf")
+    gc.disable()
+    try:
+        view = GuideView(0, _rows(2, [True] * 2), logits, torch.ones(2), np.ones(2, bool), True, {})
+        view.update(torch.tensor([0]), torch.zeros(1, 8))
+        view.update_candidates(torch.tensor([0]), torch.tensor([3.0]))
+        top = view.top_candidates(2)
+        view.update_top_candidates(top, top.logits + 1, drop_rest=torch.tensor([True, False]))
+        ref = weakref.ref(view)
+        del view
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def test_guide_view_update_touches_only_candidates_of_given_rows():

@@ -626,8 +626,8 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
 @pytest.mark.parametrize("cap", [64, 4])
 def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap):
     """The CUDA branch's fixed-size search (GuideView.top_candidates) mixes the same values
-    as the exact search while a row has at most cuda_max_candidates candidates; past it, the
-    row's lowest candidates keep their logits and are counted in candidates_over_cap."""
+    as the exact search while a row has at most cuda_max_candidates candidates; past it, a
+    guided row's lowest candidates are dropped (-inf) and counted in candidates_over_cap."""
     fake = Fake()
     reqs = fake.requests(prompts=2, n=3)
     reqs[2].extra_args = {"tllm_esamp_beta": 1.5}
@@ -650,12 +650,13 @@ def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap):
         kept = logits.topk(cap, dim=-1).indices  # each row's cap highest: mixed
         mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, kept, True)
         torch.testing.assert_close(top[mask], exact[mask], rtol=1e-6, atol=1e-6)
-        assert torch.equal(top[~mask], logits[~mask])  # the rest: untouched
+        tail = ~mask[:4] & torch.isfinite(logits[:4])  # the guided rows' other candidates
+        assert tail.sum() == 4 * (7 - cap) and torch.isneginf(top[:4][tail]).all()
         assert k_top["candidates_over_cap"] == 4 * (7 - cap)  # 4 mixed rows (beta > 0)
-    assert torch.equal(top[4:], logits[4:])  # beta 0 and greedy rows
+    assert torch.equal(top[4:], logits[4:])  # beta 0 and greedy rows: every candidate kept
     assert k_exact["candidates_over_cap"] == 0
     assert k_top["rows_guided"] == k_exact["rows_guided"] == 4
-    assert k_top["candidates_guided"] == 4 * min(cap, 7)
+    assert k_top["candidates_guided"] == k_exact["candidates_guided"] == 4 * 7  # mixed + dropped
 
 
 def test_host_adam_fallback_equals_fused_kernel():

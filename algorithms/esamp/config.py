@@ -192,9 +192,9 @@ class ESampConfig(ConsumerConfig):
         64,
         description="On CUDA, post-filter guidance mixes up to this many candidates per row "
         "(the highest model logits), found in fixed-size tensors without a host sync (a "
-        "variable-length search would make the host wait for the GPU every step); a row's "
-        "candidates past it keep their logits (counter candidates_over_cap). min-p 0.1 keeps "
-        "at most 10 / p_max per row, top-k k; raise it for wide top-p. CPU searches exactly.",
+        "variable-length search would make the host wait for the GPU every step); a guided "
+        "row's candidates past it are dropped, a top-k filter (counter candidates_over_cap). "
+        "Raise it for wide top-p. The CPU path mixes every candidate.",
     )
     max_memory_fraction: float = Field(
         0.1,

@@ -23,7 +23,7 @@ from algorithms.esamp.guidance import (
     relative_error,
 )
 from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.shared import Shared, row_index, select_rows
+from algorithms.esamp.shared import Shared, host_to, row_index, select_rows
 from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
 # What _add_guided sums per step, in order.
@@ -38,6 +38,17 @@ class _Mix:
     f: torch.Tensor  # their prediction f(h_1)
     betas: torch.Tensor  # their beta
     mixed: torch.Tensor  # which of them are mixed (finite prediction, beta != 0)
+
+
+def _f_positions(n_rows: int, m: _Mix) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per view row: its position in the prediction ``m.f`` (0 where it has none, so that
+    every index stays valid) and whether it is mixed. Masks, no nonzero."""
+    idx = m.idx
+    pos = torch.zeros(n_rows, dtype=torch.long, device=idx.device)
+    pos[idx] = torch.arange(len(idx), device=idx.device)
+    live = torch.zeros(n_rows, dtype=torch.bool, device=idx.device)
+    live[idx] = m.mixed
+    return pos, live
 
 
 class GuideStep:
@@ -100,7 +111,7 @@ class GuideStep:
         elif cfg.ablation == "f_noise":
             f = f_noise_prediction(f, self._noise_gen)
         host_betas = [self.beta_of(rows.requests[i]) for i in sel]
-        betas = torch.tensor(host_betas, dtype=torch.float32, device=f.device)
+        betas = host_to(torch.tensor(host_betas, dtype=torch.float32), f.device)
         # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
         # logits untouched (nothing is written back for them).
         rel = diag = None
@@ -134,8 +145,9 @@ class GuideStep:
         """Count guided rows and candidates (and candidates past the cap): on CUDA summed on
         the device and read at the next blocking flush (a read is a host sync); elsewhere
         counted now."""
-        zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
-        counts = torch.stack([(delta > 0).sum(), delta.sum(), zero if over is None else over])
+        if over is None:
+            over = torch.zeros((), dtype=delta.dtype, device=delta.device)
+        counts = torch.stack([(delta > 0).sum(), delta.sum(), over])
         if self.s.on_cuda:
             self._guided = counts if self._guided is None else self._guided + counts
             return
@@ -160,19 +172,15 @@ class GuideStep:
         """Post-filter mode: dist logits and the mix for the surviving candidates, written
         back sparsely (no pass over the vocabulary beyond finding the candidates); the
         candidates of rows not ``mixed`` keep their logits."""
-        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
+        f, betas = m.f, m.betas
         cand = view.candidates()
-        # Position in ``f`` of each view row that is mixed, -1 elsewhere: masks, no nonzero.
-        pos = torch.full((len(view.rows),), -1, dtype=torch.long, device=idx.device)
-        here = torch.arange(len(idx), device=idx.device)
-        pos[idx] = torch.where(mixed, here, torch.full_like(here, -1))
-        p = pos[cand.rows]
-        live = p >= 0
+        p_row, row_live = _f_positions(len(view.rows), m)
+        p, live = p_row[cand.rows], row_live[cand.rows]
         if diag is not None:  # diagnostics read the host every step anyway
             entries = live.nonzero().squeeze(1)
         else:
             entries = torch.arange(len(p), device=p.device)
-        p, live = p[entries].clamp(min=0), live[entries]
+        p, live = p[entries], live[entries]
         ref = cand.logits[entries]
         if ref.numel() == 0:
             return
@@ -188,18 +196,17 @@ class GuideStep:
     def _mix_top_candidates(
         self, view: GuideView, m: _Mix, diag: tuple[list[int], torch.Tensor] | None
     ) -> torch.Tensor:
-        """Post-filter mode without a host sync (CUDA): the same mix on up to
-        ``cuda_max_candidates`` candidates per row, in fixed-size ``[R, k]`` tensors, every
-        row's slots computed and those of rows not ``mixed`` (and empty slots) written back
-        unchanged. Returns the mixed rows' candidates past the cap (a device scalar)."""
-        idx, f, betas, mixed = m.idx, m.f, m.betas, m.mixed
+        """Post-filter mode without a host sync (CUDA): the mix on each row's
+        ``cuda_max_candidates`` highest candidates, in fixed-size ``[R, k]`` tensors. A mixed
+        row's candidates past them are dropped (set to -inf: mixing some candidates and not
+        others would shift them against each other by an arbitrary offset of the dist
+        logits). Every slot is computed, empty ones and those of rows not ``mixed`` too
+        (fixed shapes: no sync), and those are written back unchanged. Returns the number of
+        candidates dropped (a device scalar)."""
+        f, betas = m.f, m.betas
         top = view.top_candidates(self.s.cfg.cuda_max_candidates)
         n_rows, k = top.tokens.shape
-        pos = torch.full((n_rows,), -1, dtype=torch.long, device=idx.device)
-        here = torch.arange(len(idx), device=idx.device)
-        pos[idx] = torch.where(mixed, here, torch.full_like(here, -1))
-        row_live = pos >= 0
-        p = pos.clamp(min=0)
+        p, row_live = _f_positions(n_rows, m)
         p_slot = p[:, None].expand(n_rows, k).reshape(-1)  # each slot's row in f
         dist_fn = candidate_dist_fn(f, self._weight, self._head)
         dist = dist_fn(p_slot, top.tokens.reshape(-1)).view(n_rows, k)
@@ -217,7 +224,7 @@ class GuideStep:
                 p_slot[ent],
                 betas,
             )
-        view.update_top_candidates(top, new)
+        view.update_top_candidates(top, new, drop_rest=row_live)
         return (top.over_cap * row_live).sum()
 
     def _mix_full_vocab(self, view: GuideView, m: _Mix) -> None:

@@ -18,8 +18,9 @@ vocabulary):
   activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
-  gathered head rows, ``+ R * V`` for the candidate mask and ``48 * R * k`` for the
-  fixed-size candidates of the CUDA path, ``k`` = ``cuda_max_candidates``) and
+  gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ 6 * R * V`` for the
+  masks and the logits' undo copy of the fixed-size search and ``48 * R * k`` for its
+  ``k`` = ``cuda_max_candidates`` candidates per row) and
   full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
 
 Activation and guidance terms are upper-bound estimates of temporaries; the state and input
@@ -117,7 +118,9 @@ def plan_memory(
     acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     update = s * i * h * 4 + acts_update
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
-    post_filter = guidance_post_filter_bytes(h, vocab_size, rows_per_step, max_candidates)
+    post_filter = guidance_post_filter_bytes(
+        h, vocab_size, rows_per_step, max_candidates, candidate_chunk
+    )
     guidance = max(post_filter, 5 * rows_per_step * vocab_size * 4)
     return MemoryPlan(
         hidden_size,
@@ -144,9 +147,11 @@ def guidance_post_filter_bytes(
     candidate_chunk: int = CANDIDATE_CHUNK,
 ) -> int:
     """Post-filter guidance's temporaries (module docstring): one chunk of gathered head
-    rows, the candidate mask and the fixed-size candidates."""
+    rows, the candidate masks, the logits' undo copy (CUDA: which candidates a top-k drop
+    changes is known on the device only) and the fixed-size candidates."""
     k = min(max_candidates, vocab_size)
-    return 10 * candidate_chunk * hidden_size + rows_per_step * vocab_size + 48 * rows_per_step * k
+    head_rows = 10 * candidate_chunk * hidden_size
+    return head_rows + 7 * rows_per_step * vocab_size + 48 * rows_per_step * k
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

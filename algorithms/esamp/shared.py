@@ -51,9 +51,13 @@ def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Ten
 
 
 def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device``; pinned + non_blocking on CUDA (a pageable copy would wait
-    for the stream)."""
-    t = torch.tensor(sel, dtype=torch.long)
+    """Row indices on ``device`` (see :func:`host_to`)."""
+    return host_to(torch.tensor(sel, dtype=torch.long), device)
+
+
+def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; pinned + non_blocking on CUDA (a copy from pageable
+    memory waits for the stream, a host sync)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -9,10 +9,12 @@ import numpy as np
 import torch
 
 from tllm_core.api.candidates import (
+    NEG_INF,
     Candidates,
     TopCandidates,
     candidate_entries,
     count_rows,
+    outside_mask,
     top_candidate_entries,
 )
 from tllm_core.api.rows import RowInfo
@@ -117,7 +119,8 @@ class GuideView:
         rows, toks = cand.rows[entries], cand.tokens[entries]
         old = cand.logits[entries]
         new = new_logits.to(self.logits.dtype)
-        self._undo.append(lambda: self.logits.index_put_((rows, toks), old))
+        logits = self.logits  # not self: an undo entry must not keep the view alive
+        self._undo.append(lambda: logits.index_put_((rows, toks), old))
         self.wrote = True
         self.logits[rows, toks] = new
         self._candidates = None
@@ -129,17 +132,34 @@ class GuideView:
         a ``nonzero`` (on CUDA the host then waits for the device). Not cached."""
         return top_candidate_entries(self.logits, k)
 
-    def update_top_candidates(self, top: TopCandidates, new_logits: torch.Tensor) -> None:
+    def update_top_candidates(
+        self,
+        top: TopCandidates,
+        new_logits: torch.Tensor,
+        drop_rest: torch.Tensor | None = None,
+    ) -> None:
         """Set the valid slots of ``top`` (from :meth:`top_candidates`) to ``new_logits``
-        ``[R, k]``; invalid slots and every other logit stay bit for bit. No host sync."""
-        old = self.logits.gather(1, top.tokens)  # current values: earlier writes count
-        new = torch.where(top.valid, new_logits.to(self.logits.dtype), old)
+        ``[R, k]``; invalid slots, slots filtered out since ``top`` was taken and every other
+        logit stay bit for bit. ``drop_rest`` (bool ``[R]``): in those rows, also set every
+        candidate outside ``top`` to ``-inf`` (a top-``k`` filter; dropped candidates count
+        as changed). No host sync."""
+        logits = self.logits  # not self: an undo entry must not keep the view alive
+        old = logits.gather(1, top.tokens)  # current values: earlier writes count
+        keep = top.valid & (old > NEG_INF)
+        new = torch.where(keep, new_logits.to(logits.dtype), old)
         toks = top.tokens
-        self._undo.append(lambda: self.logits.scatter_(1, toks, old))
+        if drop_rest is not None:
+            rest = outside_mask(logits, toks, keep, drop_rest)
+            snapshot = logits.clone()  # which entries drop is known on the device only
+            self._undo.append(lambda: logits.copy_(snapshot))
+            logits.masked_fill_(rest, NEG_INF)
+            self._changed += count_rows(rest)
+        else:
+            self._undo.append(lambda: logits.scatter_(1, toks, old))
         self.wrote = True
-        self.logits.scatter_(1, toks, new)
+        logits.scatter_(1, toks, new)
         self._candidates = None
-        self._changed += ((new != old) & top.valid).sum(-1)
+        self._changed += ((new != old) & keep).sum(-1)
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -149,7 +169,8 @@ class GuideView:
         old = self.logits[row_idx]
         cand = old > float("-inf")
         new = torch.where(cand, new_logits.to(old.dtype), old)
-        self._undo.append(lambda: self.logits.index_put_((row_idx,), old))
+        logits = self.logits  # not self: an undo entry must not keep the view alive
+        self._undo.append(lambda: logits.index_put_((row_idx,), old))
         self.wrote = True
         self.logits[row_idx] = new
         self._candidates = None

@@ -46,9 +46,9 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
 def count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
     """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
     summing a bool tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an
-    entry)."""
-    if mask.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.long, device=mask.device)
+    entry; on CUDA one reduction)."""
+    if mask.is_cuda or mask.shape[0] == 0:  # CUDA reduces bools without an int64 copy
+        return mask.sum(-1)
     return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
 
 
@@ -104,3 +104,12 @@ def top_candidate_entries(logits: torch.Tensor, k: int) -> TopCandidates:
     # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
     over = count_rows(logits > NEG_INF) - valid.sum(-1)
     return TopCandidates(toks, vals, valid, over)
+
+
+def outside_mask(
+    logits: torch.Tensor, tokens: torch.Tensor, taken: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """Bool ``[R, V]``: the candidates of the selected ``rows`` (bool ``[R]``) that are not
+    among their ``taken`` slots (``tokens [R, k]`` where ``taken [R, k]``); fixed shapes."""
+    inside = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, tokens, taken)
+    return (logits > NEG_INF) & ~inside & rows[:, None]
