@@ -624,10 +624,11 @@ def test_consumer_sparse_post_filter_equals_dense_reference(cpu_update):
 
 
 @pytest.mark.parametrize("cap", [64, 4])
-def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap):
+def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap, caplog):
     """The CUDA branch's fixed-size search (GuideView.top_candidates) mixes the same values
     as the exact search while a row has at most cuda_max_candidates candidates; past it, a
     guided row's lowest candidates are dropped (-inf) and counted in candidates_over_cap."""
+    caplog.set_level("WARNING", logger="tllm")
     fake = Fake()
     reqs = fake.requests(prompts=2, n=3)
     reqs[2].extra_args = {"tllm_esamp_beta": 1.5}
@@ -657,6 +658,8 @@ def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap):
     assert k_exact["candidates_over_cap"] == 0
     assert k_top["rows_guided"] == k_exact["rows_guided"] == 4
     assert k_top["candidates_guided"] == k_exact["candidates_guided"] == 4 * 7  # mixed + dropped
+    dropped_logged = [r for r in caplog.records if "past cuda_max_candidates" in r.getMessage()]
+    assert len(dropped_logged) == (1 if cap < 7 else 0)  # once, at the read-back
 
 
 def test_host_adam_fallback_equals_fused_kernel():

@@ -4,6 +4,7 @@ each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from algorithms.esamp.guidance import (
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, select_rows
 from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
+
+log = logging.getLogger("tllm")
 
 # What _add_guided sums per step, in order.
 _GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
@@ -70,7 +73,8 @@ class GuideStep:
         # The front end's dry build runs on the meta device, which has no generator.
         gen_device = "cpu" if model.device.type == "meta" else model.device
         self._noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
-        self._guided: torch.Tensor | None = None  # CUDA: [rows, candidates] not yet counted
+        self._guided: torch.Tensor | None = None  # CUDA: _GUIDED_COUNTERS not yet counted
+        self._warned_cap = False
 
     def _skip(self, reason: str, n: int) -> None:
         if n:
@@ -158,10 +162,22 @@ class GuideStep:
             self.s.counters.add(name, n)
 
     def read_guided(self) -> None:
-        """The guided counts summed on the device since the last read (after a sync)."""
+        """The guided counts summed on the device since the last read (after a sync); the
+        first candidates dropped at the cap are logged once (a top-k filter the user did not
+        ask for)."""
         if self._guided is not None:
             counts, self._guided = self._guided.tolist(), None
             self._count_guided(counts)
+            if counts[2] and not self._warned_cap:
+                self._warned_cap = True
+                log.warning(
+                    "esamp: %d candidates of guided rows were past cuda_max_candidates=%d "
+                    "and were dropped (a top-%d filter; counter candidates_over_cap); raise "
+                    "cuda_max_candidates to mix them",
+                    counts[2],
+                    self.s.cfg.cuda_max_candidates,
+                    self.s.cfg.cuda_max_candidates,
+                )
 
     def _head(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(z.to(self.model.dtype)).float()
