@@ -592,20 +592,7 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
         syncs = ", ".join(
             f"{m} {sum(v[-1].values())}" for m, v in cs.items() if isinstance(v, list)
         )
-        search = sm["syncs"].get("candidate_search")
-        found = (
-            f" Candidate search at {search.get('rows', 128)} rows x "
-            f"{search.get('vocab', 152064)} tokens: exact "
-            f"{sum(search['exact'].values())} syncs, fixed-size {sum(search['fixed_size'].values())}"
-            + (
-                f" (CUDA sync debug mode: {search['fixed_size_cuda_sync_debug']})"
-                if "fixed_size_cuda_sync_debug" in search
-                else ""
-            )
-            + "."
-            if isinstance(search, dict) and "exact" in search
-            else ""
-        )
+        found = _candidate_search_text(sm["syncs"].get("candidate_search"))
         out += [
             "",
             f"Measured: {what}. Host syncs per ESamp decode step (consumer, CUDA branches): "
@@ -615,6 +602,21 @@ def smoke_section(cpu: dict | None, gpu: dict | None) -> list[str]:
         ]
         out += _bytes_and_compile_lines(sm)
     return out
+
+
+def _candidate_search_text(search: dict | None) -> str:
+    """The two candidate searches' sync counts (``gpu_smoke.candidate_syncs``), or "" for a
+    run without them."""
+    if not isinstance(search, dict) or "exact" not in search:
+        return ""
+    text = (
+        f" Candidate search at {search.get('rows', 128)} rows x {search.get('vocab', 152064)} "
+        f"tokens: exact {sum(search['exact'].values())} syncs, fixed-size "
+        f"{sum(search['fixed_size'].values())}"
+    )
+    if "fixed_size_cuda_sync_debug" in search:
+        text += f" (CUDA sync debug mode: {search['fixed_size_cuda_sync_debug']})"
+    return text + "."
 
 
 def _bytes_and_compile_lines(sm: dict) -> list[str]:

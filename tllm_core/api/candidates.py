@@ -77,19 +77,15 @@ class TopCandidates:
     Slot ``[i, j]`` is token ``tokens[i, j]`` of view row ``i`` with logit ``logits[i, j]``;
     ``valid[i, j]`` is False where row ``i`` has fewer than ``k`` candidates (its logit is
     then ``-inf``: a filtered-out token, never written). A row with more than ``k``
-    candidates holds its ``k`` highest; ``over_cap[i]`` counts the others, which keep their
-    logits. Slots are in no particular order within a row; the tokens of a row are distinct.
-    Write back through ``GuideView.update_top_candidates``.
+    candidates holds its ``k`` highest; ``over_cap[i]`` counts the others (a write keeps
+    them, or drops them with ``drop_rest``). Slots are in no particular order within a row;
+    the tokens of a row are distinct. Write back through ``GuideView.update_top_candidates``.
     """
 
     tokens: torch.Tensor  # int64 [R, k]
     logits: torch.Tensor  # fp32 [R, k]
     valid: torch.Tensor  # bool [R, k]
     over_cap: torch.Tensor  # int64 [R]
-
-    @property
-    def k(self) -> int:
-        return int(self.tokens.shape[1])
 
 
 def top_candidate_entries(logits: torch.Tensor, k: int) -> TopCandidates:
