@@ -92,7 +92,7 @@ def test_core_imports_no_builtin_package():
 
 # tllm_core's sub-packages, lowest first: the data flow read upwards from the consumer API
 # (docs/index.md, "Layout"). A layer may import its own modules and the layers before it.
-LAYERS = ("api", "plugins", "runtime", "serving", "vllm_bridge", "app")
+LAYERS = ("api", "plugins", "runtime", "serving", "vllm_bridge", "app", "testing")
 # Modules of tllm_core's top level: the public API and its lazy loader may import any layer.
 TOP = {"tllm_core", "tllm_core.lazy"}
 
