@@ -9,24 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.mlp import Activations
+from algorithms.esamp.mlp import Activations, MatMul, batched_mm
 
 # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
 Factor = tuple[int, int, torch.Tensor, torch.Tensor]
 
 
 def backward_factors(
-    weights: list[tuple[torch.Tensor, ...]], acts: Activations, dy: torch.Tensor
+    weights: list[tuple[torch.Tensor, ...]],
+    acts: Activations,
+    dy: torch.Tensor,
+    mm: MatMul = batched_mm,
 ) -> tuple[list[Factor], torch.Tensor]:
     """The gradient factors of every weight matrix and each group's squared gradient norm
     ``[B]``, from the forward's activations (:func:`~algorithms.esamp.mlp.forward_acts`) and
-    the loss's gradient ``dy [B, M, H]`` with respect to the output."""
+    the loss's gradient ``dy [B, M, H]`` with respect to the output (``mm``: as in
+    :func:`~algorithms.esamp.mlp.forward_acts`)."""
     factors: list[Factor] = []
     sq = torch.zeros(dy.shape[0], dtype=dy.dtype, device=dy.device)
     for b in reversed(range(len(weights))):
         gate, up, down = weights[b]
         h_in, a, u, s, p = acts[b]
-        dp = torch.bmm(dy, down)
+        dp = mm(dy, down, False)
         du = dp * s
         sig = torch.sigmoid(a)
         da = dp * u * sig * (1 + a * (1 - sig))
@@ -37,7 +41,7 @@ def backward_factors(
         sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
         sq += (gram_g * gram_in).sum((1, 2))
         if b:
-            dy = dy + torch.bmm(du, up) + torch.bmm(da, gate)
+            dy = dy + mm(du, up, False) + mm(da, gate, False)
     return factors, sq
 
 

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -14,21 +16,30 @@ from algorithms.esamp.params import DistillerShape, block_weights
 # what the backward needs from the forward.
 Activations = list[tuple[torch.Tensor, ...]]
 
+# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension.
+MatMul = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def batched_mm(x: torch.Tensor, w: torch.Tensor, transpose_w: bool) -> torch.Tensor:
+    """The dense form of :data:`MatMul`: batch entry ``i`` of ``x`` with weight ``w[i]``."""
+    return torch.bmm(x, w.transpose(1, 2) if transpose_w else w)
+
 
 def forward_acts(
-    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor
+    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul = batched_mm
 ) -> tuple[torch.Tensor, Activations]:
     """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
-    activations its backward needs. All-zero padding rows stay exactly zero (no biases)."""
+    activations its backward needs. All-zero padding rows stay exactly zero (no biases).
+    ``mm``: how a batch entry meets its weights (the slot-indexed form on CUDA)."""
     acts = []
     h = xp
     for gate, up, down in weights:
-        a = torch.bmm(h, gate.transpose(1, 2))
-        u = torch.bmm(h, up.transpose(1, 2))
+        a = mm(h, gate, True)
+        u = mm(h, up, True)
         s = F.silu(a)
         p = s * u
         acts.append((h, a, u, s, p))
-        h = h + torch.bmm(p, down.transpose(1, 2))
+        h = h + mm(p, down, True)
     return h, acts
 
 
