@@ -89,39 +89,43 @@ def streams(monkeypatch):
     class FakeEvent:
         def record(self, stream=None) -> None: ...
 
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None: ...
+
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream("side"))
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: st.current)
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
 
-    def to_device(a, device):
-        # The host side is pinned memory, kept alive by the caching host allocator until
-        # the copy ran (exempt); the device copy is allocated on the current stream.
-        host = torch.as_tensor(a)
-        st.host.add(Streams.key(host))
-        st.alive.append(host)
-        return host.clone()
+    def pin(t):
+        # Pinned host memory: the plan and result copies (exempt: host side).
+        st.host.add(Streams.key(t))
+        st.alive.append(t)
+        return t
 
-    monkeypatch.setattr(cuda_mod, "_to_device", to_device)
+    monkeypatch.setattr(cuda_mod, "_pin", pin)
     return st
 
 
 def _persistent(d) -> set[int]:
     ts = [v for v in vars(d).values() if isinstance(v, torch.Tensor)]
-    ts += [t for t in vars(d._static).values() if isinstance(t, torch.Tensor)]
+    ts += [v for v in vars(d.results).values() if isinstance(v, torch.Tensor)]
     return {Streams.key(t) for t in ts}
 
 
-@pytest.mark.parametrize("rows", [2, 5], ids=["static_inputs", "eager_fallback"])
+@pytest.mark.parametrize("rows", [2, 5], ids=["first_layout", "longer_groups"])
 def test_cross_stream_tensors_are_recorded(streams, rows):
-    """Predict and train, the update on the static buffers (2 rows per group) and on fresh
-    eager ones (5 rows per group, over the graph's 4)."""
+    """Predict and train, eagerly (no graph: every temporary is made on a stream), with 2
+    rows per group (the first layout) and 5 (over graph_max_rows 4: the layout of two
+    groups of 8 rows; 16 packed rows)."""
     d = cuda_mod.CudaGroupedDistiller(
         H,
         device="cpu",
         use_cuda_graph=False,
-        capacity=2,
+        capacity=4,
         graph_max_rows=4,
         intermediate_size=INTER,
         optimizer_stats=True,
@@ -131,6 +135,7 @@ def test_cross_stream_tensors_are_recorded(streams, rows):
     with streams:
         y = d.predict(slots, x)
         res = d.train_step(slots, x, x + 1)
+    d.synchronize()
     assert y.shape == x.shape and res.updated.all()
     assert d.eager_updates == 1
     assert streams.misses(_persistent(d)) == []

@@ -179,9 +179,10 @@ class ESampConfig(ConsumerConfig):
     )
     cuda_graph_max_rows: int = Field(
         16,
-        description="On CUDA: rows of one group per step the captured update graph holds "
-        "(rounded up to a power of two; the samples per prompt, n); a step with more runs "
-        "eagerly (counter eager_updates, logged).",
+        description="On CUDA: rows of one group per step in the packed buffers' first layout "
+        "(rounded up to a power of two; the samples per prompt, n). The buffers hold slots x "
+        "this many rows; a step whose group has more (n > 16, warm start) replays the graph "
+        "of a layout with fewer, longer groups on the same buffers (no extra memory).",
     )
     cuda_rows_per_step: int = Field(
         128,

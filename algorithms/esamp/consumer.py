@@ -124,6 +124,7 @@ class ESampConsumer(Consumer):
             intermediate_size=config.intermediate_size,
             num_blocks=config.num_blocks,
             max_candidates=config.cuda_max_candidates,
+            optimizer_stats=config.optimizer_stats,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

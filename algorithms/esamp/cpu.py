@@ -34,6 +34,12 @@ class GroupedDistiller(SlotDistiller):
     """
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
+        device = torch.device(kwargs.get("device", "cpu"))
+        if device.type != "cpu":
+            raise ValueError(
+                f"GroupedDistiller is the CPU path and got device {str(device)!r}; for a GPU "
+                "use CudaGroupedDistiller (algorithms.esamp.factory.make_distiller picks it)"
+            )
         # Set before the base class allocates the state (growth drains the side thread).
         self._side = SideThread("tllm-esamp-update") if side_thread else None
         # The last prediction: (version, slots [G], x fp32 [R, H], packed (f, activations)).

@@ -2,83 +2,66 @@
 
 - everything is allocated at construction: the consumer is built inside vLLM's
   ``load_model``, before vLLM profiles memory and sizes the KV cache, so the slots'
-  parameters and Adam state (a fixed ``capacity``: this distiller never grows), the static
-  input buffers and the graph pool are accounted for (the sizes are the memory plan's,
-  :mod:`algorithms.esamp.memory_plan`);
-- the update is dense over slots: one step computes every slot of the state in place on
-  its own rows (slots without rows are masked and keep their state), so nothing is gathered
-  or scattered and one CUDA graph, captured at construction, covers every step with up to
-  ``graph_max_rows`` rows per group. A failed capture is counted (``graph_failures``) and
-  logged, and updates then run eagerly; a step with more rows in one group also runs
-  eagerly (``eager_updates``, logged once);
-- prediction reads the state rows as views (no gather) and runs, like training, on a side
-  stream ordered against the main (current) stream with CUDA events only
-  (``wait_stream`` / ``wait_event``): no device-wide or host sync;
-- training inputs are packed by the main stream into the static ``[S, M]`` buffers (slot
-  ``s``'s rows at ``[s, :count]``), then the graph is replayed.
+  parameters and Adam state (a fixed ``capacity``: this distiller never grows), the packed
+  input buffers, the side stream's cuBLAS workspace and the graphs' pool are accounted for
+  (:mod:`algorithms.esamp.memory_plan`);
+- prediction and update read only the step's slots (slot-indexed products,
+  :mod:`algorithms.esamp.slot_ops`) from fixed packed buffers of ``capacity x graph rows``
+  rows, so each is one CUDA graph per layout of those rows (:mod:`algorithms.esamp.cuda_plan`),
+  captured at construction. A failed capture is counted (``graph_failures``) and logged;
+  the same code then runs eagerly on the same buffers;
+- a call's host work is the row plan (numpy), one pinned copy of it and the replays; the
+  rows themselves are copied into the packed buffers by the graph. Both run on a side
+  stream ordered against the main stream with CUDA events only: no host wait;
+- update results are logged on the device and read back in the background
+  (:mod:`algorithms.esamp.cuda_results`).
 
 Ordering: every predict and train is enqueued on the one side stream, so a prediction always
-sees every update enqueued before it (strict staleness; measured on the device, read at
-:meth:`CudaGroupedDistiller.staleness_max`). Importing this module needs no GPU.
-
-**This path has never run on a GPU**: no GPU was available where it was written.
+sees every update enqueued before it (strict staleness; measured on the device). Importing
+this module needs no GPU.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from algorithms.esamp.adam import STATS
-from algorithms.esamp.graph_update import train_dense
-from algorithms.esamp.memory_plan import round_rows as _bucket
-from algorithms.esamp.mlp import forward_packed
-from algorithms.esamp.packing import Packing, make_packing
+from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_size, split
+from algorithms.esamp.cuda_results import Pending, ResultLog
+from algorithms.esamp.graph_update import train_groups
+from algorithms.esamp.memory_plan import round_rows
+from algorithms.esamp.mlp import forward_acts
+from algorithms.esamp.packing import make_packing
+from algorithms.esamp.params import block_weights
+from algorithms.esamp.slot_ops import slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 log = logging.getLogger("tllm")
 
-
-def _to_device(a: Any, device: torch.device) -> torch.Tensor:
-    # Pinned host memory + non_blocking: an async copy; the caching host allocator keeps the
-    # block alive until the copy has run.
-    return torch.as_tensor(a).pin_memory().to(device, non_blocking=True)
+# Pinned host plan vectors in rotation: one is reused only after its copy has run.
+_PLAN_BUFFERS = 8
 
 
-@dataclass
-class _Inputs:
-    xp: torch.Tensor  # [S, M, H]: slot s's rows at [s, :count]
-    tp: torch.Tensor
-    mask: torch.Tensor  # [S, M] bool
-    valid: torch.Tensor  # [S] bool: slots with rows in the step
-    losses: torch.Tensor | None = None  # [S] static outputs of the graph
-    ok: torch.Tensor | None = None
-    stats: torch.Tensor | None = None  # [S, len(STATS)] written by the update (optimizer_stats)
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory()
 
-    @classmethod
-    def zeros(cls, slots: int, rows: int, hidden: int, device: torch.device) -> _Inputs:
-        return cls(
-            xp=torch.zeros(slots, rows, hidden, device=device),
-            tp=torch.zeros(slots, rows, hidden, device=device),
-            mask=torch.zeros(slots, rows, dtype=torch.bool, device=device),
-            valid=torch.zeros(slots, dtype=torch.bool, device=device),
-            stats=torch.full((slots, len(STATS)), float("nan"), device=device),
-        )
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The inputs, refilled each step."""
-        return (self.xp, self.tp, self.mask, self.valid)
-
-    def allocated(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor :meth:`zeros` allocated (the inputs and the stats the update writes)."""
-        return (*self.tensors(), self.stats)
+def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
+    """``fn`` captured as a CUDA graph on ``stream`` in memory pool ``pool`` (None: a new
+    one); returns the graph (``.replay()``) and its pool."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.no_grad():
+            fn()
+    return g, g.pool()
 
 
 class CudaGroupedDistiller(SlotDistiller):
-    growable = False  # the graph and the memory profile hold the state's storage
+    growable = False  # the graphs and the memory profile hold the state's storage
 
     def __init__(
         self,
@@ -88,29 +71,56 @@ class CudaGroupedDistiller(SlotDistiller):
         use_cuda_graph: bool = True,
         capacity: int = 8,
         graph_max_rows: int = 16,
+        zero_output: bool = False,
         **kwargs: Any,
     ):
         if graph_max_rows < 1:
             raise ValueError(f"graph_max_rows must be >= 1, got {graph_max_rows}")
         self.stream: torch.cuda.Stream | None = None
         super().__init__(hidden_size, device=device, capacity=capacity, **kwargs)
-        dev = self.device
+        dev, h = self.device, self.shape.hidden_size
+        self.zero_output = zero_output
         self.stream = torch.cuda.Stream(device=dev)
         self.use_cuda_graph = use_cuda_graph
         self.graph_failures = 0
         self.eager_updates = 0
-        self._warned_eager = False
-        self.graph: torch.cuda.CUDAGraph | None = None
-        # Guards the static input buffers: the main stream must not refill them before the
-        # side stream has consumed the previous step.
-        self._inputs_free = torch.cuda.Event()
-        self._stale = torch.zeros((), dtype=torch.long, device=dev)
-        self.graph_rows = _bucket(graph_max_rows)
-        self._static = _Inputs.zeros(capacity, self.graph_rows, self.shape.hidden_size, dev)
+        self.graph_rows = round_rows(graph_max_rows)
+        self.total_rows = t = capacity * self.graph_rows
+        self.layouts = layouts(capacity, self.graph_rows)
+        # Packed buffers (row t: the trash row of rows not in a batch).
+        self.stage_x = torch.zeros(t, h, device=dev)
+        self.stage_t = torch.zeros(t, h, device=dev)
+        self.xp = torch.zeros(t + 1, h, device=dev)
+        self.tp = torch.zeros(t + 1, h, device=dev)
+        self.mask = torch.zeros(t + 1, dtype=torch.bool, device=dev)
+        self.y = torch.zeros(t + 1, h, device=dev)
+        self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
+        self._host_plans = [
+            _pin(torch.zeros(plan_size(t, capacity), dtype=torch.long))
+            for _ in range(_PLAN_BUFFERS)
+        ]
+        self._plan_events: list[torch.cuda.Event | None] = [None] * _PLAN_BUFFERS
+        self._plan_next = 0
+        self.results = ResultLog(512, capacity, self.hp.stats, dev, _pin)
+        self._stats = torch.zeros(capacity, len(STATS), device=dev)
+        self._ring_idx = torch.arange(capacity, device=dev)
+        self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
+        self.host_waits = 0  # plan buffers the host had to wait for
+        self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # initial state
+        self._warm_up()
         if use_cuda_graph:
             self._capture()
         self.stream.synchronize()
+
+    @property
+    def asynchronous(self) -> bool:
+        return True
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The update graph of the first layout (None: updates run eagerly)."""
+        return self._graphs.get(("train", self.layouts[0]))
 
     # -- ordering ---------------------------------------------------------------------
     def _drain(self) -> None:
@@ -122,124 +132,195 @@ class CudaGroupedDistiller(SlotDistiller):
             change()
 
     def synchronize(self) -> None:
-        """Host wait for the side stream (only for reading losses back / shutdown)."""
+        """Host wait for the side stream and every update result (reading back / shutdown)."""
+        self.results.drain(self.stream)
         self._drain()
+
+    def poll(self) -> None:
+        """Hand out the update results already copied back (no waiting)."""
+        self.results.poll()
 
     def staleness_max(self) -> int:
-        """Reads the device-side maximum: a host sync (call it where one is paid anyway)."""
-        self._drain()
-        return int(self._stale.item())
+        """The device-side maximum as of the last result copy (exact after synchronize)."""
+        return self.results.staleness_max
 
-    # -- predict ----------------------------------------------------------------------
-    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        pk = make_packing(slots)
-        if not pk.slots.size:
-            return torch.zeros(0, self.shape.hidden_size, device=x.device)
-        self._check_live(pk)
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # x was produced on the main stream
+    # -- graph bodies (fixed shapes, no host sync) ---------------------------------------
+    def _pack(self, lay: Layout, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        t = self.total_rows
+        dst.zero_()
+        dst.index_copy_(0, self.plan[:t], src)
+        return dst[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
+
+    def _group_slot(self, lay: Layout) -> torch.Tensor:
+        t = self.total_rows
+        return self.plan[2 * t : 2 * t + lay.groups]
+
+    def _mm(self, gs: torch.Tensor) -> Callable:
+        return lambda x, w, transpose_w: slot_matmul(x, w, gs, transpose_w)
+
+    def _predict_body(self, lay: Layout) -> None:
+        t, c = self.total_rows, self.capacity
+        gs = self._group_slot(lay)
+        sub = self.plan[2 * t + c : 2 * t + c + lay.groups]
+        lag = (sub - self.applied.index_select(0, gs.clamp(min=0))) * (gs >= 0)
+        torch.maximum(self.results.stale, lag.max(), out=self.results.stale)
+        xp = self._pack(lay, self.stage_x, self.xp)
+        h = forward_acts(block_weights(self.theta, self.shape), xp, self._mm(gs))[0]
+        if self.zero_output:
+            h = h - xp
+        flat = h.reshape(-1, h.shape[-1])
+        rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
+        self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
+
+    def _train_body(self, lay: Layout) -> None:
+        t, c = self.total_rows, self.capacity
+        gs = self._group_slot(lay)
+        xp = self._pack(lay, self.stage_x, self.xp)
+        tp = self._pack(lay, self.stage_t, self.tp)
+        if self.zero_output:
+            tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
+        self.mask.zero_()
+        self.mask.index_fill_(0, self.plan[:t], True)
+        mask = self.mask[: lay.groups * lay.rows].view(lay.groups, lay.rows)
+        stats = self._stats[: lay.groups] if self.hp.stats else None
+        shape, hp = self.shape, self.hp
+        state = (self.theta, self.m, self.v, self.step)
+        losses, ok = train_groups(*state, gs, xp, tp, mask, shape, hp, self.applied, stats)
+        ring = self.plan[2 * t + 2 * c :]
+        at = ring * c + self._ring_idx[: lay.groups]
+        self.results.losses.view(-1).index_copy_(0, at, losses)
+        self.results.ok.view(-1).index_copy_(0, at, ok.float())
+        if stats is not None:
+            self.results.stats.view(-1, len(STATS)).index_copy_(0, at, stats)
+
+    def _run(self, kind: str, lay: Layout) -> None:
+        graph = self._graphs.get((kind, lay))
+        if graph is not None:
+            graph.replay()
+            return
+        with torch.no_grad():
+            (self._predict_body if kind == "predict" else self._train_body)(lay)
+
+    def _warm_up(self) -> None:
+        """Run every body once on the side stream (no group has a slot: no state changes),
+        so lazy allocations, kernel compilation and the side stream's cuBLAS workspace
+        happen now, inside the memory vLLM profiles, not in the first decode step."""
         with torch.cuda.stream(self.stream), torch.no_grad():
-            dev = self.device
-            rs = _to_device(pk.slots[pk.row_group], dev)
-            rp = _to_device(pk.row_pos, dev)
-            # Every slot's weights as views (dense, like the update): no [G, P] gather.
-            xp = torch.zeros(self.capacity, pk.max_rows, x.shape[-1], device=dev)
-            xp[rs, rp] = x.float()
-            gs = _to_device(pk.slots, dev)
-            lag = _to_device(self._submitted[pk.slots], dev) - self.applied.index_select(0, gs)
-            torch.maximum(self._stale, lag.max(), out=self._stale)
-            y = forward_packed(self.theta, xp, self.shape)[rs, rp]
-        x.record_stream(self.stream)
-        cur.wait_stream(self.stream)  # the sampler consumes y on the main stream
-        y.record_stream(cur)
-        return y
-
-    # -- train ----------------------------------------------------------------------
-    def _run(self, e: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        return train_dense(
-            self.theta,
-            self.m,
-            self.v,
-            self.step,
-            e.valid,
-            e.xp,
-            e.tp,
-            e.mask,
-            self.shape,
-            self.hp,
-            applied=self.applied,
-            stats=e.stats,
-        )
+            self.plan.fill_(-1)
+            self.plan[: 2 * self.total_rows].fill_(self.total_rows)
+            self.plan[-1] = 0
+            for lay in self.layouts:
+                self._predict_body(lay)
+                self._train_body(lay)
 
     def _capture(self) -> None:
-        """Warm up and capture the update. With no slot valid (as the buffers are at
-        construction) the warm-up runs change no state. Capture synchronizes the device
-        (``torch.cuda.graph`` does): it happens only here, at construction."""
-        e = self._static
+        """Capture one predict and one update graph per layout, sharing one memory pool.
+        Capture synchronizes the device (``torch.cuda.graph`` does): it happens only here."""
+        pool = None
         try:
-            with torch.cuda.stream(self.stream):
-                for _ in range(2):
-                    self._run(e)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                e.losses, e.ok = self._run(e)
-            self.graph = graph
+            for lay in self.layouts:
+                for kind in ("predict", "train"):
+                    body = self._predict_body if kind == "predict" else self._train_body
+                    graph, pool = capture_graph(lambda b=body, lay=lay: b(lay), self.stream, pool)
+                    self._graphs[(kind, lay)] = graph
         except RuntimeError as err:
-            # Capture is an optimisation: fall back to eager updates, loudly.
+            # Capture is an optimisation: fall back to eager runs, loudly.
             self.graph_failures += 1
-            self.graph = None
+            self._graphs.clear()
             log.warning(
-                "esamp: CUDA graph capture of the update failed (%s); update steps run "
+                "esamp: CUDA graph capture failed (%s); predict and update steps run "
                 "eagerly (counters graph_failures, eager_updates)",
                 err,
             )
 
-    def _inputs_for(self, max_rows: int) -> _Inputs:
-        """The static buffers, or fresh ones for a step with more rows per group than the
-        graph holds (run eagerly, counted)."""
-        if max_rows <= self.graph_rows:
-            return self._static
-        if not self._warned_eager:
-            self._warned_eager = True
-            log.warning(
-                "esamp: an update step with %d rows in one group exceeds the CUDA graph's "
-                "%d (graph_max_rows); such steps run eagerly (counter eager_updates)",
-                max_rows,
-                self.graph_rows,
+    # -- per call ---------------------------------------------------------------------
+    def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
+        """One pinned host-to-device copy of the batch's plan, on the side stream."""
+        i = self._plan_next
+        self._plan_next = (i + 1) % _PLAN_BUFFERS
+        ev = self._plan_events[i]
+        if ev is not None and not ev.query():
+            self.host_waits += 1  # its previous copy has not run yet (not seen in practice)
+            ev.synchronize()
+        host = self._host_plans[i]
+        fill_plan(
+            host.numpy(),
+            batch,
+            pk.row_group,
+            pk.row_pos,
+            pk.slots,
+            self._submitted[pk.slots],
+            self.total_rows,
+            self.capacity,
+            ring_row,
+        )
+        self.plan.copy_(host, non_blocking=True)
+        ev = self._plan_events[i] or torch.cuda.Event()
+        ev.record(self.stream)
+        self._plan_events[i] = ev
+
+    def _stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.shape[0] > self.total_rows:
+            raise ValueError(
+                f"esamp: a step of {src.shape[0]} rows exceeds the CUDA distiller's "
+                f"{self.total_rows} packed rows (capacity x cuda_graph_max_rows); raise "
+                "cuda_rows_per_step to vLLM's max_num_seqs"
             )
-        e = _Inputs.zeros(self.capacity, _bucket(max_rows), self.shape.hidden_size, self.device)
-        for t in e.allocated():
-            t.record_stream(self.stream)  # made on the main stream, used on the side one
-        return e
+        dst[: src.shape[0]].copy_(src)
+        src.record_stream(self.stream)
 
-    def _fill(self, e: _Inputs, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> None:
-        """Pack the rows into the input buffers, on the main stream (the bundle tensors are
-        only valid there and during the call)."""
-        dev = self.device
-        cur = torch.cuda.current_stream(dev)
-        cur.wait_event(self._inputs_free)  # previous replay has read the buffers
-        rs = _to_device(pk.slots[pk.row_group], dev)
-        rp = _to_device(pk.row_pos, dev)
-        for t in e.tensors():
-            t.zero_()
-        e.xp[rs, rp] = x.float()
-        e.tp[rs, rp] = target.float()
-        e.mask[rs, rp] = True
-        e.valid[_to_device(pk.slots, dev)] = True
-
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
-        e = self._inputs_for(pk.max_rows)
-        self._fill(e, pk, x, target)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            return self.y[:0]
+        self._check_live(pk)
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream):
-            gs = _to_device(pk.slots, self.device)
-            if e is self._static and self.graph is not None:
-                self.graph.replay()
-                losses, ok = e.losses, e.ok
-            else:
-                self.eager_updates += 1
-                losses, ok = self._run(e)
-            losses, ok = losses.index_select(0, gs), ok.index_select(0, gs)
-            stats = e.stats.index_select(0, gs) if self.hp.stats else None
-            self._inputs_free.record(self.stream)
-        return TrainResult(pk.slots, losses, ok, stats=stats)
+            self._stage(self.stage_x, x)
+            for batch in split(pk.counts, self.layouts):
+                self._send_plan(batch, pk, 0)
+                self._run("predict", batch.layout)
+        cur.wait_stream(self.stream)  # the sampler reads y on the main stream
+        # A view of the static output: valid until the next predict (the caller uses it
+        # within the step).
+        return self.y[: x.shape[0]]
+
+    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+        """As the base class, without its defensive copies: the rows are copied into the
+        packed buffers on the side stream, and the main stream waits for that copy only."""
+        pk = make_packing(slots)
+        if not pk.slots.size:
+            empty = torch.zeros(0)
+            return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
+        self._check_live(pk)
+        self._submitted[pk.slots] += 1
+        self._version += 1
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        parts = []
+        with torch.cuda.stream(self.stream), torch.inference_mode(False):
+            self._stage(self.stage_x, x)
+            self._stage(self.stage_t, target)
+            self._copied.record(self.stream)
+            for batch in split(pk.counts, self.layouts):
+                row = self.results.next_row()
+                self._send_plan(batch, pk, row)
+                if ("train", batch.layout) not in self._graphs:
+                    self.eager_updates += 1
+                self._run("train", batch.layout)
+                parts.append((row, batch.groups))
+        # The bundle's tensors may be overwritten by the next forward: only their copy is
+        # waited for, not the update.
+        cur.wait_event(self._copied)
+        n = len(pk.slots)
+        p = Pending(
+            parts,
+            n,
+            torch.full((n,), float("nan")),
+            torch.zeros(n, dtype=torch.bool),
+            torch.full((n, len(STATS)), float("nan")) if self.hp.stats else None,
+        )
+        self.results.add(p)
+        self.results.maybe_copy(self.stream)
+        return TrainResult(pk.slots, p.losses, p.updated, p.done, counts=pk.counts, stats=p.stats)

@@ -9,6 +9,7 @@ import torch
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
+from algorithms.esamp.memory_plan import round_rows
 from algorithms.esamp.slots import SlotDistiller
 
 if TYPE_CHECKING:
@@ -48,16 +49,35 @@ def _use_side_thread(mode: str) -> bool:
     return torch.get_num_threads() < cores
 
 
+def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
+    """The CUDA path packs every decode row of a step into ``slots x cuda_graph_max_rows``
+    rows: refuse a configuration with fewer than ``cuda_rows_per_step``, naming the settings."""
+    rows = round_rows(cfg.cuda_graph_max_rows)
+    if slots * rows < cfg.cuda_rows_per_step:
+        name = "max_groups" if cfg.max_groups else "cuda_capacity"
+        raise ValueError(
+            f"esamp: {name} {slots} x cuda_graph_max_rows {cfg.cuda_graph_max_rows} (rounded "
+            f"to {rows}) = {slots * rows} packed rows, fewer than cuda_rows_per_step "
+            f"{cfg.cuda_rows_per_step}: the CUDA path packs every decode row of a step into "
+            f"them; raise {name} or cuda_graph_max_rows, or lower cuda_rows_per_step"
+        )
+
+
 def distiller_for(
     cfg: ESampConfig, hidden_size: int, device: torch.device, slots: int
 ) -> SlotDistiller:
     """The distiller ``cfg`` asks for on ``device`` (``slots``: the CUDA one's capacity)."""
     extra = {}
     if device.type == "cuda":
+        check_packed_rows(cfg, slots)
         # Everything the CUDA distiller needs is allocated (and its update graph
         # captured) now: construction runs inside vLLM's load_model, before vLLM
         # profiles memory and sizes the KV cache.
-        extra = {"capacity": slots, "graph_max_rows": cfg.cuda_graph_max_rows}
+        extra = {
+            "capacity": slots,
+            "graph_max_rows": cfg.cuda_graph_max_rows,
+            "zero_output": cfg.init == "zero_output",
+        }
     # Not under inference mode: state made there could not be trained in place.
     with torch.inference_mode(False):
         return make_distiller(

@@ -12,10 +12,16 @@ vocabulary):
 
 - state: ``S * (3P + 1) * 4`` (weights, two Adam moments, step) ``+ S * 8`` (update counter)
   ``+ P * 4`` (the init template);
-- update inputs: ``2 * S*M*H * 4 + S*M + S`` (static ``xp``, ``tp``, mask, valid);
-- update workspace (the graph's private pool): ``S * I*H * 4`` (one weight matrix's
-  gradients for every slot: Adam reads each matrix's right after it is formed) ``+``
-  activations ``S*M*((3 + 3NB) H + 9NB I) * 4``;
+- packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
+  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ (T+1)`` (mask)
+  ``+ 8 * (2T + 2S + 1)`` (the row plan) ``+`` the result ring ``N*S*(8 [+16 with
+  optimizer_stats]) + S*(16 + 8) + 8`` (``N`` = 512 update rows);
+- update workspace (the graphs' shared pool): activations ``S*M*((3 + 3NB) H + 9NB I) * 4``
+  (no gradient is materialised: it is formed inside the Adam kernel);
+- the side stream's cuBLAS and cuBLASLt workspaces (``2 x 32 MiB``, torch's default on sm90
+  and an upper bound elsewhere: made by the first product on that stream, at construction);
+- allocator rounding: up to 2 MiB for each of the ``ALLOCATIONS`` tensors allocated at
+  construction (the caching allocator rounds large blocks to 2 MiB);
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
   gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ 6 * R * V`` for the
@@ -38,6 +44,14 @@ import torch
 from algorithms.esamp.params import DistillerShape
 
 GIB = 2**30
+MIB = 2**20
+# Update results kept on the device between background copies (cuda_results.ResultLog).
+RESULT_ROWS = 512
+# The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
+# Tensors the CUDA distiller allocates at construction (state, buffers, ring), each rounded
+# up by at most 2 MiB by the caching allocator.
+ALLOCATIONS = 24
 # Rows of head weights gathered at once by post-filter guidance (guidance.candidate_dist_fn).
 CANDIDATE_CHUNK = 4096
 
@@ -57,6 +71,8 @@ class MemoryPlan:
     update_workspace_bytes: int
     predict_workspace_bytes: int
     guidance_workspace_bytes: int
+    cublas_workspace_bytes: int = CUBLAS_WORKSPACE_BYTES
+    rounding_bytes: int = ALLOCATIONS * 2 * MIB
 
     @property
     def total_bytes(self) -> int:
@@ -66,6 +82,8 @@ class MemoryPlan:
             + self.update_workspace_bytes
             + self.predict_workspace_bytes
             + self.guidance_workspace_bytes
+            + self.cublas_workspace_bytes
+            + self.rounding_bytes
         )
 
     def as_dict(self) -> dict[str, int | float]:
@@ -81,7 +99,9 @@ class MemoryPlan:
             f"{self.params} params x weights + 2 Adam moments) + update inputs "
             f"{gib(self.inputs_bytes)} + update workspace {gib(self.update_workspace_bytes)} "
             f"+ predict {gib(self.predict_workspace_bytes)} + guidance "
-            f"{gib(self.guidance_workspace_bytes)} (rows per step {self.rows_per_step}, "
+            f"{gib(self.guidance_workspace_bytes)} + cuBLAS workspaces "
+            f"{gib(self.cublas_workspace_bytes)} + allocator rounding "
+            f"{gib(self.rounding_bytes)} (rows per step {self.rows_per_step}, "
             f"graph rows per slot {self.graph_rows})"
         )
 
@@ -108,15 +128,16 @@ def plan_memory(
     num_blocks: int = 2,
     candidate_chunk: int = CANDIDATE_CHUNK,
     max_candidates: int = 64,
+    optimizer_stats: bool = False,
 ) -> MemoryPlan:
     """The plan for these shapes (see the module docstring for each term)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, round_rows(graph_rows)
     state = s * (3 * p + 1) * 4 + s * 8 + p * 4
-    inputs = 2 * s * m * h * 4 + s * m + s
-    acts_update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
-    update = s * i * h * 4 + acts_update
+    t = s * m
+    inputs = packed_buffer_bytes(h, s, t, optimizer_stats)
+    update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     post_filter = guidance_post_filter_bytes(
         h, vocab_size, rows_per_step, max_candidates, candidate_chunk
@@ -137,6 +158,13 @@ def plan_memory(
         predict,
         guidance,
     )
+
+
+def packed_buffer_bytes(hidden: int, slots: int, total_rows: int, stats: bool) -> int:
+    """The CUDA distiller's packed buffers, row plan and result ring (exact)."""
+    h, s, t = hidden, slots, total_rows
+    ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * (16 + 8) + 8
+    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring
 
 
 def guidance_post_filter_bytes(

@@ -36,12 +36,14 @@ class Shared:
         """The distiller's prediction; with init 'zero_output' the blocks' residual sum
         alone (the input subtracted), so an untrained distiller predicts 0."""
         f = self.distiller.predict(slots, x)
-        return f - x.float() if self.zero_out else f
+        return f - x.float() if self.zero_out and not self.distiller.zero_output else f
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
         so that ``blocks(x) - x`` learns ``target``)."""
-        return target.float() + x.float() if self.zero_out else target
+        if self.zero_out and not self.distiller.zero_output:
+            return target.float() + x.float()
+        return target
 
 
 def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:

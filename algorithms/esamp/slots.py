@@ -53,6 +53,9 @@ class SlotDistiller:
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
     eager_updates = 0  # CUDA only: update steps run without a captured graph
+    # True: predict returns blocks(x) - x and train_step trains it toward the target (the
+    # CUDA path does both inside its graphs); False: Shared does it (init 'zero_output').
+    zero_output = False
 
     def __init__(
         self,
@@ -105,6 +108,9 @@ class SlotDistiller:
     def synchronize(self) -> None:
         """Wait for pending work."""
         self._drain()
+
+    def poll(self) -> None:
+        """Make results of finished updates ready without waiting (queued paths)."""
 
     def close(self) -> None:
         """Finish pending work and release helpers (threads, streams)."""

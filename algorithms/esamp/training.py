@@ -114,9 +114,10 @@ class Trainer:
         s = self.s
         if block and (self._pending or self._warm_pending):
             s.distiller.synchronize()
-        if block or not s.on_cuda:  # a device read on CUDA: only where a sync is paid
-            s.counters.max("staleness_max", s.distiller.staleness_max())
-            s.counters.set("eager_updates", s.distiller.eager_updates)
+        elif not block:
+            s.distiller.poll()  # results already copied back (CUDA: no waiting)
+        s.counters.max("staleness_max", s.distiller.staleness_max())  # host-side on CUDA
+        s.counters.set("eager_updates", s.distiller.eager_updates)
         if block:
             self.read_deferred()
         self._flush_warm(block)

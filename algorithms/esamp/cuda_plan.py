@@ -1,0 +1,103 @@
+"""The CUDA distiller's row plan: where each row of a step goes in the fixed packed buffers,
+computed on the host and sent to the device as one int64 vector (one pinned copy a call).
+
+The packed buffers hold ``T = capacity x graph rows`` rows. A *layout* reads them as ``G``
+groups of ``M`` rows (``G x M <= T``); one CUDA graph is captured per layout, so a step whose
+largest group has more rows than ``graph_max_rows`` (``n`` > 16, warm start on a long
+prompt) still replays a graph on the same buffers: it takes a layout with fewer, longer
+groups. A step whose groups fit no single layout is split into batches of groups, each a
+replay (every group still trains once, on all its rows).
+
+Plan vector, per batch (int64, ``2T + 2C + 1``; ``C`` = capacity):
+``pos [T]`` (each row's flat packed position; ``T`` = the trash row, for rows not in the
+batch), ``dest [T]`` (the output row it is unpacked to; ``T`` = trash), ``group_slot [C]``
+(``-1``: padding group), ``submitted [C]`` (updates submitted for each group's slot, for the
+staleness measurement), ``ring_row [1]`` (where the update writes its results)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: int  # G
+    rows: int  # M
+
+
+def layouts(capacity: int, graph_rows: int) -> list[Layout]:
+    """Every layout of ``capacity x graph_rows`` packed rows, groups of ``graph_rows``,
+    twice as many rows, ... and finally one group of all rows."""
+    total = capacity * graph_rows
+    out, m = [], graph_rows
+    while m < total:
+        out.append(Layout(total // m, m))
+        m *= 2
+    out.append(Layout(1, total))
+    return out
+
+
+@dataclass
+class Batch:
+    layout: Layout
+    groups: np.ndarray  # indices into the step's packed groups (make_packing order)
+
+
+def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
+    """Batches of the step's groups (``counts``: rows of each) such that each batch fits
+    one layout: usually one batch, in the layout with the shortest groups that holds them."""
+    order = np.argsort(-counts, kind="stable")
+    batches, i = [], 0
+    while i < len(order):
+        largest = counts[order[i]]
+        fits = [lay for lay in options if lay.rows >= largest]
+        if not fits:
+            raise ValueError(
+                f"a group has {largest} rows, more than the {options[-1].rows} packed rows "
+                "(cuda_capacity x cuda_graph_max_rows)"
+            )
+        rest = len(order) - i
+        # The shortest groups that hold every remaining group, else the layout with the most
+        # groups of this size (then another batch).
+        lay = next((x for x in fits if x.groups >= rest), fits[0])
+        take = min(rest, lay.groups)
+        batches.append(Batch(lay, np.sort(order[i : i + take])))
+        i += take
+    return batches
+
+
+def fill_plan(
+    out: np.ndarray,
+    batch: Batch,
+    row_group: np.ndarray,
+    row_pos: np.ndarray,
+    group_slots: np.ndarray,
+    submitted: np.ndarray,
+    total: int,
+    capacity: int,
+    ring_row: int,
+) -> None:
+    """Write one batch's plan vector into ``out`` (a view of pinned host memory)."""
+    g_of = np.full(len(group_slots), -1, dtype=np.int64)
+    g_of[batch.groups] = np.arange(len(batch.groups))
+    n = len(row_group)
+    pos, dest = out[:total], out[total : 2 * total]
+    pos.fill(total)
+    dest.fill(total)
+    mine = g_of[row_group] >= 0
+    pos[:n][mine] = g_of[row_group[mine]] * batch.layout.rows + row_pos[mine]
+    dest[:n][mine] = np.flatnonzero(mine)
+    gs = out[2 * total : 2 * total + capacity]
+    sub = out[2 * total + capacity : 2 * total + 2 * capacity]
+    gs.fill(-1)
+    sub.fill(0)
+    k = len(batch.groups)
+    gs[:k] = group_slots[batch.groups]
+    sub[:k] = submitted[batch.groups]
+    out[2 * total + 2 * capacity] = ring_row
+
+
+def plan_size(total: int, capacity: int) -> int:
+    return 2 * total + 2 * capacity + 1
