@@ -28,19 +28,24 @@ from sync_count import SyncCounter  # noqa: E402
 # Per decode step. Was 8 and 7 before the mixes used masks and the guided counts stayed on
 # the device, then 1 in post-filter mode (the ``nonzero`` of the exact candidate search, which
 # the CUDA branch replaced with GuideView.top_candidates).
-MAX_SYNCS = {"post_filter": 0, "full_vocab": 0}
+# "+fit": beta_schedule 'fit' (was 2 more per step: its errors were read back to the host).
+MAX_SYNCS = {"post_filter": 0, "full_vocab": 0, "post_filter+fit": 0, "full_vocab+fit": 0}
 
 
 def syncs_per_step(mode: str, steps: int = 4) -> list[dict[str, int]]:
     """Sync counts of each decode step of 2 prompts x 4 samples (the first step creates
     the groups' distillers)."""
     fake = Fake()
-    c = fake.consumer(cpu_update="thread", mode=mode)
+    mode, _, fit = mode.partition("+")
+    extra = {"beta_schedule": "fit", "init": "zero", "lr": 1e-2} if fit else {}
+    c = fake.consumer(cpu_update="thread", mode=mode, **extra)
     c.shared.on_cuda = True  # the consumer's CUDA branches (see the module docstring)
     reqs = fake.requests(2, 4)
     out = []
     for t in range(steps):
         rows, hidden = fake.step(reqs)
+        if fit:  # a target the zero-initialised distiller predicts in part: error < 1
+            hidden["final"] = hidden["layer.0"] + 0.3 * hidden["final"]
         filtered = mode == "post_filter"
         logits = (
             _filtered_logits(len(reqs), V, keep=6, seed=t)
@@ -54,9 +59,13 @@ def syncs_per_step(mode: str, steps: int = 4) -> list[dict[str, int]]:
         out.append(dict(sc.kinds))
     res = c.result()
     c.close()
-    # The step did its work: rows were guided and trained.
+    # The step did its work: rows were guided (from the second step on with the fit: an
+    # untrained distiller's error is 1, which scales beta to 0) and trained.
     k = res["counters"]
-    assert k["rows_guided"] == 8 * steps and k["rows_trained"] == 8 * steps
+    assert k["rows_guided"] == 8 * (steps - 1 if fit else steps), k
+    assert k["rows_trained"] == 8 * steps
+    if fit:
+        assert k["fit_rows"] == 8 * steps and 0 < k["fit_scale_mean"] < 1
     return out
 
 

@@ -126,7 +126,10 @@ class GuideStep:
             self.diagnostics.record_error(ages, rel)
             diag = (ages, rel)
         if self.fit is not None:
-            betas = betas * self.fit([self.groups.by_slot[x] for x in slots], rel).to(betas.device)
+            groups = [self.groups.by_slot[x] for x in slots]
+            betas = betas * self.fit(slots, groups, rel).to(betas.device)
+            if not s.on_cuda:  # on CUDA read at the next blocking flush (a host sync)
+                self.fit.read()
         if not any(host_betas) and diag is None:
             # beta = 0 on every row: nothing is written, so the runtime lets vLLM's own
             # sampling call go on (it decides on whether a write was made, host-side).
@@ -162,9 +165,11 @@ class GuideStep:
             self.s.counters.add(name, n)
 
     def read_guided(self) -> None:
-        """The guided counts summed on the device since the last read (after a sync); the
-        first candidates dropped at the cap are logged once (a top-k filter the user did not
-        ask for)."""
+        """The guided counts (and the fit's scale sums) summed on the device since the last
+        read (after a sync); the first candidates dropped at the cap are logged once (a
+        top-k filter the user did not ask for)."""
+        if self.fit is not None:
+            self.fit.read()
         if self._guided is not None:
             counts, self._guided = self._guided.tolist(), None
             self._count_guided(counts)

@@ -20,7 +20,6 @@ class Group:
     serial: int = -1  # creation order; stable id for loss bookkeeping (slots are reused)
     age: int = 0  # train steps submitted
     warmed: bool = False  # warm start done (or not needed)
-    fit_err: float = 1.0  # beta_schedule 'fit': recent relative prediction error
 
 
 # admit(row, request, group) -> whether the row, its group tracked, may take a slot.
