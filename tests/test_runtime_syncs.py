@@ -127,6 +127,8 @@ def test_runtime_guide_reads_the_device_no_more(device_reads, monkeypatch, write
         with SyncCounter() as sc:
             rt.begin_step(rows, {})
             wrote = rt.guide(step, logits, torch.ones(3, device=META), np.ones(3, bool), False)
+            # Nothing read before sampling: the stamps are checked on the device there.
+            assert device_reads.count == before
             rt.end_step(step)
         assert dict(sc.kinds) == {} and device_reads.count - before == 1
         assert wrote is write  # the path decision: vLLM's own call goes on when nothing was written
@@ -200,3 +202,27 @@ def test_guided_counts_made_in_inference_mode_are_drained_outside_it():
             counts.add(torch.tensor([0, 3, 1]))
         assert counts.drain() == (2, 4)
     assert counts.drain() == (0, 0)
+
+
+def test_a_stale_tap_reads_nan_at_guide_time_and_is_reported_after_sampling(monkeypatch):
+    """Without the stamp read before sampling, a tap the forward did not write reaches the
+    guide as NaN rows (decided on the device), and the stale capture is counted and
+    reported at end_step; a written tap reaches it as it is."""
+    seen = []
+    monkeypatch.setattr(Looker, "guide", lambda self, view: seen.append(view.hidden("layer.0")))
+    reg = Registry()
+    reg.register(_LookerPlugin(), name="looker-plugin")
+    settings = RuntimeSettings.model_validate({"consumers": [{"name": "looker"}]})
+    rt = Runtime(settings, _model(), reg)
+    cpu = torch.device("cpu")
+    for stale in (False, True):
+        rows, step = _meta_step(rt, decode=3, device=cpu)
+        key = next(iter(step.stamps))
+        step.tensors[key].fill_(1.0)
+        if stale:
+            step.stamps[key].fill_(step.step - 1)
+        rt.begin_step(rows, {})
+        rt.guide(step, torch.zeros(3, 10), torch.ones(3), np.ones(3, bool), False)
+        assert bool(seen[-1].isnan().all()) is stale and (stale or bool((seen[-1] == 1).all()))
+        rt.end_step(step)
+        assert rt.counters.snapshot().get("stale_captures", 0) == int(stale)

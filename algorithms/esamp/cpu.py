@@ -35,7 +35,7 @@ class GroupedDistiller(SlotDistiller):
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
         device = torch.device(kwargs.get("device", "cpu"))
-        if device.type != "cpu":
+        if device.type not in ("cpu", "meta"):  # meta: the front end's dry build
             raise ValueError(
                 f"GroupedDistiller is the CPU path and got device {str(device)!r}; for a GPU "
                 "use CudaGroupedDistiller (algorithms.esamp.factory.make_distiller picks it)"

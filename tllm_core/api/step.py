@@ -3,6 +3,8 @@ bridge (which fills it) and the runtime and producers (which read it)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,31 @@ class StepCapture:
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
+    # Inside unconfirmed(): the tap keys handed out without the stamp read.
+    _unconfirmed: set[str] | None = None
+
+    @contextmanager
+    def unconfirmed(self) -> Iterator[set[str]]:
+        """Within the block, :meth:`tensor` hands out buffers without reading the stamps
+        (the read would make the host wait for the forward, in the sampler: before
+        sampling); the keys handed out are collected in the set yielded. Check them on the
+        device with :meth:`written`; :meth:`confirm` after sampling reports them."""
+        self._unconfirmed = set()
+        try:
+            yield self._unconfirmed
+        finally:
+            self._unconfirmed = None
+
+    def written(self, keys: set[str]) -> torch.Tensor | None:
+        """On the device, without a host read: whether this step's forward stamped every
+        tap in ``keys`` (a 0-dim bool; None when none of them has a stamp)."""
+        ok = None
+        for k in sorted(keys):
+            stamp = self.stamps.get(k)
+            if stamp is not None:
+                hit = (stamp == self.step).all()
+                ok = hit if ok is None else ok & hit
+        return ok
 
     def sample_rows(self) -> RowInfo:
         """RowInfo of the sampling rows, in logits order."""
@@ -66,8 +93,11 @@ class StepCapture:
         return {k: int(v) for k, v in self._edited_rows.items() if k not in self._stale}
 
     def tensor(self, key: str) -> torch.Tensor:
-        """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it."""
-        if key in self.confirm():
+        """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it
+        (inside :meth:`unconfirmed`: not checked here)."""
+        if self._unconfirmed is not None and self._stale is None:
+            self._unconfirmed.add(key)
+        elif key in self.confirm():
             raise StaleTapError(
                 f"the tap of {tap_port_name(key)!r} was not written by step {self.step}'s "
                 f"forward (stale buffer)"

@@ -250,12 +250,20 @@ class Runtime:
         srows = step.sample_rows()
         hidden = {}
         for key, r in self._guide_reads.items():
+            # No stamp read here (it would make the host wait for the forward before
+            # sampling): rows of a tap the forward did not write read NaN, decided on the
+            # device; the stale capture is reported after sampling, with the step's bundles.
             try:
-                buf = r.producer.read(r.port, step)
+                with step.unconfirmed() as taps:
+                    buf = r.producer.read(r.port, step)
             except StaleTapError as e:
                 self._stale(key, e)
                 continue
-            hidden[key] = buf.index_select(0, index_to(step.sample_token_row, buf.device))
+            rows = buf.index_select(0, index_to(step.sample_token_row, buf.device))
+            ok = step.written(taps)
+            if ok is not None and rows.is_floating_point():
+                rows.masked_fill_(~ok, float("nan"))
+            hidden[key] = rows
         changed = False
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
