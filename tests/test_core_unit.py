@@ -363,11 +363,20 @@ def test_guide_view_top_candidates_drop_the_rest_of_selected_rows():
     view = GuideView(0, _rows(3, [True] * 3), logits, torch.ones(3), np.ones(3, bool), True, {})
     top = view.top_candidates(2)
     view.update_top_candidates(top, top.logits, drop_rest=torch.tensor([True, True, False]))
-    assert torch.isneginf(logits[0, 3]) and logits[0, 1] == 0.5 and logits[0, 4] == 1.5
+    assert view.guided_counts() == (1, 1) and view.wrote  # counted at once
+    # Applied when read (with an undo copy) or at commit (without one).
+    assert torch.isneginf(view.logits[0, 3]) and logits[0, 1] == 0.5 and logits[0, 4] == 1.5
     assert torch.equal(logits[1:], before[1:])  # row 2 not selected: its third one stays
-    assert view.guided_counts() == (1, 1) and view.wrote
     view.rollback()
     assert torch.equal(logits, before)
+    # Rolled back before it was applied, and committed without a copy of the logits.
+    view.update_top_candidates(top, top.logits, drop_rest=torch.tensor([True, True, False]))
+    assert not torch.isneginf(logits[0, 3])  # not applied yet: nothing to restore
+    view.rollback()
+    assert torch.equal(logits, before)
+    view.update_top_candidates(top, top.logits, drop_rest=torch.tensor([True, True, False]))
+    view.commit()
+    assert torch.isneginf(logits[0, 3]) and logits[0, 4] == 1.5 and not view._undo
 
 
 def test_guide_view_writes_leave_no_reference_cycle():

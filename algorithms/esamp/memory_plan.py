@@ -24,9 +24,10 @@ vocabulary):
   construction (the caching allocator rounds large blocks to 2 MiB);
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
-  gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ 6 * R * V`` for the
-  masks and the logits' undo copy of the fixed-size search and ``48 * R * k`` for its
-  ``k`` = ``cuda_max_candidates`` candidates per row) and
+  gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ R * V`` more for the
+  fixed-size search's second count of candidates and ``48 * R * k`` for its ``k`` =
+  ``cuda_max_candidates`` candidates per row: no copy of the logits, drops are applied in
+  place when the guide returns) and
   full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
 
 Activation and guidance terms are upper-bound estimates of temporaries; the state and input
@@ -175,11 +176,10 @@ def guidance_post_filter_bytes(
     candidate_chunk: int = CANDIDATE_CHUNK,
 ) -> int:
     """Post-filter guidance's temporaries (module docstring): one chunk of gathered head
-    rows, the candidate masks, the logits' undo copy (CUDA: which candidates a top-k drop
-    changes is known on the device only) and the fixed-size candidates."""
+    rows, the candidate masks (bool, one at a time) and the fixed-size candidates."""
     k = min(max_candidates, vocab_size)
     head_rows = 10 * candidate_chunk * hidden_size
-    return head_rows + 7 * rows_per_step * vocab_size + 48 * rows_per_step * k
+    return head_rows + 2 * rows_per_step * vocab_size + 48 * rows_per_step * k
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

@@ -14,7 +14,6 @@ from tllm_core.api.candidates import (
     TopCandidates,
     candidate_entries,
     count_rows,
-    outside_mask,
     top_candidate_entries,
 )
 from tllm_core.api.rows import RowInfo
@@ -78,7 +77,11 @@ class GuideView:
     ):
         self.step = step
         self.rows = rows
-        self.logits = logits
+        self._logits = logits
+        # drop_rest writes not applied yet (rows [R] bool, kept tokens [R, k]): applied when
+        # the consumer's guide returns (commit: nothing to undo then) or, with an undo
+        # copy, when the logits are read before that.
+        self._drops: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.temperature = temperature
         self.is_random = is_random
         self.filtered = filtered
@@ -92,6 +95,33 @@ class GuideView:
         # Undo log (how to restore each write, newest last) so a consumer that raises leaves
         # nothing behind.
         self._undo: list[Callable[[], None]] = []
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """The step's candidate logits ``[R, V]``, as written so far."""
+        if self._drops:
+            self._apply_drops(undo=True)
+        return self._logits
+
+    def _apply_drops(self, undo: bool) -> None:
+        """Drop (set to -inf) every candidate of the selected rows outside their kept
+        tokens, in place: the whole row to -inf, then the kept values back. No ``[R, V]``
+        temporary; with ``undo`` one copy of the logits to restore them from."""
+        logits = self._logits
+        if undo:
+            snapshot = logits.clone()
+            self._undo.append(lambda: logits.copy_(snapshot))
+        for rows, toks in self._drops:
+            kept = logits.gather(1, toks)
+            logits.masked_fill_(rows[:, None], NEG_INF)
+            logits.scatter_(1, toks, kept)
+        self._drops.clear()
+
+    def commit(self) -> None:
+        """The consumer's guide returned: apply pending drops (no undo needed any more)."""
+        if self._drops:
+            self._apply_drops(undo=False)
+        self._undo.clear()
 
     def hidden(self, key: str) -> torch.Tensor:
         """A token port's data (``"layer.{i}"``, ``"final"``, ...) at the sampling rows, ``[R, H]``."""
@@ -148,18 +178,18 @@ class GuideView:
         keep = top.valid & (old > NEG_INF)
         new = torch.where(keep, new_logits.to(logits.dtype), old)
         toks = top.tokens
-        if drop_rest is not None:
-            rest = outside_mask(logits, toks, keep, drop_rest)
-            snapshot = logits.clone()  # which entries drop is known on the device only
-            self._undo.append(lambda: logits.copy_(snapshot))
-            logits.masked_fill_(rest, NEG_INF)
-            self._changed += count_rows(rest)
-        else:
-            self._undo.append(lambda: logits.scatter_(1, toks, old))
+        self._undo.append(lambda: logits.scatter_(1, toks, old))
         self.wrote = True
         logits.scatter_(1, toks, new)
         self._candidates = None
         self._changed += ((new != old) & keep).sum(-1)
+        if drop_rest is not None:
+            # Which candidates drop is known on the device only: applied at commit (or
+            # when the logits are next read), so no copy is needed to undo it. Dropped:
+            # the row's candidates outside its kept slots, counted now.
+            rows = drop_rest.to(logits.device)
+            self._changed += (count_rows(logits > NEG_INF) - keep.sum(-1)) * rows
+            self._drops.append((rows, toks))
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -199,6 +229,7 @@ class GuideView:
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
+        self._drops.clear()
         for restore in reversed(self._undo):
             restore()
         self._undo.clear()

@@ -302,6 +302,7 @@ class Runtime:
             s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
         ):
             return None
+        view.commit()
         if view.wrote:
             self._guided.add(view.changed_per_row())
         return view.wrote
