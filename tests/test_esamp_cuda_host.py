@@ -86,3 +86,27 @@ def test_a_step_larger_than_the_packed_rows_is_refused_by_name(monkeypatch):
     s = d.alloc()
     with pytest.raises(ValueError, match="5 rows exceeds .* 4 packed rows"):
         d.predict(torch.full((5,), s), torch.randn(5, H))
+
+
+def test_bf16_moments_are_stored_in_bf16_and_train_as_fp32_does(monkeypatch):
+    """cuda_adam_moments bfloat16: m and v are bf16 (half the memory, counted per group),
+    the update is computed in fp32 and its losses stay within 2% of fp32 moments'."""
+    install(monkeypatch)
+    kw = dict(intermediate_size=INTER, lr=1e-2, capacity=2, device="cpu")
+    f32 = CudaGroupedDistiller(H, **kw)
+    b16 = CudaGroupedDistiller(H, moments_dtype=torch.bfloat16, **kw)
+    assert b16.m.dtype == b16.v.dtype == torch.bfloat16 and b16.theta.dtype == torch.float32
+    p = f32.shape.num_params
+    assert f32.memory_bytes_per_group() - b16.memory_bytes_per_group() == 4 * p
+    s = [d.alloc() for d in (f32, b16)][0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, H, generator=g)
+    t = x @ torch.randn(H, H, generator=g) * 0.3
+    curves = {}
+    for name, d in (("f32", f32), ("b16", b16)):
+        res = [d.train_step(torch.full((8,), s), x, t) for _ in range(30)]
+        d.synchronize()
+        curves[name] = torch.stack([r.losses[0] for r in res])
+    assert curves["f32"][-1] < 0.5 * curves["f32"][0]  # it learns
+    torch.testing.assert_close(curves["b16"], curves["f32"], rtol=0.02, atol=0)
+    assert not torch.equal(curves["b16"], curves["f32"])  # and the moments really are bf16

@@ -189,6 +189,19 @@ class ESampConfig(ConsumerConfig):
         description="Decode rows of one step the memory plan budgets for: set it to vLLM's "
         "max_num_seqs (prompts x samples per prompt).",
     )
+    cuda_adam_moments: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="On CUDA: the dtype of Adam's two moments. 'bfloat16' (opt-in) halves "
+        "their memory and cuts the update's traffic from 24 to 16 bytes per parameter; "
+        "updates are computed in fp32 either way. Its effect on the fit, measured on the "
+        "embedded model: docs/consumers/esamp.md.",
+    )
+    cuda_tf32: bool = Field(
+        False,
+        description="On CUDA: run the distiller's products (prediction, update, the gradient "
+        "inside Adam) on TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation). "
+        "Faster; its effect on the fit: docs/consumers/esamp.md.",
+    )
     cuda_max_candidates: int = Field(
         64,
         description="On CUDA, post-filter guidance mixes up to this many candidates per row "

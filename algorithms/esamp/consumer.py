@@ -113,6 +113,7 @@ class ESampConsumer(Consumer):
         )
         if self._tgt == self._src:
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
+        on_gpu = model.device.type == "cuda"
         slots = config.max_groups or config.cuda_capacity
         slots = slots or default_slots(config.cuda_rows_per_step, config.cuda_graph_max_rows)
         self.memory_plan = plan_memory(
@@ -125,6 +126,7 @@ class ESampConsumer(Consumer):
             num_blocks=config.num_blocks,
             max_candidates=config.cuda_max_candidates,
             optimizer_stats=config.optimizer_stats,
+            moment_bytes=2 if config.cuda_adam_moments == "bfloat16" and on_gpu else 4,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

@@ -35,6 +35,8 @@ class GroupedDistiller(SlotDistiller):
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
         device = torch.device(kwargs.get("device", "cpu"))
+        if kwargs.get("moments_dtype", torch.float32) != torch.float32:
+            raise ValueError("bfloat16 Adam moments are a CUDA option (cuda_adam_moments)")
         if device.type not in ("cpu", "meta"):  # meta: the front end's dry build
             raise ValueError(
                 f"GroupedDistiller is the CPU path and got device {str(device)!r}; for a GPU "

@@ -24,7 +24,8 @@ this module needs no GPU.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +51,17 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
+@contextmanager
+def _matmul_precision(tf32: bool) -> Iterator[None]:
+    """cuBLAS products in TF32 (or not) for the block, as the graphs bake it in."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
     """``fn`` captured as a CUDA graph on ``stream`` in memory pool ``pool`` (None: a new
     one); returns the graph (``.replay()``) and its pool."""
@@ -72,6 +84,7 @@ class CudaGroupedDistiller(SlotDistiller):
         capacity: int = 8,
         graph_max_rows: int = 16,
         zero_output: bool = False,
+        tf32: bool = False,
         **kwargs: Any,
     ):
         if graph_max_rows < 1:
@@ -80,6 +93,7 @@ class CudaGroupedDistiller(SlotDistiller):
         super().__init__(hidden_size, device=device, capacity=capacity, **kwargs)
         dev, h = self.device, self.shape.hidden_size
         self.zero_output = zero_output
+        self.tf32 = tf32  # TF32 products (cuBLAS and the Triton kernels), opt-in
         self.stream = torch.cuda.Stream(device=dev)
         self.use_cuda_graph = use_cuda_graph
         self.graph_failures = 0
@@ -198,14 +212,14 @@ class CudaGroupedDistiller(SlotDistiller):
         if graph is not None:
             graph.replay()
             return
-        with torch.no_grad():
+        with torch.no_grad(), _matmul_precision(self.tf32):
             (self._predict_body if kind == "predict" else self._train_body)(lay)
 
     def _warm_up(self) -> None:
         """Run every body once on the side stream (no group has a slot: no state changes),
         so lazy allocations, kernel compilation and the side stream's cuBLAS workspace
         happen now, inside the memory vLLM profiles, not in the first decode step."""
-        with torch.cuda.stream(self.stream), torch.no_grad():
+        with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
             self.plan.fill_(-1)
             self.plan[: 2 * self.total_rows].fill_(self.total_rows)
             self.plan[-1] = 0
@@ -221,7 +235,10 @@ class CudaGroupedDistiller(SlotDistiller):
             for lay in self.layouts:
                 for kind in ("predict", "train"):
                     body = self._predict_body if kind == "predict" else self._train_body
-                    graph, pool = capture_graph(lambda b=body, lay=lay: b(lay), self.stream, pool)
+                    with _matmul_precision(self.tf32):
+                        graph, pool = capture_graph(
+                            lambda b=body, lay=lay: b(lay), self.stream, pool
+                        )
                     self._graphs[(kind, lay)] = graph
         except RuntimeError as err:
             # Capture is an optimisation: fall back to eager runs, loudly.

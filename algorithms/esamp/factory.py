@@ -77,6 +77,8 @@ def distiller_for(
             "capacity": slots,
             "graph_max_rows": cfg.cuda_graph_max_rows,
             "zero_output": cfg.init == "zero_output",
+            "moments_dtype": getattr(torch, cfg.cuda_adam_moments),
+            "tf32": cfg.cuda_tf32,
         }
     # Not under inference mode: state made there could not be trained in place.
     with torch.inference_mode(False):

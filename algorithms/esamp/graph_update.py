@@ -75,7 +75,8 @@ def train_groups(
             w, mm_, vv = (x[blk][k] for x in wv)
             grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
         if stats is not None and hp.stats:
-            st = adam_stats(m.index_select(0, idx), v.index_select(0, idx), step[idx], norm, hp)
+            mo, vo = (t.index_select(0, idx).float() for t in (m, v))
+            st = adam_stats(mo, vo, step[idx], norm, hp)
             stats.copy_(torch.where(ok[:, None], st, float("nan")))
         if applied is not None:
             applied.index_add_(0, idx, valid.to(applied.dtype))

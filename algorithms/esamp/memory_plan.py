@@ -10,8 +10,9 @@ Terms (fp32 = 4 bytes; ``P`` distiller parameters, ``S`` slots, ``M`` rows per s
 update graph, ``R`` rows per step, ``H`` hidden, ``I`` intermediate, ``NB`` blocks, ``V``
 vocabulary):
 
-- state: ``S * (3P + 1) * 4`` (weights, two Adam moments, step) ``+ S * 8`` (update counter)
-  ``+ P * 4`` (the init template);
+- state: ``S * (P * (4 + 2b) + 4)`` (fp32 weights, two Adam moments of ``b`` bytes: 4, or 2
+  with ``cuda_adam_moments`` bfloat16; the step) ``+ S * 8`` (update counter) ``+ P * 4``
+  (the init template);
 - packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
   staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ (T+1)`` (mask)
   ``+ 8 * (2T + 2S + 1)`` (the row plan) ``+`` the result ring ``N*S*(8 [+16 with
@@ -130,12 +131,13 @@ def plan_memory(
     candidate_chunk: int = CANDIDATE_CHUNK,
     max_candidates: int = 64,
     optimizer_stats: bool = False,
+    moment_bytes: int = 4,
 ) -> MemoryPlan:
     """The plan for these shapes (see the module docstring for each term)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, round_rows(graph_rows)
-    state = s * (3 * p + 1) * 4 + s * 8 + p * 4
+    state = s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4
     t = s * m
     inputs = packed_buffer_bytes(h, s, t, optimizer_stats)
     update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4

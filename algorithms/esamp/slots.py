@@ -73,11 +73,13 @@ class SlotDistiller:
         seed: int = 0,
         capacity: int = 4,
         device: torch.device | str = "cpu",
+        moments_dtype: torch.dtype = torch.float32,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
         self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip, loss_reduction, optimizer_stats)
+        self.moments_dtype = moments_dtype  # Adam's m and v (bf16: CUDA only, opt-in)
         self.device = torch.device(device)
         self.template = init_params(self.shape, init, seed).to(self.device)
         self._capacity = 0
@@ -136,8 +138,8 @@ class SlotDistiller:
         rows = new_capacity + self._SCRATCH
         p, dev = self.shape.num_params, self.device
         theta = self.template.expand(rows, p).clone()
-        m = torch.zeros(rows, p, device=dev)
-        v = torch.zeros(rows, p, device=dev)
+        m = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
+        v = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
         step = torch.zeros(rows, device=dev)
         applied = torch.zeros(rows, dtype=torch.long, device=dev)
         submitted = np.zeros(rows, dtype=np.int64)
@@ -232,7 +234,8 @@ class SlotDistiller:
     def memory_bytes_per_group(self) -> int:
         """Parameters + Adam moments + step counter of one slot, in bytes (fp32; the 8-byte
         update counter used for staleness is not included)."""
-        return (3 * self.shape.num_params + 1) * 4
+        moments = 2 * torch.finfo(self.moments_dtype).bits // 8
+        return (self.shape.num_params * (4 + moments)) + 4
 
     def memory_bytes(self) -> int:
         """Bytes held by the stacked state (all slots, live or not) plus the template."""
