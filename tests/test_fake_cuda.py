@@ -241,10 +241,12 @@ def test_a_captured_graph_allocates_at_capture_and_replays_its_launches():
 def test_a_graph_captured_in_the_steps_waits_for_the_device():
     def capture(fc, x):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            x.add_(1)
+            x.add(1)  # allocates from the graph's pool: not a step allocation
 
     fc = _run(capture, _dev(4))
     assert _only(fc, "host_wait").line == _line(capture)
+    assert not fc.findings(kind="allocation")
+    assert fc.report()["construction"]["allocated_bytes"] == 16 + 16
 
 
 def test_a_host_wait_inside_a_capture_fails_even_in_construction():
@@ -330,6 +332,13 @@ def test_everything_patched_is_restored_even_after_an_error():
     x[torch.tensor([0])] = 1.0  # setitem works as before
     with pytest.raises(RuntimeError):
         x.pin_memory()  # no accelerator on this machine
+
+
+def test_only_one_fake_device_at_a_time():
+    with FakeCuda(), pytest.raises(RuntimeError, match="already active"), FakeCuda():
+        pass
+    with FakeCuda():  # usable again once the first has left
+        pass
 
 
 def test_construction_findings_are_reported_not_failures_and_the_report_is_json():

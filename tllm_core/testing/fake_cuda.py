@@ -170,6 +170,9 @@ def _stats() -> dict[str, Any]:
     }
 
 
+_active: FakeCuda | None = None
+
+
 class FakeCuda:
     """The fake device and its record (see the module docstring)."""
 
@@ -196,8 +199,10 @@ class FakeCuda:
 
     # -- entering and leaving ---------------------------------------------------------
     def __enter__(self) -> FakeCuda:
-        if self._mode is not None:
-            raise RuntimeError("this FakeCuda is already active")
+        global _active
+        if _active is not None:  # the patches are process-wide
+            raise RuntimeError("a FakeCuda is already active; nest none and share none")
+        _active = self
         cuda, tensor, factories = (
             stubs.cuda_stubs(self),
             stubs.tensor_stubs(self),
@@ -211,12 +216,14 @@ class FakeCuda:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        global _active
         try:
             if self._mode is not None:
                 self._mode.__exit__(*exc)
         finally:
             self._mode = None
             self._patches.restore()
+            _active = None
 
     # -- phases -------------------------------------------------------------------------
     def start_steps(self) -> None:
