@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -186,18 +187,19 @@ def test_pageable_copies_are_flagged_at_their_line(fn):
     assert not fc.findings(kind="host_wait")
 
 
-def test_what_needs_no_host_copy_on_cuda_is_not_flagged():
-    def clean(fc, t, m, idx):
-        t.copy_(torch.ones(4).pin_memory(), non_blocking=True)  # async from pinned memory
-        torch.ones(4).pin_memory()[1:].to(fc.device, non_blocking=True)  # a pinned view too
-        m.index_put_((idx,), torch.ones((), dtype=torch.bool, device=fc.device))  # device value
-        t.index_select(0, idx)  # device indices
-        t.add_(1).mul_(torch.tensor(2.0))  # Python number, 0-dim host scalar: kernel arguments
-        torch.where(m, t, 0.0)
-        t[:2] = 3.0  # basic index: fill_ with a scalar argument
-        t.masked_fill_(m, torch.tensor(0.0))
+def _clean(fc, t, m, idx):
+    t.copy_(torch.ones(4).pin_memory(), non_blocking=True)  # async from pinned memory
+    torch.ones(4).pin_memory()[1:].to(fc.device, non_blocking=True)  # a pinned view too
+    m.index_put_((idx,), torch.ones((), dtype=torch.bool, device=fc.device))  # device value
+    t.index_select(0, idx)  # device indices
+    t.add_(1).mul_(torch.tensor(2.0))  # Python number, 0-dim host scalar: kernel arguments
+    torch.where(m, t, 0.0)
+    t[:2] = 3.0  # basic index: fill_ with a scalar argument
+    t.masked_fill_(m, torch.tensor(0.0))
 
-    fc = _run(clean, _dev(4), _dev(4, dtype=torch.bool), _dev(2, dtype=torch.long))
+
+def test_what_needs_no_host_copy_on_cuda_is_not_flagged():
+    fc = _run(_clean, _dev(4), _dev(4, dtype=torch.bool), _dev(2, dtype=torch.long))
     bad = fc.findings(kind="pageable_copy") + fc.findings(kind="host_wait")
     assert not bad, [(f.what, f.where) for f in bad]
 
@@ -306,6 +308,42 @@ def test_the_first_matrix_product_on_a_new_stream_in_the_steps_is_flagged():
                 a @ a  # only the first use of a stream
     (f,) = fc.findings(kind="first_cublas")
     assert f.code == "torch.addmm(a, a, a)" and f.count == 1
+
+
+# -- the same snippets on a real GPU (skipped without one) ---------------------------------------
+# What the fake calls a host wait or a blocking copy must stop a GPU under the sync debug mode,
+# and the clean patterns must not; ``.numpy()`` is an error there, ``synchronize()`` explicit.
+GPU_SYNCS = [item, as_int, as_bool, cpu, tolist, nonzero, unique, bool_mask, bool_mask_put]
+GPU_SYNCS += [masked_select, pinned_blocking_copy, copy_into, host_value_copy]
+GPU_SYNCS += [scalar_through_index]
+
+
+def _on_gpu(fn) -> None:
+    dev = torch.device("cuda")
+    t, m = torch.zeros(4, device=dev), torch.zeros(4, dtype=torch.bool, device=dev)
+    idx = torch.zeros(2, dtype=torch.long, device=dev)
+    args = (t, m, idx) if fn is _clean else (t, idx)[: fn.__code__.co_argcount - 1]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(SimpleNamespace(device=dev), *args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("fn", GPU_SYNCS, ids=lambda f: f.__name__)
+def test_on_a_gpu_what_is_flagged_synchronizes(fn):
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _on_gpu(fn)
+
+
+@gpu
+def test_on_a_gpu_the_clean_patterns_do_not_synchronize():
+    _on_gpu(_clean)
 
 
 # -- the tool itself -----------------------------------------------------------------------------
