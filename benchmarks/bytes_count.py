@@ -19,7 +19,7 @@ from collections import Counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # The counting rules are shared with the fake-device check (tllm_core.testing.fake_cuda).
-from tllm_core.testing.fake_cuda import NO_DATA, op_bytes
+from tllm_core.testing.fake_cuda_checker import NO_DATA, op_bytes
 
 
 class BytesCounter(TorchDispatchMode):

@@ -236,6 +236,10 @@ def test_a_captured_graph_allocates_at_capture_and_replays_its_launches():
     assert steps["allocation"] == 0 and steps["graph_replays"] == 2
     assert steps["launches"] == 4  # two captured operations per replay
     assert steps["bytes"] == 2 * (800 + 1200)
+    assert steps["by_op"] == {
+        "aten.add_": {"launches": 2, "bytes": 2400},
+        "aten.mul": {"launches": 2, "bytes": 1600},
+    }
     assert fc.report()["construction"]["allocated_bytes"] == 400 + 400  # x, and y in the pool
     fc.assert_clean()
 

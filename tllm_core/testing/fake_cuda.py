@@ -31,7 +31,7 @@ value-dependent shapes are their maximum), so one run reports every finding.
 Counted per step: ``launches`` (one per aten operation on the device that is not a view or
 an allocation without data, so an operation CUDA runs as several kernels counts once; a
 graph replay counts the operations captured) and ``bytes`` (read + written, the rules of
-``benchmarks/bytes_count.py``, which uses :func:`op_bytes`). A custom operator
+``benchmarks/bytes_count.py``, which uses :func:`.fake_cuda_checker.op_bytes`). A custom operator
 (``torch.library.custom_op``, with a fake kernel) is one launch moving its arguments.
 
 Not seen: anything C++ does below the dispatcher that these stubs do not mirror (for
@@ -55,80 +55,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tllm_core.testing import fake_cuda_stubs as stubs
+from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
 
 KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas")
 PHASES = ("construction", "steps", "teardown")
 
-# Operations that allocate without reading or writing data, or only describe shapes.
-NO_DATA = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "lift_fresh",
-    "_unsafe_view",
-}
-# Output size depends on the values: CUDA reads them back first.
-_VALUE_SHAPED = {"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"}
-_BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl_"}
-# A 0-dim host tensor is a kernel argument for these (no copy).
-_SCALAR_OK = {"fill", "fill_", "masked_fill", "masked_fill_"}
-_MATMUL = {
-    "mm", "bmm", "addmm", "addmv", "mv", "addbmm", "baddbmm", "dot", "vdot", "linear",
-    "matmul", "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm",
-}  # fmt: skip
 # Frames never named in a finding: torch, this package, and contextlib (stub context managers).
 _SKIP = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(__file__) + os.sep,
     contextlib.__file__,
 )
-
-
-def _bytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if _tensor(t))
-
-
-def _tensor(t: Any) -> bool:
-    return isinstance(t, torch.Tensor)
-
-
-def _name(func: Any) -> str:
-    return func._schema.name.split("::")[-1]
-
-
-def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
-    and the arguments marked as written are written; so are outputs that alias no input.
-    Views and :data:`NO_DATA` operations move nothing."""
-    if func.is_view or _name(func) in NO_DATA:
-        return 0
-    schema = func._schema
-    n = 0
-    for i, arg in enumerate(schema.arguments):
-        size = _bytes(args[i] if i < len(args) else kwargs.get(arg.name))
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        n += size * ((not arg.is_out) + written)
-    for _, o in _fresh_outputs(func, out):
-        n += _bytes(o)
-    return n
-
-
-def _fresh_outputs(func: Any, out: Any) -> list[tuple[int, Any]]:
-    """Outputs that alias no input (new storage), with their return index."""
-    if func.is_view:
-        return []
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    rets = func._schema.returns
-    return [
-        (i, o) for i, (r, o) in enumerate(zip(rets, outs, strict=False)) if r.alias_info is None
-    ]
 
 
 @dataclass
@@ -186,13 +126,14 @@ class FakeCuda:
         self._lock = threading.RLock()
         self._findings: dict[tuple, Finding] = {}
         self._phase_stats = {p: _stats() for p in PHASES}
+        self._by_op: dict[str, dict[str, list[int]]] = {p: {} for p in PHASES}
         self._per_step: list[dict[str, Any]] = []
         self._step: dict[str, Any] | None = None
         self._capture: stubs.FakeGraph | None = None
         self._pinned = WeakTensorKeyDictionary()
         self._cublas_streams: set[int] = set()
         self._patches = stubs.Patches()
-        self._mode: _Checker | None = None
+        self._mode: Checker | None = None
         self._quiet = threading.local()
         self.default_stream = stubs.FakeStream(self)
         self._cublas_streams.add(self.default_stream.stream_id)
@@ -202,17 +143,22 @@ class FakeCuda:
         global _active
         if _active is not None:  # the patches are process-wide
             raise RuntimeError("a FakeCuda is already active; nest none and share none")
-        _active = self
+        # Made before any is installed: the Tensor stubs keep the original torch.tensor.
         cuda, tensor, factories = (
             stubs.cuda_stubs(self),
             stubs.tensor_stubs(self),
             stubs.factory_stubs(self),
         )
-        self._patches.apply(torch.cuda, cuda)
-        self._patches.apply(torch.Tensor, tensor)
-        self._patches.apply(torch, factories)
-        self._mode = _Checker(self)
-        self._mode.__enter__()
+        _active = self
+        try:
+            self._patches.apply(torch.cuda, cuda)
+            self._patches.apply(torch.Tensor, tensor)
+            self._patches.apply(torch, factories)
+            self._mode = Checker(self)
+            self._mode.__enter__()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -298,19 +244,23 @@ class FakeCuda:
 
     def _factory_copy(self, what: str, out: torch.Tensor) -> None:
         self._flag("pageable_copy", what)
-        self._launch(_bytes(out) * 2)
+        self._launch(what, tensor_bytes(out) * 2)
         self._allocated(what, out)
 
-    def _launch(self, nbytes: int) -> None:
-        if self._capture is not None:
-            self._capture.launches += 1
-            self._capture.bytes += nbytes
-        else:
-            self._count("launches")
-            self._count("bytes", nbytes)
+    def _launch(self, op: str, nbytes: int, n: int = 1) -> None:
+        with self._lock:
+            if self._capture is not None:  # recorded, run by each replay
+                by_op = self._capture.by_op
+            else:
+                self._count("launches", n)
+                self._count("bytes", nbytes)
+                by_op = self._by_op[self.phase]
+            counts = by_op.setdefault(op, [0, 0])
+            counts[0] += n
+            counts[1] += nbytes
 
     def _allocated(self, what: str, t: torch.Tensor) -> None:
-        nbytes = _bytes(t)
+        nbytes = tensor_bytes(t)
         if not nbytes:
             return
         if self._capture is not None:  # the graph's pool, allocated at capture
@@ -339,8 +289,8 @@ class FakeCuda:
 
     def _replay(self, graph: stubs.FakeGraph) -> None:
         self._count("graph_replays")
-        self._count("launches", graph.launches)
-        self._count("bytes", graph.bytes)
+        for op, (n, nbytes) in graph.by_op.items():
+            self._launch(op, nbytes, n)
 
     # -- results ------------------------------------------------------------------------
     def findings(self, phase: str | None = "steps", kind: str | None = None) -> list[Finding]:
@@ -362,12 +312,15 @@ class FakeCuda:
         ]
 
     def report(self) -> dict[str, Any]:
-        """Per phase: counts by kind, launches, bytes, allocated bytes, graph replays and
-        the findings (``steps`` also has ``per_step``). JSON-able."""
+        """Per phase: counts by kind, launches, bytes, allocated bytes, graph replays,
+        launches and bytes by operation (``by_op``, most bytes first; a replay adds its
+        captured operations) and the findings; ``steps`` also has ``per_step``. JSON-able."""
         with self._lock:
             out: dict[str, Any] = {}
             for p in PHASES:
                 out[p] = dict(self._phase_stats[p])
+                by_op = sorted(self._by_op[p].items(), key=lambda kv: -kv[1][1])
+                out[p]["by_op"] = {op: {"launches": n, "bytes": b} for op, (n, b) in by_op}
                 out[p]["findings"] = [
                     {**asdict(f), "where": f.where} for f in self._findings.values() if f.phase == p
                 ]
@@ -384,114 +337,3 @@ class FakeCuda:
                 lines.append(f"  {f.kind}: {f.what} at {f.where} x{f.count}{cap}")
                 lines.append(f"      {f.code}")
             raise AssertionError("\n".join(lines))
-
-
-class _Checker(TorchDispatchMode):
-    """Classifies every aten operation of the fake device (see the module docstring)."""
-
-    def __init__(self, fc: FakeCuda) -> None:
-        super().__init__()
-        self.fc = fc
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        fc, name = self.fc, _name(func)
-        pin = bool(kwargs.get("pin_memory"))
-        if pin:  # a CPU-only build has no pinned allocator: mark the host tensor instead
-            kwargs = {**kwargs, "pin_memory": False}
-        if getattr(fc._quiet, "on", False):
-            return func(*args, **kwargs)
-        leaves = [t for t in tree_leaves((args, kwargs)) if _tensor(t)]
-        dev = kwargs.get("device")
-        if not any(fc.is_fake(t) for t in leaves) and not (
-            dev is not None and torch.device(dev) == fc.device
-        ):
-            out = func(*args, **kwargs)
-            if pin:
-                fc.mark_pinned(out)
-            return out  # host work
-        if name in {"_to_copy", "copy_"}:
-            return self._copy(func, name, args, kwargs)
-        if self._value_shaped(name, args, kwargs):
-            fc._host_wait(f"aten.{name} (its result needs the values on the host)")
-            out = _on_host_ones(func, args, kwargs)
-        else:
-            host = [t for t in leaves if t.device.type == "cpu"]
-            if any(t.dim() or not self._scalar_ok(func, name) for t in host):
-                fc._flag("pageable_copy", f"aten.{name} with a host tensor argument")
-            elif host and name in _SCALAR_OK:  # CUDA reads the value; meta wants a device one
-                args, kwargs = tree_map(_scalar_to_meta, (args, kwargs))
-            out = func(*args, **kwargs)
-        self._account(func, name, args, kwargs, out)
-        return out
-
-    @staticmethod
-    def _value_shaped(name: str, args: tuple, kwargs: dict) -> bool:
-        if name in _VALUE_SHAPED or name.startswith(("unique", "_unique")):
-            return True
-        if name == "repeat_interleave" and kwargs.get("output_size") is None:
-            return _tensor(args[0]) and len(args) < 4
-        if name in _BOOL_INDEX and len(args) > 1 and isinstance(args[1], (list, tuple)):
-            return any(_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        return False
-
-    @staticmethod
-    def _scalar_ok(func: Any, name: str) -> bool:
-        return (
-            torch.Tag.pointwise in func.tags or name in _SCALAR_OK or name.startswith("_foreach_")
-        )
-
-    def _copy(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
-        fc = self.fc
-        src, dst = (args[1], args[0]) if name == "copy_" else (args[0], None)
-        to = dst.device if dst is not None else torch.device(kwargs.get("device") or src.device)
-        if fc.is_fake(src) and to.type == "cpu":
-            fc._host_wait(f"aten.{name} device -> host")
-            if dst is not None:
-                return dst
-            return torch.ones(src.shape, dtype=kwargs.get("dtype") or src.dtype)
-        if src.device.type == "cpu" and to == fc.device:
-            non_blocking = args[2] if name == "copy_" and len(args) > 2 else False
-            if kwargs.get("non_blocking", non_blocking) and fc.is_pinned(src):
-                pass  # an asynchronous copy from pinned memory
-            elif fc.is_pinned(src):
-                fc._host_wait(f"aten.{name} host -> device, blocking")
-            else:
-                fc._flag("pageable_copy", f"aten.{name} host -> device from pageable memory")
-        out = func(*args, **kwargs)
-        self._account(func, name, args, kwargs, out)
-        return out
-
-    def _account(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
-        fc = self.fc
-        if not func.is_view and name not in NO_DATA:
-            fc._launch(op_bytes(func, args, kwargs, out))
-        for _, o in _fresh_outputs(func, out):
-            for t in tree_leaves(o):
-                if _tensor(t) and fc.is_fake(t):
-                    fc._allocated(f"aten.{name}", t)
-        if name in _MATMUL:
-            fc._matmul()
-
-
-def _scalar_to_meta(t: Any) -> Any:
-    if _tensor(t) and t.device.type == "cpu" and t.dim() == 0:
-        return torch.empty((), dtype=t.dtype, device="meta")
-    return t
-
-
-def _on_host_ones(func: Any, args: tuple, kwargs: dict) -> Any:
-    """``func`` on host stand-ins of its device arguments, all ones (masks all True:
-    value-dependent shapes at their maximum); tensor results go back to the device."""
-    meta = torch.device("meta")
-
-    def to_host(t: Any) -> Any:
-        return torch.ones(t.shape, dtype=t.dtype) if _tensor(t) and t.device == meta else t
-
-    host_args, host_kwargs = tree_map(to_host, args), tree_map(to_host, kwargs)
-    out = func(*host_args, **host_kwargs)
-    if func._schema.returns and func._schema.returns[0].alias_info is not None:
-        return args[0]  # in place: the device tensor itself
-    return tree_map(
-        lambda t: torch.empty(t.shape, dtype=t.dtype, device=meta) if _tensor(t) else t, out
-    )

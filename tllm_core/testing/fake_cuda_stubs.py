@@ -79,10 +79,17 @@ class FakeGraph:
 
     def __init__(self, fc: Any, *_: Any, **__: Any) -> None:
         self._fc = fc
-        self.launches = 0
-        self.bytes = 0
+        self.by_op: dict[str, list[int]] = {}  # operation -> [launches, bytes] captured
         self.pool_bytes = 0
         self.captured = False
+
+    @property
+    def launches(self) -> int:
+        return sum(n for n, _ in self.by_op.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.by_op.values())
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         self._fc._begin_capture(self)
@@ -97,8 +104,7 @@ class FakeGraph:
         self._fc._replay(self)
 
     def reset(self) -> None:
-        self.launches = self.bytes = self.pool_bytes = 0
-        self.captured = False
+        self.by_op, self.pool_bytes, self.captured = {}, 0, False
 
     def pool(self) -> object:
         return object()
