@@ -154,8 +154,9 @@ class FakeCuda:
             self._patches.apply(torch.cuda, cuda)
             self._patches.apply(torch.Tensor, tensor)
             self._patches.apply(torch, factories)
-            self._mode = Checker(self)
-            self._mode.__enter__()
+            mode = Checker(self)
+            mode.__enter__()
+            self._mode = mode
         except BaseException:
             self.__exit__(None, None, None)
             raise
