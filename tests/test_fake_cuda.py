@@ -23,8 +23,8 @@ def _line(fn) -> int:
 
 
 def _run(fn, *setup_args):
-    """``fn(fc, *tensors)`` as one step on a fresh fake device; tensors are made in
-    construction by ``setup(fc)``."""
+    """``fn(fc, *tensors)`` as one step on a fresh fake device, each tensor made in
+    construction by one of ``setup_args`` (called with ``fc``)."""
     with FakeCuda() as fc:
         made = [s(fc) for s in setup_args]
         with fc.step():
@@ -91,6 +91,10 @@ def masked_select(fc, t):
     t.masked_select(t > 0)
 
 
+def repeats(fc, t):
+    t.repeat_interleave(t.long())
+
+
 def stream_sync(fc, t):
     torch.cuda.Stream().synchronize()
 
@@ -108,7 +112,7 @@ def pinned_blocking_copy(fc, t):
 
 
 HOST_WAITS = [item, as_int, as_bool, cpu, tolist, to_numpy, nonzero, unique, equal, bool_mask]
-HOST_WAITS += [bool_mask_put, masked_select, stream_sync, event_sync, device_sync]
+HOST_WAITS += [bool_mask_put, masked_select, repeats, stream_sync, event_sync, device_sync]
 HOST_WAITS += [pinned_blocking_copy]
 
 
@@ -131,6 +135,15 @@ def test_event_query_and_ordering_calls_wait_for_nothing():
 
     fc = _run(ordering, _dev(4))
     assert not fc.findings(phase=None, kind="host_wait")
+
+
+def test_shapes_known_on_the_host_need_no_read():
+    def known(fc, t):
+        t.repeat_interleave(2)
+        t.repeat_interleave(t.long(), output_size=8)
+        torch.nonzero_static(t, size=4)
+
+    assert not _run(known, _dev(4)).findings(kind="host_wait")
 
 
 def test_host_reads_go_on_with_ones():

@@ -96,7 +96,7 @@ class Checker(TorchDispatchMode):
             return out  # host work
         if name in {"_to_copy", "copy_"}:
             return self._copy(func, name, args, kwargs)
-        if self._value_shaped(func, name, args):
+        if self._value_shaped(func, name, args, kwargs):
             fc._host_wait(f"aten.{name} (its result needs the values on the host)")
             out = _on_host_ones(func, args, kwargs)
         else:
@@ -110,11 +110,11 @@ class Checker(TorchDispatchMode):
         return out
 
     @staticmethod
-    def _value_shaped(func: Any, name: str, args: tuple) -> bool:
+    def _value_shaped(func: Any, name: str, args: tuple, kwargs: dict) -> bool:
         if name in _VALUE_SHAPED or name.startswith(("unique", "_unique")):
             return True
         if name == "repeat_interleave":  # tensor repeats: the output size is their sum
-            return func._overloadname != "self_int"
+            return func._overloadname != "self_int" and kwargs.get("output_size") is None
         if name in _BOOL_INDEX and len(args) > 1 and isinstance(args[1], (list, tuple)):
             return any(_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
         return False
