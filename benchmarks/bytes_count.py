@@ -15,28 +15,11 @@ what the count shows. The mode is thread-local: work on other threads is not cou
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-# Operations that allocate without reading or writing data, or only describe shapes.
-_FREE = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "lift_fresh",
-    "_unsafe_view",
-}
-
-
-def _bytes(tensors: Any) -> int:
-    return sum(
-        t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)
-    )
+# The counting rules are shared with the fake-device check (tllm_core.testing.fake_cuda).
+from tllm_core.testing.fake_cuda_checker import NO_DATA, op_bytes
 
 
 class BytesCounter(TorchDispatchMode):
@@ -55,22 +38,6 @@ class BytesCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
-        if not func.is_view and name not in _FREE:
-            self.by_op[name] += _moved(func, args, kwargs, out)
+        if not func.is_view and name not in NO_DATA:
+            self.by_op[name] += op_bytes(func, args, kwargs, out)
         return out
-
-
-def _moved(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
-    and the arguments marked as written are written; so are outputs that alias no input."""
-    schema = func._schema
-    n = 0
-    for i, arg in enumerate(schema.arguments):
-        size = _bytes(args[i] if i < len(args) else kwargs.get(arg.name))
-        written = arg.alias_info is not None and arg.alias_info.is_write
-        n += size * ((not arg.is_out) + written)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    for ret, o in zip(schema.returns, outs, strict=False):
-        if ret.alias_info is None:
-            n += _bytes(o)
-    return n

@@ -1,0 +1,340 @@
+"""Run CUDA-path code on a fake device and flag what would make the host wait, copy from
+pageable memory, allocate, or first use cuBLAS on a stream, during the steps.
+
+``FakeCuda`` is a context manager: its device is ``torch.device("meta")`` standing in for
+CUDA (meta tensors compute nothing, so real 7B shapes cost nothing), ``torch.cuda``'s
+streams, events, graphs and device queries are stubs (:mod:`.fake_cuda_stubs`), and a
+``TorchDispatchMode`` sees every aten operation of the thread that entered it::
+
+    with FakeCuda() as fc:
+        d = Distiller(device=fc.device)  # construction: counted, never a failure
+        with fc.step():                  # one step: every finding here fails assert_clean
+            d.train_step(...)
+    fc.assert_clean()
+
+Flagged (kinds): ``host_wait`` (``.item()``/``int()``/``bool()`` of a device tensor,
+copies to the host incl. ``.cpu()``/``.tolist()``/``.numpy()``, operations whose output
+size depends on values (``nonzero``, ``unique``, boolean-mask indexing, ``masked_select``,
+``equal``...), a blocking copy to the device, ``synchronize()`` of the device, a stream or
+an event, a graph capture after construction); ``pageable_copy`` (a host tensor copied to
+the device from memory that is not pinned: ``.to(device)``, ``copy_``, ``torch.tensor(...,
+device=)``, host index tensors or a host value handed to an operation on the device, e.g.
+``t[idx] = True``; a 0-dim host tensor in an elementwise operation or ``fill_`` is passed as
+a kernel argument on CUDA and is not flagged, nor are Python numbers); ``allocation`` (an
+operation output that is new device storage, factories included; inside a graph capture it
+is the graph's pool: counted in construction); ``first_cublas`` (a matrix product on a
+stream that had none before the steps began: its cuBLAS workspace is allocated then; the
+default stream counts as used). Each finding names the first frame outside torch and this
+package; the code goes on with ones for whatever it reads back (masks all True, so
+value-dependent shapes are their maximum), so one run reports every finding.
+
+Counted per step: ``launches`` (one per aten operation on the device that is not a view or
+an allocation without data, so an operation CUDA runs as several kernels counts once; a
+graph replay counts the operations captured) and ``bytes`` (read + written, the rules of
+``benchmarks/bytes_count.py``, which uses :func:`.fake_cuda_checker.op_bytes`). A custom operator
+(``torch.library.custom_op``, with a fake kernel) is one launch moving its arguments.
+
+Not seen: anything C++ does below the dispatcher that these stubs do not mirror (for
+example a CUDA-only branch in an operator that copies a host scalar to the device: the one
+in ``Tensor.__setitem__`` is mirrored), operations on other threads (the mode is
+thread-local; stub calls from any thread are seen), ``print`` of a device tensor, code that
+names ``"cuda"`` itself (``torch.device("cuda")``, ``.cuda()``, ``device.type == "cuda"``)
+rather than the device it is given, memory frees (so no ``memory_allocated``), and the
+cost of any operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from tllm_core.testing import fake_cuda_stubs as stubs
+from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
+
+KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas")
+PHASES = ("construction", "steps", "teardown")
+
+# Frames never named in a finding: torch, this package, and contextlib (stub context managers).
+_SKIP = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(__file__) + os.sep,
+    contextlib.__file__,
+)
+
+
+@dataclass
+class Finding:
+    kind: str
+    what: str
+    file: str
+    line: int
+    function: str
+    code: str
+    phase: str
+    in_capture: bool
+    count: int = 1
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}:{self.function}"
+
+
+def _caller() -> tuple[str, int, str]:
+    """The first frame outside torch and this package."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f = f.f_back
+    if f is None:
+        return ("?", 0, "?")
+    path = f.f_code.co_filename
+    rel = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return (rel, f.f_lineno, f.f_code.co_name)
+
+
+def _stats() -> dict[str, Any]:
+    return {
+        "launches": 0,
+        "bytes": 0,
+        "allocated_bytes": 0,
+        "graph_replays": 0,
+        **dict.fromkeys(KINDS, 0),
+    }
+
+
+_active: FakeCuda | None = None
+
+
+class FakeCuda:
+    """The fake device and its record (see the module docstring)."""
+
+    device = torch.device("meta")
+
+    def __init__(self, total_memory: int = 80 * 2**30, device_name: str = "FakeCuda (meta)"):
+        self.total_memory = total_memory
+        self.device_name = device_name
+        self.sync_debug_mode: int | str = 0
+        self.phase = "construction"
+        self._lock = threading.RLock()
+        self._findings: dict[tuple, Finding] = {}
+        self._phase_stats = {p: _stats() for p in PHASES}
+        self._by_op: dict[str, dict[str, list[int]]] = {p: {} for p in PHASES}
+        self._per_step: list[dict[str, Any]] = []
+        self._step: dict[str, Any] | None = None
+        self._capture: stubs.FakeGraph | None = None
+        self._pinned = WeakTensorKeyDictionary()
+        self._cublas_streams: set[int] = set()
+        self._patches = stubs.Patches()
+        self._mode: Checker | None = None
+        self._quiet = threading.local()
+        self.default_stream = stubs.FakeStream(self)
+        self._cublas_streams.add(self.default_stream.stream_id)
+
+    # -- entering and leaving ---------------------------------------------------------
+    def __enter__(self) -> FakeCuda:
+        global _active
+        if _active is not None:  # the patches are process-wide
+            raise RuntimeError("a FakeCuda is already active; nest none and share none")
+        # Made before any is installed: the Tensor stubs keep the original torch.tensor.
+        cuda, tensor, factories = (
+            stubs.cuda_stubs(self),
+            stubs.tensor_stubs(self),
+            stubs.factory_stubs(self),
+        )
+        _active = self
+        try:
+            self._patches.apply(torch.cuda, cuda)
+            self._patches.apply(torch.Tensor, tensor)
+            self._patches.apply(torch, factories)
+            mode = Checker(self)
+            mode.__enter__()
+            self._mode = mode
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _active
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            self._mode = None
+            self._patches.restore()
+            _active = None
+
+    # -- phases -------------------------------------------------------------------------
+    def start_steps(self) -> None:
+        """From now on findings are failures (construction is over)."""
+        self.phase = "steps"
+
+    @contextlib.contextmanager
+    def steps(self) -> Iterator[None]:
+        """The steps phase for the block; after it, the teardown phase (not failures)."""
+        self.start_steps()
+        try:
+            yield
+        finally:
+            self.phase = "teardown"
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[dict[str, Any]]:
+        """One step (starts the steps phase): its counts are one entry of ``per_step``."""
+        if self.phase != "steps":
+            self.start_steps()
+        self._step = _stats()
+        self._per_step.append(self._step)
+        try:
+            yield self._step
+        finally:
+            self._step = None
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Operations of this thread in the block are neither checked nor counted."""
+        prev = getattr(self._quiet, "on", False)
+        self._quiet.on = True
+        try:
+            yield
+        finally:
+            self._quiet.on = prev
+
+    # -- pinned host memory -------------------------------------------------------------
+    def is_fake(self, t: torch.Tensor) -> bool:
+        return t.device.type == "meta"
+
+    def mark_pinned(self, t: torch.Tensor) -> None:
+        self._pinned[t] = True
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        # A view of a pinned tensor keeps its base (and so the pinned storage) alive.
+        return t in self._pinned or (t._base is not None and t._base in self._pinned)
+
+    # -- recording ----------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:
+        with self._lock:
+            self._phase_stats[phase or self.phase][key] += n
+            if self._step is not None and (phase or self.phase) == "steps":
+                self._step[key] += n
+
+    def _flag(self, kind: str, what: str) -> None:
+        file, line, function = _caller()
+        in_capture = self._capture is not None
+        key = (self.phase, kind, what, file, line, in_capture)
+        with self._lock:
+            self._count(kind)
+            if key in self._findings:
+                self._findings[key].count += 1
+            else:
+                code = linecache.getline(file, line).strip() if line else ""
+                self._findings[key] = Finding(
+                    kind, what, file, line, function, code, self.phase, in_capture
+                )
+
+    def _host_wait(self, what: str) -> None:
+        self._flag("host_wait", what)
+
+    def _factory_copy(self, what: str, out: torch.Tensor) -> None:
+        self._flag("pageable_copy", what)
+        self._launch(what, tensor_bytes(out) * 2)
+        self._allocated(what, out)
+
+    def _launch(self, op: str, nbytes: int, n: int = 1) -> None:
+        with self._lock:
+            if self._capture is not None:  # recorded, run by each replay
+                by_op = self._capture.by_op
+            else:
+                self._count("launches", n)
+                self._count("bytes", nbytes)
+                by_op = self._by_op[self.phase]
+            counts = by_op.setdefault(op, [0, 0])
+            counts[0] += n
+            counts[1] += nbytes
+
+    def _allocated(self, what: str, t: torch.Tensor) -> None:
+        nbytes = tensor_bytes(t)
+        if not nbytes:
+            return
+        if self._capture is not None:  # the graph's pool, allocated at capture
+            self._capture.pool_bytes += nbytes
+            self._count("allocation", phase="construction")
+            self._count("allocated_bytes", nbytes, phase="construction")
+            return
+        self._flag("allocation", what)
+        self._count("allocated_bytes", nbytes)
+
+    def _matmul(self) -> None:
+        s = torch.cuda.current_stream()
+        if s.stream_id in self._cublas_streams:
+            return
+        self._cublas_streams.add(s.stream_id)
+        if self.phase != "construction":
+            self._flag("first_cublas", f"first matrix product on {s!r}")
+
+    def _begin_capture(self, graph: stubs.FakeGraph) -> None:
+        if self._capture is not None:
+            raise RuntimeError("FakeCuda: a graph capture is already in progress")
+        self._capture = graph
+
+    def _end_capture(self, graph: stubs.FakeGraph) -> None:
+        self._capture = None
+
+    def _replay(self, graph: stubs.FakeGraph) -> None:
+        self._count("graph_replays")
+        for op, (n, nbytes) in graph.by_op.items():
+            self._launch(op, nbytes, n)
+
+    # -- results ------------------------------------------------------------------------
+    def findings(self, phase: str | None = "steps", kind: str | None = None) -> list[Finding]:
+        """Findings (deduplicated by kind, what and source line; ``count`` occurrences)."""
+        with self._lock:
+            return [
+                f
+                for f in self._findings.values()
+                if (phase is None or f.phase == phase) and (kind is None or f.kind == kind)
+            ]
+
+    def failures(self) -> list[Finding]:
+        """Findings in the steps, and any host wait or copy inside a graph capture (on a
+        GPU the capture itself fails)."""
+        return [
+            f
+            for f in self._findings.values()
+            if f.phase == "steps" or (f.in_capture and f.kind in ("host_wait", "pageable_copy"))
+        ]
+
+    def report(self) -> dict[str, Any]:
+        """Per phase: counts by kind, launches, bytes, allocated bytes, graph replays,
+        launches and bytes by operation (``by_op``, most bytes first; a replay adds its
+        captured operations) and the findings; ``steps`` also has ``per_step``. JSON-able."""
+        with self._lock:
+            out: dict[str, Any] = {}
+            for p in PHASES:
+                out[p] = dict(self._phase_stats[p])
+                by_op = sorted(self._by_op[p].items(), key=lambda kv: -kv[1][1])
+                out[p]["by_op"] = {op: {"launches": n, "bytes": b} for op, (n, b) in by_op}
+                out[p]["findings"] = [
+                    {**asdict(f), "where": f.where} for f in self._findings.values() if f.phase == p
+                ]
+            out["steps"]["per_step"] = [dict(s) for s in self._per_step]
+            return out
+
+    def assert_clean(self) -> None:
+        """Raise an AssertionError listing every failure with its source line."""
+        bad = self.failures()
+        if bad:
+            lines = [f"FakeCuda: {len(bad)} finding(s) that would stall or allocate on a GPU:"]
+            for f in bad:
+                cap = " (in a graph capture)" if f.in_capture else ""
+                lines.append(f"  {f.kind}: {f.what} at {f.where} x{f.count}{cap}")
+                lines.append(f"      {f.code}")
+            raise AssertionError("\n".join(lines))

@@ -1,0 +1,182 @@
+"""The per-operation rules of :class:`~tllm_core.testing.fake_cuda.FakeCuda`: a
+``TorchDispatchMode`` that classifies every aten operation touching the fake device (host
+wait, copy from pageable memory, allocation, matrix product) and counts its launch and
+bytes, and :func:`op_bytes`, the byte-counting rule shared with
+``benchmarks/bytes_count.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+# Operations that allocate without reading or writing data, or only describe shapes.
+NO_DATA = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "_unsafe_view",
+}
+# Output size depends on the values: CUDA reads them back first.
+_VALUE_SHAPED = {"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"}
+_BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl_"}
+# A 0-dim host tensor is a kernel argument for these (no copy).
+_SCALAR_OK = {"fill", "fill_", "masked_fill", "masked_fill_"}
+_MATMUL = {
+    "mm", "bmm", "addmm", "addmv", "mv", "addbmm", "baddbmm", "dot", "vdot", "linear",
+    "matmul", "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm",
+}  # fmt: skip
+
+
+def tensor_bytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if _tensor(t))
+
+
+def _tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor)
+
+
+def _name(func: Any) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
+    and the arguments marked as written are written; so are outputs that alias no input.
+    Views and :data:`NO_DATA` operations move nothing."""
+    if func.is_view or _name(func) in NO_DATA:
+        return 0
+    schema = func._schema
+    n = 0
+    for i, arg in enumerate(schema.arguments):
+        size = tensor_bytes(args[i] if i < len(args) else kwargs.get(arg.name))
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        n += size * ((not arg.is_out) + written)
+    for o in _fresh_outputs(func, out):
+        n += tensor_bytes(o)
+    return n
+
+
+def _fresh_outputs(func: Any, out: Any) -> list[Any]:
+    """Outputs that alias no input (new storage)."""
+    if func.is_view:
+        return []
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [o for r, o in zip(func._schema.returns, outs, strict=False) if r.alias_info is None]
+
+
+class Checker(TorchDispatchMode):
+    """Classifies every aten operation of the fake device (see the module docstring)."""
+
+    def __init__(self, fc: Any) -> None:
+        super().__init__()
+        self.fc = fc
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fc, name = self.fc, _name(func)
+        pin = bool(kwargs.get("pin_memory"))
+        if pin:  # a CPU-only build has no pinned allocator: mark the host tensor instead
+            kwargs = {**kwargs, "pin_memory": False}
+        if getattr(fc._quiet, "on", False):
+            return func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if _tensor(t)]
+        dev = kwargs.get("device")
+        if not any(fc.is_fake(t) for t in leaves) and not (
+            dev is not None and torch.device(dev) == fc.device
+        ):
+            out = func(*args, **kwargs)
+            if pin:
+                fc.mark_pinned(out)
+            return out  # host work
+        if name in {"_to_copy", "copy_"}:
+            return self._copy(func, name, args, kwargs)
+        if self._value_shaped(func, name, args, kwargs):
+            fc._host_wait(f"aten.{name} (its result needs the values on the host)")
+            out = _on_host_ones(func, args, kwargs)
+        else:
+            host = [t for t in leaves if t.device.type == "cpu"]
+            if any(t.dim() or not self._scalar_ok(func, name) for t in host):
+                fc._flag("pageable_copy", f"aten.{name} with a host tensor argument")
+            elif host and name in _SCALAR_OK:  # CUDA reads the value; meta wants a device one
+                args, kwargs = tree_map(_scalar_to_meta, (args, kwargs))
+            out = func(*args, **kwargs)
+        self._account(func, name, args, kwargs, out)
+        return out
+
+    @staticmethod
+    def _value_shaped(func: Any, name: str, args: tuple, kwargs: dict) -> bool:
+        if name in _VALUE_SHAPED or name.startswith(("unique", "_unique")):
+            return True
+        if name == "repeat_interleave":  # tensor repeats: the output size is their sum
+            return func._overloadname != "self_int" and kwargs.get("output_size") is None
+        if name in _BOOL_INDEX and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            return any(_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        return False
+
+    @staticmethod
+    def _scalar_ok(func: Any, name: str) -> bool:
+        return (
+            torch.Tag.pointwise in func.tags or name in _SCALAR_OK or name.startswith("_foreach_")
+        )
+
+    def _copy(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+        fc = self.fc
+        src, dst = (args[1], args[0]) if name == "copy_" else (args[0], None)
+        to = dst.device if dst is not None else torch.device(kwargs.get("device") or src.device)
+        if fc.is_fake(src) and to.type == "cpu":
+            fc._host_wait(f"aten.{name} device -> host")
+            fc._launch(f"aten.{name}", 2 * tensor_bytes(src))
+            if dst is not None:
+                return dst
+            return torch.ones(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+        if src.device.type == "cpu" and to == fc.device:
+            non_blocking = args[2] if name == "copy_" and len(args) > 2 else False
+            if kwargs.get("non_blocking", non_blocking) and fc.is_pinned(src):
+                pass  # an asynchronous copy from pinned memory
+            elif fc.is_pinned(src):
+                fc._host_wait(f"aten.{name} host -> device, blocking")
+            else:
+                fc._flag("pageable_copy", f"aten.{name} host -> device from pageable memory")
+        out = func(*args, **kwargs)
+        self._account(func, name, args, kwargs, out)
+        return out
+
+    def _account(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        fc = self.fc
+        if not func.is_view and name not in NO_DATA:
+            fc._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
+        for o in _fresh_outputs(func, out):
+            for t in tree_leaves(o):
+                if _tensor(t) and fc.is_fake(t):
+                    fc._allocated(f"aten.{name}", t)
+        if name in _MATMUL:
+            fc._matmul()
+
+
+def _scalar_to_meta(t: Any) -> Any:
+    if _tensor(t) and t.device.type == "cpu" and t.dim() == 0:
+        return torch.empty((), dtype=t.dtype, device="meta")
+    return t
+
+
+def _on_host_ones(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func`` on host stand-ins of its device arguments, all ones (masks all True:
+    value-dependent shapes at their maximum); tensor results go back to the device."""
+    meta = torch.device("meta")
+
+    def to_host(t: Any) -> Any:
+        return torch.ones(t.shape, dtype=t.dtype) if _tensor(t) and t.device == meta else t
+
+    host_args, host_kwargs = tree_map(to_host, args), tree_map(to_host, kwargs)
+    out = func(*host_args, **host_kwargs)
+    if func._schema.returns and func._schema.returns[0].alias_info is not None:
+        return args[0]  # in place: the device tensor itself
+    return tree_map(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=meta) if _tensor(t) else t, out
+    )

@@ -1,0 +1,278 @@
+"""The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` installs for ``torch.cuda``
+(streams, events, graphs, device queries) and for the ``Tensor`` methods a CPU-only build
+cannot run (``pin_memory``, ``record_stream``) or runs differently on the fake device
+(``numpy``, ``__setitem__``). Each stub reports to the active ``FakeCuda`` (``fc``): host
+waits, graph capture and replay, the current stream. Nothing here computes anything."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+_ids = itertools.count()
+
+
+class FakeStream:
+    """``torch.cuda.Stream``: ordering calls are accepted and do nothing (the fake device
+    runs nothing); ``synchronize`` is a host wait."""
+
+    def __init__(self, fc: Any, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self._fc = fc
+        self.device = fc.device
+        self.priority = priority
+        self.stream_id = next(_ids)
+
+    def wait_stream(self, stream: FakeStream) -> None:
+        pass
+
+    def wait_event(self, event: FakeEvent) -> None:
+        pass
+
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
+        event = event or FakeEvent(self._fc)
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True  # asks without waiting
+
+    def synchronize(self) -> None:
+        self._fc._host_wait("Stream.synchronize()")
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.stream_id}>"
+
+
+class FakeEvent:
+    """``torch.cuda.Event``: ``record``/``wait``/``query`` never wait; ``synchronize`` does."""
+
+    def __init__(self, fc: Any, enable_timing: bool = False, **_: Any) -> None:
+        self._fc = fc
+        self.enable_timing = enable_timing
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        pass
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self._fc._host_wait("Event.synchronize()")
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 0.0
+
+
+class FakeGraph:
+    """``torch.cuda.CUDAGraph``: capture records the operations run under it (launches and
+    bytes, replayed by :meth:`replay`); what they allocate is the graph's pool."""
+
+    def __init__(self, fc: Any, *_: Any, **__: Any) -> None:
+        self._fc = fc
+        self.by_op: dict[str, list[int]] = {}  # operation -> [launches, bytes] captured
+        self.pool_bytes = 0
+        self.captured = False
+
+    @property
+    def launches(self) -> int:
+        return sum(n for n, _ in self.by_op.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.by_op.values())
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        self._fc._begin_capture(self)
+
+    def capture_end(self) -> None:
+        self._fc._end_capture(self)
+        self.captured = True
+
+    def replay(self) -> None:
+        if not self.captured:
+            raise RuntimeError("FakeCuda: replay() of a CUDAGraph that was never captured")
+        self._fc._replay(self)
+
+    def reset(self) -> None:
+        self.by_op, self.pool_bytes, self.captured = {}, 0, False
+
+    def pool(self) -> object:
+        return object()
+
+
+def cuda_stubs(fc: Any) -> dict[str, Any]:
+    """The ``torch.cuda`` attributes to install while ``fc`` is active."""
+    local = threading.local()  # the current stream is per thread, as in CUDA
+
+    def current_stream(device: Any = None) -> FakeStream:
+        return getattr(local, "stream", fc.default_stream)
+
+    def set_stream(stream: FakeStream | None) -> None:
+        if stream is not None:
+            local.stream = stream
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream | None) -> Iterator[None]:
+        if s is None:
+            yield
+            return
+        prev = current_stream()
+        local.stream = s
+        try:
+            yield
+        finally:
+            local.stream = prev
+
+    @contextlib.contextmanager
+    def graph(
+        cuda_graph: FakeGraph,
+        pool: Any = None,
+        stream: FakeStream | None = None,
+        capture_error_mode: str = "global",
+    ) -> Iterator[FakeGraph]:
+        # The real context manager synchronizes the device before capturing.
+        fc._host_wait("torch.cuda.graph() (synchronizes the device before capture)")
+        prev = current_stream()
+        local.stream = stream or FakeStream(fc)
+        cuda_graph.capture_begin(pool, capture_error_mode)
+        try:
+            yield cuda_graph
+        finally:
+            cuda_graph.capture_end()
+            local.stream = prev
+
+    def synchronize(device: Any = None) -> None:
+        fc._host_wait("torch.cuda.synchronize()")
+
+    def set_sync_debug_mode(mode: int | str) -> None:
+        fc.sync_debug_mode = mode
+
+    props = SimpleNamespace(
+        name=fc.device_name,
+        total_memory=fc.total_memory,
+        major=9,
+        minor=0,
+        multi_processor_count=132,
+    )
+    return {
+        "Stream": lambda *a, **k: FakeStream(fc, *a, **k),
+        "Event": lambda *a, **k: FakeEvent(fc, *a, **k),
+        "CUDAGraph": lambda *a, **k: FakeGraph(fc, *a, **k),
+        "graph": graph,
+        "graph_pool_handle": lambda: object(),
+        "stream": stream,
+        "current_stream": current_stream,
+        "default_stream": lambda device=None: fc.default_stream,
+        "set_stream": set_stream,
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "synchronize": synchronize,
+        "mem_get_info": lambda device=None: (fc.total_memory, fc.total_memory),
+        "get_device_name": lambda device=None: fc.device_name,
+        "get_device_capability": lambda device=None: (props.major, props.minor),
+        "get_device_properties": lambda device=None: props,
+        "set_sync_debug_mode": set_sync_debug_mode,
+        "get_sync_debug_mode": lambda: fc.sync_debug_mode,
+        "empty_cache": lambda: None,
+    }
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def tensor_stubs(fc: Any) -> dict[str, Any]:
+    """The ``torch.Tensor`` methods to install while ``fc`` is active."""
+    setitem = torch.Tensor.__setitem__
+    make = torch.tensor
+
+    def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+        if self.device.type != "cpu":
+            raise RuntimeError(f"cannot pin a {self.device} tensor: only CPU tensors can be pinned")
+        if fc.is_pinned(self):
+            return self
+        out = self.clone()
+        fc.mark_pinned(out)
+        return out
+
+    def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+        return fc.is_pinned(self)
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def numpy(self: torch.Tensor, *, force: bool = False) -> np.ndarray:
+        if fc.is_fake(self):
+            fc._host_wait("Tensor.numpy()")
+            return np.ones(tuple(self.shape), dtype=torch.empty(0, dtype=self.dtype).numpy().dtype)
+        return torch._C.TensorBase.numpy(self, force=force)
+
+    def set_item(self: torch.Tensor, index: Any, value: Any) -> None:
+        # On CUDA, setitem turns a Python number into a CPU tensor (on other devices: a
+        # tensor on the device): an advanced index then hands index_put_ a CPU value it
+        # copies from pageable memory. Do as CUDA does so the checker sees that argument.
+        if isinstance(value, _NUMBERS) and fc.is_fake(self) and not self.dtype.is_complex:
+            value = make(value, dtype=self.dtype)
+        setitem(self, index, value)
+
+    return {
+        "pin_memory": pin_memory,
+        "is_pinned": is_pinned,
+        "record_stream": record_stream,
+        "numpy": numpy,
+        "__setitem__": set_item,
+    }
+
+
+def factory_stubs(fc: Any) -> dict[str, Any]:
+    """``torch.tensor`` / ``as_tensor`` / ``asarray``: with the fake device as target they
+    copy host data to the device in C++, out of a dispatch mode's sight."""
+
+    def wrap(name: str) -> Any:
+        orig = getattr(torch, name)
+
+        def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            dev = kwargs.get("device")
+            on_device = isinstance(data, torch.Tensor) and fc.is_fake(data)
+            if dev is not None and torch.device(dev) == fc.device and not on_device:
+                with fc.quiet():  # some inputs (numpy) dispatch part of it: count it once
+                    out = orig(data, *args, **kwargs)
+                fc._factory_copy(f"torch.{name}(..., device=)", out)
+                return out
+            return orig(data, *args, **kwargs)
+
+        return factory
+
+    return {name: wrap(name) for name in ("tensor", "as_tensor", "asarray")}
+
+
+class Patches:
+    """Set attributes on objects and put every original back on :meth:`restore`."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, bool, Any]] = []
+
+    def apply(self, owner: Any, attrs: dict[str, Any]) -> None:
+        for name, value in attrs.items():
+            own = name in vars(owner)
+            self._saved.append((owner, name, own, vars(owner).get(name)))
+            setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, own, old in reversed(self._saved):
+            if own:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+        self._saved.clear()
