@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
 from algorithms.esamp.guide_step import GuideStep
@@ -134,7 +135,8 @@ class ESampConsumer(Consumer):
         if self._device_bytes is not None:
             check_plan(self.memory_plan, self._device_bytes, config.max_memory_fraction)
         self.distiller = distiller_for(config, model.hidden_size, model.device, slots)
-        on_cuda = self.distiller.device.type == "cuda"
+        # The CUDA code path (counters and losses read back only where a sync is paid).
+        on_cuda = isinstance(self.distiller, CudaGroupedDistiller)
         src_key, tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.shared = Shared(config, self.distiller, self.counters, src_key, tgt_key, on_cuda)
         self.groups = Groups(self.distiller, self.counters, config.scope, config.max_groups)

@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
 
 
+def uses_gpu_path(device: torch.device) -> bool:
+    """Whether a distiller on ``device`` takes the CUDA path (tests of that path on a fake
+    device replace this)."""
+    return device.type == "cuda"
+
+
 def make_distiller(
     hidden_size: int,
     device: torch.device | str,
@@ -27,7 +33,7 @@ def make_distiller(
     """The CUDA implementation (side stream, graphs captured here, fixed capacity) for CUDA
     devices, else the CPU one (updates on a side thread when ``side_thread``)."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if uses_gpu_path(device):
         return CudaGroupedDistiller(
             hidden_size,
             device=device,
@@ -68,7 +74,8 @@ def distiller_for(
 ) -> SlotDistiller:
     """The distiller ``cfg`` asks for on ``device`` (``slots``: the CUDA one's capacity)."""
     extra = {}
-    if device.type == "cuda":
+    gpu = uses_gpu_path(device)
+    if gpu:
         check_packed_rows(cfg, slots)
         # Everything the CUDA distiller needs is allocated (and its update graph
         # captured) now: construction runs inside vLLM's load_model, before vLLM
@@ -86,7 +93,7 @@ def distiller_for(
             hidden_size,
             device,
             use_cuda_graph=cfg.use_cuda_graph,
-            side_thread=device.type == "cpu" and _use_side_thread(cfg.cpu_update),
+            side_thread=not gpu and _use_side_thread(cfg.cpu_update),
             intermediate_size=cfg.intermediate_size,
             num_blocks=cfg.num_blocks,
             lr=cfg.lr,

@@ -60,6 +60,6 @@ def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
 def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``; pinned + non_blocking on CUDA (a copy from pageable
     memory waits for the stream, a host sync)."""
-    if device.type == "cuda":
+    if device.type != "cpu" and torch.cuda.is_available():
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)

@@ -90,6 +90,7 @@ class GuideView:
         # per row, kept on the logits' device: counted without a host sync, read on demand.
         self._changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         self._candidates: Candidates | None = None
+        self._writes = 0  # writes so far (a TopCandidates taken since saw them all)
         # Whether a write was made (host-side: the runtime decides on it without a read).
         self.wrote = False
         # Undo log (how to restore each write, newest last) so a consumer that raises leaves
@@ -152,6 +153,7 @@ class GuideView:
         logits = self.logits  # not self: an undo entry must not keep the view alive
         self._undo.append(lambda: logits.index_put_((rows, toks), old))
         self.wrote = True
+        self._writes += 1
         self.logits[rows, toks] = new
         self._candidates = None
         self._changed.index_add_(0, rows, (new != old).long())
@@ -160,7 +162,7 @@ class GuideView:
         """Up to ``k`` surviving entries of every row, in fixed ``[R, k]`` tensors (see
         :class:`TopCandidates`): found without a host sync, where :meth:`candidates` ends in
         a ``nonzero`` (on CUDA the host then waits for the device). Not cached."""
-        return top_candidate_entries(self.logits, k)
+        return top_candidate_entries(self.logits, k, version=self._writes)
 
     def update_top_candidates(
         self,
@@ -180,6 +182,7 @@ class GuideView:
         toks = top.tokens
         self._undo.append(lambda: logits.scatter_(1, toks, old))
         self.wrote = True
+        self._writes += 1
         logits.scatter_(1, toks, new)
         self._candidates = None
         self._changed += ((new != old) & keep).sum(-1)
@@ -188,7 +191,11 @@ class GuideView:
             # when the logits are next read), so no copy is needed to undo it. Dropped:
             # the row's candidates outside its kept slots, counted now.
             rows = drop_rest.to(logits.device)
-            self._changed += (count_rows(logits > NEG_INF) - keep.sum(-1)) * rows
+            if top.version == self._writes - 1:  # no write between: its count holds
+                dropped = top.over_cap + (top.valid & ~keep).sum(-1)
+            else:
+                dropped = count_rows(logits > NEG_INF) - keep.sum(-1)
+            self._changed += dropped * rows
             self._drops.append((rows, toks))
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
@@ -202,6 +209,7 @@ class GuideView:
         logits = self.logits  # not self: an undo entry must not keep the view alive
         self._undo.append(lambda: logits.index_put_((row_idx,), old))
         self.wrote = True
+        self._writes += 1
         self.logits[row_idx] = new
         self._candidates = None
         self._changed.index_add_(0, row_idx, count_rows(cand & (new != old)))

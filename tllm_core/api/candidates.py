@@ -47,7 +47,7 @@ def count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
     """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
     summing a bool tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an
     entry; on CUDA one reduction)."""
-    if mask.is_cuda or mask.shape[0] == 0:  # CUDA reduces bools without an int64 copy
+    if mask.device.type != "cpu" or mask.shape[0] == 0:  # a GPU reduces bools directly
         return mask.sum(-1)
     return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
 
@@ -86,9 +86,10 @@ class TopCandidates:
     logits: torch.Tensor  # fp32 [R, k]
     valid: torch.Tensor  # bool [R, k]
     over_cap: torch.Tensor  # int64 [R]
+    version: int = -1  # the view's write count when taken (-1: not from a view)
 
 
-def top_candidate_entries(logits: torch.Tensor, k: int) -> TopCandidates:
+def top_candidate_entries(logits: torch.Tensor, k: int, version: int = -1) -> TopCandidates:
     """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
     with every shape fixed by ``R`` and ``k``: ``topk``, compares and one count per row, no
     operation whose output size depends on the data."""
@@ -99,7 +100,7 @@ def top_candidate_entries(logits: torch.Tensor, k: int) -> TopCandidates:
     valid = vals > NEG_INF
     # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
     over = count_rows(logits > NEG_INF) - valid.sum(-1)
-    return TopCandidates(toks, vals, valid, over)
+    return TopCandidates(toks, vals, valid, over, version)
 
 
 def outside_mask(

@@ -105,7 +105,7 @@ def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
     if device.type == "cpu":
         return t
-    if device.type == "cuda":
+    if torch.cuda.is_available():  # any accelerator (and the fake CUDA of the test kit)
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
 
