@@ -1,0 +1,153 @@
+"""ESamp's decode step on CUDA, counted without a GPU: the consumer's guidance and training
+submission (and the distiller alone) on the fake CUDA device of ``tllm_core.testing.fake_cuda``
+at Qwen2.5-7B's shapes (hidden 3584, vocabulary 152064, bf16 states):
+
+    python benchmarks/esamp_fake_step.py [--json] [--steps 3]
+
+Per step and layout (prompts x samples: 8 x 16, 1 x 128, 64 x 16), mode (post_filter,
+full_vocab) and beta schedule (constant, fit): launches (aten operations on the device, a
+graph replay counting the operations it captured), bytes they read and write, device
+allocations, host waits and pageable copies (must be 0). Host time is not measured here:
+the checker's dispatch mode costs more than the step (``benchmarks/gpu_smoke.py`` times it).
+
+Nothing here runs on a GPU; the GPU figures come from ``benchmarks/gpu_smoke.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+import algorithms.esamp.factory as factory  # noqa: E402
+from algorithms.esamp.config import ESampConfig  # noqa: E402
+from algorithms.esamp.consumer import ESampConsumer  # noqa: E402
+from tllm_core.api.bundles import Bundle, GuideView  # noqa: E402
+from tllm_core.api.consumer import ConsumerContext, ModelInfo  # noqa: E402
+from tllm_core.api.ports import resolve_layer  # noqa: E402
+from tllm_core.api.rows import RequestInfo, RowInfo  # noqa: E402
+from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
+
+H, V, LAYERS = 3584, 152064, 28
+LAYOUTS = ((8, 16), (1, 128), (64, 16))
+
+
+def consumer(device: torch.device, prompts: int, n: int, **cfg: Any) -> ESampConsumer:
+    """The ESamp consumer on a 7B-shaped model on ``device``, taking the CUDA path (the
+    caller makes ``factory.uses_gpu_path`` true for the fake device)."""
+    w = torch.zeros(V, H, dtype=torch.bfloat16, device=device)
+    model = ModelInfo(H, LAYERS, V, torch.bfloat16, device, lambda z: z @ w.t(), w)
+    ctx = ConsumerContext(model, lambda i: resolve_layer(i, LAYERS))
+    return ESampConsumer(ESampConfig(cuda_rows_per_step=prompts * n, **cfg), ctx)
+
+
+def decode_rows(device: torch.device, prompts: int, n: int) -> RowInfo:
+    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts) for s in range(n)]
+    r = len(reqs)
+    tokens = torch.zeros(r, dtype=torch.long, device=device)
+    return RowInfo(np.arange(r), reqs, np.full(r, 5), np.ones(r, bool), np.zeros(r, bool), tokens)
+
+
+def step_inputs(device: torch.device, rows: RowInfo, t: int, filtered: bool):
+    r = len(rows)
+    hidden = {
+        k: torch.zeros(r, H, dtype=torch.bfloat16, device=device) for k in ("layer.0", "final")
+    }
+    logits = torch.zeros(r, V, device=device)
+    view = GuideView(
+        t, rows, logits, torch.ones(r, device=device), np.ones(r, bool), filtered, hidden
+    )
+    return view, Bundle(t, rows, hidden)
+
+
+def run(prompts: int, n: int, mode: str, fit: bool, steps: int = 3) -> dict[str, Any]:
+    """One configuration: the step's counts (last step) and host time (median)."""
+    cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {})}
+    gpu_path = factory.uses_gpu_path
+    factory.uses_gpu_path = lambda device: True
+    try:
+        with FakeCuda() as fc:
+            c = consumer(fc.device, prompts, n, **cfg)
+            rows = decode_rows(fc.device, prompts, n)
+            filtered = mode == "post_filter"
+
+            def one(t: int) -> None:
+                view, bundle = step_inputs(fc.device, rows, t, filtered)
+                c.guide(view)
+                view.commit()
+                c.on_bundle(bundle)
+
+            one(0)  # the groups' slots are allocated (host bookkeeping)
+            # The engine's tensors of each step (made by vLLM, not by the step).
+            inputs = [step_inputs(fc.device, rows, t, filtered) for t in range(1, steps + 1)]
+            fc.start_steps()
+            for view, bundle in inputs:
+                with fc.step():
+                    c.guide(view)
+                    view.commit()
+                    c.on_bundle(bundle)
+            report = fc.report()["steps"]
+            failures = [
+                f"{f.kind} {f.where} {f.code}"
+                for f in fc.failures()
+                if f.kind in ("host_wait", "pageable_copy", "first_cublas")
+            ]
+            allocations = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
+    finally:
+        factory.uses_gpu_path = gpu_path
+    last = report["per_step"][-1]
+    return {
+        "prompts": prompts,
+        "n": n,
+        "mode": mode,
+        "fit": fit,
+        "launches": last["launches"],
+        "bytes": last["bytes"],
+        "allocations": last["allocation"],
+        "allocated_bytes": last["allocated_bytes"],
+        "graph_replays": last["graph_replays"],
+        "host_waits": last["host_wait"],
+        "pageable_copies": last["pageable_copy"],
+        "first_cublas": last["first_cublas"],
+        "failures": failures,
+        "allocation_sites": allocations,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--steps", type=int, default=3)
+    args = p.parse_args(argv)
+    out = [
+        run(pr, n, mode, fit, args.steps)
+        for pr, n in LAYOUTS
+        for mode in ("post_filter", "full_vocab")
+        for fit in (False, True)
+    ]
+    if args.json:
+        print(json.dumps({"torch": torch.__version__, "results": out}))
+        return 0
+    print(
+        "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits | pageable copies | host ms |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in out:
+        print(
+            f"| {r['prompts']} x {r['n']} | {r['mode']} | {'fit' if r['fit'] else 'constant'} | "
+            f"{r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
+            f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} | {r['pageable_copies']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
