@@ -1,7 +1,7 @@
 """Bytes an ESamp update moves per distiller parameter, counted from the tensor sizes of the
 operations it dispatches (``benchmarks/bytes_count.py``), at the benchmark's CPU shapes
 (SmolLM2's hidden 576, the default distiller, 8 groups x 16 rows). The bounds and how they
-were reached: docs/consumers/esamp.md, "Memory and GPU readiness"."""
+were reached: docs/consumers/esamp.md, "On a GPU"."""
 
 from __future__ import annotations
 
