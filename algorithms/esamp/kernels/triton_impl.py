@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import triton
@@ -210,7 +212,29 @@ def _rows_block(rows: int) -> int:
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
-def grad_adam(
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: which kernel, its grid, positional arguments, compile-time
+    constants and warps (what a test needs to compile it for a GPU it does not have)."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def run(self, kernels: SimpleNamespace | None = None) -> None:
+        fn = getattr(kernels or _kernels(), self.kernel)
+        fn[self.grid](*self.args, **self.constexprs, **self.options)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        # FP contraction (FMA) on, as nvcc compiles PyTorch's own kernels; said explicitly
+        # because Triton 3.9 warns that its default will change.
+        return dict(num_warps=self.num_warps, enable_fp_fusion=True)
+
+
+def grad_adam_launch(
     a: torch.Tensor,
     b: torch.Tensor,
     scale: torch.Tensor,
@@ -229,30 +253,34 @@ def grad_adam(
     block_n: int = 32,
     block_k: int = 128,
     num_warps: int = 8,
-    kernels: SimpleNamespace | None = None,
-) -> None:
-    """Launch the fused gradient + Adam kernel (arguments as
-    :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them)."""
+) -> Launch | None:
+    """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
+    :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
     check_precision(input_precision)
     groups, rows, n = a.shape
     k = b.shape[2]
     if groups == 0 or n == 0 or k == 0:
-        return
+        return None
     if ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
-    kern = kernels or _kernels()
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
-    kern.grad_adam[grid](
+    args = (
         a, b, scale, group_slot, ok, step, w, m, v,
         rows, n, k,
         *a.stride(), *b.stride(), *w.stride(), *m.stride(), *v.stride(),
         lr, beta1, beta2, eps, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
-        BLOCK_M=_rows_block(rows),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        INPUT_PRECISION=input_precision,
-        num_warps=num_warps,
     )  # fmt: skip
+    consts = dict(
+        BLOCK_M=_rows_block(rows), BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=input_precision
+    )
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
+    return Launch("grad_adam", grid, args, consts, num_warps)
+
+
+def grad_adam(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the fused gradient + Adam kernel (arguments as :func:`grad_adam_launch`)."""
+    launch = grad_adam_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
 
 
 def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
@@ -263,7 +291,7 @@ def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
     return max(1, min(want, chunks, 32))
 
 
-def slot_matmul(
+def slot_matmul_launch(
     x: torch.Tensor,
     w: torch.Tensor,
     group_slot: torch.Tensor,
@@ -275,38 +303,53 @@ def slot_matmul(
     block_n: int = 64,
     block_k: int = 64,
     num_warps: int = 4,
-    kernels: SimpleNamespace | None = None,
-) -> None:
-    """Launch the slot-indexed grouped matmul (arguments as
+) -> Launch | None:
+    """The slot-indexed grouped matmul's launch (None: nothing to launch). Arguments as
     :func:`algorithms.esamp.kernels.slot_matmul`; ``split_k`` 0 picks it from the SM
-    count; the caller has checked the rest)."""
+    count; the caller has checked the rest. With ``split_k > 1`` the kernel adds into
+    ``out``, which must be zero first (:func:`slot_matmul` zeroes it)."""
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
     groups, rows, k = x.shape
     n = out.shape[2]
-    if groups == 0 or rows == 0 or n == 0:
-        return
+    if groups == 0 or rows == 0 or n == 0 or k == 0:
+        return None
     block_m = _rows_block(rows)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     if split_k == 0:
         split_k = auto_split_k(tiles * groups, k, block_k, x.device)
-    if split_k > 1 or k == 0:
-        out.zero_()
-    if k == 0:
-        return
     # w[s] as a [K, N] operand: transpose_w reads w [S, N, K] with its strides swapped.
     s_ws, s_w1, s_w2 = w.stride()
     s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
-    kern = kernels or _kernels()
-    kern.slot_matmul[(tiles, groups, split_k)](
+    args = (
         x, w, group_slot, out,
         rows, n, k,
         *x.stride(), s_ws, s_wk, s_wn, *out.stride(),
+    )  # fmt: skip
+    consts = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         INPUT_PRECISION=input_precision,
-        num_warps=num_warps,
-    )  # fmt: skip
+    )
+    return Launch("slot_matmul", (tiles, groups, split_k), args, consts, num_warps)
+
+
+def slot_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_slot: torch.Tensor,
+    out: torch.Tensor,
+    *args: Any,
+    kernels: SimpleNamespace | None = None,
+    **kwargs: Any,
+) -> None:
+    """Run the slot-indexed grouped matmul (arguments as :func:`slot_matmul_launch`);
+    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K."""
+    launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
+    if launch is None or launch.constexprs["SPLIT_K"] > 1:
+        out.zero_()
+    if launch is not None:
+        launch.run(kernels)
