@@ -334,10 +334,11 @@ def test_triton_kernels_equal_the_cpu_ops_on_random_layouts(interpreted):
             torch.randn(groups, rows, k, generator=gen),
         )
         scale, step = torch.rand(groups, generator=gen), torch.randint(1, 9, (slots,)).float()
-        state = [torch.randn(slots, n * k + 1, generator=gen).abs() for _ in range(3)]
+        # w, m, v rows of different lengths and offsets: each tensor's own strides matter.
+        state = [torch.randn(slots, n * k + 1 + 2 * i, generator=gen).abs() for i in range(3)]
         twin = [t.clone() for t in state]
         for run, st8 in ((interpreted.grad_adam, state), (_grad_adam_cpu_op, twin)):
-            views = [t[:, 1:].view(slots, n, k) for t in st8]
+            views = [t[:, 1 + i : 1 + i + n * k].view(slots, n, k) for i, t in enumerate(st8)]
             run(a, b, scale, gs, ok, step, *views, 1e-3, 0.9, 0.999, 1e-8)
         for x, y in zip(state, twin, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

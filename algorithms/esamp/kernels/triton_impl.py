@@ -208,7 +208,8 @@ def _log(beta: float) -> float:
 
 
 def _rows_block(rows: int) -> int:
-    # tl.dot needs every dimension >= 16; more rows than 64 loop (grad_adam) or tile (matmul).
+    # Rows padded to a power of two >= 16 by masked loads (fp32 tl.dot needs a reduction of
+    # >= 8 on NVIDIA); more than 64 rows loop (grad_adam) or tile (slot_matmul).
     return min(64, max(16, triton.next_power_of_2(rows)))
 
 
