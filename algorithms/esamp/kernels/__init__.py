@@ -1,4 +1,5 @@
-"""ESamp's fused GPU kernels, as torch custom ops (namespace ``tllm_esamp``):
+"""ESamp's fused GPU kernels, as torch operators (``torch.ops.tllm_esamp``; a dispatch mode
+sees each call as one op):
 
 - :func:`grad_adam`: each group's weight gradient ``scale * a^T b`` formed tile by tile in
   registers and consumed at once by an Adam step of that group's slot (never stored), so
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels import ops  # noqa: F401  (registers the ops)
+from algorithms.esamp.kernels import ops  # noqa: F401  (defines the ops)
 from algorithms.esamp.kernels.checks import INPUT_PRECISIONS, MOMENT_DTYPES
 from algorithms.esamp.kernels.ops import triton_available
 from algorithms.esamp.kernels.traffic import grad_adam_bytes, slot_matmul_bytes
