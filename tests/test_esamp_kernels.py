@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -425,6 +426,26 @@ def test_kernels_compile_for_sm90_without_spills():
         usage = _compile_sm90(launch)
         assert "REG:" in usage or usage == "", usage
         assert "STACK:0" in usage or usage == "", f"{launch.kernel} spills: {usage}"
+
+
+def test_package_imports_and_runs_on_cpu_without_triton():
+    """A CPU machine may lack Triton: importing the package must not need it, and the CPU
+    ops still run (in a fresh interpreter where importing Triton fails)."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from algorithms.esamp.kernels import slot_matmul, triton_available\n"
+        "x, w = torch.ones(1, 2, 3), torch.ones(2, 4, 3)\n"
+        "out = slot_matmul(x, w, torch.tensor([1]), torch.zeros(1, 2, 4))\n"
+        "assert not triton_available() and out.eq(3).all(), out\n"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_update_moves_at_most_26_bytes_per_parameter():
