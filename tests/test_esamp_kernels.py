@@ -364,7 +364,7 @@ _TRITON_TYPES = {
 def _compile_sm90(launch):
     """Compile a launch for an H100/H200 (sm_90) without one, specialised as Triton's JIT
     would (ints equal to 1 as constants, multiples of 16 and 16-byte aligned pointers
-    marked divisible); returns the cuobjdump resource usage line ('' without cuobjdump)."""
+    marked divisible); returns its PTX and cuobjdump's resource usage ('' without it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -392,7 +392,7 @@ def _compile_sm90(launch):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch.options)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     if not cuobjdump.exists():
-        return ""
+        return compiled.asm["ptx"], ""
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"tllm_{launch.kernel}_{os.getpid()}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     try:
@@ -401,31 +401,37 @@ def _compile_sm90(launch):
         )
     finally:
         cubin.unlink()
-    return proc.stdout
+    return compiled.asm["ptx"], proc.stdout
 
 
 def test_kernels_compile_for_sm90_without_spills():
-    """The interpreter runs any tile shape; the GPU compiler does not (tl.dot needs 16 rows,
-    scalars have no .to, ...): compile the default launches at the 7B layout's strides (rows
-    4: the padded dot) for sm_90, and check that no register spills to the stack."""
+    """The interpreter runs any tile shape and ignores the dot's precision; the GPU compiler
+    does neither: compile the default launches at the 7B layout's strides (rows 4: the padded
+    dot) for sm_90 and check that no register spills to the stack, that "ieee" is plain fp32
+    FMAs and "tf32" tensor-core MMAs, and that bf16 moments are stored rounded to nearest."""
     pytest.importorskip("triton", reason="Triton is not installed here")
     from algorithms.esamp.kernels import triton_impl
 
     n, k, rows = 64, 256, 4
     state = [torch.zeros(2, 3 * n * k) for _ in range(3)]
     w, m, v = (t[:, n * k : 2 * n * k].view(2, n, k) for t in state)
+    m16, v16 = m.bfloat16(), v.bfloat16()
     a, b = torch.zeros(3, rows, n), torch.zeros(3, rows, k)
     slot, ok, step = torch.tensor([0, 1, -1]), torch.ones(3, dtype=torch.bool), torch.ones(2)
-    launches = [
-        triton_impl.grad_adam_launch(
-            a, b, torch.ones(3), slot, ok, step, w, m, v, 1e-3, 0.9, 0.999, 1e-8
-        ),
-        triton_impl.slot_matmul_launch(b, w, slot, torch.zeros(3, rows, n), True, "ieee", 2),
+    hyper = (1e-3, 0.9, 0.999, 1e-8)
+    adam = [
+        triton_impl.grad_adam_launch(a, b, torch.ones(3), slot, ok, step, w, mm, vv, *hyper, p)
+        for mm, vv, p in ((m, v, "ieee"), (m16, v16, "tf32"))
     ]
-    for launch in launches:
-        usage = _compile_sm90(launch)
+    matmul = triton_impl.slot_matmul_launch(b, w, slot, torch.zeros(3, rows, n), True, "ieee", 2)
+    ptx = {}
+    for name, launch in zip(("ieee", "tf32", "matmul"), (*adam, matmul), strict=True):
+        ptx[name], usage = _compile_sm90(launch)
         assert "REG:" in usage or usage == "", usage
-        assert "STACK:0" in usage or usage == "", f"{launch.kernel} spills: {usage}"
+        assert "STACK:0" in usage or usage == "", f"{name} spills: {usage}"
+    assert "mma" not in ptx["ieee"] and "fma.rn.f32" in ptx["ieee"]
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx["tf32"]
+    assert "cvt.rn.bf16" in ptx["tf32"] and "bf16" not in ptx["ieee"]
 
 
 def test_package_imports_and_runs_on_cpu_without_triton():
