@@ -471,3 +471,58 @@ def test_kernel_benchmark_quick_mode_runs_on_cpu():
     assert {"grad_adam", "baseline_adam", "slot_matmul", "dense_matmul"} <= set(case)
     assert case["grad_adam"]["max_abs_diff_vs_baseline"] < 1e-5
     assert case["slot_matmul"]["max_abs_diff_vs_dense"] < 1e-4
+
+
+def _update_with_grad_adam(run, theta, m, v, step, valid, xp, tp, mask, shape, hp) -> None:
+    """``graph_update.train_dense``'s step with its per-slot ``torch._fused_adam_`` loop (and
+    the gradient scratch block) replaced by one ``grad_adam`` call per weight matrix."""
+    from algorithms.esamp.adam import clip_scale
+    from algorithms.esamp.backward import backward_factors
+    from algorithms.esamp.mlp import forward_acts
+    from algorithms.esamp.objective import loss_denominator
+    from algorithms.esamp.params import block_weights
+
+    weights = block_weights(theta, shape)
+    h, acts = forward_acts(weights, xp)
+    diff = torch.where(mask[..., None], h - tp, 0.0)
+    denom = loss_denominator(mask.sum(1), shape.hidden_size, hp.loss_reduction)
+    losses = diff.square().sum((1, 2)) / denom
+    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
+    norm = sq.sqrt()
+    ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
+    scale = clip_scale(norm, hp)
+    step.add_(ok.to(step.dtype))
+    slots = torch.arange(theta.shape[0])  # dense: group s is slot s
+    wv = [block_weights(t, shape) for t in (theta, m, v)]
+    for blk, mat, a_f, b_f in factors:
+        w, mm, vv = (x[blk][mat] for x in wv)
+        run(a_f, b_f, scale, slots, ok, step, w, mm, vv, hp.lr, *hp.betas, hp.eps)
+
+
+@pytest.mark.parametrize("which", ["triton", "cpu"])
+def test_grad_adam_in_the_distillers_update_equals_train_dense(which, request):
+    """Used as the distiller's update will use it (the written-out backward's factors, the
+    clip scale, dense slots with one not valid), two steps end where ``train_dense`` does."""
+    from algorithms.esamp.graph_update import train_dense
+    from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
+
+    run = _grad_adam_cpu_op
+    if which == "triton":
+        run = request.getfixturevalue("interpreted").grad_adam
+    shape, hp = DistillerShape(hidden_size=24, intermediate_size=8), AdamHyper(grad_clip=0.05)
+    slots, rows = 3, 5
+    gen = torch.Generator().manual_seed(11)
+    theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(slots)])
+    ours = [theta.clone(), torch.zeros_like(theta), torch.zeros_like(theta), torch.zeros(slots)]
+    ref = [t.clone() for t in ours]
+    valid = torch.tensor([True, False, True])
+    mask = torch.arange(rows)[None, :] < torch.tensor([[5], [0], [3]])
+    for _ in range(2):
+        xp = torch.randn(slots, rows, shape.hidden_size, generator=gen) * mask[..., None]
+        tp = torch.randn(slots, rows, shape.hidden_size, generator=gen) * mask[..., None]
+        train_dense(*ref, valid, xp, tp, mask, shape, hp)
+        _update_with_grad_adam(run, *ours, valid, xp, tp, mask, shape, hp)
+    for x, y in zip(ours, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    assert torch.equal(ours[0][1], theta[1]) and ours[3].tolist() == [2.0, 0.0, 2.0]
+    assert not torch.equal(ours[0][0], theta[0])
