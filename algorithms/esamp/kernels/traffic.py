@@ -24,7 +24,3 @@ def slot_matmul_bytes(groups: int, rows: int, n: int, k: int) -> int:
     """Bytes one ``slot_matmul`` call moves for ``groups`` live groups: each group's weight
     ``[n, k]`` read once, ``x [rows, k]`` read, ``out [rows, n]`` written."""
     return groups * (n * k + rows * k + rows * n) * FP32 + groups * 8
-
-
-def bytes_per_param(total_bytes: int, params: int) -> float:
-    return total_bytes / params
