@@ -1,0 +1,109 @@
+"""The kernels as torch operators (namespace ``tllm_esamp``): a dispatch mode sees each call as
+one op with its tensor arguments; CPU (and CUDA where Triton is missing) runs the PyTorch
+reference (:mod:`~algorithms.esamp.kernels.reference`), CUDA the Triton kernel
+(:mod:`~algorithms.esamp.kernels.triton_impl`), meta and fake tensors nothing at all (the ops
+return nothing and only write their mutated arguments).
+
+Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: a call then
+costs the host a few microseconds instead of about fifty (custom_op wraps every call in
+Python autograd and view-tracking layers), and an eager ESamp step makes dozens of calls.
+The ops have no autograd formula (they run under ``no_grad``)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from algorithms.esamp.kernels import reference
+from algorithms.esamp.kernels.checks import check_grad_adam, check_slot_matmul
+
+log = logging.getLogger("tllm")
+
+_LIB = torch.library.Library("tllm_esamp", "DEF")  # kept alive: the registrations live here
+_LIB.define(
+    "grad_adam(Tensor a, Tensor b, Tensor scale, Tensor group_slot, Tensor ok, Tensor step, "
+    "Tensor(a!) w, Tensor(b!) m, Tensor(c!) v, float lr, float beta1, float beta2, float eps, "
+    "str input_precision='ieee') -> ()"
+)
+_LIB.define(
+    "slot_matmul(Tensor x, Tensor w, Tensor group_slot, Tensor(a!) out, bool transpose_w=True, "
+    "str input_precision='ieee', int split_k=0) -> ()"
+)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton is installed here (the CUDA kernels need it; CPU never does). Looked
+    up without importing it: it is imported by the first CUDA call."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _warn_no_triton() -> None:
+    log.warning(
+        "esamp kernels: Triton is not installed; CUDA tensors run the PyTorch reference "
+        "(correct, but one launch sequence per group instead of one kernel)"
+    )
+
+
+def _grad_adam_reference(
+    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
+) -> None:
+    check_grad_adam(
+        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
+    )
+    reference.grad_adam(a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps)
+
+
+def _grad_adam_cuda(
+    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
+) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _grad_adam_reference(
+            a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
+        )
+    from algorithms.esamp.kernels import triton_impl
+
+    check_grad_adam(
+        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
+    )
+    triton_impl.grad_adam(
+        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
+    )
+
+
+def _slot_matmul_reference(
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+) -> None:
+    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    reference.slot_matmul(x, w, group_slot, out, transpose_w)
+
+
+def _slot_matmul_cuda(
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _slot_matmul_reference(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    triton_impl.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+for _name, _cpu, _cuda in (
+    ("grad_adam", _grad_adam_reference, _grad_adam_cuda),
+    ("slot_matmul", _slot_matmul_reference, _slot_matmul_cuda),
+):
+    _LIB.impl(_name, _cpu, "CPU")
+    _LIB.impl(_name, _cuda, "CUDA")
+    # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
+    torch.library.register_fake(f"tllm_esamp::{_name}", _nothing, lib=_LIB)

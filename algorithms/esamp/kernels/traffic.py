@@ -1,0 +1,26 @@
+"""What each kernel must move through memory (bytes), for docs and the benchmarks' floors."""
+
+from __future__ import annotations
+
+FP32 = 4
+
+
+def grad_adam_bytes(
+    groups: int, rows: int, n: int, k: int, moment_bytes: int = FP32, param_bytes: int = FP32
+) -> int:
+    """Bytes one ``grad_adam`` call moves for ``groups`` live groups of an ``[n, k]`` matrix
+    with ``rows`` rows each: w, m, v read and written once per parameter, the factors
+    ``a [rows, n]`` and ``b [rows, k]`` read once (tiles re-read them from L2, not DRAM),
+    plus the per-group scalars. With fp32 moments: 24 bytes per parameter and the factors'
+    share (16 with bf16 moments)."""
+    params = groups * n * k
+    state = params * 2 * (param_bytes + 2 * moment_bytes)
+    factors = groups * rows * (n + k) * FP32
+    scalars = groups * (FP32 + 8 + 1 + FP32)  # scale, slot, ok, step
+    return state + factors + scalars
+
+
+def slot_matmul_bytes(groups: int, rows: int, n: int, k: int) -> int:
+    """Bytes one ``slot_matmul`` call moves for ``groups`` live groups: each group's weight
+    ``[n, k]`` read once, ``x [rows, k]`` read, ``out [rows, n]`` written."""
+    return groups * (n * k + rows * k + rows * n) * FP32 + groups * 8
