@@ -137,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"torch": torch.__version__, "results": out}))
         return 0
     print(
-        "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits | pageable copies | host ms |"
+        "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits "
+        "| pageable copies |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for r in out:
         print(
             f"| {r['prompts']} x {r['n']} | {r['mode']} | {'fit' if r['fit'] else 'constant'} | "

@@ -7,10 +7,10 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
 1. ``predict`` and ``train_step`` of the grouped distiller alone (hidden 3584, 8 groups x 16
    rows = a batch of 128 decode rows, intermediate 384, 2 blocks), for four variants:
 
-   - ``eager_main``:   ``GroupedDistiller`` on the GPU, everything on the current stream, eager;
+   - ``eager_main``:   on CPU only: the CPU ``GroupedDistiller`` (a smoke run of the script);
    - ``eager_side``:   ``CudaGroupedDistiller(use_cuda_graph=False)``: side stream, eager update;
-   - ``graph_main``:   the CUDA-graph update, but the "side" stream is the main stream;
-   - ``graph_side``:   ``CudaGroupedDistiller`` as ESamp uses it: side stream + CUDA graph.
+   - ``graph_main``:   the CUDA graphs, but the "side" stream is the main stream;
+   - ``graph_side``:   ``CudaGroupedDistiller`` as ESamp uses it: side stream + CUDA graphs.
 
 2. A decode step with the distiller in it: a synthetic decode step of the model (the linear
    layers of a Qwen2-7B-shaped decoder -- 28 layers, hidden 3584, intermediate 18944, GQA with
@@ -22,9 +22,10 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
 
 3. ``bytes_per_param``: the bytes one update moves per distiller parameter and group, counted
    from the tensor sizes of the operations it dispatches (``bytes_count.BytesCounter``;
-   device independent): the dense update that the CUDA graph replays (``dense_update``, run
-   eagerly so that its operations dispatch) and the CPU trainer after a prediction of the
-   same rows (``host_update``, as ESamp runs it); ``*_adam``: the share of Adam's kernel.
+   device independent, counted on the meta device): the update the CUDA graphs replay
+   (``graph_update``: the fused operators count as one operation each, with their arguments)
+   and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
+   it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
 
 ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
 the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
@@ -71,14 +72,16 @@ def plan(args) -> MemoryPlan:
     )
 
 
-def make(variant: str, args, device) -> GroupedDistiller:
+def make(variant: str, args, device):
+    """``eager_main`` on CPU: the CPU distiller; otherwise the CUDA distiller, eager or with
+    its graphs, on its side stream or (``_main``) the current one."""
     kw = dict(
         intermediate_size=args.intermediate,
         num_blocks=args.blocks,
         capacity=plan(args).slots,  # the consumer's sizing, not a benchmark-only one
         seed=0,
     )
-    if variant == "eager_main":
+    if device.type == "cpu":
         return GroupedDistiller(args.hidden, device=device, **kw)
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
@@ -95,8 +98,11 @@ def make(variant: str, args, device) -> GroupedDistiller:
 
 
 def _inputs(args, device):
-    g = torch.Generator(device="cpu").manual_seed(0)
     rows = args.groups * args.rows
+    if device.type == "meta":
+        x = torch.empty(rows, args.hidden, device=device)
+        return torch.arange(args.groups).repeat_interleave(args.rows), x, x.clone()
+    g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, args.hidden, generator=g).to(device)
     t = x + 0.1 * torch.randn(rows, args.hidden, generator=g).to(device)
     slots = torch.arange(args.groups).repeat_interleave(args.rows)
@@ -155,29 +161,40 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
 
 def update_bytes_per_param(args, device) -> dict[str, float]:
     """Bytes per parameter and group of one update of ``args.groups`` groups of ``args.rows``
-    rows: the dense (graph) update and the CPU trainer (see the module docstring, part 3)."""
-    from algorithms.esamp.cuda import _Inputs
-    from algorithms.esamp.graph_update import train_dense
+    rows: the update the CUDA graphs replay (``graph_update``: the slot-indexed products and
+    the fused gradient + Adam operator, each counted as one operation with its arguments)
+    and the CPU trainer (see the module docstring, part 3)."""
+    from algorithms.esamp.graph_update import train_groups
 
-    slots, x, t = _inputs(args, device)
+    # Counted from the operations' tensor sizes: the meta device gives the same counts as a
+    # GPU without computing anything; the CPU trainer's part runs on CPU.
+    meta = torch.device("meta")
+    slots, x, t = _inputs(args, meta)
     d = GroupedDistiller(
         args.hidden,
-        device=device,
+        device=meta,
         intermediate_size=args.intermediate,
         num_blocks=args.blocks,
         capacity=args.groups,
     )
-    live = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
     per = args.groups * d.shape.num_params
     out: dict[str, float] = {}
-    e = _Inputs.zeros(args.groups, args.rows, args.hidden, device)
-    e.xp.copy_(x.view(e.xp.shape)), e.tp.copy_(t.view(e.tp.shape))
-    e.mask.fill_(True), e.valid.fill_(True)
+    shape = (args.groups, args.rows, args.hidden)
+    gs = torch.arange(args.groups, device=meta)
+    mask = torch.ones(args.groups, args.rows, dtype=torch.bool, device=meta)
     with BytesCounter() as bc:
-        train_dense(d.theta, d.m, d.v, d.step, e.valid, e.xp, e.tp, e.mask, d.shape, d.hp)
-    out["dense_update"] = bc.total / per
-    out["dense_update_adam"] = bc.by_op["_fused_adam_"] / per
+        train_groups(
+            d.theta, d.m, d.v, d.step, gs, x.view(shape), t.view(shape), mask, d.shape, d.hp
+        )
+    out["graph_update"] = bc.total / per
+    out["graph_update_adam"] = bc.by_op["grad_adam"] / per
     if device.type == "cpu":
+        slots, x, t = _inputs(args, device)
+        d = GroupedDistiller(
+            args.hidden, intermediate_size=args.intermediate, num_blocks=args.blocks,
+            capacity=args.groups,
+        )  # fmt: skip
+        live = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
         d.predict(live, x)
         with BytesCounter() as bc:
             d.train_step(live, x, t)
@@ -207,7 +224,7 @@ class SyntheticDecode:
         torch.cuda.current_stream(device).wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self._run()
+            self.logits = self._run()
 
     def _run(self):
         h = self.x
@@ -225,6 +242,11 @@ class SyntheticDecode:
 
     def __call__(self):
         self.graph.replay()
+
+    def run_logits(self) -> torch.Tensor:
+        """One step (the graph) and its logits (the graph's static output)."""
+        self.graph.replay()
+        return self.logits
 
 
 def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) -> float:
@@ -282,9 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, device) -> int:
     variants = (
-        ["eager_main", "eager_side", "graph_main", "graph_side"]
-        if device.type == "cuda"
-        else ["eager_main"]
+        ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
     )
     out: dict[str, Any] = {
         "shape": {

@@ -1,31 +1,34 @@
-"""ESamp's GPU readiness in one command, torch only (no vLLM, no pydantic needed):
+"""ESamp's GPU readiness in one command, torch only (pydantic for the consumer's parts; no vLLM):
 
     python benchmarks/gpu_smoke.py [--device cuda|cpu] [--quick] [--out smoke.json]
 
 Parts (each a key of the JSON printed on the last line and written to ``--out``):
 
-1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math) in a
-   subprocess; on CPU they skip, so they run only with ``--device cuda``.
-2. ``distiller``: the distiller benchmark (``gpu_distiller.bench_distiller``) at Qwen2.5-7B
-   shapes (hidden 3584, 16 rows per group) for 8 and 64 groups, every variant; ``--quick``
-   or CPU: tiny shapes, eager only. With each, the update's bytes per parameter
-   (``gpu_distiller.update_bytes_per_param``).
-3. ``memory``: the memory plan (``algorithms.esamp.memory_plan``) against what was
-   allocated: on CUDA ``torch.cuda.memory_allocated`` after building the distiller (state,
-   inputs, graph pool) and ``max_memory_allocated`` over predict + train steps; on CPU the
-   allocator's peak during the update (``host_memory.cpu_peak_bytes``).
-4. ``syncs``: synchronising operations (``sync_count.SyncCounter``) per step of the
-   distiller's predict + train submission; the two candidate searches at 128 rows x the
-   7B vocabulary (exact: ``nonzero``; fixed-size: ``topk`` + ``scatter``, on CUDA also run
-   under ``torch.cuda.set_sync_debug_mode("error")``); plus the ESamp consumer's decode
-   step when the consumer can be imported (it needs pydantic).
+1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math),
+   ``tests/test_esamp_kernels.py`` (the Triton kernels, compiled) and
+   ``tests/test_fake_cuda.py`` (its GPU checks: what the fake device flags must synchronise on
+   a GPU, what it passes must not) in a subprocess; on CPU they skip, so they run only with
+   ``--device cuda``.
+2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
+   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_gpu_step.bench_step``): device
+   time added and ratio, host time of the consumer's calls, the floor, a step under
+   ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
+   issue-36 targets checked (``targets``).
+3. ``kernels``: ``gpu_kernels.bench_kernels`` (the fused kernels against their bytes floor and
+   against the former bmm + fused Adam path); ``--quick`` or CPU: tiny shapes.
+4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
+   64 groups, each variant, with the update's bytes per parameter; CPU: tiny shapes.
+5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
+   and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
+   of an ESamp step (``esamp_fake_step``) stand in.
+6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
+   searches (``sync_count.SyncCounter``; on CUDA also under the sync debug mode) and of the
+   consumer's decode step when pydantic is there.
+7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
+   captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-5. ``compiled_taps``: tllm's residual taps with edits on a toy decoder with vLLM's layer
-   signature, ``torch.compile``'d and (CUDA only) captured in a CUDA graph, replayed with
-   changing edit buffers and compared with eager (``compiled_taps.run``); on CPU the compile
-   takes about 20-30 s, so ``--quick`` skips it.
-
-No GPU was available where this script was written: its CUDA parts have never run.
+The CUDA parts of this version have never run on a GPU (the first GPU run, of the code before
+issue 36's rebuild: docs/results.md).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
-from host_memory import cpu_peak_bytes  # noqa: E402
+from gpu_kernels import QUICK_SHAPES, bench_kernels  # noqa: E402
 from sync_count import SyncCounter  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
@@ -65,8 +68,9 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"skipped": "needs a CUDA device"}
     t0 = time.time()
+    tests = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/test_esamp_cuda.py", "-q", "--noconftest"],
+        [sys.executable, "-m", "pytest", *tests, "-q", "--noconftest", "-p", "no:cacheprovider"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -79,9 +83,7 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     s = _shape(quick, device)
     variants = (
-        ["eager_main", "eager_side", "graph_main", "graph_side"]
-        if device.type == "cuda"
-        else ["eager_main"]
+        ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
     )
     out: dict[str, Any] = {}
     for groups in (8, 64) if not quick else (2, 4):
@@ -104,25 +106,23 @@ def _distiller(device: torch.device, hidden: int, inter: int, slots: int, rows: 
 
 
 def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
+    """CUDA: the plan against what the distiller allocates. CPU: the fake device's counts of
+    the distiller's step (predict + update allocate nothing per step there: graph replays)."""
     s = _shape(quick, device)
     h, inter, rows = s["hidden"], s["intermediate"], s["rows"]
     out: dict[str, Any] = {}
     for groups in (8, 64) if not quick else (2, 4):
         plan = plan_memory(
-            h,
-            VOCAB_7B,
-            slots=groups,
-            graph_rows=rows,
-            rows_per_step=groups * rows,
+            h, VOCAB_7B, slots=groups, graph_rows=rows, rows_per_step=groups * rows,
             intermediate_size=inter,
-        )
+        )  # fmt: skip
         rec: dict[str, Any] = {"plan": plan.as_dict()}
         # The plan's terms that the distiller alone allocates (no guidance here).
         distiller_plan = plan.total_bytes - plan.guidance_workspace_bytes
         slots = torch.arange(groups).repeat_interleave(rows)
-        x = torch.randn(groups * rows, h, device=device)
-        t = x + 0.1 * torch.randn_like(x)
         if device.type == "cuda":
+            x = torch.randn(groups * rows, h, device=device)
+            t = x + 0.1 * torch.randn_like(x)
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
@@ -130,9 +130,6 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
             d = _distiller(device, h, inter, groups, rows)
             torch.cuda.synchronize(device)
             rec["built_bytes"] = torch.cuda.memory_allocated(device) - base
-            rec["plan_built_bytes"] = (
-                plan.state_bytes + plan.inputs_bytes + plan.update_workspace_bytes
-            )
             live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
             for _ in range(3):
                 d.predict(live, x)
@@ -144,26 +141,62 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
             d.close()
             del d
         else:
-            from algorithms.esamp.cuda import _Inputs
-            from algorithms.esamp.graph_update import train_dense
+            from algorithms.esamp.cuda import CudaGroupedDistiller
+            from tllm_core.testing.fake_cuda import FakeCuda
 
-            d = _distiller(device, h, inter, groups, rows)
-            e = _Inputs.zeros(groups, rows, h, device)
-            e.xp.normal_(), e.tp.normal_(), e.mask.fill_(True), e.valid.fill_(True)
-
-            def update(d=d, e=e) -> None:
-                train_dense(d.theta, d.m, d.v, d.step, e.valid, e.xp, e.tp, e.mask, d.shape, d.hp)
-
-            update()
-            rec["update_peak_bytes"] = cpu_peak_bytes(update)
-            rec["plan_update_workspace_bytes"] = plan.update_workspace_bytes
-            rec["within_plan"] = rec["update_peak_bytes"] <= plan.update_workspace_bytes
+            with FakeCuda() as fc:
+                d = CudaGroupedDistiller(
+                    h, device=fc.device, intermediate_size=inter, capacity=groups,
+                    graph_max_rows=rows,
+                )  # fmt: skip
+                live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
+                x = torch.zeros(groups * rows, h, device=fc.device)
+                fc.start_steps()
+                for _ in range(2):
+                    with fc.step():
+                        d.predict(live, x)
+                        d.train_step(live, x, x)
+                step = fc.report()["steps"]["per_step"][-1]
+            rec["fake_device_step"] = {
+                k: step[k]
+                for k in ("launches", "bytes", "allocation", "host_wait", "pageable_copy")
+            }
+            rec["within_plan"] = step["allocation"] == 0
         rec["plan_gib"] = round(plan.total_bytes / GIB, 4)
         out[f"groups_{groups}"] = rec
     out["qwen2.5_7b_default_plan"] = plan_memory(
         3584, VOCAB_7B, slots=8, graph_rows=16, rows_per_step=128
     ).as_dict()
     return out
+
+
+def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
+    """ESamp's whole step beside the synthetic decode step, and the issue-36 targets."""
+    if device.type != "cuda":
+        return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_fake_step.py)"}
+    try:
+        from esamp_gpu_step import bench_step
+    except ImportError as err:
+        return {"skipped": f"the consumer is not importable: {err}"}
+    iters = 5 if quick else 30
+    out: dict[str, Any] = {}
+    for prompts, n in ((8, 16), (1, 128), (64, 16)):
+        out[f"{prompts}x{n}"] = bench_step(device, prompts, n, iters=iters)
+        torch.cuda.empty_cache()
+    a, b, c = out["8x16"], out["1x128"], out["64x16"]
+    out["targets"] = {
+        "8x16 adds <= 0.6 ms and ratio >= 0.90": a["added_ms"] <= 0.6 and a["ratio"] >= 0.90,
+        "1x128 adds <= 0.15 ms and ratio >= 0.97": b["added_ms"] <= 0.15 and b["ratio"] >= 0.97,
+        "host <= 0.3 ms per step": max(x["host_ms"] for x in (a, b, c)) <= 0.3,
+        "64x16 within 1.3 x its floor": c["added_over_floor"] <= 1.3,
+        "no sync in a step": all(x["sync_debug"] == "no sync" for x in (a, b, c)),
+        "memory within plan": all(x["memory"]["within_plan"] for x in (a, b, c)),
+    }
+    return out
+
+
+def run_kernels(device: torch.device, quick: bool) -> dict[str, Any]:
+    return bench_kernels(device, QUICK_SHAPES if quick or device.type == "cpu" else None)
 
 
 def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B) -> dict:
@@ -243,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     parts = (
         ("cuda_tests", lambda: run_cuda_tests(device)),
+        ("esamp_step", lambda: run_esamp_step(device, args.quick)),
+        ("kernels", lambda: run_kernels(device, args.quick)),
         ("distiller", lambda: run_distiller(device, args.quick)),
         ("memory", lambda: run_memory(device, args.quick)),
         ("syncs", lambda: run_syncs(device)),

@@ -274,15 +274,19 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
     )
     assert json.loads(out_file.read_text()) == out
     assert out["cuda_tests"] == {"skipped": "needs a CUDA device"}
-    for part in ("distiller", "memory", "syncs"):
+    assert "needs a CUDA device" in out["esamp_step"]["skipped"]
+    for part in ("kernels", "distiller", "memory", "syncs"):
         assert "error" not in out[part], out[part]
+    assert out["kernels"]["cases"][0]["grad_adam"]["bytes_per_param"] <= 26
     assert out["distiller"]["results"]["groups_4"]["eager_main"]["train_us"] > 0
-    assert out["distiller"]["results"]["groups_4"]["bytes_per_param"]["dense_update"] > 0
+    assert out["distiller"]["results"]["groups_4"]["bytes_per_param"]["graph_update"] > 0
     assert out["compiled_taps"] == {"skipped": "--quick"}
     mem = out["memory"]
     assert mem["qwen2.5_7b_default_plan"]["total_gib"] <= 1.5
-    for k in ("groups_2", "groups_4"):
-        assert mem[k]["within_plan"] and mem[k]["update_peak_bytes"] > 0
+    for k in ("groups_2", "groups_4"):  # the CUDA distiller's step on the fake device
+        step = mem[k]["fake_device_step"]
+        assert mem[k]["within_plan"] and step["launches"] > 0 and step["allocation"] == 0
+        assert step["host_wait"] == step["pageable_copy"] == 0
     syncs = out["syncs"]
     assert syncs["distiller_step"] == [{}, {}, {}]  # on CPU nothing in it would sync
     assert syncs["consumer_step"]["full_vocab"][-1] == {}
@@ -317,7 +321,7 @@ def test_gpu_smoke_runs_without_pydantic_or_vllm():
         cwd=ROOT,
     )
     out = _json(proc)
-    for part in ("distiller", "memory", "syncs"):
+    for part in ("kernels", "distiller", "memory", "syncs"):
         assert "error" not in out[part], out[part]
     assert out["syncs"]["candidate_search"]["fixed_size"] == {}
     assert "not on the GPU image" in out["syncs"]["consumer_step"]["skipped"]

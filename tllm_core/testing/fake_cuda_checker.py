@@ -45,12 +45,56 @@ def _name(func: Any) -> str:
     return func._schema.name.split("::")[-1]
 
 
+# Gathers and scatters touch the indexed elements only, not their whole source or target:
+# operation -> (argument holding the indices, argument gathered from or scattered into).
+SPARSE = {
+    "index_select": (2, 0),
+    "gather": (2, 0),
+    "scatter": (2, 0),
+    "scatter_": (2, 0),
+    "scatter_add": (2, 0),
+    "scatter_add_": (2, 0),
+    "index_copy_": (2, 0),
+    "index_copy": (2, 0),
+    "index_add_": (2, 0),
+    "index_fill_": (2, 0),
+}
+
+
+def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """A gather/scatter: the indices read, and as many elements of the source/target as the
+    operation gathers or writes (the other operands counted as usual)."""
+    idx_i, big_i = SPARSE[_name(func)]
+    schema = func._schema
+    n = 0
+    big = args[big_i]
+    for i, arg in enumerate(schema.arguments):
+        if i == big_i:
+            continue
+        n += tensor_bytes(args[i] if i < len(args) else kwargs.get(arg.name))
+    index = args[idx_i]
+    rows = index.numel()
+    if _name(func).startswith(("index_select", "index_copy", "index_add", "index_fill")):
+        dim = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
+        rows = index.numel() * (big.numel() // max(1, big.shape[dim])) if big.dim() else 1
+    touched = rows * big.element_size()
+    written = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return (
+        n
+        + touched * (2 if written else 1)
+        + sum(tensor_bytes(o) for o in _fresh_outputs(func, out))
+    )
+
+
 def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
     and the arguments marked as written are written; so are outputs that alias no input.
-    Views and :data:`NO_DATA` operations move nothing."""
+    Views and :data:`NO_DATA` operations move nothing; gathers and scatters (:data:`SPARSE`)
+    the elements they index."""
     if func.is_view or _name(func) in NO_DATA:
         return 0
+    if _name(func) in SPARSE and isinstance(args[SPARSE[_name(func)][1]], torch.Tensor):
+        return _sparse_bytes(func, args, kwargs, out)
     schema = func._schema
     n = 0
     for i, arg in enumerate(schema.arguments):
