@@ -1,8 +1,9 @@
 """ESamp's fused kernels (``algorithms.esamp.kernels``) against independent PyTorch references:
-``torch._fused_adam_`` / ``torch.optim.Adam`` on the explicitly formed gradient, and
-``torch.bmm``. Each op is checked twice: the Triton kernel, run on CPU by Triton's
-interpreter (decorated afresh with ``TRITON_INTERPRET=1`` set; skipped without Triton), and
-the op's CPU implementation (the PyTorch reference, reached through ``torch.ops``)."""
+``torch._fused_adam_`` / ``torch.optim.Adam`` on the explicitly formed gradient, ``torch.bmm``,
+and the fp64 gather-and-multiply (``candidate_dot``). Each op is checked twice: the Triton
+kernel, run on CPU by Triton's interpreter (decorated afresh with ``TRITON_INTERPRET=1`` set;
+skipped without Triton), and the op's CPU implementation (the PyTorch reference, reached
+through ``torch.ops``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
+    candidate_dot,
+    candidate_dot_bytes,
     grad_adam,
     grad_adam_bytes,
     slot_matmul,
@@ -61,6 +64,9 @@ def interpreted() -> SimpleNamespace:
         slot_matmul=functools.partial(
             triton_impl.slot_matmul, kernels=kernels, block_n=16, block_k=16
         ),
+        candidate_dot=functools.partial(
+            triton_impl.candidate_dot, kernels=kernels, block_p=4, block_h=16
+        ),
     )
 
 
@@ -83,6 +89,7 @@ def _impl(name: str, interpreted_fixture) -> SimpleNamespace:
                 transpose_w=transpose_w, input_precision=input_precision, split_k=split_k,
             )
         ),
+        candidate_dot=candidate_dot,
     )  # fmt: skip
 
 
@@ -288,6 +295,9 @@ def test_meta_tensors_run_the_fake_impls():
     )  # fmt: skip
     out = slot_matmul(meta(2, 16, 24), w, torch.zeros(2, **i64), meta(2, 16, 10))
     assert out.device.type == "meta"
+    head = torch.zeros(100, 24, dtype=torch.bfloat16, device="meta")
+    dots = candidate_dot(head, meta(4, 24), torch.zeros(6, **i64), torch.zeros(6, **i64), meta(6))
+    assert dots.device.type == "meta"
 
 
 class _Ops(TorchDispatchMode):
@@ -307,10 +317,17 @@ def test_dispatch_mode_sees_each_call_as_one_op():
     views = [_view(t, 0) for t in (theta, m, v)]
     out = torch.zeros(len(GROUP_SLOT), 4, MATS[0][0])
     slots, ok, step = torch.tensor(GROUP_SLOT), torch.tensor(GROUP_OK), torch.tensor(STEP)
+    head, f, pairs = theta[:, : MATS[0][1]], b[0], slots.clamp(min=0)
+    dots = torch.zeros(len(GROUP_SLOT))
     with _Ops() as ops:
         grad_adam(a, b, scale, slots, ok, step, *views, **HP)
         slot_matmul(b, views[0], slots, out)
-    assert ops.names == ["tllm_esamp.grad_adam.default", "tllm_esamp.slot_matmul.default"]
+        candidate_dot(head, f, pairs, pairs, dots)
+    assert ops.names == [
+        "tllm_esamp.grad_adam.default",
+        "tllm_esamp.slot_matmul.default",
+        "tllm_esamp.candidate_dot.default",
+    ]
 
 
 def test_triton_kernels_equal_the_cpu_ops_on_random_layouts(interpreted):
@@ -526,3 +543,159 @@ def test_grad_adam_in_the_distillers_update_equals_train_dense(which, request):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
     assert torch.equal(ours[0][1], theta[1]) and ours[3].tolist() == [2.0, 0.0, 2.0]
     assert not torch.equal(ours[0][0], theta[0])
+
+
+# candidate_dot: H not a multiple of the interpreted block (16); rows of weight and f are
+# strided views (row stride > H).
+CAND_H, CAND_V, CAND_R = 77, 50, 6
+
+
+def _candidates(n: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``weight [V, H]`` (``dtype``), ``f [R, H]`` views with padded rows, and ``n`` pairs
+    drawn with repeats (few rows and tokens), the first pair repeated at the end."""
+    weight = torch.randn(CAND_V, CAND_H + 5, generator=gen).to(dtype)[:, 2 : 2 + CAND_H]
+    f = torch.randn(CAND_R, CAND_H + 3, generator=gen)[:, 1 : 1 + CAND_H]
+    rows = torch.randint(0, CAND_R, (n,), generator=gen)
+    tokens = torch.randint(0, CAND_V, (n,), generator=gen)
+    if n > 1:
+        rows[-1], tokens[-1] = rows[0], tokens[0]
+    return weight, f, rows, tokens
+
+
+def _reference_dot(weight, f, rows, tokens) -> torch.Tensor:
+    return (weight[tokens].double() * f[rows].double()).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 13, 64])
+def test_candidate_dot_matches_the_fp64_gather(impl, n, dtype):
+    """N = 1, N not a multiple of the block of pairs (4), N a multiple; repeated pairs."""
+    gen = torch.Generator().manual_seed(n)
+    weight, f, rows, tokens = _candidates(n, dtype, gen)
+    before = weight.clone(), f.clone()
+    buf = torch.full((n + 2,), float("nan"))
+    out = buf[1:-1]  # the pads around must stay untouched
+    ref = _reference_dot(weight, f, rows, tokens)
+    impl.candidate_dot(weight, f, rows, tokens, out)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert buf[0].isnan() and buf[-1].isnan()
+    assert out.data_ptr() == buf.data_ptr() + 4
+    assert torch.equal(weight, before[0]) and torch.equal(f, before[1])
+    if n > 1:
+        assert out[0] == out[-1]  # the repeated pair
+
+
+def test_candidate_dot_strided_indices_and_output(impl):
+    """Index and output vectors with a stride (views of wider tensors), int32 indices."""
+    gen = torch.Generator().manual_seed(5)
+    weight, f, rows, tokens = _candidates(9, torch.bfloat16, gen)
+    idx = torch.stack([rows, tokens], 1).int()  # rows: column 0, tokens: column 1
+    buf = torch.zeros(9, 3)
+    impl.candidate_dot(weight, f, idx[:, 0], idx[:, 1], buf[:, 1])
+    ref = _reference_dot(weight, f, rows, tokens)
+    torch.testing.assert_close(buf[:, 1].double(), ref, rtol=1e-5, atol=1e-5)
+    assert not buf[:, 0].any() and not buf[:, 2].any()
+
+
+def test_candidate_dot_reference_chunks_join_up():
+    """The PyTorch reference (CPU op, CUDA fallback) gathers a chunk of pairs at a time: chunks
+    of 5 over 13 pairs (two full, one ragged) give the same sums."""
+    from algorithms.esamp.kernels import reference
+
+    gen = torch.Generator().manual_seed(13)
+    weight, f, rows, tokens = _candidates(13, torch.bfloat16, gen)
+    out = torch.full((13,), float("nan"))
+    reference.candidate_dot(weight, f, rows, tokens, out, chunk=5)
+    ref = _reference_dot(weight, f, rows, tokens)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_candidate_dot_equals_the_fp64_gather_on_random_shapes(interpreted):
+    """Property: random N, H, table sizes and dtypes, the interpreted kernel and the CPU op
+    both equal the fp64 gather."""
+    hyp = pytest.importorskip("hypothesis")
+    st = hyp.strategies
+
+    @hyp.settings(max_examples=12, deadline=None, derandomize=True)
+    @hyp.given(
+        n=st.integers(1, 40), h=st.integers(1, 70), v=st.integers(1, 30), r=st.integers(1, 8),
+        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+    )  # fmt: skip
+    def check(n, h, v, r, dtype):
+        gen = torch.Generator().manual_seed(n * 10_000 + h * 100 + v)
+        weight = torch.randn(v, h, generator=gen).to(dtype)
+        f = torch.randn(r, h, generator=gen)
+        rows = torch.randint(0, r, (n,), generator=gen)
+        tokens = torch.randint(0, v, (n,), generator=gen)
+        ref = _reference_dot(weight, f, rows, tokens)
+        for run in (interpreted.candidate_dot, candidate_dot):
+            out = torch.full((n,), float("nan"))
+            run(weight, f, rows, tokens, out)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+    check()
+
+
+def test_candidate_dot_bad_input_names_the_argument():
+    w, f = torch.zeros(10, 8, dtype=torch.bfloat16), torch.zeros(3, 8)
+    rows, tokens, out = (
+        torch.zeros(5, dtype=torch.long),
+        torch.zeros(5, dtype=torch.long),
+        torch.zeros(5),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"weight must be \[V, H\] float16, bfloat16 or float32, got \[10, 8\] int64",
+    ):
+        candidate_dot(w.long(), f, rows, tokens, out)
+    with pytest.raises(
+        ValueError, match=r"f must be \[R, 8\] fp32 \(H of weight\), got \[3, 8\] bfloat16"
+    ):
+        candidate_dot(w, f.bfloat16(), rows, tokens, out)
+    with pytest.raises(
+        ValueError, match=r"f must be \[R, 8\] fp32 \(H of weight\), got \[3, 7\] float32"
+    ):
+        candidate_dot(w, f[:, :7], rows, tokens, out)
+    with pytest.raises(
+        ValueError, match=r"weight must have unit stride along H .* strides \(1, 10\)"
+    ):
+        candidate_dot(torch.zeros(8, 10, dtype=torch.bfloat16).T, f, rows, tokens, out)
+    with pytest.raises(ValueError, match=r"tokens must be \[N\] int32 or int64, got \[5\] float32"):
+        candidate_dot(w, f, rows, tokens.float(), out)
+    with pytest.raises(
+        ValueError, match=r"rows must be \[5\] int32 or int64 \(one per token\), got \[4\] int64"
+    ):
+        candidate_dot(w, f, rows[:4], tokens, out)
+    with pytest.raises(
+        ValueError, match=r"out must be \[5\] fp32 \(one per token\), got \[5\] bfloat16"
+    ):
+        candidate_dot(w, f, rows, tokens, out.bfloat16())
+    # CPU tensors with a meta one dispatch to the no-op meta kernel: the check itself.
+    from algorithms.esamp.kernels.checks import check_candidate_dot
+
+    with pytest.raises(ValueError, match=r"tensors on different devices: .*'out': 'meta'"):
+        check_candidate_dot(w, f, rows, tokens, out.to("meta"))
+    with pytest.raises(ValueError, match="5 pairs index an empty table"):
+        candidate_dot(w[:0], f, rows, tokens, out)
+
+
+def test_candidate_dot_reads_the_gathered_rows_about_once():
+    """At 7B shapes (128 rows x 64 candidates, H 3584, bf16 head) the op moves the gathered
+    head rows (58.7 MB) plus under 5%: indices, results and f."""
+    rows_once = 128 * 64 * 3584 * 2
+    moved = candidate_dot_bytes(128 * 64, 3584, 2, f_rows=128)
+    assert rows_once < moved < 1.05 * rows_once
+    assert candidate_dot_bytes(1, 10, 4) == 10 * 4 + 8 + 8 + 4
+
+
+def test_candidate_dot_compiles_for_sm90_with_vector_loads():
+    """Compiled for sm_90 at the 7B head's layout (H 3584, bf16): no register spills, head and
+    prediction rows read by 16-byte vector loads, bf16 upcast and fp32 FMAs."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from algorithms.esamp.kernels import triton_impl
+
+    weight, f = torch.zeros(64, 3584, dtype=torch.bfloat16), torch.zeros(8, 3584)
+    idx, out = torch.zeros(512, dtype=torch.long), torch.zeros(512)
+    ptx, usage = _compile_sm90(triton_impl.candidate_dot_launch(weight, f, idx, idx, out))
+    assert "STACK:0" in usage or usage == "", f"candidate_dot spills: {usage}"
+    assert "ld.global.v4.b32" in ptx and "cvt.f32.bf16" in ptx and "fma.rn.f32" in ptx

@@ -6,10 +6,13 @@ sees each call as one op):
   the update moves each parameter and its moments once: 24 bytes per parameter with fp32
   moments, 16 with bf16 (:func:`grad_adam_bytes`);
 - :func:`slot_matmul`: ``out[g] = x[g] @ w[slot[g]]^T`` (or ``@ w[slot[g]]``) reading only
-  the listed slots' weights, out= style (no allocation).
+  the listed slots' weights, out= style (no allocation);
+- :func:`candidate_dot`: guidance's dist logits for (row, token) pairs,
+  ``out[j] = W[tokens[j]] . f[rows[j]]`` in fp32, reading each pair's head row once in its
+  own dtype (no gathered or upcast copy), out= style (:func:`candidate_dot_bytes`).
 
-Both take ``w`` (and ``m``/``v``) as strided views into the slots' flat ``[S, P]`` state
-rows. CUDA runs Triton kernels (Triton is imported only there); CPU and meta run the
+The first two take ``w`` (and ``m``/``v``) as strided views into the slots' flat ``[S, P]``
+state rows. CUDA runs Triton kernels (Triton is imported only there); CPU and meta run the
 PyTorch reference and a no-op. Importing this package needs neither Triton nor a GPU.
 """
 
@@ -18,13 +21,20 @@ from __future__ import annotations
 import torch
 
 from algorithms.esamp.kernels import ops  # noqa: F401  (defines the ops)
-from algorithms.esamp.kernels.checks import INPUT_PRECISIONS, MOMENT_DTYPES
+from algorithms.esamp.kernels.checks import HEAD_DTYPES, INPUT_PRECISIONS, MOMENT_DTYPES
 from algorithms.esamp.kernels.ops import triton_available
-from algorithms.esamp.kernels.traffic import grad_adam_bytes, slot_matmul_bytes
+from algorithms.esamp.kernels.traffic import (
+    candidate_dot_bytes,
+    grad_adam_bytes,
+    slot_matmul_bytes,
+)
 
 __all__ = [
+    "HEAD_DTYPES",
     "INPUT_PRECISIONS",
     "MOMENT_DTYPES",
+    "candidate_dot",
+    "candidate_dot_bytes",
     "grad_adam",
     "grad_adam_bytes",
     "slot_matmul",
@@ -89,4 +99,23 @@ def slot_matmul(
     (summation order then varies run to run, at fp32 rounding level); 0 picks it from the
     GPU's SM count, 1 is deterministic."""
     torch.ops.tllm_esamp.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    return out
+
+
+def candidate_dot(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]``, accumulated in fp32;
+    returns ``out`` (written in place; nothing allocated on CUDA).
+
+    ``weight [V, H]`` one of :data:`HEAD_DTYPES` (an LM head's weight), ``f [R, H]`` fp32,
+    both with unit stride along H (any row stride); ``rows``, ``tokens`` ``[N]`` int64 (or
+    int32), any pair may repeat; ``out [N]`` fp32. All on one device. Index values are not
+    checked on CUDA (that would need a host read): they must lie in ``[0, R)`` and
+    ``[0, V)``."""
+    torch.ops.tllm_esamp.candidate_dot(weight, f, rows, tokens, out)
     return out

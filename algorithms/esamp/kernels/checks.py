@@ -9,6 +9,8 @@ import torch
 # three TF32 products that recover about fp32 accuracy ("tf32x3").
 INPUT_PRECISIONS = ("ieee", "tf32", "tf32x3")
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+# An LM head's weight dtypes (candidate_dot upcasts each element to fp32).
+HEAD_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -121,3 +123,37 @@ def check_slot_matmul(
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
+
+
+def check_candidate_dot(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed. Index values are not
+    checked (that would read the device): they must lie in ``[0, R)`` and ``[0, V)``."""
+    _same_device(weight=weight, f=f, rows=rows, tokens=tokens, out=out)
+    if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES):
+        raise ValueError(
+            f"weight must be [V, H] float16, bfloat16 or float32, got {_shape(weight)}"
+        )
+    h = weight.shape[1]
+    if not (f.dim() == 2 and f.dtype == torch.float32 and f.shape[1] == h):
+        raise ValueError(f"f must be [R, {h}] fp32 (H of weight), got {_shape(f)}")
+    # Rows are gathered as contiguous runs of H elements (vector loads on the GPU).
+    for name, t in (("weight", weight), ("f", f)):
+        if h > 1 and t.stride(1) != 1:
+            raise ValueError(
+                f"{name} must have unit stride along H (any row stride), got strides {t.stride()}"
+            )
+    if not (tokens.dim() == 1 and tokens.dtype in _SLOT_DTYPES):
+        raise ValueError(f"tokens must be [N] int32 or int64, got {_shape(tokens)}")
+    n = tokens.shape[0]
+    if not (rows.dim() == 1 and rows.dtype in _SLOT_DTYPES and rows.shape[0] == n):
+        raise ValueError(f"rows must be [{n}] int32 or int64 (one per token), got {_shape(rows)}")
+    if not (out.dim() == 1 and out.shape[0] == n and out.dtype == torch.float32):
+        raise ValueError(f"out must be [{n}] fp32 (one per token), got {_shape(out)}")
+    if n > 0 and (weight.shape[0] == 0 or f.shape[0] == 0):
+        raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")

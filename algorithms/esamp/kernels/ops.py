@@ -18,7 +18,11 @@ import logging
 import torch
 
 from algorithms.esamp.kernels import reference
-from algorithms.esamp.kernels.checks import check_grad_adam, check_slot_matmul
+from algorithms.esamp.kernels.checks import (
+    check_candidate_dot,
+    check_grad_adam,
+    check_slot_matmul,
+)
 
 log = logging.getLogger("tllm")
 
@@ -31,6 +35,9 @@ _LIB.define(
 _LIB.define(
     "slot_matmul(Tensor x, Tensor w, Tensor group_slot, Tensor(a!) out, bool transpose_w=True, "
     "str input_precision='ieee', int split_k=0) -> ()"
+)
+_LIB.define(
+    "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
 )
 
 
@@ -45,7 +52,7 @@ def triton_available() -> bool:
 def _warn_no_triton() -> None:
     log.warning(
         "esamp kernels: Triton is not installed; CUDA tensors run the PyTorch reference "
-        "(correct, but one launch sequence per group instead of one kernel)"
+        "(correct, but several launches and temporaries per call instead of one kernel)"
     )
 
 
@@ -95,6 +102,21 @@ def _slot_matmul_cuda(
     triton_impl.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
 
 
+def _candidate_dot_reference(weight, f, rows, tokens, out) -> None:
+    check_candidate_dot(weight, f, rows, tokens, out)
+    reference.candidate_dot(weight, f, rows, tokens, out)
+
+
+def _candidate_dot_cuda(weight, f, rows, tokens, out) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _candidate_dot_reference(weight, f, rows, tokens, out)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_candidate_dot(weight, f, rows, tokens, out)
+    triton_impl.candidate_dot(weight, f, rows, tokens, out)
+
+
 def _nothing(*args, **kwargs) -> None:
     return None
 
@@ -102,6 +124,7 @@ def _nothing(*args, **kwargs) -> None:
 for _name, _cpu, _cuda in (
     ("grad_adam", _grad_adam_reference, _grad_adam_cuda),
     ("slot_matmul", _slot_matmul_reference, _slot_matmul_cuda),
+    ("candidate_dot", _candidate_dot_reference, _candidate_dot_cuda),
 ):
     _LIB.impl(_name, _cpu, "CPU")
     _LIB.impl(_name, _cuda, "CUDA")

@@ -65,3 +65,23 @@ def slot_matmul(
     ws = w.index_select(0, group_slot.clamp(min=0))
     y = torch.bmm(x, ws.transpose(1, 2) if transpose_w else ws)
     out.copy_(torch.where((group_slot >= 0)[:, None, None], y, 0.0))
+
+
+# Pairs gathered at once: bounds the fallback's temporaries to chunk x H (as guidance did).
+CANDIDATE_CHUNK = 4096
+
+
+def candidate_dot(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+    chunk: int = CANDIDATE_CHUNK,
+) -> None:
+    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]`` in fp32, ``chunk``
+    pairs at a time."""
+    for i in range(0, tokens.shape[0], chunk):
+        w = weight.index_select(0, tokens[i : i + chunk]).float()
+        w.mul_(f.index_select(0, rows[i : i + chunk]))
+        torch.sum(w, -1, out=out[i : i + chunk])

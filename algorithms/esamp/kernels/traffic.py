@@ -24,3 +24,12 @@ def slot_matmul_bytes(groups: int, rows: int, n: int, k: int) -> int:
     """Bytes one ``slot_matmul`` call moves for ``groups`` live groups: each group's weight
     ``[n, k]`` read once, ``x [rows, k]`` read, ``out [rows, n]`` written."""
     return groups * (n * k + rows * k + rows * n) * FP32 + groups * 8
+
+
+def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> int:
+    """Bytes one ``candidate_dot`` call moves for ``n`` (row, token) pairs of hidden size
+    ``h``: each pair's head row read once (``weight_bytes`` per element; a token repeated
+    across rows is counted each time), its two int64 indices read and its fp32 result
+    written, plus the prediction ``f [f_rows, h]`` read once (its rows are re-read from L2,
+    not DRAM)."""
+    return n * h * weight_bytes + n * (8 + 8 + FP32) + f_rows * h * FP32

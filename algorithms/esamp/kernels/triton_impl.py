@@ -184,10 +184,49 @@ def _slot_matmul_kernel(
         tl.atomic_add(o_ptrs, acc, mask=mask)
 
 
+def _candidate_dot_kernel(
+    w_ptr,  # [V, H] fp16/bf16/fp32, unit stride along H
+    f_ptr,  # [R, H] fp32, unit stride along H
+    rows_ptr,  # [N] int
+    tokens_ptr,  # [N] int
+    out_ptr,  # [N] fp32
+    N,
+    H,
+    s_wv,
+    s_fr,
+    s_rows,
+    s_tokens,
+    s_out,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # BLOCK_P pairs: their head rows W[token] and prediction rows f[row] streamed along H in
+    # BLOCK_H chunks; products summed in a [BLOCK_P, BLOCK_H] fp32 accumulator, reduced once.
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_p = offs_p < N
+    tok = tl.load(tokens_ptr + offs_p * s_tokens, mask=in_p, other=0).to(tl.int64)
+    row = tl.load(rows_ptr + offs_p * s_rows, mask=in_p, other=0).to(tl.int64)
+    w_rows = w_ptr + tok[:, None] * s_wv
+    f_rows = f_ptr + row[:, None] * s_fr
+    acc = tl.full((BLOCK_P, BLOCK_H), 0.0, tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = in_p[:, None] & (offs_h < H)[None, :]
+        w = tl.load(w_rows + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(f_rows + offs_h[None, :], mask=mask, other=0.0)
+        acc += w * x
+    # tl.sum is a @triton.jit helper (see the module's note); tl.reduce is a builtin, and the
+    # interpreter runs it with _sum_combine as np.sum.
+    dots = tl.reduce(acc, 1, tl.standard._sum_combine)
+    tl.store(out_ptr + offs_p * s_out, dots, mask=in_p)
+
+
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
     return SimpleNamespace(
-        grad_adam=triton.jit(_grad_adam_kernel), slot_matmul=triton.jit(_slot_matmul_kernel)
+        grad_adam=triton.jit(_grad_adam_kernel),
+        slot_matmul=triton.jit(_slot_matmul_kernel),
+        candidate_dot=triton.jit(_candidate_dot_kernel),
     )
 
 
@@ -352,5 +391,38 @@ def slot_matmul(
     launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
     if launch is None or launch.constexprs["SPLIT_K"] > 1:
         out.zero_()
+    if launch is not None:
+        launch.run(kernels)
+
+
+def candidate_dot_launch(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_p: int = 4,
+    block_h: int = 512,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The candidate dot kernel's launch (None: no pairs). Arguments as
+    :func:`algorithms.esamp.kernels.candidate_dot`; the caller has checked them. ``H = 0``
+    still launches (it writes zeros)."""
+    n, h = tokens.shape[0], weight.shape[1]
+    if n == 0:
+        return None
+    args = (
+        weight, f, rows, tokens, out,
+        n, h,
+        weight.stride(0), f.stride(0), rows.stride(0), tokens.stride(0), out.stride(0),
+    )  # fmt: skip
+    consts = dict(BLOCK_P=block_p, BLOCK_H=block_h)
+    return Launch("candidate_dot", (triton.cdiv(n, block_p),), args, consts, num_warps)
+
+
+def candidate_dot(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the candidate dot kernel (arguments as :func:`candidate_dot_launch`)."""
+    launch = candidate_dot_launch(*args, **kwargs)
     if launch is not None:
         launch.run(kernels)
