@@ -85,7 +85,7 @@ def test_candidate_dist_fn_paths_agree(dense_fraction):
     w, f = torch.randn(V, H), torch.randn(4, H)
     rows = torch.tensor([0, 0, 1, 3, 3])
     toks = torch.tensor([1, 7, 2, 39, 0])
-    fn = candidate_dist_fn(f, w, lambda z: z @ w.t(), dense_fraction=dense_fraction, chunk=2)
+    fn = candidate_dist_fn(f, w, lambda z: z @ w.t(), dense_fraction=dense_fraction)
     torch.testing.assert_close(fn(rows, toks), (f @ w.t())[rows, toks])
     torch.testing.assert_close(full_dist_logits(f, w), f @ w.t())
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from algorithms.esamp.memory_plan import round_rows
 from algorithms.esamp.mlp import forward_acts
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import block_weights
-from algorithms.esamp.slot_ops import slot_matmul
+from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 log = logging.getLogger("tllm")
@@ -170,7 +171,11 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w: slot_matmul(x, w, gs, transpose_w)
+        return lambda x, w, transpose_w: slot_matmul(x, w, gs, transpose_w, self._precision)
+
+    @property
+    def _precision(self) -> str:
+        return "tf32" if self.tf32 else "ieee"
 
     def _predict_body(self, lay: Layout) -> None:
         t, c = self.total_rows, self.capacity
@@ -199,7 +204,11 @@ class CudaGroupedDistiller(SlotDistiller):
         stats = self._stats[: lay.groups] if self.hp.stats else None
         shape, hp = self.shape, self.hp
         state = (self.theta, self.m, self.v, self.step)
-        losses, ok = train_groups(*state, gs, xp, tp, mask, shape, hp, self.applied, stats)
+        ops = (
+            partial(slot_matmul, precision=self._precision),
+            partial(slot_grad_adam_, precision=self._precision),
+        )
+        losses, ok = train_groups(*state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops)
         ring = self.plan[2 * t + 2 * c :]
         at = ring * c + self._ring_idx[: lay.groups]
         self.results.losses.view(-1).index_copy_(0, at, losses)

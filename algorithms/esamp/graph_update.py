@@ -51,7 +51,7 @@ def train_groups(
     ``ops``: the slot operations (default :mod:`~algorithms.esamp.slot_ops`; the Triton ones
     on CUDA). Returns ``(losses [G], updated [G])``.
     """
-    mm, grad_adam_ = (slot_matmul, slot_grad_adam_) if ops is None else ops
+    mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
         gs = group_slot
         idx = gs.clamp(min=0)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from algorithms.esamp.memory_plan import CANDIDATE_CHUNK
+from algorithms.esamp.kernels import candidate_dot
 
 # dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -89,12 +89,11 @@ def candidate_dist_fn(
     weight: torch.Tensor | None = None,
     lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     dense_fraction: float = 0.25,
-    chunk: int = CANDIDATE_CHUNK,
 ) -> DistFn:
     """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
 
     With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
-    ``W[tokens] · f[rows]`` in chunks (memory ``chunk x H``, budgeted by the memory plan).
+    ``W[tokens] · f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`).
     Otherwise (dense set, or a non-linear head given as ``lm_head``) projects the full
     vocabulary once and gathers.
     """
@@ -105,15 +104,10 @@ def candidate_dist_fn(
         r, h = f_pred.shape
         n = rows.numel()
         if weight is not None and n <= dense_fraction * r * weight.shape[0]:
+            # One fused gather-dot (Triton on CUDA: each head row read once, nothing
+            # materialised; on CPU the PyTorch reference, ``chunk`` rows at a time).
             out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
-            f32 = f_pred.float()
-            for i in range(0, n, chunk):
-                # The gathered head rows are a fresh buffer: multiply in place (one fewer
-                # [chunk, H] temporary, the same products and sums).
-                w = weight.index_select(0, toks[i : i + chunk]).float()
-                w.mul_(f32.index_select(0, rows[i : i + chunk]))
-                torch.sum(w, -1, out=out[i : i + chunk])
-            return out
+            return candidate_dot(weight, f_pred.float(), rows, toks, out)
         return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
 
     return fn

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from algorithms.esamp.kernels.reference import CANDIDATE_CHUNK  # pairs the CPU form gathers
 from algorithms.esamp.params import DistillerShape
 
 GIB = 2**30
@@ -54,8 +55,6 @@ CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
 # Tensors the CUDA distiller allocates at construction (state, buffers, ring), each rounded
 # up by at most 2 MiB by the caching allocator.
 ALLOCATIONS = 24
-# Rows of head weights gathered at once by post-filter guidance (guidance.candidate_dist_fn).
-CANDIDATE_CHUNK = 4096
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,13 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
     and the arguments marked as written are written; so are outputs that alias no input.
     Views and :data:`NO_DATA` operations move nothing; gathers and scatters (:data:`SPARSE`)
-    the elements they index."""
+    the elements they index; an operator overload with a ``tllm_bytes(*args, **kwargs)``
+    attribute what it returns (a custom kernel that reads part of its arguments)."""
     if func.is_view or _name(func) in NO_DATA:
         return 0
+    stated = getattr(func, "tllm_bytes", None)
+    if stated is not None:  # an operator that states its own traffic (see docs/fake-cuda.md)
+        return int(stated(*args, **kwargs))
     if _name(func) in SPARSE and isinstance(args[SPARSE[_name(func)][1]], torch.Tensor):
         return _sparse_bytes(func, args, kwargs, out)
     schema = func._schema

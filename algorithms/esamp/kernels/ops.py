@@ -23,6 +23,7 @@ from algorithms.esamp.kernels.checks import (
     check_grad_adam,
     check_slot_matmul,
 )
+from algorithms.esamp.kernels.traffic import candidate_dot_bytes, grad_adam_bytes, slot_matmul_bytes
 
 log = logging.getLogger("tllm")
 
@@ -130,3 +131,27 @@ for _name, _cpu, _cuda in (
     _LIB.impl(_name, _cuda, "CUDA")
     # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
     torch.library.register_fake(f"tllm_esamp::{_name}", _nothing, lib=_LIB)
+
+
+# What each call moves, for byte counters that go by operator (tllm_core.testing.fake_cuda):
+# its arguments hold every slot's weights or the whole head, of which it reads a part.
+def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwargs) -> int:
+    groups, rows, n = a.shape
+    return grad_adam_bytes(groups, rows, n, b.shape[-1], m.element_size(), w.element_size())
+
+
+def _slot_matmul_traffic(x, w, group_slot, out, *args, **kwargs) -> int:
+    groups, rows, k = x.shape
+    return slot_matmul_bytes(groups, rows, out.shape[-1], k)
+
+
+def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:
+    return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
+
+
+for _name, _traffic in (
+    ("grad_adam", _grad_adam_traffic),
+    ("slot_matmul", _slot_matmul_traffic),
+    ("candidate_dot", _candidate_dot_traffic),
+):
+    getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic
