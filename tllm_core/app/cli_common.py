@@ -114,8 +114,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
-    g.add_argument(
-        "--enforce-eager", action="store_true", help="disable compilation (faster start)"
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no compilation (faster start, slower generation); default for a small job",
+    )
+    mode.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile with torch.compile even for a small job (default above "
+        "prompts x n x max-tokens = 2048)",
     )
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="vLLM max_num_seqs")
     g.add_argument(
@@ -311,21 +320,34 @@ def generate_with(
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     prepare_engine_processes(args)
+    model = local_model(args.model)
+    converting = None
+    if model is None:  # convert the embedded model while vLLM is imported (first run)
+        from tllm_core.app.default_model import convert_in_background
+
+        converting = convert_in_background()
     texts_in = prompts(args)
     params = sampling(args)
-    model = local_model(args.model)
+    from tllm_core.app.startup import choose_eager
+
+    eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     # Fail on names/configs (and, with --model, layers) before converting the default model
     # or starting vLLM; TllmLLM then adds only the checks that were not run yet.
     checked = validate_consumers(consumers, model)
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
+        if converting is not None:
+            converting.wait()
         model = str(default_model_path(progress=True))
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
     names = [s.name for s in checked.specs]
     say(f"loading {Path(model).name} with consumers {', '.join(names) or '(none)'}")
-    say(f"starting vLLM ({engine_note(args)})")
+    if eager_note:  # the one line that says why, and how to override
+        say(f"starting vLLM (eager mode for {eager_note}: about {START_EAGER_S} s)")
+    else:
+        say(f"starting vLLM ({engine_note(args)})")
     t0 = time.perf_counter()
     llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
