@@ -319,13 +319,15 @@ def generate_with(
     from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
-    prepare_engine_processes(args)
     model = local_model(args.model)
     converting = None
     if model is None:  # convert the embedded model while vLLM is imported (first run)
         from tllm_core.app.default_model import convert_in_background
 
+        # Started before the engine processes' environment is set (their CPU libraries'
+        # preload slows the conversion down).
         converting = convert_in_background()
+    prepare_engine_processes(args)
     texts_in = prompts(args)
     params = sampling(args)
     from tllm_core.app.startup import choose_eager
@@ -375,6 +377,7 @@ def generate_with(
         report = llm.close()
     finally:
         llm.shutdown()
+    args.engine_stopped = True  # the command may exit without the interpreter's teardown
     texts: list[list[str | None]] = [[None] * params.n for _ in texts_in]
     tokens = 0
     for o in done:
