@@ -128,7 +128,7 @@ def test_export_not_complete_is_a_warning():
     assert ExportConsumer.summary_warnings(counters, result) == []
     cut = {**counters, "requests_cut_short": 1}
     warned = ExportConsumer.summary_warnings(cut, {**result, "complete": False})
-    assert warned and warned[0].startswith("the export is not complete (1 request(s) cut short")
+    assert warned and warned[0].startswith("not complete (1 request(s) cut short")
 
 
 def test_default_text_is_short_and_the_table_is_opt_in(capsys):
@@ -146,9 +146,19 @@ def test_default_text_is_short_and_the_table_is_opt_in(capsys):
     assert "=== counters" in out and "warm_start_rows" in out
 
 
-def test_json_keeps_its_keys_and_counter_names(capsys):
+def test_json_keeps_its_keys_and_counter_names_and_warns_on_stderr(capsys):
     r = report()
     print_report(["p"], [["t"]], r, as_json=True)
-    obj = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    obj = json.loads(out)
     assert sorted(obj) == ["counters", "errors", "outputs", "results", "run"]
     assert obj["counters"]["esamp"] == ESAMP and obj["counters"]["runtime"] == RUNTIME
+    assert err == "tllm: x\n"  # the run's summary line only: nothing went wrong
+    r["runtime"]["bundles_dropped.esamp"] = 2
+    print_report(["p"], [["t"]], r, as_json=True)
+    out, err = capsys.readouterr()
+    assert "bundles_dropped.esamp" in out
+    assert (
+        err.splitlines()[-1]
+        == "tllm: WARNING: consumer 'esamp': 2 bundle(s) dropped (its queue was full)"
+    )

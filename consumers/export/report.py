@@ -26,8 +26,8 @@ def summary(counters: dict[str, Any], result: Any) -> list[str]:
 def warnings(counters: dict[str, Any], result: Any) -> list[str]:
     if isinstance(result, dict) and result.get("requests") and result.get("complete") is False:
         return [
-            f"the export is not complete ({counters.get('requests_cut_short', 0)} request(s) "
-            "cut short; see 'losses' and each request's 'finished' in the manifest)"
+            f"not complete ({counters.get('requests_cut_short', 0)} request(s) cut short; "
+            "see 'losses' and each request's 'finished' in the manifest)"
         ]
     return []
 

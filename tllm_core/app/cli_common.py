@@ -441,8 +441,13 @@ def print_report(
 
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
         print(json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False))
+        sys.stdout.flush()
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
+        from tllm_core.app.summary import summarize
+
+        for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
+            print(f"tllm: WARNING: {warning}", file=sys.stderr, flush=True)
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
