@@ -126,6 +126,8 @@ def test_export_not_complete_is_a_warning():
         "export: 10 rows, 2.0 MB in 1 shard(s) written to /x"
     ]
     assert ExportConsumer.summary_warnings(counters, result) == []
+    # still open (a server's export before shutdown): not complete yet, no warning
+    assert ExportConsumer.summary_warnings(counters, {**result, "complete": False}) == []
     cut = {**counters, "requests_cut_short": 1}
     warned = ExportConsumer.summary_warnings(cut, {**result, "complete": False})
     assert warned and warned[0].startswith("not complete (1 request(s) cut short")
@@ -162,3 +164,38 @@ def test_json_keeps_its_keys_and_counter_names_and_warns_on_stderr(capsys):
         err.splitlines()[-1]
         == "tllm: WARNING: consumer 'esamp': 2 bundle(s) dropped (its queue was full)"
     )
+
+
+def test_serve_says_what_its_consumers_did_from_the_last_counters_read():
+    import http.server
+    import threading
+
+    from tllm_core.app.serve_summary import LastCounters
+
+    body = json.dumps(report()).encode()
+
+    class Counters(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            ok = self.path == "/tllm/counters"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body if ok else b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Counters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        last = LastCounters(f"http://127.0.0.1:{server.server_port}")
+        assert last.lines() == []  # nothing read yet: nothing said
+        assert last.read_once()
+        lines = last.lines()
+    finally:
+        server.shutdown()
+    assert lines[0].startswith("served 4 request(s), 436 token rows (counters read 0 s before")
+    assert lines[1:] == [
+        "esamp: guided 252 of 256 sampled rows (98%)",
+        "esamp: distiller trained 64 optimizer steps on 252 rows, loss 7.76 → 4.88",
+    ]
+    assert not LastCounters("http://127.0.0.1:9").read_once()  # no server: no summary
