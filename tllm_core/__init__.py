@@ -2,8 +2,8 @@
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
-:class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
-``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
+:class:`GuideView`, ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
 :class:`ArchitectureSpec`. Command authors: ``cli_common`` (:mod:`tllm_core.app.cli_common`).
