@@ -142,3 +142,13 @@ def test_the_default_esamp_run_prints_at_most_8_lines_after_its_outputs(tmp_path
     assert len(tail) <= MAX_LINES_AFTER_OUTPUTS, tail
     assert "eager mode for a small job" in proc.stdout  # the first run starts eager
     assert (rep / "esamp-loss.png").is_file()
+
+
+def test_a_report_folder_that_is_a_file_is_refused_before_the_engine_starts(tmp_path, capsys):
+    from tllm_core.app.cli import main
+
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    # No engine starts: the check runs before the model is even looked at.
+    assert main(["run", "--model", str(tmp_path), "--report", str(taken)]) == 2
+    assert f"--report {taken}: exists and is not a directory" in capsys.readouterr().err

@@ -319,6 +319,10 @@ def generate_with(
     from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
+    if getattr(args, "report", None) is not None:  # before the engine starts, not after
+        from tllm_core.app.report_html import check_out_dir
+
+        check_out_dir(args.report)
     model = local_model(args.model)
     converting = None
     if model is None:  # convert the embedded model while vLLM is imported (first run)
@@ -483,8 +487,10 @@ def show(
         from tllm_core.app.report_html import write_report
 
         run = {"prompts": prompts, **json_report(texts, report)}
-        page = write_report(run, args.report)
-        say(f"report: {page}")
+        try:
+            say(f"report: {write_report(run, args.report)}")
+        except (OSError, RuntimeError, ValueError) as e:  # the run's outputs are printed
+            say(f"WARNING: the report was not written: {e}")
     return exit_status(report)
 
 

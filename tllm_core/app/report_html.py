@@ -177,13 +177,25 @@ def _figure(name: str, plot: Plot, png: Path) -> str:
     )
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """The report's folder can be written (it need not exist yet); else a ValueError."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--report {out_dir}: exists and is not a directory")
+    try:
+        import matplotlib  # noqa: F401 - checked here, before a run, not after it
+    except ImportError:
+        raise ValueError(
+            "--report needs matplotlib (in the cpu and cuda extras): pip install matplotlib"
+        ) from None
+
+
 def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = None) -> Path:
     """Write the report of ``run`` into ``out_dir`` (created); returns the page's path."""
     from tllm_core.runtime.reports import json_safe
 
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--report {out_dir}: exists and is not a directory")
+    check_out_dir(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     lookup = lookup or registry_lookup()
     run_json = out_dir / "run.json"
