@@ -26,6 +26,15 @@ if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
   fi
 fi
 if [ "${1:-}" = "--test" ]; then
+  # Headless Chromium: the report test opens the run report in a real browser.
+  if ! command -v chromium >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+        >/dev/null 2>&1 || echo "install.sh: could not install chromium (the report test skips)"
+    else
+      echo "install.sh: 'apt-get install chromium' (as root) lets the report test run"
+    fi
+  fi
   # A separately installable third-party consumer: the tests check entry-point discovery.
   "$PY" -m pip install -q --no-deps -e tests/plugin_pkg
   # SAELens in a side environment (it sees this one's torch, adds its own dependencies

@@ -7,7 +7,16 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from tllm_core import Bundle, Consumer, ConsumerConfig, Phase, parse_port_name, residual_port
+from tllm_core import (
+    Bundle,
+    Consumer,
+    ConsumerConfig,
+    Phase,
+    Plot,
+    Series,
+    parse_port_name,
+    residual_port,
+)
 
 
 class StatsConfig(ConsumerConfig):
@@ -81,3 +90,46 @@ class StatsConsumer(Consumer):
                 for key, (r, s, m) in per_key.items()
             }
         return out
+
+    @classmethod
+    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        rows = ", ".join(
+            f"{k.removeprefix('rows.')} {v}" for k, v in counters.items() if k.startswith("rows.")
+        )
+        return [f"stats: {counters.get('bundles', 0)} bundles; rows per port: {rows or 'none'}"]
+
+    @classmethod
+    def report_plots(cls, counters: dict[str, Any], result: Any) -> list[Plot]:
+        """Per port: the mean L2 norm (weighted by rows) and the largest |x| over requests."""
+        if not isinstance(result, dict):
+            return []
+        acc: dict[str, list[float]] = {}  # key -> [rows, sum of norms, max |x|]
+        for per_key in result.values():
+            for key, f in per_key.items():
+                a = acc.setdefault(key, [0, 0.0, 0.0])
+                a[0] += f["rows"]
+                a[1] += f["mean_norm"] * f["rows"]
+                a[2] = max(a[2], f["max_abs"])
+        keys = sorted(
+            acc, key=lambda k: (k == "final", int(k.split(".")[-1]) if k[-1].isdigit() else 0)
+        )
+        if not keys:
+            return []
+        return [
+            Plot(
+                name="norms",
+                title="Mean L2 norm per layer",
+                xlabel="port",
+                ylabel="mean ‖h‖₂ over rows",
+                kind="bar",
+                series=(Series("mean norm", keys, [acc[k][1] / max(acc[k][0], 1) for k in keys]),),
+            ),
+            Plot(
+                name="max_abs",
+                title="Largest |x| per layer",
+                xlabel="port",
+                ylabel="max |x|",
+                kind="bar",
+                series=(Series("max |x|", keys, [acc[k][2] for k in keys]),),
+            ),
+        ]

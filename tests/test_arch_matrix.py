@@ -476,7 +476,7 @@ def test_compiled_export_of_other_layer_conventions(arch, tmp_path):
     ports = _ports(arch)
     out = tmp_path / "x"
     args = ["export", "--model", path, "--layers", ",".join(ports), "--out", str(out)]
-    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
+    args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512", "--compile"]
     cli_json(run_cli(*args, "--prompt", PROMPTS[0], timeout=900))
     records = list(read_export(out, verify=True))
     assert records

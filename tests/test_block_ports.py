@@ -45,7 +45,7 @@ def test_compiled_export_of_block_outputs_matches_transformers(tiny_model, tmp_p
     out = tmp_path / "blocks"
     args = ["export", "--model", tiny_model, "--layers", ",".join(PORTS), "--out", str(out)]
     args += ["-n", "2", "--max-tokens", "4", "--seed", "3", "--no-chat", "--json"]
-    args += ["--dtype", "float32", "--max-model-len", "512"]
+    args += ["--dtype", "float32", "--max-model-len", "512", "--compile"]  # small: else eager
     for p in PROMPTS:
         args += ["--prompt", p]
     report = cli_json(run_cli(*args, timeout=900))

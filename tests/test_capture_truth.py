@@ -49,6 +49,7 @@ def test_compiled_multiprocess_third_party_consumer_matches_transformers(tiny_mo
     cfg = json.dumps({"layers": LAYERS})
     args = [
         "run",
+        "--compile",  # a job this small would start eager (issue 39)
         "--model",
         tiny_model,
         "--consumer",

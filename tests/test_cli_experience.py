@@ -33,8 +33,9 @@ NOISE = [
     r"Processed prompts",
     r"Rendering conversations",
 ]
+# The summary after the outputs: the run's line, then each consumer's (issue 39).
 SUMMARY = re.compile(
-    r"^tllm: (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\); stats bundles=(\d+)$", re.M
+    r"^tllm: (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\)\ntllm: stats: (\d+) bundles;", re.M
 )
 
 
@@ -102,7 +103,10 @@ def test_noise_patterns_catch_what_vllm_prints():
         "vLLM WARNING (EngineCore): something new",
     ]
     assert noise("\n".join(seen)) == seen
-    ours = "tllm: engine ready in 21 s\ntllm: 16 tokens in 0.4 s (40.0 tok/s); stats bundles=9"
+    ours = (
+        "tllm: engine ready in 21 s\ntllm: 16 tokens in 0.4 s (40.0 tok/s)\n"
+        "tllm: stats: 9 bundles; rows per port: layer.0 20"
+    )
     assert noise(ours) == []
     assert SUMMARY.search(ours)
 
@@ -121,6 +125,7 @@ def test_default_run_is_quiet_summarised_and_stops_its_engine(tiny_model):
         "--max-tokens",
         "8",
         "--ignore-eos",
+        "--counters",
         *SMALL_ENGINE,
         env={"VLLM_LOGGING_LEVEL": "INFO"},  # the quiet setting must win over the env's level
     )
@@ -165,7 +170,7 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     stderr = err_path.read_text()
     assert proc.returncode == 130, stderr[-4000:]
     assert "tllm: interrupted" in stderr
-    assert "tllm: export: not complete" in stderr
+    assert "tllm: WARNING: export: not complete" in stderr  # --json too: warnings on stderr
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["run"]["interrupted"] is True
     samples = [t for ts in result["outputs"] for t in ts]
@@ -260,7 +265,7 @@ def test_run_without_max_model_len_follows_a_short_context_model():
 
     model = str(build_tiny_model(MODEL_CACHE, num_layers=2, max_positions=1024))
     args = ["run", "--model", model, "--consumer", "stats", "--prompt", "Hello there"]
-    args += ["--max-tokens", "4", "--enforce-eager", "--kv-cache-gib", "1"]
+    args += ["--max-tokens", "4", "--enforce-eager", "--kv-cache-gib", "1", "--counters"]
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "greater than the derived max_model_len" not in proc.stderr

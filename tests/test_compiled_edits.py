@@ -74,6 +74,7 @@ def test_compiled_steering_matches_transformers_with_hooks(tiny_model, tmp_path)
     args = ["export", "--model", tiny_model, "--layers", "2,3", "--out", str(out)]
     args += ["--consumer", f"steer:{json.dumps(steer)}", "-n", "2", "--max-tokens", "5"]
     args += ["--seed", "4", "--no-chat", "--json", "--dtype", "float32", "--max-model-len", "512"]
+    args += ["--compile"]  # a job this small would start eager (issue 39)
     args += ["--prompt", "The weather today", "--prompt", "Count: one two three four five"]
     report = cli_json(run_cli(*args, timeout=900))
     rt = report["counters"]["runtime"]

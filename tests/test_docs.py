@@ -295,7 +295,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(
     "args",
-    [(), ("run",), ("consumers",), ("serve",), ("export",), ("steer",), ("steer", "compute")],
+    [
+        (),
+        ("run",),
+        ("consumers",),
+        ("serve",),
+        ("export",),
+        ("steer",),
+        ("steer", "compute"),
+        ("report",),
+    ],
 )
 def test_cli_help_works_and_every_option_is_documented(args):
     proc = _cli(*args, "--help")

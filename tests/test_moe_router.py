@@ -196,7 +196,7 @@ def test_export_command_writes_router_ports(runner, eager, tmp_path):
     out = tmp_path / "x"
     args = ["export", "--model", path, "--layers", ",".join(EXPORTED), "--out", str(out)]
     args += ["--max-tokens", "3", "--no-chat", "--json", "--max-model-len", "512"]
-    args += ["--enforce-eager"] if eager else []
+    args += ["--enforce-eager"] if eager else ["--compile"]  # small jobs default to eager
     env = v2_env() if runner == "V2" else None
     done = cli_json(run_cli(*args, "--prompt", PROMPTS[0], timeout=900, env=env))
     assert done["run"]["runner"].startswith(f"{runner} runner"), done["run"]["runner"]

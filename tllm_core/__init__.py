@@ -2,8 +2,8 @@
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
-:class:`GuideView`, ``hookimpl`` and the port-name grammar (:class:`PortName`,
-``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
+:class:`GuideView`, ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
 :class:`ArchitectureSpec`. Command authors: ``cli_common`` (:mod:`tllm_core.app.cli_common`).
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.hookspecs import hookimpl
     from tllm_core.api.numbers import FiniteF32
+    from tllm_core.api.plots import Plot, Series
     from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
     from tllm_core.api.ports import (
         Delivery,
@@ -77,6 +78,7 @@ __all__ = [
     "Logits",
     "ModelInfo",
     "Phase",
+    "Plot",
     "PortName",
     "Producer",
     "ReadPort",
@@ -86,6 +88,7 @@ __all__ = [
     "RowInfo",
     "SamplePort",
     "SampledTokens",
+    "Series",
     "SamplerGuide",
     "StepCapture",
     "TapRequest",
@@ -111,6 +114,8 @@ _HOME = {
     "EditPlan": "tllm_core.api.edits",
     "hookimpl": "tllm_core.api.hookspecs",
     "FiniteF32": "tllm_core.api.numbers",
+    "Plot": "tllm_core.api.plots",
+    "Series": "tllm_core.api.plots",
     "PortName": "tllm_core.api.port_names",
     "format_port_name": "tllm_core.api.port_names",
     "parse_port_name": "tllm_core.api.port_names",

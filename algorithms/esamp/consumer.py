@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
+from algorithms.esamp import report
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
@@ -198,3 +199,16 @@ class ESampConsumer(Consumer):
     def close(self) -> None:
         self.trainer.flush()
         self.distiller.close()
+
+    # -- what the command prints and the report shows (algorithms/esamp/report.py) ---------
+    @classmethod
+    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        return report.summary(counters, result)
+
+    @classmethod
+    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        return report.warnings(counters, result)
+
+    @classmethod
+    def report_plots(cls, counters: dict[str, Any], result: Any) -> list:
+        return report.plots(counters, result)

@@ -25,19 +25,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     prompts, texts, report = cli_common.generate_with(
         args, consumers, status=lambda: written(args.out)
     )
-    cli_common.print_report(prompts, texts, report, args.json)
-    c = report["consumers"].get("export", {})
-    cli_common.say(
-        f"export: {c.get('rows_exported', 0)} rows, {c.get('bytes_written', 0) / 1e6:.1f} MB "
-        f"in {c.get('shards_written', 0)} shards written to {args.out}"
-    )
-    res = report.get("results", {}).get("export")
-    if isinstance(res, dict) and res.get("requests") and res.get("complete") is False:
-        cli_common.say(
-            f"export: not complete ({c.get('requests_cut_short', 0)} request(s) cut short; "
-            f"see 'losses' and each request's 'finished' in the manifest)"
-        )
-    return cli_common.exit_status(report)
+    # The export's own summary lines (rows, MB, shards; "not complete") are its consumer
+    # class's summary and summary_warnings.
+    return cli_common.show(args, prompts, texts, report)
 
 
 def written(out: Path) -> str:

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
+from consumers.export import report
 from consumers.export.requests import RequestTable
 from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
@@ -329,3 +330,16 @@ class ExportConsumer(Consumer):
                 "keys": list(self.keys),
                 "complete": self._complete,
             }
+
+    # -- what the command prints and the report shows (consumers/export/report.py) ---------
+    @classmethod
+    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        return report.summary(counters, result)
+
+    @classmethod
+    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        return report.warnings(counters, result)
+
+    @classmethod
+    def report_plots(cls, counters: dict[str, Any], result: Any) -> list:
+        return report.plots(counters, result)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from tllm_core.api.bundles import Bundle, GuideView
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditPlan
+from tllm_core.api.plots import Plot
 from tllm_core.api.ports import Delivery, Phase, ReadPort, TokenPort, WritePort, residual_port
 from tllm_core.api.request_settings import RequestSettings
 from tllm_core.api.rows import RequestInfo, RowInfo
@@ -126,3 +127,26 @@ class Consumer:
 
     def close(self) -> None:
         """Flush and release resources; called at shutdown and when results are collected."""
+
+    # -- the run's summary and report (the ``tllm`` command's process, not the engine's) ------
+    # Class methods: the command has the consumer's class, not the instance that ran in the
+    # engine; they read the counters and result the engine returned (docs/hooks.md).
+    @classmethod
+    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        """One or two lines saying what this consumer did, with the counters that prove it,
+        printed after a ``tllm`` run and shown in its report. Empty (the default): a line
+        with :attr:`proof_counter`."""
+        return []
+
+    @classmethod
+    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
+        """Only what a person must act on (data lost, work not done); printed after the
+        summary as ``WARNING: ...``. The runtime's own warnings (consumer disabled, bundles
+        dropped, callback errors) are added by tllm."""
+        return []
+
+    @classmethod
+    def report_plots(cls, counters: dict[str, Any], result: Any) -> list[Plot]:
+        """Plots of the run report (``tllm run --report DIR``, ``tllm report``): data only,
+        the report draws them."""
+        return []

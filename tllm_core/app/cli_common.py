@@ -7,8 +7,7 @@ A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.api.hookspecs`) can reuse
     def run_mine(args):
         cli_common.quiet(args)
         prompts, texts, report = cli_common.generate_with(args, ["mine"])
-        cli_common.print_report(prompts, texts, report, args.json)
-        return cli_common.exit_status(report)
+        return cli_common.show(args, prompts, texts, report)  # summary, --json, --report
 
     @hookimpl
     def tllm_commands(subparsers):
@@ -49,6 +48,7 @@ __all__ = [
     "read_prompt_file",
     "sampling",
     "say",
+    "show",
 ]
 
 
@@ -114,8 +114,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
-    g.add_argument(
-        "--enforce-eager", action="store_true", help="disable compilation (faster start)"
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no compilation (faster start, slower generation); default for a small job",
+    )
+    mode.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile with torch.compile even for a small job (default above "
+        "prompts x n x max-tokens = 2048)",
     )
     g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="vLLM max_num_seqs")
     g.add_argument(
@@ -168,6 +177,14 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs, counters)")
+    p.add_argument("--counters", action="store_true", help="print every counter after the outputs")
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="write an HTML report (outputs side by side, summary, plots; one PNG per plot) "
+        "and run.json to DIR",
+    )
     p.add_argument(
         "-v", "--verbose", action="store_true", help="show vLLM's and torch's logs and warnings"
     )
@@ -302,22 +319,41 @@ def generate_with(
     from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
+    if getattr(args, "report", None) is not None:  # before the engine starts, not after
+        from tllm_core.app.report_html import check_out_dir
+
+        check_out_dir(args.report)
+    model = local_model(args.model)
+    converting = None
+    if model is None:  # convert the embedded model while vLLM is imported (first run)
+        from tllm_core.app.default_model import convert_in_background
+
+        # Started before the engine processes' environment is set (their CPU libraries'
+        # preload slows the conversion down).
+        converting = convert_in_background()
     prepare_engine_processes(args)
     texts_in = prompts(args)
     params = sampling(args)
-    model = local_model(args.model)
+    from tllm_core.app.startup import choose_eager
+
+    eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     # Fail on names/configs (and, with --model, layers) before converting the default model
     # or starting vLLM; TllmLLM then adds only the checks that were not run yet.
     checked = validate_consumers(consumers, model)
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
+        if converting is not None:
+            converting.wait()
         model = str(default_model_path(progress=True))
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
     names = [s.name for s in checked.specs]
     say(f"loading {Path(model).name} with consumers {', '.join(names) or '(none)'}")
-    say(f"starting vLLM ({engine_note(args)})")
+    if eager_note:  # the one line that says why, and how to override
+        say(f"starting vLLM (eager mode for {eager_note}: about {START_EAGER_S} s)")
+    else:
+        say(f"starting vLLM ({engine_note(args)})")
     t0 = time.perf_counter()
     llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
@@ -345,6 +381,7 @@ def generate_with(
         report = llm.close()
     finally:
         llm.shutdown()
+    args.engine_stopped = True  # the command may exit without the interpreter's teardown
     texts: list[list[str | None]] = [[None] * params.n for _ in texts_in]
     tokens = 0
     for o in done:
@@ -376,59 +413,85 @@ def has_chat_template(model: Path) -> bool:
     return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
 
 
-def _idle_consumers(report: dict[str, Any]) -> list[str]:
-    """Consumers whose counters are all zero: they did no work."""
-    return [
-        name
-        for name, c in report["consumers"].items()
-        if not any(v for k, v in c.items() if not k.startswith("memory"))
-    ]
-
-
 def _counters(report: dict[str, Any]) -> dict[str, Any]:
     out = {"runtime": report["runtime"]}
     out.update(report["consumers"])
     return out
 
 
+def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` object: outputs, counters, results, errors, run."""
+    return {
+        "outputs": texts,
+        "counters": _counters(report),
+        "results": report.get("results", {}),
+        "errors": report.get("errors", []),
+        "run": report.get("run", {}),
+    }
+
+
 def print_report(
-    prompts: list[str], texts: list[list[str]], report: dict[str, Any], as_json: bool
+    prompts: list[str],
+    texts: list[list[str]],
+    report: dict[str, Any],
+    as_json: bool,
+    counters: bool = False,
 ) -> None:
-    """Completions and counters as text (errors, idle consumers and the run's summary line
-    on stderr), or one JSON (the summary line on stderr as well)."""
+    """Completions as text, then (on stderr) errors and the run's summary: a line per
+    consumer and the warnings that matter (:mod:`tllm_core.app.summary`); ``counters``: the
+    full counter table too. Or one JSON (the summary line on stderr)."""
     if as_json:
         from tllm_core.runtime.reports import json_safe
 
-        out = {
-            "outputs": texts,
-            "counters": _counters(report),
-            "results": report.get("results", {}),
-            "errors": report.get("errors", []),
-            "run": report.get("run", {}),
-        }
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
-        print(json.dumps(json_safe(out), default=str, allow_nan=False))
+        print(json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False))
+        sys.stdout.flush()
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
+        from tllm_core.app.summary import summarize
+
+        for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
+            print(f"tllm: WARNING: {warning}", file=sys.stderr, flush=True)
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
         for j, t in enumerate(samples):
             print(f"--- sample {j}\n{t.strip() if t is not None else '(not finished)'}")
-    print("\n=== counters")
-    for group, values in _counters(report).items():
-        print(f"[{group}]")
-        for k, v in sorted(values.items()):
-            print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
+    if counters:
+        print("\n=== counters")
+        for group, values in _counters(report).items():
+            print(f"[{group}]")
+            for k, v in sorted(values.items()):
+                print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
+    sys.stdout.flush()
     for e in report.get("errors", []):
         print(f"ERROR: {e['error']}", file=sys.stderr)
-    for name in _idle_consumers(report):
-        print(
-            f"WARNING: consumer {name!r} did no work (all its counters are zero)", file=sys.stderr
-        )
-    if report.get("run", {}).get("summary"):
-        sys.stdout.flush()
-        print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
+    from tllm_core.app.summary import summarize
+
+    for line in summarize(report).text():
+        print(f"tllm: {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def show(
+    args: argparse.Namespace,
+    prompts: list[str],
+    texts: list[list[str | None]],
+    report: dict[str, Any],
+) -> int:
+    """What a command prints and writes after :func:`generate_with`: the outputs and summary
+    (or ``--json``), the counter table with ``--counters``, the HTML report with ``--report
+    DIR``; returns the exit status (:func:`exit_status`)."""
+    print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
+    if getattr(args, "report", None) is not None:
+        from tllm_core.app.report_html import write_report
+
+        run = {"prompts": prompts, **json_report(texts, report)}
+        try:
+            say(f"report: {write_report(run, args.report)}")
+        except (OSError, RuntimeError, ValueError) as e:  # the run's outputs are printed
+            say(f"WARNING: the report was not written: {e}")
+    return exit_status(report)
 
 
 def exit_status(report: dict[str, Any]) -> int:

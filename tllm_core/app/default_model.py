@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -71,6 +72,23 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _cached_tensor_name_map() -> Iterator[None]:
+    """transformers builds gguf's tensor-name map anew for every module of the model (397
+    times for SmolLM2, a quarter of the conversion's time); the map depends only on its
+    arguments, so it is cached while converting."""
+    import functools
+
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into an fp32 Hugging Face folder at ``out_dir`` (which must exist)."""
     import torch
@@ -79,7 +97,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    with _cached_tensor_name_map():
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     config = model.config
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
 
@@ -151,6 +170,28 @@ def default_model_path(progress: bool = True) -> Path:
                 flush=True,
             )
     return target
+
+
+def convert_in_background() -> subprocess.Popen | None:
+    """Start converting the default model in a child process when it is not cached yet
+    (None: cached, or the GGUF package is missing): the conversion then runs on one core
+    while the command imports vLLM on the other. Call :func:`default_model_path` afterwards
+    (it waits for the child): it finds the folder, or converts (and fails) itself."""
+    if _is_complete(cache_root() / MODEL_DIRNAME):
+        return None
+    try:
+        gguf_source()
+    except DefaultModelUnavailable:
+        return None
+    code = "from tllm_core.app.default_model import _convert_child; _convert_child()"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _convert_child() -> None:
+    try:
+        default_model_path(progress=True)
+    except BaseException:  # noqa: BLE001 - Ctrl-C included: the parent reports it, or the error
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # smoke check: convert, load with transformers and vLLM (CPU), generate

@@ -175,10 +175,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     bind_cpu_threads(ranks)
     _announce_when_ready(url)
+    from tllm_core.app.serve_summary import LastCounters
+
+    last = LastCounters(url)  # what the consumers did, said when the server stops
+    last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     pre = CheckedServer(settings=wire, engine=engine)
     run_openai_server(server_argv(args, model, settings), pre)
+    last.stop()
     say("server stopped")
+    for line in last.lines():
+        say(line)
     # The server has stopped its engine. Skip the interpreter's teardown: it only adds
     # "nanobind: leaked ..." reports from the Triton module vLLM imported.
     sys.stdout.flush()

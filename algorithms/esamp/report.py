@@ -1,0 +1,141 @@
+"""What a person reads and sees of an ESamp run: the summary lines, the warnings that
+matter and the report's plots (``ESampConsumer.summary`` / ``summary_warnings`` /
+``report_plots``), from the counters and ``result()`` the engine returned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tllm_core import Plot, Series
+
+
+def _n(counters: dict[str, Any], key: str) -> int:
+    return int(counters.get(key, 0) or 0)
+
+
+def _f(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else "n/a"
+
+
+def sampled_rows(counters: dict[str, Any]) -> int:
+    """Sampler rows ESamp saw: visited (predicted for) plus skipped (every reason)."""
+    return _n(counters, "rows_visited") + _n(counters, "rows_skipped")
+
+
+def summary(counters: dict[str, Any], result: Any) -> list[str]:
+    seen, guided = sampled_rows(counters), _n(counters, "rows_guided")
+    share = f" ({100 * guided / seen:.0f}%)" if seen else ""
+    lines = [f"esamp: guided {guided} of {seen} sampled rows{share}"]
+    steps = _n(counters, "optimizer_steps")
+    if not steps:
+        lines.append("esamp: the distiller did not train (0 optimizer steps)")
+        return lines
+    train = (
+        f"esamp: distiller trained {steps} optimizer steps on {_n(counters, 'rows_trained')} rows"
+    )
+    loss = f"loss {_f(counters.get('loss_first'))} → {_f(counters.get('loss_last'))}"
+    groups = _n(counters, "groups_created")
+    if groups > 1 and isinstance(result, dict):
+        first, last = result.get("group_loss_first_mean"), result.get("group_loss_last_mean")
+        if first is not None and last is not None:
+            loss = f"loss {_f(first)} → {_f(last)} (mean over {groups} groups)"
+    lines.append(f"{train}, {loss}")
+    return lines
+
+
+def warnings(counters: dict[str, Any], result: Any) -> list[str]:
+    out = []
+    cap = _n(counters, "candidates_over_cap")
+    if cap:
+        out.append(
+            f"{cap} candidate logits past cuda_max_candidates were dropped "
+            "(a top-k filter; raise cuda_max_candidates for wide top-p)"
+        )
+    no_slot = _n(counters, "rows_skipped_cap") + _n(counters, "train_rows_skipped_cap")
+    if no_slot:
+        out.append(
+            f"{_n(counters, 'rows_skipped_cap')} rows not guided and "
+            f"{_n(counters, 'train_rows_skipped_cap')} not trained: their group had no "
+            "distiller (max_groups or cuda_capacity reached)"
+        )
+    bad = _n(counters, "nonfinite_losses_skipped")
+    if bad:
+        out.append(f"{bad} non-finite losses skipped (those updates were not applied)")
+    if _n(counters, "graph_failures"):
+        out.append(f"{_n(counters, 'graph_failures')} CUDA graph failures (updates ran eagerly)")
+    return out
+
+
+def _curve(points: Any, col: int = 1) -> tuple[list[float], list[float]]:
+    rows = [p for p in points or [] if isinstance(p, (list, tuple)) and len(p) > col]
+    return [float(p[0]) for p in rows], [float(p[col]) for p in rows]
+
+
+def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
+    res = result if isinstance(result, dict) else {}
+    out = []
+    x, y = _curve(res.get("loss_curve"))
+    if x:
+        groups = res["loss_curve"][0][2] if len(res["loss_curve"][0]) > 2 else None
+        out.append(
+            Plot(
+                name="loss",
+                title="ESamp distiller loss by optimizer step",
+                xlabel="optimizer step within a group",
+                ylabel="distiller loss (MSE)",
+                series=(Series("mean over groups", x, y),),
+                caption="the loss at each of a group's optimizer steps, averaged over the "
+                "groups that reached it"
+                + (f" ({groups} group(s) at step 0)" if groups else "")
+                + "; falling: the distiller learns the familiar continuation",
+            )
+        )
+    guided = _n(counters, "rows_guided")
+    visited = _n(counters, "rows_visited")
+    bars = [
+        ("guided", guided),
+        ("visited, unchanged", max(visited - guided, 0)),
+        *(
+            (f"skipped: {r}", _n(counters, f"rows_skipped_{r}"))
+            for r in ("prefill", "greedy", "cap", "mixed")
+        ),
+    ]
+    if visited or _n(counters, "rows_skipped"):
+        out.append(
+            Plot(
+                name="rows",
+                title="ESamp sampler rows: guided share",
+                xlabel="",
+                ylabel="rows",
+                kind="bar",
+                series=(Series("rows", [b[0] for b in bars], [b[1] for b in bars]),),
+                caption=f"{guided} of {sampled_rows(counters)} sampled rows guided; the first "
+                "token of each sample (a prefill row) is never guided",
+            )
+        )
+    x, y = _curve((res.get("diagnostics") or {}).get("rel_err_curve"))
+    if x:
+        out.append(
+            Plot(
+                name="rel_err",
+                title="ESamp prediction error by step",
+                xlabel="optimizer step within a group",
+                ylabel="‖h_L − f(h_1)‖ / ‖h_L‖",
+                series=(Series("mean relative error", x, y),),
+            )
+        )
+    curve = res.get("optimizer_curve") or []
+    if curve:
+        x, size = _curve(curve, 3)
+        _, norm = _curve(curve, 4)
+        out.append(
+            Plot(
+                name="optimizer",
+                title="ESamp optimizer: update size and gradient norm",
+                xlabel="optimizer step within a group",
+                ylabel="value (log)",
+                log_y=True,
+                series=(Series("update size |Δθ|/lr", x, size), Series("gradient norm", x, norm)),
+            )
+        )
+    return out
