@@ -78,19 +78,25 @@ def kill_group(proc: subprocess.Popen, but: str = "") -> list[int]:
     return killed
 
 
-def descendants(pid: int) -> list[int]:
+def descendants(pid: int, settle: float = 0) -> list[int]:
     """Processes the command ``pid`` started (by the ``TLLM_CLI_PID`` it gives them, which
-    survives re-parenting), still alive."""
+    survives re-parenting), still alive after up to ``settle`` s (they may be exiting)."""
     import psutil
 
-    left = []
-    for p in psutil.process_iter():
-        try:
-            if p.pid != pid and p.environ().get("TLLM_CLI_PID") == str(pid):
-                left.append(p.pid)
-        except (psutil.Error, OSError):
-            continue
-    return left
+    deadline = time.monotonic() + settle
+    while True:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.pid == pid or p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if p.environ().get("TLLM_CLI_PID") == str(pid):
+                    left.append(p.pid)
+            except (psutil.Error, OSError):
+                continue
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
 
 
 def shm_entries() -> set[str]:

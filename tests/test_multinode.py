@@ -171,7 +171,7 @@ def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(ev
         log = llog.read_text()
         assert code == 1, log[-4000:]
         assert "2-node engine is gone" in log or "engine failed" in log, log[-4000:]
-        assert descendants(leader.pid) == []
+        assert descendants(leader.pid, settle=30) == []
     finally:
         for p in (leader, follower):
             if p.poll() is None:
@@ -213,4 +213,4 @@ def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, 
         assert "tllm settings differ between the nodes" in log, (name, log[-4000:])
         assert '"name": "stats"' in log and '"name": "esamp"' in log, (name, log[-4000:])
     assert all(c not in (0, None) for c in codes), codes
-    assert descendants(leader.pid) == [] and descendants(follower.pid) == []
+    assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []

@@ -132,7 +132,7 @@ def _engine_loading(proc: subprocess.Popen, timeout: float = 180) -> None:
 
 
 def _clean_after(proc: subprocess.Popen, pids: set[int], shm_before: set[str], log: str):
-    assert descendants(proc.pid) == [], log[-4000:]
+    assert descendants(proc.pid, settle=30) == [], log[-4000:]
     assert leftover_shm(shm_before, pids | {proc.pid}) == [], log[-4000:]
     assert [ln for ln in noise(log) if "force killing" in ln or "leaked" in ln] == []
 

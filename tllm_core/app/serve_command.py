@@ -229,6 +229,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _exit(code: int) -> None:
     # The server has stopped its engine. Skip the interpreter's teardown: it only adds
     # "nanobind: leaked ..." reports from the Triton module vLLM imported.
+    from tllm_core.app.stop import forget_dead_children
+
+    forget_dead_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -17,6 +17,7 @@ had to kill.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -34,6 +35,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _received: list[int] = []
 _lock = threading.Lock()
+# The command's processes when the first stop signal came (see forget_dead_children).
+_children: set[int] = set()
 
 
 def stop_timeout() -> float:
@@ -68,6 +71,7 @@ def note(signum: int) -> bool:
         first = not _received
         _received.append(signum)
     if first:
+        _children.update(_descendant_pids())
         threading.Thread(
             target=_watchdog, args=(stop_timeout(),), daemon=True, name="tllm-stop-watchdog"
         ).start()
@@ -99,6 +103,37 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _handler)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, _handler)
+    atexit.register(forget_dead_children)
+
+
+def _descendant_pids() -> set[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    return set()
+
+
+def forget_dead_children() -> list[str]:
+    """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
+    of the command's processes that a stop signal caught and that are gone now: libiomp5
+    removes its file only at a normal exit, and an engine process that the stop interrupts
+    mid-start is ended by a signal. Returns the paths removed."""
+    import glob
+
+    import psutil
+
+    removed = []
+    for pid in sorted(_children):
+        if psutil.pid_exists(pid):
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+        for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
 
 
 @contextlib.contextmanager
@@ -139,7 +174,8 @@ def _watchdog(timeout: float) -> None:
         f"did not stop within {timeout:.0f} s of the stop signal ({STOP_TIMEOUT_ENV}); "
         "killing its engine processes"
     )
-    kill_children()
+    _children.update(kill_children())
+    forget_dead_children()
     os._exit(EXIT_STOP_TIMEOUT)
 
 
