@@ -204,14 +204,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
     from tllm_core.app import stop
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import CheckedServer, run_openai_server
+    from tllm_core.vllm_bridge.server_entry import (
+        CheckedServer,
+        close_http_soon,
+        run_openai_server,
+    )
 
     bind_cpu_threads(ranks)
     if not follower:
         _announce_when_ready(url)
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     pre = CheckedServer(settings=wire, engine=engine)
-    with stop.noting_handlers():  # vLLM's own stop handlers, bounded by tllm's watchdog
+    with stop.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
         run_openai_server(server_argv(args, model, settings), pre)
     from tllm_core.vllm_bridge.nodes import lost
 

@@ -137,15 +137,17 @@ def forget_dead_children() -> list[str]:
 
 
 @contextlib.contextmanager
-def noting_handlers() -> Iterator[None]:
+def noting_handlers(seen: Callable[[Any], None] | None = None) -> Iterator[None]:
     """While inside, a SIGINT/SIGTERM handler that someone else installs with
     ``signal.signal`` (vLLM's server, uvicorn) first records the signal (:func:`note`, which
     starts the watchdog), then runs as it would. The server keeps its own graceful stop;
-    the watchdog bounds it."""
+    the watchdog bounds it. ``seen(handler)`` is called with each such handler."""
     original = signal.signal
 
     def signal_noting(signalnum: Any, handler: Any) -> Any:
         if signalnum in STOP_SIGNALS and callable(handler):
+            if seen is not None:
+                seen(handler)
             handler = _noting(handler)
         return original(signalnum, handler)
 

@@ -85,3 +85,22 @@ def run_headless_node(argv: list[str]) -> None:
         )
     args.api_server_count = 0
     run_headless(args)
+
+
+# Seconds the HTTP server waits for open connections once vLLM has stopped its engine.
+HTTP_CLOSE_S = 5
+
+
+def close_http_soon(handler: Any) -> None:
+    """Given the stop-signal handler the HTTP server installs (uvicorn's ``Server.handle_exit``,
+    bound), make its shutdown wait at most :data:`HTTP_CLOSE_S` for open connections.
+
+    vLLM's server stops its engine first (draining the requests), then the HTTP server;
+    uvicorn then waits for every connection to close, without limit unless
+    ``timeout_graceful_shutdown`` is set (vLLM 0.32 does not set it), and only a second
+    SIGINT, not SIGTERM, forces it. A request whose engine is gone never completes (measured:
+    a completion in flight at SIGTERM kept ``tllm serve`` waiting until killed), so the
+    connections get a few seconds, then uvicorn cancels them."""
+    config = getattr(getattr(handler, "__self__", None), "config", None)
+    if config is not None and getattr(config, "timeout_graceful_shutdown", 0) is None:
+        config.timeout_graceful_shutdown = HTTP_CLOSE_S
