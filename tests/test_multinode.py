@@ -78,6 +78,17 @@ def test_node_watch_reports_a_failed_check_once():
     nodes._lost.clear()
 
 
+def test_node_count_sees_tp_nodes_and_remote_dp_engines():
+    from types import SimpleNamespace as NS
+
+    from tllm_core.vllm_bridge.nodes import node_count
+
+    assert node_count(NS(nnodes=1, data_parallel_size=1, data_parallel_size_local=1)) == 1
+    assert node_count(NS(nnodes=2, data_parallel_size=1, data_parallel_size_local=1)) == 2
+    assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=1)) == 2
+    assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=2)) == 1
+
+
 # -- two node processes on loopback ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def even_model() -> str:
@@ -214,3 +225,66 @@ def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, 
         assert '"name": "stats"' in log and '"name": "esamp"' in log, (name, log[-4000:])
     assert all(c not in (0, None) for c in codes), codes
     assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
+def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_dies(
+    tiny_model, tmp_path
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+    port, rpc = free_port(), free_port()
+    args = ["--model", tiny_model, "--data-parallel-size", "2", *ENGINE]
+    args += ["--consumer", "stats", "--consumer", "esamp", "--per-request"]
+
+    def node(rank, log, *extra):
+        vllm = ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1"]
+        vllm += ["--data-parallel-rpc-port", str(rpc), "--enforce-eager"]
+        if rank:
+            vllm += ["--data-parallel-start-rank", str(rank)]
+        argv = ["serve", "--port", str(port), *args, *extra, "--", *vllm]
+        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank))
+
+    llog = tmp_path / "leader.log"
+    shm_before = shm_entries()
+    leader = node(0, llog)
+    follower = node(1, tmp_path / "follower.log", "--headless")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(llog, "tllm: ready", leader, 600)
+        status = get_json(f"{url}/tllm/status")
+        assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
+
+        def complete(i: int) -> dict:
+            xargs = {"tllm_consumers": "stats,esamp", "tllm_esamp_beta": 0.5}
+            body = {"model": "default", "prompt": f"Story {i}: once upon a time"}
+            body |= {"max_tokens": 8, "ignore_eos": True, "vllm_xargs": xargs}
+            return _post(f"{url}/v1/completions", body)
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(complete, range(16)))
+        assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+        rep = get_json(f"{url}/tllm/counters")
+        finished = [r["runtime"].get("requests_finished", 0) for r in rep["ranks"]]
+        assert rep["runtime"]["requests_finished"] == sum(finished) == 16
+        assert all(f > 0 for f in finished), f"an engine got no request: {finished}"
+        guided = [r["consumers"]["esamp"].get("rows_guided", 0) for r in rep["ranks"]]
+        assert all(g > 0 for g in guided), guided  # ESamp trained and guided on both nodes
+        assert rep["consumers"]["esamp"]["rows_guided"] == sum(guided) <= 16 * 7
+        follower_pids = {follower.pid, *descendants(follower.pid)}
+
+        assert kill_group(follower, but="resource_tracker")
+        code = exit_within(leader, 300)
+        log = llog.read_text()
+        assert code == 1, log[-4000:]
+        assert "2-node engine is gone or hangs" in log, log[-4000:]
+        assert descendants(leader.pid, settle=30) == []
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                kill_group(p)
+            p.wait(30)
+    assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []

@@ -12,7 +12,7 @@ shared memory and semaphores they leave), and exits with :data:`EXIT_STOP_TIMEOU
 Exit status after a signal: ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM) when
 the work was cut short (``tllm run``, ``tllm export``, a server stopped before it was
 ready); 0 when a ready server stopped cleanly; :data:`EXIT_STOP_TIMEOUT` when the watchdog
-had to kill.
+had to kill (1 instead when a multi-node server stopped because a node was lost).
 """
 
 from __future__ import annotations
@@ -178,7 +178,9 @@ def _watchdog(timeout: float) -> None:
     )
     _children.update(kill_children())
     forget_dead_children()
-    os._exit(EXIT_STOP_TIMEOUT)
+    from tllm_core.vllm_bridge.nodes import lost
+
+    os._exit(1 if lost() else EXIT_STOP_TIMEOUT)  # a lost node is the error to report
 
 
 def kill_children() -> list[int]:

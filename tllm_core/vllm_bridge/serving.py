@@ -361,16 +361,17 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
 
 
 def watch_peer_nodes(engine_client: Any, state: Any) -> None:
-    """On the leader of a multi-node engine: check the other nodes every few seconds; a lost
-    node stops this server with an error (``nodes.py``; SIGTERM to this process, so vLLM's
-    own graceful stop runs)."""
+    """On the leader of a multi-node engine (TP across nodes, or DP engines on other nodes):
+    check every engine and rank every few seconds; a lost node stops this server with an
+    error (``nodes.py``; SIGTERM to this process, so vLLM's own graceful stop runs, bounded
+    by tllm's stop watchdog)."""
     import asyncio
     import os
     import signal
 
     from tllm_core.vllm_bridge import nodes
 
-    nnodes = int(getattr(engine_client.vllm_config.parallel_config, "nnodes", 1) or 1)
+    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
     interval = nodes.check_interval()
     if nnodes <= 1 or interval == 0:
         return
@@ -379,7 +380,7 @@ def watch_peer_nodes(engine_client: Any, state: Any) -> None:
         log.error("tllm: %s; stopping the server", reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    ask = lambda: engine_client.collective_rpc("tllm_node_check")  # noqa: E731
+    ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
     state.tllm_node_watch = asyncio.get_running_loop().create_task(
         nodes.watch_nodes(ask, nnodes, interval, on_lost)
     )
