@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from tllm_core.app import stop
 from tllm_core.app.cli_common import (
     add_consumer_arg,
     add_generation_args,
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # (they inherit the environment) load only the plugins that loaded here.
         os.environ[ALLOW_ENV] = ",".join(plugins.loaded)
     args = parser.parse_args(argv)
+    stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
     try:
         status = args.func(args)
     except ValueError as e:  # ConsumerSpecError and CliError included
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...
         print("tllm: interrupted", file=sys.stderr)
-        return 130
+        return stop.exit_code()
     if argv is None and getattr(args, "engine_stopped", False):
         # The command's own process, its engine stopped and everything printed: skip the
         # interpreter's teardown of vLLM and torch (seconds on 2 cores), as `tllm serve` does.

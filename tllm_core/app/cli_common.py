@@ -495,7 +495,10 @@ def show(
 
 
 def exit_status(report: dict[str, Any]) -> int:
-    """130 when interrupted (Ctrl-C), 1 when a consumer failed during the run, else 0."""
+    """128 + the signal when interrupted (130: Ctrl-C, 143: SIGTERM; app/stop.py), 1 when a
+    consumer failed during the run, else 0."""
     if report.get("run", {}).get("interrupted"):
-        return 130
+        from tllm_core.app.stop import exit_code
+
+        return exit_code(130)
     return 1 if report.get("errors") else 0

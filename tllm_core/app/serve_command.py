@@ -26,6 +26,10 @@ EPILOG = """examples:
   tllm serve --consumer 'esamp:{"beta": 0.5}' --consumer stats --port 8001
   tllm serve --model ./my-hf-model --consumer esamp -- --max-num-seqs 64 --enforce-eager
   tllm serve --data-parallel-size 2 --consumer esamp --per-request   # two engines
+  tllm serve --model M --tensor-parallel-size 2 --consumer stats -- --nnodes 2 \
+      --node-rank 0 --master-addr 10.0.0.1 --master-port 29501          # leader node
+  tllm serve --model M --tensor-parallel-size 2 --consumer stats --headless -- \
+      --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29501  # follower
 
 Arguments after `--` go to vLLM's server unchanged (`python -m
 vllm.entrypoints.openai.api_server --help` lists them). Without --model the embedded
@@ -47,6 +51,8 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.data_parallel_size != 1:
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
+    if headless(args) and "--headless" not in extra:
+        argv += ["--headless"]
     # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
     # them; its default, 0, kills them at once ("force killing remaining process"). 60 s: the
     # worker alone may take up to 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS set by the command).
@@ -59,6 +65,7 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 
 DP_FLAGS = ("--data-parallel-size", "-dp")
 API_SERVER_FLAGS = ("--api-server-count", "-asc")
+DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
 
 
 def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
@@ -91,7 +98,24 @@ def parallel_ranks(args: argparse.Namespace) -> int:
     dp = args.data_parallel_size if dp is None else dp
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
-    return args.tensor_parallel_size * dp
+    return local_ranks(extra, args.tensor_parallel_size, dp)
+
+
+def local_ranks(extra: list[str], tp: int, dp: int) -> int:
+    """Ranks of the engine that run on this node: ``--data-parallel-size-local`` engines of
+    ``tp`` ranks when given, else the ``tp * dp`` ranks split over ``--nnodes`` (docs/scaling.md)."""
+    dp_local = _int_flag(extra, DP_LOCAL_FLAGS)
+    if dp_local is not None:
+        return tp * max(dp_local, 1)
+    nodes = _int_flag(extra, ("--nnodes",)) or 1
+    if nodes < 1:
+        raise cli_common.CliError(f"--nnodes must be >= 1, got {nodes}")
+    return max(1, tp * dp // nodes)
+
+
+def headless(args: argparse.Namespace) -> bool:
+    """``--headless`` (ours, or vLLM's after ``--``): this node runs engine ranks only."""
+    return bool(args.headless) or "--headless" in (args.vllm_args or [])
 
 
 def describe(url: str, engine) -> list[str]:
@@ -166,31 +190,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.serving.keys import EngineConsumers
 
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
-    for line in describe(url, engine):
-        say(line)
+    follower = headless(args)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
-    say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
+    if follower:
+        say(
+            "headless node: engine ranks only, no API server; the leader (node rank 0) "
+            "serves the API, runs the consumers and gathers the counters"
+        )
+        say(f"starting this node's engine ranks ({cli_common.engine_note(args)})")
+    else:
+        for line in describe(url, engine):
+            say(line)
+        say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
+    from tllm_core.app import stop
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import CheckedServer, run_openai_server
+    from tllm_core.vllm_bridge.server_entry import (
+        CheckedServer,
+        close_http_soon,
+        run_openai_server,
+    )
 
     bind_cpu_threads(ranks)
-    _announce_when_ready(url)
-    from tllm_core.app.serve_summary import LastCounters
+    last = None
+    if not follower:
+        _announce_when_ready(url)
+        from tllm_core.app.serve_summary import LastCounters
 
-    last = LastCounters(url)  # what the consumers did, said when the server stops
-    last.start()
+        last = LastCounters(url)  # what the consumers did, said when the server stops
+        last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     pre = CheckedServer(settings=wire, engine=engine)
-    run_openai_server(server_argv(args, model, settings), pre)
-    last.stop()
-    say("server stopped")
-    for line in last.lines():
-        say(line)
+    with stop.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
+        run_openai_server(server_argv(args, model, settings), pre)
+    if last is not None:
+        last.stop()
+    from tllm_core.vllm_bridge.nodes import lost
+
+    if lost():
+        say(f"error: {lost()}")
+        _exit(1)
+    if not follower and stop.received() is None:
+        # Nobody asked it to stop: the engine failed (its errors are above).
+        say("error: the server stopped on its own: its engine failed (errors above)")
+        _exit(1)
+    say("headless node stopped" if follower else "server stopped")
+    if last is not None:
+        for line in last.lines():
+            say(line)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
     # The server has stopped its engine. Skip the interpreter's teardown: it only adds
     # "nanobind: leaked ..." reports from the Triton module vLLM imported.
+    from tllm_core.app.stop import forget_dead_children
+
+    forget_dead_children()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -219,6 +277,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="vLLM's option: engines behind this one server, each with its own consumers "
         "(docs/scaling.md)",
+    )
+    s.add_argument(
+        "--headless",
+        action="store_true",
+        help="a follower node of a multi-node engine: engine ranks only, no API server "
+        "(vLLM's --headless; give --nnodes, --node-rank, --master-addr after `--`; "
+        "docs/scaling.md)",
     )
     s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     s.add_argument(

@@ -118,18 +118,38 @@ def _wrap_init_device() -> None:
         config = getattr(self, "vllm_config", None)
         settings = tllm_settings(getattr(config, "additional_config", None))
         if settings is None:
-            return orig(self, *args, **kwargs)
+            out = orig(self, *args, **kwargs)
+            _same_on_every_node(config, None)
+            return out
         from tllm_core.runtime.cpus import note_allowed_cpus
         from tllm_core.vllm_bridge import worker_setup
 
         note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
         worker_setup.before_device(config)
         out = orig(self, *args, **kwargs)
+        _same_on_every_node(config, settings)
         worker_setup.attach(self.worker, settings)
         return out
 
     setattr(init_device, _PATCHED_ATTR, True)
     cls.init_device = init_device
+
+
+def _same_on_every_node(config: Any, settings: dict | None) -> None:
+    """Multi-node engines only (``nnodes > 1``, plain ones included: every rank must join the
+    one gather): refuse settings that differ between the nodes (``nodes.py``)."""
+    parallel = getattr(config, "parallel_config", None)
+    if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
+        return
+    from tllm_core.vllm_bridge.nodes import check_same_settings
+
+    try:
+        check_same_settings(config, settings)
+    except Exception as e:
+        from tllm_core.runtime.start_error import record
+
+        record((settings or {}).get("start_error_file"), str(e))
+        raise
 
 
 # -- the OpenAI server ----------------------------------------------------------------------

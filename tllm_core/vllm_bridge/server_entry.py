@@ -33,7 +33,17 @@ CHECKED: ContextVar[CheckedServer | None] = ContextVar("tllm_checked_server", de
 
 def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> None:
     """Run vLLM's OpenAI server with command-line arguments ``argv``; returns when it stops.
-    ``checked``: the consumers already validated for the settings in ``argv``."""
+    ``checked``: the consumers already validated for the settings in ``argv``.
+
+    A Ctrl-C or SIGTERM while the engine starts stops the start (vLLM's handshake would drop
+    it: :mod:`startup_interrupt`). ``--headless`` in ``argv`` runs this node's engine side
+    only (:func:`run_headless_node`), as ``vllm serve --headless`` does."""
+    from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
+
+    if HEADLESS_FLAG in argv:
+        with interrupts_reach_caller():
+            run_headless_node(argv)
+        return
     saved = sys.argv
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
     token = CHECKED.set(checked)
@@ -43,7 +53,54 @@ def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> 
         except ImportError:  # other layouts: the module's own __main__ block
             runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
             return
-        main()
+        with interrupts_reach_caller():
+            main()
     finally:
         CHECKED.reset(token)
         sys.argv = saved
+
+
+HEADLESS_FLAG = "--headless"
+
+
+def run_headless_node(argv: list[str]) -> None:
+    """This node's part of a multi-node engine, no API server: what ``vllm serve --headless``
+    runs (``vllm.entrypoints.cli.serve.run_headless``: the workers of a tensor-parallel
+    engine whose leader runs on node rank 0, or this node's data-parallel engine cores).
+    ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless`` and starts a
+    whole engine core (issue 38), hence this entry. Returns when the node stops."""
+    from vllm.entrypoints.cli.serve import run_headless
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="tllm serve --headless"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    if args.api_server_count not in (None, 0):
+        raise ValueError(
+            f"--api-server-count {args.api_server_count} with --headless: a headless node "
+            "runs no API server; allowed: leave it out"
+        )
+    args.api_server_count = 0
+    run_headless(args)
+
+
+# Seconds the HTTP server waits for open connections once vLLM has stopped its engine.
+HTTP_CLOSE_S = 5
+
+
+def close_http_soon(handler: Any) -> None:
+    """Given the stop-signal handler the HTTP server installs (uvicorn's ``Server.handle_exit``,
+    bound), make its shutdown wait at most :data:`HTTP_CLOSE_S` for open connections.
+
+    vLLM's server stops its engine first (draining the requests), then the HTTP server;
+    uvicorn then waits for every connection to close, without limit unless
+    ``timeout_graceful_shutdown`` is set (vLLM 0.32 does not set it), and only a second
+    SIGINT, not SIGTERM, forces it. A request whose engine is gone never completes (measured:
+    a completion in flight at SIGTERM kept ``tllm serve`` waiting until killed), so the
+    connections get a few seconds, then uvicorn cancels them."""
+    config = getattr(getattr(handler, "__self__", None), "config", None)
+    if config is not None and getattr(config, "timeout_graceful_shutdown", 0) is None:
+        config.timeout_graceful_shutdown = HTTP_CLOSE_S

@@ -350,10 +350,37 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
+    watch_peer_nodes(engine_client, state)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
         sorted(n for n, p in server.per_request.items() if p),
         status[0].get("runner", "?"),
         COUNTERS_PATH,
+    )
+
+
+def watch_peer_nodes(engine_client: Any, state: Any) -> None:
+    """On the leader of a multi-node engine (TP across nodes, or DP engines on other nodes):
+    check every engine and rank every few seconds; a lost node stops this server with an
+    error (``nodes.py``; SIGTERM to this process, so vLLM's own graceful stop runs, bounded
+    by tllm's stop watchdog)."""
+    import asyncio
+    import os
+    import signal
+
+    from tllm_core.vllm_bridge import nodes
+
+    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
+    interval = nodes.check_interval()
+    if nnodes <= 1 or interval == 0:
+        return
+
+    def on_lost(reason: str) -> None:
+        log.error("tllm: %s; stopping the server", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
+    state.tllm_node_watch = asyncio.get_running_loop().create_task(
+        nodes.watch_nodes(ask, nnodes, interval, on_lost)
     )

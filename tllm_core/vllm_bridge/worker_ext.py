@@ -59,6 +59,12 @@ class TllmWorkerExtension:
         hooks = self._tllm_hooks()
         return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
+    def tllm_node_check(self) -> int:
+        """A barrier over every rank of a multi-node engine (``nodes.watch_nodes``)."""
+        from tllm_core.vllm_bridge.nodes import node_check
+
+        return node_check()
+
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
         return None if hooks is None else {**hooks.close(), "rank": hooks.rank.as_dict()}

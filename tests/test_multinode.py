@@ -1,0 +1,290 @@
+"""Tensor parallel across two "nodes" (two ``tllm serve`` processes on 127.0.0.1): the leader
+serves the API and runs the consumers, the follower (``--headless``) runs rank 1; settings
+that differ between the nodes are refused; a follower that dies stops the leader with an
+error (issue 38, docs/scaling.md). Loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+
+import pytest
+import torch
+from node_util import (
+    descendants,
+    exit_within,
+    kill_group,
+    leftover_shm,
+    shm_entries,
+    start,
+    wait_for,
+)
+from serve_util import free_port, get_json
+
+from tllm_core.vllm_bridge.nodes import comparable, differences, mismatch_message
+
+
+# -- units -------------------------------------------------------------------------------------
+def test_settings_compared_across_nodes_ignore_per_process_fields():
+    a = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
+    b = {**a, "start_error_file": "/tmp/b", "server": {"max_body_bytes": 1}}
+    assert comparable(a) == comparable(b)
+    c = {**a, "consumers": [{"name": "esamp"}]}
+    assert comparable(c) != comparable(a) and differences(a, c) == ["consumers"]
+    assert differences(a, None) == ["tllm"] and comparable(None) == "null"
+    msg = mismatch_message((0, a), (1, c), 1)
+    assert "leader node_rank 0 runs" in msg and "node_rank 1 (rank 1) runs" in msg
+    assert '"stats"' in msg and '"esamp"' in msg and "fields: consumers" in msg
+
+
+def test_serve_headless_passes_the_flag_and_counts_local_ranks():
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.serve_command import headless, parallel_ranks, server_argv
+    from tllm_core.runtime.settings import RuntimeSettings
+
+    def parse(*argv):
+        return build_parser().parse_args(["serve", *argv])
+
+    follower = parse("--tensor-parallel-size", "2", "--headless", "--", "--nnodes", "2")
+    assert headless(follower) and "--headless" in server_argv(follower, "/m", RuntimeSettings())
+    assert parallel_ranks(follower) == 1  # TP 2 over 2 nodes: one rank here
+    leader = parse("--tensor-parallel-size", "2", "--", "--nnodes", "2", "--node-rank", "0")
+    assert not headless(leader) and "--headless" not in server_argv(leader, "/m", RuntimeSettings())
+    assert headless(parse("--", "--headless"))
+    argv = server_argv(parse("--headless", "--", "--headless"), "/m", RuntimeSettings())
+    assert argv.count("--headless") == 1
+    dp = parse("--data-parallel-size", "4", "--", "--data-parallel-size-local", "2")
+    assert parallel_ranks(dp) == 2
+
+
+def test_node_watch_reports_a_failed_check_once():
+    import asyncio
+
+    from tllm_core.vllm_bridge import nodes
+
+    calls, lost = [], []
+
+    async def ask():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    asyncio.run(nodes.watch_nodes(ask, 2, 0.01, lost.append))
+    assert len(calls) == 3 and len(lost) == 1
+    assert "2-node engine is gone" in lost[0] and "Connection closed by peer" in lost[0]
+    assert nodes.lost() == lost[0]
+    nodes._lost.clear()
+
+
+def test_node_count_sees_tp_nodes_and_remote_dp_engines():
+    from types import SimpleNamespace as NS
+
+    from tllm_core.vllm_bridge.nodes import node_count
+
+    assert node_count(NS(nnodes=1, data_parallel_size=1, data_parallel_size_local=1)) == 1
+    assert node_count(NS(nnodes=2, data_parallel_size=1, data_parallel_size_local=1)) == 2
+    assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=1)) == 2
+    assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=2)) == 1
+
+
+# -- two node processes on loopback ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def even_model() -> str:
+    from conftest import MODEL_CACHE
+    from tiny_models import build_tiny_model
+
+    return str(build_tiny_model(MODEL_CACHE, arch="llama", heads=2, kv_heads=2))
+
+
+ENGINE = ["--max-model-len", "256", "--kv-cache-gib", "1"]
+
+
+def _nodes(model, consumers, tmp_path, follower_consumers=None):
+    """Leader (node rank 0, core 0) and headless follower (node rank 1, core 1)."""
+    port, master = free_port(), free_port()
+    common = ["--model", model, "--tensor-parallel-size", "2", *ENGINE]
+
+    def node(rank, cons, log, *extra):
+        vllm = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+        vllm += ["--master-port", str(master), "--enforce-eager", "--no-enable-prefix-caching"]
+        argv = ["serve", "--port", str(port), *common, *cons, *extra, "--", *vllm]
+        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank))
+
+    leader = node(0, consumers, tmp_path / "leader.log")
+    follower = node(1, follower_consumers or consumers, tmp_path / "follower.log", "--headless")
+    return leader, follower, f"http://127.0.0.1:{port}"
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+@torch.no_grad()
+def _hf_greedy_agrees(model: str, token_ids: list[int], n_prompt: int) -> None:
+    """Each generated token is transformers' argmax at its position (or within 1e-4 of it:
+    a near-tie that a different summation order may flip)."""
+    from reference import hf_model
+
+    logits = hf_model(model)(torch.tensor([token_ids])).logits[0]
+    for pos in range(n_prompt, len(token_ids)):
+        row = logits[pos - 1]
+        assert row.max() - row[token_ids[pos]] <= 1e-4 * max(1.0, row.abs().max()), pos
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two node processes, TP = 2 across them: 2-4 min on 2 cores
+def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(even_model, tmp_path):
+    from reference import hf_states
+
+    from consumers.export import open_export
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one rank each)")
+    out = tmp_path / "exp"
+    export = json.dumps({"out": str(out), "layers": [0, "final"]})
+    consumers = ["--consumer", "stats", "--consumer", "esamp", "--consumer", f"export:{export}"]
+    consumers += ["--per-request"]
+    shm_before = shm_entries()
+    leader, follower, url = _nodes(even_model, consumers, tmp_path)
+    llog = tmp_path / "leader.log"
+    try:
+        wait_for(llog, "tllm: ready", leader, 600)
+        status = get_json(f"{url}/tllm/status")
+        ranks = [r["rank"] for r in status["ranks"]]
+        assert [(r["tp_rank"], r["leader"]) for r in ranks] == [(0, True), (1, False)]
+        assert all(r["installed"] and r["taps"] for r in status["ranks"])  # taps on both nodes
+
+        prompt = "Hello there, how are"
+        greedy = {"model": "default", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        greedy["ignore_eos"] = True
+        greedy["vllm_xargs"] = {"tllm_consumers": "stats,export,esamp", "tllm_esamp_beta": 0.0}
+        text = _post(f"{url}/v1/completions", greedy)["choices"][0]["text"]
+        guided = {**greedy, "temperature": 1.0, "seed": 3}
+        guided["vllm_xargs"] = {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}
+        _post(f"{url}/v1/completions", guided)
+        rep = get_json(f"{url}/tllm/counters")
+        assert rep["errors"] == []
+        assert rep["runtime"]["requests_finished"] == 2  # counted once (the leader's)
+        assert rep["consumers"]["stats"]["bundles"] > 0
+        assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 7  # the guided request only
+        follower_pids = {follower.pid, *descendants(follower.pid)}
+
+        # The follower node dies (everything but its resource tracker, which then unlinks
+        # its shared memory, as a dead machine leaves nothing on this one).
+        assert kill_group(follower, but="resource_tracker")
+        code = exit_within(leader, 240)
+        log = llog.read_text()
+        assert code == 1, log[-4000:]
+        assert "2-node engine is gone" in log or "engine failed" in log, log[-4000:]
+        assert descendants(leader.pid, settle=30) == []
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                kill_group(p)
+            p.wait(30)
+    assert text
+    # The leader closed its consumers as its engine stopped: the export reads back equal
+    # to transformers at every position.
+    exp = open_export(out, verify=True)
+    (rec,) = exp.records()
+    tokens = rec.token_ids.tolist() if hasattr(rec.token_ids, "tolist") else list(rec.token_ids)
+    _hf_greedy_agrees(even_model, tokens, rec.num_prompt_tokens)
+    ref = hf_states(even_model, tokens)
+    pos = rec.positions
+    torch.testing.assert_close(
+        rec.hidden["layer.0"].float(), ref["layer.0"][pos], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(rec.hidden["final"].float(), ref["final"][pos], atol=1e-4, rtol=1e-4)
+    assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two node processes up to their distributed init: ~1 min
+def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one rank each)")
+    leader, follower, _ = _nodes(
+        even_model, ["--consumer", "stats"], tmp_path, follower_consumers=["--consumer", "esamp"]
+    )
+    try:
+        codes = [exit_within(p, 300) for p in (leader, follower)]
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    for name in ("leader", "follower"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "tllm settings differ between the nodes" in log, (name, log[-4000:])
+        assert '"name": "stats"' in log and '"name": "esamp"' in log, (name, log[-4000:])
+    assert all(c not in (0, None) for c in codes), codes
+    assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
+def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_dies(
+    tiny_model, tmp_path
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+    port, rpc = free_port(), free_port()
+    args = ["--model", tiny_model, "--data-parallel-size", "2", *ENGINE]
+    args += ["--consumer", "stats", "--consumer", "esamp", "--per-request"]
+
+    def node(rank, log, *extra):
+        vllm = ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1"]
+        vllm += ["--data-parallel-rpc-port", str(rpc), "--enforce-eager"]
+        if rank:
+            vllm += ["--data-parallel-start-rank", str(rank)]
+        argv = ["serve", "--port", str(port), *args, *extra, "--", *vllm]
+        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank))
+
+    llog = tmp_path / "leader.log"
+    shm_before = shm_entries()
+    leader = node(0, llog)
+    follower = node(1, tmp_path / "follower.log", "--headless")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(llog, "tllm: ready", leader, 600)
+        status = get_json(f"{url}/tllm/status")
+        assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
+
+        def complete(i: int) -> dict:
+            xargs = {"tllm_consumers": "stats,esamp", "tllm_esamp_beta": 0.5}
+            body = {"model": "default", "prompt": f"Story {i}: once upon a time"}
+            body |= {"max_tokens": 8, "ignore_eos": True, "vllm_xargs": xargs}
+            return _post(f"{url}/v1/completions", body)
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(complete, range(16)))
+        assert all(r["usage"]["completion_tokens"] == 8 for r in results)
+        rep = get_json(f"{url}/tllm/counters")
+        finished = [r["runtime"].get("requests_finished", 0) for r in rep["ranks"]]
+        assert rep["runtime"]["requests_finished"] == sum(finished) == 16
+        assert all(f > 0 for f in finished), f"an engine got no request: {finished}"
+        guided = [r["consumers"]["esamp"].get("rows_guided", 0) for r in rep["ranks"]]
+        assert all(g > 0 for g in guided), guided  # ESamp trained and guided on both nodes
+        assert rep["consumers"]["esamp"]["rows_guided"] == sum(guided) <= 16 * 7
+        follower_pids = {follower.pid, *descendants(follower.pid)}
+
+        assert kill_group(follower, but="resource_tracker")
+        code = exit_within(leader, 300)
+        log = llog.read_text()
+        assert code == 1, log[-4000:]
+        assert "2-node engine is gone or hangs" in log, log[-4000:]
+        assert descendants(leader.pid, settle=30) == []
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                kill_group(p)
+            p.wait(30)
+    assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []

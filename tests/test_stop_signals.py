@@ -1,0 +1,284 @@
+"""A command that stops when told (issue 38): SIGTERM to the process alone, as a supervisor
+(systemd, Kubernetes) sends it, at every phase of ``tllm run``, ``tllm export`` and ``tllm
+serve``: the command exits within the stop timeout with its documented status (143 when the
+work was cut short, 0 for a ready server that stopped cleanly; ``app/stop.py``), leaves no
+process, shared memory or semaphore behind, and an export says it is not complete.
+
+Reuses the Ctrl-C tests' helpers (``test_cli_experience``); engine runs are small and eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+
+import pytest
+from cli_util import SMALL_ENGINE
+from node_util import descendants, exit_within, leftover_shm, shm_entries, start, wait_for
+from serve_util import free_port
+from test_cli_experience import _engine_started, noise
+
+from tllm_core.app.stop import EXIT_STOP_TIMEOUT, exit_code
+
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+
+
+# -- the watchdog, without vLLM ------------------------------------------------------------------
+HANGING_COMMAND = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from tllm_core.app import stop
+
+    stop.install()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    try:
+        time.sleep(600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        time.sleep(600)  # a shutdown that hangs (an engine that never exits)
+    """
+)
+
+
+def test_sigterm_interrupts_and_a_hanging_stop_is_killed_after_the_timeout():
+    import psutil
+
+    env = {**os.environ, "TLLM_STOP_TIMEOUT_S": "3"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HANGING_COMMAND],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        child = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "stopping"  # SIGTERM acted as Ctrl-C
+        proc.send_signal(signal.SIGTERM)  # a second one must not break the cleanup
+        code = exit_within(proc, 60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == EXIT_STOP_TIMEOUT, err
+    assert "already stopping (SIGTERM again)" in err
+    assert "did not stop within 3 s" in err
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+def test_exit_codes_and_timeout_setting(monkeypatch):
+    from tllm_core.app import stop
+
+    assert exit_code(130) == 130  # no signal received in this process
+    monkeypatch.setattr(stop, "_received", [signal.SIGTERM])
+    assert exit_code(130) == SIGTERM_EXIT
+    monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="TLLM_STOP_TIMEOUT_S must be a number of seconds > 0"):
+        stop.stop_timeout()
+    monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "7.5")
+    assert stop.stop_timeout() == 7.5
+
+
+def test_handlers_installed_by_others_record_the_signal_first():
+    """vLLM's server and uvicorn install their own SIGTERM handlers; inside
+    ``noting_handlers`` those still run, after tllm recorded the signal (the watchdog)."""
+    from tllm_core.app import stop
+
+    seen = []
+    previous = signal.getsignal(signal.SIGUSR1)
+    original = signal.signal
+    with stop.noting_handlers():
+        signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))  # not a stop signal
+        term = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda s, f: seen.append(("theirs", s)))
+        wrapped = signal.getsignal(signal.SIGTERM)
+    try:
+        assert getattr(wrapped, "_tllm_noting", False)
+        assert not getattr(signal.getsignal(signal.SIGUSR1), "_tllm_noting", False)
+        notes = []
+        orig_note = stop.note
+        stop.note = lambda s: notes.append(s) or True  # type: ignore[assignment]
+        try:
+            wrapped(signal.SIGTERM, None)
+        finally:
+            stop.note = orig_note  # type: ignore[assignment]
+        assert notes == [signal.SIGTERM] and seen == [("theirs", signal.SIGTERM)]
+    finally:
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGUSR1, previous)
+    assert signal.signal is original
+
+
+# -- real commands ------------------------------------------------------------------------------
+STOP_BOUND_S = 200  # the watchdog's 120 s and some: a command still running after it failed
+
+
+def _engine_loading(proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not _engine_started(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(3)  # the engine loads; the command waits in vLLM's handshake
+
+
+def _clean_after(proc: subprocess.Popen, pids: set[int], shm_before: set[str], log: str):
+    assert descendants(proc.pid, settle=30) == [], log[-4000:]
+    assert leftover_shm(shm_before, pids | {proc.pid}) == [], log[-4000:]
+    assert [ln for ln in noise(log) if "force killing" in ln or "leaked" in ln] == []
+
+
+@pytest.mark.vllm
+def test_sigterm_while_run_starts_its_engine(tiny_model, tmp_path):
+    log = tmp_path / "run.log"
+    before = shm_entries()
+    argv = ["run", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2", *SMALL_ENGINE]
+    proc = start(argv, log)
+    try:
+        _engine_loading(proc)
+        pids = set(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        code = exit_within(proc, STOP_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == SIGTERM_EXIT, text[-4000:]
+    assert "tllm: interrupted" in text and "engine ready" not in text
+    _clean_after(proc, pids, before, text)
+
+
+@pytest.mark.vllm
+def test_sigterm_mid_export_and_again_while_it_stops(tiny_model, tmp_path):
+    from consumers.export import IncompleteExportWarning, read_export
+
+    out = tmp_path / "exp"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Tell me a long story number {i}" for i in range(32)))
+    log = tmp_path / "export.log"
+    before = shm_entries()
+    argv = ["export", "--model", tiny_model, "--layers", "0,final", "--out", str(out)]
+    argv += ["--prompts", str(prompts), "-n", "4", "--max-tokens", "400", "--ignore-eos"]
+    proc = start([*argv, *SMALL_ENGINE], log)
+    try:
+        wait_for(log, "tllm: engine ready", proc, 300)
+        time.sleep(8)
+        pids = set(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)  # generating
+        wait_for(log, "interrupted", proc, 60)
+        proc.send_signal(signal.SIGTERM)  # stopping: flushing the export, stopping the engine
+        code = exit_within(proc, STOP_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == SIGTERM_EXIT, text[-4000:]
+    assert "tllm: export: not complete" in text
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["losses"]["requests_unfinished"] > 0
+    with pytest.warns(IncompleteExportWarning, match="requests_unfinished"):
+        records = list(read_export(out, verify=True))
+    assert records and any(not r.finished for r in records)
+    _clean_after(proc, pids, before, text)
+
+
+def _serve(model: str, log, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    argv = ["serve", "--model", model, "--port", str(port), "--consumer", "stats"]
+    argv += ["--max-model-len", "512", "--kv-cache-gib", "1", *extra, "--", "--enforce-eager"]
+    return start(argv, log), f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.vllm
+def test_sigterm_while_serve_starts_its_engine(tiny_model, tmp_path):
+    log = tmp_path / "serve.log"
+    before = shm_entries()
+    proc, _ = _serve(tiny_model, log)
+    try:
+        _engine_loading(proc)
+        pids = set(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        code = exit_within(proc, STOP_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == SIGTERM_EXIT, text[-4000:]
+    assert "tllm: ready" not in text
+    _clean_after(proc, pids, before, text)
+
+
+@pytest.mark.vllm
+def test_sigterm_while_serving_a_request_and_again_while_it_stops(tiny_model, tmp_path):
+    log = tmp_path / "serve.log"
+    before = shm_entries()
+    proc, url = _serve(tiny_model, log)
+    answers: list = []
+
+    def long_request() -> None:
+        body = {"model": "default", "prompt": "Once", "max_tokens": 400, "ignore_eos": True}
+        req = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                answers.append(r.status)
+        except Exception as e:  # noqa: BLE001 - a cut connection is an answer too
+            answers.append(type(e).__name__)
+
+    try:
+        wait_for(log, "tllm: ready", proc, 300)
+        pids = set(descendants(proc.pid))
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)  # serving
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)  # shutting down
+        code = exit_within(proc, STOP_BOUND_S)
+        t.join(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 0, text[-4000:]  # a ready server told to stop, stopped cleanly
+    assert "tllm: server stopped" in text and answers, (answers, text[-4000:])
+    _clean_after(proc, pids, before, text)
+
+
+@pytest.mark.vllm
+def test_sigterm_while_a_leader_waits_for_its_follower_node(tmp_path):
+    """The multi-node handshake: a leader (node rank 0 of 2) whose follower never comes
+    waits in torch.distributed's rendezvous; SIGTERM ends it (it waited forever before)."""
+    from conftest import MODEL_CACHE
+    from tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(MODEL_CACHE, arch="llama", heads=2, kv_heads=2))
+    log = tmp_path / "leader.log"
+    before = shm_entries()
+    port, master = free_port(), free_port()
+    argv = ["serve", "--model", model, "--port", str(port), "--tensor-parallel-size", "2"]
+    argv += ["--max-model-len", "256", "--kv-cache-gib", "1", "--", "--nnodes", "2"]
+    argv += ["--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    proc = start([*argv, "--enforce-eager"], log, VLLM_CPU_OMP_THREADS_BIND="0")
+    try:
+        _engine_loading(proc)
+        time.sleep(5)  # the worker waits for rank 1
+        pids = set(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        code = exit_within(proc, STOP_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == SIGTERM_EXIT, text[-4000:]
+    _clean_after(proc, pids, before, text)

@@ -1,0 +1,204 @@
+"""Stopping a ``tllm`` command when told (docs/cli.md, "Stopping"): SIGTERM as Ctrl-C, and a
+bound on how long stopping may take.
+
+A supervisor (systemd, Kubernetes, a shell script) sends SIGTERM to the command's process
+alone and expects it to exit. :func:`install` makes SIGTERM do what Ctrl-C does (the
+command aborts its requests, flushes consumers, stops the engine) and starts, at the first
+signal, a watchdog: if the command has not exited :func:`stop_timeout` seconds later (an
+engine that hangs in its shutdown, a lost peer), the watchdog kills the processes the
+command started, except ``multiprocessing``'s resource tracker (which then unlinks the
+shared memory and semaphores they leave), and exits with :data:`EXIT_STOP_TIMEOUT`.
+
+Exit status after a signal: ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM) when
+the work was cut short (``tllm run``, ``tllm export``, a server stopped before it was
+ready); 0 when a ready server stopped cleanly; :data:`EXIT_STOP_TIMEOUT` when the watchdog
+had to kill (1 instead when a multi-node server stopped because a node was lost).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
+# vLLM's engine gets 60 s (the command's --shutdown-timeout / lifecycle.SHUTDOWN_TIMEOUT_S),
+# its workers 30 s more; the watchdog waits past both.
+DEFAULT_STOP_TIMEOUT_S = 120.0
+EXIT_STOP_TIMEOUT = 124  # as timeout(1): stopping took too long, processes were killed
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+_received: list[int] = []
+_lock = threading.Lock()
+# The command's processes when the first stop signal came (see forget_dead_children).
+_children: set[int] = set()
+
+
+def stop_timeout() -> float:
+    """Seconds from the first stop signal to the watchdog's kill (``TLLM_STOP_TIMEOUT_S``)."""
+    text = os.environ.get(STOP_TIMEOUT_ENV, "")
+    if not text:
+        return DEFAULT_STOP_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{STOP_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def received() -> int | None:
+    """The first stop signal this process received (None: none)."""
+    return _received[0] if _received else None
+
+
+def exit_code(default: int = 130) -> int:
+    """``128 + signal`` for the first stop signal received, else ``default``."""
+    sig = received()
+    return default if sig is None else 128 + int(sig)
+
+
+def note(signum: int) -> bool:
+    """Record a stop signal; the first one starts the watchdog. Returns whether it was the
+    first."""
+    with _lock:
+        first = not _received
+        _received.append(signum)
+    if first:
+        _children.update(_descendant_pids())
+        threading.Thread(
+            target=_watchdog, args=(stop_timeout(),), daemon=True, name="tllm-stop-watchdog"
+        ).start()
+    else:
+        _say(
+            f"already stopping ({signal.Signals(signum).name} again); exiting within "
+            f"{stop_timeout():.0f} s of the first signal"
+        )
+    return first
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(f"tllm: {text}", file=sys.stderr, flush=True)
+
+
+def _handler(signum: int, frame: Any) -> None:
+    # The first signal interrupts whatever runs (KeyboardInterrupt, as Ctrl-C); later ones
+    # must not interrupt the cleanup it started (that is what leaves files behind).
+    if note(signum):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def install() -> None:
+    """SIGTERM and SIGINT stop the command as Ctrl-C does (main thread only). A SIGINT the
+    command was started ignoring (a background job) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, _handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _handler)
+    atexit.register(forget_dead_children)
+
+
+def _descendant_pids() -> set[int]:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    return set()
+
+
+def forget_dead_children() -> list[str]:
+    """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
+    of the command's processes that a stop signal caught and that are gone now: libiomp5
+    removes its file only at a normal exit, and an engine process that the stop interrupts
+    mid-start is ended by a signal. Returns the paths removed."""
+    import glob
+
+    import psutil
+
+    removed = []
+    for pid in sorted(_children):
+        if psutil.pid_exists(pid):
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+        for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def noting_handlers(seen: Callable[[Any], None] | None = None) -> Iterator[None]:
+    """While inside, a SIGINT/SIGTERM handler that someone else installs with
+    ``signal.signal`` (vLLM's server, uvicorn) first records the signal (:func:`note`, which
+    starts the watchdog), then runs as it would. The server keeps its own graceful stop;
+    the watchdog bounds it. ``seen(handler)`` is called with each such handler."""
+    original = signal.signal
+
+    def signal_noting(signalnum: Any, handler: Any) -> Any:
+        if signalnum in STOP_SIGNALS and callable(handler):
+            if seen is not None:
+                seen(handler)
+            handler = _noting(handler)
+        return original(signalnum, handler)
+
+    signal.signal = signal_noting  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = original  # type: ignore[assignment]
+
+
+def _noting(handler: Callable[..., Any]) -> Callable[..., Any]:
+    if getattr(handler, "_tllm_noting", False):
+        return handler
+
+    def noting(signum: int, frame: Any) -> Any:
+        note(signum)
+        return handler(signum, frame)
+
+    noting._tllm_noting = True  # type: ignore[attr-defined]
+    return noting
+
+
+def _watchdog(timeout: float) -> None:
+    threading.Event().wait(timeout)
+    _say(
+        f"did not stop within {timeout:.0f} s of the stop signal ({STOP_TIMEOUT_ENV}); "
+        "killing its engine processes"
+    )
+    _children.update(kill_children())
+    forget_dead_children()
+    from tllm_core.vllm_bridge.nodes import lost
+
+    os._exit(1 if lost() else EXIT_STOP_TIMEOUT)  # a lost node is the error to report
+
+
+def kill_children() -> list[int]:
+    """SIGKILL every descendant of this process but ``multiprocessing``'s resource tracker,
+    which unlinks the shared memory and semaphores of the killed processes once they are
+    gone; returns the pids killed."""
+    import psutil
+
+    killed = []
+    with contextlib.suppress(psutil.Error):
+        children = psutil.Process().children(recursive=True)
+        for p in children:
+            try:
+                if "resource_tracker" in " ".join(p.cmdline()):
+                    continue
+                p.kill()
+                killed.append(p.pid)
+            except psutil.Error:
+                continue
+        psutil.wait_procs([p for p in children if p.pid in killed], timeout=10)
+    return killed

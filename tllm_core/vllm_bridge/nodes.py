@@ -1,0 +1,152 @@
+"""Engines across several nodes (vLLM's ``--nnodes``): every node runs the same tllm settings.
+
+In a tensor-parallel engine spread over nodes, each node's workers read the tllm settings of
+their own process (the leader's ``tllm serve``, a follower's ``tllm serve --headless``). The
+ranks must install the same taps and agree on who leads (``parallel.py``); settings that
+differ would make them diverge silently or hang in a collective. :func:`check_same_settings`
+runs on every worker of a multi-node engine right after vLLM's distributed groups exist,
+before the weights load: one ``all_gather_object`` over the world group of what each node
+was given, and an :class:`UnsupportedEngineError` naming the leader's and this node's
+settings when they differ (every rank sees the same gathered list, so every node refuses).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+# Per-process fields: where this process writes its start error, the API server's limits
+# (only the leader's API server reads them).
+LOCAL_FIELDS = ("start_error_file", "server")
+
+
+def comparable(settings: dict[str, Any] | None) -> str:
+    """The settings every node must share, as canonical JSON (``"null"``: tllm is off)."""
+    if settings is None:
+        return "null"
+    shared = {k: v for k, v in settings.items() if k not in LOCAL_FIELDS}
+    return json.dumps(shared, sort_keys=True, default=str)
+
+
+def differences(leader: dict[str, Any] | None, mine: dict[str, Any] | None) -> list[str]:
+    """Top-level fields whose values differ (``tllm``: one side has no tllm settings)."""
+    if leader is None or mine is None:
+        return ["tllm"]
+    a, b = json.loads(comparable(leader)), json.loads(comparable(mine))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def mismatch_message(
+    leader: tuple[int, dict | None], mine: tuple[int, dict | None], rank: int
+) -> str:
+    """The refusal naming both sides: ``(node_rank, settings)`` of the leader and of this
+    node (``rank``: this worker's global rank)."""
+    (lnode, lset), (node, mset) = leader, mine
+    fields = ", ".join(differences(lset, mset))
+    return (
+        f"tllm settings differ between the nodes of this engine (fields: {fields}): leader "
+        f"node_rank {lnode} runs {comparable(lset)}; node_rank {node} (rank {rank}) runs "
+        f"{comparable(mset)}. Start every node with the same --consumer options (and "
+        "--per-request), or tllm on none of them"
+    )
+
+
+def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> None:
+    """On a worker of an engine with ``nnodes > 1``: refuse when any rank's tllm settings
+    differ from global rank 0's (the leader node). A one-node engine: nothing to do."""
+    parallel = vllm_config.parallel_config
+    if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
+        return
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    mine = (int(parallel.node_rank), settings)
+    gathered: list[Any] = [None] * group.world_size
+    dist.all_gather_object(gathered, mine, group=group.cpu_group)
+    leader = gathered[0]
+    for rank, other in enumerate(gathered):
+        if comparable(other[1]) != comparable(leader[1]):
+            raise UnsupportedEngineError(mismatch_message(leader, other, rank))
+
+
+# -- a node that is gone ------------------------------------------------------------------------
+# A tensor-parallel engine notices a dead peer only in its next collective (gloo: "Connection
+# closed by peer"), i.e. at the next request; an idle leader would serve on, unaware. With
+# data-parallel engines on other nodes, a dead remote engine makes every request hang
+# (measured: 4 of 4 requests to the leader timed out after 40 s). The leader's API server
+# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S (:func:`watch_nodes`, RPC
+# ``tllm_node_check`` -> :func:`node_check`, a barrier over the engine's ranks); a failure or
+# no answer within NODE_CHECK_TIMEOUT_S is a lost node.
+NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
+NODE_CHECK_INTERVAL_S = 5.0
+# An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
+NODE_CHECK_TIMEOUT_S = 30.0
+
+_lost: list[str] = []
+
+
+def node_check() -> int:
+    """On a worker: a barrier over every rank of the engine (fails at once when a peer's
+    process is gone); returns this worker's global rank."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
+    dist.barrier(group=group.cpu_group)
+    return int(group.rank)
+
+
+def check_interval() -> float:
+    """Seconds between two node checks (``TLLM_NODE_CHECK_S``; 0 switches them off)."""
+    import os
+
+    text = os.environ.get(NODE_CHECK_ENV, "")
+    try:
+        value = float(text) if text else NODE_CHECK_INTERVAL_S
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(f"{NODE_CHECK_ENV} must be seconds >= 0 (0: off), got {text!r}")
+    return value
+
+
+def node_count(parallel: Any) -> int:
+    """Nodes an engine spans, as its API server sees it: ``nnodes`` (TP across nodes), or
+    more than one when some data-parallel engines run elsewhere
+    (``data_parallel_size_local`` < ``data_parallel_size``)."""
+    nnodes = int(getattr(parallel, "nnodes", 1) or 1)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    dp_local = getattr(parallel, "data_parallel_size_local", None)
+    if dp_local is not None and 0 < int(dp_local) < dp:
+        nnodes = max(nnodes, -(-dp // int(dp_local)))
+    return nnodes
+
+
+def lost() -> str | None:
+    """Why the leader stopped: a node of its engine is gone (None: it is not)."""
+    return _lost[0] if _lost else None
+
+
+async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
+    """Every ``interval`` s, ``await ask()`` (the node check on every rank); the first failure
+    or an answer slower than :data:`NODE_CHECK_TIMEOUT_S` calls ``on_lost(reason)`` once."""
+    import asyncio
+
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
+            why = "no answer" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}"
+            reason = (
+                f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
+                f"{why}: {str(e)[:300]})"
+            )
+            _lost.append(reason)
+            on_lost(reason)
+            return
