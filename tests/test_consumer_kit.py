@@ -32,7 +32,7 @@ class Record(Consumer):
         super().__init__(config, context)
         self.rows: dict[tuple[str, int, int, str], torch.Tensor] = {}
         self.sampled: list[tuple[str, int, int, int]] = []
-        self.bundle_rows: list[tuple[int, list[int], list[bool]]] = []
+        self.bundle_rows: list[tuple[list[int], list[bool], list[bool]]] = []
 
     def reads(self):
         ports = [self.context.parse_port(k, self.config.phase) for k in self.config.keys]
@@ -40,7 +40,9 @@ class Record(Consumer):
 
     def on_bundle(self, bundle):
         rows = bundle.rows
-        self.bundle_rows.append((bundle.step, rows.position.tolist(), rows.is_decode.tolist()))
+        self.bundle_rows.append(
+            (rows.position.tolist(), rows.is_decode.tolist(), rows.mid_prefill.tolist())
+        )
         for key, h in bundle.hidden.items():
             for i, req in enumerate(rows.requests):
                 pos = int(rows.position[i])
@@ -62,14 +64,21 @@ class Force(Consumer):
 
     def __init__(self, config, context):
         super().__init__(config, context)
-        self.views: list[tuple[list[int], list[bool], list[bool]]] = []
+        self.views: list[tuple[list[int], list[bool], list[bool], list[str]]] = []
 
     def writes(self):
         return [SamplerGuide()]
 
     def guide(self, view):
         rows = view.rows
-        self.views.append((rows.position.tolist(), rows.is_decode.tolist(), list(view.is_random)))
+        self.views.append(
+            (
+                rows.position.tolist(),
+                rows.mid_prefill.tolist(),
+                list(view.is_random),
+                rows.request_ids,
+            )
+        )
         new = torch.full_like(view.logits, float("-inf"))
         new[:, self.config.token] = 0.0
         idx = torch.from_numpy(np.nonzero(rows.is_decode & view.is_random)[0])
@@ -112,13 +121,65 @@ def test_chunked_prefill_rows_and_guidance(tiny_model):
     assert out[0][0][1:] == [42, 42, 42]  # decode rows: forced (the first: the prompt's row)
     rec, force = kit.consumer("record"), kit.consumer("force")
     first_steps = rec.bundle_rows[:3]
-    assert [len(p) for _, p, _ in first_steps] == [9, 9, 2]
-    assert all(not any(d) for _, _, d in first_steps)
+    assert [len(p) for p, _, _ in first_steps] == [9, 9, 2]
+    assert all(not any(d) for _, d, _ in first_steps)
+    # RowInfo.mid_prefill: the rows of the two chunks that leave the prompt unfinished
+    assert [set(m) for _, _, m in first_steps] == [{True}, {True}, {False}]
+    assert not any(m for _, _, ms in rec.bundle_rows[3:] for m in ms)
     # sampled rows: the last prompt row, then the decode rows; never a mid-prefill row
     assert [p for _r, _s, p, _t in rec.sampled] == [19, 20, 21, 22]
-    # the guide saw the mid-prefill rows' sampling rows (positions 8 and 17) too
+    # the guide saw the mid-prefill rows' sampling rows (positions 8 and 17) too, flagged
     assert [v[0] for v in force.views[:3]] == [[8], [17], [19]]
+    assert [v[1] for v in force.views[:4]] == [[True], [True], [False], [False]]
     assert kit.close()["errors"] == []
+
+
+class Ask(Consumer):
+    """Records what its guide and its bundles hold (docs/ports.md, "Rows at guide time")."""
+
+    name = "ask"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.guides: list[dict] = []
+        self.bundle_keys: set[str] = set()
+
+    def reads(self):
+        return [HiddenStates(0, Phase.DECODE), HiddenStates(1, Phase.GUIDE)]
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        self.guides.append(
+            {
+                "ids": view.rows.request_ids,
+                "decode": view.rows.is_decode.tolist(),
+                "layer.0": view.hidden("layer.0").shape[0],
+                "layer.1": view.hidden("layer.1").shape[0],
+            }
+        )
+
+    def on_bundle(self, bundle):
+        self.bundle_keys |= set(bundle.hidden)
+
+
+def test_rows_at_guide_time(tiny_model):
+    """The answers docs/ports.md gives: a Phase.DECODE port serves every sampling row in
+    view.hidden (the prefill's last row too); a per-request guide sees only the rows of
+    requests naming it, another guide all rows; a Phase.GUIDE port is read at guide time
+    only, never in bundles."""
+    kit = ConsumerKit(tiny_model, [{"name": Ask, "per_request": True}, (Force, {"token": 7})])
+    kit.generate(["a b c", "d e"], max_tokens=3, extra_args=[{"tllm_consumers": "ask"}, None])
+    ask, force = kit.consumer("ask"), kit.consumer("force")
+    first = ask.guides[0]
+    assert first == {"ids": ["0"], "decode": [False], "layer.0": 1, "layer.1": 1}
+    assert all(g["ids"] == ["0"] for g in ask.guides) and len(ask.guides) == 3
+    assert all(g["layer.0"] == g["layer.1"] == len(g["ids"]) for g in ask.guides)
+    assert force.views[0][3] == ["0", "1"]  # not per-request: every request's row
+    assert ask.bundle_keys == {"layer.0"}  # the GUIDE port never reaches on_bundle
+    rep = kit.close()
+    assert rep["runtime"]["rows_captured.layer.1"] > 0
 
 
 def test_per_request_consumers_and_request_settings(tiny_model):
@@ -197,3 +258,51 @@ def test_kit_and_vllm_give_the_same_writes_on_the_same_tokens(tiny_model, engine
             assert a[req][key]["rows"] == b[req][key]["rows"]
             for f in ("mean_norm", "max_abs"):
                 assert a[req][key][f] == pytest.approx(b[req][key][f], rel=1e-4), (req, key, f)
+
+
+def _lens_site(tmp_path):
+    """tests/kit_lens.py found through a `tllm` entry point (a dist-info on sys.path)."""
+    import importlib
+    import sys
+
+    info = tmp_path / "kit_lens-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kit-lens\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tllm]\nlens = kit_lens\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    return str(tmp_path)
+
+
+def _lens_ok(counters):
+    assert counters["rows_checked"] > 0 and counters["gain_checked"] > 0, counters
+    for k in ("norm_err_e6", "gain_err_e6", "head_err_e6"):
+        assert counters[k] <= 100, (k, counters)  # 1e-4
+
+
+def test_model_info_final_norm_and_head_in_the_kit(tiny_model):
+    from kit_lens import Lens
+
+    kit = ConsumerKit(tiny_model, [Lens])
+    assert kit.model.final_norm_weight is not None and kit.model.final_norm_eps == 1e-5
+    kit.generate(["a b c", "d"], max_tokens=3)
+    _lens_ok(kit.close()["consumers"]["lens"])
+
+
+@pytest.mark.vllm
+def test_model_info_final_norm_and_head_in_the_engine(tiny_model, engines, tmp_path):
+    import sys
+
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    site = _lens_site(tmp_path)
+    try:
+        engines.close()
+        llm = TllmLLM(tiny_model, ["lens"], dtype="float32", max_model_len=512, enforce_eager=True)
+        engines.llm, engines.key = llm, ("kit-lens",)
+        llm.generate(["a b c", "d"], SamplingParams(max_tokens=3, seed=0), use_tqdm=False)
+        _lens_ok(llm.collect()["consumers"]["lens"])
+    finally:
+        sys.path.remove(site)

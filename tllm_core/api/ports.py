@@ -29,18 +29,25 @@ ResolveLayer = Callable[[int], int]
 class Phase(str, Enum):
     """Which token rows a read port selects.
 
-    ``PREFILL`` rows feed a prompt token; ``DECODE`` rows feed a generated token.
+    ``PREFILL`` rows feed a prompt token; ``DECODE`` rows feed a generated token. ``GUIDE``
+    selects no row for bundles: the port is read only at guide time (``GuideView.hidden``, at
+    the step's sampling rows), so nothing is copied or delivered for ``on_bundle``.
     """
 
     PREFILL = "prefill"
     DECODE = "decode"
     ALL = "all"
+    GUIDE = "guide"
 
     def selects(self, is_decode: bool) -> bool:
+        if self is Phase.GUIDE:
+            return False
         return self is Phase.ALL or (self is Phase.DECODE) == is_decode
 
     def union(self, other: Phase | None) -> Phase:
-        return self if other is None or other is self else Phase.ALL
+        if other is None or other is self or other is Phase.GUIDE:
+            return self
+        return other if self is Phase.GUIDE else Phase.ALL
 
 
 class Delivery(str, Enum):

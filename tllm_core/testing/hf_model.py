@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.norms import rmsnorm_gain
 
 # Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
 # and per step. Router taps need vLLM's MoE runner: not served here.
@@ -86,17 +87,14 @@ def lm_head(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tens
 
 def final_norm(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
     """``(norm, gain)``: the model's final norm as a callable, and its gain ``g`` when it is a
-    plain RMSNorm ``h / sqrt(mean(h²) + eps) * g`` (Gemma's ``(1 + w)`` gain given as
-    ``1 + w``), else None."""
+    plain RMSNorm ``h / sqrt(mean(h²) + eps) * g`` (Gemma's ``(1 + w)`` given as ``1 + w``),
+    else None."""
     norm = final_norm_module(hf)
     w = getattr(norm, "weight", None)
     gain = None
-    if isinstance(w, torch.Tensor) and "RMSNorm" in type(norm).__name__:
-        # Gemma's RMSNorm stores w and multiplies by (1 + w): find out from the module itself.
-        probe = torch.ones(1, w.shape[0], dtype=w.dtype)
-        out = norm(probe)  # rms of ones is 1: out = g / sqrt(1 + eps)
-        eps = norm_eps(norm)
-        gain = (out[0] * (1.0 + eps) ** 0.5).to(w.dtype).detach()
+    if isinstance(w, torch.Tensor) and w.dim() == 1:
+        with torch.no_grad():
+            gain = rmsnorm_gain(norm, w.shape[0], norm_eps(norm), w.dtype, w.device)
     return (lambda h: norm(h)), gain
 
 

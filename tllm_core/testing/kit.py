@@ -64,8 +64,9 @@ class ConsumerKit:
 
     ``model``: a local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct).
     ``consumers``: what ``TllmLLM`` takes (``NAME[:JSON]`` strings, spec dicts with
-    ``per_request``, ``ConsumerSpec``\\ s) and also a ``Consumer`` subclass, or ``(class, config
-    dict)``: a class given here is used even when an installed entry point names another
+    ``per_request``, ``ConsumerSpec``\\ s) and also a ``Consumer`` subclass, ``(class, config
+    dict)``, or a spec dict whose ``"name"`` is the class: a class given here is used even
+    when an installed entry point names another
     version of it. ``max_num_batched_tokens``: the token budget per step (a longer prompt is
     prefilled in chunks, as vLLM's chunked prefill does). ``max_consecutive_failures``: as for
     ``TllmLLM``; ``raise_on_disabled``: :meth:`generate` raises ``ConsumerDisabledError`` when
@@ -117,6 +118,9 @@ class ConsumerKit:
         if isinstance(c, type) and issubclass(c, Consumer):
             self.registry.use(c)
             return ConsumerSpec(name=c.name, config=config)
+        if isinstance(c, dict) and isinstance(c.get("name"), type):
+            self.registry.use(c["name"])  # {"name": TheClass, "per_request": True, ...}
+            c = {**c, "name": c["name"].name}
         return ConsumerSpec.coerce(c)
 
     def _install_taps(self) -> None:
