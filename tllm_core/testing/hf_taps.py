@@ -19,6 +19,7 @@ class Window:
     def __init__(self) -> None:
         self.offset = 0
         self.rows = 0
+        self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
 
 
 class HfTap:
@@ -73,6 +74,8 @@ def install(hf: Any, site: str, layer: int | None, tap: HfTap) -> Any:
     module = final_norm_module(hf) if site == "final" else site_module(hf, site, layer or 0)
 
     def hook(_module: Any, _args: Any, out: Any) -> Any:
+        if not tap.window.active:
+            return None
         t = _tensor_of(out)  # [1, n, width]: one request per forward
         new = tap.process(t[0])
         return None if new is None else _with_tensor(out, new[None])

@@ -300,21 +300,11 @@ class ConsumerKit:
             edited={k: t.edited for k, t in self._taps.items() if t.edit is not None},
         )
         self.runtime.begin_step(rows, self._edits)
-        logits = []
-        offset = 0
-        for (r, k), ids in zip(sched, fed, strict=True):
-            self._window.offset, self._window.rows = offset, k
-            pos = torch.arange(r.computed, r.computed + k)[None]
-            out = self.hf(
-                input_ids=torch.tensor([ids]),
-                position_ids=pos,
-                past_key_values=r.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            r.cache = out.past_key_values
-            logits.append(out.logits[0, -1].float())
-            offset += k
+        self._window.active = True
+        try:
+            logits = self._forward(sched, fed)
+        finally:
+            self._window.active = False
         step.tensors = {k: t.capture for k, t in self._taps.items() if t.capture is not None}
         raw = torch.stack(logits)
         step.tensors["logits"] = raw
@@ -336,6 +326,27 @@ class ConsumerKit:
             if len(r.output) >= r.max_tokens or (not r.ignore_eos and tok in eos):
                 r.done = True
                 self._finished.append(r.info)
+
+    def _forward(
+        self, sched: list[tuple[_Request, int]], fed: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """Each scheduled request's forward with its own KV cache (its rows: a window of the
+        step's packed rows); the logits of its last row."""
+        logits, offset = [], 0
+        for (r, k), ids in zip(sched, fed, strict=True):
+            self._window.offset, self._window.rows = offset, k
+            pos = torch.arange(r.computed, r.computed + k)[None]
+            out = self.hf(
+                input_ids=torch.tensor([ids]),
+                position_ids=pos,
+                past_key_values=r.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            r.cache = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+            offset += k
+        return logits
 
     def _eos(self) -> set[int]:
         ids = getattr(self.hf.generation_config, "eos_token_id", None)
