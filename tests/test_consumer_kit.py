@@ -280,11 +280,18 @@ def _lens_ok(counters):
         assert counters[k] <= 100, (k, counters)  # 1e-4
 
 
-def test_model_info_final_norm_and_head_in_the_kit(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "granite", "qwen3"])
+def test_model_info_final_norm_and_head_in_the_kit(arch):
+    """ModelInfo of the kit against transformers' own taps and logits: Gemma 2's (1 + w) norm
+    gain and final soft-capping, Granite's logit scaling included (lm_head_weight then None)."""
+    from conftest import MODEL_CACHE
     from kit_lens import Lens
+    from tiny_models import build_tiny_model
 
-    kit = ConsumerKit(tiny_model, [Lens])
-    assert kit.model.final_norm_weight is not None and kit.model.final_norm_eps == 1e-5
+    model = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=2))
+    kit = ConsumerKit(model, [Lens])
+    assert kit.model.final_norm_weight is not None and kit.model.final_norm_eps > 0
+    assert (kit.model.lm_head_weight is None) == (arch in ("gemma2", "granite"))
     kit.generate(["a b c", "d"], max_tokens=3)
     _lens_ok(kit.close()["consumers"]["lens"])
 
