@@ -1,4 +1,4 @@
-"""A test consumer that checks ModelInfo's final norm and LM head against the engine's own
+"""Test consumers found through an entry point in engine tests. ``lens`` checks ModelInfo's final norm and LM head against the engine's own
 taps: ``final_norm(layer.-1) == final`` and ``lm_head(final_norm(layer.-1)) == logits`` at
 the sampling rows (counters: the largest differences, in units of 1e-6)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tllm_core import Consumer, HiddenStates, Logits, hookimpl
+from tllm_core import Consumer, HiddenStates, Logits, SamplerGuide, hookimpl
 
 
 class Lens(Consumer):
@@ -37,6 +37,35 @@ class Lens(Consumer):
         self.counters.max(name, int(err * 1e6))
 
 
+class Peek(Consumer):
+    """Given after a guiding consumer: records the candidates it left, per sampling row
+    (``"{request}/{sample}/{position}"`` -> sorted tokens and their logits)."""
+
+    name = "peek"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.rows: dict[str, dict[str, list]] = {}
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        c = view.candidates()
+        rows = view.rows
+        for i, req in enumerate(rows.requests):
+            if rows.mid_prefill[i]:
+                continue
+            sel = c.rows == i
+            toks, logits = c.tokens[sel], c.logits[sel]
+            order = toks.argsort()
+            key = f"{req.request_id}/{req.sample_index}/{int(rows.position[i])}"
+            self.rows[key] = {"tokens": toks[order].tolist(), "logits": logits[order].tolist()}
+
+    def result(self):
+        return self.rows
+
+
 @hookimpl
 def tllm_consumers():
-    return [Lens]
+    return [Lens, Peek]

@@ -313,3 +313,50 @@ def test_model_info_final_norm_and_head_in_the_engine(tiny_model, engines, tmp_p
         _lens_ok(llm.collect()["consumers"]["lens"])
     finally:
         sys.path.remove(site)
+
+
+@pytest.mark.vllm
+def test_kit_replays_an_engine_run_and_esamp_writes_the_same(tiny_model, engines, tmp_path):
+    """ESamp (seeded, beta 0.5) in vLLM, then in the kit replaying vLLM's sampled tokens: the
+    candidates ESamp leaves at every sampling row are the same tokens with the same logits."""
+    import sys
+
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    consumers = ['esamp:{"beta": 0.5}', "peek"]
+    gen = dict(temperature=1.0, min_p=0.2)
+    site = _lens_site(tmp_path)
+    try:
+        engines.close()
+        llm = TllmLLM(
+            tiny_model,
+            consumers,
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+        )
+        engines.llm, engines.key = llm, ("kit-esamp",)
+        params = SamplingParams(n=2, max_tokens=6, seed=0, **gen)
+        outs = llm.generate(["The lighthouse keeper"], params, use_tqdm=False)
+        engine = llm.collect()
+        tokens = [
+            [list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs
+        ]
+        kit = ConsumerKit(tiny_model, consumers)
+        assert kit.generate(["The lighthouse keeper"], n=2, tokens=tokens, **gen) == tokens
+        local = kit.close()
+    finally:
+        sys.path.remove(site)
+    assert local["errors"] == engine["errors"] == []
+    es_kit, es_vllm = local["consumers"]["esamp"], engine["consumers"]["esamp"]
+    assert es_kit["rows_guided"] > 0
+    for k in ("rows_guided", "rows_visited", "optimizer_steps", "rows_trained"):
+        assert es_kit[k] == es_vllm[k], (k, es_kit, es_vllm)
+    a, b = local["results"]["peek"], engine["results"]["peek"]
+    assert sorted(a) == sorted(b) and len(a) == 12
+    for key in a:
+        assert a[key]["tokens"] == b[key]["tokens"], key
+        assert a[key]["logits"] == pytest.approx(b[key]["logits"], abs=1e-3), key

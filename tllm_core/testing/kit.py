@@ -49,6 +49,7 @@ class _Request:
     max_tokens: int
     ignore_eos: bool
     generator: torch.Generator
+    forced: list[int] | None = None  # tokens to take instead of drawing (a replay)
     cache: Any = None
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache
@@ -182,11 +183,15 @@ class ConsumerKit:
         seed: int | None = 0,
         ignore_eos: bool = False,
         extra_args: dict | Sequence[dict | None] | None = None,
+        tokens: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[list[list[int]]]:
         """Generate for ``prompts`` (texts or token-id lists) like ``TllmLLM.generate`` with one
         ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
         prompt (request keys of the consumers, ``tllm_consumers``), checked as ``TllmLLM``
-        checks them. Returns the generated token ids per prompt and sample."""
+        checks them. ``tokens``: a replay, the tokens to take per prompt and sample instead of
+        drawing (e.g. what an engine sampled: the consumers then see the engine's rows, and
+        guide as they did there); each sample then runs for ``len`` of its tokens. Returns the
+        generated token ids per prompt and sample."""
         from tllm_core.app.engine import ConsumerDisabledError, first_errors_of_disabled
         from tllm_core.serving.keys import validate_extra_args
 
@@ -197,6 +202,10 @@ class ConsumerKit:
         if max_tokens < 1 or n < 1:
             raise ValueError(f"max_tokens and n must be >= 1, got {max_tokens} and {n}")
         sampling = Sampling(temperature, top_k, top_p, min_p, seed)
+        if tokens is not None and (
+            len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
+        ):
+            raise ValueError(f"tokens must hold {n} non-empty token lists for each of the prompts")
         reqs: list[_Request] = []
         for i, p in enumerate(items):
             extra = dict((extras[i] if extras is not None else extra_args) or {})
@@ -207,9 +216,11 @@ class ConsumerKit:
             rid = str(self._next_id)
             self._next_id += 1
             for j in range(n):
-                reqs.append(
-                    self._request(rid, i, j, n, ids, sampling, max_tokens, ignore_eos, extra)
-                )
+                r = self._request(rid, i, j, n, ids, sampling, max_tokens, ignore_eos, extra)
+                if tokens is not None:
+                    r.forced = [int(t) for t in tokens[i][j]]
+                    r.max_tokens = len(r.forced)
+                reqs.append(r)
         while not all(r.done for r in reqs):
             self._step([r for r in reqs if not r.done])
         self._report_finished()  # as TllmLLM's end of batch: every request is done
@@ -314,6 +325,9 @@ class ConsumerKit:
         if rand.any():  # vLLM's all-greedy batches never reach the guided sampler
             self.runtime.guide(step, guided, temperatures(params), rand, filtered)
         tokens = draw(raw, guided, params, [r.generator for r, _ in sched])
+        for j, (r, _k) in enumerate(sched):
+            if r.forced is not None and kept[j]:
+                tokens[j] = r.forced[len(r.output)]
         step.tensors["sampled"] = tokens
         self.runtime.end_step(step)
         eos = self._eos()
