@@ -274,3 +274,32 @@ def test_tllmllm_raises_when_a_consumer_is_disabled(tiny_model, engines):
     report = llm.close()
     assert [(x["consumer"], x["disabled"]) for x in report["errors"]] == [("crasher", True)]
     assert report["consumers"]["stats"]["bundles"] > 0
+
+
+@pytest.mark.vllm
+def test_an_engine_start_failure_reaches_the_caller_as_one_line_with_its_cause(tiny_model):
+    """vLLM's default multiprocess layout: a KV cache larger than the machine fails in the
+    worker process; TllmLLM raises one line naming vLLM's own error, not "see root cause
+    above"."""
+    from cli_util import cli_env
+
+    script = (
+        "from tllm_core import TllmLLM\n"
+        "from tllm_core.vllm_bridge.errors import UnsupportedEngineError\n"
+        "if __name__ == '__main__':\n"
+        "    try:\n"
+        f"        TllmLLM({tiny_model!r}, [], kv_cache_memory_bytes=1 << 50,\n"
+        "                max_model_len=512, enforce_eager=True, dtype='float32')\n"
+        "    except UnsupportedEngineError as e:\n"
+        "        print('CAUGHT', e)\n"
+    )
+    root = str(Path(__file__).parent.parent)
+    env = cli_env(PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env
+    )
+    caught = [ln for ln in proc.stdout.splitlines() if ln.startswith("CAUGHT")]
+    assert caught, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert caught[0].startswith("CAUGHT the engine refused to start: ValueError: Available memory")
+    assert "requested memory for kv" in caught[0]

@@ -190,8 +190,9 @@ class TllmLLM:
         from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 
         try:
-            # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default.
-            with interrupts_reach_caller(), default_kv_cache(llm_kwargs):
+            # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
+            # the engine processes note their first error for us.
+            with interrupts_reach_caller(), default_kv_cache(llm_kwargs), note.shared():
                 self.llm = LLM(
                     model=model,
                     additional_config=additional,
