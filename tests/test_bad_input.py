@@ -42,8 +42,8 @@ def test_layer_out_of_range_names_layer_count(tiny_model):
         run_cli(
             "run", "--model", tiny_model, "--consumer", 'stats:{"layers": [9]}', "--prompt", "x"
         ),
-        "layer index 9 is out of range",
-        "4 decoder layers",
+        "consumer 'stats': config field 'layers' = 9 is out of range",
+        "4 decoder layers (valid: -4..3",
     )
 
 

@@ -167,6 +167,72 @@ def test_tutorial_command_line_runs_in_the_default_multiprocess_layout(tutorial_
     assert sorted(out["results"]["normtrack"]) == ["0/0", "0/1"]
 
 
+def test_testing_page_example_runs_with_the_tutorial_package(tutorial_site, tiny_model):
+    code = doc_blocks(DOCS / "testing-consumers.md")["test_normtrack_kit.py"]
+    assert "MODEL = None" in code
+    code = code.replace("MODEL = None", f"MODEL = {tiny_model!r}", 1)
+    exec(compile(code, "test_normtrack_kit.py", "exec"), {"__name__": "__main__"})
+
+
+# -- the DoLa example package (docs/example-dola.md) -----------------------------------------
+DOLA = DOCS / "example-dola.md"
+
+
+def _write_blocks(page: Path, names: tuple[str, ...], folder: Path) -> Path:
+    blocks = doc_blocks(page)
+    for name in names:
+        assert name in blocks, f"{page.name} lacks the block titled {name!r}"
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(blocks[name])
+    return folder
+
+
+def test_dola_example_tests_pass_with_the_kit(tiny_model, tmp_path):
+    """The example's own kit tests, run by pytest as its author would, on the tiny model."""
+    _write_blocks(DOLA, ("dola/__init__.py", "test_dola.py"), tmp_path)
+    path = os.pathsep.join(p for p in (str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_dola.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path, "DOLA_MODEL": tiny_model},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.vllm
+def test_dola_example_runs_in_vllm(tiny_model, engines, tmp_path):
+    """The same package, pip-installed with its entry point, in an engine."""
+    src = _write_blocks(DOLA, ("pyproject.toml", "dola/__init__.py"), tmp_path / "src")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
+        + ["--no-input", "--disable-pip-version-check", "--target", str(site), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+    code = doc_blocks(DOLA)["run_dola.py"].replace("MODEL = None", f"MODEL = {tiny_model!r}", 1)
+    engines.close()
+    ns: dict = {"__name__": "__main__"}
+    try:
+        exec(compile(code, "run_dola.py", "exec"), ns)
+    finally:
+        if "llm" in ns:
+            engines.llm, engines.key = ns["llm"], ("docs-dola",)
+        sys.path.remove(str(site))
+        sys.modules.pop("dola", None)
+        importlib.invalidate_caches()
+    assert ns["report"]["errors"] == []
+    assert ns["report"]["consumers"]["dola"] == {"rows_contrasted": 8}
+
+
 # -- every python example, as a script ------------------------------------------------------
 _PY_FENCE = re.compile(
     r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.M | re.S

@@ -289,3 +289,34 @@ def test_no_rows_and_finished_requests():
         c.on_request_finished(r)
     assert c._req_cache == {}
     assert c.result()["rows_selected"] == 7
+
+
+def test_steer_on_a_real_model_with_the_kit_equals_a_transformers_hook(tiny_model):
+    """The consumer test kit (tllm_core.testing): steer's edits on a real model's rows, checked
+    against transformers with the same vector added by a forward hook on layer 1, on the
+    generated prompt-only rows (positions "prompt") and greedy tokens."""
+    from tllm_core.testing import ConsumerKit
+
+    vec = torch.linspace(-1, 1, 128)
+    steer = {"vectors": [{"layer": 1, "vector": vec.tolist(), "scale": 3.0}], "positions": "prompt"}
+    kit = ConsumerKit(tiny_model, [{"name": "steer", "config": steer}, 'stats:{"layers": [2]}'])
+    prompt = kit.tokenize("The lighthouse keeper saw")
+    out = kit.generate([prompt], max_tokens=4, temperature=0)[0][0]
+    report = kit.close()
+    assert report["consumers"]["steer"]["rows_selected"] == len(prompt)
+    assert report["runtime"]["rows_edited.layer.1"] == len(prompt)
+
+    layer = kit.hf.model.layers[1]
+    handle = layer.register_forward_hook(
+        lambda _m, _i, o: o + 3.0 * vec * (torch.arange(o.shape[1]) < len(prompt))[None, :, None]
+    )
+    try:
+        with torch.no_grad():
+            ref = kit.hf(torch.tensor([prompt + out[:-1]]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    assert out == ref.logits[0, len(prompt) - 1 :].argmax(-1).tolist()
+    want = ref.hidden_states[3][0].norm(dim=-1).mean()  # after layer 2, every fed row
+    got = report["results"]["stats"]["0/0"]["layer.2"]
+    assert got["rows"] == len(prompt) + len(out) - 1
+    assert got["mean_norm"] == pytest.approx(float(want), rel=1e-4)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
     from tllm_core.app import cli_common
-    from tllm_core.app.engine import TllmLLM
+    from tllm_core.app.engine import ConsumerDisabledError, TllmLLM
     from tllm_core.runtime.cpus import allowed_cpus
 
 __all__ = [
@@ -93,6 +93,7 @@ __all__ = [
     "StepCapture",
     "TapRequest",
     "TllmLLM",
+    "ConsumerDisabledError",
     "TokenPort",
     "format_port_name",
     "hookimpl",
@@ -141,6 +142,7 @@ _HOME = {
     "ConsumerSpecError": "tllm_core.api.consumer_spec",
     "StepCapture": "tllm_core.api.step",
     "TllmLLM": "tllm_core.app.engine",
+    "ConsumerDisabledError": "tllm_core.app.engine",
     "cli_common": "tllm_core.app.cli_common",
     "allowed_cpus": "tllm_core.runtime.cpus",
     "phase_mask": "tllm_core.api.rows",

@@ -38,6 +38,14 @@ class ModelInfo:
     # Head weight [vocab, hidden] when the head is a plain linear map (no bias,
     # soft-capping or scaling), else None: consumers then must use ``lm_head``.
     lm_head_weight: torch.Tensor | None
+    # The model's final norm, hidden state -> the LM head's input (what ``HiddenStates("final")``
+    # holds): ``lm_head(final_norm(h))`` are the logits of residual stream ``h`` (logit lens,
+    # DoLa, early exit). None where unknown (the dry build: no weights).
+    final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Its gain g when it is a plain RMSNorm, ``h / sqrt(mean(h**2) + final_norm_eps) * g``
+    # (Gemma's stored ``w`` is given as ``1 + w``), else None.
+    final_norm_weight: torch.Tensor | None = None
+    final_norm_eps: float | None = None
 
 
 @dataclass

@@ -14,6 +14,8 @@ Built-in read ports here: :class:`HiddenStates`, :class:`Logits`, :class:`Sample
 from __future__ import annotations
 
 import dataclasses
+import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -27,18 +29,25 @@ ResolveLayer = Callable[[int], int]
 class Phase(str, Enum):
     """Which token rows a read port selects.
 
-    ``PREFILL`` rows feed a prompt token; ``DECODE`` rows feed a generated token.
+    ``PREFILL`` rows feed a prompt token; ``DECODE`` rows feed a generated token. ``GUIDE``
+    selects no row for bundles: the port is read only at guide time (``GuideView.hidden``, at
+    the step's sampling rows), so nothing is copied or delivered for ``on_bundle``.
     """
 
     PREFILL = "prefill"
     DECODE = "decode"
     ALL = "all"
+    GUIDE = "guide"
 
     def selects(self, is_decode: bool) -> bool:
+        if self is Phase.GUIDE:
+            return False
         return self is Phase.ALL or (self is Phase.DECODE) == is_decode
 
     def union(self, other: Phase | None) -> Phase:
-        return self if other is None or other is self else Phase.ALL
+        if other is None or other is self or other is Phase.GUIDE:
+            return self
+        return other if self is Phase.GUIDE else Phase.ALL
 
 
 class Delivery(str, Enum):
@@ -95,6 +104,9 @@ class LayerPort(TokenPort):
     prefix: ClassVar[str]
     layer: int
 
+    def __post_init__(self) -> None:
+        _normalise(self, self.prefix, final=False)
+
     @property
     def key(self) -> str:
         return format_port_name(self.prefix, int(self.layer))
@@ -116,6 +128,9 @@ class HiddenStates(TokenPort):
 
     layer: LayerSpec
     phase: Phase = Phase.ALL
+
+    def __post_init__(self) -> None:
+        _normalise(self, RESIDUAL, final=True)
 
     @property
     def key(self) -> str:
@@ -184,13 +199,52 @@ class ResidualEdit(Edit):
     layer: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target", HiddenStates(self.layer))
+        layer = layer_arg(self.layer, RESIDUAL, final=False, port="ResidualEdit")
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "target", HiddenStates(layer))
 
 
 @dataclass(frozen=True)
 class SamplerGuide(WritePort):
     """Write port: change the logits of the candidates that survive top-k/top-p/min-p,
     for rows the consumer selects in :meth:`Consumer.guide`, in the same step."""
+
+
+def layer_arg(value: Any, prefix: str, *, final: bool, port: str) -> int | str:
+    """The ``layer`` a port constructor was given, as stored: an ``int`` (numpy ints too), the
+    port's own name ``"{prefix}.{i}"`` (-> ``i``), or ``"final"`` where ``final``. Anything else
+    (a numeral in a string, a float, a bool) raises ``ValueError`` naming the port, the value
+    and the accepted forms: ``HiddenStates("8")`` would otherwise be a port keyed by text."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    if isinstance(value, str):
+        text = value.strip()
+        if final and text == FINAL:
+            return FINAL
+        m = re.fullmatch(rf"{re.escape(prefix)}\.(-?\d+)", text)
+        if m:
+            return int(m.group(1))
+    forms = f"an int layer index (negative counts from the end), '{prefix}.{{i}}'"
+    forms += " or 'final'" if final else ""
+    raise ValueError(f"{port}(layer={value!r}): expected {forms}")
+
+
+def _normalise(port: ReadPort, prefix: str, *, final: bool) -> None:
+    """Check and normalise a frozen port's ``layer`` and ``phase`` in ``__post_init__``."""
+    name = type(port).__name__
+    layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
+    object.__setattr__(port, "layer", layer)
+    phase = getattr(port, "phase", Phase.ALL)
+    if not isinstance(phase, Phase):
+        try:
+            phase = Phase(phase)
+        except ValueError:
+            allowed = ", ".join(repr(p.value) for p in Phase)
+            raise ValueError(f"{name}(phase={phase!r}): expected a Phase ({allowed})") from None
+        object.__setattr__(port, "phase", phase)
 
 
 def layer_key(layer: int | str) -> str:
@@ -211,6 +265,6 @@ def resolve_layer(layer: int, num_layers: int) -> int:
     if not 0 <= idx < num_layers:
         raise ValueError(
             f"layer index {layer} is out of range: the model has {num_layers} decoder layers "
-            f"(valid: {-num_layers}..{num_layers - 1}, or 'final')"
+            f"(valid: {-num_layers}..{num_layers - 1}, negative counts from the end)"
         )
     return idx

@@ -116,7 +116,9 @@ class RowInfo:
 
     ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``.
     ``token_ids`` is the token fed at that position (a device tensor; ``.cpu()`` it off the
-    hot path).
+    hot path). ``mid_prefill[i]``: row ``i`` is a prompt row of a request whose prompt is not
+    complete at the end of this step (chunked prefill): as a sampling row (``GuideView.rows``)
+    its sampled token is discarded.
     """
 
     row: np.ndarray  # int64 [R]: packed row index in the step
@@ -125,6 +127,11 @@ class RowInfo:
     is_decode: np.ndarray  # bool [R]
     recomputed: np.ndarray  # bool [R]: position was delivered before (preemption)
     token_ids: torch.Tensor  # [R]
+    mid_prefill: np.ndarray | None = None  # bool [R]; None: all False (filled in)
+
+    def __post_init__(self) -> None:
+        if self.mid_prefill is None:
+            self.mid_prefill = np.zeros(len(self.row), dtype=bool)
 
     def __len__(self) -> int:
         return int(self.row.shape[0])
@@ -158,6 +165,7 @@ class RowInfo:
             is_decode=self.is_decode[idx],
             recomputed=self.recomputed[idx],
             token_ids=self.token_ids[index_to(idx, self.token_ids.device)],
+            mid_prefill=self.mid_prefill[idx],  # type: ignore[index]
         )
 
     def to_host(self) -> RowInfo:
@@ -168,6 +176,7 @@ class RowInfo:
             self.is_decode,
             self.recomputed,
             self.token_ids.to("cpu"),
+            self.mid_prefill,
         )
 
 
@@ -208,6 +217,8 @@ def layout_rows(
     positions = computed[req_idx] + offs
     n_prompt = np.array([q.num_prompt_tokens for q in requests], dtype=np.int64)
     seen = np.array([q.max_position_seen for q in requests], dtype=np.int64)
+    # The prompt is not complete after this step: every row of the request is mid-prefill.
+    unfinished = computed + nsched < n_prompt
     rows = RowInfo(
         row=np.arange(total, dtype=np.int64),
         requests=[requests[i] for i in req_idx],
@@ -215,6 +226,7 @@ def layout_rows(
         is_decode=positions >= n_prompt[req_idx],
         recomputed=positions <= seen[req_idx],
         token_ids=layout.token_ids[:total],
+        mid_prefill=unfinished[req_idx],
     )
     kept = computed + nsched >= layout.num_tokens.astype(np.int64)
     return rows, cu - 1, kept
@@ -224,4 +236,6 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
     """Which of the rows (``is_decode`` per row) belong to ``phase``."""
     if phase is Phase.ALL:
         return np.ones_like(is_decode)
+    if phase is Phase.GUIDE:  # read at guide time only: no row goes into bundles
+        return np.zeros_like(is_decode)
     return is_decode if phase is Phase.DECODE else ~is_decode

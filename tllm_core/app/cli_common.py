@@ -249,11 +249,13 @@ def set_worker_shutdown_timeout() -> None:
 
 def set_cpu_kv_cache(gib: int | None) -> None:
     """The CPU KV cache size: ``--kv-cache-gib`` when given, else the user's
-    ``VLLM_CPU_KVCACHE_SPACE``, else 2 GiB."""
-    if gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-    else:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    ``VLLM_CPU_KVCACHE_SPACE``, else the default ``TllmLLM`` uses too
+    (:mod:`tllm_core.app.kv_cache`)."""
+    from tllm_core.app.kv_cache import KV_ENV, kv_cache_gib
+
+    value = kv_cache_gib(gib)
+    if value is not None:
+        os.environ[KV_ENV] = value
 
 
 def prepare_engine_processes(args: argparse.Namespace) -> None:
@@ -346,6 +348,7 @@ def generate_with(
         if converting is not None:
             converting.wait()
         model = str(default_model_path(progress=True))
+        checked = validate_consumers(checked, model)  # the dry build, before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
     names = [s.name for s in checked.specs]
@@ -355,7 +358,10 @@ def generate_with(
     else:
         say(f"starting vLLM ({engine_note(args)})")
     t0 = time.perf_counter()
-    llm = TllmLLM(model, checked, **engine_kwargs(args), **(extra_engine or {}))
+    # The command reports a disabled consumer itself (ERROR lines, exit status 1).
+    llm = TllmLLM(
+        model, checked, raise_on_disabled=False, **engine_kwargs(args), **(extra_engine or {})
+    )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
     n_seqs = len(texts_in) * params.n
@@ -440,6 +446,8 @@ def print_report(
     """Completions as text, then (on stderr) errors and the run's summary: a line per
     consumer and the warnings that matter (:mod:`tllm_core.app.summary`); ``counters``: the
     full counter table too. Or one JSON (the summary line on stderr)."""
+    for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
+        print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
         from tllm_core.runtime.reports import json_safe
 
@@ -464,8 +472,6 @@ def print_report(
             for k, v in sorted(values.items()):
                 print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
     sys.stdout.flush()
-    for e in report.get("errors", []):
-        print(f"ERROR: {e['error']}", file=sys.stderr)
     from tllm_core.app.summary import summarize
 
     for line in summarize(report).text():

@@ -17,6 +17,7 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.app.kv_cache import default_kv_cache
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
@@ -82,6 +83,44 @@ def validate_consumers(
     return replace(checked, model_path=model_path)
 
 
+class ConsumerDisabledError(RuntimeError):
+    """A consumer was switched off during an offline run (a callback failed
+    ``max_consecutive_failures`` times in a row): raised by ``TllmLLM.generate`` / ``chat``
+    (``outputs``: what was generated, without that consumer from then on) or ``close``
+    (``report``: the final report). ``errors``: each disabled consumer's first error, as in
+    ``report["errors"]``. ``TllmLLM(..., raise_on_disabled=False)`` turns it off."""
+
+    def __init__(
+        self,
+        errors: list[dict[str, Any]],
+        outputs: Any = None,
+        report: dict[str, Any] | None = None,
+    ):
+        parts = [
+            f"consumer {e['consumer']!r} was disabled during the run; its first error: "
+            f"{e['error']} (in {e['where']})"
+            for e in errors
+        ]
+        super().__init__(
+            "; ".join(parts) + ". Its callbacks were skipped from then on (outputs are in "
+            "this exception's .outputs, the report in report['errors']); "
+            "TllmLLM(..., raise_on_disabled=False) only reports it"
+        )
+        self.errors = errors
+        self.outputs = outputs
+        self.report = report
+
+
+def first_errors_of_disabled(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first error of each consumer that some error entry says was disabled."""
+    off = {e["consumer"] for e in errors if e.get("disabled")}
+    out: dict[str, dict[str, Any]] = {}
+    for e in errors:
+        if e["consumer"] in off:
+            out.setdefault(e["consumer"], e)
+    return list(out.values())
+
+
 def _salted(prompt: Any, salt: str | None) -> Any:
     """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
     if salt is None:
@@ -112,6 +151,7 @@ class TllmLLM:
         overflow: str = "block",
         background_threads: int = 1,
         max_consecutive_failures: int = 3,
+        raise_on_disabled: bool = True,
         **llm_kwargs: Any,
     ):
         check_version()
@@ -120,6 +160,8 @@ class TllmLLM:
 
             model = str(default_model_path())
         self.model_path = model
+        self.raise_on_disabled = raise_on_disabled
+        self._raised: set[str] = set()  # consumers already raised as disabled
         checked = validate_consumers(consumers, model if os.path.isdir(model) else None)
         from tllm_core.vllm_bridge.families import check_model
 
@@ -148,7 +190,9 @@ class TllmLLM:
         from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 
         try:
-            with interrupts_reach_caller():  # Ctrl-C while the engine starts stops it
+            # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
+            # the engine processes note their first error for us.
+            with interrupts_reach_caller(), default_kv_cache(llm_kwargs), note.shared():
                 self.llm = LLM(
                     model=model,
                     additional_config=additional,
@@ -243,8 +287,16 @@ class TllmLLM:
                 self.llm.collective_rpc("tllm_end_batch")
             raise
         # generate() is synchronous: every request of this call is done.
-        self.llm.collective_rpc("tllm_end_batch")
+        errors = [e for r in self.llm.collective_rpc("tllm_end_batch") for e in (r or [])]
+        self._raise_disabled(errors, outputs=outputs)
         return outputs
+
+    def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
+        """Raise :class:`ConsumerDisabledError` for consumers disabled since the last raise."""
+        new = [e for e in first_errors_of_disabled(errors) if e["consumer"] not in self._raised]
+        if new and self.raise_on_disabled:
+            self._raised |= {e["consumer"] for e in new}
+            raise ConsumerDisabledError(new, **where)
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""
@@ -260,6 +312,8 @@ class TllmLLM:
                 self._closed_report = self._rpc("tllm_close")
             finally:
                 self.shutdown()
+            report = self._closed_report
+            self._raise_disabled(report["errors"], report=report)
         return self._closed_report
 
     def shutdown(self) -> None:

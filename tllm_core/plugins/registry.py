@@ -176,6 +176,22 @@ class Registry:
             return HiddenStates(int(name.layer), phase)  # type: ignore[arg-type]
         return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
 
+    def use(self, cls: type[Consumer]) -> None:
+        """Serve consumer ``cls.name`` by ``cls`` in this registry, replacing a class of that
+        name found through an entry point (the test kit: the class being edited wins over an
+        installed copy of it)."""
+        old = self._classes.pop(getattr(cls, "name", ""), None)
+        saved = dict(self._keys)
+        if old is not None:
+            self._keys = {k: v for k, v in self._keys.items() if v[0] != old.name}
+        try:
+            self._add([cls])
+        except BaseException:
+            self._keys = saved
+            if old is not None:
+                self._classes[old.name] = old
+            raise
+
     @property
     def names(self) -> list[str]:
         return sorted(self._classes)

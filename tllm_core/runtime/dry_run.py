@@ -44,8 +44,10 @@ def dry_build(
     registry: Registry,
 ) -> None:
     """Every consumer's construction from its checked config, on the meta device."""
+    from tllm_core.runtime.build_error import DRY
     from tllm_core.runtime.runtime import build_consumers
 
-    slots = build_consumers(specs, configs, model_info_from_config(model_path), registry)
+    model = model_info_from_config(model_path)
+    slots = build_consumers(specs, configs, model, registry, where=DRY, model_path=str(model_path))
     for s in slots:
         s.consumer.close()

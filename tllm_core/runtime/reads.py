@@ -105,6 +105,8 @@ def build_bundle(
             idx = np.nonzero(mask)[0]
             bundle.rows = step.rows.take(idx)
             for key, r in plan.token.items():
+                if r.phase is Phase.GUIDE:
+                    continue  # read at guide time only
                 t = read(r)
                 if t is not None:
                     bundle.hidden[key] = _gather(t, idx)

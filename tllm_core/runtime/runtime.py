@@ -25,6 +25,7 @@ from tllm_core.api.producer import TapRequest
 from tllm_core.api.rows import RequestInfo, RowInfo, index_to
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, plan_reads
@@ -68,39 +69,56 @@ def build_consumers(
     model: ModelInfo,
     registry: Registry,
     data_parallel: tuple[int, int] = (0, 1),
+    where: str = ENGINE,
+    model_path: str = "",
 ) -> list[_Slot]:
     """Construct consumers from their checked configs (``Registry.check``) and resolve their
-    ports (errors before generation)."""
+    ports (errors before generation, as :class:`ConsumerBuildError` naming the consumer;
+    ``where``: the dry build or the engine, ``model_path`` for messages)."""
     slots = []
     for spec, config in zip(specs, configs, strict=True):
-        cls = registry.get(spec.name)
-
-        def resolve(i: int, _n=model.num_layers) -> int:
-            return resolve_layer(i, _n)
-
-        context = ConsumerContext(
-            model=model,
-            resolve_layer=resolve,
-            parse_port=registry.parse_port,
-            per_request=spec.per_request,
-            data_parallel_rank=data_parallel[0],
-            data_parallel_size=data_parallel[1],
-        )
-        consumer = cls(config, context)
-        reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
-        slot = _Slot(consumer, reads, per_request=spec.per_request)
-        for w in consumer.writes():
-            if isinstance(w, Edit):
-                target = w.target.resolve(resolve)
-                slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
-                if w.transform is not None:
-                    slot.transforms[target.key] = w.transform
-            elif isinstance(w, SamplerGuide):
-                slot.guides = True
-            else:
-                raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
-        slots.append(slot)
+        resolver = LayerResolver(model.num_layers)
+        cls = registry.get(spec.name)  # an unknown name: ConsumerSpecError as it is
+        try:
+            slots.append(_build(cls, spec, config, model, registry, data_parallel, resolver))
+        except Exception as e:
+            # Named in terms of the author's code: the consumer, its field, where it ran.
+            raise explain(spec.name, config, e, resolver, where, model_path) from e
     return slots
+
+
+def _build(
+    cls: type[Consumer],
+    spec: ConsumerSpec,
+    config: ConsumerConfig,
+    model: ModelInfo,
+    registry: Registry,
+    data_parallel: tuple[int, int],
+    resolve: LayerResolver,
+) -> _Slot:
+    """One consumer, constructed, its ports resolved."""
+    context = ConsumerContext(
+        model=model,
+        resolve_layer=resolve,
+        parse_port=registry.parse_port,
+        per_request=spec.per_request,
+        data_parallel_rank=data_parallel[0],
+        data_parallel_size=data_parallel[1],
+    )
+    consumer = cls(config, context)
+    reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
+    slot = _Slot(consumer, reads, per_request=spec.per_request)
+    for w in consumer.writes():
+        if isinstance(w, Edit):
+            target = w.target.resolve(resolve)
+            slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
+            if w.transform is not None:
+                slot.transforms[target.key] = w.transform
+        elif isinstance(w, SamplerGuide):
+            slot.guides = True
+        else:
+            raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+    return slot
 
 
 class Runtime:

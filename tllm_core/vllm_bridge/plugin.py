@@ -65,7 +65,7 @@ CLI_PID_ENV = "TLLM_CLI_PID"
 def register() -> None:
     if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
         return
-    for install in (command_process, _wrap_init_device, _patch_endpoint_plugins):
+    for install in (command_process, _wrap_init_device, _patch_endpoint_plugins, _start_errors):
         try:
             install()
         except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
@@ -76,6 +76,14 @@ def register() -> None:
                 type(e).__name__,
                 e,
             )
+
+
+def _start_errors() -> None:
+    """An engine process a ``TllmLLM`` is starting: its first vLLM error goes to the front end
+    (``tllm_core/runtime/start_error.py``)."""
+    from tllm_core.runtime.start_error import watch_engine_start
+
+    watch_engine_start()
 
 
 def command_process() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.norms import rmsnorm_gain
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.sites import find_layers
@@ -27,6 +28,7 @@ SyncSampled = Callable[[torch.Tensor], None] | None
 # Read once the weights are loaded (``runner.model`` exists only then), on every runner.
 # (The decoder layers are found where the architecture specs say, or by shape: sites.py.)
 LOADED_MODEL_ATTRS = ("model.compute_logits",)
+# Read when present (ModelInfo.final_norm; None without it): the final norm, ``model.model.norm``.
 
 
 class RunnerAdapterBase:
@@ -101,6 +103,7 @@ class RunnerAdapterBase:
             weight = full if plain else None
         elif plain:
             weight = head.weight[:vocab]
+        norm, gain, eps = _final_norm(model, mc.get_hidden_size(), mc.dtype, runner.device)
         return ModelInfo(
             hidden_size=mc.get_hidden_size(),
             num_layers=mc.get_total_num_hidden_layers(),
@@ -109,7 +112,33 @@ class RunnerAdapterBase:
             device=runner.device,
             lm_head=lm_head,
             lm_head_weight=weight,
+            final_norm=norm,
+            final_norm_weight=gain,
+            final_norm_eps=eps if gain is not None else None,
         )
+
+
+def _final_norm(
+    model: Any, width: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Any, torch.Tensor | None, float]:
+    """(callable, plain RMSNorm gain or None, eps) of the model's final norm ``model.norm`` (a
+    vLLM norm layer: called with one tensor it returns the normed tensor); (None, None, 0) when
+    the model has none there."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if not isinstance(norm, nn.Module):
+        return None, None, 0.0
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+    def final_norm(h: torch.Tensor) -> torch.Tensor:
+        out = norm(h.contiguous())
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        try:
+            gain = rmsnorm_gain(final_norm, width, eps, dtype, device)
+        except Exception:  # noqa: BLE001 - a norm of another form: the callable still serves
+            gain = None
+    return final_norm, gain, eps
 
 
 def _local_head(head: Any, lp: Any, vocab: int) -> tuple[Any, torch.Tensor]:

@@ -50,10 +50,14 @@ class TllmWorkerExtension:
         if hooks is not None:
             hooks.mark_cut_short(engine_ids)
 
-    def tllm_end_batch(self) -> None:
+    def tllm_end_batch(self) -> list[dict[str, Any]]:
+        """Finish the batch's requests; the consumer errors so far (``TllmLLM`` raises when
+        one says its consumer was disabled)."""
         hooks = self._tllm_hooks()
-        if hooks is not None:
-            hooks.finish_all()
+        if hooks is None:
+            return []
+        hooks.finish_all()
+        return list(hooks.runtime.bus.errors)
 
     def tllm_collect(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()

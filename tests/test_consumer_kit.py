@@ -1,0 +1,362 @@
+"""The consumer test kit (``tllm_core.testing.ConsumerKit``, issue 37): consumers run on
+transformers through tllm's runtime, checked against transformers itself, and against vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import hf_states
+
+from tllm_core import (
+    Consumer,
+    ConsumerConfig,
+    HiddenStates,
+    Phase,
+    SampledTokens,
+    SamplerGuide,
+)
+from tllm_core.testing import ConsumerKit
+
+
+class Record(Consumer):
+    """Keeps every delivered row (copies) and every GuideView's rows."""
+
+    name = "record"
+
+    class Config(ConsumerConfig):
+        keys: list[str] = ["layer.0", "layer.-1", "final", "attn.1", "mlp.2"]
+        phase: Phase = Phase.ALL
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.rows: dict[tuple[str, int, int, str], torch.Tensor] = {}
+        self.sampled: list[tuple[str, int, int, int]] = []
+        self.bundle_rows: list[tuple[list[int], list[bool], list[bool]]] = []
+
+    def reads(self):
+        ports = [self.context.parse_port(k, self.config.phase) for k in self.config.keys]
+        return [*ports, SampledTokens()]
+
+    def on_bundle(self, bundle):
+        rows = bundle.rows
+        self.bundle_rows.append(
+            (rows.position.tolist(), rows.is_decode.tolist(), rows.mid_prefill.tolist())
+        )
+        for key, h in bundle.hidden.items():
+            for i, req in enumerate(rows.requests):
+                pos = int(rows.position[i])
+                self.rows[(req.request_id, req.sample_index, pos, key)] = h[i].clone()
+        if bundle.sampled_rows is not None:
+            s = bundle.sampled_rows
+            for i, req in enumerate(s.requests):
+                tok = int(bundle.sampled_token_ids[i])
+                self.sampled.append((req.request_id, req.sample_index, int(s.position[i]), tok))
+
+
+class Force(Consumer):
+    """Guide: only token ``token`` survives on decode rows that sample."""
+
+    name = "force"
+
+    class Config(ConsumerConfig):
+        token: int = 42
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.views: list[tuple[list[int], list[bool], list[bool], list[str]]] = []
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        rows = view.rows
+        self.views.append(
+            (
+                rows.position.tolist(),
+                rows.mid_prefill.tolist(),
+                list(view.is_random),
+                rows.request_ids,
+            )
+        )
+        new = torch.full_like(view.logits, float("-inf"))
+        new[:, self.config.token] = 0.0
+        idx = torch.from_numpy(np.nonzero(rows.is_decode & view.is_random)[0])
+        view.update(idx, new[idx])
+
+
+def _seq(rec: Record, rid: str, sample: int) -> list[int]:
+    return sorted({p for (r, s, p, _k) in rec.rows if (r, s) == (rid, sample)})
+
+
+def test_kit_captures_equal_transformers_at_every_position(tiny_model):
+    kit = ConsumerKit(tiny_model, [Record])
+    prompts = ["The lighthouse keeper", "Rain on the roof of the old house"]
+    out = kit.generate(prompts, max_tokens=5, n=2, temperature=1.0, seed=3)
+    rec = kit.consumer("record")
+    report = kit.close()
+    assert report["errors"] == [] and report["runtime"]["requests_finished"] == 4
+    for i, p in enumerate(prompts):
+        prompt = kit.tokenize(p)
+        for j in range(2):
+            tokens = prompt + out[i][j]
+            fed = tokens[:-1]  # the last sampled token is never fed
+            assert _seq(rec, str(i), j) == list(range(len(fed)))
+            ref = hf_states(tiny_model, fed)
+            for key in ("layer.0", "layer.3", "final", "attn.1", "mlp.2"):
+                got = torch.stack([rec.rows[(str(i), j, pos, key)] for pos in range(len(fed))])
+                torch.testing.assert_close(got, ref[key], atol=1e-4, rtol=1e-4, msg=key)
+            sampled = sorted((pos, t) for r, s, pos, t in rec.sampled if (r, s) == (str(i), j))
+            assert [t for _, t in sampled] == out[i][j]
+            assert sampled[0][0] == len(prompt) - 1  # the prefill's last row samples
+
+
+def test_chunked_prefill_rows_and_guidance(tiny_model):
+    """A 9-token budget splits a long prompt: its mid-prefill rows come in bundles (prefill
+    phase), never as sampled rows; the GuideView holds them (token discarded); the guide's
+    writes decide the kept tokens."""
+    kit = ConsumerKit(tiny_model, [Record, (Force, {"token": 42})], max_num_batched_tokens=9)
+    prompt = list(range(100, 120))  # 20 tokens: chunks of 9, 9, 2
+    out = kit.generate([prompt], max_tokens=4, temperature=1.0)
+    assert out[0][0][1:] == [42, 42, 42]  # decode rows: forced (the first: the prompt's row)
+    rec, force = kit.consumer("record"), kit.consumer("force")
+    first_steps = rec.bundle_rows[:3]
+    assert [len(p) for p, _, _ in first_steps] == [9, 9, 2]
+    assert all(not any(d) for _, d, _ in first_steps)
+    # RowInfo.mid_prefill: the rows of the two chunks that leave the prompt unfinished
+    assert [set(m) for _, _, m in first_steps] == [{True}, {True}, {False}]
+    assert not any(m for _, _, ms in rec.bundle_rows[3:] for m in ms)
+    # sampled rows: the last prompt row, then the decode rows; never a mid-prefill row
+    assert [p for _r, _s, p, _t in rec.sampled] == [19, 20, 21, 22]
+    # the guide saw the mid-prefill rows' sampling rows (positions 8 and 17) too, flagged
+    assert [v[0] for v in force.views[:3]] == [[8], [17], [19]]
+    assert [v[1] for v in force.views[:4]] == [[True], [True], [False], [False]]
+    assert kit.close()["errors"] == []
+
+
+class Ask(Consumer):
+    """Records what its guide and its bundles hold (docs/ports.md, "Rows at guide time")."""
+
+    name = "ask"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.guides: list[dict] = []
+        self.bundle_keys: set[str] = set()
+
+    def reads(self):
+        return [HiddenStates(0, Phase.DECODE), HiddenStates(1, Phase.GUIDE)]
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        self.guides.append(
+            {
+                "ids": view.rows.request_ids,
+                "decode": view.rows.is_decode.tolist(),
+                "layer.0": view.hidden("layer.0").shape[0],
+                "layer.1": view.hidden("layer.1").shape[0],
+            }
+        )
+
+    def on_bundle(self, bundle):
+        self.bundle_keys |= set(bundle.hidden)
+
+
+def test_rows_at_guide_time(tiny_model):
+    """The answers docs/ports.md gives: a Phase.DECODE port serves every sampling row in
+    view.hidden (the prefill's last row too); a per-request guide sees only the rows of
+    requests naming it, another guide all rows; a Phase.GUIDE port is read at guide time
+    only, never in bundles."""
+    kit = ConsumerKit(tiny_model, [{"name": Ask, "per_request": True}, (Force, {"token": 7})])
+    kit.generate(["a b c", "d e"], max_tokens=3, extra_args=[{"tllm_consumers": "ask"}, None])
+    ask, force = kit.consumer("ask"), kit.consumer("force")
+    first = ask.guides[0]
+    assert first == {"ids": ["0"], "decode": [False], "layer.0": 1, "layer.1": 1}
+    assert all(g["ids"] == ["0"] for g in ask.guides) and len(ask.guides) == 3
+    assert all(g["layer.0"] == g["layer.1"] == len(g["ids"]) for g in ask.guides)
+    assert force.views[0][3] == ["0", "1"]  # not per-request: every request's row
+    assert ask.bundle_keys == {"layer.0"}  # the GUIDE port never reaches on_bundle
+    rep = kit.close()
+    assert rep["runtime"]["rows_captured.layer.1"] > 0
+
+
+def test_per_request_consumers_and_request_settings(tiny_model):
+    steer = {"vectors": [{"layer": 1, "vector": [0.25] * 128, "scale": 2.0}]}
+    kit = ConsumerKit(
+        tiny_model, [{"name": "steer", "config": steer, "per_request": True}, "stats"]
+    )
+    extra = [{"tllm_consumers": "steer"}, None, {"tllm_consumers": "steer", "tllm_steer_scale": 0}]
+    kit.generate(["a b c", "a b c", "a b c"], max_tokens=3, temperature=0, extra_args=extra)
+    rep = kit.close()
+    rows = 3 + 2  # prompt rows + decode rows of the one request steered with scale != 0
+    assert rep["runtime"]["rows_edited.layer.1"] == rows, rep["runtime"]
+    with pytest.raises(ValueError, match="tllm_steer_scale"):
+        ConsumerKit(tiny_model, ["steer:" + __import__("json").dumps(steer)]).generate(
+            ["x"], extra_args={"tllm_steer_scale": "big"}
+        )
+
+
+def test_a_disabled_consumer_raises_as_in_tllmllm(tiny_model):
+    from tllm_core.app.engine import ConsumerDisabledError
+
+    class Crash(Consumer):
+        name = "crash"
+
+        def reads(self):
+            return [HiddenStates(0, Phase.DECODE)]
+
+        def on_bundle(self, bundle):
+            raise RuntimeError("boom")
+
+    kit = ConsumerKit(tiny_model, [Crash], max_consecutive_failures=2)
+    with pytest.raises(ConsumerDisabledError, match="consumer 'crash' was disabled.*boom"):
+        kit.generate(["a b"], max_tokens=4)
+    assert kit.collect()["runtime"]["consumers_disabled"] == 1
+
+
+@pytest.mark.vllm
+def test_kit_and_vllm_give_the_same_writes_on_the_same_tokens(tiny_model, engines):
+    """stats (reads) and steer (edits, one request per-request scaled), greedy: the kit and an
+    engine produce the same tokens, the same edit counts and the same statistics."""
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    steer = {"vectors": [{"layer": 1, "vector": [0.05 * (i % 7 - 3) for i in range(128)]}]}
+    consumers = ['stats:{"layers": [0, 2, "final"]}', {"name": "steer", "config": steer}]
+    prompts = ["The lighthouse keeper", "Rain on the roof"]
+    extra = [{"tllm_steer_scale": 3.0}, {"tllm_steer_scale": 0.0}]
+    engines.close()
+    llm = TllmLLM(
+        tiny_model,
+        consumers,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+    )
+    engines.llm, engines.key = llm, ("kit-vs-vllm",)
+    params = [SamplingParams(max_tokens=6, temperature=0, extra_args=e) for e in extra]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    vllm_tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    engine = llm.collect()
+
+    kit = ConsumerKit(tiny_model, consumers)
+    kit_tokens = kit.generate(prompts, max_tokens=6, temperature=0, extra_args=extra)
+    local = kit.close()
+
+    assert kit_tokens == vllm_tokens
+    for k in ("rows_seen", "rows_edited.layer.1", "rows_captured.layer.0", "requests_finished"):
+        assert local["runtime"][k] == engine["runtime"][k], k
+    assert local["consumers"] == engine["consumers"]
+    a, b = local["results"]["stats"], engine["results"]["stats"]
+    assert sorted(a) == sorted(b) == ["0/0", "1/0"]
+    for req in a:
+        for key in a[req]:
+            assert a[req][key]["rows"] == b[req][key]["rows"]
+            for f in ("mean_norm", "max_abs"):
+                assert a[req][key][f] == pytest.approx(b[req][key][f], rel=1e-4), (req, key, f)
+
+
+def _lens_site(tmp_path):
+    """tests/kit_lens.py found through a `tllm` entry point (a dist-info on sys.path)."""
+    import importlib
+    import sys
+
+    info = tmp_path / "kit_lens-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kit-lens\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[tllm]\nlens = kit_lens\n")
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    return str(tmp_path)
+
+
+def _lens_ok(counters):
+    assert counters["rows_checked"] > 0 and counters["gain_checked"] > 0, counters
+    for k in ("norm_err_e6", "gain_err_e6", "head_err_e6"):
+        assert counters[k] <= 100, (k, counters)  # 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "granite", "qwen3"])
+def test_model_info_final_norm_and_head_in_the_kit(arch):
+    """ModelInfo of the kit against transformers' own taps and logits: Gemma 2's (1 + w) norm
+    gain and final soft-capping, Granite's logit scaling included (lm_head_weight then None)."""
+    from conftest import MODEL_CACHE
+    from kit_lens import Lens
+    from tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(MODEL_CACHE, arch=arch, num_layers=2))
+    kit = ConsumerKit(model, [Lens])
+    assert kit.model.final_norm_weight is not None and kit.model.final_norm_eps > 0
+    assert (kit.model.lm_head_weight is None) == (arch in ("gemma2", "granite"))
+    kit.generate(["a b c", "d"], max_tokens=3)
+    _lens_ok(kit.close()["consumers"]["lens"])
+
+
+@pytest.mark.vllm
+def test_model_info_final_norm_and_head_in_the_engine(tiny_model, engines, tmp_path):
+    import sys
+
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    site = _lens_site(tmp_path)
+    try:
+        engines.close()
+        llm = TllmLLM(tiny_model, ["lens"], dtype="float32", max_model_len=512, enforce_eager=True)
+        engines.llm, engines.key = llm, ("kit-lens",)
+        llm.generate(["a b c", "d"], SamplingParams(max_tokens=3, seed=0), use_tqdm=False)
+        _lens_ok(llm.collect()["consumers"]["lens"])
+    finally:
+        sys.path.remove(site)
+
+
+@pytest.mark.vllm
+def test_kit_replays_an_engine_run_and_esamp_writes_the_same(tiny_model, engines, tmp_path):
+    """ESamp (seeded, beta 0.5) in vLLM, then in the kit replaying vLLM's sampled tokens: the
+    candidates ESamp leaves at every sampling row are the same tokens with the same logits."""
+    import sys
+
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    consumers = ['esamp:{"beta": 0.5}', "peek"]
+    gen = dict(temperature=1.0, min_p=0.2)
+    site = _lens_site(tmp_path)
+    try:
+        engines.close()
+        llm = TllmLLM(
+            tiny_model,
+            consumers,
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+        )
+        engines.llm, engines.key = llm, ("kit-esamp",)
+        params = SamplingParams(n=2, max_tokens=6, seed=0, **gen)
+        outs = llm.generate(["The lighthouse keeper"], params, use_tqdm=False)
+        engine = llm.collect()
+        tokens = [
+            [list(c.token_ids) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs
+        ]
+        kit = ConsumerKit(tiny_model, consumers)
+        assert kit.generate(["The lighthouse keeper"], n=2, tokens=tokens, **gen) == tokens
+        local = kit.close()
+    finally:
+        sys.path.remove(site)
+    assert local["errors"] == engine["errors"] == []
+    es_kit, es_vllm = local["consumers"]["esamp"], engine["consumers"]["esamp"]
+    assert es_kit["rows_guided"] > 0
+    for k in ("rows_guided", "rows_visited", "optimizer_steps", "rows_trained"):
+        assert es_kit[k] == es_vllm[k], (k, es_kit, es_vllm)
+    a, b = local["results"]["peek"], engine["results"]["peek"]
+    assert sorted(a) == sorted(b) and len(a) == 12
+    for key in a:
+        assert a[key]["tokens"] == b[key]["tokens"], key
+        assert a[key]["logits"] == pytest.approx(b[key]["logits"], abs=1e-3), key

@@ -1,0 +1,371 @@
+"""The consumer test kit: run consumers against a Hugging Face model run by transformers, with
+the engine's own runtime, in seconds and without vLLM.
+
+:class:`ConsumerKit` builds the consumers with tllm's :class:`~tllm_core.runtime.runtime.Runtime`
+(the same object the engine builds), schedules requests as vLLM does (prefill, then one decode
+row per step; prompts split into chunks when they exceed the token budget), runs each step's
+forward on transformers with tap hooks that capture and edit like the engine's taps, then calls
+the runtime's ``begin_step`` / ``guide`` / ``end_step`` / ``finish_requests`` in the engine's
+order. Bundles, ``RowInfo`` (phases, positions, mid-prefill rows, per-request settings),
+``GuideView`` (temperature-divided, filtered fp32 logits), edit plans, counters, errors and
+disabling are therefore the engine's.
+
+What differs from vLLM (docs/testing-consumers.md): the kit's random draws use its own
+generators (greedy rows are the argmax, as in vLLM); every sample computes its whole prompt (no
+prefix caching); no KV-cache preemption (``recomputed`` stays False); routers (``router.{i}``)
+are not served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tllm_core.api.consumer import Consumer
+from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.edits import EditBuffers
+from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
+from tllm_core.api.step import StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.testing.hf_model import load_model, model_info
+from tllm_core.testing.hf_taps import HfTap, Window, install
+from tllm_core.testing.sampling import Sampling, draw, filter_logits, is_random, temperatures
+
+ConsumerArg = str | dict | ConsumerSpec | type[Consumer] | tuple[type[Consumer], dict]
+
+
+@dataclass
+class _Request:
+    info: RequestInfo
+    prompt: list[int]
+    sampling: Sampling
+    max_tokens: int
+    ignore_eos: bool
+    generator: torch.Generator
+    forced: list[int] | None = None  # tokens to take instead of drawing (a replay)
+    cache: Any = None
+    output: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the cache
+    done: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class ConsumerKit:
+    """Consumers run on a transformers model by tllm's runtime, without vLLM.
+
+    ``model``: a local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct).
+    ``consumers``: what ``TllmLLM`` takes (``NAME[:JSON]`` strings, spec dicts with
+    ``per_request``, ``ConsumerSpec``\\ s) and also a ``Consumer`` subclass, ``(class, config
+    dict)``, or a spec dict whose ``"name"`` is the class: a class given here is used even
+    when an installed entry point names another
+    version of it. ``max_num_batched_tokens``: the token budget per step (a longer prompt is
+    prefilled in chunks, as vLLM's chunked prefill does). ``max_consecutive_failures``: as for
+    ``TllmLLM``; ``raise_on_disabled``: :meth:`generate` raises ``ConsumerDisabledError`` when
+    a consumer was switched off, as ``TllmLLM.generate`` does.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        consumers: Sequence[ConsumerArg] = (),
+        *,
+        max_num_batched_tokens: int = 2048,
+        max_consecutive_failures: int = 3,
+        raise_on_disabled: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.hf, self.tokenizer, self.model_path = load_model(model, dtype)
+        self.registry = Registry()
+        specs = [self._spec(c) for c in consumers]
+        configs = self.registry.check(specs)
+        self.model = model_info(self.hf)
+        settings = RuntimeSettings(
+            consumers=specs, max_consecutive_failures=max_consecutive_failures
+        )
+        with torch.inference_mode(False):  # as the engine builds them (trainable state)
+            self.runtime = Runtime(settings, self.model, self.registry)
+        from tllm_core.serving.keys import EngineConsumers
+
+        self._keys = EngineConsumers.of(specs, configs, self.registry)
+        self.budget = int(max_num_batched_tokens)
+        if self.budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.budget}")
+        self.raise_on_disabled = raise_on_disabled
+        self._raised: set[str] = set()
+        self._window = Window()
+        self._taps: dict[str, HfTap] = {}
+        self._handles: list[Any] = []
+        self._edits: dict[str, EditBuffers] = {}
+        self._install_taps()
+        self._next_id = 0
+        self._seq = 0
+        self._finished: list[RequestInfo] = []
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _spec(self, c: ConsumerArg) -> ConsumerSpec:
+        config: dict = {}
+        if isinstance(c, tuple):
+            c, config = c
+        if isinstance(c, type) and issubclass(c, Consumer):
+            self.registry.use(c)
+            return ConsumerSpec(name=c.name, config=config)
+        if isinstance(c, dict) and isinstance(c.get("name"), type):
+            self.registry.use(c["name"])  # {"name": TheClass, "per_request": True, ...}
+            c = {**c, "name": c["name"].name}
+        return ConsumerSpec.coerce(c)
+
+    def _install_taps(self) -> None:
+        info = self.model
+        edit_keys = {t.key for t in self.runtime.edit_taps}
+        for tap in sorted(self.runtime.taps, key=lambda t: t.key):
+            if tap.site in ("logits", "sampled"):
+                continue  # filled from the sampler
+            t = self._taps[tap.key] = HfTap(tap.key, info.hidden_size, info.dtype, self._window)
+            if tap.key in edit_keys:
+                e = EditBuffers(self.budget, info.hidden_size, info.dtype, torch.device("cpu"))
+                for owner, module in self.runtime.transforms(tap.key):
+                    e.add_transform(owner, module)
+                t.edit = self._edits[tap.key] = e
+            self._handles.append(install(self.hf, tap.site, tap.layer, t))
+
+    # -- what a test reads ------------------------------------------------------------------------
+    def consumer(self, name: str) -> Consumer:
+        """The built consumer named ``name`` (to read its state in a test)."""
+        for s in self.runtime.slots:
+            if s.consumer.name == name:
+                return s.consumer
+        raise KeyError(f"no consumer {name!r} in this kit (has: {self.names})")
+
+    @property
+    def names(self) -> list[str]:
+        return [s.consumer.name for s in self.runtime.slots]
+
+    def collect(self) -> dict[str, Any]:
+        """The report ``TllmLLM.collect`` returns: ``runtime``, ``consumers``, ``results``,
+        ``errors``."""
+        return self.runtime.collect()
+
+    def close(self) -> dict[str, Any]:
+        """Close the consumers and return the final report (hooks removed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return self.runtime.close()
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt, as vLLM's ``generate`` tokenizes it."""
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str | Sequence[int]],
+        max_tokens: int = 8,
+        n: int = 1,
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int | None = 0,
+        ignore_eos: bool = False,
+        extra_args: dict | Sequence[dict | None] | None = None,
+        tokens: Sequence[Sequence[Sequence[int]]] | None = None,
+    ) -> list[list[list[int]]]:
+        """Generate for ``prompts`` (texts or token-id lists) like ``TllmLLM.generate`` with one
+        ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
+        prompt (request keys of the consumers, ``tllm_consumers``), checked as ``TllmLLM``
+        checks them. ``tokens``: a replay, the tokens to take per prompt and sample instead of
+        drawing (e.g. what an engine sampled: the consumers then see the engine's rows, and
+        guide as they did there); each sample then runs for ``len`` of its tokens. Returns the
+        generated token ids per prompt and sample."""
+        from tllm_core.app.engine import ConsumerDisabledError, first_errors_of_disabled
+        from tllm_core.serving.keys import validate_extra_args
+
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        extras = list(extra_args) if isinstance(extra_args, (list, tuple)) else None
+        if extras is not None and len(extras) != len(items):
+            raise ValueError(f"got {len(items)} prompts and {len(extras)} extra_args dicts")
+        if max_tokens < 1 or n < 1:
+            raise ValueError(f"max_tokens and n must be >= 1, got {max_tokens} and {n}")
+        sampling = Sampling(temperature, top_k, top_p, min_p, seed)
+        if tokens is not None and (
+            len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
+        ):
+            raise ValueError(f"tokens must hold {n} non-empty token lists for each of the prompts")
+        reqs: list[_Request] = []
+        for i, p in enumerate(items):
+            extra = dict((extras[i] if extras is not None else extra_args) or {})
+            validate_extra_args(extra, self._keys, where="extra_args", tags=True)
+            extra.setdefault("tllm_prompt_index", i)
+            extra["tllm_n"] = n
+            ids = self.tokenize(p) if isinstance(p, str) else [int(t) for t in p]
+            rid = str(self._next_id)
+            self._next_id += 1
+            for j in range(n):
+                r = self._request(rid, i, j, n, ids, sampling, max_tokens, ignore_eos, extra)
+                if tokens is not None:
+                    r.forced = [int(t) for t in tokens[i][j]]
+                    r.max_tokens = len(r.forced)
+                reqs.append(r)
+        while not all(r.done for r in reqs):
+            self._step([r for r in reqs if not r.done])
+        self._report_finished()  # as TllmLLM's end of batch: every request is done
+        out: list[list[list[int]]] = [[] for _ in items]
+        for r in reqs:
+            out[r.info.prompt_index].append(r.output)
+        new = [
+            e
+            for e in first_errors_of_disabled(self.runtime.bus.errors)
+            if e["consumer"] not in self._raised
+        ]
+        if new and self.raise_on_disabled:
+            self._raised |= {e["consumer"] for e in new}
+            raise ConsumerDisabledError(new, outputs=out)
+        return out
+
+    def _request(
+        self,
+        rid: str,
+        prompt_index: int,
+        sample: int,
+        n: int,
+        ids: list[int],
+        sampling: Sampling,
+        max_tokens: int,
+        ignore_eos: bool,
+        extra: dict,
+    ) -> _Request:
+        from transformers import DynamicCache
+
+        self._seq += 1
+        base = f"{rid}-kit{self._seq:05d}"
+        engine_id = f"{sample}_{base}" if n > 1 else base
+        gen = torch.Generator()
+        gen.manual_seed((sampling.seed if sampling.seed is not None else self._seq) * 1009 + sample)
+        info = RequestInfo(
+            engine_id=engine_id,
+            request_id=rid,
+            prompt_index=prompt_index,
+            sample_index=sample,
+            num_prompt_tokens=len(ids),
+            extra_args=dict(extra),
+        )
+        cache = DynamicCache(config=self.hf.config)
+        return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache)
+
+    def _report_finished(self) -> None:
+        if self._finished:
+            done, self._finished = self._finished, []
+            self.runtime.finish_requests(done)
+
+    def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
+        """Decode rows first (one each), then prefill chunks within the token budget."""
+        out, left = [], self.budget
+        for r in running:
+            if r.computed >= len(r.prompt) and left > 0:
+                out.append((r, 1))
+                left -= 1
+        for r in running:
+            if r.computed < len(r.prompt) and left > 0:
+                k = min(len(r.prompt) - r.computed, left)
+                out.append((r, k))
+                left -= k
+        return out
+
+    @torch.inference_mode()
+    def _step(self, running: list[_Request]) -> None:
+        self._report_finished()  # the engine hears of finished requests at the next step
+        sched = self._schedule(running)
+        num = np.array([k for _, k in sched], dtype=np.int64)
+        fed = [r.tokens[r.computed : r.computed + k] for r, k in sched]
+        layout = StepLayout(
+            engine_ids=[r.info.engine_id for r, _ in sched],
+            num_scheduled=num,
+            num_computed=np.array([r.computed for r, _ in sched], dtype=np.int64),
+            num_tokens=np.array([len(r.tokens) for r, _ in sched], dtype=np.int64),
+            token_ids=torch.tensor([t for f in fed for t in f], dtype=torch.long),
+        )
+        rows, sample_row, kept = layout_rows(layout, [r.info for r, _ in sched])
+        total = int(num.sum())
+        for t in self._taps.values():
+            t.begin(total)
+        step = StepCapture(
+            step=self.runtime.step_index + 1,
+            rows=rows,
+            sample_token_row=sample_row,
+            sample_kept=kept,
+            edited={k: t.edited for k, t in self._taps.items() if t.edit is not None},
+        )
+        self.runtime.begin_step(rows, self._edits)
+        self._window.active = True
+        try:
+            logits = self._forward(sched, fed)
+        finally:
+            self._window.active = False
+        step.tensors = {k: t.capture for k, t in self._taps.items() if t.capture is not None}
+        raw = torch.stack(logits)
+        step.tensors["logits"] = raw
+        params = [r.sampling for r, _ in sched]
+        guided, filtered = filter_logits(raw, params)
+        rand = is_random(params)
+        if rand.any():  # vLLM's all-greedy batches never reach the guided sampler
+            self.runtime.guide(step, guided, temperatures(params), rand, filtered)
+        tokens = draw(raw, guided, params, [r.generator for r, _ in sched])
+        for j, (r, _k) in enumerate(sched):
+            if r.forced is not None and kept[j]:
+                tokens[j] = r.forced[len(r.output)]
+        step.tensors["sampled"] = tokens
+        self.runtime.end_step(step)
+        eos = self._eos()
+        for j, (r, k) in enumerate(sched):
+            r.computed += k
+            if not kept[j]:
+                continue  # mid-prefill: the token is discarded
+            tok = int(tokens[j])
+            r.output.append(tok)
+            if len(r.output) >= r.max_tokens or (not r.ignore_eos and tok in eos):
+                r.done = True
+                self._finished.append(r.info)
+
+    def _forward(
+        self, sched: list[tuple[_Request, int]], fed: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """Each scheduled request's forward with its own KV cache (its rows: a window of the
+        step's packed rows); the logits of its last row."""
+        logits, offset = [], 0
+        for (r, k), ids in zip(sched, fed, strict=True):
+            self._window.offset, self._window.rows = offset, k
+            pos = torch.arange(r.computed, r.computed + k)[None]
+            out = self.hf(
+                input_ids=torch.tensor([ids]),
+                position_ids=pos,
+                past_key_values=r.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            r.cache = out.past_key_values
+            logits.append(out.logits[0, -1].float())
+            offset += k
+        return logits
+
+    def _eos(self) -> set[int]:
+        ids = getattr(self.hf.generation_config, "eos_token_id", None)
+        if ids is None:
+            ids = self.hf.config.get_text_config().eos_token_id
+        if ids is None:
+            return set()
+        return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
