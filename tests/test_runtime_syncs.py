@@ -204,12 +204,14 @@ def test_guided_counts_made_in_inference_mode_are_drained_outside_it():
     assert counts.drain() == (0, 0)
 
 
-def test_a_stale_tap_reads_nan_at_guide_time_and_is_reported_after_sampling(monkeypatch):
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.GUIDE])
+def test_a_stale_tap_reads_nan_at_guide_time_and_is_reported_after_sampling(monkeypatch, phase):
     """Without the stamp read before sampling, a tap the forward did not write reaches the
     guide as NaN rows (decided on the device), and the stale capture is counted and
     reported at end_step; a written tap reaches it as it is."""
     seen = []
     monkeypatch.setattr(Looker, "guide", lambda self, view: seen.append(view.hidden("layer.0")))
+    monkeypatch.setattr(Looker, "reads", lambda self: [HiddenStates(0, phase)])
     reg = Registry()
     reg.register(_LookerPlugin(), name="looker-plugin")
     settings = RuntimeSettings.model_validate({"consumers": [{"name": "looker"}]})

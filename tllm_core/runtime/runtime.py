@@ -20,7 +20,7 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
-from tllm_core.api.ports import Edit, SamplerGuide, resolve_layer
+from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.rows import RequestInfo, RowInfo, index_to
 from tllm_core.api.step import StaleTapError, StepCapture
@@ -336,6 +336,15 @@ class Runtime:
     def end_step(self, step: StepCapture) -> None:
         """After sampling: count what the taps confirm, deliver bundles, mark positions."""
         stale = step.confirm()
+        for key, r in self._guide_reads.items():  # read at guide time only: no bundle reports it
+            if r.phase is Phase.GUIDE and any(t.key in stale for t in r.producer.taps(r.port)):
+                self._stale(
+                    key,
+                    StaleTapError(
+                        f"the tap of {key!r} was not written by step {step.step}'s forward "
+                        "(stale buffer): the guide read NaN rows"
+                    ),
+                )
         kept = int(step.sample_kept.sum())
         for key, r in self._read_ports.items():
             taps = r.producer.taps(r.port)
