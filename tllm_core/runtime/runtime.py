@@ -20,7 +20,7 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
-from tllm_core.api.ports import Edit, SamplerGuide, resolve_layer
+from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.rows import RequestInfo, RowInfo, index_to
 from tllm_core.api.step import StaleTapError, StepCapture
@@ -118,6 +118,13 @@ def _build(
             slot.guides = True
         else:
             raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+    guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
+    if guide_only and not slot.guides:
+        raise ValueError(
+            f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but the "
+            "consumer declares no SamplerGuide write port: it would never see that data; "
+            "use another phase to get it in on_bundle"
+        )
     return slot
 
 
