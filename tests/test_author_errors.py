@@ -233,6 +233,22 @@ def test_json_runs_print_consumer_errors_on_stderr(capsys):
     assert exit_status(report) == 1
 
 
+def test_a_command_reports_a_disabled_consumer_in_one_line(monkeypatch, capsys):
+    """A plugin command whose own TllmLLM raises ConsumerDisabledError: exit 1, one line."""
+    from tllm_core.app import cli
+    from tllm_core.app.engine import ConsumerDisabledError
+
+    err = {"consumer": "c", "where": "guide", "error": "consumer 'c' raised in guide: X"}
+
+    def boom(args):
+        raise ConsumerDisabledError([err])
+
+    monkeypatch.setattr(cli, "cmd_run", boom)
+    assert cli.main(["run"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("tllm: consumer 'c' was disabled during the run; its first")
+
+
 def test_disabled_consumers_are_raised_once_with_their_first_error():
     from tllm_core.app.engine import ConsumerDisabledError, first_errors_of_disabled
 
