@@ -71,6 +71,15 @@ class PortOnly(Consumer):
         return [HiddenStates(self.config.layer)]
 
 
+class GuideOnly(Consumer):
+    """Reads a port at guide time only, but never guides: a mistake named at build."""
+
+    name = "guide_only"
+
+    def reads(self):
+        return [HiddenStates(0, Phase.GUIDE)]
+
+
 class Broken(Consumer):
     name = "broken"
 
@@ -81,7 +90,7 @@ class Broken(Consumer):
 
 def _registry() -> Registry:
     plugin = types.ModuleType("author_errors_plugin")
-    plugin.tllm_consumers = hookimpl(lambda: [AtLayer, PortOnly, Broken])
+    plugin.tllm_consumers = hookimpl(lambda: [AtLayer, PortOnly, Broken, GuideOnly])
     reg = Registry()
     reg.register(plugin)
     return reg
@@ -122,6 +131,18 @@ def test_an_exception_in_init_during_the_dry_build_says_where_it_happened(tiny_m
     # the author's own line, not the runtime's
     assert f"(at {__file__}:" in msg and "in __init__)" in msg, msg
     assert isinstance(e.value, ValueError)  # the command exits 2
+
+
+def test_a_guide_time_port_without_a_guide_is_refused_at_build(tiny_model):
+    from tllm_core.app.engine import validate_consumers
+
+    with pytest.raises(ValueError) as e:
+        validate_consumers(["guide_only"], tiny_model, registry=_registry())
+    msg = str(e.value)
+    assert msg.startswith(
+        "consumer 'guide_only': read port HiddenStates(layer=0, phase=<Phase.GUIDE"
+    )
+    assert "declares no SamplerGuide" in msg
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -210,6 +231,22 @@ def test_json_runs_print_consumer_errors_on_stderr(capsys):
         if as_json:
             assert json.loads(out)["errors"] == [err]
     assert exit_status(report) == 1
+
+
+def test_a_command_reports_a_disabled_consumer_in_one_line(monkeypatch, capsys):
+    """A plugin command whose own TllmLLM raises ConsumerDisabledError: exit 1, one line."""
+    from tllm_core.app import cli
+    from tllm_core.app.engine import ConsumerDisabledError
+
+    err = {"consumer": "c", "where": "guide", "error": "consumer 'c' raised in guide: X"}
+
+    def boom(args):
+        raise ConsumerDisabledError([err])
+
+    monkeypatch.setattr(cli, "cmd_run", boom)
+    assert cli.main(["run"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("tllm: consumer 'c' was disabled during the run; its first")
 
 
 def test_disabled_consumers_are_raised_once_with_their_first_error():

@@ -130,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
         print(f"tllm: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a command's TllmLLM whose consumer was switched off
+        from tllm_core.app.engine import ConsumerDisabledError
+
+        if not isinstance(e, ConsumerDisabledError):
+            raise
+        print(f"tllm: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # outside generation (which handles it): while starting, ...
         print("tllm: interrupted", file=sys.stderr)
         return stop.exit_code()

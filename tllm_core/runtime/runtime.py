@@ -118,6 +118,13 @@ def _build(
             slot.guides = True
         else:
             raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+    guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
+    if guide_only and not slot.guides:
+        raise ValueError(
+            f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but the "
+            "consumer declares no SamplerGuide write port: it would never see that data; "
+            "use another phase to get it in on_bundle"
+        )
     return slot
 
 

@@ -265,7 +265,7 @@ class ConsumerKit:
             extra_args=dict(extra),
         )
         cache = DynamicCache(config=self.hf.config)
-        return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache)
+        return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
 
     def _report_finished(self) -> None:
         if self._finished:
