@@ -170,7 +170,7 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
     stderr = err_path.read_text()
     assert proc.returncode == 130, stderr[-4000:]
     assert "tllm: interrupted" in stderr
-    assert "tllm: WARNING: export: not complete" in stderr  # --json too: warnings on stderr
+    assert "tllm: warning: export: not complete" in stderr  # --json too: warnings on stderr
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["run"]["interrupted"] is True
     samples = [t for ts in result["outputs"] for t in ts]

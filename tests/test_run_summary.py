@@ -162,7 +162,7 @@ def test_json_keeps_its_keys_and_counter_names_and_warns_on_stderr(capsys):
     assert "bundles_dropped.esamp" in out
     assert (
         err.splitlines()[-1]
-        == "tllm: WARNING: consumer 'esamp': 2 bundle(s) dropped (its queue was full)"
+        == "tllm: warning: consumer 'esamp': 2 bundle(s) dropped (its queue was full)"
     )
 
 

@@ -149,7 +149,7 @@ class Consumer:
     @classmethod
     def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
         """Only what a person must act on (data lost, work not done); printed after the
-        summary as ``WARNING: ...``. The runtime's own warnings (consumer disabled, bundles
+        summary as ``warning: ...``. The runtime's own warnings (consumer disabled, bundles
         dropped, callback errors) are added by tllm."""
         return []
 

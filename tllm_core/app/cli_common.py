@@ -459,7 +459,7 @@ def print_report(
         from tllm_core.app.summary import summarize
 
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
-            print(f"tllm: WARNING: {warning}", file=sys.stderr, flush=True)
+            print(f"tllm: warning: {warning}", file=sys.stderr, flush=True)
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
@@ -496,7 +496,7 @@ def show(
         try:
             say(f"report: {write_report(run, args.report)}")
         except (OSError, RuntimeError, ValueError) as e:  # the run's outputs are printed
-            say(f"WARNING: the report was not written: {e}")
+            say(f"warning: the report was not written: {e}")
     return exit_status(report)
 
 

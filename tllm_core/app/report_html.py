@@ -151,7 +151,7 @@ def _outputs(run: dict[str, Any]) -> str:
 
 def _summary(summary: Summary, errors: list[dict[str, Any]]) -> str:
     items = [f"<li>{_esc(line)}</li>" for line in [summary.head, *summary.lines]]
-    items += [f'<li class="warning">WARNING: {_esc(w)}</li>' for w in summary.warnings]
+    items += [f'<li class="warning">warning: {_esc(w)}</li>' for w in summary.warnings]
     items += [f'<li class="warning">ERROR: {_esc(e.get("error", e))}</li>' for e in errors]
     return f'<ul class="summary">{"".join(items)}</ul>'
 

@@ -32,7 +32,7 @@ class Summary:
     warnings: list[str] = field(default_factory=list)
 
     def text(self) -> list[str]:
-        return [self.head, *self.lines, *(f"WARNING: {w}" for w in self.warnings)]
+        return [self.head, *self.lines, *(f"warning: {w}" for w in self.warnings)]
 
 
 def registry_lookup() -> Lookup:
