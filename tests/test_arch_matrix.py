@@ -4,8 +4,11 @@ equals transformers' on the same tokens, and so does a steering edit.
 Per family, one in-process engine (eager, fp32) runs two greedy requests in one batch: one
 plain, one steered (the built-in ``steer``, per request, adding a vector to the residual stream
 after layer 0). A test consumer records ``layer.i``, ``attn.i``, ``mlp.i``, ``final`` and
-``logits`` at every position; the reference is transformers' forward on the generated tokens,
-with forward hooks reading the blocks and adding the same vector after layer 0.
+``logits`` at every position, and the model as described to authors: ``ModelInfo.final_norm``
+of the last layer's output and ``ModelInfo.lm_head`` of ``final`` (the LM head's contract:
+soft-capping and logit scaling included); the reference is transformers' forward on the
+generated tokens, with forward hooks reading the blocks and adding the same vector after
+layer 0 (its final norm's output and its logits for the two).
 
 A family vLLM or tllm cannot run must fail at engine start with an error naming the model class
 (never capture something else): the test checks the message. Results (pass, max abs error per
@@ -76,11 +79,22 @@ class Probe(Consumer):
 
     def on_bundle(self, bundle: Bundle) -> None:
         r = bundle.rows
+        model = self.context.model
+        # The model described for authors: final_norm of the last layer's output and lm_head
+        # of the final state, compared with transformers' final norm output and logits.
+        last = bundle.hidden.get(f"layer.{model.num_layers - 1}")
+        normed = model.final_norm(last) if model.final_norm and last is not None else None
+        final = bundle.hidden.get("final")
+        head = model.lm_head(final) if final is not None else None
         for i, req in enumerate(r.requests):
             at = self.rows.setdefault((req.request_id, req.sample_index), {})
             row = at.setdefault(int(r.position[i]), {})
             for k, v in bundle.hidden.items():
                 row[k] = v[i].float().cpu().clone()
+            if normed is not None:
+                row["final_norm"] = normed[i].float().cpu().clone()
+            if head is not None:
+                row["lm_head"] = head[i].float().cpu().clone()
         s, logits = bundle.sampled_rows, bundle.logits
         if s is not None and logits is not None:
             for i, req in enumerate(s.requests):
@@ -207,8 +221,9 @@ def _compare(path: str, outs, rows: dict, steered_index: int, tol: float) -> dic
         for pos, got in by_pos.items():
             for key, value in got.items():
                 name = key.split(".")[0]
-                want = ref[key][pos]
-                if key == "logits":
+                # ModelInfo's final_norm / lm_head against transformers' norm and logits.
+                want = ref[{"final_norm": "final", "lm_head": "logits"}.get(key, key)][pos]
+                if key in ("logits", "lm_head"):
                     value = value[: want.shape[-1]]
                 err = float((value - want).abs().max())
                 worst[name] = max(worst.get(name, 0.0), err)
