@@ -54,7 +54,7 @@ def states(prompts: int, n: int, tokens: int, seed: int = 0) -> tuple[torch.Tens
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     texts = [t for t in (ROOT / "benchmarks" / "prompts.txt").read_text().splitlines() if t][
         :prompts
     ]
