@@ -306,7 +306,7 @@ def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_di
     finally:
         for p in (leader, follower):
             if p.poll() is None:
-                kill_group(p)
+                kill_group(p, but="resource_tracker")
             p.wait(30)
     assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
 
