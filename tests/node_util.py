@@ -51,11 +51,12 @@ def wait_for(log: Path, text: str, proc: subprocess.Popen, timeout: float) -> st
 
 
 def exit_within(proc: subprocess.Popen, timeout: float) -> int | None:
-    """The exit status, or None (and the process group killed) if it runs past ``timeout``."""
+    """The exit status, or None (and the process group killed) if it runs past ``timeout``.
+    The resource tracker is spared: it unlinks the shared memory of the killed processes."""
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        kill_group(proc, but="resource_tracker")
         return None
 
 

@@ -89,6 +89,27 @@ def test_node_count_sees_tp_nodes_and_remote_dp_engines():
     assert node_count(NS(nnodes=1, data_parallel_size=2, data_parallel_size_local=2)) == 1
 
 
+def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
+    import socket
+    import time
+
+    from tllm_core.vllm_bridge import nodes
+
+    port = free_port()
+    lost: list[str] = []
+    t = nodes.watch_leader("127.0.0.1", port, 0.05, lost.append)
+    time.sleep(0.5)  # no leader yet: a follower started first waits for it
+    assert lost == [] and t.is_alive()
+    server = socket.create_server(("127.0.0.1", port))
+    time.sleep(0.3)
+    assert lost == []
+    server.close()  # the leader is gone
+    t.join(5)
+    assert len(lost) == 1 and f"(127.0.0.1:{port}) is gone" in lost[0]
+    assert nodes.lost() == lost[0]
+    nodes._lost.clear()
+
+
 # -- two node processes on loopback ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def even_model() -> str:
@@ -285,6 +306,74 @@ def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_di
     finally:
         for p in (leader, follower):
             if p.poll() is None:
-                kill_group(p)
+                kill_group(p, but="resource_tracker")
             p.wait(30)
     assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
+
+
+LEADER_SCRIPT = """
+import json, sys
+from vllm import SamplingParams
+from tllm_core import TllmLLM
+
+if __name__ == "__main__":
+    model, port = sys.argv[1], int(sys.argv[2])
+    llm = TllmLLM(model, ["stats"], tensor_parallel_size=2, nnodes=2, node_rank=0,
+                  master_addr="127.0.0.1", master_port=port, enforce_eager=True,
+                  max_model_len=256, dtype="float32", enable_prefix_caching=False)
+    out = llm.generate(["Hello there, how are"],
+                       SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    report = llm.close()
+    print(json.dumps({"rank": llm.status["rank"], "prompt": list(out[0].prompt_token_ids),
+                      "tokens": list(out[0].outputs[0].token_ids), "report": report},
+                     default=str))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a TllmLLM leader and a tllm serve follower: ~2 min on 2 cores
+def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_is_gone(even_model, tmp_path):
+    import subprocess
+    import sys
+
+    from serve_util import ROOT
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one rank each)")
+    master = free_port()
+    flog = tmp_path / "follower.log"
+    argv = ["serve", "--port", str(free_port()), "--model", even_model]
+    argv += ["--tensor-parallel-size", "2", "--consumer", "stats", *ENGINE, "--headless", "--"]
+    argv += ["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"]
+    argv += ["--master-port", str(master), "--enforce-eager", "--no-enable-prefix-caching"]
+    follower = start(argv, flog, VLLM_CPU_OMP_THREADS_BIND="1", TLLM_NODE_CHECK_S="2")
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER_SCRIPT)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    try:
+        leader = subprocess.run(
+            [sys.executable, str(script), even_model, str(master)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert leader.returncode == 0, leader.stderr[-4000:]
+        out = json.loads(leader.stdout.strip().splitlines()[-1])
+        assert out["rank"]["leader"] and out["rank"]["tp_size"] == 2
+        assert out["report"]["runtime"]["requests_finished"] == 1  # counted once
+        assert out["report"]["consumers"]["stats"]["bundles"] > 0
+        _hf_greedy_agrees(even_model, out["prompt"] + out["tokens"], len(out["prompt"]))
+        # The leader closed: the follower notices and stops, with an error.
+        code = exit_within(follower, 240)
+        log = flog.read_text()
+        assert code == 1, log[-4000:]
+        assert "the leader of this multi-node engine (127.0.0.1:" in log, log[-4000:]
+        assert descendants(follower.pid, settle=30) == []
+    finally:
+        if follower.poll() is None:
+            kill_group(follower)
+        follower.wait(30)

@@ -150,3 +150,51 @@ async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> N
             _lost.append(reason)
             on_lost(reason)
             return
+
+
+# -- a follower whose leader is gone ------------------------------------------------------------
+# A headless follower of a TP engine waits for the leader's next message without limit (seen:
+# still running minutes after its leader closed). The leader's rank 0 hosts torch.distributed's
+# TCP store at --master-addr:--master-port for the engine's life, so the follower probes that
+# port: once it answered, refused LEADER_MISSES times in a row means the leader is gone.
+LEADER_MISSES = 3
+
+
+def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
+    """Start a daemon thread probing the leader every ``interval`` s; once the leader has
+    answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
+    ``on_lost(reason)`` once. Returns the thread."""
+    import threading
+    import time
+
+    def run() -> None:
+        misses, seen = 0, False
+        while True:
+            time.sleep(interval)
+            if leader_reachable(host, port):
+                misses, seen = 0, True
+            elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
+                misses += 1
+            if misses >= LEADER_MISSES:
+                reason = (
+                    f"the leader of this multi-node engine ({host}:{port}) is gone: "
+                    f"{misses} connection attempts {interval:g} s apart were refused"
+                )
+                _lost.append(reason)
+                on_lost(reason)
+                return
+
+    t = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")
+    t.start()
+    return t

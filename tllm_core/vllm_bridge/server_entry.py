@@ -84,7 +84,35 @@ def run_headless_node(argv: list[str]) -> None:
             "runs no API server; allowed: leave it out"
         )
     args.api_server_count = 0
-    run_headless(args)
+    _watch_leader(args)
+    try:
+        run_headless(args)
+    except SystemExit:
+        from tllm_core.vllm_bridge.nodes import lost
+
+        if lost():  # stopped because the leader is gone: an error, not a requested stop
+            raise SystemExit(1) from None
+        raise
+
+
+def _watch_leader(args: Any) -> None:
+    """A TP follower (``--nnodes`` > 1, ``--node-rank`` > 0) stops when its leader is gone
+    (``nodes.watch_leader``: SIGTERM to this process, vLLM's headless stop)."""
+    import logging
+    import os
+    import signal
+
+    from tllm_core.vllm_bridge import nodes
+
+    interval = nodes.check_interval()
+    if int(args.nnodes or 1) <= 1 or int(args.node_rank or 0) == 0 or interval == 0:
+        return
+
+    def on_lost(reason: str) -> None:
+        logging.getLogger("vllm.tllm").error("tllm: %s; stopping this node", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    nodes.watch_leader(args.master_addr, int(args.master_port), interval, on_lost)
 
 
 # Seconds the HTTP server waits for open connections once vLLM has stopped its engine.
