@@ -84,11 +84,13 @@ def _no_leaked_dist_ident():
     os.environ.pop("VLLM_DIST_IDENT", None)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restored_environ():
-    """For a test that runs a command's ``main`` in this process: the command sets the
-    environment its engine processes inherit (``quiet``: vLLM's logging level and config,
-    ``TLLM_QUIET``), which would reach every server and command later tests start."""
+    """Every test leaves the environment as it found it: a command's ``main`` run in this
+    process sets what its engine processes inherit (``quiet``: vLLM's logging level and
+    config, ``TLLM_QUIET``; vLLM's compile switches), which would reach every server and
+    command later tests start (the full suite lost test_serving's 'tllm: serving' line and
+    the AOT-compile check that way)."""
     saved = dict(os.environ)
     yield
     os.environ.clear()

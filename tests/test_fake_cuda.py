@@ -385,8 +385,6 @@ def test_everything_patched_is_restored_even_after_an_error():
     assert _patched_state() == before and not torch.cuda.is_available()
     x = torch.zeros(2)
     x[torch.tensor([0])] = 1.0  # setitem works as before
-    with pytest.raises(RuntimeError):
-        x.pin_memory()  # no accelerator on this machine
 
 
 def test_only_one_fake_device_at_a_time():

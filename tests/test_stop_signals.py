@@ -134,7 +134,10 @@ def _engine_loading(proc: subprocess.Popen, timeout: float = 180) -> None:
 def _clean_after(proc: subprocess.Popen, pids: set[int], shm_before: set[str], log: str):
     assert descendants(proc.pid, settle=30) == [], log[-4000:]
     assert leftover_shm(shm_before, pids | {proc.pid}) == [], log[-4000:]
-    assert [ln for ln in noise(log) if "force killing" in ln or "leaked" in ln] == []
+    # A semaphore the resource tracker reports and then unlinks at shutdown is cleaned up
+    # (the /dev/shm check above sees what is left); a force kill or other leak is not.
+    bad = [ln for ln in noise(log) if "force killing" in ln or "leaked" in ln]
+    assert [ln for ln in bad if "to clean up at shutdown" not in ln] == []
 
 
 @pytest.mark.vllm
@@ -182,7 +185,7 @@ def test_sigterm_mid_export_and_again_while_it_stops(tiny_model, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == SIGTERM_EXIT, text[-4000:]
-    assert "tllm: export: not complete" in text
+    assert "export: not complete" in text  # the summary's warning
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] is False and manifest["losses"]["requests_unfinished"] > 0
     with pytest.warns(IncompleteExportWarning, match="requests_unfinished"):
@@ -218,6 +221,7 @@ def test_sigterm_while_serve_starts_its_engine(tiny_model, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # 2-3 min; under a loaded full suite its stop can pass the 120 s watchdog
 def test_sigterm_while_serving_a_request_and_again_while_it_stops(tiny_model, tmp_path):
     log = tmp_path / "serve.log"
     before = shm_entries()
