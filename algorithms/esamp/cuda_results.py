@@ -52,8 +52,8 @@ class ResultLog:
         self.host_waits = 0  # copies the host had to wait for (buffer reuse, drain)
 
     def _host_buffers(self, pin) -> list[torch.Tensor]:
-        ts = [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
-        return [pin(torch.empty(t.shape, dtype=t.dtype)) for t in ts]
+        """Pinned host twins of :meth:`_device_buffers`, in the same order."""
+        return [pin(torch.empty(t.shape, dtype=t.dtype)) for t in self._device_buffers()]
 
     def _device_buffers(self) -> list[torch.Tensor]:
         return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
