@@ -95,6 +95,11 @@ def restored_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and hasattr(envs, "disable_envs_cache"):
+        # An in-process engine freezes vLLM's view of the environment; the next test reads
+        # the environment it is given.
+        envs.disable_envs_cache()
 
 
 @contextmanager

@@ -472,6 +472,9 @@ def test_tllm_engines_switch_aot_compile_off_even_under_a_frozen_env_cache(monke
     from tllm_core.vllm_bridge.worker_setup import aot_compile_off
 
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    # An engine run earlier in this process may have frozen the cache already (with the
+    # value it switched to); start from a fresh cache that reads the variable set here.
+    envs.disable_envs_cache()
     envs.enable_envs_cache()  # as after an earlier engine in this process
     try:
         assert envs.VLLM_USE_AOT_COMPILE
