@@ -13,6 +13,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge.server_stop import ServerStopping
 
 log = logging.getLogger("vllm.tllm")
 
@@ -70,6 +71,8 @@ class FailureMarks:
     async def failed(self, ids: list[str]) -> list[str]:
         try:
             known = await self.reads.get()
+        except ServerStopping:
+            return []  # the response goes out unmarked: the engine is gone
         except Exception:  # noqa: BLE001 - the response goes out unmarked
             log.exception("tllm: could not read which consumers failed on %s", ids)
             return []
@@ -119,6 +122,8 @@ def install_abort_marks(engine_core: Any, ask: Ask) -> None:
         if request_ids:
             try:
                 await ask("tllm_mark_cut_short", list(request_ids))
+            except ServerStopping:
+                pass  # the engine is stopping: its requests end with it
             except Exception:  # noqa: BLE001 - the abort itself must still happen
                 log.exception("tllm: could not mark aborted requests %s", request_ids)
         await abort_orig(request_ids)

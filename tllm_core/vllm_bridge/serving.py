@@ -45,6 +45,7 @@ from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
+from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -222,6 +223,10 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     return list(await engine_client.collective_rpc(method, args=args))
 
 
+def _stopping_response() -> JSONResponse:
+    return JSONResponse({"error": "the server is stopping"}, 503)
+
+
 def api_tokens(args: Any) -> list[str]:
     """The API keys vLLM's server guards ``/v1`` with: ``--api-key`` (one or more), else
     ``VLLM_API_KEY`` (vLLM's rule, ``entrypoints/serve/middleware/register.py``)."""
@@ -240,7 +245,9 @@ def attach_routes(
 
     def ask_workers():
         client = getattr(app.state, "tllm_engine_client", None)
-        return None if client is None else lambda method, ids: rpc_all(client, method, ids)
+        if client is None:
+            return None
+        return lambda method, ids: until_server_stops(app, rpc_all(client, method, ids))
 
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
@@ -258,10 +265,13 @@ def attach_routes(
         client = getattr(request.app.state, "tllm_engine_client", None)
         if client is None:
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-        return await rpc_all(client, method)
+        return await until_server_stops(app, rpc_all(client, method))
 
     async def _read_counters() -> Any:
-        report = merge_reports(await rpc_all(app.state.tllm_engine_client, "tllm_collect"))
+        reports = await until_server_stops(
+            app, rpc_all(app.state.tllm_engine_client, "tllm_collect")
+        )
+        report = merge_reports(reports)
         server.note_report(report)  # failed consumers: requests naming them get 503
         return shown(report)
 
@@ -271,14 +281,20 @@ def attach_routes(
     async def tllm_counters(request: Request):
         if getattr(request.app.state, "tllm_engine_client", None) is None:
             return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-        return JSONResponse(await counters.get())
+        try:
+            return JSONResponse(await counters.get())
+        except ServerStopping:
+            return _stopping_response()
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
-        out = await _rpc(request, "tllm_status")
-        if isinstance(out, JSONResponse):
-            return out
-        await counters.get()  # learns which consumers failed
+        try:
+            out = await _rpc(request, "tllm_status")
+            if isinstance(out, JSONResponse):
+                return out
+            await counters.get()  # learns which consumers failed
+        except ServerStopping:
+            return _stopping_response()
         server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
         body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}

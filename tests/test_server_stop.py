@@ -1,0 +1,68 @@
+"""tllm's routes that wait for the engine end when the server stops (vLLM stops its engine
+before its HTTP server: an engine call made in between is never answered, and uvicorn waits
+for the request; an idle ``tllm serve`` needed the stop watchdog after Ctrl-C)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
+
+
+def app_with_server() -> SimpleNamespace:
+    return SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(should_exit=False)))
+
+
+def test_an_answered_call_returns_its_value():
+    async def answer():
+        await asyncio.sleep(0.01)
+        return [1, 2]
+
+    assert asyncio.run(until_server_stops(app_with_server(), answer())) == [1, 2]
+
+
+def test_a_call_never_answered_ends_once_the_server_stops():
+    app = app_with_server()
+    never = asyncio.Event()
+    cancelled = []
+
+    async def engine_gone():
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main():
+        waiting = asyncio.ensure_future(until_server_stops(app, engine_gone()))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # still waiting while the server runs
+        app.state.server.should_exit = True
+        with pytest.raises(ServerStopping):
+            await asyncio.wait_for(waiting, timeout=5)
+
+    asyncio.run(main())
+    assert cancelled == [True]  # the engine call is not left behind
+
+
+def test_tllm_serve_bounds_uvicorns_graceful_shutdown(monkeypatch):
+    """``tllm serve`` runs vLLM's ``run_server`` with ``timeout_graceful_shutdown`` set (vLLM's
+    own ``main`` never sets it, and its server installs no handler tllm could reach)."""
+    import sys
+
+    import uvloop
+
+    from tllm_core.vllm_bridge import server_entry
+
+    seen = {}
+
+    async def run_server(args, **uvicorn_kwargs):
+        seen.update(uvicorn_kwargs, model=args.model)
+
+    monkeypatch.setattr(uvloop, "run", asyncio.run)
+    monkeypatch.setattr(sys, "argv", ["api_server", "--model", "m-path"])
+    server_entry._serve(run_server)
+    assert seen == {"timeout_graceful_shutdown": server_entry.HTTP_CLOSE_S, "model": "m-path"}
