@@ -162,9 +162,13 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
 def update_bytes_per_param(args, device) -> dict[str, float]:
     """Bytes per parameter and group of one update of ``args.groups`` groups of ``args.rows``
     rows: the update the CUDA graphs replay (``graph_update``: the slot-indexed products and
-    the fused gradient + Adam operator, each counted as one operation with its arguments)
-    and the CPU trainer (see the module docstring, part 3)."""
+    the fused gradient + Adam operator, each counted as one operation with its arguments;
+    ``graph_update_reuse``: the same on the forward the step's prediction kept, as ESamp runs
+    it when the trained rows are the predicted ones; ``*_bf16``: with bf16 Adam moments) and
+    the CPU trainer (see the module docstring, part 3); ``*_ops``: operations dispatched."""
     from algorithms.esamp.graph_update import train_groups
+    from algorithms.esamp.mlp import forward_acts
+    from algorithms.esamp.params import block_weights
 
     # Counted from the operations' tensor sizes: the meta device gives the same counts as a
     # GPU without computing anything; the CPU trainer's part runs on CPU.
@@ -180,14 +184,25 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
     per = args.groups * d.shape.num_params
     out: dict[str, float] = {}
     shape = (args.groups, args.rows, args.hidden)
+    xp, tp = x.view(shape), t.view(shape)
     gs = torch.arange(args.groups, device=meta)
     mask = torch.ones(args.groups, args.rows, dtype=torch.bool, device=meta)
-    with BytesCounter() as bc:
-        train_groups(
-            d.theta, d.m, d.v, d.step, gs, x.view(shape), t.view(shape), mask, d.shape, d.hp
-        )
-    out["graph_update"] = bc.total / per
-    out["graph_update_adam"] = bc.by_op["grad_adam"] / per
+    # What the prediction computed (and, on CUDA, kept): not part of the update.
+    forward = forward_acts(block_weights(d.theta, d.shape), xp)
+    bf16 = [torch.empty_like(d.m, dtype=torch.bfloat16) for _ in range(2)]
+    for name, (m, v), fwd in (
+        ("graph_update", (d.m, d.v), None),
+        ("graph_update_reuse", (d.m, d.v), forward),
+        ("graph_update_bf16", bf16, None),
+        ("graph_update_reuse_bf16", bf16, forward),
+    ):
+        with BytesCounter() as bc:
+            train_groups(
+                d.theta, m, v, d.step, gs, xp, tp, mask, d.shape, d.hp, forward=fwd
+            )  # fmt: skip
+        out[name] = bc.total / per
+        out[f"{name}_adam"] = bc.by_op["grad_adam"] / per
+        out[f"{name}_ops"] = bc.calls
     if device.type == "cpu":
         slots, x, t = _inputs(args, device)
         d = GroupedDistiller(
@@ -200,6 +215,32 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
             d.train_step(live, x, t)
         out["host_update"] = bc.total / per
         out["host_update_adam"] = bc.by_op["_fused_adam_"] / per
+    return out
+
+
+def update_graphs(args, moments_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """The CUDA distiller's captured graphs for the layout of ``args.groups`` groups of
+    ``args.rows`` rows, as a whole (row packing, mask and result ring included), counted on
+    the fake CUDA device (``tllm_core.testing.fake_cuda``: launches = operations captured,
+    bytes by the same rules as :func:`update_bytes_per_param`): ``{kind}_launches`` and
+    ``{kind}_bytes_per_param`` for ``predict``, ``train`` (forward run again) and
+    ``train_reuse`` (on the prediction's kept forward)."""
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    with FakeCuda() as fc:
+        d = CudaGroupedDistiller(
+            args.hidden, device=fc.device, intermediate_size=args.intermediate,
+            num_blocks=args.blocks, capacity=args.groups, graph_max_rows=args.rows,
+            moments_dtype=moments_dtype,
+        )  # fmt: skip
+    lay = d.layouts[0]
+    per = args.groups * d.shape.num_params
+    out: dict[str, float] = {}
+    for kind in ("predict", "train", "train_reuse"):
+        g = d._graphs[(kind, lay)]
+        out[f"{kind}_launches"] = g.launches
+        out[f"{kind}_bytes_per_param"] = g.bytes / per
     return out
 
 
