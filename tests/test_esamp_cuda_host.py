@@ -128,9 +128,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _same_state(a: CudaGroupedDistiller, b: CudaGroupedDistiller) -> bool:
-    return all(
-        _equal(getattr(a, k), getattr(b, k)) for k in ("theta", "m", "v", "step", "applied")
-    )
+    return all(_equal(getattr(a, k), getattr(b, k)) for k in ("theta", "m", "v", "step", "applied"))
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graphs", "eager"])
