@@ -27,7 +27,8 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
    and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
    it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
 
-``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
+``--bytes-only`` prints part 3 and the captured graphs' launches and bytes
+(:func:`update_graphs`) for fp32 and bf16 moments, on any machine. ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
 the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
 the script without a GPU.
 """
@@ -329,7 +330,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="only part 3 and the captured graphs' counts (no GPU needed: counted on meta)",
+    )
     args = p.parse_args(argv)
+    if args.bytes_only:
+        out = {"bytes_per_param": update_bytes_per_param(args, torch.device("meta"))}
+        for name, dt in (("fp32_moments", torch.float32), ("bf16_moments", torch.bfloat16)):
+            out[f"graphs_{name}"] = update_graphs(args, dt)
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

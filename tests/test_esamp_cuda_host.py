@@ -265,3 +265,46 @@ def test_the_consumer_reuses_the_guidance_forward_for_the_same_rows_only(monkeyp
     assert fresh.counters.get("updates_reusing_prediction") == 0
     assert reuse.counters.get("optimizer_steps") == fresh.counters.get("optimizer_steps") > 0
     assert _same_state(reuse.distiller, fresh.distiller)
+
+
+def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward(monkeypatch):
+    """On CUDA the prediction writes its forward through the Triton product into views at an
+    offset of one static buffer (``CudaGroupedDistiller.acts``): run under Triton's
+    interpreter, it equals the forward into fresh tensors bit for bit, and the saved
+    forward reads back the same activations."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.mlp import forward_acts, saved_forward
+    from algorithms.esamp.params import DistillerShape, block_weights, init_params
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+    kernels = triton_impl.jit_kernels()
+    shape = DistillerShape(H, INTER, 2)
+    theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(3)])
+    gs = torch.tensor([2, -1, 0])  # a padding group in the middle
+    xp = torch.randn(3, 5, H)
+    xp[1] = 0
+
+    def mm(x, w, transpose_w, out=None):
+        out = torch.empty(*x.shape[:2], w.shape[1 if transpose_w else 2]) if out is None else out
+        triton_impl.slot_matmul(
+            x, w, gs, out, transpose_w, "ieee", 1, kernels=kernels, block_n=16, block_k=16
+        )
+        return out
+
+    weights = block_weights(theta, shape)
+    h, acts = forward_acts(weights, xp, mm)
+    flat = torch.full((2 * 3 * 5 * (H + 4 * INTER) + 7,), float("nan"))
+    bufs, at = [], 7  # an odd offset, as a layout's views may have
+    for _ in range(2):
+        block = []
+        for width in (H, INTER, INTER, INTER, INTER):
+            block.append(flat[at : at + 15 * width].view(3, 5, width))
+            at += 15 * width
+        bufs.append(tuple(block))
+    h_kept, acts_kept = forward_acts(weights, xp, mm, out=bufs)
+    h_read, acts_read = saved_forward(xp, bufs)
+    assert torch.equal(h_kept, h) and torch.equal(h_read, h)
+    for got in (acts_kept, acts_read):
+        for blk, ref in zip(got, acts, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
