@@ -333,13 +333,15 @@ class CudaGroupedDistiller(SlotDistiller):
         ev.record(self.stream)
         self._plan_events[i] = ev
 
-    def _stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.shape[0] > self.total_rows:
+    def _check_rows(self, n: int) -> None:
+        if n > self.total_rows:
             raise ValueError(
-                f"esamp: a step of {src.shape[0]} rows exceeds the CUDA distiller's "
+                f"esamp: a step of {n} rows exceeds the CUDA distiller's "
                 f"{self.total_rows} packed rows (capacity x cuda_graph_max_rows); raise "
                 "cuda_rows_per_step to vLLM's max_num_seqs"
             )
+
+    def _stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[: src.shape[0]].copy_(src)
         src.record_stream(self.stream)
 
@@ -353,11 +355,12 @@ class CudaGroupedDistiller(SlotDistiller):
         if not pk.slots.size:
             return self.y[:0]
         self._check_live(pk)
+        self._check_rows(x.shape[0])
+        batches = split(pk.counts, self.layouts)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream):
-            self._stage(self.stage_x, x)  # checks the rows fit first
-            batches = split(pk.counts, self.layouts)
+            self._stage(self.stage_x, x)
             for batch in batches:
                 self._send_plan(batch, pk, 0)
                 self._run("predict", batch.layout)
@@ -396,6 +399,7 @@ class CudaGroupedDistiller(SlotDistiller):
             empty = torch.zeros(0)
             return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
         self._check_live(pk)
+        self._check_rows(max(x.shape[0], target.shape[0]))
         batches = split(pk.counts, self.layouts)
         reuse = self._reusable(pk, batches, rows_id)
         self._predicted = None  # this update changes the parameters the forward used
