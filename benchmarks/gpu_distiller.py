@@ -4,8 +4,10 @@
 
 What is timed (CUDA events, after warm-up), in microseconds per decode step:
 
-1. ``predict`` and ``train_step`` of the grouped distiller alone (hidden 3584, 8 groups x 16
-   rows = a batch of 128 decode rows, intermediate 384, 2 blocks), for four variants:
+1. ``predict``, ``train_step`` and both (``step_us``: the update on the same rows, reusing
+   the prediction's forward as ESamp does; ``step_rerun_forward_us``: the forward run
+   again) of the grouped distiller alone (hidden 3584, 8 groups x 16 rows = a batch of 128
+   decode rows, intermediate 384, 2 blocks), for four variants:
 
    - ``eager_main``:   on CPU only: the CPU ``GroupedDistiller`` (a smoke run of the script);
    - ``eager_side``:   ``CudaGroupedDistiller(use_cuda_graph=False)``: side stream, eager update;
@@ -146,18 +148,31 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     def train():
         d.train_step(slots, x, t)
 
-    def both():
+    def both():  # as ESamp runs a decode step: the update reuses the prediction's forward
+        d.predict(slots, x, **_same_rows(d))
+        d.train_step(slots, x, t, **_same_rows(d))
+
+    def both_rerun():  # the update runs the forward again
         d.predict(slots, x)
         d.train_step(slots, x, t)
 
     res = {}
-    for name, fn in (("predict_us", predict), ("train_us", train), ("step_us", both)):
+    cases = [("predict_us", predict), ("train_us", train), ("step_us", both)]
+    if d.takes_rows_id:
+        cases.append(("step_rerun_forward_us", both_rerun))
+    for name, fn in cases:
         for _ in range(args.warmup):
             fn()
         d.synchronize()
         res[name] = statistics.median(timed(fn, args.iters) for _ in range(args.repeats))
     res["graph_failures"] = getattr(d, "graph_failures", 0)
     return res
+
+
+def _same_rows(d) -> dict[str, Any]:
+    """``rows_id`` for a predict and the train step after it on the same rows (as ESamp
+    names them), where the distiller takes one."""
+    return {"rows_id": "step"} if d.takes_rows_id else {}
 
 
 def update_bytes_per_param(args, device) -> dict[str, float]:
@@ -303,8 +318,10 @@ def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) ->
 
         def fn():
             decode()
-            d.predict(slots, decode.h1)  # the sampler needs it: the main stream waits for it
-            d.train_step(slots, decode.h1, decode.hL)  # side stream: may overlap next step
+            # The sampler needs the prediction: the main stream waits for it. The update
+            # (side stream: may overlap the next step) trains the same rows, as ESamp's do.
+            d.predict(slots, decode.h1, **_same_rows(d))
+            d.train_step(slots, decode.h1, decode.hL, **_same_rows(d))
 
     for _ in range(args.warmup):
         fn()
