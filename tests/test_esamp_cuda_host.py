@@ -308,3 +308,23 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward(m
     for got in (acts_kept, acts_read):
         for blk, ref in zip(got, acts, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e30])
+def test_the_graph_update_skips_exactly_the_groups_with_a_non_finite_loss_or_norm(bad):
+    """The graph update's finiteness check (``x * 0 == 0``, fewer launches than isfinite):
+    a group whose target holds inf, NaN or 1e30 (finite, but its square overflows: loss
+    inf) keeps its state bit for bit; the others step."""
+    from algorithms.esamp.graph_update import train_dense
+
+    d = GroupedDistiller(H, intermediate_size=INTER, capacity=3)
+    theta, m, v, step = (t.clone() for t in (d.theta, d.m, d.v, d.step))
+    before = theta.clone()
+    xp, tp = torch.randn(3, 4, H), torch.randn(3, 4, H)
+    tp[1, 2, 5] = bad
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    losses, ok = train_dense(theta, m, v, step, torch.ones(3, dtype=torch.bool), xp, tp, mask,
+                             d.shape, d.hp)  # fmt: skip
+    assert ok.tolist() == [True, False, True], (losses, ok)
+    assert torch.equal(theta[1], before[1]) and not torch.equal(theta[0], before[0])
+    assert step.tolist()[:3] == [1.0, 0.0, 1.0]
