@@ -29,6 +29,7 @@ class BytesCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.by_op: Counter[str] = Counter()
+        self.calls = 0  # operations counted (a launch each; views and allocations not)
 
     @property
     def total(self) -> int:
@@ -40,4 +41,5 @@ class BytesCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if not func.is_view and name not in NO_DATA:
             self.by_op[name] += op_bytes(func, args, kwargs, out)
+            self.calls += 1
         return out

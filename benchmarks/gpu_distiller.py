@@ -4,8 +4,10 @@
 
 What is timed (CUDA events, after warm-up), in microseconds per decode step:
 
-1. ``predict`` and ``train_step`` of the grouped distiller alone (hidden 3584, 8 groups x 16
-   rows = a batch of 128 decode rows, intermediate 384, 2 blocks), for four variants:
+1. ``predict``, ``train_step`` and both (``step_us``: the update on the same rows, reusing
+   the prediction's forward as ESamp does; ``step_rerun_forward_us``: the forward run
+   again) of the grouped distiller alone (hidden 3584, 8 groups x 16 rows = a batch of 128
+   decode rows, intermediate 384, 2 blocks), for four variants:
 
    - ``eager_main``:   on CPU only: the CPU ``GroupedDistiller`` (a smoke run of the script);
    - ``eager_side``:   ``CudaGroupedDistiller(use_cuda_graph=False)``: side stream, eager update;
@@ -27,7 +29,8 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
    and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
    it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
 
-``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
+``--bytes-only`` prints part 3 and the captured graphs' launches and bytes
+(:func:`update_graphs`) for fp32 and bf16 moments, on any machine. ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
 the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
 the script without a GPU.
 """
@@ -145,12 +148,19 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     def train():
         d.train_step(slots, x, t)
 
-    def both():
+    def both():  # as ESamp runs a decode step: the update reuses the prediction's forward
+        d.predict(slots, x, **_same_rows(d))
+        d.train_step(slots, x, t, **_same_rows(d))
+
+    def both_rerun():  # the update runs the forward again
         d.predict(slots, x)
         d.train_step(slots, x, t)
 
     res = {}
-    for name, fn in (("predict_us", predict), ("train_us", train), ("step_us", both)):
+    cases = [("predict_us", predict), ("train_us", train), ("step_us", both)]
+    if d.takes_rows_id:
+        cases.append(("step_rerun_forward_us", both_rerun))
+    for name, fn in cases:
         for _ in range(args.warmup):
             fn()
         d.synchronize()
@@ -159,12 +169,22 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     return res
 
 
+def _same_rows(d) -> dict[str, Any]:
+    """``rows_id`` for a predict and the train step after it on the same rows (as ESamp
+    names them), where the distiller takes one."""
+    return {"rows_id": "step"} if d.takes_rows_id else {}
+
+
 def update_bytes_per_param(args, device) -> dict[str, float]:
     """Bytes per parameter and group of one update of ``args.groups`` groups of ``args.rows``
     rows: the update the CUDA graphs replay (``graph_update``: the slot-indexed products and
-    the fused gradient + Adam operator, each counted as one operation with its arguments)
-    and the CPU trainer (see the module docstring, part 3)."""
+    the fused gradient + Adam operator, each counted as one operation with its arguments;
+    ``graph_update_reuse``: the same on the forward the step's prediction kept, as ESamp runs
+    it when the trained rows are the predicted ones; ``*_bf16``: with bf16 Adam moments) and
+    the CPU trainer (see the module docstring, part 3); ``*_ops``: operations dispatched."""
     from algorithms.esamp.graph_update import train_groups
+    from algorithms.esamp.mlp import forward_acts
+    from algorithms.esamp.params import block_weights
 
     # Counted from the operations' tensor sizes: the meta device gives the same counts as a
     # GPU without computing anything; the CPU trainer's part runs on CPU.
@@ -180,14 +200,25 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
     per = args.groups * d.shape.num_params
     out: dict[str, float] = {}
     shape = (args.groups, args.rows, args.hidden)
+    xp, tp = x.view(shape), t.view(shape)
     gs = torch.arange(args.groups, device=meta)
     mask = torch.ones(args.groups, args.rows, dtype=torch.bool, device=meta)
-    with BytesCounter() as bc:
-        train_groups(
-            d.theta, d.m, d.v, d.step, gs, x.view(shape), t.view(shape), mask, d.shape, d.hp
-        )
-    out["graph_update"] = bc.total / per
-    out["graph_update_adam"] = bc.by_op["grad_adam"] / per
+    # What the prediction computed (and, on CUDA, kept): not part of the update.
+    forward = forward_acts(block_weights(d.theta, d.shape), xp)
+    bf16 = [torch.empty_like(d.m, dtype=torch.bfloat16) for _ in range(2)]
+    for name, (m, v), fwd in (
+        ("graph_update", (d.m, d.v), None),
+        ("graph_update_reuse", (d.m, d.v), forward),
+        ("graph_update_bf16", bf16, None),
+        ("graph_update_reuse_bf16", bf16, forward),
+    ):
+        with BytesCounter() as bc:
+            train_groups(
+                d.theta, m, v, d.step, gs, xp, tp, mask, d.shape, d.hp, forward=fwd
+            )  # fmt: skip
+        out[name] = bc.total / per
+        out[f"{name}_adam"] = bc.by_op["grad_adam"] / per
+        out[f"{name}_ops"] = bc.calls
     if device.type == "cpu":
         slots, x, t = _inputs(args, device)
         d = GroupedDistiller(
@@ -200,6 +231,32 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
             d.train_step(live, x, t)
         out["host_update"] = bc.total / per
         out["host_update_adam"] = bc.by_op["_fused_adam_"] / per
+    return out
+
+
+def update_graphs(args, moments_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """The CUDA distiller's captured graphs for the layout of ``args.groups`` groups of
+    ``args.rows`` rows, as a whole (row packing, mask and result ring included), counted on
+    the fake CUDA device (``tllm_core.testing.fake_cuda``: launches = operations captured,
+    bytes by the same rules as :func:`update_bytes_per_param`): ``{kind}_launches`` and
+    ``{kind}_bytes_per_param`` for ``predict``, ``train`` (forward run again) and
+    ``train_reuse`` (on the prediction's kept forward)."""
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    with FakeCuda() as fc:
+        d = CudaGroupedDistiller(
+            args.hidden, device=fc.device, intermediate_size=args.intermediate,
+            num_blocks=args.blocks, capacity=args.groups, graph_max_rows=args.rows,
+            moments_dtype=moments_dtype,
+        )  # fmt: skip
+    lay = d.layouts[0]
+    per = args.groups * d.shape.num_params
+    out: dict[str, float] = {}
+    for kind in ("predict", "train", "train_reuse"):
+        g = d._graphs[(kind, lay)]
+        out[f"{kind}_launches"] = g.launches
+        out[f"{kind}_bytes_per_param"] = g.bytes / per
     return out
 
 
@@ -261,8 +318,10 @@ def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) ->
 
         def fn():
             decode()
-            d.predict(slots, decode.h1)  # the sampler needs it: the main stream waits for it
-            d.train_step(slots, decode.h1, decode.hL)  # side stream: may overlap next step
+            # The sampler needs the prediction: the main stream waits for it. The update
+            # (side stream: may overlap the next step) trains the same rows, as ESamp's do.
+            d.predict(slots, decode.h1, **_same_rows(d))
+            d.train_step(slots, decode.h1, decode.hL, **_same_rows(d))
 
     for _ in range(args.warmup):
         fn()
@@ -288,7 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="only part 3 and the captured graphs' counts (no GPU needed: counted on meta)",
+    )
     args = p.parse_args(argv)
+    if args.bytes_only:
+        out = {"bytes_per_param": update_bytes_per_param(args, torch.device("meta"))}
+        for name, dt in (("fp32_moments", torch.float32), ("bf16_moments", torch.bfloat16)):
+            out[f"graphs_{name}"] = update_graphs(args, dt)
+        print(json.dumps(out) if args.json else json.dumps(out, indent=1))
+        return 0
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -638,7 +638,9 @@ def _bytes_and_compile_lines(sm: dict) -> list[str]:
     for k, rec in sm["distiller"].get("results", {}).items():
         b = rec.get("bytes_per_param")
         if b:
-            parts = ", ".join(f"{name} {v:.1f}" for name, v in b.items())
+            parts = ", ".join(
+                f"{name} {v}" if isinstance(v, int) else f"{name} {v:.1f}" for name, v in b.items()
+            )
             out += [f"Bytes per parameter per update, {k[7:]} groups: {parts}.", ""]
     ct = sm.get("compiled_taps")
     if ct and "compiled_max_abs_diff" in ct:

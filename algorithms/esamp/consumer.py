@@ -76,6 +76,7 @@ COUNTER_NAMES = (
     "finished_unseen",
     "graph_failures",
     "eager_updates",
+    "updates_reusing_prediction",
     "warm_start_groups",
     "warm_start_rows",
     "warm_start_steps",

@@ -14,7 +14,11 @@
   rows themselves are copied into the packed buffers by the graph. Both run on a side
   stream ordered against the main stream with CUDA events only: no host wait;
 - update results are logged on the device and read back in the background
-  (:mod:`algorithms.esamp.cuda_results`).
+  (:mod:`algorithms.esamp.cuda_results`);
+- the prediction keeps its forward's activations in static buffers; an update of the same
+  rows with the same parameters (the caller says so with a ``rows_id``, checked against the
+  last prediction's packing and the state's version) replays a graph without the forward
+  ("train_reuse"): it does not read the weights a second time for it.
 
 Ordering: every predict and train is enqueued on the one side stream, so a prediction always
 sees every update enqueued before it (strict staleness; measured on the device). Importing
@@ -29,6 +33,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from algorithms.esamp.adam import STATS
@@ -36,7 +41,7 @@ from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_s
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.memory_plan import round_rows
-from algorithms.esamp.mlp import forward_acts
+from algorithms.esamp.mlp import ActBuffers, forward_acts, saved_forward
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
@@ -46,6 +51,8 @@ log = logging.getLogger("tllm")
 
 # Pinned host plan vectors in rotation: one is reused only after its copy has run.
 _PLAN_BUFFERS = 8
+# The graphs of each layout: prediction, update, update on the prediction's forward.
+_KINDS = ("predict", "train", "train_reuse")
 
 
 def _pin(t: torch.Tensor) -> torch.Tensor:
@@ -75,6 +82,7 @@ def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
 
 class CudaGroupedDistiller(SlotDistiller):
     growable = False  # the graphs and the memory profile hold the state's storage
+    takes_rows_id = True
 
     def __init__(
         self,
@@ -99,6 +107,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self.use_cuda_graph = use_cuda_graph
         self.graph_failures = 0
         self.eager_updates = 0
+        self.updates_reusing_prediction = 0  # update runs that reused the prediction's forward
         self.graph_rows = round_rows(graph_max_rows)
         self.total_rows = t = capacity * self.graph_rows
         self.layouts = layouts(capacity, self.graph_rows)
@@ -109,6 +118,13 @@ class CudaGroupedDistiller(SlotDistiller):
         self.tp = torch.zeros(t + 1, h, device=dev)
         self.mask = torch.zeros(t + 1, dtype=torch.bool, device=dev)
         self.y = torch.zeros(t + 1, h, device=dev)
+        # The prediction's forward, kept for the update of the same rows: per block its
+        # output [T, H] and a, u, s, p [T, I], in one allocation.
+        nb, i = self.shape.num_blocks, self.shape.intermediate_size
+        self.acts = torch.zeros(nb * t * (h + 4 * i), device=dev)
+        # (rows_id, version, packed slots, row groups, layout) of the last prediction, whose
+        # forward self.acts holds; None: none to reuse.
+        self._predicted: tuple | None = None
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
         self._host_plans = [
             _pin(torch.zeros(plan_size(t, capacity), dtype=torch.long))
@@ -171,11 +187,25 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w: slot_matmul(x, w, gs, transpose_w, self._precision)
+        return lambda x, w, transpose_w, out=None: slot_matmul(
+            x, w, gs, transpose_w, self._precision, out
+        )
 
     @property
     def _precision(self) -> str:
         return "tf32" if self.tf32 else "ieee"
+
+    def _act_buffers(self, lay: Layout) -> ActBuffers:
+        """The layout's views of :attr:`acts`: per block (h_out, a, u, s, p), ``[G, M, .]``."""
+        h, i, t = self.shape.hidden_size, self.shape.intermediate_size, self.total_rows
+        n, out, at = lay.groups * lay.rows, [], 0
+        for _ in range(self.shape.num_blocks):
+            block = []
+            for width in (h, i, i, i, i):
+                block.append(self.acts[at : at + n * width].view(lay.groups, lay.rows, width))
+                at += t * width
+            out.append(tuple(block))
+        return out
 
     def _predict_body(self, lay: Layout) -> None:
         t, c = self.total_rows, self.capacity
@@ -184,17 +214,25 @@ class CudaGroupedDistiller(SlotDistiller):
         lag = (sub - self.applied.index_select(0, gs.clamp(min=0))) * (gs >= 0)
         torch.maximum(self.results.stale, lag.max(), out=self.results.stale)
         xp = self._pack(lay, self.stage_x, self.xp)
-        h = forward_acts(block_weights(self.theta, self.shape), xp, self._mm(gs))[0]
+        weights = block_weights(self.theta, self.shape)
+        h = forward_acts(weights, xp, self._mm(gs), out=self._act_buffers(lay))[0]
         if self.zero_output:
             h = h - xp
         flat = h.reshape(-1, h.shape[-1])
         rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
         self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
 
-    def _train_body(self, lay: Layout) -> None:
+    def _train_body(self, lay: Layout, reuse: bool = False) -> None:
+        """The update; ``reuse``: on the rows the last prediction packed into ``xp`` and with
+        its forward (:attr:`acts`), not run again (the caller checked that they match)."""
         t, c = self.total_rows, self.capacity
         gs = self._group_slot(lay)
-        xp = self._pack(lay, self.stage_x, self.xp)
+        if reuse:
+            xp = self.xp[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
+            forward = saved_forward(xp, self._act_buffers(lay))
+        else:
+            xp = self._pack(lay, self.stage_x, self.xp)
+            forward = None
         tp = self._pack(lay, self.stage_t, self.tp)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
@@ -208,7 +246,9 @@ class CudaGroupedDistiller(SlotDistiller):
             partial(slot_matmul, precision=self._precision),
             partial(slot_grad_adam_, precision=self._precision),
         )
-        losses, ok = train_groups(*state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops)
+        losses, ok = train_groups(
+            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward
+        )
         ring = self.plan[2 * t + 2 * c :]
         at = ring * c + self._ring_idx[: lay.groups]
         self.results.losses.view(-1).index_copy_(0, at, losses)
@@ -216,13 +256,20 @@ class CudaGroupedDistiller(SlotDistiller):
         if stats is not None:
             self.results.stats.view(-1, len(STATS)).index_copy_(0, at, stats)
 
+    def _body(self, kind: str) -> Callable[[Layout], None]:
+        if kind == "predict":
+            return self._predict_body
+        return partial(self._train_body, reuse=kind == "train_reuse")
+
     def _run(self, kind: str, lay: Layout) -> None:
+        if kind == "train_reuse":
+            self.updates_reusing_prediction += 1  # counted where it runs
         graph = self._graphs.get((kind, lay))
         if graph is not None:
             graph.replay()
             return
         with torch.no_grad(), _matmul_precision(self.tf32):
-            (self._predict_body if kind == "predict" else self._train_body)(lay)
+            self._body(kind)(lay)
 
     def _warm_up(self) -> None:
         """Run every body once on the side stream (no group has a slot: no state changes),
@@ -233,17 +280,18 @@ class CudaGroupedDistiller(SlotDistiller):
             self.plan[: 2 * self.total_rows].fill_(self.total_rows)
             self.plan[-1] = 0
             for lay in self.layouts:
-                self._predict_body(lay)
-                self._train_body(lay)
+                for kind in _KINDS:
+                    self._body(kind)(lay)
 
     def _capture(self) -> None:
-        """Capture one predict and one update graph per layout, sharing one memory pool.
-        Capture synchronizes the device (``torch.cuda.graph`` does): it happens only here."""
+        """Capture a predict and two update graphs (with and without the forward) per
+        layout, sharing one memory pool. Capture synchronizes the device
+        (``torch.cuda.graph`` does): it happens only here."""
         pool = None
         try:
             for lay in self.layouts:
-                for kind in ("predict", "train"):
-                    body = self._predict_body if kind == "predict" else self._train_body
+                for kind in _KINDS:
+                    body = self._body(kind)
                     with _matmul_precision(self.tf32):
                         graph, pool = capture_graph(
                             lambda b=body, lay=lay: b(lay), self.stream, pool
@@ -285,56 +333,93 @@ class CudaGroupedDistiller(SlotDistiller):
         ev.record(self.stream)
         self._plan_events[i] = ev
 
-    def _stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.shape[0] > self.total_rows:
+    def _check_rows(self, n: int) -> None:
+        if n > self.total_rows:
             raise ValueError(
-                f"esamp: a step of {src.shape[0]} rows exceeds the CUDA distiller's "
+                f"esamp: a step of {n} rows exceeds the CUDA distiller's "
                 f"{self.total_rows} packed rows (capacity x cuda_graph_max_rows); raise "
                 "cuda_rows_per_step to vLLM's max_num_seqs"
             )
+
+    def _stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[: src.shape[0]].copy_(src)
         src.record_stream(self.stream)
 
-    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
+        """As the base class. ``rows_id`` (optional, any comparable value): names the rows
+        ``x`` holds; a :meth:`train_step` given the same ``rows_id`` (the caller's promise
+        that its ``x`` is this ``x``) reuses this prediction's forward when nothing changed
+        in between."""
+        self._predicted = None  # the buffers are about to hold this prediction's forward
         pk = make_packing(slots)
         if not pk.slots.size:
             return self.y[:0]
         self._check_live(pk)
+        self._check_rows(x.shape[0])
+        batches = split(pk.counts, self.layouts)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream):
             self._stage(self.stage_x, x)
-            for batch in split(pk.counts, self.layouts):
+            for batch in batches:
                 self._send_plan(batch, pk, 0)
                 self._run("predict", batch.layout)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
+        if rows_id is not None and len(batches) == 1:  # several: the buffers hold the last
+            lay = batches[0].layout
+            self._predicted = (rows_id, self._version, pk.slots, pk.row_group, lay)
         # A view of the static output: valid until the next predict (the caller uses it
         # within the step).
         return self.y[: x.shape[0]]
 
-    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def _reusable(self, pk, batches: list[Batch], rows_id: object) -> bool:
+        """Whether the buffers hold the forward this update needs: the last prediction was
+        on the rows ``rows_id`` names (the caller's word), in the same packing and layout,
+        and the parameters have not changed since (no update, reset or growth: the version)."""
+        p = self._predicted
+        if p is None or rows_id is None or len(batches) != 1:
+            return False
+        p_rows, version, p_slots, p_groups, lay = p
+        return (
+            p_rows == rows_id
+            and version == self._version
+            and lay == batches[0].layout
+            and np.array_equal(p_slots, pk.slots)
+            and np.array_equal(p_groups, pk.row_group)
+        )
+
+    def train_step(
+        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, rows_id: object = None
+    ) -> TrainResult:
         """As the base class, without its defensive copies: the rows are copied into the
-        packed buffers on the side stream, and the main stream waits for that copy only."""
+        packed buffers on the side stream, and the main stream waits for that copy only.
+        ``rows_id``: see :meth:`predict` (None: the forward is run again)."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
             return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
         self._check_live(pk)
+        self._check_rows(max(x.shape[0], target.shape[0]))
+        batches = split(pk.counts, self.layouts)
+        reuse = self._reusable(pk, batches, rows_id)
+        self._predicted = None  # this update changes the parameters the forward used
         self._submitted[pk.slots] += 1
         self._version += 1
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         parts = []
+        kind = "train_reuse" if reuse else "train"
         with torch.cuda.stream(self.stream), torch.inference_mode(False):
-            self._stage(self.stage_x, x)
+            if not reuse:  # else xp already holds these rows, packed by the prediction
+                self._stage(self.stage_x, x)
             self._stage(self.stage_t, target)
             self._copied.record(self.stream)
-            for batch in split(pk.counts, self.layouts):
+            for batch in batches:
                 row = self.results.next_row()
                 self._send_plan(batch, pk, row)
-                if ("train", batch.layout) not in self._graphs:
+                if (kind, batch.layout) not in self._graphs:
                     self.eager_updates += 1
-                self._run("train", batch.layout)
+                self._run(kind, batch.layout)
                 parts.append((row, batch.groups))
         # The bundle's tensors may be overwritten by the next forward: only their copy is
         # waited for, not the update.

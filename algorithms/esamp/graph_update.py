@@ -18,7 +18,7 @@ import torch
 
 from algorithms.esamp.adam import adam_stats, clip_scale
 from algorithms.esamp.backward import backward_factors
-from algorithms.esamp.mlp import forward_acts
+from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
@@ -38,6 +38,7 @@ def train_groups(
     applied: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
     ops=None,
+    forward: tuple[torch.Tensor, Activations] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Adam step for every packed group with rows, written in place into its slot.
 
@@ -49,7 +50,9 @@ def train_groups(
     non-finite): what staleness is measured against. ``stats [G, len(STATS)]`` (optional,
     with ``hp.stats``): written with each group's update statistics (NaN where not updated).
     ``ops``: the slot operations (default :mod:`~algorithms.esamp.slot_ops`; the Triton ones
-    on CUDA). Returns ``(losses [G], updated [G])``.
+    on CUDA). ``forward``: :func:`~algorithms.esamp.mlp.forward_acts` of these parameters
+    on ``xp``, already computed (the CUDA prediction's, kept for its update: the weights are
+    then not read for a forward). Returns ``(losses [G], updated [G])``.
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
@@ -57,7 +60,7 @@ def train_groups(
         idx = gs.clamp(min=0)
         slot_mm = partial(_mm, mm, gs)
         weights = block_weights(theta, shape)
-        h, acts = forward_acts(weights, xp, slot_mm)
+        h, acts = forward_acts(weights, xp, slot_mm) if forward is None else forward
         diff = torch.where(mask[..., None], h - tp, 0.0)
         counts = mask.sum(1)
         denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
@@ -67,7 +70,9 @@ def train_groups(
         )
         norm = sq.sqrt()
         valid = (gs >= 0) & (counts > 0)
-        ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
+        # Both finite (x * 0 is 0 for finite x, NaN for inf and NaN): 4 launches where two
+        # isfinite make 10.
+        ok = valid & (losses * 0 + norm * 0 == 0)
         scale = clip_scale(norm, hp)
         step.index_add_(0, idx, ok.to(step.dtype))
         wv = [block_weights(t, shape) for t in (theta, m, v)]

@@ -24,7 +24,7 @@ from algorithms.esamp.guidance import (
     relative_error,
 )
 from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.shared import Shared, host_to, row_index, select_rows
+from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
 from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
 log = logging.getLogger("tllm")
@@ -104,7 +104,9 @@ class GuideStep:
         s.counters.add("rows_visited", len(sel))
         idx = row_index(sel, view.logits.device)
         f = s.predict(
-            torch.tensor(slots, dtype=torch.long), select_rows(view.hidden(s.src_key), sel, idx)
+            torch.tensor(slots, dtype=torch.long),
+            select_rows(view.hidden(s.src_key), sel, idx),
+            rows_id(view.step, rows, sel),  # the update of the same rows reuses its forward
         )
         if not s.on_cuda:  # on CUDA read at the next blocking flush (a host sync)
             s.counters.max("staleness_max", s.distiller.staleness_max())

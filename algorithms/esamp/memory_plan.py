@@ -16,14 +16,18 @@ vocabulary):
 - packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
   staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ (T+1)`` (mask)
   ``+ 8 * (2T + 2S + 1)`` (the row plan) ``+`` the result ring ``N*S*(8 [+16 with
-  optimizer_stats]) + S*(16 + 8) + 8`` (``N`` = 512 update rows);
+  optimizer_stats]) + S*(16 + 8) + 8`` (``N`` = 512 update rows) ``+ NB * T*(H + 4I) * 4``
+  (the prediction's forward, each block's output and four activations, kept for the update
+  of the same rows);
 - update workspace (the graphs' shared pool): activations ``S*M*((3 + 3NB) H + 9NB I) * 4``
   (no gradient is materialised: it is formed inside the Adam kernel);
 - the side stream's cuBLAS and cuBLASLt workspaces (``2 x 32 MiB``, torch's default on sm90
   and an upper bound elsewhere: made by the first product on that stream, at construction);
 - allocator rounding: up to 2 MiB for each of the ``ALLOCATIONS`` tensors allocated at
   construction (the caching allocator rounds large blocks to 2 MiB);
-- predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations);
+- predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations;
+  the CPU path's temporaries; on CUDA the activations are in the buffers above, so this
+  over-counts there by their size);
 - guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
   gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ R * V`` more for the
   fixed-size search's second count of candidates and ``48 * R * k`` for its ``k`` =
@@ -138,7 +142,7 @@ def plan_memory(
     s, m = slots, round_rows(graph_rows)
     state = s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4
     t = s * m
-    inputs = packed_buffer_bytes(h, s, t, optimizer_stats)
+    inputs = packed_buffer_bytes(h, s, t, optimizer_stats, i, nb)
     update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     post_filter = guidance_post_filter_bytes(
@@ -162,11 +166,19 @@ def plan_memory(
     )
 
 
-def packed_buffer_bytes(hidden: int, slots: int, total_rows: int, stats: bool) -> int:
-    """The CUDA distiller's packed buffers, row plan and result ring (exact)."""
+def packed_buffer_bytes(
+    hidden: int,
+    slots: int,
+    total_rows: int,
+    stats: bool,
+    intermediate: int = 384,
+    num_blocks: int = 2,
+) -> int:
+    """The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact)."""
     h, s, t = hidden, slots, total_rows
     ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * (16 + 8) + 8
-    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring
+    acts = num_blocks * t * (h + 4 * intermediate) * 4
+    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring + acts
 
 
 def guidance_post_filter_bytes(

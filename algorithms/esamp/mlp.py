@@ -16,21 +16,35 @@ from algorithms.esamp.params import DistillerShape, block_weights
 # what the backward needs from the forward.
 Activations = list[tuple[torch.Tensor, ...]]
 
-# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension.
-MatMul = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension;
+# with ``out=`` (a keyword, only where :func:`forward_acts` is given buffers) written there.
+MatMul = Callable[..., torch.Tensor]
+
+# Per block (h_out, a, u, s, p), each [B, M, .]: where :func:`forward_acts` writes a block's
+# output and activations (the CUDA prediction keeps them for the update that follows it).
+ActBuffers = list[tuple[torch.Tensor, ...]]
 
 
-def batched_mm(x: torch.Tensor, w: torch.Tensor, transpose_w: bool) -> torch.Tensor:
+def batched_mm(
+    x: torch.Tensor, w: torch.Tensor, transpose_w: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The dense form of :data:`MatMul`: batch entry ``i`` of ``x`` with weight ``w[i]``."""
-    return torch.bmm(x, w.transpose(1, 2) if transpose_w else w)
+    return torch.bmm(x, w.transpose(1, 2) if transpose_w else w, out=out)
 
 
 def forward_acts(
-    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul = batched_mm
+    weights: list[tuple[torch.Tensor, ...]],
+    xp: torch.Tensor,
+    mm: MatMul = batched_mm,
+    out: ActBuffers | None = None,
 ) -> tuple[torch.Tensor, Activations]:
     """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
     activations its backward needs. All-zero padding rows stay exactly zero (no biases).
-    ``mm``: how a batch entry meets its weights (the slot-indexed form on CUDA)."""
+    ``mm``: how a batch entry meets its weights (the slot-indexed form on CUDA). ``out``:
+    buffers every block's output and activations are written into (same operations, same
+    values; nothing else is allocated for them)."""
+    if out is not None:
+        return _forward_into(weights, xp, mm, out)
     acts = []
     h = xp
     for gate, up, down in weights:
@@ -40,6 +54,31 @@ def forward_acts(
         p = s * u
         acts.append((h, a, u, s, p))
         h = h + mm(p, down, True)
+    return h, acts
+
+
+def _forward_into(
+    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul, out: ActBuffers
+) -> tuple[torch.Tensor, Activations]:
+    acts = []
+    h = xp
+    for (gate, up, down), (h_out, a, u, s, p) in zip(weights, out, strict=True):
+        mm(h, gate, True, out=a)
+        mm(h, up, True, out=u)
+        torch._C._nn.silu(a, out=s)  # F.silu has no out=
+        torch.mul(s, u, out=p)
+        acts.append((h, a, u, s, p))
+        h = torch.add(h, mm(p, down, True), out=h_out)
+    return h, acts
+
+
+def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Activations]:
+    """What :func:`forward_acts` returned when it wrote ``out`` from the packed rows ``xp``
+    (read back from the buffers: nothing is computed)."""
+    acts, h = [], xp
+    for h_out, a, u, s, p in out:
+        acts.append((h, a, u, s, p))
+        h = h_out
     return h, acts
 
 

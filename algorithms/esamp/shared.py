@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.slots import SlotDistiller
-from tllm_core import Counters
+from algorithms.esamp.slots import SlotDistiller, TrainResult
+from tllm_core import Counters, RowInfo
 
 
 @dataclass
@@ -32,11 +32,21 @@ class Shared:
         """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
         return self.on_cuda or self.distiller.asynchronous
 
-    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
         """The distiller's prediction; with init 'zero_output' the blocks' residual sum
-        alone (the input subtracted), so an untrained distiller predicts 0."""
-        f = self.distiller.predict(slots, x)
+        alone (the input subtracted), so an untrained distiller predicts 0. ``rows``: the
+        rows' :func:`rows_id` (the CUDA distiller keeps the forward for their update)."""
+        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
+        f = self.distiller.predict(slots, x, **kw)
         return f - x.float() if self.zero_out and not self.distiller.zero_output else f
+
+    def train_step(
+        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, rows: object = None
+    ) -> TrainResult:
+        """The distiller's update; ``rows``: as in :meth:`predict` (equal ids: equal rows;
+        the CPU distiller compares the rows themselves)."""
+        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
+        return self.distiller.train_step(slots, x, target, **kw)
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
@@ -44,6 +54,13 @@ class Shared:
         if self.zero_out and not self.distiller.zero_output:
             return target.float() + x.float()
         return target
+
+
+def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:
+    """A name for the step's rows ``sel`` of ``rows``: the step and their packed token rows,
+    so a guide view and the step's bundle name the same tokens (whose hidden states both
+    read from the same capture) alike."""
+    return step, rows.row[sel].tobytes()
 
 
 def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,15 @@ def slot_matmul(
     group_slot: torch.Tensor,
     transpose_w: bool,
     precision: str = "ieee",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x[g] @ w[group_slot[g]]^T`` (``w [S, N, K]``) or, with ``transpose_w=False``,
     ``x[g] @ w[group_slot[g]]`` (``w [S, K, N]``); ``x [G, M, K]``; padding groups give 0.
-    ``precision``: the product's (``"ieee"`` or ``"tf32"``)."""
-    n = w.shape[1] if transpose_w else w.shape[2]
-    out = torch.empty(x.shape[0], x.shape[1], n, device=x.device, dtype=torch.float32)
+    ``precision``: the product's (``"ieee"`` or ``"tf32"``); ``out``: written there (else
+    a new tensor)."""
+    if out is None:
+        n = w.shape[1] if transpose_w else w.shape[2]
+        out = torch.empty(x.shape[0], x.shape[1], n, device=x.device, dtype=torch.float32)
     return kernels.slot_matmul(
         x, w, group_slot, out, transpose_w=transpose_w, input_precision=precision
     )

@@ -53,6 +53,10 @@ class SlotDistiller:
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
     eager_updates = 0  # CUDA only: update steps run without a captured graph
+    updates_reusing_prediction = 0  # CUDA only: update runs on the prediction's forward
+    # True: predict and train_step take ``rows_id`` (the CUDA path; the CPU path compares
+    # the rows themselves to reuse a prediction's forward).
+    takes_rows_id = False
     # True: predict returns blocks(x) - x and train_step trains it toward the target (the
     # CUDA path does both inside its graphs); False: Shared does it (init 'zero_output').
     zero_output = False

@@ -11,7 +11,7 @@ import torch
 
 from algorithms.esamp.lifecycle import Group, Groups
 from algorithms.esamp.losses import LossBook, Submitted, final_prefix
-from algorithms.esamp.shared import Shared, row_index, select_rows
+from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, RequestInfo
 
@@ -47,7 +47,7 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        submitted = self._submit(bundle, sel, slots, 1)
+        submitted = self._submit(bundle, sel, slots, 1, rows_id(bundle.step, bundle.rows, sel))
         if not submitted:
             return
         res = submitted[0]
@@ -83,10 +83,12 @@ class Trainer:
         self._after_submit()  # warm_start_steps: counted from the results, in _flush_warm
 
     def _submit(
-        self, bundle: Bundle, sel: list[int], slots: list[int], steps: int
+        self, bundle: Bundle, sel: list[int], slots: list[int], steps: int, rows: object = None
     ) -> list[TrainResult]:
         """``steps`` train steps of the rows ``sel`` (their groups' ``slots``); none when
-        there are no rows or training is off (then counted as frozen)."""
+        there are no rows or training is off (then counted as frozen). ``rows``: their
+        :func:`rows_id` (the guide named the rows it predicted alike: the CUDA distiller
+        then reuses that prediction's forward)."""
         if not sel:
             return []
         if not self.training:
@@ -97,7 +99,7 @@ class Trainer:
         idx = row_index(sel, src.device)
         x = select_rows(src, sel, idx)
         target = self.s.target(x, select_rows(tgt, sel, idx))
-        return [self.s.distiller.train_step(slot_t, x, target) for _ in range(steps)]
+        return [self.s.train_step(slot_t, x, target, rows) for _ in range(steps)]
 
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
@@ -118,6 +120,7 @@ class Trainer:
             s.distiller.poll()  # results already copied back (CUDA: no waiting)
         s.counters.max("staleness_max", s.distiller.staleness_max())  # host-side on CUDA
         s.counters.set("eager_updates", s.distiller.eager_updates)
+        s.counters.set("updates_reusing_prediction", s.distiller.updates_reusing_prediction)
         if block:
             self.read_deferred()
         self._flush_warm(block)
