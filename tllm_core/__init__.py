@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
     from tllm_core.api.edits import EditPlan
+    from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
     from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
@@ -73,6 +74,7 @@ __all__ = [
     "Edit",
     "EditPlan",
     "GuideView",
+    "GuideBuffers",
     "HiddenStates",
     "LayerPort",
     "Logits",
@@ -108,6 +110,7 @@ _HOME = {
     "SiteSpec": "tllm_core.api.architectures",
     "Bundle": "tllm_core.api.bundles",
     "GuideView": "tllm_core.api.bundles",
+    "GuideBuffers": "tllm_core.api.guide_buffers",
     "Consumer": "tllm_core.api.consumer",
     "ConsumerConfig": "tllm_core.api.consumer",
     "ConsumerContext": "tllm_core.api.consumer",
