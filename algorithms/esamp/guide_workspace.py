@@ -11,15 +11,28 @@ practice and the copy never reads a half-written buffer.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from algorithms.esamp.shared import register_arange
-from tllm_core import GuideBuffers
+# Torch and tllm_core.api only (the memory plan imports this module).
+from tllm_core.api.guide_buffers import GuideBuffers
 from tllm_core.api.workspace import Spec, carve, carve_from, workspace_bytes
 
 # Pinned staging buffers in rotation.
 STAGING_BUFFERS = 4
 MODES = ("post_filter", "full_vocab", "auto")
+
+# The workspaces' aranges by device: the row index of a step that takes every row in order
+# is a view of one (shared.row_index), not a new copy.
+_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def arange_on(device: torch.device | str, n: int) -> torch.Tensor | None:
+    """``0 .. n-1`` on ``device`` as a view of a workspace's arange, or None (none there, or
+    too short)."""
+    ar = _ARANGES.get(str(torch.device(device)))
+    return ar[:n] if ar is not None and n <= ar.numel() else None
 
 
 def _stage_spec(rows: int) -> Spec:
@@ -158,7 +171,7 @@ class GuideWorkspace:
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
         )
         self.parts["arange"].copy_(torch.arange(rows, device=device))
-        register_arange(self.parts["arange"])  # the update's row index of a whole step
+        _ARANGES[str(torch.device(device))] = self.parts["arange"]
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype

@@ -3,12 +3,12 @@ keys, the distiller's input/output convention (init 'zero_output') and the row g
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.guide_workspace import arange_on
 from algorithms.esamp.slots import SlotDistiller
 from tllm_core import Counters
 
@@ -53,23 +53,13 @@ def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Ten
     return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
 
 
-# Device aranges made at construction (the CUDA guidance workspace's), by device: the row
-# index of a step that takes every row in order is a view of one, not a new copy.
-_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def register_arange(t: torch.Tensor) -> None:
-    """Let :func:`row_index` serve ``range(n)`` on ``t``'s device from ``t`` (``t`` holds
-    ``0, 1, ...``; kept while its owner keeps it)."""
-    _ARANGES[str(t.device)] = t
-
-
 def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of a
-    registered arange (nothing allocated or copied)."""
-    ar = _ARANGES.get(str(torch.device(device)))
-    if ar is not None and sel and sel[0] == 0 and sel[-1] == len(sel) - 1 <= ar.numel() - 1:
-        return ar[: len(sel)]
+    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of the
+    guidance workspace's arange where there is one (nothing allocated or copied)."""
+    if sel and sel[0] == 0 and sel[-1] == len(sel) - 1:  # sel ascends: range(len(sel))
+        ar = arange_on(device, len(sel))
+        if ar is not None:
+            return ar
     return host_to(torch.tensor(sel, dtype=torch.long), device)
 
 
