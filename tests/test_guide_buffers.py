@@ -11,7 +11,7 @@ import torch
 from tllm_core import GuideBuffers
 from tllm_core.api.bundles import GuideView
 from tllm_core.api.rows import RequestInfo, RowInfo
-from tllm_core.api.workspace import carve, workspace_bytes
+from tllm_core.api.workspace import carve_workspace, workspace_bytes
 
 NEG = float("-inf")
 
@@ -113,8 +113,8 @@ def test_buffers_are_one_allocation_of_the_stated_size():
         for t in b.parts.values():
             assert t.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
     spec = [("a", (3,), torch.float32), ("b", (2, 2), torch.long)]
-    flat, parts = carve(spec, "cpu")
+    flat, parts = carve_workspace(spec, "cpu")
     assert workspace_bytes(spec) == flat.numel() == 512  # two parts, each 256-aligned
     assert parts["b"].data_ptr() - parts["a"].data_ptr() == 256
     with pytest.raises(ValueError, match="distinct"):
-        carve([("a", (1,), torch.float32)] * 2, "cpu")
+        carve_workspace([("a", (1,), torch.float32)] * 2, "cpu")

@@ -2,7 +2,8 @@
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
-:class:`GuideView`, ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+:class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
+``workspace_bytes`` for a step's preallocated temporaries), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -47,6 +48,12 @@ if TYPE_CHECKING:
     from tllm_core.api.request_settings import RequestSettings
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
+    from tllm_core.api.workspace import (
+        WorkspaceSpec,
+        carve_workspace,
+        carve_workspace_from,
+        workspace_bytes,
+    )
     from tllm_core.app import cli_common
     from tllm_core.app.engine import ConsumerDisabledError, TllmLLM
     from tllm_core.runtime.cpus import allowed_cpus
@@ -75,6 +82,10 @@ __all__ = [
     "EditPlan",
     "GuideView",
     "GuideBuffers",
+    "WorkspaceSpec",
+    "carve_workspace",
+    "carve_workspace_from",
+    "workspace_bytes",
     "HiddenStates",
     "LayerPort",
     "Logits",
@@ -111,6 +122,10 @@ _HOME = {
     "Bundle": "tllm_core.api.bundles",
     "GuideView": "tllm_core.api.bundles",
     "GuideBuffers": "tllm_core.api.guide_buffers",
+    "WorkspaceSpec": "tllm_core.api.workspace",
+    "carve_workspace": "tllm_core.api.workspace",
+    "carve_workspace_from": "tllm_core.api.workspace",
+    "workspace_bytes": "tllm_core.api.workspace",
     "Consumer": "tllm_core.api.consumer",
     "ConsumerConfig": "tllm_core.api.consumer",
     "ConsumerContext": "tllm_core.api.consumer",

@@ -15,9 +15,14 @@ import weakref
 
 import torch
 
-# Torch and tllm_core.api only (the memory plan imports this module).
-from tllm_core.api.guide_buffers import GuideBuffers
-from tllm_core.api.workspace import Spec, carve, carve_from, workspace_bytes
+# Torch and tllm_core's lazily imported public API only (the memory plan imports this module).
+from tllm_core import (
+    GuideBuffers,
+    WorkspaceSpec,
+    carve_workspace,
+    carve_workspace_from,
+    workspace_bytes,
+)
 
 # Pinned staging buffers in rotation.
 STAGING_BUFFERS = 4
@@ -35,7 +40,7 @@ def arange_on(device: torch.device | str, n: int) -> torch.Tensor | None:
     return ar[:n] if ar is not None and n <= ar.numel() else None
 
 
-def _stage_spec(rows: int) -> Spec:
+def _stage_spec(rows: int) -> WorkspaceSpec:
     return [
         ("idx", (rows,), torch.long),
         ("slots", (rows,), torch.long),
@@ -65,7 +70,7 @@ def workspace_spec(
     mode: str,
     slots: int,
     dtype: torch.dtype,
-) -> Spec:
+) -> WorkspaceSpec:
     """The parts (``rows`` = cuda_rows_per_step, ``slots`` the distiller's, ``dtype`` the
     model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, and per
     mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
@@ -166,7 +171,7 @@ class GuideWorkspace:
     ):
         self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
         spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
-        self.flat, self.parts = carve(spec, device)
+        self.flat, self.parts = carve_workspace(spec, device)
         self.view_buffers = GuideBuffers(
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
         )
@@ -175,13 +180,13 @@ class GuideWorkspace:
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype
-        self._stage_dev = carve_from(self.parts["stage"], _stage_spec(rows))
+        self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))
         pin = device.type != "cpu" and torch.cuda.is_available()
         self._host = []
         for _ in range(STAGING_BUFFERS):
             flat = torch.zeros(self.parts["stage"].numel(), dtype=torch.uint8)
             flat = flat.pin_memory() if pin else flat
-            self._host.append((flat, carve_from(flat, _stage_spec(rows))))
+            self._host.append((flat, carve_workspace_from(flat, _stage_spec(rows))))
         self._events: list = [None] * STAGING_BUFFERS
         self._next = 0
         self._use_events = pin

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from tllm_core.api.workspace import Spec, carve, workspace_bytes
+from tllm_core.api.workspace import WorkspaceSpec, carve_workspace, workspace_bytes
 
 
-def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) -> Spec:
+def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) -> WorkspaceSpec:
     """The parts: with ``top_k``, the fixed-size search and its write (``[rows, k]`` slots and
     one ``[rows, vocab]`` candidate mask); with ``dense``, two ``[rows, vocab]`` masks of a
     whole-row write (the search, when both, reuses the first)."""
@@ -56,7 +56,9 @@ class GuideBuffers:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
         self.rows, self.vocab, self.dense = rows, vocab, dense
         self.top_k = None if top_k is None else min(top_k, vocab)
-        self.flat, self.parts = carve(guide_buffers_spec(rows, vocab, top_k, dense), device)
+        self.flat, self.parts = carve_workspace(
+            guide_buffers_spec(rows, vocab, top_k, dense), device
+        )
 
     @staticmethod
     def nbytes(rows: int, vocab: int, top_k: int | None = None, dense: bool = False) -> int:

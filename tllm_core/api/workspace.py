@@ -18,7 +18,7 @@ import torch
 # part on its own cache lines).
 ALIGN = 256
 
-Spec = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
+WorkspaceSpec = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 def _aligned(n: int) -> int:
@@ -32,21 +32,23 @@ def _part_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n * torch.empty((), dtype=dtype).element_size()
 
 
-def workspace_bytes(spec: Spec) -> int:
-    """Bytes of :func:`carve`'s one allocation for ``spec`` (parts aligned to ``ALIGN``)."""
+def workspace_bytes(spec: WorkspaceSpec) -> int:
+    """Bytes of :func:`carve_workspace`'s one allocation for ``spec`` (parts aligned to ``ALIGN``)."""
     return sum(_aligned(_part_bytes(shape, dtype)) for _, shape, dtype in spec)
 
 
-def carve(spec: Spec, device: torch.device | str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def carve_workspace(
+    spec: WorkspaceSpec, device: torch.device | str
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One zeroed uint8 allocation of :func:`workspace_bytes` and a contiguous view of it
     per ``(name, shape, dtype)`` of ``spec``. Returns ``(flat, parts)``."""
     flat = torch.zeros(workspace_bytes(spec), dtype=torch.uint8, device=device)
-    return flat, carve_from(flat, spec)
+    return flat, carve_workspace_from(flat, spec)
 
 
-def carve_from(flat: torch.Tensor, spec: Spec) -> dict[str, torch.Tensor]:
+def carve_workspace_from(flat: torch.Tensor, spec: WorkspaceSpec) -> dict[str, torch.Tensor]:
     """The parts of ``spec`` as views of ``flat`` (uint8, at least :func:`workspace_bytes`
-    long, its start aligned like an allocation's): the layout :func:`carve` makes."""
+    long, its start aligned like an allocation's): the layout :func:`carve_workspace` makes."""
     if flat.dtype != torch.uint8 or flat.numel() < workspace_bytes(spec):
         raise ValueError(
             f"need a uint8 tensor of at least {workspace_bytes(spec)} bytes, got "
