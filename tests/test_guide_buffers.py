@@ -100,6 +100,15 @@ def test_update_all_equals_update_of_every_row_and_keeps_no_undo_copy():
     assert torch.equal(view.logits.nan_to_num(), ref.logits.nan_to_num())
     view.rollback()
     assert torch.equal(view.logits.nan_to_num(), base.nan_to_num())
+    # Only the given rows: the others keep their logits bit for bit and count nothing.
+    pick = torch.tensor([True, False, True, True, False])
+    ref = _view(base.clone())
+    ref.update(pick.nonzero().squeeze(1), new[pick].clone())
+    view = _view(base.clone())
+    view.update_all(new.clone(), b, rows=pick)
+    view.commit()
+    assert view.guided_counts() == ref.guided_counts()
+    assert torch.equal(view.logits.nan_to_num(), ref.logits.nan_to_num())
     with pytest.raises(ValueError, match="dense=True"):
         _view(base.clone()).update_all(new.clone(), GuideBuffers(8, 40, "cpu", top_k=2))
     with pytest.raises(ValueError, match="dtype"):

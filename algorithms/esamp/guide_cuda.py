@@ -169,8 +169,8 @@ def _mix_full(
             s.counters.add("latent_fallback_rows", int(idx.numel()))
         # mix_full_vocab_logits(inplace=True): -(b * dist / T) + (1 + b) * ref
         _head_into(g, ws, f, new).mul_(b).div_(temp).neg_().addcmul_(ref, one_b)
-    torch.where(mixed[:, None], new, ref, out=new)
-    view.update_all(new, ws.view_buffers)
+    # Rows not mixed keep their logits exactly (the write's row mask, no extra pass).
+    view.update_all(new, ws.view_buffers, rows=mixed)
 
 
 def _head_into(

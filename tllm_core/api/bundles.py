@@ -264,12 +264,15 @@ class GuideView:
         self._candidates = None
         self._changed.index_add_(0, row_idx, count_rows(cand & (new != old)))
 
-    def update_all(self, new_logits: torch.Tensor, buffers: GuideBuffers) -> None:
+    def update_all(
+        self, new_logits: torch.Tensor, buffers: GuideBuffers, rows: torch.Tensor | None = None
+    ) -> None:
         """Set every row's candidate entries to ``new_logits [R, V]`` (the logits' dtype),
         allocating nothing: ``new_logits`` becomes the values to write (filtered-out entries
         taken from the logits) and is copied into them when the guide returns, so no copy
-        is kept for undo; leave it untouched until then. ``buffers`` (``dense``) hold the
-        masks that count what changed."""
+        is kept for undo; leave it untouched until then. ``rows`` (bool ``[R]``): only those
+        rows are written, the others keep their logits bit for bit. ``buffers``
+        (``dense``) hold the masks that count what changed."""
         logits = self.logits
         if new_logits.shape != logits.shape or new_logits.dtype != logits.dtype:
             raise ValueError(
@@ -283,6 +286,8 @@ class GuideView:
             return
         cand, flag = buffers.mask(0, r), buffers.mask(1, r)
         torch.gt(logits, NEG_INF, out=cand)
+        if rows is not None:
+            cand.logical_and_(rows.to(logits.device)[:, None])
         torch.where(cand, new_logits, logits, out=new_logits)
         torch.ne(new_logits, logits, out=flag).logical_and_(cand)
         self._changed.add_(torch.sum(flag, -1, out=buffers.take("count", r)))
