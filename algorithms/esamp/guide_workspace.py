@@ -33,10 +33,17 @@ MODES = ("post_filter", "full_vocab", "auto")
 _ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _device_key(device: torch.device | str) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:  # "cuda" is the current one: "cuda:N"
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
 def arange_on(device: torch.device | str, n: int) -> torch.Tensor | None:
     """``0 .. n-1`` on ``device`` as a view of a workspace's arange, or None (none there, or
     too short)."""
-    ar = _ARANGES.get(str(torch.device(device)))
+    ar = _ARANGES.get(_device_key(device))
     return ar[:n] if ar is not None and n <= ar.numel() else None
 
 
@@ -176,7 +183,7 @@ class GuideWorkspace:
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
         )
         self.parts["arange"].copy_(torch.arange(rows, device=device))
-        _ARANGES[str(torch.device(device))] = self.parts["arange"]
+        _ARANGES[_device_key(device)] = self.parts["arange"]
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype
