@@ -728,6 +728,9 @@ def fake_step_section(fs: dict | None) -> list[str]:
     before = fs.get("before")
     if before:
         out += ["", f"Before issue 36 ({before['what']}): {before['text']}"]
+    rebuilt = fs.get("after_first_rebuild")
+    if rebuilt:
+        out += ["", f"After the first rebuild ({rebuilt['what']}): {rebuilt['text']}"]
     return out + [""]
 
 

@@ -2,7 +2,8 @@
 
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
-:class:`GuideView`, ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+:class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
+``workspace_bytes`` for a step's preallocated temporaries), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
     from tllm_core.api.edits import EditPlan
+    from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
     from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
@@ -46,6 +48,12 @@ if TYPE_CHECKING:
     from tllm_core.api.request_settings import RequestSettings
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
+    from tllm_core.api.workspace import (
+        WorkspaceSpec,
+        carve_workspace,
+        carve_workspace_from,
+        workspace_bytes,
+    )
     from tllm_core.app import cli_common
     from tllm_core.app.engine import ConsumerDisabledError, TllmLLM
     from tllm_core.runtime.cpus import allowed_cpus
@@ -73,6 +81,11 @@ __all__ = [
     "Edit",
     "EditPlan",
     "GuideView",
+    "GuideBuffers",
+    "WorkspaceSpec",
+    "carve_workspace",
+    "carve_workspace_from",
+    "workspace_bytes",
     "HiddenStates",
     "LayerPort",
     "Logits",
@@ -108,6 +121,11 @@ _HOME = {
     "SiteSpec": "tllm_core.api.architectures",
     "Bundle": "tllm_core.api.bundles",
     "GuideView": "tllm_core.api.bundles",
+    "GuideBuffers": "tllm_core.api.guide_buffers",
+    "WorkspaceSpec": "tllm_core.api.workspace",
+    "carve_workspace": "tllm_core.api.workspace",
+    "carve_workspace_from": "tllm_core.api.workspace",
+    "workspace_bytes": "tllm_core.api.workspace",
     "Consumer": "tllm_core.api.consumer",
     "ConsumerConfig": "tllm_core.api.consumer",
     "ConsumerContext": "tllm_core.api.consumer",

@@ -130,6 +130,8 @@ class ESampConsumer(Consumer):
             max_candidates=config.cuda_max_candidates,
             optimizer_stats=config.optimizer_stats,
             moment_bytes=2 if config.cuda_adam_moments == "bfloat16" and on_gpu else 4,
+            mode=config.mode,
+            dtype=model.dtype,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

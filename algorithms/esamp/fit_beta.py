@@ -3,13 +3,17 @@ predicts, ``clamp(1 - e, 0, 1)`` of the group's recent relative error ``e``.
 
 The errors live on the device, one per distiller slot, and are updated there: a guided step
 reads nothing back (on CUDA a read would make the host wait for the GPU). A slot's error
-starts at 1 when a new group takes it (told by the group's serial, host-side)."""
+starts at 1 when a new group takes it (told by the group's serial, host-side).
+
+On CUDA (:meth:`FitScale.scale_into`) the same operations write into the guidance
+workspace (:mod:`algorithms.esamp.guide_workspace`): the step allocates nothing."""
 
 from __future__ import annotations
 
 import torch
 
 from algorithms.esamp.guidance import fit_scale
+from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Group
 from algorithms.esamp.shared import host_to
 from tllm_core import Counters
@@ -23,6 +27,17 @@ class FitScale:
         self._n = 0
         self._sum = 0.0
         self._pending: torch.Tensor | None = None  # scale sums not yet read (device)
+        self._ws_pending: torch.Tensor | None = None  # CUDA: the workspace's scale sum
+
+    def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
+        """The slots a new group has taken since their error was last set (host-side:
+        their error restarts at 1); records the groups as seen."""
+        fresh = sorted(
+            {s for s, g in zip(slots, groups, strict=True) if self._serial.get(s) != g.serial}
+        )
+        for s, g in zip(slots, groups, strict=True):
+            self._serial[s] = g.serial
+        return fresh
 
     def _errors(self, slots: list[int], groups: list[Group], device: torch.device) -> None:
         size = max(slots) + 1
@@ -31,13 +46,9 @@ class FitScale:
             if self._err is not None and self._err.device == device:
                 grown[: self._err.shape[0]].copy_(self._err)
             self._err = grown
-        fresh = sorted(
-            {s for s, g in zip(slots, groups, strict=True) if self._serial.get(s) != g.serial}
-        )
+        fresh = self.fresh(slots, groups)
         if fresh:
             self._err.index_fill_(0, host_to(torch.tensor(fresh), device), 1.0)
-            for s, g in zip(slots, groups, strict=True):
-                self._serial[s] = g.serial
 
     def __call__(self, slots: list[int], groups: list[Group], rel: torch.Tensor) -> torch.Tensor:
         """Each row's factor from its group's error average *before* this step; then the
@@ -59,11 +70,48 @@ class FitScale:
         self._pending = total if self._pending is None else self._pending + total
         return scale
 
+    def scale_into(
+        self,
+        ws: GuideWorkspace,
+        slots: torch.Tensor,
+        fresh: torch.Tensor,
+        rel: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`__call__` on the device, every temporary a view of ``ws`` (its errors
+        per slot included): ``slots`` (device, one per row) and ``fresh`` (device, from
+        :meth:`fresh`) as staged by the workspace. The same operations, ``out=`` and in
+        place, so the same values."""
+        n, d = slots.numel(), self.decay
+        err = ws.parts["err"]
+        if fresh.numel():
+            err.index_fill_(0, fresh, 1.0)
+        scale = torch.index_select(err, 0, slots, out=ws.take("scale", n))
+        scale.neg_().add_(1.0).clamp_(0.0, 1.0)  # fit_scale: (1 - e).clamp(0, 1)
+        ok = torch.lt(
+            torch.abs(rel, out=ws.take("fit_abs", n)), float("inf"), out=ws.take("fit_ok", n)
+        )
+        val = torch.where(ok, rel, ws.parts["zero"], out=ws.take("fit_val", n))
+        sums = ws.parts["sums"].zero_().index_add_(0, slots, val)
+        count = ws.parts["cnt"].zero_().index_add_(0, slots, ws.take("fit_okf", n).copy_(ok))
+        mean = sums.div_(torch.clamp(count, min=1.0, out=ws.parts["upd"]))
+        upd = torch.mul(err, d, out=ws.parts["upd"]).add_(mean.mul_(1 - d))
+        torch.where(torch.gt(count, 0, out=ws.parts["smask"]), upd, err, out=err)
+        self._n += n
+        self.counters.add("fit_rows", n)
+        pending = ws.parts["pending"]
+        pending.add_(torch.sum(scale, 0, out=ws.parts["total"]))
+        self._ws_pending = pending
+        return scale
+
     def read(self) -> None:
         """Count fit_scale_mean from the device sums (a host read: on CPU after each call,
         on CUDA where a sync is paid anyway)."""
         if self._pending is not None:
             self._sum += float(self._pending)
             self._pending = None
+        if self._ws_pending is not None:
+            self._sum += float(self._ws_pending)
+            self._ws_pending.zero_()
+            self._ws_pending = None
         if self._n:
             self.counters.set("fit_scale_mean", self._sum / self._n)

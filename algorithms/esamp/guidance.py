@@ -100,13 +100,15 @@ def candidate_dist_fn(
     if weight is None and lm_head is None:
         raise ValueError("need the head weight or the lm_head callable")
 
-    def fn(rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
+    def fn(rows: torch.Tensor, toks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # ``out``: fp32 ``[N]`` to write the sparse form's result into (nothing allocated).
         r, h = f_pred.shape
         n = rows.numel()
         if weight is not None and n <= dense_fraction * r * weight.shape[0]:
             # One fused gather-dot (Triton on CUDA: each head row read once, nothing
             # materialised; on CPU the PyTorch reference, ``chunk`` rows at a time).
-            out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+            if out is None:
+                out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
             return candidate_dot(weight, f_pred.float(), rows, toks, out)
         return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
 

@@ -1,6 +1,9 @@
 """ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
 decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
-each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit')."""
+each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
+
+On CUDA (without ablation or diagnostics) the step is :mod:`algorithms.esamp.guide_cuda`:
+the same math with every temporary preallocated, so it allocates nothing on the device."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from algorithms.esamp.guidance import (
     noise_prediction,
     relative_error,
 )
+from algorithms.esamp.guide_cuda import guide_cuda
+from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
 from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
@@ -75,6 +80,36 @@ class GuideStep:
         self._noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
         self._guided: torch.Tensor | None = None  # CUDA: _GUIDED_COUNTERS not yet counted
         self._warned_cap = False
+        # CUDA: the step's temporaries, made now (before vLLM sizes the KV cache).
+        self._ws: GuideWorkspace | None = None
+        if shared.on_cuda:
+            self.workspace()
+
+    def workspace(self) -> GuideWorkspace:
+        """The CUDA guidance's workspace (made on first use where the consumer switched to
+        the CUDA branches after construction: tests on CPU)."""
+        if self._ws is None:
+            s = self.s
+            self._ws = GuideWorkspace(
+                s.cfg.cuda_rows_per_step,
+                self.model.hidden_size,
+                self.model.vocab_size,
+                s.cfg.cuda_max_candidates,
+                s.cfg.mode,
+                s.distiller.capacity,
+                self.model.dtype,
+                self.model.device,
+            )
+        return self._ws
+
+    def _fast_cuda(self) -> bool:
+        """Whether this step takes the allocation-free CUDA path (ablations and diagnostics
+        keep the general one)."""
+        return (
+            self.s.on_cuda
+            and self.s.cfg.ablation in ("none", "frozen")
+            and (self.diagnostics is None)
+        )
 
     def _skip(self, reason: str, n: int) -> None:
         if n:
@@ -102,6 +137,9 @@ class GuideStep:
         if not sel:
             return
         s.counters.add("rows_visited", len(sel))
+        if self._fast_cuda():
+            guide_cuda(self, view, sel, slots)
+            return
         idx = row_index(sel, view.logits.device)
         f = s.predict(
             torch.tensor(slots, dtype=torch.long),
@@ -172,8 +210,15 @@ class GuideStep:
         top-k filter the user did not ask for)."""
         if self.fit is not None:
             self.fit.read()
+        counts = None
         if self._guided is not None:
             counts, self._guided = self._guided.tolist(), None
+        if self._ws is not None and self._ws.guided_pending:  # the CUDA path's sums
+            more = self._ws.parts["guided"].tolist()
+            self._ws.parts["guided"].zero_()
+            self._ws.guided_pending = False
+            counts = more if counts is None else [a + b for a, b in zip(counts, more, strict=True)]
+        if counts is not None:
             self._count_guided(counts)
             if counts[2] and not self._warned_cap:
                 self._warned_cap = True

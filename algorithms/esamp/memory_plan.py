@@ -28,15 +28,17 @@ vocabulary):
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations;
   the CPU path's temporaries; on CUDA the activations are in the buffers above, so this
   over-counts there by their size);
-- guidance workspace: the larger of post-filter (``10 * chunk_c * H`` bytes for one chunk of
-  gathered head rows, ``+ R * V`` for the candidate mask; on CUDA ``+ R * V`` more for the
-  fixed-size search's second count of candidates and ``48 * R * k`` for its ``k`` =
-  ``cuda_max_candidates`` candidates per row: no copy of the logits, drops are applied in
-  place when the guide returns) and
-  full-vocabulary mixing (``5 * R * V * 4``: dist logits and the mix).
+- guidance workspace (:mod:`algorithms.esamp.guide_workspace`, exact: two allocations made
+  with the consumer, every temporary of a guided step a view of them, so a step allocates
+  nothing): per row a few vectors, ``[R, H]`` scratch (two in the model dtype, one fp32;
+  two more fp32 for the full-vocabulary mix), per slot the 'fit' errors; the view buffers'
+  ``[R, V]`` bool candidate mask; post-filter ``~29 * R * k`` for the ``k`` =
+  ``cuda_max_candidates`` candidates per row and their mix; full-vocabulary ``4 * R * V``
+  (the fp32 mix) ``+ 2 * R * V`` (two bool masks, which first hold the head's output in a
+  2-byte model dtype). Mode 'auto' holds both. Each part is aligned to 256 bytes.
 
-Activation and guidance terms are upper-bound estimates of temporaries; the state and input
-terms are the exact sizes of the tensors allocated (a test counts them on the real objects).
+Activation terms are upper-bound estimates of temporaries; the state, input and guidance
+terms are the exact sizes of the tensors allocated (tests count them on the real objects).
 Torch only: this module imports on a machine without pydantic or vLLM.
 """
 
@@ -47,7 +49,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from algorithms.esamp.kernels.reference import CANDIDATE_CHUNK  # pairs the CPU form gathers
+from algorithms.esamp.guide_workspace import guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 
 GIB = 2**30
@@ -56,9 +58,10 @@ MIB = 2**20
 RESULT_ROWS = 512
 # The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
-# Tensors the CUDA distiller allocates at construction (state, buffers, ring), each rounded
-# up by at most 2 MiB by the caching allocator.
-ALLOCATIONS = 24
+# Tensors allocated at construction (the CUDA distiller's state, buffers and ring; the
+# guidance workspace and its view buffers), each rounded up by at most 2 MiB by the caching
+# allocator.
+ALLOCATIONS = 26
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,15 @@ def plan_memory(
     rows_per_step: int,
     intermediate_size: int = 384,
     num_blocks: int = 2,
-    candidate_chunk: int = CANDIDATE_CHUNK,
     max_candidates: int = 64,
     optimizer_stats: bool = False,
     moment_bytes: int = 4,
+    mode: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
 ) -> MemoryPlan:
-    """The plan for these shapes (see the module docstring for each term)."""
+    """The plan for these shapes (see the module docstring for each term); ``mode`` is
+    ESamp's mixing mode and ``dtype`` the model's (the guidance workspace depends on
+    them)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, round_rows(graph_rows)
@@ -145,10 +151,9 @@ def plan_memory(
     inputs = packed_buffer_bytes(h, s, t, optimizer_stats, i, nb)
     update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
-    post_filter = guidance_post_filter_bytes(
-        h, vocab_size, rows_per_step, max_candidates, candidate_chunk
+    guidance = guidance_workspace_bytes(
+        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype
     )
-    guidance = max(post_filter, 5 * rows_per_step * vocab_size * 4)
     return MemoryPlan(
         hidden_size,
         intermediate_size,
@@ -179,20 +184,6 @@ def packed_buffer_bytes(
     ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * (16 + 8) + 8
     acts = num_blocks * t * (h + 4 * intermediate) * 4
     return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring + acts
-
-
-def guidance_post_filter_bytes(
-    hidden_size: int,
-    vocab_size: int,
-    rows_per_step: int,
-    max_candidates: int,
-    candidate_chunk: int = CANDIDATE_CHUNK,
-) -> int:
-    """Post-filter guidance's temporaries (module docstring): one chunk of gathered head
-    rows, the candidate masks (bool, one at a time) and the fixed-size candidates."""
-    k = min(max_candidates, vocab_size)
-    head_rows = 10 * candidate_chunk * hidden_size
-    return head_rows + 2 * rows_per_step * vocab_size + 48 * rows_per_step * k
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

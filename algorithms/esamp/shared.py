@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.guide_workspace import arange_on
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import Counters, RowInfo
 
@@ -70,7 +71,12 @@ def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Ten
 
 
 def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device`` (see :func:`host_to`)."""
+    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of the
+    guidance workspace's arange where there is one (nothing allocated or copied)."""
+    if sel and sel[0] == 0 and sel[-1] == len(sel) - 1:  # sel ascends: range(len(sel))
+        ar = arange_on(device, len(sel))
+        if ar is not None:
+            return ar
     return host_to(torch.tensor(sel, dtype=torch.long), device)
 
 

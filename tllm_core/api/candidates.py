@@ -11,8 +11,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tllm_core.api.guide_buffers import GuideBuffers
 
 NEG_INF = float("-inf")
 
@@ -87,20 +91,44 @@ class TopCandidates:
     valid: torch.Tensor  # bool [R, k]
     over_cap: torch.Tensor  # int64 [R]
     version: int = -1  # the view's write count when taken (-1: not from a view)
+    # The preallocated buffers these tensors are views of (None: allocated for this search);
+    # a write of this search then takes its temporaries from them too.
+    buffers: GuideBuffers | None = None
 
 
-def top_candidate_entries(logits: torch.Tensor, k: int, version: int = -1) -> TopCandidates:
+def top_candidate_entries(
+    logits: torch.Tensor, k: int, version: int = -1, buffers: GuideBuffers | None = None
+) -> TopCandidates:
     """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
     with every shape fixed by ``R`` and ``k``: ``topk``, compares and one count per row, no
-    operation whose output size depends on the data."""
+    operation whose output size depends on the data. With ``buffers`` (made with
+    ``top_k=k``), every tensor is a row view of them: nothing is allocated."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     k = min(k, logits.shape[-1])
+    if buffers is not None:
+        return _top_into(logits, k, version, buffers)
     vals, toks = logits.topk(k, dim=-1, sorted=False)
     valid = vals > NEG_INF
     # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
     over = count_rows(logits > NEG_INF) - valid.sum(-1)
     return TopCandidates(toks, vals, valid, over, version)
+
+
+def _top_into(logits: torch.Tensor, k: int, version: int, b: GuideBuffers) -> TopCandidates:
+    """:func:`top_candidate_entries` written into ``b`` (the same operations, ``out=``)."""
+    if b.top_k != k or b.vocab != logits.shape[-1]:
+        raise ValueError(
+            f"guide buffers made for top_k={b.top_k} over {b.vocab} tokens cannot hold "
+            f"{k} candidates of {logits.shape[-1]} tokens"
+        )
+    r = logits.shape[0]
+    vals, toks = b.take("logits", r), b.take("tokens", r)
+    torch.topk(logits, k, dim=-1, sorted=False, out=(vals, toks))
+    valid = torch.gt(vals, NEG_INF, out=b.take("valid", r))
+    over = torch.sum(torch.gt(logits, NEG_INF, out=b.mask(0, r)), -1, out=b.take("over_cap", r))
+    over.sub_(torch.sum(valid, -1, out=b.take("count", r)))
+    return TopCandidates(toks, vals, valid, over, version, b)
 
 
 def outside_mask(

@@ -1,0 +1,184 @@
+"""ESamp's guided step on CUDA without a device allocation: the operations of
+:class:`~algorithms.esamp.guide_step.GuideStep`'s general path (same order, same values),
+each written into the preallocated :class:`~algorithms.esamp.guide_workspace.GuideWorkspace`
+with ``out=`` and in-place forms, and no host read.
+
+- post-filter: the fixed-size candidate search and its write take the view's
+  :class:`~tllm_core.GuideBuffers`; the dist logits of the ``[R, k]`` candidates come from
+  :func:`~algorithms.esamp.kernels.candidate_dot` into the workspace;
+- full vocabulary: the mix is computed for every view row (fixed shapes: rows not guided
+  get beta 0 and keep their logits) in one ``[R, V]`` fp32 buffer, the head's output in the
+  model dtype in the view buffers' masks, and written with ``GuideView.update_all`` (no
+  copy of the logits to undo it). The head is the plain weight product (the runtime gives
+  ``lm_head_weight`` only for such a head); without a weight the model's head is called
+  (it allocates its output).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from algorithms.esamp.guidance import candidate_dist_fn
+from algorithms.esamp.guide_workspace import GuideWorkspace
+from tllm_core import FINAL, GuideView
+
+if TYPE_CHECKING:
+    from algorithms.esamp.guide_step import GuideStep
+
+
+def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) -> None:
+    """One guided step for view rows ``sel`` (their groups' distiller ``slots``)."""
+    s, cfg = g.s, g.s.cfg
+    ws = g.workspace()
+    r, n = len(view.rows), len(sel)
+    ws.check_rows(r)
+    all_rows = n == r and sel[-1] == n - 1  # every row, in order: no gathers
+    host_betas = [g.beta_of(view.rows.requests[i]) for i in sel]
+    fresh = []
+    if g.fit is not None:
+        fresh = g.fit.fresh(slots, [g.groups.by_slot[x] for x in slots])
+    st = ws.stage(sel, host_betas, slots, fresh)
+    idx, betas = st["idx"], st["betas"]
+    x = _rows(view.hidden(s.src_key), idx, all_rows, ws, "x")
+    f = s.predict(torch.tensor(slots, dtype=torch.long), x)
+    if g.fit is not None:
+        rel = _relative_error(_rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb"), f, ws)
+        betas.mul_(g.fit.scale_into(ws, st["slots"], st["fresh"], rel))
+    if not any(host_betas):
+        return  # nothing written: vLLM's own sampling call goes on
+    mixed = _mixed(f, betas, ws)
+    before = ws.take("before", r).copy_(view.changed_per_row())
+    counts = ws.parts["counts"]
+    if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
+        _mix_top(g, view, ws, idx, f, betas, mixed, out_over=counts[2])
+    else:
+        counts[2].zero_()
+        _mix_full(g, view, ws, idx, f, betas, mixed, all_rows)
+    delta = torch.sub(view.changed_per_row(), before, out=before)
+    torch.sum(torch.gt(delta, 0, out=ws.take("dmask", r)), 0, out=counts[0])
+    torch.sum(delta, 0, out=counts[1])
+    ws.parts["guided"].add_(counts)
+    ws.guided_pending = True
+
+
+def _rows(
+    t: torch.Tensor, idx: torch.Tensor, all_rows: bool, ws: GuideWorkspace, part: str
+) -> torch.Tensor:
+    """``t[idx]`` (``t`` itself for every row in order) in the workspace's ``part``."""
+    if all_rows:
+        return t
+    buf = ws.take(part, idx.numel())
+    if t.dtype != buf.dtype:  # not the model dtype: gathered as it is (allocates)
+        return t[idx]
+    return torch.index_select(t, 0, idx, out=buf)
+
+
+def _relative_error(h: torch.Tensor, f: torch.Tensor, ws: GuideWorkspace) -> torch.Tensor:
+    """:func:`~algorithms.esamp.guidance.relative_error` into the workspace."""
+    n = h.shape[0]
+    hf = ws.take("hf", n).copy_(h)
+    den = torch.linalg.vector_norm(hf, dim=-1, out=ws.take("den", n))
+    num = torch.linalg.vector_norm(hf.sub_(f), dim=-1, out=ws.take("num", n))
+    rel = torch.div(num, torch.clamp_min(den, 1e-30, out=ws.take("rtmp", n)), out=ws.take("rel", n))
+    # where(den > 0, num / den, 1): a zero (or NaN) norm counts as 1
+    return rel.masked_fill_(torch.gt(den, 0, out=ws.take("rmask", n)).logical_not_(), 1.0)
+
+
+def _mixed(f: torch.Tensor, betas: torch.Tensor, ws: GuideWorkspace) -> torch.Tensor:
+    """``isfinite(f).all(-1) & (betas != 0)``: a row's ``f * 0`` sums to 0 exactly when all
+    its values are finite (NaN otherwise)."""
+    n = f.shape[0]
+    fin = torch.sum(torch.mul(f, 0, out=ws.take("hf", n)), -1, out=ws.take("fin", n))
+    mixed = torch.eq(fin, 0, out=ws.take("mixed", n))
+    return mixed.logical_and_(torch.ne(betas, 0, out=ws.take("bmask", n)))
+
+
+def _positions(
+    ws: GuideWorkspace, r: int, idx: torch.Tensor, mixed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per view row: its position in the prediction (0 where none) and whether it is mixed
+    (``guide_step._f_positions``)."""
+    pos = ws.take("pos", r).zero_().index_copy_(0, idx, ws.take("arange", idx.numel()))
+    live = ws.take("live", r).zero_().index_copy_(0, idx, mixed)
+    return pos, live
+
+
+def _mix_top(
+    g: GuideStep,
+    view: GuideView,
+    ws: GuideWorkspace,
+    idx: torch.Tensor,
+    f: torch.Tensor,
+    betas: torch.Tensor,
+    mixed: torch.Tensor,
+    out_over: torch.Tensor,
+) -> None:
+    """``GuideStep._mix_top_candidates``: the mix on each row's ``cuda_max_candidates``
+    highest candidates; the number dropped goes to ``out_over``."""
+    top = view.top_candidates(g.s.cfg.cuda_max_candidates, buffers=ws.view_buffers)
+    r, k = top.tokens.shape
+    p, row_live = _positions(ws, r, idx, mixed)
+    p_slot = ws.take("p_slot", r * k)
+    p_slot.view(r, k).copy_(p[:, None].expand(r, k))  # each slot's row in f
+    dist_fn = candidate_dist_fn(f, g._weight, g._head)
+    dist = dist_fn(p_slot, top.tokens.reshape(-1), out=ws.take("dist", r * k)).view(r, k)
+    temp = view.temperature.to(top.logits.device).float()[:, None]
+    # mix_candidates: (1 + beta) * ref - beta * dist / T
+    beta = torch.index_select(betas, 0, p, out=ws.take("bp", r))[:, None]
+    one_b = torch.add(beta, 1, out=ws.take("one_b", r)[:, None])
+    new = torch.mul(one_b, top.logits, out=ws.take("mix", r))
+    new.sub_(dist.mul_(beta).div_(temp))
+    live = torch.logical_and(row_live[:, None], top.valid, out=ws.take("live_k", r))
+    torch.where(live, new, top.logits, out=new)
+    view.update_top_candidates(top, new, drop_rest=row_live)
+    torch.sum(torch.mul(top.over_cap, row_live, out=ws.take("over", r)), 0, out=out_over)
+
+
+def _mix_full(
+    g: GuideStep,
+    view: GuideView,
+    ws: GuideWorkspace,
+    idx: torch.Tensor,
+    f: torch.Tensor,
+    betas: torch.Tensor,
+    mixed: torch.Tensor,
+    all_rows: bool,
+) -> None:
+    """``GuideStep._mix_full_vocab`` over every view row (rows not guided: beta 0, not
+    mixed, so their logits stay bit for bit)."""
+    s = g.s
+    ref = view.logits
+    r = ref.shape[0]
+    if not all_rows:
+        f = ws.take("fw", r).zero_().index_copy_(0, idx, f)
+        betas = ws.take("bfull", r).zero_().index_copy_(0, idx, betas)
+        mixed = ws.take("mfull", r).zero_().index_copy_(0, idx, mixed)
+    temp = view.temperature.float().to(ref.device)[:, None]
+    b = betas[:, None]
+    one_b = torch.add(b, 1, out=ws.take("one_b", r)[:, None])
+    new = ws.take("new", r)
+    if s.cfg.mix == "latent" and g._latent_ok:
+        # mix_latent: (1 + b) h_L - b f, then one head projection / T
+        h = ws.take("hf", r).copy_(view.hidden(FINAL)).mul_(one_b)
+        h.sub_(torch.mul(f, b, out=ws.take("fb", r)))
+        _head_into(g, ws, h, new).div_(temp)
+    else:
+        if s.cfg.mix == "latent":
+            s.counters.add("latent_fallback_rows", int(idx.numel()))
+        # mix_full_vocab_logits(inplace=True): -(b * dist / T) + (1 + b) * ref
+        _head_into(g, ws, f, new).mul_(b).div_(temp).neg_().addcmul_(ref, one_b)
+    # Rows not mixed keep their logits exactly (the write's row mask, no extra pass).
+    view.update_all(new, ws.view_buffers, rows=mixed)
+
+
+def _head_into(
+    g: GuideStep, ws: GuideWorkspace, z: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``GuideStep._head(z)`` (the model dtype's product, then fp32) into ``out``."""
+    r = z.shape[0]
+    if g._weight is None:  # a head that is not a plain product: the model's own (allocates)
+        return out.copy_(g._head(z))
+    hb = ws.take("hb", r).copy_(z)
+    return out.copy_(torch.mm(hb, g._weight.t(), out=ws.proj(r)))

@@ -1,0 +1,252 @@
+"""The CUDA guidance's preallocated temporaries: everything a guided step computes lives in
+row views of one device allocation (and the view's own :class:`~tllm_core.GuideBuffers`),
+made when the consumer is built, so the step allocates nothing on the device and its
+memory is in the plan (:mod:`algorithms.esamp.memory_plan`) before vLLM sizes the KV cache.
+
+The step's host values (its row indices, betas, slots and the 'fit' schedule's fresh
+slots) go to the device in one copy from a pinned staging buffer; the host buffers rotate
+and one is rewritten only after its copy has run (an event), so the host never waits in
+practice and the copy never reads a half-written buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# Torch and tllm_core's lazily imported public API only (the memory plan imports this module).
+from tllm_core import (
+    GuideBuffers,
+    WorkspaceSpec,
+    carve_workspace,
+    carve_workspace_from,
+    workspace_bytes,
+)
+
+# Pinned staging buffers in rotation.
+STAGING_BUFFERS = 4
+MODES = ("post_filter", "full_vocab", "auto")
+
+# The workspaces' aranges by device: the row index of a step that takes every row in order
+# is a view of one (shared.row_index), not a new copy.
+_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _device_key(device: torch.device | str) -> str:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:  # "cuda" is the current one: "cuda:N"
+        d = torch.device("cuda", torch.cuda.current_device())
+    return str(d)
+
+
+def arange_on(device: torch.device | str, n: int) -> torch.Tensor | None:
+    """``0 .. n-1`` on ``device`` as a view of a workspace's arange, or None (none there, or
+    too short)."""
+    ar = _ARANGES.get(_device_key(device))
+    return ar[:n] if ar is not None and n <= ar.numel() else None
+
+
+def _stage_spec(rows: int) -> WorkspaceSpec:
+    return [
+        ("idx", (rows,), torch.long),
+        ("slots", (rows,), torch.long),
+        ("fresh", (rows,), torch.long),
+        ("betas", (rows,), torch.float32),
+    ]
+
+
+def _view_buffers_args(mode: str, max_candidates: int) -> dict:
+    return {
+        "top_k": None if mode == "full_vocab" else max_candidates,
+        "dense": mode != "post_filter",
+    }
+
+
+def _aliases_masks(rows: int, vocab: int, mode: str, dtype: torch.dtype) -> bool:
+    """Whether the head's ``[rows, vocab]`` output in the model dtype fits in the view
+    buffers' two bool masks (they are written only after it has been read)."""
+    return mode != "post_filter" and dtype.itemsize <= 2
+
+
+def workspace_spec(
+    rows: int,
+    hidden: int,
+    vocab: int,
+    max_candidates: int,
+    mode: str,
+    slots: int,
+    dtype: torch.dtype,
+) -> WorkspaceSpec:
+    """The parts (``rows`` = cuda_rows_per_step, ``slots`` the distiller's, ``dtype`` the
+    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, and per
+    mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
+    mix."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    r, h, f32 = rows, hidden, torch.float32
+    spec: list = [
+        ("stage", (workspace_bytes(_stage_spec(r)),), torch.uint8),
+        ("arange", (r,), torch.long),
+        ("x", (r, h), dtype),  # the source rows of a partial step
+        ("hb", (r, h), dtype),  # target rows of a partial step; the head's input
+        ("hf", (r, h), f32),  # fp32 scratch: relative error, finiteness, latent mix
+        ("num", (r,), f32),
+        ("den", (r,), f32),
+        ("rel", (r,), f32),
+        ("rtmp", (r,), f32),
+        ("rmask", (r,), torch.bool),
+        ("fin", (r,), f32),
+        ("mixed", (r,), torch.bool),
+        ("bmask", (r,), torch.bool),
+        ("pos", (r,), torch.long),
+        ("live", (r,), torch.bool),
+        ("before", (r,), torch.long),
+        ("dmask", (r,), torch.bool),
+        ("counts", (3,), torch.long),
+        ("guided", (3,), torch.long),
+        ("one_b", (r,), f32),
+        # beta_schedule 'fit'
+        ("err", (slots,), f32),
+        ("sums", (slots,), f32),
+        ("cnt", (slots,), f32),
+        ("upd", (slots,), f32),
+        ("smask", (slots,), torch.bool),
+        ("scale", (r,), f32),
+        ("fit_val", (r,), f32),
+        ("fit_abs", (r,), f32),
+        ("fit_ok", (r,), torch.bool),
+        ("fit_okf", (r,), f32),
+        ("pending", (), f32),
+        ("total", (), f32),
+        ("zero", (), f32),
+    ]
+    if mode != "full_vocab":
+        k = min(max_candidates, vocab)
+        spec += [
+            ("p_slot", (r * k,), torch.long),
+            ("dist", (r * k,), f32),
+            ("bp", (r,), f32),
+            ("mix", (r, k), f32),
+            ("live_k", (r, k), torch.bool),
+            ("over", (r,), torch.long),
+        ]
+    if mode != "post_filter":
+        spec += [
+            ("new", (r, vocab), f32),
+            ("fw", (r, h), f32),
+            ("fb", (r, h), f32),
+            ("bfull", (r,), f32),
+            ("mfull", (r,), torch.bool),
+        ]
+        if not _aliases_masks(r, vocab, mode, dtype):
+            spec.append(("proj", (r, vocab), dtype))
+    return spec
+
+
+def guidance_workspace_bytes(
+    rows: int,
+    hidden: int,
+    vocab: int,
+    max_candidates: int,
+    mode: str,
+    slots: int,
+    dtype: torch.dtype,
+) -> int:
+    """Device bytes of a :class:`GuideWorkspace` of these shapes (its allocation and its
+    view buffers' one)."""
+    spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+    return workspace_bytes(spec) + GuideBuffers.nbytes(
+        rows, vocab, **_view_buffers_args(mode, max_candidates)
+    )
+
+
+class GuideWorkspace:
+    """Row views of the guided step's temporaries (``take``), the view buffers
+    (``view_buffers``) and the pinned staging of the step's host values (``stage``)."""
+
+    def __init__(
+        self,
+        rows: int,
+        hidden: int,
+        vocab: int,
+        max_candidates: int,
+        mode: str,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
+        spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+        self.flat, self.parts = carve_workspace(spec, device)
+        self.view_buffers = GuideBuffers(
+            rows, vocab, device, **_view_buffers_args(mode, max_candidates)
+        )
+        self.parts["arange"].copy_(torch.arange(rows, device=device))
+        _ARANGES[_device_key(device)] = self.parts["arange"]
+        self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
+        self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
+        self._dtype = dtype
+        self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))
+        pin = device.type != "cpu" and torch.cuda.is_available()
+        self._host = []
+        for _ in range(STAGING_BUFFERS):
+            flat = torch.zeros(self.parts["stage"].numel(), dtype=torch.uint8)
+            flat = flat.pin_memory() if pin else flat
+            self._host.append((flat, carve_workspace_from(flat, _stage_spec(rows))))
+        self._events: list = [None] * STAGING_BUFFERS
+        self._next = 0
+        self._use_events = pin
+        self.host_waits = 0  # staging buffers whose previous copy had not run (not expected)
+        self.guided_pending = False  # the "guided" sums hold counts not yet read
+
+    def check_rows(self, n: int) -> None:
+        if n > self.rows:
+            raise ValueError(
+                f"esamp: a guided step of {n} rows exceeds cuda_rows_per_step={self.rows} "
+                "(the guidance workspace is sized from it); set cuda_rows_per_step to "
+                "vLLM's max_num_seqs"
+            )
+
+    def take(self, name: str, rows: int) -> torch.Tensor:
+        """Part ``name``'s first ``rows`` rows."""
+        return self.parts[name][:rows]
+
+    def proj(self, rows: int) -> torch.Tensor:
+        """``[rows, vocab]`` in the model dtype for the head's output: the view buffers'
+        masks when it fits there (they are written only after it is read)."""
+        if not self._proj_aliased:
+            return self.parts["proj"][:rows]
+        n = rows * self.vocab
+        flat = self.view_buffers.parts["masks"].view(-1).view(torch.uint8)
+        return flat[: n * self._dtype.itemsize].view(self._dtype).view(rows, self.vocab)
+
+    def stage(
+        self, idx: list[int], betas: list[float], slots: list[int], fresh: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """The step's host values on the device in one copy; returns their device views
+        (``idx``, ``betas``, ``slots``: one per guided row; ``fresh``)."""
+        i = self._next
+        self._next = (i + 1) % STAGING_BUFFERS
+        ev = self._events[i]
+        if ev is not None and not ev.query():
+            self.host_waits += 1
+            ev.synchronize()
+        flat, host = self._host[i]
+        n = len(idx)
+        host["idx"].numpy()[:n] = idx
+        host["betas"].numpy()[:n] = betas
+        host["slots"].numpy()[:n] = slots
+        host["fresh"].numpy()[: len(fresh)] = fresh
+        self.parts["stage"].copy_(flat, non_blocking=True)
+        if self._use_events:
+            ev = ev or torch.cuda.Event()
+            ev.record()
+            self._events[i] = ev
+        d = self._stage_dev
+        return {
+            "idx": d["idx"][:n],
+            "betas": d["betas"][:n],
+            "slots": d["slots"][:n],
+            "fresh": d["fresh"][: len(fresh)],
+        }

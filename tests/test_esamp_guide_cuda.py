@@ -1,0 +1,105 @@
+"""ESamp's allocation-free CUDA guidance (``algorithms/esamp/guide_cuda.py``: every
+temporary in the preallocated workspace) equals the general CUDA branch it stands in for,
+bit for bit, run on CPU (``Shared.on_cuda`` set): both mixing modes, latent and logits
+mixes, beta_schedule 'fit', a model in fp32 and in bf16 (the head's output then lives in the
+view buffers' masks), steps with prefill, greedy, beta-0 and non-finite rows (the gathers
+and the rows left as they are) and candidates past ``cuda_max_candidates`` (dropped). The
+device allocations themselves are counted by ``tests/test_esamp_fake_cuda.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_esamp_math import INTER, H, V, _filtered_logits
+
+from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.consumer import ESampConsumer
+from tllm_core.api.bundles import Bundle, GuideView
+from tllm_core.api.consumer import ConsumerContext, ModelInfo
+from tllm_core.api.ports import resolve_layer
+from tllm_core.api.rows import RequestInfo, RowInfo
+
+
+def _consumer(w: torch.Tensor, fast: bool, **cfg) -> ESampConsumer:
+    model = ModelInfo(H, 4, V, w.dtype, torch.device("cpu"), lambda z: z @ w.t(), w)
+    c = ESampConsumer(
+        ESampConfig(intermediate_size=INTER, cpu_update="inline", **cfg),
+        ConsumerContext(model, lambda i: resolve_layer(i, 4)),
+    )
+    c.shared.on_cuda = True  # the CUDA branches, on CPU tensors
+    if not fast:
+        c.guide_step._fast_cuda = lambda: False  # the general (allocating) CUDA branch
+    return c
+
+
+def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tuple[list, dict]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(V, H, generator=g).to(dtype)
+    extra = {"beta_schedule": "fit", "init": "zero", "lr": 1e-2} if fit else {}
+    c = _consumer(w, fast, mode=mode, mix=mix, beta=0.7, cuda_max_candidates=5, **extra)
+    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(3)]
+    reqs[4].extra_args = {"tllm_esamp_beta": 0.0}
+    out = []
+    for t in range(5):
+        r = len(reqs)
+        decode = np.array([t != 2 or i != 0 for i in range(r)])  # step 2: row 0 prefill
+        rows = RowInfo(np.arange(r), reqs, np.full(r, 5), decode, np.zeros(r, bool), None)
+        h1 = torch.randn(r, H, generator=g)
+        hl = h1 + 0.3 * torch.randn(r, H, generator=g)  # learnable: the fit's error < 1
+        if t == 3:
+            h1[1, 0] = float("nan")  # row 1: a non-finite prediction
+        hidden = {"layer.0": h1.to(dtype), "final": hl.to(dtype)}
+        filtered = mode == "post_filter"
+        logits = (
+            _filtered_logits(r, V, keep=7, seed=t) if filtered else torch.randn(r, V, generator=g)
+        )
+        is_random = np.array([True] * (r - 1) + [t == 0])  # the last row greedy from step 1
+        temp = torch.linspace(0.6, 1.2, r)
+        view = GuideView(t, rows, logits, temp, is_random, filtered, hidden)
+        c.guide(view)
+        view.commit()
+        out.append(view.logits.clone())
+        c.on_bundle(Bundle(t, rows, {k: v.clone() for k, v in hidden.items()}))
+    res = c.result()["counters"]
+    c.close()
+    return out, res
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+@pytest.mark.parametrize(
+    "mode,mix", [("post_filter", "logits"), ("full_vocab", "logits"), ("full_vocab", "latent")]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_allocation_free_step_equals_the_general_cuda_branch(dtype, mode, mix, fit):
+    general, k_general = _run(False, dtype, mode, fit, mix)
+    fast, k_fast = _run(True, dtype, mode, fit, mix)
+    for t, (a, b) in enumerate(zip(general, fast, strict=True)):
+        assert torch.equal(a, b), (t, (a != b).sum())
+    names = (
+        "rows_guided",
+        "candidates_guided",
+        "candidates_over_cap",
+        "rows_visited",
+        "fit_rows",
+        "fit_scale_mean",
+        "latent_fallback_rows",
+    )
+    assert {n: k_fast[n] for n in names} == {n: k_general[n] for n in names}
+    assert k_fast["rows_guided"] > 0  # the steps did guide
+    if mode == "post_filter":
+        assert k_fast["candidates_over_cap"] > 0  # 7 candidates, 5 mixed: 2 dropped per row
+    if fit:
+        assert 0 < k_fast["fit_scale_mean"] < 1
+
+
+def test_a_step_with_more_rows_than_planned_is_refused_by_name():
+    w = torch.randn(V, H)
+    c = _consumer(w, True, cuda_rows_per_step=4)
+    reqs = [RequestInfo(f"0-{s}", "r0", 0, s, 3) for s in range(6)]
+    rows = RowInfo(np.arange(6), reqs, np.full(6, 5), np.ones(6, bool), np.zeros(6, bool), None)
+    hidden = {"layer.0": torch.randn(6, H), "final": torch.randn(6, H)}
+    view = GuideView(0, rows, torch.randn(6, V), torch.ones(6), np.ones(6, bool), True, hidden)
+    with pytest.raises(ValueError, match="6 rows exceeds cuda_rows_per_step=4"):
+        c.guide(view)
+    c.close()
