@@ -101,6 +101,7 @@ def run(prompts: int, n: int, mode: str, fit: bool, steps: int = 3) -> dict[str,
                 if f.kind in ("host_wait", "pageable_copy", "first_cublas")
             ]
             allocations = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
+            reused = c.distiller.updates_reusing_prediction
     finally:
         factory.uses_gpu_path = gpu_path
     last = report["per_step"][-1]
@@ -119,6 +120,7 @@ def run(prompts: int, n: int, mode: str, fit: bool, steps: int = 3) -> dict[str,
         "first_cublas": last["first_cublas"],
         "failures": failures,
         "allocation_sites": allocations,
+        "updates_reusing_prediction": reused,  # of the 1 + steps updates (setup step included)
     }
 
 

@@ -28,6 +28,9 @@ def test_esamp_decode_step_at_7b_shapes_makes_no_host_wait(mode, fit):
     assert res["first_cublas"] == 0
     assert res["graph_replays"] == 2  # one predict, one update: the distiller's work
     assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
+    # Every update (the setup step's and the two counted) runs on the guide's forward of the
+    # same rows: each step's guide predicted exactly the rows it trains.
+    assert res["updates_reusing_prediction"] == 3, res
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])

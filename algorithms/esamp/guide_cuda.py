@@ -22,6 +22,7 @@ import torch
 
 from algorithms.esamp.guidance import candidate_dist_fn
 from algorithms.esamp.guide_workspace import GuideWorkspace
+from algorithms.esamp.shared import rows_id
 from tllm_core import FINAL, GuideView
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) 
     st = ws.stage(sel, host_betas, slots, fresh)
     idx, betas = st["idx"], st["betas"]
     x = _rows(view.hidden(s.src_key), idx, all_rows, ws, "x")
-    f = s.predict(torch.tensor(slots, dtype=torch.long), x)
+    # The update of the same rows reuses this forward (the rows' id says they are the same).
+    f = s.predict(torch.tensor(slots, dtype=torch.long), x, rows_id(view.step, view.rows, sel))
     if g.fit is not None:
         rel = _relative_error(_rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb"), f, ws)
         betas.mul_(g.fit.scale_into(ws, st["slots"], st["fresh"], rel))
