@@ -132,3 +132,30 @@ def test_help_imports_neither_vllm_nor_torch():
     seen, _ = _run("cli", "--help")
     assert seen["status"] == 0, seen
     assert seen["first"] == {}, f"imported for --help: {seen['first']}"
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["run", "--kv-cache-gib", "0"], "--kv-cache-gib: must be >= 1, got 0"),
+        (["run", "--max-model-len", "0"], "--max-model-len: must be >= 1, got 0"),
+        (["run", "--tensor-parallel-size", "0"], "--tensor-parallel-size: must be >= 1, got 0"),
+        (["serve", "--kv-cache-gib", "0"], "--kv-cache-gib: must be >= 1, got 0"),
+        (["serve", "--data-parallel-size", "0"], "--data-parallel-size: must be >= 1, got 0"),
+    ],
+)
+def test_engine_sizes_below_one_are_refused_by_the_parser(argv, says):
+    """vLLM refused these only after importing (``--max-model-len 0``: 14 s) or starting the
+    engine (``--kv-cache-gib 0``: 50 s, "No available memory for the cache blocks")."""
+    seen, err = _run("cli", *argv)
+    assert seen["status"] == 2 and says in err, (seen, err[-2000:])
+    assert_no_vllm(seen)
+
+
+def test_a_bad_sampling_option_is_vllms_message_with_exit_2(tiny_model):
+    """vLLM's own rule (its ``VLLMValidationError`` is no ``ValueError``): one line naming
+    the option and what is allowed, no traceback."""
+    seen, err = _run("cli", "run", "--model", tiny_model, "--top-p", "2", "--prompt", "hi")
+    assert seen["status"] == 2, (seen, err[-2000:])
+    assert "tllm: bad sampling option: top_p must be in (0, 1], got 2.0" in err, err
+    assert "Traceback" not in err and "starting vLLM" not in err, err

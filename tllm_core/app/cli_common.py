@@ -110,7 +110,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
@@ -139,10 +139,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="disable prefix caching (every prompt row is computed and captured)",
     )
     for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        g.add_argument(opt, type=int, default=1, help="vLLM's option (docs/scaling.md)")
+        g.add_argument(opt, type=int_at_least(1), default=1, help="vLLM's option (docs/scaling.md)")
     g.add_argument(
         "--kv-cache-gib",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
@@ -211,6 +211,8 @@ def sampling(args: argparse.Namespace):
     check_sampling(args)
     from vllm import SamplingParams
 
+    from tllm_core.vllm_bridge.errors import vllm_value_errors
+
     try:
         return SamplingParams(
             n=args.n,
@@ -222,7 +224,7 @@ def sampling(args: argparse.Namespace):
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-    except ValueError as e:
+    except vllm_value_errors() as e:
         raise CliError(f"bad sampling option: {e}") from None
 
 
