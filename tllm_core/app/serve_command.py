@@ -275,7 +275,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--data-parallel-size",
-        type=cli_common.int_at_least(1),
+        type=int,  # parallel_ranks checks it (a size given after `--` too)
         default=1,
         help="vLLM's option: engines behind this one server, each with its own consumers "
         "(docs/scaling.md)",
