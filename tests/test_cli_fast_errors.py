@@ -193,3 +193,37 @@ def test_the_timing_benchmark_runs_and_its_section_renders():
         sys.path.remove(bench)
     text = "\n".join(report.cli_errors_section(out))
     assert "| `tllm --help` | - |" in text and "| `tllm run --consumer nope` | - |" in text, text
+
+
+def test_the_first_run_converts_only_after_the_config_check(tiny_model, monkeypatch):
+    """Without --model and no converted model yet: a bad config fails before the conversion
+    child starts; a config that is bad for the model only (a layer) fails in the dry build
+    after the conversion, before the engine."""
+    import argparse
+    import types
+
+    from tllm_core.app import cli_common, default_model, engine
+
+    events: list[str] = []
+
+    def convert():
+        events.append("convert")
+        return types.SimpleNamespace(wait=lambda: events.append("wait"))
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(default_model, "convert_in_background", convert)
+    monkeypatch.setattr(default_model, "default_model_path", lambda **_: Path(tiny_model))
+    monkeypatch.setattr(engine, "TllmLLM", no_engine)
+    monkeypatch.setattr(cli_common, "prepare_engine_processes", lambda args: None)
+    monkeypatch.setattr(
+        cli_common, "sampling", lambda args: types.SimpleNamespace(n=1, max_tokens=4)
+    )
+    args = dict(prompt=["hi"], prompts=None, n=1, max_tokens=4, model=None, chat=None)
+    with pytest.raises(ValueError, match="invalid config for consumer 'esamp'"):
+        cli_common.generate_with(argparse.Namespace(**args), [BAD_BETA])
+    assert events == []
+    with pytest.raises(ValueError, match=r"consumer 'stats': config field 'layers' = 40"):
+        cli_common.generate_with(argparse.Namespace(**args), ['stats:{"layers": [40]}'])
+    assert events == ["convert", "wait"]
