@@ -924,6 +924,50 @@ def preload_section(cp: dict) -> list[str]:
     return out
 
 
+CLI_ERROR_CASES = {
+    "help": "`tllm --help`",
+    "run_bad_config": '`tllm run --consumer \'esamp:{"beta": "x"}\'`',
+    "run_unknown_consumer": "`tllm run --consumer nope`",
+    "run_layer_out_of_range": "`tllm run --model TINY --consumer 'stats:{\"layers\": [40]}'`",
+    "export_bad_config": '`tllm export ... --consumer \'esamp:{"beta": "x"}\'`',
+    "serve_bad_config": '`tllm serve --consumer \'esamp:{"beta": "x"}\'`',
+}
+
+
+def cli_errors_section(ce: dict | None) -> list[str]:
+    """Time to refuse bad input, before and after the checks moved ahead of vLLM's import
+    (``benchmarks/cli_errors.py``)."""
+    if not ce:
+        return []
+    before, after = ce.get("before", {}), ce["after"]
+    out = [
+        "## Bad input before vLLM (`cli_errors.json`)",
+        "",
+        f"Command: `{ce['command']}` (saved as `benchmarks/results/cli_errors.json`). Wall "
+        f"time of a fresh `python -m tllm_core.app.cli` process, median (min) of "
+        f"{ce['repeat']}, the two checkouts taking turns; built-in plugins only. 1-minute load "
+        f"average {ce['load_avg_1min'][0]:.1f} at the start, {ce['load_avg_1min'][1]:.1f} at the "
+        f"end on {ce['cores']} cores (the machine was shared).",
+        "",
+        "| command | before | after | exit | message |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for case, label in CLI_ERROR_CASES.items():
+        if case not in after:
+            continue
+        a = after[case]
+        b = before.get(case)
+        was = f"{b['median_s']:.2f} ({b['min_s']:.2f})" if b else "-"
+        out.append(
+            f"| {label} | {was} | {a['median_s']:.2f} ({a['min_s']:.2f}) | {a['exit']} | "
+            f"{'yes' if a['message'] else 'no'} |"
+        )
+    out.append("")
+    if ce.get("note"):
+        out += [ce["note"], ""]
+    return out
+
+
 def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
@@ -965,6 +1009,7 @@ def render() -> None:
     out += fake_step_section(_load("esamp_fake_step.json"))
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
+    out += cli_errors_section(_load("cli_errors.json"))
     DOC.write_text("\n".join(out))
     print(f"wrote {DOC}", file=sys.stderr)
 

@@ -110,7 +110,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-model-len",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
@@ -139,10 +139,10 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="disable prefix caching (every prompt row is computed and captured)",
     )
     for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        g.add_argument(opt, type=int, default=1, help="vLLM's option (docs/scaling.md)")
+        g.add_argument(opt, type=int_at_least(1), default=1, help="vLLM's option (docs/scaling.md)")
     g.add_argument(
         "--kv-cache-gib",
-        type=int,
+        type=int_at_least(1),
         default=None,
         help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
@@ -197,14 +197,22 @@ def prompts(args: argparse.Namespace) -> list[str]:
     return args.prompt or [DEFAULT_PROMPT]
 
 
-def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options."""
-    from vllm import SamplingParams
-
+def check_sampling(args: argparse.Namespace) -> None:
+    """tllm's own checks of the sampling options, which need no vLLM (``-n``, ``--max-tokens``)."""
     if args.n < 1:
         raise CliError(f"-n must be >= 1, got {args.n}")
     if args.max_tokens < 1:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+
+def sampling(args: argparse.Namespace):
+    """``SamplingParams`` from the sampling options (:func:`check_sampling`, then vLLM's
+    checks)."""
+    check_sampling(args)
+    from vllm import SamplingParams
+
+    from tllm_core.vllm_bridge.errors import vllm_value_errors
+
     try:
         return SamplingParams(
             n=args.n,
@@ -216,7 +224,7 @@ def sampling(args: argparse.Namespace):
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-    except ValueError as e:
+    except vllm_value_errors() as e:
         raise CliError(f"bad sampling option: {e}") from None
 
 
@@ -326,29 +334,31 @@ def generate_with(
 
         check_out_dir(args.report)
     model = local_model(args.model)
-    converting = None
-    if model is None:  # convert the embedded model while vLLM is imported (first run)
-        from tllm_core.app.default_model import convert_in_background
-
-        # Started before the engine processes' environment is set (their CPU libraries'
-        # preload slows the conversion down).
-        converting = convert_in_background()
-    prepare_engine_processes(args)
     texts_in = prompts(args)
-    params = sampling(args)
+    check_sampling(args)
+    # Names and configs (and, with --model, the dry build: layers, vector files...) fail
+    # here, before vLLM is imported (seconds) or the default model converted; TllmLLM then
+    # adds only the checks that were not run yet.
+    checked = validate_consumers(consumers, model)
+    converting = None
+    if model is None:
+        from tllm_core.app.default_model import convert_in_background, default_model_path
+
+        # Converted (first run) while vLLM is imported; started before the engine processes'
+        # environment is set (their CPU libraries' preload slows the conversion down).
+        converting = convert_in_background()
+        if converting is None:  # cached: the dry build now, before vLLM is imported
+            model = str(default_model_path(progress=True))
+            checked = validate_consumers(checked, model)
+    prepare_engine_processes(args)
+    params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
     from tllm_core.app.startup import choose_eager
 
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
-    # Fail on names/configs (and, with --model, layers) before converting the default model
-    # or starting vLLM; TllmLLM then adds only the checks that were not run yet.
-    checked = validate_consumers(consumers, model)
-    if model is None:
-        from tllm_core.app.default_model import default_model_path
-
-        if converting is not None:
-            converting.wait()
+    if converting is not None:  # the first run: the converted model, then its dry build
+        converting.wait()
         model = str(default_model_path(progress=True))
-        checked = validate_consumers(checked, model)  # the dry build, before vLLM starts
+        checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
     names = [s.name for s in checked.specs]

@@ -154,6 +154,9 @@ class TllmLLM:
         raise_on_disabled: bool = True,
         **llm_kwargs: Any,
     ):
+        # Names and configs first: a bad one fails in about a second, before vLLM is
+        # imported (check_version) or the default model converted.
+        checked = validate_consumers(consumers)
         check_version()
         if model is None:
             from tllm_core.app.default_model import default_model_path
@@ -162,7 +165,7 @@ class TllmLLM:
         self.model_path = model
         self.raise_on_disabled = raise_on_disabled
         self._raised: set[str] = set()  # consumers already raised as disabled
-        checked = validate_consumers(consumers, model if os.path.isdir(model) else None)
+        checked = validate_consumers(checked, model if os.path.isdir(model) else None)
         from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts

@@ -270,10 +270,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--model", help="local Hugging Face model folder (default: embedded model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's option")
+    s.add_argument(
+        "--tensor-parallel-size", type=cli_common.int_at_least(1), default=1, help="vLLM's option"
+    )
     s.add_argument(
         "--data-parallel-size",
-        type=int,
+        type=int,  # parallel_ranks checks it (a size given after `--` too)
         default=1,
         help="vLLM's option: engines behind this one server, each with its own consumers "
         "(docs/scaling.md)",
@@ -288,11 +290,16 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
     s.add_argument(
         "--max-model-len",
-        type=int,
+        type=cli_common.int_at_least(1),
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
-    s.add_argument("--kv-cache-gib", type=int, default=None, help="CPU KV cache GiB (default 2)")
+    s.add_argument(
+        "--kv-cache-gib",
+        type=cli_common.int_at_least(1),
+        default=None,
+        help="CPU KV cache GiB (default 2)",
+    )
     s.add_argument(
         "--max-body-mib",
         type=cli_common.int_at_least(1),
