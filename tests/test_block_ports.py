@@ -41,6 +41,7 @@ def _check(model: str, out, num_layers: int, n: int) -> int:
     return checked
 
 
+@pytest.mark.slow  # compiled (~35 s); block ports eager below, compiled taps in test_capture_truth
 def test_compiled_export_of_block_outputs_matches_transformers(tiny_model, tmp_path):
     out = tmp_path / "blocks"
     args = ["export", "--model", tiny_model, "--layers", ",".join(PORTS), "--out", str(out)]

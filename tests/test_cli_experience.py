@@ -151,6 +151,7 @@ def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float)
     raise AssertionError(f"{text!r} not seen on stderr:\n{path.read_text()[-4000:]}")
 
 
+@pytest.mark.slow  # ~40 s; the default suite stops an export mid-run in test_stop_signals
 def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
     from consumers.export import format as fmt

@@ -109,6 +109,7 @@ def test_methods_option_keeps_vanilla_and_names_unknown_methods(capsys):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # the benchmark script end to end (~35 s); its parts are unit-tested above
 def test_passk_script_small_run(tiny_model, tmp_path):
     png = tmp_path / "passk.png"
     args = ["--model", tiny_model, "--problems", "3", "-n", "3", "--max-tokens", "4"]

@@ -267,6 +267,7 @@ def test_sigterm_while_serving_a_request_and_again_while_it_stops(tiny_model, tm
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # multi-node, as tests/test_multinode.py (~50 s)
 def test_sigterm_while_a_leader_waits_for_its_follower_node(tmp_path):
     """The multi-node handshake: a leader (node rank 0 of 2) whose follower never comes
     waits in torch.distributed's rendezvous; SIGTERM ends it (it waited forever before)."""
