@@ -100,6 +100,7 @@ class GuideStep:
                 self.model.dtype,
                 self.model.device,
             )
+            s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
         return self._ws
 
     def _fast_cuda(self) -> bool:
@@ -140,7 +141,7 @@ class GuideStep:
         if self._fast_cuda():
             guide_cuda(self, view, sel, slots)
             return
-        idx = row_index(sel, view.logits.device)
+        idx = row_index(sel, view.logits.device, s.arange)
         f = s.predict(
             torch.tensor(slots, dtype=torch.long),
             select_rows(view.hidden(s.src_key), sel, idx),

@@ -11,8 +11,6 @@ practice and the copy never reads a half-written buffer.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 # Torch and tllm_core's lazily imported public API only (the memory plan imports this module).
@@ -27,24 +25,6 @@ from tllm_core import (
 # Pinned staging buffers in rotation.
 STAGING_BUFFERS = 4
 MODES = ("post_filter", "full_vocab", "auto")
-
-# The workspaces' aranges by device: the row index of a step that takes every row in order
-# is a view of one (shared.row_index), not a new copy.
-_ARANGES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _device_key(device: torch.device | str) -> str:
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:  # "cuda" is the current one: "cuda:N"
-        d = torch.device("cuda", torch.cuda.current_device())
-    return str(d)
-
-
-def arange_on(device: torch.device | str, n: int) -> torch.Tensor | None:
-    """``0 .. n-1`` on ``device`` as a view of a workspace's arange, or None (none there, or
-    too short)."""
-    ar = _ARANGES.get(_device_key(device))
-    return ar[:n] if ar is not None and n <= ar.numel() else None
 
 
 def _stage_spec(rows: int) -> WorkspaceSpec:
@@ -183,7 +163,6 @@ class GuideWorkspace:
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
         )
         self.parts["arange"].copy_(torch.arange(rows, device=device))
-        _ARANGES[_device_key(device)] = self.parts["arange"]
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.esamp.config import ESampConfig
-from algorithms.esamp.guide_workspace import arange_on
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import Counters, RowInfo
 
@@ -23,6 +22,9 @@ class Shared:
     # Device counters and losses are read back only at a blocking flush: on CUDA every
     # read is a host sync.
     on_cuda: bool
+    # 0 .. cuda_rows_per_step - 1 on the device (the CUDA guidance workspace's): the row
+    # index of a step that takes every row in order is a view of it (see row_index).
+    arange: torch.Tensor | None = None
 
     @property
     def zero_out(self) -> bool:
@@ -70,13 +72,14 @@ def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Ten
     return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
 
 
-def row_index(sel: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of the
-    guidance workspace's arange where there is one (nothing allocated or copied)."""
-    if sel and sel[0] == 0 and sel[-1] == len(sel) - 1:  # sel ascends: range(len(sel))
-        ar = arange_on(device, len(sel))
-        if ar is not None:
-            return ar
+def row_index(
+    sel: list[int], device: torch.device, arange: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of
+    ``arange`` (``Shared.arange``) where it is long enough (nothing allocated or copied)."""
+    ascending = sel and sel[0] == 0 and sel[-1] == len(sel) - 1  # sel is range(len(sel))
+    if ascending and arange is not None and len(sel) <= arange.numel():
+        return arange[: len(sel)]
     return host_to(torch.tensor(sel, dtype=torch.long), device)
 
 

@@ -96,7 +96,7 @@ class Trainer:
             return []
         src, tgt = bundle.hidden[self.s.src_key], bundle.hidden[self.s.tgt_key]
         slot_t = torch.tensor(slots, dtype=torch.long)
-        idx = row_index(sel, src.device)
+        idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
         target = self.s.target(x, select_rows(tgt, sel, idx))
         return [self.s.train_step(slot_t, x, target, rows) for _ in range(steps)]
