@@ -44,12 +44,16 @@ def mismatch_message(
     """The refusal naming both sides: ``(node_rank, settings)`` of the leader and of this
     node (``rank``: this worker's global rank)."""
     (lnode, lset), (node, mset) = leader, mine
-    fields = ", ".join(differences(lset, mset))
+    return differ_message(f"node_rank {lnode}", lset, f"node_rank {node} (rank {rank})", mset)
+
+
+def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None) -> str:
+    """The refusal naming both sides: the leader's and the other node's place and settings."""
+    fields = ", ".join(differences(lset, oset))
     return (
         f"tllm settings differ between the nodes of this engine (fields: {fields}): leader "
-        f"node_rank {lnode} runs {comparable(lset)}; node_rank {node} (rank {rank}) runs "
-        f"{comparable(mset)}. Start every node with the same --consumer options (and "
-        "--per-request), or tllm on none of them"
+        f"{leader} runs {comparable(lset)}; {other} runs {comparable(oset)}. Start every "
+        "node with the same --consumer options (and --per-request), or tllm on none of them"
     )
 
 
@@ -126,8 +130,14 @@ def node_count(parallel: Any) -> int:
 
 
 def lost() -> str | None:
-    """Why the leader stopped: a node of its engine is gone (None: it is not)."""
-    return _lost[0] if _lost else None
+    """Why this node stops on its own (None: it does not): a node of its engine is gone, or,
+    on a headless data-parallel node, what its engines told (``node_note``: the leader is
+    gone, or runs other tllm settings)."""
+    if _lost:
+        return _lost[0]
+    from tllm_core.vllm_bridge.node_note import told
+
+    return told()
 
 
 async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:

@@ -85,14 +85,17 @@ def run_headless_node(argv: list[str]) -> None:
         )
     args.api_server_count = 0
     _watch_leader(args)
-    try:
-        run_headless(args)
-    except SystemExit:
-        from tllm_core.vllm_bridge.nodes import lost
+    from tllm_core.vllm_bridge import node_note
+    from tllm_core.vllm_bridge.nodes import lost
 
-        if lost():  # stopped because the leader is gone: an error, not a requested stop
-            raise SystemExit(1) from None
-        raise
+    # A data-parallel engine of this node tells it to stop through the note (dp_nodes.py).
+    with node_note.shared():
+        try:
+            run_headless(args)
+        except SystemExit:
+            if lost():  # the leader is gone, or refused: the command reports it (status 1)
+                return
+            raise
 
 
 def _watch_leader(args: Any) -> None:

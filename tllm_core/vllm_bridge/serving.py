@@ -344,6 +344,13 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
     )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
+    from tllm_core.vllm_bridge.dp_nodes import check_followers
+    from tllm_core.vllm_bridge.engine_settings import tllm_settings
+
+    # Data-parallel engines on other nodes: the same settings there, and followers that
+    # watch this leader (dp_nodes.py).
+    leader = tllm_settings(engine_client.vllm_config.additional_config)
+    await check_followers(engine_client, rpc_all, leader)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
