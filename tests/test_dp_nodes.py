@@ -26,7 +26,9 @@ ESAMP = {**STATS, "consumers": [{"name": "esamp"}]}
 def _clean(monkeypatch):
     monkeypatch.delenv(node_note.ENV, raising=False)
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0.05")
+    nodes._stopping.clear()  # another test's stop signal
     yield
+    nodes._stopping.clear()
     node_note._told.clear()
     nodes._lost.clear()
     dp_nodes._watching.clear()
@@ -95,7 +97,10 @@ def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
         assert not dp_nodes.join_leader(STATS, STATS, 1, ["127.0.0.1", port], False, kill)[
             "watching"
         ]  # not the engine's leading rank
-        answer = dp_nodes.join_leader(STATS, STATS, 1, ["127.0.0.1", port], True, kill)
+        # (a leader bound to every interface is probed where this engine connected)
+        answer = dp_nodes.join_leader(
+            STATS, STATS, 1, ["0.0.0.0", port], True, kill, fallback_host="127.0.0.1"
+        )
         assert answer == {"watching": True}
         time.sleep(0.3)
         assert kills == [] and nodes.lost() is None  # the leader answers
@@ -154,3 +159,25 @@ def test_the_worker_compares_its_own_settings():
     assert "data-parallel rank 1 runs" in msg and '"esamp"' in msg
     worker.vllm_config = NS(additional_config=json.dumps({"tllm": STATS}))
     assert worker.tllm_join_leader(STATS, None) == {"watching": False}
+
+
+def test_a_requested_stop_silences_the_watches():
+    async def fails():
+        raise TimeoutError
+
+    lost = []
+    nodes.stop_watching()  # the first stop signal (app.stop.note) calls it
+    asyncio.run(nodes.watch_nodes(fails, 2, 0.01, lost.append))
+    t = nodes.watch_leader("127.0.0.1", free_port(), 0.01, lost.append)
+    t.join(5)
+    assert not t.is_alive() and lost == [] and nodes.lost() is None
+
+
+def test_the_first_stop_signal_stops_the_watches(monkeypatch):
+    from tllm_core.app import stop
+
+    monkeypatch.setattr(stop, "_received", [])
+    monkeypatch.setattr(stop, "_watchdog", lambda timeout: None)
+    assert not nodes._stopping.is_set()
+    stop.note(signal.SIGTERM)
+    assert nodes._stopping.is_set()

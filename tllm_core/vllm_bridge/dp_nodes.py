@@ -35,6 +35,7 @@ log = logging.getLogger("vllm.tllm")
 # leader before the node stops its engines.
 TELL_DELAY_S = 2.0
 LEADER_NAME = "(API server, data-parallel rank 0)"
+WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 _watching: list[Any] = []  # the one leader watch of this process
 
@@ -100,11 +101,13 @@ def join_leader(
     watch: bool,
     kill: Callable[[int, int], None] | None = None,
     delay: float = TELL_DELAY_S,
+    fallback_host: str | None = None,
 ) -> dict[str, Any]:
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
     this engine's ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``:
     whether this worker (``watch``: the engine's leading rank) now watches the leader at
-    ``endpoint`` (``(host, port)``; only on a headless node)."""
+    ``endpoint`` (``(host, port)``; only on a headless node; a wildcard host is replaced by
+    ``fallback_host``, the ``--data-parallel-address`` this engine connected to)."""
     import os
 
     kill = kill or os.kill
@@ -121,6 +124,8 @@ def join_leader(
         return {"watching": False}
     if not _watching:
         host, port = endpoint
+        if str(host) in WILDCARDS:  # bound to every interface: probe where this engine connected
+            host = fallback_host or "127.0.0.1"
 
         def on_lost(reason: str) -> None:
             log.error("tllm: %s; stopping this node", reason)

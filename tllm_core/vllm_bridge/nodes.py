@@ -13,6 +13,7 @@ settings when they differ (every rank sees the same gathered list, so every node
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
@@ -90,6 +91,15 @@ NODE_CHECK_INTERVAL_S = 5.0
 NODE_CHECK_TIMEOUT_S = 30.0
 
 _lost: list[str] = []
+# Set once this process was told to stop (``stop_watching``): a peer that stops answering then
+# is part of the requested stop (seen: the DP leader's node check timing out while its engine
+# client shut down), not a lost node.
+_stopping = threading.Event()
+
+
+def stop_watching() -> None:
+    """This process stops on request: the watches below report nothing from now on."""
+    _stopping.set()
 
 
 def node_check() -> int:
@@ -157,6 +167,8 @@ async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> N
                 f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
                 f"{why}: {str(e)[:300]})"
             )
+            if _stopping.is_set():
+                return
             _lost.append(reason)
             on_lost(reason)
             return
@@ -185,7 +197,6 @@ def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
     """Start a daemon thread probing the leader every ``interval`` s; once the leader has
     answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
     ``on_lost(reason)`` once. Returns the thread."""
-    import threading
     import time
 
     def run() -> None:
@@ -196,6 +207,8 @@ def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
                 misses, seen = 0, True
             elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
                 misses += 1
+            if _stopping.is_set():
+                return
             if misses >= LEADER_MISSES:
                 reason = (
                     f"the leader of this multi-node engine ({host}:{port}) is gone: "

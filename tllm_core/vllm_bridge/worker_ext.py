@@ -80,7 +80,9 @@ class TllmWorkerExtension:
         mine = tllm_settings(getattr(self.vllm_config, "additional_config", None))
         dp_rank = rank.dp_rank if rank is not None else -1
         watch = rank is not None and rank.leader
-        return join_leader(mine, settings, dp_rank, endpoint, watch)
+        parallel = getattr(self.vllm_config, "parallel_config", None)
+        address = getattr(parallel, "data_parallel_master_ip", None)
+        return join_leader(mine, settings, dp_rank, endpoint, watch, fallback_host=address)
 
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
