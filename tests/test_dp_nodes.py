@@ -181,3 +181,29 @@ def test_the_first_stop_signal_stops_the_watches(monkeypatch):
     assert not nodes._stopping.is_set()
     stop.note(signal.SIGTERM)
     assert nodes._stopping.is_set()
+
+
+def test_the_http_server_vllm_builds_gets_its_close_bound():
+    from tllm_core.vllm_bridge.server_entry import HTTP_CLOSE_S
+    from tllm_core.vllm_bridge.serving import bound_http_close
+
+    class Server:  # vLLM's NoSignalServer: installs no signal handler
+        def __init__(self, timeout):
+            self.config = NS(timeout_graceful_shutdown=timeout)
+
+        def handle_exit(self, sig, frame):
+            pass
+
+    async def appears_later(state, server):
+        task = asyncio.create_task(bound_http_close(state))
+        await asyncio.sleep(0.25)
+        state.server = server  # vLLM sets app.state.server just after init_state
+        await asyncio.wait_for(task, 5)
+
+    state, server = NS(), Server(None)
+    asyncio.run(appears_later(state, server))
+    assert server.config.timeout_graceful_shutdown == HTTP_CLOSE_S
+    given = Server(30)  # a bound someone chose is kept
+    asyncio.run(appears_later(NS(), given))
+    assert given.config.timeout_graceful_shutdown == 30
+    asyncio.run(bound_http_close(NS(), wait_s=0.2))  # no server: gives up
