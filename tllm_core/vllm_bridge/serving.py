@@ -346,10 +346,10 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
     state.tllm_engine_client = engine_client
     import asyncio
 
-    state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     from tllm_core.vllm_bridge.dp_nodes import check_followers
     from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
+    state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
     leader = tllm_settings(engine_client.vllm_config.additional_config)
