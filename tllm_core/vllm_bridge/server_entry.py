@@ -93,9 +93,16 @@ def run_headless_node(argv: list[str]) -> None:
         try:
             run_headless(args)
         except SystemExit:
-            if lost():  # the leader is gone, or refused: the command reports it (status 1)
-                return
-            raise
+            reason = lost()
+            if reason is None:
+                raise
+        else:
+            reason = lost()
+    if reason:  # the leader is gone, or refused: an error, not a requested stop
+        # Said here and raised (not returned): the interpreter's exit then stops what vLLM
+        # left running (a TP follower's workers, seen left behind by an immediate exit).
+        print(f"tllm: error: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _watch_leader(args: Any) -> None:
