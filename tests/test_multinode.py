@@ -1,7 +1,9 @@
-"""Tensor parallel across two "nodes" (two ``tllm serve`` processes on 127.0.0.1): the leader
-serves the API and runs the consumers, the follower (``--headless``) runs rank 1; settings
-that differ between the nodes are refused; a follower that dies stops the leader with an
-error (issue 38, docs/scaling.md). Loopback only."""
+"""Tensor and data parallel across two "nodes" (two ``tllm serve`` processes on 127.0.0.1): the
+leader serves the API, the follower (``--headless``) runs TP rank 1 or DP engine 1; consumers
+run where the rows are, export writes one dataset equal to transformers; settings that differ
+between the nodes are refused naming both sides; a follower that dies stops the leader with an
+error, a leader that is gone stops the follower (issue 38, docs/scaling.md). Loopback only.
+The logic without engines: tests/test_dp_nodes.py and the units below."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def test_node_watch_reports_a_failed_check_once():
     from tllm_core.vllm_bridge import nodes
 
     calls, lost = [], []
+    nodes._stopping.clear()  # another test's stop signal
 
     async def ask():
         calls.append(1)
@@ -97,6 +100,7 @@ def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
 
     port = free_port()
     lost: list[str] = []
+    nodes._stopping.clear()  # another test's stop signal
     t = nodes.watch_leader("127.0.0.1", port, 0.05, lost.append)
     time.sleep(0.5)  # no leader yet: a follower started first waits for it
     assert lost == [] and t.is_alive()
@@ -248,36 +252,79 @@ def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, 
     assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
 
 
-@pytest.mark.vllm
-@pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
-def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_dies(
-    tiny_model, tmp_path
-):
-    from concurrent.futures import ThreadPoolExecutor
-
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+def _dp_nodes(model, consumers, tmp_path, follower_consumers=None):
+    """Data parallel across two nodes: the leader (DP rank 0, its API server, core 0) and a
+    headless follower (DP rank 1, core 1), each with one engine; the follower checks its
+    leader every 2 s."""
     port, rpc = free_port(), free_port()
-    args = ["--model", tiny_model, "--data-parallel-size", "2", *ENGINE]
-    args += ["--consumer", "stats", "--consumer", "esamp", "--per-request"]
+    common = ["--model", model, "--data-parallel-size", "2", *ENGINE]
 
-    def node(rank, log, *extra):
+    def node(rank, cons, log, *extra):
         vllm = ["--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1"]
         vllm += ["--data-parallel-rpc-port", str(rpc), "--enforce-eager"]
         if rank:
             vllm += ["--data-parallel-start-rank", str(rank)]
-        argv = ["serve", "--port", str(port), *args, *extra, "--", *vllm]
-        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank))
+        argv = ["serve", "-v", "--port", str(port), *common, *cons, *extra, "--", *vllm]
+        return start(argv, log, VLLM_CPU_OMP_THREADS_BIND=str(rank), TLLM_NODE_CHECK_S="2")
 
-    llog = tmp_path / "leader.log"
+    leader = node(0, consumers, tmp_path / "leader.log")
+    follower = node(1, follower_consumers or consumers, tmp_path / "follower.log", "--headless")
+    return leader, follower, f"http://127.0.0.1:{port}"
+
+
+def _post_to(url: str, body: dict, dp_rank: int) -> dict:
+    """A request that vLLM's load balancer sends to data-parallel engine ``dp_rank``."""
+    req = urllib.request.Request(
+        url,
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-data-parallel-rank": str(dp_rank)},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def _export_agrees(model: str, rec) -> None:
+    """An exported record: its tokens transformers' greedy choice, its hidden states
+    transformers' at 1e-4."""
+    from reference import hf_states
+
+    tokens = rec.token_ids.tolist() if hasattr(rec.token_ids, "tolist") else list(rec.token_ids)
+    _hf_greedy_agrees(model, tokens, rec.num_prompt_tokens)
+    ref = hf_states(model, tokens)
+    pos = rec.positions
+    for key, got in (("layer.0", rec.hidden["layer.0"]), ("final", rec.hidden["final"])):
+        torch.testing.assert_close(got.float(), ref[key][pos], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
+def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_when_the_leader_is_gone(
+    tiny_model, tmp_path
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from consumers.export import DataParallelExport, open_export
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+    out = tmp_path / "exp"
+    export = json.dumps({"out": str(out), "layers": [0, "final"]})
+    consumers = ["--consumer", "stats", "--consumer", "esamp", "--consumer", f"export:{export}"]
+    consumers += ["--per-request"]
+    llog, flog = tmp_path / "leader.log", tmp_path / "follower.log"
     shm_before = shm_entries()
-    leader = node(0, llog)
-    follower = node(1, tmp_path / "follower.log", "--headless")
-    url = f"http://127.0.0.1:{port}"
+    leader, follower, url = _dp_nodes(tiny_model, consumers, tmp_path)
     try:
         wait_for(llog, "tllm: ready", leader, 600)
         status = get_json(f"{url}/tllm/status")
         assert [r["rank"]["dp_rank"] for r in status["ranks"]] == [0, 1]
+        assert all(r["installed"] and r["taps"] for r in status["ranks"])  # taps on both nodes
+
+        # One greedy exported request on each engine (ESamp on, beta = 0).
+        greedy = {"model": "default", "prompt": "Hello there, how are", "max_tokens": 8}
+        greedy |= {"temperature": 0, "ignore_eos": True}
+        greedy["vllm_xargs"] = {"tllm_consumers": "stats,export,esamp", "tllm_esamp_beta": 0.0}
+        texts = [_post_to(f"{url}/v1/completions", greedy, r)["choices"][0]["text"] for r in (0, 1)]
 
         def complete(i: int) -> dict:
             xargs = {"tllm_consumers": "stats,esamp", "tllm_esamp_beta": 0.5}
@@ -289,12 +336,54 @@ def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_di
             results = list(pool.map(complete, range(16)))
         assert all(r["usage"]["completion_tokens"] == 8 for r in results)
         rep = get_json(f"{url}/tllm/counters")
+        assert rep["errors"] == []
         finished = [r["runtime"].get("requests_finished", 0) for r in rep["ranks"]]
-        assert rep["runtime"]["requests_finished"] == sum(finished) == 16
-        assert all(f > 0 for f in finished), f"an engine got no request: {finished}"
+        assert rep["runtime"]["requests_finished"] == sum(finished) == 18
+        assert all(f > 1 for f in finished), f"an engine got only the routed request: {finished}"
         guided = [r["consumers"]["esamp"].get("rows_guided", 0) for r in rep["ranks"]]
         assert all(g > 0 for g in guided), guided  # ESamp trained and guided on both nodes
         assert rep["consumers"]["esamp"]["rows_guided"] == sum(guided) <= 16 * 7
+        exported = [r["consumers"]["export"].get("requests", 0) for r in rep["ranks"]]
+        follower_pids = {follower.pid, *descendants(follower.pid)}
+
+        # A supervisor stops the leader: it stops cleanly (its engine closes its consumers);
+        # the follower finds its leader gone and stops with an error.
+        os.kill(leader.pid, signal.SIGTERM)
+        assert exit_within(leader, 240) == 0, llog.read_text()[-4000:]
+        assert "tllm: server stopped" in llog.read_text()  # a requested stop, not a lost node
+        code = exit_within(follower, 240)
+        log = flog.read_text()
+        assert code == 1, log[-4000:]
+        assert "tllm: error: the leader of this multi-node engine (127.0.0.1:" in log, log[-4000:]
+        assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                kill_group(p, but="resource_tracker")
+            p.wait(30)
+    assert texts[0] == texts[1] and texts[0], texts  # the same greedy text on both engines
+    # One readable dataset: each engine wrote its part of ``out``, closed as its node stopped.
+    exp = open_export(out, verify=True)
+    assert isinstance(exp, DataParallelExport) and exp.complete, exported
+    records = list(exp.records())
+    assert sorted(r.data_parallel_rank for r in records) == [0, 1]
+    for rec in records:
+        _export_agrees(tiny_model, rec)
+    assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
+def test_dp2_across_two_nodes_stops_the_leader_when_the_follower_dies(tiny_model, tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+    llog = tmp_path / "leader.log"
+    shm_before = shm_entries()
+    leader, follower, url = _dp_nodes(tiny_model, ["--consumer", "stats"], tmp_path)
+    try:
+        wait_for(llog, "tllm: ready", leader, 600)
+        body = {"model": "default", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        assert _post_to(f"{url}/v1/completions", body, 1)["usage"]["completion_tokens"] == 4
         follower_pids = {follower.pid, *descendants(follower.pid)}
 
         assert kill_group(follower, but="resource_tracker")
@@ -309,6 +398,33 @@ def test_dp2_across_two_nodes_counts_both_engines_and_stops_when_the_follower_di
                 kill_group(p, but="resource_tracker")
             p.wait(30)
     assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two DP engines up to the leader's check: ~2 min on 2 cores
+def test_dp_follower_with_other_consumers_is_refused_naming_both_sides(tiny_model, tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one engine each)")
+    leader, follower, _ = _dp_nodes(
+        tiny_model, ["--consumer", "stats"], tmp_path, follower_consumers=["--consumer", "esamp"]
+    )
+    try:
+        codes = [exit_within(p, 400) for p in (leader, follower)]
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+    for name in ("leader", "follower"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert "tllm settings differ between the nodes" in log, (name, log[-4000:])
+        lead, _, other = log.partition("leader (API server, data-parallel rank 0) runs {")[
+            2
+        ].partition("; data-parallel rank 1 runs {")
+        assert '"name": "stats"' in lead and '"name": "esamp"' in other, (name, log[-4000:])
+    assert "tllm: error: tllm settings differ" in (tmp_path / "follower.log").read_text()
+    assert codes[1] == 1 and codes[0] not in (0, None), codes
+    assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
 
 
 LEADER_SCRIPT = """

@@ -111,12 +111,7 @@ def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_mode
 
     counting = _CountingValidator(ESampConfig.__pydantic_validator__)
     monkeypatch.setattr(ESampConfig, "__pydantic_validator__", counting)
-    async def fake_run_server(args, **uvicorn_kwargs):  # what server_entry runs
-        fake_vllm_server()
-
-    monkeypatch.setattr(entry, "run_server", fake_run_server)
-    # vLLM's process setup before its server (the worker start method), not this test's.
-    monkeypatch.setattr("vllm.entrypoints.serve.utils.api_utils.cli_env_setup", lambda: None)
+    monkeypatch.setattr(entry, "main", fake_vllm_server)
     monkeypatch.setattr(bridge_serving, "attach_routes", lambda *a: None)
     monkeypatch.setattr(serve_command, "_announce_when_ready", lambda url: None)
     monkeypatch.setattr(serve_command.os, "_exit", lambda code: None)

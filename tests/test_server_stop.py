@@ -46,23 +46,3 @@ def test_a_call_never_answered_ends_once_the_server_stops():
 
     asyncio.run(main())
     assert cancelled == [True]  # the engine call is not left behind
-
-
-def test_tllm_serve_bounds_uvicorns_graceful_shutdown(monkeypatch):
-    """``tllm serve`` runs vLLM's ``run_server`` with ``timeout_graceful_shutdown`` set (vLLM's
-    own ``main`` never sets it, and its server installs no handler tllm could reach)."""
-    import sys
-
-    import uvloop
-
-    from tllm_core.vllm_bridge import server_entry
-
-    seen = {}
-
-    async def run_server(args, **uvicorn_kwargs):
-        seen.update(uvicorn_kwargs, model=args.model)
-
-    monkeypatch.setattr(uvloop, "run", asyncio.run)
-    monkeypatch.setattr(sys, "argv", ["api_server", "--model", "m-path"])
-    server_entry._serve(run_server)
-    assert seen == {"timeout_graceful_shutdown": server_entry.HTTP_CLOSE_S, "model": "m-path"}

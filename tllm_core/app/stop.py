@@ -71,6 +71,9 @@ def note(signum: int) -> bool:
         first = not _received
         _received.append(signum)
     if first:
+        from tllm_core.vllm_bridge.nodes import stop_watching
+
+        stop_watching()  # peers that stop answering now are part of this stop
         _children.update(_descendant_pids())
         threading.Thread(
             target=_watchdog, args=(stop_timeout(),), daemon=True, name="tllm-stop-watchdog"

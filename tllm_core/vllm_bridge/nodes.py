@@ -13,6 +13,7 @@ settings when they differ (every rank sees the same gathered list, so every node
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
@@ -44,12 +45,16 @@ def mismatch_message(
     """The refusal naming both sides: ``(node_rank, settings)`` of the leader and of this
     node (``rank``: this worker's global rank)."""
     (lnode, lset), (node, mset) = leader, mine
-    fields = ", ".join(differences(lset, mset))
+    return differ_message(f"node_rank {lnode}", lset, f"node_rank {node} (rank {rank})", mset)
+
+
+def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None) -> str:
+    """The refusal naming both sides: the leader's and the other node's place and settings."""
+    fields = ", ".join(differences(lset, oset))
     return (
         f"tllm settings differ between the nodes of this engine (fields: {fields}): leader "
-        f"node_rank {lnode} runs {comparable(lset)}; node_rank {node} (rank {rank}) runs "
-        f"{comparable(mset)}. Start every node with the same --consumer options (and "
-        "--per-request), or tllm on none of them"
+        f"{leader} runs {comparable(lset)}; {other} runs {comparable(oset)}. Start every "
+        "node with the same --consumer options (and --per-request), or tllm on none of them"
     )
 
 
@@ -86,6 +91,15 @@ NODE_CHECK_INTERVAL_S = 5.0
 NODE_CHECK_TIMEOUT_S = 30.0
 
 _lost: list[str] = []
+# Set once this process was told to stop (``stop_watching``): a peer that stops answering then
+# is part of the requested stop (seen: the DP leader's node check timing out while its engine
+# client shut down), not a lost node.
+_stopping = threading.Event()
+
+
+def stop_watching() -> None:
+    """This process stops on request: the watches below report nothing from now on."""
+    _stopping.set()
 
 
 def node_check() -> int:
@@ -126,8 +140,14 @@ def node_count(parallel: Any) -> int:
 
 
 def lost() -> str | None:
-    """Why the leader stopped: a node of its engine is gone (None: it is not)."""
-    return _lost[0] if _lost else None
+    """Why this node stops on its own (None: it does not): a node of its engine is gone, or,
+    on a headless data-parallel node, what its engines told (``node_note``: the leader is
+    gone, or runs other tllm settings)."""
+    if _lost:
+        return _lost[0]
+    from tllm_core.vllm_bridge.node_note import told
+
+    return told()
 
 
 async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
@@ -147,6 +167,8 @@ async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> N
                 f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
                 f"{why}: {str(e)[:300]})"
             )
+            if _stopping.is_set():
+                return
             _lost.append(reason)
             on_lost(reason)
             return
@@ -175,7 +197,6 @@ def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
     """Start a daemon thread probing the leader every ``interval`` s; once the leader has
     answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
     ``on_lost(reason)`` once. Returns the thread."""
-    import threading
     import time
 
     def run() -> None:
@@ -186,6 +207,8 @@ def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
                 misses, seen = 0, True
             elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
                 misses += 1
+            if _stopping.is_set():
+                return
             if misses >= LEADER_MISSES:
                 reason = (
                     f"the leader of this multi-node engine ({host}:{port}) is gone: "

@@ -30,7 +30,6 @@ engine on it then fails loudly (``TllmLLM`` and the server check that tllm is in
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -39,26 +38,12 @@ from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
 
+# Re-exported: read here, by the API server and by the workers (engine_settings.py).
+from tllm_core.vllm_bridge.engine_settings import SETTINGS_KEY, tllm_settings  # noqa: F401
+
 log = logging.getLogger("tllm")
 
 _PATCHED_ATTR = "_tllm_patched"
-SETTINGS_KEY = (
-    "tllm"  # == tllm_core.runtime.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
-)
-
-
-def tllm_settings(additional_config: Any) -> dict | None:
-    """The tllm settings in an engine's ``additional_config`` (dict or JSON text), else None."""
-    if isinstance(additional_config, str):
-        try:
-            additional_config = json.loads(additional_config)
-        except ValueError:
-            return None
-    if not isinstance(additional_config, dict):
-        return None
-    return additional_config.get(SETTINGS_KEY)
-
-
 CLI_PID_ENV = "TLLM_CLI_PID"
 
 

@@ -49,39 +49,18 @@ def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> 
     token = CHECKED.set(checked)
     try:
         try:
-            from vllm.entrypoints.launchers.api_server.entry import run_server
+            from vllm.entrypoints.launchers.api_server.entry import main
         except ImportError:  # other layouts: the module's own __main__ block
             runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
             return
         with interrupts_reach_caller():
-            _serve(run_server)
+            main()
     finally:
         CHECKED.reset(token)
         sys.argv = saved
 
 
 HEADLESS_FLAG = "--headless"
-
-
-def _serve(run_server: Any) -> None:
-    """What vLLM's ``entry.main()`` does (parse ``sys.argv``, set up logging, run the server
-    on uvloop), with uvicorn's ``timeout_graceful_shutdown`` bounded (:data:`HTTP_CLOSE_S`):
-    vLLM 0.32's server installs its stop handlers on the event loop and never sets it, so
-    after vLLM has stopped its engine uvicorn would wait without limit for a request whose
-    engine is gone (measured: an idle ``tllm serve`` needed the 120 s stop watchdog after
-    Ctrl-C, its last ``/tllm/counters`` read still waiting)."""
-    import uvloop
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(prog="tllm serve"))
-    args = parser.parse_args(sys.argv[1:])
-    configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
-    uvloop.run(run_server(args, timeout_graceful_shutdown=HTTP_CLOSE_S))
 
 
 def run_headless_node(argv: list[str]) -> None:
@@ -106,14 +85,24 @@ def run_headless_node(argv: list[str]) -> None:
         )
     args.api_server_count = 0
     _watch_leader(args)
-    try:
-        run_headless(args)
-    except SystemExit:
-        from tllm_core.vllm_bridge.nodes import lost
+    from tllm_core.vllm_bridge import node_note
+    from tllm_core.vllm_bridge.nodes import lost
 
-        if lost():  # stopped because the leader is gone: an error, not a requested stop
-            raise SystemExit(1) from None
-        raise
+    # A data-parallel engine of this node tells it to stop through the note (dp_nodes.py).
+    with node_note.shared():
+        try:
+            run_headless(args)
+        except SystemExit:
+            reason = lost()
+            if reason is None:
+                raise
+        else:
+            reason = lost()
+    if reason:  # the leader is gone, or refused: an error, not a requested stop
+        # Said here and raised (not returned): the interpreter's exit then stops what vLLM
+        # left running (a TP follower's workers, seen left behind by an immediate exit).
+        print(f"tllm: error: {reason}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _watch_leader(args: Any) -> None:

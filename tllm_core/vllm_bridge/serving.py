@@ -360,6 +360,16 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
     )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
+    import asyncio
+
+    from tllm_core.vllm_bridge.dp_nodes import check_followers
+    from tllm_core.vllm_bridge.engine_settings import tllm_settings
+
+    state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
+    # Data-parallel engines on other nodes: the same settings there, and followers that
+    # watch this leader (dp_nodes.py).
+    leader = tllm_settings(engine_client.vllm_config.additional_config)
+    await check_followers(engine_client, rpc_all, leader)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
@@ -374,6 +384,28 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
         status[0].get("runner", "?"),
         COUNTERS_PATH,
     )
+
+
+async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
+    """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``).
+
+    vLLM's server (``NoSignalServer``) installs no signal handler of its own, so the
+    ``close_http_soon`` hook of ``tllm serve`` never sees it; the server object appears in
+    ``state.server`` just after ``init_state``. Without the bound, a request whose engine
+    went away never completes and the stop waits for it until the watchdog kills (seen: a
+    DP leader with an engine on another node, "Waiting for background tasks to complete")."""
+    import asyncio
+
+    from tllm_core.vllm_bridge.server_entry import close_http_soon
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while loop.time() < deadline:
+        server = getattr(state, "server", None)
+        if server is not None:
+            close_http_soon(getattr(server, "handle_exit", None))
+            return
+        await asyncio.sleep(0.1)
 
 
 def watch_peer_nodes(engine_client: Any, state: Any) -> None:

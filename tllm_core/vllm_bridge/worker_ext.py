@@ -69,6 +69,21 @@ class TllmWorkerExtension:
 
         return node_check()
 
+    def tllm_join_leader(self, settings: dict | None, endpoint: Any) -> dict[str, Any]:
+        """The leader's settings and address, sent as its API server starts, when
+        data-parallel engines run on other nodes (``dp_nodes.join_leader``)."""
+        from tllm_core.vllm_bridge.dp_nodes import join_leader
+        from tllm_core.vllm_bridge.engine_settings import tllm_settings
+
+        hooks = self._tllm_hooks()
+        rank = hooks.rank if hooks is not None else None
+        mine = tllm_settings(getattr(self.vllm_config, "additional_config", None))
+        dp_rank = rank.dp_rank if rank is not None else -1
+        watch = rank is not None and rank.leader
+        parallel = getattr(self.vllm_config, "parallel_config", None)
+        address = getattr(parallel, "data_parallel_master_ip", None)
+        return join_leader(mine, settings, dp_rank, endpoint, watch, fallback_host=address)
+
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
         return None if hooks is None else {**hooks.close(), "rank": hooks.rank.as_dict()}

@@ -1,0 +1,135 @@
+"""Data-parallel engines on several nodes (``--data-parallel-size-local`` below
+``--data-parallel-size``, the other nodes ``tllm serve --headless``): the same tllm settings
+on every node, and followers that stop when their leader is gone.
+
+vLLM runs the data-parallel ranks of a dense model as independent engines: no process group
+spans the nodes (tensor parallel has one: ``nodes.check_same_settings``), and a follower's
+engine waits for the leader's next request without limit (seen: still running minutes after
+its leader was killed). The one channel between the nodes is the leader's engine client,
+which reaches every engine core. So the leader's API server, as it starts and before it
+serves (:func:`check_followers`, from ``serving.init_state``), sends every engine its tllm
+settings and the address of its engine input socket (every follower engine connects to it,
+so it is reachable from there): RPC ``tllm_join_leader`` -> :func:`join_leader`, where
+
+* an engine whose own settings differ answers with a refusal naming both sides, which the
+  leader raises (it does not start); on a headless node the engine also tells the node's
+  command (``node_note``), which stops and exits 1 with the same line;
+* on a headless node the engine's leading rank then probes that address every
+  ``TLLM_NODE_CHECK_S`` (``nodes.watch_leader``); once the leader is gone it tells the node's
+  command, which stops and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tllm_core.vllm_bridge import node_note, nodes
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+log = logging.getLogger("vllm.tllm")
+
+# A refusing engine tells its node's command this much later, so that its answer reaches the
+# leader before the node stops its engines.
+TELL_DELAY_S = 2.0
+LEADER_NAME = "(API server, data-parallel rank 0)"
+WILDCARDS = ("0.0.0.0", "::", "*", "")
+
+_watching: list[Any] = []  # the one leader watch of this process
+
+
+def remote_engines(parallel: Any) -> bool:
+    """Whether some data-parallel engines of this server run on other nodes (the API
+    server's ``parallel_config``: ``data_parallel_size_local`` < ``data_parallel_size``)."""
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    local = getattr(parallel, "data_parallel_size_local", None)
+    return local is not None and 0 <= int(local) < dp
+
+
+def parse_tcp(endpoint: str) -> tuple[str, int] | None:
+    """``("host", port)`` of a ZMQ ``tcp://host:port`` endpoint (IPv6 in brackets); None for
+    any other transport (``ipc://``: a one-node server)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def leader_endpoint(engine_client: Any) -> tuple[str, int] | None:
+    """Where the leader's engine client receives from its engines (its input socket)."""
+    import zmq
+
+    sock = getattr(getattr(engine_client, "engine_core", None), "input_socket", None)
+    if sock is None:
+        return None
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return parse_tcp(raw.decode() if isinstance(raw, bytes) else str(raw))
+
+
+async def check_followers(
+    engine_client: Any, rpc: Callable[..., Awaitable[list[Any]]], settings: dict | None
+) -> None:
+    """On the leader's API server with engines on other nodes: every engine takes the
+    leader's ``settings`` (:func:`join_leader`), or the server refuses to start, naming the
+    leader's settings and the other node's. ``rpc``: ``serving.rpc_all``."""
+    if not remote_engines(engine_client.vllm_config.parallel_config):
+        return
+    endpoint = leader_endpoint(engine_client)
+    try:
+        answers = await rpc(engine_client, "tllm_join_leader", settings, endpoint)
+    except Exception as e:  # noqa: BLE001 - an engine without tllm has no such method
+        raise UnsupportedEngineError(
+            "an engine of this data-parallel server did not take the leader's tllm settings "
+            f"({type(e).__name__}: {str(e)[:300]}); is tllm off on its node? leader "
+            f"{LEADER_NAME} runs {nodes.comparable(settings)}. Start every node with the "
+            "same --consumer options (and --per-request), or tllm on none of them"
+        ) from None
+    for answer in answers:
+        if isinstance(answer, dict) and answer.get("refused"):
+            raise UnsupportedEngineError(answer["refused"])
+
+
+def join_leader(
+    mine: dict | None,
+    leader: dict | None,
+    dp_rank: int,
+    endpoint: Any,
+    watch: bool,
+    kill: Callable[[int, int], None] | None = None,
+    delay: float = TELL_DELAY_S,
+    fallback_host: str | None = None,
+) -> dict[str, Any]:
+    """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
+    this engine's ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``:
+    whether this worker (``watch``: the engine's leading rank) now watches the leader at
+    ``endpoint`` (``(host, port)``; only on a headless node; a wildcard host is replaced by
+    ``fallback_host``, the ``--data-parallel-address`` this engine connected to)."""
+    import os
+
+    kill = kill or os.kill
+    if nodes.comparable(mine) != nodes.comparable(leader):
+        msg = nodes.differ_message(LEADER_NAME, leader, f"data-parallel rank {dp_rank}", mine)
+        if node_note.on_headless_node():
+            log.error("tllm: %s; stopping this node", msg)
+            timer = threading.Timer(delay, node_note.tell, args=(msg, kill))
+            timer.daemon = True
+            timer.start()
+        return {"refused": msg}
+    interval = nodes.check_interval()
+    if not watch or endpoint is None or interval == 0 or not node_note.on_headless_node():
+        return {"watching": False}
+    if not _watching:
+        host, port = endpoint
+        if str(host) in WILDCARDS:  # bound to every interface: probe where this engine connected
+            host = fallback_host or "127.0.0.1"
+
+        def on_lost(reason: str) -> None:
+            log.error("tllm: %s; stopping this node", reason)
+            node_note.tell(reason, kill)
+
+        _watching.append(nodes.watch_leader(str(host), int(port), interval, on_lost))
+    return {"watching": True}

@@ -1,0 +1,23 @@
+"""The tllm settings in an engine's ``additional_config``: read by the plugin's switches,
+the API server and the workers (a leaf module, so none of them imports another for it)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SETTINGS_KEY = (
+    "tllm"  # == tllm_core.runtime.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
+)
+
+
+def tllm_settings(additional_config: Any) -> dict | None:
+    """The tllm settings in an engine's ``additional_config`` (dict or JSON text), else None."""
+    if isinstance(additional_config, str):
+        try:
+            additional_config = json.loads(additional_config)
+        except ValueError:
+            return None
+    if not isinstance(additional_config, dict):
+        return None
+    return additional_config.get(SETTINGS_KEY)

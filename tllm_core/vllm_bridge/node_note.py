@@ -1,0 +1,94 @@
+"""Why a headless node stops on its own, told by its engine processes to the node's command.
+
+On a headless data-parallel node it is an engine process that learns that the node must stop
+(the leader runs other tllm settings, the leader is gone: ``dp_nodes.py``), but the
+``tllm serve --headless`` process that runs the engines must stop them and exit with that
+reason and status 1. While the node runs, that process names a file in :data:`ENV`
+(``"{pid}:{path}"``), which its engine processes inherit. The first engine process to
+:func:`tell` writes the reason there and sends that pid SIGTERM (vLLM's headless stop); the
+command then reports the reason as its error (``nodes.lost``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+
+ENV = "TLLM_NODE_NOTE"
+
+_told: list[str] = []  # the note's text, kept once the note is removed
+
+
+@contextlib.contextmanager
+def shared() -> Iterator[str]:
+    """In the node's command, while its engines run: an empty note named in :data:`ENV`
+    (yields its path). On leaving, what was told is kept (:func:`told`) and the note removed."""
+    fd, path = tempfile.mkstemp(prefix="tllm-node-", suffix=".txt")
+    os.close(fd)
+    old = os.environ.get(ENV)
+    os.environ[ENV] = f"{os.getpid()}:{path}"
+    try:
+        yield path
+    finally:
+        text = _read(path)
+        if text and not _told:
+            _told.append(text)
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _spec() -> tuple[int, str] | None:
+    pid, _, path = os.environ.get(ENV, "").partition(":")
+    return (int(pid), path) if pid.isdigit() and path else None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def on_headless_node() -> bool:
+    """Whether this process runs under a node's command that reads the note."""
+    return _spec() is not None
+
+
+def told() -> str | None:
+    """In the node's command: the reason an engine process told (None: none)."""
+    if _told:
+        return _told[0]
+    spec = _spec()
+    if spec is None or spec[0] != os.getpid():
+        return None
+    return _read(spec[1]) or None
+
+
+def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:
+    """In an engine process: write ``reason`` to the note and SIGTERM the node's command,
+    unless another process told first or there is no note. Returns whether it told."""
+    import fcntl
+
+    spec = _spec()
+    if spec is None:
+        return False
+    pid, path = spec
+    try:
+        with open(path, "r+", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # engines of one node may tell at the same time
+            if f.read():
+                return False
+            f.write(reason)
+            f.flush()
+    except OSError:  # the command is gone, and its note with it
+        return False
+    kill(pid, signal.SIGTERM)
+    return True
