@@ -158,6 +158,7 @@ def test_variants_refuses_runs_that_do_not_pair(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # the benchmark script end to end (~23 s)
 def test_throughput_script_small_run(tiny_model):
     args = "--rounds 1 --in-process --consumer capture --consumer esamp --json".split()
     proc = _run("throughput.py", "--model", tiny_model, *SMALL_WORKLOAD, *args, *SMALL_ENGINE)

@@ -154,6 +154,7 @@ def test_tutorial_script_runs_with_tllmllm(tutorial_site, tiny_model, engines):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # ~32 s; the tutorial script runs below, the CLI in test_cli_experience
 def test_tutorial_command_line_runs_in_the_default_multiprocess_layout(tutorial_site, tiny_model):
     lines = [ln for ln in doc_blocks(TUTORIAL)["run.sh"].splitlines() if ln.startswith("tllm ")]
     assert len(lines) == 1, lines
@@ -395,7 +396,8 @@ def test_relative_links_between_pages_resolve():
 
 # -- the sae worked example ----------------------------------------------------------------
 @pytest.mark.vllm
-@pytest.mark.parametrize("model", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~21 s; SAE loading, records and steering: tests/test_sae_e2e.py
+@pytest.mark.parametrize("model", ["tiny", "embedded"])
 def test_sae_worked_example_runs(model, request, tmp_path):
     """docs/consumers/sae.md's example (two engines, in order): on the tiny model, and as
     written (the embedded SmolLM2-135M-Instruct) in the slow run."""

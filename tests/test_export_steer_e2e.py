@@ -68,6 +68,7 @@ def test_export_round_trip_matches_transformers(tiny_model, engines, tmp_path):
     assert checked == 3 * len(expected)
 
 
+@pytest.mark.slow  # ~30 s; an export stopped mid-run: tests/test_stop_signals.py
 def test_interrupted_export_leaves_a_readable_directory(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
     from consumers.export import format as fmt

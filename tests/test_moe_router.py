@@ -308,6 +308,7 @@ def test_edit_plan_sizes_a_router_edit_by_the_number_of_experts():
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # ~36 s; the one-line refusal: test_arch_matrix.test_cli_refusal_is_one_line_naming_the_model_class
 def test_cli_refusal_at_engine_start_is_one_line(tiny_model, tmp_path):
     """The router asked of a dense model is refused where the layers are known, in the
     engine; vLLM's own error there says only "see root cause above". The command ends with

@@ -122,6 +122,7 @@ def test_v2_steering_edit_matches_transformers_with_the_same_edit(tiny_model, tm
         handle.remove()
 
 
+@pytest.mark.slow  # ~46 s; serving on V1 (test_serve_command), V2 capture and edits above
 def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
     import urllib.error
     import urllib.request

@@ -35,6 +35,7 @@ def _sae(folder: Path, d_in: int = D_IN, d_sae: int = D_SAE) -> str:
     return save_sae(sae, folder)
 
 
+@pytest.mark.slow  # ~34 s; SAE records and steering in-process: tests/test_sae_e2e.py
 def test_tllm_run_with_sae_records_summarises_and_steers(tiny_model, tmp_path):
     path = _sae(tmp_path / "sae")
     out = tmp_path / "feats"

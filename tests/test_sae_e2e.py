@@ -301,6 +301,7 @@ def test_feature_clamp_sets_the_feature_in_the_forward(tiny_model, engines, saes
     assert _tokens(outs) != plain_tokens, "clamping a feature far above its range must change text"
 
 
+@pytest.mark.slow  # ~50 s (V2 interpreted); V2 edits in the default suite: test_runner_v2
 def test_feature_clamp_on_model_runner_v2_matches_transformers(tiny_model, saes, tmp_path):
     """The same clamp on vLLM's V2 runner (``tllm run`` under the V2 test fixture), with
     the attention and MLP outputs of the clamped layer checked against transformers too."""

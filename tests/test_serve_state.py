@@ -73,7 +73,9 @@ def _disconnect_while_running(url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "small_n", [20, pytest.param(200, marks=pytest.mark.slow)], ids=["20-200", "200-2000"]
+    "small_n",
+    [pytest.param(20, marks=pytest.mark.slow), pytest.param(200, marks=pytest.mark.slow)],
+    ids=["20-200", "200-2000"],
 )
 def test_state_stays_flat_and_disconnects_are_cut_short(tiny_model, tmp_path, small_n):
     from consumers.export import IncompleteExportWarning, read_export
