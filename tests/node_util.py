@@ -60,6 +60,18 @@ def exit_within(proc: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
+def exit_codes(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """:func:`exit_within` of each process in turn; whatever still runs afterwards (an error
+    on the way included) has its process group killed."""
+    try:
+        return [exit_within(p, timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+
 def kill_group(proc: subprocess.Popen, but: str = "") -> list[int]:
     """SIGKILL the process's whole session, except processes whose command line contains
     ``but`` (when given); returns the pids killed."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 from node_util import (
     descendants,
+    exit_codes,
     exit_within,
     kill_group,
     leftover_shm,
@@ -237,13 +238,7 @@ def test_follower_with_other_consumers_is_refused_naming_both_sides(even_model, 
     leader, follower, _ = _nodes(
         even_model, ["--consumer", "stats"], tmp_path, follower_consumers=["--consumer", "esamp"]
     )
-    try:
-        codes = [exit_within(p, 300) for p in (leader, follower)]
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
+    codes = exit_codes([leader, follower], 300)
     for name in ("leader", "follower"):
         log = (tmp_path / f"{name}.log").read_text()
         assert "tllm settings differ between the nodes" in log, (name, log[-4000:])
@@ -408,13 +403,7 @@ def test_dp_follower_with_other_consumers_is_refused_naming_both_sides(tiny_mode
     leader, follower, _ = _dp_nodes(
         tiny_model, ["--consumer", "stats"], tmp_path, follower_consumers=["--consumer", "esamp"]
     )
-    try:
-        codes = [exit_within(p, 400) for p in (leader, follower)]
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(30)
+    codes = exit_codes([leader, follower], 400)
     for name in ("leader", "follower"):
         log = (tmp_path / f"{name}.log").read_text()
         assert "tllm settings differ between the nodes" in log, (name, log[-4000:])
