@@ -180,6 +180,68 @@ def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
     assert not any("residual" in e["error"] for e in report["errors"])
 
 
+def _stamps_in_flight(monkeypatch):
+    """As on a GPU: the step's stamps are still on their way to the host at its end."""
+    from tllm_core.runtime.stamp_reads import StampRead
+
+    monkeypatch.setattr(StampRead, "ready", lambda self: self._values is not None)
+
+
+def test_stamps_in_flight_deliver_stale_rows_as_nan_and_count_the_step_later(monkeypatch):
+    _stamps_in_flight(monkeypatch)
+    rt = _runtime({"name": "reader"})
+    rows, step = _step(rt)
+    step.stamps["residual.0"] = torch.tensor([step.step - 1])  # the forward skipped this tap
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    (b,) = rt.slots[0].consumer.bundles
+    # Delivered without waiting for the stamps: the stale port's rows read NaN, on the device.
+    assert torch.isnan(b.hidden["layer.0"]).all()
+    assert torch.equal(b.hidden["twice.1"], 2 * step.tensors["residual.1"])
+    # Nothing is counted before the stamps are read...
+    assert "rows_captured.twice.1" not in rt.counters.snapshot()
+    assert rt.counters.snapshot().get("stale_captures", 0) == 0
+    # ...and everything once they are (collect reads them).
+    report = rt.collect()
+    assert report["runtime"]["stale_captures"] == 1
+    assert report["runtime"]["rows_captured.twice.1"] == 1
+    assert "rows_captured.layer.0" not in report["runtime"]
+    assert any("'layer.0'" in e["error"] and "NaN" in e["error"] for e in report["errors"])
+
+
+def test_stamps_in_flight_written_taps_are_delivered_as_they_are(monkeypatch):
+    _stamps_in_flight(monkeypatch)
+    rt = _runtime({"name": "reader"})
+    rows, step = _step(rt)
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    (b,) = rt.slots[0].consumer.bundles
+    assert torch.equal(b.hidden["layer.0"], step.tensors["residual.0"])
+    report = rt.collect()
+    assert report["runtime"].get("stale_captures", 0) == 0 and not report["errors"]
+    assert report["runtime"]["rows_captured.layer.0"] == 1
+
+
+def test_end_step_makes_the_host_wait_for_nothing_on_a_gpu():
+    """Was: one blocking read of every stamp and edit count at each step's end (a host wait
+    per step, before the next forward is queued). Now one copy into pinned memory, read when
+    its event has completed."""
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    rt = _runtime({"name": "reader"})
+    with FakeCuda() as fc:
+        for _ in range(6):  # past the ring of pinned buffers
+            rows, step = _step(rt)
+            step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
+            step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
+            with fc.step():
+                rt.begin_step(rows, {})
+                rt.end_step(step)
+    waits = fc.findings(kind="host_wait")
+    assert not waits, waits
+    assert len(rt.slots[0].consumer.bundles) == 6
+
+
 def test_registry_parses_ports_and_names_bad_ones():
     reg = Registry()
     reg.register(_Plugin(), name="test-plugin")

@@ -137,6 +137,22 @@ def test_event_query_and_ordering_calls_wait_for_nothing():
     assert not fc.findings(phase=None, kind="host_wait")
 
 
+def test_a_copy_into_pinned_memory_without_blocking_waits_for_nothing():
+    def pinned(fc, t):
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+
+    def pageable(fc, t):
+        torch.empty(t.shape, dtype=t.dtype).copy_(t, non_blocking=True)
+
+    def blocking(fc, t):
+        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+    assert not _run(pinned, _dev(4)).findings(phase=None, kind="host_wait")
+    assert _run(pageable, _dev(4)).findings(phase=None, kind="host_wait")
+    assert _run(blocking, _dev(4)).findings(phase=None, kind="host_wait")
+
+
 def test_shapes_known_on_the_host_need_no_read():
     def known(fc, t):
         t.repeat_interleave(2)

@@ -3,7 +3,7 @@ bridge (which fills it) and the runtime and producers (which read it)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,9 @@ class StepCapture:
     # Static facts of taps whose tensor is not hidden-size rows, by tap key, set by the bridge
     # at install (``router.{i}``: ``width``, ``top_k``, ``renormalize``, ``routing``).
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Where the stamps then edit counts come from when not read here: a read already
+    # queued without waiting (``tllm_core.runtime.stamp_reads``), called when they are needed.
+    stamp_values: Callable[[], list[int]] | None = None
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
     # Inside unconfirmed(): the tap keys handed out without the stamp read.
@@ -76,13 +79,22 @@ class StepCapture:
         """RowInfo of the sampling rows, in logits order."""
         return self.rows.take(self.sample_token_row)
 
+    @property
+    def confirmed(self) -> bool:
+        """Whether the stamps have been read (:meth:`confirm` no longer reads anything)."""
+        return self._stale is not None
+
     def confirm(self) -> set[str]:
-        """Read every stamp and edit count once (one host read); returns the stale tap keys."""
+        """Read every stamp and edit count once (one host read, or :attr:`stamp_values`);
+        returns the stale tap keys."""
         if self._stale is None:
             stamps, edited = list(self.stamps), list(self.edited)
-            parts = [self.stamps[k].reshape(1) for k in stamps]
-            parts += [self.edited[k].reshape(1) for k in edited]
-            values = torch.cat(parts).cpu().tolist() if parts else []
+            if self.stamp_values is not None:
+                values = self.stamp_values()
+            else:
+                parts = [self.stamps[k].reshape(1) for k in stamps]
+                parts += [self.edited[k].reshape(1) for k in edited]
+                values = torch.cat(parts).cpu().tolist() if parts else []
             self._stale = {k for k, v in zip(stamps, values, strict=False) if v != self.step}
             self._edited_rows = dict(zip(edited, values[len(stamps) :], strict=True))
         return self._stale

@@ -80,21 +80,46 @@ def build_bundle(
     step: StepCapture,
     enabled: np.ndarray | None = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
+    unconfirmed: list[tuple[str, set[str]]] | None = None,
 ) -> Bundle | None:
     """The consumer's bundle for this step, or None when it selects no row.
 
     ``enabled`` masks token rows to requests the consumer acts on (per-request consumers).
     A port whose tap is stale is left out of the bundle and reported to ``on_stale``.
+
+    ``unconfirmed``: given while the step's stamps are not read yet (they are on their way
+    to the host), floating-point ports are cut without waiting for them: the rows of a port
+    whose taps this step's forward did not write read NaN (decided on the device), and
+    ``(port key, its tap keys)`` is appended for the caller to check once the stamps are
+    read. Other ports (integer tensors cannot be marked) wait for the stamps.
     """
     bundle = Bundle(step=step.step, rows=step.rows.take(np.zeros(0, np.int64)))
 
-    def read(r: PortRead) -> torch.Tensor | None:
+    def read(r: PortRead) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if unconfirmed is not None and not step.confirmed:
+            with step.unconfirmed() as taps:
+                t = r.producer.read(r.port, step)
+            ok = step.written(taps)
+            if ok is None:
+                return t, None
+            if t.is_floating_point():
+                unconfirmed.append((r.port.key, set(taps)))
+                return t, ok
         try:
-            return r.producer.read(r.port, step)
+            return r.producer.read(r.port, step), None
         except StaleTapError as e:
             if on_stale is not None:
                 on_stale(r.port.key, e)
+            return None, None
+
+    def cut(r: PortRead, idx: np.ndarray) -> torch.Tensor | None:
+        t, ok = read(r)
+        if t is None:
             return None
+        rows = _gather(t, idx)
+        if ok is not None:
+            rows.masked_fill_(~ok, float("nan"))
+        return rows
 
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
@@ -107,9 +132,9 @@ def build_bundle(
             for key, r in plan.token.items():
                 if r.phase is Phase.GUIDE:
                     continue  # read at guide time only
-                t = read(r)
+                t = cut(r, idx)
                 if t is not None:
-                    bundle.hidden[key] = _gather(t, idx)
+                    bundle.hidden[key] = t
     phase = ReadPlan.phase(plan.sample)
     if phase is not None:
         srows = step.sample_rows()
@@ -120,9 +145,9 @@ def build_bundle(
             idx = np.nonzero(mask)[0]
             bundle.sampled_rows = srows.take(idx)
             for key, r in plan.sample.items():
-                t = read(r)
+                t = cut(r, idx)
                 if t is not None:
-                    bundle.per_sample[key] = _gather(t, idx)
+                    bundle.per_sample[key] = t
     if not bundle.hidden and not bundle.per_sample:
         return None
     return bundle

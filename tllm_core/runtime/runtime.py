@@ -7,6 +7,7 @@ Engine-neutral: the vLLM bridge calls :meth:`begin_step`, :meth:`guide`,
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, plan_reads
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.runtime.stamp_reads import StampRead, StampReader
 
 log = logging.getLogger("tllm")
 
@@ -183,6 +185,10 @@ class Runtime:
         )
         self.step_index = 0
         self._guided = GuidedCounts()
+        self._stamps = StampReader()
+        # Steps delivered before their stamps reached the host, oldest first, each with the
+        # ports its bundles handed out unchecked: settled by _settle.
+        self._unsettled: deque[tuple[StepCapture, StampRead, list[tuple[str, set[str]]]]] = deque()
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None
         # Every port read by some consumer, by key (phases merged): what rows_captured counts.
@@ -341,7 +347,43 @@ class Runtime:
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
 
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: count what the taps confirm, deliver bundles, mark positions."""
+        """After sampling: deliver bundles, mark positions, and count what the taps confirm.
+
+        The stamps and edit counts go to the host without the host waiting for them
+        (``stamp_reads``). Where they are there at once (CPU), a stale tap is left out of the
+        bundles; otherwise its rows are delivered as NaN (decided on the device) and the
+        step is counted and checked once they arrive (:meth:`_settle`: at a later step's
+        end, at the latest when results are collected)."""
+        read = self._stamps.start(step.stamps, step.edited)
+        step.stamp_values = read.values
+        if read.ready():
+            step.confirm()
+        unchecked: list[tuple[str, set[str]]] = []
+        for s in self.slots:
+            if s.reads.empty:
+                continue
+            enabled = s.enabled(step.rows.requests)
+            bundle = build_bundle(s.reads, step, enabled, self._stale, unchecked)
+            if bundle is not None:
+                self.bus.publish(s.consumer, bundle)
+        for i, req in enumerate(step.rows.requests):
+            pos = int(step.rows.position[i])
+            if pos > req.max_position_seen:
+                req.max_position_seen = pos
+        self._unsettled.append((step, read, unchecked))
+        self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        """Count and check the delivered steps whose stamps have reached the host, in order
+        (``wait``: all of them, waiting for the device)."""
+        while self._unsettled:
+            step, read, unchecked = self._unsettled[0]
+            if not wait and not read.ready():
+                return
+            self._unsettled.popleft()
+            self._count_step(step, unchecked)
+
+    def _count_step(self, step: StepCapture, unchecked: list[tuple[str, set[str]]]) -> None:
         stale = step.confirm()
         for key, r in self._guide_reads.items():  # read at guide time only: no bundle reports it
             if r.phase is Phase.GUIDE and any(t.key in stale for t in r.producer.taps(r.port)):
@@ -350,6 +392,16 @@ class Runtime:
                     StaleTapError(
                         f"the tap of {key!r} was not written by step {step.step}'s forward "
                         "(stale buffer): the guide read NaN rows"
+                    ),
+                )
+        for key, taps in unchecked:
+            if taps & stale:
+                self._stale(
+                    key,
+                    StaleTapError(
+                        f"the tap of {tap_port_name(min(taps & stale))!r} was not written by "
+                        f"step {step.step}'s forward (stale buffer): {key!r} was delivered "
+                        "as NaN rows"
                     ),
                 )
         kept = int(step.sample_kept.sum())
@@ -364,16 +416,6 @@ class Runtime:
         for tap_key, n in step.edited_rows().items():
             self.counters.add("rows_edited", n)
             self.counters.add(f"rows_edited.{tap_port_name(tap_key)}", n)
-        for s in self.slots:
-            if s.reads.empty:
-                continue
-            bundle = build_bundle(s.reads, step, s.enabled(step.rows.requests), self._stale)
-            if bundle is not None:
-                self.bus.publish(s.consumer, bundle)
-        for i, req in enumerate(step.rows.requests):
-            pos = int(step.rows.position[i])
-            if pos > req.max_position_seen:
-                req.max_position_seen = pos
 
     def finish_requests(self, requests: list[RequestInfo]) -> None:
         for req in requests:
@@ -384,6 +426,7 @@ class Runtime:
 
     # -- results ----------------------------------------------------------------------
     def collect(self) -> dict[str, Any]:
+        self._settle(wait=True)
         self.bus.flush()
         rows, candidates = self._guided.drain()
         self.counters.add("rows_guided", rows)
