@@ -21,8 +21,11 @@ from tllm_core.api.ports import resolve_layer
 from tllm_core.api.rows import RequestInfo, RowInfo
 
 
-def _consumer(w: torch.Tensor, fast: bool, **cfg) -> ESampConsumer:
-    model = ModelInfo(H, 4, V, w.dtype, torch.device("cpu"), lambda z: z @ w.t(), w)
+def _consumer(w: torch.Tensor, fast: bool, plain_head: bool = True, **cfg) -> ESampConsumer:
+    # plain_head=False: no lm_head_weight (a quantized or soft-capped head): the model's head
+    # is called (it returns the model dtype, like vLLM's compute_logits)
+    weight = w if plain_head else None
+    model = ModelInfo(H, 4, V, w.dtype, torch.device("cpu"), lambda z: z @ w.t(), weight)
     c = ESampConsumer(
         ESampConfig(intermediate_size=INTER, cpu_update="inline", **cfg),
         ConsumerContext(model, lambda i: resolve_layer(i, 4)),
@@ -33,11 +36,13 @@ def _consumer(w: torch.Tensor, fast: bool, **cfg) -> ESampConsumer:
     return c
 
 
-def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tuple[list, dict]:
+def _run(
+    fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str, **more
+) -> tuple[list, dict]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(V, H, generator=g).to(dtype)
     extra = {"beta_schedule": "fit", "init": "zero", "lr": 1e-2} if fit else {}
-    c = _consumer(w, fast, mode=mode, mix=mix, beta=0.7, cuda_max_candidates=5, **extra)
+    c = _consumer(w, fast, mode=mode, mix=mix, beta=0.7, cuda_max_candidates=5, **extra, **more)
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(3)]
     reqs[4].extra_args = {"tllm_esamp_beta": 0.0}
     out = []
@@ -72,8 +77,28 @@ def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tupl
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_allocation_free_step_equals_the_general_cuda_branch(dtype, mode, mix, fit):
-    general, k_general = _run(False, dtype, mode, fit, mix)
-    fast, k_fast = _run(True, dtype, mode, fit, mix)
+    _check_equal(dtype, mode, mix, fit)
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+@pytest.mark.parametrize(
+    "mode,mix", [("post_filter", "logits"), ("full_vocab", "logits"), ("full_vocab", "latent")]
+)
+@pytest.mark.parametrize(
+    "more",
+    [{"ablation": "noise"}, {"ablation": "f_noise"}, {"plain_head": False}],
+    ids=["noise", "f_noise", "head_without_weight"],
+)
+def test_ablations_and_a_head_without_weight_equal_the_general_cuda_branch(more, mode, mix, fit):
+    """The noise ablations (the stand-in prediction made in the workspace from the same
+    generator) and a head given only as a callable (latent mixing then falls back to
+    logits), in bf16."""
+    _check_equal(torch.bfloat16, mode, mix, fit, **more)
+
+
+def _check_equal(dtype: torch.dtype, mode: str, mix: str, fit: bool, **more) -> None:
+    general, k_general = _run(False, dtype, mode, fit, mix, **more)
+    fast, k_fast = _run(True, dtype, mode, fit, mix, **more)
     for t, (a, b) in enumerate(zip(general, fast, strict=True)):
         assert torch.equal(a, b), (t, (a != b).sum())
     names = (

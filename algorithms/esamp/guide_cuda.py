@@ -11,7 +11,10 @@ with ``out=`` and in-place forms, and no host read.
   model dtype in the view buffers' masks, and written with ``GuideView.update_all`` (no
   copy of the logits to undo it). The head is the plain weight product (the runtime gives
   ``lm_head_weight`` only for such a head); without a weight the model's head is called
-  (it allocates its output).
+  on the workspace's model-dtype rows (it allocates its ``[rows, vocab]`` output, logged at
+  start; post-filter's gather of the candidates from it is a second, ``[R, k]``, one);
+- ablations 'noise' and 'f_noise': the stand-in prediction is made in the workspace from the
+  same generator, in the same order as the general path's.
 """
 
 from __future__ import annotations
@@ -44,9 +47,16 @@ def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) 
     idx, betas = st["idx"], st["betas"]
     x = _rows(view.hidden(s.src_key), idx, all_rows, ws, "x")
     # The update of the same rows reuses this forward (the rows' id says they are the same).
-    f = s.predict(torch.tensor(slots, dtype=torch.long), x, rows_id(view.step, view.rows, sel))
+    f = f_real = s.predict(
+        torch.tensor(slots, dtype=torch.long), x, rows_id(view.step, view.rows, sel)
+    )
+    if cfg.ablation == "noise":
+        f = _noise(g, ws, _rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb"), f)
+    elif cfg.ablation == "f_noise":
+        f = _f_noise(g, ws, f)
     if g.fit is not None:
-        rel = _relative_error(_rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb"), f, ws)
+        h_t = _rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb")
+        rel = _relative_error(h_t, f_real, ws)
         betas.mul_(g.fit.scale_into(ws, st["slots"], st["fresh"], rel))
     if not any(host_betas):
         return  # nothing written: vLLM's own sampling call goes on
@@ -75,6 +85,33 @@ def _rows(
     if t.dtype != buf.dtype:  # not the model dtype: gathered as it is (allocates)
         return t[idx]
     return torch.index_select(t, 0, idx, out=buf)
+
+
+def _unit_noise(g: GuideStep, out: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """Gaussian rows from the ablation's generator, scaled to unit norm (``n / ||n||``
+    clamped at 1e-12, as in :func:`~algorithms.esamp.guidance.noise_prediction`)."""
+    torch.randn(out.shape, generator=g._noise_gen, out=out)
+    torch.linalg.vector_norm(out, dim=-1, out=norm).clamp_min_(1e-12)
+    return out.div_(norm[:, None])
+
+
+def _noise(g: GuideStep, ws: GuideWorkspace, h_rows: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """:func:`~algorithms.esamp.guidance.noise_prediction` (``h_L - n``, ``n`` of the error's
+    norm) into the workspace's ``fn``; ``h_rows``: the target rows."""
+    n = f.shape[0]
+    h = ws.take("hf", n).copy_(h_rows)
+    out = ws.take("fn", n)
+    err = torch.linalg.vector_norm(torch.sub(h, f, out=out), dim=-1, out=ws.take("fn_err", n))
+    _unit_noise(g, out, ws.take("fn_norm", n)).mul_(err[:, None])
+    return torch.sub(h, out, out=out)
+
+
+def _f_noise(g: GuideStep, ws: GuideWorkspace, f: torch.Tensor) -> torch.Tensor:
+    """:func:`~algorithms.esamp.guidance.f_noise_prediction` (noise of ``f``'s norm) into the
+    workspace's ``fn``."""
+    n = f.shape[0]
+    norm = torch.linalg.vector_norm(f, dim=-1, out=ws.take("fn_err", n))
+    return _unit_noise(g, ws.take("fn", n), ws.take("fn_norm", n)).mul_(norm[:, None])
 
 
 def _relative_error(h: torch.Tensor, f: torch.Tensor, ws: GuideWorkspace) -> torch.Tensor:
@@ -124,8 +161,13 @@ def _mix_top(
     p, row_live = _positions(ws, r, idx, mixed)
     p_slot = ws.take("p_slot", r * k)
     p_slot.view(r, k).copy_(p[:, None].expand(r, k))  # each slot's row in f
-    dist_fn = candidate_dist_fn(f, g._weight, g._head)
-    dist = dist_fn(p_slot, top.tokens.reshape(-1), out=ws.take("dist", r * k)).view(r, k)
+    dist = ws.take("dist", r * k)
+    if g._weight is None:  # the model's own head (allocates its output), then the gather
+        hb = ws.take("hb", f.shape[0]).copy_(f)
+        dist.copy_(g.model.lm_head(hb)[p_slot, top.tokens.reshape(-1)])
+    else:
+        candidate_dist_fn(f, g._weight, g._head)(p_slot, top.tokens.reshape(-1), out=dist)
+    dist = dist.view(r, k)
     temp = view.temperature.to(top.logits.device).float()[:, None]
     # mix_candidates: (1 + beta) * ref - beta * dist / T
     beta = torch.index_select(betas, 0, p, out=ws.take("bp", r))[:, None]
@@ -180,7 +222,7 @@ def _head_into(
 ) -> torch.Tensor:
     """``GuideStep._head(z)`` (the model dtype's product, then fp32) into ``out``."""
     r = z.shape[0]
-    if g._weight is None:  # a head that is not a plain product: the model's own (allocates)
-        return out.copy_(g._head(z))
     hb = ws.take("hb", r).copy_(z)
+    if g._weight is None:  # a head that is not a plain product: the model's own (allocates)
+        return out.copy_(g.model.lm_head(hb))
     return out.copy_(torch.mm(hb, g._weight.t(), out=ws.proj(r)))

@@ -2,8 +2,9 @@
 decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
 each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
 
-On CUDA (without ablation or diagnostics) the step is :mod:`algorithms.esamp.guide_cuda`:
-the same math with every temporary preallocated, so it allocates nothing on the device."""
+On CUDA (without diagnostics) the step is :mod:`algorithms.esamp.guide_cuda`: the same math
+with every temporary preallocated, so it allocates nothing on the device (a head without a
+plain weight allocates its own output: logged at start, as diagnostics' host reads)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
 log = logging.getLogger("tllm")
 
+# Ablations that replace the prediction by seeded noise (the workspace then holds it).
+NOISE_ABLATIONS = ("noise", "f_noise")
 # What _add_guided sums per step, in order.
 _GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
 
@@ -84,6 +87,7 @@ class GuideStep:
         self._ws: GuideWorkspace | None = None
         if shared.on_cuda:
             self.workspace()
+            self._say_what_allocates()
 
     def workspace(self) -> GuideWorkspace:
         """The CUDA guidance's workspace (made on first use where the consumer switched to
@@ -99,18 +103,37 @@ class GuideStep:
                 s.distiller.capacity,
                 self.model.dtype,
                 self.model.device,
+                noise=s.cfg.ablation in NOISE_ABLATIONS,
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
         return self._ws
 
+    def _say_what_allocates(self) -> None:
+        """CUDA: one line at start for each setting that makes a guided step allocate on the
+        device or wait for it (docs/consumers/esamp.md, "On CUDA: what allocates")."""
+        if self.diagnostics is not None:
+            log.warning(
+                "esamp: diagnostics=true reads the step's records back every guided step: "
+                "on CUDA the host waits for the device and the step allocates per step "
+                "(the general guidance path); leave it off outside studies"
+            )
+        if self._weight is None:
+            cfg = self.s.cfg
+            mb = cfg.cuda_rows_per_step * self.model.vocab_size * self.model.dtype.itemsize / 1e6
+            log.warning(
+                "esamp: the model's LM head is not a plain weight product (no "
+                "lm_head_weight: a bias, soft-capping, a logit scale, tensor parallelism or "
+                "a quantized head): guidance calls it every step and it allocates its "
+                "[rows, vocab] output per step (%.0f MB at cuda_rows_per_step=%d in %s)",
+                mb,
+                cfg.cuda_rows_per_step,
+                str(self.model.dtype).removeprefix("torch."),
+            )
+
     def _fast_cuda(self) -> bool:
-        """Whether this step takes the allocation-free CUDA path (ablations and diagnostics
-        keep the general one)."""
-        return (
-            self.s.on_cuda
-            and self.s.cfg.ablation in ("none", "frozen")
-            and (self.diagnostics is None)
-        )
+        """Whether this step takes the allocation-free CUDA path (diagnostics keep the
+        general one: they read the host every step)."""
+        return self.s.on_cuda and self.diagnostics is None
 
     def _skip(self, reason: str, n: int) -> None:
         if n:

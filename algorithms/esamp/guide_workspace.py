@@ -57,11 +57,12 @@ def workspace_spec(
     mode: str,
     slots: int,
     dtype: torch.dtype,
+    noise: bool = False,
 ) -> WorkspaceSpec:
     """The parts (``rows`` = cuda_rows_per_step, ``slots`` the distiller's, ``dtype`` the
-    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, and per
+    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, per
     mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
-    mix."""
+    mix, and with ``noise`` (ablation 'noise' or 'f_noise') the stand-in prediction."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     r, h, f32 = rows, hidden, torch.float32
@@ -101,6 +102,9 @@ def workspace_spec(
         ("total", (), f32),
         ("zero", (), f32),
     ]
+    if noise:
+        # ablation 'noise'/'f_noise': the stand-in prediction and two norms per row
+        spec += [("fn", (r, h), f32), ("fn_err", (r,), f32), ("fn_norm", (r,), f32)]
     if mode != "full_vocab":
         k = min(max_candidates, vocab)
         spec += [
@@ -132,10 +136,11 @@ def guidance_workspace_bytes(
     mode: str,
     slots: int,
     dtype: torch.dtype,
+    noise: bool = False,
 ) -> int:
     """Device bytes of a :class:`GuideWorkspace` of these shapes (its allocation and its
     view buffers' one)."""
-    spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+    spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype, noise)
     return workspace_bytes(spec) + GuideBuffers.nbytes(
         rows, vocab, **_view_buffers_args(mode, max_candidates)
     )
@@ -155,9 +160,10 @@ class GuideWorkspace:
         slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        noise: bool = False,
     ):
         self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
-        spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+        spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype, noise)
         self.flat, self.parts = carve_workspace(spec, device)
         self.view_buffers = GuideBuffers(
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
