@@ -81,15 +81,22 @@ def decode_rows(device: torch.device, prompts: int, n: int) -> RowInfo:
     return RowInfo(np.arange(r), reqs, np.full(r, 5), np.ones(r, bool), np.zeros(r, bool), tokens)
 
 
-def step_inputs(device: torch.device, rows: RowInfo, t: int, filtered: bool, keys: tuple[str, ...]):
+def step_inputs(
+    device: torch.device,
+    rows: RowInfo,
+    t: int,
+    filtered: bool,
+    keys: tuple[str, ...],
+    greedy_rows: int = 0,
+):
     """The engine's tensors of step ``t``: the hidden states at ``keys`` (and the final
-    one), the logits and the guide view over them."""
+    one), the logits and the guide view over them (its last ``greedy_rows`` rows greedy,
+    so not guided)."""
     r = len(rows)
     hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=device) for k in {*keys, "final"}}
     logits = torch.zeros(r, V, device=device)
-    view = GuideView(
-        t, rows, logits, torch.ones(r, device=device), np.ones(r, bool), filtered, hidden
-    )
+    is_random = np.arange(r) < r - greedy_rows
+    view = GuideView(t, rows, logits, torch.ones(r, device=device), is_random, filtered, hidden)
     return view, Bundle(t, rows, hidden)
 
 
@@ -100,9 +107,11 @@ def run(
     fit: bool,
     steps: int = 3,
     plain_head: bool = True,
+    greedy_rows: int = 0,
     **options: Any,
 ) -> dict[str, Any]:
-    """One configuration: the last step's counts. ``options``: more ESampConfig fields."""
+    """One configuration: the last step's counts. ``options``: more ESampConfig fields;
+    ``greedy_rows``: rows of the counted steps that are greedy (not guided)."""
     cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {}), **options}
     gpu_path = factory.uses_gpu_path
     factory.uses_gpu_path = lambda device: True
@@ -121,7 +130,10 @@ def run(
 
             one(0)  # the groups' slots are allocated (host bookkeeping)
             # The engine's tensors of each step (made by vLLM, not by the step).
-            inputs = [step_inputs(fc.device, rows, t, filtered, keys) for t in range(1, steps + 1)]
+            inputs = [
+                step_inputs(fc.device, rows, t, filtered, keys, greedy_rows)
+                for t in range(1, steps + 1)
+            ]
             fc.start_steps()
             for view, bundle in inputs:
                 with fc.step():

@@ -76,6 +76,9 @@ def test_the_noise_ablations_take_the_allocation_free_step(ablation, mode, fit):
         # a filtered view: post-filter on the 'auto' workspace
         pytest.param((8, 16), "auto", {}, id="auto"),
         pytest.param((8, 16), "post_filter", {"cuda_max_candidates": 1000}, id="k1000"),
+        # one guided row of 128: the [R, k] search's pairs outnumber a quarter of its logits
+        # (the whole-vocabulary product once took over here: 4 allocations)
+        pytest.param((8, 16), "post_filter", {"cuda_max_candidates": 300, "greedy_rows": 127}, id="k300-one-row"),
     ],
 )  # fmt: skip
 def test_settings_that_change_the_guided_step_stay_allocation_free(layout, mode, options):

@@ -165,8 +165,9 @@ def _mix_top(
     if g._weight is None:  # the model's own head (allocates its output), then the gather
         hb = ws.take("hb", f.shape[0]).copy_(f)
         dist.copy_(g.model.lm_head(hb)[p_slot, top.tokens.reshape(-1)])
-    else:
-        candidate_dist_fn(f, g._weight, g._head)(p_slot, top.tokens.reshape(-1), out=dist)
+    else:  # the gather-dot at any k (GuideStep.TOP_DENSE_FRACTION)
+        dist_fn = candidate_dist_fn(f, g._weight, g._head, g.TOP_DENSE_FRACTION)
+        dist_fn(p_slot, top.tokens.reshape(-1), out=dist)
     dist = dist.view(r, k)
     temp = view.temperature.to(top.logits.device).float()[:, None]
     # mix_candidates: (1 + beta) * ref - beta * dist / T

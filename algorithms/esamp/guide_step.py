@@ -9,6 +9,7 @@ plain weight allocates its own output: logged at start, as diagnostics' host rea
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +64,12 @@ def _f_positions(n_rows: int, m: _Mix) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GuideStep:
+    # CUDA post-filter: the [R, k] candidates' dist logits by the gather-dot at any k (never
+    # the whole-vocabulary product: it allocates [rows, V] and reads the whole head, where
+    # the gather reads R * k head rows; the search's slots of rows not guided count in R * k,
+    # so a step with few guided rows would otherwise switch at a k of a few hundred).
+    TOP_DENSE_FRACTION = math.inf
+
     def __init__(
         self,
         shared: Shared,
@@ -300,7 +307,7 @@ class GuideStep:
         n_rows, k = top.tokens.shape
         p, row_live = _f_positions(n_rows, m)
         p_slot = p[:, None].expand(n_rows, k).reshape(-1)  # each slot's row in f
-        dist_fn = candidate_dist_fn(f, self._weight, self._head)
+        dist_fn = candidate_dist_fn(f, self._weight, self._head, self.TOP_DENSE_FRACTION)
         dist = dist_fn(p_slot, top.tokens.reshape(-1)).view(n_rows, k)
         temp = view.temperature.to(top.logits.device).float()[:, None]
         mixed_logits = mix_candidates(top.logits, dist, betas[p][:, None], temp)
