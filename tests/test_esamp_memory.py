@@ -195,4 +195,10 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype, ablation
         max_candidates=9, mode=mode, dtype=dtype, noise=ablation != "none",
     )  # fmt: skip
     assert plan.guidance_workspace_bytes == _tensor_bytes(*flats)
+    # The consumer's own plan (its default slots) has the same guidance term for its slots.
+    own = mp.plan_memory(
+        h, v, slots=c.memory_plan.slots, graph_rows=16, rows_per_step=r, intermediate_size=32,
+        max_candidates=9, mode=mode, dtype=dtype, noise=ablation != "none",
+    )  # fmt: skip
+    assert c.memory_plan.guidance_workspace_bytes == own.guidance_workspace_bytes
     c.close()
