@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_esamp_math import INTER, H, V, _filtered_logits
 
+from algorithms.esamp import guide_workspace
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
 from tllm_core.api.bundles import Bundle, GuideView
@@ -67,9 +68,11 @@ def _run(
         view.commit()
         out.append(view.logits.clone())
         c.on_bundle(Bundle(t, rows, {k: v.clone() for k, v in hidden.items()}))
-    res = c.result()["counters"]
+    res = c.result()
+    records = c.guide_step.records
     c.close()
-    return out, res
+    full_reads = None if records is None else records.full_reads
+    return out, {**res["counters"], "diagnostics": res.get("diagnostics"), "full_reads": full_reads}
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
@@ -92,14 +95,16 @@ def test_allocation_free_step_equals_the_general_cuda_branch(dtype, mode, mix, f
         {"ablation": "f_noise"},
         {"plain_head": False},
         {"cuda_max_candidates": 30},
+        {"diagnostics": True},
     ],
-    ids=["noise", "f_noise", "head_without_weight", "k30"],
+    ids=["noise", "f_noise", "head_without_weight", "k30", "diagnostics"],
 )
 def test_ablations_and_a_head_without_weight_equal_the_general_cuda_branch(more, mode, mix, fit):
     """The noise ablations (the stand-in prediction made in the workspace from the same
     generator), a head given only as a callable (latent mixing then falls back to logits)
     and 30 candidates of 40 tokens per row (more pairs than a quarter of the guided rows'
-    logits: the gather-dot still), in bf16."""
+    logits: the gather-dot still), in bf16; diagnostics: the records made on the device (read
+    at the end) equal the general path's (the candidate shift's tv to rounding)."""
     _check_equal(torch.bfloat16, mode, mix, fit, **more)
 
 
@@ -123,6 +128,36 @@ def _check_equal(dtype: torch.dtype, mode: str, mix: str, fit: bool, **more) -> 
         assert k_fast["candidates_over_cap"] > 0  # 7 candidates, 5 mixed: 2 dropped per row
     if fit:
         assert 0 < k_fast["fit_scale_mean"] < 1
+    if more.get("diagnostics"):
+        _check_diagnostics(k_general, k_fast, mode)
+
+
+def _check_diagnostics(k_general: dict, k_fast: dict, mode: str) -> None:
+    d_general, d_fast = k_general["diagnostics"], k_fast["diagnostics"]
+    assert d_fast["rel_err_curve"] == d_general["rel_err_curve"]
+    assert len(d_fast["rel_err_curve"]) >= 4  # the groups' steps 0.. were recorded
+    for n in ("diag_rows", "diag_top_changed"):
+        assert k_fast[n] == k_general[n], n
+    if mode == "full_vocab":  # the candidate shift is post-filter's
+        assert d_fast["age"] == [] and k_fast["diag_rows"] == 0
+        return
+    assert k_fast["diag_rows"] > 0
+    for n in ("age", "rel_err", "candidates", "top_ref", "top_new", "beta"):
+        assert d_fast[n] == d_general[n], n
+    assert d_fast["tv"] == pytest.approx(d_general["tv"], rel=1e-5, abs=1e-7)
+    assert max(d_fast["tv"]) > 0
+
+
+def test_diagnostics_records_survive_a_full_ring(monkeypatch):
+    """A ring of 2 steps over 5 guided steps: read when full (the host waits there, once
+    per ring), then reused; the records equal the general path's all the same."""
+    monkeypatch.setattr(guide_workspace, "DIAG_STEPS", 2)
+    general, k_general = _run(
+        False, torch.bfloat16, "post_filter", True, "logits", diagnostics=True
+    )
+    fast, k_fast = _run(True, torch.bfloat16, "post_filter", True, "logits", diagnostics=True)
+    assert k_fast["full_reads"] == 2  # steps 3 and 5 found the ring full
+    _check_diagnostics(k_general, k_fast, "post_filter")
 
 
 def test_a_step_with_more_rows_than_planned_is_refused_by_name():

@@ -133,6 +133,7 @@ class ESampConsumer(Consumer):
             mode=config.mode,
             dtype=model.dtype,
             noise=config.ablation in NOISE_ABLATIONS,
+            diagnostics=config.diagnostics,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

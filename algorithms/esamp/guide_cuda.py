@@ -30,6 +30,7 @@ from tllm_core import FINAL, GuideView
 
 if TYPE_CHECKING:
     from algorithms.esamp.guide_step import GuideStep
+    from tllm_core.api.candidates import TopCandidates
 
 
 def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) -> None:
@@ -54,17 +55,25 @@ def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) 
         f = _noise(g, ws, _rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb"), f)
     elif cfg.ablation == "f_noise":
         f = _f_noise(g, ws, f)
-    if g.fit is not None:
+    if g.fit is not None or g.records is not None:
         h_t = _rows(view.hidden(s.tgt_key), idx, all_rows, ws, "hb")
         rel = _relative_error(h_t, f_real, ws)
+    if g.fit is not None:
         betas.mul_(g.fit.scale_into(ws, st["slots"], st["fresh"], rel))
+    post_filter = cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered)
+    rec = None
+    if g.records is not None:  # diagnostics: this step's rows in the device ring
+        ages = [g.groups.by_slot[x].age for x in slots]
+        rec = g.records.begin(ages, shift=post_filter and any(host_betas))
+        rec[:n, 0].copy_(rel)
+        rec[:n, 5].copy_(betas)
     if not any(host_betas):
         return  # nothing written: vLLM's own sampling call goes on
     mixed = _mixed(f, betas, ws)
     before = ws.take("before", r).copy_(view.changed_per_row())
     counts = ws.parts["counts"]
-    if cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered):
-        _mix_top(g, view, ws, idx, f, betas, mixed, out_over=counts[2])
+    if post_filter:
+        _mix_top(g, view, ws, idx, f, betas, mixed, out_over=counts[2], rec=rec)
     else:
         counts[2].zero_()
         _mix_full(g, view, ws, idx, f, betas, mixed, all_rows)
@@ -153,9 +162,11 @@ def _mix_top(
     betas: torch.Tensor,
     mixed: torch.Tensor,
     out_over: torch.Tensor,
+    rec: torch.Tensor | None = None,
 ) -> None:
     """``GuideStep._mix_top_candidates``: the mix on each row's ``cuda_max_candidates``
-    highest candidates; the number dropped goes to ``out_over``."""
+    highest candidates; the number dropped goes to ``out_over``; with ``rec`` (diagnostics)
+    the candidate shift of each guided row into its columns 1-4."""
     top = view.top_candidates(g.s.cfg.cuda_max_candidates, buffers=ws.view_buffers)
     r, k = top.tokens.shape
     p, row_live = _positions(ws, r, idx, mixed)
@@ -177,8 +188,55 @@ def _mix_top(
     new.sub_(dist.mul_(beta).div_(temp))
     live = torch.logical_and(row_live[:, None], top.valid, out=ws.take("live_k", r))
     torch.where(live, new, top.logits, out=new)
+    if rec is not None:
+        _shift_into(ws, top, new, live, idx, rec)
     view.update_top_candidates(top, new, drop_rest=row_live)
     torch.sum(torch.mul(top.over_cap, row_live, out=ws.take("over", r)), 0, out=out_over)
+
+
+def _probs(ws: GuideWorkspace, x: torch.Tensor, live: torch.Tensor, out: str) -> torch.Tensor:
+    """Softmax of each row's ``live`` entries of ``x [R, k]`` (0 elsewhere) into part
+    ``out``; the masked logits stay in ``dg_x``."""
+    r = x.shape[0]
+    xm = torch.where(live, x, ws.parts["ninf"], out=ws.take("dg_x", r))
+    mx = torch.amax(xm, -1, keepdim=True, out=ws.take("dg_mx", r))
+    e = torch.exp(torch.sub(xm, mx, out=ws.take(out, r)), out=ws.take(out, r))
+    return e.div_(torch.sum(e, -1, keepdim=True, out=ws.take("dg_s", r)))
+
+
+def _top_token(ws: GuideWorkspace, xm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's token of highest masked logit (the first of ties), ``[R, 1]``."""
+    r = xm.shape[0]
+    arg = torch.argmax(xm, -1, keepdim=True, out=ws.take("dg_arg", r))
+    return torch.gather(tokens, 1, arg, out=ws.take("dg_tok", r))
+
+
+def _shift_into(
+    ws: GuideWorkspace,
+    top: TopCandidates,
+    new: torch.Tensor,
+    live: torch.Tensor,
+    idx: torch.Tensor,
+    rec: torch.Tensor,
+) -> None:
+    """:func:`~algorithms.esamp.guidance.candidate_shift` of each view row's ``live``
+    candidates (``top.logits`` before, ``new`` after) on the fixed ``[R, k]`` grid, the
+    guided rows' values (in ``idx`` order) into ``rec``'s columns candidates, top_ref,
+    top_new, tv. Rows without live candidates get garbage there and a count of 0 (not
+    recorded). Sums over a row's candidates in another order than the general path's
+    ``index_add_``: tv may differ in its last bits."""
+    r = top.tokens.shape[0]
+    rows = ws.take("dg_rows", r)
+    torch.sum(live, -1, out=ws.take("dg_cnt", r))
+    rows[:, 1].copy_(ws.parts["dg_cnt"][:r])
+    p = _probs(ws, top.logits, live, "dg_p")
+    rows[:, 2:3].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
+    q = _probs(ws, new, live, "dg_q")
+    rows[:, 3:4].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
+    torch.sum(p.sub_(q).abs_(), -1, out=rows[:, 4]).div_(2)
+    n = idx.numel()
+    torch.index_select(rows[:, 1:5], 0, idx, out=ws.take("dg_sel", n))
+    rec[:n, 1:5].copy_(ws.take("dg_sel", n))
 
 
 def _mix_full(

@@ -2,9 +2,9 @@
 decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
 each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
 
-On CUDA (without diagnostics) the step is :mod:`algorithms.esamp.guide_cuda`: the same math
-with every temporary preallocated, so it allocates nothing on the device (a head without a
-plain weight allocates its own output: logged at start, as diagnostics' host reads)."""
+On CUDA the step is :mod:`algorithms.esamp.guide_cuda`: the same math with every temporary
+preallocated, so it allocates nothing on the device (a head without a plain weight
+allocates its own output: logged at start)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from algorithms.esamp.diagnostics import Diagnostics
+from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
@@ -92,6 +92,7 @@ class GuideStep:
         self._warned_cap = False
         # CUDA: the step's temporaries, made now (before vLLM sizes the KV cache).
         self._ws: GuideWorkspace | None = None
+        self.records: DeviceRecords | None = None  # CUDA diagnostics: the device's records
         if shared.on_cuda:
             self.workspace()
             self._say_what_allocates()
@@ -111,19 +112,16 @@ class GuideStep:
                 self.model.dtype,
                 self.model.device,
                 noise=s.cfg.ablation in NOISE_ABLATIONS,
+                diagnostics=self.diagnostics is not None,
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
+            if self.diagnostics is not None:
+                self.records = DeviceRecords(self.diagnostics, self._ws.parts["dg_ring"])
         return self._ws
 
     def _say_what_allocates(self) -> None:
-        """CUDA: one line at start for each setting that makes a guided step allocate on the
-        device or wait for it (docs/consumers/esamp.md, "On CUDA: what allocates")."""
-        if self.diagnostics is not None:
-            log.warning(
-                "esamp: diagnostics=true reads the step's records back every guided step: "
-                "on CUDA the host waits for the device and the step allocates per step "
-                "(the general guidance path); leave it off outside studies"
-            )
+        """CUDA: one line at start for a setting that makes a guided step allocate on the
+        device (docs/consumers/esamp.md, "On CUDA: what allocates per step")."""
         if self._weight is None:
             cfg = self.s.cfg
             mb = cfg.cuda_rows_per_step * self.model.vocab_size * self.model.dtype.itemsize / 1e6
@@ -138,9 +136,9 @@ class GuideStep:
             )
 
     def _fast_cuda(self) -> bool:
-        """Whether this step takes the allocation-free CUDA path (diagnostics keep the
-        general one: they read the host every step)."""
-        return self.s.on_cuda and self.diagnostics is None
+        """Whether this step takes the allocation-free CUDA path (tests compare it with the
+        general CUDA branch by turning it off)."""
+        return self.s.on_cuda
 
     def _skip(self, reason: str, n: int) -> None:
         if n:
@@ -241,6 +239,8 @@ class GuideStep:
         top-k filter the user did not ask for)."""
         if self.fit is not None:
             self.fit.read()
+        if self.records is not None:
+            self.records.read()
         counts = None
         if self._guided is not None:
             counts, self._guided = self._guided.tolist(), None
