@@ -14,7 +14,9 @@ with ``out=`` and in-place forms, and no host read.
   on the workspace's model-dtype rows (it allocates its ``[rows, vocab]`` output, logged at
   start; post-filter's gather of the candidates from it is a second, ``[R, k]``, one);
 - ablations 'noise' and 'f_noise': the stand-in prediction is made in the workspace from the
-  same generator, in the same order as the general path's.
+  same generator, in the same order as the general path's;
+- diagnostics: each guided row's values go into the workspace's ring
+  (:class:`~algorithms.esamp.diagnostics.DeviceRecords`), read where a sync is paid anyway.
 """
 
 from __future__ import annotations
