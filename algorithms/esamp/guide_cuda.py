@@ -65,7 +65,7 @@ def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) 
     post_filter = cfg.mode == "post_filter" or (cfg.mode == "auto" and view.filtered)
     rec = None
     if g.records is not None:  # diagnostics: this step's rows in the device ring
-        ages = [g.groups.by_slot[x].age for x in slots]
+        ages = [g.groups.by_slot[slot].age for slot in slots]
         rec = g.records.begin(ages, shift=post_filter and any(host_betas))
         rec[:n, 0].copy_(rel)
         rec[:n, 5].copy_(betas)
