@@ -2,12 +2,14 @@
 submission (and the distiller alone) on the fake CUDA device of ``tllm_core.testing.fake_cuda``
 at Qwen2.5-7B's shapes (hidden 3584, vocabulary 152064, bf16 states):
 
-    python benchmarks/esamp_fake_step.py [--json] [--steps 3]
+    python benchmarks/esamp_fake_step.py [--json] [--steps 3] [--configs]
 
 Per step and layout (prompts x samples: 8 x 16, 1 x 128, 64 x 16), mode (post_filter,
 full_vocab) and beta schedule (constant, fit): launches (aten operations on the device, a
 graph replay counting the operations it captured), bytes they read and write, device
-allocations, host waits and pageable copies (must be 0). Host time is not measured here:
+allocations, host waits and pageable copies (must be 0). ``--configs``: the same at 8 x 16
+for each setting of ``CONFIGS`` (ablations, diagnostics, a head without its weight...: which
+of them allocate or wait is in docs/consumers/esamp.md). Host time is not measured here:
 the checker's dispatch mode costs more than the step (``benchmarks/gpu_smoke.py`` times it).
 
 Nothing here runs on a GPU; the GPU figures come from ``benchmarks/gpu_smoke.py``.
@@ -38,13 +40,36 @@ from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
 
 H, V, LAYERS = 3584, 152064, 28
 LAYOUTS = ((8, 16), (1, 128), (64, 16))
+# Settings that change what a step runs, each counted at 8 x 16 in both modes (constant beta;
+# the noise ablations with 'fit' too). plain_head=False: a head given without its weight.
+CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ablation=noise", {"ablation": "noise"}),
+    ("ablation=f_noise", {"ablation": "f_noise"}),
+    ("ablation=noise, fit", {"ablation": "noise", "beta_schedule": "fit"}),
+    ("ablation=f_noise, fit", {"ablation": "f_noise", "beta_schedule": "fit"}),
+    ("ablation=frozen", {"ablation": "frozen"}),
+    ("diagnostics=true", {"diagnostics": True}),
+    ("head without lm_head_weight", {"plain_head": False}),
+    ("mix=latent", {"mix": "latent"}),
+    ("target_layer=20, mix=latent", {"target_layer": 20, "mix": "latent"}),
+    ("init=zero_output", {"init": "zero_output"}),
+    ("scope=batch", {"scope": "batch"}),
+    ("optimizer_stats=true", {"optimizer_stats": True}),
+    ("cuda_adam_moments=bfloat16", {"cuda_adam_moments": "bfloat16"}),
+    ("use_cuda_graph=false", {"use_cuda_graph": False}),
+    ("cuda_max_candidates=1000", {"cuda_max_candidates": 1000}),
+)
 
 
-def consumer(device: torch.device, prompts: int, n: int, **cfg: Any) -> ESampConsumer:
+def consumer(
+    device: torch.device, prompts: int, n: int, plain_head: bool = True, **cfg: Any
+) -> ESampConsumer:
     """The ESamp consumer on a 7B-shaped model on ``device``, taking the CUDA path (the
-    caller makes ``factory.uses_gpu_path`` true for the fake device)."""
+    caller makes ``factory.uses_gpu_path`` true for the fake device). ``plain_head=False``:
+    the model gives no ``lm_head_weight`` (a quantized or soft-capped head), only the call."""
     w = torch.zeros(V, H, dtype=torch.bfloat16, device=device)
-    model = ModelInfo(H, LAYERS, V, torch.bfloat16, device, lambda z: z @ w.t(), w)
+    weight = w if plain_head else None
+    model = ModelInfo(H, LAYERS, V, torch.bfloat16, device, lambda z: z @ w.t(), weight)
     ctx = ConsumerContext(model, lambda i: resolve_layer(i, LAYERS))
     return ESampConsumer(ESampConfig(cuda_rows_per_step=prompts * n, **cfg), ctx)
 
@@ -56,38 +81,59 @@ def decode_rows(device: torch.device, prompts: int, n: int) -> RowInfo:
     return RowInfo(np.arange(r), reqs, np.full(r, 5), np.ones(r, bool), np.zeros(r, bool), tokens)
 
 
-def step_inputs(device: torch.device, rows: RowInfo, t: int, filtered: bool):
+def step_inputs(
+    device: torch.device,
+    rows: RowInfo,
+    t: int,
+    filtered: bool,
+    keys: tuple[str, ...],
+    greedy_rows: int = 0,
+):
+    """The engine's tensors of step ``t``: the hidden states at ``keys`` (and the final
+    one), the logits and the guide view over them (its last ``greedy_rows`` rows greedy,
+    so not guided)."""
     r = len(rows)
-    hidden = {
-        k: torch.zeros(r, H, dtype=torch.bfloat16, device=device) for k in ("layer.0", "final")
-    }
+    hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=device) for k in {*keys, "final"}}
     logits = torch.zeros(r, V, device=device)
-    view = GuideView(
-        t, rows, logits, torch.ones(r, device=device), np.ones(r, bool), filtered, hidden
-    )
+    is_random = np.arange(r) < r - greedy_rows
+    view = GuideView(t, rows, logits, torch.ones(r, device=device), is_random, filtered, hidden)
     return view, Bundle(t, rows, hidden)
 
 
-def run(prompts: int, n: int, mode: str, fit: bool, steps: int = 3) -> dict[str, Any]:
-    """One configuration: the step's counts (last step) and host time (median)."""
-    cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {})}
+def run(
+    prompts: int,
+    n: int,
+    mode: str,
+    fit: bool,
+    steps: int = 3,
+    plain_head: bool = True,
+    greedy_rows: int = 0,
+    **options: Any,
+) -> dict[str, Any]:
+    """One configuration: the last step's counts. ``options``: more ESampConfig fields;
+    ``greedy_rows``: rows of the counted steps that are greedy (not guided)."""
+    cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {}), **options}
     gpu_path = factory.uses_gpu_path
     factory.uses_gpu_path = lambda device: True
     try:
         with FakeCuda() as fc:
-            c = consumer(fc.device, prompts, n, **cfg)
+            c = consumer(fc.device, prompts, n, plain_head, **cfg)
             rows = decode_rows(fc.device, prompts, n)
-            filtered = mode == "post_filter"
+            filtered = mode != "full_vocab"  # 'auto' takes its post-filter branch here
+            keys = (c.shared.src_key, c.shared.tgt_key)
 
             def one(t: int) -> None:
-                view, bundle = step_inputs(fc.device, rows, t, filtered)
+                view, bundle = step_inputs(fc.device, rows, t, filtered, keys)
                 c.guide(view)
                 view.commit()
                 c.on_bundle(bundle)
 
             one(0)  # the groups' slots are allocated (host bookkeeping)
             # The engine's tensors of each step (made by vLLM, not by the step).
-            inputs = [step_inputs(fc.device, rows, t, filtered) for t in range(1, steps + 1)]
+            inputs = [
+                step_inputs(fc.device, rows, t, filtered, keys, greedy_rows)
+                for t in range(1, steps + 1)
+            ]
             fc.start_steps()
             for view, bundle in inputs:
                 with fc.step():
@@ -110,6 +156,7 @@ def run(prompts: int, n: int, mode: str, fit: bool, steps: int = 3) -> dict[str,
         "n": n,
         "mode": mode,
         "fit": fit,
+        "options": {**options, **({} if plain_head else {"plain_head": False})},
         "launches": last["launches"],
         "bytes": last["bytes"],
         "allocations": last["allocation"],
@@ -128,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
     args = p.parse_args(argv)
     out = [
         run(pr, n, mode, fit, args.steps)
@@ -135,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("post_filter", "full_vocab")
         for fit in (False, True)
     ]
+    configs = []
+    if args.configs:
+        for name, opts in CONFIGS:
+            fit = opts.get("beta_schedule") == "fit"
+            rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
+            for mode in ("post_filter", "full_vocab"):
+                configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "results": out}))
+        print(json.dumps({"torch": torch.__version__, "results": out, "configurations": configs}))
         return 0
     print(
         "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits "
@@ -149,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
             f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} | {r['pageable_copies']} |"
         )
+    if configs:
+        print("\n| 8 x 16, setting | mode | launches | GB moved | allocations (MB) | host waits |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in configs:
+            print(
+                f"| {r['config']} | {r['mode']} | {r['launches']} | {r['bytes'] / 1e9:.2f} | "
+                f"{r['allocations']} ({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} |"
+            )
     return 0
 
 

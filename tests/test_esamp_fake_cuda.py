@@ -5,11 +5,14 @@ mixing modes, with ``beta_schedule`` constant and 'fit'. The step must not make 
 wait for the device, copy from pageable memory, use a stream's cuBLAS for the first time or
 allocate on the device (its temporaries are the guidance workspace's, made with the
 consumer and counted in the memory plan); the distiller's work is its two graph replays.
+The same holds for the noise ablations, diagnostics and the settings that change the guided
+step; a head given without its weight allocates its output, and must say so at start.
 Launches and bytes per step: docs/results.md."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -40,3 +43,76 @@ def test_a_long_group_replays_its_layout_and_stays_clean(mode, fit):
     res = run(1, 128, mode, fit, steps=1)
     assert res["failures"] == [] and res["graph_replays"] == 2, res
     assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
+
+
+def _clean(res: dict) -> None:
+    assert res["failures"] == [] and res["host_waits"] == res["pageable_copies"] == 0, res
+    assert res["first_cublas"] == 0
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+@pytest.mark.parametrize("ablation", ["noise", "f_noise"])
+def test_the_noise_ablations_take_the_allocation_free_step(ablation, mode, fit):
+    """The stand-in prediction is made in the guidance workspace (its noise part is in the
+    memory plan only for these ablations)."""
+    res = run(8, 16, mode, fit, steps=1, ablation=ablation)
+    _clean(res)
+    assert res["graph_replays"] == 2
+    assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
+
+
+@pytest.mark.parametrize(
+    "layout,mode,options",
+    [
+        pytest.param((1, 128), "full_vocab", {"ablation": "noise", "beta_schedule": "fit"}, id="noise-fit-1x128"),
+        pytest.param((8, 16), "post_filter", {"ablation": "frozen"}, id="frozen"),
+        pytest.param((8, 16), "full_vocab", {"mix": "latent"}, id="latent"),
+        # the latent mix falls back to logits for a non-final target
+        pytest.param((8, 16), "full_vocab", {"target_layer": 20, "mix": "latent"}, id="layer20-latent"),
+        pytest.param((8, 16), "post_filter", {"target_layer": 20, "beta_schedule": "fit"}, id="layer20-fit"),
+        pytest.param((8, 16), "full_vocab", {"init": "zero_output"}, id="zero_output"),
+        pytest.param((8, 16), "post_filter", {"scope": "batch"}, id="scope-batch"),
+        # a filtered view: post-filter on the 'auto' workspace
+        pytest.param((8, 16), "auto", {}, id="auto"),
+        pytest.param((8, 16), "post_filter", {"cuda_max_candidates": 1000}, id="k1000"),
+        # one guided row of 128: the [R, k] search's pairs outnumber a quarter of its logits
+        # (the whole-vocabulary product once took over here: 4 allocations)
+        pytest.param((8, 16), "post_filter", {"cuda_max_candidates": 300, "greedy_rows": 127}, id="k300-one-row"),
+    ],
+)  # fmt: skip
+def test_settings_that_change_the_guided_step_stay_allocation_free(layout, mode, options):
+    opts = dict(options)
+    fit = opts.pop("beta_schedule", None) == "fit"
+    res = run(*layout, mode, fit, steps=1, **opts)
+    _clean(res)
+    assert res["graph_replays"] == (1 if opts.get("ablation") == "frozen" else 2), res
+    assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
+
+
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+def test_a_head_without_its_weight_allocates_only_its_output_and_says_so(mode, caplog):
+    """A head given only as a callable (quantized, soft-capped: vLLM gives no
+    lm_head_weight) is called on the workspace's rows; its [R, V] output (bf16 here) is the
+    step's allocation, plus post-filter's gather of the [R, k] candidates from it."""
+    with caplog.at_level(logging.WARNING, logger="tllm"):
+        res = run(8, 16, mode, False, steps=1, plain_head=False)
+    _clean(res)
+    head = 128 * 152064 * 2
+    extra = 128 * 64 * 2 if mode == "post_filter" else 0  # the candidates' gather
+    assert res["allocated_bytes"] == head + extra, res["allocation_sites"]
+    assert res["allocations"] == (2 if extra else 1), res["allocation_sites"]
+    said = [r.getMessage() for r in caplog.records if "lm_head_weight" in r.getMessage()]
+    assert len(said) == 1 and "allocates its [rows, vocab] output per step" in said[0]
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+def test_diagnostics_record_on_the_device_without_a_wait(mode, fit, caplog):
+    """diagnostics=true: each step's records go into a ring in the workspace, read at the
+    next blocking read-back (or when full, once per 256 guided steps), not in the step."""
+    with caplog.at_level(logging.WARNING, logger="tllm"):
+        res = run(8, 16, mode, fit, steps=1, diagnostics=True)
+    _clean(res)
+    assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
+    assert caplog.records == []  # nothing to say at start

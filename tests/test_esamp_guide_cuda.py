@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_esamp_math import INTER, H, V, _filtered_logits
 
+from algorithms.esamp import guide_workspace
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
 from tllm_core.api.bundles import Bundle, GuideView
@@ -21,8 +22,11 @@ from tllm_core.api.ports import resolve_layer
 from tllm_core.api.rows import RequestInfo, RowInfo
 
 
-def _consumer(w: torch.Tensor, fast: bool, **cfg) -> ESampConsumer:
-    model = ModelInfo(H, 4, V, w.dtype, torch.device("cpu"), lambda z: z @ w.t(), w)
+def _consumer(w: torch.Tensor, fast: bool, plain_head: bool = True, **cfg) -> ESampConsumer:
+    # plain_head=False: no lm_head_weight (a quantized or soft-capped head): the model's head
+    # is called (it returns the model dtype, like vLLM's compute_logits)
+    weight = w if plain_head else None
+    model = ModelInfo(H, 4, V, w.dtype, torch.device("cpu"), lambda z: z @ w.t(), weight)
     c = ESampConsumer(
         ESampConfig(intermediate_size=INTER, cpu_update="inline", **cfg),
         ConsumerContext(model, lambda i: resolve_layer(i, 4)),
@@ -33,11 +37,14 @@ def _consumer(w: torch.Tensor, fast: bool, **cfg) -> ESampConsumer:
     return c
 
 
-def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tuple[list, dict]:
+def _run(
+    fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str, **more
+) -> tuple[list, dict]:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(V, H, generator=g).to(dtype)
     extra = {"beta_schedule": "fit", "init": "zero", "lr": 1e-2} if fit else {}
-    c = _consumer(w, fast, mode=mode, mix=mix, beta=0.7, cuda_max_candidates=5, **extra)
+    cfg = {"mode": mode, "mix": mix, "beta": 0.7, "cuda_max_candidates": 5, **extra, **more}
+    c = _consumer(w, fast, **cfg)
     reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(2) for s in range(3)]
     reqs[4].extra_args = {"tllm_esamp_beta": 0.0}
     out = []
@@ -61,9 +68,11 @@ def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tupl
         view.commit()
         out.append(view.logits.clone())
         c.on_bundle(Bundle(t, rows, {k: v.clone() for k, v in hidden.items()}))
-    res = c.result()["counters"]
+    res = c.result()
+    records = c.guide_step.records
     c.close()
-    return out, res
+    full_reads = None if records is None else records.full_reads
+    return out, {**res["counters"], "diagnostics": res.get("diagnostics"), "full_reads": full_reads}
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
@@ -72,8 +81,36 @@ def _run(fast: bool, dtype: torch.dtype, mode: str, fit: bool, mix: str) -> tupl
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_allocation_free_step_equals_the_general_cuda_branch(dtype, mode, mix, fit):
-    general, k_general = _run(False, dtype, mode, fit, mix)
-    fast, k_fast = _run(True, dtype, mode, fit, mix)
+    _check_equal(dtype, mode, mix, fit)
+
+
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+@pytest.mark.parametrize(
+    "mode,mix", [("post_filter", "logits"), ("full_vocab", "logits"), ("full_vocab", "latent")]
+)
+@pytest.mark.parametrize(
+    "more",
+    [
+        {"ablation": "noise"},
+        {"ablation": "f_noise"},
+        {"plain_head": False},
+        {"cuda_max_candidates": 30},
+        {"diagnostics": True},
+    ],
+    ids=["noise", "f_noise", "head_without_weight", "k30", "diagnostics"],
+)
+def test_ablations_and_a_head_without_weight_equal_the_general_cuda_branch(more, mode, mix, fit):
+    """The noise ablations (the stand-in prediction made in the workspace from the same
+    generator), a head given only as a callable (latent mixing then falls back to logits)
+    and 30 candidates of 40 tokens per row (more pairs than a quarter of the guided rows'
+    logits: the gather-dot still), in bf16; diagnostics: the records made on the device (read
+    at the end) equal the general path's (the candidate shift's tv to rounding)."""
+    _check_equal(torch.bfloat16, mode, mix, fit, **more)
+
+
+def _check_equal(dtype: torch.dtype, mode: str, mix: str, fit: bool, **more) -> None:
+    general, k_general = _run(False, dtype, mode, fit, mix, **more)
+    fast, k_fast = _run(True, dtype, mode, fit, mix, **more)
     for t, (a, b) in enumerate(zip(general, fast, strict=True)):
         assert torch.equal(a, b), (t, (a != b).sum())
     names = (
@@ -87,10 +124,40 @@ def test_allocation_free_step_equals_the_general_cuda_branch(dtype, mode, mix, f
     )
     assert {n: k_fast[n] for n in names} == {n: k_general[n] for n in names}
     assert k_fast["rows_guided"] > 0  # the steps did guide
-    if mode == "post_filter":
+    if mode == "post_filter" and more.get("cuda_max_candidates", 5) < 7:
         assert k_fast["candidates_over_cap"] > 0  # 7 candidates, 5 mixed: 2 dropped per row
     if fit:
         assert 0 < k_fast["fit_scale_mean"] < 1
+    if more.get("diagnostics"):
+        _check_diagnostics(k_general, k_fast, mode)
+
+
+def _check_diagnostics(k_general: dict, k_fast: dict, mode: str) -> None:
+    d_general, d_fast = k_general["diagnostics"], k_fast["diagnostics"]
+    assert d_fast["rel_err_curve"] == d_general["rel_err_curve"]
+    assert len(d_fast["rel_err_curve"]) >= 4  # the groups' steps 0.. were recorded
+    for n in ("diag_rows", "diag_top_changed"):
+        assert k_fast[n] == k_general[n], n
+    if mode == "full_vocab":  # the candidate shift is post-filter's
+        assert d_fast["age"] == [] and k_fast["diag_rows"] == 0
+        return
+    assert k_fast["diag_rows"] > 0
+    for n in ("age", "rel_err", "candidates", "top_ref", "top_new", "beta"):
+        assert d_fast[n] == d_general[n], n
+    assert d_fast["tv"] == pytest.approx(d_general["tv"], rel=1e-5, abs=1e-7)
+    assert max(d_fast["tv"]) > 0
+
+
+def test_diagnostics_records_survive_a_full_ring(monkeypatch):
+    """A ring of 2 steps over 5 guided steps: read when full (the host waits there, once
+    per ring), then reused; the records equal the general path's all the same."""
+    monkeypatch.setattr(guide_workspace, "DIAG_STEPS", 2)
+    general, k_general = _run(
+        False, torch.bfloat16, "post_filter", True, "logits", diagnostics=True
+    )
+    fast, k_fast = _run(True, torch.bfloat16, "post_filter", True, "logits", diagnostics=True)
+    assert k_fast["full_reads"] == 2  # steps 3 and 5 found the ring full
+    _check_diagnostics(k_general, k_fast, "post_filter")
 
 
 def test_a_step_with_more_rows_than_planned_is_refused_by_name():

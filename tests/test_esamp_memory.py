@@ -161,9 +161,11 @@ def test_consumer_reports_its_plan_and_refuses_at_start(monkeypatch):
     assert fake.consumer(max_memory_fraction=1.0)  # the tiny test model fits in 200 MiB
 
 
+@pytest.mark.parametrize("diagnostics", [False, True], ids=["nodiag", "diag"])
+@pytest.mark.parametrize("ablation", ["none", "noise", "f_noise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["post_filter", "full_vocab", "auto"])
-def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype):
+def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype, ablation, diagnostics):
     """The CUDA guidance's workspace (built with the consumer) is the plan's guidance term
     to the byte: two allocations, every temporary of a guided step a view of them (that a
     step allocates nothing else is checked on the fake device, test_esamp_fake_cuda.py)."""
@@ -176,7 +178,7 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype):
     model = ModelInfo(h, 4, v, dtype, torch.device("cpu"), lambda z: z @ w.t(), w)
     cfg = ESampConfig(
         intermediate_size=32, mode=mode, cpu_update="inline", cuda_rows_per_step=r,
-        cuda_max_candidates=9,
+        cuda_max_candidates=9, ablation=ablation, diagnostics=diagnostics,
     )  # fmt: skip
     c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
     c.shared.on_cuda = True
@@ -191,7 +193,13 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype):
     # On CUDA the distiller has the plan's slots; the CPU one here grows, so its capacity.
     plan = mp.plan_memory(
         h, v, slots=c.distiller.capacity, graph_rows=16, rows_per_step=r, intermediate_size=32,
-        max_candidates=9, mode=mode, dtype=dtype,
+        max_candidates=9, mode=mode, dtype=dtype, noise=ablation != "none", diagnostics=diagnostics,
     )  # fmt: skip
     assert plan.guidance_workspace_bytes == _tensor_bytes(*flats)
+    # The consumer's own plan (its default slots) has the same guidance term for its slots.
+    own = mp.plan_memory(
+        h, v, slots=c.memory_plan.slots, graph_rows=16, rows_per_step=r, intermediate_size=32,
+        max_candidates=9, mode=mode, dtype=dtype, noise=ablation != "none", diagnostics=diagnostics,
+    )  # fmt: skip
+    assert c.memory_plan.guidance_workspace_bytes == own.guidance_workspace_bytes
     c.close()

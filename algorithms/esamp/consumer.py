@@ -18,7 +18,7 @@ from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
-from algorithms.esamp.guide_step import GuideStep
+from algorithms.esamp.guide_step import NOISE_ABLATIONS, GuideStep
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.losses import LossBook
 from algorithms.esamp.memory_plan import (
@@ -132,6 +132,8 @@ class ESampConsumer(Consumer):
             moment_bytes=2 if config.cuda_adam_moments == "bfloat16" and on_gpu else 4,
             mode=config.mode,
             dtype=model.dtype,
+            noise=config.ablation in NOISE_ABLATIONS,
+            diagnostics=config.diagnostics,
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.

@@ -1,5 +1,10 @@
 """ESamp's opt-in diagnostics (``ESampConfig.diagnostics``): per mixed row, how far the
-guidance moved the candidates; the prediction's relative error by a group's step index."""
+guidance moved the candidates; the prediction's relative error by a group's step index.
+
+On CUDA (:class:`DeviceRecords`) each guided step writes its rows' values into a ring in the
+guidance workspace and the host reads the ring at the next blocking read-back (or when it is
+full, once per :data:`~algorithms.esamp.guide_workspace.DIAG_STEPS` guided steps): the step
+itself reads nothing back and allocates nothing."""
 
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ class Diagnostics:
         self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
         self._err_age: list[list[float]] = []  # per group step index: [sum, count]
 
-    def record_error(self, ages: list[int], rel: torch.Tensor) -> None:
+    def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:
         """The prediction's relative error by the group's step index."""
-        for age, e in zip(ages, rel.cpu().tolist(), strict=True):
+        rel = rel.cpu().tolist() if isinstance(rel, torch.Tensor) else rel
+        for age, e in zip(ages, rel, strict=True):
             while len(self._err_age) <= age:
                 self._err_age.append([0.0, 0])
             if math.isfinite(e):
@@ -45,7 +51,6 @@ class Diagnostics:
         ``ages``."""
         n = len(ages)
         tv, top_ref, top_new, count = candidate_shift(p, tokens, ref, new, n)
-        has = (count > 0).cpu().tolist()
         cols = {
             "age": ages,
             "rel_err": rel.cpu().tolist(),
@@ -55,7 +60,12 @@ class Diagnostics:
             "tv": tv.cpu().tolist(),
             "beta": betas.cpu().tolist(),
         }
-        rows = [i for i in range(n) if has[i]]
+        self.add_records(cols)
+
+    def add_records(self, cols: dict[str, list]) -> None:
+        """Keep the rows of ``cols`` (one list per field of _DIAG_FIELDS) that had
+        candidates, up to the cap, and count them."""
+        rows = [i for i, c in enumerate(cols["candidates"]) if c > 0]
         self.counters.add("diag_rows", len(rows))
         self.counters.add(
             "diag_top_changed", sum(cols["top_ref"][i] != cols["top_new"][i] for i in rows)
@@ -70,3 +80,43 @@ class Diagnostics:
             # [group step index, mean relative error, rows]
             "rel_err_curve": [[a, s / n, n] for a, (s, n) in enumerate(self._err_age) if n],
         }
+
+
+# Columns of a DeviceRecords ring row, in order (guide_cuda writes them).
+RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
+_INT_COLUMNS = ("candidates", "top_ref", "top_new")
+
+
+class DeviceRecords:
+    """CUDA: the diagnostics' per-row values of each guided step in ``ring [steps, rows,
+    len(RING_COLUMNS)]`` (fp32, on the device), handed to ``diagnostics`` at :meth:`read`."""
+
+    def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
+        self.diagnostics, self.ring = diagnostics, ring
+        self._steps: list[tuple[list[int], bool]] = []  # per ring row: ages, has a shift
+        self.full_reads = 0  # reads forced by a full ring (a host wait each)
+
+    def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
+        """The ring row ``[rows, columns]`` of a guided step whose rows have these group
+        ages; ``shift``: its candidate columns are written (post-filter, something mixed)."""
+        if len(self._steps) == self.ring.shape[0]:  # full: read it now (a host wait)
+            self.full_reads += 1
+            self.read()
+        self._steps.append((ages, shift))
+        return self.ring[len(self._steps) - 1]
+
+    def read(self) -> None:
+        """Hand the steps recorded since the last read to the diagnostics (a host read: call
+        it where a sync is paid anyway)."""
+        if not self._steps:
+            return
+        values = self.ring[: len(self._steps)].tolist()
+        for (ages, shift), rows in zip(self._steps, values, strict=True):
+            rows = rows[: len(ages)]
+            cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
+            self.diagnostics.record_error(ages, cols["rel_err"])
+            if shift:
+                for name in _INT_COLUMNS:
+                    cols[name] = [int(v) for v in cols[name]]
+                self.diagnostics.add_records({"age": ages, **cols})
+        self._steps = []

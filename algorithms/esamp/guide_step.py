@@ -2,19 +2,21 @@
 decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
 each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
 
-On CUDA (without ablation or diagnostics) the step is :mod:`algorithms.esamp.guide_cuda`:
-the same math with every temporary preallocated, so it allocates nothing on the device."""
+On CUDA the step is :mod:`algorithms.esamp.guide_cuda`: the same math with every temporary
+preallocated, so it allocates nothing on the device (a head without a plain weight
+allocates its own output: logged at start)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from algorithms.esamp.diagnostics import Diagnostics
+from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
     candidate_dist_fn,
@@ -34,6 +36,8 @@ from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
 
 log = logging.getLogger("tllm")
 
+# Ablations that replace the prediction by seeded noise (the workspace then holds it).
+NOISE_ABLATIONS = ("noise", "f_noise")
 # What _add_guided sums per step, in order.
 _GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
 
@@ -60,6 +64,12 @@ def _f_positions(n_rows: int, m: _Mix) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GuideStep:
+    # CUDA post-filter: the [R, k] candidates' dist logits by the gather-dot at any k (never
+    # the whole-vocabulary product: it allocates [rows, V] and reads the whole head, where
+    # the gather reads R * k head rows; the search's slots of rows not guided count in R * k,
+    # so a step with few guided rows would otherwise switch at a k of a few hundred).
+    TOP_DENSE_FRACTION = math.inf
+
     def __init__(
         self,
         shared: Shared,
@@ -82,8 +92,10 @@ class GuideStep:
         self._warned_cap = False
         # CUDA: the step's temporaries, made now (before vLLM sizes the KV cache).
         self._ws: GuideWorkspace | None = None
+        self.records: DeviceRecords | None = None  # CUDA diagnostics: the device's records
         if shared.on_cuda:
             self.workspace()
+            self._say_what_allocates()
 
     def workspace(self) -> GuideWorkspace:
         """The CUDA guidance's workspace (made on first use where the consumer switched to
@@ -99,18 +111,34 @@ class GuideStep:
                 s.distiller.capacity,
                 self.model.dtype,
                 self.model.device,
+                noise=s.cfg.ablation in NOISE_ABLATIONS,
+                diagnostics=self.diagnostics is not None,
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
+            if self.diagnostics is not None:
+                self.records = DeviceRecords(self.diagnostics, self._ws.parts["dg_ring"])
         return self._ws
 
+    def _say_what_allocates(self) -> None:
+        """CUDA: one line at start for a setting that makes a guided step allocate on the
+        device (docs/consumers/esamp.md, "On CUDA: what allocates per step")."""
+        if self._weight is None:
+            cfg = self.s.cfg
+            mb = cfg.cuda_rows_per_step * self.model.vocab_size * self.model.dtype.itemsize / 1e6
+            log.warning(
+                "esamp: the model's LM head is not a plain weight product (no "
+                "lm_head_weight: a bias, soft-capping, a logit scale, tensor parallelism or "
+                "a quantized head): guidance calls it every step and it allocates its "
+                "[rows, vocab] output per step (%.0f MB at cuda_rows_per_step=%d in %s)",
+                mb,
+                cfg.cuda_rows_per_step,
+                str(self.model.dtype).removeprefix("torch."),
+            )
+
     def _fast_cuda(self) -> bool:
-        """Whether this step takes the allocation-free CUDA path (ablations and diagnostics
-        keep the general one)."""
-        return (
-            self.s.on_cuda
-            and self.s.cfg.ablation in ("none", "frozen")
-            and (self.diagnostics is None)
-        )
+        """Whether this step takes the allocation-free CUDA path (tests compare it with the
+        general CUDA branch by turning it off)."""
+        return self.s.on_cuda
 
     def _skip(self, reason: str, n: int) -> None:
         if n:
@@ -211,6 +239,8 @@ class GuideStep:
         top-k filter the user did not ask for)."""
         if self.fit is not None:
             self.fit.read()
+        if self.records is not None:
+            self.records.read()
         counts = None
         if self._guided is not None:
             counts, self._guided = self._guided.tolist(), None
@@ -277,7 +307,7 @@ class GuideStep:
         n_rows, k = top.tokens.shape
         p, row_live = _f_positions(n_rows, m)
         p_slot = p[:, None].expand(n_rows, k).reshape(-1)  # each slot's row in f
-        dist_fn = candidate_dist_fn(f, self._weight, self._head)
+        dist_fn = candidate_dist_fn(f, self._weight, self._head, self.TOP_DENSE_FRACTION)
         dist = dist_fn(p_slot, top.tokens.reshape(-1)).view(n_rows, k)
         temp = view.temperature.to(top.logits.device).float()[:, None]
         mixed_logits = mix_candidates(top.logits, dist, betas[p][:, None], temp)

@@ -24,6 +24,10 @@ from tllm_core import (
 
 # Pinned staging buffers in rotation.
 STAGING_BUFFERS = 4
+# diagnostics: guided steps whose records the device ring holds before a read; per row
+# (rel_err, candidates, top_ref, top_new, tv, beta) in fp32 (token ids exact below 2**24).
+DIAG_STEPS = 256
+DIAG_FIELDS = 6
 MODES = ("post_filter", "full_vocab", "auto")
 
 
@@ -57,11 +61,14 @@ def workspace_spec(
     mode: str,
     slots: int,
     dtype: torch.dtype,
+    noise: bool = False,
+    diagnostics: bool = False,
 ) -> WorkspaceSpec:
     """The parts (``rows`` = cuda_rows_per_step, ``slots`` the distiller's, ``dtype`` the
-    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, and per
+    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, per
     mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
-    mix."""
+    mix, with ``noise`` (ablation 'noise' or 'f_noise') the stand-in prediction, with
+    ``diagnostics`` their records' ring (and post-filter the candidate shift's scratch)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     r, h, f32 = rows, hidden, torch.float32
@@ -101,6 +108,11 @@ def workspace_spec(
         ("total", (), f32),
         ("zero", (), f32),
     ]
+    if noise:
+        # ablation 'noise'/'f_noise': the stand-in prediction and two norms per row
+        spec += [("fn", (r, h), f32), ("fn_err", (r,), f32), ("fn_norm", (r,), f32)]
+    if diagnostics:
+        spec.append(("dg_ring", (DIAG_STEPS, r, DIAG_FIELDS), f32))
     if mode != "full_vocab":
         k = min(max_candidates, vocab)
         spec += [
@@ -111,6 +123,20 @@ def workspace_spec(
             ("live_k", (r, k), torch.bool),
             ("over", (r,), torch.long),
         ]
+        if diagnostics:  # the candidate shift per view row (diagnostics.candidate_shift)
+            spec += [
+                ("dg_x", (r, k), f32),
+                ("dg_p", (r, k), f32),
+                ("dg_q", (r, k), f32),
+                ("dg_mx", (r, 1), f32),
+                ("dg_s", (r, 1), f32),
+                ("dg_arg", (r, 1), torch.long),
+                ("dg_tok", (r, 1), torch.long),
+                ("dg_cnt", (r,), torch.long),
+                ("dg_rows", (r, DIAG_FIELDS), f32),
+                ("dg_sel", (r, 4), f32),
+                ("ninf", (), f32),
+            ]
     if mode != "post_filter":
         spec += [
             ("new", (r, vocab), f32),
@@ -132,10 +158,14 @@ def guidance_workspace_bytes(
     mode: str,
     slots: int,
     dtype: torch.dtype,
+    noise: bool = False,
+    diagnostics: bool = False,
 ) -> int:
     """Device bytes of a :class:`GuideWorkspace` of these shapes (its allocation and its
     view buffers' one)."""
-    spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+    spec = workspace_spec(
+        rows, hidden, vocab, max_candidates, mode, slots, dtype, noise, diagnostics
+    )
     return workspace_bytes(spec) + GuideBuffers.nbytes(
         rows, vocab, **_view_buffers_args(mode, max_candidates)
     )
@@ -155,15 +185,21 @@ class GuideWorkspace:
         slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        noise: bool = False,
+        diagnostics: bool = False,
     ):
         self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
-        spec = workspace_spec(rows, hidden, vocab, max_candidates, mode, slots, dtype)
+        spec = workspace_spec(
+            rows, hidden, vocab, max_candidates, mode, slots, dtype, noise, diagnostics
+        )
         self.flat, self.parts = carve_workspace(spec, device)
         self.view_buffers = GuideBuffers(
             rows, vocab, device, **_view_buffers_args(mode, max_candidates)
         )
         self.parts["arange"].copy_(torch.arange(rows, device=device))
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
+        if "ninf" in self.parts:
+            self.parts["ninf"].fill_(float("-inf"))
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype
         self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))

@@ -35,7 +35,10 @@ vocabulary):
   ``[R, V]`` bool candidate mask; post-filter ``~29 * R * k`` for the ``k`` =
   ``cuda_max_candidates`` candidates per row and their mix; full-vocabulary ``4 * R * V``
   (the fp32 mix) ``+ 2 * R * V`` (two bool masks, which first hold the head's output in a
-  2-byte model dtype). Mode 'auto' holds both. Each part is aligned to 256 bytes.
+  2-byte model dtype). Mode 'auto' holds both; ablation 'noise'/'f_noise' adds one fp32
+  ``[R, H]`` (the stand-in prediction), ``diagnostics`` a ring of 256 steps' records
+  (``24 * 256 * R``) and post-filter ``~12 * R * k`` for the candidate shift. Each part is
+  aligned to 256 bytes.
 
 Activation terms are upper-bound estimates of temporaries; the state, input and guidance
 terms are the exact sizes of the tensors allocated (tests count them on the real objects).
@@ -139,10 +142,12 @@ def plan_memory(
     moment_bytes: int = 4,
     mode: str = "auto",
     dtype: torch.dtype = torch.bfloat16,
+    noise: bool = False,
+    diagnostics: bool = False,
 ) -> MemoryPlan:
     """The plan for these shapes (see the module docstring for each term); ``mode`` is
-    ESamp's mixing mode and ``dtype`` the model's (the guidance workspace depends on
-    them)."""
+    ESamp's mixing mode, ``dtype`` the model's, ``noise`` whether the ablation is 'noise'
+    or 'f_noise' and ``diagnostics`` ESamp's (the guidance workspace depends on them)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, round_rows(graph_rows)
@@ -152,7 +157,7 @@ def plan_memory(
     update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     guidance = guidance_workspace_bytes(
-        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype
+        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics
     )
     return MemoryPlan(
         hidden_size,
