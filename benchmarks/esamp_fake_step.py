@@ -148,6 +148,9 @@ def run(
             ]
             allocations = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
             reused = c.distiller.updates_reusing_prediction
+            # Counted while the steps ran (the device sums' copies that came back), not at
+            # a closing read.
+            guided_counted = c.counters.snapshot().get("rows_guided", 0)
     finally:
         factory.uses_gpu_path = gpu_path
     last = report["per_step"][-1]
@@ -168,6 +171,7 @@ def run(
         "failures": failures,
         "allocation_sites": allocations,
         "updates_reusing_prediction": reused,  # of the 1 + steps updates (setup step included)
+        "rows_guided_counted_in_the_run": guided_counted,
     }
 
 

@@ -45,6 +45,17 @@ def test_a_long_group_replays_its_layout_and_stays_clean(mode, fit):
     assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
 
 
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit):
+    """300 guided decode steps (past the 256 queued updates that once forced a blocking
+    read-back): the update results come back by the background copies, the guided counts
+    and the fit's sums by copies into pinned memory, all without a host wait, and the
+    counters move during the run (was: read only at a blocking flush, so 0 until the end)."""
+    res = run(8, 16, "post_filter", fit, steps=300)
+    assert res["failures"] == [] and res["host_waits"] == 0, res
+    assert res["rows_guided_counted_in_the_run"] > 0, res
+
+
 def _clean(res: dict) -> None:
     assert res["failures"] == [] and res["host_waits"] == res["pageable_copies"] == 0, res
     assert res["first_cublas"] == 0

@@ -3,7 +3,8 @@
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
-``workspace_bytes`` for a step's preallocated temporaries), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
+on the device, read back without a host wait), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
+    from tllm_core.api.device_sums import DeviceSums
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
@@ -70,6 +72,7 @@ __all__ = [
     "layer_key",
     "FINAL",
     "Counters",
+    "DeviceSums",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -169,6 +172,7 @@ _HOME = {
     "layer_key": "tllm_core.api.ports",
     "FINAL": "tllm_core.api.port_names",
     "Counters": "tllm_core.api.counters",
+    "DeviceSums": "tllm_core.api.device_sums",
 }
 
 __getattr__ = lazy_getattr(__name__, _HOME)

@@ -16,7 +16,7 @@ from algorithms.esamp.guidance import fit_scale
 from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Group
 from algorithms.esamp.shared import host_to
-from tllm_core import Counters
+from tllm_core import Counters, DeviceSums
 
 
 class FitScale:
@@ -27,7 +27,8 @@ class FitScale:
         self._n = 0
         self._sum = 0.0
         self._pending: torch.Tensor | None = None  # scale sums not yet read (device)
-        self._ws_pending: torch.Tensor | None = None  # CUDA: the workspace's scale sum
+        self._ws_sums: DeviceSums | None = None  # CUDA: the workspace's scale sum
+        self._ws_sent = True  # nothing added to it since its last copy to the host
 
     def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
         """The slots a new group has taken since their error was last set (host-side:
@@ -100,18 +101,22 @@ class FitScale:
         self.counters.add("fit_rows", n)
         pending = ws.parts["pending"]
         pending.add_(torch.sum(scale, 0, out=ws.parts["total"]))
-        self._ws_pending = pending
+        if self._ws_sums is None or self._ws_sums.values is not pending:
+            self._ws_sums = DeviceSums(pending)
+        self._ws_sent = False
         return scale
 
-    def read(self) -> None:
-        """Count fit_scale_mean from the device sums (a host read: on CPU after each call,
-        on CUDA where a sync is paid anyway)."""
-        if self._pending is not None:
+    def read(self, wait: bool = True) -> None:
+        """Count fit_scale_mean from the device sums (on CPU after each call). The CUDA
+        path's sum goes to the host without waiting and is counted once there (``wait``:
+        everything now, a host wait where a sync is paid anyway)."""
+        if self._pending is not None and wait:
             self._sum += float(self._pending)
             self._pending = None
-        if self._ws_pending is not None:
-            self._sum += float(self._ws_pending)
-            self._ws_pending.zero_()
-            self._ws_pending = None
+        if self._ws_sums is not None:
+            if not self._ws_sent:
+                self._ws_sent = self._ws_sums.send()
+            for (total,) in self._ws_sums.arrived(wait):
+                self._sum += total
         if self._n:
             self.counters.set("fit_scale_mean", self._sum / self._n)

@@ -32,7 +32,7 @@ from algorithms.esamp.guide_cuda import guide_cuda
 from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
+from tllm_core import FINAL, DeviceSums, GuideView, ModelInfo, RequestInfo
 
 log = logging.getLogger("tllm")
 
@@ -115,6 +115,7 @@ class GuideStep:
                 diagnostics=self.diagnostics is not None,
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
+            self._guided_sums = DeviceSums(self._ws.parts["guided"])
             if self.diagnostics is not None:
                 self.records = DeviceRecords(self.diagnostics, self._ws.parts["dg_ring"])
         return self._ws
@@ -233,22 +234,26 @@ class GuideStep:
         for name, n in zip(_GUIDED_COUNTERS, counts, strict=True):
             self.s.counters.add(name, n)
 
-    def read_guided(self) -> None:
-        """The guided counts (and the fit's scale sums) summed on the device since the last
-        read (after a sync); the first candidates dropped at the cap are logged once (a
-        top-k filter the user did not ask for)."""
+    def read_guided(self, wait: bool = True) -> None:
+        """Count the guided counts (and the fit's scale sums) summed on the device since the
+        last read; the first candidates dropped at the cap are logged once (a top-k filter
+        the user did not ask for). The CUDA path's sums go to the host without waiting and
+        are counted once there; ``wait``: everything now (a host wait, where a sync is paid
+        anyway; the general path's sums and the diagnostics are read only then)."""
         if self.fit is not None:
-            self.fit.read()
-        if self.records is not None:
+            self.fit.read(wait)
+        if self.records is not None and wait:
             self.records.read()
         counts = None
-        if self._guided is not None:
+        if self._guided is not None and wait:
             counts, self._guided = self._guided.tolist(), None
-        if self._ws is not None and self._ws.guided_pending:  # the CUDA path's sums
-            more = self._ws.parts["guided"].tolist()
-            self._ws.parts["guided"].zero_()
-            self._ws.guided_pending = False
-            counts = more if counts is None else [a + b for a, b in zip(counts, more, strict=True)]
+        if self._ws is not None:  # the CUDA path's sums
+            if self._ws.guided_pending:
+                self._ws.guided_pending = not self._guided_sums.send()
+            for more in self._guided_sums.arrived(wait):
+                counts = (
+                    more if counts is None else [a + b for a, b in zip(counts, more, strict=True)]
+                )
         if counts is not None:
             self._count_guided(counts)
             if counts[2] and not self._warned_cap:

@@ -15,19 +15,32 @@ from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, RequestInfo
 
-# Queued updates (CUDA side stream, CPU side thread): losses are read back this often.
+# Queued updates (CUDA side stream, CPU side thread): losses are read back this often: on
+# CUDA those the background result copies brought back (no waiting), with a wait only when
+# _FLUSH_LIMIT are still not back (the device that far behind: the host's bookkeeping stays
+# bounded).
 _FLUSH_EVERY = 256
+_FLUSH_LIMIT = 4 * _FLUSH_EVERY
+# The device-side counters (guided rows, the fit's sums) are sent to the host every this many
+# flushes that do not wait (each send is a copy, a reset and an event on the step's stream).
+_READ_EVERY = 32
 
 
 class Trainer:
     def __init__(
-        self, shared: Shared, groups: Groups, losses: LossBook, read_deferred: Callable[[], None]
+        self,
+        shared: Shared,
+        groups: Groups,
+        losses: LossBook,
+        read_deferred: Callable[[bool], None],
     ):
         self.s, self.groups, self.losses = shared, groups, losses
-        self.read_deferred = read_deferred  # device counters read at a blocking flush
+        # The device counters, read at each flush (True: waiting for them, at a blocking one).
+        self.read_deferred = read_deferred
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
         self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
+        self._flushes = 0
 
     def on_bundle(self, bundle: Bundle) -> None:
         rows, counters = bundle.rows, self.s.counters
@@ -103,11 +116,12 @@ class Trainer:
 
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
-        if not self.s.deferred or len(self._pending) >= _FLUSH_EVERY:
+        n = len(self._pending)
+        if not self.s.deferred or n >= _FLUSH_LIMIT:
             self.flush()
-        elif self.s.distiller.asynchronous:
-            # CPU side thread: take the updates that have already run (no waiting). Not on
-            # CUDA: reading a loss there would sync the stream every step.
+        elif self.s.distiller.asynchronous or n >= _FLUSH_EVERY:
+            # The updates that have already run (no waiting): every step on the CPU side
+            # thread; on CUDA in batches (each result copy back is a copy and an event).
             self.flush(block=False)
 
     def flush(self, block: bool = True) -> None:
@@ -121,8 +135,9 @@ class Trainer:
         s.counters.max("staleness_max", s.distiller.staleness_max())  # host-side on CUDA
         s.counters.set("eager_updates", s.distiller.eager_updates)
         s.counters.set("updates_reusing_prediction", s.distiller.updates_reusing_prediction)
-        if block:
-            self.read_deferred()
+        self._flushes += 1
+        if block or self._flushes % _READ_EVERY == 0:
+            self.read_deferred(block)
         self._flush_warm(block)
         n_ready = final_prefix([res for _, _, res in self._pending], block)
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]

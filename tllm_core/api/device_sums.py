@@ -1,0 +1,73 @@
+"""Sums kept on the device and counted on the host without making the host wait.
+
+A consumer that counts on the device (rows it changed, a running total) must read the sums
+back some time; ``.tolist()`` or ``float()`` waits for everything queued before it, i.e.
+stalls the step it is called in. :class:`DeviceSums` instead queues a copy of the sums into
+pinned host memory, zeroes them after it on the same stream (so they sum anew from there),
+and hands out each copy once its event says it has arrived::
+
+    sums = DeviceSums(torch.zeros(3, device="cuda"))
+    ...                      # each step: sums.values.add_(step_counts)
+    sums.send()              # from time to time: nothing waits
+    for part in sums.arrived():          # the copies that are back (lists of numbers)
+        counters.add("rows", part[0])
+    sums.send(); sums.arrived(wait=True)  # at the end: everything, waiting for it
+
+On CPU the copy is made at once (and so has arrived).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+
+class DeviceSums:
+    """``values``: the device tensor the sums are added to (its shape and dtype are fixed).
+    ``ring``: copies that may be in flight at once; :meth:`send` skips while all are (the
+    sums keep accumulating and go with the next copy)."""
+
+    def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
+        self.values = values
+        self._cpu = values.device.type == "cpu"
+        # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
+        pin = not self._cpu and torch.cuda.is_available()
+        self._host = [
+            torch.empty(values.shape, dtype=values.dtype, pin_memory=pin) for _ in range(ring)
+        ]
+        self._free = deque(range(ring))
+        self._flight: deque[tuple[int, Any]] = deque()
+
+    def send(self) -> bool:
+        """Queue a copy of the sums to the host and their reset (current stream); False when
+        every host buffer is still in flight (nothing queued)."""
+        if not self._free:
+            return False
+        i = self._free.popleft()
+        event = None
+        if self._cpu:
+            self._host[i].copy_(self.values)
+        else:
+            self._host[i].copy_(self.values, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.values.zero_()
+        self._flight.append((i, event))
+        return True
+
+    def arrived(self, wait: bool = False) -> list[list[Any]]:
+        """The copies that have arrived, oldest first, as lists (``wait``: every copy sent,
+        waiting for those still in flight)."""
+        out = []
+        while self._flight:
+            i, event = self._flight[0]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()
+            self._flight.popleft()
+            out.append(self._host[i].reshape(-1).tolist())
+            self._free.append(i)
+        return out
