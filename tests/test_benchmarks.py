@@ -274,14 +274,18 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
         _run("gpu_smoke.py", "--device", "cpu", "--quick", "--out", str(out_file), timeout=120)
     )
     assert json.loads(out_file.read_text()) == out
-    assert out["cuda_tests"] == {"skipped": "needs a CUDA device"}
+    assert out["cuda_tests"] == {"ran_on": "not run", "skipped": "needs a CUDA device"}
     assert "needs a CUDA device" in out["esamp_step"]["skipped"]
     for part in ("kernels", "distiller", "memory", "syncs"):
         assert "error" not in out[part], out[part]
+        assert out[part]["ran_on"] == "cpu"
+    assert out["rehearsal"] is False and set(out["part_seconds"]) == set(out) & {
+        "cuda_tests", "esamp_step", "kernels", "distiller", "memory", "syncs", "compiled_taps",
+    }  # fmt: skip
     assert out["kernels"]["cases"][0]["grad_adam"]["bytes_per_param"] <= 26
     assert out["distiller"]["results"]["groups_4"]["eager_main"]["train_us"] > 0
     assert out["distiller"]["results"]["groups_4"]["bytes_per_param"]["graph_update"] > 0
-    assert out["compiled_taps"] == {"skipped": "--quick"}
+    assert out["compiled_taps"] == {"ran_on": "not run", "skipped": "--quick"}
     mem = out["memory"]
     assert mem["qwen2.5_7b_default_plan"]["total_gib"] <= 1.5
     for k in ("groups_2", "groups_4"):  # the CUDA distiller's step on the fake device
