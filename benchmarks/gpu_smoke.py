@@ -1,6 +1,7 @@
 """ESamp's GPU readiness in one command, torch only (pydantic for the consumer's parts; no vLLM):
 
     python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
+                                   [--budget-s 200]
 
 ``--device fake`` is the dress rehearsal (``gpu_rehearsal.py``): every CUDA-only line below
 runs on CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``:
@@ -12,8 +13,8 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math),
    ``tests/test_esamp_kernels.py`` (the Triton kernels, compiled) and
    ``tests/test_fake_cuda.py`` (its GPU checks: what the fake device flags must synchronise on
-   a GPU, what it passes must not) in a subprocess; on CPU they skip, so they run only with
-   ``--device cuda``.
+   a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
+   run only with ``--device cuda`` (the rehearsal collects them).
 2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
    1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_gpu_step.bench_step``): device
    time added and ratio, host time of the consumer's calls, the floor, a step under
@@ -22,7 +23,8 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 3. ``kernels``: ``gpu_kernels.bench_kernels`` (the fused kernels against their bytes floor and
    against the former bmm + fused Adam path); ``--quick`` or CPU: tiny shapes.
 4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
-   64 groups, each variant, with the update's bytes per parameter; CPU: tiny shapes.
+   64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
+   parameter; CPU: tiny shapes.
 5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
    of an ESamp step (``esamp_fake_step``) stand in.
@@ -34,13 +36,16 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 
 The CUDA parts of this version have never run on a GPU (the first GPU run, of the code before
 issue 36's rebuild: docs/results.md); ``--device fake`` runs them in CI. The JSON is also
-written to ``--out`` after each part, so a run cut short keeps the parts it finished. What a
-session with a lent GPU runs: docs/gpu.md.
+written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
+not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
+it prints every thread's stack (a hang shows where). What a session with a lent GPU runs:
+docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import os
@@ -70,14 +75,15 @@ VOCAB_7B = 152064
 
 
 CUDA_TESTS = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
-CUDA_TESTS_TIMEOUT_S = 240  # the tests' own share of a 15-minute GPU session
+BUDGET_S = 200.0  # parts not started by then are skipped: the run ends near 3 minutes
+CUDA_TESTS_TIMEOUT_S = 150  # their share of a 15-minute GPU session (CPU: 12 s, 2 cores)
 
 
 def _shape(quick: bool, device: torch.device) -> dict[str, int]:
     if quick or device.type == "cpu":
         s = dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
     else:
-        s = dict(hidden=3584, intermediate=384, rows=16, iters=50, warmup=10, repeats=3)
+        s = dict(hidden=3584, intermediate=384, rows=16, iters=20, warmup=5, repeats=3)
     if gpu_rehearsal.active():  # the GPU run's shapes, one iteration: nothing is timed
         s.update(iters=1, warmup=1, repeats=1)
     return s
@@ -88,6 +94,13 @@ def _free(device: torch.device) -> None:
     if is_cuda(device):
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def tests_env() -> dict[str, str]:
+    """The CUDA tests' environment: the checkout first, then the caller's PYTHONPATH (where
+    the GPU machine's carried wheels are: pydantic for the consumer's test)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def run_cuda_tests(device: torch.device) -> dict[str, Any]:
@@ -112,7 +125,7 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=tests_env(),
         timeout=CUDA_TESTS_TIMEOUT_S,
     )
     out = {"rc": proc.returncode, "seconds": time.time() - t0, "tail": proc.stdout[-3000:]}
@@ -328,9 +341,15 @@ def _error(err: Exception) -> dict[str, str]:
     return {"error": f"{type(err).__name__}: {err}", "traceback": where}
 
 
-def smoke(device: torch.device, quick: bool, out_path: str | None = None) -> dict[str, Any]:
+def smoke(
+    device: torch.device,
+    quick: bool,
+    out_path: str | None = None,
+    budget_s: float = BUDGET_S,
+) -> dict[str, Any]:
     """Every part on ``device`` (the fake device inside :func:`gpu_rehearsal.rehearsal`); the
-    JSON so far goes to ``out_path`` after each part."""
+    JSON so far goes to ``out_path`` after each part; a part not started within ``budget_s``
+    seconds of the run's start is skipped (said so)."""
     rehearsal = gpu_rehearsal.active()
     if rehearsal is not None:
         ran_on = gpu_rehearsal.RAN_ON
@@ -347,7 +366,8 @@ def smoke(device: torch.device, quick: bool, out_path: str | None = None) -> dic
     for name, fn in _parts(device, quick):
         t = time.time()
         try:
-            res = fn()
+            past = t - t0 > budget_s
+            res = {"skipped": f"past the run's budget of {budget_s:.0f} s"} if past else fn()
         except Exception as err:  # one broken part must not hide the others' results
             res = _error(err)
         if rehearsal is not None and "error" not in res:
@@ -376,10 +396,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes (CI)")
     p.add_argument("--out", default=None, help="also write the JSON here (after each part)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="skip the parts not started this many seconds into the run",
+    )
     args = p.parse_args(argv)
+    # A part that hangs (a stream or graph waiting forever) prints every thread's stack.
+    faulthandler.dump_traceback_later(args.budget_s + 120, exit=False)
     if args.device == "fake":
         with gpu_rehearsal.rehearsal() as r:
-            out = smoke(r.device, args.quick, args.out)
+            out = smoke(r.device, args.quick, args.out, args.budget_s)
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -387,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr
             )
             return 2
-        out = smoke(device, args.quick, args.out)
+        out = smoke(device, args.quick, args.out, args.budget_s)
+    faulthandler.cancel_dump_traceback_later()
     print(json.dumps(out))
     return 0
 

@@ -166,3 +166,28 @@ def test_the_rehearsal_puts_everything_back():
         assert torch.cuda.memory_allocated() == 0
     assert patched() == before and gpu_rehearsal.active() is None
     assert not fake_cuda.is_cuda("meta") and "_flag" not in vars(r.fc)
+
+
+def test_the_cuda_tests_keep_the_carried_wheels_on_their_path(monkeypatch):
+    """On the GPU machine pydantic comes from carried wheels on PYTHONPATH (docs/gpu.md): the
+    CUDA tests' subprocess puts the checkout first and keeps that path."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert gpu_smoke.tests_env()["PYTHONPATH"].split(":") == [str(ROOT), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert gpu_smoke.tests_env()["PYTHONPATH"] == str(ROOT)
+
+
+def test_parts_not_started_within_the_budget_are_skipped(monkeypatch):
+    import time
+
+    def slow() -> dict:
+        time.sleep(0.2)
+        return {}
+
+    monkeypatch.setattr(
+        gpu_smoke, "_parts", lambda device, quick: (("slow", slow), ("late", lambda: {"x": 1}))
+    )
+    out = gpu_smoke.smoke(torch.device("cpu"), quick=True, budget_s=0.1)
+    assert out["slow"] == {"ran_on": "cpu"}
+    assert out["late"] == {"ran_on": "not run", "skipped": "past the run's budget of 0 s"}
+    assert set(out["part_seconds"]) == {"slow", "late"}
