@@ -234,6 +234,8 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
         return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_fake_step.py)"}
     try:
         from esamp_gpu_step import bench_step
+
+        import algorithms.esamp.consumer  # noqa: F401  (pydantic: bench_step imports it late)
     except ImportError as err:
         return {"skipped": f"the consumer is not importable: {err}"}
     iters, warmup = (5, 5) if quick else (30, 5)
