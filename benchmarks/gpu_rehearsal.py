@@ -11,8 +11,11 @@ Nothing is measured. On top of ``FakeCuda``'s stubs the rehearsal installs:
   a CPU one);
 - ``torch.compile`` returns the module uncompiled (inductor cannot compile for meta; the
   compiled taps are checked on CPU by ``tests/test_benchmarks.py``);
-- Triton launches are built (grid, arguments, tile sizes) but not run: meta tensors have no
-  data (the kernels' math runs under ``TRITON_INTERPRET=1`` in ``tests/test_esamp_kernels.py``);
+- ESamp's kernel operators (``torch.ops.tllm_esamp``) run their CUDA implementation on the
+  fake device too (the fake device's own kernel for them does nothing): the argument checks,
+  and the Triton launch built (grid, arguments, tiles) but not run, since meta tensors have no
+  data (the kernels' math runs under ``TRITON_INTERPRET=1`` in ``tests/test_esamp_kernels.py``).
+  Each distinct compilation is kept (``triton_configs``) for a compile check for sm_90;
 - ESamp's factory takes its CUDA path on the fake device;
 - ``torch.cuda.set_sync_debug_mode``: while it is ``"error"`` or ``"warn"``, the host waits
   and pageable copies the fake device sees are recorded (the fake device's prediction of
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tllm_core.testing import fake_cuda
 from tllm_core.testing import fake_cuda_stubs as stubs
@@ -66,6 +70,42 @@ def scrub(value: Any, key: str | None = None) -> Any:
     return None
 
 
+def _arg_spec(arg: Any) -> list:
+    """A kernel argument as Triton's JIT specialises it: a tensor's dtype; an int as 1, a
+    multiple of 16 (16) or another (3); a float."""
+    if isinstance(arg, torch.Tensor):
+        return ["tensor", str(arg.dtype).removeprefix("torch.")]
+    if isinstance(arg, float):
+        return ["float"]
+    return ["int", 1 if arg == 1 else 16 if arg % 16 == 0 else 3]
+
+
+class _CudaKernels(TorchDispatchMode):
+    """ESamp's kernel operators on the fake device: their CUDA implementation (checks, the
+    launch built and handed to ``Launch.run``), then the operator itself for the fake
+    device's counts (its meta kernel does nothing)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        from algorithms.esamp.kernels import ops
+
+        self.device = device
+        self.impls = {
+            "tllm_esamp::grad_adam": ops._grad_adam_cuda,
+            "tllm_esamp::slot_matmul": ops._slot_matmul_cuda,
+            "tllm_esamp::candidate_dot": ops._candidate_dot_cuda,
+        }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        impl = self.impls.get(func._schema.name)
+        if impl is not None and any(
+            isinstance(a, torch.Tensor) and a.device == self.device for a in args
+        ):
+            impl(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _generator_class(fc: FakeCuda) -> type:
     real = torch.Generator
 
@@ -90,6 +130,7 @@ class Rehearsal:
         self.fc = fc
         self.device = fc.device
         self.triton_launches: dict[str, int] = {}
+        self.triton_configs: dict[str, dict[str, Any]] = {}
         self.sync_windows: list[dict[str, Any]] = []
         self._window: dict[tuple, int] | None = None
         self._window_at = ""
@@ -137,14 +178,24 @@ class Rehearsal:
             )
 
     def launch_run(self, launch: Any) -> None:
-        """``triton_impl.Launch.run`` in the rehearsal: counted, not run."""
+        """``triton_impl.Launch.run`` in the rehearsal: counted, not run; each distinct
+        compilation (kernel, constants, warps, argument types as Triton's JIT specialises
+        them) kept in :attr:`triton_configs` for a compile check without a GPU."""
         self.triton_launches[launch.kernel] = self.triton_launches.get(launch.kernel, 0) + 1
+        config = {
+            "kernel": launch.kernel,
+            "constexprs": dict(launch.constexprs),
+            "num_warps": launch.num_warps,
+            "args": [_arg_spec(a) for a in launch.args],
+        }
+        self.triton_configs.setdefault(repr(config), config)
 
     def summary(self) -> dict[str, Any]:
         """The rehearsal's own record (JSON-able; not a measurement of anything)."""
         steps_ran = "Triton launches built with their grids, not run (meta tensors)"
         return {
             "triton_launches_built_not_run": dict(self.triton_launches),
+            "triton_configs": list(self.triton_configs.values()),
             "triton": steps_ran if self.triton_launches else "no Triton launch reached",
             "sync_debug_windows_seen_by_fake_device": list(self.sync_windows),
             # A host wait or pageable copy inside a graph capture: the GPU's capture fails.
@@ -192,8 +243,12 @@ def rehearsal() -> Iterator[Rehearsal]:
                     r.launch_run(launch)
 
                 patches.apply(triton_impl.Launch, {"run": run})
+                # The GPU's SM count (the fake's properties: 132) picks split_k, as there.
+                sms = torch.cuda.get_device_properties(fc.device).multi_processor_count
+                patches.apply(triton_impl, {"_sm_count": lambda device: sms})
             _current = r
-            yield r
+            with _CudaKernels(fc.device):
+                yield r
         finally:
             _current = None
             patches.restore()

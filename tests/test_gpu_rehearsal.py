@@ -191,3 +191,51 @@ def test_parts_not_started_within_the_budget_are_skipped(monkeypatch):
     assert out["slow"] == {"ran_on": "cpu"}
     assert out["late"] == {"ran_on": "not run", "skipped": "past the run's budget of 0 s"}
     assert set(out["part_seconds"]) == {"slow", "late"}
+
+
+def _example(spec: list):
+    """An argument of the kind the rehearsal recorded (see ``gpu_rehearsal._arg_spec``)."""
+    if spec[0] == "tensor":
+        return torch.empty(16, dtype=getattr(torch, spec[1]))
+    return 0.5 if spec[0] == "float" else spec[1]
+
+
+def test_every_triton_launch_of_the_gpu_run_compiles_for_sm90(rehearsal_run):
+    """The rehearsal runs ESamp's kernel operators through their CUDA implementation (the
+    argument checks, the launch built, not run): every distinct launch of the GPU run (ESamp's
+    step at the three layouts, the distiller, the kernels' tile sweep) compiles for an
+    H100/H200 without one, so the GPU session never meets a Triton compile error."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from test_esamp_kernels import _compile_sm90
+
+    from algorithms.esamp.kernels.triton_impl import Launch
+
+    configs = rehearsal_run["rehearsal_record"]["triton_configs"]
+    assert {c["kernel"] for c in configs} == {"grad_adam", "slot_matmul", "candidate_dot"}
+    # One compile per kernel, constants, warps and dtypes (not per integer specialisation).
+    distinct = {
+        repr((c["kernel"], c["constexprs"], c["num_warps"], [a[:2] for a in c["args"] if a[0] == "tensor"])): c
+        for c in configs
+    }  # fmt: skip
+    assert len(distinct) >= 20  # tiles x rows blocks x split_k x precisions x moment dtypes
+    for c in distinct.values():
+        args = tuple(_example(a) for a in c["args"])
+        ptx, _ = _compile_sm90(Launch(c["kernel"], (1,), args, c["constexprs"], c["num_warps"]))
+        assert ".entry" in ptx, c
+
+
+def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
+    """On the fake device alone ESamp's kernel operators do nothing (their meta kernel), so
+    an argument only the CUDA implementation refuses would first fail on a GPU; in the
+    rehearsal they run that implementation's checks."""
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    def bf16_input(device: torch.device) -> None:
+        x = torch.empty(2, 4, 8, dtype=torch.bfloat16, device=device)  # must be fp32
+        w, out = torch.empty(3, 16, 8, device=device), torch.empty(2, 4, 16, device=device)
+        torch.ops.tllm_esamp.slot_matmul(x, w, torch.tensor([0, 2], device=device), out)
+
+    with FakeCuda() as fc:
+        bf16_input(fc.device)  # not seen
+    with gpu_rehearsal.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
+        bf16_input(r.device)
