@@ -258,11 +258,10 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def run_kernels(device: torch.device, quick: bool) -> dict[str, Any]:
-    if quick or device.type == "cpu":
-        return bench_kernels(device, QUICK_SHAPES)
+    shapes = QUICK_SHAPES if quick or device.type == "cpu" else SHAPES_7B
     if gpu_rehearsal.active():  # the GPU run's shapes, one iteration
-        return bench_kernels(device, {**SHAPES_7B, "iters": 1, "warmup": 1})
-    return bench_kernels(device)
+        shapes = {**shapes, "iters": 1, "warmup": 1}
+    return bench_kernels(device, shapes)
 
 
 def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B) -> dict:

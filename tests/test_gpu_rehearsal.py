@@ -239,3 +239,24 @@ def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
         bf16_input(fc.device)  # not seen
     with gpu_rehearsal.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
         bf16_input(r.device)
+
+
+def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatch):
+    """``esamp_gpu_step.bench_step`` runs one ESamp step under ``set_sync_debug_mode("error")``:
+    a host read slipped into the consumer's ``guide`` is reported there (``sync_debug``), the
+    rest of the step's record still comes back."""
+    import esamp_gpu_step
+
+    from algorithms.esamp.consumer import ESampConsumer
+
+    guide = ESampConsumer.guide
+
+    def reads_back(self, view):
+        view.logits.amax().item()  # the slipped-in host read
+        return guide(self, view)
+
+    monkeypatch.setattr(ESampConsumer, "guide", reads_back)
+    with gpu_rehearsal.rehearsal() as r:
+        res = esamp_gpu_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
+    assert res["sync_debug"].startswith("synced: rehearsal: host_wait"), res["sync_debug"]
+    assert "view.logits.amax().item()" in r.sync_windows[0]["sites"][0]
