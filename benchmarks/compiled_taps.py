@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tllm_core.api.edits import EditBuffers
+from tllm_core.testing.fake_cuda import is_cuda
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap
 
 ROWS, HIDDEN, LAYERS = 8, 64, 3
@@ -115,7 +116,7 @@ def run(device: torch.device, steps: int = 3) -> dict[str, Any]:
             diffs.append(_max_diff(_state(compiled(positions, x), taps), eager[s - 1]))
     out["compiled_max_abs_diff"] = diffs
     out["compile_seconds"] = time.time() - t0
-    if device.type != "cuda":
+    if not is_cuda(device):
         out["cuda_graph"] = {"skipped": "no CUDA"}
         return out
     static_x, static_pos = x.clone(), positions.clone()

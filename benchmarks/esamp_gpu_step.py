@@ -145,6 +145,7 @@ def bench_step(
     finally:
         torch.cuda.set_sync_debug_mode(0)
     res = c.result()
+    c.close()
     bw = copy_bandwidth(device)
     floor_ms = esamp_floor_bytes(prompts, n) / bw * 1e3
     added = esamp_ms - plain_ms

@@ -54,6 +54,7 @@ from bytes_count import BytesCounter  # noqa: E402
 
 from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
+from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 QWEN2_7B = dict(
     layers=28, hidden=3584, intermediate=18944, q_heads=28, kv_heads=4, head_dim=128, vocab=152064
@@ -113,7 +114,7 @@ def _inputs(args, device):
 
 
 def _timer(device):
-    if device.type == "cuda":
+    if is_cuda(device):
 
         def timed(fn, iters):
             torch.cuda.synchronize()

@@ -48,6 +48,7 @@ from algorithms.esamp.kernels import (  # noqa: E402
     slot_matmul_bytes,
     triton_available,
 )
+from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 SHAPES_7B: dict[str, Any] = dict(
     hidden=3584, intermediate=384, blocks=2, rows=16, cases=((8, 8), (64, 64), (8, 64)),
@@ -65,7 +66,7 @@ MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 def _time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    if device.type != "cuda":
+    if not is_cuda(device):
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -234,7 +235,7 @@ def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: floa
     ms = _time_ms(lambda: c.dense_products(c.theta, out_i, out_h), device, it, wu)
     res["dense_matmul"] = _floor(mm_bytes, ms, bandwidth)
 
-    if device.type == "cuda" and triton_available():
+    if is_cuda(device) and triton_available():
         res["sweep"] = _sweep(c, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth)
     return res
 
@@ -274,13 +275,13 @@ def bench_kernels(
     returns the figures as a JSON-able dict (see the module docstring)."""
     device = torch.device(device)
     if shapes is None:
-        shapes = SHAPES_7B if device.type == "cuda" else QUICK_SHAPES
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        shapes = SHAPES_7B if is_cuda(device) else QUICK_SHAPES
+    name = torch.cuda.get_device_name(device) if is_cuda(device) else "cpu"
     cases = []
     with torch.no_grad():
         for groups, capacity in shapes["cases"]:
             cases.append(_bench_case(shapes, groups, capacity, device, bandwidth))
-            if device.type == "cuda":
+            if is_cuda(device):
                 torch.cuda.empty_cache()
     return dict(
         device=name,

@@ -1,14 +1,20 @@
 """ESamp's GPU readiness in one command, torch only (pydantic for the consumer's parts; no vLLM):
 
-    python benchmarks/gpu_smoke.py [--device cuda|cpu] [--quick] [--out smoke.json]
+    python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
+                                   [--budget-s 200]
+
+``--device fake`` is the dress rehearsal (``gpu_rehearsal.py``): every CUDA-only line below
+runs on CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``:
+tiny shapes), and every value of its JSON is null: it checks the code, it measures nothing.
+Each part says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal).
 
 Parts (each a key of the JSON printed on the last line and written to ``--out``):
 
 1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math),
    ``tests/test_esamp_kernels.py`` (the Triton kernels, compiled) and
    ``tests/test_fake_cuda.py`` (its GPU checks: what the fake device flags must synchronise on
-   a GPU, what it passes must not) in a subprocess; on CPU they skip, so they run only with
-   ``--device cuda``.
+   a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
+   run only with ``--device cuda`` (the rehearsal collects them).
 2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
    1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_gpu_step.bench_step``): device
    time added and ratio, host time of the consumer's calls, the floor, a step under
@@ -17,7 +23,8 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 3. ``kernels``: ``gpu_kernels.bench_kernels`` (the fused kernels against their bytes floor and
    against the former bmm + fused Adam path); ``--quick`` or CPU: tiny shapes.
 4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
-   64 groups, each variant, with the update's bytes per parameter; CPU: tiny shapes.
+   64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
+   parameter; CPU: tiny shapes.
 5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
    of an ESamp step (``esamp_fake_step``) stand in.
@@ -28,17 +35,24 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
 
 The CUDA parts of this version have never run on a GPU (the first GPU run, of the code before
-issue 36's rebuild: docs/results.md).
+issue 36's rebuild: docs/results.md); ``--device fake`` runs them in CI. The JSON is also
+written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
+not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
+it prints every thread's stack (a hang shows where). What a session with a lent GPU runs:
+docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,53 +62,97 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import gpu_rehearsal  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
-from gpu_kernels import QUICK_SHAPES, bench_kernels  # noqa: E402
+from gpu_kernels import QUICK_SHAPES, SHAPES_7B, bench_kernels  # noqa: E402
 from sync_count import SyncCounter  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
+from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 VOCAB_7B = 152064
 
 
+CUDA_TESTS = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
+BUDGET_S = 200.0  # parts not started by then are skipped: the run ends near 3 minutes
+CUDA_TESTS_TIMEOUT_S = 150  # their share of a 15-minute GPU session (CPU: 12 s, 2 cores)
+
+
 def _shape(quick: bool, device: torch.device) -> dict[str, int]:
     if quick or device.type == "cpu":
-        return dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
-    return dict(hidden=3584, intermediate=384, rows=16, iters=50, warmup=10, repeats=3)
+        s = dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
+    else:
+        s = dict(hidden=3584, intermediate=384, rows=16, iters=20, warmup=5, repeats=3)
+    if gpu_rehearsal.active():  # the GPU run's shapes, one iteration: nothing is timed
+        s.update(iters=1, warmup=1, repeats=1)
+    return s
+
+
+def _free(device: torch.device) -> None:
+    """Free what the last case left (reference cycles included) back to the device."""
+    if is_cuda(device):
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def tests_env() -> dict[str, str]:
+    """The CUDA tests' environment: the checkout first, then the caller's PYTHONPATH (where
+    the GPU machine's carried wheels are: pydantic for the consumer's test)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def run_cuda_tests(device: torch.device) -> dict[str, Any]:
-    if device.type != "cuda":
+    if not is_cuda(device):
         return {"skipped": "needs a CUDA device"}
     t0 = time.time()
-    tests = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
+    rehearsing = gpu_rehearsal.active() is not None
+    # The rehearsal collects the tests (they import, and exist): on CPU they would skip.
+    collect = ["--collect-only"] if rehearsing else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *tests, "-q", "--noconftest", "-p", "no:cacheprovider"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *CUDA_TESTS,
+            "-q",
+            "--noconftest",
+            "-p",
+            "no:cacheprovider",
+        ]
+        + collect,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=900,
+        env=tests_env(),
+        timeout=CUDA_TESTS_TIMEOUT_S,
     )
-    return {"rc": proc.returncode, "seconds": time.time() - t0, "tail": proc.stdout[-3000:]}
+    out = {"rc": proc.returncode, "seconds": time.time() - t0, "tail": proc.stdout[-3000:]}
+    if rehearsing:
+        if proc.returncode != 0:
+            raise RuntimeError(f"collecting {CUDA_TESTS} failed:\n{proc.stdout[-2000:]}")
+        out["rehearsal"] = {"collect_only": proc.stdout.strip().splitlines()[-1]}
+    return out
 
 
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     s = _shape(quick, device)
-    variants = (
-        ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
-    )
+    variants = ["eager_side", "graph_main", "graph_side"] if is_cuda(device) else ["eager_main"]
     out: dict[str, Any] = {}
     for groups in (8, 64) if not quick else (2, 4):
         args = SimpleNamespace(groups=groups, blocks=2, **s)
-        out[f"groups_{groups}"] = {v: bench_distiller(v, args, device) for v in variants}
-        out[f"groups_{groups}"]["bytes_per_param"] = update_bytes_per_param(args, device)
+        res: dict[str, Any] = {}
+        for v in variants:
+            res[v] = bench_distiller(v, args, device)
+            _free(device)  # the variant's distiller (6 GB at 64 groups) before the next
+        res["bytes_per_param"] = update_bytes_per_param(args, device)
+        out[f"groups_{groups}"] = res
     return {"shape": s, "results": out}
 
 
 def _distiller(device: torch.device, hidden: int, inter: int, slots: int, rows: int):
-    if device.type == "cuda":
+    if is_cuda(device):
         from algorithms.esamp.cuda import CudaGroupedDistiller
 
         return CudaGroupedDistiller(
@@ -120,7 +178,7 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
         # The plan's terms that the distiller alone allocates (no guidance here).
         distiller_plan = plan.total_bytes - plan.guidance_workspace_bytes
         slots = torch.arange(groups).repeat_interleave(rows)
-        if device.type == "cuda":
+        if is_cuda(device):
             x = torch.randn(groups * rows, h, device=device)
             t = x + 0.1 * torch.randn_like(x)
             torch.cuda.synchronize(device)
@@ -172,17 +230,21 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
 
 def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
     """ESamp's whole step beside the synthetic decode step, and the issue-36 targets."""
-    if device.type != "cuda":
+    if not is_cuda(device):
         return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_fake_step.py)"}
     try:
         from esamp_gpu_step import bench_step
+
+        import algorithms.esamp.consumer  # noqa: F401  (pydantic: bench_step imports it late)
     except ImportError as err:
         return {"skipped": f"the consumer is not importable: {err}"}
-    iters = 5 if quick else 30
+    iters, warmup = (5, 5) if quick else (30, 5)
+    if gpu_rehearsal.active():
+        iters, warmup = 1, 1
     out: dict[str, Any] = {}
     for prompts, n in ((8, 16), (1, 128), (64, 16)):
-        out[f"{prompts}x{n}"] = bench_step(device, prompts, n, iters=iters)
-        torch.cuda.empty_cache()
+        out[f"{prompts}x{n}"] = bench_step(device, prompts, n, iters=iters, warmup=warmup)
+        _free(device)  # each layout's 14 GB synthetic model before the next one's
     a, b, c = out["8x16"], out["1x128"], out["64x16"]
     out["targets"] = {
         "8x16 adds <= 0.6 ms and ratio >= 0.90": a["added_ms"] <= 0.6 and a["ratio"] >= 0.90,
@@ -196,7 +258,10 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def run_kernels(device: torch.device, quick: bool) -> dict[str, Any]:
-    return bench_kernels(device, QUICK_SHAPES if quick or device.type == "cpu" else None)
+    shapes = QUICK_SHAPES if quick or device.type == "cpu" else SHAPES_7B
+    if gpu_rehearsal.active():  # the GPU run's shapes, one iteration
+        shapes = {**shapes, "iters": 1, "warmup": 1}
+    return bench_kernels(device, shapes)
 
 
 def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B) -> dict:
@@ -221,7 +286,7 @@ def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B
     with SyncCounter() as sc:
         fixed()
     out["fixed_size"] = dict(sc.kinds)
-    if device.type == "cuda":
+    if is_cuda(device):
         torch.cuda.synchronize(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -258,46 +323,102 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (CI)")
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_smoke: no CUDA device (use --device cpu)", file=sys.stderr)
-        return 2
+def _parts(device: torch.device, quick: bool) -> tuple:
+    return (
+        ("cuda_tests", lambda: run_cuda_tests(device)),
+        ("esamp_step", lambda: run_esamp_step(device, quick)),
+        ("kernels", lambda: run_kernels(device, quick)),
+        ("distiller", lambda: run_distiller(device, quick)),
+        ("memory", lambda: run_memory(device, quick)),
+        ("syncs", lambda: run_syncs(device)),
+        ("compiled_taps", lambda: {"skipped": "--quick"} if quick else run_compiled_taps(device)),
+    )
+
+
+def _error(err: Exception) -> dict[str, str]:
+    """The part's error with where it was raised (the innermost frames)."""
+    frames = traceback.extract_tb(err.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
+    return {"error": f"{type(err).__name__}: {err}", "traceback": where}
+
+
+def smoke(
+    device: torch.device,
+    quick: bool,
+    out_path: str | None = None,
+    budget_s: float = BUDGET_S,
+) -> dict[str, Any]:
+    """Every part on ``device`` (the fake device inside :func:`gpu_rehearsal.rehearsal`); the
+    JSON so far goes to ``out_path`` after each part; a part not started within ``budget_s``
+    seconds of the run's start is skipped (said so)."""
+    rehearsal = gpu_rehearsal.active()
+    if rehearsal is not None:
+        ran_on = gpu_rehearsal.RAN_ON
+    else:
+        ran_on = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     t0 = time.time()
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(device) if is_cuda(device) else device.type,
+        "rehearsal": rehearsal is not None,
         "torch": torch.__version__,
-        "quick": args.quick,
+        "quick": quick,
     }
-    parts = (
-        ("cuda_tests", lambda: run_cuda_tests(device)),
-        ("esamp_step", lambda: run_esamp_step(device, args.quick)),
-        ("kernels", lambda: run_kernels(device, args.quick)),
-        ("distiller", lambda: run_distiller(device, args.quick)),
-        ("memory", lambda: run_memory(device, args.quick)),
-        ("syncs", lambda: run_syncs(device)),
-        (
-            "compiled_taps",
-            lambda: {"skipped": "--quick"} if args.quick else run_compiled_taps(device),
-        ),
-    )
-    for name, fn in parts:
+    seconds: dict[str, float] = {}
+    for name, fn in _parts(device, quick):
         t = time.time()
         try:
-            out[name] = fn()
+            past = t - t0 > budget_s
+            res = {"skipped": f"past the run's budget of {budget_s:.0f} s"} if past else fn()
         except Exception as err:  # one broken part must not hide the others' results
-            out[name] = {"error": f"{type(err).__name__}: {err}"}
-        print(f"[gpu_smoke] {name}: {time.time() - t:.1f} s", file=sys.stderr)
-    out["seconds"] = time.time() - t0
-    text = json.dumps(out)
-    if args.out:
-        Path(args.out).write_text(text)
-    print(text)
+            res = _error(err)
+        if rehearsal is not None and "error" not in res:
+            res = gpu_rehearsal.scrub(res)
+        ok = "error" not in res and "skipped" not in res
+        out[name] = {"ran_on": ran_on if ok else "not run", **res}
+        seconds[name] = round(time.time() - t, 2)
+        where = "rehearsal" if rehearsal is not None and ok else out[name]["ran_on"]
+        print(f"[gpu_smoke] {name}: {seconds[name]:.1f} s ({where})", file=sys.stderr)
+        if out_path:  # a run cut short keeps what it finished
+            Path(out_path).write_text(json.dumps(out))
+    if rehearsal is not None:  # the rehearsal's own timings: CPU seconds, not the GPU's
+        out["rehearsal_record"] = {**rehearsal.summary(), "cpu_seconds": seconds}
+    else:
+        out["part_seconds"] = seconds
+        out["seconds"] = time.time() - t0
+    if out_path:
+        Path(out_path).write_text(json.dumps(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device", default="cuda", help="cuda, cpu, or fake (the rehearsal: nothing measured)"
+    )
+    p.add_argument("--quick", action="store_true", help="tiny shapes (CI)")
+    p.add_argument("--out", default=None, help="also write the JSON here (after each part)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="skip the parts not started this many seconds into the run",
+    )
+    args = p.parse_args(argv)
+    # A part that hangs (a stream or graph waiting forever) prints every thread's stack.
+    faulthandler.dump_traceback_later(args.budget_s + 120, exit=False)
+    if args.device == "fake":
+        with gpu_rehearsal.rehearsal() as r:
+            out = smoke(r.device, args.quick, args.out, args.budget_s)
+    else:
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            print(
+                "gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr
+            )
+            return 2
+        out = smoke(device, args.quick, args.out, args.budget_s)
+    faulthandler.cancel_dump_traceback_later()
+    print(json.dumps(out))
     return 0
 
 

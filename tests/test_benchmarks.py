@@ -274,14 +274,18 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
         _run("gpu_smoke.py", "--device", "cpu", "--quick", "--out", str(out_file), timeout=120)
     )
     assert json.loads(out_file.read_text()) == out
-    assert out["cuda_tests"] == {"skipped": "needs a CUDA device"}
+    assert out["cuda_tests"] == {"ran_on": "not run", "skipped": "needs a CUDA device"}
     assert "needs a CUDA device" in out["esamp_step"]["skipped"]
     for part in ("kernels", "distiller", "memory", "syncs"):
         assert "error" not in out[part], out[part]
+        assert out[part]["ran_on"] == "cpu"
+    assert out["rehearsal"] is False and set(out["part_seconds"]) == set(out) & {
+        "cuda_tests", "esamp_step", "kernels", "distiller", "memory", "syncs", "compiled_taps",
+    }  # fmt: skip
     assert out["kernels"]["cases"][0]["grad_adam"]["bytes_per_param"] <= 26
     assert out["distiller"]["results"]["groups_4"]["eager_main"]["train_us"] > 0
     assert out["distiller"]["results"]["groups_4"]["bytes_per_param"]["graph_update"] > 0
-    assert out["compiled_taps"] == {"skipped": "--quick"}
+    assert out["compiled_taps"] == {"ran_on": "not run", "skipped": "--quick"}
     mem = out["memory"]
     assert mem["qwen2.5_7b_default_plan"]["total_gib"] <= 1.5
     for k in ("groups_2", "groups_4"):  # the CUDA distiller's step on the fake device
@@ -311,20 +315,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_gpu_smoke_runs_without_pydantic_or_vllm():
-    """The GPU image has torch but neither pydantic nor vLLM: gpu_smoke.py still imports and
-    its torch-level parts run (the consumer's own sync count is skipped, said so)."""
+    """The GPU image has torch but neither pydantic nor vLLM (unless the wheels travel):
+    gpu_smoke.py's CUDA branches (rehearsed on the fake device) still run, and the consumer's
+    parts are skipped, said so."""
     script = str(BENCH / "gpu_smoke.py")
     proc = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_PYDANTIC, script, "--device", "cpu", "--quick"],
+        [sys.executable, "-c", _WITHOUT_PYDANTIC, script, "--device", "fake", "--quick"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
     out = _json(proc)
-    for part in ("kernels", "distiller", "memory", "syncs"):
-        assert "error" not in out[part], out[part]
-    assert out["syncs"]["candidate_search"]["fixed_size"] == {}
+    for part in ("cuda_tests", "kernels", "distiller", "memory", "syncs"):
+        assert "error" not in out[part] and out[part]["ran_on"].startswith("rehearsal"), out[part]
+    assert "not on the GPU image" in out["esamp_step"]["skipped"]
     assert "not on the GPU image" in out["syncs"]["consumer_step"]["skipped"]
 
 

@@ -113,6 +113,15 @@ def _stats() -> dict[str, Any]:
 _active: FakeCuda | None = None
 
 
+def is_cuda(device: torch.device | str) -> bool:
+    """Whether code should take its CUDA branch on ``device``: a CUDA device, or the fake
+    device while a ``FakeCuda`` is active (whose type is ``"meta"``). Scripts that branch
+    with this instead of ``device.type == "cuda"`` run their CUDA-only lines under the fake
+    (``benchmarks/gpu_smoke.py --device fake``)."""
+    dev = torch.device(device)
+    return dev.type == "cuda" or (_active is not None and dev == _active.device)
+
+
 class FakeCuda:
     """The fake device and its record (see the module docstring)."""
 
