@@ -56,6 +56,25 @@ def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit):
     assert res["rows_guided_counted_in_the_run"] > 0, res
 
 
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
+    """Was: the candidate gather-dot's first call, hence its Triton compile (about a second
+    of host time), came in the first guided step. Now the consumer runs it once, on every
+    pair its workspace holds, when it is built (post-filter only: full vocabulary has none)."""
+    import esamp_fake_step
+
+    from algorithms.esamp import factory, guide_step
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    calls = []
+    monkeypatch.setattr(guide_step, "candidate_dot", lambda *a: calls.append(a[2].numel()))
+    monkeypatch.setattr(factory, "uses_gpu_path", lambda device: True)
+    with FakeCuda() as fc:
+        c = esamp_fake_step.consumer(fc.device, 8, 16, True, mode=mode)
+    k = c.shared.cfg.cuda_max_candidates
+    assert calls == ([c.shared.cfg.cuda_rows_per_step * k] if mode == "post_filter" else [])
+
+
 def _clean(res: dict) -> None:
     assert res["failures"] == [] and res["host_waits"] == res["pageable_copies"] == 0, res
     assert res["first_cublas"] == 0

@@ -30,6 +30,7 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.guide_cuda import guide_cuda
 from algorithms.esamp.guide_workspace import GuideWorkspace
+from algorithms.esamp.kernels import candidate_dot
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
 from tllm_core import FINAL, DeviceSums, GuideView, ModelInfo, RequestInfo
@@ -116,9 +117,20 @@ class GuideStep:
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
             self._guided_sums = DeviceSums(self._ws.parts["guided"])
+            self._warm_up_candidate_dot()
             if self.diagnostics is not None:
                 self.records = DeviceRecords(self.diagnostics, self._ws.parts["dg_ring"])
         return self._ws
+
+    def _warm_up_candidate_dot(self) -> None:
+        """Run the post-filter's gather-dot once on the workspace (all pairs, as a step of
+        every row), so that on CUDA its Triton kernel is compiled with the consumer and not
+        in the first guided step (a host stall of about a second there)."""
+        ws = self._ws
+        if ws is None or self._weight is None or "p_slot" not in ws.parts:
+            return
+        pairs, f = ws.parts["p_slot"].zero_(), ws.parts["hf"].zero_()
+        candidate_dot(self._weight, f, pairs, pairs, ws.parts["dist"])
 
     def _say_what_allocates(self) -> None:
         """CUDA: one line at start for a setting that makes a guided step allocate on the
