@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from algorithms.esamp import kernels
 from algorithms.esamp.mlp import Activations, MatMul, batched_mm
 
 # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
@@ -43,6 +44,36 @@ def backward_factors(
         if b:
             dy = dy + mm(du, up, False) + mm(da, gate, False)
     return factors, sq
+
+
+def fused_backward(
+    weights: list[tuple[torch.Tensor, ...]],
+    acts: Activations,
+    dy: torch.Tensor,
+    mm: MatMul = batched_mm,
+    precision: str = "ieee",
+) -> tuple[list[Factor], torch.Tensor]:
+    """:func:`backward_factors` in fewer launches (the update graph's): per block the product
+    with ``down`` and one :func:`~algorithms.esamp.kernels.block_backward` (``du``, ``da``
+    and the block's share of the norm), and the gradient carried to the block's input.
+    Returns the factors and the norm parts ``[B, NB * T]`` (each group's squared gradient
+    norm is the sum of its row; :func:`~algorithms.esamp.kernels.update_tail` sums it)."""
+    groups, rows, _ = dy.shape
+    t = kernels.norm_parts(rows)
+    parts = dy.new_empty(groups, len(weights), t)
+    factors: list[Factor] = []
+    for b in reversed(range(len(weights))):
+        gate, up, down = weights[b]
+        h_in, a, u, s, p = acts[b]
+        dp = mm(dy, down, False)
+        du, da = torch.empty_like(dp), torch.empty_like(dp)
+        kernels.block_backward(
+            dp, a, u, s, p, h_in, dy, du, da, parts[:, b], input_precision=precision
+        )
+        factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+        if b:
+            dy = dy + mm(du, up, False) + mm(da, gate, False)
+    return factors, parts.view(groups, -1)
 
 
 def clipped_grad(factor: Factor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

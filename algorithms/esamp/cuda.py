@@ -247,8 +247,9 @@ class CudaGroupedDistiller(SlotDistiller):
             partial(slot_grad_adam_, precision=self._precision),
         )
         losses, ok = train_groups(
-            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward
-        )
+            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward,
+            precision=self._precision,
+        )  # fmt: skip
         ring = self.plan[2 * t + 2 * c :]
         at = ring * c + self._ring_idx[: lay.groups]
         self.results.losses.view(-1).index_copy_(0, at, losses)

@@ -16,10 +16,10 @@ from functools import partial
 
 import torch
 
-from algorithms.esamp.adam import adam_stats, clip_scale
-from algorithms.esamp.backward import backward_factors
+from algorithms.esamp import kernels
+from algorithms.esamp.adam import CLIP_EPS, adam_stats
+from algorithms.esamp.backward import fused_backward
 from algorithms.esamp.mlp import Activations, forward_acts
-from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
@@ -39,6 +39,7 @@ def train_groups(
     stats: torch.Tensor | None = None,
     ops=None,
     forward: tuple[torch.Tensor, Activations] | None = None,
+    precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Adam step for every packed group with rows, written in place into its slot.
 
@@ -52,39 +53,43 @@ def train_groups(
     ``ops``: the slot operations (default :mod:`~algorithms.esamp.slot_ops`; the Triton ones
     on CUDA). ``forward``: :func:`~algorithms.esamp.mlp.forward_acts` of these parameters
     on ``xp``, already computed (the CUDA prediction's, kept for its update: the weights are
-    then not read for a forward). Returns ``(losses [G], updated [G])``.
+    then not read for a forward). ``precision``: the Gram products' of the gradient norm
+    (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`). Returns ``(losses [G], updated
+    [G])``.
+
+    Launches: the forward (unless given), one for the loss and its gradient, per block the
+    product with ``down``, the elementwise backward with its share of the norm
+    (:func:`~algorithms.esamp.backward.fused_backward`) and (but the first block) the
+    gradient carried to its input, one for norm / finite check / clip / step counts, and
+    one Adam kernel per weight matrix.
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
         gs = group_slot
-        idx = gs.clamp(min=0)
         slot_mm = partial(_mm, mm, gs)
         weights = block_weights(theta, shape)
         h, acts = forward_acts(weights, xp, slot_mm) if forward is None else forward
-        diff = torch.where(mask[..., None], h - tp, 0.0)
-        counts = mask.sum(1)
-        denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
-        losses = diff.square().sum((1, 2)) / denom
-        factors, sq = backward_factors(
-            weights, acts, diff.mul_((2.0 / denom)[:, None, None]), slot_mm
-        )
-        norm = sq.sqrt()
-        valid = (gs >= 0) & (counts > 0)
-        # Both finite (x * 0 is 0 for finite x, NaN for inf and NaN): 4 launches where two
-        # isfinite make 10.
-        ok = valid & (losses * 0 + norm * 0 == 0)
-        scale = clip_scale(norm, hp)
-        step.index_add_(0, idx, ok.to(step.dtype))
+        # Allocated here: the graph's pool on CUDA (nothing per replay).
+        g_n, rows, _ = xp.shape
+        losses = xp.new_empty(g_n)
+        dy = torch.empty_like(h)
+        kernels.loss_dy(h, tp, mask, losses, dy, reduction=hp.loss_reduction)
+        factors, parts = fused_backward(weights, acts, dy, slot_mm, precision)
+        ok = torch.empty(g_n, dtype=torch.bool, device=xp.device)
+        scale, norm = xp.new_empty(g_n), xp.new_empty(g_n)
+        kernels.update_tail(
+            losses, parts, gs, mask, step, applied, ok, scale, norm,
+            grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
+        )  # fmt: skip
         wv = [block_weights(t, shape) for t in (theta, m, v)]
         for blk, k, a_f, b_f in factors:
             w, mm_, vv = (x[blk][k] for x in wv)
             grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
         if stats is not None and hp.stats:
+            idx = gs.clamp(min=0)
             mo, vo = (t.index_select(0, idx).float() for t in (m, v))
             st = adam_stats(mo, vo, step[idx], norm, hp)
             stats.copy_(torch.where(ok[:, None], st, float("nan")))
-        if applied is not None:
-            applied.index_add_(0, idx, valid.to(applied.dtype))
     return losses, ok
 
 

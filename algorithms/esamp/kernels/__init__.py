@@ -7,6 +7,10 @@ sees each call as one op):
   moments, 16 with bf16 (:func:`grad_adam_bytes`);
 - :func:`slot_matmul`: ``out[g] = x[g] @ w[slot[g]]^T`` (or ``@ w[slot[g]]``) reading only
   the listed slots' weights, out= style (no allocation);
+- :func:`loss_dy`, :func:`block_backward`, :func:`update_tail`: the rest of the update's
+  backward, one launch each: the loss and its gradient; per SwiGLU block the elementwise
+  backward with the block's share of each group's gradient norm (from Gram matrices);
+  norm, finite check, clip coefficient and the step counts;
 - :func:`candidate_dot`: guidance's dist logits for (row, token) pairs,
   ``out[j] = W[tokens[j]] . f[rows[j]]`` in fp32, reading each pair's head row once in its
   own dtype (no gathered or upcast copy), out= style (:func:`candidate_dot_bytes`).
@@ -21,25 +25,42 @@ from __future__ import annotations
 import torch
 
 from algorithms.esamp.kernels import ops  # noqa: F401  (defines the ops)
-from algorithms.esamp.kernels.checks import HEAD_DTYPES, INPUT_PRECISIONS, MOMENT_DTYPES
+from algorithms.esamp.kernels.checks import (
+    HEAD_DTYPES,
+    INPUT_PRECISIONS,
+    MOMENT_DTYPES,
+    NORM_TILE_ROWS,
+    norm_parts,
+)
 from algorithms.esamp.kernels.ops import triton_available
 from algorithms.esamp.kernels.traffic import (
+    block_backward_bytes,
     candidate_dot_bytes,
     grad_adam_bytes,
+    loss_dy_bytes,
     slot_matmul_bytes,
+    update_tail_bytes,
 )
 
 __all__ = [
     "HEAD_DTYPES",
     "INPUT_PRECISIONS",
     "MOMENT_DTYPES",
+    "NORM_TILE_ROWS",
+    "block_backward",
+    "block_backward_bytes",
     "candidate_dot",
     "candidate_dot_bytes",
     "grad_adam",
     "grad_adam_bytes",
+    "loss_dy",
+    "loss_dy_bytes",
+    "norm_parts",
     "slot_matmul",
     "slot_matmul_bytes",
     "triton_available",
+    "update_tail",
+    "update_tail_bytes",
 ]
 
 
@@ -119,3 +140,81 @@ def candidate_dot(
     ``[0, V)``."""
     torch.ops.tllm_esamp.candidate_dot(weight, f, rows, tokens, out)
     return out
+
+
+def loss_dy(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    losses: torch.Tensor,
+    dy: torch.Tensor,
+    *,
+    reduction: str = "mean",
+) -> None:
+    """Each group's loss and its gradient with respect to ``h``, in one pass.
+
+    ``h``, ``tp``, ``dy`` ``[G, M, H]`` fp32, ``mask [G, M]`` bool (the group's rows),
+    ``losses [G]`` fp32. With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h``
+    and ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
+    (:func:`algorithms.esamp.objective.loss_denominator`): ``losses[g] = sum(diff[g]^2) /
+    denom``, ``dy[g] = diff[g] * (2 / denom)``."""
+    torch.ops.tllm_esamp.loss_dy(h, tp, mask, losses, dy, reduction)
+
+
+def block_backward(
+    dp: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    h_in: torch.Tensor,
+    dy: torch.Tensor,
+    du: torch.Tensor,
+    da: torch.Tensor,
+    parts: torch.Tensor,
+    *,
+    input_precision: str = "ieee",
+) -> None:
+    """The elementwise backward of one block ``h + (silu(a) * u) @ down^T`` and its share of
+    each group's squared gradient norm.
+
+    ``dp`` (the gradient at ``p = s * u``), ``a``, ``u``, ``s = silu(a)``, ``p`` ``[G, M, I]``
+    fp32 (the forward's activations), ``h_in`` (the block's input) and ``dy`` (the gradient
+    at its output) ``[G, M, H]`` fp32. Writes ``du = dp * s``, ``da = dp * u * silu'(a)``
+    ``[G, M, I]``, and ``parts [G, T]`` fp32 (``T >= norm_parts(M)``): columns summing to
+    ``|dy^T p|^2 + |du^T h_in|^2 + |da^T h_in|^2`` (the block's down, up and gate gradients'
+    squared norms, from ``M x M`` Gram matrices); how the sum is spread over the columns is
+    the implementation's. Padding rows must be zero in ``dp``, ``p``, ``h_in`` and ``dy``.
+    ``input_precision``: the Gram products' (:data:`INPUT_PRECISIONS`)."""
+    torch.ops.tllm_esamp.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+
+
+def update_tail(
+    losses: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    *,
+    grad_clip: float | None,
+    clip_eps: float,
+) -> None:
+    """Per group, after the backward: ``norm[g] = sqrt(sum(parts[g]))``; ``valid`` = the
+    group has a slot (``group_slot >= 0``) and rows (``mask``); ``ok[g]`` = valid with a
+    finite loss and norm; ``scale[g] = min(1, grad_clip / (norm + clip_eps))`` (1 with
+    ``grad_clip`` None); ``step[s] += ok`` and ``applied[s] += valid`` (``applied``
+    optional) at ``s = group_slot[g]``.
+
+    ``losses [G]``, ``parts [G, K]``, ``scale``/``norm [G]`` fp32, ``group_slot [G]``
+    int32/int64, ``mask [G, M]`` bool, ``ok [G]`` bool, ``step [S]`` fp32, ``applied [S]``
+    int64. A slot may appear in at most one group (two would race on the GPU)."""
+    clip = -1.0 if grad_clip is None else float(grad_clip)
+    if grad_clip is not None and not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip}")
+    torch.ops.tllm_esamp.update_tail(
+        losses, parts, group_slot, mask, step, applied, ok, scale, norm, clip, clip_eps
+    )

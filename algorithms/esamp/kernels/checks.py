@@ -157,3 +157,124 @@ def check_candidate_dot(
         raise ValueError(f"out must be [{n}] fp32 (one per token), got {_shape(out)}")
     if n > 0 and (weight.shape[0] == 0 or f.shape[0] == 0):
         raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")
+
+
+# block_backward: rows are tiled by up to this many for the Gram matrices; each pair of row
+# tiles of a group writes one column of the norm parts.
+NORM_TILE_ROWS = 32
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+def norm_parts(rows: int) -> int:
+    """Columns of ``block_backward``'s norm parts needed for groups of ``rows`` rows."""
+    tiles = max(1, -(-rows // NORM_TILE_ROWS))
+    return tiles * tiles
+
+
+def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if not (tuple(t.shape) == shape and t.dtype == torch.float32):
+        raise ValueError(f"{name} must be {list(shape)} fp32 ({what}), got {_shape(t)}")
+
+
+def _row_mask(mask: torch.Tensor, groups: int, rows: int) -> None:
+    if not (tuple(mask.shape) == (groups, rows) and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [{groups}, {rows}] bool, got {_shape(mask)}")
+
+
+def check_loss_dy(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    losses: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(h=h, tp=tp, mask=mask, losses=losses, dy=dy)
+    if not (h.dim() == 3 and h.dtype == torch.float32):
+        raise ValueError(f"h must be [G, M, H] fp32, got {_shape(h)}")
+    g, rows, _ = h.shape
+    _fp32("tp", tp, tuple(h.shape), "h's shape")
+    _fp32("dy", dy, tuple(h.shape), "h's shape")
+    _fp32("losses", losses, (g,), "one per group")
+    _row_mask(mask, g, rows)
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def check_block_backward(
+    dp: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    h_in: torch.Tensor,
+    dy: torch.Tensor,
+    du: torch.Tensor,
+    da: torch.Tensor,
+    parts: torch.Tensor,
+    input_precision: str = "ieee",
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(dp=dp, a=a, u=u, s=s, p=p, h_in=h_in, dy=dy, du=du, da=da, parts=parts)
+    if not (dp.dim() == 3 and dp.dtype == torch.float32):
+        raise ValueError(f"dp must be [G, M, I] fp32, got {_shape(dp)}")
+    g, rows, _ = dp.shape
+    for name, t in (("a", a), ("u", u), ("s", s), ("p", p), ("du", du), ("da", da)):
+        _fp32(name, t, tuple(dp.shape), "dp's shape")
+    if not (h_in.dim() == 3 and h_in.dtype == torch.float32 and h_in.shape[:2] == dp.shape[:2]):
+        raise ValueError(f"h_in must be [{g}, {rows}, H] fp32, got {_shape(h_in)}")
+    _fp32("dy", dy, tuple(h_in.shape), "h_in's shape")
+    need = norm_parts(rows)
+    if not (parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32):
+        raise ValueError(f"parts must be [{g}, >= {need}] fp32, got {_shape(parts)}")
+    if parts.shape[1] < need:
+        raise ValueError(
+            f"parts must have >= {need} columns for {rows} rows (norm_parts), got {_shape(parts)}"
+        )
+    check_precision(input_precision)
+
+
+def check_update_tail(
+    losses: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    tensors = dict(losses=losses, parts=parts, group_slot=group_slot, mask=mask, step=step)
+    tensors.update(ok=ok, scale=scale, norm=norm)
+    if applied is not None:
+        tensors["applied"] = applied
+    _same_device(**tensors)
+    if not (losses.dim() == 1 and losses.dtype == torch.float32):
+        raise ValueError(f"losses must be [G] fp32, got {_shape(losses)}")
+    g = losses.shape[0]
+    if not (parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32):
+        raise ValueError(f"parts must be [{g}, K] fp32, got {_shape(parts)}")
+    _group_vector("group_slot", group_slot, g)
+    if group_slot.dtype not in _SLOT_DTYPES:
+        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    if not (mask.dim() == 2 and mask.shape[0] == g and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [{g}, M] bool, got {_shape(mask)}")
+    if not (step.dim() == 1 and step.dtype == torch.float32):
+        raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
+    if applied is not None and not (
+        tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
+    ):
+        raise ValueError(
+            f"applied must be {list(step.shape)} int64 (step's), got {_shape(applied)}"
+        )
+    if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
+        raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
+    _fp32("scale", scale, (g,), "one per group")
+    _fp32("norm", norm, (g,), "one per group")
+    if not clip_eps >= 0:
+        raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")

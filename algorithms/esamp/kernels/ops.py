@@ -19,11 +19,21 @@ import torch
 
 from algorithms.esamp.kernels import reference
 from algorithms.esamp.kernels.checks import (
+    check_block_backward,
     check_candidate_dot,
     check_grad_adam,
+    check_loss_dy,
     check_slot_matmul,
+    check_update_tail,
 )
-from algorithms.esamp.kernels.traffic import candidate_dot_bytes, grad_adam_bytes, slot_matmul_bytes
+from algorithms.esamp.kernels.traffic import (
+    block_backward_bytes,
+    candidate_dot_bytes,
+    grad_adam_bytes,
+    loss_dy_bytes,
+    slot_matmul_bytes,
+    update_tail_bytes,
+)
 
 log = logging.getLogger("tllm")
 
@@ -39,6 +49,20 @@ _LIB.define(
 )
 _LIB.define(
     "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
+)
+_LIB.define(
+    "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) losses, Tensor(b!) dy, "
+    "str reduction) -> ()"
+)
+_LIB.define(
+    "block_backward(Tensor dp, Tensor a, Tensor u, Tensor s, Tensor p, Tensor h_in, "
+    "Tensor dy, Tensor(a!) du, Tensor(b!) da, Tensor(c!) parts, "
+    "str input_precision='ieee') -> ()"
+)
+_LIB.define(
+    "update_tail(Tensor losses, Tensor parts, Tensor group_slot, Tensor mask, "
+    "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) ok, Tensor(d!) scale, Tensor(e!) norm, "
+    "float grad_clip, float clip_eps) -> ()"
 )
 
 
@@ -118,6 +142,54 @@ def _candidate_dot_cuda(weight, f, rows, tokens, out) -> None:
     triton_impl.candidate_dot(weight, f, rows, tokens, out)
 
 
+def _loss_dy_reference(h, tp, mask, losses, dy, reduction) -> None:
+    check_loss_dy(h, tp, mask, losses, dy, reduction)
+    per_row = float(h.shape[2]) if reduction == "mean" else 1.0
+    reference.loss_dy(h, tp, mask, losses, dy, per_row)
+
+
+def _loss_dy_cuda(h, tp, mask, losses, dy, reduction) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _loss_dy_reference(h, tp, mask, losses, dy, reduction)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_loss_dy(h, tp, mask, losses, dy, reduction)
+    triton_impl.loss_dy(h, tp, mask, losses, dy, reduction)
+
+
+def _block_backward_reference(
+    dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee"
+) -> None:
+    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    reference.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts)
+
+
+def _block_backward_cuda(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _block_backward_reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    triton_impl.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+
+
+def _update_tail_reference(*args) -> None:
+    check_update_tail(*args)
+    reference.update_tail(*args)
+
+
+def _update_tail_cuda(*args) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _update_tail_reference(*args)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_update_tail(*args)
+    triton_impl.update_tail(*args)
+
+
 def _nothing(*args, **kwargs) -> None:
     return None
 
@@ -126,6 +198,9 @@ for _name, _cpu, _cuda in (
     ("grad_adam", _grad_adam_reference, _grad_adam_cuda),
     ("slot_matmul", _slot_matmul_reference, _slot_matmul_cuda),
     ("candidate_dot", _candidate_dot_reference, _candidate_dot_cuda),
+    ("loss_dy", _loss_dy_reference, _loss_dy_cuda),
+    ("block_backward", _block_backward_reference, _block_backward_cuda),
+    ("update_tail", _update_tail_reference, _update_tail_cuda),
 ):
     _LIB.impl(_name, _cpu, "CPU")
     _LIB.impl(_name, _cuda, "CUDA")
@@ -149,9 +224,26 @@ def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int
     return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
 
 
+def _loss_dy_traffic(h, *args, **kwargs) -> int:
+    return loss_dy_bytes(*h.shape)
+
+
+def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kwargs) -> int:
+    groups, rows, inter = dp.shape
+    return block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
+
+
+def _update_tail_traffic(losses, parts, group_slot, mask, step, applied, *args, **kwargs) -> int:
+    groups, rows = mask.shape
+    return update_tail_bytes(groups, rows, parts.shape[1], applied is not None)
+
+
 for _name, _traffic in (
     ("grad_adam", _grad_adam_traffic),
     ("slot_matmul", _slot_matmul_traffic),
     ("candidate_dot", _candidate_dot_traffic),
+    ("loss_dy", _loss_dy_traffic),
+    ("block_backward", _block_backward_traffic),
+    ("update_tail", _update_tail_traffic),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic

@@ -85,3 +85,78 @@ def candidate_dot(
         w = weight.index_select(0, tokens[i : i + chunk]).float()
         w.mul_(f.index_select(0, rows[i : i + chunk]))
         torch.sum(w, -1, out=out[i : i + chunk])
+
+
+def loss_dy(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    losses: torch.Tensor,
+    dy: torch.Tensor,
+    per_row: float,
+) -> None:
+    """Each group's loss ``sum(diff^2) / denom`` and its gradient ``dy = diff * 2 / denom``
+    with ``diff = h - tp`` on the rows ``mask`` marks (0 elsewhere) and ``denom =
+    max(rows * per_row, 1)`` (:func:`algorithms.esamp.objective.loss_denominator`)."""
+    diff = torch.where(mask[..., None], h - tp, 0.0)
+    denom = (mask.sum(1).to(torch.float32) * per_row).clamp_min(1.0)
+    losses.copy_(diff.square().sum((1, 2)) / denom)
+    torch.mul(diff, (2.0 / denom)[:, None, None], out=dy)
+
+
+def block_backward(
+    dp: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    h_in: torch.Tensor,
+    dy: torch.Tensor,
+    du: torch.Tensor,
+    da: torch.Tensor,
+    parts: torch.Tensor,
+) -> None:
+    """One SwiGLU block's elementwise backward, ``du = dp * s``, ``da = dp * u * silu'(a)``,
+    and the block's share of each group's squared gradient norm from Gram matrices:
+    ``sum((dy dy^T) * (p p^T)) + sum((du du^T + da da^T) * (h_in h_in^T))``, written to
+    ``parts[:, 0]`` (the other columns: 0)."""
+    torch.mul(dp, s, out=du)
+    sig = torch.sigmoid(a)
+    torch.mul(dp * u * sig, 1 + a * (1 - sig), out=da)
+    gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
+    gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
+    sq = (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
+    sq += (gram_g * gram_in).sum((1, 2))
+    parts.zero_()
+    parts[:, 0] = sq
+
+
+def update_tail(
+    losses: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+) -> None:
+    """Per group: ``norm = sqrt(sum(parts))``; ``valid`` = has a slot and rows; ``ok`` =
+    valid with a finite loss and norm; ``scale`` = ``clip_grad_norm_``'s coefficient
+    ``min(1, grad_clip / (norm + clip_eps))`` (1 where ``grad_clip < 0``: no clipping);
+    ``step[slot] += ok``, ``applied[slot] += valid``."""
+    torch.sqrt(parts.sum(1), out=norm)
+    valid = (group_slot >= 0) & mask.any(1)
+    # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).
+    ok.copy_(valid & (losses * 0 + norm * 0 == 0))
+    if grad_clip < 0:
+        scale.fill_(1.0)
+    else:
+        scale.copy_((grad_clip / (norm + clip_eps)).clamp(max=1.0))
+    idx = group_slot.clamp(min=0)
+    step.index_add_(0, idx, ok.to(step.dtype))
+    if applied is not None:
+        applied.index_add_(0, idx, valid.to(applied.dtype))

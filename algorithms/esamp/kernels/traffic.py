@@ -33,3 +33,24 @@ def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> i
     written, plus the prediction ``f [f_rows, h]`` read once (its rows are re-read from L2,
     not DRAM)."""
     return n * h * weight_bytes + n * (8 + 8 + FP32) + f_rows * h * FP32
+
+
+def loss_dy_bytes(groups: int, rows: int, hidden: int) -> int:
+    """``loss_dy``: ``h`` and ``tp`` read, ``dy`` written (``[groups, rows, hidden]`` fp32
+    each), the mask read and one loss per group written."""
+    return 3 * groups * rows * hidden * FP32 + groups * rows + groups * FP32
+
+
+def block_backward_bytes(groups: int, rows: int, inter: int, hidden: int, parts: int) -> int:
+    """``block_backward``: ``dp``, ``a``, ``u``, ``s``, ``p`` read and ``du``, ``da`` written
+    (``[rows, inter]`` each), ``h_in`` and ``dy`` read (``[rows, hidden]``) per group (a
+    group's row tiles re-read them from L2, not DRAM), its norm parts written."""
+    per_group = (7 * rows * inter + 2 * rows * hidden + parts) * FP32
+    return groups * per_group
+
+
+def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
+    """``update_tail``: per group its loss, norm parts, slot, mask row read; ok, scale and
+    norm written; its slot's step (and ``applied`` count) read and written."""
+    per_group = FP32 * (1 + parts) + 8 + rows + 1 + 2 * FP32 + 2 * FP32 + (16 if applied else 0)
+    return groups * per_group

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from algorithms.esamp.kernels.checks import check_precision
+from algorithms.esamp.kernels.checks import NORM_TILE_ROWS, check_precision
 
 
 def _grad_adam_kernel(
@@ -221,12 +221,292 @@ def _candidate_dot_kernel(
     tl.store(out_ptr + offs_p * s_out, dots, mask=in_p)
 
 
+def _loss_dy_kernel(
+    h_ptr,  # [G, M, H] fp32
+    t_ptr,  # [G, M, H] fp32
+    mask_ptr,  # [G, M] bool as uint8
+    loss_ptr,  # [G] fp32
+    dy_ptr,  # [G, M, H] fp32
+    M,
+    H,
+    s_hg,
+    s_hm,
+    s_hh,
+    s_tg,
+    s_tm,
+    s_th,
+    s_mg,
+    s_mm,
+    s_dg,
+    s_dm,
+    s_dh,
+    s_l,
+    per_row,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One group: its row count (the denominator), then diff = h - t on its rows, summed
+    # squared into the loss and scaled into dy (0 on the rows not marked).
+    g = tl.program_id(0).to(tl.int64)
+    cnt = tl.full((BLOCK_M,), 0.0, tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        live = tl.load(mask_ptr + g * s_mg + offs_m * s_mm, mask=offs_m < M, other=0)
+        cnt += (live != 0).to(tl.float32)
+    denom = tl.maximum(tl.reduce(cnt, 0, tl.standard._sum_combine) * per_row, 1.0)
+    coef = 2.0 / denom
+    acc = tl.full((BLOCK_M, BLOCK_H), 0.0, tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        in_m = offs_m < M
+        live = tl.load(mask_ptr + g * s_mg + offs_m * s_mm, mask=in_m, other=0) != 0
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            inside = in_m[:, None] & (offs_h < H)[None, :]
+            use = inside & live[:, None]
+            hv = tl.load(
+                h_ptr + g * s_hg + offs_m[:, None] * s_hm + offs_h[None, :] * s_hh,
+                mask=use,
+                other=0.0,
+            )
+            tv = tl.load(
+                t_ptr + g * s_tg + offs_m[:, None] * s_tm + offs_h[None, :] * s_th,
+                mask=use,
+                other=0.0,
+            )
+            diff = tl.where(use, hv - tv, 0.0)
+            acc += diff * diff
+            d_ptrs = dy_ptr + g * s_dg + offs_m[:, None] * s_dm + offs_h[None, :] * s_dh
+            tl.store(d_ptrs, diff * coef, mask=inside)
+    total = tl.reduce(tl.reduce(acc, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    tl.store(loss_ptr + g * s_l, total / denom)
+
+
+def _block_backward_kernel(
+    dp_ptr,  # [G, M, I] fp32, and a, u, s, p the same shape
+    a_ptr,
+    u_ptr,
+    s_ptr,
+    p_ptr,
+    hin_ptr,  # [G, M, H] fp32, and dy
+    dy_ptr,
+    du_ptr,  # [G, M, I] fp32 out, and da
+    da_ptr,
+    parts_ptr,  # [G, T] fp32 out
+    M,
+    INTER,
+    HID,
+    s_dpg,
+    s_dpm,
+    s_dpi,
+    s_ag,
+    s_am,
+    s_ai,
+    s_ug,
+    s_um,
+    s_ui,
+    s_sg,
+    s_sm,
+    s_si,
+    s_pg,
+    s_pm,
+    s_pi,
+    s_hg,
+    s_hm,
+    s_hh,
+    s_yg,
+    s_ym,
+    s_yh,
+    s_dug,
+    s_dum,
+    s_dui,
+    s_dag,
+    s_dam,
+    s_dai,
+    s_tg,
+    s_tt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    # One (row tile ti, row tile tj) pair of one group: that tile of the four Gram matrices
+    # (du du^T + da da^T and p p^T over I; h_in h_in^T and dy dy^T over H), reduced to the
+    # group's norm part for the pair. du and da are formed for both tiles and stored by the
+    # diagonal pair (each row once).
+    tile = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    if tile >= tiles_m * tiles_m:
+        tl.store(parts_ptr + g * s_tg + tile * s_tt, 0.0)
+        return
+    ti = tile // tiles_m
+    tj = tile % tiles_m
+    ri = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+    rj = tj * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_i = ri < M
+    in_j = rj < M
+    acc_g = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    acc_p = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    for c0 in range(0, INTER, BLOCK_I):
+        offs_c = c0 + tl.arange(0, BLOCK_I)
+        in_c = offs_c < INTER
+        mi = in_i[:, None] & in_c[None, :]
+        mj = in_j[:, None] & in_c[None, :]
+        # Rows of tile i.
+        dp = tl.load(
+            dp_ptr + g * s_dpg + ri[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mi, other=0.0
+        )
+        av = tl.load(
+            a_ptr + g * s_ag + ri[:, None] * s_am + offs_c[None, :] * s_ai, mask=mi, other=0.0
+        )
+        uv = tl.load(
+            u_ptr + g * s_ug + ri[:, None] * s_um + offs_c[None, :] * s_ui, mask=mi, other=0.0
+        )
+        sv = tl.load(
+            s_ptr + g * s_sg + ri[:, None] * s_sm + offs_c[None, :] * s_si, mask=mi, other=0.0
+        )
+        pi = tl.load(
+            p_ptr + g * s_pg + ri[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mi, other=0.0
+        )
+        du_i = dp * sv
+        sig = 1.0 / (1.0 + tl.exp(-av))
+        da_i = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        if ti == tj:
+            tl.store(
+                du_ptr + g * s_dug + ri[:, None] * s_dum + offs_c[None, :] * s_dui, du_i, mask=mi
+            )
+            tl.store(
+                da_ptr + g * s_dag + ri[:, None] * s_dam + offs_c[None, :] * s_dai, da_i, mask=mi
+            )
+        # Rows of tile j (the same rows on the diagonal: read again from cache).
+        dp = tl.load(
+            dp_ptr + g * s_dpg + rj[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mj, other=0.0
+        )
+        av = tl.load(
+            a_ptr + g * s_ag + rj[:, None] * s_am + offs_c[None, :] * s_ai, mask=mj, other=0.0
+        )
+        uv = tl.load(
+            u_ptr + g * s_ug + rj[:, None] * s_um + offs_c[None, :] * s_ui, mask=mj, other=0.0
+        )
+        sv = tl.load(
+            s_ptr + g * s_sg + rj[:, None] * s_sm + offs_c[None, :] * s_si, mask=mj, other=0.0
+        )
+        pj = tl.load(
+            p_ptr + g * s_pg + rj[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mj, other=0.0
+        )
+        du_j = dp * sv
+        sig = 1.0 / (1.0 + tl.exp(-av))
+        da_j = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        acc_g = tl.dot(du_i, tl.trans(du_j), acc_g, input_precision=INPUT_PRECISION)
+        acc_g = tl.dot(da_i, tl.trans(da_j), acc_g, input_precision=INPUT_PRECISION)
+        acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
+    acc_h = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    acc_y = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    for c0 in range(0, HID, BLOCK_H):
+        offs_c = c0 + tl.arange(0, BLOCK_H)
+        in_c = offs_c < HID
+        mi = in_i[:, None] & in_c[None, :]
+        mj = in_j[:, None] & in_c[None, :]
+        hi = tl.load(
+            hin_ptr + g * s_hg + ri[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mi, other=0.0
+        )
+        hj = tl.load(
+            hin_ptr + g * s_hg + rj[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mj, other=0.0
+        )
+        yi = tl.load(
+            dy_ptr + g * s_yg + ri[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mi, other=0.0
+        )
+        yj = tl.load(
+            dy_ptr + g * s_yg + rj[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mj, other=0.0
+        )
+        acc_h = tl.dot(hi, tl.trans(hj), acc_h, input_precision=INPUT_PRECISION)
+        acc_y = tl.dot(yi, tl.trans(yj), acc_y, input_precision=INPUT_PRECISION)
+    prod = acc_y * acc_p + acc_g * acc_h
+    part = tl.reduce(tl.reduce(prod, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    tl.store(parts_ptr + g * s_tg + tile * s_tt, part)
+
+
+def _update_tail_kernel(
+    loss_ptr,  # [G] fp32
+    parts_ptr,  # [G, K] fp32
+    slot_ptr,  # [G] int
+    mask_ptr,  # [G, M] bool as uint8
+    step_ptr,  # [S] fp32 (in/out)
+    applied_ptr,  # [S] int64 (in/out; unused without HAS_APPLIED)
+    ok_ptr,  # [G] bool as uint8 (out)
+    scale_ptr,  # [G] fp32 (out)
+    norm_ptr,  # [G] fp32 (out)
+    G,
+    K,
+    M,
+    s_l,
+    s_pg,
+    s_pk,
+    s_slot,
+    s_mg,
+    s_mm,
+    s_step,
+    s_app,
+    s_ok,
+    s_scale,
+    s_norm,
+    grad_clip,
+    clip_eps,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    HAS_APPLIED: tl.constexpr,
+):
+    # BLOCK_G groups: norm, ok, clip scale, and their slots' step (and applied) counts.
+    offs_g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    in_g = offs_g < G
+    sq = tl.full((BLOCK_G,), 0.0, tl.float32)
+    for k in range(0, K):
+        sq += tl.load(parts_ptr + offs_g * s_pg + k * s_pk, mask=in_g, other=0.0)
+    norm = tl.sqrt_rn(sq)
+    cnt = tl.full((BLOCK_G, BLOCK_M), 0, tl.int32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        live = tl.load(
+            mask_ptr + offs_g[:, None] * s_mg + offs_m[None, :] * s_mm,
+            mask=in_g[:, None] & (offs_m < M)[None, :],
+            other=0,
+        )
+        cnt += (live != 0).to(tl.int32)
+    rows = tl.reduce(cnt, 1, tl.standard._sum_combine)
+    slot = tl.load(slot_ptr + offs_g * s_slot, mask=in_g, other=-1).to(tl.int64)
+    loss = tl.load(loss_ptr + offs_g * s_l, mask=in_g, other=0.0)
+    valid = (slot >= 0) & (rows > 0)
+    # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).
+    ok = valid & (loss * 0.0 + norm * 0.0 == 0.0)
+    if HAS_CLIP:
+        scale = tl.div_rn(grad_clip, norm + clip_eps)
+        scale = tl.where(scale > 1.0, 1.0, scale)
+    else:
+        scale = tl.full((BLOCK_G,), 1.0, tl.float32)
+    tl.store(ok_ptr + offs_g * s_ok, ok.to(tl.uint8), mask=in_g)
+    tl.store(scale_ptr + offs_g * s_scale, scale, mask=in_g)
+    tl.store(norm_ptr + offs_g * s_norm, norm, mask=in_g)
+    # A slot is in at most one group: no two lanes touch the same count.
+    has = in_g & (slot >= 0)
+    at = tl.maximum(slot, 0)
+    step = tl.load(step_ptr + at * s_step, mask=has, other=0.0)
+    tl.store(step_ptr + at * s_step, step + ok.to(tl.float32), mask=has)
+    if HAS_APPLIED:
+        done = tl.load(applied_ptr + at * s_app, mask=has, other=0)
+        tl.store(applied_ptr + at * s_app, done + valid.to(tl.int64), mask=has)
+
+
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
     return SimpleNamespace(
         grad_adam=triton.jit(_grad_adam_kernel),
         slot_matmul=triton.jit(_slot_matmul_kernel),
         candidate_dot=triton.jit(_candidate_dot_kernel),
+        loss_dy=triton.jit(_loss_dy_kernel),
+        block_backward=triton.jit(_block_backward_kernel),
+        update_tail=triton.jit(_update_tail_kernel),
     )
 
 
@@ -424,5 +704,144 @@ def candidate_dot_launch(
 def candidate_dot(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
     """Run the candidate dot kernel (arguments as :func:`candidate_dot_launch`)."""
     launch = candidate_dot_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def _bool_bytes(t: torch.Tensor) -> torch.Tensor:
+    # Triton loads bool pointers as int1; the same bytes as uint8.
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def loss_dy_launch(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    losses: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+    *,
+    block_h: int = 256,
+    num_warps: int = 8,
+) -> Launch | None:
+    """The loss + dy kernel's launch, one program per group (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
+    groups, rows, hidden = h.shape
+    if groups == 0:
+        return None
+    per_row = float(hidden) if reduction == "mean" else 1.0
+    block_m = min(16, triton.next_power_of_2(max(rows, 1)))
+    args = (
+        h, tp, _bool_bytes(mask), losses, dy,
+        rows, hidden,
+        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), losses.stride(0),
+        per_row,
+    )  # fmt: skip
+    consts = dict(BLOCK_M=block_m, BLOCK_H=block_h)
+    return Launch("loss_dy", (groups,), args, consts, num_warps)
+
+
+def loss_dy(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the loss + dy kernel (arguments as :func:`loss_dy_launch`)."""
+    launch = loss_dy_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def block_backward_launch(
+    dp: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    h_in: torch.Tensor,
+    dy: torch.Tensor,
+    du: torch.Tensor,
+    da: torch.Tensor,
+    parts: torch.Tensor,
+    input_precision: str = "ieee",
+    *,
+    block_m: int | None = None,
+    block_i: int = 32,
+    block_h: int = 64,
+    num_warps: int | None = None,
+) -> Launch | None:
+    """The block backward kernel's launch: one program per pair of row tiles and per
+    column of ``parts`` past them (written 0), per group. Arguments as
+    :func:`algorithms.esamp.kernels.block_backward`; the caller has checked them."""
+    check_precision(input_precision)
+    groups, rows, _ = dp.shape
+    if groups == 0:
+        return None
+    block_m = block_m or min(NORM_TILE_ROWS, _rows_block(rows))
+    # Four [block_m, block_m] Gram tiles live across the loops: more warps for larger tiles
+    # (compiled for sm_90 without spills).
+    num_warps = num_warps or (4 if block_m <= 16 else 8)
+    tiles = triton.cdiv(max(rows, 1), block_m) ** 2
+    if tiles > parts.shape[1]:
+        raise ValueError(
+            f"parts has {parts.shape[1]} columns, {tiles} row-tile pairs need one each"
+        )
+    args = (
+        dp, a, u, s, p, h_in, dy, du, da, parts,
+        rows, dp.shape[2], h_in.shape[2],
+        *dp.stride(), *a.stride(), *u.stride(), *s.stride(), *p.stride(),
+        *h_in.stride(), *dy.stride(), *du.stride(), *da.stride(), *parts.stride(),
+    )  # fmt: skip
+    consts = dict(
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_H=block_h, INPUT_PRECISION=input_precision
+    )
+    return Launch("block_backward", (parts.shape[1], groups), args, consts, num_warps)
+
+
+def block_backward(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the block backward kernel (arguments as :func:`block_backward_launch`)."""
+    launch = block_backward_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def update_tail_launch(
+    losses: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+    *,
+    block_g: int = 64,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The update tail kernel's launch (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
+    groups, rows = mask.shape
+    if groups == 0:
+        return None
+    has_applied = applied is not None
+    app = applied if has_applied else step  # a placeholder pointer, never read
+    args = (
+        losses, parts, group_slot, _bool_bytes(mask), step, app, _bool_bytes(ok), scale, norm,
+        groups, parts.shape[1], rows,
+        losses.stride(0), *parts.stride(), group_slot.stride(0), *mask.stride(),
+        step.stride(0), app.stride(0), ok.stride(0), scale.stride(0), norm.stride(0),
+        float(grad_clip), float(clip_eps),
+    )  # fmt: skip
+    consts = dict(
+        BLOCK_G=block_g,
+        BLOCK_M=min(64, triton.next_power_of_2(max(rows, 1))),
+        HAS_CLIP=grad_clip >= 0,
+        HAS_APPLIED=has_applied,
+    )
+    return Launch("update_tail", (triton.cdiv(groups, block_g),), args, consts, num_warps)
+
+
+def update_tail(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the update tail kernel (arguments as :func:`update_tail_launch`)."""
+    launch = update_tail_launch(*args, **kwargs)
     if launch is not None:
         launch.run(kernels)

@@ -1,0 +1,257 @@
+"""The update's fused backward kernels (``loss_dy``, ``block_backward``, ``update_tail`` in
+``algorithms.esamp.kernels``) against independent fp64 references written here (autograd of
+the block, explicit gradients, a loop over groups), at small odd shapes: non-powers of two,
+padding groups (slot -1), masked rows, a group without rows and groups with a non-finite
+loss or norm. Each is checked as the CPU op (the PyTorch reference) and as the Triton
+kernel run by Triton's interpreter (skipped without Triton)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from algorithms.esamp import kernels
+
+# NaN and inf in the inputs on purpose (the interpreter's numpy warns about them).
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+G, M, H, INTER = 5, 7, 37, 11
+GROUP_SLOT = (3, -1, 0, 2, 1)  # group 1: padding
+COUNTS = (7, 0, 3, 5, 1)  # group 1 has no rows either; group 2 three of seven
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> SimpleNamespace:
+    """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1``, small tiles
+    so that the shapes above span several tiles with ragged edges."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from algorithms.esamp.kernels import triton_impl
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        jit = triton_impl.jit_kernels()
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return SimpleNamespace(
+        loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
+        block_backward=functools.partial(
+            triton_impl.block_backward, kernels=jit, block_m=16, block_i=8, block_h=16
+        ),
+        update_tail=lambda *a, grad_clip, clip_eps: triton_impl.update_tail(
+            *a, -1.0 if grad_clip is None else grad_clip, clip_eps, kernels=jit, block_g=4
+        ),
+    )
+
+
+def _cpu() -> SimpleNamespace:
+    return SimpleNamespace(
+        loss_dy=kernels.loss_dy,
+        block_backward=lambda *a: kernels.block_backward(*a),
+        update_tail=kernels.update_tail,
+    )
+
+
+@pytest.fixture(params=["triton", "cpu"])
+def impl(request) -> SimpleNamespace:
+    if request.param == "triton":
+        return request.getfixturevalue("interpreted")
+    return _cpu()
+
+
+def _mask(rows: int = M, counts=COUNTS) -> torch.Tensor:
+    return torch.arange(rows)[None, :] < torch.tensor(counts)[:, None]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_dy_equals_the_masked_squared_error(impl, reduction):
+    gen = torch.Generator().manual_seed(1)
+    h, tp = torch.randn(G, M, H, generator=gen), torch.randn(G, M, H, generator=gen)
+    mask = _mask()
+    tp[2, 5] = float("nan")  # an unmarked row: ignored whatever it holds
+    h[4, 0, 3] = float("inf")  # a marked one: that group's loss is not finite
+    losses, dy = torch.full((G,), 7.0), torch.full((G, M, H), 7.0)
+    impl.loss_dy(h, tp, mask, losses, dy, reduction=reduction)
+    for g, n in enumerate(COUNTS):
+        diff = (h[g, :n] - tp[g, :n]).double()
+        denom = max(n * (H if reduction == "mean" else 1), 1)
+        want = diff.square().sum() / denom
+        if g == 4:
+            assert losses[g].isinf()
+            continue
+        torch.testing.assert_close(losses[g].double(), want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(dy[g, :n].double(), 2 * diff / denom, rtol=1e-6, atol=0)
+        assert torch.equal(dy[g, n:], torch.zeros_like(dy[g, n:]))  # unmarked rows: 0
+
+
+def _block_inputs(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """A block's forward on random rows (zero past each group's count) and the gradient
+    ``dy`` at its output."""
+    counts = [rows, 0, rows // 2, rows - 1, 1]
+    live = _mask(rows, counts).float()[..., None]
+    h_in = torch.randn(G, rows, H, generator=gen) * live
+    gate, up = (
+        torch.randn(G, INTER, H, generator=gen) / 6,
+        torch.randn(G, INTER, H, generator=gen) / 6,
+    )
+    a, u = h_in @ gate.transpose(1, 2), h_in @ up.transpose(1, 2)
+    s = torch.nn.functional.silu(a)
+    p = s * u
+    dy = torch.randn(G, rows, H, generator=gen) * live
+    dp = torch.randn(G, rows, INTER, generator=gen) * live
+    return dp, a, u, s, p, h_in, dy
+
+
+@pytest.mark.parametrize("rows", [7, 20])  # 20: 2 x 2 row tiles of 16 in the interpreter
+def test_block_backward_equals_autograd_and_the_explicit_gradient_norm(impl, rows):
+    gen = torch.Generator().manual_seed(rows)
+    dp, a, u, s, p, h_in, dy = _block_inputs(rows, gen)
+    du, da = torch.full_like(dp, 7.0), torch.full_like(dp, 7.0)
+    parts = torch.full((G, kernels.norm_parts(rows) + 5), 7.0)  # extra columns: written too
+    impl.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts)
+    a64 = a.double().requires_grad_()
+    u64 = u.double().requires_grad_()
+    (torch.nn.functional.silu(a64) * u64 * dp.double()).sum().backward()
+    torch.testing.assert_close(du.double(), u64.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(da.double(), a64.grad, rtol=1e-5, atol=1e-7)
+    d64, h64 = dy.double().transpose(1, 2), h_in.double().transpose(1, 2)
+    grads = (d64 @ p.double(), u64.grad.transpose(1, 2) @ h64.transpose(1, 2))
+    grads += (a64.grad.transpose(1, 2) @ h64.transpose(1, 2),)
+    want = sum(gr.square().sum((1, 2)) for gr in grads)
+    torch.testing.assert_close(parts.sum(1).double(), want, rtol=1e-5, atol=1e-6)
+    assert parts[1].eq(0).all()  # the group without rows has no gradient
+
+
+def test_block_backward_triton_tiles_equal_the_cpu_op(interpreted):
+    """Several row tiles of 16 (rows 37: 3 x 3 pairs), rows past the count zero: the same
+    du, da and norm as the CPU op."""
+    gen = torch.Generator().manual_seed(5)
+    args = _block_inputs(37, gen)
+    outs = []
+    for run in (interpreted.block_backward, _cpu().block_backward):
+        du, da = torch.zeros_like(args[0]), torch.zeros_like(args[0])
+        parts = torch.zeros(G, 9)
+        run(*args, du, da, parts)
+        outs.append((du, da, parts.sum(1)))
+    for x, y in zip(*outs, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_clip", [0.5, None])
+def test_update_tail_counts_and_clips_each_group(impl, grad_clip):
+    # Groups: 0 non-finite loss, 1 padding (with rows), 2 and 4 fine, 3 non-finite norm,
+    # 5 a slot without rows.
+    slots, counts = (3, -1, 0, 2, 1, 5), (7, 2, 3, 5, 1, 0)
+    g_n = len(slots)
+    gen = torch.Generator().manual_seed(2)
+    parts = torch.rand(g_n, 3, generator=gen) * 2
+    parts[3, 1] = float("nan")
+    losses = torch.rand(g_n, generator=gen)
+    losses[0] = float("inf")
+    parts[4] = torch.tensor([1e-4, 0.0, 0.0])  # norm 0.01: not clipped
+    mask = _mask(M, counts)
+    step = torch.tensor([4.0, 1.0, 9.0, 2.0, 6.0, 3.0, 5.0])
+    applied = torch.tensor([10, 20, 30, 40, 50, 60, 70])
+    ok, scale, norm = torch.ones(g_n, dtype=torch.bool), torch.zeros(g_n), torch.zeros(g_n)
+    step0, applied0 = step.clone(), applied.clone()
+    args = (losses, parts, torch.tensor(slots), mask, step)
+    impl.update_tail(*args, applied, ok, scale, norm, grad_clip=grad_clip, clip_eps=1e-6)
+    want_norm = parts.double().sum(1).sqrt()
+    torch.testing.assert_close(norm.double(), want_norm, rtol=1e-6, atol=0, equal_nan=True)
+    assert ok.tolist() == [False, False, True, False, True, False]
+    for g, slot in enumerate(slots):
+        if slot >= 0:
+            assert step[slot] == step0[slot] + ok[g]
+            assert applied[slot] == applied0[slot] + (counts[g] > 0)
+    assert step[1] == step0[1] + 1 and applied[1] == applied0[1] + 1  # group 4's slot
+    assert step[5] == step0[5] and applied[5] == applied0[5]  # group 5: no rows
+    assert step[4] == step0[4] and applied[4] == applied0[4]  # slot 4: in no group
+    assert step[6] == step0[6] and applied[6] == applied0[6]  # slot 6: in no group
+    for g in (2, 4):
+        want = 1.0 if grad_clip is None else min(1.0, grad_clip / (want_norm[g].item() + 1e-6))
+        torch.testing.assert_close(scale[g].item(), want, rtol=1e-6, atol=0)
+    assert grad_clip is None or scale[2] < 1 == scale[4]  # one clipped, one not
+    # Without the applied counts.
+    impl.update_tail(*args, None, ok, scale, norm, grad_clip=grad_clip, clip_eps=1e-6)
+    assert step[1] == step0[1] + 2 and applied[1] == applied0[1] + 1
+
+
+def test_bad_input_names_the_argument():
+    h = torch.zeros(2, 3, 4)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"mask must be \[2, 3\] bool, got \[2, 3\] float32"):
+        kernels.loss_dy(h, h, mask.float(), torch.zeros(2), h.clone())
+    with pytest.raises(ValueError, match="loss reduction must be 'mean' or 'sum', got 'max'"):
+        kernels.loss_dy(h, h, mask, torch.zeros(2), h.clone(), reduction="max")
+    x = torch.zeros(2, 70, 5)
+    hh = torch.zeros(2, 70, 4)
+    with pytest.raises(ValueError, match=r"parts must have >= 9 columns for 70 rows"):
+        kernels.block_backward(x, x, x, x, x, hh, hh, x.clone(), x.clone(), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match=r"dy must be \[2, 70, 4\] fp32"):
+        kernels.block_backward(x, x, x, x, x, hh, x, x.clone(), x.clone(), torch.zeros(2, 9))
+    vec = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"ok must be \[2\] bool"):
+        kernels.update_tail(
+            vec, torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), mask, torch.zeros(3),
+            None, vec, vec, vec, grad_clip=1.0, clip_eps=0.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"applied must be \[3\] int64"):
+        kernels.update_tail(
+            vec, torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), mask, torch.zeros(3),
+            torch.zeros(3), vec.bool(), vec, vec, grad_clip=1.0, clip_eps=0.0,
+        )  # fmt: skip
+
+
+def test_meta_tensors_run_the_fake_impls_and_state_their_bytes():
+    meta = functools.partial(torch.zeros, device="meta")
+    h, mask = meta(2, 3, 8), torch.zeros(2, 3, dtype=torch.bool, device="meta")
+    kernels.loss_dy(h, h, mask, meta(2), h)
+    x = meta(2, 3, 5)
+    kernels.block_backward(x, x, x, x, x, h, h, x, x, meta(2, 1))
+    ok = torch.zeros(2, dtype=torch.bool, device="meta")
+    slots = torch.zeros(2, dtype=torch.long, device="meta")
+    kernels.update_tail(
+        meta(2), meta(2, 1), slots, mask, meta(4), None, ok, meta(2), meta(2),
+        grad_clip=None, clip_eps=1e-6,
+    )  # fmt: skip
+    assert kernels.loss_dy_bytes(2, 3, 8) == 3 * 2 * 3 * 8 * 4 + 6 + 8
+    stated = torch.ops.tllm_esamp.block_backward.default.tllm_bytes
+    assert stated(x, x, x, x, x, h, h, x, x, meta(2, 1)) == kernels.block_backward_bytes(
+        2, 3, 5, 8, 1
+    )
+
+
+@pytest.mark.parametrize("rows", [16, 128])  # one 16-row tile; 4 x 4 tiles of 32
+def test_kernels_compile_for_sm90_without_spills(rows):
+    """The interpreter runs any tile shape; the GPU compiler may spill: compile each kernel's
+    default launch at these rows for sm_90 and check that nothing spills to the stack, and
+    that the "ieee" Gram products are plain fp32 FMAs."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from test_esamp_kernels import _compile_sm90
+
+    from algorithms.esamp.kernels import triton_impl as ti
+
+    g, h, i = 3, 256, 96
+    dp, hid = torch.zeros(g, rows, i), torch.zeros(g, rows, h)
+    mask, parts = torch.ones(g, rows, dtype=torch.bool), torch.zeros(g, kernels.norm_parts(rows))
+    vec, slots = torch.zeros(g), torch.zeros(g, dtype=torch.long)
+    launches = (
+        ti.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
+        ti.loss_dy_launch(hid, hid, mask, vec, hid.clone(), "mean"),
+        ti.update_tail_launch(
+            vec, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
+            vec.bool(), vec, vec, 0.5, 1e-6,
+        ),
+    )  # fmt: skip
+    for launch in launches:
+        ptx, usage = _compile_sm90(launch)
+        assert "STACK:0" in usage or usage == "", f"{launch.kernel} spills: {usage}"
+        if launch.kernel == "block_backward":
+            assert "mma" not in ptx and "fma.rn.f32" in ptx
