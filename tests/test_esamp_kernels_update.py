@@ -41,6 +41,8 @@ def interpreted() -> SimpleNamespace:
         else:
             os.environ["TRITON_INTERPRET"] = old
     return SimpleNamespace(
+        grad_adam=functools.partial(triton_impl.grad_adam, kernels=jit, block_n=8, block_k=16),
+        slot_matmul=functools.partial(triton_impl.slot_matmul, kernels=jit, block_n=16, block_k=16),
         loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
         block_backward=functools.partial(
             triton_impl.block_backward, kernels=jit, block_m=16, block_i=8, block_h=16
@@ -51,8 +53,16 @@ def interpreted() -> SimpleNamespace:
     )
 
 
+def _grad_adam_op(a, b, scale, slots, ok, step, w, m, v, lr, b1, b2, eps):
+    kernels.grad_adam(a, b, scale, slots, ok, step, w, m, v, lr=lr, betas=(b1, b2), eps=eps)
+
+
 def _cpu() -> SimpleNamespace:
     return SimpleNamespace(
+        grad_adam=_grad_adam_op,
+        slot_matmul=lambda x, w, gs, out, transpose_w, precision="ieee", split_k=0, add=None: (
+            kernels.slot_matmul(x, w, gs, out, transpose_w=transpose_w, split_k=split_k, add=add)
+        ),
         loss_dy=kernels.loss_dy,
         block_backward=lambda *a: kernels.block_backward(*a),
         update_tail=kernels.update_tail,
@@ -255,3 +265,99 @@ def test_kernels_compile_for_sm90_without_spills(rows):
         assert "STACK:0" in usage or usage == "", f"{launch.kernel} spills: {usage}"
         if launch.kernel == "block_backward":
             assert "mma" not in ptx and "fma.rn.f32" in ptx
+
+
+def _pair_state(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat state ``[S, P]`` with two ``[n, k]`` matrices per slot ``n * k + 3`` apart
+    (like gate and up of a block), and their ``[S, 2, n, k]`` strided view."""
+    slots, gap = 4, 3
+    theta = torch.randn(slots, 2 + 2 * n * k + gap, generator=gen)
+    view = theta[:, 2:].as_strided((slots, 2, n, k), (theta.stride(0), n * k + gap, k, 1))
+    return theta, view
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("transpose_w", [True, False], ids=["x_wT", "x_w"])
+def test_slot_matmul_over_two_matrices_of_a_slot(impl, transpose_w, split_k):
+    """``w [S, 2, ., .]``: one product per matrix from a shared ``x`` (the forward's gate and
+    up), and the sum of both products from per-matrix ``x`` plus an addend (the gradient
+    carried back through gate and up), padding groups giving 0 (+ the addend)."""
+    gen = torch.Generator().manual_seed(split_k + 2 * transpose_w)
+    n, k, rows = 13, 21, 5
+    theta, w = _pair_state(n, k, gen)
+    before = theta.clone()
+    slots = torch.tensor(GROUP_SLOT)  # group 1: padding
+    kx = k if transpose_w else n
+    nx = n if transpose_w else k
+    x = torch.randn(G, rows, kx, generator=gen)
+    xe = torch.randn(G, 2, rows, kx, generator=gen)
+    add = torch.randn(G, rows, nx, generator=gen)
+
+    def prod(xg, g, e):
+        s = GROUP_SLOT[g]
+        if s < 0:
+            return torch.zeros(rows, nx)
+        we = w[s, e].double()
+        return (xg.double() @ (we.T if transpose_w else we)).float()
+
+    want = torch.stack([torch.stack([prod(x[g], g, e) for e in range(2)]) for g in range(G)])
+    out = torch.full((G, 2, rows, nx), float("nan"))
+    impl.slot_matmul(x, w, slots, out, transpose_w, split_k=split_k)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    summed = torch.stack([add[g] + prod(xe[g, 0], g, 0) + prod(xe[g, 1], g, 1) for g in range(G)])
+    out3 = torch.full((G, rows, nx), float("nan"))
+    impl.slot_matmul(xe, w, slots, out3, transpose_w, split_k=split_k, add=add)
+    torch.testing.assert_close(out3, summed, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out3[1], add[1]) and torch.equal(theta, before)
+
+
+def test_slot_matmul_pair_bad_input_names_the_argument():
+    w = torch.zeros(3, 2, 5, 8)
+    slots = torch.tensor([0, -1])
+    with pytest.raises(ValueError, match=r"x must be \[G, M, K\] or \[G, 2, M, K\] fp32"):
+        kernels.slot_matmul(torch.zeros(2, 3, 4, 8), w, slots, torch.zeros(2, 4, 5))
+    with pytest.raises(ValueError, match=r"out must be \[2, 4, 5\] or \[2, 2, 4, 5\] fp32"):
+        kernels.slot_matmul(torch.zeros(2, 4, 8), w, slots, torch.zeros(2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"add needs out \[2, 4, 5\]"):
+        out = torch.zeros(2, 2, 4, 5)
+        kernels.slot_matmul(torch.zeros(2, 4, 8), w, slots, out, add=torch.zeros(2, 4, 5))
+
+
+@pytest.mark.parametrize("shared_b", [True, False], ids=["shared_b", "own_b"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_adam_over_two_matrices_equals_one_call_each(impl, moments, shared_b):
+    """``w [S, 2, N, K]`` (gate and up of a block, a strided view of the flat state): the
+    same as one single-matrix call per matrix (the CPU op, checked against
+    ``torch._fused_adam_`` in test_esamp_kernels.py), skipped groups' slots bit for bit."""
+    gen = torch.Generator().manual_seed(int(shared_b) + 2 * (moments == torch.float32))
+    n, k, rows = 11, 19, 6
+    theta, _ = _pair_state(n, k, gen)
+    mom = [(torch.randn_like(theta) * s).abs().to(moments) for s in (0.1, 0.01)]
+    state = [theta, *mom]
+    twin = [t.clone() for t in state]
+    before = [t.clone() for t in state]
+
+    def pair(t):
+        return t[:, 2:].as_strided((t.shape[0], 2, n, k), (t.stride(0), n * k + 3, k, 1))
+
+    slots = torch.tensor(GROUP_SLOT)
+    ok = torch.tensor([True, True, True, False, True])  # group 3 (slot 2) skipped
+    step = torch.tensor([3.0, 1.0, 5.0, 2.0])
+    a = torch.randn(G, 2, rows, n, generator=gen)
+    b = torch.randn(G, rows, k, generator=gen) if shared_b else torch.randn(G, 2, rows, k)
+    scale = torch.rand(G, generator=gen) + 0.1
+    hyper = (1e-3, 0.9, 0.999, 1e-8)
+    impl.grad_adam(a, b, scale, slots, ok, step, *(pair(t) for t in state), *hyper)
+    for e in range(2):
+        b_e = b if shared_b else b[:, e]
+        views = [pair(t)[:, e] for t in twin]
+        _grad_adam_op(a[:, e], b_e, scale, slots, ok, step, *views, *hyper)
+    # bf16 moments: the interpreter and torch may round an element to neighbouring bf16
+    # values (as in test_esamp_kernels.py).
+    loose = dict(rtol=8e-3, atol=1e-5) if moments == torch.bfloat16 else {}
+    for i, (x, y, old) in enumerate(zip(state, twin, before, strict=True)):
+        torch.testing.assert_close(x, y, **(dict(rtol=1e-5, atol=1e-6) if i == 0 else loose))
+        assert torch.equal(x[2], old[2])  # the skipped group's slot
+        gap = slice(2 + n * k, 2 + n * k + 3)  # between the two matrices
+        assert torch.equal(x[:, :2], old[:, :2]) and torch.equal(x[:, gap], old[:, gap])
+        assert not torch.equal(x[3], old[3])  # a live one moved

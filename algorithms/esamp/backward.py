@@ -10,10 +10,13 @@ from __future__ import annotations
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.mlp import Activations, MatMul, batched_mm
+from algorithms.esamp.mlp import Activations, MatMul, batched_mm, gate_up_pairs
+from algorithms.esamp.params import DistillerShape, block_weights
 
 # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
 Factor = tuple[int, int, torch.Tensor, torch.Tensor]
+# fused_backward's matrix index for gate and up of a block together.
+GATE_UP = -1
 
 
 def backward_factors(
@@ -47,32 +50,38 @@ def backward_factors(
 
 
 def fused_backward(
-    weights: list[tuple[torch.Tensor, ...]],
+    theta: torch.Tensor,
+    shape: DistillerShape,
     acts: Activations,
     dy: torch.Tensor,
-    mm: MatMul = batched_mm,
+    mm: MatMul,
     precision: str = "ieee",
 ) -> tuple[list[Factor], torch.Tensor]:
-    """:func:`backward_factors` in fewer launches (the update graph's): per block the product
-    with ``down`` and one :func:`~algorithms.esamp.kernels.block_backward` (``du``, ``da``
-    and the block's share of the norm), and the gradient carried to the block's input.
-    Returns the factors and the norm parts ``[B, NB * T]`` (each group's squared gradient
-    norm is the sum of its row; :func:`~algorithms.esamp.kernels.update_tail` sums it)."""
+    """:func:`backward_factors` in fewer launches (the update graph's), for a ``mm`` that
+    takes ``[S, 2, ., .]`` weights and ``add=`` (as :func:`~algorithms.esamp.mlp.
+    forward_slots`): per block the product with ``down``, one
+    :func:`~algorithms.esamp.kernels.block_backward` (``da``, ``du`` into one ``[B, 2, M,
+    I]`` buffer, and the block's share of the norm) and one product carrying the gradient
+    to the block's input (``dy + da @ gate + du @ up``). Returns the factors (gate and up of
+    a block as one, matrix :data:`GATE_UP`: ``A = [B, 2, M, I]``, gradient ``A[:, e]^T B``
+    for :func:`~algorithms.esamp.mlp.gate_up_pairs` index ``e``) and the norm parts ``[B, NB
+    * T]`` (a group's squared gradient norm is the sum of its row:
+    :func:`~algorithms.esamp.kernels.update_tail` sums it)."""
+    pairs = gate_up_pairs(theta, shape)
+    downs = [w[2] for w in block_weights(theta, shape)]
     groups, rows, _ = dy.shape
-    t = kernels.norm_parts(rows)
-    parts = dy.new_empty(groups, len(weights), t)
+    parts = dy.new_empty(groups, len(acts), kernels.norm_parts(rows))
     factors: list[Factor] = []
-    for b in reversed(range(len(weights))):
-        gate, up, down = weights[b]
+    for b in reversed(range(len(acts))):
         h_in, a, u, s, p = acts[b]
-        dp = mm(dy, down, False)
-        du, da = torch.empty_like(dp), torch.empty_like(dp)
+        dp = mm(dy, downs[b], False)
+        dz = dp.new_empty(groups, 2, rows, dp.shape[2])  # (da, du): gate's, up's
         kernels.block_backward(
-            dp, a, u, s, p, h_in, dy, du, da, parts[:, b], input_precision=precision
+            dp, a, u, s, p, h_in, dy, dz[:, 1], dz[:, 0], parts[:, b], input_precision=precision
         )
-        factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
+        factors += [(b, 2, dy, p), (b, GATE_UP, dz, h_in)]
         if b:
-            dy = dy + mm(du, up, False) + mm(da, gate, False)
+            dy = mm(dz, pairs[b], False, out=torch.empty_like(dy), add=dy)
     return factors, parts.view(groups, -1)
 
 

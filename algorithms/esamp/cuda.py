@@ -41,9 +41,8 @@ from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_s
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.memory_plan import round_rows
-from algorithms.esamp.mlp import ActBuffers, forward_acts, saved_forward
+from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
-from algorithms.esamp.params import block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
@@ -187,8 +186,8 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w, out=None: slot_matmul(
-            x, w, gs, transpose_w, self._precision, out
+        return lambda x, w, transpose_w, out=None, add=None: slot_matmul(
+            x, w, gs, transpose_w, self._precision, out, add
         )
 
     @property
@@ -214,8 +213,7 @@ class CudaGroupedDistiller(SlotDistiller):
         lag = (sub - self.applied.index_select(0, gs.clamp(min=0))) * (gs >= 0)
         torch.maximum(self.results.stale, lag.max(), out=self.results.stale)
         xp = self._pack(lay, self.stage_x, self.xp)
-        weights = block_weights(self.theta, self.shape)
-        h = forward_acts(weights, xp, self._mm(gs), out=self._act_buffers(lay))[0]
+        h = forward_slots(self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay))[0]
         if self.zero_output:
             h = h - xp
         flat = h.reshape(-1, h.shape[-1])

@@ -18,8 +18,8 @@ import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, adam_stats
-from algorithms.esamp.backward import fused_backward
-from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.backward import GATE_UP, fused_backward
+from algorithms.esamp.mlp import Activations, forward_slots, gate_up_pairs
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
@@ -57,24 +57,26 @@ def train_groups(
     (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`). Returns ``(losses [G], updated
     [G])``.
 
-    Launches: the forward (unless given), one for the loss and its gradient, per block the
-    product with ``down``, the elementwise backward with its share of the norm
-    (:func:`~algorithms.esamp.backward.fused_backward`) and (but the first block) the
-    gradient carried to its input, one for norm / finite check / clip / step counts, and
-    one Adam kernel per weight matrix.
+    Launches: the forward (unless given; :func:`~algorithms.esamp.mlp.forward_slots`), one
+    for the loss and its gradient, per block the product with ``down``, the elementwise
+    backward with its share of the norm (:func:`~algorithms.esamp.backward.fused_backward`)
+    and (but the first block) the gradient carried to its input, one for norm / finite
+    check / clip / step counts, and per block two Adam kernels (gate and up together,
+    down).
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
         gs = group_slot
         slot_mm = partial(_mm, mm, gs)
-        weights = block_weights(theta, shape)
-        h, acts = forward_acts(weights, xp, slot_mm) if forward is None else forward
+        if forward is None:
+            forward = forward_slots(theta, shape, xp, slot_mm)
+        h, acts = forward
         # Allocated here: the graph's pool on CUDA (nothing per replay).
         g_n, rows, _ = xp.shape
         losses = xp.new_empty(g_n)
         dy = torch.empty_like(h)
         kernels.loss_dy(h, tp, mask, losses, dy, reduction=hp.loss_reduction)
-        factors, parts = fused_backward(weights, acts, dy, slot_mm, precision)
+        factors, parts = fused_backward(theta, shape, acts, dy, slot_mm, precision)
         ok = torch.empty(g_n, dtype=torch.bool, device=xp.device)
         scale, norm = xp.new_empty(g_n), xp.new_empty(g_n)
         kernels.update_tail(
@@ -82,8 +84,9 @@ def train_groups(
             grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
         )  # fmt: skip
         wv = [block_weights(t, shape) for t in (theta, m, v)]
+        pairs = [gate_up_pairs(t, shape) for t in (theta, m, v)]
         for blk, k, a_f, b_f in factors:
-            w, mm_, vv = (x[blk][k] for x in wv)
+            w, mm_, vv = (x[blk] for x in pairs) if k == GATE_UP else (x[blk][k] for x in wv)
             grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
         if stats is not None and hp.stats:
             idx = gs.clamp(min=0)
@@ -93,8 +96,10 @@ def train_groups(
     return losses, ok
 
 
-def _mm(mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool):
-    return mm(x, w, group_slot, transpose_w)
+def _mm(
+    mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool, **kw
+) -> torch.Tensor:
+    return mm(x, w, group_slot, transpose_w, **kw)
 
 
 def train_dense(

@@ -85,3 +85,64 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
     """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
     return forward_acts(block_weights(theta, shape), xp)[0]
+
+
+def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tensor]:
+    """Per block, gate and up of every row of ``theta [B, P]`` (or ``m``/``v``) as one view
+    ``[B, 2, I, H]`` (index 0: gate, 1: up; the flat layout keeps them ``NB x I x H`` apart),
+    so that a product or an Adam step of both is one launch."""
+    b, n = theta.shape[0], shape.block_numel
+    nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
+    both = theta[:, : 2 * n].view(b, 2, nb, i, h)
+    return [both[:, :, k] for k in range(nb)]
+
+
+def pair_view(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[B, 2, M, I]`` view holding ``a`` and ``u`` (same shape and strides, one storage,
+    ``u`` after ``a``): a product writing both at once writes them."""
+    step = u.storage_offset() - a.storage_offset()
+    if not (
+        a.shape == u.shape
+        and a.stride() == u.stride()
+        and step > 0
+        and a.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+    ):
+        raise ValueError("a and u must be equally strided views of one buffer, u after a")
+    size = (a.shape[0], 2, *a.shape[1:])
+    return a.as_strided(size, (a.stride(0), step, *a.stride()[1:]), a.storage_offset())
+
+
+def forward_slots(
+    theta: torch.Tensor,
+    shape: DistillerShape,
+    xp: torch.Tensor,
+    mm: MatMul,
+    out: ActBuffers | None = None,
+) -> tuple[torch.Tensor, Activations]:
+    """:func:`forward_acts` in fewer launches, for a ``mm`` that takes ``[S, 2, ., .]``
+    weights and an ``add=`` (the slot-indexed product, :func:`algorithms.esamp.slot_ops.
+    slot_matmul`): per block ``a`` and ``u`` in one product over gate and up
+    (:func:`gate_up_pairs`), ``s``, ``p``, and ``h + p @ down^T`` in one product. On CPU
+    the same values as :func:`forward_acts` bit for bit (on CUDA the Triton products may
+    split K differently: fp32 rounding). ``out``: as
+    :func:`forward_acts` (``a`` and ``u`` of a block must then form a :func:`pair_view`)."""
+    pairs = gate_up_pairs(theta, shape)
+    downs = [w[2] for w in block_weights(theta, shape)]
+    g, rows, _ = xp.shape
+    i = shape.intermediate_size
+    acts = []
+    h = xp
+    for b, (gu, down) in enumerate(zip(pairs, downs, strict=True)):
+        if out is None:
+            au = xp.new_empty(g, 2, rows, i)
+            a, u = au[:, 0], au[:, 1]
+            s, p, h_out = torch.empty_like(a), torch.empty_like(a), torch.empty_like(xp)
+        else:
+            h_out, a, u, s, p = out[b]
+            au = pair_view(a, u)
+        mm(h, gu, True, out=au)
+        torch._C._nn.silu(a, out=s)  # F.silu has no out=
+        torch.mul(s, u, out=p)
+        acts.append((h, a, u, s, p))
+        h = mm(p, down, True, out=h_out, add=h)
+    return h, acts

@@ -91,7 +91,9 @@ def grad_adam(
     ``scale [G]`` fp32 (e.g. the clip coefficient); ``group_slot [G]`` int32/int64;
     ``ok [G]`` bool/int/float; ``step [S]`` fp32; ``w [S, N, K]`` fp32 and ``m``/``v``
     (fp32 or bf16: computed in fp32, stored rounded) as any strided views, e.g.
-    ``theta[:, off:off + N * K].view(S, N, K)``. A slot may appear in at most one live group
+    ``theta[:, off:off + N * K].view(S, N, K)``. Several matrices of a slot in one launch:
+    ``w``/``m``/``v`` ``[S, E, N, K]``, ``a [G, E, M, N]``, ``b [G, M, K]`` (shared by the
+    matrices, e.g. gate and up of a block) or ``[G, E, M, K]``. A slot may appear in at most one live group
     (two would race on the GPU). ``input_precision``: the gradient product's, one of
     :data:`INPUT_PRECISIONS` (``"ieee"``: exact fp32; ``"tf32"`` is faster on tensor cores).
     """
@@ -110,16 +112,23 @@ def slot_matmul(
     transpose_w: bool = True,
     input_precision: str = "ieee",
     split_k: int = 0,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[g] = x[g] @ w[s]^T`` with ``w [S, N, K]`` (``transpose_w``), or ``x[g] @ w[s]``
-    with ``w [S, K, N]``, for ``s = group_slot[g]``; ``out[g] = 0`` where ``s < 0``. Returns
-    ``out`` (written in place; nothing allocated).
+    with ``w [S, K, N]``, for ``s = group_slot[g]``; the product is 0 where ``s < 0``.
+    Returns ``out`` (written in place; nothing allocated).
 
-    ``x [G, M, K]``, ``out [G, M, N]`` fp32; ``w`` fp32, any strided view. On CUDA,
+    ``x [G, M, K]``, ``out [G, M, N]`` fp32; ``w`` fp32, any strided view. Several matrices
+    of a slot at once (one launch): ``w [S, E, N, K]`` (or ``[S, E, K, N]``) with ``x [G, M,
+    K]`` (shared) or ``[G, E, M, K]``, into ``out [G, E, M, N]`` (one product per matrix) or
+    ``out [G, M, N]`` (their sum: ``sum_e x[g, e] @ w[s, e]^T``). ``add [G, M, N]``
+    (optional, with ``out [G, M, N]``): added to ``out``, which must not alias it. On CUDA,
     ``split_k`` splits K over that many programs whose partial sums are added atomically
     (summation order then varies run to run, at fp32 rounding level); 0 picks it from the
     GPU's SM count, 1 is deterministic."""
-    torch.ops.tllm_esamp.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    torch.ops.tllm_esamp.slot_matmul(
+        x, w, group_slot, out, transpose_w, input_precision, split_k, add
+    )
     return out
 
 

@@ -55,17 +55,21 @@ def check_grad_adam(
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, b=b, scale=scale, group_slot=group_slot, ok=ok, step=step, w=w, m=m, v=v)
-    if not (a.dim() == 3 and a.dtype == torch.float32):
-        raise ValueError(f"a must be [G, M, N] fp32, got {_shape(a)}")
-    g, rows, n = a.shape
-    if not (b.dim() == 3 and b.dtype == torch.float32 and tuple(b.shape[:2]) == (g, rows)):
+    if not (a.dim() in (3, 4) and a.dtype == torch.float32):
+        raise ValueError(f"a must be [G, M, N] or [G, E, M, N] fp32, got {_shape(a)}")
+    e = a.shape[1] if a.dim() == 4 else None  # E matrices of a slot at once
+    g, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
+    b_ok = b.dim() == 3 and tuple(b.shape[:2]) == (g, rows)
+    b_ok = b_ok or (e is not None and b.dim() == 4 and tuple(b.shape[:3]) == (g, e, rows))
+    if not (b_ok and b.dtype == torch.float32):
         raise ValueError(f"b must be [{g}, {rows}, K] fp32 (a is {_shape(a)}), got {_shape(b)}")
-    k = b.shape[2]
-    if not (w.dim() == 3 and w.dtype == torch.float32):
-        raise ValueError(f"w must be [S, N, K] fp32, got {_shape(w)}")
+    k = b.shape[-1]
+    mats = "" if e is None else f"{e}, "
+    if not (w.dim() == (3 if e is None else 4) and w.dtype == torch.float32):
+        raise ValueError(f"w must be [S, {mats}N, K] fp32, got {_shape(w)}")
     slots = w.shape[0]
-    if tuple(w.shape[1:]) != (n, k):
-        raise ValueError(f"w must be [S, {n}, {k}] (a^T b's shape), got {_shape(w)}")
+    if tuple(w.shape[1:]) != ((n, k) if e is None else (e, n, k)):
+        raise ValueError(f"w must be [S, {mats}{n}, {k}] (a^T b's shape), got {_shape(w)}")
     for name, t in (("m", m), ("v", v)):
         if not (tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES):
             raise ValueError(
@@ -100,23 +104,37 @@ def check_slot_matmul(
     transpose_w: bool,
     input_precision: str,
     split_k: int = 0,
+    add: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
-    _same_device(x=x, w=w, group_slot=group_slot, out=out)
-    if not (x.dim() == 3 and x.dtype == torch.float32):
-        raise ValueError(f"x must be [G, M, K] fp32, got {_shape(x)}")
-    g, rows, k = x.shape
+    extra = {} if add is None else {"add": add}
+    _same_device(x=x, w=w, group_slot=group_slot, out=out, **extra)
     layout = "[S, N, K]" if transpose_w else "[S, K, N]"
-    if not (w.dim() == 3 and w.dtype == torch.float32):
-        raise ValueError(f"w must be {layout} fp32 (transpose_w={transpose_w}), got {_shape(w)}")
-    w_k = w.shape[2] if transpose_w else w.shape[1]
-    n = w.shape[1] if transpose_w else w.shape[2]
+    if not (w.dim() in (3, 4) and w.dtype == torch.float32):
+        raise ValueError(
+            f"w must be {layout} or [S, E, ...] fp32 (transpose_w={transpose_w}), got {_shape(w)}"
+        )
+    e = w.shape[1] if w.dim() == 4 else None
+    if not (x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)):
+        want = "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]")
+        raise ValueError(f"x must be {want} fp32, got {_shape(x)}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32, got {_shape(x)}")
+    g, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
+    w_k = w.shape[-1] if transpose_w else w.shape[-2]
+    n = w.shape[-2] if transpose_w else w.shape[-1]
     if w_k != k:
         raise ValueError(
             f"w must be {layout} with K={k} (x's last dim; transpose_w={transpose_w}), got {_shape(w)}"
         )
-    if not (tuple(out.shape) == (g, rows, n) and out.dtype == torch.float32):
-        raise ValueError(f"out must be [{g}, {rows}, {n}] fp32, got {_shape(out)}")
+    shapes = [(g, rows, n)] + ([] if e is None else [(g, e, rows, n)])
+    if not (tuple(out.shape) in shapes and out.dtype == torch.float32):
+        want = " or ".join(str(list(sh)) for sh in shapes)
+        raise ValueError(f"out must be {want} fp32, got {_shape(out)}")
+    if add is not None and not (tuple(add.shape) == (g, rows, n) and add.dtype == torch.float32):
+        raise ValueError(f"add must be [{g}, {rows}, {n}] fp32 (the summed out), got {_shape(add)}")
+    if add is not None and out.dim() != 3:
+        raise ValueError(f"add needs out [{g}, {rows}, {n}] (summed over E), got {_shape(out)}")
     _group_vector("group_slot", group_slot, g)
     if group_slot.dtype not in _SLOT_DTYPES:
         raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")

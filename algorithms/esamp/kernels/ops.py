@@ -45,7 +45,7 @@ _LIB.define(
 )
 _LIB.define(
     "slot_matmul(Tensor x, Tensor w, Tensor group_slot, Tensor(a!) out, bool transpose_w=True, "
-    "str input_precision='ieee', int split_k=0) -> ()"
+    "str input_precision='ieee', int split_k=0, Tensor? add=None) -> ()"
 )
 _LIB.define(
     "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
@@ -109,22 +109,23 @@ def _grad_adam_cuda(
 
 
 def _slot_matmul_reference(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
-    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
-    reference.slot_matmul(x, w, group_slot, out, transpose_w)
+    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k, add)
+    reference.slot_matmul(x, w, group_slot, out, transpose_w, add)
 
 
 def _slot_matmul_cuda(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
+    args = (x, w, group_slot, out, transpose_w, input_precision, split_k, add)
     if not triton_available():
         _warn_no_triton()
-        return _slot_matmul_reference(x, w, group_slot, out, transpose_w, input_precision, split_k)
+        return _slot_matmul_reference(*args)
     from algorithms.esamp.kernels import triton_impl
 
-    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
-    triton_impl.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    check_slot_matmul(*args)
+    triton_impl.slot_matmul(*args)
 
 
 def _candidate_dot_reference(weight, f, rows, tokens, out) -> None:
@@ -211,13 +212,23 @@ for _name, _cpu, _cuda in (
 # What each call moves, for byte counters that go by operator (tllm_core.testing.fake_cuda):
 # its arguments hold every slot's weights or the whole head, of which it reads a part.
 def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwargs) -> int:
-    groups, rows, n = a.shape
-    return grad_adam_bytes(groups, rows, n, b.shape[-1], m.element_size(), w.element_size())
+    groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
+    e = w.shape[1] if w.dim() == 4 else 1
+    shared_b = b.dim() == 3
+    return grad_adam_bytes(
+        groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, shared_b=shared_b
+    )
 
 
-def _slot_matmul_traffic(x, w, group_slot, out, *args, **kwargs) -> int:
-    groups, rows, k = x.shape
-    return slot_matmul_bytes(groups, rows, out.shape[-1], k)
+def _slot_matmul_traffic(
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
+) -> int:
+    groups, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
+    e = w.shape[1] if w.dim() == 4 else 1
+    return slot_matmul_bytes(
+        groups, rows, out.shape[-1], k, e,
+        shared_x=x.dim() == 3, summed=out.dim() == 3, add=add is not None,
+    )  # fmt: skip
 
 
 def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:

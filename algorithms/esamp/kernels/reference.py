@@ -31,6 +31,12 @@ def grad_adam(
     the rest in fp32; moments rounded to their dtype when stored)."""
     if w.shape[0] == 0:
         return
+    if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or per matrix)
+        for e in range(w.shape[1]):
+            b_e = b if b.dim() == 3 else b[:, e]
+            grad_adam(a[:, e], b_e, scale, group_slot, ok, step, w[:, e], m[:, e], v[:, e],
+                      lr, beta1, beta2, eps)  # fmt: skip
+        return
     for g in range(a.shape[0]):
         slot = group_slot[g]
         live = (slot >= 0) & (ok[g] != 0)
@@ -56,15 +62,34 @@ def slot_matmul(
     group_slot: torch.Tensor,
     out: torch.Tensor,
     transpose_w: bool,
+    add: torch.Tensor | None = None,
 ) -> None:
     """``out[g] = x[g] @ w[s]^T`` (``transpose_w``, ``w [S, N, K]``) or ``x[g] @ w[s]``
-    (``w [S, K, N]``), ``s = group_slot[g]``; zeros where ``s < 0``."""
+    (``w [S, K, N]``), ``s = group_slot[g]``; zeros where ``s < 0``. With ``w [S, E, ., .]``
+    the same per matrix ``e`` (``x [G, M, K]`` shared or ``[G, E, M, K]``), into ``out [G, E,
+    M, N]`` or summed over ``e`` into ``out [G, M, N]``; then ``add`` (if any) added."""
     if w.shape[0] == 0:
         out.zero_()
+        if add is not None:
+            out.add_(add)
         return
-    ws = w.index_select(0, group_slot.clamp(min=0))
-    y = torch.bmm(x, ws.transpose(1, 2) if transpose_w else ws)
-    out.copy_(torch.where((group_slot >= 0)[:, None, None], y, 0.0))
+    live = (group_slot >= 0)[:, None, None]
+    idx = group_slot.clamp(min=0)
+    if w.dim() == 3:
+        ws = w.index_select(0, idx)
+        y = torch.where(live, torch.bmm(x, ws.transpose(1, 2) if transpose_w else ws), 0.0)
+    else:
+        ys = []
+        for e in range(w.shape[1]):
+            ws = w[:, e].index_select(0, idx)
+            xe = x if x.dim() == 3 else x[:, e]
+            ys.append(
+                torch.where(live, torch.bmm(xe, ws.transpose(1, 2) if transpose_w else ws), 0.0)
+            )
+        y = sum(ys[1:], ys[0]) if out.dim() == 3 else torch.stack(ys, 1)
+    if add is not None:
+        y = add + y
+    out.copy_(y)
 
 
 # Pairs gathered at once: bounds the fallback's temporaries to chunk x H (as guidance did).

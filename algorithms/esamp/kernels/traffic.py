@@ -6,24 +6,49 @@ FP32 = 4
 
 
 def grad_adam_bytes(
-    groups: int, rows: int, n: int, k: int, moment_bytes: int = FP32, param_bytes: int = FP32
+    groups: int,
+    rows: int,
+    n: int,
+    k: int,
+    moment_bytes: int = FP32,
+    param_bytes: int = FP32,
+    matrices: int = 1,
+    *,
+    shared_b: bool = True,
 ) -> int:
-    """Bytes one ``grad_adam`` call moves for ``groups`` live groups of an ``[n, k]`` matrix
-    with ``rows`` rows each: w, m, v read and written once per parameter, the factors
-    ``a [rows, n]`` and ``b [rows, k]`` read once (tiles re-read them from L2, not DRAM),
-    plus the per-group scalars. With fp32 moments: 24 bytes per parameter and the factors'
-    share (16 with bf16 moments)."""
-    params = groups * n * k
+    """Bytes one ``grad_adam`` call moves for ``groups`` live groups of ``matrices`` ``[n,
+    k]`` matrices with ``rows`` rows each: w, m, v read and written once per parameter, the
+    factors ``a [rows, n]`` (per matrix) and ``b [rows, k]`` (once where the matrices share
+    it) read once (tiles re-read them from L2, not DRAM), plus the per-group scalars. With
+    fp32 moments: 24 bytes per parameter and the factors' share (16 with bf16 moments)."""
+    e = matrices
+    params = groups * e * n * k
     state = params * 2 * (param_bytes + 2 * moment_bytes)
-    factors = groups * rows * (n + k) * FP32
+    factors = groups * rows * (e * n + (1 if shared_b else e) * k) * FP32
     scalars = groups * (FP32 + 8 + 1 + FP32)  # scale, slot, ok, step
     return state + factors + scalars
 
 
-def slot_matmul_bytes(groups: int, rows: int, n: int, k: int) -> int:
+def slot_matmul_bytes(
+    groups: int,
+    rows: int,
+    n: int,
+    k: int,
+    matrices: int = 1,
+    *,
+    shared_x: bool = True,
+    summed: bool = False,
+    add: bool = False,
+) -> int:
     """Bytes one ``slot_matmul`` call moves for ``groups`` live groups: each group's weight
-    ``[n, k]`` read once, ``x [rows, k]`` read, ``out [rows, n]`` written."""
-    return groups * (n * k + rows * k + rows * n) * FP32 + groups * 8
+    ``[n, k]`` (per matrix) read once, ``x [rows, k]`` read (once where the matrices share
+    it), ``out [rows, n]`` written (once where summed over the matrices), ``add [rows, n]``
+    read."""
+    e = matrices
+    x_reads = 1 if shared_x else e
+    outs = 1 if summed else e
+    per_group = e * n * k + x_reads * rows * k + outs * rows * n + (rows * n if add else 0)
+    return groups * per_group * FP32 + groups * 8
 
 
 def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> int:

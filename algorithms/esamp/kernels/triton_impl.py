@@ -39,18 +39,23 @@ def _grad_adam_kernel(
     N,
     K,
     s_ag,
+    s_ae,
     s_am,
     s_an,
     s_bg,
+    s_be,
     s_bm,
     s_bk,
     s_ws,
+    s_we,
     s_wn,
     s_wk,
     s_ms,
+    s_me,
     s_mn,
     s_mk,
     s_vs,
+    s_ve,
     s_vn,
     s_vk,
     lr,
@@ -71,6 +76,7 @@ def _grad_adam_kernel(
     # registers, then Adam on it, reading and writing each element of w, m, v once.
     tile = tl.program_id(0)
     g = tl.program_id(1)
+    e = tl.program_id(2)  # which matrix of the slot (s_be 0: b shared by every matrix)
     slot = tl.load(slot_ptr + g).to(tl.int64)
     ok = tl.load(ok_ptr + g)
     if (slot < 0) | (ok == 0):
@@ -80,8 +86,8 @@ def _grad_adam_kernel(
     offs_k = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_n = offs_n < N
     in_k = offs_k < K
-    a_base = a_ptr + g.to(tl.int64) * s_ag
-    b_base = b_ptr + g.to(tl.int64) * s_bg
+    a_base = a_ptr + g.to(tl.int64) * s_ag + e * s_ae
+    b_base = b_ptr + g.to(tl.int64) * s_bg + e * s_be
 
     # grad tile = a[g][:, n]^T @ b[g][:, k]; M (rows) padded to BLOCK_M by masked loads.
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
@@ -109,9 +115,9 @@ def _grad_adam_kernel(
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
 
     mask = in_n[:, None] & in_k[None, :]
-    w_ptrs = w_ptr + slot * s_ws + offs_n[:, None] * s_wn + offs_k[None, :] * s_wk
-    m_ptrs = m_ptr + slot * s_ms + offs_n[:, None] * s_mn + offs_k[None, :] * s_mk
-    v_ptrs = v_ptr + slot * s_vs + offs_n[:, None] * s_vn + offs_k[None, :] * s_vk
+    w_ptrs = w_ptr + slot * s_ws + e * s_we + offs_n[:, None] * s_wn + offs_k[None, :] * s_wk
+    m_ptrs = m_ptr + slot * s_ms + e * s_me + offs_n[:, None] * s_mn + offs_k[None, :] * s_mk
+    v_ptrs = v_ptr + slot * s_vs + e * s_ve + offs_n[:, None] * s_vn + offs_k[None, :] * s_vk
     w = tl.load(w_ptrs, mask=mask)
     m = tl.load(m_ptrs, mask=mask).to(tl.float32)
     v = tl.load(v_ptrs, mask=mask).to(tl.float32)
@@ -125,59 +131,83 @@ def _grad_adam_kernel(
 
 
 def _slot_matmul_kernel(
-    x_ptr,  # [G, M, K] fp32
-    w_ptr,  # [S, ., .] fp32: element (k, n) of slot s at s * s_ws + k * s_wk + n * s_wn
+    x_ptr,  # [G, E, M, K] fp32 (s_xe 0: one x for every e)
+    w_ptr,  # [S, E, ., .] fp32: element (k, n) of slot s, matrix e at s * s_ws + e * s_we + ...
     slot_ptr,  # [G] int
-    out_ptr,  # [G, M, N] fp32
+    out_ptr,  # [G, E, M, N] fp32 ([G, M, N] with REDUCE_E: the sum over e)
+    add_ptr,  # [G, M, N] fp32, added to out (HAS_ADD; else a placeholder, never read)
     M,
     N,
     K,
+    E,
     s_xg,
+    s_xe,
     s_xm,
     s_xk,
     s_ws,
+    s_we,
     s_wk,
     s_wn,
     s_og,
+    s_oe,
     s_om,
     s_on,
+    s_cg,
+    s_cm,
+    s_cn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    REDUCE_E: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
-    # One [BLOCK_M, BLOCK_N] tile of out[g], over every SPLIT_K-th BLOCK_K chunk of K (with
-    # SPLIT_K > 1 the partial sums are added atomically into a zeroed out).
+    # One [BLOCK_M, BLOCK_N] tile of out[g] (of matrix e, or summed over every e), over every
+    # SPLIT_K-th BLOCK_K chunk of K (with SPLIT_K > 1 the partial sums are added atomically
+    # into a zeroed out; the addend by part 0).
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    part = tl.program_id(2)
+    part = tl.program_id(2) % SPLIT_K
+    e_out = tl.program_id(2) // SPLIT_K
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m = offs_m < M
     in_n = offs_n < N
     slot = tl.load(slot_ptr + g).to(tl.int64)
-    k_end = tl.where(slot >= 0, K, 0)  # a padding group reads nothing and writes zeros
-    x_base = x_ptr + g.to(tl.int64) * s_xg
-    w_base = w_ptr + tl.maximum(slot, 0) * s_ws
+    k_end = tl.where(slot >= 0, K, 0)  # a padding group reads no weights: its product is 0
+    if REDUCE_E:
+        e_lo = 0
+        e_hi = E
+    else:
+        e_lo = e_out
+        e_hi = e_out + 1
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(part * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < K
-        xt = tl.load(
-            x_base + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
-            mask=in_m[:, None] & in_k[None, :],
-            other=0.0,
-        )
-        wt = tl.load(
-            w_base + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn,
-            mask=in_k[:, None] & in_n[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
-    o_ptrs = out_ptr + g.to(tl.int64) * s_og + offs_m[:, None] * s_om + offs_n[None, :] * s_on
+    for e in range(e_lo, e_hi):
+        x_base = x_ptr + g.to(tl.int64) * s_xg + e * s_xe
+        w_base = w_ptr + tl.maximum(slot, 0) * s_ws + e * s_we
+        for k0 in range(part * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < K
+            xt = tl.load(
+                x_base + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
+                mask=in_m[:, None] & in_k[None, :],
+                other=0.0,
+            )
+            wt = tl.load(
+                w_base + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn,
+                mask=in_k[:, None] & in_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
     mask = in_m[:, None] & in_n[None, :]
+    if HAS_ADD:
+        if part == 0:
+            c_ptrs = add_ptr + g.to(tl.int64) * s_cg + offs_m[:, None] * s_cm
+            acc += tl.load(c_ptrs + offs_n[None, :] * s_cn, mask=mask, other=0.0)
+    o_ptrs = out_ptr + g.to(tl.int64) * s_og + e_out * s_oe + offs_m[:, None] * s_om
+    o_ptrs = o_ptrs + offs_n[None, :] * s_on
     if SPLIT_K == 1:
         tl.store(o_ptrs, acc, mask=mask)
     else:
@@ -577,9 +607,14 @@ def grad_adam_launch(
     """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
     :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
     check_precision(input_precision)
-    groups, rows, n = a.shape
-    k = b.shape[2]
-    if groups == 0 or n == 0 or k == 0:
+    # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared.
+    w, m, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (w, m, v))
+    e = w.shape[1]
+    a = a if a.dim() == 4 else a.unsqueeze(1)
+    b = b if b.dim() == 4 else b.unsqueeze(1).expand(b.shape[0], e, *b.shape[1:])
+    groups, _, rows, n = a.shape
+    k = b.shape[3]
+    if groups == 0 or n == 0 or k == 0 or e == 0:
         return None
     if ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
@@ -592,7 +627,7 @@ def grad_adam_launch(
     consts = dict(
         BLOCK_M=_rows_block(rows), BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=input_precision
     )
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups, e)
     return Launch("grad_adam", grid, args, consts, num_warps)
 
 
@@ -619,6 +654,7 @@ def slot_matmul_launch(
     transpose_w: bool = True,
     input_precision: str = "ieee",
     split_k: int = 0,
+    add: torch.Tensor | None = None,
     *,
     block_n: int = 64,
     block_k: int = 64,
@@ -631,21 +667,29 @@ def slot_matmul_launch(
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
-    groups, rows, k = x.shape
-    n = out.shape[2]
+    w4 = w if w.dim() == 4 else w.unsqueeze(1)
+    e = w4.shape[1]
+    x4 = x if x.dim() == 4 else x.unsqueeze(1).expand(x.shape[0], e, *x.shape[1:])
+    reduce_e = out.dim() == 3 and w.dim() == 4
+    o4 = out.unsqueeze(1) if out.dim() == 3 else out
+    groups, _, rows, k = x4.shape
+    n = o4.shape[3]
     if groups == 0 or rows == 0 or n == 0 or k == 0:
         return None
     block_m = _rows_block(rows)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     if split_k == 0:
-        split_k = auto_split_k(tiles * groups, k, block_k, x.device)
-    # w[s] as a [K, N] operand: transpose_w reads w [S, N, K] with its strides swapped.
-    s_ws, s_w1, s_w2 = w.stride()
+        outputs = 1 if reduce_e else e
+        split_k = auto_split_k(tiles * groups * outputs, k, block_k, x.device)
+    # w[s, e] as a [K, N] operand: transpose_w reads w [S, E, N, K] with its strides swapped.
+    s_ws, s_we, s_w1, s_w2 = w4.stride()
     s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
+    c = add if add is not None else out
+    s_c = c.stride()[-3:] if add is not None else (0, 0, 0)
     args = (
-        x, w, group_slot, out,
-        rows, n, k,
-        *x.stride(), s_ws, s_wk, s_wn, *out.stride(),
+        x4, w4, group_slot, o4, c,
+        rows, n, k, e,
+        *x4.stride(), s_ws, s_we, s_wk, s_wn, *o4.stride(), *s_c,
     )  # fmt: skip
     consts = dict(
         BLOCK_M=block_m,
@@ -653,8 +697,11 @@ def slot_matmul_launch(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         INPUT_PRECISION=input_precision,
+        REDUCE_E=reduce_e,
+        HAS_ADD=add is not None,
     )
-    return Launch("slot_matmul", (tiles, groups, split_k), args, consts, num_warps)
+    grid = (tiles, groups, split_k * (1 if reduce_e else e))
+    return Launch("slot_matmul", grid, args, consts, num_warps)
 
 
 def slot_matmul(
@@ -667,10 +714,14 @@ def slot_matmul(
     **kwargs: Any,
 ) -> None:
     """Run the slot-indexed grouped matmul (arguments as :func:`slot_matmul_launch`);
-    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K."""
+    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K (then
+    ``out`` is the addend, if any)."""
     launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
     if launch is None or launch.constexprs["SPLIT_K"] > 1:
         out.zero_()
+        add = kwargs.get("add", args[3] if len(args) > 3 else None)
+        if launch is None and add is not None:
+            out.copy_(add)
     if launch is not None:
         launch.run(kernels)
 
