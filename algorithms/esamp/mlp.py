@@ -134,7 +134,8 @@ def forward_slots(
     h = xp
     for b, (gu, down) in enumerate(zip(pairs, downs, strict=True)):
         if out is None:
-            au = xp.new_empty(g, 2, rows, i)
+            # a and u each contiguous (CPU kernels take another path on strided inputs).
+            au = xp.new_empty(2, g, rows, i).transpose(0, 1)
             a, u = au[:, 0], au[:, 1]
             s, p, h_out = torch.empty_like(a), torch.empty_like(a), torch.empty_like(xp)
         else:

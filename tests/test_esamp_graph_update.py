@@ -1,0 +1,217 @@
+"""The update graph's body (``graph_update.train_groups`` with ``mlp.forward_slots`` and
+``backward.fused_backward``) as a whole: on CPU against the written-out reference it
+replaced (``forward_acts`` + ``backward_factors``, the CPU trainer's math), and with every
+kernel run as the Triton kernel under Triton's interpreter against the same body on the CPU
+ops: padding groups, masked rows and a group with a non-finite loss, whose slot keeps its
+state bit for bit."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from algorithms.esamp import backward, graph_update
+from algorithms.esamp.adam import clip_scale
+from algorithms.esamp.backward import backward_factors
+from algorithms.esamp.mlp import (
+    batched_mm,
+    forward_acts,
+    forward_slots,
+    pair_view,
+)
+from algorithms.esamp.objective import loss_denominator
+from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
+from algorithms.esamp.slot_ops import slot_matmul
+
+SHAPE = DistillerShape(hidden_size=24, intermediate_size=9)  # 2 blocks
+SLOTS, ROWS = 4, 5
+GROUP_SLOT = (2, -1, 0, 3)  # group 1: padding; slot 1 in no group
+COUNTS = (5, 0, 3, 4)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _state(seed: int = 0) -> list[torch.Tensor]:
+    theta = torch.stack([init_params(SHAPE, "paper", seed=s) for s in range(SLOTS)])
+    gen = torch.Generator().manual_seed(seed)
+    m = 0.01 * torch.randn(theta.shape, generator=gen)
+    v = 0.001 * torch.rand(theta.shape, generator=gen)
+    return [theta, m, v, torch.tensor([3.0, 1.0, 2.0, 5.0])]
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.arange(ROWS)[None, :] < torch.tensor(COUNTS)[:, None]
+    xp = torch.randn(len(COUNTS), ROWS, SHAPE.hidden_size, generator=gen) * mask[..., None]
+    tp = torch.randn(len(COUNTS), ROWS, SHAPE.hidden_size, generator=gen)
+    tp[0, 4] = float("nan")  # a marked row of group 0: its loss is not finite
+    tp[2, 4] = float("nan")  # an unmarked row of group 2: ignored
+    return xp, tp, mask
+
+
+def _slot_weights(theta: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each group's weights (zeros for a padding group): the dense form of the slots."""
+    rows = torch.stack([theta[max(s, 0)] * (s >= 0) for s in GROUP_SLOT])
+    return block_weights(rows, SHAPE)
+
+
+def test_forward_slots_equals_forward_acts_bit_for_bit():
+    """On the CPU ops: the paired forward (into fresh tensors and into act buffers at an odd
+    offset, a and u one pair view) equals the plain forward of each group's weights."""
+    theta = _state()[0]
+    xp, _, _ = _rows(1)
+    gs = torch.tensor(GROUP_SLOT)
+
+    def mm(x, w, transpose_w, out=None, add=None):
+        return slot_matmul(x, w, gs, transpose_w, out=out, add=add)
+
+    h_ref, acts_ref = forward_acts(_slot_weights(theta), xp, batched_mm)
+    h, acts = forward_slots(theta, SHAPE, xp, mm)
+    g, i, hid = len(GROUP_SLOT), SHAPE.intermediate_size, SHAPE.hidden_size
+    flat = torch.full((7 + 2 * g * ROWS * (hid + 4 * i),), float("nan"))
+    bufs, at = [], 7
+    for _ in range(2):
+        block = []
+        for width in (hid, i, i, i, i):
+            block.append(flat[at : at + g * ROWS * width].view(g, ROWS, width))
+            at += g * ROWS * width
+        bufs.append(tuple(block))
+    h_kept, acts_kept = forward_slots(theta, SHAPE, xp, mm, out=bufs)
+    assert torch.equal(h, h_ref) and torch.equal(h_kept, h_ref)
+    for got in (acts, acts_kept):
+        for blk, ref in zip(got, acts_ref, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
+    with pytest.raises(ValueError, match="equally strided views of one buffer"):
+        pair_view(bufs[0][2], bufs[0][1])  # u before a
+
+
+def _reference_update(state, xp, tp, mask, hp):
+    """The update written out as before the fused kernels (forward_acts, backward_factors,
+    torch's finite check and clip; a per-group fused Adam on the formed gradient)."""
+    theta, m, v, step = state
+    gs = torch.tensor(GROUP_SLOT)
+    weights = _slot_weights(theta)
+    h, acts = forward_acts(weights, xp)
+    diff = torch.where(mask[..., None], h - tp, 0.0)
+    denom = loss_denominator(mask.sum(1), SHAPE.hidden_size, hp.loss_reduction)
+    losses = diff.square().sum((1, 2)) / denom
+    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
+    norm = sq.sqrt()
+    ok = (gs >= 0) & mask.any(1) & torch.isfinite(losses) & torch.isfinite(norm)
+    scale = clip_scale(norm, hp)
+    for g, s in enumerate(GROUP_SLOT):
+        if not ok[g]:
+            continue
+        step[s] += 1
+        views = [[w[0] for blk in block_weights(t[s][None], SHAPE) for w in blk] for t in state[:3]]
+        for blk, k, a_f, b_f in factors:
+            j = 3 * blk + k
+            grad = scale[g] * a_f[g].T @ b_f[g]
+            torch._fused_adam_(
+                [views[0][j]], [grad], [views[1][j]], [views[2][j]], [], [step[s]],
+                lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=0.0,
+                eps=hp.eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+    return losses, ok
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_train_groups_equals_the_written_out_update(reduction):
+    hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction)
+    ours, ref = _state(), _state()
+    before = [t.clone() for t in ours]
+    applied = torch.zeros(SLOTS, dtype=torch.long)
+    gs = torch.tensor(GROUP_SLOT)
+    for seed in range(2):
+        xp, tp, mask = _rows(seed)
+        losses, ok = graph_update.train_groups(*ours, gs, xp, tp, mask, SHAPE, hp, applied)
+        want_losses, want_ok = _reference_update(ref, xp, tp, mask, hp)
+        assert ok.tolist() == want_ok.tolist() == [False, False, True, True]
+        torch.testing.assert_close(losses[2:], want_losses[2:], rtol=1e-6, atol=0)
+    for x, y in zip(ours, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    for t, old in zip(ours, before, strict=True):
+        for s in (1, 2):  # in no group; group 0's slot (non-finite loss)
+            assert torch.equal(t[s], old[s])
+    assert applied.tolist() == [2, 0, 2, 2]  # group 0 processed (skipped), padding not
+
+
+@pytest.fixture(scope="module")
+def interpreted_ops() -> SimpleNamespace:
+    """``algorithms.esamp.kernels``' calls of the update, each the Triton kernel under the
+    interpreter (small tiles: several per matrix, ragged edges)."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        jit = triton_impl.jit_kernels()
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+    def loss_dy(*args, reduction):
+        triton_impl.loss_dy(*args, reduction, kernels=jit, block_h=16)
+
+    def block_backward(*args, input_precision="ieee"):
+        triton_impl.block_backward(
+            *args, input_precision, kernels=jit, block_i=8, block_h=16
+        )  # fmt: skip
+
+    def update_tail(*args, grad_clip, clip_eps):
+        clip = -1.0 if grad_clip is None else grad_clip
+        triton_impl.update_tail(*args, clip, clip_eps, kernels=jit, block_g=2)
+
+    def mm(x, w, gs, transpose_w, out=None, add=None):
+        if out is None:
+            out = slot_matmul(x, w, gs, transpose_w)  # the shape (values overwritten)
+        triton_impl.slot_matmul(
+            x, w, gs, out, transpose_w, "ieee", 2, add, kernels=jit, block_n=16, block_k=16
+        )
+        return out
+
+    def adam(w, m, v, a, b, gs, step, ok, scale, hp):
+        triton_impl.grad_adam(
+            a, b, scale, gs, ok, step, w, m, v, hp.lr, *hp.betas, hp.eps,
+            kernels=jit, block_n=8, block_k=16,
+        )  # fmt: skip
+
+    kernels = SimpleNamespace(
+        loss_dy=loss_dy,
+        block_backward=block_backward,
+        update_tail=update_tail,
+        norm_parts=norm_parts,
+        INPUT_PRECISIONS=INPUT_PRECISIONS,
+    )
+    return SimpleNamespace(kernels=kernels, ops=(mm, adam))
+
+
+def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(interpreted_ops, monkeypatch):
+    hp = AdamHyper(lr=1e-2, grad_clip=0.05)
+    ours, ref = _state(), _state()
+    before = [t.clone() for t in ours]
+    applied = [torch.zeros(SLOTS, dtype=torch.long) for _ in range(2)]
+    gs = torch.tensor(GROUP_SLOT)
+    for seed in range(2):
+        xp, tp, mask = _rows(seed)
+        want = graph_update.train_groups(*ref, gs, xp, tp, mask, SHAPE, hp, applied[1])
+        with monkeypatch.context() as mp:
+            mp.setattr(graph_update, "kernels", interpreted_ops.kernels)
+            mp.setattr(backward, "kernels", interpreted_ops.kernels)
+            got = graph_update.train_groups(
+                *ours, gs, xp, tp, mask, SHAPE, hp, applied[0], ops=interpreted_ops.ops
+            )
+        assert got[1].tolist() == want[1].tolist() == [False, False, True, True]
+        torch.testing.assert_close(got[0][2:], want[0][2:], rtol=1e-5, atol=0)
+    for x, y in zip(ours, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for t, old in zip(ours, before, strict=True):
+        for s in (1, 2):
+            assert torch.equal(t[s], old[s])
+    assert torch.equal(applied[0], applied[1])
+    assert not torch.equal(ours[0][0], before[0][0])  # a live slot did move
