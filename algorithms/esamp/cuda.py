@@ -133,7 +133,6 @@ class CudaGroupedDistiller(SlotDistiller):
         self._plan_next = 0
         self.results = ResultLog(512, capacity, self.hp.stats, dev, _pin)
         self._stats = torch.zeros(capacity, len(STATS), device=dev)
-        self._ring_idx = torch.arange(capacity, device=dev)
         self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
         self.host_waits = 0  # plan buffers the host had to wait for
         self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}
@@ -175,9 +174,15 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.results.staleness_max
 
     # -- graph bodies (fixed shapes, no host sync) ---------------------------------------
-    def _pack(self, lay: Layout, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    def _pack(
+        self, lay: Layout, src: torch.Tensor, dst: torch.Tensor, zero: bool = True
+    ) -> torch.Tensor:
+        """``src``'s rows at their packed positions in ``dst``; the other rows zero (not
+        with ``zero=False``: they keep what they held, for a buffer only read on the rows
+        the mask marks)."""
         t = self.total_rows
-        dst.zero_()
+        if zero:
+            dst.zero_()
         dst.index_copy_(0, self.plan[:t], src)
         return dst[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
 
@@ -231,7 +236,8 @@ class CudaGroupedDistiller(SlotDistiller):
         else:
             xp = self._pack(lay, self.stage_x, self.xp)
             forward = None
-        tp = self._pack(lay, self.stage_t, self.tp)
+        # Targets are read on the marked rows only (kernels.loss_dy): no zeroing.
+        tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
         self.mask.zero_()
@@ -248,12 +254,12 @@ class CudaGroupedDistiller(SlotDistiller):
             *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward,
             precision=self._precision,
         )  # fmt: skip
-        ring = self.plan[2 * t + 2 * c :]
-        at = ring * c + self._ring_idx[: lay.groups]
-        self.results.losses.view(-1).index_copy_(0, at, losses)
-        self.results.ok.view(-1).index_copy_(0, at, ok.float())
+        # Row ring[0] of the result ring, its first G columns: one indexed copy each.
+        ring, g = self.plan[2 * t + 2 * c :], lay.groups
+        self.results.losses[:, :g].index_copy_(0, ring, losses[None])
+        self.results.ok[:, :g].index_copy_(0, ring, ok[None].float())
         if stats is not None:
-            self.results.stats.view(-1, len(STATS)).index_copy_(0, at, stats)
+            self.results.stats[:, :g].index_copy_(0, ring, stats[None])
 
     def _body(self, kind: str) -> Callable[[Layout], None]:
         if kind == "predict":
