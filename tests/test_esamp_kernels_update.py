@@ -17,7 +17,10 @@ import torch
 from algorithms.esamp import kernels
 
 # NaN and inf in the inputs on purpose (the interpreter's numpy warns about them).
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
 
 G, M, H, INTER = 5, 7, 37, 11
 GROUP_SLOT = (3, -1, 0, 2, 1)  # group 1: padding
@@ -43,6 +46,7 @@ def interpreted() -> SimpleNamespace:
     return SimpleNamespace(
         grad_adam=functools.partial(triton_impl.grad_adam, kernels=jit, block_n=8, block_k=16),
         slot_matmul=functools.partial(triton_impl.slot_matmul, kernels=jit, block_n=16, block_k=16),
+        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
         loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
         block_backward=functools.partial(
             triton_impl.block_backward, kernels=jit, block_m=16, block_i=8, block_h=16
@@ -60,6 +64,7 @@ def _grad_adam_op(a, b, scale, slots, ok, step, w, m, v, lr, b1, b2, eps):
 def _cpu() -> SimpleNamespace:
     return SimpleNamespace(
         grad_adam=_grad_adam_op,
+        silu_mul=kernels.silu_mul,
         slot_matmul=lambda x, w, gs, out, transpose_w, precision="ieee", split_k=0, add=None: (
             kernels.slot_matmul(x, w, gs, out, transpose_w=transpose_w, split_k=split_k, add=add)
         ),
@@ -255,6 +260,7 @@ def test_kernels_compile_for_sm90_without_spills(rows):
     launches = (
         ti.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
         ti.loss_dy_launch(hid, hid, mask, vec, hid.clone(), "mean"),
+        ti.silu_mul_launch(dp, dp, dp.clone(), dp.clone()),
         ti.update_tail_launch(
             vec, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
             vec.bool(), vec, vec, 0.5, 1e-6,
@@ -361,3 +367,21 @@ def test_grad_adam_over_two_matrices_equals_one_call_each(impl, moments, shared_
         gap = slice(2 + n * k, 2 + n * k + 3)  # between the two matrices
         assert torch.equal(x[:, :2], old[:, :2]) and torch.equal(x[:, gap], old[:, gap])
         assert not torch.equal(x[3], old[3])  # a live one moved
+
+
+def test_silu_mul_equals_silu_times_u(impl):
+    """On strided views (a and u one [G, 2, M, I] buffer, as the forward writes them; s and
+    p rows padded), rows and columns not multiples of the tiles."""
+    gen = torch.Generator().manual_seed(4)
+    au = torch.randn(G, 2, M, INTER, generator=gen) * 4
+    a, u = au[:, 0], au[:, 1]
+    a[0, 0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp overflow / underflow, 0
+    sp = torch.full((2, G, M, INTER + 3), 7.0)
+    s, p = sp[0, :, :, :INTER], sp[1, :, :, :INTER]
+    impl.silu_mul(a, u, s, p)
+    want = torch.nn.functional.silu(a.double())
+    torch.testing.assert_close(s.double(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(p.double(), want * u.double(), rtol=1e-6, atol=1e-6)
+    assert sp[..., INTER:].eq(7).all()  # the padding columns untouched
+    with pytest.raises(ValueError, match=r"p must be \[5, 7, 11\] fp32"):
+        kernels.silu_mul(a, u, s, p[:, :3])

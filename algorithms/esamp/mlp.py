@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from algorithms.esamp import kernels
 from algorithms.esamp.params import DistillerShape, block_weights
 
 # Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
@@ -122,7 +123,8 @@ def forward_slots(
     """:func:`forward_acts` in fewer launches, for a ``mm`` that takes ``[S, 2, ., .]``
     weights and an ``add=`` (the slot-indexed product, :func:`algorithms.esamp.slot_ops.
     slot_matmul`): per block ``a`` and ``u`` in one product over gate and up
-    (:func:`gate_up_pairs`), ``s``, ``p``, and ``h + p @ down^T`` in one product. On CPU
+    (:func:`gate_up_pairs`), ``s`` and ``p`` in one :func:`~algorithms.esamp.kernels.
+    silu_mul`, and ``h + p @ down^T`` in one product. On CPU
     the same values as :func:`forward_acts` bit for bit (on CUDA the Triton products may
     split K differently: fp32 rounding). ``out``: as
     :func:`forward_acts` (``a`` and ``u`` of a block must then form a :func:`pair_view`)."""
@@ -142,8 +144,7 @@ def forward_slots(
             h_out, a, u, s, p = out[b]
             au = pair_view(a, u)
         mm(h, gu, True, out=au)
-        torch._C._nn.silu(a, out=s)  # F.silu has no out=
-        torch.mul(s, u, out=p)
+        kernels.silu_mul(a, u, s, p)
         acts.append((h, a, u, s, p))
         h = mm(p, down, True, out=h_out, add=h)
     return h, acts

@@ -7,6 +7,8 @@ sees each call as one op):
   moments, 16 with bf16 (:func:`grad_adam_bytes`);
 - :func:`slot_matmul`: ``out[g] = x[g] @ w[slot[g]]^T`` (or ``@ w[slot[g]]``) reading only
   the listed slots' weights, out= style (no allocation);
+- :func:`silu_mul`: a SwiGLU block's activations ``s = silu(a)``, ``p = s * u`` in one
+  launch;
 - :func:`loss_dy`, :func:`block_backward`, :func:`update_tail`: the rest of the update's
   backward, one launch each: the loss and its gradient; per SwiGLU block the elementwise
   backward with the block's share of each group's gradient norm (from Gram matrices);
@@ -38,6 +40,7 @@ from algorithms.esamp.kernels.traffic import (
     candidate_dot_bytes,
     grad_adam_bytes,
     loss_dy_bytes,
+    silu_mul_bytes,
     slot_matmul_bytes,
     update_tail_bytes,
 )
@@ -56,6 +59,8 @@ __all__ = [
     "loss_dy",
     "loss_dy_bytes",
     "norm_parts",
+    "silu_mul",
+    "silu_mul_bytes",
     "slot_matmul",
     "slot_matmul_bytes",
     "triton_available",
@@ -227,3 +232,9 @@ def update_tail(
     torch.ops.tllm_esamp.update_tail(
         losses, parts, group_slot, mask, step, applied, ok, scale, norm, clip, clip_eps
     )
+
+
+def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32 (any strides), in one pass
+    (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``)."""
+    torch.ops.tllm_esamp.silu_mul(a, u, s, p)

@@ -296,3 +296,12 @@ def check_update_tail(
     _fp32("norm", norm, (g,), "one per group")
     if not clip_eps >= 0:
         raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
+
+
+def check_silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(a=a, u=u, s=s, p=p)
+    if not (a.dim() == 3 and a.dtype == torch.float32):
+        raise ValueError(f"a must be [G, M, I] fp32, got {_shape(a)}")
+    for name, t in (("u", u), ("s", s), ("p", p)):
+        _fp32(name, t, tuple(a.shape), "a's shape")

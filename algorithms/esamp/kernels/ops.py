@@ -23,6 +23,7 @@ from algorithms.esamp.kernels.checks import (
     check_candidate_dot,
     check_grad_adam,
     check_loss_dy,
+    check_silu_mul,
     check_slot_matmul,
     check_update_tail,
 )
@@ -31,6 +32,7 @@ from algorithms.esamp.kernels.traffic import (
     candidate_dot_bytes,
     grad_adam_bytes,
     loss_dy_bytes,
+    silu_mul_bytes,
     slot_matmul_bytes,
     update_tail_bytes,
 )
@@ -64,6 +66,7 @@ _LIB.define(
     "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) ok, Tensor(d!) scale, Tensor(e!) norm, "
     "float grad_clip, float clip_eps) -> ()"
 )
+_LIB.define("silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()")
 
 
 @functools.cache
@@ -191,6 +194,21 @@ def _update_tail_cuda(*args) -> None:
     triton_impl.update_tail(*args)
 
 
+def _silu_mul_reference(a, u, s, p) -> None:
+    check_silu_mul(a, u, s, p)
+    reference.silu_mul(a, u, s, p)
+
+
+def _silu_mul_cuda(a, u, s, p) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _silu_mul_reference(a, u, s, p)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_silu_mul(a, u, s, p)
+    triton_impl.silu_mul(a, u, s, p)
+
+
 def _nothing(*args, **kwargs) -> None:
     return None
 
@@ -202,6 +220,7 @@ for _name, _cpu, _cuda in (
     ("loss_dy", _loss_dy_reference, _loss_dy_cuda),
     ("block_backward", _block_backward_reference, _block_backward_cuda),
     ("update_tail", _update_tail_reference, _update_tail_cuda),
+    ("silu_mul", _silu_mul_reference, _silu_mul_cuda),
 ):
     _LIB.impl(_name, _cpu, "CPU")
     _LIB.impl(_name, _cuda, "CUDA")
@@ -256,5 +275,6 @@ for _name, _traffic in (
     ("loss_dy", _loss_dy_traffic),
     ("block_backward", _block_backward_traffic),
     ("update_tail", _update_tail_traffic),
+    ("silu_mul", lambda a, *args, **kwargs: silu_mul_bytes(a.numel())),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic

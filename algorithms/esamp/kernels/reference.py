@@ -185,3 +185,9 @@ def update_tail(
     step.index_add_(0, idx, ok.to(step.dtype))
     if applied is not None:
         applied.index_add_(0, idx, valid.to(applied.dtype))
+
+
+def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """``s = silu(a)``, ``p = s * u`` (a SwiGLU block's activations)."""
+    torch._C._nn.silu(a, out=s)  # F.silu has no out=
+    torch.mul(s, u, out=p)

@@ -79,3 +79,8 @@ def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) 
     norm written; its slot's step (and ``applied`` count) read and written."""
     per_group = FP32 * (1 + parts) + 8 + rows + 1 + 2 * FP32 + 2 * FP32 + (16 if applied else 0)
     return groups * per_group
+
+
+def silu_mul_bytes(numel: int) -> int:
+    """``silu_mul``: ``a`` and ``u`` read, ``s`` and ``p`` written (fp32)."""
+    return 4 * numel * FP32

@@ -528,6 +528,42 @@ def _update_tail_kernel(
         tl.store(applied_ptr + at * s_app, done + valid.to(tl.int64), mask=has)
 
 
+def _silu_mul_kernel(
+    a_ptr,  # [G, M, I] fp32, and u, s (out), p (out)
+    u_ptr,
+    s_ptr,
+    p_ptr,
+    M,
+    INTER,
+    s_ag,
+    s_am,
+    s_ai,
+    s_ug,
+    s_um,
+    s_ui,
+    s_sg,
+    s_sm,
+    s_si,
+    s_pg,
+    s_pm,
+    s_pi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    # One [BLOCK_M, BLOCK_I] tile of one group: s = silu(a) = a / (1 + exp(-a)), p = s * u.
+    g = tl.program_id(1).to(tl.int64)
+    tiles_i = (INTER + BLOCK_I - 1) // BLOCK_I
+    offs_m = (tl.program_id(0) // tiles_i) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = (tl.program_id(0) % tiles_i) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_m < M)[:, None] & (offs_i < INTER)[None, :]
+    rows, cols = offs_m[:, None], offs_i[None, :]
+    a = tl.load(a_ptr + g * s_ag + rows * s_am + cols * s_ai, mask=mask, other=0.0)
+    u = tl.load(u_ptr + g * s_ug + rows * s_um + cols * s_ui, mask=mask, other=0.0)
+    s = tl.div_rn(a, 1.0 + tl.exp(-a))
+    tl.store(s_ptr + g * s_sg + rows * s_sm + cols * s_si, s, mask=mask)
+    tl.store(p_ptr + g * s_pg + rows * s_pm + cols * s_pi, s * u, mask=mask)
+
+
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
     return SimpleNamespace(
@@ -537,6 +573,7 @@ def jit_kernels() -> SimpleNamespace:
         loss_dy=triton.jit(_loss_dy_kernel),
         block_backward=triton.jit(_block_backward_kernel),
         update_tail=triton.jit(_update_tail_kernel),
+        silu_mul=triton.jit(_silu_mul_kernel),
     )
 
 
@@ -894,5 +931,33 @@ def update_tail_launch(
 def update_tail(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
     """Run the update tail kernel (arguments as :func:`update_tail_launch`)."""
     launch = update_tail_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def silu_mul_launch(
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_i: int = 128,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
+    :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
+    groups, rows, inter = a.shape
+    if groups == 0 or rows == 0 or inter == 0:
+        return None
+    args = (a, u, s, p, rows, inter, *a.stride(), *u.stride(), *s.stride(), *p.stride())
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(inter, block_i)
+    consts = dict(BLOCK_M=block_m, BLOCK_I=block_i)
+    return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
+
+
+def silu_mul(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the SwiGLU activation kernel (arguments as :func:`silu_mul_launch`)."""
+    launch = silu_mul_launch(*args, **kwargs)
     if launch is not None:
         launch.run(kernels)
