@@ -266,6 +266,18 @@ def test_kernels_compile_for_sm90_without_spills(rows):
             vec.bool(), vec, vec, 0.5, 1e-6,
         ),
     )  # fmt: skip
+    # Gate and up at once: their product from one x, the gradient carried back through both
+    # (summed, with the addend, split-K 2), and their Adam step (bf16 moments).
+    pair = torch.zeros(2, 2 * i * h)[:, : 2 * i * h].view(2, 2, i, h)
+    dz = torch.zeros(g, 2, rows, i)
+    launches += (
+        ti.slot_matmul_launch(hid, pair, slots, torch.zeros(g, 2, rows, i), True, "ieee", 1),
+        ti.slot_matmul_launch(dz, pair, slots, hid.clone(), False, "ieee", 2, hid),
+        ti.grad_adam_launch(
+            dz, hid, vec, slots, vec.bool(), torch.ones(2), pair, pair.bfloat16(),
+            pair.bfloat16(), 1e-3, 0.9, 0.999, 1e-8,
+        ),
+    )  # fmt: skip
     for launch in launches:
         ptx, usage = _compile_sm90(launch)
         assert "STACK:0" in usage or usage == "", f"{launch.kernel} spills: {usage}"
@@ -324,6 +336,9 @@ def test_slot_matmul_pair_bad_input_names_the_argument():
         kernels.slot_matmul(torch.zeros(2, 3, 4, 8), w, slots, torch.zeros(2, 4, 5))
     with pytest.raises(ValueError, match=r"out must be \[2, 4, 5\] or \[2, 2, 4, 5\] fp32"):
         kernels.slot_matmul(torch.zeros(2, 4, 8), w, slots, torch.zeros(2, 3, 4, 5))
+    out3 = torch.zeros(2, 4, 5)
+    with pytest.raises(ValueError, match="add must not be out"):
+        kernels.slot_matmul(torch.zeros(2, 2, 4, 8), w, slots, out3, add=out3)
     with pytest.raises(ValueError, match=r"add needs out \[2, 4, 5\]"):
         out = torch.zeros(2, 2, 4, 5)
         kernels.slot_matmul(torch.zeros(2, 4, 8), w, slots, out, add=torch.zeros(2, 4, 5))

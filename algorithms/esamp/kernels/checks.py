@@ -135,6 +135,9 @@ def check_slot_matmul(
         raise ValueError(f"add must be [{g}, {rows}, {n}] fp32 (the summed out), got {_shape(add)}")
     if add is not None and out.dim() != 3:
         raise ValueError(f"add needs out [{g}, {rows}, {n}] (summed over E), got {_shape(out)}")
+    # Split-K zeroes out before adding into it: an addend in the same memory would be lost.
+    if add is not None and not out.is_meta and add.data_ptr() == out.data_ptr():
+        raise ValueError("add must not be out (out is zeroed before the sum with split_k > 1)")
     _group_vector("group_slot", group_slot, g)
     if group_slot.dtype not in _SLOT_DTYPES:
         raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
