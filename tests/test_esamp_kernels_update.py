@@ -92,8 +92,10 @@ def test_loss_dy_equals_the_masked_squared_error(impl, reduction):
     mask = _mask()
     tp[2, 5] = float("nan")  # an unmarked row: ignored whatever it holds
     h[4, 0, 3] = float("inf")  # a marked one: that group's loss is not finite
-    losses, dy = torch.full((G,), 7.0), torch.full((G, M, H), 7.0)
-    impl.loss_dy(h, tp, mask, losses, dy, reduction=reduction)
+    # Three parts: the interpreter splits H = 37 over three programs (13, 13, 11 columns).
+    parts, dy = torch.full((G, 3), 7.0), torch.full((G, M, H), 7.0)
+    impl.loss_dy(h, tp, mask, parts, dy, reduction=reduction)
+    losses = parts.sum(1)
     for g, n in enumerate(COUNTS):
         diff = (h[g, :n] - tp[g, :n]).double()
         denom = max(n * (H if reduction == "mean" else 1), 1)
@@ -168,18 +170,21 @@ def test_update_tail_counts_and_clips_each_group(impl, grad_clip):
     gen = torch.Generator().manual_seed(2)
     parts = torch.rand(g_n, 3, generator=gen) * 2
     parts[3, 1] = float("nan")
-    losses = torch.rand(g_n, generator=gen)
-    losses[0] = float("inf")
+    loss_parts = torch.rand(g_n, 2, generator=gen)
+    loss_parts[0, 1] = float("inf")
     parts[4] = torch.tensor([1e-4, 0.0, 0.0])  # norm 0.01: not clipped
     mask = _mask(M, counts)
     step = torch.tensor([4.0, 1.0, 9.0, 2.0, 6.0, 3.0, 5.0])
     applied = torch.tensor([10, 20, 30, 40, 50, 60, 70])
     ok, scale, norm = torch.ones(g_n, dtype=torch.bool), torch.zeros(g_n), torch.zeros(g_n)
+    losses = torch.zeros(g_n)
     step0, applied0 = step.clone(), applied.clone()
-    args = (losses, parts, torch.tensor(slots), mask, step)
-    impl.update_tail(*args, applied, ok, scale, norm, grad_clip=grad_clip, clip_eps=1e-6)
+    args = (loss_parts, parts, torch.tensor(slots), mask, step)
+    out = (losses, ok, scale, norm)
+    impl.update_tail(*args, applied, *out, grad_clip=grad_clip, clip_eps=1e-6)
     want_norm = parts.double().sum(1).sqrt()
     torch.testing.assert_close(norm.double(), want_norm, rtol=1e-6, atol=0, equal_nan=True)
+    torch.testing.assert_close(losses, loss_parts.sum(1), rtol=1e-6, atol=0)
     assert ok.tolist() == [False, False, True, False, True, False]
     for g, slot in enumerate(slots):
         if slot >= 0:
@@ -194,7 +199,7 @@ def test_update_tail_counts_and_clips_each_group(impl, grad_clip):
         torch.testing.assert_close(scale[g].item(), want, rtol=1e-6, atol=0)
     assert grad_clip is None or scale[2] < 1 == scale[4]  # one clipped, one not
     # Without the applied counts.
-    impl.update_tail(*args, None, ok, scale, norm, grad_clip=grad_clip, clip_eps=1e-6)
+    impl.update_tail(*args, None, *out, grad_clip=grad_clip, clip_eps=1e-6)
     assert step[1] == step0[1] + 2 and applied[1] == applied0[1] + 1
 
 
@@ -202,9 +207,11 @@ def test_bad_input_names_the_argument():
     h = torch.zeros(2, 3, 4)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"mask must be \[2, 3\] bool, got \[2, 3\] float32"):
-        kernels.loss_dy(h, h, mask.float(), torch.zeros(2), h.clone())
+        kernels.loss_dy(h, h, mask.float(), torch.zeros(2, 1), h.clone())
     with pytest.raises(ValueError, match="loss reduction must be 'mean' or 'sum', got 'max'"):
-        kernels.loss_dy(h, h, mask, torch.zeros(2), h.clone(), reduction="max")
+        kernels.loss_dy(h, h, mask, torch.zeros(2, 1), h.clone(), reduction="max")
+    with pytest.raises(ValueError, match=r"parts must be \[2, L >= 1\] fp32"):
+        kernels.loss_dy(h, h, mask, torch.zeros(2), h.clone())
     x = torch.zeros(2, 70, 5)
     hh = torch.zeros(2, 70, 4)
     with pytest.raises(ValueError, match=r"parts must have >= 9 columns for 70 rows"):
@@ -212,31 +219,37 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match=r"dy must be \[2, 70, 4\] fp32"):
         kernels.block_backward(x, x, x, x, x, hh, x, x.clone(), x.clone(), torch.zeros(2, 9))
     vec = torch.zeros(2)
+    col, slots = torch.zeros(2, 1), torch.zeros(2, dtype=torch.long)
     with pytest.raises(ValueError, match=r"ok must be \[2\] bool"):
         kernels.update_tail(
-            vec, torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), mask, torch.zeros(3),
-            None, vec, vec, vec, grad_clip=1.0, clip_eps=0.0,
+            col, col, slots, mask, torch.zeros(3), None, vec, vec, vec, vec,
+            grad_clip=1.0, clip_eps=0.0,
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"applied must be \[3\] int64"):
         kernels.update_tail(
-            vec, torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), mask, torch.zeros(3),
-            torch.zeros(3), vec.bool(), vec, vec, grad_clip=1.0, clip_eps=0.0,
+            col, col, slots, mask, torch.zeros(3), torch.zeros(3), vec, vec.bool(), vec, vec,
+            grad_clip=1.0, clip_eps=0.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"loss_parts must be \[2, K\] fp32"):
+        kernels.update_tail(
+            vec, col, slots, mask, torch.zeros(3), None, vec, vec.bool(), vec, vec,
+            grad_clip=1.0, clip_eps=0.0,
         )  # fmt: skip
 
 
 def test_meta_tensors_run_the_fake_impls_and_state_their_bytes():
     meta = functools.partial(torch.zeros, device="meta")
     h, mask = meta(2, 3, 8), torch.zeros(2, 3, dtype=torch.bool, device="meta")
-    kernels.loss_dy(h, h, mask, meta(2), h)
+    kernels.loss_dy(h, h, mask, meta(2, 1), h)
     x = meta(2, 3, 5)
     kernels.block_backward(x, x, x, x, x, h, h, x, x, meta(2, 1))
     ok = torch.zeros(2, dtype=torch.bool, device="meta")
     slots = torch.zeros(2, dtype=torch.long, device="meta")
     kernels.update_tail(
-        meta(2), meta(2, 1), slots, mask, meta(4), None, ok, meta(2), meta(2),
+        meta(2, 1), meta(2, 1), slots, mask, meta(4), None, meta(2), ok, meta(2), meta(2),
         grad_clip=None, clip_eps=1e-6,
     )  # fmt: skip
-    assert kernels.loss_dy_bytes(2, 3, 8) == 3 * 2 * 3 * 8 * 4 + 6 + 8
+    assert kernels.loss_dy_bytes(2, 3, 8) == 3 * 2 * 3 * 8 * 4 + 2 * (3 + 4)
     stated = torch.ops.tllm_esamp.block_backward.default.tllm_bytes
     assert stated(x, x, x, x, x, h, h, x, x, meta(2, 1)) == kernels.block_backward_bytes(
         2, 3, 5, 8, 1
@@ -259,11 +272,11 @@ def test_kernels_compile_for_sm90_without_spills(rows):
     vec, slots = torch.zeros(g), torch.zeros(g, dtype=torch.long)
     launches = (
         ti.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
-        ti.loss_dy_launch(hid, hid, mask, vec, hid.clone(), "mean"),
+        ti.loss_dy_launch(hid, hid, mask, torch.zeros(g, 2), hid.clone(), "mean"),
         ti.silu_mul_launch(dp, dp, dp.clone(), dp.clone()),
         ti.update_tail_launch(
-            vec, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
-            vec.bool(), vec, vec, 0.5, 1e-6,
+            parts, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
+            vec, vec.bool(), vec, vec, 0.5, 1e-6,
         ),
     )  # fmt: skip
     # Gate and up at once: their product from one x, the gradient carried back through both

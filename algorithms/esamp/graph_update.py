@@ -72,15 +72,15 @@ def train_groups(
             forward = forward_slots(theta, shape, xp, slot_mm)
         h, acts = forward
         # Allocated here: the graph's pool on CUDA (nothing per replay).
-        g_n, rows, _ = xp.shape
-        losses = xp.new_empty(g_n)
+        g_n, rows, hidden = xp.shape
+        loss_parts = xp.new_empty(g_n, loss_parts_for(hidden))
         dy = torch.empty_like(h)
-        kernels.loss_dy(h, tp, mask, losses, dy, reduction=hp.loss_reduction)
+        kernels.loss_dy(h, tp, mask, loss_parts, dy, reduction=hp.loss_reduction)
         factors, parts = fused_backward(theta, shape, acts, dy, slot_mm, precision)
         ok = torch.empty(g_n, dtype=torch.bool, device=xp.device)
-        scale, norm = xp.new_empty(g_n), xp.new_empty(g_n)
+        losses, scale, norm = (xp.new_empty(g_n) for _ in range(3))
         kernels.update_tail(
-            losses, parts, gs, mask, step, applied, ok, scale, norm,
+            loss_parts, parts, gs, mask, step, applied, losses, ok, scale, norm,
             grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
         )  # fmt: skip
         wv = [block_weights(t, shape) for t in (theta, m, v)]
@@ -94,6 +94,16 @@ def train_groups(
             st = adam_stats(mo, vo, step[idx], norm, hp)
             stats.copy_(torch.where(ok[:, None], st, float("nan")))
     return losses, ok
+
+
+# Hidden columns per program of the loss kernel (a group's loss in that many parts), so
+# that a few long groups still spread over the GPU.
+LOSS_CHUNK = 256
+
+
+def loss_parts_for(hidden: int) -> int:
+    """Columns of the loss parts for groups of hidden size ``hidden``."""
+    return max(1, -(-hidden // LOSS_CHUNK))
 
 
 def _mm(

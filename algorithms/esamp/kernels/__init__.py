@@ -160,19 +160,21 @@ def loss_dy(
     h: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
-    losses: torch.Tensor,
+    parts: torch.Tensor,
     dy: torch.Tensor,
     *,
     reduction: str = "mean",
 ) -> None:
-    """Each group's loss and its gradient with respect to ``h``, in one pass.
+    """Each group's loss (in parts) and its gradient with respect to ``h``, in one pass.
 
     ``h``, ``tp``, ``dy`` ``[G, M, H]`` fp32, ``mask [G, M]`` bool (the group's rows),
-    ``losses [G]`` fp32. With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h``
-    and ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
-    (:func:`algorithms.esamp.objective.loss_denominator`): ``losses[g] = sum(diff[g]^2) /
-    denom``, ``dy[g] = diff[g] * (2 / denom)``."""
-    torch.ops.tllm_esamp.loss_dy(h, tp, mask, losses, dy, reduction)
+    ``parts [G, L]`` fp32 (``L >= 1``: on CUDA each group's hidden columns are split over
+    ``L`` programs). With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h`` and
+    ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
+    (:func:`algorithms.esamp.objective.loss_denominator`): ``parts[g]`` sums to
+    ``sum(diff[g]^2) / denom`` (how it is spread over the columns is the implementation's;
+    :func:`update_tail` sums it), ``dy[g] = diff[g] * (2 / denom)``."""
+    torch.ops.tllm_esamp.loss_dy(h, tp, mask, parts, dy, reduction)
 
 
 def block_backward(
@@ -204,12 +206,13 @@ def block_backward(
 
 
 def update_tail(
-    losses: torch.Tensor,
+    loss_parts: torch.Tensor,
     parts: torch.Tensor,
     group_slot: torch.Tensor,
     mask: torch.Tensor,
     step: torch.Tensor,
     applied: torch.Tensor | None,
+    losses: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
     norm: torch.Tensor,
@@ -217,21 +220,24 @@ def update_tail(
     grad_clip: float | None,
     clip_eps: float,
 ) -> None:
-    """Per group, after the backward: ``norm[g] = sqrt(sum(parts[g]))``; ``valid`` = the
-    group has a slot (``group_slot >= 0``) and rows (``mask``); ``ok[g]`` = valid with a
-    finite loss and norm; ``scale[g] = min(1, grad_clip / (norm + clip_eps))`` (1 with
-    ``grad_clip`` None); ``step[s] += ok`` and ``applied[s] += valid`` (``applied``
-    optional) at ``s = group_slot[g]``.
+    """Per group, after the backward: ``losses[g] = sum(loss_parts[g])`` (:func:`loss_dy`'s),
+    ``norm[g] = sqrt(sum(parts[g]))`` (:func:`block_backward`'s); ``valid`` = the group has
+    a slot (``group_slot >= 0``) and rows (``mask``); ``ok[g]`` = valid with a finite loss
+    and norm; ``scale[g] = min(1, grad_clip / (norm + clip_eps))`` (1 with ``grad_clip``
+    None); ``step[s] += ok`` and ``applied[s] += valid`` (``applied`` optional) at ``s =
+    group_slot[g]``.
 
-    ``losses [G]``, ``parts [G, K]``, ``scale``/``norm [G]`` fp32, ``group_slot [G]``
-    int32/int64, ``mask [G, M]`` bool, ``ok [G]`` bool, ``step [S]`` fp32, ``applied [S]``
-    int64. A slot may appear in at most one group (two would race on the GPU)."""
+    ``loss_parts [G, L]``, ``parts [G, K]``, ``losses``/``scale``/``norm [G]`` fp32,
+    ``group_slot [G]`` int32/int64, ``mask [G, M]`` bool, ``ok [G]`` bool, ``step [S]``
+    fp32, ``applied [S]`` int64. A slot may appear in at most one group (two would race on
+    the GPU)."""
     clip = -1.0 if grad_clip is None else float(grad_clip)
     if grad_clip is not None and not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip}")
     torch.ops.tllm_esamp.update_tail(
-        losses, parts, group_slot, mask, step, applied, ok, scale, norm, clip, clip_eps
-    )
+        loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, clip,
+        clip_eps,
+    )  # fmt: skip
 
 
 def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:

@@ -206,18 +206,24 @@ def check_loss_dy(
     h: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
-    losses: torch.Tensor,
+    parts: torch.Tensor,
     dy: torch.Tensor,
     reduction: str,
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
-    _same_device(h=h, tp=tp, mask=mask, losses=losses, dy=dy)
+    _same_device(h=h, tp=tp, mask=mask, parts=parts, dy=dy)
     if not (h.dim() == 3 and h.dtype == torch.float32):
         raise ValueError(f"h must be [G, M, H] fp32, got {_shape(h)}")
     g, rows, _ = h.shape
     _fp32("tp", tp, tuple(h.shape), "h's shape")
     _fp32("dy", dy, tuple(h.shape), "h's shape")
-    _fp32("losses", losses, (g,), "one per group")
+    if not (
+        parts.dim() == 2
+        and parts.shape[0] == g
+        and parts.shape[1] >= 1
+        and parts.dtype == torch.float32
+    ):
+        raise ValueError(f"parts must be [{g}, L >= 1] fp32 (the loss parts), got {_shape(parts)}")
     _row_mask(mask, g, rows)
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -257,12 +263,13 @@ def check_block_backward(
 
 
 def check_update_tail(
-    losses: torch.Tensor,
+    loss_parts: torch.Tensor,
     parts: torch.Tensor,
     group_slot: torch.Tensor,
     mask: torch.Tensor,
     step: torch.Tensor,
     applied: torch.Tensor | None,
+    losses: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
     norm: torch.Tensor,
@@ -270,21 +277,20 @@ def check_update_tail(
     clip_eps: float,
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
-    tensors = dict(losses=losses, parts=parts, group_slot=group_slot, mask=mask, step=step)
-    tensors.update(ok=ok, scale=scale, norm=norm)
+    tensors = dict(loss_parts=loss_parts, parts=parts, group_slot=group_slot, mask=mask)
+    tensors.update(step=step, losses=losses, ok=ok, scale=scale, norm=norm)
     if applied is not None:
         tensors["applied"] = applied
     _same_device(**tensors)
-    if not (losses.dim() == 1 and losses.dtype == torch.float32):
-        raise ValueError(f"losses must be [G] fp32, got {_shape(losses)}")
-    g = losses.shape[0]
-    if not (parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32):
-        raise ValueError(f"parts must be [{g}, K] fp32, got {_shape(parts)}")
+    if not (mask.dim() == 2 and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [G, M] bool, got {_shape(mask)}")
+    g = mask.shape[0]
+    for name, t in (("loss_parts", loss_parts), ("parts", parts)):
+        if not (t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32):
+            raise ValueError(f"{name} must be [{g}, K] fp32, got {_shape(t)}")
     _group_vector("group_slot", group_slot, g)
     if group_slot.dtype not in _SLOT_DTYPES:
         raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
-    if not (mask.dim() == 2 and mask.shape[0] == g and mask.dtype == torch.bool):
-        raise ValueError(f"mask must be [{g}, M] bool, got {_shape(mask)}")
     if not (step.dim() == 1 and step.dtype == torch.float32):
         raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
     if applied is not None and not (
@@ -295,6 +301,7 @@ def check_update_tail(
         )
     if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
         raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
+    _fp32("losses", losses, (g,), "one per group")
     _fp32("scale", scale, (g,), "one per group")
     _fp32("norm", norm, (g,), "one per group")
     if not clip_eps >= 0:

@@ -53,7 +53,7 @@ _LIB.define(
     "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
 )
 _LIB.define(
-    "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) losses, Tensor(b!) dy, "
+    "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) parts, Tensor(b!) dy, "
     "str reduction) -> ()"
 )
 _LIB.define(
@@ -62,9 +62,9 @@ _LIB.define(
     "str input_precision='ieee') -> ()"
 )
 _LIB.define(
-    "update_tail(Tensor losses, Tensor parts, Tensor group_slot, Tensor mask, "
-    "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) ok, Tensor(d!) scale, Tensor(e!) norm, "
-    "float grad_clip, float clip_eps) -> ()"
+    "update_tail(Tensor loss_parts, Tensor parts, Tensor group_slot, Tensor mask, "
+    "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) losses, Tensor(d!) ok, "
+    "Tensor(e!) scale, Tensor(f!) norm, float grad_clip, float clip_eps) -> ()"
 )
 _LIB.define("silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()")
 
@@ -146,20 +146,20 @@ def _candidate_dot_cuda(weight, f, rows, tokens, out) -> None:
     triton_impl.candidate_dot(weight, f, rows, tokens, out)
 
 
-def _loss_dy_reference(h, tp, mask, losses, dy, reduction) -> None:
-    check_loss_dy(h, tp, mask, losses, dy, reduction)
+def _loss_dy_reference(h, tp, mask, parts, dy, reduction) -> None:
+    check_loss_dy(h, tp, mask, parts, dy, reduction)
     per_row = float(h.shape[2]) if reduction == "mean" else 1.0
-    reference.loss_dy(h, tp, mask, losses, dy, per_row)
+    reference.loss_dy(h, tp, mask, parts, dy, per_row)
 
 
-def _loss_dy_cuda(h, tp, mask, losses, dy, reduction) -> None:
+def _loss_dy_cuda(h, tp, mask, parts, dy, reduction) -> None:
     if not triton_available():
         _warn_no_triton()
-        return _loss_dy_reference(h, tp, mask, losses, dy, reduction)
+        return _loss_dy_reference(h, tp, mask, parts, dy, reduction)
     from algorithms.esamp.kernels import triton_impl
 
-    check_loss_dy(h, tp, mask, losses, dy, reduction)
-    triton_impl.loss_dy(h, tp, mask, losses, dy, reduction)
+    check_loss_dy(h, tp, mask, parts, dy, reduction)
+    triton_impl.loss_dy(h, tp, mask, parts, dy, reduction)
 
 
 def _block_backward_reference(
@@ -254,8 +254,8 @@ def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int
     return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
 
 
-def _loss_dy_traffic(h, *args, **kwargs) -> int:
-    return loss_dy_bytes(*h.shape)
+def _loss_dy_traffic(h, tp, mask, parts, *args, **kwargs) -> int:
+    return loss_dy_bytes(*h.shape, parts.shape[1])
 
 
 def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kwargs) -> int:
@@ -263,9 +263,12 @@ def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kw
     return block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
 
 
-def _update_tail_traffic(losses, parts, group_slot, mask, step, applied, *args, **kwargs) -> int:
+def _update_tail_traffic(
+    loss_parts, parts, group_slot, mask, step, applied, *args, **kwargs
+) -> int:
     groups, rows = mask.shape
-    return update_tail_bytes(groups, rows, parts.shape[1], applied is not None)
+    cols = loss_parts.shape[1] + parts.shape[1]
+    return update_tail_bytes(groups, rows, cols, applied is not None)
 
 
 for _name, _traffic in (

@@ -116,16 +116,18 @@ def loss_dy(
     h: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
-    losses: torch.Tensor,
+    parts: torch.Tensor,
     dy: torch.Tensor,
     per_row: float,
 ) -> None:
-    """Each group's loss ``sum(diff^2) / denom`` and its gradient ``dy = diff * 2 / denom``
-    with ``diff = h - tp`` on the rows ``mask`` marks (0 elsewhere) and ``denom =
-    max(rows * per_row, 1)`` (:func:`algorithms.esamp.objective.loss_denominator`)."""
+    """Each group's loss ``sum(diff^2) / denom`` (into ``parts[:, 0]``, the other columns 0)
+    and its gradient ``dy = diff * 2 / denom`` with ``diff = h - tp`` on the rows ``mask``
+    marks (0 elsewhere) and ``denom = max(rows * per_row, 1)``
+    (:func:`algorithms.esamp.objective.loss_denominator`)."""
     diff = torch.where(mask[..., None], h - tp, 0.0)
     denom = (mask.sum(1).to(torch.float32) * per_row).clamp_min(1.0)
-    losses.copy_(diff.square().sum((1, 2)) / denom)
+    parts.zero_()
+    parts[:, 0] = diff.square().sum((1, 2)) / denom
     torch.mul(diff, (2.0 / denom)[:, None, None], out=dy)
 
 
@@ -157,22 +159,24 @@ def block_backward(
 
 
 def update_tail(
-    losses: torch.Tensor,
+    loss_parts: torch.Tensor,
     parts: torch.Tensor,
     group_slot: torch.Tensor,
     mask: torch.Tensor,
     step: torch.Tensor,
     applied: torch.Tensor | None,
+    losses: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
     norm: torch.Tensor,
     grad_clip: float,
     clip_eps: float,
 ) -> None:
-    """Per group: ``norm = sqrt(sum(parts))``; ``valid`` = has a slot and rows; ``ok`` =
-    valid with a finite loss and norm; ``scale`` = ``clip_grad_norm_``'s coefficient
-    ``min(1, grad_clip / (norm + clip_eps))`` (1 where ``grad_clip < 0``: no clipping);
-    ``step[slot] += ok``, ``applied[slot] += valid``."""
+    """Per group: ``losses = sum(loss_parts)``, ``norm = sqrt(sum(parts))``; ``valid`` = has
+    a slot and rows; ``ok`` = valid with a finite loss and norm; ``scale`` =
+    ``clip_grad_norm_``'s coefficient ``min(1, grad_clip / (norm + clip_eps))`` (1 where
+    ``grad_clip < 0``: no clipping); ``step[slot] += ok``, ``applied[slot] += valid``."""
+    torch.sum(loss_parts, 1, out=losses)
     torch.sqrt(parts.sum(1), out=norm)
     valid = (group_slot >= 0) & mask.any(1)
     # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).

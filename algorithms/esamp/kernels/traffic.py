@@ -60,10 +60,11 @@ def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> i
     return n * h * weight_bytes + n * (8 + 8 + FP32) + f_rows * h * FP32
 
 
-def loss_dy_bytes(groups: int, rows: int, hidden: int) -> int:
+def loss_dy_bytes(groups: int, rows: int, hidden: int, parts: int = 1) -> int:
     """``loss_dy``: ``h`` and ``tp`` read, ``dy`` written (``[groups, rows, hidden]`` fp32
-    each), the mask read and one loss per group written."""
-    return 3 * groups * rows * hidden * FP32 + groups * rows + groups * FP32
+    each), the mask read (by each of a group's ``parts`` programs) and the loss parts
+    written."""
+    return 3 * groups * rows * hidden * FP32 + groups * parts * (rows + FP32)
 
 
 def block_backward_bytes(groups: int, rows: int, inter: int, hidden: int, parts: int) -> int:
@@ -75,9 +76,10 @@ def block_backward_bytes(groups: int, rows: int, inter: int, hidden: int, parts:
 
 
 def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
-    """``update_tail``: per group its loss, norm parts, slot, mask row read; ok, scale and
-    norm written; its slot's step (and ``applied`` count) read and written."""
-    per_group = FP32 * (1 + parts) + 8 + rows + 1 + 2 * FP32 + 2 * FP32 + (16 if applied else 0)
+    """``update_tail``: per group its ``parts`` loss and norm parts, slot and mask row read;
+    loss, ok, scale and norm written; its slot's step (and ``applied`` count) read and
+    written."""
+    per_group = FP32 * parts + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + (16 if applied else 0)
     return groups * per_group
 
 

@@ -255,10 +255,11 @@ def _loss_dy_kernel(
     h_ptr,  # [G, M, H] fp32
     t_ptr,  # [G, M, H] fp32
     mask_ptr,  # [G, M] bool as uint8
-    loss_ptr,  # [G] fp32
+    parts_ptr,  # [G, L] fp32: the loss's share of each program
     dy_ptr,  # [G, M, H] fp32
     M,
     H,
+    CHUNK,  # hidden columns per program
     s_hg,
     s_hm,
     s_hh,
@@ -270,14 +271,17 @@ def _loss_dy_kernel(
     s_dg,
     s_dm,
     s_dh,
-    s_l,
+    s_pg,
+    s_pl,
     per_row,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    # One group: its row count (the denominator), then diff = h - t on its rows, summed
-    # squared into the loss and scaled into dy (0 on the rows not marked).
-    g = tl.program_id(0).to(tl.int64)
+    # Columns [l * CHUNK, (l + 1) * CHUNK) of one group: its row count (the denominator),
+    # then diff = h - t on its rows, summed squared into the loss part and scaled into dy
+    # (0 on the rows not marked).
+    part = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
     cnt = tl.full((BLOCK_M,), 0.0, tl.float32)
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -285,14 +289,16 @@ def _loss_dy_kernel(
         cnt += (live != 0).to(tl.float32)
     denom = tl.maximum(tl.reduce(cnt, 0, tl.standard._sum_combine) * per_row, 1.0)
     coef = 2.0 / denom
+    h_lo = part * CHUNK
+    h_hi = tl.minimum(h_lo + CHUNK, H)
     acc = tl.full((BLOCK_M, BLOCK_H), 0.0, tl.float32)
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < M
         live = tl.load(mask_ptr + g * s_mg + offs_m * s_mm, mask=in_m, other=0) != 0
-        for h0 in range(0, H, BLOCK_H):
+        for h0 in range(h_lo, h_hi, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
-            inside = in_m[:, None] & (offs_h < H)[None, :]
+            inside = in_m[:, None] & (offs_h < h_hi)[None, :]
             use = inside & live[:, None]
             hv = tl.load(
                 h_ptr + g * s_hg + offs_m[:, None] * s_hm + offs_h[None, :] * s_hh,
@@ -309,7 +315,7 @@ def _loss_dy_kernel(
             d_ptrs = dy_ptr + g * s_dg + offs_m[:, None] * s_dm + offs_h[None, :] * s_dh
             tl.store(d_ptrs, diff * coef, mask=inside)
     total = tl.reduce(tl.reduce(acc, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-    tl.store(loss_ptr + g * s_l, total / denom)
+    tl.store(parts_ptr + g * s_pg + part * s_pl, total / denom)
 
 
 def _block_backward_kernel(
@@ -458,8 +464,8 @@ def _block_backward_kernel(
 
 
 def _update_tail_kernel(
-    loss_ptr,  # [G] fp32
-    parts_ptr,  # [G, K] fp32
+    lparts_ptr,  # [G, L] fp32: loss parts
+    parts_ptr,  # [G, K] fp32: squared-norm parts
     slot_ptr,  # [G] int
     mask_ptr,  # [G, M] bool as uint8
     step_ptr,  # [S] fp32 (in/out)
@@ -467,10 +473,13 @@ def _update_tail_kernel(
     ok_ptr,  # [G] bool as uint8 (out)
     scale_ptr,  # [G] fp32 (out)
     norm_ptr,  # [G] fp32 (out)
+    loss_ptr,  # [G] fp32 (out)
     G,
+    L,
     K,
     M,
-    s_l,
+    s_lg,
+    s_ll,
     s_pg,
     s_pk,
     s_slot,
@@ -481,6 +490,7 @@ def _update_tail_kernel(
     s_ok,
     s_scale,
     s_norm,
+    s_loss,
     grad_clip,
     clip_eps,
     BLOCK_G: tl.constexpr,
@@ -506,7 +516,10 @@ def _update_tail_kernel(
         cnt += (live != 0).to(tl.int32)
     rows = tl.reduce(cnt, 1, tl.standard._sum_combine)
     slot = tl.load(slot_ptr + offs_g * s_slot, mask=in_g, other=-1).to(tl.int64)
-    loss = tl.load(loss_ptr + offs_g * s_l, mask=in_g, other=0.0)
+    loss = tl.full((BLOCK_G,), 0.0, tl.float32)
+    for j in range(0, L):
+        loss += tl.load(lparts_ptr + offs_g * s_lg + j * s_ll, mask=in_g, other=0.0)
+    tl.store(loss_ptr + offs_g * s_loss, loss, mask=in_g)
     valid = (slot >= 0) & (rows > 0)
     # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).
     ok = valid & (loss * 0.0 + norm * 0.0 == 0.0)
@@ -805,28 +818,30 @@ def loss_dy_launch(
     h: torch.Tensor,
     tp: torch.Tensor,
     mask: torch.Tensor,
-    losses: torch.Tensor,
+    parts: torch.Tensor,
     dy: torch.Tensor,
     reduction: str,
     *,
-    block_h: int = 256,
-    num_warps: int = 8,
+    block_h: int = 128,
+    num_warps: int = 4,
 ) -> Launch | None:
-    """The loss + dy kernel's launch, one program per group (None: no groups). Arguments as
+    """The loss + dy kernel's launch: per group one program per column of ``parts``, each
+    over an equal share of the hidden columns (None: no groups). Arguments as
     :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
     groups, rows, hidden = h.shape
     if groups == 0:
         return None
     per_row = float(hidden) if reduction == "mean" else 1.0
     block_m = min(16, triton.next_power_of_2(max(rows, 1)))
+    chunk = triton.cdiv(hidden, parts.shape[1])
     args = (
-        h, tp, _bool_bytes(mask), losses, dy,
-        rows, hidden,
-        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), losses.stride(0),
+        h, tp, _bool_bytes(mask), parts, dy,
+        rows, hidden, chunk,
+        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), *parts.stride(),
         per_row,
     )  # fmt: skip
     consts = dict(BLOCK_M=block_m, BLOCK_H=block_h)
-    return Launch("loss_dy", (groups,), args, consts, num_warps)
+    return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
 
 
 def loss_dy(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
@@ -890,12 +905,13 @@ def block_backward(*args: Any, kernels: SimpleNamespace | None = None, **kwargs:
 
 
 def update_tail_launch(
-    losses: torch.Tensor,
+    loss_parts: torch.Tensor,
     parts: torch.Tensor,
     group_slot: torch.Tensor,
     mask: torch.Tensor,
     step: torch.Tensor,
     applied: torch.Tensor | None,
+    losses: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
     norm: torch.Tensor,
@@ -913,10 +929,12 @@ def update_tail_launch(
     has_applied = applied is not None
     app = applied if has_applied else step  # a placeholder pointer, never read
     args = (
-        losses, parts, group_slot, _bool_bytes(mask), step, app, _bool_bytes(ok), scale, norm,
-        groups, parts.shape[1], rows,
-        losses.stride(0), *parts.stride(), group_slot.stride(0), *mask.stride(),
+        loss_parts, parts, group_slot, _bool_bytes(mask), step, app, _bool_bytes(ok), scale,
+        norm, losses,
+        groups, loss_parts.shape[1], parts.shape[1], rows,
+        *loss_parts.stride(), *parts.stride(), group_slot.stride(0), *mask.stride(),
         step.stride(0), app.stride(0), ok.stride(0), scale.stride(0), norm.stride(0),
+        losses.stride(0),
         float(grad_clip), float(clip_eps),
     )  # fmt: skip
     consts = dict(
