@@ -413,3 +413,31 @@ def test_silu_mul_equals_silu_times_u(impl):
     assert sp[..., INTER:].eq(7).all()  # the padding columns untouched
     with pytest.raises(ValueError, match=r"p must be \[5, 7, 11\] fp32"):
         kernels.silu_mul(a, u, s, p[:, :3])
+
+
+def test_grad_adam_b_cycles_over_fewer_matrices(impl):
+    """Gate and up of two blocks in one call: ``w [S, 4, N, K]`` (gate 0, gate 1, up 0, up
+    1), ``b [G, 2, M, K]`` (each block's input): matrix ``e`` uses ``b[:, e % 2]``."""
+    gen = torch.Generator().manual_seed(9)
+    n, k, rows, mats = 6, 10, 5, 4
+    state = [torch.randn(4, 1 + mats * n * k, generator=gen).abs() for _ in range(3)]
+    twin = [t.clone() for t in state]
+
+    def quad(t):
+        return t[:, 1:].view(4, mats, n, k)
+
+    slots, ok = torch.tensor(GROUP_SLOT), torch.tensor([True, True, False, True, True])
+    step = torch.tensor([3.0, 1.0, 5.0, 2.0])
+    a = torch.randn(G, mats, rows, n, generator=gen)
+    b = torch.randn(G, 2, rows, k, generator=gen)
+    scale = torch.rand(G, generator=gen) + 0.1
+    hyper = (1e-3, 0.9, 0.999, 1e-8)
+    impl.grad_adam(a, b, scale, slots, ok, step, *(quad(t) for t in state), *hyper)
+    for e in range(mats):
+        views = [quad(t)[:, e] for t in twin]
+        _grad_adam_op(a[:, e], b[:, e % 2], scale, slots, ok, step, *views, *hyper)
+    for x, y in zip(state, twin, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"or \[5, E_b, 5, K\] with 4 % E_b == 0"):
+        _grad_adam_op(a, b[:, :1].expand(G, 3, rows, k), scale, slots, ok, step,
+                      *(quad(t) for t in state), *hyper)  # fmt: skip

@@ -98,7 +98,9 @@ def grad_adam(
     (fp32 or bf16: computed in fp32, stored rounded) as any strided views, e.g.
     ``theta[:, off:off + N * K].view(S, N, K)``. Several matrices of a slot in one launch:
     ``w``/``m``/``v`` ``[S, E, N, K]``, ``a [G, E, M, N]``, ``b [G, M, K]`` (shared by the
-    matrices, e.g. gate and up of a block) or ``[G, E, M, K]``. A slot may appear in at most one live group
+    matrices, e.g. gate and up of a block) or ``[G, E_b, M, K]`` with ``E`` a multiple of
+    ``E_b``: matrix ``e`` uses ``b[:, e % E_b]`` (gate and up of every block: ``E = 2 NB``,
+    ``b`` each block's input, ``E_b = NB``). A slot may appear in at most one live group
     (two would race on the GPU). ``input_precision``: the gradient product's, one of
     :data:`INPUT_PRECISIONS` (``"ieee"``: exact fp32; ``"tf32"`` is faster on tensor cores).
     """

@@ -60,9 +60,18 @@ def check_grad_adam(
     e = a.shape[1] if a.dim() == 4 else None  # E matrices of a slot at once
     g, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     b_ok = b.dim() == 3 and tuple(b.shape[:2]) == (g, rows)
-    b_ok = b_ok or (e is not None and b.dim() == 4 and tuple(b.shape[:3]) == (g, e, rows))
+    b_ok = b_ok or (
+        e is not None
+        and b.dim() == 4
+        and (b.shape[0], b.shape[2]) == (g, rows)
+        and b.shape[1] >= 1
+        and e % b.shape[1] == 0
+    )
     if not (b_ok and b.dtype == torch.float32):
-        raise ValueError(f"b must be [{g}, {rows}, K] fp32 (a is {_shape(a)}), got {_shape(b)}")
+        also = "" if e is None else f" or [{g}, E_b, {rows}, K] with {e} % E_b == 0"
+        raise ValueError(
+            f"b must be [{g}, {rows}, K]{also} fp32 (a is {_shape(a)}), got {_shape(b)}"
+        )
     k = b.shape[-1]
     mats = "" if e is None else f"{e}, "
     if not (w.dim() == (3 if e is None else 4) and w.dtype == torch.float32):

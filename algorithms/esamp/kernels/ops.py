@@ -233,9 +233,9 @@ for _name, _cpu, _cuda in (
 def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwargs) -> int:
     groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1
-    shared_b = b.dim() == 3
+    b_mats = b.shape[1] if b.dim() == 4 else 1
     return grad_adam_bytes(
-        groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, shared_b=shared_b
+        groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, b_matrices=b_mats
     )
 
 

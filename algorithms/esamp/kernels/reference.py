@@ -31,9 +31,9 @@ def grad_adam(
     the rest in fp32; moments rounded to their dtype when stored)."""
     if w.shape[0] == 0:
         return
-    if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or per matrix)
+    if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or cycling)
         for e in range(w.shape[1]):
-            b_e = b if b.dim() == 3 else b[:, e]
+            b_e = b if b.dim() == 3 else b[:, e % b.shape[1]]
             grad_adam(a[:, e], b_e, scale, group_slot, ok, step, w[:, e], m[:, e], v[:, e],
                       lr, beta1, beta2, eps)  # fmt: skip
         return

@@ -14,17 +14,18 @@ def grad_adam_bytes(
     param_bytes: int = FP32,
     matrices: int = 1,
     *,
-    shared_b: bool = True,
+    b_matrices: int = 1,
 ) -> int:
     """Bytes one ``grad_adam`` call moves for ``groups`` live groups of ``matrices`` ``[n,
     k]`` matrices with ``rows`` rows each: w, m, v read and written once per parameter, the
-    factors ``a [rows, n]`` (per matrix) and ``b [rows, k]`` (once where the matrices share
-    it) read once (tiles re-read them from L2, not DRAM), plus the per-group scalars. With
-    fp32 moments: 24 bytes per parameter and the factors' share (16 with bf16 moments)."""
+    factors ``a [rows, n]`` (per matrix) and the ``b_matrices`` ``b [rows, k]`` (matrices
+    sharing one read it once) read once (tiles re-read them from L2, not DRAM), plus the
+    per-group scalars. With fp32 moments: 24 bytes per parameter and the factors' share
+    (16 with bf16 moments)."""
     e = matrices
     params = groups * e * n * k
     state = params * 2 * (param_bytes + 2 * moment_bytes)
-    factors = groups * rows * (e * n + (1 if shared_b else e) * k) * FP32
+    factors = groups * rows * (e * n + b_matrices * k) * FP32
     scalars = groups * (FP32 + 8 + 1 + FP32)  # scale, slot, ok, step
     return state + factors + scalars
 

@@ -38,6 +38,7 @@ def _grad_adam_kernel(
     M,
     N,
     K,
+    E_B,  # b's matrices: matrix e uses b[:, e % E_B] (1: shared)
     s_ag,
     s_ae,
     s_am,
@@ -76,7 +77,7 @@ def _grad_adam_kernel(
     # registers, then Adam on it, reading and writing each element of w, m, v once.
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    e = tl.program_id(2)  # which matrix of the slot (s_be 0: b shared by every matrix)
+    e = tl.program_id(2)  # which matrix of the slot
     slot = tl.load(slot_ptr + g).to(tl.int64)
     ok = tl.load(ok_ptr + g)
     if (slot < 0) | (ok == 0):
@@ -87,7 +88,7 @@ def _grad_adam_kernel(
     in_n = offs_n < N
     in_k = offs_k < K
     a_base = a_ptr + g.to(tl.int64) * s_ag + e * s_ae
-    b_base = b_ptr + g.to(tl.int64) * s_bg + e * s_be
+    b_base = b_ptr + g.to(tl.int64) * s_bg + (e % E_B) * s_be
 
     # grad tile = a[g][:, n]^T @ b[g][:, k]; M (rows) padded to BLOCK_M by masked loads.
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
@@ -657,11 +658,12 @@ def grad_adam_launch(
     """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
     :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
     check_precision(input_precision)
-    # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared.
+    # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared by
+    # all (3 dims) or cycle over fewer matrices than E.
     w, m, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (w, m, v))
     e = w.shape[1]
     a = a if a.dim() == 4 else a.unsqueeze(1)
-    b = b if b.dim() == 4 else b.unsqueeze(1).expand(b.shape[0], e, *b.shape[1:])
+    b = b if b.dim() == 4 else b.unsqueeze(1)
     groups, _, rows, n = a.shape
     k = b.shape[3]
     if groups == 0 or n == 0 or k == 0 or e == 0:
@@ -670,7 +672,7 @@ def grad_adam_launch(
         ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
     args = (
         a, b, scale, group_slot, ok, step, w, m, v,
-        rows, n, k,
+        rows, n, k, b.shape[1],
         *a.stride(), *b.stride(), *w.stride(), *m.stride(), *v.stride(),
         lr, beta1, beta2, eps, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
     )  # fmt: skip
