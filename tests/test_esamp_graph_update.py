@@ -7,13 +7,14 @@ state bit for bit."""
 
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from algorithms.esamp import backward, graph_update
+from algorithms.esamp import backward, graph_update, mlp
 from algorithms.esamp.adam import clip_scale
 from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.mlp import (
@@ -24,7 +25,7 @@ from algorithms.esamp.mlp import (
 )
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
-from algorithms.esamp.slot_ops import slot_matmul
+from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
 SHAPE = DistillerShape(hidden_size=24, intermediate_size=9)  # 2 blocks
 SLOTS, ROWS = 4, 5
@@ -117,16 +118,52 @@ def _reference_update(state, xp, tp, mask, hp):
     return losses, ok
 
 
+def _stacked_forward(theta: torch.Tensor, xp: torch.Tensor, mm) -> tuple:
+    """The forward as the CUDA path keeps it: the packed inputs and every block's output in
+    one buffer (block inputs equally spaced), a, u, s, p of every block in another; the
+    packed inputs are a copy of ``xp`` there."""
+    nb, (g, rows, hid), i = SHAPE.num_blocks, xp.shape, SHAPE.intermediate_size
+    hs = torch.zeros(nb + 1, g, rows, hid)
+    hs[0] = xp
+    inner = torch.zeros(nb, 4, g, rows, i)
+    bufs = [(hs[b + 1], *inner[b].unbind(0)) for b in range(nb)]
+    return forward_slots(theta, SHAPE, hs[0], mm, out=bufs)
+
+
+class _Counted:
+    """A slot op that counts its calls."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_train_groups_equals_the_written_out_update(reduction):
+def test_train_groups_equals_the_written_out_update(reduction, stacked):
+    """Own forward: down of both blocks in one Adam call, gate and up one per block (the
+    inputs are not equally spaced); the forward kept as the CUDA path keeps it: two Adam
+    calls in all."""
     hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction)
     ours, ref = _state(), _state()
     before = [t.clone() for t in ours]
     applied = torch.zeros(SLOTS, dtype=torch.long)
     gs = torch.tensor(GROUP_SLOT)
+    adam = _Counted(slot_grad_adam_)
+    ops = (slot_matmul, adam)
     for seed in range(2):
         xp, tp, mask = _rows(seed)
-        losses, ok = graph_update.train_groups(*ours, gs, xp, tp, mask, SHAPE, hp, applied)
+        fwd = None
+        if stacked:
+            fwd = _stacked_forward(
+                ours[0], xp, lambda x, w, t, **kw: slot_matmul(x, w, gs, t, **kw)
+            )
+        losses, ok = graph_update.train_groups(
+            *ours, gs, xp, tp, mask, SHAPE, hp, applied, ops=ops, forward=fwd
+        )
         want_losses, want_ok = _reference_update(ref, xp, tp, mask, hp)
         assert ok.tolist() == want_ok.tolist() == [False, False, True, True]
         torch.testing.assert_close(losses[2:], want_losses[2:], rtol=1e-6, atol=0)
@@ -136,6 +173,7 @@ def test_train_groups_equals_the_written_out_update(reduction):
         for s in (1, 2):  # in no group; group 0's slot (non-finite loss)
             assert torch.equal(t[s], old[s])
     assert applied.tolist() == [2, 0, 2, 2]  # group 0 processed (skipped), padding not
+    assert adam.calls == 2 * (2 if stacked else 3)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +220,7 @@ def interpreted_ops() -> SimpleNamespace:
         )  # fmt: skip
 
     kernels = SimpleNamespace(
+        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
         loss_dy=loss_dy,
         block_backward=block_backward,
         update_tail=update_tail,
@@ -191,7 +230,14 @@ def interpreted_ops() -> SimpleNamespace:
     return SimpleNamespace(kernels=kernels, ops=(mm, adam))
 
 
-def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(interpreted_ops, monkeypatch):
+def _slot_mm(ops, gs, x, w, transpose_w, **kw):
+    return ops.ops[0](x, w, gs, transpose_w, **kw)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
+def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(
+    interpreted_ops, monkeypatch, stacked
+):
     hp = AdamHyper(lr=1e-2, grad_clip=0.05)
     ours, ref = _state(), _state()
     before = [t.clone() for t in ours]
@@ -201,11 +247,17 @@ def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(interpreted_ops, 
         xp, tp, mask = _rows(seed)
         want = graph_update.train_groups(*ref, gs, xp, tp, mask, SHAPE, hp, applied[1])
         with monkeypatch.context() as mp:
-            mp.setattr(graph_update, "kernels", interpreted_ops.kernels)
-            mp.setattr(backward, "kernels", interpreted_ops.kernels)
+            for module in (graph_update, backward, mlp):
+                mp.setattr(module, "kernels", interpreted_ops.kernels)
+            fwd = None
+            if stacked:
+                fwd = _stacked_forward(
+                    ours[0], xp, functools.partial(_slot_mm, interpreted_ops, gs)
+                )
             got = graph_update.train_groups(
-                *ours, gs, xp, tp, mask, SHAPE, hp, applied[0], ops=interpreted_ops.ops
-            )
+                *ours, gs, xp, tp, mask, SHAPE, hp, applied[0], ops=interpreted_ops.ops,
+                forward=fwd,
+            )  # fmt: skip
         assert got[1].tolist() == want[1].tolist() == [False, False, True, True]
         torch.testing.assert_close(got[0][2:], want[0][2:], rtol=1e-5, atol=0)
     for x, y in zip(ours, ref, strict=True):

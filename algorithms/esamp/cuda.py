@@ -113,14 +113,18 @@ class CudaGroupedDistiller(SlotDistiller):
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)
         self.stage_t = torch.zeros(t, h, device=dev)
-        self.xp = torch.zeros(t + 1, h, device=dev)
+        # The packed inputs and every block's output, [T + 1, H] each, in one allocation:
+        # the blocks' inputs are then equally spaced (one Adam launch for gate and up of
+        # every block, backward.fused_backward).
+        nb, i = self.shape.num_blocks, self.shape.intermediate_size
+        self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
+        self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
         self.tp = torch.zeros(t + 1, h, device=dev)
         self.mask = torch.zeros(t + 1, dtype=torch.bool, device=dev)
         self.y = torch.zeros(t + 1, h, device=dev)
-        # The prediction's forward, kept for the update of the same rows: per block its
-        # output [T, H] and a, u, s, p [T, I], in one allocation.
-        nb, i = self.shape.num_blocks, self.shape.intermediate_size
-        self.acts = torch.zeros(nb * t * (h + 4 * i), device=dev)
+        # The forward (the prediction's, kept for the update of the same rows): per block
+        # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
+        self.acts = torch.zeros(nb * 4 * t * i, device=dev)
         # (rows_id, version, packed slots, row groups, layout) of the last prediction, whose
         # forward self.acts holds; None: none to reuse.
         self._predicted: tuple | None = None
@@ -200,14 +204,17 @@ class CudaGroupedDistiller(SlotDistiller):
         return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
-        """The layout's views of :attr:`acts`: per block (h_out, a, u, s, p), ``[G, M, .]``."""
+        """The layout's views of :attr:`hs` and :attr:`acts`: per block (h_out, a, u, s, p),
+        ``[G, M, .]``."""
         h, i, t = self.shape.hidden_size, self.shape.intermediate_size, self.total_rows
-        n, out, at = lay.groups * lay.rows, [], 0
-        for _ in range(self.shape.num_blocks):
-            block = []
-            for width in (h, i, i, i, i):
-                block.append(self.acts[at : at + n * width].view(lay.groups, lay.rows, width))
-                at += t * width
+        g, m = lay.groups, lay.rows
+        out = []
+        for b in range(self.shape.num_blocks):
+            at = (b + 1) * (t + 1) * h
+            block = [self.hs[at : at + g * m * h].view(g, m, h)]
+            for j in range(4):
+                at = (4 * b + j) * t * i
+                block.append(self.acts[at : at + g * m * i].view(g, m, i))
             out.append(tuple(block))
         return out
 
@@ -235,9 +242,11 @@ class CudaGroupedDistiller(SlotDistiller):
         if reuse:
             xp = self.xp[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
             forward = saved_forward(xp, self._act_buffers(lay))
-        else:
+        else:  # the forward into the same buffers (its block inputs equally spaced)
             xp = self._pack(lay, self.stage_x, self.xp)
-            forward = None
+            forward = forward_slots(
+                self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay)
+            )
         # Targets are read on the marked rows only (kernels.loss_dy): no zeroing.
         tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:

@@ -18,9 +18,9 @@ import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, adam_stats
-from algorithms.esamp.backward import GATE_UP, fused_backward
-from algorithms.esamp.mlp import Activations, forward_slots, gate_up_pairs
-from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
+from algorithms.esamp.backward import factor_weights, fused_backward
+from algorithms.esamp.mlp import Activations, forward_slots
+from algorithms.esamp.params import AdamHyper, DistillerShape
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
 
@@ -61,8 +61,8 @@ def train_groups(
     for the loss and its gradient, per block the product with ``down``, the elementwise
     backward with its share of the norm (:func:`~algorithms.esamp.backward.fused_backward`)
     and (but the first block) the gradient carried to its input, one for norm / finite
-    check / clip / step counts, and per block two Adam kernels (gate and up together,
-    down).
+    check / clip / step counts, and two Adam kernels (gate and up of every block, down of
+    every block; per block where the activations are not equally spaced buffers).
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
@@ -74,19 +74,17 @@ def train_groups(
         # Allocated here: the graph's pool on CUDA (nothing per replay).
         g_n, rows, hidden = xp.shape
         loss_parts = xp.new_empty(g_n, loss_parts_for(hidden))
-        dy = torch.empty_like(h)
-        kernels.loss_dy(h, tp, mask, loss_parts, dy, reduction=hp.loss_reduction)
-        factors, parts = fused_backward(theta, shape, acts, dy, slot_mm, precision)
+        dys = xp.new_empty(shape.num_blocks, g_n, rows, hidden)  # each block's output grad
+        kernels.loss_dy(h, tp, mask, loss_parts, dys[-1], reduction=hp.loss_reduction)
+        factors, parts = fused_backward(theta, shape, acts, dys, slot_mm, precision)
         ok = torch.empty(g_n, dtype=torch.bool, device=xp.device)
         losses, scale, norm = (xp.new_empty(g_n) for _ in range(3))
         kernels.update_tail(
             loss_parts, parts, gs, mask, step, applied, losses, ok, scale, norm,
             grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
         )  # fmt: skip
-        wv = [block_weights(t, shape) for t in (theta, m, v)]
-        pairs = [gate_up_pairs(t, shape) for t in (theta, m, v)]
         for blk, k, a_f, b_f in factors:
-            w, mm_, vv = (x[blk] for x in pairs) if k == GATE_UP else (x[blk][k] for x in wv)
+            w, mm_, vv = (factor_weights(t, shape, blk, k) for t in (theta, m, v))
             grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
         if stats is not None and hp.stats:
             idx = gs.clamp(min=0)

@@ -98,19 +98,34 @@ def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tens
     return [both[:, :, k] for k in range(nb)]
 
 
+def stack_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[B, N, ...]`` view holding the ``N`` tensors ``parts`` (each ``[B, ...]``) when they
+    are equally strided views of one buffer at equally spaced, increasing offsets (then an
+    operation on it is one launch over all of them); None otherwise."""
+    first = parts[0]
+    step = parts[1].storage_offset() - first.storage_offset() if len(parts) > 1 else 1
+    same = all(
+        t.shape == first.shape
+        and t.stride() == first.stride()
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.storage_offset() - first.storage_offset() == k * step
+        for k, t in enumerate(parts)
+    )
+    if not (same and step > 0):
+        return None
+    size = (first.shape[0], len(parts), *first.shape[1:])
+    return first.as_strided(
+        size, (first.stride(0), step, *first.stride()[1:]), first.storage_offset()
+    )
+
+
 def pair_view(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``[B, 2, M, I]`` view holding ``a`` and ``u`` (same shape and strides, one storage,
     ``u`` after ``a``): a product writing both at once writes them."""
-    step = u.storage_offset() - a.storage_offset()
-    if not (
-        a.shape == u.shape
-        and a.stride() == u.stride()
-        and step > 0
-        and a.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
-    ):
+    both = stack_view([a, u])
+    if both is None:
         raise ValueError("a and u must be equally strided views of one buffer, u after a")
-    size = (a.shape[0], 2, *a.shape[1:])
-    return a.as_strided(size, (a.stride(0), step, *a.stride()[1:]), a.storage_offset())
+    return both
 
 
 def forward_slots(
@@ -124,26 +139,24 @@ def forward_slots(
     weights and an ``add=`` (the slot-indexed product, :func:`algorithms.esamp.slot_ops.
     slot_matmul`): per block ``a`` and ``u`` in one product over gate and up
     (:func:`gate_up_pairs`), ``s`` and ``p`` in one :func:`~algorithms.esamp.kernels.
-    silu_mul`, and ``h + p @ down^T`` in one product. On CPU
-    the same values as :func:`forward_acts` bit for bit (on CUDA the Triton products may
-    split K differently: fp32 rounding). ``out``: as
-    :func:`forward_acts` (``a`` and ``u`` of a block must then form a :func:`pair_view`)."""
+    silu_mul`, and ``h + p @ down^T`` in one product. On CPU the same values as
+    :func:`forward_acts` bit for bit (on CUDA the Triton products may split K differently:
+    fp32 rounding). ``out``: as :func:`forward_acts` (``a`` and ``u`` of a block must then
+    form a :func:`pair_view`); without it every block's output and activations are views
+    of two new buffers, equally spaced across blocks (:func:`stack_view`)."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
-    g, rows, _ = xp.shape
-    i = shape.intermediate_size
+    if out is None:
+        g, rows, hid = xp.shape
+        nb, i = shape.num_blocks, shape.intermediate_size
+        outs = xp.new_empty(nb, g, rows, hid)
+        inner = xp.new_empty(nb, 4, g, rows, i)  # a, u, s, p: each contiguous
+        out = [(outs[b], *inner[b].unbind(0)) for b in range(nb)]
     acts = []
     h = xp
     for b, (gu, down) in enumerate(zip(pairs, downs, strict=True)):
-        if out is None:
-            # a and u each contiguous (CPU kernels take another path on strided inputs).
-            au = xp.new_empty(2, g, rows, i).transpose(0, 1)
-            a, u = au[:, 0], au[:, 1]
-            s, p, h_out = torch.empty_like(a), torch.empty_like(a), torch.empty_like(xp)
-        else:
-            h_out, a, u, s, p = out[b]
-            au = pair_view(a, u)
-        mm(h, gu, True, out=au)
+        h_out, a, u, s, p = out[b]
+        mm(h, gu, True, out=pair_view(a, u))
         kernels.silu_mul(a, u, s, p)
         acts.append((h, a, u, s, p))
         h = mm(p, down, True, out=h_out, add=h)
