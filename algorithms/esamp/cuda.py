@@ -229,9 +229,14 @@ class CudaGroupedDistiller(SlotDistiller):
         xp = self._pack(lay, self.stage_x, self.xp)
         h = forward_slots(self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay))[0]
         if self.zero_output:
-            h = h - xp
-        flat = h.reshape(-1, h.shape[-1])
-        rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
+            flat = (h - xp).reshape(-1, h.shape[-1])
+            rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
+        else:
+            # The last block's whole output segment of hs ([T + 1, H], h its first G x M
+            # rows): the trash position T indexes it without a clamp.
+            nb, hid = self.shape.num_blocks, self.shape.hidden_size
+            flat = self.hs[nb * (t + 1) * hid :].view(t + 1, hid)
+            rows = self.plan[:t]
         self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
 
     def _train_body(self, lay: Layout, reuse: bool = False) -> None:

@@ -1,9 +1,13 @@
 """The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
 (the CUDA path replays it; the CPU path uses :mod:`algorithms.esamp.host_trainer`). The
-backward is written out (:mod:`algorithms.esamp.backward`); each weight matrix's clipped
+backward is written out (:mod:`algorithms.esamp.backward`) in a few fused kernels
+(:mod:`algorithms.esamp.kernels`: loss and its gradient, per block the elementwise backward
+with the Gram-matrix norm, the clip / finite check / step counts); each weight's clipped
 gradient is formed inside its Adam step (:mod:`algorithms.esamp.slot_ops`, Triton on CUDA),
-so no gradient is ever written to memory. Runs on any device: the CPU tests check it against
-the CPU trainer.
+so no gradient is ever written to memory, and one Adam launch covers the same matrix of
+every block. On the kept forward the whole update is 9 launches at 2 blocks. Runs on any
+device (CPU: the kernels' PyTorch reference): the CPU tests check it against the CPU
+trainer's math.
 
 Over the step's groups only: packed group ``g`` trains slot ``group_slot[g]`` (``-1``: a
 padding group) directly in the stacked state, so nothing is gathered or scattered and slots
