@@ -267,3 +267,26 @@ def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(
             assert torch.equal(t[s], old[s])
     assert torch.equal(applied[0], applied[1])
     assert not torch.equal(ours[0][0], before[0][0])  # a live slot did move
+
+
+def test_the_cuda_prediction_measures_a_missed_update(monkeypatch):
+    """The CUDA distiller's prediction graph (CPU stubs, kernels.stale_max) sees an update
+    submitted for its slot and not yet applied: the host counts one more than the device
+    applied (as if the update were still queued), the prediction measures lag 1."""
+    from cuda_stubs import install
+
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+
+    install(monkeypatch)
+    d = CudaGroupedDistiller(24, device="cpu", intermediate_size=9, capacity=3, graph_max_rows=4)
+    a, b = d.alloc(), d.alloc()
+    x = torch.randn(4, 24)
+    d.train_step(torch.tensor([a, a, b, b]), x, x + 1)
+    d.predict(torch.tensor([a, b]), x[:2])
+    assert d.results.stale.tolist() == [0]  # the device maximum (CPU here)
+    d._submitted[b] += 1  # an update of b submitted, not applied
+    d.predict(torch.tensor([a, b, b]), x[:3])
+    assert d.results.stale.tolist() == [1]
+    d.train_step(torch.tensor([a]), x[:1], x[:1])  # the next result copy carries it
+    d.synchronize()
+    assert d.staleness_max() == 1

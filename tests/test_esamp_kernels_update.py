@@ -47,6 +47,7 @@ def interpreted() -> SimpleNamespace:
         grad_adam=functools.partial(triton_impl.grad_adam, kernels=jit, block_n=8, block_k=16),
         slot_matmul=functools.partial(triton_impl.slot_matmul, kernels=jit, block_n=16, block_k=16),
         silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
+        stale_max=functools.partial(triton_impl.stale_max, kernels=jit, block_g=2),
         loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
         block_backward=functools.partial(
             triton_impl.block_backward, kernels=jit, block_m=16, block_i=8, block_h=16
@@ -65,6 +66,7 @@ def _cpu() -> SimpleNamespace:
     return SimpleNamespace(
         grad_adam=_grad_adam_op,
         silu_mul=kernels.silu_mul,
+        stale_max=kernels.stale_max,
         slot_matmul=lambda x, w, gs, out, transpose_w, precision="ieee", split_k=0, add=None: (
             kernels.slot_matmul(x, w, gs, out, transpose_w=transpose_w, split_k=split_k, add=add)
         ),
@@ -274,6 +276,7 @@ def test_kernels_compile_for_sm90_without_spills(rows):
         ti.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
         ti.loss_dy_launch(hid, hid, mask, torch.zeros(g, 2), hid.clone(), "mean"),
         ti.silu_mul_launch(dp, dp, dp.clone(), dp.clone()),
+        ti.stale_max_launch(slots, torch.zeros(5, dtype=torch.long), slots, slots[:1].clone()),
         ti.update_tail_launch(
             parts, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
             vec, vec.bool(), vec, vec, 0.5, 1e-6,
@@ -441,3 +444,18 @@ def test_grad_adam_b_cycles_over_fewer_matrices(impl):
     with pytest.raises(ValueError, match=r"or \[5, E_b, 5, K\] with 4 % E_b == 0"):
         _grad_adam_op(a, b[:, :1].expand(G, 3, rows, k), scale, slots, ok, step,
                       *(quad(t) for t in state), *hyper)  # fmt: skip
+
+
+def test_stale_max_takes_the_largest_lag_of_the_groups_with_a_slot(impl):
+    """Five groups over blocks of two (the interpreter): the padding group's large count is
+    ignored, the maximum only ever grows."""
+    slots = torch.tensor(GROUP_SLOT)  # group 1: padding
+    applied = torch.tensor([5, 7, 2, 9])
+    submitted = torch.tensor([9, 99, 6, 4, 8])  # lags 0, -, 1, 2, 1 (slots 3, 0, 2, 1)
+    stale = torch.tensor([1])
+    impl.stale_max(submitted, applied, slots, stale)
+    assert stale.tolist() == [2]
+    impl.stale_max(submitted - 2, applied, slots, stale)  # lags all <= 0: kept
+    assert stale.tolist() == [2]
+    with pytest.raises(ValueError, match=r"stale must be \[1\] int64"):
+        kernels.stale_max(submitted, applied, slots, stale.float())

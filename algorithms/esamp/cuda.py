@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from algorithms.esamp import kernels
 from algorithms.esamp.adam import STATS
 from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_size, split
 from algorithms.esamp.cuda_results import Pending, ResultLog
@@ -222,10 +223,7 @@ class CudaGroupedDistiller(SlotDistiller):
         t, c = self.total_rows, self.capacity
         gs = self._group_slot(lay)
         sub = self.plan[2 * t + c : 2 * t + c + lay.groups]
-        # A padding group's submitted count is 0 (fill_plan) and applied counts are >= 0: its
-        # lag is <= 0 and never raises the maximum, so it needs no mask.
-        lag = sub - self.applied.index_select(0, gs.clamp(min=0))
-        torch.maximum(self.results.stale, lag.max(), out=self.results.stale)
+        kernels.stale_max(sub, self.applied, gs, self.results.stale)
         xp = self._pack(lay, self.stage_x, self.xp)
         h = forward_slots(self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay))[0]
         if self.zero_output:

@@ -13,6 +13,8 @@ sees each call as one op):
   backward, one launch each: the loss and its gradient; per SwiGLU block the elementwise
   backward with the block's share of each group's gradient norm (from Gram matrices);
   norm, finite check, clip coefficient and the step counts;
+- :func:`stale_max`: the prediction's staleness measurement (largest lag of its groups'
+  slots) in one launch;
 - :func:`candidate_dot`: guidance's dist logits for (row, token) pairs,
   ``out[j] = W[tokens[j]] . f[rows[j]]`` in fp32, reading each pair's head row once in its
   own dtype (no gathered or upcast copy), out= style (:func:`candidate_dot_bytes`).
@@ -42,6 +44,7 @@ from algorithms.esamp.kernels.traffic import (
     loss_dy_bytes,
     silu_mul_bytes,
     slot_matmul_bytes,
+    stale_max_bytes,
     update_tail_bytes,
 )
 
@@ -63,6 +66,8 @@ __all__ = [
     "silu_mul_bytes",
     "slot_matmul",
     "slot_matmul_bytes",
+    "stale_max",
+    "stale_max_bytes",
     "triton_available",
     "update_tail",
     "update_tail_bytes",
@@ -246,3 +251,13 @@ def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor)
     """``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32 (any strides), in one pass
     (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``)."""
     torch.ops.tllm_esamp.silu_mul(a, u, s, p)
+
+
+def stale_max(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
+    ``g`` with a slot (``group_slot >= 0``): the largest number of updates submitted for a
+    group's slot but not yet applied when the prediction reads it. ``submitted [G]``,
+    ``applied [S]``, ``stale [1]`` int64; ``group_slot [G]`` int32/int64."""
+    torch.ops.tllm_esamp.stale_max(submitted, applied, group_slot, stale)

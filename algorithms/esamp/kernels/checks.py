@@ -324,3 +324,19 @@ def check_silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.T
         raise ValueError(f"a must be [G, M, I] fp32, got {_shape(a)}")
     for name, t in (("u", u), ("s", s), ("p", p)):
         _fp32(name, t, tuple(a.shape), "a's shape")
+
+
+def check_stale_max(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
+    if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
+        raise ValueError(f"submitted must be [G] int64, got {_shape(submitted)}")
+    _group_vector("group_slot", group_slot, submitted.shape[0])
+    if group_slot.dtype not in _SLOT_DTYPES:
+        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    if not (applied.dim() == 1 and applied.dtype == torch.int64):
+        raise ValueError(f"applied must be [S] int64, got {_shape(applied)}")
+    if not (tuple(stale.shape) == (1,) and stale.dtype == torch.int64):
+        raise ValueError(f"stale must be [1] int64, got {_shape(stale)}")

@@ -25,6 +25,7 @@ from algorithms.esamp.kernels.checks import (
     check_loss_dy,
     check_silu_mul,
     check_slot_matmul,
+    check_stale_max,
     check_update_tail,
 )
 from algorithms.esamp.kernels.traffic import (
@@ -34,6 +35,7 @@ from algorithms.esamp.kernels.traffic import (
     loss_dy_bytes,
     silu_mul_bytes,
     slot_matmul_bytes,
+    stale_max_bytes,
     update_tail_bytes,
 )
 
@@ -67,6 +69,9 @@ _LIB.define(
     "Tensor(e!) scale, Tensor(f!) norm, float grad_clip, float clip_eps) -> ()"
 )
 _LIB.define("silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()")
+_LIB.define(
+    "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
+)
 
 
 @functools.cache
@@ -209,6 +214,22 @@ def _silu_mul_cuda(a, u, s, p) -> None:
     triton_impl.silu_mul(a, u, s, p)
 
 
+def _stale_max_reference(submitted, applied, group_slot, stale) -> None:
+    check_stale_max(submitted, applied, group_slot, stale)
+    if submitted.shape[0]:
+        reference.stale_max(submitted, applied, group_slot, stale)
+
+
+def _stale_max_cuda(submitted, applied, group_slot, stale) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _stale_max_reference(submitted, applied, group_slot, stale)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_stale_max(submitted, applied, group_slot, stale)
+    triton_impl.stale_max(submitted, applied, group_slot, stale)
+
+
 def _nothing(*args, **kwargs) -> None:
     return None
 
@@ -221,6 +242,7 @@ for _name, _cpu, _cuda in (
     ("block_backward", _block_backward_reference, _block_backward_cuda),
     ("update_tail", _update_tail_reference, _update_tail_cuda),
     ("silu_mul", _silu_mul_reference, _silu_mul_cuda),
+    ("stale_max", _stale_max_reference, _stale_max_cuda),
 ):
     _LIB.impl(_name, _cpu, "CPU")
     _LIB.impl(_name, _cuda, "CUDA")
@@ -279,5 +301,6 @@ for _name, _traffic in (
     ("block_backward", _block_backward_traffic),
     ("update_tail", _update_tail_traffic),
     ("silu_mul", lambda a, *args, **kwargs: silu_mul_bytes(a.numel())),
+    ("stale_max", lambda submitted, *args, **kwargs: stale_max_bytes(submitted.shape[0])),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic

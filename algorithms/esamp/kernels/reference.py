@@ -195,3 +195,13 @@ def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor)
     """``s = silu(a)``, ``p = s * u`` (a SwiGLU block's activations)."""
     torch._C._nn.silu(a, out=s)  # F.silu has no out=
     torch.mul(s, u, out=p)
+
+
+def stale_max(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
+    with a slot."""
+    lag = submitted - applied.index_select(0, group_slot.clamp(min=0))
+    lag = torch.where(group_slot >= 0, lag, stale)
+    torch.maximum(stale, lag.max(), out=stale)

@@ -87,3 +87,9 @@ def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) 
 def silu_mul_bytes(numel: int) -> int:
     """``silu_mul``: ``a`` and ``u`` read, ``s`` and ``p`` written (fp32)."""
     return 4 * numel * FP32
+
+
+def stale_max_bytes(groups: int) -> int:
+    """``stale_max``: per group its submitted count, slot and slot's applied count read
+    (int64), the maximum read and written."""
+    return groups * 3 * 8 + 2 * 8

@@ -578,6 +578,30 @@ def _silu_mul_kernel(
     tl.store(p_ptr + g * s_pg + rows * s_pm + cols * s_pi, s * u, mask=mask)
 
 
+def _stale_max_kernel(
+    sub_ptr,  # [G] int64
+    applied_ptr,  # [S] int64
+    slot_ptr,  # [G] int
+    stale_ptr,  # [1] int64 (in/out)
+    G,
+    s_sub,
+    s_app,
+    s_slot,
+    BLOCK_G: tl.constexpr,
+):
+    # One program: the largest lag submitted - applied over the groups with a slot.
+    old = tl.load(stale_ptr)
+    acc = tl.full((BLOCK_G,), 0, tl.int64) + old
+    for g0 in range(0, G, BLOCK_G):
+        offs = g0 + tl.arange(0, BLOCK_G)
+        slot = tl.load(slot_ptr + offs * s_slot, mask=offs < G, other=-1).to(tl.int64)
+        live = (offs < G) & (slot >= 0)
+        sub = tl.load(sub_ptr + offs * s_sub, mask=live, other=0)
+        done = tl.load(applied_ptr + tl.maximum(slot, 0) * s_app, mask=live, other=0)
+        acc = tl.maximum(acc, tl.where(live, sub - done, old))
+    tl.store(stale_ptr, tl.reduce(acc, 0, tl.standard._elementwise_max))
+
+
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
     return SimpleNamespace(
@@ -588,6 +612,7 @@ def jit_kernels() -> SimpleNamespace:
         block_backward=triton.jit(_block_backward_kernel),
         update_tail=triton.jit(_update_tail_kernel),
         silu_mul=triton.jit(_silu_mul_kernel),
+        stale_max=triton.jit(_stale_max_kernel),
     )
 
 
@@ -979,5 +1004,33 @@ def silu_mul_launch(
 def silu_mul(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
     """Run the SwiGLU activation kernel (arguments as :func:`silu_mul_launch`)."""
     launch = silu_mul_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def stale_max_launch(
+    submitted: torch.Tensor,
+    applied: torch.Tensor,
+    group_slot: torch.Tensor,
+    stale: torch.Tensor,
+    *,
+    block_g: int = 64,
+    num_warps: int = 1,
+) -> Launch | None:
+    """The staleness kernel's launch, one program (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""
+    groups = submitted.shape[0]
+    if groups == 0:
+        return None
+    args = (
+        submitted, applied, group_slot, stale,
+        groups, submitted.stride(0), applied.stride(0), group_slot.stride(0),
+    )  # fmt: skip
+    return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
+
+
+def stale_max(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the staleness kernel (arguments as :func:`stale_max_launch`)."""
+    launch = stale_max_launch(*args, **kwargs)
     if launch is not None:
         launch.run(kernels)
