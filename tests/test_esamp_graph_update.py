@@ -290,3 +290,33 @@ def test_the_cuda_prediction_measures_a_missed_update(monkeypatch):
     d.train_step(torch.tensor([a]), x[:1], x[:1])  # the next result copy carries it
     d.synchronize()
     assert d.staleness_max() == 1
+
+
+def test_the_cuda_update_logs_losses_ok_and_stats_like_the_cpu_distiller(monkeypatch):
+    """The update graph writes each group's loss, ok and optimizer statistics into its row of
+    the result ring (CPU stubs): read back, they equal the CPU distiller's for the same
+    steps; a group with a non-finite target is not ok and has NaN statistics."""
+    from cuda_stubs import install
+
+    from algorithms.esamp.cpu import GroupedDistiller
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+
+    install(monkeypatch)
+    kw = dict(intermediate_size=9, lr=1e-2, capacity=3, optimizer_stats=True)
+    cpu = GroupedDistiller(24, **kw)
+    gpu = CudaGroupedDistiller(24, device="cpu", graph_max_rows=4, **kw)
+    slots = [cpu.alloc() for _ in range(3)]
+    assert [gpu.alloc() for _ in range(3)] == slots
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.tensor([slots[0]] * 3 + [slots[2]] * 2 + [slots[1]])
+    for step in range(3):
+        x, t = torch.randn(6, 24, generator=gen), torch.randn(6, 24, generator=gen)
+        if step == 1:
+            t[5, 0] = float("nan")  # slot 1's group: skipped
+        a, b = cpu.train_step(rows, x, t), gpu.train_step(rows, x, t)
+        gpu.synchronize()
+        assert a.slots.tolist() == b.slots.tolist()
+        assert b.updated.tolist() == a.updated.tolist() == [True, step != 1, True]
+        torch.testing.assert_close(b.losses, a.losses, rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(b.stats, a.stats, rtol=1e-3, atol=1e-6, equal_nan=True)
+        assert b.stats[1].isnan().all() == (step == 1)
