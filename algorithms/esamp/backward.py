@@ -77,7 +77,7 @@ def fused_backward(
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     nb, groups, rows, _ = dys.shape
-    parts = dys.new_empty(groups, nb, kernels.norm_parts(rows))
+    parts = dys.new_empty(groups, nb, kernels.norm_parts(rows, dys.shape[3]))
     dz = dys.new_empty(groups, 2, nb, rows, shape.intermediate_size)  # (da, du) per block
     for b in reversed(range(nb)):
         h_in, a, u, s, p = acts[b]

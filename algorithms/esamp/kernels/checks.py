@@ -195,10 +195,17 @@ NORM_TILE_ROWS = 32
 LOSS_REDUCTIONS = ("mean", "sum")
 
 
-def norm_parts(rows: int) -> int:
-    """Columns of ``block_backward``'s norm parts needed for groups of ``rows`` rows."""
+# block_backward: hidden columns per program (norm_parts with a hidden size: the columns
+# that let a group's row-tile pairs spread over that many programs).
+NORM_CHUNK_HIDDEN = 512
+
+
+def norm_parts(rows: int, hidden: int = 0) -> int:
+    """Columns of ``block_backward``'s norm parts for groups of ``rows`` rows: at least one
+    per pair of row tiles; with ``hidden``, enough for each pair to split the hidden size
+    over programs of ``NORM_CHUNK_HIDDEN`` columns (more programs on the GPU)."""
     tiles = max(1, -(-rows // NORM_TILE_ROWS))
-    return tiles * tiles
+    return tiles * tiles * max(1, -(-hidden // NORM_CHUNK_HIDDEN))
 
 
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

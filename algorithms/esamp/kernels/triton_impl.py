@@ -333,6 +333,7 @@ def _block_backward_kernel(
     M,
     INTER,
     HID,
+    SPLIT_H,  # programs per row-tile pair, each over a share of H
     s_dpg,
     s_dpm,
     s_dpi,
@@ -367,18 +368,24 @@ def _block_backward_kernel(
     BLOCK_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # One (row tile ti, row tile tj) pair of one group: that tile of the four Gram matrices
-    # (du du^T + da da^T and p p^T over I; h_in h_in^T and dy dy^T over H), reduced to the
-    # group's norm part for the pair. du and da are formed for both tiles and stored by the
-    # diagonal pair (each row once).
-    tile = tl.program_id(0)
+    # One (row tile ti, row tile tj) pair of one group and one share k of H: that tile of
+    # the Gram matrices du du^T + da da^T and p p^T (over all of I) and of h_in h_in^T and
+    # dy dy^T (over the share), reduced to the group's norm part: the sum is linear in the
+    # H Grams, so the shares' parts add up to the pair's. du and da are formed for both
+    # tiles and stored by the diagonal pair's first share (each row once).
+    col = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     tiles_m = (M + BLOCK_M - 1) // BLOCK_M
-    if tile >= tiles_m * tiles_m:
-        tl.store(parts_ptr + g * s_tg + tile * s_tt, 0.0)
+    if col >= tiles_m * tiles_m * SPLIT_H:
+        tl.store(parts_ptr + g * s_tg + col * s_tt, 0.0)
         return
+    tile = col // SPLIT_H
+    share = col % SPLIT_H
     ti = tile // tiles_m
     tj = tile % tiles_m
+    h_chunk = (HID + SPLIT_H - 1) // SPLIT_H
+    h_lo = share * h_chunk
+    h_hi = tl.minimum(h_lo + h_chunk, HID)
     ri = ti * BLOCK_M + tl.arange(0, BLOCK_M)
     rj = tj * BLOCK_M + tl.arange(0, BLOCK_M)
     in_i = ri < M
@@ -409,7 +416,7 @@ def _block_backward_kernel(
         du_i = dp * sv
         sig = 1.0 / (1.0 + tl.exp(-av))
         da_i = dp * uv * sig * (1.0 + av * (1.0 - sig))
-        if ti == tj:
+        if (ti == tj) & (share == 0):
             tl.store(
                 du_ptr + g * s_dug + ri[:, None] * s_dum + offs_c[None, :] * s_dui, du_i, mask=mi
             )
@@ -440,9 +447,9 @@ def _block_backward_kernel(
         acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
     acc_h = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     acc_y = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
-    for c0 in range(0, HID, BLOCK_H):
+    for c0 in range(h_lo, h_hi, BLOCK_H):
         offs_c = c0 + tl.arange(0, BLOCK_H)
-        in_c = offs_c < HID
+        in_c = offs_c < h_hi
         mi = in_i[:, None] & in_c[None, :]
         mj = in_j[:, None] & in_c[None, :]
         hi = tl.load(
@@ -461,7 +468,7 @@ def _block_backward_kernel(
         acc_y = tl.dot(yi, tl.trans(yj), acc_y, input_precision=INPUT_PRECISION)
     prod = acc_y * acc_p + acc_g * acc_h
     part = tl.reduce(tl.reduce(prod, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-    tl.store(parts_ptr + g * s_tg + tile * s_tt, part)
+    tl.store(parts_ptr + g * s_tg + col * s_tt, part)
 
 
 def _update_tail_kernel(
@@ -896,8 +903,9 @@ def block_backward_launch(
     block_h: int = 64,
     num_warps: int | None = None,
 ) -> Launch | None:
-    """The block backward kernel's launch: one program per pair of row tiles and per
-    column of ``parts`` past them (written 0), per group. Arguments as
+    """The block backward kernel's launch: per group one program per column of ``parts``:
+    each pair of row tiles over as many shares of H as the columns allow (at most one per
+    ``block_h`` columns of H), the columns past them written 0. Arguments as
     :func:`algorithms.esamp.kernels.block_backward`; the caller has checked them."""
     check_precision(input_precision)
     groups, rows, _ = dp.shape
@@ -912,9 +920,11 @@ def block_backward_launch(
         raise ValueError(
             f"parts has {parts.shape[1]} columns, {tiles} row-tile pairs need one each"
         )
+    hidden = h_in.shape[2]
+    split_h = max(1, min(parts.shape[1] // tiles, triton.cdiv(hidden, block_h)))
     args = (
         dp, a, u, s, p, h_in, dy, du, da, parts,
-        rows, dp.shape[2], h_in.shape[2],
+        rows, dp.shape[2], hidden, split_h,
         *dp.stride(), *a.stride(), *u.stride(), *s.stride(), *p.stride(),
         *h_in.stride(), *dy.stride(), *du.stride(), *da.stride(), *parts.stride(),
     )  # fmt: skip
