@@ -38,7 +38,15 @@ import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import STATS
-from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_size, split
+from algorithms.esamp.cuda_plan import (
+    Batch,
+    Layout,
+    fill_plan,
+    layouts,
+    plan_mask,
+    plan_size,
+    split,
+)
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.memory_plan import round_rows
@@ -121,7 +129,6 @@ class CudaGroupedDistiller(SlotDistiller):
         self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
         self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
         self.tp = torch.zeros(t + 1, h, device=dev)
-        self.mask = torch.zeros(t + 1, dtype=torch.bool, device=dev)
         self.y = torch.zeros(t + 1, h, device=dev)
         # The forward (the prediction's, kept for the update of the same rows): per block
         # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
@@ -254,9 +261,8 @@ class CudaGroupedDistiller(SlotDistiller):
         tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
-        self.mask.zero_()
-        self.mask.index_fill_(0, self.plan[:t], True)
-        mask = self.mask[: lay.groups * lay.rows].view(lay.groups, lay.rows)
+        # The packed rows' mask came with the plan (filled on the host).
+        mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
         stats = self._stats[: lay.groups] if self.hp.stats else None
         shape, hp = self.shape, self.hp
         state = (self.theta, self.m, self.v, self.step)
@@ -269,7 +275,7 @@ class CudaGroupedDistiller(SlotDistiller):
             precision=self._precision,
         )  # fmt: skip
         # Row ring[0] of the result ring, its first G columns: one indexed copy each.
-        ring, g = self.plan[2 * t + 2 * c :], lay.groups
+        ring, g = self.plan[2 * t + 2 * c : 2 * t + 2 * c + 1], lay.groups
         self.results.losses[:, :g].index_copy_(0, ring, losses[None])
         self.results.ok[:, :g].index_copy_(0, ring, ok[None].float())
         if stats is not None:
@@ -295,9 +301,10 @@ class CudaGroupedDistiller(SlotDistiller):
         so lazy allocations, kernel compilation and the side stream's cuBLAS workspace
         happen now, inside the memory vLLM profiles, not in the first decode step."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
-            self.plan.fill_(-1)
-            self.plan[: 2 * self.total_rows].fill_(self.total_rows)
-            self.plan[-1] = 0
+            t, c = self.total_rows, self.capacity
+            self.plan.fill_(-1)  # every group padding
+            self.plan[: 2 * t].fill_(t)  # every row to the trash row
+            self.plan[2 * t + 2 * c :].fill_(0)  # ring row 0, no packed row marked
             for lay in self.layouts:
                 for kind in _KINDS:
                     self._body(kind)(lay)

@@ -14,8 +14,8 @@ vocabulary):
   with ``cuda_adam_moments`` bfloat16; the step) ``+ S * 8`` (update counter) ``+ P * 4``
   (the init template);
 - packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
-  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ (T+1)`` (mask)
-  ``+ 8 * (2T + 2S + 1)`` (the row plan) ``+`` the result ring ``N*S*(8 [+16 with
+  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ 8 * (2T + 2S
+  + 1 + ceil(T/8))`` (the row plan and the packed rows' mask) ``+`` the result ring ``N*S*(8 [+16 with
   optimizer_stats]) + S*16 + 8`` (``N`` = 512 update rows) ``+ NB * ((T+1)*H + 4T*I) * 4``
   (the forward, each block's output and four activations: the prediction's is kept for the
   update of the same rows);
@@ -183,7 +183,8 @@ def packed_buffer_bytes(
     h, s, t = hidden, slots, total_rows
     ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * 16 + 8
     acts = num_blocks * ((t + 1) * h + 4 * t * intermediate) * 4
-    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring + acts
+    plan = 8 * (2 * t + 2 * s + 1 + -(-t // 8))
+    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + acts
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:
