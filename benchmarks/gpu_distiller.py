@@ -184,8 +184,8 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
     it when the trained rows are the predicted ones; ``*_bf16``: with bf16 Adam moments) and
     the CPU trainer (see the module docstring, part 3); ``*_ops``: operations dispatched."""
     from algorithms.esamp.graph_update import train_groups
-    from algorithms.esamp.mlp import forward_acts
-    from algorithms.esamp.params import block_weights
+    from algorithms.esamp.mlp import forward_slots
+    from algorithms.esamp.slot_ops import slot_matmul
 
     # Counted from the operations' tensor sizes: the meta device gives the same counts as a
     # GPU without computing anything; the CPU trainer's part runs on CPU.
@@ -204,8 +204,17 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
     xp, tp = x.view(shape), t.view(shape)
     gs = torch.arange(args.groups, device=meta)
     mask = torch.ones(args.groups, args.rows, dtype=torch.bool, device=meta)
-    # What the prediction computed (and, on CUDA, kept): not part of the update.
-    forward = forward_acts(block_weights(d.theta, d.shape), xp)
+    # What the prediction computed and, on CUDA, kept (not part of the update): in buffers
+    # laid out as the CUDA distiller's (packed inputs and block outputs equally spaced).
+    nb, inter = args.blocks, args.intermediate
+    hs = torch.empty(nb + 1, *shape, device=meta)
+    inner = torch.empty(nb, 4, args.groups, args.rows, inter, device=meta)
+    kept = [(hs[b + 1], *inner[b].unbind(0)) for b in range(nb)]
+
+    def mm(x, w, transpose_w, **kw):
+        return slot_matmul(x, w, gs, transpose_w, **kw)
+
+    forward = forward_slots(d.theta, d.shape, hs[0], mm, out=kept)
     bf16 = [torch.empty_like(d.m, dtype=torch.bfloat16) for _ in range(2)]
     for name, (m, v), fwd in (
         ("graph_update", (d.m, d.v), None),

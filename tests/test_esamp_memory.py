@@ -106,7 +106,16 @@ def test_plan_estimates_bound_the_measured_workspace():
 
     # The slot operations' own memory is the kernels' (Triton on CUDA: none; the PyTorch
     # forms gather weights): measured here is what the graph pool holds, the activations.
-    ops = (lambda x, w, gs, t: batched_mm(x, w, t), lambda *a: None)
+    def dense_mm(x, w, gs, t, out=None, add=None):
+        if w.dim() == 4:  # gate and up of a block at once (graph_update's pairs)
+            ys = [batched_mm(x if x.dim() == 3 else x[:, e], w[:, e], t) for e in range(2)]
+            y = torch.stack(ys, 1) if x.dim() == 3 else ys[0] + ys[1]
+        else:
+            y = batched_mm(x, w, t)
+        y = y if add is None else y + add
+        return y if out is None else out.copy_(y)
+
+    ops = (dense_mm, lambda *a: None)
 
     def update():
         with torch.inference_mode(False):

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.mlp import Activations, MatMul, batched_mm
+from algorithms.esamp import kernels
+from algorithms.esamp.mlp import Activations, MatMul, batched_mm, gate_up_pairs, stack_view
+from algorithms.esamp.params import DistillerShape, block_weights, split_params
 
 # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
 Factor = tuple[int, int, torch.Tensor, torch.Tensor]
+# fused_backward's matrix index for gate and up together, and block index for every block.
+GATE_UP = -1
+ALL_BLOCKS = -1
 
 
 def backward_factors(
@@ -43,6 +48,73 @@ def backward_factors(
         if b:
             dy = dy + mm(du, up, False) + mm(da, gate, False)
     return factors, sq
+
+
+def fused_backward(
+    theta: torch.Tensor,
+    shape: DistillerShape,
+    acts: Activations,
+    dys: torch.Tensor,
+    mm: MatMul,
+    precision: str = "ieee",
+) -> tuple[list[Factor], torch.Tensor]:
+    """:func:`backward_factors` in fewer launches (the update graph's), for a ``mm`` that
+    takes ``[S, 2, ., .]`` weights and ``add=`` (as :func:`~algorithms.esamp.mlp.
+    forward_slots`): per block the product with ``down``, one
+    :func:`~algorithms.esamp.kernels.block_backward` (``da``, ``du`` and the block's share
+    of the norm) and one product carrying the gradient to the block's input (``dy + da @
+    gate + du @ up``). ``dys [NB, B, M, H]``: ``dys[-1]`` holds the loss's gradient at the
+    output; block ``b``'s output gradient is written to ``dys[b]``.
+
+    Returns the factors and the norm parts ``[B, NB * T]`` (a group's squared gradient norm
+    is the sum of its row: :func:`~algorithms.esamp.kernels.update_tail` sums it). Factors:
+    block :data:`ALL_BLOCKS` (where the activations allow: :func:`~algorithms.esamp.mlp.
+    stack_view`) stands for every block at once (:func:`factor_weights`): down ``(dys as [B,
+    NB, M, H], p [B, NB, M, I])``; matrix :data:`GATE_UP` for gate and up together, ``A =
+    [B, 2 NB, M, I]`` (gate of every block, then up) with ``B`` each block's input ``[B,
+    NB, M, H]`` (matrix ``e`` uses ``B[:, e % NB]``); per block ``A = [B, 2, M, I]`` and
+    ``B`` the block's input."""
+    pairs = gate_up_pairs(theta, shape)
+    downs = [w[2] for w in block_weights(theta, shape)]
+    nb, groups, rows, _ = dys.shape
+    parts = dys.new_empty(groups, nb, kernels.norm_parts(rows, dys.shape[3]))
+    dz = dys.new_empty(groups, 2, nb, rows, shape.intermediate_size)  # (da, du) per block
+    for b in reversed(range(nb)):
+        h_in, a, u, s, p = acts[b]
+        dp = mm(dys[b], downs[b], False)
+        da, du = dz[:, 0, b], dz[:, 1, b]
+        kernels.block_backward(
+            dp, a, u, s, p, h_in, dys[b], du, da, parts[:, b], input_precision=precision
+        )
+        if b:
+            mm(dz[:, :, b], pairs[b], False, out=dys[b - 1], add=dys[b])
+    p_all = stack_view([x[4] for x in acts])
+    h_all = stack_view([x[0] for x in acts])
+    factors: list[Factor] = []
+    if p_all is not None:
+        factors.append((ALL_BLOCKS, 2, dys.transpose(0, 1), p_all))
+    else:
+        factors += [(b, 2, dys[b], acts[b][4]) for b in range(nb)]
+    if h_all is not None:
+        factors.append((ALL_BLOCKS, GATE_UP, dz.view(groups, 2 * nb, rows, -1), h_all))
+    else:
+        factors += [(b, GATE_UP, dz[:, :, b], acts[b][0]) for b in range(nb)]
+    return factors, parts.view(groups, -1)
+
+
+def factor_weights(t: torch.Tensor, shape: DistillerShape, block: int, matrix: int) -> torch.Tensor:
+    """The matrices of ``t [S, P]`` (``theta``, ``m`` or ``v``) a :func:`fused_backward`
+    factor's gradient belongs to: one matrix ``[S, ., .]``, a block's gate and up ``[S, 2,
+    I, H]``, or with :data:`ALL_BLOCKS` every block's down ``[S, NB, H, I]`` or gate and up
+    ``[S, 2 NB, I, H]``."""
+    if block == ALL_BLOCKS:
+        if matrix == GATE_UP:
+            n, i, h = shape.block_numel, shape.intermediate_size, shape.hidden_size
+            return t[:, : 2 * n].view(t.shape[0], 2 * shape.num_blocks, i, h)
+        return split_params(t, shape)[matrix]
+    if matrix == GATE_UP:
+        return gate_up_pairs(t, shape)[block]
+    return block_weights(t, shape)[block][matrix]
 
 
 def clipped_grad(factor: Factor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -36,14 +36,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from algorithms.esamp import kernels
 from algorithms.esamp.adam import STATS
-from algorithms.esamp.cuda_plan import Batch, Layout, fill_plan, layouts, plan_size, split
+from algorithms.esamp.cuda_plan import (
+    Batch,
+    Layout,
+    fill_plan,
+    layouts,
+    plan_mask,
+    plan_size,
+    split,
+)
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.memory_plan import round_rows
-from algorithms.esamp.mlp import ActBuffers, forward_acts, saved_forward
+from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
-from algorithms.esamp.params import block_weights
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
@@ -114,14 +122,17 @@ class CudaGroupedDistiller(SlotDistiller):
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)
         self.stage_t = torch.zeros(t, h, device=dev)
-        self.xp = torch.zeros(t + 1, h, device=dev)
-        self.tp = torch.zeros(t + 1, h, device=dev)
-        self.mask = torch.zeros(t + 1, dtype=torch.bool, device=dev)
-        self.y = torch.zeros(t + 1, h, device=dev)
-        # The prediction's forward, kept for the update of the same rows: per block its
-        # output [T, H] and a, u, s, p [T, I], in one allocation.
+        # The packed inputs and every block's output, [T + 1, H] each, in one allocation:
+        # the blocks' inputs are then equally spaced (one Adam launch for gate and up of
+        # every block, backward.fused_backward).
         nb, i = self.shape.num_blocks, self.shape.intermediate_size
-        self.acts = torch.zeros(nb * t * (h + 4 * i), device=dev)
+        self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
+        self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
+        self.tp = torch.zeros(t + 1, h, device=dev)
+        self.y = torch.zeros(t + 1, h, device=dev)
+        # The forward (the prediction's, kept for the update of the same rows): per block
+        # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
+        self.acts = torch.zeros(nb * 4 * t * i, device=dev)
         # (rows_id, version, packed slots, row groups, layout) of the last prediction, whose
         # forward self.acts holds; None: none to reuse.
         self._predicted: tuple | None = None
@@ -134,7 +145,6 @@ class CudaGroupedDistiller(SlotDistiller):
         self._plan_next = 0
         self.results = ResultLog(512, capacity, self.hp.stats, dev, _pin)
         self._stats = torch.zeros(capacity, len(STATS), device=dev)
-        self._ring_idx = torch.arange(capacity, device=dev)
         self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
         self.host_waits = 0  # plan buffers the host had to wait for
         self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}
@@ -176,9 +186,15 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.results.staleness_max
 
     # -- graph bodies (fixed shapes, no host sync) ---------------------------------------
-    def _pack(self, lay: Layout, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    def _pack(
+        self, lay: Layout, src: torch.Tensor, dst: torch.Tensor, zero: bool = True
+    ) -> torch.Tensor:
+        """``src``'s rows at their packed positions in ``dst``; the other rows zero (not
+        with ``zero=False``: they keep what they held, for a buffer only read on the rows
+        the mask marks)."""
         t = self.total_rows
-        dst.zero_()
+        if zero:
+            dst.zero_()
         dst.index_copy_(0, self.plan[:t], src)
         return dst[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
 
@@ -187,8 +203,8 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w, out=None: slot_matmul(
-            x, w, gs, transpose_w, self._precision, out
+        return lambda x, w, transpose_w, out=None, add=None: slot_matmul(
+            x, w, gs, transpose_w, self._precision, out, add
         )
 
     @property
@@ -196,14 +212,17 @@ class CudaGroupedDistiller(SlotDistiller):
         return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
-        """The layout's views of :attr:`acts`: per block (h_out, a, u, s, p), ``[G, M, .]``."""
+        """The layout's views of :attr:`hs` and :attr:`acts`: per block (h_out, a, u, s, p),
+        ``[G, M, .]``."""
         h, i, t = self.shape.hidden_size, self.shape.intermediate_size, self.total_rows
-        n, out, at = lay.groups * lay.rows, [], 0
-        for _ in range(self.shape.num_blocks):
-            block = []
-            for width in (h, i, i, i, i):
-                block.append(self.acts[at : at + n * width].view(lay.groups, lay.rows, width))
-                at += t * width
+        g, m = lay.groups, lay.rows
+        out = []
+        for b in range(self.shape.num_blocks):
+            at = (b + 1) * (t + 1) * h
+            block = [self.hs[at : at + g * m * h].view(g, m, h)]
+            for j in range(4):
+                at = (4 * b + j) * t * i
+                block.append(self.acts[at : at + g * m * i].view(g, m, i))
             out.append(tuple(block))
         return out
 
@@ -211,15 +230,18 @@ class CudaGroupedDistiller(SlotDistiller):
         t, c = self.total_rows, self.capacity
         gs = self._group_slot(lay)
         sub = self.plan[2 * t + c : 2 * t + c + lay.groups]
-        lag = (sub - self.applied.index_select(0, gs.clamp(min=0))) * (gs >= 0)
-        torch.maximum(self.results.stale, lag.max(), out=self.results.stale)
+        kernels.stale_max(sub, self.applied, gs, self.results.stale)
         xp = self._pack(lay, self.stage_x, self.xp)
-        weights = block_weights(self.theta, self.shape)
-        h = forward_acts(weights, xp, self._mm(gs), out=self._act_buffers(lay))[0]
+        h = forward_slots(self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay))[0]
         if self.zero_output:
-            h = h - xp
-        flat = h.reshape(-1, h.shape[-1])
-        rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
+            flat = (h - xp).reshape(-1, h.shape[-1])
+            rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
+        else:
+            # The last block's whole output segment of hs ([T + 1, H], h its first G x M
+            # rows): the trash position T indexes it without a clamp.
+            nb, hid = self.shape.num_blocks, self.shape.hidden_size
+            flat = self.hs[nb * (t + 1) * hid :].view(t + 1, hid)
+            rows = self.plan[:t]
         self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
 
     def _train_body(self, lay: Layout, reuse: bool = False) -> None:
@@ -230,15 +252,17 @@ class CudaGroupedDistiller(SlotDistiller):
         if reuse:
             xp = self.xp[: lay.groups * lay.rows].view(lay.groups, lay.rows, -1)
             forward = saved_forward(xp, self._act_buffers(lay))
-        else:
+        else:  # the forward into the same buffers (its block inputs equally spaced)
             xp = self._pack(lay, self.stage_x, self.xp)
-            forward = None
-        tp = self._pack(lay, self.stage_t, self.tp)
+            forward = forward_slots(
+                self.theta, self.shape, xp, self._mm(gs), self._act_buffers(lay)
+            )
+        # Targets are read on the marked rows only (kernels.loss_dy): no zeroing.
+        tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
-        self.mask.zero_()
-        self.mask.index_fill_(0, self.plan[:t], True)
-        mask = self.mask[: lay.groups * lay.rows].view(lay.groups, lay.rows)
+        # The packed rows' mask came with the plan (filled on the host).
+        mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
         stats = self._stats[: lay.groups] if self.hp.stats else None
         shape, hp = self.shape, self.hp
         state = (self.theta, self.m, self.v, self.step)
@@ -247,14 +271,15 @@ class CudaGroupedDistiller(SlotDistiller):
             partial(slot_grad_adam_, precision=self._precision),
         )
         losses, ok = train_groups(
-            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward
-        )
-        ring = self.plan[2 * t + 2 * c :]
-        at = ring * c + self._ring_idx[: lay.groups]
-        self.results.losses.view(-1).index_copy_(0, at, losses)
-        self.results.ok.view(-1).index_copy_(0, at, ok.float())
+            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward,
+            precision=self._precision,
+        )  # fmt: skip
+        # Row ring[0] of the result ring, its first G columns: one indexed copy each.
+        ring, g = self.plan[2 * t + 2 * c : 2 * t + 2 * c + 1], lay.groups
+        self.results.losses[:, :g].index_copy_(0, ring, losses[None])
+        self.results.ok[:, :g].index_copy_(0, ring, ok[None].float())
         if stats is not None:
-            self.results.stats.view(-1, len(STATS)).index_copy_(0, at, stats)
+            self.results.stats[:, :g].index_copy_(0, ring, stats[None])
 
     def _body(self, kind: str) -> Callable[[Layout], None]:
         if kind == "predict":
@@ -276,9 +301,10 @@ class CudaGroupedDistiller(SlotDistiller):
         so lazy allocations, kernel compilation and the side stream's cuBLAS workspace
         happen now, inside the memory vLLM profiles, not in the first decode step."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
-            self.plan.fill_(-1)
-            self.plan[: 2 * self.total_rows].fill_(self.total_rows)
-            self.plan[-1] = 0
+            t, c = self.total_rows, self.capacity
+            self.plan.fill_(-1)  # every group padding
+            self.plan[: 2 * t].fill_(t)  # every row to the trash row
+            self.plan[2 * t + 2 * c :].fill_(0)  # ring row 0, no packed row marked
             for lay in self.layouts:
                 for kind in _KINDS:
                     self._body(kind)(lay)

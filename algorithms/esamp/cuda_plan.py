@@ -8,17 +8,21 @@ prompt) still replays a graph on the same buffers: it takes a layout with fewer,
 groups. A step whose groups fit no single layout is split into batches of groups, each a
 replay (every group still trains once, on all its rows).
 
-Plan vector, per batch (int64, ``2T + 2C + 1``; ``C`` = capacity):
+Plan vector, per batch (int64, ``2T + 2C + 1 + ceil(T / 8)``; ``C`` = capacity):
 ``pos [T]`` (each row's flat packed position; ``T`` = the trash row, for rows not in the
 batch), ``dest [T]`` (the output row it is unpacked to; ``T`` = trash), ``group_slot [C]``
 (``-1``: padding group), ``submitted [C]`` (updates submitted for each group's slot, for the
-staleness measurement), ``ring_row [1]`` (where the update writes its results)."""
+staleness measurement), ``ring_row [1]`` (where the update writes its results), then the
+packed rows' mask, one byte per packed position (``T`` bytes in ``ceil(T / 8)`` words,
+:func:`plan_mask`: the update reads it as a bool tensor, nothing to compute on the
+device)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,16 @@ def fill_plan(
     gs[:k] = group_slots[batch.groups]
     sub[:k] = submitted[batch.groups]
     out[2 * total + 2 * capacity] = ring_row
+    mask = out[2 * total + 2 * capacity + 1 :].view(np.uint8)[:total]
+    mask.fill(0)
+    mask[pos[:n][mine]] = 1
 
 
 def plan_size(total: int, capacity: int) -> int:
-    return 2 * total + 2 * capacity + 1
+    return 2 * total + 2 * capacity + 1 + -(-total // 8)
+
+
+def plan_mask(plan: torch.Tensor, total: int, capacity: int) -> torch.Tensor:
+    """The packed rows' mask ``[T]`` (bool) in a plan vector (a view: no copy)."""
+    start = 8 * (2 * total + 2 * capacity + 1)
+    return plan.view(torch.uint8)[start : start + total].view(torch.bool)

@@ -1,9 +1,13 @@
 """The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
 (the CUDA path replays it; the CPU path uses :mod:`algorithms.esamp.host_trainer`). The
-backward is written out (:mod:`algorithms.esamp.backward`); each weight matrix's clipped
+backward is written out (:mod:`algorithms.esamp.backward`) in a few fused kernels
+(:mod:`algorithms.esamp.kernels`: loss and its gradient, per block the elementwise backward
+with the Gram-matrix norm, the clip / finite check / step counts); each weight's clipped
 gradient is formed inside its Adam step (:mod:`algorithms.esamp.slot_ops`, Triton on CUDA),
-so no gradient is ever written to memory. Runs on any device: the CPU tests check it against
-the CPU trainer.
+so no gradient is ever written to memory, and one Adam launch covers the same matrix of
+every block. On the kept forward the whole update is 9 launches at 2 blocks. Runs on any
+device (CPU: the kernels' PyTorch reference): the CPU tests check it against the CPU
+trainer's math.
 
 Over the step's groups only: packed group ``g`` trains slot ``group_slot[g]`` (``-1``: a
 padding group) directly in the stacked state, so nothing is gathered or scattered and slots
@@ -16,11 +20,11 @@ from functools import partial
 
 import torch
 
-from algorithms.esamp.adam import adam_stats, clip_scale
-from algorithms.esamp.backward import backward_factors
-from algorithms.esamp.mlp import Activations, forward_acts
-from algorithms.esamp.objective import loss_denominator
-from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
+from algorithms.esamp import kernels
+from algorithms.esamp.adam import CLIP_EPS, adam_stats
+from algorithms.esamp.backward import factor_weights, fused_backward
+from algorithms.esamp.mlp import Activations, forward_slots
+from algorithms.esamp.params import AdamHyper, DistillerShape
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
 
@@ -39,6 +43,7 @@ def train_groups(
     stats: torch.Tensor | None = None,
     ops=None,
     forward: tuple[torch.Tensor, Activations] | None = None,
+    precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Adam step for every packed group with rows, written in place into its slot.
 
@@ -52,44 +57,61 @@ def train_groups(
     ``ops``: the slot operations (default :mod:`~algorithms.esamp.slot_ops`; the Triton ones
     on CUDA). ``forward``: :func:`~algorithms.esamp.mlp.forward_acts` of these parameters
     on ``xp``, already computed (the CUDA prediction's, kept for its update: the weights are
-    then not read for a forward). Returns ``(losses [G], updated [G])``.
+    then not read for a forward). ``precision``: the Gram products' of the gradient norm
+    (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`). Returns ``(losses [G], updated
+    [G])``.
+
+    Launches: the forward (unless given; :func:`~algorithms.esamp.mlp.forward_slots`), one
+    for the loss and its gradient, per block the product with ``down``, the elementwise
+    backward with its share of the norm (:func:`~algorithms.esamp.backward.fused_backward`)
+    and (but the first block) the gradient carried to its input, one for norm / finite
+    check / clip / step counts, and two Adam kernels (gate and up of every block, down of
+    every block; per block where the activations are not equally spaced buffers).
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
         gs = group_slot
-        idx = gs.clamp(min=0)
         slot_mm = partial(_mm, mm, gs)
-        weights = block_weights(theta, shape)
-        h, acts = forward_acts(weights, xp, slot_mm) if forward is None else forward
-        diff = torch.where(mask[..., None], h - tp, 0.0)
-        counts = mask.sum(1)
-        denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
-        losses = diff.square().sum((1, 2)) / denom
-        factors, sq = backward_factors(
-            weights, acts, diff.mul_((2.0 / denom)[:, None, None]), slot_mm
-        )
-        norm = sq.sqrt()
-        valid = (gs >= 0) & (counts > 0)
-        # Both finite (x * 0 is 0 for finite x, NaN for inf and NaN): 4 launches where two
-        # isfinite make 10.
-        ok = valid & (losses * 0 + norm * 0 == 0)
-        scale = clip_scale(norm, hp)
-        step.index_add_(0, idx, ok.to(step.dtype))
-        wv = [block_weights(t, shape) for t in (theta, m, v)]
+        if forward is None:
+            forward = forward_slots(theta, shape, xp, slot_mm)
+        h, acts = forward
+        # Allocated here: the graph's pool on CUDA (nothing per replay).
+        g_n, rows, hidden = xp.shape
+        loss_parts = xp.new_empty(g_n, loss_parts_for(hidden))
+        dys = xp.new_empty(shape.num_blocks, g_n, rows, hidden)  # each block's output grad
+        kernels.loss_dy(h, tp, mask, loss_parts, dys[-1], reduction=hp.loss_reduction)
+        factors, parts = fused_backward(theta, shape, acts, dys, slot_mm, precision)
+        ok = torch.empty(g_n, dtype=torch.bool, device=xp.device)
+        losses, scale, norm = (xp.new_empty(g_n) for _ in range(3))
+        kernels.update_tail(
+            loss_parts, parts, gs, mask, step, applied, losses, ok, scale, norm,
+            grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
+        )  # fmt: skip
         for blk, k, a_f, b_f in factors:
-            w, mm_, vv = (x[blk][k] for x in wv)
+            w, mm_, vv = (factor_weights(t, shape, blk, k) for t in (theta, m, v))
             grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
         if stats is not None and hp.stats:
+            idx = gs.clamp(min=0)
             mo, vo = (t.index_select(0, idx).float() for t in (m, v))
             st = adam_stats(mo, vo, step[idx], norm, hp)
             stats.copy_(torch.where(ok[:, None], st, float("nan")))
-        if applied is not None:
-            applied.index_add_(0, idx, valid.to(applied.dtype))
     return losses, ok
 
 
-def _mm(mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool):
-    return mm(x, w, group_slot, transpose_w)
+# Hidden columns per program of the loss kernel (a group's loss in that many parts), so
+# that a few long groups still spread over the GPU.
+LOSS_CHUNK = 256
+
+
+def loss_parts_for(hidden: int) -> int:
+    """Columns of the loss parts for groups of hidden size ``hidden``."""
+    return max(1, -(-hidden // LOSS_CHUNK))
+
+
+def _mm(
+    mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool, **kw
+) -> torch.Tensor:
+    return mm(x, w, group_slot, transpose_w, **kw)
 
 
 def train_dense(

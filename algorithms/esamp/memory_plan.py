@@ -14,11 +14,11 @@ vocabulary):
   with ``cuda_adam_moments`` bfloat16; the step) ``+ S * 8`` (update counter) ``+ P * 4``
   (the init template);
 - packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
-  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ (T+1)`` (mask)
-  ``+ 8 * (2T + 2S + 1)`` (the row plan) ``+`` the result ring ``N*S*(8 [+16 with
-  optimizer_stats]) + S*(16 + 8) + 8`` (``N`` = 512 update rows) ``+ NB * T*(H + 4I) * 4``
-  (the prediction's forward, each block's output and four activations, kept for the update
-  of the same rows);
+  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ 8 * (2T + 2S
+  + 1 + ceil(T/8))`` (the row plan and the packed rows' mask) ``+`` the result ring ``N*S*(8 [+16 with
+  optimizer_stats]) + S*16 + 8`` (``N`` = 512 update rows) ``+ NB * ((T+1)*H + 4T*I) * 4``
+  (the forward, each block's output and four activations: the prediction's is kept for the
+  update of the same rows);
 - update workspace (the graphs' shared pool): activations ``S*M*((3 + 3NB) H + 9NB I) * 4``
   (no gradient is materialised: it is formed inside the Adam kernel);
 - the side stream's cuBLAS and cuBLASLt workspaces (``2 x 32 MiB``, torch's default on sm90
@@ -186,9 +186,10 @@ def packed_buffer_bytes(
 ) -> int:
     """The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact)."""
     h, s, t = hidden, slots, total_rows
-    ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * (16 + 8) + 8
-    acts = num_blocks * t * (h + 4 * intermediate) * 4
-    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + (t + 1) + 8 * (2 * t + 2 * s + 1) + ring + acts
+    ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * 16 + 8
+    acts = num_blocks * ((t + 1) * h + 4 * t * intermediate) * 4
+    plan = 8 * (2 * t + 2 * s + 1 + -(-t // 8))
+    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + acts
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

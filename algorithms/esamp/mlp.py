@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from algorithms.esamp import kernels
 from algorithms.esamp.params import DistillerShape, block_weights
 
 # Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
@@ -85,3 +86,78 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
     """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
     return forward_acts(block_weights(theta, shape), xp)[0]
+
+
+def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tensor]:
+    """Per block, gate and up of every row of ``theta [B, P]`` (or ``m``/``v``) as one view
+    ``[B, 2, I, H]`` (index 0: gate, 1: up; the flat layout keeps them ``NB x I x H`` apart),
+    so that a product or an Adam step of both is one launch."""
+    b, n = theta.shape[0], shape.block_numel
+    nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
+    both = theta[:, : 2 * n].view(b, 2, nb, i, h)
+    return [both[:, :, k] for k in range(nb)]
+
+
+def stack_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``[B, N, ...]`` view holding the ``N`` tensors ``parts`` (each ``[B, ...]``) when they
+    are equally strided views of one buffer at equally spaced, increasing offsets (then an
+    operation on it is one launch over all of them); None otherwise."""
+    first = parts[0]
+    step = parts[1].storage_offset() - first.storage_offset() if len(parts) > 1 else 1
+    same = all(
+        t.shape == first.shape
+        and t.stride() == first.stride()
+        and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and t.storage_offset() - first.storage_offset() == k * step
+        for k, t in enumerate(parts)
+    )
+    if not (same and step > 0):
+        return None
+    size = (first.shape[0], len(parts), *first.shape[1:])
+    return first.as_strided(
+        size, (first.stride(0), step, *first.stride()[1:]), first.storage_offset()
+    )
+
+
+def pair_view(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``[B, 2, M, I]`` view holding ``a`` and ``u`` (same shape and strides, one storage,
+    ``u`` after ``a``): a product writing both at once writes them."""
+    both = stack_view([a, u])
+    if both is None:
+        raise ValueError("a and u must be equally strided views of one buffer, u after a")
+    return both
+
+
+def forward_slots(
+    theta: torch.Tensor,
+    shape: DistillerShape,
+    xp: torch.Tensor,
+    mm: MatMul,
+    out: ActBuffers | None = None,
+) -> tuple[torch.Tensor, Activations]:
+    """:func:`forward_acts` in fewer launches, for a ``mm`` that takes ``[S, 2, ., .]``
+    weights and an ``add=`` (the slot-indexed product, :func:`algorithms.esamp.slot_ops.
+    slot_matmul`): per block ``a`` and ``u`` in one product over gate and up
+    (:func:`gate_up_pairs`), ``s`` and ``p`` in one :func:`~algorithms.esamp.kernels.
+    silu_mul`, and ``h + p @ down^T`` in one product. On CPU the same values as
+    :func:`forward_acts` bit for bit (on CUDA the Triton products may split K differently:
+    fp32 rounding). ``out``: as :func:`forward_acts` (``a`` and ``u`` of a block must then
+    form a :func:`pair_view`); without it every block's output and activations are views
+    of two new buffers, equally spaced across blocks (:func:`stack_view`)."""
+    pairs = gate_up_pairs(theta, shape)
+    downs = [w[2] for w in block_weights(theta, shape)]
+    if out is None:
+        g, rows, hid = xp.shape
+        nb, i = shape.num_blocks, shape.intermediate_size
+        outs = xp.new_empty(nb, g, rows, hid)
+        inner = xp.new_empty(nb, 4, g, rows, i)  # a, u, s, p: each contiguous
+        out = [(outs[b], *inner[b].unbind(0)) for b in range(nb)]
+    acts = []
+    h = xp
+    for b, (gu, down) in enumerate(zip(pairs, downs, strict=True)):
+        h_out, a, u, s, p = out[b]
+        mm(h, gu, True, out=pair_view(a, u))
+        kernels.silu_mul(a, u, s, p)
+        acts.append((h, a, u, s, p))
+        h = mm(p, down, True, out=h_out, add=h)
+    return h, acts

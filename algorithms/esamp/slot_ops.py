@@ -26,16 +26,22 @@ def slot_matmul(
     transpose_w: bool,
     precision: str = "ieee",
     out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x[g] @ w[group_slot[g]]^T`` (``w [S, N, K]``) or, with ``transpose_w=False``,
     ``x[g] @ w[group_slot[g]]`` (``w [S, K, N]``); ``x [G, M, K]``; padding groups give 0.
-    ``precision``: the product's (``"ieee"`` or ``"tf32"``); ``out``: written there (else
-    a new tensor)."""
+    With ``w [S, E, ., .]`` (e.g. :func:`~algorithms.esamp.mlp.gate_up_pairs`): one product
+    per matrix ``[G, E, M, N]`` from a shared ``x``, or, with ``x [G, E, M, K]``, their sum
+    ``[G, M, N]``. ``add``: added to the result (:func:`algorithms.esamp.kernels.slot_matmul`).
+    ``precision``: the product's (``"ieee"`` or ``"tf32"``); ``out``: written there (else a
+    new tensor)."""
     if out is None:
-        n = w.shape[1] if transpose_w else w.shape[2]
-        out = torch.empty(x.shape[0], x.shape[1], n, device=x.device, dtype=torch.float32)
+        n = w.shape[-2] if transpose_w else w.shape[-1]
+        per_matrix = w.dim() == 4 and x.dim() == 3
+        lead = (x.shape[0], w.shape[1]) if per_matrix else (x.shape[0],)
+        out = torch.empty(*lead, x.shape[-2], n, device=x.device, dtype=torch.float32)
     return kernels.slot_matmul(
-        x, w, group_slot, out, transpose_w=transpose_w, input_precision=precision
+        x, w, group_slot, out, transpose_w=transpose_w, input_precision=precision, add=add
     )
 
 

@@ -19,11 +19,25 @@ import torch
 
 from algorithms.esamp.kernels import reference
 from algorithms.esamp.kernels.checks import (
+    check_block_backward,
     check_candidate_dot,
     check_grad_adam,
+    check_loss_dy,
+    check_silu_mul,
     check_slot_matmul,
+    check_stale_max,
+    check_update_tail,
 )
-from algorithms.esamp.kernels.traffic import candidate_dot_bytes, grad_adam_bytes, slot_matmul_bytes
+from algorithms.esamp.kernels.traffic import (
+    block_backward_bytes,
+    candidate_dot_bytes,
+    grad_adam_bytes,
+    loss_dy_bytes,
+    silu_mul_bytes,
+    slot_matmul_bytes,
+    stale_max_bytes,
+    update_tail_bytes,
+)
 
 log = logging.getLogger("tllm")
 
@@ -35,10 +49,28 @@ _LIB.define(
 )
 _LIB.define(
     "slot_matmul(Tensor x, Tensor w, Tensor group_slot, Tensor(a!) out, bool transpose_w=True, "
-    "str input_precision='ieee', int split_k=0) -> ()"
+    "str input_precision='ieee', int split_k=0, Tensor? add=None) -> ()"
 )
 _LIB.define(
     "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
+)
+_LIB.define(
+    "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) parts, Tensor(b!) dy, "
+    "str reduction) -> ()"
+)
+_LIB.define(
+    "block_backward(Tensor dp, Tensor a, Tensor u, Tensor s, Tensor p, Tensor h_in, "
+    "Tensor dy, Tensor(a!) du, Tensor(b!) da, Tensor(c!) parts, "
+    "str input_precision='ieee') -> ()"
+)
+_LIB.define(
+    "update_tail(Tensor loss_parts, Tensor parts, Tensor group_slot, Tensor mask, "
+    "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) losses, Tensor(d!) ok, "
+    "Tensor(e!) scale, Tensor(f!) norm, float grad_clip, float clip_eps) -> ()"
+)
+_LIB.define("silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()")
+_LIB.define(
+    "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
 )
 
 
@@ -85,22 +117,23 @@ def _grad_adam_cuda(
 
 
 def _slot_matmul_reference(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
-    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
-    reference.slot_matmul(x, w, group_slot, out, transpose_w)
+    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k, add)
+    reference.slot_matmul(x, w, group_slot, out, transpose_w, add)
 
 
 def _slot_matmul_cuda(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
+    args = (x, w, group_slot, out, transpose_w, input_precision, split_k, add)
     if not triton_available():
         _warn_no_triton()
-        return _slot_matmul_reference(x, w, group_slot, out, transpose_w, input_precision, split_k)
+        return _slot_matmul_reference(*args)
     from algorithms.esamp.kernels import triton_impl
 
-    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
-    triton_impl.slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k)
+    check_slot_matmul(*args)
+    triton_impl.slot_matmul(*args)
 
 
 def _candidate_dot_reference(weight, f, rows, tokens, out) -> None:
@@ -118,6 +151,85 @@ def _candidate_dot_cuda(weight, f, rows, tokens, out) -> None:
     triton_impl.candidate_dot(weight, f, rows, tokens, out)
 
 
+def _loss_dy_reference(h, tp, mask, parts, dy, reduction) -> None:
+    check_loss_dy(h, tp, mask, parts, dy, reduction)
+    per_row = float(h.shape[2]) if reduction == "mean" else 1.0
+    reference.loss_dy(h, tp, mask, parts, dy, per_row)
+
+
+def _loss_dy_cuda(h, tp, mask, parts, dy, reduction) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _loss_dy_reference(h, tp, mask, parts, dy, reduction)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_loss_dy(h, tp, mask, parts, dy, reduction)
+    triton_impl.loss_dy(h, tp, mask, parts, dy, reduction)
+
+
+def _block_backward_reference(
+    dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee"
+) -> None:
+    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    reference.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts)
+
+
+def _block_backward_cuda(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _block_backward_reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+    triton_impl.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
+
+
+def _update_tail_reference(*args) -> None:
+    check_update_tail(*args)
+    reference.update_tail(*args)
+
+
+def _update_tail_cuda(*args) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _update_tail_reference(*args)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_update_tail(*args)
+    triton_impl.update_tail(*args)
+
+
+def _silu_mul_reference(a, u, s, p) -> None:
+    check_silu_mul(a, u, s, p)
+    reference.silu_mul(a, u, s, p)
+
+
+def _silu_mul_cuda(a, u, s, p) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _silu_mul_reference(a, u, s, p)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_silu_mul(a, u, s, p)
+    triton_impl.silu_mul(a, u, s, p)
+
+
+def _stale_max_reference(submitted, applied, group_slot, stale) -> None:
+    check_stale_max(submitted, applied, group_slot, stale)
+    if submitted.shape[0]:
+        reference.stale_max(submitted, applied, group_slot, stale)
+
+
+def _stale_max_cuda(submitted, applied, group_slot, stale) -> None:
+    if not triton_available():
+        _warn_no_triton()
+        return _stale_max_reference(submitted, applied, group_slot, stale)
+    from algorithms.esamp.kernels import triton_impl
+
+    check_stale_max(submitted, applied, group_slot, stale)
+    triton_impl.stale_max(submitted, applied, group_slot, stale)
+
+
 def _nothing(*args, **kwargs) -> None:
     return None
 
@@ -126,6 +238,11 @@ for _name, _cpu, _cuda in (
     ("grad_adam", _grad_adam_reference, _grad_adam_cuda),
     ("slot_matmul", _slot_matmul_reference, _slot_matmul_cuda),
     ("candidate_dot", _candidate_dot_reference, _candidate_dot_cuda),
+    ("loss_dy", _loss_dy_reference, _loss_dy_cuda),
+    ("block_backward", _block_backward_reference, _block_backward_cuda),
+    ("update_tail", _update_tail_reference, _update_tail_cuda),
+    ("silu_mul", _silu_mul_reference, _silu_mul_cuda),
+    ("stale_max", _stale_max_reference, _stale_max_cuda),
 ):
     _LIB.impl(_name, _cpu, "CPU")
     _LIB.impl(_name, _cuda, "CUDA")
@@ -136,22 +253,54 @@ for _name, _cpu, _cuda in (
 # What each call moves, for byte counters that go by operator (tllm_core.testing.fake_cuda):
 # its arguments hold every slot's weights or the whole head, of which it reads a part.
 def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwargs) -> int:
-    groups, rows, n = a.shape
-    return grad_adam_bytes(groups, rows, n, b.shape[-1], m.element_size(), w.element_size())
+    groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
+    e = w.shape[1] if w.dim() == 4 else 1
+    b_mats = b.shape[1] if b.dim() == 4 else 1
+    return grad_adam_bytes(
+        groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, b_matrices=b_mats
+    )
 
 
-def _slot_matmul_traffic(x, w, group_slot, out, *args, **kwargs) -> int:
-    groups, rows, k = x.shape
-    return slot_matmul_bytes(groups, rows, out.shape[-1], k)
+def _slot_matmul_traffic(
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
+) -> int:
+    groups, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
+    e = w.shape[1] if w.dim() == 4 else 1
+    return slot_matmul_bytes(
+        groups, rows, out.shape[-1], k, e,
+        shared_x=x.dim() == 3, summed=out.dim() == 3, add=add is not None,
+    )  # fmt: skip
 
 
 def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:
     return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
 
 
+def _loss_dy_traffic(h, tp, mask, parts, *args, **kwargs) -> int:
+    return loss_dy_bytes(*h.shape, parts.shape[1])
+
+
+def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kwargs) -> int:
+    groups, rows, inter = dp.shape
+    return block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
+
+
+def _update_tail_traffic(
+    loss_parts, parts, group_slot, mask, step, applied, *args, **kwargs
+) -> int:
+    groups, rows = mask.shape
+    cols = loss_parts.shape[1] + parts.shape[1]
+    return update_tail_bytes(groups, rows, cols, applied is not None)
+
+
 for _name, _traffic in (
     ("grad_adam", _grad_adam_traffic),
     ("slot_matmul", _slot_matmul_traffic),
     ("candidate_dot", _candidate_dot_traffic),
+    ("loss_dy", _loss_dy_traffic),
+    ("block_backward", _block_backward_traffic),
+    ("update_tail", _update_tail_traffic),
+    ("silu_mul", lambda a, *args, **kwargs: silu_mul_bytes(a.numel())),
+    ("stale_max", lambda submitted, *args, **kwargs: stale_max_bytes(submitted.shape[0])),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from algorithms.esamp.kernels.checks import check_precision
+from algorithms.esamp.kernels.checks import NORM_TILE_ROWS, check_precision
 
 
 def _grad_adam_kernel(
@@ -38,19 +38,25 @@ def _grad_adam_kernel(
     M,
     N,
     K,
+    E_B,  # b's matrices: matrix e uses b[:, e % E_B] (1: shared)
     s_ag,
+    s_ae,
     s_am,
     s_an,
     s_bg,
+    s_be,
     s_bm,
     s_bk,
     s_ws,
+    s_we,
     s_wn,
     s_wk,
     s_ms,
+    s_me,
     s_mn,
     s_mk,
     s_vs,
+    s_ve,
     s_vn,
     s_vk,
     lr,
@@ -71,6 +77,7 @@ def _grad_adam_kernel(
     # registers, then Adam on it, reading and writing each element of w, m, v once.
     tile = tl.program_id(0)
     g = tl.program_id(1)
+    e = tl.program_id(2)  # which matrix of the slot
     slot = tl.load(slot_ptr + g).to(tl.int64)
     ok = tl.load(ok_ptr + g)
     if (slot < 0) | (ok == 0):
@@ -80,8 +87,8 @@ def _grad_adam_kernel(
     offs_k = (tile % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     in_n = offs_n < N
     in_k = offs_k < K
-    a_base = a_ptr + g.to(tl.int64) * s_ag
-    b_base = b_ptr + g.to(tl.int64) * s_bg
+    a_base = a_ptr + g.to(tl.int64) * s_ag + e * s_ae
+    b_base = b_ptr + g.to(tl.int64) * s_bg + (e % E_B) * s_be
 
     # grad tile = a[g][:, n]^T @ b[g][:, k]; M (rows) padded to BLOCK_M by masked loads.
     acc = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
@@ -109,9 +116,9 @@ def _grad_adam_kernel(
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
 
     mask = in_n[:, None] & in_k[None, :]
-    w_ptrs = w_ptr + slot * s_ws + offs_n[:, None] * s_wn + offs_k[None, :] * s_wk
-    m_ptrs = m_ptr + slot * s_ms + offs_n[:, None] * s_mn + offs_k[None, :] * s_mk
-    v_ptrs = v_ptr + slot * s_vs + offs_n[:, None] * s_vn + offs_k[None, :] * s_vk
+    w_ptrs = w_ptr + slot * s_ws + e * s_we + offs_n[:, None] * s_wn + offs_k[None, :] * s_wk
+    m_ptrs = m_ptr + slot * s_ms + e * s_me + offs_n[:, None] * s_mn + offs_k[None, :] * s_mk
+    v_ptrs = v_ptr + slot * s_vs + e * s_ve + offs_n[:, None] * s_vn + offs_k[None, :] * s_vk
     w = tl.load(w_ptrs, mask=mask)
     m = tl.load(m_ptrs, mask=mask).to(tl.float32)
     v = tl.load(v_ptrs, mask=mask).to(tl.float32)
@@ -125,59 +132,83 @@ def _grad_adam_kernel(
 
 
 def _slot_matmul_kernel(
-    x_ptr,  # [G, M, K] fp32
-    w_ptr,  # [S, ., .] fp32: element (k, n) of slot s at s * s_ws + k * s_wk + n * s_wn
+    x_ptr,  # [G, E, M, K] fp32 (s_xe 0: one x for every e)
+    w_ptr,  # [S, E, ., .] fp32: element (k, n) of slot s, matrix e at s * s_ws + e * s_we + ...
     slot_ptr,  # [G] int
-    out_ptr,  # [G, M, N] fp32
+    out_ptr,  # [G, E, M, N] fp32 ([G, M, N] with REDUCE_E: the sum over e)
+    add_ptr,  # [G, M, N] fp32, added to out (HAS_ADD; else a placeholder, never read)
     M,
     N,
     K,
+    E,
     s_xg,
+    s_xe,
     s_xm,
     s_xk,
     s_ws,
+    s_we,
     s_wk,
     s_wn,
     s_og,
+    s_oe,
     s_om,
     s_on,
+    s_cg,
+    s_cm,
+    s_cn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    REDUCE_E: tl.constexpr,
+    HAS_ADD: tl.constexpr,
 ):
-    # One [BLOCK_M, BLOCK_N] tile of out[g], over every SPLIT_K-th BLOCK_K chunk of K (with
-    # SPLIT_K > 1 the partial sums are added atomically into a zeroed out).
+    # One [BLOCK_M, BLOCK_N] tile of out[g] (of matrix e, or summed over every e), over every
+    # SPLIT_K-th BLOCK_K chunk of K (with SPLIT_K > 1 the partial sums are added atomically
+    # into a zeroed out; the addend by part 0).
     tile = tl.program_id(0)
     g = tl.program_id(1)
-    part = tl.program_id(2)
+    part = tl.program_id(2) % SPLIT_K
+    e_out = tl.program_id(2) // SPLIT_K
     tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     offs_m = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m = offs_m < M
     in_n = offs_n < N
     slot = tl.load(slot_ptr + g).to(tl.int64)
-    k_end = tl.where(slot >= 0, K, 0)  # a padding group reads nothing and writes zeros
-    x_base = x_ptr + g.to(tl.int64) * s_xg
-    w_base = w_ptr + tl.maximum(slot, 0) * s_ws
+    k_end = tl.where(slot >= 0, K, 0)  # a padding group reads no weights: its product is 0
+    if REDUCE_E:
+        e_lo = 0
+        e_hi = E
+    else:
+        e_lo = e_out
+        e_hi = e_out + 1
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for k0 in range(part * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        in_k = offs_k < K
-        xt = tl.load(
-            x_base + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
-            mask=in_m[:, None] & in_k[None, :],
-            other=0.0,
-        )
-        wt = tl.load(
-            w_base + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn,
-            mask=in_k[:, None] & in_n[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
-    o_ptrs = out_ptr + g.to(tl.int64) * s_og + offs_m[:, None] * s_om + offs_n[None, :] * s_on
+    for e in range(e_lo, e_hi):
+        x_base = x_ptr + g.to(tl.int64) * s_xg + e * s_xe
+        w_base = w_ptr + tl.maximum(slot, 0) * s_ws + e * s_we
+        for k0 in range(part * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            in_k = offs_k < K
+            xt = tl.load(
+                x_base + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
+                mask=in_m[:, None] & in_k[None, :],
+                other=0.0,
+            )
+            wt = tl.load(
+                w_base + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn,
+                mask=in_k[:, None] & in_n[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
     mask = in_m[:, None] & in_n[None, :]
+    if HAS_ADD:
+        if part == 0:
+            c_ptrs = add_ptr + g.to(tl.int64) * s_cg + offs_m[:, None] * s_cm
+            acc += tl.load(c_ptrs + offs_n[None, :] * s_cn, mask=mask, other=0.0)
+    o_ptrs = out_ptr + g.to(tl.int64) * s_og + e_out * s_oe + offs_m[:, None] * s_om
+    o_ptrs = o_ptrs + offs_n[None, :] * s_on
     if SPLIT_K == 1:
         tl.store(o_ptrs, acc, mask=mask)
     else:
@@ -221,12 +252,374 @@ def _candidate_dot_kernel(
     tl.store(out_ptr + offs_p * s_out, dots, mask=in_p)
 
 
+def _loss_dy_kernel(
+    h_ptr,  # [G, M, H] fp32
+    t_ptr,  # [G, M, H] fp32
+    mask_ptr,  # [G, M] bool as uint8
+    parts_ptr,  # [G, L] fp32: the loss's share of each program
+    dy_ptr,  # [G, M, H] fp32
+    M,
+    H,
+    CHUNK,  # hidden columns per program
+    s_hg,
+    s_hm,
+    s_hh,
+    s_tg,
+    s_tm,
+    s_th,
+    s_mg,
+    s_mm,
+    s_dg,
+    s_dm,
+    s_dh,
+    s_pg,
+    s_pl,
+    per_row,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # Columns [l * CHUNK, (l + 1) * CHUNK) of one group: its row count (the denominator),
+    # then diff = h - t on its rows, summed squared into the loss part and scaled into dy
+    # (0 on the rows not marked).
+    part = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    cnt = tl.full((BLOCK_M,), 0.0, tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        live = tl.load(mask_ptr + g * s_mg + offs_m * s_mm, mask=offs_m < M, other=0)
+        cnt += (live != 0).to(tl.float32)
+    denom = tl.maximum(tl.reduce(cnt, 0, tl.standard._sum_combine) * per_row, 1.0)
+    coef = 2.0 / denom
+    h_lo = part * CHUNK
+    h_hi = tl.minimum(h_lo + CHUNK, H)
+    acc = tl.full((BLOCK_M, BLOCK_H), 0.0, tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        in_m = offs_m < M
+        live = tl.load(mask_ptr + g * s_mg + offs_m * s_mm, mask=in_m, other=0) != 0
+        for h0 in range(h_lo, h_hi, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            inside = in_m[:, None] & (offs_h < h_hi)[None, :]
+            use = inside & live[:, None]
+            hv = tl.load(
+                h_ptr + g * s_hg + offs_m[:, None] * s_hm + offs_h[None, :] * s_hh,
+                mask=use,
+                other=0.0,
+            )
+            tv = tl.load(
+                t_ptr + g * s_tg + offs_m[:, None] * s_tm + offs_h[None, :] * s_th,
+                mask=use,
+                other=0.0,
+            )
+            diff = tl.where(use, hv - tv, 0.0)
+            acc += diff * diff
+            d_ptrs = dy_ptr + g * s_dg + offs_m[:, None] * s_dm + offs_h[None, :] * s_dh
+            tl.store(d_ptrs, diff * coef, mask=inside)
+    total = tl.reduce(tl.reduce(acc, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    tl.store(parts_ptr + g * s_pg + part * s_pl, total / denom)
+
+
+def _block_backward_kernel(
+    dp_ptr,  # [G, M, I] fp32, and a, u, s, p the same shape
+    a_ptr,
+    u_ptr,
+    s_ptr,
+    p_ptr,
+    hin_ptr,  # [G, M, H] fp32, and dy
+    dy_ptr,
+    du_ptr,  # [G, M, I] fp32 out, and da
+    da_ptr,
+    parts_ptr,  # [G, T] fp32 out
+    M,
+    INTER,
+    HID,
+    SPLIT_H,  # programs per row-tile pair, each over a share of H
+    s_dpg,
+    s_dpm,
+    s_dpi,
+    s_ag,
+    s_am,
+    s_ai,
+    s_ug,
+    s_um,
+    s_ui,
+    s_sg,
+    s_sm,
+    s_si,
+    s_pg,
+    s_pm,
+    s_pi,
+    s_hg,
+    s_hm,
+    s_hh,
+    s_yg,
+    s_ym,
+    s_yh,
+    s_dug,
+    s_dum,
+    s_dui,
+    s_dag,
+    s_dam,
+    s_dai,
+    s_tg,
+    s_tt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    # One (row tile ti, row tile tj) pair of one group and one share k of H: that tile of
+    # the Gram matrices du du^T + da da^T and p p^T (over all of I) and of h_in h_in^T and
+    # dy dy^T (over the share), reduced to the group's norm part: the sum is linear in the
+    # H Grams, so the shares' parts add up to the pair's. du and da are formed for both
+    # tiles and stored by the diagonal pair's first share (each row once).
+    col = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    if col >= tiles_m * tiles_m * SPLIT_H:
+        tl.store(parts_ptr + g * s_tg + col * s_tt, 0.0)
+        return
+    tile = col // SPLIT_H
+    share = col % SPLIT_H
+    ti = tile // tiles_m
+    tj = tile % tiles_m
+    h_chunk = (HID + SPLIT_H - 1) // SPLIT_H
+    h_lo = share * h_chunk
+    h_hi = tl.minimum(h_lo + h_chunk, HID)
+    ri = ti * BLOCK_M + tl.arange(0, BLOCK_M)
+    rj = tj * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_i = ri < M
+    in_j = rj < M
+    acc_g = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    acc_p = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    for c0 in range(0, INTER, BLOCK_I):
+        offs_c = c0 + tl.arange(0, BLOCK_I)
+        in_c = offs_c < INTER
+        mi = in_i[:, None] & in_c[None, :]
+        mj = in_j[:, None] & in_c[None, :]
+        # Rows of tile i.
+        dp = tl.load(
+            dp_ptr + g * s_dpg + ri[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mi, other=0.0
+        )
+        av = tl.load(
+            a_ptr + g * s_ag + ri[:, None] * s_am + offs_c[None, :] * s_ai, mask=mi, other=0.0
+        )
+        uv = tl.load(
+            u_ptr + g * s_ug + ri[:, None] * s_um + offs_c[None, :] * s_ui, mask=mi, other=0.0
+        )
+        sv = tl.load(
+            s_ptr + g * s_sg + ri[:, None] * s_sm + offs_c[None, :] * s_si, mask=mi, other=0.0
+        )
+        pi = tl.load(
+            p_ptr + g * s_pg + ri[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mi, other=0.0
+        )
+        du_i = dp * sv
+        sig = 1.0 / (1.0 + tl.exp(-av))
+        da_i = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        if (ti == tj) & (share == 0):
+            tl.store(
+                du_ptr + g * s_dug + ri[:, None] * s_dum + offs_c[None, :] * s_dui, du_i, mask=mi
+            )
+            tl.store(
+                da_ptr + g * s_dag + ri[:, None] * s_dam + offs_c[None, :] * s_dai, da_i, mask=mi
+            )
+        # Rows of tile j (the same rows on the diagonal: read again from cache).
+        dp = tl.load(
+            dp_ptr + g * s_dpg + rj[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mj, other=0.0
+        )
+        av = tl.load(
+            a_ptr + g * s_ag + rj[:, None] * s_am + offs_c[None, :] * s_ai, mask=mj, other=0.0
+        )
+        uv = tl.load(
+            u_ptr + g * s_ug + rj[:, None] * s_um + offs_c[None, :] * s_ui, mask=mj, other=0.0
+        )
+        sv = tl.load(
+            s_ptr + g * s_sg + rj[:, None] * s_sm + offs_c[None, :] * s_si, mask=mj, other=0.0
+        )
+        pj = tl.load(
+            p_ptr + g * s_pg + rj[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mj, other=0.0
+        )
+        du_j = dp * sv
+        sig = 1.0 / (1.0 + tl.exp(-av))
+        da_j = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        acc_g = tl.dot(du_i, tl.trans(du_j), acc_g, input_precision=INPUT_PRECISION)
+        acc_g = tl.dot(da_i, tl.trans(da_j), acc_g, input_precision=INPUT_PRECISION)
+        acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
+    acc_h = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    acc_y = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    for c0 in range(h_lo, h_hi, BLOCK_H):
+        offs_c = c0 + tl.arange(0, BLOCK_H)
+        in_c = offs_c < h_hi
+        mi = in_i[:, None] & in_c[None, :]
+        mj = in_j[:, None] & in_c[None, :]
+        hi = tl.load(
+            hin_ptr + g * s_hg + ri[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mi, other=0.0
+        )
+        hj = tl.load(
+            hin_ptr + g * s_hg + rj[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mj, other=0.0
+        )
+        yi = tl.load(
+            dy_ptr + g * s_yg + ri[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mi, other=0.0
+        )
+        yj = tl.load(
+            dy_ptr + g * s_yg + rj[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mj, other=0.0
+        )
+        acc_h = tl.dot(hi, tl.trans(hj), acc_h, input_precision=INPUT_PRECISION)
+        acc_y = tl.dot(yi, tl.trans(yj), acc_y, input_precision=INPUT_PRECISION)
+    prod = acc_y * acc_p + acc_g * acc_h
+    part = tl.reduce(tl.reduce(prod, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    tl.store(parts_ptr + g * s_tg + col * s_tt, part)
+
+
+def _update_tail_kernel(
+    lparts_ptr,  # [G, L] fp32: loss parts
+    parts_ptr,  # [G, K] fp32: squared-norm parts
+    slot_ptr,  # [G] int
+    mask_ptr,  # [G, M] bool as uint8
+    step_ptr,  # [S] fp32 (in/out)
+    applied_ptr,  # [S] int64 (in/out; unused without HAS_APPLIED)
+    ok_ptr,  # [G] bool as uint8 (out)
+    scale_ptr,  # [G] fp32 (out)
+    norm_ptr,  # [G] fp32 (out)
+    loss_ptr,  # [G] fp32 (out)
+    G,
+    L,
+    K,
+    M,
+    s_lg,
+    s_ll,
+    s_pg,
+    s_pk,
+    s_slot,
+    s_mg,
+    s_mm,
+    s_step,
+    s_app,
+    s_ok,
+    s_scale,
+    s_norm,
+    s_loss,
+    grad_clip,
+    clip_eps,
+    BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_CLIP: tl.constexpr,
+    HAS_APPLIED: tl.constexpr,
+):
+    # BLOCK_G groups: norm, ok, clip scale, and their slots' step (and applied) counts.
+    offs_g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    in_g = offs_g < G
+    sq = tl.full((BLOCK_G,), 0.0, tl.float32)
+    for k in range(0, K):
+        sq += tl.load(parts_ptr + offs_g * s_pg + k * s_pk, mask=in_g, other=0.0)
+    norm = tl.sqrt_rn(sq)
+    cnt = tl.full((BLOCK_G, BLOCK_M), 0, tl.int32)
+    for m0 in range(0, M, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        live = tl.load(
+            mask_ptr + offs_g[:, None] * s_mg + offs_m[None, :] * s_mm,
+            mask=in_g[:, None] & (offs_m < M)[None, :],
+            other=0,
+        )
+        cnt += (live != 0).to(tl.int32)
+    rows = tl.reduce(cnt, 1, tl.standard._sum_combine)
+    slot = tl.load(slot_ptr + offs_g * s_slot, mask=in_g, other=-1).to(tl.int64)
+    loss = tl.full((BLOCK_G,), 0.0, tl.float32)
+    for j in range(0, L):
+        loss += tl.load(lparts_ptr + offs_g * s_lg + j * s_ll, mask=in_g, other=0.0)
+    tl.store(loss_ptr + offs_g * s_loss, loss, mask=in_g)
+    valid = (slot >= 0) & (rows > 0)
+    # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).
+    ok = valid & (loss * 0.0 + norm * 0.0 == 0.0)
+    if HAS_CLIP:
+        scale = tl.div_rn(grad_clip, norm + clip_eps)
+        scale = tl.where(scale > 1.0, 1.0, scale)
+    else:
+        scale = tl.full((BLOCK_G,), 1.0, tl.float32)
+    tl.store(ok_ptr + offs_g * s_ok, ok.to(tl.uint8), mask=in_g)
+    tl.store(scale_ptr + offs_g * s_scale, scale, mask=in_g)
+    tl.store(norm_ptr + offs_g * s_norm, norm, mask=in_g)
+    # A slot is in at most one group: no two lanes touch the same count.
+    has = in_g & (slot >= 0)
+    at = tl.maximum(slot, 0)
+    step = tl.load(step_ptr + at * s_step, mask=has, other=0.0)
+    tl.store(step_ptr + at * s_step, step + ok.to(tl.float32), mask=has)
+    if HAS_APPLIED:
+        done = tl.load(applied_ptr + at * s_app, mask=has, other=0)
+        tl.store(applied_ptr + at * s_app, done + valid.to(tl.int64), mask=has)
+
+
+def _silu_mul_kernel(
+    a_ptr,  # [G, M, I] fp32, and u, s (out), p (out)
+    u_ptr,
+    s_ptr,
+    p_ptr,
+    M,
+    INTER,
+    s_ag,
+    s_am,
+    s_ai,
+    s_ug,
+    s_um,
+    s_ui,
+    s_sg,
+    s_sm,
+    s_si,
+    s_pg,
+    s_pm,
+    s_pi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+):
+    # One [BLOCK_M, BLOCK_I] tile of one group: s = silu(a) = a / (1 + exp(-a)), p = s * u.
+    g = tl.program_id(1).to(tl.int64)
+    tiles_i = (INTER + BLOCK_I - 1) // BLOCK_I
+    offs_m = (tl.program_id(0) // tiles_i) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = (tl.program_id(0) % tiles_i) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_m < M)[:, None] & (offs_i < INTER)[None, :]
+    rows, cols = offs_m[:, None], offs_i[None, :]
+    a = tl.load(a_ptr + g * s_ag + rows * s_am + cols * s_ai, mask=mask, other=0.0)
+    u = tl.load(u_ptr + g * s_ug + rows * s_um + cols * s_ui, mask=mask, other=0.0)
+    s = tl.div_rn(a, 1.0 + tl.exp(-a))
+    tl.store(s_ptr + g * s_sg + rows * s_sm + cols * s_si, s, mask=mask)
+    tl.store(p_ptr + g * s_pg + rows * s_pm + cols * s_pi, s * u, mask=mask)
+
+
+def _stale_max_kernel(
+    sub_ptr,  # [G] int64
+    applied_ptr,  # [S] int64
+    slot_ptr,  # [G] int
+    stale_ptr,  # [1] int64 (in/out)
+    G,
+    s_sub,
+    s_app,
+    s_slot,
+    BLOCK_G: tl.constexpr,
+):
+    # One program: the largest lag submitted - applied over the groups with a slot.
+    old = tl.load(stale_ptr)
+    acc = tl.full((BLOCK_G,), 0, tl.int64) + old
+    for g0 in range(0, G, BLOCK_G):
+        offs = g0 + tl.arange(0, BLOCK_G)
+        slot = tl.load(slot_ptr + offs * s_slot, mask=offs < G, other=-1).to(tl.int64)
+        live = (offs < G) & (slot >= 0)
+        sub = tl.load(sub_ptr + offs * s_sub, mask=live, other=0)
+        done = tl.load(applied_ptr + tl.maximum(slot, 0) * s_app, mask=live, other=0)
+        acc = tl.maximum(acc, tl.where(live, sub - done, old))
+    tl.store(stale_ptr, tl.reduce(acc, 0, tl.standard._elementwise_max))
+
+
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
     return SimpleNamespace(
         grad_adam=triton.jit(_grad_adam_kernel),
         slot_matmul=triton.jit(_slot_matmul_kernel),
         candidate_dot=triton.jit(_candidate_dot_kernel),
+        loss_dy=triton.jit(_loss_dy_kernel),
+        block_backward=triton.jit(_block_backward_kernel),
+        update_tail=triton.jit(_update_tail_kernel),
+        silu_mul=triton.jit(_silu_mul_kernel),
+        stale_max=triton.jit(_stale_max_kernel),
     )
 
 
@@ -297,22 +690,28 @@ def grad_adam_launch(
     """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
     :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
     check_precision(input_precision)
-    groups, rows, n = a.shape
-    k = b.shape[2]
-    if groups == 0 or n == 0 or k == 0:
+    # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared by
+    # all (3 dims) or cycle over fewer matrices than E.
+    w, m, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (w, m, v))
+    e = w.shape[1]
+    a = a if a.dim() == 4 else a.unsqueeze(1)
+    b = b if b.dim() == 4 else b.unsqueeze(1)
+    groups, _, rows, n = a.shape
+    k = b.shape[3]
+    if groups == 0 or n == 0 or k == 0 or e == 0:
         return None
     if ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
     args = (
         a, b, scale, group_slot, ok, step, w, m, v,
-        rows, n, k,
+        rows, n, k, b.shape[1],
         *a.stride(), *b.stride(), *w.stride(), *m.stride(), *v.stride(),
         lr, beta1, beta2, eps, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
     )  # fmt: skip
     consts = dict(
         BLOCK_M=_rows_block(rows), BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=input_precision
     )
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups)
+    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups, e)
     return Launch("grad_adam", grid, args, consts, num_warps)
 
 
@@ -339,6 +738,7 @@ def slot_matmul_launch(
     transpose_w: bool = True,
     input_precision: str = "ieee",
     split_k: int = 0,
+    add: torch.Tensor | None = None,
     *,
     block_n: int = 64,
     block_k: int = 64,
@@ -351,21 +751,29 @@ def slot_matmul_launch(
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
-    groups, rows, k = x.shape
-    n = out.shape[2]
+    w4 = w if w.dim() == 4 else w.unsqueeze(1)
+    e = w4.shape[1]
+    x4 = x if x.dim() == 4 else x.unsqueeze(1).expand(x.shape[0], e, *x.shape[1:])
+    reduce_e = out.dim() == 3 and w.dim() == 4
+    o4 = out.unsqueeze(1) if out.dim() == 3 else out
+    groups, _, rows, k = x4.shape
+    n = o4.shape[3]
     if groups == 0 or rows == 0 or n == 0 or k == 0:
         return None
     block_m = _rows_block(rows)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
     if split_k == 0:
-        split_k = auto_split_k(tiles * groups, k, block_k, x.device)
-    # w[s] as a [K, N] operand: transpose_w reads w [S, N, K] with its strides swapped.
-    s_ws, s_w1, s_w2 = w.stride()
+        outputs = 1 if reduce_e else e
+        split_k = auto_split_k(tiles * groups * outputs, k, block_k, x.device)
+    # w[s, e] as a [K, N] operand: transpose_w reads w [S, E, N, K] with its strides swapped.
+    s_ws, s_we, s_w1, s_w2 = w4.stride()
     s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
+    c = add if add is not None else out
+    s_c = c.stride()[-3:] if add is not None else (0, 0, 0)
     args = (
-        x, w, group_slot, out,
-        rows, n, k,
-        *x.stride(), s_ws, s_wk, s_wn, *out.stride(),
+        x4, w4, group_slot, o4, c,
+        rows, n, k, e,
+        *x4.stride(), s_ws, s_we, s_wk, s_wn, *o4.stride(), *s_c,
     )  # fmt: skip
     consts = dict(
         BLOCK_M=block_m,
@@ -373,8 +781,11 @@ def slot_matmul_launch(
         BLOCK_K=block_k,
         SPLIT_K=split_k,
         INPUT_PRECISION=input_precision,
+        REDUCE_E=reduce_e,
+        HAS_ADD=add is not None,
     )
-    return Launch("slot_matmul", (tiles, groups, split_k), args, consts, num_warps)
+    grid = (tiles, groups, split_k * (1 if reduce_e else e))
+    return Launch("slot_matmul", grid, args, consts, num_warps)
 
 
 def slot_matmul(
@@ -387,10 +798,14 @@ def slot_matmul(
     **kwargs: Any,
 ) -> None:
     """Run the slot-indexed grouped matmul (arguments as :func:`slot_matmul_launch`);
-    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K."""
+    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K (then
+    ``out`` is the addend, if any)."""
     launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
     if launch is None or launch.constexprs["SPLIT_K"] > 1:
         out.zero_()
+        add = kwargs.get("add", args[3] if len(args) > 3 else None)
+        if launch is None and add is not None:
+            out.copy_(add)
     if launch is not None:
         launch.run(kernels)
 
@@ -424,5 +839,208 @@ def candidate_dot_launch(
 def candidate_dot(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
     """Run the candidate dot kernel (arguments as :func:`candidate_dot_launch`)."""
     launch = candidate_dot_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def _bool_bytes(t: torch.Tensor) -> torch.Tensor:
+    # Triton loads bool pointers as int1; the same bytes as uint8.
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def loss_dy_launch(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    parts: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+    *,
+    block_h: int = 128,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The loss + dy kernel's launch: per group one program per column of ``parts``, each
+    over an equal share of the hidden columns (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
+    groups, rows, hidden = h.shape
+    if groups == 0:
+        return None
+    per_row = float(hidden) if reduction == "mean" else 1.0
+    block_m = min(16, triton.next_power_of_2(max(rows, 1)))
+    chunk = triton.cdiv(hidden, parts.shape[1])
+    args = (
+        h, tp, _bool_bytes(mask), parts, dy,
+        rows, hidden, chunk,
+        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), *parts.stride(),
+        per_row,
+    )  # fmt: skip
+    consts = dict(BLOCK_M=block_m, BLOCK_H=block_h)
+    return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
+
+
+def loss_dy(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the loss + dy kernel (arguments as :func:`loss_dy_launch`)."""
+    launch = loss_dy_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def block_backward_launch(
+    dp: torch.Tensor,
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    h_in: torch.Tensor,
+    dy: torch.Tensor,
+    du: torch.Tensor,
+    da: torch.Tensor,
+    parts: torch.Tensor,
+    input_precision: str = "ieee",
+    *,
+    block_m: int | None = None,
+    block_i: int = 32,
+    block_h: int = 64,
+    num_warps: int | None = None,
+) -> Launch | None:
+    """The block backward kernel's launch: per group one program per column of ``parts``:
+    each pair of row tiles over as many shares of H as the columns allow (at most one per
+    ``block_h`` columns of H), the columns past them written 0. Arguments as
+    :func:`algorithms.esamp.kernels.block_backward`; the caller has checked them."""
+    check_precision(input_precision)
+    groups, rows, _ = dp.shape
+    if groups == 0:
+        return None
+    block_m = block_m or min(NORM_TILE_ROWS, _rows_block(rows))
+    # Four [block_m, block_m] Gram tiles live across the loops: more warps for larger tiles
+    # (compiled for sm_90 without spills).
+    num_warps = num_warps or (4 if block_m <= 16 else 8)
+    tiles = triton.cdiv(max(rows, 1), block_m) ** 2
+    if tiles > parts.shape[1]:
+        raise ValueError(
+            f"parts has {parts.shape[1]} columns, {tiles} row-tile pairs need one each"
+        )
+    hidden = h_in.shape[2]
+    split_h = max(1, min(parts.shape[1] // tiles, triton.cdiv(hidden, block_h)))
+    args = (
+        dp, a, u, s, p, h_in, dy, du, da, parts,
+        rows, dp.shape[2], hidden, split_h,
+        *dp.stride(), *a.stride(), *u.stride(), *s.stride(), *p.stride(),
+        *h_in.stride(), *dy.stride(), *du.stride(), *da.stride(), *parts.stride(),
+    )  # fmt: skip
+    consts = dict(
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_H=block_h, INPUT_PRECISION=input_precision
+    )
+    return Launch("block_backward", (parts.shape[1], groups), args, consts, num_warps)
+
+
+def block_backward(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the block backward kernel (arguments as :func:`block_backward_launch`)."""
+    launch = block_backward_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def update_tail_launch(
+    loss_parts: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    losses: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+    *,
+    block_g: int = 64,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The update tail kernel's launch (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
+    groups, rows = mask.shape
+    if groups == 0:
+        return None
+    has_applied = applied is not None
+    app = applied if has_applied else step  # a placeholder pointer, never read
+    args = (
+        loss_parts, parts, group_slot, _bool_bytes(mask), step, app, _bool_bytes(ok), scale,
+        norm, losses,
+        groups, loss_parts.shape[1], parts.shape[1], rows,
+        *loss_parts.stride(), *parts.stride(), group_slot.stride(0), *mask.stride(),
+        step.stride(0), app.stride(0), ok.stride(0), scale.stride(0), norm.stride(0),
+        losses.stride(0),
+        float(grad_clip), float(clip_eps),
+    )  # fmt: skip
+    consts = dict(
+        BLOCK_G=block_g,
+        BLOCK_M=min(64, triton.next_power_of_2(max(rows, 1))),
+        HAS_CLIP=grad_clip >= 0,
+        HAS_APPLIED=has_applied,
+    )
+    return Launch("update_tail", (triton.cdiv(groups, block_g),), args, consts, num_warps)
+
+
+def update_tail(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the update tail kernel (arguments as :func:`update_tail_launch`)."""
+    launch = update_tail_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def silu_mul_launch(
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_i: int = 128,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
+    :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
+    groups, rows, inter = a.shape
+    if groups == 0 or rows == 0 or inter == 0:
+        return None
+    args = (a, u, s, p, rows, inter, *a.stride(), *u.stride(), *s.stride(), *p.stride())
+    tiles = triton.cdiv(rows, block_m) * triton.cdiv(inter, block_i)
+    consts = dict(BLOCK_M=block_m, BLOCK_I=block_i)
+    return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
+
+
+def silu_mul(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the SwiGLU activation kernel (arguments as :func:`silu_mul_launch`)."""
+    launch = silu_mul_launch(*args, **kwargs)
+    if launch is not None:
+        launch.run(kernels)
+
+
+def stale_max_launch(
+    submitted: torch.Tensor,
+    applied: torch.Tensor,
+    group_slot: torch.Tensor,
+    stale: torch.Tensor,
+    *,
+    block_g: int = 64,
+    num_warps: int = 1,
+) -> Launch | None:
+    """The staleness kernel's launch, one program (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""
+    groups = submitted.shape[0]
+    if groups == 0:
+        return None
+    args = (
+        submitted, applied, group_slot, stale,
+        groups, submitted.stride(0), applied.stride(0), group_slot.stride(0),
+    )  # fmt: skip
+    return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
+
+
+def stale_max(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+    """Run the staleness kernel (arguments as :func:`stale_max_launch`)."""
+    launch = stale_max_launch(*args, **kwargs)
     if launch is not None:
         launch.run(kernels)

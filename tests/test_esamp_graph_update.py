@@ -1,0 +1,322 @@
+"""The update graph's body (``graph_update.train_groups`` with ``mlp.forward_slots`` and
+``backward.fused_backward``) as a whole: on CPU against the written-out reference it
+replaced (``forward_acts`` + ``backward_factors``, the CPU trainer's math), and with every
+kernel run as the Triton kernel under Triton's interpreter against the same body on the CPU
+ops: padding groups, masked rows and a group with a non-finite loss, whose slot keeps its
+state bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from algorithms.esamp import backward, graph_update, mlp
+from algorithms.esamp.adam import clip_scale
+from algorithms.esamp.backward import backward_factors
+from algorithms.esamp.mlp import (
+    batched_mm,
+    forward_acts,
+    forward_slots,
+    pair_view,
+)
+from algorithms.esamp.objective import loss_denominator
+from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
+from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
+
+SHAPE = DistillerShape(hidden_size=24, intermediate_size=9)  # 2 blocks
+SLOTS, ROWS = 4, 5
+GROUP_SLOT = (2, -1, 0, 3)  # group 1: padding; slot 1 in no group
+COUNTS = (5, 0, 3, 4)
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _state(seed: int = 0) -> list[torch.Tensor]:
+    theta = torch.stack([init_params(SHAPE, "paper", seed=s) for s in range(SLOTS)])
+    gen = torch.Generator().manual_seed(seed)
+    m = 0.01 * torch.randn(theta.shape, generator=gen)
+    v = 0.001 * torch.rand(theta.shape, generator=gen)
+    return [theta, m, v, torch.tensor([3.0, 1.0, 2.0, 5.0])]
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.arange(ROWS)[None, :] < torch.tensor(COUNTS)[:, None]
+    xp = torch.randn(len(COUNTS), ROWS, SHAPE.hidden_size, generator=gen) * mask[..., None]
+    tp = torch.randn(len(COUNTS), ROWS, SHAPE.hidden_size, generator=gen)
+    tp[0, 4] = float("nan")  # a marked row of group 0: its loss is not finite
+    tp[2, 4] = float("nan")  # an unmarked row of group 2: ignored
+    return xp, tp, mask
+
+
+def _slot_weights(theta: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each group's weights (zeros for a padding group): the dense form of the slots."""
+    rows = torch.stack([theta[max(s, 0)] * (s >= 0) for s in GROUP_SLOT])
+    return block_weights(rows, SHAPE)
+
+
+def test_forward_slots_equals_forward_acts_bit_for_bit():
+    """On the CPU ops: the paired forward (into fresh tensors and into act buffers at an odd
+    offset, a and u one pair view) equals the plain forward of each group's weights."""
+    theta = _state()[0]
+    xp, _, _ = _rows(1)
+    gs = torch.tensor(GROUP_SLOT)
+
+    def mm(x, w, transpose_w, out=None, add=None):
+        return slot_matmul(x, w, gs, transpose_w, out=out, add=add)
+
+    h_ref, acts_ref = forward_acts(_slot_weights(theta), xp, batched_mm)
+    h, acts = forward_slots(theta, SHAPE, xp, mm)
+    g, i, hid = len(GROUP_SLOT), SHAPE.intermediate_size, SHAPE.hidden_size
+    flat = torch.full((7 + 2 * g * ROWS * (hid + 4 * i),), float("nan"))
+    bufs, at = [], 7
+    for _ in range(2):
+        block = []
+        for width in (hid, i, i, i, i):
+            block.append(flat[at : at + g * ROWS * width].view(g, ROWS, width))
+            at += g * ROWS * width
+        bufs.append(tuple(block))
+    h_kept, acts_kept = forward_slots(theta, SHAPE, xp, mm, out=bufs)
+    assert torch.equal(h, h_ref) and torch.equal(h_kept, h_ref)
+    for got in (acts, acts_kept):
+        for blk, ref in zip(got, acts_ref, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
+    with pytest.raises(ValueError, match="equally strided views of one buffer"):
+        pair_view(bufs[0][2], bufs[0][1])  # u before a
+
+
+def _reference_update(state, xp, tp, mask, hp):
+    """The update written out as before the fused kernels (forward_acts, backward_factors,
+    torch's finite check and clip; a per-group fused Adam on the formed gradient)."""
+    theta, m, v, step = state
+    gs = torch.tensor(GROUP_SLOT)
+    weights = _slot_weights(theta)
+    h, acts = forward_acts(weights, xp)
+    diff = torch.where(mask[..., None], h - tp, 0.0)
+    denom = loss_denominator(mask.sum(1), SHAPE.hidden_size, hp.loss_reduction)
+    losses = diff.square().sum((1, 2)) / denom
+    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
+    norm = sq.sqrt()
+    ok = (gs >= 0) & mask.any(1) & torch.isfinite(losses) & torch.isfinite(norm)
+    scale = clip_scale(norm, hp)
+    for g, s in enumerate(GROUP_SLOT):
+        if not ok[g]:
+            continue
+        step[s] += 1
+        views = [[w[0] for blk in block_weights(t[s][None], SHAPE) for w in blk] for t in state[:3]]
+        for blk, k, a_f, b_f in factors:
+            j = 3 * blk + k
+            grad = scale[g] * a_f[g].T @ b_f[g]
+            torch._fused_adam_(
+                [views[0][j]], [grad], [views[1][j]], [views[2][j]], [], [step[s]],
+                lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=0.0,
+                eps=hp.eps, amsgrad=False, maximize=False,
+            )  # fmt: skip
+    return losses, ok
+
+
+def _stacked_forward(theta: torch.Tensor, xp: torch.Tensor, mm) -> tuple:
+    """The forward as the CUDA path keeps it: the packed inputs and every block's output in
+    one buffer (block inputs equally spaced), a, u, s, p of every block in another; the
+    packed inputs are a copy of ``xp`` there."""
+    nb, (g, rows, hid), i = SHAPE.num_blocks, xp.shape, SHAPE.intermediate_size
+    hs = torch.zeros(nb + 1, g, rows, hid)
+    hs[0] = xp
+    inner = torch.zeros(nb, 4, g, rows, i)
+    bufs = [(hs[b + 1], *inner[b].unbind(0)) for b in range(nb)]
+    return forward_slots(theta, SHAPE, hs[0], mm, out=bufs)
+
+
+class _Counted:
+    """A slot op that counts its calls."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_train_groups_equals_the_written_out_update(reduction, stacked):
+    """Own forward: down of both blocks in one Adam call, gate and up one per block (the
+    inputs are not equally spaced); the forward kept as the CUDA path keeps it: two Adam
+    calls in all."""
+    hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction)
+    ours, ref = _state(), _state()
+    before = [t.clone() for t in ours]
+    applied = torch.zeros(SLOTS, dtype=torch.long)
+    gs = torch.tensor(GROUP_SLOT)
+    adam = _Counted(slot_grad_adam_)
+    ops = (slot_matmul, adam)
+    for seed in range(2):
+        xp, tp, mask = _rows(seed)
+        fwd = None
+        if stacked:
+            fwd = _stacked_forward(
+                ours[0], xp, lambda x, w, t, **kw: slot_matmul(x, w, gs, t, **kw)
+            )
+        losses, ok = graph_update.train_groups(
+            *ours, gs, xp, tp, mask, SHAPE, hp, applied, ops=ops, forward=fwd
+        )
+        want_losses, want_ok = _reference_update(ref, xp, tp, mask, hp)
+        assert ok.tolist() == want_ok.tolist() == [False, False, True, True]
+        torch.testing.assert_close(losses[2:], want_losses[2:], rtol=1e-6, atol=0)
+    for x, y in zip(ours, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+    for t, old in zip(ours, before, strict=True):
+        for s in (1, 2):  # in no group; group 0's slot (non-finite loss)
+            assert torch.equal(t[s], old[s])
+    assert applied.tolist() == [2, 0, 2, 2]  # group 0 processed (skipped), padding not
+    assert adam.calls == 2 * (2 if stacked else 3)
+
+
+@pytest.fixture(scope="module")
+def interpreted_ops() -> SimpleNamespace:
+    """``algorithms.esamp.kernels``' calls of the update, each the Triton kernel under the
+    interpreter (small tiles: several per matrix, ragged edges)."""
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        jit = triton_impl.jit_kernels()
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+    def loss_dy(*args, reduction):
+        triton_impl.loss_dy(*args, reduction, kernels=jit, block_h=16)
+
+    def block_backward(*args, input_precision="ieee"):
+        triton_impl.block_backward(
+            *args, input_precision, kernels=jit, block_i=8, block_h=16
+        )  # fmt: skip
+
+    def update_tail(*args, grad_clip, clip_eps):
+        clip = -1.0 if grad_clip is None else grad_clip
+        triton_impl.update_tail(*args, clip, clip_eps, kernels=jit, block_g=2)
+
+    def mm(x, w, gs, transpose_w, out=None, add=None):
+        if out is None:
+            out = slot_matmul(x, w, gs, transpose_w)  # the shape (values overwritten)
+        triton_impl.slot_matmul(
+            x, w, gs, out, transpose_w, "ieee", 2, add, kernels=jit, block_n=16, block_k=16
+        )
+        return out
+
+    def adam(w, m, v, a, b, gs, step, ok, scale, hp):
+        triton_impl.grad_adam(
+            a, b, scale, gs, ok, step, w, m, v, hp.lr, *hp.betas, hp.eps,
+            kernels=jit, block_n=8, block_k=16,
+        )  # fmt: skip
+
+    kernels = SimpleNamespace(
+        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
+        loss_dy=loss_dy,
+        block_backward=block_backward,
+        update_tail=update_tail,
+        norm_parts=norm_parts,
+        INPUT_PRECISIONS=INPUT_PRECISIONS,
+    )
+    return SimpleNamespace(kernels=kernels, ops=(mm, adam))
+
+
+def _slot_mm(ops, gs, x, w, transpose_w, **kw):
+    return ops.ops[0](x, w, gs, transpose_w, **kw)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
+def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(
+    interpreted_ops, monkeypatch, stacked
+):
+    hp = AdamHyper(lr=1e-2, grad_clip=0.05)
+    ours, ref = _state(), _state()
+    before = [t.clone() for t in ours]
+    applied = [torch.zeros(SLOTS, dtype=torch.long) for _ in range(2)]
+    gs = torch.tensor(GROUP_SLOT)
+    for seed in range(2):
+        xp, tp, mask = _rows(seed)
+        want = graph_update.train_groups(*ref, gs, xp, tp, mask, SHAPE, hp, applied[1])
+        with monkeypatch.context() as mp:
+            for module in (graph_update, backward, mlp):
+                mp.setattr(module, "kernels", interpreted_ops.kernels)
+            fwd = None
+            if stacked:
+                fwd = _stacked_forward(
+                    ours[0], xp, functools.partial(_slot_mm, interpreted_ops, gs)
+                )
+            got = graph_update.train_groups(
+                *ours, gs, xp, tp, mask, SHAPE, hp, applied[0], ops=interpreted_ops.ops,
+                forward=fwd,
+            )  # fmt: skip
+        assert got[1].tolist() == want[1].tolist() == [False, False, True, True]
+        torch.testing.assert_close(got[0][2:], want[0][2:], rtol=1e-5, atol=0)
+    for x, y in zip(ours, ref, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    for t, old in zip(ours, before, strict=True):
+        for s in (1, 2):
+            assert torch.equal(t[s], old[s])
+    assert torch.equal(applied[0], applied[1])
+    assert not torch.equal(ours[0][0], before[0][0])  # a live slot did move
+
+
+def test_the_cuda_prediction_measures_a_missed_update(monkeypatch):
+    """The CUDA distiller's prediction graph (CPU stubs, kernels.stale_max) sees an update
+    submitted for its slot and not yet applied: the host counts one more than the device
+    applied (as if the update were still queued), the prediction measures lag 1."""
+    from cuda_stubs import install
+
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+
+    install(monkeypatch)
+    d = CudaGroupedDistiller(24, device="cpu", intermediate_size=9, capacity=3, graph_max_rows=4)
+    a, b = d.alloc(), d.alloc()
+    x = torch.randn(4, 24)
+    d.train_step(torch.tensor([a, a, b, b]), x, x + 1)
+    d.predict(torch.tensor([a, b]), x[:2])
+    assert d.results.stale.tolist() == [0]  # the device maximum (CPU here)
+    d._submitted[b] += 1  # an update of b submitted, not applied
+    d.predict(torch.tensor([a, b, b]), x[:3])
+    assert d.results.stale.tolist() == [1]
+    d.train_step(torch.tensor([a]), x[:1], x[:1])  # the next result copy carries it
+    d.synchronize()
+    assert d.staleness_max() == 1
+
+
+def test_the_cuda_update_logs_losses_ok_and_stats_like_the_cpu_distiller(monkeypatch):
+    """The update graph writes each group's loss, ok and optimizer statistics into its row of
+    the result ring (CPU stubs): read back, they equal the CPU distiller's for the same
+    steps; a group with a non-finite target is not ok and has NaN statistics."""
+    from cuda_stubs import install
+
+    from algorithms.esamp.cpu import GroupedDistiller
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+
+    install(monkeypatch)
+    kw = dict(intermediate_size=9, lr=1e-2, capacity=3, optimizer_stats=True)
+    cpu = GroupedDistiller(24, **kw)
+    gpu = CudaGroupedDistiller(24, device="cpu", graph_max_rows=4, **kw)
+    slots = [cpu.alloc() for _ in range(3)]
+    assert [gpu.alloc() for _ in range(3)] == slots
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.tensor([slots[0]] * 3 + [slots[2]] * 2 + [slots[1]])
+    for step in range(3):
+        x, t = torch.randn(6, 24, generator=gen), torch.randn(6, 24, generator=gen)
+        if step == 1:
+            t[5, 0] = float("nan")  # slot 1's group: skipped
+        a, b = cpu.train_step(rows, x, t), gpu.train_step(rows, x, t)
+        gpu.synchronize()
+        assert a.slots.tolist() == b.slots.tolist()
+        assert b.updated.tolist() == a.updated.tolist() == [True, step != 1, True]
+        torch.testing.assert_close(b.losses, a.losses, rtol=1e-5, atol=1e-6, equal_nan=True)
+        torch.testing.assert_close(b.stats, a.stats, rtol=1e-3, atol=1e-6, equal_nan=True)
+        assert b.stats[1].isnan().all() == (step == 1)
