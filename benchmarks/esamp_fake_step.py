@@ -223,6 +223,8 @@ def run_ordered(
                         for req in before.requests[:n]:
                             c.on_request_finished(req)
                     step(t, before if t < half else after)
+            # Counted from the results and sums that came back during the steps.
+            counted = c.counters.snapshot()
             c.result()  # the closing flush (teardown: its host wait is expected)
             races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
             waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
@@ -239,6 +241,9 @@ def run_ordered(
         "host_waits": waits,
         "accesses_checked": accesses,
         "updates_reusing_prediction": reused,
+        "counted_in_the_run": {
+            k: counted.get(k, 0) for k in ("optimizer_steps", "groups_created", "groups_freed")
+        },
     }
 
 

@@ -24,7 +24,10 @@ a kernel argument on CUDA and is not flagged, nor are Python numbers); ``allocat
 operation output that is new device storage, factories included; inside a graph capture it
 is the graph's pool: counted in construction); ``first_cublas`` (a matrix product on a
 stream that had none before the steps began: its cuBLAS workspace is allocated then; the
-default stream counts as used). Each finding names the first frame outside torch and this
+default stream counts as used); ``race``, only with ``FakeCuda(order=True)``: two accesses to
+the same device or pinned host bytes from two streams (or a stream and the host), one a
+write, that no wait orders (:mod:`.fake_cuda_order`; a failure in every phase). Each
+finding names the first frame outside torch and this
 package; the code goes on with ones for whatever it reads back (masks all True, so
 value-dependent shapes are their maximum), so one run reports every finding.
 
@@ -47,6 +50,8 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -57,10 +62,25 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from tllm_core.testing import fake_cuda_stubs as stubs
 from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
-from tllm_core.testing.fake_cuda_order import Site, StreamOrder, outside_site, site_parts
+from tllm_core.testing.fake_cuda_order import Site, StreamOrder, site_parts
 
 KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas", "race")
 PHASES = ("construction", "steps", "teardown")
+
+# Frames never named in a finding: torch, this package, and contextlib (stub context managers).
+_SKIP = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(__file__) + os.sep,
+    contextlib.__file__,
+)
+
+
+def _site() -> Site:
+    """The (code, line) of the first frame outside torch and this package."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f = f.f_back
+    return None if f is None else (f.f_code, f.f_lineno)
 
 
 @dataclass
@@ -137,6 +157,7 @@ class FakeCuda:
             self.order = StreamOrder(
                 self.is_pinned,
                 lambda what, site: self._flag("race", what, site),
+                _site,
                 self.default_stream.stream_id,
             )
 
@@ -231,7 +252,7 @@ class FakeCuda:
                 self._step[key] += n
 
     def _flag(self, kind: str, what: str, site: Site = None) -> None:
-        file, line, function = site_parts(site or outside_site())
+        file, line, function = site_parts(site or _site())
         in_capture = self._capture is not None
         key = (self.phase, kind, what, file, line, in_capture)
         with self._lock:

@@ -14,9 +14,7 @@ replay makes them again on the replaying stream. What is not modelled: docs/fake
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType
@@ -36,20 +34,6 @@ Clock = dict[int, int]
 Site = tuple[CodeType, int] | None
 # A storage: ("device", StorageImpl address) or ("pinned", host address).
 Key = tuple[str, int]
-
-_SKIP = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(__file__) + os.sep,
-    contextlib.__file__,  # the stubs' context managers
-)
-
-
-def outside_site() -> Site:
-    """The (code, line) of the first frame outside torch and this package."""
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP):
-        f = f.f_back
-    return None if f is None else (f.f_code, f.f_lineno)
 
 
 def site_parts(site: Site) -> tuple[str, int, str]:
@@ -104,15 +88,19 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 class StreamOrder:
     """The clocks and the accesses of one :class:`FakeCuda` (which calls these methods from
-    its stubs and its dispatch mode). ``report(what, site)`` is called once per race."""
+    its stubs and its dispatch mode). ``report(what, site)`` is called once per race;
+    ``site()`` says where the code under test is (the first frame outside torch and the
+    fake)."""
 
     def __init__(
         self,
         is_pinned: Callable[[torch.Tensor], bool],
         report: Callable[[str, Site], None],
+        site: Callable[[], Site],
         default_stream_id: int,
     ) -> None:
         self._is_pinned = is_pinned
+        self._site = site
         self._report = report
         self._default = default_stream_id
         self._clocks: dict[int, Clock] = {HOST: {HOST: 0}}
@@ -217,7 +205,7 @@ class StreamOrder:
             if key is None:
                 continue
             if site is None:
-                site = outside_site()
+                site = self._site()
             lo, hi = _span(t)
             if self._capture is not None and on_device:
                 if key not in self._capture_fresh:
@@ -268,6 +256,6 @@ class StreamOrder:
     def replay(self, graph: Any) -> None:
         """The captured accesses, made again on the current stream."""
         ctx = torch.cuda.current_stream().stream_id
-        site = outside_site()
+        site = self._site()
         for key, lo, hi, written, captured in getattr(graph, "order_accesses", ()):
             self._access(ctx, key, lo, hi, written, site, captured)
