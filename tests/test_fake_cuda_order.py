@@ -106,6 +106,21 @@ def test_one_stream_and_the_host_are_ordered_by_enqueue():
     assert _races(fc) == []
 
 
+def test_new_storage_has_no_history_and_an_empty_one_no_write():
+    """``torch.empty`` on the main stream then filled on the side stream: nothing to order
+    (the allocation writes nothing); ``torch.zeros`` writes, so its first use elsewhere waits."""
+    with FakeCuda(order=True) as fc:
+        side = torch.cuda.Stream()
+        with fc.step():
+            e = torch.empty(8, device=fc.device)
+            z = torch.zeros(8, device=fc.device)
+            with torch.cuda.stream(side):
+                e.fill_(1)
+                z.fill_(1)
+    ((line, what),) = _races(fc)
+    assert line.endswith("z.fill_(1)") and "earlier write on the default stream" in what
+
+
 @pytest.mark.parametrize("settle", ["query", "synchronize", None])
 def test_a_pinned_buffer_rewritten_while_its_copy_may_be_in_flight(settle):
     """The host refills a pinned buffer while the copy from it may not have run: only an

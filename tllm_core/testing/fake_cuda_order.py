@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from tllm_core.testing.fake_cuda_checker import NO_DATA
+
 HOST = -1  # the host's context; a stream's is its stream_id
 # Past this many accesses kept per storage, the oldest are dropped (a race with one of
 # them is then missed; a step touches each buffer a few times).
@@ -180,9 +182,11 @@ class StreamOrder:
     def operation(self, on_device: bool, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """An aten operation: its tensor arguments are read (and written where the schema
         says so), its outputs that alias no argument are new storage, written. ``on_device``:
-        it runs on the current stream (else on the host)."""
+        it runs on the current stream (else on the host). An allocation without data
+        (``empty``...) writes nothing: its storage is only new."""
         if func.is_view:
             return
+        no_data = func._schema.name.split("::")[-1] in NO_DATA
         schema = func._schema
         touched: list[tuple[torch.Tensor, bool]] = []
         for i, arg in enumerate(schema.arguments):
@@ -193,7 +197,8 @@ class StreamOrder:
         for ret, o in zip(schema.returns, outs, strict=False):
             if ret.alias_info is None and isinstance(o, torch.Tensor):
                 self.fresh(o)
-                touched.append((o, True))
+                if not no_data:
+                    touched.append((o, True))
         self.tensors(on_device, touched)
 
     def tensors(self, on_device: bool, touched: list[tuple[torch.Tensor, bool]]) -> None:
