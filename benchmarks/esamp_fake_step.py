@@ -74,8 +74,10 @@ def consumer(
     return ESampConsumer(ESampConfig(cuda_rows_per_step=prompts * n, **cfg), ctx)
 
 
-def decode_rows(device: torch.device, prompts: int, n: int) -> RowInfo:
-    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts) for s in range(n)]
+def decode_rows(device: torch.device, prompts: int, n: int, renewed: bool = False) -> RowInfo:
+    """Decode rows of ``prompts`` x ``n``; ``renewed``: the first prompt replaced by a new one."""
+    ids = [prompts if renewed else 0, *range(1, prompts)]
+    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in ids for s in range(n)]
     r = len(reqs)
     tokens = torch.zeros(r, dtype=torch.long, device=device)
     return RowInfo(np.arange(r), reqs, np.full(r, 5), np.ones(r, bool), np.zeros(r, bool), tokens)
@@ -108,11 +110,18 @@ def run(
     steps: int = 3,
     plain_head: bool = True,
     greedy_rows: int = 0,
+    order: bool = False,
     **options: Any,
 ) -> dict[str, Any]:
     """One configuration: the last step's counts. ``options``: more ESampConfig fields;
-    ``greedy_rows``: rows of the counted steps that are greedy (not guided)."""
+    ``greedy_rows``: rows of the counted steps that are greedy (not guided). ``order``: check
+    stream ordering (``FakeCuda(order=True)``) on the engine's pattern: one set of step
+    tensors, written by each step's forward and the logits read by its sampler on the main
+    stream, and halfway through the first prompt finishes and a new one takes its slot
+    (see :func:`run_ordered`); the result's ``races`` are the race findings."""
     cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {}), **options}
+    if order:
+        return run_ordered(prompts, n, mode, steps, cfg, greedy_rows)
     gpu_path = factory.uses_gpu_path
     factory.uses_gpu_path = lambda device: True
     try:
@@ -172,6 +181,69 @@ def run(
         "allocation_sites": allocations,
         "updates_reusing_prediction": reused,  # of the 1 + steps updates (setup step included)
         "rows_guided_counted_in_the_run": guided_counted,
+    }
+
+
+def run_ordered(
+    prompts: int, n: int, mode: str, steps: int, cfg: dict[str, Any], greedy_rows: int = 0
+) -> dict[str, Any]:
+    """``run(..., order=True)``: ``steps`` steps on one set of step tensors (as the engine's
+    static buffers); at step ``steps // 2`` the first prompt finishes and a new prompt takes
+    its slot; the last ``greedy_rows`` rows of each step are greedy (all: nothing is guided,
+    so the updates run without a prediction before them). Returns the races, host waits
+    and update counts."""
+    gpu_path = factory.uses_gpu_path
+    factory.uses_gpu_path = lambda device: True
+    try:
+        with FakeCuda(order=True) as fc:
+            c = consumer(fc.device, prompts, n, True, **cfg)
+            filtered = mode != "full_vocab"
+            keys = (c.shared.src_key, c.shared.tgt_key)
+            before = decode_rows(fc.device, prompts, n)
+            after = decode_rows(fc.device, prompts, n, renewed=True)
+            half = steps // 2
+            view, _ = step_inputs(fc.device, before, 0, filtered, keys)
+            hidden, logits, temp = view._hidden, view._logits, view.temperature
+            sampled = torch.zeros(len(before), dtype=torch.long, device=fc.device)
+            is_random = np.arange(len(before)) < len(before) - greedy_rows
+
+            def step(t: int, rows: RowInfo) -> None:
+                for x in (*hidden.values(), logits):  # the forward writes the step's tensors
+                    x.fill_(1.0)
+                view = GuideView(t, rows, logits, temp, is_random, filtered, hidden)
+                c.guide(view)
+                view.commit()
+                torch.argmax(logits, dim=-1, out=sampled)  # the sampler reads the logits
+                c.on_bundle(Bundle(t, rows, hidden))
+
+            step(0, before)  # the groups' slots are allocated (host bookkeeping)
+            with fc.steps():
+                for t in range(1, steps + 1):
+                    if t == half:
+                        for req in before.requests[:n]:
+                            c.on_request_finished(req)
+                    step(t, before if t < half else after)
+            # Counted from the results and sums that came back during the steps.
+            counted = c.counters.snapshot()
+            c.result()  # the closing flush (teardown: its host wait is expected)
+            races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
+            waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
+            accesses = fc.order.accesses if fc.order is not None else 0
+            reused = c.distiller.updates_reusing_prediction
+    finally:
+        factory.uses_gpu_path = gpu_path
+    return {
+        "prompts": prompts,
+        "n": n,
+        "mode": mode,
+        "steps": steps,
+        "races": races,
+        "host_waits": waits,
+        "accesses_checked": accesses,
+        "updates_reusing_prediction": reused,
+        "counted_in_the_run": {
+            k: counted.get(k, 0) for k in ("optimizer_steps", "groups_created", "groups_freed")
+        },
     }
 
 

@@ -146,3 +146,33 @@ def test_diagnostics_record_on_the_device_without_a_wait(mode, fit, caplog):
     _clean(res)
     assert res["allocations"] == res["allocated_bytes"] == 0, res["allocation_sites"]
     assert caplog.records == []  # nothing to say at start
+
+
+@pytest.mark.parametrize(
+    "prompts, n, mode, fit, steps, greedy_rows",
+    [
+        (8, 16, "post_filter", False, 4, 0),
+        (8, 16, "post_filter", True, 4, 0),
+        (8, 16, "full_vocab", False, 4, 0),
+        (3, 48, "post_filter", False, 4, 0),  # two update batches: the buffers are not reused
+        (8, 16, "post_filter", False, 4, 128),  # nothing guided: updates without a prediction
+        (8, 16, "post_filter", False, 40, 0),  # a slot freed and re-claimed, results copied back
+    ],
+    ids=["8x16-constant", "8x16-fit", "8x16-full_vocab", "3x48", "8x16-greedy", "8x16-40-steps"],
+)
+def test_esamp_decode_steps_order_their_streams(prompts, n, mode, fit, steps, greedy_rows):
+    """FakeCuda(order=True) on the engine's pattern (one set of step tensors, written by each
+    step's forward and read by its sampler on the main stream): the side stream stages x and
+    the targets only after the main stream wrote them, the main stream reads the prediction
+    only after the side stream wrote it and rewrites the tap buffers only after their copy,
+    and no pinned plan or result buffer is refilled or read while its copy may be in flight."""
+    res = run(prompts, n, mode, fit, steps=steps, order=True, greedy_rows=greedy_rows)
+    assert res["races"] == [], "\n".join(res["races"])
+    assert res["host_waits"] == [], res["host_waits"]
+    assert res["accesses_checked"] > 2000, res
+    reused = res["updates_reusing_prediction"]
+    assert reused == (0 if prompts == 3 or greedy_rows else steps + 1), res
+    if steps == 40:
+        counted = res["counted_in_the_run"]
+        assert counted["groups_freed"] == 1 and counted["groups_created"] == prompts + 1, res
+        assert counted["optimizer_steps"] > 0, res  # results copied back during the run

@@ -24,7 +24,10 @@ a kernel argument on CUDA and is not flagged, nor are Python numbers); ``allocat
 operation output that is new device storage, factories included; inside a graph capture it
 is the graph's pool: counted in construction); ``first_cublas`` (a matrix product on a
 stream that had none before the steps began: its cuBLAS workspace is allocated then; the
-default stream counts as used). Each finding names the first frame outside torch and this
+default stream counts as used); ``race``, only with ``FakeCuda(order=True)``: two accesses to
+the same device or pinned host bytes from two streams (or a stream and the host), one a
+write, that no wait orders (:mod:`.fake_cuda_order`; a failure in every phase). Each
+finding names the first frame outside torch and this
 package; the code goes on with ones for whatever it reads back (masks all True, so
 value-dependent shapes are their maximum), so one run reports every finding.
 
@@ -59,8 +62,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from tllm_core.testing import fake_cuda_stubs as stubs
 from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
+from tllm_core.testing.fake_cuda_order import Site, StreamOrder, site_parts
 
-KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas")
+KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas", "race")
 PHASES = ("construction", "steps", "teardown")
 
 # Frames never named in a finding: torch, this package, and contextlib (stub context managers).
@@ -69,6 +73,14 @@ _SKIP = (
     os.path.dirname(__file__) + os.sep,
     contextlib.__file__,
 )
+
+
+def _site() -> Site:
+    """The (code, line) of the first frame outside torch and this package."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f = f.f_back
+    return None if f is None else (f.f_code, f.f_lineno)
 
 
 @dataclass
@@ -86,18 +98,6 @@ class Finding:
     @property
     def where(self) -> str:
         return f"{self.file}:{self.line}:{self.function}"
-
-
-def _caller() -> tuple[str, int, str]:
-    """The first frame outside torch and this package."""
-    f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_SKIP):
-        f = f.f_back
-    if f is None:
-        return ("?", 0, "?")
-    path = f.f_code.co_filename
-    rel = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
-    return (rel, f.f_lineno, f.f_code.co_name)
 
 
 def _stats() -> dict[str, Any]:
@@ -127,7 +127,12 @@ class FakeCuda:
 
     device = torch.device("meta")
 
-    def __init__(self, total_memory: int = 80 * 2**30, device_name: str = "FakeCuda (meta)"):
+    def __init__(
+        self,
+        total_memory: int = 80 * 2**30,
+        device_name: str = "FakeCuda (meta)",
+        order: bool = False,
+    ):
         self.total_memory = total_memory
         self.device_name = device_name
         self.sync_debug_mode: int | str = 0
@@ -146,6 +151,15 @@ class FakeCuda:
         self._quiet = threading.local()
         self.default_stream = stubs.FakeStream(self)
         self._cublas_streams.add(self.default_stream.stream_id)
+        # order=True: stream-ordering checks (races), see fake_cuda_order.
+        self.order: StreamOrder | None = None
+        if order:
+            self.order = StreamOrder(
+                self.is_pinned,
+                lambda what, site: self._flag("race", what, site),
+                _site,
+                self.default_stream.stream_id,
+            )
 
     # -- entering and leaving ---------------------------------------------------------
     def __enter__(self) -> FakeCuda:
@@ -223,6 +237,8 @@ class FakeCuda:
 
     def mark_pinned(self, t: torch.Tensor) -> None:
         self._pinned[t] = True
+        if self.order is not None:
+            self.order.fresh(t)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         # A view of a pinned tensor keeps its base (and so the pinned storage) alive.
@@ -235,8 +251,8 @@ class FakeCuda:
             if self._step is not None and (phase or self.phase) == "steps":
                 self._step[key] += n
 
-    def _flag(self, kind: str, what: str) -> None:
-        file, line, function = _caller()
+    def _flag(self, kind: str, what: str, site: Site = None) -> None:
+        file, line, function = site_parts(site or _site())
         in_capture = self._capture is not None
         key = (self.phase, kind, what, file, line, in_capture)
         with self._lock:
@@ -249,11 +265,18 @@ class FakeCuda:
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
 
-    def _host_wait(self, what: str) -> None:
+    def _host_wait(self, what: str, joins_current: bool = True) -> None:
+        """Flag a host wait; ``joins_current``: the host waits for the current stream (the
+        caller tells the stream order otherwise)."""
         self._flag("host_wait", what)
+        if joins_current and self.order is not None:
+            self.order.host_joins_stream(torch.cuda.current_stream())
 
     def _factory_copy(self, what: str, out: torch.Tensor) -> None:
         self._flag("pageable_copy", what)
+        if self.order is not None:  # made in C++, out of the dispatch mode's sight
+            self.order.fresh(out)
+            self.order.tensors(True, [(out, True)])
         self._launch(what, tensor_bytes(out) * 2)
         self._allocated(what, out)
 
@@ -293,14 +316,20 @@ class FakeCuda:
         if self._capture is not None:
             raise RuntimeError("FakeCuda: a graph capture is already in progress")
         self._capture = graph
+        if self.order is not None:
+            self.order.begin_capture()
 
     def _end_capture(self, graph: stubs.FakeGraph) -> None:
         self._capture = None
+        if self.order is not None:
+            self.order.end_capture(graph)
 
     def _replay(self, graph: stubs.FakeGraph) -> None:
         self._count("graph_replays")
         for op, (n, nbytes) in graph.by_op.items():
             self._launch(op, nbytes, n)
+        if self.order is not None:
+            self.order.replay(graph)
 
     # -- results ------------------------------------------------------------------------
     def findings(self, phase: str | None = "steps", kind: str | None = None) -> list[Finding]:
@@ -313,12 +342,14 @@ class FakeCuda:
             ]
 
     def failures(self) -> list[Finding]:
-        """Findings in the steps, and any host wait or copy inside a graph capture (on a
-        GPU the capture itself fails)."""
+        """Findings in the steps, any host wait or copy inside a graph capture (on a GPU
+        the capture itself fails) and every race (a wrong value in any phase)."""
         return [
             f
             for f in self._findings.values()
-            if f.phase == "steps" or (f.in_capture and f.kind in ("host_wait", "pageable_copy"))
+            if f.phase == "steps"
+            or f.kind == "race"
+            or (f.in_capture and f.kind in ("host_wait", "pageable_copy"))
         ]
 
     def report(self) -> dict[str, Any]:
@@ -341,7 +372,9 @@ class FakeCuda:
         """Raise an AssertionError listing every failure with its source line."""
         bad = self.failures()
         if bad:
-            lines = [f"FakeCuda: {len(bad)} finding(s) that would stall or allocate on a GPU:"]
+            lines = [
+                f"FakeCuda: {len(bad)} finding(s) that would stall, allocate or race on a GPU:"
+            ]
             for f in bad:
                 cap = " (in a graph capture)" if f.in_capture else ""
                 lines.append(f"  {f.kind}: {f.what} at {f.where} x{f.count}{cap}")

@@ -139,21 +139,25 @@ class Checker(TorchDispatchMode):
             dev is not None and torch.device(dev) == fc.device
         ):
             out = func(*args, **kwargs)
+            if fc.order is not None:  # the host reading or writing pinned memory
+                fc.order.operation(False, func, args, kwargs, out)
             if pin:
                 fc.mark_pinned(out)
             return out  # host work
         if name in {"_to_copy", "copy_"}:
             return self._copy(func, name, args, kwargs)
         if self._value_shaped(func, name, args, kwargs):
-            fc._host_wait(f"aten.{name} (its result needs the values on the host)")
             out = _on_host_ones(func, args, kwargs)
-        else:
-            host = [t for t in leaves if t.device.type == "cpu"]
-            if any(t.dim() or not self._scalar_ok(func, name) for t in host):
-                fc._flag("pageable_copy", f"aten.{name} with a host tensor argument")
-            elif host and name in _SCALAR_OK:  # CUDA reads the value; meta wants a device one
-                args, kwargs = tree_map(_scalar_to_meta, (args, kwargs))
-            out = func(*args, **kwargs)
+            self._account(func, name, args, kwargs, out)
+            # After the operation's accesses: the host waits for it too.
+            fc._host_wait(f"aten.{name} (its result needs the values on the host)")
+            return out
+        host = [t for t in leaves if t.device.type == "cpu"]
+        if any(t.dim() or not self._scalar_ok(func, name) for t in host):
+            fc._flag("pageable_copy", f"aten.{name} with a host tensor argument")
+        elif host and name in _SCALAR_OK:  # CUDA reads the value; meta wants a device one
+            args, kwargs = tree_map(_scalar_to_meta, (args, kwargs))
+        out = func(*args, **kwargs)
         self._account(func, name, args, kwargs, out)
         return out
 
@@ -177,30 +181,38 @@ class Checker(TorchDispatchMode):
         fc = self.fc
         src, dst = (args[1], args[0]) if name == "copy_" else (args[0], None)
         to = dst.device if dst is not None else torch.device(kwargs.get("device") or src.device)
+        non_blocking = kwargs.get(
+            "non_blocking", args[2] if name == "copy_" and len(args) > 2 else False
+        )
         if fc.is_fake(src) and to.type == "cpu":
-            non_blocking = args[2] if name == "copy_" and len(args) > 2 else False
-            if dst is None or not (kwargs.get("non_blocking", non_blocking) and fc.is_pinned(dst)):
+            fc._launch(f"aten.{name}", 2 * tensor_bytes(src))
+            if fc.order is not None:
+                fc.order.tensors(True, [(src, False)] + ([(dst, True)] if dst is not None else []))
+            if dst is None or not (non_blocking and fc.is_pinned(dst)):
                 # Into pinned memory without blocking, the host goes on (an event says when
                 # the values are there); anything else waits for the device.
                 fc._host_wait(f"aten.{name} device -> host")
-            fc._launch(f"aten.{name}", 2 * tensor_bytes(src))
             if dst is not None:
                 return dst.fill_(1)  # what the host reads back: ones, as below
             return torch.ones(src.shape, dtype=kwargs.get("dtype") or src.dtype)
+        blocking_pinned = False
         if src.device.type == "cpu" and to == fc.device:
-            non_blocking = args[2] if name == "copy_" and len(args) > 2 else False
-            if kwargs.get("non_blocking", non_blocking) and fc.is_pinned(src):
+            if non_blocking and fc.is_pinned(src):
                 pass  # an asynchronous copy from pinned memory
             elif fc.is_pinned(src):
-                fc._host_wait(f"aten.{name} host -> device, blocking")
+                blocking_pinned = True
             else:
                 fc._flag("pageable_copy", f"aten.{name} host -> device from pageable memory")
         out = func(*args, **kwargs)
         self._account(func, name, args, kwargs, out)
+        if blocking_pinned:  # after the copy's accesses: the host waits for it
+            fc._host_wait(f"aten.{name} host -> device, blocking")
         return out
 
     def _account(self, func: Any, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         fc = self.fc
+        if fc.order is not None:
+            fc.order.operation(True, func, args, kwargs, out)
         if not func.is_view and name not in NO_DATA:
             fc._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
         for o in _fresh_outputs(func, out):

@@ -2,7 +2,9 @@
 (streams, events, graphs, device queries) and for the ``Tensor`` methods a CPU-only build
 cannot run (``pin_memory``, ``record_stream``) or runs differently on the fake device
 (``numpy``, ``__setitem__``). Each stub reports to the active ``FakeCuda`` (``fc``): host
-waits, graph capture and replay, the current stream. Nothing here computes anything."""
+waits, graph capture and replay, the current stream, and to its stream order
+(``fc.order``, :mod:`.fake_cuda_order`, with ``order=True``) what orders work. Nothing here
+computes anything."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ _ids = itertools.count()
 
 
 class FakeStream:
-    """``torch.cuda.Stream``: ordering calls are accepted and do nothing (the fake device
-    runs nothing); ``synchronize`` is a host wait."""
+    """``torch.cuda.Stream``: ordering calls wait for nothing (the fake device runs
+    nothing), they only tell the stream order; ``synchronize`` is a host wait."""
 
     def __init__(self, fc: Any, device: Any = None, priority: int = 0, **_: Any) -> None:
         self._fc = fc
@@ -30,10 +32,12 @@ class FakeStream:
         self.stream_id = next(_ids)
 
     def wait_stream(self, stream: FakeStream) -> None:
-        pass
+        if self._fc.order is not None:
+            self._fc.order.wait_stream(self, stream)
 
     def wait_event(self, event: FakeEvent) -> None:
-        pass
+        if self._fc.order is not None:
+            self._fc.order.wait_event(self, event)
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event or FakeEvent(self._fc)
@@ -41,10 +45,15 @@ class FakeStream:
         return event
 
     def query(self) -> bool:
-        return True  # asks without waiting
+        # Asks without waiting; the fake's answer is "done", so the host is after its work.
+        if self._fc.order is not None:
+            self._fc.order.host_joins_stream(self)
+        return True
 
     def synchronize(self) -> None:
-        self._fc._host_wait("Stream.synchronize()")
+        self._fc._host_wait("Stream.synchronize()", joins_current=False)
+        if self._fc.order is not None:
+            self._fc.order.host_joins_stream(self)
 
     def __repr__(self) -> str:
         return f"<FakeStream {self.stream_id}>"
@@ -58,16 +67,22 @@ class FakeEvent:
         self.enable_timing = enable_timing
 
     def record(self, stream: FakeStream | None = None) -> None:
-        pass
+        if self._fc.order is not None:
+            self._fc.order.record(self, stream or torch.cuda.current_stream())
 
     def wait(self, stream: FakeStream | None = None) -> None:
-        pass
+        (stream or torch.cuda.current_stream()).wait_event(self)
 
     def query(self) -> bool:
+        # The fake's answer is "completed": the host is then after the work it covers.
+        if self._fc.order is not None:
+            self._fc.order.host_joins_event(self)
         return True
 
     def synchronize(self) -> None:
-        self._fc._host_wait("Event.synchronize()")
+        self._fc._host_wait("Event.synchronize()", joins_current=False)
+        if self._fc.order is not None:
+            self._fc.order.host_joins_event(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return 0.0
@@ -82,6 +97,7 @@ class FakeGraph:
         self.by_op: dict[str, list[int]] = {}  # operation -> [launches, bytes] captured
         self.pool_bytes = 0
         self.captured = False
+        self.order_accesses: list[Any] = []  # with order=True: what a replay accesses
 
     @property
     def launches(self) -> int:
@@ -105,6 +121,7 @@ class FakeGraph:
 
     def reset(self) -> None:
         self.by_op, self.pool_bytes, self.captured = {}, 0, False
+        self.order_accesses = []
 
     def pool(self) -> object:
         return object()
@@ -141,7 +158,9 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         capture_error_mode: str = "global",
     ) -> Iterator[FakeGraph]:
         # The real context manager synchronizes the device before capturing.
-        fc._host_wait("torch.cuda.graph() (synchronizes the device before capture)")
+        fc._host_wait("torch.cuda.graph() (synchronizes the device before capture)", False)
+        if fc.order is not None:
+            fc.order.host_joins_all()
         prev = current_stream()
         local.stream = stream or FakeStream(fc)
         cuda_graph.capture_begin(pool, capture_error_mode)
@@ -152,7 +171,9 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
             local.stream = prev
 
     def synchronize(device: Any = None) -> None:
-        fc._host_wait("torch.cuda.synchronize()")
+        fc._host_wait("torch.cuda.synchronize()", joins_current=False)
+        if fc.order is not None:
+            fc.order.host_joins_all()
 
     def set_sync_debug_mode(mode: int | str) -> None:
         fc.sync_debug_mode = mode
@@ -195,6 +216,7 @@ _NUMBERS = (bool, int, float, complex)
 def tensor_stubs(fc: Any) -> dict[str, Any]:
     """The ``torch.Tensor`` methods to install while ``fc`` is active."""
     setitem = torch.Tensor.__setitem__
+    tolist = torch.Tensor.tolist
     make = torch.tensor
 
     def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
@@ -216,7 +238,15 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
         if fc.is_fake(self):
             fc._host_wait("Tensor.numpy()")
             return np.ones(tuple(self.shape), dtype=torch.empty(0, dtype=self.dtype).numpy().dtype)
+        if fc.order is not None:  # the array shares the memory: the host may read or fill it
+            fc.order.host_access(self, written=True)
         return torch._C.TensorBase.numpy(self, force=force)
+
+    def to_list(self: torch.Tensor) -> Any:
+        # A host tensor's values are read in C++, out of the dispatch mode's sight.
+        if fc.order is not None and not fc.is_fake(self):
+            fc.order.host_access(self, written=False)
+        return tolist(self)
 
     def set_item(self: torch.Tensor, index: Any, value: Any) -> None:
         # On CUDA, setitem turns a Python number into a CPU tensor (on other devices: a
@@ -231,6 +261,7 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
         "is_pinned": is_pinned,
         "record_stream": record_stream,
         "numpy": numpy,
+        "tolist": to_list,
         "__setitem__": set_item,
     }
 
