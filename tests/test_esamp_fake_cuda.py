@@ -169,7 +169,7 @@ def test_esamp_decode_steps_order_their_streams(prompts, n, mode, fit, steps, gr
     res = run(prompts, n, mode, fit, steps=steps, order=True, greedy_rows=greedy_rows)
     assert res["races"] == [], "\n".join(res["races"])
     assert res["host_waits"] == [], res["host_waits"]
-    assert res["accesses_checked"] > 2000, res
+    assert res["accesses_checked"] > 250 * steps, res  # the steps' work was seen (~450 a step)
     reused = res["updates_reusing_prediction"]
     assert reused == (0 if prompts == 3 or greedy_rows else steps + 1), res
     if steps == 40:

@@ -10,7 +10,7 @@ and hands out each copy once its event says it has arrived::
     ...                      # each step: sums.values.add_(step_counts)
     sums.send()              # from time to time: nothing waits
     for part in sums.arrived():          # the copies that are back (lists of numbers)
-        counters.add("rows", part[0])
+        total += part[0]
     sums.send(); sums.arrived(wait=True)  # at the end: everything, waiting for it
 
 On CPU the copy is made at once (and so has arrived).
