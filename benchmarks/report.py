@@ -731,6 +731,24 @@ def fake_step_section(fs: dict | None) -> list[str]:
     rebuilt = fs.get("after_first_rebuild")
     if rebuilt:
         out += ["", f"After the first rebuild ({rebuilt['what']}): {rebuilt['text']}"]
+    fused = fs.get("before_fused_update")
+    if fused:
+        out += ["", f"Before the fused update kernels ({fused['what']}): {fused['text']}"]
+    configs = fs.get("configurations")
+    if configs:
+        out += [
+            "",
+            "Each setting that changes a guided step, 8 x 16 (`--configs`):",
+            "",
+            "| setting | mode | beta | launches | GB moved | allocations (MB) | host waits |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        out += [
+            f"| {r['config']} | {r['mode']} | {'fit' if r['fit'] else 'constant'} "
+            f"| {r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
+            f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} |"
+            for r in configs
+        ]
     return out + [""]
 
 
