@@ -56,6 +56,7 @@ class StampReader:
         self._ring: list[torch.Tensor] = []
         self._reads: list[StampRead | None] = []
         self._next = 0
+        self._async = False
 
     def start(self, stamps: dict[str, torch.Tensor], edited: dict[str, torch.Tensor]) -> StampRead:
         """Queue the copy of ``stamps`` then ``edited`` (one-element tensors on one device)."""
@@ -77,6 +78,9 @@ class StampReader:
         if device.type == "cpu":
             host.copy_(self._device)
             read = StampRead(keys, len(stamps), host, None)
+        elif not self._async:
+            # A device without CUDA's streams and events: one blocking read.
+            read = StampRead(keys, len(stamps), self._device.cpu(), None)
         else:
             host.copy_(self._device, non_blocking=True)
             event = torch.cuda.Event()
@@ -88,8 +92,9 @@ class StampReader:
     def _allocate(self, keys: tuple[str, ...], device: torch.device) -> None:
         self._keys = keys
         self._device = torch.empty(len(keys), dtype=torch.int64, device=device)
-        # Any accelerator (and the test kit's fake CUDA): asynchronous only from pinned memory.
-        pin = device.type != "cpu" and torch.cuda.is_available()
+        # CUDA (and the test kit's fake CUDA): asynchronous, into pinned memory.
+        self._async = device.type != "cpu" and torch.cuda.is_available()
+        pin = self._async
         self._ring = [
             torch.empty(len(keys), dtype=torch.int64, pin_memory=pin) for _ in range(RING)
         ]
