@@ -320,3 +320,31 @@ def test_the_cuda_update_logs_losses_ok_and_stats_like_the_cpu_distiller(monkeyp
         torch.testing.assert_close(b.losses, a.losses, rtol=1e-5, atol=1e-6, equal_nan=True)
         torch.testing.assert_close(b.stats, a.stats, rtol=1e-3, atol=1e-6, equal_nan=True)
         assert b.stats[1].isnan().all() == (step == 1)
+
+
+def test_the_captured_graphs_use_no_cublas():
+    """Every product of the CUDA distiller's graphs is a Triton kernel (``slot_matmul``,
+    ``grad_adam``, ``block_backward``): its side stream never makes a cuBLAS workspace, so no
+    captured product writes into memory outside the graphs' pool (a workspace made before
+    capture would be shared by every replay and freed under it by anything that clears
+    cuBLAS's workspaces)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from algorithms.esamp.cuda import CudaGroupedDistiller
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    seen: set[str] = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    with FakeCuda() as fc, Ops():
+        CudaGroupedDistiller(
+            SHAPE.hidden_size, device=fc.device, intermediate_size=SHAPE.intermediate_size,
+            capacity=SLOTS, graph_max_rows=ROWS,
+        )  # fmt: skip
+    assert "tllm_esamp::slot_matmul" in seen and "tllm_esamp::grad_adam" in seen, seen
+    cublas = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul"}
+    assert not seen & cublas, seen & cublas

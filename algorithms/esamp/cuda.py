@@ -298,8 +298,9 @@ class CudaGroupedDistiller(SlotDistiller):
 
     def _warm_up(self) -> None:
         """Run every body once on the side stream (no group has a slot: no state changes),
-        so lazy allocations, kernel compilation and the side stream's cuBLAS workspace
-        happen now, inside the memory vLLM profiles, not in the first decode step."""
+        so lazy allocations and kernel compilation (and, without Triton, the side stream's
+        cuBLAS workspace) happen now, inside the memory vLLM profiles, not in the first
+        decode step."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
             t, c = self.total_rows, self.capacity
             self.plan.fill_(-1)  # every group padding

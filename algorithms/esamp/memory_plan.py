@@ -22,7 +22,9 @@ vocabulary):
 - update workspace (the graphs' shared pool): activations ``S*M*((3 + 3NB) H + 9NB I) * 4``
   (no gradient is materialised: it is formed inside the Adam kernel);
 - the side stream's cuBLAS and cuBLASLt workspaces (``2 x 32 MiB``, torch's default on sm90
-  and an upper bound elsewhere: made by the first product on that stream, at construction);
+  and an upper bound elsewhere): made only where Triton is missing (the kernels' PyTorch
+  reference runs cuBLAS products on that stream, first at construction); with Triton every
+  product of the graphs is a Triton kernel, and this term over-counts by its size;
 - allocator rounding: up to 2 MiB for each of the ``ALLOCATIONS`` tensors allocated at
   construction (the caching allocator rounds large blocks to 2 MiB);
 - predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations;
