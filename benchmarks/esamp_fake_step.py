@@ -40,6 +40,7 @@ from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
 
 H, V, LAYERS = 3584, 152064, 28
 LAYOUTS = ((8, 16), (1, 128), (64, 16))
+MODES = ("post_filter", "full_vocab")
 # Settings that change what a step runs, each counted at 8 x 16 in both modes (constant beta;
 # the noise ablations with 'fit' too). plain_head=False: a head given without its weight.
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -247,6 +248,75 @@ def run_ordered(
     }
 
 
+def run_runtime(
+    prompts: int, n: int, mode: str, fit: bool, steps: int = 3, order: bool = False
+) -> dict[str, Any]:
+    """ESamp driven through tllm's runtime as the vLLM bridge drives it
+    (:mod:`esamp_runtime_step`: ``begin_step``, ``guide``, ``end_step`` with the step's
+    stamps), on the fake device: the last step's counts of the whole runtime step, with the
+    places that allocated (the runtime's own per-step gathers and views are among them;
+    ESamp's are not). ``order``: also check stream ordering (the result's ``races``)."""
+    from esamp_runtime_step import RuntimeStep
+
+    cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
+    if fit:
+        cfg["beta_schedule"] = "fit"
+    gpu_path = factory.uses_gpu_path
+    factory.uses_gpu_path = lambda device: True
+    try:
+        with FakeCuda(order=order) as fc:
+            w = torch.zeros(V, H, dtype=torch.bfloat16, device=fc.device)
+            model = ModelInfo(H, LAYERS, V, torch.bfloat16, fc.device, lambda z: z @ w.t(), w)
+            rs = RuntimeStep(model, prompts, n, cfg)
+            r = rs.rows
+            hidden = {
+                k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in rs.tap_keys
+            }
+            logits = torch.zeros(r, V, device=fc.device)
+            temp = torch.ones(r, device=fc.device)
+            sampled = torch.zeros(r, dtype=torch.long, device=fc.device)
+
+            def sample(x: torch.Tensor) -> torch.Tensor:
+                return torch.argmax(x, dim=-1, out=sampled)
+
+            def one() -> None:
+                for x in (*hidden.values(), logits):  # the forward writes the step's tensors
+                    x.fill_(1.0)
+                rs.step(hidden.__getitem__, logits, temp, sample)
+
+            one()  # the groups' slots are allocated (host bookkeeping)
+            fc.start_steps()
+            for _ in range(steps):
+                with fc.step():
+                    one()
+            report = fc.report()["steps"]
+            waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
+            pageable = [f"{f.where} {f.what}" for f in fc.findings(kind="pageable_copy")]
+            sites = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
+            races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
+            counters = rs.runtime.counters.snapshot()
+            esamp = rs.consumer.counters.snapshot()
+            rs.close()
+    finally:
+        factory.uses_gpu_path = gpu_path
+    last = report["per_step"][-1]
+    return {
+        "prompts": prompts,
+        "n": n,
+        "mode": mode,
+        "fit": fit,
+        "launches": last["launches"],
+        "bytes": last["bytes"],
+        "allocations": last["allocation"],
+        "allocation_sites": sites,
+        "host_waits": waits,
+        "pageable_copies": pageable,
+        "races": races,
+        "rows_captured": counters.get("rows_captured.layer.0", 0),
+        "esamp_decode_steps": esamp.get("decode_steps", 0),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -259,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("post_filter", "full_vocab")
         for fit in (False, True)
     ]
+    # The whole step through tllm's runtime (esamp_runtime_step), with stream-order checks.
+    runtime = [run_runtime(8, 16, mode, False, args.steps, order=True) for mode in MODES]
     configs = []
     if args.configs:
         for name, opts in CONFIGS:
@@ -267,7 +339,16 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("post_filter", "full_vocab"):
                 configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "results": out, "configurations": configs}))
+        print(
+            json.dumps(
+                {
+                    "torch": torch.__version__,
+                    "results": out,
+                    "runtime": runtime,
+                    "configurations": configs,
+                }
+            )
+        )
         return 0
     print(
         "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits "
@@ -279,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['prompts']} x {r['n']} | {r['mode']} | {'fit' if r['fit'] else 'constant'} | "
             f"{r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
             f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} | {r['pageable_copies']} |"
+        )
+    for r in runtime:
+        print(
+            f"\nthrough the runtime, 8 x 16 {r['mode']}: {r['launches']} launches, "
+            f"{r['bytes'] / 1e9:.2f} GB, host waits {len(r['host_waits'])}, pageable copies "
+            f"{len(r['pageable_copies'])}, races {len(r['races'])}, allocations "
+            f"{r['allocations']} (the runtime's own: {len(r['allocation_sites'])} places)"
         )
     if configs:
         print("\n| 8 x 16, setting | mode | launches | GB moved | allocations (MB) | host waits |")

@@ -6,11 +6,12 @@ pydantic; no vLLM):
 The synthetic step (``gpu_distiller.SyntheticDecode``: the linear layers of a Qwen2-7B-shaped
 decoder in bf16 at the step's rows, one CUDA graph, attention left out: a lower bound of a
 real step) is followed by a sampler stand-in (softmax, min-p 0.1 filter, exponential-race
-sampling; no host sync). With ESamp, the consumer is called as the runtime calls it: ``guide``
-on the filtered logits (then ``GuideView.commit``) before sampling, ``on_bundle`` after.
+sampling; no host sync). With ESamp, tllm's runtime drives it as the vLLM bridge does
+(``esamp_runtime_step``: ``begin_step``, ``guide`` on the filtered logits before sampling,
+``end_step`` after, the step's stamps and bundles included).
 Reported per step: device time of plain and of ESamp steps (CUDA events over ``iters``
 pipelined steps, no sync between them), the time ESamp adds and the ratio, the host time of
-the consumer's calls (``time.perf_counter``, no sync), ESamp's floor (bytes it must move at the
+the runtime's calls (``time.perf_counter``, no sync), ESamp's floor (bytes it must move at the
 GPU's measured copy bandwidth), whether one step runs under
 ``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
 
@@ -20,10 +21,8 @@ GPU's measured copy bandwidth), whether one step runs under
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
-import numpy as np
 import torch
 from gpu_distiller import QWEN2_7B, SyntheticDecode
 
@@ -72,12 +71,9 @@ def _sampler(logits: torch.Tensor) -> torch.Tensor:
 def bench_step(
     device: torch.device, prompts: int, n: int, iters: int = 30, warmup: int = 5, **cfg: Any
 ) -> dict[str, Any]:
-    from algorithms.esamp.config import ESampConfig
-    from algorithms.esamp.consumer import ESampConsumer
-    from tllm_core.api.bundles import Bundle, GuideView
-    from tllm_core.api.consumer import ConsumerContext, ModelInfo
-    from tllm_core.api.ports import resolve_layer
-    from tllm_core.api.rows import RequestInfo, RowInfo
+    from esamp_runtime_step import RuntimeStep
+
+    from tllm_core.api.consumer import ModelInfo
 
     r = prompts * n
     torch.cuda.synchronize(device)
@@ -85,16 +81,13 @@ def bench_step(
     decode = SyntheticDecode(r, device)
     head = decode.head
     model = ModelInfo(H, QWEN2_7B["layers"], V, torch.bfloat16, device, lambda z: z @ head.T, head)
-    ctx = ConsumerContext(model, lambda i: resolve_layer(i, QWEN2_7B["layers"]))
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    c = ESampConsumer(ESampConfig(cuda_rows_per_step=r, **cfg), ctx)
+    rs = RuntimeStep(model, prompts, n, {"cuda_rows_per_step": r, **cfg})
+    c = rs.consumer
     torch.cuda.synchronize(device)
     built = torch.cuda.memory_allocated(device) - base
-    reqs = [RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts) for s in range(n)]
-    tokens = torch.zeros(r, dtype=torch.long, device=device)
-    rows = RowInfo(np.arange(r), reqs, np.full(r, 5), np.ones(r, bool), np.zeros(r, bool), tokens)
     temp = torch.ones(r, device=device)
     host: list[float] = []
 
@@ -102,21 +95,20 @@ def bench_step(
         logits = decode.run_logits().float()
         _sampler(logits)
 
+    # The runtime's taps: ESamp's source layer (the synthetic step's first layer output) and
+    # the final state.
+    taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
+
     def with_esamp(t: int) -> None:
         logits = decode.run_logits().float()
         probs = logits.softmax(-1)
         logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
-        hidden = {"layer.0": decode.h1, "final": decode.hL}
-        t0 = time.perf_counter()
-        view = GuideView(t, rows, logits, temp, np.ones(r, bool), True, hidden)
-        c.guide(view)
-        view.commit()
-        t1 = time.perf_counter()
-        q = torch.empty_like(probs).exponential_()
-        logits.softmax(-1).div_(q).argmax(-1)
-        t2 = time.perf_counter()
-        c.on_bundle(Bundle(t, rows, hidden))
-        host.append((t1 - t0) + (time.perf_counter() - t2))
+
+        def sample(x: torch.Tensor) -> torch.Tensor:
+            q = torch.empty_like(probs).exponential_()
+            return x.softmax(-1).div_(q).argmax(-1)
+
+        host.append(rs.step(taps.__getitem__, logits, temp, sample))
 
     def timed(fn) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -136,16 +128,20 @@ def bench_step(
     host_ms = statistics.median(host) * 1e3
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.synchronize(device)
+    errors_before = len(rs.runtime.bus.errors)
     torch.cuda.set_sync_debug_mode("error")
     try:
         with_esamp(10**6)
-        sync = "no sync"
+        # A sync inside the consumer's callbacks raised there: the runtime's isolation caught
+        # it as the consumer's error (the step went on without it).
+        caught = rs.runtime.bus.errors[errors_before:]
+        sync = f"synced: {caught[0]['error']}" if caught else "no sync"
     except RuntimeError as err:
         sync = f"synced: {err}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
     res = c.result()
-    c.close()
+    rs.close()
     bw = copy_bandwidth(device)
     floor_ms = esamp_floor_bytes(prompts, n) / bw * 1e3
     added = esamp_ms - plain_ms

@@ -734,6 +734,19 @@ def fake_step_section(fs: dict | None) -> list[str]:
     fused = fs.get("before_fused_update")
     if fused:
         out += ["", f"Before the fused update kernels ({fused['what']}): {fused['text']}"]
+    for r in fs.get("runtime", []):
+        others = [x for x in r["allocation_sites"] if not x.startswith("tllm_core/")]
+        whose = "none ESamp's" if not others else f"elsewhere: {'; '.join(others)}"
+        out += [
+            "",
+            f"Through tllm's runtime (`esamp_runtime_step`: `begin_step`, `guide`, `end_step` "
+            f"with the step's stamps, as the vLLM bridge drives it), 8 x 16 {r['mode']}: "
+            f"{r['launches']} launches, {r['bytes'] / 1e9:.2f} GB, {len(r['host_waits'])} host "
+            f"waits, {len(r['pageable_copies'])} pageable copies, {len(r['races'])} races "
+            f"(stream order checked); {r['allocations']} allocations in "
+            f"{len(r['allocation_sites'])} places, the runtime's own per-step gathers and "
+            f"views, {whose}.",
+        ]
     configs = fs.get("configurations")
     if configs:
         out += [

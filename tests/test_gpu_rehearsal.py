@@ -243,8 +243,9 @@ def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
 
 def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatch):
     """``esamp_gpu_step.bench_step`` runs one ESamp step under ``set_sync_debug_mode("error")``:
-    a host read slipped into the consumer's ``guide`` is reported there (``sync_debug``), the
-    rest of the step's record still comes back."""
+    a host read slipped into the consumer's ``guide`` is reported there (``sync_debug``: the
+    consumer's error, as the runtime that drives it caught it), the rest of the step's record
+    still comes back."""
     import esamp_gpu_step
 
     from algorithms.esamp.consumer import ESampConsumer
@@ -258,5 +259,7 @@ def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatc
     monkeypatch.setattr(ESampConsumer, "guide", reads_back)
     with gpu_rehearsal.rehearsal() as r:
         res = esamp_gpu_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
-    assert res["sync_debug"].startswith("synced: rehearsal: host_wait"), res["sync_debug"]
+    # Raised inside the consumer's guide, caught by the runtime's isolation as its error.
+    assert res["sync_debug"].startswith("synced: consumer 'esamp' raised in guide"), res
+    assert "rehearsal: host_wait" in res["sync_debug"], res["sync_debug"]
     assert "view.logits.amax().item()" in r.sync_windows[0]["sites"][0]
