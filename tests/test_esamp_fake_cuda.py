@@ -90,6 +90,25 @@ def test_the_whole_runtime_step_with_esamp_waits_for_nothing(mode):
     assert sites and all(s.startswith("tllm_core/") for s in sites), sites
 
 
+def test_diagnostics_in_a_long_run_wait_for_nothing():
+    """300 guided steps with diagnostics (past the 256-step ring): each full half of the ring
+    goes to the host in a copy nothing waits for (was: a blocking read of the whole ring
+    when it filled, once per 256 guided steps)."""
+    res = run(8, 16, "post_filter", False, steps=300, diagnostics=True)
+    assert res["failures"] == [] and res["host_waits"] == 0, res
+
+
+def test_diagnostics_ring_halves_are_copied_and_reused_in_order(monkeypatch):
+    """A ring of 8 steps (halves of 4) over 40 guided steps, stream order checked: no half is
+    rewritten on the device, nor its host buffer refilled or read, while its copy may still
+    be in flight."""
+    from algorithms.esamp import guide_workspace
+
+    monkeypatch.setattr(guide_workspace, "DIAG_STEPS", 8)
+    res = run(8, 16, "post_filter", False, steps=40, order=True, diagnostics=True)
+    assert res["races"] == [] and res["host_waits"] == [], res
+
+
 def _clean(res: dict) -> None:
     assert res["failures"] == [] and res["host_waits"] == res["pageable_copies"] == 0, res
     assert res["first_cublas"] == 0

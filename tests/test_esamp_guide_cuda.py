@@ -71,8 +71,8 @@ def _run(
     res = c.result()
     records = c.guide_step.records
     c.close()
-    full_reads = None if records is None else records.full_reads
-    return out, {**res["counters"], "diagnostics": res.get("diagnostics"), "full_reads": full_reads}
+    sent = None if records is None else (records.halves_sent, records.waits)
+    return out, {**res["counters"], "diagnostics": res.get("diagnostics"), "halves_sent": sent}
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
@@ -149,14 +149,15 @@ def _check_diagnostics(k_general: dict, k_fast: dict, mode: str) -> None:
 
 
 def test_diagnostics_records_survive_a_full_ring(monkeypatch):
-    """A ring of 2 steps over 5 guided steps: read when full (the host waits there, once
-    per ring), then reused; the records equal the general path's all the same."""
+    """A ring of 2 steps (halves of one) over 5 guided steps: each full half is sent to the
+    host (no wait: on CPU it has arrived at once) and reused; the records equal the general
+    path's all the same."""
     monkeypatch.setattr(guide_workspace, "DIAG_STEPS", 2)
     general, k_general = _run(
         False, torch.bfloat16, "post_filter", True, "logits", diagnostics=True
     )
     fast, k_fast = _run(True, torch.bfloat16, "post_filter", True, "logits", diagnostics=True)
-    assert k_fast["full_reads"] == 2  # steps 3 and 5 found the ring full
+    assert k_fast["halves_sent"] == (4, 0)  # steps 2 to 5 found their half full; no wait
     _check_diagnostics(k_general, k_fast, "post_filter")
 
 

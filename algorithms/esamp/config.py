@@ -141,8 +141,8 @@ class ESampConfig(ConsumerConfig):
         description="Record, for every guided row, the group's step index, the prediction's "
         "relative error, the number of candidates, the top candidate before and after the mix "
         "and the total-variation distance between the two candidate distributions (result "
-        "key 'diagnostics'; capped at 50000 rows). On CUDA recorded on the device and read at "
-        "the next blocking read-back (or once per 256 guided steps): no wait in the step.",
+        "key 'diagnostics'; capped at 50000 rows). On CUDA recorded on the device, each full "
+        "half of a 256-step ring copied to the host without a wait: no wait in the step.",
     )
     seed: int = Field(
         0,

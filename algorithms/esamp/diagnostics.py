@@ -2,13 +2,14 @@
 guidance moved the candidates; the prediction's relative error by a group's step index.
 
 On CUDA (:class:`DeviceRecords`) each guided step writes its rows' values into a ring in the
-guidance workspace and the host reads the ring at the next blocking read-back (or when it is
-full, once per :data:`~algorithms.esamp.guide_workspace.DIAG_STEPS` guided steps): the step
-itself reads nothing back and allocates nothing."""
+guidance workspace; each full half of the ring goes to the host in a copy nothing waits for,
+and the rest at the next blocking read-back: the step itself reads nothing back, waits for
+nothing and allocates nothing."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 import torch
@@ -89,29 +90,82 @@ _INT_COLUMNS = ("candidates", "top_ref", "top_new")
 
 class DeviceRecords:
     """CUDA: the diagnostics' per-row values of each guided step in ``ring [steps, rows,
-    len(RING_COLUMNS)]`` (fp32, on the device), handed to ``diagnostics`` at :meth:`read`."""
+    len(RING_COLUMNS)]`` (fp32, on the device), handed to ``diagnostics`` as they reach the
+    host.
+
+    The ring is used in two halves: when one is full it is copied into pinned host memory
+    without waiting (an event records when) and the steps go on in the other; a copy that
+    has arrived is handed over at the next guided step. A step waits only if the other half's
+    copy has still not arrived when that half is needed again (``waits``; at ``steps / 2``
+    guided steps later, not expected). :meth:`read` (where a sync is paid anyway) hands over
+    everything."""
 
     def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
-        self.diagnostics, self.ring = diagnostics, ring
-        self._steps: list[tuple[list[int], bool]] = []  # per ring row: ages, has a shift
-        self.full_reads = 0  # reads forced by a full ring (a host wait each)
+        self.diagnostics = diagnostics
+        half = max(ring.shape[0] // 2, 1)
+        self._halves = [ring[:half], ring[half : 2 * half]]
+        # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
+        self._cpu = ring.device.type == "cpu"
+        pin = not self._cpu and torch.cuda.is_available()
+        self._host = [
+            torch.empty(self._halves[0].shape, dtype=ring.dtype, pin_memory=pin) for _ in range(2)
+        ]
+        self._cur = 0
+        self._steps: list[tuple[list[int], bool]] = []  # per row of the current half
+        # Halves on their way to the host, oldest first: (half, event or None, their steps).
+        self._sent: deque[tuple[int, Any, list[tuple[list[int], bool]]]] = deque()
+        self.halves_sent = 0
+        self.waits = 0  # steps that waited for a half's copy (a host wait each)
 
     def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
         """The ring row ``[rows, columns]`` of a guided step whose rows have these group
         ages; ``shift``: its candidate columns are written (post-filter, something mixed)."""
-        if len(self._steps) == self.ring.shape[0]:  # full: read it now (a host wait)
-            self.full_reads += 1
-            self.read()
+        self._hand_arrived(wait=False)
+        if len(self._steps) == self._halves[self._cur].shape[0]:
+            self._send()
         self._steps.append((ages, shift))
-        return self.ring[len(self._steps) - 1]
+        return self._halves[self._cur][len(self._steps) - 1]
+
+    def _send(self) -> None:
+        """Copy the full current half to the host (no waiting) and go on in the other."""
+        i = self._cur
+        if any(h == i for h, _, _ in self._sent):
+            # This half's host buffer still holds its last copy, not yet handed over.
+            self._hand_arrived(wait=True)
+        event = None
+        if self._cpu:
+            self._host[i].copy_(self._halves[i])
+        else:
+            self._host[i].copy_(self._halves[i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._sent.append((i, event, self._steps))
+        self.halves_sent += 1
+        self._steps = []
+        self._cur = 1 - i
+
+    def _hand_arrived(self, wait: bool) -> None:
+        """Hand the copies that have arrived to the diagnostics, in order (``wait``: all)."""
+        while self._sent:
+            i, event, steps = self._sent[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                self.waits += 1
+                event.synchronize()
+            self._sent.popleft()
+            self._hand(steps, self._host[i].tolist())
 
     def read(self) -> None:
-        """Hand the steps recorded since the last read to the diagnostics (a host read: call
-        it where a sync is paid anyway)."""
-        if not self._steps:
-            return
-        values = self.ring[: len(self._steps)].tolist()
-        for (ages, shift), rows in zip(self._steps, values, strict=True):
+        """Hand every step recorded so far to the diagnostics (a host read of the current
+        half: call it where a sync is paid anyway)."""
+        self._hand_arrived(wait=True)
+        if self._steps:
+            self._hand(self._steps, self._halves[self._cur][: len(self._steps)].tolist())
+            self._steps = []
+
+    def _hand(self, steps: list[tuple[list[int], bool]], values: list) -> None:
+        for (ages, shift), rows in zip(steps, values, strict=False):
             rows = rows[: len(ages)]
             cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
             self.diagnostics.record_error(ages, cols["rel_err"])
@@ -119,4 +173,3 @@ class DeviceRecords:
                 for name in _INT_COLUMNS:
                     cols[name] = [int(v) for v in cols[name]]
                 self.diagnostics.add_records({"age": ages, **cols})
-        self._steps = []
