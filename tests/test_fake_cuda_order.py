@@ -284,10 +284,11 @@ def test_the_runtimes_end_step_reads_its_stamps_in_order():
 def test_device_sums_hand_out_only_copies_whose_event_completed():
     with FakeCuda(order=True) as fc:
         sums = DeviceSums(torch.zeros(3, device=fc.device))
+        one = torch.ones(3, device=fc.device)
         torch.cuda.synchronize()
         with fc.step():
             for step in range(6):
-                sums.values.add_(1)
+                sums.add(one)
                 sums.send()
                 if step % 2:  # some copies are taken a step later
                     assert all(part == [1.0] * 3 for part in sums.arrived())

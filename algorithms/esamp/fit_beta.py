@@ -28,7 +28,6 @@ class FitScale:
         self._sum = 0.0
         self._pending: torch.Tensor | None = None  # scale sums not yet read (device)
         self._ws_sums: DeviceSums | None = None  # CUDA: the workspace's scale sum
-        self._ws_sent = True  # nothing added to it since its last copy to the host
 
     def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
         """The slots a new group has taken since their error was last set (host-side:
@@ -100,10 +99,9 @@ class FitScale:
         self._n += n
         self.counters.add("fit_rows", n)
         pending = ws.parts["pending"]
-        pending.add_(torch.sum(scale, 0, out=ws.parts["total"]))
         if self._ws_sums is None or self._ws_sums.values is not pending:
             self._ws_sums = DeviceSums(pending)
-        self._ws_sent = False
+        self._ws_sums.add(torch.sum(scale, 0, out=ws.parts["total"]))
         return scale
 
     def read(self, wait: bool = True) -> None:
@@ -114,8 +112,7 @@ class FitScale:
             self._sum += float(self._pending)
             self._pending = None
         if self._ws_sums is not None:
-            if not self._ws_sent:
-                self._ws_sent = self._ws_sums.send()
+            self._ws_sums.send()
             for (total,) in self._ws_sums.arrived(wait):
                 self._sum += total
         if self._n:

@@ -82,8 +82,7 @@ def guide_cuda(g: GuideStep, view: GuideView, sel: list[int], slots: list[int]) 
     delta = torch.sub(view.changed_per_row(), before, out=before)
     torch.sum(torch.gt(delta, 0, out=ws.take("dmask", r)), 0, out=counts[0])
     torch.sum(delta, 0, out=counts[1])
-    ws.parts["guided"].add_(counts)
-    ws.guided_pending = True
+    g.guided_sums.add(counts)
 
 
 def _rows(

@@ -116,7 +116,7 @@ class GuideStep:
                 diagnostics=self.diagnostics is not None,
             )
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
-            self._guided_sums = DeviceSums(self._ws.parts["guided"])
+            self.guided_sums = DeviceSums(self._ws.parts["guided"])  # the CUDA path's counts
             self._warm_up_candidate_dot()
             if self.diagnostics is not None:
                 self.records = DeviceRecords(self.diagnostics, self._ws.parts["dg_ring"])
@@ -260,9 +260,8 @@ class GuideStep:
         if self._guided is not None and wait:
             counts, self._guided = self._guided.tolist(), None
         if self._ws is not None:  # the CUDA path's sums
-            if self._ws.guided_pending:
-                self._ws.guided_pending = not self._guided_sums.send()
-            for more in self._guided_sums.arrived(wait):
+            self.guided_sums.send()
+            for more in self.guided_sums.arrived(wait):
                 counts = (
                     more if counts is None else [a + b for a, b in zip(counts, more, strict=True)]
                 )

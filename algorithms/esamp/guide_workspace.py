@@ -213,7 +213,6 @@ class GuideWorkspace:
         self._next = 0
         self._use_events = pin
         self.host_waits = 0  # staging buffers whose previous copy had not run (not expected)
-        self.guided_pending = False  # the "guided" sums hold counts not yet read
 
     def check_rows(self, n: int) -> None:
         if n > self.rows:

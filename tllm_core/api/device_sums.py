@@ -7,8 +7,8 @@ pinned host memory, zeroes them after it on the same stream (so they sum anew fr
 and hands out each copy once its event says it has arrived::
 
     sums = DeviceSums(torch.zeros(3, device="cuda"))
-    ...                      # each step: sums.values.add_(step_counts)
-    sums.send()              # from time to time: nothing waits
+    ...                      # each step: sums.add(step_counts)
+    sums.send()              # from time to time: nothing waits (nothing sent if nothing added)
     for part in sums.arrived():          # the copies that are back (lists of numbers)
         total += part[0]
     sums.send(); sums.arrived(wait=True)  # at the end: everything, waiting for it
@@ -25,9 +25,9 @@ import torch
 
 
 class DeviceSums:
-    """``values``: the device tensor the sums are added to (its shape and dtype are fixed).
-    ``ring``: copies that may be in flight at once; :meth:`send` skips while all are (the
-    sums keep accumulating and go with the next copy)."""
+    """``values``: the device tensor the sums are kept in (its shape and dtype are fixed;
+    add to it with :meth:`add`). ``ring``: copies that may be in flight at once; :meth:`send`
+    skips while all are (the sums keep accumulating and go with the next copy)."""
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values
@@ -39,11 +39,18 @@ class DeviceSums:
         ]
         self._free = deque(range(ring))
         self._flight: deque[tuple[int, Any]] = deque()
+        self._added = False  # something was added since the last copy
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add ``x`` to the sums (on the device, current stream)."""
+        self.values.add_(x)
+        self._added = True
 
     def send(self) -> bool:
         """Queue a copy of the sums to the host and their reset (current stream); False when
-        every host buffer is still in flight (nothing queued)."""
-        if not self._free:
+        nothing was added since the last copy, or every host buffer is still in flight
+        (nothing queued; what was added goes with a later copy)."""
+        if not self._added or not self._free:
             return False
         i = self._free.popleft()
         event = None
@@ -54,6 +61,7 @@ class DeviceSums:
             event = torch.cuda.Event()
             event.record()
         self.values.zero_()
+        self._added = False
         self._flight.append((i, event))
         return True
 
