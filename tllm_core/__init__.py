@@ -4,7 +4,8 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
 ``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
-on the device, read back without a host wait), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+on the device, read back without a host wait) and :class:`HostCopies` (device tensors
+copied to the host without a wait), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
+    from tllm_core.api.host_copies import HostCopies
     from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
     from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
@@ -73,6 +75,7 @@ __all__ = [
     "FINAL",
     "Counters",
     "DeviceSums",
+    "HostCopies",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -173,6 +176,7 @@ _HOME = {
     "FINAL": "tllm_core.api.port_names",
     "Counters": "tllm_core.api.counters",
     "DeviceSums": "tllm_core.api.device_sums",
+    "HostCopies": "tllm_core.api.host_copies",
 }
 
 __getattr__ = lazy_getattr(__name__, _HOME)

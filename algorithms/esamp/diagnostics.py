@@ -9,13 +9,12 @@ nothing and allocates nothing."""
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any
 
 import torch
 
 from algorithms.esamp.guidance import candidate_shift
-from tllm_core import Counters
+from tllm_core import Counters, HostCopies
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
 _DIAG_FIELDS = ("age", "rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
@@ -104,18 +103,15 @@ class DeviceRecords:
         self.diagnostics = diagnostics
         half = max(ring.shape[0] // 2, 1)
         self._halves = [ring[:half], ring[half : 2 * half]]
-        # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
-        self._cpu = ring.device.type == "cpu"
-        pin = not self._cpu and torch.cuda.is_available()
-        self._host = [
-            torch.empty(self._halves[0].shape, dtype=ring.dtype, pin_memory=pin) for _ in range(2)
-        ]
+        self._copies = HostCopies(self._halves[0], 2)
         self._cur = 0
         self._steps: list[tuple[list[int], bool]] = []  # per row of the current half
-        # Halves on their way to the host, oldest first: (half, event or None, their steps).
-        self._sent: deque[tuple[int, Any, list[tuple[list[int], bool]]]] = deque()
         self.halves_sent = 0
-        self.waits = 0  # steps that waited for a half's copy (a host wait each)
+
+    @property
+    def waits(self) -> int:
+        """Steps that waited for a half's copy (a host wait each; not expected)."""
+        return self._copies.waits
 
     def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
         """The ring row ``[rows, columns]`` of a guided step whose rows have these group
@@ -128,33 +124,17 @@ class DeviceRecords:
 
     def _send(self) -> None:
         """Copy the full current half to the host (no waiting) and go on in the other."""
-        i = self._cur
-        if any(h == i for h, _, _ in self._sent):
-            # This half's host buffer still holds its last copy, not yet handed over.
+        if self._copies.full:  # both host buffers hold copies not yet handed over
             self._hand_arrived(wait=True)
-        event = None
-        if self._cpu:
-            self._host[i].copy_(self._halves[i])
-        else:
-            self._host[i].copy_(self._halves[i], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._sent.append((i, event, self._steps))
+        self._copies.send(self._halves[self._cur], tag=self._steps)
         self.halves_sent += 1
         self._steps = []
-        self._cur = 1 - i
+        self._cur = 1 - self._cur
 
     def _hand_arrived(self, wait: bool) -> None:
         """Hand the copies that have arrived to the diagnostics, in order (``wait``: all)."""
-        while self._sent:
-            i, event, steps = self._sent[0]
-            if event is not None and not event.query():
-                if not wait:
-                    return
-                self.waits += 1
-                event.synchronize()
-            self._sent.popleft()
-            self._hand(steps, self._host[i].tolist())
+        for steps, values in self._copies.arrived(wait):
+            self._hand(steps, values)
 
     def read(self) -> None:
         """Hand every step recorded so far to the diagnostics (a host read of the current

@@ -18,10 +18,11 @@ On CPU the copy is made at once (and so has arrived).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
+
+from tllm_core.api.host_copies import HostCopies
 
 
 class DeviceSums:
@@ -31,14 +32,7 @@ class DeviceSums:
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values
-        self._cpu = values.device.type == "cpu"
-        # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
-        pin = not self._cpu and torch.cuda.is_available()
-        self._host = [
-            torch.empty(values.shape, dtype=values.dtype, pin_memory=pin) for _ in range(ring)
-        ]
-        self._free = deque(range(ring))
-        self._flight: deque[tuple[int, Any]] = deque()
+        self._copies = HostCopies(values.reshape(-1), ring)
         self._added = False  # something was added since the last copy
 
     def add(self, x: torch.Tensor) -> None:
@@ -50,32 +44,14 @@ class DeviceSums:
         """Queue a copy of the sums to the host and their reset (current stream); False when
         nothing was added since the last copy, or every host buffer is still in flight
         (nothing queued; what was added goes with a later copy)."""
-        if not self._added or not self._free:
+        if not self._added or self._copies.full:
             return False
-        i = self._free.popleft()
-        event = None
-        if self._cpu:
-            self._host[i].copy_(self.values)
-        else:
-            self._host[i].copy_(self.values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        self._copies.send(self.values.reshape(-1))
         self.values.zero_()
         self._added = False
-        self._flight.append((i, event))
         return True
 
     def arrived(self, wait: bool = False) -> list[list[Any]]:
         """The copies that have arrived, oldest first, as lists (``wait``: every copy sent,
         waiting for those still in flight)."""
-        out = []
-        while self._flight:
-            i, event = self._flight[0]
-            if event is not None and not event.query():
-                if not wait:
-                    break
-                event.synchronize()
-            self._flight.popleft()
-            out.append(self._host[i].reshape(-1).tolist())
-            self._free.append(i)
-        return out
+        return [values for _, values in self._copies.arrived(wait)]
