@@ -222,6 +222,18 @@ def test_stamps_in_flight_written_taps_are_delivered_as_they_are(monkeypatch):
     assert report["runtime"]["rows_captured.layer.0"] == 1
 
 
+def test_stamps_in_flight_count_edited_rows_once_they_arrive(monkeypatch):
+    _stamps_in_flight(monkeypatch)
+    rt = _runtime({"name": "reader"})
+    rows, step = _step(rt)
+    step.edited = {"residual.1": torch.tensor([3])}  # the forward's edit changed 3 rows
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    assert "rows_edited" not in rt.counters.snapshot()  # the count is still on its way
+    report = rt.collect()["runtime"]
+    assert report["rows_edited"] == 3 and report["rows_edited.layer.1"] == 3, report
+
+
 def test_end_step_makes_the_host_wait_for_nothing_on_a_gpu():
     """Was: one blocking read of every stamp and edit count at each step's end (a host wait
     per step, before the next forward is queued). Now one copy into pinned memory, read when
