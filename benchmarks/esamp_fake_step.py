@@ -253,9 +253,11 @@ def run_runtime(
 ) -> dict[str, Any]:
     """ESamp driven through tllm's runtime as the vLLM bridge drives it
     (:mod:`esamp_runtime_step`: ``begin_step``, ``guide``, ``end_step`` with the step's
-    stamps), on the fake device: the last step's counts of the whole runtime step, with the
-    places that allocated (the runtime's own per-step gathers and views are among them;
-    ESamp's are not). ``order``: also check stream ordering (the result's ``races``)."""
+    stamps), on the fake device: the last step's counts of the whole runtime step, the
+    places that allocated in any counted step (none: the runtime's gathers and the guide's
+    view reuse its buffers, see ``tllm_core/runtime/buffer_pool.py``) and the copies of the
+    step's row indices to the device (one per step). ``order``: also check stream ordering
+    (the result's ``races``)."""
     from esamp_runtime_step import RuntimeStep
 
     cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
@@ -286,9 +288,11 @@ def run_runtime(
 
             one()  # the groups' slots are allocated (host bookkeeping)
             fc.start_steps()
+            copies = rs.runtime._buffers.copies
             for _ in range(steps):
                 with fc.step():
                     one()
+            index_copies = rs.runtime._buffers.copies - copies
             report = fc.report()["steps"]
             waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
             pageable = [f"{f.where} {f.what}" for f in fc.findings(kind="pageable_copy")]
@@ -312,6 +316,7 @@ def run_runtime(
         "host_waits": waits,
         "pageable_copies": pageable,
         "races": races,
+        "index_copies_per_step": index_copies / steps,
         "rows_captured": counters.get("rows_captured.layer.0", 0),
         "esamp_decode_steps": esamp.get("decode_steps", 0),
     }
@@ -330,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         for fit in (False, True)
     ]
     # The whole step through tllm's runtime (esamp_runtime_step), with stream-order checks.
-    runtime = [run_runtime(8, 16, mode, False, args.steps, order=True) for mode in MODES]
+    runtime = [
+        run_runtime(pr, n, mode, fit, args.steps, order=True)
+        for pr, n in LAYOUTS
+        for mode in MODES
+        for fit in (False, True)
+    ]
     configs = []
     if args.configs:
         for name, opts in CONFIGS:
@@ -362,11 +372,14 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} | {r['pageable_copies']} |"
         )
     for r in runtime:
+        beta = "fit" if r["fit"] else "constant"
         print(
-            f"\nthrough the runtime, 8 x 16 {r['mode']}: {r['launches']} launches, "
+            f"\nthrough the runtime, {r['prompts']} x {r['n']} {r['mode']} {beta}: "
+            f"{r['launches']} launches, "
             f"{r['bytes'] / 1e9:.2f} GB, host waits {len(r['host_waits'])}, pageable copies "
             f"{len(r['pageable_copies'])}, races {len(r['races'])}, allocations "
-            f"{r['allocations']} (the runtime's own: {len(r['allocation_sites'])} places)"
+            f"{r['allocations']} (in any step: {len(r['allocation_sites'])} places), "
+            f"{r['index_copies_per_step']:g} index copy per step"
         )
     if configs:
         print("\n| 8 x 16, setting | mode | launches | GB moved | allocations (MB) | host waits |")

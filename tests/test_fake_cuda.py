@@ -307,6 +307,26 @@ def test_launches_and_bytes_per_step_follow_the_bytes_count_rules():
     assert [(s["launches"], s["bytes"]) for s in per_step] == [(1, 1200), (2, 2400)]
 
 
+def test_a_gather_into_out_moves_the_bytes_of_one_that_allocates():
+    """``index_select(..., out=)`` reads its rows once and writes them once, as the
+    allocating call does (was: counted as a scatter into its source, the rows twice); an
+    in-place ``index_copy_`` reads and writes its target's rows."""
+    with FakeCuda() as fc:
+        t = torch.zeros(100, 10, device=fc.device)
+        idx = torch.zeros(2, dtype=torch.long, device=fc.device)
+        out = torch.empty(2, 10, device=fc.device)
+        for f in (
+            lambda: t.index_select(0, idx),
+            lambda: torch.index_select(t, 0, idx, out=out),
+            lambda: t.index_copy_(0, idx, out),
+        ):
+            with fc.step():
+                f()
+    per_step = fc.report()["steps"]["per_step"]
+    rows = 2 * 10 * 4  # the two rows gathered or written
+    assert [s["bytes"] for s in per_step] == [16 + 2 * rows, 16 + 2 * rows, 16 + 3 * rows]
+
+
 @torch.library.custom_op("tllm_fakecuda_test::scaled", mutates_args=())
 def _scaled(x: torch.Tensor, s: float) -> torch.Tensor:
     return x * s

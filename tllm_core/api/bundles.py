@@ -31,7 +31,11 @@ class Bundle:
     prefill, every decode row); ``logits`` and ``sampled_token_ids`` are its built-in keys.
 
     End-of-step bundles hold device tensors valid only during the call; background
-    bundles hold host copies the consumer may keep.
+    bundles hold host copies the consumer may keep. (The runtime gathers end-of-step rows
+    into buffers it reuses, but only once nothing holds them: a tensor kept past the call
+    keeps its values; work on another CUDA stream that reads one must be waited for by the
+    engine's stream or hold the tensor until it ran. See ``docs/delivery.md`` and
+    ``tllm_core/runtime/buffer_pool.py``.)
     """
 
     step: int
@@ -64,7 +68,9 @@ class GuideView:
     ``candidates_guided``: a write of an unchanged value counts nothing; counted on the
     logits' device and read when the counters are). ``wrote`` says, without a device read,
     whether any write was made: vLLM then samples from the guided logits, otherwise its
-    own sampling call goes on as it was made.
+    own sampling call goes on as it was made. ``changed`` (optional): an int64 ``[R]``
+    buffer on the logits' device to count into, zeroed here (the runtime's reused one);
+    by default one is made.
     """
 
     def __init__(
@@ -76,6 +82,7 @@ class GuideView:
         is_random: np.ndarray,
         filtered: bool,
         hidden: dict[str, torch.Tensor],
+        changed: torch.Tensor | None = None,
     ):
         self.step = step
         self.rows = rows
@@ -93,7 +100,11 @@ class GuideView:
         self._hidden = hidden
         # What the writes really changed (a write of an unchanged value counts nothing),
         # per row, kept on the logits' device: counted without a host sync, read on demand.
-        self._changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        if changed is None:
+            changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        else:
+            changed.zero_()
+        self._changed = changed
         self._candidates: Candidates | None = None
         self._writes = 0  # writes so far (a TopCandidates taken since saw them all)
         # Whether a write was made (host-side: the runtime decides on it without a read).

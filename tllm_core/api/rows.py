@@ -156,15 +156,19 @@ class RowInfo:
         """Rows where ``mask`` is true."""
         return self.take(np.nonzero(mask)[0])
 
-    def take(self, idx: np.ndarray) -> RowInfo:
-        """Rows at indices ``idx`` (in that order, repeats allowed)."""
+    def take(self, idx: np.ndarray, token_ids: torch.Tensor | None = None) -> RowInfo:
+        """Rows at indices ``idx`` (in that order, repeats allowed). ``token_ids``: their
+        token ids when the caller has gathered them already (the runtime, into a reused
+        buffer); by default they are gathered here."""
+        if token_ids is None:
+            token_ids = self.token_ids[index_to(idx, self.token_ids.device)]
         return RowInfo(
             row=self.row[idx],
             requests=[self.requests[i] for i in idx],
             position=self.position[idx],
             is_decode=self.is_decode[idx],
             recomputed=self.recomputed[idx],
-            token_ids=self.token_ids[index_to(idx, self.token_ids.device)],
+            token_ids=token_ids,
             mid_prefill=self.mid_prefill[idx],  # type: ignore[index]
         )
 

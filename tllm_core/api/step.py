@@ -64,15 +64,22 @@ class StepCapture:
         finally:
             self._unconfirmed = None
 
-    def written(self, keys: set[str]) -> torch.Tensor | None:
+    def written(self, keys: set[str], out: torch.Tensor | None = None) -> torch.Tensor | None:
         """On the device, without a host read: whether this step's forward stamped every
-        tap in ``keys`` (a 0-dim bool; None when none of them has a stamp)."""
+        tap in ``keys`` (a 0-dim bool; None when none of them has a stamp). ``out``: a bool
+        tensor of 2 elements on the stamps' device to compute in, so that nothing is
+        allocated (the answer is then ``out[0]``; ``out[1]`` is scratch)."""
         ok = None
         for k in sorted(keys):
             stamp = self.stamps.get(k)
-            if stamp is not None:
+            if stamp is None:
+                continue
+            if out is None:
                 hit = (stamp == self.step).all()
                 ok = hit if ok is None else ok & hit
+            else:  # one-element stamps: their only value compared
+                hit = torch.eq(stamp.reshape(()), self.step, out=out[0 if ok is None else 1])
+                ok = hit if ok is None else ok.logical_and_(hit)
         return ok
 
     def sample_rows(self) -> RowInfo:

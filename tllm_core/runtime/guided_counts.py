@@ -10,28 +10,39 @@ from __future__ import annotations
 
 import torch
 
+from tllm_core.runtime.buffer_pool import BufferPool
+
 
 class GuidedCounts:
     """Per device: ``[rows with a changed logit, changed logits]``, int64, accumulated
-    without a host read."""
+    without a host read. ``pool``: where the per-row mask is taken from (nothing allocated
+    per step; without one it is made each time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool | None = None) -> None:
+        self._pool = pool
+        # Per device: the two totals, then the two sums of the view being added.
         self._totals: dict[torch.device, torch.Tensor] = {}
 
     def add(self, changed_per_row: torch.Tensor) -> None:
         """Add one view's ``changed_per_row`` (int64 ``[R]``, on its device)."""
-        device = changed_per_row.device
-        total = self._totals.get(device)
+        c = changed_per_row
+        total = self._totals.get(c.device)
         if total is None:
-            total = self._totals[device] = torch.zeros(2, dtype=torch.long, device=device)
-        total.add_(torch.stack([(changed_per_row > 0).sum(), changed_per_row.sum()]))
+            total = self._totals[c.device] = torch.zeros(4, dtype=torch.long, device=c.device)
+        if self._pool is None:
+            mask = c > 0
+        else:
+            mask = torch.gt(c, 0, out=self._pool.take(c.shape, torch.bool, c.device))
+        torch.sum(mask, 0, out=total[2])
+        torch.sum(c, 0, out=total[3])
+        total[:2].add_(total[2:])
 
     def drain(self) -> tuple[int, int]:
         """``(rows_guided, candidates_guided)`` added since the last drain (one host read
         per device)."""
         rows = candidates = 0
         for total in self._totals.values():
-            r, c = total.cpu().tolist()
+            r, c = total[:2].cpu().tolist()
             rows, candidates = rows + r, candidates + c
         # Dropped, not zeroed: a total made in the sampler is an inference tensor, which
         # may not be changed in place outside inference mode.

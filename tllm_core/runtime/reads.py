@@ -13,6 +13,7 @@ from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
 from tllm_core.api.rows import index_to, phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
+from tllm_core.runtime.step_buffers import StepBuffers
 
 
 @dataclass
@@ -75,12 +76,48 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
     return t.index_select(0, index_to(idx, t.device))
 
 
+def bundle_rows(
+    plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The rows a consumer's bundle holds: its token rows (indices into ``step.rows``) and
+    its sampling rows (indices into the step's sampling rows); None where it has none."""
+    token = sample = None
+    phase = ReadPlan.phase(plan.token)
+    if phase is not None:
+        mask = phase_mask(step.rows.is_decode, phase)
+        if enabled is not None:
+            mask = mask & enabled
+        if mask.any():
+            token = np.nonzero(mask)[0]
+    phase = ReadPlan.phase(plan.sample)
+    if phase is not None:
+        mask = step.sample_kept & phase_mask(step.rows.is_decode[step.sample_token_row], phase)
+        if enabled is not None:
+            mask = mask & enabled[step.sample_token_row]
+        if mask.any():
+            sample = np.nonzero(mask)[0]
+    return token, sample
+
+
+def bundle_indices(
+    plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """Every host index :func:`build_bundle` sends to the device for this bundle (for
+    :meth:`StepBuffers.plan <tllm_core.runtime.step_buffers.StepBuffers.plan>`)."""
+    token, sample = bundle_rows(plan, step, enabled)
+    out = [] if token is None else [token]
+    if sample is not None:
+        out += [sample, step.sample_token_row[sample]]
+    return out
+
+
 def build_bundle(
     plan: ReadPlan,
     step: StepCapture,
     enabled: np.ndarray | None = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
     unconfirmed: list[tuple[str, set[str]]] | None = None,
+    buffers: StepBuffers | None = None,
 ) -> Bundle | None:
     """The consumer's bundle for this step, or None when it selects no row.
 
@@ -92,19 +129,31 @@ def build_bundle(
     whose taps this step's forward did not write read NaN (decided on the device), and
     ``(port key, its tap keys)`` is appended for the caller to check once the stamps are
     read. Other ports (integer tensors cannot be marked) wait for the stamps.
+
+    ``buffers``: the rows are gathered into its reused buffers, with the indices it sent
+    (the runtime's: see :mod:`~tllm_core.runtime.buffer_pool` for when a buffer is reused);
+    without it every tensor is new.
     """
-    bundle = Bundle(step=step.step, rows=step.rows.take(np.zeros(0, np.int64)))
+    rows = step.rows
+    gather = _gather if buffers is None else buffers.gather
+    bundle = Bundle(step=step.step, rows=rows.take(np.zeros(0, np.int64), rows.token_ids[:0]))
 
     def read(r: PortRead) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The port's tensor, and a 0-dim bool on its device that is True when its taps
+        were not written by this step's forward (None: known to be written)."""
         if unconfirmed is not None and not step.confirmed:
             with step.unconfirmed() as taps:
                 t = r.producer.read(r.port, step)
-            ok = step.written(taps)
-            if ok is None:
-                return t, None
-            if t.is_floating_point():
+            if not t.is_floating_point():
+                if not any(k in step.stamps for k in taps):
+                    return t, None
+            else:
+                flag = None if buffers is None else buffers.pool.take((2,), torch.bool, t.device)
+                ok = step.written(taps, flag)
+                if ok is None:
+                    return t, None
                 unconfirmed.append((r.port.key, set(taps)))
-                return t, ok
+                return t, (~ok if flag is None else ok.logical_not_())
         try:
             return r.producer.read(r.port, step), None
         except StaleTapError as e:
@@ -113,41 +162,30 @@ def build_bundle(
             return None, None
 
     def cut(r: PortRead, idx: np.ndarray) -> torch.Tensor | None:
-        t, ok = read(r)
+        t, stale = read(r)
         if t is None:
             return None
-        rows = _gather(t, idx)
-        if ok is not None:
-            rows.masked_fill_(~ok, float("nan"))
-        return rows
+        out = gather(t, idx)
+        if stale is not None:
+            out.masked_fill_(stale, float("nan"))
+        return out
 
-    phase = ReadPlan.phase(plan.token)
-    if phase is not None:
-        mask = phase_mask(step.rows.is_decode, phase)
-        if enabled is not None:
-            mask = mask & enabled
-        if mask.any():
-            idx = np.nonzero(mask)[0]
-            bundle.rows = step.rows.take(idx)
-            for key, r in plan.token.items():
-                if r.phase is Phase.GUIDE:
-                    continue  # read at guide time only
-                t = cut(r, idx)
-                if t is not None:
-                    bundle.hidden[key] = t
-    phase = ReadPlan.phase(plan.sample)
-    if phase is not None:
-        srows = step.sample_rows()
-        mask = step.sample_kept & phase_mask(srows.is_decode, phase)
-        if enabled is not None:
-            mask = mask & enabled[step.sample_token_row]
-        if mask.any():
-            idx = np.nonzero(mask)[0]
-            bundle.sampled_rows = srows.take(idx)
-            for key, r in plan.sample.items():
-                t = cut(r, idx)
-                if t is not None:
-                    bundle.per_sample[key] = t
+    token, sample = bundle_rows(plan, step, enabled)
+    if token is not None:
+        bundle.rows = rows.take(token, gather(rows.token_ids, token))
+        for key, r in plan.token.items():
+            if r.phase is Phase.GUIDE:
+                continue  # read at guide time only
+            t = cut(r, token)
+            if t is not None:
+                bundle.hidden[key] = t
+    if sample is not None:
+        in_rows = step.sample_token_row[sample]  # the same rows, as indices into step.rows
+        bundle.sampled_rows = rows.take(in_rows, gather(rows.token_ids, in_rows))
+        for key, r in plan.sample.items():
+            t = cut(r, sample)
+            if t is not None:
+                bundle.per_sample[key] = t
     if not bundle.hidden and not bundle.per_sample:
         return None
     return bundle

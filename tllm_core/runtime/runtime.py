@@ -29,9 +29,10 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
-from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, plan_reads
+from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, bundle_indices, plan_reads
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_reads import StampRead, StampReader
+from tllm_core.runtime.step_buffers import StepBuffers
 
 log = logging.getLogger("tllm")
 
@@ -184,7 +185,11 @@ class Runtime:
             settings.max_consecutive_failures,
         )
         self.step_index = 0
-        self._guided = GuidedCounts()
+        # The step's indices (one copy) and gathered rows, in buffers reused from step to
+        # step (step_buffers, buffer_pool): a steady step allocates nothing on the device.
+        self._buffers = StepBuffers()
+        self._planned: StepCapture | None = None  # the step whose indices were sent
+        self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
         # ports its bundles handed out unchecked: settled by _settle.
@@ -267,6 +272,23 @@ class Runtime:
     def _resolve(self, layer: int) -> int:
         return resolve_layer(layer, self.model.num_layers)
 
+    def _plan(self, step: StepCapture) -> None:
+        """Send every index the step's guide and bundles will use to the device, in one
+        copy (once per step: at its guide, or at its end when nothing guides)."""
+        if self._planned is step:
+            return
+        self._planned = step
+        arrays = [step.sample_token_row] if self._guides else []
+        for s in self.slots:
+            if not s.reads.empty:
+                arrays += bundle_indices(s.reads, step, s.enabled(step.rows.requests))
+        self._buffers.plan(arrays, step.rows.token_ids.device)
+
+    def _sample_rows(self, step: StepCapture) -> RowInfo:
+        """``step.sample_rows()``, its token ids gathered into a reused buffer."""
+        rows, idx = step.rows, step.sample_token_row
+        return rows.take(idx, self._buffers.gather(rows.token_ids, idx))
+
     def guide(
         self,
         step: StepCapture,
@@ -278,30 +300,27 @@ class Runtime:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
         True when a guide wrote logits (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
-        srows = step.sample_rows()
+        self._plan(step)
+        srows = self._sample_rows(step)
         hidden = {}
         for key, r in self._guide_reads.items():
             # No stamp read here (it would make the host wait for the forward before
             # sampling): rows of a tap the forward did not write read NaN, decided on the
             # device; the stale capture is reported after sampling, with the step's bundles.
             try:
-                with step.unconfirmed() as taps:
-                    buf = r.producer.read(r.port, step)
+                hidden[key] = self._guide_rows(step, r)
             except StaleTapError as e:
                 self._stale(key, e)
-                continue
-            rows = buf.index_select(0, index_to(step.sample_token_row, buf.device))
-            ok = step.written(taps)
-            if ok is not None and rows.is_floating_point():
-                rows.masked_fill_(~ok, float("nan"))
-            hidden[key] = rows
         changed = False
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
             allowed = s.enabled(srows.requests)
             if allowed is None:
-                view = GuideView(step.step, srows, logits, temperature, is_random, filtered, hidden)
+                counts = self._buffers.pool.take((len(srows),), torch.long, logits.device)
+                view = GuideView(
+                    step.step, srows, logits, temperature, is_random, filtered, hidden, counts
+                )
                 rows = self._call_guide(s, view)
                 if rows is None:
                     view.rollback()
@@ -324,6 +343,19 @@ class Runtime:
                     logits[sel] = view.logits
                     changed = True
         return changed
+
+    def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
+        """A token port's rows at the sampling rows, NaN where its taps were not written
+        by this step's forward (decided on the device)."""
+        with step.unconfirmed() as taps:
+            buf = r.producer.read(r.port, step)
+        rows = self._buffers.gather(buf, step.sample_token_row)
+        if rows.is_floating_point():
+            flag = self._buffers.pool.take((2,), torch.bool, buf.device)
+            ok = step.written(taps, flag)
+            if ok is not None:
+                rows.masked_fill_(ok.logical_not_(), float("nan"))
+        return rows
 
     def _call_guide(self, s: _Slot, view: GuideView) -> bool | None:
         """Whether the consumer's guide wrote logits, or None when it failed. What the
@@ -359,13 +391,19 @@ class Runtime:
         if read.ready():
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
+        self._plan(step)
         for s in self.slots:
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
-            bundle = build_bundle(s.reads, step, enabled, self._stale, unchecked)
+            bundle = build_bundle(
+                s.reads, step, enabled, self._stale, unchecked, buffers=self._buffers
+            )
             if bundle is not None:
                 self.bus.publish(s.consumer, bundle)
+        # The step's device indices are let go (a later plan reuses their buffer).
+        self._planned = None
+        self._buffers.release()
         for i, req in enumerate(step.rows.requests):
             pos = int(step.rows.position[i])
             if pos > req.max_position_seen:

@@ -78,7 +78,10 @@ def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         dim = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         rows = index.numel() * (big.numel() // max(1, big.shape[dim])) if big.dim() else 1
     touched = rows * big.element_size()
-    written = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    # Read and written where the operation scatters into it in place; an ``out=`` argument
+    # (the gathered rows, ``index_select(..., out=)``) is counted with the other operands.
+    alias = schema.arguments[big_i].alias_info
+    written = alias is not None and alias.is_write
     return (
         n
         + touched * (2 if written else 1)

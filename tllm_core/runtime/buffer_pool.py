@@ -1,0 +1,115 @@
+"""Device buffers the runtime reuses from step to step (bundle gathers, the guide's rows and
+counts), so that a steady decode step allocates nothing on the device.
+
+A buffer is handed out as a view (``take``) and handed out again only when **nothing outside
+the pool holds its storage**: no tensor and no view of it is alive (a bundle, a tensor a
+consumer kept, a slice of one: counted by the storage's use count). A consumer that keeps a
+bundle therefore keeps its values; the pool takes another buffer, or allocates a fresh one
+(as every step did before), and reuses the kept one once it is let go. On CUDA a buffer is
+rewritten on the current stream, after everything queued there before (a buffer last handed
+out on another stream is taken only after that stream's queued work, through an event).
+Work a consumer queues on a stream of its own that reads a bundle tensor must either hold
+the tensor until that work has run or make the current stream wait for it (``wait_stream``,
+``wait_event``) before it lets the tensor go: ``record_stream`` guards the caching
+allocator's reuse of freed memory, not this pool's (ESamp's copies make the main stream
+wait on their event).
+
+Buffers are grown to the next power of two of the rows asked for, so a batch that grows
+reallocates rarely; at most ``keep`` buffers of one dtype and row shape are kept, so
+consumers that keep many bundles get fresh, unpooled tensors beyond that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# Where torch lacks it, nothing is reused (every take allocates, as without a pool).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def storage_uses(t: torch.Tensor) -> int:
+    """How many holders ``t``'s storage has (each tensor or view over it counts one)."""
+    assert _use_count is not None
+    return int(_use_count(t.untyped_storage()._cdata))
+
+
+def _stream(device: torch.device) -> Any | None:
+    """The current stream where the device has CUDA's streams (the test kit's fake too)."""
+    if device.type == "cpu" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.current_stream(device)
+
+
+def _rows(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass(eq=False)  # by identity (a tensor field has no truth value)
+class _Buffer:
+    data: torch.Tensor
+    uses: int  # the storage's use count while only the pool holds it
+    stream: Any  # the stream it was last handed out on (None: no streams)
+
+
+class BufferPool:
+    """Reusable device buffers (see the module docstring). ``allocations``: buffers made so
+    far, pooled or not; ``unpooled``: those made because ``keep`` buffers were all held."""
+
+    def __init__(self, keep: int = 16) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.keep = keep
+        self._buffers: dict[tuple[Any, ...], list[_Buffer]] = {}
+        self.allocations = 0
+        self.unpooled = 0
+
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` (rows first) on ``device``: a view of a
+        pooled buffer nothing else holds, which it keeps from reuse while it (or any view of
+        it) is alive."""
+        n, rest = int(shape[0]), tuple(int(s) for s in shape[1:])
+        stream = _stream(device)
+        bufs = self._buffers.setdefault((dtype, device, rest), [])
+        small = None
+        for b in bufs:
+            if not self._idle(b):
+                continue
+            if b.data.shape[0] >= n:
+                self._order(b, stream)
+                return b.data[:n]
+            small = small or b
+        if small is not None:
+            bufs.remove(small)  # grown: the smaller one is let go
+        elif len(bufs) >= self.keep or _use_count is None:
+            self.unpooled += 1
+            return self._empty((n, *rest), dtype, device)
+        data = self._empty((_rows(n), *rest), dtype, device)
+        b = _Buffer(data, storage_uses(data), stream)
+        bufs.append(b)
+        return data[:n]
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.allocations += 1
+        # Not an inference tensor, though made in the sampler: written in place outside
+        # inference mode too (end_step).
+        with torch.inference_mode(False):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def _idle(b: _Buffer) -> bool:
+        return storage_uses(b.data) == b.uses
+
+    @staticmethod
+    def _order(b: _Buffer, stream: Any) -> None:
+        """Queue the reuse after the work its last stream has: nothing holds the buffer any
+        more, so everything that will read it there is queued already."""
+        if stream is not None and b.stream is not None and b.stream != stream:
+            event = torch.cuda.Event()
+            event.record(b.stream)
+            stream.wait_event(event)
+        b.stream = stream

@@ -1,0 +1,114 @@
+"""A step's row indices on the device in one copy, and the runtime's gathers into reused
+buffers (:mod:`.buffer_pool`).
+
+The runtime cuts rows out of the step's tensors with host indices (the sampling rows for
+the guide, each consumer's bundle rows). Each index sent alone would be a copy of its own
+from pinned memory and a new device tensor, per index and step. Instead :meth:`StepBuffers.plan`
+gathers every index the step will use (equal ones once), writes them into one of ``ring``
+pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepBuffers.index`
+then hands out views of it. A staging buffer is rewritten only once the event recorded
+after its copy has completed (``waits`` counts the times the host had to wait for it; with
+a ring of 4 the copy ran steps before). An index not planned is sent the same way, alone.
+On CPU, and on a device without CUDA's streams, indices are used as before
+(:func:`~tllm_core.api.rows.index_to`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tllm_core.api.rows import index_to
+from tllm_core.runtime.buffer_pool import BufferPool
+
+RING = 4
+
+
+def _copies_async(device: torch.device) -> bool:
+    # CUDA (and the test kit's fake CUDA): asynchronous only from pinned memory.
+    return device.type != "cpu" and torch.cuda.is_available()
+
+
+class StepBuffers:
+    """The runtime's per-step device indices and gathered rows (see the module docstring).
+    ``copies``: index copies queued (one per planned step, plus any index not planned)."""
+
+    def __init__(self, pool: BufferPool | None = None, ring: int = RING) -> None:
+        self.pool = pool or BufferPool()
+        self._staging: list[torch.Tensor | None] = [None] * ring
+        self._events: list[Any | None] = [None] * ring
+        self._next = 0
+        # The step's indices on the device, by device and their bytes (as int64).
+        self._index: dict[tuple[torch.device, bytes], torch.Tensor] = {}
+        self.copies = 0
+        self.waits = 0
+
+    def plan(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
+        """Send ``arrays`` (host indices the step will use) to ``device`` in one copy; the
+        previous plan's indices are let go."""
+        self.release()
+        if _copies_async(device):
+            self._send(list(arrays), device)
+
+    def release(self) -> None:
+        """Let the step's device indices go (their buffer is reused by a later plan)."""
+        self._index.clear()
+
+    def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``idx`` as an int64 index tensor on ``device``: the planned copy's view, or sent
+        now (alone) if it was not planned; valid until the next :meth:`plan`."""
+        if not _copies_async(device):
+            return index_to(idx, device)
+        key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
+        if key not in self._index:
+            self._send([idx], device)
+        return self._index[key]
+
+    def gather(self, t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """``t.index_select(0, idx)`` into a pooled buffer (the same values, nothing
+        allocated once the pool holds a free buffer of that shape)."""
+        out = self.pool.take((len(idx), *t.shape[1:]), t.dtype, t.device)
+        return torch.index_select(t, 0, self.index(idx, t.device), out=out)
+
+    def _send(self, arrays: list[np.ndarray], device: torch.device) -> None:
+        new: dict[tuple[torch.device, bytes], np.ndarray] = {}
+        for x in arrays:
+            a = np.ascontiguousarray(x, dtype=np.int64)
+            key = (device, a.tobytes())
+            if key not in self._index:
+                new.setdefault(key, a)
+        total = sum(a.size for a in new.values())
+        if total == 0:
+            for key in new:
+                self._index[key] = self.pool.take((0,), torch.int64, device)
+            return
+        dev = self.pool.take((total,), torch.int64, device)
+        i, host = self._stage(total)
+        host.copy_(torch.from_numpy(np.concatenate(list(new.values()))))
+        dev.copy_(host, non_blocking=True)
+        ev = self._events[i] = self._events[i] or torch.cuda.Event()
+        ev.record()  # after the copy: this staging buffer is free again once it completes
+        self.copies += 1
+        off = 0
+        for key, a in new.items():
+            self._index[key] = dev[off : off + a.size]
+            off += a.size
+
+    def _stage(self, n: int) -> tuple[int, torch.Tensor]:
+        """The next pinned staging buffer (its ring slot, ``n`` elements), once the copy
+        last queued from it has run."""
+        i = self._next
+        self._next = (i + 1) % len(self._staging)
+        ev = self._events[i]
+        if ev is not None and not ev.query():
+            self.waits += 1
+            ev.synchronize()
+        buf = self._staging[i]
+        if buf is None or buf.numel() < n:
+            buf = self._staging[i] = torch.empty(
+                1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
+            )
+        return i, buf[:n]
