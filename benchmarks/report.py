@@ -734,19 +734,31 @@ def fake_step_section(fs: dict | None) -> list[str]:
     fused = fs.get("before_fused_update")
     if fused:
         out += ["", f"Before the fused update kernels ({fused['what']}): {fused['text']}"]
-    for r in fs.get("runtime", []):
-        others = [x for x in r["allocation_sites"] if not x.startswith("tllm_core/")]
-        whose = "none ESamp's" if not others else f"elsewhere: {'; '.join(others)}"
+    runtime = fs.get("runtime", [])
+    if runtime:
         out += [
             "",
-            f"Through tllm's runtime (`esamp_runtime_step`: `begin_step`, `guide`, `end_step` "
-            f"with the step's stamps, as the vLLM bridge drives it), 8 x 16 {r['mode']}: "
-            f"{r['launches']} launches, {r['bytes'] / 1e9:.2f} GB, {len(r['host_waits'])} host "
-            f"waits, {len(r['pageable_copies'])} pageable copies, {len(r['races'])} races "
-            f"(stream order checked); {r['allocations']} allocations in "
-            f"{len(r['allocation_sites'])} places, the runtime's own per-step gathers and "
-            f"views, {whose}.",
+            "Through tllm's runtime (`esamp_runtime_step`: `begin_step`, `guide`, `end_step` "
+            "with the step's stamps, as the vLLM bridge drives it; stream order checked): "
+            "allocations in the last step (and places that allocated in any counted step), "
+            "copies of the step's row indices to the device per step.",
+            "",
+            "| prompts x n | mode | beta | launches | GB moved | allocations (places) "
+            "| host waits | pageable copies | races | index copies |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
+        for r in runtime:
+            beta = "fit" if r.get("fit") else "constant"
+            copies = r.get("index_copies_per_step")
+            out.append(
+                f"| {r['prompts']} x {r['n']} | {r['mode']} | {beta} | {r['launches']} "
+                f"| {r['bytes'] / 1e9:.2f} | {r['allocations']} ({len(r['allocation_sites'])}) "
+                f"| {len(r['host_waits'])} | {len(r['pageable_copies'])} | {len(r['races'])} "
+                f"| {'' if copies is None else f'{copies:g}'} |"
+            )
+    pooled = fs.get("runtime_before_reused_buffers")
+    if pooled:
+        out += ["", f"Before the runtime reused its buffers ({pooled['what']}): {pooled['text']}"]
     configs = fs.get("configurations")
     if configs:
         out += [
