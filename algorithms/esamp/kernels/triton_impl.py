@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -644,6 +645,20 @@ class Launch:
         return dict(num_warps=self.num_warps, enable_fp_fusion=True)
 
 
+def _runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
+    """``launch_fn``'s kernel as a function: builds the launch from the same arguments and
+    runs it (with ``kernels``, else the compiled ones); nothing where there is no launch."""
+
+    def run(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+        launch = launch_fn(*args, **kwargs)
+        if launch is not None:
+            launch.run(kernels)
+
+    run.__name__ = run.__qualname__ = launch_fn.__name__.removesuffix("_launch")
+    run.__doc__ = f"Run the kernel of :func:`{launch_fn.__name__}` (the same arguments)."
+    return run
+
+
 def grad_adam_launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -692,11 +707,7 @@ def grad_adam_launch(
     return Launch("grad_adam", grid, args, consts, num_warps)
 
 
-def grad_adam(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the fused gradient + Adam kernel (arguments as :func:`grad_adam_launch`)."""
-    launch = grad_adam_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+grad_adam = _runner(grad_adam_launch)
 
 
 def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
@@ -813,11 +824,7 @@ def candidate_dot_launch(
     return Launch("candidate_dot", (triton.cdiv(n, block_p),), args, consts, num_warps)
 
 
-def candidate_dot(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the candidate dot kernel (arguments as :func:`candidate_dot_launch`)."""
-    launch = candidate_dot_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+candidate_dot = _runner(candidate_dot_launch)
 
 
 def _bool_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -855,11 +862,7 @@ def loss_dy_launch(
     return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
 
 
-def loss_dy(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the loss + dy kernel (arguments as :func:`loss_dy_launch`)."""
-    launch = loss_dy_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+loss_dy = _runner(loss_dy_launch)
 
 
 def block_backward_launch(
@@ -911,11 +914,7 @@ def block_backward_launch(
     return Launch("block_backward", (parts.shape[1], groups), args, consts, num_warps)
 
 
-def block_backward(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the block backward kernel (arguments as :func:`block_backward_launch`)."""
-    launch = block_backward_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+block_backward = _runner(block_backward_launch)
 
 
 def update_tail_launch(
@@ -960,11 +959,7 @@ def update_tail_launch(
     return Launch("update_tail", (triton.cdiv(groups, block_g),), args, consts, num_warps)
 
 
-def update_tail(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the update tail kernel (arguments as :func:`update_tail_launch`)."""
-    launch = update_tail_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+update_tail = _runner(update_tail_launch)
 
 
 def silu_mul_launch(
@@ -988,11 +983,7 @@ def silu_mul_launch(
     return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
 
 
-def silu_mul(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the SwiGLU activation kernel (arguments as :func:`silu_mul_launch`)."""
-    launch = silu_mul_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+silu_mul = _runner(silu_mul_launch)
 
 
 def stale_max_launch(
@@ -1016,8 +1007,4 @@ def stale_max_launch(
     return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
 
 
-def stale_max(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the staleness kernel (arguments as :func:`stale_max_launch`)."""
-    launch = stale_max_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+stale_max = _runner(stale_max_launch)
