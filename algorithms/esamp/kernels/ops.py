@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from algorithms.esamp.kernels import reference
+from algorithms.esamp.kernels import reference, traffic
 from algorithms.esamp.kernels.checks import (
     check_block_backward,
     check_candidate_dot,
@@ -29,16 +29,6 @@ from algorithms.esamp.kernels.checks import (
     check_slot_matmul,
     check_stale_max,
     check_update_tail,
-)
-from algorithms.esamp.kernels.traffic import (
-    block_backward_bytes,
-    candidate_dot_bytes,
-    grad_adam_bytes,
-    loss_dy_bytes,
-    silu_mul_bytes,
-    slot_matmul_bytes,
-    stale_max_bytes,
-    update_tail_bytes,
 )
 
 log = logging.getLogger("tllm")
@@ -167,7 +157,7 @@ def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwar
     groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1
     b_mats = b.shape[1] if b.dim() == 4 else 1
-    return grad_adam_bytes(
+    return traffic.grad_adam_bytes(
         groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, b_matrices=b_mats
     )
 
@@ -177,23 +167,25 @@ def _slot_matmul_traffic(
 ) -> int:
     groups, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1
-    return slot_matmul_bytes(
+    return traffic.slot_matmul_bytes(
         groups, rows, out.shape[-1], k, e,
         shared_x=x.dim() == 3, summed=out.dim() == 3, add=add is not None,
     )  # fmt: skip
 
 
 def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:
-    return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
+    return traffic.candidate_dot_bytes(
+        tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0]
+    )
 
 
 def _loss_dy_traffic(h, tp, mask, parts, *args, **kwargs) -> int:
-    return loss_dy_bytes(*h.shape, parts.shape[1])
+    return traffic.loss_dy_bytes(*h.shape, parts.shape[1])
 
 
 def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kwargs) -> int:
     groups, rows, inter = dp.shape
-    return block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
+    return traffic.block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
 
 
 def _update_tail_traffic(
@@ -201,7 +193,7 @@ def _update_tail_traffic(
 ) -> int:
     groups, rows = mask.shape
     cols = loss_parts.shape[1] + parts.shape[1]
-    return update_tail_bytes(groups, rows, cols, applied is not None)
+    return traffic.update_tail_bytes(groups, rows, cols, applied is not None)
 
 
 for _name, _traffic in (
@@ -211,7 +203,7 @@ for _name, _traffic in (
     ("loss_dy", _loss_dy_traffic),
     ("block_backward", _block_backward_traffic),
     ("update_tail", _update_tail_traffic),
-    ("silu_mul", lambda a, *args, **kwargs: silu_mul_bytes(a.numel())),
-    ("stale_max", lambda submitted, *args, **kwargs: stale_max_bytes(submitted.shape[0])),
+    ("silu_mul", lambda a, *args, **kwargs: traffic.silu_mul_bytes(a.numel())),
+    ("stale_max", lambda submitted, *args, **kwargs: traffic.stale_max_bytes(submitted.shape[0])),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic
