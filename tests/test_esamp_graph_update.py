@@ -8,11 +8,11 @@ state bit for bit."""
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp import backward, graph_update, mlp
 from algorithms.esamp.adam import clip_scale
@@ -180,18 +180,8 @@ def test_train_groups_equals_the_written_out_update(reduction, stacked):
 def interpreted_ops() -> SimpleNamespace:
     """``algorithms.esamp.kernels``' calls of the update, each the Triton kernel under the
     interpreter (small tiles: several per matrix, ragged edges)."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    jit = interpreted_kernels()
     from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        jit = triton_impl.jit_kernels()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
     def loss_dy(*args, reduction):
         triton_impl.loss_dy(*args, reduction, kernels=jit, block_h=16)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from esamp_kernel_helpers import interpreted_kernels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
@@ -46,18 +47,9 @@ UNTOUCHED = (2, 4)
 def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1`` (Triton reads
     the variable when a kernel is decorated), so they run on CPU tensors."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    kernels = interpreted_kernels()
     from algorithms.esamp.kernels import triton_impl
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        kernels = triton_impl.jit_kernels()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
     # Small tiles, so the test shapes span several tiles with ragged edges.
     return SimpleNamespace(
         grad_adam=functools.partial(triton_impl.grad_adam, kernels=kernels, block_n=16, block_k=32),
