@@ -235,14 +235,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {
-        "vanilla": "black",
-        "esamp": "tab:red",
-        "temperature": "tab:blue",
-        "noise": "tab:gray",
-        "frozen": "tab:green",
-        "fnoise": "tab:purple",
-    }
+    colors = _sibling("diversity").KIND_COLORS
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.8))
     seen: dict[str, int] = {}
@@ -411,14 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_problems": len(problems),
             "families": list(families),
             "task_seed": args.task_seed,
-            "n": args.n,
-            "max_tokens": args.max_tokens,
-            "betas": betas,
-            "esamp_variants": variants,
-            "temperature": args.temperature,
-            "min_p": args.min_p,
-            "seed": args.seed,
-            "chat_template": True,
+            **_sibling("diversity").sampling_config(args, betas, variants),
             "dtype": args.dtype,
         },
         "problems": problems,
