@@ -572,6 +572,17 @@ def sampling_config(args: argparse.Namespace, betas: list[float], variants: Any)
     }
 
 
+def run_record(
+    out_methods: dict[str, Any], t_gen: float, t_start: float, load_start: float
+) -> dict[str, Any]:
+    """A result's timings, machine and each method's errors (passk.py's too)."""
+    return {
+        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
+        "machine": run_machine(load_start),
+        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -708,9 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         "methods": out_methods,
         "comparisons": comparisons,
         "ppl_check": check,
-        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": run_machine(load_start),
-        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+        **run_record(out_methods, t_gen, t_start, load_start),
     }
     if args.save_samples:
         write_samples(args.save_samples, gen)

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, run_machine, write_samples
+from bench_setup import model_path, offline_engine_env, write_samples
 
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
@@ -410,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "problems": problems,
         "methods": out_methods,
         "comparisons": comparisons,
-        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": run_machine(load_start),
-        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+        **_sibling("diversity").run_record(out_methods, t_gen, t_start, load_start),
     }
     if args.save_samples:
         write_samples(args.save_samples, gen)
