@@ -6,11 +6,12 @@ very same launchers on CPU tensors. Launchers only read tensor metadata: no host
 allocation (``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first, one extra launch),
 so they can be captured in a CUDA graph once each kernel has compiled.
 
-The kernels call only Triton builtins and this module's own tile helpers, no ``@triton.jit``
-library helpers (``tl.cdiv``, ``tl.zeros``): those are decorated when Triton is imported,
-which in a test process may be before ``TRITON_INTERPRET`` is set, and then cannot run under
-the interpreter. The tile helpers are decorated again with the kernels, in the kernels' own
-scope (:func:`jit_kernels`), so they are interpreted whenever the kernels are."""
+The kernels call only Triton builtins and this module's own device helpers, no
+``@triton.jit`` library helpers (``tl.cdiv``, ``tl.zeros``): those are decorated when Triton
+is imported, which in a test process may be before ``TRITON_INTERPRET`` is set, and then
+cannot run under the interpreter. The device helpers are decorated again with the kernels,
+in the kernels' own scope (:func:`jit_kernels`), so they are interpreted whenever the
+kernels are."""
 
 from __future__ import annotations
 
@@ -41,8 +42,17 @@ def _load_tile(base, rows, cols, s_row, s_col, mask):
     return tl.load(_tile(base, rows, cols, s_row, s_col), mask=mask, other=0.0)
 
 
+@triton.jit
+def _swiglu_grads(dp, a, u, s):
+    # The gradients at u and a of p = s * u, s = silu(a): du = dp * s, da = dp * u * silu'(a).
+    du = dp * s
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    da = dp * u * sig * (1.0 + a * (1.0 - sig))
+    return du, da
+
+
 # The helpers the kernels call, decorated afresh by jit_kernels.
-_TILE_HELPERS = ("_tile", "_load_tile")
+_DEVICE_HELPERS = ("_tile", "_load_tile", "_swiglu_grads")
 
 
 def _grad_adam_kernel(
@@ -397,9 +407,7 @@ def _block_backward_kernel(
         uv = _load_tile(u_ptr + g * s_ug, ri, offs_c, s_um, s_ui, mi)
         sv = _load_tile(s_ptr + g * s_sg, ri, offs_c, s_sm, s_si, mi)
         pi = _load_tile(p_ptr + g * s_pg, ri, offs_c, s_pm, s_pi, mi)
-        du_i = dp * sv
-        sig = 1.0 / (1.0 + tl.exp(-av))
-        da_i = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        du_i, da_i = _swiglu_grads(dp, av, uv, sv)
         if (ti == tj) & (share == 0):
             tl.store(_tile(du_ptr + g * s_dug, ri, offs_c, s_dum, s_dui), du_i, mask=mi)
             tl.store(_tile(da_ptr + g * s_dag, ri, offs_c, s_dam, s_dai), da_i, mask=mi)
@@ -409,9 +417,7 @@ def _block_backward_kernel(
         uv = _load_tile(u_ptr + g * s_ug, rj, offs_c, s_um, s_ui, mj)
         sv = _load_tile(s_ptr + g * s_sg, rj, offs_c, s_sm, s_si, mj)
         pj = _load_tile(p_ptr + g * s_pg, rj, offs_c, s_pm, s_pi, mj)
-        du_j = dp * sv
-        sig = 1.0 / (1.0 + tl.exp(-av))
-        da_j = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        du_j, da_j = _swiglu_grads(dp, av, uv, sv)
         acc_g = tl.dot(du_i, tl.trans(du_j), acc_g, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(da_i, tl.trans(da_j), acc_g, input_precision=INPUT_PRECISION)
         acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
@@ -580,10 +586,10 @@ def _in_scope(fn: Any, scope: dict[str, Any]) -> Any:
 
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now), with
-    their tile helpers decorated afresh in a scope of their own (a helper decorated at import
+    their device helpers decorated afresh in a scope of their own (a helper decorated at import
     may be compiled where the kernel is interpreted, and cannot be called there)."""
     scope = dict(globals())
-    for name in _TILE_HELPERS:
+    for name in _DEVICE_HELPERS:
         scope[name] = triton.jit(_in_scope(globals()[name].fn, scope))
 
     def jit(fn: Any) -> Any:
