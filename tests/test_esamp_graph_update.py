@@ -12,18 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from esamp_kernel_helpers import interpreted_kernels
+from esamp_kernel_helpers import interpreted_kernels, written_out_backward
 
 from algorithms.esamp import backward, graph_update, mlp
-from algorithms.esamp.adam import clip_scale
-from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.mlp import (
     batched_mm,
     forward_acts,
     forward_slots,
     pair_view,
 )
-from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
@@ -93,15 +90,10 @@ def _reference_update(state, xp, tp, mask, hp):
     torch's finite check and clip; a per-group fused Adam on the formed gradient)."""
     theta, m, v, step = state
     gs = torch.tensor(GROUP_SLOT)
-    weights = _slot_weights(theta)
-    h, acts = forward_acts(weights, xp)
-    diff = torch.where(mask[..., None], h - tp, 0.0)
-    denom = loss_denominator(mask.sum(1), SHAPE.hidden_size, hp.loss_reduction)
-    losses = diff.square().sum((1, 2)) / denom
-    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
-    norm = sq.sqrt()
+    losses, factors, norm, scale = written_out_backward(
+        _slot_weights(theta), xp, tp, mask, SHAPE.hidden_size, hp
+    )
     ok = (gs >= 0) & mask.any(1) & torch.isfinite(losses) & torch.isfinite(norm)
-    scale = clip_scale(norm, hp)
     for g, s in enumerate(GROUP_SLOT):
         if not ok[g]:
             continue

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from esamp_kernel_helpers import interpreted_kernels
+from esamp_kernel_helpers import interpreted_kernels, written_out_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
@@ -485,21 +485,13 @@ def test_kernel_benchmark_quick_mode_runs_on_cpu():
 def _update_with_grad_adam(run, theta, m, v, step, valid, xp, tp, mask, shape, hp) -> None:
     """``graph_update.train_dense``'s step with its per-slot ``torch._fused_adam_`` loop (and
     the gradient scratch block) replaced by one ``grad_adam`` call per weight matrix."""
-    from algorithms.esamp.adam import clip_scale
-    from algorithms.esamp.backward import backward_factors
-    from algorithms.esamp.mlp import forward_acts
-    from algorithms.esamp.objective import loss_denominator
     from algorithms.esamp.params import block_weights
 
     weights = block_weights(theta, shape)
-    h, acts = forward_acts(weights, xp)
-    diff = torch.where(mask[..., None], h - tp, 0.0)
-    denom = loss_denominator(mask.sum(1), shape.hidden_size, hp.loss_reduction)
-    losses = diff.square().sum((1, 2)) / denom
-    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
-    norm = sq.sqrt()
+    losses, factors, norm, scale = written_out_backward(
+        weights, xp, tp, mask, shape.hidden_size, hp
+    )
     ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
-    scale = clip_scale(norm, hp)
     step.add_(ok.to(step.dtype))
     slots = torch.arange(theta.shape[0])  # dense: group s is slot s
     wv = [block_weights(t, shape) for t in (theta, m, v)]
