@@ -428,6 +428,17 @@ def ppl_check(gen: dict[str, Any], model: str, k: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- plots
+# Each method kind's colour in the plots (passk.py's too).
+KIND_COLORS = {
+    "vanilla": "black",
+    "esamp": "tab:red",
+    "temperature": "tab:blue",
+    "noise": "tab:gray",
+    "frozen": "tab:green",
+    "fnoise": "tab:purple",
+}
+
+
 def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
     import matplotlib
 
@@ -436,14 +447,6 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
 
     methods = result["methods"]
     names = list(methods)
-    colors = {
-        "vanilla": "black",
-        "esamp": "tab:red",
-        "temperature": "tab:blue",
-        "noise": "tab:gray",
-        "frozen": "tab:green",
-        "fnoise": "tab:purple",
-    }
     if qd_path is not None:
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
         for name in names:
@@ -456,7 +459,7 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
                 fmt="o",
                 capsize=3,
                 label=name,
-                color=colors.get(m["kind"], None),
+                color=KIND_COLORS.get(m["kind"], None),
             )
             ax.annotate(
                 name,
@@ -489,7 +492,7 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
                 vals,
                 yerr=errs,
                 capsize=3,
-                color=[colors.get(methods[n]["kind"], "tab:purple") for n in names],
+                color=[KIND_COLORS.get(methods[n]["kind"], "tab:purple") for n in names],
             )
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
             ax.set_title(labels[metric], fontsize=10)
@@ -553,6 +556,31 @@ def add_engine_args(
         help="keep each engine's samples in FILE (.gz: gzipped) once it closes; run again "
         "with the same settings, finished engines are not run again (a long run resumes)",
     )
+
+
+def sampling_config(args: argparse.Namespace, betas: list[float], variants: Any) -> dict[str, Any]:
+    """The sampling settings a result records (passk.py's too)."""
+    return {
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "betas": betas,
+        "esamp_variants": variants,
+        "temperature": args.temperature,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "chat_template": True,
+    }
+
+
+def run_record(
+    out_methods: dict[str, Any], t_gen: float, t_start: float, load_start: float
+) -> dict[str, Any]:
+    """A result's timings, machine and each method's errors (passk.py's too)."""
+    return {
+        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
+        "machine": run_machine(load_start),
+        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -684,23 +712,14 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "prompts_file": str(args.prompts),
             "num_prompts": len(prompts),
-            "n": args.n,
-            "max_tokens": args.max_tokens,
-            "betas": betas,
-            "esamp_variants": variants,
-            "temperature": args.temperature,
-            "min_p": args.min_p,
-            "seed": args.seed,
-            "chat_template": True,
+            **sampling_config(args, betas, variants),
             "enforce_eager": args.enforce_eager,
             "dtype": args.dtype,
         },
         "methods": out_methods,
         "comparisons": comparisons,
         "ppl_check": check,
-        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": run_machine(load_start),
-        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+        **run_record(out_methods, t_gen, t_start, load_start),
     }
     if args.save_samples:
         write_samples(args.save_samples, gen)

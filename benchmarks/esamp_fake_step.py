@@ -18,8 +18,10 @@ Nothing here runs on a GPU; the GPU figures come from ``benchmarks/gpu_smoke.py`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,19 @@ CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("use_cuda_graph=false", {"use_cuda_graph": False}),
     ("cuda_max_candidates=1000", {"cuda_max_candidates": 1000}),
 )
+
+
+@contextlib.contextmanager
+def _fake_gpu(order: bool = False) -> Iterator[FakeCuda]:
+    """The fake CUDA device (stream ordering checked with ``order``), ESamp taking its GPU
+    path there (``factory.uses_gpu_path``); both put back after."""
+    gpu_path = factory.uses_gpu_path
+    factory.uses_gpu_path = lambda device: True
+    try:
+        with FakeCuda(order=order) as fc:
+            yield fc
+    finally:
+        factory.uses_gpu_path = gpu_path
 
 
 def consumer(
@@ -123,46 +138,41 @@ def run(
     cfg = {"mode": mode, **({"beta_schedule": "fit"} if fit else {}), **options}
     if order:
         return run_ordered(prompts, n, mode, steps, cfg, greedy_rows)
-    gpu_path = factory.uses_gpu_path
-    factory.uses_gpu_path = lambda device: True
-    try:
-        with FakeCuda() as fc:
-            c = consumer(fc.device, prompts, n, plain_head, **cfg)
-            rows = decode_rows(fc.device, prompts, n)
-            filtered = mode != "full_vocab"  # 'auto' takes its post-filter branch here
-            keys = (c.shared.src_key, c.shared.tgt_key)
+    with _fake_gpu() as fc:
+        c = consumer(fc.device, prompts, n, plain_head, **cfg)
+        rows = decode_rows(fc.device, prompts, n)
+        filtered = mode != "full_vocab"  # 'auto' takes its post-filter branch here
+        keys = (c.shared.src_key, c.shared.tgt_key)
 
-            def one(t: int) -> None:
-                view, bundle = step_inputs(fc.device, rows, t, filtered, keys)
+        def one(t: int) -> None:
+            view, bundle = step_inputs(fc.device, rows, t, filtered, keys)
+            c.guide(view)
+            view.commit()
+            c.on_bundle(bundle)
+
+        one(0)  # the groups' slots are allocated (host bookkeeping)
+        # The engine's tensors of each step (made by vLLM, not by the step).
+        inputs = [
+            step_inputs(fc.device, rows, t, filtered, keys, greedy_rows)
+            for t in range(1, steps + 1)
+        ]
+        fc.start_steps()
+        for view, bundle in inputs:
+            with fc.step():
                 c.guide(view)
                 view.commit()
                 c.on_bundle(bundle)
-
-            one(0)  # the groups' slots are allocated (host bookkeeping)
-            # The engine's tensors of each step (made by vLLM, not by the step).
-            inputs = [
-                step_inputs(fc.device, rows, t, filtered, keys, greedy_rows)
-                for t in range(1, steps + 1)
-            ]
-            fc.start_steps()
-            for view, bundle in inputs:
-                with fc.step():
-                    c.guide(view)
-                    view.commit()
-                    c.on_bundle(bundle)
-            report = fc.report()["steps"]
-            failures = [
-                f"{f.kind} {f.where} {f.code}"
-                for f in fc.failures()
-                if f.kind in ("host_wait", "pageable_copy", "first_cublas")
-            ]
-            allocations = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
-            reused = c.distiller.updates_reusing_prediction
-            # Counted while the steps ran (the device sums' copies that came back), not at
-            # a closing read.
-            guided_counted = c.counters.snapshot().get("rows_guided", 0)
-    finally:
-        factory.uses_gpu_path = gpu_path
+        report = fc.report()["steps"]
+        failures = [
+            f"{f.kind} {f.where} {f.code}"
+            for f in fc.failures()
+            if f.kind in ("host_wait", "pageable_copy", "first_cublas")
+        ]
+        allocations = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
+        reused = c.distiller.updates_reusing_prediction
+        # Counted while the steps ran (the device sums' copies that came back), not at
+        # a closing read.
+        guided_counted = c.counters.snapshot().get("rows_guided", 0)
     last = report["per_step"][-1]
     return {
         "prompts": prompts,
@@ -193,46 +203,41 @@ def run_ordered(
     its slot; the last ``greedy_rows`` rows of each step are greedy (all: nothing is guided,
     so the updates run without a prediction before them). Returns the races, host waits
     and update counts."""
-    gpu_path = factory.uses_gpu_path
-    factory.uses_gpu_path = lambda device: True
-    try:
-        with FakeCuda(order=True) as fc:
-            c = consumer(fc.device, prompts, n, True, **cfg)
-            filtered = mode != "full_vocab"
-            keys = (c.shared.src_key, c.shared.tgt_key)
-            before = decode_rows(fc.device, prompts, n)
-            after = decode_rows(fc.device, prompts, n, renewed=True)
-            half = steps // 2
-            view, _ = step_inputs(fc.device, before, 0, filtered, keys)
-            hidden, logits, temp = view._hidden, view._logits, view.temperature
-            sampled = torch.zeros(len(before), dtype=torch.long, device=fc.device)
-            is_random = np.arange(len(before)) < len(before) - greedy_rows
+    with _fake_gpu(order=True) as fc:
+        c = consumer(fc.device, prompts, n, True, **cfg)
+        filtered = mode != "full_vocab"
+        keys = (c.shared.src_key, c.shared.tgt_key)
+        before = decode_rows(fc.device, prompts, n)
+        after = decode_rows(fc.device, prompts, n, renewed=True)
+        half = steps // 2
+        view, _ = step_inputs(fc.device, before, 0, filtered, keys)
+        hidden, logits, temp = view._hidden, view._logits, view.temperature
+        sampled = torch.zeros(len(before), dtype=torch.long, device=fc.device)
+        is_random = np.arange(len(before)) < len(before) - greedy_rows
 
-            def step(t: int, rows: RowInfo) -> None:
-                for x in (*hidden.values(), logits):  # the forward writes the step's tensors
-                    x.fill_(1.0)
-                view = GuideView(t, rows, logits, temp, is_random, filtered, hidden)
-                c.guide(view)
-                view.commit()
-                torch.argmax(logits, dim=-1, out=sampled)  # the sampler reads the logits
-                c.on_bundle(Bundle(t, rows, hidden))
+        def step(t: int, rows: RowInfo) -> None:
+            for x in (*hidden.values(), logits):  # the forward writes the step's tensors
+                x.fill_(1.0)
+            view = GuideView(t, rows, logits, temp, is_random, filtered, hidden)
+            c.guide(view)
+            view.commit()
+            torch.argmax(logits, dim=-1, out=sampled)  # the sampler reads the logits
+            c.on_bundle(Bundle(t, rows, hidden))
 
-            step(0, before)  # the groups' slots are allocated (host bookkeeping)
-            with fc.steps():
-                for t in range(1, steps + 1):
-                    if t == half:
-                        for req in before.requests[:n]:
-                            c.on_request_finished(req)
-                    step(t, before if t < half else after)
-            # Counted from the results and sums that came back during the steps.
-            counted = c.counters.snapshot()
-            c.result()  # the closing flush (teardown: its host wait is expected)
-            races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
-            waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
-            accesses = fc.order.accesses if fc.order is not None else 0
-            reused = c.distiller.updates_reusing_prediction
-    finally:
-        factory.uses_gpu_path = gpu_path
+        step(0, before)  # the groups' slots are allocated (host bookkeeping)
+        with fc.steps():
+            for t in range(1, steps + 1):
+                if t == half:
+                    for req in before.requests[:n]:
+                        c.on_request_finished(req)
+                step(t, before if t < half else after)
+        # Counted from the results and sums that came back during the steps.
+        counted = c.counters.snapshot()
+        c.result()  # the closing flush (teardown: its host wait is expected)
+        races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
+        waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
+        accesses = fc.order.accesses if fc.order is not None else 0
+        reused = c.distiller.updates_reusing_prediction
     return {
         "prompts": prompts,
         "n": n,
@@ -263,46 +268,39 @@ def run_runtime(
     cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
     if fit:
         cfg["beta_schedule"] = "fit"
-    gpu_path = factory.uses_gpu_path
-    factory.uses_gpu_path = lambda device: True
-    try:
-        with FakeCuda(order=order) as fc:
-            w = torch.zeros(V, H, dtype=torch.bfloat16, device=fc.device)
-            model = ModelInfo(H, LAYERS, V, torch.bfloat16, fc.device, lambda z: z @ w.t(), w)
-            rs = RuntimeStep(model, prompts, n, cfg)
-            r = rs.rows
-            hidden = {
-                k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in rs.tap_keys
-            }
-            logits = torch.zeros(r, V, device=fc.device)
-            temp = torch.ones(r, device=fc.device)
-            sampled = torch.zeros(r, dtype=torch.long, device=fc.device)
+    with _fake_gpu(order=order) as fc:
+        w = torch.zeros(V, H, dtype=torch.bfloat16, device=fc.device)
+        model = ModelInfo(H, LAYERS, V, torch.bfloat16, fc.device, lambda z: z @ w.t(), w)
+        rs = RuntimeStep(model, prompts, n, cfg)
+        r = rs.rows
+        hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in rs.tap_keys}
+        logits = torch.zeros(r, V, device=fc.device)
+        temp = torch.ones(r, device=fc.device)
+        sampled = torch.zeros(r, dtype=torch.long, device=fc.device)
 
-            def sample(x: torch.Tensor) -> torch.Tensor:
-                return torch.argmax(x, dim=-1, out=sampled)
+        def sample(x: torch.Tensor) -> torch.Tensor:
+            return torch.argmax(x, dim=-1, out=sampled)
 
-            def one() -> None:
-                for x in (*hidden.values(), logits):  # the forward writes the step's tensors
-                    x.fill_(1.0)
-                rs.step(hidden.__getitem__, logits, temp, sample)
+        def one() -> None:
+            for x in (*hidden.values(), logits):  # the forward writes the step's tensors
+                x.fill_(1.0)
+            rs.step(hidden.__getitem__, logits, temp, sample)
 
-            one()  # the groups' slots are allocated (host bookkeeping)
-            fc.start_steps()
-            copies = rs.runtime._buffers.copies
-            for _ in range(steps):
-                with fc.step():
-                    one()
-            index_copies = rs.runtime._buffers.copies - copies
-            report = fc.report()["steps"]
-            waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
-            pageable = [f"{f.where} {f.what}" for f in fc.findings(kind="pageable_copy")]
-            sites = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
-            races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
-            counters = rs.runtime.counters.snapshot()
-            esamp = rs.consumer.counters.snapshot()
-            rs.close()
-    finally:
-        factory.uses_gpu_path = gpu_path
+        one()  # the groups' slots are allocated (host bookkeeping)
+        fc.start_steps()
+        copies = rs.runtime._buffers.copies
+        for _ in range(steps):
+            with fc.step():
+                one()
+        index_copies = rs.runtime._buffers.copies - copies
+        report = fc.report()["steps"]
+        waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
+        pageable = [f"{f.where} {f.what}" for f in fc.findings(kind="pageable_copy")]
+        sites = sorted({f"{f.where} {f.code}" for f in fc.findings(kind="allocation")})
+        races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
+        counters = rs.runtime.counters.snapshot()
+        esamp = rs.consumer.counters.snapshot()
+        rs.close()
     last = report["per_step"][-1]
     return {
         "prompts": prompts,

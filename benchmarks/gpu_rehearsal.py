@@ -91,9 +91,8 @@ class _CudaKernels(TorchDispatchMode):
 
         self.device = device
         self.impls = {
-            "tllm_esamp::grad_adam": ops._grad_adam_cuda,
-            "tllm_esamp::slot_matmul": ops._slot_matmul_cuda,
-            "tllm_esamp::candidate_dot": ops._candidate_dot_cuda,
+            f"tllm_esamp::{name}": ops.CUDA_IMPLS[name]
+            for name in ("grad_adam", "slot_matmul", "candidate_dot")
         }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, run_machine, write_samples
+from bench_setup import model_path, offline_engine_env, write_samples
 
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
@@ -235,14 +235,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {
-        "vanilla": "black",
-        "esamp": "tab:red",
-        "temperature": "tab:blue",
-        "noise": "tab:gray",
-        "frozen": "tab:green",
-        "fnoise": "tab:purple",
-    }
+    colors = _sibling("diversity").KIND_COLORS
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.8))
     seen: dict[str, int] = {}
@@ -411,22 +404,13 @@ def main(argv: list[str] | None = None) -> int:
             "num_problems": len(problems),
             "families": list(families),
             "task_seed": args.task_seed,
-            "n": args.n,
-            "max_tokens": args.max_tokens,
-            "betas": betas,
-            "esamp_variants": variants,
-            "temperature": args.temperature,
-            "min_p": args.min_p,
-            "seed": args.seed,
-            "chat_template": True,
+            **_sibling("diversity").sampling_config(args, betas, variants),
             "dtype": args.dtype,
         },
         "problems": problems,
         "methods": out_methods,
         "comparisons": comparisons,
-        "timing_s": {"generate": t_gen, "total": time.perf_counter() - t_start},
-        "machine": run_machine(load_start),
-        "errors": {n: m["errors"] for n, m in out_methods.items() if m["errors"]},
+        **_sibling("diversity").run_record(out_methods, t_gen, t_start, load_start),
     }
     if args.save_samples:
         write_samples(args.save_samples, gen)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from cuda_stubs import install
+from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
@@ -267,18 +268,16 @@ def test_the_consumer_reuses_the_guidance_forward_for_the_same_rows_only(monkeyp
     assert _same_state(reuse.distiller, fresh.distiller)
 
 
-def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward(monkeypatch):
+def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward():
     """On CUDA the prediction writes its forward through the Triton product into views at an
     offset of one static buffer (``CudaGroupedDistiller.acts``): run under Triton's
     interpreter, it equals the forward into fresh tensors bit for bit, and the saved
     forward reads back the same activations."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    kernels = interpreted_kernels()
     from algorithms.esamp.kernels import triton_impl
     from algorithms.esamp.mlp import forward_acts, saved_forward
     from algorithms.esamp.params import DistillerShape, block_weights, init_params
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when the kernels are decorated
-    kernels = triton_impl.jit_kernels()
     shape = DistillerShape(H, INTER, 2)
     theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(3)])
     gs = torch.tensor([2, -1, 0])  # a padding group in the middle

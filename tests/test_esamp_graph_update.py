@@ -8,22 +8,19 @@ state bit for bit."""
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from esamp_kernel_helpers import interpreted_kernels, written_out_backward
 
 from algorithms.esamp import backward, graph_update, mlp
-from algorithms.esamp.adam import clip_scale
-from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.mlp import (
     batched_mm,
     forward_acts,
     forward_slots,
     pair_view,
 )
-from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
@@ -93,15 +90,10 @@ def _reference_update(state, xp, tp, mask, hp):
     torch's finite check and clip; a per-group fused Adam on the formed gradient)."""
     theta, m, v, step = state
     gs = torch.tensor(GROUP_SLOT)
-    weights = _slot_weights(theta)
-    h, acts = forward_acts(weights, xp)
-    diff = torch.where(mask[..., None], h - tp, 0.0)
-    denom = loss_denominator(mask.sum(1), SHAPE.hidden_size, hp.loss_reduction)
-    losses = diff.square().sum((1, 2)) / denom
-    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
-    norm = sq.sqrt()
+    losses, factors, norm, scale = written_out_backward(
+        _slot_weights(theta), xp, tp, mask, SHAPE.hidden_size, hp
+    )
     ok = (gs >= 0) & mask.any(1) & torch.isfinite(losses) & torch.isfinite(norm)
-    scale = clip_scale(norm, hp)
     for g, s in enumerate(GROUP_SLOT):
         if not ok[g]:
             continue
@@ -180,18 +172,8 @@ def test_train_groups_equals_the_written_out_update(reduction, stacked):
 def interpreted_ops() -> SimpleNamespace:
     """``algorithms.esamp.kernels``' calls of the update, each the Triton kernel under the
     interpreter (small tiles: several per matrix, ragged edges)."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    jit = interpreted_kernels()
     from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
-
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        jit = triton_impl.jit_kernels()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
     def loss_dy(*args, reduction):
         triton_impl.loss_dy(*args, reduction, kernels=jit, block_h=16)

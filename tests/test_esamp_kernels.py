@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from esamp_kernel_helpers import interpreted_kernels, written_out_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
@@ -46,18 +47,9 @@ UNTOUCHED = (2, 4)
 def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1`` (Triton reads
     the variable when a kernel is decorated), so they run on CPU tensors."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    kernels = interpreted_kernels()
     from algorithms.esamp.kernels import triton_impl
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        kernels = triton_impl.jit_kernels()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
     # Small tiles, so the test shapes span several tiles with ragged edges.
     return SimpleNamespace(
         grad_adam=functools.partial(triton_impl.grad_adam, kernels=kernels, block_n=16, block_k=32),
@@ -493,21 +485,13 @@ def test_kernel_benchmark_quick_mode_runs_on_cpu():
 def _update_with_grad_adam(run, theta, m, v, step, valid, xp, tp, mask, shape, hp) -> None:
     """``graph_update.train_dense``'s step with its per-slot ``torch._fused_adam_`` loop (and
     the gradient scratch block) replaced by one ``grad_adam`` call per weight matrix."""
-    from algorithms.esamp.adam import clip_scale
-    from algorithms.esamp.backward import backward_factors
-    from algorithms.esamp.mlp import forward_acts
-    from algorithms.esamp.objective import loss_denominator
     from algorithms.esamp.params import block_weights
 
     weights = block_weights(theta, shape)
-    h, acts = forward_acts(weights, xp)
-    diff = torch.where(mask[..., None], h - tp, 0.0)
-    denom = loss_denominator(mask.sum(1), shape.hidden_size, hp.loss_reduction)
-    losses = diff.square().sum((1, 2)) / denom
-    factors, sq = backward_factors(weights, acts, diff.mul_((2.0 / denom)[:, None, None]))
-    norm = sq.sqrt()
+    losses, factors, norm, scale = written_out_backward(
+        weights, xp, tp, mask, shape.hidden_size, hp
+    )
     ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
-    scale = clip_scale(norm, hp)
     step.add_(ok.to(step.dtype))
     slots = torch.arange(theta.shape[0])  # dense: group s is slot s
     wv = [block_weights(t, shape) for t in (theta, m, v)]

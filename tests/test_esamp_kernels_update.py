@@ -8,11 +8,11 @@ kernel run by Triton's interpreter (skipped without Triton)."""
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp import kernels
 
@@ -31,18 +31,9 @@ COUNTS = (7, 0, 3, 5, 1)  # group 1 has no rows either; group 2 three of seven
 def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1``, small tiles
     so that the shapes above span several tiles with ragged edges."""
-    pytest.importorskip("triton", reason="Triton is not installed here")
+    jit = interpreted_kernels()
     from algorithms.esamp.kernels import triton_impl
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        jit = triton_impl.jit_kernels()
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
     return SimpleNamespace(
         grad_adam=functools.partial(triton_impl.grad_adam, kernels=jit, block_n=8, block_k=16),
         slot_matmul=functools.partial(triton_impl.slot_matmul, kernels=jit, block_n=16, block_k=16),

@@ -29,7 +29,7 @@ from algorithms.esamp.guidance import (
     relative_error,
 )
 from algorithms.esamp.guide_cuda import guide_cuda
-from algorithms.esamp.guide_workspace import GuideWorkspace
+from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
@@ -103,7 +103,7 @@ class GuideStep:
         the CUDA branches after construction: tests on CPU)."""
         if self._ws is None:
             s = self.s
-            self._ws = GuideWorkspace(
+            shape = GuideShape(
                 s.cfg.cuda_rows_per_step,
                 self.model.hidden_size,
                 self.model.vocab_size,
@@ -111,10 +111,10 @@ class GuideStep:
                 s.cfg.mode,
                 s.distiller.capacity,
                 self.model.dtype,
-                self.model.device,
                 noise=s.cfg.ablation in NOISE_ABLATIONS,
                 diagnostics=self.diagnostics is not None,
             )
+            self._ws = GuideWorkspace(shape, self.model.device)
             s.arange = self._ws.parts["arange"]  # whole-step row indices are its views
             self.guided_sums = DeviceSums(self._ws.parts["guided"])  # the CUDA path's counts
             self._warm_up_candidate_dot()

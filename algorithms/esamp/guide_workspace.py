@@ -11,6 +11,8 @@ practice and the copy never reads a half-written buffer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Torch and tllm_core's lazily imported public API only (the memory plan imports this module).
@@ -40,38 +42,46 @@ def _stage_spec(rows: int) -> WorkspaceSpec:
     ]
 
 
-def _view_buffers_args(mode: str, max_candidates: int) -> dict:
-    return {
-        "top_k": None if mode == "full_vocab" else max_candidates,
-        "dense": mode != "post_filter",
-    }
-
-
 def _aliases_masks(rows: int, vocab: int, mode: str, dtype: torch.dtype) -> bool:
     """Whether the head's ``[rows, vocab]`` output in the model dtype fits in the view
     buffers' two bool masks (they are written only after it has been read)."""
     return mode != "post_filter" and dtype.itemsize <= 2
 
 
-def workspace_spec(
-    rows: int,
-    hidden: int,
-    vocab: int,
-    max_candidates: int,
-    mode: str,
-    slots: int,
-    dtype: torch.dtype,
-    noise: bool = False,
-    diagnostics: bool = False,
-) -> WorkspaceSpec:
-    """The parts (``rows`` = cuda_rows_per_step, ``slots`` the distiller's, ``dtype`` the
-    model's): row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, per
+@dataclass(frozen=True)
+class GuideShape:
+    """What sizes the guidance workspace: ``rows`` = cuda_rows_per_step, the model's
+    ``hidden``, ``vocab`` and ``dtype``, ``max_candidates`` = cuda_max_candidates, ESamp's
+    ``mode``, the distiller's ``slots``, ``noise`` (ablation 'noise' or 'f_noise') and
+    ``diagnostics``."""
+
+    rows: int
+    hidden: int
+    vocab: int
+    max_candidates: int
+    mode: str
+    slots: int
+    dtype: torch.dtype
+    noise: bool = False
+    diagnostics: bool = False
+
+    def view_buffers_args(self) -> dict:
+        """The :class:`~tllm_core.GuideBuffers` options of this mode."""
+        return {
+            "top_k": None if self.mode == "full_vocab" else self.max_candidates,
+            "dense": self.mode != "post_filter",
+        }
+
+
+def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
+    """The parts: row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, per
     mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
-    mix, with ``noise`` (ablation 'noise' or 'f_noise') the stand-in prediction, with
-    ``diagnostics`` their records' ring (and post-filter the candidate shift's scratch)."""
+    mix, with ``noise`` the stand-in prediction, with ``diagnostics`` their records' ring
+    (and post-filter the candidate shift's scratch)."""
+    mode, vocab, max_candidates, slots = shape.mode, shape.vocab, shape.max_candidates, shape.slots
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    r, h, f32 = rows, hidden, torch.float32
+    r, h, dtype, f32 = shape.rows, shape.hidden, shape.dtype, torch.float32
     spec: list = [
         ("stage", (workspace_bytes(_stage_spec(r)),), torch.uint8),
         ("arange", (r,), torch.long),
@@ -108,10 +118,10 @@ def workspace_spec(
         ("total", (), f32),
         ("zero", (), f32),
     ]
-    if noise:
+    if shape.noise:
         # ablation 'noise'/'f_noise': the stand-in prediction and two norms per row
         spec += [("fn", (r, h), f32), ("fn_err", (r,), f32), ("fn_norm", (r,), f32)]
-    if diagnostics:
+    if shape.diagnostics:
         spec.append(("dg_ring", (DIAG_STEPS, r, DIAG_FIELDS), f32))
     if mode != "full_vocab":
         k = min(max_candidates, vocab)
@@ -123,7 +133,7 @@ def workspace_spec(
             ("live_k", (r, k), torch.bool),
             ("over", (r,), torch.long),
         ]
-        if diagnostics:  # the candidate shift per view row (diagnostics.candidate_shift)
+        if shape.diagnostics:  # the candidate shift per view row (diagnostics.candidate_shift)
             spec += [
                 ("dg_x", (r, k), f32),
                 ("dg_p", (r, k), f32),
@@ -150,24 +160,11 @@ def workspace_spec(
     return spec
 
 
-def guidance_workspace_bytes(
-    rows: int,
-    hidden: int,
-    vocab: int,
-    max_candidates: int,
-    mode: str,
-    slots: int,
-    dtype: torch.dtype,
-    noise: bool = False,
-    diagnostics: bool = False,
-) -> int:
-    """Device bytes of a :class:`GuideWorkspace` of these shapes (its allocation and its
-    view buffers' one)."""
-    spec = workspace_spec(
-        rows, hidden, vocab, max_candidates, mode, slots, dtype, noise, diagnostics
-    )
-    return workspace_bytes(spec) + GuideBuffers.nbytes(
-        rows, vocab, **_view_buffers_args(mode, max_candidates)
+def guidance_workspace_bytes(shape: GuideShape) -> int:
+    """Device bytes of a :class:`GuideWorkspace` of this shape (its allocation and its view
+    buffers' one)."""
+    return workspace_bytes(workspace_spec(shape)) + GuideBuffers.nbytes(
+        shape.rows, shape.vocab, **shape.view_buffers_args()
     )
 
 
@@ -175,27 +172,11 @@ class GuideWorkspace:
     """Row views of the guided step's temporaries (``take``), the view buffers
     (``view_buffers``) and the pinned staging of the step's host values (``stage``)."""
 
-    def __init__(
-        self,
-        rows: int,
-        hidden: int,
-        vocab: int,
-        max_candidates: int,
-        mode: str,
-        slots: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        noise: bool = False,
-        diagnostics: bool = False,
-    ):
+    def __init__(self, shape: GuideShape, device: torch.device):
+        rows, vocab, mode, dtype = shape.rows, shape.vocab, shape.mode, shape.dtype
         self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
-        spec = workspace_spec(
-            rows, hidden, vocab, max_candidates, mode, slots, dtype, noise, diagnostics
-        )
-        self.flat, self.parts = carve_workspace(spec, device)
-        self.view_buffers = GuideBuffers(
-            rows, vocab, device, **_view_buffers_args(mode, max_candidates)
-        )
+        self.flat, self.parts = carve_workspace(workspace_spec(shape), device)
+        self.view_buffers = GuideBuffers(rows, vocab, device, **shape.view_buffers_args())
         self.parts["arange"].copy_(torch.arange(rows, device=device))
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         if "ninf" in self.parts:

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from algorithms.esamp.guide_workspace import guidance_workspace_bytes
+from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 
 GIB = 2**30
@@ -159,7 +159,7 @@ def plan_memory(
     update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
     predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
     guidance = guidance_workspace_bytes(
-        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics
+        GuideShape(rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics)
     )
     return MemoryPlan(
         hidden_size,

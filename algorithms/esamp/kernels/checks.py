@@ -37,6 +37,13 @@ def _group_vector(name: str, t: torch.Tensor, groups: int) -> None:
         raise ValueError(f"{name} must be [{groups}], got {_shape(t)}")
 
 
+def _slot_vector(group_slot: torch.Tensor, groups: int) -> None:
+    # Each group's slot (-1: none).
+    _group_vector("group_slot", group_slot, groups)
+    if group_slot.dtype not in _SLOT_DTYPES:
+        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+
+
 def check_grad_adam(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -87,9 +94,7 @@ def check_grad_adam(
     _group_vector("scale", scale, g)
     if scale.dtype != torch.float32:
         raise ValueError(f"scale must be fp32, got {_shape(scale)}")
-    _group_vector("group_slot", group_slot, g)
-    if group_slot.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    _slot_vector(group_slot, g)
     _group_vector("ok", ok, g)
     if not (step.dim() == 1 and step.shape[0] == slots and step.dtype == torch.float32):
         raise ValueError(
@@ -147,9 +152,7 @@ def check_slot_matmul(
     # Split-K zeroes out before adding into it: an addend in the same memory would be lost.
     if add is not None and not out.is_meta and add.data_ptr() == out.data_ptr():
         raise ValueError("add must not be out (out is zeroed before the sum with split_k > 1)")
-    _group_vector("group_slot", group_slot, g)
-    if group_slot.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    _slot_vector(group_slot, g)
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
@@ -304,9 +307,7 @@ def check_update_tail(
     for name, t in (("loss_parts", loss_parts), ("parts", parts)):
         if not (t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32):
             raise ValueError(f"{name} must be [{g}, K] fp32, got {_shape(t)}")
-    _group_vector("group_slot", group_slot, g)
-    if group_slot.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    _slot_vector(group_slot, g)
     if not (step.dim() == 1 and step.dtype == torch.float32):
         raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
     if applied is not None and not (
@@ -340,9 +341,7 @@ def check_stale_max(
     _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
     if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
         raise ValueError(f"submitted must be [G] int64, got {_shape(submitted)}")
-    _group_vector("group_slot", group_slot, submitted.shape[0])
-    if group_slot.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    _slot_vector(group_slot, submitted.shape[0])
     if not (applied.dim() == 1 and applied.dtype == torch.int64):
         raise ValueError(f"applied must be [S] int64, got {_shape(applied)}")
     if not (tuple(stale.shape) == (1,) and stale.dtype == torch.int64):

@@ -14,10 +14,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from algorithms.esamp.kernels import reference
+from algorithms.esamp.kernels import reference, traffic
 from algorithms.esamp.kernels.checks import (
     check_block_backward,
     check_candidate_dot,
@@ -27,16 +29,6 @@ from algorithms.esamp.kernels.checks import (
     check_slot_matmul,
     check_stale_max,
     check_update_tail,
-)
-from algorithms.esamp.kernels.traffic import (
-    block_backward_bytes,
-    candidate_dot_bytes,
-    grad_adam_bytes,
-    loss_dy_bytes,
-    silu_mul_bytes,
-    slot_matmul_bytes,
-    stale_max_bytes,
-    update_tail_bytes,
 )
 
 log = logging.getLogger("tllm")
@@ -89,163 +81,72 @@ def _warn_no_triton() -> None:
     )
 
 
-def _grad_adam_reference(
-    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
-) -> None:
-    check_grad_adam(
-        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
-    )
-    reference.grad_adam(a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps)
+def _implementations(
+    name: str, check: Callable[..., None], run_reference: Callable[..., None]
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The op's CPU and CUDA implementations. Both check the arguments; CPU runs the PyTorch
+    reference, CUDA the Triton kernel (the reference, with a warning, where Triton is
+    missing)."""
+    schema = getattr(torch.ops.tllm_esamp, name).default._schema
+    # The dispatcher leaves out trailing arguments that equal their defaults.
+    defaults = tuple(arg.default_value for arg in schema.arguments)
+
+    def on_cpu(*args: Any) -> None:
+        args = args + defaults[len(args) :]
+        check(*args)
+        run_reference(*args)
+
+    def on_cuda(*args: Any) -> None:
+        if not triton_available():
+            _warn_no_triton()
+            return on_cpu(*args)
+        from algorithms.esamp.kernels import triton_impl
+
+        args = args + defaults[len(args) :]
+        check(*args)
+        getattr(triton_impl, name)(*args)
+
+    return on_cpu, on_cuda
 
 
-def _grad_adam_cuda(
-    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
-) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _grad_adam_reference(
-            a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
-        )
-    from algorithms.esamp.kernels import triton_impl
-
-    check_grad_adam(
-        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
-    )
-    triton_impl.grad_adam(
-        a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
-    )
+def _without_precision(run_reference: Callable[..., None]) -> Callable[..., None]:
+    # The reference's products are plain fp32: input_precision (the last argument) is not its.
+    return lambda *args: run_reference(*args[:-1])
 
 
-def _slot_matmul_reference(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
-) -> None:
-    check_slot_matmul(x, w, group_slot, out, transpose_w, input_precision, split_k, add)
+def _slot_matmul_reference(x, w, group_slot, out, transpose_w, _precision, _split_k, add) -> None:
     reference.slot_matmul(x, w, group_slot, out, transpose_w, add)
 
 
-def _slot_matmul_cuda(
-    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
-) -> None:
-    args = (x, w, group_slot, out, transpose_w, input_precision, split_k, add)
-    if not triton_available():
-        _warn_no_triton()
-        return _slot_matmul_reference(*args)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_slot_matmul(*args)
-    triton_impl.slot_matmul(*args)
-
-
-def _candidate_dot_reference(weight, f, rows, tokens, out) -> None:
-    check_candidate_dot(weight, f, rows, tokens, out)
-    reference.candidate_dot(weight, f, rows, tokens, out)
-
-
-def _candidate_dot_cuda(weight, f, rows, tokens, out) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _candidate_dot_reference(weight, f, rows, tokens, out)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_candidate_dot(weight, f, rows, tokens, out)
-    triton_impl.candidate_dot(weight, f, rows, tokens, out)
-
-
 def _loss_dy_reference(h, tp, mask, parts, dy, reduction) -> None:
-    check_loss_dy(h, tp, mask, parts, dy, reduction)
     per_row = float(h.shape[2]) if reduction == "mean" else 1.0
     reference.loss_dy(h, tp, mask, parts, dy, per_row)
 
 
-def _loss_dy_cuda(h, tp, mask, parts, dy, reduction) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _loss_dy_reference(h, tp, mask, parts, dy, reduction)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_loss_dy(h, tp, mask, parts, dy, reduction)
-    triton_impl.loss_dy(h, tp, mask, parts, dy, reduction)
-
-
-def _block_backward_reference(
-    dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee"
-) -> None:
-    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
-    reference.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts)
-
-
-def _block_backward_cuda(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _block_backward_reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
-    triton_impl.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
-
-
-def _update_tail_reference(*args) -> None:
-    check_update_tail(*args)
-    reference.update_tail(*args)
-
-
-def _update_tail_cuda(*args) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _update_tail_reference(*args)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_update_tail(*args)
-    triton_impl.update_tail(*args)
-
-
-def _silu_mul_reference(a, u, s, p) -> None:
-    check_silu_mul(a, u, s, p)
-    reference.silu_mul(a, u, s, p)
-
-
-def _silu_mul_cuda(a, u, s, p) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _silu_mul_reference(a, u, s, p)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_silu_mul(a, u, s, p)
-    triton_impl.silu_mul(a, u, s, p)
-
-
 def _stale_max_reference(submitted, applied, group_slot, stale) -> None:
-    check_stale_max(submitted, applied, group_slot, stale)
     if submitted.shape[0]:
         reference.stale_max(submitted, applied, group_slot, stale)
-
-
-def _stale_max_cuda(submitted, applied, group_slot, stale) -> None:
-    if not triton_available():
-        _warn_no_triton()
-        return _stale_max_reference(submitted, applied, group_slot, stale)
-    from algorithms.esamp.kernels import triton_impl
-
-    check_stale_max(submitted, applied, group_slot, stale)
-    triton_impl.stale_max(submitted, applied, group_slot, stale)
 
 
 def _nothing(*args, **kwargs) -> None:
     return None
 
 
-for _name, _cpu, _cuda in (
-    ("grad_adam", _grad_adam_reference, _grad_adam_cuda),
-    ("slot_matmul", _slot_matmul_reference, _slot_matmul_cuda),
-    ("candidate_dot", _candidate_dot_reference, _candidate_dot_cuda),
-    ("loss_dy", _loss_dy_reference, _loss_dy_cuda),
-    ("block_backward", _block_backward_reference, _block_backward_cuda),
-    ("update_tail", _update_tail_reference, _update_tail_cuda),
-    ("silu_mul", _silu_mul_reference, _silu_mul_cuda),
-    ("stale_max", _stale_max_reference, _stale_max_cuda),
+# Each op's CUDA implementation, by name (the GPU rehearsal runs them on its fake device).
+CUDA_IMPLS: dict[str, Callable[..., None]] = {}
+for _name, _check, _reference in (
+    ("grad_adam", check_grad_adam, _without_precision(reference.grad_adam)),
+    ("slot_matmul", check_slot_matmul, _slot_matmul_reference),
+    ("candidate_dot", check_candidate_dot, reference.candidate_dot),
+    ("loss_dy", check_loss_dy, _loss_dy_reference),
+    ("block_backward", check_block_backward, _without_precision(reference.block_backward)),
+    ("update_tail", check_update_tail, reference.update_tail),
+    ("silu_mul", check_silu_mul, reference.silu_mul),
+    ("stale_max", check_stale_max, _stale_max_reference),
 ):
+    _cpu, CUDA_IMPLS[_name] = _implementations(_name, _check, _reference)
     _LIB.impl(_name, _cpu, "CPU")
-    _LIB.impl(_name, _cuda, "CUDA")
+    _LIB.impl(_name, CUDA_IMPLS[_name], "CUDA")
     # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
     torch.library.register_fake(f"tllm_esamp::{_name}", _nothing, lib=_LIB)
 
@@ -256,7 +157,7 @@ def _grad_adam_traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwar
     groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1
     b_mats = b.shape[1] if b.dim() == 4 else 1
-    return grad_adam_bytes(
+    return traffic.grad_adam_bytes(
         groups, rows, n, b.shape[-1], m.element_size(), w.element_size(), e, b_matrices=b_mats
     )
 
@@ -266,23 +167,25 @@ def _slot_matmul_traffic(
 ) -> int:
     groups, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1
-    return slot_matmul_bytes(
+    return traffic.slot_matmul_bytes(
         groups, rows, out.shape[-1], k, e,
         shared_x=x.dim() == 3, summed=out.dim() == 3, add=add is not None,
     )  # fmt: skip
 
 
 def _candidate_dot_traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:
-    return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])
+    return traffic.candidate_dot_bytes(
+        tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0]
+    )
 
 
 def _loss_dy_traffic(h, tp, mask, parts, *args, **kwargs) -> int:
-    return loss_dy_bytes(*h.shape, parts.shape[1])
+    return traffic.loss_dy_bytes(*h.shape, parts.shape[1])
 
 
 def _block_backward_traffic(dp, a, u, s, p, h_in, dy, du, da, parts, *args, **kwargs) -> int:
     groups, rows, inter = dp.shape
-    return block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
+    return traffic.block_backward_bytes(groups, rows, inter, h_in.shape[2], parts.shape[1])
 
 
 def _update_tail_traffic(
@@ -290,7 +193,7 @@ def _update_tail_traffic(
 ) -> int:
     groups, rows = mask.shape
     cols = loss_parts.shape[1] + parts.shape[1]
-    return update_tail_bytes(groups, rows, cols, applied is not None)
+    return traffic.update_tail_bytes(groups, rows, cols, applied is not None)
 
 
 for _name, _traffic in (
@@ -300,7 +203,7 @@ for _name, _traffic in (
     ("loss_dy", _loss_dy_traffic),
     ("block_backward", _block_backward_traffic),
     ("update_tail", _update_tail_traffic),
-    ("silu_mul", lambda a, *args, **kwargs: silu_mul_bytes(a.numel())),
-    ("stale_max", lambda submitted, *args, **kwargs: stale_max_bytes(submitted.shape[0])),
+    ("silu_mul", lambda a, *args, **kwargs: traffic.silu_mul_bytes(a.numel())),
+    ("stale_max", lambda submitted, *args, **kwargs: traffic.stale_max_bytes(submitted.shape[0])),
 ):
     getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _traffic

@@ -6,14 +6,19 @@ very same launchers on CPU tensors. Launchers only read tensor metadata: no host
 allocation (``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first, one extra launch),
 so they can be captured in a CUDA graph once each kernel has compiled.
 
-The kernels call only Triton builtins, no ``@triton.jit`` library helpers (``tl.cdiv``,
-``tl.zeros``): those are decorated when Triton is imported, which in a test process may be
-before ``TRITON_INTERPRET`` is set, and then cannot run under the interpreter."""
+The kernels call only Triton builtins and this module's own device helpers, no
+``@triton.jit`` library helpers (``tl.cdiv``, ``tl.zeros``): those are decorated when Triton
+is imported, which in a test process may be before ``TRITON_INTERPRET`` is set, and then
+cannot run under the interpreter. The device helpers are decorated again with the kernels,
+in the kernels' own scope (:func:`jit_kernels`), so they are interpreted whenever the
+kernels are."""
 
 from __future__ import annotations
 
 import functools
 import math
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +28,31 @@ import triton
 import triton.language as tl
 
 from algorithms.esamp.kernels.checks import NORM_TILE_ROWS, check_precision
+
+
+@triton.jit
+def _tile(base, rows, cols, s_row, s_col):
+    # Pointers to the [rows, cols] tile of the matrix at base (strides s_row, s_col).
+    return base + rows[:, None] * s_row + cols[None, :] * s_col
+
+
+@triton.jit
+def _load_tile(base, rows, cols, s_row, s_col, mask):
+    # Masked-off elements read as 0: padding rows and columns add nothing to a product.
+    return tl.load(_tile(base, rows, cols, s_row, s_col), mask=mask, other=0.0)
+
+
+@triton.jit
+def _swiglu_grads(dp, a, u, s):
+    # The gradients at u and a of p = s * u, s = silu(a): du = dp * s, da = dp * u * silu'(a).
+    du = dp * s
+    sig = 1.0 / (1.0 + tl.exp(-a))
+    da = dp * u * sig * (1.0 + a * (1.0 - sig))
+    return du, da
+
+
+# The helpers the kernels call, decorated afresh by jit_kernels.
+_DEVICE_HELPERS = ("_tile", "_load_tile", "_swiglu_grads")
 
 
 def _grad_adam_kernel(
@@ -95,16 +125,8 @@ def _grad_adam_kernel(
     for m0 in range(0, M, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         in_m = offs_m < M
-        at = tl.load(
-            a_base + offs_m[:, None] * s_am + offs_n[None, :] * s_an,
-            mask=in_m[:, None] & in_n[None, :],
-            other=0.0,
-        )
-        bt = tl.load(
-            b_base + offs_m[:, None] * s_bm + offs_k[None, :] * s_bk,
-            mask=in_m[:, None] & in_k[None, :],
-            other=0.0,
-        )
+        at = _load_tile(a_base, offs_m, offs_n, s_am, s_an, in_m[:, None] & in_n[None, :])
+        bt = _load_tile(b_base, offs_m, offs_k, s_bm, s_bk, in_m[:, None] & in_k[None, :])
         acc = tl.dot(tl.trans(at), bt, acc, input_precision=INPUT_PRECISION)
     grad = acc * tl.load(scale_ptr + g)
 
@@ -116,9 +138,9 @@ def _grad_adam_kernel(
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
 
     mask = in_n[:, None] & in_k[None, :]
-    w_ptrs = w_ptr + slot * s_ws + e * s_we + offs_n[:, None] * s_wn + offs_k[None, :] * s_wk
-    m_ptrs = m_ptr + slot * s_ms + e * s_me + offs_n[:, None] * s_mn + offs_k[None, :] * s_mk
-    v_ptrs = v_ptr + slot * s_vs + e * s_ve + offs_n[:, None] * s_vn + offs_k[None, :] * s_vk
+    w_ptrs = _tile(w_ptr + slot * s_ws + e * s_we, offs_n, offs_k, s_wn, s_wk)
+    m_ptrs = _tile(m_ptr + slot * s_ms + e * s_me, offs_n, offs_k, s_mn, s_mk)
+    v_ptrs = _tile(v_ptr + slot * s_vs + e * s_ve, offs_n, offs_k, s_vn, s_vk)
     w = tl.load(w_ptrs, mask=mask)
     m = tl.load(m_ptrs, mask=mask).to(tl.float32)
     v = tl.load(v_ptrs, mask=mask).to(tl.float32)
@@ -191,24 +213,14 @@ def _slot_matmul_kernel(
         for k0 in range(part * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             in_k = offs_k < K
-            xt = tl.load(
-                x_base + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
-                mask=in_m[:, None] & in_k[None, :],
-                other=0.0,
-            )
-            wt = tl.load(
-                w_base + offs_k[:, None] * s_wk + offs_n[None, :] * s_wn,
-                mask=in_k[:, None] & in_n[None, :],
-                other=0.0,
-            )
+            xt = _load_tile(x_base, offs_m, offs_k, s_xm, s_xk, in_m[:, None] & in_k[None, :])
+            wt = _load_tile(w_base, offs_k, offs_n, s_wk, s_wn, in_k[:, None] & in_n[None, :])
             acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
     mask = in_m[:, None] & in_n[None, :]
     if HAS_ADD:
         if part == 0:
-            c_ptrs = add_ptr + g.to(tl.int64) * s_cg + offs_m[:, None] * s_cm
-            acc += tl.load(c_ptrs + offs_n[None, :] * s_cn, mask=mask, other=0.0)
-    o_ptrs = out_ptr + g.to(tl.int64) * s_og + e_out * s_oe + offs_m[:, None] * s_om
-    o_ptrs = o_ptrs + offs_n[None, :] * s_on
+            acc += _load_tile(add_ptr + g.to(tl.int64) * s_cg, offs_m, offs_n, s_cm, s_cn, mask)
+    o_ptrs = _tile(out_ptr + g.to(tl.int64) * s_og + e_out * s_oe, offs_m, offs_n, s_om, s_on)
     if SPLIT_K == 1:
         tl.store(o_ptrs, acc, mask=mask)
     else:
@@ -301,19 +313,11 @@ def _loss_dy_kernel(
             offs_h = h0 + tl.arange(0, BLOCK_H)
             inside = in_m[:, None] & (offs_h < h_hi)[None, :]
             use = inside & live[:, None]
-            hv = tl.load(
-                h_ptr + g * s_hg + offs_m[:, None] * s_hm + offs_h[None, :] * s_hh,
-                mask=use,
-                other=0.0,
-            )
-            tv = tl.load(
-                t_ptr + g * s_tg + offs_m[:, None] * s_tm + offs_h[None, :] * s_th,
-                mask=use,
-                other=0.0,
-            )
+            hv = _load_tile(h_ptr + g * s_hg, offs_m, offs_h, s_hm, s_hh, use)
+            tv = _load_tile(t_ptr + g * s_tg, offs_m, offs_h, s_tm, s_th, use)
             diff = tl.where(use, hv - tv, 0.0)
             acc += diff * diff
-            d_ptrs = dy_ptr + g * s_dg + offs_m[:, None] * s_dm + offs_h[None, :] * s_dh
+            d_ptrs = _tile(dy_ptr + g * s_dg, offs_m, offs_h, s_dm, s_dh)
             tl.store(d_ptrs, diff * coef, mask=inside)
     total = tl.reduce(tl.reduce(acc, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
     tl.store(parts_ptr + g * s_pg + part * s_pl, total / denom)
@@ -398,50 +402,22 @@ def _block_backward_kernel(
         mi = in_i[:, None] & in_c[None, :]
         mj = in_j[:, None] & in_c[None, :]
         # Rows of tile i.
-        dp = tl.load(
-            dp_ptr + g * s_dpg + ri[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mi, other=0.0
-        )
-        av = tl.load(
-            a_ptr + g * s_ag + ri[:, None] * s_am + offs_c[None, :] * s_ai, mask=mi, other=0.0
-        )
-        uv = tl.load(
-            u_ptr + g * s_ug + ri[:, None] * s_um + offs_c[None, :] * s_ui, mask=mi, other=0.0
-        )
-        sv = tl.load(
-            s_ptr + g * s_sg + ri[:, None] * s_sm + offs_c[None, :] * s_si, mask=mi, other=0.0
-        )
-        pi = tl.load(
-            p_ptr + g * s_pg + ri[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mi, other=0.0
-        )
-        du_i = dp * sv
-        sig = 1.0 / (1.0 + tl.exp(-av))
-        da_i = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        dp = _load_tile(dp_ptr + g * s_dpg, ri, offs_c, s_dpm, s_dpi, mi)
+        av = _load_tile(a_ptr + g * s_ag, ri, offs_c, s_am, s_ai, mi)
+        uv = _load_tile(u_ptr + g * s_ug, ri, offs_c, s_um, s_ui, mi)
+        sv = _load_tile(s_ptr + g * s_sg, ri, offs_c, s_sm, s_si, mi)
+        pi = _load_tile(p_ptr + g * s_pg, ri, offs_c, s_pm, s_pi, mi)
+        du_i, da_i = _swiglu_grads(dp, av, uv, sv)
         if (ti == tj) & (share == 0):
-            tl.store(
-                du_ptr + g * s_dug + ri[:, None] * s_dum + offs_c[None, :] * s_dui, du_i, mask=mi
-            )
-            tl.store(
-                da_ptr + g * s_dag + ri[:, None] * s_dam + offs_c[None, :] * s_dai, da_i, mask=mi
-            )
+            tl.store(_tile(du_ptr + g * s_dug, ri, offs_c, s_dum, s_dui), du_i, mask=mi)
+            tl.store(_tile(da_ptr + g * s_dag, ri, offs_c, s_dam, s_dai), da_i, mask=mi)
         # Rows of tile j (the same rows on the diagonal: read again from cache).
-        dp = tl.load(
-            dp_ptr + g * s_dpg + rj[:, None] * s_dpm + offs_c[None, :] * s_dpi, mask=mj, other=0.0
-        )
-        av = tl.load(
-            a_ptr + g * s_ag + rj[:, None] * s_am + offs_c[None, :] * s_ai, mask=mj, other=0.0
-        )
-        uv = tl.load(
-            u_ptr + g * s_ug + rj[:, None] * s_um + offs_c[None, :] * s_ui, mask=mj, other=0.0
-        )
-        sv = tl.load(
-            s_ptr + g * s_sg + rj[:, None] * s_sm + offs_c[None, :] * s_si, mask=mj, other=0.0
-        )
-        pj = tl.load(
-            p_ptr + g * s_pg + rj[:, None] * s_pm + offs_c[None, :] * s_pi, mask=mj, other=0.0
-        )
-        du_j = dp * sv
-        sig = 1.0 / (1.0 + tl.exp(-av))
-        da_j = dp * uv * sig * (1.0 + av * (1.0 - sig))
+        dp = _load_tile(dp_ptr + g * s_dpg, rj, offs_c, s_dpm, s_dpi, mj)
+        av = _load_tile(a_ptr + g * s_ag, rj, offs_c, s_am, s_ai, mj)
+        uv = _load_tile(u_ptr + g * s_ug, rj, offs_c, s_um, s_ui, mj)
+        sv = _load_tile(s_ptr + g * s_sg, rj, offs_c, s_sm, s_si, mj)
+        pj = _load_tile(p_ptr + g * s_pg, rj, offs_c, s_pm, s_pi, mj)
+        du_j, da_j = _swiglu_grads(dp, av, uv, sv)
         acc_g = tl.dot(du_i, tl.trans(du_j), acc_g, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(da_i, tl.trans(da_j), acc_g, input_precision=INPUT_PRECISION)
         acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
@@ -452,18 +428,10 @@ def _block_backward_kernel(
         in_c = offs_c < h_hi
         mi = in_i[:, None] & in_c[None, :]
         mj = in_j[:, None] & in_c[None, :]
-        hi = tl.load(
-            hin_ptr + g * s_hg + ri[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mi, other=0.0
-        )
-        hj = tl.load(
-            hin_ptr + g * s_hg + rj[:, None] * s_hm + offs_c[None, :] * s_hh, mask=mj, other=0.0
-        )
-        yi = tl.load(
-            dy_ptr + g * s_yg + ri[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mi, other=0.0
-        )
-        yj = tl.load(
-            dy_ptr + g * s_yg + rj[:, None] * s_ym + offs_c[None, :] * s_yh, mask=mj, other=0.0
-        )
+        hi = _load_tile(hin_ptr + g * s_hg, ri, offs_c, s_hm, s_hh, mi)
+        hj = _load_tile(hin_ptr + g * s_hg, rj, offs_c, s_hm, s_hh, mj)
+        yi = _load_tile(dy_ptr + g * s_yg, ri, offs_c, s_ym, s_yh, mi)
+        yj = _load_tile(dy_ptr + g * s_yg, rj, offs_c, s_ym, s_yh, mj)
         acc_h = tl.dot(hi, tl.trans(hj), acc_h, input_precision=INPUT_PRECISION)
         acc_y = tl.dot(yi, tl.trans(yj), acc_y, input_precision=INPUT_PRECISION)
     prod = acc_y * acc_p + acc_g * acc_h
@@ -577,12 +545,11 @@ def _silu_mul_kernel(
     offs_m = (tl.program_id(0) // tiles_i) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = (tl.program_id(0) % tiles_i) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (offs_m < M)[:, None] & (offs_i < INTER)[None, :]
-    rows, cols = offs_m[:, None], offs_i[None, :]
-    a = tl.load(a_ptr + g * s_ag + rows * s_am + cols * s_ai, mask=mask, other=0.0)
-    u = tl.load(u_ptr + g * s_ug + rows * s_um + cols * s_ui, mask=mask, other=0.0)
+    a = _load_tile(a_ptr + g * s_ag, offs_m, offs_i, s_am, s_ai, mask)
+    u = _load_tile(u_ptr + g * s_ug, offs_m, offs_i, s_um, s_ui, mask)
     s = tl.div_rn(a, 1.0 + tl.exp(-a))
-    tl.store(s_ptr + g * s_sg + rows * s_sm + cols * s_si, s, mask=mask)
-    tl.store(p_ptr + g * s_pg + rows * s_pm + cols * s_pi, s * u, mask=mask)
+    tl.store(_tile(s_ptr + g * s_sg, offs_m, offs_i, s_sm, s_si), s, mask=mask)
+    tl.store(_tile(p_ptr + g * s_pg, offs_m, offs_i, s_pm, s_pi), s * u, mask=mask)
 
 
 def _stale_max_kernel(
@@ -609,17 +576,34 @@ def _stale_max_kernel(
     tl.store(stale_ptr, tl.reduce(acc, 0, tl.standard._elementwise_max))
 
 
+def _in_scope(fn: Any, scope: dict[str, Any]) -> Any:
+    # fn's code with scope as its globals (Triton resolves a kernel's callees there).
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__annotations__ = dict(fn.__annotations__)  # tl.constexpr marks
+    out.__qualname__ = fn.__qualname__
+    return out
+
+
 def jit_kernels() -> SimpleNamespace:
-    """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now)."""
+    """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now), with
+    their device helpers decorated afresh in a scope of their own (a helper decorated at import
+    may be compiled where the kernel is interpreted, and cannot be called there)."""
+    scope = dict(globals())
+    for name in _DEVICE_HELPERS:
+        scope[name] = triton.jit(_in_scope(globals()[name].fn, scope))
+
+    def jit(fn: Any) -> Any:
+        return triton.jit(_in_scope(fn, scope))
+
     return SimpleNamespace(
-        grad_adam=triton.jit(_grad_adam_kernel),
-        slot_matmul=triton.jit(_slot_matmul_kernel),
-        candidate_dot=triton.jit(_candidate_dot_kernel),
-        loss_dy=triton.jit(_loss_dy_kernel),
-        block_backward=triton.jit(_block_backward_kernel),
-        update_tail=triton.jit(_update_tail_kernel),
-        silu_mul=triton.jit(_silu_mul_kernel),
-        stale_max=triton.jit(_stale_max_kernel),
+        grad_adam=jit(_grad_adam_kernel),
+        slot_matmul=jit(_slot_matmul_kernel),
+        candidate_dot=jit(_candidate_dot_kernel),
+        loss_dy=jit(_loss_dy_kernel),
+        block_backward=jit(_block_backward_kernel),
+        update_tail=jit(_update_tail_kernel),
+        silu_mul=jit(_silu_mul_kernel),
+        stale_max=jit(_stale_max_kernel),
     )
 
 
@@ -665,6 +649,20 @@ class Launch:
         # FP contraction (FMA) on, as nvcc compiles PyTorch's own kernels; said explicitly
         # because Triton 3.9 warns that its default will change.
         return dict(num_warps=self.num_warps, enable_fp_fusion=True)
+
+
+def _runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
+    """``launch_fn``'s kernel as a function: builds the launch from the same arguments and
+    runs it (with ``kernels``, else the compiled ones); nothing where there is no launch."""
+
+    def run(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+        launch = launch_fn(*args, **kwargs)
+        if launch is not None:
+            launch.run(kernels)
+
+    run.__name__ = run.__qualname__ = launch_fn.__name__.removesuffix("_launch")
+    run.__doc__ = f"Run the kernel of :func:`{launch_fn.__name__}` (the same arguments)."
+    return run
 
 
 def grad_adam_launch(
@@ -715,11 +713,7 @@ def grad_adam_launch(
     return Launch("grad_adam", grid, args, consts, num_warps)
 
 
-def grad_adam(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the fused gradient + Adam kernel (arguments as :func:`grad_adam_launch`)."""
-    launch = grad_adam_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+grad_adam = _runner(grad_adam_launch)
 
 
 def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
@@ -836,11 +830,7 @@ def candidate_dot_launch(
     return Launch("candidate_dot", (triton.cdiv(n, block_p),), args, consts, num_warps)
 
 
-def candidate_dot(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the candidate dot kernel (arguments as :func:`candidate_dot_launch`)."""
-    launch = candidate_dot_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+candidate_dot = _runner(candidate_dot_launch)
 
 
 def _bool_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -878,11 +868,7 @@ def loss_dy_launch(
     return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
 
 
-def loss_dy(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the loss + dy kernel (arguments as :func:`loss_dy_launch`)."""
-    launch = loss_dy_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+loss_dy = _runner(loss_dy_launch)
 
 
 def block_backward_launch(
@@ -934,11 +920,7 @@ def block_backward_launch(
     return Launch("block_backward", (parts.shape[1], groups), args, consts, num_warps)
 
 
-def block_backward(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the block backward kernel (arguments as :func:`block_backward_launch`)."""
-    launch = block_backward_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+block_backward = _runner(block_backward_launch)
 
 
 def update_tail_launch(
@@ -983,11 +965,7 @@ def update_tail_launch(
     return Launch("update_tail", (triton.cdiv(groups, block_g),), args, consts, num_warps)
 
 
-def update_tail(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the update tail kernel (arguments as :func:`update_tail_launch`)."""
-    launch = update_tail_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+update_tail = _runner(update_tail_launch)
 
 
 def silu_mul_launch(
@@ -1011,11 +989,7 @@ def silu_mul_launch(
     return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
 
 
-def silu_mul(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the SwiGLU activation kernel (arguments as :func:`silu_mul_launch`)."""
-    launch = silu_mul_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+silu_mul = _runner(silu_mul_launch)
 
 
 def stale_max_launch(
@@ -1039,8 +1013,4 @@ def stale_max_launch(
     return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
 
 
-def stale_max(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-    """Run the staleness kernel (arguments as :func:`stale_max_launch`)."""
-    launch = stale_max_launch(*args, **kwargs)
-    if launch is not None:
-        launch.run(kernels)
+stale_max = _runner(stale_max_launch)
