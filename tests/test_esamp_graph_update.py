@@ -330,3 +330,37 @@ def test_the_captured_graphs_use_no_cublas():
     assert "tllm_esamp::slot_matmul" in seen and "tllm_esamp::grad_adam" in seen, seen
     cublas = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul"}
     assert not seen & cublas, seen & cublas
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_update_measures_the_gradient_autograd_finds(reduction):
+    """The loss and the gradient norm before clipping (statistics column ``grad_norm``) equal
+    torch.autograd's on the same weights and rows, the loss written from its definition
+    (summed squared error of the marked rows over rows, or over rows x hidden). The clip and
+    Adam cancel any uniform scale of the gradient, so the update's weights alone would not
+    show a wrong loss or gradient scale; this does."""
+    from algorithms.esamp.adam import STATS
+
+    hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction, stats=True)
+    state = _state()
+    theta = state[0].clone()
+    xp, tp, mask = _rows(4)
+    gs = torch.tensor(GROUP_SLOT)
+    stats = torch.full((len(GROUP_SLOT), len(STATS)), float("nan"))
+    losses, ok = graph_update.train_groups(*state, gs, xp, tp, mask, SHAPE, hp, stats=stats)
+    norm_col = STATS.index("grad_norm")
+    checked = 0
+    for g, s in enumerate(GROUP_SLOT):
+        if s < 0 or not ok[g]:
+            continue
+        leaf = theta[s].clone().requires_grad_(True)
+        weights = block_weights(leaf[None], SHAPE)
+        h, _ = forward_acts(weights, xp[g : g + 1])
+        n = int(mask[g].sum())
+        err = (h[0, :n] - tp[g, :n]).square().sum()
+        loss = err / (n * (SHAPE.hidden_size if reduction == "mean" else 1))
+        (grad,) = torch.autograd.grad(loss, leaf)
+        torch.testing.assert_close(losses[g], loss.detach(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(stats[g, norm_col], grad.norm(), rtol=1e-4, atol=0)
+        checked += 1
+    assert checked == 2  # groups 2 and 3 (0: non-finite loss; 1: padding)
