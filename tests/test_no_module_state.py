@@ -68,6 +68,8 @@ def _called(node: ast.expr) -> str | None:
 def _module_statements(body: list[ast.stmt]):
     """Statements run at import: the module's own, and those inside its if/try/with blocks."""
     for stmt in body:
+        if isinstance(stmt, ast.If) and "__main__" in ast.unparse(stmt.test):
+            continue  # a script's locals, not the module's
         if isinstance(stmt, (ast.If, ast.Try, ast.With)):
             yield from _module_statements(stmt.body)
             yield from _module_statements(getattr(stmt, "orelse", []))
@@ -139,6 +141,7 @@ def test_the_check_sees_each_kind():
         "a = []\nb: dict = {}\nc = {1}\nd = set()\ne = threading.Event()\n"
         "f = itertools.count()\ng = dict.fromkeys('x', 0)\nh = [i for i in ()]\n"
         "if True:\n    i = threading.Lock()\n"
+        "if __name__ == '__main__':\n    j = []\n"
         "def k():\n    global a\n"
         "__all__ = ['a']\nT = (1, 2)\nF = frozenset({1})\n"
     )
