@@ -4,8 +4,9 @@ passes it on); a module-level name is a constant: a tuple, frozenset, ``MappingP
 compiled regex, ``__all__`` -- never a list, dict or set, a lock or event, a counter, and no
 ``global`` statement.
 
-Where state is process-wide by nature (POSIX signal handlers), the module keeps one slot for
-the one owner object its install call creates; those are listed in :data:`ALLOWED` with why.
+Where state is process-wide by nature (POSIX signal handlers, the CPUs before vLLM pins the
+process's threads), the module keeps one slot for the one value its install/note call makes;
+those are listed in :data:`ALLOWED` with why.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ ALLOWED = {
     ("tllm_core/app/stop.py", "_installed"): (
         "POSIX signal handlers are process-wide: the one StopSignals that install() created "
         "and whose bound method handles SIGTERM/SIGINT, until uninstall()"
+    ),
+    ("tllm_core/runtime/cpus.py", "_noted"): (
+        "the process's CPUs before vLLM pins its threads: the pin lasts for the process, so "
+        "the first note (a frozenset) is kept for it; plugins' side threads have no worker "
+        "object to read it from"
     ),
 }
 
