@@ -105,6 +105,7 @@ def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
         assert signals is not None and stop.installed() is signals
         assert all(signal.getsignal(sig) == signals.handle for sig in stop.STOP_SIGNALS)
         assert stop.received() is None
+        assert stop.install() is signals  # one per process
     finally:
         stop.uninstall()
     assert stop.installed() is None and stop.received() is None

@@ -24,7 +24,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tllm_core.vllm_bridge.nodes import NodeWatch
 
 STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
 # vLLM's engine gets 60 s (the command's --shutdown-timeout / lifecycle.SHUTDOWN_TIMEOUT_S),
@@ -58,7 +61,7 @@ class StopSignals:
     (cleaned up after), the watchdog that first signal starts, and the node watch it
     silences (``nodes.NodeWatch``: whose lost node, if any, is the error to report)."""
 
-    def __init__(self, nodes: Any = None) -> None:
+    def __init__(self, nodes: NodeWatch | None = None) -> None:
         from tllm_core.vllm_bridge.nodes import NodeWatch
 
         self._received: list[int] = []
@@ -178,15 +181,16 @@ def install() -> StopSignals | None:
     global _installed
     if threading.current_thread() is not threading.main_thread():
         return None
-    signals = StopSignals()
+    signals = _installed
+    if signals is None:  # one per process: a second call sets the same owner's handlers
+        signals = _installed = StopSignals()
+        atexit.register(signals.forget_dead_children)
     for sig in STOP_SIGNALS:
         previous = signal.getsignal(sig)
-        if sig == signal.SIGINT and previous is signal.SIG_IGN:
+        if previous == signals.handle or (sig == signal.SIGINT and previous is signal.SIG_IGN):
             continue
-        signals.replaced[sig] = previous
+        signals.replaced.setdefault(sig, previous)
         signal.signal(sig, signals.handle)
-    atexit.register(signals.forget_dead_children)
-    _installed = signals
     return signals
 
 
