@@ -25,8 +25,8 @@ OUTPUTS = MappingProxyType(
         "tensor": "the output is the tensor",
         "sum": "(hidden, residual): the value is hidden + residual (Llama-style decoder layer)",
         "first": "a tuple: the value is its first element (e.g. vLLM's fused add-norm's output)",
-        "router": "an MoE block (``experts`` beside a router gate): the value is the gate's output, "
-        "the router logits [tokens, experts] before softmax and top-k",
+        "router": "an MoE block (``experts`` beside a router gate): the value is the gate's "
+        "output, the router logits [tokens, experts] before softmax and top-k",
     }
 )
 

@@ -15,8 +15,8 @@ so it is reachable from there): RPC ``tllm_join_leader`` -> :func:`join_leader`,
   leader raises (it does not start); on a headless node the engine also tells the node's
   command (``node_note``), which stops and exits 1 with the same line;
 * on a headless node the engine's leading rank then probes that address every
-  ``TLLM_NODE_CHECK_S`` (``nodes.NodeWatch.watch_leader``); once the leader is gone it tells the node's
-  command, which stops and exits 1.
+  ``TLLM_NODE_CHECK_S`` (``nodes.NodeWatch.watch_leader``); once the leader is gone it tells
+  the node's command, which stops and exits 1.
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> No
 # closed by peer"), i.e. at the next request; an idle leader would serve on, unaware. With
 # data-parallel engines on other nodes, a dead remote engine makes every request hang
 # (measured: 4 of 4 requests to the leader timed out after 40 s). The leader's API server
-# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S (:meth:`NodeWatch.watch_nodes`, RPC
-# ``tllm_node_check`` -> :func:`node_check`, a barrier over the engine's ranks); a failure or
-# no answer within NODE_CHECK_TIMEOUT_S is a lost node.
+# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S
+# (:meth:`NodeWatch.watch_nodes`, RPC ``tllm_node_check`` -> :func:`node_check`, a barrier
+# over the engine's ranks); a failure or no answer within NODE_CHECK_TIMEOUT_S is a lost node.
 NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
