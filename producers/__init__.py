@@ -17,6 +17,7 @@ config stay fast.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from tllm_core.lazy import lazy_getattr
@@ -28,12 +29,14 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionOutput", "MlpOutput", "RouterLogits", "RouterTopK", "RouterWeights"]
 
-_HOME = {
-    "AttentionOutput": "producers.attention",
-    "MlpOutput": "producers.mlp",
-    "RouterLogits": "producers.router",
-    "RouterTopK": "producers.router",
-    "RouterWeights": "producers.router",
-}
+_HOME = MappingProxyType(
+    {
+        "AttentionOutput": "producers.attention",
+        "MlpOutput": "producers.mlp",
+        "RouterLogits": "producers.router",
+        "RouterTopK": "producers.router",
+        "RouterWeights": "producers.router",
+    }
+)
 
 __getattr__ = lazy_getattr(__name__, _HOME)

@@ -26,12 +26,6 @@ ESAMP = {**STATS, "consumers": [{"name": "esamp"}]}
 def _clean(monkeypatch):
     monkeypatch.delenv(node_note.ENV, raising=False)
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0.05")
-    nodes._stopping.clear()  # another test's stop signal
-    yield
-    nodes._stopping.clear()
-    node_note._told.clear()
-    nodes._lost.clear()
-    dp_nodes._watching.clear()
 
 
 def wait_until(pred, timeout=5.0):
@@ -53,15 +47,26 @@ def test_endpoints_and_layouts():
 
 def test_same_settings_are_taken_and_per_process_fields_ignored():
     mine = {**STATS, "start_error_file": "/tmp/b", "server": {"max_body_bytes": 1}}
-    answer = dp_nodes.join_leader(mine, STATS, 1, ("127.0.0.1", 1), watch=True)
+    watcher = nodes.NodeWatch()
+    answer = dp_nodes.join_leader(mine, STATS, 1, ("127.0.0.1", 1), watch=True, watcher=watcher)
     assert answer == {"watching": False}  # not on a headless node: nothing to stop
+    assert watcher.leader_watch is None
 
 
 def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node():
     kills = []
-    with node_note.shared():
+    command = nodes.NodeWatch()  # the node's command's, which reads the note
+    with node_note.shared() as note:
+        command.listen(note)
         answer = dp_nodes.join_leader(
-            ESAMP, STATS, 1, None, watch=True, kill=lambda *a: kills.append(a), delay=0.05
+            ESAMP,
+            STATS,
+            1,
+            None,
+            watch=True,
+            kill=lambda *a: kills.append(a),
+            delay=0.05,
+            watcher=nodes.NodeWatch(),
         )
         msg = answer["refused"]
         assert "fields: consumers" in msg
@@ -72,48 +77,68 @@ def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node()
         assert 'data-parallel rank 1 runs {"consumers": [{"name": "esamp"}]' in msg
         wait_until(lambda: kills)
         assert kills == [(__import__("os").getpid(), signal.SIGTERM)]
-        assert nodes.lost() == msg  # the node's command reports it
-    assert nodes.lost() == msg  # ... also once its note is removed
+        assert command.lost() == msg  # the node's command reports it
+    assert command.lost() == msg  # ... also once its note is removed
     # tllm on only one side is a difference too
-    assert "fields: tllm" in dp_nodes.join_leader(None, STATS, 2, None, False, delay=9)["refused"]
+    refused = dp_nodes.join_leader(None, STATS, 2, None, False, delay=9, watcher=nodes.NodeWatch())
+    assert "fields: tllm" in refused["refused"]
 
 
 def test_the_first_engine_to_tell_stops_the_node_once():
     kills = []
     assert not node_note.tell("no note", kills.append)  # not under a headless node
-    with node_note.shared():
+    with node_note.shared() as note:
+        assert note.told() is None
         assert node_note.tell("first", lambda *a: kills.append(a))
         assert not node_note.tell("second", lambda *a: kills.append(a))
-        assert node_note.told() == "first" and len(kills) == 1
-    assert node_note.told() == "first"
+        assert note.told() == "first" and len(kills) == 1
+    assert note.told() == "first"  # kept once the note is removed
+    with node_note.shared() as again:  # a new note starts empty
+        assert again.told() is None
 
 
 def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
     kills = []
     port = free_port()
     server = socket.create_server(("127.0.0.1", port))
+    watcher = nodes.NodeWatch()  # the worker's
     with node_note.shared():
         kill = lambda *a: kills.append(a)  # noqa: E731
-        assert not dp_nodes.join_leader(STATS, STATS, 1, ["127.0.0.1", port], False, kill)[
-            "watching"
-        ]  # not the engine's leading rank
+        assert not dp_nodes.join_leader(
+            STATS, STATS, 1, ["127.0.0.1", port], False, kill, watcher=watcher
+        )["watching"]  # not the engine's leading rank
         # (a leader bound to every interface is probed where this engine connected)
         answer = dp_nodes.join_leader(
-            STATS, STATS, 1, ["0.0.0.0", port], True, kill, fallback_host="127.0.0.1"
+            STATS,
+            STATS,
+            1,
+            ["0.0.0.0", port],
+            True,
+            kill,
+            fallback_host="127.0.0.1",
+            watcher=watcher,
         )
         assert answer == {"watching": True}
+        first = watcher.leader_watch
+        again = dp_nodes.join_leader(
+            STATS, STATS, 1, ["127.0.0.1", port], True, kill, watcher=watcher
+        )
+        assert again == {"watching": True} and watcher.leader_watch is first  # one watch
         time.sleep(0.3)
-        assert kills == [] and nodes.lost() is None  # the leader answers
+        assert kills == [] and watcher.lost() is None  # the leader answers
         server.close()  # the leader is gone
         wait_until(lambda: kills)
-        assert f"the leader of this multi-node engine (127.0.0.1:{port}) is gone" in nodes.lost()
+        assert f"the leader of this multi-node engine (127.0.0.1:{port}) is gone" in watcher.lost()
         assert len(kills) == 1
 
 
 def test_no_watch_when_switched_off(monkeypatch):
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0")
     with node_note.shared():
-        assert dp_nodes.join_leader(STATS, STATS, 1, ("127.0.0.1", 1), True) == {"watching": False}
+        answer = dp_nodes.join_leader(
+            STATS, STATS, 1, ("127.0.0.1", 1), True, watcher=nodes.NodeWatch()
+        )
+        assert answer == {"watching": False}
 
 
 def _client(dp_local: int):
@@ -166,21 +191,22 @@ def test_a_requested_stop_silences_the_watches():
         raise TimeoutError
 
     lost = []
-    nodes.stop_watching()  # the first stop signal (app.stop.note) calls it
-    asyncio.run(nodes.watch_nodes(fails, 2, 0.01, lost.append))
-    t = nodes.watch_leader("127.0.0.1", free_port(), 0.01, lost.append)
+    watch = nodes.NodeWatch()
+    watch.stop()  # the first stop signal (app.stop.StopSignals.note) calls it
+    asyncio.run(watch.watch_nodes(fails, 2, 0.01, lost.append))
+    t = watch.watch_leader("127.0.0.1", free_port(), 0.01, lost.append)
     t.join(5)
-    assert not t.is_alive() and lost == [] and nodes.lost() is None
+    assert not t.is_alive() and lost == [] and watch.lost() is None
 
 
 def test_the_first_stop_signal_stops_the_watches(monkeypatch):
     from tllm_core.app import stop
 
-    monkeypatch.setattr(stop, "_received", [])
-    monkeypatch.setattr(stop, "_watchdog", lambda timeout: None)
-    assert not nodes._stopping.is_set()
-    stop.note(signal.SIGTERM)
-    assert nodes._stopping.is_set()
+    signals = stop.StopSignals()
+    monkeypatch.setattr(signals, "_watchdog", lambda timeout: None)
+    assert not signals.nodes.stopping
+    assert signals.note(signal.SIGTERM)
+    assert signals.nodes.stopping and signals.received() == signal.SIGTERM
 
 
 def test_the_http_server_vllm_builds_gets_its_close_bound():

@@ -68,18 +68,18 @@ def test_node_watch_reports_a_failed_check_once():
     from tllm_core.vllm_bridge import nodes
 
     calls, lost = [], []
-    nodes._stopping.clear()  # another test's stop signal
+    watch = nodes.NodeWatch()
 
     async def ask():
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
-    asyncio.run(nodes.watch_nodes(ask, 2, 0.01, lost.append))
+    asyncio.run(watch.watch_nodes(ask, 2, 0.01, lost.append))
     assert len(calls) == 3 and len(lost) == 1
     assert "2-node engine is gone" in lost[0] and "Connection closed by peer" in lost[0]
-    assert nodes.lost() == lost[0]
-    nodes._lost.clear()
+    assert watch.lost() == lost[0]
+    assert nodes.NodeWatch().lost() is None  # each watch its own
 
 
 def test_node_count_sees_tp_nodes_and_remote_dp_engines():
@@ -101,8 +101,8 @@ def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
 
     port = free_port()
     lost: list[str] = []
-    nodes._stopping.clear()  # another test's stop signal
-    t = nodes.watch_leader("127.0.0.1", port, 0.05, lost.append)
+    watch = nodes.NodeWatch()
+    t = watch.watch_leader("127.0.0.1", port, 0.05, lost.append)
     time.sleep(0.5)  # no leader yet: a follower started first waits for it
     assert lost == [] and t.is_alive()
     server = socket.create_server(("127.0.0.1", port))
@@ -111,8 +111,7 @@ def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
     server.close()  # the leader is gone
     t.join(5)
     assert len(lost) == 1 and f"(127.0.0.1:{port}) is gone" in lost[0]
-    assert nodes.lost() == lost[0]
-    nodes._lost.clear()
+    assert watch.lost() == lost[0]
 
 
 # -- two node processes on loopback ------------------------------------------------------------

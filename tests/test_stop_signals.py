@@ -79,14 +79,37 @@ def test_sigterm_interrupts_and_a_hanging_stop_is_killed_after_the_timeout():
 def test_exit_codes_and_timeout_setting(monkeypatch):
     from tllm_core.app import stop
 
+    assert stop.installed() is None  # installed by the command (cli.main), not here
     assert exit_code(130) == 130  # no signal received in this process
-    monkeypatch.setattr(stop, "_received", [signal.SIGTERM])
-    assert exit_code(130) == SIGTERM_EXIT
+    signals = stop.StopSignals()
+    monkeypatch.setattr(signals, "_watchdog", lambda timeout: None)
+    assert signals.exit_code(130) == 130
+    signals.note(signal.SIGTERM)
+    assert signals.exit_code(130) == SIGTERM_EXIT
+    assert exit_code(130) == 130  # another owner's signals
+    monkeypatch.setattr(stop, "_installed", signals)
+    assert exit_code(130) == SIGTERM_EXIT and stop.received() == signal.SIGTERM
     monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "0")
     with pytest.raises(ValueError, match="TLLM_STOP_TIMEOUT_S must be a number of seconds > 0"):
         stop.stop_timeout()
     monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "7.5")
     assert stop.stop_timeout() == 7.5
+
+
+def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():
+    from tllm_core.app import stop
+
+    before = {sig: signal.getsignal(sig) for sig in stop.STOP_SIGNALS}
+    signals = stop.install()
+    try:
+        assert signals is not None and stop.installed() is signals
+        assert all(signal.getsignal(sig) == signals.handle for sig in stop.STOP_SIGNALS)
+        assert stop.received() is None
+        assert stop.install() is signals  # one per process
+    finally:
+        stop.uninstall()
+    assert stop.installed() is None and stop.received() is None
+    assert {sig: signal.getsignal(sig) for sig in stop.STOP_SIGNALS} == before
 
 
 def test_handlers_installed_by_others_record_the_signal_first():
@@ -97,7 +120,8 @@ def test_handlers_installed_by_others_record_the_signal_first():
     seen = []
     previous = signal.getsignal(signal.SIGUSR1)
     original = signal.signal
-    with stop.noting_handlers():
+    signals = stop.StopSignals()
+    with signals.noting_handlers():
         signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))  # not a stop signal
         term = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, lambda s, f: seen.append(("theirs", s)))
@@ -106,12 +130,8 @@ def test_handlers_installed_by_others_record_the_signal_first():
         assert getattr(wrapped, "_tllm_noting", False)
         assert not getattr(signal.getsignal(signal.SIGUSR1), "_tllm_noting", False)
         notes = []
-        orig_note = stop.note
-        stop.note = lambda s: notes.append(s) or True  # type: ignore[assignment]
-        try:
-            wrapped(signal.SIGTERM, None)
-        finally:
-            stop.note = orig_note  # type: ignore[assignment]
+        signals.note = lambda s: notes.append(s) or True  # type: ignore[method-assign]
+        wrapped(signal.SIGTERM, None)
         assert notes == [signal.SIGTERM] and seen == [("theirs", signal.SIGTERM)]
     finally:
         signal.signal(signal.SIGTERM, term)

@@ -9,6 +9,7 @@ import on a machine without pydantic or vLLM (``benchmarks/gpu_smoke.py``).
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from tllm_core.lazy import lazy_getattr
@@ -20,10 +21,12 @@ if TYPE_CHECKING:
 
 __all__ = ["ESampConfig", "ESampConsumer", "GroupedDistiller"]
 
-_HOME = {
-    "ESampConfig": "algorithms.esamp.config",
-    "ESampConsumer": "algorithms.esamp.consumer",
-    "GroupedDistiller": "algorithms.esamp.cpu",
-}
+_HOME = MappingProxyType(
+    {
+        "ESampConfig": "algorithms.esamp.config",
+        "ESampConsumer": "algorithms.esamp.consumer",
+        "GroupedDistiller": "algorithms.esamp.cpu",
+    }
+)
 
 __getattr__ = lazy_getattr(__name__, _HOME)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -11,27 +12,32 @@ from tllm_core import ConsumerConfig, FiniteF32
 
 # Range checks, one per field: (value is allowed, error message). None passes where the
 # field allows it (the type does the rest).
-_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "beta": (lambda v: v >= 0, "beta must be >= 0 (0 disables guidance)"),
-    "warm_start_steps": (lambda v: v >= 0, "warm_start_steps must be >= 0 (0 disables it)"),
-    "fit_decay": (lambda v: 0 <= v < 1, "fit_decay must be in [0, 1)"),
-    **{
-        name: (lambda v: v is None or v >= 1, "must be >= 1")
-        for name in (
-            "intermediate_size",
-            "num_blocks",
-            "cuda_capacity",
-            "cuda_graph_max_rows",
-            "cuda_rows_per_step",
-            "cuda_max_candidates",
-        )
-    },
-    "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
-    "lr": (lambda v: v > 0, "must be > 0"),
-    "eps": (lambda v: v > 0, "must be > 0"),
-    "grad_clip": (lambda v: v is None or v > 0, "grad_clip must be > 0 or None (no clipping)"),
-    "max_groups": (lambda v: v is None or v >= 1, "max_groups must be >= 1 or None (unlimited)"),
-}
+_RULES: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
+    {
+        "beta": (lambda v: v >= 0, "beta must be >= 0 (0 disables guidance)"),
+        "warm_start_steps": (lambda v: v >= 0, "warm_start_steps must be >= 0 (0 disables it)"),
+        "fit_decay": (lambda v: 0 <= v < 1, "fit_decay must be in [0, 1)"),
+        **{
+            name: (lambda v: v is None or v >= 1, "must be >= 1")
+            for name in (
+                "intermediate_size",
+                "num_blocks",
+                "cuda_capacity",
+                "cuda_graph_max_rows",
+                "cuda_rows_per_step",
+                "cuda_max_candidates",
+            )
+        },
+        "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
+        "lr": (lambda v: v > 0, "must be > 0"),
+        "eps": (lambda v: v > 0, "must be > 0"),
+        "grad_clip": (lambda v: v is None or v > 0, "grad_clip must be > 0 or None (no clipping)"),
+        "max_groups": (
+            lambda v: v is None or v >= 1,
+            "max_groups must be >= 1 or None (unlimited)",
+        ),
+    }
+)
 
 
 class ESampConfig(ConsumerConfig):

@@ -12,6 +12,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,9 @@ from safetensors.torch import save_file
 
 from consumers.export import format as fmt
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = MappingProxyType(
+    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+)
 
 # First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
 _INITIAL_ROWS = 256

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,13 +28,15 @@ CFG_FILE = "cfg.json"
 WEIGHTS_FILE = "sae_weights.safetensors"
 
 # SAELens options that need statistics or reshaping this reader does not have.
-_REFUSED_NORMALIZATION = {
-    "expected_average_only_in": "its scaling factor is not stored in the SAE folder; fold it "
-    "into the weights first (SAELens: sae.fold_activation_norm_scaling_factor(f), which sets "
-    "normalize_activations to 'none') and save again",
-    "covariance_whitening": "its whitening statistics are not stored in the SAE folder; fold "
-    "them into the weights first (SAELens: sae.fold_activation_whitening(...)) and save again",
-}
+_REFUSED_NORMALIZATION = MappingProxyType(
+    {
+        "expected_average_only_in": "its scaling factor is not stored in the SAE folder; fold it "
+        "into the weights first (SAELens: sae.fold_activation_norm_scaling_factor(f), which sets "
+        "normalize_activations to 'none') and save again",
+        "covariance_whitening": "its whitening statistics are not stored in the SAE folder; fold "
+        "them into the weights first (SAELens: sae.fold_activation_whitening(...)) and save again",
+    }
+)
 
 
 class SAEFileError(ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 # Per-step sites (``TapRequest`` with no layer), read by the bridge from the runner after
 # the forward; not described by specs: "final" (final hidden state), "logits", "sampled".
@@ -19,13 +20,15 @@ STEP_SITES = ("final", "logits", "sampled")
 
 # How a site's module output holds the site's tensor (each also takes a bare tensor, which
 # is then the value: Granite's decoder layers return one tensor):
-OUTPUTS = {
-    "tensor": "the output is the tensor",
-    "sum": "(hidden, residual): the value is hidden + residual (Llama-style decoder layer)",
-    "first": "a tuple: the value is its first element (e.g. vLLM's fused add-norm's output)",
-    "router": "an MoE block (``experts`` beside a router gate): the value is the gate's output, "
-    "the router logits [tokens, experts] before softmax and top-k",
-}
+OUTPUTS = MappingProxyType(
+    {
+        "tensor": "the output is the tensor",
+        "sum": "(hidden, residual): the value is hidden + residual (Llama-style decoder layer)",
+        "first": "a tuple: the value is its first element (e.g. vLLM's fused add-norm's output)",
+        "router": "an MoE block (``experts`` beside a router gate): the value is the gate's "
+        "output, the router logits [tokens, experts] before softmax and top-k",
+    }
+)
 
 
 def _identifier(value: object, what: str) -> str:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from types import MappingProxyType
 
 FINAL = "final"
 RESIDUAL = "layer"  # prefix of the residual stream's name: "layer.{i}"
 # The engine bridge taps the residual stream at site "residual" (its contract); users see
 # that tap by the residual stream's port name, so one edit location has one name.
-_TAP_SITE_NAMES = {"residual": RESIDUAL}
+_TAP_SITE_NAMES = MappingProxyType({"residual": RESIDUAL})
 
 _NAME = re.compile(r"(?:([A-Za-z_]\w*)\.)?(-?\d+)")
 

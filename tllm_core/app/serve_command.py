@@ -219,17 +219,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         last = LastCounters(url)  # what the consumers did, said when the server stops
         last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
-    pre = CheckedServer(settings=wire, engine=engine)
-    with stop.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
+    # The command's stop (a new one when none is installed: its watchdog still bounds the
+    # stop); the server records a lost node in its node watch.
+    signals = stop.installed() or stop.StopSignals()
+    pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)
+    with signals.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
         last.stop()
-    from tllm_core.vllm_bridge.nodes import lost
-
-    if lost():
-        say(f"error: {lost()}")
+    if signals.nodes.lost():
+        say(f"error: {signals.nodes.lost()}")
         _exit(1)
-    if not follower and stop.received() is None:
+    if not follower and signals.received() is None:
         # Nobody asked it to stop: the engine failed (its errors are above).
         say("error: the server stopped on its own: its engine failed (errors above)")
         _exit(1)

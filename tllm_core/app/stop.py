@@ -24,7 +24,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tllm_core.vllm_bridge.nodes import NodeWatch
 
 STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
 # vLLM's engine gets 60 s (the command's --shutdown-timeout / lifecycle.SHUTDOWN_TIMEOUT_S),
@@ -32,11 +35,6 @@ STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
 DEFAULT_STOP_TIMEOUT_S = 120.0
 EXIT_STOP_TIMEOUT = 124  # as timeout(1): stopping took too long, processes were killed
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-_received: list[int] = []
-_lock = threading.Lock()
-# The command's processes when the first stop signal came (see forget_dead_children).
-_children: set[int] = set()
 
 
 def stop_timeout() -> float:
@@ -53,60 +51,184 @@ def stop_timeout() -> float:
     return value
 
 
+# POSIX signal handlers are process-wide: install() makes the one StopSignals whose bound
+# method handles SIGTERM/SIGINT, and the command's code finds it here until uninstall().
+_installed: StopSignals | None = None
+
+
+class StopSignals:
+    """A command's stop: the stop signals it received, its processes when the first came
+    (cleaned up after), the watchdog that first signal starts, and the node watch it
+    silences (``nodes.NodeWatch``: whose lost node, if any, is the error to report)."""
+
+    def __init__(self, nodes: NodeWatch | None = None) -> None:
+        from tllm_core.vllm_bridge.nodes import NodeWatch
+
+        self._received: list[int] = []
+        self._lock = threading.Lock()
+        # The command's processes when the first stop signal came (see forget_dead_children).
+        self._children: set[int] = set()
+        self.nodes = nodes if nodes is not None else NodeWatch()
+        self.replaced: dict[int, Any] = {}  # the handlers install() replaced
+
+    def received(self) -> int | None:
+        """The first stop signal received (None: none)."""
+        return self._received[0] if self._received else None
+
+    def exit_code(self, default: int = 130) -> int:
+        """``128 + signal`` for the first stop signal received, else ``default``."""
+        sig = self.received()
+        return default if sig is None else 128 + int(sig)
+
+    def note(self, signum: int) -> bool:
+        """Record a stop signal; the first one starts the watchdog. Returns whether it was
+        the first."""
+        with self._lock:
+            first = not self._received
+            self._received.append(signum)
+        if first:
+            self.nodes.stop()  # peers that stop answering now are part of this stop
+            self._children.update(_descendant_pids())
+            threading.Thread(
+                target=self._watchdog,
+                args=(stop_timeout(),),
+                daemon=True,
+                name="tllm-stop-watchdog",
+            ).start()
+        else:
+            _say(
+                f"already stopping ({signal.Signals(signum).name} again); exiting within "
+                f"{stop_timeout():.0f} s of the first signal"
+            )
+        return first
+
+    def handle(self, signum: int, frame: Any) -> None:
+        """The SIGTERM/SIGINT handler :func:`install` sets."""
+        # The first signal interrupts whatever runs (KeyboardInterrupt, as Ctrl-C); later ones
+        # must not interrupt the cleanup it started (that is what leaves files behind).
+        if self.note(signum):
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def forget_dead_children(self) -> list[str]:
+        """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
+        of the command's processes that a stop signal caught and that are gone now: libiomp5
+        removes its file only at a normal exit, and an engine process that the stop interrupts
+        mid-start is ended by a signal. Returns the paths removed."""
+        import glob
+
+        import psutil
+
+        removed = []
+        for pid in sorted(self._children):
+            if psutil.pid_exists(pid):
+                with contextlib.suppress(psutil.Error):
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        continue
+            for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed.append(path)
+        return removed
+
+    @contextlib.contextmanager
+    def noting_handlers(self, seen: Callable[[Any], None] | None = None) -> Iterator[None]:
+        """While inside, a SIGINT/SIGTERM handler that someone else installs with
+        ``signal.signal`` (vLLM's server, uvicorn) first records the signal (:meth:`note`,
+        which starts the watchdog), then runs as it would. The server keeps its own graceful
+        stop; the watchdog bounds it. ``seen(handler)`` is called with each such handler."""
+        original = signal.signal
+
+        def signal_noting(signalnum: Any, handler: Any) -> Any:
+            if signalnum in STOP_SIGNALS and callable(handler):
+                if seen is not None:
+                    seen(handler)
+                handler = self._noting(handler)
+            return original(signalnum, handler)
+
+        signal.signal = signal_noting  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            signal.signal = original  # type: ignore[assignment]
+
+    def _noting(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(handler, "_tllm_noting", False):
+            return handler
+
+        def noting(signum: int, frame: Any) -> Any:
+            self.note(signum)
+            return handler(signum, frame)
+
+        noting._tllm_noting = True  # type: ignore[attr-defined]
+        return noting
+
+    def _watchdog(self, timeout: float) -> None:
+        threading.Event().wait(timeout)
+        _say(
+            f"did not stop within {timeout:.0f} s of the stop signal ({STOP_TIMEOUT_ENV}); "
+            "killing its engine processes"
+        )
+        self._children.update(kill_children())
+        self.forget_dead_children()
+        # A lost node is the error to report.
+        os._exit(1 if self.nodes.lost() else EXIT_STOP_TIMEOUT)
+
+
+def install() -> StopSignals | None:
+    """SIGTERM and SIGINT stop the command as Ctrl-C does (main thread only; elsewhere
+    nothing is installed: None). A SIGINT the command was started ignoring (a background
+    job) stays ignored. Returns the command's :class:`StopSignals`."""
+    global _installed
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    signals = _installed
+    if signals is None:  # one per process: a second call sets the same owner's handlers
+        signals = _installed = StopSignals()
+        atexit.register(signals.forget_dead_children)
+    for sig in STOP_SIGNALS:
+        previous = signal.getsignal(sig)
+        if previous == signals.handle or (sig == signal.SIGINT and previous is signal.SIG_IGN):
+            continue
+        signals.replaced.setdefault(sig, previous)
+        signal.signal(sig, signals.handle)
+    return signals
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: the handlers it replaced again, no :class:`StopSignals`."""
+    global _installed
+    signals, _installed = _installed, None
+    if signals is None:
+        return
+    atexit.unregister(signals.forget_dead_children)
+    for sig, previous in signals.replaced.items():
+        if signal.getsignal(sig) == signals.handle:
+            signal.signal(sig, previous)
+
+
+def installed() -> StopSignals | None:
+    """The :class:`StopSignals` :func:`install` made (None: not installed)."""
+    return _installed
+
+
 def received() -> int | None:
-    """The first stop signal this process received (None: none)."""
-    return _received[0] if _received else None
+    """The first stop signal this process received (None: none, or nothing installed)."""
+    return None if _installed is None else _installed.received()
 
 
 def exit_code(default: int = 130) -> int:
     """``128 + signal`` for the first stop signal received, else ``default``."""
-    sig = received()
-    return default if sig is None else 128 + int(sig)
+    return default if _installed is None else _installed.exit_code(default)
 
 
-def note(signum: int) -> bool:
-    """Record a stop signal; the first one starts the watchdog. Returns whether it was the
-    first."""
-    with _lock:
-        first = not _received
-        _received.append(signum)
-    if first:
-        from tllm_core.vllm_bridge.nodes import stop_watching
-
-        stop_watching()  # peers that stop answering now are part of this stop
-        _children.update(_descendant_pids())
-        threading.Thread(
-            target=_watchdog, args=(stop_timeout(),), daemon=True, name="tllm-stop-watchdog"
-        ).start()
-    else:
-        _say(
-            f"already stopping ({signal.Signals(signum).name} again); exiting within "
-            f"{stop_timeout():.0f} s of the first signal"
-        )
-    return first
+def forget_dead_children() -> list[str]:
+    """:meth:`StopSignals.forget_dead_children` of the installed stop (none: nothing)."""
+    return [] if _installed is None else _installed.forget_dead_children()
 
 
 def _say(text: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         print(f"tllm: {text}", file=sys.stderr, flush=True)
-
-
-def _handler(signum: int, frame: Any) -> None:
-    # The first signal interrupts whatever runs (KeyboardInterrupt, as Ctrl-C); later ones
-    # must not interrupt the cleanup it started (that is what leaves files behind).
-    if note(signum):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def install() -> None:
-    """SIGTERM and SIGINT stop the command as Ctrl-C does (main thread only). A SIGINT the
-    command was started ignoring (a background job) stays ignored."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGTERM, _handler)
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        signal.signal(signal.SIGINT, _handler)
-    atexit.register(forget_dead_children)
 
 
 def _descendant_pids() -> set[int]:
@@ -115,75 +237,6 @@ def _descendant_pids() -> set[int]:
     with contextlib.suppress(psutil.Error):
         return {p.pid for p in psutil.Process().children(recursive=True)}
     return set()
-
-
-def forget_dead_children() -> list[str]:
-    """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
-    of the command's processes that a stop signal caught and that are gone now: libiomp5
-    removes its file only at a normal exit, and an engine process that the stop interrupts
-    mid-start is ended by a signal. Returns the paths removed."""
-    import glob
-
-    import psutil
-
-    removed = []
-    for pid in sorted(_children):
-        if psutil.pid_exists(pid):
-            with contextlib.suppress(psutil.Error):
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    continue
-        for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
-    return removed
-
-
-@contextlib.contextmanager
-def noting_handlers(seen: Callable[[Any], None] | None = None) -> Iterator[None]:
-    """While inside, a SIGINT/SIGTERM handler that someone else installs with
-    ``signal.signal`` (vLLM's server, uvicorn) first records the signal (:func:`note`, which
-    starts the watchdog), then runs as it would. The server keeps its own graceful stop;
-    the watchdog bounds it. ``seen(handler)`` is called with each such handler."""
-    original = signal.signal
-
-    def signal_noting(signalnum: Any, handler: Any) -> Any:
-        if signalnum in STOP_SIGNALS and callable(handler):
-            if seen is not None:
-                seen(handler)
-            handler = _noting(handler)
-        return original(signalnum, handler)
-
-    signal.signal = signal_noting  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        signal.signal = original  # type: ignore[assignment]
-
-
-def _noting(handler: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(handler, "_tllm_noting", False):
-        return handler
-
-    def noting(signum: int, frame: Any) -> Any:
-        note(signum)
-        return handler(signum, frame)
-
-    noting._tllm_noting = True  # type: ignore[attr-defined]
-    return noting
-
-
-def _watchdog(timeout: float) -> None:
-    threading.Event().wait(timeout)
-    _say(
-        f"did not stop within {timeout:.0f} s of the stop signal ({STOP_TIMEOUT_ENV}); "
-        "killing its engine processes"
-    )
-    _children.update(kill_children())
-    forget_dead_children()
-    from tllm_core.vllm_bridge.nodes import lost
-
-    os._exit(1 if lost() else EXIT_STOP_TIMEOUT)  # a lost node is the error to report
 
 
 def kill_children() -> list[int]:

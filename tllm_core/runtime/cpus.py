@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 
-_noted: set[int] | None = None
+# Process-wide by nature: vLLM's pin of a thread lasts as long as the process (a second
+# in-process engine would note the pinned set), so the first note is kept for the process;
+# side threads that read it get no worker object. Immutable once noted.
+_noted: frozenset[int] | None = None
 
 
 def note_allowed_cpus() -> None:
     """Remember the calling thread's CPUs (call before vLLM pins threads; first call wins)."""
     global _noted
     if _noted is None and hasattr(os, "sched_getaffinity"):
-        _noted = set(os.sched_getaffinity(0))
+        _noted = frozenset(os.sched_getaffinity(0))
 
 
 def allowed_cpus() -> set[int]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from tllm_core.api.consumer_spec import ConsumerSpec
@@ -53,13 +54,15 @@ MAX_GROUP_CHARS = 1024
 # tllm_consumers is split again wherever a consumer asks whether it acts on the request.
 MAX_CONSUMERS_CHARS = 1024
 
-KEYS: dict[str, str] = {
-    CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
-    "request (each must be configured)",
-    GROUP: "string: requests sharing this value form one group (consumers that keep state per "
-    "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
-    "requests of the same client, i.e. API key, share a group)",
-}
+KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
+        "request (each must be configured)",
+        GROUP: "string: requests sharing this value form one group (consumers that keep state per "
+        "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
+        "requests of the same client, i.e. API key, share a group)",
+    }
+)
 
 
 @dataclass

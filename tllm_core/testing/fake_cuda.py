@@ -49,6 +49,7 @@ cost of any operation.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import linecache
 import os
 import sys
@@ -110,7 +111,12 @@ def _stats() -> dict[str, Any]:
     }
 
 
-_active: FakeCuda | None = None
+def active() -> FakeCuda | None:
+    """The ``FakeCuda`` whose patches are installed (None: none). The patches are
+    process-wide, so they are where it is found: their ``torch.cuda.is_available`` is its
+    bound method, put there by ``__enter__`` and taken away by ``__exit__``."""
+    owner = getattr(torch.cuda.is_available, "__self__", None)
+    return owner if isinstance(owner, FakeCuda) else None
 
 
 def is_cuda(device: torch.device | str) -> bool:
@@ -119,7 +125,8 @@ def is_cuda(device: torch.device | str) -> bool:
     with this instead of ``device.type == "cuda"`` run their CUDA-only lines under the fake
     (``benchmarks/gpu_smoke.py --device fake``)."""
     dev = torch.device(device)
-    return dev.type == "cuda" or (_active is not None and dev == _active.device)
+    fc = active()
+    return dev.type == "cuda" or (fc is not None and dev == fc.device)
 
 
 class FakeCuda:
@@ -149,6 +156,7 @@ class FakeCuda:
         self._patches = stubs.Patches()
         self._mode: Checker | None = None
         self._quiet = threading.local()
+        self._stream_ids = itertools.count()
         self.default_stream = stubs.FakeStream(self)
         self._cublas_streams.add(self.default_stream.stream_id)
         # order=True: stream-ordering checks (races), see fake_cuda_order.
@@ -163,8 +171,7 @@ class FakeCuda:
 
     # -- entering and leaving ---------------------------------------------------------
     def __enter__(self) -> FakeCuda:
-        global _active
-        if _active is not None:  # the patches are process-wide
+        if active() is not None:  # the patches are process-wide
             raise RuntimeError("a FakeCuda is already active; nest none and share none")
         # Made before any is installed: the Tensor stubs keep the original torch.tensor.
         cuda, tensor, factories = (
@@ -172,7 +179,6 @@ class FakeCuda:
             stubs.tensor_stubs(self),
             stubs.factory_stubs(self),
         )
-        _active = self
         try:
             self._patches.apply(torch.cuda, cuda)
             self._patches.apply(torch.Tensor, tensor)
@@ -186,14 +192,20 @@ class FakeCuda:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        global _active
         try:
             if self._mode is not None:
                 self._mode.__exit__(*exc)
         finally:
             self._mode = None
             self._patches.restore()
-            _active = None
+
+    def is_available(self) -> bool:
+        """``torch.cuda.is_available`` while active (see :func:`active`)."""
+        return True
+
+    def new_stream_id(self) -> int:
+        """A stream id unique on this fake device (the default stream's is 0)."""
+        return next(self._stream_ids)
 
     # -- phases -------------------------------------------------------------------------
     def start_steps(self) -> None:

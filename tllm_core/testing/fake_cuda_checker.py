@@ -6,6 +6,7 @@ bytes, and :func:`op_bytes`, the byte-counting rule shared with
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -13,24 +14,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 # Operations that allocate without reading or writing data, or only describe shapes.
-NO_DATA = {
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "new_empty_strided",
-    "lift_fresh",
-    "_unsafe_view",
-}
+NO_DATA = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "_unsafe_view",
+    }
+)
 # Output size depends on the values: CUDA reads them back first.
-_VALUE_SHAPED = {"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"}
-_BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl_"}
+_VALUE_SHAPED = frozenset({"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"})
+_BOOL_INDEX = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 # A 0-dim host tensor is a kernel argument for these (no copy).
-_SCALAR_OK = {"fill", "fill_", "masked_fill", "masked_fill_"}
-_MATMUL = {
+_SCALAR_OK = frozenset({"fill", "fill_", "masked_fill", "masked_fill_"})
+_MATMUL = frozenset({
     "mm", "bmm", "addmm", "addmv", "mv", "addbmm", "baddbmm", "dot", "vdot", "linear",
     "matmul", "_addmm_activation", "_scaled_mm", "_int_mm", "_grouped_mm",
-}  # fmt: skip
+})  # fmt: skip
 
 
 def tensor_bytes(tree: Any) -> int:
@@ -47,18 +50,20 @@ def _name(func: Any) -> str:
 
 # Gathers and scatters touch the indexed elements only, not their whole source or target:
 # operation -> (argument holding the indices, argument gathered from or scattered into).
-SPARSE = {
-    "index_select": (2, 0),
-    "gather": (2, 0),
-    "scatter": (2, 0),
-    "scatter_": (2, 0),
-    "scatter_add": (2, 0),
-    "scatter_add_": (2, 0),
-    "index_copy_": (2, 0),
-    "index_copy": (2, 0),
-    "index_add_": (2, 0),
-    "index_fill_": (2, 0),
-}
+SPARSE = MappingProxyType(
+    {
+        "index_select": (2, 0),
+        "gather": (2, 0),
+        "scatter": (2, 0),
+        "scatter_": (2, 0),
+        "scatter_add": (2, 0),
+        "scatter_add_": (2, 0),
+        "index_copy_": (2, 0),
+        "index_copy": (2, 0),
+        "index_add_": (2, 0),
+        "index_fill_": (2, 0),
+    }
+)
 
 
 def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:

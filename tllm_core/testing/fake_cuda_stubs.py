@@ -9,7 +9,6 @@ computes anything."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -17,8 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-_ids = itertools.count()
 
 
 class FakeStream:
@@ -29,7 +26,7 @@ class FakeStream:
         self._fc = fc
         self.device = fc.device
         self.priority = priority
-        self.stream_id = next(_ids)
+        self.stream_id = fc.new_stream_id()
 
     def wait_stream(self, stream: FakeStream) -> None:
         if self._fc.order is not None:
@@ -195,7 +192,8 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         "current_stream": current_stream,
         "default_stream": lambda device=None: fc.default_stream,
         "set_stream": set_stream,
-        "is_available": lambda: True,
+        # A bound method: the process-wide patch names its FakeCuda (fake_cuda.active).
+        "is_available": fc.is_available,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda device: None,

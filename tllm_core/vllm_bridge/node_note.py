@@ -6,7 +6,7 @@ On a headless data-parallel node it is an engine process that learns that the no
 reason and status 1. While the node runs, that process names a file in :data:`ENV`
 (``"{pid}:{path}"``), which its engine processes inherit. The first engine process to
 :func:`tell` writes the reason there and sends that pid SIGTERM (vLLM's headless stop); the
-command then reports the reason as its error (``nodes.lost``).
+command then reports the reason as its error (``nodes.NodeWatch.lost``).
 """
 
 from __future__ import annotations
@@ -19,23 +19,41 @@ from collections.abc import Callable, Iterator
 
 ENV = "TLLM_NODE_NOTE"
 
-_told: list[str] = []  # the note's text, kept once the note is removed
+
+class NodeNote:
+    """The note of the node's command (:func:`shared`): what an engine process told, read
+    from the note while it exists and kept once it is removed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._kept: str | None = None
+        self._closed = False
+
+    def told(self) -> str | None:
+        """The reason an engine process told (None: none)."""
+        return self._kept if self._closed else (_read(self.path) or None)
+
+    def close(self) -> None:
+        """Keep what was told; the note itself is removed by :func:`shared`."""
+        if not self._closed:
+            self._kept = _read(self.path) or None
+            self._closed = True
 
 
 @contextlib.contextmanager
-def shared() -> Iterator[str]:
+def shared() -> Iterator[NodeNote]:
     """In the node's command, while its engines run: an empty note named in :data:`ENV`
-    (yields its path). On leaving, what was told is kept (:func:`told`) and the note removed."""
+    (yields it). On leaving, what was told is kept (:meth:`NodeNote.told`) and the file
+    removed."""
     fd, path = tempfile.mkstemp(prefix="tllm-node-", suffix=".txt")
     os.close(fd)
     old = os.environ.get(ENV)
     os.environ[ENV] = f"{os.getpid()}:{path}"
+    note = NodeNote(path)
     try:
-        yield path
+        yield note
     finally:
-        text = _read(path)
-        if text and not _told:
-            _told.append(text)
+        note.close()
         if old is None:
             os.environ.pop(ENV, None)
         else:
@@ -60,16 +78,6 @@ def _read(path: str) -> str:
 def on_headless_node() -> bool:
     """Whether this process runs under a node's command that reads the note."""
     return _spec() is not None
-
-
-def told() -> str | None:
-    """In the node's command: the reason an engine process told (None: none)."""
-    if _told:
-        return _told[0]
-    spec = _spec()
-    if spec is None or spec[0] != os.getpid():
-        return None
-    return _read(spec[1]) or None
 
 
 def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:

@@ -82,24 +82,13 @@ def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> No
 # closed by peer"), i.e. at the next request; an idle leader would serve on, unaware. With
 # data-parallel engines on other nodes, a dead remote engine makes every request hang
 # (measured: 4 of 4 requests to the leader timed out after 40 s). The leader's API server
-# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S (:func:`watch_nodes`, RPC
-# ``tllm_node_check`` -> :func:`node_check`, a barrier over the engine's ranks); a failure or
-# no answer within NODE_CHECK_TIMEOUT_S is a lost node.
+# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S
+# (:meth:`NodeWatch.watch_nodes`, RPC ``tllm_node_check`` -> :func:`node_check`, a barrier
+# over the engine's ranks); a failure or no answer within NODE_CHECK_TIMEOUT_S is a lost node.
 NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
 NODE_CHECK_TIMEOUT_S = 30.0
-
-_lost: list[str] = []
-# Set once this process was told to stop (``stop_watching``): a peer that stops answering then
-# is part of the requested stop (seen: the DP leader's node check timing out while its engine
-# client shut down), not a lost node.
-_stopping = threading.Event()
-
-
-def stop_watching() -> None:
-    """This process stops on request: the watches below report nothing from now on."""
-    _stopping.set()
 
 
 def node_check() -> int:
@@ -139,41 +128,6 @@ def node_count(parallel: Any) -> int:
     return nnodes
 
 
-def lost() -> str | None:
-    """Why this node stops on its own (None: it does not): a node of its engine is gone, or,
-    on a headless data-parallel node, what its engines told (``node_note``: the leader is
-    gone, or runs other tllm settings)."""
-    if _lost:
-        return _lost[0]
-    from tllm_core.vllm_bridge.node_note import told
-
-    return told()
-
-
-async def watch_nodes(ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
-    """Every ``interval`` s, ``await ask()`` (the node check on every rank); the first failure
-    or an answer slower than :data:`NODE_CHECK_TIMEOUT_S` calls ``on_lost(reason)`` once."""
-    import asyncio
-
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
-            why = "no answer" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}"
-            reason = (
-                f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
-                f"{why}: {str(e)[:300]})"
-            )
-            if _stopping.is_set():
-                return
-            _lost.append(reason)
-            on_lost(reason)
-            return
-
-
 # -- a follower whose leader is gone ------------------------------------------------------------
 # A headless follower of a TP engine waits for the leader's next message without limit (seen:
 # still running minutes after its leader closed). The leader's rank 0 hosts torch.distributed's
@@ -193,31 +147,96 @@ def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
         return False
 
 
-def watch_leader(host: str, port: int, interval: float, on_lost: Any) -> Any:
-    """Start a daemon thread probing the leader every ``interval`` s; once the leader has
-    answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
-    ``on_lost(reason)`` once. Returns the thread."""
-    import time
+class NodeWatch:
+    """What this process's node watches found, and whether they still report: the first lost
+    node (:meth:`lost`), and whether the process stops on request (:meth:`stop`; a peer that
+    stops answering then is part of the requested stop, seen: the DP leader's node check
+    timing out while its engine client shut down, not a lost node).
 
-    def run() -> None:
-        misses, seen = 0, False
+    Made by whoever runs the watches: ``tllm serve``'s stop owner (``app/stop.py``), which
+    stops it at the first stop signal and hands it to the server it runs
+    (``server_entry.CheckedServer``); an engine's worker for its leader watch
+    (``worker_ext``)."""
+
+    def __init__(self) -> None:
+        self._lost: list[str] = []
+        self._stopping = threading.Event()
+        self._note: Any = None  # a headless node's note (node_note.shared), once it listens
+        self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
+
+    def stop(self) -> None:
+        """This process stops on request: the watches report nothing from now on."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def listen(self, note: Any) -> None:
+        """Also report what the engines told through ``note`` (``node_note.shared``)."""
+        self._note = note
+
+    def lost(self) -> str | None:
+        """Why this node stops on its own (None: it does not): a node of its engine is gone,
+        or, on a headless data-parallel node, what its engines told (the note: the leader is
+        gone, or runs other tllm settings)."""
+        if self._lost:
+            return self._lost[0]
+        return None if self._note is None else self._note.told()
+
+    def _report(self, reason: str, on_lost: Any) -> bool:
+        if self.stopping:
+            return False
+        self._lost.append(reason)
+        on_lost(reason)
+        return True
+
+    async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
+        """Every ``interval`` s, ``await ask()`` (the node check on every rank); the first
+        failure or an answer slower than :data:`NODE_CHECK_TIMEOUT_S` calls
+        ``on_lost(reason)`` once."""
+        import asyncio
+
         while True:
-            time.sleep(interval)
-            if leader_reachable(host, port):
-                misses, seen = 0, True
-            elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
-                misses += 1
-            if _stopping.is_set():
-                return
-            if misses >= LEADER_MISSES:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
+                why = "no answer" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
                 reason = (
-                    f"the leader of this multi-node engine ({host}:{port}) is gone: "
-                    f"{misses} connection attempts {interval:g} s apart were refused"
+                    f"a node of this {nnodes}-node engine is gone or hangs (the node check got "
+                    f"{why}: {str(e)[:300]})"
                 )
-                _lost.append(reason)
-                on_lost(reason)
+                self._report(reason, on_lost)
                 return
 
-    t = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")
-    t.start()
-    return t
+    def watch_leader(self, host: str, port: int, interval: float, on_lost: Any) -> threading.Thread:
+        """Start a daemon thread probing the leader every ``interval`` s; once the leader has
+        answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
+        ``on_lost(reason)`` once. Returns the thread (also :attr:`leader_watch`)."""
+        import time
+
+        def run() -> None:
+            misses, seen = 0, False
+            while True:
+                time.sleep(interval)
+                if leader_reachable(host, port):
+                    misses, seen = 0, True
+                elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
+                    misses += 1
+                if self.stopping:
+                    return
+                if misses >= LEADER_MISSES:
+                    reason = (
+                        f"the leader of this multi-node engine ({host}:{port}) is gone: "
+                        f"{misses} connection attempts {interval:g} s apart were refused"
+                    )
+                    self._report(reason, on_lost)
+                    return
+
+        t = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")
+        t.start()
+        self.leader_watch = t
+        return t

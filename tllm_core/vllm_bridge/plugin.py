@@ -155,6 +155,7 @@ class EndpointGate:
     def __init__(self) -> None:
         self.active = False
         self.engine = None  # EngineConsumers, built once in attach_router
+        self.nodes = None  # the command's NodeWatch (`tllm serve`), else made in init_state
 
     def attach_router(self, app) -> None:
         cfg = tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
@@ -168,6 +169,8 @@ class EndpointGate:
         self.active = True
         settings = RuntimeSettings.model_validate(cfg)
         pre = CHECKED.get()
+        if pre is not None:
+            self.nodes = pre.nodes  # the command reports the lost node it records
         if pre is not None and pre.settings == cfg:
             self.engine = pre.engine  # `tllm serve` checked these in this process
         else:  # `python -m vllm...api_server --additional-config ...`: the front end's check
@@ -181,10 +184,12 @@ class EndpointGate:
         if cfg is None:
             return
         from tllm_core.serving.keys import EngineConsumers
+        from tllm_core.vllm_bridge.nodes import NodeWatch
         from tllm_core.vllm_bridge.serving import init_state
 
         engine = self.engine if self.engine is not None else EngineConsumers.from_settings(cfg)
-        await init_state(engine_client, state, engine)
+        nodes = self.nodes if self.nodes is not None else NodeWatch()
+        await init_state(engine_client, state, engine, nodes)
 
 
 def _patch_endpoint_plugins() -> None:

@@ -7,6 +7,8 @@ imports neither runner module (importing V2's pulls in Triton kernels).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
@@ -17,10 +19,12 @@ from tllm_core.vllm_bridge.v2_runner import V2RunnerAdapter
 from tllm_core.vllm_bridge.version import require_attrs
 
 # (module, class) of each runner generation's base class -> its adapter
-ADAPTERS: dict[tuple[str, str], type[RunnerAdapterBase]] = {
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): V1RunnerAdapter,
-    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"): V2RunnerAdapter,
-}
+ADAPTERS: Mapping[tuple[str, str], type[RunnerAdapterBase]] = MappingProxyType(
+    {
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): V1RunnerAdapter,
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"): V2RunnerAdapter,
+    }
+)
 
 
 def adapter_class(runner: object) -> type[RunnerAdapterBase]:

@@ -15,17 +15,21 @@ from __future__ import annotations
 import runpy
 import sys
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from tllm_core.vllm_bridge.nodes import NodeWatch
 
 
 @dataclass(frozen=True)
 class CheckedServer:
     """Consumers the command checked, and the settings JSON they were checked for (the gate
-    uses them only when ``--additional-config`` carries exactly these settings)."""
+    uses them only when ``--additional-config`` carries exactly these settings); ``nodes``:
+    the command's node watch, where the server's watches record a lost node."""
 
     settings: dict[str, Any]
     engine: Any  # tllm_core.serving.keys.EngineConsumers
+    nodes: NodeWatch = field(default_factory=NodeWatch)
 
 
 CHECKED: ContextVar[CheckedServer | None] = ContextVar("tllm_checked_server", default=None)
@@ -42,7 +46,7 @@ def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> 
 
     if HEADLESS_FLAG in argv:
         with interrupts_reach_caller():
-            run_headless_node(argv)
+            run_headless_node(argv, checked.nodes if checked is not None else NodeWatch())
         return
     saved = sys.argv
     sys.argv = ["vllm.entrypoints.openai.api_server", *argv]
@@ -63,12 +67,13 @@ def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> 
 HEADLESS_FLAG = "--headless"
 
 
-def run_headless_node(argv: list[str]) -> None:
+def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
     """This node's part of a multi-node engine, no API server: what ``vllm serve --headless``
     runs (``vllm.entrypoints.cli.serve.run_headless``: the workers of a tensor-parallel
     engine whose leader runs on node rank 0, or this node's data-parallel engine cores).
     ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless`` and starts a
-    whole engine core (issue 38), hence this entry. Returns when the node stops."""
+    whole engine core (issue 38), hence this entry. Returns when the node stops. ``nodes``:
+    where a lost leader is recorded, and what this node's engines told (its note)."""
     from vllm.entrypoints.cli.serve import run_headless
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
@@ -84,20 +89,20 @@ def run_headless_node(argv: list[str]) -> None:
             "runs no API server; allowed: leave it out"
         )
     args.api_server_count = 0
-    _watch_leader(args)
+    _watch_leader(args, nodes)
     from tllm_core.vllm_bridge import node_note
-    from tllm_core.vllm_bridge.nodes import lost
 
     # A data-parallel engine of this node tells it to stop through the note (dp_nodes.py).
-    with node_note.shared():
+    with node_note.shared() as note:
+        nodes.listen(note)
         try:
             run_headless(args)
         except SystemExit:
-            reason = lost()
+            reason = nodes.lost()
             if reason is None:
                 raise
         else:
-            reason = lost()
+            reason = nodes.lost()
     if reason:  # the leader is gone, or refused: an error, not a requested stop
         # Said here and raised (not returned): the interpreter's exit then stops what vLLM
         # left running (a TP follower's workers, seen left behind by an immediate exit).
@@ -105,9 +110,9 @@ def run_headless_node(argv: list[str]) -> None:
         raise SystemExit(1)
 
 
-def _watch_leader(args: Any) -> None:
+def _watch_leader(args: Any, watch: NodeWatch) -> None:
     """A TP follower (``--nnodes`` > 1, ``--node-rank`` > 0) stops when its leader is gone
-    (``nodes.watch_leader``: SIGTERM to this process, vLLM's headless stop)."""
+    (``NodeWatch.watch_leader``: SIGTERM to this process, vLLM's headless stop)."""
     import logging
     import os
     import signal
@@ -122,7 +127,7 @@ def _watch_leader(args: Any) -> None:
         logging.getLogger("vllm.tllm").error("tllm: %s; stopping this node", reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    nodes.watch_leader(args.master_addr, int(args.master_port), interval, on_lost)
+    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost)
 
 
 # Seconds the HTTP server waits for open connections once vLLM has stopped its engine.

@@ -44,6 +44,7 @@ from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSetting
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
 from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 
@@ -351,7 +352,9 @@ def install_request_checks(
     input_processor.assign_request_id = assign_request_id
 
 
-async def init_state(engine_client: Any, state: Any, server: EngineConsumers) -> None:
+async def init_state(
+    engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
+) -> None:
     install_request_checks(
         engine_client.input_processor, server, getattr(state, "tllm_secret", None)
     )
@@ -376,7 +379,7 @@ async def init_state(engine_client: Any, state: Any, server: EngineConsumers) ->
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    watch_peer_nodes(engine_client, state)
+    watch_peer_nodes(engine_client, state, nodes)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
@@ -408,11 +411,11 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def watch_peer_nodes(engine_client: Any, state: Any) -> None:
+def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
     """On the leader of a multi-node engine (TP across nodes, or DP engines on other nodes):
-    check every engine and rank every few seconds; a lost node stops this server with an
-    error (``nodes.py``; SIGTERM to this process, so vLLM's own graceful stop runs, bounded
-    by tllm's stop watchdog)."""
+    check every engine and rank every few seconds; a lost node (recorded in ``watch``) stops
+    this server with an error (``nodes.py``; SIGTERM to this process, so vLLM's own graceful
+    stop runs, bounded by tllm's stop watchdog)."""
     import asyncio
     import os
     import signal
@@ -430,5 +433,5 @@ def watch_peer_nodes(engine_client: Any, state: Any) -> None:
 
     ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
     state.tllm_node_watch = asyncio.get_running_loop().create_task(
-        nodes.watch_nodes(ask, nnodes, interval, on_lost)
+        watch.watch_nodes(ask, nnodes, interval, on_lost)
     )

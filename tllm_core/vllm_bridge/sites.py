@@ -16,7 +16,9 @@ hidden-size wide (``router``) says so in :func:`tap_info`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -141,12 +143,14 @@ class RouterTap(_Tap):
 
 
 # SiteSpec.output -> the tap reading that convention
-TAPS: dict[str, type[_Tap]] = {
-    "tensor": OutputTap,
-    "sum": ResidualTap,
-    "first": StreamFirstResidualTap,
-    "router": RouterTap,
-}
+TAPS: Mapping[str, type[_Tap]] = MappingProxyType(
+    {
+        "tensor": OutputTap,
+        "sum": ResidualTap,
+        "first": StreamFirstResidualTap,
+        "router": RouterTap,
+    }
+)
 # Names of an MoE block's router gate (gpt-oss: ``router``), beside its ``experts``.
 ROUTER_GATES = ("gate", "router")
 

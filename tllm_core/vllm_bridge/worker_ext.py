@@ -64,7 +64,7 @@ class TllmWorkerExtension:
         return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
     def tllm_node_check(self) -> int:
-        """A barrier over every rank of a multi-node engine (``nodes.watch_nodes``)."""
+        """A barrier over every rank of a multi-node engine (``nodes.NodeWatch.watch_nodes``)."""
         from tllm_core.vllm_bridge.nodes import node_check
 
         return node_check()
@@ -82,7 +82,25 @@ class TllmWorkerExtension:
         watch = rank is not None and rank.leader
         parallel = getattr(self.vllm_config, "parallel_config", None)
         address = getattr(parallel, "data_parallel_master_ip", None)
-        return join_leader(mine, settings, dp_rank, endpoint, watch, fallback_host=address)
+        return join_leader(
+            mine,
+            settings,
+            dp_rank,
+            endpoint,
+            watch,
+            watcher=self._tllm_nodes(),
+            fallback_host=address,
+        )
+
+    def _tllm_nodes(self) -> Any:
+        """This worker's :class:`~tllm_core.vllm_bridge.nodes.NodeWatch` (its leader watch,
+        started at most once), made on first use: the worker owns it."""
+        watcher = getattr(self, "_tllm_node_watch", None)
+        if watcher is None:
+            from tllm_core.vllm_bridge.nodes import NodeWatch
+
+            watcher = self._tllm_node_watch = NodeWatch()
+        return watcher
 
     def tllm_close(self) -> dict[str, Any] | None:
         hooks = self._tllm_hooks()
