@@ -85,6 +85,17 @@ def _no_leaked_dist_ident():
 
 
 @pytest.fixture(autouse=True)
+def _stop_handlers_undone():
+    """A command's ``main`` run in this process installs tllm's stop handlers (SIGTERM and
+    SIGINT as Ctrl-C, one owner per process); they are undone after the test, so pytest's
+    own Ctrl-C and later tests (which check the handlers) start from a process without them."""
+    yield
+    stop = sys.modules.get("tllm_core.app.stop")
+    if stop is not None:
+        stop.uninstall()
+
+
+@pytest.fixture(autouse=True)
 def restored_environ():
     """Every test leaves the environment as it found it: a command's ``main`` run in this
     process sets what its engine processes inherit (``quiet``: vLLM's logging level and

@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -132,23 +133,29 @@ def _nothing(*args, **kwargs) -> None:
     return None
 
 
-# Each op's CUDA implementation, by name (the GPU rehearsal runs them on its fake device).
-CUDA_IMPLS: dict[str, Callable[..., None]] = {}
-for _name, _check, _reference in (
-    ("grad_adam", check_grad_adam, _without_precision(reference.grad_adam)),
-    ("slot_matmul", check_slot_matmul, _slot_matmul_reference),
-    ("candidate_dot", check_candidate_dot, reference.candidate_dot),
-    ("loss_dy", check_loss_dy, _loss_dy_reference),
-    ("block_backward", check_block_backward, _without_precision(reference.block_backward)),
-    ("update_tail", check_update_tail, reference.update_tail),
-    ("silu_mul", check_silu_mul, reference.silu_mul),
-    ("stale_max", check_stale_max, _stale_max_reference),
-):
-    _cpu, CUDA_IMPLS[_name] = _implementations(_name, _check, _reference)
-    _LIB.impl(_name, _cpu, "CPU")
-    _LIB.impl(_name, CUDA_IMPLS[_name], "CUDA")
-    # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-    torch.library.register_fake(f"tllm_esamp::{_name}", _nothing, lib=_LIB)
+def _register() -> Mapping[str, Callable[..., None]]:
+    """Register every op's CPU and CUDA implementation with the library; returns the CUDA
+    ones by name (the GPU rehearsal runs them on its fake device)."""
+    impls: dict[str, Callable[..., None]] = {}
+    for name, check, ref in (
+        ("grad_adam", check_grad_adam, _without_precision(reference.grad_adam)),
+        ("slot_matmul", check_slot_matmul, _slot_matmul_reference),
+        ("candidate_dot", check_candidate_dot, reference.candidate_dot),
+        ("loss_dy", check_loss_dy, _loss_dy_reference),
+        ("block_backward", check_block_backward, _without_precision(reference.block_backward)),
+        ("update_tail", check_update_tail, reference.update_tail),
+        ("silu_mul", check_silu_mul, reference.silu_mul),
+        ("stale_max", check_stale_max, _stale_max_reference),
+    ):
+        cpu, impls[name] = _implementations(name, check, ref)
+        _LIB.impl(name, cpu, "CPU")
+        _LIB.impl(name, impls[name], "CUDA")
+        # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
+        torch.library.register_fake(f"tllm_esamp::{name}", _nothing, lib=_LIB)
+    return MappingProxyType(impls)
+
+
+CUDA_IMPLS = _register()
 
 
 # What each call moves, for byte counters that go by operator (tllm_core.testing.fake_cuda):
