@@ -254,7 +254,13 @@ def run_ordered(
 
 
 def run_runtime(
-    prompts: int, n: int, mode: str, fit: bool, steps: int = 3, order: bool = False
+    prompts: int,
+    n: int,
+    mode: str,
+    fit: bool,
+    steps: int = 3,
+    order: bool = False,
+    per_request: str | None = None,
 ) -> dict[str, Any]:
     """ESamp driven through tllm's runtime as the vLLM bridge drives it
     (:mod:`esamp_runtime_step`: ``begin_step``, ``guide``, ``end_step`` with the step's
@@ -262,7 +268,8 @@ def run_runtime(
     places that allocated in any counted step (none: the runtime's gathers and the guide's
     view reuse its buffers, see ``tllm_core/runtime/buffer_pool.py``) and the copies of the
     step's row indices to the device (one per step). ``order``: also check stream ordering
-    (the result's ``races``)."""
+    (the result's ``races``). ``per_request``: ESamp as a per-request consumer switched on by
+    some requests (``"interleaved"``, ``"block"``, ``"all"``: see :mod:`esamp_runtime_step`)."""
     from esamp_runtime_step import RuntimeStep
 
     cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
@@ -271,7 +278,7 @@ def run_runtime(
     with _fake_gpu(order=order) as fc:
         w = torch.zeros(V, H, dtype=torch.bfloat16, device=fc.device)
         model = ModelInfo(H, LAYERS, V, torch.bfloat16, fc.device, lambda z: z @ w.t(), w)
-        rs = RuntimeStep(model, prompts, n, cfg)
+        rs = RuntimeStep(model, prompts, n, cfg, per_request)
         r = rs.rows
         hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in rs.tap_keys}
         logits = torch.zeros(r, V, device=fc.device)
@@ -307,6 +314,7 @@ def run_runtime(
         "n": n,
         "mode": mode,
         "fit": fit,
+        **({} if per_request is None else {"per_request": per_request, "acted_on": rs.acted_on}),
         "launches": last["launches"],
         "bytes": last["bytes"],
         "allocations": last["allocation"],
@@ -316,6 +324,7 @@ def run_runtime(
         "races": races,
         "index_copies_per_step": index_copies / steps,
         "rows_captured": counters.get("rows_captured.layer.0", 0),
+        "rows_guide_visited": counters.get("rows_guide_visited", 0),
         "esamp_decode_steps": esamp.get("decode_steps", 0),
     }
 
