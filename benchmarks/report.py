@@ -699,6 +699,36 @@ def gpu_first_run_section(fr: dict | None) -> list[str]:
     ]
 
 
+def _per_request_rows(fs: dict) -> list[str]:
+    """The runtime step with ESamp per request (``run_runtime(per_request=...)``)."""
+    rows = fs.get("runtime_per_request", [])
+    if not rows:
+        return []
+    out = [
+        "",
+        'ESamp per request through the runtime (`{"per_request": true}`, switched on by the '
+        "`tllm_consumers` of every other prompt's requests, `interleaved`, or of the first half "
+        "of the prompts, `block`: one range of rows, handed to ESamp as views; constant beta; "
+        "stream order checked):",
+        "",
+        "| prompts x n | mode | requests | rows | launches | GB moved | allocations (places) "
+        "| host waits | pageable copies | races | index copies |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['prompts']} x {r['n']} | {r['mode']} | {r['per_request']} | {r['acted_on']} "
+            f"| {r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
+            f"({len(r['allocation_sites'])}) | {len(r['host_waits'])} "
+            f"| {len(r['pageable_copies'])} | {len(r['races'])} "
+            f"| {r['index_copies_per_step']:g} |"
+        )
+    before = fs.get("runtime_per_request_before")
+    if before:
+        out += ["", f"Before ({before['what']}): {before['text']}"]
+    return out
+
+
 def fake_step_section(fs: dict | None) -> list[str]:
     """``benchmarks/esamp_fake_step.py``: ESamp's decode step counted on the fake device."""
     out = [
@@ -759,6 +789,7 @@ def fake_step_section(fs: dict | None) -> list[str]:
     pooled = fs.get("runtime_before_reused_buffers")
     if pooled:
         out += ["", f"Before the runtime reused its buffers ({pooled['what']}): {pooled['text']}"]
+    out += _per_request_rows(fs)
     configs = fs.get("configurations")
     if configs:
         out += [
