@@ -4,9 +4,11 @@ step's tensors without a device allocation or a host wait in a steady step.
 Where the rows form one contiguous range (a block of requests) the consumer gets views of
 the step's tensors: nothing is copied, and a guide writes the step's logits in place (its
 writes are undone through the view's undo log if it fails: :meth:`GuideView.rollback`).
-Otherwise its rows are gathered into the runtime's reused buffers (:mod:`.buffer_pool`),
-with an index sent in the step's one index copy (:meth:`StepBuffers.plan`), and a guide's
-logits are written back into the step's only if it succeeded and wrote.
+Otherwise its rows are gathered into the runtime's reused buffers (:mod:`.buffer_pool`) and
+a guide's logits are written back into the step's only if it succeeded and wrote. A guide's
+index goes to the device in the step's one index copy (:meth:`StepBuffers.plan`); an
+editor's rows are cut in ``begin_step``, before the step is planned, so their index is sent
+in a copy of its own (pinned and asynchronous as well).
 """
 
 from __future__ import annotations
