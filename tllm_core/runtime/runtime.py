@@ -58,13 +58,23 @@ class _Slot:
 
 
 def _write_plan(
-    plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers], owner: str
+    plan: EditPlan,
+    allowed: dict[str, str],
+    buffers: dict[str, EditBuffers],
+    owner: str,
+    steps: StepBuffers,
 ) -> None:
-    """Check, then write, one consumer's plan into the edit taps' buffers."""
+    """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
+    go to the device in one pinned copy (per device)."""
+    by_device: dict[torch.device, list[np.ndarray]] = {}
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].check(ops, key)
+        by_device.setdefault(buffers[allowed[key]].add.device, []).extend(r for r, _, _ in ops)
+    for device, arrays in by_device.items():
+        steps.send(arrays, device)
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].write(ops, owner)
+        buffers[allowed[key]].check(ops, key, steps.index)
+    for key, ops in plan.ops.items():
+        buffers[allowed[key]].write(ops, owner, steps.index)
 
 
 def build_consumers(
@@ -270,7 +280,7 @@ class Runtime:
             def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
                 if index is not None:  # inside the consumer's isolation, as the write is
                     plan.remap(index)
-                _write_plan(plan, allowed, buffers, name)
+                _write_plan(plan, allowed, buffers, name, self._buffers)
 
             self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
 

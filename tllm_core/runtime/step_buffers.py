@@ -53,6 +53,12 @@ class StepBuffers:
         if _copies_async(device):
             self._send(list(arrays), device)
 
+    def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
+        """Send ``arrays`` to ``device`` in one copy, beside the step's other indices (an
+        editor's rows: its plan is written before the step's :meth:`plan`)."""
+        if _copies_async(device):
+            self._send(list(arrays), device)
+
     def release(self) -> None:
         """Let the step's device indices go (their buffer is reused by a later plan)."""
         self._index.clear()
