@@ -1042,6 +1042,33 @@ def cli_errors_section(ce: dict | None) -> list[str]:
     return out
 
 
+def edit_step_section(es: dict | None) -> list[str]:
+    """``benchmarks/edit_fake_step.py``: a runtime step's edits counted on the fake device,
+    before and after the edit buffers' device writes."""
+    if not es:
+        return []
+    before = {r["case"]: r for r in es["before"]["results"]}
+    kinds = ("host_wait", "pageable_copy", "allocation", "race")
+    out = [
+        "## Hidden-state edits on the fake CUDA device (`edit_fake_step.json`)",
+        "",
+        f"Script: `{es['command']}` (CPU, no GPU): `Runtime.begin_step` with one editing "
+        "consumer (`steer` on every request or per request; one consumer per edit kind), "
+        "stream order checked, counted over 3 steady steps after a warm-up; `errors`: plans "
+        "refused (before, the fake answered the ablation check's host read 'true', so the "
+        f"ablating consumers were refused and switched off). Before: {es['before']['commit']}; "
+        f"after: {es['after']['commit']}. Cells: before -> after.",
+        "",
+        "| case | host waits | pageable copies | allocations | races | errors |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in es["after"]["results"]:
+        b = before.get(r["case"], {})
+        cells = [f"{b.get(k, '-')} -> {r[k]}" for k in (*kinds, "consumer_errors")]
+        out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
 def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
@@ -1081,6 +1108,7 @@ def render() -> None:
         out += load_section(_load(p.name), p.stem)
     out += gpu_first_run_section(_load("gpu_first_run_h200.json"))
     out += fake_step_section(_load("esamp_fake_step.json"))
+    out += edit_step_section(_load("edit_fake_step.json"))
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     out += cli_errors_section(_load("cli_errors.json"))
