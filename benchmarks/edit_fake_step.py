@@ -6,10 +6,12 @@ stream-order checks, then the step's end:
     python benchmarks/edit_fake_step.py [--json] [--steps 3]
 
 Per case, over ``--steps`` steady steps after one warm-up step (8 requests: one 16-token
-prompt and 7 decode rows): host waits, pageable copies, device allocations and races
+prompt and 7 decode rows; bf16 states), once as is and once under ``torch.inference_mode``
+(as vLLM runs a step; the fake device does not see every operation on an inference
+tensor, so both are counted): host waits, pageable copies, device allocations and races
 (each must be 0 for a wait-free, allocation-free step), with where each comes from. Cases:
-``steer`` on every request and per request (every other request switches it on; a vector
-added at one layer, one ablated at another), and one consumer per edit kind (``add``,
+``steer`` on every request and per request (every other request switches it on, with a
+scale override; a vector added at one layer, one ablated at another), and one consumer per edit kind (``add``,
 ``replace``, ``ablate``, ``transform``) with its value on the device, and ``add`` with a
 CPU value (moved to the device once: the edit buffers cache it by identity and version).
 """
@@ -41,6 +43,7 @@ from tllm_core.runtime.settings import RuntimeSettings  # noqa: E402
 from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
 
 H, LAYERS, V = 64, 4, 128
+DTYPE = torch.bfloat16  # the model's: float32 vectors are converted
 PROMPT, DECODE = 16, 7  # one request finishing a prompt, seven decoding
 KINDS = ("add", "replace", "ablate", "transform", "add_cpu_value")
 
@@ -99,13 +102,12 @@ def _runtime(case: str, device: torch.device) -> Runtime:
         KindEditor.kind = case
         spec = {"name": "kind_editor"}
     settings = RuntimeSettings.model_validate({"consumers": [spec]})
-    model = ModelInfo(H, LAYERS, V, torch.float32, device, lambda h: h, None)
+    model = ModelInfo(H, LAYERS, V, DTYPE, device, lambda h: h, None)
     return Runtime(settings, model, reg)
 
 
-def _step(rt: Runtime, device: torch.device, k: int) -> StepCapture:
+def _step(rt: Runtime, device: torch.device, k: int, on: dict[str, Any]) -> StepCapture:
     n = 1 + DECODE
-    on = {"tllm_consumers": "steer"}
     reqs = [
         RequestInfo(f"e{i}", f"r{i}", i, 0, PROMPT if i == 0 else 4, extra_args=on if i % 2 else {})
         for i in range(n)
@@ -127,33 +129,52 @@ def _step(rt: Runtime, device: torch.device, k: int) -> StepCapture:
 def _buffers(rt: Runtime, device: torch.device) -> dict[str, EditBuffers]:
     out = {}
     for tap in rt.edit_taps:
-        b = out[tap.key] = EditBuffers(64, H, torch.float32, device)
+        b = out[tap.key] = EditBuffers(64, H, DTYPE, device)
         for owner, module in rt.transforms(tap.key):
             b.add_transform(owner, module)
     return out
 
 
-def run(case: str, steps: int = 3) -> dict[str, Any]:
+def _prepared(buffers: dict[str, EditBuffers]) -> int | None:
+    """Values the buffers prepared so far (None: buffers that do not count them)."""
+    counts = [getattr(getattr(b, "values", None), "prepared", None) for b in buffers.values()]
+    return None if None in counts else sum(counts)
+
+
+def run(case: str, steps: int = 3, inference: bool = False) -> dict[str, Any]:
     """One case's counts over ``steps`` steady steps (see the module docstring)."""
     logging.disable(logging.CRITICAL)  # a refused plan is counted (consumer_errors), not logged
     try:
-        return _run(case, steps)
+        return _run(case, steps, inference)
     finally:
         logging.disable(logging.NOTSET)
 
 
-def _run(case: str, steps: int) -> dict[str, Any]:
+def _run(case: str, steps: int, inference: bool) -> dict[str, Any]:
     with FakeCuda(order=True) as fc:
         rt = _runtime(case, fc.device)
         buffers = _buffers(rt, fc.device)
         # The engine's tensors are made before counting; the first step is the warm-up.
-        made = [_step(rt, fc.device, k) for k in range(1, steps + 2)]
+        # Per request: every other request switches steer on, with a scale of its own.
+        on = {"tllm_consumers": "steer", "tllm_steer_scale": 3.0} if "per_request" in case else {}
+        made = [_step(rt, fc.device, k, on) for k in range(1, steps + 2)]
         for i, step in enumerate(made):
             if i == 1:
                 fc.start_steps()
-            rt.begin_step(step.rows, buffers)
-            rt.end_step(step)
-        out: dict[str, Any] = {"case": case, "steps": steps}
+                prepared = _prepared(buffers)
+            with torch.inference_mode(inference):  # vLLM's model runner: True
+                rt.begin_step(step.rows, buffers)
+                rt.end_step(step)
+        # Values moved/converted/normalised anew in the steady steps (each a device allocation,
+        # which the fake does not see for an inference tensor's operations).
+        now = _prepared(buffers)
+        prepared = None if now is None else now - prepared
+        out: dict[str, Any] = {
+            "case": case,
+            "inference_mode": inference,
+            "steps": steps,
+            "values_prepared": prepared,
+        }
         for kind in ("host_wait", "pageable_copy", "allocation", "race"):
             found = fc.findings(None if kind == "race" else "steps", kind)
             out[kind] = sum(f.count for f in found)
@@ -168,15 +189,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--steps", type=int, default=3, help="steady steps counted per case")
     args = ap.parse_args(argv)
-    results = [run(c, args.steps) for c in ("steer_all", "steer_per_request", *KINDS)]
+    cases = ("steer_all", "steer_per_request", *KINDS)
+    results = [run(c, args.steps, inf) for inf in (False, True) for c in cases]
     if args.json:
         print(json.dumps(results, indent=1))
         return
-    print(f"{'case':<20} waits  pageable  allocations  races  errors  (over {args.steps} steps)")
+    print(
+        f"{'case':<32} waits  pageable  allocations  races  errors  prepared  "
+        f"(over {args.steps} steps)"
+    )
     for r in results:
         print(
-            f"{r['case']:<20} {r['host_wait']:>5}  {r['pageable_copy']:>8}  "
-            f"{r['allocation']:>11}  {r['race']:>5}  {r['consumer_errors']:>6}"
+            f"{r['case'] + (' (inference)' if r['inference_mode'] else ''):<32} {r['host_wait']:>5}  {r['pageable_copy']:>8}  "
+            f"{r['allocation']:>11}  {r['race']:>5}  {r['consumer_errors']:>6}  "
+            f"{r['values_prepared'] if r['values_prepared'] is not None else '-':>8}"
         )
         for kind in ("host_wait", "pageable_copy", "allocation", "race"):
             for where in r[f"{kind}_at"]:

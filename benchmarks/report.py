@@ -1047,25 +1047,34 @@ def edit_step_section(es: dict | None) -> list[str]:
     before and after the edit buffers' device writes."""
     if not es:
         return []
-    before = {r["case"]: r for r in es["before"]["results"]}
-    kinds = ("host_wait", "pageable_copy", "allocation", "race")
+
+    def key(r: dict) -> tuple[str, bool]:
+        return r["case"], bool(r.get("inference_mode"))
+
+    before = {key(r): r for r in es["before"]["results"]}
+    kinds = ("host_wait", "pageable_copy", "allocation", "race", "consumer_errors")
     out = [
         "## Hidden-state edits on the fake CUDA device (`edit_fake_step.json`)",
         "",
         f"Script: `{es['command']}` (CPU, no GPU): `Runtime.begin_step` with one editing "
-        "consumer (`steer` on every request or per request; one consumer per edit kind), "
-        "stream order checked, counted over 3 steady steps after a warm-up; `errors`: plans "
-        "refused (before, the fake answered the ablation check's host read 'true', so the "
-        f"ablating consumers were refused and switched off). Before: {es['before']['commit']}; "
-        f"after: {es['after']['commit']}. Cells: before -> after.",
+        "consumer (`steer` on every request or per request with a scale override; one "
+        "consumer per edit kind), bf16 states, stream order checked, counted over 3 steady "
+        "steps after a warm-up, as is and in inference mode (as vLLM runs a step: there the "
+        "fake does not see every operation on an inference tensor, so `prepared`, the values "
+        "moved or converted anew, is counted too). `errors`: plans refused (before, the fake "
+        "answered the ablation check's host read 'true', so the ablating consumers were "
+        f"refused and switched off). Before: {es['before']['commit']}; after: "
+        f"{es['after']['commit']}. Cells: before -> after.",
         "",
-        "| case | host waits | pageable copies | allocations | races | errors |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| case | mode | host waits | pageable copies | allocations | races | errors | prepared |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in es["after"]["results"]:
-        b = before.get(r["case"], {})
-        cells = [f"{b.get(k, '-')} -> {r[k]}" for k in (*kinds, "consumer_errors")]
-        out.append(f"| {r['case']} | " + " | ".join(cells) + " |")
+        b = before.get(key(r), {})
+        cells = [f"{b.get(k, '-')} -> {r[k]}" for k in kinds]
+        cells.append(f"{b.get('values_prepared') or '-'} -> {r.get('values_prepared')}")
+        mode = "inference" if r.get("inference_mode") else "plain"
+        out.append(f"| {r['case']} | {mode} | " + " | ".join(cells) + " |")
     return [*out, ""]
 
 

@@ -27,12 +27,18 @@ H, ROWS = 16, 8
 CPU = torch.device("cpu")
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["plain", "inference_mode"])
 @pytest.mark.parametrize("case", ["steer_all", "steer_per_request", *KINDS])
-def test_an_editing_step_on_a_gpu_waits_for_nothing_and_allocates_nothing(case):
-    res = run(case, steps=2)
+def test_an_editing_step_on_a_gpu_waits_for_nothing_and_allocates_nothing(case, inference):
+    """As is, and in inference mode as vLLM runs a step (the fake does not see every
+    operation on an inference tensor there; its values made anew are counted instead)."""
+    res = run(case, steps=2, inference=inference)
     assert res["consumer_errors"] == 0, res
     counts = [res[k] for k in ("host_wait", "pageable_copy", "allocation", "race")]
     assert counts == [0, 0, 0, 0], res
+    # No value moved or converted anew (an inference tensor's would be: the fake does not
+    # count its operations).
+    assert res["values_prepared"] == 0, res
 
 
 def _written_as_before(buf: EditBuffers, plans: list[list[tuple]], owners: list[str]):

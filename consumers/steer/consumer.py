@@ -112,7 +112,10 @@ class _Vec:
         if out is None:
             if len(self.scaled) >= KEEP_SCALED:
                 self.scaled.pop(next(iter(self.scaled)))
-            out = self.scaled[scale] = self.vector * scale
+            # Not an inference tensor (edit runs in vLLM's inference mode): one has no
+            # version, and the edit buffers keep only values whose changes they can see.
+            with torch.inference_mode(False):
+                out = self.scaled[scale] = self.vector * scale
         return out
 
 

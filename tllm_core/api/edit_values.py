@@ -7,7 +7,9 @@ vector step after step costs no copy and no allocation after the first step. A 2
 (one row per edited row) is prepared every step: on a GPU a CPU one is copied from pageable
 memory (the host waits) into a new tensor, so a consumer that plans per-row values should
 make them on the model's device (a warning says so once). Inference tensors have no version:
-they are prepared every step too.
+they are prepared every step too, so make a vector when the consumer is built or under
+``torch.inference_mode(False)`` (vLLM runs ``edit`` in inference mode). ``prepared`` counts
+the values prepared (``benchmarks/edit_fake_step.py`` reports it per steady step).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class EditValues:
         self._kept: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._tags = 0
         self._warned = False
+        self.prepared = 0
 
     def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
         """``value`` on the device in the dtype (for an ablation: normalised first), and a
@@ -64,6 +67,7 @@ class EditValues:
 
     def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
         # The same operations as before values were kept: the same values, bit for bit.
+        self.prepared += 1
         if ablate:
             d = value.float()
             value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)

@@ -114,7 +114,10 @@ class StepBuffers:
             ev.synchronize()
         buf = self._staging[i]
         if buf is None or buf.numel() < n:
-            buf = self._staging[i] = torch.empty(
-                1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
-            )
+            # Not an inference tensor (vLLM's step runs in inference mode): its views keep
+            # their base, by which the test kit's fake CUDA tells pinned memory.
+            with torch.inference_mode(False):
+                buf = self._staging[i] = torch.empty(
+                    1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
+                )
         return i, buf[:n]
