@@ -7,7 +7,9 @@ at Qwen2.5-7B's shapes (hidden 3584, vocabulary 152064, bf16 states):
 Per step and layout (prompts x samples: 8 x 16, 1 x 128, 64 x 16), mode (post_filter,
 full_vocab) and beta schedule (constant, fit): launches (aten operations on the device, a
 graph replay counting the operations it captured), bytes they read and write, device
-allocations, host waits and pageable copies (must be 0). ``--configs``: the same at 8 x 16
+allocations, host waits and pageable copies (must be 0). The whole step through tllm's
+runtime too, with ESamp on every request and as a per-request consumer switched on by half
+the prompts' requests (``PER_REQUEST``). ``--configs``: the same at 8 x 16
 for each setting of ``CONFIGS`` (ablations, diagnostics, a head without its weight...: which
 of them allocate or wait is in docs/consumers/esamp.md). Host time is not measured here:
 the checker's dispatch mode costs more than the step (``benchmarks/gpu_smoke.py`` times it).
@@ -43,6 +45,9 @@ from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
 H, V, LAYERS = 3584, 152064, 28
 LAYOUTS = ((8, 16), (1, 128), (64, 16))
 MODES = ("post_filter", "full_vocab")
+# ESamp per request (esamp_runtime_step): every other prompt's requests switch it on, or the
+# first half of the prompts (one prompt: that prompt, all the rows).
+PER_REQUEST = ("interleaved", "block")
 # Settings that change what a step runs, each counted at 8 x 16 in both modes (constant beta;
 # the noise ablations with 'fit' too). plain_head=False: a head given without its weight.
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -254,7 +259,13 @@ def run_ordered(
 
 
 def run_runtime(
-    prompts: int, n: int, mode: str, fit: bool, steps: int = 3, order: bool = False
+    prompts: int,
+    n: int,
+    mode: str,
+    fit: bool,
+    steps: int = 3,
+    order: bool = False,
+    per_request: str | None = None,
 ) -> dict[str, Any]:
     """ESamp driven through tllm's runtime as the vLLM bridge drives it
     (:mod:`esamp_runtime_step`: ``begin_step``, ``guide``, ``end_step`` with the step's
@@ -262,7 +273,8 @@ def run_runtime(
     places that allocated in any counted step (none: the runtime's gathers and the guide's
     view reuse its buffers, see ``tllm_core/runtime/buffer_pool.py``) and the copies of the
     step's row indices to the device (one per step). ``order``: also check stream ordering
-    (the result's ``races``)."""
+    (the result's ``races``). ``per_request``: ESamp as a per-request consumer switched on by
+    some requests (``"interleaved"``, ``"block"``, ``"all"``: see :mod:`esamp_runtime_step`)."""
     from esamp_runtime_step import RuntimeStep
 
     cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
@@ -271,7 +283,7 @@ def run_runtime(
     with _fake_gpu(order=order) as fc:
         w = torch.zeros(V, H, dtype=torch.bfloat16, device=fc.device)
         model = ModelInfo(H, LAYERS, V, torch.bfloat16, fc.device, lambda z: z @ w.t(), w)
-        rs = RuntimeStep(model, prompts, n, cfg)
+        rs = RuntimeStep(model, prompts, n, cfg, per_request)
         r = rs.rows
         hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in rs.tap_keys}
         logits = torch.zeros(r, V, device=fc.device)
@@ -307,6 +319,7 @@ def run_runtime(
         "n": n,
         "mode": mode,
         "fit": fit,
+        **({} if per_request is None else {"per_request": per_request, "acted_on": rs.acted_on}),
         "launches": last["launches"],
         "bytes": last["bytes"],
         "allocations": last["allocation"],
@@ -316,6 +329,7 @@ def run_runtime(
         "races": races,
         "index_copies_per_step": index_copies / steps,
         "rows_captured": counters.get("rows_captured.layer.0", 0),
+        "rows_guide_visited": counters.get("rows_guide_visited", 0),
         "esamp_decode_steps": esamp.get("decode_steps", 0),
     }
 
@@ -339,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES
         for fit in (False, True)
     ]
+    per_request = [
+        run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
+        for pr, n in LAYOUTS
+        for mode in MODES
+        for pq in PER_REQUEST
+        if pr > 1 or pq == "block"
+    ]
     configs = []
     if args.configs:
         for name, opts in CONFIGS:
@@ -353,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__,
                     "results": out,
                     "runtime": runtime,
+                    "runtime_per_request": per_request,
                     "configurations": configs,
                 }
             )
@@ -378,6 +400,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(r['pageable_copies'])}, races {len(r['races'])}, allocations "
             f"{r['allocations']} (in any step: {len(r['allocation_sites'])} places), "
             f"{r['index_copies_per_step']:g} index copy per step"
+        )
+    for r in per_request:
+        print(
+            f"\nper request ({r['per_request']}, {r['acted_on']} rows), {r['prompts']} x "
+            f"{r['n']} {r['mode']}: {r['launches']} launches, {r['bytes'] / 1e9:.2f} GB, host "
+            f"waits {len(r['host_waits'])}, pageable copies {len(r['pageable_copies'])}, races "
+            f"{len(r['races'])}, allocations {r['allocations']} (in any step: "
+            f"{len(r['allocation_sites'])} places), {r['index_copies_per_step']:g} index copy "
+            "per step"
         )
     if configs:
         print("\n| 8 x 16, setting | mode | launches | GB moved | allocations (MB) | host waits |")

@@ -7,6 +7,12 @@ decode step is what the bridge does around the model: ``begin_step``; the forwar
 logits; the sampler (the caller's); ``end_step`` (bundles, ESamp's training submission, the
 stamps' read). Used by ``esamp_gpu_step`` (times on a GPU) and ``esamp_fake_step`` (counts on
 the fake device).
+
+``per_request`` makes ESamp a per-request consumer (``{"per_request": true}`` in its spec, as
+``tllm serve`` users run it), switched on by some requests' ``tllm_consumers`` extra arg, the
+way a client's ``vllm_xargs`` reach the engine: ``"interleaved"``, every other prompt's
+requests (rows of several runs); ``"block"``, the first half of the prompts (one contiguous
+run of rows; with one prompt, that prompt); ``"all"``, every request.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import producers.plugin as producers_plugin
 import tllm_core.vllm_bridge.plugin as bridge_plugin
 from algorithms.esamp.consumer import ESampConsumer
 from tllm_core.api.consumer import ModelInfo
+from tllm_core.api.request_settings import CONSUMERS_KEY
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
@@ -30,22 +37,51 @@ from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_reads import StampRead
 
+PER_REQUEST = ("interleaved", "block", "all")
+
+
+def switched_on(prompts: int, per_request: str) -> list[bool]:
+    """Which prompts' requests switch ESamp on (see the module docstring)."""
+    if per_request not in PER_REQUEST:
+        raise ValueError(f"per_request must be one of {PER_REQUEST} or None, got {per_request!r}")
+    if per_request == "interleaved":
+        return [p % 2 == 0 for p in range(prompts)]
+    if per_request == "block":
+        return [p < max(1, prompts // 2) for p in range(prompts)]
+    return [True] * prompts
+
 
 class RuntimeStep:
-    """A runtime with ESamp (config ``cfg``) over ``prompts`` x ``n`` decode rows."""
+    """A runtime with ESamp (config ``cfg``) over ``prompts`` x ``n`` decode rows; with
+    ``per_request``, a per-request ESamp switched on by some of the requests."""
 
-    def __init__(self, model: ModelInfo, prompts: int, n: int, cfg: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        model: ModelInfo,
+        prompts: int,
+        n: int,
+        cfg: dict[str, Any],
+        per_request: str | None = None,
+    ) -> None:
         reg = Registry(load_entry_points=False)
         reg.register(producers_plugin, name="producers")
         reg.register(bridge_plugin, name="vllm-bridge")
         reg.use(ESampConsumer)
-        settings = RuntimeSettings.model_validate({"consumers": [{"name": "esamp", "config": cfg}]})
+        spec = {"name": "esamp", "config": cfg, "per_request": per_request is not None}
+        settings = RuntimeSettings.model_validate({"consumers": [spec]})
         with torch.inference_mode(False):  # as the engine builds consumers (trainable state)
             self.runtime = Runtime(settings, model, reg)
         self.device = model.device
+        on = switched_on(prompts, per_request) if per_request else [False] * prompts
         self.requests = [
-            RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3) for p in range(prompts) for s in range(n)
+            RequestInfo(
+                f"{p}-{s}", f"r{p}", p, s, 3, extra_args={CONSUMERS_KEY: "esamp"} if on[p] else {}
+            )
+            for p in range(prompts)
+            for s in range(n)
         ]
+        # The rows ESamp acts on.
+        self.acted_on = sum(on) * n if per_request else prompts * n
         self.rows = len(self.requests)
         self.token_ids = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         # The taps the forward writes (and stamps) vs those filled after it ("final").

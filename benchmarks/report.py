@@ -699,6 +699,36 @@ def gpu_first_run_section(fr: dict | None) -> list[str]:
     ]
 
 
+def _per_request_rows(fs: dict) -> list[str]:
+    """The runtime step with ESamp per request (``run_runtime(per_request=...)``)."""
+    rows = fs.get("runtime_per_request", [])
+    if not rows:
+        return []
+    out = [
+        "",
+        'ESamp per request through the runtime (`{"per_request": true}`, switched on by the '
+        "`tllm_consumers` of every other prompt's requests, `interleaved`, or of the first half "
+        "of the prompts, `block`: one range of rows, handed to ESamp as views; constant beta; "
+        "stream order checked):",
+        "",
+        "| prompts x n | mode | requests | rows | launches | GB moved | allocations (places) "
+        "| host waits | pageable copies | races | index copies |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['prompts']} x {r['n']} | {r['mode']} | {r['per_request']} | {r['acted_on']} "
+            f"| {r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
+            f"({len(r['allocation_sites'])}) | {len(r['host_waits'])} "
+            f"| {len(r['pageable_copies'])} | {len(r['races'])} "
+            f"| {r['index_copies_per_step']:g} |"
+        )
+    before = fs.get("runtime_per_request_before")
+    if before:
+        out += ["", f"Before ({before['what']}): {before['text']}"]
+    return out
+
+
 def fake_step_section(fs: dict | None) -> list[str]:
     """``benchmarks/esamp_fake_step.py``: ESamp's decode step counted on the fake device."""
     out = [
@@ -759,6 +789,7 @@ def fake_step_section(fs: dict | None) -> list[str]:
     pooled = fs.get("runtime_before_reused_buffers")
     if pooled:
         out += ["", f"Before the runtime reused its buffers ({pooled['what']}): {pooled['text']}"]
+    out += _per_request_rows(fs)
     configs = fs.get("configurations")
     if configs:
         out += [
@@ -1011,6 +1042,42 @@ def cli_errors_section(ce: dict | None) -> list[str]:
     return out
 
 
+def edit_step_section(es: dict | None) -> list[str]:
+    """``benchmarks/edit_fake_step.py``: a runtime step's edits counted on the fake device,
+    before and after the edit buffers' device writes."""
+    if not es:
+        return []
+
+    def key(r: dict) -> tuple[str, bool]:
+        return r["case"], bool(r.get("inference_mode"))
+
+    before = {key(r): r for r in es["before"]["results"]}
+    kinds = ("host_wait", "pageable_copy", "allocation", "race", "consumer_errors")
+    out = [
+        "## Hidden-state edits on the fake CUDA device (`edit_fake_step.json`)",
+        "",
+        f"Script: `{es['command']}` (CPU, no GPU): `Runtime.begin_step` with one editing "
+        "consumer (`steer` on every request or per request with a scale override; one "
+        "consumer per edit kind), bf16 states, stream order checked, counted over 3 steady "
+        "steps after a warm-up, as is and in inference mode (as vLLM runs a step: there the "
+        "fake does not see every operation on an inference tensor, so `prepared`, the values "
+        "moved or converted anew, is counted too). `errors`: plans refused (before, the fake "
+        "answered the ablation check's host read 'true', so the ablating consumers were "
+        f"refused and switched off). Before: {es['before']['commit']}; after: "
+        f"{es['after']['commit']}. Cells: before -> after.",
+        "",
+        "| case | mode | host waits | pageable copies | allocations | races | errors | prepared |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in es["after"]["results"]:
+        b = before.get(key(r), {})
+        cells = [f"{b.get(k, '-')} -> {r[k]}" for k in kinds]
+        cells.append(f"{b.get('values_prepared') or '-'} -> {r.get('values_prepared')}")
+        mode = "inference" if r.get("inference_mode") else "plain"
+        out.append(f"| {r['case']} | {mode} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
 def render() -> None:
     tp = _load("throughput.json")
     dv = _load("diversity.json")
@@ -1050,6 +1117,7 @@ def render() -> None:
         out += load_section(_load(p.name), p.stem)
     out += gpu_first_run_section(_load("gpu_first_run_h200.json"))
     out += fake_step_section(_load("esamp_fake_step.json"))
+    out += edit_step_section(_load("edit_fake_step.json"))
     out += gpu_section(gp)
     out += smoke_section(_load("gpu_smoke_cpu.json"), _load("gpu_smoke.json"))
     out += cli_errors_section(_load("cli_errors.json"))

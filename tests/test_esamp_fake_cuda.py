@@ -92,6 +92,25 @@ def test_the_whole_runtime_step_with_esamp_waits_for_nothing_and_allocates_nothi
     assert res["index_copies_per_step"] == 1, res
 
 
+@pytest.mark.parametrize("per_request", ["interleaved", "block"])
+@pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
+def test_a_per_request_esamp_runtime_step_waits_for_nothing_and_allocates_nothing(
+    mode, per_request
+):
+    """The same step with ESamp per request (``{"per_request": true}``, switched on by half the
+    prompts' requests through ``tllm_consumers``: every other prompt, or the first half):
+    no host wait, pageable copy, race or device allocation (was: 8 per step in 6 places,
+    the guide's index, its rows' token ids, the copies of the logits, temperatures and
+    states, the view's change counts), one index copy per step; ESamp guided its rows only."""
+    from esamp_fake_step import run_runtime
+
+    res = run_runtime(8, 16, mode, fit=False, steps=2, order=True, per_request=per_request)
+    assert res["host_waits"] == res["pageable_copies"] == res["races"] == [], res
+    assert res["allocations"] == 0 and res["allocation_sites"] == [], res["allocation_sites"]
+    assert res["index_copies_per_step"] == 1, res
+    assert res["acted_on"] == 64 and res["rows_guide_visited"] == 3 * 64, res
+
+
 def test_diagnostics_in_a_long_run_wait_for_nothing():
     """300 guided steps with diagnostics (past the 256-step ring): each full half of the ring
     goes to the host in a copy nothing waits for (was: a blocking read of the whole ring

@@ -90,14 +90,33 @@ class SteerRequest(RequestSettings):
     )
 
 
+# Scaled vectors kept per steer for scale overrides (one per distinct override and vector).
+KEEP_SCALED = 64
+
+
 class _Vec:
-    __slots__ = ("layer", "vector", "scale", "mode")
+    __slots__ = ("layer", "vector", "scale", "mode", "scaled")
 
     def __init__(self, layer: int, vector: torch.Tensor, scale: float, mode: str):
         self.layer = layer
         self.vector = vector
         self.scale = scale
         self.mode = mode
+        # scale -> vector * scale, made once: the same tensor every step, so the edit
+        # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
+        self.scaled: dict[float, torch.Tensor] = {}
+
+    def times(self, scale: float) -> torch.Tensor:
+        """``vector * scale``, the same tensor for the same scale."""
+        out = self.scaled.get(scale)
+        if out is None:
+            if len(self.scaled) >= KEEP_SCALED:
+                self.scaled.pop(next(iter(self.scaled)))
+            # Not an inference tensor (edit runs in vLLM's inference mode): one has no
+            # version, and the edit buffers keep only values whose changes they can see.
+            with torch.inference_mode(False):
+                out = self.scaled[scale] = self.vector * scale
+        return out
 
 
 class SteerConsumer(Consumer):
@@ -209,12 +228,12 @@ class SteerConsumer(Consumer):
             if v.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
             elif overrides is None:
-                plan.add(v.layer, idx, v.vector * v.scale)
+                plan.add(v.layer, idx, v.times(v.scale))
             else:
                 scales = np.where(np.isnan(overrides), v.scale, overrides)
                 if np.all(scales == scales[0]):
-                    plan.add(v.layer, idx, v.vector * float(scales[0]))
-                else:
+                    plan.add(v.layer, idx, v.times(float(scales[0])))
+                else:  # per-row values: made (and on a GPU copied) every step
                     s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
                     plan.add(v.layer, idx, s[:, None] * v.vector)
         n = int(idx.size)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tllm_core.api.edit_values import EditValues
 from tllm_core.api.port_names import format_port_name, parse_port_name
 from tllm_core.api.ports import ReadPort
 
@@ -147,14 +148,29 @@ class EditPlan:
 
     def ablate(self, target: EditTarget, rows: np.ndarray, direction: torch.Tensor) -> None:
         """Remove the component along ``direction`` (``[H]`` or one per row ``[len(rows), H]``;
-        each normalised here) from the incoming tensor at ``rows``."""
-        d = direction.float()
-        u = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        self._push(target, rows, "ablate", u)
+        each normalised when written, a kept vector once: :mod:`.edit_values`) from the
+        incoming tensor at ``rows``."""
+        self._push(target, rows, "ablate", direction)
+
+
+IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
+
+
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    # Without the runtime's pinned staging (direct callers, the kit): on CPU a view.
+    return torch.from_numpy(rows).to(device)
 
 
 class EditBuffers:
-    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`."""
+    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
+
+    Written on the device without a host wait or an allocation when the runtime hands in
+    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_buffers.StepBuffers`)
+    and the values are kept ones (:mod:`.edit_values`): fills and adds by index
+    (``index_fill_``, ``index_add_``, ``index_copy_``; a row listed twice in one add gets
+    both adds). Which direction each row ablates is also kept on the host, so the check of a
+    second ablation reads the device only where a row already ablates another direction.
+    """
 
     def __init__(self, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device):
         self.mask = torch.zeros(max_tokens, 1, dtype=torch.bool, device=device)
@@ -163,6 +179,9 @@ class EditBuffers:
         self.dir = torch.zeros(max_tokens, width, dtype=dtype, device=device)
         # One row mask per in-graph transform on this tap (consumer order), and its owner.
         self.transforms: list[tuple[str, torch.nn.Module, torch.Tensor]] = []
+        self.values = EditValues(torch.device(device), dtype)
+        # Per row, the tag (EditValues) of the direction written this step; 0: none.
+        self._ablated = np.zeros(max_tokens, np.int64)
         self._dirty = 0  # rows [0, dirty) may hold non-identity values
 
     def add_transform(self, owner: str, module: torch.nn.Module) -> None:
@@ -187,17 +206,31 @@ class EditBuffers:
             self.dir[:n].zero_()
             for _, _, mask in self.transforms:
                 mask[:n].fill_(False)
+            self._ablated[:n] = 0
             self._dirty = 0
 
-    def check(self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str) -> None:
+    def check(
+        self,
+        ops: list[tuple[np.ndarray, str, torch.Tensor]],
+        what: str,
+        index: IndexTo | None = None,
+    ) -> None:
         """Raise ``ValueError`` before writing if ``ops`` would ablate a second, different
-        direction on a row (one consumer's ops, checked against what is written)."""
+        direction on a row (one consumer's ops, checked against what is written). Nothing
+        is read from the device unless a row already ablates another direction tensor this
+        step: then the directions are compared there and the host waits for the answer."""
+        index = index or _index
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue
-            idx = torch.from_numpy(rows).to(self.dir.device)
-            old = self.dir[idx]
-            new = value.to(old.dtype) if value.dim() == 2 else value.to(old.dtype).expand_as(old)
+            prior = self._ablated[rows]
+            if not prior.any():
+                continue
+            new, tag = self.values.get(value, ablate=True)
+            if not ((prior != 0) & (prior != tag)).any():
+                continue  # the same direction tensor: nothing to compare
+            old = self.dir.index_select(0, index(rows, self.dir.device))
+            new = new if new.dim() == 2 else new.expand_as(old)
             had = old.abs().sum(-1) > 0
             if bool((had & ~torch.isclose(old, new, atol=1e-6).all(-1)).any()):
                 raise ValueError(
@@ -205,24 +238,34 @@ class EditBuffers:
                     f"consumer already ablates in this step (one direction per row and tap)"
                 )
 
-    def write(self, ops: list[tuple[np.ndarray, str, torch.Tensor]], owner: str = "") -> None:
-        """Compose ``ops`` (one consumer's, in order) into the buffers."""
+    def write(
+        self,
+        ops: list[tuple[np.ndarray, str, torch.Tensor]],
+        owner: str = "",
+        index: IndexTo | None = None,
+    ) -> None:
+        """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
+        host index to the device (default: a plain copy)."""
+        index = index or _index
         dev = self.add.device
         for rows, kind, value in ops:
-            idx = torch.from_numpy(rows).to(dev)
+            idx = index(rows, dev)
             self._dirty = max(self._dirty, int(rows.max()) + 1)
             if kind == "transform":
                 for name, _, mask in self.transforms:
                     if name == owner:
-                        mask[idx] = True
+                        mask.index_fill_(0, idx, True)
                 continue
-            v = value.to(device=dev, dtype=self.add.dtype)
+            v, tag = self.values.get(value, ablate=kind == "ablate")
+            v = v if v.dim() == 2 else v.expand(len(rows), -1)
             if kind == "add":
-                self.add[idx] += v
+                self.add.index_add_(0, idx, v)
             elif kind == "replace":
-                self.keep[idx] = 0
-                self.dir[idx] = 0
-                self.add[idx] = v if v.dim() == 2 else v.expand(len(rows), -1)
+                self.keep.index_fill_(0, idx, 0)
+                self.dir.index_fill_(0, idx, 0)
+                self.add.index_copy_(0, idx, v)
+                self._ablated[rows] = 0
             elif kind == "ablate":
-                self.dir[idx] = v if v.dim() == 2 else v.expand(len(rows), -1)
-            self.mask[idx] = True
+                self.dir.index_copy_(0, idx, v)
+                self._ablated[rows] = tag
+            self.mask.index_fill_(0, idx, True)

@@ -23,13 +23,14 @@ from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
-from tllm_core.api.rows import RequestInfo, RowInfo, index_to
+from tllm_core.api.rows import RequestInfo, RowInfo
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, bundle_indices, plan_reads
+from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_reads import StampRead, StampReader
 from tllm_core.runtime.step_buffers import StepBuffers
@@ -57,13 +58,23 @@ class _Slot:
 
 
 def _write_plan(
-    plan: EditPlan, allowed: dict[str, str], buffers: dict[str, EditBuffers], owner: str
+    plan: EditPlan,
+    allowed: dict[str, str],
+    buffers: dict[str, EditBuffers],
+    owner: str,
+    steps: StepBuffers,
 ) -> None:
-    """Check, then write, one consumer's plan into the edit taps' buffers."""
+    """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
+    go to the device in one pinned copy (per device)."""
+    by_device: dict[torch.device, list[np.ndarray]] = {}
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].check(ops, key)
+        by_device.setdefault(buffers[allowed[key]].add.device, []).extend(r for r, _, _ in ops)
+    for device, arrays in by_device.items():
+        steps.send(arrays, device)
     for key, ops in plan.ops.items():
-        buffers[allowed[key]].write(ops, owner)
+        buffers[allowed[key]].check(ops, key, steps.index)
+    for key, ops in plan.ops.items():
+        buffers[allowed[key]].write(ops, owner, steps.index)
 
 
 def build_consumers(
@@ -189,6 +200,8 @@ class Runtime:
         # step (step_buffers, buffer_pool): a steady step allocates nothing on the device.
         self._buffers = StepBuffers()
         self._planned: StepCapture | None = None  # the step whose indices were sent
+        # Its per-request guides' rows, by slot (those with rows only).
+        self._selections: dict[int, RowSelection] = {}
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -247,9 +260,11 @@ class Runtime:
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
-            # A per-request consumer sees (and can select) only its requests' rows.
-            index = None if mask is None else np.nonzero(mask)[0]
-            own = rows if index is None else rows.take(index)
+            # A per-request consumer sees (and can select) only its requests' rows (their
+            # token ids a view, or gathered into a reused buffer).
+            sel = None if mask is None else RowSelection(mask)
+            index = None if sel is None else sel.index
+            own = rows if sel is None else sel.rows(rows, self._buffers)
             allowed = {k: t.key for k, t in s.edits.items()}
             widths = {k: buffers[t].add.shape[-1] for k, t in allowed.items() if t in buffers}
             plan = EditPlan(
@@ -265,7 +280,7 @@ class Runtime:
             def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
                 if index is not None:  # inside the consumer's isolation, as the write is
                     plan.remap(index)
-                _write_plan(plan, allowed, buffers, name)
+                _write_plan(plan, allowed, buffers, name, self._buffers)
 
             self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
 
@@ -279,6 +294,15 @@ class Runtime:
             return
         self._planned = step
         arrays = [step.sample_token_row] if self._guides else []
+        self._selections = {}
+        if self._guides:
+            # Per-request guides' rows, as indices into the sampling rows.
+            requests = [step.rows.requests[i] for i in step.sample_token_row]
+            for i, s in enumerate(self.slots):
+                mask = s.enabled(requests) if s.guides else None
+                if mask is not None and mask.any():
+                    self._selections[i] = RowSelection(mask)
+                    arrays += self._selections[i].indices()
         for s in self.slots:
             if not s.reads.empty:
                 arrays += bundle_indices(s.reads, step, s.enabled(step.rows.requests))
@@ -312,36 +336,38 @@ class Runtime:
             except StaleTapError as e:
                 self._stale(key, e)
         changed = False
-        for s in self.slots:
+        for i, s in enumerate(self.slots):
             if not s.guides or not self.bus.active(s.consumer):
                 continue
-            allowed = s.enabled(srows.requests)
-            if allowed is None:
+            sel = None
+            if not s.per_request:
                 counts = self._buffers.pool.take((len(srows),), torch.long, logits.device)
                 view = GuideView(
                     step.step, srows, logits, temperature, is_random, filtered, hidden, counts
                 )
-                rows = self._call_guide(s, view)
-                if rows is None:
-                    view.rollback()
-                else:
-                    changed |= rows
-            elif allowed.any():
-                # Per-request consumer: it sees only its requests' rows, on a copy written
-                # back only if it succeeds.
-                sel = index_to(np.nonzero(allowed)[0], logits.device)
-                view = GuideView(
+            elif i in self._selections:
+                # Per-request consumer: it sees only its requests' rows, views of the step's
+                # when they are one range, else gathered and written back if it succeeds.
+                sel = self._selections[i]
+                view = sel.guide_view(
+                    self._buffers,
                     step.step,
-                    srows.select(allowed),
-                    logits[sel],
-                    temperature[sel],
-                    is_random[allowed],
+                    srows,
+                    logits,
+                    temperature,
+                    is_random,
                     filtered,
-                    {k: v[sel] for k, v in hidden.items()},
+                    hidden,
                 )
-                if self._call_guide(s, view):  # None (failed) or no write: nothing to write back
-                    logits[sel] = view.logits
-                    changed = True
+            else:
+                continue  # no request of the step switched it on
+            rows = self._call_guide(s, view)
+            if rows is None:
+                view.rollback()  # the step's logits (or a gathered copy) as they were
+            elif rows:
+                if sel is not None:
+                    sel.write_back(logits, view, self._buffers)
+                changed = True
         return changed
 
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:

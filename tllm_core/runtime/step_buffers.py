@@ -53,6 +53,12 @@ class StepBuffers:
         if _copies_async(device):
             self._send(list(arrays), device)
 
+    def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
+        """Send ``arrays`` to ``device`` in one copy, beside the step's other indices (an
+        editor's rows: its plan is written before the step's :meth:`plan`)."""
+        if _copies_async(device):
+            self._send(list(arrays), device)
+
     def release(self) -> None:
         """Let the step's device indices go (their buffer is reused by a later plan)."""
         self._index.clear()
@@ -108,7 +114,10 @@ class StepBuffers:
             ev.synchronize()
         buf = self._staging[i]
         if buf is None or buf.numel() < n:
-            buf = self._staging[i] = torch.empty(
-                1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
-            )
+            # Not an inference tensor (vLLM's step runs in inference mode): its views keep
+            # their base, by which the test kit's fake CUDA tells pinned memory.
+            with torch.inference_mode(False):
+                buf = self._staging[i] = torch.empty(
+                    1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
+                )
         return i, buf[:n]
