@@ -151,9 +151,10 @@ def run(
 
         def one(t: int) -> None:
             view, bundle = step_inputs(fc.device, rows, t, filtered, keys)
-            c.guide(view)
-            view.commit()
-            c.on_bundle(bundle)
+            with torch.inference_mode():  # as vLLM runs a step
+                c.guide(view)
+                view.commit()
+                c.on_bundle(bundle)
 
         one(0)  # the groups' slots are allocated (host bookkeeping)
         # The engine's tensors of each step (made by vLLM, not by the step).
@@ -163,7 +164,7 @@ def run(
         ]
         fc.start_steps()
         for view, bundle in inputs:
-            with fc.step():
+            with fc.step(), torch.inference_mode():
                 c.guide(view)
                 view.commit()
                 c.on_bundle(bundle)
@@ -220,6 +221,7 @@ def run_ordered(
         sampled = torch.zeros(len(before), dtype=torch.long, device=fc.device)
         is_random = np.arange(len(before)) < len(before) - greedy_rows
 
+        @torch.inference_mode()  # as vLLM runs a step (the closing read below: outside)
         def step(t: int, rows: RowInfo) -> None:
             for x in (*hidden.values(), logits):  # the forward writes the step's tensors
                 x.fill_(1.0)

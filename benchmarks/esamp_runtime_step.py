@@ -97,6 +97,7 @@ class RuntimeStep:
     def consumer(self) -> ESampConsumer:
         return self.runtime.slots[0].consumer
 
+    @torch.inference_mode()  # as vLLM runs a step (close and collect run outside it)
     def step(
         self,
         hidden: Callable[[str], torch.Tensor],

@@ -233,6 +233,42 @@ def test_what_needs_no_host_copy_on_cuda_is_not_flagged():
     assert not bad, [(f.what, f.where) for f in bad]
 
 
+def _in_inference_mode(fn):
+    def step(fc, *tensors):
+        with torch.inference_mode():  # as vLLM runs a step
+            fn(fc, *tensors)
+
+    return step
+
+
+def test_host_reads_are_flagged_in_inference_mode_too():
+    """In inference mode ``.item()``, ``bool()``, ``.tolist()`` and ``.cpu()`` reach the
+    checker whole (composite operations: ``item``, ``is_nonzero``, ``to``), not as the
+    reads they are made of: they are taken apart and flagged as outside it."""
+
+    def reads(fc, t):
+        assert t.sum().item() == 1.0 and bool(t.any()) and t[:2].tolist() == [1.0, 1.0]
+        t.cpu()
+
+    fc = _run(_in_inference_mode(reads), _dev(4))
+    assert fc.report()["steps"]["host_wait"] == 4
+
+
+@pytest.mark.parametrize("fn", COPIES, ids=lambda f: f.__name__)
+def test_pageable_copies_are_flagged_in_inference_mode_too(fn):
+    fc = _run(_in_inference_mode(fn), _dev(4), _dev(2, dtype=torch.long))
+    f = _only(fc, "pageable_copy")
+    assert (f.file.endswith(HERE), f.line, f.function) == (True, _line(fn), fn.__name__)
+    assert not fc.findings(kind="host_wait")
+
+
+def test_in_inference_mode_the_clean_patterns_are_not_flagged():
+    step = _in_inference_mode(_clean)
+    fc = _run(step, _dev(4), _dev(4, dtype=torch.bool), _dev(2, dtype=torch.long))
+    bad = fc.findings(kind="pageable_copy") + fc.findings(kind="host_wait")
+    assert not bad, [(f.what, f.where) for f in bad]
+
+
 # -- allocations, graphs, launches and bytes ---------------------------------------------------
 def test_step_allocations_are_flagged_in_place_updates_and_views_are_not():
     def step(fc, x, y):

@@ -452,13 +452,16 @@ class CudaGroupedDistiller(SlotDistiller):
         # waited for, not the update.
         cur.wait_event(self._copied)
         n = len(pk.slots)
-        p = Pending(
-            parts,
-            n,
-            torch.full((n,), float("nan")),
-            torch.zeros(n, dtype=torch.bool),
-            torch.full((n, len(STATS)), float("nan")) if self.hp.stats else None,
-        )
+        # Not inference tensors (the step runs in inference mode): the results are written
+        # in when they arrive, which may be at a closing read outside it.
+        with torch.inference_mode(False):
+            p = Pending(
+                parts,
+                n,
+                torch.full((n,), float("nan")),
+                torch.zeros(n, dtype=torch.bool),
+                torch.full((n, len(STATS)), float("nan")) if self.hp.stats else None,
+            )
         self.results.add(p)
         self.results.maybe_copy(self.stream)
         return TrainResult(pk.slots, p.losses, p.updated, p.done, counts=pk.counts, stats=p.stats)

@@ -21,9 +21,12 @@ class HostCopies:
         self._cpu = like.device.type == "cpu"
         # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
         pin = not self._cpu and torch.cuda.is_available()
-        self._host = [
-            torch.empty(like.shape, dtype=like.dtype, pin_memory=pin) for _ in range(ring)
-        ]
+        # Not inference tensors, though often made in a step: written again outside one too
+        # (a closing read).
+        with torch.inference_mode(False):
+            self._host = [
+                torch.empty(like.shape, dtype=like.dtype, pin_memory=pin) for _ in range(ring)
+            ]
         self._free = deque(range(ring))
         self._flight: deque[tuple[int, Any, Any]] = deque()
         self.waits = 0

@@ -152,6 +152,7 @@ class FakeCuda:
         self._step: dict[str, Any] | None = None
         self._capture: stubs.FakeGraph | None = None
         self._pinned = WeakTensorKeyDictionary()
+        self._pinned_at: dict[int, Any] = {}  # storage address -> pinned storage
         self._cublas_streams: set[int] = set()
         self._patches = stubs.Patches()
         self._mode: Checker | None = None
@@ -197,6 +198,7 @@ class FakeCuda:
                 self._mode.__exit__(*exc)
         finally:
             self._mode = None
+            self._pinned_at.clear()
             self._patches.restore()
 
     def is_available(self) -> bool:
@@ -249,12 +251,20 @@ class FakeCuda:
 
     def mark_pinned(self, t: torch.Tensor) -> None:
         self._pinned[t] = True
+        # A view made in inference mode has no ``_base``: found by its storage instead
+        # (held while this device is: its address is not reused meanwhile).
+        storage = t.untyped_storage()
+        self._pinned_at[storage.data_ptr()] = storage
         if self.order is not None:
             self.order.fresh(t)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         # A view of a pinned tensor keeps its base (and so the pinned storage) alive.
-        return t in self._pinned or (t._base is not None and t._base in self._pinned)
+        if t in self._pinned or (t._base is not None and t._base in self._pinned):
+            return True
+        if t.device.type != "cpu":
+            return False
+        return t.untyped_storage().data_ptr() in self._pinned_at
 
     # -- recording ----------------------------------------------------------------------
     def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:

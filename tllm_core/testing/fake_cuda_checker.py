@@ -126,6 +126,10 @@ def _fresh_outputs(func: Any, out: Any) -> list[Any]:
     return [o for r, o in zip(func._schema.returns, outs, strict=False) if r.alias_info is None]
 
 
+def _composite(func: Any) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
 class Checker(TorchDispatchMode):
     """Classifies every aten operation of the fake device (see the module docstring)."""
 
@@ -141,6 +145,14 @@ class Checker(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         if getattr(fc._quiet, "on", False):
             return func(*args, **kwargs)
+        if _composite(func):
+            # Under inference mode composite operations (``to``, ``item``, ``is_nonzero``,
+            # ...) reach the mode whole: taken apart, the mode sees the copies, reads and
+            # allocations they are made of, as outside it.
+            with self:  # the parts come back to this mode
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         leaves = [t for t in tree_leaves((args, kwargs)) if _tensor(t)]
         dev = kwargs.get("device")
         if not any(fc.is_fake(t) for t in leaves) and not (
