@@ -7,8 +7,7 @@ stream-order checks, then the step's end:
 
 Per case, over ``--steps`` steady steps after one warm-up step (8 requests: one 16-token
 prompt and 7 decode rows; bf16 states), once as is and once under ``torch.inference_mode``
-(as vLLM runs a step; the fake device does not see every operation on an inference
-tensor, so both are counted): host waits, pageable copies, device allocations and races
+(as vLLM runs a step): host waits, pageable copies, device allocations and races
 (each must be 0 for a wait-free, allocation-free step), with where each comes from. Cases:
 ``steer`` on every request and per request (every other request switches it on, with a
 scale override; a vector added at one layer, one ablated at another), and one consumer per edit kind (``add``,

@@ -1059,9 +1059,10 @@ def edit_step_section(es: dict | None) -> list[str]:
         f"Script: `{es['command']}` (CPU, no GPU): `Runtime.begin_step` with one editing "
         "consumer (`steer` on every request or per request with a scale override; one "
         "consumer per edit kind), bf16 states, stream order checked, counted over 3 steady "
-        "steps after a warm-up, as is and in inference mode (as vLLM runs a step: there the "
-        "fake does not see every operation on an inference tensor, so `prepared`, the values "
-        "moved or converted anew, is counted too). `errors`: plans refused (before, the fake "
+        "steps after a warm-up, as is and in inference mode (as vLLM runs a step; the "
+        "'before' inference-mode cells were counted when the fake did not yet take apart "
+        "composite operations there, so they miss some reads; `prepared`: the values moved or "
+        "converted anew). `errors`: plans refused (before, the fake "
         "answered the ablation check's host read 'true', so the ablating consumers were "
         f"refused and switched off). Before: {es['before']['commit']}; after: "
         f"{es['after']['commit']}. Cells: before -> after.",
