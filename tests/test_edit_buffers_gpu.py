@@ -172,3 +172,18 @@ def test_per_row_values_on_the_cpu_warn_once_on_a_gpu():
     assert len(seen) == 1 and "make per-row edit values on the model's device" in str(
         seen[0].message
     )
+
+
+def test_a_host_vector_changed_through_numpy_is_prepared_again():
+    """A write through ``.numpy()`` leaves the tensor's version as it was: the kept value is
+    checked against a copy of the vector, so the next step edits with the new values."""
+    from tllm_core.api.edit_values import EditValues
+
+    values = EditValues(torch.device("cpu"), torch.bfloat16)
+    vec = torch.zeros(8)
+    first, tag = values.get(vec, ablate=False)
+    assert values.get(vec, ablate=False)[1] == tag  # unchanged: kept
+    vec.numpy()[:] = 2.0  # no new version
+    again, new_tag = values.get(vec, ablate=False)
+    assert new_tag != tag and torch.equal(again, torch.full((8,), 2.0, dtype=torch.bfloat16))
+    assert torch.equal(first, torch.zeros(8, dtype=torch.bfloat16))

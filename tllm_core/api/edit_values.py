@@ -2,7 +2,9 @@
 normalised) once, not every step.
 
 A 1-D value (a steering vector, a direction) is prepared once and kept, by the tensor's
-identity and version (an in-place change makes it new), so a consumer that plans the same
+identity and version (an in-place change through torch makes it new; a host vector is also
+compared with a copy of itself, so a write through ``.numpy()`` is seen too; a device vector
+must be changed through torch operations, not ``.data`` or DLPack), so a consumer that plans the same
 vector step after step costs no copy and no allocation after the first step. A 2-D value
 (one row per edited row) is prepared every step: on a GPU a CPU one is copied from pageable
 memory (the host waits) into a new tensor, so a consumer that plans per-row values should
@@ -15,6 +17,7 @@ the values prepared (``benchmarks/edit_fake_step.py`` reports it per steady step
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -29,8 +32,8 @@ class EditValues:
         self.dtype = dtype
         self.keep = keep
         # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
-        # reused; the prepared value; its tag)
-        self._kept: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # reused; the prepared value; its tag; a host copy to compare a host tensor with)
+        self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
         self._tags = 0
         self._warned = False
         self.prepared = 0
@@ -43,12 +46,16 @@ class EditValues:
             return self._prepare(value, ablate), self._tag()
         key = (id(value), value._version, ablate)
         hit = self._kept.get(key)
-        if hit is not None and hit[0] is value:
+        if hit is not None and hit[0] is value and _unchanged(value, hit[3]):
             return hit[1], hit[2]
         if len(self._kept) >= self.keep:
             del self._kept[next(iter(self._kept))]
         prepared, tag = self._prepare(value, ablate), self._tag()
-        self._kept[key] = (value, prepared, tag)
+        # A host vector can change without a new version (written through ``.numpy()`` or a
+        # shared numpy array): compared with a copy of itself (cheap, on the host) where the
+        # prepared value is not the vector itself.
+        snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
+        self._kept[key] = (value, prepared, tag, snapshot)
         return prepared, tag
 
     def _tag(self) -> int:
@@ -72,3 +79,7 @@ class EditValues:
             d = value.float()
             value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         return value.to(device=self.device, dtype=self.dtype)
+
+
+def _unchanged(value: torch.Tensor, snapshot: torch.Tensor | None) -> bool:
+    return snapshot is None or torch.equal(value, snapshot)

@@ -65,7 +65,7 @@ class StopSignals:
         from tllm_core.vllm_bridge.nodes import NodeWatch
 
         self._received: list[int] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # taken in the signal handler too (same thread)
         # The command's processes when the first stop signal came (see forget_dead_children).
         self._children: set[int] = set()
         self.nodes = nodes if nodes is not None else NodeWatch()

@@ -85,6 +85,8 @@ class BufferPool:
             small = small or b
         if small is not None:
             bufs.remove(small)  # grown: the smaller one is let go
+            if small.stream is not None:  # freed after the work queued on its last stream
+                small.data.record_stream(small.stream)
         elif len(bufs) >= self.keep or _use_count is None:
             self.unpooled += 1
             return self._empty((n, *rest), dtype, device)

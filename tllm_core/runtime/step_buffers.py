@@ -8,7 +8,8 @@ gathers every index the step will use (equal ones once), writes them into one of
 pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepBuffers.index`
 then hands out views of it. A staging buffer is rewritten only once the event recorded
 after its copy has completed (``waits`` counts the times the host had to wait for it; with
-a ring of 4 the copy ran steps before). An index not planned is sent the same way, alone.
+a ring of 16 the copy ran steps before, even with several per-request editors each sending
+its own). An index not planned is sent the same way, alone.
 On CPU, and on a device without CUDA's streams, indices are used as before
 (:func:`~tllm_core.api.rows.index_to`).
 """
@@ -24,7 +25,7 @@ import torch
 from tllm_core.api.rows import index_to
 from tllm_core.runtime.buffer_pool import BufferPool
 
-RING = 4
+RING = 16  # slots of a few KB; editors not in the step's plan take one each
 
 
 def _copies_async(device: torch.device) -> bool:

@@ -254,7 +254,8 @@ class FakeCuda:
         # A view made in inference mode has no ``_base``: found by its storage instead
         # (held while this device is: its address is not reused meanwhile).
         storage = t.untyped_storage()
-        self._pinned_at[storage.data_ptr()] = storage
+        if storage.nbytes():  # an empty one has no address of its own
+            self._pinned_at[storage.data_ptr()] = storage
         if self.order is not None:
             self.order.fresh(t)
 
@@ -264,7 +265,8 @@ class FakeCuda:
             return True
         if t.device.type != "cpu":
             return False
-        return t.untyped_storage().data_ptr() in self._pinned_at
+        storage = t.untyped_storage()
+        return bool(storage.nbytes()) and storage.data_ptr() in self._pinned_at
 
     # -- recording ----------------------------------------------------------------------
     def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:
