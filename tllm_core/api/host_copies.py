@@ -11,6 +11,12 @@ from typing import Any
 import torch
 
 
+def async_copies(device: torch.device) -> bool:
+    """Whether copies between the host and ``device`` are queued without blocking (from or
+    into pinned memory, ordered by events): CUDA, and the test kit's fake CUDA."""
+    return device.type != "cpu" and torch.cuda.is_available()
+
+
 class HostCopies:
     """Copies of device tensors shaped like ``like`` into a ring of ``ring`` host buffers
     (pinned where the device is CUDA), each queued without blocking with an event, and
@@ -18,14 +24,13 @@ class HostCopies:
     sender keeps with its copy. ``waits``: copies :meth:`arrived` had to wait for."""
 
     def __init__(self, like: torch.Tensor, ring: int = 2) -> None:
-        self._cpu = like.device.type == "cpu"
-        # Any accelerator (and the test kit's fake CUDA): asynchronous only into pinned memory.
-        pin = not self._cpu and torch.cuda.is_available()
+        self._async = async_copies(like.device)
         # Not inference tensors, though often made in a step: written again outside one too
         # (a closing read).
         with torch.inference_mode(False):
             self._host = [
-                torch.empty(like.shape, dtype=like.dtype, pin_memory=pin) for _ in range(ring)
+                torch.empty(like.shape, dtype=like.dtype, pin_memory=self._async)
+                for _ in range(ring)
             ]
         self._free = deque(range(ring))
         self._flight: deque[tuple[int, Any, Any]] = deque()
@@ -40,7 +45,7 @@ class HostCopies:
         """Queue a copy of ``src`` (current stream) into a free host buffer."""
         i = self._free.popleft()
         event = None
-        if self._cpu:
+        if not self._async:
             self._host[i].copy_(src)
         else:
             self._host[i].copy_(src, non_blocking=True)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from tllm_core.api.host_copies import async_copies
+
 # Where torch lacks it, nothing is reused (every take allocates, as without a pool).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -38,12 +40,11 @@ def storage_uses(t: torch.Tensor) -> int:
 
 def _stream(device: torch.device) -> Any | None:
     """The current stream where the device has CUDA's streams (the test kit's fake too)."""
-    if device.type == "cpu" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.current_stream(device)
+    return torch.cuda.current_stream(device) if async_copies(device) else None
 
 
-def _rows(n: int) -> int:
+def pow2_rows(n: int) -> int:
+    """The power of two at or above ``n`` (at least 1): the rows a grown buffer gets."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -90,7 +91,7 @@ class BufferPool:
         elif len(bufs) >= self.keep or _use_count is None:
             self.unpooled += 1
             return self._empty((n, *rest), dtype, device)
-        data = self._empty((_rows(n), *rest), dtype, device)
+        data = self._empty((pow2_rows(n), *rest), dtype, device)
         b = _Buffer(data, storage_uses(data), stream)
         bufs.append(b)
         return data[:n]

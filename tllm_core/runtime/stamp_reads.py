@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from tllm_core.api.host_copies import async_copies
+
 # Pinned buffers in rotation; a read still pending when its buffer comes round again is
 # waited for (that many steps later the device has long finished it).
 RING = 4
@@ -92,11 +94,9 @@ class StampReader:
     def _allocate(self, keys: tuple[str, ...], device: torch.device) -> None:
         self._keys = keys
         self._device = torch.empty(len(keys), dtype=torch.int64, device=device)
-        # CUDA (and the test kit's fake CUDA): asynchronous, into pinned memory.
-        self._async = device.type != "cpu" and torch.cuda.is_available()
-        pin = self._async
+        self._async = async_copies(device)  # then into pinned memory
         self._ring = [
-            torch.empty(len(keys), dtype=torch.int64, pin_memory=pin) for _ in range(RING)
+            torch.empty(len(keys), dtype=torch.int64, pin_memory=self._async) for _ in range(RING)
         ]
         self._reads = [None] * RING
         self._next = 0

@@ -22,15 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tllm_core.api.host_copies import async_copies
 from tllm_core.api.rows import index_to
-from tllm_core.runtime.buffer_pool import BufferPool
+from tllm_core.runtime.buffer_pool import BufferPool, pow2_rows
 
 RING = 16  # slots of a few KB; editors not in the step's plan take one each
-
-
-def _copies_async(device: torch.device) -> bool:
-    # CUDA (and the test kit's fake CUDA): asynchronous only from pinned memory.
-    return device.type != "cpu" and torch.cuda.is_available()
 
 
 class StepBuffers:
@@ -51,13 +47,13 @@ class StepBuffers:
         """Send ``arrays`` (host indices the step will use) to ``device`` in one copy; the
         previous plan's indices are let go."""
         self.release()
-        if _copies_async(device):
+        if async_copies(device):
             self._send(list(arrays), device)
 
     def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
         """Send ``arrays`` to ``device`` in one copy, beside the step's other indices (an
         editor's rows: its plan is written before the step's :meth:`plan`)."""
-        if _copies_async(device):
+        if async_copies(device):
             self._send(list(arrays), device)
 
     def release(self) -> None:
@@ -67,7 +63,7 @@ class StepBuffers:
     def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
         """``idx`` as an int64 index tensor on ``device``: the planned copy's view, or sent
         now (alone) if it was not planned; valid until the next :meth:`plan`."""
-        if not _copies_async(device):
+        if not async_copies(device):
             return index_to(idx, device)
         key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
         if key not in self._index:
@@ -119,6 +115,6 @@ class StepBuffers:
             # their base, by which the test kit's fake CUDA tells pinned memory.
             with torch.inference_mode(False):
                 buf = self._staging[i] = torch.empty(
-                    1 << max(0, n - 1).bit_length(), dtype=torch.int64, pin_memory=True
+                    pow2_rows(n), dtype=torch.int64, pin_memory=True
                 )
         return i, buf[:n]
