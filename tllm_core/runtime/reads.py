@@ -76,6 +76,19 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
     return t.index_select(0, index_to(idx, t.device))
 
 
+def unwritten(
+    step: StepCapture, taps: set[str], device: torch.device, buffers: StepBuffers | None = None
+) -> torch.Tensor | None:
+    """On the device, without a host read: a 0-dim bool that is True when this step's
+    forward did not stamp every tap in ``taps`` (None: none of them has a stamp); computed
+    in a reused buffer of ``buffers`` when given."""
+    flag = None if buffers is None else buffers.pool.take((2,), torch.bool, device)
+    ok = step.written(taps, flag)
+    if ok is None:
+        return None
+    return ~ok if flag is None else ok.logical_not_()
+
+
 def bundle_rows(
     plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -148,12 +161,11 @@ def build_bundle(
                 if not any(k in step.stamps for k in taps):
                     return t, None
             else:
-                flag = None if buffers is None else buffers.pool.take((2,), torch.bool, t.device)
-                ok = step.written(taps, flag)
-                if ok is None:
+                stale = unwritten(step, taps, t.device, buffers)
+                if stale is None:
                     return t, None
                 unconfirmed.append((r.port.key, set(taps)))
-                return t, (~ok if flag is None else ok.logical_not_())
+                return t, stale
         try:
             return r.producer.read(r.port, step), None
         except StaleTapError as e:

@@ -29,7 +29,14 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
-from tllm_core.runtime.reads import PortRead, ReadPlan, build_bundle, bundle_indices, plan_reads
+from tllm_core.runtime.reads import (
+    PortRead,
+    ReadPlan,
+    build_bundle,
+    bundle_indices,
+    plan_reads,
+    unwritten,
+)
 from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_reads import StampRead, StampReader
@@ -377,10 +384,9 @@ class Runtime:
             buf = r.producer.read(r.port, step)
         rows = self._buffers.gather(buf, step.sample_token_row)
         if rows.is_floating_point():
-            flag = self._buffers.pool.take((2,), torch.bool, buf.device)
-            ok = step.written(taps, flag)
-            if ok is not None:
-                rows.masked_fill_(ok.logical_not_(), float("nan"))
+            stale = unwritten(step, taps, buf.device, self._buffers)
+            if stale is not None:
+                rows.masked_fill_(stale, float("nan"))
         return rows
 
     def _call_guide(self, s: _Slot, view: GuideView) -> bool | None:
