@@ -113,8 +113,8 @@ def test_edit_buffers_hold_what_they_held_before(dtype):
 
 
 def test_a_second_ablation_is_refused_only_for_another_direction():
-    """The same rule on CUDA as on CPU: the same direction (the same tensor, or an equal one) on a row is allowed,
-    another one is refused, and a row a replace cleared may take another."""
+    """A second ablation of a row: the same direction (the same tensor, or an equal one) is
+    allowed, another one is refused, and a row a replace cleared may take another."""
     g = torch.Generator().manual_seed(1)
     u, w = torch.randn(H, generator=g), torch.randn(H, generator=g)
     buf = EditBuffers(ROWS, H, torch.float32, CPU)
