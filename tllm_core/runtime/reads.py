@@ -11,8 +11,9 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import index_to, phase_mask
+from tllm_core.api.rows import phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
+from tllm_core.api.transfers import index_to
 from tllm_core.runtime.step_buffers import StepBuffers
 
 
