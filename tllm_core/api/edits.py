@@ -161,7 +161,7 @@ class EditBuffers:
     """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
 
     Written on the device without a host wait or an allocation when the runtime hands in
-    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_buffers.StepBuffers`)
+    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_indices.StepIndices`)
     and the values are kept ones (:mod:`.edit_values`): fills and adds by index
     (``index_fill_``, ``index_add_``, ``index_copy_``; a row listed twice in one add gets
     both adds). Which direction each row ablates is also kept on the host, so the check of a

@@ -3,9 +3,9 @@ buffers (:mod:`.buffer_pool`).
 
 The runtime cuts rows out of the step's tensors with host indices (the sampling rows for
 the guide, each consumer's bundle rows). Each index sent alone would be a copy of its own
-from pinned memory and a new device tensor, per index and step. Instead :meth:`StepBuffers.plan`
+from pinned memory and a new device tensor, per index and step. Instead :meth:`StepIndices.plan`
 gathers every index the step will use (equal ones once), writes them into one of ``ring``
-pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepBuffers.index`
+pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepIndices.index`
 then hands out views of it. The staging ring is :class:`~tllm_core.api.transfers.StagingRing`
 (``waits``: the times the host waited for a buffer's last copy; with a ring of 16 the copy
 ran steps before, even with several per-request editors each sending its own). An index not
@@ -26,7 +26,7 @@ from tllm_core.runtime.buffer_pool import BufferPool
 RING = 16  # slots of a few KB; editors not in the step's plan take one each
 
 
-class StepBuffers:
+class StepIndices:
     """The runtime's per-step device indices and gathered rows (see the module docstring).
     ``copies``: index copies queued (one per planned step, plus any index not planned);
     ``waits``: staging buffers the host waited for."""
