@@ -6,7 +6,8 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 ``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
 on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
 copied to the host without a wait; ``HostCopies``: its deprecated name) and
-:class:`StagingRing` (host values copied to the device from pinned buffers), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+:class:`StagingRing` (host values copied to the device from pinned buffers; one tensor:
+``host_to_device``), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     from tllm_core.api.request_settings import RequestSettings
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
-    from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing
+    from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -80,6 +81,7 @@ __all__ = [
     "HostCopies",
     "HostCopyRing",
     "StagingRing",
+    "host_to_device",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -184,6 +186,7 @@ _HOME = MappingProxyType(
         "HostCopies": "tllm_core.api.transfers",
         "HostCopyRing": "tllm_core.api.transfers",
         "StagingRing": "tllm_core.api.transfers",
+        "host_to_device": "tllm_core.api.transfers",
     }
 )
 

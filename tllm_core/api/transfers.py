@@ -46,17 +46,21 @@ def pow2_rows(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host indices ``idx`` as an int64 index tensor on ``device`` without making the host
-    wait: a copy from pageable memory would synchronise the stream; from pinned memory it
-    is asynchronous (the caching host allocator keeps the block until it ran). On CPU a
-    view of ``idx``."""
-    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without making the host wait: a copy from pageable
+    memory would synchronise the stream; from pinned memory it is asynchronous (the caching
+    host allocator keeps the block until it ran). On CPU ``t`` itself."""
     if device.type == "cpu":
         return t
     if async_copies(device):
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices ``idx`` as an int64 index tensor on ``device`` (:func:`host_to_device`;
+    on CPU a view of ``idx``)."""
+    return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), device)
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
