@@ -124,8 +124,9 @@ class StagingRing:
         return i, buf[:numel]
 
     def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:
-        """Queue the copy of slot ``slot``'s first ``dst.numel()`` elements into ``dst`` (on
-        ``stream``, None: the current one; the caller has made it current)."""
+        """Queue the copy of slot ``slot``'s first ``dst.numel()`` elements into ``dst`` on
+        the current stream and record the slot's event on ``stream`` (None: the current
+        one; a caller copying on a side stream passes it, having made it current)."""
         buf = self.buffers[slot]
         assert buf is not None, "send() of a slot not taken"
         dst.copy_(buf[: dst.numel()].view(dst.shape), non_blocking=self.pinned)
@@ -214,11 +215,9 @@ class HostCopyRing:
         """Read the oldest copy into ``_out`` and free its buffer if it has arrived (or
         ``wait``: once it has); whether it was."""
         i, event, tag = self._flight[0]
-        if event is not None and not event.query():
-            if not wait:
-                return False
-            self.waits += 1
-            event.synchronize()
+        if not wait and event is not None and not event.query():
+            return False
+        self.waits += _wait(event)
         self._flight.popleft()
         host = self._host[i][0] if self._single else self._host[i]
         self._out.append((tag, self._read(tag, host)))
