@@ -29,7 +29,7 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
    of an ESamp step (``esamp_fake_step``) stand in.
 6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
-   searches (``sync_count.SyncCounter``; on CUDA also under the sync debug mode) and of the
+   searches (``tllm_core.testing.counters.SyncCounter``; on CUDA also under the sync debug mode) and of the
    consumer's decode step when pydantic is there.
 7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
    captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
@@ -66,9 +66,9 @@ import gpu_rehearsal  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
 from gpu_kernels import QUICK_SHAPES, SHAPES_7B, bench_kernels  # noqa: E402
-from sync_count import SyncCounter  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
+from tllm_core.testing.counters import SyncCounter  # noqa: E402
 from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 VOCAB_7B = 152064
