@@ -59,10 +59,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tllm_core.testing import fake_cuda_stubs as stubs
-from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
+from tllm_core.testing.fake_cuda_checker import Checker, fresh_outputs, tensor_bytes
 from tllm_core.testing.fake_cuda_order import Site, StreamOrder, site_parts
 
 KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas", "race")
@@ -133,16 +134,20 @@ def is_cuda(device: torch.device | str) -> bool:
 class FakeCuda:
     """The fake device and its record (see the module docstring)."""
 
-    device = torch.device("meta")
-
     def __init__(
         self,
+        device: torch.device | str = "meta",
         total_memory: int = 80 * 2**30,
         device_name: str = "FakeCuda (meta)",
         order: bool = False,
         rehearsal: bool = False,
         kernels: Mapping[str, Callable[..., Any]] | None = None,
     ):
+        # "cpu": the operations compute and are neither checked nor counted; a graph replay
+        # runs the captured operations again on the same tensors (CUDA-path host logic
+        # checked against values).
+        self.device = torch.device(device)
+        self.computes = self.device.type != "meta"
         self.total_memory = total_memory
         self.device_name = device_name
         self.rehearsal = rehearsal
@@ -404,6 +409,13 @@ class FakeCuda:
 
     def _replay(self, graph: stubs.FakeGraph) -> None:
         self._count("graph_replays")
+        if self.computes:
+            with torch.no_grad():
+                for func, args, kwargs, out in graph.ops:
+                    new = tree_leaves(fresh_outputs(func, func(*args, **kwargs)))
+                    for o, n in zip(tree_leaves(fresh_outputs(func, out)), new, strict=True):
+                        if isinstance(o, torch.Tensor):  # into the captured storage, as CUDA
+                            o.copy_(n)
         for op, (n, nbytes) in graph.by_op.items():
             self._launch(op, nbytes, n)
         if self.order is not None:

@@ -114,9 +114,7 @@ def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     alias = schema.arguments[big_i].alias_info
     written = alias is not None and alias.is_write
     return (
-        n
-        + touched * (2 if written else 1)
-        + sum(tensor_bytes(o) for o in _fresh_outputs(func, out))
+        n + touched * (2 if written else 1) + sum(tensor_bytes(o) for o in fresh_outputs(func, out))
     )
 
 
@@ -139,12 +137,12 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         size = tensor_bytes(args[i] if i < len(args) else kwargs.get(arg.name))
         written = arg.alias_info is not None and arg.alias_info.is_write
         n += size * ((not arg.is_out) + written)
-    for o in _fresh_outputs(func, out):
+    for o in fresh_outputs(func, out):
         n += tensor_bytes(o)
     return n
 
 
-def _fresh_outputs(func: Any, out: Any) -> list[Any]:
+def fresh_outputs(func: Any, out: Any) -> list[Any]:
     """Outputs that alias no input (new storage)."""
     if func.is_view:
         return []
@@ -171,6 +169,11 @@ class Checker(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         if getattr(fc._quiet, "on", False):
             return func(*args, **kwargs)
+        if fc.computes:
+            out = func(*args, **kwargs)
+            if fc._capture is not None and not func.is_view and _name(func) not in NO_DATA:
+                fc._capture.ops.append((func, args, kwargs, out))  # replayed into ``out``
+            return out
         if _composite(func):
             # Under inference mode composite operations (``to``, ``item``, ``is_nonzero``,
             # ...) reach the mode whole: taken apart, the mode sees the copies, reads and
@@ -251,7 +254,7 @@ class Checker(TorchDispatchMode):
             fc.order.operation(True, func, args, kwargs, out)
         if not func.is_view and name not in NO_DATA:
             fc._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
-        for o in _fresh_outputs(func, out):
+        for o in fresh_outputs(func, out):
             for t in tree_leaves(o):
                 if _tensor(t) and fc.is_fake(t):
                     fc._allocated(f"aten.{name}", t)

@@ -97,6 +97,7 @@ class FakeGraph:
         self.pool_bytes = 0
         self.captured = False
         self.order_accesses: list[Any] = []  # with order=True: what a replay accesses
+        self.ops: list[tuple] = []  # on a computing device: what a replay runs again
 
     @property
     def launches(self) -> int:
@@ -120,7 +121,7 @@ class FakeGraph:
 
     def reset(self) -> None:
         self.by_op, self.pool_bytes, self.captured = {}, 0, False
-        self.order_accesses = []
+        self.order_accesses, self.ops = [], []
 
     def pool(self) -> object:
         return object()
