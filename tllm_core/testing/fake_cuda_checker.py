@@ -1,8 +1,9 @@
-"""The per-operation rules of :class:`~tllm_core.testing.fake_cuda.FakeCuda`: a
-``TorchDispatchMode`` that classifies every aten operation touching the fake device (host
-wait, copy from pageable memory, allocation, matrix product) and counts its launch and
-bytes, and :func:`op_bytes`, the byte-counting rule shared with
-``benchmarks/bytes_count.py``."""
+"""The rule table of :class:`~tllm_core.testing.fake_cuda.FakeCuda` and of
+:mod:`tllm_core.testing.counters`: which operations make the host wait
+(:func:`host_wait_kind`, :func:`copy_rule`), what an operation reads and writes
+(:func:`op_bytes`), and the ``TorchDispatchMode`` that applies them to every aten operation
+touching the fake device (host waits, pageable copies, allocations, matrix products,
+launches and bytes)."""
 
 from __future__ import annotations
 
