@@ -5,9 +5,6 @@ written)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,10 +14,7 @@ from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.mlp import batched_mm, forward_packed
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from cuda_stubs import install as install_cuda_stubs  # noqa: E402
-from host_memory import cpu_peak_bytes  # noqa: E402
+from tllm_core.testing.counters import cpu_peak_bytes
 
 QWEN25_7B = dict(hidden_size=3584, vocab_size=152064)  # 28 layers: no term depends on them
 
@@ -68,8 +62,8 @@ def _all_tensors(obj, seen=None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("slots,rows,stats", [(3, 4, False), (5, 3, True)])
-def test_plan_exact_terms_equal_the_allocated_tensors(monkeypatch, slots, rows, stats):
-    install_cuda_stubs(monkeypatch)
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_plan_exact_terms_equal_the_allocated_tensors(slots, rows, stats):
     h, inter = 48, 24
     d = CudaGroupedDistiller(
         h, device="cpu", intermediate_size=inter, capacity=slots, graph_max_rows=rows,

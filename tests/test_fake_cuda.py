@@ -79,6 +79,10 @@ def equal(fc, t):
     torch.equal(t, t)
 
 
+def bincount(fc, t):
+    torch.bincount(t.long())
+
+
 def bool_mask(fc, t):
     t[t > 0]
 
@@ -113,7 +117,7 @@ def pinned_blocking_copy(fc, t):
 
 HOST_WAITS = [item, as_int, as_bool, cpu, tolist, to_numpy, nonzero, unique, equal, bool_mask]
 HOST_WAITS += [bool_mask_put, masked_select, repeats, stream_sync, event_sync, device_sync]
-HOST_WAITS += [pinned_blocking_copy]
+HOST_WAITS += [pinned_blocking_copy, bincount]
 
 
 @pytest.mark.parametrize("fn", HOST_WAITS, ids=lambda f: f.__name__)
@@ -542,3 +546,17 @@ def test_cpu_distiller_refuses_a_device():
 
     with pytest.raises(ValueError, match="CudaGroupedDistiller"):
         GroupedDistiller(HIDDEN, device="cuda")
+
+
+def test_on_a_computing_cpu_device_a_graph_replay_runs_its_operations_again():
+    """``FakeCuda(device="cpu")``: values are computed; a replay runs the captured operations
+    again on the same tensors (a new value of an input reaches the output, through an
+    intermediate the capture made)."""
+    with FakeCuda(device="cpu"):
+        x, y = torch.ones(3), torch.zeros(3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y.copy_(x * 2 + 1)
+        x.fill_(5)
+        g.replay()
+    assert y.tolist() == [11.0] * 3
