@@ -235,10 +235,10 @@ def mixed_rows(
     return mixed.logical_and_(torch.ne(betas, 0, out=take(ws, "bmask", (n,), torch.bool, dev)))
 
 
-def fit_scale(err: torch.Tensor) -> torch.Tensor:
+def fit_scale(err: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """beta_schedule 'fit': the factor ``clamp(1 - err, 0, 1)`` of a group's recent relative
     error (1 = the distiller predicts perfectly, 0 = no better than predicting zero)."""
-    return (1 - err).clamp(0.0, 1.0)
+    return torch.neg(err, out=out).add_(1.0).clamp_(0.0, 1.0)
 
 
 def candidate_shift(

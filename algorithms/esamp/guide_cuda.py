@@ -60,7 +60,6 @@ class CudaGuide(Guide):
     def __init__(
         self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
     ):
-        super().__init__(shared, groups, model, diagnostics)
         cfg = shared.cfg
         shape = GuideShape(
             cfg.cuda_rows_per_step,
@@ -74,6 +73,7 @@ class CudaGuide(Guide):
             diagnostics=diagnostics is not None,
         )
         self.ws = ws = GuideWorkspace(shape, model.device)
+        super().__init__(shared, groups, model, diagnostics, ws)
         shared.arange = ws.parts["arange"]  # whole-step row indices are its views
         self.guided_sums = DeviceSums(ws.parts["guided"])
         self.records = (
@@ -118,7 +118,7 @@ class CudaGuide(Guide):
         if self.fit is not None or self.records is not None:
             rel = relative_error(target(), f_real, ws)
         if self.fit is not None:
-            betas.mul_(self.fit.scale_into(ws, st["slots"], st["fresh"], rel))
+            betas.mul_(self.fit.scale(st["slots"], st["fresh"], rel))
         post_filter = self.post_filter(view)
         rec = None
         if self.records is not None:  # diagnostics: this step's rows in the device ring

@@ -59,11 +59,17 @@ class Guide:
     """What both strategies hold: the fit, the noise generator, the head."""
 
     def __init__(
-        self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
+        self,
+        shared: Shared,
+        groups: Groups,
+        model: ModelInfo,
+        diagnostics: Diagnostics | None,
+        ws: GuideWorkspace | None = None,
     ):
         self.s, self.groups, self.model, self.diagnostics = shared, groups, model, diagnostics
         cfg = shared.cfg
-        self.fit = FitScale(cfg.fit_decay, shared.counters) if cfg.beta_schedule == "fit" else None
+        fit = cfg.beta_schedule == "fit"
+        self.fit = FitScale(cfg.fit_decay, shared.counters, ws) if fit else None
         self.weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self.latent_ok = self.weight is not None and shared.tgt_key == FINAL
