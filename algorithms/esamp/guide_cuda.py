@@ -33,13 +33,12 @@ from algorithms.esamp.guidance import (
     mix_full_vocab_logits,
     mix_latent,
     mixed_rows,
-    relative_error,
 )
 from algorithms.esamp.guide_step import NOISE_ABLATIONS, Guide, f_positions
 from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
 from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.shared import Shared, rows_id
+from algorithms.esamp.shared import Shared
 from tllm_core import FINAL, DeviceSums, GuideView, ModelInfo
 
 if TYPE_CHECKING:
@@ -99,7 +98,7 @@ class CudaGuide(Guide):
     def guide(
         self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
     ) -> None:
-        s, ws = self.s, self.ws
+        ws = self.ws
         r, n = len(view.rows), len(sel)
         ws.check_rows(r)
         all_rows = n == r and sel[-1] == n - 1  # every row, in order: no gathers
@@ -108,15 +107,9 @@ class CudaGuide(Guide):
             fresh = self.fit.fresh(slots, [self.groups.by_slot[x] for x in slots])
         st = ws.stage(sel, host_betas, slots, fresh)
         idx, betas = st["idx"], st["betas"]
-        x = self._rows(view.hidden(s.src_key), idx, all_rows, "x")
-        # The update of the same rows reuses this forward (the rows' id says they are the same).
-        f = f_real = s.predict(
-            torch.tensor(slots, dtype=torch.long), x, rows_id(view.step, view.rows, sel)
+        f, rel = self.predict(
+            view, sel, slots, lambda t, part: self._rows(t, idx, all_rows, part), ws
         )
-        target = lambda: self._rows(view.hidden(s.tgt_key), idx, all_rows, "hb")  # noqa: E731
-        f = self.ablate(f, target, ws)
-        if self.fit is not None or self.records is not None:
-            rel = relative_error(target(), f_real, ws)
         if self.fit is not None:
             betas.mul_(self.fit.scale(st["slots"], st["fresh"], rel))
         post_filter = self.post_filter(view)

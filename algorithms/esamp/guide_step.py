@@ -81,17 +81,31 @@ class Guide:
         mode = self.s.cfg.mode
         return mode == "post_filter" or (mode == "auto" and view.filtered)
 
-    def ablate(
-        self, f: torch.Tensor, target: Callable[[], torch.Tensor], ws: GuideWorkspace | None
-    ) -> torch.Tensor:
-        """The prediction the mix uses: ``f``, or with a noise ablation its stand-in
-        (``target``: the predicted rows' target states)."""
-        ablation = self.s.cfg.ablation
+    def predict(
+        self,
+        view: GuideView,
+        sel: list[int],
+        slots: list[int],
+        rows: Callable[[torch.Tensor, str], torch.Tensor],
+        ws: GuideWorkspace | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prediction the mix uses for view rows ``sel`` (``rows(t, part)``: their rows
+        of ``t``, in the workspace's ``part``): ``f(h_1)`` or, with a noise ablation, its
+        stand-in; and with 'fit' or diagnostics each row's relative error of ``f(h_1)``."""
+        s, ablation = self.s, self.s.cfg.ablation
+        f = f_real = s.predict(
+            torch.tensor(slots, dtype=torch.long),
+            rows(view.hidden(s.src_key), "x"),
+            rows_id(view.step, view.rows, sel),  # the update of the same rows reuses its forward
+        )
         if ablation == "noise":
-            return noise_prediction(target(), f, self.noise_gen, ws)
-        if ablation == "f_noise":
-            return f_noise_prediction(f, self.noise_gen, ws)
-        return f
+            f = noise_prediction(rows(view.hidden(s.tgt_key), "hb"), f, self.noise_gen, ws)
+        elif ablation == "f_noise":
+            f = f_noise_prediction(f, self.noise_gen, ws)
+        rel = None
+        if self.fit is not None or self.diagnostics is not None:
+            rel = relative_error(rows(view.hidden(s.tgt_key), "hb"), f_real, ws)
+        return f, rel
 
     def head(self, z: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(z.to(self.model.dtype)).float()
@@ -122,19 +136,12 @@ class HostGuide(Guide):
     def guide(
         self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
     ) -> None:
-        s, rows = self.s, view.rows
+        s = self.s
         idx = row_index(sel, view.logits.device, s.arange)
-        f = f_real = s.predict(
-            torch.tensor(slots, dtype=torch.long),
-            select_rows(view.hidden(s.src_key), sel, idx),
-            rows_id(view.step, rows, sel),  # the update of the same rows reuses its forward
-        )
+        f, rel = self.predict(view, sel, slots, lambda t, _: select_rows(t, sel, idx), None)
         s.counters.max("staleness_max", s.distiller.staleness_max())
-        f = self.ablate(f, lambda: view.hidden(s.tgt_key)[idx], None)
         betas = host_to(torch.tensor(host_betas, dtype=torch.float32), f.device)
-        rel = diag = None
-        if self.fit is not None or self.diagnostics is not None:
-            rel = relative_error(view.hidden(s.tgt_key)[idx], f_real)
+        diag = None
         if self.diagnostics is not None:
             diag = ([self.groups.by_slot[slot].age for slot in slots], rel)
             self.diagnostics.record_error(*diag)
