@@ -47,13 +47,14 @@ def mix_candidates(
 ) -> torch.Tensor:
     """The ESamp mix for candidate entries: ``(1+beta)*ref - beta*dist/T`` elementwise
     (``ref`` temperature-scaled, ``dist`` raw head projections, fp32; ``beta`` and
-    ``temperature`` broadcast to ``ref``). ``dist`` is scaled in place (a temporary of the
-    caller's)."""
+    ``temperature`` broadcast to ``ref``). With ``ws``, ``dist`` is its part "dist" and is
+    scaled there."""
     dev, f32 = ref.device, torch.float32
     beta = torch.as_tensor(beta, dtype=f32, device=dev)
     one_b = torch.add(beta, 1, out=take(ws, "one_b", tuple(beta.shape), f32, dev))
     new = torch.mul(one_b, ref, out=take(ws, "mix", tuple(ref.shape), f32, dev))
-    return new.sub_(dist.mul_(beta).div_(temperature))
+    scaled = torch.mul(dist, beta, out=take(ws, "dist", tuple(dist.shape), f32, dev))
+    return new.sub_(scaled.div_(temperature))
 
 
 def mix_post_filter(
