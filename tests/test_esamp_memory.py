@@ -182,9 +182,8 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype, ablation
         intermediate_size=32, mode=mode, cpu_update="inline", cuda_rows_per_step=r,
         cuda_max_candidates=9, ablation=ablation, diagnostics=diagnostics,
     )  # fmt: skip
-    c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
-    c.shared.on_cuda = True
-    ws = c.guide_step.workspace()
+    c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)), cuda_path=True)
+    ws = c.guide_step.strategy.ws
     flats = (ws.flat, ws.view_buffers.flat)
     held = {t.untyped_storage().data_ptr() for t in flats}
     parts = [*ws.parts.values(), *ws.view_buffers.parts.values()]

@@ -38,8 +38,8 @@ def syncs_per_step(mode: str, steps: int = 4) -> list[dict[str, int]]:
     fake = Fake()
     mode, _, fit = mode.partition("+")
     extra = {"beta_schedule": "fit", "init": "zero", "lr": 1e-2} if fit else {}
-    c = fake.consumer(cpu_update="thread", mode=mode, **extra)
-    c.shared.on_cuda = True  # the consumer's CUDA branches (see the module docstring)
+    # the consumer's CUDA branches (see the module docstring)
+    c = fake.consumer(cpu_update="thread", mode=mode, cuda_path=True, **extra)
     reqs = fake.requests(2, 4)
     out = []
     for t in range(steps):
