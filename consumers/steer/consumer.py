@@ -6,15 +6,25 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from consumers.steer.in_graph import SteerTransform
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core import (
     Consumer,
     ConsumerConfig,
     ConsumerContext,
+    Edit,
     EditPlan,
     FiniteF32,
+    HiddenStates,
     RequestInfo,
     RequestSettings,
     ResidualEdit,
@@ -26,10 +36,38 @@ from tllm_core import (
 MAX_INLINE_VECTOR = 1 << 20
 
 
+class SteerGate(BaseModel):
+    """A probe that decides, row by row inside the forward, whether a vector applies."""
+
+    model_config = ConfigDict(extra="forbid")
+    path: str | None = Field(None, description="Probe direction file (as a vector's 'path').")
+    vector: list[FiniteF32] | None = Field(
+        None, max_length=MAX_INLINE_VECTOR, description="The probe direction inline."
+    )
+    threshold: FiniteF32 = Field(..., description="The probe fires where its score crosses this.")
+    above: bool = Field(
+        True, description="Fire where score > threshold (false: where score < threshold)."
+    )
+    normalize: bool = Field(
+        True, description="Score with the unit direction (s.d/|d|); false: the raw s.d."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SteerGate:
+        if (self.path is None) == (self.vector is None):
+            raise ValueError("give exactly one of 'path' and 'vector'")
+        return self
+
+
 class SteerVector(BaseModel):
     """One vector at one layer."""
 
     model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Name a request chooses the vector by (tllm_steer_vectors).",
+    )
     layer: int = Field(
         ...,
         description="Decoder layer whose output residual stream is edited "
@@ -47,18 +85,42 @@ class SteerVector(BaseModel):
         1.0,
         description="Multiplier of the vector in 'add' mode (0 is allowed; ignored by 'ablate').",
     )
-    mode: Literal["add", "ablate"] = Field(
+    mode: Literal["add", "ablate", "clamp"] = Field(
         "add",
         description="'add': s += scale*v; 'ablate': remove the component of s along v "
-        "(s -= (s.u)u with u = v/|v|).",
+        "(s -= (s.u)u with u = v/|v|); 'clamp': clip the projection s.u to [lo, hi], or set "
+        "it to 'target' (s += (p' - s.u)u).",
     )
     normalize: bool = Field(False, description="Scale v to unit norm before applying 'scale'.")
+    lo: FiniteF32 | None = Field(None, description="'clamp': lowest projection kept.")
+    hi: FiniteF32 | None = Field(None, description="'clamp': highest projection kept.")
+    target: FiniteF32 | None = Field(None, description="'clamp': the projection set on every row.")
+    gate: SteerGate | None = Field(
+        None,
+        description="Apply only to rows where this probe, read at the same layer (before "
+        "steer's in-graph edits there), fires; decided inside the forward (counter rows_gated).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> SteerVector:
         if (self.path is None) == (self.vector is None):
             raise ValueError("give exactly one of 'path' and 'vector'")
+        bounds = (self.lo, self.hi, self.target)
+        if self.mode != "clamp":
+            if any(b is not None for b in bounds):
+                raise ValueError(f"lo, hi and target are for mode 'clamp', not {self.mode!r}")
+        elif self.target is not None and (self.lo, self.hi) != (None, None):
+            raise ValueError("'clamp': give 'target', or 'lo' and/or 'hi', not both")
+        elif self.target is None and self.lo is None and self.hi is None:
+            raise ValueError("'clamp' needs 'target', or 'lo' and/or 'hi'")
+        elif self.lo is not None and self.hi is not None and self.lo > self.hi:
+            raise ValueError(f"'clamp': lo ({self.lo}) is above hi ({self.hi})")
         return self
+
+    @property
+    def in_graph(self) -> bool:
+        """Decided on the row's own value inside the forward (an in-graph transform)."""
+        return self.mode == "clamp" or self.gate is not None
 
 
 class SteerConfig(ConsumerConfig):
@@ -67,6 +129,14 @@ class SteerConfig(ConsumerConfig):
         "all",
         description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
     )
+
+    @model_validator(mode="after")
+    def _names_and_layers(self) -> SteerConfig:
+        names = [v.name for v in self.vectors if v.name is not None]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"vector name(s) {', '.join(map(repr, dup))} given twice")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -81,13 +151,46 @@ class SteerConfig(ConsumerConfig):
 
 
 class SteerRequest(RequestSettings):
-    """Per-request settings: ``tllm_steer_scale``."""
+    """Per-request settings: ``tllm_steer_scale``, ``tllm_steer_vectors``."""
 
     scale: FiniteF32 | None = Field(
         None,
         description="replaces the 'scale' of every 'add' vector for this request "
         "(default: each vector's configured scale)",
     )
+    vectors: dict[str, FiniteF32 | None] | None = Field(
+        None,
+        max_length=256,
+        description="the named vectors this request uses, as 'NAME[=SCALE],...' (no scale: "
+        "the configured one); the others are off for it (default: every vector)",
+    )
+
+    @field_validator("vectors", mode="before")
+    @classmethod
+    def _parse_names(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        out: dict[str, str | None] = {}
+        for item in filter(None, (p.strip() for p in value.split(","))):
+            name, eq, scale = item.partition("=")
+            out[name.strip()] = scale.strip() if eq else None
+        return out
+
+    @model_validator(mode="after")
+    def _known_names(self, info: ValidationInfo) -> SteerRequest:
+        config = (info.context or {}).get("config")
+        if self.vectors is None or not isinstance(config, SteerConfig):
+            return self
+        known = {v.name: v for v in config.vectors if v.name is not None}
+        for name, scale in self.vectors.items():
+            if name not in known:
+                raise ValueError(
+                    f"no steering vector named {name!r}; this server's: "
+                    f"{', '.join(sorted(known)) or '(none named)'}"
+                )
+            if scale is not None and known[name].mode != "add":
+                raise ValueError(f"vector {name!r} is '{known[name].mode}': it takes no scale")
+        return self
 
 
 # Scaled vectors kept per steer for scale overrides (one per distinct override and vector).
@@ -95,13 +198,23 @@ KEEP_SCALED = 64
 
 
 class _Vec:
-    __slots__ = ("layer", "vector", "scale", "mode", "scaled")
+    __slots__ = ("name", "layer", "vector", "scale", "mode", "scaled", "transform")
 
-    def __init__(self, layer: int, vector: torch.Tensor, scale: float, mode: str):
+    def __init__(
+        self,
+        name: str | None,
+        layer: int,
+        vector: torch.Tensor,
+        scale: float,
+        mode: str,
+        transform: SteerTransform | None = None,
+    ):
+        self.name = name
         self.layer = layer
         self.vector = vector
         self.scale = scale
         self.mode = mode
+        self.transform = transform  # gated or clamping: decided inside the forward
         # scale -> vector * scale, made once: the same tensor every step, so the edit
         # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
         self.scaled: dict[float, torch.Tensor] = {}
@@ -119,12 +232,16 @@ class _Vec:
         return out
 
 
+# A request's steering: None (not steered) or (scale override, {name: scale} chosen or None).
+_State = tuple[float | None, dict[str, float | None] | None] | None
+
+
 class SteerConsumer(Consumer):
     name = "steer"
     proof_counter = "rows_selected"
     description = (
-        "Activation steering: add scale*vector to (or ablate a direction from) the residual "
-        "stream after chosen layers, on prompt and/or generated tokens."
+        "Activation steering: add scale*vector to, ablate a direction from, or clamp a "
+        "projection of the residual stream after chosen layers, optionally gated by a probe."
     )
     Config = SteerConfig
     Request = SteerRequest
@@ -137,32 +254,20 @@ class SteerConsumer(Consumer):
         device = context.model.device
         self.vectors: list[_Vec] = []
         ablated: dict[int, int] = {}
+        in_graph: dict[int, int] = {}
         for i, entry in enumerate(config.vectors):
             try:
                 layer = context.resolve_layer(entry.layer)
             except ValueError as e:
                 raise ValueError(f"steer: vectors[{i}].layer: {e}") from None
-            if entry.path is not None:
-                try:
-                    vec = load_vector(entry.path, hidden)
-                except ValueError as e:
-                    raise ValueError(f"steer: vectors[{i}].path: {e}") from None
-            else:
-                try:
-                    vec = check_vector(
-                        torch.tensor(entry.vector, dtype=torch.float32),
-                        hidden,
-                        f"vectors[{i}].vector",
-                    )
-                except ValueError as e:
-                    raise ValueError(f"steer: {e}") from None
+            vec = _vector(entry.path, entry.vector, hidden, f"vectors[{i}]")
             norm = float(vec.norm())
-            if (entry.mode == "ablate" or entry.normalize) and norm == 0.0:
+            if (entry.mode != "add" or entry.normalize) and norm == 0.0:
                 raise ValueError(
-                    f"steer: vectors[{i}] is all zeros: 'ablate' and normalize=true need a "
-                    f"non-zero direction"
+                    f"steer: vectors[{i}] is all zeros: 'ablate', 'clamp' and normalize=true "
+                    f"need a non-zero direction"
                 )
-            if entry.mode == "ablate":
+            if entry.mode == "ablate" and entry.gate is None:
                 if layer in ablated:
                     raise ValueError(
                         f"steer: vectors[{ablated[layer]}] and vectors[{i}] both ablate at layer "
@@ -172,60 +277,116 @@ class SteerConsumer(Consumer):
                 vec = vec / norm
             elif entry.normalize:
                 vec = vec / norm
-            self.vectors.append(_Vec(layer, vec.to(device), float(entry.scale), entry.mode))
+            transform = None
+            if entry.in_graph:
+                if layer in in_graph:
+                    raise ValueError(
+                        f"steer: vectors[{in_graph[layer]}] and vectors[{i}] are both gated or "
+                        f"clamping at layer {layer}; one such vector per layer is supported"
+                    )
+                in_graph[layer] = i
+                transform = self._transform(entry, vec, hidden, device, i)
+            self.vectors.append(
+                _Vec(entry.name, layer, vec.to(device), float(entry.scale), entry.mode, transform)
+            )
         self.layers = sorted({v.layer for v in self.vectors})
-        # engine_id -> scale override (None: config scales) or False (not steered)
-        self._req_cache: dict[str, float | None | bool] = {}
+        self._req_cache: dict[str, _State] = {}
+
+    @staticmethod
+    def _transform(
+        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, i: int
+    ) -> SteerTransform:
+        probe = None
+        gate = entry.gate
+        if gate is not None:
+            probe = _vector(gate.path, gate.vector, hidden, f"vectors[{i}].gate")
+            pnorm = float(probe.norm())
+            if pnorm == 0.0:
+                raise ValueError(f"steer: vectors[{i}].gate: the probe direction is all zeros")
+            if gate.normalize:
+                probe = probe / pnorm
+        with torch.inference_mode(False):
+            return SteerTransform(
+                (vec * entry.scale if entry.mode == "add" else vec).to(device),
+                entry.mode,
+                lo=entry.lo,
+                hi=entry.hi,
+                target=entry.target,
+                probe=probe,
+                threshold=gate.threshold if gate is not None else 0.0,
+                above=gate.above if gate is not None else True,
+            )
 
     def writes(self) -> list[WritePort]:
-        return [ResidualEdit(layer) for layer in self.layers]
+        graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
+        return [
+            Edit(HiddenStates(layer), transform=graph[layer])
+            if layer in graph
+            else ResidualEdit(layer)
+            for layer in self.layers
+        ]
 
     # -- selection -------------------------------------------------------------------------
-    def _request_state(self, req: RequestInfo) -> float | None | bool:
-        """False: not steered; None: steered with config scales; float: scale override."""
+    def _request_state(self, req: RequestInfo) -> _State:
         state = self._req_cache.get(req.engine_id, _MISSING)
         if state is not _MISSING:
-            return state
+            return state  # type: ignore[return-value]
         if not self.acts_on(req):
-            state = False  # per-request steer that this request did not name
+            state = None  # per-request steer that this request did not name
         else:
-            state = req.settings(self).scale
+            settings = req.settings(self)
+            state = (settings.scale, settings.vectors)
         self._req_cache[req.engine_id] = state
         return state
 
     def select(self, rows: RowInfo) -> tuple[np.ndarray, np.ndarray | None]:
-        """Row indices to steer, and their per-row scale overrides (NaN: config scale) or None."""
+        """Row indices that every vector steers, and their per-row scale overrides (NaN:
+        config scale) or None; :meth:`plan_rows` gives each vector's own rows."""
+        idx, scales = self.plan_rows(rows)[0] if self.vectors else (np.zeros(0, np.int64), None)
+        return idx, scales
+
+    def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per vector: its row indices this step and their scales (None: the configured)."""
         n = len(rows)
         if n == 0:
-            return np.zeros(0, np.int64), None
+            return [(np.zeros(0, np.int64), None) for _ in self.vectors]
         pos = self.config.positions
         if pos == "all":
-            mask = np.ones(n, np.bool_)
+            base = np.ones(n, np.bool_)
         else:
             dec = np.asarray(rows.is_decode, np.bool_)
-            mask = dec.copy() if pos == "generated" else ~dec
-        overrides: np.ndarray | None = None
+            base = dec.copy() if pos == "generated" else ~dec
+        masks = [base.copy() for _ in self.vectors]
+        scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
             state = self._request_state(req)
-            if state is False:
-                mask[start:stop] = False
-            elif state is not None:
-                if overrides is None:
-                    overrides = np.full(n, np.nan)
-                overrides[start:stop] = state
-        idx = np.nonzero(mask)[0].astype(np.int64)
-        if overrides is not None:
-            overrides = overrides[idx]
-            if np.isnan(overrides).all():
-                overrides = None
-        return idx, overrides
+            for j, v in enumerate(self.vectors):
+                if state is None or (state[1] is not None and v.name not in state[1]):
+                    masks[j][start:stop] = False
+                    continue
+                scale = state[1].get(v.name) if state[1] is not None else None
+                scale = state[0] if scale is None else scale
+                if scale is not None and v.mode == "add" and v.transform is None:
+                    if scales[j] is None:
+                        scales[j] = np.full(n, np.nan)
+                    scales[j][start:stop] = scale  # type: ignore[index]
+        out = []
+        for mask, sc in zip(masks, scales, strict=True):
+            idx = np.nonzero(mask)[0].astype(np.int64)
+            sc = None if sc is None else sc[idx]
+            out.append((idx, None if sc is None or np.isnan(sc).all() else sc))
+        return out
 
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
-        idx, overrides = self.select(rows)
-        if idx.size == 0:
-            return
-        for v in self.vectors:
-            if v.mode == "ablate":
+        chosen = self.plan_rows(rows)
+        per_layer: dict[int, set[int]] = {}
+        for v, (idx, overrides) in zip(self.vectors, chosen, strict=True):
+            if idx.size == 0:
+                continue
+            per_layer.setdefault(v.layer, set()).update(idx.tolist())
+            if v.transform is not None:
+                plan.transform(v.layer, idx)
+            elif v.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
             elif overrides is None:
                 plan.add(v.layer, idx, v.times(v.scale))
@@ -236,19 +397,46 @@ class SteerConsumer(Consumer):
                 else:  # per-row values: made (and on a GPU copied) every step
                     s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
                     plan.add(v.layer, idx, s[:, None] * v.vector)
-        n = int(idx.size)
-        for layer in self.layers:
-            self.counters.add(f"rows_selected.layer.{layer}", n)
-        self.counters.add("rows_selected", n * len(self.layers))
+        for layer, sel in per_layer.items():
+            self.counters.add(f"rows_selected.layer.{layer}", len(sel))
+        if per_layer:
+            self.counters.add("rows_selected", sum(len(sel) for sel in per_layer.values()))
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
 
+    def _read_gates(self) -> None:
+        """Move the forwards' gate counts to the counters (read once, at the end)."""
+        for v in self.vectors:
+            t = v.transform
+            if t is not None and t.probe is not None:
+                n = int(t.gated.item())
+                t.gated.zero_()
+                self.counters.add(f"rows_gated.layer.{v.layer}", n)
+                self.counters.add("rows_gated", n)
+
     def result(self) -> dict[str, Any]:
-        return {
+        self._read_gates()
+        out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
         }
+        if any(v.transform is not None and v.transform.probe is not None for v in self.vectors):
+            out["rows_gated"] = int(self.counters.get("rows_gated"))
+        return out
+
+
+def _vector(path: str | None, inline: list[float] | None, hidden: int, what: str) -> torch.Tensor:
+    """A vector from its file or inline list, checked against the model width."""
+    if path is not None:
+        try:
+            return load_vector(path, hidden)
+        except ValueError as e:
+            raise ValueError(f"steer: {what}.path: {e}") from None
+    try:
+        return check_vector(torch.tensor(inline, dtype=torch.float32), hidden, f"{what}.vector")
+    except ValueError as e:
+        raise ValueError(f"steer: {e}") from None
 
 
 _MISSING = object()
