@@ -166,7 +166,7 @@ def _export(tiny_model, tmp_path, u, d, thr, *extra: str, env=None) -> tuple[dic
     out = tmp_path / "steered"
     args = ["export", "--model", tiny_model, "--layers", "1,2", "--out", str(out)]
     args += ["--consumer", f"steer:{json.dumps(_config(u, d, thr))}", "--max-tokens", "4"]
-    args += ["--temperature", "0", "--no-chat", "--json", "--max-model-len", "512"]
+    args += ["--temperature", "0", "-n", "1", "--no-chat", "--json", "--max-model-len", "512"]
     for p in PROMPTS:
         args += ["--prompt", p]
     report = cli_json(run_cli(*args, *extra, env=env, timeout=900))
