@@ -1,7 +1,7 @@
 """The dress rehearsal of ``gpu_smoke.py`` (``--device fake``): every CUDA-only branch of the
 smoke run and of the benchmarks it calls, run on CPU on the fake CUDA device
 (:mod:`tllm_core.testing.fake_cuda`: meta tensors, stub streams, events and graphs), so that a
-typo in code only a GPU reaches fails in CI instead of in a rare, short GPU session.
+typo in code only a GPU reaches fails in CI, on any machine, instead of on the GPU.
 
 Nothing is measured. On top of ``FakeCuda``'s stubs the rehearsal installs:
 
