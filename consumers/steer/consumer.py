@@ -15,12 +15,14 @@ from pydantic import (
     model_validator,
 )
 
+from consumers.steer import registered
 from consumers.steer.in_graph import SteerTransform
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core import (
     Consumer,
     ConsumerConfig,
     ConsumerContext,
+    ControlError,
     Edit,
     EditPlan,
     FiniteF32,
@@ -100,6 +102,11 @@ class SteerVector(BaseModel):
         description="Apply only to rows where this probe, read at the same layer (before "
         "steer's in-graph edits there), fires; decided inside the forward (counter rows_gated).",
     )
+    registered: bool = Field(
+        False,
+        description="Used only by requests that name it (tllm_steer_vectors); removable on a "
+        "running server. Vectors a server registers get it.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> SteerVector:
@@ -124,14 +131,39 @@ class SteerVector(BaseModel):
 
 
 class SteerConfig(ConsumerConfig):
-    vectors: list[SteerVector] = Field(..., min_length=1, description="Vectors to apply.")
+    vectors: list[SteerVector] = Field(
+        default_factory=list, description="Vectors to apply (at least one, or open_layers)."
+    )
     positions: Literal["prompt", "generated", "all"] = Field(
         "all",
         description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
     )
+    open_layers: list[int] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Layers where a running server may register vectors (besides configured "
+        "vectors' layers): their edit ports are declared at start.",
+    )
+    keep_dir: str | None = Field(
+        None,
+        description="Folder where registered vectors are kept, and loaded from at start "
+        "(None: a registration ends with the server).",
+    )
+    max_registered: int = Field(64, ge=0, le=4096, description="Registered vectors at most.")
+    max_registered_mib: float = Field(
+        64.0, gt=0, le=65536, description="Registered vectors' values at most, in MiB (float32)."
+    )
 
     @model_validator(mode="after")
     def _names_and_layers(self) -> SteerConfig:
+        if self.keep_dir is not None:
+            from consumers.steer.registered import kept_entries
+
+            have = {v.name for v in self.vectors}
+            kept = [SteerVector.model_validate(e) for e in kept_entries(self.keep_dir)]
+            self.vectors = [*self.vectors, *(v for v in kept if v.name not in have)]
+        if not self.vectors and not self.open_layers:
+            raise ValueError("give at least one vector, or open_layers for registered ones")
         names = [v.name for v in self.vectors if v.name is not None]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -198,7 +230,7 @@ KEEP_SCALED = 64
 
 
 class _Vec:
-    __slots__ = ("name", "layer", "vector", "scale", "mode", "scaled", "transform")
+    __slots__ = ("name", "layer", "vector", "scale", "mode", "scaled", "transform", "registered")
 
     def __init__(
         self,
@@ -208,8 +240,10 @@ class _Vec:
         scale: float,
         mode: str,
         transform: SteerTransform | None = None,
+        registered: bool = False,
     ):
         self.name = name
+        self.registered = registered  # used only by requests that name it
         self.layer = layer
         self.vector = vector
         self.scale = scale
@@ -250,59 +284,70 @@ class SteerConsumer(Consumer):
 
     def __init__(self, config: SteerConfig, context: ConsumerContext):
         super().__init__(config, context)
-        hidden = int(context.model.hidden_size)
-        device = context.model.device
         self.vectors: list[_Vec] = []
-        ablated: dict[int, int] = {}
-        in_graph: dict[int, int] = {}
         for i, entry in enumerate(config.vectors):
-            try:
-                layer = context.resolve_layer(entry.layer)
-            except ValueError as e:
-                raise ValueError(f"steer: vectors[{i}].layer: {e}") from None
-            vec = _vector(entry.path, entry.vector, hidden, f"vectors[{i}]")
-            norm = float(vec.norm())
-            if (entry.mode != "add" or entry.normalize) and norm == 0.0:
-                raise ValueError(
-                    f"steer: vectors[{i}] is all zeros: 'ablate', 'clamp' and normalize=true "
-                    f"need a non-zero direction"
-                )
-            if entry.mode == "ablate" and entry.gate is None:
-                if layer in ablated:
-                    raise ValueError(
-                        f"steer: vectors[{ablated[layer]}] and vectors[{i}] both ablate at layer "
-                        f"{layer}; one ablation direction per layer is supported"
-                    )
-                ablated[layer] = i
-                vec = vec / norm
-            elif entry.normalize:
-                vec = vec / norm
-            transform = None
-            if entry.in_graph:
-                if layer in in_graph:
-                    raise ValueError(
-                        f"steer: vectors[{in_graph[layer]}] and vectors[{i}] are both gated or "
-                        f"clamping at layer {layer}; one such vector per layer is supported"
-                    )
-                in_graph[layer] = i
-                transform = self._transform(entry, vec, hidden, device, i)
-            self.vectors.append(
-                _Vec(entry.name, layer, vec.to(device), float(entry.scale), entry.mode, transform)
-            )
-        self.layers = sorted({v.layer for v in self.vectors})
+            self.vectors.append(self._build(entry, f"vectors[{i}]"))
+        try:
+            opened = {context.resolve_layer(layer) for layer in config.open_layers}
+        except ValueError as e:
+            raise ValueError(f"steer: open_layers: {e}") from None
+        self.layers = sorted({v.layer for v in self.vectors} | opened)
         self._req_cache: dict[str, _State] = {}
+
+    def _build(self, entry: SteerVector, what: str) -> _Vec:
+        """One vector, checked against the model and against the vectors built before it."""
+        hidden = int(self.context.model.hidden_size)
+        try:
+            layer = self.context.resolve_layer(entry.layer)
+        except ValueError as e:
+            raise ValueError(f"steer: {what}.layer: {e}") from None
+        vec = _vector(entry.path, entry.vector, hidden, what)
+        norm = float(vec.norm())
+        if (entry.mode != "add" or entry.normalize) and norm == 0.0:
+            raise ValueError(
+                f"steer: {what} is all zeros: 'ablate', 'clamp' and normalize=true "
+                f"need a non-zero direction"
+            )
+        for j, other in enumerate(self.vectors):
+            if other.layer != layer:
+                continue
+            if entry.mode == "ablate" and entry.gate is None and other.mode == "ablate":
+                if other.transform is None:
+                    raise ValueError(
+                        f"steer: vectors[{j}] and {what} both ablate at layer {layer}; one "
+                        f"ablation direction per layer is supported"
+                    )
+            if entry.in_graph and other.transform is not None:
+                raise ValueError(
+                    f"steer: vectors[{j}] and {what} are both gated or clamping at layer "
+                    f"{layer}; one such vector per layer is supported"
+                )
+        if entry.mode == "ablate" or entry.normalize:
+            vec = vec / norm
+        transform = None
+        if entry.in_graph:
+            transform = self._transform(entry, vec, hidden, self.context.model.device, what)
+        return _Vec(
+            entry.name,
+            layer,
+            vec.to(self.context.model.device),
+            float(entry.scale),
+            entry.mode,
+            transform,
+            entry.registered,
+        )
 
     @staticmethod
     def _transform(
-        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, i: int
+        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, what: str
     ) -> SteerTransform:
         probe = None
         gate = entry.gate
         if gate is not None:
-            probe = _vector(gate.path, gate.vector, hidden, f"vectors[{i}].gate")
+            probe = _vector(gate.path, gate.vector, hidden, f"{what}.gate")
             pnorm = float(probe.norm())
             if pnorm == 0.0:
-                raise ValueError(f"steer: vectors[{i}].gate: the probe direction is all zeros")
+                raise ValueError(f"steer: {what}.gate: the probe direction is all zeros")
             if gate.normalize:
                 probe = probe / pnorm
         with torch.inference_mode(False):
@@ -361,7 +406,8 @@ class SteerConsumer(Consumer):
         for req, start, stop in rows.runs():
             state = self._request_state(req)
             for j, v in enumerate(self.vectors):
-                if state is None or (state[1] is not None and v.name not in state[1]):
+                named = state is not None and state[1] is not None
+                if state is None or (v.name not in state[1] if named else v.registered):
                     masks[j][start:stop] = False
                     continue
                 scale = state[1].get(v.name) if state[1] is not None else None
@@ -404,6 +450,33 @@ class SteerConsumer(Consumer):
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
+
+    # -- vectors registered on a running server (consumers/steer/registered.py) ---------------
+    @classmethod
+    def check_control(
+        cls, action: str, payload: dict[str, Any], config: SteerConfig
+    ) -> tuple[SteerConfig, Any]:
+        return registered.check_control(config, action, payload)
+
+    def control(self, action: str, payload: dict[str, Any]) -> Any:
+        new, reply = registered.check_control(self.config, action, payload)
+        if action == "add":
+            entry = new.vectors[-1]
+            try:
+                vec = self._build(entry, f"vector {entry.name!r}")
+            except ValueError as e:
+                raise ControlError(str(e), 409 if "both" in str(e) else 400) from None
+            if vec.layer not in self.layers:
+                raise ControlError(f"layer {vec.layer} has no edit port in this engine")
+            self.vectors.append(vec)
+            if self.config.keep_dir is not None:
+                registered.keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
+        elif action == "remove":
+            self.vectors = [v for v in self.vectors if v.name != payload["name"]]
+            if self.config.keep_dir is not None:
+                registered.forget(self.config.keep_dir, payload["name"])
+        self.config = new  # requests are validated against its names from here on
+        return reply
 
     def _read_gates(self) -> None:
         """Move the forwards' gate counts to the counters (read once, at the end)."""

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from tllm_core.api.bundles import GuideView
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+from tllm_core.api.consumer import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    ControlError,
+    ModelInfo,
+)
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
@@ -495,6 +501,19 @@ class Runtime:
                     self.bus.finished(s.consumer, req)
 
     # -- results ----------------------------------------------------------------------
+    def control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A control request for consumer ``name`` (between steps): ``{"reply": ...}`` or
+        ``{"error": message, "status": http_status}``."""
+        slot = next((s for s in self.slots if s.consumer.name == name), None)
+        if slot is None:
+            return {"error": f"no consumer {name!r} in this engine", "status": 404}
+        try:
+            return {"reply": slot.consumer.control(action, payload)}
+        except ControlError as e:
+            return {"error": str(e), "status": e.status}
+        except (ValueError, TypeError, KeyError) as e:
+            return {"error": f"{name}: {type(e).__name__}: {e}", "status": 400}
+
     def collect(self) -> dict[str, Any]:
         self._settle(wait=True)
         self.bus.flush()
