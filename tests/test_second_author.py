@@ -160,3 +160,28 @@ def test_tllm_consumers_shows_config_fields_limits():
         assert main(["consumers"]) == 0
     assert "shard_rows: int, >= 1 = 65536" in out.getvalue()
     json.dumps(info)
+
+
+def test_a_greedy_run_says_why_a_guiding_consumer_did_nothing(tiny_model):
+    from tllm_core import SamplerGuide
+    from tllm_core.app.summary import summarize
+
+    class Lens(Consumer):
+        name = "lens"
+
+        def writes(self):
+            return [SamplerGuide()]
+
+        def guide(self, view):
+            self.counters.add("rows_contrasted", len(view.rows))
+
+    kit = ConsumerKit(tiny_model, [Lens])
+    kit.generate([[1, 2, 3]], max_tokens=3, temperature=0.0)
+    greedy = kit.collect()
+    assert greedy["runtime"]["steps_greedy"] == 3  # one sampling row a step, none guided
+    lines = summarize(greedy, lookup=lambda _n: Lens).warnings
+    assert any("sampled every row greedily (temperature 0)" in w for w in lines), lines
+    kit.generate([[1, 2, 3]], max_tokens=3, temperature=1.0)
+    report = kit.close()
+    assert report["runtime"]["steps_greedy"] == 3  # the sampled run added none
+    assert report["consumers"]["lens"]["rows_contrasted"] == 3

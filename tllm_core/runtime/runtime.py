@@ -178,6 +178,7 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
+        self._guided_step = -1  # the last step whose sampler called guide()
         registry = registry or Registry()
         # The engine side's one check of the configs that arrived as JSON.
         configs = registry.check(settings.consumers)
@@ -337,6 +338,7 @@ class Runtime:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
         True when a guide wrote logits (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
+        self._guided_step = step.step
         self._plan(step)
         srows = self._sample_rows(step)
         hidden = {}
@@ -424,6 +426,9 @@ class Runtime:
         bundles; otherwise its rows are delivered as NaN (decided on the device) and the
         step is counted and checked once they arrive (:meth:`_settle`: at a later step's
         end, at the latest when results are collected)."""
+        if self._guides and self._guided_step != step.step and step.sample_kept.any():
+            # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
+            self.counters.add("steps_greedy")
         read = self._stamps.start(step.stamps, step.edited)
         step.stamp_values = read.values
         if read.ready():
