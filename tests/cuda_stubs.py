@@ -45,7 +45,6 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: None)
-    monkeypatch.setattr(cuda_mod, "_pin", lambda t: t)
     monkeypatch.setattr(cuda_mod, "capture_graph", lambda fn, stream, pool: (Graph(fn), None))
 
 

@@ -182,7 +182,7 @@ def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
 
 def _stamps_in_flight(monkeypatch):
     """As on a GPU: the step's stamps are still on their way to the host at its end."""
-    from tllm_core.runtime.stamp_reads import StampRead
+    from tllm_core.runtime.stamp_copies import StampRead
 
     monkeypatch.setattr(StampRead, "ready", lambda self: self._values is not None)
 

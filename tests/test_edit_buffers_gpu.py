@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tllm_core.api.edits import EditBuffers
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -135,7 +135,7 @@ def test_a_second_ablation_reads_nothing_from_the_device_where_it_cannot_clash(s
     there would be a host read every step)."""
     with FakeCuda(order=True) as fc:
         buf = EditBuffers(ROWS, H, torch.float32, fc.device)
-        steps = StepBuffers()
+        steps = StepIndices()
         u, w = torch.randn(H).to(fc.device), torch.randn(H).to(fc.device)
         rows = np.array([0, 1, 2])
         first = [(rows, "ablate", u)]

@@ -2,7 +2,7 @@
 stamps), counted on CPU. The step's tensors live on the ``meta`` device, so a copy between
 host and "device" is a real one that ``benchmarks/sync_count.py`` sees, and a read of a
 device value that the code did not mean to make fails (a meta tensor has no values). The one
-intended read, the step's stamps (``runtime.stamp_reads``: one blocking read on a device
+intended read, the step's stamps (``runtime.stamp_copies``: one blocking read on a device
 without CUDA's streams and events, as meta here), is counted by a stand-in for
 ``Tensor.cpu`` that answers with the step number. On CUDA that read does not block
 (``test_core_ports.test_end_step_makes_the_host_wait_for_nothing_on_a_gpu``)."""

@@ -4,8 +4,10 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
 ``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
-on the device, read back without a host wait) and :class:`HostCopies` (device tensors
-copied to the host without a wait), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
+copied to the host without a wait; ``HostCopies``: its deprecated name) and
+:class:`StagingRing` (host values copied to the device from pinned buffers; one tensor:
+``host_to_device``), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -35,7 +37,6 @@ if TYPE_CHECKING:
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
-    from tllm_core.api.host_copies import HostCopies
     from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
     from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from tllm_core.api.request_settings import RequestSettings
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
+    from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -83,6 +85,9 @@ __all__ = [
     "Counters",
     "DeviceSums",
     "HostCopies",
+    "HostCopyRing",
+    "StagingRing",
+    "host_to_device",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
@@ -186,7 +191,10 @@ _HOME = MappingProxyType(
         "FINAL": "tllm_core.api.port_names",
         "Counters": "tllm_core.api.counters",
         "DeviceSums": "tllm_core.api.device_sums",
-        "HostCopies": "tllm_core.api.host_copies",
+        "HostCopies": "tllm_core.api.transfers",
+        "HostCopyRing": "tllm_core.api.transfers",
+        "StagingRing": "tllm_core.api.transfers",
+        "host_to_device": "tllm_core.api.transfers",
     }
 )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -17,9 +17,17 @@ from tllm_core.api.request_settings import (
     enabled_consumers,
     parse_request_settings,
 )
+from tllm_core.api.transfers import index_to
 
-if TYPE_CHECKING:
-    from tllm_core.api.consumer import Consumer
+
+class SettingsOwner(Protocol):
+    """What :meth:`RequestInfo.settings` reads of a consumer (a
+    :class:`~tllm_core.api.consumer.Consumer`; named structurally, so that rows, which
+    bundles import, does not import the consumer module)."""
+
+    name: str
+    config: Any
+    Request: ClassVar[type[RequestSettings] | None]
 
 
 @dataclass
@@ -50,7 +58,7 @@ class RequestInfo:
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def settings(self, consumer: Consumer) -> RequestSettings:
+    def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated settings for ``consumer`` (an instance of its ``Request``).
 
         Keys the request does not carry take the field defaults. Parsed once per request;
@@ -96,18 +104,6 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
         if i == n or requests[i] is not requests[start]:
             yield requests[start], start, i
             start = i
-
-
-def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host indices ``idx`` as an index tensor on ``device`` without making the host wait
-    for the device: a copy from pageable memory would synchronise the stream; from pinned
-    memory it is asynchronous (the caching host allocator keeps the block until it ran)."""
-    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
-    if device.type == "cpu":
-        return t
-    if torch.cuda.is_available():  # any accelerator (and the fake CUDA of the test kit)
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 @dataclass

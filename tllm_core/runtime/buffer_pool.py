@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tllm_core.api.host_copies import async_copies
+from tllm_core.api.transfers import async_copies, pow2_rows
 
 # Where torch lacks it, nothing is reused (every take allocates, as without a pool).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -41,11 +41,6 @@ def storage_uses(t: torch.Tensor) -> int:
 def _stream(device: torch.device) -> Any | None:
     """The current stream where the device has CUDA's streams (the test kit's fake too)."""
     return torch.cuda.current_stream(device) if async_copies(device) else None
-
-
-def pow2_rows(n: int) -> int:
-    """The power of two at or above ``n`` (at least 1): the rows a grown buffer gets."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(eq=False)  # by identity (a tensor field has no truth value)

@@ -11,9 +11,10 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import index_to, phase_mask
+from tllm_core.api.rows import phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.api.transfers import index_to
+from tllm_core.runtime.step_indices import StepIndices
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
 
 
 def unwritten(
-    step: StepCapture, taps: set[str], device: torch.device, buffers: StepBuffers | None = None
+    step: StepCapture, taps: set[str], device: torch.device, buffers: StepIndices | None = None
 ) -> torch.Tensor | None:
     """On the device, without a host read: a 0-dim bool that is True when this step's
     forward did not stamp every tap in ``taps`` (None: none of them has a stamp); computed
@@ -116,7 +117,7 @@ def bundle_indices(
     plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
 ) -> list[np.ndarray]:
     """Every host index :func:`build_bundle` sends to the device for this bundle (for
-    :meth:`StepBuffers.plan <tllm_core.runtime.step_buffers.StepBuffers.plan>`)."""
+    :meth:`StepIndices.plan <tllm_core.runtime.step_indices.StepIndices.plan>`)."""
     token, sample = bundle_rows(plan, step, enabled)
     out = [] if token is None else [token]
     if sample is not None:
@@ -130,7 +131,7 @@ def build_bundle(
     enabled: np.ndarray | None = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
     unconfirmed: list[tuple[str, set[str]]] | None = None,
-    buffers: StepBuffers | None = None,
+    buffers: StepIndices | None = None,
 ) -> Bundle | None:
     """The consumer's bundle for this step, or None when it selects no row.
 

@@ -45,8 +45,8 @@ from tllm_core.runtime.reads import (
 )
 from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.runtime.stamp_reads import StampRead, StampReader
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.stamp_copies import StampRead, StampReader
+from tllm_core.runtime.step_indices import StepIndices
 
 log = logging.getLogger("tllm")
 
@@ -75,7 +75,7 @@ def _write_plan(
     allowed: dict[str, str],
     buffers: dict[str, EditBuffers],
     owner: str,
-    steps: StepBuffers,
+    steps: StepIndices,
 ) -> None:
     """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
     go to the device in one pinned copy (per device)."""
@@ -211,8 +211,8 @@ class Runtime:
         )
         self.step_index = 0
         # The step's indices (one copy) and gathered rows, in buffers reused from step to
-        # step (step_buffers, buffer_pool): a steady step allocates nothing on the device.
-        self._buffers = StepBuffers()
+        # step (step_indices, buffer_pool): a steady step allocates nothing on the device.
+        self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
         # Its per-request guides' rows, by slot (those with rows only).
         self._selections: dict[int, RowSelection] = {}
@@ -422,7 +422,7 @@ class Runtime:
         """After sampling: deliver bundles, mark positions, and count what the taps confirm.
 
         The stamps and edit counts go to the host without the host waiting for them
-        (``stamp_reads``). Where they are there at once (CPU), a stale tap is left out of the
+        (``stamp_copies``). Where they are there at once (CPU), a stale tap is left out of the
         bundles; otherwise its rows are delivered as NaN (decided on the device) and the
         step is counted and checked once they arrive (:meth:`_settle`: at a later step's
         end, at the latest when results are collected)."""
