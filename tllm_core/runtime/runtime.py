@@ -443,6 +443,8 @@ class Runtime:
                 s.reads, step, enabled, self._stale, unchecked, buffers=self._buffers
             )
             if bundle is not None:
+                if s.reads.token:  # the token rows its phases and windows kept
+                    self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
         # The step's device indices are let go (a later plan reuses their buffer).
         self._planned = None

@@ -272,6 +272,7 @@ class ConsumerKit:
             sample_index=sample,
             num_prompt_tokens=len(ids),
             extra_args=dict(extra),
+            prompt_token_ids=tuple(ids),
         )
         cache = DynamicCache(config=self.hf.config)
         return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
