@@ -78,7 +78,7 @@ def test_the_last_prompt_token_of_512_prompts_at_two_layers(tiny_model, tmp_path
     out = tmp_path / "probe"
     args = ["export", "--model", tiny_model, "--layers", "0,-1", "--phase", "last_prompt"]
     args += ["--prompts", str(tmp_path / "prompts.txt"), "--out", str(out), "--max-tokens", "1"]
-    args += ["--no-chat", "--json", "--enforce-eager", "--max-model-len", "64"]
+    args += ["-n", "1", "--no-chat", "--json", "--enforce-eager", "--max-model-len", "64"]
     report = cli_json(run_cli(*args, timeout=900))
     recs = list(read_export(out, verify=True))
     assert len(recs) == 512
