@@ -24,7 +24,13 @@ from tllm_core.lazy import lazy_getattr
 if TYPE_CHECKING:
     from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView
-    from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+    from tllm_core.api.consumer import (
+        Consumer,
+        ConsumerConfig,
+        ConsumerContext,
+        ControlError,
+        ModelInfo,
+    )
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
     from tllm_core.api.device_sums import DeviceSums
@@ -86,6 +92,7 @@ __all__ = [
     "Consumer",
     "ConsumerConfig",
     "ConsumerContext",
+    "ControlError",
     "ConsumerSpec",
     "ConsumerSpecError",
     "FiniteF32",
@@ -142,6 +149,7 @@ _HOME = MappingProxyType(
         "Consumer": "tllm_core.api.consumer",
         "ConsumerConfig": "tllm_core.api.consumer",
         "ConsumerContext": "tllm_core.api.consumer",
+        "ControlError": "tllm_core.api.consumer",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",

@@ -44,9 +44,13 @@ class Phase(str, Enum):
             return False
         return self is Phase.ALL or (self is Phase.DECODE) == is_decode
 
-    def union(self, other: Phase | None) -> Phase:
+    def union(self, other: Any) -> Any:
+        if other is not None and not isinstance(other, Phase):
+            return other.union(self)  # a window (tllm_core/api/windows.py)
         if other is None or other is self or other is Phase.GUIDE:
             return self
+        if self is Phase.ALL or other is Phase.ALL:
+            return Phase.ALL
         return other if self is Phase.GUIDE else Phase.ALL
 
 
@@ -150,6 +154,9 @@ class Logits(SamplePort):
 
     phase: Phase = Phase.ALL
 
+    def __post_init__(self) -> None:
+        _normalise_phase(self)
+
     @property
     def key(self) -> str:
         return "logits"
@@ -162,6 +169,9 @@ class SampledTokens(SamplePort):
     Bundle: ``Bundle.sampled_token_ids`` (key ``"sampled"``)."""
 
     phase: Phase = Phase.ALL
+
+    def __post_init__(self) -> None:
+        _normalise_phase(self)
 
     @property
     def key(self) -> str:
@@ -237,14 +247,16 @@ def _normalise(port: ReadPort, prefix: str, *, final: bool) -> None:
     name = type(port).__name__
     layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
     object.__setattr__(port, "layer", layer)
+    _normalise_phase(port)
+
+
+def _normalise_phase(port: ReadPort) -> None:
+    """``phase``: a Phase, its value, or a capture window (``tllm_core/api/windows.py``)."""
+    from tllm_core.api.windows import as_selector
+
     phase = getattr(port, "phase", Phase.ALL)
-    if not isinstance(phase, Phase):
-        try:
-            phase = Phase(phase)
-        except ValueError:
-            allowed = ", ".join(repr(p.value) for p in Phase)
-            raise ValueError(f"{name}(phase={phase!r}): expected a Phase ({allowed})") from None
-        object.__setattr__(port, "phase", phase)
+    where = f"{type(port).__name__}(phase={phase!r})"
+    object.__setattr__(port, "phase", as_selector(phase, where))
 
 
 def layer_key(layer: int | str) -> str:

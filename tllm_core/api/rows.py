@@ -53,6 +53,9 @@ class RequestInfo:
     # when vLLM's scheduler reported it finished on its own (stop, length). Set before the
     # finish notice (``Consumer.on_request_finished``) is sent.
     cut_short: bool = False
+    # The prompt's token ids where the runner gives them (a consumer that reads only some
+    # prompt rows, e.g. through a capture window, still knows the whole prompt).
+    prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     # consumer name -> its validated RequestSettings (see settings())
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False

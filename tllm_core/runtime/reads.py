@@ -11,9 +11,9 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import phase_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.transfers import index_to
+from tllm_core.api.windows import row_mask
 from tllm_core.runtime.step_indices import StepIndices
 
 
@@ -96,21 +96,42 @@ def bundle_rows(
     """The rows a consumer's bundle holds: its token rows (indices into ``step.rows``) and
     its sampling rows (indices into the step's sampling rows); None where it has none."""
     token = sample = None
+    rows = step.rows
+    prompt_lengths = _prompt_lengths(rows)
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
-        mask = phase_mask(step.rows.is_decode, phase)
+        mask = row_mask(phase, rows.is_decode, rows.position, prompt_lengths)
         if enabled is not None:
             mask = mask & enabled
         if mask.any():
             token = np.nonzero(mask)[0]
     phase = ReadPlan.phase(plan.sample)
     if phase is not None:
-        mask = step.sample_kept & phase_mask(step.rows.is_decode[step.sample_token_row], phase)
+        at = step.sample_token_row
+        mask = step.sample_kept & row_mask(
+            phase, rows.is_decode[at], rows.position[at], lambda: prompt_lengths()[at]
+        )
         if enabled is not None:
             mask = mask & enabled[step.sample_token_row]
         if mask.any():
             sample = np.nonzero(mask)[0]
     return token, sample
+
+
+def _prompt_lengths(rows) -> Callable[[], np.ndarray]:
+    """Each row's request's prompt length, built on first use (only windows need it)."""
+    made: list[np.ndarray] = []
+
+    def get() -> np.ndarray:
+        if not made:
+            made.append(
+                np.fromiter(
+                    (r.num_prompt_tokens for r in rows.requests), np.int64, len(rows.requests)
+                )
+            )
+        return made[0]
+
+    return get
 
 
 def bundle_indices(

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from tllm_core.api.bundles import GuideView
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+from tllm_core.api.consumer import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    ControlError,
+    ModelInfo,
+)
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
@@ -172,6 +178,7 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
+        self._guided_step = -1  # the last step whose sampler called guide()
         registry = registry or Registry()
         # The engine side's one check of the configs that arrived as JSON.
         configs = registry.check(settings.consumers)
@@ -331,6 +338,7 @@ class Runtime:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
         True when a guide wrote logits (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
+        self._guided_step = step.step
         self._plan(step)
         srows = self._sample_rows(step)
         hidden = {}
@@ -418,6 +426,9 @@ class Runtime:
         bundles; otherwise its rows are delivered as NaN (decided on the device) and the
         step is counted and checked once they arrive (:meth:`_settle`: at a later step's
         end, at the latest when results are collected)."""
+        if self._guides and self._guided_step != step.step and step.sample_kept.any():
+            # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
+            self.counters.add("steps_greedy")
         read = self._stamps.start(step.stamps, step.edited)
         step.stamp_values = read.values
         if read.ready():
@@ -432,6 +443,8 @@ class Runtime:
                 s.reads, step, enabled, self._stale, unchecked, buffers=self._buffers
             )
             if bundle is not None:
+                if s.reads.token:  # the token rows its phases and windows kept
+                    self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
         # The step's device indices are let go (a later plan reuses their buffer).
         self._planned = None
@@ -495,6 +508,19 @@ class Runtime:
                     self.bus.finished(s.consumer, req)
 
     # -- results ----------------------------------------------------------------------
+    def control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A control request for consumer ``name`` (between steps): ``{"reply": ...}`` or
+        ``{"error": message, "status": http_status}``."""
+        slot = next((s for s in self.slots if s.consumer.name == name), None)
+        if slot is None:
+            return {"error": f"no consumer {name!r} in this engine", "status": 404}
+        try:
+            return {"reply": slot.consumer.control(action, payload)}
+        except ControlError as e:
+            return {"error": str(e), "status": e.status}
+        except (ValueError, TypeError, KeyError) as e:
+            return {"error": f"{name}: {type(e).__name__}: {e}", "status": 400}
+
     def collect(self) -> dict[str, Any]:
         self._settle(wait=True)
         self.bus.flush()
