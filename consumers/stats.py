@@ -16,7 +16,7 @@ from tllm_core import (
     parse_port_name,
     residual_port,
 )
-from tllm_core.api.windows import as_selector
+from tllm_core.api.ports import as_selector
 
 
 class StatsConfig(ConsumerConfig):

@@ -12,7 +12,8 @@ from conftest import cli_json, run_cli
 from reference import hf_model
 
 from tllm_core import HiddenStates, Phase
-from tllm_core.api.windows import AnyOf, Window, as_selector
+from tllm_core.api.ports import as_selector
+from tllm_core.api.windows import AnyOf, Window
 
 
 def test_the_grammar_and_the_rows_each_window_keeps():

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
+    from tllm_core.api.windows import Window
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -93,6 +94,7 @@ __all__ = [
     "ConsumerConfig",
     "ConsumerContext",
     "ControlError",
+    "Window",
     "ConsumerSpec",
     "ConsumerSpecError",
     "FiniteF32",
@@ -150,6 +152,7 @@ _HOME = MappingProxyType(
         "ConsumerConfig": "tllm_core.api.consumer",
         "ConsumerContext": "tllm_core.api.consumer",
         "ControlError": "tllm_core.api.consumer",
+        "Window": "tllm_core.api.windows",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",

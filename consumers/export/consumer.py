@@ -32,7 +32,7 @@ from tllm_core import (
     TokenPort,
     parse_port_name,
 )
-from tllm_core.api.windows import as_selector
+from tllm_core.api.ports import as_selector
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 

@@ -47,7 +47,7 @@ from tllm_core import (
     SampledTokens,
     WritePort,
 )
-from tllm_core.api.windows import as_selector
+from tllm_core.api.ports import as_selector
 
 log = logging.getLogger("tllm")
 

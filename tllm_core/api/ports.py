@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
+from tllm_core.api.windows import GRAMMAR, Window
 
 ResolveLayer = Callable[[int], int]
 
@@ -252,8 +253,6 @@ def _normalise(port: ReadPort, prefix: str, *, final: bool) -> None:
 
 def _normalise_phase(port: ReadPort) -> None:
     """``phase``: a Phase, its value, or a capture window (``tllm_core/api/windows.py``)."""
-    from tllm_core.api.windows import as_selector
-
     phase = getattr(port, "phase", Phase.ALL)
     where = f"{type(port).__name__}(phase={phase!r})"
     object.__setattr__(port, "phase", as_selector(phase, where))
@@ -280,3 +279,23 @@ def resolve_layer(layer: int, num_layers: int) -> int:
             f"(valid: {-num_layers}..{num_layers - 1}, negative counts from the end)"
         )
     return idx
+
+
+def as_selector(value: Any, where: str) -> Any:
+    """A port's ``phase`` argument: a ``Phase`` (or its value) or a window (a ``Window`` or
+    its text); ``ValueError`` naming ``where`` and the grammar otherwise."""
+    if isinstance(value, (Phase, Window)):
+        return value
+    try:
+        return Phase(value)
+    except ValueError:
+        pass
+    if value == "prompt":
+        return Phase.PREFILL
+    if value == "generated":
+        return Phase.DECODE
+    try:
+        return Window.parse(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(p.value) for p in Phase)
+        raise ValueError(f"{where}: expected a Phase ({allowed}) or a window: {GRAMMAR}") from None

@@ -18,6 +18,7 @@ from tllm_core.api.request_settings import (
     parse_request_settings,
 )
 from tllm_core.api.transfers import index_to
+from tllm_core.api.windows import Window
 
 
 class SettingsOwner(Protocol):
@@ -242,3 +243,16 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
     if phase is Phase.GUIDE:  # read at guide time only: no row goes into bundles
         return np.zeros_like(is_decode)
     return is_decode if phase is Phase.DECODE else ~is_decode
+
+
+def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:
+    """Which rows ``selector`` (a Phase, Window or AnyOf) keeps; ``num_prompt`` a callable
+    giving the rows' prompt lengths (built only when a window needs it)."""
+    if isinstance(selector, Phase):
+        return phase_mask(is_decode, selector)
+    if isinstance(selector, Window):
+        return selector.mask(position, num_prompt())
+    out = np.zeros(len(is_decode), np.bool_)
+    for part in selector.parts:
+        out |= row_mask(part, is_decode, position, num_prompt)
+    return out

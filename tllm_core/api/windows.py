@@ -90,12 +90,12 @@ class Window:
         return keep
 
     def union(self, other: Any) -> Any:
-        from tllm_core.api.ports import Phase
-
-        if other is None or other == self or other is Phase.GUIDE:
+        # ``other`` a Phase (a str enum: compared by value, so no import of ports), a
+        # window or an AnyOf.
+        if other is None or other == self or other == "guide":
             return self
-        if other is Phase.ALL:
-            return Phase.ALL
+        if other == "all":
+            return other
         return AnyOf(frozenset({self, *(other.parts if isinstance(other, AnyOf) else (other,))}))
 
 
@@ -116,49 +116,9 @@ class AnyOf:
     parts: frozenset
 
     def union(self, other: Any) -> Any:
-        from tllm_core.api.ports import Phase
-
-        if other is None or other is Phase.GUIDE:
+        if other is None or other == "guide":
             return self
-        if other is Phase.ALL:
-            return Phase.ALL
+        if other == "all":
+            return other
         more = other.parts if isinstance(other, AnyOf) else (other,)
         return AnyOf(self.parts | frozenset(more))
-
-
-def as_selector(value: Any, where: str) -> Any:
-    """A port's ``phase`` argument: a ``Phase`` (or its value) or a window (a ``Window`` or
-    its text); ``ValueError`` naming ``where`` and the grammar otherwise."""
-    from tllm_core.api.ports import Phase
-
-    if isinstance(value, (Phase, Window)):
-        return value
-    try:
-        return Phase(value)
-    except ValueError:
-        pass
-    if value == "prompt":
-        return Phase.PREFILL
-    if value == "generated":
-        return Phase.DECODE
-    try:
-        return Window.parse(value)
-    except (ValueError, TypeError):
-        allowed = ", ".join(repr(p.value) for p in Phase)
-        raise ValueError(f"{where}: expected a Phase ({allowed}) or a window: {GRAMMAR}") from None
-
-
-def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:
-    """Which rows ``selector`` (a Phase, Window or AnyOf) keeps; ``num_prompt`` a callable
-    giving the rows' prompt lengths (built only when a window needs it)."""
-    from tllm_core.api.ports import Phase
-    from tllm_core.api.rows import phase_mask
-
-    if isinstance(selector, Phase):
-        return phase_mask(is_decode, selector)
-    if isinstance(selector, Window):
-        return selector.mask(position, num_prompt())
-    out = np.zeros(len(is_decode), np.bool_)
-    for part in selector.parts:
-        out |= row_mask(part, is_decode, position, num_prompt)
-    return out

@@ -11,9 +11,9 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
+from tllm_core.api.rows import row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.transfers import index_to
-from tllm_core.api.windows import row_mask
 from tllm_core.runtime.step_indices import StepIndices
 
 
