@@ -13,10 +13,10 @@ from tllm_core import (
     ConsumerConfig,
     Plot,
     Series,
+    as_selector,
     parse_port_name,
     residual_port,
 )
-from tllm_core.api.ports import as_selector
 
 
 class StatsConfig(ConsumerConfig):

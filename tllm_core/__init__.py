@@ -53,12 +53,13 @@ if TYPE_CHECKING:
         SamplePort,
         SamplerGuide,
         TokenPort,
+        as_selector,
         layer_key,
         residual_port,
     )
     from tllm_core.api.producer import Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
+    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs, row_mask
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
     from tllm_core.api.windows import Window
@@ -79,6 +80,8 @@ __all__ = [
     "cli_common",
     "allowed_cpus",
     "phase_mask",
+    "row_mask",
+    "as_selector",
     "request_runs",
     "residual_port",
     "layer_key",
@@ -188,6 +191,8 @@ _HOME = MappingProxyType(
         "cli_common": "tllm_core.app.cli_common",
         "allowed_cpus": "tllm_core.runtime.cpus",
         "phase_mask": "tllm_core.api.rows",
+        "row_mask": "tllm_core.api.rows",
+        "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",
         "layer_key": "tllm_core.api.ports",

@@ -10,7 +10,7 @@ from tllm_core import ConsumerSpec, cli_common
 
 
 def _phase(text: str) -> str:
-    from tllm_core.api.ports import as_selector
+    from tllm_core import as_selector
 
     try:
         as_selector(text, "--phase")

@@ -30,9 +30,9 @@ from tllm_core import (
     RequestInfo,
     SampledTokens,
     TokenPort,
+    as_selector,
     parse_port_name,
 )
-from tllm_core.api.ports import as_selector
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core import Counters, RowInfo
-from tllm_core.api.rows import row_mask
+from tllm_core import Counters, RowInfo, row_mask
 
 
 class RequestTokens:

@@ -49,7 +49,7 @@ class SaeConfig(ConsumerConfig):
     @field_validator("phase")
     @classmethod
     def _selector(cls, v: str) -> str:
-        from tllm_core.api.ports import as_selector
+        from tllm_core import as_selector
 
         as_selector(v, "sae: phase")
         return v

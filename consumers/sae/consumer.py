@@ -46,8 +46,8 @@ from tllm_core import (
     RowInfo,
     SampledTokens,
     WritePort,
+    as_selector,
 )
-from tllm_core.api.ports import as_selector
 
 log = logging.getLogger("tllm")
 
