@@ -71,7 +71,9 @@ class ConsumerKit:
     version of it. ``max_num_batched_tokens``: the token budget per step (a longer prompt is
     prefilled in chunks, as vLLM's chunked prefill does). ``max_consecutive_failures``: as for
     ``TllmLLM``; ``raise_on_disabled``: :meth:`generate` raises ``ConsumerDisabledError`` when
-    a consumer was switched off, as ``TllmLLM.generate`` does.
+    a consumer was switched off, as ``TllmLLM.generate`` does. ``settings``: other runtime
+    settings (:class:`~tllm_core.runtime.settings.RuntimeSettings` fields, e.g. a short
+    ``callback_deadline_s``).
     """
 
     def __init__(
@@ -83,17 +85,18 @@ class ConsumerKit:
         max_consecutive_failures: int = 3,
         raise_on_disabled: bool = True,
         dtype: torch.dtype = torch.float32,
+        settings: dict[str, Any] | None = None,
     ):
         self.hf, self.tokenizer, self.model_path = load_model(model, dtype)
         self.registry = Registry()
         specs = [self._spec(c) for c in consumers]
         configs = self.registry.check(specs)
         self.model = model_info(self.hf)
-        settings = RuntimeSettings(
-            consumers=specs, max_consecutive_failures=max_consecutive_failures
+        runtime_settings = RuntimeSettings(
+            consumers=specs, max_consecutive_failures=max_consecutive_failures, **(settings or {})
         )
         with torch.inference_mode(False):  # as the engine builds them (trainable state)
-            self.runtime = Runtime(settings, self.model, self.registry)
+            self.runtime = Runtime(runtime_settings, self.model, self.registry)
         from tllm_core.serving.keys import EngineConsumers
 
         self._keys = EngineConsumers.of(specs, configs, self.registry)
