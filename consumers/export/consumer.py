@@ -156,7 +156,7 @@ class ExportConsumer(Consumer):
             self._manifest,
             before_first_write=self.layout.clean_root,
         )
-        self._table = RequestTable(self.path, self.writer.prepare)
+        self._table = RequestTable(self.path, self.writer.prepare, lambda: self.writer.error)
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Phase:
@@ -270,7 +270,7 @@ class ExportConsumer(Consumer):
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
         table = self._table.manifest_fields()
-        self._complete = completeness(self._closed, table["losses"])
+        self._complete = completeness(self._closed, table["losses"]) and self.writer.error is None
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:
@@ -329,6 +329,7 @@ class ExportConsumer(Consumer):
                 "requests_open": self._table.open_count,
                 "keys": list(self.keys),
                 "complete": self._complete,
+                **({"error": self.writer.error} if self.writer.error else {}),
             }
 
     # -- what the command prints and the report shows (consumers/export/report.py) ---------
