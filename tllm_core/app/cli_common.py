@@ -34,6 +34,7 @@ from tllm_core.app.progress import say
 from tllm_core.app.prompts import read_prompt_file
 
 __all__ = [
+    "EXIT_ENGINE_DIED",
     "CliError",
     "add_consumer_arg",
     "add_generation_args",
@@ -56,6 +57,10 @@ class CliError(ValueError):
     """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
 
 
+# A process of the engine died during the command (``vllm_bridge.engine_watch``).
+EXIT_ENGINE_DIED = 3
+
+
 # Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
 START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
@@ -74,6 +79,9 @@ def local_model(model: str | None) -> str | None:
             f"--model {model!r} has no config.json: a model folder holds a Hugging Face "
             "config.json, tokenizer and weights"
         )
+    from tllm_core.runtime.model_config import read_model_config
+
+    read_model_config(model)  # readable JSON with the sizes tllm needs, or exit 2
     return model
 
 
