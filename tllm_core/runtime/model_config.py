@@ -8,15 +8,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 # The sizes tllm reads (ModelInfo), each with the other names Hugging Face configs give it
 # (transformers' ``attribute_map``: GPT-2's ``n_embd``, T5's ``d_model``...).
-SIZES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "vocab_size": ("vocab_size", "padded_vocab_size"),
-}
+SIZES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "hidden_size": ("hidden_size", "n_embd", "d_model"),
+        "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        "vocab_size": ("vocab_size", "padded_vocab_size"),
+    }
+)
 
 
 class BadModelConfig(ValueError):
