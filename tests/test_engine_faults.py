@@ -208,3 +208,96 @@ def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
     monkeypatch.setattr("tllm_core.app.engine.check_version", lambda: None)
     with pytest.raises(BadModelConfig, match="not valid JSON"):
         TllmLLM(str(model))
+
+
+# -- the engine watch, without vLLM --------------------------------------------------------------
+def _engine_core_with_a_worker() -> None:
+    """A fake engine core (forked): starts a worker process, then waits."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    worker.wait()
+    time.sleep(120)
+
+
+def _fake_client():
+    import multiprocessing
+    import queue
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    proc = multiprocessing.get_context("fork").Process(target=_engine_core_with_a_worker)
+    proc.start()
+    manager = SimpleNamespace(processes=[proc])
+    core = SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=manager, engine_dead=False),
+        utility_results={1: Future()},
+        outputs_queue=queue.Queue(),
+    )
+    deadline = time.monotonic() + 30
+    while not _kids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return core, proc
+
+
+def _kids(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children()]
+
+
+def test_a_killed_engine_core_is_named_and_every_wait_on_it_ends():
+    from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
+
+    core, proc = _fake_client()
+    (worker,) = _kids(proc.pid)
+    watch = EngineWatch(core).start()
+    kmp = f"/dev/shm/__KMP_REGISTERED_LIB_{proc.pid}_0"
+    open(kmp, "w").close()  # what libiomp5 leaves when its process is killed
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        # vLLM's offline waits: the output queue and a utility call's future, no timeout.
+        error = core.outputs_queue.get(timeout=5)
+        assert isinstance(error, EngineDiedError)
+        assert isinstance(core.utility_results[1].exception(timeout=5), EngineDiedError)
+        assert core.resources.engine_dead is True
+        assert str(watch.death) == f"vLLM's engine core (pid {proc.pid}) died (killed by SIGKILL)"
+        with pytest.raises(EngineDiedError, match="killed by SIGKILL"):
+            watch.check()
+        watch.clean_up(grace=1)
+        assert not os.path.exists(kmp)
+        assert not _running(worker)  # the orphaned worker is killed too
+    finally:
+        proc.kill()
+        with __import__("contextlib").suppress(OSError):
+            os.kill(worker, signal.SIGKILL)
+            os.unlink(kmp)
+
+
+def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death():
+    from tllm_core.vllm_bridge.engine_watch import EngineWatch
+
+    core, proc = _fake_client()
+    (worker,) = _kids(proc.pid)
+    watch = EngineWatch(core).start()
+    try:
+        os.kill(worker, signal.SIGKILL)
+        assert watch.wait_for_death(5) is not None
+        assert str(watch.death).startswith(f"vLLM's worker process (pid {worker}) died")
+    finally:
+        proc.kill()
+        proc.join(5)
+    core, proc = _fake_client()
+    watch = EngineWatch(core).start()
+    watch.stop()
+    proc.kill()
+    proc.join(5)
+    time.sleep(1)
+    assert watch.death is None and core.outputs_queue.empty()
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
