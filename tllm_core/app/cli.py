@@ -15,6 +15,7 @@ from tllm_core.app.cli_common import (
     add_consumer_arg,
     add_generation_args,
     generate_with,
+    print_report,
     quiet,
     show,
 )
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except EngineDiedError as e:  # a process of the engine died: one line (-v: traceback)
+        if e.outputs is not None:  # what finished before, marked: unfinished samples too
+            print_report(*e.outputs, as_json=getattr(args, "json", False))
         if getattr(args, "verbose", False):
             traceback.print_exception(e)
         print(f"tllm: error: {e}", file=sys.stderr, flush=True)

@@ -335,6 +335,7 @@ def generate_with(
     the ``summary`` line that :func:`print_report` prints last."""
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress, summary
+    from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     if getattr(args, "report", None) is not None:  # before the engine starts, not after
@@ -384,6 +385,7 @@ def generate_with(
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
     n_seqs = len(texts_in) * params.n
     interrupted = False
+    died: EngineDiedError | None = None
     try:
         first = next_request_index(llm.llm)
         t1 = time.perf_counter()
@@ -396,13 +398,15 @@ def generate_with(
                     llm.generate(texts_in, params, use_tqdm=progress or False)
             except KeyboardInterrupt:
                 interrupted = True
+            except EngineDiedError as e:  # no report to collect: the finished outputs only
+                died = e
             finally:
                 if progress is not None:
                     progress.close()
         seconds = time.perf_counter() - t1
         if interrupted:
             say("interrupted: requests aborted; flushing consumers, stopping the engine")
-        report = llm.close()
+        report = llm.close() if died is None else {"runtime": {}, "consumers": {}, "errors": []}
     finally:
         llm.shutdown()
     args.engine_stopped = True  # the command may exit without the interpreter's teardown
@@ -417,15 +421,19 @@ def generate_with(
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     finished = sum(t is not None for ts in texts for t in ts)
     line = summary(tokens, seconds, report["consumers"], proofs)
+    cut = "the engine died" if died is not None else "interrupted"
     report["run"] = {
         "runner": llm.status["runner"],
         "tokens": tokens,
         "seconds": round(seconds, 3),
-        "interrupted": interrupted,
-        "summary": f"interrupted after {finished}/{n_seqs} samples; {line}"
-        if interrupted
+        "interrupted": interrupted or died is not None,
+        "summary": f"{cut} after {finished}/{n_seqs} samples; {line}"
+        if interrupted or died is not None
         else line,
     }
+    if died is not None:
+        died.outputs = (texts_in, texts, report)
+        raise died
     return texts_in, texts, report
 
 

@@ -30,6 +30,8 @@ POLL_S = 0.25
 # Seconds the engine's other processes get to exit on their own after one died (vLLM's
 # workers notice their engine core's death and exit within about a second).
 LEFTOVER_GRACE_S = 5.0
+# Looks between two reads of the engine processes' shared memory (their /proc/PID/maps).
+SHM_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,13 @@ class Death:
 class EngineDiedError(RuntimeError):
     """A process of the engine died while tllm used it (``death``: which, and how). Raised by
     ``TllmLLM.generate`` / ``chat`` / ``collect`` / ``close``; the command reports it as one
-    line with exit status 3."""
+    line with exit status 3. ``outputs``: what finished before, where the caller kept it
+    (the command's ``(prompts, texts, report)``, printed before the error line)."""
 
-    def __init__(self, death: Death) -> None:
+    def __init__(self, death: Death, outputs: Any = None) -> None:
         super().__init__(f"{death}; the engine is stopped")
         self.death = death
+        self.outputs = outputs
 
 
 def how_it_ended(exitcode: int | None) -> str:
@@ -110,6 +114,37 @@ def remove_openmp_files(pids: Iterable[int]) -> list[str]:
     return removed
 
 
+def mapped_shm(pid: int | str) -> set[str]:
+    """The ``/dev/shm`` shared-memory segments (``psm_*``) process ``pid`` has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    names = (ln.rsplit("/dev/shm/", 1)[1].split(" ")[0] for ln in lines if "/dev/shm/psm_" in ln)
+    return set(names)
+
+
+def release_shm(names: Iterable[str]) -> list[str]:
+    """Unlink the shared-memory segments ``names`` that a dead engine process created and no
+    process of ours maps, and tell ``multiprocessing``'s resource tracker (shared with the
+    engine processes, which registered them): it would otherwise unlink them itself at exit
+    with a "leaked shared_memory objects" warning. Returns the names released."""
+    from multiprocessing import resource_tracker
+
+    ours = mapped_shm("self")
+    released = []
+    for name in sorted(set(names) - ours):
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            continue
+        with contextlib.suppress(Exception):  # no tracker running: nothing to tell
+            resource_tracker.unregister(f"/{name}", "shared_memory")
+        released.append(name)
+    return released
+
+
 def engine_processes(core: Any) -> list[Any]:
     """The engine-core processes a multiprocess client started (empty for other clients)."""
     manager = getattr(getattr(core, "resources", None), "engine_manager", None)
@@ -128,6 +163,8 @@ class EngineWatch:
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
         self._workers: set[int] = set()  # alive at the last look
+        self.shm: set[str] = set()  # shared memory the engine processes had mapped
+        self._looks = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -182,6 +219,10 @@ class EngineWatch:
         workers = {c for p in self.cores for c in _children(int(p.pid))}
         self._workers = {w for w in workers if w not in self._spawn_helpers(workers)}
         self.pids |= workers
+        if self._looks % SHM_EVERY == 0:
+            for pid in self.pids:
+                self.shm |= mapped_shm(pid)
+        self._looks += 1
         return None
 
     @staticmethod
@@ -231,4 +272,6 @@ class EngineWatch:
         while any(_alive(p) for p in killed) and time.monotonic() < deadline:
             time.sleep(0.05)
         remove_openmp_files(self.pids)
+        if not any(_alive(p) for p in self.pids):
+            release_shm(self.shm)
         return killed
