@@ -24,9 +24,14 @@ from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
 from tllm_core.runtime.start_error import StartErrorNote
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
+from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
+
+# Seconds to wait for the engine watch to name the dead process once vLLM said its engine
+# is dead (vLLM may notice first, e.g. a dead worker reported by the engine core).
+DEATH_NOTICE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,10 @@ class TllmLLM:
         self.model_path = model
         self.raise_on_disabled = raise_on_disabled
         self._raised: set[str] = set()  # consumers already raised as disabled
+        if os.path.isdir(model):  # a broken config.json is bad input, before vLLM starts
+            from tllm_core.runtime.model_config import read_model_config
+
+            read_model_config(model)
         checked = validate_consumers(checked, model if os.path.isdir(model) else None)
         from tllm_core.vllm_bridge.families import check_model
 
@@ -211,7 +220,10 @@ class TllmLLM:
             note.close()
             if bound is not None:  # the workers are bound: leave the caller's env as it was
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        statuses = self.llm.collective_rpc("tllm_status")
+        # From here on a dead engine process ends every wait on the engine (engine_watch).
+        self._watch = EngineWatch(self.llm.llm_engine.engine_core).start()
+        with self._naming_a_dead_engine():
+            statuses = self.llm.collective_rpc("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
         if not statuses or not all(s.get("installed") for s in statuses) or status is None:
             raise UnsupportedEngineError(
@@ -224,7 +236,23 @@ class TllmLLM:
 
     def _rpc(self, method: str) -> Any:
         """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
-        return merge_reports(self.llm.collective_rpc(method))
+        with self._naming_a_dead_engine():
+            return merge_reports(self.llm.collective_rpc(method))
+
+    @contextlib.contextmanager
+    def _naming_a_dead_engine(self):
+        """Inside, a call on an engine one of whose processes died raises
+        :class:`EngineDiedError` naming that process (vLLM's own error says only
+        "EngineDeadError")."""
+        self._watch.check()
+        try:
+            yield
+        except Exception as e:
+            vllm_says_dead = type(e).__name__ == "EngineDeadError"
+            death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
+            if death is None or isinstance(e, EngineDiedError):
+                raise
+            raise EngineDiedError(death) from e
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
@@ -267,14 +295,14 @@ class TllmLLM:
             tagged.append(sp)
             salts.append(request_salt(extra, can_change_kv=edits))
         try:
-            if chat:
-                from tllm_core.vllm_bridge.offline import chat_with_salts
+            with self._naming_a_dead_engine():
+                if chat:
+                    from tllm_core.vllm_bridge.offline import chat_with_salts
 
-                outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
-            else:
-                outputs = fn(
-                    [_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs
-                )
+                    outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
+                else:
+                    prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
+                    outputs = fn(prompts, tagged, **kwargs)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
             from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
@@ -290,7 +318,9 @@ class TllmLLM:
                 self.llm.collective_rpc("tllm_end_batch")
             raise
         # generate() is synchronous: every request of this call is done.
-        errors = [e for r in self.llm.collective_rpc("tllm_end_batch") for e in (r or [])]
+        with self._naming_a_dead_engine():
+            ends = self.llm.collective_rpc("tllm_end_batch")
+        errors = [e for r in ends for e in (r or [])]
         self._raise_disabled(errors, outputs=outputs)
         return outputs
 
@@ -321,10 +351,17 @@ class TllmLLM:
 
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), without waiting for vLLM's exit
-        handler, which kills engines that take more than 5 s to stop."""
+        handler, which kills engines that take more than 5 s to stop. After a process of the
+        engine died, the others get a few seconds and are then killed."""
+        from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
         from tllm_core.vllm_bridge.lifecycle import shutdown_engine
 
-        shutdown_engine(self.llm)
+        self._watch.stop()  # processes that end from here on are stopped, not dead
+        if self._watch.death is None:
+            shutdown_engine(self.llm)
+            return
+        shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)
+        self._watch.clean_up()
 
     def __enter__(self) -> TllmLLM:
         return self

@@ -135,7 +135,7 @@ def _head(run: dict[str, Any]) -> str:
     rate = tokens / seconds if seconds else 0.0
     head = f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
     text = run.get("summary", "")
-    if run.get("interrupted") and text.startswith("interrupted"):
+    if run.get("interrupted") and text.startswith(("interrupted", "the engine died")):
         head = f"{text.split('; ', 1)[0]}; {head}"
     return head
 
