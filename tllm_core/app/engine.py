@@ -22,6 +22,7 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
 from tllm_core.runtime.start_error import StartErrorNote
+from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
 from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
@@ -116,6 +117,18 @@ class ConsumerDisabledError(RuntimeError):
         self.report = report
 
 
+class ConsumerHungError(EngineDiedError):
+    """A consumer callback ran past its deadline (``RuntimeSettings.callback_deadline_s``,
+    ``close_deadline_s``): the engine's watchdog named it (``hung``: the consumer, the
+    callback, its stack) and stopped the engine (``death``). Raised where
+    :class:`EngineDiedError` is; the command reports it as one line, exit status 3."""
+
+    def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
+        super().__init__(death, outputs)
+        self.hung = hung
+        self.args = (f"{hung.message()}, at {hung.where()}; the engine was stopped",)
+
+
 def first_errors_of_disabled(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first error of each consumer that some error entry says was disabled."""
     off = {e["consumer"] for e in errors if e.get("disabled")}
@@ -157,6 +170,9 @@ class TllmLLM:
         background_threads: int = 1,
         max_consecutive_failures: int = 3,
         raise_on_disabled: bool = True,
+        callback_deadline_s: float | None = None,
+        background_deadline_s: float | None = None,
+        close_deadline_s: float | None = None,
         **llm_kwargs: Any,
     ):
         # Names and configs first: a bad one fails in about a second, before vLLM is
@@ -179,11 +195,17 @@ class TllmLLM:
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        deadlines = {
+            "callback_deadline_s": callback_deadline_s,
+            "background_deadline_s": background_deadline_s,
+            "close_deadline_s": close_deadline_s,
+        }
         self.settings = checked.settings(
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,
             max_consecutive_failures=max_consecutive_failures,
+            **{k: v for k, v in deadlines.items() if v is not None},  # else the defaults
         )
         from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 
@@ -194,8 +216,12 @@ class TllmLLM:
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = StartErrorNote()
+        # The same kind of note, kept for the engine's life: a hung callback's report.
+        self._fault_note = StartErrorNote()
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
-        sent = self.settings.model_copy(update={"start_error_file": note.path})
+        sent = self.settings.model_copy(
+            update={"start_error_file": note.path, "fault_file": self._fault_note.path}
+        )
         additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
         from vllm import LLM
 
@@ -212,6 +238,7 @@ class TllmLLM:
                     **llm_kwargs,
                 )
         except Exception as e:
+            self._fault_note.close()
             why = note.read()  # vLLM's own error says only "see root cause above"
             if why:
                 raise UnsupportedEngineError(f"the engine refused to start: {why}") from e
@@ -244,13 +271,19 @@ class TllmLLM:
         """Inside, a call on an engine one of whose processes died raises
         :class:`EngineDiedError` naming that process (vLLM's own error says only
         "EngineDeadError")."""
-        self._watch.check()
         try:
+            self._watch.check()
             yield
         except Exception as e:
             vllm_says_dead = type(e).__name__ == "EngineDeadError"
             death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
-            if death is None or isinstance(e, EngineDiedError):
+            if death is None or isinstance(e, ConsumerHungError):
+                raise
+            # The engine's watchdog may have stopped it: then the hung callback is the cause.
+            hung = read_note(self._fault_note.path)
+            if hung is not None:
+                raise ConsumerHungError(death, hung) from e
+            if isinstance(e, EngineDiedError):
                 raise
             raise EngineDiedError(death) from e
 
@@ -359,9 +392,10 @@ class TllmLLM:
         self._watch.stop()  # processes that end from here on are stopped, not dead
         if self._watch.death is None:
             shutdown_engine(self.llm)
-            return
-        shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)
-        self._watch.clean_up()
+        else:
+            shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)
+            self._watch.clean_up()
+        self._fault_note.close()
 
     def __enter__(self) -> TllmLLM:
         return self

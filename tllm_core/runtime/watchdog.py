@@ -55,6 +55,18 @@ class Hung:
             f"the deadline of a {self.kind} callback is {self.deadline_s:g} s)"
         )
 
+    def where(self) -> str:
+        """The innermost frame of :attr:`stack` outside Python's own library (where the
+        consumer's code waits), as ``file:line in function``."""
+        frames = [ln.strip() for ln in self.stack.splitlines() if ln.strip().startswith("File ")]
+        stdlib = os.path.dirname(os.__file__)
+        own = [f for f in frames if stdlib not in f] or frames
+        if not own:
+            return "an unknown place"
+        path, _, rest = own[-1].removeprefix("File ").partition(", line ")
+        line, _, func = rest.partition(", in ")
+        return f"{path.strip(chr(34))}:{line} in {func}"
+
     def report(self) -> str:
         """The line and where it is stuck."""
         return f"{self.message()}; stuck at (thread {self.thread}):\n{self.stack}"
