@@ -147,3 +147,38 @@ def test_engine_stop_waits_its_delay(tmp_path):
     while not codes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert codes == [HUNG_EXIT_CODE]
+
+
+# -- the server: /health fails, /tllm/status names it -------------------------------------------
+def test_health_fails_and_status_names_a_hung_consumer(tmp_path):
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from tllm_core.runtime.watchdog import write_note
+    from tllm_core.serving import EngineConsumers
+    from tllm_core.vllm_bridge.serving import attach_routes
+
+    note = tmp_path / "fault.json"
+    note.write_text("")
+    engine = EngineConsumers.from_settings({"consumers": [{"name": "stats"}]})
+    app = FastAPI()
+    attach_routes(app, engine, None, str(note))
+    app.state.tllm_server = engine
+
+    @app.get("/health")
+    async def health():  # vLLM's own route
+        return {}
+
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200
+    stack = '  File "/srv/plugins/hang.py", line 9, in on_bundle\n    time.sleep(600)\n'
+    write_note(str(note), Hung("hang", "on_bundle", STEP, 120.0, 130.0, "MainThread", stack))
+    r = client.get("/health")
+    assert r.status_code == 503
+    assert "consumer 'hang' is stuck in on_bundle" in r.json()["error"]
+    assert "/srv" not in r.text  # /health answers strangers: no server path
+    s = client.get("/tllm/status")
+    assert s.status_code == 503
+    hung = s.json()["hung"]
+    assert (hung["consumer"], hung["callback"]) == ("hang", "on_bundle")
+    assert "/srv" not in s.text and hung["where"].endswith(":9 in on_bundle")  # path hidden

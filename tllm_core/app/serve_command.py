@@ -63,6 +63,9 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     return [*argv, "--additional-config", json.dumps(tllm), *extra]
 
 
+# Seconds a server goes on after a consumer callback passed its deadline before its engine
+# stops itself: /health fails meanwhile, so that a load balancer drains it first.
+HUNG_STOP_S = 60.0
 DP_FLAGS = ("--data-parallel-size", "-dp")
 API_SERVER_FLAGS = ("--api-server-count", "-asc")
 DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
@@ -182,8 +185,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.families import check_model
 
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
+    from tllm_core.runtime.start_error import StartErrorNote
+
+    fault_note = StartErrorNote()  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
+        hung_stop_s=HUNG_STOP_S,
+        fault_file=fault_note.path,
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
@@ -227,8 +235,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
         last.stop()
+    from tllm_core.runtime.watchdog import read_note
+
+    hung = read_note(fault_note.path)
+    fault_note.close()
     if signals.nodes.lost():
         say(f"error: {signals.nodes.lost()}")
+        _exit(1)
+    if hung is not None and signals.received() is None:
+        say(f"error: the server stopped itself: {hung.message()}, at {hung.where()}")
         _exit(1)
     if not follower and signals.received() is None:
         # Nobody asked it to stop: the engine failed (its errors are above).

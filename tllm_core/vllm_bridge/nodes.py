@@ -20,7 +20,7 @@ from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # Per-process fields: where this process writes its start error, the API server's limits
 # (only the leader's API server reads them).
-LOCAL_FIELDS = ("start_error_file", "server")
+LOCAL_FIELDS = ("start_error_file", "fault_file", "server")
 
 
 def comparable(settings: dict[str, Any] | None) -> str:
