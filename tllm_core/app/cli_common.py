@@ -107,6 +107,18 @@ def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
 
 
+def add_deadline_arg(g: Any) -> None:
+    """``--callback-deadline`` (``RuntimeSettings.callback_deadline_s`` checks it)."""
+    g.add_argument(
+        "--callback-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="longest run of one consumer callback on the engine thread before the watchdog "
+        "names it and stops the engine (default 120 s)",
+    )
+
+
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
     g = p.add_argument_group("model and engine")
@@ -154,6 +166,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
+    add_deadline_arg(g)
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -379,7 +392,12 @@ def generate_with(
     t0 = time.perf_counter()
     # The command reports a disabled consumer itself (ERROR lines, exit status 1).
     llm = TllmLLM(
-        model, checked, raise_on_disabled=False, **engine_kwargs(args), **(extra_engine or {})
+        model,
+        checked,
+        raise_on_disabled=False,
+        callback_deadline_s=getattr(args, "callback_deadline", None),
+        **engine_kwargs(args),
+        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None

@@ -192,6 +192,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
         hung_stop_s=HUNG_STOP_S,
         fault_file=fault_note.path,
+        **(
+            {"callback_deadline_s": args.callback_deadline}
+            if args.callback_deadline is not None
+            else {}
+        ),
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
@@ -322,6 +327,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
     )
+    cli_common.add_deadline_arg(s)
     s.add_argument(
         "--show-paths",
         action="store_true",
