@@ -190,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fault_note = StartErrorNote()  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
-        hung_stop_s=HUNG_STOP_S,
+        hung_stop_s=args.hung_stop,
         fault_file=fault_note.path,
         **(
             {"callback_deadline_s": args.callback_deadline}
@@ -328,6 +328,14 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="largest request body in MiB (HTTP 413 past it; default 32)",
     )
     cli_common.add_deadline_arg(s)
+    s.add_argument(
+        "--hung-stop",
+        type=float,
+        default=HUNG_STOP_S,
+        metavar="S",
+        help="seconds the server goes on, /health failing, after a consumer callback passed its "
+        f"deadline, before its engine stops itself (default {HUNG_STOP_S:g})",
+    )
     s.add_argument(
         "--show-paths",
         action="store_true",
