@@ -310,13 +310,15 @@ class ExportConsumer(Consumer):
                 return
             before = len(self.writer.shards)
             self._closed = True
-            if self.writer.buffered:
-                self.writer.write_shard()  # rewrites the manifest too
-            else:
-                self.writer.write_manifest()
-            self._sync_counters(before)
-            self.writer.release()
-            self._table.release()
+            try:
+                if self.writer.buffered:
+                    self.writer.write_shard()  # rewrites the manifest too
+                else:
+                    self.writer.write_manifest()
+            finally:  # a failed write (ExportWriteError) still lets go of the files
+                self._sync_counters(before)
+                self.writer.release()
+                self._table.release()
 
     def result(self) -> dict[str, Any]:
         with self._lock:

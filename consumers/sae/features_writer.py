@@ -169,10 +169,12 @@ class FeatureWriter:
                 return 0
             before = len(self.shards.shards)
             self.closed = True
-            if self.shards.buffered:
-                self.shards.write_shard()
-            else:
-                self.shards.write_manifest()
-            self.shards.release()
-            self.table.release()
+            try:
+                if self.shards.buffered:
+                    self.shards.write_shard()
+                else:
+                    self.shards.write_manifest()
+            finally:  # a failed write (ExportWriteError) still lets go of the files
+                self.shards.release()
+                self.table.release()
             return len(self.shards.shards) - before
