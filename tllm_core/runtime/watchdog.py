@@ -12,10 +12,13 @@ note (:func:`write_note`, read back with :func:`read_note`).
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -212,4 +215,27 @@ class EngineStop:
             except Exception:  # noqa: BLE001, S110 - exiting anyway
                 pass
         sys.stderr.flush()
+        if self._exit is os._exit:
+            _end_engine_core()
+            # os._exit skips libiomp5's exit handler, which removes this file (the engine
+            # watch removes those of processes ended by a signal: engine_watch.py).
+            for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         self._exit(HUNG_EXIT_CODE)
+
+
+def _end_engine_core() -> None:
+    """In a worker of an offline multiprocess engine, whose parent is the engine core (not the
+    front end, whose pid the start note's variable names): end the engine core first. It
+    would otherwise log this worker's exit as its own fatal error, with tracebacks; the front
+    end then names the dead engine and reads the note. A server (no such variable) or a
+    worker started by the front end itself: nothing here."""
+    from tllm_core.runtime.start_error import ENV
+
+    front = os.environ.get(ENV, "").partition(":")[0]
+    parent = os.getppid()
+    if not front.isdigit() or parent in (1, int(front), os.getpid()):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(parent, signal.SIGKILL)
