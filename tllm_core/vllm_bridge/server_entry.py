@@ -127,7 +127,11 @@ def _watch_leader(args: Any, watch: NodeWatch) -> None:
         logging.getLogger("vllm.tllm").error("tllm: %s; stopping this node", reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost)
+    def on_stop() -> None:  # the leader was asked to stop: so is this node (exit 0)
+        logging.getLogger("vllm.tllm").warning("tllm: the leader is stopping; stopping this node")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost, on_stop)
 
 
 # Seconds the HTTP server waits for open connections once vLLM has stopped its engine.
