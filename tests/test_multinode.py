@@ -130,11 +130,14 @@ def test_a_leaders_requested_stop_reaches_its_follower_at_once():
     time.sleep(1)  # the follower has seen its leader and holds a store client
     leader = nodes.NodeWatch()
     leader.followers_store = ("127.0.0.1", store.port)
-    t0 = time.monotonic()
     leader.stop()  # what the leader's first SIGTERM does
+    time.sleep(1.5)  # the leader drains its requests: its ranks still need the follower's
+    assert stopped == lost == [] and t.is_alive()
+    t0 = time.monotonic()
+    del store  # the leader's engine has stopped
     t.join(10)
     assert stopped == [1] and lost == [] and follower.lost() is None
-    assert follower.stopping and time.monotonic() - t0 < 5
+    assert follower.stopping and time.monotonic() - t0 < 10  # not LEADER_MISSES probes
 
     store2 = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     follower, lost, stopped = nodes.NodeWatch(), [], []
@@ -293,7 +296,8 @@ def test_sigterm_to_the_tp_leader_stops_every_node_within_30_s(even_model, tmp_p
             p.wait(30)
     text = llog.read_text()[-3000:] + "\n--- follower\n" + flog.read_text()[-3000:]
     assert codes == [0, 0] and took < 30, (codes, took, text)  # a requested stop everywhere
-    assert "tllm: server stopped" in text and "headless node stopped" in text, text
+    assert "tllm: server stopped" in text and "Traceback" not in text, text
+    assert "Exception raised from" not in text, text  # no C++ stack of torch's store client
     for cli, kids in pids.items():
         assert descendants(cli, settle=5) == [], (kids, text)
 

@@ -274,29 +274,45 @@ class NodeWatch:
     ) -> threading.Thread:
         """Start a daemon thread probing the leader every ``interval`` s; once the leader has
         answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
-        ``on_lost(reason)`` once. With ``on_stop``, the leader's announced stop
-        (:func:`announce_stop`) is looked for every :data:`STOP_POLL_S` in between: this
-        process then stops on request (:meth:`stop`) and ``on_stop()`` is called once.
-        Returns the thread (also :attr:`leader_watch`)."""
+        ``on_lost(reason)`` once. With ``on_stop``, the leader's store is also read every
+        :data:`STOP_POLL_S`: once the leader announced a requested stop
+        (:func:`announce_stop`), its store going away (the leader's engine has stopped; its
+        ranks needed this node's until then) stops this process on request (:meth:`stop`)
+        and calls ``on_stop()`` once. Returns the thread (also :attr:`leader_watch`)."""
         import time
 
-        def stop_announced(store: Any, seconds: float) -> bool:
+        def read_store(store: Any, seconds: float) -> str:
+            """ "stopping", "gone", or "up" after ``seconds`` of "up"."""
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline:
-                if leader_stopping(store):
-                    return True
+            while True:
+                # A refused connection first: a read on the store's closed connection has
+                # torch log a C++ stack trace.
+                state = leader_stopping(store) if leader_reachable(host, port, 1.0) else None
+                if state is None or state:
+                    return "gone" if state is None else "stopping"
+                if time.monotonic() >= deadline or self.stopping:
+                    return "up"
                 time.sleep(STOP_POLL_S)
-            return False
 
         def run() -> None:
-            misses, seen, store = 0, False, None
+            misses, seen, store, announced = 0, False, None, False
             while True:
-                if store is not None and stop_announced(store, interval):
-                    if not self.stopping:
-                        self.stop()
-                        on_stop()
-                    return
-                if store is None:
+                if store is not None:
+                    state = read_store(store, STOP_POLL_S if announced else interval)
+                    if state == "stopping":
+                        announced = True
+                    elif state == "gone" and announced:
+                        if not self.stopping:
+                            self.stop()
+                            on_stop()
+                        return
+                    elif state == "gone":
+                        store = None  # the probes count the misses
+                    if self.stopping:
+                        return
+                    if announced or state == "up":
+                        continue
+                else:
                     time.sleep(interval)
                 if leader_reachable(host, port):
                     misses, seen = 0, True
