@@ -216,7 +216,9 @@ def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
 # -- the engine watch, without vLLM --------------------------------------------------------------
 def _engine_core_with_a_worker() -> None:
     """A fake engine core (forked): starts a worker process, then waits."""
-    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # Named as vLLM names its workers (a process without such a name is a helper).
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::Worker_TP0"]
+    worker = subprocess.Popen(sleep)
     worker.wait()
     time.sleep(120)
 
@@ -304,3 +306,41 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two ranks (~1-2 min)
+def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
+    import psutil
+    from conftest import MODEL_CACHE
+    from tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(MODEL_CACHE, arch="llama", heads=2, kv_heads=2))
+    log = tmp_path / "run.log"
+    before = shm_entries()
+    argv = ["run", "--model", model, "-n", "4", "--max-tokens", "400", "--ignore-eos"]
+    proc = start([*argv, "--tensor-parallel-size", "2", *SMALL_ENGINE], log)
+    try:
+        wait_for(log, "tllm: engine ready", proc, 400)
+        time.sleep(3)
+        pids = set(descendants(proc.pid))
+        core = _engine_core(proc.pid)
+        workers = [
+            c.pid
+            for c in psutil.Process(core).children()
+            if "resource" not in " ".join(c.cmdline())
+        ]
+        os.kill(workers[-1], signal.SIGKILL)
+        code = exit_within(proc, DEATH_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == EXIT_ENGINE_DIED, text[-4000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("tllm: error:")]
+    assert len(errors) == 1 and f"worker process (pid {workers[-1]}) died" in errors[0], text[
+        -4000:
+    ]
+    assert "Traceback" not in text, text[-4000:]
+    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]

@@ -248,7 +248,8 @@ class TllmLLM:
             if bound is not None:  # the workers are bound: leave the caller's env as it was
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         # From here on a dead engine process ends every wait on the engine (engine_watch).
-        self._watch = EngineWatch(self.llm.llm_engine.engine_core).start()
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        self._watch = EngineWatch(core).start()
         with self._naming_a_dead_engine():
             statuses = self.llm.collective_rpc("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)

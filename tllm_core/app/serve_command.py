@@ -85,6 +85,19 @@ def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
     return found
 
 
+def followers_store(extra: list[str]) -> tuple[str, int] | None:
+    """Where a multi-node leader's engine store listens (vLLM's ``--master-addr`` and
+    ``--master-port``, defaults 127.0.0.1 and 29501); None for a one-node engine."""
+    if (_int_flag(extra, ("--nnodes",)) or 1) <= 1 or (_int_flag(extra, ("--node-rank",)) or 0):
+        return None
+    host = "127.0.0.1"
+    for i, a in enumerate(extra):
+        flag, eq, value = a.partition("=")
+        if flag in ("--master-addr", "--master_addr"):
+            host = value if eq else (extra[i + 1] if i + 1 < len(extra) else host)
+    return host, _int_flag(extra, ("--master-port", "--master_port")) or 29501
+
+
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
     Refuses more than one API server: tllm's request checks and ``/tllm`` routes live in
@@ -235,6 +248,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The command's stop (a new one when none is installed: its watchdog still bounds the
     # stop); the server records a lost node in its node watch.
     signals = stop.installed() or stop.StopSignals()
+    if not follower:  # a multi-node leader tells its followers when it is asked to stop
+        signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
     pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)
     with signals.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
         run_openai_server(server_argv(args, model, settings), pre)

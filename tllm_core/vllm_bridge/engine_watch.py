@@ -115,14 +115,15 @@ def remove_openmp_files(pids: Iterable[int]) -> list[str]:
 
 
 def mapped_shm(pid: int | str) -> set[str]:
-    """The ``/dev/shm`` shared-memory segments (``psm_*``) process ``pid`` has mapped."""
+    """The ``/dev/shm`` shared memory (``psm_*``) and semaphores (``sem.*``) process ``pid``
+    has mapped."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
     except OSError:
         return set()
-    names = (ln.rsplit("/dev/shm/", 1)[1].split(" ")[0] for ln in lines if "/dev/shm/psm_" in ln)
-    return set(names)
+    names = {ln.rsplit("/dev/shm/", 1)[1].split(" ")[0] for ln in lines if "/dev/shm/" in ln}
+    return {n for n in names if n.startswith(("psm_", "sem."))}
 
 
 def release_shm(names: Iterable[str]) -> list[str]:
@@ -139,8 +140,14 @@ def release_shm(names: Iterable[str]) -> list[str]:
             os.unlink(f"/dev/shm/{name}")
         except OSError:
             continue
+        # The tracker's names: "/psm_..." (shared_memory), "/mp-..." for file sem.mp-...
+        kind, tracked = (
+            ("semaphore", f"/{name[4:]}")
+            if name.startswith("sem.")
+            else ("shared_memory", f"/{name}")
+        )
         with contextlib.suppress(Exception):  # no tracker running: nothing to tell
-            resource_tracker.unregister(f"/{name}", "shared_memory")
+            resource_tracker.unregister(tracked, kind)
         released.append(name)
     return released
 
@@ -228,13 +235,19 @@ class EngineWatch:
     @staticmethod
     def _spawn_helpers(pids: set[int]) -> set[int]:
         """Processes that are no worker: ``multiprocessing``'s resource tracker (it exits when
-        the processes using it are gone)."""
+        the processes using it are gone), and any process vLLM did not start as one of its
+        own (``VLLM::`` title, or ``multiprocessing``'s spawn): short-lived helpers (a
+        compiler, a subprocess) end normally."""
         helpers = set()
         for pid in pids:
-            with contextlib.suppress(OSError):
+            try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"resource_tracker" in f.read():
-                        helpers.add(pid)
+                    line = f.read()
+            except OSError:
+                helpers.add(pid)
+                continue
+            if b"resource_tracker" in line or not (b"VLLM::" in line or b"spawn_main" in line):
+                helpers.add(pid)
         return helpers
 
     def _wake_waiters(self) -> None:
