@@ -648,8 +648,11 @@ def test_one_prefix_cache_salt_for_the_server_and_tllmllm():
         def collective_rpc(self, method):
             return []
 
+    from tllm_core.vllm_bridge.engine_watch import EngineWatch
+
     llm = TllmLLM.__new__(TllmLLM)  # no engine: only generate's own work runs
     llm.llm, llm.consumers = FakeLLM(), EngineConsumers()
+    llm._watch = EngineWatch(None)  # no engine processes to watch
     for edit_layers, extra, salt in [
         ([3], {"tllm_group": "g"}, request_salt({"tllm_group": "g"})),
         ([3], None, None),

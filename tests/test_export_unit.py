@@ -431,7 +431,7 @@ def test_failure_during_shard_write(tmp_path, monkeypatch):
     engine = FakeEngine([4, 4, 4], [5, 5, 5], ["final"])
     with pytest.raises(OSError, match="disk gone"):
         run_engine(c, engine, c.on_bundle)
-    assert (out / "shard-00002.safetensors.tmp").exists()
+    assert not (out / "shard-00002.safetensors.tmp").exists()  # removed after the failure
     assert not (out / "shard-00002.safetensors").exists()
     manifest = check_directory(out)
     assert [s["file"] for s in manifest["shards"]] == [fmt.shard_name(0), fmt.shard_name(1)]

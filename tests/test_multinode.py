@@ -114,6 +114,50 @@ def test_leader_watch_waits_for_a_leader_and_reports_one_that_went_away():
     assert watch.lost() == lost[0]
 
 
+def test_a_leaders_requested_stop_reaches_its_follower_at_once():
+    """The leader's stop signal sets the stop key in its engine's store (here a bare TCP
+    store): the follower stops on request (no lost node) within a second or two, not after
+    LEADER_MISSES refused probes; a store that goes away without it is a lost leader."""
+    import time
+
+    import torch.distributed as dist
+
+    from tllm_core.vllm_bridge import nodes
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    follower, lost, stopped = nodes.NodeWatch(), [], []
+    t = follower.watch_leader("127.0.0.1", store.port, 0.2, lost.append, lambda: stopped.append(1))
+    time.sleep(1)  # the follower has seen its leader and holds a store client
+    leader = nodes.NodeWatch()
+    leader.followers_store = ("127.0.0.1", store.port)
+    leader.stop()  # what the leader's first SIGTERM does
+    time.sleep(1.5)  # the leader drains its requests: its ranks still need the follower's
+    assert stopped == lost == [] and t.is_alive()
+    t0 = time.monotonic()
+    del store  # the leader's engine has stopped
+    t.join(10)
+    assert stopped == [1] and lost == [] and follower.lost() is None
+    assert follower.stopping and time.monotonic() - t0 < 10  # not LEADER_MISSES probes
+
+    store2 = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    follower, lost, stopped = nodes.NodeWatch(), [], []
+    t = follower.watch_leader("127.0.0.1", store2.port, 0.2, lost.append, lambda: stopped.append(1))
+    time.sleep(1)
+    del store2  # the leader is gone without a word
+    t.join(20)
+    assert stopped == [] and len(lost) == 1 and "is gone" in lost[0]
+
+
+def test_followers_store_is_the_leaders_master_address():
+    from tllm_core.app.serve_command import followers_store
+
+    assert followers_store([]) is None
+    assert followers_store(["--nnodes", "2", "--node-rank", "1"]) is None
+    assert followers_store(["--nnodes", "2"]) == ("127.0.0.1", 29501)
+    argv = ["--nnodes=2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port=7"]
+    assert followers_store(argv) == ("10.0.0.1", 7)
+
+
 # -- two node processes on loopback ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def even_model() -> str:
@@ -227,6 +271,35 @@ def test_tp2_across_two_nodes_serves_exports_and_stops_when_the_follower_dies(ev
     )
     torch.testing.assert_close(rec.hidden["final"].float(), ref["final"][pos], atol=1e-4, rtol=1e-4)
     assert leftover_shm(shm_before, pids={leader.pid} | follower_pids) == []
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two node processes, TP = 2 across them: ~2-3 min on 2 cores
+def test_sigterm_to_the_tp_leader_stops_every_node_within_30_s(even_model, tmp_path):
+    import time
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one rank each)")
+    leader, follower, url = _nodes(even_model, ["--consumer", "stats"], tmp_path)
+    llog, flog = tmp_path / "leader.log", tmp_path / "follower.log"
+    try:
+        wait_for(llog, "tllm: ready", leader, 600)
+        pids = {leader.pid: descendants(leader.pid), follower.pid: descendants(follower.pid)}
+        os.kill(leader.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        codes = exit_codes([leader, follower], 30)
+        took = time.monotonic() - t0
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                kill_group(p)
+            p.wait(30)
+    text = llog.read_text()[-3000:] + "\n--- follower\n" + flog.read_text()[-3000:]
+    assert codes == [0, 0] and took < 30, (codes, took, text)  # a requested stop everywhere
+    assert "tllm: server stopped" in text and "Traceback" not in text, text
+    assert "Exception raised from" not in text, text  # no C++ stack of torch's store client
+    for cli, kids in pids.items():
+        assert descendants(cli, settle=5) == [], (kids, text)
 
 
 @pytest.mark.vllm

@@ -199,3 +199,23 @@ def test_serve_says_what_its_consumers_did_from_the_last_counters_read():
         "esamp: distiller trained 64 optimizer steps on 252 rows, loss 7.76 → 4.88",
     ]
     assert not LastCounters("http://127.0.0.1:9").read_once()  # no server: no summary
+
+
+def test_a_consumer_that_was_called_is_never_said_to_have_done_no_work():
+    r = report(hang={"x": 0}, idle={"x": 0})
+    r["runtime"].update({"consumer_calls.hang": 3, "consumer_calls.other": 1})
+    s = summarize(r, {}.get)
+    assert s.lines == ["hang: called 3 time(s), no result", "idle: no work"]
+    assert s.warnings == [
+        "consumer 'hang' was called 3 time(s) but produced no result (all its counters are zero)",
+        "consumer 'idle' was never called (all its counters are zero)",
+    ]
+
+
+def test_a_hung_callback_is_a_warning():
+    r = report(hang={"x": 1})
+    r["runtime"].update({"callbacks_hung.hang": 1, "bundles_abandoned.hang": 5})
+    assert summarize(r, {}.get).warnings == [
+        "consumer 'hang': a callback passed its deadline (see the errors above); "
+        "5 queued bundle(s) dropped"
+    ]

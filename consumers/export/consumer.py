@@ -167,7 +167,7 @@ class ExportConsumer(Consumer):
             self._manifest,
             before_first_write=self.layout.clean_root,
         )
-        self._table = RequestTable(self.path, self.writer.prepare)
+        self._table = RequestTable(self.path, self.writer.prepare, lambda: self.writer.error)
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Any:
@@ -279,7 +279,7 @@ class ExportConsumer(Consumer):
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
         table = self._table.manifest_fields()
-        self._complete = completeness(self._closed, table["losses"])
+        self._complete = completeness(self._closed, table["losses"]) and self.writer.error is None
         w = self.writer
         part = {}
         if self.layout.dp_size > 1:
@@ -319,13 +319,15 @@ class ExportConsumer(Consumer):
                 return
             before = len(self.writer.shards)
             self._closed = True
-            if self.writer.buffered:
-                self.writer.write_shard()  # rewrites the manifest too
-            else:
-                self.writer.write_manifest()
-            self._sync_counters(before)
-            self.writer.release()
-            self._table.release()
+            try:
+                if self.writer.buffered:
+                    self.writer.write_shard()  # rewrites the manifest too
+                else:
+                    self.writer.write_manifest()
+            finally:  # a failed write (ExportWriteError) still lets go of the files
+                self._sync_counters(before)
+                self.writer.release()
+                self._table.release()
 
     def result(self) -> dict[str, Any]:
         with self._lock:
@@ -338,6 +340,7 @@ class ExportConsumer(Consumer):
                 "requests_open": self._table.open_count,
                 "keys": list(self.keys),
                 "complete": self._complete,
+                **({"error": self.writer.error} if self.writer.error else {}),
             }
 
     # -- what the command prints and the report shows (consumers/export/report.py) ---------

@@ -42,6 +42,8 @@ def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
         why = "it was interrupted or is still being written"
     else:
         why = ", ".join(f"{k}: {v}" for k, v in losses.items() if v)
+    if manifest.get("error"):
+        why = f"a write failed: {manifest['error']}; {why}"
     return (
         f"{path!r} is not a complete record (complete: false; {why}); records may be "
         f"truncated or lack positions; each request's 'finished' says whether it ran to its end"

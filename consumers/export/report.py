@@ -27,6 +27,8 @@ def warnings(counters: dict[str, Any], result: Any) -> list[str]:
     # Requests cut short make an export incomplete; rows lost to dropped bundles are the
     # runtime's own warning. (An open export, e.g. a server's before shutdown, is not
     # complete yet either: that is no warning.)
+    if isinstance(result, dict) and result.get("error"):
+        return [f"not complete: {result['error']} (the manifest says complete: false)"]
     cut = counters.get("requests_cut_short", 0)
     if cut and isinstance(result, dict) and result.get("complete") is False:
         return [

@@ -1,10 +1,13 @@
 """The request table of an export-layout record (``export``, ``sae`` features), bounded.
 
 Only the requests still running are held in memory. A request's finish notice closes it:
-its entry is appended to ``requests.jsonl`` and forgotten. Each manifest rewrite then carries
-the open requests only, plus how many lines of ``requests.jsonl`` it vouches for; without
-this a long-running server kept every token id it ever saw and rewrote them all after each
-shard (memory and disk writes growing with the number of requests served).
+its entry is appended to ``requests.jsonl`` at the next manifest write (which follows the
+durable write of the shard holding its last rows) and forgotten. Each manifest rewrite then
+carries the open requests only, plus how many lines of ``requests.jsonl`` it vouches for;
+without this a long-running server kept every token id it ever saw and rewrote them all after
+each shard (memory and disk writes growing with the number of requests served). After a
+failed write (``failed``) no line is added: a request whose rows may not have been written
+stays in the manifest itself.
 
 Not thread-safe: the owner calls it under its own lock.
 """
@@ -45,10 +48,18 @@ class RequestTable:
     the first line is written, and only for a request that had data.
     """
 
-    def __init__(self, path: str, prepare: Callable[[], None]):
+    def __init__(
+        self,
+        path: str,
+        prepare: Callable[[], None],
+        failed: Callable[[], str | None] = lambda: None,
+    ):
         self.path = path
         self._prepare = prepare
+        self._failed = failed
         self._open: dict[str, RequestTokens] = {}
+        # Finished entries not in the file yet: their rows may still be in an unwritten shard.
+        self._pending: list[dict[str, Any]] = []
         self._dropped: dict[str, int] = {}  # bundles dropped per open request
         self.seen = 0  # requests given an index
         self.closed = 0  # lines in requests.jsonl
@@ -84,12 +95,24 @@ class RequestTable:
         e = entry(req, not getattr(request, "cut_short", False), dropped)
         self._closed_losses["requests_unfinished"] += not e["finished"]
         self._closed_losses["positions_missing"] += e["positions_missing"]
+        self._pending.append(e)
+
+    def _write_pending(self) -> None:
+        """Append the finished entries to the file, durably; ``closed`` counts them only
+        then (a partly written line lies past what any manifest vouches for)."""
+        if not self._pending:
+            return
         if self._file is None:
             self._prepare()
             mode = "a" if self.closed else "w"  # "a": used again after release()
             self._file = open(self._jsonl(), mode, encoding="utf-8")  # noqa: SIM115 - kept open
-        self._file.write(json.dumps(e, separators=(",", ":")) + "\n")
-        self.closed += 1
+        self._file.write(
+            "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in self._pending)
+        )
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self.closed += len(self._pending)
+        self._pending = []
 
     def _jsonl(self) -> str:
         return os.path.join(self.path, fmt.REQUESTS_FILE)
@@ -108,15 +131,15 @@ class RequestTable:
     def manifest_fields(self) -> dict[str, Any]:
         """A manifest's ``losses`` and table: the open requests inline, the closed ones as
         the first ``requests_closed`` lines of the file (made durable here, before the
-        manifest that names them)."""
-        requests = self._open_entries()
-        out: dict[str, Any] = {"losses": self._losses(requests)}
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        manifest that names them; called once the shards are written). After a failed
+        write the finished requests not in the file yet stay inline."""
+        if self._failed() is None:
+            self._write_pending()
+        opened = self._open_entries()
+        out: dict[str, Any] = {"losses": self._losses(opened)}
         if self.closed:
             out.update(requests_file=fmt.REQUESTS_FILE, requests_closed=self.closed)
-        return {**out, "requests": requests}
+        return {**out, "requests": sorted(self._pending + opened, key=lambda e: e["index"])}
 
     def release(self) -> None:
         """Close the file (after the final manifest); a later request reopens it."""

@@ -4,6 +4,12 @@ At most one shard of rows is held in memory. Each shard is written to a ``.tmp``
 in the output directory, fsynced and renamed into place; the manifest is then
 rewritten the same way, so at any moment the directory holds complete shards and a
 manifest that lists exactly the complete shards it names.
+
+A write that fails (a full disk, an I/O error, a permission lost mid-run) is
+:class:`ExportWriteError`, naming the file: the rows it held and every later row are
+dropped and counted (``rows_unwritten``), and the manifest then says ``complete: false`` with
+the cause (``error``); when not even that manifest can be written and none is on disk, the
+error says that nothing in the directory is an export.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -27,6 +33,14 @@ TORCH_DTYPES = MappingProxyType(
 
 # First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
 _INITIAL_ROWS = 256
+
+
+class ExportWriteError(OSError):
+    """Writing an export (or feature record) file failed; the message names the file."""
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
@@ -169,6 +183,9 @@ class ShardWriter:
         self.manifest_fn = manifest_fn
         self.before_first_write = before_first_write
         self.shards: list[dict[str, Any]] = []
+        # The first failed write ("writing FILE: cause"); from then on rows are dropped.
+        self.error: str | None = None
+        self.rows_unwritten = 0
         self.rows_written = 0
         self.bytes_written = 0
         self.buffer_rows_max = 0
@@ -219,6 +236,9 @@ class ShardWriter:
         """Append rows (``hidden[key]`` is ``[R, H]``, ``meta`` arrays ``[R]``); writes a shard
         each time the buffer reaches ``shard_rows``. Returns the number of shards written."""
         total = len(meta[fmt.POSITION])
+        if self.error is not None:
+            self.rows_unwritten += total
+            return 0
         written = 0
         start = 0
         while start < total:
@@ -259,13 +279,30 @@ class ShardWriter:
         n = self._fill
         if n == 0:
             return None
-        self.prepare()
+        if self.error is not None:
+            self.rows_unwritten += n
+            self._fill = 0
+            return None
         index = len(self.shards)
         name = fmt.shard_name(index)
+        final = os.path.join(self.path, name)
+        try:
+            entry = self._write_shard_file(index, final, n)
+        except Exception as e:  # noqa: BLE001 - safetensors' own error class carries ENOSPC too
+            self._fail(final, e, n)
+        self.shards.append(entry)
+        self.rows_written += n
+        self.bytes_written += entry["bytes"]
+        self._fill = 0
+        self.write_manifest()
+        return entry
+
+    def _write_shard_file(self, index: int, final: str, n: int) -> dict[str, Any]:
+        self.prepare()
+        name = os.path.basename(final)
         tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.keys}
         for k in fmt.ROW_TENSORS:
             tensors[k] = torch.from_numpy(self._meta[k][:n])
-        final = os.path.join(self.path, name)
         tmp = final + fmt.TMP_SUFFIX
         save_file(
             tensors,
@@ -285,17 +322,54 @@ class ShardWriter:
             os.close(fd)
         os.replace(tmp, final)
         fmt.fsync_dir(self.path)
-        entry = {"file": name, "rows": n, "bytes": size, "sha256": digest}
-        self.shards.append(entry)
-        self.rows_written += n
-        self.bytes_written += size
+        return {"file": name, "rows": n, "bytes": size, "sha256": digest}
+
+    def _fail(self, path: str, e: BaseException, rows: int) -> NoReturn:
+        """A failed write of ``path``: drop the buffered ``rows``, leave a manifest that says
+        why (when one can be written), raise :class:`ExportWriteError`."""
+        self.error = f"writing {path}: {_cause(e)}"
+        self.rows_unwritten += rows
         self._fill = 0
-        self.write_manifest()
-        return entry
+        with contextlib.suppress(OSError):
+            os.remove(path + fmt.TMP_SUFFIX)
+        mpath = os.path.join(self.path, fmt.MANIFEST)
+        if path == mpath:
+            if os.path.isfile(mpath):
+                raise ExportWriteError(
+                    f"export: {self.error}; {mpath!r} is an earlier manifest (the rows since are "
+                    "not written)"
+                ) from e
+        else:
+            with contextlib.suppress(ExportWriteError):  # no manifest: the error below says so
+                self.write_manifest()
+        if not os.path.isfile(mpath):
+            raise ExportWriteError(
+                f"export: {self.error}; no manifest could be written, so nothing in "
+                f"{self.path!r} is an export"
+            ) from e
+        raise ExportWriteError(
+            f"export: {self.error}; {rows} row(s) and every later one are not written; "
+            f"{mpath!r} says complete: false with this cause"
+        ) from e
 
     def write_manifest(self) -> None:
-        self.prepare()
-        fmt.write_json_atomic(os.path.join(self.path, fmt.MANIFEST), self.manifest_fn())
+        """Rewrite the manifest (after a failed write: ``complete: false`` and the cause)."""
+        mpath = os.path.join(self.path, fmt.MANIFEST)
+        try:
+            self.prepare()
+            manifest = self.manifest_fn()
+            if self.error is not None:
+                manifest = {**manifest, "complete": False, "error": self.error}
+                losses = dict(manifest.get("losses") or {})
+                losses["rows_unwritten"] = self.rows_unwritten
+                manifest["losses"] = losses
+            fmt.write_json_atomic(mpath, manifest)
+        except Exception as e:  # noqa: BLE001 - as write_shard
+            with contextlib.suppress(OSError):
+                os.remove(mpath + fmt.TMP_SUFFIX)
+            if self.error is not None:  # the cause is the first failure; this one follows
+                raise ExportWriteError(f"export: writing {mpath}: {_cause(e)}") from e
+            self._fail(mpath, e, 0)
 
     def release(self) -> None:
         """Drop the (empty) buffers."""

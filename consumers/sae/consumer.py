@@ -361,6 +361,8 @@ class SaeConsumer(Consumer):
             out["rows_recorded"] = int(c.get("rows_recorded"))
             out["shards"] = len(w.shards)
             out["requests_open"] = self.writer.table.open_count
+            if w.error:
+                out["error"] = w.error
             out["bytes_per_row"] = {
                 "features": bytes_per_row(self.config.top_k, self.config.values_dtype),
                 "dense_float32": self.sae.d_in * 4 + 25,

@@ -84,7 +84,7 @@ class FeatureWriter:
             format_name=FORMAT_NAME,
             before_first_write=None if layout is None else layout.clean_root,
         )
-        self.table = RequestTable(path, self.shards.prepare)
+        self.table = RequestTable(path, self.shards.prepare, lambda: self.shards.error)
 
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record token ids at positions (rows of one request are contiguous)."""
@@ -141,7 +141,7 @@ class FeatureWriter:
 
     def _manifest(self) -> dict[str, Any]:
         table = self.table.manifest_fields()
-        self.complete = completeness(self.closed, table["losses"])
+        self.complete = completeness(self.closed, table["losses"]) and self.shards.error is None
         w = self.shards
         part = {}
         if self.layout is not None and self.layout.dp_size > 1:
@@ -169,10 +169,12 @@ class FeatureWriter:
                 return 0
             before = len(self.shards.shards)
             self.closed = True
-            if self.shards.buffered:
-                self.shards.write_shard()
-            else:
-                self.shards.write_manifest()
-            self.shards.release()
-            self.table.release()
+            try:
+                if self.shards.buffered:
+                    self.shards.write_shard()
+                else:
+                    self.shards.write_manifest()
+            finally:  # a failed write (ExportWriteError) still lets go of the files
+                self.shards.release()
+                self.table.release()
             return len(self.shards.shards) - before

@@ -7,18 +7,22 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 from tllm_core.app import stop
 from tllm_core.app.cli_common import (
+    EXIT_ENGINE_DIED,
     add_consumer_arg,
     add_generation_args,
     generate_with,
+    print_report,
     quiet,
     show,
 )
 from tllm_core.app.report_command import add_command as add_report_command
 from tllm_core.app.serve_command import add_command as add_serve_command
 from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
+from tllm_core.vllm_bridge.engine_watch import EngineDiedError
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.quiet import install_if_quiet
 
@@ -130,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
         print(f"tllm: {e}", file=sys.stderr)
         return 2
+    except EngineDiedError as e:  # a process of the engine died: one line (-v: traceback)
+        if e.outputs is not None:  # what finished before, marked: unfinished samples too
+            print_report(*e.outputs, as_json=getattr(args, "json", False))
+        if getattr(args, "verbose", False):
+            traceback.print_exception(e)
+        print(f"tllm: error: {e}", file=sys.stderr, flush=True)
+        if argv is None:  # the engine is stopped: skip the interpreter's teardown, as below
+            os._exit(EXIT_ENGINE_DIED)
+        return EXIT_ENGINE_DIED
     except RuntimeError as e:  # a command's TllmLLM whose consumer was switched off
         from tllm_core.app.engine import ConsumerDisabledError
 

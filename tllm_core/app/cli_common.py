@@ -35,6 +35,7 @@ from tllm_core.app.progress import say
 from tllm_core.app.prompts import read_prompt_file
 
 __all__ = [
+    "EXIT_ENGINE_DIED",
     "CliError",
     "add_consumer_arg",
     "add_generation_args",
@@ -57,6 +58,10 @@ class CliError(ValueError):
     """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
 
 
+# A process of the engine died during the command (``vllm_bridge.engine_watch``).
+EXIT_ENGINE_DIED = 3
+
+
 # Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
 START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
@@ -75,6 +80,9 @@ def local_model(model: str | None) -> str | None:
             f"--model {model!r} has no config.json: a model folder holds a Hugging Face "
             "config.json, tokenizer and weights"
         )
+    from tllm_core.runtime.model_config import read_model_config
+
+    read_model_config(model)  # readable JSON with the sizes tllm needs, or exit 2
     return model
 
 
@@ -98,6 +106,18 @@ def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
+
+
+def add_deadline_arg(g: Any) -> None:
+    """``--callback-deadline`` (``RuntimeSettings.callback_deadline_s`` checks it)."""
+    g.add_argument(
+        "--callback-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="longest run of one consumer callback on the engine thread before the watchdog "
+        "names it and stops the engine (default 120 s)",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -149,6 +169,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
+    add_deadline_arg(g)
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -330,6 +351,7 @@ def generate_with(
     the ``summary`` line that :func:`print_report` prints last."""
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress, summary
+    from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
     if getattr(args, "report", None) is not None:  # before the engine starts, not after
@@ -373,12 +395,18 @@ def generate_with(
     t0 = time.perf_counter()
     # The command reports a disabled consumer itself (ERROR lines, exit status 1).
     llm = TllmLLM(
-        model, checked, raise_on_disabled=False, **engine_kwargs(args), **(extra_engine or {})
+        model,
+        checked,
+        raise_on_disabled=False,
+        callback_deadline_s=getattr(args, "callback_deadline", None),
+        **engine_kwargs(args),
+        **(extra_engine or {}),
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
     n_seqs = len(texts_in) * params.n
     interrupted = False
+    died: EngineDiedError | None = None
     try:
         first = next_request_index(llm.llm)
         t1 = time.perf_counter()
@@ -391,13 +419,15 @@ def generate_with(
                     llm.generate(texts_in, params, use_tqdm=progress or False)
             except KeyboardInterrupt:
                 interrupted = True
+            except EngineDiedError as e:  # no report to collect: the finished outputs only
+                died = e
             finally:
                 if progress is not None:
                     progress.close()
         seconds = time.perf_counter() - t1
         if interrupted:
             say("interrupted: requests aborted; flushing consumers, stopping the engine")
-        report = llm.close()
+        report = llm.close() if died is None else {"runtime": {}, "consumers": {}, "errors": []}
     finally:
         llm.shutdown()
     args.engine_stopped = True  # the command may exit without the interpreter's teardown
@@ -412,15 +442,19 @@ def generate_with(
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     finished = sum(t is not None for ts in texts for t in ts)
     line = summary(tokens, seconds, report["consumers"], proofs)
+    cut = "the engine died" if died is not None else "interrupted"
     report["run"] = {
         "runner": llm.status["runner"],
         "tokens": tokens,
         "seconds": round(seconds, 3),
-        "interrupted": interrupted,
-        "summary": f"interrupted after {finished}/{n_seqs} samples; {line}"
-        if interrupted
+        "interrupted": interrupted or died is not None,
+        "summary": f"{cut} after {finished}/{n_seqs} samples; {line}"
+        if interrupted or died is not None
         else line,
     }
+    if died is not None:
+        died.outputs = (texts_in, texts, report)
+        raise died
     return texts_in, texts, report
 
 

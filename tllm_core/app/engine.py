@@ -23,11 +23,17 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
 from tllm_core.runtime.start_error import StartErrorNote
+from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
+from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
+
+# Seconds to wait for the engine watch to name the dead process once vLLM said its engine
+# is dead (vLLM may notice first, e.g. a dead worker reported by the engine core).
+DEATH_NOTICE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,18 @@ class ConsumerDisabledError(RuntimeError):
         self.report = report
 
 
+class ConsumerHungError(EngineDiedError):
+    """A consumer callback ran past its deadline (``RuntimeSettings.callback_deadline_s``,
+    ``close_deadline_s``): the engine's watchdog named it (``hung``: the consumer, the
+    callback, its stack) and stopped the engine (``death``). Raised where
+    :class:`EngineDiedError` is; the command reports it as one line, exit status 3."""
+
+    def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
+        super().__init__(death, outputs)
+        self.hung = hung
+        self.args = (f"{hung.message()}, at {hung.where()}; the engine was stopped",)
+
+
 def first_errors_of_disabled(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first error of each consumer that some error entry says was disabled."""
     off = {e["consumer"] for e in errors if e.get("disabled")}
@@ -153,6 +171,9 @@ class TllmLLM:
         background_threads: int = 1,
         max_consecutive_failures: int = 3,
         raise_on_disabled: bool = True,
+        callback_deadline_s: float | None = None,
+        background_deadline_s: float | None = None,
+        close_deadline_s: float | None = None,
         **llm_kwargs: Any,
     ):
         # Names and configs first: a bad one fails in about a second, before vLLM is
@@ -167,16 +188,26 @@ class TllmLLM:
         self.model_path = model
         self.raise_on_disabled = raise_on_disabled
         self._raised: set[str] = set()  # consumers already raised as disabled
+        if os.path.isdir(model):  # a broken config.json is bad input, before vLLM starts
+            from tllm_core.runtime.model_config import read_model_config
+
+            read_model_config(model)
         checked = validate_consumers(checked, model if os.path.isdir(model) else None)
         from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        deadlines = {
+            "callback_deadline_s": callback_deadline_s,
+            "background_deadline_s": background_deadline_s,
+            "close_deadline_s": close_deadline_s,
+        }
         self.settings = checked.settings(
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
             background_threads=background_threads,
             max_consecutive_failures=max_consecutive_failures,
+            **{k: v for k, v in deadlines.items() if v is not None},  # else the defaults
         )
         from tllm_core.vllm_bridge.parallel import bind_cpu_threads
 
@@ -187,8 +218,12 @@ class TllmLLM:
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = StartErrorNote()
+        # The same kind of note, kept for the engine's life: a hung callback's report.
+        self._fault_note = StartErrorNote()
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
-        sent = self.settings.model_copy(update={"start_error_file": note.path})
+        sent = self.settings.model_copy(
+            update={"start_error_file": note.path, "fault_file": self._fault_note.path}
+        )
         additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
         from vllm import LLM
 
@@ -205,6 +240,7 @@ class TllmLLM:
                     **llm_kwargs,
                 )
         except Exception as e:
+            self._fault_note.close()
             why = note.read()  # vLLM's own error says only "see root cause above"
             if why:
                 raise UnsupportedEngineError(f"the engine refused to start: {why}") from e
@@ -213,7 +249,11 @@ class TllmLLM:
             note.close()
             if bound is not None:  # the workers are bound: leave the caller's env as it was
                 os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        statuses = self.llm.collective_rpc("tllm_status")
+        # From here on a dead engine process ends every wait on the engine (engine_watch).
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        self._watch = EngineWatch(core).start()
+        with self._naming_a_dead_engine():
+            statuses = self.llm.collective_rpc("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
         if not statuses or not all(s.get("installed") for s in statuses) or status is None:
             raise UnsupportedEngineError(
@@ -226,7 +266,29 @@ class TllmLLM:
 
     def _rpc(self, method: str) -> Any:
         """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
-        return merge_reports(self.llm.collective_rpc(method))
+        with self._naming_a_dead_engine():
+            return merge_reports(self.llm.collective_rpc(method))
+
+    @contextlib.contextmanager
+    def _naming_a_dead_engine(self):
+        """Inside, a call on an engine one of whose processes died raises
+        :class:`EngineDiedError` naming that process (vLLM's own error says only
+        "EngineDeadError")."""
+        try:
+            self._watch.check()
+            yield
+        except Exception as e:
+            vllm_says_dead = type(e).__name__ == "EngineDeadError"
+            death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
+            if death is None or isinstance(e, ConsumerHungError):
+                raise
+            # The engine's watchdog may have stopped it: then the hung callback is the cause.
+            hung = read_note(self._fault_note.path)
+            if hung is not None:
+                raise ConsumerHungError(death, hung) from e
+            if isinstance(e, EngineDiedError):
+                raise
+            raise EngineDiedError(death) from e
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
@@ -269,14 +331,14 @@ class TllmLLM:
             tagged.append(sp)
             salts.append(request_salt(extra, can_change_kv=edits))
         try:
-            if chat:
-                from tllm_core.vllm_bridge.offline import chat_with_salts
+            with self._naming_a_dead_engine():
+                if chat:
+                    from tllm_core.vllm_bridge.offline import chat_with_salts
 
-                outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
-            else:
-                outputs = fn(
-                    [_salted(p, s) for p, s in zip(items, salts, strict=True)], tagged, **kwargs
-                )
+                    outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
+                else:
+                    prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
+                    outputs = fn(prompts, tagged, **kwargs)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
             from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
@@ -292,7 +354,9 @@ class TllmLLM:
                 self.llm.collective_rpc("tllm_end_batch")
             raise
         # generate() is synchronous: every request of this call is done.
-        errors = [e for r in self.llm.collective_rpc("tllm_end_batch") for e in (r or [])]
+        with self._naming_a_dead_engine():
+            ends = self.llm.collective_rpc("tllm_end_batch")
+        errors = [e for r in ends for e in (r or [])]
         self._raise_disabled(errors, outputs=outputs)
         return outputs
 
@@ -323,10 +387,18 @@ class TllmLLM:
 
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), without waiting for vLLM's exit
-        handler, which kills engines that take more than 5 s to stop."""
+        handler, which kills engines that take more than 5 s to stop. After a process of the
+        engine died, the others get a few seconds and are then killed."""
+        from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
         from tllm_core.vllm_bridge.lifecycle import shutdown_engine
 
-        shutdown_engine(self.llm)
+        self._watch.stop()  # processes that end from here on are stopped, not dead
+        if self._watch.death is None:
+            shutdown_engine(self.llm)
+        else:
+            shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)
+            self._watch.clean_up()
+        self._fault_note.close()
 
     def __enter__(self) -> TllmLLM:
         return self

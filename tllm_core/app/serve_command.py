@@ -63,6 +63,9 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     return [*argv, "--additional-config", json.dumps(tllm), *extra]
 
 
+# Seconds a server goes on after a consumer callback passed its deadline before its engine
+# stops itself: /health fails meanwhile, so that a load balancer drains it first.
+HUNG_STOP_S = 60.0
 DP_FLAGS = ("--data-parallel-size", "-dp")
 API_SERVER_FLAGS = ("--api-server-count", "-asc")
 DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
@@ -80,6 +83,19 @@ def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
             except ValueError:
                 raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
     return found
+
+
+def followers_store(extra: list[str]) -> tuple[str, int] | None:
+    """Where a multi-node leader's engine store listens (vLLM's ``--master-addr`` and
+    ``--master-port``, defaults 127.0.0.1 and 29501); None for a one-node engine."""
+    if (_int_flag(extra, ("--nnodes",)) or 1) <= 1 or (_int_flag(extra, ("--node-rank",)) or 0):
+        return None
+    host = "127.0.0.1"
+    for i, a in enumerate(extra):
+        flag, eq, value = a.partition("=")
+        if flag in ("--master-addr", "--master_addr"):
+            host = value if eq else (extra[i + 1] if i + 1 < len(extra) else host)
+    return host, _int_flag(extra, ("--master-port", "--master_port")) or 29501
 
 
 def parallel_ranks(args: argparse.Namespace) -> int:
@@ -182,8 +198,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.families import check_model
 
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
+    from tllm_core.runtime.start_error import StartErrorNote
+
+    fault_note = StartErrorNote()  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
+        hung_stop_s=args.hung_stop,
+        fault_file=fault_note.path,
+        **(
+            {"callback_deadline_s": args.callback_deadline}
+            if args.callback_deadline is not None
+            else {}
+        ),
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
@@ -222,13 +248,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The command's stop (a new one when none is installed: its watchdog still bounds the
     # stop); the server records a lost node in its node watch.
     signals = stop.installed() or stop.StopSignals()
+    if not follower:  # a multi-node leader tells its followers when it is asked to stop
+        signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
     pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)
     with signals.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
         last.stop()
+    from tllm_core.runtime.watchdog import read_note
+
+    hung = read_note(fault_note.path)
+    fault_note.close()
     if signals.nodes.lost():
         say(f"error: {signals.nodes.lost()}")
+        _exit(1)
+    if hung is not None and signals.received() is None:
+        say(f"error: the server stopped itself: {hung.message()}, at {hung.where()}")
         _exit(1)
     if not follower and signals.received() is None:
         # Nobody asked it to stop: the engine failed (its errors are above).
@@ -306,6 +341,15 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         type=cli_common.int_at_least(1),
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
+    )
+    cli_common.add_deadline_arg(s)
+    s.add_argument(
+        "--hung-stop",
+        type=float,
+        default=HUNG_STOP_S,
+        metavar="S",
+        help="seconds the server goes on, /health failing, after a consumer callback passed its "
+        f"deadline, before its engine stops itself (default {HUNG_STOP_S:g})",
     )
     s.add_argument(
         "--show-paths",

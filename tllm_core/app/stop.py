@@ -114,21 +114,9 @@ class StopSignals:
         of the command's processes that a stop signal caught and that are gone now: libiomp5
         removes its file only at a normal exit, and an engine process that the stop interrupts
         mid-start is ended by a signal. Returns the paths removed."""
-        import glob
+        from tllm_core.vllm_bridge.engine_watch import remove_openmp_files
 
-        import psutil
-
-        removed = []
-        for pid in sorted(self._children):
-            if psutil.pid_exists(pid):
-                with contextlib.suppress(psutil.Error):
-                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                        continue
-            for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    removed.append(path)
-        return removed
+        return remove_openmp_files(self._children)
 
     @contextlib.contextmanager
     def noting_handlers(self, seen: Callable[[Any], None] | None = None) -> Iterator[None]:

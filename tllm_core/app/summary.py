@@ -54,12 +54,27 @@ def _count(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def generic_line(name: str, counters: dict[str, Any], declared: str = "") -> str:
-    """``name: <proof counter> <value>``, or that it did no work."""
+def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls: int = 0) -> str:
+    """``name: <proof counter> <value>``, or that it did no work (``calls``: how many times
+    its callbacks were called)."""
     found = proof_counter(counters, declared)
     if found is None:
-        return f"{name}: no work"
+        return f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
     return f"{name}: {found[0]} {_count(found[1])}"
+
+
+def idle_warning(name: str, runtime: dict[str, Any]) -> str:
+    """Why consumer ``name`` shows no work: it was called (``consumer_calls.{name}``, counted
+    before each callback runs) and produced nothing, or it was never called."""
+    calls = runtime.get(f"consumer_calls.{name}", 0)
+    if calls:
+        return (
+            f"consumer {name!r} was called {_count(calls)} time(s) but produced no result "
+            "(all its counters are zero)"
+        )
+    if any(k.startswith("consumer_calls.") for k in runtime):
+        return f"consumer {name!r} was never called (all its counters are zero)"
+    return f"consumer {name!r} did no work (all its counters are zero)"  # an older report
 
 
 def _result_of(report: dict[str, Any], name: str) -> Any:
@@ -93,6 +108,13 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
         dropped = runtime.get(f"bundles_dropped.{name}", 0)
         if dropped:
             out.append(f"consumer {name!r}: {dropped} bundle(s) dropped (its queue was full)")
+        hung = runtime.get(f"callbacks_hung.{name}", 0)
+        if hung:
+            abandoned = runtime.get(f"bundles_abandoned.{name}", 0)
+            out.append(
+                f"consumer {name!r}: a callback passed its deadline (see the errors above)"
+                + (f"; {abandoned} queued bundle(s) dropped" if abandoned else "")
+            )
     if runtime.get("consumers_disabled", 0):
         out.append(
             f"{runtime['consumers_disabled']} consumer(s) switched off after repeated failures"
@@ -119,7 +141,7 @@ def _head(run: dict[str, Any]) -> str:
     rate = tokens / seconds if seconds else 0.0
     head = f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
     text = run.get("summary", "")
-    if run.get("interrupted") and text.startswith("interrupted"):
+    if run.get("interrupted") and text.startswith(("interrupted", "the engine died")):
         head = f"{text.split('; ', 1)[0]}; {head}"
     return head
 
@@ -134,20 +156,22 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
     lookup = lookup or registry_lookup()
     consumers: dict[str, dict[str, Any]] = report.get("consumers", {})
     out = Summary(_head(report.get("run", {})))
+    runtime = report.get("runtime", {})
     for name, counters in consumers.items():
         cls = lookup(name)
         result = _result_of(report, name)
         lines = _call(cls, "summary", name, counters, result) if cls is not None else []
         if not lines:
-            lines = [generic_line(name, counters, getattr(cls, "proof_counter", ""))]
+            calls = runtime.get(f"consumer_calls.{name}", 0)
+            lines = [generic_line(name, counters, getattr(cls, "proof_counter", ""), calls)]
         elif not lines[0].startswith(f"{name}:"):
             lines = [f"{name}: {lines[0]}", *lines[1:]]
         out.lines += lines
         if proof_counter(counters) is None:
-            out.warnings.append(f"consumer {name!r} did no work (all its counters are zero)")
+            out.warnings.append(idle_warning(name, runtime))
         if cls is not None:
             out.warnings += [
                 f"{name}: {w}" for w in _call(cls, "summary_warnings", name, counters, result)
             ]
-    out.warnings += runtime_warnings(report.get("runtime", {}), list(consumers))
+    out.warnings += runtime_warnings(runtime, list(consumers))
     return out

@@ -4,7 +4,8 @@ Every consumer call goes through :meth:`Bus.call`, which isolates failures: a co
 that raises is counted and reported with its name (logged once), and goes on serving later
 steps and requests; only a callback that keeps failing (``max_consecutive_failures`` calls
 in a row) switches the consumer off for the rest of the run. Either way its error cannot
-break the step or other consumers.
+break the step or other consumers. A callback that does not return is the watchdog's
+(:mod:`tllm_core.runtime.watchdog`): each call is noted there with its kind of deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tllm_core.api.consumer import Consumer
 from tllm_core.api.counters import Counters
 from tllm_core.api.ports import Delivery
 from tllm_core.api.rows import RequestInfo
+from tllm_core.runtime.watchdog import BACKGROUND, STEP, Watchdog
 
 log = logging.getLogger("tllm")
 
@@ -70,6 +72,8 @@ class _BackgroundChannel:
         self.consumer = consumer
         self.overflow = overflow
         self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
+        # Its thread is stuck in a callback past its deadline: nothing waits for it any more.
+        self.abandoned = False
         self.slots = threading.BoundedSemaphore(maxsize)
         self._pending = 0  # bundles queued, for queue_depth_max
         self._lock = threading.Lock()
@@ -93,7 +97,27 @@ class _BackgroundChannel:
         self.queue.put(bundle)
 
     def notify_finished(self, request: RequestInfo) -> None:
-        self.queue.put(request)
+        if not self.abandoned:
+            self.queue.put(request)
+
+    def abandon(self) -> int:
+        """Give up on the thread (stuck in a callback): drop what is queued; how many
+        bundles were dropped."""
+        self.abandoned = True
+        dropped = 0
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                with self.queue.all_tasks_done:  # a flush waiting on it goes on
+                    self.queue.all_tasks_done.notify_all()
+                return dropped
+            if isinstance(item, Bundle):
+                dropped += 1
+                with self._lock:
+                    self._pending -= 1
+                self.slots.release()
+            self.queue.task_done()
 
     def _drain(self) -> None:
         # Intra-op threads are a per-thread setting (OpenMP): the engine's threads keep
@@ -116,14 +140,24 @@ class _BackgroundChannel:
                 c = self.consumer
                 if isinstance(item, RequestInfo):
                     self.bus.call(
-                        c, "on_request_finished", c.on_request_finished, item, requests=(item,)
+                        c,
+                        "on_request_finished",
+                        c.on_request_finished,
+                        item,
+                        requests=(item,),
+                        kind=BACKGROUND,
                     )
                 elif isinstance(item, _Dropped):
                     self.bus.call(
-                        c, "on_bundle_dropped", c.on_bundle_dropped, item.step, item.requests
+                        c,
+                        "on_bundle_dropped",
+                        c.on_bundle_dropped,
+                        item.step,
+                        item.requests,
+                        kind=BACKGROUND,
                     )
                 else:
-                    self.bus.deliver_now(c, item)
+                    self.bus.deliver_now(c, item, kind=BACKGROUND)
             except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put
                 # Bus.call isolates Exceptions; this is SystemExit & co. The thread goes on
                 # draining (the consumer is off) so that the engine never waits on it.
@@ -135,9 +169,13 @@ class _BackgroundChannel:
         """Wait until everything queued is handled; False when ``timeout`` s pass first."""
         q = self.queue
         with q.all_tasks_done:
-            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+            return q.all_tasks_done.wait_for(
+                lambda: q.unfinished_tasks == 0 or self.abandoned, timeout
+            )
 
     def close(self, timeout: float) -> bool:
+        if self.abandoned:
+            return True  # a daemon thread stuck in the consumer: never joined
         self.queue.put(_STOP)
         self.thread.join(timeout)
         return not self.thread.is_alive()
@@ -152,8 +190,10 @@ class Bus:
         background_threads: int = 1,
         wait_timeout_s: float = WAIT_TIMEOUT_S,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.counters = counters
+        self.watchdog = watchdog
         self.max_consecutive_failures = max(1, int(max_consecutive_failures))
         self.wait_timeout_s = wait_timeout_s
         self.queue_size = queue_size
@@ -180,20 +220,29 @@ class Bus:
         *args: Any,
         even_if_disabled: bool = False,
         requests: Iterable[RequestInfo] = (),
+        kind: str = STEP,
     ) -> bool:
         """Run one consumer callback; on error count and report it (see :meth:`fail`). True
-        if it succeeded. ``requests``: those the callback acted on (read only on failure).
+        if it succeeded. ``requests``: those the callback acted on (read only on failure);
+        ``kind``: which of the watchdog's deadlines applies.
 
         ``even_if_disabled``: run it although the consumer failed before (``close``: a failed
         consumer still gets to write what it holds, e.g. a final manifest).
         """
         if consumer.name in self.disabled and not even_if_disabled:
             return False
+        # Counted before the call: a callback that never returns was still called.
+        self.counters.add(f"consumer_calls.{consumer.name}")
+        watch = self.watchdog
+        noted = watch.running(consumer.name, what, kind) if watch is not None else None
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - isolation is the point
             self.fail(consumer, what, e, requests)
             return False
+        finally:
+            if watch is not None:
+                watch.done(noted)
         if self._failures:  # a call that returns ends its callback's run of failures
             self._failures.pop((consumer.name, what), None)
         return True
@@ -284,12 +333,37 @@ class Bus:
                 requests=(request,),
             )
 
-    def deliver_now(self, consumer: Consumer, bundle: Bundle) -> None:
+    def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
         if self.call(
-            consumer, "on_bundle", consumer.on_bundle, bundle, requests=bundle_requests(bundle)
+            consumer,
+            "on_bundle",
+            consumer.on_bundle,
+            bundle,
+            requests=bundle_requests(bundle),
+            kind=kind,
         ):
             self.counters.add("bundles_delivered")
             self.counters.add(f"bundles_delivered.{consumer.name}")
+
+    def abandon(self, name: str, why: str) -> None:
+        """Switch off the background consumer ``name``, whose thread is stuck in a callback
+        (``why``), and drop its queue (counted: ``bundles_abandoned``); the engine goes on."""
+        self.disabled.add(name)
+        ch = self._channels.get(name)
+        dropped = ch.abandon() if ch is not None else 0
+        self.counters.add("consumers_abandoned")
+        self.counters.add("bundles_abandoned", dropped)
+        self.counters.add(f"bundles_abandoned.{name}", dropped)
+        msg = f"{why}; switched off, {dropped} queued bundle(s) dropped"
+        log.error("tllm: %s", msg)
+        with self._fail_lock:
+            self.errors.append(
+                {"consumer": name, "where": "watchdog", "error": msg, "disabled": True}
+            )
+
+    def abandoned(self, name: str) -> bool:
+        ch = self._channels.get(name)
+        return ch is not None and ch.abandoned
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued bundle has been handled, at most ``timeout`` seconds per

@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from tllm_core.api.consumer import ConsumerConfig, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.model_config import read_model_config
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        raise ValueError(
-            f"model {str(model_path)!r} has no config.json: a model folder holds a Hugging "
-            "Face config.json, tokenizer and weights"
-        )
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = read_model_config(model_path)  # BadModelConfig naming the file and key
 
     def no_head(_h: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the LM head is not available before the engine starts")
 
     return ModelInfo(
-        hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
-        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
         dtype=torch.float32,
         device=torch.device("meta"),
         lm_head=no_head,

@@ -47,6 +47,15 @@ from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_copies import StampRead, StampReader
 from tllm_core.runtime.step_indices import StepIndices
+from tllm_core.runtime.watchdog import (
+    BACKGROUND,
+    CLOSE,
+    STEP,
+    EngineStop,
+    Hung,
+    Watchdog,
+    write_note,
+)
 
 log = logging.getLogger("tllm")
 
@@ -201,6 +210,13 @@ class Runtime:
             for s in self.slots:
                 s.consumer.close()  # never used: writes and keeps nothing
             self.slots = []
+        deadlines = {
+            STEP: settings.callback_deadline_s,
+            BACKGROUND: settings.background_deadline_s,
+            CLOSE: settings.close_deadline_s,
+        }
+        self.watchdog = Watchdog(deadlines, self._hung)
+        self._engine_stop = EngineStop(settings.hung_stop_s)
         self.bus = Bus(
             self.counters,
             settings.queue_size,
@@ -208,6 +224,7 @@ class Runtime:
             settings.background_threads,
             settings.wait_timeout_s,
             settings.max_consecutive_failures,
+            self.watchdog,
         )
         self.step_index = 0
         # The step's indices (one copy) and gathered rows, in buffers reused from step to
@@ -229,6 +246,26 @@ class Runtime:
             self._read_ports.update(s.reads.token)
             self._read_ports.update(s.reads.sample)
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
+
+    def _hung(self, hung: Hung) -> None:
+        """A consumer callback past its deadline (from the watchdog's thread): a background
+        consumer is switched off; otherwise the engine is stopped (``hung_stop_s`` later),
+        the front end told why (``fault_file``)."""
+        self.counters.add("callbacks_hung")
+        self.counters.add(f"callbacks_hung.{hung.consumer}")
+        if hung.kind == BACKGROUND:
+            self.bus.abandon(hung.consumer, hung.report())
+            return
+        log.error("tllm: %s", hung.report())
+        self.bus.errors.append(
+            {"consumer": hung.consumer, "where": hung.callback, "error": hung.message()}
+        )
+        write_note(self.settings.fault_file, hung)
+        self._engine_stop.schedule(hung)
+
+    def stuck(self) -> list[Hung]:
+        """Consumer callbacks past their deadline now (``/tllm/status``, ``/health``)."""
+        return self.watchdog.stuck()
 
     # -- what the bridge must provide -------------------------------------------------
     def _collect_taps(self) -> set[TapRequest]:
@@ -531,11 +568,18 @@ class Runtime:
         results = {}
         for s in self.slots:
             c = s.consumer
+            if self.bus.abandoned(c.name):  # its thread is stuck in it: not asked again
+                results[c.name] = {"error": "switched off: a callback passed its deadline"}
+                consumers[c.name] = c.counters.snapshot()
+                continue
+            noted = self.watchdog.running(c.name, "result", CLOSE)
             try:
                 # First: result() may settle deferred work that the counters then include.
                 results[c.name] = c.result()
             except Exception as e:  # noqa: BLE001
                 results[c.name] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                self.watchdog.done(noted)
             consumers[c.name] = c.counters.snapshot()
         return {
             "runtime": self.counters.snapshot(),
@@ -550,8 +594,13 @@ class Runtime:
         if self._closed_report is None:
             self.bus.flush()
             for s in self.slots:
+                if self.bus.abandoned(s.consumer.name):
+                    continue  # its thread is still inside it: closing now would race it
                 # Failed consumers too: what they hold (buffered rows, a manifest) is written.
-                self.bus.call(s.consumer, "close", s.consumer.close, even_if_disabled=True)
+                self.bus.call(
+                    s.consumer, "close", s.consumer.close, even_if_disabled=True, kind=CLOSE
+                )
             self.bus.close()
             self._closed_report = self.collect()
+            self.watchdog.close()
         return self._closed_report

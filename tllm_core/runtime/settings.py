@@ -75,6 +75,41 @@ class RuntimeSettings(BaseModel):
         description="torch intra-op threads of each background consumer's thread (the "
         "engine's own threads already use the cores)",
     )
+    callback_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        le=86400,
+        description="longest run of one consumer callback on the engine thread (edit, guide, "
+        "on_bundle, on_request_finished): past it the watchdog names the consumer, the callback "
+        "and its stack, and the engine stops (runtime/watchdog.py)",
+    )
+    background_deadline_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="longest run of one callback of a background consumer: past it that "
+        "consumer is switched off and its queue dropped (counted); the engine goes on",
+    )
+    close_deadline_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="longest run of a consumer's close or result (writing what it holds): "
+        "past it the watchdog names it and the engine stops",
+    )
+    hung_stop_s: float = Field(
+        0.0,
+        ge=0,
+        le=86400,
+        description="seconds the engine goes on after a callback passed its deadline before it "
+        "stops itself (0: at once, offline; a server first fails /health so that a load "
+        "balancer drains it)",
+    )
+    fault_file: str | None = Field(
+        None,
+        description="a file the engine writes a hung callback's report into, for the front end "
+        "to name it (runtime/watchdog.py)",
+    )
     start_error_file: str | None = Field(
         None,
         description="a file the engine writes why tllm refused to start into, for the front "

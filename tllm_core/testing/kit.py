@@ -77,7 +77,9 @@ class ConsumerKit:
     ``tllm run``'s default (float32) unless given. ``share_model``: kits in one process share
     the loaded model (the first kit of a folder loads it, later ones take a few seconds); False
     loads a private copy (for a test that changes weights in place). ``lockstep_timeout``: how
-    long a step's forwards may wait for each other at a tap with a transform.
+    long a step's forwards may wait for each other at a tap with a transform. ``settings``:
+    other runtime settings (:class:`~tllm_core.runtime.settings.RuntimeSettings` fields, e.g.
+    a short ``callback_deadline_s``).
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class ConsumerKit:
         dtype: torch.dtype | str = DEFAULT_DTYPE,
         share_model: bool = True,
         lockstep_timeout: float = 300.0,
+        settings: dict[str, Any] | None = None,
     ):
         self.hf, self.tokenizer, self.model_path = load_model(model, dtype, shared=share_model)
         self.lockstep_timeout = float(lockstep_timeout)
@@ -98,11 +101,11 @@ class ConsumerKit:
         specs = [self._spec(c) for c in consumers]
         configs = self.registry.check(specs)
         self.model = model_info(self.hf)
-        settings = RuntimeSettings(
-            consumers=specs, max_consecutive_failures=max_consecutive_failures
+        runtime_settings = RuntimeSettings(
+            consumers=specs, max_consecutive_failures=max_consecutive_failures, **(settings or {})
         )
         with torch.inference_mode(False):  # as the engine builds them (trainable state)
-            self.runtime = Runtime(settings, self.model, self.registry)
+            self.runtime = Runtime(runtime_settings, self.model, self.registry)
         from tllm_core.serving.keys import EngineConsumers
 
         self._keys = EngineConsumers.of(specs, configs, self.registry)

@@ -8,7 +8,6 @@ site) are refused by ``sites.install_tap`` instead, once the layers can be seen.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -17,11 +16,12 @@ from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 
 def _config(model: str) -> dict[str, Any] | None:
-    path = Path(model) / "config.json"
-    if not path.is_file():  # a hub name or an odd folder: vLLM reports what it finds
+    if not (Path(model) / "config.json").is_file():  # a hub name: vLLM reports what it finds
         return None
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config", cfg) | {"architectures": cfg.get("architectures") or ["?"]}
+    from tllm_core.runtime.model_config import read_model_config
+
+    cfg = read_model_config(model)
+    return cfg.text | {"architectures": cfg.raw.get("architectures") or ["?"]}
 
 
 def _on_cpu() -> bool:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tllm_core.vllm_bridge.engine_watch import engine_processes
+
 # Seconds the engine processes get to exit after SIGTERM before vLLM kills them. Measured:
 # 2-20 s on a busy 2-core machine (the worker process exits after the engine core).
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -35,13 +37,6 @@ def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
             core.shutdown(timeout=timeout)
         except TypeError:  # a client whose shutdown takes no timeout
             core.shutdown()
-
-
-def engine_processes(core: Any) -> list[Any]:
-    """The engine-core processes a multiprocess client started (empty for other clients)."""
-    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
-    procs = getattr(manager, "processes", None)
-    return [p for p in procs or () if callable(getattr(p, "join", None))]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # Per-process fields: where this process writes its start error, the API server's limits
 # (only the leader's API server reads them).
-LOCAL_FIELDS = ("start_error_file", "server")
+LOCAL_FIELDS = ("start_error_file", "fault_file", "server")
 
 
 def comparable(settings: dict[str, Any] | None) -> str:
@@ -134,6 +134,46 @@ def node_count(parallel: Any) -> int:
 # TCP store at --master-addr:--master-port for the engine's life, so the follower probes that
 # port: once it answered, refused LEADER_MISSES times in a row means the leader is gone.
 LEADER_MISSES = 3
+# A requested stop of the leader reaches its followers through that same TCP store: the
+# leader's command sets STOP_KEY at its first stop signal, a follower's leader watch checks it
+# every STOP_POLL_S and then stops as asked (exit 0) instead of waiting to find the leader gone.
+STOP_KEY = "tllm/leader-stopping"
+STOP_POLL_S = 0.5
+STORE_TIMEOUT_S = 5.0
+
+
+def _store(host: str, port: int) -> Any:
+    """A client of the TCP store at ``host:port`` (the engine's torch.distributed store)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S),
+    )
+
+
+def announce_stop(host: str, port: int) -> bool:
+    """On the leader: tell the followers this is a requested stop (:data:`STOP_KEY` in the
+    engine's store); False when the store cannot be reached (the followers then find the
+    leader gone)."""
+    try:
+        _store(host, port).set(STOP_KEY, "requested")
+    except Exception:  # noqa: BLE001 - no store (engine not up yet, or gone): nothing to tell
+        return False
+    return True
+
+
+def leader_stopping(store: Any) -> bool | None:
+    """Whether the leader announced a requested stop (None: its store did not answer)."""
+    try:
+        return bool(store.check([STOP_KEY]))
+    except Exception:  # noqa: BLE001 - a closed connection: the leader's store is gone
+        return None
 
 
 def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
@@ -163,10 +203,22 @@ class NodeWatch:
         self._stopping = threading.Event()
         self._note: Any = None  # a headless node's note (node_note.shared), once it listens
         self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
+        # A leader's (host, port) of its engine's store: its followers are told of its stop.
+        self.followers_store: tuple[str, int] | None = None
 
     def stop(self) -> None:
-        """This process stops on request: the watches report nothing from now on."""
+        """This process stops on request: the watches report nothing from now on, and a
+        leader's followers are told (:func:`announce_stop`, from a thread: this runs in a
+        signal handler)."""
+        first = not self._stopping.is_set()
         self._stopping.set()
+        if first and self.followers_store is not None:
+            threading.Thread(
+                target=announce_stop,
+                args=self.followers_store,
+                daemon=True,
+                name="tllm-announce-stop",
+            ).start()
 
     @property
     def stopping(self) -> bool:
@@ -212,18 +264,63 @@ class NodeWatch:
                 self._report(reason, on_lost)
                 return
 
-    def watch_leader(self, host: str, port: int, interval: float, on_lost: Any) -> threading.Thread:
+    def watch_leader(
+        self,
+        host: str,
+        port: int,
+        interval: float,
+        on_lost: Any,
+        on_stop: Any = None,
+    ) -> threading.Thread:
         """Start a daemon thread probing the leader every ``interval`` s; once the leader has
         answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
-        ``on_lost(reason)`` once. Returns the thread (also :attr:`leader_watch`)."""
+        ``on_lost(reason)`` once. With ``on_stop``, the leader's store is also read every
+        :data:`STOP_POLL_S`: once the leader announced a requested stop
+        (:func:`announce_stop`), its store going away (the leader's engine has stopped; its
+        ranks needed this node's until then) stops this process on request (:meth:`stop`)
+        and calls ``on_stop()`` once. Returns the thread (also :attr:`leader_watch`)."""
         import time
 
-        def run() -> None:
-            misses, seen = 0, False
+        def read_store(store: Any, seconds: float) -> str:
+            """ "stopping", "gone", or "up" after ``seconds`` of "up"."""
+            deadline = time.monotonic() + seconds
             while True:
-                time.sleep(interval)
+                # A refused connection first: a read on the store's closed connection has
+                # torch log a C++ stack trace.
+                state = leader_stopping(store) if leader_reachable(host, port, 1.0) else None
+                if state is None or state:
+                    return "gone" if state is None else "stopping"
+                if time.monotonic() >= deadline or self.stopping:
+                    return "up"
+                time.sleep(STOP_POLL_S)
+
+        def run() -> None:
+            misses, seen, store, announced = 0, False, None, False
+            while True:
+                if store is not None:
+                    state = read_store(store, STOP_POLL_S if announced else interval)
+                    if state == "stopping":
+                        announced = True
+                    elif state == "gone" and announced:
+                        if not self.stopping:
+                            self.stop()
+                            on_stop()
+                        return
+                    elif state == "gone":
+                        store = None  # the probes count the misses
+                    if self.stopping:
+                        return
+                    if announced or state == "up":
+                        continue
+                else:
+                    time.sleep(interval)
                 if leader_reachable(host, port):
                     misses, seen = 0, True
+                    if on_stop is not None and store is None:
+                        try:
+                            store = _store(host, port)
+                        except Exception:  # noqa: BLE001 - not a store: probes only
+                            store = None
                 elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
                     misses += 1
                 if self.stopping:

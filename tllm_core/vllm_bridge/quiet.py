@@ -57,6 +57,8 @@ HARMLESS: tuple[str, ...] = (
 CONSEQUENCES: tuple[str, ...] = (
     # The server's output task sees the engine gone when the server stops it.
     r"AsyncLLM output_handler failed",
+    # A dead engine core: tllm names the process and its signal itself (engine_watch.py).
+    r"engine core exited unexpectedly; starting cleanup",
 )
 
 # Python warnings ignored (``PYTHONWARNINGS`` entries: action:message-prefix:category).

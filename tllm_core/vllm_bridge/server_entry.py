@@ -127,7 +127,22 @@ def _watch_leader(args: Any, watch: NodeWatch) -> None:
         logging.getLogger("vllm.tllm").error("tllm: %s; stopping this node", reason)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost)
+    def on_stop() -> None:  # the leader was asked to stop and has: so is this node (exit 0)
+        import psutil
+
+        logging.getLogger("vllm.tllm").warning("tllm: the leader stopped; stopping this node")
+        # This node's workers wait for the leader's next message without a timeout (vLLM's
+        # remote message queue), so vLLM's stop would wait out its worker grace period
+        # (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) and then kill them: SIGTERM stops them now.
+        for child in psutil.Process().children():
+            try:
+                if "resource_tracker" not in " ".join(child.cmdline()):
+                    child.terminate()
+            except psutil.Error:
+                continue
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost, on_stop)
 
 
 # Seconds the HTTP server waits for open connections once vLLM has stopped its engine.

@@ -22,6 +22,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
   ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
   operator shows them;
 - answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`);
+- fails ``GET /health`` (HTTP 503) while a consumer callback is past its deadline (the engine's
+  watchdog wrote it into ``fault_file``: :class:`HungHealth`), so that a load balancer drains
+  the server before the engine stops itself; ``/tllm/status`` then names it;
 - marks a non-streamed response whose request a consumer failed on with the header
   ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
   (:mod:`tllm_core.vllm_bridge.request_marks`).
@@ -43,6 +46,7 @@ from fastapi.responses import JSONResponse
 from tllm_core.api.consumer import ControlError
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
+from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
 from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
@@ -56,6 +60,7 @@ log = logging.getLogger("vllm.tllm")
 COUNTERS_PATH = "/tllm/counters"
 CONTROL_PATH = "/tllm/consumers/{name}/control"
 STATUS_PATH = "/tllm/status"
+HEALTH_PATH = "/health"  # vLLM's own route
 
 
 # Whether the HTTP request being served had its ``vllm_xargs`` checked by XargsCheck (set
@@ -227,6 +232,38 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     return list(await engine_client.collective_rpc(method, args=args))
 
 
+def hung_entry(hung: Hung) -> dict[str, Any]:
+    """A hung callback as ``/health`` and ``/tllm/status`` show it."""
+    return {
+        "consumer": hung.consumer,
+        "callback": hung.callback,
+        "seconds": round(hung.seconds, 1),
+        "deadline_s": hung.deadline_s,
+        "where": hung.where(),
+        "error": f"tllm: {hung.message()}; the engine stops itself",
+    }
+
+
+class HungHealth:
+    """ASGI middleware: ``GET /health`` answers 503 naming the consumer while the engine's
+    watchdog reports a callback past its deadline (``fault_file``, read per health check:
+    a small file; the engine itself is stuck and answers no RPC)."""
+
+    def __init__(self, app: Any, fault_file: str | None):
+        self.app = app
+        self.fault_file = fault_file
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("path") == HEALTH_PATH and self.fault_file:
+            hung = read_note(self.fault_file)
+            if hung is not None:
+                # No path: /health answers without the API key.
+                body = json.dumps({"error": f"tllm: {hung.message()}"}).encode()
+                await send_json_error(send, 503, body)
+                return
+        await self.app(scope, receive, send)
+
+
 def _stopping_response() -> JSONResponse:
     return JSONResponse({"error": "the server is stopping"}, 503)
 
@@ -243,8 +280,13 @@ def api_tokens(args: Any) -> list[str]:
 
 
 def attach_routes(
-    app: Any, server: EngineConsumers, settings: ServerSettings | None = None
+    app: Any,
+    server: EngineConsumers,
+    settings: ServerSettings | None = None,
+    fault_file: str | None = None,
 ) -> None:
+    """tllm's routes and middleware on vLLM's app (``fault_file``: where the engine reports a
+    hung consumer callback, :class:`HungHealth`)."""
     settings = settings or ServerSettings()
 
     def ask_workers():
@@ -257,6 +299,7 @@ def attach_routes(
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
     app.add_middleware(ClientScope, secret=app.state.tllm_secret)
+    app.add_middleware(HungHealth, fault_file=fault_file)
     # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
     tokens = api_tokens(getattr(app.state, "args", None))
     app.add_middleware(BearerGuard, tokens=tokens)
@@ -294,6 +337,11 @@ def attach_routes(
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
+        hung = read_note(fault_file)
+        if hung is not None:  # the engine is stuck in it: no RPC would answer
+            consumers: EngineConsumers = request.app.state.tllm_server
+            body = {**consumers.describe(), "hung": hung_entry(hung)}
+            return JSONResponse(shown(body), 503)
         try:
             out = await _rpc(request, "tllm_status")
             if isinstance(out, JSONResponse):

@@ -17,8 +17,10 @@ from tllm_core import (
     Phase,
     RequestSettings,
     SampledTokens,
+    SamplerGuide,
     hookimpl,
 )
+from tllm_core.api.ports import Delivery, Edit
 
 
 class RecorderConfig(ConsumerConfig):
@@ -114,6 +116,69 @@ class Crasher(Consumer):
             raise RuntimeError("crasher: deliberate failure")
 
 
+class HangConfig(ConsumerConfig):
+    callback: str = Field(
+        "on_bundle",
+        pattern="^(edit|guide|on_bundle|on_request_finished|close|result)$",
+        description="the callback that hangs",
+    )
+    after: int = Field(3, ge=1, description="it hangs on its Nth call")
+    seconds: float = Field(600.0, gt=0, description="how long it hangs")
+    background: bool = Field(False, description="delivered on a background thread")
+
+
+class Hang(Consumer):
+    """Hangs in one callback (``callback``) on its ``after``-th call: a consumer the watchdog
+    must name (tllm_core/runtime/watchdog.py). ``release`` (an Event) ends the hang early."""
+
+    name = "hang"
+    description = "Test consumer: one callback hangs on its Nth call."
+    Config = HangConfig
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        import threading
+
+        self.release = threading.Event()
+        self.calls = 0
+        if config.background:
+            self.delivery = Delivery.BACKGROUND
+
+    def reads(self):
+        return [SampledTokens(Phase.ALL)]
+
+    def writes(self):
+        if self.config.callback == "edit":
+            return [Edit(HiddenStates(0))]
+        return [SamplerGuide()] if self.config.callback == "guide" else []
+
+    def _maybe_hang(self, callback: str) -> None:
+        if callback != self.config.callback:
+            return
+        self.calls += 1
+        if self.calls >= self.config.after:
+            self.release.wait(self.config.seconds)
+
+    def edit(self, rows, plan):
+        self._maybe_hang("edit")
+
+    def guide(self, view):
+        self._maybe_hang("guide")
+
+    def on_bundle(self, bundle):
+        self._maybe_hang("on_bundle")
+
+    def on_request_finished(self, request):
+        self._maybe_hang("on_request_finished")
+
+    def result(self):
+        self._maybe_hang("result")
+        return {"calls": self.calls}
+
+    def close(self):
+        self._maybe_hang("close")
+
+
 class TallyConfig(ConsumerConfig):
     weight: int = Field(1, ge=0, description="weight of a sampled token (default of requests)")
 
@@ -155,7 +220,7 @@ def hello(args) -> int:
 
 @hookimpl
 def tllm_consumers():
-    return [Recorder, Crasher, Tally]
+    return [Recorder, Crasher, Tally, Hang]
 
 
 @hookimpl

@@ -1,0 +1,346 @@
+"""Faults of the engine and of the model folder (issue 46): a killed engine process ends the
+command within seconds with one line naming it, and leaves no process or ``/dev/shm`` file;
+a broken ``config.json`` is bad input (exit 2) before vLLM starts, naming the file and key."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from cli_util import SMALL_ENGINE
+from node_util import descendants, exit_within, leftover_shm, shm_entries, start, wait_for
+
+from tllm_core.app.cli_common import EXIT_ENGINE_DIED
+
+# A fault bound, not a speed figure: the command notices the death within a second and then
+# stops the rest of the engine (its other processes get a few seconds to exit).
+DEATH_BOUND_S = 30
+
+
+def _engine_core(cli_pid: int) -> int:
+    """The pid of the command's engine core: the child vLLM spawned (``VLLM::EngineCore`` where
+    setproctitle is installed), not ``multiprocessing``'s resource tracker."""
+    import psutil
+
+    for p in psutil.Process(cli_pid).children():
+        try:
+            line = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if ("spawn_main" in line or "EngineCore" in line) and "resource_tracker" not in line:
+            return p.pid
+    raise AssertionError(f"no engine core among {descendants(cli_pid)}")
+
+
+# -- a killed engine process ---------------------------------------------------------------------
+@pytest.mark.vllm
+def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tmp_path):
+    log = tmp_path / "run.log"
+    before = shm_entries()
+    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "4"]
+    argv += ["--max-tokens", "400", "--ignore-eos", *SMALL_ENGINE]
+    proc = start(argv, log)
+    try:
+        wait_for(log, "tllm: engine ready", proc, 300)
+        time.sleep(3)  # generating
+        pids = set(descendants(proc.pid))
+        core = _engine_core(proc.pid)
+        os.kill(core, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = exit_within(proc, DEATH_BOUND_S)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == EXIT_ENGINE_DIED, (took, text[-4000:])
+    errors = [ln for ln in text.splitlines() if ln.startswith("tllm: error:")]
+    assert len(errors) == 1, text[-4000:]
+    assert f"engine core (pid {core}) died (killed by SIGKILL)" in errors[0], errors
+    assert "Traceback" not in text and "leaked" not in text, text[-4000:]
+    # What finished is printed and the rest marked (none of 400 tokens finished here).
+    assert "=== prompt 0" in text and "(not finished)" in text, text[-4000:]
+    assert "tllm: the engine died after 0/4 samples" in text, text[-4000:]
+    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+
+
+KILL_DURING_GENERATE = r"""
+import os, signal, sys, threading, time
+from vllm import SamplingParams
+from tllm_core import TllmLLM
+from tllm_core.vllm_bridge.engine_watch import EngineDiedError
+from tllm_core.vllm_bridge.lifecycle import engine_processes
+
+llm = TllmLLM(sys.argv[1], consumers=["stats"], enforce_eager=True, max_model_len=512)
+core = engine_processes(llm.llm.llm_engine.engine_core)[0].pid
+print("core", core, flush=True)
+threading.Timer(3, os.kill, (core, signal.SIGKILL)).start()
+t0 = time.monotonic()
+try:
+    llm.generate(["Tell me a story"] * 4, SamplingParams(n=4, max_tokens=400, ignore_eos=True))
+except EngineDiedError as e:
+    print("generate", round(time.monotonic() - t0, 1), e, flush=True)
+t0 = time.monotonic()
+try:
+    llm.close()
+except EngineDiedError as e:
+    print("close", round(time.monotonic() - t0, 1), e, flush=True)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a second engine start (~40 s); the command's case above is the default one
+def test_kill_9_of_the_engine_core_during_generate_raises_engine_died(tiny_model, tmp_path):
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    )
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    before = shm_entries()
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_GENERATE, tiny_model],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, (out, proc.stderr[-4000:])
+    core = int(re.search(r"^core (\d+)", out, re.M).group(1))
+    gen = re.search(r"^generate ([\d.]+) (.*)$", out, re.M)
+    assert gen and float(gen.group(1)) < DEATH_BOUND_S, out
+    assert f"engine core (pid {core}) died (killed by SIGKILL)" in gen.group(2)
+    assert re.search(r"^close ([\d.]+) .*died", out, re.M), out  # close says it too, at once
+    assert leftover_shm(before, {core}) == [], proc.stderr[-4000:]
+
+
+# -- a broken model folder -----------------------------------------------------------------------
+def _folder(tmp_path, config: str | None):
+    model = tmp_path / "model"
+    model.mkdir()
+    if config is not None:
+        (model / "config.json").write_text(config)
+    return model
+
+
+BROKEN_CONFIGS = {
+    "not JSON": ("{hidden_size: 64", "config.json", "not valid JSON"),
+    "empty object": ("{}", "config.json", "hidden_size"),
+    "a list": ("[1, 2]", "config.json", "not a JSON object"),
+    "no layer count": (
+        json.dumps({"hidden_size": 64, "vocab_size": 100, "model_type": "llama"}),
+        "config.json",
+        "num_hidden_layers",
+    ),
+    "a layer count that is text": (
+        json.dumps({"hidden_size": 64, "num_hidden_layers": "two", "vocab_size": 100}),
+        "config.json",
+        "num_hidden_layers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_CONFIGS))
+def test_broken_config_is_bad_input_naming_the_file_and_key(case, tmp_path):
+    from tllm_core.runtime.model_config import BadModelConfig, read_model_config
+
+    text, file, key = BROKEN_CONFIGS[case]
+    model = _folder(tmp_path, text)
+    with pytest.raises(BadModelConfig) as e:
+        read_model_config(str(model))
+    assert str(model / file) in str(e.value) and key in str(e.value)
+    assert isinstance(e.value, ValueError)  # the CLI's bad input: exit 2
+
+
+def test_unreadable_config_is_bad_input(tmp_path):
+    from tllm_core.runtime.model_config import BadModelConfig, read_model_config
+
+    model = _folder(tmp_path, "{}")
+    (model / "config.json").chmod(0)
+    if os.access(model / "config.json", os.R_OK):  # root reads anything
+        (model / "config.json").unlink()
+        (model / "config.json").mkdir()  # a folder named config.json: not readable as a file
+    with pytest.raises(BadModelConfig, match="config.json"):
+        read_model_config(str(model))
+
+
+# Runs the command with vLLM made unimportable: the check must come before vLLM starts.
+NO_VLLM_DRIVER = """
+import sys
+
+class NoVllm:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "vllm":
+            raise ImportError("vllm imported before the model folder was checked")
+
+sys.meta_path.insert(0, NoVllm())
+from tllm_core.app.cli import main
+
+sys.argv = ["tllm", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("command", ["run", "export", "serve"])
+def test_cli_exits_2_before_vllm_on_a_broken_config(command, tmp_path):
+    model = _folder(tmp_path, "{}")
+    argv = [sys.executable, "-c", NO_VLLM_DRIVER, command, "--model", str(model)]
+    if command == "export":
+        argv += ["--layers", "0", "--out", str(tmp_path / "out")]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "starting vLLM" not in proc.stderr, proc.stderr
+    assert f"{model / 'config.json'}" in proc.stderr and "hidden_size" in proc.stderr
+
+
+def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
+    from tllm_core import TllmLLM
+    from tllm_core.runtime.model_config import BadModelConfig
+
+    model = _folder(tmp_path, "not json")
+    monkeypatch.setattr("tllm_core.app.engine.check_version", lambda: None)
+    with pytest.raises(BadModelConfig, match="not valid JSON"):
+        TllmLLM(str(model))
+
+
+# -- the engine watch, without vLLM --------------------------------------------------------------
+def _engine_core_with_a_worker() -> None:
+    """A fake engine core (forked): starts a worker process, then waits."""
+    # Named as vLLM names its workers (a process without such a name is a helper).
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::Worker_TP0"]
+    worker = subprocess.Popen(sleep)
+    worker.wait()
+    time.sleep(120)
+
+
+def _fake_client():
+    import multiprocessing
+    import queue
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    proc = multiprocessing.get_context("fork").Process(target=_engine_core_with_a_worker)
+    proc.start()
+    manager = SimpleNamespace(processes=[proc])
+    core = SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=manager, engine_dead=False),
+        utility_results={1: Future()},
+        outputs_queue=queue.Queue(),
+    )
+    deadline = time.monotonic() + 30
+    while not _kids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return core, proc
+
+
+def _kids(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children()]
+
+
+def test_a_killed_engine_core_is_named_and_every_wait_on_it_ends():
+    from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
+
+    core, proc = _fake_client()
+    (worker,) = _kids(proc.pid)
+    watch = EngineWatch(core).start()
+    kmp = f"/dev/shm/__KMP_REGISTERED_LIB_{proc.pid}_0"
+    open(kmp, "w").close()  # what libiomp5 leaves when its process is killed
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        # vLLM's offline waits: the output queue and a utility call's future, no timeout.
+        error = core.outputs_queue.get(timeout=5)
+        assert isinstance(error, EngineDiedError)
+        assert isinstance(core.utility_results[1].exception(timeout=5), EngineDiedError)
+        assert core.resources.engine_dead is True
+        assert str(watch.death) == f"vLLM's engine core (pid {proc.pid}) died (killed by SIGKILL)"
+        with pytest.raises(EngineDiedError, match="killed by SIGKILL"):
+            watch.check()
+        watch.clean_up(grace=1)
+        assert not os.path.exists(kmp)
+        assert not _running(worker)  # the orphaned worker is killed too
+    finally:
+        proc.kill()
+        with __import__("contextlib").suppress(OSError):
+            os.kill(worker, signal.SIGKILL)
+            os.unlink(kmp)
+
+
+def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death():
+    from tllm_core.vllm_bridge.engine_watch import EngineWatch
+
+    core, proc = _fake_client()
+    (worker,) = _kids(proc.pid)
+    watch = EngineWatch(core).start()
+    try:
+        os.kill(worker, signal.SIGKILL)
+        assert watch.wait_for_death(5) is not None
+        assert str(watch.death).startswith(f"vLLM's worker process (pid {worker}) died")
+    finally:
+        proc.kill()
+        proc.join(5)
+    core, proc = _fake_client()
+    watch = EngineWatch(core).start()
+    watch.stop()
+    proc.kill()
+    proc.join(5)
+    time.sleep(1)
+    assert watch.death is None and core.outputs_queue.empty()
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two ranks (~1-2 min)
+def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
+    import psutil
+    from conftest import MODEL_CACHE
+    from tiny_models import build_tiny_model
+
+    model = str(build_tiny_model(MODEL_CACHE, arch="llama", heads=2, kv_heads=2))
+    log = tmp_path / "run.log"
+    before = shm_entries()
+    argv = ["run", "--model", model, "-n", "4", "--max-tokens", "400", "--ignore-eos"]
+    proc = start([*argv, "--tensor-parallel-size", "2", *SMALL_ENGINE], log)
+    try:
+        wait_for(log, "tllm: engine ready", proc, 400)
+        time.sleep(3)
+        pids = set(descendants(proc.pid))
+        core = _engine_core(proc.pid)
+        workers = [
+            c.pid
+            for c in psutil.Process(core).children()
+            if "resource" not in " ".join(c.cmdline())
+        ]
+        os.kill(workers[-1], signal.SIGKILL)
+        code = exit_within(proc, DEATH_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == EXIT_ENGINE_DIED, text[-4000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("tllm: error:")]
+    assert len(errors) == 1 and f"worker process (pid {workers[-1]}) died" in errors[0], text[
+        -4000:
+    ]
+    assert "Traceback" not in text, text[-4000:]
+    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]

@@ -1,0 +1,91 @@
+"""A model folder's ``config.json``, checked once before vLLM starts: readable, a JSON object,
+with the sizes tllm needs. A broken one is bad input (``BadModelConfig``, a ``ValueError``:
+the command's exit status 2) naming the file and the key, not a late error from vLLM or a
+``KeyError`` from the dry build."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+# The sizes tllm reads (ModelInfo), each with the other names Hugging Face configs give it
+# (transformers' ``attribute_map``: GPT-2's ``n_embd``, T5's ``d_model``...).
+SIZES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "hidden_size": ("hidden_size", "n_embd", "d_model"),
+        "num_hidden_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+        "vocab_size": ("vocab_size", "padded_vocab_size"),
+    }
+)
+
+
+class BadModelConfig(ValueError):
+    """A model folder's ``config.json`` that is missing, unreadable, not JSON, or without a
+    size tllm needs."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A checked ``config.json``: the whole object, its text model's part (``text_config``
+    for multimodal models, else the whole), and the sizes tllm needs."""
+
+    path: Path
+    raw: dict[str, Any]
+    text: dict[str, Any]
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+def read_model_config(model_path: str) -> ModelConfig:
+    """``model_path``/config.json, checked (:class:`BadModelConfig` naming the file and key)."""
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        raise BadModelConfig(
+            f"model {str(model_path)!r} has no config.json: a model folder holds a Hugging "
+            "Face config.json, tokenizer and weights"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadModelConfig(f"cannot read the model's config {path}: {e}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadModelConfig(f"the model's config {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise BadModelConfig(
+            f"the model's config {path} is not a JSON object (got {type(raw).__name__})"
+        )
+    cfg = raw.get("text_config", raw)
+    if not isinstance(cfg, dict):
+        raise BadModelConfig(f"the model's config {path}: 'text_config' is not a JSON object")
+    where = f"{path}" + (" (text_config)" if cfg is not raw else "")
+    sizes = {key: _size(cfg, key, names, where) for key, names in SIZES.items()}
+    return ModelConfig(
+        path=path,
+        raw=raw,
+        text=cfg,
+        hidden_size=sizes["hidden_size"],
+        num_layers=sizes["num_hidden_layers"],
+        vocab_size=sizes["vocab_size"],
+    )
+
+
+def _size(cfg: dict[str, Any], key: str, names: tuple[str, ...], where: str) -> int:
+    name = next((n for n in names if n in cfg), None)
+    if name is None:
+        needed = ", ".join(SIZES)
+        raise BadModelConfig(
+            f"the model's config {where} has no {key!r}: tllm needs {needed} "
+            "(a Hugging Face config.json has them)"
+        )
+    value = cfg[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadModelConfig(
+            f"the model's config {where}: {name!r} must be a whole number >= 1, got {value!r}"
+        )
+    return value

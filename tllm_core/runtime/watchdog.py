@@ -1,0 +1,241 @@
+"""A deadline on consumer callbacks: a daemon thread notices one that runs too long.
+
+:class:`~tllm_core.runtime.bus.Bus` notes every consumer callback it runs (which consumer,
+which callback, on which thread, since when) with :meth:`Watchdog.running`. The watchdog's
+thread wakes a few times per deadline and reports each callback past the deadline of its
+kind (:data:`STEP`, :data:`BACKGROUND`, :data:`CLOSE`) once, as a :class:`Hung` with the
+stack of the thread it is stuck on (``sys._current_frames``). What happens then is the
+owner's choice (``on_hung``): the runtime switches a background consumer off, and stops the
+engine for the others (:class:`EngineStop`), after writing the report into the front end's
+note (:func:`write_note`, read back with :func:`read_note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("tllm")
+
+# Kinds of callback, each with its own deadline (RuntimeSettings' *_deadline_s).
+STEP = "step"  # on the engine thread: the step waits for it
+BACKGROUND = "background"  # on a background consumer's own thread
+CLOSE = "close"  # close and result: writing what the consumer holds
+# The watchdog wakes this many times per shortest deadline (at most once a second).
+CHECKS_PER_DEADLINE = 4
+# Exit status of an engine process stopped by the watchdog.
+HUNG_EXIT_CODE = 75
+
+
+@dataclass(frozen=True)
+class Hung:
+    """A callback past its deadline."""
+
+    consumer: str
+    callback: str
+    kind: str
+    deadline_s: float
+    seconds: float
+    thread: str
+    stack: str
+
+    def message(self) -> str:
+        """One line naming it (the stack is :attr:`stack`)."""
+        return (
+            f"consumer {self.consumer!r} is stuck in {self.callback} ({self.seconds:.0f} s; "
+            f"the deadline of a {self.kind} callback is {self.deadline_s:g} s)"
+        )
+
+    def where(self) -> str:
+        """The innermost frame of :attr:`stack` outside Python's own library (where the
+        consumer's code waits), as ``file:line in function``."""
+        frames = [ln.strip() for ln in self.stack.splitlines() if ln.strip().startswith("File ")]
+        stdlib = os.path.dirname(os.__file__)
+        own = [f for f in frames if stdlib not in f] or frames
+        if not own:
+            return "an unknown place"
+        path, _, rest = own[-1].removeprefix("File ").partition(", line ")
+        line, _, func = rest.partition(", in ")
+        return f"{path.strip(chr(34))}:{line} in {func}"
+
+    def report(self) -> str:
+        """The line and where it is stuck."""
+        return f"{self.message()}; stuck at (thread {self.thread}):\n{self.stack}"
+
+
+class _Call:
+    __slots__ = ("consumer", "callback", "kind", "start", "reported")
+
+    def __init__(self, consumer: str, callback: str, kind: str):
+        self.consumer = consumer
+        self.callback = callback
+        self.kind = kind
+        self.start = time.monotonic()
+        self.reported = False
+
+
+class Watchdog:
+    """Reports callbacks past their deadline (``deadlines``: seconds by kind) to ``on_hung``,
+    from its own daemon thread, started at the first callback."""
+
+    def __init__(self, deadlines: dict[str, float], on_hung: Callable[[Hung], None]):
+        self.deadlines = dict(deadlines)
+        self.on_hung = on_hung
+        self.interval_s = min(1.0, min(self.deadlines.values()) / CHECKS_PER_DEADLINE)
+        self._calls: dict[int, _Call] = {}  # thread id -> the callback running on it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def running(self, consumer: str, callback: str, kind: str) -> _Call | None:
+        """Note a callback starting on this thread; pass the result to :meth:`done`. A
+        callback inside another one on the same thread (none today) is not noted."""
+        tid = threading.get_ident()
+        if tid in self._calls:
+            return None
+        if self._thread is None:
+            self._start()
+        call = self._calls[tid] = _Call(consumer, callback, kind)
+        return call
+
+    def done(self, call: _Call | None) -> None:
+        if call is not None:
+            self._calls.pop(threading.get_ident(), None)
+
+    def stuck(self) -> list[Hung]:
+        """The callbacks past their deadline now (reported or not)."""
+        return [h for _, h in self._late(time.monotonic())]
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="tllm-watchdog", daemon=True
+                )
+                self._thread.start()
+
+    def _late(self, now: float) -> list[tuple[_Call, Hung]]:
+        out = []
+        frames = None
+        for tid, call in list(self._calls.items()):
+            deadline = self.deadlines[call.kind]
+            if now - call.start <= deadline:
+                continue
+            if frames is None:
+                frames = sys._current_frames()
+            frame = frames.get(tid)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+            thread = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+            hung = Hung(
+                call.consumer, call.callback, call.kind, deadline, now - call.start, thread, stack
+            )
+            out.append((call, hung))
+        return out
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            for call, hung in self._late(time.monotonic()):
+                if call.reported:
+                    continue
+                call.reported = True
+                try:
+                    self.on_hung(hung)
+                except Exception:  # noqa: BLE001 - the watchdog must keep watching
+                    log.exception("tllm: handling a hung consumer callback failed")
+
+
+def write_note(path: str | None, hung: Hung) -> None:
+    """Write ``hung`` into the front end's note at ``path`` (JSON), unless one is there
+    (the first hang is the cause). Never raises: the front end may be gone."""
+    if not path:
+        return
+    try:
+        with open(path, "a+", encoding="utf-8") as f:
+            f.seek(0)
+            if not f.read():
+                f.write(json.dumps(asdict(hung)))
+    except OSError:
+        pass
+
+
+def read_note(path: str | None) -> Hung | None:
+    """The hung callback the engine wrote at ``path``, if any."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        return Hung(**json.loads(text)) if text.strip() else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+class EngineStop:
+    """Stops the engine process ``after_s`` seconds after a callback hung (a timer thread):
+    the process that runs the consumers exits with :data:`HUNG_EXIT_CODE`, which the engine's
+    front end sees as a dead engine. Not in a front end's own process (an in-process engine,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): that would end the caller's program; there the
+    hang is only reported."""
+
+    def __init__(self, after_s: float, exit: Callable[[int], Any] = os._exit):
+        self.after_s = after_s
+        self._exit = exit
+        self._timer: threading.Timer | None = None
+
+    def schedule(self, hung: Hung) -> None:
+        if self._timer is not None:
+            return
+        if multiprocessing.parent_process() is None and self._exit is os._exit:
+            log.error("tllm: %s; the engine runs in this process, so it is not stopped", hung)
+            return
+        self._timer = threading.Timer(self.after_s, self._stop, args=(hung,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _stop(self, hung: Hung) -> None:
+        log.error("tllm: stopping the engine: %s", hung.message())
+        for h in logging.getLogger().handlers + log.handlers:
+            try:
+                h.flush()
+            except Exception:  # noqa: BLE001, S110 - exiting anyway
+                pass
+        sys.stderr.flush()
+        if self._exit is os._exit:
+            _end_engine_core()
+            # os._exit skips libiomp5's exit handler, which removes this file (the engine
+            # watch removes those of processes ended by a signal: engine_watch.py).
+            for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{os.getpid()}_*"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        self._exit(HUNG_EXIT_CODE)
+
+
+def _end_engine_core() -> None:
+    """In a worker of an offline multiprocess engine, whose parent is the engine core (not the
+    front end, whose pid the start note's variable names): end the engine core first. It
+    would otherwise log this worker's exit as its own fatal error, with tracebacks; the front
+    end then names the dead engine and reads the note. A server (no such variable) or a
+    worker started by the front end itself: nothing here."""
+    from tllm_core.runtime.start_error import ENV
+
+    front = os.environ.get(ENV, "").partition(":")[0]
+    parent = os.getppid()
+    if not front.isdigit() or parent in (1, int(front), os.getpid()):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(parent, signal.SIGKILL)

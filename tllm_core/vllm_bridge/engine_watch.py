@@ -1,0 +1,290 @@
+"""Notice a dead engine process within a second, name it, and end every wait on it.
+
+vLLM 0.32's offline client (``SyncMPClient``) notices that its engine core died (its monitor
+thread logs "engine core exited unexpectedly" and closes its sockets), but the ``LLM`` call
+waiting in ``get_output`` (``outputs_queue.get()``, no timeout) or in a utility call
+(``Future.result()``, no timeout) is never woken: it waits forever. :class:`EngineWatch`
+polls the engine's processes (the engine cores vLLM started and every process below them, its
+workers) and, at the first one that dies, records which (:class:`Death`), marks the client
+dead (``resources.engine_dead``, so that later calls raise at once), fails the pending
+utility calls and keeps an error in the output queue. ``TllmLLM`` then raises
+:class:`EngineDiedError`; :meth:`EngineWatch.clean_up` ends the engine's other processes and
+removes the Intel OpenMP files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``) that processes
+ended by a signal leave. See CONTRACT.md ("Engine lifecycle").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+# Seconds between two looks at the engine's processes: a death is noticed within this.
+POLL_S = 0.25
+# Seconds the engine's other processes get to exit on their own after one died (vLLM's
+# workers notice their engine core's death and exit within about a second).
+LEFTOVER_GRACE_S = 5.0
+# Looks between two reads of the engine processes' shared memory (their /proc/PID/maps).
+SHM_EVERY = 8
+
+
+@dataclass(frozen=True)
+class Death:
+    """One dead engine process: what it was, its pid, how it ended."""
+
+    what: str
+    pid: int
+    how: str
+
+    def __str__(self) -> str:
+        return f"{self.what} (pid {self.pid}) died ({self.how})"
+
+
+class EngineDiedError(RuntimeError):
+    """A process of the engine died while tllm used it (``death``: which, and how). Raised by
+    ``TllmLLM.generate`` / ``chat`` / ``collect`` / ``close``; the command reports it as one
+    line with exit status 3. ``outputs``: what finished before, where the caller kept it
+    (the command's ``(prompts, texts, report)``, printed before the error line)."""
+
+    def __init__(self, death: Death, outputs: Any = None) -> None:
+        super().__init__(f"{death}; the engine is stopped")
+        self.death = death
+        self.outputs = outputs
+
+
+def how_it_ended(exitcode: int | None) -> str:
+    """``multiprocessing``'s exit code in words (negative: the signal that ended it)."""
+    if exitcode is None:
+        return "its exit status went to its parent process"
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+        return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below ``pid`` (/proc; an empty list where it is not readable)."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def remove_openmp_files(pids: Iterable[int]) -> list[str]:
+    """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
+    of the ``pids`` that are no longer alive: libiomp5 removes its file only at a normal exit,
+    so a process ended by a signal leaves it. Returns the paths removed."""
+    removed = []
+    for pid in sorted(set(pids)):
+        if _alive(pid):
+            continue
+        for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{pid}_*"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def mapped_shm(pid: int | str) -> set[str]:
+    """The ``/dev/shm`` shared memory (``psm_*``) and semaphores (``sem.*``) process ``pid``
+    has mapped."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    names = {ln.rsplit("/dev/shm/", 1)[1].split(" ")[0] for ln in lines if "/dev/shm/" in ln}
+    return {n for n in names if n.startswith(("psm_", "sem."))}
+
+
+def release_shm(names: Iterable[str]) -> list[str]:
+    """Unlink the shared-memory segments ``names`` that a dead engine process created and no
+    process of ours maps, and tell ``multiprocessing``'s resource tracker (shared with the
+    engine processes, which registered them): it would otherwise unlink them itself at exit
+    with a "leaked shared_memory objects" warning. Returns the names released."""
+    from multiprocessing import resource_tracker
+
+    ours = mapped_shm("self")
+    released = []
+    for name in sorted(set(names) - ours):
+        try:
+            os.unlink(f"/dev/shm/{name}")
+        except OSError:
+            continue
+        # The tracker's names: "/psm_..." (shared_memory), "/mp-..." for file sem.mp-...
+        kind, tracked = (
+            ("semaphore", f"/{name[4:]}")
+            if name.startswith("sem.")
+            else ("shared_memory", f"/{name}")
+        )
+        with contextlib.suppress(Exception):  # no tracker running: nothing to tell
+            resource_tracker.unregister(tracked, kind)
+        released.append(name)
+    return released
+
+
+def engine_processes(core: Any) -> list[Any]:
+    """The engine-core processes a multiprocess client started (empty for other clients)."""
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    procs = getattr(manager, "processes", None)
+    return [p for p in procs or () if callable(getattr(p, "join", None))]
+
+
+class EngineWatch:
+    """Watches the processes of one engine client ``core`` (vLLM's ``EngineCoreClient``) from
+    a daemon thread; does nothing for an in-process engine (no processes)."""
+
+    def __init__(self, core: Any, poll_s: float = POLL_S) -> None:
+        self.core = core
+        self.poll_s = poll_s
+        self.cores = engine_processes(core)
+        self.death: Death | None = None
+        self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
+        self._workers: set[int] = set()  # alive at the last look
+        self.shm: set[str] = set()  # shared memory the engine processes had mapped
+        self._looks = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> EngineWatch:
+        if self.cores and self._thread is None:
+            self._look()  # the workers as they are now
+            self._thread = threading.Thread(target=self._run, daemon=True, name="tllm-engine-watch")
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The engine is being stopped on purpose: processes that end now are no death."""
+        self._stopping.set()
+
+    def check(self) -> None:
+        """Raise :class:`EngineDiedError` if a process of the engine died."""
+        if self.death is not None:
+            raise EngineDiedError(self.death)
+
+    def wait_for_death(self, timeout: float) -> Death | None:
+        """The death, waiting up to ``timeout`` s for it to be noticed (vLLM may report the
+        engine dead, "EngineDeadError", before this watch has looked)."""
+        deadline = time.monotonic() + timeout
+        while self.death is None and self._thread is not None and time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.05)
+        return self.death
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.poll_s):
+            if self.death is None:
+                self.death = self._look()
+                if self.death is None:
+                    continue
+            self._wake_waiters()
+
+    def _look(self) -> Death | None:
+        """One look at the processes; the first death seen (a worker before its engine core,
+        which exits because its worker did)."""
+        deaths = []
+        for pid in sorted(self._workers):
+            if not _alive(pid):
+                deaths.append(Death("vLLM's worker process", pid, how_it_ended(None)))
+        for p in self.cores:
+            code = p.exitcode
+            if code is not None:
+                deaths.append(Death("vLLM's engine core", int(p.pid), how_it_ended(code)))
+        if deaths:
+            # A process killed by a signal is the cause; a worker's exit status is unknown here.
+            return next((d for d in deaths if "killed" in d.how), deaths[0])
+        workers = {c for p in self.cores for c in _children(int(p.pid))}
+        self._workers = {w for w in workers if w not in self._spawn_helpers(workers)}
+        self.pids |= workers
+        if self._looks % SHM_EVERY == 0:
+            for pid in self.pids:
+                self.shm |= mapped_shm(pid)
+        self._looks += 1
+        return None
+
+    @staticmethod
+    def _spawn_helpers(pids: set[int]) -> set[int]:
+        """Processes that are no worker: ``multiprocessing``'s resource tracker (it exits when
+        the processes using it are gone), and any process vLLM did not start as one of its
+        own (``VLLM::`` title, or ``multiprocessing``'s spawn): short-lived helpers (a
+        compiler, a subprocess) end normally."""
+        helpers = set()
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    line = f.read()
+            except OSError:
+                helpers.add(pid)
+                continue
+            if b"resource_tracker" in line or not (b"VLLM::" in line or b"spawn_main" in line):
+                helpers.add(pid)
+        return helpers
+
+    def _wake_waiters(self) -> None:
+        """End every wait on the dead engine: the client is marked dead (new calls raise),
+        pending utility calls fail, and its output queue holds an error."""
+        assert self.death is not None
+        error = EngineDiedError(self.death)
+        resources = getattr(self.core, "resources", None)
+        if resources is not None:
+            resources.engine_dead = True
+        for future in list(getattr(self.core, "utility_results", {}).values()):
+            with contextlib.suppress(Exception):  # already answered
+                future.set_exception(error)
+        outputs = getattr(self.core, "outputs_queue", None)
+        if outputs is not None and outputs.empty():
+            outputs.put_nowait(error)
+
+    def clean_up(self, grace: float = LEFTOVER_GRACE_S) -> list[int]:
+        """After a death: give the engine's other processes ``grace`` s to exit, SIGKILL those
+        still running, remove the OpenMP files of all of them. Returns the pids killed."""
+        self.stop()
+        deadline = time.monotonic() + grace
+        while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        killed = []
+        for pid in sorted(self.pids):
+            if _alive(pid) and pid not in self._spawn_helpers({pid}):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        for p in self.cores:  # reap them (they are this process's children)
+            with contextlib.suppress(Exception):
+                p.join(1.0)
+        deadline = time.monotonic() + 2.0
+        while any(_alive(p) for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        remove_openmp_files(self.pids)
+        if not any(_alive(p) for p in self.pids):
+            release_shm(self.shm)
+        return killed
