@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, run_machine, write_samples
+from bench_setup import model_path, offline_engine_env, run_machine, section, table, write_samples
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 METRICS = {  # name -> True when higher is better (an "improvement")
@@ -746,3 +746,37 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())
+
+
+def render(dv: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: means ± standard error per method,
+    then each paired comparison (p: sign test, paired t-test)."""
+
+    def pm(m: dict[str, Any], k: str, fmt: str = ".3f") -> str:
+        return f"{m['means'][k]:{fmt}} ± {m['sem'][k]:{fmt}}"
+
+    c = dv["config"]
+    size = f"{c['num_prompts']} prompts x n={c['n']} x {c['max_tokens']} tokens"
+    means = [
+        [name, pm(m, "vendi"), pm(m, "cos_sim"), pm(m, "ppl", ".2f"), pm(m, "distinct2"), size]
+        for name, m in dv["methods"].items()
+    ]
+    pairs = []
+    for cm in dv["comparisons"]:
+        v, s, p = (cm["metrics"][k] for k in ("vendi", "cos_sim", "ppl"))
+        pairs.append(
+            [
+                f"{cm['method']} vs {cm['against']}",
+                f"{v['mean_delta']:+.3f}",
+                f"{v['improved']}/{v['prompts']}",
+                f"{v['sign_test_p']:.2g} / {v['t_test_p']:.2g}",
+                f"{s['mean_delta']:+.4f}",
+                f"{p['mean_delta']:+.2f}",
+                f"{p['t_test_p']:.2g}",
+            ]
+        )
+    head = ["method", "Vendi ↑", "mean cos sim ↓", "PPL", "distinct-2 ↑", "workload"]
+    cmp_head = ["comparison", "Δ Vendi", "higher on", "p (sign / t)", "Δ cos sim", "Δ PPL"]
+    return section(
+        "Diversity and quality", dv, table(head, means), table([*cmp_head, "p_t PPL"], pairs)
+    )

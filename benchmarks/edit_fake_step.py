@@ -208,5 +208,29 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"    {kind}: {where}")
 
 
+def render(es: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: each editing case's counts over
+    the steady steps, as is and in inference mode."""
+    from bench_setup import section, table
+
+    kinds = ("host_wait", "pageable_copy", "allocation", "race", "consumer_errors")
+    run = es.get("after", es)
+    rows = [
+        [
+            r["case"],
+            "inference" if r.get("inference_mode") else "plain",
+            *(r[k] for k in kinds),
+            r.get("values_prepared") or 0,
+        ]
+        for r in run["results"]
+    ]
+    head = ["case", "mode", "host waits", "pageable copies", "allocations", "races", "errors"]
+    return section(
+        "Hidden-state edits on the fake CUDA device",
+        es,
+        table([*head, "values prepared"], rows),
+    )
+
+
 if __name__ == "__main__":
     main()

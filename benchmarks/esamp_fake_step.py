@@ -423,5 +423,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def render(fs: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
+    runtime, per request and per setting, each row a count on the fake device."""
+    from bench_setup import section, table
+
+    def beta(r: dict[str, Any]) -> str:
+        return "fit" if r.get("fit") else "constant"
+
+    def n(v: Any) -> int:
+        return len(v) if isinstance(v, list) else v
+
+    rows = []
+    for where, key in (
+        ("consumer", "results"),
+        ("runtime", "runtime"),
+        ("runtime", "runtime_per_request"),
+        ("consumer", "configurations"),
+    ):
+        for r in fs.get(key, []):
+            what = r.get("config") or (
+                f"per request ({r['per_request']})" if "per_request" in r else where
+            )
+            rows.append(
+                [
+                    f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
+                    what,
+                    r["mode"],
+                    beta(r),
+                    r["launches"],
+                    f"{r['bytes'] / 1e9:.2f}",
+                    r["allocations"],
+                    n(r["host_waits"]),
+                    n(r.get("pageable_copies", 0)),
+                ]
+            )
+    head = ["prompts x n", "driven by", "mode", "beta", "launches", "GB moved", "allocations"]
+    command = "python benchmarks/esamp_fake_step.py --configs --json"
+    return section(
+        "ESamp decode step on the fake CUDA device",
+        fs,
+        table([*head, "host waits", "pageable copies"], rows),
+        command=command,
+    )
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -457,5 +457,32 @@ def _run(args, device) -> int:
     return 0
 
 
+def render(gp: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: each variant's predict and
+    update, and what it adds to the decode step."""
+    from bench_setup import section, table
+
+    rows = []
+    for v, d in gp["distiller"].items():
+        s = gp["in_step"].get(v, {})
+        rows.append(
+            [
+                v,
+                f"{d['predict_us']:.1f}",
+                f"{d['train_us']:.1f}",
+                f"{s.get('added_us', float('nan')):.1f}",
+                f"{100 * s.get('fraction_of_step', float('nan')):.1f}%",
+            ]
+        )
+    head = ["variant", "predict (µs)", "update (µs)", "added to a step (µs)", "fraction of step"]
+    machine = {"device": gp["device"], "torch": gp["torch"]}
+    return section(
+        "ESamp distiller on a GPU (7B shapes)",
+        {**gp, "machine": machine},
+        table(head, rows),
+        command="python benchmarks/gpu_distiller.py --json",
+    )
+
+
 if __name__ == "__main__":
     sys.exit(main())

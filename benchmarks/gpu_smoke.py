@@ -422,5 +422,61 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def render(sm: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--out`` result: each part's figures, one row each."""
+    from bench_setup import section, table
+
+    rows: list[list[Any]] = []
+    for k, rec in sm["memory"].items():
+        if k.startswith("groups_") and "fake_device_step" in rec:
+            allocs = rec["fake_device_step"]["allocation"]
+            rows.append([f"memory, {k[7:]} slots", f"{allocs} allocations per step (fake device)"])
+        elif k.startswith("groups_"):
+            used = rec.get("update_peak_bytes", rec.get("peak_bytes"))
+            plan = rec.get("plan_update_workspace_bytes", rec.get("plan_distiller_bytes"))
+            rows.append([f"memory, {k[7:]} slots", f"{used} bytes measured, {plan} planned"])
+        if k.startswith("groups_"):
+            rows.append([f"memory, {k[7:]} slots, within plan", rec["within_plan"]])
+    plan7 = sm["memory"].get("qwen2.5_7b_default_plan", {})
+    if plan7:
+        rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{plan7['total_gib']:.3f}"])
+    sy = sm["syncs"]
+    if "distiller_step" in sy:
+        rows.append(["host syncs, distiller step", sum(sy["distiller_step"][-1].values())])
+    for mode, counts in sy.get("consumer_step", {}).items():
+        if isinstance(counts, list):
+            rows.append([f"host syncs, ESamp step ({mode})", sum(counts[-1].values())])
+    search = sy.get("candidate_search") or {}
+    for kind in ("exact", "fixed_size"):
+        if kind in search:
+            rows.append([f"host syncs, {kind} candidate search", sum(search[kind].values())])
+    for k, rec in sm["distiller"].get("results", {}).items():
+        for name, v in (rec.get("bytes_per_param") or {}).items():
+            rows.append([f"update bytes per parameter, {k[7:]} groups, {name}", f"{v:.1f}"])
+    ct = sm.get("compiled_taps") or {}
+    if "compiled_max_abs_diff" in ct:
+        rows.append(
+            ["compiled taps, max abs diff from eager", f"{max(ct['compiled_max_abs_diff']):.1e}"]
+        )
+        replay = ct["cuda_graph"].get("replay_max_abs_diff")
+        rows.append(
+            ["CUDA graph taps, max abs diff", f"{max(replay):.1e}" if replay else "not run"]
+        )
+    skipped = [
+        f"{part}: {rec['skipped']}"
+        for part, rec in sm.items()
+        if isinstance(rec, dict) and "skipped" in rec
+    ]
+    rows += [["not run", s] for s in skipped]
+    device = f"{sm['device']}, torch {sm['torch']}"
+    command = f"python benchmarks/gpu_smoke.py --device {sm['device']} --out FILE"
+    return section(
+        f"GPU smoke run on {sm['device']}",
+        {**sm, "machine": {"device": device}},
+        table(["figure", "value"], rows),
+        command=command,
+    )
+
+
 if __name__ == "__main__":
     sys.exit(main())

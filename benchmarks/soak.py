@@ -347,5 +347,31 @@ def main() -> int:
     return 0 if out["passed"] else 1
 
 
+def render(sk: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: the checks, then the figures."""
+    import bench_setup  # same folder; soak is imported by tests without it on the path
+
+    c = sk["counters"]
+    figures = [
+        ["requests, in flight", f"{sk['requests']}, {sk['concurrency']}"],
+        ["requests/s", sk["requests_per_s"]],
+        [
+            "engine RSS after warm-up → end (MiB)",
+            f"{sk['engine_rss_mib_after_warmup']} → {sk['engine_rss_mib_end']} "
+            f"({sk['engine_rss_change_pct']:+.2f}%)",
+        ],
+        [
+            "ESamp groups created / freed / alive",
+            f"{c['esamp']['groups_created']} / {c['esamp']['groups_freed']} / "
+            f"{c['esamp']['groups_alive']}",
+        ],
+        ["consumer errors (the crashing test consumer)", c["runtime"]["consumer_errors"]],
+        *([k.replace("_", " "), "yes" if v else "**no**"] for k, v in sk["checks"].items()),
+    ]
+    return bench_setup.section(
+        "A long day in the server (soak)", sk, bench_setup.table(["figure", "value"], figures)
+    )
+
+
 if __name__ == "__main__":
     sys.exit(main())
