@@ -76,8 +76,8 @@ def page() -> str:
             continue
         result = json.loads(path.read_text())
         result.setdefault("code", code_version(path))
-        module = sys.modules[__name__] if tool == "report" else importlib.import_module(tool)
-        out.append(module.render(result, title) if title else module.render(result))
+        draw = render if tool == "report" else importlib.import_module(tool).render
+        out.append(draw(result, title) if title else draw(result))
     return "\n".join(out)
 
 

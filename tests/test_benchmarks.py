@@ -289,7 +289,7 @@ def test_load_script_small_run(tiny_model):
     assert all(0 < rss[k]["front_end"] < rss[k]["total"] for k in ("start", "after_warmup", "end"))
     assert len(a["rss_mib_after_rounds"]) == 1
     assert out["workload"]["concurrency"] == 4 and out["machine"]["loadavg_1m_end"] >= 0
-    assert "| A |" in "\n".join(_load("report").load_section(out))  # docs/results.md renders it
+    assert "| A |" in _load("load").render(out)  # docs/results.md renders it
 
 
 @pytest.mark.slow  # torch.compile of the toy decoder takes 20-30 s on CPU
@@ -300,3 +300,14 @@ def test_compiled_taps_follow_edit_buffers_like_eager():
     assert max(out["compiled_max_abs_diff"]) < 1e-5, out
     assert len(set(out["rows_edited_eager"])) > 1  # the edits differ between steps
     assert out["cuda_graph"] == {"skipped": "no CUDA"}
+
+
+def test_results_page_is_rendered_from_the_saved_results():
+    """docs/results.md is what the tools' ``render`` make of benchmarks/results/ (rerun
+    ``python benchmarks/report.py`` after saving a result), and every saved result is on it."""
+    report = _load("report")
+    text = report.page()
+    assert (ROOT / "docs" / "results.md").read_text() == text
+    used = {name for _, name, _ in report.SECTIONS}
+    saved = {p.name for p in (BENCH / "results").glob("*.json")}
+    assert saved <= used, f"results no section renders: {sorted(saved - used)}"
