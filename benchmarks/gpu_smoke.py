@@ -20,8 +20,8 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    time added and ratio, host time of the consumer's calls, the floor, a step under
    ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
    issue-36 targets checked (``targets``).
-3. ``kernels``: ``gpu_kernels.bench_kernels`` (the fused kernels against their bytes floor and
-   against the former bmm + fused Adam path); ``--quick`` or CPU: tiny shapes.
+3. ``kernels``: ``gpu_distiller.bench_kernels`` (the fused kernels against the bytes they
+   must move); ``--quick`` or CPU: tiny shapes.
 4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
    64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
    parameter; CPU: tiny shapes.
@@ -64,8 +64,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import gpu_rehearsal  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
-from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
-from gpu_kernels import QUICK_SHAPES, SHAPES_7B, bench_kernels  # noqa: E402
+from gpu_distiller import (  # noqa: E402
+    QUICK_SHAPES,
+    SHAPES_7B,
+    bench_distiller,
+    bench_kernels,
+    update_bytes_per_param,
+)
 from sync_count import SyncCounter  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402

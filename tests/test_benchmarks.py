@@ -311,3 +311,12 @@ def test_results_page_is_rendered_from_the_saved_results():
     used = {name for _, name, _ in report.SECTIONS}
     saved = {p.name for p in (BENCH / "results").glob("*.json")}
     assert saved <= used, f"results no section renders: {sorted(saved - used)}"
+
+
+def test_kernel_benchmark_quick_mode_runs_on_cpu():
+    """``gpu_distiller.py --kernels``: the fused kernels timed at tiny shapes on CPU, the
+    live-slot products equal to ``torch.bmm`` over every slot."""
+    res = _load("gpu_distiller").bench_kernels("cpu", _load("gpu_distiller").QUICK_SHAPES)
+    case = res["cases"][0]
+    assert {"grad_adam", "grad_adam_bf16", "slot_matmul", "dense_matmul"} <= set(case)
+    assert case["slot_matmul"]["max_abs_diff_vs_dense"] < 1e-4
