@@ -41,7 +41,7 @@ def model_path(model: str | None) -> str:
 def machine_info() -> dict[str, Any]:
     """The hardware and software a run measured on, and the code version it ran."""
     info: dict[str, Any] = {
-        "code": code_version(ROOT),
+        "code": code_version(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
@@ -67,14 +67,10 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def code_version(path: Path) -> str:
-    """The checkout's commit (short), ``+`` when it has uncommitted changes; the commit that
-    last saved ``path`` when ``path`` is a file (a result saved without a version)."""
-    if path.is_file():
-        cmd = ["git", "log", "-1", "--format=%h", "--", str(path)]
-        return _git(cmd, path.parent) or "unknown"
-    head = _git(["git", "rev-parse", "--short", "HEAD"], path) or "unknown"
-    return head + ("+" if _git(["git", "status", "--porcelain", "-uno"], path) else "")
+def code_version(root: Path = ROOT) -> str:
+    """The checkout's commit (short), ``+`` when tracked files have uncommitted changes."""
+    head = _git(["git", "rev-parse", "--short", "HEAD"], root) or "unknown"
+    return head + ("+" if _git(["git", "status", "--porcelain", "-uno"], root) else "")
 
 
 def _git(cmd: list[str], cwd: Path) -> str:

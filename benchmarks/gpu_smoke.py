@@ -16,7 +16,7 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
    run only with ``--device cuda`` (the rehearsal collects them).
 2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
-   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_gpu_step.bench_step``): device
+   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``): device
    time added and ratio, host time of the consumer's calls, the floor, a step under
    ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
    issue-36 targets checked (``targets``).
@@ -27,7 +27,7 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    parameter; CPU: tiny shapes.
 5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
-   of an ESamp step (``esamp_fake_step``) stand in.
+   of an ESamp step (``esamp_step``) stand in.
 6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
    searches (``sync_count.SyncCounter``; on CUDA also under the sync debug mode) and of the
    consumer's decode step when pydantic is there.
@@ -236,9 +236,9 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
 def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
     """ESamp's whole step beside the synthetic decode step, and the issue-36 targets."""
     if not is_cuda(device):
-        return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_fake_step.py)"}
+        return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_step.py)"}
     try:
-        from esamp_gpu_step import bench_step
+        from esamp_step import bench_step
 
         import algorithms.esamp.consumer  # noqa: F401  (pydantic: bench_step imports it late)
     except ImportError as err:

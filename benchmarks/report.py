@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "results.md"
 sys.path[:0] = [str(HERE.parent), str(HERE)]
-from bench_setup import code_version, section, table  # noqa: E402
+from bench_setup import section, table  # noqa: E402
 
 # (tool, result file, section title or None for the tool's own): the page, in order.
 SECTIONS = [
@@ -33,7 +33,7 @@ SECTIONS = [
     ("soak", "soak.json", None),
     ("report", "fuzz.json", None),
     ("report", "server_state.json", None),
-    ("esamp_fake_step", "esamp_fake_step.json", None),
+    ("esamp_step", "esamp_step.json", None),
     ("edit_fake_step", "edit_fake_step.json", None),
     ("gpu_distiller", "gpu_distiller.json", None),
     ("gpu_smoke", "gpu_smoke.json", None),
@@ -66,7 +66,8 @@ def page() -> str:
         "# Benchmark results",
         "",
         "Written by `python benchmarks/report.py` from `benchmarks/results/*.json`. Code "
-        "version: the commit a run recorded, else the commit that saved its result. Decisions "
+        "version: the commit the run recorded (for results saved before runs recorded it: the "
+        "commit that saved the result). Decisions "
         "taken from earlier one-off experiments: [history.md](history.md#benchmark-experiments).",
         "",
     ]
@@ -75,7 +76,6 @@ def page() -> str:
         if not path.is_file():
             continue
         result = json.loads(path.read_text())
-        result.setdefault("code", code_version(path))
         draw = render if tool == "report" else importlib.import_module(tool).render
         out.append(draw(result, title) if title else draw(result))
     return "\n".join(out)
