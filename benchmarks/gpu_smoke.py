@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 import gpu_rehearsal  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
@@ -319,7 +319,6 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
     d.close()
     out: dict[str, Any] = {"distiller_step": per_step, "candidate_search": candidate_syncs(device)}
     try:
-        sys.path.insert(0, str(ROOT / "tests"))
         from test_esamp_syncs import syncs_per_step
     except ImportError as err:  # the consumer needs pydantic
         out["consumer_step"] = {"skipped": f"consumer not importable: {err}"}
