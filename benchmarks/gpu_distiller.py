@@ -363,7 +363,7 @@ SHAPES_7B: dict[str, Any] = dict(
 QUICK_SHAPES: dict[str, Any] = dict(
     hidden=48, intermediate=16, blocks=2, rows=4, cases=((2, 3),), iters=2, warmup=1
 )
-H200_BANDWIDTH = 4.26e12  # copy bandwidth measured on an H200 (issue 36), bytes/s
+H200_BANDWIDTH = 4.26e12  # copy bandwidth measured on an H200, bytes/s
 LR, BETAS, EPS = 4e-4, (0.9, 0.999), 1e-4
 ADAM_TILES = ((32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4))  # block_n, block_k, warps
 MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))

@@ -19,7 +19,7 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``): device
    time added and ratio, host time of the consumer's calls, the floor, a step under
    ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
-   issue-36 targets checked (``targets``).
+   step's targets checked (``targets``).
 3. ``kernels``: ``gpu_distiller.bench_kernels`` (the fused kernels against the bytes they
    must move); ``--quick`` or CPU: tiny shapes.
 4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
@@ -34,8 +34,7 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
    captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-The CUDA parts of this version have never run on a GPU (the first GPU run, of the code before
-issue 36's rebuild: docs/results.md); ``--device fake`` runs them in CI. The JSON is also
+``--device fake`` runs the CUDA parts on the fake CUDA device (a rehearsal: no figures). The JSON is also
 written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
 not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
 it prints every thread's stack (a hang shows where). What a session with a lent GPU runs:
@@ -234,7 +233,7 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
-    """ESamp's whole step beside the synthetic decode step, and the issue-36 targets."""
+    """ESamp's whole step beside the synthetic decode step, and its targets."""
     if not is_cuda(device):
         return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_step.py)"}
     try:

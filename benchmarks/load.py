@@ -1,4 +1,4 @@
-"""``tllm serve`` under load (issue 26): concurrency 16 of a mixed workload, with and without a
+"""``tllm serve`` under load: concurrency 16 of a mixed workload, with and without a
 client polling ``/tllm/counters``.
 
     python benchmarks/load.py [--model PATH] [--requests N] [--rounds R] [--concurrency C]

@@ -2,7 +2,6 @@
 over its JSON in benchmarks/results/, in the order of ``SECTIONS``.
 
     python benchmarks/report.py                   # render from benchmarks/results/*.json
-    python benchmarks/report.py --run             # run throughput + diversity first
     python benchmarks/report.py --merge run.json  # fold a later throughput.py --json run in
 """
 
@@ -11,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,12 +37,6 @@ SECTIONS = [
     ("gpu_smoke", "gpu_smoke.json", None),
     ("gpu_smoke", "gpu_smoke_cpu.json", None),
 ]
-# The settings of the published CPU runs (``--run``).
-RUNS = {
-    "throughput.json": ["throughput.py", "--rounds", "2", "--restarts", "2"],
-    "diversity.json": ["diversity.py", "--num-prompts", "40", "-n", "16", "--max-tokens", "96"]
-    + ["--batch-prompts", "8", "--esamp-variant", 'lr3e-3={"lr": 0.003}', "--ppl-check", "8"],
-}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -81,21 +73,6 @@ def page() -> str:
     return "\n".join(out)
 
 
-def run_all() -> None:
-    """The published CPU runs, each saved over its result file."""
-    for name, (script, *args) in RUNS.items():
-        proc = subprocess.run(
-            [sys.executable, str(HERE / script), *args, "--json"],
-            cwd=HERE.parent,
-            capture_output=True,
-            text=True,
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"{script} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-        (RESULTS / name).write_text(lines[-1] + "\n")
-
-
 def merge_throughput(run_path: Path, note: str = "") -> list[str]:
     """Fold a later ``throughput.py --json`` run into ``results/throughput.json``: its cases
     (not ``plain``) replace the saved ones; ``case_commands`` and ``later_runs`` keep the
@@ -123,12 +100,9 @@ def merge_throughput(run_path: Path, note: str = "") -> list[str]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", action="store_true", help="run throughput and diversity first")
     ap.add_argument("--merge", type=Path, metavar="RUN.json", help="fold a later throughput run in")
     ap.add_argument("--note", default="", help="with --merge: kept in the result, not rendered")
     a = ap.parse_args()
-    if a.run:
-        run_all()
     if a.merge is not None:
         print(f"merged: {', '.join(merge_throughput(a.merge, a.note))}", file=sys.stderr)
     DOC.write_text(page())
