@@ -102,9 +102,7 @@ def test_the_fake_device_sees_no_sync_in_the_gpu_runs_sync_checks(rehearsal_run)
     fake device, no graph capture has one, and the Triton launches were built."""
     rec = rehearsal_run["rehearsal_record"]
     windows = rec["sync_debug_windows_seen_by_fake_device"]
-    assert [w["set_at"].split(":")[0] for w in windows] == ["esamp_step.py"] * 3 + [
-        "gpu_smoke.py"
-    ]
+    assert [w["set_at"].split(":")[0] for w in windows] == ["esamp_step.py"] * 3 + ["gpu_smoke.py"]
     assert [w["host_waits_and_pageable_copies"] for w in windows] == [0, 0, 0, 0], windows
     assert rec["capture_failures_seen_by_fake_device"] == []
     assert rec["triton_launches_built_not_run"]["grad_adam"] > 0
