@@ -5,11 +5,9 @@ written)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from cuda_stubs import install as install_cuda_stubs
 
 from algorithms.esamp import memory_plan as mp
 from algorithms.esamp.config import ESampConfig
@@ -17,10 +15,7 @@ from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.mlp import batched_mm, forward_packed
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from cuda_stubs import install as install_cuda_stubs  # noqa: E402
-from host_memory import cpu_peak_bytes  # noqa: E402
+from tllm_core.testing.counters import cpu_peak_bytes
 
 QWEN25_7B = dict(hidden_size=3584, vocab_size=152064)  # 28 layers: no term depends on them
 

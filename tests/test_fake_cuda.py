@@ -79,6 +79,10 @@ def equal(fc, t):
     torch.equal(t, t)
 
 
+def bincount(fc, t):
+    torch.bincount(t.long())
+
+
 def bool_mask(fc, t):
     t[t > 0]
 
@@ -113,7 +117,7 @@ def pinned_blocking_copy(fc, t):
 
 HOST_WAITS = [item, as_int, as_bool, cpu, tolist, to_numpy, nonzero, unique, equal, bool_mask]
 HOST_WAITS += [bool_mask_put, masked_select, repeats, stream_sync, event_sync, device_sync]
-HOST_WAITS += [pinned_blocking_copy]
+HOST_WAITS += [pinned_blocking_copy, bincount]
 
 
 @pytest.mark.parametrize("fn", HOST_WAITS, ids=lambda f: f.__name__)

@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 sys.path[:0] = [str(ROOT), str(BENCH)]
 
-import gpu_rehearsal  # noqa: E402
 import gpu_smoke  # noqa: E402
 
 PARTS = ("cuda_tests", "esamp_step", "kernels", "distiller", "memory", "syncs", "compiled_taps")
@@ -39,7 +38,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def _leaves(x, path=""):
     if isinstance(x, dict):
         for k, v in x.items():
-            if k not in gpu_rehearsal.KEEP:
+            if k not in gpu_smoke.KEEP:
                 yield from _leaves(v, f"{path}/{k}")
     elif isinstance(x, list):
         for i, v in enumerate(x):
@@ -69,10 +68,10 @@ def test_every_part_runs_its_cuda_branch_in_the_rehearsal(rehearsal_run):
     """At the GPU run's shapes (one iteration), each part runs its CUDA branch to the end
     on the fake device and says so; a CUDA-only line that raises fails here."""
     out = rehearsal_run
-    assert out["rehearsal"] is True and out["device"] == gpu_rehearsal.DEVICE_NAME
+    assert out["rehearsal"] is True and out["device"] == gpu_smoke.DEVICE_NAME
     for part in PARTS:
         assert "error" not in out[part], (part, out[part])
-        assert out[part]["ran_on"] == gpu_rehearsal.RAN_ON, (part, out[part])
+        assert out[part]["ran_on"] == gpu_smoke.RAN_ON, (part, out[part])
     # What only the CUDA branches produce.
     assert "tests collected" in out["cuda_tests"]["rehearsal"]["collect_only"]
     assert set(out["esamp_step"]) >= {"8x16", "1x128", "64x16", "targets"}
@@ -122,9 +121,9 @@ def test_a_sync_under_the_sync_debug_mode_raises_as_on_a_gpu(monkeypatch):
         return out
 
     monkeypatch.setattr(candidates, "top_candidate_entries", reads_back)
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         out = gpu_smoke.candidate_syncs(r.device, rows=4, vocab=64)
-    assert out["fixed_size_cuda_sync_debug"].startswith("synced: rehearsal: host_wait")
+    assert out["fixed_size_cuda_sync_debug"].startswith("synced: FakeCuda: host_wait")
     (window,) = r.sync_windows
     assert window["host_waits_and_pageable_copies"] == 1
     assert "out.valid.any().item()" in window["sites"][0]
@@ -139,12 +138,12 @@ def test_a_part_that_raises_is_reported_with_its_line_and_the_rest_still_run(mon
         "_parts",
         lambda device, quick: (("broken", broken), ("fine", lambda: {"ms": 1.5, "ok": True})),
     )
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         out = gpu_smoke.smoke(r.device, quick=True)
     assert out["broken"]["ran_on"] == "not run"
     assert "AttributeError" in out["broken"]["error"]
     assert "test_gpu_rehearsal.py" in out["broken"]["traceback"]
-    assert out["fine"] == {"ran_on": gpu_rehearsal.RAN_ON, "ms": None, "ok": None}
+    assert out["fine"] == {"ran_on": gpu_smoke.RAN_ON, "ms": None, "ok": None}
 
 
 def test_the_rehearsal_puts_everything_back():
@@ -153,17 +152,17 @@ def test_the_rehearsal_puts_everything_back():
 
     def patched() -> tuple:
         return (
-            torch.Generator, torch.compile, factory.uses_gpu_path, fake_cuda._SKIP,
-            torch.cuda.memory_allocated, torch.cuda.set_sync_debug_mode, torch.cuda.is_available,
+            torch.Generator, torch.compile, factory.uses_gpu_path, torch.cuda.memory_allocated,
+            torch.cuda.set_sync_debug_mode, torch.cuda.is_available, torch.cuda.Event,
         )  # fmt: skip
 
     before = patched()
-    with gpu_rehearsal.rehearsal() as r:
-        assert fake_cuda.is_cuda(r.device) and gpu_rehearsal.active() is r
+    with gpu_smoke.rehearsal() as r:
+        assert fake_cuda.is_cuda(r.device) and gpu_smoke.active() is r
         assert torch.Generator(device=r.device).device.type == "cpu"
         assert torch.cuda.memory_allocated() == 0
-    assert patched() == before and gpu_rehearsal.active() is None
-    assert not fake_cuda.is_cuda("meta") and "_flag" not in vars(r.fc)
+    assert patched() == before and gpu_smoke.active() is None
+    assert not fake_cuda.is_cuda("meta")
 
 
 def test_the_cuda_tests_keep_the_carried_wheels_on_their_path(monkeypatch):
@@ -192,7 +191,7 @@ def test_parts_not_started_within_the_budget_are_skipped(monkeypatch):
 
 
 def _example(spec: list):
-    """An argument of the kind the rehearsal recorded (see ``gpu_rehearsal._arg_spec``)."""
+    """An argument of the kind the rehearsal recorded (see ``gpu_smoke._arg_spec``)."""
     if spec[0] == "tensor":
         return torch.empty(16, dtype=getattr(torch, spec[1]))
     return 0.5 if spec[0] == "float" else spec[1]
@@ -235,7 +234,7 @@ def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
 
     with FakeCuda() as fc:
         bf16_input(fc.device)  # not seen
-    with gpu_rehearsal.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
+    with gpu_smoke.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
         bf16_input(r.device)
 
 
@@ -255,9 +254,9 @@ def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatc
         return guide(self, view)
 
     monkeypatch.setattr(ESampConsumer, "guide", reads_back)
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         res = esamp_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
     # Raised inside the consumer's guide, caught by the runtime's isolation as its error.
     assert res["sync_debug"].startswith("synced: consumer 'esamp' raised in guide"), res
-    assert "rehearsal: host_wait" in res["sync_debug"], res["sync_debug"]
+    assert "FakeCuda: host_wait" in res["sync_debug"], res["sync_debug"]
     assert "view.logits.amax().item()" in r.sync_windows[0]["sites"][0]

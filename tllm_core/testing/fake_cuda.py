@@ -54,7 +54,7 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -66,6 +66,7 @@ from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
 from tllm_core.testing.fake_cuda_order import Site, StreamOrder, site_parts
 
 KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas", "race")
+_SYNC_KINDS = ("host_wait", "pageable_copy")  # what set_sync_debug_mode("error") raises at
 PHASES = ("construction", "steps", "teardown")
 
 # Frames never named in a finding: torch, this package, and contextlib (stub context managers).
@@ -139,10 +140,19 @@ class FakeCuda:
         total_memory: int = 80 * 2**30,
         device_name: str = "FakeCuda (meta)",
         order: bool = False,
+        rehearsal: bool = False,
+        kernels: Mapping[str, Callable[..., Any]] | None = None,
     ):
         self.total_memory = total_memory
         self.device_name = device_name
+        self.rehearsal = rehearsal
+        # Operator name -> its CUDA implementation, run before the operator's meta kernel.
+        self.kernels = dict(kernels or {})
         self.sync_debug_mode: int | str = 0
+        self.sync_windows: list[dict[str, Any]] = []
+        self._window: tuple[str, dict[tuple, int]] | None = None
+        self.launches_built: dict[str, int] = {}
+        self.launch_configs: dict[str, dict[str, Any]] = {}
         self.phase = "construction"
         self._lock = threading.RLock()
         self._findings: dict[tuple, Finding] = {}
@@ -184,6 +194,8 @@ class FakeCuda:
             self._patches.apply(torch.cuda, cuda)
             self._patches.apply(torch.Tensor, tensor)
             self._patches.apply(torch, factories)
+            if self.rehearsal:
+                self._patches.apply(torch, stubs.rehearsal_stubs(self))
             mode = Checker(self)
             mode.__enter__()
             self._mode = mode
@@ -200,6 +212,10 @@ class FakeCuda:
             self._mode = None
             self._pinned_at.clear()
             self._patches.restore()
+
+    def patch(self, owner: Any, attrs: dict[str, Any]) -> None:
+        """Set ``owner``'s attributes while this device is active (put back on exit)."""
+        self._patches.apply(owner, attrs)
 
     def is_available(self) -> bool:
         """``torch.cuda.is_available`` while active (see :func:`active`)."""
@@ -268,6 +284,39 @@ class FakeCuda:
         storage = t.untyped_storage()
         return bool(storage.nbytes()) and storage.data_ptr() in self._pinned_at
 
+    # -- the sync debug mode and launches built ------------------------------------------
+    def set_sync_debug_mode(self, mode: int | str) -> None:
+        """``torch.cuda.set_sync_debug_mode``: as on a GPU, under ``"error"`` a host wait or
+        pageable copy raises at its operation. Each window from switching it on to switching
+        it off is kept in ``sync_windows`` with the host waits and pageable copies seen."""
+        self.sync_debug_mode = mode
+        on = mode in ("warn", "error", 1, 2)
+        if on and self._window is None:
+            file, line, _ = site_parts(_site())
+            self._window = (f"{os.path.basename(file)}:{line}", self._sync_counts())
+        elif not on and self._window is not None:
+            (at, before), self._window = self._window, None
+            new = {k: n - before.get(k, 0) for k, n in self._sync_counts().items()}
+            sites = [f"{k[0]} at {k[2]}: {k[3]} x{n}" for k, n in new.items() if n > 0]
+            total = sum(n for n in new.values() if n > 0)
+            self.sync_windows.append(
+                {"set_at": at, "host_waits_and_pageable_copies": total, "sites": sites}
+            )
+
+    def _sync_counts(self) -> dict[tuple, int]:
+        return {
+            (f.kind, f.what, f.where, f.code, f.phase, f.in_capture): f.count
+            for f in self.findings(phase=None)
+            if f.kind in _SYNC_KINDS
+        }
+
+    def launch_built(self, kernel: str, config: dict[str, Any]) -> None:
+        """A kernel launch built and not run (meta tensors have no data), by a launcher
+        that checks its arguments on the fake device: counted, each distinct ``config``
+        kept in ``launch_configs`` (for a compile check without a GPU)."""
+        self.launches_built[kernel] = self.launches_built.get(kernel, 0) + 1
+        self.launch_configs.setdefault(repr(config), config)
+
     # -- recording ----------------------------------------------------------------------
     def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:
         with self._lock:
@@ -288,6 +337,11 @@ class FakeCuda:
                 self._findings[key] = Finding(
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
+        if kind in _SYNC_KINDS and self.sync_debug_mode in ("error", 2):
+            raise RuntimeError(
+                f"FakeCuda: {kind} ({what}) under set_sync_debug_mode('error'): on a GPU, "
+                "'called a synchronizing CUDA operation'"
+            )
 
     def _host_wait(self, what: str, joins_current: bool = True) -> None:
         """Flag a host wait; ``joins_current``: the host waits for the current stream (the

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
+
 
 class FakeStream:
     """``torch.cuda.Stream``: ordering calls wait for nothing (the fake device runs
@@ -82,7 +84,7 @@ class FakeEvent:
             self._fc.order.host_joins_event(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:
-        return 0.0
+        return REHEARSAL_EVENT_MS if self._fc.rehearsal else 0.0
 
 
 class FakeGraph:
@@ -172,9 +174,6 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         if fc.order is not None:
             fc.order.host_joins_all()
 
-    def set_sync_debug_mode(mode: int | str) -> None:
-        fc.sync_debug_mode = mode
-
     props = SimpleNamespace(
         name=fc.device_name,
         total_memory=fc.total_memory,
@@ -202,10 +201,18 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         "get_device_name": lambda device=None: fc.device_name,
         "get_device_capability": lambda device=None: (props.major, props.minor),
         "get_device_properties": lambda device=None: props,
-        "set_sync_debug_mode": set_sync_debug_mode,
+        "set_sync_debug_mode": fc.set_sync_debug_mode,
         "get_sync_debug_mode": lambda: fc.sync_debug_mode,
         "empty_cache": lambda: None,
-    }
+    } | (
+        {  # frees are not seen: a script's memory readings are 0 in a rehearsal
+            "memory_allocated": lambda device=None: 0,
+            "max_memory_allocated": lambda device=None: 0,
+            "reset_peak_memory_stats": lambda device=None: None,
+        }
+        if fc.rehearsal
+        else {}
+    )
 
 
 _NUMBERS = (bool, int, float, complex)
@@ -284,6 +291,23 @@ def factory_stubs(fc: Any) -> dict[str, Any]:
         return factory
 
     return {name: wrap(name) for name in ("tensor", "as_tensor", "asarray")}
+
+
+def rehearsal_stubs(fc: Any) -> dict[str, Any]:
+    """``torch`` attributes a script that measures needs on the fake device: a
+    ``torch.Generator`` there is a CPU one (meta has none; meta factories accept a CPU one),
+    ``torch.compile`` returns the module uncompiled (inductor cannot compile for meta)."""
+    real = torch.Generator
+
+    class Generator(real):  # type: ignore[misc, valid-type]
+        def __new__(cls, device: Any = "cpu") -> torch.Generator:
+            dev = torch.device(device)
+            return real.__new__(cls, "cpu" if dev == fc.device else dev)
+
+        def __init__(self, *_: Any, **__: Any) -> None:
+            pass
+
+    return {"Generator": Generator, "compile": lambda model, *a, **k: model}
 
 
 class Patches:
