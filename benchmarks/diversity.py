@@ -725,27 +725,8 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(args.save_samples, gen)
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(f"{len(prompts)} prompts x n={args.n}, {args.max_tokens} tokens, betas {betas}")
-        print(f"{'method':<14}{'Vendi':>14}{'cos sim':>14}{'PPL':>14}{'distinct-2':>14}")
-        for name, m in out_methods.items():
-            cells = "".join(f"{m['means'][k]:>8.3f}±{m['sem'][k]:<5.3f}" for k in METRICS)
-            print(f"{name:<14}{cells}")
-        for c in comparisons:
-            v = c["metrics"]["vendi"]
-            print(
-                f"{c['method']} vs {c['against']}: Vendi improved on {v['improved']}/"
-                f"{v['prompts']} prompts, mean delta {v['mean_delta']:+.3f}, "
-                f"sign p={v['sign_test_p']:.3g}, t p={v['t_test_p']:.3g}"
-            )
+    print(json.dumps(result, default=str) if args.json else render(result))
     return 1 if result["errors"] else 0
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.exit(main())
 
 
 def render(dv: dict[str, Any]) -> str:
@@ -780,3 +761,8 @@ def render(dv: dict[str, Any]) -> str:
     return section(
         "Diversity and quality", dv, table(head, means), table([*cmp_head, "p_t PPL"], pairs)
     )
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

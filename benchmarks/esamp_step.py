@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
+from bench_setup import code_version, section, table  # noqa: E402
 from esamp_steps import CONFIGS, COUNTED_PER_REQUEST, LAYOUTS, MODES, run, run_runtime  # noqa: E402
 from gpu_distiller import QWEN2_7B, SyntheticDecode  # noqa: E402
 
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     result = {
         "torch": torch.__version__,
+        "code": code_version(),
         "results": out,
         "runtime": runtime,
         "runtime_per_request": per_request,
@@ -229,7 +231,6 @@ def main(argv: list[str] | None = None) -> int:
 def render(fs: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
     runtime, per request and per setting, each row a count on the fake device."""
-    from bench_setup import section, table
 
     def beta(r: dict[str, Any]) -> str:
         return "fit" if r.get("fit") else "constant"

@@ -63,14 +63,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
+from bench_setup import code_version, section, table  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import (  # noqa: E402
     QUICK_SHAPES,
     SHAPES_7B,
     bench_distiller,
     bench_kernels,
-    update_bytes_per_param,
 )
+from update_bytes import update_bytes_per_param  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
 from tllm_core.testing import fake_cuda  # noqa: E402
@@ -447,6 +448,7 @@ def smoke(
         "device": torch.cuda.get_device_name(device) if is_cuda(device) else device.type,
         "rehearsal": rehearsal is not None,
         "torch": torch.__version__,
+        "code": code_version(),
         "quick": quick,
     }
     seconds: dict[str, float] = {}
@@ -510,8 +512,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(sm: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--out`` result: each part's figures, one row each."""
-    from bench_setup import section, table
-
     rows: list[list[Any]] = []
     for k, rec in sm["memory"].items():
         if k.startswith("groups_") and "fake_device_step" in rec:

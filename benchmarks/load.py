@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     } | {"model": Path(model).name, "enforce_eager": a.enforce_eager}
     out["machine"] = run_machine(load_start)
     out["command"] = "python benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+    print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
 
 

@@ -416,26 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(args.save_samples, gen)
     if args.plot:
         plot(result, args.plot)
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(f"{len(problems)} problems x n={args.n}, {args.max_tokens} tokens, betas {betas}")
-        show = [k for k in (1, 2, 4, 8, 16) if k <= args.n]
-        print(f"{'method':<26}" + "".join(f"{'pass@' + str(k):>10}" for k in show))
-        for name, m in out_methods.items():
-            print(f"{name:<26}" + "".join(f"{m['pass_at_k'][k - 1]:>10.3f}" for k in show))
-        for c in comparisons:
-            cells = ", ".join(
-                f"@{k} {v['mean_delta']:+.3f} (p_t={v['t_test_p']:.2g})"
-                for k, v in c["pass_at_k"].items()
-            )
-            print(f"{c['method']} vs {c['against']}: {cells}")
+    print(json.dumps(result, default=str) if args.json else render(result))
     gc.collect()
     return 1 if result["errors"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def render(pk: dict[str, Any]) -> str:
@@ -467,3 +450,7 @@ def render(pk: dict[str, Any]) -> str:
         cks = list(pk["comparisons"][0]["pass_at_k"])
         tables.append(table(["comparison", *(f"Δ pass@{k}" for k in cks)], pairs))
     return section("pass@k on verifiable tasks", pk, *tables)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

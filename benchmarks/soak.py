@@ -340,10 +340,8 @@ def main() -> int:
         model = str(default_model_path())
     out = soak(model, a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager)
     out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    if a.json:
-        print(json.dumps(out))
-    else:
-        print(json.dumps(out, indent=2))
+    out["code"] = __import__("bench_setup").code_version()
+    print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
 
 

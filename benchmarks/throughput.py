@@ -71,7 +71,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import machine_info, machine_text, section, table  # noqa: E402
+from bench_setup import machine_text, run_machine, section, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
@@ -769,9 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": not probs,
             "problems": probs,
         }
-    machine = machine_info()
-    machine["loadavg_1m_start"] = load_start
-    machine["loadavg_1m_end"] = os.getloadavg()[0]
+    machine = run_machine(load_start)
     result = {
         "command": "python " + shlex.join(["benchmarks/throughput.py", *(argv or sys.argv[1:])]),
         "baseline_tok_s": base,
@@ -812,20 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             for c, rs in runs.items()
         },
     }
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(
-            f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
-            f"{args.rounds} rounds, median)"
-        )
-        print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'step ratio':>12}{'extra MiB':>11}  ok")
-        for case, c in out_cases.items():
-            sr = f"{c['step_ratio']:.3f}" if c["step_ratio"] else "-"
-            print(
-                f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}{sr:>12}"
-                f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}"
-            )
+    print(json.dumps(result, default=str) if args.json else render(result))
     for f in failures:
         print(f"throughput: FAILED {f}", file=sys.stderr)
     return 1 if failures else 0
