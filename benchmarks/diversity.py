@@ -184,7 +184,7 @@ def _shutdown(llm: Any) -> None:
 
 def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[dict[str, Any]]:
     """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
-    ``vanilla_t``), for comparing Vendi at matched perplexity (benchmarks/confirm.py)."""
+    ``vanilla_t``), for comparing Vendi at matched perplexity."""
     out = []
     for raw in (spec or "").split(","):
         if not raw.strip():

@@ -34,11 +34,12 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
 7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
    captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-``--device fake`` runs the CUDA parts on the fake CUDA device (a rehearsal: no figures). The JSON is also
+The CUDA parts have not yet run on a GPU (docs/gpu.md says what has); ``--device fake`` runs
+them in CI. The JSON is also
 written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
 not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
-it prints every thread's stack (a hang shows where). What a session with a lent GPU runs:
-docs/gpu.md.
+it prints every thread's stack (a hang shows where). How to run it and what a pass looks
+like: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ VOCAB_7B = 152064
 
 CUDA_TESTS = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
 BUDGET_S = 200.0  # parts not started by then are skipped: the run ends near 3 minutes
-CUDA_TESTS_TIMEOUT_S = 150  # their share of a 15-minute GPU session (CPU: 12 s, 2 cores)
+CUDA_TESTS_TIMEOUT_S = 150  # a hung test must not take the whole run (CPU: 12 s, 2 cores)
 RAN_ON = (
     "rehearsal: FakeCuda on CPU (meta tensors, stub streams, events and graphs); "
     "nothing measured, every value null"
@@ -186,7 +187,7 @@ def _free(device: torch.device) -> None:
 
 def tests_env() -> dict[str, str]:
     """The CUDA tests' environment: the checkout first, then the caller's PYTHONPATH (where
-    the GPU machine's carried wheels are: pydantic for the consumer's test)."""
+    packages installed with ``pip --target`` are: pydantic for the consumer's test)."""
     path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 

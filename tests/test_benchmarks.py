@@ -236,7 +236,7 @@ def test_gpu_smoke_script_cpu_quick(tmp_path):
     assert search["exact"] == {"nonzero": 2} and search["fixed_size"] == {}
 
 
-# Runs a script with pydantic and vLLM unimportable, as on the lent GPU machines.
+# Runs a script with pydantic and vLLM unimportable, as on a GPU machine without them.
 _WITHOUT_PYDANTIC = """
 import builtins, runpy, sys
 real = builtins.__import__

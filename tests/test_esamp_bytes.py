@@ -28,7 +28,7 @@ MAX_BYTES_PER_PARAM = {
     "host_update": 44,
 }
 # The captured graphs' launches (issue 36: "about ten"): the fused loss, per-block backward
-# and tail kernels, gate and up in one product and one Adam launch (before: 24, 107, 93).
+# and tail kernels, gate and up in one product and one Adam launch (unfused: 24, 107, 93).
 MAX_LAUNCHES = {"predict": 11, "train": 21, "train_reuse": 13}
 MAX_ADAM = {
     "graph_update": GRAD_ADAM_FLOOR + 0.5,

@@ -25,7 +25,7 @@ from tllm_core.testing.counters import SyncCounter
 # Per decode step. Was 8 and 7 before the mixes used masks and the guided counts stayed on
 # the device, then 1 in post-filter mode (the ``nonzero`` of the exact candidate search, which
 # the CUDA branch replaced with GuideView.top_candidates).
-# "+fit": beta_schedule 'fit' (was 2 more per step: its errors were read back to the host).
+# "+fit": beta_schedule 'fit' (its errors stay on the device: reading them back would add 2).
 MAX_SYNCS = {"post_filter": 0, "full_vocab": 0, "post_filter+fit": 0, "full_vocab+fit": 0}
 # The CPU distiller compares its saved input with ``torch.equal`` once per update: host
 # tensors only (on a CUDA device the factory builds the CUDA distiller), so no device sync.

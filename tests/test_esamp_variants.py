@@ -121,7 +121,7 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     c.on_bundle(bundle2)
     c.result()
     assert c.counters.get("warm_start_steps") == 2 * steps
-    # Decode rows still train as before (the warm steps are not counted as decode steps).
+    # Decode rows train as without a warm start (warm steps are not counted as decode steps).
     rows_d, hidden_d = fake.step(reqs)
     c.on_bundle(Bundle(2, rows_d, hidden_d))
     c.result()

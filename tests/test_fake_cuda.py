@@ -349,7 +349,7 @@ def test_launches_and_bytes_per_step_follow_the_bytes_count_rules():
 
 def test_a_gather_into_out_moves_the_bytes_of_one_that_allocates():
     """``index_select(..., out=)`` reads its rows once and writes them once, as the
-    allocating call does (was: counted as a scatter into its source, the rows twice); an
+    allocating call does (not as a scatter into its source, the rows twice); an
     in-place ``index_copy_`` reads and writes its target's rows."""
     with FakeCuda() as fc:
         t = torch.zeros(100, 10, device=fc.device)
@@ -531,7 +531,8 @@ def _source_line(path: str, text: str) -> int:
 
 
 def test_cuda_distiller_steps_make_no_host_wait_or_pageable_copy():
-    """Was: a pageable copy in ``_fill`` (``e.mask[rs, rp] = True``) every train step."""
+    """An indexed write in ``_fill`` (``e.mask[rs, rp] = True``) is a pageable copy every
+    train step: the distiller's steps must have none."""
     fc = esamp_findings("cuda")
     assert not _stalls(fc), _stalls(fc)
     assert not fc.findings(kind="first_cublas")  # the side stream was warmed at construction
@@ -539,8 +540,8 @@ def test_cuda_distiller_steps_make_no_host_wait_or_pageable_copy():
 
 
 def test_cpu_distiller_refuses_a_device():
-    """Was: ``.numpy()`` of a device tensor in ``GroupedDistiller.predict``; now the CPU
-    class refuses a GPU at construction, naming the CUDA class."""
+    """The CPU class refuses a GPU at construction, naming the CUDA class (its ``.numpy()``
+    of a device tensor would make the host wait every step)."""
     from algorithms.esamp.cpu import GroupedDistiller
 
     with pytest.raises(ValueError, match="CudaGroupedDistiller"):

@@ -1,6 +1,6 @@
 """``gpu_smoke.py --device fake``: the dress rehearsal of the GPU smoke run on CPU. Every
 CUDA-only branch of the smoke run and of the benchmarks it calls runs on the fake CUDA device
-(docs/fake-cuda.md), so a GPU session (rare, 15 minutes) is never spent on a typo; every value
+(docs/fake-cuda.md), so a typo fails on any machine, not on the GPU; every value
 of a rehearsed part is null, so none of it passes for a measurement."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import gpu_smoke  # noqa: E402
 
 PARTS = ("cuda_tests", "esamp_step", "kernels", "distiller", "memory", "syncs", "compiled_taps")
 
-# The lent GPU machines have no vLLM (pydantic travels as wheels: docs/gpu.md).
+# The smoke run needs no vLLM, and pydantic only for the consumer's parts (docs/gpu.md).
 _WITHOUT_VLLM = """
 import builtins, runpy, sys
 real = builtins.__import__
@@ -166,8 +166,8 @@ def test_the_rehearsal_puts_everything_back():
 
 
 def test_the_cuda_tests_keep_the_carried_wheels_on_their_path(monkeypatch):
-    """On the GPU machine pydantic comes from carried wheels on PYTHONPATH (docs/gpu.md): the
-    CUDA tests' subprocess puts the checkout first and keeps that path."""
+    """Packages installed into a folder on PYTHONPATH (``pip --target``: pydantic, say) stay
+    visible: the CUDA tests' subprocess puts the checkout first and keeps that path."""
     monkeypatch.setenv("PYTHONPATH", "/tmp/site")
     assert gpu_smoke.tests_env()["PYTHONPATH"].split(":") == [str(ROOT), "/tmp/site"]
     monkeypatch.delenv("PYTHONPATH")
@@ -201,7 +201,7 @@ def test_every_triton_launch_of_the_gpu_run_compiles_for_sm90(rehearsal_run):
     """The rehearsal runs ESamp's kernel operators through their CUDA implementation (the
     argument checks, the launch built, not run): every distinct launch of the GPU run (ESamp's
     step at the three layouts, the distiller, the kernels' tile sweep) compiles for an
-    H100/H200 without one, so the GPU session never meets a Triton compile error."""
+    H100/H200 without one, so a GPU run never meets a Triton compile error."""
     pytest.importorskip("triton", reason="Triton is not installed here")
     from test_esamp_kernels import _compile_sm90
 

@@ -144,7 +144,7 @@ def test_index_copies_do_not_wait_for_the_device():
         t = index_to(idx, META)
     assert t.device == META and t.dtype == torch.long and not sc.kinds
     with SyncCounter() as sc:
-        torch.from_numpy(idx).to(META)  # what the runtime did before: a blocking copy
+        torch.from_numpy(idx).to(META)  # the plain form: a blocking copy
     assert sc.kinds == {"host_device_copy": 1}
 
 

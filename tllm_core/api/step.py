@@ -88,7 +88,7 @@ class StepCapture:
 
     @property
     def confirmed(self) -> bool:
-        """Whether the stamps have been read (:meth:`confirm` no longer reads anything)."""
+        """Whether the stamps have been read (:meth:`confirm` itself reads nothing)."""
         return self._stale is not None
 
     def confirm(self) -> set[str]:

@@ -5,7 +5,7 @@ A buffer is handed out as a view (``take``) and handed out again only when **not
 the pool holds its storage**: no tensor and no view of it is alive (a bundle, a tensor a
 consumer kept, a slice of one: counted by the storage's use count). A consumer that keeps a
 bundle therefore keeps its values; the pool takes another buffer, or allocates a fresh one
-(as every step did before), and reuses the kept one once it is let go. On CUDA a buffer is
+(only then does a step allocate), and reuses the kept one once it is let go. On CUDA a buffer is
 rewritten on the current stream, after everything queued there before (a buffer last handed
 out on another stream is taken only after that stream's queued work, through an event).
 Work a consumer queues on a stream of its own that reads a bundle tensor must either hold
