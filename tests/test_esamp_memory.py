@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_stubs import install as install_cuda_stubs
 
 from algorithms.esamp import memory_plan as mp
 from algorithms.esamp.config import ESampConfig
@@ -63,8 +62,8 @@ def _all_tensors(obj, seen=None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("slots,rows,stats", [(3, 4, False), (5, 3, True)])
-def test_plan_exact_terms_equal_the_allocated_tensors(monkeypatch, slots, rows, stats):
-    install_cuda_stubs(monkeypatch)
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_plan_exact_terms_equal_the_allocated_tensors(slots, rows, stats):
     h, inter = 48, 24
     d = CudaGroupedDistiller(
         h, device="cpu", intermediate_size=inter, capacity=slots, graph_max_rows=rows,

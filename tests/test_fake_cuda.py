@@ -546,3 +546,17 @@ def test_cpu_distiller_refuses_a_device():
 
     with pytest.raises(ValueError, match="CudaGroupedDistiller"):
         GroupedDistiller(HIDDEN, device="cuda")
+
+
+def test_on_a_computing_cpu_device_a_graph_replay_runs_its_operations_again():
+    """``FakeCuda(device="cpu")``: values are computed; a replay runs the captured operations
+    again on the same tensors (a new value of an input reaches the output, through an
+    intermediate the capture made)."""
+    with FakeCuda(device="cpu"):
+        x, y = torch.ones(3), torch.zeros(3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y.copy_(x * 2 + 1)
+        x.fill_(5)
+        g.replay()
+    assert y.tolist() == [11.0] * 3

@@ -1,16 +1,9 @@
-"""Counters of what an operation sequence would cost on a GPU, run on real (CPU) tensors with
-the fake device's rules (:mod:`.fake_cuda_checker`); torch only. Each dispatch mode is
-thread-local: work on other threads is not counted.
-
-- :class:`SyncCounter`: operations that would make the host wait for a CUDA device
-  (``host_wait_kind``: ``.item()``/``int()``/``bool()``, ``nonzero``, ``unique``,
-  ``equal``, ``bincount``, boolean-mask indexing...) and copies between host and another
-  device that block (``copy_rule``). Not seen on CPU: ``.cpu()``/``.tolist()`` of a tensor
-  that would live on the device (nothing dispatches there).
-- :class:`BytesCounter`: bytes read and written (``op_bytes``: every operand read and
-  written once, not a cache simulation; views and allocations move nothing).
-- :func:`cpu_peak_bytes`: peak bytes the CPU allocator hands out during a call.
-"""
+"""What an operation sequence would cost on a GPU, counted on real (CPU) tensors by the fake
+device's rules (:mod:`.fake_cuda_checker`), torch only: :class:`SyncCounter` (host waits:
+``host_wait_kind``, ``copy_rule``; ``.cpu()``/``.tolist()`` of a CPU tensor dispatch
+nothing and are not seen), :class:`BytesCounter` (``op_bytes``: every operand read and
+written once, not a cache simulation), :func:`cpu_peak_bytes`. The dispatch modes are
+thread-local: work on other threads is not counted."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The per-operation rules of :class:`~tllm_core.testing.fake_cuda.FakeCuda`: a
-``TorchDispatchMode`` that classifies every aten operation touching the fake device (host
-wait, copy from pageable memory, allocation, matrix product) and counts its launch and
-bytes, and :func:`op_bytes`, the byte-counting rule shared with
-``benchmarks/bytes_count.py``."""
+"""The rule table of :class:`~tllm_core.testing.fake_cuda.FakeCuda` and of
+:mod:`tllm_core.testing.counters`: which operations make the host wait
+(:func:`host_wait_kind`, :func:`copy_rule`), what an operation reads and writes
+(:func:`op_bytes`), and the ``TorchDispatchMode`` that applies them to every aten operation
+touching the fake device (host waits, pageable copies, allocations, matrix products,
+launches and bytes)."""
 
 from __future__ import annotations
 
@@ -114,9 +115,7 @@ def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     alias = schema.arguments[big_i].alias_info
     written = alias is not None and alias.is_write
     return (
-        n
-        + touched * (2 if written else 1)
-        + sum(tensor_bytes(o) for o in _fresh_outputs(func, out))
+        n + touched * (2 if written else 1) + sum(tensor_bytes(o) for o in fresh_outputs(func, out))
     )
 
 
@@ -139,12 +138,12 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         size = tensor_bytes(args[i] if i < len(args) else kwargs.get(arg.name))
         written = arg.alias_info is not None and arg.alias_info.is_write
         n += size * ((not arg.is_out) + written)
-    for o in _fresh_outputs(func, out):
+    for o in fresh_outputs(func, out):
         n += tensor_bytes(o)
     return n
 
 
-def _fresh_outputs(func: Any, out: Any) -> list[Any]:
+def fresh_outputs(func: Any, out: Any) -> list[Any]:
     """Outputs that alias no input (new storage)."""
     if func.is_view:
         return []
@@ -171,6 +170,11 @@ class Checker(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         if getattr(fc._quiet, "on", False):
             return func(*args, **kwargs)
+        if fc.computes:
+            out = func(*args, **kwargs)
+            if fc._capture is not None and not func.is_view and _name(func) not in NO_DATA:
+                fc._capture.ops.append((func, args, kwargs, out))  # replayed into ``out``
+            return out
         if _composite(func):
             # Under inference mode composite operations (``to``, ``item``, ``is_nonzero``,
             # ...) reach the mode whole: taken apart, the mode sees the copies, reads and
@@ -251,7 +255,7 @@ class Checker(TorchDispatchMode):
             fc.order.operation(True, func, args, kwargs, out)
         if not func.is_view and name not in NO_DATA:
             fc._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
-        for o in _fresh_outputs(func, out):
+        for o in fresh_outputs(func, out):
             for t in tree_leaves(o):
                 if _tensor(t) and fc.is_fake(t):
                     fc._allocated(f"aten.{name}", t)

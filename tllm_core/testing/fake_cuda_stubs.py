@@ -1,10 +1,7 @@
-"""The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` installs for ``torch.cuda``
-(streams, events, graphs, device queries) and for the ``Tensor`` methods a CPU-only build
-cannot run (``pin_memory``, ``record_stream``) or runs differently on the fake device
-(``numpy``, ``__setitem__``). Each stub reports to the active ``FakeCuda`` (``fc``): host
-waits, graph capture and replay, the current stream, and to its stream order
-(``fc.order``, :mod:`.fake_cuda_order`, with ``order=True``) what orders work. Nothing here
-computes anything."""
+"""The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``fc``) installs for
+``torch.cuda`` and for the ``Tensor`` methods a CPU-only build cannot run or runs
+differently on the fake device; each reports host waits, captures, replays and the current
+stream to ``fc``, and what orders work to its stream order (``fc.order``)."""
 
 from __future__ import annotations
 
@@ -97,6 +94,7 @@ class FakeGraph:
         self.pool_bytes = 0
         self.captured = False
         self.order_accesses: list[Any] = []  # with order=True: what a replay accesses
+        self.ops: list[tuple] = []  # on a computing device: what a replay runs again
 
     @property
     def launches(self) -> int:
@@ -120,7 +118,7 @@ class FakeGraph:
 
     def reset(self) -> None:
         self.by_op, self.pool_bytes, self.captured = {}, 0, False
-        self.order_accesses = []
+        self.order_accesses, self.ops = [], []
 
     def pool(self) -> object:
         return object()
@@ -308,24 +306,3 @@ def rehearsal_stubs(fc: Any) -> dict[str, Any]:
             pass
 
     return {"Generator": Generator, "compile": lambda model, *a, **k: model}
-
-
-class Patches:
-    """Set attributes on objects and put every original back on :meth:`restore`."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, bool, Any]] = []
-
-    def apply(self, owner: Any, attrs: dict[str, Any]) -> None:
-        for name, value in attrs.items():
-            own = name in vars(owner)
-            self._saved.append((owner, name, own, vars(owner).get(name)))
-            setattr(owner, name, value)
-
-    def restore(self) -> None:
-        for owner, name, own, old in reversed(self._saved):
-            if own:
-                setattr(owner, name, old)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
