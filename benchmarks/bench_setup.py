@@ -1,10 +1,13 @@
-"""Set-up shared by the offline benchmark scripts (diversity, passk, esamp_tokens): the
-process environment of an in-process engine, the model folder, and the run's tail record."""
+"""Set-up shared by the benchmark scripts: the process environment of an in-process engine,
+the model folder, the run's machine and code version, and the markdown each script's
+``render`` writes into docs/results.md."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,10 +38,51 @@ def model_path(model: str | None) -> str:
     return str(default_model_path())
 
 
+def machine_info() -> dict[str, Any]:
+    """The hardware and software a run measured on, and the code version it ran."""
+    info: dict[str, Any] = {
+        "code": code_version(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m_start": os.getloadavg()[0],
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        import torch
+        import vllm
+
+        info["torch"] = torch.__version__
+        info["vllm"] = vllm.__version__
+        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def code_version(root: Path = ROOT) -> str:
+    """The checkout's commit (short), ``+`` when tracked files have uncommitted changes."""
+    head = _git(["git", "rev-parse", "--short", "HEAD"], root) or "unknown"
+    return head + ("+" if _git(["git", "status", "--porcelain", "-uno"], root) else "")
+
+
+def _git(cmd: list[str], cwd: Path) -> str:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
 def run_machine(load_start: float) -> dict[str, Any]:
     """The machine record of a run: hardware plus the 1-minute load at its start and end."""
-    from throughput import machine_info  # same folder
-
     return {**machine_info(), "loadavg_1m_start": load_start, "loadavg_1m_end": os.getloadavg()[0]}
 
 
@@ -50,3 +94,49 @@ def write_samples(path: Path, gen: dict[str, Any]) -> None:
             {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
         )
     )
+
+
+def machine_text(m: dict[str, Any] | None) -> str:
+    """One line for a run's ``machine`` record."""
+    if not m:
+        return "not recorded"
+    parts = [
+        f"{m['cpu']}, {m.get('cpus', '?')} CPUs" if m.get("cpu") else None,
+        m.get("device") if m.get("device") not in (None, "cpu") else None,
+        f"torch {m['torch']}" if m.get("torch") else None,
+        f"vLLM {m['vllm']}" if m.get("vllm") else None,
+        f"load {m['loadavg_1m_start']:.1f} → {m['loadavg_1m_end']:.1f}"
+        if "loadavg_1m_end" in m
+        else None,
+    ]
+    return ", ".join(p for p in parts if p)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; numbers right-aligned."""
+    first = rows[0] if rows else header
+    align = ["---:" if _number(c) else "---" for c in first]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _number(cell: Any) -> bool:
+    try:
+        float(str(cell).replace("%", "").split(" ")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def provenance(result: dict[str, Any], command: str | None = None) -> str:
+    """The command, code version and machine of a result, as a one-row table."""
+    m = result.get("machine") if isinstance(result.get("machine"), dict) else None
+    code = result.get("code") or (m or {}).get("code") or "unknown"
+    cmd = command or result.get("command") or "not recorded"
+    return table(["command", "code version", "machine"], [[f"`{cmd}`", code, machine_text(m)]])
+
+
+def section(title: str, result: dict[str, Any], *tables: str, command: str | None = None) -> str:
+    """A docs/results.md section: its title, provenance, then its tables."""
+    return "\n\n".join([f"## {title}", provenance(result, command), *tables]) + "\n"

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, run_machine, write_samples
+from bench_setup import model_path, offline_engine_env, run_machine, section, table, write_samples
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 METRICS = {  # name -> True when higher is better (an "improvement")
@@ -184,7 +184,7 @@ def _shutdown(llm: Any) -> None:
 
 def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[dict[str, Any]]:
     """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
-    ``vanilla_t``), for comparing Vendi at matched perplexity (benchmarks/confirm.py)."""
+    ``vanilla_t``), for comparing Vendi at matched perplexity."""
     out = []
     for raw in (spec or "").split(","):
         if not raw.strip():
@@ -725,22 +725,42 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(args.save_samples, gen)
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(f"{len(prompts)} prompts x n={args.n}, {args.max_tokens} tokens, betas {betas}")
-        print(f"{'method':<14}{'Vendi':>14}{'cos sim':>14}{'PPL':>14}{'distinct-2':>14}")
-        for name, m in out_methods.items():
-            cells = "".join(f"{m['means'][k]:>8.3f}±{m['sem'][k]:<5.3f}" for k in METRICS)
-            print(f"{name:<14}{cells}")
-        for c in comparisons:
-            v = c["metrics"]["vendi"]
-            print(
-                f"{c['method']} vs {c['against']}: Vendi improved on {v['improved']}/"
-                f"{v['prompts']} prompts, mean delta {v['mean_delta']:+.3f}, "
-                f"sign p={v['sign_test_p']:.3g}, t p={v['t_test_p']:.3g}"
-            )
+    print(json.dumps(result, default=str) if args.json else render(result))
     return 1 if result["errors"] else 0
+
+
+def render(dv: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: means ± standard error per method,
+    then each paired comparison (p: sign test, paired t-test)."""
+
+    def pm(m: dict[str, Any], k: str, fmt: str = ".3f") -> str:
+        return f"{m['means'][k]:{fmt}} ± {m['sem'][k]:{fmt}}"
+
+    c = dv["config"]
+    size = f"{c['num_prompts']} prompts x n={c['n']} x {c['max_tokens']} tokens"
+    means = [
+        [name, pm(m, "vendi"), pm(m, "cos_sim"), pm(m, "ppl", ".2f"), pm(m, "distinct2"), size]
+        for name, m in dv["methods"].items()
+    ]
+    pairs = []
+    for cm in dv["comparisons"]:
+        v, s, p = (cm["metrics"][k] for k in ("vendi", "cos_sim", "ppl"))
+        pairs.append(
+            [
+                f"{cm['method']} vs {cm['against']}",
+                f"{v['mean_delta']:+.3f}",
+                f"{v['improved']}/{v['prompts']}",
+                f"{v['sign_test_p']:.2g} / {v['t_test_p']:.2g}",
+                f"{s['mean_delta']:+.4f}",
+                f"{p['mean_delta']:+.2f}",
+                f"{p['t_test_p']:.2g}",
+            ]
+        )
+    head = ["method", "Vendi ↑", "mean cos sim ↓", "PPL", "distinct-2 ↑", "workload"]
+    cmp_head = ["comparison", "Δ Vendi", "higher on", "p (sign / t)", "Δ cos sim", "Δ PPL"]
+    return section(
+        "Diversity and quality", dv, table(head, means), table([*cmp_head, "p_t PPL"], pairs)
+    )
 
 
 if __name__ == "__main__":

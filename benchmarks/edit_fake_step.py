@@ -3,7 +3,7 @@ path (``Runtime.begin_step``: each editing consumer's plan, checked and written 
 edit taps' buffers) on the fake CUDA device of ``tllm_core.testing.fake_cuda`` with its
 stream-order checks, then the step's end:
 
-    python benchmarks/edit_fake_step.py [--json] [--steps 3]
+    python benchmarks/edit_fake_step.py [--json] [--steps 3]      # counts from tests/edit_steps.py
 
 Per case, over ``--steps`` steady steps after one warm-up step (8 requests: one 16-token
 prompt and 7 decode rows; bf16 states), once as is and once under ``torch.inference_mode``
@@ -19,168 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from consumers.steer.consumer import SteerConsumer  # noqa: E402
-from tllm_core import Consumer, Edit, HiddenStates, ResidualEdit, hookimpl  # noqa: E402
-from tllm_core.api.consumer import ModelInfo  # noqa: E402
-from tllm_core.api.edits import EditBuffers  # noqa: E402
-from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows  # noqa: E402
-from tllm_core.api.step import StepCapture  # noqa: E402
-from tllm_core.plugins.registry import Registry  # noqa: E402
-from tllm_core.runtime.runtime import Runtime  # noqa: E402
-from tllm_core.runtime.settings import RuntimeSettings  # noqa: E402
-from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
-
-H, LAYERS, V = 64, 4, 128
-DTYPE = torch.bfloat16  # the model's: float32 vectors are converted
-PROMPT, DECODE = 16, 7  # one request finishing a prompt, seven decoding
-KINDS = ("add", "replace", "ablate", "transform", "add_cpu_value")
-
-
-class _Double(torch.nn.Module):
-    def forward(self, s: torch.Tensor) -> torch.Tensor:
-        return 2 * s
-
-
-class KindEditor(Consumer):
-    """Edits every other row of layer 1 with one kind (``kind``), its value made once."""
-
-    name = "kind_editor"
-    kind = "add"
-
-    def __init__(self, config, context):
-        super().__init__(config, context)
-        g = torch.Generator().manual_seed(0)
-        v = torch.randn(H, generator=g)
-        self.value = v if self.kind == "add_cpu_value" else v.to(context.model.device)
-        self.module = _Double()
-
-    def writes(self):
-        if self.kind == "transform":
-            return [Edit(HiddenStates(1), transform=self.module)]
-        return [ResidualEdit(1)]
-
-    def edit(self, rows, plan):
-        idx = np.arange(0, len(rows), 2)
-        if self.kind == "transform":
-            plan.transform(1, idx)
-        elif self.kind in ("add", "add_cpu_value"):
-            plan.add(1, idx, self.value)
-        else:
-            getattr(plan, self.kind)(1, idx, self.value)
-
-
-class _Plugin:
-    @hookimpl
-    def tllm_consumers(self):
-        return [SteerConsumer, KindEditor]
-
-
-def _runtime(case: str, device: torch.device) -> Runtime:
-    reg = Registry()
-    reg.register(_Plugin(), name="edit-fake-step")
-    if case.startswith("steer"):
-        vectors = [
-            {"layer": 1, "vector": [0.5] * H, "scale": 2.0},
-            {"layer": 2, "vector": [1.0] * H, "mode": "ablate"},
-        ]
-        spec = {"name": "steer", "config": {"vectors": vectors}}
-        if case == "steer_per_request":
-            spec["per_request"] = True
-    else:
-        KindEditor.kind = case
-        spec = {"name": "kind_editor"}
-    settings = RuntimeSettings.model_validate({"consumers": [spec]})
-    model = ModelInfo(H, LAYERS, V, DTYPE, device, lambda h: h, None)
-    return Runtime(settings, model, reg)
-
-
-def _step(rt: Runtime, device: torch.device, k: int, on: dict[str, Any]) -> StepCapture:
-    n = 1 + DECODE
-    reqs = [
-        RequestInfo(f"e{i}", f"r{i}", i, 0, PROMPT if i == 0 else 4, extra_args=on if i % 2 else {})
-        for i in range(n)
-    ]
-    scheduled = np.array([PROMPT] + [1] * DECODE)
-    computed = np.array([0] + [4] * DECODE)
-    layout = StepLayout(
-        engine_ids=[r.engine_id for r in reqs],
-        num_scheduled=scheduled,
-        num_computed=computed,
-        num_tokens=computed + scheduled,
-        token_ids=torch.zeros(int(scheduled.sum()), dtype=torch.long, device=device),
-    )
-    rows, srow, kept = layout_rows(layout, reqs)
-    stamps = {t.key: torch.full((1,), k, device=device) for t in rt.taps if t.layer is not None}
-    return StepCapture(k, rows, srow, kept, {}, stamps)
-
-
-def _buffers(rt: Runtime, device: torch.device) -> dict[str, EditBuffers]:
-    out = {}
-    for tap in rt.edit_taps:
-        b = out[tap.key] = EditBuffers(64, H, DTYPE, device)
-        for owner, module in rt.transforms(tap.key):
-            b.add_transform(owner, module)
-    return out
-
-
-def _prepared(buffers: dict[str, EditBuffers]) -> int | None:
-    """Values the buffers prepared so far (None: buffers that do not count them)."""
-    counts = [getattr(getattr(b, "values", None), "prepared", None) for b in buffers.values()]
-    return None if None in counts else sum(counts)
-
-
-def run(case: str, steps: int = 3, inference: bool = False) -> dict[str, Any]:
-    """One case's counts over ``steps`` steady steps (see the module docstring)."""
-    logging.disable(logging.CRITICAL)  # a refused plan is counted (consumer_errors), not logged
-    try:
-        return _run(case, steps, inference)
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def _run(case: str, steps: int, inference: bool) -> dict[str, Any]:
-    with FakeCuda(order=True) as fc:
-        rt = _runtime(case, fc.device)
-        buffers = _buffers(rt, fc.device)
-        # The engine's tensors are made before counting; the first step is the warm-up.
-        # Per request: every other request switches steer on, with a scale of its own.
-        on = {"tllm_consumers": "steer", "tllm_steer_scale": 3.0} if "per_request" in case else {}
-        made = [_step(rt, fc.device, k, on) for k in range(1, steps + 2)]
-        for i, step in enumerate(made):
-            if i == 1:
-                fc.start_steps()
-                prepared = _prepared(buffers)
-            with torch.inference_mode(inference):  # vLLM's model runner: True
-                rt.begin_step(step.rows, buffers)
-                rt.end_step(step)
-        # Values moved/converted/normalised anew in the steady steps (each a device allocation,
-        # which the fake does not see for an inference tensor's operations).
-        now = _prepared(buffers)
-        prepared = None if now is None else now - prepared
-        out: dict[str, Any] = {
-            "case": case,
-            "inference_mode": inference,
-            "steps": steps,
-            "values_prepared": prepared,
-        }
-        for kind in ("host_wait", "pageable_copy", "allocation", "race"):
-            found = fc.findings(None if kind == "race" else "steps", kind)
-            out[kind] = sum(f.count for f in found)
-            out[f"{kind}_at"] = sorted({f"{f.where}: {f.code.strip()}" for f in found})
-        errors = rt.collect()["runtime"].get("consumer_errors", 0)
-    out["consumer_errors"] = errors
-    return out
+from bench_setup import code_version, section, table  # noqa: E402
+from edit_steps import KINDS, run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,22 +37,32 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cases = ("steer_all", "steer_per_request", *KINDS)
     results = [run(c, args.steps, inf) for inf in (False, True) for c in cases]
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return
-    print(
-        f"{'case':<32} waits  pageable  allocations  races  errors  prepared  "
-        f"(over {args.steps} steps)"
+    command = "python benchmarks/edit_fake_step.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
     )
-    for r in results:
-        print(
-            f"{r['case'] + (' (inference)' if r['inference_mode'] else ''):<32} {r['host_wait']:>5}  {r['pageable_copy']:>8}  "
-            f"{r['allocation']:>11}  {r['race']:>5}  {r['consumer_errors']:>6}  "
-            f"{r['values_prepared'] if r['values_prepared'] is not None else '-':>8}"
-        )
-        for kind in ("host_wait", "pageable_copy", "allocation", "race"):
-            for where in r[f"{kind}_at"]:
-                print(f"    {kind}: {where}")
+    out = {"command": command.strip(), "code": code_version(), "results": results}
+    print(json.dumps(out, indent=1) if args.json else render(out))
+
+
+def render(es: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: each editing case's counts over
+    the steady steps, as is and in inference mode."""
+    kinds = ("host_wait", "pageable_copy", "allocation", "race", "consumer_errors")
+    rows = [
+        [
+            r["case"],
+            "inference" if r.get("inference_mode") else "plain",
+            *(r[k] for k in kinds),
+            r.get("values_prepared") or 0,
+        ]
+        for r in es["results"]
+    ]
+    head = ["case", "mode", "host waits", "pageable copies", "allocations", "races", "errors"]
+    return section(
+        "Hidden-state edits on the fake CUDA device",
+        es,
+        table([*head, "values prepared"], rows),
+    )
 
 
 if __name__ == "__main__":

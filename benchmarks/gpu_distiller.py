@@ -1,6 +1,7 @@
 """ESamp distiller cost on a GPU at 7B-model shapes (PyTorch + Triton only; no vLLM).
 
     python benchmarks/gpu_distiller.py [--hidden 3584] [--groups 8] [--rows 16] [--iters 200] [--json]
+    python benchmarks/gpu_distiller.py --kernels [--quick] [--device cpu] [--bandwidth 4.26e12]
 
 What is timed (CUDA events, after warm-up), in microseconds per decode step:
 
@@ -29,6 +30,14 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
    and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
    it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
 
+4. ``--kernels``: ESamp's fused kernels (``algorithms.esamp.kernels``) alone at 7B shapes
+   (6 weight matrices per slot, 16 rows per group), per case ``(groups live, capacity
+   slots)``: (8, 8), (64, 64), (8, 64): ``grad_adam`` (fp32 moments; ``_bf16``: bf16
+   moments; ``_tf32``: TF32 gradient product) and ``slot_matmul`` (the forward's six weight
+   products over the live slots, against ``dense_matmul``, ``torch.bmm`` over every slot),
+   each against the bytes it must move at ``--bandwidth``; ``sweep`` (CUDA): a few tile
+   sizes. ``--quick`` (or ``--device cpu``): tiny shapes, only to show that it runs.
+
 ``--bytes-only`` prints part 3 and the captured graphs' launches and bytes
 (:func:`update_graphs`) for fp32 and bf16 moments, on any machine. ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
 the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
@@ -48,12 +57,21 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
+
+from bench_setup import code_version, section, table  # noqa: E402
+from update_bytes import distiller_inputs, update_bytes_per_param, update_graphs  # noqa: E402
 
 from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
+from algorithms.esamp.kernels import (  # noqa: E402
+    grad_adam,
+    grad_adam_bytes,
+    slot_matmul,
+    slot_matmul_bytes,
+    triton_available,
+)
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
-from tllm_core.testing.counters import BytesCounter  # noqa: E402
 from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 QWEN2_7B = dict(
@@ -101,18 +119,6 @@ def make(variant: str, args, device):
     return d
 
 
-def _inputs(args, device):
-    rows = args.groups * args.rows
-    if device.type == "meta":
-        x = torch.empty(rows, args.hidden, device=device)
-        return torch.arange(args.groups).repeat_interleave(args.rows), x, x.clone()
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, args.hidden, generator=g).to(device)
-    t = x + 0.1 * torch.randn(rows, args.hidden, generator=g).to(device)
-    slots = torch.arange(args.groups).repeat_interleave(args.rows)
-    return slots, x, t
-
-
 def _timer(device):
     if is_cuda(device):
 
@@ -140,7 +146,7 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     timed = _timer(device)
     d = make(variant, args, device)
     slots_live = [d.alloc() for _ in range(args.groups)]
-    slots, x, t = _inputs(args, device)
+    slots, x, t = distiller_inputs(args, device)
     slots = torch.tensor(slots_live)[slots]
 
     def predict():
@@ -174,100 +180,6 @@ def _same_rows(d) -> dict[str, Any]:
     """``rows_id`` for a predict and the train step after it on the same rows (as ESamp
     names them), where the distiller takes one."""
     return {"rows_id": "step"} if d.takes_rows_id else {}
-
-
-def update_bytes_per_param(args, device) -> dict[str, float]:
-    """Bytes per parameter and group of one update of ``args.groups`` groups of ``args.rows``
-    rows: the update the CUDA graphs replay (``graph_update``: the slot-indexed products and
-    the fused gradient + Adam operator, each counted as one operation with its arguments;
-    ``graph_update_reuse``: the same on the forward the step's prediction kept, as ESamp runs
-    it when the trained rows are the predicted ones; ``*_bf16``: with bf16 Adam moments) and
-    the CPU trainer (see the module docstring, part 3); ``*_ops``: operations dispatched."""
-    from algorithms.esamp.graph_update import train_groups
-    from algorithms.esamp.mlp import forward_slots
-    from algorithms.esamp.slot_ops import slot_matmul
-
-    # Counted from the operations' tensor sizes: the meta device gives the same counts as a
-    # GPU without computing anything; the CPU trainer's part runs on CPU.
-    meta = torch.device("meta")
-    slots, x, t = _inputs(args, meta)
-    d = GroupedDistiller(
-        args.hidden,
-        device=meta,
-        intermediate_size=args.intermediate,
-        num_blocks=args.blocks,
-        capacity=args.groups,
-    )
-    per = args.groups * d.shape.num_params
-    out: dict[str, float] = {}
-    shape = (args.groups, args.rows, args.hidden)
-    xp, tp = x.view(shape), t.view(shape)
-    gs = torch.arange(args.groups, device=meta)
-    mask = torch.ones(args.groups, args.rows, dtype=torch.bool, device=meta)
-    # What the prediction computed and, on CUDA, kept (not part of the update): in buffers
-    # laid out as the CUDA distiller's (packed inputs and block outputs equally spaced).
-    nb, inter = args.blocks, args.intermediate
-    hs = torch.empty(nb + 1, *shape, device=meta)
-    inner = torch.empty(nb, 4, args.groups, args.rows, inter, device=meta)
-    kept = [(hs[b + 1], *inner[b].unbind(0)) for b in range(nb)]
-
-    def mm(x, w, transpose_w, **kw):
-        return slot_matmul(x, w, gs, transpose_w, **kw)
-
-    forward = forward_slots(d.theta, d.shape, hs[0], mm, out=kept)
-    bf16 = [torch.empty_like(d.m, dtype=torch.bfloat16) for _ in range(2)]
-    for name, (m, v), fwd in (
-        ("graph_update", (d.m, d.v), None),
-        ("graph_update_reuse", (d.m, d.v), forward),
-        ("graph_update_bf16", bf16, None),
-        ("graph_update_reuse_bf16", bf16, forward),
-    ):
-        with BytesCounter() as bc:
-            train_groups(
-                d.theta, m, v, d.step, gs, xp, tp, mask, d.shape, d.hp, forward=fwd
-            )  # fmt: skip
-        out[name] = bc.total / per
-        out[f"{name}_adam"] = bc.by_op["grad_adam"] / per
-        out[f"{name}_ops"] = bc.calls
-    if device.type == "cpu":
-        slots, x, t = _inputs(args, device)
-        d = GroupedDistiller(
-            args.hidden, intermediate_size=args.intermediate, num_blocks=args.blocks,
-            capacity=args.groups,
-        )  # fmt: skip
-        live = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
-        d.predict(live, x)
-        with BytesCounter() as bc:
-            d.train_step(live, x, t)
-        out["host_update"] = bc.total / per
-        out["host_update_adam"] = bc.by_op["_fused_adam_"] / per
-    return out
-
-
-def update_graphs(args, moments_dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """The CUDA distiller's captured graphs for the layout of ``args.groups`` groups of
-    ``args.rows`` rows, as a whole (row packing, mask and result ring included), counted on
-    the fake CUDA device (``tllm_core.testing.fake_cuda``: launches = operations captured,
-    bytes by the same rules as :func:`update_bytes_per_param`): ``{kind}_launches`` and
-    ``{kind}_bytes_per_param`` for ``predict``, ``train`` (forward run again) and
-    ``train_reuse`` (on the prediction's kept forward)."""
-    from algorithms.esamp.cuda import CudaGroupedDistiller
-    from tllm_core.testing.fake_cuda import FakeCuda
-
-    with FakeCuda() as fc:
-        d = CudaGroupedDistiller(
-            args.hidden, device=fc.device, intermediate_size=args.intermediate,
-            num_blocks=args.blocks, capacity=args.groups, graph_max_rows=args.rows,
-            moments_dtype=moments_dtype,
-        )  # fmt: skip
-    lay = d.layouts[0]
-    per = args.groups * d.shape.num_params
-    out: dict[str, float] = {}
-    for kind in ("predict", "train", "train_reuse"):
-        g = d._graphs[(kind, lay)]
-        out[f"{kind}_launches"] = g.launches
-        out[f"{kind}_bytes_per_param"] = g.bytes / per
-    return out
 
 
 class SyntheticDecode:
@@ -339,6 +251,188 @@ def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) ->
     return statistics.median(timed(fn, args.iters) for _ in range(args.repeats))
 
 
+# ---------------------------------------------------------------- the kernels alone
+SHAPES_7B: dict[str, Any] = dict(
+    hidden=3584, intermediate=384, blocks=2, rows=16, cases=((8, 8), (64, 64), (8, 64)),
+    iters=20, warmup=3,
+)  # fmt: skip
+QUICK_SHAPES: dict[str, Any] = dict(
+    hidden=48, intermediate=16, blocks=2, rows=4, cases=((2, 3),), iters=2, warmup=1
+)
+H200_BANDWIDTH = 4.26e12  # copy bandwidth measured on an H200, bytes/s
+LR, BETAS, EPS = 4e-4, (0.9, 0.999), 1e-4
+ADAM_TILES = ((32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4))  # block_n, block_k, warps
+MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
+
+
+def _time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    return _timer(device)(fn, iters) / 1e3
+
+
+def _matrices(shape: dict) -> list[tuple[int, int, int]]:
+    """``(offset, N, K)`` of each weight matrix in a slot's flat row (params.py's layout:
+    gate ``[NB, I, H]``, up ``[NB, I, H]``, down ``[NB, H, I]``)."""
+    h, i, nb = shape["hidden"], shape["intermediate"], shape["blocks"]
+    mats = [(0, i, h), (1, i, h), (2, h, i)]
+    return [(kind * nb * i * h + blk * i * h, n, k) for kind, n, k in mats for blk in range(nb)]
+
+
+def _view(state: torch.Tensor, off: int, n: int, k: int) -> torch.Tensor:
+    return state[:, off : off + n * k].view(state.shape[0], n, k)
+
+
+def _floor(total_bytes: int, ms: float, bandwidth: float) -> dict[str, float]:
+    floor_ms = total_bytes / bandwidth * 1e3
+    return dict(ms=ms, bytes=total_bytes, floor_ms=floor_ms, x_floor=ms / floor_ms)
+
+
+class _Case:
+    """State, factors and inputs of one ``(groups, capacity)`` case."""
+
+    def __init__(self, shape: dict, groups: int, capacity: int, device: torch.device):
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.mats = _matrices(shape)
+        p = sum(n * k for _, n, k in self.mats)
+        rows = shape["rows"]
+        self.groups, self.capacity, self.rows = groups, capacity, rows
+        self.live = torch.arange(groups, device=device) * (capacity // groups)
+        self.theta = torch.randn(capacity, p, device=device, generator=gen) * 0.02
+        self.m = torch.zeros(capacity, p, device=device)
+        self.v = torch.zeros(capacity, p, device=device)
+        self.step = torch.full((capacity,), 5.0, device=device)
+        self.a = [
+            torch.randn(groups, rows, n, device=device, generator=gen) for _, n, _ in self.mats
+        ]
+        self.b = [torch.randn(groups, rows, k, device=device, generator=gen) for *_, k in self.mats]
+        self.scale = torch.full((groups,), 0.5, device=device)
+        self.ok = torch.ones(groups, dtype=torch.bool, device=device)
+        self.x = torch.randn(groups, rows, shape["hidden"], device=device, generator=gen)
+
+    def fused(self, theta, m, v, precision: str = "ieee", launch=None) -> None:
+        for (off, n, k), a, b in zip(self.mats, self.a, self.b, strict=True):
+            w, mm, vv = (_view(t, off, n, k) for t in (theta, m, v))
+            if launch is None:
+                grad_adam(
+                    a, b, self.scale, self.live, self.ok, self.step, w, mm, vv,
+                    lr=LR, betas=BETAS, eps=EPS, input_precision=precision,
+                )  # fmt: skip
+            else:
+                launch(a, b, self.scale, self.live, self.ok, self.step, w, mm, vv,
+                       LR, *BETAS, EPS, precision)  # fmt: skip
+
+    def forward_products(self, theta, out_i, out_h, launch=None) -> None:
+        """The six weight products of one forward pass (inputs reused: only the weight
+        reads matter), reading the live slots only."""
+        run = launch or (lambda x, w, s, out, t: slot_matmul(x, w, s, out, transpose_w=t))
+        for off, n, k in self.mats:
+            w = _view(theta, off, n, k)
+            x, out = (self.x, out_i) if k == self.x.shape[2] else (out_i, out_h)
+            run(x, w, self.live, out, True)
+
+    def dense_products(self, theta, out_i, out_h) -> None:
+        """``torch.bmm`` over every slot's views (dead slots included): what reading only the
+        live slots saves."""
+        cap = self.capacity
+        xd = torch.zeros(cap, self.rows, self.x.shape[2], device=theta.device)
+        xd[self.live] = self.x
+        for off, n, k in self.mats:
+            w = _view(theta, off, n, k)
+            if k == xd.shape[2]:
+                torch.bmm(xd, w.transpose(1, 2), out=out_i)
+            else:
+                torch.bmm(out_i, w.transpose(1, 2), out=out_h)
+
+
+def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: float) -> dict:
+    c = _Case(shape, groups, capacity, device)
+    it, wu = shape["iters"], shape["warmup"]
+    params = groups * sum(n * k for _, n, k in c.mats)
+    adam_bytes = sum(grad_adam_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
+    res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
+
+    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v), device, it, wu)
+    res["grad_adam"] = dict(_floor(adam_bytes, ms, bandwidth), bytes_per_param=adam_bytes / params)
+    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, "tf32"), device, it, wu)
+    res["grad_adam_tf32"] = _floor(adam_bytes, ms, bandwidth)
+    m16, v16 = c.m.bfloat16(), c.v.bfloat16()
+    bf16_bytes = sum(grad_adam_bytes(groups, c.rows, n, k, 2) for _, n, k in c.mats)
+    ms = _time_ms(lambda: c.fused(c.theta, m16, v16), device, it, wu)
+    res["grad_adam_bf16"] = dict(
+        _floor(bf16_bytes, ms, bandwidth), bytes_per_param=bf16_bytes / params
+    )
+    h, i = shape["hidden"], shape["intermediate"]
+    out_i = torch.zeros(capacity, c.rows, i, device=device)
+    out_h = torch.zeros(capacity, c.rows, h, device=device)
+    mm_bytes = sum(slot_matmul_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
+    c.dense_products(c.theta, out_i, out_h)
+    dense_h = out_h[c.live].clone()
+    g_i, g_h = out_i[:groups].clone(), out_h[:groups].clone()
+    c.forward_products(c.theta, g_i, g_h)
+    mm_diff = (g_h - dense_h).abs().max().item()
+    ms = _time_ms(lambda: c.forward_products(c.theta, g_i, g_h), device, it, wu)
+    res["slot_matmul"] = dict(_floor(mm_bytes, ms, bandwidth), max_abs_diff_vs_dense=mm_diff)
+    ms = _time_ms(lambda: c.dense_products(c.theta, out_i, out_h), device, it, wu)
+    res["dense_matmul"] = _floor(mm_bytes, ms, bandwidth)
+
+    if is_cuda(device) and triton_available():
+        res["sweep"] = _sweep(c, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth)
+    return res
+
+
+def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
+    from algorithms.esamp.kernels import triton_impl
+
+    out: dict[str, Any] = {}
+    for bn, bk, nw in ADAM_TILES:
+
+        def launch(*args, bn=bn, bk=bk, nw=nw):
+            triton_impl.grad_adam(*args, block_n=bn, block_k=bk, num_warps=nw)
+
+        ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, launch=launch), c.theta.device, it, wu)
+        out[f"grad_adam_{bn}x{bk}_w{nw}"] = _floor(adam_bytes, ms, bandwidth)
+    for bn, bk, nw in MATMUL_TILES:
+        for split in (0, 1):
+
+            def run(x, w, s, o, t, bn=bn, bk=bk, nw=nw, split=split):
+                triton_impl.slot_matmul(
+                    x, w, s, o, t, "ieee", split, block_n=bn, block_k=bk, num_warps=nw
+                )
+
+            ms = _time_ms(
+                lambda: c.forward_products(c.theta, g_i, g_h, launch=run), c.theta.device, it, wu
+            )
+            out[f"slot_matmul_{bn}x{bk}_w{nw}_split{split or 'auto'}"] = _floor(
+                mm_bytes, ms, bandwidth
+            )
+    return out
+
+
+def bench_kernels(
+    device: torch.device | str, shapes: dict | None = None, bandwidth: float = H200_BANDWIDTH
+) -> dict:
+    """Time each kernel per case of ``shapes`` (default: 7B shapes on CUDA, tiny on CPU);
+    returns the figures as a JSON-able dict (see the module docstring)."""
+    device = torch.device(device)
+    if shapes is None:
+        shapes = SHAPES_7B if is_cuda(device) else QUICK_SHAPES
+    name = torch.cuda.get_device_name(device) if is_cuda(device) else "cpu"
+    cases = []
+    with torch.no_grad():
+        for groups, capacity in shapes["cases"]:
+            cases.append(_bench_case(shapes, groups, capacity, device, bandwidth))
+            if is_cuda(device):
+                torch.cuda.empty_cache()
+    return dict(
+        device=name,
+        triton=triton_available(),
+        bandwidth_bytes_per_s=bandwidth,
+        shapes={k: v for k, v in shapes.items() if k != "cases"},
+        cases=cases,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=3584)
@@ -362,7 +456,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only part 3 and the captured graphs' counts (no GPU needed: counted on meta)",
     )
+    p.add_argument("--kernels", action="store_true", help="time the fused kernels alone (part 4)")
+    p.add_argument("--quick", action="store_true", help="with --kernels: tiny shapes (just runs)")
+    p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s (--kernels)")
     args = p.parse_args(argv)
+    if args.kernels:
+        shapes = QUICK_SHAPES if args.quick or args.device == "cpu" else SHAPES_7B
+        print(json.dumps(bench_kernels(args.device, shapes, args.bandwidth)))
+        return 0
     if args.bytes_only:
         out = {"bytes_per_param": update_bytes_per_param(args, torch.device("meta"))}
         for name, dt in (("fp32_moments", torch.float32), ("bf16_moments", torch.bfloat16)):
@@ -397,6 +498,7 @@ def _run(args, device) -> int:
         },
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "code": code_version(),
         "distiller": {},
         "in_step": {},
         "memory_plan": plan(args).as_dict(),
@@ -455,6 +557,31 @@ def _run(args, device) -> int:
                     f"= {100 * d['fraction_of_step']:.1f}% of a decode step"
                 )
     return 0
+
+
+def render(gp: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: each variant's predict and
+    update, and what it adds to the decode step."""
+    rows = []
+    for v, d in gp["distiller"].items():
+        s = gp["in_step"].get(v, {})
+        rows.append(
+            [
+                v,
+                f"{d['predict_us']:.1f}",
+                f"{d['train_us']:.1f}",
+                f"{s.get('added_us', float('nan')):.1f}",
+                f"{100 * s.get('fraction_of_step', float('nan')):.1f}%",
+            ]
+        )
+    head = ["variant", "predict (µs)", "update (µs)", "added to a step (µs)", "fraction of step"]
+    machine = {"device": gp["device"], "torch": gp["torch"]}
+    return section(
+        "ESamp distiller on a GPU (7B shapes)",
+        {**gp, "machine": machine},
+        table(head, rows),
+        command="python benchmarks/gpu_distiller.py --json",
+    )
 
 
 if __name__ == "__main__":

@@ -16,18 +16,18 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
    run only with ``--device cuda`` (the rehearsal collects them).
 2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
-   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_gpu_step.bench_step``): device
+   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``): device
    time added and ratio, host time of the consumer's calls, the floor, a step under
    ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
-   issue-36 targets checked (``targets``).
-3. ``kernels``: ``gpu_kernels.bench_kernels`` (the fused kernels against their bytes floor and
-   against the former bmm + fused Adam path); ``--quick`` or CPU: tiny shapes.
+   step's targets checked (``targets``).
+3. ``kernels``: ``gpu_distiller.bench_kernels`` (the fused kernels against the bytes they
+   must move); ``--quick`` or CPU: tiny shapes.
 4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
    64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
    parameter; CPU: tiny shapes.
 5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
-   of an ESamp step (``esamp_fake_step``) stand in.
+   of an ESamp step (``esamp_step``) stand in.
 6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
    searches (``tllm_core.testing.counters.SyncCounter``; on CUDA also under the sync debug mode) and of the
    consumer's decode step when pydantic is there.
@@ -62,11 +62,17 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
+from bench_setup import code_version, section, table  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
-from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
-from gpu_kernels import QUICK_SHAPES, SHAPES_7B, bench_kernels  # noqa: E402
+from gpu_distiller import (  # noqa: E402
+    QUICK_SHAPES,
+    SHAPES_7B,
+    bench_distiller,
+    bench_kernels,
+)
+from update_bytes import update_bytes_per_param  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
 from tllm_core.testing import fake_cuda  # noqa: E402
@@ -312,11 +318,11 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
-    """ESamp's whole step beside the synthetic decode step, and the issue-36 targets."""
+    """ESamp's whole step beside the synthetic decode step, and its targets."""
     if not is_cuda(device):
-        return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_fake_step.py)"}
+        return {"skipped": "needs a CUDA device (counts on CPU: benchmarks/esamp_step.py)"}
     try:
-        from esamp_gpu_step import bench_step
+        from esamp_step import bench_step
 
         import algorithms.esamp.consumer  # noqa: F401  (pydantic: bench_step imports it late)
     except ImportError as err:
@@ -397,7 +403,6 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
     d.close()
     out: dict[str, Any] = {"distiller_step": per_step, "candidate_search": candidate_syncs(device)}
     try:
-        sys.path.insert(0, str(ROOT / "tests"))
         from test_esamp_syncs import syncs_per_step
     except ImportError as err:  # the consumer needs pydantic
         out["consumer_step"] = {"skipped": f"consumer not importable: {err}"}
@@ -444,6 +449,7 @@ def smoke(
         "device": torch.cuda.get_device_name(device) if is_cuda(device) else device.type,
         "rehearsal": rehearsal is not None,
         "torch": torch.__version__,
+        "code": code_version(),
         "quick": quick,
     }
     seconds: dict[str, float] = {}
@@ -503,6 +509,60 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.cancel_dump_traceback_later()
     print(json.dumps(out))
     return 0
+
+
+def render(sm: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--out`` result: each part's figures, one row each."""
+    rows: list[list[Any]] = []
+    for k, rec in sm["memory"].items():
+        if k.startswith("groups_") and "fake_device_step" in rec:
+            allocs = rec["fake_device_step"]["allocation"]
+            rows.append([f"memory, {k[7:]} slots", f"{allocs} allocations per step (fake device)"])
+        elif k.startswith("groups_"):
+            used = rec.get("update_peak_bytes", rec.get("peak_bytes"))
+            plan = rec.get("plan_update_workspace_bytes", rec.get("plan_distiller_bytes"))
+            rows.append([f"memory, {k[7:]} slots", f"{used} bytes measured, {plan} planned"])
+        if k.startswith("groups_"):
+            rows.append([f"memory, {k[7:]} slots, within plan", rec["within_plan"]])
+    plan7 = sm["memory"].get("qwen2.5_7b_default_plan", {})
+    if plan7:
+        rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{plan7['total_gib']:.3f}"])
+    sy = sm["syncs"]
+    if "distiller_step" in sy:
+        rows.append(["host syncs, distiller step", sum(sy["distiller_step"][-1].values())])
+    for mode, counts in sy.get("consumer_step", {}).items():
+        if isinstance(counts, list):
+            rows.append([f"host syncs, ESamp step ({mode})", sum(counts[-1].values())])
+    search = sy.get("candidate_search") or {}
+    for kind in ("exact", "fixed_size"):
+        if kind in search:
+            rows.append([f"host syncs, {kind} candidate search", sum(search[kind].values())])
+    for k, rec in sm["distiller"].get("results", {}).items():
+        for name, v in (rec.get("bytes_per_param") or {}).items():
+            rows.append([f"update bytes per parameter, {k[7:]} groups, {name}", f"{v:.1f}"])
+    ct = sm.get("compiled_taps") or {}
+    if "compiled_max_abs_diff" in ct:
+        rows.append(
+            ["compiled taps, max abs diff from eager", f"{max(ct['compiled_max_abs_diff']):.1e}"]
+        )
+        replay = ct["cuda_graph"].get("replay_max_abs_diff")
+        rows.append(
+            ["CUDA graph taps, max abs diff", f"{max(replay):.1e}" if replay else "not run"]
+        )
+    skipped = [
+        f"{part}: {rec['skipped']}"
+        for part, rec in sm.items()
+        if isinstance(rec, dict) and "skipped" in rec
+    ]
+    rows += [["not run", s] for s in skipped]
+    device = f"{sm['device']}, torch {sm['torch']}"
+    command = f"python benchmarks/gpu_smoke.py --device {sm['device']} --out FILE"
+    return section(
+        f"GPU smoke run on {sm['device']}",
+        {**sm, "machine": {"device": device}},
+        table(["figure", "value"], rows),
+        command=command,
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``tllm serve`` under load (issue 26): concurrency 16 of a mixed workload, with and without a
+"""``tllm serve`` under load: concurrency 16 of a mixed workload, with and without a
 client polling ``/tllm/counters``.
 
     python benchmarks/load.py [--model PATH] [--requests N] [--rounds R] [--concurrency C]
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import ROOT, model_path, run_machine  # noqa: E402
+from bench_setup import ROOT, model_path, run_machine, section, table  # noqa: E402
 from soak import stop_server  # noqa: E402
 
 MIB = 1 << 20
@@ -414,8 +414,41 @@ def main(argv: list[str] | None = None) -> int:
     } | {"model": Path(model).name, "enforce_eager": a.enforce_eager}
     out["machine"] = run_machine(load_start)
     out["command"] = "python benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+    print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
+
+
+def render(ld: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: both phases (A: with a counters
+    poller, B: without), memory and the checks."""
+    w = ld["workload"]
+    rows = [
+        [
+            p["phase"],
+            "yes" if p["phase"] == "A" else "no",
+            f"{p['good_tok_s']:.1f}",
+            f"{p['wall_s']:.0f}",
+            f"{p['good_completed']}/{p['good_sent']}",
+            ", ".join(f"{k}: {v}" for k, v in p["status_codes"].items()),
+            p["status_5xx"],
+        ]
+        for p in (ld["phases"]["A"], ld["phases"]["B"])
+    ]
+    head = ["phase", "counters polled", "good tok/s", "wall s", "good completed", "status codes"]
+    rss = {k: v["total"] if isinstance(v, dict) else v for k, v in ld["rss_mib"].items()}
+    summary = [
+        [
+            "workload",
+            f"{w['rounds']} rounds x {w['requests']} requests, {w['concurrency']} in "
+            f"flight, max_tokens {w['max_tokens']}, {w['model']}",
+        ],
+        ["tok/s polled / unpolled", f"{ld['tok_s_ratio_polled_to_unpolled']:.3f}"],
+        ["server RSS (MiB): ready, after warm-up, end", ", ".join(str(v) for v in rss.values())],
+        *([k.replace("_", " "), "yes" if v else "**no**"] for k, v in ld["checks"].items()),
+    ]
+    return section(
+        "Server under load", ld, table([*head, "5xx"], rows), table(["figure", "value"], summary)
+    )
 
 
 if __name__ == "__main__":

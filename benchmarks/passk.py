@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, write_samples
+from bench_setup import model_path, offline_engine_env, section, table, write_samples
 
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
@@ -416,22 +416,40 @@ def main(argv: list[str] | None = None) -> int:
         write_samples(args.save_samples, gen)
     if args.plot:
         plot(result, args.plot)
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(f"{len(problems)} problems x n={args.n}, {args.max_tokens} tokens, betas {betas}")
-        show = [k for k in (1, 2, 4, 8, 16) if k <= args.n]
-        print(f"{'method':<26}" + "".join(f"{'pass@' + str(k):>10}" for k in show))
-        for name, m in out_methods.items():
-            print(f"{name:<26}" + "".join(f"{m['pass_at_k'][k - 1]:>10.3f}" for k in show))
-        for c in comparisons:
-            cells = ", ".join(
-                f"@{k} {v['mean_delta']:+.3f} (p_t={v['t_test_p']:.2g})"
-                for k, v in c["pass_at_k"].items()
-            )
-            print(f"{c['method']} vs {c['against']}: {cells}")
+    print(json.dumps(result, default=str) if args.json else render(result))
     gc.collect()
     return 1 if result["errors"] else 0
+
+
+def render(pk: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: pass@k per method (± standard
+    error), then each paired comparison."""
+    c = pk["config"]
+    ks = [k for k in (1, 2, 4, 8, 16) if k <= c["n"]]
+    size = f"{c['num_problems']} problems x n={c['n']} x {c['max_tokens']} tokens"
+    rows = [
+        [
+            name,
+            *(f"{m['pass_at_k'][k - 1]:.3f} ± {m['pass_at_k_sem'][k - 1]:.3f}" for k in ks),
+            f"{m['mean_tokens']:.1f}",
+            size,
+        ]
+        for name, m in pk["methods"].items()
+    ]
+    head = ["method", *(f"pass@{k}" for k in ks), "tokens", "workload"]
+    pairs = [
+        [f"{cm['method']} vs {cm['against']}"]
+        + [
+            f"{v['mean_delta']:+.3f} ({v['improved']}/{v['worse']}, p_t {v['t_test_p']:.2g})"
+            for v in cm["pass_at_k"].values()
+        ]
+        for cm in pk["comparisons"]
+    ]
+    tables = [table(head, rows)]
+    if pairs:
+        cks = list(pk["comparisons"][0]["pass_at_k"])
+        tables.append(table(["comparison", *(f"Δ pass@{k}" for k in cks)], pairs))
+    return section("pass@k on verifiable tasks", pk, *tables)
 
 
 if __name__ == "__main__":

@@ -340,11 +340,35 @@ def main() -> int:
         model = str(default_model_path())
     out = soak(model, a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager)
     out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    if a.json:
-        print(json.dumps(out))
-    else:
-        print(json.dumps(out, indent=2))
+    out["code"] = __import__("bench_setup").code_version()
+    print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
+
+
+def render(sk: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: the checks, then the figures."""
+    import bench_setup  # same folder; soak is imported by tests without it on the path
+
+    c = sk["counters"]
+    figures = [
+        ["requests, in flight", f"{sk['requests']}, {sk['concurrency']}"],
+        ["requests/s", sk["requests_per_s"]],
+        [
+            "engine RSS after warm-up → end (MiB)",
+            f"{sk['engine_rss_mib_after_warmup']} → {sk['engine_rss_mib_end']} "
+            f"({sk['engine_rss_change_pct']:+.2f}%)",
+        ],
+        [
+            "ESamp groups created / freed / alive",
+            f"{c['esamp']['groups_created']} / {c['esamp']['groups_freed']} / "
+            f"{c['esamp']['groups_alive']}",
+        ],
+        ["consumer errors (the crashing test consumer)", c["runtime"]["consumer_errors"]],
+        *([k.replace("_", " "), "yes" if v else "**no**"] for k, v in sk["checks"].items()),
+    ]
+    return bench_setup.section(
+        "A long day in the server (soak)", sk, bench_setup.table(["figure", "value"], figures)
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import resource
 import shlex
 import statistics
@@ -70,6 +69,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import machine_text, run_machine, section, table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
@@ -575,33 +577,6 @@ def select_cases(specs: list[str] | None) -> list[str]:
     return base + [c for c in dict.fromkeys(custom)]
 
 
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "loadavg_1m_start": os.getloadavg()[0],
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        info["mem_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (OSError, ValueError):
-        pass
-    try:
-        import torch
-        import vllm
-
-        info["torch"] = torch.__version__
-        info["vllm"] = vllm.__version__
-        info["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001
-        pass
-    return info
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -794,9 +769,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": not probs,
             "problems": probs,
         }
-    machine = machine_info()
-    machine["loadavg_1m_start"] = load_start
-    machine["loadavg_1m_end"] = os.getloadavg()[0]
+    machine = run_machine(load_start)
     result = {
         "command": "python " + shlex.join(["benchmarks/throughput.py", *(argv or sys.argv[1:])]),
         "baseline_tok_s": base,
@@ -837,20 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             for c, rs in runs.items()
         },
     }
-    if args.json:
-        print(json.dumps(result, default=str))
-    else:
-        print(
-            f"baseline (plain vLLM): {base:.1f} tok/s  ({expected} tokens per case, "
-            f"{args.rounds} rounds, median)"
-        )
-        print(f"{'case':<14}{'tok/s':>10}{'ratio':>8}{'step ratio':>12}{'extra MiB':>11}  ok")
-        for case, c in out_cases.items():
-            sr = f"{c['step_ratio']:.3f}" if c["step_ratio"] else "-"
-            print(
-                f"{case:<14}{c['tok_s']:>10.1f}{c['ratio']:>8.3f}{sr:>12}"
-                f"{c['extra_peak_rss_mib']:>11.0f}  {'yes' if c['ok'] else 'NO'}"
-            )
+    print(json.dumps(result, default=str) if args.json else render(result))
     for f in failures:
         print(f"throughput: FAILED {f}", file=sys.stderr)
     return 1 if failures else 0
@@ -858,3 +818,59 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _get(counters: dict[str, Any], dotted: str) -> Any:
+    group, _, key = dotted.partition(".")
+    return counters.get(group, {}).get(key)
+
+
+def render(tp: dict[str, Any], title: str = "Throughput") -> str:
+    """The docs/results.md section of a ``--json`` result: one row per case. A case merged
+    from a later run (``report.py --merge``) shows that run's command and machine."""
+    later = {r["command"]: r for r in tp.get("later_runs", [])}
+    rows = []
+    for name, c in tp["cases"].items():
+        command = (tp.get("case_commands") or {}).get(name, tp["command"])
+        run = later.get(command, tp)
+        rt = c["counters"].get("runtime", {})
+        host = (
+            f"{1e3 * rt['host_s'] / rt['engine_steps']:.2f}"
+            if rt.get("host_s") is not None and rt.get("engine_steps")
+            else "—"
+        )
+        spec = CASES.get(name)
+        work = ", ".join(
+            f"{k}={_get(c['counters'], k)}"
+            for k in ([*spec.required, *spec.also_report] if spec else [])
+            if _get(c["counters"], k) is not None
+        )
+        rows.append(
+            [
+                name,
+                f"{run['baseline_tok_s']:.1f}" if name == "plain" else f"{c['tok_s']:.1f}",
+                f"{c['ratio']:.3f}",
+                f"{c['step_ratio']:.3f}" if c.get("step_ratio") else "—",
+                host,
+                f"{c['extra_peak_rss_mib']:+.0f}",
+                work or "—",
+                f"`{command}`",
+                (run.get("machine") or {}).get("code") or tp.get("code", "unknown"),
+                machine_text(run.get("machine")),
+            ]
+        )
+    header = ["case", "tok/s", "ratio to plain", "step ratio", "tllm host ms/step"]
+    header += ["extra peak RSS (MiB)", "work counters", "command", "code version", "machine"]
+    w = tp["workload"]
+    workload = table(
+        ["model", "workload", "method", "runs per case"],
+        [
+            [
+                w.get("model", "embedded SmolLM2-135M-Instruct"),
+                f"{w['prompts']} prompts x n={w['n']} x {w['max_tokens']} tokens",
+                w.get("method", "fresh"),
+                w["rounds"] * (w.get("restarts") or 1),
+            ]
+        ],
+    )
+    return section(title, tp, workload, table(header, rows))

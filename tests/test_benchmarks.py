@@ -46,6 +46,7 @@ def _load(name: str):
         sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -90,71 +91,6 @@ def test_diversity_methods_with_an_esamp_variant():
     }
     spec = json.loads(ms["esamp_lr3e-3_b0.25"]["consumers"][0].split(":", 1)[1])
     assert spec == {"lr": 0.003, "beta": 0.25} and ms["esamp_lr3e-3_b0.25"]["kind"] == "esamp"
-
-
-def _passk_run(path: Path, methods: dict[str, list[int]], n: int = 16, **config) -> Path:
-    """A passk.py --json run with these per-problem correct counts."""
-    cfg = {"num_problems": 3, "n": n, "max_tokens": 8, "seed": 0, "betas": [0.25], **config}
-    run = {
-        "config": cfg,
-        "methods": {k: {"per_problem": {"correct": v}} for k, v in methods.items()},
-    }
-    path.write_text(json.dumps(run))
-    return path
-
-
-def _diversity_run(path: Path, methods: dict[str, tuple[list[float], list[float]]]) -> Path:
-    cfg = {"num_prompts": 3, "n": 4, "max_tokens": 8, "seed": 0, "betas": [0.25]}
-    run = {
-        "config": cfg,
-        "methods": {k: {"per_prompt": {"vendi": v, "ppl": p}} for k, (v, p) in methods.items()},
-    }
-    path.write_text(json.dumps(run))
-    return path
-
-
-def test_variants_pairs_runs_and_decides_the_goals(tmp_path):
-    va = _load("variants")
-    vanilla = [1, 0, 2]
-    a = _passk_run(tmp_path / "a.json", {"vanilla": vanilla, "esamp_zw_b0.25": [2, 1, 3]})
-    b = _passk_run(tmp_path / "b.json", {"vanilla": vanilla, "frozen_zw_b0.25": [0, 0, 1]})
-    van_div = ([5.0, 5.5, 6.0], [3.0, 3.0, 3.0])
-    d = _diversity_run(
-        tmp_path / "d.json",
-        {
-            "vanilla": van_div,
-            "esamp_zw_b0.25": ([6.0, 6.4, 7.1], [3.1, 3.0, 3.1]),
-            "frozen_zw_b0.25": ([5.0, 5.6, 5.9], [3.0, 3.0, 3.0]),
-        },
-    )
-    res = va.load([a, b], [d])
-    zw = res["variants"]["esamp_zw_b0.25"]
-    # the frozen ablation comes from the other run, paired problem by problem
-    fz = zw["passk"]["vs"]["frozen"]["pass@1"]
-    assert (fz["improved"], fz["worse"]) == (3, 0)
-    assert fz["mean_delta"] == pytest.approx((2 / 16 + 1 / 16 + 2 / 16) / 3)
-    g = zw["goals"]
-    assert g["a"] is True and g["c_diversity"] is True
-    assert g["b"] is True  # Vendi +1.0 at PPL +2%
-    # PPL more than 5% above vanilla's: no longer goal (b)
-    d2 = _diversity_run(
-        tmp_path / "d2.json",
-        {"vanilla": van_div, "esamp_zw_b0.25": ([6.0, 6.4, 7.1], [3.3, 3.2, 3.2])},
-    )
-    assert va.load([a], [d2])["variants"]["esamp_zw_b0.25"]["goals"]["b"] is False
-
-
-def test_variants_refuses_runs_that_do_not_pair(tmp_path):
-    va = _load("variants")
-    a = _passk_run(tmp_path / "a.json", {"vanilla": [1, 0, 2], "esamp_b0.25": [1, 1, 1]})
-    other_vanilla = _passk_run(tmp_path / "b.json", {"vanilla": [1, 1, 2]})
-    with pytest.raises(va.RunsDoNotPair, match="vanilla differs"):
-        va.load([a, other_vanilla], [])
-    other_workload = _passk_run(tmp_path / "c.json", {"vanilla": [1, 0, 2]}, max_tokens=16)
-    with pytest.raises(va.RunsDoNotPair, match="max_tokens"):
-        va.load([a, other_workload], [])
-    # the command line says so and exits 2
-    assert va.main(["--passk", str(a), "--passk", str(other_vanilla)]) == 2
 
 
 @pytest.mark.vllm
@@ -355,14 +291,36 @@ def test_load_script_small_run(tiny_model):
     assert all(0 < rss[k]["front_end"] < rss[k]["total"] for k in ("start", "after_warmup", "end"))
     assert len(a["rss_mib_after_rounds"]) == 1
     assert out["workload"]["concurrency"] == 4 and out["machine"]["loadavg_1m_end"] >= 0
-    assert "| A |" in "\n".join(_load("report").load_section(out))  # docs/results.md renders it
+    assert "| A |" in _load("load").render(out)  # docs/results.md renders it
 
 
 @pytest.mark.slow  # torch.compile of the toy decoder takes 20-30 s on CPU
 def test_compiled_taps_follow_edit_buffers_like_eager():
     """The toy decoder's taps, compiled, give eager's outputs, captures, stamps and edit
     counts at each step, as the edit buffers change in place between steps."""
-    out = _load("compiled_taps").run(torch.device("cpu"))
+    from compiled_taps import run
+
+    out = run(torch.device("cpu"))
     assert max(out["compiled_max_abs_diff"]) < 1e-5, out
     assert len(set(out["rows_edited_eager"])) > 1  # the edits differ between steps
     assert out["cuda_graph"] == {"skipped": "no CUDA"}
+
+
+def test_results_page_is_rendered_from_the_saved_results():
+    """docs/results.md is what the tools' ``render`` make of benchmarks/results/ (rerun
+    ``python benchmarks/report.py`` after saving a result), and every saved result is on it."""
+    report = _load("report")
+    text = report.page()
+    assert (ROOT / "docs" / "results.md").read_text() == text
+    used = {name for _, name, _ in report.SECTIONS}
+    saved = {p.name for p in (BENCH / "results").glob("*.json")}
+    assert saved <= used, f"results no section renders: {sorted(saved - used)}"
+
+
+def test_kernel_benchmark_quick_mode_runs_on_cpu():
+    """``gpu_distiller.py --kernels``: the fused kernels timed at tiny shapes on CPU, the
+    live-slot products equal to ``torch.bmm`` over every slot."""
+    res = _load("gpu_distiller").bench_kernels("cpu", _load("gpu_distiller").QUICK_SHAPES)
+    case = res["cases"][0]
+    assert {"grad_adam", "grad_adam_bf16", "slot_matmul", "dense_matmul"} <= set(case)
+    assert case["slot_matmul"]["max_abs_diff_vs_dense"] < 1e-4

@@ -3,12 +3,11 @@
 Each case runs the ``tllm`` command (its console script's ``main``) or ``TllmLLM`` in a fresh
 Python process that notes where vLLM (or torch) is first imported, without blocking it: a
 check moved back behind the import fails here with the line that imported it. No times are
-asserted (benchmarks measure them; docs/results.md).
+asserted.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -160,39 +159,6 @@ def test_a_bad_sampling_option_is_vllms_message_with_exit_2(tiny_model):
     assert seen["status"] == 2, (seen, err[-2000:])
     assert "tllm: bad sampling option: top_p must be in (0, 1], got 2.0" in err, err
     assert "Traceback" not in err and "starting vLLM" not in err, err
-
-
-def test_the_timing_benchmark_runs_and_its_section_renders():
-    """``benchmarks/cli_errors.py`` (the figures in docs/results.md): a small run has the
-    fields its report section reads."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/cli_errors.py",
-            "--repeat",
-            "1",
-            "--only",
-            "help,run_unknown_consumer",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["after"]["help"]["exit"] == 0 and out["after"]["run_unknown_consumer"]["exit"] == 2
-    assert out["after"]["run_unknown_consumer"]["message"], out
-    bench = str(ROOT / "benchmarks")
-    sys.path.insert(0, bench)  # report.py imports its sibling throughput.py
-    try:
-        spec = importlib.util.spec_from_file_location("bench_report", f"{bench}/report.py")
-        report = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(report)
-    finally:
-        sys.path.remove(bench)
-    text = "\n".join(report.cli_errors_section(out))
-    assert "| `tllm --help` | - |" in text and "| `tllm run --consumer nope` | - |" in text, text
 
 
 def test_the_first_run_converts_only_after_the_config_check(tiny_model, monkeypatch):

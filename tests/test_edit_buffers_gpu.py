@@ -1,5 +1,5 @@
 """Hidden-state edits on CUDA, checked without a GPU (``tllm_core.testing.fake_cuda``, the
-runtime's step driven by ``benchmarks/edit_fake_step.py``): a steady step of ``steer`` (on
+runtime's step driven by ``tests/edit_steps.py``): a steady step of ``steer`` (on
 every request and per request) and of each edit kind (add, replace, ablate, transform, an
 add of a CPU vector) makes the host wait for nothing, copies nothing from pageable memory,
 allocates nothing on the device and races nothing. On CPU the buffers hold what a plain
@@ -8,20 +8,16 @@ normalised anew), bit for bit, in float32 and bfloat16."""
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from edit_steps import KINDS, run
 
 from tllm_core.api.edits import EditBuffers
 from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from edit_fake_step import KINDS, run  # noqa: E402
 
 H, ROWS = 16, 8
 CPU = torch.device("cpu")

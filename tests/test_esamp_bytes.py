@@ -5,16 +5,12 @@ were reached: docs/consumers/esamp.md, "On a GPU"."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from update_bytes import update_bytes_per_param, update_graphs
 
 from tllm_core.testing.counters import BytesCounter
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from gpu_distiller import update_bytes_per_param, update_graphs  # noqa: E402
 
 # PyTorch's fused Adam reads parameter, gradient and both moments and writes all four (the
 # gradient is a mutable argument of its schema): 32 bytes per fp32 parameter. The CUDA

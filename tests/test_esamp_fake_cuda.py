@@ -1,5 +1,5 @@
 """ESamp's whole decode step on CUDA, checked without a GPU (``tllm_core.testing.fake_cuda``,
-driven by ``benchmarks/esamp_fake_step.py``): the consumer's guidance (prediction, candidate
+driven by ``tests/esamp_steps.py``): the consumer's guidance (prediction, candidate
 mix) and its training submission at Qwen2.5-7B's shapes, 8 prompts x 16 samples, in both
 mixing modes, with ``beta_schedule`` constant and 'fit'. The step must not make the host
 wait for the device, copy from pageable memory, use a stream's cuBLAS for the first time or
@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from esamp_fake_step import run  # noqa: E402
+from esamp_steps import run
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
@@ -61,7 +57,7 @@ def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
     """The consumer runs the candidate gather-dot once, on every pair its workspace holds, when
     it is built (post-filter only: full vocabulary has none), so its Triton compile (about a
     second of host time) is not in the first guided step."""
-    import esamp_fake_step
+    import esamp_steps
 
     from algorithms.esamp import factory, guide_cuda
     from tllm_core.testing.fake_cuda import FakeCuda
@@ -70,7 +66,7 @@ def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
     monkeypatch.setattr(guide_cuda, "candidate_dot", lambda *a: calls.append(a[2].numel()))
     monkeypatch.setattr(factory, "uses_gpu_path", lambda device: True)
     with FakeCuda() as fc:
-        c = esamp_fake_step.consumer(fc.device, 8, 16, True, mode=mode)
+        c = esamp_steps.consumer(fc.device, 8, 16, True, mode=mode)
     k = c.shared.cfg.cuda_max_candidates
     assert calls == ([c.shared.cfg.cuda_rows_per_step * k] if mode == "post_filter" else [])
 
@@ -79,11 +75,11 @@ def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
 @pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
 def test_the_whole_runtime_step_with_esamp_waits_for_nothing_and_allocates_nothing(mode, fit):
     """ESamp driven through tllm's runtime as the vLLM bridge drives it (begin_step, guide,
-    end_step with the step's stamps; ``benchmarks/esamp_runtime_step.py``), 8 x 16 at 7B
+    end_step with the step's stamps; ``tests/esamp_steps.py``), 8 x 16 at 7B
     shapes: no host wait, no pageable copy, no race and no device allocation anywhere in the
     counted steps (the runtime's gathers, index copies and the guide's view reuse their
     buffers); the step's row indices go to the device in one copy."""
-    from esamp_fake_step import run_runtime
+    from esamp_steps import run_runtime
 
     res = run_runtime(8, 16, mode, fit=fit, steps=2, order=True)
     assert res["host_waits"] == res["pageable_copies"] == res["races"] == [], res
@@ -103,7 +99,7 @@ def test_a_per_request_esamp_runtime_step_waits_for_nothing_and_allocates_nothin
     could allocate: the guide's index, its rows' token ids, the copies of the logits,
     temperatures and states, the view's change counts), one index copy per step; ESamp
     guided its rows only."""
-    from esamp_fake_step import run_runtime
+    from esamp_steps import run_runtime
 
     res = run_runtime(8, 16, mode, fit=False, steps=2, order=True, per_request=per_request)
     assert res["host_waits"] == res["pageable_copies"] == res["races"] == [], res

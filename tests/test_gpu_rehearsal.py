@@ -101,9 +101,7 @@ def test_the_fake_device_sees_no_sync_in_the_gpu_runs_sync_checks(rehearsal_run)
     fake device, no graph capture has one, and the Triton launches were built."""
     rec = rehearsal_run["rehearsal_record"]
     windows = rec["sync_debug_windows_seen_by_fake_device"]
-    assert [w["set_at"].split(":")[0] for w in windows] == ["esamp_gpu_step.py"] * 3 + [
-        "gpu_smoke.py"
-    ]
+    assert [w["set_at"].split(":")[0] for w in windows] == ["esamp_step.py"] * 3 + ["gpu_smoke.py"]
     assert [w["host_waits_and_pageable_copies"] for w in windows] == [0, 0, 0, 0], windows
     assert rec["capture_failures_seen_by_fake_device"] == []
     assert rec["triton_launches_built_not_run"]["grad_adam"] > 0
@@ -241,11 +239,11 @@ def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
 
 
 def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatch):
-    """``esamp_gpu_step.bench_step`` runs one ESamp step under ``set_sync_debug_mode("error")``:
+    """``esamp_step.bench_step`` runs one ESamp step under ``set_sync_debug_mode("error")``:
     a host read slipped into the consumer's ``guide`` is reported there (``sync_debug``: the
     consumer's error, as the runtime that drives it caught it), the rest of the step's record
     still comes back."""
-    import esamp_gpu_step
+    import esamp_step
 
     from algorithms.esamp.consumer import ESampConsumer
 
@@ -257,7 +255,7 @@ def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatc
 
     monkeypatch.setattr(ESampConsumer, "guide", reads_back)
     with gpu_smoke.rehearsal() as r:
-        res = esamp_gpu_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
+        res = esamp_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
     # Raised inside the consumer's guide, caught by the runtime's isolation as its error.
     assert res["sync_debug"].startswith("synced: consumer 'esamp' raised in guide"), res
     assert "FakeCuda: host_wait" in res["sync_debug"], res["sync_debug"]

@@ -160,21 +160,16 @@ def test_fnoise_methods_of_the_recipe_and_each_variant():
     )
 
 
-def test_fit_in_window_is_the_row_weighted_mean_over_steps_5_to_60():
-    et = _load("esamp_tokens")
-    curve = [[0, 9.0, 16], [5, 1.0, 16], [6, 0.5, 16], [60, 0.25, 32], [61, 9.0, 16], [7, 7.0, 0]]
-    assert et.fit_in_window(curve) == (16 * 1.0 + 16 * 0.5 + 32 * 0.25) / 64
-    assert et.fit_in_window([[0, 1.0, 4]]) is None
+def test_vanilla_temperatures_option():
+    import argparse
 
-
-def test_esamp_tokens_resumes_only_finished_configs_of_the_same_run(tmp_path):
-    et = _load("esamp_tokens")
-    settings = {"problems": 24, "task_seed": 1029, "n": 16}
-    done = {"a": {"config": {"beta": 0.25}}, "b": {"config": {"beta": 0.5}}}
-    path = tmp_path / "stage0.json"
-    path.write_text(json.dumps({**settings, "configs": done}))
-    wanted = {"a": {"beta": 0.25}, "b": {"beta": 0.75}, "c": {"beta": 1.0}}
-    assert dict(et._resumed(path, settings, wanted)) == {"a": done["a"]}
-    with pytest.raises(SystemExit, match="other settings"):
-        dict(et._resumed(path, {**settings, "task_seed": 2029}, wanted))
-    assert dict(et._resumed(tmp_path / "none.json", settings, wanted)) == {}
+    dv = _load("diversity")
+    p = argparse.ArgumentParser()
+    ms = dv.vanilla_temperatures(p, "0.7, 1.2")
+    assert [(m["name"], m["kind"], m["temperature"]) for m in ms] == [
+        ("vanilla_t0.7", "vanilla_t", 0.7),
+        ("vanilla_t1.2", "vanilla_t", 1.2),
+    ]
+    assert dv.vanilla_temperatures(p, None) == []
+    with pytest.raises(SystemExit):
+        dv.vanilla_temperatures(p, "0.7,-1")

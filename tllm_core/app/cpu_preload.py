@@ -3,7 +3,7 @@
 vLLM's CPU worker warns when ``LD_PRELOAD`` names no ``libtcmalloc`` or ``libiomp``. The
 ``tllm`` command puts the ones it finds into ``LD_PRELOAD`` before vLLM starts its engine
 processes (they are new processes, so the variable takes effect there; the front end itself
-does no model work). ``TLLM_NO_PRELOAD=1`` turns this off. Measured gain: docs/results.md.
+does no model work). ``TLLM_NO_PRELOAD=1`` turns this off. Measured gain: docs/history.md.
 
 Where they come from: tcmalloc from the Debian package ``libtcmalloc-minimal4`` (install.sh
 installs it when ``apt-get`` is available), Intel OpenMP from the PyPI package

@@ -43,7 +43,7 @@ HARMLESS: tuple[str, ...] = (
     r"Inductor compilation was disabled by user settings",
     # Mamba-only setting, reset for every model on CPU.
     r"Reset SSM cache type to float32",
-    # Allocator/OpenMP advice: tllm preloads these itself (docs/results.md), or the user
+    # Allocator/OpenMP advice: tllm preloads these itself (docs/history.md), or the user
     # turned that off with TLLM_NO_PRELOAD=1.
     r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
     # The default 2 GiB KV cache is tllm's choice (--kv-cache-gib).

@@ -7,7 +7,8 @@ every layer, as vLLM's compiler would trace them.
 ``run(device)`` compares, for three steps whose edit buffers and step clock the host
 rewrites in place between calls (as the runtime does), the eager forward with the
 ``torch.compile``'d one and, on CUDA, with a CUDA graph of the compiled forward captured once
-and replayed: outputs, captured rows, stamps and edit counts. Used by ``gpu_smoke.py``.
+and replayed: outputs, captured rows, stamps and edit counts. Used by
+``benchmarks/gpu_smoke.py`` and ``tests/test_benchmarks.py``.
 """
 
 from __future__ import annotations

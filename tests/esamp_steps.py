@@ -1,53 +1,185 @@
-"""ESamp's decode step on CUDA, counted without a GPU: the consumer's guidance and training
-submission (and the distiller alone) on the fake CUDA device of ``tllm_core.testing.fake_cuda``
-at Qwen2.5-7B's shapes (hidden 3584, vocabulary 152064, bf16 states):
+"""ESamp's decode step driven without vLLM, for the tests and ``benchmarks/esamp_step.py``.
 
-    python benchmarks/esamp_fake_step.py [--json] [--steps 3] [--configs]
+:class:`RuntimeStep` drives ESamp through tllm's runtime as the vLLM bridge does: the runtime
+is built with the built-in producers, the bridge's architectures and ESamp registered
+directly (no entry points: the GPU image runs a checkout, not an install). One decode step is
+``begin_step``; the forward's writes (the tapped hidden states and their stamps, made by the
+caller); ``guide`` on the filtered logits; the sampler (the caller's); ``end_step`` (bundles,
+ESamp's training submission, the stamps' read). ``per_request`` makes ESamp a per-request
+consumer switched on by some requests' ``tllm_consumers`` extra arg: ``"interleaved"``, every
+other prompt's requests; ``"block"``, the first half of the prompts (one contiguous run of
+rows); ``"all"``, every request.
 
-Per step and layout (prompts x samples: 8 x 16, 1 x 128, 64 x 16), mode (post_filter,
-full_vocab) and beta schedule (constant, fit): launches (aten operations on the device, a
-graph replay counting the operations it captured), bytes they read and write, device
-allocations, host waits and pageable copies (must be 0). The whole step through tllm's
-runtime too, with ESamp on every request and as a per-request consumer switched on by half
-the prompts' requests (``PER_REQUEST``). ``--configs``: the same at 8 x 16
-for each setting of ``CONFIGS`` (ablations, diagnostics, a head without its weight...: which
-of them allocate or wait is in docs/consumers/esamp.md). Host time is not measured here:
-the checker's dispatch mode costs more than the step (``benchmarks/gpu_smoke.py`` times it).
-
-Nothing here runs on a GPU; the GPU figures come from ``benchmarks/gpu_smoke.py``.
+:func:`run` (the consumer alone) and :func:`run_runtime` (the whole step) count a step on the
+fake CUDA device of ``tllm_core.testing.fake_cuda`` at Qwen2.5-7B's shapes (hidden 3584,
+vocabulary 152064, bf16 states): launches, bytes moved, allocations, host waits, pageable
+copies.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
-
 import algorithms.esamp.factory as factory  # noqa: E402
+import producers.plugin as producers_plugin
+import tllm_core.vllm_bridge.plugin as bridge_plugin
 from algorithms.esamp.config import ESampConfig  # noqa: E402
-from algorithms.esamp.consumer import ESampConsumer  # noqa: E402
+from algorithms.esamp.consumer import ESampConsumer
 from tllm_core.api.bundles import Bundle, GuideView  # noqa: E402
-from tllm_core.api.consumer import ConsumerContext, ModelInfo  # noqa: E402
+from tllm_core.api.consumer import (
+    ConsumerContext,  # noqa: E402
+    ModelInfo,
+)
 from tllm_core.api.ports import resolve_layer  # noqa: E402
-from tllm_core.api.rows import RequestInfo, RowInfo  # noqa: E402
+from tllm_core.api.request_settings import CONSUMERS_KEY
+from tllm_core.api.rows import (
+    RequestInfo,
+    RowInfo,  # noqa: E402
+    StepLayout,
+    layout_rows,
+)
+from tllm_core.api.step import StepCapture
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.runtime.stamp_copies import StampRead
 from tllm_core.testing.fake_cuda import FakeCuda  # noqa: E402
+
+PER_REQUEST = ("interleaved", "block", "all")
+
+
+def switched_on(prompts: int, per_request: str) -> list[bool]:
+    """Which prompts' requests switch ESamp on (see the module docstring)."""
+    if per_request not in PER_REQUEST:
+        raise ValueError(f"per_request must be one of {PER_REQUEST} or None, got {per_request!r}")
+    if per_request == "interleaved":
+        return [p % 2 == 0 for p in range(prompts)]
+    if per_request == "block":
+        return [p < max(1, prompts // 2) for p in range(prompts)]
+    return [True] * prompts
+
+
+class RuntimeStep:
+    """A runtime with ESamp (config ``cfg``) over ``prompts`` x ``n`` decode rows; with
+    ``per_request``, a per-request ESamp switched on by some of the requests."""
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        prompts: int,
+        n: int,
+        cfg: dict[str, Any],
+        per_request: str | None = None,
+    ) -> None:
+        reg = Registry(load_entry_points=False)
+        reg.register(producers_plugin, name="producers")
+        reg.register(bridge_plugin, name="vllm-bridge")
+        reg.use(ESampConsumer)
+        spec = {"name": "esamp", "config": cfg, "per_request": per_request is not None}
+        settings = RuntimeSettings.model_validate({"consumers": [spec]})
+        with torch.inference_mode(False):  # as the engine builds consumers (trainable state)
+            self.runtime = Runtime(settings, model, reg)
+        self.device = model.device
+        on = switched_on(prompts, per_request) if per_request else [False] * prompts
+        self.requests = [
+            RequestInfo(
+                f"{p}-{s}", f"r{p}", p, s, 3, extra_args={CONSUMERS_KEY: "esamp"} if on[p] else {}
+            )
+            for p in range(prompts)
+            for s in range(n)
+        ]
+        # The rows ESamp acts on.
+        self.acted_on = sum(on) * n if per_request else prompts * n
+        self.rows = len(self.requests)
+        self.token_ids = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        # The taps the forward writes (and stamps) vs those filled after it ("final").
+        self.tap_keys = sorted(t.key for t in self.runtime.taps)
+        self.stamps = {
+            t.key: torch.zeros(1, dtype=torch.long, device=self.device)
+            for t in self.runtime.taps
+            if t.layer is not None
+        }
+        self._position = 5
+
+    @property
+    def consumer(self) -> ESampConsumer:
+        return self.runtime.slots[0].consumer
+
+    @torch.inference_mode()  # as vLLM runs a step (close and collect run outside it)
+    def step(
+        self,
+        hidden: Callable[[str], torch.Tensor],
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+    ) -> float:
+        """One decode step (every row a sampled decode row); ``hidden(tap_key)``: that tap's
+        ``[rows, H]`` states, ``logits``: already filtered (min-p). Returns the host seconds
+        of the runtime's calls (``begin_step``, ``guide``, ``end_step``; not the sampler)."""
+        r = self.rows
+        layout = StepLayout(
+            engine_ids=[q.engine_id for q in self.requests],
+            num_scheduled=np.ones(r, np.int64),
+            num_computed=np.full(r, self._position, np.int64),
+            num_tokens=np.full(r, self._position + 1, np.int64),
+            token_ids=self.token_ids,
+        )
+        self._position += 1
+        rows, sample_row, kept = layout_rows(layout, self.requests)
+        number = self.runtime.step_index + 1
+        for stamp in self.stamps.values():
+            stamp.fill_(number)  # the forward's stamp writes (on the device)
+        step = StepCapture(
+            number, rows, sample_row, kept, {k: hidden(k) for k in self.tap_keys}, dict(self.stamps)
+        )
+        t0 = perf_counter()
+        self.runtime.begin_step(rows, {})
+        self.runtime.guide(step, logits, temperature, np.ones(r, bool), True)
+        t1 = perf_counter()
+        step.tensors["sampled"] = sample(logits)
+        t2 = perf_counter()
+        with self._stamps_as_written(number):
+            self.runtime.end_step(step)
+        return (t1 - t0) + (perf_counter() - t2)
+
+    @contextmanager
+    def _stamps_as_written(self, number: int) -> Iterator[None]:
+        """On the meta device (the test kit's fake CUDA) a read-back has no values (it reads
+        ones): the step's stamps are answered as its forward wrote them, after their copy and
+        event were made as on a GPU. Elsewhere nothing changes."""
+        if self.device.type != "meta":
+            yield
+            return
+        real = StampRead.values
+
+        def values(read: StampRead) -> list[int]:
+            real(read)
+            return [number] * read.n_stamps + [0] * (len(read.keys) - read.n_stamps)
+
+        StampRead.values = values  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            StampRead.values = real  # type: ignore[method-assign]
+
+    def close(self) -> dict[str, Any]:
+        """The runtime's final report (ESamp's result under ``results``)."""
+        return self.runtime.close()
+
 
 H, V, LAYERS = 3584, 152064, 28
 LAYOUTS = ((8, 16), (1, 128), (64, 16))
 MODES = ("post_filter", "full_vocab")
-# ESamp per request (esamp_runtime_step): every other prompt's requests switch it on, or the
+# ESamp per request (RuntimeStep): every other prompt's requests switch it on, or the
 # first half of the prompts (one prompt: that prompt, all the rows).
-PER_REQUEST = ("interleaved", "block")
+COUNTED_PER_REQUEST = ("interleaved", "block")
 # Settings that change what a step runs, each counted at 8 x 16 in both modes (constant beta;
 # the noise ablations with 'fit' too). plain_head=False: a head given without its weight.
 CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -270,15 +402,13 @@ def run_runtime(
     per_request: str | None = None,
 ) -> dict[str, Any]:
     """ESamp driven through tllm's runtime as the vLLM bridge drives it
-    (:mod:`esamp_runtime_step`: ``begin_step``, ``guide``, ``end_step`` with the step's
+    (:class:`RuntimeStep`: ``begin_step``, ``guide``, ``end_step`` with the step's
     stamps), on the fake device: the last step's counts of the whole runtime step, the
     places that allocated in any counted step (none: the runtime's gathers and the guide's
     view reuse its buffers, see ``tllm_core/runtime/buffer_pool.py``) and the copies of the
     step's row indices to the device (one per step). ``order``: also check stream ordering
     (the result's ``races``). ``per_request``: ESamp as a per-request consumer switched on by
-    some requests (``"interleaved"``, ``"block"``, ``"all"``: see :mod:`esamp_runtime_step`)."""
-    from esamp_runtime_step import RuntimeStep
-
+    some requests (``"interleaved"``, ``"block"``, ``"all"``: see :class:`RuntimeStep`)."""
     cfg = {"mode": mode, "cuda_rows_per_step": prompts * n}
     if fit:
         cfg["beta_schedule"] = "fit"
@@ -334,94 +464,3 @@ def run_runtime(
         "rows_guide_visited": counters.get("rows_guide_visited", 0),
         "esamp_decode_steps": esamp.get("decode_steps", 0),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", action="store_true", help="one JSON object")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
-    args = p.parse_args(argv)
-    out = [
-        run(pr, n, mode, fit, args.steps)
-        for pr, n in LAYOUTS
-        for mode in ("post_filter", "full_vocab")
-        for fit in (False, True)
-    ]
-    # The whole step through tllm's runtime (esamp_runtime_step), with stream-order checks.
-    runtime = [
-        run_runtime(pr, n, mode, fit, args.steps, order=True)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for fit in (False, True)
-    ]
-    per_request = [
-        run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for pq in PER_REQUEST
-        if pr > 1 or pq == "block"
-    ]
-    configs = []
-    if args.configs:
-        for name, opts in CONFIGS:
-            fit = opts.get("beta_schedule") == "fit"
-            rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
-            for mode in ("post_filter", "full_vocab"):
-                configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "torch": torch.__version__,
-                    "results": out,
-                    "runtime": runtime,
-                    "runtime_per_request": per_request,
-                    "configurations": configs,
-                }
-            )
-        )
-        return 0
-    print(
-        "| prompts x n | mode | beta | launches | GB moved | allocations (MB) | host waits "
-        "| pageable copies |"
-    )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for r in out:
-        print(
-            f"| {r['prompts']} x {r['n']} | {r['mode']} | {'fit' if r['fit'] else 'constant'} | "
-            f"{r['launches']} | {r['bytes'] / 1e9:.2f} | {r['allocations']} "
-            f"({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} | {r['pageable_copies']} |"
-        )
-    for r in runtime:
-        beta = "fit" if r["fit"] else "constant"
-        print(
-            f"\nthrough the runtime, {r['prompts']} x {r['n']} {r['mode']} {beta}: "
-            f"{r['launches']} launches, "
-            f"{r['bytes'] / 1e9:.2f} GB, host waits {len(r['host_waits'])}, pageable copies "
-            f"{len(r['pageable_copies'])}, races {len(r['races'])}, allocations "
-            f"{r['allocations']} (in any step: {len(r['allocation_sites'])} places), "
-            f"{r['index_copies_per_step']:g} index copy per step"
-        )
-    for r in per_request:
-        print(
-            f"\nper request ({r['per_request']}, {r['acted_on']} rows), {r['prompts']} x "
-            f"{r['n']} {r['mode']}: {r['launches']} launches, {r['bytes'] / 1e9:.2f} GB, host "
-            f"waits {len(r['host_waits'])}, pageable copies {len(r['pageable_copies'])}, races "
-            f"{len(r['races'])}, allocations {r['allocations']} (in any step: "
-            f"{len(r['allocation_sites'])} places), {r['index_copies_per_step']:g} index copy "
-            "per step"
-        )
-    if configs:
-        print("\n| 8 x 16, setting | mode | launches | GB moved | allocations (MB) | host waits |")
-        print("|---|---|---:|---:|---:|---:|")
-        for r in configs:
-            print(
-                f"| {r['config']} | {r['mode']} | {r['launches']} | {r['bytes'] / 1e9:.2f} | "
-                f"{r['allocations']} ({r['allocated_bytes'] / 1e6:.0f}) | {r['host_waits']} |"
-            )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,32 +1,44 @@
-"""ESamp's whole decode step on a GPU at 7B shapes, beside a synthetic decode step (torch +
-pydantic; no vLLM):
+"""ESamp's decode step at Qwen2.5-7B shapes (hidden 3584, vocabulary 152064, bf16 states):
 
-    from esamp_gpu_step import bench_step; bench_step(torch.device("cuda"), prompts=8, n=16)
+    python benchmarks/esamp_step.py [--json] [--steps 3] [--configs]       # counted, no GPU
+    from esamp_step import bench_step; bench_step(torch.device("cuda"), prompts=8, n=16)
 
-The synthetic step (``gpu_distiller.SyntheticDecode``: the linear layers of a Qwen2-7B-shaped
-decoder in bf16 at the step's rows, one CUDA graph, attention left out: a lower bound of a
-real step) is followed by a sampler stand-in (softmax, min-p 0.1 filter, exponential-race
-sampling; no host sync). With ESamp, tllm's runtime drives it as the vLLM bridge does
-(``esamp_runtime_step``: ``begin_step``, ``guide`` on the filtered logits before sampling,
-``end_step`` after, the step's stamps and bundles included).
-Reported per step: device time of plain and of ESamp steps (CUDA events over ``iters``
-pipelined steps, no sync between them), the time ESamp adds and the ratio, the host time of
-the runtime's calls (``time.perf_counter``, no sync), ESamp's floor (bytes it must move at the
-GPU's measured copy bandwidth), whether one step runs under
-``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
+Counted (the default, any machine): on the fake CUDA device, per layout (prompts x samples:
+8 x 16, 1 x 128, 64 x 16), mode (post_filter, full_vocab) and beta schedule (constant, fit):
+launches (aten operations; a graph replay counts the operations it captured), bytes they read
+and write, device allocations, host waits and pageable copies (must be 0); the consumer alone
+and the whole step through tllm's runtime (``tests/esamp_steps.py``), with ESamp on every
+request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
 
-**Never run on a GPU** (written where none was available): ``benchmarks/gpu_smoke.py`` runs it.
+Timed (:func:`bench_step`, a CUDA device; ``benchmarks/gpu_smoke.py`` runs it): the step
+beside a synthetic decode step (``gpu_distiller.SyntheticDecode``: the linear layers of a
+Qwen2-7B-shaped decoder in bf16, one CUDA graph, attention left out: a lower bound of a real
+step) and a sampler stand-in (softmax, min-p 0.1, exponential-race sampling; no host sync).
+Per step: device time of plain and ESamp steps (CUDA events over pipelined steps), the time
+ESamp adds, the host time of the runtime's calls, ESamp's floor (the bytes it must move at the
+measured copy bandwidth), one step under ``torch.cuda.set_sync_debug_mode("error")``, and the
+memory plan against what was allocated.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_distiller import QWEN2_7B, SyntheticDecode
 
-from algorithms.esamp.kernels import grad_adam_bytes, slot_matmul_bytes
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+from bench_setup import code_version, section, table  # noqa: E402
+from esamp_steps import CONFIGS, COUNTED_PER_REQUEST, LAYOUTS, MODES, run, run_runtime  # noqa: E402
+from gpu_distiller import QWEN2_7B, SyntheticDecode  # noqa: E402
+
+from algorithms.esamp.kernels import grad_adam_bytes, slot_matmul_bytes  # noqa: E402
 
 H, V, I_DIST, BLOCKS = QWEN2_7B["hidden"], QWEN2_7B["vocab"], 384, 2
 
@@ -71,7 +83,7 @@ def _sampler(logits: torch.Tensor) -> torch.Tensor:
 def bench_step(
     device: torch.device, prompts: int, n: int, iters: int = 30, warmup: int = 5, **cfg: Any
 ) -> dict[str, Any]:
-    from esamp_runtime_step import RuntimeStep
+    from esamp_steps import RuntimeStep
 
     from tllm_core.api.consumer import ModelInfo
 
@@ -169,3 +181,96 @@ def bench_step(
             for k in ("optimizer_steps", "rows_guided", "graph_failures", "eager_updates")
         },
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
+    args = p.parse_args(argv)
+    out = [
+        run(pr, n, mode, fit, args.steps)
+        for pr, n in LAYOUTS
+        for mode in ("post_filter", "full_vocab")
+        for fit in (False, True)
+    ]
+    # The whole step through tllm's runtime, with stream-order checks.
+    runtime = [
+        run_runtime(pr, n, mode, fit, args.steps, order=True)
+        for pr, n in LAYOUTS
+        for mode in MODES
+        for fit in (False, True)
+    ]
+    per_request = [
+        run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
+        for pr, n in LAYOUTS
+        for mode in MODES
+        for pq in COUNTED_PER_REQUEST
+        if pr > 1 or pq == "block"
+    ]
+    configs = []
+    if args.configs:
+        for name, opts in CONFIGS:
+            fit = opts.get("beta_schedule") == "fit"
+            rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
+            for mode in ("post_filter", "full_vocab"):
+                configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
+    result = {
+        "torch": torch.__version__,
+        "code": code_version(),
+        "results": out,
+        "runtime": runtime,
+        "runtime_per_request": per_request,
+        "configurations": configs,
+    }
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+def render(fs: dict[str, Any]) -> str:
+    """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
+    runtime, per request and per setting, each row a count on the fake device."""
+
+    def beta(r: dict[str, Any]) -> str:
+        return "fit" if r.get("fit") else "constant"
+
+    def n(v: Any) -> int:
+        return len(v) if isinstance(v, list) else v
+
+    rows = []
+    for where, key in (
+        ("consumer", "results"),
+        ("runtime", "runtime"),
+        ("runtime", "runtime_per_request"),
+        ("consumer", "configurations"),
+    ):
+        for r in fs.get(key, []):
+            what = r.get("config") or (
+                f"per request ({r['per_request']})" if "per_request" in r else where
+            )
+            rows.append(
+                [
+                    f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
+                    what,
+                    r["mode"],
+                    beta(r),
+                    r["launches"],
+                    f"{r['bytes'] / 1e9:.2f}",
+                    r["allocations"],
+                    n(r["host_waits"]),
+                    n(r.get("pageable_copies", 0)),
+                ]
+            )
+    head = ["prompts x n", "driven by", "mode", "beta", "launches", "GB moved", "allocations"]
+    command = "python benchmarks/esamp_step.py --configs --json"
+    return section(
+        "ESamp decode step on the fake CUDA device",
+        fs,
+        table([*head, "host waits", "pageable copies"], rows),
+        command=command,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
