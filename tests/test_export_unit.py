@@ -93,6 +93,7 @@ class FakeEngine:
                 prompt_index=i,
                 sample_index=0,
                 num_prompt_tokens=n,
+                prompt_token_ids=tuple(token_at(i, p) for p in range(n)),  # as the runners
             )
             self.state.append(
                 {
@@ -299,11 +300,12 @@ def test_phase_selects_rows_but_tokens_stay_complete(tmp_path, phase):
     check_records(read_export(out), engine, ["final"], phase=phase)
 
 
-def test_decode_phase_captures_prompt_rows_for_token_ids(tmp_path):
+def test_a_decode_export_captures_no_prompt_rows(tmp_path):
     c = make_export(tmp_path / "d", layers=[0], phase="decode")
     hs = [p for p in c.reads() if hasattr(p, "layer")]
-    # RequestInfo carries no prompt ids yet: prompt rows are read (for their ids) and dropped.
-    assert all(p.phase in (Phase.ALL, Phase.DECODE) for p in hs)
+    # The prompt's ids come with the request (RequestInfo.prompt_token_ids): only decode
+    # rows are cut into the bundle.
+    assert hs and all(p.phase is Phase.DECODE for p in hs)
     assert any(type(p).__name__ == "SampledTokens" for p in c.reads())
 
 
@@ -598,7 +600,7 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValidationError):
         ExportConfig(out=str(tmp_path), layers=["last"])
     with pytest.raises(ValidationError):
-        ExportConfig(out=str(tmp_path), phase="generated")
+        ExportConfig(out=str(tmp_path), phase="decoded")
     with pytest.raises(ValidationError):
         ExportConfig(out=str(tmp_path), dtype="int8")
     with pytest.raises(ValidationError):

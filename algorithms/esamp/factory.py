@@ -17,10 +17,10 @@ from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.memory_plan import round_rows
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
-from tllm_core import ModelInfo
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
+    from tllm_core import ModelInfo  # pydantic: not on the GPU image (gpu_smoke.py)
 
 
 def uses_gpu_path(device: torch.device) -> bool:

@@ -39,9 +39,10 @@ from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared
-from tllm_core import FINAL, DeviceSums, GuideView, ModelInfo
+from tllm_core import FINAL, DeviceSums
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
+    from tllm_core import GuideView, ModelInfo
     from tllm_core.api.candidates import TopCandidates
 
 log = logging.getLogger("tllm")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,7 +34,10 @@ from algorithms.esamp.guidance import (
 from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL, GuideView, ModelInfo, RequestInfo
+from tllm_core import FINAL
+
+if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
+    from tllm_core import GuideView, ModelInfo, RequestInfo
 
 log = logging.getLogger("tllm")
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from algorithms.esamp.slots import SlotDistiller
-from tllm_core import Counters, RequestInfo
+from tllm_core import Counters
+
+if TYPE_CHECKING:  # rows.py needs pydantic, which the GPU image lacks (gpu_smoke.py)
+    from tllm_core import RequestInfo
 
 _BATCH_KEY = "__batch__"
 
@@ -23,7 +27,7 @@ class Group:
 
 
 # admit(row, request, group) -> whether the row, its group tracked, may take a slot.
-Admit = Callable[[int, RequestInfo, Group], bool]
+Admit = Callable[[int, "RequestInfo", Group], bool]
 
 
 class Groups:

@@ -4,12 +4,16 @@ keys, the distiller's input/output convention (init 'zero_output') and the row g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.slots import SlotDistiller, TrainResult
-from tllm_core import Counters, RowInfo
+from tllm_core import Counters
+
+if TYPE_CHECKING:  # both need pydantic, which the GPU image lacks (gpu_smoke.py)
+    from algorithms.esamp.config import ESampConfig
+    from tllm_core import RowInfo
 from tllm_core import host_to_device as host_to
 
 
