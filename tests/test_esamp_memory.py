@@ -16,7 +16,8 @@ from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.graph_update import train_groups
-from algorithms.esamp.mlp import batched_mm, forward_packed
+from algorithms.esamp.mlp import batched_mm, forward_acts
+from algorithms.esamp.params import block_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from cuda_stubs import install as install_cuda_stubs  # noqa: E402
@@ -132,7 +133,7 @@ def test_plan_estimates_bound_the_measured_workspace():
     def predict():
         with torch.no_grad():
             xp = torch.zeros(slots, rows, h)
-            forward_packed(d.theta, xp, d.shape)
+            forward_acts(block_weights(d.theta, d.shape), xp)
 
     used = cpu_peak_bytes(predict)
     assert 0.3 * plan.predict_workspace_bytes <= used <= plan.predict_workspace_bytes, (

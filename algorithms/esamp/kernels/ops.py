@@ -119,11 +119,6 @@ def _slot_matmul_reference(x, w, group_slot, out, transpose_w, _precision, _spli
     reference.slot_matmul(x, w, group_slot, out, transpose_w, add)
 
 
-def _loss_dy_reference(h, tp, mask, parts, dy, reduction) -> None:
-    per_row = float(h.shape[2]) if reduction == "mean" else 1.0
-    reference.loss_dy(h, tp, mask, parts, dy, per_row)
-
-
 def _stale_max_reference(submitted, applied, group_slot, stale) -> None:
     if submitted.shape[0]:
         reference.stale_max(submitted, applied, group_slot, stale)
@@ -141,7 +136,7 @@ def _register() -> Mapping[str, Callable[..., None]]:
         ("grad_adam", check_grad_adam, _without_precision(reference.grad_adam)),
         ("slot_matmul", check_slot_matmul, _slot_matmul_reference),
         ("candidate_dot", check_candidate_dot, reference.candidate_dot),
-        ("loss_dy", check_loss_dy, _loss_dy_reference),
+        ("loss_dy", check_loss_dy, reference.loss_dy),
         ("block_backward", check_block_backward, _without_precision(reference.block_backward)),
         ("update_tail", check_update_tail, reference.update_tail),
         ("silu_mul", check_silu_mul, reference.silu_mul),

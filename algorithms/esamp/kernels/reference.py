@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from algorithms.esamp.adam import fused_adam_
+from algorithms.esamp.objective import loss_denominator
+from algorithms.esamp.params import AdamHyper
+
 
 def grad_adam(
     a: torch.Tensor,
@@ -27,8 +31,8 @@ def grad_adam(
 ) -> None:
     """For each group ``g`` with ``group_slot[g] >= 0`` and ``ok[g] != 0``: one Adam step of
     ``w/m/v[s]`` (``s = group_slot[g]``) with gradient ``scale[g] * a[g]^T b[g]`` and step
-    count ``step[s]``. Same formula as ``torch._fused_adam_`` (bias corrections in fp64,
-    the rest in fp32; moments rounded to their dtype when stored)."""
+    count ``step[s]``: :func:`~algorithms.esamp.adam.fused_adam_` on the slot's rows (bf16
+    moments: computed in fp32, rounded when stored)."""
     if w.shape[0] == 0:
         return
     if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or cycling)
@@ -37,23 +41,17 @@ def grad_adam(
             grad_adam(a[:, e], b_e, scale, group_slot, ok, step, w[:, e], m[:, e], v[:, e],
                       lr, beta1, beta2, eps)  # fmt: skip
         return
+    hp = AdamHyper(lr=lr, eps=eps, betas=(beta1, beta2))
     for g in range(a.shape[0]):
         slot = group_slot[g]
-        live = (slot >= 0) & (ok[g] != 0)
+        skip = ~((slot >= 0) & (ok[g] != 0))
         idx = slot.clamp(min=0).reshape(1)
         grad = scale[g] * (a[g].transpose(0, 1) @ b[g])
-        t = step.index_select(0, idx).double()
-        bc1 = 1 - beta1**t
-        bc2_sqrt = (1 - beta2**t).sqrt()
-        step_size = (lr / bc1).float()
-        w0, m0, v0 = (x.index_select(0, idx)[0] for x in (w, m, v))
-        m1 = beta1 * m0.float() + (1 - beta1) * grad
-        v1 = beta2 * v0.float() + (1 - beta2) * grad * grad
-        denom = v1.sqrt() / bc2_sqrt.float() + eps
-        w1 = w0 - step_size * m1 / denom
-        for dst, old, new in ((w, w0, w1), (m, m0, m1), (v, v0, v1)):
-            kept = torch.where(live, new.to(dst.dtype), old)
-            dst.index_copy_(0, idx, kept[None])
+        # The slot's rows gathered (no host read of the slot), stepped, written back.
+        rows = [x.index_select(0, idx)[0].float() for x in (w, m, v)]
+        fused_adam_(rows[:1], [grad], rows[1:2], rows[2:], [step[idx[0]]], hp, skip.float())
+        for dst, new in zip((w, m, v), rows, strict=True):
+            dst.index_copy_(0, idx, new.to(dst.dtype)[None])
 
 
 def slot_matmul(
@@ -118,14 +116,13 @@ def loss_dy(
     mask: torch.Tensor,
     parts: torch.Tensor,
     dy: torch.Tensor,
-    per_row: float,
+    reduction: str,
 ) -> None:
     """Each group's loss ``sum(diff^2) / denom`` (into ``parts[:, 0]``, the other columns 0)
     and its gradient ``dy = diff * 2 / denom`` with ``diff = h - tp`` on the rows ``mask``
-    marks (0 elsewhere) and ``denom = max(rows * per_row, 1)``
-    (:func:`algorithms.esamp.objective.loss_denominator`)."""
+    marks (0 elsewhere) and ``denom`` :func:`~algorithms.esamp.objective.loss_denominator`."""
     diff = torch.where(mask[..., None], h - tp, 0.0)
-    denom = (mask.sum(1).to(torch.float32) * per_row).clamp_min(1.0)
+    denom = loss_denominator(mask.sum(1), h.shape[2], reduction)
     parts.zero_()
     parts[:, 0] = diff.square().sum((1, 2)) / denom
     torch.mul(diff, (2.0 / denom)[:, None, None], out=dy)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from algorithms.esamp.kernels.checks import NORM_TILE_ROWS, check_precision
+from algorithms.esamp.objective import loss_per_row
 
 
 @triton.jit
@@ -855,7 +856,7 @@ def loss_dy_launch(
     groups, rows, hidden = h.shape
     if groups == 0:
         return None
-    per_row = float(hidden) if reduction == "mean" else 1.0
+    per_row = loss_per_row(hidden, reduction)
     block_m = min(16, triton.next_power_of_2(max(rows, 1)))
     chunk = triton.cdiv(hidden, parts.shape[1])
     args = (
