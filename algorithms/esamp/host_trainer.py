@@ -1,5 +1,6 @@
-"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, with
-the backward written out as batched products over groups (no autograd)."""
+"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, on
+the kernels' ops (their PyTorch reference on CPU) and :func:`~algorithms.esamp.adam.
+fused_adam_`, with the weights as views of the state rather than slot-gathered copies."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ class HostTrainer:
     written out as batched products over groups (both cores work on it through torch's
     intra-op pool; 16-row products of one group alone run on one core).
 
-    The backward is :mod:`algorithms.esamp.backward`'s: every group's clip coefficient is
-    known before any gradient exists. Each weight's gradients (all groups) are then formed
+    The loss (:func:`~algorithms.esamp.kernels.loss_dy`), the backward
+    (:func:`~algorithms.esamp.backward.backward_factors`) and the finite check, clip and step
+    counts (:func:`~algorithms.esamp.kernels.update_tail`) are the update graph's ops: every
+    group's clip coefficient is known before any gradient exists. Each weight's gradients (all groups) are then formed
     once, already clipped, in a scratch buffer that stays in cache, and handed to PyTorch's
     fused Adam kernel: per step the optimizer streams parameters and moments once, and no
     full-size gradient is ever written to memory.
