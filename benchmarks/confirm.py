@@ -1,5 +1,5 @@
 """The pre-registered confirmatory analysis of ESamp (issue 29; the plan, written before the
-run, is in docs/consumers/esamp.md, "Confirmatory experiment (pre-registered)").
+run, is in docs/history.md, "Confirmatory experiment (pre-registered)").
 
     python benchmarks/confirm.py --passk RUN.json --diversity RUN.json --esamp NAME \
         --ablations FROZEN,FNOISE,NOISE [--frozen FROZEN] [--json | --markdown]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage 1 of the pre-registered ESamp experiment (docs/consumers/esamp.md, "Confirmatory
+# Stage 1 of the pre-registered ESamp experiment (docs/history.md, "Confirmatory
 # experiment"): the plan's three commands as written, with SEL from stage 0's rule. Each
 # command resumes from its --partial file, so a run cut short is continued by running this
 # again; commit benchmarks/results/confirm_*_samples.json.gz in between.

@@ -94,29 +94,31 @@ def _tf32_ops(monkeypatch) -> None:
 
 def curve(x: torch.Tensor, t: torch.Tensor, prompts: int, n: int, variant: str) -> list[float]:
     from _pytest.monkeypatch import MonkeyPatch
-    from cuda_stubs import install
 
     from algorithms.esamp.config import ESampConfig
+    from tllm_core.testing.fake_cuda import FakeCuda
 
     cfg = ESampConfig()
     mp = MonkeyPatch()
-    try:
-        install(mp)
-        if "tf32" in variant:
-            _tf32_ops(mp)
-            mp.setattr(torch, "bmm", lambda a, b, **kw: torch.matmul(tf32_round(a), tf32_round(b)))
-        d = cuda_mod.CudaGroupedDistiller(
-            x.shape[-1], device="cpu", capacity=prompts, graph_max_rows=n,
-            intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
-            eps=cfg.eps, grad_clip=cfg.grad_clip, loss_reduction=cfg.loss_reduction,
-            init=cfg.init, seed=cfg.seed,
-            moments_dtype=torch.bfloat16 if "bf16" in variant else torch.float32,
-        )  # fmt: skip
-        slots = torch.tensor([d.alloc() for _ in range(prompts)]).repeat_interleave(n)
-        results = [d.train_step(slots, x[i], t[i]) for i in range(x.shape[0])]
-        d.synchronize()
-    finally:
-        mp.undo()
+    with FakeCuda(device="cpu"):  # CUDA streams, events and graphs, computing on CPU
+        try:
+            if "tf32" in variant:
+                _tf32_ops(mp)
+                mp.setattr(
+                    torch, "bmm", lambda a, b, **kw: torch.matmul(tf32_round(a), tf32_round(b))
+                )
+            d = cuda_mod.CudaGroupedDistiller(
+                x.shape[-1], device="cpu", capacity=prompts, graph_max_rows=n,
+                intermediate_size=cfg.intermediate_size, num_blocks=cfg.num_blocks, lr=cfg.lr,
+                eps=cfg.eps, grad_clip=cfg.grad_clip, loss_reduction=cfg.loss_reduction,
+                init=cfg.init, seed=cfg.seed,
+                moments_dtype=torch.bfloat16 if "bf16" in variant else torch.float32,
+            )  # fmt: skip
+            slots = torch.tensor([d.alloc() for _ in range(prompts)]).repeat_interleave(n)
+            results = [d.train_step(slots, x[i], t[i]) for i in range(x.shape[0])]
+            d.synchronize()
+        finally:
+            mp.undo()
     return [float(r.losses.mean()) for r in results]
 
 

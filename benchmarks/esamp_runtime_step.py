@@ -35,7 +35,7 @@ from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.runtime.stamp_reads import StampRead
+from tllm_core.runtime.stamp_copies import StampRead
 
 PER_REQUEST = ("interleaved", "block", "all")
 

@@ -34,7 +34,7 @@ def fit_in_window(curve: list[list[float]], lo: int = 5, hi: int = 60) -> float 
     """Mean relative error ``||h_L - f(h_1)|| / ||h_L||`` over a group's decode steps
     ``lo..hi`` (inclusive), weighted by rows: from ``rel_err_curve`` rows ``[step, mean,
     rows]``. None when no row falls in the window (the stage-0 selection statistic of the
-    pre-registered experiment, docs/consumers/esamp.md)."""
+    pre-registered experiment, docs/history.md)."""
     pts = [(e, n) for a, e, n in curve if lo <= a <= hi and n]
     if not pts:
         return None

@@ -23,7 +23,7 @@ What is timed (CUDA events, after warm-up), in microseconds per decode step:
    step alone, the step with the distiller, and the added time as a fraction of the step.
 
 3. ``bytes_per_param``: the bytes one update moves per distiller parameter and group, counted
-   from the tensor sizes of the operations it dispatches (``bytes_count.BytesCounter``;
+   from the tensor sizes of the operations it dispatches (``tllm_core.testing.counters.BytesCounter``;
    device independent, counted on the meta device): the update the CUDA graphs replay
    (``graph_update``: the fused operators count as one operation each, with their arguments)
    and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
@@ -50,10 +50,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from bytes_count import BytesCounter  # noqa: E402
 
 from algorithms.esamp.cpu import GroupedDistiller  # noqa: E402
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
+from tllm_core.testing.counters import BytesCounter  # noqa: E402
 from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 QWEN2_7B = dict(

@@ -3,7 +3,7 @@
     python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
                                    [--budget-s 200]
 
-``--device fake`` is the dress rehearsal (``gpu_rehearsal.py``): every CUDA-only line below
+``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line below
 runs on CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``:
 tiny shapes), and every value of its JSON is null: it checks the code, it measures nothing.
 Each part says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal).
@@ -29,22 +29,23 @@ Parts (each a key of the JSON printed on the last line and written to ``--out``)
    and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
    of an ESamp step (``esamp_fake_step``) stand in.
 6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
-   searches (``sync_count.SyncCounter``; on CUDA also under the sync debug mode) and of the
+   searches (``tllm_core.testing.counters.SyncCounter``; on CUDA also under the sync debug mode) and of the
    consumer's decode step when pydantic is there.
 7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
    captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-The CUDA parts of this version have never run on a GPU (the first GPU run, of the code before
-issue 36's rebuild: docs/results.md); ``--device fake`` runs them in CI. The JSON is also
+The CUDA parts have not yet run on a GPU (docs/gpu.md says what has); ``--device fake`` runs
+them in CI. The JSON is also
 written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
 not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
-it prints every thread's stack (a hang shows where). What a session with a lent GPU runs:
-docs/gpu.md.
+it prints every thread's stack (a hang shows where). How to run it and what a pass looks
+like: docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import gc
 import json
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -62,21 +64,102 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import gpu_rehearsal  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import bench_distiller, update_bytes_per_param  # noqa: E402
 from gpu_kernels import QUICK_SHAPES, SHAPES_7B, bench_kernels  # noqa: E402
-from sync_count import SyncCounter  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
-from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
+from tllm_core.testing import fake_cuda  # noqa: E402
+from tllm_core.testing.counters import SyncCounter  # noqa: E402
+from tllm_core.testing.fake_cuda import FakeCuda, is_cuda  # noqa: E402
 
 VOCAB_7B = 152064
 
 
 CUDA_TESTS = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
 BUDGET_S = 200.0  # parts not started by then are skipped: the run ends near 3 minutes
-CUDA_TESTS_TIMEOUT_S = 150  # their share of a 15-minute GPU session (CPU: 12 s, 2 cores)
+CUDA_TESTS_TIMEOUT_S = 150  # a hung test must not take the whole run (CPU: 12 s, 2 cores)
+RAN_ON = (
+    "rehearsal: FakeCuda on CPU (meta tensors, stub streams, events and graphs); "
+    "nothing measured, every value null"
+)
+DEVICE_NAME = "FakeCuda rehearsal (not a GPU)"
+KEEP = frozenset({"ran_on", "skipped", "error", "traceback", "rehearsal"})
+
+
+def active() -> FakeCuda | None:
+    """The rehearsal in progress, if any."""
+    fc = fake_cuda.active()
+    return fc if fc is not None and fc.rehearsal else None
+
+
+def scrub(value: Any, key: str | None = None) -> Any:
+    """``value`` with every leaf null except under the keys of :data:`KEEP`: no rehearsal
+    output can pass for a measurement."""
+    if key in KEEP:
+        return value
+    if isinstance(value, dict):
+        return {k: scrub(v, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v) for v in value]
+    return None
+
+
+def _arg_spec(arg: Any) -> list:
+    """A kernel argument as Triton's JIT specialises it: a tensor's dtype; an int as 1, a
+    multiple of 16 (16) or another (3); a float."""
+    if isinstance(arg, torch.Tensor):
+        return ["tensor", str(arg.dtype).removeprefix("torch.")]
+    if isinstance(arg, float):
+        return ["float"]
+    return ["int", 1 if arg == 1 else 16 if arg % 16 == 0 else 3]
+
+
+@contextlib.contextmanager
+def rehearsal() -> Iterator[FakeCuda]:
+    """The fake CUDA device as a rehearsal (``FakeCuda(rehearsal=True)``: docs/fake-cuda.md)
+    where ESamp's factory takes its CUDA path and ESamp's kernel operators run their CUDA
+    implementation: the argument checks, and the Triton launch built (grid, arguments,
+    tiles) and recorded, not run (their math runs under ``TRITON_INTERPRET=1`` in
+    ``tests/test_esamp_kernels.py``); each distinct compilation is kept for a compile check
+    for sm_90. All put back on exit."""
+    from algorithms.esamp import factory
+    from algorithms.esamp.kernels import ops, triton_available
+
+    names = ("grad_adam", "slot_matmul", "candidate_dot")
+    kernels = {f"tllm_esamp::{n}": ops.CUDA_IMPLS[n] for n in names}
+    with FakeCuda(device_name=DEVICE_NAME, rehearsal=True, kernels=kernels) as fc:
+        fc.patch(factory, {"uses_gpu_path": is_cuda})
+        if triton_available():
+            from algorithms.esamp.kernels import triton_impl
+
+            def run(launch: Any, kernels: Any = None) -> None:
+                config = {"kernel": launch.kernel, "constexprs": dict(launch.constexprs)}
+                config["num_warps"] = launch.num_warps
+                config["args"] = [_arg_spec(a) for a in launch.args]
+                fc.launch_built(launch.kernel, config)
+
+            fc.patch(triton_impl.Launch, {"run": run})
+            # The GPU's SM count (the fake's properties: 132) picks split_k, as there.
+            sms = torch.cuda.get_device_properties(fc.device).multi_processor_count
+            fc.patch(triton_impl, {"_sm_count": lambda device: sms})
+        yield fc
+
+
+def rehearsal_record(fc: FakeCuda) -> dict[str, Any]:
+    """The rehearsal's own record (JSON-able; not a measurement of anything)."""
+    built = "Triton launches built with their grids, not run (meta tensors)"
+    return {
+        "triton_launches_built_not_run": dict(fc.launches_built),
+        "triton_configs": list(fc.launch_configs.values()),
+        "triton": built if fc.launches_built else "no Triton launch reached",
+        "sync_debug_windows_seen_by_fake_device": list(fc.sync_windows),
+        # A host wait or pageable copy inside a graph capture: the GPU's capture fails.
+        "capture_failures_seen_by_fake_device": [
+            f"{f.kind} at {f.where}: {f.code} x{f.count}" for f in fc.failures()
+        ],
+        "torch_compile": "not rehearsed (identity under the fake device)",
+    }
 
 
 def _shape(quick: bool, device: torch.device) -> dict[str, int]:
@@ -84,7 +167,7 @@ def _shape(quick: bool, device: torch.device) -> dict[str, int]:
         s = dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
     else:
         s = dict(hidden=3584, intermediate=384, rows=16, iters=20, warmup=5, repeats=3)
-    if gpu_rehearsal.active():  # the GPU run's shapes, one iteration: nothing is timed
+    if active():  # the GPU run's shapes, one iteration: nothing is timed
         s.update(iters=1, warmup=1, repeats=1)
     return s
 
@@ -98,7 +181,7 @@ def _free(device: torch.device) -> None:
 
 def tests_env() -> dict[str, str]:
     """The CUDA tests' environment: the checkout first, then the caller's PYTHONPATH (where
-    the GPU machine's carried wheels are: pydantic for the consumer's test)."""
+    packages installed with ``pip --target`` are: pydantic for the consumer's test)."""
     path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
@@ -107,7 +190,7 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
     if not is_cuda(device):
         return {"skipped": "needs a CUDA device"}
     t0 = time.time()
-    rehearsing = gpu_rehearsal.active() is not None
+    rehearsing = active() is not None
     # The rehearsal collects the tests (they import, and exist): on CPU they would skip.
     collect = ["--collect-only"] if rehearsing else []
     proc = subprocess.run(
@@ -239,7 +322,7 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
     except ImportError as err:
         return {"skipped": f"the consumer is not importable: {err}"}
     iters, warmup = (5, 5) if quick else (30, 5)
-    if gpu_rehearsal.active():
+    if active():
         iters, warmup = 1, 1
     out: dict[str, Any] = {}
     for prompts, n in ((8, 16), (1, 128), (64, 16)):
@@ -259,7 +342,7 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
 
 def run_kernels(device: torch.device, quick: bool) -> dict[str, Any]:
     shapes = QUICK_SHAPES if quick or device.type == "cpu" else SHAPES_7B
-    if gpu_rehearsal.active():  # the GPU run's shapes, one iteration
+    if active():  # the GPU run's shapes, one iteration
         shapes = {**shapes, "iters": 1, "warmup": 1}
     return bench_kernels(device, shapes)
 
@@ -348,12 +431,12 @@ def smoke(
     out_path: str | None = None,
     budget_s: float = BUDGET_S,
 ) -> dict[str, Any]:
-    """Every part on ``device`` (the fake device inside :func:`gpu_rehearsal.rehearsal`); the
+    """Every part on ``device`` (the fake device inside :func:`rehearsal`); the
     JSON so far goes to ``out_path`` after each part; a part not started within ``budget_s``
     seconds of the run's start is skipped (said so)."""
-    rehearsal = gpu_rehearsal.active()
+    rehearsal = active()
     if rehearsal is not None:
-        ran_on = gpu_rehearsal.RAN_ON
+        ran_on = RAN_ON
     else:
         ran_on = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     t0 = time.time()
@@ -372,7 +455,7 @@ def smoke(
         except Exception as err:  # one broken part must not hide the others' results
             res = _error(err)
         if rehearsal is not None and "error" not in res:
-            res = gpu_rehearsal.scrub(res)
+            res = scrub(res)
         ok = "error" not in res and "skipped" not in res
         out[name] = {"ran_on": ran_on if ok else "not run", **res}
         seconds[name] = round(time.time() - t, 2)
@@ -381,7 +464,7 @@ def smoke(
         if out_path:  # a run cut short keeps what it finished
             Path(out_path).write_text(json.dumps(out))
     if rehearsal is not None:  # the rehearsal's own timings: CPU seconds, not the GPU's
-        out["rehearsal_record"] = {**rehearsal.summary(), "cpu_seconds": seconds}
+        out["rehearsal_record"] = {**rehearsal_record(rehearsal), "cpu_seconds": seconds}
     else:
         out["part_seconds"] = seconds
         out["seconds"] = time.time() - t0
@@ -407,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     # A part that hangs (a stream or graph waiting forever) prints every thread's stack.
     faulthandler.dump_traceback_later(args.budget_s + 120, exit=False)
     if args.device == "fake":
-        with gpu_rehearsal.rehearsal() as r:
+        with rehearsal() as r:
             out = smoke(r.device, args.quick, args.out, args.budget_s)
     else:
         device = torch.device(args.device)

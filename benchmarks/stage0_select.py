@@ -1,5 +1,5 @@
 """Stage 0 of the pre-registered ESamp experiment: apply the selection rule written in
-docs/consumers/esamp.md ("Confirmatory experiment") to the stage-0 run.
+docs/history.md ("Confirmatory experiment") to the stage-0 run.
 
     python benchmarks/stage0_select.py benchmarks/results/confirm_stage0.json [--json]
 

@@ -11,9 +11,9 @@ from tllm_core import (
     Bundle,
     Consumer,
     ConsumerConfig,
-    Phase,
     Plot,
     Series,
+    as_selector,
     parse_port_name,
     residual_port,
 )
@@ -24,7 +24,19 @@ class StatsConfig(ConsumerConfig):
         default_factory=lambda: [0, -1, "final"],
         description="layer indices (negative from the end) or 'final'",
     )
-    phase: Phase = Field(Phase.ALL, description="rows to count: prefill, decode or all")
+    phase: str = Field(
+        "all",
+        description="rows to count: prefill, decode, all, or a capture window ('last_prompt', "
+        "'generated[0:16]', ...: docs/ports.md#capture-windows)",
+    )
+
+    @field_validator("phase", mode="before")
+    @classmethod
+    def _selector(cls, v: Any) -> str:
+        v = getattr(v, "value", v)  # a Phase given from Python
+        as_selector(v, "stats: phase")
+        return str(v)
+
     max_requests: int | None = Field(
         1000,
         ge=1,
@@ -50,7 +62,9 @@ class StatsConsumer(Consumer):
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)
         self._ports = [
-            residual_port(str(layer), config.phase).resolve(context.resolve_layer)
+            residual_port(str(layer), as_selector(config.phase, "stats: phase")).resolve(
+                context.resolve_layer
+            )
             for layer in config.layers
         ]
         self._max = config.max_requests

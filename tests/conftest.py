@@ -161,3 +161,13 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
 def cli_json(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, f"tllm failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def cuda_on_cpu():
+    """``torch.cuda``'s streams, events and graphs on CPU tensors that compute
+    (``FakeCuda(device="cpu")``): the CUDA path's host logic checked against values."""
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    with FakeCuda(device="cpu") as fc:
+        yield fc

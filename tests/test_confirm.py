@@ -210,9 +210,9 @@ def _commands(text: str) -> list[list[str]]:
 
 def test_stage1_script_runs_the_pre_registered_commands_as_written():
     """benchmarks/confirm_stage1.sh (the resumable runner) runs the plan's stage-1 commands
-    word for word (docs/consumers/esamp.md), with SEL from stage 0's rule."""
+    word for word (docs/history.md), with SEL from stage 0's rule."""
     root = Path(__file__).resolve().parents[1]
-    doc = (root / "docs" / "consumers" / "esamp.md").read_text()
+    doc = (root / "docs" / "history.md").read_text()
     plan = doc[doc.index("**Stage 1 — confirmation") :]
     plan = plan[plan.index("```bash") : plan.index("```", plan.index("```bash") + 7)]
     script = (root / "benchmarks" / "confirm_stage1.sh").read_text()

@@ -182,7 +182,7 @@ def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
 
 def _stamps_in_flight(monkeypatch):
     """As on a GPU: the step's stamps are still on their way to the host at its end."""
-    from tllm_core.runtime.stamp_reads import StampRead
+    from tllm_core.runtime.stamp_copies import StampRead
 
     monkeypatch.setattr(StampRead, "ready", lambda self: self._values is not None)
 
@@ -235,9 +235,9 @@ def test_stamps_in_flight_count_edited_rows_once_they_arrive(monkeypatch):
 
 
 def test_end_step_makes_the_host_wait_for_nothing_on_a_gpu():
-    """Was: one blocking read of every stamp and edit count at each step's end (a host wait
-    per step, before the next forward is queued). Now one copy into pinned memory, read when
-    its event has completed."""
+    """The step's stamps and edit counts go to the host in one copy into pinned memory, read
+    when its event has completed: a blocking read at each step's end would make the host wait
+    every step, before the next forward is queued."""
     from tllm_core.testing.fake_cuda import FakeCuda
 
     rt = _runtime({"name": "reader"})

@@ -2,9 +2,9 @@
 runtime's step driven by ``benchmarks/edit_fake_step.py``): a steady step of ``steer`` (on
 every request and per request) and of each edit kind (add, replace, ablate, transform, an
 add of a CPU vector) makes the host wait for nothing, copies nothing from pageable memory,
-allocates nothing on the device and races nothing. On CPU the buffers hold what they held
-before (written out here as the earlier ``EditBuffers.write``: advanced-index writes, each
-step's values moved and normalised anew), bit for bit, in float32 and bfloat16."""
+allocates nothing on the device and races nothing. On CPU the buffers hold what a plain
+reference write gives (written out here: advanced-index writes, each step's values moved and
+normalised anew), bit for bit, in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tllm_core.api.edits import EditBuffers
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -113,8 +113,8 @@ def test_edit_buffers_hold_what_they_held_before(dtype):
 
 
 def test_a_second_ablation_is_refused_only_for_another_direction():
-    """As before: the same direction (the same tensor, or an equal one) on a row is allowed,
-    another one is refused, and a row a replace cleared may take another."""
+    """A second ablation of a row: the same direction (the same tensor, or an equal one) is
+    allowed, another one is refused, and a row a replace cleared may take another."""
     g = torch.Generator().manual_seed(1)
     u, w = torch.randn(H, generator=g), torch.randn(H, generator=g)
     buf = EditBuffers(ROWS, H, torch.float32, CPU)
@@ -131,11 +131,11 @@ def test_a_second_ablation_is_refused_only_for_another_direction():
 @pytest.mark.parametrize("second", ["same tensor", "after a replace"])
 def test_a_second_ablation_reads_nothing_from_the_device_where_it_cannot_clash(second):
     """A second consumer ablating rows with the direction tensor the first used, or rows
-    the first replaced after ablating them: nothing is compared on the device (was: a host
-    read of the comparison every step)."""
+    the first replaced after ablating them: nothing is compared on the device (a comparison
+    there would be a host read every step)."""
     with FakeCuda(order=True) as fc:
         buf = EditBuffers(ROWS, H, torch.float32, fc.device)
-        steps = StepBuffers()
+        steps = StepIndices()
         u, w = torch.randn(H).to(fc.device), torch.randn(H).to(fc.device)
         rows = np.array([0, 1, 2])
         first = [(rows, "ablate", u)]

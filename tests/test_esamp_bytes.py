@@ -1,5 +1,5 @@
 """Bytes an ESamp update moves per distiller parameter, counted from the tensor sizes of the
-operations it dispatches (``benchmarks/bytes_count.py``), at the benchmark's CPU shapes
+operations it dispatches (``tllm_core.testing.counters``), at the benchmark's CPU shapes
 (SmolLM2's hidden 576, the default distiller, 8 groups x 16 rows). The bounds and how they
 were reached: docs/consumers/esamp.md, "On a GPU"."""
 
@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
+from tllm_core.testing.counters import BytesCounter
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from bytes_count import BytesCounter  # noqa: E402
 from gpu_distiller import update_bytes_per_param, update_graphs  # noqa: E402
 
 # PyTorch's fused Adam reads parameter, gradient and both moments and writes all four (the
@@ -31,7 +32,7 @@ MAX_BYTES_PER_PARAM = {
     "host_update": 44,
 }
 # The captured graphs' launches (issue 36: "about ten"): the fused loss, per-block backward
-# and tail kernels, gate and up in one product and one Adam launch (before: 24, 107, 93).
+# and tail kernels, gate and up in one product and one Adam launch (unfused: 24, 107, 93).
 MAX_LAUNCHES = {"predict": 11, "train": 21, "train_reuse": 13}
 MAX_ADAM = {
     "graph_update": GRAD_ADAM_FLOOR + 0.5,

@@ -1,7 +1,6 @@
 """The CUDA distiller (side stream, CUDA-graph update) against the CPU math.
 
-Run on a GPU once before the rebuild of issue 36 (2 passed, 3 failed: docs/results.md); the
-rebuilt CUDA path has not run on a GPU yet: benchmarks/gpu_smoke.py runs these first."""
+Skipped without CUDA; on a GPU, benchmarks/gpu_smoke.py runs these first (docs/gpu.md)."""
 
 from __future__ import annotations
 

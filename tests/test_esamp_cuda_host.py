@@ -1,5 +1,5 @@
-"""The CUDA distiller's host logic on CPU tensors (``tests/cuda_stubs.py``: streams and
-events stand in, a graph replay re-runs its captured body on the same static buffers):
+"""The CUDA distiller's host logic on CPU tensors (``FakeCuda(device="cpu")``: streams and
+events stand in, a graph replay runs its captured operations again on the same tensors):
 row plans, layouts for long groups, batches, the result ring read back in the background and
 the in-graph 'zero_output' convention, all against the CPU distiller's math."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cuda_stubs import install
 from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp.cpu import GroupedDistiller
@@ -22,8 +21,8 @@ H, INTER = 32, 16
     [(True, 12, False), (True, 40, True), (False, 12, True), (False, 40, False)],
     ids=["graphs", "graphs-longer_groups-zero_output", "eager-zero_output", "eager-longer_groups"],
 )
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_cuda_distiller_matches_the_cpu_math(monkeypatch, graph, max_rows, zero_output):
-    install(monkeypatch)
     kw = dict(intermediate_size=INTER, lr=1e-2, capacity=8, init="zero" if zero_output else "paper")
     cpu = GroupedDistiller(H, **kw)
     gpu = CudaGroupedDistiller(
@@ -67,8 +66,8 @@ def test_cuda_distiller_matches_the_cpu_math(monkeypatch, graph, max_rows, zero_
     assert gpu.eager_updates == (0 if graph else gpu.results._next)
 
 
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_results_arrive_without_waiting_every_32_updates(monkeypatch):
-    install(monkeypatch)
     d = CudaGroupedDistiller(H, device="cpu", intermediate_size=INTER, capacity=2)
     s = d.alloc()
     res = [d.train_step(torch.tensor([s, s]), torch.randn(2, H), torch.randn(2, H))]
@@ -81,18 +80,18 @@ def test_results_arrive_without_waiting_every_32_updates(monkeypatch):
     assert d.results.host_waits == 0
 
 
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_a_step_larger_than_the_packed_rows_is_refused_by_name(monkeypatch):
-    install(monkeypatch)
     d = CudaGroupedDistiller(H, device="cpu", intermediate_size=INTER, capacity=2, graph_max_rows=2)
     s = d.alloc()
     with pytest.raises(ValueError, match="5 rows exceeds .* 4 packed rows"):
         d.predict(torch.full((5,), s), torch.randn(5, H))
 
 
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_bf16_moments_are_stored_in_bf16_and_train_as_fp32_does(monkeypatch):
     """cuda_adam_moments bfloat16: m and v are bf16 (half the memory, counted per group),
     the update is computed in fp32 and its losses stay within 2% of fp32 moments'."""
-    install(monkeypatch)
     kw = dict(intermediate_size=INTER, lr=1e-2, capacity=2, device="cpu")
     f32 = CudaGroupedDistiller(H, **kw)
     b16 = CudaGroupedDistiller(H, moments_dtype=torch.bfloat16, **kw)
@@ -113,9 +112,8 @@ def test_bf16_moments_are_stored_in_bf16_and_train_as_fp32_does(monkeypatch):
     assert not torch.equal(curves["b16"], curves["f32"])  # and the moments really are bf16
 
 
-def _twins(monkeypatch, graph: bool = True, **kw) -> tuple[CudaGroupedDistiller, ...]:
+def _twins(graph: bool = True, **kw) -> tuple[CudaGroupedDistiller, ...]:
     """Two CUDA distillers from the same init, each with slots 0, 1, 2 live."""
-    install(monkeypatch)
     kw = dict(intermediate_size=INTER, lr=1e-2, capacity=4, graph_max_rows=8, **kw)
     pair = tuple(CudaGroupedDistiller(H, device="cpu", use_cuda_graph=graph, **kw) for _ in "ab")
     for d in pair:
@@ -134,6 +132,7 @@ def _same_state(a: CudaGroupedDistiller, b: CudaGroupedDistiller) -> bool:
 
 @pytest.mark.parametrize("graph", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("zero_output", [False, True], ids=["plain", "zero_output"])
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_an_update_of_the_predicted_rows_reuses_their_forward_bit_for_bit(
     monkeypatch, graph, zero_output
 ):
@@ -141,7 +140,7 @@ def test_an_update_of_the_predicted_rows_reuses_their_forward_bit_for_bit(
     'train_reuse' graph reads the prediction's kept activations): losses, parameters and
     Adam state equal, bit for bit, those of a twin that runs the forward again, over steps
     with short groups, a long group (another layout) and a non-finite row."""
-    reuse, fresh = _twins(monkeypatch, graph, zero_output=zero_output)
+    reuse, fresh = _twins(graph, zero_output=zero_output)
     rng = np.random.default_rng(1)
     slot_sets = [[0, 1, 2], [2, 0], [1] * 12, [0, 1, 2, 1, 0], [2], [0, 1]]
     for step, slots in enumerate(slot_sets):
@@ -163,12 +162,13 @@ def test_an_update_of_the_predicted_rows_reuses_their_forward_bit_for_bit(
     assert reuse.eager_updates == fresh.eager_updates == (0 if graph else len(slot_sets))
 
 
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_an_update_of_other_rows_or_after_a_change_runs_its_own_forward(monkeypatch):
     """No reuse unless the prediction's forward is provably the update's: other rows (the
     caller's rows_id differs, or it gives none), another packing, or a parameter change in
     between (another update, a slot reset) each run the forward again, with the result of a
     twin that never reuses."""
-    reuse, fresh = _twins(monkeypatch)
+    reuse, fresh = _twins()
     gen = torch.Generator().manual_seed(2)
     slots = torch.tensor([0, 1, 0, 2])
     rnd = lambda: torch.randn(4, H, generator=gen)  # noqa: E731
@@ -210,7 +210,7 @@ def test_an_update_of_other_rows_or_after_a_change_runs_its_own_forward(monkeypa
     assert reuse.updates_reusing_prediction == 1
 
 
-def _esamp_on_cuda_stubs(monkeypatch, r: int):
+def _esamp_on_cpu_cuda(monkeypatch, r: int):
     """The ESamp consumer taking the CUDA path on CPU tensors (stubbed streams and graphs),
     and a step's guide view and bundle (same step, same rows)."""
     import algorithms.esamp.factory as factory
@@ -221,7 +221,6 @@ def _esamp_on_cuda_stubs(monkeypatch, r: int):
     from tllm_core.api.ports import resolve_layer
     from tllm_core.api.rows import RequestInfo, RowInfo
 
-    install(monkeypatch)
     monkeypatch.setattr(factory, "uses_gpu_path", lambda device: True)
     v = 64
     w = torch.randn(v, H)
@@ -243,12 +242,13 @@ def _esamp_on_cuda_stubs(monkeypatch, r: int):
     return c, step
 
 
+@pytest.mark.usefixtures("cuda_on_cpu")
 def test_the_consumer_reuses_the_guidance_forward_for_the_same_rows_only(monkeypatch):
     """ESamp on the CUDA path: a step whose trained rows are the guided rows counts
     updates_reusing_prediction; a step with a greedy row (trained, not guided) does not. The
     parameters equal, bit for bit, those of a consumer that never reuses."""
     r = 8
-    consumers = [_esamp_on_cuda_stubs(monkeypatch, r) for _ in range(2)]
+    consumers = [_esamp_on_cpu_cuda(monkeypatch, r) for _ in range(2)]
     consumers[1][0].distiller.takes_rows_id = False  # never names rows: never reuses
     greedy = np.ones(r, bool)
     greedy[3] = False

@@ -50,7 +50,7 @@ def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit):
     """300 guided decode steps (past the 256 queued updates that once forced a blocking
     read-back): the update results come back by the background copies, the guided counts
     and the fit's sums by copies into pinned memory, all without a host wait, and the
-    counters move during the run (was: read only at a blocking flush, so 0 until the end)."""
+    counters move during the run (not only at a blocking flush at the end)."""
     res = run(8, 16, "post_filter", fit, steps=300)
     assert res["failures"] == [] and res["host_waits"] == 0, res
     assert res["rows_guided_counted_in_the_run"] > 0, res
@@ -58,16 +58,16 @@ def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit):
 
 @pytest.mark.parametrize("mode", ["post_filter", "full_vocab"])
 def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
-    """Was: the candidate gather-dot's first call, hence its Triton compile (about a second
-    of host time), came in the first guided step. Now the consumer runs it once, on every
-    pair its workspace holds, when it is built (post-filter only: full vocabulary has none)."""
+    """The consumer runs the candidate gather-dot once, on every pair its workspace holds, when
+    it is built (post-filter only: full vocabulary has none), so its Triton compile (about a
+    second of host time) is not in the first guided step."""
     import esamp_fake_step
 
-    from algorithms.esamp import factory, guide_step
+    from algorithms.esamp import factory, guide_cuda
     from tllm_core.testing.fake_cuda import FakeCuda
 
     calls = []
-    monkeypatch.setattr(guide_step, "candidate_dot", lambda *a: calls.append(a[2].numel()))
+    monkeypatch.setattr(guide_cuda, "candidate_dot", lambda *a: calls.append(a[2].numel()))
     monkeypatch.setattr(factory, "uses_gpu_path", lambda device: True)
     with FakeCuda() as fc:
         c = esamp_fake_step.consumer(fc.device, 8, 16, True, mode=mode)
@@ -81,8 +81,8 @@ def test_the_whole_runtime_step_with_esamp_waits_for_nothing_and_allocates_nothi
     """ESamp driven through tllm's runtime as the vLLM bridge drives it (begin_step, guide,
     end_step with the step's stamps; ``benchmarks/esamp_runtime_step.py``), 8 x 16 at 7B
     shapes: no host wait, no pageable copy, no race and no device allocation anywhere in the
-    counted steps (was: 20 per step in 8 places, the runtime's gathers, index copies and the
-    guide's view); the step's row indices go to the device in one copy."""
+    counted steps (the runtime's gathers, index copies and the guide's view reuse their
+    buffers); the step's row indices go to the device in one copy."""
     from esamp_fake_step import run_runtime
 
     res = run_runtime(8, 16, mode, fit=fit, steps=2, order=True)
@@ -99,9 +99,10 @@ def test_a_per_request_esamp_runtime_step_waits_for_nothing_and_allocates_nothin
 ):
     """The same step with ESamp per request (``{"per_request": true}``, switched on by half the
     prompts' requests through ``tllm_consumers``: every other prompt, or the first half):
-    no host wait, pageable copy, race or device allocation (was: 8 per step in 6 places,
-    the guide's index, its rows' token ids, the copies of the logits, temperatures and
-    states, the view's change counts), one index copy per step; ESamp guided its rows only."""
+    no host wait, pageable copy, race or device allocation (the places a per-request step
+    could allocate: the guide's index, its rows' token ids, the copies of the logits,
+    temperatures and states, the view's change counts), one index copy per step; ESamp
+    guided its rows only."""
     from esamp_fake_step import run_runtime
 
     res = run_runtime(8, 16, mode, fit=False, steps=2, order=True, per_request=per_request)
@@ -113,8 +114,8 @@ def test_a_per_request_esamp_runtime_step_waits_for_nothing_and_allocates_nothin
 
 def test_diagnostics_in_a_long_run_wait_for_nothing():
     """300 guided steps with diagnostics (past the 256-step ring): each full half of the ring
-    goes to the host in a copy nothing waits for (was: a blocking read of the whole ring
-    when it filled, once per 256 guided steps)."""
+    goes to the host in a copy nothing waits for (not a blocking read of the whole ring when
+    it fills)."""
     res = run(8, 16, "post_filter", False, steps=300, diagnostics=True)
     assert res["failures"] == [] and res["host_waits"] == 0, res
 

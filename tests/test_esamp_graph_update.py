@@ -137,15 +137,13 @@ def test_train_groups_launches_and_leaves_other_slots(reduction, stacked):
     assert adam.calls == 2 * (2 if stacked else 3)
 
 
-def test_the_cuda_prediction_measures_a_missed_update(monkeypatch):
-    """The CUDA distiller's prediction graph (CPU stubs, kernels.stale_max) sees an update
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_the_cuda_prediction_measures_a_missed_update():
+    """The CUDA distiller's prediction graph (computing on CPU, kernels.stale_max) sees an update
     submitted for its slot and not yet applied: the host counts one more than the device
     applied (as if the update were still queued), the prediction measures lag 1."""
-    from cuda_stubs import install
-
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
-    install(monkeypatch)
     d = CudaGroupedDistiller(24, device="cpu", intermediate_size=9, capacity=3, graph_max_rows=4)
     a, b = d.alloc(), d.alloc()
     x = torch.randn(4, 24)
@@ -160,16 +158,14 @@ def test_the_cuda_prediction_measures_a_missed_update(monkeypatch):
     assert d.staleness_max() == 1
 
 
-def test_the_cuda_update_logs_losses_ok_and_stats_like_the_cpu_distiller(monkeypatch):
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_the_cuda_update_logs_losses_ok_and_stats_like_the_cpu_distiller():
     """The update graph writes each group's loss, ok and optimizer statistics into its row of
-    the result ring (CPU stubs): read back, they equal the CPU distiller's for the same
+    the result ring (computing on CPU): read back, they equal the CPU distiller's for the same
     steps; a group with a non-finite target is not ok and has NaN statistics."""
-    from cuda_stubs import install
-
     from algorithms.esamp.cpu import GroupedDistiller
     from algorithms.esamp.cuda import CudaGroupedDistiller
 
-    install(monkeypatch)
     kw = dict(intermediate_size=9, lr=1e-2, capacity=3, optimizer_stats=True)
     cpu = GroupedDistiller(24, **kw)
     gpu = CudaGroupedDistiller(24, device="cpu", graph_max_rows=4, **kw)

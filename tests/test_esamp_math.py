@@ -286,10 +286,10 @@ class Fake:
         )
         self.gen = g
 
-    def consumer(self, **cfg) -> ESampConsumer:
+    def consumer(self, cuda_path: bool | None = None, **cfg) -> ESampConsumer:
         cfg.setdefault("intermediate_size", INTER)
         ctx = ConsumerContext(self.model, lambda i: resolve_layer(i, 4))
-        return ESampConsumer(ESampConfig(**cfg), ctx)
+        return ESampConsumer(ESampConfig(**cfg), ctx, cuda_path=cuda_path)
 
     @staticmethod
     def requests(prompts: int, n: int) -> list[RequestInfo]:
@@ -637,8 +637,7 @@ def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap, caplog)
     logits = _filtered_logits(6, V, keep=7, seed=11) / 0.7
     out = {}
     for branch in ("exact", "top"):
-        c = fake.consumer(beta=0.5, cuda_max_candidates=cap)
-        c.shared.on_cuda = branch == "top"
+        c = fake.consumer(beta=0.5, cuda_max_candidates=cap, cuda_path=branch == "top")
         view = fake.view(rows, hidden, logits, is_random=[True] * 5 + [False], temp=0.7)
         c.guide(view)
         out[branch] = (view.logits.clone(), c.result()["counters"])

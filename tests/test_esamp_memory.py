@@ -5,9 +5,6 @@ written)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,10 +15,7 @@ from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.mlp import batched_mm, forward_acts
 from algorithms.esamp.params import block_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from cuda_stubs import install as install_cuda_stubs  # noqa: E402
-from host_memory import cpu_peak_bytes  # noqa: E402
+from tllm_core.testing.counters import cpu_peak_bytes
 
 QWEN25_7B = dict(hidden_size=3584, vocab_size=152064)  # 28 layers: no term depends on them
 
@@ -69,8 +63,8 @@ def _all_tensors(obj, seen=None) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("slots,rows,stats", [(3, 4, False), (5, 3, True)])
-def test_plan_exact_terms_equal_the_allocated_tensors(monkeypatch, slots, rows, stats):
-    install_cuda_stubs(monkeypatch)
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_plan_exact_terms_equal_the_allocated_tensors(slots, rows, stats):
     h, inter = 48, 24
     d = CudaGroupedDistiller(
         h, device="cpu", intermediate_size=inter, capacity=slots, graph_max_rows=rows,
@@ -81,13 +75,12 @@ def test_plan_exact_terms_equal_the_allocated_tensors(monkeypatch, slots, rows, 
         optimizer_stats=stats,
     )  # fmt: skip
     # Counted on the real objects, not from the formula: every device tensor the CUDA
-    # distiller holds (host-side pinned plan and result copies excluded).
+    # distiller holds (the host-side plan and result copies are in tllm_core's transfer
+    # rings, which _all_tensors does not enter).
     state = (d.theta, d.m, d.v, d.step, d.applied, d.template)
     assert plan.state_bytes == _tensor_bytes(*state)
     keys = {t.untyped_storage().data_ptr() for t in state}
-    host = {t.untyped_storage().data_ptr() for t in d._host_plans}
-    host |= {t.untyped_storage().data_ptr() for b in d.results._host for t in b}
-    rest = [t for t in _all_tensors(d) if t.untyped_storage().data_ptr() not in keys | host]
+    rest = [t for t in _all_tensors(d) if t.untyped_storage().data_ptr() not in keys]
     assert plan.inputs_bytes == _tensor_bytes(*rest)
     assert len(state) + len(rest) <= mp.ALLOCATIONS
     assert plan.params == d.shape.num_params
@@ -190,16 +183,18 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype, ablation
         intermediate_size=32, mode=mode, cpu_update="inline", cuda_rows_per_step=r,
         cuda_max_candidates=9, ablation=ablation, diagnostics=diagnostics,
     )  # fmt: skip
-    c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
-    c.shared.on_cuda = True
-    ws = c.guide_step.workspace()
+    c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)), cuda_path=True)
+    ws = c.guide_step.strategy.ws
     flats = (ws.flat, ws.view_buffers.flat)
     held = {t.untyped_storage().data_ptr() for t in flats}
     parts = [*ws.parts.values(), *ws.view_buffers.parts.values()]
     assert {t.untyped_storage().data_ptr() for t in parts} == held
-    device = [t for t in _all_tensors(ws) if t.untyped_storage().data_ptr() not in held]
-    assert all(not t.is_pinned() and t.numel() == ws.parts["stage"].numel() for t in device)
-    assert len(device) == 4  # only the host staging buffers (pinned on CUDA) besides
+    # Besides, only the host staging buffers (pinned on CUDA; in tllm_core's StagingRing,
+    # which _all_tensors does not enter).
+    assert [t for t in _all_tensors(ws) if t.untyped_storage().data_ptr() not in held] == []
+    staging = ws._staging.buffers
+    assert all(t is not None and t.numel() == ws.parts["stage"].numel() for t in staging)
+    assert all(not t.is_cuda and not t.is_pinned() for t in staging) and len(staging) == 4
     # On CUDA the distiller has the plan's slots; the CPU one here grows, so its capacity.
     plan = mp.plan_memory(
         h, v, slots=c.distiller.capacity, graph_rows=16, rows_per_step=r, intermediate_size=32,

@@ -99,20 +99,14 @@ def streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: st.current)
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
-
-    def pin(t):
-        # Pinned host memory: the plan and result copies (exempt: host side).
-        st.host.add(Streams.key(t))
-        st.alive.append(t)
-        return t
-
-    monkeypatch.setattr(cuda_mod, "_pin", pin)
     return st
 
 
 def _persistent(d) -> set[int]:
     ts = [v for v in vars(d).values() if isinstance(v, torch.Tensor)]
     ts += [v for v in vars(d.results).values() if isinstance(v, torch.Tensor)]
+    # The host buffers of the plan and result copies (tllm_core's transfer rings).
+    ts += [*d._plans.buffers, *(t for b in d.results._copies._host for t in b)]
     return {Streams.key(t) for t in ts}
 
 

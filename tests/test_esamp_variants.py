@@ -121,7 +121,7 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     c.on_bundle(bundle2)
     c.result()
     assert c.counters.get("warm_start_steps") == 2 * steps
-    # Decode rows still train as before (the warm steps are not counted as decode steps).
+    # Decode rows train as without a warm start (warm steps are not counted as decode steps).
     rows_d, hidden_d = fake.step(reqs)
     c.on_bundle(Bundle(2, rows_d, hidden_d))
     c.result()
@@ -155,10 +155,14 @@ def test_fit_scale_and_relative_error_reference():
     )
 
 
-def test_fit_schedule_beta_follows_the_groups_error_average():
+@pytest.mark.parametrize("cuda", [False, True], ids=["host", "cuda"])
+def test_fit_schedule_beta_follows_the_groups_error_average(cuda):
+    """Both guidance strategies (``cuda``: the workspace's errors per slot)."""
     fake = Fake()
     decay, beta, temp = 0.5, 0.5, 0.8
-    c = fake.consumer(beta_schedule="fit", fit_decay=decay, beta=beta, lr=1e-2, init="zero")
+    c = fake.consumer(
+        beta_schedule="fit", fit_decay=decay, beta=beta, lr=1e-2, init="zero", cuda_path=cuda
+    )
     reqs = fake.requests(prompts=2, n=1)
     rows, hidden = fake.step(reqs)
     x, t = hidden["layer.0"], hidden["final"]
@@ -177,7 +181,8 @@ def test_fit_schedule_beta_follows_the_groups_error_average():
             assert torch.equal(v.logits, logits)  # scale 0: untouched
         err = decay * err + (1 - decay) * relative_error(t, f)
         c.on_bundle(Bundle(step, rows, hidden))
-    assert 0 < c.counters.get("fit_scale_mean") < 1 and c.counters.get("fit_rows") == 8
+    k = c.result()["counters"]  # the CUDA strategy's sums are read at a flush
+    assert 0 < k["fit_scale_mean"] < 1 and k["fit_rows"] == 8
     assert not torch.equal(v.logits, logits)
 
 

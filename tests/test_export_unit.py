@@ -729,7 +729,7 @@ def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
 def test_finished_requests_leave_memory_and_the_manifest(tmp_path):
     """Each manifest rewrite carries only the requests still running; finished ones are
     appended once to requests.jsonl, so memory and bytes written per shard stay flat however
-    many requests were served (before: every token id ever seen, rewritten per shard)."""
+    many requests were served (not every token id ever seen, rewritten per shard)."""
     out = tmp_path / "serve"
     c = make_export(out, layers=["final"], shard_rows=4)
     manifest_sizes = []

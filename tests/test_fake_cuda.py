@@ -79,6 +79,10 @@ def equal(fc, t):
     torch.equal(t, t)
 
 
+def bincount(fc, t):
+    torch.bincount(t.long())
+
+
 def bool_mask(fc, t):
     t[t > 0]
 
@@ -113,7 +117,7 @@ def pinned_blocking_copy(fc, t):
 
 HOST_WAITS = [item, as_int, as_bool, cpu, tolist, to_numpy, nonzero, unique, equal, bool_mask]
 HOST_WAITS += [bool_mask_put, masked_select, repeats, stream_sync, event_sync, device_sync]
-HOST_WAITS += [pinned_blocking_copy]
+HOST_WAITS += [pinned_blocking_copy, bincount]
 
 
 @pytest.mark.parametrize("fn", HOST_WAITS, ids=lambda f: f.__name__)
@@ -345,7 +349,7 @@ def test_launches_and_bytes_per_step_follow_the_bytes_count_rules():
 
 def test_a_gather_into_out_moves_the_bytes_of_one_that_allocates():
     """``index_select(..., out=)`` reads its rows once and writes them once, as the
-    allocating call does (was: counted as a scatter into its source, the rows twice); an
+    allocating call does (not as a scatter into its source, the rows twice); an
     in-place ``index_copy_`` reads and writes its target's rows."""
     with FakeCuda() as fc:
         t = torch.zeros(100, 10, device=fc.device)
@@ -527,7 +531,8 @@ def _source_line(path: str, text: str) -> int:
 
 
 def test_cuda_distiller_steps_make_no_host_wait_or_pageable_copy():
-    """Was: a pageable copy in ``_fill`` (``e.mask[rs, rp] = True``) every train step."""
+    """An indexed write in ``_fill`` (``e.mask[rs, rp] = True``) is a pageable copy every
+    train step: the distiller's steps must have none."""
     fc = esamp_findings("cuda")
     assert not _stalls(fc), _stalls(fc)
     assert not fc.findings(kind="first_cublas")  # the side stream was warmed at construction
@@ -535,9 +540,23 @@ def test_cuda_distiller_steps_make_no_host_wait_or_pageable_copy():
 
 
 def test_cpu_distiller_refuses_a_device():
-    """Was: ``.numpy()`` of a device tensor in ``GroupedDistiller.predict``; now the CPU
-    class refuses a GPU at construction, naming the CUDA class."""
+    """The CPU class refuses a GPU at construction, naming the CUDA class (its ``.numpy()``
+    of a device tensor would make the host wait every step)."""
     from algorithms.esamp.cpu import GroupedDistiller
 
     with pytest.raises(ValueError, match="CudaGroupedDistiller"):
         GroupedDistiller(HIDDEN, device="cuda")
+
+
+def test_on_a_computing_cpu_device_a_graph_replay_runs_its_operations_again():
+    """``FakeCuda(device="cpu")``: values are computed; a replay runs the captured operations
+    again on the same tensors (a new value of an input reaches the output, through an
+    intermediate the capture made)."""
+    with FakeCuda(device="cpu"):
+        x, y = torch.ones(3), torch.zeros(3)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y.copy_(x * 2 + 1)
+        x.fill_(5)
+        g.replay()
+    assert y.tolist() == [11.0] * 3

@@ -1,6 +1,6 @@
 """``gpu_smoke.py --device fake``: the dress rehearsal of the GPU smoke run on CPU. Every
 CUDA-only branch of the smoke run and of the benchmarks it calls runs on the fake CUDA device
-(docs/fake-cuda.md), so a GPU session (rare, 15 minutes) is never spent on a typo; every value
+(docs/fake-cuda.md), so a typo fails on any machine, not on the GPU; every value
 of a rehearsed part is null, so none of it passes for a measurement."""
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 sys.path[:0] = [str(ROOT), str(BENCH)]
 
-import gpu_rehearsal  # noqa: E402
 import gpu_smoke  # noqa: E402
 
 PARTS = ("cuda_tests", "esamp_step", "kernels", "distiller", "memory", "syncs", "compiled_taps")
 
-# The lent GPU machines have no vLLM (pydantic travels as wheels: docs/gpu.md).
+# The smoke run needs no vLLM, and pydantic only for the consumer's parts (docs/gpu.md).
 _WITHOUT_VLLM = """
 import builtins, runpy, sys
 real = builtins.__import__
@@ -39,7 +38,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def _leaves(x, path=""):
     if isinstance(x, dict):
         for k, v in x.items():
-            if k not in gpu_rehearsal.KEEP:
+            if k not in gpu_smoke.KEEP:
                 yield from _leaves(v, f"{path}/{k}")
     elif isinstance(x, list):
         for i, v in enumerate(x):
@@ -69,10 +68,10 @@ def test_every_part_runs_its_cuda_branch_in_the_rehearsal(rehearsal_run):
     """At the GPU run's shapes (one iteration), each part runs its CUDA branch to the end
     on the fake device and says so; a CUDA-only line that raises fails here."""
     out = rehearsal_run
-    assert out["rehearsal"] is True and out["device"] == gpu_rehearsal.DEVICE_NAME
+    assert out["rehearsal"] is True and out["device"] == gpu_smoke.DEVICE_NAME
     for part in PARTS:
         assert "error" not in out[part], (part, out[part])
-        assert out[part]["ran_on"] == gpu_rehearsal.RAN_ON, (part, out[part])
+        assert out[part]["ran_on"] == gpu_smoke.RAN_ON, (part, out[part])
     # What only the CUDA branches produce.
     assert "tests collected" in out["cuda_tests"]["rehearsal"]["collect_only"]
     assert set(out["esamp_step"]) >= {"8x16", "1x128", "64x16", "targets"}
@@ -124,9 +123,9 @@ def test_a_sync_under_the_sync_debug_mode_raises_as_on_a_gpu(monkeypatch):
         return out
 
     monkeypatch.setattr(candidates, "top_candidate_entries", reads_back)
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         out = gpu_smoke.candidate_syncs(r.device, rows=4, vocab=64)
-    assert out["fixed_size_cuda_sync_debug"].startswith("synced: rehearsal: host_wait")
+    assert out["fixed_size_cuda_sync_debug"].startswith("synced: FakeCuda: host_wait")
     (window,) = r.sync_windows
     assert window["host_waits_and_pageable_copies"] == 1
     assert "out.valid.any().item()" in window["sites"][0]
@@ -141,12 +140,12 @@ def test_a_part_that_raises_is_reported_with_its_line_and_the_rest_still_run(mon
         "_parts",
         lambda device, quick: (("broken", broken), ("fine", lambda: {"ms": 1.5, "ok": True})),
     )
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         out = gpu_smoke.smoke(r.device, quick=True)
     assert out["broken"]["ran_on"] == "not run"
     assert "AttributeError" in out["broken"]["error"]
     assert "test_gpu_rehearsal.py" in out["broken"]["traceback"]
-    assert out["fine"] == {"ran_on": gpu_rehearsal.RAN_ON, "ms": None, "ok": None}
+    assert out["fine"] == {"ran_on": gpu_smoke.RAN_ON, "ms": None, "ok": None}
 
 
 def test_the_rehearsal_puts_everything_back():
@@ -155,22 +154,22 @@ def test_the_rehearsal_puts_everything_back():
 
     def patched() -> tuple:
         return (
-            torch.Generator, torch.compile, factory.uses_gpu_path, fake_cuda._SKIP,
-            torch.cuda.memory_allocated, torch.cuda.set_sync_debug_mode, torch.cuda.is_available,
+            torch.Generator, torch.compile, factory.uses_gpu_path, torch.cuda.memory_allocated,
+            torch.cuda.set_sync_debug_mode, torch.cuda.is_available, torch.cuda.Event,
         )  # fmt: skip
 
     before = patched()
-    with gpu_rehearsal.rehearsal() as r:
-        assert fake_cuda.is_cuda(r.device) and gpu_rehearsal.active() is r
+    with gpu_smoke.rehearsal() as r:
+        assert fake_cuda.is_cuda(r.device) and gpu_smoke.active() is r
         assert torch.Generator(device=r.device).device.type == "cpu"
         assert torch.cuda.memory_allocated() == 0
-    assert patched() == before and gpu_rehearsal.active() is None
-    assert not fake_cuda.is_cuda("meta") and "_flag" not in vars(r.fc)
+    assert patched() == before and gpu_smoke.active() is None
+    assert not fake_cuda.is_cuda("meta")
 
 
 def test_the_cuda_tests_keep_the_carried_wheels_on_their_path(monkeypatch):
-    """On the GPU machine pydantic comes from carried wheels on PYTHONPATH (docs/gpu.md): the
-    CUDA tests' subprocess puts the checkout first and keeps that path."""
+    """Packages installed into a folder on PYTHONPATH (``pip --target``: pydantic, say) stay
+    visible: the CUDA tests' subprocess puts the checkout first and keeps that path."""
     monkeypatch.setenv("PYTHONPATH", "/tmp/site")
     assert gpu_smoke.tests_env()["PYTHONPATH"].split(":") == [str(ROOT), "/tmp/site"]
     monkeypatch.delenv("PYTHONPATH")
@@ -194,7 +193,7 @@ def test_parts_not_started_within_the_budget_are_skipped(monkeypatch):
 
 
 def _example(spec: list):
-    """An argument of the kind the rehearsal recorded (see ``gpu_rehearsal._arg_spec``)."""
+    """An argument of the kind the rehearsal recorded (see ``gpu_smoke._arg_spec``)."""
     if spec[0] == "tensor":
         return torch.empty(16, dtype=getattr(torch, spec[1]))
     return 0.5 if spec[0] == "float" else spec[1]
@@ -204,7 +203,7 @@ def test_every_triton_launch_of_the_gpu_run_compiles_for_sm90(rehearsal_run):
     """The rehearsal runs ESamp's kernel operators through their CUDA implementation (the
     argument checks, the launch built, not run): every distinct launch of the GPU run (ESamp's
     step at the three layouts, the distiller, the kernels' tile sweep) compiles for an
-    H100/H200 without one, so the GPU session never meets a Triton compile error."""
+    H100/H200 without one, so a GPU run never meets a Triton compile error."""
     pytest.importorskip("triton", reason="Triton is not installed here")
     from test_esamp_kernels import _compile_sm90
 
@@ -237,7 +236,7 @@ def test_the_kernel_operators_check_their_arguments_in_the_rehearsal():
 
     with FakeCuda() as fc:
         bf16_input(fc.device)  # not seen
-    with gpu_rehearsal.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
+    with gpu_smoke.rehearsal() as r, pytest.raises(ValueError, match="x must be"):
         bf16_input(r.device)
 
 
@@ -257,9 +256,9 @@ def test_the_gpu_runs_step_check_reports_a_sync_in_the_consumers_step(monkeypatc
         return guide(self, view)
 
     monkeypatch.setattr(ESampConsumer, "guide", reads_back)
-    with gpu_rehearsal.rehearsal() as r:
+    with gpu_smoke.rehearsal() as r:
         res = esamp_gpu_step.bench_step(r.device, 1, 16, iters=1, warmup=1)
     # Raised inside the consumer's guide, caught by the runtime's isolation as its error.
     assert res["sync_debug"].startswith("synced: consumer 'esamp' raised in guide"), res
-    assert "rehearsal: host_wait" in res["sync_debug"], res["sync_debug"]
+    assert "FakeCuda: host_wait" in res["sync_debug"], res["sync_debug"]
     assert "view.logits.amax().item()" in r.sync_windows[0]["sites"][0]

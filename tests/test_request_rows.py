@@ -238,8 +238,8 @@ def test_per_request_rows_on_a_gpu_allocate_nothing_and_wait_for_nothing(monkeyp
     """On the fake CUDA device, stream order checked: a per-request editor's rows (its plan
     empty: the edit buffers' own writes are not what is counted) and a per-request guide's
     view take nothing from the allocator in a steady step, make the host wait for nothing
-    and copy nothing from pageable memory (was: the editor's rows' token ids, the guide's
-    index, logits, temperatures, states and change counts, each a new tensor)."""
+    and copy nothing from pageable memory (the editor's rows' token ids, the guide's index,
+    logits, temperatures, states and change counts reuse their buffers)."""
     monkeypatch.setattr(Noter, "plan", False)
     with FakeCuda(order=True) as fc:
         rt = _runtime("noter", "nudger", device=fc.device)

@@ -1,16 +1,13 @@
 """The runtime's own host syncs in a step (begin_step, end_step: rows, reads, the step's
 stamps), counted on CPU. The step's tensors live on the ``meta`` device, so a copy between
-host and "device" is a real one that ``benchmarks/sync_count.py`` sees, and a read of a
+host and "device" is a real one that ``tllm_core.testing.counters`` sees, and a read of a
 device value that the code did not mean to make fails (a meta tensor has no values). The one
-intended read, the step's stamps (``runtime.stamp_reads``: one blocking read on a device
+intended read, the step's stamps (``runtime.stamp_copies``: one blocking read on a device
 without CUDA's streams and events, as meta here), is counted by a stand-in for
 ``Tensor.cpu`` that answers with the step number. On CUDA that read does not block
 (``test_core_ports.test_end_step_makes_the_host_wait_for_nothing_on_a_gpu``)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,9 +20,7 @@ from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from sync_count import SyncCounter  # noqa: E402
+from tllm_core.testing.counters import SyncCounter
 
 META = torch.device("meta")
 
@@ -149,7 +144,7 @@ def test_index_copies_do_not_wait_for_the_device():
         t = index_to(idx, META)
     assert t.device == META and t.dtype == torch.long and not sc.kinds
     with SyncCounter() as sc:
-        torch.from_numpy(idx).to(META)  # what the runtime did before: a blocking copy
+        torch.from_numpy(idx).to(META)  # the plain form: a blocking copy
     assert sc.kinds == {"host_device_copy": 1}
 
 

@@ -1,5 +1,5 @@
 """The runtime's reused per-step buffers (``tllm_core/runtime/buffer_pool.py``,
-``step_buffers.py``): a buffer is reused only when nothing holds it, so a bundle a consumer
+``step_indices.py``): a buffer is reused only when nothing holds it, so a bundle a consumer
 keeps keeps its values; gathers into the pool equal ``index_select``; the step's indices go
 to the device in one copy from a pinned staging ring that is rewritten only after its copy
 ran; a buffer moved to another stream is reused after the work of the one it left."""
@@ -20,7 +20,7 @@ from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import build_bundle
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
 
 H = 4
@@ -80,7 +80,7 @@ def test_a_buffer_moved_to_another_stream_is_reused_after_the_work_of_its_last_o
 def test_gathers_into_the_pool_equal_index_select(dtype):
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(9, 5, generator=g) * 5).to(dtype)
-    buffers = StepBuffers()
+    buffers = StepIndices()
     for idx in (np.array([4, 0, 4, 8]), np.arange(9), np.zeros(0, np.int64), np.array([3])):
         want = t.index_select(0, torch.from_numpy(idx))
         got = buffers.gather(t, idx)
@@ -95,7 +95,7 @@ def test_the_staging_ring_is_rewritten_only_after_its_copy_ran():
     each buffer is refilled only after the event of its last copy (without that check the
     host's refill races the copy still reading it), and the indices equal the host's."""
     with FakeCuda(order=True) as fc:
-        buffers = StepBuffers(ring=2)
+        buffers = StepIndices(ring=2)
         with fc.steps():
             for step in range(6):
                 arrays = [np.arange(step + 2), np.array([step, 0]), np.arange(step + 2)]
@@ -251,7 +251,7 @@ def test_bundles_cut_into_the_runtime_buffers_equal_the_plain_ones(monkeypatch, 
         b = build_bundle(plan, again, None, lambda k, e: stale.append(k), unchecked, buffers)
         return b, stale, unchecked
 
-    (plain, stale0, un0), (pooled, stale1, un1) = cut(None), cut(StepBuffers())
+    (plain, stale0, un0), (pooled, stale1, un1) = cut(None), cut(StepIndices())
     assert (stale0, un0) == (stale1, un1) and (stale0 or un0)
     assert plain.hidden.keys() == pooled.hidden.keys() and plain.per_sample.keys() == {"sampled"}
     assert torch.equal(plain.hidden["layer.0"], pooled.hidden["layer.0"])

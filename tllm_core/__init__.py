@@ -4,8 +4,10 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
 ``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
-on the device, read back without a host wait) and :class:`HostCopies` (device tensors
-copied to the host without a wait), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
+on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
+copied to the host without a wait; ``HostCopies``: its deprecated name) and
+:class:`StagingRing` (host values copied to the device from pinned buffers; one tensor:
+``host_to_device``), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
 the port-name grammar (:class:`PortName`, ``parse_port_name``, ``format_port_name``); for producer authors: :class:`Producer`,
 :class:`TapRequest`, :class:`StepCapture` and the port bases :class:`TokenPort`,
 :class:`SamplePort`, :class:`LayerPort`; for architecture plugins: :class:`SiteSpec` and
@@ -22,14 +24,19 @@ from tllm_core.lazy import lazy_getattr
 if TYPE_CHECKING:
     from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView
-    from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+    from tllm_core.api.consumer import (
+        Consumer,
+        ConsumerConfig,
+        ConsumerContext,
+        ControlError,
+        ModelInfo,
+    )
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
     from tllm_core.api.device_sums import DeviceSums
     from tllm_core.api.edits import EditPlan
     from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
-    from tllm_core.api.host_copies import HostCopies
     from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
     from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
@@ -46,13 +53,16 @@ if TYPE_CHECKING:
         SamplePort,
         SamplerGuide,
         TokenPort,
+        as_selector,
         layer_key,
         residual_port,
     )
     from tllm_core.api.producer import Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs
+    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs, row_mask
     from tllm_core.api.step import StepCapture
+    from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
+    from tllm_core.api.windows import Window
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -70,6 +80,8 @@ __all__ = [
     "cli_common",
     "allowed_cpus",
     "phase_mask",
+    "row_mask",
+    "as_selector",
     "request_runs",
     "residual_port",
     "layer_key",
@@ -77,10 +89,15 @@ __all__ = [
     "Counters",
     "DeviceSums",
     "HostCopies",
+    "HostCopyRing",
+    "StagingRing",
+    "host_to_device",
     "Bundle",
     "Consumer",
     "ConsumerConfig",
     "ConsumerContext",
+    "ControlError",
+    "Window",
     "ConsumerSpec",
     "ConsumerSpecError",
     "FiniteF32",
@@ -137,6 +154,8 @@ _HOME = MappingProxyType(
         "Consumer": "tllm_core.api.consumer",
         "ConsumerConfig": "tllm_core.api.consumer",
         "ConsumerContext": "tllm_core.api.consumer",
+        "ControlError": "tllm_core.api.consumer",
+        "Window": "tllm_core.api.windows",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",
@@ -172,13 +191,18 @@ _HOME = MappingProxyType(
         "cli_common": "tllm_core.app.cli_common",
         "allowed_cpus": "tllm_core.runtime.cpus",
         "phase_mask": "tllm_core.api.rows",
+        "row_mask": "tllm_core.api.rows",
+        "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",
         "layer_key": "tllm_core.api.ports",
         "FINAL": "tllm_core.api.port_names",
         "Counters": "tllm_core.api.counters",
         "DeviceSums": "tllm_core.api.device_sums",
-        "HostCopies": "tllm_core.api.host_copies",
+        "HostCopies": "tllm_core.api.transfers",
+        "HostCopyRing": "tllm_core.api.transfers",
+        "StagingRing": "tllm_core.api.transfers",
+        "host_to_device": "tllm_core.api.transfers",
     }
 )
 

@@ -17,7 +17,7 @@ from algorithms.esamp import report
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
-from algorithms.esamp.factory import distiller_for
+from algorithms.esamp.factory import distiller_for, guide_for
 from algorithms.esamp.guide_step import NOISE_ABLATIONS, GuideStep
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.losses import LossBook
@@ -107,7 +107,11 @@ class ESampConsumer(Consumer):
 
     config: ESampConfig  # the registry builds it from the spec (validated there, once)
 
-    def __init__(self, config: ESampConfig, context: ConsumerContext):
+    def __init__(
+        self, config: ESampConfig, context: ConsumerContext, cuda_path: bool | None = None
+    ):
+        """``cuda_path``: the CUDA code path (deferred reads, allocation-free guidance) or
+        not; by default where the distiller is the CUDA one (tests run it on CPU tensors)."""
         super().__init__(config, context)
         model = context.model
         self._src = context.resolve_layer(config.source_layer)
@@ -143,11 +147,13 @@ class ESampConsumer(Consumer):
         self.distiller = distiller_for(config, model.hidden_size, model.device, slots)
         # The CUDA code path (counters and losses read back only where a sync is paid).
         on_cuda = isinstance(self.distiller, CudaGroupedDistiller)
+        on_cuda = on_cuda if cuda_path is None else cuda_path
         src_key, tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.shared = Shared(config, self.distiller, self.counters, src_key, tgt_key, on_cuda)
         self.groups = Groups(self.distiller, self.counters, config.scope, config.max_groups)
         self.diagnostics = Diagnostics(self.counters) if config.diagnostics else None
-        self.guide_step = GuideStep(self.shared, self.groups, model, self._beta, self.diagnostics)
+        guide = guide_for(self.shared, self.groups, model, self.diagnostics)
+        self.guide_step = GuideStep(self.shared, self.groups, self._beta, guide)
         self.losses = LossBook(self.counters)
         self.trainer = Trainer(self.shared, self.groups, self.losses, self.guide_step.read_guided)
         for name in COUNTER_NAMES:

@@ -54,17 +54,14 @@ from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
+from tllm_core import StagingRing
 
 log = logging.getLogger("tllm")
 
-# Pinned host plan vectors in rotation: one is reused only after its copy has run.
+# Pinned host plan vectors in rotation (tllm_core's StagingRing).
 _PLAN_BUFFERS = 8
 # The graphs of each layout: prediction, update, update on the prediction's forward.
 _KINDS = ("predict", "train", "train_reuse")
-
-
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    return t.pin_memory()
 
 
 @contextmanager
@@ -137,22 +134,21 @@ class CudaGroupedDistiller(SlotDistiller):
         # forward self.acts holds; None: none to reuse.
         self._predicted: tuple | None = None
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
-        self._host_plans = [
-            _pin(torch.zeros(plan_size(t, capacity), dtype=torch.long))
-            for _ in range(_PLAN_BUFFERS)
-        ]
-        self._plan_events: list[torch.cuda.Event | None] = [None] * _PLAN_BUFFERS
-        self._plan_next = 0
-        self.results = ResultLog(512, capacity, self.hp.stats, dev, _pin)
+        self._plans = StagingRing(dev, _PLAN_BUFFERS, numel=plan_size(t, capacity))
+        self.results = ResultLog(512, capacity, self.hp.stats, dev)
         self._stats = torch.zeros(capacity, len(STATS), device=dev)
         self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
-        self.host_waits = 0  # plan buffers the host had to wait for
         self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}
         self.stream.wait_stream(torch.cuda.current_stream(dev))  # initial state
         self._warm_up()
         if use_cuda_graph:
             self._capture()
         self.stream.synchronize()
+
+    @property
+    def host_waits(self) -> int:
+        """Plan buffers the host had to wait for."""
+        return self._plans.waits
 
     @property
     def asynchronous(self) -> bool:
@@ -337,13 +333,7 @@ class CudaGroupedDistiller(SlotDistiller):
     # -- per call ---------------------------------------------------------------------
     def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
         """One pinned host-to-device copy of the batch's plan, on the side stream."""
-        i = self._plan_next
-        self._plan_next = (i + 1) % _PLAN_BUFFERS
-        ev = self._plan_events[i]
-        if ev is not None and not ev.query():
-            self.host_waits += 1  # its previous copy has not run yet (not seen in practice)
-            ev.synchronize()
-        host = self._host_plans[i]
+        i, host = self._plans.take(self.plan.numel())
         fill_plan(
             host.numpy(),
             batch,
@@ -355,10 +345,7 @@ class CudaGroupedDistiller(SlotDistiller):
             self.capacity,
             ring_row,
         )
-        self.plan.copy_(host, non_blocking=True)
-        ev = self._plan_events[i] or torch.cuda.Event()
-        ev.record(self.stream)
-        self._plan_events[i] = ev
+        self._plans.send(i, self.plan, self.stream)
 
     def _check_rows(self, n: int) -> None:
         if n > self.total_rows:

@@ -2,11 +2,11 @@
 logged on the device and brought to the host in the background.
 
 Each update batch writes one row of a device ring (``[N, C]``). Every ``every`` updates the
-whole ring and the staleness maximum are copied into pinned host memory without blocking
-(a D2H copy on the side stream, after the updates it covers) and an event is recorded;
-:meth:`ResultLog.poll` hands out the results whose copy has arrived (``event.query()``: no
-wait). Only :meth:`ResultLog.drain` waits, where a host sync is paid anyway (the consumer's
-``result()``, shutdown)."""
+whole ring and the staleness maximum are copied back to the host without blocking (a D2H
+copy on the side stream, after the updates it covers: :class:`~tllm_core.HostCopyRing`);
+:meth:`ResultLog.poll` hands out the results whose copy has arrived (no wait). Only
+:meth:`ResultLog.drain` waits, where a host sync is paid anyway (the consumer's ``result()``,
+shutdown)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from algorithms.esamp.adam import STATS
+from tllm_core import HostCopyRing
 
 
 @dataclass
@@ -33,27 +34,28 @@ class Pending:
 
 
 class ResultLog:
+    """The device ring of update results (``losses``, ``ok``, ``stats`` ``[rows, capacity]``
+    and the staleness maximum ``stale``), copied back through a two-buffer
+    :class:`~tllm_core.HostCopyRing`: one copy may be in flight while the other is read."""
+
     def __init__(
-        self, rows: int, capacity: int, stats: bool, device: torch.device, pin, every: int = 32
+        self, rows: int, capacity: int, stats: bool, device: torch.device, every: int = 32
     ):
         self.rows, self.every = rows, every
         self.losses = torch.zeros(rows, capacity, device=device)
         self.ok = torch.zeros(rows, capacity, device=device)
         self.stats = torch.zeros(rows, capacity, len(STATS), device=device) if stats else None
         self.stale = torch.zeros(1, dtype=torch.long, device=device)  # max staleness seen
-        # Two host copies, alternating: one may be in flight while the other is read.
-        self._host = [self._host_buffers(pin) for _ in range(2)]
-        self._flight: list[tuple[int, torch.cuda.Event, int]] = []  # (buffer, event, serial)
+        self._copies = HostCopyRing(self._device_buffers(), 2, read=self._read)
         self._pending: list[Pending] = []
         self._next = 0  # updates logged so far
         self._copied = 0  # updates covered by the last copy issued
-        self._buf = 0
         self.staleness_max = 0
-        self.host_waits = 0  # copies the host had to wait for (buffer reuse, drain)
 
-    def _host_buffers(self, pin) -> list[torch.Tensor]:
-        """Pinned host twins of :meth:`_device_buffers`, in the same order."""
-        return [pin(torch.empty(t.shape, dtype=t.dtype)) for t in self._device_buffers()]
+    @property
+    def host_waits(self) -> int:
+        """Copies the host had to wait for (a buffer still in flight, drain)."""
+        return self._copies.waits
 
     def _device_buffers(self) -> list[torch.Tensor]:
         return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
@@ -77,42 +79,23 @@ class ResultLog:
             self.copy(stream)
 
     def copy(self, stream) -> None:
-        """Copy the ring to the host without blocking, ordered after the updates logged."""
+        """Copy the ring to the host without blocking, ordered after the updates logged
+        (a copy into a buffer still in flight first waits for it: the ring's rule)."""
         if self._next == self._copied:
             return
-        buf = self._buf
-        self._buf ^= 1
-        for b, _, _ in self._flight:
-            if b == buf:  # the previous copy into this buffer must have been read
-                self._wait_first()
-        ev = torch.cuda.Event()
-        with torch.cuda.stream(stream):
-            for host, dev in zip(self._host[buf], self._device_buffers(), strict=True):
-                host.copy_(dev, non_blocking=True)
-            ev.record(stream)
-        self._flight.append((buf, ev, self._next))
+        self._copies.send(self._device_buffers(), tag=self._next, stream=stream)
         self._copied = self._next
-
-    def _wait_first(self) -> None:
-        buf, ev, serial = self._flight[0]
-        if not ev.query():
-            self.host_waits += 1
-            ev.synchronize()
-        self.poll()
 
     def poll(self) -> None:
         """Hand out every result whose copy has arrived (no waiting)."""
-        while self._flight and self._flight[0][1].query():
-            buf, _, serial = self._flight.pop(0)
-            self._read(self._host[buf], serial)
+        self._copies.arrived()
 
     def drain(self, stream) -> None:
         """Copy and wait for every result logged (a host sync)."""
         self.copy(stream)
-        while self._flight:
-            self._wait_first()
+        self._copies.arrived(wait=True)
 
-    def _read(self, host: list[torch.Tensor], serial: int) -> None:
+    def _read(self, serial: int, host: list[torch.Tensor]) -> None:
         losses, ok, stale = host[0], host[1], host[2]
         stats = host[3] if self.stats is not None else None
         self.staleness_max = max(self.staleness_max, int(stale[0]))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from algorithms.esamp.guidance import candidate_shift
-from tllm_core import Counters, HostCopies
+from tllm_core import Counters, HostCopyRing
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
 _DIAG_FIELDS = ("age", "rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
@@ -103,7 +103,7 @@ class DeviceRecords:
         self.diagnostics = diagnostics
         half = max(ring.shape[0] // 2, 1)
         self._halves = [ring[:half], ring[half : 2 * half]]
-        self._copies = HostCopies(self._halves[0], 2)
+        self._copies = HostCopyRing(self._halves[0], 2)
         self._cur = 0
         self._steps: list[tuple[list[int], bool]] = []  # per row of the current half
         self.halves_sent = 0

@@ -1,4 +1,5 @@
-"""Picks the distiller implementation for a device and builds it from an ESamp config."""
+"""Picks the distiller and the guidance strategy for a device and builds them from an ESamp
+config."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import torch
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
+from algorithms.esamp.diagnostics import Diagnostics
+from algorithms.esamp.guide_cuda import CudaGuide
+from algorithms.esamp.guide_step import Guide, HostGuide
+from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.memory_plan import round_rows
+from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
+from tllm_core import ModelInfo
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
@@ -107,3 +114,12 @@ def distiller_for(
             seed=cfg.seed,
             **extra,
         )
+
+
+def guide_for(
+    shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
+) -> Guide:
+    """The guidance strategy of the consumer's code path: the allocation-free one on the
+    CUDA path (``shared.on_cuda``), else the host one."""
+    strategy = CudaGuide if shared.on_cuda else HostGuide
+    return strategy(shared, groups, model, diagnostics)

@@ -1,4 +1,6 @@
-"""Pure mixing functions of ESamp guidance.
+"""ESamp guidance's math, written once: each function allocates its result and temporaries,
+or, given the guidance workspace ``ws``, writes them into its parts (the CUDA strategy's
+step then allocates nothing on the device).
 
 Convention: ``ref`` logits are the sampler's (already divided by the row temperature, -inf
 off the candidate set); ``dist`` logits are raw head projections of the distiller's
@@ -7,23 +9,52 @@ prediction, so they are divided by the same temperature here ("mix before temper
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from algorithms.esamp.kernels import candidate_dot
 
+if TYPE_CHECKING:
+    from algorithms.esamp.guide_workspace import GuideWorkspace
+
 # dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def take(
+    ws: GuideWorkspace | None,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A ``shape`` temporary: the first elements of the workspace's part ``name`` (nothing
+    allocated: the CUDA strategy), or a new tensor without a workspace (the host one)."""
+    if ws is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return ws.parts[name].view(-1)[: math.prod(shape)].view(shape)
+
+
 def mix_candidates(
-    ref: torch.Tensor, dist: torch.Tensor, beta: torch.Tensor | float, temperature: torch.Tensor
+    ref: torch.Tensor,
+    dist: torch.Tensor,
+    beta: torch.Tensor | float,
+    temperature: torch.Tensor,
+    ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
     """The ESamp mix for candidate entries: ``(1+beta)*ref - beta*dist/T`` elementwise
-    (``ref`` temperature-scaled, ``dist`` raw head projections)."""
-    t = temperature.to(ref.dtype)
-    return (1 + beta) * ref - beta * dist.to(ref.dtype) / t
+    (``ref`` temperature-scaled, ``dist`` raw head projections, fp32; ``beta`` and
+    ``temperature`` broadcast to ``ref``). With ``ws``, ``dist`` is its part "dist" and is
+    scaled there."""
+    dev, f32 = ref.device, torch.float32
+    beta = torch.as_tensor(beta, dtype=f32, device=dev)
+    one_b = torch.add(beta, 1, out=take(ws, "one_b", tuple(beta.shape), f32, dev))
+    new = torch.mul(one_b, ref, out=take(ws, "mix", tuple(ref.shape), f32, dev))
+    scaled = torch.mul(dist, beta, out=take(ws, "dist", tuple(dist.shape), f32, dev))
+    return new.sub_(scaled.div_(temperature))
 
 
 def mix_post_filter(
@@ -56,6 +87,7 @@ def mix_full_vocab_logits(
     beta: torch.Tensor | float,
     temperature: torch.Tensor,
     inplace: bool = False,
+    ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
     """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
     (``beta`` a float or one value per row). ``inplace``: the result is written into
@@ -63,25 +95,30 @@ def mix_full_vocab_logits(
     temporary of its own."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
-    b = _per_row(beta)
-    t = temperature.to(ref_logits.dtype)[:, None]
+    dev, b = ref_logits.device, _per_row(beta)
     if not inplace:
-        return (1 + b) * ref_logits - b * dist_logits.to(ref_logits.dtype) / t
-    # -(b*dist/t) + (1+b)*ref in one fused pass (addcmul may round the last bit differently
-    # from the two-step form above).
-    out = dist_logits.mul_(b).div_(t).neg_()
-    one_b = 1 + b if isinstance(b, torch.Tensor) else torch.tensor(1 + b, device=out.device)
-    return out.addcmul_(ref_logits, one_b)
+        dist_logits = dist_logits.to(ref_logits.dtype, copy=True)
+    t = temperature.to(ref_logits.dtype)[:, None]
+    b = torch.as_tensor(b, dtype=torch.float32, device=dev)
+    one_b = torch.add(b, 1, out=take(ws, "one_b", tuple(b.shape), torch.float32, dev))
+    # -(b*dist/t) + (1+b)*ref in one fused pass
+    return dist_logits.mul_(b).div_(t).neg_().addcmul_(ref_logits, one_b)
 
 
 def mix_latent(
-    h_target: torch.Tensor, f_pred: torch.Tensor, beta: torch.Tensor | float
+    h_target: torch.Tensor,
+    f_pred: torch.Tensor,
+    beta: torch.Tensor | float,
+    ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` (``beta`` a float or one value per row): one
-    head projection of it equals the logits mix exactly for a linear head without bias or
-    soft-capping."""
-    b = _per_row(beta)
-    return (1 + b) * h_target - b * f_pred
+    """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` in fp32 (``beta`` a float or one value per
+    row): one head projection of it equals the logits mix exactly for a linear head without
+    bias or soft-capping."""
+    dev, f32 = f_pred.device, torch.float32
+    b = torch.as_tensor(_per_row(beta), dtype=f32, device=dev)
+    one_b = torch.add(b, 1, out=take(ws, "one_b", tuple(b.shape), f32, dev))
+    h = take(ws, "hf", tuple(h_target.shape), f32, dev).copy_(h_target).mul_(one_b)
+    return h.sub_(torch.mul(f_pred, b, out=take(ws, "fb", tuple(f_pred.shape), f32, dev)))
 
 
 def candidate_dist_fn(
@@ -129,42 +166,80 @@ def full_dist_logits(
     return (f_pred.to(weight.dtype) @ weight.t()).float()
 
 
-def noise_prediction(
-    h_target: torch.Tensor, f_pred: torch.Tensor, generator: torch.Generator | None = None
+def _unit_noise(
+    out: torch.Tensor, norm: torch.Tensor, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Noise ablation: a stand-in prediction ``h_L - n`` whose error ``n`` is Gaussian with the
-    same per-row norm as the real error ``h_L - f(h_1)`` (direction randomised)."""
-    err_norm = torch.linalg.vector_norm(h_target - f_pred, dim=-1, keepdim=True)
-    n = torch.randn(
-        h_target.shape, generator=generator, device=h_target.device, dtype=h_target.dtype
+    """Gaussian rows into ``out``, scaled to unit norm (clamped at 1e-12)."""
+    torch.randn(out.shape, generator=generator, out=out)
+    torch.linalg.vector_norm(out, dim=-1, out=norm).clamp_min_(1e-12)
+    return out.div_(norm[:, None])
+
+
+def noise_prediction(
+    h_target: torch.Tensor,
+    f_pred: torch.Tensor,
+    generator: torch.Generator | None = None,
+    ws: GuideWorkspace | None = None,
+) -> torch.Tensor:
+    """Noise ablation: a stand-in prediction ``h_L - n`` (fp32) whose error ``n`` is Gaussian
+    with the same per-row norm as the real error ``h_L - f(h_1)`` (direction randomised)."""
+    (n, hidden), dev, f32 = f_pred.shape, f_pred.device, torch.float32
+    h = take(ws, "hf", (n, hidden), f32, dev).copy_(h_target)
+    out = take(ws, "fn", (n, hidden), f32, dev)
+    err = torch.linalg.vector_norm(
+        torch.sub(h, f_pred, out=out), dim=-1, out=take(ws, "fn_err", (n,), f32, dev)
     )
-    n = n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * err_norm
-    return h_target - n
+    _unit_noise(out, take(ws, "fn_norm", (n,), f32, dev), generator).mul_(err[:, None])
+    return torch.sub(h, out, out=out)
 
 
 def f_noise_prediction(
-    f_pred: torch.Tensor, generator: torch.Generator | None = None
+    f_pred: torch.Tensor,
+    generator: torch.Generator | None = None,
+    ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """f-noise ablation: Gaussian noise with the same per-row norm as the prediction
+    """f-noise ablation: Gaussian noise (fp32) with the same per-row norm as the prediction
     ``f(h_1)`` (direction randomised). The mix ``(1+beta) ref - beta dist`` keeps its
     ``(1+beta)`` sharpening; only the learned direction of ``f`` is replaced."""
-    n = torch.randn(f_pred.shape, generator=generator, device=f_pred.device, dtype=f_pred.dtype)
-    norm = torch.linalg.vector_norm(f_pred, dim=-1, keepdim=True)
-    return n / torch.linalg.vector_norm(n, dim=-1, keepdim=True).clamp_min(1e-12) * norm
+    (n, hidden), dev, f32 = f_pred.shape, f_pred.device, torch.float32
+    norm = torch.linalg.vector_norm(f_pred, dim=-1, out=take(ws, "fn_err", (n,), f32, dev))
+    out = _unit_noise(
+        take(ws, "fn", (n, hidden), f32, dev), take(ws, "fn_norm", (n,), f32, dev), generator
+    )
+    return out.mul_(norm[:, None])
 
 
-def relative_error(h_target: torch.Tensor, f_pred: torch.Tensor) -> torch.Tensor:
-    """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; a zero target counts as 1)."""
-    h = h_target.float()
-    num = torch.linalg.vector_norm(h - f_pred.float(), dim=-1)
-    den = torch.linalg.vector_norm(h, dim=-1)
-    return torch.where(den > 0, num / den.clamp_min(1e-30), torch.ones_like(num))
+def relative_error(
+    h_target: torch.Tensor, f_pred: torch.Tensor, ws: GuideWorkspace | None = None
+) -> torch.Tensor:
+    """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; a zero or non-finite norm of
+    the target counts as 1)."""
+    (n, hidden), dev, f32 = h_target.shape, h_target.device, torch.float32
+    h = take(ws, "hf", (n, hidden), f32, dev).copy_(h_target)
+    den = torch.linalg.vector_norm(h, dim=-1, out=take(ws, "den", (n,), f32, dev))
+    num = torch.linalg.vector_norm(h.sub_(f_pred), dim=-1, out=take(ws, "num", (n,), f32, dev))
+    safe = torch.clamp_min(den, 1e-30, out=take(ws, "rtmp", (n,), f32, dev))
+    rel = torch.div(num, safe, out=take(ws, "rel", (n,), f32, dev))
+    ok = torch.gt(den, 0, out=take(ws, "rmask", (n,), torch.bool, dev))
+    return rel.masked_fill_(ok.logical_not_(), 1.0)
 
 
-def fit_scale(err: torch.Tensor) -> torch.Tensor:
+def mixed_rows(
+    f_pred: torch.Tensor, betas: torch.Tensor, ws: GuideWorkspace | None = None
+) -> torch.Tensor:
+    """Which rows are mixed: a finite prediction and ``beta != 0`` (a row's ``f * 0`` sums
+    to 0 exactly when all its values are finite, NaN otherwise)."""
+    (n, hidden), dev = f_pred.shape, f_pred.device
+    zeros = torch.mul(f_pred, 0, out=take(ws, "hf", (n, hidden), torch.float32, dev))
+    fin = torch.sum(zeros, -1, out=take(ws, "fin", (n,), torch.float32, dev))
+    mixed = torch.eq(fin, 0, out=take(ws, "mixed", (n,), torch.bool, dev))
+    return mixed.logical_and_(torch.ne(betas, 0, out=take(ws, "bmask", (n,), torch.bool, dev)))
+
+
+def fit_scale(err: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """beta_schedule 'fit': the factor ``clamp(1 - err, 0, 1)`` of a group's recent relative
     error (1 = the distiller predicts perfectly, 0 = no better than predicting zero)."""
-    return (1 - err).clamp(0.0, 1.0)
+    return torch.neg(err, out=out).add_(1.0).clamp_(0.0, 1.0)
 
 
 def candidate_shift(

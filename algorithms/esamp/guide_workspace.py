@@ -4,9 +4,9 @@ made when the consumer is built, so the step allocates nothing on the device and
 memory is in the plan (:mod:`algorithms.esamp.memory_plan`) before vLLM sizes the KV cache.
 
 The step's host values (its row indices, betas, slots and the 'fit' schedule's fresh
-slots) go to the device in one copy from a pinned staging buffer; the host buffers rotate
-and one is rewritten only after its copy has run (an event), so the host never waits in
-practice and the copy never reads a half-written buffer.
+slots) go to the device in one copy from tllm_core's pinned staging ring
+(:class:`~tllm_core.StagingRing`: a host buffer is rewritten only after its copy has run),
+so the host never waits in practice and the copy never reads a half-written buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 # Torch and tllm_core's lazily imported public API only (the memory plan imports this module).
 from tllm_core import (
     GuideBuffers,
+    StagingRing,
     WorkspaceSpec,
     carve_workspace,
     carve_workspace_from,
@@ -184,16 +185,16 @@ class GuideWorkspace:
         self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
         self._dtype = dtype
         self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))
-        pin = device.type != "cpu" and torch.cuda.is_available()
-        self._host = []
-        for _ in range(STAGING_BUFFERS):
-            flat = torch.zeros(self.parts["stage"].numel(), dtype=torch.uint8)
-            flat = flat.pin_memory() if pin else flat
-            self._host.append((flat, carve_workspace_from(flat, _stage_spec(rows))))
-        self._events: list = [None] * STAGING_BUFFERS
-        self._next = 0
-        self._use_events = pin
-        self.host_waits = 0  # staging buffers whose previous copy had not run (not expected)
+        n = self.parts["stage"].numel()
+        self._staging = StagingRing(device, STAGING_BUFFERS, torch.uint8, numel=n)
+        self._host = [
+            carve_workspace_from(flat, _stage_spec(rows)) for flat in self._staging.buffers
+        ]
+
+    @property
+    def host_waits(self) -> int:
+        """Staging buffers whose previous copy had not run (not expected)."""
+        return self._staging.waits
 
     def check_rows(self, n: int) -> None:
         if n > self.rows:
@@ -221,23 +222,14 @@ class GuideWorkspace:
     ) -> dict[str, torch.Tensor]:
         """The step's host values on the device in one copy; returns their device views
         (``idx``, ``betas``, ``slots``: one per guided row; ``fresh``)."""
-        i = self._next
-        self._next = (i + 1) % STAGING_BUFFERS
-        ev = self._events[i]
-        if ev is not None and not ev.query():
-            self.host_waits += 1
-            ev.synchronize()
-        flat, host = self._host[i]
+        i, _ = self._staging.take(self.parts["stage"].numel())
+        host = self._host[i]
         n = len(idx)
         host["idx"].numpy()[:n] = idx
         host["betas"].numpy()[:n] = betas
         host["slots"].numpy()[:n] = slots
         host["fresh"].numpy()[: len(fresh)] = fresh
-        self.parts["stage"].copy_(flat, non_blocking=True)
-        if self._use_events:
-            ev = ev or torch.cuda.Event()
-            ev.record()
-            self._events[i] = ev
+        self._staging.send(i, self.parts["stage"])
         d = self._stage_dev
         return {
             "idx": d["idx"][:n],

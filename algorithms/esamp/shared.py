@@ -10,6 +10,7 @@ import torch
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import Counters, RowInfo
+from tllm_core import host_to_device as host_to
 
 
 @dataclass
@@ -75,17 +76,10 @@ def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Ten
 def row_index(
     sel: list[int], device: torch.device, arange: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Row indices on ``device`` (see :func:`host_to`): every row in order is a view of
-    ``arange`` (``Shared.arange``) where it is long enough (nothing allocated or copied)."""
+    """Row indices on ``device`` (``host_to``: :func:`tllm_core.host_to_device`): every row
+    in order is a view of ``arange`` (``Shared.arange``) where it is long enough (nothing
+    allocated or copied)."""
     ascending = sel and sel[0] == 0 and sel[-1] == len(sel) - 1  # sel is range(len(sel))
     if ascending and arange is not None and len(sel) <= arange.numel():
         return arange[: len(sel)]
     return host_to(torch.tensor(sel, dtype=torch.long), device)
-
-
-def host_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; pinned + non_blocking on CUDA (a copy from pageable
-    memory waits for the stream, a host sync)."""
-    if device.type != "cpu" and torch.cuda.is_available():
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)

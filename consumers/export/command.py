@@ -9,6 +9,16 @@ from pathlib import Path
 from tllm_core import ConsumerSpec, cli_common
 
 
+def _phase(text: str) -> str:
+    from tllm_core import as_selector
+
+    try:
+        as_selector(text, "--phase")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     # Port names as given (grammar: tllm_core.api.port_names); the config checks their syntax,
@@ -53,7 +63,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated ports: layer indices (residual stream; negative ok), 'final', "
         "'attn.{i}' (self-attention output), 'mlp.{i}' (MLP output)",
     )
-    e.add_argument("--phase", choices=["prefill", "decode", "all"], default="all")
+    e.add_argument(
+        "--phase",
+        type=_phase,
+        default="all",
+        help="rows to export: prefill, decode, all (default), or a capture window: "
+        "last_prompt, prompt[-4:], generated[0:16], all[::4] (docs/ports.md#capture-windows)",
+    )
     e.add_argument("--out", required=True, type=Path, help="output directory")
     e.add_argument("--overwrite", action="store_true", help="allow a non-empty output directory")
     cli_common.add_consumer_arg(e, "more consumers")

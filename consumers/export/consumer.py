@@ -30,6 +30,7 @@ from tllm_core import (
     RequestInfo,
     SampledTokens,
     TokenPort,
+    as_selector,
     parse_port_name,
 )
 
@@ -49,9 +50,19 @@ class ExportConfig(ConsumerConfig):
         "layer; negative counts from the end), 'final' (after the final norm), 'attn.{i}' "
         "(self-attention output of layer i) or 'mlp.{i}' (MLP output of layer i).",
     )
-    phase: Literal["prefill", "decode", "all"] = Field(
-        "all", description="Rows to export: prompt rows, generated-token rows, or both."
+    phase: str = Field(
+        "all",
+        description="Rows to export: 'prefill' (prompt rows), 'decode' (generated-token rows), "
+        "'all', or a capture window such as 'last_prompt', 'prompt[-4:]', 'generated[0:16]', "
+        "'all[::4]' (docs/ports.md#capture-windows).",
     )
+
+    @field_validator("phase")
+    @classmethod
+    def _selector(cls, v: str) -> str:
+        as_selector(v, "export: phase")
+        return v
+
     shard_rows: int | None = Field(
         None, ge=1, description="Rows per shard (at most one shard is buffered in memory)."
     )
@@ -140,7 +151,7 @@ class ExportConsumer(Consumer):
                     f"{itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        self.phase = Phase(config.phase)
+        self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
         self._used = False
         self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
@@ -159,11 +170,9 @@ class ExportConsumer(Consumer):
         self._table = RequestTable(self.path, self.writer.prepare)
 
     # -- ports ------------------------------------------------------------------------------
-    def _capture_phase(self) -> Phase:
-        # Prompt token ids only reach a consumer through prefill rows: a decode-only export
-        # captures prompt rows too (for their token ids) and drops them before writing.
-        if self.phase is Phase.DECODE:
-            return Phase.ALL
+    def _capture_phase(self) -> Any:
+        # The prompt's token ids come with each request (RequestInfo.prompt_token_ids), so
+        # only the rows to write are captured.
         return self.phase
 
     def reads(self) -> list[ReadPort]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core import Counters, Phase, RowInfo, phase_mask
+from tllm_core import Counters, RowInfo, row_mask
 
 
 class RequestTokens:
@@ -48,10 +48,16 @@ class RequestTokens:
             self.length = position + 1
 
 
-def rows_to_write(rows: RowInfo, phase: Phase, counters: Counters) -> np.ndarray:
-    """Mask of the rows of ``phase`` that are not recomputation after a preemption (those
-    are counted in ``rows_skipped_recomputed``: their position was written already)."""
-    wanted = phase_mask(np.asarray(rows.is_decode, np.bool_), phase)
+def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
+    """Mask of the rows ``phase`` (a Phase or a capture window) selects that are not
+    recomputation after a preemption (those are counted in ``rows_skipped_recomputed``:
+    their position was written already)."""
+    wanted = row_mask(
+        phase,
+        np.asarray(rows.is_decode, np.bool_),
+        rows.position,
+        lambda: np.array([r.num_prompt_tokens for r in rows.requests], np.int64),
+    )
     recomputed = np.asarray(rows.recomputed, np.bool_)
     skipped = int((wanted & recomputed).sum())
     if skipped:

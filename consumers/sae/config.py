@@ -40,9 +40,20 @@ class SaeConfig(ConsumerConfig):
         default_factory=list,
         description="Features whose firing rate (fraction of encoded rows) is counted.",
     )
-    phase: Literal["prefill", "decode", "all"] = Field(
-        "all", description="Rows encoded and recorded: prompt rows, generated rows, or both."
+    phase: str = Field(
+        "all",
+        description="Rows encoded and recorded: 'prefill', 'decode', 'all', or a capture window "
+        "('last_prompt', 'generated[0:16]', ...: docs/ports.md#capture-windows).",
     )
+
+    @field_validator("phase")
+    @classmethod
+    def _selector(cls, v: str) -> str:
+        from tllm_core import as_selector
+
+        as_selector(v, "sae: phase")
+        return v
+
     values_dtype: Literal["float16", "float32"] = Field(
         "float16", description="Storage dtype of recorded feature values."
     )

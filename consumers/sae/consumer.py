@@ -46,6 +46,7 @@ from tllm_core import (
     RowInfo,
     SampledTokens,
     WritePort,
+    as_selector,
 )
 
 log = logging.getLogger("tllm")
@@ -76,7 +77,7 @@ class SaeConsumer(Consumer):
             raise ValueError(f"sae: site {config.site!r}: {e}") from None
         self.site = dataclasses.replace(site, layer=layer)
         self.key = str(self.site)  # bundle key and edit target
-        self.phase = Phase(config.phase)
+        self.phase = as_selector(config.phase, "sae: phase")
         try:
             self._read_port = read_port(self.site, self.phase)
         except ValueError as e:

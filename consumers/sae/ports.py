@@ -8,8 +8,8 @@ from producers import AttentionOutput, MlpOutput
 from tllm_core import Edit, HiddenStates, Phase, PortName, ReadPort, ResidualEdit, WritePort
 
 
-def read_port(site: PortName, phase: Phase) -> ReadPort:
-    """The read port of ``site`` (absolute layer)."""
+def read_port(site: PortName, phase: Any) -> ReadPort:
+    """The read port of ``site`` (absolute layer); ``phase`` a Phase or a capture window."""
     layer = int(site.layer)  # type: ignore[arg-type]  # a site is never 'final'
     if site.is_residual:
         return HiddenStates(layer, phase)

@@ -1,107 +1,54 @@
-"""``steer``: add (or ablate) fixed vectors in the residual stream at chosen layers."""
+"""``steer``: add, ablate or clamp vectors in the residual stream at chosen layers, optionally
+gated by a probe; vectors registered on a running server (``registered.py``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from consumers.steer import kept, registered
+from consumers.steer.config import SteerConfig, SteerRequest, SteerVector
+from consumers.steer.in_graph import SteerTransform
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core import (
     Consumer,
-    ConsumerConfig,
     ConsumerContext,
+    ControlError,
+    Edit,
     EditPlan,
-    FiniteF32,
+    HiddenStates,
     RequestInfo,
-    RequestSettings,
     ResidualEdit,
     RowInfo,
     WritePort,
 )
-
-# Inline vectors are model-width; a million entries is past any model (and bounds the JSON).
-MAX_INLINE_VECTOR = 1 << 20
-
-
-class SteerVector(BaseModel):
-    """One vector at one layer."""
-
-    model_config = ConfigDict(extra="forbid")
-    layer: int = Field(
-        ...,
-        description="Decoder layer whose output residual stream is edited "
-        "(negative counts from the end).",
-    )
-    path: str | None = Field(
-        None,
-        description="Vector file: .safetensors (one tensor, or 'file.safetensors::key'), "
-        ".pt/.pth (a tensor or a dict of tensors with '::key'), or .npy.",
-    )
-    vector: list[FiniteF32] | None = Field(
-        None, max_length=MAX_INLINE_VECTOR, description="The vector inline (instead of path)."
-    )
-    scale: FiniteF32 = Field(
-        1.0,
-        description="Multiplier of the vector in 'add' mode (0 is allowed; ignored by 'ablate').",
-    )
-    mode: Literal["add", "ablate"] = Field(
-        "add",
-        description="'add': s += scale*v; 'ablate': remove the component of s along v "
-        "(s -= (s.u)u with u = v/|v|).",
-    )
-    normalize: bool = Field(False, description="Scale v to unit norm before applying 'scale'.")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> SteerVector:
-        if (self.path is None) == (self.vector is None):
-            raise ValueError("give exactly one of 'path' and 'vector'")
-        return self
-
-
-class SteerConfig(ConsumerConfig):
-    vectors: list[SteerVector] = Field(..., min_length=1, description="Vectors to apply.")
-    positions: Literal["prompt", "generated", "all"] = Field(
-        "all",
-        description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_per_request(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "per_request" in data:
-            raise ValueError(
-                'steer\'s config.per_request was removed: set "per_request": true on the '
-                'consumer entry (beside "name" and "config") and name steer in a request\'s '
-                "tllm_consumers"
-            )
-        return data
-
-
-class SteerRequest(RequestSettings):
-    """Per-request settings: ``tllm_steer_scale``."""
-
-    scale: FiniteF32 | None = Field(
-        None,
-        description="replaces the 'scale' of every 'add' vector for this request "
-        "(default: each vector's configured scale)",
-    )
-
 
 # Scaled vectors kept per steer for scale overrides (one per distinct override and vector).
 KEEP_SCALED = 64
 
 
 class _Vec:
-    __slots__ = ("layer", "vector", "scale", "mode", "scaled")
+    __slots__ = ("name", "layer", "vector", "scale", "mode", "scaled", "transform", "registered")
 
-    def __init__(self, layer: int, vector: torch.Tensor, scale: float, mode: str):
+    def __init__(
+        self,
+        name: str | None,
+        layer: int,
+        vector: torch.Tensor,
+        scale: float,
+        mode: str,
+        transform: SteerTransform | None = None,
+        registered: bool = False,
+    ):
+        self.name = name
+        self.registered = registered  # used only by requests that name it
         self.layer = layer
         self.vector = vector
         self.scale = scale
         self.mode = mode
+        self.transform = transform  # gated or clamping: decided inside the forward
         # scale -> vector * scale, made once: the same tensor every step, so the edit
         # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
         self.scaled: dict[float, torch.Tensor] = {}
@@ -119,12 +66,16 @@ class _Vec:
         return out
 
 
+# A request's steering: None (not steered) or (scale override, {name: scale} chosen or None).
+_State = tuple[float | None, dict[str, float | None] | None] | None
+
+
 class SteerConsumer(Consumer):
     name = "steer"
     proof_counter = "rows_selected"
     description = (
-        "Activation steering: add scale*vector to (or ablate a direction from) the residual "
-        "stream after chosen layers, on prompt and/or generated tokens."
+        "Activation steering: add scale*vector to, ablate a direction from, or clamp a "
+        "projection of the residual stream after chosen layers, optionally gated by a probe."
     )
     Config = SteerConfig
     Request = SteerRequest
@@ -133,99 +84,155 @@ class SteerConsumer(Consumer):
 
     def __init__(self, config: SteerConfig, context: ConsumerContext):
         super().__init__(config, context)
-        hidden = int(context.model.hidden_size)
-        device = context.model.device
         self.vectors: list[_Vec] = []
-        ablated: dict[int, int] = {}
         for i, entry in enumerate(config.vectors):
-            try:
-                layer = context.resolve_layer(entry.layer)
-            except ValueError as e:
-                raise ValueError(f"steer: vectors[{i}].layer: {e}") from None
-            if entry.path is not None:
-                try:
-                    vec = load_vector(entry.path, hidden)
-                except ValueError as e:
-                    raise ValueError(f"steer: vectors[{i}].path: {e}") from None
-            else:
-                try:
-                    vec = check_vector(
-                        torch.tensor(entry.vector, dtype=torch.float32),
-                        hidden,
-                        f"vectors[{i}].vector",
-                    )
-                except ValueError as e:
-                    raise ValueError(f"steer: {e}") from None
-            norm = float(vec.norm())
-            if (entry.mode == "ablate" or entry.normalize) and norm == 0.0:
-                raise ValueError(
-                    f"steer: vectors[{i}] is all zeros: 'ablate' and normalize=true need a "
-                    f"non-zero direction"
-                )
-            if entry.mode == "ablate":
-                if layer in ablated:
+            self.vectors.append(self._build(entry, f"vectors[{i}]"))
+        try:
+            opened = {context.resolve_layer(layer) for layer in config.open_layers}
+        except ValueError as e:
+            raise ValueError(f"steer: open_layers: {e}") from None
+        self.layers = sorted({v.layer for v in self.vectors} | opened)
+        self._req_cache: dict[str, _State] = {}
+
+    def _build(self, entry: SteerVector, what: str) -> _Vec:
+        """One vector, checked against the model and against the vectors built before it."""
+        hidden = int(self.context.model.hidden_size)
+        try:
+            layer = self.context.resolve_layer(entry.layer)
+        except ValueError as e:
+            raise ValueError(f"steer: {what}.layer: {e}") from None
+        vec = _vector(entry.path, entry.vector, hidden, what)
+        norm = float(vec.norm())
+        if (entry.mode != "add" or entry.normalize) and norm == 0.0:
+            raise ValueError(
+                f"steer: {what} is all zeros: 'ablate', 'clamp' and normalize=true "
+                f"need a non-zero direction"
+            )
+        for j, other in enumerate(self.vectors):
+            if other.layer != layer:
+                continue
+            if entry.mode == "ablate" and entry.gate is None and other.mode == "ablate":
+                if other.transform is None:
                     raise ValueError(
-                        f"steer: vectors[{ablated[layer]}] and vectors[{i}] both ablate at layer "
-                        f"{layer}; one ablation direction per layer is supported"
+                        f"steer: vectors[{j}] and {what} both ablate at layer {layer}; one "
+                        f"ablation direction per layer is supported"
                     )
-                ablated[layer] = i
-                vec = vec / norm
-            elif entry.normalize:
-                vec = vec / norm
-            self.vectors.append(_Vec(layer, vec.to(device), float(entry.scale), entry.mode))
-        self.layers = sorted({v.layer for v in self.vectors})
-        # engine_id -> scale override (None: config scales) or False (not steered)
-        self._req_cache: dict[str, float | None | bool] = {}
+            if entry.in_graph and other.transform is not None:
+                raise ValueError(
+                    f"steer: vectors[{j}] and {what} are both gated or clamping at layer "
+                    f"{layer}; one such vector per layer is supported"
+                )
+        if entry.mode == "ablate" or entry.normalize:
+            vec = vec / norm
+        transform = None
+        if entry.in_graph:
+            transform = self._transform(entry, vec, hidden, self.context.model.device, what)
+        return _Vec(
+            entry.name,
+            layer,
+            vec.to(self.context.model.device),
+            float(entry.scale),
+            entry.mode,
+            transform,
+            entry.registered,
+        )
+
+    @staticmethod
+    def _transform(
+        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, what: str
+    ) -> SteerTransform:
+        probe = None
+        gate = entry.gate
+        if gate is not None:
+            probe = _vector(gate.path, gate.vector, hidden, f"{what}.gate")
+            pnorm = float(probe.norm())
+            if pnorm == 0.0:
+                raise ValueError(f"steer: {what}.gate: the probe direction is all zeros")
+            if gate.normalize:
+                probe = probe / pnorm
+        with torch.inference_mode(False):
+            return SteerTransform(
+                (vec * entry.scale if entry.mode == "add" else vec).to(device),
+                entry.mode,
+                lo=entry.lo,
+                hi=entry.hi,
+                target=entry.target,
+                probe=probe,
+                threshold=gate.threshold if gate is not None else 0.0,
+                above=gate.above if gate is not None else True,
+            )
 
     def writes(self) -> list[WritePort]:
-        return [ResidualEdit(layer) for layer in self.layers]
+        graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
+        return [
+            Edit(HiddenStates(layer), transform=graph[layer])
+            if layer in graph
+            else ResidualEdit(layer)
+            for layer in self.layers
+        ]
 
     # -- selection -------------------------------------------------------------------------
-    def _request_state(self, req: RequestInfo) -> float | None | bool:
-        """False: not steered; None: steered with config scales; float: scale override."""
+    def _request_state(self, req: RequestInfo) -> _State:
         state = self._req_cache.get(req.engine_id, _MISSING)
         if state is not _MISSING:
-            return state
+            return state  # type: ignore[return-value]
         if not self.acts_on(req):
-            state = False  # per-request steer that this request did not name
+            state = None  # per-request steer that this request did not name
         else:
-            state = req.settings(self).scale
+            settings = req.settings(self)
+            state = (settings.scale, settings.vectors)
         self._req_cache[req.engine_id] = state
         return state
 
     def select(self, rows: RowInfo) -> tuple[np.ndarray, np.ndarray | None]:
-        """Row indices to steer, and their per-row scale overrides (NaN: config scale) or None."""
+        """Row indices that every vector steers, and their per-row scale overrides (NaN:
+        config scale) or None; :meth:`plan_rows` gives each vector's own rows."""
+        idx, scales = self.plan_rows(rows)[0] if self.vectors else (np.zeros(0, np.int64), None)
+        return idx, scales
+
+    def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """Per vector: its row indices this step and their scales (None: the configured)."""
         n = len(rows)
         if n == 0:
-            return np.zeros(0, np.int64), None
+            return [(np.zeros(0, np.int64), None) for _ in self.vectors]
         pos = self.config.positions
         if pos == "all":
-            mask = np.ones(n, np.bool_)
+            base = np.ones(n, np.bool_)
         else:
             dec = np.asarray(rows.is_decode, np.bool_)
-            mask = dec.copy() if pos == "generated" else ~dec
-        overrides: np.ndarray | None = None
+            base = dec.copy() if pos == "generated" else ~dec
+        masks = [base.copy() for _ in self.vectors]
+        scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
             state = self._request_state(req)
-            if state is False:
-                mask[start:stop] = False
-            elif state is not None:
-                if overrides is None:
-                    overrides = np.full(n, np.nan)
-                overrides[start:stop] = state
-        idx = np.nonzero(mask)[0].astype(np.int64)
-        if overrides is not None:
-            overrides = overrides[idx]
-            if np.isnan(overrides).all():
-                overrides = None
-        return idx, overrides
+            for j, v in enumerate(self.vectors):
+                named = state is not None and state[1] is not None
+                if state is None or (v.name not in state[1] if named else v.registered):
+                    masks[j][start:stop] = False
+                    continue
+                scale = state[1].get(v.name) if state[1] is not None else None
+                scale = state[0] if scale is None else scale
+                if scale is not None and v.mode == "add" and v.transform is None:
+                    if scales[j] is None:
+                        scales[j] = np.full(n, np.nan)
+                    scales[j][start:stop] = scale  # type: ignore[index]
+        out = []
+        for mask, sc in zip(masks, scales, strict=True):
+            idx = np.nonzero(mask)[0].astype(np.int64)
+            sc = None if sc is None else sc[idx]
+            out.append((idx, None if sc is None or np.isnan(sc).all() else sc))
+        return out
 
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
-        idx, overrides = self.select(rows)
-        if idx.size == 0:
-            return
-        for v in self.vectors:
-            if v.mode == "ablate":
+        chosen = self.plan_rows(rows)
+        per_layer: dict[int, set[int]] = {}
+        for v, (idx, overrides) in zip(self.vectors, chosen, strict=True):
+            if idx.size == 0:
+                continue
+            per_layer.setdefault(v.layer, set()).update(idx.tolist())
+            if v.transform is not None:
+                plan.transform(v.layer, idx)
+            elif v.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
             elif overrides is None:
                 plan.add(v.layer, idx, v.times(v.scale))
@@ -236,19 +243,73 @@ class SteerConsumer(Consumer):
                 else:  # per-row values: made (and on a GPU copied) every step
                     s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
                     plan.add(v.layer, idx, s[:, None] * v.vector)
-        n = int(idx.size)
-        for layer in self.layers:
-            self.counters.add(f"rows_selected.layer.{layer}", n)
-        self.counters.add("rows_selected", n * len(self.layers))
+        for layer, sel in per_layer.items():
+            self.counters.add(f"rows_selected.layer.{layer}", len(sel))
+        if per_layer:
+            self.counters.add("rows_selected", sum(len(sel) for sel in per_layer.values()))
 
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
 
+    # -- vectors registered on a running server (consumers/steer/registered.py) ---------------
+    @classmethod
+    def check_control(
+        cls, action: str, payload: dict[str, Any], config: SteerConfig
+    ) -> tuple[SteerConfig, Any]:
+        return registered.check_control(config, action, payload)
+
+    def control(self, action: str, payload: dict[str, Any]) -> Any:
+        new, reply = registered.check_control(self.config, action, payload)
+        if action == "add":
+            entry = new.vectors[-1]
+            try:
+                vec = self._build(entry, f"vector {entry.name!r}")
+            except ValueError as e:
+                raise ControlError(str(e), 409 if "both" in str(e) else 400) from None
+            if vec.layer not in self.layers:
+                raise ControlError(f"layer {vec.layer} has no edit port in this engine")
+            self.vectors.append(vec)
+            if self.config.keep_dir is not None:
+                kept.keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
+        elif action == "remove":
+            self.vectors = [v for v in self.vectors if v.name != payload["name"]]
+            if self.config.keep_dir is not None:
+                kept.forget(self.config.keep_dir, payload["name"])
+        self.config = new  # requests are validated against its names from here on
+        return reply
+
+    def _read_gates(self) -> None:
+        """Move the forwards' gate counts to the counters (read once, at the end)."""
+        for v in self.vectors:
+            t = v.transform
+            if t is not None and t.probe is not None:
+                n = int(t.gated.item())
+                t.gated.zero_()
+                self.counters.add(f"rows_gated.layer.{v.layer}", n)
+                self.counters.add("rows_gated", n)
+
     def result(self) -> dict[str, Any]:
-        return {
+        self._read_gates()
+        out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
         }
+        if any(v.transform is not None and v.transform.probe is not None for v in self.vectors):
+            out["rows_gated"] = int(self.counters.get("rows_gated"))
+        return out
+
+
+def _vector(path: str | None, inline: list[float] | None, hidden: int, what: str) -> torch.Tensor:
+    """A vector from its file or inline list, checked against the model width."""
+    if path is not None:
+        try:
+            return load_vector(path, hidden)
+        except ValueError as e:
+            raise ValueError(f"steer: {what}.path: {e}") from None
+    try:
+        return check_vector(torch.tensor(inline, dtype=torch.float32), hidden, f"{what}.vector")
+    except ValueError as e:
+        raise ValueError(f"steer: {e}") from None
 
 
 _MISSING = object()

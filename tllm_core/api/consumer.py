@@ -65,6 +65,15 @@ class ConsumerContext:
     data_parallel_size: int = 1
 
 
+class ControlError(ValueError):
+    """A control request a consumer refuses; ``status``: the HTTP status the server answers
+    (400 malformed, 404 unknown, 409 conflicting, 413 too large)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Consumer:
     """Base class of every consumer (built-in or third-party).
 
@@ -135,6 +144,25 @@ class Consumer:
 
     def close(self) -> None:
         """Flush and release resources; called at shutdown and when results are collected."""
+
+    # -- control requests (a running server: ``POST /tllm/consumers/{name}/control``) --------
+    @classmethod
+    def check_control(
+        cls, action: str, payload: dict[str, Any], config: ConsumerConfig
+    ) -> tuple[ConsumerConfig, Any]:
+        """In the server's front end (no model): check a control request before the engine
+        sees it. Return the config the front end validates later requests against (e.g. with
+        a newly registered name) and the reply for the client. Returning ``config`` itself
+        (the same object) answers from the front end alone (a read such as ``"list"``; also
+        shown in ``/tllm/status``); a new config sends the request to the engine's
+        :meth:`control` first. Raise :class:`ControlError` (its ``status`` is the HTTP
+        status). Default: no control requests (404)."""
+        raise ControlError(f"consumer {cls.name!r} takes no control requests", 404)
+
+    def control(self, action: str, payload: dict[str, Any]) -> Any:
+        """In the engine, between steps: apply a request :meth:`check_control` accepted
+        (every rank gets it); return a JSON-able reply, or raise :class:`ControlError`."""
+        raise ControlError(f"consumer {self.name!r} takes no control requests", 404)
 
     # -- the run's summary and report (the ``tllm`` command's process, not the engine's) ------
     # Class methods: the command has the consumer's class, not the instance that ran in the

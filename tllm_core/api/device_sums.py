@@ -2,9 +2,9 @@
 
 A consumer that counts on the device (rows it changed, a running total) must read the sums
 back some time; ``.tolist()`` or ``float()`` waits for everything queued before it, i.e.
-stalls the step it is called in. :class:`DeviceSums` instead queues a copy of the sums into
-pinned host memory, zeroes them after it on the same stream (so they sum anew from there),
-and hands out each copy once its event says it has arrived::
+stalls the step it is called in. :class:`DeviceSums` instead queues a copy of the sums back
+to the host (:class:`~tllm_core.api.transfers.HostCopyRing`), zeroes them after it on the
+same stream (so they sum anew from there), and hands out each copy once it has arrived::
 
     sums = DeviceSums(torch.zeros(3, device="cuda"))
     ...                      # each step: sums.add(step_counts)
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tllm_core.api.host_copies import HostCopies
+from tllm_core.api.transfers import HostCopyRing
 
 
 class DeviceSums:
@@ -32,7 +32,7 @@ class DeviceSums:
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values
-        self._copies = HostCopies(values.reshape(-1), ring)
+        self._copies = HostCopyRing(values.reshape(-1), ring)
         self._added = False  # something was added since the last copy
 
     def add(self, x: torch.Tensor) -> None:

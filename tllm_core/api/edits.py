@@ -22,6 +22,7 @@ import torch
 from tllm_core.api.edit_values import EditValues
 from tllm_core.api.port_names import format_port_name, parse_port_name
 from tllm_core.api.ports import ReadPort
+from tllm_core.api.transfers import index_to
 
 if TYPE_CHECKING:  # only a type here: rows needs pydantic, the taps run without it
     from tllm_core.api.rows import RowInfo
@@ -156,16 +157,11 @@ class EditPlan:
 IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 
 
-def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    # Without the runtime's pinned staging (direct callers, the kit): on CPU a view.
-    return torch.from_numpy(rows).to(device)
-
-
 class EditBuffers:
     """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
 
     Written on the device without a host wait or an allocation when the runtime hands in
-    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_buffers.StepBuffers`)
+    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_indices.StepIndices`)
     and the values are kept ones (:mod:`.edit_values`): fills and adds by index
     (``index_fill_``, ``index_add_``, ``index_copy_``; a row listed twice in one add gets
     both adds). Which direction each row ablates is also kept on the host, so the check of a
@@ -219,7 +215,7 @@ class EditBuffers:
         direction on a row (one consumer's ops, checked against what is written). Nothing
         is read from the device unless a row already ablates another direction tensor this
         step: then the directions are compared there and the host waits for the answer."""
-        index = index or _index
+        index = index or index_to
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue
@@ -245,8 +241,9 @@ class EditBuffers:
         index: IndexTo | None = None,
     ) -> None:
         """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
-        host index to the device (default: a plain copy)."""
-        index = index or _index
+        host index to the device (default: :func:`~tllm_core.api.transfers.index_to`, each
+        alone)."""
+        index = index or index_to
         dev = self.add.device
         for rows, kind, value in ops:
             idx = index(rows, dev)

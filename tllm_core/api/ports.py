@@ -22,6 +22,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
+from tllm_core.api.windows import GRAMMAR, Window
 
 ResolveLayer = Callable[[int], int]
 
@@ -44,9 +45,13 @@ class Phase(str, Enum):
             return False
         return self is Phase.ALL or (self is Phase.DECODE) == is_decode
 
-    def union(self, other: Phase | None) -> Phase:
+    def union(self, other: Any) -> Any:
+        if other is not None and not isinstance(other, Phase):
+            return other.union(self)  # a window (tllm_core/api/windows.py)
         if other is None or other is self or other is Phase.GUIDE:
             return self
+        if self is Phase.ALL or other is Phase.ALL:
+            return Phase.ALL
         return other if self is Phase.GUIDE else Phase.ALL
 
 
@@ -150,6 +155,9 @@ class Logits(SamplePort):
 
     phase: Phase = Phase.ALL
 
+    def __post_init__(self) -> None:
+        _normalise_phase(self)
+
     @property
     def key(self) -> str:
         return "logits"
@@ -162,6 +170,9 @@ class SampledTokens(SamplePort):
     Bundle: ``Bundle.sampled_token_ids`` (key ``"sampled"``)."""
 
     phase: Phase = Phase.ALL
+
+    def __post_init__(self) -> None:
+        _normalise_phase(self)
 
     @property
     def key(self) -> str:
@@ -237,14 +248,14 @@ def _normalise(port: ReadPort, prefix: str, *, final: bool) -> None:
     name = type(port).__name__
     layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
     object.__setattr__(port, "layer", layer)
+    _normalise_phase(port)
+
+
+def _normalise_phase(port: ReadPort) -> None:
+    """``phase``: a Phase, its value, or a capture window (``tllm_core/api/windows.py``)."""
     phase = getattr(port, "phase", Phase.ALL)
-    if not isinstance(phase, Phase):
-        try:
-            phase = Phase(phase)
-        except ValueError:
-            allowed = ", ".join(repr(p.value) for p in Phase)
-            raise ValueError(f"{name}(phase={phase!r}): expected a Phase ({allowed})") from None
-        object.__setattr__(port, "phase", phase)
+    where = f"{type(port).__name__}(phase={phase!r})"
+    object.__setattr__(port, "phase", as_selector(phase, where))
 
 
 def layer_key(layer: int | str) -> str:
@@ -268,3 +279,23 @@ def resolve_layer(layer: int, num_layers: int) -> int:
             f"(valid: {-num_layers}..{num_layers - 1}, negative counts from the end)"
         )
     return idx
+
+
+def as_selector(value: Any, where: str) -> Any:
+    """A port's ``phase`` argument: a ``Phase`` (or its value) or a window (a ``Window`` or
+    its text); ``ValueError`` naming ``where`` and the grammar otherwise."""
+    if isinstance(value, (Phase, Window)):
+        return value
+    try:
+        return Phase(value)
+    except ValueError:
+        pass
+    if value == "prompt":
+        return Phase.PREFILL
+    if value == "generated":
+        return Phase.DECODE
+    try:
+        return Window.parse(value)
+    except (ValueError, TypeError):
+        allowed = ", ".join(repr(p.value) for p in Phase)
+        raise ValueError(f"{where}: expected a Phase ({allowed}) or a window: {GRAMMAR}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -17,9 +17,18 @@ from tllm_core.api.request_settings import (
     enabled_consumers,
     parse_request_settings,
 )
+from tllm_core.api.transfers import index_to
+from tllm_core.api.windows import Window
 
-if TYPE_CHECKING:
-    from tllm_core.api.consumer import Consumer
+
+class SettingsOwner(Protocol):
+    """What :meth:`RequestInfo.settings` reads of a consumer (a
+    :class:`~tllm_core.api.consumer.Consumer`; named structurally, so that rows, which
+    bundles import, does not import the consumer module)."""
+
+    name: str
+    config: Any
+    Request: ClassVar[type[RequestSettings] | None]
 
 
 @dataclass
@@ -45,12 +54,15 @@ class RequestInfo:
     # when vLLM's scheduler reported it finished on its own (stop, length). Set before the
     # finish notice (``Consumer.on_request_finished``) is sent.
     cut_short: bool = False
+    # The prompt's token ids where the runner gives them (a consumer that reads only some
+    # prompt rows, e.g. through a capture window, still knows the whole prompt).
+    prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
     # consumer name -> its validated RequestSettings (see settings())
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def settings(self, consumer: Consumer) -> RequestSettings:
+    def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated settings for ``consumer`` (an instance of its ``Request``).
 
         Keys the request does not carry take the field defaults. Parsed once per request;
@@ -96,18 +108,6 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
         if i == n or requests[i] is not requests[start]:
             yield requests[start], start, i
             start = i
-
-
-def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host indices ``idx`` as an index tensor on ``device`` without making the host wait
-    for the device: a copy from pageable memory would synchronise the stream; from pinned
-    memory it is asynchronous (the caching host allocator keeps the block until it ran)."""
-    t = torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64))
-    if device.type == "cpu":
-        return t
-    if torch.cuda.is_available():  # any accelerator (and the fake CUDA of the test kit)
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 @dataclass
@@ -243,3 +243,16 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
     if phase is Phase.GUIDE:  # read at guide time only: no row goes into bundles
         return np.zeros_like(is_decode)
     return is_decode if phase is Phase.DECODE else ~is_decode
+
+
+def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:
+    """Which rows ``selector`` (a Phase, Window or AnyOf) keeps; ``num_prompt`` a callable
+    giving the rows' prompt lengths (built only when a window needs it)."""
+    if isinstance(selector, Phase):
+        return phase_mask(is_decode, selector)
+    if isinstance(selector, Window):
+        return selector.mask(position, num_prompt())
+    out = np.zeros(len(is_decode), np.bool_)
+    for part in selector.parts:
+        out |= row_mask(part, is_decode, position, num_prompt)
+    return out

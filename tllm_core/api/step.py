@@ -45,7 +45,7 @@ class StepCapture:
     # at install (``router.{i}``: ``width``, ``top_k``, ``renormalize``, ``routing``).
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Where the stamps then edit counts come from when not read here: a read already
-    # queued without waiting (``tllm_core.runtime.stamp_reads``), called when they are needed.
+    # queued without waiting (``tllm_core.runtime.stamp_copies``), called when they are needed.
     stamp_values: Callable[[], list[int]] | None = None
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
@@ -88,7 +88,7 @@ class StepCapture:
 
     @property
     def confirmed(self) -> bool:
-        """Whether the stamps have been read (:meth:`confirm` no longer reads anything)."""
+        """Whether the stamps have been read (:meth:`confirm` itself reads nothing)."""
         return self._stale is not None
 
     def confirm(self) -> set[str]:

@@ -60,7 +60,7 @@ def cmd_consumers(args: argparse.Namespace) -> int:
                 "(required)" if f["required"] else f"= {json.dumps(f['default'], default=str)}"
             )
             desc = f"  {f['description']}" if f["description"] else ""
-            print(f"    {f['name']}: {f['type']} {default}{desc}")
+            print(f"    {f['name']}: {f['allowed']} {default}{desc}")
         if c["request_keys"]:
             print("  request keys (vllm_xargs / SamplingParams.extra_args):")
         for k in c["request_keys"]:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tllm_core.app.engine import ConsumersArg
 
+from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
 from tllm_core.app.prompts import read_prompt_file
 
@@ -106,7 +107,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         "--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)"
     )
     g.add_argument(
-        "--dtype", default="float32", help="model dtype: float32, bfloat16, auto (default float32)"
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
     g.add_argument(
         "--max-model-len",

@@ -17,6 +17,7 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.kv_cache import default_kv_cache
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
@@ -158,6 +159,7 @@ class TllmLLM:
         # imported (check_version) or the default model converted.
         checked = validate_consumers(consumers)
         check_version()
+        llm_kwargs.setdefault("dtype", DEFAULT_DTYPE)  # as `tllm run` and ConsumerKit
         if model is None:
             from tllm_core.app.default_model import default_model_path
 

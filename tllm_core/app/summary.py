@@ -97,6 +97,12 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
         out.append(
             f"{runtime['consumers_disabled']} consumer(s) switched off after repeated failures"
         )
+    if runtime.get("steps_greedy", 0):
+        out.append(
+            f"{runtime['steps_greedy']} step(s) sampled every row greedily (temperature 0): vLLM "
+            "calls no guide then, so guiding consumers left those steps alone (sample with "
+            "temperature > 0 to guide them)"
+        )
     if runtime.get("stale_captures", 0):
         out.append(f"{runtime['stale_captures']} stale capture(s): those reads were not delivered")
     for key, what in (

@@ -19,6 +19,7 @@ from tllm_core.api.producer import Producer
 from tllm_core.api.request_settings import (
     GENERIC_KEYS,
     RequestSettings,
+    allowed,
     describe_request_keys,
     request_keys,
     type_name,
@@ -212,7 +213,16 @@ class Registry:
         try:
             return cls.Config(**spec.config)
         except ValidationError as e:
-            raise ConsumerSpecError(f"invalid config for consumer {spec.name!r}:\n{e}") from None
+            unknown = [str(err["loc"][0]) for err in e.errors() if err["type"] == "extra_forbidden"]
+            hint = (
+                f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer {spec.name!r} takes: "
+                f"{', '.join(cls.Config.model_fields) or '(no fields)'}"
+                if unknown
+                else ""
+            )
+            raise ConsumerSpecError(
+                f"invalid config for consumer {spec.name!r}:\n{e}{hint}"
+            ) from None
 
     def check(self, specs: Iterable[ConsumerSpec]) -> list[ConsumerConfig]:
         """Names, configs and uniqueness of ``specs``: their config models, in order."""
@@ -235,6 +245,7 @@ class Registry:
                     {
                         "name": fname,
                         "type": type_name(f.annotation),
+                        "allowed": allowed(f),
                         "default": None
                         if f.is_required()
                         else _jsonable(f.get_default(call_default_factory=True)),

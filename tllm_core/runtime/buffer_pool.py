@@ -5,7 +5,7 @@ A buffer is handed out as a view (``take``) and handed out again only when **not
 the pool holds its storage**: no tensor and no view of it is alive (a bundle, a tensor a
 consumer kept, a slice of one: counted by the storage's use count). A consumer that keeps a
 bundle therefore keeps its values; the pool takes another buffer, or allocates a fresh one
-(as every step did before), and reuses the kept one once it is let go. On CUDA a buffer is
+(only then does a step allocate), and reuses the kept one once it is let go. On CUDA a buffer is
 rewritten on the current stream, after everything queued there before (a buffer last handed
 out on another stream is taken only after that stream's queued work, through an event).
 Work a consumer queues on a stream of its own that reads a bundle tensor must either hold
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tllm_core.api.host_copies import async_copies
+from tllm_core.api.transfers import async_copies, pow2_rows
 
 # Where torch lacks it, nothing is reused (every take allocates, as without a pool).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -41,11 +41,6 @@ def storage_uses(t: torch.Tensor) -> int:
 def _stream(device: torch.device) -> Any | None:
     """The current stream where the device has CUDA's streams (the test kit's fake too)."""
     return torch.cuda.current_stream(device) if async_copies(device) else None
-
-
-def pow2_rows(n: int) -> int:
-    """The power of two at or above ``n`` (at least 1): the rows a grown buffer gets."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(eq=False)  # by identity (a tensor field has no truth value)

@@ -11,9 +11,10 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import index_to, phase_mask
+from tllm_core.api.rows import row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.api.transfers import index_to
+from tllm_core.runtime.step_indices import StepIndices
 
 
 @dataclass
@@ -77,7 +78,7 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
 
 
 def unwritten(
-    step: StepCapture, taps: set[str], device: torch.device, buffers: StepBuffers | None = None
+    step: StepCapture, taps: set[str], device: torch.device, buffers: StepIndices | None = None
 ) -> torch.Tensor | None:
     """On the device, without a host read: a 0-dim bool that is True when this step's
     forward did not stamp every tap in ``taps`` (None: none of them has a stamp); computed
@@ -95,16 +96,21 @@ def bundle_rows(
     """The rows a consumer's bundle holds: its token rows (indices into ``step.rows``) and
     its sampling rows (indices into the step's sampling rows); None where it has none."""
     token = sample = None
+    rows = step.rows
+    prompt_lengths = _prompt_lengths(rows)
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
-        mask = phase_mask(step.rows.is_decode, phase)
+        mask = row_mask(phase, rows.is_decode, rows.position, prompt_lengths)
         if enabled is not None:
             mask = mask & enabled
         if mask.any():
             token = np.nonzero(mask)[0]
     phase = ReadPlan.phase(plan.sample)
     if phase is not None:
-        mask = step.sample_kept & phase_mask(step.rows.is_decode[step.sample_token_row], phase)
+        at = step.sample_token_row
+        mask = step.sample_kept & row_mask(
+            phase, rows.is_decode[at], rows.position[at], lambda: prompt_lengths()[at]
+        )
         if enabled is not None:
             mask = mask & enabled[step.sample_token_row]
         if mask.any():
@@ -112,11 +118,27 @@ def bundle_rows(
     return token, sample
 
 
+def _prompt_lengths(rows) -> Callable[[], np.ndarray]:
+    """Each row's request's prompt length, built on first use (only windows need it)."""
+    made: list[np.ndarray] = []
+
+    def get() -> np.ndarray:
+        if not made:
+            made.append(
+                np.fromiter(
+                    (r.num_prompt_tokens for r in rows.requests), np.int64, len(rows.requests)
+                )
+            )
+        return made[0]
+
+    return get
+
+
 def bundle_indices(
     plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
 ) -> list[np.ndarray]:
     """Every host index :func:`build_bundle` sends to the device for this bundle (for
-    :meth:`StepBuffers.plan <tllm_core.runtime.step_buffers.StepBuffers.plan>`)."""
+    :meth:`StepIndices.plan <tllm_core.runtime.step_indices.StepIndices.plan>`)."""
     token, sample = bundle_rows(plan, step, enabled)
     out = [] if token is None else [token]
     if sample is not None:
@@ -130,7 +152,7 @@ def build_bundle(
     enabled: np.ndarray | None = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
     unconfirmed: list[tuple[str, set[str]]] | None = None,
-    buffers: StepBuffers | None = None,
+    buffers: StepIndices | None = None,
 ) -> Bundle | None:
     """The consumer's bundle for this step, or None when it selects no row.
 

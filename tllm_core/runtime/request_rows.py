@@ -6,7 +6,7 @@ the step's tensors: nothing is copied, and a guide writes the step's logits in p
 writes are undone through the view's undo log if it fails: :meth:`GuideView.rollback`).
 Otherwise its rows are gathered into the runtime's reused buffers (:mod:`.buffer_pool`) and
 a guide's logits are written back into the step's only if it succeeded and wrote. A guide's
-index goes to the device in the step's one index copy (:meth:`StepBuffers.plan`); an
+index goes to the device in the step's one index copy (:meth:`StepIndices.plan`); an
 editor's rows are cut in ``begin_step``, before the step is planned, so their index is sent
 in a copy of its own (pinned and asynchronous as well).
 """
@@ -18,7 +18,7 @@ import torch
 
 from tllm_core.api.bundles import GuideView
 from tllm_core.api.rows import RowInfo
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.step_indices import StepIndices
 
 
 def span(index: np.ndarray) -> slice | None:
@@ -44,19 +44,19 @@ class RowSelection:
         """The host index :meth:`cut` sends to the device (none for a range)."""
         return [] if self.span is not None else [self.index]
 
-    def cut(self, t: torch.Tensor, buffers: StepBuffers) -> torch.Tensor:
+    def cut(self, t: torch.Tensor, buffers: StepIndices) -> torch.Tensor:
         """``t``'s selected rows: a view for a range, else gathered into a reused buffer."""
         if self.span is not None:
             return t[self.span]
         return buffers.gather(t, self.index)
 
-    def rows(self, rows: RowInfo, buffers: StepBuffers) -> RowInfo:
+    def rows(self, rows: RowInfo, buffers: StepIndices) -> RowInfo:
         """The selected rows' metadata (their token ids cut as by :meth:`cut`)."""
         return rows.take(self.index, self.cut(rows.token_ids, buffers))
 
     def guide_view(
         self,
-        buffers: StepBuffers,
+        buffers: StepIndices,
         step: int,
         rows: RowInfo,
         logits: torch.Tensor,
@@ -78,7 +78,7 @@ class RowSelection:
             changed,
         )
 
-    def write_back(self, logits: torch.Tensor, view: GuideView, buffers: StepBuffers) -> None:
+    def write_back(self, logits: torch.Tensor, view: GuideView, buffers: StepIndices) -> None:
         """A guide that succeeded and wrote: its logits into the step's (already there for
         a range: the view wrote them in place)."""
         if self.span is None:

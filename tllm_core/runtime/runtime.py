@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from tllm_core.api.bundles import GuideView
-from tllm_core.api.consumer import Consumer, ConsumerConfig, ConsumerContext, ModelInfo
+from tllm_core.api.consumer import (
+    Consumer,
+    ConsumerConfig,
+    ConsumerContext,
+    ControlError,
+    ModelInfo,
+)
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.counters import Counters
 from tllm_core.api.edits import EditBuffers, EditPlan
@@ -39,8 +45,8 @@ from tllm_core.runtime.reads import (
 )
 from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.runtime.stamp_reads import StampRead, StampReader
-from tllm_core.runtime.step_buffers import StepBuffers
+from tllm_core.runtime.stamp_copies import StampRead, StampReader
+from tllm_core.runtime.step_indices import StepIndices
 
 log = logging.getLogger("tllm")
 
@@ -69,7 +75,7 @@ def _write_plan(
     allowed: dict[str, str],
     buffers: dict[str, EditBuffers],
     owner: str,
-    steps: StepBuffers,
+    steps: StepIndices,
 ) -> None:
     """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
     go to the device in one pinned copy (per device)."""
@@ -172,6 +178,7 @@ class Runtime:
         self.model = model
         self.deliver = deliver
         self.counters = Counters()
+        self._guided_step = -1  # the last step whose sampler called guide()
         registry = registry or Registry()
         # The engine side's one check of the configs that arrived as JSON.
         configs = registry.check(settings.consumers)
@@ -204,8 +211,8 @@ class Runtime:
         )
         self.step_index = 0
         # The step's indices (one copy) and gathered rows, in buffers reused from step to
-        # step (step_buffers, buffer_pool): a steady step allocates nothing on the device.
-        self._buffers = StepBuffers()
+        # step (step_indices, buffer_pool): a steady step allocates nothing on the device.
+        self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
         # Its per-request guides' rows, by slot (those with rows only).
         self._selections: dict[int, RowSelection] = {}
@@ -331,6 +338,7 @@ class Runtime:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
         True when a guide wrote logits (a runner adapter then samples from the guided logits;
         otherwise vLLM's own sampling call goes on as it was made)."""
+        self._guided_step = step.step
         self._plan(step)
         srows = self._sample_rows(step)
         hidden = {}
@@ -414,10 +422,13 @@ class Runtime:
         """After sampling: deliver bundles, mark positions, and count what the taps confirm.
 
         The stamps and edit counts go to the host without the host waiting for them
-        (``stamp_reads``). Where they are there at once (CPU), a stale tap is left out of the
+        (``stamp_copies``). Where they are there at once (CPU), a stale tap is left out of the
         bundles; otherwise its rows are delivered as NaN (decided on the device) and the
         step is counted and checked once they arrive (:meth:`_settle`: at a later step's
         end, at the latest when results are collected)."""
+        if self._guides and self._guided_step != step.step and step.sample_kept.any():
+            # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
+            self.counters.add("steps_greedy")
         read = self._stamps.start(step.stamps, step.edited)
         step.stamp_values = read.values
         if read.ready():
@@ -432,6 +443,8 @@ class Runtime:
                 s.reads, step, enabled, self._stale, unchecked, buffers=self._buffers
             )
             if bundle is not None:
+                if s.reads.token:  # the token rows its phases and windows kept
+                    self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
         # The step's device indices are let go (a later plan reuses their buffer).
         self._planned = None
@@ -495,6 +508,19 @@ class Runtime:
                     self.bus.finished(s.consumer, req)
 
     # -- results ----------------------------------------------------------------------
+    def control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A control request for consumer ``name`` (between steps): ``{"reply": ...}`` or
+        ``{"error": message, "status": http_status}``."""
+        slot = next((s for s in self.slots if s.consumer.name == name), None)
+        if slot is None:
+            return {"error": f"no consumer {name!r} in this engine", "status": 404}
+        try:
+            return {"reply": slot.consumer.control(action, payload)}
+        except ControlError as e:
+            return {"error": str(e), "status": e.status}
+        except (ValueError, TypeError, KeyError) as e:
+            return {"error": f"{name}: {type(e).__name__}: {e}", "status": 400}
+
     def collect(self) -> dict[str, Any]:
         self._settle(wait=True)
         self.bus.flush()

@@ -77,6 +77,8 @@ class EngineConsumers:
     owners: dict[str, tuple[str, str]] = field(default_factory=dict)
     # consumers the engine reported failed (switched off until restart), learned from reports
     failed: set[str] = field(default_factory=set)
+    # consumer name -> its class (control requests are checked by the class, in the front end)
+    classes: dict[str, type] = field(default_factory=dict)
 
     @classmethod
     def from_settings(
@@ -97,7 +99,8 @@ class EngineConsumers:
         out = cls(owners=registry.request_keys)
         for spec, config in zip(specs, configs, strict=True):
             out.per_request[spec.name] = spec.per_request
-            out.models[spec.name] = registry.get(spec.name).Request
+            out.classes[spec.name] = registry.get(spec.name)
+            out.models[spec.name] = out.classes[spec.name].Request
             out.configs[spec.name] = config
         return out
 
@@ -128,6 +131,18 @@ class EngineConsumers:
         for name, model in self.models.items():
             for k in describe_request_keys(name, model):
                 out[k["key"]] = f"{k['allowed']}: {k['description']} (consumer {name!r})"
+        return out
+
+    def control_state(self) -> dict[str, Any]:
+        """Each consumer's answer to a ``"list"`` control request (those that take one)."""
+        from tllm_core.api.consumer import ControlError
+
+        out = {}
+        for name, cls in self.classes.items():
+            try:
+                _, out[name] = cls.check_control("list", {}, self.configs[name])
+            except ControlError:
+                continue
         return out
 
     def describe(self) -> dict[str, Any]:

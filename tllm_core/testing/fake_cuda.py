@@ -1,10 +1,6 @@
 """Run CUDA-path code on a fake device and flag what would make the host wait, copy from
-pageable memory, allocate, or first use cuBLAS on a stream, during the steps.
-
-``FakeCuda`` is a context manager: its device is ``torch.device("meta")`` standing in for
-CUDA (meta tensors compute nothing, so real 7B shapes cost nothing), ``torch.cuda``'s
-streams, events, graphs and device queries are stubs (:mod:`.fake_cuda_stubs`), and a
-``TorchDispatchMode`` sees every aten operation of the thread that entered it::
+pageable memory, allocate, first use cuBLAS on a stream, or race between streams, during
+the steps (docs/fake-cuda.md: what is flagged, counted, and not seen)::
 
     with FakeCuda() as fc:
         d = Distiller(device=fc.device)  # construction: counted, never a failure
@@ -12,38 +8,13 @@ streams, events, graphs and device queries are stubs (:mod:`.fake_cuda_stubs`), 
             d.train_step(...)
     fc.assert_clean()
 
-Flagged (kinds): ``host_wait`` (``.item()``/``int()``/``bool()`` of a device tensor,
-copies to the host incl. ``.cpu()``/``.tolist()``/``.numpy()``, operations whose output
-size depends on values (``nonzero``, ``unique``, boolean-mask indexing, ``masked_select``,
-``equal``...), a blocking copy to the device, ``synchronize()`` of the device, a stream or
-an event, a graph capture after construction); ``pageable_copy`` (a host tensor copied to
-the device from memory that is not pinned: ``.to(device)``, ``copy_``, ``torch.tensor(...,
-device=)``, host index tensors or a host value handed to an operation on the device, e.g.
-``t[idx] = True``; a 0-dim host tensor in an elementwise operation or ``fill_`` is passed as
-a kernel argument on CUDA and is not flagged, nor are Python numbers); ``allocation`` (an
-operation output that is new device storage, factories included; inside a graph capture it
-is the graph's pool: counted in construction); ``first_cublas`` (a matrix product on a
-stream that had none before the steps began: its cuBLAS workspace is allocated then; the
-default stream counts as used); ``race``, only with ``FakeCuda(order=True)``: two accesses to
-the same device or pinned host bytes from two streams (or a stream and the host), one a
-write, that no wait orders (:mod:`.fake_cuda_order`; a failure in every phase). Each
-finding names the first frame outside torch and this
-package; the code goes on with ones for whatever it reads back (masks all True, so
-value-dependent shapes are their maximum), so one run reports every finding.
-
-Counted per step: ``launches`` (one per aten operation on the device that is not a view or
-an allocation without data, so an operation CUDA runs as several kernels counts once; a
-graph replay counts the operations captured) and ``bytes`` (read + written, the rules of
-``benchmarks/bytes_count.py``, which uses :func:`.fake_cuda_checker.op_bytes`). A custom operator
-(``torch.library.custom_op``, with a fake kernel) is one launch moving its arguments.
-
-Not seen: anything C++ does below the dispatcher that these stubs do not mirror (for
-example a CUDA-only branch in an operator that copies a host scalar to the device: the one
-in ``Tensor.__setitem__`` is mirrored), operations on other threads (the mode is
-thread-local; stub calls from any thread are seen), ``print`` of a device tensor, code that
-names ``"cuda"`` itself (``torch.device("cuda")``, ``.cuda()``, ``device.type == "cuda"``)
-rather than the device it is given, memory frees (so no ``memory_allocated``), and the
-cost of any operation.
+The device is ``torch.device("meta")`` (no data: 7B shapes cost nothing) and ``torch.cuda``
+is stubbed (:mod:`.fake_cuda_stubs`); a ``TorchDispatchMode`` applies the rule table of
+:mod:`.fake_cuda_checker` to every aten operation of the entering thread; ``order=True``
+adds the stream-order race checks (:mod:`.fake_cuda_order`). ``rehearsal=True`` lets a
+script that measures run (events 1 ms, memory readings 0, CPU generators, no
+``torch.compile``); ``device="cpu"`` computes instead (nothing checked; a graph replay runs
+the captured operations again).
 """
 
 from __future__ import annotations
@@ -54,18 +25,21 @@ import linecache
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
+from unittest import mock
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tllm_core.testing import fake_cuda_stubs as stubs
-from tllm_core.testing.fake_cuda_checker import Checker, tensor_bytes
+from tllm_core.testing.fake_cuda_checker import Checker, fresh_outputs, tensor_bytes
 from tllm_core.testing.fake_cuda_order import Site, StreamOrder, site_parts
 
 KINDS = ("host_wait", "pageable_copy", "allocation", "first_cublas", "race")
+_SYNC_KINDS = ("host_wait", "pageable_copy")  # what set_sync_debug_mode("error") raises at
 PHASES = ("construction", "steps", "teardown")
 
 # Frames never named in a finding: torch, this package, and contextlib (stub context managers).
@@ -132,17 +106,29 @@ def is_cuda(device: torch.device | str) -> bool:
 class FakeCuda:
     """The fake device and its record (see the module docstring)."""
 
-    device = torch.device("meta")
-
     def __init__(
         self,
         total_memory: int = 80 * 2**30,
         device_name: str = "FakeCuda (meta)",
         order: bool = False,
+        rehearsal: bool = False,
+        kernels: Mapping[str, Callable[..., Any]] | None = None,
+        device: torch.device | str = "meta",
     ):
+        # device="cpu": the operations compute, neither checked nor counted; a graph replay
+        # runs the captured operations again (CUDA-path host logic checked against values).
+        self.device = torch.device(device)
+        self.computes = self.device.type != "meta"
         self.total_memory = total_memory
         self.device_name = device_name
+        self.rehearsal = rehearsal
+        # Operator name -> its CUDA implementation, run before the operator's meta kernel.
+        self.kernels = dict(kernels or {})
         self.sync_debug_mode: int | str = 0
+        self.sync_windows: list[dict[str, Any]] = []
+        self._window: tuple[str, dict[tuple, int]] | None = None
+        self.launches_built: dict[str, int] = {}
+        self.launch_configs: dict[str, dict[str, Any]] = {}
         self.phase = "construction"
         self._lock = threading.RLock()
         self._findings: dict[tuple, Finding] = {}
@@ -154,7 +140,7 @@ class FakeCuda:
         self._pinned = WeakTensorKeyDictionary()
         self._pinned_at: dict[int, Any] = {}  # storage address -> pinned storage
         self._cublas_streams: set[int] = set()
-        self._patches = stubs.Patches()
+        self._patches = contextlib.ExitStack()
         self._mode: Checker | None = None
         self._quiet = threading.local()
         self._stream_ids = itertools.count()
@@ -181,9 +167,11 @@ class FakeCuda:
             stubs.factory_stubs(self),
         )
         try:
-            self._patches.apply(torch.cuda, cuda)
-            self._patches.apply(torch.Tensor, tensor)
-            self._patches.apply(torch, factories)
+            self.patch(torch.cuda, cuda)
+            self.patch(torch.Tensor, tensor)
+            self.patch(torch, factories)
+            if self.rehearsal:
+                self.patch(torch, stubs.rehearsal_stubs(self))
             mode = Checker(self)
             mode.__enter__()
             self._mode = mode
@@ -199,7 +187,11 @@ class FakeCuda:
         finally:
             self._mode = None
             self._pinned_at.clear()
-            self._patches.restore()
+            self._patches.close()
+
+    def patch(self, owner: Any, attrs: dict[str, Any]) -> None:
+        """Set ``owner``'s attributes while this device is active (put back on exit)."""
+        self._patches.enter_context(mock.patch.multiple(owner, **attrs))
 
     def is_available(self) -> bool:
         """``torch.cuda.is_available`` while active (see :func:`active`)."""
@@ -268,6 +260,39 @@ class FakeCuda:
         storage = t.untyped_storage()
         return bool(storage.nbytes()) and storage.data_ptr() in self._pinned_at
 
+    # -- the sync debug mode and launches built ------------------------------------------
+    def set_sync_debug_mode(self, mode: int | str) -> None:
+        """``torch.cuda.set_sync_debug_mode``: as on a GPU, under ``"error"`` a host wait or
+        pageable copy raises at its operation. Each window from switching it on to switching
+        it off is kept in ``sync_windows`` with the host waits and pageable copies seen."""
+        self.sync_debug_mode = mode
+        on = mode in ("warn", "error", 1, 2)
+        if on and self._window is None:
+            file, line, _ = site_parts(_site())
+            self._window = (f"{os.path.basename(file)}:{line}", self._sync_counts())
+        elif not on and self._window is not None:
+            (at, before), self._window = self._window, None
+            new = {k: n - before.get(k, 0) for k, n in self._sync_counts().items()}
+            sites = [f"{k[0]} at {k[2]}: {k[3]} x{n}" for k, n in new.items() if n > 0]
+            total = sum(n for n in new.values() if n > 0)
+            self.sync_windows.append(
+                {"set_at": at, "host_waits_and_pageable_copies": total, "sites": sites}
+            )
+
+    def _sync_counts(self) -> dict[tuple, int]:
+        return {
+            (f.kind, f.what, f.where, f.code, f.phase, f.in_capture): f.count
+            for f in self.findings(phase=None)
+            if f.kind in _SYNC_KINDS
+        }
+
+    def launch_built(self, kernel: str, config: dict[str, Any]) -> None:
+        """A kernel launch built and not run (meta tensors have no data), by a launcher
+        that checks its arguments on the fake device: counted, each distinct ``config``
+        kept in ``launch_configs`` (for a compile check without a GPU)."""
+        self.launches_built[kernel] = self.launches_built.get(kernel, 0) + 1
+        self.launch_configs.setdefault(repr(config), config)
+
     # -- recording ----------------------------------------------------------------------
     def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:
         with self._lock:
@@ -288,6 +313,11 @@ class FakeCuda:
                 self._findings[key] = Finding(
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
+        if kind in _SYNC_KINDS and self.sync_debug_mode in ("error", 2):
+            raise RuntimeError(
+                f"FakeCuda: {kind} ({what}) under set_sync_debug_mode('error'): on a GPU, "
+                "'called a synchronizing CUDA operation'"
+            )
 
     def _host_wait(self, what: str, joins_current: bool = True) -> None:
         """Flag a host wait; ``joins_current``: the host waits for the current stream (the
@@ -350,6 +380,13 @@ class FakeCuda:
 
     def _replay(self, graph: stubs.FakeGraph) -> None:
         self._count("graph_replays")
+        if self.computes:
+            with torch.no_grad():
+                for func, args, kwargs, out in graph.ops:
+                    new = tree_leaves(fresh_outputs(func, func(*args, **kwargs)))
+                    for o, n in zip(tree_leaves(fresh_outputs(func, out)), new, strict=True):
+                        if isinstance(o, torch.Tensor):  # into the captured storage, as CUDA
+                            o.copy_(n)
         for op, (n, nbytes) in graph.by_op.items():
             self._launch(op, nbytes, n)
         if self.order is not None:

@@ -1,8 +1,9 @@
-"""The per-operation rules of :class:`~tllm_core.testing.fake_cuda.FakeCuda`: a
-``TorchDispatchMode`` that classifies every aten operation touching the fake device (host
-wait, copy from pageable memory, allocation, matrix product) and counts its launch and
-bytes, and :func:`op_bytes`, the byte-counting rule shared with
-``benchmarks/bytes_count.py``."""
+"""The rule table of :class:`~tllm_core.testing.fake_cuda.FakeCuda` and of
+:mod:`tllm_core.testing.counters`: which operations make the host wait
+(:func:`host_wait_kind`, :func:`copy_rule`), what an operation reads and writes
+(:func:`op_bytes`), and the ``TorchDispatchMode`` that applies them to every aten operation
+touching the fake device (host waits, pageable copies, allocations, matrix products,
+launches and bytes)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ NO_DATA = frozenset(
         "_unsafe_view",
     }
 )
-# Output size depends on the values: CUDA reads them back first.
-_VALUE_SHAPED = frozenset({"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"})
+# The rule table (the fake device's and SyncCounter's): operations whose result needs the
+# device's values on the host (a Python value, or an output size that depends on them).
+VALUE_SHAPED = frozenset({"nonzero", "masked_select", "equal", "bincount", "_local_scalar_dense"})
 _BOOL_INDEX = frozenset({"index", "index_put", "index_put_", "_index_put_impl_"})
 # A 0-dim host tensor is a kernel argument for these (no copy).
 _SCALAR_OK = frozenset({"fill", "fill_", "masked_fill", "masked_fill_"})
@@ -46,6 +48,31 @@ def _tensor(t: Any) -> bool:
 
 def _name(func: Any) -> str:
     return func._schema.name.split("::")[-1]
+
+
+def host_wait_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """Why ``func`` makes the host wait for a CUDA device (None: it does not): its name for
+    :data:`VALUE_SHAPED`, ``unique``, ``repeat_interleave`` with tensor repeats and no
+    ``output_size``, ``bool_index`` (indexing or assigning through a boolean mask)."""
+    name = _name(func)
+    if name in VALUE_SHAPED:
+        return name
+    if name.startswith(("unique", "_unique")):
+        return "unique"
+    if name == "repeat_interleave":  # tensor repeats: the output size is their sum
+        shaped = func._overloadname != "self_int" and kwargs.get("output_size") is None
+        return name if shaped else None
+    if name in _BOOL_INDEX and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        if any(_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            return "bool_index"
+    return None
+
+
+def copy_rule(to_device: bool, non_blocking: bool, host_pinned: bool) -> tuple[bool, bool]:
+    """``(host waits, pageable)`` for a copy between host and device: only a non-blocking
+    one with pinned host memory (or to the device: staged) leaves the host free; one to the
+    device from memory that is not pinned is pageable."""
+    return not (non_blocking and (host_pinned or to_device)), to_device and not host_pinned
 
 
 # Gathers and scatters touch the indexed elements only, not their whole source or target:
@@ -88,9 +115,7 @@ def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     alias = schema.arguments[big_i].alias_info
     written = alias is not None and alias.is_write
     return (
-        n
-        + touched * (2 if written else 1)
-        + sum(tensor_bytes(o) for o in _fresh_outputs(func, out))
+        n + touched * (2 if written else 1) + sum(tensor_bytes(o) for o in fresh_outputs(func, out))
     )
 
 
@@ -113,12 +138,12 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         size = tensor_bytes(args[i] if i < len(args) else kwargs.get(arg.name))
         written = arg.alias_info is not None and arg.alias_info.is_write
         n += size * ((not arg.is_out) + written)
-    for o in _fresh_outputs(func, out):
+    for o in fresh_outputs(func, out):
         n += tensor_bytes(o)
     return n
 
 
-def _fresh_outputs(func: Any, out: Any) -> list[Any]:
+def fresh_outputs(func: Any, out: Any) -> list[Any]:
     """Outputs that alias no input (new storage)."""
     if func.is_view:
         return []
@@ -145,6 +170,11 @@ class Checker(TorchDispatchMode):
             kwargs = {**kwargs, "pin_memory": False}
         if getattr(fc._quiet, "on", False):
             return func(*args, **kwargs)
+        if fc.computes:
+            out = func(*args, **kwargs)
+            if fc._capture is not None and not func.is_view and _name(func) not in NO_DATA:
+                fc._capture.ops.append((func, args, kwargs, out))  # replayed into ``out``
+            return out
         if _composite(func):
             # Under inference mode composite operations (``to``, ``item``, ``is_nonzero``,
             # ...) reach the mode whole: taken apart, the mode sees the copies, reads and
@@ -154,6 +184,10 @@ class Checker(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         leaves = [t for t in tree_leaves((args, kwargs)) if _tensor(t)]
+        kernel = fc.kernels.get(func._schema.name)
+        if kernel is not None and any(fc.is_fake(t) for t in leaves):
+            with self:  # its checks and the launch it builds, seen as on the device
+                kernel(*args, **kwargs)
         dev = kwargs.get("device")
         if not any(fc.is_fake(t) for t in leaves) and not (
             dev is not None and torch.device(dev) == fc.device
@@ -166,7 +200,7 @@ class Checker(TorchDispatchMode):
             return out  # host work
         if name in {"_to_copy", "copy_"}:
             return self._copy(func, name, args, kwargs)
-        if self._value_shaped(func, name, args, kwargs):
+        if host_wait_kind(func, args, kwargs):
             out = _on_host_ones(func, args, kwargs)
             self._account(func, name, args, kwargs, out)
             # After the operation's accesses: the host waits for it too.
@@ -180,16 +214,6 @@ class Checker(TorchDispatchMode):
         out = func(*args, **kwargs)
         self._account(func, name, args, kwargs, out)
         return out
-
-    @staticmethod
-    def _value_shaped(func: Any, name: str, args: tuple, kwargs: dict) -> bool:
-        if name in _VALUE_SHAPED or name.startswith(("unique", "_unique")):
-            return True
-        if name == "repeat_interleave":  # tensor repeats: the output size is their sum
-            return func._overloadname != "self_int" and kwargs.get("output_size") is None
-        if name in _BOOL_INDEX and len(args) > 1 and isinstance(args[1], (list, tuple)):
-            return any(_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        return False
 
     @staticmethod
     def _scalar_ok(func: Any, name: str) -> bool:
@@ -208,24 +232,20 @@ class Checker(TorchDispatchMode):
             fc._launch(f"aten.{name}", 2 * tensor_bytes(src))
             if fc.order is not None:
                 fc.order.tensors(True, [(src, False)] + ([(dst, True)] if dst is not None else []))
-            if dst is None or not (non_blocking and fc.is_pinned(dst)):
-                # Into pinned memory without blocking, the host goes on (an event says when
-                # the values are there); anything else waits for the device.
+            if copy_rule(False, non_blocking, dst is not None and fc.is_pinned(dst))[0]:
                 fc._host_wait(f"aten.{name} device -> host")
             if dst is not None:
                 return dst.fill_(1)  # what the host reads back: ones, as below
             return torch.ones(src.shape, dtype=kwargs.get("dtype") or src.dtype)
-        blocking_pinned = False
+        waits = False
         if src.device.type == "cpu" and to == fc.device:
-            if non_blocking and fc.is_pinned(src):
-                pass  # an asynchronous copy from pinned memory
-            elif fc.is_pinned(src):
-                blocking_pinned = True
-            else:
+            waits, pageable = copy_rule(True, non_blocking, fc.is_pinned(src))
+            if pageable:  # flagged as such, not also as a wait
+                waits = False
                 fc._flag("pageable_copy", f"aten.{name} host -> device from pageable memory")
         out = func(*args, **kwargs)
         self._account(func, name, args, kwargs, out)
-        if blocking_pinned:  # after the copy's accesses: the host waits for it
+        if waits:  # after the copy's accesses: the host waits for it
             fc._host_wait(f"aten.{name} host -> device, blocking")
         return out
 
@@ -235,7 +255,7 @@ class Checker(TorchDispatchMode):
             fc.order.operation(True, func, args, kwargs, out)
         if not func.is_view and name not in NO_DATA:
             fc._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
-        for o in _fresh_outputs(func, out):
+        for o in fresh_outputs(func, out):
             for t in tree_leaves(o):
                 if _tensor(t) and fc.is_fake(t):
                     fc._allocated(f"aten.{name}", t)

@@ -1,15 +1,8 @@
 """Stream-ordering checks of :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``order=True``):
-a vector-clock race detector over the fake device's streams and the host.
-
-Each context (the host, each stream) has a vector clock. Work the host queues on a stream
-comes after everything the host did before (enqueue order); ``wait_stream``,
-``Event.record``/``wait``, ``query()`` (which the fake answers True), ``synchronize()`` and
-blocking reads move clocks as CUDA orders work. Every access to device storage, and to
-pinned host memory (the copies' other end, and the host reading or filling it), is checked
-against the earlier accesses to overlapping bytes of the same storage: two from different
-contexts, one of them a write, neither ordered before the other, are a race. A graph
-capture records the accesses its operations make to storage that existed before it; each
-replay makes them again on the replaying stream. What is not modelled: docs/fake-cuda.md.
+a vector clock per context (the host, each stream), moved as CUDA orders work; each access
+to device or pinned host storage is checked against the earlier overlapping ones: two from
+different contexts, one a write, neither ordered before the other, are a race. What is and
+is not modelled: docs/fake-cuda.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` installs for ``torch.cuda``
-(streams, events, graphs, device queries) and for the ``Tensor`` methods a CPU-only build
-cannot run (``pin_memory``, ``record_stream``) or runs differently on the fake device
-(``numpy``, ``__setitem__``). Each stub reports to the active ``FakeCuda`` (``fc``): host
-waits, graph capture and replay, the current stream, and to its stream order
-(``fc.order``, :mod:`.fake_cuda_order`, with ``order=True``) what orders work. Nothing here
-computes anything."""
+"""The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``fc``) installs for
+``torch.cuda`` and for the ``Tensor`` methods a CPU-only build cannot run or runs
+differently on the fake device; each reports host waits, captures, replays and the current
+stream to ``fc``, and what orders work to its stream order (``fc.order``)."""
 
 from __future__ import annotations
 
@@ -16,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
 
 
 class FakeStream:
@@ -82,7 +81,7 @@ class FakeEvent:
             self._fc.order.host_joins_event(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:
-        return 0.0
+        return REHEARSAL_EVENT_MS if self._fc.rehearsal else 0.0
 
 
 class FakeGraph:
@@ -95,6 +94,7 @@ class FakeGraph:
         self.pool_bytes = 0
         self.captured = False
         self.order_accesses: list[Any] = []  # with order=True: what a replay accesses
+        self.ops: list[tuple] = []  # on a computing device: what a replay runs again
 
     @property
     def launches(self) -> int:
@@ -118,7 +118,7 @@ class FakeGraph:
 
     def reset(self) -> None:
         self.by_op, self.pool_bytes, self.captured = {}, 0, False
-        self.order_accesses = []
+        self.order_accesses, self.ops = [], []
 
     def pool(self) -> object:
         return object()
@@ -172,9 +172,6 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         if fc.order is not None:
             fc.order.host_joins_all()
 
-    def set_sync_debug_mode(mode: int | str) -> None:
-        fc.sync_debug_mode = mode
-
     props = SimpleNamespace(
         name=fc.device_name,
         total_memory=fc.total_memory,
@@ -202,10 +199,18 @@ def cuda_stubs(fc: Any) -> dict[str, Any]:
         "get_device_name": lambda device=None: fc.device_name,
         "get_device_capability": lambda device=None: (props.major, props.minor),
         "get_device_properties": lambda device=None: props,
-        "set_sync_debug_mode": set_sync_debug_mode,
+        "set_sync_debug_mode": fc.set_sync_debug_mode,
         "get_sync_debug_mode": lambda: fc.sync_debug_mode,
         "empty_cache": lambda: None,
-    }
+    } | (
+        {  # frees are not seen: a script's memory readings are 0 in a rehearsal
+            "memory_allocated": lambda device=None: 0,
+            "max_memory_allocated": lambda device=None: 0,
+            "reset_peak_memory_stats": lambda device=None: None,
+        }
+        if fc.rehearsal
+        else {}
+    )
 
 
 _NUMBERS = (bool, int, float, complex)
@@ -286,22 +291,18 @@ def factory_stubs(fc: Any) -> dict[str, Any]:
     return {name: wrap(name) for name in ("tensor", "as_tensor", "asarray")}
 
 
-class Patches:
-    """Set attributes on objects and put every original back on :meth:`restore`."""
+def rehearsal_stubs(fc: Any) -> dict[str, Any]:
+    """``torch`` attributes a script that measures needs on the fake device: a
+    ``torch.Generator`` there is a CPU one (meta has none; meta factories accept a CPU one),
+    ``torch.compile`` returns the module uncompiled (inductor cannot compile for meta)."""
+    real = torch.Generator
 
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, bool, Any]] = []
+    class Generator(real):  # type: ignore[misc, valid-type]
+        def __new__(cls, device: Any = "cpu") -> torch.Generator:
+            dev = torch.device(device)
+            return real.__new__(cls, "cpu" if dev == fc.device else dev)
 
-    def apply(self, owner: Any, attrs: dict[str, Any]) -> None:
-        for name, value in attrs.items():
-            own = name in vars(owner)
-            self._saved.append((owner, name, own, vars(owner).get(name)))
-            setattr(owner, name, value)
+        def __init__(self, *_: Any, **__: Any) -> None:
+            pass
 
-    def restore(self) -> None:
-        for owner, name, own, old in reversed(self._saved):
-            if own:
-                setattr(owner, name, old)
-            else:
-                delattr(owner, name)
-        self._saved.clear()
+    return {"Generator": Generator, "compile": lambda model, *a, **k: model}

@@ -3,6 +3,7 @@ consumers (:class:`~tllm_core.api.consumer.ModelInfo`), and its tap sites as mod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -23,21 +24,37 @@ STEP_SITES = ("final", "logits", "sampled")
 
 
 def load_model(
-    model: str | Path | None, dtype: torch.dtype = torch.float32
+    model: str | Path | None, dtype: torch.dtype | str = torch.float32, *, shared: bool = False
 ) -> tuple[Any, Any, str]:
     """``(transformers model, tokenizer, folder)``; ``None``: the embedded SmolLM2-135M-Instruct
-    (converted once, as ``TllmLLM`` does)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    (converted once, as ``TllmLLM`` does). ``dtype``: a torch dtype or its name (``"auto"``: the
+    model's own). ``shared``: the process's one copy of this folder in this dtype, loaded by the
+    first caller (weights must then not be changed in place)."""
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
         model = default_model_path()
-    path = str(model)
+    path = str(Path(model).resolve())
     if not (Path(path) / "config.json").is_file():
-        raise ValueError(f"model {path!r} is not a local Hugging Face folder (no config.json)")
+        raise ValueError(
+            f"model {str(model)!r} is not a local Hugging Face folder (no config.json)"
+        )
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    hf, tok = (_load_shared if shared else _load)(path, name)
+    return hf, tok, path
+
+
+def _load(path: str, dtype: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return hf, AutoTokenizer.from_pretrained(path), path
+    return hf, AutoTokenizer.from_pretrained(path)
+
+
+# A test process's kits share what they load: the load is the slow part of a kit test (about
+# 6 s for the embedded model), the weights are read-only, and each kit hooks the model only
+# while its own forwards run. Bounded: at most two models stay loaded.
+_load_shared = functools.lru_cache(maxsize=2)(_load)
 
 
 def decoder_layers(hf: Any) -> nn.ModuleList:

@@ -5,6 +5,8 @@ forward covering rows ``[offset, offset + n)``; edits go through the same
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,12 +16,71 @@ from tllm_core.testing.hf_model import final_norm_module, site_module
 
 
 class Window:
-    """Which packed rows the running forward covers (set by the kit per request)."""
+    """Which packed rows the running forward covers (set by the kit per request; per thread,
+    as requests' forwards run side by side when a transform needs the whole step)."""
 
     def __init__(self) -> None:
-        self.offset = 0
-        self.rows = 0
+        self._here = threading.local()
         self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
+        self.lockstep: Lockstep | None = None
+
+    def set(self, offset: int, rows: int) -> None:
+        self._here.span = (offset, rows)
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(offset, rows)`` of the forward running on this thread."""
+        return getattr(self._here, "span", (0, 0))
+
+
+class LockstepBroken(RuntimeError):
+    """Another forward of the step failed (or was late) while this one waited at a tap."""
+
+
+class Lockstep:
+    """The step's requests' forwards, one thread each, meet at every tap with a transform: the
+    transforms then run once over all the step's rows, as the engine's do (a transform may pool
+    over rows). A forward that fails breaks the meeting for the others."""
+
+    def __init__(self, parties: int, timeout: float) -> None:
+        self.timeout = timeout
+        self._barrier = threading.Barrier(parties, action=self._run, timeout=timeout)
+        self._lock = threading.Lock()
+        self._parts: list[tuple[int, torch.Tensor]] = []
+        self._run_on: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def meet(
+        self,
+        key: str,
+        lo: int,
+        part: torch.Tensor,
+        run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand in this forward's rows ``[lo, lo + len(part))``; ``run`` (the same for every
+        party) maps the step's rows to ``(new rows, row mask)``; returns this forward's slice."""
+        with self._lock:
+            self._parts.append((lo, part))
+            self._run_on = run
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise LockstepBroken(
+                f"tap {key!r}: another request's forward of this step failed, or the step's "
+                f"forwards did not all reach the tap within {self.timeout:g} s"
+            ) from None
+        assert self._out is not None
+        new, mask = self._out
+        return new[lo : lo + len(part)], mask[lo : lo + len(part)]
+
+    def _run(self) -> None:
+        parts = sorted(self._parts, key=lambda p: p[0])
+        self._parts = []
+        assert self._run_on is not None
+        self._out = self._run_on(torch.cat([p for _, p in parts]))
+
+    def abort(self) -> None:
+        self._barrier.abort()
 
 
 class HfTap:
@@ -34,6 +95,7 @@ class HfTap:
         self.edit: EditBuffers | None = None
         self.edited = torch.zeros(1, dtype=torch.int64)
         self.written = False
+        self._count = threading.Lock()
 
     def begin(self, total: int) -> None:
         self.capture = torch.zeros(total, self.width, dtype=self.dtype)
@@ -42,23 +104,41 @@ class HfTap:
 
     def process(self, s: torch.Tensor) -> torch.Tensor | None:
         """``s`` ``[n, width]``: this request's rows; returns the edited tensor (None: as is)."""
-        lo, n = self.window.offset, self.window.rows
+        lo, n = self.window.span
         new = None
         if self.edit is not None:
             e = self.edit
             mask = e.mask[lo : lo + n]
             new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
-            for _, module, rows in e.transforms:
-                rows = rows[lo : lo + n]
-                new = torch.where(rows, module(new, rows), new)
-                mask = mask | rows
+            if e.transforms:
+                step = self.window.lockstep
+                if step is None:
+                    new, mask = self._transform(new, lo, mask)
+                else:
+                    new, mask = step.meet(self.key, lo, new, self._transform_step)
             changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
-            self.edited += changed.sum()
+            with self._count:
+                self.edited += changed.sum()
             s = new
         assert self.capture is not None
         self.capture[lo : lo + n] = s.detach().to(self.dtype)
         self.written = True
         return new
+
+    def _transform(
+        self, new: torch.Tensor, lo: int, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order."""
+        assert self.edit is not None
+        for _, module, rows in self.edit.transforms:
+            rows = rows[lo : lo + len(new)]
+            new = torch.where(rows, module(new, rows), new)
+            mask = mask | rows
+        return new, mask
+
+    def _transform_step(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.edit is not None
+        return self._transform(new, 0, self.edit.mask[: len(new)])
 
 
 def _tensor_of(out: Any) -> torch.Tensor:

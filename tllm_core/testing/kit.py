@@ -18,6 +18,7 @@ are not served.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +32,12 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditBuffers
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
+from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.testing.hf_model import load_model, model_info
-from tllm_core.testing.hf_taps import HfTap, Window, install
+from tllm_core.testing.hf_taps import HfTap, Lockstep, LockstepBroken, Window, install
 from tllm_core.testing.sampling import Sampling, draw, filter_logits, is_random, temperatures
 
 ConsumerArg = str | dict | ConsumerSpec | type[Consumer] | tuple[type[Consumer], dict]
@@ -71,7 +73,11 @@ class ConsumerKit:
     version of it. ``max_num_batched_tokens``: the token budget per step (a longer prompt is
     prefilled in chunks, as vLLM's chunked prefill does). ``max_consecutive_failures``: as for
     ``TllmLLM``; ``raise_on_disabled``: :meth:`generate` raises ``ConsumerDisabledError`` when
-    a consumer was switched off, as ``TllmLLM.generate`` does.
+    a consumer was switched off, as ``TllmLLM.generate`` does. ``dtype``: as ``TllmLLM``'s and
+    ``tllm run``'s default (float32) unless given. ``share_model``: kits in one process share
+    the loaded model (the first kit of a folder loads it, later ones take a few seconds); False
+    loads a private copy (for a test that changes weights in place). ``lockstep_timeout``: how
+    long a step's forwards may wait for each other at a tap with a transform.
     """
 
     def __init__(
@@ -82,9 +88,12 @@ class ConsumerKit:
         max_num_batched_tokens: int = 2048,
         max_consecutive_failures: int = 3,
         raise_on_disabled: bool = True,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = DEFAULT_DTYPE,
+        share_model: bool = True,
+        lockstep_timeout: float = 300.0,
     ):
-        self.hf, self.tokenizer, self.model_path = load_model(model, dtype)
+        self.hf, self.tokenizer, self.model_path = load_model(model, dtype, shared=share_model)
+        self.lockstep_timeout = float(lockstep_timeout)
         self.registry = Registry()
         specs = [self._spec(c) for c in consumers]
         configs = self.registry.check(specs)
@@ -263,6 +272,7 @@ class ConsumerKit:
             sample_index=sample,
             num_prompt_tokens=len(ids),
             extra_args=dict(extra),
+            prompt_token_ids=tuple(ids),
         )
         cache = DynamicCache(config=self.hf.config)
         return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
@@ -345,22 +355,57 @@ class ConsumerKit:
         self, sched: list[tuple[_Request, int]], fed: list[list[int]]
     ) -> list[torch.Tensor]:
         """Each scheduled request's forward with its own KV cache (its rows: a window of the
-        step's packed rows); the logits of its last row."""
-        logits, offset = [], 0
-        for (r, k), ids in zip(sched, fed, strict=True):
-            self._window.offset, self._window.rows = offset, k
-            pos = torch.arange(r.computed, r.computed + k)[None]
-            out = self.hf(
-                input_ids=torch.tensor([ids]),
-                position_ids=pos,
-                past_key_values=r.cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            r.cache = out.past_key_values
-            logits.append(out.logits[0, -1].float())
-            offset += k
-        return logits
+        step's packed rows); the logits of its last row. Where a transform edits a tap, the
+        forwards run side by side and meet there, so that the transform sees the whole step."""
+        spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
+        transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
+        if len(sched) < 2 or not transforms:
+            return [
+                self._forward_one(r, ids, lo)
+                for (r, _), ids, lo in zip(sched, fed, spans, strict=True)
+            ]
+        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
+        logits: list[torch.Tensor | None] = [None] * len(sched)
+        errors: list[BaseException] = []
+
+        def run(j: int) -> None:
+            try:
+                with torch.inference_mode():
+                    logits[j] = self._forward_one(sched[j][0], fed[j], spans[j])
+            except BaseException as e:  # noqa: B036 - handed to the caller below
+                errors.append(e)
+                step.abort()
+
+        threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(sched))]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(self.lockstep_timeout)
+                if t.is_alive():
+                    step.abort()
+                    raise TimeoutError(
+                        f"ConsumerKit: a request's forward did not end within "
+                        f"{self.lockstep_timeout:g} s (a transform or hook that hangs?)"
+                    )
+        finally:
+            self._window.lockstep = None
+        if errors:  # the forward that failed first, not those it broke off
+            raise next((e for e in errors if not isinstance(e, LockstepBroken)), errors[0])
+        return [x for x in logits if x is not None]
+
+    def _forward_one(self, r: _Request, ids: list[int], lo: int) -> torch.Tensor:
+        self._window.set(lo, len(ids))
+        pos = torch.arange(r.computed, r.computed + len(ids))[None]
+        out = self.hf(
+            input_ids=torch.tensor([ids]),
+            position_ids=pos,
+            past_key_values=r.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        r.cache = out.past_key_values
+        return out.logits[0, -1].float()
 
     def _eos(self) -> set[int]:
         ids = getattr(self.hf.generation_config, "eos_token_id", None)

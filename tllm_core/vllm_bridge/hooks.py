@@ -144,6 +144,7 @@ class RunnerHooks:
                 sample_index=sample,
                 num_prompt_tokens=n_prompt,
                 extra_args=extra,
+                prompt_token_ids=self.adapter.prompt_ids(engine_id),
             )
             req.cut_short = rid in self._aborting
             self.requests[engine_id] = req

@@ -47,6 +47,10 @@ class RunnerAdapterBase:
         """``(extra_args, prompt length)`` of a scheduled request."""
         raise NotImplementedError
 
+    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
+        """A scheduled request's prompt token ids (None where the runner does not say)."""
+        return None
+
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         """Wrap the runner (instance attributes only) so that each step reports ``events``;
         the guide is wired only when ``guides``; ``sync_sampled`` runs after every sampling."""

@@ -29,6 +29,7 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -39,6 +40,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tllm_core.api.consumer import ControlError
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
@@ -52,6 +54,7 @@ from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 log = logging.getLogger("vllm.tllm")
 
 COUNTERS_PATH = "/tllm/counters"
+CONTROL_PATH = "/tllm/consumers/{name}/control"
 STATUS_PATH = "/tllm/status"
 
 
@@ -255,8 +258,10 @@ def attach_routes(
     app.state.tllm_secret = secrets.token_bytes(32)
     app.add_middleware(ClientScope, secret=app.state.tllm_secret)
     # Added last, so it runs first: an unauthorised /tllm request gets 401 before anything.
-    app.add_middleware(BearerGuard, tokens=api_tokens(getattr(app.state, "args", None)))
+    tokens = api_tokens(getattr(app.state, "args", None))
+    app.add_middleware(BearerGuard, tokens=tokens)
     router = APIRouter()
+    control_lock = asyncio.Lock()  # the front end's configs and the engine's change in step
 
     def shown(body: Any) -> Any:
         body = json_safe(body)
@@ -299,9 +304,56 @@ def attach_routes(
         server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
         body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
+        body["controls"] = server.control_state()
         if len(out) > 1:
             body["ranks"] = out
         return JSONResponse(shown(body))
+
+    @router.post(CONTROL_PATH)
+    async def tllm_control(name: str, request: Request):
+        if not tokens:
+            return JSONResponse(
+                {
+                    "error": "control requests change the server for every client: start it "
+                    "with an API key (--api-key or VLLM_API_KEY)"
+                },
+                403,
+            )
+        server: EngineConsumers = request.app.state.tllm_server
+        cls = server.classes.get(name)
+        if cls is None:
+            known = ", ".join(sorted(server.classes)) or "(none)"
+            return JSONResponse({"error": f"no consumer {name!r}; this server's: {known}"}, 404)
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            return JSONResponse({"error": f"the body is not JSON: {e}"}, 400)
+        if not isinstance(body, dict) or not isinstance(body.get("action"), str):
+            return JSONResponse(
+                {"error": 'the body must be a JSON object with a string "action"'}, 400
+            )
+        action = body.pop("action")
+        async with control_lock:
+            config = server.configs[name]
+            try:
+                new, reply = cls.check_control(action, body, config)
+            except ControlError as e:
+                return JSONResponse({"error": str(e)}, e.status)
+            if new is not config:
+                client = getattr(request.app.state, "tllm_engine_client", None)
+                if client is None:
+                    return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
+                try:
+                    out = await until_server_stops(
+                        app, rpc_all(client, "tllm_control", name, action, body)
+                    )
+                except ServerStopping:
+                    return _stopping_response()
+                failed = next((o for o in out if "error" in o), None)
+                if failed is not None:
+                    return JSONResponse({"error": failed["error"]}, failed.get("status", 400))
+                server.configs[name] = new
+        return JSONResponse(shown({"consumer": name, "action": action, "reply": reply}))
 
     app.include_router(router)
 

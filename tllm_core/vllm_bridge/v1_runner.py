@@ -57,6 +57,10 @@ class V1RunnerAdapter(RunnerAdapterBase):
         extra = dict((st.sampling_params.extra_args or {}) if st.sampling_params else {})
         return extra, len(st.prompt_token_ids or ())
 
+    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
+        ids = self.runner.requests[engine_id].prompt_token_ids
+        return None if ids is None else tuple(int(t) for t in ids)
+
     def _layout(self, num_scheduled_tokens: np.ndarray) -> StepLayout:
         ib = self.runner.input_batch
         n = ib.num_reqs

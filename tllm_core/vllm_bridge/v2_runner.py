@@ -64,21 +64,28 @@ class V2RunnerAdapter(RunnerAdapterBase):
     def __init__(self, runner: Any):
         super().__init__(runner)
         # engine id -> (extra_args, prompt length), from add_requests; dropped when finished
-        self._admitted: dict[str, tuple[dict[str, Any], int]] = {}
+        # engine id -> (extra_args, prompt length, prompt token ids)
+        self._admitted: dict[str, tuple[dict[str, Any], int, tuple[int, ...] | None]] = {}
 
     # -- per request / per step reads ---------------------------------------------------
     def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
         """``(extra_args, prompt length)`` of a scheduled request."""
-        return self._admitted.get(engine_id, ({}, 0))
+        extra, n_prompt, _ = self._admitted.get(engine_id, ({}, 0, None))
+        return extra, n_prompt
+
+    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
+        return self._admitted.get(engine_id, ({}, 0, None))[2]
 
     def _admit(self, scheduler_output: Any) -> None:
         for new in scheduler_output.scheduled_new_reqs:
             sp = new.sampling_params
             extra = dict((sp.extra_args or {}) if sp is not None else {})
             n_prompt = getattr(new, "prompt_len", None)
+            ids = new.prompt_token_ids
             if n_prompt is None:
-                n_prompt = len(new.prompt_token_ids or ())
-            self._admitted[new.req_id] = (extra, int(n_prompt))
+                n_prompt = len(ids or ())
+            ids = None if ids is None else tuple(int(t) for t in ids[: int(n_prompt)])
+            self._admitted[new.req_id] = (extra, int(n_prompt), ids)
 
     @staticmethod
     def _layout(batch: Any) -> StepLayout:

@@ -63,6 +63,13 @@ class TllmWorkerExtension:
         hooks = self._tllm_hooks()
         return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
+    def tllm_control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """A control request for consumer ``name`` (``Runtime.control``)."""
+        hooks = self._tllm_hooks()
+        if hooks is None:
+            return {"error": "tllm is not installed in this engine", "status": 503}
+        return hooks.runtime.control(name, action, payload)
+
     def tllm_node_check(self) -> int:
         """A barrier over every rank of a multi-node engine (``nodes.NodeWatch.watch_nodes``)."""
         from tllm_core.vllm_bridge.nodes import node_check

@@ -3,45 +3,48 @@ buffers (:mod:`.buffer_pool`).
 
 The runtime cuts rows out of the step's tensors with host indices (the sampling rows for
 the guide, each consumer's bundle rows). Each index sent alone would be a copy of its own
-from pinned memory and a new device tensor, per index and step. Instead :meth:`StepBuffers.plan`
+from pinned memory and a new device tensor, per index and step. Instead :meth:`StepIndices.plan`
 gathers every index the step will use (equal ones once), writes them into one of ``ring``
-pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepBuffers.index`
-then hands out views of it. A staging buffer is rewritten only once the event recorded
-after its copy has completed (``waits`` counts the times the host had to wait for it; with
-a ring of 16 the copy ran steps before, even with several per-request editors each sending
-its own). An index not planned is sent the same way, alone.
-On CPU, and on a device without CUDA's streams, indices are used as before
-(:func:`~tllm_core.api.rows.index_to`).
+pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepIndices.index`
+then hands out views of it. The staging ring is :class:`~tllm_core.api.transfers.StagingRing`
+(``waits``: the times the host waited for a buffer's last copy; with a ring of 16 the copy
+ran steps before, even with several per-request editors each sending its own). An index not
+planned is sent the same way, alone. On CPU, and on a device without CUDA's streams, each
+index is sent alone (:func:`~tllm_core.api.transfers.index_to`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import torch
 
-from tllm_core.api.host_copies import async_copies
-from tllm_core.api.rows import index_to
-from tllm_core.runtime.buffer_pool import BufferPool, pow2_rows
+from tllm_core.api.transfers import StagingRing, async_copies, index_to
+from tllm_core.runtime.buffer_pool import BufferPool
 
 RING = 16  # slots of a few KB; editors not in the step's plan take one each
 
 
-class StepBuffers:
+class StepIndices:
     """The runtime's per-step device indices and gathered rows (see the module docstring).
-    ``copies``: index copies queued (one per planned step, plus any index not planned)."""
+    ``copies``: index copies queued (one per planned step, plus any index not planned);
+    ``waits``: staging buffers the host waited for."""
 
     def __init__(self, pool: BufferPool | None = None, ring: int = RING) -> None:
         self.pool = pool or BufferPool()
-        self._staging: list[torch.Tensor | None] = [None] * ring
-        self._events: list[Any | None] = [None] * ring
-        self._next = 0
+        self._ring = ring
+        self._staging: StagingRing | None = None  # made for the first device planned
         # The step's indices on the device, by device and their bytes (as int64).
         self._index: dict[tuple[torch.device, bytes], torch.Tensor] = {}
-        self.copies = 0
-        self.waits = 0
+
+    @property
+    def copies(self) -> int:
+        return self._staging.copies if self._staging else 0
+
+    @property
+    def waits(self) -> int:
+        return self._staging.waits if self._staging else 0
 
     def plan(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
         """Send ``arrays`` (host indices the step will use) to ``device`` in one copy; the
@@ -89,32 +92,11 @@ class StepBuffers:
                 self._index[key] = self.pool.take((0,), torch.int64, device)
             return
         dev = self.pool.take((total,), torch.int64, device)
-        i, host = self._stage(total)
+        self._staging = self._staging or StagingRing(device, self._ring)
+        i, host = self._staging.take(total)
         host.copy_(torch.from_numpy(np.concatenate(list(new.values()))))
-        dev.copy_(host, non_blocking=True)
-        ev = self._events[i] = self._events[i] or torch.cuda.Event()
-        ev.record()  # after the copy: this staging buffer is free again once it completes
-        self.copies += 1
+        self._staging.send(i, dev)
         off = 0
         for key, a in new.items():
             self._index[key] = dev[off : off + a.size]
             off += a.size
-
-    def _stage(self, n: int) -> tuple[int, torch.Tensor]:
-        """The next pinned staging buffer (its ring slot, ``n`` elements), once the copy
-        last queued from it has run."""
-        i = self._next
-        self._next = (i + 1) % len(self._staging)
-        ev = self._events[i]
-        if ev is not None and not ev.query():
-            self.waits += 1
-            ev.synchronize()
-        buf = self._staging[i]
-        if buf is None or buf.numel() < n:
-            # Not an inference tensor (vLLM's step runs in inference mode): its views keep
-            # their base, by which the test kit's fake CUDA tells pinned memory.
-            with torch.inference_mode(False):
-                buf = self._staging[i] = torch.empty(
-                    pow2_rows(n), dtype=torch.int64, pin_memory=True
-                )
-        return i, buf[:n]

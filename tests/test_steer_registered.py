@@ -1,0 +1,179 @@
+"""Vectors registered on a running server (issue 45 item 4): ``POST
+/tllm/consumers/steer/control`` with ``add`` / ``remove`` / ``list``, authenticated, checked as
+config vectors are, bounded in count and bytes, listed in ``/tllm/status``, usable by name at
+once (and only by requests that name them), kept across a restart with ``keep_dir``. The
+routes run on FastAPI's test client; the engine's side is a real ``SteerConsumer`` behind a
+fake engine client (``tests/test_steer_unit.py``'s model context)."""
+
+from __future__ import annotations
+
+import gc
+import re
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+from test_steer_unit import H, context, make_rows, request
+
+from consumers.steer.consumer import SteerConfig, SteerConsumer
+from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.edits import EditPlan
+from tllm_core.plugins.registry import Registry
+from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+
+KEY = "sekret"
+URL = "/tllm/consumers/steer/control"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _server(cfg: dict, api_key: str | None = KEY):
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from tllm_core.vllm_bridge.serving import attach_routes
+
+    reg = Registry()
+    spec = ConsumerSpec(name="steer", config=cfg, per_request=True)
+    engine = EngineConsumers.of([spec], reg.check([spec]), reg)
+    consumer = SteerConsumer(engine.configs["steer"], context(per_request=True))
+
+    class Engine:  # the workers' side of tllm_control, on the real consumer
+        async def collective_rpc(self, method, args=()):
+            if method == "tllm_status":
+                return [{"installed": True, "rank": {"leader": True}}]
+            if method == "tllm_collect":
+                return [{"runtime": {}, "consumers": {}, "results": {}, "errors": []}]
+            assert method == "tllm_control", method
+            from tllm_core.api.consumer import ControlError
+
+            name, action, payload = args
+            try:
+                return [{"reply": consumer.control(action, payload)}]
+            except ControlError as e:
+                return [{"error": str(e), "status": e.status}]
+
+    app = FastAPI()
+    app.state.args = SimpleNamespace(api_key=api_key)
+    attach_routes(app, engine)
+    app.state.tllm_engine_client = Engine()
+    app.state.tllm_server = engine
+    return TestClient(app), engine, consumer
+
+
+def _steered(consumer: SteerConsumer, **extra) -> dict:
+    """What the consumer plans for one request's 2 decode rows: {layer: add vector}."""
+    req = request(0, 3, tllm_consumers="steer", **extra)
+    rows = make_rows([(req, [3, 4])])
+    plan = EditPlan(rows, {"layer.1": "residual.1"}, H)
+    consumer.edit(rows, plan)
+    consumer.on_request_finished(req)  # each call is a new request
+    return plan.ops
+
+
+def test_a_registered_vector_is_used_by_the_next_request_that_names_it():
+    client, engine, consumer = _server({"vectors": [], "open_layers": [1]})
+    v = torch.randn(H).tolist()
+    r = client.post(
+        URL, json={"action": "add", "name": "calm", "layer": 1, "vector": v}, headers=AUTH
+    )
+    assert r.status_code == 200 and r.json()["reply"] == {"added": "calm"}, r.text
+    listed = client.get("/tllm/status", headers=AUTH).json()["controls"]["steer"]
+    assert [(x["name"], x["registered"]) for x in listed] == [("calm", True)]
+    # the front end now accepts the name, and the engine steers the rows that name it
+    validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm=2"}, engine)
+    ops = _steered(consumer, tllm_steer_vectors="calm=2")
+    (rows, kind, value) = ops["layer.1"][0]
+    assert kind == "add" and rows.tolist() == [0, 1]
+    torch.testing.assert_close(value, 2 * torch.tensor(v))
+    assert _steered(consumer) == {}  # a request that does not name it is not steered
+    with pytest.raises(ValueError, match="no steering vector named 'happy'.*calm"):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "happy"}, engine)
+    r = client.post(URL, json={"action": "remove", "name": "calm"}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["reply"] == {"removed": "calm"}
+    with pytest.raises(ValueError, match="no steering vector named 'calm'"):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
+    assert _steered(consumer, tllm_steer_vectors="") == {}
+
+
+def test_registration_is_refused_when_unauthenticated_malformed_or_too_large():
+    cfg = {"vectors": [{"name": "base", "layer": 1, "vector": [1.0] * H}], "max_registered": 2}
+    client, engine, consumer = _server({**cfg, "max_registered_mib": 0.0001})
+    good = {"action": "add", "name": "a", "layer": 1, "vector": [0.5] * H}
+    assert client.post(URL, json=good).status_code == 401
+    assert client.post(URL, json=good, headers={"Authorization": "Bearer nope"}).status_code == 401
+    open_client, *_ = _server(cfg, api_key=None)
+    r = open_client.post(URL, json=good)
+    assert r.status_code == 403 and "--api-key" in r.json()["error"]
+    cases = [
+        (b"{not json", 400, "not JSON"),
+        (b"[1, 2]", 400, '"action"'),
+        ({"action": "fly"}, 400, "unknown action 'fly'"),
+        (b'{"action": "add", "name": "a", "layer": 1, "vector": [NaN]}', 400, "finite"),
+        ({**good, "vector": [1.0] * (H + 1)}, 400, "size 8"),
+        ({**good, "layer": 2}, 400, "layer 2 is not open.*1"),
+        ({**good, "mode": "clamp"}, 400, "'add' or 'ablate'"),
+        ({**good, "name": "base"}, 409, "exists"),
+        ({**good, "name": "bad name!"}, 400, "invalid vector"),
+        ({**good, "colour": 1}, 400, "unknown field"),
+        ({"action": "remove", "name": "base"}, 409, "configured at start"),
+        ({"action": "remove", "name": "zzz"}, 404, "no steering vector"),
+        ({**good, "vector": [0.5] * 40}, 413, "MiB"),
+    ]
+    for body, status, text in cases:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = client.post(URL, headers=AUTH, **kw)
+        assert r.status_code == status, (body, r.text)
+        assert re.search(text, r.json()["error"]), (body, r.text)
+    assert [v.name for v in consumer.vectors] == ["base"]  # nothing half-registered
+    assert [v.name for v in engine.configs["steer"].vectors] == ["base"]
+    client2, _, _ = _server({**cfg, "max_registered": 1})
+    assert client2.post(URL, json=good, headers=AUTH).status_code == 200
+    r = client2.post(URL, json={**good, "name": "b"}, headers=AUTH)
+    assert r.status_code == 413 and "at most 1" in r.json()["error"]
+
+
+def test_memory_stays_bounded_over_a_thousand_add_remove_cycles():
+    client, engine, consumer = _server({"vectors": [], "open_layers": [1]})
+    body = {"action": "add", "name": "v", "layer": 1, "vector": np.ones(H).tolist()}
+
+    def cycle(k: int) -> None:
+        for _ in range(k):
+            assert client.post(URL, json=body, headers=AUTH).status_code == 200
+            _steered(consumer, tllm_steer_vectors="v")
+            rm = client.post(URL, json={"action": "remove", "name": "v"}, headers=AUTH)
+            assert rm.status_code == 200
+
+    cycle(50)  # warm caches
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    cycle(1000)
+    gc.collect()
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert consumer.vectors == [] and engine.configs["steer"].vectors == []
+    assert grown < 256 * 1024, f"{grown} bytes more after 1,000 cycles"
+
+
+def test_kept_vectors_come_back_after_a_restart(tmp_path):
+    cfg = {"vectors": [], "open_layers": [1], "keep_dir": str(tmp_path / "kept")}
+    client, _, _ = _server(cfg)
+    v = torch.randn(H).tolist()
+    body = {"action": "add", "name": "calm", "layer": 1, "vector": v, "scale": 3.0}
+    assert client.post(URL, json=body, headers=AUTH).status_code == 200
+    config = SteerConfig(**cfg)  # a restart validates the same config: the folder's vectors
+    assert [(x.name, x.layer, x.scale, x.registered) for x in config.vectors] == [
+        ("calm", 1, 3.0, True)
+    ]
+    again = SteerConsumer(config, context(per_request=True))
+    torch.testing.assert_close(again.vectors[0].vector, torch.tensor(v))
+    client2, _, _ = _server(cfg)
+    assert (
+        client2.post(URL, json={"action": "remove", "name": "calm"}, headers=AUTH).status_code
+        == 200
+    )
+    assert SteerConfig(**cfg).vectors == []
+    assert SteerConfig(**{**cfg, "keep_dir": None}).vectors == []  # without it: forgotten

@@ -1,0 +1,238 @@
+"""Copies between the host and the device that never make the host wait in a steady step.
+
+Two rings, one per direction, each of ``slots`` host buffers (pinned where the copies are
+asynchronous, :func:`async_copies`) and one event per copy in flight:
+
+- :class:`StagingRing` (host to device): the caller writes a step's host values into
+  the next buffer (:meth:`~StagingRing.take`) and queues one copy from it
+  (:meth:`~StagingRing.send`). A buffer is written again only once the copy last queued
+  from it has run.
+- :class:`HostCopyRing` (device to host): a copy of device tensors is queued into a free
+  buffer (:meth:`~HostCopyRing.send`) and handed out, oldest first, once its event says it
+  has arrived (:meth:`~HostCopyRing.arrived`).
+
+The event rules, in one place: an event is recorded on the copy's stream right after the
+copy; a host buffer is rewritten (staging) or read (copies back) only once its event has
+completed. Where that means waiting (a ring too small for the copies in flight, or a read
+that is asked to wait) the host synchronises on the event and counts it in ``waits``: 0 in a
+steady step. Where copies are not asynchronous (CPU, a device without CUDA's streams) a copy
+completes before :meth:`send` returns and no event is made.
+
+Imports torch and numpy only (the GPU image has neither pydantic nor vLLM).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+Read = Callable[[Any, Any], Any]
+
+
+def async_copies(device: torch.device) -> bool:
+    """Whether copies between the host and ``device`` are queued without blocking (from or
+    into pinned memory, ordered by events): CUDA, and the test kit's fake CUDA."""
+    return device.type != "cpu" and torch.cuda.is_available()
+
+
+def pow2_rows(n: int) -> int:
+    """The power of two at or above ``n`` (at least 1): the rows a grown buffer gets."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without making the host wait: a copy from pageable
+    memory would synchronise the stream; from pinned memory it is asynchronous (the caching
+    host allocator keeps the block until it ran). On CPU ``t`` itself."""
+    if device.type == "cpu":
+        return t
+    if async_copies(device):
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host indices ``idx`` as an int64 index tensor on ``device`` (:func:`host_to_device`;
+    on CPU a view of ``idx``)."""
+    return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), device)
+
+
+def _host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    # Not an inference tensor (vLLM's step runs in inference mode): the buffer is written
+    # again outside one, and its views keep their base (by which the test kit's fake CUDA
+    # tells pinned memory).
+    with torch.inference_mode(False):
+        return torch.zeros(numel, dtype=dtype, pin_memory=pinned)
+
+
+def _wait(event: Any | None) -> bool:
+    """Synchronise on ``event`` if it has not completed; whether the host had to wait."""
+    if event is None or event.query():
+        return False
+    event.synchronize()
+    return True
+
+
+def _recorded(event: Any | None, stream: Any | None) -> Any:
+    """``event`` (made if None) recorded on ``stream`` (None: the current stream)."""
+    event = event or torch.cuda.Event()
+    event.record(stream) if stream is not None else event.record()
+    return event
+
+
+class StagingRing:
+    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` (pinned where the
+    copies to ``device`` are asynchronous) in rotation, each rewritten only after the copy
+    last queued from it has run (``waits``: the times the host waited for that; ``copies``:
+    copies queued). ``numel``: elements allocated at once per buffer (0: on first use);
+    a buffer asked for more grows to ``grow(n)`` elements."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        slots: int,
+        dtype: torch.dtype = torch.int64,
+        numel: int = 0,
+        grow: Callable[[int], int] = pow2_rows,
+    ) -> None:
+        self.pinned = async_copies(torch.device(device))
+        self.dtype = dtype
+        self._grow = grow
+        self.buffers: list[torch.Tensor | None] = [
+            _host_empty(numel, dtype, self.pinned) if numel else None for _ in range(slots)
+        ]
+        self._events: list[Any | None] = [None] * slots
+        self._next = 0
+        self.waits = 0
+        self.copies = 0
+
+    def take(self, numel: int) -> tuple[int, torch.Tensor]:
+        """The next buffer's slot and first ``numel`` elements, once the copy last queued
+        from it has run; write the values there, then :meth:`send` the slot."""
+        i = self._next
+        self._next = (i + 1) % len(self.buffers)
+        self.waits += _wait(self._events[i])
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[i] = _host_empty(self._grow(numel), self.dtype, self.pinned)
+        return i, buf[:numel]
+
+    def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:
+        """Queue the copy of slot ``slot``'s first ``dst.numel()`` elements into ``dst`` on
+        the current stream and record the slot's event on ``stream`` (None: the current
+        one; a caller copying on a side stream passes it, having made it current)."""
+        buf = self.buffers[slot]
+        assert buf is not None, "send() of a slot not taken"
+        dst.copy_(buf[: dst.numel()].view(dst.shape), non_blocking=self.pinned)
+        if self.pinned:
+            self._events[slot] = _recorded(self._events[slot], stream)
+        self.copies += 1
+
+
+def _as_lists(tag: Any, host: Any) -> Any:
+    return host.tolist() if isinstance(host, torch.Tensor) else [t.tolist() for t in host]
+
+
+class HostCopyRing:
+    """Device-to-host copies: ``ring`` host buffers shaped like ``like`` (a tensor, or a
+    sequence of tensors copied together), pinned where the device is CUDA; each copy queued
+    without blocking with an event and handed out, in order, once arrived (on CPU a copy
+    has arrived at once).
+
+    ``read(tag, host)`` turns a copy into what :meth:`arrived` hands out while its buffer is
+    still held (default: the values as lists). ``tag``: what the sender keeps with its
+    copy. ``waits``: copies the host had to wait for (a :meth:`send` to a full ring waits
+    for the oldest copy, and an :meth:`arrived` asked to wait)."""
+
+    def __init__(
+        self, like: torch.Tensor | Sequence[torch.Tensor], ring: int = 2, read: Read = _as_lists
+    ) -> None:
+        self._single = isinstance(like, torch.Tensor)
+        likes = [like] if isinstance(like, torch.Tensor) else list(like)
+        self._async = async_copies(likes[0].device)
+        self._host = [
+            [_host_empty(t.numel(), t.dtype, self._async).view(t.shape) for t in likes]
+            for _ in range(ring)
+        ]
+        self._read = read
+        self._free = deque(range(ring))
+        self._flight: deque[tuple[int, Any, Any]] = deque()  # (buffer, event, tag)
+        self._out: list[tuple[Any, Any]] = []  # read early (a full ring), not yet handed out
+        self.waits = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether every host buffer holds a copy not yet handed out (:meth:`send` would
+        wait for the oldest)."""
+        return not self._free
+
+    @property
+    def in_flight(self) -> int:
+        """Copies sent and not yet handed out."""
+        return len(self._flight)
+
+    def send(
+        self, src: torch.Tensor | Sequence[torch.Tensor], tag: Any = None, stream: Any = None
+    ) -> None:
+        """Queue a copy of ``src`` (shaped like ``like``) into a free host buffer, on
+        ``stream`` (None: the current one). A full ring first waits for its oldest copy."""
+        if not self._free:
+            self._take_oldest(wait=True)
+        i = self._free.popleft()
+        srcs = [src] if isinstance(src, torch.Tensor) else list(src)
+        event = None
+        if not self._async:  # one blocking read per tensor (``Tensor.cpu`` off the CPU)
+            for host, s in zip(self._host[i], srcs, strict=True):
+                host.copy_(s if s.device.type == "cpu" else s.cpu())
+        else:
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for host, s in zip(self._host[i], srcs, strict=True):
+                    host.copy_(s, non_blocking=True)
+            event = _recorded(None, stream)
+        self._flight.append((i, event, tag))
+
+    def arrived(self, wait: bool = False, until: Any = None) -> list[tuple[Any, Any]]:
+        """``(tag, read(tag, host))`` of the copies that have arrived, oldest first; their
+        buffers are free again. ``wait``: every copy sent, waiting for those still in flight
+        (``until``: only up to the one sent with that tag, by identity)."""
+        out, self._out = self._out, []
+        while self._flight:
+            tag = self._flight[0][2]
+            if not self._take_oldest(wait):
+                break
+            out.append(self._out.pop())
+            if wait and until is not None and tag is until:
+                wait = False
+        return out
+
+    def _take_oldest(self, wait: bool) -> bool:
+        """Read the oldest copy into ``_out`` and free its buffer if it has arrived (or
+        ``wait``: once it has); whether it was."""
+        i, event, tag = self._flight[0]
+        if not wait and event is not None and not event.query():
+            return False
+        self.waits += _wait(event)
+        self._flight.popleft()
+        host = self._host[i][0] if self._single else self._host[i]
+        self._out.append((tag, self._read(tag, host)))
+        self._free.append(i)
+        return True
+
+
+class HostCopies(HostCopyRing):
+    """Deprecated name of :class:`HostCopyRing` (the same class)."""
+
+    def __init__(self, like: torch.Tensor, ring: int = 2) -> None:
+        warnings.warn(
+            "tllm_core.HostCopies is deprecated: use tllm_core.HostCopyRing (the same "
+            "arguments and methods)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(like, ring)

@@ -1,0 +1,124 @@
+"""Capture windows: which token rows of each request a read port selects, by position.
+
+A port's ``phase`` takes a :class:`~tllm_core.api.ports.Phase` or a window (one grammar for
+every port and consumer):
+
+- ``"prompt"``, ``"generated"``, ``"all"``: the phases (prompt rows, decode rows, both);
+- ``"last_prompt"``: each request's last prompt token (``prompt[-1:]``: a linear probe's row);
+- ``REGION[START:STOP:STEP]`` with ``REGION`` one of ``prompt``, ``generated``, ``all``, as a
+  Python slice of the region's positions: ``prompt[-8:]`` (the prompt's last 8 tokens),
+  ``generated[0:16]`` (the first 16 generated tokens), ``all[::4]`` (every 4th token),
+  ``prompt[2:10:2]``. ``prompt`` counts from the prompt's first token (negative: from its
+  end); ``generated`` from the first generated token; ``all`` from position 0.
+
+The runtime keeps a window's rows when it cuts a step into bundles (host metadata only:
+each row's position and its request's prompt length), so rows outside it are never
+gathered, copied or delivered.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+REGIONS = ("prompt", "generated", "all")
+GRAMMAR = (
+    "'prompt', 'generated', 'all', 'last_prompt', or REGION[START:STOP:STEP] with REGION one "
+    "of prompt, generated, all (e.g. 'prompt[-1:]', 'generated[0:16]', 'all[::4]'; negative "
+    "START/STOP only for prompt)"
+)
+_SLICE = re.compile(r"^(prompt|generated|all)\[(-?\d*):(-?\d*)(?::(\d*))?\]$")
+MAX_INDEX = 1 << 40
+
+
+@dataclass(frozen=True)
+class Window:
+    """Rows of ``region`` whose index in it lies in ``[start:stop:step]`` (a Python slice)."""
+
+    region: str
+    start: int | None = None
+    stop: int | None = None
+    step: int = 1
+
+    def __post_init__(self) -> None:
+        if self.region not in REGIONS:
+            raise ValueError(f"window region {self.region!r}: expected one of {REGIONS}")
+        if self.step < 1:
+            raise ValueError(f"window {self}: the step must be >= 1")
+        negative = any(v is not None and v < 0 for v in (self.start, self.stop))
+        if negative and self.region != "prompt":
+            raise ValueError(f"window {self}: negative positions count from the prompt's end")
+
+    @classmethod
+    def parse(cls, text: str) -> Window:
+        """A window from its text (:data:`GRAMMAR`); ``ValueError`` naming it otherwise."""
+        s = str(text).strip().replace(" ", "")
+        if s == "last_prompt":
+            return cls("prompt", -1, None)
+        m = _SLICE.match(s)
+        if m is None:
+            raise ValueError(f"window {text!r}: expected {GRAMMAR}")
+        region, a, b, k = m.groups()
+        values = [int(v) if v not in ("", None) else None for v in (a, b)]
+        if any(v is not None and abs(v) > MAX_INDEX for v in values):
+            raise ValueError(f"window {text!r}: positions must be within +-{MAX_INDEX}")
+        return cls(region, values[0], values[1], int(k) if k else 1)
+
+    def __str__(self) -> str:
+        a = "" if self.start is None else str(self.start)
+        b = "" if self.stop is None else str(self.stop)
+        k = "" if self.step == 1 else f":{self.step}"
+        return f"{self.region}[{a}:{b}{k}]"
+
+    def mask(self, position: np.ndarray, num_prompt: np.ndarray) -> np.ndarray:
+        """Which rows (their positions, their requests' prompt lengths) the window keeps."""
+        position = np.asarray(position, np.int64)
+        num_prompt = np.asarray(num_prompt, np.int64)
+        if self.region == "prompt":
+            inside, index, length = position < num_prompt, position, num_prompt
+        elif self.region == "generated":
+            inside, index, length = position >= num_prompt, position - num_prompt, None
+        else:
+            inside, index, length = np.ones(len(position), np.bool_), position, None
+        start = _bound(self.start, length, 0)
+        keep = inside & (index >= start) & ((index - start) % self.step == 0)
+        if self.stop is not None:
+            keep &= index < _bound(self.stop, length, 0)
+        return keep
+
+    def union(self, other: Any) -> Any:
+        # ``other`` a Phase (a str enum: compared by value, so no import of ports), a
+        # window or an AnyOf.
+        if other is None or other == self or other == "guide":
+            return self
+        if other == "all":
+            return other
+        return AnyOf(frozenset({self, *(other.parts if isinstance(other, AnyOf) else (other,))}))
+
+
+def _bound(value: int | None, length: np.ndarray | None, default: int) -> Any:
+    if value is None:
+        return default
+    if value < 0:
+        assert length is not None  # only prompt windows take negative bounds
+        return np.maximum(length + value, 0)
+    return value
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Rows any of ``parts`` (phases and windows) selects: several ports of one consumer
+    with the same key, or one bundle's token ports."""
+
+    parts: frozenset
+
+    def union(self, other: Any) -> Any:
+        if other is None or other == "guide":
+            return self
+        if other == "all":
+            return other
+        more = other.parts if isinstance(other, AnyOf) else (other,)
+        return AnyOf(self.parts | frozenset(more))

@@ -1,0 +1,87 @@
+"""A step's tap stamps and edit counts, read without making the host wait for the device.
+
+At the end of a step the runtime needs, on the host, which taps the forward wrote (their
+stamps) and how many rows each edit changed. On a GPU a plain read of those values waits
+for the forward and the sampler to finish: every step, before the next forward is queued
+(under async scheduling the overlap it exists for is lost). :class:`StampReader` instead
+gathers them into one device buffer and copies it back through a
+:class:`~tllm_core.api.transfers.HostCopyRing`; the values are read once the copy has
+arrived (:class:`StampRead`). On CPU the copy is done before :meth:`StampReader.start`
+returns.
+
+The device buffer and the ring's host buffers are allocated once per set of keys: a step
+allocates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tllm_core.api.transfers import HostCopyRing
+
+# Host buffers in rotation; a read still pending when its buffer comes round again is
+# waited for (that many steps later the device has long finished it).
+RING = 4
+
+
+@dataclass(eq=False)  # by identity: the ring hands reads back by their tag
+class StampRead:
+    """One step's stamps then edit counts, in :attr:`keys` order (``n_stamps`` stamps)."""
+
+    keys: tuple[str, ...]
+    n_stamps: int
+    _ring: HostCopyRing | None  # the copy's ring; None: no values to copy
+    _values: list[int] | None = None
+
+    def ready(self) -> bool:
+        """Whether the values can be read without waiting for the device."""
+        if self._values is None and self._ring is not None:
+            self._ring.arrived()
+        return self._values is not None or self._ring is None
+
+    def values(self) -> list[int]:
+        """The values (waits for the copy if it has not arrived)."""
+        if self._values is None:
+            if self._ring is None:
+                self._values = []
+            else:
+                self._ring.arrived(wait=True, until=self)
+        assert self._values is not None
+        return self._values
+
+
+def _settle(read: StampRead, host: torch.Tensor) -> None:
+    read._values = host.tolist()
+
+
+class StampReader:
+    """Starts :class:`StampRead` s of steps with the same stamp and edit keys."""
+
+    def __init__(self) -> None:
+        self._keys: tuple[str, ...] | None = None
+        self._device: torch.Tensor | None = None
+        self._ring: HostCopyRing | None = None
+
+    @property
+    def waits(self) -> int:
+        """Reads the host waited for when their buffer came round again."""
+        return self._ring.waits if self._ring is not None else 0
+
+    def start(self, stamps: dict[str, torch.Tensor], edited: dict[str, torch.Tensor]) -> StampRead:
+        """Queue the copy of ``stamps`` then ``edited`` (one-element tensors on one device)."""
+        keys = (*stamps, *edited)
+        parts = [t.reshape(1) for t in (*stamps.values(), *edited.values())]
+        if not parts:
+            return StampRead(keys, 0, None)
+        device = parts[0].device
+        if keys != self._keys or self._device is None or self._device.device != device:
+            self._keys = keys
+            self._device = torch.empty(len(keys), dtype=torch.int64, device=device)
+            self._ring = HostCopyRing(self._device, RING, read=_settle)
+        assert self._ring is not None
+        torch.cat(parts, out=self._device)
+        read = StampRead(keys, len(stamps), self._ring)
+        self._ring.send(self._device, tag=read)
+        return read

@@ -1,0 +1,92 @@
+"""What an operation sequence would cost on a GPU, counted on real (CPU) tensors by the fake
+device's rules (:mod:`.fake_cuda_checker`), torch only: :class:`SyncCounter` (host waits:
+``host_wait_kind``, ``copy_rule``; ``.cpu()``/``.tolist()`` of a CPU tensor dispatch
+nothing and are not seen), :class:`BytesCounter` (``op_bytes``: every operand read and
+written once, not a cache simulation), :func:`cpu_peak_bytes`. The dispatch modes are
+thread-local: work on other threads is not counted."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tllm_core.testing.fake_cuda_checker import NO_DATA, copy_rule, host_wait_kind, op_bytes
+
+
+def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
+    """The kind of host wait ``func`` would cause on CUDA, or None."""
+    kind = host_wait_kind(func, args, kwargs)
+    name = func._schema.name.split("::")[-1]
+    if kind is None and name in ("_to_copy", "copy_"):
+        src, dst = (args[1], args[0]) if name == "copy_" else (args[0], out)
+        if isinstance(dst, torch.Tensor) and (src.device.type == "cpu") != (
+            dst.device.type == "cpu"
+        ):
+            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
+            host = src if src.device.type == "cpu" else dst
+            to_device = host is src
+            if copy_rule(to_device, bool(non_blocking), host.is_pinned())[0]:
+                kind = "host_device_copy"
+    return kind
+
+
+class SyncCounter(TorchDispatchMode):
+    """``with SyncCounter() as c: ...`` then ``c.total`` / ``c.kinds`` (a Counter by kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: Counter[str] = Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.kinds.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = sync_kind(func, args, kwargs, out)
+        if kind is not None:
+            self.kinds[kind] += 1
+        return out
+
+
+class BytesCounter(TorchDispatchMode):
+    """``with BytesCounter() as c: ...`` then ``c.total`` (bytes), ``c.by_op`` (a Counter of
+    bytes by operation name) and ``c.calls`` (operations counted: a launch each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter[str] = Counter()
+        self.calls = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if not func.is_view and name not in NO_DATA:
+            self.by_op[name] += op_bytes(func, args, kwargs, out)
+            self.calls += 1
+        return out
+
+
+def cpu_peak_bytes(fn: Callable[[], object]) -> int:
+    """Largest sum of live allocations made inside ``fn``, from the torch profiler's memory
+    events (CPU has no ``max_memory_allocated``); allocations made before the call are not
+    counted, those still alive after it are."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
