@@ -1,20 +1,16 @@
 """The update graph's body (``graph_update.train_groups`` with ``mlp.forward_slots`` and
-``backward.fused_backward``) as a whole: on CPU against the written-out reference it
-replaced (``forward_acts`` + ``backward_factors``, the CPU trainer's math), and with every
-kernel run as the Triton kernel under Triton's interpreter against the same body on the CPU
-ops: padding groups, masked rows and a group with a non-finite loss, whose slot keeps its
-state bit for bit."""
+``backward.fused_backward``) as a whole: its launches, the slots it leaves alone (padding
+groups, masked rows, a group with a non-finite loss), the gradient norm it measures, and the
+CUDA distiller's graphs on CPU stubs. Its values against autograd + torch.optim: in
+test_esamp_ops_reference.py."""
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
-
 import pytest
 import torch
-from esamp_kernel_helpers import interpreted_kernels, written_out_backward
+import torch.nn.functional as F
 
-from algorithms.esamp import backward, graph_update, mlp
+from algorithms.esamp import graph_update
 from algorithms.esamp.mlp import (
     batched_mm,
     forward_acts,
@@ -85,31 +81,6 @@ def test_forward_slots_equals_forward_acts_bit_for_bit():
         pair_view(bufs[0][2], bufs[0][1])  # u before a
 
 
-def _reference_update(state, xp, tp, mask, hp):
-    """The update written out as before the fused kernels (forward_acts, backward_factors,
-    torch's finite check and clip; a per-group fused Adam on the formed gradient)."""
-    theta, m, v, step = state
-    gs = torch.tensor(GROUP_SLOT)
-    losses, factors, norm, scale = written_out_backward(
-        _slot_weights(theta), xp, tp, mask, SHAPE.hidden_size, hp
-    )
-    ok = (gs >= 0) & mask.any(1) & torch.isfinite(losses) & torch.isfinite(norm)
-    for g, s in enumerate(GROUP_SLOT):
-        if not ok[g]:
-            continue
-        step[s] += 1
-        views = [[w[0] for blk in block_weights(t[s][None], SHAPE) for w in blk] for t in state[:3]]
-        for blk, k, a_f, b_f in factors:
-            j = 3 * blk + k
-            grad = scale[g] * a_f[g].T @ b_f[g]
-            torch._fused_adam_(
-                [views[0][j]], [grad], [views[1][j]], [views[2][j]], [], [step[s]],
-                lr=hp.lr, beta1=hp.betas[0], beta2=hp.betas[1], weight_decay=0.0,
-                eps=hp.eps, amsgrad=False, maximize=False,
-            )  # fmt: skip
-    return losses, ok
-
-
 def _stacked_forward(theta: torch.Tensor, xp: torch.Tensor, mm) -> tuple:
     """The forward as the CUDA path keeps it: the packed inputs and every block's output in
     one buffer (block inputs equally spaced), a, u, s, p of every block in another; the
@@ -135,12 +106,13 @@ class _Counted:
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_train_groups_equals_the_written_out_update(reduction, stacked):
+def test_train_groups_launches_and_leaves_other_slots(reduction, stacked):
     """Own forward: down of both blocks in one Adam call, gate and up one per block (the
     inputs are not equally spaced); the forward kept as the CUDA path keeps it: two Adam
-    calls in all."""
+    calls in all. Slots in no group and groups not finite are left bit for bit (the values
+    are checked against autograd + torch.optim in test_esamp_ops_reference.py)."""
     hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction)
-    ours, ref = _state(), _state()
+    ours = _state()
     before = [t.clone() for t in ours]
     applied = torch.zeros(SLOTS, dtype=torch.long)
     gs = torch.tensor(GROUP_SLOT)
@@ -156,99 +128,13 @@ def test_train_groups_equals_the_written_out_update(reduction, stacked):
         losses, ok = graph_update.train_groups(
             *ours, gs, xp, tp, mask, SHAPE, hp, applied, ops=ops, forward=fwd
         )
-        want_losses, want_ok = _reference_update(ref, xp, tp, mask, hp)
-        assert ok.tolist() == want_ok.tolist() == [False, False, True, True]
-        torch.testing.assert_close(losses[2:], want_losses[2:], rtol=1e-6, atol=0)
-    for x, y in zip(ours, ref, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+        assert ok.tolist() == [False, False, True, True]
+        assert torch.isfinite(losses[2:]).all()
     for t, old in zip(ours, before, strict=True):
         for s in (1, 2):  # in no group; group 0's slot (non-finite loss)
             assert torch.equal(t[s], old[s])
     assert applied.tolist() == [2, 0, 2, 2]  # group 0 processed (skipped), padding not
     assert adam.calls == 2 * (2 if stacked else 3)
-
-
-@pytest.fixture(scope="module")
-def interpreted_ops() -> SimpleNamespace:
-    """``algorithms.esamp.kernels``' calls of the update, each the Triton kernel under the
-    interpreter (small tiles: several per matrix, ragged edges)."""
-    jit = interpreted_kernels()
-    from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
-
-    def loss_dy(*args, reduction):
-        triton_impl.loss_dy(*args, reduction, kernels=jit, block_h=16)
-
-    def block_backward(*args, input_precision="ieee"):
-        triton_impl.block_backward(
-            *args, input_precision, kernels=jit, block_i=8, block_h=16
-        )  # fmt: skip
-
-    def update_tail(*args, grad_clip, clip_eps):
-        clip = -1.0 if grad_clip is None else grad_clip
-        triton_impl.update_tail(*args, clip, clip_eps, kernels=jit, block_g=2)
-
-    def mm(x, w, gs, transpose_w, out=None, add=None):
-        if out is None:
-            out = slot_matmul(x, w, gs, transpose_w)  # the shape (values overwritten)
-        triton_impl.slot_matmul(
-            x, w, gs, out, transpose_w, "ieee", 2, add, kernels=jit, block_n=16, block_k=16
-        )
-        return out
-
-    def adam(w, m, v, a, b, gs, step, ok, scale, hp):
-        triton_impl.grad_adam(
-            a, b, scale, gs, ok, step, w, m, v, hp.lr, *hp.betas, hp.eps,
-            kernels=jit, block_n=8, block_k=16,
-        )  # fmt: skip
-
-    kernels = SimpleNamespace(
-        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
-        loss_dy=loss_dy,
-        block_backward=block_backward,
-        update_tail=update_tail,
-        norm_parts=norm_parts,
-        INPUT_PRECISIONS=INPUT_PRECISIONS,
-    )
-    return SimpleNamespace(kernels=kernels, ops=(mm, adam))
-
-
-def _slot_mm(ops, gs, x, w, transpose_w, **kw):
-    return ops.ops[0](x, w, gs, transpose_w, **kw)
-
-
-@pytest.mark.parametrize("stacked", [False, True], ids=["own_forward", "kept_forward"])
-def test_train_groups_on_the_triton_kernels_equals_the_cpu_ops(
-    interpreted_ops, monkeypatch, stacked
-):
-    hp = AdamHyper(lr=1e-2, grad_clip=0.05)
-    ours, ref = _state(), _state()
-    before = [t.clone() for t in ours]
-    applied = [torch.zeros(SLOTS, dtype=torch.long) for _ in range(2)]
-    gs = torch.tensor(GROUP_SLOT)
-    for seed in range(2):
-        xp, tp, mask = _rows(seed)
-        want = graph_update.train_groups(*ref, gs, xp, tp, mask, SHAPE, hp, applied[1])
-        with monkeypatch.context() as mp:
-            for module in (graph_update, backward, mlp):
-                mp.setattr(module, "kernels", interpreted_ops.kernels)
-            fwd = None
-            if stacked:
-                fwd = _stacked_forward(
-                    ours[0], xp, functools.partial(_slot_mm, interpreted_ops, gs)
-                )
-            got = graph_update.train_groups(
-                *ours, gs, xp, tp, mask, SHAPE, hp, applied[0], ops=interpreted_ops.ops,
-                forward=fwd,
-            )  # fmt: skip
-        assert got[1].tolist() == want[1].tolist() == [False, False, True, True]
-        torch.testing.assert_close(got[0][2:], want[0][2:], rtol=1e-5, atol=0)
-    for x, y in zip(ours, ref, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-    for t, old in zip(ours, before, strict=True):
-        for s in (1, 2):
-            assert torch.equal(t[s], old[s])
-    assert torch.equal(applied[0], applied[1])
-    assert not torch.equal(ours[0][0], before[0][0])  # a live slot did move
 
 
 @pytest.mark.usefixtures("cuda_on_cpu")
@@ -351,9 +237,11 @@ def test_the_update_measures_the_gradient_autograd_finds(reduction):
             continue
         leaf = theta[s].clone().requires_grad_(True)
         weights = block_weights(leaf[None], SHAPE)
-        h, _ = forward_acts(weights, xp[g : g + 1])
         n = int(mask[g].sum())
-        err = (h[0, :n] - tp[g, :n]).square().sum()
+        h = xp[g, :n]
+        for gate, up, down in weights:
+            h = h + (F.silu(h @ gate[0].T) * (h @ up[0].T)) @ down[0].T
+        err = (h - tp[g, :n]).square().sum()
         loss = err / (n * (SHAPE.hidden_size if reduction == "mean" else 1))
         (grad,) = torch.autograd.grad(loss, leaf)
         torch.testing.assert_close(losses[g], loss.detach(), rtol=1e-5, atol=0)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from esamp_kernel_helpers import interpreted_kernels, written_out_backward
+from esamp_kernel_helpers import interpreted_kernels
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
@@ -127,21 +127,10 @@ def _factors(rows: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Ten
     return a, b, scale
 
 
-def _reference_adam(a, b, scale, w, m, v, step) -> None:
-    """``torch._fused_adam_`` (the kernel PyTorch's Adam runs) on the explicitly formed
-    gradient of every live group, in place on ``w``; ``m``/``v`` updated in fp32 and stored
-    in their own dtype."""
-    for g, (s, ok) in enumerate(zip(GROUP_SLOT, GROUP_OK, strict=True)):
-        if s < 0 or not ok:
-            continue
-        grad = scale[g] * torch.einsum("mn,mk->nk", a[g], b[g])
-        m32, v32, w32 = m[s].float(), v[s].float(), w[s].clone()
-        torch._fused_adam_(
-            [w32], [grad], [m32], [v32], [], [torch.tensor(STEP[s])],
-            lr=HP["lr"], beta1=HP["betas"][0], beta2=HP["betas"][1], weight_decay=0.0,
-            eps=HP["eps"], amsgrad=False, maximize=False,
-        )  # fmt: skip
-        w[s], m[s], v[s] = w32, m32.to(m.dtype), v32.to(v.dtype)
+def _reference_adam(a, b, scale, w, m, v) -> None:
+    """The CPU op (PyTorch's fused Adam on each live group's formed gradient: what
+    test_esamp_ops_reference.py checks against torch.optim.Adam)."""
+    _run_adam(_grad_adam_cpu_op, a, b, scale, w, m, v)
 
 
 def _run_adam(run, a, b, scale, w, m, v, precision="ieee") -> None:
@@ -164,7 +153,7 @@ def test_grad_adam_matches_fused_adam_on_the_formed_gradient(impl, rows, moments
     for i, (n, k) in enumerate(MATS):  # one call per matrix of the row, as the update does
         a, b, scale = _factors(rows, n, k, gen)
         _run_adam(impl.grad_adam, a, b, scale, *(_view(t, i) for t in (theta, m, v)))
-        _reference_adam(a, b, scale, *(_view(t, i) for t in ref), STEP)
+        _reference_adam(a, b, scale, *(_view(t, i) for t in ref))
     tol = {} if moments == torch.float32 else dict(rtol=8e-3, atol=1e-5)
     torch.testing.assert_close(theta, ref[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(m, ref[1], **tol)
@@ -207,7 +196,7 @@ def test_grad_adam_tf32_switch_and_bad_precision(interpreted):
     a, b, scale = _factors(16, *MATS[0], gen)
     # The interpreter computes every dot in fp32: this checks that "tf32" is accepted.
     _run_adam(interpreted.grad_adam, a, b, scale, *(_view(t, 0) for t in (theta, m, v)), "tf32")
-    _reference_adam(a, b, scale, *(_view(t, 0) for t in ref), STEP)
+    _reference_adam(a, b, scale, *(_view(t, 0) for t in ref))
     torch.testing.assert_close(theta, ref[0], rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="'fp16' is not one of ieee, tf32, tf32x3"):
         _run_adam(interpreted.grad_adam, a, b, scale, *(_view(t, 0) for t in ref), "fp16")
@@ -470,53 +459,6 @@ def test_update_moves_at_most_26_bytes_per_parameter():
     assert slot_matmul_bytes(8, rows, i, h) / params < 4.2
 
 
-def _update_with_grad_adam(run, theta, m, v, step, valid, xp, tp, mask, shape, hp) -> None:
-    """``graph_update.train_dense``'s step with its per-slot ``torch._fused_adam_`` loop (and
-    the gradient scratch block) replaced by one ``grad_adam`` call per weight matrix."""
-    from algorithms.esamp.params import block_weights
-
-    weights = block_weights(theta, shape)
-    losses, factors, norm, scale = written_out_backward(
-        weights, xp, tp, mask, shape.hidden_size, hp
-    )
-    ok = valid & torch.isfinite(losses) & torch.isfinite(norm)
-    step.add_(ok.to(step.dtype))
-    slots = torch.arange(theta.shape[0])  # dense: group s is slot s
-    wv = [block_weights(t, shape) for t in (theta, m, v)]
-    for blk, mat, a_f, b_f in factors:
-        w, mm, vv = (x[blk][mat] for x in wv)
-        run(a_f, b_f, scale, slots, ok, step, w, mm, vv, hp.lr, *hp.betas, hp.eps)
-
-
-@pytest.mark.parametrize("which", ["triton", "cpu"])
-def test_grad_adam_in_the_distillers_update_equals_train_dense(which, request):
-    """Used as the distiller's update will use it (the written-out backward's factors, the
-    clip scale, dense slots with one not valid), two steps end where ``train_dense`` does."""
-    from algorithms.esamp.graph_update import train_dense
-    from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
-
-    run = _grad_adam_cpu_op
-    if which == "triton":
-        run = request.getfixturevalue("interpreted").grad_adam
-    shape, hp = DistillerShape(hidden_size=24, intermediate_size=8), AdamHyper(grad_clip=0.05)
-    slots, rows = 3, 5
-    gen = torch.Generator().manual_seed(11)
-    theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(slots)])
-    ours = [theta.clone(), torch.zeros_like(theta), torch.zeros_like(theta), torch.zeros(slots)]
-    ref = [t.clone() for t in ours]
-    valid = torch.tensor([True, False, True])
-    mask = torch.arange(rows)[None, :] < torch.tensor([[5], [0], [3]])
-    for _ in range(2):
-        xp = torch.randn(slots, rows, shape.hidden_size, generator=gen) * mask[..., None]
-        tp = torch.randn(slots, rows, shape.hidden_size, generator=gen) * mask[..., None]
-        train_dense(*ref, valid, xp, tp, mask, shape, hp)
-        _update_with_grad_adam(run, *ours, valid, xp, tp, mask, shape, hp)
-    for x, y in zip(ours, ref, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
-    assert torch.equal(ours[0][1], theta[1]) and ours[3].tolist() == [2.0, 0.0, 2.0]
-    assert not torch.equal(ours[0][0], theta[0])
-
-
 # candidate_dot: H not a multiple of the interpreted block (16); rows of weight and f are
 # strided views (row stride > H).
 CAND_H, CAND_V, CAND_R = 77, 50, 6
@@ -572,12 +514,12 @@ def test_candidate_dot_strided_indices_and_output(impl):
 def test_candidate_dot_reference_chunks_join_up():
     """The PyTorch reference (CPU op, CUDA fallback) gathers a chunk of pairs at a time: chunks
     of 5 over 13 pairs (two full, one ragged) give the same sums."""
-    from algorithms.esamp.kernels import reference
+    from algorithms.esamp.kernels import op_candidate_dot
 
     gen = torch.Generator().manual_seed(13)
     weight, f, rows, tokens = _candidates(13, torch.bfloat16, gen)
     out = torch.full((13,), float("nan"))
-    reference.candidate_dot(weight, f, rows, tokens, out, chunk=5)
+    op_candidate_dot.reference(weight, f, rows, tokens, out, chunk=5)
     ref = _reference_dot(weight, f, rows, tokens)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
@@ -643,7 +585,7 @@ def test_candidate_dot_bad_input_names_the_argument():
     ):
         candidate_dot(w, f, rows, tokens, out.bfloat16())
     # CPU tensors with a meta one dispatch to the no-op meta kernel: the check itself.
-    from algorithms.esamp.kernels.checks import check_candidate_dot
+    from algorithms.esamp.kernels.op_candidate_dot import check_candidate_dot
 
     with pytest.raises(ValueError, match=r"tensors on different devices: .*'out': 'meta'"):
         check_candidate_dot(w, f, rows, tokens, out.to("meta"))

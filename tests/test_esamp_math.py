@@ -661,20 +661,6 @@ def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap, caplog)
     assert len(dropped_logged) == (1 if cap < 7 else 0)  # once, at the read-back
 
 
-def test_host_adam_fallback_equals_fused_kernel():
-    """The in-place fallback (for a torch without ``_fused_adam_``) matches the fused kernel."""
-    torch.manual_seed(0)
-    fused, plain = _distiller(lr=1e-2), _distiller(lr=1e-2)
-    plain._host.fused = False
-    a, b = fused.alloc(), plain.alloc()
-    x, t = torch.randn(5, H), torch.randn(5, H) * 5
-    for _ in range(4):
-        fused.train_step(torch.tensor([a] * 5), x, t)
-        plain.train_step(torch.tensor([b] * 5), x, t)
-    torch.testing.assert_close(plain.theta[b], fused.theta[a], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(plain.v[b], fused.v[a], rtol=1e-5, atol=1e-9)
-
-
 def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     """predict -> train_step on the same rows skips the training forward (same result as a
     distiller that never predicted); any other rows or changed parameters recompute it."""

@@ -13,7 +13,8 @@ from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.graph_update import train_groups
-from algorithms.esamp.mlp import batched_mm, forward_packed
+from algorithms.esamp.mlp import batched_mm, forward_acts
+from algorithms.esamp.params import block_weights
 from tllm_core.testing.counters import cpu_peak_bytes
 
 QWEN25_7B = dict(hidden_size=3584, vocab_size=152064)  # 28 layers: no term depends on them
@@ -125,7 +126,7 @@ def test_plan_estimates_bound_the_measured_workspace():
     def predict():
         with torch.no_grad():
             xp = torch.zeros(slots, rows, h)
-            forward_packed(d.theta, xp, d.shape)
+            forward_acts(block_weights(d.theta, d.shape), xp)
 
     used = cpu_peak_bytes(predict)
     assert 0.3 * plan.predict_workspace_bytes <= used <= plan.predict_workspace_bytes, (

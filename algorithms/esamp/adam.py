@@ -6,6 +6,8 @@ once and writes parameter and moments once, the floor of what an Adam step moves
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from algorithms.esamp.params import AdamHyper
@@ -15,8 +17,12 @@ CLIP_EPS = 1e-6
 
 
 def clip_scale(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
-    """Per row, what ``clip_grad_norm_`` multiplies the gradient by: ``min(1, grad_clip /
-    (norm + eps))``; ones without clipping. No host sync."""
+    """Deprecated: the clip coefficient is :func:`algorithms.esamp.kernels.update_tail`'s."""
+    warnings.warn(
+        "adam.clip_scale is deprecated; kernels.update_tail computes the clip coefficient",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     if hp.grad_clip is None:
         return torch.ones_like(norm)
     return (hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)
@@ -31,27 +37,17 @@ def fused_adam_(
     hp: AdamHyper,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam step of each ``ws[i]`` in place (``ms``/``vs`` its moments, ``steps[i]`` its
-    step count, already incremented for this step). ``found_inf`` (a one-element float
-    tensor): when it holds 1.0 the kernel returns without touching anything, read on the
-    device (no host sync: the CUDA update graph skips rows this way)."""
+    """One Adam step of each ``ws[i]`` in place (``ms``/``vs`` its fp32 moments,
+    ``steps[i]`` its step count, already incremented for this step): the PyTorch definition
+    of the step every path runs (the CPU trainer, the kernels' reference; the Triton kernel
+    writes the same formula). ``found_inf`` (a one-element float tensor): when it holds 1.0
+    nothing is touched, read on the device (no host sync)."""
     b1, b2 = hp.betas
     torch._fused_adam_(
-        ws,
-        grads,
-        ms,
-        vs,
-        [],
-        steps,
-        lr=hp.lr,
-        beta1=b1,
-        beta2=b2,
-        weight_decay=0.0,
-        eps=hp.eps,
-        amsgrad=False,
-        maximize=False,
-        found_inf=found_inf,
-    )
+        ws, grads, ms, vs, [], steps,
+        lr=hp.lr, beta1=b1, beta2=b2, weight_decay=0.0, eps=hp.eps,
+        amsgrad=False, maximize=False, found_inf=found_inf,
+    )  # fmt: skip
 
 
 # Columns of a step's optimizer statistics, one row per group update (adam_stats).

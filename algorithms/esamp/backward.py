@@ -1,4 +1,5 @@
-"""The distiller's backward written out (no autograd), shared by both update paths.
+"""The distiller's backward written out (no autograd) on the kernels' ops, for both update
+paths.
 
 Each weight's gradient is a product ``A^T B`` of two thin ``[B, M, .]`` factors, so its
 squared norm is ``sum((A A^T) * (B B^T))``: each group's gradient norm (for clipping) comes
@@ -29,25 +30,21 @@ def backward_factors(
     """The gradient factors of every weight matrix and each group's squared gradient norm
     ``[B]``, from the forward's activations (:func:`~algorithms.esamp.mlp.forward_acts`) and
     the loss's gradient ``dy [B, M, H]`` with respect to the output (``mm``: as in
-    :func:`~algorithms.esamp.mlp.forward_acts`)."""
+    :func:`~algorithms.esamp.mlp.forward_acts`): per block the product with ``down``,
+    :func:`~algorithms.esamp.kernels.block_backward` and the gradient carried to its input."""
     factors: list[Factor] = []
-    sq = torch.zeros(dy.shape[0], dtype=dy.dtype, device=dy.device)
+    groups, rows, _ = dy.shape
+    parts = dy.new_empty(len(weights), groups, kernels.norm_parts(rows))
     for b in reversed(range(len(weights))):
         gate, up, down = weights[b]
         h_in, a, u, s, p = acts[b]
         dp = mm(dy, down, False)
-        du = dp * s
-        sig = torch.sigmoid(a)
-        da = dp * u * sig * (1 + a * (1 - sig))
+        du, da = torch.empty_like(dp), torch.empty_like(dp)
+        kernels.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts[b])
         factors += [(b, 2, dy, p), (b, 1, du, h_in), (b, 0, da, h_in)]
-        # Gate and up share B = h_in.
-        gram_in = torch.bmm(h_in, h_in.transpose(1, 2))
-        gram_g = torch.bmm(du, du.transpose(1, 2)) + torch.bmm(da, da.transpose(1, 2))
-        sq += (torch.bmm(dy, dy.transpose(1, 2)) * torch.bmm(p, p.transpose(1, 2))).sum((1, 2))
-        sq += (gram_g * gram_in).sum((1, 2))
         if b:
             dy = dy + mm(du, up, False) + mm(da, gate, False)
-    return factors, sq
+    return factors, parts.sum((0, 2))
 
 
 def fused_backward(

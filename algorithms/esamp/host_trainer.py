@@ -1,22 +1,17 @@
-"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, with
-the backward written out as batched products over groups (no autograd)."""
+"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, on
+the kernels' ops (their PyTorch reference on CPU) and :func:`~algorithms.esamp.adam.
+fused_adam_`, with the weights as views of the state rather than slot-gathered copies."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
 from algorithms.esamp.backward import backward_factors, clipped_grad
 from algorithms.esamp.mlp import Activations, forward_acts
-from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.packing import HostBatch, Packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
-
-
-def _fused_adam_available() -> bool:
-    return hasattr(torch, "_fused_adam_")
 
 
 class HostTrainer:
@@ -24,8 +19,10 @@ class HostTrainer:
     written out as batched products over groups (both cores work on it through torch's
     intra-op pool; 16-row products of one group alone run on one core).
 
-    The backward is :mod:`algorithms.esamp.backward`'s: every group's clip coefficient is
-    known before any gradient exists. Each weight's gradients (all groups) are then formed
+    The loss (:func:`~algorithms.esamp.kernels.loss_dy`), the backward
+    (:func:`~algorithms.esamp.backward.backward_factors`) and the finite check, clip and step
+    counts (:func:`~algorithms.esamp.kernels.update_tail`) are the update graph's ops: every
+    group's clip coefficient is known before any gradient exists. Each weight's gradients (all groups) are then formed
     once, already clipped, in a scratch buffer that stays in cache, and handed to PyTorch's
     fused Adam kernel: per step the optimizer streams parameters and moments once, and no
     full-size gradient is ever written to memory.
@@ -34,7 +31,6 @@ class HostTrainer:
     def __init__(self, shape: DistillerShape, hp: AdamHyper):
         self.shape, self.hp = shape, hp
         self.scratch = torch.empty(0)
-        self.fused = _fused_adam_available()
         # Per slot: its weight matrices in theta, m and v (flat, index 3 * block + matrix),
         # kept while the state tensors are the same storage (they change only on growth).
         self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
@@ -63,21 +59,24 @@ class HostTrainer:
         if forward is None:
             forward = forward_acts(weights, batch.pack(pk, x))
         h, acts = forward
-        diff = h - batch.pack(pk, target)
-        counts = torch.ones(batch.size, dtype=torch.float32)
-        counts[torch.from_numpy(batch.pos)] = torch.from_numpy(pk.counts).float()
-        denom = loss_denominator(counts, shape.hidden_size, hp.loss_reduction)
-        losses = diff.square().sum((1, 2)) / denom
-        dy = diff.mul_((2.0 / denom)[:, None, None])
+        pos = torch.from_numpy(batch.pos)
+        # Batch entries that are no packed group: no slot, no rows (nothing read or updated).
+        group_slot = torch.full((batch.size,), -1, dtype=torch.int64)
+        group_slot[pos] = torch.from_numpy(pk.slots)
+        mask = torch.zeros(batch.size, h.shape[1], dtype=torch.bool)
+        mask[batch.pos[pk.row_group], pk.row_pos] = True
+        loss_parts, dy = h.new_empty(batch.size, 1), torch.empty_like(h)
+        kernels.loss_dy(
+            h, batch.pack(pk, target), mask, loss_parts, dy, reduction=hp.loss_reduction
+        )
         factors, sq = backward_factors(weights, acts, dy)
-        loss_l = losses[torch.from_numpy(batch.pos)].tolist()
-        sq_l = sq[torch.from_numpy(batch.pos)].tolist()
-        ok = [math.isfinite(lo) and math.isfinite(q) for lo, q in zip(loss_l, sq_l, strict=True)]
-        coef = torch.ones(batch.size)
-        if hp.grad_clip is not None:
-            for gi, q in enumerate(sq_l):
-                if ok[gi]:
-                    coef[batch.pos[gi]] = min(1.0, hp.grad_clip / (math.sqrt(q) + CLIP_EPS))
+        ok_b = torch.empty(batch.size, dtype=torch.bool)
+        losses, coef, norm = (h.new_empty(batch.size) for _ in range(3))
+        kernels.update_tail(
+            loss_parts, sq[:, None], group_slot, mask, step, None, losses, ok_b, coef, norm,
+            grad_clip=hp.grad_clip, clip_eps=CLIP_EPS,
+        )  # fmt: skip
+        ok = ok_b[pos].tolist()
         todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
         if todo:
             self._update(theta, m, v, step, factors, coef, todo, batch.size)
@@ -87,17 +86,14 @@ class HostTrainer:
             done = [gi for gi in range(len(ok)) if ok[gi]]
             if done:
                 sl = torch.from_numpy(pk.slots[done])
-                norm = torch.tensor([sq_l[gi] for gi in done]).sqrt()
-                stats[done] = adam_stats(m[sl], v[sl], step[sl], norm, hp)
-        return loss_l, ok, stats
+                stats[done] = adam_stats(m[sl], v[sl], step[sl], norm[pos[done]], hp)
+        return losses[pos].tolist(), ok, stats
 
     def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
         """Form each weight's clipped gradient for all groups and apply Adam to the groups in
         ``todo`` (batch index, slot)."""
         shape = self.shape
-        steps = [step[slot] for _, slot in todo]
-        for s in steps:
-            s += 1
+        steps = [step[slot] for _, slot in todo]  # counted by update_tail
         rows = [self._slot_views(theta, m, v, slot) for _, slot in todo]
         numel = shape.intermediate_size * shape.hidden_size
         if self.scratch.numel() < size * numel:
@@ -106,12 +102,13 @@ class HostTrainer:
             j = 3 * f[0] + f[1]
             grad = self.scratch[: size * numel].view(size, *rows[0][0][j].shape)
             clipped_grad(f, coef, grad)
-            self._adam(
+            fused_adam_(
                 [r[0][j] for r in rows],
                 [grad[i] for i, _ in todo],
                 [r[1][j] for r in rows],
                 [r[2][j] for r in rows],
                 steps,
+                self.hp,
             )
 
     def _slot_views(self, theta, m, v, slot: int) -> tuple[list[torch.Tensor], ...]:
@@ -127,16 +124,3 @@ class HostTrainer:
             )
             self._views[slot] = views
         return views
-
-    def _adam(self, ws, grads, ms, vs, steps) -> None:
-        hp = self.hp
-        b1, b2 = hp.betas
-        if self.fused:
-            fused_adam_(ws, grads, ms, vs, steps, hp)
-            return
-        for w, grad, m, v, step in zip(ws, grads, ms, vs, steps, strict=True):
-            n = float(step)
-            m.lerp_(grad, 1 - b1)
-            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-            denom = v.sqrt().div_(math.sqrt(1 - b2**n)).add_(hp.eps)
-            w.addcdiv_(m, denom, value=-hp.lr / (1 - b1**n))

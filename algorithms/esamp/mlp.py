@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from algorithms.esamp import kernels
 from algorithms.esamp.params import DistillerShape, block_weights
@@ -44,32 +44,21 @@ def forward_acts(
     ``mm``: how a batch entry meets its weights (the slot-indexed form on CUDA). ``out``:
     buffers every block's output and activations are written into (same operations, same
     values; nothing else is allocated for them)."""
-    if out is not None:
-        return _forward_into(weights, xp, mm, out)
     acts = []
     h = xp
-    for gate, up, down in weights:
-        a = mm(h, gate, True)
-        u = mm(h, up, True)
-        s = F.silu(a)
-        p = s * u
+    for b, (gate, up, down) in enumerate(weights):
+        h_out, a, u, s, p = out[b] if out is not None else (None,) * 5
+        a = mm(h, gate, True, out=a)
+        u = mm(h, up, True, out=u)
+        s = torch.empty_like(a) if s is None else s
+        p = torch.empty_like(a) if p is None else p
+        kernels.silu_mul(a, u, s, p)
         acts.append((h, a, u, s, p))
-        h = h + mm(p, down, True)
-    return h, acts
-
-
-def _forward_into(
-    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul, out: ActBuffers
-) -> tuple[torch.Tensor, Activations]:
-    acts = []
-    h = xp
-    for (gate, up, down), (h_out, a, u, s, p) in zip(weights, out, strict=True):
-        mm(h, gate, True, out=a)
-        mm(h, up, True, out=u)
-        torch._C._nn.silu(a, out=s)  # F.silu has no out=
-        torch.mul(s, u, out=p)
-        acts.append((h, a, u, s, p))
-        h = torch.add(h, mm(p, down, True), out=h_out)
+        h = (
+            torch.add(h, mm(p, down, True), out=h_out)
+            if h_out is not None
+            else h + mm(p, down, True)
+        )
     return h, acts
 
 
@@ -84,7 +73,12 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
 
 
 def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
-    """``f`` for packed rows: ``theta [G, P]``, ``xp [G, M, H]`` -> ``[G, M, H]``."""
+    """Deprecated: ``forward_acts(block_weights(theta, shape), xp)[0]``."""
+    warnings.warn(
+        "mlp.forward_packed is deprecated; use forward_acts(block_weights(theta, shape), xp)[0]",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return forward_acts(block_weights(theta, shape), xp)[0]
 
 

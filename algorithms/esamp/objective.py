@@ -18,10 +18,13 @@ def loss_denominator(rows: torch.Tensor, hidden_size: int, reduction: str) -> to
     hidden dims, as ``F.mse_loss``); ``"sum"``: rows (the paper's loss: summed over hidden
     dims, averaged over rows), so loss and gradient are ``hidden_size`` times the mean's.
     """
+    return (rows.to(torch.float32) * loss_per_row(hidden_size, reduction)).clamp_min(1.0)
+
+
+def loss_per_row(hidden_size: int, reduction: str) -> float:
+    """What each row adds to :func:`loss_denominator` (the Triton loss kernel's scalar)."""
     if reduction == "mean":
-        per_row = hidden_size
-    elif reduction == "sum":
-        per_row = 1
-    else:
-        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
-    return (rows.to(torch.float32) * per_row).clamp_min(1.0)
+        return float(hidden_size)
+    if reduction == "sum":
+        return 1.0
+    raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")

@@ -1,6 +1,7 @@
 """The Triton kernels and their launchers (imported only where Triton is installed).
 
-Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its
+The launchers (``<op>_launch``, and ``<op>`` to run one) live in each op's module
+(``op_<op>.py``) and are re-exported here. Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its
 own copy under ``TRITON_INTERPRET=1`` (the variable is read at decoration time) and run the
 very same launchers on CPU tensors. Launchers only read tensor metadata: no host sync, no
 allocation (``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first, one extra launch),
@@ -16,10 +17,7 @@ kernels are."""
 from __future__ import annotations
 
 import functools
-import math
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +25,27 @@ import torch
 import triton
 import triton.language as tl
 
-from algorithms.esamp.kernels.checks import NORM_TILE_ROWS, check_precision
+# The launchers live with their ops; these names are the ones tests and benchmarks use.
+from algorithms.esamp.kernels.launch import Launch  # noqa: F401
+from algorithms.esamp.kernels.op_block_backward import block_backward_launch  # noqa: F401
+from algorithms.esamp.kernels.op_block_backward import run_triton as block_backward  # noqa: F401
+from algorithms.esamp.kernels.op_candidate_dot import candidate_dot_launch  # noqa: F401
+from algorithms.esamp.kernels.op_candidate_dot import run_triton as candidate_dot  # noqa: F401
+from algorithms.esamp.kernels.op_grad_adam import grad_adam_launch  # noqa: F401
+from algorithms.esamp.kernels.op_grad_adam import run_triton as grad_adam  # noqa: F401
+from algorithms.esamp.kernels.op_loss_dy import loss_dy_launch  # noqa: F401
+from algorithms.esamp.kernels.op_loss_dy import run_triton as loss_dy  # noqa: F401
+from algorithms.esamp.kernels.op_silu_mul import run_triton as silu_mul  # noqa: F401
+from algorithms.esamp.kernels.op_silu_mul import silu_mul_launch  # noqa: F401
+from algorithms.esamp.kernels.op_slot_matmul import (
+    auto_split_k,  # noqa: F401
+    slot_matmul_launch,  # noqa: F401
+)
+from algorithms.esamp.kernels.op_slot_matmul import run_triton as slot_matmul  # noqa: F401
+from algorithms.esamp.kernels.op_stale_max import run_triton as stale_max  # noqa: F401
+from algorithms.esamp.kernels.op_stale_max import stale_max_launch  # noqa: F401
+from algorithms.esamp.kernels.op_update_tail import run_triton as update_tail  # noqa: F401
+from algorithms.esamp.kernels.op_update_tail import update_tail_launch  # noqa: F401
 
 
 @triton.jit
@@ -617,400 +635,3 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _log(beta: float) -> float:
-    return math.log(beta) if beta > 0 else -math.inf
-
-
-def _rows_block(rows: int) -> int:
-    # Rows padded to a power of two >= 16 by masked loads (fp32 tl.dot needs a reduction of
-    # >= 8 on NVIDIA); more than 64 rows loop (grad_adam) or tile (slot_matmul).
-    return min(64, max(16, triton.next_power_of_2(rows)))
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch: which kernel, its grid, positional arguments, compile-time
-    constants and warps (what a test needs to compile it for a GPU it does not have)."""
-
-    kernel: str
-    grid: tuple[int, ...]
-    args: tuple[Any, ...]
-    constexprs: dict[str, Any]
-    num_warps: int
-
-    def run(self, kernels: SimpleNamespace | None = None) -> None:
-        fn = getattr(kernels or _kernels(), self.kernel)
-        fn[self.grid](*self.args, **self.constexprs, **self.options)
-
-    @property
-    def options(self) -> dict[str, Any]:
-        # FP contraction (FMA) on, as nvcc compiles PyTorch's own kernels; said explicitly
-        # because Triton 3.9 warns that its default will change.
-        return dict(num_warps=self.num_warps, enable_fp_fusion=True)
-
-
-def _runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
-    """``launch_fn``'s kernel as a function: builds the launch from the same arguments and
-    runs it (with ``kernels``, else the compiled ones); nothing where there is no launch."""
-
-    def run(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
-        launch = launch_fn(*args, **kwargs)
-        if launch is not None:
-            launch.run(kernels)
-
-    run.__name__ = run.__qualname__ = launch_fn.__name__.removesuffix("_launch")
-    run.__doc__ = f"Run the kernel of :func:`{launch_fn.__name__}` (the same arguments)."
-    return run
-
-
-def grad_adam_launch(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: torch.Tensor,
-    group_slot: torch.Tensor,
-    ok: torch.Tensor,
-    step: torch.Tensor,
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    input_precision: str = "ieee",
-    *,
-    block_n: int = 32,
-    block_k: int = 128,
-    num_warps: int = 8,
-) -> Launch | None:
-    """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
-    :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
-    check_precision(input_precision)
-    # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared by
-    # all (3 dims) or cycle over fewer matrices than E.
-    w, m, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (w, m, v))
-    e = w.shape[1]
-    a = a if a.dim() == 4 else a.unsqueeze(1)
-    b = b if b.dim() == 4 else b.unsqueeze(1)
-    groups, _, rows, n = a.shape
-    k = b.shape[3]
-    if groups == 0 or n == 0 or k == 0 or e == 0:
-        return None
-    if ok.dtype == torch.bool:
-        ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
-    args = (
-        a, b, scale, group_slot, ok, step, w, m, v,
-        rows, n, k, b.shape[1],
-        *a.stride(), *b.stride(), *w.stride(), *m.stride(), *v.stride(),
-        lr, beta1, beta2, eps, 1.0 - beta1, 1.0 - beta2, _log(beta1), _log(beta2),
-    )  # fmt: skip
-    consts = dict(
-        BLOCK_M=_rows_block(rows), BLOCK_N=block_n, BLOCK_K=block_k, INPUT_PRECISION=input_precision
-    )
-    grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), groups, e)
-    return Launch("grad_adam", grid, args, consts, num_warps)
-
-
-grad_adam = _runner(grad_adam_launch)
-
-
-def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Enough K-splits for about two programs per SM (the weights' read is the whole cost,
-    so every SM must stream some); 1 where a single pass already fills the GPU."""
-    chunks = triton.cdiv(k, block_k)
-    want = triton.cdiv(2 * _sm_count(device), max(tiles, 1))
-    return max(1, min(want, chunks, 32))
-
-
-def slot_matmul_launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    group_slot: torch.Tensor,
-    out: torch.Tensor,
-    transpose_w: bool = True,
-    input_precision: str = "ieee",
-    split_k: int = 0,
-    add: torch.Tensor | None = None,
-    *,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-) -> Launch | None:
-    """The slot-indexed grouped matmul's launch (None: nothing to launch). Arguments as
-    :func:`algorithms.esamp.kernels.slot_matmul`; ``split_k`` 0 picks it from the SM
-    count; the caller has checked the rest. With ``split_k > 1`` the kernel adds into
-    ``out``, which must be zero first (:func:`slot_matmul` zeroes it)."""
-    check_precision(input_precision)
-    if split_k < 0:
-        raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
-    w4 = w if w.dim() == 4 else w.unsqueeze(1)
-    e = w4.shape[1]
-    x4 = x if x.dim() == 4 else x.unsqueeze(1).expand(x.shape[0], e, *x.shape[1:])
-    reduce_e = out.dim() == 3 and w.dim() == 4
-    o4 = out.unsqueeze(1) if out.dim() == 3 else out
-    groups, _, rows, k = x4.shape
-    n = o4.shape[3]
-    if groups == 0 or rows == 0 or n == 0 or k == 0:
-        return None
-    block_m = _rows_block(rows)
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
-    if split_k == 0:
-        outputs = 1 if reduce_e else e
-        split_k = auto_split_k(tiles * groups * outputs, k, block_k, x.device)
-    # w[s, e] as a [K, N] operand: transpose_w reads w [S, E, N, K] with its strides swapped.
-    s_ws, s_we, s_w1, s_w2 = w4.stride()
-    s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
-    c = add if add is not None else out
-    s_c = c.stride()[-3:] if add is not None else (0, 0, 0)
-    args = (
-        x4, w4, group_slot, o4, c,
-        rows, n, k, e,
-        *x4.stride(), s_ws, s_we, s_wk, s_wn, *o4.stride(), *s_c,
-    )  # fmt: skip
-    consts = dict(
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        SPLIT_K=split_k,
-        INPUT_PRECISION=input_precision,
-        REDUCE_E=reduce_e,
-        HAS_ADD=add is not None,
-    )
-    grid = (tiles, groups, split_k * (1 if reduce_e else e))
-    return Launch("slot_matmul", grid, args, consts, num_warps)
-
-
-def slot_matmul(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    group_slot: torch.Tensor,
-    out: torch.Tensor,
-    *args: Any,
-    kernels: SimpleNamespace | None = None,
-    **kwargs: Any,
-) -> None:
-    """Run the slot-indexed grouped matmul (arguments as :func:`slot_matmul_launch`);
-    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K (then
-    ``out`` is the addend, if any)."""
-    launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
-    if launch is None or launch.constexprs["SPLIT_K"] > 1:
-        out.zero_()
-        add = kwargs.get("add", args[3] if len(args) > 3 else None)
-        if launch is None and add is not None:
-            out.copy_(add)
-    if launch is not None:
-        launch.run(kernels)
-
-
-def candidate_dot_launch(
-    weight: torch.Tensor,
-    f: torch.Tensor,
-    rows: torch.Tensor,
-    tokens: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    block_p: int = 4,
-    block_h: int = 512,
-    num_warps: int = 4,
-) -> Launch | None:
-    """The candidate dot kernel's launch (None: no pairs). Arguments as
-    :func:`algorithms.esamp.kernels.candidate_dot`; the caller has checked them. ``H = 0``
-    still launches (it writes zeros)."""
-    n, h = tokens.shape[0], weight.shape[1]
-    if n == 0:
-        return None
-    args = (
-        weight, f, rows, tokens, out,
-        n, h,
-        weight.stride(0), f.stride(0), rows.stride(0), tokens.stride(0), out.stride(0),
-    )  # fmt: skip
-    consts = dict(BLOCK_P=block_p, BLOCK_H=block_h)
-    return Launch("candidate_dot", (triton.cdiv(n, block_p),), args, consts, num_warps)
-
-
-candidate_dot = _runner(candidate_dot_launch)
-
-
-def _bool_bytes(t: torch.Tensor) -> torch.Tensor:
-    # Triton loads bool pointers as int1; the same bytes as uint8.
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
-
-
-def loss_dy_launch(
-    h: torch.Tensor,
-    tp: torch.Tensor,
-    mask: torch.Tensor,
-    parts: torch.Tensor,
-    dy: torch.Tensor,
-    reduction: str,
-    *,
-    block_h: int = 128,
-    num_warps: int = 4,
-) -> Launch | None:
-    """The loss + dy kernel's launch: per group one program per column of ``parts``, each
-    over an equal share of the hidden columns (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
-    groups, rows, hidden = h.shape
-    if groups == 0:
-        return None
-    per_row = float(hidden) if reduction == "mean" else 1.0
-    block_m = min(16, triton.next_power_of_2(max(rows, 1)))
-    chunk = triton.cdiv(hidden, parts.shape[1])
-    args = (
-        h, tp, _bool_bytes(mask), parts, dy,
-        rows, hidden, chunk,
-        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), *parts.stride(),
-        per_row,
-    )  # fmt: skip
-    consts = dict(BLOCK_M=block_m, BLOCK_H=block_h)
-    return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
-
-
-loss_dy = _runner(loss_dy_launch)
-
-
-def block_backward_launch(
-    dp: torch.Tensor,
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    h_in: torch.Tensor,
-    dy: torch.Tensor,
-    du: torch.Tensor,
-    da: torch.Tensor,
-    parts: torch.Tensor,
-    input_precision: str = "ieee",
-    *,
-    block_m: int | None = None,
-    block_i: int = 32,
-    block_h: int = 64,
-    num_warps: int | None = None,
-) -> Launch | None:
-    """The block backward kernel's launch: per group one program per column of ``parts``:
-    each pair of row tiles over as many shares of H as the columns allow (at most one per
-    ``block_h`` columns of H), the columns past them written 0. Arguments as
-    :func:`algorithms.esamp.kernels.block_backward`; the caller has checked them."""
-    check_precision(input_precision)
-    groups, rows, _ = dp.shape
-    if groups == 0:
-        return None
-    block_m = block_m or min(NORM_TILE_ROWS, _rows_block(rows))
-    # Four [block_m, block_m] Gram tiles live across the loops: more warps for larger tiles
-    # (compiled for sm_90 without spills).
-    num_warps = num_warps or (4 if block_m <= 16 else 8)
-    tiles = triton.cdiv(max(rows, 1), block_m) ** 2
-    if tiles > parts.shape[1]:
-        raise ValueError(
-            f"parts has {parts.shape[1]} columns, {tiles} row-tile pairs need one each"
-        )
-    hidden = h_in.shape[2]
-    split_h = max(1, min(parts.shape[1] // tiles, triton.cdiv(hidden, block_h)))
-    args = (
-        dp, a, u, s, p, h_in, dy, du, da, parts,
-        rows, dp.shape[2], hidden, split_h,
-        *dp.stride(), *a.stride(), *u.stride(), *s.stride(), *p.stride(),
-        *h_in.stride(), *dy.stride(), *du.stride(), *da.stride(), *parts.stride(),
-    )  # fmt: skip
-    consts = dict(
-        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_H=block_h, INPUT_PRECISION=input_precision
-    )
-    return Launch("block_backward", (parts.shape[1], groups), args, consts, num_warps)
-
-
-block_backward = _runner(block_backward_launch)
-
-
-def update_tail_launch(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
-    *,
-    block_g: int = 64,
-    num_warps: int = 4,
-) -> Launch | None:
-    """The update tail kernel's launch (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
-    groups, rows = mask.shape
-    if groups == 0:
-        return None
-    has_applied = applied is not None
-    app = applied if has_applied else step  # a placeholder pointer, never read
-    args = (
-        loss_parts, parts, group_slot, _bool_bytes(mask), step, app, _bool_bytes(ok), scale,
-        norm, losses,
-        groups, loss_parts.shape[1], parts.shape[1], rows,
-        *loss_parts.stride(), *parts.stride(), group_slot.stride(0), *mask.stride(),
-        step.stride(0), app.stride(0), ok.stride(0), scale.stride(0), norm.stride(0),
-        losses.stride(0),
-        float(grad_clip), float(clip_eps),
-    )  # fmt: skip
-    consts = dict(
-        BLOCK_G=block_g,
-        BLOCK_M=min(64, triton.next_power_of_2(max(rows, 1))),
-        HAS_CLIP=grad_clip >= 0,
-        HAS_APPLIED=has_applied,
-    )
-    return Launch("update_tail", (triton.cdiv(groups, block_g),), args, consts, num_warps)
-
-
-update_tail = _runner(update_tail_launch)
-
-
-def silu_mul_launch(
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    *,
-    block_m: int = 16,
-    block_i: int = 128,
-    num_warps: int = 4,
-) -> Launch | None:
-    """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
-    :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
-    groups, rows, inter = a.shape
-    if groups == 0 or rows == 0 or inter == 0:
-        return None
-    args = (a, u, s, p, rows, inter, *a.stride(), *u.stride(), *s.stride(), *p.stride())
-    tiles = triton.cdiv(rows, block_m) * triton.cdiv(inter, block_i)
-    consts = dict(BLOCK_M=block_m, BLOCK_I=block_i)
-    return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
-
-
-silu_mul = _runner(silu_mul_launch)
-
-
-def stale_max_launch(
-    submitted: torch.Tensor,
-    applied: torch.Tensor,
-    group_slot: torch.Tensor,
-    stale: torch.Tensor,
-    *,
-    block_g: int = 64,
-    num_warps: int = 1,
-) -> Launch | None:
-    """The staleness kernel's launch, one program (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""
-    groups = submitted.shape[0]
-    if groups == 0:
-        return None
-    args = (
-        submitted, applied, group_slot, stale,
-        groups, submitted.stride(0), applied.stride(0), group_slot.stride(0),
-    )  # fmt: skip
-    return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
-
-
-stale_max = _runner(stale_max_launch)

@@ -1,0 +1,77 @@
+"""What every op's Triton launch shares: the :class:`Launch` record and the integer helpers
+(plain Python: building a launch needs no Triton; running one imports it)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+
+def triton_impl() -> ModuleType:
+    """The Triton kernels' module (imports Triton: only where a launch runs)."""
+    return importlib.import_module("algorithms.esamp.kernels.triton_impl")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def log_beta(beta: float) -> float:
+    return math.log(beta) if beta > 0 else -math.inf
+
+
+def rows_block(rows: int) -> int:
+    # Rows padded to a power of two >= 16 by masked loads (fp32 tl.dot needs a reduction of
+    # >= 8 on NVIDIA); more than 64 rows loop (grad_adam) or tile (slot_matmul).
+    return min(64, max(16, next_power_of_2(rows)))
+
+
+def bool_bytes(t: Any) -> Any:
+    # Triton loads bool pointers as int1; the same bytes as uint8.
+    import torch
+
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: which kernel, its grid, positional arguments, compile-time
+    constants and warps (what a test needs to compile it for a GPU it does not have)."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def run(self, kernels: SimpleNamespace | None = None) -> None:
+        fn = getattr(kernels or triton_impl()._kernels(), self.kernel)
+        fn[self.grid](*self.args, **self.constexprs, **self.options)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        # FP contraction (FMA) on, as nvcc compiles PyTorch's own kernels; said explicitly
+        # because Triton 3.9 warns that its default will change.
+        return dict(num_warps=self.num_warps, enable_fp_fusion=True)
+
+
+def runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
+    """``launch_fn``'s kernel as a function: builds the launch from the same arguments and
+    runs it (with ``kernels``, else the compiled ones); nothing where there is no launch."""
+
+    def run(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
+        launch = launch_fn(*args, **kwargs)
+        if launch is not None:
+            launch.run(kernels)
+
+    run.__name__ = run.__qualname__ = launch_fn.__name__.removesuffix("_launch")
+    run.__doc__ = f"Run the kernel of :func:`{launch_fn.__name__}` (the same arguments)."
+    return run

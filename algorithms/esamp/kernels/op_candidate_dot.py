@@ -1,0 +1,129 @@
+"""The op ``tllm_esamp::candidate_dot``: ``out[j] = sum_h float(weight[tokens[j], h]) *
+f[rows[j], h]``, accumulated in fp32; returns ``out`` (written in place; nothing allocated
+on CUDA).
+Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.kernels.checks import _SLOT_DTYPES, FP32, HEAD_DTYPES, _same_device, _shape
+from algorithms.esamp.kernels.launch import Launch, cdiv, runner
+
+NAME = "candidate_dot"
+SCHEMA = "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
+
+
+def candidate_dot(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]``, accumulated in fp32;
+    returns ``out`` (written in place; nothing allocated on CUDA).
+
+    ``weight [V, H]`` one of :data:`HEAD_DTYPES` (an LM head's weight), ``f [R, H]`` fp32,
+    both with unit stride along H (any row stride); ``rows``, ``tokens`` ``[N]`` int64 (or
+    int32), any pair may repeat; ``out [N]`` fp32. All on one device. Index values are not
+    checked on CUDA (that would need a host read): they must lie in ``[0, R)`` and
+    ``[0, V)``."""
+    torch.ops.tllm_esamp.candidate_dot(weight, f, rows, tokens, out)
+    return out
+
+
+def check_candidate_dot(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed. Index values are not
+    checked (that would read the device): they must lie in ``[0, R)`` and ``[0, V)``."""
+    _same_device(weight=weight, f=f, rows=rows, tokens=tokens, out=out)
+    if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES):
+        raise ValueError(
+            f"weight must be [V, H] float16, bfloat16 or float32, got {_shape(weight)}"
+        )
+    h = weight.shape[1]
+    if not (f.dim() == 2 and f.dtype == torch.float32 and f.shape[1] == h):
+        raise ValueError(f"f must be [R, {h}] fp32 (H of weight), got {_shape(f)}")
+    # Rows are gathered as contiguous runs of H elements (vector loads on the GPU).
+    for name, t in (("weight", weight), ("f", f)):
+        if h > 1 and t.stride(1) != 1:
+            raise ValueError(
+                f"{name} must have unit stride along H (any row stride), got strides {t.stride()}"
+            )
+    if not (tokens.dim() == 1 and tokens.dtype in _SLOT_DTYPES):
+        raise ValueError(f"tokens must be [N] int32 or int64, got {_shape(tokens)}")
+    n = tokens.shape[0]
+    if not (rows.dim() == 1 and rows.dtype in _SLOT_DTYPES and rows.shape[0] == n):
+        raise ValueError(f"rows must be [{n}] int32 or int64 (one per token), got {_shape(rows)}")
+    if not (out.dim() == 1 and out.shape[0] == n and out.dtype == torch.float32):
+        raise ValueError(f"out must be [{n}] fp32 (one per token), got {_shape(out)}")
+    if n > 0 and (weight.shape[0] == 0 or f.shape[0] == 0):
+        raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")
+
+
+# Pairs gathered at once: bounds the fallback's temporaries to chunk x H (as guidance did).
+CANDIDATE_CHUNK = 4096
+
+
+def reference(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+    chunk: int = CANDIDATE_CHUNK,
+) -> None:
+    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]`` in fp32, ``chunk``
+    pairs at a time."""
+    for i in range(0, tokens.shape[0], chunk):
+        w = weight.index_select(0, tokens[i : i + chunk]).float()
+        w.mul_(f.index_select(0, rows[i : i + chunk]))
+        torch.sum(w, -1, out=out[i : i + chunk])
+
+
+def candidate_dot_launch(
+    weight: torch.Tensor,
+    f: torch.Tensor,
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block_p: int = 4,
+    block_h: int = 512,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The candidate dot kernel's launch (None: no pairs). Arguments as
+    :func:`algorithms.esamp.kernels.candidate_dot`; the caller has checked them. ``H = 0``
+    still launches (it writes zeros)."""
+    n, h = tokens.shape[0], weight.shape[1]
+    if n == 0:
+        return None
+    args = (
+        weight, f, rows, tokens, out,
+        n, h,
+        weight.stride(0), f.stride(0), rows.stride(0), tokens.stride(0), out.stride(0),
+    )  # fmt: skip
+    consts = dict(BLOCK_P=block_p, BLOCK_H=block_h)
+    return Launch("candidate_dot", (cdiv(n, block_p),), args, consts, num_warps)
+
+
+run_triton = runner(candidate_dot_launch)
+
+
+def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> int:
+    """Bytes one ``candidate_dot`` call moves for ``n`` (row, token) pairs of hidden size
+    ``h``: each pair's head row read once (``weight_bytes`` per element; a token repeated
+    across rows is counted each time), its two int64 indices read and its fp32 result
+    written, plus the prediction ``f [f_rows, h]`` read once (its rows are re-read from L2,
+    not DRAM)."""
+    return n * h * weight_bytes + n * (8 + 8 + FP32) + f_rows * h * FP32
+
+
+def _traffic(weight, f, rows, tokens, out, *args, **kwargs) -> int:
+    return candidate_dot_bytes(tokens.numel(), weight.shape[-1], weight.element_size(), f.shape[0])

@@ -1,0 +1,134 @@
+"""The op ``tllm_esamp::loss_dy``: each group's loss (in parts) and its gradient with respect
+to ``h``, in one pass.
+Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.kernels.checks import (
+    FP32,
+    LOSS_REDUCTIONS,
+    _fp32,
+    _row_mask,
+    _same_device,
+    _shape,
+)
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+from algorithms.esamp.objective import loss_denominator, loss_per_row
+
+NAME = "loss_dy"
+SCHEMA = (
+    "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) parts, Tensor(b!) dy, "
+    "str reduction) -> ()"
+)
+
+
+def loss_dy(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    parts: torch.Tensor,
+    dy: torch.Tensor,
+    *,
+    reduction: str = "mean",
+) -> None:
+    """Each group's loss (in parts) and its gradient with respect to ``h``, in one pass.
+
+    ``h``, ``tp``, ``dy`` ``[G, M, H]`` fp32, ``mask [G, M]`` bool (the group's rows),
+    ``parts [G, L]`` fp32 (``L >= 1``: on CUDA each group's hidden columns are split over
+    ``L`` programs). With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h`` and
+    ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
+    (:func:`algorithms.esamp.objective.loss_denominator`): ``parts[g]`` sums to
+    ``sum(diff[g]^2) / denom`` (how it is spread over the columns is the implementation's;
+    :func:`update_tail` sums it), ``dy[g] = diff[g] * (2 / denom)``."""
+    torch.ops.tllm_esamp.loss_dy(h, tp, mask, parts, dy, reduction)
+
+
+def check_loss_dy(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    parts: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(h=h, tp=tp, mask=mask, parts=parts, dy=dy)
+    if not (h.dim() == 3 and h.dtype == torch.float32):
+        raise ValueError(f"h must be [G, M, H] fp32, got {_shape(h)}")
+    g, rows, _ = h.shape
+    _fp32("tp", tp, tuple(h.shape), "h's shape")
+    _fp32("dy", dy, tuple(h.shape), "h's shape")
+    if not (
+        parts.dim() == 2
+        and parts.shape[0] == g
+        and parts.shape[1] >= 1
+        and parts.dtype == torch.float32
+    ):
+        raise ValueError(f"parts must be [{g}, L >= 1] fp32 (the loss parts), got {_shape(parts)}")
+    _row_mask(mask, g, rows)
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def reference(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    parts: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+) -> None:
+    """Each group's loss ``sum(diff^2) / denom`` (into ``parts[:, 0]``, the other columns 0)
+    and its gradient ``dy = diff * 2 / denom`` with ``diff = h - tp`` on the rows ``mask``
+    marks (0 elsewhere) and ``denom`` :func:`~algorithms.esamp.objective.loss_denominator`."""
+    diff = torch.where(mask[..., None], h - tp, 0.0)
+    denom = loss_denominator(mask.sum(1), h.shape[2], reduction)
+    parts.zero_()
+    parts[:, 0] = diff.square().sum((1, 2)) / denom
+    torch.mul(diff, (2.0 / denom)[:, None, None], out=dy)
+
+
+def loss_dy_launch(
+    h: torch.Tensor,
+    tp: torch.Tensor,
+    mask: torch.Tensor,
+    parts: torch.Tensor,
+    dy: torch.Tensor,
+    reduction: str,
+    *,
+    block_h: int = 128,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The loss + dy kernel's launch: per group one program per column of ``parts``, each
+    over an equal share of the hidden columns (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
+    groups, rows, hidden = h.shape
+    if groups == 0:
+        return None
+    per_row = loss_per_row(hidden, reduction)
+    block_m = min(16, next_power_of_2(max(rows, 1)))
+    chunk = cdiv(hidden, parts.shape[1])
+    args = (
+        h, tp, bool_bytes(mask), parts, dy,
+        rows, hidden, chunk,
+        *h.stride(), *tp.stride(), *mask.stride(), *dy.stride(), *parts.stride(),
+        per_row,
+    )  # fmt: skip
+    consts = dict(BLOCK_M=block_m, BLOCK_H=block_h)
+    return Launch("loss_dy", (parts.shape[1], groups), args, consts, num_warps)
+
+
+run_triton = runner(loss_dy_launch)
+
+
+def loss_dy_bytes(groups: int, rows: int, hidden: int, parts: int = 1) -> int:
+    """``loss_dy``: ``h`` and ``tp`` read, ``dy`` written (``[groups, rows, hidden]`` fp32
+    each), the mask read (by each of a group's ``parts`` programs) and the loss parts
+    written."""
+    return 3 * groups * rows * hidden * FP32 + groups * parts * (rows + FP32)
+
+
+def _traffic(h, tp, mask, parts, *args, **kwargs) -> int:
+    return loss_dy_bytes(*h.shape, parts.shape[1])

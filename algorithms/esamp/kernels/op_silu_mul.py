@@ -1,0 +1,67 @@
+"""The op ``tllm_esamp::silu_mul``: ``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32
+(any strides), in one pass (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``).
+Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape
+from algorithms.esamp.kernels.launch import Launch, cdiv, runner
+
+NAME = "silu_mul"
+SCHEMA = "silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()"
+
+
+def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32 (any strides), in one pass
+    (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``)."""
+    torch.ops.tllm_esamp.silu_mul(a, u, s, p)
+
+
+def check_silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(a=a, u=u, s=s, p=p)
+    if not (a.dim() == 3 and a.dtype == torch.float32):
+        raise ValueError(f"a must be [G, M, I] fp32, got {_shape(a)}")
+    for name, t in (("u", u), ("s", s), ("p", p)):
+        _fp32(name, t, tuple(a.shape), "a's shape")
+
+
+def reference(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+    """``s = silu(a)``, ``p = s * u`` (a SwiGLU block's activations)."""
+    torch._C._nn.silu(a, out=s)  # F.silu has no out=
+    torch.mul(s, u, out=p)
+
+
+def silu_mul_launch(
+    a: torch.Tensor,
+    u: torch.Tensor,
+    s: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_i: int = 128,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
+    :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
+    groups, rows, inter = a.shape
+    if groups == 0 or rows == 0 or inter == 0:
+        return None
+    args = (a, u, s, p, rows, inter, *a.stride(), *u.stride(), *s.stride(), *p.stride())
+    tiles = cdiv(rows, block_m) * cdiv(inter, block_i)
+    consts = dict(BLOCK_M=block_m, BLOCK_I=block_i)
+    return Launch("silu_mul", (tiles, groups), args, consts, num_warps)
+
+
+run_triton = runner(silu_mul_launch)
+
+
+def silu_mul_bytes(numel: int) -> int:
+    """``silu_mul``: ``a`` and ``u`` read, ``s`` and ``p`` written (fp32)."""
+    return 4 * numel * FP32
+
+
+def _traffic(a, *args, **kwargs) -> int:
+    return silu_mul_bytes(a.numel())

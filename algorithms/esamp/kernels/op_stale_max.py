@@ -1,0 +1,86 @@
+"""The op ``tllm_esamp::stale_max``: ``stale[0] = max(stale[0], submitted[g] -
+applied[group_slot[g]])`` over the groups ``g`` with a slot (``group_slot >= 0``): the
+largest number of updates submitted for a group's slot but not yet applied when the
+prediction reads it. ``submitted [G]``, ``applied [S]``, ``stale [1]`` int64; ``group_slot
+[G]`` int32/int64.
+Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.kernels.checks import _same_device, _shape, _slot_vector
+from algorithms.esamp.kernels.launch import Launch, runner
+
+NAME = "stale_max"
+SCHEMA = "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
+
+
+def stale_max(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
+    ``g`` with a slot (``group_slot >= 0``): the largest number of updates submitted for a
+    group's slot but not yet applied when the prediction reads it. ``submitted [G]``,
+    ``applied [S]``, ``stale [1]`` int64; ``group_slot [G]`` int32/int64."""
+    torch.ops.tllm_esamp.stale_max(submitted, applied, group_slot, stale)
+
+
+def check_stale_max(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
+    if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
+        raise ValueError(f"submitted must be [G] int64, got {_shape(submitted)}")
+    _slot_vector(group_slot, submitted.shape[0])
+    if not (applied.dim() == 1 and applied.dtype == torch.int64):
+        raise ValueError(f"applied must be [S] int64, got {_shape(applied)}")
+    if not (tuple(stale.shape) == (1,) and stale.dtype == torch.int64):
+        raise ValueError(f"stale must be [1] int64, got {_shape(stale)}")
+
+
+def reference(
+    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
+) -> None:
+    """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
+    with a slot."""
+    if not submitted.shape[0]:
+        return
+    lag = submitted - applied.index_select(0, group_slot.clamp(min=0))
+    lag = torch.where(group_slot >= 0, lag, stale)
+    torch.maximum(stale, lag.max(), out=stale)
+
+
+def stale_max_launch(
+    submitted: torch.Tensor,
+    applied: torch.Tensor,
+    group_slot: torch.Tensor,
+    stale: torch.Tensor,
+    *,
+    block_g: int = 64,
+    num_warps: int = 1,
+) -> Launch | None:
+    """The staleness kernel's launch, one program (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""
+    groups = submitted.shape[0]
+    if groups == 0:
+        return None
+    args = (
+        submitted, applied, group_slot, stale,
+        groups, submitted.stride(0), applied.stride(0), group_slot.stride(0),
+    )  # fmt: skip
+    return Launch("stale_max", (1,), args, dict(BLOCK_G=block_g), num_warps)
+
+
+run_triton = runner(stale_max_launch)
+
+
+def stale_max_bytes(groups: int) -> int:
+    """``stale_max``: per group its submitted count, slot and slot's applied count read
+    (int64), the maximum read and written."""
+    return groups * 3 * 8 + 2 * 8
+
+
+def _traffic(submitted, *args, **kwargs) -> int:
+    return stale_max_bytes(submitted.shape[0])

@@ -1,0 +1,192 @@
+"""The op ``tllm_esamp::update_tail``: per group, after the backward: ``losses[g] =
+sum(loss_parts[g])`` (:func:`loss_dy`'s), ``norm[g] = sqrt(sum(parts[g]))``
+(:func:`block_backward`'s); ``valid`` = the group has a slot (``group_slot >= 0``) and rows
+(``mask``); ``ok[g]`` = valid with a finite loss and norm; ``scale[g] = min(1, grad_clip /
+(norm + clip_eps))`` (1 with ``grad_clip`` None); ``step[s] += ok`` and ``applied[s] +=
+valid`` (``applied`` optional) at ``s = group_slot[g]``.
+Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+
+NAME = "update_tail"
+SCHEMA = (
+    "update_tail(Tensor loss_parts, Tensor parts, Tensor group_slot, Tensor mask, "
+    "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) losses, Tensor(d!) ok, "
+    "Tensor(e!) scale, Tensor(f!) norm, float grad_clip, float clip_eps) -> ()"
+)
+
+
+def update_tail(
+    loss_parts: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    losses: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    *,
+    grad_clip: float | None,
+    clip_eps: float,
+) -> None:
+    """Per group, after the backward: ``losses[g] = sum(loss_parts[g])`` (:func:`loss_dy`'s),
+    ``norm[g] = sqrt(sum(parts[g]))`` (:func:`block_backward`'s); ``valid`` = the group has
+    a slot (``group_slot >= 0``) and rows (``mask``); ``ok[g]`` = valid with a finite loss
+    and norm; ``scale[g] = min(1, grad_clip / (norm + clip_eps))`` (1 with ``grad_clip``
+    None); ``step[s] += ok`` and ``applied[s] += valid`` (``applied`` optional) at ``s =
+    group_slot[g]``.
+
+    ``loss_parts [G, L]``, ``parts [G, K]``, ``losses``/``scale``/``norm [G]`` fp32,
+    ``group_slot [G]`` int32/int64, ``mask [G, M]`` bool, ``ok [G]`` bool, ``step [S]``
+    fp32, ``applied [S]`` int64. A slot may appear in at most one group (two would race on
+    the GPU)."""
+    clip = -1.0 if grad_clip is None else float(grad_clip)
+    if grad_clip is not None and not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip}")
+    torch.ops.tllm_esamp.update_tail(
+        loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, clip,
+        clip_eps,
+    )  # fmt: skip
+
+
+def check_update_tail(
+    loss_parts: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    losses: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
+    tensors = dict(loss_parts=loss_parts, parts=parts, group_slot=group_slot, mask=mask)
+    tensors.update(step=step, losses=losses, ok=ok, scale=scale, norm=norm)
+    if applied is not None:
+        tensors["applied"] = applied
+    _same_device(**tensors)
+    if not (mask.dim() == 2 and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [G, M] bool, got {_shape(mask)}")
+    g = mask.shape[0]
+    for name, t in (("loss_parts", loss_parts), ("parts", parts)):
+        if not (t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32):
+            raise ValueError(f"{name} must be [{g}, K] fp32, got {_shape(t)}")
+    _slot_vector(group_slot, g)
+    if not (step.dim() == 1 and step.dtype == torch.float32):
+        raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
+    if applied is not None and not (
+        tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
+    ):
+        raise ValueError(
+            f"applied must be {list(step.shape)} int64 (step's), got {_shape(applied)}"
+        )
+    if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
+        raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
+    _fp32("losses", losses, (g,), "one per group")
+    _fp32("scale", scale, (g,), "one per group")
+    _fp32("norm", norm, (g,), "one per group")
+    if not clip_eps >= 0:
+        raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
+
+
+def reference(
+    loss_parts: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    losses: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+) -> None:
+    """Per group: ``losses = sum(loss_parts)``, ``norm = sqrt(sum(parts))``; ``valid`` = has
+    a slot and rows; ``ok`` = valid with a finite loss and norm; ``scale`` =
+    ``clip_grad_norm_``'s coefficient ``min(1, grad_clip / (norm + clip_eps))`` (1 where
+    ``grad_clip < 0``: no clipping); ``step[slot] += ok``, ``applied[slot] += valid``."""
+    torch.sum(loss_parts, 1, out=losses)
+    torch.sqrt(parts.sum(1), out=norm)
+    valid = (group_slot >= 0) & mask.any(1)
+    # Finite iff x * 0 == 0 (inf * 0 and NaN * 0 are NaN).
+    ok.copy_(valid & (losses * 0 + norm * 0 == 0))
+    if grad_clip < 0:
+        scale.fill_(1.0)
+    else:
+        scale.copy_((grad_clip / (norm + clip_eps)).clamp(max=1.0))
+    idx = group_slot.clamp(min=0)
+    step.index_add_(0, idx, ok.to(step.dtype))
+    if applied is not None:
+        applied.index_add_(0, idx, valid.to(applied.dtype))
+
+
+def update_tail_launch(
+    loss_parts: torch.Tensor,
+    parts: torch.Tensor,
+    group_slot: torch.Tensor,
+    mask: torch.Tensor,
+    step: torch.Tensor,
+    applied: torch.Tensor | None,
+    losses: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    norm: torch.Tensor,
+    grad_clip: float,
+    clip_eps: float,
+    *,
+    block_g: int = 64,
+    num_warps: int = 4,
+) -> Launch | None:
+    """The update tail kernel's launch (None: no groups). Arguments as
+    :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
+    groups, rows = mask.shape
+    if groups == 0:
+        return None
+    has_applied = applied is not None
+    app = applied if has_applied else step  # a placeholder pointer, never read
+    args = (
+        loss_parts, parts, group_slot, bool_bytes(mask), step, app, bool_bytes(ok), scale,
+        norm, losses,
+        groups, loss_parts.shape[1], parts.shape[1], rows,
+        *loss_parts.stride(), *parts.stride(), group_slot.stride(0), *mask.stride(),
+        step.stride(0), app.stride(0), ok.stride(0), scale.stride(0), norm.stride(0),
+        losses.stride(0),
+        float(grad_clip), float(clip_eps),
+    )  # fmt: skip
+    consts = dict(
+        BLOCK_G=block_g,
+        BLOCK_M=min(64, next_power_of_2(max(rows, 1))),
+        HAS_CLIP=grad_clip >= 0,
+        HAS_APPLIED=has_applied,
+    )
+    return Launch("update_tail", (cdiv(groups, block_g),), args, consts, num_warps)
+
+
+run_triton = runner(update_tail_launch)
+
+
+def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
+    """``update_tail``: per group its ``parts`` loss and norm parts, slot and mask row read;
+    loss, ok, scale and norm written; its slot's step (and ``applied`` count) read and
+    written."""
+    per_group = FP32 * parts + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + (16 if applied else 0)
+    return groups * per_group
+
+
+def _traffic(loss_parts, parts, group_slot, mask, step, applied, *args, **kwargs) -> int:
+    groups, rows = mask.shape
+    cols = loss_parts.shape[1] + parts.shape[1]
+    return update_tail_bytes(groups, rows, cols, applied is not None)
