@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tllm_core import LayerPort, Phase, Producer, TapRequest
+from tllm_core import LayerPort, LayerProducer, Phase
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,6 @@ class AttentionOutput(LayerPort):
     prefix = "attn"
 
 
-class AttentionProducer(Producer):
+class AttentionProducer(LayerProducer):
     name = "attention"
     ports = (AttentionOutput,)
-
-    def taps(self, port: AttentionOutput) -> list[TapRequest]:
-        return [TapRequest("attn", port.layer)]

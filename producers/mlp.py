@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tllm_core import LayerPort, Phase, Producer, TapRequest
+from tllm_core import LayerPort, LayerProducer, Phase
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,6 @@ class MlpOutput(LayerPort):
     prefix = "mlp"
 
 
-class MlpProducer(Producer):
+class MlpProducer(LayerProducer):
     name = "mlp"
     ports = (MlpOutput,)
-
-    def taps(self, port: MlpOutput) -> list[TapRequest]:
-        return [TapRequest("mlp", port.layer)]

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
         layer_key,
         residual_port,
     )
-    from tllm_core.api.producer import Producer, TapRequest
+    from tllm_core.api.producer import LayerProducer, Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
     from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs, row_mask
     from tllm_core.api.step import StepCapture
@@ -118,6 +118,7 @@ __all__ = [
     "Plot",
     "PortName",
     "Producer",
+    "LayerProducer",
     "ReadPort",
     "RequestInfo",
     "RequestSettings",
@@ -179,6 +180,7 @@ _HOME = MappingProxyType(
         "TokenPort": "tllm_core.api.ports",
         "WritePort": "tllm_core.api.ports",
         "Producer": "tllm_core.api.producer",
+        "LayerProducer": "tllm_core.api.producer",
         "TapRequest": "tllm_core.api.producer",
         "RequestSettings": "tllm_core.api.request_settings",
         "RequestInfo": "tllm_core.api.rows",

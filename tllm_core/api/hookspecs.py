@@ -58,20 +58,17 @@ def tllm_producers() -> list[type]:
     Example::
 
         from dataclasses import dataclass
-        from tllm_core import Phase, Producer, TapRequest, TokenPort, hookimpl
+        from tllm_core import LayerPort, LayerProducer, Phase, hookimpl
 
         @dataclass(frozen=True)
-        class AttentionOutput(TokenPort):
+        class AttentionOutput(LayerPort):  # key "attn.{layer}", tap site "attn"
             layer: int
             phase: Phase = Phase.ALL
-            key_prefix = "attn"
+            prefix = "attn"
 
-        class AttentionProducer(Producer):
+        class AttentionProducer(LayerProducer):  # taps: [TapRequest("attn", port.layer)]
             name = "attention"
             ports = (AttentionOutput,)
-
-            def taps(self, port):
-                return [TapRequest("attn", port.layer)]
 
         @hookimpl
         def tllm_producers():

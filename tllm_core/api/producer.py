@@ -83,3 +83,12 @@ class Producer:
                 f"is read-only (per-step sites {', '.join(STEP_SITES)} cannot be edited)"
             )
         return tap
+
+
+class LayerProducer(Producer):
+    """A producer of :class:`~tllm_core.api.ports.LayerPort` s whose tap site is the port's
+    ``prefix``: one tap at the port's layer (``attn.{i}`` reads site ``attn`` at layer ``i``).
+    Subclasses set ``name`` and ``ports``."""
+
+    def taps(self, port: ReadPort) -> list[TapRequest]:
+        return [TapRequest(port.prefix, int(port.layer))]  # type: ignore[attr-defined]
