@@ -350,6 +350,7 @@ def test_cpu_mla_check_follows_vllms_backend_choice(
     monkeypatch.setattr(families, "_cpu_has_amx", lambda: amx)
     monkeypatch.setattr(families, "_on_cpu", lambda: True)
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], **fields}
+    cfg |= {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128}  # read_model_config
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     if refused is None:
         families.check_model(str(tmp_path), dtype)

@@ -43,12 +43,12 @@ def _engine_core(cli_pid: int) -> int:
 def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tmp_path):
     log = tmp_path / "run.log"
     before = shm_entries()
-    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "4"]
-    argv += ["--max-tokens", "400", "--ignore-eos", *SMALL_ENGINE]
+    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "16"]
+    argv += ["--max-tokens", "480", "--ignore-eos", *SMALL_ENGINE]
     proc = start(argv, log)
     try:
         wait_for(log, "tllm: engine ready", proc, 300)
-        time.sleep(3)  # generating
+        time.sleep(1)  # generating (16 x 480 tokens: well over 10 s on 2 cores)
         pids = set(descendants(proc.pid))
         core = _engine_core(proc.pid)
         os.kill(core, signal.SIGKILL)
@@ -66,7 +66,7 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
     assert "Traceback" not in text and "leaked" not in text, text[-4000:]
     # What finished is printed and the rest marked (none of 400 tokens finished here).
     assert "=== prompt 0" in text and "(not finished)" in text, text[-4000:]
-    assert "tllm: the engine died after 0/4 samples" in text, text[-4000:]
+    assert "tllm: the engine died after 0/16 samples" in text, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
 
@@ -342,5 +342,57 @@ def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
         -4000:
     ]
     assert "Traceback" not in text, text[-4000:]
+    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+
+
+# -- served: a killed engine core ends the server ------------------------------------------------
+@pytest.mark.vllm
+def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_path):
+    from serve_util import free_port
+
+    log = tmp_path / "serve.log"
+    before = shm_entries()
+    argv = ["serve", "--model", tiny_model, "--consumer", "stats", "--port", str(free_port())]
+    proc = start([*argv, *SMALL_ENGINE], log)
+    try:
+        wait_for(log, "tllm: ready", proc, 300)
+        pids = set(descendants(proc.pid))
+        core = _engine_core(proc.pid)
+        os.kill(core, signal.SIGKILL)
+        code = exit_within(proc, DEATH_BOUND_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code not in (0, None), (code, text[-4000:])
+    errors = [ln for ln in text.splitlines() if ln.startswith(("tllm: error:", "error:"))]
+    assert errors and "engine" in errors[-1], text[-4000:]
+    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+
+
+# -- a stop signal while a consumer callback hangs -----------------------------------------------
+@pytest.mark.vllm
+def test_sigterm_ends_a_run_whose_consumer_hangs_within_the_stop_timeout(tiny_model, tmp_path):
+    """The hang outlasts everything (600 s, deadline 300 s): SIGTERM must still end the run
+    within the stop timeout, and take the engine with it."""
+    log = tmp_path / "run.log"
+    before = shm_entries()
+    hang = json.dumps({"callback": "on_bundle", "after": 2, "seconds": 600})
+    argv = ["run", "--model", tiny_model, "--consumer", f"hang:{hang}", "-n", "2"]
+    argv += ["--max-tokens", "64", "--callback-deadline", "300", *SMALL_ENGINE]
+    proc = start(argv, log, TLLM_STOP_TIMEOUT_S="20")
+    try:
+        wait_for(log, "tllm: engine ready", proc, 300)
+        time.sleep(5)  # on_bundle's second call hangs at once
+        pids = set(descendants(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        code = exit_within(proc, 20 + 15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code is not None and code != 0, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]

@@ -51,9 +51,11 @@ def _slot_weights(theta: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     return block_weights(rows, SHAPE)
 
 
-def test_forward_slots_equals_forward_acts_bit_for_bit():
+def test_forward_slots_equals_forward_acts():
     """On the CPU ops: the paired forward (into fresh tensors and into act buffers at an odd
-    offset, a and u one pair view) equals the plain forward of each group's weights."""
+    offset, a and u one pair view) equals the plain forward of each group's weights: bit for
+    bit into fresh tensors; to float rounding into the buffers at the odd offset, where the
+    BLAS kernel may take another path for the misaligned output (seen on some CPUs)."""
     theta = _state()[0]
     xp, _, _ = _rows(1)
     gs = torch.tensor(GROUP_SLOT)
@@ -73,10 +75,13 @@ def test_forward_slots_equals_forward_acts_bit_for_bit():
             at += g * ROWS * width
         bufs.append(tuple(block))
     h_kept, acts_kept = forward_slots(theta, SHAPE, xp, mm, out=bufs)
-    assert torch.equal(h, h_ref) and torch.equal(h_kept, h_ref)
-    for got in (acts, acts_kept):
-        for blk, ref in zip(got, acts_ref, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
+    assert torch.equal(h, h_ref)
+    for blk, ref in zip(acts, acts_ref, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(blk, ref, strict=True))
+    torch.testing.assert_close(h_kept, h_ref, rtol=1e-6, atol=1e-6)
+    for blk, ref in zip(acts_kept, acts_ref, strict=True):
+        for a, b in zip(blk, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="equally strided views of one buffer"):
         pair_view(bufs[0][2], bufs[0][1])  # u before a
 

@@ -700,8 +700,8 @@ def test_dropped_bundles_make_the_export_incomplete(tmp_path):
 
 
 def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
-    """Prefix caching: the cached prompt positions are never computed, so no rows (and no
-    token ids) exist for them; the manifest says how many are missing."""
+    """Prefix caching: the cached prompt positions are never computed, so no rows exist for
+    them (their token ids come with the request); the manifest says how many are missing."""
     out = tmp_path / "cached"
     c = make_export(out, layers=["final"], shard_rows=5)
     engine = FakeEngine([8], [2], ["final"], chunk=4)
@@ -724,7 +724,8 @@ def test_missing_prompt_positions_make_the_export_incomplete(tmp_path):
     }
     (entry,) = fmt.request_table(str(out), manifest)
     assert entry["finished"] is True
-    assert entry["token_ids"][:4] == [-1] * 4
+    assert entry["token_ids"][:4] == [token_at(0, p) for p in range(4)]
+    assert entry["positions_missing"] == 4
 
 
 # -- bounded state: a long-running server --------------------------------------------------------

@@ -26,6 +26,9 @@ class FakeAdapter:
     max_num_tokens = 32
     device = torch.device("cpu")
 
+    def prompt_ids(self, engine_id):
+        return None  # this fake's runner gives no prompt ids (RequestInfo.prompt_token_ids)
+
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
         self.events = None

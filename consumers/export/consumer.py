@@ -167,7 +167,9 @@ class ExportConsumer(Consumer):
             self._manifest,
             before_first_write=self.layout.clean_root,
         )
-        self._table = RequestTable(self.path, self.writer.prepare, lambda: self.writer.error)
+        self._table = RequestTable(
+            self.path, self.writer.prepare, lambda: self.writer.error, self.phase
+        )
 
     # -- ports ------------------------------------------------------------------------------
     def _capture_phase(self) -> Any:
@@ -254,7 +256,7 @@ class ExportConsumer(Consumer):
         ids_np = ids.detach().to("cpu", torch.int64).numpy()
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
         for j, info in enumerate(srows.requests):
-            self._request(info).put(pos[j : j + 1], ids_np[j : j + 1])
+            self._request(info).set_token(int(pos[j]), int(ids_np[j]))
 
     def _sync_counters(self, shards_before: int) -> None:
         new = self.writer.shards[shards_before:]

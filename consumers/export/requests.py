@@ -21,10 +21,14 @@ from typing import IO, Any
 
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens
+from tllm_core import Phase
 
 
-def entry(req: RequestTokens, finished: bool, bundles_dropped: int) -> dict[str, Any]:
-    """One request's entry in the table (``docs/export-format.md``)."""
+def entry(
+    req: RequestTokens, finished: bool, bundles_dropped: int, phase: Any = Phase.ALL
+) -> dict[str, Any]:
+    """One request's entry in the table (``docs/export-format.md``); ``phase``: the rows the
+    export keeps (a prompt position it selects whose row never came is missing)."""
     info = req.info
     tokens = req.tokens[: req.length]
     return {
@@ -35,7 +39,7 @@ def entry(req: RequestTokens, finished: bool, bundles_dropped: int) -> dict[str,
         "sample_index": info.sample_index,
         "num_prompt_tokens": info.num_prompt_tokens,
         "finished": finished,
-        "positions_missing": int((tokens < 0).sum()),
+        "positions_missing": req.missing(phase),
         "bundles_dropped": bundles_dropped,
         "token_ids": tokens.tolist(),
     }
@@ -53,8 +57,10 @@ class RequestTable:
         path: str,
         prepare: Callable[[], None],
         failed: Callable[[], str | None] = lambda: None,
+        phase: Any = Phase.ALL,
     ):
         self.path = path
+        self.phase = phase
         self._prepare = prepare
         self._failed = failed
         self._open: dict[str, RequestTokens] = {}
@@ -92,7 +98,7 @@ class RequestTable:
         req = self._open.pop(request.engine_id, None)
         if req is None:  # no data reached the record: it has no entry
             return
-        e = entry(req, not getattr(request, "cut_short", False), dropped)
+        e = entry(req, not getattr(request, "cut_short", False), dropped, self.phase)
         self._closed_losses["requests_unfinished"] += not e["finished"]
         self._closed_losses["positions_missing"] += e["positions_missing"]
         self._pending.append(e)
@@ -118,7 +124,7 @@ class RequestTable:
         return os.path.join(self.path, fmt.REQUESTS_FILE)
 
     def _open_entries(self) -> list[dict[str, Any]]:
-        return [entry(r, False, self._dropped.get(e, 0)) for e, r in self._open.items()]
+        return [entry(r, False, self._dropped.get(e, 0), self.phase) for e, r in self._open.items()]
 
     def _losses(self, requests: list[dict[str, Any]]) -> dict[str, int]:
         return {

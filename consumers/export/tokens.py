@@ -11,41 +11,68 @@ from tllm_core import Counters, RowInfo, row_mask
 
 
 class RequestTokens:
-    """One request's entry in the request table plus its token sequence so far."""
+    """One request's entry in the request table plus its token sequence so far, and which
+    positions' rows were delivered (``fed``: a prompt position whose row never came, e.g. a
+    prefix-cache hit, has its token id from the request but no row)."""
 
-    __slots__ = ("index", "info", "tokens", "length")
+    __slots__ = ("index", "info", "tokens", "fed", "length")
 
     def __init__(self, index: int, info: Any):
         self.index = index
         self.info = info
-        self.tokens = np.full(max(16, int(info.num_prompt_tokens) + 16), -1, np.int64)
+        size = max(16, int(info.num_prompt_tokens) + 16)
+        self.tokens = np.full(size, -1, np.int64)
+        self.fed = np.zeros(size, np.bool_)
         self.length = 0
         prompt = getattr(info, "prompt_token_ids", None)
         if prompt is not None:
-            self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
+            self._store(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
 
-    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
-        if positions.size == 1:  # a decode row: the common case, kept cheap
-            self.put_one(int(positions[0]), int(tokens[0]))
-            return
+    def _grow(self, end: int) -> None:
+        if end > self.tokens.shape[0]:
+            size = max(end, 2 * self.tokens.shape[0])
+            tokens, fed = np.full(size, -1, np.int64), np.zeros(size, np.bool_)
+            tokens[: self.length] = self.tokens[: self.length]
+            fed[: self.length] = self.fed[: self.length]
+            self.tokens, self.fed = tokens, fed
+
+    def _store(self, positions: np.ndarray, tokens: np.ndarray) -> None:
         if positions.size == 0:
             return
         end = int(positions.max()) + 1
-        if end > self.tokens.shape[0]:
-            grown = np.full(max(end, 2 * self.tokens.shape[0]), -1, np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
+        self._grow(end)
         self.tokens[positions] = tokens
         self.length = max(self.length, end)
 
+    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Rows delivered at ``positions`` (feeding ``tokens``)."""
+        if positions.size == 1:  # a decode row: the common case, kept cheap
+            self.put_one(int(positions[0]), int(tokens[0]))
+            return
+        self._store(positions, tokens)
+        self.fed[positions] = True
+
     def put_one(self, position: int, token: int) -> None:
-        if position >= self.tokens.shape[0]:
-            grown = np.full(max(position + 1, 2 * self.tokens.shape[0]), -1, np.int64)
-            grown[: self.length] = self.tokens[: self.length]
-            self.tokens = grown
+        self._grow(position + 1)
+        self.tokens[position] = token
+        self.fed[position] = True
+        if position >= self.length:
+            self.length = position + 1
+
+    def set_token(self, position: int, token: int) -> None:
+        """A sampled token (no row of its own yet)."""
+        self._grow(position + 1)
         self.tokens[position] = token
         if position >= self.length:
             self.length = position + 1
+
+    def missing(self, phase: Any) -> int:
+        """Positions with no token id, plus prompt positions ``phase`` selects whose rows
+        never came."""
+        n = min(int(self.info.num_prompt_tokens), self.length)
+        pos = np.arange(n, dtype=np.int64)
+        wanted = row_mask(phase, np.zeros(n, np.bool_), pos, lambda: np.full(n, n, np.int64))
+        return int((self.tokens[: self.length] < 0).sum()) + int((wanted & ~self.fed[:n]).sum())
 
 
 def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:

@@ -122,6 +122,7 @@ class SaeConsumer(Consumer):
                 config.overwrite,
                 self.describe,
                 layout,
+                self.phase,
             )
 
     # -- helpers ------------------------------------------------------------------------

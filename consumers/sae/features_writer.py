@@ -21,7 +21,7 @@ from consumers.export import format as fmt
 from consumers.export.requests import RequestTable
 from consumers.export.tokens import completeness
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, ShardWriter
-from tllm_core import request_runs
+from tllm_core import as_selector, request_runs
 
 FORMAT_NAME = "tllm-sae-features"
 FORMAT_VERSION = 2  # as the export format's (closed requests in requests.jsonl)
@@ -58,8 +58,10 @@ class FeatureWriter:
         overwrite: bool,
         describe: Callable[[], dict[str, Any]],
         layout: OutputLayout | None = None,
+        phase: Any = "all",
     ):
-        """``layout`` (data parallel): this engine's part folder of the output directory."""
+        """``layout`` (data parallel): this engine's part folder of the output directory;
+        ``phase``: the rows recorded (a selected prompt position without a row is missing)."""
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(f"feature values dtype {value_dtype!r}: allowed {VALUE_DTYPES}")
         self.path = path
@@ -84,7 +86,9 @@ class FeatureWriter:
             format_name=FORMAT_NAME,
             before_first_write=None if layout is None else layout.clean_root,
         )
-        self.table = RequestTable(path, self.shards.prepare, lambda: self.shards.error)
+        self.table = RequestTable(
+            path, self.shards.prepare, lambda: self.shards.error, as_selector(phase, "phase")
+        )
 
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record token ids at positions (rows of one request are contiguous)."""
