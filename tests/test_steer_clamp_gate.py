@@ -190,7 +190,8 @@ def _check(tiny_model, report, records, u, d, thr) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize(
-    "mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)]  # compiling: ~45 s
+    "mode",
+    ["eager", pytest.param("compiled", marks=pytest.mark.slow)],  # compiling: ~45 s
 )
 def test_clamp_gated_by_a_probe_equals_transformers_on_v1(tiny_model, tmp_path, mode):
     u, d = _directions()
