@@ -354,7 +354,8 @@ def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_pat
     log = tmp_path / "serve.log"
     before = shm_entries()
     argv = ["serve", "--model", tiny_model, "--consumer", "stats", "--port", str(free_port())]
-    proc = start([*argv, *SMALL_ENGINE], log)
+    argv += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    proc = start(argv, log)
     try:
         wait_for(log, "tllm: ready", proc, 300)
         pids = set(descendants(proc.pid))
