@@ -172,14 +172,10 @@ class ExportConsumer(Consumer):
         )
 
     # -- ports ------------------------------------------------------------------------------
-    def _capture_phase(self) -> Any:
-        # The prompt's token ids come with each request (RequestInfo.prompt_token_ids), so
-        # only the rows to write are captured.
-        return self.phase
-
     def reads(self) -> list[ReadPort]:
-        phase = self._capture_phase()
-        ports: list[ReadPort] = [dataclasses.replace(p, phase=phase) for p in self._ports]
+        # Only the rows to write are captured: the prompt's token ids come with each request
+        # (RequestInfo.prompt_token_ids).
+        ports: list[ReadPort] = [dataclasses.replace(p, phase=self.phase) for p in self._ports]
         ports.append(SampledTokens(Phase.ALL))
         return ports
 

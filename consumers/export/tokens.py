@@ -83,7 +83,7 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
         phase,
         np.asarray(rows.is_decode, np.bool_),
         rows.position,
-        lambda: np.array([r.num_prompt_tokens for r in rows.requests], np.int64),
+        rows.prompt_lengths,
     )
     recomputed = np.asarray(rows.recomputed, np.bool_)
     skipped = int((wanted & recomputed).sum())

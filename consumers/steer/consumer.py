@@ -184,12 +184,6 @@ class SteerConsumer(Consumer):
         self._req_cache[req.engine_id] = state
         return state
 
-    def select(self, rows: RowInfo) -> tuple[np.ndarray, np.ndarray | None]:
-        """Row indices that every vector steers, and their per-row scale overrides (NaN:
-        config scale) or None; :meth:`plan_rows` gives each vector's own rows."""
-        idx, scales = self.plan_rows(rows)[0] if self.vectors else (np.zeros(0, np.int64), None)
-        return idx, scales
-
     def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Per vector: its row indices this step and their scales (None: the configured)."""
         n = len(rows)

@@ -136,6 +136,12 @@ class RowInfo:
     def __len__(self) -> int:
         return int(self.row.shape[0])
 
+    def prompt_lengths(self) -> np.ndarray:
+        """Each row's request's prompt length (int64 ``[R]``): what a capture window needs."""
+        return np.fromiter(
+            (r.num_prompt_tokens for r in self.requests), np.int64, len(self.requests)
+        )
+
     def runs(self) -> Iterator[tuple[RequestInfo, int, int]]:
         """``(request, start, stop)`` per run of one request's rows (see :func:`request_runs`)."""
         return request_runs(self.requests)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,7 +98,7 @@ def bundle_rows(
     its sampling rows (indices into the step's sampling rows); None where it has none."""
     token = sample = None
     rows = step.rows
-    prompt_lengths = _prompt_lengths(rows)
+    prompt_lengths = functools.cache(rows.prompt_lengths)  # only windows need them
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
         mask = row_mask(phase, rows.is_decode, rows.position, prompt_lengths)
@@ -116,22 +117,6 @@ def bundle_rows(
         if mask.any():
             sample = np.nonzero(mask)[0]
     return token, sample
-
-
-def _prompt_lengths(rows) -> Callable[[], np.ndarray]:
-    """Each row's request's prompt length, built on first use (only windows need it)."""
-    made: list[np.ndarray] = []
-
-    def get() -> np.ndarray:
-        if not made:
-            made.append(
-                np.fromiter(
-                    (r.num_prompt_tokens for r in rows.requests), np.int64, len(rows.requests)
-                )
-            )
-        return made[0]
-
-    return get
 
 
 def bundle_indices(

@@ -263,10 +263,6 @@ class Runtime:
         write_note(self.settings.fault_file, hung)
         self._engine_stop.schedule(hung)
 
-    def stuck(self) -> list[Hung]:
-        """Consumer callbacks past their deadline now (``/tllm/status``, ``/health``)."""
-        return self.watchdog.stuck()
-
     # -- what the bridge must provide -------------------------------------------------
     def _collect_taps(self) -> set[TapRequest]:
         out: set[TapRequest] = set()
