@@ -94,7 +94,7 @@ class StepIndices:
         dev = self.pool.take((total,), torch.int64, device)
         self._staging = self._staging or StagingRing(device, self._ring)
         i, host = self._staging.take(total)
-        host.copy_(torch.from_numpy(np.concatenate(list(new.values()))))
+        np.concatenate(list(new.values()), out=host.numpy())  # straight into the pinned buffer
         self._staging.send(i, dev)
         off = 0
         for key, a in new.items():

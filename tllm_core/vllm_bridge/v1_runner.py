@@ -59,7 +59,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
 
     def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
         ids = self.runner.requests[engine_id].prompt_token_ids
-        return None if ids is None else tuple(int(t) for t in ids)
+        return None if ids is None else tuple(ids)
 
     def _layout(self, num_scheduled_tokens: np.ndarray) -> StepLayout:
         ib = self.runner.input_batch

@@ -84,7 +84,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
             ids = new.prompt_token_ids
             if n_prompt is None:
                 n_prompt = len(ids or ())
-            ids = None if ids is None else tuple(int(t) for t in ids[: int(n_prompt)])
+            ids = None if ids is None else tuple(ids[: int(n_prompt)])
             self._admitted[new.req_id] = (extra, int(n_prompt), ids)
 
     @staticmethod
