@@ -300,6 +300,8 @@ class NodeWatch:
                 if store is not None:
                     state = read_store(store, STOP_POLL_S if announced else interval)
                     if state == "stopping":
+                        if announced:  # read_store returned at once: poll, do not spin
+                            time.sleep(STOP_POLL_S)
                         announced = True
                     elif state == "gone" and announced:
                         if not self.stopping:
