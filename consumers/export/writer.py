@@ -253,7 +253,11 @@ class ShardWriter:
             self.buffer_rows_max = max(self.buffer_rows_max, self._fill)
             start += take
             if self._fill >= self.shard_rows:
-                self.write_shard()
+                try:
+                    self.write_shard()
+                except ExportWriteError:
+                    self.rows_unwritten += total - start  # this call's rows not yet buffered
+                    raise
                 written += 1
         return written
 
