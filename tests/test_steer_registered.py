@@ -27,7 +27,7 @@ URL = "/tllm/consumers/steer/control"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _server(cfg: dict, api_key: str | None = KEY):
+def _server(cfg: dict, api_key: str | None = KEY, fault_file: str | None = None):
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -57,7 +57,7 @@ def _server(cfg: dict, api_key: str | None = KEY):
 
     app = FastAPI()
     app.state.args = SimpleNamespace(api_key=api_key)
-    attach_routes(app, engine)
+    attach_routes(app, engine, fault_file=fault_file)
     app.state.tllm_engine_client = Engine()
     app.state.tllm_server = engine
     return TestClient(app), engine, consumer
@@ -177,3 +177,20 @@ def test_kept_vectors_come_back_after_a_restart(tmp_path):
     )
     assert SteerConfig(**cfg).vectors == []
     assert SteerConfig(**{**cfg, "keep_dir": None}).vectors == []  # without it: forgotten
+
+
+def test_a_control_request_is_refused_at_once_while_a_callback_hangs(tmp_path):
+    """The engine is stuck in a consumer callback: no RPC would answer, so the route says so
+    (503) instead of waiting for the engine to stop itself."""
+    import json
+
+    note = tmp_path / "fault.json"
+    client, _, consumer = _server({"vectors": [], "open_layers": [1]}, fault_file=str(note))
+    body = {"action": "add", "name": "calm", "layer": 1, "vector": [1.0] * H}
+    hung = {"consumer": "x", "callback": "guide", "kind": "step", "deadline_s": 1.0}
+    note.write_text(json.dumps({**hung, "seconds": 2.0, "thread": "t", "stack": ""}))
+    r = client.post(URL, json=body, headers=AUTH)
+    assert r.status_code == 503 and "hung" in r.json()["error"], r.text
+    assert consumer.vectors == []
+    note.write_text("")
+    assert client.post(URL, json=body, headers=AUTH).status_code == 200

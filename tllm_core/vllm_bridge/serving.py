@@ -381,6 +381,8 @@ def attach_routes(
                 {"error": 'the body must be a JSON object with a string "action"'}, 400
             )
         action = body.pop("action")
+        if read_note(fault_file) is not None:  # the engine is stuck: no RPC would answer
+            return JSONResponse({"error": "a consumer callback is hung (see /tllm/status)"}, 503)
         async with control_lock:
             config = server.configs[name]
             try:
