@@ -17,6 +17,7 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.results import asked_results, decode_results
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.kv_cache import default_kv_cache
 from tllm_core.plugins.registry import Registry
@@ -356,9 +357,31 @@ class TllmLLM:
         # generate() is synchronous: every request of this call is done.
         with self._naming_a_dead_engine():
             ends = self.llm.collective_rpc("tllm_end_batch")
+            if any(asked_results(sp.extra_args) for sp in tagged):
+                self._attach_results(outputs, tagged)
         errors = [e for r in ends for e in (r or [])]
         self._raise_disabled(errors, outputs=outputs)
         return outputs
+
+    def _attach_results(self, outputs: list[Any], params: list[Any]) -> None:
+        """Set ``completion.tllm`` (``{consumer: result}``, arrays as NumPy arrays) on each
+        completion of a request that asked for results (``tllm_results``)."""
+        ids = [str(o.request_id) for o in outputs]
+        wait = self.settings.results_wait_s
+        got: dict[str, dict[str, dict[str, Any]]] = {}
+        for answer in self.llm.collective_rpc("tllm_take_results", args=(ids, wait)):
+            for rid, per in (answer or {}).items():
+                for sample, values in per.items():
+                    got.setdefault(rid, {}).setdefault(sample, {}).update(values)
+        for out, sp in zip(outputs, params, strict=True):
+            asked = asked_results(sp.extra_args)
+            if not asked:
+                continue
+            mine = got.get(str(out.request_id), {})
+            for c in out.outputs:
+                values = mine.get(str(c.index), {})
+                missing = {"error": f"no result after {wait:g} s (setting results_wait_s)"}
+                c.tllm = {n: decode_results(values.get(n, missing)) for n in asked}
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
         """Raise :class:`ConsumerDisabledError` for consumers disabled since the last raise."""

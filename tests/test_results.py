@@ -1,0 +1,121 @@
+"""Per-request results returned with the completion (issue 45 item 2): a request asks with
+``tllm_results``; each named consumer's ``request_result`` travels back on its completion
+(offline: ``completion.tllm``; the kit: ``kit.results``), bounded, validated before
+generation. Values are checked against transformers on the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import ENGINE_KW
+from reference import hf_states
+
+from tllm_core.api.results import decode_results, encode, json_bytes
+
+
+def test_arrays_round_trip_through_json():
+    import json
+
+    value = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": [np.int64(3), np.array([1, 2], np.int64)],
+        "c": torch.ones(2, dtype=torch.bfloat16),
+        "text": "x",
+    }
+    wire = json.loads(json.dumps(encode(value)))
+    back = decode_results(wire)
+    assert back["a"].dtype == np.float32 and back["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert back["b"][0] == 3 and back["b"][1].tolist() == [1, 2]
+    assert back["c"].dtype == np.float32 and back["c"].tolist() == [1.0, 1.0]
+    assert back["text"] == "x"
+    assert json_bytes(encode(value)) == len(json.dumps(encode(value), separators=(",", ":")))
+
+
+def test_the_result_store_is_bounded_and_refuses_large_results():
+    from tllm_core.api.counters import Counters
+    from tllm_core.api.rows import RequestInfo
+    from tllm_core.runtime.request_results import ResultStore
+
+    counters = Counters()
+    store = ResultStore(counters, max_result_bytes=2048, max_requests=3)
+
+    def req(i: int) -> RequestInfo:
+        return RequestInfo(f"r{i}-abcdefgh", f"r{i}", i, 0, 4)
+
+    store.put(req(0), "c", np.zeros(2000, np.float32))  # ~10.7 kB of base64: refused
+    got = store.take(["r0"])["r0"][0]["c"]
+    assert "past this engine's limit of 2048" in got["error"] and got["bytes"] > 2048
+    for i in range(1, 6):
+        store.put(req(i), "c", {"v": i})
+    assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
+    assert store.take(["r1", "r5"]) == {"r5": {0: {"c": {"v": 5}}}}
+    assert counters.snapshot()["results_made"] == 5 and counters.snapshot()["results_refused"] == 1
+
+
+def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"out": None, "layers": [0, -1], "phase": "all"}
+    kit = ConsumerKit(tiny_model, [{"name": "export", "config": cfg}])
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    out = kit.generate(
+        prompts,
+        max_tokens=3,
+        temperature=0.0,
+        extra_args=[{"tllm_results": "export"}, None],
+    )
+    assert set(kit.results) == {(0, 0)}  # the second request did not ask
+    got = kit.results[(0, 0)]["export"]
+    tokens = prompts[0] + out[0][0]
+    assert got["positions"].tolist() == list(range(len(tokens) - 1))
+    assert got["token_ids"].tolist() == tokens[:-1]
+    ref = hf_states(tiny_model, tokens[:-1])
+    for key in ("layer.0", "layer.3"):
+        assert got[key].shape == (len(tokens) - 1, ref[key].shape[-1])
+        torch.testing.assert_close(torch.from_numpy(got[key]), ref[key], rtol=1e-4, atol=1e-4)
+    report = kit.close()
+    assert report["runtime"]["results_made.export"] == 1
+    assert report["consumers"]["export"]["rows_returned"] == len(tokens) - 1
+    assert report["results"]["export"]["out"] is None  # no files
+
+
+def test_asking_is_checked_before_generation(tiny_model):
+    from tllm_core.testing import ConsumerKit
+
+    kit = ConsumerKit(tiny_model, [{"name": "stats", "config": {}}])
+    with pytest.raises(ValueError, match=r"tllm_results.*'nope'.*not configured"):
+        kit.generate([[3, 4]], max_tokens=1, extra_args={"tllm_results": "nope"})
+    with pytest.raises(ValueError, match=r"tllm_results.*comma-separated"):
+        kit.generate([[3, 4]], max_tokens=1, extra_args={"tllm_results": 3})
+
+
+@torch.no_grad()
+def test_tllm_llm_returns_exported_rows_on_each_completion(tiny_model, engines):
+    """Offline, V1: two samples of one prompt ask, a concurrent prompt does not."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from tllm_core import TllmLLM
+
+    spec = {"name": "export", "config": {"out": None, "layers": [1], "phase": "generated[0:4]"}}
+    llm = engines.get(
+        ("results-export", tiny_model),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
+    ask = SamplingParams(
+        n=2, max_tokens=6, temperature=1.0, seed=1, extra_args={"tllm_results": "export"}
+    )
+    plain = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    outs = llm.generate(prompts, [ask, plain], use_tqdm=False)
+    assert not hasattr(outs[1].outputs[0], "tllm")
+    assert len(outs[0].outputs) == 2
+    for c in outs[0].outputs:
+        got = c.tllm["export"]
+        tokens = [5, 6, 7, 8, *c.token_ids]
+        # generated[0:4]: positions 4..7 (the first four generated tokens fed back)
+        assert got["positions"].tolist() == [4, 5, 6, 7]
+        assert got["token_ids"].tolist() == tokens[4:8]
+        ref = hf_states(tiny_model, tokens[:8])["layer.1"][4:8]
+        torch.testing.assert_close(torch.from_numpy(got["layer.1"]), ref, rtol=1e-3, atol=1e-3)
