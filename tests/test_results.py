@@ -5,6 +5,8 @@ generation. Values are checked against transformers on the same tokens."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -119,3 +121,66 @@ def test_tllm_llm_returns_exported_rows_on_each_completion(tiny_model, engines):
         assert got["token_ids"].tolist() == tokens[4:8]
         ref = hf_states(tiny_model, tokens[:8])["layer.1"][4:8]
         torch.testing.assert_close(torch.from_numpy(got["layer.1"]), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_model, tmp_path):
+    """The issue's "done when": the OpenAI Python client asks for export's rows and gets them
+    in the response, non-streamed and streamed, equal to transformers; a request whose rows
+    could pass the server's limit gets HTTP 400 and the server goes on; a concurrent request
+    that did not ask gets no results."""
+    import concurrent.futures
+
+    import openai
+    from serve_util import tllm_serve
+
+    import tllm_core
+
+    spec = {"out": None, "layers": [0, -1], "phase": "all"}
+    args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
+    args += ["--max-result-kib", "64", "--max-model-len", "512", "--kv-cache-gib", "1"]
+    args += ["--", "--enforce-eager"]
+    log = tmp_path / "serve.log"
+    prompt = [5, 6, 7, 8, 9]
+    ask = {"vllm_xargs": {"tllm_results": "export"}}
+    with tllm_serve(args, log) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+
+        def complete(body: dict, **kw):
+            return client.completions.create(
+                model="default", prompt=prompt, temperature=0.0, extra_body=body, **kw
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            asked = pool.submit(complete, ask, max_tokens=6, logprobs=0)
+            plain = pool.submit(complete, {}, max_tokens=6)
+            r, p = asked.result(timeout=300), plain.result(timeout=300)
+        assert getattr(p, "tllm", None) is None  # did not ask: no results
+        [entry] = r.tllm
+        got = tllm_core.decode_results(entry)
+        generated = client.completions.create(
+            model="default", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0
+        )
+        assert r.choices[0].text == generated.choices[0].text
+        rows = got["export"]
+        n = len(rows["positions"])
+        assert rows["positions"].tolist() == list(range(n)) and n == len(prompt) + 5
+        ref = hf_states(tiny_model, rows["token_ids"].tolist())
+        assert rows["token_ids"].tolist()[: len(prompt)] == prompt
+        for key in ("layer.0", "layer.3"):
+            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-3, atol=1e-3)
+
+        # Streamed: the results arrive in one event before [DONE].
+        events = list(complete(ask, max_tokens=6, stream=True))
+        text = "".join(e.choices[0].text for e in events if e.choices)
+        assert text == r.choices[0].text
+        [last] = [e for e in events if getattr(e, "tllm", None)]
+        streamed = tllm_core.decode_results(last.tllm[0])["export"]
+        np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
+
+        # Past the limit: 2 keys x 300 rows x hidden 64 x 4 bytes > 64 KiB: refused first.
+        with pytest.raises(openai.BadRequestError) as ei:
+            complete(ask, max_tokens=300)
+        assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
+        again = complete(ask, max_tokens=3)  # the server goes on
+        assert len(tllm_core.decode_results(again.tllm[0])["export"]["positions"]) == 7
+    assert "Traceback" not in log.read_text()
