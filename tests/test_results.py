@@ -184,3 +184,51 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
         again = complete(ask, max_tokens=3)  # the server goes on
         assert len(tllm_core.decode_results(again.tllm[0])["export"]["positions"]) == 7
     assert "Traceback" not in log.read_text()
+
+
+def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
+    """``stats`` returns its per-request figures and ``sae`` each token's top features, both
+    equal to what transformers' hidden states give on the same tokens."""
+    from consumers.sae.loader import save_sae
+    from consumers.sae.model import SparseAutoencoder
+    from tllm_core.testing import ConsumerKit
+
+    g = torch.Generator().manual_seed(3)
+    d_in, d_sae, k = 128, 64, 4
+    w_enc = torch.randn(d_in, d_sae, generator=g) / d_in**0.5
+    path = save_sae(
+        SparseAutoencoder(
+            W_enc=w_enc,
+            b_enc=torch.zeros(d_sae),
+            W_dec=torch.randn(d_sae, d_in, generator=g),
+            b_dec=torch.zeros(d_in),
+            architecture="standard",
+        ),
+        tmp_path / "sae",
+    )
+    sae = {"path": path, "site": 1, "top_k": k, "phase": "decode"}
+    kit = ConsumerKit(
+        tiny_model,
+        [{"name": "stats", "config": {"layers": [1]}}, {"name": "sae", "config": sae}],
+    )
+    prompt = [3, 4, 5, 6]
+    out = kit.generate(
+        [prompt], max_tokens=5, temperature=0.0, extra_args={"tllm_results": "stats,sae"}
+    )
+    got = kit.results[(0, 0)]
+    tokens = prompt + out[0][0]
+    h = hf_states(tiny_model, tokens[:-1])["layer.1"]
+    figures = got["stats"]["layer.1"]
+    assert figures["rows"] == len(tokens) - 1
+    assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
+    assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
+    feats = got["sae"]
+    dec = h[len(prompt) :]  # decode rows: positions 4.. (the generated tokens fed back)
+    assert feats["positions"].tolist() == list(range(len(prompt), len(tokens) - 1))
+    acts = torch.relu(dec @ w_enc)
+    top = torch.topk(acts, k, dim=-1)
+    for row in range(len(dec)):
+        assert set(feats["features"][row].tolist()) == set(top.indices[row].tolist())
+        np.testing.assert_allclose(
+            np.sort(feats["values"][row]), np.sort(top.values[row].numpy()), rtol=1e-3, atol=1e-4
+        )

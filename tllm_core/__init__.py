@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.producer import LayerProducer, Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.results import decode_results
+    from tllm_core.api.results import RequestRows, decode_results
     from tllm_core.api.rows import (
         RequestInfo,
         RowInfo,
@@ -91,6 +91,7 @@ __all__ = [
     "row_mask",
     "max_rows",
     "decode_results",
+    "RequestRows",
     "as_selector",
     "request_runs",
     "residual_port",
@@ -206,6 +207,7 @@ _HOME = MappingProxyType(
         "row_mask": "tllm_core.api.rows",
         "max_rows": "tllm_core.api.rows",
         "decode_results": "tllm_core.api.results",
+        "RequestRows": "tllm_core.api.results",
         "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",

@@ -17,7 +17,6 @@ from pydantic import Field, field_validator, model_validator
 from consumers.export import format as fmt
 from consumers.export import report
 from consumers.export.requests import RequestTable
-from consumers.export.returned import ReturnedRows
 from consumers.export.returned import bound as returned_bound
 from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
@@ -30,6 +29,7 @@ from tllm_core import (
     Phase,
     ReadPort,
     RequestInfo,
+    RequestRows,
     SampledTokens,
     TokenPort,
     as_selector,
@@ -37,6 +37,7 @@ from tllm_core import (
 )
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+_NO_ROWS = {"positions": np.zeros(0, np.int64), "token_ids": np.zeros(0, np.int64)}
 
 
 class ExportConfig(ConsumerConfig):
@@ -143,7 +144,7 @@ class ExportConsumer(Consumer):
         self._closed = False  # closed after the last data
         self._complete = False  # ... and nothing was lost (see completeness)
         # Rows of the requests that ask for them back (tllm_results=export).
-        self._returned = ReturnedRows(keys, TORCH_DTYPES[config.dtype], context.max_result_bytes)
+        self._returned = RequestRows(context.max_result_bytes, "export")
         self.layout = self.path = self.writer = self._table = None
         self.shard_rows = 0
         if config.out is None:  # returns rows only
@@ -263,10 +264,14 @@ class ExportConsumer(Consumer):
         if sel.size == 0:
             return
         at = torch.from_numpy(sel)
-        hidden = {
-            k: bundle.hidden[k].index_select(0, at.to(bundle.hidden[k].device)) for k in self.keys
-        }
-        self._returned.add(info.engine_id, positions[sel], tokens[sel], hidden)
+        dtype = TORCH_DTYPES[self.config.dtype]
+        hidden = {}
+        for k in self.keys:
+            t = bundle.hidden[k].index_select(0, at.to(bundle.hidden[k].device))
+            hidden[k] = t.to("cpu", dtype if t.is_floating_point() else torch.int64, copy=True)
+        self._returned.add(
+            info.engine_id, positions=positions[sel], token_ids=tokens[sel], **hidden
+        )
         self.counters.add("rows_returned", int(sel.size))
 
     def _width(self, key: str, t: torch.Tensor) -> int:
@@ -323,7 +328,7 @@ class ExportConsumer(Consumer):
         """The rows this export captured of ``request`` (one sample): ``positions``,
         ``token_ids`` and one ``[rows, width]`` array per key, in the config's dtype."""
         with self._lock:
-            return self._returned.take(request.engine_id)
+            return self._returned.take(request.engine_id, _NO_ROWS)
 
     @classmethod
     def result_bytes(

@@ -108,3 +108,74 @@ def array_json_bytes(num_values: int, itemsize: int) -> int:
     """An upper bound of :func:`encode_array`'s JSON size for ``num_values`` items of
     ``itemsize`` bytes (base64: 4 characters per 3 bytes, plus the fields)."""
     return 4 * ((num_values * itemsize + 2) // 3) + 96
+
+
+class RequestRows:
+    """Per-request rows a consumer keeps for the results of the requests that ask: columns of
+    arrays or tensors (row-major, one entry per row) added step by step, concatenated when
+    taken. At most ``limit`` bytes per request (base64 counted): past it the request's
+    result is an error saying so and its rows are let go at once."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit = int(limit)
+        self.what = what
+        self._rows: dict[str, dict[str, list[Any]]] = {}
+        self._bytes: dict[str, int] = {}
+        self._over: dict[str, int] = {}
+        self._lost: set[str] = set()
+
+    def add(self, engine_id: str, **columns: Any) -> None:
+        if engine_id in self._lost:
+            return
+        size = sum(_nbytes(v) for v in columns.values())
+        if engine_id in self._over:
+            self._over[engine_id] += size
+            return
+        kept = self._rows.setdefault(engine_id, {})
+        for k, v in columns.items():
+            kept.setdefault(k, []).append(v)
+        total = self._bytes[engine_id] = self._bytes.get(engine_id, 0) + size
+        if total * 4 // 3 > self.limit:
+            self._rows.pop(engine_id, None)
+            self._over[engine_id] = self._bytes.pop(engine_id)
+
+    def lose(self, engine_id: str) -> None:
+        """Rows of the request were dropped (a full queue): its result says so."""
+        self._rows.pop(engine_id, None)
+        self._bytes.pop(engine_id, None)
+        self._lost.add(engine_id)
+
+    def take(self, engine_id: str, empty: dict[str, Any]) -> dict[str, Any]:
+        """The request's columns (``empty`` when it kept no row), or an error; forgotten."""
+        if engine_id in self._lost:
+            self._lost.discard(engine_id)
+            self._over.pop(engine_id, None)
+            return {
+                "error": f"{self.what}: rows of this request were dropped (a full queue: "
+                'overflow "drop"); its result would have holes'
+            }
+        over = self._over.pop(engine_id, None)
+        if over is not None:
+            return {
+                "error": f"{self.what}: this request's rows hold more than {over} bytes, past "
+                f"this engine's limit of {self.limit} (setting max_result_bytes); ask for "
+                "fewer rows (a narrower window, fewer layers or tokens)",
+                "limit": self.limit,
+            }
+        kept = self._rows.pop(engine_id, None)
+        self._bytes.pop(engine_id, None)
+        if kept is None:
+            return dict(empty)
+        return {k: _concat(parts) for k, parts in kept.items()}
+
+
+def _nbytes(v: Any) -> int:
+    return int(v.numel() * v.element_size()) if hasattr(v, "element_size") else int(v.nbytes)
+
+
+def _concat(parts: list[Any]) -> Any:
+    if hasattr(parts[0], "detach"):
+        import torch
+
+        return torch.cat(parts)
+    return np.concatenate(parts)
