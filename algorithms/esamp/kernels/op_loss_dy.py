@@ -14,8 +14,9 @@ from algorithms.esamp.kernels.checks import (
     _same_device,
     _shape,
 )
-from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from algorithms.esamp.objective import loss_denominator, loss_per_row
+from tllm_core.api.transfers import pow2_rows
 
 NAME = "loss_dy"
 SCHEMA = (
@@ -108,7 +109,7 @@ def loss_dy_launch(
     if groups == 0:
         return None
     per_row = loss_per_row(hidden, reduction)
-    block_m = min(16, next_power_of_2(max(rows, 1)))
+    block_m = min(16, pow2_rows(max(rows, 1)))
     chunk = cdiv(hidden, parts.shape[1])
     args = (
         h, tp, bool_bytes(mask), parts, dy,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
-from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
+from tllm_core.api.transfers import pow2_rows
 
 NAME = "update_tail"
 SCHEMA = (
@@ -168,7 +169,7 @@ def update_tail_launch(
     )  # fmt: skip
     consts = dict(
         BLOCK_G=block_g,
-        BLOCK_M=min(64, next_power_of_2(max(rows, 1))),
+        BLOCK_M=min(64, pow2_rows(max(rows, 1))),
         HAS_CLIP=grad_clip >= 0,
         HAS_APPLIED=has_applied,
     )
