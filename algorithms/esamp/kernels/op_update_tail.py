@@ -58,18 +58,7 @@ def update_tail(
 
 
 def check_update_tail(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip, clip_eps
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     tensors = dict(loss_parts=loss_parts, parts=parts, group_slot=group_slot, mask=mask)
@@ -102,18 +91,7 @@ def check_update_tail(
 
 
 def reference(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip, clip_eps
 ) -> None:
     """Per group: ``losses = sum(loss_parts)``, ``norm = sqrt(sum(parts))``; ``valid`` = has
     a slot and rows; ``ok`` = valid with a finite loss and norm; ``scale`` =
@@ -135,22 +113,10 @@ def reference(
 
 
 def update_tail_launch(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
-    *,
-    block_g: int = 64,
-    num_warps: int = 4,
-) -> Launch | None:
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip,
+    clip_eps,
+    *, block_g: int = 64, num_warps: int = 4,
+) -> Launch | None:  # fmt: skip
     """The update tail kernel's launch (None: no groups). Arguments as
     :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
     groups, rows = mask.shape
