@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -200,11 +201,14 @@ class ExportConsumer(Consumer):
         return req
 
     def on_bundle(self, bundle: Bundle) -> None:
+        t = time.perf_counter()
         with self._lock:
             self._used = True
             self._closed = False
             self._take_rows(bundle)
             self._take_sampled(bundle)
+        # This thread's time per bundle (shard writes included: seconds_writing of it).
+        self.counters.add("seconds_taking", time.perf_counter() - t)
 
     def _take_rows(self, bundle: Bundle) -> None:
         rows = bundle.rows
@@ -306,6 +310,7 @@ class ExportConsumer(Consumer):
             self.counters.add("rows_exported", sum(s["rows"] for s in new))
             self.counters.add("bytes_written", sum(s["bytes"] for s in new))
         self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
+        self.counters.set("seconds_writing", self.writer.seconds_writing)
 
     def on_request_finished(self, request: RequestInfo) -> None:
         # Background thread (after the request's bundles), or the engine thread when no
