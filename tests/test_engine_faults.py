@@ -41,9 +41,15 @@ def _engine_core(cli_pid: int) -> int:
 # -- a killed engine process ---------------------------------------------------------------------
 @pytest.mark.vllm
 def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tmp_path):
+    """... and an export of the run keeps its shards, its manifest saying why it is not
+    complete (the front end writes the cause there: the engine process that held the export
+    is gone)."""
     log = tmp_path / "run.log"
+    out = tmp_path / "acts"
     before = shm_entries()
-    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "16"]
+    export = json.dumps({"out": str(out), "layers": [0], "shard_rows": 32})
+    argv = ["run", "--model", tiny_model, "--consumer", "stats", "--consumer", f"export:{export}"]
+    argv += ["-n", "16"]
     argv += ["--max-tokens", "480", "--ignore-eos", *SMALL_ENGINE]
     proc = start(argv, log)
     try:
@@ -69,6 +75,16 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
     assert "tllm: the engine died after 0/16 samples" in text, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+    # The export: the shards written before the kill, and the cause in its manifest.
+    from consumers.export import IncompleteExportWarning, open_export
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["shards"], manifest
+    assert f"engine core (pid {core}) died (killed by SIGKILL)" in manifest["run_error"]
+    with pytest.warns(IncompleteExportWarning, match=f"pid {core}.*killed by SIGKILL"):
+        export = open_export(out)
+    records = export.records()  # the rows written so far; no request finished
+    assert records and not any(r.finished for r in records), len(records)
 
 
 KILL_DURING_GENERATE = r"""
