@@ -231,11 +231,13 @@ def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
 
 # -- the engine watch, without vLLM --------------------------------------------------------------
 def _engine_core_with_a_worker() -> None:
-    """A fake engine core (forked): starts a worker process, then waits."""
+    """A fake engine core (forked): starts a worker process, then waits. As vLLM's executor
+    does, it notices a dead worker soon and reaps it (then only it knows the exit status)."""
     # Named as vLLM names its workers (a process without such a name is a helper).
     sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::Worker_TP0"]
     worker = subprocess.Popen(sleep)
-    worker.wait()
+    while worker.poll() is None:
+        time.sleep(0.2)
     time.sleep(120)
 
 
@@ -302,7 +304,7 @@ def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death():
     try:
         os.kill(worker, signal.SIGKILL)
         assert watch.wait_for_death(5) is not None
-        assert str(watch.death).startswith(f"vLLM's worker process (pid {worker}) died")
+        assert str(watch.death) == f"vLLM's worker process (pid {worker}) died (killed by SIGKILL)"
     finally:
         proc.kill()
         proc.join(5)
@@ -354,9 +356,8 @@ def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
     text = log.read_text()
     assert code == EXIT_ENGINE_DIED, text[-4000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("tllm: error:")]
-    assert len(errors) == 1 and f"worker process (pid {workers[-1]}) died" in errors[0], text[
-        -4000:
-    ]
+    named = f"worker process (pid {workers[-1]}) died (killed by SIGKILL)"
+    assert len(errors) == 1 and named in errors[0], text[-4000:]
     assert "Traceback" not in text, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
