@@ -234,6 +234,16 @@ class TllmLLM:
         from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 
         self._started_at = time.time()  # files older than this are not this run's
+        from tllm_core.vllm_bridge.nodes import leader_store
+
+        # A multi-node leader (node rank 0 of nnodes > 1): its followers are told of a
+        # requested stop (close, Ctrl-C), and then stop too, exit 0 (nodes.announce_stop).
+        self._followers_store = leader_store(
+            llm_kwargs.get("nnodes"),
+            llm_kwargs.get("node_rank"),
+            llm_kwargs.get("master_addr"),
+            llm_kwargs.get("master_port"),
+        )
 
         try:
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
@@ -403,6 +413,11 @@ class TllmLLM:
 
         self._watch.stop()  # processes that end from here on are stopped, not dead
         if self._watch.death is None:
+            if self._followers_store is not None:  # before the engine (and its store) stops
+                from tllm_core.vllm_bridge.nodes import announce_stop
+
+                announce_stop(*self._followers_store)
+                self._followers_store = None  # once
             shutdown_engine(self.llm)
         else:
             shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)

@@ -157,6 +157,17 @@ def _store(host: str, port: int) -> Any:
     )
 
 
+def leader_store(
+    nnodes: Any, node_rank: Any, master_addr: Any = None, master_port: Any = None
+) -> tuple[str, int] | None:
+    """Where the engine store of a multi-node leader listens (vLLM's ``master_addr`` and
+    ``master_port``, defaults 127.0.0.1 and 29501): the leader's followers read its stop
+    there (:func:`announce_stop`). None unless this is node rank 0 of a multi-node engine."""
+    if int(nnodes or 1) <= 1 or int(node_rank or 0) != 0:
+        return None
+    return str(master_addr or "127.0.0.1"), int(master_port or 29501)
+
+
 def announce_stop(host: str, port: int) -> bool:
     """On the leader: tell the followers this is a requested stop (:data:`STOP_KEY` in the
     engine's store); False when the store cannot be reached (the followers then find the
