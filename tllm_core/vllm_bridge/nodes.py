@@ -19,8 +19,10 @@ from typing import Any
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # Per-process fields: where this process writes its start error, the API server's limits
-# (only the leader's API server reads them).
-LOCAL_FIELDS = ("start_error_file", "fault_file", "server")
+# (only the leader's API server reads them), and how long a node's engine goes on after a
+# hung callback (its front end's kind: 0 offline, 60 s under `tllm serve`; each node stops
+# its own engine, so a TllmLLM leader may run with `tllm serve --headless` followers).
+LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s")
 
 
 def comparable(settings: dict[str, Any] | None) -> str:
@@ -216,6 +218,8 @@ class NodeWatch:
         self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
         # A leader's (host, port) of its engine's store: its followers are told of its stop.
         self.followers_store: tuple[str, int] | None = None
+        # A data-parallel leader's own store for that (dp_nodes.stop_beacon), kept alive here.
+        self.beacon: Any = None
 
     def stop(self) -> None:
         """This process stops on request: the watches report nothing from now on, and a
@@ -245,7 +249,10 @@ class NodeWatch:
         gone, or runs other tllm settings)."""
         if self._lost:
             return self._lost[0]
-        return None if self._note is None else self._note.told()
+        from tllm_core.vllm_bridge.node_note import STOP_REQUESTED
+
+        told = None if self._note is None else self._note.told()
+        return None if told == STOP_REQUESTED else told
 
     def _report(self, reason: str, on_lost: Any) -> bool:
         if self.stopping:
