@@ -469,7 +469,8 @@ def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_with_its_lea
         code = exit_within(follower, 240)
         log = flog.read_text()
         assert code == 0, log[-4000:]
-        assert "tllm: headless node stopped" in log and "tllm: error" not in log, log[-4000:]
+        assert "the leader stopped; stopping this node" in log, log[-4000:]
+        assert "tllm: error" not in log, log[-4000:]
         assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
     finally:
         for p in (leader, follower):
@@ -596,7 +597,8 @@ def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_closes(eve
         code = exit_within(follower, 60)
         log = flog.read_text()
         assert code == 0, log[-4000:]
-        assert "tllm: headless node stopped" in log and "tllm: error" not in log, log[-4000:]
+        assert "the leader stopped; stopping this node" in log, log[-4000:]
+        assert "tllm: error" not in log, log[-4000:]
         assert descendants(follower.pid, settle=30) == []
     finally:
         if follower.poll() is None:
