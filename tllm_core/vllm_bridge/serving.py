@@ -505,7 +505,7 @@ async def init_state(
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
     leader = tllm_settings(engine_client.vllm_config.additional_config)
-    await check_followers(engine_client, rpc_all, leader)
+    await check_followers(engine_client, rpc_all, leader, nodes)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
