@@ -12,7 +12,9 @@ from tllm_core import (
     Consumer,
     ConsumerConfig,
     Plot,
+    RequestSettings,
     Series,
+    WindowSetting,
     as_selector,
     parse_port_name,
     residual_port,
@@ -53,11 +55,20 @@ class StatsConfig(ConsumerConfig):
         return v
 
 
+class StatsRequest(RequestSettings):
+    window: WindowSetting = Field(
+        None,
+        description="rows of this request to count, within the config's phase: a capture "
+        "window ('last_prompt', 'generated[0:16]', ...: docs/ports.md#capture-windows)",
+    )
+
+
 class StatsConsumer(Consumer):
     name = "stats"
     proof_counter = "bundles"
     description = "Per-layer activation statistics (rows, mean L2 norm, max |x|) per request."
     Config = StatsConfig
+    Request = StatsRequest
 
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)

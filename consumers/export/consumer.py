@@ -28,8 +28,10 @@ from tllm_core import (
     Phase,
     ReadPort,
     RequestInfo,
+    RequestSettings,
     SampledTokens,
     TokenPort,
+    WindowSetting,
     as_selector,
     parse_port_name,
 )
@@ -105,6 +107,15 @@ class ExportConfig(ConsumerConfig):
         return self
 
 
+class ExportRequest(RequestSettings):
+    window: WindowSetting = Field(
+        None,
+        description="Rows of this request to export, within the config's 'phase': a capture "
+        "window such as 'last_prompt', 'prompt[-4:]', 'generated[0:16]' "
+        "(docs/ports.md#capture-windows).",
+    )
+
+
 class ExportConsumer(Consumer):
     name = "export"
     proof_counter = "rows_exported"
@@ -113,6 +124,10 @@ class ExportConsumer(Consumer):
         "sharded safetensors files plus a JSON manifest."
     )
     Config = ExportConfig
+    Request = ExportRequest
+    # Sampled tokens complete each request's token ids: a request's window narrows the
+    # exported rows only.
+    request_window_rows = frozenset({"token"})
     delivery = Delivery.BACKGROUND
 
     config: ExportConfig  # the registry builds it from the spec (validated there, once)
@@ -168,7 +183,7 @@ class ExportConsumer(Consumer):
             before_first_write=self.layout.clean_root,
         )
         self._table = RequestTable(
-            self.path, self.writer.prepare, lambda: self.writer.error, self.phase
+            self.path, self.writer.prepare, lambda: self.writer.error, self.phase, self
         )
 
     # -- ports ------------------------------------------------------------------------------
