@@ -156,3 +156,55 @@ def test_request_windows_cut_each_requests_rows_in_the_kit(tiny_model, tmp_path)
     rows = {k.split("/")[0]: v["layer.0"]["rows"] for k, v in stats.items()}
     assert rows == {"0": 1, "1": 7, "2": 6}, rows
     assert report["runtime"]["rows_bundled.stats"] == 1 + 7 + 6
+
+
+@pytest.mark.vllm
+@torch.no_grad()
+def test_request_windows_on_vllm_export_those_rows_equal_to_transformers(
+    tiny_model, engines, tmp_path
+):
+    """vLLM V1, in process: two requests of one call, with 'last_prompt' and
+    'generated[0:3]', export exactly those rows, equal to transformers there; a bad window
+    is refused before anything of its call runs."""
+    from conftest import ENGINE_KW
+    from vllm import SamplingParams
+
+    from consumers.export import read_export
+    from tllm_core.app.engine import TllmLLM
+
+    out = tmp_path / "x"
+    spec = [{"name": "export", "config": {"out": str(out), "layers": [0, -1]}}]
+    llm = engines.get(
+        ("windows", tiny_model, str(out)), lambda: TllmLLM(tiny_model, spec, **ENGINE_KW)
+    )
+
+    def params(window: str | None) -> SamplingParams:
+        extra = None if window is None else {"tllm_export_window": window}
+        return SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args=extra)
+
+    steps = llm.collect()["runtime"].get("engine_steps", 0)
+    with pytest.raises(
+        ValueError, match=r"'tllm_export_window'\] is not a capture window, got 'last'"
+    ) as e:
+        llm.generate(["a b", "c d"], [params(None), params("last")], use_tqdm=False)
+    assert "REGION[START:STOP:STEP]" in str(e.value)
+    assert llm.collect()["runtime"].get("engine_steps", 0) == steps, "a refused call generated"
+
+    prompts = ["sea rain stone light", "river song"]
+    llm.generate(prompts, [params("last_prompt"), params("generated[0:3]")], use_tqdm=False)
+    report = llm.close()
+    engines.close()
+    assert report["runtime"]["rows_bundled.export"] == 1 + 3
+    assert report["results"]["export"]["complete"], report["results"]["export"]
+    recs = sorted(read_export(out, verify=True), key=lambda r: r.prompt_index)
+    assert len(recs) == 2
+    n0, n1 = recs[0].num_prompt_tokens, recs[1].num_prompt_tokens
+    assert recs[0].positions.tolist() == [n0 - 1]
+    assert recs[1].positions.tolist() == [n1, n1 + 1, n1 + 2]
+    for rec in recs:
+        assert len(rec.token_ids) == rec.num_prompt_tokens + 5  # the whole sequence
+        ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
+        for key in ("layer.0", "layer.3"):
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4, msg=key
+            )
