@@ -58,8 +58,7 @@ class StatsConfig(ConsumerConfig):
 class StatsRequest(RequestSettings):
     window: WindowSetting = Field(
         None,
-        description="rows of this request to count, within the config's phase: a capture "
-        "window ('last_prompt', 'generated[0:16]', ...: docs/ports.md#capture-windows)",
+        description="rows of this request to count, within the config's phase",
     )
 
 

@@ -110,9 +110,7 @@ class ExportConfig(ConsumerConfig):
 class ExportRequest(RequestSettings):
     window: WindowSetting = Field(
         None,
-        description="Rows of this request to export, within the config's 'phase': a capture "
-        "window such as 'last_prompt', 'prompt[-4:]', 'generated[0:16]' "
-        "(docs/ports.md#capture-windows).",
+        description="Rows of this request to export, within the config's 'phase'.",
     )
 
 

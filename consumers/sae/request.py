@@ -31,9 +31,8 @@ class SaeRequest(RequestSettings):
     )
     window: WindowSetting = Field(
         None,
-        description="Rows of this request to encode and record, within the config's 'phase': "
-        "a capture window such as 'last_prompt', 'generated[0:16]' "
-        "(docs/ports.md#capture-windows).",
+        description="Rows of this request to encode and record, within the config's 'phase' "
+        "(steering is not windowed).",
     )
 
     @field_validator("steer", mode="before")
