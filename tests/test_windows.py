@@ -36,7 +36,8 @@ def test_the_grammar_and_the_rows_each_window_keeps():
         w = Window.parse(text)
         assert np.nonzero(w.mask(position, prompt))[0].tolist() == rows, text
         assert Window.parse(str(w)) == w
-    for bad in ("last", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]"):
+    bad_texts = ("last", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]")
+    for bad in (*bad_texts, "all[::99999999999999999999]", "prompt[-99999999999999999999:]"):
         with pytest.raises(ValueError, match="window|expected"):
             as_selector(bad, "phase")
     assert as_selector("prefill", "x") is Phase.PREFILL

@@ -68,10 +68,11 @@ class Window:
         if m is None:
             raise ValueError(f"window {text!r}: expected {GRAMMAR}")
         region, a, b, k = m.groups()
-        values = [int(v) if v not in ("", None) else None for v in (a, b)]
+        values = [int(v) if v not in ("", None) else None for v in (a, b, k)]
         if any(v is not None and abs(v) > MAX_INDEX for v in values):
-            raise ValueError(f"window {text!r}: positions must be within +-{MAX_INDEX}")
-        return cls(region, values[0], values[1], int(k) if k else 1)
+            # Past int64 the row masks' arithmetic overflows.
+            raise ValueError(f"window {text!r}: positions and step must be within +-{MAX_INDEX}")
+        return cls(region, values[0], values[1], 1 if values[2] is None else values[2])
 
     def __str__(self) -> str:
         a = "" if self.start is None else str(self.start)
