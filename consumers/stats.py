@@ -12,6 +12,7 @@ from tllm_core import (
     Consumer,
     ConsumerConfig,
     Plot,
+    RequestInfo,
     RequestSettings,
     Series,
     WindowSetting,
@@ -62,6 +63,10 @@ class StatsRequest(RequestSettings):
     )
 
 
+def _figures(rows: float, norm_sum: float, max_abs: float) -> dict[str, Any]:
+    return {"rows": int(rows), "mean_norm": norm_sum / max(rows, 1), "max_abs": max_abs}
+
+
 class StatsConsumer(Consumer):
     name = "stats"
     proof_counter = "bundles"
@@ -106,13 +111,19 @@ class StatsConsumer(Consumer):
                 self.counters.add("requests_dropped")
         return per_key
 
+    def request_result(self, request: RequestInfo) -> dict[str, Any]:
+        """This request's figures per port (rows, mean L2 norm, max |x|)."""
+        per_key = self._acc.get((request.request_id, request.sample_index), {})
+        return {key: _figures(r, s, m) for key, (r, s, m) in per_key.items()}
+
+    @classmethod
+    def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
+        return 128 * len(config.layers)  # three numbers per port
+
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for (rid, sample), per_key in sorted(self._acc.items()):
-            out[f"{rid}/{sample}"] = {
-                key: {"rows": int(r), "mean_norm": s / max(r, 1), "max_abs": m}
-                for key, (r, s, m) in per_key.items()
-            }
+            out[f"{rid}/{sample}"] = {key: _figures(r, s, m) for key, (r, s, m) in per_key.items()}
         return out
 
     @classmethod

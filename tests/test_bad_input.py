@@ -50,34 +50,12 @@ def test_layer_out_of_range_names_layer_count(tiny_model):
 def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    _fails(
-        run_cli(
-            "export",
-            "--model",
-            tiny_model,
-            "--layers",
-            "0",
-            "--out",
-            str(f / "sub"),
-            "--prompt",
-            "x",
-        ),
-        str(f),
-    )
-    _fails(
-        run_cli(
-            "export",
-            "--model",
-            tiny_model,
-            "--layers",
-            "zero",
-            "--out",
-            str(tmp_path / "o"),
-            "--prompt",
-            "x",
-        ),
-        "bad layers entry 'zero'",
-    )
+    for layers, out, error in (
+        ("0", f / "sub", str(f)),
+        ("zero", tmp_path / "o", "bad layers entry 'zero'"),
+    ):
+        argv = ["--model", tiny_model, "--layers", layers, "--out", str(out), "--prompt", "x"]
+        _fails(run_cli("export", *argv), error)
 
 
 def test_steer_vector_checks(tiny_model, tmp_path):

@@ -217,27 +217,30 @@ def test_a_disabled_consumer_raises_as_in_tllmllm(tiny_model):
 
 
 @pytest.mark.vllm
+def _engine(engines, model: str, consumers: list, key: str):
+    """A TllmLLM on ``model`` (fp32, eager, no prefix caching), held by the ``engines``
+    fixture under ``key``."""
+    from tllm_core.app.engine import TllmLLM
+
+    engines.close()
+    llm = TllmLLM(
+        model, consumers, dtype="float32", max_model_len=512, enforce_eager=True,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    engines.llm, engines.key = llm, (key,)
+    return llm
+
+
 def test_kit_and_vllm_give_the_same_writes_on_the_same_tokens(tiny_model, engines):
     """stats (reads) and steer (edits, one request per-request scaled), greedy: the kit and an
     engine produce the same tokens, the same edit counts and the same statistics."""
     from vllm import SamplingParams
 
-    from tllm_core.app.engine import TllmLLM
-
     steer = {"vectors": [{"layer": 1, "vector": [0.05 * (i % 7 - 3) for i in range(128)]}]}
     consumers = ['stats:{"layers": [0, 2, "final"]}', {"name": "steer", "config": steer}]
     prompts = ["The lighthouse keeper", "Rain on the roof"]
     extra = [{"tllm_steer_scale": 3.0}, {"tllm_steer_scale": 0.0}]
-    engines.close()
-    llm = TllmLLM(
-        tiny_model,
-        consumers,
-        dtype="float32",
-        max_model_len=512,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-    )
-    engines.llm, engines.key = llm, ("kit-vs-vllm",)
+    llm = _engine(engines, tiny_model, consumers, "kit-vs-vllm")
     params = [SamplingParams(max_tokens=6, temperature=0, extra_args=e) for e in extra]
     outs = llm.generate(prompts, params, use_tqdm=False)
     vllm_tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
@@ -302,13 +305,9 @@ def test_model_info_final_norm_and_head_in_the_engine(tiny_model, engines, tmp_p
 
     from vllm import SamplingParams
 
-    from tllm_core.app.engine import TllmLLM
-
     site = _lens_site(tmp_path)
     try:
-        engines.close()
-        llm = TllmLLM(tiny_model, ["lens"], dtype="float32", max_model_len=512, enforce_eager=True)
-        engines.llm, engines.key = llm, ("kit-lens",)
+        llm = _engine(engines, tiny_model, ["lens"], "kit-lens")
         llm.generate(["a b c", "d"], SamplingParams(max_tokens=3, seed=0), use_tqdm=False)
         _lens_ok(llm.collect()["consumers"]["lens"])
     finally:
@@ -323,22 +322,11 @@ def test_kit_replays_an_engine_run_and_esamp_writes_the_same(tiny_model, engines
 
     from vllm import SamplingParams
 
-    from tllm_core.app.engine import TllmLLM
-
     consumers = ['esamp:{"beta": 0.5}', "peek"]
     gen = dict(temperature=1.0, min_p=0.2)
     site = _lens_site(tmp_path)
     try:
-        engines.close()
-        llm = TllmLLM(
-            tiny_model,
-            consumers,
-            dtype="float32",
-            max_model_len=512,
-            enforce_eager=True,
-            enable_prefix_caching=False,
-        )
-        engines.llm, engines.key = llm, ("kit-esamp",)
+        llm = _engine(engines, tiny_model, consumers, "kit-esamp")
         params = SamplingParams(n=2, max_tokens=6, seed=0, **gen)
         outs = llm.generate(["The lighthouse keeper"], params, use_tqdm=False)
         engine = llm.collect()

@@ -164,13 +164,20 @@ def test_third_party_port_is_served_by_its_producer():
     assert snap["rows_captured.twice.1"] == 1 and snap["rows_captured.sampled"] == 1
 
 
-def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
-    rt = _runtime({"name": "reader"})
+def _stale_tap_step(rt):
+    """One step whose ``residual.0`` tap the forward skipped (its stamp is the step before);
+    returns the step and the reader's bundle."""
     rows, step = _step(rt)
-    step.stamps["residual.0"] = torch.tensor([step.step - 1])  # the forward skipped this tap
+    step.stamps["residual.0"] = torch.tensor([step.step - 1])
     rt.begin_step(rows, {})
     rt.end_step(step)
     (b,) = rt.slots[0].consumer.bundles
+    return step, b
+
+
+def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
+    rt = _runtime({"name": "reader"})
+    step, b = _stale_tap_step(rt)
     assert "layer.0" not in b.hidden and "twice.1" in b.hidden
     report = rt.collect()
     assert report["runtime"]["stale_captures"] == 1
@@ -190,11 +197,7 @@ def _stamps_in_flight(monkeypatch):
 def test_stamps_in_flight_deliver_stale_rows_as_nan_and_count_the_step_later(monkeypatch):
     _stamps_in_flight(monkeypatch)
     rt = _runtime({"name": "reader"})
-    rows, step = _step(rt)
-    step.stamps["residual.0"] = torch.tensor([step.step - 1])  # the forward skipped this tap
-    rt.begin_step(rows, {})
-    rt.end_step(step)
-    (b,) = rt.slots[0].consumer.bundles
+    step, b = _stale_tap_step(rt)
     # Delivered without waiting for the stamps: the stale port's rows read NaN, on the device.
     assert torch.isnan(b.hidden["layer.0"]).all()
     assert torch.equal(b.hidden["twice.1"], 2 * step.tensors["residual.1"])

@@ -79,6 +79,16 @@ def _py(*folders: str) -> list[Path]:
 TUTORIAL_PACKAGE_FILES = ("pyproject.toml", "normtrack/__init__.py")
 
 
+def _pip_install(src: Path, site: Path) -> None:
+    """pip-install the package at ``src`` into ``site`` (no deps, no build isolation) and
+    put ``site`` first on sys.path."""
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
+    cmd += ["--no-input", "--disable-pip-version-check", "--target", str(site), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sys.path.insert(0, str(site))
+
+
 @pytest.fixture(scope="module")
 def tutorial_site(tmp_path_factory):
     """The tutorial's package, pip-installed (with its entry point) into a folder on sys.path."""
@@ -89,26 +99,7 @@ def tutorial_site(tmp_path_factory):
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(blocks[name])
     site = tmp_path_factory.mktemp("normtrack-site")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-input",
-            "--disable-pip-version-check",
-            "--target",
-            str(site),
-            str(pkg),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sys.path.insert(0, str(site))
+    _pip_install(pkg, site)
     # importlib.metadata scans sys.path for *.dist-info on each call; clear the finders'
     # caches so the new folder's entry points are seen now.
     importlib.invalidate_caches()
@@ -209,15 +200,7 @@ def test_dola_example_runs_in_vllm(tiny_model, engines, tmp_path):
     """The same package, pip-installed with its entry point, in an engine."""
     src = _write_blocks(DOLA, ("pyproject.toml", "dola/__init__.py"), tmp_path / "src")
     site = tmp_path / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
-        + ["--no-input", "--disable-pip-version-check", "--target", str(site), str(src)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    sys.path.insert(0, str(site))
+    _pip_install(src, site)
     importlib.invalidate_caches()
     code = doc_blocks(DOLA)["run_dola.py"].replace("MODEL = None", f"MODEL = {tiny_model!r}", 1)
     engines.close()

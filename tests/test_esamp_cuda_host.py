@@ -314,7 +314,7 @@ def test_the_graph_update_skips_exactly_the_groups_with_a_non_finite_loss_or_nor
     """The graph update's finiteness check (``x * 0 == 0``, fewer launches than isfinite):
     a group whose target holds inf, NaN or 1e30 (finite, but its square overflows: loss
     inf) keeps its state bit for bit; the others step."""
-    from algorithms.esamp.graph_update import train_dense
+    from esamp_kernel_helpers import train_dense
 
     d = GroupedDistiller(H, intermediate_size=INTER, capacity=3)
     theta, m, v, step = (t.clone() for t in (d.theta, d.m, d.v, d.step))

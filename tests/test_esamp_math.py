@@ -464,7 +464,7 @@ def test_dense_fixed_capacity_update_equals_unpadded():
     """The CUDA-graph layout (every slot of the state computed in place, each on its own
     rows padded to a fixed row count, slots without rows and padded rows masked) gives the
     same update as the exact packing, and leaves the other slots bit for bit."""
-    from algorithms.esamp.graph_update import train_dense
+    from esamp_kernel_helpers import train_dense
 
     class Scratch(GroupedDistiller):
         _SCRATCH = 1
@@ -509,7 +509,7 @@ def test_dense_fixed_capacity_update_equals_unpadded():
 
 def test_dense_update_skips_nonfinite_slot_bit_for_bit():
     """A slot whose rows give a non-finite loss keeps its state exactly; the others train."""
-    from algorithms.esamp.graph_update import train_dense
+    from esamp_kernel_helpers import train_dense
 
     d = _distiller(capacity=2)
     a, b = d.alloc(), d.alloc()

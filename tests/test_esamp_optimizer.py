@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from esamp_kernel_helpers import train_dense
 from test_esamp_math import INTER, Fake, H, _dense_inputs, _filtered_logits
 
 from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
-from algorithms.esamp.graph_update import train_dense
 from algorithms.esamp.guidance import f_noise_prediction
 from algorithms.esamp.objective import loss_denominator
 from algorithms.esamp.params import block_weights

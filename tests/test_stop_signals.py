@@ -168,26 +168,6 @@ def _clean_after(
 
 
 @pytest.mark.vllm
-def test_sigterm_while_run_starts_its_engine(tiny_model, tmp_path):
-    log = tmp_path / "run.log"
-    before = shm_entries()
-    argv = ["run", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2", *SMALL_ENGINE]
-    proc = start(argv, log)
-    try:
-        _engine_loading(proc)
-        pids = set(descendants(proc.pid))
-        proc.send_signal(signal.SIGTERM)
-        code = exit_within(proc, STOP_BOUND_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert code == SIGTERM_EXIT, text[-4000:]
-    assert "tllm: interrupted" in text and "engine ready" not in text
-    _clean_after(proc, pids, before, text)
-
-
-@pytest.mark.vllm
 def test_sigterm_mid_export_and_again_while_it_stops(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
 
@@ -229,10 +209,15 @@ def _serve(model: str, log, *extra: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.vllm
-def test_sigterm_while_serve_starts_its_engine(tiny_model, tmp_path):
-    log = tmp_path / "serve.log"
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_sigterm_while_a_command_starts_its_engine(command, tiny_model, tmp_path):
+    log = tmp_path / f"{command}.log"
     before = shm_entries()
-    proc, _ = _serve(tiny_model, log)
+    if command == "run":
+        argv = ["run", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2"]
+        proc, ready = start([*argv, *SMALL_ENGINE], log), "engine ready"
+    else:
+        proc, ready = _serve(tiny_model, log)[0], "tllm: ready"
     try:
         _engine_loading(proc)
         pids = set(descendants(proc.pid))
@@ -243,7 +228,8 @@ def test_sigterm_while_serve_starts_its_engine(tiny_model, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert code == SIGTERM_EXIT, text[-4000:]
-    assert "tllm: ready" not in text
+    assert ready not in text
+    assert command != "run" or "tllm: interrupted" in text
     _clean_after(proc, pids, before, text)
 
 

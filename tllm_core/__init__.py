@@ -60,7 +60,15 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.producer import LayerProducer, Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.rows import RequestInfo, RowInfo, phase_mask, request_runs, row_mask
+    from tllm_core.api.results import RequestRows, decode_results
+    from tllm_core.api.rows import (
+        RequestInfo,
+        RowInfo,
+        max_rows,
+        phase_mask,
+        request_runs,
+        row_mask,
+    )
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
     from tllm_core.api.windows import Window, WindowSetting
@@ -82,6 +90,9 @@ __all__ = [
     "allowed_cpus",
     "phase_mask",
     "row_mask",
+    "max_rows",
+    "decode_results",
+    "RequestRows",
     "as_selector",
     "request_runs",
     "residual_port",
@@ -197,6 +208,9 @@ _HOME = MappingProxyType(
         "allowed_cpus": "tllm_core.runtime.cpus",
         "phase_mask": "tllm_core.api.rows",
         "row_mask": "tllm_core.api.rows",
+        "max_rows": "tllm_core.api.rows",
+        "decode_results": "tllm_core.api.results",
+        "RequestRows": "tllm_core.api.results",
         "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",

@@ -6,26 +6,12 @@ once and writes parameter and moments once, the floor of what an Adam step moves
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from algorithms.esamp.params import AdamHyper
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing.
 CLIP_EPS = 1e-6
-
-
-def clip_scale(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
-    """Deprecated: the clip coefficient is :func:`algorithms.esamp.kernels.update_tail`'s."""
-    warnings.warn(
-        "adam.clip_scale is deprecated; kernels.update_tail computes the clip coefficient",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    if hp.grad_clip is None:
-        return torch.ones_like(norm)
-    return (hp.grad_clip / (norm + CLIP_EPS)).clamp(max=1.0)
 
 
 def fused_adam_(

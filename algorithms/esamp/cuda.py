@@ -49,12 +49,12 @@ from algorithms.esamp.cuda_plan import (
 )
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
-from algorithms.esamp.memory_plan import round_rows
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import StagingRing
+from tllm_core.api.transfers import pow2_rows
 
 log = logging.getLogger("tllm")
 
@@ -113,7 +113,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self.graph_failures = 0
         self.eager_updates = 0
         self.updates_reusing_prediction = 0  # update runs that reused the prediction's forward
-        self.graph_rows = round_rows(graph_max_rows)
+        self.graph_rows = pow2_rows(graph_max_rows)
         self.total_rows = t = capacity * self.graph_rows
         self.layouts = layouts(capacity, self.graph_rows)
         # Packed buffers (row t: the trash row of rows not in a batch).

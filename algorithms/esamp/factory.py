@@ -14,9 +14,9 @@ from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.guide_cuda import CudaGuide
 from algorithms.esamp.guide_step import Guide, HostGuide
 from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.memory_plan import round_rows
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
+from tllm_core.api.transfers import pow2_rows
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
@@ -65,7 +65,7 @@ def _use_side_thread(mode: str) -> bool:
 def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
     """The CUDA path packs every decode row of a step into ``slots x cuda_graph_max_rows``
     rows: refuse a configuration with fewer than ``cuda_rows_per_step``, naming the settings."""
-    rows = round_rows(cfg.cuda_graph_max_rows)
+    rows = pow2_rows(cfg.cuda_graph_max_rows)
     if slots * rows < cfg.cuda_rows_per_step:
         name = "max_groups" if cfg.max_groups else "cuda_capacity"
         raise ValueError(

@@ -112,25 +112,3 @@ def _mm(
     mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool, **kw
 ) -> torch.Tensor:
     return mm(x, w, group_slot, transpose_w, **kw)
-
-
-def train_dense(
-    theta: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    step: torch.Tensor,
-    valid: torch.Tensor,
-    xp: torch.Tensor,
-    tp: torch.Tensor,
-    mask: torch.Tensor,
-    shape: DistillerShape,
-    hp: AdamHyper,
-    applied: torch.Tensor | None = None,
-    stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`train_groups` with packed group ``s`` = slot ``s`` of every slot of the state
-    (``valid [S]``: slots with rows; ``xp``/``tp`` ``[S, M, H]``): returns per slot."""
-    s_total = theta.shape[0]
-    gs = torch.arange(s_total, device=theta.device)
-    gs = torch.where(valid, gs, -1)
-    return train_groups(theta, m, v, step, gs, xp, tp, mask, shape, hp, applied, stats)

@@ -56,6 +56,7 @@ import torch
 
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
+from tllm_core.api.transfers import pow2_rows
 
 GIB = 2**30
 MIB = 2**20
@@ -119,11 +120,6 @@ class MemoryPlan:
         )
 
 
-def round_rows(n: int) -> int:
-    """Rows per slot the update graph holds: the next power of two (>= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def default_slots(rows_per_step: int, graph_rows: int) -> int:
     """Slots for a batch of ``rows_per_step`` rows in groups of ``graph_rows`` (vLLM's
     max_num_seqs / samples per prompt): prompts in flight at once."""
@@ -152,7 +148,7 @@ def plan_memory(
     or 'f_noise' and ``diagnostics`` ESamp's (the guidance workspace depends on them)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
-    s, m = slots, round_rows(graph_rows)
+    s, m = slots, pow2_rows(graph_rows)
     state = s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4
     t = s * m
     inputs = packed_buffer_bytes(h, s, t, optimizer_stats, i, nb)

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -70,16 +69,6 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
         acts.append((h, a, u, s, p))
         h = h_out
     return h, acts
-
-
-def forward_packed(theta: torch.Tensor, xp: torch.Tensor, shape: DistillerShape) -> torch.Tensor:
-    """Deprecated: ``forward_acts(block_weights(theta, shape), xp)[0]``."""
-    warnings.warn(
-        "mlp.forward_packed is deprecated; use forward_acts(block_weights(theta, shape), xp)[0]",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return forward_acts(block_weights(theta, shape), xp)[0]
 
 
 def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tensor]:

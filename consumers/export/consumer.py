@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -17,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from consumers.export import format as fmt
 from consumers.export import report
 from consumers.export.requests import RequestTable
+from consumers.export.returned import bound as returned_bound
 from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core import (
@@ -28,6 +30,7 @@ from tllm_core import (
     Phase,
     ReadPort,
     RequestInfo,
+    RequestRows,
     RequestSettings,
     SampledTokens,
     TokenPort,
@@ -37,13 +40,15 @@ from tllm_core import (
 )
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
+_NO_ROWS = {"positions": np.zeros(0, np.int64), "token_ids": np.zeros(0, np.int64)}
 
 
 class ExportConfig(ConsumerConfig):
-    out: str = Field(
+    out: str | None = Field(
         ...,
         description="Output directory (created on the first write; must be new or empty "
-        "unless overwrite=true).",
+        "unless overwrite=true); null: write no files, only return each asking request's rows "
+        "with its completion (tllm_results=export).",
     )
     layers: list[int | str] = Field(
         default_factory=lambda: [-1, "final"],
@@ -93,8 +98,8 @@ class ExportConfig(ConsumerConfig):
 
     @field_validator("out")
     @classmethod
-    def _out_not_empty(cls, v: str) -> str:
-        if not v.strip():
+    def _out_not_empty(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
             raise ValueError("out must be a directory path, got an empty string")
         return v
 
@@ -145,12 +150,24 @@ class ExportConsumer(Consumer):
                 keys.append(port.key)
                 self._ports.append(port)
         self.keys = keys
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        self.phase = as_selector(config.phase, "export: phase")
+        self._lock = threading.Lock()
+        self._used = False
+        self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
+        self._closed = False  # closed after the last data
+        self._complete = False  # ... and nothing was lost (see completeness)
+        # Rows of the requests that ask for them back (tllm_results=export).
+        self._returned = RequestRows(context.max_result_bytes, "export")
+        self.layout = self.path = self.writer = self._table = None
+        self.shard_rows = 0
+        if config.out is None:  # returns rows only
+            return
         # Data parallel: this engine writes its own part folder (out/dp{rank}).
         self.layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
         self.path = self.layout.path
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
         row_bytes = self.hidden_size * itemsize * len(keys)
         if config.shard_rows is not None:
             shard_rows = config.shard_rows
@@ -164,12 +181,6 @@ class ExportConsumer(Consumer):
                     f"{itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        self.phase = as_selector(config.phase, "export: phase")
-        self._lock = threading.Lock()
-        self._used = False
-        self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
-        self._closed = False  # closed after the last data
-        self._complete = False  # ... and nothing was lost (see completeness)
         self.writer = ShardWriter(
             self.path,
             keys,
@@ -193,7 +204,9 @@ class ExportConsumer(Consumer):
         return ports
 
     # -- callbacks ------------------------------------------------------------------------
-    def _request(self, info: RequestInfo) -> RequestTokens:
+    def _request(self, info: RequestInfo) -> RequestTokens | None:
+        if self._table is None:
+            return None
         seen = self._table.seen
         req = self._table.get(info)
         if self._table.seen != seen:
@@ -201,11 +214,14 @@ class ExportConsumer(Consumer):
         return req
 
     def on_bundle(self, bundle: Bundle) -> None:
+        t = time.perf_counter()
         with self._lock:
             self._used = True
             self._closed = False
             self._take_rows(bundle)
             self._take_sampled(bundle)
+        # This thread's time per bundle (shard writes included: seconds_writing of it).
+        self.counters.add("seconds_taking", time.perf_counter() - t)
 
     def _take_rows(self, bundle: Bundle) -> None:
         rows = bundle.rows
@@ -223,13 +239,16 @@ class ExportConsumer(Consumer):
                 )
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
+        keep = rows_to_write(rows, self.phase, self.counters)
         row_request = np.empty(n, np.int64)
         for info, start, stop in rows.runs():
+            if info.wants_result(self.name):
+                self._return_rows(info, bundle, keep, positions, tokens, start, stop)
             req = self._request(info)
-            row_request[start:stop] = req.index
-            req.put(positions[start:stop], tokens[start:stop])
-        keep = rows_to_write(rows, self.phase, self.counters)
-        if not keep.any():
+            if req is not None:
+                row_request[start:stop] = req.index
+                req.put(positions[start:stop], tokens[start:stop])
+        if self.writer is None or not keep.any():
             return
         idx = np.nonzero(keep)[0]
         tidx = torch.from_numpy(idx)
@@ -248,9 +267,35 @@ class ExportConsumer(Consumer):
         self.writer.append(hidden, meta)
         self._sync_counters(before)
 
+    def _return_rows(
+        self,
+        info: RequestInfo,
+        bundle: Bundle,
+        keep: np.ndarray,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        start: int,
+        stop: int,
+    ) -> None:
+        sel = np.nonzero(keep[start:stop])[0] + start
+        if sel.size == 0:
+            return
+        at = torch.from_numpy(sel)
+        dtype = TORCH_DTYPES[self.config.dtype]
+        hidden = {}
+        for k in self.keys:
+            t = bundle.hidden[k].index_select(0, at.to(bundle.hidden[k].device))
+            hidden[k] = t.to("cpu", dtype if t.is_floating_point() else torch.int64, copy=True)
+        self._returned.add(
+            info.engine_id, positions=positions[sel], token_ids=tokens[sel], **hidden
+        )
+        self.counters.add("rows_returned", int(sel.size))
+
     def _width(self, key: str, t: torch.Tensor) -> int:
         """The key's row width, fixed by its first rows: the hidden size, or (router ports) the
         number of experts or top-k; floats are stored as the config's dtype, ids as int64."""
+        if self.writer is None:
+            return int(t.shape[-1])
         if key not in self._fixed:
             self._fixed.add(key)
             dtype = TORCH_DTYPES[self.config.dtype] if t.is_floating_point() else torch.int64
@@ -264,31 +309,63 @@ class ExportConsumer(Consumer):
             return
         ids_np = ids.detach().to("cpu", torch.int64).numpy()
         pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
+        if self._table is None:
+            return
         for j, info in enumerate(srows.requests):
             self._request(info).set_token(int(pos[j]), int(ids_np[j]))
 
     def _sync_counters(self, shards_before: int) -> None:
+        if self.writer is None:
+            return
         new = self.writer.shards[shards_before:]
         if new:
             self.counters.add("shards_written", len(new))
             self.counters.add("rows_exported", sum(s["rows"] for s in new))
             self.counters.add("bytes_written", sum(s["bytes"] for s in new))
         self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
+        self.counters.set("seconds_writing", self.writer.seconds_writing)
 
     def on_request_finished(self, request: RequestInfo) -> None:
         # Background thread (after the request's bundles), or the engine thread when no
         # bundle ever reached this consumer: then no shard write holds the lock.
         with self._lock:
-            self._table.finish(request)
+            if self._table is not None:
+                self._table.finish(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
         with self._lock:
-            self._table.drop(requests)  # the bus counts it (bundles_dropped.export)
+            if self._table is not None:
+                self._table.drop(requests)  # the bus counts it (bundles_dropped.export)
+            for r in requests:  # its rows have a hole: no result rather than a wrong one
+                if r.wants_result(self.name):
+                    self._returned.lose(r.engine_id)
+
+    def request_result(self, request: RequestInfo) -> dict[str, Any]:
+        """The rows this export captured of ``request`` (one sample): ``positions``,
+        ``token_ids`` and one ``[rows, width]`` array per key, in the config's dtype."""
+        with self._lock:
+            return self._returned.take(request.engine_id, _NO_ROWS)
+
+    @classmethod
+    def result_bytes(
+        cls,
+        config: ConsumerConfig,
+        extra_args: dict[str, Any],
+        prompt_tokens: int,
+        max_tokens: int,
+        hidden_size: int,
+    ) -> int | None:
+        assert isinstance(config, ExportConfig)
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        selector = as_selector(config.phase, "export: phase")
+        keys = len(dict.fromkeys(str(k) for k in config.layers))
+        return returned_bound(selector, keys, hidden_size, itemsize, prompt_tokens, max_tokens)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:
+        assert self._table is not None and self.writer is not None and self.layout is not None
         table = self._table.manifest_fields()
         self._complete = completeness(self._closed, table["losses"]) and self.writer.error is None
         w = self.writer
@@ -315,7 +392,7 @@ class ExportConsumer(Consumer):
     def flush(self) -> None:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         with self._lock:
-            if not self._used:
+            if not self._used or self.writer is None:
                 return
             before = len(self.writer.shards)
             if self.writer.buffered:
@@ -326,7 +403,7 @@ class ExportConsumer(Consumer):
     def close(self) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
-            if not self._used:
+            if not self._used or self.writer is None:
                 return
             before = len(self.writer.shards)
             self._closed = True
@@ -342,6 +419,8 @@ class ExportConsumer(Consumer):
 
     def result(self) -> dict[str, Any]:
         with self._lock:
+            if self.writer is None or self._table is None:
+                return {"out": None, "keys": list(self.keys), "complete": True}
             return {
                 "out": self.path,
                 "shards": len(self.writer.shards),

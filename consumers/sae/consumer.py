@@ -43,11 +43,14 @@ from tllm_core import (
     Phase,
     ReadPort,
     RequestInfo,
+    RequestRows,
     RowInfo,
     SampledTokens,
     WritePort,
     as_selector,
+    max_rows,
 )
+from tllm_core.api.results import array_json_bytes
 
 log = logging.getLogger("tllm")
 
@@ -97,6 +100,14 @@ class SaeConsumer(Consumer):
                     f"(valid: 0..{sae.d_sae - 1})"
                 )
         self.sae = sae  # host copy (fp32): encodes background bundles
+        # Top features of the requests that ask for them back (tllm_results=sae).
+        self._returned = RequestRows(context.max_result_bytes, "sae")
+        k = config.top_k
+        self._no_rows = {
+            "positions": np.zeros(0, np.int64),
+            "features": np.zeros((0, k), np.int64),
+            "values": np.zeros((0, k), np.float32),
+        }
         self._dev = model.device if model.device.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if self._dev.type == "cpu" else sae.to(self._dev)
         # Edit port: always for residual sites (per-request steering needs it declared now);
@@ -279,6 +290,7 @@ class SaeConsumer(Consumer):
             self.counters.add("input_sq_norm", stats[2])
             for f, fired in zip(self.config.watch, stats[3:], strict=True):
                 self.counters.add(f"watch_fired.{f}", int(fired))
+            self._return_features(rows, sel, positions, codes)
             if rec is None or not rec.any():
                 return
             ridx = np.nonzero(rec)[0]
@@ -296,6 +308,41 @@ class SaeConsumer(Consumer):
         self.counters.add("rows_recorded", int(rsel.size))
         if wrote:
             self.counters.add("shards_written", wrote)
+
+    def _return_features(
+        self, rows: RowInfo, sel: np.ndarray, positions: np.ndarray, codes: _Codes
+    ) -> None:
+        """Top features of the encoded rows of requests that ask for them (tllm_results)."""
+        asking = np.fromiter(
+            (rows.requests[j].wants_result(self.name) for j in sel), np.bool_, sel.size
+        )
+        if not asking.any():
+            return
+        at = np.nonzero(asking)[0]
+        ind, val = codes.top(self.config.top_k, None if at.size == sel.size else at)
+        ind, val = ind.cpu(), val.float().cpu()
+        j = 0
+        for k in range(at.size + 1):  # one add per run of rows of one request
+            if k == at.size or rows.requests[sel[at[k]]] is not rows.requests[sel[at[j]]]:
+                req = rows.requests[sel[at[j]]]
+                self._returned.add(
+                    req.engine_id,
+                    positions=positions[sel[at[j:k]]],
+                    features=ind[j:k],
+                    values=val[j:k],
+                )
+                j = k
+        self.counters.add("rows_returned", int(at.size))
+
+    def request_result(self, request: RequestInfo) -> dict[str, Any]:
+        """This request's encoded rows: ``positions`` and, per row, the ``top_k`` strongest
+        ``features`` (indices) with their ``values``."""
+        return self._returned.take(request.engine_id, self._no_rows)
+
+    @classmethod
+    def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
+        rows = max_rows(as_selector(config.phase, "sae: phase"), prompt_tokens, max_tokens)
+        return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
 
     def _take_sampled(self, bundle: Bundle) -> None:
         srows, ids = bundle.sampled_rows, bundle.sampled_token_ids

@@ -146,9 +146,6 @@ class Architectures:
         fam = {s.name for f in self.families for s in f.sites}
         return sorted(set(self.sites) | fam)
 
-    def for_layer(self, layer_class: str) -> ArchitectureSpec | None:
-        return self._by_class.get(layer_class, self.default)
-
     def site(self, name: str, layer_class: str) -> SiteSpec | None:
         """The site ``name`` at a layer of class ``layer_class`` (its family's own variant
         first), or None where neither the family nor the general sites have it."""

@@ -129,12 +129,3 @@ def _top_into(logits: torch.Tensor, k: int, version: int, b: GuideBuffers) -> To
     over = torch.sum(torch.gt(logits, NEG_INF, out=b.mask(0, r)), -1, out=b.take("over_cap", r))
     over.sub_(torch.sum(valid, -1, out=b.take("count", r)))
     return TopCandidates(toks, vals, valid, over, version, b)
-
-
-def outside_mask(
-    logits: torch.Tensor, tokens: torch.Tensor, taken: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """Bool ``[R, V]``: the candidates of the selected ``rows`` (bool ``[R]``) that are not
-    among their ``taken`` slots (``tokens [R, k]`` where ``taken [R, k]``); fixed shapes."""
-    inside = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, tokens, taken)
-    return (logits > NEG_INF) & ~inside & rows[:, None]

@@ -63,6 +63,9 @@ class ConsumerContext:
     # (each with its own consumers). A consumer writing files names them per rank.
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
+    # The largest per-request result (JSON bytes) the engine keeps (``request_result``): a
+    # consumer collecting one may stop collecting past it.
+    max_result_bytes: int = 16 * 1024 * 1024
 
 
 class ControlError(ValueError):
@@ -147,6 +150,36 @@ class Consumer:
     def result(self) -> Any:
         """A JSON-able result returned to the caller after the run (optional)."""
         return None
+
+    # -- per-request results (returned with the completion: tllm_core/api/results.py) -------
+    def request_result(self, request: RequestInfo) -> Any:
+        """What this consumer computed for ``request`` (one sample), returned with its
+        completion when the request asks for it (``tllm_results`` names this consumer).
+        Called once, after :meth:`on_request_finished`, on the same thread; return JSON-able
+        values, tensors and arrays (sent as arrays). A consumer that overrides it collects
+        only for requests that ask (``request.wants_result(self.name)``)."""
+        return None
+
+    @classmethod
+    def result_bytes(
+        cls,
+        config: ConsumerConfig,
+        extra_args: dict[str, Any],
+        prompt_tokens: int,
+        max_tokens: int,
+        hidden_size: int,
+    ) -> int | None:
+        """An upper bound of :meth:`request_result`'s JSON size for a request with these
+        ``extra_args``, prompt length and ``max_tokens`` (on a model of ``hidden_size``);
+        the server refuses (HTTP 400) a
+        request whose bound is past its ``max_result_bytes`` before generating. None
+        (the default): unknown, checked when the result is made."""
+        return None
+
+    @classmethod
+    def makes_results(cls) -> bool:
+        """Whether this consumer makes per-request results (overrides request_result)."""
+        return cls.request_result is not Consumer.request_result
 
     def close(self) -> None:
         """Flush and release resources; called at shutdown and when results are collected."""

@@ -30,7 +30,9 @@ CONSUMERS_KEY = "tllm_consumers"
 GROUP_KEY = "tllm_group"
 # Internal tags TllmLLM adds to every request (row localization); not for clients.
 TAGS = ("tllm_prompt_index", "tllm_n")
-GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, *TAGS)
+# tllm_core.api.results.RESULTS_KEY (named here too: results imports nothing of this module).
+RESULTS_KEY = "tllm_results"
+GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 
 
 def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:

@@ -18,6 +18,7 @@ from tllm_core.api.request_settings import (
     parse_request_settings,
     request_key,
 )
+from tllm_core.api.results import asked_results
 from tllm_core.api.transfers import index_to
 from tllm_core.api.windows import WINDOW_FIELD, Window
 
@@ -103,6 +104,11 @@ class RequestInfo:
     def acted_on_by(self, consumer: str, per_request: bool) -> bool:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
         return acts_on(consumer, per_request, self.extra_args)
+
+    def wants_result(self, consumer: str) -> bool:
+        """Whether this request asks for ``consumer``'s per-request result
+        (``extra_args["tllm_results"]``, tllm_core/api/results.py)."""
+        return consumer in asked_results(self.extra_args)
 
     @property
     def group_key(self) -> str:
@@ -264,6 +270,17 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
     if phase is Phase.GUIDE:  # read at guide time only: no row goes into bundles
         return np.zeros_like(is_decode)
     return is_decode if phase is Phase.DECODE else ~is_decode
+
+
+def max_rows(selector: Any, prompt: int, generated: int) -> int:
+    """How many rows ``selector`` (a Phase, Window or AnyOf) keeps at most of a request with
+    ``prompt`` prompt tokens and up to ``generated`` generated-token rows."""
+    if isinstance(selector, Phase):
+        counts = {Phase.PREFILL: prompt, Phase.DECODE: generated, Phase.ALL: prompt + generated}
+        return counts.get(selector, 0)
+    if isinstance(selector, Window):
+        return selector.max_rows(prompt, generated)
+    return min(prompt + generated, sum(max_rows(p, prompt, generated) for p in selector.parts))
 
 
 def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:

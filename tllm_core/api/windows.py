@@ -96,6 +96,12 @@ class Window:
             keep &= index < _bound(self.stop, length, 0)
         return keep
 
+    def max_rows(self, prompt: int, generated: int) -> int:
+        """How many rows the window keeps at most of a request with ``prompt`` prompt tokens
+        and up to ``generated`` generated-token rows."""
+        length = {"prompt": prompt, "generated": generated, "all": prompt + generated}
+        return len(range(*slice(self.start, self.stop, self.step).indices(length[self.region])))
+
     def union(self, other: Any) -> Any:
         # ``other`` a Phase (a str enum: compared by value, so no import of ports), a
         # window or an AnyOf.

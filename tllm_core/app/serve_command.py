@@ -205,6 +205,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
         hung_stop_s=args.hung_stop,
         fault_file=fault_note.path,
+        max_result_bytes=args.max_result_kib * 1024,
         **(
             {"callback_deadline_s": args.callback_deadline}
             if args.callback_deadline is not None
@@ -341,6 +342,14 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         type=cli_common.int_at_least(1),
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
+    )
+    s.add_argument(
+        "--max-result-kib",
+        type=cli_common.int_at_least(1),
+        default=16 * 1024,
+        help="largest per-request result returned with a completion (vllm_xargs "
+        "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
+        "400 before generating; a larger result is replaced by an error (default 16384)",
     )
     cli_common.add_deadline_arg(s)
     s.add_argument(

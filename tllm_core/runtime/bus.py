@@ -16,6 +16,7 @@ import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from time import perf_counter
 from typing import Any, Literal
 
 import torch
@@ -25,6 +26,7 @@ from tllm_core.api.consumer import Consumer
 from tllm_core.api.counters import Counters
 from tllm_core.api.ports import Delivery
 from tllm_core.api.rows import RequestInfo
+from tllm_core.runtime.request_results import ResultStore
 from tllm_core.runtime.watchdog import BACKGROUND, STEP, Watchdog
 
 log = logging.getLogger("tllm")
@@ -139,14 +141,7 @@ class _BackgroundChannel:
                     return
                 c = self.consumer
                 if isinstance(item, RequestInfo):
-                    self.bus.call(
-                        c,
-                        "on_request_finished",
-                        c.on_request_finished,
-                        item,
-                        requests=(item,),
-                        kind=BACKGROUND,
-                    )
+                    self.bus.request_done(c, item, BACKGROUND)
                 elif isinstance(item, _Dropped):
                     self.bus.call(
                         c,
@@ -191,8 +186,10 @@ class Bus:
         wait_timeout_s: float = WAIT_TIMEOUT_S,
         max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
         watchdog: Watchdog | None = None,
+        results: ResultStore | None = None,
     ) -> None:
         self.counters = counters
+        self.results = results
         self.watchdog = watchdog
         self.max_consecutive_failures = max(1, int(max_consecutive_failures))
         self.wait_timeout_s = wait_timeout_s
@@ -315,23 +312,57 @@ class Bus:
                 ch = self._channels[consumer.name] = _BackgroundChannel(
                     self, consumer, self.queue_size, self.overflow
                 )
-            ch.put(_to_host(bundle))
+            t = perf_counter()
+            host = _to_host(bundle)
+            # Engine-thread seconds copying bundles to the host for background consumers.
+            self.counters.add("host_s.to_host", perf_counter() - t)
+            ch.put(host)
         else:
             self.deliver_now(consumer, bundle)
 
     def finished(self, consumer: Consumer, request: RequestInfo) -> None:
         """A request finished; background consumers hear it after its queued bundles."""
         ch = self._channels.get(consumer.name)
-        if ch is not None:
+        if ch is not None and ch.abandoned:
+            if self.results is not None and request.wants_result(consumer.name):
+                why = f"consumer {consumer.name!r} was switched off: a callback passed its deadline"
+                self.results.put(request, consumer.name, {"error": why})
+        elif ch is not None:
             ch.notify_finished(request)  # never dropped, never waits: it carries no tensors
         else:
-            self.call(
-                consumer,
-                "on_request_finished",
-                consumer.on_request_finished,
-                request,
-                requests=(request,),
-            )
+            self.request_done(consumer, request, STEP)
+
+    def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
+        """``on_request_finished``, then the request's result when it asked for this
+        consumer's (kept in :attr:`results` for the front end; an error in its place when
+        the consumer failed or is switched off, so that nobody waits for it)."""
+        self.call(
+            consumer,
+            "on_request_finished",
+            consumer.on_request_finished,
+            request,
+            requests=(request,),
+            kind=kind,
+        )
+        if self.results is None or not request.wants_result(consumer.name):
+            return
+        made: list[Any] = []
+        ok = self.call(
+            consumer,
+            "request_result",
+            lambda: made.append(consumer.request_result(request)),
+            requests=(request,),
+            kind=kind,
+        )
+        name = consumer.name
+        if ok:
+            self.results.put(request, name, made[0])
+        elif name in self.disabled:
+            why = f"consumer {name!r} is switched off (see the run's errors)"
+            self.results.put(request, name, {"error": why})
+        else:
+            why = f"consumer {name!r} raised while making this result (see the run's errors)"
+            self.results.put(request, name, {"error": why})
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
         if self.call(

@@ -30,6 +30,7 @@ from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.request_settings import request_key
+from tllm_core.api.results import RESULTS_KEY, asked_results
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.windows import WINDOW_FIELD
@@ -47,6 +48,7 @@ from tllm_core.runtime.reads import (
     step_runs,
     unwritten,
 )
+from tllm_core.runtime.request_results import ResultStore
 from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_copies import StampRead, StampReader
@@ -113,6 +115,7 @@ def build_consumers(
     data_parallel: tuple[int, int] = (0, 1),
     where: str = ENGINE,
     model_path: str = "",
+    max_result_bytes: int | None = None,
 ) -> list[_Slot]:
     """Construct consumers from their checked configs (``Registry.check``) and resolve their
     ports (errors before generation, as :class:`ConsumerBuildError` naming the consumer;
@@ -122,7 +125,11 @@ def build_consumers(
         resolver = LayerResolver(model.num_layers)
         cls = registry.get(spec.name)  # an unknown name: ConsumerSpecError as it is
         try:
-            slots.append(_build(cls, spec, config, model, registry, data_parallel, resolver))
+            slots.append(
+                _build(
+                    cls, spec, config, model, registry, data_parallel, resolver, max_result_bytes
+                )
+            )
         except Exception as e:
             # Named in terms of the author's code: the consumer, its field, where it ran.
             raise explain(spec.name, config, e, resolver, where, model_path) from e
@@ -137,8 +144,10 @@ def _build(
     registry: Registry,
     data_parallel: tuple[int, int],
     resolve: LayerResolver,
+    max_result_bytes: int | None = None,
 ) -> _Slot:
     """One consumer, constructed, its ports resolved."""
+    limits = {} if max_result_bytes is None else {"max_result_bytes": max_result_bytes}
     context = ConsumerContext(
         model=model,
         resolve_layer=resolve,
@@ -146,6 +155,7 @@ def _build(
         per_request=spec.per_request,
         data_parallel_rank=data_parallel[0],
         data_parallel_size=data_parallel[1],
+        **limits,
     )
     consumer = cls(config, context)
     reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
@@ -170,6 +180,11 @@ def _build(
             "use another phase to get it in on_bundle"
         )
     return slot
+
+
+_NOT_ACTING = (
+    "this consumer did not act on the request (it is per-request: name it in tllm_consumers)"
+)
 
 
 class Runtime:
@@ -199,7 +214,14 @@ class Runtime:
         registry = registry or Registry()
         # The engine side's one check of the configs that arrived as JSON.
         configs = registry.check(settings.consumers)
-        self.slots = build_consumers(settings.consumers, configs, model, registry, data_parallel)
+        self.slots = build_consumers(
+            settings.consumers,
+            configs,
+            model,
+            registry,
+            data_parallel,
+            max_result_bytes=settings.max_result_bytes,
+        )
         self.configured = bool(self.slots)
         self._taps = self._collect_taps()
         for tap in sorted(self._taps, key=lambda t: t.key):  # before any consumer's first step
@@ -225,6 +247,8 @@ class Runtime:
         }
         self.watchdog = Watchdog(deadlines, self._hung)
         self._engine_stop = EngineStop(settings.hung_stop_s)
+        # Per-request results, taken by the front end (tllm_core/api/results.py).
+        self.results = ResultStore(self.counters, settings.max_result_bytes)
         self.bus = Bus(
             self.counters,
             settings.queue_size,
@@ -233,6 +257,7 @@ class Runtime:
             settings.wait_timeout_s,
             settings.max_consecutive_failures,
             self.watchdog,
+            self.results,
         )
         self.step_index = 0
         # The step's indices (one copy) and gathered rows, in buffers reused from step to
@@ -597,9 +622,24 @@ class Runtime:
     def finish_requests(self, requests: list[RequestInfo]) -> None:
         for req in requests:
             self.counters.add("requests_finished")
+            asked = set(asked_results(req.extra_args)) if RESULTS_KEY in req.extra_args else ()
             for s in self.slots:
                 if s.acts_on(req):
                     self.bus.finished(s.consumer, req)
+                elif s.consumer.name in asked:
+                    self.results.put(req, s.consumer.name, {"error": _NOT_ACTING})
+            if asked and self.deliver:
+                mine = {s.consumer.name for s in self.slots}
+                for name in sorted(set(asked) - mine):
+                    self.results.put(req, name, {"error": f"no consumer {name!r} in this engine"})
+
+    def take_results(self, request_ids: list[str], wait_s: float = 0.0) -> dict[str, Any]:
+        """The per-request results made so far for these caller ids (removed from the
+        store); ``wait_s``: first wait that long at most for background consumers to catch
+        up (offline, where every request of the batch has finished)."""
+        if wait_s > 0:
+            self.bus.flush(wait_s)
+        return self.results.take(request_ids)
 
     # -- results ----------------------------------------------------------------------
     def control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,22 @@ class RuntimeSettings(BaseModel):
         default_factory=ServerSettings, description="the OpenAI server's limits (serving only)"
     )
     queue_size: int = Field(64, ge=1, description="bundles per background queue")
+    max_result_bytes: int = Field(
+        16 * MIB,
+        ge=1024,
+        le=2**31,
+        description="largest per-request result a consumer returns with a completion (JSON "
+        "bytes; tllm_results): a larger one is replaced by an error saying so, and the server "
+        "refuses (HTTP 400) a request whose result a consumer bounds past it",
+    )
+    results_wait_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="longest wait, after a request finished, for the per-request results it "
+        "asked for (a background consumer may still be working on its last rows); past it the "
+        "completion is returned with an error in place of each missing result",
+    )
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
     )

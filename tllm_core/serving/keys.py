@@ -32,6 +32,7 @@ from tllm_core.api.request_settings import (
     parse_request_settings,
     short_repr,
 )
+from tllm_core.api.results import RESULTS_KEY, asked_results
 from tllm_core.runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
@@ -39,10 +40,12 @@ if TYPE_CHECKING:
 
 CONSUMERS = CONSUMERS_KEY
 GROUP = GROUP_KEY
+RESULTS = RESULTS_KEY
 __all__ = [
     "CONSUMERS",
     "GROUP",
     "KEYS",
+    "RESULTS",
     "TAGS",
     "EngineConsumers",
     "request_salt",
@@ -61,6 +64,9 @@ KEYS: Mapping[str, str] = MappingProxyType(
         GROUP: "string: requests sharing this value form one group (consumers that keep state per "
         "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
         "requests of the same client, i.e. API key, share a group)",
+        RESULTS: "string: comma-separated names of consumers whose per-request result is returned "
+        "with this request's completion (each must make results and act on the request; "
+        "docs/serving.md#results-with-the-completion)",
     }
 )
 
@@ -224,6 +230,7 @@ def validate_extra_args(
         raise ValueError(
             f"{where}[{GROUP!r}] has {len(group)} characters; allowed: at most {MAX_GROUP_CHARS}"
         )
+    _check_results(extra, engine, where)
     for name, keys in mine.items():
         key = keys[0]
         if name not in engine.per_request:
@@ -239,6 +246,50 @@ def validate_extra_args(
         model = engine.models[name]
         assert model is not None  # it owns a key
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
+
+
+def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -> None:
+    """``tllm_results``: configured consumers that make results and act on the request."""
+    raw = extra.get(RESULTS)
+    if isinstance(raw, str) and len(raw) > MAX_CONSUMERS_CHARS:
+        raise ValueError(
+            f"{where}[{RESULTS!r}] has {len(raw)} characters; allowed: at most "
+            f"{MAX_CONSUMERS_CHARS}"
+        )
+    makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
+    for name in asked_results(extra, where):
+        if name not in makers:
+            what = "is not configured" if name not in engine.per_request else "makes none"
+            raise ValueError(
+                f"{where}[{RESULTS!r}] names {short_repr(name)}, which {what}; consumers that "
+                f"return per-request results here: {makers or 'none'}"
+            )
+        if not engine.active(name, extra):
+            raise ValueError(
+                f"{where}[{RESULTS!r}] names {name!r}, which is per-request and not switched "
+                f'on for this request (add "{name}" to {where}[{CONSUMERS!r}])'
+            )
+
+
+def result_bounds(
+    extra: dict[str, Any] | None,
+    engine: EngineConsumers,
+    prompt_tokens: int,
+    max_tokens: int,
+    hidden_size: int,
+) -> dict[str, int]:
+    """The bound (JSON bytes) of each result a request asks for, where its consumer gives one
+    (:meth:`Consumer.result_bytes <tllm_core.api.consumer.Consumer.result_bytes>`)."""
+    out = {}
+    for name in asked_results(extra):
+        cls = engine.classes.get(name)
+        if cls is None:
+            continue
+        config = engine.configs[name]
+        bound = cls.result_bytes(config, dict(extra or {}), prompt_tokens, max_tokens, hidden_size)
+        if bound is not None:
+            out[name] = int(bound)
+    return out
 
 
 def request_salt(
@@ -260,7 +311,10 @@ def request_salt(
     equal it (a predictable salt would let an unsteered request reuse steered KV blocks).
     """
     items = sorted(
-        (k, str(v)) for k, v in (extra or {}).items() if k.startswith(PREFIX) and k not in TAGS
+        (k, str(v))
+        for k, v in (extra or {}).items()
+        # Asking for results changes no computation: such requests share the cache.
+        if k.startswith(PREFIX) and k not in TAGS and k != RESULTS
     )
     if not items or not can_change_kv:
         return None

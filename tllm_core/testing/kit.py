@@ -122,6 +122,8 @@ class ConsumerKit:
         self._next_id = 0
         self._seq = 0
         self._finished: list[RequestInfo] = []
+        # The last generate's per-request results: (prompt index, sample) -> {consumer: value}.
+        self.results: dict[tuple[int, int], dict[str, Any]] = {}
 
     # -- set-up -------------------------------------------------------------------------------
     def _spec(self, c: ConsumerArg) -> ConsumerSpec:
@@ -236,6 +238,7 @@ class ConsumerKit:
         while not all(r.done for r in reqs):
             self._step([r for r in reqs if not r.done])
         self._report_finished()  # as TllmLLM's end of batch: every request is done
+        self._take_results(reqs)
         out: list[list[list[int]]] = [[] for _ in items]
         for r in reqs:
             out[r.info.prompt_index].append(r.output)
@@ -279,6 +282,25 @@ class ConsumerKit:
         )
         cache = DynamicCache(config=self.hf.config)
         return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
+
+    def _take_results(self, reqs: list[_Request]) -> None:
+        """Per-request results (``tllm_results``) into :attr:`results`, keyed by (prompt index,
+        sample), as ``TllmLLM`` sets ``completion.tllm``: ``{consumer: value}``, arrays as
+        NumPy arrays."""
+        from tllm_core.api.results import asked_results, decode_results
+
+        asking = [r for r in reqs if asked_results(r.info.extra_args)]
+        self.results = {}
+        if not asking:
+            return
+        wait = self.runtime.settings.results_wait_s
+        got = self.runtime.take_results(sorted({r.info.request_id for r in asking}), wait)
+        for r in asking:
+            mine = got.get(r.info.request_id, {}).get(r.info.sample_index, {})
+            missing = {"error": f"no result after {wait:g} s (setting results_wait_s)"}
+            self.results[(r.info.prompt_index, r.info.sample_index)] = {
+                n: decode_results(mine.get(n, missing)) for n in asked_results(r.info.extra_args)
+            }
 
     def _report_finished(self) -> None:
         if self._finished:

@@ -175,7 +175,9 @@ class EndpointGate:
             self.engine = pre.engine  # `tllm serve` checked these in this process
         else:  # `python -m vllm...api_server --additional-config ...`: the front end's check
             self.engine = EngineConsumers.from_settings(settings)
-        attach_routes(app, self.engine, settings.server, settings.fault_file)
+        attach_routes(
+            app, self.engine, settings.server, settings.fault_file, settings.results_wait_s
+        )
 
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:

@@ -25,6 +25,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
 - fails ``GET /health`` (HTTP 503) while a consumer callback is past its deadline (the engine's
   watchdog wrote it into ``fault_file``: :class:`HungHealth`), so that a load balancer drains
   the server before the engine stops itself; ``/tllm/status`` then names it;
+- returns per-request results with the completion (``tllm_results``: a top-level ``tllm``
+  list, :mod:`tllm_core.vllm_bridge.request_results`), refusing before generation a request
+  whose result a consumer bounds past ``max_result_bytes``;
 - marks a non-streamed response whose request a consumer failed on with the header
   ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
   (:mod:`tllm_core.vllm_bridge.request_marks`).
@@ -48,10 +51,17 @@ from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
-from tllm_core.serving.keys import GROUP, EngineConsumers, request_salt, validate_extra_args
+from tllm_core.serving.keys import (
+    GROUP,
+    RESULTS,
+    EngineConsumers,
+    request_salt,
+    validate_extra_args,
+)
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
+from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
 from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -284,9 +294,11 @@ def attach_routes(
     server: EngineConsumers,
     settings: ServerSettings | None = None,
     fault_file: str | None = None,
+    results_wait_s: float = 30.0,
 ) -> None:
     """tllm's routes and middleware on vLLM's app (``fault_file``: where the engine reports a
-    hung consumer callback, :class:`HungHealth`)."""
+    hung consumer callback, :class:`HungHealth`; ``results_wait_s``: how long a response
+    waits for the per-request results it asked for, :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
     def ask_workers():
@@ -295,6 +307,7 @@ def attach_routes(
             return None
         return lambda method, ids: until_server_stops(app, rpc_all(client, method, ids))
 
+    app.add_middleware(ResultReturn, paths=CHECKED_PATHS, ask=ask_workers, wait_s=results_wait_s)
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
@@ -409,11 +422,17 @@ def attach_routes(
 
 
 def install_request_checks(
-    input_processor: Any, server: EngineConsumers, secret: bytes | None = None
+    input_processor: Any,
+    server: EngineConsumers,
+    secret: bytes | None = None,
+    max_result_bytes: int | None = None,
+    hidden_size: int = 0,
 ) -> None:
     """Instance-level wrappers on the front end's input processor (this server only).
 
     ``secret``: this server's secret (cache salts and client ids; drawn here when not given).
+    ``max_result_bytes``: requests whose per-request results a consumer bounds past it are
+    refused (``hidden_size``: the model's, for the bounds).
     """
     from vllm.exceptions import VLLMValidationError
 
@@ -439,7 +458,12 @@ def install_request_checks(
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
+        if extra and RESULTS in extra and max_result_bytes is not None:
+            why = check_bounds(request, extra, server, max_result_bytes, hidden_size)
+            if why is not None:
+                raise VLLMValidationError(why, parameter="vllm_xargs")
         assign_orig(request)
+        note_asked(request, extra)
         salt = request_salt(extra, salt_key)
         if salt is not None:
             old = request.cache_salt
@@ -457,8 +481,18 @@ def install_request_checks(
 async def init_state(
     engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
 ) -> None:
+    from tllm_core.runtime.settings import RuntimeSettings
+    from tllm_core.vllm_bridge.engine_settings import tllm_settings
+
+    mine = RuntimeSettings.model_validate(
+        tllm_settings(engine_client.vllm_config.additional_config) or {}
+    )
     install_request_checks(
-        engine_client.input_processor, server, getattr(state, "tllm_secret", None)
+        engine_client.input_processor,
+        server,
+        getattr(state, "tllm_secret", None),
+        max_result_bytes=mine.max_result_bytes,
+        hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
     install_abort_marks(
         engine_client.engine_core, lambda method, ids: rpc_all(engine_client, method, ids)
@@ -474,7 +508,7 @@ async def init_state(
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
     leader = tllm_settings(engine_client.vllm_config.additional_config)
-    await check_followers(engine_client, rpc_all, leader)
+    await check_followers(engine_client, rpc_all, leader, nodes)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(

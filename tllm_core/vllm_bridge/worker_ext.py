@@ -63,6 +63,17 @@ class TllmWorkerExtension:
         hooks = self._tllm_hooks()
         return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
+    def tllm_take_results(
+        self, request_ids: list[str], wait_s: float = 0.0
+    ) -> dict[str, dict[str, dict[str, Any]]]:
+        """The per-request results made so far for these caller ids, removed from the engine
+        (caller id -> sample index as text -> consumer -> result; ``Runtime.take_results``)."""
+        hooks = self._tllm_hooks()
+        if hooks is None:
+            return {}
+        got = hooks.runtime.take_results([str(i) for i in request_ids], float(wait_s))
+        return {rid: {str(k): v for k, v in per.items()} for rid, per in got.items()}
+
     def tllm_control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
         """A control request for consumer ``name`` (``Runtime.control``)."""
         hooks = self._tllm_hooks()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from tllm_core.api.transfers import pow2_rows
+
 
 def triton_impl() -> ModuleType:
     """The Triton kernels' module (imports Triton: only where a launch runs)."""
@@ -20,10 +22,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def log_beta(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
@@ -31,7 +29,7 @@ def log_beta(beta: float) -> float:
 def rows_block(rows: int) -> int:
     # Rows padded to a power of two >= 16 by masked loads (fp32 tl.dot needs a reduction of
     # >= 8 on NVIDIA); more than 64 rows loop (grad_adam) or tile (slot_matmul).
-    return min(64, max(16, next_power_of_2(rows)))
+    return min(64, max(16, pow2_rows(rows)))
 
 
 def bool_bytes(t: Any) -> Any:

@@ -53,19 +53,7 @@ def block_backward(
     torch.ops.tllm_esamp.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
 
 
-def check_block_backward(
-    dp: torch.Tensor,
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    h_in: torch.Tensor,
-    dy: torch.Tensor,
-    du: torch.Tensor,
-    da: torch.Tensor,
-    parts: torch.Tensor,
-    input_precision: str = "ieee",
-) -> None:
+def check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(dp=dp, a=a, u=u, s=s, p=p, h_in=h_in, dy=dy, du=du, da=da, parts=parts)
     if not (dp.dim() == 3 and dp.dtype == torch.float32):
@@ -86,19 +74,7 @@ def check_block_backward(
     check_precision(input_precision)
 
 
-def reference(
-    dp: torch.Tensor,
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    h_in: torch.Tensor,
-    dy: torch.Tensor,
-    du: torch.Tensor,
-    da: torch.Tensor,
-    parts: torch.Tensor,
-    input_precision: str = "ieee",
-) -> None:
+def reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
     """One SwiGLU block's elementwise backward, ``du = dp * s``, ``da = dp * u * silu'(a)``,
     and the block's share of each group's squared gradient norm from Gram matrices:
     ``sum((dy dy^T) * (p p^T)) + sum((du du^T + da da^T) * (h_in h_in^T))``, written to
@@ -115,23 +91,9 @@ def reference(
 
 
 def block_backward_launch(
-    dp: torch.Tensor,
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    h_in: torch.Tensor,
-    dy: torch.Tensor,
-    du: torch.Tensor,
-    da: torch.Tensor,
-    parts: torch.Tensor,
-    input_precision: str = "ieee",
-    *,
-    block_m: int | None = None,
-    block_i: int = 32,
-    block_h: int = 64,
-    num_warps: int | None = None,
-) -> Launch | None:
+    dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee",
+    *, block_m: int | None = None, block_i: int = 32, block_h: int = 64, num_warps: int | None = None,
+) -> Launch | None:  # fmt: skip
     """The block backward kernel's launch: per group one program per column of ``parts``:
     each pair of row tiles over as many shares of H as the columns allow (at most one per
     ``block_h`` columns of H), the columns past them written 0. Arguments as

@@ -33,13 +33,7 @@ def candidate_dot(
     return out
 
 
-def check_candidate_dot(
-    weight: torch.Tensor,
-    f: torch.Tensor,
-    rows: torch.Tensor,
-    tokens: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
+def check_candidate_dot(weight, f, rows, tokens, out) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed. Index values are not
     checked (that would read the device): they must lie in ``[0, R)`` and ``[0, V)``."""
     _same_device(weight=weight, f=f, rows=rows, tokens=tokens, out=out)
@@ -71,14 +65,7 @@ def check_candidate_dot(
 CANDIDATE_CHUNK = 4096
 
 
-def reference(
-    weight: torch.Tensor,
-    f: torch.Tensor,
-    rows: torch.Tensor,
-    tokens: torch.Tensor,
-    out: torch.Tensor,
-    chunk: int = CANDIDATE_CHUNK,
-) -> None:
+def reference(weight, f, rows, tokens, out, chunk=CANDIDATE_CHUNK) -> None:
     """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]`` in fp32, ``chunk``
     pairs at a time."""
     for i in range(0, tokens.shape[0], chunk):
@@ -88,15 +75,7 @@ def reference(
 
 
 def candidate_dot_launch(
-    weight: torch.Tensor,
-    f: torch.Tensor,
-    rows: torch.Tensor,
-    tokens: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    block_p: int = 4,
-    block_h: int = 512,
-    num_warps: int = 4,
+    weight, f, rows, tokens, out, *, block_p=4, block_h=512, num_warps=4
 ) -> Launch | None:
     """The candidate dot kernel's launch (None: no pairs). Arguments as
     :func:`algorithms.esamp.kernels.candidate_dot`; the caller has checked them. ``H = 0``

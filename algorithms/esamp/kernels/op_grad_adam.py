@@ -69,20 +69,7 @@ def grad_adam(
 
 
 def check_grad_adam(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: torch.Tensor,
-    group_slot: torch.Tensor,
-    ok: torch.Tensor,
-    step: torch.Tensor,
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    input_precision: str,
+    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, b=b, scale=scale, group_slot=group_slot, ok=ok, step=step, w=w, m=m, v=v)
@@ -135,20 +122,7 @@ def check_grad_adam(
 
 
 def reference(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: torch.Tensor,
-    group_slot: torch.Tensor,
-    ok: torch.Tensor,
-    step: torch.Tensor,
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    input_precision: str = "ieee",
+    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
 ) -> None:
     """For each group ``g`` with ``group_slot[g] >= 0`` and ``ok[g] != 0``: one Adam step of
     ``w/m/v[s]`` (``s = group_slot[g]``) with gradient ``scale[g] * a[g]^T b[g]`` and step
@@ -176,25 +150,9 @@ def reference(
 
 
 def grad_adam_launch(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: torch.Tensor,
-    group_slot: torch.Tensor,
-    ok: torch.Tensor,
-    step: torch.Tensor,
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    input_precision: str = "ieee",
-    *,
-    block_n: int = 32,
-    block_k: int = 128,
-    num_warps: int = 8,
-) -> Launch | None:
+    a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee",
+    *, block_n: int = 32, block_k: int = 128, num_warps: int = 8,
+) -> Launch | None:  # fmt: skip
     """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
     :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
     check_precision(input_precision)

@@ -14,8 +14,9 @@ from algorithms.esamp.kernels.checks import (
     _same_device,
     _shape,
 )
-from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from algorithms.esamp.objective import loss_denominator, loss_per_row
+from tllm_core.api.transfers import pow2_rows
 
 NAME = "loss_dy"
 SCHEMA = (
@@ -45,14 +46,7 @@ def loss_dy(
     torch.ops.tllm_esamp.loss_dy(h, tp, mask, parts, dy, reduction)
 
 
-def check_loss_dy(
-    h: torch.Tensor,
-    tp: torch.Tensor,
-    mask: torch.Tensor,
-    parts: torch.Tensor,
-    dy: torch.Tensor,
-    reduction: str,
-) -> None:
+def check_loss_dy(h, tp, mask, parts, dy, reduction) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(h=h, tp=tp, mask=mask, parts=parts, dy=dy)
     if not (h.dim() == 3 and h.dtype == torch.float32):
@@ -72,14 +66,7 @@ def check_loss_dy(
         raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
-def reference(
-    h: torch.Tensor,
-    tp: torch.Tensor,
-    mask: torch.Tensor,
-    parts: torch.Tensor,
-    dy: torch.Tensor,
-    reduction: str,
-) -> None:
+def reference(h, tp, mask, parts, dy, reduction) -> None:
     """Each group's loss ``sum(diff^2) / denom`` (into ``parts[:, 0]``, the other columns 0)
     and its gradient ``dy = diff * 2 / denom`` with ``diff = h - tp`` on the rows ``mask``
     marks (0 elsewhere) and ``denom`` :func:`~algorithms.esamp.objective.loss_denominator`."""
@@ -90,17 +77,7 @@ def reference(
     torch.mul(diff, (2.0 / denom)[:, None, None], out=dy)
 
 
-def loss_dy_launch(
-    h: torch.Tensor,
-    tp: torch.Tensor,
-    mask: torch.Tensor,
-    parts: torch.Tensor,
-    dy: torch.Tensor,
-    reduction: str,
-    *,
-    block_h: int = 128,
-    num_warps: int = 4,
-) -> Launch | None:
+def loss_dy_launch(h, tp, mask, parts, dy, reduction, *, block_h=128, num_warps=4) -> Launch | None:
     """The loss + dy kernel's launch: per group one program per column of ``parts``, each
     over an equal share of the hidden columns (None: no groups). Arguments as
     :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
@@ -108,7 +85,7 @@ def loss_dy_launch(
     if groups == 0:
         return None
     per_row = loss_per_row(hidden, reduction)
-    block_m = min(16, next_power_of_2(max(rows, 1)))
+    block_m = min(16, pow2_rows(max(rows, 1)))
     chunk = cdiv(hidden, parts.shape[1])
     args = (
         h, tp, bool_bytes(mask), parts, dy,

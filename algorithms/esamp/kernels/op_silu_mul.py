@@ -19,7 +19,7 @@ def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor)
     torch.ops.tllm_esamp.silu_mul(a, u, s, p)
 
 
-def check_silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+def check_silu_mul(a, u, s, p) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, u=u, s=s, p=p)
     if not (a.dim() == 3 and a.dtype == torch.float32):
@@ -28,22 +28,13 @@ def check_silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.T
         _fp32(name, t, tuple(a.shape), "a's shape")
 
 
-def reference(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
+def reference(a, u, s, p) -> None:
     """``s = silu(a)``, ``p = s * u`` (a SwiGLU block's activations)."""
     torch._C._nn.silu(a, out=s)  # F.silu has no out=
     torch.mul(s, u, out=p)
 
 
-def silu_mul_launch(
-    a: torch.Tensor,
-    u: torch.Tensor,
-    s: torch.Tensor,
-    p: torch.Tensor,
-    *,
-    block_m: int = 16,
-    block_i: int = 128,
-    num_warps: int = 4,
-) -> Launch | None:
+def silu_mul_launch(a, u, s, p, *, block_m=16, block_i=128, num_warps=4) -> Launch | None:
     """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
     :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
     groups, rows, inter = a.shape

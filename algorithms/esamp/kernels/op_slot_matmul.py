@@ -56,14 +56,7 @@ def slot_matmul(
 
 
 def check_slot_matmul(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    group_slot: torch.Tensor,
-    out: torch.Tensor,
-    transpose_w: bool,
-    input_precision: str,
-    split_k: int = 0,
-    add: torch.Tensor | None = None,
+    x, w, group_slot, out, transpose_w, input_precision, split_k=0, add=None
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     extra = {} if add is None else {"add": add}
@@ -104,14 +97,7 @@ def check_slot_matmul(
 
 
 def reference(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    group_slot: torch.Tensor,
-    out: torch.Tensor,
-    transpose_w: bool = True,
-    input_precision: str = "ieee",
-    split_k: int = 0,
-    add: torch.Tensor | None = None,
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
     """``out[g] = x[g] @ w[s]^T`` (``transpose_w``, ``w [S, N, K]``) or ``x[g] @ w[s]``
     (``w [S, K, N]``), ``s = group_slot[g]``; zeros where ``s < 0``. With ``w [S, E, ., .]``
@@ -142,19 +128,9 @@ def reference(
 
 
 def slot_matmul_launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    group_slot: torch.Tensor,
-    out: torch.Tensor,
-    transpose_w: bool = True,
-    input_precision: str = "ieee",
-    split_k: int = 0,
-    add: torch.Tensor | None = None,
-    *,
-    block_n: int = 64,
-    block_k: int = 64,
-    num_warps: int = 4,
-) -> Launch | None:
+    x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None,
+    *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
+) -> Launch | None:  # fmt: skip
     """The slot-indexed grouped matmul's launch (None: nothing to launch). Arguments as
     :func:`algorithms.esamp.kernels.slot_matmul`; ``split_k`` 0 picks it from the SM
     count; the caller has checked the rest. With ``split_k > 1`` the kernel adds into

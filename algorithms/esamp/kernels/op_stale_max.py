@@ -26,9 +26,7 @@ def stale_max(
     torch.ops.tllm_esamp.stale_max(submitted, applied, group_slot, stale)
 
 
-def check_stale_max(
-    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
-) -> None:
+def check_stale_max(submitted, applied, group_slot, stale) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
     if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
@@ -40,9 +38,7 @@ def check_stale_max(
         raise ValueError(f"stale must be [1] int64, got {_shape(stale)}")
 
 
-def reference(
-    submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
-) -> None:
+def reference(submitted, applied, group_slot, stale) -> None:
     """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
     with a slot."""
     if not submitted.shape[0]:
@@ -53,13 +49,7 @@ def reference(
 
 
 def stale_max_launch(
-    submitted: torch.Tensor,
-    applied: torch.Tensor,
-    group_slot: torch.Tensor,
-    stale: torch.Tensor,
-    *,
-    block_g: int = 64,
-    num_warps: int = 1,
+    submitted, applied, group_slot, stale, *, block_g=64, num_warps=1
 ) -> Launch | None:
     """The staleness kernel's launch, one program (None: no groups). Arguments as
     :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""

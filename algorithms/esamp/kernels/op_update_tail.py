@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
-from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, next_power_of_2, runner
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
+from tllm_core.api.transfers import pow2_rows
 
 NAME = "update_tail"
 SCHEMA = (
@@ -57,18 +58,7 @@ def update_tail(
 
 
 def check_update_tail(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip, clip_eps
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     tensors = dict(loss_parts=loss_parts, parts=parts, group_slot=group_slot, mask=mask)
@@ -101,18 +91,7 @@ def check_update_tail(
 
 
 def reference(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip, clip_eps
 ) -> None:
     """Per group: ``losses = sum(loss_parts)``, ``norm = sqrt(sum(parts))``; ``valid`` = has
     a slot and rows; ``ok`` = valid with a finite loss and norm; ``scale`` =
@@ -134,22 +113,10 @@ def reference(
 
 
 def update_tail_launch(
-    loss_parts: torch.Tensor,
-    parts: torch.Tensor,
-    group_slot: torch.Tensor,
-    mask: torch.Tensor,
-    step: torch.Tensor,
-    applied: torch.Tensor | None,
-    losses: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    norm: torch.Tensor,
-    grad_clip: float,
-    clip_eps: float,
-    *,
-    block_g: int = 64,
-    num_warps: int = 4,
-) -> Launch | None:
+    loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip,
+    clip_eps,
+    *, block_g: int = 64, num_warps: int = 4,
+) -> Launch | None:  # fmt: skip
     """The update tail kernel's launch (None: no groups). Arguments as
     :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
     groups, rows = mask.shape
@@ -168,7 +135,7 @@ def update_tail_launch(
     )  # fmt: skip
     consts = dict(
         BLOCK_G=block_g,
-        BLOCK_M=min(64, next_power_of_2(max(rows, 1))),
+        BLOCK_M=min(64, pow2_rows(max(rows, 1))),
         HAS_CLIP=grad_clip >= 0,
         HAS_APPLIED=has_applied,
     )

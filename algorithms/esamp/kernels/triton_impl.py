@@ -83,44 +83,16 @@ def _grad_adam_kernel(
     w_ptr,  # [S, N, K] fp32 (strided view)
     m_ptr,  # [S, N, K] fp32 or bf16
     v_ptr,
-    M,
-    N,
-    K,
+    M, N, K,
     E_B,  # b's matrices: matrix e uses b[:, e % E_B] (1: shared)
-    s_ag,
-    s_ae,
-    s_am,
-    s_an,
-    s_bg,
-    s_be,
-    s_bm,
-    s_bk,
-    s_ws,
-    s_we,
-    s_wn,
-    s_wk,
-    s_ms,
-    s_me,
-    s_mn,
-    s_mk,
-    s_vs,
-    s_ve,
-    s_vn,
-    s_vk,
-    lr,
-    beta1,
-    beta2,
-    eps,
+    s_ag, s_ae, s_am, s_an, s_bg, s_be, s_bm, s_bk, s_ws, s_we, s_wn, s_wk,
+    s_ms, s_me, s_mn, s_mk, s_vs, s_ve, s_vn, s_vk,
+    lr, beta1, beta2, eps,
     # 1 - beta and log(beta), from the host's fp64 (1 - beta2 in fp32 is off by 1e-5)
-    one_minus_beta1,
-    one_minus_beta2,
-    log_beta1,
-    log_beta2,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    one_minus_beta1, one_minus_beta2, log_beta1, log_beta2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     # One [BLOCK_N, BLOCK_K] tile of one group's matrix: form that tile of the gradient in
     # registers, then Adam on it, reading and writing each element of w, m, v once.
     tile = tl.program_id(0)
@@ -177,33 +149,11 @@ def _slot_matmul_kernel(
     slot_ptr,  # [G] int
     out_ptr,  # [G, E, M, N] fp32 ([G, M, N] with REDUCE_E: the sum over e)
     add_ptr,  # [G, M, N] fp32, added to out (HAS_ADD; else a placeholder, never read)
-    M,
-    N,
-    K,
-    E,
-    s_xg,
-    s_xe,
-    s_xm,
-    s_xk,
-    s_ws,
-    s_we,
-    s_wk,
-    s_wn,
-    s_og,
-    s_oe,
-    s_om,
-    s_on,
-    s_cg,
-    s_cm,
-    s_cn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    REDUCE_E: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-):
+    M, N, K, E,
+    s_xg, s_xe, s_xm, s_xk, s_ws, s_we, s_wk, s_wn, s_og, s_oe, s_om, s_on, s_cg, s_cm, s_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, REDUCE_E: tl.constexpr, HAS_ADD: tl.constexpr,
+):  # fmt: skip
     # One [BLOCK_M, BLOCK_N] tile of out[g] (of matrix e, or summed over every e), over every
     # SPLIT_K-th BLOCK_K chunk of K (with SPLIT_K > 1 the partial sums are added atomically
     # into a zeroed out; the addend by part 0).
@@ -251,16 +201,10 @@ def _candidate_dot_kernel(
     rows_ptr,  # [N] int
     tokens_ptr,  # [N] int
     out_ptr,  # [N] fp32
-    N,
-    H,
-    s_wv,
-    s_fr,
-    s_rows,
-    s_tokens,
-    s_out,
-    BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    N, H,
+    s_wv, s_fr, s_rows, s_tokens, s_out,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     # BLOCK_P pairs: their head rows W[token] and prediction rows f[row] streamed along H in
     # BLOCK_H chunks; products summed in a [BLOCK_P, BLOCK_H] fp32 accumulator, reduced once.
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -288,26 +232,12 @@ def _loss_dy_kernel(
     mask_ptr,  # [G, M] bool as uint8
     parts_ptr,  # [G, L] fp32: the loss's share of each program
     dy_ptr,  # [G, M, H] fp32
-    M,
-    H,
+    M, H,
     CHUNK,  # hidden columns per program
-    s_hg,
-    s_hm,
-    s_hh,
-    s_tg,
-    s_tm,
-    s_th,
-    s_mg,
-    s_mm,
-    s_dg,
-    s_dm,
-    s_dh,
-    s_pg,
-    s_pl,
+    s_hg, s_hm, s_hh, s_tg, s_tm, s_th, s_mg, s_mm, s_dg, s_dm, s_dh, s_pg, s_pl,
     per_row,
-    BLOCK_M: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     # Columns [l * CHUNK, (l + 1) * CHUNK) of one group: its row count (the denominator),
     # then diff = h - t on its rows, summed squared into the loss part and scaled into dy
     # (0 on the rows not marked).
@@ -343,53 +273,19 @@ def _loss_dy_kernel(
 
 def _block_backward_kernel(
     dp_ptr,  # [G, M, I] fp32, and a, u, s, p the same shape
-    a_ptr,
-    u_ptr,
-    s_ptr,
-    p_ptr,
+    a_ptr, u_ptr, s_ptr, p_ptr,
     hin_ptr,  # [G, M, H] fp32, and dy
     dy_ptr,
     du_ptr,  # [G, M, I] fp32 out, and da
     da_ptr,
     parts_ptr,  # [G, T] fp32 out
-    M,
-    INTER,
-    HID,
+    M, INTER, HID,
     SPLIT_H,  # programs per row-tile pair, each over a share of H
-    s_dpg,
-    s_dpm,
-    s_dpi,
-    s_ag,
-    s_am,
-    s_ai,
-    s_ug,
-    s_um,
-    s_ui,
-    s_sg,
-    s_sm,
-    s_si,
-    s_pg,
-    s_pm,
-    s_pi,
-    s_hg,
-    s_hm,
-    s_hh,
-    s_yg,
-    s_ym,
-    s_yh,
-    s_dug,
-    s_dum,
-    s_dui,
-    s_dag,
-    s_dam,
-    s_dai,
-    s_tg,
-    s_tt,
-    BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    s_dpg, s_dpm, s_dpi, s_ag, s_am, s_ai, s_ug, s_um, s_ui, s_sg, s_sm, s_si, s_pg, s_pm, s_pi,
+    s_hg, s_hm, s_hh, s_yg, s_ym, s_yh, s_dug, s_dum, s_dui, s_dag, s_dam, s_dai, s_tg, s_tt,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
-):
+):  # fmt: skip
     # One (row tile ti, row tile tj) pair of one group and one share k of H: that tile of
     # the Gram matrices du du^T + da da^T and p p^T (over all of I) and of h_in h_in^T and
     # dy dy^T (over the share), reduced to the group's norm part: the sum is linear in the
@@ -468,30 +364,12 @@ def _update_tail_kernel(
     scale_ptr,  # [G] fp32 (out)
     norm_ptr,  # [G] fp32 (out)
     loss_ptr,  # [G] fp32 (out)
-    G,
-    L,
-    K,
-    M,
-    s_lg,
-    s_ll,
-    s_pg,
-    s_pk,
-    s_slot,
-    s_mg,
-    s_mm,
-    s_step,
-    s_app,
-    s_ok,
-    s_scale,
-    s_norm,
-    s_loss,
-    grad_clip,
-    clip_eps,
-    BLOCK_G: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_CLIP: tl.constexpr,
+    G, L, K, M,
+    s_lg, s_ll, s_pg, s_pk, s_slot, s_mg, s_mm, s_step, s_app, s_ok, s_scale, s_norm, s_loss,
+    grad_clip, clip_eps,
+    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HAS_CLIP: tl.constexpr,
     HAS_APPLIED: tl.constexpr,
-):
+):  # fmt: skip
     # BLOCK_G groups: norm, ok, clip scale, and their slots' step (and applied) counts.
     offs_g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
     in_g = offs_g < G
@@ -537,26 +415,11 @@ def _update_tail_kernel(
 
 def _silu_mul_kernel(
     a_ptr,  # [G, M, I] fp32, and u, s (out), p (out)
-    u_ptr,
-    s_ptr,
-    p_ptr,
-    M,
-    INTER,
-    s_ag,
-    s_am,
-    s_ai,
-    s_ug,
-    s_um,
-    s_ui,
-    s_sg,
-    s_sm,
-    s_si,
-    s_pg,
-    s_pm,
-    s_pi,
-    BLOCK_M: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-):
+    u_ptr, s_ptr, p_ptr,
+    M, INTER,
+    s_ag, s_am, s_ai, s_ug, s_um, s_ui, s_sg, s_sm, s_si, s_pg, s_pm, s_pi,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+):  # fmt: skip
     # One [BLOCK_M, BLOCK_I] tile of one group: s = silu(a) = a / (1 + exp(-a)), p = s * u.
     g = tl.program_id(1).to(tl.int64)
     tiles_i = (INTER + BLOCK_I - 1) // BLOCK_I
@@ -576,11 +439,9 @@ def _stale_max_kernel(
     slot_ptr,  # [G] int
     stale_ptr,  # [1] int64 (in/out)
     G,
-    s_sub,
-    s_app,
-    s_slot,
+    s_sub, s_app, s_slot,
     BLOCK_G: tl.constexpr,
-):
+):  # fmt: skip
     # One program: the largest lag submitted - applied over the groups with a slot.
     old = tl.load(stale_ptr)
     acc = tl.full((BLOCK_G,), 0, tl.int64) + old

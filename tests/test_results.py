@@ -1,0 +1,234 @@
+"""Per-request results returned with the completion (issue 45 item 2): a request asks with
+``tllm_results``; each named consumer's ``request_result`` travels back on its completion
+(offline: ``completion.tllm``; the kit: ``kit.results``), bounded, validated before
+generation. Values are checked against transformers on the same tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import ENGINE_KW
+from reference import hf_states
+
+from tllm_core.api.results import decode_results, encode, json_bytes
+
+
+def test_arrays_round_trip_through_json():
+    import json
+
+    value = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": [np.int64(3), np.array([1, 2], np.int64)],
+        "c": torch.ones(2, dtype=torch.bfloat16),
+        "text": "x",
+    }
+    wire = json.loads(json.dumps(encode(value)))
+    back = decode_results(wire)
+    assert back["a"].dtype == np.float32 and back["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert back["b"][0] == 3 and back["b"][1].tolist() == [1, 2]
+    assert back["c"].dtype == np.float32 and back["c"].tolist() == [1.0, 1.0]
+    assert back["text"] == "x"
+    assert json_bytes(encode(value)) == len(json.dumps(encode(value), separators=(",", ":")))
+
+
+def test_the_result_store_is_bounded_and_refuses_large_results():
+    from tllm_core.api.counters import Counters
+    from tllm_core.api.rows import RequestInfo
+    from tllm_core.runtime.request_results import ResultStore
+
+    counters = Counters()
+    store = ResultStore(counters, max_result_bytes=2048, max_requests=3)
+
+    def req(i: int) -> RequestInfo:
+        return RequestInfo(f"r{i}-abcdefgh", f"r{i}", i, 0, 4)
+
+    store.put(req(0), "c", np.zeros(2000, np.float32))  # ~10.7 kB of base64: refused
+    got = store.take(["r0"])["r0"][0]["c"]
+    assert "past this engine's limit of 2048" in got["error"] and got["bytes"] > 2048
+    for i in range(1, 6):
+        store.put(req(i), "c", {"v": i})
+    assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
+    assert store.take(["r1", "r5"]) == {"r5": {0: {"c": {"v": 5}}}}
+    assert counters.snapshot()["results_made"] == 5 and counters.snapshot()["results_refused"] == 1
+
+
+def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"out": None, "layers": [0, -1], "phase": "all"}
+    kit = ConsumerKit(tiny_model, [{"name": "export", "config": cfg}])
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    out = kit.generate(
+        prompts,
+        max_tokens=3,
+        temperature=0.0,
+        extra_args=[{"tllm_results": "export"}, None],
+    )
+    assert set(kit.results) == {(0, 0)}  # the second request did not ask
+    got = kit.results[(0, 0)]["export"]
+    tokens = prompts[0] + out[0][0]
+    assert got["positions"].tolist() == list(range(len(tokens) - 1))
+    assert got["token_ids"].tolist() == tokens[:-1]
+    ref = hf_states(tiny_model, tokens[:-1])
+    for key in ("layer.0", "layer.3"):
+        assert got[key].shape == (len(tokens) - 1, ref[key].shape[-1])
+        torch.testing.assert_close(torch.from_numpy(got[key]), ref[key], rtol=1e-4, atol=1e-4)
+    report = kit.close()
+    assert report["runtime"]["results_made.export"] == 1
+    assert report["consumers"]["export"]["rows_returned"] == len(tokens) - 1
+    assert report["results"]["export"]["out"] is None  # no files
+
+
+def test_asking_is_checked_before_generation(tiny_model):
+    from tllm_core.testing import ConsumerKit
+
+    kit = ConsumerKit(tiny_model, [{"name": "stats", "config": {}}])
+    with pytest.raises(ValueError, match=r"tllm_results.*'nope'.*not configured"):
+        kit.generate([[3, 4]], max_tokens=1, extra_args={"tllm_results": "nope"})
+    with pytest.raises(ValueError, match=r"tllm_results.*comma-separated"):
+        kit.generate([[3, 4]], max_tokens=1, extra_args={"tllm_results": 3})
+
+
+@torch.no_grad()
+def test_tllm_llm_returns_exported_rows_on_each_completion(tiny_model, engines):
+    """Offline, V1: two samples of one prompt ask, a concurrent prompt does not."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from tllm_core import TllmLLM
+
+    spec = {"name": "export", "config": {"out": None, "layers": [1], "phase": "generated[0:4]"}}
+    llm = engines.get(
+        ("results-export", tiny_model),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
+    ask = SamplingParams(
+        n=2, max_tokens=6, temperature=1.0, seed=1, extra_args={"tllm_results": "export"}
+    )
+    plain = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    outs = llm.generate(prompts, [ask, plain], use_tqdm=False)
+    assert not hasattr(outs[1].outputs[0], "tllm")
+    assert len(outs[0].outputs) == 2
+    for c in outs[0].outputs:
+        got = c.tllm["export"]
+        tokens = [5, 6, 7, 8, *c.token_ids]
+        # generated[0:4]: positions 4..7 (the first four generated tokens fed back)
+        assert got["positions"].tolist() == [4, 5, 6, 7]
+        assert got["token_ids"].tolist() == tokens[4:8]
+        ref = hf_states(tiny_model, tokens[:8])["layer.1"][4:8]
+        torch.testing.assert_close(torch.from_numpy(got["layer.1"]), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_model, tmp_path):
+    """The issue's "done when": the OpenAI Python client asks for export's rows and gets them
+    in the response, non-streamed and streamed, equal to transformers; a request whose rows
+    could pass the server's limit gets HTTP 400 and the server goes on; a concurrent request
+    that did not ask gets no results."""
+    import concurrent.futures
+
+    import openai
+    from serve_util import tllm_serve
+
+    import tllm_core
+
+    spec = {"out": None, "layers": [0, -1], "phase": "all"}
+    args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
+    args += ["--max-result-kib", "64", "--max-model-len", "512", "--kv-cache-gib", "1"]
+    args += ["--", "--enforce-eager"]
+    log = tmp_path / "serve.log"
+    prompt = [5, 6, 7, 8, 9]
+    ask = {"vllm_xargs": {"tllm_results": "export"}}
+    with tllm_serve(args, log) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+
+        def complete(body: dict, **kw):
+            return client.completions.create(
+                model="default", prompt=prompt, temperature=0.0, extra_body=body, **kw
+            )
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            asked = pool.submit(complete, ask, max_tokens=6, logprobs=0)
+            plain = pool.submit(complete, {}, max_tokens=6)
+            r, p = asked.result(timeout=300), plain.result(timeout=300)
+        assert getattr(p, "tllm", None) is None  # did not ask: no results
+        [entry] = r.tllm
+        got = tllm_core.decode_results(entry)
+        generated = client.completions.create(
+            model="default", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0
+        )
+        assert r.choices[0].text == generated.choices[0].text
+        rows = got["export"]
+        n = len(rows["positions"])
+        assert rows["positions"].tolist() == list(range(n)) and n == len(prompt) + 5
+        ref = hf_states(tiny_model, rows["token_ids"].tolist())
+        assert rows["token_ids"].tolist()[: len(prompt)] == prompt
+        for key in ("layer.0", "layer.3"):
+            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-3, atol=1e-3)
+
+        # Streamed: the results arrive in one event before [DONE].
+        events = list(complete(ask, max_tokens=6, stream=True))
+        text = "".join(e.choices[0].text for e in events if e.choices)
+        assert text == r.choices[0].text
+        [last] = [e for e in events if getattr(e, "tllm", None)]
+        streamed = tllm_core.decode_results(last.tllm[0])["export"]
+        np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
+
+        # Past the limit: 2 keys x 300 rows x hidden 64 x 4 bytes > 64 KiB: refused first.
+        with pytest.raises(openai.BadRequestError) as ei:
+            complete(ask, max_tokens=300)
+        assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
+        again = complete(ask, max_tokens=3)  # the server goes on
+        assert len(tllm_core.decode_results(again.tllm[0])["export"]["positions"]) == 7
+    assert "Traceback" not in log.read_text()
+
+
+def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
+    """``stats`` returns its per-request figures and ``sae`` each token's top features, both
+    equal to what transformers' hidden states give on the same tokens."""
+    from consumers.sae.loader import save_sae
+    from consumers.sae.model import SparseAutoencoder
+    from tllm_core.testing import ConsumerKit
+
+    g = torch.Generator().manual_seed(3)
+    d_in, d_sae, k = 128, 64, 4
+    w_enc = torch.randn(d_in, d_sae, generator=g) / d_in**0.5
+    path = save_sae(
+        SparseAutoencoder(
+            W_enc=w_enc,
+            b_enc=torch.zeros(d_sae),
+            W_dec=torch.randn(d_sae, d_in, generator=g),
+            b_dec=torch.zeros(d_in),
+            architecture="standard",
+        ),
+        tmp_path / "sae",
+    )
+    sae = {"path": path, "site": 1, "top_k": k, "phase": "decode"}
+    kit = ConsumerKit(
+        tiny_model,
+        [{"name": "stats", "config": {"layers": [1]}}, {"name": "sae", "config": sae}],
+    )
+    prompt = [3, 4, 5, 6]
+    out = kit.generate(
+        [prompt], max_tokens=5, temperature=0.0, extra_args={"tllm_results": "stats,sae"}
+    )
+    got = kit.results[(0, 0)]
+    tokens = prompt + out[0][0]
+    h = hf_states(tiny_model, tokens[:-1])["layer.1"]
+    figures = got["stats"]["layer.1"]
+    assert figures["rows"] == len(tokens) - 1
+    assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
+    assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
+    feats = got["sae"]
+    dec = h[len(prompt) :]  # decode rows: positions 4.. (the generated tokens fed back)
+    assert feats["positions"].tolist() == list(range(len(prompt), len(tokens) - 1))
+    acts = torch.relu(dec @ w_enc)
+    top = torch.topk(acts, k, dim=-1)
+    for row in range(len(dec)):
+        assert set(feats["features"][row].tolist()) == set(top.indices[row].tolist())
+        np.testing.assert_allclose(
+            np.sort(feats["values"][row]), np.sort(top.values[row].numpy()), rtol=1e-3, atol=1e-4
+        )

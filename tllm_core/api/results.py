@@ -1,0 +1,181 @@
+"""Per-request results: what a consumer computed for one request, returned with its completion.
+
+A request asks for them with the generic key ``tllm_results`` (``vllm_xargs`` in the server,
+``SamplingParams.extra_args`` offline): comma-separated names of configured consumers that
+make per-request results (they override :meth:`Consumer.request_result
+<tllm_core.api.consumer.Consumer.request_result>`). After the request (one sample) finished,
+each named consumer's ``request_result(request)`` is called on the consumer's thread; its
+value travels back with the completion:
+
+- offline, ``TllmLLM.generate`` / ``chat`` set ``completion.tllm`` on each
+  ``CompletionOutput`` of a request that asked: ``{consumer: value}``, arrays as NumPy arrays;
+- the OpenAI-compatible server adds ``"tllm": [{"index": i, consumer: value, ...}, ...]`` to
+  the response (to the last event before ``data: [DONE]`` of a stream), arrays encoded as
+  ``{"dtype", "shape", "b64"}`` (:func:`encode_array`); :func:`decode_results` turns them into
+  NumPy arrays (NumPy only: a client needs neither torch nor tllm's engine).
+
+A result is bounded: past ``max_result_bytes`` (its JSON size; a runtime setting) it is
+replaced by ``{"error": ...}`` saying so, and the server refuses before generation a request
+whose result a consumer can bound (:meth:`Consumer.result_bytes`) past the limit.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tllm_core.api.request_settings import RESULTS_KEY
+
+__all__ = ["RESULTS_KEY", "asked_results", "decode_results", "encode", "encode_array"]
+# What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
+ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
+# The dtypes an array keeps (others are cast to float32 or int64).
+KEPT_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
+def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args") -> list[str]:
+    """The consumers whose results a request asks for (``tllm_results``, comma-separated), in
+    order; a value that is not a string is a ``ValueError`` naming ``where``."""
+    raw = (extra_args or {}).get(RESULTS_KEY, "")
+    if not isinstance(raw, str):
+        raise ValueError(
+            f"{where}[{RESULTS_KEY!r}] must be a comma-separated string of consumer names (e.g. "
+            f'"export,stats"), got {type(raw).__name__}'
+        )
+    out: list[str] = []
+    for name in (n.strip() for n in raw.split(",")):
+        if name and name not in out:
+            out.append(name)
+    return out
+
+
+def encode_array(a: Any) -> dict[str, Any]:
+    """A tensor or array as JSON: ``{"dtype", "shape", "b64"}`` (little-endian bytes)."""
+    if hasattr(a, "detach"):  # a torch tensor, without importing torch here
+        t = a.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()  # NumPy has no bfloat16
+        a = t.numpy()
+    arr = np.asarray(a)
+    if arr.dtype.name not in KEPT_DTYPES:
+        arr = arr.astype(np.float32 if arr.dtype.kind == "f" else np.int64)
+    arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+    return {
+        "dtype": arr.dtype.name,
+        "shape": list(arr.shape),
+        "b64": base64.b64encode(arr.tobytes()).decode("ascii"),
+    }
+
+
+def encode(value: Any) -> Any:
+    """``value`` with every tensor and array (at any depth of dicts, lists and tuples) encoded
+    by :func:`encode_array`, and NumPy scalars as Python numbers: JSON-able."""
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) or hasattr(value, "detach"):
+        return encode_array(value)
+    return value
+
+
+def decode_results(value: Any) -> Any:
+    """The inverse of :func:`encode`: every ``{"dtype", "shape", "b64"}`` becomes a NumPy
+    array (read-only view of the decoded bytes is copied: the array is writable)."""
+    if isinstance(value, Mapping):
+        if set(value) == ARRAY_FIELDS:
+            raw = base64.b64decode(value["b64"])
+            dtype = np.dtype(value["dtype"]).newbyteorder("<")
+            return np.frombuffer(raw, dtype=dtype).reshape(value["shape"]).copy()
+        return {k: decode_results(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_results(v) for v in value]
+    return value
+
+
+def json_bytes(value: Any) -> int:
+    """The size of an encoded value as compact JSON (what the server sends)."""
+    return len(json.dumps(value, separators=(",", ":"), allow_nan=True))
+
+
+def array_json_bytes(num_values: int, itemsize: int) -> int:
+    """An upper bound of :func:`encode_array`'s JSON size for ``num_values`` items of
+    ``itemsize`` bytes (base64: 4 characters per 3 bytes, plus the fields)."""
+    return 4 * ((num_values * itemsize + 2) // 3) + 96
+
+
+class RequestRows:
+    """Per-request rows a consumer keeps for the results of the requests that ask: columns of
+    arrays or tensors (row-major, one entry per row) added step by step, concatenated when
+    taken. At most ``limit`` bytes per request (base64 counted): past it the request's
+    result is an error saying so and its rows are let go at once."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit = int(limit)
+        self.what = what
+        self._rows: dict[str, dict[str, list[Any]]] = {}
+        self._bytes: dict[str, int] = {}
+        self._over: dict[str, int] = {}
+        self._lost: set[str] = set()
+
+    def add(self, engine_id: str, **columns: Any) -> None:
+        if engine_id in self._lost:
+            return
+        size = sum(_nbytes(v) for v in columns.values())
+        if engine_id in self._over:
+            self._over[engine_id] += size
+            return
+        kept = self._rows.setdefault(engine_id, {})
+        for k, v in columns.items():
+            kept.setdefault(k, []).append(v)
+        total = self._bytes[engine_id] = self._bytes.get(engine_id, 0) + size
+        if total * 4 // 3 > self.limit:
+            self._rows.pop(engine_id, None)
+            self._over[engine_id] = self._bytes.pop(engine_id)
+
+    def lose(self, engine_id: str) -> None:
+        """Rows of the request were dropped (a full queue): its result says so."""
+        self._rows.pop(engine_id, None)
+        self._bytes.pop(engine_id, None)
+        self._lost.add(engine_id)
+
+    def take(self, engine_id: str, empty: dict[str, Any]) -> dict[str, Any]:
+        """The request's columns (``empty`` when it kept no row), or an error; forgotten."""
+        if engine_id in self._lost:
+            self._lost.discard(engine_id)
+            self._over.pop(engine_id, None)
+            return {
+                "error": f"{self.what}: rows of this request were dropped (a full queue: "
+                'overflow "drop"); its result would have holes'
+            }
+        over = self._over.pop(engine_id, None)
+        if over is not None:
+            return {
+                "error": f"{self.what}: this request's rows hold more than {over} bytes, past "
+                f"this engine's limit of {self.limit} (setting max_result_bytes); ask for "
+                "fewer rows (a narrower window, fewer layers or tokens)",
+                "limit": self.limit,
+            }
+        kept = self._rows.pop(engine_id, None)
+        self._bytes.pop(engine_id, None)
+        if kept is None:
+            return dict(empty)
+        return {k: _concat(parts) for k, parts in kept.items()}
+
+
+def _nbytes(v: Any) -> int:
+    return int(v.numel() * v.element_size()) if hasattr(v, "element_size") else int(v.nbytes)
+
+
+def _concat(parts: list[Any]) -> Any:
+    if hasattr(parts[0], "detach"):
+        import torch
+
+        return torch.cat(parts)
+    return np.concatenate(parts)

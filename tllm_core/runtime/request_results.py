@@ -1,0 +1,95 @@
+"""The engine side of per-request results (``tllm_core/api/results.py``): made on the
+consumers' threads when a request finishes, kept until the front end takes them.
+
+Bounded twice: each result by ``max_result_bytes`` (a larger one is replaced by an error
+saying so, counted ``results_refused``), the whole store by ``max_requests`` requests and
+``max_bytes`` bytes (the oldest dropped, counted ``results_expired``: a client that went away
+never takes its results, and a server must not keep them for ever).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from tllm_core.api.counters import Counters
+from tllm_core.api.results import encode, json_bytes
+from tllm_core.api.rows import RequestInfo
+
+DEFAULT_MAX_REQUESTS = 4096
+
+
+class ResultStore:
+    """Caller request id -> sample index -> consumer -> its encoded result."""
+
+    def __init__(
+        self,
+        counters: Counters,
+        max_result_bytes: int,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.counters = counters
+        self.max_result_bytes = int(max_result_bytes)
+        self.max_requests = int(max_requests)
+        self.max_bytes = int(max_bytes) if max_bytes is not None else 8 * self.max_result_bytes
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self._total = 0
+
+    def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
+        """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread)."""
+        try:
+            out = encode(value)
+            size = json_bytes(out)
+        except (TypeError, ValueError) as e:
+            out = {"error": f"{consumer}: its result is not JSON-able: {e}"}
+            size = json_bytes(out)
+            self.counters.add("results_failed")
+        if size > self.max_result_bytes:
+            self.counters.add("results_refused")
+            out = {
+                "error": f"{consumer}: this request's result has {size} bytes, past this "
+                f"engine's limit of {self.max_result_bytes} (setting max_result_bytes); ask "
+                "for fewer rows (a narrower window, fewer layers or tokens)",
+                "bytes": size,
+                "limit": self.max_result_bytes,
+            }
+            size = json_bytes(out)
+        elif not (isinstance(out, dict) and "error" in out):
+            self.counters.add("results_made")
+            self.counters.add(f"results_made.{consumer}")
+        rid = request.request_id
+        with self._lock:
+            self._kept.setdefault(rid, {}).setdefault(request.sample_index, {})[consumer] = out
+            self._kept.move_to_end(rid)
+            self._sizes[rid] = self._sizes.get(rid, 0) + size
+            self._total += size
+            while self._kept and (
+                len(self._kept) > self.max_requests or self._total > self.max_bytes
+            ):
+                old, _ = self._kept.popitem(last=False)
+                self._total -= self._sizes.pop(old, 0)
+                self.counters.add("results_expired")
+
+    def take(self, request_ids: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
+        """The results kept for these caller ids, removed from the store (those made later
+        are taken by a later call)."""
+        out: dict[str, dict[int, dict[str, Any]]] = {}
+        with self._lock:
+            for rid in request_ids:
+                got = self._kept.pop(rid, None)
+                if got is not None:
+                    out[rid] = got
+                    self._total -= self._sizes.pop(rid, 0)
+        if out:
+            self.counters.add(
+                "results_taken", sum(len(v) for s in out.values() for v in s.values())
+            )
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
