@@ -31,8 +31,10 @@ from tllm_core import (
     ReadPort,
     RequestInfo,
     RequestRows,
+    RequestSettings,
     SampledTokens,
     TokenPort,
+    WindowSetting,
     as_selector,
     parse_port_name,
 )
@@ -110,6 +112,13 @@ class ExportConfig(ConsumerConfig):
         return self
 
 
+class ExportRequest(RequestSettings):
+    window: WindowSetting = Field(
+        None,
+        description="Rows of this request to export, within the config's 'phase'.",
+    )
+
+
 class ExportConsumer(Consumer):
     name = "export"
     proof_counter = "rows_exported"
@@ -118,6 +127,10 @@ class ExportConsumer(Consumer):
         "sharded safetensors files plus a JSON manifest."
     )
     Config = ExportConfig
+    Request = ExportRequest
+    # Sampled tokens complete each request's token ids: a request's window narrows the
+    # exported rows only.
+    request_window_rows = frozenset({"token"})
     delivery = Delivery.BACKGROUND
 
     config: ExportConfig  # the registry builds it from the spec (validated there, once)
@@ -179,7 +192,7 @@ class ExportConsumer(Consumer):
             before_first_write=self.layout.clean_root,
         )
         self._table = RequestTable(
-            self.path, self.writer.prepare, lambda: self.writer.error, self.phase
+            self.path, self.writer.prepare, lambda: self.writer.error, self.phase, self
         )
 
     # -- ports ------------------------------------------------------------------------------

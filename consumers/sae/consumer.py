@@ -66,6 +66,9 @@ class SaeConsumer(Consumer):
     )
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
+    # Sampled tokens complete the records' token ids: a request's window narrows the
+    # encoded rows only.
+    request_window_rows = frozenset({"token"})
 
     config: SaeConfig  # the registry builds it from the spec (validated there, once)
 
@@ -134,6 +137,7 @@ class SaeConsumer(Consumer):
                 self.describe,
                 layout,
                 self.phase,
+                self,
             )
 
     # -- helpers ------------------------------------------------------------------------
