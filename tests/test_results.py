@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_KW
-from reference import hf_states
+from reference import hf_model, hf_states
 
 from tllm_core.api.results import decode_results, encode, json_bytes
 
@@ -141,7 +141,8 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
     args += ["--", "--enforce-eager"]
     log = tmp_path / "serve.log"
     prompt = [5, 6, 7, 8, 9]
-    ask = {"vllm_xargs": {"tllm_results": "export"}}
+    # export's rows of a window of this request: its first three generated tokens
+    ask = {"vllm_xargs": {"tllm_results": "export", "tllm_export_window": "generated[0:3]"}}
     with tllm_serve(args, log) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
@@ -151,23 +152,27 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
             )
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            asked = pool.submit(complete, ask, max_tokens=6, logprobs=0)
+            asked = pool.submit(complete, ask, max_tokens=6)
             plain = pool.submit(complete, {}, max_tokens=6)
             r, p = asked.result(timeout=300), plain.result(timeout=300)
         assert getattr(p, "tllm", None) is None  # did not ask: no results
         [entry] = r.tllm
         got = tllm_core.decode_results(entry)
         generated = client.completions.create(
-            model="default", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0
+            model="default", prompt=prompt, max_tokens=6, temperature=0.0
         )
         assert r.choices[0].text == generated.choices[0].text
         rows = got["export"]
-        n = len(rows["positions"])
-        assert rows["positions"].tolist() == list(range(n)) and n == len(prompt) + 5
-        ref = hf_states(tiny_model, rows["token_ids"].tolist())
-        assert rows["token_ids"].tolist()[: len(prompt)] == prompt
+        assert rows["positions"].tolist() == [5, 6, 7]
+        tokens = prompt + rows["token_ids"].tolist()  # the first 3 generated tokens
+        with torch.no_grad():  # ... are transformers' greedy choices
+            logits = hf_model(tiny_model)(torch.tensor([tokens])).logits[0]
+        assert logits[4:7].argmax(-1).tolist() == tokens[5:8]
+        ref = hf_states(tiny_model, tokens)
         for key in ("layer.0", "layer.3"):
-            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(
+                torch.from_numpy(rows[key]), ref[key][5:8], rtol=1e-3, atol=1e-3
+            )
 
         # Streamed: the results arrive in one event before [DONE].
         events = list(complete(ask, max_tokens=6, stream=True))
@@ -177,12 +182,13 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
         streamed = tllm_core.decode_results(last.tllm[0])["export"]
         np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
 
-        # Past the limit: 2 keys x 300 rows x hidden 64 x 4 bytes > 64 KiB: refused first.
+        # Past the limit: all rows (the config's window), 2 keys x 300 rows x hidden 128 x 4
+        # bytes > 64 KiB: refused before generating.
         with pytest.raises(openai.BadRequestError) as ei:
-            complete(ask, max_tokens=300)
+            complete({"vllm_xargs": {"tllm_results": "export"}}, max_tokens=300)
         assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
         again = complete(ask, max_tokens=3)  # the server goes on
-        assert len(tllm_core.decode_results(again.tllm[0])["export"]["positions"]) == 7
+        assert tllm_core.decode_results(again.tllm[0])["export"]["positions"].tolist() == [5, 6]
     assert "Traceback" not in log.read_text()
 
 

@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         phase_mask,
         request_runs,
         row_mask,
+        window_rows,
     )
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
@@ -91,6 +92,7 @@ __all__ = [
     "phase_mask",
     "row_mask",
     "max_rows",
+    "window_rows",
     "decode_results",
     "RequestRows",
     "as_selector",
@@ -209,6 +211,7 @@ _HOME = MappingProxyType(
         "phase_mask": "tllm_core.api.rows",
         "row_mask": "tllm_core.api.rows",
         "max_rows": "tllm_core.api.rows",
+        "window_rows": "tllm_core.api.rows",
         "decode_results": "tllm_core.api.results",
         "RequestRows": "tllm_core.api.results",
         "as_selector": "tllm_core.api.ports",

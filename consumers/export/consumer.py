@@ -361,7 +361,9 @@ class ExportConsumer(Consumer):
         itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
         selector = as_selector(config.phase, "export: phase")
         keys = len(dict.fromkeys(str(k) for k in config.layers))
-        return returned_bound(selector, keys, hidden_size, itemsize, prompt_tokens, max_tokens)
+        return returned_bound(
+            selector, extra_args, keys, hidden_size, itemsize, prompt_tokens, max_tokens
+        )
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:

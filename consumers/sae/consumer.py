@@ -48,7 +48,7 @@ from tllm_core import (
     SampledTokens,
     WritePort,
     as_selector,
-    max_rows,
+    window_rows,
 )
 from tllm_core.api.results import array_json_bytes
 
@@ -341,7 +341,8 @@ class SaeConsumer(Consumer):
 
     @classmethod
     def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
-        rows = max_rows(as_selector(config.phase, "sae: phase"), prompt_tokens, max_tokens)
+        selector = as_selector(config.phase, "sae: phase")
+        rows = window_rows(cls.name, selector, extra_args, prompt_tokens, max_tokens)
         return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
 
     def _take_sampled(self, bundle: Bundle) -> None:

@@ -283,6 +283,20 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
     return min(prompt + generated, sum(max_rows(p, prompt, generated) for p in selector.parts))
 
 
+def window_rows(
+    consumer: str, selector: Any, extra_args: dict[str, Any] | None, prompt: int, generated: int
+) -> int:
+    """:func:`max_rows` of a consumer's ports (``selector``), narrowed by the request's own
+    window (``tllm_{consumer}_window``) when it sets one: a result's bound."""
+    rows = max_rows(selector, prompt, generated)
+    text = (extra_args or {}).get(f"tllm_{consumer}_window")
+    if isinstance(text, str):
+        from tllm_core.api.ports import as_selector
+
+        rows = min(rows, max_rows(as_selector(text, "window"), prompt, generated))
+    return rows
+
+
 def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:
     """Which rows ``selector`` (a Phase, Window or AnyOf) keeps; ``num_prompt`` a callable
     giving the rows' prompt lengths (built only when a window needs it)."""
