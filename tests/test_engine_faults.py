@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from cli_util import SMALL_ENGINE
@@ -370,11 +371,22 @@ def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_pat
 
     log = tmp_path / "serve.log"
     before = shm_entries()
-    argv = ["serve", "--model", tiny_model, "--consumer", "stats", "--port", str(free_port())]
+    port = free_port()
+    out = tmp_path / "x"
+    spec = json.dumps({"out": str(out), "layers": [0], "shard_rows": 2})
+    argv = ["serve", "--model", tiny_model, "--consumer", f"export:{spec}", "--port", str(port)]
     argv += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
     proc = start(argv, log)
     try:
         wait_for(log, "tllm: ready", proc, 300)
+        body = json.dumps({"model": "default", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:  # some shards written
+            assert r.status == 200
         pids = set(descendants(proc.pid))
         core = _engine_core(proc.pid)
         os.kill(core, signal.SIGKILL)
@@ -388,6 +400,9 @@ def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_pat
     assert errors and "engine" in errors[-1], text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+    # The export kept what it wrote and says why it is incomplete.
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and "engine failed" in manifest["run_error"]
 
 
 # -- a stop signal while a consumer callback hangs -----------------------------------------------

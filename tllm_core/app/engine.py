@@ -153,6 +153,23 @@ def _salted(prompt: Any, salt: str | None) -> Any:
     return prompt
 
 
+def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) -> None:
+    """The plugins' ``tllm_run_failed`` hooks, once every engine process is gone after a
+    fault (an export marks its manifest with ``cause``), each on its own: one that fails is
+    named in a warning and the others still run."""
+    hook = checked.registry.pm.hook.tllm_run_failed
+    for impl in hook.get_hookimpls():
+        try:
+            impl.function(consumers=list(checked.specs), cause=cause, started_at=started_at)
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
+            log.warning(
+                "tllm: plugin %r's tllm_run_failed failed (%s: %s)",
+                impl.plugin_name,
+                type(e).__name__,
+                e,
+            )
+
+
 class TllmLLM:
     """A vLLM ``LLM`` whose engine runs tllm consumers.
 
@@ -464,21 +481,7 @@ class TllmLLM:
                 if hung is not None
                 else EngineDiedError(self._watch.death)
             )
-        hook = self._checked.registry.pm.hook.tllm_run_failed
-        for impl in hook.get_hookimpls():
-            try:
-                impl.function(
-                    consumers=list(self._checked.specs),
-                    cause=str(died),
-                    started_at=self._started_at,
-                )
-            except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
-                log.warning(
-                    "tllm: plugin %r's tllm_run_failed failed (%s: %s)",
-                    impl.plugin_name,
-                    type(e).__name__,
-                    e,
-                )
+        tell_run_failed(self._checked, str(died), self._started_at)
 
     def __enter__(self) -> TllmLLM:
         return self

@@ -181,7 +181,7 @@ def _announce_when_ready(url: str, timeout: float = 3600) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tllm_core.app.engine import validate_consumers
+    from tllm_core.app.engine import tell_run_failed, validate_consumers
 
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
@@ -252,6 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not follower:  # a multi-node leader tells its followers when it is asked to stop
         signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
     pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)
+    started_at = time.time()  # files older than this are not this server's (tllm_run_failed)
     with signals.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
@@ -264,11 +265,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(f"error: {signals.nodes.lost()}")
         _exit(1)
     if hung is not None and signals.received() is None:
-        say(f"error: the server stopped itself: {hung.message()}, at {hung.where()}")
+        cause = f"the server stopped itself: {hung.message()}, at {hung.where()}"
+        tell_run_failed(checked, cause, started_at)
+        say(f"error: {cause}")
         _exit(1)
     if not follower and signals.received() is None:
         # Nobody asked it to stop: the engine failed (its errors are above).
-        say("error: the server stopped on its own: its engine failed (errors above)")
+        cause = "the server stopped on its own: its engine failed (errors in its log)"
+        tell_run_failed(checked, cause, started_at)
+        say(f"error: {cause.replace('in its log', 'above')}")
         _exit(1)
     say("headless node stopped" if follower else "server stopped")
     if last is not None:
