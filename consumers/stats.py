@@ -11,6 +11,7 @@ from tllm_core import (
     Bundle,
     Consumer,
     ConsumerConfig,
+    PlannedRequest,
     Plot,
     RequestInfo,
     RequestSettings,
@@ -117,7 +118,7 @@ class StatsConsumer(Consumer):
         return {key: _figures(r, s, m) for key, (r, s, m) in per_key.items()}
 
     @classmethod
-    def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
+    def result_bytes(cls, config: StatsConfig, request: PlannedRequest) -> int:
         return 128 * len(config.layers)  # three numbers per port
 
     def result(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import torch
 from conftest import ENGINE_KW
 from reference import hf_model, hf_states
 
+from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import decode_results, encode, json_bytes
 
 
@@ -274,3 +275,23 @@ def test_tllm_run_results_on_v1_and_v2(tiny_model, runner):
             )
     bad = run_cli("run", "--model", tiny_model, "--consumer", "stats", "--results", "nope")
     assert bad.returncode == 2 and "--results" in bad.stderr and "'nope'" in bad.stderr
+
+
+def test_result_bounds_follow_the_window_and_the_request():
+    """The bound the server checks before generating: rows of the config's window, narrowed
+    by the request's own, times the ports' widths (base64), plus positions and token ids."""
+    from tllm_core.api.results import PlannedRequest
+    from tllm_core.plugins.registry import Registry
+    from tllm_core.serving.keys import EngineConsumers, result_bounds
+
+    registry = Registry()
+    spec = {"name": "export", "config": {"out": None, "layers": [0, 1], "phase": "all"}}
+    specs = [ConsumerSpec.coerce(spec)]
+    engine = EngineConsumers.of(specs, registry.check(specs), registry)
+    ask = {"tllm_results": "export"}
+    every = result_bounds(PlannedRequest(10, 20, 64, ask), engine)["export"]
+    # 30 rows x 2 ports x 64 floats x 4 bytes, as base64, plus two int64 columns
+    assert 4 * 30 * 2 * 64 * 4 // 3 < every <= 4 * 30 * 2 * 64 * 4 // 3 + 2048
+    last = {**ask, "tllm_export_window": "last_prompt"}
+    assert result_bounds(PlannedRequest(10, 20, 64, last), engine)["export"] < every / 20
+    assert result_bounds(PlannedRequest(10, 20, 64, {}), engine) == {}

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.producer import LayerProducer, Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.results import RequestRows, decode_results
+    from tllm_core.api.results import PlannedRequest, RequestRows, decode_results
     from tllm_core.api.rows import (
         RequestInfo,
         RowInfo,
@@ -95,6 +95,7 @@ __all__ = [
     "window_rows",
     "decode_results",
     "RequestRows",
+    "PlannedRequest",
     "as_selector",
     "request_runs",
     "residual_port",
@@ -214,6 +215,7 @@ _HOME = MappingProxyType(
         "window_rows": "tllm_core.api.rows",
         "decode_results": "tllm_core.api.results",
         "RequestRows": "tllm_core.api.results",
+        "PlannedRequest": "tllm_core.api.results",
         "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",

@@ -28,6 +28,7 @@ from tllm_core import (
     ConsumerContext,
     Delivery,
     Phase,
+    PlannedRequest,
     ReadPort,
     RequestInfo,
     RequestRows,
@@ -349,21 +350,11 @@ class ExportConsumer(Consumer):
             return self._returned.take(request.engine_id, _NO_ROWS)
 
     @classmethod
-    def result_bytes(
-        cls,
-        config: ConsumerConfig,
-        extra_args: dict[str, Any],
-        prompt_tokens: int,
-        max_tokens: int,
-        hidden_size: int,
-    ) -> int | None:
+    def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
         assert isinstance(config, ExportConfig)
         itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
-        selector = as_selector(config.phase, "export: phase")
         keys = len(dict.fromkeys(str(k) for k in config.layers))
-        return returned_bound(
-            selector, extra_args, keys, hidden_size, itemsize, prompt_tokens, max_tokens
-        )
+        return returned_bound(as_selector(config.phase, "export: phase"), keys, itemsize, request)
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from tllm_core import (
     Delivery,
     EditPlan,
     Phase,
+    PlannedRequest,
     ReadPort,
     RequestInfo,
     RequestRows,
@@ -340,9 +341,8 @@ class SaeConsumer(Consumer):
         return self._returned.take(request.engine_id, self._no_rows)
 
     @classmethod
-    def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
-        selector = as_selector(config.phase, "sae: phase")
-        rows = window_rows(cls.name, selector, extra_args, prompt_tokens, max_tokens)
+    def result_bytes(cls, config: SaeConfig, request: PlannedRequest) -> int:
+        rows = window_rows(cls.name, as_selector(config.phase, "sae: phase"), request)
         return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
 
     def _take_sampled(self, bundle: Bundle) -> None:

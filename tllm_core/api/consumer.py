@@ -15,6 +15,7 @@ from tllm_core.api.edits import EditPlan
 from tllm_core.api.plots import Plot
 from tllm_core.api.ports import Delivery, Phase, ReadPort, TokenPort, WritePort, residual_port
 from tllm_core.api.request_settings import RequestSettings
+from tllm_core.api.results import PlannedRequest
 from tllm_core.api.rows import RequestInfo, RowInfo
 
 
@@ -161,18 +162,10 @@ class Consumer:
         return None
 
     @classmethod
-    def result_bytes(
-        cls,
-        config: ConsumerConfig,
-        extra_args: dict[str, Any],
-        prompt_tokens: int,
-        max_tokens: int,
-        hidden_size: int,
-    ) -> int | None:
-        """An upper bound of :meth:`request_result`'s JSON size for a request with these
-        ``extra_args``, prompt length and ``max_tokens`` (on a model of ``hidden_size``);
-        the server refuses (HTTP 400) a
-        request whose bound is past its ``max_result_bytes`` before generating. None
+    def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
+        """An upper bound of :meth:`request_result`'s JSON size for ``request`` (its prompt
+        length, ``max_tokens``, keys and the model's hidden size); the server refuses (HTTP
+        400) a request whose bound is past its ``max_result_bytes`` before generating. None
         (the default): unknown, checked when the result is made."""
         return None
 

@@ -24,17 +24,37 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tllm_core.api.request_settings import RESULTS_KEY
 
-__all__ = ["RESULTS_KEY", "asked_results", "decode_results", "encode", "encode_array"]
+__all__ = [
+    "RESULTS_KEY",
+    "PlannedRequest",
+    "RequestRows",
+    "asked_results",
+    "decode_results",
+    "encode",
+    "encode_array",
+]
 # What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
 ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
 # The dtypes an array keeps (others are cast to float32 or int64).
 KEPT_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What the server's front end knows of a request before it runs: enough to bound its
+    results (:meth:`Consumer.result_bytes <tllm_core.api.consumer.Consumer.result_bytes>`)."""
+
+    prompt_tokens: int
+    max_tokens: int
+    hidden_size: int
+    extra_args: dict[str, Any] = field(default_factory=dict)
 
 
 def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args") -> list[str]:

@@ -283,13 +283,13 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
     return min(prompt + generated, sum(max_rows(p, prompt, generated) for p in selector.parts))
 
 
-def window_rows(
-    consumer: str, selector: Any, extra_args: dict[str, Any] | None, prompt: int, generated: int
-) -> int:
-    """:func:`max_rows` of a consumer's ports (``selector``), narrowed by the request's own
-    window (``tllm_{consumer}_window``) when it sets one: a result's bound."""
+def window_rows(consumer: str, selector: Any, request: Any) -> int:
+    """:func:`max_rows` of a consumer's ports (``selector``) for a planned request
+    (:class:`~tllm_core.api.results.PlannedRequest`), narrowed by the request's own window
+    (``tllm_{consumer}_window``) when it sets one: a result's bound."""
+    prompt, generated = request.prompt_tokens, request.max_tokens
     rows = max_rows(selector, prompt, generated)
-    text = (extra_args or {}).get(f"tllm_{consumer}_window")
+    text = request.extra_args.get(f"tllm_{consumer}_window")
     if isinstance(text, str):
         from tllm_core.api.ports import as_selector
 

@@ -32,7 +32,7 @@ from tllm_core.api.request_settings import (
     parse_request_settings,
     short_repr,
 )
-from tllm_core.api.results import RESULTS_KEY, asked_results
+from tllm_core.api.results import RESULTS_KEY, PlannedRequest, asked_results
 from tllm_core.runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
@@ -164,6 +164,12 @@ class EngineConsumers:
         }
 
 
+def _check_length(extra: dict[str, Any], key: str, most: int, where: str) -> None:
+    raw = extra.get(key)
+    if isinstance(raw, str) and len(raw) > most:
+        raise ValueError(f"{where}[{key!r}] has {len(raw)} characters; allowed: at most {most}")
+
+
 def _check_tag(key: str, value: Any, where: str) -> None:
     """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers the engine can
     index with (``tllm_prompt_index`` >= 0: the caller's own prompt numbering)."""
@@ -209,12 +215,7 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
-    raw = extra.get(CONSUMERS)
-    if isinstance(raw, str) and len(raw) > MAX_CONSUMERS_CHARS:
-        raise ValueError(
-            f"{where}[{CONSUMERS!r}] has {len(raw)} characters; allowed: at most "
-            f"{MAX_CONSUMERS_CHARS}"
-        )
+    _check_length(extra, CONSUMERS, MAX_CONSUMERS_CHARS, where)
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
@@ -226,10 +227,7 @@ def validate_extra_args(
     group = extra.get(GROUP)
     if isinstance(group, str) and not group.strip():
         raise ValueError(f"{where}[{GROUP!r}] must not be empty")
-    if isinstance(group, str) and len(group) > MAX_GROUP_CHARS:
-        raise ValueError(
-            f"{where}[{GROUP!r}] has {len(group)} characters; allowed: at most {MAX_GROUP_CHARS}"
-        )
+    _check_length(extra, GROUP, MAX_GROUP_CHARS, where)
     _check_results(extra, engine, where)
     for name, keys in mine.items():
         key = keys[0]
@@ -250,12 +248,7 @@ def validate_extra_args(
 
 def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -> None:
     """``tllm_results``: configured consumers that make results and act on the request."""
-    raw = extra.get(RESULTS)
-    if isinstance(raw, str) and len(raw) > MAX_CONSUMERS_CHARS:
-        raise ValueError(
-            f"{where}[{RESULTS!r}] has {len(raw)} characters; allowed: at most "
-            f"{MAX_CONSUMERS_CHARS}"
-        )
+    _check_length(extra, RESULTS, MAX_CONSUMERS_CHARS, where)
     makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
     for name in asked_results(extra, where):
         if name not in makers:
@@ -271,22 +264,15 @@ def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -
             )
 
 
-def result_bounds(
-    extra: dict[str, Any] | None,
-    engine: EngineConsumers,
-    prompt_tokens: int,
-    max_tokens: int,
-    hidden_size: int,
-) -> dict[str, int]:
+def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str, int]:
     """The bound (JSON bytes) of each result a request asks for, where its consumer gives one
     (:meth:`Consumer.result_bytes <tllm_core.api.consumer.Consumer.result_bytes>`)."""
     out = {}
-    for name in asked_results(extra):
+    for name in asked_results(request.extra_args):
         cls = engine.classes.get(name)
         if cls is None:
             continue
-        config = engine.configs[name]
-        bound = cls.result_bytes(config, dict(extra or {}), prompt_tokens, max_tokens, hidden_size)
+        bound = cls.result_bytes(engine.configs[name], request)
         if bound is not None:
             out[name] = int(bound)
     return out

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
-from tllm_core.api.results import asked_results
+from tllm_core.api.results import PlannedRequest, asked_results
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.vllm_bridge.request_marks import SSE, STREAM_END, Ask
 from tllm_core.vllm_bridge.server_stop import ServerStopping
@@ -49,7 +49,8 @@ def check_bounds(
     params = request.sampling_params
     prompt = len(getattr(request, "prompt_token_ids", None) or ())
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
-    for name, bound in result_bounds(extra, server, prompt, max_tokens, hidden_size).items():
+    planned = PlannedRequest(prompt, max_tokens, hidden_size, dict(extra))
+    for name, bound in result_bounds(planned, server).items():
         if bound > limit:
             return (
                 f"tllm: the {name!r} result of this request could hold up to {bound} bytes "
