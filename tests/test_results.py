@@ -47,7 +47,7 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
 
     store.put(req(0), "c", np.zeros(2000, np.float32))  # ~10.7 kB of base64: refused
     got = store.take(["r0"])["r0"][0]["c"]
-    assert "past this engine's limit of 2048" in got["error"] and got["bytes"] > 2048
+    assert "past this engine's limit of 2048" in got["prediction_error"] and got["bytes"] > 2048
     for i in range(1, 6):
         store.put(req(i), "c", {"v": i})
     assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
@@ -232,3 +232,55 @@ def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
         np.testing.assert_allclose(
             np.sort(feats["values"][row]), np.sort(top.values[row].numpy()), rtol=1e-3, atol=1e-4
         )
+
+
+def _distiller_reference(x: torch.Tensor, target: torch.Tensor, cfg: dict) -> list[float]:
+    """ESamp's row errors for one request's decode rows, one row per step, recomputed
+    independently: the distiller from its seeded initial parameters, each row's error
+    ``||f(x) - target||^2 / hidden`` taken before torch's own Adam step (clip 0.5) on it."""
+    from algorithms.esamp.params import DistillerShape, init_params, split_params
+
+    shape = DistillerShape(x.shape[-1], cfg["intermediate_size"], 2)
+    theta = init_params(shape, "paper", 0)[None]
+    params = [torch.nn.Parameter(p[0].clone()) for p in split_params(theta, shape)]
+    opt = torch.optim.Adam(params, lr=4e-4, eps=1e-4, betas=(0.9, 0.999))
+    errors = []
+    for row in range(x.shape[0]):
+        h = x[row : row + 1]
+        for blk in range(shape.num_blocks):
+            a, u = h @ params[0][blk].t(), h @ params[1][blk].t()
+            h = h + (torch.nn.functional.silu(a) * u) @ params[2][blk].t()
+        loss = torch.nn.functional.mse_loss(h, target[row : row + 1])
+        errors.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+    return errors
+
+
+def test_kit_returns_esamp_prediction_errors_per_decode_row(tiny_model):
+    """``esamp`` returns each decode row's prediction error (its term of the training
+    loss), equal to a distiller trained independently with torch's Adam on transformers'
+    hidden states of the same tokens; a concurrent request that did not ask gets none."""
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"intermediate_size": 16, "beta": 0.5}
+    kit = ConsumerKit(tiny_model, [{"name": "esamp", "config": cfg}])
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    out = kit.generate(prompts, max_tokens=6, extra_args=[{"tllm_results": "esamp"}, None])
+    assert set(kit.results) == {(0, 0)}  # the second request did not ask
+    got = kit.results[(0, 0)]["esamp"]
+    tokens = prompts[0] + out[0][0]
+    decode = list(range(len(prompts[0]), len(tokens) - 1))  # generated tokens fed back
+    assert got["positions"].tolist() == decode and len(decode) == 5
+    assert got["prediction_error"].dtype == np.float32 and got["prediction_error"].shape == (
+        len(decode),
+    )
+    assert np.isfinite(got["prediction_error"]).all() and (got["prediction_error"] >= 0).all()
+    ref = hf_states(tiny_model, tokens[:-1])
+    want = _distiller_reference(ref["layer.0"][decode], ref["final"][decode], cfg)
+    np.testing.assert_allclose(got["prediction_error"], want, rtol=1e-3)
+    report = kit.close()
+    assert report["consumers"]["esamp"]["rows_returned"] == len(decode)
+    assert report["runtime"]["results_made.esamp"] == 1
