@@ -234,6 +234,37 @@ def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
         )
 
 
+@torch.no_grad()
+def test_tllm_llm_returns_esamp_errors_on_each_completion(tiny_model, engines):
+    """Offline, V1: two samples of one prompt ask for esamp's errors and get one per decode
+    row (every generated token fed back), finite and >= 0; a concurrent prompt does not ask
+    and gets none."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from tllm_core import TllmLLM
+
+    spec = {"name": "esamp", "config": {"intermediate_size": 16}}
+    llm = engines.get(
+        ("results-esamp", tiny_model),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
+    ask = SamplingParams(
+        n=2, max_tokens=6, temperature=1.0, seed=1, extra_args={"tllm_results": "esamp"}
+    )
+    plain = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=2)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    outs = llm.generate(prompts, [ask, plain], use_tqdm=False)
+    assert not any(hasattr(c, "tllm") for c in outs[1].outputs)
+    assert len(outs[0].outputs) == 2
+    for c in outs[0].outputs:
+        got = c.tllm["esamp"]
+        rows = len(c.token_ids) - 1  # the last sampled token is never fed back
+        assert got["positions"].tolist() == list(range(4, 4 + rows)) and rows > 0
+        assert got["prediction_error"].shape == (rows,)
+        assert np.isfinite(got["prediction_error"]).all() and (got["prediction_error"] >= 0).all()
+
+
 def _distiller_reference(x: torch.Tensor, target: torch.Tensor, cfg: dict) -> list[float]:
     """ESamp's row errors for one request's decode rows, one row per step, recomputed
     independently: the distiller from its seeded initial parameters, each row's error
