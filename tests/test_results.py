@@ -47,7 +47,7 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
 
     store.put(req(0), "c", np.zeros(2000, np.float32))  # ~10.7 kB of base64: refused
     got = store.take(["r0"])["r0"][0]["c"]
-    assert "past this engine's limit of 2048" in got["prediction_error"] and got["bytes"] > 2048
+    assert "past this engine's limit of 2048" in got["error"] and got["bytes"] > 2048
     for i in range(1, 6):
         store.put(req(i), "c", {"v": i})
     assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
