@@ -10,6 +10,9 @@ Cases (one engine each; consumers are fixed per engine; all defined in the one t
     tllm_idle    tllm runtime installed, no consumer
     capture      read-only consumer ``stats`` capturing two layers (0 and -1), all rows
     export       ``export`` of layers 0 and -1, decode rows, to a temporary folder
+    probe        ``export`` of layers 0 and -1, each prompt's last token only (a linear
+                 probe's data set; only when named, with a prefill workload such as
+                 ``--prompts 512 -n 1 --max-tokens 1``)
     steer        ``steer`` adding a random unit vector (scale 2) at layer -2 on every row
     sae          ``sae`` recording the top-32 features (random top-k SAE, d_sae 8 x hidden)
                  of every decode row at layer -2
@@ -78,8 +81,8 @@ PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 
 
 # ----------------------------------------------------------------------------- cases
-def _export_specs(model: str, tmp: Path) -> list[str]:
-    spec = {"out": str(tmp / "export"), "layers": [0, -1], "phase": "decode", "overwrite": True}
+def _export_specs(model: str, tmp: Path, phase: str = "decode") -> list[str]:
+    spec = {"out": str(tmp / "export"), "layers": [0, -1], "phase": phase, "overwrite": True}
     return ["export:" + json.dumps(spec)]
 
 
@@ -161,7 +164,19 @@ CASES: dict[str, Case] = {
             _export_specs,
             ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
             required=("export.rows_exported",),
-            also_report=("export.bytes_written",),
+            also_report=(
+                "export.bytes_written",
+                "export.seconds_taking",
+                "export.seconds_writing",
+                "runtime.host_s.to_host",
+            ),
+        ),
+        Case(
+            "probe",
+            functools.partial(_export_specs, phase="last_prompt"),
+            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
+            required=("export.rows_exported",),
+            also_report=("runtime.rows_bundled.export",),
         ),
         Case(
             "steer",
@@ -207,8 +222,10 @@ CASES: dict[str, Case] = {
         ),
     )
 }
-# sae_background: the other sae delivery, for comparison on request only
-DEFAULT_CASES = [c for c in CASES if c != "sae_background"]
+# sae_background: the other sae delivery, for comparison; probe: a linear probe's data set
+# (the last prompt token), for a prefill workload (--prompts 512 -n 1 --max-tokens 1);
+# both on request only.
+DEFAULT_CASES = [c for c in CASES if c not in ("sae_background", "probe")]
 
 
 def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
@@ -816,10 +833,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _get(counters: dict[str, Any], dotted: str) -> Any:
     group, _, key = dotted.partition(".")
     return counters.get(group, {}).get(key)
@@ -874,3 +887,7 @@ def render(tp: dict[str, Any], title: str = "Throughput") -> str:
         ],
     )
     return section(title, tp, workload, table(header, rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Registers the built-in consumers (``tllm_consumers``) and their commands (``tllm_commands``)."""
+"""Registers the built-in consumers (``tllm_consumers``) and their commands (``tllm_commands``);
+marks their files when a fault stops the run (``tllm_run_failed``)."""
 
 from tllm_core import hookimpl
 
@@ -20,3 +21,17 @@ def tllm_commands(subparsers):
 
     add_export(subparsers)
     add_steer(subparsers)
+
+
+# Consumers writing an export-format directory (manifest and shards) to config["out"].
+WRITERS = ("export", "sae")
+
+
+@hookimpl
+def tllm_run_failed(consumers, cause, started_at):
+    from consumers.export.format import mark_run_failed
+
+    for spec in consumers:
+        out = spec.config.get("out") if spec.name in WRITERS else None
+        if isinstance(out, str) and out.strip():
+            mark_run_failed(out, cause, started_at)

@@ -13,7 +13,9 @@ from tllm_core import (
     ConsumerConfig,
     Plot,
     RequestInfo,
+    RequestSettings,
     Series,
+    WindowSetting,
     as_selector,
     parse_port_name,
     residual_port,
@@ -54,6 +56,13 @@ class StatsConfig(ConsumerConfig):
         return v
 
 
+class StatsRequest(RequestSettings):
+    window: WindowSetting = Field(
+        None,
+        description="rows of this request to count, within the config's phase",
+    )
+
+
 def _figures(rows: float, norm_sum: float, max_abs: float) -> dict[str, Any]:
     return {"rows": int(rows), "mean_norm": norm_sum / max(rows, 1), "max_abs": max_abs}
 
@@ -63,6 +72,7 @@ class StatsConsumer(Consumer):
     proof_counter = "bundles"
     description = "Per-layer activation statistics (rows, mean L2 norm, max |x|) per request."
     Config = StatsConfig
+    Request = StatsRequest
 
     def __init__(self, config: StatsConfig, context):
         super().__init__(config, context)

@@ -132,6 +132,38 @@ def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
         assert len(kills) == 1
 
 
+@pytest.mark.parametrize("requested", [True, False], ids=["requested", "gone"])
+def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(requested):
+    """The leader's API server holds a stop store (its address is what followers watch); its
+    first stop signal sets the stop key there (``NodeWatch.stop``), so once the leader is
+    gone the follower's node stops on request (exit 0: no lost leader); a leader gone without
+    a word is a lost leader."""
+    leader = nodes.NodeWatch()  # the leader's command's
+    host, port, kind = dp_nodes.stop_beacon(("127.0.0.1", 5555), leader)
+    assert leader.followers_store == ("127.0.0.1", port) and leader.beacon is not None
+    kills = []
+    command = nodes.NodeWatch()  # the follower node's command's, which reads the note
+    with node_note.shared() as note:
+        command.listen(note)
+        kill = lambda *a: kills.append(a)  # noqa: E731
+        answer = dp_nodes.join_leader(
+            STATS, STATS, 1, [host, port, kind], True, kill, watcher=nodes.NodeWatch()
+        )
+        assert answer == {"watching": True}
+        time.sleep(0.5)  # the follower has seen its leader
+        if requested:
+            leader.stop()  # what the leader's first SIGTERM does
+            time.sleep(1.5)  # the leader stops its engines; its store is still there
+        assert kills == []
+        leader.beacon = None  # the leader's process is gone, and its store with it
+        wait_until(lambda: kills, timeout=20)
+        assert kills == [(__import__("os").getpid(), signal.SIGTERM)]
+        if requested:
+            assert note.told() == node_note.STOP_REQUESTED and command.lost() is None
+        else:
+            assert f"({host}:{port}) is gone" in command.lost()
+
+
 def test_no_watch_when_switched_off(monkeypatch):
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0")
     with node_note.shared():

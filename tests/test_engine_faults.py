@@ -41,9 +41,15 @@ def _engine_core(cli_pid: int) -> int:
 # -- a killed engine process ---------------------------------------------------------------------
 @pytest.mark.vllm
 def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tmp_path):
+    """... and an export of the run keeps its shards, its manifest saying why it is not
+    complete (the front end writes the cause there: the engine process that held the export
+    is gone)."""
     log = tmp_path / "run.log"
+    out = tmp_path / "acts"
     before = shm_entries()
-    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "16"]
+    export = json.dumps({"out": str(out), "layers": [0], "shard_rows": 32})
+    argv = ["run", "--model", tiny_model, "--consumer", "stats", "--consumer", f"export:{export}"]
+    argv += ["-n", "16"]
     argv += ["--max-tokens", "480", "--ignore-eos", *SMALL_ENGINE]
     proc = start(argv, log)
     try:
@@ -69,6 +75,16 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
     assert "tllm: the engine died after 0/16 samples" in text, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+    # The export: the shards written before the kill, and the cause in its manifest.
+    from consumers.export import IncompleteExportWarning, open_export
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["shards"], manifest
+    assert f"engine core (pid {core}) died (killed by SIGKILL)" in manifest["run_error"]
+    with pytest.warns(IncompleteExportWarning, match=f"pid {core}.*killed by SIGKILL"):
+        export = open_export(out)
+    records = export.records()  # the rows written so far; no request finished
+    assert records and not any(r.finished for r in records), len(records)
 
 
 KILL_DURING_GENERATE = r"""
@@ -215,11 +231,13 @@ def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
 
 # -- the engine watch, without vLLM --------------------------------------------------------------
 def _engine_core_with_a_worker() -> None:
-    """A fake engine core (forked): starts a worker process, then waits."""
+    """A fake engine core (forked): starts a worker process, then waits. As vLLM's executor
+    does, it notices a dead worker soon and reaps it (then only it knows the exit status)."""
     # Named as vLLM names its workers (a process without such a name is a helper).
     sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::Worker_TP0"]
     worker = subprocess.Popen(sleep)
-    worker.wait()
+    while worker.poll() is None:
+        time.sleep(0.2)
     time.sleep(120)
 
 
@@ -286,7 +304,7 @@ def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death():
     try:
         os.kill(worker, signal.SIGKILL)
         assert watch.wait_for_death(5) is not None
-        assert str(watch.death).startswith(f"vLLM's worker process (pid {worker}) died")
+        assert str(watch.death) == f"vLLM's worker process (pid {worker}) died (killed by SIGKILL)"
     finally:
         proc.kill()
         proc.join(5)
@@ -338,9 +356,8 @@ def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
     text = log.read_text()
     assert code == EXIT_ENGINE_DIED, text[-4000:]
     errors = [ln for ln in text.splitlines() if ln.startswith("tllm: error:")]
-    assert len(errors) == 1 and f"worker process (pid {workers[-1]}) died" in errors[0], text[
-        -4000:
-    ]
+    named = f"worker process (pid {workers[-1]}) died (killed by SIGKILL)"
+    assert len(errors) == 1 and named in errors[0], text[-4000:]
     assert "Traceback" not in text, text[-4000:]
     assert descendants(proc.pid, settle=10) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]

@@ -33,6 +33,7 @@ from tllm_core.vllm_bridge.nodes import comparable, differences, mismatch_messag
 def test_settings_compared_across_nodes_ignore_per_process_fields():
     a = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
     b = {**a, "start_error_file": "/tmp/b", "server": {"max_body_bytes": 1}}
+    b["hung_stop_s"] = 60.0  # a `tllm serve --headless` follower of a TllmLLM leader (0)
     assert comparable(a) == comparable(b)
     c = {**a, "consumers": [{"name": "esamp"}]}
     assert comparable(c) != comparable(a) and differences(a, c) == ["consumers"]
@@ -146,6 +147,53 @@ def test_a_leaders_requested_stop_reaches_its_follower_at_once():
     del store2  # the leader is gone without a word
     t.join(20)
     assert stopped == [] and len(lost) == 1 and "is gone" in lost[0]
+
+
+def test_a_tllmllm_leader_tells_its_followers_of_a_requested_stop_not_of_a_death():
+    """``TllmLLM`` leading a multi-node engine: ``close``/``shutdown`` (a requested stop) sets
+    the stop key in the engine's store before the engine stops, so the follower stops on
+    request; an engine that died says nothing, so the follower finds its leader gone."""
+    import functools
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from tllm_core.app.engine import TllmLLM, validate_consumers
+    from tllm_core.vllm_bridge import nodes
+    from tllm_core.vllm_bridge.engine_watch import Death, EngineWatch
+
+    assert nodes.leader_store(2, 0) == ("127.0.0.1", 29501)
+    assert nodes.leader_store(2, 1, "10.0.0.1", 7) is None  # a follower
+    assert nodes.leader_store(None, None) is None  # one node
+    assert nodes.leader_store(2, 0, "10.0.0.1", "7") == ("10.0.0.1", 7)
+
+    def leader(port: int, died: bool) -> TllmLLM:
+        llm = TllmLLM.__new__(TllmLLM)  # the state of a started leader; no vLLM here
+        llm.llm = SimpleNamespace()  # no engine processes to stop
+        llm._watch = EngineWatch(SimpleNamespace())
+        llm._fault_note = SimpleNamespace(close=lambda: None, path="")
+        llm._followers_store = ("127.0.0.1", port)
+        llm._checked, llm._started_at, llm._failure_told = validate_consumers([]), 0.0, False
+        llm._died = None
+        if died:
+            llm._watch.death = Death("vLLM's engine core", 1, "killed by SIGKILL")
+        return llm
+
+    for died in (False, True):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        follower, lost, stopped = nodes.NodeWatch(), [], []
+        on_stop = functools.partial(stopped.append, 1)
+        t = follower.watch_leader("127.0.0.1", store.port, 0.2, lost.append, on_stop)
+        time.sleep(1)  # the follower has seen its leader and holds a store client
+        leader(store.port, died).shutdown()
+        time.sleep(1)
+        del store  # the leader's engine has stopped
+        t.join(20)
+        if died:
+            assert stopped == [] and len(lost) == 1 and "is gone" in lost[0], lost
+        else:
+            assert len(stopped) == 1 and lost == [], lost
 
 
 def test_followers_store_is_the_leaders_master_address():
@@ -365,7 +413,7 @@ def _export_agrees(model: str, rec) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow  # two DP engines on two node processes: 3-5 min on 2 cores
-def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_when_the_leader_is_gone(
+def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_with_its_leader(
     tiny_model, tmp_path
 ):
     from concurrent.futures import ThreadPoolExecutor
@@ -413,15 +461,16 @@ def test_dp2_across_two_nodes_serves_exports_and_the_follower_stops_when_the_lea
         exported = [r["consumers"]["export"].get("requests", 0) for r in rep["ranks"]]
         follower_pids = {follower.pid, *descendants(follower.pid)}
 
-        # A supervisor stops the leader: it stops cleanly (its engine closes its consumers);
-        # the follower finds its leader gone and stops with an error.
+        # A supervisor stops the leader: it stops cleanly (its engine closes its consumers)
+        # and tells the follower (its stop store), which stops on request too.
         os.kill(leader.pid, signal.SIGTERM)
         assert exit_within(leader, 240) == 0, llog.read_text()[-4000:]
         assert "tllm: server stopped" in llog.read_text()  # a requested stop, not a lost node
         code = exit_within(follower, 240)
         log = flog.read_text()
-        assert code == 1, log[-4000:]
-        assert "tllm: error: the leader of this multi-node engine (127.0.0.1:" in log, log[-4000:]
+        assert code == 0, log[-4000:]
+        assert "the leader stopped; stopping this node" in log, log[-4000:]
+        assert "tllm: error" not in log, log[-4000:]
         assert descendants(leader.pid, settle=30) == descendants(follower.pid, settle=30) == []
     finally:
         for p in (leader, follower):
@@ -509,7 +558,7 @@ if __name__ == "__main__":
 
 @pytest.mark.vllm
 @pytest.mark.slow  # a TllmLLM leader and a tllm serve follower: ~2 min on 2 cores
-def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_is_gone(even_model, tmp_path):
+def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_closes(even_model, tmp_path):
     import subprocess
     import sys
 
@@ -544,11 +593,12 @@ def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_is_gone(ev
         assert out["report"]["runtime"]["requests_finished"] == 1  # counted once
         assert out["report"]["consumers"]["stats"]["bundles"] > 0
         _hf_greedy_agrees(even_model, out["prompt"] + out["tokens"], len(out["prompt"]))
-        # The leader closed: the follower notices and stops, with an error.
-        code = exit_within(follower, 240)
+        # The leader closed (a requested stop, told through its store): so does the follower.
+        code = exit_within(follower, 60)
         log = flog.read_text()
-        assert code == 1, log[-4000:]
-        assert "the leader of this multi-node engine (127.0.0.1:" in log, log[-4000:]
+        assert code == 0, log[-4000:]
+        assert "the leader stopped; stopping this node" in log, log[-4000:]
+        assert "tllm: error" not in log, log[-4000:]
         assert descendants(follower.pid, settle=30) == []
     finally:
         if follower.poll() is None:

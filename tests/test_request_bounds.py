@@ -124,6 +124,7 @@ KEYS = [
     "tllm_steer_scale",
     "tllm_sae_steer",
     "tllm_sae_record",
+    "tllm_sae_window",
     "tllm_prompt_index",
     "tllm_nope",
     "other",
@@ -135,6 +136,7 @@ scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=30),
     st.sampled_from(["esamp", "steer,sae", "sae", "1e39", "-0", "Infinity", "NaN", " "]),
+    st.sampled_from(["last_prompt", "generated[0:3]", "prompt[-9" + "9" * 5000 + ":]", "guide"]),
 )
 json_values = st.recursive(
     scalars,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_KW
-from reference import hf_states
+from reference import hf_model, hf_states
 
 from tllm_core.api.results import decode_results, encode, json_bytes
 
@@ -141,7 +141,8 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
     args += ["--", "--enforce-eager"]
     log = tmp_path / "serve.log"
     prompt = [5, 6, 7, 8, 9]
-    ask = {"vllm_xargs": {"tllm_results": "export"}}
+    # export's rows of a window of this request: its first three generated tokens
+    ask = {"vllm_xargs": {"tllm_results": "export", "tllm_export_window": "generated[0:3]"}}
     with tllm_serve(args, log) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
 
@@ -151,23 +152,27 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
             )
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            asked = pool.submit(complete, ask, max_tokens=6, logprobs=0)
+            asked = pool.submit(complete, ask, max_tokens=6)
             plain = pool.submit(complete, {}, max_tokens=6)
             r, p = asked.result(timeout=300), plain.result(timeout=300)
         assert getattr(p, "tllm", None) is None  # did not ask: no results
         [entry] = r.tllm
         got = tllm_core.decode_results(entry)
         generated = client.completions.create(
-            model="default", prompt=prompt, max_tokens=6, temperature=0.0, logprobs=0
+            model="default", prompt=prompt, max_tokens=6, temperature=0.0
         )
         assert r.choices[0].text == generated.choices[0].text
         rows = got["export"]
-        n = len(rows["positions"])
-        assert rows["positions"].tolist() == list(range(n)) and n == len(prompt) + 5
-        ref = hf_states(tiny_model, rows["token_ids"].tolist())
-        assert rows["token_ids"].tolist()[: len(prompt)] == prompt
+        assert rows["positions"].tolist() == [5, 6, 7]
+        tokens = prompt + rows["token_ids"].tolist()  # the first 3 generated tokens
+        with torch.no_grad():  # ... are transformers' greedy choices
+            logits = hf_model(tiny_model)(torch.tensor([tokens])).logits[0]
+        assert logits[4:7].argmax(-1).tolist() == tokens[5:8]
+        ref = hf_states(tiny_model, tokens)
         for key in ("layer.0", "layer.3"):
-            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(
+                torch.from_numpy(rows[key]), ref[key][5:8], rtol=1e-3, atol=1e-3
+            )
 
         # Streamed: the results arrive in one event before [DONE].
         events = list(complete(ask, max_tokens=6, stream=True))
@@ -177,12 +182,13 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_m
         streamed = tllm_core.decode_results(last.tllm[0])["export"]
         np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
 
-        # Past the limit: 2 keys x 300 rows x hidden 64 x 4 bytes > 64 KiB: refused first.
+        # Past the limit: all rows (the config's window), 2 keys x 300 rows x hidden 128 x 4
+        # bytes > 64 KiB: refused before generating.
         with pytest.raises(openai.BadRequestError) as ei:
-            complete(ask, max_tokens=300)
+            complete({"vllm_xargs": {"tllm_results": "export"}}, max_tokens=300)
         assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
         again = complete(ask, max_tokens=3)  # the server goes on
-        assert len(tllm_core.decode_results(again.tllm[0])["export"]["positions"]) == 7
+        assert tllm_core.decode_results(again.tllm[0])["export"]["positions"].tolist() == [5, 6]
     assert "Traceback" not in log.read_text()
 
 
@@ -232,6 +238,42 @@ def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
         np.testing.assert_allclose(
             np.sort(feats["values"][row]), np.sort(top.values[row].numpy()), rtol=1e-3, atol=1e-4
         )
+
+
+@pytest.mark.parametrize("runner", ["v1", pytest.param("v2", marks=pytest.mark.slow)])
+def test_tllm_run_results_on_v1_and_v2(tiny_model, runner):
+    """``tllm run --results``: each sample's result in the JSON, on both model runners (V2
+    through Triton's interpreter, ~2 min: slow), equal to transformers; a bad name is refused
+    before vLLM starts."""
+    from cli_util import v2_env
+    from conftest import cli_json, run_cli
+
+    import tllm_core
+
+    spec = {"out": None, "layers": [1], "phase": "last_prompt"}
+    args = ["run", "--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
+    args += ["--results", "export", "--prompt", "sea rain stone", "--prompt", "light"]
+    args += ["-n", "1", "--max-tokens", "2", "--temperature", "0", "--json", "--no-chat"]
+    args += ["--enforce-eager", "--max-model-len", "256", "--kv-cache-gib", "1"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for env in [v2_env()] if runner == "v2" else [{}]:
+        out = cli_json(run_cli(*args, env=env))
+        assert out["run"]["runner"].startswith("V2" if env else "V1"), out["run"]["runner"]
+        for text, per_prompt in zip(
+            ["sea rain stone", "light"], out["request_results"], strict=True
+        ):
+            ids = tok(text).input_ids
+            rows = tllm_core.decode_results(per_prompt[0])["export"]
+            assert rows["positions"].tolist() == [len(ids) - 1]  # the last prompt token only
+            assert rows["token_ids"].tolist() == [ids[-1]]
+            ref = hf_states(tiny_model, ids)["layer.1"][-1]
+            torch.testing.assert_close(
+                torch.from_numpy(rows["layer.1"][0]), ref, rtol=1e-3, atol=1e-3
+            )
+    bad = run_cli("run", "--model", tiny_model, "--consumer", "stats", "--results", "nope")
+    assert bad.returncode == 2 and "--results" in bad.stderr and "'nope'" in bad.stderr
 
 
 @torch.no_grad()

@@ -167,3 +167,50 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
     es, rt = report["consumers"]["esamp"], report["runtime"]
     assert es["optimizer_steps"] > 0 and es["groups_created"] == 1
     assert rt["rows_edited"] > 0 and rt["rows_guided"] > 0
+
+
+@torch.no_grad()
+def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
+    """Capture windows on V2, through the server: the config's 'all[1:]' (every row but
+    position 0) for a request without a window, and its own 'last_prompt' for one with it,
+    each row equal to transformers; a bad window is a 400."""
+    import urllib.error
+    import urllib.request
+
+    from reference import hf_states
+    from serve_util import tllm_serve
+
+    from consumers.export import read_export
+
+    out = tmp_path / "x"
+    export = {"out": str(out), "layers": [0], "phase": "all[1:]"}
+    args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
+    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+
+    def complete(url: str, prompt: list[int], xargs: dict | None) -> int:
+        body = {"model": "default", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+        body["ignore_eos"] = True
+        if xargs:
+            body["vllm_xargs"] = xargs
+        req = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            assert "tllm_export_window" in e.read().decode(), e
+            return e.code
+
+    with tllm_serve(args, tmp_path / "serve.log", env=v2_env()) as url:
+        assert "on vLLM's V2 runner" in (tmp_path / "serve.log").read_text()
+        assert complete(url, [5, 6, 7, 8], None) == 200
+        assert complete(url, [9, 10, 11], {"tllm_export_window": "last_prompt"}) == 200
+        assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
+    recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
+    assert sorted(recs) == [3, 4], sorted(recs)
+    assert recs[4].positions.tolist() == [1, 2, 3, 4, 5]  # all[1:] of 4 prompt + 2 fed
+    assert recs[3].positions.tolist() == [2]  # last_prompt (within all[1:])
+    for rec in recs.values():
+        ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())["layer.0"]
+        torch.testing.assert_close(rec.hidden["layer.0"], ref[rec.positions], rtol=1e-4, atol=1e-4)

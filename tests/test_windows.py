@@ -5,6 +5,8 @@ of 512 prompts at two layers, exported by vLLM, equals transformers at those pos
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -34,7 +36,8 @@ def test_the_grammar_and_the_rows_each_window_keeps():
         w = Window.parse(text)
         assert np.nonzero(w.mask(position, prompt))[0].tolist() == rows, text
         assert Window.parse(str(w)) == w
-    for bad in ("last", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]"):
+    bad_texts = ("last", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]")
+    for bad in (*bad_texts, "all[::99999999999999999999]", "prompt[-99999999999999999999:]"):
         with pytest.raises(ValueError, match="window|expected"):
             as_selector(bad, "phase")
     assert as_selector("prefill", "x") is Phase.PREFILL
@@ -93,4 +96,116 @@ def test_the_last_prompt_token_of_512_prompts_at_two_layers(tiny_model, tmp_path
         for key in ("layer.0", "layer.3"):
             torch.testing.assert_close(
                 rec.hidden[key][0], ref[key][n - 1], rtol=1e-4, atol=1e-4, msg=key
+            )
+
+
+def test_a_request_window_is_checked_with_the_window_grammar_and_listed():
+    from consumers.export.consumer import ExportConsumer
+    from consumers.sae.consumer import SaeConsumer
+    from consumers.stats import StatsConsumer
+    from tllm_core.api.request_settings import describe_request_keys, parse_request_settings
+
+    model = ExportConsumer.Request
+    got = parse_request_settings("export", model, {"tllm_export_window": "generated[0:3]"})
+    assert got.window == Window("generated", 0, 3)
+    assert parse_request_settings("export", model, {"tllm_export_window": "prompt"}).window is (
+        Phase.PREFILL
+    )
+    assert parse_request_settings("export", model, {}).window is None
+    for bad in ("last", "generated[-1:]", "guide", "prompt[1]", 3, True):
+        with pytest.raises(ValueError) as e:
+            parse_request_settings("export", model, {"tllm_export_window": bad})
+        msg = str(e.value)
+        assert "extra_args['tllm_export_window']" in msg and repr(bad) in msg, msg
+        assert "REGION[START:STOP:STEP]" in msg and "last_prompt" in msg, msg
+    for cls in (ExportConsumer, StatsConsumer, SaeConsumer):
+        keys = {k["key"]: k for k in describe_request_keys(cls.name, cls.Request)}
+        assert "capture window" in keys[f"tllm_{cls.name}_window"]["allowed"], cls.name
+
+
+def test_request_windows_cut_each_requests_rows_in_the_kit(tiny_model, tmp_path):
+    """Three requests in the same steps: one exports its last prompt token, one its first 3
+    generated tokens, one (no key) every row; the runtime cuts nothing else."""
+    from consumers.export import read_export
+    from consumers.export.format import request_table
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"out": str(tmp_path / "x"), "layers": [0, -1]}
+    consumers = [{"name": "export", "config": cfg}, {"name": "stats", "config": {"layers": [0]}}]
+    kit = ConsumerKit(tiny_model, consumers)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12]]
+    extra = [
+        {"tllm_export_window": "last_prompt", "tllm_stats_window": "generated[1:2]"},
+        {"tllm_export_window": "generated[0:3]"},
+        None,
+    ]
+    kit.generate(prompts, max_tokens=5, temperature=0.0, ignore_eos=True, extra_args=extra)
+    report = kit.close()
+    recs = sorted(read_export(tmp_path / "x", verify=True), key=lambda r: r.prompt_index)
+    assert [r.positions.tolist() for r in recs] == [[4], [3, 4, 5], [0, 1, 2, 3, 4, 5]]
+    # every request's whole token sequence still (sampled tokens are not windowed)
+    assert [len(r.token_ids) for r in recs] == [10, 8, 7]
+    assert report["runtime"]["rows_bundled.export"] == 1 + 3 + 6
+    assert report["consumers"]["export"]["rows_exported"] == 10
+    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    assert manifest["complete"] and not any(manifest["losses"].values()), manifest["losses"]
+    table = request_table(str(tmp_path / "x"), manifest)
+    windows = {e["prompt_index"]: e.get("window") for e in table}
+    assert windows == {0: "prompt[-1:]", 1: "generated[0:3]", 2: None}
+    # stats: one row of prompt 0 (its 2nd generated token), every row of the others
+    stats = report["results"]["stats"]
+    rows = {k.split("/")[0]: v["layer.0"]["rows"] for k, v in stats.items()}
+    assert rows == {"0": 1, "1": 7, "2": 6}, rows
+    assert report["runtime"]["rows_bundled.stats"] == 1 + 7 + 6
+
+
+@pytest.mark.vllm
+@torch.no_grad()
+def test_request_windows_on_vllm_export_those_rows_equal_to_transformers(
+    tiny_model, engines, tmp_path
+):
+    """vLLM V1, in process: two requests of one call, with 'last_prompt' and
+    'generated[0:3]', export exactly those rows, equal to transformers there; a bad window
+    is refused before anything of its call runs."""
+    from conftest import ENGINE_KW
+    from vllm import SamplingParams
+
+    from consumers.export import read_export
+    from tllm_core.app.engine import TllmLLM
+
+    out = tmp_path / "x"
+    spec = [{"name": "export", "config": {"out": str(out), "layers": [0, -1]}}]
+    llm = engines.get(
+        ("windows", tiny_model, str(out)), lambda: TllmLLM(tiny_model, spec, **ENGINE_KW)
+    )
+
+    def params(window: str | None) -> SamplingParams:
+        extra = None if window is None else {"tllm_export_window": window}
+        return SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args=extra)
+
+    steps = llm.collect()["runtime"].get("engine_steps", 0)
+    with pytest.raises(
+        ValueError, match=r"'tllm_export_window'\] is not a capture window, got 'last'"
+    ) as e:
+        llm.generate(["a b", "c d"], [params(None), params("last")], use_tqdm=False)
+    assert "REGION[START:STOP:STEP]" in str(e.value)
+    assert llm.collect()["runtime"].get("engine_steps", 0) == steps, "a refused call generated"
+
+    prompts = ["sea rain stone light", "river song"]
+    llm.generate(prompts, [params("last_prompt"), params("generated[0:3]")], use_tqdm=False)
+    report = llm.close()
+    engines.close()
+    assert report["runtime"]["rows_bundled.export"] == 1 + 3
+    assert report["results"]["export"]["complete"], report["results"]["export"]
+    recs = sorted(read_export(out, verify=True), key=lambda r: r.prompt_index)
+    assert len(recs) == 2
+    n0, n1 = recs[0].num_prompt_tokens, recs[1].num_prompt_tokens
+    assert recs[0].positions.tolist() == [n0 - 1]
+    assert recs[1].positions.tolist() == [n1, n1 + 1, n1 + 2]
+    for rec in recs:
+        assert len(rec.token_ids) == rec.num_prompt_tokens + 5  # the whole sequence
+        ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
+        for key in ("layer.0", "layer.3"):
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4, msg=key
             )

@@ -162,3 +162,79 @@ def test_requests_jsonl_waits_for_the_shard_of_its_rows(tmp_path):
     assert _jsonl(out) == []  # its rows are not on disk yet
     w.close()
     assert [r["request_id"] for r in _jsonl(out)] == ["1"]
+
+
+# -- a fault that stops the engine: the front end marks the export (tllm_run_failed) ----------
+CAUSE = "vLLM's engine core (pid 4242) died (killed by SIGKILL); the engine is stopped"
+
+
+def _features(out, finish: bool = False) -> None:
+    """A feature record of one full shard, its writer then lost with its process (a kill):
+    the manifest says complete: false without a cause."""
+    w = FeatureWriter(str(out), 2, "float32", 4, False, lambda: {})
+    _append(w, req(0), [0, 1, 2, 3])
+    if finish:
+        w.finished(req(0))
+        w.close()
+
+
+def test_a_run_failure_marks_this_runs_manifests_with_the_cause(tmp_path):
+    import time
+
+    since = time.time()
+    _features(tmp_path / "feat")
+    assert fmt.RUN_ERROR not in _manifest(tmp_path / "feat")
+    for rank in (0, 1):  # a data-parallel record: each part's manifest
+        _features(tmp_path / "dp" / fmt.part_name(rank))
+    marked = fmt.mark_run_failed(str(tmp_path / "feat"), CAUSE, since)
+    marked += fmt.mark_run_failed(str(tmp_path / "dp"), CAUSE, since)
+    assert len(marked) == 3
+    for out in (tmp_path / "feat", tmp_path / "dp" / "dp0", tmp_path / "dp" / "dp1"):
+        m = _manifest(out)
+        assert m["complete"] is False and m[fmt.RUN_ERROR] == CAUSE
+    with pytest.warns(IncompleteExportWarning, match=r"stopped by a fault: .*pid 4242.*SIGKILL"):
+        recs = list(read_features(tmp_path / "feat"))
+    assert [r.request_id for r in recs] == ["0"] and not recs[0].finished
+
+
+def test_a_run_failure_leaves_an_earlier_export_alone(tmp_path):
+    import time
+
+    _features(tmp_path / "feat", finish=True)  # an earlier run's complete record
+    before = _manifest(tmp_path / "feat")
+    assert before["complete"] is True
+    # This run (overwrite) died before its first write: the manifest is the earlier one's.
+    assert fmt.mark_run_failed(str(tmp_path / "feat"), CAUSE, time.time() + 1) == []
+    assert _manifest(tmp_path / "feat") == before
+    assert fmt.mark_run_failed(str(tmp_path / "missing"), CAUSE, 0.0) == []
+
+
+def test_tllmllm_tells_the_plugins_once_after_a_fault(tmp_path, caplog):
+    """``TllmLLM`` after a fault (its engine processes gone): the plugins' ``tllm_run_failed``
+    with the run's consumers and the cause; a failing hook is named, the others still run."""
+    import time
+
+    from tllm_core import hookimpl
+    from tllm_core.app.engine import TllmLLM, validate_consumers
+    from tllm_core.vllm_bridge.engine_watch import Death, EngineDiedError
+
+    since = time.time()
+    out = tmp_path / "acts"
+    _features(out)  # the engine's export, as a kill left it
+    checked = validate_consumers([{"name": "export", "config": {"out": str(out)}}])
+
+    class Broken:
+        @hookimpl
+        def tllm_run_failed(self, consumers, cause, started_at):
+            raise RuntimeError("broken plugin")
+
+    checked.registry.register(Broken(), "broken")
+    llm = TllmLLM.__new__(TllmLLM)  # the state a started engine has; no vLLM here
+    llm._checked, llm._started_at, llm._failure_told = checked, since, False
+    llm._died = EngineDiedError(Death("vLLM's engine core", 4242, "killed by SIGKILL"))
+    llm._tell_run_failed()
+    assert _manifest(out)[fmt.RUN_ERROR] == CAUSE
+    assert "'broken'" in caplog.text and "broken plugin" in caplog.text
+    (out / fmt.MANIFEST).unlink()
+    llm._tell_run_failed()  # once only
+    assert not (out / fmt.MANIFEST).exists()

@@ -3,8 +3,9 @@
 Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
-``workspace_bytes`` for a step's preallocated temporaries), :class:`DeviceSums` (counts kept
-on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
+``workspace_bytes`` for a step's preallocated temporaries), :class:`Window` and
+``WindowSetting`` (a per-request capture window: ``window: WindowSetting = None``),
+:class:`DeviceSums` (counts kept on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
 copied to the host without a wait; ``HostCopies``: its deprecated name) and
 :class:`StagingRing` (host values copied to the device from pinned buffers; one tensor:
 ``host_to_device``), ``hookimpl``, the run report's :class:`Plot` and :class:`Series`, and
@@ -67,10 +68,11 @@ if TYPE_CHECKING:
         phase_mask,
         request_runs,
         row_mask,
+        window_rows,
     )
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
-    from tllm_core.api.windows import Window
+    from tllm_core.api.windows import Window, WindowSetting
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -90,6 +92,7 @@ __all__ = [
     "phase_mask",
     "row_mask",
     "max_rows",
+    "window_rows",
     "decode_results",
     "RequestRows",
     "as_selector",
@@ -109,6 +112,7 @@ __all__ = [
     "ConsumerContext",
     "ControlError",
     "Window",
+    "WindowSetting",
     "ConsumerSpec",
     "ConsumerSpecError",
     "FiniteF32",
@@ -168,6 +172,7 @@ _HOME = MappingProxyType(
         "ConsumerContext": "tllm_core.api.consumer",
         "ControlError": "tllm_core.api.consumer",
         "Window": "tllm_core.api.windows",
+        "WindowSetting": "tllm_core.api.windows",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",
@@ -206,6 +211,7 @@ _HOME = MappingProxyType(
         "phase_mask": "tllm_core.api.rows",
         "row_mask": "tllm_core.api.rows",
         "max_rows": "tllm_core.api.rows",
+        "window_rows": "tllm_core.api.rows",
         "decode_results": "tllm_core.api.results",
         "RequestRows": "tllm_core.api.results",
         "as_selector": "tllm_core.api.ports",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any, Literal
 
 import numpy as np
@@ -30,8 +31,10 @@ from tllm_core import (
     ReadPort,
     RequestInfo,
     RequestRows,
+    RequestSettings,
     SampledTokens,
     TokenPort,
+    WindowSetting,
     as_selector,
     parse_port_name,
 )
@@ -109,6 +112,13 @@ class ExportConfig(ConsumerConfig):
         return self
 
 
+class ExportRequest(RequestSettings):
+    window: WindowSetting = Field(
+        None,
+        description="Rows of this request to export, within the config's 'phase'.",
+    )
+
+
 class ExportConsumer(Consumer):
     name = "export"
     proof_counter = "rows_exported"
@@ -117,6 +127,10 @@ class ExportConsumer(Consumer):
         "sharded safetensors files plus a JSON manifest."
     )
     Config = ExportConfig
+    Request = ExportRequest
+    # Sampled tokens complete each request's token ids: a request's window narrows the
+    # exported rows only.
+    request_window_rows = frozenset({"token"})
     delivery = Delivery.BACKGROUND
 
     config: ExportConfig  # the registry builds it from the spec (validated there, once)
@@ -178,7 +192,7 @@ class ExportConsumer(Consumer):
             before_first_write=self.layout.clean_root,
         )
         self._table = RequestTable(
-            self.path, self.writer.prepare, lambda: self.writer.error, self.phase
+            self.path, self.writer.prepare, lambda: self.writer.error, self.phase, self
         )
 
     # -- ports ------------------------------------------------------------------------------
@@ -200,11 +214,14 @@ class ExportConsumer(Consumer):
         return req
 
     def on_bundle(self, bundle: Bundle) -> None:
+        t = time.perf_counter()
         with self._lock:
             self._used = True
             self._closed = False
             self._take_rows(bundle)
             self._take_sampled(bundle)
+        # This thread's time per bundle (shard writes included: seconds_writing of it).
+        self.counters.add("seconds_taking", time.perf_counter() - t)
 
     def _take_rows(self, bundle: Bundle) -> None:
         rows = bundle.rows
@@ -306,6 +323,7 @@ class ExportConsumer(Consumer):
             self.counters.add("rows_exported", sum(s["rows"] for s in new))
             self.counters.add("bytes_written", sum(s["bytes"] for s in new))
         self.counters.max("buffer_rows_max", self.writer.buffer_rows_max)
+        self.counters.set("seconds_writing", self.writer.seconds_writing)
 
     def on_request_finished(self, request: RequestInfo) -> None:
         # Background thread (after the request's bundles), or the engine thread when no
@@ -343,7 +361,9 @@ class ExportConsumer(Consumer):
         itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
         selector = as_selector(config.phase, "export: phase")
         keys = len(dict.fromkeys(str(k) for k in config.layers))
-        return returned_bound(selector, keys, hidden_size, itemsize, prompt_tokens, max_tokens)
+        return returned_bound(
+            selector, extra_args, keys, hidden_size, itemsize, prompt_tokens, max_tokens
+        )
 
     # -- manifest / results -----------------------------------------------------------------
     def _manifest(self) -> dict[str, Any]:

@@ -93,6 +93,38 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
+# Manifest field: why the run that wrote the export ended early (set by the front end after
+# the engine was stopped by a fault: mark_run_failed).
+RUN_ERROR = "run_error"
+
+
+def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
+    """After a fault stopped the engine that wrote the export (or feature record) at ``out``:
+    each of its manifests of this run (``out`` itself and its data-parallel part folders;
+    ``since``: the run's start, ``time.time()``; an older manifest is an earlier export's)
+    says ``complete: false`` and the cause (:data:`RUN_ERROR`). The engine's processes must
+    be gone (none writes any more). Returns the manifests marked."""
+    root = os.path.abspath(os.path.expanduser(out))
+    if not os.path.isdir(root):
+        return []
+    parts = sorted(n for n in os.listdir(root) if part_rank(n) is not None)
+    marked = []
+    for folder in [root, *(os.path.join(root, n) for n in parts)]:
+        path = os.path.join(folder, MANIFEST)
+        try:
+            if os.stat(path).st_mtime < since:
+                continue
+            with open(path, encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):  # none, or not one of ours: nothing to mark
+            continue
+        if not isinstance(manifest, dict):
+            continue
+        write_json_atomic(path, {**manifest, "complete": False, RUN_ERROR: cause})
+        marked.append(path)
+    return marked
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
     """Write JSON to ``path.tmp``, fsync, rename over ``path``, fsync the directory."""
     tmp = path + TMP_SUFFIX

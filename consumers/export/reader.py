@@ -44,6 +44,8 @@ def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
         why = ", ".join(f"{k}: {v}" for k, v in losses.items() if v)
     if manifest.get("error"):
         why = f"a write failed: {manifest['error']}; {why}"
+    if manifest.get(fmt.RUN_ERROR):
+        why = f"the run was stopped by a fault: {manifest[fmt.RUN_ERROR]}; {why}"
     return (
         f"{path!r} is not a complete record (complete: false; {why}); records may be "
         f"truncated or lack positions; each request's 'finished' says whether it ran to its end"

@@ -22,15 +22,22 @@ from typing import IO, Any
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens
 from tllm_core import Phase
+from tllm_core.api.windows import window_text
 
 
 def entry(
-    req: RequestTokens, finished: bool, bundles_dropped: int, phase: Any = Phase.ALL
+    req: RequestTokens,
+    finished: bool,
+    bundles_dropped: int,
+    phase: Any = Phase.ALL,
+    window: Any = None,
 ) -> dict[str, Any]:
     """One request's entry in the table (``docs/export-format.md``); ``phase``: the rows the
-    export keeps (a prompt position it selects whose row never came is missing)."""
+    export keeps, ``window``: the request's own capture window within it, if any (a prompt
+    position they select whose row never came is missing)."""
     info = req.info
     tokens = req.tokens[: req.length]
+    extra = {} if window is None else {"window": window_text(window)}
     return {
         "index": req.index,
         "request_id": info.request_id,
@@ -39,8 +46,9 @@ def entry(
         "sample_index": info.sample_index,
         "num_prompt_tokens": info.num_prompt_tokens,
         "finished": finished,
-        "positions_missing": req.missing(phase),
+        "positions_missing": req.missing(phase, window),
         "bundles_dropped": bundles_dropped,
+        **extra,
         "token_ids": tokens.tolist(),
     }
 
@@ -49,7 +57,8 @@ class RequestTable:
     """Open requests in memory, closed ones in ``{path}/requests.jsonl``.
 
     ``prepare`` creates the directory (the shard writer's first-write step); it runs before
-    the first line is written, and only for a request that had data.
+    the first line is written, and only for a request that had data. ``owner``: the
+    consumer whose per-request capture windows (``tllm_{name}_window``) narrow its rows.
     """
 
     def __init__(
@@ -58,9 +67,11 @@ class RequestTable:
         prepare: Callable[[], None],
         failed: Callable[[], str | None] = lambda: None,
         phase: Any = Phase.ALL,
+        owner: Any = None,
     ):
         self.path = path
         self.phase = phase
+        self._owner = owner
         self._prepare = prepare
         self._failed = failed
         self._open: dict[str, RequestTokens] = {}
@@ -98,7 +109,8 @@ class RequestTable:
         req = self._open.pop(request.engine_id, None)
         if req is None:  # no data reached the record: it has no entry
             return
-        e = entry(req, not getattr(request, "cut_short", False), dropped, self.phase)
+        finished = not getattr(request, "cut_short", False)
+        e = entry(req, finished, dropped, self.phase, self._window(req.info))
         self._closed_losses["requests_unfinished"] += not e["finished"]
         self._closed_losses["positions_missing"] += e["positions_missing"]
         self._pending.append(e)
@@ -120,11 +132,24 @@ class RequestTable:
         self.closed += len(self._pending)
         self._pending = []
 
+    def _window(self, info: Any) -> Any:
+        """The request's own capture window, or None (none set; one the engine could not
+        parse took no row, and the phase's rows count as missing)."""
+        if self._owner is None:
+            return None
+        try:
+            return info.window(self._owner)
+        except ValueError:
+            return None
+
     def _jsonl(self) -> str:
         return os.path.join(self.path, fmt.REQUESTS_FILE)
 
     def _open_entries(self) -> list[dict[str, Any]]:
-        return [entry(r, False, self._dropped.get(e, 0), self.phase) for e, r in self._open.items()]
+        return [
+            entry(r, False, self._dropped.get(e, 0), self.phase, self._window(r.info))
+            for e, r in self._open.items()
+        ]
 
     def _losses(self, requests: list[dict[str, Any]]) -> dict[str, int]:
         return {

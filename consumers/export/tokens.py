@@ -66,12 +66,16 @@ class RequestTokens:
         if position >= self.length:
             self.length = position + 1
 
-    def missing(self, phase: Any) -> int:
-        """Positions with no token id, plus prompt positions ``phase`` selects whose rows
-        never came."""
-        n = min(int(self.info.num_prompt_tokens), self.length)
+    def missing(self, phase: Any, window: Any = None) -> int:
+        """Positions with no token id, plus prompt positions ``phase`` (and the request's own
+        ``window``, when it sets one) selects whose rows never came."""
+        n_prompt = int(self.info.num_prompt_tokens)
+        n = min(n_prompt, self.length)
         pos = np.arange(n, dtype=np.int64)
-        wanted = row_mask(phase, np.zeros(n, np.bool_), pos, lambda: np.full(n, n, np.int64))
+        prompt = np.zeros(n, np.bool_)
+        wanted = row_mask(phase, prompt, pos, lambda: np.full(n, n_prompt, np.int64))
+        if window is not None:
+            wanted &= row_mask(window, prompt, pos, lambda: np.full(n, n_prompt, np.int64))
         return int((self.tokens[: self.length] < 0).sum()) + int((wanted & ~self.fed[:n]).sum())
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -189,6 +190,8 @@ class ShardWriter:
         self.rows_written = 0
         self.bytes_written = 0
         self.buffer_rows_max = 0
+        # Seconds spent writing shards (serialization, file write, fsync, manifest).
+        self.seconds_writing = 0.0
         self._prepared = False
         self._cap = 0
         self._fill = 0
@@ -290,6 +293,7 @@ class ShardWriter:
         index = len(self.shards)
         name = fmt.shard_name(index)
         final = os.path.join(self.path, name)
+        t = time.perf_counter()
         try:
             entry = self._write_shard_file(index, final, n)
         except Exception as e:  # noqa: BLE001 - safetensors' own error class carries ENOSPC too
@@ -299,6 +303,7 @@ class ShardWriter:
         self.bytes_written += entry["bytes"]
         self._fill = 0
         self.write_manifest()
+        self.seconds_writing += time.perf_counter() - t
         return entry
 
     def _write_shard_file(self, index: int, final: str, n: int) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from tllm_core import (
     SampledTokens,
     WritePort,
     as_selector,
-    max_rows,
+    window_rows,
 )
 from tllm_core.api.results import array_json_bytes
 
@@ -66,6 +66,9 @@ class SaeConsumer(Consumer):
     )
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
+    # Sampled tokens complete the records' token ids: a request's window narrows the
+    # encoded rows only.
+    request_window_rows = frozenset({"token"})
 
     config: SaeConfig  # the registry builds it from the spec (validated there, once)
 
@@ -134,6 +137,7 @@ class SaeConsumer(Consumer):
                 self.describe,
                 layout,
                 self.phase,
+                self,
             )
 
     # -- helpers ------------------------------------------------------------------------
@@ -337,7 +341,8 @@ class SaeConsumer(Consumer):
 
     @classmethod
     def result_bytes(cls, config, extra_args, prompt_tokens, max_tokens, hidden_size) -> int:
-        rows = max_rows(as_selector(config.phase, "sae: phase"), prompt_tokens, max_tokens)
+        selector = as_selector(config.phase, "sae: phase")
+        rows = window_rows(cls.name, selector, extra_args, prompt_tokens, max_tokens)
         return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
 
     def _take_sampled(self, bundle: Bundle) -> None:

@@ -59,9 +59,11 @@ class FeatureWriter:
         describe: Callable[[], dict[str, Any]],
         layout: OutputLayout | None = None,
         phase: Any = "all",
+        owner: Any = None,
     ):
         """``layout`` (data parallel): this engine's part folder of the output directory;
-        ``phase``: the rows recorded (a selected prompt position without a row is missing)."""
+        ``phase``: the rows recorded (a selected prompt position without a row is missing);
+        ``owner``: the consumer whose per-request windows narrow them."""
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(f"feature values dtype {value_dtype!r}: allowed {VALUE_DTYPES}")
         self.path = path
@@ -87,7 +89,11 @@ class FeatureWriter:
             before_first_write=None if layout is None else layout.clean_root,
         )
         self.table = RequestTable(
-            path, self.shards.prepare, lambda: self.shards.error, as_selector(phase, "phase")
+            path,
+            self.shards.prepare,
+            lambda: self.shards.error,
+            as_selector(phase, "phase"),
+            owner,
         )
 
     def note_tokens(self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray) -> None:

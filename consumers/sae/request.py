@@ -2,8 +2,9 @@
 
 ``tllm_sae_steer``: the steering entries for this request, replacing the config's
 ``steer`` (``[]`` turns steering off for it); ``tllm_sae_record``: record this request's
-features (``false`` skips it; needs ``out`` in the config). Unset fields keep the
-config's behaviour. Feature indices are checked against the SAE the consumer's config names
+features (``false`` skips it; needs ``out`` in the config); ``tllm_sae_window``: the rows of
+this request to encode and record, a capture window within the config's ``phase``. Unset
+fields keep the config's behaviour. Feature indices are checked against the SAE the consumer's config names
 (its ``cfg.json``), so the server answers 400 to an index out of range.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer, check_features
-from tllm_core import RequestSettings
+from tllm_core import RequestSettings, WindowSetting
 
 
 class SaeRequest(RequestSettings):
@@ -27,6 +28,11 @@ class SaeRequest(RequestSettings):
     )
     record: bool | None = Field(
         None, description="Record this request's features (default: when 'out' is set)."
+    )
+    window: WindowSetting = Field(
+        None,
+        description="Rows of this request to encode and record, within the config's 'phase' "
+        "(steering is not windowed).",
     )
 
     @field_validator("steer", mode="before")

@@ -91,7 +91,9 @@ class Consumer:
     ``Request`` (optional) declares per-request settings: field ``f`` is the request key
     ``tllm_{name}_{f}`` (``vllm_xargs`` in the server, ``SamplingParams.extra_args``
     offline), validated before a request reaches the engine; read a request's values with
-    ``request.settings(self)``.
+    ``request.settings(self)``. A field ``window: WindowSetting = None`` is a per-request
+    capture window: the runtime narrows this consumer's rows of a request that sets
+    ``tllm_{name}_window`` to it (see ``request_window_rows``), before any copy.
     """
 
     name: ClassVar[str] = ""
@@ -103,6 +105,10 @@ class Consumer:
     # The counter that proves this consumer's work, shown in the ``tllm`` command's summary
     # line (empty: its first non-zero counter).
     proof_counter: ClassVar[str] = ""
+    # The rows a request's capture window narrows: "token" (token ports' rows) and
+    # "sample" (sampling ports' rows, by the sampling row's position). A consumer whose
+    # sampling ports only complete each request's token ids (export) keeps "token" alone.
+    request_window_rows: ClassVar[frozenset[str]] = frozenset({"token", "sample"})
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
         self.config = config

@@ -120,3 +120,30 @@ def tllm_architectures() -> list[object]:
         def tllm_architectures():
             return [SiteSpec("post_norm", ("post_attention_layernorm",), output="first")]
     """
+
+
+@hookspec
+def tllm_run_failed(consumers: list, cause: str, started_at: float) -> None:
+    """The engine of an offline run (``TllmLLM``, ``tllm run``, ``tllm export``) was stopped
+    by a fault: a process of the engine died, or a consumer callback hung past its deadline.
+
+    Called once, in the front-end process, after every process of the engine is gone (so no
+    consumer writes any more): ``consumers`` are the run's
+    :class:`~tllm_core.api.consumer_spec.ConsumerSpec` s, ``cause`` is the one line the run
+    ended with ("vLLM's engine core (pid 1234) died (killed by SIGKILL); ...") and
+    ``started_at`` the wall-clock time (``time.time()``) the engine was started: files older
+    than that are not this run's. A consumer that writes files runs in the engine and could
+    not say why they stop; mark them here (the built-in ``export`` and ``sae`` consumers set
+    ``complete: false`` and ``run_error`` in their manifests). A hook that raises is named
+    in a warning; the run's own error is what the caller sees.
+
+    Example::
+
+        from tllm_core import hookimpl
+
+        @hookimpl
+        def tllm_run_failed(consumers, cause, started_at):
+            for spec in consumers:
+                if spec.name == "my_writer":
+                    mark_incomplete(spec.config["out"], cause)
+    """

@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from tllm_core.api.numbers import ERROR_TYPE as F32_ERROR
 from tllm_core.api.numbers import MAX_TEXT as F32_MAX_TEXT
 from tllm_core.api.numbers import is_f32_marker
+from tllm_core.api.windows import SETTING_ALLOWED, WINDOW_ERROR, is_window_marker
 
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
@@ -110,8 +111,26 @@ def _f32_inside(annotation: Any) -> bool:
     return False
 
 
+def _window_inside(annotation: Any) -> bool:
+    """Whether :data:`~tllm_core.api.windows.WindowSetting` is the annotation or one arm of
+    its union."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return any(is_window_marker(m) for m in args[1:]) or _window_inside(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_window_inside(a) for a in args)
+    return False
+
+
+def is_window_field(field: FieldInfo) -> bool:
+    """Whether a settings field is a capture window (declared with ``WindowSetting``)."""
+    return _window_inside(field.annotation) or any(is_window_marker(m) for m in field.metadata)
+
+
 def allowed(field: FieldInfo) -> str:
     """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
+    if is_window_field(field):
+        return SETTING_ALLOWED
     text = type_name(field.annotation)
     for m in field.metadata:
         for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
@@ -145,7 +164,7 @@ def _message(err: dict[str, Any]) -> str:
         return "must be a whole number"
     if kind == "finite_number":
         return "must be finite"
-    if kind == F32_ERROR:
+    if kind in (F32_ERROR, WINDOW_ERROR):
         return err["msg"]
     if kind == "greater_than_equal":
         return f"must be >= {ctx.get('ge')}"

@@ -16,10 +16,11 @@ from tllm_core.api.request_settings import (
     acts_on,
     enabled_consumers,
     parse_request_settings,
+    request_key,
 )
 from tllm_core.api.results import asked_results
 from tllm_core.api.transfers import index_to
-from tllm_core.api.windows import Window
+from tllm_core.api.windows import WINDOW_FIELD, Window
 
 
 class SettingsOwner(Protocol):
@@ -80,6 +81,20 @@ class RequestInfo:
             )
             self._settings[consumer.name] = out
         return out
+
+    def window(self, consumer: SettingsOwner) -> Any:
+        """The capture window this request sets for ``consumer`` (its key
+        ``tllm_{name}_window``, a ``Phase`` or :class:`Window`), or None when it sets none.
+
+        Only a request that carries the key is parsed (its settings, once); a bad value
+        raises ``ValueError`` naming it, as :meth:`settings` does.
+        """
+        if request_key(consumer.name, WINDOW_FIELD) not in self.extra_args:
+            return None
+        model = type(consumer).Request
+        if model is None or WINDOW_FIELD not in model.model_fields:
+            return None
+        return getattr(self.settings(consumer), WINDOW_FIELD)
 
     @property
     def enabled_consumers(self) -> frozenset[str]:
@@ -266,6 +281,20 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
     if isinstance(selector, Window):
         return selector.max_rows(prompt, generated)
     return min(prompt + generated, sum(max_rows(p, prompt, generated) for p in selector.parts))
+
+
+def window_rows(
+    consumer: str, selector: Any, extra_args: dict[str, Any] | None, prompt: int, generated: int
+) -> int:
+    """:func:`max_rows` of a consumer's ports (``selector``), narrowed by the request's own
+    window (``tllm_{consumer}_window``) when it sets one: a result's bound."""
+    rows = max_rows(selector, prompt, generated)
+    text = (extra_args or {}).get(f"tllm_{consumer}_window")
+    if isinstance(text, str):
+        from tllm_core.api.ports import as_selector
+
+        rows = min(rows, max_rows(as_selector(text, "window"), prompt, generated))
+    return rows
 
 
 def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_prompt: Any) -> Any:

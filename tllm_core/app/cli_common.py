@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tllm_core.app.engine import ConsumersArg
 
+from tllm_core.api.request_settings import RESULTS_KEY
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
 from tllm_core.app.prompts import read_prompt_file
@@ -200,6 +201,13 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument(
+        "--results",
+        metavar="NAMES",
+        help="comma-separated consumers whose per-request results (e.g. export's rows, "
+        "stats' figures) go into the --json output as request_results[prompt][sample] "
+        "(the request key tllm_results; docs/serving.md#results-with-the-completion)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs, counters)")
     p.add_argument("--counters", action="store_true", help="print every counter after the outputs")
     p.add_argument(
@@ -349,6 +357,7 @@ def generate_with(
     ["interrupted"]``; unfinished samples are None), consumers are flushed and the engine is
     stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
     the ``summary`` line that :func:`print_report` prints last."""
+    from tllm_core.api.results import encode
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress, summary
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
@@ -365,6 +374,7 @@ def generate_with(
     # here, before vLLM is imported (seconds) or the default model converted; TllmLLM then
     # adds only the checks that were not run yet.
     checked = validate_consumers(consumers, model)
+    asked = _results_arg(args, checked)
     converting = None
     if model is None:
         from tllm_core.app.default_model import convert_in_background, default_model_path
@@ -377,6 +387,8 @@ def generate_with(
             checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
+    if asked:
+        params.extra_args = {RESULTS_KEY: asked}
     from tllm_core.app.startup import choose_eager
 
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
@@ -432,6 +444,7 @@ def generate_with(
         llm.shutdown()
     args.engine_stopped = True  # the command may exit without the interpreter's teardown
     texts: list[list[str | None]] = [[None] * params.n for _ in texts_in]
+    results: list[list[Any]] = [[None] * params.n for _ in texts_in]
     tokens = 0
     for o in done:
         i = int(o.request_id) - first
@@ -439,6 +452,9 @@ def generate_with(
             for c in o.outputs:
                 texts[i][c.index] = c.text
                 tokens += len(c.token_ids)
+                results[i][c.index] = encode(getattr(c, "tllm", None))
+    if asked:
+        report["request_results"] = results
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
     finished = sum(t is not None for ts in texts for t in ts)
     line = summary(tokens, seconds, report["consumers"], proofs)
@@ -456,6 +472,21 @@ def generate_with(
         died.outputs = (texts_in, texts, report)
         raise died
     return texts_in, texts, report
+
+
+def _results_arg(args: argparse.Namespace, checked: Any) -> str | None:
+    """``--results``, checked as a request's ``tllm_results`` is (before the engine starts)."""
+    names = getattr(args, "results", None)
+    if not names:
+        return None
+    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+
+    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+    try:
+        validate_extra_args({RESULTS_KEY: names}, engine, where="--results")
+    except ValueError as e:
+        raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+    return names
 
 
 def has_chat_template(model: Path) -> bool:
@@ -478,6 +509,7 @@ def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[s
         "outputs": texts,
         "counters": _counters(report),
         "results": report.get("results", {}),
+        **({"request_results": report["request_results"]} if "request_results" in report else {}),
         "errors": report.get("errors", []),
         "run": report.get("run", {}),
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -198,6 +199,9 @@ class TllmLLM:
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
+        self._died: EngineDiedError | None = None  # the error a fault was reported as
+        self._failure_told = False
         deadlines = {
             "callback_deadline_s": callback_deadline_s,
             "background_deadline_s": background_deadline_s,
@@ -229,6 +233,18 @@ class TllmLLM:
         from vllm import LLM
 
         from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
+
+        self._started_at = time.time()  # files older than this are not this run's
+        from tllm_core.vllm_bridge.nodes import leader_store
+
+        # A multi-node leader (node rank 0 of nnodes > 1): its followers are told of a
+        # requested stop (close, Ctrl-C), and then stop too, exit 0 (nodes.announce_stop).
+        self._followers_store = leader_store(
+            llm_kwargs.get("nnodes"),
+            llm_kwargs.get("node_rank"),
+            llm_kwargs.get("master_addr"),
+            llm_kwargs.get("master_port"),
+        )
 
         try:
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
@@ -281,15 +297,18 @@ class TllmLLM:
         except Exception as e:
             vllm_says_dead = type(e).__name__ == "EngineDeadError"
             death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
-            if death is None or isinstance(e, ConsumerHungError):
+            if death is None:
                 raise
             # The engine's watchdog may have stopped it: then the hung callback is the cause.
-            hung = read_note(self._fault_note.path)
+            hung = None if isinstance(e, ConsumerHungError) else read_note(self._fault_note.path)
             if hung is not None:
-                raise ConsumerHungError(death, hung) from e
-            if isinstance(e, EngineDiedError):
+                error: EngineDiedError = ConsumerHungError(death, hung)
+            else:
+                error = e if isinstance(e, EngineDiedError) else EngineDiedError(death)
+            self._died = self._died or error  # the cause shutdown tells (tllm_run_failed)
+            if error is e:
                 raise
-            raise EngineDiedError(death) from e
+            raise error from e
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
@@ -417,11 +436,49 @@ class TllmLLM:
 
         self._watch.stop()  # processes that end from here on are stopped, not dead
         if self._watch.death is None:
+            if self._followers_store is not None:  # before the engine (and its store) stops
+                from tllm_core.vllm_bridge.nodes import announce_stop
+
+                announce_stop(*self._followers_store)
+                self._followers_store = None  # once
             shutdown_engine(self.llm)
         else:
             shutdown_engine(self.llm, timeout=LEFTOVER_GRACE_S)
             self._watch.clean_up()
+            self._tell_run_failed()
         self._fault_note.close()
+
+    def _tell_run_failed(self) -> None:
+        """Once every engine process is gone after a fault: the plugins' ``tllm_run_failed``
+        hooks (an export marks its manifest with the cause), each on its own: one that fails
+        is named in a warning and the others still run."""
+        if self._failure_told:
+            return
+        self._failure_told = True
+        died = self._died
+        if died is None:
+            assert self._watch.death is not None
+            hung = read_note(self._fault_note.path)
+            died = (
+                ConsumerHungError(self._watch.death, hung)
+                if hung is not None
+                else EngineDiedError(self._watch.death)
+            )
+        hook = self._checked.registry.pm.hook.tllm_run_failed
+        for impl in hook.get_hookimpls():
+            try:
+                impl.function(
+                    consumers=list(self._checked.specs),
+                    cause=str(died),
+                    started_at=self._started_at,
+                )
+            except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
+                log.warning(
+                    "tllm: plugin %r's tllm_run_failed failed (%s: %s)",
+                    impl.plugin_name,
+                    type(e).__name__,
+                    e,
+                )
 
     def __enter__(self) -> TllmLLM:
         return self

@@ -16,6 +16,7 @@ import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from time import perf_counter
 from typing import Any, Literal
 
 import torch
@@ -311,7 +312,11 @@ class Bus:
                 ch = self._channels[consumer.name] = _BackgroundChannel(
                     self, consumer, self.queue_size, self.overflow
                 )
-            ch.put(_to_host(bundle))
+            t = perf_counter()
+            host = _to_host(bundle)
+            # Engine-thread seconds copying bundles to the host for background consumers.
+            self.counters.add("host_s.to_host", perf_counter() - t)
+            ch.put(host)
         else:
             self.deliver_now(consumer, bundle)
 

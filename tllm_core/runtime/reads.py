@@ -12,7 +12,7 @@ import torch
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.ports import Phase, ReadPort
 from tllm_core.api.producer import Producer, TapRequest
-from tllm_core.api.rows import row_mask
+from tllm_core.api.rows import RequestInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.transfers import index_to
 from tllm_core.runtime.step_indices import StepIndices
@@ -91,19 +91,50 @@ def unwritten(
     return ~ok if flag is None else ok.logical_not_()
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """Which of a step's token rows a consumer may take, beyond its ports' phases and
+    windows: bool masks over ``step.rows`` (None: every row), ``token`` for its token ports,
+    ``sample`` for its sampling ports (looked up at each sampling row's token row)."""
+
+    token: np.ndarray | None = None
+    sample: np.ndarray | None = None
+
+
+Enabled = np.ndarray | RowMasks | None
+
+
+def _masks(enabled: Enabled) -> RowMasks:
+    return enabled if isinstance(enabled, RowMasks) else RowMasks(enabled, enabled)
+
+
+def step_runs(step: StepCapture) -> list[tuple[RequestInfo, int, int]]:
+    """``(request, start, stop)`` of each scheduled request's rows, in packing order: found
+    from the sampling rows (each request's last row), so per request, not per row."""
+    stops = (np.asarray(step.sample_token_row, np.int64) + 1).tolist()
+    starts = [0, *stops[:-1]]
+    requests = step.rows.requests
+    return [(requests[b - 1], a, b) for a, b in zip(starts, stops, strict=True)]
+
+
 def bundle_rows(
-    plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
+    plan: ReadPlan, step: StepCapture, enabled: Enabled = None
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The rows a consumer's bundle holds: its token rows (indices into ``step.rows``) and
-    its sampling rows (indices into the step's sampling rows); None where it has none."""
+    its sampling rows (indices into the step's sampling rows); None where it has none.
+
+    ``enabled``: a mask over ``step.rows`` of the rows the consumer may take (the requests
+    it acts on, narrowed to their capture windows), or :class:`RowMasks` when its token and
+    sampling ports take different rows; None: every row. Host metadata only."""
     token = sample = None
     rows = step.rows
+    masks = _masks(enabled)
     prompt_lengths = functools.cache(rows.prompt_lengths)  # only windows need them
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
         mask = row_mask(phase, rows.is_decode, rows.position, prompt_lengths)
-        if enabled is not None:
-            mask = mask & enabled
+        if masks.token is not None:
+            mask = mask & masks.token
         if mask.any():
             token = np.nonzero(mask)[0]
     phase = ReadPlan.phase(plan.sample)
@@ -112,16 +143,14 @@ def bundle_rows(
         mask = step.sample_kept & row_mask(
             phase, rows.is_decode[at], rows.position[at], lambda: prompt_lengths()[at]
         )
-        if enabled is not None:
-            mask = mask & enabled[step.sample_token_row]
+        if masks.sample is not None:
+            mask = mask & masks.sample[at]
         if mask.any():
             sample = np.nonzero(mask)[0]
     return token, sample
 
 
-def bundle_indices(
-    plan: ReadPlan, step: StepCapture, enabled: np.ndarray | None = None
-) -> list[np.ndarray]:
+def bundle_indices(plan: ReadPlan, step: StepCapture, enabled: Enabled = None) -> list[np.ndarray]:
     """Every host index :func:`build_bundle` sends to the device for this bundle (for
     :meth:`StepIndices.plan <tllm_core.runtime.step_indices.StepIndices.plan>`)."""
     token, sample = bundle_rows(plan, step, enabled)
@@ -134,14 +163,15 @@ def bundle_indices(
 def build_bundle(
     plan: ReadPlan,
     step: StepCapture,
-    enabled: np.ndarray | None = None,
+    enabled: Enabled = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
     unconfirmed: list[tuple[str, set[str]]] | None = None,
     buffers: StepIndices | None = None,
 ) -> Bundle | None:
     """The consumer's bundle for this step, or None when it selects no row.
 
-    ``enabled`` masks token rows to requests the consumer acts on (per-request consumers).
+    ``enabled`` masks the rows to those the consumer may take (:func:`bundle_rows`): the
+    requests it acts on (per-request consumers), narrowed to their capture windows.
     A port whose tap is stale is left out of the bundle and reported to ``on_stale``.
 
     ``unconfirmed``: given while the step's stamps are not read yet (they are on their way

@@ -29,9 +29,11 @@ from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
+from tllm_core.api.request_settings import request_key
 from tllm_core.api.results import RESULTS_KEY, asked_results
-from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
+from tllm_core.api.windows import WINDOW_FIELD
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
@@ -39,9 +41,11 @@ from tllm_core.runtime.guided_counts import GuidedCounts
 from tllm_core.runtime.reads import (
     PortRead,
     ReadPlan,
+    RowMasks,
     build_bundle,
     bundle_indices,
     plan_reads,
+    step_runs,
     unwritten,
 )
 from tllm_core.runtime.request_results import ResultStore
@@ -70,6 +74,8 @@ class _Slot:
     transforms: dict[str, Any] = field(default_factory=dict)  # port key -> in-graph module
     guides: bool = False
     per_request: bool = False
+    # Its request key ``tllm_{name}_window`` when its Request settings declare a window.
+    window_key: str | None = None
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -154,6 +160,8 @@ def _build(
     consumer = cls(config, context)
     reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
     slot = _Slot(consumer, reads, per_request=spec.per_request)
+    if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
+        slot.window_key = request_key(cls.name, WINDOW_FIELD)
     for w in consumer.writes():
         if isinstance(w, Edit):
             target = w.target.resolve(resolve)
@@ -258,6 +266,9 @@ class Runtime:
         self._planned: StepCapture | None = None  # the step whose indices were sent
         # Its per-request guides' rows, by slot (those with rows only).
         self._selections: dict[int, RowSelection] = {}
+        # The rows each reading slot may take (requests it acts on, their windows), by slot.
+        self._masks: dict[int, RowMasks | np.ndarray | None] = {}
+        self._window_warned: set[str] = set()  # consumers whose bad window was logged
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -375,10 +386,61 @@ class Runtime:
                 if mask is not None and mask.any():
                     self._selections[i] = RowSelection(mask)
                     arrays += self._selections[i].indices()
-        for s in self.slots:
-            if not s.reads.empty:
-                arrays += bundle_indices(s.reads, step, s.enabled(step.rows.requests))
+        self._masks = {}
+        runs = None
+        for i, s in enumerate(self.slots):
+            if s.reads.empty:
+                continue
+            masks: RowMasks | np.ndarray | None = s.enabled(step.rows.requests)
+            if s.window_key is not None:
+                if runs is None:  # once per step, and only when some consumer takes windows
+                    runs = step_runs(step)
+                masks = self._windowed(s, step.rows, runs, masks)
+            self._masks[i] = masks
+            arrays += bundle_indices(s.reads, step, masks)
         self._buffers.plan(arrays, step.rows.token_ids.device)
+
+    def _windowed(
+        self,
+        s: _Slot,
+        rows: RowInfo,
+        runs: list[tuple[RequestInfo, int, int]],
+        enabled: np.ndarray | None,
+    ) -> RowMasks | np.ndarray | None:
+        """``enabled`` narrowed, for each request of the step that sets the consumer's window
+        key, to the rows inside its window; host metadata only, and only those requests
+        cost anything. A window the engine cannot parse (the request bypassed the front
+        end's check) takes none of its rows (``rows_window_invalid.{consumer}``)."""
+        key, out = s.window_key, None
+        for req, start, stop in runs:
+            if key not in req.extra_args or (enabled is not None and not enabled[start]):
+                continue
+            try:
+                window = req.window(s.consumer)
+            except ValueError as e:
+                self.counters.add(f"rows_window_invalid.{s.consumer.name}", stop - start)
+                if s.consumer.name not in self._window_warned:
+                    self._window_warned.add(s.consumer.name)
+                    log.warning("tllm: %s: %s; none of its rows are taken", s.consumer.name, e)
+                keep = np.zeros(stop - start, np.bool_)
+            else:
+                if window is None:
+                    continue
+                keep = row_mask(
+                    window,
+                    rows.is_decode[start:stop],
+                    rows.position[start:stop],
+                    lambda n=stop - start, p=req.num_prompt_tokens: np.full(n, p, np.int64),
+                )
+            if out is None:
+                out = np.ones(len(rows), np.bool_) if enabled is None else enabled.copy()
+            out[start:stop] &= keep
+        if out is None:
+            return enabled
+        narrows = type(s.consumer).request_window_rows
+        token = out if "token" in narrows else enabled
+        sample = out if "sample" in narrows else enabled
+        return RowMasks(token, sample)
 
     def _sample_rows(self, step: StepCapture) -> RowInfo:
         """``step.sample_rows()``, its token ids gathered into a reused buffer."""
@@ -493,12 +555,11 @@ class Runtime:
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
         self._plan(step)
-        for s in self.slots:
+        for i, s in enumerate(self.slots):
             if s.reads.empty:
                 continue
-            enabled = s.enabled(step.rows.requests)
             bundle = build_bundle(
-                s.reads, step, enabled, self._stale, unchecked, buffers=self._buffers
+                s.reads, step, self._masks.get(i), self._stale, unchecked, buffers=self._buffers
             )
             if bundle is not None:
                 if s.reads.token:  # the token rows its phases and windows kept

@@ -17,6 +17,12 @@ so it is reachable from there): RPC ``tllm_join_leader`` -> :func:`join_leader`,
 * on a headless node the engine's leading rank then probes that address every
   ``TLLM_NODE_CHECK_S`` (``nodes.NodeWatch.watch_leader``); once the leader is gone it tells
   the node's command, which stops and exits 1.
+
+The address is that of a TCP store the leader's API server holds for its life
+(:func:`stop_beacon`, on the host of its engine input socket): at its first stop signal the
+leader sets ``nodes.STOP_KEY`` there (``NodeWatch.stop``, as a tensor-parallel leader does in
+its engine's store), and a follower whose leader then goes away stops on request and exits 0
+(``node_note.STOP_REQUESTED``) instead of reporting a lost leader.
 """
 
 from __future__ import annotations
@@ -68,15 +74,47 @@ def leader_endpoint(engine_client: Any) -> tuple[str, int] | None:
     return parse_tcp(raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
+# Marks a leader address that is a stop store (a follower reads the stop key there; the
+# engine input socket of an older leader is only probed).
+STOP_STORE = "stop-store"
+
+
+def stop_beacon(endpoint: tuple[str, int] | None, watch: nodes.NodeWatch) -> tuple | None:
+    """On the leader's API server: a TCP store (torch's, as a tensor-parallel engine has) that
+    lives as long as this process, kept in ``watch``, which announces its stop there
+    (``followers_store``). Returns the address followers watch: ``endpoint``'s host (where
+    they reach this process), the store's port and :data:`STOP_STORE`; ``endpoint`` itself
+    where no store starts."""
+    if endpoint is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        # The store listens on every interface; the host named here is this process's own.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - no store: followers probe the engine socket only
+        log.warning("tllm: no stop store for the followers (%s: %s)", type(e).__name__, e)
+        return endpoint
+    watch.beacon = store
+    watch.followers_store = ("127.0.0.1", int(store.port))
+    return endpoint[0], int(store.port), STOP_STORE
+
+
 async def check_followers(
-    engine_client: Any, rpc: Callable[..., Awaitable[list[Any]]], settings: dict | None
+    engine_client: Any,
+    rpc: Callable[..., Awaitable[list[Any]]],
+    settings: dict | None,
+    watch: nodes.NodeWatch | None = None,
 ) -> None:
     """On the leader's API server with engines on other nodes: every engine takes the
     leader's ``settings`` (:func:`join_leader`), or the server refuses to start, naming the
-    leader's settings and the other node's. ``rpc``: ``serving.rpc_all``."""
+    leader's settings and the other node's. ``rpc``: ``serving.rpc_all``; ``watch``: the
+    server's node watch, which tells the followers of a requested stop (:func:`stop_beacon`)."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
     endpoint = leader_endpoint(engine_client)
+    if watch is not None:
+        endpoint = stop_beacon(endpoint, watch)
     try:
         answers = await rpc(engine_client, "tllm_join_leader", settings, endpoint)
     except Exception as e:  # noqa: BLE001 - an engine without tllm has no such method
@@ -106,7 +144,8 @@ def join_leader(
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
     this engine's ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``:
     whether this worker (``watch``: the engine's leading rank) now watches the leader at
-    ``endpoint`` (``(host, port)``; only on a headless node; a wildcard host is replaced by
+    ``endpoint`` (``(host, port)``, or ``(host, port, STOP_STORE)``: a stop store, where a
+    requested stop of the leader stops this node without an error; only on a headless node; a wildcard host is replaced by
     ``fallback_host``, the ``--data-parallel-address`` this engine connected to). ``watcher``:
     the worker's :class:`~nodes.NodeWatch`, which runs at most one leader watch."""
     import os
@@ -124,7 +163,7 @@ def join_leader(
     if not watch or endpoint is None or interval == 0 or not node_note.on_headless_node():
         return {"watching": False}
     if watcher.leader_watch is None:
-        host, port = endpoint
+        host, port, *kind = endpoint
         if str(host) in WILDCARDS:  # bound to every interface: probe where this engine connected
             host = fallback_host or "127.0.0.1"
 
@@ -132,5 +171,10 @@ def join_leader(
             log.error("tllm: %s; stopping this node", reason)
             node_note.tell(reason, kill)
 
-        watcher.watch_leader(str(host), int(port), interval, on_lost)
+        def on_stop() -> None:  # the leader was asked to stop and has: so is this node
+            log.warning("tllm: the leader stopped; stopping this node")
+            node_note.tell(node_note.STOP_REQUESTED, kill)
+
+        stops = on_stop if kind == [STOP_STORE] else None  # a store tells of a stop
+        watcher.watch_leader(str(host), int(port), interval, on_lost, stops)
     return {"watching": True}

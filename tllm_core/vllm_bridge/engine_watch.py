@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import select
 import signal
 import threading
 import time
@@ -69,14 +70,34 @@ def how_it_ended(exitcode: int | None) -> str:
     return f"exit status {exitcode}"
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+def _stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/PID/stat`` from the state on (empty where it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
+        return []
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in (b"Z", b"X")
+
+
+def exit_code(pid: int) -> int | None:
+    """How process ``pid``, dead but not yet reaped by its parent (a zombie), ended, as
+    ``multiprocessing``'s exit code (negative: the signal); None while it runs or once it
+    was reaped. A worker is vLLM's engine core's child, not ours: only its zombie still
+    tells (``/proc/PID/stat`` field 52, the status ``waitpid`` would return)."""
+    fields = _stat(pid)
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    try:
+        status = int(fields[49])
+    except ValueError:
+        return None
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 def _children(pid: int) -> list[int]:
@@ -170,6 +191,10 @@ class EngineWatch:
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
         self._workers: set[int] = set()  # alive at the last look
+        # A pidfd per worker (readable once it exits): its exit status is read at once, before
+        # its parent, the engine core, reaps it (the kernel then forgets it).
+        self._pidfds: dict[int, int] = {}
+        self._codes: dict[int, int] = {}  # worker pid -> exit code, read from its zombie
         self.shm: set[str] = set()  # shared memory the engine processes had mapped
         self._looks = 0
         self._stopping = threading.Event()
@@ -202,29 +227,68 @@ class EngineWatch:
         return self.death
 
     def _run(self) -> None:
-        while not self._stopping.wait(self.poll_s):
-            if self.death is None:
-                self.death = self._look()
+        try:
+            while not self._wait():
                 if self.death is None:
-                    continue
-            self._wake_waiters()
+                    self.death = self._look()
+                    if self.death is None:
+                        continue
+                    self._close_pidfds()
+                self._wake_waiters()
+        finally:
+            self._close_pidfds()
+
+    def _wait(self) -> bool:
+        """Wait ``poll_s``, or less when a worker exits (its exit status is then read);
+        True once the watch is stopped."""
+        if not self._pidfds:
+            return self._stopping.wait(self.poll_s)
+        poller = select.poll()
+        for fd in self._pidfds.values():
+            poller.register(fd, select.POLLIN)
+        by_fd = {fd: pid for pid, fd in self._pidfds.items()}
+        for fd, _ in poller.poll(self.poll_s * 1000):
+            pid = by_fd.get(fd)
+            code = None if pid is None else exit_code(pid)
+            if code is not None:
+                self._codes.setdefault(pid, code)
+        return self._stopping.is_set()
+
+    def _follow(self, workers: set[int]) -> None:
+        """A pidfd for each new worker (none where the kernel has no ``pidfd_open``)."""
+        for pid in workers - set(self._pidfds):
+            try:
+                self._pidfds[pid] = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # gone already, or Linux < 5.3: polled only
+                continue
+
+    def _close_pidfds(self) -> None:
+        fds, self._pidfds = list(self._pidfds.values()), {}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _look(self) -> Death | None:
-        """One look at the processes; the first death seen (a worker before its engine core,
-        which exits because its worker did)."""
+        """One look at the processes; the death that is the cause: one killed by a signal
+        (an engine core before its workers, which end with it), else a worker (its engine
+        core exits because a worker did)."""
         deaths = []
         for pid in sorted(self._workers):
             if not _alive(pid):
-                deaths.append(Death("vLLM's worker process", pid, how_it_ended(None)))
+                code = self._codes.get(pid)
+                code = exit_code(pid) if code is None else code
+                deaths.append(Death("vLLM's worker process", pid, how_it_ended(code)))
         for p in self.cores:
             code = p.exitcode
             if code is not None:
-                deaths.append(Death("vLLM's engine core", int(p.pid), how_it_ended(code)))
+                deaths.insert(0, Death("vLLM's engine core", int(p.pid), how_it_ended(code)))
         if deaths:
-            # A process killed by a signal is the cause; a worker's exit status is unknown here.
-            return next((d for d in deaths if "killed" in d.how), deaths[0])
+            killed = [d for d in deaths if "killed" in d.how]
+            workers = [d for d in deaths if "worker" in d.what]
+            return (killed or workers or deaths)[0]
         workers = {c for p in self.cores for c in _children(int(p.pid))}
         self._workers = {w for w in workers if w not in self._spawn_helpers(workers)}
+        self._follow(self._workers)
         self.pids |= workers
         if self._looks % SHM_EVERY == 0:
             for pid in self.pids:

@@ -6,7 +6,8 @@ On a headless data-parallel node it is an engine process that learns that the no
 reason and status 1. While the node runs, that process names a file in :data:`ENV`
 (``"{pid}:{path}"``), which its engine processes inherit. The first engine process to
 :func:`tell` writes the reason there and sends that pid SIGTERM (vLLM's headless stop); the
-command then reports the reason as its error (``nodes.NodeWatch.lost``).
+command then reports the reason as its error (``nodes.NodeWatch.lost``), unless it is
+:data:`STOP_REQUESTED` (the leader stopped on request: so does the node, exit 0).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import tempfile
 from collections.abc import Callable, Iterator
 
 ENV = "TLLM_NODE_NOTE"
+# What an engine tells when its leader was asked to stop and has: a requested stop of this
+# node too (exit 0), no error (``nodes.NodeWatch.lost`` returns None for it).
+STOP_REQUESTED = "the leader stopped on request"
 
 
 class NodeNote:

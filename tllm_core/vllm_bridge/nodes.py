@@ -19,8 +19,10 @@ from typing import Any
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 # Per-process fields: where this process writes its start error, the API server's limits
-# (only the leader's API server reads them).
-LOCAL_FIELDS = ("start_error_file", "fault_file", "server")
+# (only the leader's API server reads them), and how long a node's engine goes on after a
+# hung callback (its front end's kind: 0 offline, 60 s under `tllm serve`; each node stops
+# its own engine, so a TllmLLM leader may run with `tllm serve --headless` followers).
+LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s")
 
 
 def comparable(settings: dict[str, Any] | None) -> str:
@@ -157,6 +159,17 @@ def _store(host: str, port: int) -> Any:
     )
 
 
+def leader_store(
+    nnodes: Any, node_rank: Any, master_addr: Any = None, master_port: Any = None
+) -> tuple[str, int] | None:
+    """Where the engine store of a multi-node leader listens (vLLM's ``master_addr`` and
+    ``master_port``, defaults 127.0.0.1 and 29501): the leader's followers read its stop
+    there (:func:`announce_stop`). None unless this is node rank 0 of a multi-node engine."""
+    if int(nnodes or 1) <= 1 or int(node_rank or 0) != 0:
+        return None
+    return str(master_addr or "127.0.0.1"), int(master_port or 29501)
+
+
 def announce_stop(host: str, port: int) -> bool:
     """On the leader: tell the followers this is a requested stop (:data:`STOP_KEY` in the
     engine's store); False when the store cannot be reached (the followers then find the
@@ -205,6 +218,8 @@ class NodeWatch:
         self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
         # A leader's (host, port) of its engine's store: its followers are told of its stop.
         self.followers_store: tuple[str, int] | None = None
+        # A data-parallel leader's own store for that (dp_nodes.stop_beacon), kept alive here.
+        self.beacon: Any = None
 
     def stop(self) -> None:
         """This process stops on request: the watches report nothing from now on, and a
@@ -234,7 +249,10 @@ class NodeWatch:
         gone, or runs other tllm settings)."""
         if self._lost:
             return self._lost[0]
-        return None if self._note is None else self._note.told()
+        from tllm_core.vllm_bridge.node_note import STOP_REQUESTED
+
+        told = None if self._note is None else self._note.told()
+        return None if told == STOP_REQUESTED else told
 
     def _report(self, reason: str, on_lost: Any) -> bool:
         if self.stopping:

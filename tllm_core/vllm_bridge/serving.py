@@ -25,6 +25,9 @@ Loaded only when the server was started with ``--additional-config '{"tllm": {..
 - fails ``GET /health`` (HTTP 503) while a consumer callback is past its deadline (the engine's
   watchdog wrote it into ``fault_file``: :class:`HungHealth`), so that a load balancer drains
   the server before the engine stops itself; ``/tllm/status`` then names it;
+- returns per-request results with the completion (``tllm_results``: a top-level ``tllm``
+  list, :mod:`tllm_core.vllm_bridge.request_results`), refusing before generation a request
+  whose result a consumer bounds past ``max_result_bytes``;
 - marks a non-streamed response whose request a consumer failed on with the header
   ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
   (:mod:`tllm_core.vllm_bridge.request_marks`).
@@ -505,7 +508,7 @@ async def init_state(
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
     leader = tllm_settings(engine_client.vllm_config.additional_config)
-    await check_followers(engine_client, rpc_all, leader)
+    await check_followers(engine_client, rpc_all, leader, nodes)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
