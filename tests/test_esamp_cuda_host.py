@@ -12,6 +12,7 @@ from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
+from algorithms.esamp.packing import make_packing
 
 H, INTER = 32, 16
 
@@ -327,3 +328,34 @@ def test_the_graph_update_skips_exactly_the_groups_with_a_non_finite_loss_or_nor
     assert ok.tolist() == [True, False, True], (losses, ok)
     assert torch.equal(theta[1], before[1]) and not torch.equal(theta[0], before[0])
     assert step.tolist()[:3] == [1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("zero_output", [False, True])
+@pytest.mark.usefixtures("cuda_on_cpu")
+def test_cuda_row_errors_equal_the_cpu_distillers(zero_output):
+    """``train_step(row_errors=True)``: the CUDA distiller's per-row errors (from the step's
+    prediction when the update reuses it, else from one it runs first) equal the CPU
+    distiller's (from the update's own forward), and each group's loss is the mean of its
+    rows' errors."""
+    kw = dict(intermediate_size=INTER, lr=1e-2, capacity=4, init="zero" if zero_output else "paper")
+    cpu = GroupedDistiller(H, **kw)
+    gpu = CudaGroupedDistiller(H, device="cpu", graph_max_rows=8, zero_output=zero_output, **kw)
+    live = [cpu.alloc() for _ in range(3)]
+    assert [gpu.alloc() for _ in range(3)] == live
+    rng = np.random.default_rng(1)
+    for step in range(6):
+        r = int(rng.integers(2, 12))
+        slots = torch.tensor(rng.choice(live, size=r))
+        x, t = torch.randn(r, H), torch.randn(r, H) * 3
+        reuse = step % 2 == 0  # the sampler predicted these rows (else: greedy rows)
+        if reuse:
+            gpu.predict(slots, x, rows_id=("step", step))
+        a = cpu.train_step(slots, x, t + x if zero_output else t, row_errors=True)
+        b = gpu.train_step(slots, x, t, rows_id=("step", step), row_errors=True)
+        gpu.synchronize()
+        assert b.ready() and a.row_errors.shape == b.row_errors.shape == (r,)
+        torch.testing.assert_close(b.row_errors, a.row_errors, rtol=1e-4, atol=1e-5)
+        groups = make_packing(slots).row_group
+        means = [a.row_errors[torch.from_numpy(groups == g)].mean() for g in range(len(a.slots))]
+        torch.testing.assert_close(torch.stack(means), a.losses, rtol=1e-5, atol=1e-6)
+    assert gpu.updates_reusing_prediction == 3 and gpu.staleness_max() == 0

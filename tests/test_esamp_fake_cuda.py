@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 
+import numpy as np
 import pytest
+import torch
 from esamp_steps import run
 
 
@@ -228,3 +230,64 @@ def test_esamp_decode_steps_order_their_streams(prompts, n, mode, fit, steps, gr
         counted = res["counted_in_the_run"]
         assert counted["groups_freed"] == 1 and counted["groups_created"] == prompts + 1, res
         assert counted["optimizer_steps"] > 0, res  # results copied back during the run
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["guided", "greedy"])
+def test_rows_that_ask_for_their_errors_wait_for_nothing_in_the_step(greedy):
+    """tllm_results=esamp on the CUDA path (every other prompt asks), stream order checked:
+    the steps make no host wait, pageable copy or race (the row errors come from the
+    prediction on the side stream and go to pinned memory without a wait; greedy rows, never
+    predicted by the guide, get a prediction there first); each asking request's result,
+    taken after it finished, has one error per step."""
+    from esamp_steps import H, V, _fake_gpu, consumer
+
+    from tllm_core.api.bundles import Bundle, GuideView
+    from tllm_core.api.rows import RequestInfo, RowInfo
+
+    prompts, n, steps = 4, 4, 3
+    with _fake_gpu(order=True) as fc:
+        c = consumer(fc.device, prompts, n, cuda_capacity=prompts)
+        ask = {"tllm_results": "esamp"}
+        reqs = [
+            RequestInfo(f"{p}-{s}", f"r{p}", p, s, 3, dict(ask) if p % 2 == 0 else {})
+            for p in range(prompts)
+            for s in range(n)
+        ]
+        r = len(reqs)
+        keys = {c.shared.src_key, c.shared.tgt_key, "final"}
+        hidden = {k: torch.zeros(r, H, dtype=torch.bfloat16, device=fc.device) for k in keys}
+        logits = torch.zeros(r, V, device=fc.device)
+        temp = torch.ones(r, device=fc.device)
+        is_random = np.full(r, not greedy)
+        tokens = torch.zeros(r, dtype=torch.long, device=fc.device)
+
+        @torch.inference_mode()  # as vLLM runs a step
+        def step(t: int) -> None:
+            rows = RowInfo(
+                np.arange(r), reqs, np.full(r, 5 + t), np.ones(r, bool), np.zeros(r, bool), tokens
+            )
+            for x in (*hidden.values(), logits):  # the forward writes the step's tensors
+                x.fill_(1.0)
+            view = GuideView(t, rows, logits, temp, is_random, True, hidden)
+            c.guide(view)
+            view.commit()
+            c.on_bundle(Bundle(t, rows, hidden))
+
+        step(0)  # the groups' slots are allocated (host bookkeeping)
+        with fc.steps():
+            for t in range(1, steps + 1):
+                step(t)
+        races = [f"x{f.count} {f.where}: {f.what}" for f in fc.findings(None, "race")]
+        waits = [f"{f.where} {f.what}" for f in fc.findings(kind="host_wait")]
+        copies = [f"{f.where} {f.what}" for f in fc.findings(kind="pageable_copy")]
+        results = {}
+        for q in reqs:  # after the steps: the closing read's wait is expected
+            c.on_request_finished(q)
+            if q.wants_result("esamp"):
+                results[q.engine_id] = c.request_result(q)
+    assert races == waits == copies == [], (races, waits, copies)
+    assert len(results) == 2 * n
+    for got in results.values():
+        assert got["positions"].tolist() == [5 + t for t in range(steps + 1)]
+        assert got["prediction_error"].shape == (steps + 1,)
+    assert c.counters.get("rows_returned") == 2 * n * (steps + 1)

@@ -853,3 +853,50 @@ def test_side_thread_waits_are_bounded():
     gate.set()
     st.close()
     assert not st._thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("cpu_update", "cuda_path"), [("inline", False), ("thread", False), ("inline", True)]
+)
+def test_consumer_returns_each_rows_error_the_loss_is_the_mean_of(cpu_update, cuda_path):
+    """tllm_results=esamp: each asking request gets its decode rows' positions and errors;
+    a group's logged loss at each step is the mean of its rows' errors (one group here: the
+    loss curve is its losses). Deferred reads (the CUDA path's, the side thread's) are
+    settled by request_result; a request that does not ask keeps nothing."""
+    fake = Fake()
+    c = fake.consumer(cpu_update=cpu_update, cuda_path=cuda_path)
+    ask = {"tllm_results": "esamp"}
+    reqs = [RequestInfo(f"0-{s}", "r0", 0, s, 3, dict(ask)) for s in range(3)]
+    steps = 4
+    for t in range(steps):
+        rows, hidden = fake.step(reqs)
+        rows.position[:] = 5 + t
+        logits = _filtered_logits(len(reqs), V, keep=6, seed=t) / 0.8
+        c.guide(fake.view(rows, hidden, logits))  # the update reuses this forward (CPU)
+        c.on_bundle(Bundle(t, rows, hidden))
+    if cuda_path:  # read back in batches: still in flight (the side thread's: may be)
+        assert c.returned.waits_for("0-0")
+    elif cpu_update == "inline":
+        assert not c.returned.waits_for("0-0")
+    got = []
+    for r in reqs:
+        c.on_request_finished(r)
+        got.append(c.request_result(r))
+    for g in got:
+        assert g["positions"].tolist() == [5, 6, 7, 8]
+        assert g["prediction_error"].dtype == np.float32
+        assert np.isfinite(g["prediction_error"]).all() and (g["prediction_error"] > 0).all()
+    errors = np.stack([g["prediction_error"] for g in got])  # [samples, steps]
+    curve = c.result()["loss_curve"]
+    assert [a for a, _, _ in curve] == list(range(steps))
+    np.testing.assert_allclose(errors.mean(0), [m for _, m, _ in curve], rtol=1e-5)
+    assert c.counters.get("rows_returned") == 3 * steps
+    assert c.request_result(reqs[0])["positions"].size == 0  # taken once
+    # A request that does not ask: trained on, nothing kept for it.
+    other = RequestInfo("1-0", "r1", 1, 0, 3)
+    rows, hidden = fake.step([other])
+    c.on_bundle(Bundle(steps, rows, hidden))
+    c.result()
+    assert c.counters.get("rows_returned") == 3 * steps and not c.returned.waits_for("1-0")
+    assert c.request_result(other)["positions"].size == 0
+    c.close()

@@ -293,5 +293,88 @@ def test_result_bounds_follow_the_window_and_the_request():
     # 30 rows x 2 ports x 64 floats x 4 bytes, as base64, plus two int64 columns
     assert 4 * 30 * 2 * 64 * 4 // 3 < every <= 4 * 30 * 2 * 64 * 4 // 3 + 2048
     last = {**ask, "tllm_export_window": "last_prompt"}
-    assert result_bounds(PlannedRequest(10, 20, 64, last), engine)["export"] < every / 20
+    assert result_bounds(PlannedRequest(10, 20, 64, last), engine)["export"] < every / 10
     assert result_bounds(PlannedRequest(10, 20, 64, {}), engine) == {}
+
+
+@torch.no_grad()
+def test_tllm_llm_returns_esamp_errors_on_each_completion(tiny_model, engines):
+    """Offline, V1: two samples of one prompt ask for esamp's errors and get one per decode
+    row (every generated token fed back), finite and >= 0; a concurrent prompt does not ask
+    and gets none."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from tllm_core import TllmLLM
+
+    spec = {"name": "esamp", "config": {"intermediate_size": 16}}
+    llm = engines.get(
+        ("results-esamp", tiny_model),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
+    ask = SamplingParams(
+        n=2, max_tokens=6, temperature=1.0, seed=1, extra_args={"tllm_results": "esamp"}
+    )
+    plain = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=2)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    outs = llm.generate(prompts, [ask, plain], use_tqdm=False)
+    assert not any(hasattr(c, "tllm") for c in outs[1].outputs)
+    assert len(outs[0].outputs) == 2
+    for c in outs[0].outputs:
+        got = c.tllm["esamp"]
+        rows = len(c.token_ids) - 1  # the last sampled token is never fed back
+        assert got["positions"].tolist() == list(range(4, 4 + rows)) and rows > 0
+        assert got["prediction_error"].shape == (rows,)
+        assert np.isfinite(got["prediction_error"]).all() and (got["prediction_error"] >= 0).all()
+
+
+def _distiller_reference(x: torch.Tensor, target: torch.Tensor, cfg: dict) -> list[float]:
+    """ESamp's row errors for one request's decode rows, one row per step, recomputed
+    independently: the distiller from its seeded initial parameters, each row's error
+    ``||f(x) - target||^2 / hidden`` taken before torch's own Adam step (clip 0.5) on it."""
+    from algorithms.esamp.params import DistillerShape, init_params, split_params
+
+    shape = DistillerShape(x.shape[-1], cfg["intermediate_size"], 2)
+    theta = init_params(shape, "paper", 0)[None]
+    params = [torch.nn.Parameter(p[0].clone()) for p in split_params(theta, shape)]
+    opt = torch.optim.Adam(params, lr=4e-4, eps=1e-4, betas=(0.9, 0.999))
+    errors = []
+    for row in range(x.shape[0]):
+        h = x[row : row + 1]
+        for blk in range(shape.num_blocks):
+            a, u = h @ params[0][blk].t(), h @ params[1][blk].t()
+            h = h + (torch.nn.functional.silu(a) * u) @ params[2][blk].t()
+        loss = torch.nn.functional.mse_loss(h, target[row : row + 1])
+        errors.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+    return errors
+
+
+def test_kit_returns_esamp_prediction_errors_per_decode_row(tiny_model):
+    """``esamp`` returns each decode row's prediction error (its term of the training
+    loss), equal to a distiller trained independently with torch's Adam on transformers'
+    hidden states of the same tokens; a concurrent request that did not ask gets none."""
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"intermediate_size": 16, "beta": 0.5}
+    kit = ConsumerKit(tiny_model, [{"name": "esamp", "config": cfg}])
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    out = kit.generate(prompts, max_tokens=6, extra_args=[{"tllm_results": "esamp"}, None])
+    assert set(kit.results) == {(0, 0)}  # the second request did not ask
+    got = kit.results[(0, 0)]["esamp"]
+    tokens = prompts[0] + out[0][0]
+    decode = list(range(len(prompts[0]), len(tokens) - 1))  # generated tokens fed back
+    assert got["positions"].tolist() == decode and len(decode) == 5
+    assert got["prediction_error"].dtype == np.float32 and got["prediction_error"].shape == (
+        len(decode),
+    )
+    assert np.isfinite(got["prediction_error"]).all() and (got["prediction_error"] >= 0).all()
+    ref = hf_states(tiny_model, tokens[:-1])
+    want = _distiller_reference(ref["layer.0"][decode], ref["final"][decode], cfg)
+    np.testing.assert_allclose(got["prediction_error"], want, rtol=1e-3)
+    report = kit.close()
+    assert report["consumers"]["esamp"]["rows_returned"] == len(decode)
+    assert report["runtime"]["results_made.esamp"] == 1

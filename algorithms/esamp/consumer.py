@@ -27,6 +27,7 @@ from algorithms.esamp.memory_plan import (
     device_total_bytes,
     plan_memory,
 )
+from algorithms.esamp.returned import ReturnedErrors
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.training import Trainer
 from tllm_core import (
@@ -39,6 +40,7 @@ from tllm_core import (
     GuideView,
     HiddenStates,
     Phase,
+    PlannedRequest,
     RequestInfo,
     RequestSettings,
     SamplerGuide,
@@ -84,6 +86,7 @@ COUNTER_NAMES = (
     "fit_scale_mean",
     "diag_rows",
     "diag_top_changed",
+    "rows_returned",
 )
 
 
@@ -155,7 +158,10 @@ class ESampConsumer(Consumer):
         guide = guide_for(self.shared, self.groups, model, self.diagnostics)
         self.guide_step = GuideStep(self.shared, self.groups, self._beta, guide)
         self.losses = LossBook(self.counters)
-        self.trainer = Trainer(self.shared, self.groups, self.losses, self.guide_step.read_guided)
+        self.returned = ReturnedErrors(self.name, context.max_result_bytes, self.counters)
+        self.trainer = Trainer(
+            self.shared, self.groups, self.losses, self.guide_step.read_guided, self.returned
+        )
         for name in COUNTER_NAMES:
             self.counters.add(name, 0)
         self.counters.set("memory_bytes_per_group", self.distiller.memory_bytes_per_group())
@@ -190,6 +196,27 @@ class ESampConsumer(Consumer):
         if serial is not None:
             self.losses.freed(serial)
             self.trainer.prune_losses()
+
+    def request_result(self, request: RequestInfo) -> dict[str, Any]:
+        """This request's decode rows the distiller trained on, in order: ``positions`` and
+        ``prediction_error`` (not ``error``: that key marks a failed result), each row's
+        prediction error before the update it took part in: the
+        squared L2 distance between the distiller's prediction ``f(h_1)`` and the target
+        ``h_L`` (the final hidden state by default), summed over hidden dimensions and
+        divided by the hidden size with ``loss_reduction: "mean"`` (the default; not with
+        ``"sum"``). That is the row's term of the training loss: a group's loss at a step
+        is the mean of its rows' errors. The prediction is the one the guidance mixed at
+        that step (strict staleness: the distiller as trained through the step before).
+        Rows not trained on have none (prefill, recomputed, past the group cap, mixed
+        batches with ``skip_mixed_batches``, a frozen distiller). Where the rows of the
+        request may still be in flight (queued updates) their results are waited for."""
+        if self.returned.waits_for(request.engine_id):
+            self.trainer.flush()
+        return self.returned.take(request)
+
+    @classmethod
+    def result_bytes(cls, config: ESampConfig, request: PlannedRequest) -> int:
+        return ReturnedErrors.result_bytes(request.max_tokens)
 
     def result(self) -> Any:
         self.trainer.flush()

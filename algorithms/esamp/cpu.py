@@ -105,12 +105,16 @@ class GroupedDistiller(SlotDistiller):
             return None
         return fwd
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def _train(
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+    ) -> TrainResult:
         """One in-place update of all packed groups (see :class:`HostTrainer`), inline or
-        queued on the side thread; ``losses``/``updated`` are filled when the update has run.
-        Reuses the prediction's forward when it was on these rows and parameters."""
+        queued on the side thread; ``losses``/``updated`` (and ``row_errors``, asked) are
+        filled when the update has run. Reuses the prediction's forward when it was on
+        these rows and parameters."""
         forward = self._saved_forward(pk, x)
         self._version += 1
+        errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
         losses = torch.full((len(pk.slots),), float("nan"))
         updated = torch.zeros(len(pk.slots), dtype=torch.bool)
         stats = torch.full((len(pk.slots), len(STATS)), float("nan")) if self.hp.stats else None
@@ -119,7 +123,7 @@ class GroupedDistiller(SlotDistiller):
         def run() -> None:
             state = (self.theta, self.m, self.v, self.step)
             batch = HostBatch.plan(pk.slots)
-            loss, ok, st = self._host.step(state, pk, batch, x, target, forward)
+            loss, ok, st = self._host.step(state, pk, batch, x, target, forward, errors)
             self.applied[torch.from_numpy(pk.slots)] += 1
             losses.copy_(torch.tensor(loss))
             updated.copy_(torch.tensor(ok))
@@ -128,4 +132,4 @@ class GroupedDistiller(SlotDistiller):
             done.set()
 
         self._ordered(run)
-        return TrainResult(pk.slots, losses, updated, done, stats=stats)
+        return TrainResult(pk.slots, losses, updated, done, stats=stats, row_errors=errors)

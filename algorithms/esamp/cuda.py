@@ -50,6 +50,7 @@ from algorithms.esamp.cuda_plan import (
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
+from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
@@ -403,11 +404,17 @@ class CudaGroupedDistiller(SlotDistiller):
         )
 
     def train_step(
-        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, rows_id: object = None
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        rows_id: object = None,
+        row_errors: bool = False,
     ) -> TrainResult:
         """As the base class, without its defensive copies: the rows are copied into the
         packed buffers on the side stream, and the main stream waits for that copy only.
-        ``rows_id``: see :meth:`predict` (None: the forward is run again)."""
+        ``rows_id``: see :meth:`predict` (None: the forward is run again).
+        ``row_errors``: see :meth:`_row_errors` (read when the result is final)."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
@@ -416,6 +423,8 @@ class CudaGroupedDistiller(SlotDistiller):
         self._check_rows(max(x.shape[0], target.shape[0]))
         batches = split(pk.counts, self.layouts)
         reuse = self._reusable(pk, batches, rows_id)
+        # Before the submission is counted: a prediction run for them reads no staleness.
+        errors = self._row_errors(pk, batches, x, target, reuse) if row_errors else None
         self._predicted = None  # this update changes the parameters the forward used
         self._submitted[pk.slots] += 1
         self._version += 1
@@ -451,4 +460,40 @@ class CudaGroupedDistiller(SlotDistiller):
             )
         self.results.add(p)
         self.results.maybe_copy(self.stream)
-        return TrainResult(pk.slots, p.losses, p.updated, p.done, counts=pk.counts, stats=p.stats)
+        return TrainResult(
+            pk.slots,
+            p.losses,
+            p.updated,
+            p.done,
+            counts=pk.counts,
+            stats=p.stats,
+            row_errors=errors,
+        )
+
+    def _row_errors(
+        self, pk, batches: list[Batch], x: torch.Tensor, target: torch.Tensor, reuse: bool
+    ) -> torch.Tensor:
+        """Each row's error before the update (``TrainResult.row_errors``), from the
+        prediction ``y`` of these rows: the sampler's when the update reuses it, else a
+        prediction run here first. Queued on the side stream with a copy into pinned host
+        memory (no host wait: the copy is final when the update's results are, the result
+        ring's copy coming after it on the same stream). Only steps with rows of requests
+        that ask pay for it (a few small allocations; a second forward where the sampler
+        predicted no row of them)."""
+        n = x.shape[0]
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        per_row = loss_per_row(self.shape.hidden_size, self.hp.loss_reduction)
+        with torch.cuda.stream(self.stream), torch.inference_mode(False), torch.no_grad():
+            if not reuse:
+                self._stage(self.stage_x, x)
+                for batch in batches:
+                    self._send_plan(batch, pk, 0)
+                    self._run("predict", batch.layout)
+            # y: blocks(x) (- x with zero_output); target: what that is trained toward.
+            diff = self.y[:n] - target.float()
+            target.record_stream(self.stream)
+            err = diff.square_().sum(-1).div_(per_row)
+            host = torch.empty(n, dtype=torch.float32).pin_memory()
+            host.copy_(err, non_blocking=True)
+        return host

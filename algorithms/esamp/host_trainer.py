@@ -10,6 +10,7 @@ from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
 from algorithms.esamp.backward import backward_factors, clipped_grad
 from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import HostBatch, Packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 
@@ -44,6 +45,7 @@ class HostTrainer:
         x: torch.Tensor,
         target: torch.Tensor,
         forward: tuple[torch.Tensor, Activations] | None = None,
+        row_errors: torch.Tensor | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
         """One update of each packed group; returns per group (loss, updated) and, with
         ``hp.stats``, the update's statistics ``[groups, len(STATS)]`` (:func:`adam_stats`; rows of
@@ -52,6 +54,8 @@ class HostTrainer:
         ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
         these parameters on the packed ``x``, when already computed (a prediction of the same
         rows). A group with a non-finite loss or gradient norm keeps its state (updated False).
+        ``row_errors`` (fp32 ``[R]``, optional): filled with each row's error before the
+        update (``TrainResult.row_errors``).
         """
         theta, m, v, step = state
         shape, hp = self.shape, self.hp
@@ -66,9 +70,12 @@ class HostTrainer:
         mask = torch.zeros(batch.size, h.shape[1], dtype=torch.bool)
         mask[batch.pos[pk.row_group], pk.row_pos] = True
         loss_parts, dy = h.new_empty(batch.size, 1), torch.empty_like(h)
-        kernels.loss_dy(
-            h, batch.pack(pk, target), mask, loss_parts, dy, reduction=hp.loss_reduction
-        )
+        tp = batch.pack(pk, target)
+        kernels.loss_dy(h, tp, mask, loss_parts, dy, reduction=hp.loss_reduction)
+        if row_errors is not None:  # each row's term of its group's loss, times its rows
+            diff = batch.unpack(pk, h) - batch.unpack(pk, tp)
+            per_row = loss_per_row(shape.hidden_size, hp.loss_reduction)
+            row_errors.copy_(diff.square_().sum(-1).div_(per_row))
         factors, sq = backward_factors(weights, acts, dy)
         ok_b = torch.empty(batch.size, dtype=torch.bool)
         losses, coef, norm = (h.new_empty(batch.size) for _ in range(3))

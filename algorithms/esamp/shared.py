@@ -49,11 +49,19 @@ class Shared:
         return f - x.float() if self.zero_out and not self.distiller.zero_output else f
 
     def train_step(
-        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, rows: object = None
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        rows: object = None,
+        row_errors: bool = False,
     ) -> TrainResult:
         """The distiller's update; ``rows``: as in :meth:`predict` (equal ids: equal rows;
-        the CPU distiller compares the rows themselves)."""
-        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
+        the CPU distiller compares the rows themselves); ``row_errors``: also each row's
+        error before the update (``TrainResult.row_errors``)."""
+        kw: dict = {"rows_id": rows} if self.distiller.takes_rows_id else {}
+        if row_errors:
+            kw["row_errors"] = True
         return self.distiller.train_step(slots, x, target, **kw)
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

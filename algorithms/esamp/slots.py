@@ -33,6 +33,11 @@ class TrainResult:
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
     # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
     stats: torch.Tensor | None = None
+    # fp32 [R] (host) when asked (``train_step(row_errors=True)``): each submitted row's
+    # prediction error before the update, ``||f(x) - target||^2`` summed over hidden dims
+    # and divided by :func:`~algorithms.esamp.objective.loss_per_row` (its term of the loss:
+    # a group's loss is the mean of its rows'); final when ``ready()``.
+    row_errors: torch.Tensor | None = None
 
     def ready(self) -> bool:
         """True when ``losses``/``updated`` can be read without waiting."""
@@ -209,10 +214,17 @@ class SlotDistiller:
         """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``."""
         raise NotImplementedError
 
-    def train_step(self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def train_step(
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        row_errors: bool = False,
+    ) -> TrainResult:
         """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.objective`).
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
+        ``row_errors``: also each row's error before the update (``TrainResult.row_errors``).
         """
         pk = make_packing(slots)
         if not pk.slots.size:
@@ -223,11 +235,13 @@ class SlotDistiller:
         # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
         # train outside it (subclasses override _train only).
         with torch.inference_mode(False):
-            res = self._train(pk, x.clone(), target.clone())
+            res = self._train(pk, x.clone(), target.clone(), row_errors)
         res.counts = pk.counts
         return res
 
-    def _train(self, pk: Packing, x: torch.Tensor, target: torch.Tensor) -> TrainResult:
+    def _train(
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+    ) -> TrainResult:
         raise NotImplementedError
 
     def staleness_max(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from algorithms.esamp.lifecycle import Group, Groups
 from algorithms.esamp.losses import LossBook, Submitted, final_prefix
+from algorithms.esamp.returned import ReturnedErrors
 from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, RequestInfo
@@ -33,10 +34,13 @@ class Trainer:
         groups: Groups,
         losses: LossBook,
         read_deferred: Callable[[bool], None],
+        returned: ReturnedErrors | None = None,
     ):
         self.s, self.groups, self.losses = shared, groups, losses
         # The device counters, read at each flush (True: waiting for them, at a blocking one).
         self.read_deferred = read_deferred
+        # Per-row errors of the requests that ask for them (tllm_results), or None.
+        self.returned = returned
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
         self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
@@ -60,10 +64,21 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        submitted = self._submit(bundle, sel, slots, 1, rows_id(bundle.step, bundle.rows, sel))
+        asking = self.returned.asking(rows.requests, sel) if self.returned else None
+        ask = asking is not None and asking.size > 0
+        rid = rows_id(bundle.step, bundle.rows, sel)
+        submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)
         if not submitted:
             return
         res = submitted[0]
+        if ask:
+            at = [sel[k] for k in asking]
+            self.returned.submitted(
+                res,
+                asking,
+                [rows.requests[i].engine_id for i in at],
+                np.asarray(rows.position, np.int64)[at],
+            )
         groups = [self.groups.by_slot[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:
@@ -96,12 +111,19 @@ class Trainer:
         self._after_submit()  # warm_start_steps: counted from the results, in _flush_warm
 
     def _submit(
-        self, bundle: Bundle, sel: list[int], slots: list[int], steps: int, rows: object = None
+        self,
+        bundle: Bundle,
+        sel: list[int],
+        slots: list[int],
+        steps: int,
+        rows: object = None,
+        row_errors: bool = False,
     ) -> list[TrainResult]:
         """``steps`` train steps of the rows ``sel`` (their groups' ``slots``); none when
         there are no rows or training is off (then counted as frozen). ``rows``: their
         :func:`rows_id` (the guide named the rows it predicted alike: the CUDA distiller
-        then reuses that prediction's forward)."""
+        then reuses that prediction's forward); ``row_errors``: the first step also
+        measures each row's error before it (``TrainResult.row_errors``)."""
         if not sel:
             return []
         if not self.training:
@@ -112,7 +134,9 @@ class Trainer:
         idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
         target = self.s.target(x, select_rows(tgt, sel, idx))
-        return [self.s.train_step(slot_t, x, target, rows) for _ in range(steps)]
+        return [
+            self.s.train_step(slot_t, x, target, rows, row_errors and k == 0) for k in range(steps)
+        ]
 
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
@@ -143,6 +167,8 @@ class Trainer:
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
         if ready:
             self.losses.add(ready)
+        if self.returned is not None:
+            self.returned.read(block)
         self.prune_losses()
 
     def prune_losses(self) -> None:
