@@ -60,7 +60,12 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.producer import LayerProducer, Producer, TapRequest
     from tllm_core.api.request_settings import RequestSettings
-    from tllm_core.api.results import PlannedRequest, RequestRows, decode_results
+    from tllm_core.api.results import (
+        PlannedRequest,
+        RequestRows,
+        array_json_bytes,
+        decode_results,
+    )
     from tllm_core.api.rows import (
         RequestInfo,
         RowInfo,
@@ -71,8 +76,15 @@ if TYPE_CHECKING:
         window_rows,
     )
     from tllm_core.api.step import StepCapture
-    from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing, host_to_device
-    from tllm_core.api.windows import Window, WindowSetting
+    from tllm_core.api.transfers import (
+        HostCopies,
+        HostCopyRing,
+        StagingRing,
+        host_to_device,
+        pow2_rows,
+    )
+    from tllm_core.api.window_setting import WindowSetting
+    from tllm_core.api.windows import Window, window_text
     from tllm_core.api.workspace import (
         WorkspaceSpec,
         carve_workspace,
@@ -96,6 +108,9 @@ __all__ = [
     "decode_results",
     "RequestRows",
     "PlannedRequest",
+    "array_json_bytes",
+    "window_text",
+    "pow2_rows",
     "as_selector",
     "request_runs",
     "residual_port",
@@ -173,7 +188,7 @@ _HOME = MappingProxyType(
         "ConsumerContext": "tllm_core.api.consumer",
         "ControlError": "tllm_core.api.consumer",
         "Window": "tllm_core.api.windows",
-        "WindowSetting": "tllm_core.api.windows",
+        "WindowSetting": "tllm_core.api.window_setting",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",
@@ -216,6 +231,9 @@ _HOME = MappingProxyType(
         "decode_results": "tllm_core.api.results",
         "RequestRows": "tllm_core.api.results",
         "PlannedRequest": "tllm_core.api.results",
+        "array_json_bytes": "tllm_core.api.results",
+        "window_text": "tllm_core.api.windows",
+        "pow2_rows": "tllm_core.api.transfers",
         "as_selector": "tllm_core.api.ports",
         "request_runs": "tllm_core.api.rows",
         "residual_port": "tllm_core.api.ports",

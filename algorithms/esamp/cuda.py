@@ -54,8 +54,7 @@ from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
-from tllm_core import StagingRing
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")
 

@@ -16,7 +16,7 @@ from algorithms.esamp.guide_step import Guide, HostGuide
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import pow2_rows
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig

@@ -56,7 +56,7 @@ import torch
 
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import pow2_rows
 
 GIB = 2**30
 MIB = 2**20

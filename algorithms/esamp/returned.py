@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from algorithms.esamp.slots import TrainResult
-from tllm_core import Counters, RequestInfo
-from tllm_core.api.results import RequestRows, array_json_bytes
+from tllm_core import Counters, RequestInfo, RequestRows, array_json_bytes
 
 
 class ReturnedErrors:

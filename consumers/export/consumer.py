@@ -41,7 +41,10 @@ from tllm_core import (
 )
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
-_NO_ROWS = {"positions": np.zeros(0, np.int64), "token_ids": np.zeros(0, np.int64)}
+
+
+def _no_rows() -> dict[str, Any]:
+    return {"positions": np.zeros(0, np.int64), "token_ids": np.zeros(0, np.int64)}
 
 
 class ExportConfig(ConsumerConfig):
@@ -347,7 +350,7 @@ class ExportConsumer(Consumer):
         """The rows this export captured of ``request`` (one sample): ``positions``,
         ``token_ids`` and one ``[rows, width]`` array per key, in the config's dtype."""
         with self._lock:
-            return self._returned.take(request.engine_id, _NO_ROWS)
+            return self._returned.take(request.engine_id, _no_rows())
 
     @classmethod
     def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:

@@ -21,8 +21,7 @@ from typing import IO, Any
 
 from consumers.export import format as fmt
 from consumers.export.tokens import RequestTokens
-from tllm_core import Phase
-from tllm_core.api.windows import window_text
+from tllm_core import Phase, window_text
 
 
 def entry(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tllm_core.api.results import PlannedRequest, array_json_bytes
-from tllm_core.api.rows import window_rows
+from tllm_core import PlannedRequest, array_json_bytes, window_rows
 
 
 def bound(selector: Any, keys: int, itemsize: int, request: PlannedRequest) -> int:

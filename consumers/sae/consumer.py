@@ -48,10 +48,10 @@ from tllm_core import (
     RowInfo,
     SampledTokens,
     WritePort,
+    array_json_bytes,
     as_selector,
     window_rows,
 )
-from tllm_core.api.results import array_json_bytes
 
 log = logging.getLogger("tllm")
 

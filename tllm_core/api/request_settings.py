@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 from tllm_core.api.numbers import ERROR_TYPE as F32_ERROR
 from tllm_core.api.numbers import MAX_TEXT as F32_MAX_TEXT
 from tllm_core.api.numbers import is_f32_marker
-from tllm_core.api.windows import SETTING_ALLOWED, WINDOW_ERROR, is_window_marker
+from tllm_core.api.window_setting import SETTING_ALLOWED, WINDOW_ERROR, is_window_marker
 
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.

@@ -20,7 +20,8 @@ from tllm_core.api.request_settings import (
 )
 from tllm_core.api.results import asked_results
 from tllm_core.api.transfers import index_to
-from tllm_core.api.windows import WINDOW_FIELD, Window
+from tllm_core.api.window_setting import WINDOW_FIELD
+from tllm_core.api.windows import Window
 
 
 class SettingsOwner(Protocol):

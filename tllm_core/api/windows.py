@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
-from pydantic import PlainValidator
-from pydantic_core import PydanticCustomError
 
 REGIONS = ("prompt", "generated", "all")
 GRAMMAR = (
@@ -137,42 +135,6 @@ class AnyOf:
         return AnyOf(self.parts | frozenset(more))
 
 
-# The request-settings field name the runtime narrows a consumer's rows by.
-WINDOW_FIELD = "window"
-WINDOW_ERROR = "capture_window"
-SETTING_ALLOWED = (
-    f"a capture window (docs/ports.md#capture-windows): {GRAMMAR}; None: the consumer's config"
-)
-
-
-def request_window(value: Any) -> Any:
-    """A request's window setting checked: ``None``, or the selector of a window text (a
-    ``Phase`` for the phases ``prompt``/``prefill``, ``generated``/``decode``, ``all``; else
-    a :class:`Window`). A pydantic error naming the grammar otherwise."""
-    if value is None:
-        return None
-    from tllm_core.api.ports import Phase, as_selector  # ports imports this module
-
-    if isinstance(value, (Phase, Window)):
-        selector = value
-    elif not isinstance(value, str):
-        raise PydanticCustomError(WINDOW_ERROR, "must be a window text")
-    else:
-        try:
-            selector = as_selector(value, "window")
-        except ValueError:
-            raise PydanticCustomError(WINDOW_ERROR, "is not a capture window") from None
-    if selector is Phase.GUIDE:  # selects no bundle row: nothing would be captured
-        raise PydanticCustomError(WINDOW_ERROR, "is not a capture window")
-    return selector
-
-
-#: Type of a consumer's per-request ``window`` field (``window: WindowSetting = None``): the
-#: request key ``tllm_{consumer}_window`` takes a window text (:data:`GRAMMAR`); the field
-#: holds its selector (``Phase`` or :class:`Window`) or ``None``.
-WindowSetting = Annotated[Any, PlainValidator(request_window)]
-
-
 def window_text(selector: Any) -> str:
     """A selector (``Phase``, :class:`Window`, :class:`AnyOf`) as text: ``"decode"``,
     ``"prompt[-1:]"``."""
@@ -180,8 +142,3 @@ def window_text(selector: Any) -> str:
         return " | ".join(sorted(window_text(p) for p in selector.parts))
     value = getattr(selector, "value", None)  # a Phase (no import of ports)
     return str(value) if isinstance(value, str) else str(selector)
-
-
-def is_window_marker(meta: Any) -> bool:
-    """Whether a field's metadata item is :data:`WindowSetting`'s check (to describe it)."""
-    return isinstance(meta, PlainValidator) and meta.func is request_window

@@ -33,7 +33,7 @@ from tllm_core.api.request_settings import request_key
 from tllm_core.api.results import RESULTS_KEY, asked_results
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
-from tllm_core.api.windows import WINDOW_FIELD
+from tllm_core.api.window_setting import WINDOW_FIELD
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus

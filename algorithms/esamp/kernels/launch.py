@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import pow2_rows
 
 
 def triton_impl() -> ModuleType:

@@ -16,7 +16,7 @@ from algorithms.esamp.kernels.checks import (
 )
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from algorithms.esamp.objective import loss_denominator, loss_per_row
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import pow2_rows
 
 NAME = "loss_dy"
 SCHEMA = (

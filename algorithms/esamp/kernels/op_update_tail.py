@@ -12,7 +12,7 @@ import torch
 
 from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
-from tllm_core.api.transfers import pow2_rows
+from tllm_core import pow2_rows
 
 NAME = "update_tail"
 SCHEMA = (
