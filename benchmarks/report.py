@@ -25,6 +25,11 @@ SECTIONS = [
     ("throughput", "throughput.json", None),
     ("throughput", "throughput_runner_seam.json", "Throughput, model runner seam"),
     ("throughput", "throughput_v2_interpreted.json", "Throughput, V2 model runner"),
+    (
+        "throughput",
+        "throughput_probe.json",
+        "Throughput, last prompt token of 512 prompts (prefill)",
+    ),
     ("diversity", "diversity.json", None),
     ("passk", "passk.json", None),
     ("load", "load.json", None),

@@ -163,3 +163,29 @@ def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path, runner):
             torch.testing.assert_close(
                 rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
             )
+
+
+@pytest.mark.slow  # ~3 min: one TP=2 engine on two cores
+def test_tp2_results_return_with_the_completion(even_model):
+    """Results with the completion at TP=2: each request's exported rows (the leader's),
+    equal to transformers at those positions."""
+    import json
+
+    import tllm_core
+
+    spec = {"out": None, "layers": [0, -1], "phase": "all"}
+    proc = run_cli(
+        "run", "--model", even_model, "--tensor-parallel-size", "2",
+        "--consumer", f"export:{json.dumps(spec)}", "--results", "export",
+        "--prompt", "Hello there", "--prompt", "The cat", "-n", "1", "--max-tokens", "4",
+        "--temperature", "0", "--no-chat", "--json",
+        "--max-model-len", "256", "--kv-cache-gib", "1", "--enforce-eager",
+    )  # fmt: skip
+    rep = cli_json(proc)
+    assert rep["errors"] == []
+    for per_prompt in rep["request_results"]:
+        rows = tllm_core.decode_results(per_prompt[0])["export"]
+        ref = hf_states(even_model, rows["token_ids"].tolist())
+        assert rows["positions"].tolist() == list(range(len(rows["positions"])))
+        for key in ("layer.0", "layer.3"):
+            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-4, atol=1e-4)
