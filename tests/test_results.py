@@ -378,3 +378,87 @@ def test_kit_returns_esamp_prediction_errors_per_decode_row(tiny_model):
     report = kit.close()
     assert report["consumers"]["esamp"]["rows_returned"] == len(decode)
     assert report["runtime"]["results_made.esamp"] == 1
+
+
+def _asgi(app, body: bytes = b"{}", path: str = "/v1/chat/completions") -> tuple[dict, bytes]:
+    """Run one POST through an ASGI app; (response start, whole body)."""
+    import asyncio
+
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    return start, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_the_server_middleware_adds_results_to_json_and_streams():
+    """ResultReturn without vLLM: a two-prompt completion (choices i*n + sample, by the
+    "-i" suffix vLLM gives prompt i), a chat stream (one event before [DONE]), a result
+    that never comes (an error after the wait), and a request that did not ask."""
+    import asyncio  # noqa: F401
+
+    from tllm_core.vllm_bridge import request_results as rr
+
+    taken: list[list[str]] = []
+
+    async def ask(method, ids):
+        assert method == "tllm_take_results"
+        taken.append(list(ids))
+        return [
+            {"cmpl-1-0": {"0": {"stats": {"v": 0}}, "1": {"stats": {"v": 1}}}},
+            {"cmpl-1-1": {"0": {"stats": {"v": 2}}}},
+        ]  # sample 1 of prompt 1: never
+
+    class Params:
+        n = 2
+
+    def app_for(ids, payload: bytes, stream: bool):
+        async def app(scope, receive, send):
+            for rid in ids:  # what vLLM's input processor does per request it admits
+                req = type("R", (), {"external_req_id": rid, "sampling_params": Params()})
+                rr.note_asked(req, {"tllm_results": "stats"} if rid else {})
+            kind = b"text/event-stream" if stream else b"application/json"
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", kind),
+                        (b"content-length", str(len(payload)).encode()),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": payload})
+
+        return rr.ResultReturn(
+            app, ("/v1/completions", "/v1/chat/completions"), ask=lambda: ask, wait_s=0.05
+        )
+
+    body = json.dumps({"id": "cmpl-1", "choices": [{"index": i} for i in range(4)]}).encode()
+    start, out = _asgi(app_for(["cmpl-1-0", "cmpl-1-1"], body, False), path="/v1/completions")
+    got = json.loads(out)
+    assert dict(start["headers"])[b"content-length"] == str(len(out)).encode()
+    assert [e["index"] for e in got["tllm"]] == [0, 1, 2, 3]
+    assert [e["stats"].get("v") for e in got["tllm"][:3]] == [0, 1, 2]
+    assert "no result within" in got["tllm"][3]["stats"]["error"]
+    assert len(taken) > 1  # read again until the wait ran out
+
+    event = b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","model":"m"}\n\n'
+    stream = event + b"data: [DONE]\n\n"
+    _, out = _asgi(app_for(["cmpl-1-0"], stream, True))
+    lines = [ln for ln in out.split(b"\n") if ln.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    last = json.loads(lines[-2][6:])
+    assert last["id"] == "chatcmpl-9" and last["choices"] == []
+    assert [e["stats"] for e in last["tllm"]] == [{"v": 0}, {"v": 1}]
+
+    taken.clear()  # a request that did not ask: its response goes out as it was
+    _, out = _asgi(app_for([""], body, False), path="/v1/completions")
+    assert out == body and taken == []
