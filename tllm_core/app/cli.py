@@ -65,6 +65,8 @@ def cmd_consumers(args: argparse.Namespace) -> int:
             )
             desc = f"  {f['description']}" if f["description"] else ""
             print(f"    {f['name']}: {f['allowed']} {default}{desc}")
+        if c.get("returns_results"):
+            print(f'  returns per-request results: tllm_results="{c["name"]}"')
         if c["request_keys"]:
             print("  request keys (vllm_xargs / SamplingParams.extra_args):")
         for k in c["request_keys"]:

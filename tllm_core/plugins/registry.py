@@ -264,6 +264,8 @@ class Registry:
                         {**k, "default": _jsonable(k["default"])}
                         for k in describe_request_keys(name, cls.Request)
                     ],
+                    # Whether a request can get its per-request result (tllm_results).
+                    "returns_results": cls.makes_results(),
                 }
             )
         # Broken plugins are listed in the same shape (their consumers are unknown).
