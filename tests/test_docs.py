@@ -179,6 +179,9 @@ def _write_blocks(page: Path, names: tuple[str, ...], folder: Path) -> Path:
     return folder
 
 
+# ~40 s (a pytest process loading the kit's model); in the default suite: the same package
+# in an engine (test_dola_example_runs_in_vllm below) and the kit itself (test_consumer_kit.py)
+@pytest.mark.slow
 def test_dola_example_tests_pass_with_the_kit(tiny_model, tmp_path):
     """The example's own kit tests, run by pytest as its author would, on the tiny model."""
     _write_blocks(DOLA, ("dola/__init__.py", "test_dola.py"), tmp_path)
