@@ -139,6 +139,57 @@ def engines():
     cache.close()
 
 
+# -- a tllm serve shared by the tests that ask for it --------------------------------------------
+SERVE_KEY = "k-test-26"
+_SHARED = pytest.StashKey[dict]()  # fixture name -> its SharedServer, once started
+_LAST_USER = pytest.StashKey[dict]()  # fixture name -> node id of the last test using it
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
+    """``tllm serve`` on the tiny model with per-request ``esamp``, ``steer`` (a vector at
+    layer 1) and ``stats``, a 1 MiB body limit and the API key ``SERVE_KEY``: the server of
+    test_serve_command, test_serve_fuzz and test_serve_guarded, started once for them."""
+    import torch
+    from safetensors.torch import save_file
+    from serve_util import SharedServer
+
+    shared = pytestconfig.stash.setdefault(_SHARED, {})
+    if "guarded_server" not in shared:
+        tmp = tmp_path_factory.mktemp("guarded-server")
+        hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
+        vector = tmp / "v.safetensors"
+        g = torch.Generator().manual_seed(0)
+        save_file({"v": torch.randn(hidden, generator=g)}, str(vector))
+        steer = json.dumps({"vectors": [{"layer": 1, "path": str(vector)}]})
+        args = ["--model", tiny_model, "--consumer", "esamp", "--consumer", f"steer:{steer}"]
+        args += ["--consumer", "stats", "--per-request", "--max-body-mib", "1"]
+        args += ["--max-model-len", "512", "--kv-cache-gib", "1"]
+        args += ["--", "--enforce-eager", "--api-key", SERVE_KEY]
+        shared["guarded_server"] = SharedServer(args, tmp / "serve.err", key=SERVE_KEY)
+    server = shared["guarded_server"]
+    yield server.start()
+    server.stop()  # normally stopped already, after its last test
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    last = {}
+    for item in session.items:
+        if "guarded_server" in getattr(item, "fixturenames", ()):
+            last["guarded_server"] = item.nodeid
+    session.config.stash[_LAST_USER] = last
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A shared server stops after the last test that uses it, not at the session's end: it
+    would hold its processes and memory through every later test."""
+    shared = item.config.stash.get(_SHARED, {})
+    for name, nodeid in item.config.stash.get(_LAST_USER, {}).items():
+        if nodeid == item.nodeid and name in shared:
+            shared.pop(name).stop()
+
+
 def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``tllm`` in vLLM's default (multiprocess) layout."""
     with subprocess.Popen(

@@ -23,8 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
+def get_json(url: str, key: str | None = None) -> dict:
+    """GET ``url`` as JSON, with ``key`` as the bearer token when given."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as r:
         return json.loads(r.read())
 
 
@@ -75,3 +77,30 @@ def stop(proc: subprocess.Popen, timeout: float) -> int | None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         return None
+
+
+class SharedServer:
+    """One ``tllm serve`` for several tests (a start is three vLLM processes, ~30 s): started
+    by the first test that asks, stopped with Ctrl-C after the last one (conftest's
+    ``pytest_runtest_teardown``), and checked then as each test checked its own: exit 0, no
+    traceback, no force kill."""
+
+    def __init__(self, args: list[str], log: Path, key: str | None = None) -> None:
+        self.args, self.log, self.key = args, log, key
+        self.url: str | None = None
+        self._stack: contextlib.ExitStack | None = None
+
+    def start(self) -> SharedServer:
+        if self._stack is None:
+            stack = contextlib.ExitStack()
+            self.url = stack.enter_context(tllm_serve(self.args, self.log))
+            self._stack = stack
+        return self
+
+    def stop(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        stack.close()  # Ctrl-C; asserts the exit status
+        text = self.log.read_text()
+        assert "Traceback" not in text and "force killing" not in text, text[-4000:]

@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
-from conftest import run_cli
 
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """``tllm ARGS`` through the command's ``main`` in this process: each case fails before
+    vLLM starts, and a subprocess (~5-8 s of imports each) would add nothing to what is
+    checked (the exit status and stderr; the installed command is test_cli_fast_errors')."""
+    from tllm_core.app.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's refusals
+            code = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["tllm", *args], code, out, err)
+
+    return run
 
 
 def _fails(proc, *needles):
@@ -19,7 +38,7 @@ def _fails(proc, *needles):
     assert "Processed prompts" not in proc.stderr
 
 
-def test_unknown_consumer_lists_available():
+def test_unknown_consumer_lists_available(run_cli):
     _fails(
         run_cli("run", "--consumer", "nope", "--prompt", "x"),
         "unknown consumer 'nope'",
@@ -28,7 +47,7 @@ def test_unknown_consumer_lists_available():
     )
 
 
-def test_invalid_config_names_the_field():
+def test_invalid_config_names_the_field(run_cli):
     _fails(
         run_cli("run", "--consumer", 'esamp:{"beta": -1}', "--prompt", "x"),
         "invalid config for consumer 'esamp'",
@@ -37,7 +56,7 @@ def test_invalid_config_names_the_field():
     _fails(run_cli("run", "--consumer", "esamp:{oops", "--prompt", "x"), "not valid JSON")
 
 
-def test_layer_out_of_range_names_layer_count(tiny_model):
+def test_layer_out_of_range_names_layer_count(tiny_model, run_cli):
     _fails(
         run_cli(
             "run", "--model", tiny_model, "--consumer", 'stats:{"layers": [9]}', "--prompt", "x"
@@ -47,7 +66,7 @@ def test_layer_out_of_range_names_layer_count(tiny_model):
     )
 
 
-def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
+def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path, run_cli):
     f = tmp_path / "file"
     f.write_text("x")
     for layers, out, error in (
@@ -58,7 +77,7 @@ def test_export_to_unwritable_dir_and_bad_layer_spec(tiny_model, tmp_path):
         _fails(run_cli("export", *argv), error)
 
 
-def test_steer_vector_checks(tiny_model, tmp_path):
+def test_steer_vector_checks(tiny_model, tmp_path, run_cli):
     bad = tmp_path / "v.npy"
     np.save(bad, np.ones(7, dtype=np.float32))
     cfg = {"vectors": [{"layer": 1, "path": str(bad)}]}
@@ -78,7 +97,7 @@ def test_steer_vector_checks(tiny_model, tmp_path):
     )
 
 
-def test_bad_cli_values():
+def test_bad_cli_values(run_cli):
     proc = run_cli("run", "--prompts", "/nonexistent/prompts.txt")
     assert proc.returncode != 0 and "/nonexistent/prompts.txt" in proc.stderr
     proc = run_cli("run", "-n", "0", "--prompt", "x")

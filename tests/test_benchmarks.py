@@ -203,6 +203,9 @@ def test_gpu_distiller_script_cpu_smoke():
     assert d["predict_us"] > 0 and d["train_us"] > 0 and out["shape"]["batch_rows"] == 8
 
 
+# ~17 s; in the default suite: the same script's parts on the fake CUDA device
+# (test_gpu_smoke_runs_without_pydantic_or_vllm below, test_gpu_rehearsal.py)
+@pytest.mark.slow
 def test_gpu_smoke_script_cpu_quick(tmp_path):
     """``gpu_smoke.py --device cpu --quick``: every CPU-possible part runs and reports."""
     out_file = tmp_path / "smoke.json"

@@ -44,6 +44,11 @@ def check_against_hf(model: str, result: dict, num_layers: int, n: int) -> int:
     return checked
 
 
+# ~50-70 s, a second compiled tllm run: in the default suite the third-party recorder runs,
+# compiled in the worker process, beside the edits of
+# test_compiled_edits.py::test_compiled_steering_matches_transformers_with_hooks and is
+# checked there against transformers; eager capture: the in-process test below.
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_compiled_multiprocess_third_party_consumer_matches_transformers(tiny_model):
     cfg = json.dumps({"layers": LAYERS})

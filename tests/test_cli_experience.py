@@ -111,6 +111,11 @@ def test_noise_patterns_catch_what_vllm_prints():
     assert SUMMARY.search(ours)
 
 
+# ~35-50 s, one more tllm run: the default suite's quiet, summarised run is
+# test_run_report.py::test_a_small_run_ends_in_a_few_lines_and_its_report_renders (at most 8
+# lines after the outputs, the summary line); the noise patterns: the unit tests above; an engine
+# left by a command: test_ctrl_c_while_the_engine_starts_stops_it_at_once.
+@pytest.mark.slow
 def test_default_run_is_quiet_summarised_and_stops_its_engine():
     """Also issue 27: no ``--max-model-len`` means the model's own length (vLLM derives it);
     a fixed default of 2048 made vLLM refuse this 1024-position model at start."""
@@ -160,7 +165,10 @@ def _stderr_until(path: Path, text: str, proc: subprocess.Popen, timeout: float)
     raise AssertionError(f"{text!r} not seen on stderr:\n{path.read_text()[-4000:]}")
 
 
-@pytest.mark.slow  # ~40 s; the default suite stops an export mid-run in test_stop_signals
+# ~40 s; an interrupted export's manifest in the default suite: test_export_unit.py
+# (test_interrupted_run_holds_only_complete_shards) and a served export whose engine dies
+# (test_engine_faults.py::test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it)
+@pytest.mark.slow
 def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
     from consumers.export import format as fmt

@@ -1,7 +1,9 @@
 """Edits proven under compilation: ``tllm export`` in vLLM's default layout (multiprocess,
 compiled) with ``steer`` adding a vector after layer 1 and ablating a direction after
 layer 2; the exported downstream states equal transformers' with the same edits applied by
-forward hooks, at every prompt and generated position."""
+forward hooks, at every prompt and generated position. Beside them the third-party consumer
+``recorder`` (tests/plugin_pkg, found through its entry point) captures the same layers in
+the worker process: its rows equal transformers' too."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import json
 import pytest
 import torch
 from conftest import cli_json, run_cli
-from reference import hf_model
+from reference import hf_model, sequences_from_rows
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +78,9 @@ def test_compiled_steering_matches_transformers_with_hooks(tiny_model, tmp_path)
     args += ["--seed", "4", "--no-chat", "--json", "--dtype", "float32", "--max-model-len", "512"]
     args += ["--compile"]  # a job this small would start eager (issue 39)
     args += ["--prompt", "The weather today", "--prompt", "Count: one two three four five"]
-    report = cli_json(run_cli(*args, timeout=900))
+    args += ["--consumer", 'recorder:{"layers": [2, 3]}']
+    proc = run_cli(*args, timeout=900)
+    report = cli_json(proc)
     rt = report["counters"]["runtime"]
     records = list(read_export(out, verify=True))
     assert len(records) == 4
@@ -92,3 +96,24 @@ def test_compiled_steering_matches_transformers_with_hooks(tiny_model, tmp_path)
             )
         # the ablated direction is gone from the stream after layer 2
         assert rec.hidden["layer.2"].float().matmul(u).abs().max() < 1e-3
+
+    # The third-party consumer ran in vLLM's worker process, not in the front end we started,
+    # and captured every fed position once, equal to transformers' with the same edits.
+    result = report["results"]["recorder"]
+    assert result["pid"] > 0 and result["pid"] != proc.pid
+    assert report["counters"]["recorder"]["rows"] > 0
+    seqs = sequences_from_rows(result["rows"], result["sampled"])
+    assert len(seqs) == 4
+    checked = 0
+    for key, seq in seqs.items():
+        ref = _hf_edited(tiny_model, seq, v, u)
+        rows = [r for r in result["rows"] if (r["request_id"], r["sample_index"]) == key]
+        fresh = sorted(r["position"] for r in rows if not r["recomputed"])
+        assert fresh == list(range(len(seq) - 1)), key
+        for r in rows:
+            assert r["token_id"] == seq[r["position"]]
+            for k, got in r["hidden"].items():
+                want = ref[k][r["position"]]
+                torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-4, msg=k)
+                checked += 1
+    assert checked > 0

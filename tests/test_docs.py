@@ -179,6 +179,9 @@ def _write_blocks(page: Path, names: tuple[str, ...], folder: Path) -> Path:
     return folder
 
 
+# ~40 s (a pytest process loading the kit's model); in the default suite: the same package
+# in an engine (test_dola_example_runs_in_vllm below) and the kit itself (test_consumer_kit.py)
+@pytest.mark.slow
 def test_dola_example_tests_pass_with_the_kit(tiny_model, tmp_path):
     """The example's own kit tests, run by pytest as its author would, on the tiny model."""
     _write_blocks(DOLA, ("dola/__init__.py", "test_dola.py"), tmp_path)
@@ -334,13 +337,16 @@ def test_every_consumer_counter_is_on_its_page():
         assert not missing, f"docs/consumers/{name}.md lacks counters {missing}"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tllm_core.app.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _help(args: tuple[str, ...], capsys) -> str:
+    """``tllm ARGS --help`` through the command's ``main`` in this process (a subprocess
+    each took ~5 s; that help imports neither vLLM nor torch is test_cli_fast_errors')."""
+    from tllm_core.app.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--help"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 0, err
+    return out
 
 
 @pytest.mark.parametrize(
@@ -356,12 +362,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         ("report",),
     ],
 )
-def test_cli_help_works_and_every_option_is_documented(args):
-    proc = _cli(*args, "--help")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: tllm")
+def test_cli_help_works_and_every_option_is_documented(args, capsys):
+    out = _help(args, capsys)
+    assert out.startswith("usage: tllm")
     text = (DOCS / "cli.md").read_text()
-    for opt in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", proc.stdout))):
+    for opt in sorted(set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", out))):
         assert opt == "--help" or f"`{opt}" in text, f"docs/cli.md does not mention {opt} ({args})"
 
 

@@ -3,6 +3,7 @@ export, steering effects, isolation of unsteered requests, counters."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cli_util import cli_env, long_export_argv
-from conftest import ENGINE_KW, cli_json, run_cli
+from conftest import ENGINE_KW
 from reference import hf_states
 
 pytestmark = pytest.mark.vllm
@@ -181,33 +182,24 @@ def test_steering_changes_text_isolates_unsteered_and_counts(tiny_model, engines
     engines.close()
 
 
-def test_steer_compute_cli(tiny_model, tmp_path):
+def test_steer_compute_cli(tiny_model, engines, tmp_path, capsys):
+    """The command's ``main`` in this process, on an in-process engine (a start in seconds;
+    the default multiprocess layout is every other command test's)."""
+    from tllm_core.app.cli import main
+
     pos, neg = tmp_path / "pos.txt", tmp_path / "neg.txt"
     pos.write_text("I love this\nThis is wonderful\n")
     neg.write_text("I hate this\nThis is awful\n")
     out = tmp_path / "v.npy"
-    res = cli_json(
-        run_cli(
-            "steer",
-            "compute",
-            "--positive",
-            str(pos),
-            "--negative",
-            str(neg),
-            "--layer",
-            "-2",
-            "--out",
-            str(out),
-            "--model",
-            tiny_model,
-            "--enforce-eager",
-            "--max-model-len",
-            "256",
-            "--kv-cache-gib",
-            "1",
-            "--json",
-        )
-    )
+    engines.close()  # one engine at a time
+    argv = ["steer", "compute", "--positive", str(pos), "--negative", str(neg), "--layer", "-2"]
+    argv += ["--out", str(out), "--model", tiny_model, "--enforce-eager"]
+    argv += ["--max-model-len", "256", "--kv-cache-gib", "1", "--json"]
+    try:
+        assert main(argv) == 0
+    finally:
+        gc.collect()  # the command's engine, closed, is freed before the next test's
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     v = np.load(out)
     assert v.shape == (128,) and np.isfinite(v).all() and res["layer"] == 2
     assert res["norm"] > 0 and res["positive_rows"] == 2 and res["negative_rows"] == 2

@@ -72,6 +72,10 @@ def test_tllm_run_with_sae_records_summarises_and_steers(tiny_model, tmp_path):
     assert report["errors"] == []
 
 
+# ~35-45 s (a server start); in the default suite: SAE records, feature steering and clamps
+# against transformers in-process (test_sae_e2e.py), the per-request keys and their refusal
+# (test_sae_unit.py), per-request consumers served (test_serving.py, test_serve_command.py)
+@pytest.mark.slow
 def test_tllm_serve_sae_per_request_steers_records_and_refuses_bad_features(tiny_model, tmp_path):
     import openai
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from serve_util import get_json, tllm_serve
+from serve_util import get_json
 
 pytestmark = pytest.mark.vllm
 
@@ -42,41 +42,38 @@ def test_serve_argv_and_description_units():
     assert bad.returncode == 2 and "beta" in bad.stderr and "starting vLLM" not in bad.stderr
 
 
-def test_serve_per_request_esamp_on_loopback(tiny_model, tmp_path):
+def test_serve_per_request_esamp_on_loopback(tiny_model, guarded_server):
+    """On the shared server (conftest's ``guarded_server``: its stop after Ctrl-C, exit 0 and
+    no traceback, is checked after its last test)."""
     import openai
 
-    err_path = tmp_path / "serve.err"
-    args = ["--model", tiny_model, "--consumer", "esamp", "--per-request"]
-    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
-    with tllm_serve(args, err_path) as url:
-        startup = err_path.read_text()
-        assert f"{url}/v1" in startup and "tllm_esamp_beta" in startup
-        models = {m["id"] for m in get_json(f"{url}/v1/models")["data"]}
-        assert {"default", Path(tiny_model).name} <= models
+    url, key = guarded_server.url, guarded_server.key
+    startup = guarded_server.log.read_text()
+    assert f"{url}/v1" in startup and "tllm_esamp_beta" in startup
+    models = {m["id"] for m in get_json(f"{url}/v1/models", key)["data"]}
+    assert {"default", Path(tiny_model).name} <= models
 
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
-        before = get_json(f"{url}/tllm/counters")["consumers"]["esamp"]
-        r = client.chat.completions.create(
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    before = get_json(f"{url}/tllm/counters", key)["consumers"]["esamp"]
+    r = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Tell me about the sea."}],
+        max_tokens=12,
+        extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}},
+    )
+    assert r.choices[0].message.content
+    after = get_json(f"{url}/tllm/counters", key)["consumers"]["esamp"]
+    assert after["rows_guided"] > before.get("rows_guided", 0)
+    assert after["optimizer_steps"] > before.get("optimizer_steps", 0)
+
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(
             model="default",
-            messages=[{"role": "user", "content": "Tell me about the sea."}],
-            max_tokens=12,
-            extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5}},
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}},
         )
-        assert r.choices[0].message.content
-        after = get_json(f"{url}/tllm/counters")["consumers"]["esamp"]
-        assert after["rows_guided"] > before.get("rows_guided", 0)
-        assert after["optimizer_steps"] > before.get("optimizer_steps", 0)
-
-        with pytest.raises(openai.BadRequestError) as ei:
-            client.chat.completions.create(
-                model="default",
-                messages=[{"role": "user", "content": "Hi"}],
-                max_tokens=4,
-                extra_body={"vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}},
-            )
-        assert ei.value.status_code == 400 and "tllm_esamp_beta" in ei.value.message
-    log = err_path.read_text()
-    assert "force killing" not in log and "Traceback" not in log, log[-4000:]
+    assert ei.value.status_code == 400 and "tllm_esamp_beta" in ei.value.message
 
 
 def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_model, monkeypatch):

@@ -19,9 +19,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import SERVE_KEY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_util import tllm_serve
 
 pytestmark = pytest.mark.vllm
 
@@ -116,7 +116,8 @@ def bodies(draw) -> tuple[str, str, bool]:
 
 def post(url: str, body: bytes | None) -> tuple[int, bytes]:
     """(status, body) of a POST, or of a GET when ``body`` is None."""
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {SERVE_KEY}"}
+    req = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, r.read()
@@ -146,24 +147,11 @@ def check_answer(status: int, data: bytes, stream: bool) -> None:
         assert error is None or error.get("code", 500) < 500, event[:2000]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    import torch
-    from safetensors.torch import save_file
-
-    tmp = tmp_path_factory.mktemp("fuzz-server")
-    hidden = json.loads((Path(tiny_model) / "config.json").read_text())["hidden_size"]
-    vector = tmp / "v.safetensors"
-    save_file({"v": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(vector))
-    steer = json.dumps({"vectors": [{"layer": 1, "path": str(vector)}]})
-    args = ["--model", tiny_model, "--consumer", "esamp", "--consumer", f"steer:{steer}"]
-    args += ["--consumer", "stats", "--per-request", "--max-body-mib", str(LIMIT_MIB)]
-    args += ["--max-model-len", "256", "--kv-cache-gib", "1", "--", "--enforce-eager"]
-    log = tmp / "serve.err"
-    with tllm_serve(args, log) as url:
-        yield url
-    text = log.read_text()
-    assert "Traceback" not in text, text[-4000:]
+@pytest.fixture
+def server(guarded_server):
+    """The shared server (conftest's ``guarded_server``: per-request esamp, steer and stats,
+    ``LIMIT_MIB`` bodies; its stop, exit 0 and no traceback, is checked after its last test)."""
+    return guarded_server.url
 
 
 def fuzz(url: str, examples: int) -> None:
@@ -189,11 +177,16 @@ def fuzz(url: str, examples: int) -> None:
     one()
     good = {"model": "default", "prompt": "The sea", "max_tokens": 3}
     good["vllm_xargs"] = {"tllm_consumers": "esamp,steer,stats", "tllm_esamp_beta": 0.5}
+
+    def guided() -> int:  # the server is shared: the good request's rows are the change
+        counters = strict_json(post(f"{url}/tllm/counters", None)[1])
+        return counters["consumers"].get("esamp", {}).get("rows_guided", 0)
+
+    before = guided()
     status, data = post(f"{url}/v1/completions", raw(good).encode())
     assert status == 200, data
     assert strict_json(data)["choices"][0]["finish_reason"] in ("length", "stop"), data
-    counters = strict_json(post(f"{url}/tllm/counters", None)[1])
-    assert counters["consumers"]["esamp"]["rows_guided"] > 0, counters
+    assert guided() > before
     if os.environ.get("TLLM_FUZZ_RESULTS"):
         record = {
             "command": "TLLM_FUZZ_RESULTS=benchmarks/results/fuzz.json python -m pytest tests/test_serve_fuzz.py"

@@ -8,11 +8,11 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serve_util import tllm_serve
+from conftest import SERVE_KEY
 
 pytestmark = pytest.mark.vllm
 
-KEY = "k-test-26"
+KEY = SERVE_KEY
 
 
 def _call(url: str, key: str | None = None, body: bytes | None = None) -> tuple[int, bytes]:
@@ -43,35 +43,37 @@ def test_server_settings_reach_the_additional_config():
     assert tllm["server"]["max_body_bytes"] == 2 * MIB and tllm["server"]["show_paths"]
 
 
-def test_guarded_server(tiny_model, tmp_path):
-    log = tmp_path / "serve.err"
-    args = ["--model", tiny_model, "--consumer", "esamp", "--per-request", "--max-body-mib", "1"]
-    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
-    args += ["--api-key", KEY]
-    with tllm_serve(args, log) as url:
-        assert _call(f"{url}/v1/models")[0] == 401  # vLLM's own check
-        for path in ("/tllm/counters", "/tllm/status"):
-            assert _call(f"{url}{path}")[0] == 401
-            assert _call(f"{url}{path}", "wrong")[0] == 401
-            status, body = _call(f"{url}{path}", KEY)
-            assert status == 200 and tiny_model not in body.decode(), body[:2000]
+def test_guarded_server(tiny_model, guarded_server):
+    """On the shared server (conftest's ``guarded_server``, behind ``KEY``, 1 MiB bodies: its
+    stop after Ctrl-C, exit 0 and no traceback, is checked after its last test)."""
+    url = guarded_server.url
+    assert _call(f"{url}/v1/models")[0] == 401  # vLLM's own check
+    for path in ("/tllm/counters", "/tllm/status"):
+        assert _call(f"{url}{path}")[0] == 401
+        assert _call(f"{url}{path}", "wrong")[0] == 401
+        status, body = _call(f"{url}{path}", KEY)
+        assert status == 200 and tiny_model not in body.decode(), body[:2000]
 
-        def complete(xargs: dict, pad: int = 0) -> tuple[int, bytes]:
-            payload = {
-                "model": "default",
-                "prompt": "The sea" + " " * pad,
-                "max_tokens": 4,
-                "vllm_xargs": xargs,
-            }
-            return _call(f"{url}/v1/completions", KEY, json.dumps(payload).encode())
+    def complete(xargs: dict, pad: int = 0) -> tuple[int, bytes]:
+        payload = {
+            "model": "default",
+            "prompt": "The sea" + " " * pad,
+            "max_tokens": 4,
+            "vllm_xargs": xargs,
+        }
+        return _call(f"{url}/v1/completions", KEY, json.dumps(payload).encode())
 
-        status, body = complete({"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39})
-        assert status == 400 and b"float32" in body, body
-        status, body = complete({"tllm_consumers": "esamp"}, pad=2 * 1024 * 1024)
-        assert status == 413 and b"1048576 bytes" in body, body
-        status, body = complete({"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5})
-        assert status == 200, body
+    status, body = complete({"tllm_consumers": "esamp", "tllm_esamp_beta": 1e39})
+    assert status == 400 and b"float32" in body, body
+    status, body = complete({"tllm_consumers": "esamp"}, pad=2 * 1024 * 1024)
+    assert status == 413 and b"1048576 bytes" in body, body
+
+    def guided() -> int:  # the server is shared: this test's requests are the change
         status, body = _call(f"{url}/tllm/counters", KEY)
-        assert status == 200 and json.loads(body)["consumers"]["esamp"]["rows_guided"] > 0
-    text = log.read_text()
-    assert "Traceback" not in text, text[-4000:]
+        assert status == 200, body
+        return json.loads(body)["consumers"].get("esamp", {}).get("rows_guided", 0)
+
+    before = guided()
+    status, body = complete({"tllm_consumers": "esamp", "tllm_esamp_beta": 0.5})
+    assert status == 200, body
+    assert guided() > before

@@ -167,6 +167,12 @@ def _clean_after(
     assert bad == [], bad
 
 
+# ~40-60 s; in the default suite: SIGTERM mid-run ending the engine within the stop timeout
+# (test_engine_faults.py::test_sigterm_ends_a_run_whose_consumer_hangs_within_the_stop_timeout),
+# a second signal while stopping (test_sigterm_interrupts_and_a_hanging_stop_is_killed_after_the_timeout),
+# an interrupted export's manifest (test_export_unit.py::test_interrupted_run_holds_only_complete_shards,
+# test_engine_faults.py::test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it)
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_sigterm_mid_export_and_again_while_it_stops(tiny_model, tmp_path):
     from consumers.export import IncompleteExportWarning, read_export
@@ -209,7 +215,12 @@ def _serve(model: str, log, *extra: str) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize(
+    "command",
+    # run: ~17 s more; a run stopped while its engine starts, in the default suite: Ctrl-C
+    # (the same stop path) in test_cli_experience.py::test_ctrl_c_while_the_engine_starts_stops_it_at_once
+    [pytest.param("run", marks=pytest.mark.slow), "serve"],
+)
 def test_sigterm_while_a_command_starts_its_engine(command, tiny_model, tmp_path):
     log = tmp_path / f"{command}.log"
     before = shm_entries()
