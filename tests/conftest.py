@@ -148,8 +148,10 @@ _LAST_USER = pytest.StashKey[dict]()  # fixture name -> node id of the last test
 @pytest.fixture(scope="session")
 def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
     """``tllm serve`` on the tiny model with per-request ``esamp``, ``steer`` (a vector at
-    layer 1) and ``stats``, a 1 MiB body limit and the API key ``SERVE_KEY``: the server of
-    test_serve_command, test_serve_fuzz and test_serve_guarded, started once for them."""
+    layer 1), ``stats`` and ``export`` (no files: rows returned with the completion), a 1 MiB
+    body limit, 64 KiB results and the API key ``SERVE_KEY``: the server of
+    test_serve_command, test_serve_fuzz, test_serve_guarded and test_results, started once
+    for them."""
     import torch
     from safetensors.torch import save_file
     from serve_util import SharedServer
@@ -163,7 +165,9 @@ def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
         save_file({"v": torch.randn(hidden, generator=g)}, str(vector))
         steer = json.dumps({"vectors": [{"layer": 1, "path": str(vector)}]})
         args = ["--model", tiny_model, "--consumer", "esamp", "--consumer", f"steer:{steer}"]
-        args += ["--consumer", "stats", "--per-request", "--max-body-mib", "1"]
+        export = json.dumps({"out": None, "layers": [0, -1], "phase": "all"})
+        args += ["--consumer", "stats", "--consumer", f"export:{export}", "--per-request"]
+        args += ["--max-body-mib", "1", "--max-result-kib", "64"]
         args += ["--max-model-len", "512", "--kv-cache-gib", "1"]
         args += ["--", "--enforce-eager", "--api-key", SERVE_KEY]
         shared["guarded_server"] = SharedServer(args, tmp / "serve.err", key=SERVE_KEY)

@@ -124,73 +124,76 @@ def test_tllm_llm_returns_exported_rows_on_each_completion(tiny_model, engines):
         torch.testing.assert_close(torch.from_numpy(got["layer.1"]), ref, rtol=1e-3, atol=1e-3)
 
 
-def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(tiny_model, tmp_path):
-    """The issue's "done when": the OpenAI Python client asks for export's rows and gets them
-    in the response, non-streamed and streamed, equal to transformers; a request whose rows
-    could pass the server's limit gets HTTP 400 and the server goes on; a concurrent request
-    that did not ask gets no results."""
+def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(
+    tiny_model, guarded_server
+):
+    """The issue's "done when", on the shared server (conftest's ``guarded_server``: export
+    per request, no files, 64 KiB results): the OpenAI Python client asks for export's rows
+    at a window and gets them in the response, non-streamed and streamed, equal to
+    transformers; a chat completion too; a request whose rows could pass the limit gets HTTP
+    400 and the server goes on; a concurrent request that did not ask gets no results."""
     import concurrent.futures
 
     import openai
-    from serve_util import tllm_serve
 
     import tllm_core
 
-    spec = {"out": None, "layers": [0, -1], "phase": "all"}
-    args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
-    args += ["--max-result-kib", "64", "--max-model-len", "512", "--kv-cache-gib", "1"]
-    args += ["--", "--enforce-eager"]
-    log = tmp_path / "serve.log"
     prompt = [5, 6, 7, 8, 9]
     # export's rows of a window of this request: its first three generated tokens
-    ask = {"vllm_xargs": {"tllm_results": "export", "tllm_export_window": "generated[0:3]"}}
-    with tllm_serve(args, log) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0)
+    xargs = {"tllm_consumers": "export", "tllm_results": "export"}
+    ask = {"vllm_xargs": {**xargs, "tllm_export_window": "generated[0:3]"}}
+    url, key = guarded_server.url, guarded_server.key
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
-        def complete(body: dict, **kw):
-            return client.completions.create(
-                model="default", prompt=prompt, temperature=0.0, extra_body=body, **kw
-            )
-
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            asked = pool.submit(complete, ask, max_tokens=6)
-            plain = pool.submit(complete, {}, max_tokens=6)
-            r, p = asked.result(timeout=300), plain.result(timeout=300)
-        assert getattr(p, "tllm", None) is None  # did not ask: no results
-        [entry] = r.tllm
-        got = tllm_core.decode_results(entry)
-        generated = client.completions.create(
-            model="default", prompt=prompt, max_tokens=6, temperature=0.0
+    def complete(body: dict, **kw):
+        return client.completions.create(
+            model="default", prompt=prompt, temperature=0.0, extra_body=body, **kw
         )
-        assert r.choices[0].text == generated.choices[0].text
-        rows = got["export"]
-        assert rows["positions"].tolist() == [5, 6, 7]
-        tokens = prompt + rows["token_ids"].tolist()  # the first 3 generated tokens
-        with torch.no_grad():  # ... are transformers' greedy choices
-            logits = hf_model(tiny_model)(torch.tensor([tokens])).logits[0]
-        assert logits[4:7].argmax(-1).tolist() == tokens[5:8]
-        ref = hf_states(tiny_model, tokens)
-        for key in ("layer.0", "layer.3"):
-            torch.testing.assert_close(
-                torch.from_numpy(rows[key]), ref[key][5:8], rtol=1e-3, atol=1e-3
-            )
 
-        # Streamed: the results arrive in one event before [DONE].
-        events = list(complete(ask, max_tokens=6, stream=True))
-        text = "".join(e.choices[0].text for e in events if e.choices)
-        assert text == r.choices[0].text
-        [last] = [e for e in events if getattr(e, "tllm", None)]
-        streamed = tllm_core.decode_results(last.tllm[0])["export"]
-        np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        asked = pool.submit(complete, ask, max_tokens=6)
+        plain = pool.submit(complete, {}, max_tokens=6)
+        r, p = asked.result(timeout=300), plain.result(timeout=300)
+    assert getattr(p, "tllm", None) is None  # did not ask: no results
+    assert r.choices[0].text == p.choices[0].text  # asking changes nothing generated
+    [entry] = r.tllm
+    rows = tllm_core.decode_results(entry)["export"]
+    assert rows["positions"].tolist() == [5, 6, 7]
+    tokens = prompt + rows["token_ids"].tolist()  # the first 3 generated tokens
+    with torch.no_grad():  # ... are transformers' greedy choices
+        logits = hf_model(tiny_model)(torch.tensor([tokens])).logits[0]
+    assert logits[4:7].argmax(-1).tolist() == tokens[5:8]
+    ref = hf_states(tiny_model, tokens)
+    for key_ in ("layer.0", "layer.3"):
+        torch.testing.assert_close(
+            torch.from_numpy(rows[key_]), ref[key_][5:8], rtol=1e-3, atol=1e-3
+        )
 
-        # Past the limit: all rows (the config's window), 2 keys x 300 rows x hidden 128 x 4
-        # bytes > 64 KiB: refused before generating.
-        with pytest.raises(openai.BadRequestError) as ei:
-            complete({"vllm_xargs": {"tllm_results": "export"}}, max_tokens=300)
-        assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
-        again = complete(ask, max_tokens=3)  # the server goes on
-        assert tllm_core.decode_results(again.tllm[0])["export"]["positions"].tolist() == [5, 6]
-    assert "Traceback" not in log.read_text()
+    # Streamed: the results arrive in one event before [DONE].
+    events = list(complete(ask, max_tokens=6, stream=True))
+    text = "".join(e.choices[0].text for e in events if e.choices)
+    assert text == r.choices[0].text
+    [last] = [e for e in events if getattr(e, "tllm", None)]
+    streamed = tllm_core.decode_results(last.tllm[0])["export"]
+    np.testing.assert_array_equal(streamed["layer.3"], rows["layer.3"])
+
+    # A chat completion, its prompt's last token (the chat template's) only.
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"vllm_xargs": {**xargs, "tllm_export_window": "last_prompt"}},
+    )
+    [one] = tllm_core.decode_results(chat.tllm[0])["export"]["positions"].tolist()
+    assert one == chat.usage.prompt_tokens - 1
+
+    # Past the limit: all rows (the config's window), 2 keys x 300 rows x hidden 128 x 4
+    # bytes > 64 KiB: refused before generating.
+    with pytest.raises(openai.BadRequestError) as ei:
+        complete({"vllm_xargs": xargs}, max_tokens=300)
+    assert ei.value.status_code == 400 and "max_result_bytes" in ei.value.message
+    again = complete(ask, max_tokens=3)  # the server goes on
+    assert tllm_core.decode_results(again.tllm[0])["export"]["positions"].tolist() == [5, 6]
 
 
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
