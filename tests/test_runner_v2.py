@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from cli_util import v2_env
@@ -173,7 +174,8 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
 def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     """Capture windows on V2, through the server: the config's 'all[1:]' (every row but
     position 0) for a request without a window, and its own 'last_prompt' for one with it,
-    each row equal to transformers; a bad window is a 400."""
+    each row equal to transformers; a bad window is a 400. The second request also asks for
+    its rows back with the completion (tllm_results): the same row as the record's."""
     import urllib.error
     import urllib.request
 
@@ -181,11 +183,14 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     from serve_util import tllm_serve
 
     from consumers.export import read_export
+    from tllm_core import decode_results
 
     out = tmp_path / "x"
     export = {"out": str(out), "layers": [0], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
     args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+
+    answers: list[dict] = []
 
     def complete(url: str, prompt: list[int], xargs: dict | None) -> int:
         body = {"model": "default", "prompt": prompt, "max_tokens": 3, "temperature": 0}
@@ -197,6 +202,7 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
         )
         try:
             with urllib.request.urlopen(req, timeout=300) as r:
+                answers.append(json.loads(r.read()))
                 return r.status
         except urllib.error.HTTPError as e:
             assert "tllm_export_window" in e.read().decode(), e
@@ -205,7 +211,8 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     with tllm_serve(args, tmp_path / "serve.log", env=v2_env()) as url:
         assert "on vLLM's V2 runner" in (tmp_path / "serve.log").read_text()
         assert complete(url, [5, 6, 7, 8], None) == 200
-        assert complete(url, [9, 10, 11], {"tllm_export_window": "last_prompt"}) == 200
+        last = {"tllm_export_window": "last_prompt", "tllm_results": "export"}
+        assert complete(url, [9, 10, 11], last) == 200
         assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
     recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
     assert sorted(recs) == [3, 4], sorted(recs)
@@ -214,3 +221,7 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     for rec in recs.values():
         ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())["layer.0"]
         torch.testing.assert_close(rec.hidden["layer.0"], ref[rec.positions], rtol=1e-4, atol=1e-4)
+    assert "tllm" not in answers[0]  # did not ask
+    returned = decode_results(answers[1]["tllm"][0])["export"]
+    assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]
+    np.testing.assert_array_equal(returned["layer.0"], recs[3].hidden["layer.0"].numpy())
