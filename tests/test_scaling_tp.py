@@ -166,14 +166,19 @@ def test_cli_export_with_esamp_at_tp2_round_trips(even_model, tmp_path, runner):
 
 
 @pytest.mark.slow  # ~3 min: one TP=2 engine on two cores
-def test_tp2_results_return_with_the_completion(even_model):
-    """Results with the completion at TP=2: each request's exported rows (the leader's),
-    equal to transformers at those positions."""
+def test_tp2_window_and_results_with_the_completion(even_model, tmp_path):
+    """A capture window and results with the completion at TP=2: the export keeps the first
+    two generated tokens' rows only (equal to transformers on its record's tokens), and each
+    request gets the same rows back with its completion."""
     import json
 
-    import tllm_core
+    import numpy as np
 
-    spec = {"out": None, "layers": [0, -1], "phase": "all"}
+    import tllm_core
+    from consumers.export import read_export
+
+    out = tmp_path / "x"
+    spec = {"out": str(out), "layers": [0, -1], "phase": "generated[0:2]"}
     proc = run_cli(
         "run", "--model", even_model, "--tensor-parallel-size", "2",
         "--consumer", f"export:{json.dumps(spec)}", "--results", "export",
@@ -183,9 +188,16 @@ def test_tp2_results_return_with_the_completion(even_model):
     )  # fmt: skip
     rep = cli_json(proc)
     assert rep["errors"] == []
-    for per_prompt in rep["request_results"]:
+    records = sorted(read_export(out, verify=True), key=lambda r: r.prompt_index)
+    assert len(records) == 2
+    for rec, per_prompt in zip(records, rep["request_results"], strict=True):
+        n = rec.num_prompt_tokens
+        assert rec.positions.tolist() == [n, n + 1]
+        ref = hf_states(even_model, rec.token_ids.tolist())
         rows = tllm_core.decode_results(per_prompt[0])["export"]
-        ref = hf_states(even_model, rows["token_ids"].tolist())
-        assert rows["positions"].tolist() == list(range(len(rows["positions"])))
+        assert rows["positions"].tolist() == [n, n + 1]
         for key in ("layer.0", "layer.3"):
-            torch.testing.assert_close(torch.from_numpy(rows[key]), ref[key], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
+            )
+            np.testing.assert_array_equal(rows[key], rec.hidden[key].numpy())
