@@ -7,26 +7,89 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def engine_env(
+    kv_cache_gib: int, env: MutableMapping[str, str] = os.environ, **forced: str
+) -> MutableMapping[str, str]:
+    """``env`` (this process's by default) set for one vLLM engine in its process, quiet:
+    ``forced`` variables overwrite, the others are defaults."""
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.update(forced)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
 def offline_engine_env(kv_cache_gib: int) -> None:
     """Environment for one vLLM engine inside this process, quiet and offline; makes the
     checkout and this folder importable."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    engine_env(kv_cache_gib).setdefault("HF_HUB_OFFLINE", "1")
     for p in (str(ROOT), str(Path(__file__).resolve().parent)):
         if p not in sys.path:
             sys.path.insert(0, p)
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stops the engine core of a ``vllm.LLM`` or ``TllmLLM`` (its worker threads hold memory
+    until then); a failure to stop is not the benchmark's."""
+    inner = getattr(llm, "llm", llm)
+    core = getattr(getattr(inner, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        try:
+            core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    argv: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool], timeout: float = 900
+) -> subprocess.Popen:
+    """``argv`` in its own session, output to ``log``, once ``ready()``; ``RuntimeError`` with
+    the log's tail if it exits first, ``TimeoutError`` after ``timeout`` seconds."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            argv, cwd=log.parent, env=env, stdout=out, stderr=out, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[2]} exited:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise TimeoutError(f"{argv[2]} not ready in {timeout:.0f} s; log: {log}")
+        time.sleep(1)
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 60 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def model_path(model: str | None) -> str:
@@ -79,6 +142,11 @@ def _git(cmd: list[str], cwd: Path) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def command_line(script: str, argv: list[str] | None = None) -> str:
+    """The command a run of ``benchmarks/{script}`` was started with, as results record it."""
+    return "python " + shlex.join([f"benchmarks/{script}", *(argv or sys.argv[1:])])
 
 
 def run_machine(load_start: float) -> dict[str, Any]:

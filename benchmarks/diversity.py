@@ -37,14 +37,22 @@ import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, run_machine, section, table, write_samples
+from bench_setup import (
+    command_line,
+    model_path,
+    offline_engine_env,
+    run_machine,
+    section,
+    shutdown_engine,
+    table,
+    write_samples,
+)
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 METRICS = {  # name -> True when higher is better (an "improvement")
@@ -55,8 +63,11 @@ METRICS = {  # name -> True when higher is better (an "improvement")
 }
 
 
-def _fmt(x: float) -> str:
-    return f"{x:g}"
+ABLATIONS = {"noise": "noise", "frozen": "frozen", "fnoise": "f_noise"}  # method kind -> ESamp's
+
+
+def _esamp(conf: dict[str, Any]) -> str:
+    return "esamp:" + json.dumps(conf)
 
 
 def build_methods(
@@ -71,75 +82,26 @@ def build_methods(
     ``noise_{name}_b{B}``), run through the variant's own switches; these carry ``variant``.
     ``fnoise``: also the f-noise ablation ``fnoise_b{B}`` (and ``fnoise_{name}_b{B}`` of
     each variant)."""
+
+    def method(kind, b, conf=None, variant=None, name=None, temp=temperature) -> dict[str, Any]:
+        m = {"name": name or f"{kind}{f'_{variant}' if variant else ''}_b{b:g}"}
+        m |= {"kind": kind, "beta": b} | ({"variant": variant} if variant else {})
+        return m | {"temperature": temp, "consumers": [] if conf is None else [_esamp(conf)]}
+
     methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature, "consumers": []}]
     for b in betas:
-        esamp = {"beta": b}
-        methods += [
-            {
-                "name": f"esamp_b{_fmt(b)}",
-                "kind": "esamp",
-                "beta": b,
-                "temperature": temperature,
-                "consumers": ["esamp:" + json.dumps(esamp)],
-            },
-            *(
-                {
-                    "name": f"esamp_{v}_b{_fmt(b)}",
-                    "kind": "esamp",
-                    "beta": b,
-                    "variant": v,
-                    "temperature": temperature,
-                    "consumers": ["esamp:" + json.dumps({**extra, **esamp})],
-                }
-                for v, extra in (variants or {}).items()
-            ),
-            {
-                "name": f"temp_{temperature / (1 + b):.3g}",
-                "kind": "temperature",
-                "beta": b,
-                "temperature": temperature / (1 + b),
-                "consumers": [],
-            },
-            {
-                "name": f"noise_b{_fmt(b)}",
-                "kind": "noise",
-                "beta": b,
-                "temperature": temperature,
-                "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "noise"})],
-            },
-            {
-                "name": f"frozen_b{_fmt(b)}",
-                "kind": "frozen",
-                "beta": b,
-                "temperature": temperature,
-                "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "frozen"})],
-            },
-        ]
-        if fnoise:
-            methods.append(
-                {
-                    "name": f"fnoise_b{_fmt(b)}",
-                    "kind": "fnoise",
-                    "beta": b,
-                    "temperature": temperature,
-                    "consumers": ["esamp:" + json.dumps({**esamp, "ablation": "f_noise"})],
-                }
-            )
+        methods.append(method("esamp", b, {"beta": b}))
+        methods += [method("esamp", b, {**x, "beta": b}, v) for v, x in (variants or {}).items()]
+        t = temperature / (1 + b)
+        methods.append(method("temperature", b, name=f"temp_{t:.3g}", temp=t))
+        for kind in ("noise", "frozen", "fnoise") if fnoise else ("noise", "frozen"):
+            methods.append(method(kind, b, {"beta": b, "ablation": ABLATIONS[kind]}))
     for b in betas:
         for v, extra in (variants or {}).items():
             kinds = ("frozen", "noise") if variant_noise else ("frozen",)
             for kind in kinds + (("fnoise",) if fnoise else ()):
-                ablation = "f_noise" if kind == "fnoise" else kind
-                conf = {**extra, "beta": b, "ablation": ablation}
                 methods.append(
-                    {
-                        "name": f"{kind}_{v}_b{_fmt(b)}",
-                        "kind": kind,
-                        "beta": b,
-                        "variant": v,
-                        "temperature": temperature,
-                        "consumers": ["esamp:" + json.dumps(conf)],
-                    }
+                    method(kind, b, {**extra, "beta": b, "ablation": ABLATIONS[kind]}, v)
                 )
     seen, out = set(), []
     for m in methods:  # e.g. two betas giving the same temperature
@@ -173,15 +135,6 @@ def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, di
 
 
 # ----------------------------------------------------------------------------- generation
-def _shutdown(llm: Any) -> None:
-    core = getattr(getattr(llm.llm, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        try:
-            core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[dict[str, Any]]:
     """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
     ``vanilla_t``), for comparing Vendi at matched perplexity."""
@@ -344,7 +297,7 @@ def generate_all(
         if partial is not None:
             done[key] = {m["name"]: out[m["name"]] for m in ms}
             _write_partial(partial, settings, done)
-        _shutdown(llm)
+        shutdown_engine(llm)
         del llm
         gc.collect()
     return out
@@ -461,13 +414,8 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
                 label=name,
                 color=KIND_COLORS.get(m["kind"], None),
             )
-            ax.annotate(
-                name,
-                (m["means"]["ppl"], m["means"]["vendi"]),
-                fontsize=8,
-                xytext=(4, 4),
-                textcoords="offset points",
-            )
+            xy = (m["means"]["ppl"], m["means"]["vendi"])
+            ax.annotate(name, xy, fontsize=8, xytext=(4, 4), textcoords="offset points")
         ax.set_xlabel("perplexity under the generating model (lower = more likely)")
         ax.set_ylabel("Vendi score (higher = more diverse)")
         ax.set_title("Quality-diversity (mean over prompts, ±1 s.e.)")
@@ -509,9 +457,21 @@ def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -
 
 # ----------------------------------------------------------------------------- driver
 def add_engine_args(
-    p: argparse.ArgumentParser, *, max_model_len: int, kv_cache_gib: int, batch_prompts: int
+    p: argparse.ArgumentParser,
+    *,
+    max_tokens: int,
+    max_model_len: int,
+    kv_cache_gib: int,
+    batch_prompts: int,
 ) -> None:
-    """Options shared with ``passk.py``: the engine, the ESamp variants, the resumable file."""
+    """Options shared with ``passk.py``: sampling, the engine, the ESamp variants, the
+    resumable file."""
+    p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="new tokens per sample")
+    p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; 0.25)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
     p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=max_model_len)
@@ -572,6 +532,29 @@ def sampling_config(args: argparse.Namespace, betas: list[float], variants: Any)
     }
 
 
+def validate_methods(methods: list[dict[str, Any]], model: str) -> None:
+    """Bad consumer fields fail here, before any engine starts."""
+    from tllm_core.app.engine import validate_consumers
+
+    for m in methods:
+        if m["consumers"]:
+            validate_consumers(m["consumers"], model)
+
+
+def method_record(m: dict[str, Any], g: dict[str, Any], **figures: Any) -> dict[str, Any]:
+    """A method's entry in a result (passk.py's too): what it ran, its ``figures``, its
+    generation time, counters and errors."""
+    counters = g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]}
+    return {"kind": m["kind"], "beta": m.get("beta"), "variant": m.get("variant")} | {
+        "temperature": m["temperature"],
+        "consumers": m["consumers"],
+        **figures,
+        "generate_s": g["gen_s"],
+        "counters": counters,
+        "errors": g["errors"],
+    }
+
+
 def run_record(
     out_methods: dict[str, Any], t_gen: float, t_start: float, load_start: float
 ) -> dict[str, Any]:
@@ -592,17 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         help="file with one prompt per line (default benchmarks/prompts.txt)",
     )
     p.add_argument("--num-prompts", type=int, default=None, help="use the first K prompts only")
-    p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
-    p.add_argument(
-        "--max-tokens", type=int, default=128, help="new tokens per sample (default 128)"
-    )
-    p.add_argument(
-        "--beta", type=float, action="append", help="ESamp beta (repeatable; default 0.25)"
-    )
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
-    add_engine_args(p, max_model_len=1024, kv_cache_gib=4, batch_prompts=4)
+    add_engine_args(p, max_tokens=128, max_model_len=1024, kv_cache_gib=4, batch_prompts=4)
     p.add_argument(
         "--ppl-check",
         type=int,
@@ -647,12 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = build_methods(betas, args.temperature, variants, args.variant_noise, args.fnoise)
     methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
-    if variants:  # bad fields fail here, before any engine starts
-        from tllm_core.app.engine import validate_consumers
-
-        for m in methods:
-            if m["consumers"]:
-                validate_consumers(m["consumers"], model)
+    if variants:
+        validate_methods(methods, model)
     gen = generate_all(methods, prompts, args, model, partial=args.partial)
     t_gen = time.perf_counter() - t_start
 
@@ -668,18 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         sem = {
             k: float(np.nanstd(v, ddof=1) / math.sqrt(np.isfinite(v).sum())) for k, v in pp.items()
         }
-        out_methods[m["name"]] = {
-            "kind": m["kind"],
-            "beta": m.get("beta"),
-            "temperature": m["temperature"],
-            "consumers": m["consumers"],
-            "means": means,
-            "sem": sem,
-            "per_prompt": pp,
-            "generate_s": g["gen_s"],
-            "counters": g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]},
-            "errors": g["errors"],
-        }
+        out_methods[m["name"]] = method_record(m, g, means=means, sem=sem, per_prompt=pp)
     del embedder
     gc.collect()
 
@@ -707,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
 
     check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
     result = {
-        "command": "python " + shlex.join(["benchmarks/diversity.py", *(argv or sys.argv[1:])]),
+        "command": command_line("diversity.py", argv),
         "config": {
             "model": model,
             "prompts_file": str(args.prompts),

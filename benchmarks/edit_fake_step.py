@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from bench_setup import code_version, section, table  # noqa: E402
+from bench_setup import code_version, command_line, section, table  # noqa: E402
 from edit_steps import KINDS, run  # noqa: E402
 
 
@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cases = ("steer_all", "steer_per_request", *KINDS)
     results = [run(c, args.steps, inf) for inf in (False, True) for c in cases]
-    command = "python benchmarks/edit_fake_step.py " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    out = {"command": command.strip(), "code": code_version(), "results": results}
+    out = {
+        "command": command_line("edit_fake_step.py", argv),
+        "code": code_version(),
+        "results": results,
+    }
     print(json.dumps(out, indent=1) if args.json else render(out))
 
 

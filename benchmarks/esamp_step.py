@@ -36,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bench_setup import code_version, section, table  # noqa: E402
 from esamp_steps import CONFIGS, COUNTED_PER_REQUEST, LAYOUTS, MODES, run, run_runtime  # noqa: E402
-from gpu_distiller import QWEN2_7B, SyntheticDecode  # noqa: E402
+from gpu_distiller import QWEN2_7B, SyntheticDecode, time_us  # noqa: E402
 
 from algorithms.esamp.kernels import grad_adam_bytes, slot_matmul_bytes  # noqa: E402
 
@@ -48,14 +48,7 @@ def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
     a = torch.empty(mib * 2**20 // 4, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize(device)
-    return 2 * a.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+    return 2 * a.numel() * 4 / (time_us(lambda: b.copy_(a), 10, device) / 1e6)
 
 
 def esamp_floor_bytes(prompts: int, n: int, vocab: int = V) -> int:
@@ -122,17 +115,11 @@ def bench_step(
 
         host.append(rs.step(taps.__getitem__, logits, temp, sample))
 
-    def timed(fn) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    def timed(fn) -> float:  # ms per step
         for i in range(warmup):
             fn(i)
-        torch.cuda.synchronize(device)
-        start.record()
-        for i in range(iters):
-            fn(warmup + i)
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / iters
+        steps = iter(range(warmup, warmup + iters))
+        return time_us(lambda: fn(next(steps)), iters, device) / 1e3
 
     plain_ms = statistics.median(timed(lambda i: plain()) for _ in range(3))
     host.clear()

@@ -47,6 +47,7 @@ the script without a GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -119,31 +120,25 @@ def make(variant: str, args, device):
     return d
 
 
-def _timer(device):
-    if is_cuda(device):
-
-        def timed(fn, iters):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) * 1000 / iters  # us
-    else:
-
-        def timed(fn, iters):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            return (time.perf_counter() - t0) * 1e6 / iters
-
-    return timed
+def time_us(fn: Any, iters: int, device: torch.device) -> float:
+    """Microseconds per call over ``iters`` calls of ``fn``: CUDA events around the pipelined
+    calls on a CUDA device, wall time elsewhere."""
+    if not is_cuda(device):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e6 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
 
 
 def bench_distiller(variant: str, args, device) -> dict[str, float]:
-    timed = _timer(device)
     d = make(variant, args, device)
     slots_live = [d.alloc() for _ in range(args.groups)]
     slots, x, t = distiller_inputs(args, device)
@@ -171,7 +166,7 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
         for _ in range(args.warmup):
             fn()
         d.synchronize()
-        res[name] = statistics.median(timed(fn, args.iters) for _ in range(args.repeats))
+        res[name] = statistics.median(time_us(fn, args.iters, device) for _ in range(args.repeats))
     res["graph_failures"] = getattr(d, "graph_failures", 0)
     return res
 
@@ -230,7 +225,6 @@ class SyntheticDecode:
 
 def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) -> float:
     """Microseconds per decode step: synthetic decode, then predict + train (if a variant)."""
-    timed = _timer(device)
     if variant is None:
         fn = decode
     else:
@@ -248,7 +242,7 @@ def bench_in_step(variant: str | None, decode: SyntheticDecode, args, device) ->
     for _ in range(args.warmup):
         fn()
     torch.cuda.synchronize()
-    return statistics.median(timed(fn, args.iters) for _ in range(args.repeats))
+    return statistics.median(time_us(fn, args.iters, device) for _ in range(args.repeats))
 
 
 # ---------------------------------------------------------------- the kernels alone
@@ -268,7 +262,7 @@ MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 def _time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    return _timer(device)(fn, iters) / 1e3
+    return time_us(fn, iters, device) / 1e3
 
 
 def _matrices(shape: dict) -> list[tuple[int, int, int]]:
@@ -488,14 +482,8 @@ def _run(args, device) -> int:
         ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
     )
     out: dict[str, Any] = {
-        "shape": {
-            "hidden": args.hidden,
-            "groups": args.groups,
-            "rows_per_group": args.rows,
-            "batch_rows": args.groups * args.rows,
-            "intermediate": args.intermediate,
-            "blocks": args.blocks,
-        },
+        "shape": {k: getattr(args, k) for k in ("hidden", "groups", "intermediate", "blocks")}
+        | {"rows_per_group": args.rows, "batch_rows": args.groups * args.rows},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "code": code_version(),
@@ -503,12 +491,7 @@ def _run(args, device) -> int:
         "in_step": {},
         "memory_plan": plan(args).as_dict(),
     }
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
+    out["triton"] = importlib.metadata.version("triton") if triton_available() else None
     for v in variants:
         out["distiller"][v] = bench_distiller(v, args, device)
         print(
@@ -525,11 +508,8 @@ def _run(args, device) -> int:
         base = bench_in_step(None, decode, args, device)
         step_us = args.decode_ms * 1000 if args.decode_ms else base
         out["decode_step_us"] = step_us
-        out["decode_step_source"] = (
-            "--decode-ms"
-            if args.decode_ms
-            else "synthetic Qwen2-7B linear layers, bf16, CUDA graph"
-        )
+        synthetic = "synthetic Qwen2-7B linear layers, bf16, CUDA graph"
+        out["decode_step_source"] = "--decode-ms" if args.decode_ms else synthetic
         out["synthetic_decode_us"] = base
         for v in variants:
             t = bench_in_step(v, decode, args, device)
@@ -540,22 +520,7 @@ def _run(args, device) -> int:
             }
         for d in out["distiller"].values():
             d["isolated_fraction_of_step"] = d["step_us"] / step_us
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"shape: {out['shape']}  device: {out['device']}")
-        for v, d in out["distiller"].items():
-            print(
-                f"{v:<11} predict {d['predict_us']:9.1f} us  train {d['train_us']:9.1f} us  "
-                f"both {d['step_us']:9.1f} us"
-            )
-        if out["in_step"]:
-            print(f"decode step: {out['decode_step_us']:.1f} us ({out['decode_step_source']})")
-            for v, d in out["in_step"].items():
-                print(
-                    f"{v:<11} step {d['step_us']:9.1f} us  added {d['added_us']:8.1f} us  "
-                    f"= {100 * d['fraction_of_step']:.1f}% of a decode step"
-                )
+    print(json.dumps(out) if args.json else render(out))
     return 0
 
 

@@ -199,18 +199,9 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
     rehearsing = active() is not None
     # The rehearsal collects the tests (they import, and exist): on CPU they would skip.
     collect = ["--collect-only"] if rehearsing else []
+    argv = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-q", "--noconftest"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            *CUDA_TESTS,
-            "-q",
-            "--noconftest",
-            "-p",
-            "no:cacheprovider",
-        ]
-        + collect,
+        [*argv, "-p", "no:cacheprovider", *collect],
         cwd=ROOT,
         capture_output=True,
         text=True,

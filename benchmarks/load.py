@@ -36,8 +36,6 @@ import contextlib
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,8 +46,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import ROOT, model_path, run_machine, section, table  # noqa: E402
-from soak import stop_server  # noqa: E402
+from bench_setup import (  # noqa: E402
+    ROOT,
+    command_line,
+    free_port,
+    model_path,
+    run_machine,
+    section,
+    start_server,
+    stop_server,
+    table,
+)
 
 MIB = 1 << 20
 LIMIT_MIB = 1
@@ -88,41 +95,21 @@ class Polls:
     failed: int = 0  # not 200, or not strict JSON
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, int]]:
     """``tllm serve`` (vLLM's multiprocess layout) until it prints ``tllm: ready``; yields its
     URL and process id; stops it (SIGTERM to its process group)."""
-    port = _free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "tllm_core.app.cli",
-        "serve",
-        "--model",
-        model,
-        "--port",
-        str(port),
-    ]
-    argv += ["--consumer", "esamp", "--consumer", "stats", "--per-request"]
+    port = free_port()
+    argv = [sys.executable, "-m", "tllm_core.app.cli", "serve", "--model", model]
+    argv += ["--port", str(port), "--consumer", "esamp", "--consumer", "stats", "--per-request"]
     argv += ["--max-body-mib", str(LIMIT_MIB), "--max-model-len", "512", "--kv-cache-gib", "1"]
     if eager:
         argv += ["--", "--enforce-eager"]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     log = workdir / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, start_new_session=True)
+    proc = start_server(argv, env, log, lambda: "tllm: ready" in log.read_text())
     try:
-        while "tllm: ready" not in log.read_text():
-            if proc.poll() is not None:
-                raise RuntimeError(f"tllm serve exited:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         stop_server(proc)
@@ -200,22 +187,16 @@ class Load:
         return Outcome("huge", r.status_code)
 
     async def one(self, kind: str, rng: random.Random) -> Outcome:
-        if kind == "plain":
-            return await self.post(kind, False, None)
-        if kind == "esamp":
-            return await self.post(kind, False, ESAMP)
-        if kind == "chat_stats":
-            return await self.post(kind, True, {"tllm_consumers": "stats"})
-        if kind == "stream_esamp":
-            return await self.stream(kind, True, ESAMP)
-        if kind == "stream_plain":
-            return await self.stream(kind, False, None)
-        if kind == "cancel":
-            return await self.stream(kind, True, ESAMP, cancel_after=2)
-        if kind == "bad":
-            return await self.post(kind, False, rng.choice(BAD_XARGS))
         if kind == "huge":
             return await self.huge()
+        if kind in ("stream_esamp", "stream_plain", "cancel"):
+            chat, xargs = kind != "stream_plain", None if kind == "stream_plain" else ESAMP
+            return await self.stream(kind, chat, xargs, cancel_after=2 if kind == "cancel" else 0)
+        xargs = {"plain": None, "esamp": ESAMP, "chat_stats": {"tllm_consumers": "stats"}}
+        if kind == "bad":
+            return await self.post(kind, False, rng.choice(BAD_XARGS))
+        if kind in xargs:
+            return await self.post(kind, kind == "chat_stats", xargs[kind])
         raise ValueError(f"unknown request kind {kind!r}; known: {sorted(WEIGHTS)}")
 
     async def counters(self) -> dict[str, Any]:
@@ -392,15 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    for name in ("requests", "rounds", "concurrency", "max_tokens"):
-        if getattr(a, name) < 1:
-            raise SystemExit(
-                f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}"
-            )
-    if not a.poll_interval > 0:
-        raise SystemExit(
-            f"--poll-interval must be a positive number of seconds, got {a.poll_interval}"
-        )
+    for name in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval"):
+        if not getattr(a, name) > 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
     load_start = os.getloadavg()[0]
     model = model_path(a.model)
     with (
@@ -413,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval", "seed")
     } | {"model": Path(model).name, "enforce_eager": a.enforce_eager}
     out["machine"] = run_machine(load_start)
-    out["command"] = "python benchmarks/load.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out["command"] = command_line("load.py", argv)
     print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
 

@@ -34,20 +34,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import math
 import os
 import random
 import re
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_setup import model_path, offline_engine_env, section, table, write_samples
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import diversity as dv  # noqa: E402  (one method table and engine loop for both benchmarks)
+from bench_setup import command_line, model_path, offline_engine_env, section, table, write_samples  # noqa: E402
 
 FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
@@ -203,14 +204,6 @@ def pass_curve(n: int, c: int) -> list[float]:
 
 
 # ----------------------------------------------------------------------------- methods
-def _sibling(name: str) -> Any:
-    """A module of this folder (diversity, throughput), importable from anywhere."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(name)
-
-
 def score(samples: list[list[dict]], problems: list[dict]) -> dict[str, Any]:
     """Per problem: correct count, pass@k curve; answers seen."""
     correct, curves, answers = [], [], []
@@ -224,8 +217,7 @@ def score(samples: list[list[dict]], problems: list[dict]) -> dict[str, Any]:
 
 def compare(a: list[list[float]], b: list[list[float]], ks: list[int]) -> dict[str, Any]:
     """Paired comparison of per-problem pass@k (a against b) at each k in ``ks``."""
-    paired = _sibling("diversity").paired
-    return {str(k): paired([c[k - 1] for c in a], [c[k - 1] for c in b], True) for k in ks}
+    return {str(k): dv.paired([c[k - 1] for c in a], [c[k - 1] for c in b], True) for k in ks}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -235,7 +227,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = _sibling("diversity").KIND_COLORS
+    colors = dv.KIND_COLORS
     styles = ["-", "--", ":", "-."]
     fig, ax = plt.subplots(figsize=(7, 4.8))
     seen: dict[str, int] = {}
@@ -275,9 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         f"all: {','.join(FAMILIES)})",
     )
     p.add_argument("--task-seed", type=int, default=0, help="seed of the problem generator")
-    p.add_argument("-n", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--max-tokens", type=int, default=40, help="new tokens per sample (default 40)")
-    p.add_argument("--beta", type=float, action="append", help="ESamp beta (repeatable; 0.25)")
     p.add_argument(
         "--controls",
         default="temperature,noise",
@@ -286,15 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         "each variant's f-noise ablation)",
     )
     p.add_argument("--no-default", action="store_true", help="skip the default ESamp recipe")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="problem i uses seed SEED+i everywhere")
-    _sibling("diversity").add_engine_args(p, max_model_len=512, kv_cache_gib=2, batch_prompts=8)
+    dv.add_engine_args(p, max_tokens=40, max_model_len=512, kv_cache_gib=2, batch_prompts=8)
     p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
     args = p.parse_args(argv)
     betas = args.beta or [0.25]
-    variants = _sibling("diversity").parse_variants(p, args.esamp_variant)
+    variants = dv.parse_variants(p, args.esamp_variant)
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     try:
         problems = make_problems(args.problems, args.task_seed, families)
@@ -312,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     controls = {c.strip() for c in args.controls.split(",") if c.strip()}
     if controls - {"temperature", "noise", "fnoise"}:
         p.error(f"--controls {args.controls!r}: allowed values are temperature, noise, fnoise")
-    methods = _sibling("diversity").build_methods(
+    methods = dv.build_methods(
         betas, args.temperature, variants, args.variant_noise, "fnoise" in controls
     )
     methods = [
@@ -327,17 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             if m["kind"] not in ("esamp", "noise", "frozen", "temperature", "fnoise")
             or "variant" in m
         ]
-    methods = _sibling("diversity").select_methods(p, methods, args.methods)
-    from tllm_core.app.engine import validate_consumers
-
-    for m in methods:  # bad fields fail here, before any engine starts
-        if m["consumers"]:
-            validate_consumers(m["consumers"], model)
-
-    generate_all = _sibling("diversity").generate_all
+    methods = dv.select_methods(p, methods, args.methods)
+    dv.validate_methods(methods, model)
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
-    gen = generate_all(
+    gen = dv.generate_all(
         methods, [q["prompt"] for q in problems], args, model, tag="passk", partial=args.partial
     )
     t_gen = time.perf_counter() - t_start
@@ -352,26 +332,19 @@ def main(argv: list[str] | None = None) -> int:
             idx = [i for i, q in enumerate(problems) if q["family"] == fam]
             if idx:
                 fams[fam] = curves[idx].mean(0).tolist()
-        out_methods[m["name"]] = {
-            "kind": m["kind"],
-            "beta": m.get("beta"),
-            "variant": m.get("variant"),
-            "temperature": m["temperature"],
-            "consumers": m["consumers"],
-            "pass_at_k": curves.mean(0).tolist(),
-            "pass_at_k_sem": (curves.std(0, ddof=1) / math.sqrt(len(problems))).tolist()
-            if len(problems) > 1
-            else [0.0] * args.n,
-            "pass_at_k_by_family": fams,
-            "per_problem": {"correct": s["correct"], "curves": s["curves"]},
-            "answers": s["answers"],
-            "mean_tokens": float(
+        sem = curves.std(0, ddof=1) / math.sqrt(len(problems)) if len(problems) > 1 else None
+        out_methods[m["name"]] = dv.method_record(
+            m,
+            g,
+            pass_at_k=curves.mean(0).tolist(),
+            pass_at_k_sem=[0.0] * args.n if sem is None else sem.tolist(),
+            pass_at_k_by_family=fams,
+            per_problem={"correct": s["correct"], "curves": s["curves"]},
+            answers=s["answers"],
+            mean_tokens=float(
                 np.mean([len(c["token_ids"]) for comp in g["samples"] for c in comp])
             ),
-            "generate_s": g["gen_s"],
-            "counters": g["counters"] if m["consumers"] else {"runtime": g["counters"]["runtime"]},
-            "errors": g["errors"],
-        }
+        )
 
     pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
     for m in methods:
@@ -398,19 +371,19 @@ def main(argv: list[str] | None = None) -> int:
         for a, b in pairs
     ]
     result = {
-        "command": "python " + shlex.join(["benchmarks/passk.py", *(argv or sys.argv[1:])]),
+        "command": command_line("passk.py", argv),
         "config": {
             "model": model,
             "num_problems": len(problems),
             "families": list(families),
             "task_seed": args.task_seed,
-            **_sibling("diversity").sampling_config(args, betas, variants),
+            **dv.sampling_config(args, betas, variants),
             "dtype": args.dtype,
         },
         "problems": problems,
         "methods": out_methods,
         "comparisons": comparisons,
-        **_sibling("diversity").run_record(out_methods, t_gen, t_start, load_start),
+        **dv.run_record(out_methods, t_gen, t_start, load_start),
     }
     if args.save_samples:
         write_samples(args.save_samples, gen)

@@ -32,9 +32,6 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +41,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_setup import (  # noqa: E402
+    code_version,
+    command_line,
+    free_port,
+    model_path,
+    section,
+    start_server,
+    stop_server,
+    table,
+)
+
 CRASH_AFTER = 3
 
 
@@ -113,41 +121,26 @@ class Soak:
     def run_one(self, kind: str, rng: random.Random) -> Outcome:
         esamp = {"tllm_consumers": "esamp", "tllm_esamp_beta": rng.choice([0.25, 0.5, 1.0])}
         steer = {"tllm_consumers": "steer", "tllm_steer_scale": rng.choice([2.0, 4.0])}
-        if kind == "plain":
-            return self.complete(kind, None)
-        if kind == "esamp":
-            return self.complete(kind, esamp)
-        if kind == "esamp_n2":
-            return self.complete(kind, esamp, n=2)
-        if kind == "steer":
-            return self.complete(kind, steer)
-        if kind == "stream_esamp":
-            return self.chat_stream(kind, esamp)
-        if kind == "stream_plain":
-            return self.chat_stream(kind, None)
-        if kind == "cancel":
-            return self.chat_stream(kind, esamp, cancel_after=2)
-        if kind == "crash":
-            return self.complete(kind, {"tllm_consumers": "crasher"})
-        if kind == "bad_beta":
-            return self.complete(kind, {"tllm_consumers": "esamp", "tllm_esamp_beta": -1})
-        if kind == "bad_key":
-            return self.complete(kind, {"tllm_no_such_key": 1})
-        if kind == "bad_consumer":
-            return self.complete(kind, {"tllm_consumers": "nobody"})
-        raise ValueError(kind)
+        if kind in ("stream_esamp", "stream_plain", "cancel"):
+            xargs = None if kind == "stream_plain" else esamp
+            return self.chat_stream(kind, xargs, cancel_after=2 if kind == "cancel" else None)
+        xargs = {"plain": None, "esamp": esamp, "esamp_n2": esamp, "steer": steer}
+        xargs |= {"crash": {"tllm_consumers": "crasher"}, "bad_key": {"tllm_no_such_key": 1}}
+        xargs |= {"bad_beta": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}}
+        xargs |= {"bad_consumer": {"tllm_consumers": "nobody"}}
+        if kind not in xargs:
+            raise ValueError(f"unknown request kind {kind!r}")
+        return self.complete(kind, xargs[kind], n=2 if kind == "esamp_n2" else 1)
 
 
 GOOD = ["plain", "esamp", "esamp_n2", "steer", "stream_esamp", "stream_plain"]
 WEIGHTS = {k: 3 for k in GOOD} | {"cancel": 1, "crash": 1, "bad_beta": 1, "bad_key": 1}
 WEIGHTS["bad_consumer"] = 1
 BAD = ("bad_beta", "bad_key", "bad_consumer")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ESAMP_COUNTERS = ("rows_guided", "rows_visited", "rows_trained")
+ESAMP_COUNTERS += ("groups_created", "groups_freed", "groups_alive")
+RUNTIME_COUNTERS = ("engine_steps", "rows_edited", "rows_guided", "consumer_errors")
+RUNTIME_COUNTERS += ("consumer_errors.crasher", "requests_finished")
 
 
 def server_settings(vector_path: str) -> dict[str, Any]:
@@ -164,14 +157,14 @@ def server_settings(vector_path: str) -> dict[str, Any]:
     }
 
 
-def start_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[subprocess.Popen, str]:
+def start_vllm_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[Any, str]:
     import torch
     from safetensors.torch import save_file
 
     hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
     g = torch.Generator().manual_seed(0)
     save_file({"v": torch.randn(hidden, generator=g)}, str(workdir / "vector.safetensors"))
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     argv += ["--max-model-len", "512", "--served-model-name", "m"]
@@ -182,34 +175,16 @@ def start_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[subpro
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    log = open(workdir / "server.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{(workdir / 'server.log').read_text()[-4000:]}")
+
+    def healthy() -> bool:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
+                return r.status == 200
         except (OSError, urllib.error.URLError):
-            pass
-        time.sleep(1)
-    stop_server(proc)
-    raise TimeoutError("server did not start in 900 s")
+            return False
 
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    return start_server(argv, env, workdir / "server.log", healthy), url
 
 
 def engine_rss(server_pid: int) -> int:
@@ -228,7 +203,7 @@ def soak(
     enforce_eager: bool = False,
 ) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="tllm-soak-"))
-    proc, url = start_server(model, workdir, enforce_eager)
+    proc, url = start_vllm_server(model, workdir, enforce_eager)
     try:
         s = Soak(url, "m", max_tokens)
         rng = random.Random(seed)
@@ -292,29 +267,9 @@ def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, 
         "engine_rss_mib_end": round(rss_end / 2**20, 1),
         "engine_rss_change_pct": round(100 * (rss_end - rss_warm) / rss_warm, 2),
         "counters": {
-            "esamp": {
-                k: es.get(k)
-                for k in (
-                    "rows_guided",
-                    "rows_visited",
-                    "rows_trained",
-                    "groups_created",
-                    "groups_freed",
-                    "groups_alive",
-                )
-            },
+            "esamp": {k: es.get(k) for k in ESAMP_COUNTERS},
             "steer": {"rows_selected": st.get("rows_selected")},
-            "runtime": {
-                k: rt.get(k)
-                for k in (
-                    "engine_steps",
-                    "rows_edited",
-                    "rows_guided",
-                    "consumer_errors",
-                    "consumer_errors.crasher",
-                    "requests_finished",
-                )
-            },
+            "runtime": {k: rt.get(k) for k in RUNTIME_COUNTERS},
             "esamp_request_tokens": esamp_tokens,
         },
         "errors": report["errors"],
@@ -333,22 +288,17 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    model = a.model
-    if model is None:
-        from tllm_core.app.default_model import default_model_path
-
-        model = str(default_model_path())
-    out = soak(model, a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager)
-    out["command"] = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
-    out["code"] = __import__("bench_setup").code_version()
+    out = soak(
+        model_path(a.model), a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager
+    )
+    out["command"] = command_line("soak.py")
+    out["code"] = code_version()
     print(json.dumps(out) if a.json else render(out))
     return 0 if out["passed"] else 1
 
 
 def render(sk: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: the checks, then the figures."""
-    import bench_setup  # same folder; soak is imported by tests without it on the path
-
     c = sk["counters"]
     figures = [
         ["requests, in flight", f"{sk['requests']}, {sk['concurrency']}"],
@@ -366,9 +316,7 @@ def render(sk: dict[str, Any]) -> str:
         ["consumer errors (the crashing test consumer)", c["runtime"]["consumer_errors"]],
         *([k.replace("_", " "), "yes" if v else "**no**"] for k, v in sk["checks"].items()),
     ]
-    return bench_setup.section(
-        "A long day in the server (soak)", sk, bench_setup.table(["figure", "value"], figures)
-    )
+    return section("A long day in the server (soak)", sk, table(["figure", "value"], figures))
 
 
 if __name__ == "__main__":

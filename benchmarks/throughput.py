@@ -39,9 +39,8 @@ machine state, and fresh pairs average out what one process keeps for its whole 
 its memory and threads landed: identical plain engines differed by up to 10% between
 processes on the 2-core development VM). ``ratio`` is the median over all rounds of all pairs
 of case tok/s divided by the paired plain tok/s (``ratio_min``/``ratio_max``/``ratio_by_pair``
-show the spread); ``tok_s`` the median of the case's runs. Only two engines are up at a time. ``--method fresh`` starts a fresh process per case and round
-(rotating order); ``--method in-process`` runs the cases one after another in this process
-(for smoke tests). Every case samples with the same parameters and ``ignore_eos``, so all
+show the spread); ``tok_s`` the median of the case's runs. Only two engines are up at a time.
+``--method in-process`` runs the cases one after another in this process (for smoke tests). Every case samples with the same parameters and ``ignore_eos``, so all
 generate exactly prompts x n x max_tokens tokens. Counters are read when a case's engine
 closes, over all its runs; a case whose counters show no work (e.g. nothing captured, no
 optimizer step) or that reports consumer errors fails the run (exit 1). Memory: peak RSS of
@@ -63,7 +62,6 @@ import functools
 import json
 import os
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -74,7 +72,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import machine_text, run_machine, section, table  # noqa: E402
+from bench_setup import (  # noqa: E402
+    command_line,
+    engine_env,
+    machine_text,
+    model_path,
+    run_machine,
+    section,
+    shutdown_engine,
+    table,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
@@ -292,12 +299,7 @@ class _Case:
         self.cfg, self.case, model = cfg, cfg["case"], cfg["model"]
         self.rss_before = _current_rss_mib()
         consumers = case_consumers(self.case, model, tmpdir)
-        kw = dict(
-            dtype=cfg["dtype"],
-            max_model_len=cfg["max_model_len"],
-            enforce_eager=cfg["enforce_eager"],
-            seed=0,
-        )
+        kw = {k: cfg[k] for k in ("dtype", "max_model_len", "enforce_eager")} | {"seed": 0}
         t0 = time.perf_counter()
         if consumers is None:
             self.llm, self.engine = LLM(model, **kw), None
@@ -360,7 +362,7 @@ class _Case:
             rep = self.engine.close()
             counters = {"runtime": rep["runtime"], **rep["consumers"]}
             errors = rep.get("errors", [])
-        _shutdown(self.llm)
+        shutdown_engine(self.llm)
         self.llm = self.engine = None
         return {
             "case": self.case,
@@ -370,14 +372,6 @@ class _Case:
             "counters": counters,
             "errors": errors,
         }
-
-
-def worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run one case once in this process; returns its measurements."""
-    with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
-        c = _Case(cfg, Path(tmpdir))
-        res = c.run()
-        return {**c.close(), **res}
 
 
 def serve(cfg: dict[str, Any]) -> None:
@@ -502,8 +496,10 @@ def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
     """The worker in this process (faster, for small runs): the engine is shut down after."""
     import gc
 
-    with _PeakSampler() as ps:
-        res = worker(cfg)
+    with _PeakSampler() as ps, tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+        c = _Case(cfg, Path(tmpdir))
+        res = c.run()
+        res = {**c.close(), **res}
     gc.collect()
     res["peak_rss_mib"] = ps.peak  # peak of this case only (ru_maxrss spans all cases)
     return res
@@ -522,57 +518,11 @@ def runner_env(runner: str) -> dict[str, str]:
     return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
 
 
-def _setup_env(kv_cache_gib: int, runner: str) -> None:
-    if runner != "v1":
-        raise SystemExit(
-            "throughput.py: --runner v2 needs the fixture in every process: use --method "
-            "paired or fresh, not in-process"
-        )
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.update(runner_env(runner))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def _shutdown(llm: Any) -> None:
-    inner = getattr(llm, "llm", llm)
-    core = getattr(getattr(inner, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        try:
-            core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
-    env = dict(os.environ)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in the worker: RSS covers it all
-    env.update(runner_env(cfg["runner"]))  # the same runner for every case
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg["kv_cache_gib"]))
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # the engine in the worker, so that its RSS covers it all; the same runner for every case
+    env = engine_env(cfg["kv_cache_gib"], dict(os.environ), **runner_env(cfg["runner"]))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-def run_worker(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
-    env = _worker_env(cfg)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--_worker", json.dumps(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"case {cfg['case']!r} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
+    return dict(env)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -595,29 +545,23 @@ def select_cases(specs: list[str] | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--consumer",
         action="append",
         metavar="SPEC",
         help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)",
     )
-    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompts", type=int, default=8, help="number of prompts (default 8)")
-    p.add_argument("-n", type=int, default=16, help="samples per prompt (default 16)")
-    p.add_argument(
-        "--max-tokens", type=int, default=128, help="new tokens per sample (default 128)"
-    )
-    p.add_argument("--min-p", type=float, default=0.1, help="min-p of every case (default 0.1)")
-    p.add_argument(
-        "--rounds", type=int, default=2, help="timed rounds per case and process pair (default 2)"
-    )
-    p.add_argument(
-        "--restarts",
-        type=int,
-        default=2,
-        help="paired method: fresh process pairs per case (default 2)",
-    )
+    p.add_argument("--model", help="model folder (None: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=int, default=8, help="number of prompts")
+    p.add_argument("-n", type=int, default=16, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample")
+    p.add_argument("--min-p", type=float, default=0.1, help="min-p of every case")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per case and pair")
+    p.add_argument("--restarts", type=int, default=2, help="fresh process pairs per case")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -630,46 +574,34 @@ def main(argv: list[str] | None = None) -> int:
         "under the test fixture tests/v2_runner: V2's Triton kernels interpreted, so the ratio "
         "measures tllm's own per-step work, not V2's speed; implies --enforce-eager)",
     )
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE (default 4)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
     p.add_argument(
         "--method",
-        choices=["paired", "fresh", "in-process"],
+        choices=["paired", "in-process"],
         default="paired",
-        help="paired (default): every engine stays up in its own process and each "
-        "case alternates with plain, ratio = median of the per-round ratios; fresh: "
-        "a fresh process per case and round; in-process: the cases one after another "
-        "in this process (fast start, for smoke tests)",
+        help="paired: every engine stays up in its own process and each case "
+        "alternates with plain, ratio = median of the per-round ratios; in-process: the cases "
+        "one after another in this process (fast start, for smoke tests)",
     )
-    p.add_argument("--in-process", action="store_true", help="same as --method in-process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    if args._worker:
-        print(json.dumps(worker(json.loads(args._worker)), default=str), flush=True)
-        return 0
     if args._serve:
         serve(json.loads(args._serve))
         return 0
     if min(args.rounds, args.restarts, args.prompts, args.n, args.max_tokens) < 1:
         p.error("--rounds, --restarts, --prompts, -n and --max-tokens must be >= 1")
 
-    model = args.model
-    if model is None:
-        sys.path.insert(0, str(ROOT))
-        from tllm_core.app.default_model import default_model_path
-
-        model = str(default_model_path())
+    sys.path.insert(0, str(ROOT))
+    model = model_path(args.model)
     cases = select_cases(args.consumer)
-    if any(c not in CASES for c in cases):  # check custom specs before running
-        sys.path.insert(0, str(ROOT))
-        from tllm_core.app.engine import validate_consumers
+    from tllm_core.app.engine import validate_consumers
 
-        for c in cases:
-            if c not in CASES:
-                validate_consumers([c], model)
+    for c in cases:  # custom specs are checked before anything runs
+        if c not in CASES:
+            validate_consumers([c], model)
     base_cfg = dict(
         model=model,
         prompts=load_prompts(args.prompts),
@@ -684,10 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         runner=args.runner,
     )
 
-    method = "in-process" if args.in_process else args.method
+    method = args.method
     load_start = os.getloadavg()[0]
     if method == "in-process":
-        _setup_env(args.kv_cache_gib, args.runner)
+        if args.runner != "v1":
+            p.error("--runner v2 needs the fixture in every process: use --method paired")
+        engine_env(args.kv_cache_gib, **runner_env(args.runner))
 
     def log(r: int, case: str, res: dict[str, Any], pair: int = 0) -> None:
         print(
@@ -700,13 +634,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     if method == "paired":
         runs = run_paired(cases, base_cfg, args.rounds, args.restarts, args.timeout, log)
-    for r in range(args.rounds if method != "paired" else 0):
+    for r in range(args.rounds if method == "in-process" else 0):
         order = cases[r % len(cases) :] + cases[: r % len(cases)]
         if r % 2:
             order = order[::-1]
         for case in order:
             cfg = {**base_cfg, "case": case}
-            res = run_in_process(cfg) if method == "in-process" else run_worker(cfg, args.timeout)
+            res = run_in_process(cfg)
             runs[case].append(res)
             print(
                 f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
@@ -725,18 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     # Median engine-step time of the plain runs that were paired with each case (all plain
     # runs for the other methods).
-    plain_step_med: dict[str, float] = {}
     for case in cases:
-        mine = [
-            t
-            for x in runs["plain"]
-            if x.get("paired_with", case) == case
-            for t in x.get("step_ms", [])
-        ]
-        if mine:
-            plain_step_med[case] = statistics.median(mine)
-    for case in cases:
-        rs = runs[case]
+        rs, plains = runs[case], [x for x in runs["plain"] if x.get("paired_with", case) == case]
+        plain_steps = [t for x in plains for t in x.get("step_ms", [])]
         tok_s = statistics.median(x["tok_s"] for x in rs)
         peak = statistics.median(x["peak_rss_mib"] for x in rs)
         grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in rs)
@@ -773,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "step_ms_median": step_med,
             "step_ratio": (
-                plain_step_med[case] / step_med if step_med and plain_step_med.get(case) else None
+                statistics.median(plain_steps) / step_med if step_med and plain_steps else None
             ),
             "consumers": case_consumers_public(case),
             "start_s": statistics.median(x["start_s"] for x in rs),
@@ -788,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     machine = run_machine(load_start)
     result = {
-        "command": "python " + shlex.join(["benchmarks/throughput.py", *(argv or sys.argv[1:])]),
+        "command": command_line("throughput.py", argv),
         "baseline_tok_s": base,
         "cases": out_cases,
         "workload": {

@@ -96,7 +96,7 @@ def test_diversity_methods_with_an_esamp_variant():
 @pytest.mark.vllm
 @pytest.mark.slow  # the benchmark script end to end (~23 s)
 def test_throughput_script_small_run(tiny_model):
-    args = "--rounds 1 --in-process --consumer capture --consumer esamp --json".split()
+    args = "--rounds 1 --method in-process --consumer capture --consumer esamp --json".split()
     proc = _run("throughput.py", "--model", tiny_model, *SMALL_WORKLOAD, *args, *SMALL_ENGINE)
     out = _json(proc)
     assert out["baseline_tok_s"] > 0 and out["ok"] is True

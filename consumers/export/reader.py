@@ -53,14 +53,10 @@ def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
 
 
 @dataclass
-class ExportRecord:
-    """Everything exported for one request (one sample of one prompt).
-
-    ``token_ids``: the full sequence, prompt then generated tokens. ``positions``: the
-    captured positions (sorted, unique), indices into ``token_ids``; row ``j`` of every
-    ``hidden[key]`` (``key`` = ``"layer.{i}"`` with ``i`` absolute, or ``"final"``) is the
-    state at ``positions[j]``, i.e. after feeding ``token_ids[positions[j]]``.
-    """
+class RequestRecord:
+    """What every record of a request written on the export layout holds (this one and the
+    SAE's feature records): its ids, its token sequence (prompt then generated tokens) and
+    its rows' positions, indices into ``token_ids``, with whether each is a decode row."""
 
     request_id: str
     prompt_index: int
@@ -69,10 +65,6 @@ class ExportRecord:
     token_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [P]
     is_decode: torch.Tensor  # bool [P]
-    hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
-    finished: bool = True
-    engine_id: str = ""
-    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
     @property
     def prompt_token_ids(self) -> torch.Tensor:
@@ -81,6 +73,22 @@ class ExportRecord:
     @property
     def generated_token_ids(self) -> torch.Tensor:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class ExportRecord(RequestRecord):
+    """Everything exported for one request (one sample of one prompt).
+
+    ``token_ids``: the full sequence, prompt then generated tokens. ``positions``: the
+    captured positions (sorted, unique), indices into ``token_ids``; row ``j`` of every
+    ``hidden[key]`` (``key`` = ``"layer.{i}"`` with ``i`` absolute, or ``"final"``) is the
+    state at ``positions[j]``, i.e. after feeding ``token_ids[positions[j]]``.
+    """
+
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
+    finished: bool = True
+    engine_id: str = ""
+    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
 
 class ExportReader:

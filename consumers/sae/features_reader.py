@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from consumers.export.reader import ExportReader, open_export
+from consumers.export.reader import ExportReader, RequestRecord, open_export
 from consumers.sae import features_writer as fw
 
 
 @dataclass
-class FeatureRecord:
+class FeatureRecord(RequestRecord):
     """The features recorded for one request (one sample of one prompt).
 
     ``token_ids``: the full sequence (prompt, then generated tokens). Row ``j`` of
@@ -23,13 +23,6 @@ class FeatureRecord:
     feeding ``token_ids[positions[j]]``.
     """
 
-    request_id: str
-    prompt_index: int
-    sample_index: int
-    num_prompt_tokens: int
-    token_ids: torch.Tensor  # int64 [T]
-    positions: torch.Tensor  # int64 [rows]
-    is_decode: torch.Tensor  # bool [rows]
     indices: torch.Tensor  # int32 [rows, top_k]
     values: torch.Tensor  # fp16/fp32 [rows, top_k]
     finished: bool = True
