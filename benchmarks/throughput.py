@@ -758,6 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
+def _shown(value: Any) -> Any:
+    return f"{value:.3g}" if isinstance(value, float) else value
+
+
 def _get(counters: dict[str, Any], dotted: str) -> Any:
     group, _, key = dotted.partition(".")
     return counters.get(group, {}).get(key)
@@ -779,7 +783,7 @@ def render(tp: dict[str, Any], title: str = "Throughput") -> str:
         )
         spec = CASES.get(name)
         work = ", ".join(
-            f"{k}={_get(c['counters'], k)}"
+            f"{k}={_shown(_get(c['counters'], k))}"
             for k in ([*spec.required, *spec.also_report] if spec else [])
             if _get(c["counters"], k) is not None
         )
