@@ -137,6 +137,20 @@ def test_many_tiny_chunks_are_read_once_and_replayed_whole(engine):
     assert status == 400 and "float32" in json.loads(body)["error"]["message"]
 
 
+def test_results_asked_on_the_responses_route_are_refused(engine):
+    """/v1/responses has no choices to carry per-request results: asking there is a 400
+    naming the routes that do, before vLLM sees the request (esamp makes results)."""
+    body = json.dumps(
+        {"input": "hi", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_results": "esamp"}}
+    ).encode()
+    app = FakeApp()
+    status, out = _call(XargsCheck(app, engine), Chunks([body]), path="/v1/responses")
+    message = json.loads(out)["error"]["message"]
+    assert status == 400 and app.calls == 0 and "/v1/chat/completions" in message
+    status, _ = _call(XargsCheck(FakeApp(), engine), Chunks([body]), path="/v1/completions")
+    assert status == 200
+
+
 def test_body_limit_is_a_server_setting():
     assert ServerSettings().max_body_bytes == 32 * 1024 * 1024
     s = RuntimeSettings.model_validate({"server": {"max_body_bytes": 1 << 20}})

@@ -78,6 +78,9 @@ HEALTH_PATH = "/health"  # vLLM's own route
 XARGS_CHECKED: ContextVar[bool] = ContextVar("tllm_xargs_checked", default=False)
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# Routes whose answers carry per-request results (choices), and the one that cannot.
+RESULTS_PATHS = ("/v1/completions", "/v1/chat/completions")
+NO_RESULTS = ("/v1/responses",)
 # A body past the limit is still read (and dropped) up to this many times the limit, so that
 # the client can read the 413 (see XargsCheck.refuse).
 DRAIN_FACTOR = 4
@@ -210,6 +213,14 @@ class XargsCheck:
             xargs, error = parse_xargs(b"".join(chunks))
         if xargs is not None and error is None:
             error = check_xargs(xargs, self.server)
+        if error is None and xargs and RESULTS in xargs and scope["path"].endswith(NO_RESULTS):
+            error = (
+                400,
+                (
+                    f"tllm: {RESULTS} is returned on {' and '.join(RESULTS_PATHS)} only; "
+                    f"{scope['path']} has no place for it"
+                ),
+            )
         if error is not None:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
@@ -307,7 +318,7 @@ def attach_routes(
             return None
         return lambda method, ids: until_server_stops(app, rpc_all(client, method, ids))
 
-    app.add_middleware(ResultReturn, paths=CHECKED_PATHS, ask=ask_workers, wait_s=results_wait_s)
+    app.add_middleware(ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s)
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)
