@@ -405,7 +405,7 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     """ResultReturn without vLLM: a two-prompt completion (choices i*n + sample, by the
     "-i" suffix vLLM gives prompt i), a chat stream (one event before [DONE]), a result
     that never comes (an error after the wait), and a request that did not ask."""
-    import asyncio  # noqa: F401
+    import asyncio
 
     from tllm_core.vllm_bridge import request_results as rr
 
@@ -461,6 +461,12 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     last = json.loads(lines[-2][6:])
     assert last["id"] == "chatcmpl-9" and last["choices"] == []
     assert [e["stats"] for e in last["tllm"]] == [{"v": 0}, {"v": 1}]
+
+    async def empty(method, ids):  # stats of a request with no rows: an empty result
+        return [{"r": {"0": {"stats": {}}}}]
+
+    got = asyncio.run(rr.gather_results(empty, {"r": (["stats"], 1)}, wait_s=0.05))
+    assert got == [{"index": 0, "stats": {}}]  # a result, not "no result within"
 
     taken.clear()  # a request that did not ask: its response goes out as it was
     _, out = _asgi(app_for([""], body, False), path="/v1/completions")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,8 @@ __all__ = [
     "decode_results",
     "encode",
     "encode_array",
+    "merge_taken",
+    "with_missing",
 ]
 # What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
 ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
@@ -71,6 +73,30 @@ def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args
         if name and name not in out:
             out.append(name)
     return out
+
+
+def merge_taken(
+    answers: Iterable[Any], into: dict[str, dict[str, dict[str, Any]]] | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every rank's answer to ``tllm_take_results`` merged (``into``, when given): caller id
+    -> sample index as text -> consumer -> result."""
+    out = {} if into is None else into
+    for answer in answers:
+        for rid, per in (answer or {}).items():
+            for sample, values in per.items():
+                out.setdefault(rid, {}).setdefault(str(sample), {}).update(values)
+    return out
+
+
+def with_missing(names: list[str], values: Mapping[str, Any], wait_s: float) -> dict[str, Any]:
+    """The results of the asked consumers ``names`` from ``values``, an error in place of
+    each one that did not come within ``wait_s``."""
+    return {
+        n: values[n]
+        if n in values
+        else {"error": f"{n}: no result within {wait_s:g} s (setting results_wait_s)"}
+        for n in names
+    }
 
 
 def encode_array(a: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
-from tllm_core.api.results import asked_results, decode_results
+from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.kv_cache import default_kv_cache
 from tllm_core.plugins.registry import Registry
@@ -404,20 +404,14 @@ class TllmLLM:
         completion of a request that asked for results (``tllm_results``)."""
         ids = [str(o.request_id) for o in outputs]
         wait = self.settings.results_wait_s
-        got: dict[str, dict[str, dict[str, Any]]] = {}
-        for answer in self.llm.collective_rpc("tllm_take_results", args=(ids, wait)):
-            for rid, per in (answer or {}).items():
-                for sample, values in per.items():
-                    got.setdefault(rid, {}).setdefault(sample, {}).update(values)
+        got = merge_taken(self.llm.collective_rpc("tllm_take_results", args=(ids, wait)))
         for out, sp in zip(outputs, params, strict=True):
             asked = asked_results(sp.extra_args)
             if not asked:
                 continue
             mine = got.get(str(out.request_id), {})
             for c in out.outputs:
-                values = mine.get(str(c.index), {})
-                missing = {"error": f"no result after {wait:g} s (setting results_wait_s)"}
-                c.tllm = {n: decode_results(values.get(n, missing)) for n in asked}
+                c.tllm = decode_results(with_missing(asked, mine.get(str(c.index), {}), wait))
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
         """Raise :class:`ConsumerDisabledError` for consumers disabled since the last raise."""

@@ -287,7 +287,7 @@ class ConsumerKit:
         """Per-request results (``tllm_results``) into :attr:`results`, keyed by (prompt index,
         sample), as ``TllmLLM`` sets ``completion.tllm``: ``{consumer: value}``, arrays as
         NumPy arrays."""
-        from tllm_core.api.results import asked_results, decode_results
+        from tllm_core.api.results import asked_results, decode_results, with_missing
 
         asking = [r for r in reqs if asked_results(r.info.extra_args)]
         self.results = {}
@@ -297,10 +297,9 @@ class ConsumerKit:
         got = self.runtime.take_results(sorted({r.info.request_id for r in asking}), wait)
         for r in asking:
             mine = got.get(r.info.request_id, {}).get(r.info.sample_index, {})
-            missing = {"error": f"no result after {wait:g} s (setting results_wait_s)"}
-            self.results[(r.info.prompt_index, r.info.sample_index)] = {
-                n: decode_results(mine.get(n, missing)) for n in asked_results(r.info.extra_args)
-            }
+            asked = asked_results(r.info.extra_args)
+            key = (r.info.prompt_index, r.info.sample_index)
+            self.results[key] = decode_results(with_missing(asked, mine, wait))
 
     def _report_finished(self) -> None:
         if self._finished:

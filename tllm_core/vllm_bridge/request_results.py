@@ -23,7 +23,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
-from tllm_core.api.results import PlannedRequest, asked_results
+from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.vllm_bridge.request_marks import SSE, STREAM_END, Ask
 from tllm_core.vllm_bridge.server_stop import ServerStopping
@@ -86,31 +86,28 @@ async def gather_results(
     """The ``tllm`` entries of a response: every asked result, read from the workers until
     all are there or ``wait_s`` passed."""
     ids = list(asked)
-    have: dict[tuple[str, int], dict[str, Any]] = {}
-    want = {(rid, s, c) for rid, (names, n) in asked.items() for s in range(n) for c in names}
+    have: dict[str, dict[str, dict[str, Any]]] = {}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     pause = FIRST_POLL_S
+
+    def made(rid: str, sample: int) -> dict[str, Any]:
+        return have.get(rid, {}).get(str(sample), {})
+
     while True:
-        for answer in await ask("tllm_take_results", ids):
-            for rid, per in (answer or {}).items():
-                for sample, values in per.items():
-                    have.setdefault((rid, int(sample)), {}).update(values)
-        missing = {(r, s, c) for r, s, c in want if c not in have.get((r, s), {})}
-        if not missing or loop.time() >= deadline:
+        merge_taken(await ask("tllm_take_results", ids), into=have)
+        done = all(
+            c in made(rid, s) for rid, (names, n) in asked.items() for s in range(n) for c in names
+        )
+        if done or loop.time() >= deadline:
             break
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         pause = min(pause * 2, LAST_POLL_S)
-    out = []
-    for rid, (names, n) in asked.items():
-        for s in range(n):
-            got = have.get((rid, s), {})
-            entry: dict[str, Any] = {"index": choice_index(rid, ids, n, s)}
-            for c in names:
-                entry[c] = got.get(c) or {
-                    "error": f"{c}: no result within {wait_s:g} s (setting results_wait_s)"
-                }
-            out.append(entry)
+    out = [
+        {"index": choice_index(rid, ids, n, s), **with_missing(names, made(rid, s), wait_s)}
+        for rid, (names, n) in asked.items()
+        for s in range(n)
+    ]
     return sorted(out, key=lambda e: e["index"])
 
 
