@@ -101,30 +101,22 @@ def type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _f32_inside(annotation: Any) -> bool:
-    """Whether :data:`FiniteF32` is the annotation or one arm of its union."""
+def _marked_inside(annotation: Any, is_marker: Any) -> bool:
+    """Whether an ``Annotated`` type carrying a ``is_marker`` metadata item (FiniteF32's or
+    WindowSetting's check) is the annotation or one arm of its union."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
-        return any(is_f32_marker(m) for m in args[1:]) or _f32_inside(args[0])
+        return any(is_marker(m) for m in args[1:]) or _marked_inside(args[0], is_marker)
     if origin in (typing.Union, types.UnionType):
-        return any(_f32_inside(a) for a in args)
-    return False
-
-
-def _window_inside(annotation: Any) -> bool:
-    """Whether :data:`~tllm_core.api.windows.WindowSetting` is the annotation or one arm of
-    its union."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return any(is_window_marker(m) for m in args[1:]) or _window_inside(args[0])
-    if origin in (typing.Union, types.UnionType):
-        return any(_window_inside(a) for a in args)
+        return any(_marked_inside(a, is_marker) for a in args)
     return False
 
 
 def is_window_field(field: FieldInfo) -> bool:
     """Whether a settings field is a capture window (declared with ``WindowSetting``)."""
-    return _window_inside(field.annotation) or any(is_window_marker(m) for m in field.metadata)
+    return _marked_inside(field.annotation, is_window_marker) or any(
+        is_window_marker(m) for m in field.metadata
+    )
 
 
 def allowed(field: FieldInfo) -> str:
@@ -141,7 +133,9 @@ def allowed(field: FieldInfo) -> str:
             text += ", finite"
         if getattr(m, "max_length", None) is not None:
             text += f", at most {m.max_length} entries"
-    if _f32_inside(field.annotation) or any(is_f32_marker(m) for m in field.metadata):
+    if _marked_inside(field.annotation, is_f32_marker) or any(
+        is_f32_marker(m) for m in field.metadata
+    ):
         text += f", finite float32 (|x| <= {F32_MAX_TEXT})"
     return text
 
