@@ -64,6 +64,8 @@ class RequestInfo:
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The consumers whose results it asks for (see results_asked), parsed once.
+    _asked: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated settings for ``consumer`` (an instance of its ``Request``).
@@ -106,10 +108,18 @@ class RequestInfo:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
         return acts_on(consumer, per_request, self.extra_args)
 
+    @property
+    def results_asked(self) -> frozenset[str]:
+        """The consumers whose per-request results this request asks for
+        (``extra_args["tllm_results"]``, tllm_core/api/results.py); parsed once, as consumers
+        ask per step and per row."""
+        if self._asked is None:
+            self._asked = frozenset(asked_results(self.extra_args))
+        return self._asked
+
     def wants_result(self, consumer: str) -> bool:
-        """Whether this request asks for ``consumer``'s per-request result
-        (``extra_args["tllm_results"]``, tllm_core/api/results.py)."""
-        return consumer in asked_results(self.extra_args)
+        """Whether this request asks for ``consumer``'s per-request result."""
+        return consumer in self.results_asked
 
     @property
     def group_key(self) -> str:

@@ -30,7 +30,6 @@ from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.request_settings import request_key
-from tllm_core.api.results import RESULTS_KEY, asked_results
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.window_setting import WINDOW_FIELD
@@ -622,7 +621,7 @@ class Runtime:
     def finish_requests(self, requests: list[RequestInfo]) -> None:
         for req in requests:
             self.counters.add("requests_finished")
-            asked = set(asked_results(req.extra_args)) if RESULTS_KEY in req.extra_args else ()
+            asked = req.results_asked
             for s in self.slots:
                 if s.acts_on(req):
                     self.bus.finished(s.consumer, req)
@@ -630,7 +629,7 @@ class Runtime:
                     self.results.put(req, s.consumer.name, {"error": _NOT_ACTING})
             if asked and self.deliver:
                 mine = {s.consumer.name for s in self.slots}
-                for name in sorted(set(asked) - mine):
+                for name in sorted(asked - mine):
                     self.results.put(req, name, {"error": f"no consumer {name!r} in this engine"})
 
     def take_results(self, request_ids: list[str], wait_s: float = 0.0) -> dict[str, Any]:
