@@ -492,12 +492,15 @@ def install_request_checks(
 async def init_state(
     engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
 ) -> None:
+    import asyncio
+
     from tllm_core.runtime.settings import RuntimeSettings
+    from tllm_core.vllm_bridge.dp_nodes import check_followers
     from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
-    mine = RuntimeSettings.model_validate(
-        tllm_settings(engine_client.vllm_config.additional_config) or {}
-    )
+    # This server's settings, read once: its limits here, its followers' check below.
+    leader = tllm_settings(engine_client.vllm_config.additional_config)
+    mine = RuntimeSettings.model_validate(leader or {})
     install_request_checks(
         engine_client.input_processor,
         server,
@@ -510,15 +513,9 @@ async def init_state(
     )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
-    import asyncio
-
-    from tllm_core.vllm_bridge.dp_nodes import check_followers
-    from tllm_core.vllm_bridge.engine_settings import tllm_settings
-
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
-    leader = tllm_settings(engine_client.vllm_config.additional_config)
     await check_followers(engine_client, rpc_all, leader, nodes)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
