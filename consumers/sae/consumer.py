@@ -50,6 +50,7 @@ from tllm_core import (
     WritePort,
     array_json_bytes,
     as_selector,
+    request_runs,
     window_rows,
 )
 
@@ -322,17 +323,11 @@ class SaeConsumer(Consumer):
         at = np.nonzero(asking)[0]
         ind, val = codes.top(self.config.top_k, None if at.size == sel.size else at)
         ind, val = ind.cpu(), val.float().cpu()
-        j = 0
-        for k in range(at.size + 1):  # one add per run of rows of one request
-            if k == at.size or rows.requests[sel[at[k]]] is not rows.requests[sel[at[j]]]:
-                req = rows.requests[sel[at[j]]]
-                self._returned.add(
-                    req.engine_id,
-                    positions=positions[sel[at[j:k]]],
-                    features=ind[j:k],
-                    values=val[j:k],
-                )
-                j = k
+        taken = sel[at]
+        for req, a, b in request_runs([rows.requests[j] for j in taken]):
+            self._returned.add(
+                req.engine_id, positions=positions[taken[a:b]], features=ind[a:b], values=val[a:b]
+            )
         self.counters.add("rows_returned", int(at.size))
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
