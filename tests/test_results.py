@@ -53,7 +53,12 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
         store.put(req(i), "c", {"v": i})
     assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
     assert store.take(["r1", "r5"]) == {"r5": {0: {"c": {"v": 5}}}}
-    assert counters.snapshot()["results_made"] == 5 and counters.snapshot()["results_refused"] == 1
+    snap = counters.snapshot()
+    assert snap["results_made"] == 5 and snap["results_refused"] == 1
+    assert snap["results_taken"] == 2  # r0's error and r5's result
+    store.put(req(6), "c", {"not json": {1, 2}})  # a set: not JSON-able
+    assert "not JSON-able" in store.take(["r6"])["r6"][0]["c"]["error"]
+    assert counters.snapshot()["results_failed"] == 1
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
@@ -81,6 +86,22 @@ def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
     assert report["runtime"]["results_made.export"] == 1
     assert report["consumers"]["export"]["rows_returned"] == len(tokens) - 1
     assert report["results"]["export"]["out"] is None  # no files
+
+
+def test_export_counts_where_its_time_goes(tiny_model, tmp_path):
+    """The counters that say where export's time goes are counted where the work is: the
+    engine thread's host copies for a background consumer, the export's thread on its
+    bundles and on writing the shard."""
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"out": str(tmp_path / "x"), "layers": [0, -1]}
+    kit = ConsumerKit(tiny_model, [{"name": "export", "config": cfg}])
+    kit.generate([[3, 4, 5]], max_tokens=3, temperature=0.0)
+    report = kit.close()
+    assert report["runtime"]["host_s.to_host"] > 0
+    taking = report["consumers"]["export"]["seconds_taking"]
+    writing = report["consumers"]["export"]["seconds_writing"]
+    assert taking > 0 and writing > 0
 
 
 def test_asking_is_checked_before_generation(tiny_model):
@@ -242,6 +263,7 @@ def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
         np.testing.assert_allclose(
             np.sort(feats["values"][row]), np.sort(top.values[row].numpy()), rtol=1e-3, atol=1e-4
         )
+    assert kit.close()["consumers"]["sae"]["rows_returned"] == len(dec)
 
 
 @pytest.mark.parametrize("runner", ["v1", pytest.param("v2", marks=pytest.mark.slow)])
