@@ -186,7 +186,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """A shared server stops after the last test that uses it, not at the session's end: it
+    """A shared server stops after the last test that uses it, not when the whole test run ends: it
     would hold its processes and memory through every later test."""
     shared = item.config.stash.get(_SHARED, {})
     for name, nodeid in item.config.stash.get(_LAST_USER, {}).items():

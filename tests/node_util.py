@@ -21,7 +21,7 @@ SHM_KINDS = re.compile(r"^(psm_|sem\.|__KMP_REGISTERED_LIB_)")
 
 def start(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
     """``python -m tllm_core.app.cli ARGV`` in its own session (a signal to it reaches it
-    alone), this worktree first on the path, stdout and stderr to ``log``."""
+    alone), this checkout first on the path, stdout and stderr to ``log``."""
     full = dict(os.environ)
     full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     full.pop("VLLM_CPU_OMP_THREADS_BIND", None)

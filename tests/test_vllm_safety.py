@@ -31,7 +31,7 @@ PROMPTS = ["Write a poem about the sea.", "Tell me a story", "List three colours
 
 
 def _python(code: str, env: dict | None = None, timeout: int = 300) -> dict:
-    """Run ``code`` in a fresh interpreter (this worktree first on the path); its last line is JSON."""
+    """Run ``code`` in a fresh interpreter (this checkout first on the path); its last line is JSON."""
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
     e.update(env or {})
