@@ -175,7 +175,8 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     """Capture windows on V2, through the server: the config's 'all[1:]' (every row but
     position 0) for a request without a window, and its own 'last_prompt' for one with it,
     each row equal to transformers; a bad window is a 400. The second request also asks for
-    its rows back with the completion (tllm_results): the same row as the record's."""
+    its rows back with the completion (tllm_results): the same row as the record's; a third
+    asks for its last row ('last', delivered at its finish) and gets it back too."""
     import urllib.error
     import urllib.request
 
@@ -213,9 +214,12 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
         assert complete(url, [5, 6, 7, 8], None) == 200
         last = {"tllm_export_window": "last_prompt", "tllm_results": "export"}
         assert complete(url, [9, 10, 11], last) == 200
+        final = {"tllm_export_window": "last", "tllm_results": "export"}
+        assert complete(url, [13, 14], final) == 200
         assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
     recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
-    assert sorted(recs) == [3, 4], sorted(recs)
+    assert sorted(recs) == [2, 3, 4], sorted(recs)
+    assert recs[2].positions.tolist() == [3]  # last: the row that sampled the 3rd token
     assert recs[4].positions.tolist() == [1, 2, 3, 4, 5]  # all[1:] of 4 prompt + 2 fed
     assert recs[3].positions.tolist() == [2]  # last_prompt (within all[1:])
     for rec in recs.values():
@@ -225,3 +229,6 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
     returned = decode_results(answers[1]["tllm"][0])["export"]
     assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]
     np.testing.assert_array_equal(returned["layer.0"], recs[3].hidden["layer.0"].numpy())
+    returned = decode_results(answers[2]["tllm"][0])["export"]
+    assert returned["positions"].tolist() == [3]
+    np.testing.assert_array_equal(returned["layer.0"], recs[2].hidden["layer.0"].numpy())

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from serve_util import get_json, tllm_serve
 
@@ -170,6 +171,10 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
             xargs = {"tllm_consumers": consumers}
             if i % 2:
                 xargs["tllm_esamp_beta"] = 0.5
+                # Capture windows at DP: the last prompt token or the last row, returned
+                # with the completion too.
+                xargs["tllm_export_window"] = "last_prompt" if i % 4 == 1 else "last"
+                xargs["tllm_results"] = "export"
             body = {
                 "model": "default",
                 "prompt": f"Story number {i}: once upon a time",
@@ -212,5 +217,27 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
     assert {r.data_parallel_rank for r in records} <= {0, 1}
     for rec in records:
         assert len(rec.generated_token_ids) == 8
-        assert rec.positions.tolist() == list(range(len(rec.token_ids) - 1))
+        n = rec.num_prompt_tokens
+        assert rec.positions.tolist() in ([n - 1], [n + 6]), rec.positions  # the two windows
         assert set(rec.hidden) == {"layer.0", "final"}
+    assert sorted(len(r.positions) for r in records) == [1] * 8
+    # Each asking request got its row back: the one its engine's export wrote.
+    from tllm_core import decode_results
+
+    for i, r in enumerate(results):
+        if i % 2 == 0:
+            assert "tllm" not in r
+            continue
+        got = decode_results(r["tllm"][0])["export"]
+        want = "last_prompt" if i % 4 == 1 else "last"
+        position = int(got["positions"][0])
+        assert len(got["positions"]) == 1, got["positions"]
+        matches = [
+            rec
+            for rec in records
+            if rec.positions.tolist() == [position]
+            and np.array_equal(rec.hidden["layer.0"].numpy(), got["layer.0"])
+        ]
+        assert matches, (i, want, position)
+        n = matches[0].num_prompt_tokens
+        assert position == (n - 1 if want == "last_prompt" else n + 6), (i, want, position, n)

@@ -15,7 +15,7 @@ from reference import hf_states
 
 from tllm_core import HiddenStates, Phase
 from tllm_core.api.ports import as_selector
-from tllm_core.api.windows import AnyOf, Window
+from tllm_core.api.windows import AnyOf, Window, takes_last
 
 
 def test_the_grammar_and_the_rows_each_window_keeps():
@@ -36,7 +36,7 @@ def test_the_grammar_and_the_rows_each_window_keeps():
         w = Window.parse(text)
         assert np.nonzero(w.mask(position, prompt))[0].tolist() == rows, text
         assert Window.parse(str(w)) == w
-    bad_texts = ("last", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]")
+    bad_texts = ("final", "prompt[a:]", "generated[-1:]", "all[::0]", "decoded", "prompt[1]")
     for bad in (*bad_texts, "all[::99999999999999999999]", "prompt[-99999999999999999999:]"):
         with pytest.raises(ValueError, match="window|expected"):
             as_selector(bad, "phase")
@@ -45,8 +45,13 @@ def test_the_grammar_and_the_rows_each_window_keeps():
         as_selector("prompt", "x") is Phase.PREFILL
         and as_selector("generated", "x") is Phase.DECODE
     )
-    with pytest.raises(ValueError, match=r"HiddenStates\(phase='last'\).*last_prompt"):
-        HiddenStates(1, "last")
+    with pytest.raises(ValueError, match=r"HiddenStates\(phase='final'\).*last_prompt"):
+        HiddenStates(1, "final")
+    # 'last' (each request's last row) keeps no row when a step is cut: it is delivered at
+    # the request's finish (tllm_core/runtime/last_rows.py)
+    assert not Window.parse("last").mask(position, prompt).any()
+    assert str(as_selector("last", "x")) == "last" and takes_last(lw := as_selector("last", "x"))
+    assert takes_last(lw.union(Window.parse("prompt[-1:]"))) and not takes_last(Phase.ALL)
     # ports of one key merge their windows; ALL wins
     w1, w2 = Window.parse("last_prompt"), Window.parse("generated[0:2]")
     assert w1.union(w2) == AnyOf(frozenset({w1, w2})) and Phase.ALL.union(w1) is Phase.ALL
@@ -112,7 +117,10 @@ def test_a_request_window_is_checked_with_the_window_grammar_and_listed():
         Phase.PREFILL
     )
     assert parse_request_settings("export", model, {}).window is None
-    for bad in ("last", "generated[-1:]", "guide", "prompt[1]", 3, True):
+    assert parse_request_settings("export", model, {"tllm_export_window": "last"}).window == (
+        as_selector("last", "x")
+    )
+    for bad in ("final", "generated[-1:]", "guide", "prompt[1]", 3, True):
         with pytest.raises(ValueError) as e:
             parse_request_settings("export", model, {"tllm_export_window": bad})
         msg = str(e.value)
@@ -159,13 +167,44 @@ def test_request_windows_cut_each_requests_rows_in_the_kit(tiny_model, tmp_path)
     assert report["runtime"]["rows_bundled.stats"] == 1 + 7 + 6
 
 
+def test_the_last_window_delivers_each_requests_last_row_at_its_finish(tiny_model, tmp_path):
+    """Window 'last': of requests of different lengths in the same steps, exactly the row
+    that sampled each one's final token (the last prompt row when it generated one token),
+    per request (export) and in a port's config (stats); nothing else is cut."""
+    from consumers.export import read_export
+    from tllm_core.testing import ConsumerKit
+
+    cfg = {"out": str(tmp_path / "x"), "layers": [0, -1]}
+    consumers = [
+        {"name": "export", "config": cfg},
+        {"name": "stats", "config": {"layers": [0], "phase": "last"}},
+    ]
+    kit = ConsumerKit(tiny_model, consumers)
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12]]
+    tokens = [[[20, 21, 22]], [[23]], [[24, 25, 26, 27, 28]]]  # 3, 1 and 5 generated
+    extra = [{"tllm_export_window": "last"}, {"tllm_export_window": "last"}, None]
+    kit.generate(prompts, temperature=0.0, extra_args=extra, tokens=tokens)
+    report = kit.close()
+    recs = sorted(read_export(tmp_path / "x", verify=True), key=lambda r: r.prompt_index)
+    # the row that sampled the final token: position prompt + generated - 2
+    assert [r.positions.tolist() for r in recs] == [[6], [2], [0, 1, 2, 3, 4, 5]]
+    assert [len(r.token_ids) for r in recs] == [8, 4, 7]  # whole sequences still
+    assert report["runtime"]["rows_bundled.export"] == 1 + 1 + 6
+    manifest = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    assert manifest["complete"] and not any(manifest["losses"].values()), manifest["losses"]
+    stats = report["results"]["stats"]
+    rows = {k.split("/")[0]: v["layer.0"]["rows"] for k, v in stats.items()}
+    assert rows == {"0": 1, "1": 1, "2": 1}, rows
+    assert report["runtime"]["rows_bundled.stats"] == 3
+
+
 @pytest.mark.vllm
 @torch.no_grad()
 def test_request_windows_on_vllm_export_those_rows_equal_to_transformers(
     tiny_model, engines, tmp_path
 ):
-    """vLLM V1, in process: two requests of one call, with 'last_prompt' and
-    'generated[0:3]', export exactly those rows, equal to transformers there; a bad window
+    """vLLM V1, in process: three requests of one call, with 'last_prompt',
+    'generated[0:3]' and 'last', export exactly those rows, equal to transformers there; a bad window
     is refused before anything of its call runs."""
     from conftest import ENGINE_KW
     from vllm import SamplingParams
@@ -185,23 +224,25 @@ def test_request_windows_on_vllm_export_those_rows_equal_to_transformers(
 
     steps = llm.collect()["runtime"].get("engine_steps", 0)
     with pytest.raises(
-        ValueError, match=r"'tllm_export_window'\] is not a capture window, got 'last'"
+        ValueError, match=r"'tllm_export_window'\] is not a capture window, got 'final'"
     ) as e:
-        llm.generate(["a b", "c d"], [params(None), params("last")], use_tqdm=False)
+        llm.generate(["a b", "c d"], [params(None), params("final")], use_tqdm=False)
     assert "REGION[START:STOP:STEP]" in str(e.value)
     assert llm.collect()["runtime"].get("engine_steps", 0) == steps, "a refused call generated"
 
-    prompts = ["sea rain stone light", "river song"]
-    llm.generate(prompts, [params("last_prompt"), params("generated[0:3]")], use_tqdm=False)
+    prompts = ["sea rain stone light", "river song", "glass fire wind"]
+    windows = ["last_prompt", "generated[0:3]", "last"]
+    llm.generate(prompts, [params(w) for w in windows], use_tqdm=False)
     report = llm.close()
     engines.close()
-    assert report["runtime"]["rows_bundled.export"] == 1 + 3
+    assert report["runtime"]["rows_bundled.export"] == 1 + 3 + 1
     assert report["results"]["export"]["complete"], report["results"]["export"]
     recs = sorted(read_export(out, verify=True), key=lambda r: r.prompt_index)
-    assert len(recs) == 2
-    n0, n1 = recs[0].num_prompt_tokens, recs[1].num_prompt_tokens
+    assert len(recs) == 3
+    n0, n1, n2 = (r.num_prompt_tokens for r in recs)
     assert recs[0].positions.tolist() == [n0 - 1]
     assert recs[1].positions.tolist() == [n1, n1 + 1, n1 + 2]
+    assert recs[2].positions.tolist() == [n2 + 3]  # the row that sampled the 5th token
     for rec in recs:
         assert len(rec.token_ids) == rec.num_prompt_tokens + 5  # the whole sequence
         ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())

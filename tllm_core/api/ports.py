@@ -22,7 +22,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
-from tllm_core.api.windows import GRAMMAR, Window
+from tllm_core.api.windows import GRAMMAR, LastRow, Window
 
 ResolveLayer = Callable[[int], int]
 
@@ -284,7 +284,7 @@ def resolve_layer(layer: int, num_layers: int) -> int:
 def as_selector(value: Any, where: str) -> Any:
     """A port's ``phase`` argument: a ``Phase`` (or its value) or a window (a ``Window`` or
     its text); ``ValueError`` naming ``where`` and the grammar otherwise."""
-    if isinstance(value, (Phase, Window)):
+    if isinstance(value, (Phase, Window, LastRow)):
         return value
     try:
         return Phase(value)

@@ -21,7 +21,7 @@ from tllm_core.api.request_settings import (
 from tllm_core.api.results import asked_results
 from tllm_core.api.transfers import index_to
 from tllm_core.api.window_setting import WINDOW_FIELD
-from tllm_core.api.windows import Window
+from tllm_core.api.windows import LastRow, Window
 
 
 class SettingsOwner(Protocol):
@@ -289,7 +289,7 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
     if isinstance(selector, Phase):
         counts = {Phase.PREFILL: prompt, Phase.DECODE: generated, Phase.ALL: prompt + generated}
         return counts.get(selector, 0)
-    if isinstance(selector, Window):
+    if isinstance(selector, (Window, LastRow)):
         return selector.max_rows(prompt, generated)
     return min(prompt + generated, sum(max_rows(p, prompt, generated) for p in selector.parts))
 
@@ -313,7 +313,7 @@ def row_mask(selector: Any, is_decode: np.ndarray, position: np.ndarray, num_pro
     giving the rows' prompt lengths (built only when a window needs it)."""
     if isinstance(selector, Phase):
         return phase_mask(is_decode, selector)
-    if isinstance(selector, Window):
+    if isinstance(selector, (Window, LastRow)):
         return selector.mask(position, num_prompt())
     out = np.zeros(len(is_decode), np.bool_)
     for part in selector.parts:

@@ -11,7 +11,7 @@ from pydantic import PlainValidator
 from pydantic_core import PydanticCustomError
 
 from tllm_core.api.ports import Phase, as_selector
-from tllm_core.api.windows import GRAMMAR, Window
+from tllm_core.api.windows import GRAMMAR, LastRow, Window
 
 # The request-settings field name the runtime narrows a consumer's rows by.
 WINDOW_FIELD = "window"
@@ -27,7 +27,7 @@ def request_window(value: Any) -> Any:
     a :class:`Window`). A pydantic error naming the grammar otherwise."""
     if value is None:
         return None
-    if isinstance(value, (Phase, Window)):
+    if isinstance(value, (Phase, Window, LastRow)):
         selector = value
     elif not isinstance(value, str):
         raise PydanticCustomError(WINDOW_ERROR, "must be a window text")

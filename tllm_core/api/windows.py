@@ -5,6 +5,10 @@ every port and consumer):
 
 - ``"prompt"``, ``"generated"``, ``"all"``: the phases (prompt rows, decode rows, both);
 - ``"last_prompt"``: each request's last prompt token (``prompt[-1:]``: a linear probe's row);
+- ``"last"``: each request's last token row, the one whose output sampled its final token
+  (with ``max_tokens=1`` the last prompt token). Which row is last is known only when the
+  request finishes, so these rows are delivered then, in a bundle of their own, before its
+  finish notice (``on_bundle``, then ``on_request_finished``);
 - ``REGION[START:STOP:STEP]`` with ``REGION`` one of ``prompt``, ``generated``, ``all``, as a
   Python slice of the region's positions: ``prompt[-8:]`` (the prompt's last 8 tokens),
   ``generated[0:16]`` (the first 16 generated tokens), ``all[::4]`` (every 4th token),
@@ -13,7 +17,9 @@ every port and consumer):
 
 The runtime keeps a window's rows when it cuts a step into bundles (host metadata only:
 each row's position and its request's prompt length), so rows outside it are never
-gathered, copied or delivered.
+gathered, copied or delivered. For ``last`` it keeps, on the device, each asking request's
+latest row with a kept sample (one row per request, overwritten step by step) and copies it
+out when the request finishes (``tllm_core/runtime/last_rows.py``).
 
 Per request: a consumer whose ``Request`` settings declare ``window: WindowSetting = None``
 takes the request key ``tllm_{consumer}_window``; the runtime narrows that consumer's rows
@@ -30,7 +36,7 @@ import numpy as np
 
 REGIONS = ("prompt", "generated", "all")
 GRAMMAR = (
-    "'prompt', 'generated', 'all', 'last_prompt', or REGION[START:STOP:STEP] with REGION one "
+    "'prompt', 'generated', 'all', 'last_prompt', 'last', or REGION[START:STOP:STEP] with REGION one "
     "of prompt, generated, all (e.g. 'prompt[-1:]', 'generated[0:16]', 'all[::4]'; negative "
     "START/STOP only for prompt)"
 )
@@ -57,11 +63,13 @@ class Window:
             raise ValueError(f"window {self}: negative positions count from the prompt's end")
 
     @classmethod
-    def parse(cls, text: str) -> Window:
+    def parse(cls, text: str) -> Window | LastRow:
         """A window from its text (:data:`GRAMMAR`); ``ValueError`` naming it otherwise."""
         s = str(text).strip().replace(" ", "")
         if s == "last_prompt":
             return cls("prompt", -1, None)
+        if s == "last":
+            return LAST
         m = _SLICE.match(s)
         if m is None:
             raise ValueError(f"window {text!r}: expected {GRAMMAR}")
@@ -108,6 +116,33 @@ class Window:
         if other == "all":
             return other
         return AnyOf(frozenset({self, *(other.parts if isinstance(other, AnyOf) else (other,))}))
+
+
+@dataclass(frozen=True)
+class LastRow:
+    """Each request's last token row (``"last"``): known only when the request finishes, so
+    a step's cut keeps none of its rows (:meth:`mask`); the runtime delivers it at the finish."""
+
+    def __str__(self) -> str:
+        return "last"
+
+    def mask(self, position: np.ndarray, num_prompt: np.ndarray) -> np.ndarray:
+        return np.zeros(len(position), np.bool_)
+
+    def max_rows(self, prompt: int, generated: int) -> int:
+        return 1
+
+    union = Window.union
+
+
+LAST = LastRow()
+
+
+def takes_last(selector: Any) -> bool:
+    """Whether ``selector`` (a Phase, window or :class:`AnyOf`) takes each request's last row."""
+    if isinstance(selector, AnyOf):
+        return LAST in selector.parts
+    return selector == LAST
 
 
 def _bound(value: int | None, length: np.ndarray | None, default: int) -> Any:

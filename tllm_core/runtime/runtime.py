@@ -33,10 +33,12 @@ from tllm_core.api.request_settings import request_key
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.window_setting import WINDOW_FIELD
+from tllm_core.api.windows import takes_last
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
+from tllm_core.runtime.last_rows import LastRows, last_rows_plan
 from tllm_core.runtime.reads import (
     PortRead,
     ReadPlan,
@@ -75,6 +77,9 @@ class _Slot:
     per_request: bool = False
     # Its request key ``tllm_{name}_window`` when its Request settings declare a window.
     window_key: str | None = None
+    # Window ``last``: the ports its last rows carry, and the rows held (last_rows).
+    last_plan: ReadPlan | None = None
+    last: LastRows | None = None
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -161,6 +166,11 @@ def _build(
     slot = _Slot(consumer, reads, per_request=spec.per_request)
     if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
         slot.window_key = request_key(cls.name, WINDOW_FIELD)
+    slot.last_plan = last_rows_plan(
+        reads, cls.request_window_rows, windowed=slot.window_key is not None
+    )
+    if slot.last_plan is not None:
+        slot.last = LastRows()
     for w in consumer.writes():
         if isinstance(w, Edit):
             target = w.target.resolve(resolve)
@@ -564,6 +574,8 @@ class Runtime:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
+            if s.last is not None:
+                self._keep_last(s, step, unchecked)
         # The step's device indices are let go (a later plan reuses their buffer).
         self._planned = None
         self._buffers.release()
@@ -573,6 +585,62 @@ class Runtime:
                 req.max_position_seen = pos
         self._unsettled.append((step, read, unchecked))
         self._settle(wait=False)
+
+    def _keep_last(
+        self, s: _Slot, step: StepCapture, unchecked: list[tuple[str, set[str]]]
+    ) -> None:
+        """Hold, on the device, the rows of this step that are now the last of requests
+        whose last row ``s`` takes (window ``last``: delivered at their finish)."""
+        assert s.last is not None and s.last_plan is not None
+        mask = self._last_mask(s, step)
+        if mask is None:
+            return
+        mine: list[tuple[str, set[str]]] = []
+        held = build_bundle(
+            s.last_plan, step, RowMasks(mask, mask), self._stale, mine, buffers=self._buffers
+        )
+        unchecked.extend(u for u in mine if u not in unchecked)
+        if held is not None:
+            s.last.keep(held, self._buffers)
+
+    def _last_mask(self, s: _Slot, step: StepCapture) -> np.ndarray | None:
+        """Over ``step.rows``: the rows with a kept sample of requests whose last row ``s``
+        takes (its ports' window is ``last``, or the request's own window is, within its
+        ports' phases); None when there is none. Host metadata only."""
+        assert s.last_plan is not None
+        rows, out = step.rows, None
+        token, sample = ReadPlan.phase(s.reads.token), ReadPlan.phase(s.reads.sample)
+        ports = token.union(sample) if token is not None else sample
+        port_last = ports is not None and takes_last(ports)
+        for j in np.nonzero(step.sample_kept)[0]:
+            r = int(step.sample_token_row[j])
+            req = rows.requests[r]
+            if s.window_key is not None and s.window_key in req.extra_args:
+                try:
+                    window = req.window(s.consumer)
+                except ValueError:  # counted and logged by _windowed
+                    continue
+            else:
+                window = None
+            if window is None:
+                wants = port_last
+            else:
+                wants = takes_last(window) and (
+                    port_last
+                    or bool(
+                        row_mask(
+                            ports,
+                            rows.is_decode[r : r + 1],
+                            rows.position[r : r + 1],
+                            lambda n=req.num_prompt_tokens: np.array([n], np.int64),
+                        )[0]
+                    )
+                )
+            if wants and s.acts_on(req):
+                if out is None:
+                    out = np.zeros(len(rows), np.bool_)
+                out[r] = True
+        return out
 
     def _settle(self, wait: bool) -> None:
         """Count and check the delivered steps whose stamps have reached the host, in order
@@ -619,6 +687,12 @@ class Runtime:
             self.counters.add(f"rows_edited.{tap_port_name(tap_key)}", n)
 
     def finish_requests(self, requests: list[RequestInfo]) -> None:
+        for s in self.slots:  # window ``last``: the rows come before the finish notices
+            if s.last is not None and len(s.last):
+                bundle = s.last.take(requests, self.step_index)
+                if bundle is not None:
+                    self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
+                    self.bus.publish(s.consumer, bundle)
         for req in requests:
             self.counters.add("requests_finished")
             asked = req.results_asked

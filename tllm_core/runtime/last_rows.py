@@ -1,0 +1,142 @@
+"""Each request's last token row (capture window ``last``), held on the device until the
+request finishes.
+
+Which row of a request is its last is known only once it has finished (under async
+scheduling a step later still), and by then the taps hold another step. So at each step's
+end the runtime copies, for every request that asks for ``last``, its row with a kept
+sample (the row that sampled its newest token) into a holder on the device, one slot per
+request, over that request's previous row; the finish notice gathers the finishing
+requests' slots into one bundle. Only asking rows are copied, device to device, and the
+holder keeps one row per live asking request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tllm_core.api.bundles import Bundle
+from tllm_core.api.ports import Phase
+from tllm_core.api.rows import RequestInfo, RowInfo
+from tllm_core.api.transfers import index_to
+from tllm_core.api.windows import takes_last
+from tllm_core.runtime.reads import PortRead, ReadPlan
+from tllm_core.runtime.step_indices import StepIndices
+
+
+def last_rows_plan(plan: ReadPlan, narrows: frozenset[str], windowed: bool) -> ReadPlan | None:
+    """The ports a consumer's last rows carry, taking every row (the cut is the runtime's
+    mask): those whose window is ``last``, and with per-request windows (``windowed``) the
+    kinds of port they narrow (``narrows``: "token", "sample"); None when there is none."""
+
+    def carried(reads: dict[str, PortRead], kind: str) -> dict[str, PortRead]:
+        return {
+            k: PortRead(r.port, r.producer, Phase.ALL)
+            for k, r in reads.items()
+            if r.phase is not Phase.GUIDE
+            and (takes_last(r.phase) or (windowed and kind in narrows))
+        }
+
+    out = ReadPlan(carried(plan.token, "token"), carried(plan.sample, "sample"))
+    return None if out.empty else out
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A held row's host metadata (its values are in the holder's ``slot``)."""
+
+    slot: int
+    request: RequestInfo
+    row: int
+    position: int
+    is_decode: bool
+    recomputed: bool
+
+
+class LastRows:
+    """One consumer's held last rows: a device tensor per port key (``[capacity, ...]``)
+    and the token ids, grown by doubling; ``held`` rows at most one per request."""
+
+    def __init__(self) -> None:
+        self._token: dict[str, torch.Tensor] = {}
+        self._sample: dict[str, torch.Tensor] = {}
+        self._token_ids: torch.Tensor | None = None
+        self._held: dict[str, _Held] = {}  # engine id -> its row
+        self._free: list[int] = []
+        self._capacity = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def keep(self, bundle: Bundle, steps: StepIndices) -> None:
+        """``bundle``'s rows (at most one per request; its sampling rows the same rows)
+        become their requests' last rows, replacing the ones held."""
+        rows = bundle.rows
+        slots = np.empty(len(rows), np.int64)
+        for i, req in enumerate(rows.requests):
+            old = self._held.get(req.engine_id)
+            slots[i] = old.slot if old is not None else self._take_slot()
+            self._held[req.engine_id] = _Held(
+                int(slots[i]),
+                req,
+                int(rows.row[i]),
+                int(rows.position[i]),
+                bool(rows.is_decode[i]),
+                bool(rows.recomputed[i]),
+            )
+        self._token_ids = self._store(self._token_ids, rows.token_ids, slots, steps)
+        for table, tensors in ((self._token, bundle.hidden), (self._sample, bundle.per_sample)):
+            for key, t in tensors.items():
+                table[key] = self._store(table.get(key), t, slots, steps)
+
+    def take(self, requests: list[RequestInfo], step: int) -> Bundle | None:
+        """The held last rows of ``requests`` (those that have one) as one bundle, their slots
+        let go; None when none has one."""
+        held = [h for r in requests if (h := self._held.pop(r.engine_id, None)) is not None]
+        if not held or self._token_ids is None:
+            return None
+        slots = np.array([h.slot for h in held], np.int64)
+        self._free.extend(slots.tolist())
+        idx = index_to(slots, self._token_ids.device)
+        rows = RowInfo(
+            row=np.array([h.row for h in held], np.int64),
+            requests=[h.request for h in held],
+            position=np.array([h.position for h in held], np.int64),
+            is_decode=np.array([h.is_decode for h in held], np.bool_),
+            recomputed=np.array([h.recomputed for h in held], np.bool_),
+            token_ids=self._token_ids.index_select(0, idx),
+        )
+        bundle = Bundle(step=step, rows=rows)
+        for key, t in self._token.items():
+            bundle.hidden[key] = t.index_select(0, index_to(slots, t.device))
+        if self._sample:
+            bundle.sampled_rows = rows
+            for key, t in self._sample.items():
+                bundle.per_sample[key] = t.index_select(0, index_to(slots, t.device))
+        return bundle
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            # Grow by doubling: the holders are copied at most log2(live requests) times.
+            new = max(8, 2 * self._capacity)
+            self._free = list(range(new - 1, self._capacity - 1, -1))
+            self._capacity = new
+        return self._free.pop()
+
+    def _store(
+        self,
+        holder: torch.Tensor | None,
+        values: torch.Tensor,
+        slots: np.ndarray,
+        steps: StepIndices,
+    ) -> torch.Tensor:
+        """``values`` copied into ``holder``'s rows ``slots`` (the holder made or grown to the
+        capacity first)."""
+        if holder is None or holder.shape[0] < self._capacity:
+            grown = values.new_zeros((self._capacity, *values.shape[1:]))
+            if holder is not None:
+                grown[: holder.shape[0]].copy_(holder)
+            holder = grown
+        return holder.index_copy_(0, steps.index(slots, values.device), values)
