@@ -77,9 +77,12 @@ class _Slot:
     per_request: bool = False
     # Its request key ``tllm_{name}_window`` when its Request settings declare a window.
     window_key: str | None = None
-    # Window ``last``: the ports its last rows carry, and the rows held (last_rows).
+    # Window ``last``: the ports its last rows carry, the rows held (last_rows), and
+    # whether its ports' own window is ``last`` (else only requests that set it ask).
     last_plan: ReadPlan | None = None
     last: LastRows | None = None
+    port_last: bool = False
+    ports: Any = None  # the union of its ports' phases and windows (with last_plan only)
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -171,6 +174,9 @@ def _build(
     )
     if slot.last_plan is not None:
         slot.last = LastRows()
+        token, sample = ReadPlan.phase(reads.token), ReadPlan.phase(reads.sample)
+        slot.ports = token.union(sample) if token is not None else sample
+        slot.port_last = takes_last(slot.ports)
     for w in consumer.writes():
         if isinstance(w, Edit):
             target = w.target.resolve(resolve)
@@ -278,6 +284,7 @@ class Runtime:
         # The rows each reading slot may take (requests it acts on, their windows), by slot.
         self._masks: dict[int, RowMasks | np.ndarray | None] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
+        self._asks_last: set[int] = set()  # slots a request of the step asks 'last' of
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -396,6 +403,7 @@ class Runtime:
                     self._selections[i] = RowSelection(mask)
                     arrays += self._selections[i].indices()
         self._masks = {}
+        self._asks_last = set()
         runs = None
         for i, s in enumerate(self.slots):
             if s.reads.empty:
@@ -404,13 +412,14 @@ class Runtime:
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
                     runs = step_runs(step)
-                masks = self._windowed(s, step.rows, runs, masks)
+                masks = self._windowed(i, s, step.rows, runs, masks)
             self._masks[i] = masks
             arrays += bundle_indices(s.reads, step, masks)
         self._buffers.plan(arrays, step.rows.token_ids.device)
 
     def _windowed(
         self,
+        i: int,
         s: _Slot,
         rows: RowInfo,
         runs: list[tuple[RequestInfo, int, int]],
@@ -419,7 +428,8 @@ class Runtime:
         """``enabled`` narrowed, for each request of the step that sets the consumer's window
         key, to the rows inside its window; host metadata only, and only those requests
         cost anything. A window the engine cannot parse (the request bypassed the front
-        end's check) takes none of its rows (``rows_window_invalid.{consumer}``)."""
+        end's check) takes none of its rows (``rows_window_invalid.{consumer}``). Notes in
+        ``_asks_last`` the slot ``i`` when one of those windows takes the request's last row."""
         key, out = s.window_key, None
         for req, start, stop in runs:
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
@@ -435,6 +445,8 @@ class Runtime:
             else:
                 if window is None:
                     continue
+                if s.last is not None and takes_last(window):
+                    self._asks_last.add(i)
                 keep = row_mask(
                     window,
                     rows.is_decode[start:stop],
@@ -574,7 +586,7 @@ class Runtime:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
-            if s.last is not None:
+            if s.last is not None and (s.port_last or i in self._asks_last):
                 self._keep_last(s, step, unchecked)
         # The step's device indices are let go (a later plan reuses their buffer).
         self._planned = None
@@ -607,11 +619,7 @@ class Runtime:
         """Over ``step.rows``: the rows with a kept sample of requests whose last row ``s``
         takes (its ports' window is ``last``, or the request's own window is, within its
         ports' phases); None when there is none. Host metadata only."""
-        assert s.last_plan is not None
-        rows, out = step.rows, None
-        token, sample = ReadPlan.phase(s.reads.token), ReadPlan.phase(s.reads.sample)
-        ports = token.union(sample) if token is not None else sample
-        port_last = ports is not None and takes_last(ports)
+        rows, out, ports = step.rows, None, s.ports
         for j in np.nonzero(step.sample_kept)[0]:
             r = int(step.sample_token_row[j])
             req = rows.requests[r]
@@ -623,10 +631,10 @@ class Runtime:
             else:
                 window = None
             if window is None:
-                wants = port_last
+                wants = s.port_last
             else:
                 wants = takes_last(window) and (
-                    port_last
+                    s.port_last
                     or bool(
                         row_mask(
                             ports,
