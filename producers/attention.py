@@ -3,20 +3,15 @@ projection, before it is added to the residual stream)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tllm_core import LayerPort, LayerProducer, Phase
+from tllm_core import LayerPort, LayerProducer
 
 
-@dataclass(frozen=True)
 class AttentionOutput(LayerPort):
     """Self-attention output of decoder layer ``layer`` (negative counts from the end).
 
     Bundle key: ``"attn.{absolute index}"``. Editable through ``Edit(AttentionOutput(i))``.
     """
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "attn"
 
 

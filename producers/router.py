@@ -15,44 +15,34 @@ with the router's settings the bridge read at install (``StepCapture.tap_info``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tllm_core import LayerPort, Phase, Producer, ReadPort, StepCapture, TapRequest
+from tllm_core import LayerPort, Producer, ReadPort, StepCapture, TapRequest
 
 
-@dataclass(frozen=True)
 class RouterLogits(LayerPort):
     """Router logits of decoder layer ``layer``'s MoE block (negative counts from the end).
 
     Bundle key: ``"router.{absolute index}"``. Editable through ``Edit(RouterLogits(i))``."""
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "router"
 
 
-@dataclass(frozen=True)
 class RouterTopK(LayerPort):
     """Ids of the experts layer ``layer``'s router chose, heaviest first (int64).
 
     Bundle key: ``"router_topk.{absolute index}"``."""
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "router_topk"
 
 
-@dataclass(frozen=True)
 class RouterWeights(LayerPort):
     """Weights of the experts of :class:`RouterTopK`, in its order (fp32).
 
     Bundle key: ``"router_weights.{absolute index}"``."""
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "router_weights"
 
 

@@ -6,8 +6,6 @@ the runtime only delivers and counts what the forward really wrote.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -40,12 +38,9 @@ H = 4
 
 
 # -- a third-party port and producer, registered at run time ----------------------------
-@dataclass(frozen=True)
 class DoubledResidual(LayerPort):
     """Test port: twice the residual stream after a layer (reads the residual tap)."""
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "twice"
 
 

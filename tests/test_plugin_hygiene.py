@@ -49,13 +49,9 @@ def tllm_consumers():
 """
 # Its producer is fine, its consumer is not: neither may stay registered.
 HALF = """
-from tllm_core import Consumer, LayerPort, Phase, Producer, TapRequest, hookimpl
-from dataclasses import dataclass
+from tllm_core import Consumer, LayerPort, Producer, TapRequest, hookimpl
 
-@dataclass(frozen=True)
 class HalfPort(LayerPort):
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "half"
 
 class HalfProducer(Producer):

@@ -57,13 +57,9 @@ def tllm_producers() -> list[type]:
 
     Example::
 
-        from dataclasses import dataclass
-        from tllm_core import LayerPort, LayerProducer, Phase, hookimpl
+        from tllm_core import LayerPort, LayerProducer, hookimpl
 
-        @dataclass(frozen=True)
         class AttentionOutput(LayerPort):  # key "attn.{layer}", tap site "attn"
-            layer: int
-            phase: Phase = Phase.ALL
             prefix = "attn"
 
         class AttentionProducer(LayerProducer):  # taps: [TapRequest("attn", port.layer)]

@@ -99,15 +99,19 @@ class SamplePort(ReadPort):
     rows = "sample"
 
 
+@dataclass(frozen=True)
 class LayerPort(TokenPort):
-    """A token port at one decoder layer: key ``"{prefix}.{layer}"``.
+    """A token port at one decoder layer: key ``"{prefix}.{layer}"``; a frozen dataclass
+    with fields ``layer`` (negative counts from the end) and ``phase``. A subclass sets the
+    class attribute ``prefix`` and nothing else::
 
-    Subclasses are frozen dataclasses with fields ``layer: int`` and ``phase``, and set
-    the class attribute ``prefix``.
+        class AttentionOutput(LayerPort):
+            prefix = "attn"
     """
 
     prefix: ClassVar[str]
     layer: int
+    phase: Phase = Phase.ALL
 
     def __post_init__(self) -> None:
         _normalise(self, self.prefix, final=False)

@@ -36,12 +36,9 @@ POST_NORM = SiteSpec(
 )
 
 
-@dataclass(frozen=True)
 class ResidualNorm(LayerPort):
     """``[rows, 1]``: L2 norm of the residual stream after ``layer``; key ``rnorm.{i}``."""
 
-    layer: int
-    phase: Phase = Phase.ALL
     prefix = "rnorm"
 
 
@@ -81,7 +78,8 @@ class NormRecorder(Consumer):
 @dataclass(frozen=True)
 class PostNorm(LayerPort):
     """``[rows, hidden]``: the post-attention norm's output in ``layer``; key
-    ``postnorm.{i}``."""
+    ``postnorm.{i}``. (Declared as a dataclass with its fields, as ports were before
+    ``LayerPort`` was one: that form still works.)"""
 
     layer: int
     phase: Phase = Phase.ALL
