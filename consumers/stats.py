@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from tllm_core import (
     Bundle,
+    CaptureWindow,
     Consumer,
     ConsumerConfig,
     PlannedRequest,
@@ -28,18 +29,11 @@ class StatsConfig(ConsumerConfig):
         default_factory=lambda: [0, -1, "final"],
         description="layer indices (negative from the end) or 'final'",
     )
-    phase: str = Field(
+    phase: CaptureWindow = Field(
         "all",
         description="rows to count: prefill, decode, all, or a capture window ('last_prompt', "
         "'generated[0:16]', ...: docs/ports.md#capture-windows)",
     )
-
-    @field_validator("phase", mode="before")
-    @classmethod
-    def _selector(cls, v: Any) -> str:
-        v = getattr(v, "value", v)  # a Phase given from Python
-        as_selector(v, "stats: phase")
-        return str(v)
 
     max_requests: int | None = Field(
         1000,

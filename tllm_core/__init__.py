@@ -4,7 +4,8 @@ Public API for consumer authors: :class:`Consumer`, :class:`ConsumerConfig`,
 :class:`RequestSettings`, the port types, :class:`Bundle`, :class:`EditPlan`,
 :class:`GuideView` (and :class:`GuideBuffers`, with ``carve_workspace`` and
 ``workspace_bytes`` for a step's preallocated temporaries), :class:`Window` and
-``WindowSetting`` (a per-request capture window: ``window: WindowSetting = None``),
+``WindowSetting`` (a per-request capture window: ``window: WindowSetting = None``) and
+``CaptureWindow`` (a config's ``phase``: a phase or capture window),
 :class:`DeviceSums` (counts kept on the device, read back without a host wait) and :class:`HostCopyRing` (device tensors
 copied to the host without a wait; ``HostCopies``: its deprecated name) and
 :class:`StagingRing` (host values copied to the device from pinned buffers; one tensor:
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
         host_to_device,
         pow2_rows,
     )
-    from tllm_core.api.window_setting import WindowSetting
+    from tllm_core.api.window_setting import CaptureWindow, WindowSetting
     from tllm_core.api.windows import Window, window_text
     from tllm_core.api.workspace import (
         WorkspaceSpec,
@@ -129,6 +130,7 @@ __all__ = [
     "ControlError",
     "Window",
     "WindowSetting",
+    "CaptureWindow",
     "ConsumerSpec",
     "ConsumerSpecError",
     "FiniteF32",
@@ -189,6 +191,7 @@ _HOME = MappingProxyType(
         "ControlError": "tllm_core.api.consumer",
         "Window": "tllm_core.api.windows",
         "WindowSetting": "tllm_core.api.window_setting",
+        "CaptureWindow": "tllm_core.api.window_setting",
         "ModelInfo": "tllm_core.api.consumer",
         "EditPlan": "tllm_core.api.edits",
         "hookimpl": "tllm_core.api.hookspecs",

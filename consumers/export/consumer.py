@@ -23,6 +23,7 @@ from consumers.export.tokens import RequestTokens, completeness, rows_to_write
 from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
 from tllm_core import (
     Bundle,
+    CaptureWindow,
     Consumer,
     ConsumerConfig,
     ConsumerContext,
@@ -61,18 +62,12 @@ class ExportConfig(ConsumerConfig):
         "layer; negative counts from the end), 'final' (after the final norm), 'attn.{i}' "
         "(self-attention output of layer i) or 'mlp.{i}' (MLP output of layer i).",
     )
-    phase: str = Field(
+    phase: CaptureWindow = Field(
         "all",
         description="Rows to export: 'prefill' (prompt rows), 'decode' (generated-token rows), "
         "'all', or a capture window such as 'last_prompt', 'prompt[-4:]', 'generated[0:16]', "
         "'all[::4]' (docs/ports.md#capture-windows).",
     )
-
-    @field_validator("phase")
-    @classmethod
-    def _selector(cls, v: str) -> str:
-        as_selector(v, "export: phase")
-        return v
 
     shard_rows: int | None = Field(
         None, ge=1, description="Rows per shard (at most one shard is buffered in memory)."

@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr, field_validator
 from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.site import parse_site
 from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer
-from tllm_core import ConsumerConfig
+from tllm_core import CaptureWindow, ConsumerConfig
 
 
 class SaeConfig(ConsumerConfig):
@@ -40,19 +40,11 @@ class SaeConfig(ConsumerConfig):
         default_factory=list,
         description="Features whose firing rate (fraction of encoded rows) is counted.",
     )
-    phase: str = Field(
+    phase: CaptureWindow = Field(
         "all",
         description="Rows encoded and recorded: 'prefill', 'decode', 'all', or a capture window "
         "('last_prompt', 'generated[0:16]', ...: docs/ports.md#capture-windows).",
     )
-
-    @field_validator("phase")
-    @classmethod
-    def _selector(cls, v: str) -> str:
-        from tllm_core import as_selector
-
-        as_selector(v, "sae: phase")
-        return v
 
     values_dtype: Literal["float16", "float32"] = Field(
         "float16", description="Storage dtype of recorded feature values."

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import PlainValidator
+from pydantic import BeforeValidator, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from tllm_core.api.ports import Phase, as_selector
@@ -45,6 +45,19 @@ def request_window(value: Any) -> Any:
 #: request key ``tllm_{consumer}_window`` takes a window text (:data:`GRAMMAR`); the field
 #: holds its selector (``Phase`` or :class:`Window`) or ``None``.
 WindowSetting = Annotated[Any, PlainValidator(request_window)]
+
+
+def config_window(value: Any) -> str:
+    """A config's ``phase`` checked as a capture window and kept as its text (a ``Phase`` or
+    :class:`Window` given from Python: its text); ``ValueError`` naming the grammar."""
+    text = str(getattr(value, "value", value))
+    as_selector(text, "phase")
+    return text
+
+
+#: Type of a capturing consumer's config field ``phase`` (export, stats, sae): a phase or a
+#: capture window, kept as its text (``as_selector(config.phase, ...)`` gives its selector).
+CaptureWindow = Annotated[str, BeforeValidator(config_window)]
 
 
 def is_window_marker(meta: Any) -> bool:
