@@ -6,6 +6,8 @@ the runtime only delivers and counts what the forward really wrote.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pytest
 import torch
@@ -31,6 +33,9 @@ from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
+
+if TYPE_CHECKING:
+    from tllm_core.testing.fake_cuda import FakeCuda
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.sites import OutputTap, ResidualTap, TapBuffers
 
@@ -121,6 +126,17 @@ def _runtime(*specs: dict) -> Runtime:
     reg.register(_Plugin(), name="test-plugin")
     settings = RuntimeSettings.model_validate({"consumers": list(specs)})
     return Runtime(settings, _model(), reg)
+
+
+def fake_device_steps(rt: Runtime, fc: FakeCuda, n: int) -> None:
+    """``n`` steps of :func:`_step`'s rows through ``rt``, their tensors on ``fc``'s device."""
+    for _ in range(n):
+        rows, step = _step(rt)
+        step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
+        step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
+        with fc.step():
+            rt.begin_step(rows, {})
+            rt.end_step(step)
 
 
 def _step(rt: Runtime, n_prompt: int = 2, decode: int = 1):
@@ -240,13 +256,7 @@ def test_end_step_makes_the_host_wait_for_nothing_on_a_gpu():
 
     rt = _runtime({"name": "reader"})
     with FakeCuda() as fc:
-        for _ in range(6):  # past the ring of pinned buffers
-            rows, step = _step(rt)
-            step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
-            step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
-            with fc.step():
-                rt.begin_step(rows, {})
-                rt.end_step(step)
+        fake_device_steps(rt, fc, 6)  # past the ring of pinned buffers
     waits = fc.findings(kind="host_wait")
     assert not waits, waits
     assert len(rt.slots[0].consumer.bundles) == 6

@@ -265,17 +265,11 @@ def test_stamp_reads_wait_for_their_copy_and_their_buffer_is_not_refilled_under_
 def test_the_runtimes_end_step_reads_its_stamps_in_order():
     """The runtime's end_step (stamps and edit counts gathered on the device, copied into
     the reader's pinned ring, read when their event has completed), past the ring."""
-    from test_core_ports import _runtime, _step  # the runtime test double of a step
+    from test_core_ports import _runtime, fake_device_steps  # the runtime's test double
 
     rt = _runtime({"name": "reader"})
     with FakeCuda(order=True) as fc:
-        for _ in range(2 * RING + 1):
-            rows, step = _step(rt)
-            step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
-            step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
-            with fc.step():
-                rt.begin_step(rows, {})
-                rt.end_step(step)
+        fake_device_steps(rt, fc, 2 * RING + 1)
     assert _races(fc) == []
     assert len(rt.slots[0].consumer.bundles) == 2 * RING + 1
     assert fc.order is not None and fc.order.accesses > 10 * RING

@@ -22,24 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_engine_reads_its_dp_rank_and_size_after_vllm_made_it_independent():
     # What vLLM 0.32 leaves in an engine core of a dense model at DP = 2, rank 1
     # (ParallelConfig.reconfigure_for_independent_dp_rank): size 1, rank 0, index 1.
-    pc = SimpleNamespace(
-        data_parallel_size=1,
-        data_parallel_rank=0,
-        data_parallel_index=1,
-        enable_elastic_ep=False,
-        elastic_ep_max_dp_size=2,
-    )
-    assert data_parallel_layout(pc) == (1, 2)
-    pc.data_parallel_index = 0
-    assert data_parallel_layout(pc) == (0, 2)
-    plain = SimpleNamespace(
-        data_parallel_size=1,
-        data_parallel_rank=0,
-        data_parallel_index=0,
-        enable_elastic_ep=False,
-        elastic_ep_max_dp_size=1,
-    )
-    assert data_parallel_layout(plain) == (0, 1)
+    def dense(index: int, max_size: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            data_parallel_size=1,
+            data_parallel_rank=0,
+            data_parallel_index=index,
+            enable_elastic_ep=False,
+            elastic_ep_max_dp_size=max_size,
+        )
+
+    assert data_parallel_layout(dense(1, 2)) == (1, 2)
+    assert data_parallel_layout(dense(0, 2)) == (0, 2)
+    assert data_parallel_layout(dense(0, 1)) == (0, 1)  # no data parallelism
     # MoE engines keep their DP fields
     moe = SimpleNamespace(data_parallel_size=4, data_parallel_rank=3, data_parallel_index=3)
     assert data_parallel_layout(moe) == (3, 4)
