@@ -82,7 +82,7 @@ class Diagnostics:
         }
 
 
-# Columns of a DeviceRecords ring row, in order (guide_cuda writes them).
+# Columns of a DeviceRecords ring row, in order (CudaGuide writes them).
 RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
 _INT_COLUMNS = ("candidates", "top_ref", "top_new")
 

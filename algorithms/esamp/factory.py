@@ -11,8 +11,7 @@ import torch
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
-from algorithms.esamp.guide_cuda import CudaGuide
-from algorithms.esamp.guide_step import Guide, HostGuide
+from algorithms.esamp.guide_step import CudaGuide, Guide, HostGuide
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller

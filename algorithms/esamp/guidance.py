@@ -19,6 +19,7 @@ from algorithms.esamp.kernels import candidate_dot
 
 if TYPE_CHECKING:
     from algorithms.esamp.guide_workspace import GuideWorkspace
+    from tllm_core.api.candidates import TopCandidates
 
 # dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
 DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -55,25 +56,6 @@ def mix_candidates(
     new = torch.mul(one_b, ref, out=take(ws, "mix", tuple(ref.shape), f32, dev))
     scaled = torch.mul(dist, beta, out=take(ws, "dist", tuple(dist.shape), f32, dev))
     return new.sub_(scaled.div_(temperature))
-
-
-def mix_post_filter(
-    ref_logits: torch.Tensor, dist_fn: DistFn, beta: float, temperature: torch.Tensor
-) -> torch.Tensor:
-    """Mix on the surviving candidates only.
-
-    ``ref_logits [R, V]``: temperature-scaled, -inf for non-candidates. Candidates get
-    ``(1+beta)*ref - beta*dist/T``; non-candidates stay -inf. ``dist_fn`` is called once,
-    with exactly the candidate (row, token) pairs.
-    """
-    if beta == 0:
-        return ref_logits.clone()  # bit-identical: never touch the logits
-    rows, toks = torch.isfinite(ref_logits).nonzero(as_tuple=True)
-    out = torch.full_like(ref_logits, float("-inf"))
-    out[rows, toks] = mix_candidates(
-        ref_logits[rows, toks], dist_fn(rows, toks), beta, temperature[rows]
-    )
-    return out
 
 
 def _per_row(beta: torch.Tensor | float) -> torch.Tensor | float:
@@ -137,15 +119,10 @@ def candidate_dist_fn(
     if weight is None and lm_head is None:
         raise ValueError("need the head weight or the lm_head callable")
 
-    def fn(rows: torch.Tensor, toks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # ``out``: fp32 ``[N]`` to write the sparse form's result into (nothing allocated).
-        r, h = f_pred.shape
+    def fn(rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
         n = rows.numel()
-        if weight is not None and n <= dense_fraction * r * weight.shape[0]:
-            # One fused gather-dot (Triton on CUDA: each head row read once, nothing
-            # materialised; on CPU the PyTorch reference, ``chunk`` rows at a time).
-            if out is None:
-                out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+        if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
+            out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
             return candidate_dot(weight, f_pred.float(), rows, toks, out)
         return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
 
@@ -279,3 +256,48 @@ def candidate_shift(
         0, rows, torch.ones_like(rows)
     )
     return tv / 2, top(ref), top(new), count
+
+
+def shift_into(
+    ws: GuideWorkspace,
+    top: TopCandidates,
+    new: torch.Tensor,
+    live: torch.Tensor,
+    idx: torch.Tensor,
+    rec: torch.Tensor,
+) -> None:
+    """:func:`candidate_shift` on the fixed ``[R, k]`` grid of the workspace (nothing
+    allocated): each view row's ``live`` candidates (``top.logits`` before, ``new`` after),
+    the guided rows' values (in ``idx`` order) into ``rec``'s columns candidates, top_ref,
+    top_new, tv. Rows without live candidates get garbage there and a count of 0 (not
+    recorded). Sums in another order than :func:`candidate_shift`: tv may differ in its last
+    bits."""
+    r = top.tokens.shape[0]
+    rows = ws.take("dg_rows", r)
+    torch.sum(live, -1, out=ws.take("dg_cnt", r))
+    rows[:, 1].copy_(ws.parts["dg_cnt"][:r])
+    p = _probs(ws, top.logits, live, "dg_p")
+    rows[:, 2:3].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
+    q = _probs(ws, new, live, "dg_q")
+    rows[:, 3:4].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
+    torch.sum(p.sub_(q).abs_(), -1, out=rows[:, 4]).div_(2)
+    n = idx.numel()
+    torch.index_select(rows[:, 1:5], 0, idx, out=ws.take("dg_sel", n))
+    rec[:n, 1:5].copy_(ws.take("dg_sel", n))
+
+
+def _probs(ws: GuideWorkspace, x: torch.Tensor, live: torch.Tensor, out: str) -> torch.Tensor:
+    """Softmax of each row's ``live`` entries of ``x [R, k]`` (0 elsewhere) into part
+    ``out``; the masked logits stay in ``dg_x``."""
+    r = x.shape[0]
+    xm = torch.where(live, x, ws.parts["ninf"], out=ws.take("dg_x", r))
+    mx = torch.amax(xm, -1, keepdim=True, out=ws.take("dg_mx", r))
+    e = torch.exp(torch.sub(xm, mx, out=ws.take(out, r)), out=ws.take(out, r))
+    return e.div_(torch.sum(e, -1, keepdim=True, out=ws.take("dg_s", r)))
+
+
+def _top_token(ws: GuideWorkspace, xm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's token of highest masked logit (the first of ties), ``[R, 1]``."""
+    r = xm.shape[0]
+    arg = torch.argmax(xm, -1, keepdim=True, out=ws.take("dg_arg", r))
+    return torch.gather(tokens, 1, arg, out=ws.take("dg_tok", r))

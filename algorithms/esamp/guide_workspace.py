@@ -219,21 +219,12 @@ class GuideWorkspace:
 
     def stage(
         self, idx: list[int], betas: list[float], slots: list[int], fresh: list[int]
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """The step's host values on the device in one copy; returns their device views
-        (``idx``, ``betas``, ``slots``: one per guided row; ``fresh``)."""
+        ``(idx, betas, slots, fresh)``."""
         i, _ = self._staging.take(self.parts["stage"].numel())
-        host = self._host[i]
-        n = len(idx)
-        host["idx"].numpy()[:n] = idx
-        host["betas"].numpy()[:n] = betas
-        host["slots"].numpy()[:n] = slots
-        host["fresh"].numpy()[: len(fresh)] = fresh
+        values = {"idx": idx, "betas": betas, "slots": slots, "fresh": fresh}
+        for name, v in values.items():
+            self._host[i][name].numpy()[: len(v)] = v
         self._staging.send(i, self.parts["stage"])
-        d = self._stage_dev
-        return {
-            "idx": d["idx"][:n],
-            "betas": d["betas"][:n],
-            "slots": d["slots"][:n],
-            "fresh": d["fresh"][: len(fresh)],
-        }
+        return tuple(self._stage_dev[name][: len(v)] for name, v in values.items())

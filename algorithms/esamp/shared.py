@@ -13,6 +13,7 @@ from tllm_core import Counters
 
 if TYPE_CHECKING:  # both need pydantic, which the GPU image lacks (gpu_smoke.py)
     from algorithms.esamp.config import ESampConfig
+    from algorithms.esamp.guide_workspace import GuideWorkspace
     from tllm_core import RowInfo
 from tllm_core import host_to_device as host_to
 
@@ -79,10 +80,21 @@ def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:
     return step, rows.row[sel].tobytes()
 
 
-def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:
+def select_rows(
+    t: torch.Tensor,
+    sel: list[int],
+    idx: torch.Tensor,
+    ws: GuideWorkspace | None = None,
+    part: str = "",
+) -> torch.Tensor:
     """``t[idx]``, or ``t`` itself when ``sel`` is every row in order (the usual decode step:
-    the distiller copies its inputs anyway, so the gather would be a second copy)."""
-    return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
+    the distiller copies its inputs anyway, so the gather would be a second copy); gathered
+    into the guidance workspace's ``part`` when given and of ``t``'s dtype."""
+    if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1:
+        return t
+    if ws is None or t.dtype != ws.parts[part].dtype:
+        return t[idx]
+    return torch.index_select(t, 0, idx, out=ws.take(part, idx.numel()))
 
 
 def row_index(
