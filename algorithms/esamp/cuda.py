@@ -1,28 +1,13 @@
-"""CUDA path of the grouped distiller: same math and interface as the CPU class, but
-
-- everything is allocated at construction: the consumer is built inside vLLM's
-  ``load_model``, before vLLM profiles memory and sizes the KV cache, so the slots'
-  parameters and Adam state (a fixed ``capacity``: this distiller never grows), the packed
-  input buffers, the side stream's cuBLAS workspace and the graphs' pool are accounted for
-  (:mod:`algorithms.esamp.memory_plan`);
-- prediction and update read only the step's slots (slot-indexed products,
-  :mod:`algorithms.esamp.slot_ops`) from fixed packed buffers of ``capacity x graph rows``
-  rows, so each is one CUDA graph per layout of those rows (:mod:`algorithms.esamp.cuda_plan`),
-  captured at construction. A failed capture is counted (``graph_failures``) and logged;
-  the same code then runs eagerly on the same buffers;
-- a call's host work is the row plan (numpy), one pinned copy of it and the replays; the
-  rows themselves are copied into the packed buffers by the graph. Both run on a side
-  stream ordered against the main stream with CUDA events only: no host wait;
-- update results are logged on the device and read back in the background
-  (:mod:`algorithms.esamp.cuda_results`);
-- the prediction keeps its forward's activations in static buffers; an update of the same
-  rows with the same parameters (the caller says so with a ``rows_id``, checked against the
-  last prediction's packing and the state's version) replays a graph without the forward
-  ("train_reuse"): it does not read the weights a second time for it.
-
-Ordering: every predict and train is enqueued on the one side stream, so a prediction always
-sees every update enqueued before it (strict staleness; measured on the device). Importing
-this module needs no GPU.
+"""CUDA path of the grouped distiller: the CPU class's math and interface, with everything
+allocated and every graph captured at construction (inside vLLM's ``load_model``, so vLLM's
+memory profile sees it; a fixed ``capacity``), only the step's slots read, one pinned copy
+of the row plan per call (:mod:`algorithms.esamp.cuda_plan`), graph replays on a side stream
+ordered against the main stream by events only (no host wait), results read back in the
+background (:mod:`algorithms.esamp.cuda_results`) and the prediction's forward kept for the
+update of the same rows (``rows_id``). A failed capture is counted (``graph_failures``) and
+the same code runs eagerly. Every predict and train is enqueued on the one side stream, so a
+prediction sees every update enqueued before it (strict staleness, measured on the device).
+The design: docs/consumers/esamp.md, "On a GPU". Importing this module needs no GPU.
 """
 
 from __future__ import annotations
@@ -49,8 +34,8 @@ from algorithms.esamp.cuda_plan import (
 )
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
+from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult

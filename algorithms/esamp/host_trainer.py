@@ -9,8 +9,8 @@ import torch
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
 from algorithms.esamp.backward import backward_factors, clipped_grad
+from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import Activations, forward_acts
-from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import HostBatch, Packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 

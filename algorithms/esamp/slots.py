@@ -35,7 +35,7 @@ class TrainResult:
     stats: torch.Tensor | None = None
     # fp32 [R] (host) when asked (``train_step(row_errors=True)``): each submitted row's
     # prediction error before the update, ``||f(x) - target||^2`` summed over hidden dims
-    # and divided by :func:`~algorithms.esamp.objective.loss_per_row` (its term of the loss:
+    # and divided by :func:`~algorithms.esamp.kernels.op_loss_dy.loss_per_row` (its term of the loss:
     # a group's loss is the mean of its rows'); final when ``ready()``.
     row_errors: torch.Tensor | None = None
 
@@ -221,7 +221,7 @@ class SlotDistiller:
         target: torch.Tensor,
         row_errors: bool = False,
     ) -> TrainResult:
-        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.objective`).
+        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.kernels.op_loss_dy`).
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
         ``row_errors``: also each row's error before the update (``TrainResult.row_errors``).

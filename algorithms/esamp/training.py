@@ -73,12 +73,8 @@ class Trainer:
         res = submitted[0]
         if ask:
             at = [sel[k] for k in asking]
-            self.returned.submitted(
-                res,
-                asking,
-                [rows.requests[i].engine_id for i in at],
-                np.asarray(rows.position, np.int64)[at],
-            )
+            positions = np.asarray(rows.position, np.int64)[at]
+            self.returned.submitted(res, asking, [rows.requests[i] for i in at], positions)
         groups = [self.groups.by_slot[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:
