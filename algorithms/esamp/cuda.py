@@ -120,7 +120,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self._predicted: tuple | None = None
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
         self._plans = StagingRing(dev, _PLAN_BUFFERS, numel=plan_size(t, capacity))
-        self.results = ResultLog(512, capacity, self.hp.stats, dev)
+        self.results = ResultLog(capacity, self.hp.stats, dev)
         self._stats = torch.zeros(capacity, len(STATS), device=dev)
         self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
         self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}

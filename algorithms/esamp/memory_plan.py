@@ -18,14 +18,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from algorithms.esamp.cuda_plan import plan_size
+from algorithms.esamp.cuda_results import RESULT_ROWS
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 from tllm_core import pow2_rows
 
 GIB = 2**30
 MIB = 2**20
-# Update results kept on the device between background copies (cuda_results.ResultLog).
-RESULT_ROWS = 512
 # The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
 # Tensors allocated at construction (the CUDA distiller's state, buffers and ring; the
@@ -107,19 +107,19 @@ def plan_memory(
     noise: bool = False,
     diagnostics: bool = False,
 ) -> MemoryPlan:
-    """The plan for these shapes (see the module docstring for each term); ``mode`` is
+    """The plan for these shapes (each term: docs/consumers/esamp.md); ``mode`` is
     ESamp's mixing mode, ``dtype`` the model's, ``noise`` whether the ablation is 'noise'
     or 'f_noise' and ``diagnostics`` ESamp's (the guidance workspace depends on them)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, pow2_rows(graph_rows)
-    state = s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4
     t = s * m
-    inputs = packed_buffer_bytes(h, s, t, optimizer_stats, i, nb)
-    update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
-    predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
-    guidance = guidance_workspace_bytes(
-        GuideShape(rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics)
+    # The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact).
+    ring = RESULT_ROWS * s * (8 + (16 if optimizer_stats else 0)) + s * 16 + 8
+    kept_forward = nb * ((t + 1) * h + 4 * t * i) * 4
+    plan = 8 * plan_size(t, s)
+    guide = GuideShape(
+        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics
     )
     return MemoryPlan(
         hidden_size,
@@ -130,28 +130,12 @@ def plan_memory(
         m,
         rows_per_step,
         p,
-        state,
-        inputs,
-        update,
-        predict,
-        guidance,
+        state_bytes=s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4,
+        inputs_bytes=2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + kept_forward,
+        update_workspace_bytes=t * ((3 + 3 * nb) * h + 9 * nb * i) * 4,
+        predict_workspace_bytes=t * ((2 + nb) * h + 5 * nb * i) * 4,
+        guidance_workspace_bytes=guidance_workspace_bytes(guide),
     )
-
-
-def packed_buffer_bytes(
-    hidden: int,
-    slots: int,
-    total_rows: int,
-    stats: bool,
-    intermediate: int = 384,
-    num_blocks: int = 2,
-) -> int:
-    """The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact)."""
-    h, s, t = hidden, slots, total_rows
-    ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * 16 + 8
-    acts = num_blocks * ((t + 1) * h + 4 * t * intermediate) * 4
-    plan = 8 * (2 * t + 2 * s + 1 + -(-t // 8))
-    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + acts
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:
