@@ -440,14 +440,11 @@ def test_dense_fixed_capacity_update_equals_unpadded():
     same update as the exact packing, and leaves the other slots bit for bit."""
     from esamp_kernel_helpers import train_dense
 
-    class Scratch(GroupedDistiller):
-        _SCRATCH = 1
-
     torch.manual_seed(0)
-    exact, dense = _distiller(), Scratch(H, intermediate_size=INTER)
+    exact, dense = _distiller(), _distiller()
     slots = [exact.alloc() for _ in range(3)]
     assert [dense.alloc() for _ in range(3)] == slots
-    dense.theta[dense.capacity] += 1.0  # the scratch slot: must stay as it is
+    dense.theta[dense.capacity - 1] += 1.0  # the slot in no group: must stay as it is
     before = dense.theta.clone()
     rows = torch.tensor([slots[0], slots[2], slots[0], slots[2], slots[2]])
     x, t = torch.randn(5, H), torch.randn(5, H)

@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from algorithms.esamp import kernels
@@ -115,8 +114,7 @@ class CudaGroupedDistiller(SlotDistiller):
         # The forward (the prediction's, kept for the update of the same rows): per block
         # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
         self.acts = torch.zeros(nb * 4 * t * i, device=dev)
-        # (rows_id, version, packed slots, row groups, layout) of the last prediction, whose
-        # forward self.acts holds; None: none to reuse.
+        # The _key of the last prediction, whose forward self.acts holds (None: none).
         self._predicted: tuple | None = None
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
         self._plans = StagingRing(dev, _PLAN_BUFFERS, numel=plan_size(t, capacity))
@@ -364,28 +362,20 @@ class CudaGroupedDistiller(SlotDistiller):
                 self._send_plan(batch, pk, 0)
                 self._run("predict", batch.layout)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
-        if rows_id is not None and len(batches) == 1:  # several: the buffers hold the last
-            lay = batches[0].layout
-            self._predicted = (rows_id, self._version, pk.slots, pk.row_group, lay)
+        self._predicted = self._key(rows_id, pk, batches)
         # A view of the static output: valid until the next predict (the caller uses it
         # within the step).
         return self.y[: x.shape[0]]
 
-    def _reusable(self, pk, batches: list[Batch], rows_id: object) -> bool:
-        """Whether the buffers hold the forward this update needs: the last prediction was
-        on the rows ``rows_id`` names (the caller's word), in the same packing and layout,
-        and the parameters have not changed since (no update, reset or growth: the version)."""
-        p = self._predicted
-        if p is None or rows_id is None or len(batches) != 1:
-            return False
-        p_rows, version, p_slots, p_groups, lay = p
-        return (
-            p_rows == rows_id
-            and version == self._version
-            and lay == batches[0].layout
-            and np.array_equal(p_slots, pk.slots)
-            and np.array_equal(p_groups, pk.row_group)
-        )
+    def _key(self, rows_id: object, pk, batches: list[Batch]) -> tuple | None:
+        """What names the forward a prediction leaves in the buffers: the rows (the caller's
+        word), the parameters' version (an update, reset or growth changes it), the packing
+        and the layout; None where there is none to reuse (several batches: the buffers
+        hold the last)."""
+        if rows_id is None or len(batches) != 1:
+            return None
+        lay = batches[0].layout
+        return rows_id, self._version, pk.slots.tobytes(), pk.row_group.tobytes(), lay
 
     def train_step(
         self,
@@ -406,7 +396,8 @@ class CudaGroupedDistiller(SlotDistiller):
         self._check_live(pk)
         self._check_rows(max(x.shape[0], target.shape[0]))
         batches = split(pk.counts, self.layouts)
-        reuse = self._reusable(pk, batches, rows_id)
+        key = self._key(rows_id, pk, batches)
+        reuse = key is not None and key == self._predicted
         # Before the submission is counted: a prediction run for them reads no staleness.
         errors = self._row_errors(pk, batches, x, target, reuse) if row_errors else None
         self._predicted = None  # this update changes the parameters the forward used
