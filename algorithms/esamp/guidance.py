@@ -21,9 +21,6 @@ if TYPE_CHECKING:
     from algorithms.esamp.guide_workspace import GuideWorkspace
     from tllm_core.api.candidates import TopCandidates
 
-# dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
-DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def take(
     ws: GuideWorkspace | None,
@@ -103,44 +100,23 @@ def mix_latent(
     return h.sub_(torch.mul(f_pred, b, out=take(ws, "fb", tuple(f_pred.shape), f32, dev)))
 
 
-def candidate_dist_fn(
+def candidate_dist(
     f_pred: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rows: torch.Tensor,
+    toks: torch.Tensor,
+    weight: torch.Tensor | None,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
     dense_fraction: float = 0.25,
-) -> DistFn:
-    """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
-
-    With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
-    ``W[tokens] · f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`).
-    Otherwise (dense set, or a non-linear head given as ``lm_head``) projects the full
-    vocabulary once and gathers.
-    """
-    if weight is None and lm_head is None:
-        raise ValueError("need the head weight or the lm_head callable")
-
-    def fn(rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
-        n = rows.numel()
-        if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
-            out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
-            return candidate_dot(weight, f_pred.float(), rows, toks, out)
-        return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
-
-    return fn
-
-
-def full_dist_logits(
-    f_pred: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Raw dist logits over the vocabulary ``[R, V]`` (fp32). ``lm_head`` (fp32 in, any dtype
-    out; it casts to the model dtype itself) is preferred: it is exactly the model's head."""
-    if lm_head is not None:
-        return lm_head(f_pred).float()
-    if weight is None:
-        raise ValueError("need the head weight or the lm_head callable")
-    return (f_pred.to(weight.dtype) @ weight.t()).float()
+    """Raw dist logits (fp32) of the candidate pairs ``(rows, toks)`` from the prediction
+    ``f_pred [R, H]``: with a plain head ``weight [V, H]`` and a sparse set, the gather-dot
+    ``W[toks] . f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`); otherwise the
+    model's ``lm_head`` (it casts to the model dtype itself) over the vocabulary, gathered."""
+    n = rows.numel()
+    if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
+        out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+        return candidate_dot(weight, f_pred.float(), rows, toks, out)
+    return lm_head(f_pred).float()[rows, toks]
 
 
 def _unit_noise(

@@ -30,7 +30,7 @@ import torch
 from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
-    candidate_dist_fn,
+    candidate_dist,
     f_noise_prediction,
     mix_candidates,
     mix_full_vocab_logits,
@@ -253,7 +253,7 @@ class HostGuide(Guide):
         if ref.numel() == 0:
             return
         tokens = cand.tokens[entries]
-        dist = candidate_dist_fn(rows.f, self.weight, self.head)(p, tokens)
+        dist = candidate_dist(rows.f, p, tokens, self.weight, self.head)
         temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
         new = torch.where(live, mix_candidates(ref, dist, rows.betas[p], temp), ref)
         if rec:
