@@ -89,15 +89,11 @@ _INT_COLUMNS = ("candidates", "top_ref", "top_new")
 
 class DeviceRecords:
     """CUDA: the diagnostics' per-row values of each guided step in ``ring [steps, rows,
-    len(RING_COLUMNS)]`` (fp32, on the device), handed to ``diagnostics`` as they reach the
-    host.
-
-    The ring is used in two halves: when one is full it is copied into pinned host memory
-    without waiting (an event records when) and the steps go on in the other; a copy that
-    has arrived is handed over at the next guided step. A step waits only if the other half's
-    copy has still not arrived when that half is needed again (``waits``; at ``steps / 2``
-    guided steps later, not expected). :meth:`read` (where a sync is paid anyway) hands over
-    everything."""
+    len(RING_COLUMNS)]`` (fp32, on the device), used in two halves: a full half is copied to
+    pinned host memory without a wait while the steps go on in the other, and handed to
+    ``diagnostics`` at a later step once arrived. A step waits only if a half's copy has not
+    arrived when it is needed again, ``steps / 2`` guided steps later (``waits``);
+    :meth:`read` (where a sync is paid anyway) hands over everything."""
 
     def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
         self.diagnostics = diagnostics

@@ -57,13 +57,10 @@ class Shared:
         rows: object = None,
         row_errors: bool = False,
     ) -> TrainResult:
-        """The distiller's update; ``rows``: as in :meth:`predict` (equal ids: equal rows;
-        the CPU distiller compares the rows themselves); ``row_errors``: also each row's
-        error before the update (``TrainResult.row_errors``)."""
-        kw: dict = {"rows_id": rows} if self.distiller.takes_rows_id else {}
-        if row_errors:
-            kw["row_errors"] = True
-        return self.distiller.train_step(slots, x, target, **kw)
+        """The distiller's update; ``rows``: as in :meth:`predict` (the CPU distiller
+        compares the rows themselves); ``row_errors``: also each row's error before it."""
+        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
+        return self.distiller.train_step(slots, x, target, row_errors=row_errors, **kw)
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',

@@ -1,18 +1,14 @@
-"""The Triton kernels and their launchers (imported only where Triton is installed).
+"""The Triton kernels (imported only where Triton is installed); their launchers live in each
+op's module (``op_<op>.py``) and are re-exported here. Launchers read tensor metadata only (no
+host sync, no allocation; ``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first), so
+they can be captured in a CUDA graph once each kernel has compiled.
 
-The launchers (``<op>_launch``, and ``<op>`` to run one) live in each op's module
-(``op_<op>.py``) and are re-exported here. Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its
-own copy under ``TRITON_INTERPRET=1`` (the variable is read at decoration time) and run the
-very same launchers on CPU tensors. Launchers only read tensor metadata: no host sync, no
-allocation (``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first, one extra launch),
-so they can be captured in a CUDA graph once each kernel has compiled.
-
-The kernels call only Triton builtins and this module's own device helpers, no
-``@triton.jit`` library helpers (``tl.cdiv``, ``tl.zeros``): those are decorated when Triton
-is imported, which in a test process may be before ``TRITON_INTERPRET`` is set, and then
-cannot run under the interpreter. The device helpers are decorated again with the kernels,
-in the kernels' own scope (:func:`jit_kernels`), so they are interpreted whenever the
-kernels are."""
+Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its own
+copy under ``TRITON_INTERPRET=1`` (read at decoration time) and run the very same launchers
+on CPU tensors. For that they call only Triton builtins and this module's device helpers,
+which are decorated again with the kernels, in their scope: a ``@triton.jit`` library helper
+(``tl.cdiv``, ``tl.zeros``) is decorated when Triton is imported, possibly before the
+variable is set, and then cannot run under the interpreter."""
 
 from __future__ import annotations
 
