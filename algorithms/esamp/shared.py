@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.slots import SlotDistiller
 from tllm_core import Counters
 
 if TYPE_CHECKING:  # both need pydantic, which the GPU image lacks (gpu_smoke.py)
@@ -41,26 +41,17 @@ class Shared:
         """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
         return self.on_cuda or self.distiller.asynchronous
 
+    def rows_kw(self, rows: object) -> dict:
+        """The keyword naming the rows (their :func:`rows_id`) for a distiller that takes it:
+        the CUDA distiller keeps a prediction's forward for the update of the same rows (the
+        CPU one compares the rows themselves)."""
+        return {"rows_id": rows} if self.distiller.takes_rows_id else {}
+
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
         """The distiller's prediction; with init 'zero_output' the blocks' residual sum
-        alone (the input subtracted), so an untrained distiller predicts 0. ``rows``: the
-        rows' :func:`rows_id` (the CUDA distiller keeps the forward for their update)."""
-        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
-        f = self.distiller.predict(slots, x, **kw)
+        alone (the input subtracted), so an untrained distiller predicts 0."""
+        f = self.distiller.predict(slots, x, **self.rows_kw(rows))
         return f - x.float() if self.zero_out and not self.distiller.zero_output else f
-
-    def train_step(
-        self,
-        slots: torch.Tensor,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        rows: object = None,
-        row_errors: bool = False,
-    ) -> TrainResult:
-        """The distiller's update; ``rows``: as in :meth:`predict` (the CPU distiller
-        compares the rows themselves); ``row_errors``: also each row's error before it."""
-        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
-        return self.distiller.train_step(slots, x, target, row_errors=row_errors, **kw)
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
