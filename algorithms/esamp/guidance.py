@@ -19,7 +19,6 @@ from algorithms.esamp.kernels import candidate_dot
 
 if TYPE_CHECKING:
     from algorithms.esamp.guide_workspace import GuideWorkspace
-    from tllm_core.api.candidates import TopCandidates
 
 
 def take(
@@ -196,84 +195,33 @@ def fit_scale(err: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 
 def candidate_shift(
-    rows: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor, new: torch.Tensor, n_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How a mix moved each row's candidate distribution. Entries ``(rows[j], tokens[j])``
-    with logits ``ref[j]`` before and ``new[j]`` after (rows in ``0..n_rows-1``). Returns per
-    row: total-variation distance between softmax(ref) and softmax(new) over its candidates,
-    the top token before, the top token after, the number of candidates (rows without
-    candidates: 0, -1, -1, 0)."""
-    ref, new = ref.float(), new.float()
-
-    def softmax(x: torch.Tensor) -> torch.Tensor:
-        mx = torch.full((n_rows,), float("-inf"), device=x.device)
-        mx = mx.scatter_reduce(0, rows, x, "amax")
-        e = torch.exp(x - mx[rows])
-        s = torch.zeros(n_rows, device=x.device).index_add_(0, rows, e)
-        return e / s[rows]
-
-    def top(x: torch.Tensor) -> torch.Tensor:
-        mx = torch.full((n_rows,), float("-inf"), device=x.device)
-        mx = mx.scatter_reduce(0, rows, x, "amax")
-        # Lowest-index entry reaching the row max (ties: the first candidate).
-        pos = torch.arange(x.numel(), device=x.device)
-        hit = torch.where(x == mx[rows], pos, torch.full_like(pos, x.numel()))
-        first = torch.full((n_rows,), x.numel(), device=x.device, dtype=torch.long)
-        first = first.scatter_reduce(0, rows, hit, "amin")
-        tok = torch.full((n_rows,), -1, device=x.device, dtype=torch.long)
-        ok = first < x.numel()
-        tok[ok] = tokens[first[ok]].long()
-        return tok
-
-    tv = torch.zeros(n_rows, device=ref.device).index_add_(
-        0, rows, (softmax(ref) - softmax(new)).abs()
-    )
-    count = torch.zeros(n_rows, device=ref.device, dtype=torch.long).index_add_(
-        0, rows, torch.ones_like(rows)
-    )
-    return tv / 2, top(ref), top(new), count
-
-
-def shift_into(
-    ws: GuideWorkspace,
-    top: TopCandidates,
-    new: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
     live: torch.Tensor,
-    idx: torch.Tensor,
-    rec: torch.Tensor,
-) -> None:
-    """:func:`candidate_shift` on the fixed ``[R, k]`` grid of the workspace (nothing
-    allocated): each view row's ``live`` candidates (``top.logits`` before, ``new`` after),
-    the guided rows' values (in ``idx`` order) into ``rec``'s columns candidates, top_ref,
-    top_new, tv. Rows without live candidates get garbage there and a count of 0 (not
-    recorded). Sums in another order than :func:`candidate_shift`: tv may differ in its last
-    bits."""
-    r = top.tokens.shape[0]
-    rows = ws.take("dg_rows", r)
-    torch.sum(live, -1, out=ws.take("dg_cnt", r))
-    rows[:, 1].copy_(ws.parts["dg_cnt"][:r])
-    p = _probs(ws, top.logits, live, "dg_p")
-    rows[:, 2:3].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
-    q = _probs(ws, new, live, "dg_q")
-    rows[:, 3:4].copy_(_top_token(ws, ws.take("dg_x", r), top.tokens))
-    torch.sum(p.sub_(q).abs_(), -1, out=rows[:, 4]).div_(2)
-    n = idx.numel()
-    torch.index_select(rows[:, 1:5], 0, idx, out=ws.take("dg_sel", n))
-    rec[:n, 1:5].copy_(ws.take("dg_sel", n))
+    tokens: torch.Tensor | None = None,
+    ws: GuideWorkspace | None = None,
+) -> torch.Tensor:
+    """How a mix moved each row's distribution over its ``live`` candidates (logits
+    ``before`` and ``after``, ``[R, k]``): fp32 ``[R, 4]`` columns: the number of candidates,
+    the top token before and after (the first of ties; ``tokens [R, k]``: the entries' ids,
+    else the column) and the total-variation distance between the two softmaxes. A row
+    without live candidates counts 0 (its other values mean nothing). With ``ws`` every
+    temporary is a view of the workspace."""
+    (r, k), dev, f32 = before.shape, before.device, torch.float32
+    out = take(ws, "dg_rows", (r, 4), f32, dev)
+    out[:, 0].copy_(torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev)))
+    ninf = torch.full((), float("-inf"), device=dev) if ws is None else ws.parts["ninf"]
 
+    def probs(x: torch.Tensor, part: str, col: int) -> torch.Tensor:
+        xm = torch.where(live, x, ninf, out=take(ws, "dg_x", (r, k), f32, dev))
+        top = torch.argmax(xm, -1, keepdim=True, out=take(ws, "dg_arg", (r, 1), torch.long, dev))
+        if tokens is not None:
+            top = torch.gather(tokens, 1, top, out=take(ws, "dg_tok", (r, 1), torch.long, dev))
+        out[:, col : col + 1].copy_(top)
+        mx = torch.amax(xm, -1, keepdim=True, out=take(ws, "dg_mx", (r, 1), f32, dev))
+        e = torch.sub(xm, mx, out=take(ws, part, (r, k), f32, dev)).exp_()
+        return e.div_(torch.sum(e, -1, keepdim=True, out=take(ws, "dg_s", (r, 1), f32, dev)))
 
-def _probs(ws: GuideWorkspace, x: torch.Tensor, live: torch.Tensor, out: str) -> torch.Tensor:
-    """Softmax of each row's ``live`` entries of ``x [R, k]`` (0 elsewhere) into part
-    ``out``; the masked logits stay in ``dg_x``."""
-    r = x.shape[0]
-    xm = torch.where(live, x, ws.parts["ninf"], out=ws.take("dg_x", r))
-    mx = torch.amax(xm, -1, keepdim=True, out=ws.take("dg_mx", r))
-    e = torch.exp(torch.sub(xm, mx, out=ws.take(out, r)), out=ws.take(out, r))
-    return e.div_(torch.sum(e, -1, keepdim=True, out=ws.take("dg_s", r)))
-
-
-def _top_token(ws: GuideWorkspace, xm: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Each row's token of highest masked logit (the first of ties), ``[R, 1]``."""
-    r = xm.shape[0]
-    arg = torch.argmax(xm, -1, keepdim=True, out=ws.take("dg_arg", r))
-    return torch.gather(tokens, 1, arg, out=ws.take("dg_tok", r))
+    p, q = probs(before, "dg_p", 1), probs(after, "dg_q", 2)
+    torch.sum(p.sub_(q).abs_(), -1, out=out[:, 3]).div_(2)
+    return out

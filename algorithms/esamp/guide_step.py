@@ -31,6 +31,7 @@ from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
     candidate_dist,
+    candidate_shift,
     f_noise_prediction,
     mix_candidates,
     mix_full_vocab_logits,
@@ -38,7 +39,6 @@ from algorithms.esamp.guidance import (
     mixed_rows,
     noise_prediction,
     relative_error,
-    shift_into,
     take,
 )
 from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
@@ -241,24 +241,26 @@ class HostGuide(Guide):
 
     def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
         # Sparse: the dist logits of the surviving candidates only, written back entry by
-        # entry (no pass over the vocabulary beyond finding the candidates).
+        # entry (no pass over the vocabulary beyond finding the candidates; unchanged
+        # entries are written as they are).
         view = rows.view
         over.zero_()
         cand = view.candidates()
-        p_row, row_live = f_positions(len(view.rows), rows.idx, rows.mixed)
-        p, live = p_row[cand.rows], row_live[cand.rows]
-        entries = live.nonzero().squeeze(1) if rec else torch.arange(len(p), device=p.device)
-        p, live = p[entries], live[entries]
-        ref = cand.logits[entries]
-        if ref.numel() == 0:
+        if cand.logits.numel() == 0:
             return
-        tokens = cand.tokens[entries]
-        dist = candidate_dist(rows.f, p, tokens, self.weight, self.head)
-        temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
+        p_row, row_live = f_positions(len(view.rows), rows.idx, rows.mixed)
+        p, live, ref = p_row[cand.rows], row_live[cand.rows], cand.logits
+        dist = candidate_dist(rows.f, p, cand.tokens, self.weight, self.head)
+        temp = view.temperature.to(ref.device).float()[cand.rows]
         new = torch.where(live, mix_candidates(ref, dist, rows.betas[p], temp), ref)
-        if rec:
-            self.diagnostics.record_shift(*rec, tokens, ref, new, p, rows.betas)
-        view.update_candidates(entries, new)  # unchanged entries are written as they are
+        before = view.logits[rows.idx].float() if rec else None
+        view.update_candidates(torch.arange(len(p), device=p.device), new)
+        if rec:  # diagnostics: the shift of the mixed rows' candidates, in dense rows
+            ages, rel = rec
+            live_rows = torch.gt(before, float("-inf")).logical_and_(rows.mixed[:, None])
+            shift = candidate_shift(before, view.logits[rows.idx].float(), live_rows)
+            ring = torch.cat([rel[:, None], shift, rows.betas[:, None]], 1)
+            self.diagnostics.add_shift(ages, ring.tolist())
 
     def mix_full(self, rows: Rows) -> None:
         view, idx = rows.view, rows.idx
@@ -370,8 +372,10 @@ class CudaGuide(Guide):
         new = mix_candidates(top.logits, dist.view(r, k), beta, temp, ws)
         live = torch.logical_and(row_live[:, None], top.valid, out=ws.take("live_k", r))
         torch.where(live, new, top.logits, out=new)
-        if rec is not None:
-            shift_into(ws, top, new, live, rows.idx, rec)
+        if rec is not None:  # diagnostics: the guided rows' candidate shift into the ring
+            shift = candidate_shift(top.logits, new, live, top.tokens, ws)
+            n = rows.idx.numel()
+            rec[:n, 1:5].copy_(torch.index_select(shift, 0, rows.idx, out=ws.take("dg_sel", n)))
         view.update_top_candidates(top, new, drop_rest=row_live)
         torch.sum(torch.mul(top.over_cap, row_live, out=ws.take("over", r)), 0, out=over)
 

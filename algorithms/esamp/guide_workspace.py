@@ -115,7 +115,7 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
             ("live_k", (r, k), torch.bool),
             ("over", (r,), torch.long),
         ]
-        if shape.diagnostics:  # the candidate shift per view row (guidance.shift_into)
+        if shape.diagnostics:  # the candidate shift per view row (guidance.candidate_shift)
             spec += [
                 *_parts("dg_x dg_p dg_q", (r, k), f32),
                 *_parts("dg_mx dg_s", (r, 1), f32),
