@@ -90,6 +90,10 @@ COUNTER_NAMES = (
 )
 
 
+# Config fields the memory plan takes as they are.
+_PLAN_FIELDS = ("intermediate_size", "num_blocks", "optimizer_stats", "mode", "diagnostics")
+
+
 class ESampRequest(RequestSettings):
     """Per-request settings: ``tllm_esamp_beta``."""
 
@@ -132,15 +136,11 @@ class ESampConsumer(Consumer):
             slots=slots,
             graph_rows=config.cuda_graph_max_rows,
             rows_per_step=config.cuda_rows_per_step,
-            intermediate_size=config.intermediate_size,
-            num_blocks=config.num_blocks,
             max_candidates=config.cuda_max_candidates,
-            optimizer_stats=config.optimizer_stats,
             moment_bytes=2 if config.cuda_adam_moments == "bfloat16" and on_gpu else 4,
-            mode=config.mode,
             dtype=model.dtype,
             noise=config.ablation in NOISE_ABLATIONS,
-            diagnostics=config.diagnostics,
+            **{name: getattr(config, name) for name in _PLAN_FIELDS},
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.
