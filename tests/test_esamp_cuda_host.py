@@ -276,8 +276,9 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
     forward reads back the same activations."""
     kernels = interpreted_kernels()
     from algorithms.esamp.kernels import triton_impl
-    from algorithms.esamp.mlp import forward_acts, saved_forward
-    from algorithms.esamp.params import DistillerShape, block_weights, init_params
+    from algorithms.esamp.mlp import forward_slots, saved_forward
+    from algorithms.esamp.params import DistillerShape, init_params
+    from algorithms.esamp.slot_ops import slot_matmul
 
     shape = DistillerShape(H, INTER, 2)
     theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(3)])
@@ -285,15 +286,14 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
     xp = torch.randn(3, 5, H)
     xp[1] = 0
 
-    def mm(x, w, transpose_w, out=None):
-        out = torch.empty(*x.shape[:2], w.shape[1 if transpose_w else 2]) if out is None else out
+    def mm(x, w, transpose_w, out=None, add=None):
+        out = slot_matmul(x, w, gs, transpose_w) if out is None else out  # (its shape)
         triton_impl.slot_matmul(
-            x, w, gs, out, transpose_w, "ieee", 1, kernels=kernels, block_n=16, block_k=16
+            x, w, gs, out, transpose_w, "ieee", 1, add, kernels=kernels, block_n=16, block_k=16
         )
         return out
 
-    weights = block_weights(theta, shape)
-    h, acts = forward_acts(weights, xp, mm)
+    h, acts = forward_slots(theta, shape, xp, mm)
     flat = torch.full((2 * 3 * 5 * (H + 4 * INTER) + 7,), float("nan"))
     bufs, at = [], 7  # an odd offset, as a layout's views may have
     for _ in range(2):
@@ -302,7 +302,7 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
             block.append(flat[at : at + 15 * width].view(3, 5, width))
             at += 15 * width
         bufs.append(tuple(block))
-    h_kept, acts_kept = forward_acts(weights, xp, mm, out=bufs)
+    h_kept, acts_kept = forward_slots(theta, shape, xp, mm, out=bufs)
     h_read, acts_read = saved_forward(xp, bufs)
     assert torch.equal(h_kept, h) and torch.equal(h_read, h)
     for got in (acts_kept, acts_read):

@@ -61,11 +61,11 @@ def test_the_gather_dot_kernel_is_compiled_with_the_consumer(mode, monkeypatch):
     second of host time) is not in the first guided step."""
     import esamp_steps
 
-    from algorithms.esamp import factory, guide_cuda
+    from algorithms.esamp import factory, guide_step
     from tllm_core.testing.fake_cuda import FakeCuda
 
     calls = []
-    monkeypatch.setattr(guide_cuda, "candidate_dot", lambda *a: calls.append(a[2].numel()))
+    monkeypatch.setattr(guide_step, "candidate_dot", lambda *a: calls.append(a[2].numel()))
     monkeypatch.setattr(factory, "uses_gpu_path", lambda device: True)
     with FakeCuda() as fc:
         c = esamp_steps.consumer(fc.device, 8, 16, True, mode=mode)

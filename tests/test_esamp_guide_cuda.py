@@ -1,5 +1,5 @@
-"""ESamp's two guidance strategies (``algorithms/esamp/guide_step.py``'s ``HostGuide``:
-allocating, exact candidate search; ``algorithms/esamp/guide_cuda.py``'s ``CudaGuide``: every
+"""ESamp's two guidance strategies (``algorithms/esamp/guide_step.py``: ``HostGuide``,
+allocating, exact candidate search; ``CudaGuide``, every
 temporary in the preallocated workspace, fixed-size candidate search), picked at construction
 (``ESampConsumer(..., cuda_path=)``), run on CPU: both against the spec's mix written out here,
 and against each other bit for bit over both mixing modes, latent and logits mixes,
@@ -18,8 +18,7 @@ from test_esamp_math import INTER, H, V, _filtered_logits
 from algorithms.esamp import guide_workspace
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
-from algorithms.esamp.guide_cuda import CudaGuide
-from algorithms.esamp.guide_step import HostGuide
+from algorithms.esamp.guide_step import CudaGuide, HostGuide
 from tllm_core.api.bundles import Bundle, GuideView
 from tllm_core.api.consumer import ConsumerContext, ModelInfo
 from tllm_core.api.ports import resolve_layer

@@ -11,7 +11,7 @@ from test_esamp_math import INTER, Fake, H, _dense_inputs, _filtered_logits
 from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import f_noise_prediction
-from algorithms.esamp.objective import loss_denominator
+from algorithms.esamp.kernels.op_loss_dy import loss_denominator
 from algorithms.esamp.params import block_weights
 from tllm_core.api.bundles import Bundle
 

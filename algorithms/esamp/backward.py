@@ -56,21 +56,15 @@ def fused_backward(
     precision: str = "ieee",
 ) -> tuple[list[Factor], torch.Tensor]:
     """:func:`backward_factors` in fewer launches (the update graph's), for a ``mm`` that
-    takes ``[S, 2, ., .]`` weights and ``add=`` (as :func:`~algorithms.esamp.mlp.
-    forward_slots`): per block the product with ``down``, one
-    :func:`~algorithms.esamp.kernels.block_backward` (``da``, ``du`` and the block's share
-    of the norm) and one product carrying the gradient to the block's input (``dy + da @
-    gate + du @ up``). ``dys [NB, B, M, H]``: ``dys[-1]`` holds the loss's gradient at the
-    output; block ``b``'s output gradient is written to ``dys[b]``.
-
-    Returns the factors and the norm parts ``[B, NB * T]`` (a group's squared gradient norm
-    is the sum of its row: :func:`~algorithms.esamp.kernels.update_tail` sums it). Factors:
-    block :data:`ALL_BLOCKS` (where the activations allow: :func:`~algorithms.esamp.mlp.
-    stack_view`) stands for every block at once (:func:`factor_weights`): down ``(dys as [B,
-    NB, M, H], p [B, NB, M, I])``; matrix :data:`GATE_UP` for gate and up together, ``A =
-    [B, 2 NB, M, I]`` (gate of every block, then up) with ``B`` each block's input ``[B,
-    NB, M, H]`` (matrix ``e`` uses ``B[:, e % NB]``); per block ``A = [B, 2, M, I]`` and
-    ``B`` the block's input."""
+    takes ``[S, 2, ., .]`` weights and ``add=`` (as :func:`~algorithms.esamp.mlp.forward_slots`):
+    per block the product with ``down``, one :func:`~algorithms.esamp.kernels.block_backward`
+    and one product carrying the gradient to the block's input. ``dys [NB, B, M, H]``:
+    ``dys[-1]`` holds the loss's gradient at the output; block ``b``'s output gradient is
+    written to ``dys[b]``. Returns the factors and the norm parts ``[B, NB * T]`` (summed by
+    :func:`~algorithms.esamp.kernels.update_tail`). Where the activations are equally spaced
+    (:func:`~algorithms.esamp.mlp.stack_view`) a factor of block :data:`ALL_BLOCKS` stands for
+    every block at once, and matrix :data:`GATE_UP` for gate and up together
+    (:func:`factor_weights` gives their weights)."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     nb, groups, rows, _ = dys.shape

@@ -90,6 +90,10 @@ COUNTER_NAMES = (
 )
 
 
+# Config fields the memory plan takes as they are.
+_PLAN_FIELDS = ("intermediate_size", "num_blocks", "optimizer_stats", "mode", "diagnostics")
+
+
 class ESampRequest(RequestSettings):
     """Per-request settings: ``tllm_esamp_beta``."""
 
@@ -132,15 +136,11 @@ class ESampConsumer(Consumer):
             slots=slots,
             graph_rows=config.cuda_graph_max_rows,
             rows_per_step=config.cuda_rows_per_step,
-            intermediate_size=config.intermediate_size,
-            num_blocks=config.num_blocks,
             max_candidates=config.cuda_max_candidates,
-            optimizer_stats=config.optimizer_stats,
             moment_bytes=2 if config.cuda_adam_moments == "bfloat16" and on_gpu else 4,
-            mode=config.mode,
             dtype=model.dtype,
             noise=config.ablation in NOISE_ABLATIONS,
-            diagnostics=config.diagnostics,
+            **{name: getattr(config, name) for name in _PLAN_FIELDS},
         )
         # Checked before anything is allocated: a plan that does not fit is refused here,
         # with its numbers, instead of failing later for lack of KV cache.
@@ -198,18 +198,9 @@ class ESampConsumer(Consumer):
             self.trainer.prune_losses()
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
-        """This request's decode rows the distiller trained on, in order: ``positions`` and
-        ``prediction_error`` (not ``error``: that key marks a failed result), each row's
-        prediction error before the update it took part in: the
-        squared L2 distance between the distiller's prediction ``f(h_1)`` and the target
-        ``h_L`` (the final hidden state by default), summed over hidden dimensions and
-        divided by the hidden size with ``loss_reduction: "mean"`` (the default; not with
-        ``"sum"``). That is the row's term of the training loss: a group's loss at a step
-        is the mean of its rows' errors. The prediction is the one the guidance mixed at
-        that step (strict staleness: the distiller as trained through the step before).
-        Rows not trained on have none (prefill, recomputed, past the group cap, mixed
-        batches with ``skip_mixed_batches``, a frozen distiller). Where the rows of the
-        request may still be in flight (queued updates) their results are waited for."""
+        """This request's decode rows the distiller trained on: ``positions`` and each row's
+        ``prediction_error`` before its update (docs/consumers/esamp.md, "Results with the
+        completion"); updates still queued with its rows are waited for."""
         if self.returned.waits_for(request.engine_id):
             self.trainer.flush()
         return self.returned.take(request)
@@ -239,14 +230,6 @@ class ESampConsumer(Consumer):
         self.distiller.close()
 
     # -- what the command prints and the report shows (algorithms/esamp/report.py) ---------
-    @classmethod
-    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.summary(counters, result)
-
-    @classmethod
-    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.warnings(counters, result)
-
-    @classmethod
-    def report_plots(cls, counters: dict[str, Any], result: Any) -> list:
-        return report.plots(counters, result)
+    summary = staticmethod(report.summary)
+    summary_warnings = staticmethod(report.warnings)
+    report_plots = staticmethod(report.plots)

@@ -20,17 +20,11 @@ from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 class GroupedDistiller(SlotDistiller):
     """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
-    see :mod:`algorithms.esamp.cuda` for the stream/graph version).
-
-    With ``side_thread=True`` training steps and slot resets run on a
-    :class:`~algorithms.esamp.side_thread.SideThread`, in order; every method that reads the
-    state (``predict``, ``synchronize``, growth) first waits for them, so a prediction always
-    sees every update submitted before it (strict staleness, measured by
-    :meth:`staleness_max`).
-
-    A prediction keeps its forward activations; a train step on the same rows with the
-    parameters unchanged since (the usual ESamp step: predict in the sampler, then train on
-    those rows) reuses them instead of running the forward again.
+    :mod:`algorithms.esamp.cuda` is the CUDA one). With ``side_thread=True`` train steps and
+    slot resets run in order on a :class:`~algorithms.esamp.side_thread.SideThread`, and
+    whatever reads the state waits for them first (strict staleness, measured by
+    :meth:`staleness_max`). A train step on the rows and parameters of the last prediction
+    (the usual ESamp step) reuses its forward.
     """
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):

@@ -1,28 +1,13 @@
-"""CUDA path of the grouped distiller: same math and interface as the CPU class, but
-
-- everything is allocated at construction: the consumer is built inside vLLM's
-  ``load_model``, before vLLM profiles memory and sizes the KV cache, so the slots'
-  parameters and Adam state (a fixed ``capacity``: this distiller never grows), the packed
-  input buffers, the side stream's cuBLAS workspace and the graphs' pool are accounted for
-  (:mod:`algorithms.esamp.memory_plan`);
-- prediction and update read only the step's slots (slot-indexed products,
-  :mod:`algorithms.esamp.slot_ops`) from fixed packed buffers of ``capacity x graph rows``
-  rows, so each is one CUDA graph per layout of those rows (:mod:`algorithms.esamp.cuda_plan`),
-  captured at construction. A failed capture is counted (``graph_failures``) and logged;
-  the same code then runs eagerly on the same buffers;
-- a call's host work is the row plan (numpy), one pinned copy of it and the replays; the
-  rows themselves are copied into the packed buffers by the graph. Both run on a side
-  stream ordered against the main stream with CUDA events only: no host wait;
-- update results are logged on the device and read back in the background
-  (:mod:`algorithms.esamp.cuda_results`);
-- the prediction keeps its forward's activations in static buffers; an update of the same
-  rows with the same parameters (the caller says so with a ``rows_id``, checked against the
-  last prediction's packing and the state's version) replays a graph without the forward
-  ("train_reuse"): it does not read the weights a second time for it.
-
-Ordering: every predict and train is enqueued on the one side stream, so a prediction always
-sees every update enqueued before it (strict staleness; measured on the device). Importing
-this module needs no GPU.
+"""CUDA path of the grouped distiller: the CPU class's math and interface, with everything
+allocated and every graph captured at construction (inside vLLM's ``load_model``, so vLLM's
+memory profile sees it; a fixed ``capacity``), only the step's slots read, one pinned copy
+of the row plan per call (:mod:`algorithms.esamp.cuda_plan`), graph replays on a side stream
+ordered against the main stream by events only (no host wait), results read back in the
+background (:mod:`algorithms.esamp.cuda_results`) and the prediction's forward kept for the
+update of the same rows (``rows_id``). A failed capture is counted (``graph_failures``) and
+the same code runs eagerly. Every predict and train is enqueued on the one side stream, so a
+prediction sees every update enqueued before it (strict staleness, measured on the device).
+The design: docs/consumers/esamp.md, "On a GPU". Importing this module needs no GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +18,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from algorithms.esamp import kernels
@@ -49,8 +33,8 @@ from algorithms.esamp.cuda_plan import (
 )
 from algorithms.esamp.cuda_results import Pending, ResultLog
 from algorithms.esamp.graph_update import train_groups
+from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.objective import loss_per_row
 from algorithms.esamp.packing import make_packing
 from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 from algorithms.esamp.slots import SlotDistiller, TrainResult
@@ -130,12 +114,11 @@ class CudaGroupedDistiller(SlotDistiller):
         # The forward (the prediction's, kept for the update of the same rows): per block
         # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
         self.acts = torch.zeros(nb * 4 * t * i, device=dev)
-        # (rows_id, version, packed slots, row groups, layout) of the last prediction, whose
-        # forward self.acts holds; None: none to reuse.
+        # The _key of the last prediction, whose forward self.acts holds (None: none).
         self._predicted: tuple | None = None
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
         self._plans = StagingRing(dev, _PLAN_BUFFERS, numel=plan_size(t, capacity))
-        self.results = ResultLog(512, capacity, self.hp.stats, dev)
+        self.results = ResultLog(capacity, self.hp.stats, dev)
         self._stats = torch.zeros(capacity, len(STATS), device=dev)
         self._copied = torch.cuda.Event()  # the last train step's rows are in the buffers
         self._graphs: dict[tuple[str, Layout], torch.cuda.CUDAGraph] = {}
@@ -379,28 +362,20 @@ class CudaGroupedDistiller(SlotDistiller):
                 self._send_plan(batch, pk, 0)
                 self._run("predict", batch.layout)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
-        if rows_id is not None and len(batches) == 1:  # several: the buffers hold the last
-            lay = batches[0].layout
-            self._predicted = (rows_id, self._version, pk.slots, pk.row_group, lay)
+        self._predicted = self._key(rows_id, pk, batches)
         # A view of the static output: valid until the next predict (the caller uses it
         # within the step).
         return self.y[: x.shape[0]]
 
-    def _reusable(self, pk, batches: list[Batch], rows_id: object) -> bool:
-        """Whether the buffers hold the forward this update needs: the last prediction was
-        on the rows ``rows_id`` names (the caller's word), in the same packing and layout,
-        and the parameters have not changed since (no update, reset or growth: the version)."""
-        p = self._predicted
-        if p is None or rows_id is None or len(batches) != 1:
-            return False
-        p_rows, version, p_slots, p_groups, lay = p
-        return (
-            p_rows == rows_id
-            and version == self._version
-            and lay == batches[0].layout
-            and np.array_equal(p_slots, pk.slots)
-            and np.array_equal(p_groups, pk.row_group)
-        )
+    def _key(self, rows_id: object, pk, batches: list[Batch]) -> tuple | None:
+        """What names the forward a prediction leaves in the buffers: the rows (the caller's
+        word), the parameters' version (an update, reset or growth changes it), the packing
+        and the layout; None where there is none to reuse (several batches: the buffers
+        hold the last)."""
+        if rows_id is None or len(batches) != 1:
+            return None
+        lay = batches[0].layout
+        return rows_id, self._version, pk.slots.tobytes(), pk.row_group.tobytes(), lay
 
     def train_step(
         self,
@@ -421,7 +396,8 @@ class CudaGroupedDistiller(SlotDistiller):
         self._check_live(pk)
         self._check_rows(max(x.shape[0], target.shape[0]))
         batches = split(pk.counts, self.layouts)
-        reuse = self._reusable(pk, batches, rows_id)
+        key = self._key(rows_id, pk, batches)
+        reuse = key is not None and key == self._predicted
         # Before the submission is counted: a prediction run for them reads no staleness.
         errors = self._row_errors(pk, batches, x, target, reuse) if row_errors else None
         self._predicted = None  # this update changes the parameters the forward used

@@ -19,6 +19,9 @@ import torch
 from algorithms.esamp.adam import STATS
 from tllm_core import HostCopyRing
 
+# Update results kept on the device between background copies.
+RESULT_ROWS = 512
+
 
 @dataclass
 class Pending:
@@ -39,7 +42,12 @@ class ResultLog:
     :class:`~tllm_core.HostCopyRing`: one copy may be in flight while the other is read."""
 
     def __init__(
-        self, rows: int, capacity: int, stats: bool, device: torch.device, every: int = 32
+        self,
+        capacity: int,
+        stats: bool,
+        device: torch.device,
+        rows: int = RESULT_ROWS,
+        every: int = 32,
     ):
         self.rows, self.every = rows, every
         self.losses = torch.zeros(rows, capacity, device=device)

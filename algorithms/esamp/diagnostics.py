@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 
-from algorithms.esamp.guidance import candidate_shift
 from tllm_core import Counters, HostCopyRing
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
-_DIAG_FIELDS = ("age", "rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
+# A guided row's values, in order (a DeviceRecords ring row; CudaGuide writes them).
+RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
+_INT_COLUMNS = ("candidates", "top_ref", "top_new")
+_DIAG_FIELDS = ("age", *RING_COLUMNS)
 
 
 class Diagnostics:
@@ -36,31 +38,13 @@ class Diagnostics:
                 self._err_age[age][0] += e
                 self._err_age[age][1] += 1
 
-    def record_shift(
-        self,
-        ages: list[int],
-        rel: torch.Tensor,
-        tokens: torch.Tensor,
-        ref: torch.Tensor,
-        new: torch.Tensor,
-        p: torch.Tensor,
-        betas: torch.Tensor,
-    ) -> None:
-        """One record per mixed row with candidates: ``tokens``/``ref``/``new`` are the
-        candidates' ids and logits before and after, ``p`` their row's position in
-        ``ages``."""
-        n = len(ages)
-        tv, top_ref, top_new, count = candidate_shift(p, tokens, ref, new, n)
-        cols = {
-            "age": ages,
-            "rel_err": rel.cpu().tolist(),
-            "candidates": count.cpu().tolist(),
-            "top_ref": top_ref.cpu().tolist(),
-            "top_new": top_new.cpu().tolist(),
-            "tv": tv.cpu().tolist(),
-            "beta": betas.cpu().tolist(),
-        }
-        self.add_records(cols)
+    def add_shift(self, ages: list[int], rows: list[list[float]]) -> None:
+        """Records of guided rows whose candidate shift was measured: one list per row in
+        :data:`RING_COLUMNS` order (rel_err, candidates, top_ref, top_new, tv, beta)."""
+        cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
+        for name in _INT_COLUMNS:
+            cols[name] = [int(v) for v in cols[name]]
+        self.add_records({"age": ages, **cols})
 
     def add_records(self, cols: dict[str, list]) -> None:
         """Keep the rows of ``cols`` (one list per field of _DIAG_FIELDS) that had
@@ -82,22 +66,13 @@ class Diagnostics:
         }
 
 
-# Columns of a DeviceRecords ring row, in order (guide_cuda writes them).
-RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
-_INT_COLUMNS = ("candidates", "top_ref", "top_new")
-
-
 class DeviceRecords:
     """CUDA: the diagnostics' per-row values of each guided step in ``ring [steps, rows,
-    len(RING_COLUMNS)]`` (fp32, on the device), handed to ``diagnostics`` as they reach the
-    host.
-
-    The ring is used in two halves: when one is full it is copied into pinned host memory
-    without waiting (an event records when) and the steps go on in the other; a copy that
-    has arrived is handed over at the next guided step. A step waits only if the other half's
-    copy has still not arrived when that half is needed again (``waits``; at ``steps / 2``
-    guided steps later, not expected). :meth:`read` (where a sync is paid anyway) hands over
-    everything."""
+    len(RING_COLUMNS)]`` (fp32, on the device), used in two halves: a full half is copied to
+    pinned host memory without a wait while the steps go on in the other, and handed to
+    ``diagnostics`` at a later step once arrived. A step waits only if a half's copy has not
+    arrived when it is needed again, ``steps / 2`` guided steps later (``waits``);
+    :meth:`read` (where a sync is paid anyway) hands over everything."""
 
     def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
         self.diagnostics = diagnostics
@@ -147,9 +122,6 @@ class DeviceRecords:
     def _hand(self, steps: list[tuple[list[int], bool]], values: list) -> None:
         for (ages, shift), rows in zip(steps, values, strict=False):
             rows = rows[: len(ages)]
-            cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
-            self.diagnostics.record_error(ages, cols["rel_err"])
+            self.diagnostics.record_error(ages, [r[0] for r in rows])
             if shift:
-                for name in _INT_COLUMNS:
-                    cols[name] = [int(v) for v in cols[name]]
-                self.diagnostics.add_records({"age": ages, **cols})
+                self.diagnostics.add_shift(ages, rows)

@@ -11,8 +11,7 @@ import torch
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
-from algorithms.esamp.guide_cuda import CudaGuide
-from algorithms.esamp.guide_step import Guide, HostGuide
+from algorithms.esamp.guide_step import CudaGuide, Guide, HostGuide
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
@@ -76,6 +75,12 @@ def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
         )
 
 
+# Config fields the distiller takes as they are.
+_DISTILLER_FIELDS = tuple(
+    "intermediate_size num_blocks lr eps grad_clip loss_reduction optimizer_stats seed".split()
+)
+
+
 def distiller_for(
     cfg: ESampConfig, hidden_size: int, device: torch.device, slots: int
 ) -> SlotDistiller:
@@ -101,17 +106,10 @@ def distiller_for(
             device,
             use_cuda_graph=cfg.use_cuda_graph,
             side_thread=not gpu and _use_side_thread(cfg.cpu_update),
-            intermediate_size=cfg.intermediate_size,
-            num_blocks=cfg.num_blocks,
-            lr=cfg.lr,
-            eps=cfg.eps,
-            grad_clip=cfg.grad_clip,
-            loss_reduction=cfg.loss_reduction,
-            optimizer_stats=cfg.optimizer_stats,
             # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts
             # the input (see Shared.predict / Shared.target).
             init="zero" if cfg.init == "zero_output" else cfg.init,
-            seed=cfg.seed,
+            **{name: getattr(cfg, name) for name in _DISTILLER_FIELDS},
             **extra,
         )
 

@@ -3,10 +3,8 @@ predicts, ``clamp(1 - e, 0, 1)`` of the group's recent relative error ``e``.
 
 The errors live on the device, one per distiller slot, and are updated there: a guided step
 reads nothing back (on CUDA a read would make the host wait for the GPU). A slot's error
-starts at 1 when a new group takes it (told by the group's serial, host-side).
-
-With the CUDA guidance's workspace (:mod:`algorithms.esamp.guide_workspace`) the same
-operations write into it: the step allocates nothing."""
+starts at 1 when a new group takes it (told by the group's serial, host-side). With the CUDA
+guidance's workspace every temporary is a view of it: the step allocates nothing."""
 
 from __future__ import annotations
 
@@ -15,46 +13,43 @@ import torch
 from algorithms.esamp.guidance import fit_scale, take
 from algorithms.esamp.guide_workspace import GuideWorkspace
 from algorithms.esamp.lifecycle import Group
-from algorithms.esamp.shared import host_to
 from tllm_core import Counters, DeviceSums
 
 
 class FitScale:
-    def __init__(self, decay: float, counters: Counters, ws: GuideWorkspace | None = None):
+    def __init__(
+        self,
+        decay: float,
+        counters: Counters,
+        device: torch.device,
+        ws: GuideWorkspace | None = None,
+    ):
         """``ws``: the CUDA guidance's workspace (the errors per slot and every temporary
         there), else the errors grow with the slots and temporaries are allocated."""
-        self.decay, self.counters, self.ws = decay, counters, ws
+        self.decay, self.counters, self.device, self.ws = decay, counters, device, ws
         # [slots] recent relative error
         self._err: torch.Tensor | None = None if ws is None else ws.parts["err"]
         self._serial: dict[int, int] = {}  # slot -> serial of the group whose error it holds
         self._n = 0
         self._sum = 0.0
-        self._pending: torch.Tensor | None = None  # scale sums not yet read (device)
-        # the workspace's scale sum, sent to the host without a wait
-        self._ws_sums = None if ws is None else DeviceSums(ws.parts["pending"])
+        # The scales' sum, sent to the host without a wait.
+        sums = torch.zeros((), device=device) if ws is None else ws.parts["pending"]
+        self._sums = DeviceSums(sums)
 
     def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
         """The slots a new group has taken since their error was last set (host-side:
         their error restarts at 1); records the groups as seen."""
+        if self.ws is None and (self._err is None or self._err.shape[0] <= max(slots)):
+            grown = torch.ones(max(max(slots) + 1, 8), device=self.device)
+            if self._err is not None:
+                grown[: self._err.shape[0]].copy_(self._err)
+            self._err = grown
         fresh = sorted(
             {s for s, g in zip(slots, groups, strict=True) if self._serial.get(s) != g.serial}
         )
         for s, g in zip(slots, groups, strict=True):
             self._serial[s] = g.serial
         return fresh
-
-    def __call__(self, slots: list[int], groups: list[Group], rel: torch.Tensor) -> torch.Tensor:
-        """:meth:`scale` of host values (without a workspace: the errors grow to the
-        slots)."""
-        dev, size = rel.device, max(slots) + 1
-        if self._err is None or self._err.shape[0] < size or self._err.device != dev:
-            grown = torch.ones(max(size, 8), device=dev)
-            if self._err is not None and self._err.device == dev:
-                grown[: self._err.shape[0]].copy_(self._err)
-            self._err = grown
-        fresh = torch.tensor(self.fresh(slots, groups), dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long)
-        return self.scale(host_to(slots_t, dev), host_to(fresh, dev), rel)
 
     def scale(self, slots: torch.Tensor, fresh: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
         """Each row's factor from its group's error average *before* this step; then the
@@ -84,23 +79,14 @@ class FitScale:
         torch.where(has, upd, err, out=err)
         self._n += n
         self.counters.add("fit_rows", n)
-        total = torch.sum(scale, 0, out=take(ws, "total", (), f32, dev))
-        if self._ws_sums is not None:
-            self._ws_sums.add(total)
-        else:
-            self._pending = total if self._pending is None else self._pending + total
+        self._sums.add(torch.sum(scale, 0, out=take(ws, "total", (), f32, dev)))
         return scale
 
     def read(self, wait: bool = True) -> None:
-        """Count fit_scale_mean from the device sums (on CPU after each call). The CUDA
-        path's sum goes to the host without waiting and is counted once there (``wait``:
-        everything now, a host wait where a sync is paid anyway)."""
-        if self._pending is not None and wait:
-            self._sum += float(self._pending)
-            self._pending = None
-        if self._ws_sums is not None:
-            self._ws_sums.send()
-            for (total,) in self._ws_sums.arrived(wait):
-                self._sum += total
+        """Count fit_scale_mean from the sums that reached the host (``wait``: all of them,
+        a host wait where a sync is paid anyway)."""
+        self._sums.send()
+        for (total,) in self._sums.arrived(wait):
+            self._sum += total
         if self._n:
             self.counters.set("fit_scale_mean", self._sum / self._n)

@@ -1,18 +1,9 @@
 """The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
-(the CUDA path replays it; the CPU path uses :mod:`algorithms.esamp.host_trainer`). The
-backward is written out (:mod:`algorithms.esamp.backward`) in a few fused kernels
-(:mod:`algorithms.esamp.kernels`: loss and its gradient, per block the elementwise backward
-with the Gram-matrix norm, the clip / finite check / step counts); each weight's clipped
-gradient is formed inside its Adam step (:mod:`algorithms.esamp.slot_ops`, Triton on CUDA),
-so no gradient is ever written to memory, and one Adam launch covers the same matrix of
-every block. On the kept forward the whole update is 9 launches at 2 blocks. Runs on any
-device (CPU: the kernels' PyTorch reference): the CPU tests check it against the CPU
-trainer's math.
-
-Over the step's groups only: packed group ``g`` trains slot ``group_slot[g]`` (``-1``: a
-padding group) directly in the stacked state, so nothing is gathered or scattered and slots
-without rows are not read. Groups with a non-finite loss or gradient keep their state bit for
-bit (``ok`` False)."""
+(the CUDA path replays it; the CPU path's faster form is :mod:`algorithms.esamp.host_trainer`).
+The backward is written out (:mod:`algorithms.esamp.backward`) on the kernels' ops, and each
+weight's clipped gradient is formed inside its Adam step (never written to memory). Runs on any
+device (CPU: the kernels' PyTorch reference), which is how the tests check it.
+"""
 
 from __future__ import annotations
 
@@ -45,28 +36,18 @@ def train_groups(
     forward: tuple[torch.Tensor, Activations] | None = None,
     precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adam step for every packed group with rows, written in place into its slot.
+    """One Adam step for every packed group with rows, in place in its slot of the stacked
+    ``theta``/``m``/``v`` ``[S, P]`` and ``step [S]``; returns ``(losses [G], updated [G])``.
 
-    ``theta``/``m``/``v`` ``[S, P]``, ``step`` ``[S]``; ``group_slot [G]`` (int64, ``-1``:
-    padding); ``xp``/``tp`` ``[G, M, H]`` hold group ``g``'s rows at ``[g, :count]``, ``mask
-    [G, M]`` marks them. Loss of a group: its summed ``(f(x) - target)^2`` over the loss
-    denominator (``hp.loss_reduction``). ``applied`` (int64 per slot, optional): incremented
-    for every group with rows once its update has been processed (applied, or skipped as
-    non-finite): what staleness is measured against. ``stats [G, len(STATS)]`` (optional,
-    with ``hp.stats``): written with each group's update statistics (NaN where not updated).
-    ``ops``: the slot operations (default :mod:`~algorithms.esamp.slot_ops`; the Triton ones
-    on CUDA). ``forward``: :func:`~algorithms.esamp.mlp.forward_acts` of these parameters
-    on ``xp``, already computed (the CUDA prediction's, kept for its update: the weights are
-    then not read for a forward). ``precision``: the Gram products' of the gradient norm
-    (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`). Returns ``(losses [G], updated
-    [G])``.
-
-    Launches: the forward (unless given; :func:`~algorithms.esamp.mlp.forward_slots`), one
-    for the loss and its gradient, per block the product with ``down``, the elementwise
-    backward with its share of the norm (:func:`~algorithms.esamp.backward.fused_backward`)
-    and (but the first block) the gradient carried to its input, one for norm / finite
-    check / clip / step counts, and two Adam kernels (gate and up of every block, down of
-    every block; per block where the activations are not equally spaced buffers).
+    ``group_slot [G]``: each packed group's slot (``-1``: padding, nothing read or written);
+    ``xp``/``tp`` ``[G, M, H]`` hold group ``g``'s rows where ``mask [G, M]`` marks them. A
+    group with a non-finite loss or gradient keeps its state bit for bit (``updated``
+    False). ``applied`` (per slot, optional): incremented for every group with rows, the
+    count staleness is measured against. ``stats [G, len(STATS)]`` (with ``hp.stats``): each
+    group's update statistics. ``ops``: the slot product and Adam (default
+    :mod:`~algorithms.esamp.slot_ops`). ``forward``: the prediction's forward of these
+    parameters on ``xp``, kept by the CUDA path (the weights are then not read for it).
+    ``precision``: the Gram products' (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`).
     """
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():

@@ -20,9 +20,6 @@ from algorithms.esamp.kernels import candidate_dot
 if TYPE_CHECKING:
     from algorithms.esamp.guide_workspace import GuideWorkspace
 
-# dist_fn(rows [N], tokens [N]) -> raw dist logits [N] for those (row, token) pairs.
-DistFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 def take(
     ws: GuideWorkspace | None,
@@ -55,25 +52,6 @@ def mix_candidates(
     new = torch.mul(one_b, ref, out=take(ws, "mix", tuple(ref.shape), f32, dev))
     scaled = torch.mul(dist, beta, out=take(ws, "dist", tuple(dist.shape), f32, dev))
     return new.sub_(scaled.div_(temperature))
-
-
-def mix_post_filter(
-    ref_logits: torch.Tensor, dist_fn: DistFn, beta: float, temperature: torch.Tensor
-) -> torch.Tensor:
-    """Mix on the surviving candidates only.
-
-    ``ref_logits [R, V]``: temperature-scaled, -inf for non-candidates. Candidates get
-    ``(1+beta)*ref - beta*dist/T``; non-candidates stay -inf. ``dist_fn`` is called once,
-    with exactly the candidate (row, token) pairs.
-    """
-    if beta == 0:
-        return ref_logits.clone()  # bit-identical: never touch the logits
-    rows, toks = torch.isfinite(ref_logits).nonzero(as_tuple=True)
-    out = torch.full_like(ref_logits, float("-inf"))
-    out[rows, toks] = mix_candidates(
-        ref_logits[rows, toks], dist_fn(rows, toks), beta, temperature[rows]
-    )
-    return out
 
 
 def _per_row(beta: torch.Tensor | float) -> torch.Tensor | float:
@@ -121,49 +99,23 @@ def mix_latent(
     return h.sub_(torch.mul(f_pred, b, out=take(ws, "fb", tuple(f_pred.shape), f32, dev)))
 
 
-def candidate_dist_fn(
+def candidate_dist(
     f_pred: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rows: torch.Tensor,
+    toks: torch.Tensor,
+    weight: torch.Tensor | None,
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
     dense_fraction: float = 0.25,
-) -> DistFn:
-    """Dist logits for candidate pairs from the prediction ``f_pred [R, H]``.
-
-    With a plain head ``weight [V, H]`` and a sparse candidate set, gathers
-    ``W[tokens] · f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`).
-    Otherwise (dense set, or a non-linear head given as ``lm_head``) projects the full
-    vocabulary once and gathers.
-    """
-    if weight is None and lm_head is None:
-        raise ValueError("need the head weight or the lm_head callable")
-
-    def fn(rows: torch.Tensor, toks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # ``out``: fp32 ``[N]`` to write the sparse form's result into (nothing allocated).
-        r, h = f_pred.shape
-        n = rows.numel()
-        if weight is not None and n <= dense_fraction * r * weight.shape[0]:
-            # One fused gather-dot (Triton on CUDA: each head row read once, nothing
-            # materialised; on CPU the PyTorch reference, ``chunk`` rows at a time).
-            if out is None:
-                out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
-            return candidate_dot(weight, f_pred.float(), rows, toks, out)
-        return full_dist_logits(f_pred, weight, lm_head)[rows, toks]
-
-    return fn
-
-
-def full_dist_logits(
-    f_pred: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Raw dist logits over the vocabulary ``[R, V]`` (fp32). ``lm_head`` (fp32 in, any dtype
-    out; it casts to the model dtype itself) is preferred: it is exactly the model's head."""
-    if lm_head is not None:
-        return lm_head(f_pred).float()
-    if weight is None:
-        raise ValueError("need the head weight or the lm_head callable")
-    return (f_pred.to(weight.dtype) @ weight.t()).float()
+    """Raw dist logits (fp32) of the candidate pairs ``(rows, toks)`` from the prediction
+    ``f_pred [R, H]``: with a plain head ``weight [V, H]`` and a sparse set, the gather-dot
+    ``W[toks] . f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`); otherwise the
+    model's ``lm_head`` (it casts to the model dtype itself) over the vocabulary, gathered."""
+    n = rows.numel()
+    if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
+        out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
+        return candidate_dot(weight, f_pred.float(), rows, toks, out)
+    return lm_head(f_pred).float()[rows, toks]
 
 
 def _unit_noise(
@@ -243,39 +195,33 @@ def fit_scale(err: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
 
 
 def candidate_shift(
-    rows: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor, new: torch.Tensor, n_rows: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How a mix moved each row's candidate distribution. Entries ``(rows[j], tokens[j])``
-    with logits ``ref[j]`` before and ``new[j]`` after (rows in ``0..n_rows-1``). Returns per
-    row: total-variation distance between softmax(ref) and softmax(new) over its candidates,
-    the top token before, the top token after, the number of candidates (rows without
-    candidates: 0, -1, -1, 0)."""
-    ref, new = ref.float(), new.float()
+    before: torch.Tensor,
+    after: torch.Tensor,
+    live: torch.Tensor,
+    tokens: torch.Tensor | None = None,
+    ws: GuideWorkspace | None = None,
+) -> torch.Tensor:
+    """How a mix moved each row's distribution over its ``live`` candidates (logits
+    ``before`` and ``after``, ``[R, k]``): fp32 ``[R, 4]`` columns: the number of candidates,
+    the top token before and after (the first of ties; ``tokens [R, k]``: the entries' ids,
+    else the column) and the total-variation distance between the two softmaxes. A row
+    without live candidates counts 0 (its other values mean nothing). With ``ws`` every
+    temporary is a view of the workspace."""
+    (r, k), dev, f32 = before.shape, before.device, torch.float32
+    out = take(ws, "dg_rows", (r, 4), f32, dev)
+    out[:, 0].copy_(torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev)))
+    ninf = torch.full((), float("-inf"), device=dev) if ws is None else ws.parts["ninf"]
 
-    def softmax(x: torch.Tensor) -> torch.Tensor:
-        mx = torch.full((n_rows,), float("-inf"), device=x.device)
-        mx = mx.scatter_reduce(0, rows, x, "amax")
-        e = torch.exp(x - mx[rows])
-        s = torch.zeros(n_rows, device=x.device).index_add_(0, rows, e)
-        return e / s[rows]
+    def probs(x: torch.Tensor, part: str, col: int) -> torch.Tensor:
+        xm = torch.where(live, x, ninf, out=take(ws, "dg_x", (r, k), f32, dev))
+        top = torch.argmax(xm, -1, keepdim=True, out=take(ws, "dg_arg", (r, 1), torch.long, dev))
+        if tokens is not None:
+            top = torch.gather(tokens, 1, top, out=take(ws, "dg_tok", (r, 1), torch.long, dev))
+        out[:, col : col + 1].copy_(top)
+        mx = torch.amax(xm, -1, keepdim=True, out=take(ws, "dg_mx", (r, 1), f32, dev))
+        e = torch.sub(xm, mx, out=take(ws, part, (r, k), f32, dev)).exp_()
+        return e.div_(torch.sum(e, -1, keepdim=True, out=take(ws, "dg_s", (r, 1), f32, dev)))
 
-    def top(x: torch.Tensor) -> torch.Tensor:
-        mx = torch.full((n_rows,), float("-inf"), device=x.device)
-        mx = mx.scatter_reduce(0, rows, x, "amax")
-        # Lowest-index entry reaching the row max (ties: the first candidate).
-        pos = torch.arange(x.numel(), device=x.device)
-        hit = torch.where(x == mx[rows], pos, torch.full_like(pos, x.numel()))
-        first = torch.full((n_rows,), x.numel(), device=x.device, dtype=torch.long)
-        first = first.scatter_reduce(0, rows, hit, "amin")
-        tok = torch.full((n_rows,), -1, device=x.device, dtype=torch.long)
-        ok = first < x.numel()
-        tok[ok] = tokens[first[ok]].long()
-        return tok
-
-    tv = torch.zeros(n_rows, device=ref.device).index_add_(
-        0, rows, (softmax(ref) - softmax(new)).abs()
-    )
-    count = torch.zeros(n_rows, device=ref.device, dtype=torch.long).index_add_(
-        0, rows, torch.ones_like(rows)
-    )
-    return tv / 2, top(ref), top(new), count
+    p, q = probs(before, "dg_p", 1), probs(after, "dg_q", 2)
+    torch.sum(p.sub_(q).abs_(), -1, out=out[:, 3]).div_(2)
+    return out

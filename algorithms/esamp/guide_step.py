@@ -2,27 +2,37 @@
 decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
 each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
 
-:class:`GuideStep` picks the rows; a strategy chosen at construction
-(:func:`algorithms.esamp.factory.guide_for`) mixes them with :mod:`~algorithms.esamp.guidance`'s
-math: :class:`HostGuide` (allocating, counters read at once) or
-:class:`~algorithms.esamp.guide_cuda.CudaGuide` (every temporary in a preallocated workspace,
-nothing read back in the step)."""
+:class:`GuideStep` picks the rows; :meth:`Guide.guide` runs the step on
+:mod:`~algorithms.esamp.guidance`'s math, with a strategy chosen at construction
+(:func:`algorithms.esamp.factory.guide_for`) for where its values live:
+
+- :class:`HostGuide`: temporaries allocated, the exact candidate set, counts added at once;
+- :class:`CudaGuide`: no device allocation and no host read in the step. Every temporary is
+  a view of the :class:`~algorithms.esamp.guide_workspace.GuideWorkspace` made with the
+  consumer (before vLLM sizes the KV cache), the step's host values go in one pinned copy,
+  post-filter mixes up to ``cuda_max_candidates`` candidates per row in fixed-size tensors
+  (those past it are dropped and counted), the whole-vocabulary mix runs over every view row
+  (rows not guided: beta 0); counts, 'fit' sums and diagnostics are summed on the device and
+  read where a sync is paid anyway. Without a plain head weight the model's head is called
+  (it allocates its ``[rows, vocab]`` output, logged at start).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from algorithms.esamp.diagnostics import Diagnostics
+from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
-    candidate_dist_fn,
+    candidate_dist,
+    candidate_shift,
     f_noise_prediction,
-    full_dist_logits,
     mix_candidates,
     mix_full_vocab_logits,
     mix_latent,
@@ -31,10 +41,11 @@ from algorithms.esamp.guidance import (
     relative_error,
     take,
 )
-from algorithms.esamp.guide_workspace import GuideWorkspace
+from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
+from algorithms.esamp.kernels import candidate_dot
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL
+from tllm_core import FINAL, DeviceSums
 
 if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
     from tllm_core import GuideView, ModelInfo, RequestInfo
@@ -45,6 +56,18 @@ log = logging.getLogger("tllm")
 NOISE_ABLATIONS = ("noise", "f_noise")
 # What a guided step counts, in order.
 GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
+
+
+@dataclass
+class Rows:
+    """The guided rows of one step, as the mixes read them."""
+
+    view: GuideView
+    idx: torch.Tensor  # their rows in the view
+    f: torch.Tensor  # the prediction the mix uses
+    betas: torch.Tensor
+    mixed: torch.Tensor  # a finite prediction and beta != 0
+    every: bool  # every view row, in order
 
 
 def f_positions(
@@ -60,26 +83,57 @@ def f_positions(
 
 
 class Guide:
-    """What both strategies hold: the fit, the noise generator, the head."""
+    """One guided step (:meth:`guide`); the strategies say where its values live."""
+
+    ws: GuideWorkspace | None = None  # the CUDA strategy's
 
     def __init__(
-        self,
-        shared: Shared,
-        groups: Groups,
-        model: ModelInfo,
-        diagnostics: Diagnostics | None,
-        ws: GuideWorkspace | None = None,
+        self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
     ):
         self.s, self.groups, self.model, self.diagnostics = shared, groups, model, diagnostics
         cfg = shared.cfg
-        fit = cfg.beta_schedule == "fit"
-        self.fit = FitScale(cfg.fit_decay, shared.counters, ws) if fit else None
+        self.fit = None
+        if cfg.beta_schedule == "fit":
+            self.fit = FitScale(cfg.fit_decay, shared.counters, model.device, self.ws)
         self.weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self.latent_ok = self.weight is not None and shared.tgt_key == FINAL
         # The front end's dry build runs on the meta device, which has no generator.
         gen_device = "cpu" if model.device.type == "meta" else model.device
         self.noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
+
+    def guide(
+        self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
+    ) -> None:
+        """Guide view rows ``sel`` (their groups' distiller ``slots``, their betas)."""
+        ws, r = self.ws, len(view.rows)
+        groups = [self.groups.by_slot[x] for x in slots]
+        fresh = [] if self.fit is None else self.fit.fresh(slots, groups)
+        idx, betas, slots_t, fresh_t = self.stage(view, sel, slots, host_betas, fresh)
+        f, rel = self.predict(view, sel, slots, lambda t, part: select_rows(t, sel, idx, ws, part))
+        if self.fit is not None:
+            betas.mul_(self.fit.scale(slots_t, fresh_t, rel))
+        post_filter = self.post_filter(view)
+        rec = self.record([g.age for g in groups], rel, betas, post_filter and any(host_betas))
+        if not any(host_betas):
+            return  # nothing written: vLLM's own sampling call goes on
+        dev = view.logits.device
+        # The view counts what its writes really change; ESamp's rows_guided and
+        # candidates_guided are that count, per consumer (the runtime's are totals).
+        before = take(ws, "before", (r,), torch.long, dev).copy_(view.changed_per_row())
+        counts = take(ws, "counts", (3,), torch.long, dev)
+        every = len(sel) == r and sel[-1] == r - 1
+        rows = Rows(view, idx, f, betas, mixed_rows(f, betas, ws), every)
+        if post_filter:
+            self.mix_candidates(rows, counts[2], rec)
+        else:
+            counts[2].zero_()
+            self.mix_full(rows)
+        delta = torch.sub(view.changed_per_row(), before, out=before)
+        changed = torch.gt(delta, 0, out=take(ws, "dmask", (r,), torch.bool, dev))
+        torch.sum(changed, 0, out=counts[0])
+        torch.sum(delta, 0, out=counts[1])
+        self.add_counts(counts)
 
     def post_filter(self, view: GuideView) -> bool:
         mode = self.s.cfg.mode
@@ -91,12 +145,11 @@ class Guide:
         sel: list[int],
         slots: list[int],
         rows: Callable[[torch.Tensor, str], torch.Tensor],
-        ws: GuideWorkspace | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prediction the mix uses for view rows ``sel`` (``rows(t, part)``: their rows
         of ``t``, in the workspace's ``part``): ``f(h_1)`` or, with a noise ablation, its
         stand-in; and with 'fit' or diagnostics each row's relative error of ``f(h_1)``."""
-        s, ablation = self.s, self.s.cfg.ablation
+        s, ablation, ws = self.s, self.s.cfg.ablation, self.ws
         f = f_real = s.predict(
             torch.tensor(slots, dtype=torch.long),
             rows(view.hidden(s.src_key), "x"),
@@ -123,106 +176,235 @@ class Guide:
             self.s.counters.add("latent_fallback_rows", n)
         return self.latent_ok
 
-    def guide(self, view: GuideView, sel: list[int], slots: list[int], betas: list[float]) -> None:
-        """Guide view rows ``sel`` (their groups' distiller ``slots``, their ``betas``)."""
-        raise NotImplementedError
-
     def read(self, wait: bool) -> list[int] | None:
         """The guided counts not yet counted (``GUIDED_COUNTERS``), if any."""
         if self.fit is not None:
             self.fit.read(wait)
         return None
 
+    # -- the strategy's part ---------------------------------------------------------------
+    def stage(
+        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's host values on the device: ``(idx, betas, slots, fresh)``."""
+        raise NotImplementedError
+
+    def record(
+        self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
+    ) -> object:
+        """Diagnostics: the rows' relative errors by group age; returns what
+        :meth:`mix_candidates` records the candidate shift with (``shift``) or None."""
+        raise NotImplementedError
+
+    def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
+        """Post-filter: the mix on the candidates of the ``mixed`` rows (the others keep
+        their logits); the candidates dropped into ``over``."""
+        raise NotImplementedError
+
+    def mix_full(self, rows: Rows) -> None:
+        """The whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else
+        two projections; the other rows keep their logits."""
+        raise NotImplementedError
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        """This step's counts, ``GUIDED_COUNTERS`` in order."""
+        raise NotImplementedError
+
 
 class HostGuide(Guide):
-    """The allocating strategy: exact candidate search, counters read every step."""
+    """Temporaries allocated, the exact candidate set, counts added at once."""
 
-    def guide(
-        self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
-    ) -> None:
-        s = self.s
-        idx = row_index(sel, view.logits.device, s.arange)
-        f, rel = self.predict(view, sel, slots, lambda t, _: select_rows(t, sel, idx), None)
-        s.counters.max("staleness_max", s.distiller.staleness_max())
-        betas = host_to(torch.tensor(host_betas, dtype=torch.float32), f.device)
-        diag = None
-        if self.diagnostics is not None:
-            diag = ([self.groups.by_slot[slot].age for slot in slots], rel)
-            self.diagnostics.record_error(*diag)
+    def stage(
+        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
+    ) -> tuple[torch.Tensor, ...]:
+        dev = view.logits.device
+
+        def on_dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return host_to(torch.tensor(values, dtype=dtype), dev)
+
+        idx = row_index(sel, dev, self.s.arange)
+        return idx, on_dev(betas, torch.float32), on_dev(slots), on_dev(fresh)
+
+    def record(
+        self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
+    ) -> object:
+        if self.diagnostics is None:
+            return None
+        self.diagnostics.record_error(ages, rel)
+        return ages, rel
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        for name, n in zip(GUIDED_COUNTERS, counts.tolist(), strict=True):
+            self.s.counters.add(name, n)
         if self.fit is not None:
-            groups = [self.groups.by_slot[x] for x in slots]
-            betas = betas * self.fit(slots, groups, rel).to(betas.device)
             self.fit.read()
-        if not any(host_betas) and diag is None:
-            # beta = 0 on every row: nothing is written, so the runtime lets vLLM's own
-            # sampling call go on (it decides on whether a write was made, host-side).
-            return
-        # Only rows with a finite prediction and beta != 0 are mixed; the others keep their
-        # logits untouched.
-        mixed = mixed_rows(f, betas)
-        # The view counts what its writes really change; ESamp's rows_guided and
-        # candidates_guided are that count, per consumer (the runtime's are totals).
-        before = view.changed_per_row().clone()
-        if self.post_filter(view):
-            self._mix_candidates(view, idx, f, betas, mixed, diag)
-        else:
-            self._mix_full_vocab(view, idx, f, betas, mixed)
-        delta = view.changed_per_row() - before
-        for name, n in zip(GUIDED_COUNTERS[:2], ((delta > 0).sum(), delta.sum()), strict=True):
-            s.counters.add(name, int(n))
 
-    def _mix_candidates(
-        self,
-        view: GuideView,
-        idx: torch.Tensor,
-        f: torch.Tensor,
-        betas: torch.Tensor,
-        mixed: torch.Tensor,
-        diag: tuple[list[int], torch.Tensor] | None,
-    ) -> None:
-        """Post-filter mode: dist logits and the mix for the surviving candidates, written
-        back sparsely (no pass over the vocabulary beyond finding the candidates); the
-        candidates of rows not ``mixed`` keep their logits."""
+    def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
+        # Sparse: the dist logits of the surviving candidates only, written back entry by
+        # entry (no pass over the vocabulary beyond finding the candidates; unchanged
+        # entries are written as they are).
+        view = rows.view
+        over.zero_()
         cand = view.candidates()
-        p_row, row_live = f_positions(len(view.rows), idx, mixed)
-        p, live = p_row[cand.rows], row_live[cand.rows]
-        if diag is not None:
-            entries = live.nonzero().squeeze(1)
-        else:
-            entries = torch.arange(len(p), device=p.device)
-        p, live = p[entries], live[entries]
-        ref = cand.logits[entries]
-        if ref.numel() == 0:
+        if cand.logits.numel() == 0:
             return
-        tokens = cand.tokens[entries]
-        dist = candidate_dist_fn(f, self.weight, self.head)(p, tokens)
-        temp = view.temperature.to(ref.device).float()[cand.rows[entries]]
-        new = torch.where(live, mix_candidates(ref, dist, betas[p], temp), ref)
-        if diag is not None:
-            self.diagnostics.record_shift(*diag, tokens, ref, new, p, betas)
-        view.update_candidates(entries, new)  # unchanged entries are written as they are
+        p_row, row_live = f_positions(len(view.rows), rows.idx, rows.mixed)
+        p, live, ref = p_row[cand.rows], row_live[cand.rows], cand.logits
+        dist = candidate_dist(rows.f, p, cand.tokens, self.weight, self.head)
+        temp = view.temperature.to(ref.device).float()[cand.rows]
+        new = torch.where(live, mix_candidates(ref, dist, rows.betas[p], temp), ref)
+        before = view.logits[rows.idx].float() if rec else None
+        view.update_candidates(torch.arange(len(p), device=p.device), new)
+        if rec:  # diagnostics: the shift of the mixed rows' candidates, in dense rows
+            ages, rel = rec
+            live_rows = torch.gt(before, float("-inf")).logical_and_(rows.mixed[:, None])
+            shift = candidate_shift(before, view.logits[rows.idx].float(), live_rows)
+            ring = torch.cat([rel[:, None], shift, rows.betas[:, None]], 1)
+            self.diagnostics.add_shift(ages, ring.tolist())
 
-    def _mix_full_vocab(
-        self,
-        view: GuideView,
-        idx: torch.Tensor,
-        f: torch.Tensor,
-        betas: torch.Tensor,
-        mixed: torch.Tensor,
-    ) -> None:
-        """Whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else two
-        projections; the other rows keep their logits."""
-        # All rows in order (the usual decode step): the view's logits themselves, no copy
+    def mix_full(self, rows: Rows) -> None:
+        view, idx = rows.view, rows.idx
+        # Every row in order (the usual decode step): the view's logits themselves, no copy
         # (read only until view.update below).
-        ref = view.logits if idx.numel() == view.logits.shape[0] else view.logits[idx]
+        ref = view.logits if rows.every else view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
         if self.latent_fallback(int(idx.numel())):
-            new = self.head(mix_latent(view.hidden(FINAL)[idx], f, betas)) / temp[:, None]
+            new = self.head(mix_latent(view.hidden(FINAL)[idx], rows.f, rows.betas)) / temp[:, None]
         else:
-            dist = full_dist_logits(f, self.weight, self.head).to(ref.dtype)
-            new = mix_full_vocab_logits(ref, dist, betas, temp, inplace=True)
+            dist = self.head(rows.f).to(ref.dtype)
+            new = mix_full_vocab_logits(ref, dist, rows.betas, temp, inplace=True)
         # GuideView.update writes candidate (finite) entries only.
-        view.update(idx, torch.where(mixed[:, None], new, ref, out=new))
+        view.update(idx, torch.where(rows.mixed[:, None], new, ref, out=new))
+
+
+class CudaGuide(Guide):
+    """No device allocation, no host read in the step (see the module's docstring)."""
+
+    def __init__(
+        self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
+    ):
+        cfg = shared.cfg
+        shape = GuideShape(
+            cfg.cuda_rows_per_step,
+            model.hidden_size,
+            model.vocab_size,
+            cfg.cuda_max_candidates,
+            cfg.mode,
+            shared.distiller.capacity,
+            model.dtype,
+            noise=cfg.ablation in NOISE_ABLATIONS,
+            diagnostics=diagnostics is not None,
+        )
+        self.ws = ws = GuideWorkspace(shape, model.device)
+        super().__init__(shared, groups, model, diagnostics)
+        shared.arange = ws.parts["arange"]  # whole-step row indices are its views
+        self.guided_sums = DeviceSums(ws.parts["guided"])
+        self.records = None
+        if diagnostics is not None:
+            self.records = DeviceRecords(diagnostics, ws.parts["dg_ring"])
+        if self.weight is not None and "p_slot" in ws.parts:
+            # The gather-dot once on every pair: on CUDA its Triton kernel is compiled now,
+            # not in the first guided step (a host stall of about a second there).
+            pairs = ws.parts["p_slot"].zero_()
+            candidate_dot(self.weight, ws.parts["hf"].zero_(), pairs, pairs, ws.parts["dist"])
+        if self.weight is None:
+            mb = cfg.cuda_rows_per_step * model.vocab_size * model.dtype.itemsize / 1e6
+            log.warning(
+                "esamp: the model's LM head is not a plain weight product (no "
+                "lm_head_weight: a bias, soft-capping, a logit scale, tensor parallelism or "
+                "a quantized head): guidance calls it every step and it allocates its "
+                "[rows, vocab] output per step (%.0f MB at cuda_rows_per_step=%d in %s)",
+                mb,
+                cfg.cuda_rows_per_step,
+                str(model.dtype).removeprefix("torch."),
+            )
+
+    def stage(
+        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
+    ) -> tuple[torch.Tensor, ...]:
+        self.ws.check_rows(len(view.rows))
+        return self.ws.stage(sel, betas, slots, fresh)
+
+    def record(
+        self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
+    ) -> object:
+        if self.records is None:
+            return None
+        rec = self.records.begin(ages, shift)  # this step's rows in the device ring
+        rec[: len(ages), 0].copy_(rel)
+        rec[: len(ages), 5].copy_(betas)
+        return rec
+
+    def add_counts(self, counts: torch.Tensor) -> None:
+        self.guided_sums.add(counts)
+
+    def read(self, wait: bool) -> list[int] | None:
+        """The sums sent to the host without a wait that have arrived (``wait``: all, and
+        the diagnostics' records)."""
+        super().read(wait)
+        if self.records is not None and wait:
+            self.records.read()
+        self.guided_sums.send()
+        counts = None
+        for more in self.guided_sums.arrived(wait):
+            counts = more if counts is None else [a + b for a, b in zip(counts, more, strict=True)]
+        return counts
+
+    def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
+        # Each row's cuda_max_candidates highest candidates. A mixed row's candidates past
+        # them are dropped (set to -inf: mixing some candidates and not others would shift
+        # them against each other by an arbitrary offset of the dist logits). Every slot is
+        # computed (fixed shapes); those of rows not mixed are written back unchanged.
+        ws, view = self.ws, rows.view
+        top = view.top_candidates(self.s.cfg.cuda_max_candidates, buffers=ws.view_buffers)
+        r, k = top.tokens.shape
+        p, row_live = f_positions(r, rows.idx, rows.mixed, ws)
+        p_slot = ws.take("p_slot", r * k)
+        p_slot.view(r, k).copy_(p[:, None].expand(r, k))  # each slot's row in f
+        dist = ws.take("dist", r * k)
+        if self.weight is None:  # the model's own head (allocates its output), then the gather
+            hb = ws.take("hb", rows.f.shape[0]).copy_(rows.f)
+            dist.copy_(self.model.lm_head(hb)[p_slot, top.tokens.reshape(-1)])
+        else:  # the gather-dot: reads the R * k head rows, never the whole head
+            candidate_dot(self.weight, rows.f, p_slot, top.tokens.reshape(-1), dist)
+        temp = view.temperature.to(top.logits.device).float()[:, None]
+        beta = torch.index_select(rows.betas, 0, p, out=ws.take("bp", r))[:, None]
+        new = mix_candidates(top.logits, dist.view(r, k), beta, temp, ws)
+        live = torch.logical_and(row_live[:, None], top.valid, out=ws.take("live_k", r))
+        torch.where(live, new, top.logits, out=new)
+        if rec is not None:  # diagnostics: the guided rows' candidate shift into the ring
+            shift = candidate_shift(top.logits, new, live, top.tokens, ws)
+            n = rows.idx.numel()
+            rec[:n, 1:5].copy_(torch.index_select(shift, 0, rows.idx, out=ws.take("dg_sel", n)))
+        view.update_top_candidates(top, new, drop_rest=row_live)
+        torch.sum(torch.mul(top.over_cap, row_live, out=ws.take("over", r)), 0, out=over)
+
+    def mix_full(self, rows: Rows) -> None:
+        # Over every view row (fixed shapes): rows not guided get beta 0 and are not mixed,
+        # so their logits stay bit for bit (the write's row mask, no extra pass).
+        ws, view = self.ws, rows.view
+        ref, f, betas, mixed = view.logits, rows.f, rows.betas, rows.mixed
+        r = ref.shape[0]
+        if not rows.every:
+            f = ws.take("fw", r).zero_().index_copy_(0, rows.idx, f)
+            betas = ws.take("bfull", r).zero_().index_copy_(0, rows.idx, betas)
+            mixed = ws.take("mfull", r).zero_().index_copy_(0, rows.idx, mixed)
+        temp = view.temperature.float().to(ref.device)
+        new = ws.take("new", r)
+        if self.latent_fallback(int(rows.idx.numel())):
+            h = mix_latent(view.hidden(FINAL), f, betas, ws)
+            self._head_into(h, new).div_(temp[:, None])
+        else:
+            mix_full_vocab_logits(ref, self._head_into(f, new), betas, temp, True, ws)
+        view.update_all(new, ws.view_buffers, rows=mixed)
+
+    def _head_into(self, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``head(z)`` (the model dtype's product, then fp32) into ``out``."""
+        r = z.shape[0]
+        hb = self.ws.take("hb", r).copy_(z)
+        if self.weight is None:  # not a plain product: the model's own head (allocates)
+            return out.copy_(self.model.lm_head(hb))
+        return out.copy_(torch.mm(hb, self.weight.t(), out=self.ws.proj(r)))
 
 
 class GuideStep:

@@ -34,13 +34,13 @@ DIAG_FIELDS = 6
 MODES = ("post_filter", "full_vocab", "auto")
 
 
+def _parts(names: str, shape: tuple[int, ...], dtype: torch.dtype) -> WorkspaceSpec:
+    """A part of ``shape`` and ``dtype`` for each name."""
+    return [(name, shape, dtype) for name in names.split()]
+
+
 def _stage_spec(rows: int) -> WorkspaceSpec:
-    return [
-        ("idx", (rows,), torch.long),
-        ("slots", (rows,), torch.long),
-        ("fresh", (rows,), torch.long),
-        ("betas", (rows,), torch.float32),
-    ]
+    return _parts("idx slots fresh", (rows,), torch.long) + _parts("betas", (rows,), torch.float32)
 
 
 def _aliases_masks(rows: int, vocab: int, mode: str, dtype: torch.dtype) -> bool:
@@ -85,43 +85,24 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     r, h, dtype, f32 = shape.rows, shape.hidden, shape.dtype, torch.float32
     spec: list = [
         ("stage", (workspace_bytes(_stage_spec(r)),), torch.uint8),
-        ("arange", (r,), torch.long),
         ("x", (r, h), dtype),  # the source rows of a partial step
         ("hb", (r, h), dtype),  # target rows of a partial step; the head's input
         ("hf", (r, h), f32),  # fp32 scratch: relative error, finiteness, latent mix
-        ("num", (r,), f32),
-        ("den", (r,), f32),
-        ("rel", (r,), f32),
-        ("rtmp", (r,), f32),
-        ("rmask", (r,), torch.bool),
-        ("fin", (r,), f32),
-        ("mixed", (r,), torch.bool),
-        ("bmask", (r,), torch.bool),
-        ("pos", (r,), torch.long),
-        ("live", (r,), torch.bool),
-        ("before", (r,), torch.long),
-        ("dmask", (r,), torch.bool),
-        ("counts", (3,), torch.long),
-        ("guided", (3,), torch.long),
-        ("one_b", (r,), f32),
-        # beta_schedule 'fit'
-        ("err", (slots,), f32),
-        ("sums", (slots,), f32),
-        ("cnt", (slots,), f32),
-        ("upd", (slots,), f32),
+        # per row: relative error, finite check, mixed rows, positions, change counts
+        *_parts("num den rel rtmp fin one_b", (r,), f32),
+        *_parts("rmask mixed bmask live dmask", (r,), torch.bool),
+        *_parts("arange pos before", (r,), torch.long),
+        *_parts("counts guided", (3,), torch.long),
+        # beta_schedule 'fit': per slot, then per row
+        *_parts("err sums cnt upd", (slots,), f32),
         ("smask", (slots,), torch.bool),
-        ("scale", (r,), f32),
-        ("fit_val", (r,), f32),
-        ("fit_abs", (r,), f32),
+        *_parts("scale fit_val fit_abs fit_okf", (r,), f32),
         ("fit_ok", (r,), torch.bool),
-        ("fit_okf", (r,), f32),
-        ("pending", (), f32),
-        ("total", (), f32),
-        ("zero", (), f32),
+        *_parts("pending total zero", (), f32),
     ]
     if shape.noise:
         # ablation 'noise'/'f_noise': the stand-in prediction and two norms per row
-        spec += [("fn", (r, h), f32), ("fn_err", (r,), f32), ("fn_norm", (r,), f32)]
+        spec += [("fn", (r, h), f32), *_parts("fn_err fn_norm", (r,), f32)]
     if shape.diagnostics:
         spec.append(("dg_ring", (DIAG_STEPS, r, DIAG_FIELDS), f32))
     if mode != "full_vocab":
@@ -134,28 +115,19 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
             ("live_k", (r, k), torch.bool),
             ("over", (r,), torch.long),
         ]
-        if shape.diagnostics:  # the candidate shift per view row (diagnostics.candidate_shift)
+        if shape.diagnostics:  # the candidate shift per view row (guidance.candidate_shift)
             spec += [
-                ("dg_x", (r, k), f32),
-                ("dg_p", (r, k), f32),
-                ("dg_q", (r, k), f32),
-                ("dg_mx", (r, 1), f32),
-                ("dg_s", (r, 1), f32),
-                ("dg_arg", (r, 1), torch.long),
-                ("dg_tok", (r, 1), torch.long),
+                *_parts("dg_x dg_p dg_q", (r, k), f32),
+                *_parts("dg_mx dg_s", (r, 1), f32),
+                *_parts("dg_arg dg_tok", (r, 1), torch.long),
                 ("dg_cnt", (r,), torch.long),
                 ("dg_rows", (r, DIAG_FIELDS), f32),
                 ("dg_sel", (r, 4), f32),
                 ("ninf", (), f32),
             ]
     if mode != "post_filter":
-        spec += [
-            ("new", (r, vocab), f32),
-            ("fw", (r, h), f32),
-            ("fb", (r, h), f32),
-            ("bfull", (r,), f32),
-            ("mfull", (r,), torch.bool),
-        ]
+        spec += [("new", (r, vocab), f32), *_parts("fw fb", (r, h), f32)]
+        spec += [("bfull", (r,), f32), ("mfull", (r,), torch.bool)]
         if not _aliases_masks(r, vocab, mode, dtype):
             spec.append(("proj", (r, vocab), dtype))
     return spec
@@ -219,21 +191,12 @@ class GuideWorkspace:
 
     def stage(
         self, idx: list[int], betas: list[float], slots: list[int], fresh: list[int]
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """The step's host values on the device in one copy; returns their device views
-        (``idx``, ``betas``, ``slots``: one per guided row; ``fresh``)."""
+        ``(idx, betas, slots, fresh)``."""
         i, _ = self._staging.take(self.parts["stage"].numel())
-        host = self._host[i]
-        n = len(idx)
-        host["idx"].numpy()[:n] = idx
-        host["betas"].numpy()[:n] = betas
-        host["slots"].numpy()[:n] = slots
-        host["fresh"].numpy()[: len(fresh)] = fresh
+        values = {"idx": idx, "betas": betas, "slots": slots, "fresh": fresh}
+        for name, v in values.items():
+            self._host[i][name].numpy()[: len(v)] = v
         self._staging.send(i, self.parts["stage"])
-        d = self._stage_dev
-        return {
-            "idx": d["idx"][:n],
-            "betas": d["betas"][:n],
-            "slots": d["slots"][:n],
-            "fresh": d["fresh"][: len(fresh)],
-        }
+        return tuple(self._stage_dev[name][: len(v)] for name, v in values.items())

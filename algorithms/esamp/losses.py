@@ -1,5 +1,7 @@
 """ESamp's loss bookkeeping: the read-back results of train steps turned into the loss
-counters, each group's first and last loss, and the mean learning curve."""
+counters, each group's first and last loss, the mean learning curve, and with
+``optimizer_stats`` the update statistics (:func:`algorithms.esamp.adam.adam_stats`) as
+counters and a curve by a group's step index."""
 
 from __future__ import annotations
 
@@ -7,14 +9,24 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.esamp.opt_stats import OptStats
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Counters
 
 _CURVE_POINTS = 64
+_K = len(STATS)  # clipped, eps share, update size, gradient norm
 
 # One submitted train step: the groups' serials and ages (steps before it), its result.
 Submitted = tuple[list[int], list[int], TrainResult]
+
+
+def _curve_ages(counts: list[float]) -> list[int]:
+    """The step indices with data (``counts[a] > 0``), at most 64 spread evenly."""
+    ages = [a for a, n in enumerate(counts) if n]
+    if len(ages) > _CURVE_POINTS:
+        picks = np.unique(np.linspace(0, len(ages) - 1, _CURVE_POINTS).round().astype(int))
+        ages = [ages[i] for i in picks]
+    return ages
 
 
 def final_prefix(results: list[TrainResult], block: bool) -> int:
@@ -24,6 +36,46 @@ def final_prefix(results: list[TrainResult], block: bool) -> int:
     while n < len(results) and (block or results[n].ready()):
         n += 1
     return n
+
+
+class OptStats:
+    """``optimizer_stats``: the update statistics read back with the losses."""
+
+    def __init__(self, counters: Counters):
+        self.counters = counters
+        # Per step index within a group: the sums of the STATS columns, then the updates.
+        self._by_age: list[list[float]] = []
+        self._tot = [0.0] * (_K + 1)
+
+    def add(self, age: int, row: list[float]) -> None:
+        """One decode update's statistics (a row in :data:`STATS` order)."""
+        while len(self._by_age) <= age:
+            self._by_age.append([0.0] * (_K + 1))
+        for acc in (self._by_age[age], self._tot):
+            for i in range(_K):
+                acc[i] += row[i]
+            acc[_K] += 1
+
+    def publish(self) -> None:
+        """Set the counters from everything measured so far."""
+        clipped, share, size, norm, n = self._tot
+        if not n:
+            return
+        self.counters.set("optimizer_updates_measured", n)
+        self.counters.set("optimizer_clipped_updates", int(clipped))
+        self.counters.set("optimizer_clip_rate", clipped / n)
+        self.counters.set("optimizer_eps_share", share / n)
+        self.counters.set("optimizer_update_size", size / n)
+        self.counters.set("optimizer_grad_norm", norm / n)
+
+    def summary(self) -> dict[str, Any]:
+        """``optimizer_curve``: [step index, clip rate, eps share, update size, gradient norm,
+        updates] for at most 64 step indices (empty without ``optimizer_stats``)."""
+        curve = []
+        for a in _curve_ages([acc[_K] for acc in self._by_age]):
+            acc = self._by_age[a]
+            curve.append([a, *(x / acc[_K] for x in acc[:_K]), acc[_K]])
+        return {"optimizer_curve": curve}
 
 
 class LossBook:
@@ -104,10 +156,7 @@ class LossBook:
 
     def _curve(self) -> list[list[float]]:
         """Mean loss by a group's optimizer step index (its learning curve), <= 64 points."""
-        ages = [a for a, n in enumerate(self._age_n) if n]
-        if len(ages) > _CURVE_POINTS:
-            picks = np.unique(np.linspace(0, len(ages) - 1, _CURVE_POINTS).round().astype(int))
-            ages = [ages[i] for i in picks]
+        ages = _curve_ages(self._age_n)
         return [[a, self._age_sum[a] / self._age_n[a], self._age_n[a]] for a in ages]
 
     def summary(self) -> dict[str, Any]:

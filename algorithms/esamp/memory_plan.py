@@ -4,47 +4,11 @@ The consumer is built inside vLLM's ``load_model``, before vLLM sizes the KV cac
 holds then (state, static inputs, the update graph's pool) and what it needs per step
 (prediction and guidance temporaries) comes out of the KV cache. The plan states those bytes
 from the model's shapes, vLLM's batch limit and the ESamp settings, so a setting that does
-not fit is refused at start with the numbers, not found out as an out-of-memory error.
-
-Terms (fp32 = 4 bytes; ``P`` distiller parameters, ``S`` slots, ``M`` rows per slot in the
-update graph, ``R`` rows per step, ``H`` hidden, ``I`` intermediate, ``NB`` blocks, ``V``
-vocabulary):
-
-- state: ``S * (P * (4 + 2b) + 4)`` (fp32 weights, two Adam moments of ``b`` bytes: 4, or 2
-  with ``cuda_adam_moments`` bfloat16; the step) ``+ S * 8`` (update counter) ``+ P * 4``
-  (the init template);
-- packed buffers (``T = S*M`` rows, :mod:`algorithms.esamp.cuda`): ``2 * T*H * 4`` (the
-  staged rows) ``+ 3 * (T+1)*H * 4`` (packed inputs, targets, prediction) ``+ 8 * (2T + 2S
-  + 1 + ceil(T/8))`` (the row plan and the packed rows' mask) ``+`` the result ring ``N*S*(8 [+16 with
-  optimizer_stats]) + S*16 + 8`` (``N`` = 512 update rows) ``+ NB * ((T+1)*H + 4T*I) * 4``
-  (the forward, each block's output and four activations: the prediction's is kept for the
-  update of the same rows);
-- update workspace (the graphs' shared pool): activations ``S*M*((3 + 3NB) H + 9NB I) * 4``
-  (no gradient is materialised: it is formed inside the Adam kernel);
-- the side stream's cuBLAS and cuBLASLt workspaces (``2 x 32 MiB``, torch's default on sm90
-  and an upper bound elsewhere): made only where Triton is missing (the kernels' PyTorch
-  reference runs cuBLAS products on that stream, first at construction); with Triton every
-  product of the graphs is a Triton kernel, and this term over-counts by its size;
-- allocator rounding: up to 2 MiB for each of the ``ALLOCATIONS`` tensors allocated at
-  construction (the caching allocator rounds large blocks to 2 MiB);
-- predict workspace: ``S*M*((2 + NB) H + 5NB I) * 4`` (packed rows and forward activations;
-  the CPU path's temporaries; on CUDA the activations are in the buffers above, so this
-  over-counts there by their size);
-- guidance workspace (:mod:`algorithms.esamp.guide_workspace`, exact: two allocations made
-  with the consumer, every temporary of a guided step a view of them, so a step allocates
-  nothing): per row a few vectors, ``[R, H]`` scratch (two in the model dtype, one fp32;
-  two more fp32 for the full-vocabulary mix), per slot the 'fit' errors; the view buffers'
-  ``[R, V]`` bool candidate mask; post-filter ``~29 * R * k`` for the ``k`` =
-  ``cuda_max_candidates`` candidates per row and their mix; full-vocabulary ``4 * R * V``
-  (the fp32 mix) ``+ 2 * R * V`` (two bool masks, which first hold the head's output in a
-  2-byte model dtype). Mode 'auto' holds both; ablation 'noise'/'f_noise' adds one fp32
-  ``[R, H]`` (the stand-in prediction), ``diagnostics`` a ring of 256 steps' records
-  (``24 * 256 * R``) and post-filter ``~12 * R * k`` for the candidate shift. Each part is
-  aligned to 256 bytes.
-
-Activation terms are upper-bound estimates of temporaries; the state, input and guidance
-terms are the exact sizes of the tensors allocated (tests count them on the real objects).
-Torch only: this module imports on a machine without pydantic or vLLM.
+not fit is refused at start with the numbers, not found out as an out-of-memory error. Each
+term and its formula: docs/consumers/esamp.md, "The memory plan". The state, input and
+guidance terms are the exact sizes of the tensors allocated (tests count them on the real
+objects); the activation terms are upper bounds. Torch only: this module imports on a
+machine without pydantic or vLLM.
 """
 
 from __future__ import annotations
@@ -54,14 +18,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from algorithms.esamp.cuda_plan import plan_size
+from algorithms.esamp.cuda_results import RESULT_ROWS
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 from tllm_core import pow2_rows
 
 GIB = 2**30
 MIB = 2**20
-# Update results kept on the device between background copies (cuda_results.ResultLog).
-RESULT_ROWS = 512
 # The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
 # Tensors allocated at construction (the CUDA distiller's state, buffers and ring; the
@@ -143,19 +107,19 @@ def plan_memory(
     noise: bool = False,
     diagnostics: bool = False,
 ) -> MemoryPlan:
-    """The plan for these shapes (see the module docstring for each term); ``mode`` is
+    """The plan for these shapes (each term: docs/consumers/esamp.md); ``mode`` is
     ESamp's mixing mode, ``dtype`` the model's, ``noise`` whether the ablation is 'noise'
     or 'f_noise' and ``diagnostics`` ESamp's (the guidance workspace depends on them)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, pow2_rows(graph_rows)
-    state = s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4
     t = s * m
-    inputs = packed_buffer_bytes(h, s, t, optimizer_stats, i, nb)
-    update = s * m * ((3 + 3 * nb) * h + 9 * nb * i) * 4
-    predict = s * m * ((2 + nb) * h + 5 * nb * i) * 4
-    guidance = guidance_workspace_bytes(
-        GuideShape(rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics)
+    # The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact).
+    ring = RESULT_ROWS * s * (8 + (16 if optimizer_stats else 0)) + s * 16 + 8
+    kept_forward = nb * ((t + 1) * h + 4 * t * i) * 4
+    plan = 8 * plan_size(t, s)
+    guide = GuideShape(
+        rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics
     )
     return MemoryPlan(
         hidden_size,
@@ -166,28 +130,12 @@ def plan_memory(
         m,
         rows_per_step,
         p,
-        state,
-        inputs,
-        update,
-        predict,
-        guidance,
+        state_bytes=s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4,
+        inputs_bytes=2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + kept_forward,
+        update_workspace_bytes=t * ((3 + 3 * nb) * h + 9 * nb * i) * 4,
+        predict_workspace_bytes=t * ((2 + nb) * h + 5 * nb * i) * 4,
+        guidance_workspace_bytes=guidance_workspace_bytes(guide),
     )
-
-
-def packed_buffer_bytes(
-    hidden: int,
-    slots: int,
-    total_rows: int,
-    stats: bool,
-    intermediate: int = 384,
-    num_blocks: int = 2,
-) -> int:
-    """The CUDA distiller's packed buffers, row plan, result ring and kept forward (exact)."""
-    h, s, t = hidden, slots, total_rows
-    ring = RESULT_ROWS * s * (8 + (16 if stats else 0)) + s * 16 + 8
-    acts = num_blocks * ((t + 1) * h + 4 * t * intermediate) * 4
-    plan = 8 * (2 * t + 2 * s + 1 + -(-t // 8))
-    return 2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + acts
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:

@@ -16,11 +16,11 @@ from algorithms.esamp.params import DistillerShape, block_weights
 # what the backward needs from the forward.
 Activations = list[tuple[torch.Tensor, ...]]
 
-# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension;
-# with ``out=`` (a keyword, only where :func:`forward_acts` is given buffers) written there.
+# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension
+# (the slot-indexed form also takes ``out=`` and ``add=``: forward_slots).
 MatMul = Callable[..., torch.Tensor]
 
-# Per block (h_out, a, u, s, p), each [B, M, .]: where :func:`forward_acts` writes a block's
+# Per block (h_out, a, u, s, p), each [B, M, .]: where :func:`forward_slots` writes a block's
 # output and activations (the CUDA prediction keeps them for the update that follows it).
 ActBuffers = list[tuple[torch.Tensor, ...]]
 
@@ -33,36 +33,24 @@ def batched_mm(
 
 
 def forward_acts(
-    weights: list[tuple[torch.Tensor, ...]],
-    xp: torch.Tensor,
-    mm: MatMul = batched_mm,
-    out: ActBuffers | None = None,
+    weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul = batched_mm
 ) -> tuple[torch.Tensor, Activations]:
     """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
     activations its backward needs. All-zero padding rows stay exactly zero (no biases).
-    ``mm``: how a batch entry meets its weights (the slot-indexed form on CUDA). ``out``:
-    buffers every block's output and activations are written into (same operations, same
-    values; nothing else is allocated for them)."""
+    ``mm``: how a batch entry meets its weights."""
     acts = []
     h = xp
-    for b, (gate, up, down) in enumerate(weights):
-        h_out, a, u, s, p = out[b] if out is not None else (None,) * 5
-        a = mm(h, gate, True, out=a)
-        u = mm(h, up, True, out=u)
-        s = torch.empty_like(a) if s is None else s
-        p = torch.empty_like(a) if p is None else p
+    for gate, up, down in weights:
+        a, u = mm(h, gate, True), mm(h, up, True)
+        s, p = torch.empty_like(a), torch.empty_like(a)
         kernels.silu_mul(a, u, s, p)
         acts.append((h, a, u, s, p))
-        h = (
-            torch.add(h, mm(p, down, True), out=h_out)
-            if h_out is not None
-            else h + mm(p, down, True)
-        )
+        h = h + mm(p, down, True)
     return h, acts
 
 
 def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Activations]:
-    """What :func:`forward_acts` returned when it wrote ``out`` from the packed rows ``xp``
+    """What :func:`forward_slots` returned when it wrote ``out`` from the packed rows ``xp``
     (read back from the buffers: nothing is computed)."""
     acts, h = [], xp
     for h_out, a, u, s, p in out:

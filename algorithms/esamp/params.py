@@ -36,7 +36,7 @@ class AdamHyper:
     eps: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = 0.5
-    # The loss's reduction (algorithms.esamp.objective): "mean" or "sum".
+    # The loss's reduction (algorithms.esamp.kernels.op_loss_dy): "mean" or "sum".
     loss_reduction: str = "mean"
     # Measure each update (clipped, share of eps-dominated denominators, step size).
     stats: bool = False

@@ -71,25 +71,26 @@ def _curve(points: Any, col: int = 1) -> tuple[list[float], list[float]]:
     return [float(p[0]) for p in rows], [float(p[col]) for p in rows]
 
 
+def _by_step(name: str, title: str, ylabel: str, *series: Series, **kw: Any) -> Plot:
+    """A line plot over a group's optimizer steps."""
+    return Plot(name, title, "optimizer step within a group", ylabel, series, **kw)
+
+
 def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
     res = result if isinstance(result, dict) else {}
     out = []
     x, y = _curve(res.get("loss_curve"))
     if x:
         groups = res["loss_curve"][0][2] if len(res["loss_curve"][0]) > 2 else None
-        out.append(
-            Plot(
-                name="loss",
-                title="ESamp distiller loss by optimizer step",
-                xlabel="optimizer step within a group",
-                ylabel="distiller loss (MSE)",
-                series=(Series("mean over groups", x, y),),
-                caption="the loss at each of a group's optimizer steps, averaged over the "
-                "groups that reached it"
-                + (f" ({groups} group(s) at step 0)" if groups else "")
-                + "; falling: the distiller learns the familiar continuation",
-            )
+        caption = (
+            "the loss at each of a group's optimizer steps, averaged over the groups that "
+            "reached it"
+            + (f" ({groups} group(s) at step 0)" if groups else "")
+            + "; falling: the distiller learns the familiar continuation"
         )
+        title = "ESamp distiller loss by optimizer step"
+        series = Series("mean over groups", x, y)
+        out.append(_by_step("loss", title, "distiller loss (MSE)", series, caption=caption))
     guided = _n(counters, "rows_guided")
     visited = _n(counters, "rows_visited")
     bars = [
@@ -115,27 +116,13 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
         )
     x, y = _curve((res.get("diagnostics") or {}).get("rel_err_curve"))
     if x:
-        out.append(
-            Plot(
-                name="rel_err",
-                title="ESamp prediction error by step",
-                xlabel="optimizer step within a group",
-                ylabel="‖h_L − f(h_1)‖ / ‖h_L‖",
-                series=(Series("mean relative error", x, y),),
-            )
-        )
+        title, series = "ESamp prediction error by step", Series("mean relative error", x, y)
+        out.append(_by_step("rel_err", title, "‖h_L − f(h_1)‖ / ‖h_L‖", series))
     curve = res.get("optimizer_curve") or []
     if curve:
         x, size = _curve(curve, 3)
         _, norm = _curve(curve, 4)
-        out.append(
-            Plot(
-                name="optimizer",
-                title="ESamp optimizer: update size and gradient norm",
-                xlabel="optimizer step within a group",
-                ylabel="value (log)",
-                log_y=True,
-                series=(Series("update size |Δθ|/lr", x, size), Series("gradient norm", x, norm)),
-            )
-        )
+        title = "ESamp optimizer: update size and gradient norm"
+        sizes, norms = Series("update size |Δθ|/lr", x, size), Series("gradient norm", x, norm)
+        out.append(_by_step("optimizer", title, "value (log)", sizes, norms, log_y=True))
     return out

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from algorithms.esamp.losses import final_prefix
 from algorithms.esamp.slots import TrainResult
-from tllm_core import Counters, RequestInfo, RequestRows, array_json_bytes
+from tllm_core import Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
 
 
 class ReturnedErrors:
@@ -28,7 +29,7 @@ class ReturnedErrors:
         self.name, self.counters = name, counters
         self.rows = RequestRows(limit, name)
         # (result, its rows' indices in the step's submission, their requests, positions)
-        self._pending: list[tuple[TrainResult, np.ndarray, list[str], np.ndarray]] = []
+        self._pending: list[tuple[TrainResult, np.ndarray, list[RequestInfo], np.ndarray]] = []
         self._waiting: Counter[str] = Counter()  # engine id -> pending steps with its rows
 
     def asking(self, requests: Sequence[RequestInfo], sel: list[int]) -> np.ndarray:
@@ -38,12 +39,12 @@ class ReturnedErrors:
         )
 
     def submitted(
-        self, res: TrainResult, at: np.ndarray, engine_ids: list[str], positions: np.ndarray
+        self, res: TrainResult, at: np.ndarray, requests: list[RequestInfo], positions: np.ndarray
     ) -> None:
-        """Rows ``at`` of the step ``res`` (of requests ``engine_ids``, at ``positions``)
-        return their errors once ``res`` is final."""
-        self._pending.append((res, at, engine_ids, positions))
-        self._waiting.update(set(engine_ids))
+        """Rows ``at`` of the step ``res`` (of ``requests``, at ``positions``) return their
+        errors once ``res`` is final."""
+        self._pending.append((res, at, requests, positions))
+        self._waiting.update({r.engine_id for r in requests})
 
     def waits_for(self, engine_id: str) -> bool:
         """Whether rows of this request are in steps not read back yet."""
@@ -52,22 +53,13 @@ class ReturnedErrors:
     def read(self, block: bool) -> None:
         """Keep the errors of the final steps, oldest first (``block``: every step; the
         caller has waited for them)."""
-        n = 0
-        while n < len(self._pending) and (block or self._pending[n][0].ready()):
-            n += 1
+        n = final_prefix([p[0] for p in self._pending], block)
         done, self._pending = self._pending[:n], self._pending[n:]
-        for res, at, engine_ids, positions in done:
+        for res, at, requests, positions in done:
             errors = res.row_errors.numpy()[at].astype(np.float32)
-            start = 0
-            for k in range(1, len(at) + 1):  # one add per run of rows of one request
-                if k == len(at) or engine_ids[k] != engine_ids[start]:
-                    self.rows.add(
-                        engine_ids[start],
-                        positions=positions[start:k],
-                        prediction_error=errors[start:k],
-                    )
-                    start = k
-            for eid in set(engine_ids):
+            for req, a, b in request_runs(requests):
+                self.rows.add(req.engine_id, positions=positions[a:b], prediction_error=errors[a:b])
+            for eid in {r.engine_id for r in requests}:
                 self._waiting[eid] -= 1
                 if self._waiting[eid] <= 0:
                     del self._waiting[eid]

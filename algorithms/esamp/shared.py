@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.slots import SlotDistiller
 from tllm_core import Counters
 
 if TYPE_CHECKING:  # both need pydantic, which the GPU image lacks (gpu_smoke.py)
     from algorithms.esamp.config import ESampConfig
+    from algorithms.esamp.guide_workspace import GuideWorkspace
     from tllm_core import RowInfo
 from tllm_core import host_to_device as host_to
 
@@ -40,29 +41,17 @@ class Shared:
         """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
         return self.on_cuda or self.distiller.asynchronous
 
+    def rows_kw(self, rows: object) -> dict:
+        """The keyword naming the rows (their :func:`rows_id`) for a distiller that takes it:
+        the CUDA distiller keeps a prediction's forward for the update of the same rows (the
+        CPU one compares the rows themselves)."""
+        return {"rows_id": rows} if self.distiller.takes_rows_id else {}
+
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
         """The distiller's prediction; with init 'zero_output' the blocks' residual sum
-        alone (the input subtracted), so an untrained distiller predicts 0. ``rows``: the
-        rows' :func:`rows_id` (the CUDA distiller keeps the forward for their update)."""
-        kw = {"rows_id": rows} if self.distiller.takes_rows_id else {}
-        f = self.distiller.predict(slots, x, **kw)
+        alone (the input subtracted), so an untrained distiller predicts 0."""
+        f = self.distiller.predict(slots, x, **self.rows_kw(rows))
         return f - x.float() if self.zero_out and not self.distiller.zero_output else f
-
-    def train_step(
-        self,
-        slots: torch.Tensor,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        rows: object = None,
-        row_errors: bool = False,
-    ) -> TrainResult:
-        """The distiller's update; ``rows``: as in :meth:`predict` (equal ids: equal rows;
-        the CPU distiller compares the rows themselves); ``row_errors``: also each row's
-        error before the update (``TrainResult.row_errors``)."""
-        kw: dict = {"rows_id": rows} if self.distiller.takes_rows_id else {}
-        if row_errors:
-            kw["row_errors"] = True
-        return self.distiller.train_step(slots, x, target, **kw)
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
@@ -79,10 +68,21 @@ def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:
     return step, rows.row[sel].tobytes()
 
 
-def select_rows(t: torch.Tensor, sel: list[int], idx: torch.Tensor) -> torch.Tensor:
+def select_rows(
+    t: torch.Tensor,
+    sel: list[int],
+    idx: torch.Tensor,
+    ws: GuideWorkspace | None = None,
+    part: str = "",
+) -> torch.Tensor:
     """``t[idx]``, or ``t`` itself when ``sel`` is every row in order (the usual decode step:
-    the distiller copies its inputs anyway, so the gather would be a second copy)."""
-    return t if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1 else t[idx]
+    the distiller copies its inputs anyway, so the gather would be a second copy); gathered
+    into the guidance workspace's ``part`` when given and of ``t``'s dtype."""
+    if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1:
+        return t
+    if ws is None or t.dtype != ws.parts[part].dtype:
+        return t[idx]
+    return torch.index_select(t, 0, idx, out=ws.take(part, idx.numel()))
 
 
 def row_index(

@@ -1,14 +1,7 @@
-"""The two slot-indexed operations of the CUDA path: a batched product with each packed
-group's own slot of the stacked weights, and the clipped gradient + Adam step of each group's
-slot, with the gradient formed inside the step.
-
-Packed group ``g`` uses slot ``group_slot[g]`` of the ``[S, ...]`` state; ``-1`` marks a
-padding group (no slot: zero output, no update). Only the step's slots are read, so the cost
-follows the live groups, not the capacity. Both work on strided views into the flat ``[S, P]``
-state rows (:func:`~algorithms.esamp.params.split_params`).
-
-Both are :mod:`algorithms.esamp.kernels` operators (Triton on CUDA, the PyTorch reference
-on CPU, nothing on the meta device); this module adapts them to the update's calls.
+"""The CUDA path's two slot-indexed operations adapted to the update's calls: a product with
+each packed group's own slot of the stacked weights (``group_slot[g]``; ``-1``: a padding
+group, output 0), and each group's clipped gradient formed inside its slot's Adam step. Only
+the step's slots are read. Both are :mod:`algorithms.esamp.kernels` operators.
 """
 
 from __future__ import annotations

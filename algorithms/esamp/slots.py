@@ -33,10 +33,8 @@ class TrainResult:
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
     # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
     stats: torch.Tensor | None = None
-    # fp32 [R] (host) when asked (``train_step(row_errors=True)``): each submitted row's
-    # prediction error before the update, ``||f(x) - target||^2`` summed over hidden dims
-    # and divided by :func:`~algorithms.esamp.objective.loss_per_row` (its term of the loss:
-    # a group's loss is the mean of its rows'); final when ``ready()``.
+    # fp32 [R] (host) with ``train_step(row_errors=True)``: each row's term of its group's
+    # loss before the update (its squared error over loss_per_row); final when ready().
     row_errors: torch.Tensor | None = None
 
     def ready(self) -> bool:
@@ -54,13 +52,11 @@ class SlotDistiller:
     gap seen (0 when every update submitted before a prediction ran before it).
     """
 
-    _SCRATCH = 0  # extra rows past capacity (the CUDA path pads graph groups into one)
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
     eager_updates = 0  # CUDA only: update steps run without a captured graph
     updates_reusing_prediction = 0  # CUDA only: update runs on the prediction's forward
-    # True: predict and train_step take ``rows_id`` (the CUDA path; the CPU path compares
-    # the rows themselves to reuse a prediction's forward).
+    # True: predict and train_step take ``rows_id`` (CUDA; the CPU path compares the rows).
     takes_rows_id = False
     # True: predict returns blocks(x) - x and train_step trains it toward the target (the
     # CUDA path does both inside its graphs); False: Shared does it (init 'zero_output').
@@ -144,8 +140,7 @@ class SlotDistiller:
         """Reallocate the stacked state; new slots start from the template."""
         self._drain()  # pending jobs hold views of the old storage
         self._version += 1
-        rows = new_capacity + self._SCRATCH
-        p, dev = self.shape.num_params, self.device
+        rows, p, dev = new_capacity, self.shape.num_params, self.device
         theta = self.template.expand(rows, p).clone()
         m = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
         v = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
@@ -221,7 +216,7 @@ class SlotDistiller:
         target: torch.Tensor,
         row_errors: bool = False,
     ) -> TrainResult:
-        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.objective`).
+        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.kernels.op_loss_dy`).
 
         Groups whose loss or gradient is non-finite are skipped (``updated`` False).
         ``row_errors``: also each row's error before the update (``TrainResult.row_errors``).
@@ -257,6 +252,4 @@ class SlotDistiller:
 
     def memory_bytes(self) -> int:
         """Bytes held by the stacked state (all slots, live or not) plus the template."""
-        return (
-            self._capacity + self._SCRATCH
-        ) * self.memory_bytes_per_group() + self.shape.num_params * 4
+        return self._capacity * self.memory_bytes_per_group() + self.shape.num_params * 4

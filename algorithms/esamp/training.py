@@ -73,12 +73,8 @@ class Trainer:
         res = submitted[0]
         if ask:
             at = [sel[k] for k in asking]
-            self.returned.submitted(
-                res,
-                asking,
-                [rows.requests[i].engine_id for i in at],
-                np.asarray(rows.position, np.int64)[at],
-            )
+            positions = np.asarray(rows.position, np.int64)[at]
+            self.returned.submitted(res, asking, [rows.requests[i] for i in at], positions)
         groups = [self.groups.by_slot[int(s)] for s in res.slots]
         self._pending.append(([g.serial for g in groups], [g.age for g in groups], res))
         for g in groups:
@@ -134,8 +130,9 @@ class Trainer:
         idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
         target = self.s.target(x, select_rows(tgt, sel, idx))
+        train, kw = self.s.distiller.train_step, self.s.rows_kw(rows)
         return [
-            self.s.train_step(slot_t, x, target, rows, row_errors and k == 0) for k in range(steps)
+            train(slot_t, x, target, row_errors=row_errors and k == 0, **kw) for k in range(steps)
         ]
 
     def _after_submit(self) -> None:

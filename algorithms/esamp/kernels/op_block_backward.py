@@ -75,10 +75,8 @@ def check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precisio
 
 
 def reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
-    """One SwiGLU block's elementwise backward, ``du = dp * s``, ``da = dp * u * silu'(a)``,
-    and the block's share of each group's squared gradient norm from Gram matrices:
-    ``sum((dy dy^T) * (p p^T)) + sum((du du^T + da da^T) * (h_in h_in^T))``, written to
-    ``parts[:, 0]`` (the other columns: 0)."""
+    """The PyTorch reference of :func:`block_backward`: the whole share in ``parts[:, 0]``
+    (the other columns 0)."""
     torch.mul(dp, s, out=du)
     sig = torch.sigmoid(a)
     torch.mul(dp * u * sig, 1 + a * (1 - sig), out=da)

@@ -1,6 +1,5 @@
-"""The op ``tllm_esamp::candidate_dot``: ``out[j] = sum_h float(weight[tokens[j], h]) *
-f[rows[j], h]``, accumulated in fp32; returns ``out`` (written in place; nothing allocated
-on CUDA).
+"""The op ``tllm_esamp::candidate_dot``: guidance's dist logit ``W[token] . f[row]`` of each
+(row, token) pair, in fp32.
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -66,8 +65,7 @@ CANDIDATE_CHUNK = 4096
 
 
 def reference(weight, f, rows, tokens, out, chunk=CANDIDATE_CHUNK) -> None:
-    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]`` in fp32, ``chunk``
-    pairs at a time."""
+    """The PyTorch reference of :func:`candidate_dot`, ``chunk`` pairs at a time."""
     for i in range(0, tokens.shape[0], chunk):
         w = weight.index_select(0, tokens[i : i + chunk]).float()
         w.mul_(f.index_select(0, rows[i : i + chunk]))

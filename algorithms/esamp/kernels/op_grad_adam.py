@@ -124,10 +124,8 @@ def check_grad_adam(
 def reference(
     a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
 ) -> None:
-    """For each group ``g`` with ``group_slot[g] >= 0`` and ``ok[g] != 0``: one Adam step of
-    ``w/m/v[s]`` (``s = group_slot[g]``) with gradient ``scale[g] * a[g]^T b[g]`` and step
-    count ``step[s]``: :func:`~algorithms.esamp.adam.fused_adam_` on the slot's rows (bf16
-    moments: computed in fp32, rounded when stored)."""
+    """The PyTorch reference of :func:`grad_adam`: :func:`~algorithms.esamp.adam.fused_adam_`
+    on each slot's rows (bf16 moments: computed in fp32, rounded when stored)."""
     if w.shape[0] == 0:
         return
     if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or cycling)

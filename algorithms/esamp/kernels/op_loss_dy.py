@@ -1,5 +1,6 @@
 """The op ``tllm_esamp::loss_dy``: each group's loss (in parts) and its gradient with respect
-to ``h``, in one pass.
+to ``h``, in one pass; and the loss's denominator rule, defined once for every update path
+(the CPU trainer, the update graph, the Triton kernel).
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -15,8 +16,26 @@ from algorithms.esamp.kernels.checks import (
     _shape,
 )
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
-from algorithms.esamp.objective import loss_denominator, loss_per_row
 from tllm_core import pow2_rows
+
+
+def loss_denominator(rows: torch.Tensor, hidden_size: int, reduction: str) -> torch.Tensor:
+    """What each group's summed squared error ``sum ||f(x) - target||^2`` is divided by
+    (fp32, at least 1). ``rows``: each group's row count. ``"mean"``: rows x hidden size (the
+    mean over rows and hidden dims, as ``F.mse_loss``); ``"sum"``: rows (the paper's loss:
+    summed over hidden dims, averaged over rows), so loss and gradient are ``hidden_size``
+    times the mean's."""
+    return (rows.to(torch.float32) * loss_per_row(hidden_size, reduction)).clamp_min(1.0)
+
+
+def loss_per_row(hidden_size: int, reduction: str) -> float:
+    """What each row adds to :func:`loss_denominator` (the Triton kernel's scalar)."""
+    if reduction == "mean":
+        return float(hidden_size)
+    if reduction == "sum":
+        return 1.0
+    raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+
 
 NAME = "loss_dy"
 SCHEMA = (
@@ -40,7 +59,7 @@ def loss_dy(
     ``parts [G, L]`` fp32 (``L >= 1``: on CUDA each group's hidden columns are split over
     ``L`` programs). With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h`` and
     ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
-    (:func:`algorithms.esamp.objective.loss_denominator`): ``parts[g]`` sums to
+    (:func:`loss_denominator`): ``parts[g]`` sums to
     ``sum(diff[g]^2) / denom`` (how it is spread over the columns is the implementation's;
     :func:`update_tail` sums it), ``dy[g] = diff[g] * (2 / denom)``."""
     torch.ops.tllm_esamp.loss_dy(h, tp, mask, parts, dy, reduction)
@@ -67,9 +86,8 @@ def check_loss_dy(h, tp, mask, parts, dy, reduction) -> None:
 
 
 def reference(h, tp, mask, parts, dy, reduction) -> None:
-    """Each group's loss ``sum(diff^2) / denom`` (into ``parts[:, 0]``, the other columns 0)
-    and its gradient ``dy = diff * 2 / denom`` with ``diff = h - tp`` on the rows ``mask``
-    marks (0 elsewhere) and ``denom`` :func:`~algorithms.esamp.objective.loss_denominator`."""
+    """The PyTorch reference of :func:`loss_dy`: the whole loss in ``parts[:, 0]`` (the other
+    columns 0)."""
     diff = torch.where(mask[..., None], h - tp, 0.0)
     denom = loss_denominator(mask.sum(1), h.shape[2], reduction)
     parts.zero_()

@@ -1,5 +1,5 @@
-"""The op ``tllm_esamp::silu_mul``: ``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32
-(any strides), in one pass (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``).
+"""The op ``tllm_esamp::silu_mul``: a SwiGLU block's activations ``s = silu(a)``, ``p = s *
+u`` in one pass.
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def check_silu_mul(a, u, s, p) -> None:
 
 
 def reference(a, u, s, p) -> None:
-    """``s = silu(a)``, ``p = s * u`` (a SwiGLU block's activations)."""
+    """The PyTorch reference of :func:`silu_mul`: ``torch``'s silu and mul."""
     torch._C._nn.silu(a, out=s)  # F.silu has no out=
     torch.mul(s, u, out=p)
 

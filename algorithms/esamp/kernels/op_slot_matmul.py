@@ -1,6 +1,5 @@
-"""The op ``tllm_esamp::slot_matmul``: ``out[g] = x[g] @ w[s]^T`` with ``w [S, N, K]``
-(``transpose_w``), or ``x[g] @ w[s]`` with ``w [S, K, N]``, for ``s = group_slot[g]``; the
-product is 0 where ``s < 0``. Returns ``out`` (written in place; nothing allocated).
+"""The op ``tllm_esamp::slot_matmul``: each packed group's product with its own slot of the
+stacked weights.
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -99,10 +98,7 @@ def check_slot_matmul(
 def reference(
     x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None
 ) -> None:
-    """``out[g] = x[g] @ w[s]^T`` (``transpose_w``, ``w [S, N, K]``) or ``x[g] @ w[s]``
-    (``w [S, K, N]``), ``s = group_slot[g]``; zeros where ``s < 0``. With ``w [S, E, ., .]``
-    the same per matrix ``e`` (``x [G, M, K]`` shared or ``[G, E, M, K]``), into ``out [G, E,
-    M, N]`` or summed over ``e`` into ``out [G, M, N]``; then ``add`` (if any) added."""
+    """The PyTorch reference of :func:`slot_matmul`: one ``bmm`` per matrix."""
     if w.shape[0] == 0:
         out.zero_()
         if add is not None:

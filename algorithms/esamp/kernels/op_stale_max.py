@@ -1,8 +1,5 @@
-"""The op ``tllm_esamp::stale_max``: ``stale[0] = max(stale[0], submitted[g] -
-applied[group_slot[g]])`` over the groups ``g`` with a slot (``group_slot >= 0``): the
-largest number of updates submitted for a group's slot but not yet applied when the
-prediction reads it. ``submitted [G]``, ``applied [S]``, ``stale [1]`` int64; ``group_slot
-[G]`` int32/int64.
+"""The op ``tllm_esamp::stale_max``: the prediction's staleness measurement, the largest
+lag of its groups' slots.
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ def check_stale_max(submitted, applied, group_slot, stale) -> None:
 
 
 def reference(submitted, applied, group_slot, stale) -> None:
-    """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
-    with a slot."""
+    """The PyTorch reference of :func:`stale_max`."""
     if not submitted.shape[0]:
         return
     lag = submitted - applied.index_select(0, group_slot.clamp(min=0))

@@ -1,9 +1,5 @@
-"""The op ``tllm_esamp::update_tail``: per group, after the backward: ``losses[g] =
-sum(loss_parts[g])`` (:func:`loss_dy`'s), ``norm[g] = sqrt(sum(parts[g]))``
-(:func:`block_backward`'s); ``valid`` = the group has a slot (``group_slot >= 0``) and rows
-(``mask``); ``ok[g]`` = valid with a finite loss and norm; ``scale[g] = min(1, grad_clip /
-(norm + clip_eps))`` (1 with ``grad_clip`` None); ``step[s] += ok`` and ``applied[s] +=
-valid`` (``applied`` optional) at ``s = group_slot[g]``.
+"""The op ``tllm_esamp::update_tail``: after the backward, each group's loss, gradient norm,
+finite check and clip coefficient, and its slot's step and applied counts.
 Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
 
 from __future__ import annotations
@@ -93,10 +89,7 @@ def check_update_tail(
 def reference(
     loss_parts, parts, group_slot, mask, step, applied, losses, ok, scale, norm, grad_clip, clip_eps
 ) -> None:
-    """Per group: ``losses = sum(loss_parts)``, ``norm = sqrt(sum(parts))``; ``valid`` = has
-    a slot and rows; ``ok`` = valid with a finite loss and norm; ``scale`` =
-    ``clip_grad_norm_``'s coefficient ``min(1, grad_clip / (norm + clip_eps))`` (1 where
-    ``grad_clip < 0``: no clipping); ``step[slot] += ok``, ``applied[slot] += valid``."""
+    """The PyTorch reference of :func:`update_tail` (``grad_clip < 0``: no clipping)."""
     torch.sum(loss_parts, 1, out=losses)
     torch.sqrt(parts.sum(1), out=norm)
     valid = (group_slot >= 0) & mask.any(1)

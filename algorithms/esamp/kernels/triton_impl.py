@@ -1,18 +1,14 @@
-"""The Triton kernels and their launchers (imported only where Triton is installed).
+"""The Triton kernels (imported only where Triton is installed); their launchers live in each
+op's module (``op_<op>.py``) and are re-exported here. Launchers read tensor metadata only (no
+host sync, no allocation; ``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first), so
+they can be captured in a CUDA graph once each kernel has compiled.
 
-The launchers (``<op>_launch``, and ``<op>`` to run one) live in each op's module
-(``op_<op>.py``) and are re-exported here. Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its
-own copy under ``TRITON_INTERPRET=1`` (the variable is read at decoration time) and run the
-very same launchers on CPU tensors. Launchers only read tensor metadata: no host sync, no
-allocation (``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first, one extra launch),
-so they can be captured in a CUDA graph once each kernel has compiled.
-
-The kernels call only Triton builtins and this module's own device helpers, no
-``@triton.jit`` library helpers (``tl.cdiv``, ``tl.zeros``): those are decorated when Triton
-is imported, which in a test process may be before ``TRITON_INTERPRET`` is set, and then
-cannot run under the interpreter. The device helpers are decorated again with the kernels,
-in the kernels' own scope (:func:`jit_kernels`), so they are interpreted whenever the
-kernels are."""
+Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its own
+copy under ``TRITON_INTERPRET=1`` (read at decoration time) and run the very same launchers
+on CPU tensors. For that they call only Triton builtins and this module's device helpers,
+which are decorated again with the kernels, in their scope: a ``@triton.jit`` library helper
+(``tl.cdiv``, ``tl.zeros``) is decorated when Triton is imported, possibly before the
+variable is set, and then cannot run under the interpreter."""
 
 from __future__ import annotations
 
@@ -69,8 +65,16 @@ def _swiglu_grads(dp, a, u, s):
     return du, da
 
 
+@triton.jit
+def _gram(base, ri, rj, cols, s_row, s_col, mi, mj, acc, INPUT_PRECISION: tl.constexpr):
+    # acc + (rows ri) @ (rows rj)^T of the matrix at base, over the columns cols.
+    ti = _load_tile(base, ri, cols, s_row, s_col, mi)
+    tj = _load_tile(base, rj, cols, s_row, s_col, mj)
+    return tl.dot(ti, tl.trans(tj), acc, input_precision=INPUT_PRECISION)
+
+
 # The helpers the kernels call, decorated afresh by jit_kernels.
-_DEVICE_HELPERS = ("_tile", "_load_tile", "_swiglu_grads")
+_DEVICE_HELPERS = ("_tile", "_load_tile", "_swiglu_grads", "_gram")
 
 
 def _grad_adam_kernel(
@@ -310,6 +314,7 @@ def _block_backward_kernel(
     in_j = rj < M
     acc_g = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     acc_p = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
+    p_g, h_g, y_g = p_ptr + g * s_pg, hin_ptr + g * s_hg, dy_ptr + g * s_yg
     for c0 in range(0, INTER, BLOCK_I):
         offs_c = c0 + tl.arange(0, BLOCK_I)
         in_c = offs_c < INTER
@@ -320,7 +325,6 @@ def _block_backward_kernel(
         av = _load_tile(a_ptr + g * s_ag, ri, offs_c, s_am, s_ai, mi)
         uv = _load_tile(u_ptr + g * s_ug, ri, offs_c, s_um, s_ui, mi)
         sv = _load_tile(s_ptr + g * s_sg, ri, offs_c, s_sm, s_si, mi)
-        pi = _load_tile(p_ptr + g * s_pg, ri, offs_c, s_pm, s_pi, mi)
         du_i, da_i = _swiglu_grads(dp, av, uv, sv)
         if (ti == tj) & (share == 0):
             tl.store(_tile(du_ptr + g * s_dug, ri, offs_c, s_dum, s_dui), du_i, mask=mi)
@@ -330,24 +334,18 @@ def _block_backward_kernel(
         av = _load_tile(a_ptr + g * s_ag, rj, offs_c, s_am, s_ai, mj)
         uv = _load_tile(u_ptr + g * s_ug, rj, offs_c, s_um, s_ui, mj)
         sv = _load_tile(s_ptr + g * s_sg, rj, offs_c, s_sm, s_si, mj)
-        pj = _load_tile(p_ptr + g * s_pg, rj, offs_c, s_pm, s_pi, mj)
         du_j, da_j = _swiglu_grads(dp, av, uv, sv)
         acc_g = tl.dot(du_i, tl.trans(du_j), acc_g, input_precision=INPUT_PRECISION)
         acc_g = tl.dot(da_i, tl.trans(da_j), acc_g, input_precision=INPUT_PRECISION)
-        acc_p = tl.dot(pi, tl.trans(pj), acc_p, input_precision=INPUT_PRECISION)
+        acc_p = _gram(p_g, ri, rj, offs_c, s_pm, s_pi, mi, mj, acc_p, INPUT_PRECISION)
     acc_h = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     acc_y = tl.full((BLOCK_M, BLOCK_M), 0.0, tl.float32)
     for c0 in range(h_lo, h_hi, BLOCK_H):
         offs_c = c0 + tl.arange(0, BLOCK_H)
-        in_c = offs_c < h_hi
-        mi = in_i[:, None] & in_c[None, :]
-        mj = in_j[:, None] & in_c[None, :]
-        hi = _load_tile(hin_ptr + g * s_hg, ri, offs_c, s_hm, s_hh, mi)
-        hj = _load_tile(hin_ptr + g * s_hg, rj, offs_c, s_hm, s_hh, mj)
-        yi = _load_tile(dy_ptr + g * s_yg, ri, offs_c, s_ym, s_yh, mi)
-        yj = _load_tile(dy_ptr + g * s_yg, rj, offs_c, s_ym, s_yh, mj)
-        acc_h = tl.dot(hi, tl.trans(hj), acc_h, input_precision=INPUT_PRECISION)
-        acc_y = tl.dot(yi, tl.trans(yj), acc_y, input_precision=INPUT_PRECISION)
+        mi = in_i[:, None] & (offs_c < h_hi)[None, :]
+        mj = in_j[:, None] & (offs_c < h_hi)[None, :]
+        acc_h = _gram(h_g, ri, rj, offs_c, s_hm, s_hh, mi, mj, acc_h, INPUT_PRECISION)
+        acc_y = _gram(y_g, ri, rj, offs_c, s_ym, s_yh, mi, mj, acc_y, INPUT_PRECISION)
     prod = acc_y * acc_p + acc_g * acc_h
     part = tl.reduce(tl.reduce(prod, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
     tl.store(parts_ptr + g * s_tg + col * s_tt, part)
