@@ -47,13 +47,20 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
     return rows, toks
 
 
-def count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
+def count_rows(mask: torch.Tensor, block: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
     """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
-    summing a bool tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an
-    entry; on CUDA one reduction)."""
+    on CPU summing a bool tensor first casts all of it to int64."""
     if mask.device.type != "cpu" or mask.shape[0] == 0:  # a GPU reduces bools directly
-        return mask.sum(-1)
-    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
+        return torch.sum(mask, -1, out=out)
+    parts = [mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)]
+    return torch.cat(parts, out=out)
+
+
+def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | None:
+    """``out=`` for a temporary: a row view of ``buffers``, or None (allocate)."""
+    if buffers is None:
+        return None
+    return buffers.mask(0, rows) if name == "mask" else buffers.take(name, rows)
 
 
 @dataclass(frozen=True)
@@ -100,32 +107,22 @@ def top_candidate_entries(
     logits: torch.Tensor, k: int, version: int = -1, buffers: GuideBuffers | None = None
 ) -> TopCandidates:
     """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
-    with every shape fixed by ``R`` and ``k``: ``topk``, compares and one count per row, no
-    operation whose output size depends on the data. With ``buffers`` (made with
-    ``top_k=k``), every tensor is a row view of them: nothing is allocated."""
+    every shape fixed by ``R`` and ``k`` (no data-dependent output size). With ``buffers``
+    (made with ``top_k=k``) every tensor is a row view of them: nothing is allocated."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     k = min(k, logits.shape[-1])
-    if buffers is not None:
-        return _top_into(logits, k, version, buffers)
-    vals, toks = logits.topk(k, dim=-1, sorted=False)
-    valid = vals > NEG_INF
-    # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
-    over = count_rows(logits > NEG_INF) - valid.sum(-1)
-    return TopCandidates(toks, vals, valid, over, version)
-
-
-def _top_into(logits: torch.Tensor, k: int, version: int, b: GuideBuffers) -> TopCandidates:
-    """:func:`top_candidate_entries` written into ``b`` (the same operations, ``out=``)."""
-    if b.top_k != k or b.vocab != logits.shape[-1]:
+    b, r = buffers, logits.shape[0]
+    if b is not None and (b.top_k != k or b.vocab != logits.shape[-1]):
         raise ValueError(
             f"guide buffers made for top_k={b.top_k} over {b.vocab} tokens cannot hold "
             f"{k} candidates of {logits.shape[-1]} tokens"
         )
-    r = logits.shape[0]
-    vals, toks = b.take("logits", r), b.take("tokens", r)
-    torch.topk(logits, k, dim=-1, sorted=False, out=(vals, toks))
-    valid = torch.gt(vals, NEG_INF, out=b.take("valid", r))
-    over = torch.sum(torch.gt(logits, NEG_INF, out=b.mask(0, r)), -1, out=b.take("over_cap", r))
-    over.sub_(torch.sum(valid, -1, out=b.take("count", r)))
+    outs = None if b is None else (b.take("logits", r), b.take("tokens", r))
+    vals, toks = torch.topk(logits, k, dim=-1, sorted=False, out=outs)
+    valid = torch.gt(vals, NEG_INF, out=part(b, "valid", r))
+    # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
+    cands = torch.gt(logits, NEG_INF, out=part(b, "mask", r))
+    over = count_rows(cands, out=part(b, "over_cap", r))
+    over.sub_(torch.sum(valid, -1, out=part(b, "count", r)))
     return TopCandidates(toks, vals, valid, over, version, b)
