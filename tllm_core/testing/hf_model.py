@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tllm_core.api.consumer import ModelInfo
-from tllm_core.api.norms import rmsnorm_gain
+from tllm_core.api.norms import norm_eps, rmsnorm_gain
 
 # Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
 # and per step. Router taps need vLLM's MoE runner: not served here.
@@ -116,10 +116,6 @@ def final_norm(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.T
         with torch.no_grad():
             gain = rmsnorm_gain(norm, w.shape[0], norm_eps(norm), w.dtype, w.device)
     return (lambda h: norm(h)), gain
-
-
-def norm_eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def model_info(hf: Any) -> ModelInfo:
