@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -145,20 +146,26 @@ def _num(v: Any) -> str:
 
 
 # pydantic error types -> our words.
-_MESSAGES = {
-    **dict.fromkeys(("float_parsing", "float_type", "int_parsing", "int_type"), "must be a number"),
-    "int_from_float": "must be a whole number",
-    "finite_number": "must be finite",
-    **dict.fromkeys(
-        ("bool_parsing", "bool_type"), "must be a boolean (true/false, 1/0, yes/no, on/off)"
-    ),
-}
-_BOUNDS = {
-    "greater_than_equal": ("ge", ">="),
-    "greater_than": ("gt", ">"),
-    "less_than_equal": ("le", "<="),
-    "less_than": ("lt", "<"),
-}
+_MESSAGES = MappingProxyType(
+    {
+        **dict.fromkeys(
+            ("float_parsing", "float_type", "int_parsing", "int_type"), "must be a number"
+        ),
+        "int_from_float": "must be a whole number",
+        "finite_number": "must be finite",
+        **dict.fromkeys(
+            ("bool_parsing", "bool_type"), "must be a boolean (true/false, 1/0, yes/no, on/off)"
+        ),
+    }
+)
+_BOUNDS = MappingProxyType(
+    {
+        "greater_than_equal": ("ge", ">="),
+        "greater_than": ("gt", ">"),
+        "less_than_equal": ("le", "<="),
+        "less_than": ("lt", "<"),
+    }
+)
 
 
 def _message(err: dict[str, Any]) -> str:

@@ -1,7 +1,6 @@
 """The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``fc``) installs for
-``torch.cuda`` and for the ``Tensor`` methods a CPU-only build cannot run or runs
-differently on the fake device; each reports host waits, captures, replays and the current
-stream to ``fc``, and what orders work to its stream order (``fc.order``)."""
+``torch.cuda`` and the ``Tensor`` methods a CPU-only build cannot run on the fake device;
+each reports host waits, captures and stream ordering to ``fc``."""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
 
 
 class FakeStream:
-    """``torch.cuda.Stream``: ordering calls wait for nothing (the fake device runs
-    nothing), they only tell the stream order; ``synchronize`` is a host wait."""
+    """``torch.cuda.Stream``: ordering calls only tell the stream order; ``synchronize`` is a
+    host wait."""
 
     def __init__(self, fc: Any, device: Any = None, priority: int = 0, **_: Any) -> None:
         self._fc = fc
@@ -252,9 +251,8 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
         return tolist(self)
 
     def set_item(self: torch.Tensor, index: Any, value: Any) -> None:
-        # On CUDA, setitem turns a Python number into a CPU tensor (on other devices: a
-        # tensor on the device): an advanced index then hands index_put_ a CPU value it
-        # copies from pageable memory. Do as CUDA does so the checker sees that argument.
+        # On CUDA, setitem turns a Python number into a CPU tensor, which an advanced index
+        # then copies from pageable memory: do as CUDA does so the checker sees it.
         if isinstance(value, _NUMBERS) and fc.is_fake(self) and not self.dtype.is_complex:
             value = make(value, dtype=self.dtype)
         setitem(self, index, value)
@@ -270,8 +268,8 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
 
 
 def factory_stubs(fc: Any) -> dict[str, Any]:
-    """``torch.tensor`` / ``as_tensor`` / ``asarray``: with the fake device as target they
-    copy host data to the device in C++, out of a dispatch mode's sight."""
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device (they copy in C++,
+    out of a dispatch mode's sight)."""
 
     def wrap(name: str) -> Any:
         orig = getattr(torch, name)
@@ -292,9 +290,8 @@ def factory_stubs(fc: Any) -> dict[str, Any]:
 
 
 def rehearsal_stubs(fc: Any) -> dict[str, Any]:
-    """``torch`` attributes a script that measures needs on the fake device: a
-    ``torch.Generator`` there is a CPU one (meta has none; meta factories accept a CPU one),
-    ``torch.compile`` returns the module uncompiled (inductor cannot compile for meta)."""
+    """For a script that measures: a CPU ``torch.Generator`` for the fake device (meta has
+    none), and ``torch.compile`` returning the module uncompiled."""
     real = torch.Generator
 
     class Generator(real):  # type: ignore[misc, valid-type]

@@ -23,17 +23,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.api.consumer import ControlError
+from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 from tllm_core.runtime.watchdog import Hung, read_note
-from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
-from tllm_core.serving.keys import (
-    GROUP,
-    RESULTS,
-    EngineConsumers,
-    request_salt,
-    validate_extra_args,
+from tllm_core.serving.guard import (
+    CLIENT,
+    BearerGuard,
+    ClientScope,
+    hide_paths,
+    scoped_group,
+    send_json,
 )
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
@@ -100,20 +102,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     ).encode()
 
 
-async def send_json_error(send: Any, status: int, payload: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
-
-
 def _too_large(limit: int) -> bytes:
     return _error_response(
         413,
@@ -152,7 +140,7 @@ class XargsCheck:
                 break
             budget -= len(msg.get("body", b""))
             more = msg.get("more_body", False)
-        await send_json_error(send, 413, _too_large(self.max_body_bytes))
+        await send_json(send, 413, _too_large(self.max_body_bytes))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -184,11 +172,11 @@ class XargsCheck:
             xargs, error = parse_xargs(b"".join(chunks))
         if xargs is not None and error is None:
             error = check_xargs(xargs, self.server)
-        if error is None and xargs and RESULTS in xargs and scope["path"].endswith(NO_RESULTS):
+        if error is None and xargs and RESULTS_KEY in xargs and scope["path"].endswith(NO_RESULTS):
             error = (
                 400,
                 (
-                    f"tllm: {RESULTS} is returned on {' and '.join(RESULTS_PATHS)} only; "
+                    f"tllm: {RESULTS_KEY} is returned on {' and '.join(RESULTS_PATHS)} only; "
                     f"{scope['path']} has no place for it"
                 ),
             )
@@ -196,7 +184,7 @@ class XargsCheck:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
             payload = _error_response(status, message, kind, "vllm_xargs")
-            return await send_json_error(send, status, payload)
+            return await send_json(send, status, payload)
 
         async def replay():
             return messages.popleft() if messages else await receive()
@@ -246,7 +234,7 @@ class HungHealth:
             if hung is not None:
                 # No path: /health answers without the API key.
                 body = json.dumps({"error": f"tllm: {hung.message()}"}).encode()
-                await send_json_error(send, 503, body)
+                await send_json(send, 503, body)
                 return
         await self.app(scope, receive, send)
 
@@ -428,7 +416,7 @@ def install_request_checks(
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
-        if extra and RESULTS in extra and max_result_bytes is not None:
+        if extra and RESULTS_KEY in extra and max_result_bytes is not None:
             why = check_bounds(request, extra, server, max_result_bytes, hidden_size)
             if why is not None:
                 raise VLLMValidationError(why, parameter="vllm_xargs")
@@ -443,7 +431,7 @@ def install_request_checks(
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group.
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
-            params.extra_args = {**(extra or {}), GROUP: group}
+            params.extra_args = {**(extra or {}), GROUP_KEY: group}
 
     input_processor.assign_request_id = assign_request_id
 
