@@ -119,9 +119,9 @@ def add_deadline_arg(g: Any) -> None:
     )
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
-    g = p.add_argument_group("model and engine")
+def add_model_args(g: Any) -> None:
+    """``--model``, ``--dtype``, ``--max-model-len``, ``--kv-cache-gib`` and
+    ``--callback-deadline`` (``tllm run`` and ``tllm serve``)."""
     g.add_argument(
         "--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -136,6 +136,19 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's own, as vLLM derives it)",
     )
+    g.add_argument(
+        "--kv-cache-gib",
+        type=int_at_least(1),
+        default=None,
+        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
+    )
+    add_deadline_arg(g)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
+    g = p.add_argument_group("model and engine")
+    add_model_args(g)
     mode = g.add_mutually_exclusive_group()
     mode.add_argument(
         "--enforce-eager",
@@ -162,13 +175,6 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
         g.add_argument(opt, type=int_at_least(1), default=1, help="vLLM's option (docs/scaling.md)")
-    g.add_argument(
-        "--kv-cache-gib",
-        type=int_at_least(1),
-        default=None,
-        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
-    )
-    add_deadline_arg(g)
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")

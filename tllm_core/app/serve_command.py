@@ -301,7 +301,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="consumers act only on requests naming them in vllm_xargs tllm_consumers",
     )
-    s.add_argument("--model", help="local Hugging Face model folder (default: embedded model)")
+    cli_common.add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument(
@@ -321,19 +321,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "(vLLM's --headless; give --nnodes, --node-rank, --master-addr after `--`; "
         "docs/scaling.md)",
     )
-    s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
-    s.add_argument(
-        "--max-model-len",
-        type=cli_common.int_at_least(1),
-        default=None,
-        help="context length (default: the model's own, as vLLM derives it)",
-    )
-    s.add_argument(
-        "--kv-cache-gib",
-        type=cli_common.int_at_least(1),
-        default=None,
-        help="CPU KV cache GiB (default 2)",
-    )
     s.add_argument(
         "--max-body-mib",
         type=cli_common.int_at_least(1),
@@ -348,7 +335,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
         "400 before generating; a larger result is replaced by an error (default 16384)",
     )
-    cli_common.add_deadline_arg(s)
     s.add_argument(
         "--hung-stop",
         type=float,

@@ -22,6 +22,16 @@ SyncSampled = Callable[[torch.Tensor], None] | None
 
 # Read once the weights are loaded (``runner.model`` exists only then).
 LOADED_MODEL_ATTRS = ("model.compute_logits",)
+# What every adapter reads or wraps on its runner (this base and the step wrappers).
+COMMON_ATTRS = (
+    "execute_model",
+    "execute_model_state",
+    "max_num_tokens",
+    "device",
+    "model_config",
+    "vllm_config.additional_config",
+    "vllm_config.parallel_config",
+)
 
 
 class RunnerAdapterBase:
@@ -31,7 +41,7 @@ class RunnerAdapterBase:
     generation: ClassVar[str] = "?"
     #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
     #: weights load (``runners.check_runner``)
-    required_attrs: ClassVar[tuple[str, ...]] = ()
+    required_attrs: ClassVar[tuple[str, ...]] = COMMON_ATTRS
 
     def __init__(self, runner: Any):
         self.runner = runner

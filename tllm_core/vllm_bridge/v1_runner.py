@@ -13,16 +13,15 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 
 class V1RunnerAdapter(RunnerAdapterBase):
     generation = "V1"
     required_attrs = (
+        *COMMON_ATTRS,
         "_prepare_inputs",
-        "execute_model",
-        "execute_model_state",
         "_sample",
         "sampler.topk_topp_sampler.forward",
         "input_batch.req_ids",
@@ -33,11 +32,6 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_batch.temperature_cpu",
         "requests",
         "input_ids.gpu",
-        "max_num_tokens",
-        "device",
-        "model_config",
-        "vllm_config.additional_config",
-        "vllm_config.parallel_config",
     )
 
     # -- per request / per step reads ---------------------------------------------------

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 from tllm_core.vllm_bridge.version import require_attrs
 
@@ -26,18 +26,7 @@ _GREEDY_EPS = 1e-5
 
 class V2RunnerAdapter(RunnerAdapterBase):
     generation = "V2"
-    required_attrs = (
-        "execute_model",
-        "add_requests",
-        "prepare_inputs",
-        "sample",
-        "execute_model_state",
-        "max_num_tokens",
-        "device",
-        "model_config",
-        "vllm_config.additional_config",
-        "vllm_config.parallel_config",
-    )
+    required_attrs = (*COMMON_ATTRS, "add_requests", "prepare_inputs", "sample")
     # The sampler exists once the weights are loaded (``install`` checks these then).
     sampler_attrs = (
         "sampler.sample",
