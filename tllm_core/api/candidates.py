@@ -1,11 +1,6 @@
-"""Finding the candidates of a guided step: the logits that survive top-k/top-p/min-p
-(``> -inf``), in two forms.
-
-- :class:`Candidates`: every candidate, row-major, variable length. Exact; finding them ends
-  in a ``nonzero``, which on CUDA makes the host wait for the device.
-- :class:`TopCandidates`: up to ``k`` per row (the highest logits) in fixed ``[R, k]``
-  tensors, found with ``topk``: no host sync, so a CUDA step keeps vLLM's asynchronous
-  scheduling. Candidates past ``k`` are counted per row (``over_cap``), on the device.
+"""Finding the candidates of a guided step (the logits ``> -inf`` after top-k/top-p/min-p):
+:class:`Candidates`, all of them (ends in a ``nonzero``: on CUDA the host waits), or
+:class:`TopCandidates`, up to ``k`` per row in fixed ``[R, k]`` tensors (no host sync).
 """
 
 from __future__ import annotations
@@ -22,14 +17,9 @@ NEG_INF = float("-inf")
 
 
 def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, tokens)`` of the entries ``> -inf`` of ``logits [R, V]``, row-major: what
-    ``(logits > -inf).nonzero(as_tuple=True)`` returns, at a fraction of its cost.
-
-    Filters leave a few dozen candidates among tens of thousands of tokens, and a full
-    ``nonzero`` pass over ``R x V`` is single-threaded. So: one max per block of ``block``
-    tokens, ``nonzero`` over those blocks only, then an exact scan inside the blocks that
-    hold a candidate. A block max that is NaN keeps the block (the exact scan decides).
-    """
+    """``(logits > -inf).nonzero(as_tuple=True)`` of ``logits [R, V]``, at a fraction of its
+    cost: a max per block of ``block`` tokens, then an exact scan of the blocks holding a
+    candidate (a NaN block max keeps the block)."""
     r, v = logits.shape
     nb = v // block
     if nb == 0 or logits.stride(-1) != 1:
@@ -65,13 +55,9 @@ def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | N
 
 @dataclass(frozen=True)
 class Candidates:
-    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`: the finite
-    logits, row-major.
-
-    Entry ``j`` is token ``tokens[j]`` of view row ``rows[j]``, with current (temperature-
-    scaled) logit ``logits[j]``. Write back through ``GuideView.update_candidates`` with
-    indices into these entries.
-    """
+    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`, row-major: entry
+    ``j`` is token ``tokens[j]`` of view row ``rows[j]`` with logit ``logits[j]``. Write back
+    through ``GuideView.update_candidates`` with indices into these entries."""
 
     rows: torch.Tensor  # int64 [N]: view row of each entry
     tokens: torch.Tensor  # int64 [N]
@@ -83,23 +69,17 @@ class Candidates:
 
 @dataclass(frozen=True)
 class TopCandidates:
-    """Up to ``k`` candidates of every view row, fixed-size (found without a host sync).
-
-    Slot ``[i, j]`` is token ``tokens[i, j]`` of view row ``i`` with logit ``logits[i, j]``;
-    ``valid[i, j]`` is False where row ``i`` has fewer than ``k`` candidates (its logit is
-    then ``-inf``: a filtered-out token, never written). A row with more than ``k``
-    candidates holds its ``k`` highest; ``over_cap[i]`` counts the others (a write keeps
-    them, or drops them with ``drop_rest``). Slots are in no particular order within a row;
-    the tokens of a row are distinct. Write back through ``GuideView.update_top_candidates``.
-    """
+    """Up to ``k`` candidates of every view row, fixed-size: slot ``[i, j]`` is token
+    ``tokens[i, j]`` with logit ``logits[i, j]``, ``valid`` False past a row's candidates;
+    a row's ``k`` highest (``over_cap[i]``: the others), in no particular order. Write back
+    through ``GuideView.update_top_candidates``."""
 
     tokens: torch.Tensor  # int64 [R, k]
     logits: torch.Tensor  # fp32 [R, k]
     valid: torch.Tensor  # bool [R, k]
     over_cap: torch.Tensor  # int64 [R]
     version: int = -1  # the view's write count when taken (-1: not from a view)
-    # The preallocated buffers these tensors are views of (None: allocated for this search);
-    # a write of this search then takes its temporaries from them too.
+    # The preallocated buffers these tensors are views of; a write takes its temporaries there.
     buffers: GuideBuffers | None = None
 
 

@@ -1,19 +1,6 @@
-"""Helpers shared by ``tllm`` commands, built-in or contributed by plugins.
-
-A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.api.hookspecs`) can reuse them::
-
-    from tllm_core import cli_common, hookimpl
-
-    def run_mine(args):
-        cli_common.quiet(args)
-        prompts, texts, report = cli_common.generate_with(args, ["mine"])
-        return cli_common.show(args, prompts, texts, report)  # summary, --json, --report
-
-    @hookimpl
-    def tllm_commands(subparsers):
-        p = subparsers.add_parser("mine", help="generate with my consumer")
-        cli_common.add_generation_args(p)
-        p.set_defaults(func=run_mine)
+"""Helpers shared by ``tllm`` commands, built-in or contributed by plugins through the
+``tllm_commands`` hook (docs/hooks.md has an example): ``add_generation_args``, ``quiet``,
+``generate_with``, ``show``.
 """
 
 from __future__ import annotations

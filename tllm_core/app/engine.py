@@ -132,6 +132,14 @@ def first_errors_of_disabled(errors: list[dict[str, Any]]) -> list[dict[str, Any
     return list(out.values())
 
 
+def raise_newly_disabled(errors: list[dict[str, Any]], raised: set[str], **where: Any) -> None:
+    """:class:`ConsumerDisabledError` for the disabled consumers not in ``raised`` (added)."""
+    new = [e for e in first_errors_of_disabled(errors) if e["consumer"] not in raised]
+    if new:
+        raised.update(e["consumer"] for e in new)
+        raise ConsumerDisabledError(new, **where)
+
+
 def _salted(prompt: Any, salt: str | None) -> Any:
     """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
     if salt is None:
@@ -396,11 +404,8 @@ class TllmLLM:
                 c.tllm = decode_results(with_missing(asked, mine.get(str(c.index), {}), wait))
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
-        """Raise :class:`ConsumerDisabledError` for consumers disabled since the last raise."""
-        new = [e for e in first_errors_of_disabled(errors) if e["consumer"] not in self._raised]
-        if new and self.raise_on_disabled:
-            self._raised |= {e["consumer"] for e in new}
-            raise ConsumerDisabledError(new, **where)
+        if self.raise_on_disabled:
+            raise_newly_disabled(errors, self._raised, **where)
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""

@@ -8,13 +8,10 @@ the steps (docs/fake-cuda.md: what is flagged, counted, and not seen)::
             d.train_step(...)
     fc.assert_clean()
 
-The device is ``torch.device("meta")`` (no data: 7B shapes cost nothing) and ``torch.cuda``
-is stubbed (:mod:`.fake_cuda_stubs`); a ``TorchDispatchMode`` applies the rule table of
-:mod:`.fake_cuda_checker` to every aten operation of the entering thread; ``order=True``
-adds the stream-order race checks (:mod:`.fake_cuda_order`). ``rehearsal=True`` lets a
-script that measures run (events 1 ms, memory readings 0, CPU generators, no
-``torch.compile``); ``device="cpu"`` computes instead (nothing checked; a graph replay runs
-the captured operations again).
+The device is ``torch.device("meta")`` (7B shapes cost nothing), ``torch.cuda`` is stubbed
+and a ``TorchDispatchMode`` applies the rule table of :mod:`.fake_cuda_checker`; ``order=True``
+adds race checks, ``rehearsal=True`` lets a script that measures run, ``device="cpu"``
+computes instead (nothing checked).
 """
 
 from __future__ import annotations

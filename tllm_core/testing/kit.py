@@ -187,7 +187,7 @@ class ConsumerKit:
         ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
         prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
         drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
-        from tllm_core.app.engine import ConsumerDisabledError, first_errors_of_disabled
+        from tllm_core.app.engine import raise_newly_disabled
         from tllm_core.serving.keys import validate_extra_args
 
         items = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -223,14 +223,8 @@ class ConsumerKit:
         out: list[list[list[int]]] = [[] for _ in items]
         for r in reqs:
             out[r.info.prompt_index].append(r.output)
-        new = [
-            e
-            for e in first_errors_of_disabled(self.runtime.bus.errors)
-            if e["consumer"] not in self._raised
-        ]
-        if new and self.raise_on_disabled:
-            self._raised |= {e["consumer"] for e in new}
-            raise ConsumerDisabledError(new, outputs=out)
+        if self.raise_on_disabled:  # as TllmLLM.generate
+            raise_newly_disabled(self.runtime.bus.errors, self._raised, outputs=out)
         return out
 
     def _request(
