@@ -106,6 +106,11 @@ def add_deadline_arg(g: Any) -> None:
     )
 
 
+def _add_count(g: Any, flag: str, help: str) -> None:
+    """An optional whole-number option >= 1 (None when not given)."""
+    g.add_argument(flag, type=int_at_least(1), default=None, help=help)
+
+
 def add_model_args(g: Any) -> None:
     """``--model``, ``--dtype``, ``--max-model-len``, ``--kv-cache-gib`` and
     ``--callback-deadline`` (``tllm run`` and ``tllm serve``)."""
@@ -117,17 +122,11 @@ def add_model_args(g: Any) -> None:
         default=DEFAULT_DTYPE,
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
-    g.add_argument(
-        "--max-model-len",
-        type=int_at_least(1),
-        default=None,
-        help="context length (default: the model's own, as vLLM derives it)",
+    _add_count(
+        g, "--max-model-len", "context length (default: the model's own, as vLLM derives it)"
     )
-    g.add_argument(
-        "--kv-cache-gib",
-        type=int_at_least(1),
-        default=None,
-        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
+    _add_count(
+        g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
     )
     add_deadline_arg(g)
 
@@ -148,13 +147,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="compile with torch.compile even for a small job (default above "
         "prompts x n x max-tokens = 2048)",
     )
-    g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="vLLM max_num_seqs")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int_at_least(1),
-        default=None,
-        help="vLLM token budget per step",
-    )
+    _add_count(g, "--max-num-seqs", "vLLM max_num_seqs")
+    _add_count(g, "--max-num-batched-tokens", "vLLM token budget per step")
     g.add_argument(
         "--no-prefix-caching",
         action="store_true",

@@ -16,7 +16,28 @@ import torch
 REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
 
 
-class FakeStream:
+class _Waitable:
+    """``query`` (the fake's answer: done) and ``synchronize`` (a host wait); either way the
+    host is then after the work it covers."""
+
+    _fc: Any
+
+    def _host_joins(self) -> None:
+        raise NotImplementedError
+
+    def query(self) -> bool:
+        if self._fc.order is not None:
+            self._host_joins()
+        return True
+
+    def synchronize(self) -> None:
+        what = type(self).__name__.removeprefix("Fake")
+        self._fc._host_wait(f"{what}.synchronize()", joins_current=False)
+        if self._fc.order is not None:
+            self._host_joins()
+
+
+class FakeStream(_Waitable):
     """``torch.cuda.Stream``: ordering calls only tell the stream order; ``synchronize`` is a
     host wait."""
 
@@ -39,22 +60,14 @@ class FakeStream:
         event.record(self)
         return event
 
-    def query(self) -> bool:
-        # Asks without waiting; the fake's answer is "done", so the host is after its work.
-        if self._fc.order is not None:
-            self._fc.order.host_joins_stream(self)
-        return True
-
-    def synchronize(self) -> None:
-        self._fc._host_wait("Stream.synchronize()", joins_current=False)
-        if self._fc.order is not None:
-            self._fc.order.host_joins_stream(self)
+    def _host_joins(self) -> None:
+        self._fc.order.host_joins_stream(self)
 
     def __repr__(self) -> str:
         return f"<FakeStream {self.stream_id}>"
 
 
-class FakeEvent:
+class FakeEvent(_Waitable):
     """``torch.cuda.Event``: ``record``/``wait``/``query`` never wait; ``synchronize`` does."""
 
     def __init__(self, fc: Any, enable_timing: bool = False, **_: Any) -> None:
@@ -68,16 +81,8 @@ class FakeEvent:
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or torch.cuda.current_stream()).wait_event(self)
 
-    def query(self) -> bool:
-        # The fake's answer is "completed": the host is then after the work it covers.
-        if self._fc.order is not None:
-            self._fc.order.host_joins_event(self)
-        return True
-
-    def synchronize(self) -> None:
-        self._fc._host_wait("Event.synchronize()", joins_current=False)
-        if self._fc.order is not None:
-            self._fc.order.host_joins_event(self)
+    def _host_joins(self) -> None:
+        self._fc.order.host_joins_event(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return REHEARSAL_EVENT_MS if self._fc.rehearsal else 0.0
