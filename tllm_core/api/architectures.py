@@ -1,11 +1,9 @@
 """How a model family looks to the engine bridge: where its decoder layers are and the tap
-sites inside each layer (issue 27). Pure data: the bridge turns it into module wrappers.
+sites inside each layer (pure data, registered through the ``tllm_architectures`` hook).
 
-Built-in families are described by the bridge through the ``tllm_architectures`` hook (the
-same hook a third-party plugin implements to add a family or a site; docs/hooks.md). A
-:class:`SiteSpec` returned alone is a site of every decoder layer; an :class:`ArchitectureSpec`
-with ``layer_classes`` describes the layers of those classes, and its ``sites`` replace the
-same-named general sites there. The spec without ``layer_classes`` is the default family.
+A :class:`SiteSpec` alone is a site of every decoder layer; an :class:`ArchitectureSpec` with
+``layer_classes`` describes those layers, its ``sites`` replacing the general ones of the same
+name; the spec without ``layer_classes`` is the default family.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 
-# Per-step sites (``TapRequest`` with no layer), read by the bridge from the runner after
-# the forward; not described by specs: "final" (final hidden state), "logits", "sampled".
+# Per-step sites (``TapRequest`` with no layer), read from the runner after the forward.
 STEP_SITES = ("final", "logits", "sampled")
 
 # How a site's module output holds the site's tensor (each also takes a bare tensor, which
@@ -94,10 +91,8 @@ class ArchitectureSpec:
 
 
 class Architectures:
-    """Every registered spec, merged: which sites exist and which spec applies to a layer.
-
-    Raises ``ValueError`` naming both when two specs claim the same site name (as general
-    sites), layer class or default."""
+    """Every registered spec, merged; ``ValueError`` naming both when two claim the same
+    general site, layer class or default."""
 
     def __init__(self, specs: Iterable[ArchitectureSpec | SiteSpec] = ()):
         self.default: ArchitectureSpec | None = None

@@ -14,6 +14,7 @@ from tllm_core.api.candidates import (
     TopCandidates,
     candidate_entries,
     count_rows,
+    part,
     top_candidate_entries,
 )
 from tllm_core.api.guide_buffers import GuideBuffers
@@ -24,18 +25,10 @@ from tllm_core.api.rows import RowInfo
 class Bundle:
     """What one engine step produced for one consumer's read ports.
 
-    ``hidden[key]`` holds each token port's data, ``[len(rows), ...]`` (keys such as
-    ``"layer.{i}"``, ``"final"``, ``"attn.{i}"``); ``rows`` is the union of the phases the
-    consumer's token ports select. ``per_sample[key]`` holds each sample port's data for
-    ``sampled_rows``: the rows whose sampled token is kept (the last row of a finished
-    prefill, every decode row); ``logits`` and ``sampled_token_ids`` are its built-in keys.
-
-    End-of-step bundles hold device tensors valid only during the call; background
-    bundles hold host copies the consumer may keep. (The runtime gathers end-of-step rows
-    into buffers it reuses, but only once nothing holds them: a tensor kept past the call
-    keeps its values; work on another CUDA stream that reads one must be waited for by the
-    engine's stream or hold the tensor until it ran. See ``docs/delivery.md`` and
-    ``tllm_core/runtime/buffer_pool.py``.)
+    ``hidden[key]`` holds each token port's data, ``[len(rows), ...]``; ``per_sample[key]``
+    each sample port's data for ``sampled_rows`` (the rows whose sampled token is kept).
+    End-of-step bundles hold device tensors valid only during the call; background bundles
+    hold host copies the consumer may keep (docs/delivery.md).
     """
 
     step: int
@@ -58,19 +51,13 @@ class Bundle:
 class GuideView:
     """The sampler's view for one step (write port ``SamplerGuide``).
 
-    ``logits`` are fp32, already divided by each row's temperature and filtered by
-    top-k/top-p/min-p: non-candidates are ``-inf``. Row ``i`` of ``logits`` belongs to
-    ``rows[i]``. Change logits only through :meth:`update_candidates` (sparse: the few
-    surviving candidates), :meth:`update_top_candidates` (up to ``k`` per row, fixed-size:
+    ``logits`` are fp32, divided by each row's temperature and filtered by top-k/top-p/min-p
+    (non-candidates are ``-inf``); row ``i`` belongs to ``rows[i]``. Change them only through
+    :meth:`update_candidates` (sparse), :meth:`update_top_candidates` (up to ``k`` per row,
     no host sync), :meth:`update` (dense rows) or :meth:`update_all` (every row, nothing
-    allocated); all keep filtered-out entries at
-    ``-inf``, leave other entries bit for bit and count what changed (``rows_guided``,
-    ``candidates_guided``: a write of an unchanged value counts nothing; counted on the
-    logits' device and read when the counters are). ``wrote`` says, without a device read,
-    whether any write was made: vLLM then samples from the guided logits, otherwise its
-    own sampling call goes on as it was made. ``changed`` (optional): an int64 ``[R]``
-    buffer on the logits' device to count into, zeroed here (the runtime's reused one);
-    by default one is made.
+    allocated): each keeps filtered-out entries at ``-inf``, leaves the others bit for bit
+    and counts what changed on the device. ``wrote``: whether any write was made (vLLM then
+    samples from the guided logits). ``changed``: an int64 ``[R]`` buffer to count into.
     """
 
     def __init__(
@@ -87,19 +74,15 @@ class GuideView:
         self.step = step
         self.rows = rows
         self._logits = logits
-        # Writes not applied yet (drop_rest drops, update_all rows), each a function of the
-        # logits: applied in order when the consumer's guide returns (commit: nothing to
-        # undo then) or, with an undo copy, when the logits are read before that.
+        # Writes applied at commit, or (with an undo copy) when the logits are read first.
         self._drops: list[Callable[[torch.Tensor], None]] = []
-        # GuideBuffers holding this step's pending writes or undo values (by id): a second
-        # search into them before commit would overwrite those.
+        # ids of GuideBuffers holding this step's pending writes or undo values.
         self._busy: set[int] = set()
         self.temperature = temperature
         self.is_random = is_random
         self.filtered = filtered
         self._hidden = hidden
-        # What the writes really changed (a write of an unchanged value counts nothing),
-        # per row, kept on the logits' device: counted without a host sync, read on demand.
+        # Logits changed per row, on the device: counted without a host sync.
         if changed is None:
             changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         else:
@@ -107,10 +90,8 @@ class GuideView:
         self._changed = changed
         self._candidates: Candidates | None = None
         self._writes = 0  # writes so far (a TopCandidates taken since saw them all)
-        # Whether a write was made (host-side: the runtime decides on it without a read).
         self.wrote = False
-        # Undo log (how to restore each write, newest last) so a consumer that raises leaves
-        # nothing behind.
+        # How to restore each write, newest last: a consumer that raises leaves nothing.
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -121,9 +102,7 @@ class GuideView:
         return self._logits
 
     def _apply_drops(self, undo: bool) -> None:
-        """Apply the pending writes in order, in place (drops: the whole row to -inf, then
-        the kept values back; update_all: its rows copied in). No ``[R, V]`` temporary;
-        with ``undo`` one copy of the logits to restore them from."""
+        """Apply the pending writes in place; ``undo``: keep one copy to restore from."""
         logits = self._logits
         if undo:
             snapshot = logits.clone()
@@ -174,12 +153,9 @@ class GuideView:
         self._changed.index_add_(0, rows, (new != old).long())
 
     def top_candidates(self, k: int, buffers: GuideBuffers | None = None) -> TopCandidates:
-        """Up to ``k`` surviving entries of every row, in fixed ``[R, k]`` tensors (see
-        :class:`TopCandidates`): found without a host sync, where :meth:`candidates` ends in
-        a ``nonzero`` (on CUDA the host then waits for the device). Not cached. With
-        ``buffers`` (made with ``top_k=k``, at least this view's rows) the search and its
-        :meth:`update_top_candidates` allocate nothing; the buffers serve one write per
-        step (until the guide returns)."""
+        """Up to ``k`` surviving entries of every row in fixed ``[R, k]`` tensors, found
+        without a host sync. With ``buffers`` (``top_k=k``) the search and its
+        :meth:`update_top_candidates` allocate nothing (one write per step)."""
         if buffers is not None and id(buffers) in self._busy:
             raise ValueError(
                 "these GuideBuffers already hold a write of this step; a second search into "
@@ -193,71 +169,39 @@ class GuideView:
         new_logits: torch.Tensor,
         drop_rest: torch.Tensor | None = None,
     ) -> None:
-        """Set the valid slots of ``top`` (from :meth:`top_candidates`) to ``new_logits``
-        ``[R, k]``; invalid slots, slots filtered out since ``top`` was taken and every other
-        logit stay bit for bit. ``drop_rest`` (bool ``[R]``): in those rows, also set every
-        candidate outside ``top`` to ``-inf`` (a top-``k`` filter; dropped candidates count
-        as changed). No host sync."""
-        if top.buffers is not None:
-            return self._update_top_into(top, new_logits, drop_rest, top.buffers)
-        logits = self.logits  # not self: an undo entry must not keep the view alive
-        old = logits.gather(1, top.tokens)  # current values: earlier writes count
-        keep = top.valid & (old > NEG_INF)
-        new = torch.where(keep, new_logits.to(logits.dtype), old)
-        toks = top.tokens
-        self._undo.append(lambda: logits.scatter_(1, toks, old))
-        self.wrote = True
-        self._writes += 1
-        logits.scatter_(1, toks, new)
-        self._candidates = None
-        self._changed += ((new != old) & keep).sum(-1)
-        if drop_rest is not None:
-            # Which candidates drop is known on the device only: applied at commit (or
-            # when the logits are next read), so no copy is needed to undo it. Dropped:
-            # the row's candidates outside its kept slots, counted now.
-            rows = drop_rest.to(logits.device)
-            if top.version == self._writes - 1:  # no write between: its count holds
-                dropped = top.over_cap + (top.valid & ~keep).sum(-1)
-            else:
-                dropped = count_rows(logits > NEG_INF) - keep.sum(-1)
-            self._changed += dropped * rows
-            self._drops.append(_drop(rows, toks, None))
-
-    def _update_top_into(
-        self,
-        top: TopCandidates,
-        new_logits: torch.Tensor,
-        drop_rest: torch.Tensor | None,
-        b: GuideBuffers,
-    ) -> None:
-        """:meth:`update_top_candidates` with every temporary a view of ``b`` (the same
-        operations, ``out=`` and in place)."""
-        if id(b) in self._busy:
-            raise ValueError("these GuideBuffers already hold a write of this step")
-        self._busy.add(id(b))
+        """Set the valid slots of ``top`` to ``new_logits [R, k]``; everything else stays
+        bit for bit. ``drop_rest`` (bool ``[R]``): in those rows, also set every candidate
+        outside ``top`` to ``-inf`` (counted as changed). No host sync."""
+        b = top.buffers  # with buffers every temporary is a row view of them
+        if b is not None:
+            if id(b) in self._busy:
+                raise ValueError("these GuideBuffers already hold a write of this step")
+            self._busy.add(id(b))
         logits = self.logits  # not self: an undo entry must not keep the view alive
         r, toks = logits.shape[0], top.tokens
-        old = torch.gather(logits, 1, toks, out=b.take("old", r))
-        keep = torch.gt(old, NEG_INF, out=b.take("keep", r)).logical_and_(top.valid)
-        new = torch.where(keep, new_logits.to(logits.dtype), old, out=b.take("new", r))
+        old = torch.gather(logits, 1, toks, out=part(b, "old", r))  # earlier writes count
+        keep = torch.gt(old, NEG_INF, out=part(b, "keep", r)).logical_and_(top.valid)
+        new = torch.where(keep, new_logits.to(logits.dtype), old, out=part(b, "new", r))
         self._undo.append(lambda: logits.scatter_(1, toks, old))
         self.wrote = True
         self._writes += 1
         logits.scatter_(1, toks, new)
         self._candidates = None
-        flag, count = b.take("flag", r), b.take("count", r)
-        torch.ne(new, old, out=flag).logical_and_(keep)
-        self._changed.add_(torch.sum(flag, -1, out=count))
+        flag = torch.ne(new, old, out=part(b, "flag", r)).logical_and_(keep)
+        count = torch.sum(flag, -1, out=part(b, "count", r))
+        self._changed.add_(count)
         if drop_rest is not None:
+            # Which candidates drop is known on the device only: applied at commit (or
+            # when the logits are next read), so no copy is needed to undo it.
             rows = drop_rest.to(logits.device)
             if top.version == self._writes - 1:  # no write between: its count holds
                 torch.logical_not(keep, out=flag).logical_and_(top.valid)
                 torch.sum(flag, -1, out=count).add_(top.over_cap)
             else:
-                torch.sum(torch.gt(logits, NEG_INF, out=b.mask(0, r)), -1, out=count)
-                count.sub_(torch.sum(keep, -1, out=b.take("count2", r)))
+                count_rows(torch.gt(logits, NEG_INF, out=part(b, "mask", r)), out=count)
+                count.sub_(torch.sum(keep, -1, out=part(b, "count2", r)))
             self._changed.add_(count.mul_(rows))
-            self._drops.append(_drop(rows, toks, b.take("kept", r)))
+            self._drops.append(_drop(rows, toks, part(b, "kept", r)))
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
         """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
@@ -279,11 +223,9 @@ class GuideView:
         self, new_logits: torch.Tensor, buffers: GuideBuffers, rows: torch.Tensor | None = None
     ) -> None:
         """Set every row's candidate entries to ``new_logits [R, V]`` (the logits' dtype),
-        allocating nothing: ``new_logits`` becomes the values to write (filtered-out entries
-        taken from the logits) and is copied into them when the guide returns, so no copy
-        is kept for undo; leave it untouched until then. ``rows`` (bool ``[R]``): only those
-        rows are written, the others keep their logits bit for bit. ``buffers``
-        (``dense``) hold the masks that count what changed."""
+        allocating nothing: ``new_logits`` is overwritten with the values to write and copied
+        in when the guide returns (leave it untouched until then). ``rows`` (bool ``[R]``):
+        only those rows. ``buffers`` (``dense``) hold the masks that count what changed."""
         logits = self.logits
         if new_logits.shape != logits.shape or new_logits.dtype != logits.dtype:
             raise ValueError(
@@ -343,9 +285,8 @@ class GuideView:
 def _drop(
     rows: torch.Tensor, toks: torch.Tensor, kept: torch.Tensor | None
 ) -> Callable[[torch.Tensor], None]:
-    """A drop_rest write: every candidate of the selected ``rows`` outside their ``toks`` to
-    -inf, in place (the rows to -inf, then the kept values back; ``kept``: where to hold
-    them, None to allocate)."""
+    """A drop_rest write: in ``rows``, every candidate outside ``toks`` to -inf (``kept``:
+    where to hold the kept values, None to allocate)."""
 
     def apply(logits: torch.Tensor) -> None:
         k = logits.gather(1, toks) if kept is None else torch.gather(logits, 1, toks, out=kept)

@@ -1,11 +1,6 @@
-"""Finding the candidates of a guided step: the logits that survive top-k/top-p/min-p
-(``> -inf``), in two forms.
-
-- :class:`Candidates`: every candidate, row-major, variable length. Exact; finding them ends
-  in a ``nonzero``, which on CUDA makes the host wait for the device.
-- :class:`TopCandidates`: up to ``k`` per row (the highest logits) in fixed ``[R, k]``
-  tensors, found with ``topk``: no host sync, so a CUDA step keeps vLLM's asynchronous
-  scheduling. Candidates past ``k`` are counted per row (``over_cap``), on the device.
+"""Finding the candidates of a guided step (the logits ``> -inf`` after top-k/top-p/min-p):
+:class:`Candidates`, all of them (ends in a ``nonzero``: on CUDA the host waits), or
+:class:`TopCandidates`, up to ``k`` per row in fixed ``[R, k]`` tensors (no host sync).
 """
 
 from __future__ import annotations
@@ -22,14 +17,9 @@ NEG_INF = float("-inf")
 
 
 def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, tokens)`` of the entries ``> -inf`` of ``logits [R, V]``, row-major: what
-    ``(logits > -inf).nonzero(as_tuple=True)`` returns, at a fraction of its cost.
-
-    Filters leave a few dozen candidates among tens of thousands of tokens, and a full
-    ``nonzero`` pass over ``R x V`` is single-threaded. So: one max per block of ``block``
-    tokens, ``nonzero`` over those blocks only, then an exact scan inside the blocks that
-    hold a candidate. A block max that is NaN keeps the block (the exact scan decides).
-    """
+    """``(logits > -inf).nonzero(as_tuple=True)`` of ``logits [R, V]``, at a fraction of its
+    cost: a max per block of ``block`` tokens, then an exact scan of the blocks holding a
+    candidate (a NaN block max keeps the block)."""
     r, v = logits.shape
     nb = v // block
     if nb == 0 or logits.stride(-1) != 1:
@@ -47,24 +37,27 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
     return rows, toks
 
 
-def count_rows(mask: torch.Tensor, block: int = 8) -> torch.Tensor:
+def count_rows(mask: torch.Tensor, block: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
     """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
-    summing a bool tensor casts it to int64 first (on CPU a full ``[R, V]`` copy, 8 bytes an
-    entry; on CUDA one reduction)."""
+    on CPU summing a bool tensor first casts all of it to int64."""
     if mask.device.type != "cpu" or mask.shape[0] == 0:  # a GPU reduces bools directly
-        return mask.sum(-1)
-    return torch.cat([mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)])
+        return torch.sum(mask, -1, out=out)
+    parts = [mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)]
+    return torch.cat(parts, out=out)
+
+
+def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | None:
+    """``out=`` for a temporary: a row view of ``buffers``, or None (allocate)."""
+    if buffers is None:
+        return None
+    return buffers.mask(0, rows) if name == "mask" else buffers.take(name, rows)
 
 
 @dataclass(frozen=True)
 class Candidates:
-    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`: the finite
-    logits, row-major.
-
-    Entry ``j`` is token ``tokens[j]`` of view row ``rows[j]``, with current (temperature-
-    scaled) logit ``logits[j]``. Write back through ``GuideView.update_candidates`` with
-    indices into these entries.
-    """
+    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`, row-major: entry
+    ``j`` is token ``tokens[j]`` of view row ``rows[j]`` with logit ``logits[j]``. Write back
+    through ``GuideView.update_candidates`` with indices into these entries."""
 
     rows: torch.Tensor  # int64 [N]: view row of each entry
     tokens: torch.Tensor  # int64 [N]
@@ -76,23 +69,17 @@ class Candidates:
 
 @dataclass(frozen=True)
 class TopCandidates:
-    """Up to ``k`` candidates of every view row, fixed-size (found without a host sync).
-
-    Slot ``[i, j]`` is token ``tokens[i, j]`` of view row ``i`` with logit ``logits[i, j]``;
-    ``valid[i, j]`` is False where row ``i`` has fewer than ``k`` candidates (its logit is
-    then ``-inf``: a filtered-out token, never written). A row with more than ``k``
-    candidates holds its ``k`` highest; ``over_cap[i]`` counts the others (a write keeps
-    them, or drops them with ``drop_rest``). Slots are in no particular order within a row;
-    the tokens of a row are distinct. Write back through ``GuideView.update_top_candidates``.
-    """
+    """Up to ``k`` candidates of every view row, fixed-size: slot ``[i, j]`` is token
+    ``tokens[i, j]`` with logit ``logits[i, j]``, ``valid`` False past a row's candidates;
+    a row's ``k`` highest (``over_cap[i]``: the others), in no particular order. Write back
+    through ``GuideView.update_top_candidates``."""
 
     tokens: torch.Tensor  # int64 [R, k]
     logits: torch.Tensor  # fp32 [R, k]
     valid: torch.Tensor  # bool [R, k]
     over_cap: torch.Tensor  # int64 [R]
     version: int = -1  # the view's write count when taken (-1: not from a view)
-    # The preallocated buffers these tensors are views of (None: allocated for this search);
-    # a write of this search then takes its temporaries from them too.
+    # The preallocated buffers these tensors are views of; a write takes its temporaries there.
     buffers: GuideBuffers | None = None
 
 
@@ -100,32 +87,22 @@ def top_candidate_entries(
     logits: torch.Tensor, k: int, version: int = -1, buffers: GuideBuffers | None = None
 ) -> TopCandidates:
     """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
-    with every shape fixed by ``R`` and ``k``: ``topk``, compares and one count per row, no
-    operation whose output size depends on the data. With ``buffers`` (made with
-    ``top_k=k``), every tensor is a row view of them: nothing is allocated."""
+    every shape fixed by ``R`` and ``k`` (no data-dependent output size). With ``buffers``
+    (made with ``top_k=k``) every tensor is a row view of them: nothing is allocated."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     k = min(k, logits.shape[-1])
-    if buffers is not None:
-        return _top_into(logits, k, version, buffers)
-    vals, toks = logits.topk(k, dim=-1, sorted=False)
-    valid = vals > NEG_INF
-    # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
-    over = count_rows(logits > NEG_INF) - valid.sum(-1)
-    return TopCandidates(toks, vals, valid, over, version)
-
-
-def _top_into(logits: torch.Tensor, k: int, version: int, b: GuideBuffers) -> TopCandidates:
-    """:func:`top_candidate_entries` written into ``b`` (the same operations, ``out=``)."""
-    if b.top_k != k or b.vocab != logits.shape[-1]:
+    b, r = buffers, logits.shape[0]
+    if b is not None and (b.top_k != k or b.vocab != logits.shape[-1]):
         raise ValueError(
             f"guide buffers made for top_k={b.top_k} over {b.vocab} tokens cannot hold "
             f"{k} candidates of {logits.shape[-1]} tokens"
         )
-    r = logits.shape[0]
-    vals, toks = b.take("logits", r), b.take("tokens", r)
-    torch.topk(logits, k, dim=-1, sorted=False, out=(vals, toks))
-    valid = torch.gt(vals, NEG_INF, out=b.take("valid", r))
-    over = torch.sum(torch.gt(logits, NEG_INF, out=b.mask(0, r)), -1, out=b.take("over_cap", r))
-    over.sub_(torch.sum(valid, -1, out=b.take("count", r)))
+    outs = None if b is None else (b.take("logits", r), b.take("tokens", r))
+    vals, toks = torch.topk(logits, k, dim=-1, sorted=False, out=outs)
+    valid = torch.gt(vals, NEG_INF, out=part(b, "valid", r))
+    # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
+    cands = torch.gt(logits, NEG_INF, out=part(b, "mask", r))
+    over = count_rows(cands, out=part(b, "over_cap", r))
+    over.sub_(torch.sum(valid, -1, out=part(b, "count", r)))
     return TopCandidates(toks, vals, valid, over, version, b)

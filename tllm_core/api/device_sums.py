@@ -1,10 +1,6 @@
-"""Sums kept on the device and counted on the host without making the host wait.
-
-A consumer that counts on the device (rows it changed, a running total) must read the sums
-back some time; ``.tolist()`` or ``float()`` waits for everything queued before it, i.e.
-stalls the step it is called in. :class:`DeviceSums` instead queues a copy of the sums back
-to the host (:class:`~tllm_core.api.transfers.HostCopyRing`), zeroes them after it on the
-same stream (so they sum anew from there), and hands out each copy once it has arrived::
+"""Sums kept on the device and counted on the host without making the host wait: a copy back
+is queued (:class:`~tllm_core.api.transfers.HostCopyRing`), the sums zeroed after it, and each
+copy handed out once it has arrived::
 
     sums = DeviceSums(torch.zeros(3, device="cuda"))
     ...                      # each step: sums.add(step_counts)
@@ -26,9 +22,8 @@ from tllm_core.api.transfers import HostCopyRing
 
 
 class DeviceSums:
-    """``values``: the device tensor the sums are kept in (its shape and dtype are fixed;
-    add to it with :meth:`add`). ``ring``: copies that may be in flight at once; :meth:`send`
-    skips while all are (the sums keep accumulating and go with the next copy)."""
+    """``values``: the device tensor the sums are kept in. ``ring``: copies that may be in
+    flight at once (:meth:`send` skips while all are)."""
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values
@@ -41,9 +36,8 @@ class DeviceSums:
         self._added = True
 
     def send(self) -> bool:
-        """Queue a copy of the sums to the host and their reset (current stream); False when
-        nothing was added since the last copy, or every host buffer is still in flight
-        (nothing queued; what was added goes with a later copy)."""
+        """Queue a copy of the sums to the host and their reset; False when nothing was added
+        or every host buffer is in flight (the sums go with a later copy)."""
         if not self._added or self._copies.full:
             return False
         self._copies.send(self.values.reshape(-1))
@@ -52,6 +46,5 @@ class DeviceSums:
         return True
 
     def arrived(self, wait: bool = False) -> list[list[Any]]:
-        """The copies that have arrived, oldest first, as lists (``wait``: every copy sent,
-        waiting for those still in flight)."""
+        """The copies that have arrived, oldest first, as lists (``wait``: every copy)."""
         return [values for _, values in self._copies.arrived(wait)]

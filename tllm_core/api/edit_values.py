@@ -1,17 +1,11 @@
 """An edit tap's values on its device: a consumer's edit vector moved (or, for an ablation,
 normalised) once, not every step.
 
-A 1-D value (a steering vector, a direction) is prepared once and kept, by the tensor's
-identity and version (an in-place change through torch makes it new; a host vector is also
-compared with a copy of itself, so a write through ``.numpy()`` is seen too; a device vector
-must be changed through torch operations, not ``.data`` or DLPack), so a consumer that plans the same
-vector step after step costs no copy and no allocation after the first step. A 2-D value
-(one row per edited row) is prepared every step: on a GPU a CPU one is copied from pageable
-memory (the host waits) into a new tensor, so a consumer that plans per-row values should
-make them on the model's device (a warning says so once). Inference tensors have no version:
-they are prepared every step too, so make a vector when the consumer is built or under
-``torch.inference_mode(False)`` (vLLM runs ``edit`` in inference mode). ``prepared`` counts
-the values prepared (``benchmarks/edit_fake_step.py`` reports it per steady step).
+A 1-D value is kept by the tensor's identity and version (a host vector is also compared
+with a copy of itself: a write through ``.numpy()`` is seen); a device vector must change
+through torch operations. 2-D values and inference tensors (no version) are prepared every
+step: make vectors at construction or under ``torch.inference_mode(False)``. ``prepared``
+counts the values prepared.
 """
 
 from __future__ import annotations
@@ -39,8 +33,8 @@ class EditValues:
         self.prepared = 0
 
     def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
-        """``value`` on the device in the dtype (for an ablation: normalised first), and a
-        tag: equal tags are the same prepared value (a new tag for every value not kept)."""
+        """``value`` on the device in the dtype (an ablation's normalised), and a tag: equal
+        tags are the same prepared value."""
         if value.dim() != 1 or value.is_inference():
             self._warn(value)
             return self._prepare(value, ablate), self._tag()
@@ -51,9 +45,7 @@ class EditValues:
         if len(self._kept) >= self.keep:
             del self._kept[next(iter(self._kept))]
         prepared, tag = self._prepare(value, ablate), self._tag()
-        # A host vector can change without a new version (written through ``.numpy()`` or a
-        # shared numpy array): compared with a copy of itself (cheap, on the host) where the
-        # prepared value is not the vector itself.
+        # A host vector can change without a new version (through ``.numpy()``).
         snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
         self._kept[key] = (value, prepared, tag, snapshot)
         return prepared, tag
@@ -73,7 +65,6 @@ class EditValues:
             )
 
     def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
-        # The same operations as before values were kept: the same values, bit for bit.
         self.prepared += 1
         if ablate:
             d = value.float()

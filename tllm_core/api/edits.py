@@ -37,9 +37,8 @@ def apply_edit(
     add: torch.Tensor,
     direction: torch.Tensor,
 ) -> torch.Tensor:
-    """The edited tensor: ``keep·(s − (s·u)u) + add`` on rows where ``mask`` is set, ``s``
-    bit for bit elsewhere. Shapes: ``s, add, direction [n, H]``, ``mask [n, 1]`` bool,
-    ``keep [n, 1]``. Only tensor operations: this runs inside traced/compiled forwards."""
+    """``keep·(s − (s·u)u) + add`` on rows where ``mask`` ([n, 1] bool) is set, ``s`` bit for
+    bit elsewhere. Tensor operations only: this runs inside compiled forwards."""
     edited = (s - (s * direction).sum(-1, keepdim=True) * direction) * keep + add
     return torch.where(mask, edited, s)
 
@@ -47,10 +46,9 @@ def apply_edit(
 class EditPlan:
     """Edits a consumer asks for before this step's forward.
 
-    Row indices index ``rows`` (all token rows of the step). ``target`` is a decoder layer
-    index (the residual stream after it; negative counts from the end), a token port the
-    consumer declared in an ``Edit`` write port, or that port's name (``"attn.3"``,
-    ``"layer.-1"``; grammar: :mod:`tllm_core.api.port_names`).
+    Row indices index ``rows``. ``target`` is a decoder layer index (the residual stream
+    after it; negative counts from the end), a token port the consumer declared in an
+    ``Edit`` write port, or that port's name (``"attn.3"``, ``"layer.-1"``).
     """
 
     def __init__(
@@ -88,8 +86,8 @@ class EditPlan:
         return key
 
     def _row_indices(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as int64 indices, each in ``[0, len(self.rows))``, else ``ValueError``
-        (a negative index would wrap to a buffer row that is never reset)."""
+        """``rows`` as int64 indices in ``[0, len(self.rows))`` (a negative one would wrap to
+        a buffer row that is never reset)."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(self.rows)
         bad = rows[(rows < 0) | (rows >= n)]
@@ -117,21 +115,18 @@ class EditPlan:
             self.ops.setdefault(key, []).append((rows, kind, value))
 
     def width(self, target: EditTarget) -> int:
-        """The last dimension of ``target``'s values: the hidden size, or for a router's logits
-        (``"router.{i}"``) its number of experts."""
+        """The last dimension of ``target``'s values (a router's: its number of experts)."""
         return self._widths.get(self._key(target), self._hidden_size)
 
     def remap(self, index: np.ndarray) -> None:
-        """Translate row indices through ``index`` (the plan was made on a subset of the
-        step's rows: ``index[j]`` is subset row ``j``'s row in the step)."""
+        """Translate row indices of a subset of the step's rows to the step's (``index[j]``)."""
         for ops in self.ops.values():
             for i, (rows, kind, value) in enumerate(ops):
                 ops[i] = (index[rows], kind, value)
 
     def transform(self, target: EditTarget, rows: np.ndarray) -> None:
-        """Run the ``transform`` of the consumer's ``Edit(target, transform=...)`` port on
-        ``rows`` in this step's forward (after the add/replace/ablate edits of all consumers
-        on that target)."""
+        """Run the consumer's ``Edit(target, transform=...)`` on ``rows`` in this step's
+        forward, after every consumer's other edits of that target."""
         key = self._key(target)
         if key not in self._transforms:
             raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
@@ -148,9 +143,8 @@ class EditPlan:
         self._push(target, rows, "replace", values)
 
     def ablate(self, target: EditTarget, rows: np.ndarray, direction: torch.Tensor) -> None:
-        """Remove the component along ``direction`` (``[H]`` or one per row ``[len(rows), H]``;
-        each normalised when written, a kept vector once: :mod:`.edit_values`) from the
-        incoming tensor at ``rows``."""
+        """Remove the component along ``direction`` (``[H]`` or ``[len(rows), H]``, normalised
+        when written) from the incoming tensor at ``rows``."""
         self._push(target, rows, "ablate", direction)
 
 
@@ -160,12 +154,10 @@ IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 class EditBuffers:
     """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
 
-    Written on the device without a host wait or an allocation when the runtime hands in
-    ``index`` (its pinned, pooled index copies: :class:`~tllm_core.runtime.step_indices.StepIndices`)
-    and the values are kept ones (:mod:`.edit_values`): fills and adds by index
-    (``index_fill_``, ``index_add_``, ``index_copy_``; a row listed twice in one add gets
-    both adds). Which direction each row ablates is also kept on the host, so the check of a
-    second ablation reads the device only where a row already ablates another direction.
+    Written by index on the device, without a host wait or an allocation given the
+    runtime's ``index`` (pinned, pooled copies) and kept values (:mod:`.edit_values`). Which
+    direction each row ablates is also kept on the host: a second ablation is checked on
+    the device only where a row already ablates another direction.
     """
 
     def __init__(self, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device):
@@ -211,10 +203,8 @@ class EditBuffers:
         what: str,
         index: IndexTo | None = None,
     ) -> None:
-        """Raise ``ValueError`` before writing if ``ops`` would ablate a second, different
-        direction on a row (one consumer's ops, checked against what is written). Nothing
-        is read from the device unless a row already ablates another direction tensor this
-        step: then the directions are compared there and the host waits for the answer."""
+        """``ValueError`` before writing if ``ops`` would ablate a second, different direction
+        on a row (the host waits only where a row already ablates another direction)."""
         index = index or index_to
         for rows, kind, value in ops:
             if kind != "ablate":
@@ -241,8 +231,7 @@ class EditBuffers:
         index: IndexTo | None = None,
     ) -> None:
         """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
-        host index to the device (default: :func:`~tllm_core.api.transfers.index_to`, each
-        alone)."""
+        host index to the device."""
         index = index or index_to
         dev = self.add.device
         for rows, kind, value in ops:

@@ -1,10 +1,6 @@
 """Preallocated temporaries of a :class:`~tllm_core.api.bundles.GuideView`'s fixed-size
-writes, so that a consumer's guidance allocates nothing on the device per step.
-
-A consumer makes one :class:`GuideBuffers` at construction (sized for the most rows a step
-can have) and hands it to :meth:`GuideView.top_candidates` and :meth:`GuideView.update_all`;
-every temporary of those calls is then a row view of it (``out=`` and in-place operations).
-"""
+writes (:meth:`GuideView.top_candidates`, :meth:`GuideView.update_all`): made once, sized for
+the most rows a step can have, so that guidance allocates nothing per step."""
 
 from __future__ import annotations
 
@@ -14,9 +10,8 @@ from tllm_core.api.workspace import WorkspaceSpec, carve_workspace, workspace_by
 
 
 def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) -> WorkspaceSpec:
-    """The parts: with ``top_k``, the fixed-size search and its write (``[rows, k]`` slots and
-    one ``[rows, vocab]`` candidate mask); with ``dense``, two ``[rows, vocab]`` masks of a
-    whole-row write (the search, when both, reuses the first)."""
+    """The parts: with ``top_k``, the search and its write (``[rows, k]`` slots and a
+    ``[rows, vocab]`` mask); with ``dense``, two ``[rows, vocab]`` masks (the first shared)."""
     spec: list = [("count", (rows,), torch.long), ("count2", (rows,), torch.long)]
     if dense or top_k is not None:
         spec.append(("masks", (2 if dense else 1, rows, vocab), torch.bool))
@@ -37,9 +32,8 @@ def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) ->
 
 
 class GuideBuffers:
-    """Temporaries for views of up to ``rows`` rows over ``vocab`` tokens: the fixed-size
-    search of ``top_k`` candidates per row (None: not allocated) and whole-row writes
-    (``dense``). One device allocation of :meth:`nbytes`."""
+    """Temporaries for views of up to ``rows`` rows over ``vocab`` tokens: the search of
+    ``top_k`` candidates per row and whole-row writes (``dense``), in one allocation."""
 
     def __init__(
         self,

@@ -1,12 +1,16 @@
-"""The model's final norm described for consumers: the gain of a plain RMSNorm, read from the
-norm itself (engine and test kit alike), so that a family's convention (Gemma's ``1 + w``) is
-what the module computes, not what its weight stores."""
+"""The gain of a plain RMSNorm, read from what the norm computes (Gemma's ``1 + w`` included),
+not from its stored weight."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def norm_eps(norm: object) -> float:
+    """A norm module's epsilon (``variance_epsilon`` or ``eps``; 1e-6 when it names none)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def rmsnorm_gain(

@@ -1,11 +1,8 @@
 """Number types for consumer configs and request settings: values the model's float32 can hold.
 
-A float that Python takes as finite may still overflow float32 (``1e39``): a steering scale or
-an ESamp beta that large turns the request's residual stream or logits into inf/NaN, and
-every counter fed from them with it. Use :data:`FiniteF32` for every float field of a
-``ConsumerConfig`` or ``RequestSettings`` (``scale: FiniteF32 = 1.0``,
-``beta: FiniteF32 | None = Field(None, ge=0)``): the command line, ``TllmLLM`` and the server
-then reject such a value the same way, naming it and the allowed range.
+A float finite in Python may overflow float32 (``1e39``) and turn the residual stream or
+logits into inf/NaN. Use :data:`FiniteF32` for every float field of a ``ConsumerConfig`` or
+``RequestSettings`` (``scale: FiniteF32 = 1.0``).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ MESSAGE = f"must be finite and within float32's range [-{MAX_TEXT}, {MAX_TEXT}]"
 def check_f32(value: float) -> float:
     """``value`` if it is finite and fits float32, else a pydantic error naming both."""
     if not (math.isfinite(value) and abs(value) <= F32_MAX):
-        # pydantic adds the value to the message (input_value=...); so do tllm's request checks.
         raise PydanticCustomError(ERROR_TYPE, MESSAGE)
     return value
 

@@ -1,9 +1,5 @@
-"""Plots a consumer describes for the run report (``tllm run --report``, ``tllm report``).
-
-A consumer returns data, not pictures: :meth:`Consumer.report_plots` gives :class:`Plot` s
-built from its counters and result, and the report draws them (matplotlib, in the
-command's process), so a consumer package needs no plotting library.
-"""
+"""Plots a consumer describes for the run report (:meth:`Consumer.report_plots`): data, drawn
+by the report in the command's process, so a consumer needs no plotting library."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """Port names: the one grammar for naming a token port in text, and its one formatter.
 
-Users write port names in ``tllm export --layers``, the ``export`` and ``stats`` configs'
-``layers``, the ``sae`` config's ``site``; bundles, counters and export files key data
-by them. The grammar (``i`` a decoder-layer index, negative counts from the end):
-
-- ``{i}`` (an ``int`` or its text) or ``layer.{i}``: the residual stream after layer ``i``;
-- ``final``: the final hidden state (after the final norm);
-- ``{prefix}.{i}``: a layer port registered under ``prefix`` (built-ins: ``attn``, ``mlp``).
-
-Which prefixes exist depends on the producers registered, so callers pass them; ``None``
-checks the syntax only (a config validated before the registry is at hand).
+``{i}`` or ``layer.{i}``: the residual stream after decoder layer ``i`` (negative counts from
+the end); ``final``: the final hidden state; ``{prefix}.{i}``: a layer port registered under
+``prefix`` (built-ins: ``attn``, ``mlp``). Callers pass the registered prefixes; ``None``
+checks the syntax only.
 """
 
 from __future__ import annotations
@@ -21,8 +15,7 @@ from types import MappingProxyType
 
 FINAL = "final"
 RESIDUAL = "layer"  # prefix of the residual stream's name: "layer.{i}"
-# The engine bridge taps the residual stream at site "residual" (its contract); users see
-# that tap by the residual stream's port name, so one edit location has one name.
+# Users see the bridge's "residual" tap by the residual stream's port name.
 _TAP_SITE_NAMES = MappingProxyType({"residual": RESIDUAL})
 
 _NAME = re.compile(r"(?:([A-Za-z_]\w*)\.)?(-?\d+)")
@@ -80,9 +73,8 @@ def parse_port_name(
     final: bool = True,
     what: str = "port",
 ) -> PortName:
-    """Parse a port name (see the module doc). ``prefixes``: the layer-port prefixes allowed
-    besides the residual stream (``None``: any identifier); ``final``: whether ``"final"``
-    is allowed. Raises ``ValueError`` naming ``what``, the bad value and the allowed forms."""
+    """Parse a port name. ``prefixes``: the layer-port prefixes allowed besides the residual
+    stream (``None``: any identifier); ``ValueError`` names ``what`` and the allowed forms."""
     if isinstance(value, int) and not isinstance(value, bool):
         return PortName(RESIDUAL, value)
     text = value.strip() if isinstance(value, str) else None
@@ -97,7 +89,6 @@ def parse_port_name(
 
 
 def tap_port_name(tap_key: str) -> str:
-    """The name users see (counters, errors) for an engine tap key: ``"residual.12"`` ->
-    ``"layer.12"``; other taps (``"attn.3"``, ``"final"``) are named as their ports."""
+    """The name users see for an engine tap key: ``"residual.12"`` -> ``"layer.12"``."""
     site, dot, layer = tap_key.partition(".")
     return f"{_TAP_SITE_NAMES.get(site, site)}{dot}{layer}"

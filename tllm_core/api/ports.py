@@ -1,14 +1,9 @@
 """Ports: what a consumer reads from, and writes into, a running engine.
 
-A port is data: a frozen dataclass that knows its bundle key. A consumer declares its
-ports once, at construction; the runtime asks the producer serving each read port which
-engine taps it needs, and the bridge installs them before the model is compiled, so
-nothing about them can change mid-run.
-
-Built-in read ports here: :class:`HiddenStates`, :class:`Logits`, :class:`SampledTokens`
-(served by the producers in ``producers/``). Any package can declare more: subclass
-:class:`TokenPort` (one row per token row, e.g. a layer's attention output) or
-:class:`SamplePort` (one row per sampling row) and register a producer for it.
+A port is a frozen dataclass that knows its bundle key, declared once at construction (the
+taps it needs are installed before the model is compiled). Built-in read ports here:
+:class:`HiddenStates`, :class:`Logits`, :class:`SampledTokens`; any package can declare more
+by subclassing :class:`TokenPort` or :class:`SamplePort` and registering a producer.
 """
 
 from __future__ import annotations
@@ -28,12 +23,9 @@ ResolveLayer = Callable[[int], int]
 
 
 class Phase(str, Enum):
-    """Which token rows a read port selects.
-
-    ``PREFILL`` rows feed a prompt token; ``DECODE`` rows feed a generated token. ``GUIDE``
-    selects no row for bundles: the port is read only at guide time (``GuideView.hidden``, at
-    the step's sampling rows), so nothing is copied or delivered for ``on_bundle``.
-    """
+    """Which token rows a read port selects: ``PREFILL`` (prompt tokens), ``DECODE``
+    (generated tokens), ``ALL``, or ``GUIDE`` (none for bundles: read only at guide time,
+    ``GuideView.hidden``)."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -56,23 +48,16 @@ class Phase(str, Enum):
 
 
 class Delivery(str, Enum):
-    """When a consumer receives its bundles.
-
-    ``END_OF_STEP``: on the engine thread after sampling, tensors still on the
-    device (valid only during the call). ``BACKGROUND``: host copies handed to
-    a worker thread through a bounded queue (see ``overflow``).
-    """
+    """When a consumer receives its bundles: ``END_OF_STEP`` (engine thread, device tensors
+    valid during the call) or ``BACKGROUND`` (host copies on a worker thread, bounded queue)."""
 
     END_OF_STEP = "end_of_step"
     BACKGROUND = "background"
 
 
 class ReadPort:
-    """Base of read ports. Subclasses are frozen dataclasses with a ``phase`` field.
-
-    ``key`` is the port's bundle key; ``resolve`` returns the port with absolute layer
-    indices (negative indices count from the end), raising ``ValueError`` on bad ones.
-    """
+    """Base of read ports: frozen dataclasses with a ``phase`` field. ``key``: the bundle
+    key; ``resolve``: the port with absolute layer indices (``ValueError`` on bad ones)."""
 
     rows: ClassVar[Literal["token", "sample"]]
     phase: Phase
@@ -129,11 +114,8 @@ LayerSpec = int | Literal["final"]
 
 @dataclass(frozen=True)
 class HiddenStates(TokenPort):
-    """Residual stream after decoder layer ``layer`` (negative counts from the end),
-    or the final hidden state (``layer="final"``: after the final norm, the LM head's input).
-
-    Bundle key: ``"layer.{absolute index}"`` or ``"final"``.
-    """
+    """Residual stream after decoder layer ``layer`` (negative counts from the end), or the
+    final hidden state (``"final"``: the LM head's input). Key ``"layer.{i}"`` or ``"final"``."""
 
     layer: LayerSpec
     phase: Phase = Phase.ALL
@@ -152,35 +134,33 @@ class HiddenStates(TokenPort):
 
 
 @dataclass(frozen=True)
-class Logits(SamplePort):
-    """Raw model logits of the rows that sample a token (before processors/temperature).
-
-    Bundle: ``Bundle.logits`` (key ``"logits"``)."""
+class _StepSamplePort(SamplePort):
+    """A built-in sample port with a fixed key."""
 
     phase: Phase = Phase.ALL
+    _key: ClassVar[str]
 
     def __post_init__(self) -> None:
         _normalise_phase(self)
 
     @property
     def key(self) -> str:
-        return "logits"
+        return self._key
 
 
 @dataclass(frozen=True)
-class SampledTokens(SamplePort):
-    """The token id sampled for each sampling row.
+class Logits(_StepSamplePort):
+    """Raw model logits of the sampling rows (before processors and temperature):
+    ``Bundle.logits``."""
 
-    Bundle: ``Bundle.sampled_token_ids`` (key ``"sampled"``)."""
+    _key = "logits"
 
-    phase: Phase = Phase.ALL
 
-    def __post_init__(self) -> None:
-        _normalise_phase(self)
+@dataclass(frozen=True)
+class SampledTokens(_StepSamplePort):
+    """The token id sampled for each sampling row: ``Bundle.sampled_token_ids``."""
 
-    @property
-    def key(self) -> str:
-        return "sampled"
+    _key = "sampled"
 
 
 class WritePort:
@@ -189,17 +169,14 @@ class WritePort:
 
 @dataclass(frozen=True)
 class Edit(WritePort):
-    """Write port: edit the tensor of token port ``target`` (any port whose producer names
-    an editable tap, e.g. ``HiddenStates(layer)`` or a layer's attention/MLP output) for
-    rows the consumer selects in :meth:`Consumer.edit`. Unselected rows are untouched bit
+    """Write port: edit the tensor of token port ``target`` (a port whose producer names an
+    editable tap) for rows the consumer selects in :meth:`Consumer.edit`; other rows stay bit
     for bit.
 
-    ``transform`` (optional, keyword): a ``torch.nn.Module`` run *inside* the forward on the
-    tapped tensor, ``transform(s, rows) -> s'`` with ``rows`` a ``[n, 1]`` bool mask of the
-    rows the consumer selected this step with ``plan.transform(target, row_idx)``; for edits
-    that depend on the row's own value (e.g. clamping an SAE feature). It must use tensor
-    operations only (it is traced into the compiled graph) and live on the model's device;
-    rows outside the mask are kept bit for bit whatever it returns."""
+    ``transform`` (optional): a ``torch.nn.Module`` run inside the forward,
+    ``transform(s, rows) -> s'`` with ``rows`` a ``[n, 1]`` bool mask of the rows selected
+    with ``plan.transform(target, row_idx)``: tensor operations only (it is compiled), on
+    the model's device."""
 
     target: TokenPort
     transform: Any = dataclasses.field(default=None, kw_only=True, compare=False)
@@ -226,10 +203,8 @@ class SamplerGuide(WritePort):
 
 
 def layer_arg(value: Any, prefix: str, *, final: bool, port: str) -> int | str:
-    """The ``layer`` a port constructor was given, as stored: an ``int`` (numpy ints too), the
-    port's own name ``"{prefix}.{i}"`` (-> ``i``), or ``"final"`` where ``final``. Anything else
-    (a numeral in a string, a float, a bool) raises ``ValueError`` naming the port, the value
-    and the accepted forms: ``HiddenStates("8")`` would otherwise be a port keyed by text."""
+    """A port's ``layer`` as stored: an ``int`` (numpy ints too), from ``"{prefix}.{i}"``, or
+    ``"final"`` where ``final``; anything else (``"8"``, a float, a bool) is a ``ValueError``."""
     if not isinstance(value, bool):
         try:
             return operator.index(value)
@@ -269,7 +244,7 @@ def layer_key(layer: int | str) -> str:
 
 def residual_port(text: str, phase: Phase = Phase.ALL) -> HiddenStates:
     """A residual-stream port (``{i}``, ``layer.{i}``, ``final``) from its name, without a
-    registry: what a :class:`ConsumerContext` parses when it has no registry (unit tests)."""
+    registry."""
     name = parse_port_name(text, prefixes=())
     return HiddenStates(FINAL if name.is_final else int(name.layer), phase)  # type: ignore[arg-type]
 

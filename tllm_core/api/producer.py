@@ -1,12 +1,6 @@
-"""The producer plugin interface: which engine taps a port needs, and how to read them.
-
-A producer serves one or more read-port types. For each port a consumer declares, the
-runtime asks the producer serving it for the :class:`TapRequest` s the engine bridge must
-install, and after the step it asks the producer to :meth:`~Producer.read` the step's
-tapped tensors into the port's data. Row selection (phase, per-request consumers) is the
-runtime's job; a producer only turns taps into one tensor for the whole step.
-
-Producers register through the ``tllm_producers`` hook, built-ins included.
+"""The producer plugin interface: which engine taps a port needs (:class:`TapRequest`), and
+how to :meth:`~Producer.read` them into one tensor for the whole step (row selection is the
+runtime's job). Producers register through the ``tllm_producers`` hook.
 """
 
 from __future__ import annotations
@@ -20,19 +14,12 @@ from tllm_core.api.architectures import STEP_SITES
 from tllm_core.api.ports import ReadPort
 from tllm_core.api.step import StepCapture
 
-# Tap sites: per decoder layer (``layer`` set; one row per token, editable) the sites that
-# the registered architectures describe (``tllm_core/api/architectures.py``; built-ins: "residual"
-# the residual stream after the layer, "attn" / "mlp" the blocks' outputs before the add);
-# per step (``layer`` None, read-only) :data:`STEP_SITES`: "final" (final hidden state, one
-# row per token), "logits" and "sampled" (one row per sampling row).
-
 
 @dataclass(frozen=True)
 class TapRequest:
-    """One tensor a producer needs the engine bridge to capture each step.
-
-    Checked here for its form only: whether a layer site exists depends on the plugins
-    registered, so the runtime checks it against its registry's architectures."""
+    """One tensor a producer needs the engine bridge to capture each step: a site of the
+    registered architectures at decoder layer ``layer`` (editable), or a per-step site
+    (:data:`STEP_SITES`, no layer, read-only). Only its form is checked here."""
 
     site: str
     layer: int | None = None

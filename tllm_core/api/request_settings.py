@@ -1,12 +1,9 @@
 """Per-request settings that a consumer declares (``vllm_xargs`` / ``SamplingParams.extra_args``).
 
-A consumer class sets ``Request`` to a :class:`RequestSettings` subclass; field ``f`` of
-consumer ``c`` is the request key ``tllm_{c}_{f}``. A field whose value is ``None`` (the usual
-default) means "use the consumer's config". Validation (:func:`parse_request_settings`) is
-the same in the server front end, in ``TllmLLM.generate`` / ``chat`` and in the engine, where a
-consumer reads a request's settings with ``request.settings(self)``. Validators that need the
-consumer's config (e.g. a feature index below the size the config's file declares) find it in
-pydantic's validation context: ``info.context["config"]`` (``None`` when validated alone).
+Field ``f`` of consumer ``c``'s ``Request`` model is the request key ``tllm_{c}_{f}`` (``None``
+usually means "use the config"). The server, ``TllmLLM`` and the engine validate alike
+(:func:`parse_request_settings`); validators find the consumer's config in
+``info.context["config"]``.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -36,8 +34,7 @@ GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 
 
 def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
-    """The per-request consumers a request switches on: ``extra_args["tllm_consumers"]``, a
-    comma-separated string, in order. Any other type is a ``ValueError`` naming ``where``."""
+    """The per-request consumers a request switches on (``tllm_consumers``, comma-separated)."""
     raw = extra_args.get(CONSUMERS_KEY, "")
     if not isinstance(raw, str):
         raise ValueError(
@@ -48,9 +45,8 @@ def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") 
 
 
 def acts_on(consumer: str, per_request: bool, extra_args: Mapping[str, Any]) -> bool:
-    """Whether consumer ``consumer`` acts on a request with these ``extra_args``: always,
-    unless it is per-request; then only when the request names it. The one rule, used by the
-    engine's runtime, by consumers and by the front end's validation."""
+    """Whether ``consumer`` acts on a request: always, unless it is per-request and the
+    request does not name it."""
     return not per_request or consumer in enabled_consumers(extra_args)
 
 
@@ -102,8 +98,7 @@ def type_name(t: Any) -> str:
 
 
 def _marked_inside(annotation: Any, is_marker: Any) -> bool:
-    """Whether an ``Annotated`` type carrying a ``is_marker`` metadata item (FiniteF32's or
-    WindowSetting's check) is the annotation or one arm of its union."""
+    """Whether an ``Annotated`` type with an ``is_marker`` item is the annotation or an arm."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
         return any(is_marker(m) for m in args[1:]) or _marked_inside(args[0], is_marker)
@@ -125,7 +120,7 @@ def allowed(field: FieldInfo) -> str:
         return SETTING_ALLOWED
     text = type_name(field.annotation)
     for m in field.metadata:
-        for attr, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        for attr, op in _BOUNDS.values():
             bound = getattr(m, attr, None)
             if bound is not None:
                 text += f", {op} {bound}"
@@ -150,28 +145,40 @@ def _num(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+# pydantic error types -> our words.
+_MESSAGES = MappingProxyType(
+    {
+        **dict.fromkeys(
+            ("float_parsing", "float_type", "int_parsing", "int_type"), "must be a number"
+        ),
+        "int_from_float": "must be a whole number",
+        "finite_number": "must be finite",
+        **dict.fromkeys(
+            ("bool_parsing", "bool_type"), "must be a boolean (true/false, 1/0, yes/no, on/off)"
+        ),
+    }
+)
+_BOUNDS = MappingProxyType(
+    {
+        "greater_than_equal": ("ge", ">="),
+        "greater_than": ("gt", ">"),
+        "less_than_equal": ("le", "<="),
+        "less_than": ("lt", "<"),
+    }
+)
+
+
 def _message(err: dict[str, Any]) -> str:
     kind, ctx = err["type"], {k: _num(v) for k, v in (err.get("ctx") or {}).items()}
-    if kind in ("float_parsing", "float_type", "int_parsing", "int_type"):
-        return "must be a number"
-    if kind == "int_from_float":
-        return "must be a whole number"
-    if kind == "finite_number":
-        return "must be finite"
+    if kind in _MESSAGES:
+        return _MESSAGES[kind]
     if kind in (F32_ERROR, WINDOW_ERROR):
         return err["msg"]
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx.get('ge')}"
-    if kind == "greater_than":
-        return f"must be > {ctx.get('gt')}"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx.get('le')}"
-    if kind == "less_than":
-        return f"must be < {ctx.get('lt')}"
+    if kind in _BOUNDS:
+        attr, op = _BOUNDS[kind]
+        return f"must be {op} {ctx.get(attr)}"
     if kind == "too_long":
         return f"must have at most {ctx.get('max_length')} entries (got {ctx.get('actual_length')})"
-    if kind in ("bool_parsing", "bool_type"):
-        return "must be a boolean (true/false, 1/0, yes/no, on/off)"
     return f"is not valid ({err['msg']})"
 
 
@@ -182,12 +189,9 @@ def parse_request_settings(
     where: str = "extra_args",
     config: Any = None,
 ) -> RequestSettings:
-    """Consumer ``consumer``'s settings from a request's ``extra``; keys absent take defaults.
-
-    ``config`` (the consumer's validated config model) is handed to validators as
-    ``info.context["config"]``. Raises ``ValueError`` naming the key (as ``{where}['tllm_c_f']``), the bad value and what
-    is allowed.
-    """
+    """Consumer ``consumer``'s settings from a request's ``extra`` (absent keys: defaults;
+    ``config`` goes to validators as ``info.context["config"]``). ``ValueError`` names the
+    key, the bad value and what is allowed."""
     extra = extra or {}
     data: dict[str, Any] = {}
     for key, fname in request_keys(consumer, model).items():

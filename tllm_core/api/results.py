@@ -1,22 +1,10 @@
 """Per-request results: what a consumer computed for one request, returned with its completion.
 
-A request asks for them with the generic key ``tllm_results`` (``vllm_xargs`` in the server,
-``SamplingParams.extra_args`` offline): comma-separated names of configured consumers that
-make per-request results (they override :meth:`Consumer.request_result
-<tllm_core.api.consumer.Consumer.request_result>`). After the request (one sample) finished,
-each named consumer's ``request_result(request)`` is called on the consumer's thread; its
-value travels back with the completion:
-
-- offline, ``TllmLLM.generate`` / ``chat`` set ``completion.tllm`` on each
-  ``CompletionOutput`` of a request that asked: ``{consumer: value}``, arrays as NumPy arrays;
-- the OpenAI-compatible server adds ``"tllm": [{"index": i, consumer: value, ...}, ...]`` to
-  the response (to the last event before ``data: [DONE]`` of a stream), arrays encoded as
-  ``{"dtype", "shape", "b64"}`` (:func:`encode_array`); :func:`decode_results` turns them into
-  NumPy arrays (NumPy only: a client needs neither torch nor tllm's engine).
-
-A result is bounded: past ``max_result_bytes`` (its JSON size; a runtime setting) it is
-replaced by ``{"error": ...}`` saying so, and the server refuses before generation a request
-whose result a consumer can bound (:meth:`Consumer.result_bytes`) past the limit.
+A request names the consumers in ``tllm_results``; offline each ``CompletionOutput`` gets
+``completion.tllm = {consumer: value}``, the server adds ``"tllm": [{"index": i, consumer:
+value}, ...]`` with arrays as ``{"dtype", "shape", "b64"}`` (:func:`decode_results` turns them
+back into NumPy arrays). Results past ``max_result_bytes`` become errors
+(docs/serving.md#results-with-the-completion).
 """
 
 from __future__ import annotations
@@ -50,8 +38,7 @@ KEPT_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """What the server's front end knows of a request before it runs: enough to bound its
-    results (:meth:`Consumer.result_bytes <tllm_core.api.consumer.Consumer.result_bytes>`)."""
+    """What the server's front end knows of a request before it runs, to bound its results."""
 
     prompt_tokens: int
     max_tokens: int
@@ -132,8 +119,8 @@ def encode(value: Any) -> Any:
 
 
 def decode_results(value: Any) -> Any:
-    """The inverse of :func:`encode`: every ``{"dtype", "shape", "b64"}`` becomes a NumPy
-    array (read-only view of the decoded bytes is copied: the array is writable)."""
+    """The inverse of :func:`encode`: every ``{"dtype", "shape", "b64"}`` becomes a writable
+    NumPy array."""
     if isinstance(value, Mapping):
         if set(value) == ARRAY_FIELDS:
             raw = base64.b64decode(value["b64"])
@@ -158,9 +145,8 @@ def array_json_bytes(num_values: int, itemsize: int) -> int:
 
 class RequestRows:
     """Per-request rows a consumer keeps for the results of the requests that ask: columns of
-    arrays or tensors (row-major, one entry per row) added step by step, concatenated when
-    taken. At most ``limit`` bytes per request (base64 counted): past it the request's
-    result is an error saying so and its rows are let go at once."""
+    arrays or tensors added step by step, concatenated when taken. Past ``limit`` bytes
+    (base64 counted) the result is an error and the rows are let go at once."""
 
     def __init__(self, limit: int, what: str):
         self.limit = int(limit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -25,9 +26,8 @@ from tllm_core.api.windows import LastRow, Window
 
 
 class SettingsOwner(Protocol):
-    """What :meth:`RequestInfo.settings` reads of a consumer (a
-    :class:`~tllm_core.api.consumer.Consumer`; named structurally, so that rows, which
-    bundles import, does not import the consumer module)."""
+    """What :meth:`RequestInfo.settings` reads of a consumer (structural: rows does not
+    import the consumer module)."""
 
     name: str
     config: Any
@@ -51,29 +51,19 @@ class RequestInfo:
     # Highest position already delivered: rows at or below it are recomputation
     # (preemption) and are flagged, so consumers can count each position once.
     max_position_seen: int = -1
-    # True when the request did not run to its end: aborted by tllm's front end (an
-    # interrupted ``generate``) or by the server (a client that disconnected), or closed at
-    # the end of a batch it did not finish. False
-    # when vLLM's scheduler reported it finished on its own (stop, length). Set before the
-    # finish notice (``Consumer.on_request_finished``) is sent.
+    # True when the request did not run to its end (aborted, or closed unfinished); False
+    # when it finished on its own (stop, length). Set before ``on_request_finished``.
     cut_short: bool = False
-    # The prompt's token ids where the runner gives them (a consumer that reads only some
-    # prompt rows, e.g. through a capture window, still knows the whole prompt).
+    # The prompt's token ids where the runner gives them.
     prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
-    # consumer name -> its validated RequestSettings (see settings())
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    # The consumers whose results it asks for (see results_asked), parsed once.
     _asked: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
-        """This request's validated settings for ``consumer`` (an instance of its ``Request``).
-
-        Keys the request does not carry take the field defaults. Parsed once per request;
-        the front end has already rejected bad values, so an error here means the request
-        bypassed it (``ValueError`` naming the key).
-        """
+        """This request's validated settings for ``consumer`` (an instance of its ``Request``;
+        missing keys take the field defaults), parsed once."""
         out = self._settings.get(consumer.name)
         if out is None:
             model = type(consumer).Request
@@ -86,12 +76,8 @@ class RequestInfo:
         return out
 
     def window(self, consumer: SettingsOwner) -> Any:
-        """The capture window this request sets for ``consumer`` (its key
-        ``tllm_{name}_window``, a ``Phase`` or :class:`Window`), or None when it sets none.
-
-        Only a request that carries the key is parsed (its settings, once); a bad value
-        raises ``ValueError`` naming it, as :meth:`settings` does.
-        """
+        """The capture window (a ``Phase`` or :class:`Window`) this request sets for
+        ``consumer`` with ``tllm_{name}_window``, or None."""
         if request_key(consumer.name, WINDOW_FIELD) not in self.extra_args:
             return None
         model = type(consumer).Request
@@ -111,8 +97,7 @@ class RequestInfo:
     @property
     def results_asked(self) -> frozenset[str]:
         """The consumers whose per-request results this request asks for
-        (``extra_args["tllm_results"]``, tllm_core/api/results.py); parsed once, as consumers
-        ask per step and per row."""
+        (``extra_args["tllm_results"]``), parsed once."""
         if self._asked is None:
             self._asked = frozenset(asked_results(self.extra_args))
         return self._asked
@@ -129,11 +114,8 @@ class RequestInfo:
 
 
 def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
-    """``(request, start, stop)`` for each run of consecutive rows of one request, in order.
-
-    Rows of one request are contiguous in a step, so per-request work is done once per run
-    (``rows[start:stop]``), not once per row. Requests are compared by identity.
-    """
+    """``(request, start, stop)`` for each run of consecutive rows of one request (compared
+    by identity), in order: per-request work once per run, not per row."""
     n = len(requests)
     start = 0
     for i in range(1, n + 1):
@@ -146,11 +128,9 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
 class RowInfo:
     """Metadata of a set of token rows (host arrays, one entry per row).
 
-    ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``.
-    ``token_ids`` is the token fed at that position (a device tensor; ``.cpu()`` it off the
-    hot path). ``mid_prefill[i]``: row ``i`` is a prompt row of a request whose prompt is not
-    complete at the end of this step (chunked prefill): as a sampling row (``GuideView.rows``)
-    its sampled token is discarded.
+    ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``;
+    ``token_ids`` (a device tensor) the token fed there. ``mid_prefill[i]``: a prompt row of
+    a request whose prompt is not complete after this step (its sampled token is discarded).
     """
 
     row: np.ndarray  # int64 [R]: packed row index in the step
@@ -195,9 +175,8 @@ class RowInfo:
         return self.take(np.nonzero(mask)[0])
 
     def take(self, idx: np.ndarray, token_ids: torch.Tensor | None = None) -> RowInfo:
-        """Rows at indices ``idx`` (in that order, repeats allowed). ``token_ids``: their
-        token ids when the caller has gathered them already (the runtime, into a reused
-        buffer); by default they are gathered here."""
+        """Rows at indices ``idx`` (in that order, repeats allowed); ``token_ids``: theirs,
+        when already gathered."""
         if token_ids is None:
             token_ids = self.token_ids[index_to(idx, self.token_ids.device)]
         return RowInfo(
@@ -211,25 +190,14 @@ class RowInfo:
         )
 
     def to_host(self) -> RowInfo:
-        return RowInfo(
-            self.row,
-            self.requests,
-            self.position,
-            self.is_decode,
-            self.recomputed,
-            self.token_ids.to("cpu"),
-            self.mid_prefill,
-        )
+        return dataclasses.replace(self, token_ids=self.token_ids.to("cpu"))
 
 
 @dataclass
 class StepLayout:
-    """How a runner packed one step, in engine-neutral form (filled by a runner adapter).
-
-    Per scheduled request, in packing order: its engine id, tokens scheduled this step,
-    tokens computed before this step, and its total token count so far (prompt + output,
-    without speculative tokens). ``token_ids`` are the packed input tokens ``[T]``.
-    """
+    """How a runner packed one step (filled by a runner adapter). Per scheduled request, in
+    packing order: engine id, tokens scheduled this step, tokens computed before, and total
+    tokens so far (prompt + output, no speculative ones); ``token_ids``: the packed ``[T]``."""
 
     engine_ids: list[str]
     num_scheduled: np.ndarray  # int64 [R]
@@ -245,11 +213,8 @@ class StepLayout:
 def layout_rows(
     layout: StepLayout, requests: list[RequestInfo]
 ) -> tuple[RowInfo, np.ndarray, np.ndarray]:
-    """Row metadata of a step: ``(rows, sample_token_row, sample_kept)``.
-
-    ``requests[j]`` describes ``layout.engine_ids[j]``. The sampling row of request ``j`` is
-    its last scheduled token row; its token is kept unless the request is mid-prefill.
-    """
+    """``(rows, sample_token_row, sample_kept)`` of a step (``requests[j]`` describes
+    ``layout.engine_ids[j]``): a request samples at its last row, kept unless mid-prefill."""
     nsched = layout.num_scheduled.astype(np.int64)
     total = int(nsched.sum())
     req_idx = np.repeat(np.arange(len(requests)), nsched)
@@ -295,9 +260,8 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
 
 
 def window_rows(consumer: str, selector: Any, request: Any) -> int:
-    """:func:`max_rows` of a consumer's ports (``selector``) for a planned request
-    (:class:`~tllm_core.api.results.PlannedRequest`), narrowed by the request's own window
-    (``tllm_{consumer}_window``) when it sets one: a result's bound."""
+    """:func:`max_rows` of a consumer's ports for a planned request, narrowed by its own
+    ``tllm_{consumer}_window``: a result's bound."""
     prompt, generated = request.prompt_tokens, request.max_tokens
     rows = max_rows(selector, prompt, generated)
     text = request.extra_args.get(f"tllm_{consumer}_window")

@@ -23,14 +23,11 @@ class StaleTapError(RuntimeError):
 class StepCapture:
     """One engine step.
 
-    ``rows`` are all packed token rows of the step. Sampling row ``j`` (row ``j`` of the
-    logits) is the last token row of the ``j``-th scheduled request, ``sample_token_row[j]``;
-    its token is kept unless the request is mid-prefill (``sample_kept[j]`` False).
-
-    ``tensors[tap_key]`` holds what a tap captured: ``[T, ...]`` for token sites, ``[S, ...]``
-    for sampling sites. Taps inside the model's forward also write ``stamps[tap_key]``, a
-    one-element tensor set to the step number by the traced forward itself, so a buffer
-    the forward did not write this step is detected (:meth:`confirm`) instead of delivered.
+    ``rows`` are all packed token rows. Sampling row ``j`` is token row
+    ``sample_token_row[j]``, kept unless mid-prefill (``sample_kept[j]``). ``tensors[tap_key]``
+    holds what a tap captured (``[T, ...]`` or ``[S, ...]``); taps inside the forward also set
+    ``stamps[tap_key]`` to the step number in-graph, so a buffer the forward did not write is
+    detected (:meth:`confirm`) instead of delivered.
     """
 
     step: int
@@ -41,11 +38,10 @@ class StepCapture:
     stamps: dict[str, torch.Tensor] = field(default_factory=dict)
     # Rows each edit tap changed in this step's forward (one-element tensors, written in-graph).
     edited: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Static facts of taps whose tensor is not hidden-size rows, by tap key, set by the bridge
-    # at install (``router.{i}``: ``width``, ``top_k``, ``renormalize``, ``routing``).
+    # Static facts of taps whose tensor is not hidden-size rows (``router.{i}``: ``width``,
+    # ``top_k``, ``renormalize``, ``routing``).
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Where the stamps then edit counts come from when not read here: a read already
-    # queued without waiting (``tllm_core.runtime.stamp_copies``), called when they are needed.
+    # The stamps then edit counts from a read already queued (runtime/stamp_copies.py).
     stamp_values: Callable[[], list[int]] | None = None
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
@@ -54,10 +50,8 @@ class StepCapture:
 
     @contextmanager
     def unconfirmed(self) -> Iterator[set[str]]:
-        """Within the block, :meth:`tensor` hands out buffers without reading the stamps
-        (the read would make the host wait for the forward, in the sampler: before
-        sampling); the keys handed out are collected in the set yielded. Check them on the
-        device with :meth:`written`; :meth:`confirm` after sampling reports them."""
+        """Within the block, :meth:`tensor` hands out buffers without reading the stamps (no
+        host wait before sampling) and collects their keys in the set yielded."""
         self._unconfirmed = set()
         try:
             yield self._unconfirmed
@@ -65,10 +59,8 @@ class StepCapture:
             self._unconfirmed = None
 
     def written(self, keys: set[str], out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """On the device, without a host read: whether this step's forward stamped every
-        tap in ``keys`` (a 0-dim bool; None when none of them has a stamp). ``out``: a bool
-        tensor of 2 elements on the stamps' device to compute in, so that nothing is
-        allocated (the answer is then ``out[0]``; ``out[1]`` is scratch)."""
+        """On the device: whether this step's forward stamped every tap in ``keys`` (a 0-dim
+        bool; None when none has a stamp). ``out``: 2 bools to compute in (no allocation)."""
         ok = None
         for k in sorted(keys):
             stamp = self.stamps.get(k)
@@ -112,8 +104,7 @@ class StepCapture:
         return {k: int(v) for k, v in self._edited_rows.items() if k not in self._stale}
 
     def tensor(self, key: str) -> torch.Tensor:
-        """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it
-        (inside :meth:`unconfirmed`: not checked here)."""
+        """A tap's tensor for this step; ``StaleTapError`` if its forward did not write it."""
         if self._unconfirmed is not None and self._stale is None:
             self._unconfirmed.add(key)
         elif key in self.confirm():

@@ -1,22 +1,10 @@
 """Copies between the host and the device that never make the host wait in a steady step.
 
-Two rings, one per direction, each of ``slots`` host buffers (pinned where the copies are
-asynchronous, :func:`async_copies`) and one event per copy in flight:
-
-- :class:`StagingRing` (host to device): the caller writes a step's host values into
-  the next buffer (:meth:`~StagingRing.take`) and queues one copy from it
-  (:meth:`~StagingRing.send`). A buffer is written again only once the copy last queued
-  from it has run.
-- :class:`HostCopyRing` (device to host): a copy of device tensors is queued into a free
-  buffer (:meth:`~HostCopyRing.send`) and handed out, oldest first, once its event says it
-  has arrived (:meth:`~HostCopyRing.arrived`).
-
-The event rules, in one place: an event is recorded on the copy's stream right after the
-copy; a host buffer is rewritten (staging) or read (copies back) only once its event has
-completed. Where that means waiting (a ring too small for the copies in flight, or a read
-that is asked to wait) the host synchronises on the event and counts it in ``waits``: 0 in a
-steady step. Where copies are not asynchronous (CPU, a device without CUDA's streams) a copy
-completes before :meth:`send` returns and no event is made.
+Two rings of host buffers (pinned where copies are asynchronous), one event per copy in
+flight: :class:`StagingRing` (host to device: a buffer is rewritten only once the copy last
+queued from it has run) and :class:`HostCopyRing` (device to host: copies handed out, oldest
+first, once arrived). A host wait for an event is counted in ``waits``: 0 in a steady step.
+On CPU a copy completes before ``send`` returns and no event is made.
 
 Imports torch and numpy only (the GPU image has neither pydantic nor vLLM).
 """
@@ -36,8 +24,8 @@ Read = Callable[[Any, Any], Any]
 
 
 def async_copies(device: torch.device) -> bool:
-    """Whether copies between the host and ``device`` are queued without blocking (from or
-    into pinned memory, ordered by events): CUDA, and the test kit's fake CUDA."""
+    """Whether copies between the host and ``device`` are queued without blocking (CUDA,
+    and the fake CUDA)."""
     return device.type != "cpu" and torch.cuda.is_available()
 
 
@@ -47,9 +35,8 @@ def pow2_rows(n: int) -> int:
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor ``t`` on ``device`` without making the host wait: a copy from pageable
-    memory would synchronise the stream; from pinned memory it is asynchronous (the caching
-    host allocator keeps the block until it ran). On CPU ``t`` itself."""
+    """Host tensor ``t`` on ``device`` without making the host wait: copied from pinned
+    memory (the caching host allocator keeps the block until the copy ran)."""
     if device.type == "cpu":
         return t
     if async_copies(device):
@@ -58,15 +45,13 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def index_to(idx: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host indices ``idx`` as an int64 index tensor on ``device`` (:func:`host_to_device`;
-    on CPU a view of ``idx``)."""
+    """Host indices ``idx`` as an int64 index tensor on ``device`` (:func:`host_to_device`)."""
     return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), device)
 
 
 def _host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    # Not an inference tensor (vLLM's step runs in inference mode): the buffer is written
-    # again outside one, and its views keep their base (by which the test kit's fake CUDA
-    # tells pinned memory).
+    # Not an inference tensor: the buffer is written outside inference mode too, and its
+    # views keep their base (by which the fake CUDA tells pinned memory).
     with torch.inference_mode(False):
         return torch.zeros(numel, dtype=dtype, pin_memory=pinned)
 
@@ -87,11 +72,9 @@ def _recorded(event: Any | None, stream: Any | None) -> Any:
 
 
 class StagingRing:
-    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` (pinned where the
-    copies to ``device`` are asynchronous) in rotation, each rewritten only after the copy
-    last queued from it has run (``waits``: the times the host waited for that; ``copies``:
-    copies queued). ``numel``: elements allocated at once per buffer (0: on first use);
-    a buffer asked for more grows to ``grow(n)`` elements."""
+    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation.
+    ``numel``: elements allocated at once per buffer (0: on first use); a buffer asked for
+    more grows to ``grow(n)`` elements."""
 
     def __init__(
         self,
@@ -124,9 +107,8 @@ class StagingRing:
         return i, buf[:numel]
 
     def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:
-        """Queue the copy of slot ``slot``'s first ``dst.numel()`` elements into ``dst`` on
-        the current stream and record the slot's event on ``stream`` (None: the current
-        one; a caller copying on a side stream passes it, having made it current)."""
+        """Queue the copy of slot ``slot``'s values into ``dst`` on the current stream; the
+        slot's event is recorded on ``stream`` (None: the current one)."""
         buf = self.buffers[slot]
         assert buf is not None, "send() of a slot not taken"
         dst.copy_(buf[: dst.numel()].view(dst.shape), non_blocking=self.pinned)
@@ -140,15 +122,10 @@ def _as_lists(tag: Any, host: Any) -> Any:
 
 
 class HostCopyRing:
-    """Device-to-host copies: ``ring`` host buffers shaped like ``like`` (a tensor, or a
-    sequence of tensors copied together), pinned where the device is CUDA; each copy queued
-    without blocking with an event and handed out, in order, once arrived (on CPU a copy
-    has arrived at once).
-
-    ``read(tag, host)`` turns a copy into what :meth:`arrived` hands out while its buffer is
-    still held (default: the values as lists). ``tag``: what the sender keeps with its
-    copy. ``waits``: copies the host had to wait for (a :meth:`send` to a full ring waits
-    for the oldest copy, and an :meth:`arrived` asked to wait)."""
+    """Device-to-host copies: ``ring`` host buffers shaped like ``like`` (a tensor, or
+    tensors copied together), handed out in order once arrived. ``read(tag, host)`` turns a
+    copy into what :meth:`arrived` hands out (default: the values as lists); ``tag``: what
+    the sender keeps with its copy."""
 
     def __init__(
         self, like: torch.Tensor | Sequence[torch.Tensor], ring: int = 2, read: Read = _as_lists
@@ -168,8 +145,7 @@ class HostCopyRing:
 
     @property
     def full(self) -> bool:
-        """Whether every host buffer holds a copy not yet handed out (:meth:`send` would
-        wait for the oldest)."""
+        """Whether :meth:`send` would wait for the oldest copy."""
         return not self._free
 
     @property
@@ -180,8 +156,8 @@ class HostCopyRing:
     def send(
         self, src: torch.Tensor | Sequence[torch.Tensor], tag: Any = None, stream: Any = None
     ) -> None:
-        """Queue a copy of ``src`` (shaped like ``like``) into a free host buffer, on
-        ``stream`` (None: the current one). A full ring first waits for its oldest copy."""
+        """Queue a copy of ``src`` into a free host buffer, on ``stream`` (None: the current
+        one); a full ring first waits for its oldest copy."""
         if not self._free:
             self._take_oldest(wait=True)
         i = self._free.popleft()
@@ -198,9 +174,8 @@ class HostCopyRing:
         self._flight.append((i, event, tag))
 
     def arrived(self, wait: bool = False, until: Any = None) -> list[tuple[Any, Any]]:
-        """``(tag, read(tag, host))`` of the copies that have arrived, oldest first; their
-        buffers are free again. ``wait``: every copy sent, waiting for those still in flight
-        (``until``: only up to the one sent with that tag, by identity)."""
+        """``(tag, read(tag, host))`` of the copies that have arrived, oldest first.
+        ``wait``: every copy, waiting for those in flight (``until``: up to that tag's)."""
         out, self._out = self._out, []
         while self._flight:
             tag = self._flight[0][2]
@@ -212,8 +187,7 @@ class HostCopyRing:
         return out
 
     def _take_oldest(self, wait: bool) -> bool:
-        """Read the oldest copy into ``_out`` and free its buffer if it has arrived (or
-        ``wait``: once it has); whether it was."""
+        """Read the oldest copy into ``_out`` and free its buffer if it has arrived."""
         i, event, tag = self._flight[0]
         if not wait and event is not None and not event.query():
             return False

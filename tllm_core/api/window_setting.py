@@ -1,7 +1,5 @@
 """The per-request window setting: a consumer's ``Request`` field ``window: WindowSetting =
-None`` (request key ``tllm_{consumer}_window``), checked as a capture window
-(``tllm_core/api/windows.py``; apart from it because it reads the ports' phases, and the ports
-import the windows)."""
+None`` (request key ``tllm_{consumer}_window``; apart from windows.py, which the ports import)."""
 
 from __future__ import annotations
 
@@ -22,9 +20,8 @@ SETTING_ALLOWED = (
 
 
 def request_window(value: Any) -> Any:
-    """A request's window setting checked: ``None``, or the selector of a window text (a
-    ``Phase`` for the phases ``prompt``/``prefill``, ``generated``/``decode``, ``all``; else
-    a :class:`Window`). A pydantic error naming the grammar otherwise."""
+    """A request's window setting checked: ``None``, or its selector (a ``Phase`` or a
+    :class:`Window`)."""
     if value is None:
         return None
     if isinstance(value, (Phase, Window, LastRow)):
@@ -41,9 +38,7 @@ def request_window(value: Any) -> Any:
     return selector
 
 
-#: Type of a consumer's per-request ``window`` field (``window: WindowSetting = None``): the
-#: request key ``tllm_{consumer}_window`` takes a window text (:data:`GRAMMAR`); the field
-#: holds its selector (``Phase`` or :class:`Window`) or ``None``.
+#: Type of a consumer's per-request ``window`` field: a window text in, its selector held.
 WindowSetting = Annotated[Any, PlainValidator(request_window)]
 
 

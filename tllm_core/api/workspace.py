@@ -1,11 +1,8 @@
 """Preallocated step temporaries: named tensors carved out of one flat device allocation.
 
-A consumer whose step must not allocate on the device (on CUDA an allocation after vLLM has
-sized its KV cache may not fit, and a step that allocates cannot be captured in a CUDA
-graph) makes its temporaries once, at construction, and writes into row views of them with
-``out=`` and in-place operations. One flat allocation per workspace: its size is exactly the
-sum of the parts (each aligned), which a memory plan can state in advance, and the caching
-allocator rounds it once, not once per part.
+A step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph) writes
+into views of these with ``out=``. One allocation: its size, the sum of the aligned parts, can
+be stated in advance and the caching allocator rounds it once.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ def carve_workspace(
 
 
 def carve_workspace_from(flat: torch.Tensor, spec: WorkspaceSpec) -> dict[str, torch.Tensor]:
-    """The parts of ``spec`` as views of ``flat`` (uint8, at least :func:`workspace_bytes`
-    long, its start aligned like an allocation's): the layout :func:`carve_workspace` makes."""
+    """The parts of ``spec`` as views of ``flat`` (uint8, at least :func:`workspace_bytes`)."""
     if flat.dtype != torch.uint8 or flat.numel() < workspace_bytes(spec):
         raise ValueError(
             f"need a uint8 tensor of at least {workspace_bytes(spec)} bytes, got "

@@ -109,8 +109,7 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
     add_serve_command(sub)
     add_report_command(sub)
 
-    # Commands of plugins (built-ins included), e.g. `tllm export`, `tllm steer compute`; one
-    # plugin at a time, so that a failing one is skipped and the others' commands work.
+    # Commands of plugins (built-ins included), one plugin at a time: a failing one is skipped.
     for impl in plugins.pm.hook.tllm_commands.get_hookimpls():
         try:
             impl.function(subparsers=sub)
@@ -123,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     plugins = Plugins.load(on_broken=print_broken)
     parser = build_parser(plugins)
     if plugins.broken and ALLOW_ENV not in os.environ:
-        # Named once: this process's later registries and the engine processes it starts
-        # (they inherit the environment) load only the plugins that loaded here.
+        # This process's later registries and its engine processes load only these.
         os.environ[ALLOW_ENV] = ",".join(plugins.loaded)
     args = parser.parse_args(argv)
     stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
@@ -156,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tllm: interrupted", file=sys.stderr)
         return stop.exit_code()
     if argv is None and getattr(args, "engine_stopped", False):
-        # The command's own process, its engine stopped and everything printed: skip the
-        # interpreter's teardown of vLLM and torch (seconds on 2 cores), as `tllm serve` does.
+        # Everything printed: skip the interpreter's teardown of vLLM and torch (seconds).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -1,19 +1,6 @@
-"""Helpers shared by ``tllm`` commands, built-in or contributed by plugins.
-
-A plugin's ``tllm_commands`` hook (see :mod:`tllm_core.api.hookspecs`) can reuse them::
-
-    from tllm_core import cli_common, hookimpl
-
-    def run_mine(args):
-        cli_common.quiet(args)
-        prompts, texts, report = cli_common.generate_with(args, ["mine"])
-        return cli_common.show(args, prompts, texts, report)  # summary, --json, --report
-
-    @hookimpl
-    def tllm_commands(subparsers):
-        p = subparsers.add_parser("mine", help="generate with my consumer")
-        cli_common.add_generation_args(p)
-        p.set_defaults(func=run_mine)
+"""Helpers shared by ``tllm`` commands, built-in or contributed by plugins through the
+``tllm_commands`` hook (docs/hooks.md has an example): ``add_generation_args``, ``quiet``,
+``generate_with``, ``show``.
 """
 
 from __future__ import annotations
@@ -70,8 +57,7 @@ DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a mess
 
 
 def local_model(model: str | None) -> str | None:
-    """``--model`` checked: a local folder with a Hugging Face ``config.json`` (None: the
-    embedded model)."""
+    """``--model`` checked: a local Hugging Face folder (None: the embedded model)."""
     if model is None:
         return None
     if not Path(model).is_dir():
@@ -88,8 +74,7 @@ def local_model(model: str | None) -> str | None:
 
 
 def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
-    """An argparse ``type``: a whole number >= ``low``; anything else is an error naming the
-    value and what is allowed (vLLM would otherwise replace some values silently)."""
+    """An argparse ``type``: a whole number >= ``low`` (vLLM would replace some silently)."""
 
     def parse(text: str) -> int:
         try:
@@ -121,9 +106,14 @@ def add_deadline_arg(g: Any) -> None:
     )
 
 
-def add_generation_args(p: argparse.ArgumentParser) -> None:
-    """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
-    g = p.add_argument_group("model and engine")
+def _add_count(g: Any, flag: str, help: str) -> None:
+    """An optional whole-number option >= 1 (None when not given)."""
+    g.add_argument(flag, type=int_at_least(1), default=None, help=help)
+
+
+def add_model_args(g: Any) -> None:
+    """``--model``, ``--dtype``, ``--max-model-len``, ``--kv-cache-gib`` and
+    ``--callback-deadline`` (``tllm run`` and ``tllm serve``)."""
     g.add_argument(
         "--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -132,12 +122,19 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_DTYPE,
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
-    g.add_argument(
-        "--max-model-len",
-        type=int_at_least(1),
-        default=None,
-        help="context length (default: the model's own, as vLLM derives it)",
+    _add_count(
+        g, "--max-model-len", "context length (default: the model's own, as vLLM derives it)"
     )
+    _add_count(
+        g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
+    )
+    add_deadline_arg(g)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """Model, engine, prompt and sampling options, ``--json`` and ``-v`` (as ``tllm run``)."""
+    g = p.add_argument_group("model and engine")
+    add_model_args(g)
     mode = g.add_mutually_exclusive_group()
     mode.add_argument(
         "--enforce-eager",
@@ -150,13 +147,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="compile with torch.compile even for a small job (default above "
         "prompts x n x max-tokens = 2048)",
     )
-    g.add_argument("--max-num-seqs", type=int_at_least(1), default=None, help="vLLM max_num_seqs")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int_at_least(1),
-        default=None,
-        help="vLLM token budget per step",
-    )
+    _add_count(g, "--max-num-seqs", "vLLM max_num_seqs")
+    _add_count(g, "--max-num-batched-tokens", "vLLM token budget per step")
     g.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -164,13 +156,6 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
         g.add_argument(opt, type=int_at_least(1), default=1, help="vLLM's option (docs/scaling.md)")
-    g.add_argument(
-        "--kv-cache-gib",
-        type=int_at_least(1),
-        default=None,
-        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
-    )
-    add_deadline_arg(g)
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -261,8 +246,7 @@ def sampling(args: argparse.Namespace):
 
 
 def quiet(args: argparse.Namespace) -> None:
-    """Quiet logs and warnings unless ``-v`` (:mod:`tllm_core.vllm_bridge.quiet`); call it first, before
-    vLLM loads."""
+    """Quiet logs and warnings unless ``-v``; call it first, before vLLM loads."""
     from tllm_core.vllm_bridge.quiet import install_if_quiet, quiet_env
 
     for k, v in quiet_env(bool(getattr(args, "verbose", False))).items():
@@ -273,24 +257,9 @@ def quiet(args: argparse.Namespace) -> None:
     install_if_quiet()
 
 
-def mark_command_process() -> None:
-    """Name this process as the command's: the engine processes it starts leave Ctrl-C to
-    it (it aborts the requests, flushes consumers, stops the engine) and stay quiet."""
-    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
-
-    os.environ[CLI_PID_ENV] = str(os.getpid())
-
-
-def set_worker_shutdown_timeout() -> None:
-    """Give a worker process 30 s to exit after its engine stops: vLLM's default, 5 s, is too
-    short on a busy 2-core machine (vLLM then terminates it with a warning)."""
-    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
-
-
 def set_cpu_kv_cache(gib: int | None) -> None:
-    """The CPU KV cache size: ``--kv-cache-gib`` when given, else the user's
-    ``VLLM_CPU_KVCACHE_SPACE``, else the default ``TllmLLM`` uses too
-    (:mod:`tllm_core.app.kv_cache`)."""
+    """``--kv-cache-gib`` when given, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the
+    default ``TllmLLM`` uses too (:mod:`tllm_core.app.kv_cache`)."""
     from tllm_core.app.kv_cache import KV_ENV, kv_cache_gib
 
     value = kv_cache_gib(gib)
@@ -300,21 +269,21 @@ def set_cpu_kv_cache(gib: int | None) -> None:
 
 def prepare_engine_processes(args: argparse.Namespace) -> None:
     """The environment the engine processes of this command inherit; call it before the
-    engine starts (:func:`generate_with` does). tcmalloc / Intel OpenMP are preloaded there
-    (:mod:`tllm_core.app.cpu_preload`; off with ``TLLM_NO_PRELOAD=1``)."""
+    engine starts (:func:`generate_with` does)."""
     from tllm_core.app.cpu_preload import apply as preload
+    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
 
-    mark_command_process()
-    set_worker_shutdown_timeout()
+    # The engine processes leave Ctrl-C to the command (it aborts, flushes, stops them).
+    os.environ[CLI_PID_ENV] = str(os.getpid())
+    # vLLM's 5 s for a worker to exit is too short on a busy 2-core machine.
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     set_cpu_kv_cache(getattr(args, "kv_cache_gib", None))
-    preload()
+    preload()  # tcmalloc / Intel OpenMP (off: TLLM_NO_PRELOAD=1)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments from the model and engine options."""
     kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=args.enforce_eager)
-    # No length given: vLLM derives it from the model's config (a fixed default would refuse
-    # every model with a shorter context).
     if args.max_model_len is not None:
         kw["max_model_len"] = args.max_model_len
     for k in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -348,15 +317,12 @@ def generate_with(
     extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
-    """Start the engine with ``consumers`` (as ``TllmLLM`` takes them), generate for the prompts of
-    ``args`` (options of :func:`add_generation_args`), close; return (prompts, texts per
-    prompt and sample, report).
+    """Start the engine with ``consumers``, generate for the prompts of ``args`` (options of
+    :func:`add_generation_args`), close; return (prompts, texts per prompt and sample, report).
 
-    Status lines, a progress bar (with ``status()`` shown beside it) and a closing summary go
-    to stderr. Ctrl-C stops generation: the report is then partial (``report["run"]
-    ["interrupted"]``; unfinished samples are None), consumers are flushed and the engine is
-    stopped all the same. ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted`` and
-    the ``summary`` line that :func:`print_report` prints last."""
+    Status lines and a progress bar (``status()`` beside it) go to stderr. Ctrl-C stops
+    generation: the report is then partial (``report["run"]["interrupted"]``, unfinished
+    samples None). ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
     from tllm_core.api.results import encode
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress, summary
@@ -370,17 +336,14 @@ def generate_with(
     model = local_model(args.model)
     texts_in = prompts(args)
     check_sampling(args)
-    # Names and configs (and, with --model, the dry build: layers, vector files...) fail
-    # here, before vLLM is imported (seconds) or the default model converted; TllmLLM then
-    # adds only the checks that were not run yet.
+    # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = _results_arg(args, checked)
     converting = None
     if model is None:
         from tllm_core.app.default_model import convert_in_background, default_model_path
 
-        # Converted (first run) while vLLM is imported; started before the engine processes'
-        # environment is set (their CPU libraries' preload slows the conversion down).
+        # Converted while vLLM is imported; before the engine processes' preload is set.
         converting = convert_in_background()
         if converting is None:  # cached: the dry build now, before vLLM is imported
             model = str(default_model_path(progress=True))
@@ -522,9 +485,8 @@ def print_report(
     as_json: bool,
     counters: bool = False,
 ) -> None:
-    """Completions as text, then (on stderr) errors and the run's summary: a line per
-    consumer and the warnings that matter (:mod:`tllm_core.app.summary`); ``counters``: the
-    full counter table too. Or one JSON (the summary line on stderr)."""
+    """Completions as text (or one JSON), then on stderr errors and the run's summary;
+    ``counters``: the full counter table too."""
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
@@ -564,9 +526,8 @@ def show(
     texts: list[list[str | None]],
     report: dict[str, Any],
 ) -> int:
-    """What a command prints and writes after :func:`generate_with`: the outputs and summary
-    (or ``--json``), the counter table with ``--counters``, the HTML report with ``--report
-    DIR``; returns the exit status (:func:`exit_status`)."""
+    """What a command prints and writes after :func:`generate_with` (outputs, ``--json``,
+    ``--counters``, ``--report DIR``); returns the exit status."""
     print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
     if getattr(args, "report", None) is not None:
         from tllm_core.app.report_html import write_report
@@ -580,8 +541,7 @@ def show(
 
 
 def exit_status(report: dict[str, Any]) -> int:
-    """128 + the signal when interrupted (130: Ctrl-C, 143: SIGTERM; app/stop.py), 1 when a
-    consumer failed during the run, else 0."""
+    """128 + the signal when interrupted (130: Ctrl-C), 1 when a consumer failed, else 0."""
     if report.get("run", {}).get("interrupted"):
         from tllm_core.app.stop import exit_code
 

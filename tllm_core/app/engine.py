@@ -40,12 +40,10 @@ DEATH_NOTICE_S = 2.0
 
 @dataclass(frozen=True)
 class CheckedConsumers:
-    """Consumer specs checked once in the front end (see :func:`validate_consumers`): the one
-    form a consumer choice takes in this process after the edge."""
+    """Consumer specs checked once in the front end (:func:`validate_consumers`)."""
 
     specs: tuple[ConsumerSpec, ...]
-    # Each spec's config model, validated once here; the dry build and the request-key
-    # checks use these, never the dicts again.
+    # Each spec's config model, validated once here.
     configs: tuple[ConsumerConfig, ...]
     registry: Registry
     # The model folder the specs were dry-built against (None: names and configs only).
@@ -57,13 +55,12 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine (``additional_config``: JSON) with these
-        consumers; ``kwargs`` are the other settings' fields."""
+        """The runtime settings sent to the engine with these consumers (``kwargs``: the
+        other fields)."""
         return RuntimeSettings(consumers=list(self.specs), **kwargs)
 
 
-# The edge's forms (a ``NAME[:JSON]`` string, a spec dict, a spec), each converted once by
-# validate_consumers; past it only CheckedConsumers travels.
+# A ``NAME[:JSON]`` string, a spec dict or a spec each, converted once by validate_consumers.
 ConsumersArg = Sequence[str | ConsumerSpec | dict] | CheckedConsumers
 
 
@@ -71,11 +68,8 @@ def validate_consumers(
     specs: ConsumersArg, model_path: str | None = None, registry: Registry | None = None
 ) -> CheckedConsumers:
     """Check names and configs and, given the model folder, build every consumer on the meta
-    device (layer indices, vector files...), before the engine starts.
-
-    Each check runs once: passing the result back in (to ``TllmLLM`` or here) adds only what
-    was not done yet (the dry build, once the model folder is known).
-    """
+    device, before the engine starts. Passing the result back in adds only what was not done
+    yet (the dry build, once the model folder is known)."""
     if isinstance(specs, CheckedConsumers):
         if model_path is None or specs.model_path == model_path:
             return specs
@@ -93,11 +87,9 @@ def validate_consumers(
 
 
 class ConsumerDisabledError(RuntimeError):
-    """A consumer was switched off during an offline run (a callback failed
-    ``max_consecutive_failures`` times in a row): raised by ``TllmLLM.generate`` / ``chat``
-    (``outputs``: what was generated, without that consumer from then on) or ``close``
-    (``report``: the final report). ``errors``: each disabled consumer's first error, as in
-    ``report["errors"]``. ``TllmLLM(..., raise_on_disabled=False)`` turns it off."""
+    """A consumer was switched off during an offline run: raised by ``TllmLLM.generate`` /
+    ``chat`` (``outputs``) or ``close`` (``report``); ``errors``: each one's first error.
+    ``TllmLLM(..., raise_on_disabled=False)`` turns it off."""
 
     def __init__(
         self,
@@ -121,10 +113,8 @@ class ConsumerDisabledError(RuntimeError):
 
 
 class ConsumerHungError(EngineDiedError):
-    """A consumer callback ran past its deadline (``RuntimeSettings.callback_deadline_s``,
-    ``close_deadline_s``): the engine's watchdog named it (``hung``: the consumer, the
-    callback, its stack) and stopped the engine (``death``). Raised where
-    :class:`EngineDiedError` is; the command reports it as one line, exit status 3."""
+    """A consumer callback ran past its deadline: the engine's watchdog named it (``hung``)
+    and stopped the engine (``death``). Raised where :class:`EngineDiedError` is."""
 
     def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
         super().__init__(death, outputs)
@@ -142,6 +132,14 @@ def first_errors_of_disabled(errors: list[dict[str, Any]]) -> list[dict[str, Any
     return list(out.values())
 
 
+def raise_newly_disabled(errors: list[dict[str, Any]], raised: set[str], **where: Any) -> None:
+    """:class:`ConsumerDisabledError` for the disabled consumers not in ``raised`` (added)."""
+    new = [e for e in first_errors_of_disabled(errors) if e["consumer"] not in raised]
+    if new:
+        raised.update(e["consumer"] for e in new)
+        raise ConsumerDisabledError(new, **where)
+
+
 def _salted(prompt: Any, salt: str | None) -> Any:
     """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
     if salt is None:
@@ -154,9 +152,8 @@ def _salted(prompt: Any, salt: str | None) -> Any:
 
 
 def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) -> None:
-    """The plugins' ``tllm_run_failed`` hooks, once every engine process is gone after a
-    fault (an export marks its manifest with ``cause``), each on its own: one that fails is
-    named in a warning and the others still run."""
+    """The plugins' ``tllm_run_failed`` hooks after a fault, each on its own (one that fails
+    is named in a warning)."""
     hook = checked.registry.pm.hook.tllm_run_failed
     for impl in hook.get_hookimpls():
         try:
@@ -173,11 +170,9 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
 class TllmLLM:
     """A vLLM ``LLM`` whose engine runs tllm consumers.
 
-    Extra keyword arguments go to ``vllm.LLM``. Consumers are validated here, before the
-    engine starts, and each request's ``tllm_*`` extra_args in ``generate`` / ``chat``,
-    before generation; ``collect()`` returns counters and results from the engine process.
-    ``tensor_parallel_size=2`` runs the engine on two ranks (on a CPU machine each rank gets
-    its own cores unless ``VLLM_CPU_OMP_THREADS_BIND`` is set; see docs/scaling.md).
+    Extra keyword arguments go to ``vllm.LLM``. Consumers are validated before the engine
+    starts, each request's ``tllm_*`` extra_args before generation; ``collect()`` returns
+    counters and results from the engine (docs/scaling.md for several ranks).
     """
 
     def __init__(
@@ -254,8 +249,7 @@ class TllmLLM:
         self._started_at = time.time()  # files older than this are not this run's
         from tllm_core.vllm_bridge.nodes import leader_store
 
-        # A multi-node leader (node rank 0 of nnodes > 1): its followers are told of a
-        # requested stop (close, Ctrl-C), and then stop too, exit 0 (nodes.announce_stop).
+        # A multi-node leader tells its followers of a requested stop (nodes.announce_stop).
         self._followers_store = leader_store(
             llm_kwargs.get("nnodes"),
             llm_kwargs.get("node_rank"),
@@ -306,8 +300,7 @@ class TllmLLM:
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
         """Inside, a call on an engine one of whose processes died raises
-        :class:`EngineDiedError` naming that process (vLLM's own error says only
-        "EngineDeadError")."""
+        :class:`EngineDiedError` naming that process."""
         try:
             self._watch.check()
             yield
@@ -316,12 +309,10 @@ class TllmLLM:
             death = self._watch.wait_for_death(DEATH_NOTICE_S if vllm_says_dead else 0.0)
             if death is None:
                 raise
-            # The engine's watchdog may have stopped it: then the hung callback is the cause.
-            hung = None if isinstance(e, ConsumerHungError) else read_note(self._fault_note.path)
-            if hung is not None:
-                error: EngineDiedError = ConsumerHungError(death, hung)
+            if isinstance(e, ConsumerHungError):
+                error: EngineDiedError = e
             else:
-                error = e if isinstance(e, EngineDiedError) else EngineDiedError(death)
+                error = self._death_error(death, e if isinstance(e, EngineDiedError) else None)
             self._died = self._died or error  # the cause shutdown tells (tllm_run_failed)
             if error is e:
                 raise
@@ -400,8 +391,7 @@ class TllmLLM:
         return outputs
 
     def _attach_results(self, outputs: list[Any], params: list[Any]) -> None:
-        """Set ``completion.tllm`` (``{consumer: result}``, arrays as NumPy arrays) on each
-        completion of a request that asked for results (``tllm_results``)."""
+        """Set ``completion.tllm`` on each completion of a request that asked for results."""
         ids = [str(o.request_id) for o in outputs]
         wait = self.settings.results_wait_s
         got = merge_taken(self.llm.collective_rpc("tllm_take_results", args=(ids, wait)))
@@ -414,11 +404,8 @@ class TllmLLM:
                 c.tllm = decode_results(with_missing(asked, mine.get(str(c.index), {}), wait))
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
-        """Raise :class:`ConsumerDisabledError` for consumers disabled since the last raise."""
-        new = [e for e in first_errors_of_disabled(errors) if e["consumer"] not in self._raised]
-        if new and self.raise_on_disabled:
-            self._raised |= {e["consumer"] for e in new}
-            raise ConsumerDisabledError(new, **where)
+        if self.raise_on_disabled:
+            raise_newly_disabled(errors, self._raised, **where)
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""
@@ -439,9 +426,8 @@ class TllmLLM:
         return self._closed_report
 
     def shutdown(self) -> None:
-        """Stop the engine processes now (idempotent), without waiting for vLLM's exit
-        handler, which kills engines that take more than 5 s to stop. After a process of the
-        engine died, the others get a few seconds and are then killed."""
+        """Stop the engine processes now (idempotent), not in vLLM's exit handler (which kills
+        engines slower than 5 s); after a death the others get a few seconds."""
         from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
         from tllm_core.vllm_bridge.lifecycle import shutdown_engine
 
@@ -459,22 +445,20 @@ class TllmLLM:
             self._tell_run_failed()
         self._fault_note.close()
 
+    def _death_error(self, death: Any, known: EngineDiedError | None = None) -> EngineDiedError:
+        """The error a dead engine is reported as: the hung callback the engine's watchdog
+        noted, else ``known`` or a new :class:`EngineDiedError`."""
+        hung = read_note(self._fault_note.path)
+        if hung is not None:
+            return ConsumerHungError(death, hung)
+        return known or EngineDiedError(death)
+
     def _tell_run_failed(self) -> None:
-        """Once every engine process is gone after a fault: the plugins' ``tllm_run_failed``
-        hooks (an export marks its manifest with the cause), each on its own: one that fails
-        is named in a warning and the others still run."""
+        """Once every engine process is gone after a fault: :func:`tell_run_failed`."""
         if self._failure_told:
             return
         self._failure_told = True
-        died = self._died
-        if died is None:
-            assert self._watch.death is not None
-            hung = read_note(self._fault_note.path)
-            died = (
-                ConsumerHungError(self._watch.death, hung)
-                if hung is not None
-                else EngineDiedError(self._watch.death)
-            )
+        died = self._died or self._death_error(self._watch.death)
         tell_run_failed(self._checked, str(died), self._started_at)
 
     def __enter__(self) -> TllmLLM:

@@ -1,10 +1,8 @@
-"""The CPU KV cache default that ``TllmLLM`` and every ``tllm`` command share.
+"""The CPU KV cache default that ``TllmLLM`` and every ``tllm`` command share: 2 GiB.
 
-On vLLM's CPU backend the KV cache is ``VLLM_CPU_KVCACHE_SPACE`` GiB (or the engine argument
-``kv_cache_memory_bytes``); when neither is given, vLLM reserves ``gpu_memory_utilization``
-(default 0.92) of the machine's memory instead and refuses to start when that much is not
-free. tllm gives both front ends one small default instead: 2 GiB. The variable is read by
-the CPU backend only; on a GPU it changes nothing.
+Without ``VLLM_CPU_KVCACHE_SPACE`` (or ``kv_cache_memory_bytes``) vLLM's CPU backend reserves
+92% of the machine's memory and refuses to start when that much is not free. Read by the CPU
+backend only.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
+
+from tllm_core.runtime.environ import env_set
 
 KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2
@@ -36,12 +36,5 @@ def default_kv_cache(llm_kwargs: Mapping[str, Any]) -> Iterator[None]:
     if value is None:
         yield
         return
-    old = os.environ.get(KV_ENV)
-    os.environ[KV_ENV] = value
-    try:
+    with env_set(KV_ENV, value):
         yield
-    finally:
-        if old is None:
-            os.environ.pop(KV_ENV, None)
-        else:
-            os.environ[KV_ENV] = old

@@ -1,12 +1,6 @@
-"""What the ``tllm`` command tells the user on stderr: status lines, the progress bar, the summary.
-
-:class:`RunProgress` is handed to vLLM's ``generate``/``chat`` as ``use_tqdm`` (vLLM accepts
-a tqdm factory): one bar, ``generating``, over the run's sequences (prompts x ``n``), with
-vLLM's token rates and, when given, a live status of the command (``tllm export``: bytes
-written so far), refreshed every second. :func:`summary` is the closing line: tokens,
-seconds, tokens/s and, per consumer, the counter that proves its work
-(:func:`proof_counter`).
-"""
+"""What the ``tllm`` command tells the user on stderr: status lines, the progress bar (one,
+over the run's sequences, with vLLM's token rates and the command's own live status), and
+the closing summary line."""
 
 from __future__ import annotations
 
@@ -40,10 +34,8 @@ class _Bar(tqdm):
 
 
 class RunProgress:
-    """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat`` (see module doc).
-
-    vLLM's second bar (``Rendering conversations`` of ``chat``) is not shown. Pass
-    ``use_tqdm=False`` rather than a disabled bar: vLLM divides by the bar's elapsed time."""
+    """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat`` (no bar: pass
+    ``use_tqdm=False``, vLLM divides by a bar's elapsed time)."""
 
     def __init__(self, extra: Callable[[], str] | None = None):
         self.extra = extra

@@ -1,9 +1,6 @@
-"""``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md).
-
-The consumers are given as for ``tllm run`` and validated once, before vLLM starts
-(:func:`tllm_core.app.engine.validate_consumers`); they travel to the server as its
-``--additional-config '{"tllm": ...}'``, the switch the tllm vLLM plugin looks for. The server
-runs in this process and reuses the checked configs; the engine process checks them once.
+"""``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md). The
+consumers, validated before vLLM starts, travel as ``--additional-config '{"tllm": ...}'``;
+the server runs in this process and reuses the checked configs.
 """
 
 from __future__ import annotations
@@ -53,9 +50,8 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
     if headless(args) and "--headless" not in extra:
         argv += ["--headless"]
-    # On shutdown vLLM gives the engine processes --shutdown-timeout seconds before killing
-    # them; its default, 0, kills them at once ("force killing remaining process"). 60 s: the
-    # worker alone may take up to 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS set by the command).
+    # vLLM's default --shutdown-timeout, 0, kills the engine processes at once; a worker alone
+    # may take 30 s (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS).
     argv += ["--shutdown-timeout", "60"]
     if not args.verbose:
         argv += ["--uvicorn-log-level", "warning", "--no-use-tqdm-on-load"]
@@ -86,8 +82,8 @@ def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
 
 
 def followers_store(extra: list[str]) -> tuple[str, int] | None:
-    """Where a multi-node leader's engine store listens (vLLM's ``--master-addr`` and
-    ``--master-port``, defaults 127.0.0.1 and 29501); None for a one-node engine."""
+    """Where a multi-node leader's engine store listens (``--master-addr:--master-port``);
+    None for a one-node engine or a follower."""
     if (_int_flag(extra, ("--nnodes",)) or 1) <= 1 or (_int_flag(extra, ("--node-rank",)) or 0):
         return None
     host = "127.0.0.1"
@@ -100,8 +96,7 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
 
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
-    Refuses more than one API server: tllm's request checks and ``/tllm`` routes live in
-    the one API server process that ``tllm serve`` starts."""
+    Refuses more than one API server (tllm's checks and routes live in this one)."""
     extra = list(args.vllm_args or [])
     servers = _int_flag(extra, API_SERVER_FLAGS)
     if servers is not None and servers != 1:
@@ -118,8 +113,8 @@ def parallel_ranks(args: argparse.Namespace) -> int:
 
 
 def local_ranks(extra: list[str], tp: int, dp: int) -> int:
-    """Ranks of the engine that run on this node: ``--data-parallel-size-local`` engines of
-    ``tp`` ranks when given, else the ``tp * dp`` ranks split over ``--nnodes`` (docs/scaling.md)."""
+    """Ranks of the engine on this node: ``--data-parallel-size-local`` engines of ``tp``
+    ranks, else the ``tp * dp`` ranks split over ``--nnodes``."""
     dp_local = _int_flag(extra, DP_LOCAL_FLAGS)
     if dp_local is not None:
         return tp * max(dp_local, 1)
@@ -154,8 +149,7 @@ def describe(url: str, engine) -> list[str]:
 
 
 def _runner_note(url: str) -> str:
-    """ " on vLLM's V2 runner ..." from ``/tllm/status``; empty when it cannot be read (the
-    route may require the server's API key)."""
+    """ " on vLLM's V2 runner ..." from ``/tllm/status`` (empty: unreadable, e.g. an API key)."""
     try:
         with urllib.request.urlopen(f"{url}/tllm/status", timeout=10) as r:
             runner = json.loads(r.read())["worker"]["runner"]
@@ -246,8 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         last = LastCounters(url)  # what the consumers did, said when the server stops
         last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
-    # The command's stop (a new one when none is installed: its watchdog still bounds the
-    # stop); the server records a lost node in its node watch.
+    # The command's stop (its watchdog bounds the server's); a lost node is recorded there.
     signals = stop.installed() or stop.StopSignals()
     if not follower:  # a multi-node leader tells its followers when it is asked to stop
         signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
@@ -283,8 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _exit(code: int) -> None:
-    # The server has stopped its engine. Skip the interpreter's teardown: it only adds
-    # "nanobind: leaked ..." reports from the Triton module vLLM imported.
+    # The engine is stopped: the interpreter's teardown would only add "nanobind: leaked".
     from tllm_core.app.stop import forget_dead_children
 
     forget_dead_children()
@@ -309,7 +301,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="consumers act only on requests naming them in vllm_xargs tllm_consumers",
     )
-    s.add_argument("--model", help="local Hugging Face model folder (default: embedded model)")
+    cli_common.add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument(
@@ -329,19 +321,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "(vLLM's --headless; give --nnodes, --node-rank, --master-addr after `--`; "
         "docs/scaling.md)",
     )
-    s.add_argument("--dtype", default="float32", help="model dtype (default float32)")
-    s.add_argument(
-        "--max-model-len",
-        type=cli_common.int_at_least(1),
-        default=None,
-        help="context length (default: the model's own, as vLLM derives it)",
-    )
-    s.add_argument(
-        "--kv-cache-gib",
-        type=cli_common.int_at_least(1),
-        default=None,
-        help="CPU KV cache GiB (default 2)",
-    )
     s.add_argument(
         "--max-body-mib",
         type=cli_common.int_at_least(1),
@@ -356,7 +335,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
         "400 before generating; a larger result is replaced by an error (default 16384)",
     )
-    cli_common.add_deadline_arg(s)
     s.add_argument(
         "--hung-stop",
         type=float,

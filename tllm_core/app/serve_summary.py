@@ -1,11 +1,6 @@
-"""The summary ``tllm serve`` prints when it stops: what each consumer did while serving.
-
-The engine processes are gone by the time the server returns, so the summary is made
-from the last ``GET /tllm/counters`` answer, read every :data:`INTERVAL_S` seconds while the
-server runs (the route answers from a throttled cache: one read costs the engine one
-report), and says how old it is. A server that asks for an API key answers no reads: then
-nothing is printed.
-"""
+"""The summary ``tllm serve`` prints when it stops, from the last ``GET /tllm/counters``
+answer, read every :data:`INTERVAL_S` seconds while it runs (the engine is gone by the end;
+a server with an API key answers no reads: then nothing is printed)."""
 
 from __future__ import annotations
 
@@ -21,7 +16,7 @@ INTERVAL_S = 5.0
 
 
 class LastCounters:
-    """The last report read from ``{url}/tllm/counters`` (see module doc)."""
+    """The last report read from ``{url}/tllm/counters``."""
 
     def __init__(self, url: str, interval_s: float = INTERVAL_S):
         self.url = f"{url}/tllm/counters"

@@ -1,10 +1,6 @@
-"""Compile or not: a small job starts in eager mode (no ``torch.compile``).
-
-On the 2-core reference machine the embedded model's first start compiles for about
-70 s and a later start reuses vLLM's compile cache (about 10 s more than eager), while a
-compiled model generates about 1.5 times as fast (docs/getting-started.md). A job of a
-few hundred tokens never earns that back, so without ``--compile`` or ``--enforce-eager``
-a job of at most :data:`EAGER_MAX_TOKENS` new tokens runs eager, and the command says so.
+"""Compile or not: without ``--compile`` or ``--enforce-eager`` a job of at most
+:data:`EAGER_MAX_TOKENS` new tokens starts in eager mode (compiling costs more start time
+than such a job gains; docs/getting-started.md), and the command says so.
 """
 
 from __future__ import annotations

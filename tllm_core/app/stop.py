@@ -1,18 +1,11 @@
 """Stopping a ``tllm`` command when told (docs/cli.md, "Stopping"): SIGTERM as Ctrl-C, and a
 bound on how long stopping may take.
 
-A supervisor (systemd, Kubernetes, a shell script) sends SIGTERM to the command's process
-alone and expects it to exit. :func:`install` makes SIGTERM do what Ctrl-C does (the
-command aborts its requests, flushes consumers, stops the engine) and starts, at the first
-signal, a watchdog: if the command has not exited :func:`stop_timeout` seconds later (an
-engine that hangs in its shutdown, a lost peer), the watchdog kills the processes the
-command started, except ``multiprocessing``'s resource tracker (which then unlinks the
-shared memory and semaphores they leave), and exits with :data:`EXIT_STOP_TIMEOUT`.
-
-Exit status after a signal: ``128 + signal number`` (130 for SIGINT, 143 for SIGTERM) when
-the work was cut short (``tllm run``, ``tllm export``, a server stopped before it was
-ready); 0 when a ready server stopped cleanly; :data:`EXIT_STOP_TIMEOUT` when the watchdog
-had to kill (1 instead when a multi-node server stopped because a node was lost).
+:func:`install` makes SIGTERM do what Ctrl-C does and starts, at the first signal, a
+watchdog: if the command has not exited :func:`stop_timeout` seconds later, it kills the
+command's processes (but ``multiprocessing``'s resource tracker, which then unlinks what they
+leave) and exits with :data:`EXIT_STOP_TIMEOUT`. Otherwise the exit status after a signal is
+``128 + signal`` when the work was cut short, 0 when a ready server stopped cleanly.
 """
 
 from __future__ import annotations
@@ -57,9 +50,8 @@ _installed: StopSignals | None = None
 
 
 class StopSignals:
-    """A command's stop: the stop signals it received, its processes when the first came
-    (cleaned up after), the watchdog that first signal starts, and the node watch it
-    silences (``nodes.NodeWatch``: whose lost node, if any, is the error to report)."""
+    """A command's stop: the signals received, its processes when the first came, the
+    watchdog that first signal starts, and the node watch it silences."""
 
     def __init__(self, nodes: NodeWatch | None = None) -> None:
         from tllm_core.vllm_bridge.nodes import NodeWatch
@@ -81,8 +73,7 @@ class StopSignals:
         return default if sig is None else 128 + int(sig)
 
     def note(self, signum: int) -> bool:
-        """Record a stop signal; the first one starts the watchdog. Returns whether it was
-        the first."""
+        """Record a stop signal; the first one (True) starts the watchdog."""
         with self._lock:
             first = not self._received
             self._received.append(signum)
@@ -110,20 +101,17 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def forget_dead_children(self) -> list[str]:
-        """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
-        of the command's processes that a stop signal caught and that are gone now: libiomp5
-        removes its file only at a normal exit, and an engine process that the stop interrupts
-        mid-start is ended by a signal. Returns the paths removed."""
+        """Remove the Intel OpenMP files in /dev/shm of the command's processes that a stop
+        caught and are gone (libiomp5 removes its own only at a normal exit)."""
         from tllm_core.vllm_bridge.engine_watch import remove_openmp_files
 
         return remove_openmp_files(self._children)
 
     @contextlib.contextmanager
     def noting_handlers(self, seen: Callable[[Any], None] | None = None) -> Iterator[None]:
-        """While inside, a SIGINT/SIGTERM handler that someone else installs with
-        ``signal.signal`` (vLLM's server, uvicorn) first records the signal (:meth:`note`,
-        which starts the watchdog), then runs as it would. The server keeps its own graceful
-        stop; the watchdog bounds it. ``seen(handler)`` is called with each such handler."""
+        """While inside, a SIGINT/SIGTERM handler someone else installs (vLLM's server,
+        uvicorn) first records the signal (:meth:`note`), then runs as it would;
+        ``seen(handler)`` is called with each."""
         original = signal.signal
 
         def signal_noting(signalnum: Any, handler: Any) -> Any:
@@ -163,9 +151,8 @@ class StopSignals:
 
 
 def install() -> StopSignals | None:
-    """SIGTERM and SIGINT stop the command as Ctrl-C does (main thread only; elsewhere
-    nothing is installed: None). A SIGINT the command was started ignoring (a background
-    job) stays ignored. Returns the command's :class:`StopSignals`."""
+    """SIGTERM and SIGINT stop the command as Ctrl-C does (main thread only, else None); an
+    ignored SIGINT (a background job) stays ignored."""
     global _installed
     if threading.current_thread() is not threading.main_thread():
         return None
@@ -228,9 +215,7 @@ def _descendant_pids() -> set[int]:
 
 
 def kill_children() -> list[int]:
-    """SIGKILL every descendant of this process but ``multiprocessing``'s resource tracker,
-    which unlinks the shared memory and semaphores of the killed processes once they are
-    gone; returns the pids killed."""
+    """SIGKILL every descendant but ``multiprocessing``'s resource tracker; the pids killed."""
     import psutil
 
     killed = []

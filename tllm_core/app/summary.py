@@ -1,12 +1,5 @@
-"""The few lines a person reads after a run: what each consumer did, then what went wrong.
-
-Each consumer words its own lines (``Consumer.summary`` / ``Consumer.summary_warnings``,
-class methods that read the counters and result the engine returned); a consumer that
-words none gets one line with its proof counter. The runtime's own warnings (a consumer
-failing or switched off, bundles dropped, stale captures, timeouts) are added here, from
-the runtime counters. Nothing else: the full counter table is ``--counters``, and
-``--json`` is unchanged.
-"""
+"""The few lines a person reads after a run: what each consumer did (its ``summary``, else
+its proof counter), then what went wrong (its ``summary_warnings`` and the runtime's)."""
 
 from __future__ import annotations
 
@@ -55,8 +48,7 @@ def _count(v: Any) -> str:
 
 
 def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls: int = 0) -> str:
-    """``name: <proof counter> <value>``, or that it did no work (``calls``: how many times
-    its callbacks were called)."""
+    """``name: <proof counter> <value>``, or that it did no work."""
     found = proof_counter(counters, declared)
     if found is None:
         return f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
@@ -64,8 +56,7 @@ def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls:
 
 
 def idle_warning(name: str, runtime: dict[str, Any]) -> str:
-    """Why consumer ``name`` shows no work: it was called (``consumer_calls.{name}``, counted
-    before each callback runs) and produced nothing, or it was never called."""
+    """Why consumer ``name`` shows no work: called and produced nothing, or never called."""
     calls = runtime.get(f"consumer_calls.{name}", 0)
     if calls:
         return (
@@ -86,8 +77,7 @@ def _result_of(report: dict[str, Any], name: str) -> Any:
 
 
 def _call(cls: type, method: str, name: str, counters: dict[str, Any], result: Any) -> list[str]:
-    """A consumer's own lines; a failing method is logged and reads as none (the run is
-    done: its summary must not fail it)."""
+    """A consumer's own lines; a failing method is logged and reads as none."""
     fn = getattr(cls, method, None)
     if fn is None:
         return []
@@ -147,8 +137,7 @@ def _head(run: dict[str, Any]) -> str:
 
 
 def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
-    """The summary of ``report`` (``TllmLLM.close()`` plus the command's ``run``, or the
-    ``--json`` object, whose ``counters`` hold ``runtime`` and the consumers)."""
+    """The summary of ``report`` (``TllmLLM.close()`` plus ``run``, or the ``--json`` object)."""
     if "consumers" not in report and "counters" in report:  # the --json form
         counters = dict(report["counters"])
         runtime = counters.pop("runtime", {})

@@ -1,10 +1,6 @@
-"""Loading the ``tllm`` entry points into a pluggy manager (see docs/hooks.md).
-
-A plugin that fails to import, declares a hook implementation with no specification (a
-misspelled hook: pluggy's ``check_pending``) or fails when its hooks are collected is
-*broken*: it is named once, skipped, and the other plugins and commands keep working.
-``TLLM_PLUGINS`` (an allow-list of entry-point names, as vLLM's ``VLLM_PLUGINS``) limits which
-third-party entry points load; tllm's own built-ins always load.
+"""Loading the ``tllm`` entry points into a pluggy manager (see docs/hooks.md). A plugin that
+fails to import, misspells a hook or fails when its hooks are collected is named once and
+skipped; ``TLLM_PLUGINS`` (an allow-list) limits which third-party entry points load.
 """
 
 from __future__ import annotations
@@ -29,12 +25,10 @@ __all__ = [
     "allowed_plugins",
 ]
 
-# Built-ins register through this entry-point group and the same hooks as third-party
-# plugins (see pyproject.toml), so the core names none of them.
+# Built-ins register through this group and the same hooks as third-party plugins.
 ENTRY_POINT_GROUP = "tllm"
 ALLOW_ENV = "TLLM_PLUGINS"
-# The distribution whose entry points are the built-ins: never filtered by the allow-list
-# (as datasette's default plugins), since consumers need its producers.
+# The built-ins' distribution: never filtered by the allow-list (consumers need its producers).
 OWN_DISTRIBUTION = "tllm"
 
 
@@ -72,9 +66,7 @@ class BrokenPlugin:
 
 
 def allowed_plugins(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
-    """The entry-point names ``TLLM_PLUGINS`` allows (comma-separated); None when unset (all).
-
-    Set but empty allows no third-party plugin."""
+    """The entry-point names ``TLLM_PLUGINS`` allows (comma-separated); None when unset (all)."""
     raw = (os.environ if environ is None else environ).get(ALLOW_ENV)
     if raw is None:
         return None
@@ -92,10 +84,8 @@ def _canonical(name: str) -> str:
 
 @dataclass
 class Plugins:
-    """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it.
-
-    One per engine or command (no process-wide state); ``on_broken`` names each broken plugin
-    once (a warning by default; the ``tllm`` command prints it)."""
+    """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it (one
+    per engine or command; ``on_broken`` names each once, a warning by default)."""
 
     pm: pluggy.PluginManager = field(default_factory=lambda: _new_manager())
     broken: list[BrokenPlugin] = field(default_factory=list)
@@ -139,9 +129,8 @@ class Plugins:
                     self._skip(ep.name, ep.value, f"{type(e).__name__}: {e}")
 
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Register ``plugin`` and check every hook implementation has a spec (pluggy's
-        ``check_pending``: a misspelled hook raises ``PluginValidationError`` naming it); on
-        failure the plugin is unregistered again. Returns the plugin's name."""
+        """Register ``plugin`` and check every hook implementation has a spec (a misspelled
+        hook: ``PluginValidationError``, the plugin unregistered again); its name."""
         registered = self.pm.register(plugin, name=name)
         if registered is None:
             raise ValueError(f"plugin {name or plugin!r} is blocked")

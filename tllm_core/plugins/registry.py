@@ -38,11 +38,8 @@ __all__ = [
 
 
 class Registry:
-    """Consumer and producer classes, collected from the ``tllm`` entry points (built-ins
-    included) and plugins registered at run time.
-
-    One per engine or command: no process-wide state.
-    """
+    """Consumer and producer classes, collected from the ``tllm`` entry points and plugins
+    registered at run time (one per engine or command)."""
 
     def __init__(self, load_entry_points: bool = True, plugins: Plugins | None = None):
         self.plugins = plugins or Plugins.load(load_entry_points)
@@ -65,8 +62,7 @@ class Registry:
         return list(self.plugins.broken)
 
     def _collect(self, plugin_name: str) -> None:
-        """Add one plugin's producers and consumers, all or none (its hooks are called one
-        plugin at a time so that a failing plugin can be skipped alone)."""
+        """Add one plugin's producers and consumers, all or none (a failing one is skipped)."""
         saved = dict(self._classes), dict(self._keys), dict(self._producers), self.architectures
         try:
             for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
@@ -162,9 +158,8 @@ class Registry:
         )
 
     def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
-        """A token port from its name (grammar: :mod:`tllm_core.api.port_names`): ``{i}`` /
-        ``layer.{i}`` / ``final`` (residual stream) or ``{prefix}.{i}`` of any registered
-        layer port (``attn.3``, ``mlp.-1``)."""
+        """A token port from its name (:mod:`tllm_core.api.port_names`), any registered layer
+        port's prefix included."""
         prefixes = {
             t.prefix: t
             for t in self._producers
@@ -178,9 +173,8 @@ class Registry:
         return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
 
     def use(self, cls: type[Consumer]) -> None:
-        """Serve consumer ``cls.name`` by ``cls`` in this registry, replacing a class of that
-        name found through an entry point (the test kit: the class being edited wins over an
-        installed copy of it)."""
+        """Serve consumer ``cls.name`` by ``cls``, replacing a class of that name found through
+        an entry point (the test kit: the class being edited wins)."""
         old = self._classes.pop(getattr(cls, "name", ""), None)
         saved = dict(self._keys)
         if old is not None:

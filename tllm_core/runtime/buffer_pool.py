@@ -1,22 +1,12 @@
-"""Device buffers the runtime reuses from step to step (bundle gathers, the guide's rows and
-counts), so that a steady decode step allocates nothing on the device.
+"""Device buffers the runtime reuses from step to step, so that a steady decode step allocates
+nothing on the device.
 
-A buffer is handed out as a view (``take``) and handed out again only when **nothing outside
-the pool holds its storage**: no tensor and no view of it is alive (a bundle, a tensor a
-consumer kept, a slice of one: counted by the storage's use count). A consumer that keeps a
-bundle therefore keeps its values; the pool takes another buffer, or allocates a fresh one
-(only then does a step allocate), and reuses the kept one once it is let go. On CUDA a buffer is
-rewritten on the current stream, after everything queued there before (a buffer last handed
-out on another stream is taken only after that stream's queued work, through an event).
-Work a consumer queues on a stream of its own that reads a bundle tensor must either hold
-the tensor until that work has run or make the current stream wait for it (``wait_stream``,
-``wait_event``) before it lets the tensor go: ``record_stream`` guards the caching
-allocator's reuse of freed memory, not this pool's (ESamp's copies make the main stream
-wait on their event).
-
-Buffers are grown to the next power of two of the rows asked for, so a batch that grows
-reallocates rarely; at most ``keep`` buffers of one dtype and row shape are kept, so
-consumers that keep many bundles get fresh, unpooled tensors beyond that.
+A buffer is handed out again only when nothing outside the pool holds its storage (by the
+storage's use count): a tensor a consumer keeps keeps its values. On CUDA a buffer last handed
+out on another stream is reused after that stream's queued work (an event); work a consumer
+queues on its own stream must hold the tensor, or make the current stream wait for it, until
+it ran (``record_stream`` does not guard this pool). Buffers grow to powers of two; at most
+``keep`` per dtype and row shape.
 """
 
 from __future__ import annotations
@@ -51,8 +41,8 @@ class _Buffer:
 
 
 class BufferPool:
-    """Reusable device buffers (see the module docstring). ``allocations``: buffers made so
-    far, pooled or not; ``unpooled``: those made because ``keep`` buffers were all held."""
+    """Reusable device buffers. ``allocations``: buffers made so far, pooled or not;
+    ``unpooled``: those made because ``keep`` buffers were all held."""
 
     def __init__(self, keep: int = 16) -> None:
         if keep < 1:
@@ -66,8 +56,7 @@ class BufferPool:
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` (rows first) on ``device``: a view of a
-        pooled buffer nothing else holds, which it keeps from reuse while it (or any view of
-        it) is alive."""
+        pooled buffer nothing else holds, kept from reuse while it (or a view) is alive."""
         n, rest = int(shape[0]), tuple(int(s) for s in shape[1:])
         stream = _stream(device)
         bufs = self._buffers.setdefault((dtype, device, rest), [])
@@ -93,8 +82,7 @@ class BufferPool:
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.allocations += 1
-        # Not an inference tensor, though made in the sampler: written in place outside
-        # inference mode too (end_step).
+        # Not an inference tensor: written in place outside inference mode too.
         with torch.inference_mode(False):
             return torch.empty(shape, dtype=dtype, device=device)
 
@@ -104,8 +92,7 @@ class BufferPool:
 
     @staticmethod
     def _order(b: _Buffer, stream: Any) -> None:
-        """Queue the reuse after the work its last stream has: nothing holds the buffer any
-        more, so everything that will read it there is queued already."""
+        """Queue the reuse after the work queued on its last stream."""
         if stream is not None and b.stream is not None and b.stream != stream:
             event = torch.cuda.Event()
             event.record(b.stream)

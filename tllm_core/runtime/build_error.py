@@ -1,6 +1,5 @@
-"""Why a consumer could not be built, told in terms of the author's code: the consumer, the
-config field or the line that failed, and where the build ran (the dry build before vLLM
-starts, or the engine)."""
+"""Why a consumer could not be built, told in the author's terms: the consumer, the config
+field or the line that failed, and where the build ran."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ ENGINE = "engine"  # the build in the process that runs the model, weights loade
 
 
 class ConsumerBuildError(ValueError):
-    """A consumer's construction (``__init__``, ``reads``, ``writes`` and their port checks)
-    failed. A ``ValueError``: the ``tllm`` command exits 2 with the message."""
+    """A consumer's construction (``__init__``, ``reads``, ``writes``, their ports) failed."""
 
     def __init__(self, consumer: str, message: str):
         super().__init__(message)
@@ -24,8 +22,8 @@ class ConsumerBuildError(ValueError):
 
 
 class LayerResolver:
-    """``resolve_layer`` for one consumer's build, remembering the index it refused, so that
-    the error can name the config field that holds it."""
+    """``resolve_layer`` for one consumer's build, remembering the index it refused (the
+    error names the config field holding it)."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
@@ -50,8 +48,7 @@ def _fields_holding(config: Any, value: int) -> list[str]:
 
 
 def _author_frame(e: BaseException) -> str:
-    """``file:line in function`` of the innermost frame outside tllm_core and torch (the
-    author's line), or of the innermost frame."""
+    """`` (at file:line in function)`` of the innermost frame outside tllm_core and torch."""
     frames = traceback.extract_tb(e.__traceback__)
     mine = [f for f in frames if "tllm_core" not in f.filename and "/torch/" not in f.filename]
     f = (mine or frames or [None])[-1]

@@ -1,11 +1,8 @@
 """Delivery of bundles to consumers: on the engine thread, or on a background thread.
 
-Every consumer call goes through :meth:`Bus.call`, which isolates failures: a consumer
-that raises is counted and reported with its name (logged once), and goes on serving later
-steps and requests; only a callback that keeps failing (``max_consecutive_failures`` calls
-in a row) switches the consumer off for the rest of the run. Either way its error cannot
-break the step or other consumers. A callback that does not return is the watchdog's
-(:mod:`tllm_core.runtime.watchdog`): each call is noted there with its kind of deadline.
+Every consumer call goes through :meth:`Bus.call`, which isolates failures: an error is
+counted and its consumer's first logged; a callback failing ``max_consecutive_failures``
+times in a row switches the consumer off. A callback that does not return is the watchdog's.
 """
 
 from __future__ import annotations
@@ -62,12 +59,9 @@ class _Dropped:
 
 
 class _BackgroundChannel:
-    """A queue drained by one daemon thread per background consumer.
-
-    Bundles take one of ``maxsize`` slots (a full channel blocks or drops them, per
-    ``overflow``); finish notices take none, so announcing a finished request never waits and
-    is never dropped, and still reaches the consumer after that request's queued bundles.
-    """
+    """A queue drained by one daemon thread per background consumer. Bundles take one of
+    ``maxsize`` slots (a full channel blocks or drops them, per ``overflow``); finish notices
+    take none: they never wait, are never dropped, and come after the request's bundles."""
 
     def __init__(self, bus: Bus, consumer: Consumer, maxsize: int, overflow: Overflow):
         self.bus = bus
@@ -122,9 +116,8 @@ class _BackgroundChannel:
             self.queue.task_done()
 
     def _drain(self) -> None:
-        # Intra-op threads are a per-thread setting (OpenMP): the engine's threads keep
-        # theirs. torch._C's binding: vLLM's CPU worker replaces torch.set_num_threads with
-        # a no-op once it has bound its threads.
+        # Intra-op threads are per thread (OpenMP). torch._C's binding: vLLM's CPU worker
+        # replaces torch.set_num_threads with a no-op.
         try:
             torch._C.set_num_threads(self.bus.background_threads)
         except Exception:  # noqa: BLE001 - the consumer still runs, with torch's default
@@ -154,8 +147,7 @@ class _BackgroundChannel:
                 else:
                     self.bus.deliver_now(c, item, kind=BACKGROUND)
             except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put
-                # Bus.call isolates Exceptions; this is SystemExit & co. The thread goes on
-                # draining (the consumer is off) so that the engine never waits on it.
+                # SystemExit & co.: the consumer goes off, the thread goes on draining.
                 self.bus.fail(self.consumer, "the background thread", e, disable=True)
             finally:
                 self.queue.task_done()
@@ -219,13 +211,9 @@ class Bus:
         requests: Iterable[RequestInfo] = (),
         kind: str = STEP,
     ) -> bool:
-        """Run one consumer callback; on error count and report it (see :meth:`fail`). True
-        if it succeeded. ``requests``: those the callback acted on (read only on failure);
-        ``kind``: which of the watchdog's deadlines applies.
-
-        ``even_if_disabled``: run it although the consumer failed before (``close``: a failed
-        consumer still gets to write what it holds, e.g. a final manifest).
-        """
+        """Run one consumer callback; True if it succeeded (else :meth:`fail`). ``requests``:
+        those it acted on; ``kind``: the watchdog's deadline; ``even_if_disabled``: run it
+        for a switched-off consumer too (``close``: it still writes what it holds)."""
         if consumer.name in self.disabled and not even_if_disabled:
             return False
         # Counted before the call: a callback that never returns was still called.
@@ -252,10 +240,9 @@ class Bus:
         requests: Iterable[RequestInfo] = (),
         disable: bool = False,
     ) -> None:
-        """Count ``e``, raised by ``consumer`` in ``what``; report the consumer's first error
-        (log with traceback, ``errors``); switch the consumer off when ``what`` failed
-        ``max_consecutive_failures`` times in a row, or when ``disable``. ``requests``, those
-        it acted on, are noted in :attr:`failed_requests`."""
+        """Count ``e``, raised by ``consumer`` in ``what``; report the consumer's first error;
+        switch it off after ``max_consecutive_failures`` in a row, or when ``disable``; note
+        ``requests`` in :attr:`failed_requests`."""
         name = consumer.name
         self.counters.add("consumer_errors")
         self.counters.add(f"consumer_errors.{name}")
@@ -295,9 +282,7 @@ class Bus:
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
     def failures_of(self, request_ids: Iterable[str] | None = None) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``request_ids`` (caller ids; None:
-        every request), for those among the last ``MAX_FAILED_REQUESTS`` requests with a
-        failure."""
+        """The consumers that failed while acting on each of ``request_ids`` (None: all kept)."""
         with self._fail_lock:
             known = self.failed_requests
             ids = known if request_ids is None else [r for r in request_ids if r in known]
@@ -333,9 +318,8 @@ class Bus:
             self.request_done(consumer, request, STEP)
 
     def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
-        """``on_request_finished``, then the request's result when it asked for this
-        consumer's (kept in :attr:`results` for the front end; an error in its place when
-        the consumer failed or is switched off, so that nobody waits for it)."""
+        """``on_request_finished``, then the request's result if it asked for one (an error in
+        its place when the consumer failed: nobody waits for it)."""
         self.call(
             consumer,
             "on_request_finished",
@@ -357,12 +341,11 @@ class Bus:
         name = consumer.name
         if ok:
             self.results.put(request, name, made[0])
-        elif name in self.disabled:
-            why = f"consumer {name!r} is switched off (see the run's errors)"
-            self.results.put(request, name, {"error": why})
-        else:
-            why = f"consumer {name!r} raised while making this result (see the run's errors)"
-            self.results.put(request, name, {"error": why})
+            return
+        what = "is switched off" if name in self.disabled else "raised while making this result"
+        self.results.put(
+            request, name, {"error": f"consumer {name!r} {what} (see the run's errors)"}
+        )
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
         if self.call(
@@ -377,8 +360,8 @@ class Bus:
             self.counters.add(f"bundles_delivered.{consumer.name}")
 
     def abandon(self, name: str, why: str) -> None:
-        """Switch off the background consumer ``name``, whose thread is stuck in a callback
-        (``why``), and drop its queue (counted: ``bundles_abandoned``); the engine goes on."""
+        """Switch off the background consumer ``name``, stuck in a callback, and drop its
+        queue; the engine goes on."""
         self.disabled.add(name)
         ch = self._channels.get(name)
         dropped = ch.abandon() if ch is not None else 0
@@ -398,8 +381,7 @@ class Bus:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued bundle has been handled, at most ``timeout`` seconds per
-        consumer (default: the bus's ``wait_timeout_s``). False (counted ``flush_timeouts``,
-        logged) when a consumer has not caught up by then."""
+        consumer; False (counted, logged) when one has not caught up."""
         timeout = self.wait_timeout_s if timeout is None else timeout
         ok = True
         for name, ch in self._channels.items():
@@ -426,18 +408,11 @@ class Bus:
 
 
 def _to_host(bundle: Bundle) -> Bundle:
-    """Host copies: capture buffers are reused next step, so background bundles own their data."""
-
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        # .to("cpu") already copies from a device; on CPU the step buffers are reused.
-        return t.to("cpu", copy=True)
-
+    """Host copies (``copy=True`` on CPU too): the step's buffers are reused next step."""
     return Bundle(
         step=bundle.step,
         rows=bundle.rows.to_host(),
-        hidden={k: host(v) for k, v in bundle.hidden.items()},
+        hidden={k: v.to("cpu", copy=True) for k, v in bundle.hidden.items()},
         sampled_rows=bundle.sampled_rows.to_host() if bundle.sampled_rows is not None else None,
-        per_sample={k: host(v) for k, v in bundle.per_sample.items()},
+        per_sample={k: v.to("cpu", copy=True) for k, v in bundle.per_sample.items()},
     )

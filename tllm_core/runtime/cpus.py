@@ -1,19 +1,12 @@
-"""The CPUs this process may use, as they were before vLLM pinned its threads.
-
-vLLM's CPU worker binds its threads (the calling one included) to the cores it picks when
-the device is initialised; a thread started later inherits that pin. A tllm side thread that
-should use the cores the model leaves idle widens its affinity to the set noted here, just
-before that happens: the process's allowed set (``taskset``, a container's cpuset), never
-more than that.
+"""The CPUs this process may use, as they were before vLLM pinned its threads (a later thread
+inherits the pin): a tllm side thread widens its affinity to this set, never beyond it.
 """
 
 from __future__ import annotations
 
 import os
 
-# Process-wide by nature: vLLM's pin of a thread lasts as long as the process (a second
-# in-process engine would note the pinned set), so the first note is kept for the process;
-# side threads that read it get no worker object. Immutable once noted.
+# Process-wide by nature: vLLM's pin lasts as long as the process, so the first note is kept.
 _noted: frozenset[int] | None = None
 
 

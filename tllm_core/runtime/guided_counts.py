@@ -1,10 +1,5 @@
-"""``rows_guided`` and ``candidates_guided`` summed on the logits' device.
-
-A guided step must not wait for the device to learn how many logits its guides changed
-(on CUDA each such read stalls the host until the step's kernels finish, which undoes
-vLLM's overlap of the next step's scheduling with the GPU). The counts are therefore added
-up where the writes happened, on the device, and read into the runtime's counters only when
-the counters are read (``Runtime.collect``)."""
+"""``rows_guided`` and ``candidates_guided`` summed on the logits' device, read only when the
+counters are (a read per step would stall the host until the step's kernels finish)."""
 
 from __future__ import annotations
 
@@ -29,10 +24,8 @@ class GuidedCounts:
         total = self._totals.get(c.device)
         if total is None:
             total = self._totals[c.device] = torch.zeros(4, dtype=torch.long, device=c.device)
-        if self._pool is None:
-            mask = c > 0
-        else:
-            mask = torch.gt(c, 0, out=self._pool.take(c.shape, torch.bool, c.device))
+        out = None if self._pool is None else self._pool.take(c.shape, torch.bool, c.device)
+        mask = torch.gt(c, 0, out=out)
         torch.sum(mask, 0, out=total[2])
         torch.sum(c, 0, out=total[3])
         total[:2].add_(total[2:])

@@ -1,7 +1,5 @@
 """A model folder's ``config.json``, checked once before vLLM starts: readable, a JSON object,
-with the sizes tllm needs. A broken one is bad input (``BadModelConfig``, a ``ValueError``:
-the command's exit status 2) naming the file and the key, not a late error from vLLM or a
-``KeyError`` from the dry build."""
+with the sizes tllm needs (else ``BadModelConfig``, a ``ValueError`` naming file and key)."""
 
 from __future__ import annotations
 
@@ -11,8 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-# The sizes tllm reads (ModelInfo), each with the other names Hugging Face configs give it
-# (transformers' ``attribute_map``: GPT-2's ``n_embd``, T5's ``d_model``...).
+# The sizes tllm reads, each with the other names Hugging Face configs give it.
 SIZES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
     {
         "hidden_size": ("hidden_size", "n_embd", "d_model"),
@@ -23,14 +20,13 @@ SIZES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
 
 
 class BadModelConfig(ValueError):
-    """A model folder's ``config.json`` that is missing, unreadable, not JSON, or without a
-    size tllm needs."""
+    """A model folder's ``config.json`` that is missing, unreadable, or without a size."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """A checked ``config.json``: the whole object, its text model's part (``text_config``
-    for multimodal models, else the whole), and the sizes tllm needs."""
+    for multimodal models), and the sizes tllm needs."""
 
     path: Path
     raw: dict[str, Any]
@@ -64,15 +60,8 @@ def read_model_config(model_path: str) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise BadModelConfig(f"the model's config {path}: 'text_config' is not a JSON object")
     where = f"{path}" + (" (text_config)" if cfg is not raw else "")
-    sizes = {key: _size(cfg, key, names, where) for key, names in SIZES.items()}
-    return ModelConfig(
-        path=path,
-        raw=raw,
-        text=cfg,
-        hidden_size=sizes["hidden_size"],
-        num_layers=sizes["num_hidden_layers"],
-        vocab_size=sizes["vocab_size"],
-    )
+    sizes = [_size(cfg, key, names, where) for key, names in SIZES.items()]
+    return ModelConfig(path, raw, cfg, *sizes)
 
 
 def _size(cfg: dict[str, Any], key: str, names: tuple[str, ...], where: str) -> int:

@@ -1,14 +1,7 @@
-"""One report from the per-rank reports of a parallel engine (see docs/scaling.md).
-
-Each worker answers a ``tllm_collect``/``tllm_close`` call with its runtime's report and its
-``rank`` (``tp_rank``, ``dp_rank``, ... and ``leader``). Only leaders (one per data-parallel
-engine: the tensor-parallel rank whose output the engine returns) run consumers, so:
-
-- one leader (one engine, any tensor-parallel size): its report, unchanged, with the errors
-  of every rank;
-- several leaders (data parallel): ``runtime`` and ``consumers`` counters summed over the
-  leaders (means and maxima are summed too: read those per rank), ``results`` per consumer
-  as a list in data-parallel rank order, and ``ranks``: each leader's own counters.
+"""One report from the per-rank reports of a parallel engine (see docs/scaling.md): the one
+leader's with every rank's errors, or, for several data-parallel leaders, their counters
+summed (means and maxima too: read those per rank in ``ranks``) and ``results`` per consumer
+as a list in data-parallel rank order.
 """
 
 from __future__ import annotations
@@ -19,8 +12,7 @@ from typing import Any
 
 def json_safe(value: Any) -> Any:
     """``value`` with non-finite floats as the strings ``"NaN"``, ``"Infinity"``,
-    ``"-Infinity"``: strict JSON has no such numbers, and one NaN counter would otherwise make
-    the whole report unservable."""
+    ``"-Infinity"`` (strict JSON has no such numbers)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):

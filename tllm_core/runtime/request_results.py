@@ -1,10 +1,7 @@
-"""The engine side of per-request results (``tllm_core/api/results.py``): made on the
-consumers' threads when a request finishes, kept until the front end takes them.
-
-Bounded twice: each result by ``max_result_bytes`` (a larger one is replaced by an error
-saying so, counted ``results_refused``), the whole store by ``max_requests`` requests and
-``max_bytes`` bytes (the oldest dropped, counted ``results_expired``: a client that went away
-never takes its results, and a server must not keep them for ever).
+"""The engine side of per-request results: made on the consumers' threads when a request
+finishes, kept until the front end takes them. Each result is bounded by ``max_result_bytes``
+(else an error, ``results_refused``), the store by ``max_requests`` and ``max_bytes`` (the
+oldest dropped, ``results_expired``: a client that went away never takes its results).
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ class ResultStore:
                 self.counters.add("results_expired")
 
     def take(self, request_ids: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
-        """The results kept for these caller ids, removed from the store (those made later
-        are taken by a later call)."""
+        """The results kept for these caller ids, removed from the store."""
         out: dict[str, dict[int, dict[str, Any]]] = {}
         with self._lock:
             for rid in request_ids:

@@ -1,16 +1,7 @@
-"""A step's tap stamps and edit counts, read without making the host wait for the device.
-
-At the end of a step the runtime needs, on the host, which taps the forward wrote (their
-stamps) and how many rows each edit changed. On a GPU a plain read of those values waits
-for the forward and the sampler to finish: every step, before the next forward is queued
-(under async scheduling the overlap it exists for is lost). :class:`StampReader` instead
-gathers them into one device buffer and copies it back through a
-:class:`~tllm_core.api.transfers.HostCopyRing`; the values are read once the copy has
-arrived (:class:`StampRead`). On CPU the copy is done before :meth:`StampReader.start`
-returns.
-
-The device buffer and the ring's host buffers are allocated once per set of keys: a step
-allocates nothing.
+"""A step's tap stamps and edit counts, read without making the host wait for the device (a
+plain read would wait for the forward every step): :class:`StampReader` gathers them into one
+device buffer, allocated once per set of keys, and copies it back through a
+:class:`~tllm_core.api.transfers.HostCopyRing`; :class:`StampRead` reads them once arrived.
 """
 
 from __future__ import annotations
@@ -21,8 +12,7 @@ import torch
 
 from tllm_core.api.transfers import HostCopyRing
 
-# Host buffers in rotation; a read still pending when its buffer comes round again is
-# waited for (that many steps later the device has long finished it).
+# Host buffers in rotation (a read pending when its buffer comes round again is waited for).
 RING = 4
 
 

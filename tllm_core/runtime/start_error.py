@@ -1,24 +1,21 @@
 """Why the engine refused to start, told to the process that started it.
 
-vLLM reports a worker that fails while loading the model as "Engine core initialization
-failed. See root cause above": the cause is only in the workers' logs. A tllm refusal there (a
-tap site that a layer lacks, a consumer that cannot be built on the real model) is written to
-a file the front end names in the runtime settings (``start_error_file``); the front end then
-raises it as its own one-line error.
-
-vLLM's own failures in those processes (a KV cache that does not fit, a worker that cannot
-start) reach the front end only as "see root cause above" too: while a ``TllmLLM`` starts its
-engine, the processes it spawns find the note in :data:`ENV` and :class:`FirstErrorLog`
-writes into it the first exception vLLM logs there.
+vLLM reports a worker that fails while loading the model only as "see root cause above". A
+tllm refusal there is written to the front end's note (``start_error_file``), and so is the
+first exception vLLM logs in the processes a ``TllmLLM`` spawns (:data:`ENV`,
+:class:`FirstErrorLog`); the front end raises it as its own one-line error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from tllm_core.runtime.environ import env_set
 
 # "{front end pid}:{note path}", set by the front end while its engine starts; the engine
 # processes inherit it.
@@ -49,15 +46,8 @@ class StartErrorNote:
     @contextmanager
     def shared(self) -> Iterator[None]:
         """While the engine starts: :data:`ENV` names this note to the processes it spawns."""
-        old = os.environ.get(ENV)
-        os.environ[ENV] = f"{os.getpid()}:{self.path}"
-        try:
+        with env_set(ENV, f"{os.getpid()}:{self.path}"):
             yield
-        finally:
-            if old is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = old
 
     def read(self) -> str:
         try:
@@ -67,10 +57,8 @@ class StartErrorNote:
             return ""
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
 
 
 class FirstErrorLog(logging.Handler):

@@ -1,16 +1,10 @@
 """A step's row indices on the device in one copy, and the runtime's gathers into reused
 buffers (:mod:`.buffer_pool`).
 
-The runtime cuts rows out of the step's tensors with host indices (the sampling rows for
-the guide, each consumer's bundle rows). Each index sent alone would be a copy of its own
-from pinned memory and a new device tensor, per index and step. Instead :meth:`StepIndices.plan`
-gathers every index the step will use (equal ones once), writes them into one of ``ring``
-pinned staging buffers and queues one copy to a pooled device buffer; :meth:`StepIndices.index`
-then hands out views of it. The staging ring is :class:`~tllm_core.api.transfers.StagingRing`
-(``waits``: the times the host waited for a buffer's last copy; with a ring of 16 the copy
-ran steps before, even with several per-request editors each sending its own). An index not
-planned is sent the same way, alone. On CPU, and on a device without CUDA's streams, each
-index is sent alone (:func:`~tllm_core.api.transfers.index_to`).
+:meth:`StepIndices.plan` gathers every host index the step will use (equal ones once) into a
+pinned :class:`~tllm_core.api.transfers.StagingRing` buffer and queues one copy to a pooled
+device buffer; :meth:`StepIndices.index` hands out views of it (an index not planned is sent
+alone). On CPU each index is :func:`~tllm_core.api.transfers.index_to`.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ RING = 16  # slots of a few KB; editors not in the step's plan take one each
 
 
 class StepIndices:
-    """The runtime's per-step device indices and gathered rows (see the module docstring).
-    ``copies``: index copies queued (one per planned step, plus any index not planned);
-    ``waits``: staging buffers the host waited for."""
+    """The runtime's per-step device indices and gathered rows. ``copies``: index copies
+    queued; ``waits``: staging buffers the host waited for."""
 
     def __init__(self, pool: BufferPool | None = None, ring: int = RING) -> None:
         self.pool = pool or BufferPool()

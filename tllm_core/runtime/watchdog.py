@@ -1,13 +1,9 @@
 """A deadline on consumer callbacks: a daemon thread notices one that runs too long.
 
-:class:`~tllm_core.runtime.bus.Bus` notes every consumer callback it runs (which consumer,
-which callback, on which thread, since when) with :meth:`Watchdog.running`. The watchdog's
-thread wakes a few times per deadline and reports each callback past the deadline of its
-kind (:data:`STEP`, :data:`BACKGROUND`, :data:`CLOSE`) once, as a :class:`Hung` with the
-stack of the thread it is stuck on (``sys._current_frames``). What happens then is the
-owner's choice (``on_hung``): the runtime switches a background consumer off, and stops the
-engine for the others (:class:`EngineStop`), after writing the report into the front end's
-note (:func:`write_note`, read back with :func:`read_note`).
+The bus notes every callback with :meth:`Watchdog.running`; each one past the deadline of its
+kind is reported once to ``on_hung`` as a :class:`Hung` with its thread's stack. The runtime
+then switches a background consumer off, or stops the engine (:class:`EngineStop`) after
+writing the front end's note (:func:`write_note`).
 """
 
 from __future__ import annotations
@@ -59,8 +55,8 @@ class Hung:
         )
 
     def where(self) -> str:
-        """The innermost frame of :attr:`stack` outside Python's own library (where the
-        consumer's code waits), as ``file:line in function``."""
+        """The innermost frame of :attr:`stack` outside Python's own library, as
+        ``file:line in function``."""
         frames = [ln.strip() for ln in self.stack.splitlines() if ln.strip().startswith("File ")]
         stdlib = os.path.dirname(os.__file__)
         own = [f for f in frames if stdlib not in f] or frames
@@ -100,8 +96,8 @@ class Watchdog:
         self._lock = threading.Lock()
 
     def running(self, consumer: str, callback: str, kind: str) -> _Call | None:
-        """Note a callback starting on this thread; pass the result to :meth:`done`. A
-        callback inside another one on the same thread (none today) is not noted."""
+        """Note a callback starting on this thread (not one inside another); pass the result
+        to :meth:`done`."""
         tid = threading.get_ident()
         if tid in self._calls:
             return None
@@ -186,11 +182,9 @@ def read_note(path: str | None) -> Hung | None:
 
 
 class EngineStop:
-    """Stops the engine process ``after_s`` seconds after a callback hung (a timer thread):
-    the process that runs the consumers exits with :data:`HUNG_EXIT_CODE`, which the engine's
-    front end sees as a dead engine. Not in a front end's own process (an in-process engine,
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): that would end the caller's program; there the
-    hang is only reported."""
+    """Exits the engine process with :data:`HUNG_EXIT_CODE` ``after_s`` seconds after a callback
+    hung (the front end sees a dead engine). In the front end's own process (an in-process
+    engine) the hang is only reported."""
 
     def __init__(self, after_s: float, exit: Callable[[int], Any] = os._exit):
         self.after_s = after_s
@@ -226,11 +220,9 @@ class EngineStop:
 
 
 def _end_engine_core() -> None:
-    """In a worker of an offline multiprocess engine, whose parent is the engine core (not the
-    front end, whose pid the start note's variable names): end the engine core first. It
-    would otherwise log this worker's exit as its own fatal error, with tracebacks; the front
-    end then names the dead engine and reads the note. A server (no such variable) or a
-    worker started by the front end itself: nothing here."""
+    """In a worker whose parent is an offline engine core (not the front end the start note
+    names): end the engine core first, which would otherwise log this exit as its own fatal
+    error."""
     from tllm_core.runtime.start_error import ENV
 
     front = os.environ.get(ENV, "").partition(":")[0]

@@ -1,9 +1,5 @@
-"""Serving: per-request settings of tllm consumers behind vLLM's OpenAI server.
-
-Engine-neutral (nothing here imports vLLM): the generic request keys, the consumers' own keys
-and their validation against the consumers an engine was started with (used by the server
-and by ``TllmLLM`` alike). The vLLM wiring (HTTP 400, cache salt, the ``/tllm/*`` routes)
-lives in :mod:`tllm_core.vllm_bridge.serving`.
+"""Serving: the request keys and their validation against an engine's consumers (server and
+``TllmLLM`` alike), without vLLM; the wiring lives in :mod:`tllm_core.vllm_bridge.serving`.
 """
 
 from tllm_core.serving.keys import (

@@ -1,9 +1,6 @@
-"""What guards tllm's own server routes (``/tllm/*``): the API key and path hiding.
-
-vLLM's ``--api-key`` middleware covers ``/v1`` and a few other prefixes, not ``/tllm``:
-:class:`BearerGuard` asks the same keys there. :func:`hide_paths` takes server filesystem
-paths out of a JSON response (a server may face strangers; the operator can show them).
-Engine-neutral: the vLLM wiring is in :mod:`tllm_core.vllm_bridge.serving`.
+"""What guards tllm's own server routes (``/tllm/*``): :class:`BearerGuard` asks vLLM's API
+keys there too (vLLM's own check covers ``/v1``), :func:`hide_paths` takes server filesystem
+paths out of a JSON response. Engine-neutral: the wiring is in ``vllm_bridge/serving.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ CLIENT: ContextVar[str] = ContextVar("tllm_client", default="anon")
 
 def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
     """A short keyed digest of the request's ``Authorization`` header (``anon`` without one):
-    requests with the same API key are one client; the key itself never leaves this process."""
+    requests with the same API key are one client."""
     value = next((v for k, v in headers if k.lower() == b"authorization"), None)
     if not value:
         return "anon"
@@ -61,9 +58,7 @@ def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
 
 def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
     """The group a server request joins: a client's own ``tllm_group`` inside its namespace
-    (one client cannot join, and train, another's group), else the request's own unique id
-    (the default, the ``n`` samples of one request; a client-chosen ``X-Request-Id`` cannot
-    make two requests share it)."""
+    (no client joins another's), else the request's own unique id."""
     group = extra.get(GROUP_KEY)
     return f"client-{client}/{group}" if group is not None else f"request/{request_id}"
 
@@ -86,11 +81,8 @@ class ClientScope:
 
 
 class BearerGuard:
-    """Pure ASGI middleware: HTTP 401 on ``/tllm/*`` without ``Authorization: Bearer KEY``.
-
-    ``tokens`` are the server's API keys (any one is accepted); compared as SHA-256 digests
-    in constant time, as vLLM's own check does. With no tokens nothing is guarded.
-    """
+    """Pure ASGI middleware: HTTP 401 on ``/tllm/*`` without ``Authorization: Bearer KEY``
+    (any of ``tokens``, compared in constant time; no tokens: nothing guarded)."""
 
     def __init__(self, app: Any, tokens: list[str], prefix: str = TLLM_PREFIX):
         self.app = app
@@ -116,15 +108,12 @@ class BearerGuard:
         if not guarded or scope.get("method") == "OPTIONS" or self.allowed(scope["headers"]):
             return await self.app(scope, receive, send)
         body = json.dumps({"error": "Unauthorized"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, body, (b"www-authenticate", b"Bearer"))
+
+
+async def send_json(send: Any, status: int, payload: bytes, *headers: tuple[bytes, bytes]) -> None:
+    """An ASGI JSON response."""
+    length = (b"content-length", str(len(payload)).encode())
+    start = [(b"content-type", b"application/json"), length, *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,12 +1,7 @@
-"""The request keys of tllm and their validation (see docs/serving.md).
-
-vLLM copies a request's ``vllm_xargs`` into ``SamplingParams.extra_args``; the engine-side
-runtime reads them per request (``RequestInfo.extra_args``). Values must be flat strings or
-numbers. The generic keys are defined here; every other key is declared by a consumer
-(``Consumer.Request``: field ``f`` of consumer ``c`` is ``tllm_{c}_{f}``). Every key starting
-with ``tllm_`` is checked by :func:`validate_extra_args`, in the server (HTTP 400) and in
-``TllmLLM.generate`` / ``chat`` (``ValueError``) alike; the message names the key and what
-is allowed.
+"""The request keys of tllm and their validation (see docs/serving.md): the generic keys here,
+every other declared by a consumer (``tllm_{c}_{f}``). Every ``tllm_*`` key of a request's
+``vllm_xargs`` / ``extra_args`` is checked by :func:`validate_extra_args`, in the server (HTTP
+400) and in ``TllmLLM`` (``ValueError``) alike.
 """
 
 from __future__ import annotations
@@ -38,19 +33,7 @@ from tllm_core.runtime.settings import RuntimeSettings
 if TYPE_CHECKING:
     from tllm_core.plugins.registry import Registry
 
-CONSUMERS = CONSUMERS_KEY
-GROUP = GROUP_KEY
-RESULTS = RESULTS_KEY
-__all__ = [
-    "CONSUMERS",
-    "GROUP",
-    "KEYS",
-    "RESULTS",
-    "TAGS",
-    "EngineConsumers",
-    "request_salt",
-    "validate_extra_args",
-]
+__all__ = ["KEYS", "TAGS", "EngineConsumers", "request_salt", "validate_extra_args"]
 
 # A group name is kept per live group by consumers (ESamp): bounded like any request value.
 MAX_GROUP_CHARS = 1024
@@ -59,14 +42,14 @@ MAX_CONSUMERS_CHARS = 1024
 
 KEYS: Mapping[str, str] = MappingProxyType(
     {
-        CONSUMERS: "string: comma-separated names of per-request consumers to switch on for this "
-        "request (each must be configured)",
-        GROUP: "string: requests sharing this value form one group (consumers that keep state per "
-        "group, e.g. ESamp's distiller; default: the n samples of one request; in a server, only "
-        "requests of the same client, i.e. API key, share a group)",
-        RESULTS: "string: comma-separated names of consumers whose per-request result is returned "
-        "with this request's completion (each must make results and act on the request; "
-        "docs/serving.md#results-with-the-completion)",
+        CONSUMERS_KEY: "string: comma-separated names of per-request consumers to switch on for "
+        "this request (each must be configured)",
+        GROUP_KEY: "string: requests sharing this value form one group (consumers that keep state "
+        "per group, e.g. ESamp's distiller; default: the n samples of one request; in a server, "
+        "only requests of the same client, i.e. API key, share a group)",
+        RESULTS_KEY: "string: comma-separated names of consumers whose per-request result is "
+        "returned with this request's completion (each must make results and act on the "
+        "request; docs/serving.md#results-with-the-completion)",
     }
 )
 
@@ -115,8 +98,7 @@ class EngineConsumers:
         return name in self.per_request and acts_on(name, self.per_request[name], extra)
 
     def note_report(self, report: dict[str, Any]) -> None:
-        """Learn from an engine report which consumers failed and were switched off (its
-        ``errors`` with ``disabled``; an error the consumer survived does not count)."""
+        """Learn from an engine report which consumers were switched off."""
         self.failed.update(
             e["consumer"]
             for e in report.get("errors", [])
@@ -171,8 +153,7 @@ def _check_length(extra: dict[str, Any], key: str, most: int, where: str) -> Non
 
 
 def _check_tag(key: str, value: Any, where: str) -> None:
-    """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers the engine can
-    index with (``tllm_prompt_index`` >= 0: the caller's own prompt numbering)."""
+    """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers to index with."""
     low = 0 if key == "tllm_prompt_index" else 1
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
         raise ValueError(
@@ -187,12 +168,8 @@ def validate_extra_args(
     where: str = "vllm_xargs",
     tags: bool = False,
 ) -> None:
-    """Check every ``tllm_*`` key of a request; raise ValueError naming the key.
-
-    ``where`` names the dict in messages: ``vllm_xargs`` (server) or ``extra_args``.
-    ``tags``: the internal row tags (:data:`TAGS`) are allowed and checked (``TllmLLM``'s
-    callers may number their prompts); else they are unknown keys (server clients).
-    """
+    """Check every ``tllm_*`` key of a request; ValueError naming the key (``where``: the dict's
+    name). ``tags``: the internal row tags (:data:`TAGS`) are allowed (``TllmLLM``'s callers)."""
     if not extra:
         return
     mine: dict[str, list[str]] = {}  # consumer -> its keys in this request
@@ -215,19 +192,19 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
-    _check_length(extra, CONSUMERS, MAX_CONSUMERS_CHARS, where)
+    _check_length(extra, CONSUMERS_KEY, MAX_CONSUMERS_CHARS, where)
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
         if n not in engine.per_request:
             raise ValueError(
-                f"unknown consumer {short_repr(n)} in {where}[{CONSUMERS!r}]; this engine's per-request "
-                f"consumers: {optional or 'none'}"
+                f"unknown consumer {short_repr(n)} in {where}[{CONSUMERS_KEY!r}]; this engine's "
+                f"per-request consumers: {optional or 'none'}"
             )
-    group = extra.get(GROUP)
+    group = extra.get(GROUP_KEY)
     if isinstance(group, str) and not group.strip():
-        raise ValueError(f"{where}[{GROUP!r}] must not be empty")
-    _check_length(extra, GROUP, MAX_GROUP_CHARS, where)
+        raise ValueError(f"{where}[{GROUP_KEY!r}] must not be empty")
+    _check_length(extra, GROUP_KEY, MAX_GROUP_CHARS, where)
     _check_results(extra, engine, where)
     for name, keys in mine.items():
         key = keys[0]
@@ -239,7 +216,7 @@ def validate_extra_args(
         if not engine.active(name, extra):
             raise ValueError(
                 f"{where}[{key!r}] has no effect: {name!r} is not active for this request "
-                f'(add "{name}" to {where}[{CONSUMERS!r}])'
+                f'(add "{name}" to {where}[{CONSUMERS_KEY!r}])'
             )
         model = engine.models[name]
         assert model is not None  # it owns a key
@@ -248,25 +225,24 @@ def validate_extra_args(
 
 def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -> None:
     """``tllm_results``: configured consumers that make results and act on the request."""
-    _check_length(extra, RESULTS, MAX_CONSUMERS_CHARS, where)
+    _check_length(extra, RESULTS_KEY, MAX_CONSUMERS_CHARS, where)
     makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
     for name in asked_results(extra, where):
         if name not in makers:
             what = "is not configured" if name not in engine.per_request else "makes none"
             raise ValueError(
-                f"{where}[{RESULTS!r}] names {short_repr(name)}, which {what}; consumers that "
+                f"{where}[{RESULTS_KEY!r}] names {short_repr(name)}, which {what}; consumers that "
                 f"return per-request results here: {makers or 'none'}"
             )
         if not engine.active(name, extra):
             raise ValueError(
-                f"{where}[{RESULTS!r}] names {name!r}, which is per-request and not switched "
-                f'on for this request (add "{name}" to {where}[{CONSUMERS!r}])'
+                f"{where}[{RESULTS_KEY!r}] names {name!r}, which is per-request and not switched "
+                f'on for this request (add "{name}" to {where}[{CONSUMERS_KEY!r}])'
             )
 
 
 def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str, int]:
-    """The bound (JSON bytes) of each result a request asks for, where its consumer gives one
-    (:meth:`Consumer.result_bytes <tllm_core.api.consumer.Consumer.result_bytes>`)."""
+    """The bound (JSON bytes) of each result a request asks for, where its consumer gives one."""
     out = {}
     for name in asked_results(request.extra_args):
         cls = engine.classes.get(name)
@@ -281,26 +257,18 @@ def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str,
 def request_salt(
     extra: dict[str, Any] | None, key: bytes | None = None, *, can_change_kv: bool = True
 ) -> str | None:
-    """The prefix-cache salt of a request: the one rule, offline (``TllmLLM``) and served.
+    """The prefix-cache salt of a request, offline and served (None: no salt).
 
-    Requests with different tllm settings may compute different KV for the same tokens
-    (steering edits the residual stream), so they must not share cached blocks; requests with
-    identical settings compute identical KV and may. So a request is salted when it carries
-    per-request tllm settings (any ``tllm_*`` key but tllm's internal tags, which differ per
-    prompt) and they can change its KV (``can_change_kv``: False when the engine runs no
-    consumer that edits; the server does not know and passes True). None: no salt.
-
-    Format: ``tllm-`` and the first 16 hex digits of the sha256 of the JSON list of sorted
-    ``[key, str(value)]`` pairs (``str``: a number and its numeric string, equal once
-    validated, give one salt). A server passes its secret ``key``: the salt is then 32 hex
-    digits of an HMAC that no client can compute, so a client's own ``cache_salt`` can never
-    equal it (a predictable salt would let an unsteered request reuse steered KV blocks).
+    Requests whose tllm settings may change their KV (``can_change_kv``: an engine that
+    edits) must not share cached blocks with others: the salt hashes their sorted
+    ``[key, str(value)]`` pairs (tags and ``tllm_results`` aside). A server passes its secret
+    ``key``: an HMAC no client can compute, so no client's own ``cache_salt`` can equal it.
     """
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()
         # Asking for results changes no computation: such requests share the cache.
-        if k.startswith(PREFIX) and k not in TAGS and k != RESULTS
+        if k.startswith(PREFIX) and k not in TAGS and k != RESULTS_KEY
     )
     if not items or not can_change_kv:
         return None

@@ -1,10 +1,6 @@
-"""At most one read of the engine's report at a time, shared by the requests waiting for it.
-
-``GET /tllm/counters`` runs every consumer's ``result()`` on the engine thread between steps
-(some force a device sync): many clients polling it would slow everyone's generation.
-:class:`Throttle` runs one read at a time; a request is answered with the first read that
-started after it arrived (so it never sees figures older than itself), or, with
-``min_interval_s`` > 0, with any read younger than that.
+"""At most one read of the engine's report at a time, shared by the requests waiting for it
+(a read runs every consumer's ``result()`` on the engine thread). A request is answered with
+the first read that started after it arrived, or any read younger than ``min_interval_s``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Test tools for consumer authors and for tllm's own GPU-only code: checks that run
-without vLLM (and without a GPU) in a plain pytest test.
-
-:class:`ConsumerKit` runs consumers on a Hugging Face model run by transformers, through the
-engine's own runtime (docs/testing-consumers.md); :mod:`tllm_core.testing.fake_cuda` runs
-CUDA-path code on a fake device and :mod:`tllm_core.testing.counters` counts host waits and
-bytes on real tensors, by the same rules (docs/fake-cuda.md). Imported on first use: the fake
-device and the counters need torch only (they run on a GPU image without pydantic), the kit
-needs the runtime."""
+"""Test tools that run without vLLM or a GPU: :class:`ConsumerKit` runs consumers on a
+transformers model through the engine's runtime (docs/testing-consumers.md);
+:mod:`.fake_cuda` runs CUDA-path code on a fake device and :mod:`.counters` counts host waits
+and bytes by the same rules (docs/fake-cuda.md; torch only)."""
 
 from __future__ import annotations
 

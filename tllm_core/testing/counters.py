@@ -1,9 +1,7 @@
 """What an operation sequence would cost on a GPU, counted on real (CPU) tensors by the fake
-device's rules (:mod:`.fake_cuda_checker`), torch only: :class:`SyncCounter` (host waits:
-``host_wait_kind``, ``copy_rule``; ``.cpu()``/``.tolist()`` of a CPU tensor dispatch
-nothing and are not seen), :class:`BytesCounter` (``op_bytes``: every operand read and
-written once, not a cache simulation), :func:`cpu_peak_bytes`. The dispatch modes are
-thread-local: work on other threads is not counted."""
+device's rules (:mod:`.fake_cuda_checker`), torch only: :class:`SyncCounter` (host waits),
+:class:`BytesCounter` (every operand read and written once, not a cache simulation),
+:func:`cpu_peak_bytes`. Work on other threads is not counted."""
 
 from __future__ import annotations
 
@@ -35,7 +33,20 @@ def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
     return kind
 
 
-class SyncCounter(TorchDispatchMode):
+class _Counting(TorchDispatchMode):
+    """Runs every operation, then :meth:`count` s it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.count(func, args, kwargs, out)
+        return out
+
+    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        raise NotImplementedError
+
+
+class SyncCounter(_Counting):
     """``with SyncCounter() as c: ...`` then ``c.total`` / ``c.kinds`` (a Counter by kind)."""
 
     def __init__(self) -> None:
@@ -46,18 +57,15 @@ class SyncCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.kinds.values())
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         kind = sync_kind(func, args, kwargs, out)
         if kind is not None:
             self.kinds[kind] += 1
-        return out
 
 
-class BytesCounter(TorchDispatchMode):
-    """``with BytesCounter() as c: ...`` then ``c.total`` (bytes), ``c.by_op`` (a Counter of
-    bytes by operation name) and ``c.calls`` (operations counted: a launch each)."""
+class BytesCounter(_Counting):
+    """``with BytesCounter() as c: ...`` then ``c.total`` (bytes), ``c.by_op`` (bytes by
+    operation name) and ``c.calls`` (operations counted: a launch each)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,20 +76,16 @@ class BytesCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.by_op.values())
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         name = func._schema.name.split("::")[-1]
         if not func.is_view and name not in NO_DATA:
             self.by_op[name] += op_bytes(func, args, kwargs, out)
             self.calls += 1
-        return out
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Largest sum of live allocations made inside ``fn``, from the torch profiler's memory
-    events (CPU has no ``max_memory_allocated``); allocations made before the call are not
-    counted, those still alive after it are."""
+    events (CPU has no ``max_memory_allocated``)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

@@ -8,13 +8,10 @@ the steps (docs/fake-cuda.md: what is flagged, counted, and not seen)::
             d.train_step(...)
     fc.assert_clean()
 
-The device is ``torch.device("meta")`` (no data: 7B shapes cost nothing) and ``torch.cuda``
-is stubbed (:mod:`.fake_cuda_stubs`); a ``TorchDispatchMode`` applies the rule table of
-:mod:`.fake_cuda_checker` to every aten operation of the entering thread; ``order=True``
-adds the stream-order race checks (:mod:`.fake_cuda_order`). ``rehearsal=True`` lets a
-script that measures run (events 1 ms, memory readings 0, CPU generators, no
-``torch.compile``); ``device="cpu"`` computes instead (nothing checked; a graph replay runs
-the captured operations again).
+The device is ``torch.device("meta")`` (7B shapes cost nothing), ``torch.cuda`` is stubbed
+and a ``TorchDispatchMode`` applies the rule table of :mod:`.fake_cuda_checker`; ``order=True``
+adds race checks, ``rehearsal=True`` lets a script that measures run, ``device="cpu"``
+computes instead (nothing checked).
 """
 
 from __future__ import annotations
@@ -86,18 +83,14 @@ def _stats() -> dict[str, Any]:
 
 
 def active() -> FakeCuda | None:
-    """The ``FakeCuda`` whose patches are installed (None: none). The patches are
-    process-wide, so they are where it is found: their ``torch.cuda.is_available`` is its
-    bound method, put there by ``__enter__`` and taken away by ``__exit__``."""
+    """The active ``FakeCuda``, found through its bound ``torch.cuda.is_available`` patch."""
     owner = getattr(torch.cuda.is_available, "__self__", None)
     return owner if isinstance(owner, FakeCuda) else None
 
 
 def is_cuda(device: torch.device | str) -> bool:
-    """Whether code should take its CUDA branch on ``device``: a CUDA device, or the fake
-    device while a ``FakeCuda`` is active (whose type is ``"meta"``). Scripts that branch
-    with this instead of ``device.type == "cuda"`` run their CUDA-only lines under the fake
-    (``benchmarks/gpu_smoke.py --device fake``)."""
+    """Whether code should take its CUDA branch on ``device``: a CUDA device, or the active
+    fake device (type ``"meta"``)."""
     dev = torch.device(device)
     fc = active()
     return dev.type == "cuda" or (fc is not None and dev == fc.device)
@@ -115,8 +108,6 @@ class FakeCuda:
         kernels: Mapping[str, Callable[..., Any]] | None = None,
         device: torch.device | str = "meta",
     ):
-        # device="cpu": the operations compute, neither checked nor counted; a graph replay
-        # runs the captured operations again (CUDA-path host logic checked against values).
         self.device = torch.device(device)
         self.computes = self.device.type != "meta"
         self.total_memory = total_memory
@@ -146,7 +137,6 @@ class FakeCuda:
         self._stream_ids = itertools.count()
         self.default_stream = stubs.FakeStream(self)
         self._cublas_streams.add(self.default_stream.stream_id)
-        # order=True: stream-ordering checks (races), see fake_cuda_order.
         self.order: StreamOrder | None = None
         if order:
             self.order = StreamOrder(
@@ -194,11 +184,9 @@ class FakeCuda:
         self._patches.enter_context(mock.patch.multiple(owner, **attrs))
 
     def is_available(self) -> bool:
-        """``torch.cuda.is_available`` while active (see :func:`active`)."""
         return True
 
     def new_stream_id(self) -> int:
-        """A stream id unique on this fake device (the default stream's is 0)."""
         return next(self._stream_ids)
 
     # -- phases -------------------------------------------------------------------------
@@ -244,7 +232,7 @@ class FakeCuda:
     def mark_pinned(self, t: torch.Tensor) -> None:
         self._pinned[t] = True
         # A view made in inference mode has no ``_base``: found by its storage instead
-        # (held while this device is: its address is not reused meanwhile).
+        # (kept alive here, so its address is not reused).
         storage = t.untyped_storage()
         if storage.nbytes():  # an empty one has no address of its own
             self._pinned_at[storage.data_ptr()] = storage
@@ -262,9 +250,8 @@ class FakeCuda:
 
     # -- the sync debug mode and launches built ------------------------------------------
     def set_sync_debug_mode(self, mode: int | str) -> None:
-        """``torch.cuda.set_sync_debug_mode``: as on a GPU, under ``"error"`` a host wait or
-        pageable copy raises at its operation. Each window from switching it on to switching
-        it off is kept in ``sync_windows`` with the host waits and pageable copies seen."""
+        """As on a GPU, under ``"error"`` a host wait or pageable copy raises. Each window
+        from switching it on to off is kept in ``sync_windows`` with what was seen."""
         self.sync_debug_mode = mode
         on = mode in ("warn", "error", 1, 2)
         if on and self._window is None:
@@ -287,9 +274,8 @@ class FakeCuda:
         }
 
     def launch_built(self, kernel: str, config: dict[str, Any]) -> None:
-        """A kernel launch built and not run (meta tensors have no data), by a launcher
-        that checks its arguments on the fake device: counted, each distinct ``config``
-        kept in ``launch_configs`` (for a compile check without a GPU)."""
+        """A kernel launch built, not run (meta tensors have no data): counted, each
+        distinct ``config`` kept in ``launch_configs``."""
         self.launches_built[kernel] = self.launches_built.get(kernel, 0) + 1
         self.launch_configs.setdefault(repr(config), config)
 
@@ -320,8 +306,8 @@ class FakeCuda:
             )
 
     def _host_wait(self, what: str, joins_current: bool = True) -> None:
-        """Flag a host wait; ``joins_current``: the host waits for the current stream (the
-        caller tells the stream order otherwise)."""
+        """``joins_current``: the host waits for the current stream (else the caller tells
+        the stream order)."""
         self._flag("host_wait", what)
         if joins_current and self.order is not None:
             self.order.host_joins_stream(torch.cuda.current_stream())
@@ -394,7 +380,7 @@ class FakeCuda:
 
     # -- results ------------------------------------------------------------------------
     def findings(self, phase: str | None = "steps", kind: str | None = None) -> list[Finding]:
-        """Findings (deduplicated by kind, what and source line; ``count`` occurrences)."""
+        """Findings, deduplicated by kind, what and source line (``count``: occurrences)."""
         with self._lock:
             return [
                 f
@@ -414,9 +400,8 @@ class FakeCuda:
         ]
 
     def report(self) -> dict[str, Any]:
-        """Per phase: counts by kind, launches, bytes, allocated bytes, graph replays,
-        launches and bytes by operation (``by_op``, most bytes first; a replay adds its
-        captured operations) and the findings; ``steps`` also has ``per_step``. JSON-able."""
+        """Per phase: the counts, ``by_op`` (launches and bytes, most bytes first) and the
+        findings; ``steps`` also has ``per_step``. JSON-able."""
         with self._lock:
             out: dict[str, Any] = {}
             for p in PHASES:

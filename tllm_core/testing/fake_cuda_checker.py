@@ -1,9 +1,7 @@
 """The rule table of :class:`~tllm_core.testing.fake_cuda.FakeCuda` and of
-:mod:`tllm_core.testing.counters`: which operations make the host wait
-(:func:`host_wait_kind`, :func:`copy_rule`), what an operation reads and writes
-(:func:`op_bytes`), and the ``TorchDispatchMode`` that applies them to every aten operation
-touching the fake device (host waits, pageable copies, allocations, matrix products,
-launches and bytes)."""
+:mod:`tllm_core.testing.counters` (host waits: :func:`host_wait_kind`, :func:`copy_rule`;
+bytes: :func:`op_bytes`), and the ``TorchDispatchMode`` that applies it to every aten
+operation touching the fake device."""
 
 from __future__ import annotations
 
@@ -94,8 +92,7 @@ SPARSE = MappingProxyType(
 
 
 def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """A gather/scatter: the indices read, and as many elements of the source/target as the
-    operation gathers or writes (the other operands counted as usual)."""
+    """A gather/scatter: the indices, and the elements of the source/target it touches."""
     idx_i, big_i = SPARSE[_name(func)]
     schema = func._schema
     n = 0
@@ -120,11 +117,9 @@ def _sparse_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
-    """Bytes ``func`` reads and writes: every argument is read except ``out=`` ones; those
-    and the arguments marked as written are written; so are outputs that alias no input.
-    Views and :data:`NO_DATA` operations move nothing; gathers and scatters (:data:`SPARSE`)
-    the elements they index; an operator overload with a ``tllm_bytes(*args, **kwargs)``
-    attribute what it returns (a custom kernel that reads part of its arguments)."""
+    """Bytes ``func`` reads and writes: arguments read (but ``out=``), written ones and new
+    outputs written; views and :data:`NO_DATA` nothing; gathers and scatters the elements
+    they index; an overload with ``tllm_bytes(*args, **kwargs)`` what that returns."""
     if func.is_view or _name(func) in NO_DATA:
         return 0
     stated = getattr(func, "tllm_bytes", None)
@@ -176,9 +171,8 @@ class Checker(TorchDispatchMode):
                 fc._capture.ops.append((func, args, kwargs, out))  # replayed into ``out``
             return out
         if _composite(func):
-            # Under inference mode composite operations (``to``, ``item``, ``is_nonzero``,
-            # ...) reach the mode whole: taken apart, the mode sees the copies, reads and
-            # allocations they are made of, as outside it.
+            # Under inference mode composite operations (``to``, ``item``...) reach the mode
+            # whole: taken apart, the mode sees what they are made of.
             with self:  # the parts come back to this mode
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:

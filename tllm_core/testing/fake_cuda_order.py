@@ -1,8 +1,6 @@
-"""Stream-ordering checks of :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``order=True``):
-a vector clock per context (the host, each stream), moved as CUDA orders work; each access
-to device or pinned host storage is checked against the earlier overlapping ones: two from
-different contexts, one a write, neither ordered before the other, are a race. What is and
-is not modelled: docs/fake-cuda.md.
+"""Stream-ordering checks of :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``order=True``): a
+vector clock per context (the host, each stream); two overlapping accesses from different
+contexts, one a write, neither ordered before the other, are a race (docs/fake-cuda.md).
 """
 
 from __future__ import annotations
@@ -82,10 +80,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 class StreamOrder:
-    """The clocks and the accesses of one :class:`FakeCuda` (which calls these methods from
-    its stubs and its dispatch mode). ``report(what, site)`` is called once per race;
-    ``site()`` says where the code under test is (the first frame outside torch and the
-    fake)."""
+    """The clocks and the accesses of one :class:`FakeCuda`. ``report(what, site)`` is called
+    once per race; ``site()`` says where the code under test is."""
 
     def __init__(
         self,
@@ -173,10 +169,9 @@ class StreamOrder:
             self._history.pop(key, None)
 
     def operation(self, on_device: bool, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """An aten operation: its tensor arguments are read (and written where the schema
-        says so), its outputs that alias no argument are new storage, written. ``on_device``:
-        it runs on the current stream (else on the host). An allocation without data
-        (``empty``...) writes nothing: its storage is only new."""
+        """An aten operation: its tensor arguments are read (written where the schema says
+        so), its new outputs written (``empty`` & co. only new). ``on_device``: on the current
+        stream, else on the host."""
         if func.is_view:
             return
         no_data = func._schema.name.split("::")[-1] in NO_DATA

@@ -1,7 +1,6 @@
 """The stand-ins :class:`~tllm_core.testing.fake_cuda.FakeCuda` (``fc``) installs for
-``torch.cuda`` and for the ``Tensor`` methods a CPU-only build cannot run or runs
-differently on the fake device; each reports host waits, captures, replays and the current
-stream to ``fc``, and what orders work to its stream order (``fc.order``)."""
+``torch.cuda`` and the ``Tensor`` methods a CPU-only build cannot run on the fake device;
+each reports host waits, captures and stream ordering to ``fc``."""
 
 from __future__ import annotations
 
@@ -17,9 +16,30 @@ import torch
 REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
 
 
-class FakeStream:
-    """``torch.cuda.Stream``: ordering calls wait for nothing (the fake device runs
-    nothing), they only tell the stream order; ``synchronize`` is a host wait."""
+class _Waitable:
+    """``query`` (the fake's answer: done) and ``synchronize`` (a host wait); either way the
+    host is then after the work it covers."""
+
+    _fc: Any
+
+    def _host_joins(self) -> None:
+        raise NotImplementedError
+
+    def query(self) -> bool:
+        if self._fc.order is not None:
+            self._host_joins()
+        return True
+
+    def synchronize(self) -> None:
+        what = type(self).__name__.removeprefix("Fake")
+        self._fc._host_wait(f"{what}.synchronize()", joins_current=False)
+        if self._fc.order is not None:
+            self._host_joins()
+
+
+class FakeStream(_Waitable):
+    """``torch.cuda.Stream``: ordering calls only tell the stream order; ``synchronize`` is a
+    host wait."""
 
     def __init__(self, fc: Any, device: Any = None, priority: int = 0, **_: Any) -> None:
         self._fc = fc
@@ -40,22 +60,14 @@ class FakeStream:
         event.record(self)
         return event
 
-    def query(self) -> bool:
-        # Asks without waiting; the fake's answer is "done", so the host is after its work.
-        if self._fc.order is not None:
-            self._fc.order.host_joins_stream(self)
-        return True
-
-    def synchronize(self) -> None:
-        self._fc._host_wait("Stream.synchronize()", joins_current=False)
-        if self._fc.order is not None:
-            self._fc.order.host_joins_stream(self)
+    def _host_joins(self) -> None:
+        self._fc.order.host_joins_stream(self)
 
     def __repr__(self) -> str:
         return f"<FakeStream {self.stream_id}>"
 
 
-class FakeEvent:
+class FakeEvent(_Waitable):
     """``torch.cuda.Event``: ``record``/``wait``/``query`` never wait; ``synchronize`` does."""
 
     def __init__(self, fc: Any, enable_timing: bool = False, **_: Any) -> None:
@@ -69,16 +81,8 @@ class FakeEvent:
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or torch.cuda.current_stream()).wait_event(self)
 
-    def query(self) -> bool:
-        # The fake's answer is "completed": the host is then after the work it covers.
-        if self._fc.order is not None:
-            self._fc.order.host_joins_event(self)
-        return True
-
-    def synchronize(self) -> None:
-        self._fc._host_wait("Event.synchronize()", joins_current=False)
-        if self._fc.order is not None:
-            self._fc.order.host_joins_event(self)
+    def _host_joins(self) -> None:
+        self._fc.order.host_joins_event(self)
 
     def elapsed_time(self, end: FakeEvent) -> float:
         return REHEARSAL_EVENT_MS if self._fc.rehearsal else 0.0
@@ -252,9 +256,8 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
         return tolist(self)
 
     def set_item(self: torch.Tensor, index: Any, value: Any) -> None:
-        # On CUDA, setitem turns a Python number into a CPU tensor (on other devices: a
-        # tensor on the device): an advanced index then hands index_put_ a CPU value it
-        # copies from pageable memory. Do as CUDA does so the checker sees that argument.
+        # On CUDA, setitem turns a Python number into a CPU tensor, which an advanced index
+        # then copies from pageable memory: do as CUDA does so the checker sees it.
         if isinstance(value, _NUMBERS) and fc.is_fake(self) and not self.dtype.is_complex:
             value = make(value, dtype=self.dtype)
         setitem(self, index, value)
@@ -270,8 +273,8 @@ def tensor_stubs(fc: Any) -> dict[str, Any]:
 
 
 def factory_stubs(fc: Any) -> dict[str, Any]:
-    """``torch.tensor`` / ``as_tensor`` / ``asarray``: with the fake device as target they
-    copy host data to the device in C++, out of a dispatch mode's sight."""
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device (they copy in C++,
+    out of a dispatch mode's sight)."""
 
     def wrap(name: str) -> Any:
         orig = getattr(torch, name)
@@ -292,9 +295,8 @@ def factory_stubs(fc: Any) -> dict[str, Any]:
 
 
 def rehearsal_stubs(fc: Any) -> dict[str, Any]:
-    """``torch`` attributes a script that measures needs on the fake device: a
-    ``torch.Generator`` there is a CPU one (meta has none; meta factories accept a CPU one),
-    ``torch.compile`` returns the module uncompiled (inductor cannot compile for meta)."""
+    """For a script that measures: a CPU ``torch.Generator`` for the fake device (meta has
+    none), and ``torch.compile`` returning the module uncompiled."""
     real = torch.Generator
 
     class Generator(real):  # type: ignore[misc, valid-type]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tllm_core.api.consumer import ModelInfo
-from tllm_core.api.norms import rmsnorm_gain
+from tllm_core.api.norms import norm_eps, rmsnorm_gain
 
 # Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
 # and per step. Router taps need vLLM's MoE runner: not served here.
@@ -26,10 +26,9 @@ STEP_SITES = ("final", "logits", "sampled")
 def load_model(
     model: str | Path | None, dtype: torch.dtype | str = torch.float32, *, shared: bool = False
 ) -> tuple[Any, Any, str]:
-    """``(transformers model, tokenizer, folder)``; ``None``: the embedded SmolLM2-135M-Instruct
-    (converted once, as ``TllmLLM`` does). ``dtype``: a torch dtype or its name (``"auto"``: the
-    model's own). ``shared``: the process's one copy of this folder in this dtype, loaded by the
-    first caller (weights must then not be changed in place)."""
+    """``(transformers model, tokenizer, folder)``; ``None``: the embedded model. ``dtype``: a
+    torch dtype or its name. ``shared``: the process's one copy of this folder in this dtype
+    (weights must then not be changed in place)."""
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
@@ -51,9 +50,7 @@ def _load(path: str, dtype: str) -> tuple[Any, Any]:
     return hf, AutoTokenizer.from_pretrained(path)
 
 
-# A test process's kits share what they load: the load is the slow part of a kit test (about
-# 6 s for the embedded model), the weights are read-only, and each kit hooks the model only
-# while its own forwards run. Bounded: at most two models stay loaded.
+# A test process's kits share what they load (the slow part of a kit test); at most two.
 _load_shared = functools.lru_cache(maxsize=2)(_load)
 
 
@@ -85,9 +82,8 @@ def site_module(hf: Any, site: str, layer: int) -> nn.Module:
 
 
 def lm_head(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
-    """``(head, weight)``: the final hidden state (after the final norm) -> logits as the model
-    computes them (Granite's ``logits_scaling`` divides, Gemma 2's ``final_logit_softcapping``
-    caps), and the ``[vocab, hidden]`` weight when the head is that linear map alone."""
+    """``(head, weight)``: the final hidden state -> logits as the model computes them (scaling
+    and soft-capping included), and the ``[vocab, hidden]`` weight when it is a plain linear."""
     cfg = hf.config.get_text_config()
     linear = hf.get_output_embeddings()
     scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
@@ -106,9 +102,7 @@ def lm_head(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tens
 
 
 def final_norm(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor | None]:
-    """``(norm, gain)``: the model's final norm as a callable, and its gain ``g`` when it is a
-    plain RMSNorm ``h / sqrt(mean(h²) + eps) * g`` (Gemma's ``(1 + w)`` given as ``1 + w``),
-    else None."""
+    """``(norm, gain)``: the model's final norm, and its gain when it is a plain RMSNorm."""
     norm = final_norm_module(hf)
     w = getattr(norm, "weight", None)
     gain = None
@@ -116,10 +110,6 @@ def final_norm(hf: Any) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.T
         with torch.no_grad():
             gain = rmsnorm_gain(norm, w.shape[0], norm_eps(norm), w.dtype, w.device)
     return (lambda h: norm(h)), gain
-
-
-def norm_eps(norm: nn.Module) -> float:
-    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 def model_info(hf: Any) -> ModelInfo:

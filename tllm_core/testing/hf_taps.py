@@ -1,7 +1,5 @@
-"""Forward hooks on a transformers model that capture and edit tap sites the way the engine's
-taps do (``tllm_core/vllm_bridge/sites.py``): rows are the step's packed token rows, a request's
-forward covering rows ``[offset, offset + n)``; edits go through the same
-:func:`~tllm_core.api.edits.apply_edit` and in-graph transforms, changed rows are counted."""
+"""Forward hooks on a transformers model that capture and edit tap sites as the engine's taps
+do, over the step's packed rows (a request's forward covers ``[offset, offset + n)``)."""
 
 from __future__ import annotations
 
@@ -16,8 +14,8 @@ from tllm_core.testing.hf_model import final_norm_module, site_module
 
 
 class Window:
-    """Which packed rows the running forward covers (set by the kit per request; per thread,
-    as requests' forwards run side by side when a transform needs the whole step)."""
+    """Which packed rows the running forward covers (per thread: forwards may run side by
+    side)."""
 
     def __init__(self) -> None:
         self._here = threading.local()
@@ -38,9 +36,8 @@ class LockstepBroken(RuntimeError):
 
 
 class Lockstep:
-    """The step's requests' forwards, one thread each, meet at every tap with a transform: the
-    transforms then run once over all the step's rows, as the engine's do (a transform may pool
-    over rows). A forward that fails breaks the meeting for the others."""
+    """The step's forwards, one thread each, meet at every tap with a transform, which then
+    runs once over all the step's rows as the engine's does (a failure breaks the meeting)."""
 
     def __init__(self, parties: int, timeout: float) -> None:
         self.timeout = timeout

@@ -1,19 +1,11 @@
 """The consumer test kit: run consumers against a Hugging Face model run by transformers, with
 the engine's own runtime, in seconds and without vLLM.
 
-:class:`ConsumerKit` builds the consumers with tllm's :class:`~tllm_core.runtime.runtime.Runtime`
-(the same object the engine builds), schedules requests as vLLM does (prefill, then one decode
-row per step; prompts split into chunks when they exceed the token budget), runs each step's
-forward on transformers with tap hooks that capture and edit like the engine's taps, then calls
-the runtime's ``begin_step`` / ``guide`` / ``end_step`` / ``finish_requests`` in the engine's
-order. Bundles, ``RowInfo`` (phases, positions, mid-prefill rows, per-request settings),
-``GuideView`` (temperature-divided, filtered fp32 logits), edit plans, counters, errors and
-disabling are therefore the engine's.
-
-What differs from vLLM (docs/testing-consumers.md): the kit's random draws use its own
-generators (greedy rows are the argmax, as in vLLM); every sample computes its whole prompt (no
-prefix caching); no KV-cache preemption (``recomputed`` stays False); routers (``router.{i}``)
-are not served.
+:class:`ConsumerKit` builds the engine's :class:`~tllm_core.runtime.runtime.Runtime`,
+schedules requests as vLLM does (chunked prefill, then one decode row per step), runs each
+forward on transformers with taps that capture and edit like the engine's, and calls the
+runtime in the engine's order: bundles, rows, guide views, edit plans and counters are the
+engine's. What differs from vLLM: docs/testing-consumers.md.
 """
 
 from __future__ import annotations
@@ -65,21 +57,14 @@ class _Request:
 class ConsumerKit:
     """Consumers run on a transformers model by tllm's runtime, without vLLM.
 
-    ``model``: a local Hugging Face folder (None: the embedded SmolLM2-135M-Instruct).
-    ``consumers``: what ``TllmLLM`` takes (``NAME[:JSON]`` strings, spec dicts with
-    ``per_request``, ``ConsumerSpec``\\ s) and also a ``Consumer`` subclass, ``(class, config
-    dict)``, or a spec dict whose ``"name"`` is the class: a class given here is used even
-    when an installed entry point names another
-    version of it. ``max_num_batched_tokens``: the token budget per step (a longer prompt is
-    prefilled in chunks, as vLLM's chunked prefill does). ``max_consecutive_failures``: as for
-    ``TllmLLM``; ``raise_on_disabled``: :meth:`generate` raises ``ConsumerDisabledError`` when
-    a consumer was switched off, as ``TllmLLM.generate`` does. ``dtype``: as ``TllmLLM``'s and
-    ``tllm run``'s default (float32) unless given. ``share_model``: kits in one process share
-    the loaded model (the first kit of a folder loads it, later ones take a few seconds); False
-    loads a private copy (for a test that changes weights in place). ``lockstep_timeout``: how
-    long a step's forwards may wait for each other at a tap with a transform. ``settings``:
-    other runtime settings (:class:`~tllm_core.runtime.settings.RuntimeSettings` fields, e.g.
-    a short ``callback_deadline_s``).
+    ``model``: a local Hugging Face folder (None: the embedded model). ``consumers``: what
+    ``TllmLLM`` takes, and also a ``Consumer`` subclass, ``(class, config dict)`` or a spec
+    dict whose ``"name"`` is the class (used even where an entry point names another).
+    ``max_num_batched_tokens``: the token budget per step (chunked prefill).
+    ``max_consecutive_failures``, ``raise_on_disabled``, ``dtype``: as ``TllmLLM``'s.
+    ``share_model``: kits in one process share the loaded model (False: a private copy, for a
+    test that changes weights). ``lockstep_timeout``: how long a step's forwards may wait for
+    each other at a tap with a transform. ``settings``: other ``RuntimeSettings`` fields.
     """
 
     def __init__(
@@ -165,8 +150,7 @@ class ConsumerKit:
         return [s.consumer.name for s in self.runtime.slots]
 
     def collect(self) -> dict[str, Any]:
-        """The report ``TllmLLM.collect`` returns: ``runtime``, ``consumers``, ``results``,
-        ``errors``."""
+        """The report ``TllmLLM.collect`` returns."""
         return self.runtime.collect()
 
     def close(self) -> dict[str, Any]:
@@ -201,12 +185,9 @@ class ConsumerKit:
     ) -> list[list[list[int]]]:
         """Generate for ``prompts`` (texts or token-id lists) like ``TllmLLM.generate`` with one
         ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
-        prompt (request keys of the consumers, ``tllm_consumers``), checked as ``TllmLLM``
-        checks them. ``tokens``: a replay, the tokens to take per prompt and sample instead of
-        drawing (e.g. what an engine sampled: the consumers then see the engine's rows, and
-        guide as they did there); each sample then runs for ``len`` of its tokens. Returns the
-        generated token ids per prompt and sample."""
-        from tllm_core.app.engine import ConsumerDisabledError, first_errors_of_disabled
+        prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
+        drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
+        from tllm_core.app.engine import raise_newly_disabled
         from tllm_core.serving.keys import validate_extra_args
 
         items = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -242,14 +223,8 @@ class ConsumerKit:
         out: list[list[list[int]]] = [[] for _ in items]
         for r in reqs:
             out[r.info.prompt_index].append(r.output)
-        new = [
-            e
-            for e in first_errors_of_disabled(self.runtime.bus.errors)
-            if e["consumer"] not in self._raised
-        ]
-        if new and self.raise_on_disabled:
-            self._raised |= {e["consumer"] for e in new}
-            raise ConsumerDisabledError(new, outputs=out)
+        if self.raise_on_disabled:  # as TllmLLM.generate
+            raise_newly_disabled(self.runtime.bus.errors, self._raised, outputs=out)
         return out
 
     def _request(
@@ -284,9 +259,8 @@ class ConsumerKit:
         return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
 
     def _take_results(self, reqs: list[_Request]) -> None:
-        """Per-request results (``tllm_results``) into :attr:`results`, keyed by (prompt index,
-        sample), as ``TllmLLM`` sets ``completion.tllm``: ``{consumer: value}``, arrays as
-        NumPy arrays."""
+        """Per-request results into :attr:`results`, keyed by (prompt index, sample), as
+        ``TllmLLM`` sets ``completion.tllm``."""
         from tllm_core.api.results import asked_results, decode_results, with_missing
 
         asking = [r for r in reqs if asked_results(r.info.extra_args)]
@@ -378,9 +352,9 @@ class ConsumerKit:
     def _forward(
         self, sched: list[tuple[_Request, int]], fed: list[list[int]]
     ) -> list[torch.Tensor]:
-        """Each scheduled request's forward with its own KV cache (its rows: a window of the
-        step's packed rows); the logits of its last row. Where a transform edits a tap, the
-        forwards run side by side and meet there, so that the transform sees the whole step."""
+        """Each scheduled request's forward with its own KV cache; the logits of its last row.
+        Where a transform edits a tap the forwards run side by side and meet there, so that
+        the transform sees the whole step."""
         spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
         transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
         if len(sched) < 2 or not transforms:

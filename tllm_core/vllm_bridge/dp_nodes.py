@@ -1,28 +1,12 @@
-"""Data-parallel engines on several nodes (``--data-parallel-size-local`` below
-``--data-parallel-size``, the other nodes ``tllm serve --headless``): the same tllm settings
-on every node, and followers that stop when their leader is gone.
+"""Data-parallel engines on several nodes (the others ``tllm serve --headless``): the same tllm
+settings on every node, and followers that stop when their leader is gone.
 
-vLLM runs the data-parallel ranks of a dense model as independent engines: no process group
-spans the nodes (tensor parallel has one: ``nodes.check_same_settings``), and a follower's
-engine waits for the leader's next request without limit (seen: still running minutes after
-its leader was killed). The one channel between the nodes is the leader's engine client,
-which reaches every engine core. So the leader's API server, as it starts and before it
-serves (:func:`check_followers`, from ``serving.init_state``), sends every engine its tllm
-settings and the address of its engine input socket (every follower engine connects to it,
-so it is reachable from there): RPC ``tllm_join_leader`` -> :func:`join_leader`, where
-
-* an engine whose own settings differ answers with a refusal naming both sides, which the
-  leader raises (it does not start); on a headless node the engine also tells the node's
-  command (``node_note``), which stops and exits 1 with the same line;
-* on a headless node the engine's leading rank then probes that address every
-  ``TLLM_NODE_CHECK_S`` (``nodes.NodeWatch.watch_leader``); once the leader is gone it tells
-  the node's command, which stops and exits 1.
-
-The address is that of a TCP store the leader's API server holds for its life
-(:func:`stop_beacon`, on the host of its engine input socket): at its first stop signal the
-leader sets ``nodes.STOP_KEY`` there (``NodeWatch.stop``, as a tensor-parallel leader does in
-its engine's store), and a follower whose leader then goes away stops on request and exits 0
-(``node_note.STOP_REQUESTED``) instead of reporting a lost leader.
+No process group spans data-parallel nodes; the one channel is the leader's engine client.
+Before it serves, the leader's API server sends every engine its settings and an address to
+watch (:func:`check_followers` -> RPC ``tllm_join_leader`` -> :func:`join_leader`): an engine
+whose settings differ refuses (the leader does not start; a headless node stops, exit 1),
+and a headless node's engine watches the leader, stopping its node when the leader is gone
+(exit 1) or stopped on request (:func:`stop_beacon`'s store, exit 0).
 """
 
 from __future__ import annotations
@@ -45,8 +29,7 @@ WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
 def remote_engines(parallel: Any) -> bool:
-    """Whether some data-parallel engines of this server run on other nodes (the API
-    server's ``parallel_config``: ``data_parallel_size_local`` < ``data_parallel_size``)."""
+    """Whether some data-parallel engines of this server run on other nodes."""
     dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
     local = getattr(parallel, "data_parallel_size_local", None)
     return local is not None and 0 <= int(local) < dp
@@ -80,11 +63,9 @@ STOP_STORE = "stop-store"
 
 
 def stop_beacon(endpoint: tuple[str, int] | None, watch: nodes.NodeWatch) -> tuple | None:
-    """On the leader's API server: a TCP store (torch's, as a tensor-parallel engine has) that
-    lives as long as this process, kept in ``watch``, which announces its stop there
-    (``followers_store``). Returns the address followers watch: ``endpoint``'s host (where
-    they reach this process), the store's port and :data:`STOP_STORE`; ``endpoint`` itself
-    where no store starts."""
+    """On the leader's API server: a TCP store kept in ``watch``, which announces its stop
+    there. Returns the address followers watch (``endpoint``'s host, the store's port,
+    :data:`STOP_STORE`), or ``endpoint`` where no store starts."""
     if endpoint is None:
         return None
     try:
@@ -107,9 +88,8 @@ async def check_followers(
     watch: nodes.NodeWatch | None = None,
 ) -> None:
     """On the leader's API server with engines on other nodes: every engine takes the
-    leader's ``settings`` (:func:`join_leader`), or the server refuses to start, naming the
-    leader's settings and the other node's. ``rpc``: ``serving.rpc_all``; ``watch``: the
-    server's node watch, which tells the followers of a requested stop (:func:`stop_beacon`)."""
+    leader's ``settings``, or the server refuses to start naming both sides. ``rpc``:
+    ``serving.rpc_all``."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
     endpoint = leader_endpoint(engine_client)
@@ -142,12 +122,10 @@ def join_leader(
     watcher: nodes.NodeWatch,
 ) -> dict[str, Any]:
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
-    this engine's ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``:
-    whether this worker (``watch``: the engine's leading rank) now watches the leader at
-    ``endpoint`` (``(host, port)``, or ``(host, port, STOP_STORE)``: a stop store, where a
-    requested stop of the leader stops this node without an error; only on a headless node; a wildcard host is replaced by
-    ``fallback_host``, the ``--data-parallel-address`` this engine connected to). ``watcher``:
-    the worker's :class:`~nodes.NodeWatch`, which runs at most one leader watch."""
+    ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``: whether this
+    worker (``watch``: the leading rank, on a headless node) now watches the leader at
+    ``endpoint`` (``(host, port[, STOP_STORE])``; a wildcard host becomes ``fallback_host``).
+    ``watcher`` runs at most one leader watch."""
     import os
 
     kill = kill or os.kill

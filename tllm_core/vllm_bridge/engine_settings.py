@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-SETTINGS_KEY = (
-    "tllm"  # == tllm_core.runtime.settings.ADDITIONAL_CONFIG_KEY (not imported: keep this cheap)
-)
+# == runtime.settings.ADDITIONAL_CONFIG_KEY (not imported: this module stays cheap)
+SETTINGS_KEY = "tllm"
 
 
 def tllm_settings(additional_config: Any) -> dict | None:

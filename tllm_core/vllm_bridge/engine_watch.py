@@ -1,16 +1,10 @@
 """Notice a dead engine process within a second, name it, and end every wait on it.
 
-vLLM 0.32's offline client (``SyncMPClient``) notices that its engine core died (its monitor
-thread logs "engine core exited unexpectedly" and closes its sockets), but the ``LLM`` call
-waiting in ``get_output`` (``outputs_queue.get()``, no timeout) or in a utility call
-(``Future.result()``, no timeout) is never woken: it waits forever. :class:`EngineWatch`
-polls the engine's processes (the engine cores vLLM started and every process below them, its
-workers) and, at the first one that dies, records which (:class:`Death`), marks the client
-dead (``resources.engine_dead``, so that later calls raise at once), fails the pending
-utility calls and keeps an error in the output queue. ``TllmLLM`` then raises
-:class:`EngineDiedError`; :meth:`EngineWatch.clean_up` ends the engine's other processes and
-removes the Intel OpenMP files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``) that processes
-ended by a signal leave. See CONTRACT.md ("Engine lifecycle").
+vLLM's offline client never wakes an ``LLM`` call waiting on an engine core that died (no
+timeouts). :class:`EngineWatch` polls the engine's processes and, at the first death, records
+it (:class:`Death`), marks the client dead, fails the pending utility calls and puts an error
+in the output queue; :meth:`EngineWatch.clean_up` ends the other processes and removes what
+they leave. See CONTRACT.md ("Engine lifecycle").
 """
 
 from __future__ import annotations
@@ -48,10 +42,8 @@ class Death:
 
 
 class EngineDiedError(RuntimeError):
-    """A process of the engine died while tllm used it (``death``: which, and how). Raised by
-    ``TllmLLM.generate`` / ``chat`` / ``collect`` / ``close``; the command reports it as one
-    line with exit status 3. ``outputs``: what finished before, where the caller kept it
-    (the command's ``(prompts, texts, report)``, printed before the error line)."""
+    """A process of the engine died while tllm used it (``death``: which, and how).
+    ``outputs``: what finished before, where the caller kept it."""
 
     def __init__(self, death: Death, outputs: Any = None) -> None:
         super().__init__(f"{death}; the engine is stopped")
@@ -86,10 +78,8 @@ def _alive(pid: int) -> bool:
 
 
 def exit_code(pid: int) -> int | None:
-    """How process ``pid``, dead but not yet reaped by its parent (a zombie), ended, as
-    ``multiprocessing``'s exit code (negative: the signal); None while it runs or once it
-    was reaped. A worker is vLLM's engine core's child, not ours: only its zombie still
-    tells (``/proc/PID/stat`` field 52, the status ``waitpid`` would return)."""
+    """How zombie process ``pid`` ended, as ``multiprocessing``'s exit code (``/proc/PID/stat``
+    field 52; a worker is not our child, so only its zombie tells); None otherwise."""
     fields = _stat(pid)
     if len(fields) < 50 or fields[0] != b"Z":
         return None
@@ -121,9 +111,8 @@ def _children(pid: int) -> list[int]:
 
 
 def remove_openmp_files(pids: Iterable[int]) -> list[str]:
-    """Remove the Intel OpenMP registration files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``)
-    of the ``pids`` that are no longer alive: libiomp5 removes its file only at a normal exit,
-    so a process ended by a signal leaves it. Returns the paths removed."""
+    """Remove the Intel OpenMP files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``) of the dead
+    ``pids`` (libiomp5 removes its own only at a normal exit); the paths removed."""
     removed = []
     for pid in sorted(set(pids)):
         if _alive(pid):
@@ -148,10 +137,8 @@ def mapped_shm(pid: int | str) -> set[str]:
 
 
 def release_shm(names: Iterable[str]) -> list[str]:
-    """Unlink the shared-memory segments ``names`` that a dead engine process created and no
-    process of ours maps, and tell ``multiprocessing``'s resource tracker (shared with the
-    engine processes, which registered them): it would otherwise unlink them itself at exit
-    with a "leaked shared_memory objects" warning. Returns the names released."""
+    """Unlink the shared-memory segments ``names`` no process of ours maps, and unregister them
+    from ``multiprocessing``'s resource tracker (else it warns of leaks at exit)."""
     from multiprocessing import resource_tracker
 
     ours = mapped_shm("self")
@@ -217,8 +204,7 @@ class EngineWatch:
             raise EngineDiedError(self.death)
 
     def wait_for_death(self, timeout: float) -> Death | None:
-        """The death, waiting up to ``timeout`` s for it to be noticed (vLLM may report the
-        engine dead, "EngineDeadError", before this watch has looked)."""
+        """The death, waiting up to ``timeout`` s for it to be noticed (vLLM may see it first)."""
         deadline = time.monotonic() + timeout
         while self.death is None and self._thread is not None and time.monotonic() < deadline:
             if not self._thread.is_alive():
@@ -239,8 +225,7 @@ class EngineWatch:
             self._close_pidfds()
 
     def _wait(self) -> bool:
-        """Wait ``poll_s``, or less when a worker exits (its exit status is then read);
-        True once the watch is stopped."""
+        """Wait ``poll_s``, or less when a worker exits (its status read); True once stopped."""
         if not self._pidfds:
             return self._stopping.wait(self.poll_s)
         poller = select.poll()
@@ -270,8 +255,7 @@ class EngineWatch:
 
     def _look(self) -> Death | None:
         """One look at the processes; the death that is the cause: one killed by a signal
-        (an engine core before its workers, which end with it), else a worker (its engine
-        core exits because a worker did)."""
+        (an engine core first), else a worker (its engine core exits because it did)."""
         deaths = []
         for pid in sorted(self._workers):
             if not _alive(pid):
@@ -298,10 +282,8 @@ class EngineWatch:
 
     @staticmethod
     def _spawn_helpers(pids: set[int]) -> set[int]:
-        """Processes that are no worker: ``multiprocessing``'s resource tracker (it exits when
-        the processes using it are gone), and any process vLLM did not start as one of its
-        own (``VLLM::`` title, or ``multiprocessing``'s spawn): short-lived helpers (a
-        compiler, a subprocess) end normally."""
+        """Processes that are no worker: the resource tracker, and any process vLLM did not
+        start as its own (``VLLM::`` title or spawn), e.g. a compiler."""
         helpers = set()
         for pid in pids:
             try:
@@ -315,8 +297,7 @@ class EngineWatch:
         return helpers
 
     def _wake_waiters(self) -> None:
-        """End every wait on the dead engine: the client is marked dead (new calls raise),
-        pending utility calls fail, and its output queue holds an error."""
+        """End every wait on the dead engine."""
         assert self.death is not None
         error = EngineDiedError(self.death)
         resources = getattr(self.core, "resources", None)
@@ -330,8 +311,8 @@ class EngineWatch:
             outputs.put_nowait(error)
 
     def clean_up(self, grace: float = LEFTOVER_GRACE_S) -> list[int]:
-        """After a death: give the engine's other processes ``grace`` s to exit, SIGKILL those
-        still running, remove the OpenMP files of all of them. Returns the pids killed."""
+        """After a death: give the other processes ``grace`` s to exit, SIGKILL the rest,
+        remove what they leave; the pids killed."""
         self.stop()
         deadline = time.monotonic() + grace
         while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:

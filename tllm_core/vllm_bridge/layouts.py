@@ -1,9 +1,5 @@
-"""vLLM's decoder families as tllm architecture specs (``tllm_core/api/architectures.py``): the
-built-in tap sites and the families whose layers differ. The bridge's plugin module returns
-them from the ``tllm_architectures`` hook, beside any third-party plugin's.
-
-A new built-in site is one :class:`SiteSpec` in :data:`SITES` (a producer then asks for it
-by name); a family whose layers hold a site differently is one :class:`ArchitectureSpec`.
+"""vLLM's decoder families as tllm architecture specs: the built-in tap sites (:data:`SITES`)
+and the families whose layers differ, returned by the bridge's ``tllm_architectures`` hook.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """An offline ``vllm.LLM``'s engine: stop it cleanly, abort its requests, keep finished outputs.
 
-vLLM 0.32's ``LLM`` has no ``shutdown``/``close``: its engine processes are stopped by a
-finalizer at interpreter exit, which gives them 5 s after SIGTERM and then kills them
-("force killing remaining process EngineCore"). :func:`shutdown_engine` stops them while the
-program still runs, with a longer grace period, and wakes the engine core up while it waits
-(see :func:`wakeups_while_stopping`). See CONTRACT.md ("Engine lifecycle").
+vLLM's ``LLM`` has no ``close``: a finalizer at exit kills engines slower than 5 s.
+:func:`shutdown_engine` stops them while the program runs, with a longer grace period. See
+CONTRACT.md ("Engine lifecycle").
 """
 
 from __future__ import annotations
@@ -26,9 +24,7 @@ WAKE_REQUEST_ID = "tllm-shutdown-wakeup"
 
 
 def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-    """Stop the engine processes of ``llm`` (``llm_engine.engine_core.shutdown``); idempotent.
-
-    In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) are shut down in place."""
+    """Stop the engine processes of ``llm`` (in-process engines in place); idempotent."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:
         return
@@ -41,17 +37,10 @@ def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
 
 @contextlib.contextmanager
 def wakeups_while_stopping(core: Any) -> Iterator[None]:
-    """While inside, waiting for an engine-core process to exit also wakes it up, every
-    :data:`WAKE_INTERVAL_S`, with a message (the abort of :data:`WAKE_REQUEST_ID`).
-
-    vLLM stops an engine core with SIGTERM. Its Python handler (which ends the busy loop) runs
-    in the process's main thread only when that thread next runs Python code. If the signal
-    arrives just as the thread goes to sleep waiting for input, which happens right after the
-    last request it answered, it sleeps on with the handler pending, until vLLM kills the
-    process ("force killing remaining process EngineCore"). Any message wakes it up and lets
-    the handler run. The messages are sent from vLLM's own wait (``Process.join``, an
-    **instance attribute** here), so they go out before vLLM closes its sockets.
-    """
+    """While inside, waiting for an engine-core process to exit also wakes it up every
+    :data:`WAKE_INTERVAL_S` (an abort of :data:`WAKE_REQUEST_ID`): a SIGTERM arriving as its
+    main thread goes to sleep waiting for input stays pending until a message comes. Sent from
+    vLLM's own ``Process.join`` (an instance attribute here), before it closes its sockets."""
     procs = engine_processes(core)
 
     def wake() -> None:
@@ -88,8 +77,8 @@ def unfinished_ids(llm: Any) -> list[str]:
 
 
 def abort_unfinished(llm: Any, ids: list[str] | None = None) -> int:
-    """Abort every request the front end still tracks (after an interrupted ``generate``),
-    or the external requests ``ids``; returns how many external requests were aborted."""
+    """Abort every request the front end still tracks, or the external requests ``ids``;
+    how many were aborted."""
     engine = llm.llm_engine
     ids = unfinished_ids(llm) if ids is None else ids
     if ids:
@@ -104,8 +93,8 @@ def next_request_index(llm: Any) -> int:
 
 @contextlib.contextmanager
 def finished_outputs(llm: Any) -> Iterator[list[Any]]:
-    """Collect the finished ``RequestOutput``s of the ``generate``/``chat`` calls made inside,
-    as ``LLMEngine.step`` returns them, so that an interrupted call still has what finished."""
+    """Collect the finished ``RequestOutput``s of the calls made inside, as
+    ``LLMEngine.step`` returns them: an interrupted call still has what finished."""
     engine = llm.llm_engine
     step = engine.step
     done: list[Any] = []

@@ -1,13 +1,9 @@
 """Why a headless node stops on its own, told by its engine processes to the node's command.
 
-On a headless data-parallel node it is an engine process that learns that the node must stop
-(the leader runs other tllm settings, the leader is gone: ``dp_nodes.py``), but the
-``tllm serve --headless`` process that runs the engines must stop them and exit with that
-reason and status 1. While the node runs, that process names a file in :data:`ENV`
-(``"{pid}:{path}"``), which its engine processes inherit. The first engine process to
-:func:`tell` writes the reason there and sends that pid SIGTERM (vLLM's headless stop); the
-command then reports the reason as its error (``nodes.NodeWatch.lost``), unless it is
-:data:`STOP_REQUESTED` (the leader stopped on request: so does the node, exit 0).
+An engine process learns that the node must stop (``dp_nodes.py``); the ``tllm serve
+--headless`` process must stop the engines and exit with that reason. It names a file in
+:data:`ENV` (``"{pid}:{path}"``); the first engine process to :func:`tell` writes the reason
+there and sends that pid SIGTERM. :data:`STOP_REQUESTED` is a requested stop (exit 0).
 """
 
 from __future__ import annotations
@@ -17,6 +13,8 @@ import os
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
+
+from tllm_core.runtime.environ import env_set
 
 ENV = "TLLM_NODE_NOTE"
 # What an engine tells when its leader was asked to stop and has: a requested stop of this
@@ -51,17 +49,12 @@ def shared() -> Iterator[NodeNote]:
     removed."""
     fd, path = tempfile.mkstemp(prefix="tllm-node-", suffix=".txt")
     os.close(fd)
-    old = os.environ.get(ENV)
-    os.environ[ENV] = f"{os.getpid()}:{path}"
     note = NodeNote(path)
     try:
-        yield note
+        with env_set(ENV, f"{os.getpid()}:{path}"):
+            yield note
     finally:
         note.close()
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
         with contextlib.suppress(OSError):
             os.unlink(path)
 

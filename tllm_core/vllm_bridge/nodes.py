@@ -1,13 +1,6 @@
-"""Engines across several nodes (vLLM's ``--nnodes``): every node runs the same tllm settings.
-
-In a tensor-parallel engine spread over nodes, each node's workers read the tllm settings of
-their own process (the leader's ``tllm serve``, a follower's ``tllm serve --headless``). The
-ranks must install the same taps and agree on who leads (``parallel.py``); settings that
-differ would make them diverge silently or hang in a collective. :func:`check_same_settings`
-runs on every worker of a multi-node engine right after vLLM's distributed groups exist,
-before the weights load: one ``all_gather_object`` over the world group of what each node
-was given, and an :class:`UnsupportedEngineError` naming the leader's and this node's
-settings when they differ (every rank sees the same gathered list, so every node refuses).
+"""Engines across several nodes (vLLM's ``--nnodes``): the same tllm settings on every node
+(:func:`check_same_settings`, one gather before the weights load: settings that differ would
+diverge silently or hang in a collective), and watches for a node that is gone.
 """
 
 from __future__ import annotations
@@ -18,10 +11,7 @@ from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
-# Per-process fields: where this process writes its start error, the API server's limits
-# (only the leader's API server reads them), and how long a node's engine goes on after a
-# hung callback (its front end's kind: 0 offline, 60 s under `tllm serve`; each node stops
-# its own engine, so a TllmLLM leader may run with `tllm serve --headless` followers).
+# Per-process fields: notes, the API server's limits, and each node's own hung-stop delay.
 LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s")
 
 
@@ -44,8 +34,7 @@ def differences(leader: dict[str, Any] | None, mine: dict[str, Any] | None) -> l
 def mismatch_message(
     leader: tuple[int, dict | None], mine: tuple[int, dict | None], rank: int
 ) -> str:
-    """The refusal naming both sides: ``(node_rank, settings)`` of the leader and of this
-    node (``rank``: this worker's global rank)."""
+    """The refusal naming both ``(node_rank, settings)`` (``rank``: this worker's)."""
     (lnode, lset), (node, mset) = leader, mine
     return differ_message(f"node_rank {lnode}", lset, f"node_rank {node} (rank {rank})", mset)
 
@@ -61,8 +50,8 @@ def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None
 
 
 def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> None:
-    """On a worker of an engine with ``nnodes > 1``: refuse when any rank's tllm settings
-    differ from global rank 0's (the leader node). A one-node engine: nothing to do."""
+    """On a worker of a multi-node engine: refuse when any rank's tllm settings differ from
+    global rank 0's."""
     parallel = vllm_config.parallel_config
     if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
         return
@@ -80,13 +69,9 @@ def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> No
 
 
 # -- a node that is gone ------------------------------------------------------------------------
-# A tensor-parallel engine notices a dead peer only in its next collective (gloo: "Connection
-# closed by peer"), i.e. at the next request; an idle leader would serve on, unaware. With
-# data-parallel engines on other nodes, a dead remote engine makes every request hang
-# (measured: 4 of 4 requests to the leader timed out after 40 s). The leader's API server
-# therefore asks every engine and rank every NODE_CHECK_INTERVAL_S
-# (:meth:`NodeWatch.watch_nodes`, RPC ``tllm_node_check`` -> :func:`node_check`, a barrier
-# over the engine's ranks); a failure or no answer within NODE_CHECK_TIMEOUT_S is a lost node.
+# An engine notices a dead peer only at its next collective, and a dead remote data-parallel
+# engine makes every request hang; so the leader's API server runs a barrier over every
+# engine and rank (:func:`node_check`) every NODE_CHECK_INTERVAL_S.
 NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
@@ -119,9 +104,8 @@ def check_interval() -> float:
 
 
 def node_count(parallel: Any) -> int:
-    """Nodes an engine spans, as its API server sees it: ``nnodes`` (TP across nodes), or
-    more than one when some data-parallel engines run elsewhere
-    (``data_parallel_size_local`` < ``data_parallel_size``)."""
+    """Nodes an engine spans, as its API server sees it (TP ``nnodes``, or data-parallel
+    engines elsewhere)."""
     nnodes = int(getattr(parallel, "nnodes", 1) or 1)
     dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
     dp_local = getattr(parallel, "data_parallel_size_local", None)
@@ -131,14 +115,10 @@ def node_count(parallel: Any) -> int:
 
 
 # -- a follower whose leader is gone ------------------------------------------------------------
-# A headless follower of a TP engine waits for the leader's next message without limit (seen:
-# still running minutes after its leader closed). The leader's rank 0 hosts torch.distributed's
-# TCP store at --master-addr:--master-port for the engine's life, so the follower probes that
-# port: once it answered, refused LEADER_MISSES times in a row means the leader is gone.
+# A headless follower waits for its leader without limit, so it probes the leader's TCP store
+# (--master-addr:--master-port): once it answered, refused LEADER_MISSES times in a row means
+# the leader is gone. A requested stop: the leader sets STOP_KEY there (exit 0 on followers).
 LEADER_MISSES = 3
-# A requested stop of the leader reaches its followers through that same TCP store: the
-# leader's command sets STOP_KEY at its first stop signal, a follower's leader watch checks it
-# every STOP_POLL_S and then stops as asked (exit 0) instead of waiting to find the leader gone.
 STOP_KEY = "tllm/leader-stopping"
 STOP_POLL_S = 0.5
 STORE_TIMEOUT_S = 5.0
@@ -162,18 +142,15 @@ def _store(host: str, port: int) -> Any:
 def leader_store(
     nnodes: Any, node_rank: Any, master_addr: Any = None, master_port: Any = None
 ) -> tuple[str, int] | None:
-    """Where the engine store of a multi-node leader listens (vLLM's ``master_addr`` and
-    ``master_port``, defaults 127.0.0.1 and 29501): the leader's followers read its stop
-    there (:func:`announce_stop`). None unless this is node rank 0 of a multi-node engine."""
+    """Where a multi-node leader's engine store listens (``master_addr:master_port``); None
+    unless this is node rank 0 of a multi-node engine."""
     if int(nnodes or 1) <= 1 or int(node_rank or 0) != 0:
         return None
     return str(master_addr or "127.0.0.1"), int(master_port or 29501)
 
 
 def announce_stop(host: str, port: int) -> bool:
-    """On the leader: tell the followers this is a requested stop (:data:`STOP_KEY` in the
-    engine's store); False when the store cannot be reached (the followers then find the
-    leader gone)."""
+    """On the leader: set :data:`STOP_KEY` in the engine's store; False when unreachable."""
     try:
         _store(host, port).set(STOP_KEY, "requested")
     except Exception:  # noqa: BLE001 - no store (engine not up yet, or gone): nothing to tell
@@ -201,15 +178,9 @@ def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
 
 
 class NodeWatch:
-    """What this process's node watches found, and whether they still report: the first lost
-    node (:meth:`lost`), and whether the process stops on request (:meth:`stop`; a peer that
-    stops answering then is part of the requested stop, seen: the DP leader's node check
-    timing out while its engine client shut down, not a lost node).
-
-    Made by whoever runs the watches: ``tllm serve``'s stop owner (``app/stop.py``), which
-    stops it at the first stop signal and hands it to the server it runs
-    (``server_entry.CheckedServer``); an engine's worker for its leader watch
-    (``worker_ext``)."""
+    """What this process's node watches found: the first lost node (:meth:`lost`), and
+    whether the process stops on request (:meth:`stop`: a peer that stops answering then is
+    part of the stop, not a lost node)."""
 
     def __init__(self) -> None:
         self._lost: list[str] = []
@@ -223,8 +194,7 @@ class NodeWatch:
 
     def stop(self) -> None:
         """This process stops on request: the watches report nothing from now on, and a
-        leader's followers are told (:func:`announce_stop`, from a thread: this runs in a
-        signal handler)."""
+        leader's followers are told (from a thread: this runs in a signal handler)."""
         first = not self._stopping.is_set()
         self._stopping.set()
         if first and self.followers_store is not None:
@@ -245,8 +215,7 @@ class NodeWatch:
 
     def lost(self) -> str | None:
         """Why this node stops on its own (None: it does not): a node of its engine is gone,
-        or, on a headless data-parallel node, what its engines told (the note: the leader is
-        gone, or runs other tllm settings)."""
+        or what its engines told (a headless data-parallel node)."""
         if self._lost:
             return self._lost[0]
         from tllm_core.vllm_bridge.node_note import STOP_REQUESTED
@@ -262,9 +231,8 @@ class NodeWatch:
         return True
 
     async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
-        """Every ``interval`` s, ``await ask()`` (the node check on every rank); the first
-        failure or an answer slower than :data:`NODE_CHECK_TIMEOUT_S` calls
-        ``on_lost(reason)`` once."""
+        """Every ``interval`` s, ``await ask()``; the first failure or an answer slower than
+        :data:`NODE_CHECK_TIMEOUT_S` calls ``on_lost(reason)`` once."""
         import asyncio
 
         while True:
@@ -290,13 +258,10 @@ class NodeWatch:
         on_lost: Any,
         on_stop: Any = None,
     ) -> threading.Thread:
-        """Start a daemon thread probing the leader every ``interval`` s; once the leader has
-        answered, :data:`LEADER_MISSES` failed probes in a row record the loss and call
-        ``on_lost(reason)`` once. With ``on_stop``, the leader's store is also read every
-        :data:`STOP_POLL_S`: once the leader announced a requested stop
-        (:func:`announce_stop`), its store going away (the leader's engine has stopped; its
-        ranks needed this node's until then) stops this process on request (:meth:`stop`)
-        and calls ``on_stop()`` once. Returns the thread (also :attr:`leader_watch`)."""
+        """Start a daemon thread probing the leader every ``interval`` s; once it answered,
+        :data:`LEADER_MISSES` failed probes in a row call ``on_lost(reason)`` once. With
+        ``on_stop``, the leader's store is also read every :data:`STOP_POLL_S`: once the
+        leader announced a stop, its store going away calls :meth:`stop` and ``on_stop()``."""
         import time
 
         def read_store(store: Any, seconds: float) -> str:

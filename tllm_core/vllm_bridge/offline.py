@@ -1,9 +1,6 @@
-"""Offline ``vllm.LLM`` calls that vLLM's public API does not offer (see CONTRACT.md).
-
-``LLM.chat`` takes no ``cache_salt``, while a completion prompt may carry one
-(``{"prompt": ..., "cache_salt": ...}``). :func:`chat_with_salts` gives each conversation of
-one ``LLM.chat`` call its own salt, so that steered and unsteered chats never share
-prefix-cache blocks, exactly as :func:`tllm_core.app.engine.TllmLLM.generate` does for prompts.
+"""Offline ``vllm.LLM`` calls that vLLM's public API does not offer (see CONTRACT.md):
+``LLM.chat`` takes no ``cache_salt``, so :func:`chat_with_salts` salts each conversation as
+``TllmLLM.generate`` salts prompts.
 """
 
 from __future__ import annotations
@@ -13,12 +10,8 @@ from typing import Any
 
 
 def chat_with_salts(llm: Any, salts: Sequence[str | None], messages: Any, params: Any, **kwargs):
-    """``llm.chat(messages, params, **kwargs)`` with ``salts[i]`` on conversation ``i``.
-
-    vLLM renders each conversation with ``LLM._preprocess_chat_one`` (in order, one call per
-    conversation) into the engine input it then adds; the salt is set on that engine input
-    (a salt already there is kept). The wrapper is an instance attribute for this call only.
-    """
+    """``llm.chat(messages, params, **kwargs)`` with ``salts[i]`` set on the engine input
+    ``LLM._preprocess_chat_one`` renders for conversation ``i`` (one already there is kept)."""
     if not any(s is not None for s in salts):
         return llm.chat(messages, params, **kwargs)
     render = llm._preprocess_chat_one

@@ -1,21 +1,11 @@
 """vLLM's parallel engines: which rank does what for tllm (see docs/scaling.md).
 
-Tensor parallel (TP): every rank of a TP group holds the whole residual stream after each
-decoder layer (row-parallel outputs are all-reduced), and every rank samples and feeds its
-own sampled tokens into its next step; the engine returns the output of one rank, TP rank 0
-(of the last pipeline stage). tllm makes that rank the **leader**:
-
-- consumers are built on every rank (so every rank installs the same taps), but only the
-  leader keeps them: it computes edit plans, delivers bundles, guides the sampler, finishes
-  requests and reports counters; the other ranks (**followers**) close theirs at once;
-- before each forward the leader's edit buffers are broadcast to the followers
-  (:func:`sync_edits`), so every rank applies the identical edit to its copy of the stream;
-- when a consumer guides, the leader's sampled tokens are broadcast after sampling
-  (:func:`sync_sampled`), so followers continue from the tokens the engine returns.
-
-Pipeline parallel is refused (:func:`check_layout`): plain vLLM fails at PP = 2 on the CPU
-build. Data parallel engines are independent engines: each has its own leader
-(:func:`data_parallel_layout` tells an engine its DP rank and the number of engines).
+Under tensor parallel every rank holds the whole residual stream and samples; the engine
+returns TP rank 0's output, which tllm makes the **leader**: consumers are built on every
+rank (the same taps) but only the leader keeps them; its edit buffers are broadcast before
+each forward (:func:`sync_edits`) and, when a consumer guides, its sampled tokens after
+sampling (:func:`sync_sampled`). Pipeline parallel is refused; data-parallel engines are
+independent, each with its own leader.
 """
 
 from __future__ import annotations
@@ -70,14 +60,9 @@ def check_layout(parallel_config: Any) -> None:
 
 
 def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
-    """``(rank, size)`` of this engine among the data-parallel engines.
-
-    vLLM runs the DP ranks of a dense model as independent engines: each engine core calls
-    ``ParallelConfig.reconfigure_for_independent_dp_rank()``, which sets
-    ``data_parallel_size`` to 1 and ``data_parallel_rank`` to 0. The rank survives in
-    ``data_parallel_index``; the number of engines in ``elastic_ep_max_dp_size``, which
-    vLLM sets to the initial ``data_parallel_size`` when elastic EP is off and does not reset.
-    """
+    """``(rank, size)`` of this engine among the data-parallel engines. vLLM resets an
+    independent DP engine's ``data_parallel_size``/``rank`` to 1/0; the rank survives in
+    ``data_parallel_index``, the size in ``elastic_ep_max_dp_size`` (elastic EP off)."""
     size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
     rank = getattr(parallel_config, "data_parallel_index", None)
     if rank is None:
@@ -96,15 +81,7 @@ def parallel_info(parallel_config: Any) -> ParallelInfo:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    dp_rank, dp_size = data_parallel_layout(parallel_config)
-    return ParallelInfo(
-        tp_rank=tp_rank,
-        tp_size=tp,
-        pp_rank=pp_rank,
-        pp_size=pp,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-    )
+    return ParallelInfo(tp_rank, tp, pp_rank, pp, *data_parallel_layout(parallel_config))
 
 
 def _tp_group():
@@ -114,10 +91,8 @@ def _tp_group():
 
 
 def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
-    """Broadcast the leader's edit buffers (the rows it wrote this step) to the TP group.
-
-    Called on every rank of the group, in the same step, with buffers in the same order.
-    """
+    """Broadcast the leader's edit buffers (the rows it wrote this step) to the TP group;
+    called on every rank, in the same step, with buffers in the same order."""
     group = _tp_group()
     for b in buffers:
         n = torch.tensor([b.rows_used], dtype=torch.int64, device=device)
@@ -135,21 +110,16 @@ def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
 
 def sync_sampled(token_ids: torch.Tensor) -> None:
     """Broadcast the leader's sampled token ids (in place) to the TP group."""
-    if token_ids.is_contiguous():
-        _tp_group().broadcast(token_ids, src=0)
-        return
     buf = token_ids.contiguous()
     _tp_group().broadcast(buf, src=0)
-    token_ids.copy_(buf)
+    if buf is not token_ids:
+        token_ids.copy_(buf)
 
 
 # -- CPU thread binding ------------------------------------------------------------------------
 def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks its own cores.
-
-    The allowed cores are split into ``world_size`` contiguous groups (the first groups get
-    one more core when they do not divide evenly): ``"0|1"``, ``"0,1|2,3"``.
-    """
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks its own contiguous
+    group of the allowed cores (the first groups one more when uneven): ``"0,1|2,3"``."""
     ids = sorted(set(cpus))
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -169,12 +139,8 @@ def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
 
 
 def bind_cpu_threads(world_size: int) -> str | None:
-    """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for a multi-rank engine
-    unless the user set it; returns the value set (None when nothing was set).
-
-    ``world_size`` counts every rank on this machine: tensor parallel size times data
-    parallel size (vLLM gives DP engine ``d`` the groups ``d * tp`` to ``(d + 1) * tp - 1``).
-    """
+    """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` ranks on
+    this machine (TP size times DP size) unless the user set it; the value set, or None."""
     if world_size <= 1 or os.environ.get(BIND_ENV):
         return None
     from vllm.platforms import current_platform

@@ -1,30 +1,13 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: tllm``).
 
-vLLM calls :func:`register` in every process it starts. It must never harm a plain vLLM
-engine, so it imports no model runner and changes no behaviour; it installs two switches
-that only read the configuration:
+:func:`register` runs in every process vLLM starts and never harms a plain engine (it never
+raises, imports no runner): it installs two switches that only read the configuration,
+``WorkerWrapperBase.init_device`` (with ``additional_config["tllm"]``,
+:mod:`.worker_setup` takes over) and ``load_endpoint_plugins`` (:class:`EndpointGate`, active
+with the server's ``--additional-config`` tllm key). In the ``tllm`` command's processes
+(``TLLM_CLI_PID``) it also leaves Ctrl-C to the command and quiets known warnings.
 
-- ``WorkerWrapperBase.init_device`` (class-level wrap): vLLM calls it in the process that
-  runs the model, with the engine's config, after the worker is built and before the
-  weights load. Without ``additional_config["tllm"]`` the wrapper calls the original and
-  returns. With it, :mod:`tllm_core.vllm_bridge.worker_setup` takes over (version check,
-  runner check, hooks after ``load_model``).
-- ``vllm.plugins.load_endpoint_plugins`` (API server): appends :class:`EndpointGate`, which
-  does nothing unless the server's ``--additional-config`` carries the ``tllm`` key; then it
-  wires up :mod:`tllm_core.vllm_bridge.serving` (request checks, cache salt, ``/tllm/*``).
-
-In the processes of the ``tllm`` command only (it sets ``TLLM_CLI_PID`` to its own pid;
-plain vLLM never sees that variable), ``register`` also applies the command's process
-settings (:func:`command_process`): Ctrl-C is left to the command, which stops the engine
-cleanly, and with ``TLLM_QUIET=1`` known-harmless warnings are filtered
-(:mod:`tllm_core.vllm_bridge.quiet`).
-
-The module is also a ``tllm`` entry point of tllm's own distribution (``vllm-bridge``): its
-``tllm_architectures`` hook describes vLLM's decoder families (``layouts.py``).
-
-``register`` itself never raises: vLLM does not guard general plugins, and an exception
-here would break plain vLLM. A vLLM whose layout lacks these two points is logged; a tllm
-engine on it then fails loudly (``TllmLLM`` and the server check that tllm is installed).
+Also a ``tllm`` plugin: its ``tllm_architectures`` hook describes vLLM's decoder families.
 """
 
 from __future__ import annotations
@@ -64,8 +47,7 @@ def register() -> None:
 
 
 def _start_errors() -> None:
-    """An engine process a ``TllmLLM`` is starting: its first vLLM error goes to the front end
-    (``tllm_core/runtime/start_error.py``)."""
+    """An engine process a ``TllmLLM`` is starting: its first vLLM error goes to the front end."""
     from tllm_core.runtime.start_error import watch_engine_start
 
     watch_engine_start()
@@ -81,8 +63,7 @@ def command_process() -> None:
     install_if_quiet()
     if cli_pid != str(os.getpid()) and threading.current_thread() is threading.main_thread():
         # An engine process: a terminal's Ctrl-C reaches the whole process group; the
-        # command catches it, aborts the requests, flushes consumers and stops the engine
-        # (vLLM would otherwise stop the engine under the command's feet).
+        # command handles it (vLLM would stop the engine under the command's feet).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -129,8 +110,8 @@ def _wrap_init_device() -> None:
 
 
 def _same_on_every_node(config: Any, settings: dict | None) -> None:
-    """Multi-node engines only (``nnodes > 1``, plain ones included: every rank must join the
-    one gather): refuse settings that differ between the nodes (``nodes.py``)."""
+    """Multi-node engines (plain ones too: every rank joins the gather): refuse settings that
+    differ between the nodes."""
     parallel = getattr(config, "parallel_config", None)
     if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
         return
@@ -195,11 +176,8 @@ class EndpointGate:
 
 
 def _patch_endpoint_plugins() -> None:
-    """Append :class:`EndpointGate` to what ``vllm.plugins.load_endpoint_plugins`` returns.
-
-    vLLM loads ``vllm.endpoint_plugins`` entry points only when named in ``VLLM_PLUGINS``;
-    the gate is added here instead, so that ``--additional-config`` alone is the switch.
-    """
+    """Append :class:`EndpointGate` to what ``load_endpoint_plugins`` returns, so that
+    ``--additional-config`` alone is the switch (not ``VLLM_PLUGINS``)."""
     import vllm.plugins as vp
 
     orig = getattr(vp, "load_endpoint_plugins", None)

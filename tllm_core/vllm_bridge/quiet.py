@@ -1,20 +1,10 @@
 """A quiet ``tllm`` command: vLLM's and torch's known-harmless messages hidden, in every process.
 
-Used by the ``tllm`` command only (a ``TllmLLM`` in your own program logs as vLLM does).
-Unless ``-v/--verbose`` is given, :func:`quiet_env` sets, for the command's process and the
-engine processes vLLM starts from it (they inherit the environment):
-
-- ``VLLM_LOGGING_CONFIG_PATH``: vLLM's logging at level WARNING on stderr through
-  :class:`HarmlessFilter`, which drops the warnings listed in :data:`HARMLESS` (vLLM applies
-  this config in each process when it configures logging);
-- ``PYTHONWARNINGS``: the Python warnings listed in :data:`PY_WARNINGS` ignored;
-- ``TORCH_CPP_LOG_LEVEL=ERROR``: torch's C++ warnings (the NUMA binding notice) hidden;
-- ``TLLM_QUIET=1``: :func:`install` runs in the command's processes — in the front end, and
-  in engine processes when they import the command's main module (vLLM starts them with
-  ``spawn``) and again in the tllm vLLM plugin — so messages logged before vLLM configures its
-  logging are filtered too.
-
-Every warning not listed still shows, as do all errors. ``-v`` shows everything.
+The ``tllm`` command only, unless ``-v``: :func:`quiet_env` sets, for its process and the
+engine processes it starts, vLLM's logging config (WARNING through :class:`HarmlessFilter`),
+``PYTHONWARNINGS`` (:data:`PY_WARNINGS`), ``TORCH_CPP_LOG_LEVEL=ERROR`` and ``TLLM_QUIET=1``
+(:func:`install` in each process, before vLLM configures its logging). Every warning not
+listed still shows, as do all errors.
 """
 
 from __future__ import annotations
@@ -35,16 +25,14 @@ HARMLESS: tuple[str, ...] = (
     # No Triton for CPU in the wheel: vLLM uses its own CPU kernels.
     r"Triton is installed, but doesn't include CPU backend",
     r"Triton is not installed\. triton-cpu is expected",
-    # vLLM's own runner choice on the CPU build (V2 needs Triton): tllm follows it and names
-    # the runner it hooked ("engine ready ... on vLLM's V1 runner ...").
+    # vLLM's own runner choice on the CPU build: tllm names the runner it hooked.
     r"Model Runner V2 requires Triton; using the V1 model runner instead",
     # --enforce-eager does what it says.
     r"Enforce eager set, disabling torch\.compile",
     r"Inductor compilation was disabled by user settings",
     # Mamba-only setting, reset for every model on CPU.
     r"Reset SSM cache type to float32",
-    # Allocator/OpenMP advice: tllm preloads these itself (docs/history.md), or the user
-    # turned that off with TLLM_NO_PRELOAD=1.
+    # Allocator/OpenMP advice: tllm preloads these itself (unless TLLM_NO_PRELOAD=1).
     r"(libtcmalloc|libiomp) is not found in LD_PRELOAD",
     # The default 2 GiB KV cache is tllm's choice (--kv-cache-gib).
     r"VLLM_CPU_KVCACHE_SPACE",
@@ -52,8 +40,7 @@ HARMLESS: tuple[str, ...] = (
     r"Default sampling parameters have been overridden",
 )
 
-# Errors vLLM logs after its engine has stopped, as a consequence (any level). When an engine
-# dies for a real reason, the engine's own error is logged as well, and that one shows.
+# Errors vLLM logs after its engine has stopped, as a consequence (the cause still shows).
 CONSEQUENCES: tuple[str, ...] = (
     # The server's output task sees the engine gone when the server stops it.
     r"AsyncLLM output_handler failed",

@@ -1,9 +1,6 @@
 """What the server tells about single requests: the ``X-Tllm-Failed`` response header and
-the ``cut_short`` mark of requests vLLM aborts (API-server side; wired by ``serving.py``).
-
-The workers are reached through an injected ``ask(method, ids)`` coroutine (``serving``'s
-``rpc_all`` on the engine client), so this module holds no engine state.
-"""
+the ``cut_short`` mark of requests vLLM aborts (the workers reached through an injected
+``ask(method, ids)``)."""
 
 from __future__ import annotations
 
@@ -29,27 +26,29 @@ SSE = b"text/event-stream"
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 
 
+def is_stream(start: dict) -> bool:
+    """Whether a response start is an event stream's."""
+    return any(k.lower() == b"content-type" and SSE in v for k, v in start.get("headers", ()))
+
+
+def before_end(body: bytes, line: bytes) -> bytes:
+    """A stream's last body with ``line`` just before its ``data: [DONE]``."""
+    at = body.index(STREAM_END)
+    return body[:at] + line + body[at:]
+
+
 def note_request(request: Any) -> None:
-    """Called once per request vLLM admits (after its ``assign_request_id``): remember its
-    caller id, as the workers name the request, for the HTTP request being served."""
+    """Called once per request vLLM admits: remember its caller id for the HTTP request."""
     ids = REQUEST_IDS.get()
     if ids is not None:
         ids.append(getattr(request, "external_req_id", None) or request.request_id)
 
 
 class FailureMarks:
-    """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on (a
-    callback raised while acting on them, ``Bus.failed_requests``) is marked with the
-    consumers' names: a non-streamed one by the header ``X-Tllm-Failed: name[,name]``, a
-    stream (whose headers left before its first token) by the SSE comment line
-    ``: tllm-failed name[,name]`` just before its closing ``data: [DONE]``.
-
-    A response is marked from a read of the workers' failure records (the last 1024 requests
-    with a failure) that started after its answer was complete (the response start, or a
-    stream's last event); responses completing together share one read (``Throttle``), so the
-    workers are asked at most once at a time however many responses go out. A background
-    consumer that fails after that is not reported in it: the mark says what is known when
-    the answer is sent.
+    """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on is
+    marked with the consumers' names: the header ``X-Tllm-Failed: name[,name]``, or for a
+    stream the comment line ``: tllm-failed name[,name]`` before its ``data: [DONE]``. The
+    mark is what the workers knew when the answer was complete (one shared read at a time).
     """
 
     def __init__(self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None]):
@@ -89,16 +88,14 @@ class FailureMarks:
         async def marked(msg: dict) -> None:
             nonlocal stream
             if msg["type"] == "http.response.start":
-                headers = msg.get("headers", ())
-                stream = any(k.lower() == b"content-type" and SSE in v for k, v in headers)
+                stream = is_stream(msg)
                 if not stream and ids and (names := await self.failed(list(ids))):
                     header = (FAILED_HEADER, ",".join(names).encode())
-                    msg = {**msg, "headers": [*headers, header]}
+                    msg = {**msg, "headers": [*msg.get("headers", ()), header]}
             elif stream and ids and STREAM_END in (body := msg.get("body", b"")):
                 if names := await self.failed(list(ids)):
-                    at = body.index(STREAM_END)
                     line = b": tllm-failed " + ",".join(names).encode() + b"\n\n"
-                    msg = {**msg, "body": body[:at] + line + body[at:]}
+                    msg = {**msg, "body": before_end(body, line)}
             await send(msg)
 
         try:
@@ -108,14 +105,9 @@ class FailureMarks:
 
 
 def install_abort_marks(engine_core: Any, ask: Ask) -> None:
-    """Requests vLLM aborts (a client that disconnects, a failed request) reach the consumers
-    as ``cut_short``, so records say they did not finish.
-
-    ``AsyncLLM.abort`` hands the engine-core ids (the children of an ``n`` > 1 request
-    included) to ``engine_core.abort_requests_async``; this instance-level wrapper first marks
-    them on the workers and waits for that, so the mark reaches the engine core before the
-    abort does (it handles its input in order).
-    """
+    """Requests vLLM aborts (a client that disconnects) reach the consumers as ``cut_short``:
+    ``engine_core.abort_requests_async`` first marks them on the workers and waits for that,
+    so the mark reaches the engine core before the abort (it handles its input in order)."""
     abort_orig = engine_core.abort_requests_async
 
     async def abort_requests_async(request_ids: list[str]) -> None:

@@ -1,16 +1,7 @@
-"""Per-request results in the OpenAI server's responses (API-server side; wired by
-``serving.py``; the results themselves: ``tllm_core/api/results.py``).
-
-A response whose requests asked (``vllm_xargs: {"tllm_results": "export"}``) gets a top-level
-``"tllm"`` list, one entry per choice: ``{"index": i, "<consumer>": result, ...}``. A
-non-streamed response carries it in its JSON body; a stream in one more event just before
-``data: [DONE]`` (``choices: []``, like the usage event). The OpenAI Python client keeps
-unknown fields: ``completion.tllm`` (or ``completion.model_extra["tllm"]``).
-
-The results are taken from the workers (``tllm_take_results``) once the answer is complete;
-a background consumer may still be making them, so the read is repeated (backing off) until
-every asked result is there or ``results_wait_s`` passed (then an error names each missing
-one). Requests too large are refused before generation (:func:`check_bounds`, HTTP 400).
+"""Per-request results in the OpenAI server's responses: a top-level ``"tllm"`` list, one
+``{"index": i, "<consumer>": result}`` per choice, in the JSON body or (a stream) in one more
+event before ``data: [DONE]``. Read from the workers once the answer is complete, again
+(backing off) until every asked result is there or ``results_wait_s`` passed.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from typing import Any
 
 from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
 from tllm_core.serving.keys import EngineConsumers, result_bounds
-from tllm_core.vllm_bridge.request_marks import SSE, STREAM_END, Ask
+from tllm_core.vllm_bridge.request_marks import STREAM_END, Ask, before_end, is_stream
 from tllm_core.vllm_bridge.server_stop import ServerStopping
 
 log = logging.getLogger("vllm.tllm")
@@ -62,8 +53,7 @@ def check_bounds(
 
 
 def note_asked(request: Any, extra: dict[str, Any] | None) -> None:
-    """Called once per request vLLM admits: remember what it asked for, under the caller id
-    the workers file its results by."""
+    """Called once per request vLLM admits: remember what it asked for, by caller id."""
     asked = ASKED.get()
     names = asked_results(extra) if extra else []
     if asked is None or not names:
@@ -73,8 +63,7 @@ def note_asked(request: Any, extra: dict[str, Any] | None) -> None:
 
 
 def choice_index(rid: str, ids: list[str], n: int, sample: int) -> int:
-    """The choice a sample of a request fills: prompt ``i`` of a completion request (id
-    suffix ``-i``) holds choices ``i*n .. i*n+n-1``."""
+    """The choice a sample fills: prompt ``i`` (id suffix ``-i``) holds ``i*n .. i*n+n-1``."""
     m = _PROMPT_SUFFIX.search(rid)
     prompt = int(m.group(1)) if (m and len(ids) > 1) else 0
     return prompt * n + sample
@@ -113,7 +102,7 @@ async def gather_results(
 
 class ResultReturn:
     """Pure ASGI middleware: adds the ``tllm`` results to responses on ``paths`` whose
-    requests asked for them (see the module's docstring)."""
+    requests asked for them."""
 
     def __init__(
         self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None], wait_s: float
@@ -148,8 +137,7 @@ class ResultReturn:
 
         async def with_results(msg: dict) -> None:
             if msg["type"] == "http.response.start":
-                headers = msg.get("headers", ())
-                if any(k.lower() == b"content-type" and SSE in v for k, v in headers):
+                if is_stream(msg):
                     # A stream starts before its requests are admitted: its end decides.
                     held["stream"] = True
                 elif asked and msg.get("status", 200) == 200:
@@ -206,8 +194,7 @@ class ResultReturn:
         event = {k: v for k, v in (first[0] if first else {}).items() if k in _EVENT_FIELDS}
         event.update({"choices": [], "tllm": await self.results(asked)})
         line = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
-        at = body.index(STREAM_END)
-        return {**msg, "body": body[:at] + line + body[at:]}
+        return {**msg, "body": before_end(body, line)}
 
 
 _EVENT_FIELDS = ("id", "object", "created", "model")

@@ -1,9 +1,5 @@
-"""What every runner adapter reads the same way: the model, its config, its decoder layers.
-
-vLLM's V1 and V2 runners both keep ``model`` (after ``load_model``), ``model_config``,
-``vllm_config``, ``device`` and ``max_num_tokens``; the per-step reads and the wrappers
-differ and live in each runner's own adapter module.
-"""
+"""What every runner adapter reads the same way: the model, its config, its decoder layers
+(the per-step reads and wrappers live in each runner's own adapter module)."""
 
 from __future__ import annotations
 
@@ -15,20 +11,27 @@ from torch import nn
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
-from tllm_core.api.norms import rmsnorm_gain
+from tllm_core.api.norms import norm_eps, rmsnorm_gain
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.sites import find_layers
 from tllm_core.vllm_bridge.step_events import StepEvents
 
-# Tensor parallel with guidance: makes every rank continue from the same sampled tokens; runs
-# after every sampling, on every rank.
+# Tensor parallel with guidance: every rank continues from the same sampled tokens.
 SyncSampled = Callable[[torch.Tensor], None] | None
 
-# Read once the weights are loaded (``runner.model`` exists only then), on every runner.
-# (The decoder layers are found where the architecture specs say, or by shape: sites.py.)
+# Read once the weights are loaded (``runner.model`` exists only then).
 LOADED_MODEL_ATTRS = ("model.compute_logits",)
-# Read when present (ModelInfo.final_norm; None without it): the final norm, ``model.model.norm``.
+# What every adapter reads or wraps on its runner (this base and the step wrappers).
+COMMON_ATTRS = (
+    "execute_model",
+    "execute_model_state",
+    "max_num_tokens",
+    "device",
+    "model_config",
+    "vllm_config.additional_config",
+    "vllm_config.parallel_config",
+)
 
 
 class RunnerAdapterBase:
@@ -38,7 +41,7 @@ class RunnerAdapterBase:
     generation: ClassVar[str] = "?"
     #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
     #: weights load (``runners.check_runner``)
-    required_attrs: ClassVar[tuple[str, ...]] = ()
+    required_attrs: ClassVar[tuple[str, ...]] = COMMON_ATTRS
 
     def __init__(self, runner: Any):
         self.runner = runner
@@ -131,7 +134,7 @@ def _final_norm(
     norm = getattr(getattr(model, "model", None), "norm", None)
     if not isinstance(norm, nn.Module):
         return None, None, 0.0
-    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    eps = norm_eps(norm)
 
     def final_norm(h: torch.Tensor) -> torch.Tensor:
         out = norm(h.contiguous())

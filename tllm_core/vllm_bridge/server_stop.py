@@ -1,9 +1,6 @@
-"""Requests of tllm's routes that wait for the engine, cut short when the server stops.
-
-vLLM's server stops its engine first, then its HTTP server (``launcher.serve_http``); an
-engine call made in between is never answered, and uvicorn waits for every request to end
-before it exits.
-"""
+"""Requests of tllm's routes that wait for the engine, cut short when the server stops: vLLM
+stops its engine before its HTTP server, so an engine call made meanwhile is never answered
+while uvicorn waits for every request to end."""
 
 from __future__ import annotations
 
@@ -19,11 +16,8 @@ class ServerStopping(RuntimeError):
 
 
 async def until_server_stops(app: Any, awaitable: Any) -> Any:
-    """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``,
-    the uvicorn server vLLM's ``serve_http`` keeps there, gets ``should_exit``): then the
-    wait is cancelled and :class:`ServerStopping` raised. vLLM stops its engine before its
-    HTTP server; an engine call made meanwhile is never answered, and uvicorn waits for the
-    request to end."""
+    """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``
+    gets ``should_exit``): then the wait is cancelled and :class:`ServerStopping` raised."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:

@@ -1,36 +1,12 @@
-"""tllm in vLLM's OpenAI-compatible server (``vllm serve``), API-server side.
+"""tllm in vLLM's OpenAI-compatible server, API-server side (active with
+``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`); docs/serving.md.
 
-Loaded only when the server was started with ``--additional-config '{"tllm": {...}}'``
-(see :class:`tllm_core.vllm_bridge.plugin.EndpointGate`). It then:
-
-- checks the consumer names and configs at start-up, then the ``tllm_*`` ``vllm_xargs``
-  (generic keys and the keys the configured consumers declare) of OpenAI requests before
-  vLLM handles them (an ASGI middleware on the JSON body of ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/responses``; it parses only bodies containing ``tllm_``): a bad value gets HTTP 400
-  before any response starts, streaming included;
-- checks them again on every request vLLM admits, whatever the route (an instance-level
-  wrapper of the input processor's logits-processor parameter validator, the hook vLLM calls
-  for custom logits processors): a bad value raises ``VLLMValidationError`` (HTTP 400, or an
-  error event on a stream that already started);
-- salts the prefix cache of requests carrying ``tllm_*`` settings (wrapper of
-  ``assign_request_id``, called once per request before the ``n`` fan-out), so steered and
-  unsteered requests never share cached KV blocks (an HMAC under a per-server secret: no
-  client can forge it), and scopes each request's group to its client;
-- serves ``GET /tllm/counters`` (the runtime's report, read from every worker of every
-  data-parallel engine through ``collective_rpc("tllm_collect")`` and merged by
-  :func:`tllm_core.runtime.reports.merge_reports`: sums plus per-rank figures; one read at a time) and
-  ``GET /tllm/status``, behind the server's API key, with filesystem paths hidden unless the
-  operator shows them;
-- answers HTTP 413 to request bodies past ``max_body_bytes`` (:class:`ServerSettings`);
-- fails ``GET /health`` (HTTP 503) while a consumer callback is past its deadline (the engine's
-  watchdog wrote it into ``fault_file``: :class:`HungHealth`), so that a load balancer drains
-  the server before the engine stops itself; ``/tllm/status`` then names it;
-- returns per-request results with the completion (``tllm_results``: a top-level ``tllm``
-  list, :mod:`tllm_core.vllm_bridge.request_results`), refusing before generation a request
-  whose result a consumer bounds past ``max_result_bytes``;
-- marks a non-streamed response whose request a consumer failed on with the header
-  ``X-Tllm-Failed: <consumers>``, and requests vLLM aborts as ``cut_short``
-  (:mod:`tllm_core.vllm_bridge.request_marks`).
+It checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (HTTP 400;
+413 past ``max_body_bytes``) and again on every request vLLM admits; salts the prefix cache of
+requests with tllm settings (an HMAC under a per-server secret) and scopes their groups to
+their client; serves ``/tllm/counters``, ``/tllm/status`` and control requests behind the API
+key; fails ``/health`` while a consumer callback is hung; returns per-request results with
+the completion; marks requests a consumer failed on (``X-Tllm-Failed``).
 """
 
 from __future__ import annotations
@@ -47,17 +23,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.api.consumer import ControlError
+from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
 from tllm_core.runtime.watchdog import Hung, read_note
-from tllm_core.serving.guard import CLIENT, BearerGuard, ClientScope, hide_paths, scoped_group
-from tllm_core.serving.keys import (
-    GROUP,
-    RESULTS,
-    EngineConsumers,
-    request_salt,
-    validate_extra_args,
+from tllm_core.serving.guard import (
+    CLIENT,
+    BearerGuard,
+    ClientScope,
+    hide_paths,
+    scoped_group,
+    send_json,
 )
+from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
@@ -124,20 +102,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     ).encode()
 
 
-async def send_json_error(send: Any, status: int, payload: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(payload)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
-
-
 def _too_large(limit: int) -> bytes:
     return _error_response(
         413,
@@ -159,11 +123,7 @@ def _declared_length(scope: dict) -> int | None:
 
 class XargsCheck:
     """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
-    tllm vllm_xargs, both before the handler runs.
-
-    Chunks are kept in a list and joined once: appending each chunk to one bytes object
-    copies the body so far every time, quadratic in the number of chunks, on the event loop.
-    """
+    tllm vllm_xargs, both before the handler runs (chunks joined once, not quadratically)."""
 
     def __init__(self, app: Any, server: EngineConsumers, max_body_bytes: int = 32 * MIB):
         self.app = app
@@ -171,9 +131,8 @@ class XargsCheck:
         self.max_body_bytes = max_body_bytes
 
     async def refuse(self, receive, send, more: bool) -> None:
-        """413. First the rest of a body up to ``DRAIN_FACTOR`` times the limit is read and
-        dropped: a client still sending when the server answers and closes sees a connection
-        reset, not the 413 (vLLM's server cannot be read from once it has answered)."""
+        """413, after reading and dropping the rest of a body up to ``DRAIN_FACTOR`` times the
+        limit (a client still sending would see a connection reset, not the 413)."""
         budget = DRAIN_FACTOR * self.max_body_bytes
         while more and budget > 0:
             msg = await receive()
@@ -181,7 +140,7 @@ class XargsCheck:
                 break
             budget -= len(msg.get("body", b""))
             more = msg.get("more_body", False)
-        await send_json_error(send, 413, _too_large(self.max_body_bytes))
+        await send_json(send, 413, _too_large(self.max_body_bytes))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -213,11 +172,11 @@ class XargsCheck:
             xargs, error = parse_xargs(b"".join(chunks))
         if xargs is not None and error is None:
             error = check_xargs(xargs, self.server)
-        if error is None and xargs and RESULTS in xargs and scope["path"].endswith(NO_RESULTS):
+        if error is None and xargs and RESULTS_KEY in xargs and scope["path"].endswith(NO_RESULTS):
             error = (
                 400,
                 (
-                    f"tllm: {RESULTS} is returned on {' and '.join(RESULTS_PATHS)} only; "
+                    f"tllm: {RESULTS_KEY} is returned on {' and '.join(RESULTS_PATHS)} only; "
                     f"{scope['path']} has no place for it"
                 ),
             )
@@ -225,7 +184,7 @@ class XargsCheck:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
             payload = _error_response(status, message, kind, "vllm_xargs")
-            return await send_json_error(send, status, payload)
+            return await send_json(send, status, payload)
 
         async def replay():
             return messages.popleft() if messages else await receive()
@@ -239,12 +198,8 @@ class XargsCheck:
 
 
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
-    """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened.
-
-    With ``--data-parallel-size`` > 1 the engine client's ``collective_rpc`` answers with the
-    first engine's workers only; the client's ``engine_core.call_utility_all_async`` reaches
-    every engine core.
-    """
+    """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened
+    (the client's own reaches the first data-parallel engine only)."""
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
@@ -267,8 +222,7 @@ def hung_entry(hung: Hung) -> dict[str, Any]:
 
 class HungHealth:
     """ASGI middleware: ``GET /health`` answers 503 naming the consumer while the engine's
-    watchdog reports a callback past its deadline (``fault_file``, read per health check:
-    a small file; the engine itself is stuck and answers no RPC)."""
+    watchdog reports a hung callback in ``fault_file`` (the engine answers no RPC then)."""
 
     def __init__(self, app: Any, fault_file: str | None):
         self.app = app
@@ -280,18 +234,17 @@ class HungHealth:
             if hung is not None:
                 # No path: /health answers without the API key.
                 body = json.dumps({"error": f"tllm: {hung.message()}"}).encode()
-                await send_json_error(send, 503, body)
+                await send_json(send, 503, body)
                 return
         await self.app(scope, receive, send)
 
 
-def _stopping_response() -> JSONResponse:
-    return JSONResponse({"error": "the server is stopping"}, 503)
+def _error(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": message}, status)
 
 
 def api_tokens(args: Any) -> list[str]:
-    """The API keys vLLM's server guards ``/v1`` with: ``--api-key`` (one or more), else
-    ``VLLM_API_KEY`` (vLLM's rule, ``entrypoints/serve/middleware/register.py``)."""
+    """The API keys vLLM's server guards ``/v1`` with: ``--api-key``, else ``VLLM_API_KEY``."""
     from vllm import envs
 
     given = getattr(args, "api_key", None)
@@ -307,9 +260,8 @@ def attach_routes(
     fault_file: str | None = None,
     results_wait_s: float = 30.0,
 ) -> None:
-    """tllm's routes and middleware on vLLM's app (``fault_file``: where the engine reports a
-    hung consumer callback, :class:`HungHealth`; ``results_wait_s``: how long a response
-    waits for the per-request results it asked for, :class:`ResultReturn`)."""
+    """tllm's routes and middleware on vLLM's app (``fault_file``: :class:`HungHealth`;
+    ``results_wait_s``: :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
     def ask_workers():
@@ -334,11 +286,21 @@ def attach_routes(
         body = json_safe(body)
         return body if settings.show_paths else hide_paths(body)
 
-    async def _rpc(request: Request, method: str) -> Any:
-        client = getattr(request.app.state, "tllm_engine_client", None)
-        if client is None:
-            return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-        return await until_server_stops(app, rpc_all(client, method))
+    def not_ready() -> JSONResponse | None:
+        if getattr(app.state, "tllm_engine_client", None) is None:
+            return _error("tllm is not initialised in this server", 503)
+        return None
+
+    async def rpc(method: str, *args: Any) -> Any:
+        """Every worker's answer, or the error response (not initialised, stopping)."""
+        if (refused := not_ready()) is not None:
+            return refused
+        try:
+            return await until_server_stops(
+                app, rpc_all(app.state.tllm_engine_client, method, *args)
+            )
+        except ServerStopping:
+            return _error("the server is stopping", 503)
 
     async def _read_counters() -> Any:
         reports = await until_server_stops(
@@ -352,12 +314,12 @@ def attach_routes(
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        if getattr(request.app.state, "tllm_engine_client", None) is None:
-            return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
+        if (refused := not_ready()) is not None:
+            return refused
         try:
             return JSONResponse(await counters.get())
         except ServerStopping:
-            return _stopping_response()
+            return _error("the server is stopping", 503)
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
@@ -366,13 +328,13 @@ def attach_routes(
             consumers: EngineConsumers = request.app.state.tllm_server
             body = {**consumers.describe(), "hung": hung_entry(hung)}
             return JSONResponse(shown(body), 503)
+        out = await rpc("tllm_status")
+        if isinstance(out, JSONResponse):
+            return out
         try:
-            out = await _rpc(request, "tllm_status")
-            if isinstance(out, JSONResponse):
-                return out
             await counters.get()  # learns which consumers failed
         except ServerStopping:
-            return _stopping_response()
+            return _error("the server is stopping", 503)
         server: EngineConsumers = request.app.state.tllm_server
         leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
         body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
@@ -384,48 +346,38 @@ def attach_routes(
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
         if not tokens:
-            return JSONResponse(
-                {
-                    "error": "control requests change the server for every client: start it "
-                    "with an API key (--api-key or VLLM_API_KEY)"
-                },
+            return _error(
+                "control requests change the server for every client: start it with an API "
+                "key (--api-key or VLLM_API_KEY)",
                 403,
             )
         server: EngineConsumers = request.app.state.tllm_server
         cls = server.classes.get(name)
         if cls is None:
             known = ", ".join(sorted(server.classes)) or "(none)"
-            return JSONResponse({"error": f"no consumer {name!r}; this server's: {known}"}, 404)
+            return _error(f"no consumer {name!r}; this server's: {known}", 404)
         try:
             body = json.loads(await request.body())
         except ValueError as e:
-            return JSONResponse({"error": f"the body is not JSON: {e}"}, 400)
+            return _error(f"the body is not JSON: {e}", 400)
         if not isinstance(body, dict) or not isinstance(body.get("action"), str):
-            return JSONResponse(
-                {"error": 'the body must be a JSON object with a string "action"'}, 400
-            )
+            return _error('the body must be a JSON object with a string "action"', 400)
         action = body.pop("action")
         if read_note(fault_file) is not None:  # the engine is stuck: no RPC would answer
-            return JSONResponse({"error": "a consumer callback is hung (see /tllm/status)"}, 503)
+            return _error("a consumer callback is hung (see /tllm/status)", 503)
         async with control_lock:
             config = server.configs[name]
             try:
                 new, reply = cls.check_control(action, body, config)
             except ControlError as e:
-                return JSONResponse({"error": str(e)}, e.status)
+                return _error(str(e), e.status)
             if new is not config:
-                client = getattr(request.app.state, "tllm_engine_client", None)
-                if client is None:
-                    return JSONResponse({"error": "tllm is not initialised in this server"}, 503)
-                try:
-                    out = await until_server_stops(
-                        app, rpc_all(client, "tllm_control", name, action, body)
-                    )
-                except ServerStopping:
-                    return _stopping_response()
+                out = await rpc("tllm_control", name, action, body)
+                if isinstance(out, JSONResponse):
+                    return out
                 failed = next((o for o in out if "error" in o), None)
                 if failed is not None:
-                    return JSONResponse({"error": failed["error"]}, failed.get("status", 400))
+                    return _error(failed["error"], failed.get("status", 400))
                 server.configs[name] = new
         return JSONResponse(shown({"consumer": name, "action": action, "reply": reply}))
 
@@ -440,11 +392,8 @@ def install_request_checks(
     hidden_size: int = 0,
 ) -> None:
     """Instance-level wrappers on the front end's input processor (this server only).
-
-    ``secret``: this server's secret (cache salts and client ids; drawn here when not given).
-    ``max_result_bytes``: requests whose per-request results a consumer bounds past it are
-    refused (``hidden_size``: the model's, for the bounds).
-    """
+    ``secret``: of the cache salts and client ids; ``max_result_bytes``: requests whose
+    results a consumer bounds past it are refused."""
     from vllm.exceptions import VLLMValidationError
 
     if not hasattr(input_processor, "assign_request_id"):
@@ -461,15 +410,13 @@ def install_request_checks(
     def assign_request_id(request: Any) -> None:
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None)
-        # Requests whose body XargsCheck parsed were checked there (once per process); others
-        # (routes it does not parse, keys it could not see) are checked here, before the
-        # request reaches the engine.
+        # Requests whose body XargsCheck parsed were checked there; others are checked here.
         if extra and not XARGS_CHECKED.get():
             try:
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
-        if extra and RESULTS in extra and max_result_bytes is not None:
+        if extra and RESULTS_KEY in extra and max_result_bytes is not None:
             why = check_bounds(request, extra, server, max_result_bytes, hidden_size)
             if why is not None:
                 raise VLLMValidationError(why, parameter="vllm_xargs")
@@ -484,7 +431,7 @@ def install_request_checks(
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group.
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
-            params.extra_args = {**(extra or {}), GROUP: group}
+            params.extra_args = {**(extra or {}), GROUP_KEY: group}
 
     input_processor.assign_request_id = assign_request_id
 
@@ -492,8 +439,6 @@ def install_request_checks(
 async def init_state(
     engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
 ) -> None:
-    import asyncio
-
     from tllm_core.runtime.settings import RuntimeSettings
     from tllm_core.vllm_bridge.dp_nodes import check_followers
     from tllm_core.vllm_bridge.engine_settings import tllm_settings
@@ -534,15 +479,9 @@ async def init_state(
 
 
 async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
-    """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``).
-
-    vLLM's server (``NoSignalServer``) installs no signal handler of its own, so the
-    ``close_http_soon`` hook of ``tllm serve`` never sees it; the server object appears in
-    ``state.server`` just after ``init_state``. Without the bound, a request whose engine
-    went away never completes and the stop waits for it until the watchdog kills (seen: a
-    DP leader with an engine on another node, "Waiting for background tasks to complete")."""
-    import asyncio
-
+    """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``): a
+    request whose engine went away would otherwise never complete. vLLM's server installs
+    no signal handler, so it is found in ``state.server``, which appears after ``init_state``."""
     from tllm_core.vllm_bridge.server_entry import close_http_soon
 
     loop = asyncio.get_running_loop()
@@ -556,11 +495,8 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
 
 
 def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
-    """On the leader of a multi-node engine (TP across nodes, or DP engines on other nodes):
-    check every engine and rank every few seconds; a lost node (recorded in ``watch``) stops
-    this server with an error (``nodes.py``; SIGTERM to this process, so vLLM's own graceful
-    stop runs, bounded by tllm's stop watchdog)."""
-    import asyncio
+    """On the leader of a multi-node engine: check every engine and rank every few seconds; a
+    lost node (recorded in ``watch``) stops this server (SIGTERM: vLLM's own graceful stop)."""
     import os
     import signal
 

