@@ -31,6 +31,41 @@ MODEL_CACHE = Path(
 ENGINE_KW = dict(dtype="float32", max_model_len=512, enforce_eager=True)
 
 
+# -- the whole suite on two pytest-xdist workers --------------------------------------------------
+# Most tests wait on one thread (imports, an engine starting, a subprocess) and use about one of
+# the two cores of the machines the suite is sized for: two workers finish it in about half the
+# time. Only a run of the whole default suite (``python3 -m pytest``: no paths, no -m) is
+# spread; ``-n N`` chooses (``-n0``: none), and a run of some tests (``pytest tests/test_x.py``)
+# stays in one process, its output and --pdb as usual.
+SUITE_WORKERS = 2
+DEFAULT_MARKS = "not slow"  # pyproject.toml's addopts
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into its workers
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    option = config.option
+    if hasattr(config, "workerinput") or getattr(option, "numprocesses", 0) is not None:
+        return  # a worker, -n given, or pytest-xdist absent (-p no:xdist)
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    default_marks = option.markexpr == DEFAULT_MARKS
+    if not whole_suite or not default_marks or option.usepdb or option.collectonly:
+        return
+    option.numprocesses = SUITE_WORKERS
+    option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist's workers read ``--dist`` from the command line, where the default above
+    is not: they are told here that tests are grouped (``xdist_group``)."""
+    node.workerinput["tllm_dist"] = node.config.option.dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
+        config.option.loadgroup = True
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     from tiny_models import build_tiny_model
@@ -143,6 +178,7 @@ def engines():
 SERVE_KEY = "k-test-26"
 _SHARED = pytest.StashKey[dict]()  # fixture name -> its SharedServer, once started
 _LAST_USER = pytest.StashKey[dict]()  # fixture name -> node id of the last test using it
+_SHARED_FIXTURES = ("guarded_server",)
 
 
 @pytest.fixture(scope="session")
@@ -176,11 +212,28 @@ def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
     server.stop()  # normally stopped already, after its last test
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the default, ``-n 2``): the users of a
+    shared server run on one worker (one server, stopped after its last user); every other
+    test runs on one worker with the rest of its file (a file's module fixtures and
+    consecutive tests sharing an engine start it once)."""
+    if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+        group = shared[0] if shared else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     last = {}
     for item in session.items:
-        if "guarded_server" in getattr(item, "fixturenames", ()):
-            last["guarded_server"] = item.nodeid
+        for name in _SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                last[name] = item.nodeid
     session.config.stash[_LAST_USER] = last
 
 
