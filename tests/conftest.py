@@ -39,6 +39,10 @@ ENGINE_KW = dict(dtype="float32", max_model_len=512, enforce_eager=True)
 # stays in one process, its output and --pdb as usual.
 SUITE_WORKERS = 2
 DEFAULT_MARKS = "not slow"  # pyproject.toml's addopts
+# Seconds per group in a whole default run (``--write-durations`` rewrites it); a group not
+# listed (a new file) counts as UNKNOWN_GROUP_S: early, in case it is long.
+DURATIONS = TESTS / "durations.json"
+UNKNOWN_GROUP_S = 60.0
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into its workers
@@ -52,6 +56,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     option.numprocesses = SUITE_WORKERS
     option.dist = "loadgroup"
+    option.loadscopereorder = False  # the groups' order is ours (longest first)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -64,6 +69,8 @@ def pytest_configure_node(node) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
         config.option.loadgroup = True
+    if config.getoption("write_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_GroupSeconds(), "tllm-group-seconds")
 
 
 @pytest.fixture(scope="session")
@@ -212,20 +219,62 @@ def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
     server.stop()  # normally stopped already, after its last test
 
 
+def _xdist_group(item: pytest.Item) -> str:
+    """The group of a test under ``--dist loadgroup``: its ``xdist_group`` mark's, else a
+    shared server's it uses, else its file."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+    return shared[0] if shared else item.nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup`` (the default, ``-n 2``): the users of a
     shared server run on one worker (one server, stopped after its last user); every other
     test runs on one worker with the rest of its file (a file's module fixtures and
-    consecutive tests sharing an engine start it once)."""
+    consecutive tests sharing an engine start it once). The groups are handed out longest
+    first (seconds from ``DURATIONS``), so that the last ones, run while the other worker may
+    have nothing left, are short."""
     if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
         return
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
-        group = shared[0] if shared else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        group = _xdist_group(item)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    ordered = sorted(groups.items(), key=lambda kv: -seconds.get(kv[0], UNKNOWN_GROUP_S))
+    items[:] = [item for _, members in ordered for item in members]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        action="store_true",
+        help=f"write {DURATIONS.relative_to(TESTS.parent)}: each xdist group's seconds in "
+        "this run (a whole default run: the order groups are handed out in)",
+    )
+
+
+class _GroupSeconds:
+    """Sums the setup, call and teardown seconds of each group's tests; writes DURATIONS."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        nodeid = report.nodeid
+        # pytest-xdist's own rule: the group follows the last '@' unless inside the params
+        at = nodeid.rfind("@")
+        group = nodeid[at + 1 :] if at > nodeid.rfind("]") else nodeid.split("::", 1)[0]
+        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        rounded = {k: round(v, 1) for k, v in sorted(self.seconds.items())}
+        DURATIONS.write_text(json.dumps(rounded, indent=1) + "\n")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
