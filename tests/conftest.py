@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from cli_util import cli_env
+from cli_util import BIND_ENV, UNBOUND, cli_env
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -69,6 +69,9 @@ def pytest_configure_node(node) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
         config.option.loadgroup = True
+    if hasattr(config, "workerinput") and config.option.markexpr == DEFAULT_MARKS:
+        # The engines two workers start at once each get both cores (cli_util.UNBOUND).
+        os.environ.setdefault(BIND_ENV, UNBOUND)
     if config.getoption("write_durations") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_GroupSeconds(), "tllm-group-seconds")
 
