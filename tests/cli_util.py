@@ -9,6 +9,22 @@ import sys
 SMALL_ENGINE = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-gib", "1")
 
 
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# Under the suite's pytest-xdist workers (conftest): vLLM's CPU build binds the worker
+# process of every engine it starts in its multiprocess layout to the first core (the second
+# kept for its engine core), so two tests' engines at once, one per test worker, shared one
+# core. Unbound, the system spreads them: two small `tllm run` at once took 38 s each,
+# bound 54-63 s (one alone: 35 s either way).
+UNBOUND = "nobind"
+
+
+def without_binding(env: dict[str, str]) -> None:
+    """Removes a ``VLLM_CPU_OMP_THREADS_BIND`` from ``env`` (a command with several ranks
+    binds one core group per rank itself), except ``nobind``, which every layout runs with."""
+    if env.get(BIND_ENV) != UNBOUND:
+        env.pop(BIND_ENV, None)
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The test's environment in vLLM's default (multiprocess) layout, plus ``extra``."""
     env = dict(os.environ)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from cli_util import cli_env
+from cli_util import BIND_ENV, UNBOUND, cli_env
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
@@ -29,6 +29,51 @@ MODEL_CACHE = Path(
     os.environ.get("TLLM_TEST_MODELS", Path.home() / ".cache" / "tllm" / "test-models")
 )
 ENGINE_KW = dict(dtype="float32", max_model_len=512, enforce_eager=True)
+
+
+# -- the whole suite on two pytest-xdist workers --------------------------------------------------
+# Most tests wait on one thread (imports, an engine starting, a subprocess) and use about one of
+# the two cores of the machines the suite is sized for: two workers finish it in about half the
+# time. Only a run of the whole default suite (``python3 -m pytest``: no paths, no -m) is
+# spread; ``-n N`` chooses (``-n0``: none), and a run of some tests (``pytest tests/test_x.py``)
+# stays in one process, its output and --pdb as usual.
+SUITE_WORKERS = 2
+DEFAULT_MARKS = "not slow"  # pyproject.toml's addopts
+# Seconds per group in a whole default run (``--write-durations`` rewrites it); a group not
+# listed (a new file) counts as UNKNOWN_GROUP_S: early, in case it is long.
+DURATIONS = TESTS / "durations.json"
+UNKNOWN_GROUP_S = 60.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns -n into its workers
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    option = config.option
+    if hasattr(config, "workerinput") or getattr(option, "numprocesses", 0) is not None:
+        return  # a worker, -n given, or pytest-xdist absent (-p no:xdist)
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    default_marks = option.markexpr == DEFAULT_MARKS
+    if not whole_suite or not default_marks or option.usepdb or option.collectonly:
+        return
+    option.numprocesses = SUITE_WORKERS
+    option.dist = "loadgroup"
+    option.loadscopereorder = False  # the groups' order is ours (longest first)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """pytest-xdist's workers read ``--dist`` from the command line, where the default above
+    is not: they are told here that tests are grouped (``xdist_group``)."""
+    node.workerinput["tllm_dist"] = node.config.option.dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
+        config.option.loadgroup = True
+    if hasattr(config, "workerinput") and config.option.markexpr == DEFAULT_MARKS:
+        # The engines two workers start at once each get both cores (cli_util.UNBOUND).
+        os.environ.setdefault(BIND_ENV, UNBOUND)
+    if config.getoption("write_durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_GroupSeconds(), "tllm-group-seconds")
 
 
 @pytest.fixture(scope="session")
@@ -143,6 +188,7 @@ def engines():
 SERVE_KEY = "k-test-26"
 _SHARED = pytest.StashKey[dict]()  # fixture name -> its SharedServer, once started
 _LAST_USER = pytest.StashKey[dict]()  # fixture name -> node id of the last test using it
+_SHARED_FIXTURES = ("guarded_server",)
 
 
 @pytest.fixture(scope="session")
@@ -176,11 +222,70 @@ def guarded_server(tiny_model, tmp_path_factory, pytestconfig):
     server.stop()  # normally stopped already, after its last test
 
 
+def _xdist_group(item: pytest.Item) -> str:
+    """The group of a test under ``--dist loadgroup``: its ``xdist_group`` mark's, else a
+    shared server's it uses, else its file."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    shared = [name for name in _SHARED_FIXTURES if name in getattr(item, "fixturenames", ())]
+    return shared[0] if shared else item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's ``--dist loadgroup`` (the default, ``-n 2``): the users of a
+    shared server run on one worker (one server, stopped after its last user); every other
+    test runs on one worker with the rest of its file (a file's module fixtures and
+    consecutive tests sharing an engine start it once). The groups are handed out longest
+    first (seconds from ``DURATIONS``), so that the last ones, run while the other worker may
+    have nothing left, are short."""
+    if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
+        return
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        group = _xdist_group(item)
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        groups.setdefault(group, []).append(item)
+    ordered = sorted(groups.items(), key=lambda kv: -seconds.get(kv[0], UNKNOWN_GROUP_S))
+    items[:] = [item for _, members in ordered for item in members]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--write-durations",
+        action="store_true",
+        help=f"write {DURATIONS.relative_to(TESTS.parent)}: each xdist group's seconds in "
+        "this run (a whole default run: the order groups are handed out in)",
+    )
+
+
+class _GroupSeconds:
+    """Sums the setup, call and teardown seconds of each group's tests; writes DURATIONS."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        nodeid = report.nodeid
+        # pytest-xdist's own rule: the group follows the last '@' unless inside the params
+        at = nodeid.rfind("@")
+        group = nodeid[at + 1 :] if at > nodeid.rfind("]") else nodeid.split("::", 1)[0]
+        self.seconds[group] = self.seconds.get(group, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        rounded = {k: round(v, 1) for k, v in sorted(self.seconds.items())}
+        DURATIONS.write_text(json.dumps(rounded, indent=1) + "\n")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     last = {}
     for item in session.items:
-        if "guarded_server" in getattr(item, "fixturenames", ()):
-            last["guarded_server"] = item.nodeid
+        for name in _SHARED_FIXTURES:
+            if name in getattr(item, "fixturenames", ()):
+                last[name] = item.nodeid
     session.config.stash[_LAST_USER] = last
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from cli_util import without_binding
 from serve_util import ROOT
 
 SHM = Path("/dev/shm")
@@ -24,7 +25,7 @@ def start(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
     alone), this checkout first on the path, stdout and stderr to ``log``."""
     full = dict(os.environ)
     full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    full.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    without_binding(full)
     full.update(env)
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full.get("PYTHONPATH")) if p)
     with open(log, "w") as out:

@@ -14,6 +14,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from cli_util import without_binding
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,7 +48,7 @@ def tllm_serve(
     extra, env = env or {}, dict(os.environ)
     env.setdefault("TLLM_STOP_TIMEOUT_S", "60")
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # tllm serve binds one core group per rank
+    without_binding(env)  # tllm serve binds one core group per rank
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, "-m", "tllm_core.app.cli", "serve", "--port", str(port), *args]

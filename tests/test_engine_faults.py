@@ -20,7 +20,9 @@ from node_util import descendants, exit_within, leftover_shm, shm_entries, start
 from tllm_core.app.cli_common import EXIT_ENGINE_DIED
 
 # A fault bound, not a speed figure: the command notices the death within a second and then
-# stops the rest of the engine (its other processes get a few seconds to exit).
+# stops the rest of the engine (its other processes get a few seconds to exit). Also the bound
+# for its processes (vLLM's workers, the resource tracker) to be gone after it exited: on a
+# loaded machine (two test workers, other jobs) they took more than 10 s.
 DEATH_BOUND_S = 30
 
 
@@ -74,7 +76,7 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
     # What finished is printed and the rest marked (none of 400 tokens finished here).
     assert "=== prompt 0" in text and "(not finished)" in text, text[-4000:]
     assert "tllm: the engine died after 0/16 samples" in text, text[-4000:]
-    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert descendants(proc.pid, settle=DEATH_BOUND_S) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
     # The export: the shards written before the kill, and the cause in its manifest.
     from consumers.export import IncompleteExportWarning, open_export
@@ -360,7 +362,7 @@ def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
     named = f"worker process (pid {workers[-1]}) died (killed by SIGKILL)"
     assert len(errors) == 1 and named in errors[0], text[-4000:]
     assert "Traceback" not in text, text[-4000:]
-    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert descendants(proc.pid, settle=DEATH_BOUND_S) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
 
 
@@ -398,7 +400,7 @@ def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_pat
     assert code not in (0, None), (code, text[-4000:])
     errors = [ln for ln in text.splitlines() if ln.startswith(("tllm: error:", "error:"))]
     assert errors and "engine" in errors[-1], text[-4000:]
-    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert descendants(proc.pid, settle=DEATH_BOUND_S) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
     # The export kept what it wrote and says why it is incomplete.
     manifest = json.loads((out / "manifest.json").read_text())
@@ -427,5 +429,5 @@ def test_sigterm_ends_a_run_whose_consumer_hangs_within_the_stop_timeout(tiny_mo
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     assert code is not None and code != 0, text[-4000:]
-    assert descendants(proc.pid, settle=10) == [], text[-4000:]
+    assert descendants(proc.pid, settle=DEATH_BOUND_S) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]

@@ -37,9 +37,11 @@ HANGING_COMMAND = textwrap.dedent(
     from tllm_core.app import stop
 
     stop.install()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print(child.pid, flush=True)
-    try:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL
+    )
+    try:  # the signal may come as soon as the pid is out
+        print(child.pid, flush=True)
         time.sleep(600)
     except KeyboardInterrupt:
         print("stopping", flush=True)
@@ -48,25 +50,26 @@ HANGING_COMMAND = textwrap.dedent(
 )
 
 
-def test_sigterm_interrupts_and_a_hanging_stop_is_killed_after_the_timeout():
+def test_sigterm_interrupts_and_a_hanging_stop_is_killed_after_the_timeout(tmp_path):
     import psutil
 
     env = {**os.environ, "TLLM_STOP_TIMEOUT_S": "3"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HANGING_COMMAND],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    out_log, err_log = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out_log, "w") as out, open(err_log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HANGING_COMMAND],
+            env=env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
-        child = int(proc.stdout.readline())
+        child = int(wait_for(out_log, "\n", proc, 120))
         proc.send_signal(signal.SIGTERM)
-        assert proc.stdout.readline().strip() == "stopping"  # SIGTERM acted as Ctrl-C
+        wait_for(out_log, "stopping", proc, 60)  # SIGTERM acted as Ctrl-C
         proc.send_signal(signal.SIGTERM)  # a second one must not break the cleanup
         code = exit_within(proc, 60)
-        err = proc.stderr.read()
+        err = err_log.read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
