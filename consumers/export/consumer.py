@@ -17,10 +17,8 @@ from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
 from consumers.export import report
-from consumers.export.requests import RequestTable
-from consumers.export.returned import bound as returned_bound
-from consumers.export.tokens import RequestTokens, completeness, rows_to_write
-from consumers.export.writer import TORCH_DTYPES, ShardWriter, output_layout
+from consumers.export.tokens import rows_to_write
+from consumers.export.writer import TORCH_DTYPES, RecordWriter, output_layout
 from tllm_core import (
     Bundle,
     CaptureWindow,
@@ -37,15 +35,13 @@ from tllm_core import (
     SampledTokens,
     TokenPort,
     WindowSetting,
+    array_json_bytes,
     as_selector,
     parse_port_name,
+    window_rows,
 )
 
 DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
-
-
-def _no_rows() -> dict[str, Any]:
-    return {"positions": np.zeros(0, np.int64), "token_ids": np.zeros(0, np.int64)}
 
 
 class ExportConfig(ConsumerConfig):
@@ -149,25 +145,24 @@ class ExportConsumer(Consumer):
                 keys.append(port.key)
                 self._ports.append(port)
         self.keys = keys
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        self.dtype = TORCH_DTYPES[config.dtype]
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
-        self._used = False
         self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
-        self._closed = False  # closed after the last data
-        self._complete = False  # ... and nothing was lost (see completeness)
         # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
-        self.layout = self.path = self.writer = self._table = None
+        self.files: RecordWriter | None = None
+        self.writer = None
+        self.path = None
         self.shard_rows = 0
         if config.out is None:  # returns rows only
             return
         # Data parallel: this engine writes its own part folder (out/dp{rank}).
-        self.layout = output_layout(
+        layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
-        self.path = self.layout.path
-        row_bytes = self.hidden_size * itemsize * len(keys)
+        self.path = layout.path
+        row_bytes = self.hidden_size * self.dtype.itemsize * len(keys)
         if config.shard_rows is not None:
             shard_rows = config.shard_rows
         else:
@@ -177,22 +172,20 @@ class ExportConsumer(Consumer):
                 raise ValueError(
                     f"export: shard_bytes={target} is smaller than one row "
                     f"({row_bytes} bytes: {len(keys)} key(s) x hidden size {self.hidden_size} x "
-                    f"{itemsize} bytes); use at least {row_bytes}"
+                    f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        self.writer = ShardWriter(
-            self.path,
-            keys,
-            self.hidden_size,
-            config.dtype,
+        columns = {k: (self.hidden_size, self.dtype) for k in keys}
+        self.files = RecordWriter(
+            layout,
+            columns,
             self.shard_rows,
             config.overwrite,
-            self._manifest,
-            before_first_write=self.layout.clean_root,
+            self._manifest_fields,
+            phase=self.phase,
+            owner=self,
         )
-        self._table = RequestTable(
-            self.path, self.writer.prepare, lambda: self.writer.error, self.phase, self
-        )
+        self.writer = self.files.shards
 
     # -- ports ------------------------------------------------------------------------------
     def reads(self) -> list[ReadPort]:
@@ -203,24 +196,29 @@ class ExportConsumer(Consumer):
         return ports
 
     # -- callbacks ------------------------------------------------------------------------
-    def _request(self, info: RequestInfo) -> RequestTokens | None:
-        if self._table is None:
-            return None
-        seen = self._table.seen
-        req = self._table.get(info)
-        if self._table.seen != seen:
-            self.counters.add("requests_seen")
-        return req
-
     def on_bundle(self, bundle: Bundle) -> None:
         t = time.perf_counter()
         with self._lock:
-            self._used = True
-            self._closed = False
+            if self.files is not None:
+                self.files.used, self.files.closed = True, False
             self._take_rows(bundle)
-            self._take_sampled(bundle)
+            srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
+            if srows is not None and ids is not None and len(srows):
+                # The sampled token's own position: one past its row's.
+                pos = np.asarray(srows.position, np.int64) + 1
+                self._note(srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy())
         # This thread's time per bundle (shard writes included: seconds_writing of it).
         self.counters.add("seconds_taking", time.perf_counter() - t)
+
+    def _note(self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray) -> Any:
+        """Token ids into the request table; each row's request index (None: no files)."""
+        if self.files is None:
+            return None
+        seen = self.files.table.seen
+        index = self.files.note_tokens(requests, pos, ids)
+        if self.files.table.seen != seen:
+            self.counters.add("requests_seen", self.files.table.seen - seen)
+        return index
 
     def _take_rows(self, bundle: Bundle) -> None:
         rows = bundle.rows
@@ -239,15 +237,11 @@ class ExportConsumer(Consumer):
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         keep = rows_to_write(rows, self.phase, self.counters)
-        row_request = np.empty(n, np.int64)
         for info, start, stop in rows.runs():
             if info.wants_result(self.name):
                 self._return_rows(info, bundle, keep, positions, tokens, start, stop)
-            req = self._request(info)
-            if req is not None:
-                row_request[start:stop] = req.index
-                req.put(positions[start:stop], tokens[start:stop])
-        if self.writer is None or not keep.any():
+        row_request = self._note(rows.requests, positions, tokens)
+        if row_request is None or not keep.any():
             return
         idx = np.nonzero(keep)[0]
         tidx = torch.from_numpy(idx)
@@ -256,14 +250,9 @@ class ExportConsumer(Consumer):
             k: (bundle.hidden[k] if all_rows else bundle.hidden[k].index_select(0, tidx))
             for k in self.keys
         }
-        meta = {
-            fmt.ROW_REQUEST: row_request[idx],
-            fmt.POSITION: positions[idx],
-            fmt.TOKEN_ID: tokens[idx],
-            fmt.IS_DECODE: np.asarray(rows.is_decode, np.bool_)[idx],
-        }
+        decode = np.asarray(rows.is_decode, np.bool_)[idx]
         before = len(self.writer.shards)
-        self.writer.append(hidden, meta)
+        self.files.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
         self._sync_counters(before)
 
     def _return_rows(
@@ -280,11 +269,10 @@ class ExportConsumer(Consumer):
         if sel.size == 0:
             return
         at = torch.from_numpy(sel)
-        dtype = TORCH_DTYPES[self.config.dtype]
         hidden = {}
         for k in self.keys:
             t = bundle.hidden[k].index_select(0, at.to(bundle.hidden[k].device))
-            hidden[k] = t.to("cpu", dtype if t.is_floating_point() else torch.int64, copy=True)
+            hidden[k] = t.to("cpu", self.dtype if t.is_floating_point() else torch.int64, copy=True)
         self._returned.add(
             info.engine_id, positions=positions[sel], token_ids=tokens[sel], **hidden
         )
@@ -297,21 +285,9 @@ class ExportConsumer(Consumer):
             return int(t.shape[-1])
         if key not in self._fixed:
             self._fixed.add(key)
-            dtype = TORCH_DTYPES[self.config.dtype] if t.is_floating_point() else torch.int64
+            dtype = self.dtype if t.is_floating_point() else torch.int64
             self.writer.columns[key] = (int(t.shape[-1]), dtype)
         return self.writer.columns[key][0]
-
-    def _take_sampled(self, bundle: Bundle) -> None:
-        srows = bundle.sampled_rows
-        ids = bundle.sampled_token_ids
-        if srows is None or ids is None or len(srows) == 0:
-            return
-        ids_np = ids.detach().to("cpu", torch.int64).numpy()
-        pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
-        if self._table is None:
-            return
-        for j, info in enumerate(srows.requests):
-            self._request(info).set_token(int(pos[j]), int(ids_np[j]))
 
     def _sync_counters(self, shards_before: int) -> None:
         if self.writer is None:
@@ -328,15 +304,15 @@ class ExportConsumer(Consumer):
         # Background thread (after the request's bundles), or the engine thread when no
         # bundle ever reached this consumer: then no shard write holds the lock.
         with self._lock:
-            if self._table is not None:
-                self._table.finish(request)
+            if self.files is not None:
+                self.files.finished(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
         with self._lock:
-            if self._table is not None:
-                self._table.drop(requests)  # the bus counts it (bundles_dropped.export)
+            if self.files is not None:
+                self.files.dropped(requests)  # the bus counts it (bundles_dropped.export)
             for r in requests:  # its rows have a hole: no result rather than a wrong one
                 if r.wants_result(self.name):
                     self._returned.lose(r.engine_id)
@@ -345,83 +321,67 @@ class ExportConsumer(Consumer):
         """The rows this export captured of ``request`` (one sample): ``positions``,
         ``token_ids`` and one ``[rows, width]`` array per key, in the config's dtype."""
         with self._lock:
-            return self._returned.take(request.engine_id, _no_rows())
+            none = np.zeros(0, np.int64)
+            return self._returned.take(request.engine_id, {"positions": none, "token_ids": none})
 
     @classmethod
     def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
+        """JSON bytes of a request's result at most: its rows (the config's phase, narrowed by
+        the request's window) times one hidden-size array per key, plus positions and ids."""
         assert isinstance(config, ExportConfig)
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        itemsize = TORCH_DTYPES[config.dtype].itemsize
         keys = len(dict.fromkeys(str(k) for k in config.layers))
-        return returned_bound(as_selector(config.phase, "export: phase"), keys, itemsize, request)
+        rows = window_rows("export", as_selector(config.phase, "export: phase"), request)
+        width = request.hidden_size
+        return keys * array_json_bytes(rows * width, itemsize) + 2 * array_json_bytes(rows, 8)
 
     # -- manifest / results -----------------------------------------------------------------
-    def _manifest(self) -> dict[str, Any]:
-        assert self._table is not None and self.writer is not None and self.layout is not None
-        table = self._table.manifest_fields()
-        self._complete = completeness(self._closed, table["losses"]) and self.writer.error is None
-        w = self.writer
-        part = {}
-        if self.layout.dp_size > 1:
-            part = {"data_parallel": {"rank": self.layout.dp_rank, "size": self.layout.dp_size}}
+    def _manifest_fields(self) -> dict[str, Any]:
+        assert self.writer is not None
         return {
-            **part,
-            "format": fmt.FORMAT_NAME,
-            "version": fmt.FORMAT_VERSION,
-            "complete": self._complete,
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
             "keys": list(self.keys),
-            **fmt.columns_entry(w.columns, self.hidden_size, TORCH_DTYPES[self.config.dtype]),
+            **fmt.columns_entry(self.writer.columns, self.hidden_size, self.dtype),
             "phase": self.config.phase,
-            "shard_rows": self.shard_rows,
-            "num_rows": w.rows_written,
-            "shards": [dict(s) for s in w.shards],
-            **table,
         }
 
     def flush(self) -> None:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         with self._lock:
-            if not self._used or self.writer is None:
-                return
-            before = len(self.writer.shards)
-            if self.writer.buffered:
-                self.writer.write_shard()
-            self._sync_counters(before)
-            self.writer.write_manifest()
+            if self.files is not None and self.files.used:
+                before = len(self.files.shards.shards)
+                try:
+                    self.files.flush()
+                finally:
+                    self._sync_counters(before)
 
     def close(self) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
-            if not self._used or self.writer is None:
-                return
-            before = len(self.writer.shards)
-            self._closed = True
-            try:
-                if self.writer.buffered:
-                    self.writer.write_shard()  # rewrites the manifest too
-                else:
-                    self.writer.write_manifest()
-            finally:  # a failed write (ExportWriteError) still lets go of the files
-                self._sync_counters(before)
-                self.writer.release()
-                self._table.release()
+            if self.files is not None and self.files.used:
+                before = len(self.files.shards.shards)
+                try:
+                    self.files.close()
+                finally:
+                    self._sync_counters(before)
 
     def result(self) -> dict[str, Any]:
         with self._lock:
-            if self.writer is None or self._table is None:
+            if self.files is None:
                 return {"out": None, "keys": list(self.keys), "complete": True}
+            w = self.files.shards
             return {
                 "out": self.path,
-                "shards": len(self.writer.shards),
-                "rows": self.writer.rows_written,
-                "rows_buffered": self.writer.buffered,
-                "requests": self._table.seen,
-                "requests_open": self._table.open_count,
+                "shards": len(w.shards),
+                "rows": w.rows_written,
+                "rows_buffered": w.buffered,
+                "requests": self.files.table.seen,
+                "requests_open": self.files.table.open_count,
                 "keys": list(self.keys),
-                "complete": self._complete,
-                **({"error": self.writer.error} if self.writer.error else {}),
+                "complete": self.files.complete,
+                **({"error": w.error} if w.error else {}),
             }
 
     # -- what the command prints and the report shows (consumers/export/report.py) ---------

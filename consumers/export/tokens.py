@@ -59,13 +59,6 @@ class RequestTokens:
         if position >= self.length:
             self.length = position + 1
 
-    def set_token(self, position: int, token: int) -> None:
-        """A sampled token (no row of its own yet)."""
-        self._grow(position + 1)
-        self.tokens[position] = token
-        if position >= self.length:
-            self.length = position + 1
-
     def missing(self, phase: Any, window: Any = None) -> int:
         """Positions with no token id, plus prompt positions ``phase`` (and the request's own
         ``window``, when it sets one) selects whose rows never came."""
@@ -94,9 +87,3 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
     if skipped:
         counters.add("rows_skipped_recomputed", skipped)
     return wanted & ~recomputed
-
-
-def completeness(closed: bool, losses: dict[str, int]) -> bool:
-    """``complete``: closed after its last data, with every request finished on its own,
-    no position missing and no bundle dropped."""
-    return closed and not any(losses.values())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from consumers.export import format as fmt
+from consumers.export.requests import RequestTable
+from tllm_core import Phase, request_runs
 
 TORCH_DTYPES = MappingProxyType(
     {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -154,29 +157,21 @@ class ShardWriter:
     def __init__(
         self,
         path: str,
-        keys: list[str],
-        hidden_size: int,
-        dtype: str,
+        columns: dict[str, tuple[int, torch.dtype]],
         shard_rows: int,
         overwrite: bool,
         manifest_fn: Callable[[], dict[str, Any]],
         *,
-        columns: dict[str, tuple[int, torch.dtype]] | None = None,
         tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
         format_name: str = fmt.FORMAT_NAME,
         before_first_write: Callable[[], None] | None = None,
     ):
-        """``columns`` (optional) gives each key its own ``(width, dtype)`` instead of
-        ``(hidden_size, dtype)``; ``tensor_name`` maps a key to its shard tensor name and
-        ``format_name`` goes into each shard's metadata (formats built on this writer).
-        ``before_first_write`` runs once, before the directory is created
-        (:meth:`OutputLayout.clean_root`)."""
+        """``columns``: each key's ``(width, dtype)``; ``tensor_name`` maps a key to its shard
+        tensor name and ``format_name`` goes into each shard's metadata. ``before_first_write``
+        runs once, before the directory is created (:meth:`OutputLayout.clean_root`)."""
         self.path = path
-        self.keys = list(keys)
-        self.hidden_size = hidden_size
-        self.dtype_name = dtype
-        self.dtype = TORCH_DTYPES[dtype]
-        self.columns = columns or {k: (hidden_size, self.dtype) for k in self.keys}
+        self.keys = list(columns)
+        self.columns = columns
         self.tensor_name = tensor_name
         self.format_name = format_name
         self.shard_rows = shard_rows
@@ -188,7 +183,6 @@ class ShardWriter:
         self.error: str | None = None
         self.rows_unwritten = 0
         self.rows_written = 0
-        self.bytes_written = 0
         self.buffer_rows_max = 0
         # Seconds spent writing shards (serialization, file write, fsync, manifest).
         self.seconds_writing = 0.0
@@ -231,11 +225,7 @@ class ShardWriter:
                 arr[:n] = self._meta[k][:n]
         self._hidden, self._meta, self._cap = hidden, meta, cap
 
-    def append(
-        self,
-        hidden: dict[str, torch.Tensor],
-        meta: dict[str, np.ndarray],
-    ) -> int:
+    def append(self, hidden: dict[str, torch.Tensor], meta: dict[str, np.ndarray]) -> int:
         """Append rows (``hidden[key]`` is ``[R, H]``, ``meta`` arrays ``[R]``); writes a shard
         each time the buffer reaches ``shard_rows``. Returns the number of shards written."""
         total = len(meta[fmt.POSITION])
@@ -300,7 +290,6 @@ class ShardWriter:
             self._fail(final, e, n)
         self.shards.append(entry)
         self.rows_written += n
-        self.bytes_written += entry["bytes"]
         self._fill = 0
         self.write_manifest()
         self.seconds_writing += time.perf_counter() - t
@@ -384,3 +373,139 @@ class ShardWriter:
         """Drop the (empty) buffers."""
         if self._fill == 0:
             self._hidden, self._meta, self._cap = {}, {}, 0
+
+
+class RecordWriter:
+    """One engine's record in the export layout (``export``, ``sae`` features): its shards,
+    request table and manifest (thread-safe). ``fields`` gives the format's own manifest
+    fields; ``phase`` the rows recorded (a selected prompt position without a row is
+    missing) and ``owner`` the consumer whose per-request windows narrow them."""
+
+    def __init__(
+        self,
+        layout: OutputLayout,
+        columns: dict[str, tuple[int, torch.dtype]],
+        shard_rows: int,
+        overwrite: bool,
+        fields: Callable[[], dict[str, Any]],
+        *,
+        phase: Any = Phase.ALL,
+        owner: Any = None,
+        format_name: str = fmt.FORMAT_NAME,
+        tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
+    ):
+        self.layout = layout
+        self.path = layout.path
+        self._fields = fields
+        self.lock = threading.RLock()
+        self.used = False
+        self.closed = False  # closed after the last data
+        self.complete = False  # ... and nothing was lost
+        self.shards = ShardWriter(
+            self.path,
+            columns,
+            shard_rows,
+            overwrite,
+            self._manifest,
+            tensor_name=tensor_name,
+            format_name=format_name,
+            before_first_write=layout.clean_root,
+        )
+        self.table = RequestTable(
+            self.path, self.shards.prepare, lambda: self.shards.error, phase, owner
+        )
+
+    def note_tokens(
+        self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray
+    ) -> np.ndarray:
+        """Token ids fed (or sampled) at ``positions``; returns each row's request index."""
+        index = np.empty(len(requests), np.int64)
+        pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
+        with self.lock:
+            for info, start, stop in request_runs(requests):
+                req = self.table.get(info)
+                if stop - start == 1:  # a decode row
+                    req.put_one(pos[start], tok[start])
+                else:
+                    req.put(positions[start:stop], tokens[start:stop])
+                index[start:stop] = req.index
+        return index
+
+    def write_rows(
+        self,
+        row_request: np.ndarray,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        is_decode: np.ndarray,
+        columns: dict[str, torch.Tensor],
+    ) -> int:
+        """Append rows; returns the number of shards written by this call."""
+        meta = {
+            fmt.ROW_REQUEST: row_request,
+            fmt.POSITION: positions,
+            fmt.TOKEN_ID: tokens,
+            fmt.IS_DECODE: is_decode,
+        }
+        with self.lock:
+            self.used, self.closed = True, False
+            before = len(self.shards.shards)
+            self.shards.append(columns, meta)
+            return len(self.shards.shards) - before
+
+    def finished(self, request: Any) -> None:
+        """A request's finish notice (``request.cut_short``: it did not run to its end)."""
+        with self.lock:
+            self.table.finish(request)
+
+    def dropped(self, requests: list[Any]) -> None:
+        """A bundle holding rows or tokens of ``requests`` was dropped."""
+        with self.lock:
+            self.table.drop(requests)
+
+    def _manifest(self) -> dict[str, Any]:
+        table = self.table.manifest_fields()
+        # Complete: closed after its last data, with every request finished on its own, no
+        # position missing, no bundle dropped and no failed write.
+        losses = table["losses"].values()
+        self.complete = self.closed and not any(losses) and self.shards.error is None
+        w, layout = self.shards, self.layout
+        part = {}
+        if layout.dp_size > 1:
+            part = {"data_parallel": {"rank": layout.dp_rank, "size": layout.dp_size}}
+        return {
+            **part,
+            "format": w.format_name,
+            "version": fmt.FORMAT_VERSION,
+            "complete": self.complete,
+            **self._fields(),
+            "shard_rows": w.shard_rows,
+            "num_rows": w.rows_written,
+            "shards": [dict(s) for s in w.shards],
+            **table,
+        }
+
+    def flush(self) -> None:
+        """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
+        with self.lock:
+            if self.used:
+                if self.shards.buffered:
+                    self.shards.write_shard()
+                self.shards.write_manifest()
+
+    def close(self) -> int:
+        """Write buffered rows and the final manifest (nothing when never used); returns the
+        shards written."""
+        with self.lock:
+            if not self.used:
+                return 0
+            before = len(self.shards.shards)
+            self.closed = True
+            try:
+                if self.shards.buffered:
+                    self.shards.write_shard()  # rewrites the manifest too
+                else:
+                    self.shards.write_manifest()
+            finally:  # a failed write (ExportWriteError) still lets go of the files
+                self.shards.release()
+                self.table.release()
+            return len(self.shards.shards) - before
