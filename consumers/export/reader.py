@@ -65,6 +65,10 @@ class RequestRecord:
     token_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [P]
     is_decode: torch.Tensor  # bool [P]
+    finished: bool = field(default=True, kw_only=True)
+    engine_id: str = field(default="", kw_only=True)
+    # The engine that served the request (data parallel).
+    data_parallel_rank: int = field(default=0, kw_only=True)
 
     @property
     def prompt_token_ids(self) -> torch.Tensor:
@@ -86,9 +90,6 @@ class ExportRecord(RequestRecord):
     """
 
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
-    finished: bool = True
-    engine_id: str = ""
-    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
 
 class ExportReader:
@@ -218,23 +219,23 @@ class ExportReader:
         data = {k: torch.cat([p[k] for p in pieces])[order] for k in keys}
         return pos[keep], dec[order], data
 
-    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> ExportRecord:
-        meta = self.requests[r]
+    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
         if pieces:
-            pos, dec, hidden = self._merge_rows(pieces, self.keys)
+            pos, dec, data = self._merge_rows(pieces, self.keys)
         else:
             pos = torch.zeros(0, dtype=torch.int64)
             dec = torch.zeros(0, dtype=torch.bool)
-            cols = self.manifest.get("columns", {})
-            default = {"width": self.hidden_size, "dtype": self.dtype}
-            hidden = {
-                k: torch.zeros(0, c["width"], dtype=getattr(torch, c["dtype"]))
-                for k in self.keys
-                for c in [cols.get(k, default)]
-            }
-        return ExportRecord(
-            **self._request_fields(meta), positions=pos, is_decode=dec, hidden=hidden
-        )
+            data = {k: self._no_rows(k) for k in self.keys}
+        return self._make(self._request_fields(self.requests[r]), pos, dec, data)
+
+    def _no_rows(self, key: str) -> torch.Tensor:
+        """An empty column of ``key`` (a request without captured rows)."""
+        c = self.manifest.get("columns", {}).get(key, {})
+        dtype = getattr(torch, c.get("dtype", self.dtype))
+        return torch.zeros(0, c.get("width", self.hidden_size), dtype=dtype)
+
+    def _make(self, fields: dict[str, Any], pos: Any, dec: Any, data: dict) -> ExportRecord:
+        return ExportRecord(**fields, positions=pos, is_decode=dec, hidden=data)
 
     def __iter__(self) -> Iterator[ExportRecord]:
         """Records in the order their last shard is read (ties: request-table order);

@@ -207,22 +207,14 @@ class ShardWriter:
         cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self._cap)))
         cap = min(cap, self.shard_rows)
         n = self._fill
-        hidden = {}
-        for key in self.keys:
-            width, dtype = self.columns[key]
-            buf = torch.empty(cap, width, dtype=dtype)
-            if n:
-                buf[:n] = self._hidden[key][:n]
-            hidden[key] = buf
+        hidden = {k: torch.empty(cap, w, dtype=dt) for k, (w, dt) in self.columns.items()}
         meta = {
-            fmt.ROW_REQUEST: np.empty(cap, np.int64),
-            fmt.POSITION: np.empty(cap, np.int64),
-            fmt.TOKEN_ID: np.empty(cap, np.int64),
-            fmt.IS_DECODE: np.empty(cap, np.bool_),
+            k: np.empty(cap, np.bool_ if k == fmt.IS_DECODE else np.int64) for k in fmt.ROW_TENSORS
         }
-        for k, arr in meta.items():
-            if n:
-                arr[:n] = self._meta[k][:n]
+        if n:
+            for old, new in ((self._hidden, hidden), (self._meta, meta)):
+                for k, buf in new.items():
+                    buf[:n] = old[k][:n]
         self._hidden, self._meta, self._cap = hidden, meta, cap
 
     def append(self, hidden: dict[str, torch.Tensor], meta: dict[str, np.ndarray]) -> int:

@@ -24,9 +24,8 @@ from consumers.sae.config import SaeConfig
 from consumers.sae.features_writer import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
-from consumers.sae.ports import edit_port, read_port
 from consumers.sae.request import SaeRequest
-from consumers.sae.site import parse_site
+from consumers.sae.site import edit_port, parse_site, read_port
 from consumers.sae.steer import (
     FeatureSteer,
     apply_clamp,

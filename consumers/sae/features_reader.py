@@ -25,9 +25,6 @@ class FeatureRecord(RequestRecord):
 
     indices: torch.Tensor  # int32 [rows, top_k]
     values: torch.Tensor  # fp16/fp32 [rows, top_k]
-    finished: bool = True
-    engine_id: str = ""
-    data_parallel_rank: int = 0  # the engine that served the request (data parallel)
 
 
 class FeatureReader(ExportReader):
@@ -48,20 +45,13 @@ class FeatureReader(ExportReader):
         """The SAE's description stored by the writer (path, site, architecture, sizes)."""
         return dict(self.manifest.get("sae", {}))
 
-    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> FeatureRecord:  # type: ignore[override]
-        meta = self.requests[r]
-        k = self.top_k
-        if pieces:
-            pos, dec, data = self._merge_rows(pieces, (fw.INDICES, fw.VALUES))
-            idx, val = data[fw.INDICES], data[fw.VALUES]
-        else:
-            pos = torch.zeros(0, dtype=torch.int64)
-            dec = torch.zeros(0, dtype=torch.bool)
-            idx = torch.zeros(0, k, dtype=torch.int32)
-            val = torch.zeros(0, k, dtype=getattr(torch, self.dtype))
-        return FeatureRecord(
-            **self._request_fields(meta), positions=pos, is_decode=dec, indices=idx, values=val
-        )
+    def _no_rows(self, key: str) -> torch.Tensor:
+        dtype = torch.int32 if key == fw.INDICES else getattr(torch, self.dtype)
+        return torch.zeros(0, self.top_k, dtype=dtype)
+
+    def _make(self, fields: dict[str, Any], pos: Any, dec: Any, data: dict) -> FeatureRecord:  # type: ignore[override]
+        idx, val = data[fw.INDICES], data[fw.VALUES]
+        return FeatureRecord(**fields, positions=pos, is_decode=dec, indices=idx, values=val)
 
 
 def read_features(path: str | os.PathLike, verify: bool = False) -> Iterator[FeatureRecord]:

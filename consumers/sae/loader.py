@@ -194,19 +194,8 @@ def load_sae(path: str | os.PathLike, d_model: int | None = None) -> SparseAutoe
         checked[name] = t.contiguous()
     if cfg["k"] is not None and cfg["k"] > d_sae:
         raise SAEFileError(f"{os.path.join(path, CFG_FILE)}: k={cfg['k']} exceeds d_sae={d_sae}")
-    return SparseAutoencoder(
-        W_enc=checked["W_enc"],
-        b_enc=checked["b_enc"],
-        W_dec=checked["W_dec"],
-        b_dec=checked["b_dec"],
-        architecture=arch,
-        threshold=checked.get("threshold"),
-        k=cfg["k"],
-        apply_b_dec_to_input=cfg["apply_b_dec_to_input"],
-        normalize_activations=cfg["normalize_activations"],
-        rescale_acts_by_decoder_norm=cfg["rescale_acts_by_decoder_norm"],
-        metadata=cfg["metadata"],
-    )
+    settings = {k: v for k, v in cfg.items() if k not in ("d_in", "d_sae")}
+    return SparseAutoencoder(**checked, **settings)
 
 
 def save_sae(sae: SparseAutoencoder, path: str | os.PathLike) -> str:

@@ -13,7 +13,7 @@ Everything is computed in fp32 whatever the weights' storage dtype.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -65,23 +65,12 @@ class SparseAutoencoder:
 
     def to(self, device: torch.device | str) -> SparseAutoencoder:
         """A copy with every tensor on ``device`` (fp32)."""
-
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=torch.float32)
-
-        return SparseAutoencoder(
-            W_enc=mv(self.W_enc),
-            b_enc=mv(self.b_enc),
-            W_dec=mv(self.W_dec),
-            b_dec=mv(self.b_dec),
-            architecture=self.architecture,
-            threshold=mv(self.threshold),
-            k=self.k,
-            apply_b_dec_to_input=self.apply_b_dec_to_input,
-            normalize_activations=self.normalize_activations,
-            rescale_acts_by_decoder_norm=self.rescale_acts_by_decoder_norm,
-            metadata=dict(self.metadata),
-        )
+        moved = {
+            f.name: t.to(device=device, dtype=torch.float32)
+            for f in fields(self)
+            if isinstance(t := getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved, metadata=dict(self.metadata))
 
     # -- input normalization ------------------------------------------------------------
     def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:

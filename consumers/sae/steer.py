@@ -7,7 +7,7 @@
 
 The clamp edit depends on the row's own activation *before* the edit, which is known
 only inside the forward: :func:`clamp_delta` is the pure function an in-graph edit op
-would run (see ``consumers/sae/ports.py``).
+would run (see ``consumers/sae/site.py``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ from tllm_core import ConsumerConfig, FiniteF32, RequestSettings
 MAX_INLINE_VECTOR = 1 << 20
 
 
+def _one_source(model: BaseModel) -> None:
+    if (model.path is None) == (model.vector is None):  # type: ignore[attr-defined]
+        raise ValueError("give exactly one of 'path' and 'vector'")
+
+
 class SteerGate(BaseModel):
     """A probe that decides, row by row inside the forward, whether a vector applies."""
 
@@ -37,8 +42,7 @@ class SteerGate(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> SteerGate:
-        if (self.path is None) == (self.vector is None):
-            raise ValueError("give exactly one of 'path' and 'vector'")
+        _one_source(self)
         return self
 
 
@@ -90,9 +94,8 @@ class SteerVector(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _one_source(self) -> SteerVector:
-        if (self.path is None) == (self.vector is None):
-            raise ValueError("give exactly one of 'path' and 'vector'")
+    def _check(self) -> SteerVector:
+        _one_source(self)
         bounds = (self.lo, self.hi, self.target)
         if self.mode != "clamp":
             if any(b is not None for b in bounds):

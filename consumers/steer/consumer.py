@@ -3,6 +3,7 @@ gated by a probe; vectors registered on a running server (``registered.py``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,29 +30,18 @@ from tllm_core import (
 KEEP_SCALED = 64
 
 
+@dataclass(eq=False)
 class _Vec:
-    __slots__ = ("name", "layer", "vector", "scale", "mode", "scaled", "transform", "registered")
-
-    def __init__(
-        self,
-        name: str | None,
-        layer: int,
-        vector: torch.Tensor,
-        scale: float,
-        mode: str,
-        transform: SteerTransform | None = None,
-        registered: bool = False,
-    ):
-        self.name = name
-        self.registered = registered  # used only by requests that name it
-        self.layer = layer
-        self.vector = vector
-        self.scale = scale
-        self.mode = mode
-        self.transform = transform  # gated or clamping: decided inside the forward
-        # scale -> vector * scale, made once: the same tensor every step, so the edit
-        # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
-        self.scaled: dict[float, torch.Tensor] = {}
+    name: str | None
+    layer: int
+    vector: torch.Tensor
+    scale: float
+    mode: str
+    transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
+    registered: bool = False  # used only by requests that name it
+    # scale -> vector * scale, made once: the same tensor every step, so the edit
+    # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
+    scaled: dict[float, torch.Tensor] = field(default_factory=dict)
 
     def times(self, scale: float) -> torch.Tensor:
         """``vector * scale``, the same tensor for the same scale."""
