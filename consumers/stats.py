@@ -58,8 +58,12 @@ class StatsRequest(RequestSettings):
     )
 
 
-def _figures(rows: float, norm_sum: float, max_abs: float) -> dict[str, Any]:
-    return {"rows": int(rows), "mean_norm": norm_sum / max(rows, 1), "max_abs": max_abs}
+def _figures(per_key: dict[str, list[float]]) -> dict[str, Any]:
+    """Per port: rows, mean L2 norm and max |x| from [rows, sum of norms, max |x|]."""
+    return {
+        key: {"rows": int(r), "mean_norm": s / max(r, 1), "max_abs": m}
+        for key, (r, s, m) in per_key.items()
+    }
 
 
 class StatsConsumer(Consumer):
@@ -108,18 +112,14 @@ class StatsConsumer(Consumer):
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
         """This request's figures per port (rows, mean L2 norm, max |x|)."""
-        per_key = self._acc.get((request.request_id, request.sample_index), {})
-        return {key: _figures(r, s, m) for key, (r, s, m) in per_key.items()}
+        return _figures(self._acc.get((request.request_id, request.sample_index), {}))
 
     @classmethod
     def result_bytes(cls, config: StatsConfig, request: PlannedRequest) -> int:
         return 128 * len(config.layers)  # three numbers per port
 
     def result(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for (rid, sample), per_key in sorted(self._acc.items()):
-            out[f"{rid}/{sample}"] = {key: _figures(r, s, m) for key, (r, s, m) in per_key.items()}
-        return out
+        return {f"{rid}/{s}": _figures(per_key) for (rid, s), per_key in sorted(self._acc.items())}
 
     @classmethod
     def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:

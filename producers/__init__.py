@@ -1,19 +1,6 @@
-"""Built-in producers: they name the engine taps each port needs and read them per step.
-
-One file per port family; each registers through the ``tllm_producers`` hook
-(:mod:`producers.plugin`), exactly as a third-party producer would. The ports declared
-here (beside the core's ``HiddenStates``, ``Logits``, ``SampledTokens``):
-
-- :class:`~producers.attention.AttentionOutput` (``attn.{i}``)
-- :class:`~producers.mlp.MlpOutput` (``mlp.{i}``)
-- :class:`~producers.router.RouterLogits` (``router.{i}``), :class:`~producers.router.RouterTopK`
-  (``router_topk.{i}``), :class:`~producers.router.RouterWeights` (``router_weights.{i}``): MoE
-  routing
-
-The names are imported on first use (PEP 562): loading the entry point ``producers.plugin``
-(which imports this package first) imports no torch, so ``tllm --help`` and a bad consumer
-config stay fast.
-"""
+"""Built-in producers, one file per port family, registered through ``tllm_producers``
+(:mod:`producers.plugin`) as a third-party one would be. Names import on first use (PEP 562), so
+loading the entry point imports no torch."""
 
 from __future__ import annotations
 

@@ -7,10 +7,8 @@ from tllm_core import LayerPort, LayerProducer
 
 
 class AttentionOutput(LayerPort):
-    """Self-attention output of decoder layer ``layer`` (negative counts from the end).
-
-    Bundle key: ``"attn.{absolute index}"``. Editable through ``Edit(AttentionOutput(i))``.
-    """
+    """Self-attention output of decoder layer ``layer`` (``"attn.{i}"``; negative counts from
+    the end); editable through ``Edit(AttentionOutput(i))``."""
 
     prefix = "attn"
 

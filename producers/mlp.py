@@ -7,10 +7,8 @@ from tllm_core import LayerPort, LayerProducer
 
 
 class MlpOutput(LayerPort):
-    """MLP output of decoder layer ``layer`` (negative counts from the end).
-
-    Bundle key: ``"mlp.{absolute index}"``. Editable through ``Edit(MlpOutput(i))``.
-    """
+    """MLP output of decoder layer ``layer`` (``"mlp.{i}"``; negative counts from the end);
+    editable through ``Edit(MlpOutput(i))``."""
 
     prefix = "mlp"
 

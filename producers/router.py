@@ -1,17 +1,6 @@
-"""MoE routing ports of a decoder layer: the router logits and the experts chosen from them.
-
-- :class:`RouterLogits` (``router.{i}``): ``[rows, experts]`` fp32 logits of the layer's MoE
-  router, before softmax and top-k; editable (``Edit(RouterLogits(i))``): the edited logits are
-  what vLLM's router picks experts from, in the same forward;
-- :class:`RouterTopK` (``router_topk.{i}``): ``[rows, top_k]`` int64 ids of the chosen experts,
-  heaviest first;
-- :class:`RouterWeights` (``router_weights.{i}``): ``[rows, top_k]`` fp32 weights of those
-  experts, in the same order.
-
-The chosen experts are computed here from the captured logits as vLLM's router does (softmax,
-top-k, renormalised when the model's router renormalises, e.g. Qwen3-MoE's ``norm_topk_prob``),
-with the router's settings the bridge read at install (``StepCapture.tap_info``).
-"""
+"""MoE routing ports of a decoder layer: :class:`RouterLogits` (editable) and the experts chosen
+from them (:class:`RouterTopK`, :class:`RouterWeights`), computed as vLLM's router does with the
+settings the bridge read at install (``StepCapture.tap_info``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from consumers.export import format as fmt
 from consumers.export import report
-from consumers.export.tokens import rows_to_write
+from consumers.export.requests import rows_to_write
 from consumers.export.writer import TORCH_DTYPES, RecordWriter, output_layout
 from tllm_core import (
     Bundle,
@@ -148,7 +148,6 @@ class ExportConsumer(Consumer):
         self.dtype = TORCH_DTYPES[config.dtype]
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
-        self._fixed: set[str] = set()  # keys whose width the first rows fixed (_width)
         # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
         self.files: RecordWriter | None = None
@@ -175,10 +174,9 @@ class ExportConsumer(Consumer):
                     f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        columns = {k: (self.hidden_size, self.dtype) for k in keys}
         self.files = RecordWriter(
             layout,
-            columns,
+            {},  # fixed by each key's first rows (_width)
             self.shard_rows,
             config.overwrite,
             self._manifest_fields,
@@ -239,7 +237,8 @@ class ExportConsumer(Consumer):
         keep = rows_to_write(rows, self.phase, self.counters)
         for info, start, stop in rows.runs():
             if info.wants_result(self.name):
-                self._return_rows(info, bundle, keep, positions, tokens, start, stop)
+                sel = np.nonzero(keep[start:stop])[0] + start
+                self._return_rows(info, bundle, sel, positions, tokens)
         row_request = self._note(rows.requests, positions, tokens)
         if row_request is None or not keep.any():
             return
@@ -256,16 +255,8 @@ class ExportConsumer(Consumer):
         self._sync_counters(before)
 
     def _return_rows(
-        self,
-        info: RequestInfo,
-        bundle: Bundle,
-        keep: np.ndarray,
-        positions: np.ndarray,
-        tokens: np.ndarray,
-        start: int,
-        stop: int,
+        self, info: RequestInfo, bundle: Bundle, sel: np.ndarray, pos: np.ndarray, ids: np.ndarray
     ) -> None:
-        sel = np.nonzero(keep[start:stop])[0] + start
         if sel.size == 0:
             return
         at = torch.from_numpy(sel)
@@ -273,9 +264,7 @@ class ExportConsumer(Consumer):
         for k in self.keys:
             t = bundle.hidden[k].index_select(0, at.to(bundle.hidden[k].device))
             hidden[k] = t.to("cpu", self.dtype if t.is_floating_point() else torch.int64, copy=True)
-        self._returned.add(
-            info.engine_id, positions=positions[sel], token_ids=tokens[sel], **hidden
-        )
+        self._returned.add(info.engine_id, positions=pos[sel], token_ids=ids[sel], **hidden)
         self.counters.add("rows_returned", int(sel.size))
 
     def _width(self, key: str, t: torch.Tensor) -> int:
@@ -283,8 +272,7 @@ class ExportConsumer(Consumer):
         number of experts or top-k; floats are stored as the config's dtype, ids as int64."""
         if self.writer is None:
             return int(t.shape[-1])
-        if key not in self._fixed:
-            self._fixed.add(key)
+        if key not in self.writer.columns:
             dtype = self.dtype if t.is_floating_point() else torch.int64
             self.writer.columns[key] = (int(t.shape[-1]), dtype)
         return self.writer.columns[key][0]

@@ -1,11 +1,6 @@
-"""On-disk layout of an ``export`` directory (see ``docs/export-format.md``).
-
-Kept free of torch-heavy logic so the writer and the reader agree on one definition.
-
-Data parallel: each of the ``N`` engines writes a complete export of its own requests into
-the part folder ``dp{rank}`` of the one output directory (``out/dp0``, ``out/dp1``, ...);
-the reader merges the parts.
-"""
+"""On-disk layout of an ``export`` directory (``docs/export-format.md``), one definition for the
+writer and the reader. Data parallel: each engine writes a complete export of its requests into
+the part folder ``dp{rank}`` of the output directory; the reader merges the parts."""
 
 from __future__ import annotations
 
@@ -30,8 +25,6 @@ POSITION = "position"  # int64: token position within the request's sequence
 TOKEN_ID = "token_id"  # int64: token fed at that position
 IS_DECODE = "is_decode"  # bool: position >= num_prompt_tokens
 ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
-
-DTYPES = ("float32", "float16", "bfloat16")
 
 PART_PATTERN = re.compile(r"^dp(\d+)$")
 
@@ -99,11 +92,9 @@ RUN_ERROR = "run_error"
 
 
 def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
-    """After a fault stopped the engine that wrote the export (or feature record) at ``out``:
-    each of its manifests of this run (``out`` itself and its data-parallel part folders;
-    ``since``: the run's start, ``time.time()``; an older manifest is an earlier export's)
-    says ``complete: false`` and the cause (:data:`RUN_ERROR`). The engine's processes must
-    be gone (none writes any more). Returns the manifests marked."""
+    """After a fault stopped the engine (its processes gone): mark each manifest at ``out`` (and
+    its part folders) written since ``since`` (the run's ``time.time()`` start) ``complete: false``
+    with the cause (:data:`RUN_ERROR`). Returns the manifests marked."""
     root = os.path.abspath(os.path.expanduser(out))
     if not os.path.isdir(root):
         return []
@@ -148,10 +139,9 @@ def columns_entry(columns: dict[str, tuple[int, Any]], hidden_size: int, dtype: 
 
 
 def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request table of the export in directory ``path``: the first
-    ``manifest["requests_closed"]`` lines of its requests file plus the manifest's own
-    ``requests``, in index order (a version-1 manifest holds the whole table itself).
-    Raises ``ValueError`` when the file is short or the indices have gaps."""
+    """The request table of the export in ``path``: the first ``manifest["requests_closed"]``
+    lines of its requests file plus the manifest's ``requests``, in index order. ``ValueError``
+    when the file is short or the indices have gaps."""
     inline = list(manifest["requests"])
     n = int(manifest.get("requests_closed", 0))
     if n == 0:

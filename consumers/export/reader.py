@@ -1,14 +1,8 @@
-"""Read an ``export`` directory back: one record per (request, sample).
+"""Read an ``export`` directory back: one record per (request, sample), one shard at a time.
 
-Only the shards listed in ``manifest.json`` are read (stray ``.tmp`` files and unlisted
-shards from an interrupted run are ignored), one shard at a time: a record is yielded as
-soon as the last shard holding its rows has been read, so memory stays bounded by one
-shard plus the rows of requests still "open" across shard boundaries.
-
-An export written by data-parallel engines holds one complete export per engine in part
-folders ``dp{rank}``; :func:`open_export` / :func:`read_export` merge them
-(:class:`DataParallelExport`).
-"""
+Only the shards the manifest lists are read; a record is yielded once the last shard holding
+its rows is read. A data-parallel export (part folders ``dp{rank}``) is merged
+(:class:`DataParallelExport`)."""
 
 from __future__ import annotations
 
@@ -30,9 +24,8 @@ class ExportFormatError(ValueError):
 
 
 class IncompleteExportWarning(UserWarning):
-    """The export (or feature record) says ``complete: false``: the run was interrupted or
-    is still writing, or it lost data (unfinished requests, missing positions, dropped
-    bundles; see the manifest's ``losses``)."""
+    """The export (or feature record) says ``complete: false``: interrupted, still being
+    written, or it lost data (see the manifest's ``losses``)."""
 
 
 def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
@@ -54,9 +47,8 @@ def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
 
 @dataclass
 class RequestRecord:
-    """What every record of a request written on the export layout holds (this one and the
-    SAE's feature records): its ids, its token sequence (prompt then generated tokens) and
-    its rows' positions, indices into ``token_ids``, with whether each is a decode row."""
+    """What every record on the export layout holds (export and SAE feature records): ids, the
+    token sequence (prompt then generated) and the rows' positions (indices into ``token_ids``)."""
 
     request_id: str
     prompt_index: int
@@ -81,23 +73,16 @@ class RequestRecord:
 
 @dataclass
 class ExportRecord(RequestRecord):
-    """Everything exported for one request (one sample of one prompt).
-
-    ``token_ids``: the full sequence, prompt then generated tokens. ``positions``: the
-    captured positions (sorted, unique), indices into ``token_ids``; row ``j`` of every
-    ``hidden[key]`` (``key`` = ``"layer.{i}"`` with ``i`` absolute, or ``"final"``) is the
-    state at ``positions[j]``, i.e. after feeding ``token_ids[positions[j]]``.
-    """
+    """Everything exported for one request (one sample of one prompt): row ``j`` of each
+    ``hidden[key]`` (``"layer.{i}"``, ``"final"``, ...) is the state after feeding
+    ``token_ids[positions[j]]``."""
 
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
 
 
 class ExportReader:
-    """An export directory: its manifest, request table and shards.
-
-    Formats built on the same layout subclass it and set ``format_name`` /
-    ``format_version`` and :meth:`tensor_name`.
-    """
+    """An export directory: its manifest, request table and shards (formats on the same layout
+    subclass it)."""
 
     format_name = fmt.FORMAT_NAME
     format_version = fmt.FORMAT_VERSION
@@ -238,8 +223,7 @@ class ExportReader:
         return ExportRecord(**fields, positions=pos, is_decode=dec, hidden=data)
 
     def __iter__(self) -> Iterator[ExportRecord]:
-        """Records in the order their last shard is read (ties: request-table order);
-        requests without captured rows come last."""
+        """Records in the order their last shard is read; requests without rows come last."""
         n_req = len(self.requests)
         last = [-1] * n_req
         for i in range(len(self.shards)):
@@ -292,10 +276,8 @@ def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
 
 
 class DataParallelExport:
-    """An export written by data-parallel engines: one complete export per engine, in the
-    part folders ``dp{rank}`` of ``path``. Iterating yields the records of every part, part
-    by part in rank order (each record's ``data_parallel_rank`` names its engine); the keys,
-    hidden size and dtype are those of every part (they must agree)."""
+    """An export written by data-parallel engines, one part folder ``dp{rank}`` each: iterating
+    yields each part's records in rank order (``data_parallel_rank`` names the engine)."""
 
     def __init__(self, path: str | os.PathLike, parts: list[tuple[int, ExportReader]]):
         self.path = os.fspath(path)
@@ -356,9 +338,8 @@ class DataParallelExport:
 def open_export(
     path: str | os.PathLike, verify: bool = False, reader: type[ExportReader] = ExportReader
 ) -> ExportReader | DataParallelExport:
-    """The export at ``path``: one export (its ``manifest.json``), or the parts a
-    data-parallel run wrote (``dp{rank}/manifest.json``) merged. ``reader`` reads one
-    export (formats built on this layout pass their subclass)."""
+    """The export at ``path``: one export, or the parts of a data-parallel run merged. ``reader``
+    reads one export (formats on this layout pass their subclass)."""
     root = os.fspath(path)
     if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
         parts = export_parts(root)
@@ -368,11 +349,7 @@ def open_export(
 
 
 def read_export(path: str | os.PathLike, verify: bool = False) -> Iterator[ExportRecord]:
-    """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``.
-
-    The manifest is read (and checked) at once; shards are read one at a time, as the
-    records are consumed, in the order their last shard is read. A data-parallel export
-    (part folders ``dp{rank}``) yields the records of every part, part by part.
-    ``verify=True`` checks each shard's sha256 against the manifest first.
-    """
+    """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``, reading
+    one shard at a time (a data-parallel export: part by part). ``verify=True`` checks each
+    shard's sha256 against the manifest first."""
     return iter(open_export(path, verify=verify))

@@ -1,16 +1,7 @@
-"""The request table of an export-layout record (``export``, ``sae`` features), bounded.
-
-Only the requests still running are held in memory. A request's finish notice closes it:
-its entry is appended to ``requests.jsonl`` at the next manifest write (which follows the
-durable write of the shard holding its last rows) and forgotten. Each manifest rewrite then
-carries the open requests only, plus how many lines of ``requests.jsonl`` it vouches for;
-without this a long-running server kept every token id it ever saw and rewrote them all after
-each shard (memory and disk writes growing with the number of requests served). After a
-failed write (``failed``) no line is added: a request whose rows may not have been written
-stays in the manifest itself.
-
-Not thread-safe: the owner calls it under its own lock.
-"""
+"""The request table of an export-layout record (``export``, ``sae`` features), bounded: only
+running requests are held in memory; a finished one's entry is appended to ``requests.jsonl``
+at the next manifest write (after the shard holding its last rows) and forgotten, so memory and
+manifest rewrites do not grow with the requests served. Not thread-safe: the owner locks."""
 
 from __future__ import annotations
 
@@ -19,9 +10,89 @@ import os
 from collections.abc import Callable
 from typing import IO, Any
 
+import numpy as np
+
 from consumers.export import format as fmt
-from consumers.export.tokens import RequestTokens
-from tllm_core import Phase, window_text
+from tllm_core import Counters, Phase, RowInfo, row_mask, window_text
+
+
+class RequestTokens:
+    """One request's entry in the request table plus its token sequence so far, and which
+    positions' rows were delivered (``fed``: a prompt position whose row never came, e.g. a
+    prefix-cache hit, has its token id from the request but no row)."""
+
+    __slots__ = ("index", "info", "tokens", "fed", "length")
+
+    def __init__(self, index: int, info: Any):
+        self.index = index
+        self.info = info
+        size = max(16, int(info.num_prompt_tokens) + 16)
+        self.tokens = np.full(size, -1, np.int64)
+        self.fed = np.zeros(size, np.bool_)
+        self.length = 0
+        prompt = getattr(info, "prompt_token_ids", None)
+        if prompt is not None:
+            self._store(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
+
+    def _grow(self, end: int) -> None:
+        if end > self.tokens.shape[0]:
+            size = max(end, 2 * self.tokens.shape[0])
+            tokens, fed = np.full(size, -1, np.int64), np.zeros(size, np.bool_)
+            tokens[: self.length] = self.tokens[: self.length]
+            fed[: self.length] = self.fed[: self.length]
+            self.tokens, self.fed = tokens, fed
+
+    def _store(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        if positions.size == 0:
+            return
+        end = int(positions.max()) + 1
+        self._grow(end)
+        self.tokens[positions] = tokens
+        self.length = max(self.length, end)
+
+    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Rows delivered at ``positions`` (feeding ``tokens``)."""
+        if positions.size == 1:  # a decode row: the common case, kept cheap
+            self.put_one(int(positions[0]), int(tokens[0]))
+            return
+        self._store(positions, tokens)
+        self.fed[positions] = True
+
+    def put_one(self, position: int, token: int) -> None:
+        self._grow(position + 1)
+        self.tokens[position] = token
+        self.fed[position] = True
+        if position >= self.length:
+            self.length = position + 1
+
+    def missing(self, phase: Any, window: Any = None) -> int:
+        """Positions with no token id, plus prompt positions ``phase`` (and the request's own
+        ``window``, when it sets one) selects whose rows never came."""
+        n_prompt = int(self.info.num_prompt_tokens)
+        n = min(n_prompt, self.length)
+        pos = np.arange(n, dtype=np.int64)
+        prompt = np.zeros(n, np.bool_)
+        wanted = row_mask(phase, prompt, pos, lambda: np.full(n, n_prompt, np.int64))
+        if window is not None:
+            wanted &= row_mask(window, prompt, pos, lambda: np.full(n, n_prompt, np.int64))
+        return int((self.tokens[: self.length] < 0).sum()) + int((wanted & ~self.fed[:n]).sum())
+
+
+def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
+    """Mask of the rows ``phase`` (a Phase or a capture window) selects that are not
+    recomputation after a preemption (those are counted in ``rows_skipped_recomputed``:
+    their position was written already)."""
+    wanted = row_mask(
+        phase,
+        np.asarray(rows.is_decode, np.bool_),
+        rows.position,
+        rows.prompt_lengths,
+    )
+    recomputed = np.asarray(rows.recomputed, np.bool_)
+    skipped = int((wanted & recomputed).sum())
+    if skipped:
+        counters.add("rows_skipped_recomputed", skipped)
+    return wanted & ~recomputed
 
 
 def entry(
@@ -53,12 +124,9 @@ def entry(
 
 
 class RequestTable:
-    """Open requests in memory, closed ones in ``{path}/requests.jsonl``.
-
-    ``prepare`` creates the directory (the shard writer's first-write step); it runs before
-    the first line is written, and only for a request that had data. ``owner``: the
-    consumer whose per-request capture windows (``tllm_{name}_window``) narrow its rows.
-    """
+    """Open requests in memory, closed ones in ``{path}/requests.jsonl``. ``prepare`` creates
+    the directory before the first line is written; ``owner``: the consumer whose per-request
+    capture windows (``tllm_{name}_window``) narrow its rows."""
 
     def __init__(
         self,
@@ -159,10 +227,9 @@ class RequestTable:
         }
 
     def manifest_fields(self) -> dict[str, Any]:
-        """A manifest's ``losses`` and table: the open requests inline, the closed ones as
-        the first ``requests_closed`` lines of the file (made durable here, before the
-        manifest that names them; called once the shards are written). After a failed
-        write the finished requests not in the file yet stay inline."""
+        """A manifest's ``losses`` and table: open requests inline, closed ones as the first
+        ``requests_closed`` lines of the file (made durable here, before the manifest naming them).
+        After a failed write the finished requests not in the file yet stay inline."""
         if self._failed() is None:
             self._write_pending()
         opened = self._open_entries()

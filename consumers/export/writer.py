@@ -1,16 +1,7 @@
-"""Shard writer of the ``export`` consumer: a bounded row buffer and atomic file writes.
-
-At most one shard of rows is held in memory. Each shard is written to a ``.tmp`` name
-in the output directory, fsynced and renamed into place; the manifest is then
-rewritten the same way, so at any moment the directory holds complete shards and a
-manifest that lists exactly the complete shards it names.
-
-A write that fails (a full disk, an I/O error, a permission lost mid-run) is
-:class:`ExportWriteError`, naming the file: the rows it held and every later row are
-dropped and counted (``rows_unwritten``), and the manifest then says ``complete: false`` with
-the cause (``error``); when not even that manifest can be written and none is on disk, the
-error says that nothing in the directory is an export.
-"""
+"""Shard writer of the export layout: at most one shard of rows buffered; each shard, then the
+manifest, written to ``.tmp``, fsynced and renamed, so the directory always holds complete shards
+and a manifest naming exactly those. A failed write is :class:`ExportWriteError` naming the file;
+later rows are dropped (``rows_unwritten``) and the manifest says ``complete: false`` and why."""
 
 from __future__ import annotations
 
@@ -48,12 +39,9 @@ def _cause(e: BaseException) -> str:
 
 
 def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
-    """Validate ``out`` without creating anything; returns its absolute path.
-
-    Raises ``ValueError`` naming the path when it is a file, lies under a file, is not
-    writable, or is a non-empty directory while ``overwrite`` is off. Data-parallel part
-    folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own).
-    """
+    """Check ``out`` without creating anything; its absolute path. ``ValueError`` naming it when
+    it is (or lies under) a file, is not writable, or is non-empty without ``overwrite``; part
+    folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own)."""
     if not out or not str(out).strip():
         raise ValueError("export: 'out' must be a directory path, got an empty string")
     path = os.path.abspath(os.path.expanduser(str(out)))
@@ -120,9 +108,8 @@ class OutputLayout:
 
     def clean_root(self) -> None:
         """With ``overwrite``, before the first write: remove what an earlier export left in
-        ``root`` that this one does not replace itself (top-level files under data parallel,
-        part folders of ranks this export does not have). Every engine does it (an engine
-        that gets no request never writes), tolerating the others doing the same."""
+        ``root`` that this one does not replace (top-level files under data parallel, part folders of
+        ranks it does not have). Every engine does it, tolerating the others doing the same."""
         if not self.overwrite or not os.path.isdir(self.root):
             return
         if self.dp_size > 1:
@@ -170,7 +157,6 @@ class ShardWriter:
         tensor name and ``format_name`` goes into each shard's metadata. ``before_first_write``
         runs once, before the directory is created (:meth:`OutputLayout.clean_root`)."""
         self.path = path
-        self.keys = list(columns)
         self.columns = columns
         self.tensor_name = tensor_name
         self.format_name = format_name
@@ -192,7 +178,10 @@ class ShardWriter:
         self._hidden: dict[str, torch.Tensor] = {}
         self._meta: dict[str, np.ndarray] = {}
 
-    # -- buffer ---------------------------------------------------------------------------
+    @property
+    def keys(self) -> list[str]:
+        return list(self.columns)
+
     @property
     def buffered(self) -> int:
         return self._fill
@@ -412,14 +401,10 @@ class RecordWriter:
     ) -> np.ndarray:
         """Token ids fed (or sampled) at ``positions``; returns each row's request index."""
         index = np.empty(len(requests), np.int64)
-        pos, tok = positions.tolist(), tokens.tolist()  # Python ints: cheap per-row access
         with self.lock:
             for info, start, stop in request_runs(requests):
                 req = self.table.get(info)
-                if stop - start == 1:  # a decode row
-                    req.put_one(pos[start], tok[start])
-                else:
-                    req.put(positions[start:stop], tokens[start:stop])
+                req.put(positions[start:stop], tokens[start:stop])
                 index[start:stop] = req.index
         return index
 

@@ -1,24 +1,17 @@
-"""``sae``: encode activations at one site with a sparse autoencoder while vLLM serves.
-
-Reads the site (the residual stream after a layer, or a layer's attention / MLP output:
-``consumers/sae/site.py``), encodes every row with the SAE on the background thread, counts a
-summary (rows, mean L0, watched features' firing rates, relative reconstruction error),
-optionally records each row's ``top_k`` features (``out``), and steers by feature
-before the forward (``steer``). Per request: ``tllm_sae_steer`` / ``tllm_sae_record``
-(see ``consumers/sae/request.py``).
-"""
+"""``sae``: encode one site's activations with a sparse autoencoder while vLLM serves: summary
+counters, optional top-k feature records (``out``) and steering by feature (``steer``), per
+request too (``consumers/sae/request.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from consumers.export.tokens import rows_to_write
+from consumers.export.requests import rows_to_write
 from consumers.export.writer import output_layout
 from consumers.sae.config import SaeConfig
 from consumers.sae.features_writer import FeatureWriter, bytes_per_row
@@ -109,25 +102,20 @@ class SaeConsumer(Consumer):
             "features": np.zeros((0, k), np.int64),
             "values": np.zeros((0, k), np.float32),
         }
-        self._dev = model.device if model.device.type != "meta" else torch.device("cpu")
-        self.sae_dev = sae if self._dev.type == "cpu" else sae.to(self._dev)
-        # Edit port: always for residual sites (per-request steering needs it declared now);
-        # for attn/mlp only where the core has one.
-        self._clamps = clamps_of(config.steer)
-        self._clamp = _Clamp(self.sae_dev, self._clamps) if self._clamps else None
-        self._edit_port: WritePort | None = edit_port(self.site, self._clamp)
+        dev = model.device if model.device.type != "meta" else torch.device("cpu")
+        self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
+        clamps = clamps_of(config.steer)
+        self._clamp = _Clamp(self.sae_dev, clamps) if clamps else None
+        # Declared even without steering in the config: a request may steer.
+        self._edit_port = edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
-        self._settings: dict[str, Any] = {}  # engine_id -> validated settings / None / _INVALID
+        self._settings: dict[str, Any] = {}  # engine_id -> validated settings or _INVALID
         self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
-        self._lock = threading.Lock()
         self.writer: FeatureWriter | None = None
         if config.out is not None:
             # Data parallel: this engine writes its own part folder (out/dp{rank}).
             layout = output_layout(
-                config.out,
-                config.overwrite,
-                context.data_parallel_rank,
-                context.data_parallel_size,
+                config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
             )
             self.writer = FeatureWriter(
                 layout.path,
@@ -161,20 +149,19 @@ class SaeConsumer(Consumer):
         }
 
     def _request_settings(self, req: RequestInfo) -> Any:
-        """Validated settings of ``req`` (cached), ``None`` or ``_INVALID``."""
-        got = self._settings.get(req.engine_id, _MISSING)
-        if got is not _MISSING:
-            return got
-        try:
-            # The same validation as the front end's (feature range, no clamps): a failure
-            # here means the request bypassed it.
-            settings = req.settings(self)
-        except ValueError as e:
-            self.counters.add("invalid_request_settings")
-            log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
-            settings = _INVALID
-        self._settings[req.engine_id] = settings
-        return settings
+        """Validated settings of ``req`` (cached), or ``_INVALID``."""
+        got = self._settings.get(req.engine_id)
+        if got is None:
+            try:
+                # The same validation as the front end's (feature range, no clamps): a failure
+                # here means the request bypassed it.
+                got = req.settings(self)
+            except ValueError as e:
+                self.counters.add("invalid_request_settings")
+                log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
+                got = _INVALID
+            self._settings[req.engine_id] = got
+        return got
 
     def _clamped(self, req: RequestInfo) -> bool:
         """Whether the config's clamps apply to ``req`` (a request's own 'steer' replaces
@@ -182,30 +169,23 @@ class SaeConsumer(Consumer):
         if self._clamp is None:
             return False
         s = self._request_settings(req)
-        return s is not _INVALID and (s is None or s.steer is None)
+        return s is not _INVALID and s.steer is None
 
     def _steer_vector(self, req: RequestInfo) -> torch.Tensor | None:
-        if req.engine_id in self._vectors:
-            return self._vectors[req.engine_id]
-        s = self._request_settings(req)
-        if s is _INVALID:
-            vec = None
-        elif s is not None and s.steer is not None:
-            vec = self._vector(s.steer)
-        else:
-            vec = self._config_vector
-        if vec is not None and not bool(vec.any()):
-            vec = None  # an all-zero vector (scale 0) changes nothing: not planned, not counted
-        self._vectors[req.engine_id] = vec
-        return vec
+        if req.engine_id not in self._vectors:
+            s = self._request_settings(req)
+            if s is _INVALID:
+                vec = None
+            else:
+                vec = self._config_vector if s.steer is None else self._vector(s.steer)
+            if vec is not None and not bool(vec.any()):
+                vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
+            self._vectors[req.engine_id] = vec
+        return self._vectors[req.engine_id]
 
     def _records(self, req: RequestInfo) -> bool:
         s = self._request_settings(req)
-        if s is _INVALID:
-            return False
-        if s is not None and s.record is not None:
-            return bool(s.record) and self.writer is not None
-        return self.writer is not None
+        return self.writer is not None and s is not _INVALID and s.record is not False
 
     # -- ports ----------------------------------------------------------------------------
     def reads(self) -> list[ReadPort]:
@@ -215,7 +195,7 @@ class SaeConsumer(Consumer):
         return [read_port(self.site, Phase.ALL), SampledTokens(Phase.ALL)]
 
     def writes(self) -> list[WritePort]:
-        return [self._edit_port] if self._edit_port is not None else []
+        return [self._edit_port]
 
     # -- steering (engine thread, before the forward) ------------------------------------
     def _count_clamped(self) -> None:
@@ -225,7 +205,7 @@ class SaeConsumer(Consumer):
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         self._count_clamped()  # the previous forward's, before this step's
         n = len(rows)
-        if n == 0 or self._edit_port is None:
+        if n == 0:
             return
         idx: list[np.ndarray] = []
         vecs: list[torch.Tensor] = []
@@ -250,9 +230,6 @@ class SaeConsumer(Consumer):
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     # -- encoding (end of step on the engine thread, or the background thread) ---------------
-    def _sae_for(self, device: torch.device) -> SparseAutoencoder:
-        return self.sae if device.type == "cpu" else self.sae_dev
-
     def on_bundle(self, bundle: Bundle) -> None:
         rows = bundle.rows
         n = len(rows)
@@ -279,7 +256,7 @@ class SaeConsumer(Consumer):
         if sel.size == 0:
             return
         xs = x if sel.size == n else x.index_select(0, torch.from_numpy(sel).to(x.device))
-        sae = self._sae_for(xs.device)
+        sae = self.sae if xs.device.type == "cpu" else self.sae_dev
         with torch.no_grad():
             codes = _Codes.encode(sae, xs, self.config.watch)
             m = int(sel.size)
@@ -354,17 +331,12 @@ class SaeConsumer(Consumer):
         ids: np.ndarray,
         among: np.ndarray | None = None,
     ) -> None:
-        """Token ids of the requests that record (only those enter the feature records);
-        only the rows in the mask ``among`` when given."""
+        """Token ids of the rows (in the mask ``among`` when given) of requests that record."""
         if among is not None and not among.any():
             return
         rec = np.fromiter((self._records(r) for r in requests), np.bool_, len(requests))
-        if among is not None:
-            rec &= among
-        if rec.all():
-            self.writer.note_tokens(requests, pos, ids)
-        elif rec.any():
-            sel = np.nonzero(rec)[0]
+        sel = np.nonzero(rec if among is None else rec & among)[0]
+        if sel.size:
             self.writer.note_tokens([requests[j] for j in sel], pos[sel], ids[sel])
 
     def on_request_finished(self, request: RequestInfo) -> None:
@@ -417,14 +389,9 @@ class SaeConsumer(Consumer):
         return out
 
 
-_MISSING = object()
-
-
 class _Codes:
-    """One step's SAE activations of the selected rows, in the cheapest form the
-    architecture allows (``topk``: k codes per row; otherwise dense), with the summary
-    figures ``stats`` = [active features, squared reconstruction error, squared input norm,
-    rows where each watched feature fired] as one tensor."""
+    """One step's SAE activations of the selected rows (``topk``: k codes per row, else dense)
+    and ``stats`` = [active features, squared error, squared input norm, watched firings]."""
 
     def __init__(self, dense, codes, stats):
         self.dense, self.codes, self.stats = dense, codes, stats

@@ -15,13 +15,8 @@ from consumers.sae import features_writer as fw
 
 @dataclass
 class FeatureRecord(RequestRecord):
-    """The features recorded for one request (one sample of one prompt).
-
-    ``token_ids``: the full sequence (prompt, then generated tokens). Row ``j`` of
-    ``indices`` / ``values`` (``[rows, top_k]``, sorted by value, index ``-1`` and value 0 in
-    unused slots) belongs to ``positions[j]``: the SAE's features of the activation after
-    feeding ``token_ids[positions[j]]``.
-    """
+    """The features recorded for one request: row ``j`` of ``indices`` / ``values``
+    (``[rows, top_k]``, by value, ``-1``/0 in unused slots) belongs to ``positions[j]``."""
 
     indices: torch.Tensor  # int32 [rows, top_k]
     values: torch.Tensor  # fp16/fp32 [rows, top_k]
@@ -31,7 +26,6 @@ class FeatureReader(ExportReader):
     """A feature directory: manifest (``format: tllm-sae-features``), requests, shards."""
 
     format_name = fw.FORMAT_NAME
-    format_version = fw.FORMAT_VERSION
 
     def tensor_name(self, key: str) -> str:
         return fw.tensor_name(key)

@@ -1,12 +1,6 @@
-"""Sparse feature records on disk: the export layout with ``indices``/``values`` columns.
-
-Same directory layout as ``export`` (``manifest.json`` + atomic ``shard-NNNNN.safetensors``,
-see ``docs/export-format.md``), written by the same :class:`RecordWriter`. A shard holds
-per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` in unused slots), ``values``
-(fp16 or fp32 ``[rows, top_k]``) and the export's row tensors (``row_request``,
-``position``, ``token_id``, ``is_decode``). The manifest's ``format`` is
-``tllm-sae-features``; it carries the export's request table plus the SAE's description.
-"""
+"""Sparse feature records: the export layout (``docs/export-format.md``, format
+``tllm-sae-features``) with per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` unused) and
+``values`` (fp16/fp32), written by the export's :class:`RecordWriter`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""Read and write SAEs in SAELens's on-disk layout.
-
-A folder holding ``cfg.json`` (the SAE's config: ``architecture``, ``d_in``, ``d_sae``,
-``apply_b_dec_to_input``, ``normalize_activations``, ``k`` for top-k, ...) and
-``sae_weights.safetensors`` (``W_enc [d_in, d_sae]``, ``b_enc [d_sae]``,
-``W_dec [d_sae, d_in]``, ``b_dec [d_in]``, plus ``threshold [d_sae]`` for JumpReLU;
-older JumpReLU checkpoints store ``log_threshold`` instead). Configs written by SAELens
-before 6.0 (``activation_fn_str``, boolean ``normalize_activations``) are read too.
-
-Every problem raises :class:`SAEFileError` (a ``ValueError``) naming the file, the field
-or tensor, and what is allowed.
-"""
+"""Read and write SAEs in SAELens's folder layout (``cfg.json`` + ``sae_weights.safetensors``,
+SAELens < 6.0 configs too). Every problem is :class:`SAEFileError` (a ``ValueError``) naming
+the file, the field or tensor, and what is allowed."""
 
 from __future__ import annotations
 
@@ -144,11 +135,8 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_sae(path: str | os.PathLike, d_model: int | None = None) -> SparseAutoencoder:
-    """Load and check the SAE in folder ``path`` (fp32, CPU).
-
-    ``d_model``: the width of the activations it will read; a different ``d_in`` is an
-    error. Raises :class:`SAEFileError` naming what is wrong.
-    """
+    """Load and check the SAE in folder ``path`` (fp32, CPU); ``d_model``: the width it will
+    read (another ``d_in`` is an error)."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not os.path.isdir(path):
         raise SAEFileError(f"SAE path {path!r} is not a directory (expected a SAELens folder)")

@@ -1,14 +1,6 @@
-"""A sparse autoencoder's encode/decode math, as SAELens defines it for inference.
-
-Architectures: ``standard`` (ReLU), ``jumprelu`` (ReLU, zeroed where the pre-activation
-is not above ``threshold``) and ``topk`` (the ``k`` largest pre-activations, ReLU'd).
-Input preprocessing follows the config: optional activation normalization
-(``layer_norm``, ``constant_norm_rescale``), then ``x - b_dec`` when
-``apply_b_dec_to_input``. Decoding undoes the normalization with the statistics of the
-row that was encoded, so :meth:`encode` returns them alongside the activations.
-
-Everything is computed in fp32 whatever the weights' storage dtype.
-"""
+"""A sparse autoencoder's encode/decode math, as SAELens defines it for inference (``standard``,
+``jumprelu``, ``topk``; optional input normalization, undone when decoding with the encoded
+rows' statistics). Everything is computed in fp32 whatever the weights' dtype."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Per-request settings of the ``sae`` consumer (vllm_xargs keys ``tllm_sae_{field}``).
-
-``tllm_sae_steer``: the steering entries for this request, replacing the config's
-``steer`` (``[]`` turns steering off for it); ``tllm_sae_record``: record this request's
-features (``false`` skips it; needs ``out`` in the config); ``tllm_sae_window``: the rows of
-this request to encode and record, a capture window within the config's ``phase``. Unset
-fields keep the config's behaviour. Feature indices are checked against the SAE the consumer's config names
-(its ``cfg.json``), so the server answers 400 to an index out of range.
-"""
+"""Per-request settings of the ``sae`` consumer (``tllm_sae_{field}``); feature indices are
+checked against the configured SAE's ``cfg.json``, so the server answers 400 to a bad one."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The ``site`` an SAE reads and edits: a port name (grammar: :mod:`tllm_core.api.port_names`).
-
-``{i}`` / ``layer.{i}``: the residual stream after decoder layer ``i``; ``attn.{i}`` /
-``mlp.{i}``: the output of layer ``i``'s attention / MLP block. ``final`` is not a site
-(an SAE there could not edit it).
-"""
+"""The ``site`` an SAE reads and edits, a port name: ``{i}``/``layer.{i}`` (residual stream
+after layer ``i``), ``attn.{i}`` or ``mlp.{i}``; not ``final`` (an SAE there could not edit it)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Steering by SAE feature: the entries users write, and the math of each kind.
-
-* ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]`` to every selected row;
-* ``{"feature": f, "clamp": v}`` encodes the row, sets feature ``f`` to ``v``, decodes,
-  and adds the difference of the two reconstructions (the SAE's error term is kept):
-  ``x' = x + decode(a with a_f = v) - decode(a)``.
-
-The clamp edit depends on the row's own activation *before* the edit, which is known
-only inside the forward: :func:`clamp_delta` is the pure function an in-graph edit op
-would run (see ``consumers/sae/site.py``).
-"""
+"""Steering by SAE feature: ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]``;
+``{"feature": f, "clamp": v}`` sets feature ``f`` to ``v`` and adds the difference of the two
+reconstructions, ``x' = x + decode(a with a_f = v) - decode(a)`` (the SAE's error term kept),
+which depends on the row itself and so runs in the forward (``consumers/sae/site.py``)."""
 
 from __future__ import annotations
 
@@ -83,13 +76,9 @@ def clamps_of(entries: list[FeatureSteer]) -> list[tuple[int, float]]:
 def clamp_delta(
     sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
 ) -> torch.Tensor:
-    """What to add to rows ``x [R, d_in]`` so that, seen through the SAE, each clamped
-    feature takes its value: ``decode(a') - decode(a)`` with ``a = encode(x)`` and ``a'``
-    equal to ``a`` except ``a'[:, f] = v``. fp32 ``[R, d_in]``; zero where nothing changes.
-
-    For a top-k SAE the clamped value replaces the feature's activation even if the
-    feature was not among the row's ``k`` (the others are left as encoded).
-    """
+    """``decode(a') - decode(a)`` for rows ``x [R, d_in]``, ``a = encode(x)`` and ``a'`` equal
+    to ``a`` but ``a'[:, f] = v`` per clamp (for a top-k SAE even when ``f`` is not among the
+    row's ``k``). fp32 ``[R, d_in]``."""
     acts, state = sae.encode(x)
     changed = acts.clone()
     for f, v in clamps:

@@ -1,13 +1,7 @@
-"""A tiny SAE trainer (pure torch) for tests and the docs example.
-
-Trains on activations exported by ``tllm export`` (:func:`activations_from_export`), a
-few hundred Adam steps on CPU. Not a research trainer: no resampling, no schedules.
-
-* ``standard``: MSE + ``l1_coefficient`` * sum(|a| * ||W_dec||);
-* ``topk``: MSE only (sparsity comes from ``k``);
-* ``jumprelu``: trained as ``standard``, then each feature's ``threshold`` is set to the
-  ``threshold_quantile`` of its positive activations on the training data.
-"""
+"""A tiny pure-torch SAE trainer for tests and the docs example (a few hundred Adam steps on
+exported activations; no resampling, no schedules). ``standard``: MSE + L1 on decoder-weighted
+activations; ``topk``: MSE only; ``jumprelu``: as ``standard``, then each threshold set to a
+quantile of the feature's positive activations."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""steer's edits that depend on the row's own value, run inside the forward: a clamp of the
-projection onto a direction, and a gate that applies a vector only where a probe fires.
-
-One :class:`SteerTransform` per layer is handed to the runtime as the transform of
-``Edit(HiddenStates(layer), transform=...)``: tensor operations only, on buffers made at
-construction, so it is traced into vLLM's compiled graph like the taps themselves, and
-nothing is read back to the host during a step.
-"""
+"""steer's edits that depend on the row's own value (a clamp, a probe gate), run inside the
+forward as the transform of ``Edit(HiddenStates(layer))``: tensor operations on buffers made at
+construction, so they trace into vLLM's compiled graph and read nothing back per step."""
 
 from __future__ import annotations
 
@@ -14,10 +9,9 @@ from torch import nn
 
 
 class SteerTransform(nn.Module):
-    """One vector's ``add`` (``vector`` already scaled), ``ablate`` or ``clamp`` at a layer,
-    optionally gated: ``fires = (s . probe) > threshold`` (``above=False``: ``<``), computed on
-    the state the transform receives. ``gated`` counts the selected rows where the gate fired
-    (all selected rows when there is no gate), on the device."""
+    """One vector's ``add`` (already scaled), ``ablate`` or ``clamp`` at a layer, optionally
+    gated by ``s . probe > threshold`` (``above=False``: ``<``); ``gated`` counts the rows it
+    edited, on the device."""
 
     def __init__(
         self,

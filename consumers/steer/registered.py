@@ -1,14 +1,7 @@
-"""Vectors registered on a running server (``POST /tllm/consumers/steer/control``).
-
-A registered vector is a :class:`~consumers.steer.consumer.SteerVector` with
-``registered=True``: used only by requests that name it (``tllm_steer_vectors``), removable,
-``add`` or ``ablate`` at a layer the server opened at start (``open_layers``, or a configured
-vector's layer: the edit ports are fixed when the engine starts). The front end checks a
-request (:func:`check_control`) and keeps the names for request validation; the engine
-applies it (``SteerConsumer.control``). With ``keep_dir`` each is kept as one
-``NAME.safetensors`` file (the vector, with its layer, mode and scale as metadata) and loaded
-again at start; without it, registrations end with the server.
-"""
+"""Vectors registered on a running server (``POST /tllm/consumers/steer/control``): ``add`` or
+``ablate`` at a layer opened at start, used only by requests that name them, removable; kept in
+``keep_dir`` when set. The front end checks a request (:func:`check_control`), the engine
+applies it (``SteerConsumer.control``)."""
 
 from __future__ import annotations
 

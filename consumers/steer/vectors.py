@@ -38,13 +38,9 @@ def _pick(tensors: dict, key: str | None, what: str) -> object:
 
 
 def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
-    """Load a 1-D steering vector of size ``hidden_size`` as a float32 CPU tensor.
-
-    ``path`` is a ``.safetensors`` file (one tensor, or ``file.safetensors::key``), a
-    ``.pt``/``.pth`` file (a tensor, or a dict of tensors: one entry, or ``::key``) or a
-    ``.npy`` array. Raises ``ValueError`` naming the file for a missing or unreadable
-    file, an unknown format, a wrong shape or non-finite values.
-    """
+    """A 1-D float32 CPU steering vector of size ``hidden_size`` from a ``.safetensors`` (one
+    tensor, or ``file.safetensors::key``), ``.pt``/``.pth`` (a tensor or a dict, ``::key``) or
+    ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
     file, key = split_key(os.fspath(path))
     what = repr(os.fspath(path))
     if not os.path.exists(file):
