@@ -5,6 +5,7 @@ manifest rewrites do not grow with the requests served. Not thread-safe: the own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -31,39 +32,22 @@ class RequestTokens:
         self.fed = np.zeros(size, np.bool_)
         self.length = 0
         prompt = getattr(info, "prompt_token_ids", None)
-        if prompt is not None:
-            self._store(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64))
+        if prompt is not None:  # the prompt's ids: no row delivered yet
+            self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64), False)
 
-    def _grow(self, end: int) -> None:
-        if end > self.tokens.shape[0]:
-            size = max(end, 2 * self.tokens.shape[0])
-            tokens, fed = np.full(size, -1, np.int64), np.zeros(size, np.bool_)
-            tokens[: self.length] = self.tokens[: self.length]
-            fed[: self.length] = self.fed[: self.length]
-            self.tokens, self.fed = tokens, fed
-
-    def _store(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+    def put(self, positions: np.ndarray, tokens: np.ndarray, fed: bool = True) -> None:
+        """Token ids at ``positions``; ``fed``: their rows were delivered."""
         if positions.size == 0:
             return
         end = int(positions.max()) + 1
-        self._grow(end)
+        if end > self.tokens.shape[0]:
+            n, size = self.length, max(end, 2 * self.tokens.shape[0])
+            self.tokens = np.concatenate([self.tokens[:n], np.full(size - n, -1, np.int64)])
+            self.fed = np.concatenate([self.fed[:n], np.zeros(size - n, np.bool_)])
         self.tokens[positions] = tokens
+        if fed:
+            self.fed[positions] = True
         self.length = max(self.length, end)
-
-    def put(self, positions: np.ndarray, tokens: np.ndarray) -> None:
-        """Rows delivered at ``positions`` (feeding ``tokens``)."""
-        if positions.size == 1:  # a decode row: the common case, kept cheap
-            self.put_one(int(positions[0]), int(tokens[0]))
-            return
-        self._store(positions, tokens)
-        self.fed[positions] = True
-
-    def put_one(self, position: int, token: int) -> None:
-        self._grow(position + 1)
-        self.tokens[position] = token
-        self.fed[position] = True
-        if position >= self.length:
-            self.length = position + 1
 
     def missing(self, phase: Any, window: Any = None) -> int:
         """Positions with no token id, plus prompt positions ``phase`` (and the request's own
@@ -93,34 +77,6 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
     if skipped:
         counters.add("rows_skipped_recomputed", skipped)
     return wanted & ~recomputed
-
-
-def entry(
-    req: RequestTokens,
-    finished: bool,
-    bundles_dropped: int,
-    phase: Any = Phase.ALL,
-    window: Any = None,
-) -> dict[str, Any]:
-    """One request's entry in the table (``docs/export-format.md``); ``phase``: the rows the
-    export keeps, ``window``: the request's own capture window within it, if any (a prompt
-    position they select whose row never came is missing)."""
-    info = req.info
-    tokens = req.tokens[: req.length]
-    extra = {} if window is None else {"window": window_text(window)}
-    return {
-        "index": req.index,
-        "request_id": info.request_id,
-        "engine_id": info.engine_id,
-        "prompt_index": info.prompt_index,
-        "sample_index": info.sample_index,
-        "num_prompt_tokens": info.num_prompt_tokens,
-        "finished": finished,
-        "positions_missing": req.missing(phase, window),
-        "bundles_dropped": bundles_dropped,
-        **extra,
-        "token_ids": tokens.tolist(),
-    }
 
 
 class RequestTable:
@@ -176,8 +132,7 @@ class RequestTable:
         req = self._open.pop(request.engine_id, None)
         if req is None:  # no data reached the record: it has no entry
             return
-        finished = not getattr(request, "cut_short", False)
-        e = entry(req, finished, dropped, self.phase, self._window(req.info))
+        e = self._entry(req, not getattr(request, "cut_short", False), dropped)
         self._closed_losses["requests_unfinished"] += not e["finished"]
         self._closed_losses["positions_missing"] += e["positions_missing"]
         self._pending.append(e)
@@ -190,7 +145,8 @@ class RequestTable:
         if self._file is None:
             self._prepare()
             mode = "a" if self.closed else "w"  # "a": used again after release()
-            self._file = open(self._jsonl(), mode, encoding="utf-8")  # noqa: SIM115 - kept open
+            path = os.path.join(self.path, fmt.REQUESTS_FILE)
+            self._file = open(path, mode, encoding="utf-8")  # noqa: SIM115 - kept open
         self._file.write(
             "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in self._pending)
         )
@@ -199,31 +155,27 @@ class RequestTable:
         self.closed += len(self._pending)
         self._pending = []
 
-    def _window(self, info: Any) -> Any:
-        """The request's own capture window, or None (none set; one the engine could not
-        parse took no row, and the phase's rows count as missing)."""
-        if self._owner is None:
-            return None
-        try:
-            return info.window(self._owner)
-        except ValueError:
-            return None
-
-    def _jsonl(self) -> str:
-        return os.path.join(self.path, fmt.REQUESTS_FILE)
-
-    def _open_entries(self) -> list[dict[str, Any]]:
-        return [
-            entry(r, False, self._dropped.get(e, 0), self.phase, self._window(r.info))
-            for e, r in self._open.items()
-        ]
-
-    def _losses(self, requests: list[dict[str, Any]]) -> dict[str, int]:
+    def _entry(self, req: RequestTokens, finished: bool, dropped: int) -> dict[str, Any]:
+        """One request's entry in the table (``docs/export-format.md``)."""
+        info = req.info
+        # The request's own capture window within the phase; None: none set, or one the
+        # engine could not parse (it took no row, and the phase's rows count as missing).
+        window = None
+        if self._owner is not None:
+            with contextlib.suppress(ValueError):
+                window = info.window(self._owner)
         return {
-            "requests_unfinished": self._closed_losses["requests_unfinished"] + len(requests),
-            "positions_missing": self._closed_losses["positions_missing"]
-            + sum(r["positions_missing"] for r in requests),
-            "bundles_dropped": self.bundles_dropped,
+            "index": req.index,
+            "request_id": info.request_id,
+            "engine_id": info.engine_id,
+            "prompt_index": info.prompt_index,
+            "sample_index": info.sample_index,
+            "num_prompt_tokens": info.num_prompt_tokens,
+            "finished": finished,
+            "positions_missing": req.missing(self.phase, window),
+            "bundles_dropped": dropped,
+            **({} if window is None else {"window": window_text(window)}),
+            "token_ids": req.tokens[: req.length].tolist(),
         }
 
     def manifest_fields(self) -> dict[str, Any]:
@@ -232,8 +184,15 @@ class RequestTable:
         After a failed write the finished requests not in the file yet stay inline."""
         if self._failed() is None:
             self._write_pending()
-        opened = self._open_entries()
-        out: dict[str, Any] = {"losses": self._losses(opened)}
+        opened = [self._entry(r, False, self._dropped.get(e, 0)) for e, r in self._open.items()]
+        closed = self._closed_losses
+        losses = {
+            "requests_unfinished": closed["requests_unfinished"] + len(opened),
+            "positions_missing": closed["positions_missing"]
+            + sum(r["positions_missing"] for r in opened),
+            "bundles_dropped": self.bundles_dropped,
+        }
+        out: dict[str, Any] = {"losses": losses}
         if self.closed:
             out.update(requests_file=fmt.REQUESTS_FILE, requests_closed=self.closed)
         return {**out, "requests": sorted(self._pending + opened, key=lambda e: e["index"])}

@@ -69,8 +69,6 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
             "name": "export",
             "config": {"out": tmp, "layers": [args.layer], "phase": "prefill", "overwrite": True},
         }
-        if args.kv_cache_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
         llm = TllmLLM(
             args.model,
             [spec],
