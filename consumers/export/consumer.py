@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -185,7 +186,6 @@ class ExportConsumer(Consumer):
         )
         self.writer = self.files.shards
 
-    # -- ports ------------------------------------------------------------------------------
     def reads(self) -> list[ReadPort]:
         # Only the rows to write are captured: the prompt's token ids come with each request
         # (RequestInfo.prompt_token_ids).
@@ -193,7 +193,6 @@ class ExportConsumer(Consumer):
         ports.append(SampledTokens(Phase.ALL))
         return ports
 
-    # -- callbacks ------------------------------------------------------------------------
     def on_bundle(self, bundle: Bundle) -> None:
         t = time.perf_counter()
         with self._lock:
@@ -323,7 +322,6 @@ class ExportConsumer(Consumer):
         width = request.hidden_size
         return keys * array_json_bytes(rows * width, itemsize) + 2 * array_json_bytes(rows, 8)
 
-    # -- manifest / results -----------------------------------------------------------------
     def _manifest_fields(self) -> dict[str, Any]:
         assert self.writer is not None
         return {
@@ -337,22 +335,19 @@ class ExportConsumer(Consumer):
 
     def flush(self) -> None:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
-        with self._lock:
-            if self.files is not None and self.files.used:
-                before = len(self.files.shards.shards)
-                try:
-                    self.files.flush()
-                finally:
-                    self._sync_counters(before)
+        self._write(RecordWriter.flush)
 
     def close(self) -> None:
+        self._write(RecordWriter.close)
+
+    def _write(self, step: Callable[[RecordWriter], Any]) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
             if self.files is not None and self.files.used:
                 before = len(self.files.shards.shards)
                 try:
-                    self.files.close()
-                finally:
+                    step(self.files)
+                finally:  # a failed write still counts what was written
                     self._sync_counters(before)
 
     def result(self) -> dict[str, Any]:
@@ -372,7 +367,6 @@ class ExportConsumer(Consumer):
                 **({"error": w.error} if w.error else {}),
             }
 
-    # -- what the command prints and the report shows (consumers/export/report.py) ---------
     @classmethod
     def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
         return report.summary(counters, result)

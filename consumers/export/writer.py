@@ -235,7 +235,6 @@ class ShardWriter:
                 written += 1
         return written
 
-    # -- files ----------------------------------------------------------------------------
     def prepare(self) -> None:
         """Create the directory (first write only); with ``overwrite``, remove old export files."""
         if self._prepared:

@@ -19,13 +19,7 @@ from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import edit_port, parse_site, read_port
-from consumers.sae.steer import (
-    FeatureSteer,
-    apply_clamp,
-    check_features,
-    clamps_of,
-    scale_vector,
-)
+from consumers.sae.steer import FeatureSteer, apply_clamp, check_features, clamps_of, scale_vector
 from tllm_core import (
     Bundle,
     Consumer,
@@ -129,7 +123,6 @@ class SaeConsumer(Consumer):
                 self,
             )
 
-    # -- helpers ------------------------------------------------------------------------
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
         v = scale_vector(self.sae_dev, entries)
         return None if v is None else v.to(self.context.model.dtype)
@@ -187,7 +180,6 @@ class SaeConsumer(Consumer):
         s = self._request_settings(req)
         return self.writer is not None and s is not _INVALID and s.record is not False
 
-    # -- ports ----------------------------------------------------------------------------
     def reads(self) -> list[ReadPort]:
         if self.writer is None:
             return [self._read_port]
@@ -197,7 +189,6 @@ class SaeConsumer(Consumer):
     def writes(self) -> list[WritePort]:
         return [self._edit_port]
 
-    # -- steering (engine thread, before the forward) ------------------------------------
     def _count_clamped(self) -> None:
         if self._clamp is not None:
             self.counters.add("rows_clamped", self._clamp.take_rows())
@@ -229,7 +220,6 @@ class SaeConsumer(Consumer):
         plan.add(self.key, rows_sel, value)
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
-    # -- encoding (end of step on the engine thread, or the background thread) ---------------
     def on_bundle(self, bundle: Bundle) -> None:
         rows = bundle.rows
         n = len(rows)
@@ -351,7 +341,6 @@ class SaeConsumer(Consumer):
         if self.writer is not None:
             self.writer.dropped(requests)  # the bus counts it (bundles_dropped.sae)
 
-    # -- results --------------------------------------------------------------------------
     def close(self) -> None:
         if self.writer is not None:
             wrote = self.writer.close()

@@ -64,7 +64,6 @@ class SparseAutoencoder:
         }
         return replace(self, **moved, metadata=dict(self.metadata))
 
-    # -- input normalization ------------------------------------------------------------
     def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
         """``x`` (any float dtype, ``[R, d_in]``) -> fp32 normalized input and its statistics."""
         x = x.float()
@@ -86,7 +85,6 @@ class SparseAutoencoder:
             y = y + state.mean
         return y
 
-    # -- encode / decode ----------------------------------------------------------------
     def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
         """Encoder pre-activations ``[R, d_sae]`` of raw inputs ``x [R, d_in]``."""
         xn, state = self.normalize(x)
@@ -141,7 +139,6 @@ class SparseAutoencoder:
             y = torch.sparse.mm(acts.to_sparse_csr(), self.W_dec) + self.b_dec
         return self.denormalize(y, state) if state is not None else y
 
-    # -- top-k SAEs: sparse codes without a dense [R, d_sae] tensor ----------------------
     def encode_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, NormState]:
         """A ``topk`` SAE's activations as codes: feature indices ``[R, k]`` (int64) and
         their activations ``[R, k]`` (fp32, 0 where the ReLU zeroed one); :meth:`encode`

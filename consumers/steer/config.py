@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tllm_core import ConsumerConfig, FiniteF32, RequestSettings
 

@@ -161,7 +161,6 @@ class SteerConsumer(Consumer):
             for layer in self.layers
         ]
 
-    # -- selection -------------------------------------------------------------------------
     def _request_state(self, req: RequestInfo) -> _State:
         state = self._req_cache.get(req.engine_id, _MISSING)
         if state is not _MISSING:
@@ -235,7 +234,6 @@ class SteerConsumer(Consumer):
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
 
-    # -- vectors registered on a running server (consumers/steer/registered.py) ---------------
     @classmethod
     def check_control(
         cls, action: str, payload: dict[str, Any], config: SteerConfig
