@@ -81,7 +81,6 @@ class StatsConsumer(Consumer):
             )
             for layer in config.layers
         ]
-        self._max = config.max_requests
         # (request_id, sample_index) -> key -> [rows, sum of norms, max |x|], oldest first
         self._acc: OrderedDict[tuple[str, int], dict[str, list[float]]] = OrderedDict()
 
@@ -105,7 +104,7 @@ class StatsConsumer(Consumer):
         per_key = self._acc.get((rid, sample))
         if per_key is None:
             per_key = self._acc[(rid, sample)] = {}
-            if self._max is not None and len(self._acc) > self._max:
+            if self.config.max_requests is not None and len(self._acc) > self.config.max_requests:
                 self._acc.popitem(last=False)
                 self.counters.add("requests_dropped")
         return per_key

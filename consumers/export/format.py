@@ -77,10 +77,7 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
+        while b := f.read(chunk):
             h.update(b)
             size += len(b)
     return h.hexdigest(), size

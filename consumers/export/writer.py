@@ -51,8 +51,7 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"export: out={out!r} is a directory this process cannot write to")
         with os.scandir(path) as it:
-            entries = sorted(e.name for e in it)
-        entries = [e for e in entries if not _part_below(e, parts_below)]
+            entries = sorted(e.name for e in it if not _part_below(e.name, parts_below))
         if entries and not overwrite:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise ValueError(
@@ -108,8 +107,8 @@ class OutputLayout:
 
     def clean_root(self) -> None:
         """With ``overwrite``, before the first write: remove what an earlier export left in
-        ``root`` that this one does not replace (top-level files under data parallel, part folders of
-        ranks it does not have). Every engine does it, tolerating the others doing the same."""
+        ``root`` that this one does not replace (top-level files under data parallel, part
+        folders of ranks it lacks). Every engine does it, tolerating the others doing so."""
         if not self.overwrite or not os.path.isdir(self.root):
             return
         if self.dp_size > 1:
@@ -130,11 +129,9 @@ def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1)
     creating anything; raises ``ValueError`` as :func:`check_output_dir`."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"export: data-parallel rank {dp_rank} of size {dp_size} is invalid")
-    if dp_size == 1:
-        root = check_output_dir(out, overwrite)
-        return OutputLayout(root, root, 0, 1, overwrite)
-    root = check_output_dir(out, overwrite, parts_below=dp_size)
-    path = check_output_dir(os.path.join(root, fmt.part_name(dp_rank)), overwrite)
+    root = path = check_output_dir(out, overwrite, parts_below=dp_size if dp_size > 1 else 0)
+    if dp_size > 1:
+        path = check_output_dir(os.path.join(root, fmt.part_name(dp_rank)), overwrite)
     return OutputLayout(root, path, dp_rank, dp_size, overwrite)
 
 

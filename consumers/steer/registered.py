@@ -13,19 +13,6 @@ from tllm_core import ControlError
 ADD_FIELDS = frozenset({"name", "layer", "vector", "scale", "mode", "normalize"})
 
 
-def describe(config: SteerConfig) -> list[dict[str, Any]]:
-    return [
-        {
-            "name": v.name,
-            "layer": v.layer,
-            "mode": v.mode,
-            "scale": v.scale,
-            "registered": v.registered,
-        }
-        for v in config.vectors
-    ]
-
-
 def check_control(
     config: SteerConfig, action: str, payload: dict[str, Any]
 ) -> tuple[SteerConfig, Any]:
@@ -33,7 +20,8 @@ def check_control(
     from pydantic import ValidationError
 
     if action == "list":
-        return config, describe(config)
+        shown = ("name", "layer", "mode", "scale", "registered")
+        return config, [{k: getattr(v, k) for k in shown} for v in config.vectors]
     by_name = {v.name: v for v in config.vectors if v.name is not None}
     if action == "remove":
         name = payload.get("name")
