@@ -4,7 +4,6 @@ loading the entry point imports no torch."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from tllm_core.lazy import lazy_getattr
@@ -16,14 +15,11 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionOutput", "MlpOutput", "RouterLogits", "RouterTopK", "RouterWeights"]
 
-_HOME = MappingProxyType(
+__getattr__ = lazy_getattr(
+    __name__,
     {
         "AttentionOutput": "producers.attention",
         "MlpOutput": "producers.mlp",
-        "RouterLogits": "producers.router",
-        "RouterTopK": "producers.router",
-        "RouterWeights": "producers.router",
-    }
+        **dict.fromkeys(("RouterLogits", "RouterTopK", "RouterWeights"), "producers.router"),
+    },
 )
-
-__getattr__ = lazy_getattr(__name__, _HOME)

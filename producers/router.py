@@ -12,25 +12,22 @@ from tllm_core import LayerPort, Producer, ReadPort, StepCapture, TapRequest
 
 
 class RouterLogits(LayerPort):
-    """Router logits of decoder layer ``layer``'s MoE block (negative counts from the end).
-
-    Bundle key: ``"router.{absolute index}"``. Editable through ``Edit(RouterLogits(i))``."""
+    """Router logits of decoder layer ``layer``'s MoE block (``"router.{i}"``; negative counts
+    from the end), fp32 before softmax and top-k; editable through ``Edit(RouterLogits(i))``."""
 
     prefix = "router"
 
 
 class RouterTopK(LayerPort):
-    """Ids of the experts layer ``layer``'s router chose, heaviest first (int64).
-
-    Bundle key: ``"router_topk.{absolute index}"``."""
+    """Ids of the experts layer ``layer``'s router chose, heaviest first (``"router_topk.{i}"``,
+    int64)."""
 
     prefix = "router_topk"
 
 
 class RouterWeights(LayerPort):
-    """Weights of the experts of :class:`RouterTopK`, in its order (fp32).
-
-    Bundle key: ``"router_weights.{absolute index}"``."""
+    """Weights of the experts of :class:`RouterTopK`, in its order (``"router_weights.{i}"``,
+    fp32)."""
 
     prefix = "router_weights"
 

@@ -1,8 +1,5 @@
-"""``export`` consumer: hidden states to sharded safetensors, and the reader for them.
-
-The names are imported on first use (PEP 562): ``tllm --help`` loads this package for the
-``tllm export`` command and imports no torch.
-"""
+"""``export`` consumer: hidden states to sharded safetensors, and the reader for them. Names
+import on first use (PEP 562): ``tllm --help`` loads this package and imports no torch."""
 
 from __future__ import annotations
 

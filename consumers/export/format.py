@@ -4,6 +4,7 @@ the part folder ``dp{rank}`` of the output directory; the reader merges the part
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,18 +59,18 @@ def is_export_file(name: str) -> bool:
     )
 
 
-def fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+def fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fsync(path)
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> tuple[str, int]:

@@ -290,11 +290,7 @@ class ShardWriter:
             },
         )
         digest, size = fmt.sha256_file(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fmt.fsync(tmp)
         os.replace(tmp, final)
         fmt.fsync_dir(self.path)
         return {"file": name, "rows": n, "bytes": size, "sha256": digest}

@@ -378,12 +378,14 @@ class SaeConsumer(Consumer):
         return out
 
 
+@dataclasses.dataclass
 class _Codes:
     """One step's SAE activations of the selected rows (``topk``: k codes per row, else dense)
     and ``stats`` = [active features, squared error, squared input norm, watched firings]."""
 
-    def __init__(self, dense, codes, stats):
-        self.dense, self.codes, self.stats = dense, codes, stats
+    dense: torch.Tensor | None
+    codes: tuple[torch.Tensor, torch.Tensor] | None
+    stats: torch.Tensor
 
     @classmethod
     def encode(cls, sae: SparseAutoencoder, x: torch.Tensor, watch: list[int]) -> _Codes:

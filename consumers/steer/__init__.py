@@ -1,8 +1,5 @@
-"""``steer`` consumer: add or ablate fixed vectors in the residual stream.
-
-The names are imported on first use (PEP 562): ``tllm --help`` loads this package for the
-``tllm steer`` command and imports no torch.
-"""
+"""``steer`` consumer: add, ablate or clamp vectors in the residual stream. Names import on
+first use (PEP 562): ``tllm --help`` loads this package and imports no torch."""
 
 from __future__ import annotations
 
