@@ -176,8 +176,6 @@ class SteerConsumer(Consumer):
     def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """Per vector: its row indices this step and their scales (None: the configured)."""
         n = len(rows)
-        if n == 0:
-            return [(np.zeros(0, np.int64), None) for _ in self.vectors]
         pos = self.config.positions
         if pos == "all":
             base = np.ones(n, np.bool_)
