@@ -1,12 +1,6 @@
 """tllm in vLLM's OpenAI-compatible server, API-server side (active with
-``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`); docs/serving.md.
-
-It checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (HTTP 400;
-413 past ``max_body_bytes``) and again on every request vLLM admits; salts the prefix cache of
-requests with tllm settings (an HMAC under a per-server secret) and scopes their groups to
-their client; serves ``/tllm/counters``, ``/tllm/status`` and control requests behind the API
-key; fails ``/health`` while a consumer callback is hung; returns per-request results with
-the completion; marks requests a consumer failed on (``X-Tllm-Failed``).
+``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`): request checks,
+cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -37,6 +31,7 @@ from tllm_core.serving.guard import (
 )
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
 from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
@@ -102,15 +97,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     ).encode()
 
 
-def _too_large(limit: int) -> bytes:
-    return _error_response(
-        413,
-        f"tllm: request body is larger than this server's limit of {limit} bytes "
-        "(server setting max_body_bytes)",
-        "RequestEntityTooLarge",
-    )
-
-
 def _declared_length(scope: dict) -> int | None:
     for name, value in scope.get("headers") or ():
         if name.lower() == b"content-length":
@@ -140,7 +126,11 @@ class XargsCheck:
                 break
             budget -= len(msg.get("body", b""))
             more = msg.get("more_body", False)
-        await send_json(send, 413, _too_large(self.max_body_bytes))
+        message = (
+            f"tllm: request body is larger than this server's limit of {self.max_body_bytes} "
+            "bytes (server setting max_body_bytes)"
+        )
+        await send_json(send, 413, _error_response(413, message, "RequestEntityTooLarge"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -286,27 +276,20 @@ def attach_routes(
         body = json_safe(body)
         return body if settings.show_paths else hide_paths(body)
 
-    def not_ready() -> JSONResponse | None:
+    def ask(method: str, *args: Any) -> Any:
+        return until_server_stops(app, rpc_all(app.state.tllm_engine_client, method, *args))
+
+    async def guarded(answer: Any) -> Any:
+        """``await answer()``, or 503 while tllm is not initialised or the server stops."""
         if getattr(app.state, "tllm_engine_client", None) is None:
             return _error("tllm is not initialised in this server", 503)
-        return None
-
-    async def rpc(method: str, *args: Any) -> Any:
-        """Every worker's answer, or the error response (not initialised, stopping)."""
-        if (refused := not_ready()) is not None:
-            return refused
         try:
-            return await until_server_stops(
-                app, rpc_all(app.state.tllm_engine_client, method, *args)
-            )
+            return await answer()
         except ServerStopping:
             return _error("the server is stopping", 503)
 
     async def _read_counters() -> Any:
-        reports = await until_server_stops(
-            app, rpc_all(app.state.tllm_engine_client, "tllm_collect")
-        )
-        report = merge_reports(reports)
+        report = merge_reports(await ask("tllm_collect"))
         server.note_report(report)  # failed consumers: requests naming them get 503
         return shown(report)
 
@@ -314,34 +297,31 @@ def attach_routes(
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        if (refused := not_ready()) is not None:
-            return refused
-        try:
+        async def read() -> JSONResponse:
             return JSONResponse(await counters.get())
-        except ServerStopping:
-            return _error("the server is stopping", 503)
+
+        return await guarded(read)
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         hung = read_note(fault_file)
+        consumers: EngineConsumers = getattr(request.app.state, "tllm_server", None)
         if hung is not None:  # the engine is stuck in it: no RPC would answer
-            consumers: EngineConsumers = request.app.state.tllm_server
             body = {**consumers.describe(), "hung": hung_entry(hung)}
             return JSONResponse(shown(body), 503)
-        out = await rpc("tllm_status")
-        if isinstance(out, JSONResponse):
-            return out
-        try:
+
+        async def status() -> JSONResponse:
+            out = await ask("tllm_status")
             await counters.get()  # learns which consumers failed
-        except ServerStopping:
-            return _error("the server is stopping", 503)
-        server: EngineConsumers = request.app.state.tllm_server
-        leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-        body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
-        body["controls"] = server.control_state()
-        if len(out) > 1:
-            body["ranks"] = out
-        return JSONResponse(shown(body))
+            leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
+            body = {"worker": leader, **consumers.describe()}
+            body["failed_consumers"] = sorted(consumers.failed)
+            body["controls"] = consumers.control_state()
+            if len(out) > 1:
+                body["ranks"] = out
+            return JSONResponse(shown(body))
+
+        return await guarded(status)
 
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
@@ -372,7 +352,7 @@ def attach_routes(
             except ControlError as e:
                 return _error(str(e), e.status)
             if new is not config:
-                out = await rpc("tllm_control", name, action, body)
+                out = await guarded(lambda: ask("tllm_control", name, action, body))
                 if isinstance(out, JSONResponse):
                     return out
                 failed = next((o for o in out if "error" in o), None)
@@ -437,7 +417,7 @@ def install_request_checks(
 
 
 async def init_state(
-    engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
+    engine_client: Any, state: Any, server: EngineConsumers, watch: NodeWatch
 ) -> None:
     from tllm_core.runtime.settings import RuntimeSettings
     from tllm_core.vllm_bridge.dp_nodes import check_followers
@@ -461,14 +441,14 @@ async def init_state(
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
-    await check_followers(engine_client, rpc_all, leader, nodes)
+    await check_followers(engine_client, rpc_all, leader, watch)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    watch_peer_nodes(engine_client, state, nodes)
+    watch_peer_nodes(engine_client, state, watch)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
@@ -496,22 +476,13 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
 
 def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
     """On the leader of a multi-node engine: check every engine and rank every few seconds; a
-    lost node (recorded in ``watch``) stops this server (SIGTERM: vLLM's own graceful stop)."""
-    import os
-    import signal
-
-    from tllm_core.vllm_bridge import nodes
-
+    lost node (recorded in ``watch``) stops this server."""
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
     interval = nodes.check_interval()
     if nnodes <= 1 or interval == 0:
         return
-
-    def on_lost(reason: str) -> None:
-        log.error("tllm: %s; stopping the server", reason)
-        os.kill(os.getpid(), signal.SIGTERM)
-
     ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
+    on_lost = nodes.stop_self("the server")
     state.tllm_node_watch = asyncio.get_running_loop().create_task(
         watch.watch_nodes(ask, nnodes, interval, on_lost)
     )
