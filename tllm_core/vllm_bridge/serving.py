@@ -33,9 +33,14 @@ from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.nodes import NodeWatch
-from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
+from tllm_core.vllm_bridge.request_marks import (
+    FailureMarks,
+    ServerStopping,
+    install_abort_marks,
+    note_request,
+    until_server_stops,
+)
 from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
-from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
