@@ -123,7 +123,7 @@ class RunnerHooks:
     def _request(self, engine_id: str) -> RequestInfo:
         req = self.requests.get(engine_id)
         if req is None:
-            extra, n_prompt = self.adapter.request(engine_id)
+            extra, n_prompt, prompt_ids = self.adapter.request(engine_id)
             rid, sample = parse_engine_id(engine_id, extra)
             req = RequestInfo(
                 engine_id=engine_id,
@@ -132,7 +132,7 @@ class RunnerHooks:
                 sample_index=sample,
                 num_prompt_tokens=n_prompt,
                 extra_args=extra,
-                prompt_token_ids=self.adapter.prompt_ids(engine_id),
+                prompt_token_ids=prompt_ids,
             )
             req.cut_short = rid in self._aborting
             self.requests[engine_id] = req

@@ -72,13 +72,9 @@ class RunnerAdapterBase:
     def __init__(self, runner: Any):
         self.runner = runner
 
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
-        """``(extra_args, prompt length)`` of a scheduled request."""
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
+        """``(extra_args, prompt length, prompt token ids)`` of a scheduled request."""
         raise NotImplementedError
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        """A scheduled request's prompt token ids (None where the runner does not say)."""
-        return None
 
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         """Wrap the runner (instance attributes only) so that each step reports ``events``;

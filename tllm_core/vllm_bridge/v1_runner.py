@@ -34,14 +34,11 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_ids.gpu",
     )
 
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         st = self.runner.requests[engine_id]
         extra = dict((st.sampling_params.extra_args or {}) if st.sampling_params else {})
-        return extra, len(st.prompt_token_ids or ())
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        ids = self.runner.requests[engine_id].prompt_token_ids
-        return None if ids is None else tuple(ids)
+        ids = st.prompt_token_ids
+        return extra, len(ids or ()), None if ids is None else tuple(ids)
 
     def _layout(self, num_scheduled_tokens: np.ndarray) -> StepLayout:
         ib = self.runner.input_batch

@@ -40,12 +40,8 @@ class V2RunnerAdapter(RunnerAdapterBase):
         # engine id -> (extra_args, prompt length, prompt token ids); dropped when finished
         self._admitted: dict[str, tuple[dict[str, Any], int, tuple[int, ...] | None]] = {}
 
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
-        extra, n_prompt, _ = self._admitted.get(engine_id, ({}, 0, None))
-        return extra, n_prompt
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        return self._admitted.get(engine_id, ({}, 0, None))[2]
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
+        return self._admitted.get(engine_id, ({}, 0, None))
 
     def _admit(self, scheduler_output: Any) -> None:
         for new in scheduler_output.scheduled_new_reqs:
