@@ -50,14 +50,11 @@ def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None
 
 def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> None:
     """On a worker of a multi-node engine: refuse settings that differ from global rank 0's."""
-    parallel = vllm_config.parallel_config
-    if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
-        return
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
-    mine = (int(parallel.node_rank), settings)
+    mine = (int(vllm_config.parallel_config.node_rank), settings)
     gathered: list[Any] = [None] * group.world_size
     dist.all_gather_object(gathered, mine, group=group.cpu_group)
     (lnode, lset) = gathered[0]

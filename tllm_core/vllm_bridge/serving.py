@@ -259,11 +259,11 @@ def attach_routes(
     ``results_wait_s``: :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
-    def ask_workers():
-        client = getattr(app.state, "tllm_engine_client", None)
-        if client is None:
-            return None
-        return lambda method, ids: until_server_stops(app, rpc_all(client, method, ids))
+    def ask(method: str, *args: Any) -> Any:
+        return until_server_stops(app, rpc_all(app.state.tllm_engine_client, method, *args))
+
+    def ask_workers():  # None while the engine is not up
+        return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
 
     app.add_middleware(ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s)
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
@@ -280,9 +280,6 @@ def attach_routes(
     def shown(body: Any) -> Any:
         body = json_safe(body)
         return body if settings.show_paths else hide_paths(body)
-
-    def ask(method: str, *args: Any) -> Any:
-        return until_server_stops(app, rpc_all(app.state.tllm_engine_client, method, *args))
 
     async def guarded(answer: Any) -> Any:
         """``await answer()``, or 503 while tllm is not initialised or the server stops."""

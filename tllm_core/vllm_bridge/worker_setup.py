@@ -43,7 +43,7 @@ def aot_compile_off() -> None:
         )
 
 
-def before_device(vllm_config: Any) -> None:
+def before_device() -> None:
     """Checks and settings that must precede the model runner and the model."""
     check_version()
     aot_compile_off()
