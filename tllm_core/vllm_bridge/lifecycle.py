@@ -39,28 +39,25 @@ def wakeups_while_stopping(core: Any) -> Iterator[None]:
         with contextlib.suppress(Exception):  # engine gone or client closed: nothing to wake
             core.abort_requests([WAKE_REQUEST_ID])
 
+    def waking_join(proc: Any, join: Callable[[float | None], None]) -> Callable[..., None]:
+        def joining(timeout: float | None = None) -> None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
+                join(max(0.0, min(WAKE_INTERVAL_S, left)))
+                if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                    return
+                wake()
+
+        return joining
+
     for p in procs:
-        p.join = _waking_join(p, p.join, wake)
+        p.join = waking_join(p, p.join)
     try:
         yield
     finally:
         for p in procs:
             vars(p).pop("join", None)
-
-
-def _waking_join(
-    proc: Any, join: Callable[[float | None], None], wake: Callable[[], None]
-) -> Callable[..., None]:
-    def waking_join(timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
-            join(max(0.0, min(WAKE_INTERVAL_S, left)))
-            if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
-                return
-            wake()
-
-    return waking_join
 
 
 def unfinished_ids(llm: Any) -> list[str]:
