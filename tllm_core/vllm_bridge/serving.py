@@ -79,9 +79,9 @@ def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
     return (xargs, None) if isinstance(xargs, dict) else (None, None)
 
 
-def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
+def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, str] | None:
     """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
-    bad ``tllm_*`` keys, 503 for a request naming a consumer that failed."""
+    bad ``tllm_*`` keys or results asked on ``path`` that has none, 503 for a failed consumer."""
     try:
         validate_extra_args(xargs, server)
     except ValueError as e:
@@ -93,6 +93,9 @@ def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
             f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
             "refused rather than served without it"
         )
+    if RESULTS_KEY in xargs and path.endswith(NO_RESULTS):
+        where = " and ".join(RESULTS_PATHS)
+        return 400, f"tllm: {RESULTS_KEY} is returned on {where} only; {path} has no place for it"
     return None
 
 
@@ -166,15 +169,7 @@ class XargsCheck:
         if scope["path"].endswith(CHECKED_PATHS):
             xargs, error = parse_xargs(b"".join(chunks))
         if xargs is not None and error is None:
-            error = check_xargs(xargs, self.server)
-        if error is None and xargs and RESULTS_KEY in xargs and scope["path"].endswith(NO_RESULTS):
-            error = (
-                400,
-                (
-                    f"tllm: {RESULTS_KEY} is returned on {' and '.join(RESULTS_PATHS)} only; "
-                    f"{scope['path']} has no place for it"
-                ),
-            )
+            error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
