@@ -20,7 +20,7 @@ from tllm_core.api.consumer import ControlError
 from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
-from tllm_core.runtime.watchdog import Hung, read_note
+from tllm_core.runtime.watchdog import read_note
 from tllm_core.serving.guard import (
     CLIENT,
     BearerGuard,
@@ -198,18 +198,6 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     return list(await engine_client.collective_rpc(method, args=args))
 
 
-def hung_entry(hung: Hung) -> dict[str, Any]:
-    """A hung callback as ``/health`` and ``/tllm/status`` show it."""
-    return {
-        "consumer": hung.consumer,
-        "callback": hung.callback,
-        "seconds": round(hung.seconds, 1),
-        "deadline_s": hung.deadline_s,
-        "where": hung.where(),
-        "error": f"tllm: {hung.message()}; the engine stops itself",
-    }
-
-
 class HungHealth:
     """ASGI middleware: ``GET /health`` answers 503 naming the consumer while the engine's
     watchdog reports a hung callback in ``fault_file`` (the engine answers no RPC then)."""
@@ -304,7 +292,17 @@ def attach_routes(
         hung = read_note(fault_file)
         consumers: EngineConsumers = getattr(request.app.state, "tllm_server", None)
         if hung is not None:  # the engine is stuck in it: no RPC would answer
-            body = {**consumers.describe(), "hung": hung_entry(hung)}
+            body = {
+                **consumers.describe(),
+                "hung": {
+                    "consumer": hung.consumer,
+                    "callback": hung.callback,
+                    "seconds": round(hung.seconds, 1),
+                    "deadline_s": hung.deadline_s,
+                    "where": hung.where(),
+                    "error": f"tllm: {hung.message()}; the engine stops itself",
+                },
+            }
             return JSONResponse(shown(body), 503)
 
         async def status() -> JSONResponse:
