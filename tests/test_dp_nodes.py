@@ -1,5 +1,5 @@
 """Data-parallel engines on several nodes, without an engine (``dp_nodes.py``,
-``node_note.py``): the leader's settings compared on every engine, the refusal naming both
+``nodes.py``): the leader's settings compared on every engine, the refusal naming both
 sides, a headless node told to stop, and the follower's watch of its leader. The same on two
 loopback nodes: tests/test_multinode.py (slow)."""
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 import pytest
 from serve_util import free_port
 
-from tllm_core.vllm_bridge import dp_nodes, node_note, nodes
+from tllm_core.vllm_bridge import dp_nodes, nodes
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 STATS = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
@@ -24,7 +24,7 @@ ESAMP = {**STATS, "consumers": [{"name": "esamp"}]}
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    monkeypatch.delenv(node_note.ENV, raising=False)
+    monkeypatch.delenv(nodes.NOTE_ENV, raising=False)
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0.05")
 
 
@@ -56,7 +56,7 @@ def test_same_settings_are_taken_and_per_process_fields_ignored():
 def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node():
     kills = []
     command = nodes.NodeWatch()  # the node's command's, which reads the note
-    with node_note.shared() as note:
+    with nodes.shared_note() as note:
         command.listen(note)
         answer = dp_nodes.join_leader(
             ESAMP,
@@ -86,14 +86,14 @@ def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node()
 
 def test_the_first_engine_to_tell_stops_the_node_once():
     kills = []
-    assert not node_note.tell("no note", kills.append)  # not under a headless node
-    with node_note.shared() as note:
+    assert not nodes.tell("no note", kills.append)  # not under a headless node
+    with nodes.shared_note() as note:
         assert note.told() is None
-        assert node_note.tell("first", lambda *a: kills.append(a))
-        assert not node_note.tell("second", lambda *a: kills.append(a))
+        assert nodes.tell("first", lambda *a: kills.append(a))
+        assert not nodes.tell("second", lambda *a: kills.append(a))
         assert note.told() == "first" and len(kills) == 1
     assert note.told() == "first"  # kept once the note is removed
-    with node_note.shared() as again:  # a new note starts empty
+    with nodes.shared_note() as again:  # a new note starts empty
         assert again.told() is None
 
 
@@ -102,7 +102,7 @@ def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
     port = free_port()
     server = socket.create_server(("127.0.0.1", port))
     watcher = nodes.NodeWatch()  # the worker's
-    with node_note.shared():
+    with nodes.shared_note():
         kill = lambda *a: kills.append(a)  # noqa: E731
         assert not dp_nodes.join_leader(
             STATS, STATS, 1, ["127.0.0.1", port], False, kill, watcher=watcher
@@ -143,7 +143,7 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
     assert leader.followers_store == ("127.0.0.1", port) and leader.beacon is not None
     kills = []
     command = nodes.NodeWatch()  # the follower node's command's, which reads the note
-    with node_note.shared() as note:
+    with nodes.shared_note() as note:
         command.listen(note)
         kill = lambda *a: kills.append(a)  # noqa: E731
         answer = dp_nodes.join_leader(
@@ -159,14 +159,14 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
         wait_until(lambda: kills, timeout=20)
         assert kills == [(__import__("os").getpid(), signal.SIGTERM)]
         if requested:
-            assert note.told() == node_note.STOP_REQUESTED and command.lost() is None
+            assert note.told() == nodes.STOP_REQUESTED and command.lost() is None
         else:
             assert f"({host}:{port}) is gone" in command.lost()
 
 
 def test_no_watch_when_switched_off(monkeypatch):
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0")
-    with node_note.shared():
+    with nodes.shared_note():
         answer = dp_nodes.join_leader(
             STATS, STATS, 1, ("127.0.0.1", 1), True, watcher=nodes.NodeWatch()
         )

@@ -26,7 +26,7 @@ from node_util import (
 )
 from serve_util import free_port, get_json
 
-from tllm_core.vllm_bridge.nodes import comparable, differences, mismatch_message
+from tllm_core.vllm_bridge.nodes import comparable, differ_message, differences
 
 
 # -- units -------------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def test_settings_compared_across_nodes_ignore_per_process_fields():
     c = {**a, "consumers": [{"name": "esamp"}]}
     assert comparable(c) != comparable(a) and differences(a, c) == ["consumers"]
     assert differences(a, None) == ["tllm"] and comparable(None) == "null"
-    msg = mismatch_message((0, a), (1, c), 1)
+    msg = differ_message("node_rank 0", a, "node_rank 1 (rank 1)", c)
     assert "leader node_rank 0 runs" in msg and "node_rank 1 (rank 1) runs" in msg
     assert '"stats"' in msg and '"esamp"' in msg and "fields: consumers" in msg
 

@@ -26,9 +26,6 @@ class FakeAdapter:
     max_num_tokens = 32
     device = torch.device("cpu")
 
-    def prompt_ids(self, engine_id):
-        return None  # this fake's runner gives no prompt ids (RequestInfo.prompt_token_ids)
-
     def __init__(self, async_scheduling: bool):
         self.async_scheduling = async_scheduling
         self.events = None
@@ -38,7 +35,7 @@ class FakeAdapter:
         return nn.ModuleList()
 
     def request(self, engine_id: str):
-        return {}, PROMPT
+        return {}, PROMPT, None  # this fake's runner gives no prompt ids
 
     def install(self, events, guides, sync_sampled=None):
         self.events = events

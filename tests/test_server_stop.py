@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
+from tllm_core.vllm_bridge.request_marks import ServerStopping, until_server_stops
 
 
 def app_with_server() -> SimpleNamespace:

@@ -1,12 +1,7 @@
-"""Data-parallel engines on several nodes (the others ``tllm serve --headless``): the same tllm
-settings on every node, and followers that stop when their leader is gone.
-
-No process group spans data-parallel nodes; the one channel is the leader's engine client.
-Before it serves, the leader's API server sends every engine its settings and an address to
-watch (:func:`check_followers` -> RPC ``tllm_join_leader`` -> :func:`join_leader`): an engine
-whose settings differ refuses (the leader does not start; a headless node stops, exit 1),
-and a headless node's engine watches the leader, stopping its node when the leader is gone
-(exit 1) or stopped on request (:func:`stop_beacon`'s store, exit 0).
+"""Data-parallel engines on several nodes (the others ``tllm serve --headless``): the leader's
+API server sends every engine its settings and an address to watch (RPC ``tllm_join_leader``);
+an engine whose settings differ refuses, and a headless node's engine stops its node when
+the leader is gone (exit 1) or stopped on request (:func:`stop_beacon`'s store, exit 0).
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tllm_core.vllm_bridge import node_note, nodes
+from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 log = logging.getLogger("vllm.tllm")
@@ -36,8 +31,7 @@ def remote_engines(parallel: Any) -> bool:
 
 
 def parse_tcp(endpoint: str) -> tuple[str, int] | None:
-    """``("host", port)`` of a ZMQ ``tcp://host:port`` endpoint (IPv6 in brackets); None for
-    any other transport (``ipc://``: a one-node server)."""
+    """``("host", port)`` of a ZMQ ``tcp://host:port`` endpoint; None for another transport."""
     if not endpoint.startswith("tcp://"):
         return None
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
@@ -63,9 +57,8 @@ STOP_STORE = "stop-store"
 
 
 def stop_beacon(endpoint: tuple[str, int] | None, watch: nodes.NodeWatch) -> tuple | None:
-    """On the leader's API server: a TCP store kept in ``watch``, which announces its stop
-    there. Returns the address followers watch (``endpoint``'s host, the store's port,
-    :data:`STOP_STORE`), or ``endpoint`` where no store starts."""
+    """On the leader's API server: a TCP store (kept in ``watch``) where it announces its stop;
+    the address followers watch, ``(host, store port, STOP_STORE)``, else ``endpoint``."""
     if endpoint is None:
         return None
     try:
@@ -87,9 +80,8 @@ async def check_followers(
     settings: dict | None,
     watch: nodes.NodeWatch | None = None,
 ) -> None:
-    """On the leader's API server with engines on other nodes: every engine takes the
-    leader's ``settings``, or the server refuses to start naming both sides. ``rpc``:
-    ``serving.rpc_all``."""
+    """On a leader's API server with remote engines: every engine takes the leader's
+    ``settings``, or the server refuses to start naming both (``rpc``: ``serving.rpc_all``)."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
     endpoint = leader_endpoint(engine_client)
@@ -122,23 +114,22 @@ def join_leader(
     watcher: nodes.NodeWatch,
 ) -> dict[str, Any]:
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
-    ``mine`` (a headless node is then told to stop), else ``{"watching": bool}``: whether this
-    worker (``watch``: the leading rank, on a headless node) now watches the leader at
-    ``endpoint`` (``(host, port[, STOP_STORE])``; a wildcard host becomes ``fallback_host``).
-    ``watcher`` runs at most one leader watch."""
+    ``mine`` (a headless node is told to stop), else ``{"watching": bool}``: whether this
+    worker (``watch``: the leading rank) watches the leader at ``endpoint`` (a wildcard host
+    becomes ``fallback_host``) through ``watcher`` (at most one leader watch)."""
     import os
 
     kill = kill or os.kill
     if nodes.comparable(mine) != nodes.comparable(leader):
         msg = nodes.differ_message(LEADER_NAME, leader, f"data-parallel rank {dp_rank}", mine)
-        if node_note.on_headless_node():
+        if nodes.on_headless_node():
             log.error("tllm: %s; stopping this node", msg)
-            timer = threading.Timer(delay, node_note.tell, args=(msg, kill))
+            timer = threading.Timer(delay, nodes.tell, args=(msg, kill))
             timer.daemon = True
             timer.start()
         return {"refused": msg}
     interval = nodes.check_interval()
-    if not watch or endpoint is None or interval == 0 or not node_note.on_headless_node():
+    if not watch or endpoint is None or interval == 0 or not nodes.on_headless_node():
         return {"watching": False}
     if watcher.leader_watch is None:
         host, port, *kind = endpoint
@@ -147,11 +138,11 @@ def join_leader(
 
         def on_lost(reason: str) -> None:
             log.error("tllm: %s; stopping this node", reason)
-            node_note.tell(reason, kill)
+            nodes.tell(reason, kill)
 
         def on_stop() -> None:  # the leader was asked to stop and has: so is this node
             log.warning("tllm: the leader stopped; stopping this node")
-            node_note.tell(node_note.STOP_REQUESTED, kill)
+            nodes.tell(nodes.STOP_REQUESTED, kill)
 
         stops = on_stop if kind == [STOP_STORE] else None  # a store tells of a stop
         watcher.watch_leader(str(host), int(port), interval, on_lost, stops)

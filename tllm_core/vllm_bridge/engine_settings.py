@@ -1,5 +1,5 @@
-"""The tllm settings in an engine's ``additional_config``: read by the plugin's switches,
-the API server and the workers (a leaf module, so none of them imports another for it)."""
+"""The tllm settings in an engine's ``additional_config`` (a leaf module: the plugin, the API
+server and the workers read them without importing each other)."""
 
 from __future__ import annotations
 

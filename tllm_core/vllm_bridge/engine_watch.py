@@ -1,11 +1,6 @@
-"""Notice a dead engine process within a second, name it, and end every wait on it.
-
-vLLM's offline client never wakes an ``LLM`` call waiting on an engine core that died (no
-timeouts). :class:`EngineWatch` polls the engine's processes and, at the first death, records
-it (:class:`Death`), marks the client dead, fails the pending utility calls and puts an error
-in the output queue; :meth:`EngineWatch.clean_up` ends the other processes and removes what
-they leave. See CONTRACT.md ("Engine lifecycle").
-"""
+"""Notice a dead engine process within a second, name it, and end every wait on it (vLLM's
+offline client waits on a dead engine core without a timeout); see CONTRACT.md ("Engine
+lifecycle")."""
 
 from __future__ import annotations
 
@@ -20,13 +15,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-# Seconds between two looks at the engine's processes: a death is noticed within this.
-POLL_S = 0.25
-# Seconds the engine's other processes get to exit on their own after one died (vLLM's
-# workers notice their engine core's death and exit within about a second).
+POLL_S = 0.25  # a death is noticed within this
+# After one died, the others get this long to exit (vLLM's workers do within about a second).
 LEFTOVER_GRACE_S = 5.0
-# Looks between two reads of the engine processes' shared memory (their /proc/PID/maps).
-SHM_EVERY = 8
+SHM_EVERY = 8  # looks between two reads of the processes' shared memory (/proc/PID/maps)
 
 
 @dataclass(frozen=True)
@@ -42,8 +34,7 @@ class Death:
 
 
 class EngineDiedError(RuntimeError):
-    """A process of the engine died while tllm used it (``death``: which, and how).
-    ``outputs``: what finished before, where the caller kept it."""
+    """A process of the engine died (``death``); ``outputs``: what finished before, if kept."""
 
     def __init__(self, death: Death, outputs: Any = None) -> None:
         super().__init__(f"{death}; the engine is stopped")
@@ -78,8 +69,8 @@ def _alive(pid: int) -> bool:
 
 
 def exit_code(pid: int) -> int | None:
-    """How zombie process ``pid`` ended, as ``multiprocessing``'s exit code (``/proc/PID/stat``
-    field 52; a worker is not our child, so only its zombie tells); None otherwise."""
+    """How zombie ``pid`` ended, as ``multiprocessing``'s exit code (``/proc/PID/stat`` field
+    52: a worker is not our child, only its zombie tells); None otherwise."""
     fields = _stat(pid)
     if len(fields) < 50 or fields[0] != b"Z":
         return None
@@ -111,8 +102,8 @@ def _children(pid: int) -> list[int]:
 
 
 def remove_openmp_files(pids: Iterable[int]) -> list[str]:
-    """Remove the Intel OpenMP files (``/dev/shm/__KMP_REGISTERED_LIB_<pid>_*``) of the dead
-    ``pids`` (libiomp5 removes its own only at a normal exit); the paths removed."""
+    """Remove the Intel OpenMP files of the dead ``pids`` (libiomp5 removes its own only at a
+    normal exit); the paths removed."""
     removed = []
     for pid in sorted(set(pids)):
         if _alive(pid):
@@ -125,8 +116,7 @@ def remove_openmp_files(pids: Iterable[int]) -> list[str]:
 
 
 def mapped_shm(pid: int | str) -> set[str]:
-    """The ``/dev/shm`` shared memory (``psm_*``) and semaphores (``sem.*``) process ``pid``
-    has mapped."""
+    """The ``/dev/shm`` shared memory (``psm_*``) and semaphores (``sem.*``) ``pid`` maps."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
@@ -137,8 +127,8 @@ def mapped_shm(pid: int | str) -> set[str]:
 
 
 def release_shm(names: Iterable[str]) -> list[str]:
-    """Unlink the shared-memory segments ``names`` no process of ours maps, and unregister them
-    from ``multiprocessing``'s resource tracker (else it warns of leaks at exit)."""
+    """Unlink the segments ``names`` no process of ours maps, and unregister them from
+    ``multiprocessing``'s resource tracker (else it warns of leaks at exit)."""
     from multiprocessing import resource_tracker
 
     ours = mapped_shm("self")
@@ -168,8 +158,8 @@ def engine_processes(core: Any) -> list[Any]:
 
 
 class EngineWatch:
-    """Watches the processes of one engine client ``core`` (vLLM's ``EngineCoreClient``) from
-    a daemon thread; does nothing for an in-process engine (no processes)."""
+    """Watches the processes of vLLM's engine client ``core`` from a daemon thread (nothing to
+    watch in-process)."""
 
     def __init__(self, core: Any, poll_s: float = POLL_S) -> None:
         self.core = core
@@ -178,8 +168,8 @@ class EngineWatch:
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
         self._workers: set[int] = set()  # alive at the last look
-        # A pidfd per worker (readable once it exits): its exit status is read at once, before
-        # its parent, the engine core, reaps it (the kernel then forgets it).
+        # A pidfd per worker, readable once it exits: its status is read before its parent
+        # (the engine core) reaps it.
         self._pidfds: dict[int, int] = {}
         self._codes: dict[int, int] = {}  # worker pid -> exit code, read from its zombie
         self.shm: set[str] = set()  # shared memory the engine processes had mapped
@@ -204,7 +194,7 @@ class EngineWatch:
             raise EngineDiedError(self.death)
 
     def wait_for_death(self, timeout: float) -> Death | None:
-        """The death, waiting up to ``timeout`` s for it to be noticed (vLLM may see it first)."""
+        """The death, waiting up to ``timeout`` s for it (vLLM may see it first)."""
         deadline = time.monotonic() + timeout
         while self.death is None and self._thread is not None and time.monotonic() < deadline:
             if not self._thread.is_alive():
@@ -225,7 +215,7 @@ class EngineWatch:
             self._close_pidfds()
 
     def _wait(self) -> bool:
-        """Wait ``poll_s``, or less when a worker exits (its status read); True once stopped."""
+        """Wait ``poll_s`` or until a worker exits (its status read); True once stopped."""
         if not self._pidfds:
             return self._stopping.wait(self.poll_s)
         poller = select.poll()
@@ -254,8 +244,8 @@ class EngineWatch:
                 os.close(fd)
 
     def _look(self) -> Death | None:
-        """One look at the processes; the death that is the cause: one killed by a signal
-        (an engine core first), else a worker (its engine core exits because it did)."""
+        """One look; the death that is the cause: one killed by a signal (an engine core
+        first), else a worker (its engine core exits because it did)."""
         deaths = []
         for pid in sorted(self._workers):
             if not _alive(pid):
@@ -282,8 +272,8 @@ class EngineWatch:
 
     @staticmethod
     def _spawn_helpers(pids: set[int]) -> set[int]:
-        """Processes that are no worker: the resource tracker, and any process vLLM did not
-        start as its own (``VLLM::`` title or spawn), e.g. a compiler."""
+        """No workers: the resource tracker and any process vLLM did not start (no ``VLLM::``
+        title or spawn), e.g. a compiler."""
         helpers = set()
         for pid in pids:
             try:
@@ -311,8 +301,8 @@ class EngineWatch:
             outputs.put_nowait(error)
 
     def clean_up(self, grace: float = LEFTOVER_GRACE_S) -> list[int]:
-        """After a death: give the other processes ``grace`` s to exit, SIGKILL the rest,
-        remove what they leave; the pids killed."""
+        """After a death: ``grace`` s for the others to exit, SIGKILL the rest, remove what
+        they leave; the pids killed."""
         self.stop()
         deadline = time.monotonic() + grace
         while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:

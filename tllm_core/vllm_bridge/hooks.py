@@ -1,12 +1,5 @@
-"""Runner hooks: the taps and per-step flow of one engine, behind a runner adapter.
-
-``install`` builds the engine-side :class:`~tllm_core.runtime.runtime.Runtime`, installs the taps
-its consumers' ports need, and connects a runner adapter's step events to the runtime:
-``begin`` (row metadata, edit buffers, step clock) -> forward (taps write and stamp) ->
-``forward_done`` (final hidden state, logits) -> ``guide`` -> ``sampled`` (bundles).
-Nothing here reads a runner's internals: that is the adapter's job (``v1_runner.py``,
-``v2_runner.py``, chosen by ``runners.py`` from the runner vLLM built).
-"""
+"""Runner hooks: the taps and per-step flow of one engine, on the step events of a runner
+adapter (``v1_runner.py``, ``v2_runner.py``); nothing here reads a runner's internals."""
 
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
-from tllm_core.vllm_bridge.runners import adapter_for
+from tllm_core.vllm_bridge.runners import check_runner
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
 from tllm_core.vllm_bridge.version import check_version
 
@@ -66,16 +59,11 @@ class RunnerHooks:
         # Tensor parallel: the leader's edits and (when guiding) sampled tokens go to all ranks.
         self._sync = self.rank.tp_size > 1
         self.requests: dict[str, RequestInfo] = {}
-        # Caller ids the front end is aborting (mark_aborted): their finish notices say
-        # ``cut_short``, whenever the scheduler reports them.
         self._aborting: set[str] = set()
         self._final: dict[str, Any] | None = None  # the report of close()
         self.step: StepCapture | None = None
-        # Async scheduling (vLLM's default on GPU) schedules step k+1 before step k's tokens
-        # are known, so a request that stopped at step k still gets a row in step k+1, which
-        # the scheduler discards. Its step is delivered when the next step reports which
-        # requests finished (before that step's forward overwrites the tap buffers), with
-        # those rows' sampled tokens marked not kept.
+        # Async scheduling: step k+1 is scheduled before step k's tokens are known, so a step
+        # is delivered when the next one reports who finished (its rows past a stop not kept).
         self._defer = bool(getattr(adapter, "async_scheduling", False))
         self._pending: StepCapture | None = None
         self.num_tokens = 0
@@ -135,7 +123,7 @@ class RunnerHooks:
     def _request(self, engine_id: str) -> RequestInfo:
         req = self.requests.get(engine_id)
         if req is None:
-            extra, n_prompt = self.adapter.request(engine_id)
+            extra, n_prompt, prompt_ids = self.adapter.request(engine_id)
             rid, sample = parse_engine_id(engine_id, extra)
             req = RequestInfo(
                 engine_id=engine_id,
@@ -144,7 +132,7 @@ class RunnerHooks:
                 sample_index=sample,
                 num_prompt_tokens=n_prompt,
                 extra_args=extra,
-                prompt_token_ids=self.adapter.prompt_ids(engine_id),
+                prompt_token_ids=prompt_ids,
             )
             req.cut_short = rid in self._aborting
             self.requests[engine_id] = req
@@ -185,8 +173,7 @@ class RunnerHooks:
             self.runtime.finish_requests(done)
 
     def _deliver_pending(self, stopped: set[str]) -> None:
-        """Deliver the deferred step; sampling rows of ``stopped`` requests are not kept
-        (under async scheduling they were computed past the request's stop)."""
+        """Deliver the deferred step; sampling rows of ``stopped`` requests are not kept."""
         step, self._pending = self._pending, None
         if step is None:
             return
@@ -235,19 +222,15 @@ class RunnerHooks:
         self._host_time("end_step", t)
 
     def close(self) -> dict[str, Any]:
-        """Close the runtime (flush and close the consumers) once; later calls (the
-        ``tllm_close`` RPC, then the worker's shutdown) return the same final report."""
+        """Close the runtime once; later calls return the same final report."""
         if self._final is None:
             self._deliver_pending(set())
             self._final = self.runtime.close()
         return self._final
 
     def mark_aborted(self, request_ids: list[str]) -> None:
-        """The front end is about to abort the requests with these caller ids (an
-        interrupted ``generate``): their finish notices, sent when the scheduler reports them
-        or at :meth:`finish_all`, carry ``RequestInfo.cut_short``. Called before the abort,
-        so no notice can overtake the mark (a request that stops on its own meanwhile is
-        marked too: the record errs towards "not finished")."""
+        """The front end is about to abort these caller ids: their finish notices carry
+        ``RequestInfo.cut_short`` (marked before the abort, so no notice overtakes it)."""
         ids = {str(i) for i in request_ids}
         self._aborting |= ids
         for req in self.requests.values():
@@ -255,33 +238,28 @@ class RunnerHooks:
                 req.cut_short = True
 
     def mark_cut_short(self, engine_ids: list[str]) -> None:
-        """The server is about to abort these requests (engine ids): their finish notices
-        carry ``RequestInfo.cut_short``. Ids not seen yet are ignored: a request aborted
-        before it was scheduled never reaches the runner, so it gets no notice."""
+        """The server is about to abort these engine ids: their finish notices carry
+        ``cut_short`` (ids never scheduled get no notice)."""
         for e in engine_ids:
             req = self.requests.get(e)
             if req is not None:
                 req.cut_short = True
 
     def finish_all(self) -> None:
-        """Treat every known request as finished (offline runs: generate() has returned,
-        or was interrupted and its requests aborted; those were marked by
-        :meth:`mark_aborted`). A deferred last step is delivered as it is: no later step says
-        who stopped."""
+        """Treat every known request as finished (an offline batch ended or was interrupted)."""
         self._deliver_pending(set())
         self.finished(list(self.requests))
         self._aborting.clear()
 
 
 def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
-    """Called from the plugin's ``load_model`` wrapper in the process that runs the model."""
+    """Hook ``runner`` (after ``load_model``, in the process that runs the model)."""
     check_version()
-    adapter = adapter_for(runner)
+    adapter = check_runner(runner)(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
     rank = parallel_info(adapter.parallel_config)
-    # Consumer state (e.g. trainable parameters) must not be inference tensors.
     registry = Registry()
-    with torch.inference_mode(False):
+    with torch.inference_mode(False):  # consumer parameters must not be inference tensors
         runtime = Runtime(
             settings,
             adapter.model_info(),
@@ -291,7 +269,6 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
         )
     hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
     runner._tllm_hooks = hooks
-    runner._tllm_generation = adapter.generation
     log.info(
         "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
         adapter.describe(),

@@ -1,6 +1,5 @@
-"""vLLM's decoder families as tllm architecture specs: the built-in tap sites (:data:`SITES`)
-and the families whose layers differ, returned by the bridge's ``tllm_architectures`` hook.
-"""
+"""vLLM's decoder families as tllm architecture specs (the built-in tap sites), returned by
+the bridge's ``tllm_architectures`` hook."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""An offline ``vllm.LLM``'s engine: stop it cleanly, abort its requests, keep finished outputs.
-
-vLLM's ``LLM`` has no ``close``: a finalizer at exit kills engines slower than 5 s.
-:func:`shutdown_engine` stops them while the program runs, with a longer grace period. See
-CONTRACT.md ("Engine lifecycle").
-"""
+"""An offline ``vllm.LLM``'s engine: stop it cleanly (``LLM`` has no ``close``; its finalizer
+kills engines slower than 5 s), abort its requests, keep finished outputs (CONTRACT.md)."""
 
 from __future__ import annotations
 
@@ -14,13 +10,10 @@ from typing import Any
 
 from tllm_core.vllm_bridge.engine_watch import engine_processes
 
-# Seconds the engine processes get to exit after SIGTERM before vLLM kills them. Measured:
-# 2-20 s on a busy 2-core machine (the worker process exits after the engine core).
+# Seconds after SIGTERM before vLLM kills the engine processes (measured: 2-20 s when busy).
 SHUTDOWN_TIMEOUT_S = 60.0
-# Seconds between two wake-up messages to an engine core that has not exited yet.
-WAKE_INTERVAL_S = 0.5
-# The request id a wake-up message aborts: no request has it, so the abort changes nothing.
-WAKE_REQUEST_ID = "tllm-shutdown-wakeup"
+WAKE_INTERVAL_S = 0.5  # between two wake-up messages to an engine core still running
+WAKE_REQUEST_ID = "tllm-shutdown-wakeup"  # no request has it: aborting it changes nothing
 
 
 def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -37,38 +30,34 @@ def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
 
 @contextlib.contextmanager
 def wakeups_while_stopping(core: Any) -> Iterator[None]:
-    """While inside, waiting for an engine-core process to exit also wakes it up every
-    :data:`WAKE_INTERVAL_S` (an abort of :data:`WAKE_REQUEST_ID`): a SIGTERM arriving as its
-    main thread goes to sleep waiting for input stays pending until a message comes. Sent from
-    vLLM's own ``Process.join`` (an instance attribute here), before it closes its sockets."""
+    """While inside, vLLM's ``Process.join`` of an engine core also wakes it every
+    :data:`WAKE_INTERVAL_S` (a SIGTERM arriving as it waits for input stays pending until a
+    message comes)."""
     procs = engine_processes(core)
 
     def wake() -> None:
         with contextlib.suppress(Exception):  # engine gone or client closed: nothing to wake
             core.abort_requests([WAKE_REQUEST_ID])
 
+    def waking_join(proc: Any, join: Callable[[float | None], None]) -> Callable[..., None]:
+        def joining(timeout: float | None = None) -> None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
+                join(max(0.0, min(WAKE_INTERVAL_S, left)))
+                if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
+                    return
+                wake()
+
+        return joining
+
     for p in procs:
-        p.join = _waking_join(p, p.join, wake)
+        p.join = waking_join(p, p.join)
     try:
         yield
     finally:
         for p in procs:
             vars(p).pop("join", None)
-
-
-def _waking_join(
-    proc: Any, join: Callable[[float | None], None], wake: Callable[[], None]
-) -> Callable[..., None]:
-    def waking_join(timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = WAKE_INTERVAL_S if deadline is None else deadline - time.monotonic()
-            join(max(0.0, min(WAKE_INTERVAL_S, left)))
-            if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
-                return
-            wake()
-
-    return waking_join
 
 
 def unfinished_ids(llm: Any) -> list[str]:
@@ -77,8 +66,7 @@ def unfinished_ids(llm: Any) -> list[str]:
 
 
 def abort_unfinished(llm: Any, ids: list[str] | None = None) -> int:
-    """Abort every request the front end still tracks, or the external requests ``ids``;
-    how many were aborted."""
+    """Abort the external requests ``ids`` (None: every one still tracked); how many."""
     engine = llm.llm_engine
     ids = unfinished_ids(llm) if ids is None else ids
     if ids:
@@ -93,8 +81,7 @@ def next_request_index(llm: Any) -> int:
 
 @contextlib.contextmanager
 def finished_outputs(llm: Any) -> Iterator[list[Any]]:
-    """Collect the finished ``RequestOutput``s of the calls made inside, as
-    ``LLMEngine.step`` returns them: an interrupted call still has what finished."""
+    """The finished ``RequestOutput``s of the calls inside (an interrupted call keeps them)."""
     engine = llm.llm_engine
     step = engine.step
     done: list[Any] = []

@@ -1,15 +1,22 @@
-"""Engines across several nodes (vLLM's ``--nnodes``): the same tllm settings on every node
-(:func:`check_same_settings`, one gather before the weights load: settings that differ would
-diverge silently or hang in a collective), and watches for a node that is gone.
-"""
+"""Engines across several nodes (``--nnodes``): the same tllm settings on every node (settings
+that differ would diverge or hang in a collective), and watches for a node that is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import signal
 import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from tllm_core.runtime.environ import env_set
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+log = logging.getLogger("vllm.tllm")
 
 # Per-process fields: notes, the API server's limits, and each node's own hung-stop delay.
 LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s")
@@ -31,14 +38,6 @@ def differences(leader: dict[str, Any] | None, mine: dict[str, Any] | None) -> l
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
-def mismatch_message(
-    leader: tuple[int, dict | None], mine: tuple[int, dict | None], rank: int
-) -> str:
-    """The refusal naming both ``(node_rank, settings)`` (``rank``: this worker's)."""
-    (lnode, lset), (node, mset) = leader, mine
-    return differ_message(f"node_rank {lnode}", lset, f"node_rank {node} (rank {rank})", mset)
-
-
 def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None) -> str:
     """The refusal naming both sides: the leader's and the other node's place and settings."""
     fields = ", ".join(differences(lset, oset))
@@ -50,22 +49,19 @@ def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None
 
 
 def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> None:
-    """On a worker of a multi-node engine: refuse when any rank's tllm settings differ from
-    global rank 0's."""
-    parallel = vllm_config.parallel_config
-    if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
-        return
+    """On a worker of a multi-node engine: refuse settings that differ from global rank 0's."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
-    mine = (int(parallel.node_rank), settings)
+    mine = (int(vllm_config.parallel_config.node_rank), settings)
     gathered: list[Any] = [None] * group.world_size
     dist.all_gather_object(gathered, mine, group=group.cpu_group)
-    leader = gathered[0]
-    for rank, other in enumerate(gathered):
-        if comparable(other[1]) != comparable(leader[1]):
-            raise UnsupportedEngineError(mismatch_message(leader, other, rank))
+    (lnode, lset) = gathered[0]
+    for rank, (node, oset) in enumerate(gathered):
+        if comparable(oset) != comparable(lset):
+            other = f"node_rank {node} (rank {rank})"
+            raise UnsupportedEngineError(differ_message(f"node_rank {lnode}", lset, other, oset))
 
 
 # -- a node that is gone ------------------------------------------------------------------------
@@ -79,8 +75,7 @@ NODE_CHECK_TIMEOUT_S = 30.0
 
 
 def node_check() -> int:
-    """On a worker: a barrier over every rank of the engine (fails at once when a peer's
-    process is gone); returns this worker's global rank."""
+    """On a worker: a barrier over every rank (fails at once when a peer is gone); its rank."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_world_group
 
@@ -91,8 +86,6 @@ def node_check() -> int:
 
 def check_interval() -> float:
     """Seconds between two node checks (``TLLM_NODE_CHECK_S``; 0 switches them off)."""
-    import os
-
     text = os.environ.get(NODE_CHECK_ENV, "")
     try:
         value = float(text) if text else NODE_CHECK_INTERVAL_S
@@ -103,9 +96,18 @@ def check_interval() -> float:
     return value
 
 
+def stop_self(what: str) -> Any:
+    """An ``on_lost(reason)`` that logs and SIGTERMs this process (vLLM's graceful stop)."""
+
+    def on_lost(reason: str) -> None:
+        log.error("tllm: %s; stopping %s", reason, what)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return on_lost
+
+
 def node_count(parallel: Any) -> int:
-    """Nodes an engine spans, as its API server sees it (TP ``nnodes``, or data-parallel
-    engines elsewhere)."""
+    """Nodes an engine spans as its API server sees it (TP ``nnodes``, or remote DP engines)."""
     nnodes = int(getattr(parallel, "nnodes", 1) or 1)
     dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
     dp_local = getattr(parallel, "data_parallel_size_local", None)
@@ -178,14 +180,13 @@ def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
 
 
 class NodeWatch:
-    """What this process's node watches found: the first lost node (:meth:`lost`), and
-    whether the process stops on request (:meth:`stop`: a peer that stops answering then is
-    part of the stop, not a lost node)."""
+    """What this process's node watches found: the first lost node (:meth:`lost`), or a stop
+    on request (:meth:`stop`: a peer that stops answering then is no lost node)."""
 
     def __init__(self) -> None:
         self._lost: list[str] = []
         self._stopping = threading.Event()
-        self._note: Any = None  # a headless node's note (node_note.shared), once it listens
+        self._note: Any = None  # a headless node's note (shared_note), once it listens
         self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
         # A leader's (host, port) of its engine's store: its followers are told of its stop.
         self.followers_store: tuple[str, int] | None = None
@@ -193,8 +194,8 @@ class NodeWatch:
         self.beacon: Any = None
 
     def stop(self) -> None:
-        """This process stops on request: the watches report nothing from now on, and a
-        leader's followers are told (from a thread: this runs in a signal handler)."""
+        """Stop on request: report nothing more; tell a leader's followers (from a thread: this
+        runs in a signal handler)."""
         first = not self._stopping.is_set()
         self._stopping.set()
         if first and self.followers_store is not None:
@@ -210,16 +211,13 @@ class NodeWatch:
         return self._stopping.is_set()
 
     def listen(self, note: Any) -> None:
-        """Also report what the engines told through ``note`` (``node_note.shared``)."""
+        """Also report what the engines told through ``note`` (:func:`shared_note`)."""
         self._note = note
 
     def lost(self) -> str | None:
-        """Why this node stops on its own (None: it does not): a node of its engine is gone,
-        or what its engines told (a headless data-parallel node)."""
+        """Why this node stops on its own (a lost node, or what its engines told), else None."""
         if self._lost:
             return self._lost[0]
-        from tllm_core.vllm_bridge.node_note import STOP_REQUESTED
-
         told = None if self._note is None else self._note.told()
         return None if told == STOP_REQUESTED else told
 
@@ -231,8 +229,7 @@ class NodeWatch:
         return True
 
     async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
-        """Every ``interval`` s, ``await ask()``; the first failure or an answer slower than
-        :data:`NODE_CHECK_TIMEOUT_S` calls ``on_lost(reason)`` once."""
+        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``."""
         import asyncio
 
         while True:
@@ -260,43 +257,29 @@ class NodeWatch:
     ) -> threading.Thread:
         """Start a daemon thread probing the leader every ``interval`` s; once it answered,
         :data:`LEADER_MISSES` failed probes in a row call ``on_lost(reason)`` once. With
-        ``on_stop``, the leader's store is also read every :data:`STOP_POLL_S`: once the
-        leader announced a stop, its store going away calls :meth:`stop` and ``on_stop()``."""
-        import time
-
-        def read_store(store: Any, seconds: float) -> str:
-            """ "stopping", "gone", or "up" after ``seconds`` of "up"."""
-            deadline = time.monotonic() + seconds
-            while True:
-                # A refused connection first: a read on the store's closed connection has
-                # torch log a C++ stack trace.
-                state = leader_stopping(store) if leader_reachable(host, port, 1.0) else None
-                if state is None or state:
-                    return "gone" if state is None else "stopping"
-                if time.monotonic() >= deadline or self.stopping:
-                    return "up"
-                time.sleep(STOP_POLL_S)
+        ``on_stop``, the leader's store is read every :data:`STOP_POLL_S`: once the leader
+        announced a stop, its store going away calls :meth:`stop` and ``on_stop()``."""
 
         def run() -> None:
             misses, seen, store, announced = 0, False, None, False
             while True:
                 if store is not None:
-                    state = read_store(store, STOP_POLL_S if announced else interval)
-                    if state == "stopping":
-                        if announced:  # read_store returned at once: poll, do not spin
-                            time.sleep(STOP_POLL_S)
-                        announced = True
-                    elif state == "gone" and announced:
+                    # A refused connection first: a read on the store's closed connection has
+                    # torch log a C++ stack trace.
+                    up = leader_reachable(host, port, 1.0)
+                    state = leader_stopping(store) if up else None
+                    if state is None and announced:
                         if not self.stopping:
                             self.stop()
                             on_stop()
                         return
-                    elif state == "gone":
-                        store = None  # the probes count the misses
                     if self.stopping:
                         return
-                    if announced or state == "up":
+                    if state is not None:
+                        announced = announced or state
+                        time.sleep(STOP_POLL_S)
                         continue
+                    store = None  # gone without a word: the probes count the misses
                 else:
                     time.sleep(interval)
                 if leader_reachable(host, port):
@@ -322,3 +305,88 @@ class NodeWatch:
         t.start()
         self.leader_watch = t
         return t
+
+
+# -- why a headless node stops, told by its engine processes ------------------------------------
+# The headless ``tllm serve`` process names a note file in NOTE_ENV ("{pid}:{path}"); the first
+# engine process to :func:`tell` writes the reason there and SIGTERMs that pid.
+NOTE_ENV = "TLLM_NODE_NOTE"
+# What an engine tells when its leader stopped on request: this node stops too (exit 0).
+STOP_REQUESTED = "the leader stopped on request"
+
+
+class NodeNote:
+    """The node command's note (:func:`shared_note`): what an engine process told, kept once
+    the file is removed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._kept: str | None = None
+        self._closed = False
+
+    def told(self) -> str | None:
+        """The reason an engine process told (None: none)."""
+        return self._kept if self._closed else (_read(self.path) or None)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._kept = _read(self.path) or None
+            self._closed = True
+
+
+@contextlib.contextmanager
+def shared_note() -> Iterator[NodeNote]:
+    """In the node's command while its engines run: an empty note named in :data:`NOTE_ENV`;
+    removed on leaving (what was told is kept)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="tllm-node-", suffix=".txt")
+    os.close(fd)
+    note = NodeNote(path)
+    try:
+        with env_set(NOTE_ENV, f"{os.getpid()}:{path}"):
+            yield note
+    finally:
+        note.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _note_spec() -> tuple[int, str] | None:
+    pid, _, path = os.environ.get(NOTE_ENV, "").partition(":")
+    return (int(pid), path) if pid.isdigit() and path else None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def on_headless_node() -> bool:
+    """Whether this process runs under a node's command that reads the note."""
+    return _note_spec() is not None
+
+
+def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:
+    """In an engine process: write ``reason`` to the note and SIGTERM the node's command,
+    unless another process told first or there is no note. Whether it told."""
+    import fcntl
+
+    spec = _note_spec()
+    if spec is None:
+        return False
+    pid, path = spec
+    try:
+        with open(path, "r+", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # engines of one node may tell at the same time
+            if f.read():
+                return False
+            f.write(reason)
+            f.flush()
+    except OSError:  # the command is gone, and its note with it
+        return False
+    kill(pid, signal.SIGTERM)
+    return True

@@ -1,7 +1,5 @@
-"""Offline ``vllm.LLM`` calls that vLLM's public API does not offer (see CONTRACT.md):
-``LLM.chat`` takes no ``cache_salt``, so :func:`chat_with_salts` salts each conversation as
-``TllmLLM.generate`` salts prompts.
-"""
+"""``LLM.chat`` takes no ``cache_salt``: :func:`chat_with_salts` salts each conversation as
+``TllmLLM.generate`` salts prompts (CONTRACT.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""vLLM's parallel engines: which rank does what for tllm (see docs/scaling.md).
-
-Under tensor parallel every rank holds the whole residual stream and samples; the engine
-returns TP rank 0's output, which tllm makes the **leader**: consumers are built on every
-rank (the same taps) but only the leader keeps them; its edit buffers are broadcast before
-each forward (:func:`sync_edits`) and, when a consumer guides, its sampled tokens after
-sampling (:func:`sync_sampled`). Pipeline parallel is refused; data-parallel engines are
-independent, each with its own leader.
-"""
+"""vLLM's parallel engines: which rank does what for tllm (docs/scaling.md). Under tensor
+parallel TP rank 0 is the **leader**: only it keeps consumers; its edit buffers and (when a
+consumer guides) sampled tokens are broadcast to the other ranks. Pipeline parallel is
+refused; data-parallel engines are independent, each with its own leader."""
 
 from __future__ import annotations
 
@@ -60,9 +55,8 @@ def check_layout(parallel_config: Any) -> None:
 
 
 def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
-    """``(rank, size)`` of this engine among the data-parallel engines. vLLM resets an
-    independent DP engine's ``data_parallel_size``/``rank`` to 1/0; the rank survives in
-    ``data_parallel_index``, the size in ``elastic_ep_max_dp_size`` (elastic EP off)."""
+    """``(rank, size)`` of this engine among the data-parallel engines (vLLM resets an
+    independent engine's own fields; see CONTRACT.md, "Data parallel")."""
     size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
     rank = getattr(parallel_config, "data_parallel_index", None)
     if rank is None:
@@ -84,16 +78,12 @@ def parallel_info(parallel_config: Any) -> ParallelInfo:
     return ParallelInfo(tp_rank, tp, pp_rank, pp, *data_parallel_layout(parallel_config))
 
 
-def _tp_group():
-    from vllm.distributed.parallel_state import get_tp_group
-
-    return get_tp_group()
-
-
 def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
     """Broadcast the leader's edit buffers (the rows it wrote this step) to the TP group;
     called on every rank, in the same step, with buffers in the same order."""
-    group = _tp_group()
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
     for b in buffers:
         n = torch.tensor([b.rows_used], dtype=torch.int64, device=device)
         group.broadcast(n, src=0)
@@ -110,16 +100,17 @@ def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
 
 def sync_sampled(token_ids: torch.Tensor) -> None:
     """Broadcast the leader's sampled token ids (in place) to the TP group."""
+    from vllm.distributed.parallel_state import get_tp_group
+
     buf = token_ids.contiguous()
-    _tp_group().broadcast(buf, src=0)
+    get_tp_group().broadcast(buf, src=0)
     if buf is not token_ids:
         token_ids.copy_(buf)
 
 
-# -- CPU thread binding ------------------------------------------------------------------------
 def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks its own contiguous
-    group of the allowed cores (the first groups one more when uneven): ``"0,1|2,3"``."""
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks a contiguous group of
+    the allowed cores (the first groups one more when uneven): ``"0,1|2,3"``."""
     ids = sorted(set(cpus))
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")

@@ -1,14 +1,8 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins: tllm``).
-
-:func:`register` runs in every process vLLM starts and never harms a plain engine (it never
-raises, imports no runner): it installs two switches that only read the configuration,
-``WorkerWrapperBase.init_device`` (with ``additional_config["tllm"]``,
-:mod:`.worker_setup` takes over) and ``load_endpoint_plugins`` (:class:`EndpointGate`, active
-with the server's ``--additional-config`` tllm key). In the ``tllm`` command's processes
-(``TLLM_CLI_PID``) it also leaves Ctrl-C to the command and quiets known warnings.
-
-Also a ``tllm`` plugin: its ``tllm_architectures`` hook describes vLLM's decoder families.
-"""
+"""vLLM general plugin (entry point ``vllm.general_plugins: tllm``), run in every process vLLM
+starts; never harms a plain engine (never raises, imports no runner). Two switches that only
+read the configuration: ``WorkerWrapperBase.init_device`` (:mod:`.worker_setup` takes over
+with ``additional_config["tllm"]``) and ``load_endpoint_plugins`` (:class:`EndpointGate`).
+Also a ``tllm`` plugin whose ``tllm_architectures`` hook describes vLLM's decoder families."""
 
 from __future__ import annotations
 
@@ -67,7 +61,7 @@ def command_process() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-# -- the tllm plugin (tllm_core.plugins.loader registers this module) -----------------------------
+# The tllm plugin (tllm_core.plugins.loader registers this module).
 @hookimpl
 def tllm_architectures() -> list[object]:
     """vLLM's decoder families and the built-in tap sites (``layouts.py``)."""
@@ -76,7 +70,6 @@ def tllm_architectures() -> list[object]:
     return list(ARCHITECTURES)
 
 
-# -- the engine (the process that runs the model) ------------------------------------------
 def _wrap_init_device() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -99,7 +92,7 @@ def _wrap_init_device() -> None:
         from tllm_core.vllm_bridge import worker_setup
 
         note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
-        worker_setup.before_device(config)
+        worker_setup.before_device()
         out = orig(self, *args, **kwargs)
         _same_on_every_node(config, settings)
         worker_setup.attach(self.worker, settings)
@@ -126,7 +119,6 @@ def _same_on_every_node(config: Any, settings: dict | None) -> None:
         raise
 
 
-# -- the OpenAI server ----------------------------------------------------------------------
 class EndpointGate:
     """vLLM endpoint plugin (API server only) that is inert unless the tllm switch is on."""
 

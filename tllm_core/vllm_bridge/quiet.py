@@ -1,11 +1,6 @@
-"""A quiet ``tllm`` command: vLLM's and torch's known-harmless messages hidden, in every process.
-
-The ``tllm`` command only, unless ``-v``: :func:`quiet_env` sets, for its process and the
-engine processes it starts, vLLM's logging config (WARNING through :class:`HarmlessFilter`),
-``PYTHONWARNINGS`` (:data:`PY_WARNINGS`), ``TORCH_CPP_LOG_LEVEL=ERROR`` and ``TLLM_QUIET=1``
-(:func:`install` in each process, before vLLM configures its logging). Every warning not
-listed still shows, as do all errors.
-"""
+"""A quiet ``tllm`` command (unless ``-v``): vLLM's and torch's known-harmless messages hidden
+in every process (:func:`quiet_env` for the engine processes, :func:`install` in each).
+Every warning not listed still shows, as do all errors."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ from pathlib import Path
 QUIET_ENV = "TLLM_QUIET"
 LOGGING_CONFIG = Path(__file__).with_name("vllm_quiet_logging.json")
 
-# vLLM log messages that carry no information for a tllm user (regular expressions, searched
-# in the message). Each is known to be harmless on the CPU build tllm supports.
+# vLLM log messages (regular expressions) known to be harmless on the CPU build.
 HARMLESS: tuple[str, ...] = (
     # No Triton for CPU in the wheel: vLLM uses its own CPU kernels.
     r"Triton is installed, but doesn't include CPU backend",
@@ -59,8 +53,7 @@ _CONSEQUENCE = re.compile("|".join(f"(?:{p})" for p in CONSEQUENCES))
 
 
 class HarmlessFilter(logging.Filter):
-    """Drops records below ERROR whose message matches :data:`HARMLESS`, and those matching
-    :data:`CONSEQUENCES` at any level."""
+    """Drops records below ERROR matching :data:`HARMLESS`, and any matching CONSEQUENCES."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -92,8 +85,8 @@ def quiet_env(verbose: bool) -> dict[str, str]:
 
 
 def install() -> None:
-    """In this process: the filter on logging's last-resort handler and vLLM's handlers, and
-    the ignored Python warnings. Idempotent."""
+    """In this process: the filter on the last-resort and vLLM's handlers, and the ignored
+    Python warnings (idempotent)."""
     for handler in (logging.lastResort, *logging.getLogger("vllm").handlers):
         if handler is not None and not any(isinstance(f, HarmlessFilter) for f in handler.filters):
             handler.addFilter(HarmlessFilter())

@@ -1,16 +1,16 @@
-"""What the server tells about single requests: the ``X-Tllm-Failed`` response header and
-the ``cut_short`` mark of requests vLLM aborts (the workers reached through an injected
-``ask(method, ids)``)."""
+"""What the server tells about single requests: the ``X-Tllm-Failed`` mark and the
+``cut_short`` mark of requests vLLM aborts; and tllm routes' waits on the engine, cut short
+when the server stops (vLLM stops its engine before its HTTP server)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any
 
 from tllm_core.serving.throttle import Throttle
-from tllm_core.vllm_bridge.server_stop import ServerStopping
 
 log = logging.getLogger("vllm.tllm")
 
@@ -24,6 +24,27 @@ STREAM_END = b"data: [DONE]"
 SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
+STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
+
+
+class ServerStopping(RuntimeError):
+    """The server began to stop while a tllm route waited for its engine."""
+
+
+async def until_server_stops(app: Any, awaitable: Any) -> Any:
+    """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``
+    gets ``should_exit``): then the wait is cancelled and :class:`ServerStopping` raised."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
+            if done:
+                return task.result()
+            if getattr(getattr(app.state, "server", None), "should_exit", False):
+                raise ServerStopping("the server is stopping")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def is_stream(start: dict) -> bool:
@@ -45,21 +66,17 @@ def note_request(request: Any) -> None:
 
 
 class FailureMarks:
-    """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on is
-    marked with the consumers' names: the header ``X-Tllm-Failed: name[,name]``, or for a
-    stream the comment line ``: tllm-failed name[,name]`` before its ``data: [DONE]``. The
-    mark is what the workers knew when the answer was complete (one shared read at a time).
-    """
+    """Pure ASGI middleware: a response on ``paths`` whose requests a consumer failed on gets
+    the header ``X-Tllm-Failed: name[,name]`` (a stream: the comment line ``: tllm-failed
+    name[,name]`` before ``data: [DONE]``), as the workers knew when it was complete."""
 
     def __init__(self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None]):
-        """``ask()``: the way to the workers, None while the engine is not up."""
         self.app = app
         self.paths = paths
         self.ask = ask
         self.reads = Throttle(self._read)
 
     async def _read(self) -> dict[str, set[str]]:
-        """Every request the workers remember a failure of, with the consumers' names."""
         ask = self.ask()
         known: dict[str, set[str]] = {}
         for answer in [] if ask is None else await ask("tllm_failed_requests", None):
@@ -105,9 +122,8 @@ class FailureMarks:
 
 
 def install_abort_marks(engine_core: Any, ask: Ask) -> None:
-    """Requests vLLM aborts (a client that disconnects) reach the consumers as ``cut_short``:
-    ``engine_core.abort_requests_async`` first marks them on the workers and waits for that,
-    so the mark reaches the engine core before the abort (it handles its input in order)."""
+    """Requests vLLM aborts (a client gone) reach the consumers as ``cut_short``: the workers
+    mark them before the abort (the engine core handles its input in order)."""
     abort_orig = engine_core.abort_requests_async
 
     async def abort_requests_async(request_ids: list[str]) -> None:

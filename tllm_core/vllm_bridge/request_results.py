@@ -1,8 +1,6 @@
 """Per-request results in the OpenAI server's responses: a top-level ``"tllm"`` list, one
-``{"index": i, "<consumer>": result}`` per choice, in the JSON body or (a stream) in one more
-event before ``data: [DONE]``. Read from the workers once the answer is complete, again
-(backing off) until every asked result is there or ``results_wait_s`` passed.
-"""
+``{"index": i, "<consumer>": result}`` per choice (a stream: one more event before
+``data: [DONE]``), read from the workers until all are there or ``results_wait_s`` passed."""
 
 from __future__ import annotations
 
@@ -16,13 +14,17 @@ from typing import Any
 
 from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
 from tllm_core.serving.keys import EngineConsumers, result_bounds
-from tllm_core.vllm_bridge.request_marks import STREAM_END, Ask, before_end, is_stream
-from tllm_core.vllm_bridge.server_stop import ServerStopping
+from tllm_core.vllm_bridge.request_marks import (
+    STREAM_END,
+    Ask,
+    ServerStopping,
+    before_end,
+    is_stream,
+)
 
 log = logging.getLogger("vllm.tllm")
 
-# Caller id -> (consumers asked, n) of the requests an HTTP request made vLLM run that asked
-# for results (ResultReturn gives each HTTP request its own dict; filled by note_asked).
+# Caller id -> (consumers asked, n) of the requests of one HTTP request that ask for results.
 ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
     "tllm_results_asked", default=None
 )
@@ -35,8 +37,7 @@ LAST_POLL_S = 0.25
 def check_bounds(
     request: Any, extra: dict[str, Any], server: EngineConsumers, limit: int, hidden_size: int
 ) -> str | None:
-    """Why a request must be refused before generation (a result bounded past ``limit``),
-    else None (``request``: the engine request vLLM's input processor made)."""
+    """Why vLLM's engine ``request`` must be refused (a result bounded past ``limit``)."""
     params = request.sampling_params
     prompt = len(getattr(request, "prompt_token_ids", None) or ())
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
@@ -72,8 +73,7 @@ def choice_index(rid: str, ids: list[str], n: int, sample: int) -> int:
 async def gather_results(
     ask: Ask, asked: dict[str, tuple[list[str], int]], wait_s: float
 ) -> list[dict[str, Any]]:
-    """The ``tllm`` entries of a response: every asked result, read from the workers until
-    all are there or ``wait_s`` passed."""
+    """The ``tllm`` entries of a response, read until all are there or ``wait_s`` passed."""
     ids = list(asked)
     have: dict[str, dict[str, dict[str, Any]]] = {}
     loop = asyncio.get_running_loop()
@@ -101,13 +101,11 @@ async def gather_results(
 
 
 class ResultReturn:
-    """Pure ASGI middleware: adds the ``tllm`` results to responses on ``paths`` whose
-    requests asked for them."""
+    """Pure ASGI middleware: the ``tllm`` results in responses on ``paths`` that asked."""
 
     def __init__(
         self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None], wait_s: float
     ):
-        """``ask()``: the way to the workers, None while the engine is not up."""
         self.app = app
         self.paths = paths
         self.ask = ask

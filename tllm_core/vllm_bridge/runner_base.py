@@ -1,21 +1,47 @@
-"""What every runner adapter reads the same way: the model, its config, its decoder layers
-(the per-step reads and wrappers live in each runner's own adapter module)."""
+"""What every runner adapter shares: the engine-neutral step protocol (:class:`StepEvents`)
+and the reads that do not depend on the runner's generation (model, config, decoder layers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.norms import norm_eps, rmsnorm_gain
+from tllm_core.api.rows import StepLayout
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.sites import find_layers
-from tllm_core.vllm_bridge.step_events import StepEvents
+
+
+class StepEvents(Protocol):
+    """What an adapter reports per engine step, in order: ``finished`` -> ``begin`` -> the
+    forward -> ``forward_done`` -> ``guide`` (when a consumer guides) -> ``sampled``."""
+
+    @property
+    def active(self) -> bool:
+        """Whether any consumer needs row metadata (else ``begin(None)`` only counts)."""
+        ...
+
+    def begin(self, layout: StepLayout | None) -> None: ...
+
+    def finished(self, engine_ids: list[str]) -> None: ...
+
+    def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None: ...
+
+    def guide(
+        self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
+    ) -> bool:
+        """Let guiding consumers edit ``logits`` in place; True when a guide wrote logits."""
+        ...
+
+    def sampled(self, token_ids: torch.Tensor) -> None: ...
+
 
 # Tensor parallel with guidance: every rank continues from the same sampled tokens.
 SyncSampled = Callable[[torch.Tensor], None] | None
@@ -46,13 +72,9 @@ class RunnerAdapterBase:
     def __init__(self, runner: Any):
         self.runner = runner
 
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
-        """``(extra_args, prompt length)`` of a scheduled request."""
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
+        """``(extra_args, prompt length, prompt token ids)`` of a scheduled request."""
         raise NotImplementedError
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        """A scheduled request's prompt token ids (None where the runner does not say)."""
-        return None
 
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         """Wrap the runner (instance attributes only) so that each step reports ``events``;
@@ -62,10 +84,6 @@ class RunnerAdapterBase:
     @property
     def max_num_tokens(self) -> int:
         return int(self.runner.max_num_tokens)
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
 
     @property
     def parallel_config(self) -> Any:
@@ -128,9 +146,8 @@ class RunnerAdapterBase:
 def _final_norm(
     model: Any, width: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Any, torch.Tensor | None, float]:
-    """(callable, plain RMSNorm gain or None, eps) of the model's final norm ``model.norm`` (a
-    vLLM norm layer: called with one tensor it returns the normed tensor); (None, None, 0) when
-    the model has none there."""
+    """(callable, plain RMSNorm gain or None, eps) of the final norm ``model.model.norm``;
+    (None, None, 0) without one."""
     norm = getattr(getattr(model, "model", None), "norm", None)
     if not isinstance(norm, nn.Module):
         return None, None, 0.0
@@ -149,8 +166,8 @@ def _final_norm(
 
 
 def _local_head(head: Any, lp: Any, vocab: int) -> tuple[Any, torch.Tensor]:
-    """(hidden -> logits without collectives, full ``[vocab, H]`` weight); called on every
-    TP rank at once (it all-gathers the vocabulary shards of the lm_head)."""
+    """(hidden -> logits without collectives, full ``[vocab, H]`` weight); a collective: every
+    TP rank calls it (it all-gathers the lm_head's vocabulary shards)."""
     weight = getattr(head, "weight", None)
     if (
         not isinstance(weight, torch.Tensor)

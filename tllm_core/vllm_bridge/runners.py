@@ -1,15 +1,11 @@
-"""Which adapter hooks the model runner vLLM built (see CONTRACT.md, "Runners").
-
-tllm follows vLLM's choice of runner and never sets ``VLLM_USE_V2_MODEL_RUNNER``. The
-runner's generation is read from its class hierarchy by module name, so telling V1 from V2
-imports neither runner module (importing V2's pulls in Triton kernels).
-"""
+"""Which adapter hooks the model runner vLLM built (CONTRACT.md, "Runners"): read from the
+runner's class hierarchy by module name, so neither runner module is imported (V2's pulls in
+Triton kernels)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 from tllm_core.vllm_bridge.parallel import check_layout
@@ -52,8 +48,3 @@ def check_runner(runner: object) -> type[RunnerAdapterBase]:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
     check_layout(runner.vllm_config.parallel_config)
     return adapter
-
-
-def adapter_for(runner: Any) -> RunnerAdapterBase:
-    """A checked adapter instance for ``runner``."""
-    return check_runner(runner)(runner)

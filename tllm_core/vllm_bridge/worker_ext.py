@@ -3,18 +3,29 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
 from typing import Any
 
 
-class TllmWorkerExtension:
-    def _tllm_hooks(self):
-        runner = getattr(self, "model_runner", None)
-        return getattr(runner, "_tllm_hooks", None)
+def _with_hooks(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run the method with the runner's hooks; answer (a copy of) ``default`` without them."""
 
-    def tllm_status(self) -> dict[str, Any]:
-        hooks = self._tllm_hooks()
-        if hooks is None:
-            return {"installed": False}
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
+            hooks = getattr(getattr(self, "model_runner", None), "_tllm_hooks", None)
+            return copy.copy(default) if hooks is None else method(self, hooks, *args, **kwargs)
+
+        return rpc
+
+    return wrap
+
+
+class TllmWorkerExtension:
+    @_with_hooks({"installed": False})
+    def tllm_status(self, hooks: Any) -> dict[str, Any]:
         rt = hooks.runtime
         return {
             "installed": True,
@@ -29,50 +40,50 @@ class TllmWorkerExtension:
             "requests_open": len(hooks.requests),
         }
 
-    def tllm_mark_aborted(self, request_ids: list[str]) -> None:
-        hooks = self._tllm_hooks()
-        if hooks is not None:
-            hooks.mark_aborted(request_ids)
+    @_with_hooks()
+    def tllm_mark_aborted(self, hooks: Any, request_ids: list[str]) -> None:
+        hooks.mark_aborted(request_ids)
 
-    def tllm_failed_requests(self, request_ids: list[str] | None = None) -> dict[str, list[str]]:
+    @_with_hooks({})
+    def tllm_failed_requests(
+        self, hooks: Any, request_ids: list[str] | None = None
+    ) -> dict[str, list[str]]:
         """The consumers that failed while acting on each of ``request_ids`` (None: all)."""
-        hooks = self._tllm_hooks()
-        return {} if hooks is None else hooks.runtime.bus.failures_of(request_ids)
+        return hooks.runtime.bus.failures_of(request_ids)
 
-    def tllm_mark_cut_short(self, engine_ids: list[str]) -> None:
-        hooks = self._tllm_hooks()
-        if hooks is not None:
-            hooks.mark_cut_short(engine_ids)
+    @_with_hooks()
+    def tllm_mark_cut_short(self, hooks: Any, engine_ids: list[str]) -> None:
+        hooks.mark_cut_short(engine_ids)
 
-    def tllm_end_batch(self) -> list[dict[str, Any]]:
+    @_with_hooks([])
+    def tllm_end_batch(self, hooks: Any) -> list[dict[str, Any]]:
         """Finish the batch's requests; the consumer errors so far."""
-        hooks = self._tllm_hooks()
-        if hooks is None:
-            return []
         hooks.finish_all()
         return list(hooks.runtime.bus.errors)
 
-    def tllm_collect(self) -> dict[str, Any] | None:
-        hooks = self._tllm_hooks()
-        return None if hooks is None else {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
+    @_with_hooks()
+    def tllm_collect(self, hooks: Any) -> dict[str, Any] | None:
+        return {**hooks.runtime.collect(), "rank": hooks.rank.as_dict()}
 
+    @_with_hooks({})
     def tllm_take_results(
-        self, request_ids: list[str], wait_s: float = 0.0
+        self, hooks: Any, request_ids: list[str], wait_s: float = 0.0
     ) -> dict[str, dict[str, dict[str, Any]]]:
         """The per-request results made so far for these caller ids, taken from the engine
         (caller id -> sample index as text -> consumer -> result)."""
-        hooks = self._tllm_hooks()
-        if hooks is None:
-            return {}
         got = hooks.runtime.take_results([str(i) for i in request_ids], float(wait_s))
         return {rid: {str(k): v for k, v in per.items()} for rid, per in got.items()}
 
-    def tllm_control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
+    @_with_hooks({"error": "tllm is not installed in this engine", "status": 503})
+    def tllm_control(
+        self, hooks: Any, name: str, action: str, payload: dict[str, Any]
+    ) -> dict[str, Any]:
         """A control request for consumer ``name`` (``Runtime.control``)."""
-        hooks = self._tllm_hooks()
-        if hooks is None:
-            return {"error": "tllm is not installed in this engine", "status": 503}
         return hooks.runtime.control(name, action, payload)
+
+    @_with_hooks()
+    def tllm_close(self, hooks: Any) -> dict[str, Any] | None:
+        return {**hooks.close(), "rank": hooks.rank.as_dict()}
 
     def tllm_node_check(self) -> int:
         """A barrier over every rank of a multi-node engine (``nodes.NodeWatch.watch_nodes``)."""
@@ -84,36 +95,22 @@ class TllmWorkerExtension:
         """The leader's settings and address, sent by its API server (``dp_nodes``)."""
         from tllm_core.vllm_bridge.dp_nodes import join_leader
         from tllm_core.vllm_bridge.engine_settings import tllm_settings
+        from tllm_core.vllm_bridge.nodes import NodeWatch
 
-        hooks = self._tllm_hooks()
-        rank = hooks.rank if hooks is not None else None
-        mine = tllm_settings(getattr(self.vllm_config, "additional_config", None))
-        dp_rank = rank.dp_rank if rank is not None else -1
-        watch = rank is not None and rank.leader
+        hooks = getattr(getattr(self, "model_runner", None), "_tllm_hooks", None)
+        rank = getattr(hooks, "rank", None)
         parallel = getattr(self.vllm_config, "parallel_config", None)
-        address = getattr(parallel, "data_parallel_master_ip", None)
+        if getattr(self, "_tllm_node_watch", None) is None:
+            self._tllm_node_watch = NodeWatch()  # this worker's one leader watch
         return join_leader(
-            mine,
+            tllm_settings(getattr(self.vllm_config, "additional_config", None)),
             settings,
-            dp_rank,
+            rank.dp_rank if rank is not None else -1,
             endpoint,
-            watch,
-            watcher=self._tllm_nodes(),
-            fallback_host=address,
+            rank is not None and rank.leader,
+            watcher=self._tllm_node_watch,
+            fallback_host=getattr(parallel, "data_parallel_master_ip", None),
         )
-
-    def _tllm_nodes(self) -> Any:
-        """This worker's :class:`~tllm_core.vllm_bridge.nodes.NodeWatch`, made on first use."""
-        watcher = getattr(self, "_tllm_node_watch", None)
-        if watcher is None:
-            from tllm_core.vllm_bridge.nodes import NodeWatch
-
-            watcher = self._tllm_node_watch = NodeWatch()
-        return watcher
-
-    def tllm_close(self) -> dict[str, Any] | None:
-        hooks = self._tllm_hooks()
-        return None if hooks is None else {**hooks.close(), "rank": hooks.rank.as_dict()}
 
 
 def ensure_worker_methods(worker_cls: type) -> None:

