@@ -95,14 +95,15 @@ class Watchdog:
         tid = threading.get_ident()
         if tid in self._calls:
             return None
-        with self._lock:  # the watchdog's thread starts at the first callback
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="tllm-watchdog", daemon=True
-                )
-                self._thread.start()
-        self._calls[tid] = _Call(consumer, callback, kind)
-        return self._calls[tid]
+        if self._thread is None:
+            with self._lock:  # the watchdog's thread starts at the first callback
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._watch, name="tllm-watchdog", daemon=True
+                    )
+                    self._thread.start()
+        call = self._calls[tid] = _Call(consumer, callback, kind)
+        return call
 
     def done(self, call: _Call | None) -> None:
         if call is not None:
