@@ -270,10 +270,9 @@ class Runtime:
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None
         # Every port read by some consumer, by key (phases merged): what rows_captured counts.
-        self._read_ports: dict[str, PortRead] = {}
-        for s in self.slots:
-            self._read_ports.update(s.reads.token)
-            self._read_ports.update(s.reads.sample)
+        self._read_ports: dict[str, PortRead] = {
+            k: r for s in self.slots for k, r in (*s.reads.token.items(), *s.reads.sample.items())
+        }
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     def _hung(self, hung: Hung) -> None:
