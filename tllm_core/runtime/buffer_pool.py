@@ -1,13 +1,7 @@
-"""Device buffers the runtime reuses from step to step, so that a steady decode step allocates
-nothing on the device.
-
-A buffer is handed out again only when nothing outside the pool holds its storage (by the
-storage's use count): a tensor a consumer keeps keeps its values. On CUDA a buffer last handed
-out on another stream is reused after that stream's queued work (an event); work a consumer
-queues on its own stream must hold the tensor, or make the current stream wait for it, until
-it ran (``record_stream`` does not guard this pool). Buffers grow to powers of two; at most
-``keep`` per dtype and row shape.
-"""
+"""Device buffers reused from step to step (a steady decode step allocates nothing): one is
+handed out again only when nothing outside the pool holds its storage, and after the work
+queued on the stream it was last handed out on (work on a consumer's own stream must hold
+the tensor until it ran)."""
 
 from __future__ import annotations
 
@@ -26,11 +20,6 @@ def storage_uses(t: torch.Tensor) -> int:
     """How many holders ``t``'s storage has (each tensor or view over it counts one)."""
     assert _use_count is not None
     return int(_use_count(t.untyped_storage()._cdata))
-
-
-def _stream(device: torch.device) -> Any | None:
-    """The current stream where the device has CUDA's streams (the test kit's fake too)."""
-    return torch.cuda.current_stream(device) if async_copies(device) else None
 
 
 @dataclass(eq=False)  # by identity (a tensor field has no truth value)
@@ -55,17 +44,21 @@ class BufferPool:
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """An uninitialised tensor of ``shape`` (rows first) on ``device``: a view of a
-        pooled buffer nothing else holds, kept from reuse while it (or a view) is alive."""
+        """An uninitialised tensor of ``shape`` on ``device``, a view of a pooled buffer kept
+        from reuse while it (or a view) is alive."""
         n, rest = int(shape[0]), tuple(int(s) for s in shape[1:])
-        stream = _stream(device)
+        stream = torch.cuda.current_stream(device) if async_copies(device) else None
         bufs = self._buffers.setdefault((dtype, device, rest), [])
         small = None
         for b in bufs:
-            if not self._idle(b):
-                continue
+            if storage_uses(b.data) != b.uses:
+                continue  # held outside the pool
             if b.data.shape[0] >= n:
-                self._order(b, stream)
+                if stream is not None and b.stream is not None and b.stream != stream:
+                    event = torch.cuda.Event()  # reused after the work queued on its last stream
+                    event.record(b.stream)
+                    stream.wait_event(event)
+                b.stream = stream
                 return b.data[:n]
             small = small or b
         if small is not None:
@@ -76,8 +69,7 @@ class BufferPool:
             self.unpooled += 1
             return self._empty((n, *rest), dtype, device)
         data = self._empty((pow2_rows(n), *rest), dtype, device)
-        b = _Buffer(data, storage_uses(data), stream)
-        bufs.append(b)
+        bufs.append(_Buffer(data, storage_uses(data), stream))
         return data[:n]
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -85,16 +77,3 @@ class BufferPool:
         # Not an inference tensor: written in place outside inference mode too.
         with torch.inference_mode(False):
             return torch.empty(shape, dtype=dtype, device=device)
-
-    @staticmethod
-    def _idle(b: _Buffer) -> bool:
-        return storage_uses(b.data) == b.uses
-
-    @staticmethod
-    def _order(b: _Buffer, stream: Any) -> None:
-        """Queue the reuse after the work queued on its last stream."""
-        if stream is not None and b.stream is not None and b.stream != stream:
-            event = torch.cuda.Event()
-            event.record(b.stream)
-            stream.wait_event(event)
-        b.stream = stream

@@ -22,8 +22,7 @@ class ConsumerBuildError(ValueError):
 
 
 class LayerResolver:
-    """``resolve_layer`` for one consumer's build, remembering the index it refused (the
-    error names the config field holding it)."""
+    """``resolve_layer`` for one consumer's build, remembering the index it refused."""
 
     def __init__(self, num_layers: int):
         self.num_layers = num_layers

@@ -1,9 +1,5 @@
-"""Delivery of bundles to consumers: on the engine thread, or on a background thread.
-
-Every consumer call goes through :meth:`Bus.call`, which isolates failures: an error is
-counted and its consumer's first logged; a callback failing ``max_consecutive_failures``
-times in a row switches the consumer off. A callback that does not return is the watchdog's.
-"""
+"""Delivery of bundles to consumers, on the engine thread or a background thread; every
+consumer call goes through :meth:`Bus.call`, which isolates and counts failures."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -48,14 +44,11 @@ def bundle_requests(bundle: Bundle) -> Iterator[RequestInfo]:
                 yield r
 
 
-class _Dropped:
+class _Dropped(NamedTuple):
     """Queued in place of a dropped bundle: the consumer hears which requests lost data."""
 
-    __slots__ = ("step", "requests")
-
-    def __init__(self, bundle: Bundle):
-        self.step = bundle.step
-        self.requests = list(bundle_requests(bundle))
+    step: int
+    requests: list[RequestInfo]
 
 
 class _BackgroundChannel:
@@ -83,7 +76,8 @@ class _BackgroundChannel:
             if self.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
-                self.queue.put(_Dropped(bundle))  # takes no slot, like finish notices
+                # Takes no slot, like finish notices.
+                self.queue.put(_Dropped(bundle.step, list(bundle_requests(bundle))))
                 return
             self.bus.counters.add("queue_full_waits")
             self.slots.acquire()
@@ -108,12 +102,16 @@ class _BackgroundChannel:
                 with self.queue.all_tasks_done:  # a flush waiting on it goes on
                     self.queue.all_tasks_done.notify_all()
                 return dropped
-            if isinstance(item, Bundle):
-                dropped += 1
-                with self._lock:
-                    self._pending -= 1
-                self.slots.release()
+            dropped += isinstance(item, Bundle)
+            self._taken(item)
             self.queue.task_done()
+
+    def _taken(self, item: Any) -> None:
+        """An item left the queue: a bundle's slot is free again (as a queue's would be)."""
+        if isinstance(item, Bundle):
+            with self._lock:
+                self._pending -= 1
+            self.slots.release()
 
     def _drain(self) -> None:
         # Intra-op threads are per thread (OpenMP). torch._C's binding: vLLM's CPU worker
@@ -125,10 +123,7 @@ class _BackgroundChannel:
         self.bus.counters.max("background_threads", torch.get_num_threads())
         while True:
             item = self.queue.get()
-            if isinstance(item, Bundle):  # taken: its slot is free again (as a queue's would be)
-                with self._lock:
-                    self._pending -= 1
-                self.slots.release()
+            self._taken(item)
             try:
                 if item is _STOP:
                     return
@@ -262,23 +257,15 @@ class Bus:
                 self.failed_requests.popitem(last=False)
         if off:
             self.counters.add("consumers_disabled")
-            why = "failed in a background thread" if disable else f"{n} failures in a row"
-            log.error(
-                "%s (consumer disabled for the rest of the run: %s)\n%s",
-                msg,
-                why,
-                "".join(traceback.format_exception(e)),
-            )
-        elif first:
-            log.error(
-                "%s (the consumer goes on; it is disabled after %d failures in a row of one "
-                "callback; its later errors are counted in consumer_errors.%s, not logged)\n%s",
-                msg,
-                limit,
-                name,
-                "".join(traceback.format_exception(e)),
-            )
         if off or first:
+            why = (
+                "consumer disabled for the rest of the run: "
+                + ("failed in a background thread" if disable else f"{n} failures in a row")
+                if off
+                else f"the consumer goes on; it is disabled after {limit} failures in a row of "
+                f"one callback; its later errors are counted in consumer_errors.{name}, not logged"
+            )
+            log.error("%s (%s)\n%s", msg, why, "".join(traceback.format_exception(e)))
             self.errors.append({"consumer": name, "where": what, "error": msg, "disabled": off})
 
     def failures_of(self, request_ids: Iterable[str] | None = None) -> dict[str, list[str]]:

@@ -1,6 +1,5 @@
-"""The CPUs this process may use, as they were before vLLM pinned its threads (a later thread
-inherits the pin): a tllm side thread widens its affinity to this set, never beyond it.
-"""
+"""The CPUs this process may use, as they were before vLLM pinned its threads: a tllm side
+thread widens its affinity to this set, never beyond it."""
 
 from __future__ import annotations
 

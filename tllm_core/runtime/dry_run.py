@@ -9,7 +9,9 @@ import torch
 from tllm_core.api.consumer import ConsumerConfig, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.build_error import DRY
 from tllm_core.runtime.model_config import read_model_config
+from tllm_core.runtime.runtime import build_consumers
 
 
 def model_info_from_config(model_path: str) -> ModelInfo:
@@ -36,9 +38,6 @@ def dry_build(
     registry: Registry,
 ) -> None:
     """Every consumer's construction from its checked config, on the meta device."""
-    from tllm_core.runtime.build_error import DRY
-    from tllm_core.runtime.runtime import build_consumers
-
     model = model_info_from_config(model_path)
     slots = build_consumers(specs, configs, model, registry, where=DRY, model_path=str(model_path))
     for s in slots:

@@ -9,9 +9,8 @@ from tllm_core.runtime.buffer_pool import BufferPool
 
 
 class GuidedCounts:
-    """Per device: ``[rows with a changed logit, changed logits]``, int64, accumulated
-    without a host read. ``pool``: where the per-row mask is taken from (nothing allocated
-    per step; without one it is made each time)."""
+    """Per device: ``[rows with a changed logit, changed logits]``, accumulated without a host
+    read (the per-row mask taken from ``pool`` when given)."""
 
     def __init__(self, pool: BufferPool | None = None) -> None:
         self._pool = pool
@@ -31,8 +30,7 @@ class GuidedCounts:
         total[:2].add_(total[2:])
 
     def drain(self) -> tuple[int, int]:
-        """``(rows_guided, candidates_guided)`` added since the last drain (one host read
-        per device)."""
+        """``(rows_guided, candidates_guided)`` since the last drain (a host read per device)."""
         rows = candidates = 0
         for total in self._totals.values():
             r, c = total[:2].cpu().tolist()

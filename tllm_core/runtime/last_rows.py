@@ -1,14 +1,6 @@
-"""Each request's last token row (capture window ``last``), held on the device until the
-request finishes.
-
-Which row of a request is its last is known only once it has finished (under async
-scheduling a step later still), and by then the taps hold another step. So at each step's
-end the runtime copies, for every request that asks for ``last``, its row with a kept
-sample (the row that sampled its newest token) into a holder on the device, one slot per
-request, over that request's previous row; the finish notice gathers the finishing
-requests' slots into one bundle. Only asking rows are copied, device to device, and the
-holder keeps one row per live asking request.
-"""
+"""Each request's last token row (capture window ``last``), held on the device until it
+finishes: which row is the last is known only after the finish, when the taps hold another
+step, so each step's newest kept row of an asking request is copied over its previous one."""
 
 from __future__ import annotations
 
@@ -27,9 +19,8 @@ from tllm_core.runtime.step_indices import StepIndices
 
 
 def last_rows_plan(plan: ReadPlan, narrows: frozenset[str], windowed: bool) -> ReadPlan | None:
-    """The ports a consumer's last rows carry, taking every row (the cut is the runtime's
-    mask): those whose window is ``last``, and with per-request windows (``windowed``) the
-    kinds of port they narrow (``narrows``: "token", "sample"); None when there is none."""
+    """The ports a consumer's last rows carry (every row: the runtime's mask cuts): those
+    whose window is ``last``, and with per-request windows the kinds they ``narrows``."""
 
     def carried(reads: dict[str, PortRead], kind: str) -> dict[str, PortRead]:
         return {
@@ -56,8 +47,8 @@ class _Held:
 
 
 class LastRows:
-    """One consumer's held last rows: a device tensor per port key (``[capacity, ...]``)
-    and the token ids, grown by doubling; ``held`` rows at most one per request."""
+    """One consumer's held last rows, one per request: a device tensor per port key and the
+    token ids (``[capacity, ...]``, grown by doubling)."""
 
     def __init__(self) -> None:
         self._token: dict[str, torch.Tensor] = {}
@@ -71,8 +62,7 @@ class LastRows:
         return len(self._held)
 
     def keep(self, bundle: Bundle, steps: StepIndices) -> None:
-        """``bundle``'s rows (at most one per request; its sampling rows the same rows)
-        become their requests' last rows, replacing the ones held."""
+        """``bundle``'s rows (at most one per request) become their requests' last rows."""
         rows = bundle.rows
         slots = np.empty(len(rows), np.int64)
         for i, req in enumerate(rows.requests):
@@ -92,8 +82,8 @@ class LastRows:
                 table[key] = self._store(table.get(key), t, slots, steps)
 
     def take(self, requests: list[RequestInfo], step: int) -> Bundle | None:
-        """The held last rows of ``requests`` (those that have one) as one bundle, their slots
-        let go; None when none has one."""
+        """The held last rows of ``requests`` as one bundle (None: none has one); their slots
+        are let go."""
         held = [h for r in requests if (h := self._held.pop(r.engine_id, None)) is not None]
         if not held or self._token_ids is None:
             return None
@@ -132,8 +122,7 @@ class LastRows:
         slots: np.ndarray,
         steps: StepIndices,
     ) -> torch.Tensor:
-        """``values`` copied into ``holder``'s rows ``slots`` (the holder made or grown to the
-        capacity first)."""
+        """``values`` copied into ``holder``'s rows ``slots`` (made or grown first)."""
         if holder is None or holder.shape[0] < self._capacity:
             grown = values.new_zeros((self._capacity, *values.shape[1:]))
             if holder is not None:

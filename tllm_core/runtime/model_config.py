@@ -25,8 +25,7 @@ class BadModelConfig(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A checked ``config.json``: the whole object, its text model's part (``text_config``
-    for multimodal models), and the sizes tllm needs."""
+    """A checked ``config.json``, its text model's part and the sizes tllm needs."""
 
     path: Path
     raw: dict[str, Any]

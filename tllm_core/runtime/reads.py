@@ -58,8 +58,8 @@ def plan_reads(
     resolve_layer: Callable[[int], int],
     producer_for: Callable[[ReadPort], Producer],
 ) -> ReadPlan:
-    """Resolve layer indices (raising ValueError on bad ones), find each port's producer
-    and merge the phases of ports with the same key."""
+    """Resolve layer indices (ValueError on bad ones), find each port's producer, merge the
+    phases of ports with the same key."""
     plan = ReadPlan()
     for p in ports:
         if not isinstance(p, ReadPort):
@@ -81,9 +81,8 @@ def _gather(t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
 def unwritten(
     step: StepCapture, taps: set[str], device: torch.device, buffers: StepIndices | None = None
 ) -> torch.Tensor | None:
-    """On the device, without a host read: a 0-dim bool that is True when this step's
-    forward did not stamp every tap in ``taps`` (None: none of them has a stamp); computed
-    in a reused buffer of ``buffers`` when given."""
+    """On the device, without a host read: a 0-dim bool, True when this step's forward did
+    not stamp every tap in ``taps`` (None: none has a stamp)."""
     flag = None if buffers is None else buffers.pool.take((2,), torch.bool, device)
     ok = step.written(taps, flag)
     if ok is None:
@@ -93,9 +92,8 @@ def unwritten(
 
 @dataclass(frozen=True)
 class RowMasks:
-    """Which of a step's token rows a consumer may take, beyond its ports' phases and
-    windows: bool masks over ``step.rows`` (None: every row), ``token`` for its token ports,
-    ``sample`` for its sampling ports (looked up at each sampling row's token row)."""
+    """The step's token rows a consumer may take beyond its ports' phases and windows: masks
+    over ``step.rows`` (None: every row) for its token ports and its sampling ports."""
 
     token: np.ndarray | None = None
     sample: np.ndarray | None = None
@@ -104,13 +102,9 @@ class RowMasks:
 Enabled = np.ndarray | RowMasks | None
 
 
-def _masks(enabled: Enabled) -> RowMasks:
-    return enabled if isinstance(enabled, RowMasks) else RowMasks(enabled, enabled)
-
-
 def step_runs(step: StepCapture) -> list[tuple[RequestInfo, int, int]]:
-    """``(request, start, stop)`` of each scheduled request's rows, in packing order: found
-    from the sampling rows (each request's last row), so per request, not per row."""
+    """``(request, start, stop)`` of each scheduled request's rows, found from the sampling
+    rows (each request's last row): per request, not per row."""
     stops = (np.asarray(step.sample_token_row, np.int64) + 1).tolist()
     starts = [0, *stops[:-1]]
     requests = step.rows.requests
@@ -120,15 +114,12 @@ def step_runs(step: StepCapture) -> list[tuple[RequestInfo, int, int]]:
 def bundle_rows(
     plan: ReadPlan, step: StepCapture, enabled: Enabled = None
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The rows a consumer's bundle holds: its token rows (indices into ``step.rows``) and
-    its sampling rows (indices into the step's sampling rows); None where it has none.
-
-    ``enabled``: a mask over ``step.rows`` of the rows the consumer may take (the requests
-    it acts on, narrowed to their capture windows), or :class:`RowMasks` when its token and
-    sampling ports take different rows; None: every row. Host metadata only."""
+    """A consumer bundle's token rows (into ``step.rows``) and sampling rows (into the step's
+    sampling rows), None where it has none; ``enabled`` (a mask over ``step.rows``, or
+    :class:`RowMasks`; None: every row) narrows them. Host metadata only."""
     token = sample = None
     rows = step.rows
-    masks = _masks(enabled)
+    masks = enabled if isinstance(enabled, RowMasks) else RowMasks(enabled, enabled)
     prompt_lengths = functools.cache(rows.prompt_lengths)  # only windows need them
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
@@ -151,8 +142,7 @@ def bundle_rows(
 
 
 def bundle_indices(plan: ReadPlan, step: StepCapture, enabled: Enabled = None) -> list[np.ndarray]:
-    """Every host index :func:`build_bundle` sends to the device for this bundle (for
-    :meth:`StepIndices.plan <tllm_core.runtime.step_indices.StepIndices.plan>`)."""
+    """Every host index :func:`build_bundle` sends to the device for this bundle."""
     token, sample = bundle_rows(plan, step, enabled)
     out = [] if token is None else [token]
     if sample is not None:
@@ -168,29 +158,19 @@ def build_bundle(
     unconfirmed: list[tuple[str, set[str]]] | None = None,
     buffers: StepIndices | None = None,
 ) -> Bundle | None:
-    """The consumer's bundle for this step, or None when it selects no row.
-
-    ``enabled`` masks the rows to those the consumer may take (:func:`bundle_rows`): the
-    requests it acts on (per-request consumers), narrowed to their capture windows.
-    A port whose tap is stale is left out of the bundle and reported to ``on_stale``.
-
-    ``unconfirmed``: given while the step's stamps are not read yet (they are on their way
-    to the host), floating-point ports are cut without waiting for them: the rows of a port
-    whose taps this step's forward did not write read NaN (decided on the device), and
-    ``(port key, its tap keys)`` is appended for the caller to check once the stamps are
-    read. Other ports (integer tensors cannot be marked) wait for the stamps.
-
-    ``buffers``: the rows are gathered into its reused buffers, with the indices it sent
-    (the runtime's: see :mod:`~tllm_core.runtime.buffer_pool` for when a buffer is reused);
-    without it every tensor is new.
-    """
+    """The consumer's bundle for this step (rows narrowed by ``enabled``, see
+    :func:`bundle_rows`), or None when it selects no row; a stale port is left out and
+    reported to ``on_stale``. ``unconfirmed``: while the stamps are on their way to the host,
+    floating-point ports are cut without waiting, their rows NaN where this step's forward
+    did not write the taps, and ``(port key, tap keys)`` appended for the caller to check
+    later. ``buffers``: gather into its reused buffers (else every tensor is new)."""
     rows = step.rows
     gather = _gather if buffers is None else buffers.gather
     bundle = Bundle(step=step.step, rows=rows.take(np.zeros(0, np.int64), rows.token_ids[:0]))
 
     def read(r: PortRead) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The port's tensor, and a 0-dim bool on its device that is True when its taps
-        were not written by this step's forward (None: known to be written)."""
+        """The port's tensor, and a 0-dim bool on its device, True when its taps were not
+        written by this step's forward (None: known to be written)."""
         if unconfirmed is not None and not step.confirmed:
             with step.unconfirmed() as taps:
                 t = r.producer.read(r.port, step)

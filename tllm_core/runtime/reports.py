@@ -1,8 +1,4 @@
-"""One report from the per-rank reports of a parallel engine (see docs/scaling.md): the one
-leader's with every rank's errors, or, for several data-parallel leaders, their counters
-summed (means and maxima too: read those per rank in ``ranks``) and ``results`` per consumer
-as a list in data-parallel rank order.
-"""
+"""One report from the per-rank reports of a parallel engine (docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ from typing import Any
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats as the strings ``"NaN"``, ``"Infinity"``,
-    ``"-Infinity"`` (strict JSON has no such numbers)."""
+    """``value`` with non-finite floats as strings (strict JSON has no such numbers)."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if isinstance(value, dict):
@@ -22,16 +17,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def sum_counters(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Key-wise sum of numeric counters (a key missing in one part counts as 0)."""
     out: dict[str, Any] = {}
     for part in parts:
         for k, v in part.items():
-            if _is_number(v):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[k] = out.get(k, 0) + v
             else:
                 out.setdefault(k, v)
@@ -48,7 +39,9 @@ def _errors(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def merge_reports(reports: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """The engine's report from its workers' reports (None: a worker without tllm)."""
+    """The engine's report from its workers' (None: a worker without tllm): the one leader's
+    with every rank's errors, or several data-parallel leaders' counters summed (means and
+    maxima too: read those per rank in ``ranks``) and ``results`` listed in rank order."""
     present = [r for r in reports if r is not None]
     if not present:
         raise RuntimeError("no worker of this engine returned a tllm report")

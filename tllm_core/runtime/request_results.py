@@ -1,8 +1,6 @@
-"""The engine side of per-request results: made on the consumers' threads when a request
-finishes, kept until the front end takes them. Each result is bounded by ``max_result_bytes``
-(else an error, ``results_refused``), the store by ``max_requests`` and ``max_bytes`` (the
-oldest dropped, ``results_expired``: a client that went away never takes its results).
-"""
+"""The engine side of per-request results, kept until the front end takes them: each bounded by
+``max_result_bytes``, the store by ``max_requests`` and ``max_bytes`` (the oldest dropped: a
+client that went away never takes its results)."""
 
 from __future__ import annotations
 

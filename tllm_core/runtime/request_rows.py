@@ -1,15 +1,6 @@
-"""A per-request consumer's rows of a step (the requests that switched it on), cut out of the
-step's tensors without a device allocation or a host wait in a steady step.
-
-Where the rows form one contiguous range (a block of requests) the consumer gets views of
-the step's tensors: nothing is copied, and a guide writes the step's logits in place (its
-writes are undone through the view's undo log if it fails: :meth:`GuideView.rollback`).
-Otherwise its rows are gathered into the runtime's reused buffers (:mod:`.buffer_pool`) and
-a guide's logits are written back into the step's only if it succeeded and wrote. A guide's
-index goes to the device in the step's one index copy (:meth:`StepIndices.plan`); an
-editor's rows are cut in ``begin_step``, before the step is planned, so their index is sent
-in a copy of its own (pinned and asynchronous as well).
-"""
+"""A per-request consumer's rows of a step, cut without a device allocation or host wait: views
+of the step's tensors where they form one range (a guide writes in place, undone by
+``GuideView.rollback``), else gathered into reused buffers and written back on success."""
 
 from __future__ import annotations
 
@@ -22,8 +13,7 @@ from tllm_core.runtime.step_indices import StepIndices
 
 
 def span(index: np.ndarray) -> slice | None:
-    """``index`` (sorted and distinct, as ``np.nonzero`` gives it) as a slice when it is one
-    contiguous range; None otherwise (or when empty)."""
+    """``index`` (sorted, distinct) as a slice when it is one contiguous range, else None."""
     if index.size and int(index[-1]) - int(index[0]) + 1 == index.size:
         return slice(int(index[0]), int(index[-1]) + 1)
     return None
@@ -64,9 +54,9 @@ class RowSelection:
         is_random: np.ndarray,
         filtered: bool,
         hidden: dict[str, torch.Tensor],
+        changed: torch.Tensor,
     ) -> GuideView:
         """The consumer's guide view of the step's sampling rows (``rows``, ``logits``...)."""
-        changed = buffers.pool.take((len(self),), torch.long, logits.device)
         return GuideView(
             step,
             self.rows(rows, buffers),
@@ -79,7 +69,7 @@ class RowSelection:
         )
 
     def write_back(self, logits: torch.Tensor, view: GuideView, buffers: StepIndices) -> None:
-        """A guide that succeeded and wrote: its logits into the step's (already there for
-        a range: the view wrote them in place)."""
+        """A guide that succeeded and wrote: its logits into the step's (a range wrote them
+        in place)."""
         if self.span is None:
             logits.index_copy_(0, buffers.index(self.index, logits.device), view.logits)

@@ -1,8 +1,5 @@
-"""The engine-side runtime: builds consumers, routes each step's data to them.
-
-Engine-neutral: the vLLM bridge calls :meth:`begin_step`, :meth:`guide`,
-:meth:`end_step` and :meth:`finish_requests`; nothing here imports vLLM.
-"""
+"""The engine-side runtime: builds consumers, routes each step's data to them. Engine-neutral:
+the vLLM bridge calls begin_step, guide, end_step and finish_requests."""
 
 from __future__ import annotations
 
@@ -75,14 +72,13 @@ class _Slot:
     transforms: dict[str, Any] = field(default_factory=dict)  # port key -> in-graph module
     guides: bool = False
     per_request: bool = False
-    # Its request key ``tllm_{name}_window`` when its Request settings declare a window.
-    window_key: str | None = None
-    # Window ``last``: the ports its last rows carry, the rows held (last_rows), and
-    # whether its ports' own window is ``last`` (else only requests that set it ask).
+    window_key: str | None = None  # ``tllm_{name}_window`` when its Request declares one
+    # Window ``last``: the ports its last rows carry, the rows held, whether its ports' own
+    # window is ``last`` (else only requests that set it ask), and its ports' phases and windows.
     last_plan: ReadPlan | None = None
     last: LastRows | None = None
     port_last: bool = False
-    ports: Any = None  # the union of its ports' phases and windows (with last_plan only)
+    ports: Any = None
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -124,47 +120,34 @@ def build_consumers(
     model_path: str = "",
     max_result_bytes: int | None = None,
 ) -> list[_Slot]:
-    """Construct consumers from their checked configs (``Registry.check``) and resolve their
-    ports (errors before generation, as :class:`ConsumerBuildError` naming the consumer;
-    ``where``: the dry build or the engine, ``model_path`` for messages)."""
+    """Construct consumers from their checked configs and resolve their ports; a failure is
+    a ConsumerBuildError naming the consumer, its field and ``where`` the build ran."""
+    limits = {} if max_result_bytes is None else {"max_result_bytes": max_result_bytes}
     slots = []
     for spec, config in zip(specs, configs, strict=True):
-        resolver = LayerResolver(model.num_layers)
+        resolve = LayerResolver(model.num_layers)
         cls = registry.get(spec.name)  # an unknown name: ConsumerSpecError as it is
         try:
-            slots.append(
-                _build(
-                    cls, spec, config, model, registry, data_parallel, resolver, max_result_bytes
-                )
+            context = ConsumerContext(
+                model=model,
+                resolve_layer=resolve,
+                parse_port=registry.parse_port,
+                per_request=spec.per_request,
+                data_parallel_rank=data_parallel[0],
+                data_parallel_size=data_parallel[1],
+                **limits,
             )
+            slots.append(_slot(cls(config, context), spec, resolve, registry))
         except Exception as e:
-            # Named in terms of the author's code: the consumer, its field, where it ran.
-            raise explain(spec.name, config, e, resolver, where, model_path) from e
+            raise explain(spec.name, config, e, resolve, where, model_path) from e
     return slots
 
 
-def _build(
-    cls: type[Consumer],
-    spec: ConsumerSpec,
-    config: ConsumerConfig,
-    model: ModelInfo,
-    registry: Registry,
-    data_parallel: tuple[int, int],
-    resolve: LayerResolver,
-    max_result_bytes: int | None = None,
+def _slot(
+    consumer: Consumer, spec: ConsumerSpec, resolve: LayerResolver, registry: Registry
 ) -> _Slot:
-    """One consumer, constructed, its ports resolved."""
-    limits = {} if max_result_bytes is None else {"max_result_bytes": max_result_bytes}
-    context = ConsumerContext(
-        model=model,
-        resolve_layer=resolve,
-        parse_port=registry.parse_port,
-        per_request=spec.per_request,
-        data_parallel_rank=data_parallel[0],
-        data_parallel_size=data_parallel[1],
-        **limits,
-    )
-    consumer = cls(config, context)
+    """A constructed consumer's ports resolved."""
+    cls = type(consumer)
     reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
     slot = _Slot(consumer, reads, per_request=spec.per_request)
     if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
@@ -205,12 +188,10 @@ _NOT_ACTING = (
 class Runtime:
     """One engine's consumers and their step flow.
 
-    ``deliver=False`` makes a *follower* runtime (a tensor-parallel rank other than the one
-    whose output the engine keeps): consumers are built, so that every rank asks for the
-    same taps, and closed at once; the follower never calls a consumer (no edit plans, no
-    bundles, no guidance) and its counters are not part of the engine's report.
-    ``data_parallel`` is ``(rank, size)`` of this engine among data-parallel engines; the
-    consumers see it on their context.
+    ``deliver=False``: a follower (a tensor-parallel rank whose output the engine does not
+    keep) builds the consumers, so that every rank asks for the same taps, then closes them
+    and never calls one; its counters are not in the report. ``data_parallel``: ``(rank,
+    size)`` of this engine, seen by the consumers on their context.
     """
 
     def __init__(
@@ -227,8 +208,7 @@ class Runtime:
         self.counters = Counters()
         self._guided_step = -1  # the last step whose sampler called guide()
         registry = registry or Registry()
-        # The engine side's one check of the configs that arrived as JSON.
-        configs = registry.check(settings.consumers)
+        configs = registry.check(settings.consumers)  # the configs arrived as JSON
         self.slots = build_consumers(
             settings.consumers,
             configs,
@@ -238,31 +218,30 @@ class Runtime:
             max_result_bytes=settings.max_result_bytes,
         )
         self.configured = bool(self.slots)
-        self._taps = self._collect_taps()
-        for tap in sorted(self._taps, key=lambda t: t.key):  # before any consumer's first step
+        # What the bridge installs: every tap (reads and edits), and on each edit tap the
+        # in-graph transforms in consumer order (on a follower too: its forward must match).
+        self.taps = frozenset(t for s in self.slots for t in s.reads.taps() | {*s.edits.values()})
+        for tap in sorted(self.taps, key=lambda t: t.key):  # before any consumer's first step
             registry.architectures.check_site(tap.site)
-        self._edit_taps = {t for s in self.slots for t in s.edits.values()}
-        self._guides = any(s.guides for s in self.slots)
-        # Collected before a follower drops its slots: every rank runs the same transforms.
+        self.edit_taps = frozenset(t for s in self.slots for t in s.edits.values())
+        self.guides = any(s.guides for s in self.slots)
         self._transforms: dict[str, list[tuple[str, Any]]] = {}
         for s in self.slots:
-            for k, t in s.edits.items():
-                if k in s.transforms:
-                    self._transforms.setdefault(t.key, []).append(
-                        (s.consumer.name, s.transforms[k])
-                    )
+            for k, module in s.transforms.items():
+                self._transforms.setdefault(s.edits[k].key, []).append((s.consumer.name, module))
         if not deliver:
             for s in self.slots:
                 s.consumer.close()  # never used: writes and keeps nothing
             self.slots = []
-        deadlines = {
-            STEP: settings.callback_deadline_s,
-            BACKGROUND: settings.background_deadline_s,
-            CLOSE: settings.close_deadline_s,
-        }
-        self.watchdog = Watchdog(deadlines, self._hung)
+        self.watchdog = Watchdog(
+            {
+                STEP: settings.callback_deadline_s,
+                BACKGROUND: settings.background_deadline_s,
+                CLOSE: settings.close_deadline_s,
+            },
+            self._hung,
+        )
         self._engine_stop = EngineStop(settings.hung_stop_s)
-        # Per-request results, taken by the front end (tllm_core/api/results.py).
         self.results = ResultStore(self.counters, settings.max_result_bytes)
         self.bus = Bus(
             self.counters,
@@ -275,12 +254,10 @@ class Runtime:
             self.results,
         )
         self.step_index = 0
-        # The step's indices (one copy) and gathered rows, in buffers reused from step to
-        # step (step_indices, buffer_pool): a steady step allocates nothing on the device.
+        # Device indices and gathered rows in buffers reused from step to step.
         self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
-        # Its per-request guides' rows, by slot (those with rows only).
-        self._selections: dict[int, RowSelection] = {}
+        self._selections: dict[int, RowSelection] = {}  # per-request guides' rows, by slot
         # The rows each reading slot may take (requests it acts on, their windows), by slot.
         self._masks: dict[int, RowMasks | np.ndarray | None] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
@@ -288,21 +265,19 @@ class Runtime:
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
-        # ports its bundles handed out unchecked: settled by _settle.
+        # ports its bundles handed out unchecked (settled by _settle).
         self._unsettled: deque[tuple[StepCapture, StampRead, list[tuple[str, set[str]]]]] = deque()
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None
         # Every port read by some consumer, by key (phases merged): what rows_captured counts.
-        self._read_ports: dict[str, PortRead] = {}
-        for s in self.slots:
-            self._read_ports.update(s.reads.token)
-            self._read_ports.update(s.reads.sample)
+        self._read_ports: dict[str, PortRead] = {
+            k: r for s in self.slots for k, r in (*s.reads.token.items(), *s.reads.sample.items())
+        }
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     def _hung(self, hung: Hung) -> None:
-        """A consumer callback past its deadline (from the watchdog's thread): a background
-        consumer is switched off; otherwise the engine is stopped (``hung_stop_s`` later),
-        the front end told why (``fault_file``)."""
+        """A callback past its deadline (on the watchdog's thread): a background consumer is
+        switched off; otherwise the front end is told (``fault_file``) and the engine stopped."""
         self.counters.add("callbacks_hung")
         self.counters.add(f"callbacks_hung.{hung.consumer}")
         if hung.kind == BACKGROUND:
@@ -315,40 +290,18 @@ class Runtime:
         write_note(self.settings.fault_file, hung)
         self._engine_stop.schedule(hung)
 
-    # -- what the bridge must provide -------------------------------------------------
-    def _collect_taps(self) -> set[TapRequest]:
-        out: set[TapRequest] = set()
-        for s in self.slots:
-            out |= s.reads.taps() | set(s.edits.values())
-        return out
-
-    @property
-    def taps(self) -> set[TapRequest]:
-        """Every tap the bridge must install (reads and edits)."""
-        return set(self._taps)
-
-    @property
-    def edit_taps(self) -> set[TapRequest]:
-        return set(self._edit_taps)
-
     def transforms(self, tap_key: str) -> list[tuple[str, Any]]:
-        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``;
-        the same on a follower, whose consumers are closed but whose forward must match."""
+        """In-graph transforms on an edit tap, in consumer order: ``(consumer name, module)``."""
         return list(self._transforms.get(tap_key, []))
 
-    @property
-    def guides(self) -> bool:
-        return self._guides
-
-    # -- per step ---------------------------------------------------------------------
     def count_step(self) -> None:
         """One engine step (alone when there is no consumer to build row metadata for)."""
         self.step_index += 1
         self.counters.add("engine_steps")
 
     def begin_step(self, rows: RowInfo, buffers: dict[str, EditBuffers]) -> None:
-        """Before the forward: reset the edit taps' buffers (``buffers`` by tap key) and
-        write each editing consumer's plan into them, in consumer order."""
+        """Before the forward: reset the edit taps' buffers (by tap key) and write each
+        editing consumer's plan into them, in consumer order."""
         self.count_step()
         self.counters.add("rows_seen", len(rows))
         for b in buffers.values():
@@ -359,8 +312,7 @@ class Runtime:
             mask = s.enabled(rows.requests)
             if mask is not None and not mask.any():
                 continue
-            # A per-request consumer sees (and can select) only its requests' rows (their
-            # token ids a view, or gathered into a reused buffer).
+            # A per-request consumer sees (and can select) only its requests' rows.
             sel = None if mask is None else RowSelection(mask)
             index = None if sel is None else sel.index
             own = rows if sel is None else sel.rows(rows, self._buffers)
@@ -387,14 +339,14 @@ class Runtime:
         return resolve_layer(layer, self.model.num_layers)
 
     def _plan(self, step: StepCapture) -> None:
-        """Send every index the step's guide and bundles will use to the device, in one
-        copy (once per step: at its guide, or at its end when nothing guides)."""
+        """Send every index the step's guide and bundles will use to the device in one copy
+        (once per step: at its guide, or at its end when nothing guides)."""
         if self._planned is step:
             return
         self._planned = step
-        arrays = [step.sample_token_row] if self._guides else []
+        arrays = [step.sample_token_row] if self.guides else []
         self._selections = {}
-        if self._guides:
+        if self.guides:
             # Per-request guides' rows, as indices into the sampling rows.
             requests = [step.rows.requests[i] for i in step.sample_token_row]
             for i, s in enumerate(self.slots):
@@ -425,11 +377,10 @@ class Runtime:
         runs: list[tuple[RequestInfo, int, int]],
         enabled: np.ndarray | None,
     ) -> RowMasks | np.ndarray | None:
-        """``enabled`` narrowed, for each request of the step that sets the consumer's window
-        key, to the rows inside its window; host metadata only, and only those requests
-        cost anything. A window the engine cannot parse (the request bypassed the front
-        end's check) takes none of its rows (``rows_window_invalid.{consumer}``). Notes in
-        ``_asks_last`` the slot ``i`` when one of those windows takes the request's last row."""
+        """``enabled`` narrowed to the rows inside the window of each request that sets the
+        consumer's window key (host metadata; only those requests cost anything). A window
+        the engine cannot parse takes no row (``rows_window_invalid.{consumer}``). Notes slot
+        ``i`` in ``_asks_last`` when a window takes a request's last row."""
         key, out = s.window_key, None
         for req, start, stop in runs:
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
@@ -463,11 +414,6 @@ class Runtime:
         sample = out if "sample" in narrows else enabled
         return RowMasks(token, sample)
 
-    def _sample_rows(self, step: StepCapture) -> RowInfo:
-        """``step.sample_rows()``, its token ids gathered into a reused buffer."""
-        rows, idx = step.rows, step.sample_token_row
-        return rows.take(idx, self._buffers.gather(rows.token_ids, idx))
-
     def guide(
         self,
         step: StepCapture,
@@ -477,16 +423,15 @@ class Runtime:
         filtered: bool,
     ) -> bool:
         """In the sampler, after filtering: let guiding consumers change candidate logits.
-        True when a guide wrote logits (a runner adapter then samples from the guided logits;
-        otherwise vLLM's own sampling call goes on as it was made)."""
+        True when a guide wrote logits (vLLM then samples from the guided logits)."""
         self._guided_step = step.step
         self._plan(step)
-        srows = self._sample_rows(step)
+        idx = step.sample_token_row
+        srows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
         hidden = {}
         for key, r in self._guide_reads.items():
-            # No stamp read here (it would make the host wait for the forward before
-            # sampling): rows of a tap the forward did not write read NaN, decided on the
-            # device; the stale capture is reported after sampling, with the step's bundles.
+            # No stamp read here (the host would wait for the forward before sampling): rows
+            # of a tap the forward did not write read NaN, reported after sampling.
             try:
                 hidden[key] = self._guide_rows(step, r)
             except StaleTapError as e:
@@ -495,40 +440,36 @@ class Runtime:
         for i, s in enumerate(self.slots):
             if not s.guides or not self.bus.active(s.consumer):
                 continue
-            sel = None
-            if not s.per_request:
-                counts = self._buffers.pool.take((len(srows),), torch.long, logits.device)
-                view = GuideView(
-                    step.step, srows, logits, temperature, is_random, filtered, hidden, counts
-                )
-            elif i in self._selections:
-                # Per-request consumer: it sees only its requests' rows, views of the step's
-                # when they are one range, else gathered and written back if it succeeds.
-                sel = self._selections[i]
-                view = sel.guide_view(
-                    self._buffers,
-                    step.step,
-                    srows,
-                    logits,
-                    temperature,
-                    is_random,
-                    filtered,
-                    hidden,
-                )
-            else:
+            # Per-request: only its requests' rows (views, or gathered and written back).
+            sel = self._selections.get(i)
+            if s.per_request and sel is None:
                 continue  # no request of the step switched it on
-            rows = self._call_guide(s, view)
-            if rows is None:
+            n = len(srows) if sel is None else len(sel)
+            counts = self._buffers.pool.take((n,), torch.long, logits.device)
+            args = (logits, temperature, is_random, filtered, hidden, counts)
+            if sel is None:
+                view = GuideView(step.step, srows, *args)
+            else:
+                view = sel.guide_view(self._buffers, step.step, srows, *args)
+            # Whether its guide wrote logits (None: it failed); the changes are counted on
+            # the device (no host read in the step).
+            self.counters.add("rows_guide_visited", len(view.rows))
+            if not self.bus.call(
+                s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
+            ):
                 view.rollback()  # the step's logits (or a gathered copy) as they were
-            elif rows:
+                continue
+            view.commit()
+            if view.wrote:
+                self._guided.add(view.changed_per_row())
                 if sel is not None:
                     sel.write_back(logits, view, self._buffers)
                 changed = True
         return changed
 
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
-        """A token port's rows at the sampling rows, NaN where its taps were not written
-        by this step's forward (decided on the device)."""
+        """A token port's rows at the sampling rows, NaN where its taps were not written by
+        this step's forward (decided on the device)."""
         with step.unconfirmed() as taps:
             buf = r.producer.read(r.port, step)
         rows = self._buffers.gather(buf, step.sample_token_row)
@@ -537,19 +478,6 @@ class Runtime:
             if stale is not None:
                 rows.masked_fill_(stale, float("nan"))
         return rows
-
-    def _call_guide(self, s: _Slot, view: GuideView) -> bool | None:
-        """Whether the consumer's guide wrote logits, or None when it failed. What the
-        writes changed is counted on the device (no host read in the step)."""
-        self.counters.add("rows_guide_visited", len(view.rows))
-        if not self.bus.call(
-            s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
-        ):
-            return None
-        view.commit()
-        if view.wrote:
-            self._guided.add(view.changed_per_row())
-        return view.wrote
 
     def _stale(self, key: str, error: StaleTapError) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
@@ -560,14 +488,12 @@ class Runtime:
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
 
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: deliver bundles, mark positions, and count what the taps confirm.
+        """After sampling: deliver bundles, mark positions, count what the taps confirm.
 
-        The stamps and edit counts go to the host without the host waiting for them
-        (``stamp_copies``). Where they are there at once (CPU), a stale tap is left out of the
-        bundles; otherwise its rows are delivered as NaN (decided on the device) and the
-        step is counted and checked once they arrive (:meth:`_settle`: at a later step's
-        end, at the latest when results are collected)."""
-        if self._guides and self._guided_step != step.step and step.sample_kept.any():
+        The stamps go to the host without the host waiting. Where they are there at once
+        (CPU) a stale tap is left out of the bundles; otherwise its rows are delivered as NaN
+        (decided on the device) and the step is checked once they arrive (:meth:`_settle`)."""
+        if self.guides and self._guided_step != step.step and step.sample_kept.any():
             # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
             self.counters.add("steps_greedy")
         read = self._stamps.start(step.stamps, step.edited)
@@ -588,23 +514,50 @@ class Runtime:
                 self.bus.publish(s.consumer, bundle)
             if s.last is not None and (s.port_last or i in self._asks_last):
                 self._keep_last(s, step, unchecked)
-        # The step's device indices are let go (a later plan reuses their buffer).
-        self._planned = None
+        self._planned = None  # its device indices are let go (a later plan reuses them)
         self._buffers.release()
         for i, req in enumerate(step.rows.requests):
-            pos = int(step.rows.position[i])
-            if pos > req.max_position_seen:
-                req.max_position_seen = pos
+            req.max_position_seen = max(req.max_position_seen, int(step.rows.position[i]))
         self._unsettled.append((step, read, unchecked))
         self._settle(wait=False)
 
     def _keep_last(
         self, s: _Slot, step: StepCapture, unchecked: list[tuple[str, set[str]]]
     ) -> None:
-        """Hold, on the device, the rows of this step that are now the last of requests
-        whose last row ``s`` takes (window ``last``: delivered at their finish)."""
+        """Hold, on the device, this step's rows that are now the last of requests whose
+        last row ``s`` takes (delivered at their finish).
+
+        Over ``step.rows``, those are the rows with a kept sample of requests whose last row
+        ``s`` takes: its ports' window is ``last``, or the request's own window is, within
+        its ports' phases."""
         assert s.last is not None and s.last_plan is not None
-        mask = self._last_mask(s, step)
+        rows, mask = step.rows, None
+        for j in np.nonzero(step.sample_kept)[0]:
+            r = int(step.sample_token_row[j])
+            req = rows.requests[r]
+            window = None
+            if s.window_key is not None and s.window_key in req.extra_args:
+                try:
+                    window = req.window(s.consumer)
+                except ValueError:  # counted and logged by _windowed
+                    continue
+            wants = s.port_last
+            if window is not None:
+                wants = takes_last(window) and (
+                    s.port_last
+                    or bool(
+                        row_mask(
+                            s.ports,
+                            rows.is_decode[r : r + 1],
+                            rows.position[r : r + 1],
+                            lambda n=req.num_prompt_tokens: np.array([n], np.int64),
+                        )[0]
+                    )
+                )
+            if wants and s.acts_on(req):
+                if mask is None:
+                    mask = np.zeros(len(rows), np.bool_)
+                mask[r] = True
         if mask is None:
             return
         mine: list[tuple[str, set[str]]] = []
@@ -614,41 +567,6 @@ class Runtime:
         unchecked.extend(u for u in mine if u not in unchecked)
         if held is not None:
             s.last.keep(held, self._buffers)
-
-    def _last_mask(self, s: _Slot, step: StepCapture) -> np.ndarray | None:
-        """Over ``step.rows``: the rows with a kept sample of requests whose last row ``s``
-        takes (its ports' window is ``last``, or the request's own window is, within its
-        ports' phases); None when there is none. Host metadata only."""
-        rows, out, ports = step.rows, None, s.ports
-        for j in np.nonzero(step.sample_kept)[0]:
-            r = int(step.sample_token_row[j])
-            req = rows.requests[r]
-            if s.window_key is not None and s.window_key in req.extra_args:
-                try:
-                    window = req.window(s.consumer)
-                except ValueError:  # counted and logged by _windowed
-                    continue
-            else:
-                window = None
-            if window is None:
-                wants = s.port_last
-            else:
-                wants = takes_last(window) and (
-                    s.port_last
-                    or bool(
-                        row_mask(
-                            ports,
-                            rows.is_decode[r : r + 1],
-                            rows.position[r : r + 1],
-                            lambda n=req.num_prompt_tokens: np.array([n], np.int64),
-                        )[0]
-                    )
-                )
-            if wants and s.acts_on(req):
-                if out is None:
-                    out = np.zeros(len(rows), np.bool_)
-                out[r] = True
-        return out
 
     def _settle(self, wait: bool) -> None:
         """Count and check the delivered steps whose stamps have reached the host, in order
@@ -662,23 +580,19 @@ class Runtime:
 
     def _count_step(self, step: StepCapture, unchecked: list[tuple[str, set[str]]]) -> None:
         stale = step.confirm()
+        stale_at = f"was not written by step {step.step}'s forward (stale buffer)"
         for key, r in self._guide_reads.items():  # read at guide time only: no bundle reports it
             if r.phase is Phase.GUIDE and any(t.key in stale for t in r.producer.taps(r.port)):
                 self._stale(
-                    key,
-                    StaleTapError(
-                        f"the tap of {key!r} was not written by step {step.step}'s forward "
-                        "(stale buffer): the guide read NaN rows"
-                    ),
+                    key, StaleTapError(f"the tap of {key!r} {stale_at}: the guide read NaN rows")
                 )
         for key, taps in unchecked:
             if taps & stale:
+                port = tap_port_name(min(taps & stale))
                 self._stale(
                     key,
                     StaleTapError(
-                        f"the tap of {tap_port_name(min(taps & stale))!r} was not written by "
-                        f"step {step.step}'s forward (stale buffer): {key!r} was delivered "
-                        "as NaN rows"
+                        f"the tap of {port!r} {stale_at}: {key!r} was delivered as NaN rows"
                     ),
                 )
         kept = int(step.sample_kept.sum())
@@ -715,14 +629,12 @@ class Runtime:
                     self.results.put(req, name, {"error": f"no consumer {name!r} in this engine"})
 
     def take_results(self, request_ids: list[str], wait_s: float = 0.0) -> dict[str, Any]:
-        """The per-request results made so far for these caller ids (removed from the
-        store); ``wait_s``: first wait that long at most for background consumers to catch
-        up (offline, where every request of the batch has finished)."""
+        """The per-request results made so far for these caller ids (removed from the store),
+        after waiting ``wait_s`` at most for background consumers to catch up."""
         if wait_s > 0:
             self.bus.flush(wait_s)
         return self.results.take(request_ids)
 
-    # -- results ----------------------------------------------------------------------
     def control(self, name: str, action: str, payload: dict[str, Any]) -> dict[str, Any]:
         """A control request for consumer ``name`` (between steps): ``{"reply": ...}`` or
         ``{"error": message, "status": http_status}``."""
@@ -748,16 +660,15 @@ class Runtime:
             c = s.consumer
             if self.bus.abandoned(c.name):  # its thread is stuck in it: not asked again
                 results[c.name] = {"error": "switched off: a callback passed its deadline"}
-                consumers[c.name] = c.counters.snapshot()
-                continue
-            noted = self.watchdog.running(c.name, "result", CLOSE)
-            try:
-                # First: result() may settle deferred work that the counters then include.
-                results[c.name] = c.result()
-            except Exception as e:  # noqa: BLE001
-                results[c.name] = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                self.watchdog.done(noted)
+            else:
+                noted = self.watchdog.running(c.name, "result", CLOSE)
+                try:
+                    # First: result() may settle deferred work that the counters then include.
+                    results[c.name] = c.result()
+                except Exception as e:  # noqa: BLE001
+                    results[c.name] = {"error": f"{type(e).__name__}: {e}"}
+                finally:
+                    self.watchdog.done(noted)
             consumers[c.name] = c.counters.snapshot()
         return {
             "runtime": self.counters.snapshot(),
@@ -767,8 +678,7 @@ class Runtime:
         }
 
     def close(self) -> dict[str, Any]:
-        """Flush queues, close consumers, return the final report (the same report again
-        on later calls: consumers are closed once)."""
+        """Flush queues, close consumers (once), return the final report."""
         if self._closed_report is None:
             self.bus.flush()
             for s in self.slots:

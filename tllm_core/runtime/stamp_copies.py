@@ -1,8 +1,5 @@
-"""A step's tap stamps and edit counts, read without making the host wait for the device (a
-plain read would wait for the forward every step): :class:`StampReader` gathers them into one
-device buffer, allocated once per set of keys, and copies it back through a
-:class:`~tllm_core.api.transfers.HostCopyRing`; :class:`StampRead` reads them once arrived.
-"""
+"""A step's tap stamps and edit counts, copied to the host in one buffer without the host
+waiting for the device (a plain read would wait for the forward every step)."""
 
 from __future__ import annotations
 

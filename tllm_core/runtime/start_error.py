@@ -1,10 +1,5 @@
-"""Why the engine refused to start, told to the process that started it.
-
-vLLM reports a worker that fails while loading the model only as "see root cause above". A
-tllm refusal there is written to the front end's note (``start_error_file``), and so is the
-first exception vLLM logs in the processes a ``TllmLLM`` spawns (:data:`ENV`,
-:class:`FirstErrorLog`); the front end raises it as its own one-line error.
-"""
+"""Why the engine refused to start, told to the front end through a note file: vLLM reports
+a worker that fails while loading only as "see root cause above"."""
 
 from __future__ import annotations
 
@@ -17,14 +12,12 @@ from contextlib import contextmanager
 
 from tllm_core.runtime.environ import env_set
 
-# "{front end pid}:{note path}", set by the front end while its engine starts; the engine
-# processes inherit it.
+# "{front end pid}:{note path}", set while the engine starts; its processes inherit it.
 ENV = "TLLM_START_ERROR_FILE"
 
 
 def record(path: str | None, message: str) -> None:
-    """Write ``message`` to ``path`` unless a rank wrote first (the front end may be gone:
-    never raises)."""
+    """Write ``message`` to ``path`` unless a rank wrote first; never raises."""
     if not path:
         return
     try:
@@ -36,8 +29,7 @@ def record(path: str | None, message: str) -> None:
 
 
 class StartErrorNote:
-    """The front end's side: an empty file for the engine to write into, read after a failed
-    start, removed when the start is over."""
+    """The front end's side: an empty file for the engine to write into."""
 
     def __init__(self) -> None:
         fd, self.path = tempfile.mkstemp(prefix="tllm-start-", suffix=".txt")
@@ -62,8 +54,8 @@ class StartErrorNote:
 
 
 class FirstErrorLog(logging.Handler):
-    """On the ``vllm`` logger of an engine process: the first logged exception goes into the
-    note (``"{Type}: {message}"``); then, or once the note is gone, it removes itself."""
+    """On the ``vllm`` logger: the first logged exception goes into the note, then (or once
+    the note is gone) it removes itself."""
 
     def __init__(self, path: str):
         super().__init__(logging.ERROR)
@@ -79,8 +71,8 @@ class FirstErrorLog(logging.Handler):
 
 
 def watch_engine_start() -> None:
-    """In a process the front end spawned while starting its engine (:data:`ENV`, another
-    pid): note vLLM's first logged exception. Elsewhere a no-op."""
+    """In a process the front end spawned while starting its engine, note vLLM's first
+    logged exception (elsewhere a no-op)."""
     value = os.environ.get(ENV, "")
     pid, _, path = value.partition(":")
     if path and pid != str(os.getpid()):

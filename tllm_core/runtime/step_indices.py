@@ -1,11 +1,5 @@
-"""A step's row indices on the device in one copy, and the runtime's gathers into reused
-buffers (:mod:`.buffer_pool`).
-
-:meth:`StepIndices.plan` gathers every host index the step will use (equal ones once) into a
-pinned :class:`~tllm_core.api.transfers.StagingRing` buffer and queues one copy to a pooled
-device buffer; :meth:`StepIndices.index` hands out views of it (an index not planned is sent
-alone). On CPU each index is :func:`~tllm_core.api.transfers.index_to`.
-"""
+"""A step's row indices sent to the device in one pinned copy (equal ones once), and the
+runtime's gathers into reused buffers (:mod:`.buffer_pool`)."""
 
 from __future__ import annotations
 
@@ -40,15 +34,12 @@ class StepIndices:
         return self._staging.waits if self._staging else 0
 
     def plan(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
-        """Send ``arrays`` (host indices the step will use) to ``device`` in one copy; the
-        previous plan's indices are let go."""
+        """Send ``arrays`` (the step's host indices) in one copy; the previous plan's go."""
         self.release()
-        if async_copies(device):
-            self._send(list(arrays), device)
+        self.send(arrays, device)
 
     def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
-        """Send ``arrays`` to ``device`` in one copy, beside the step's other indices (an
-        editor's rows: its plan is written before the step's :meth:`plan`)."""
+        """Send ``arrays`` to ``device`` in one copy, beside the step's other indices."""
         if async_copies(device):
             self._send(list(arrays), device)
 
@@ -57,8 +48,8 @@ class StepIndices:
         self._index.clear()
 
     def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
-        """``idx`` as an int64 index tensor on ``device``: the planned copy's view, or sent
-        now (alone) if it was not planned; valid until the next :meth:`plan`."""
+        """``idx`` as an int64 tensor on ``device`` (the planned copy's view, else sent alone),
+        valid until the next :meth:`plan`."""
         if not async_copies(device):
             return index_to(idx, device)
         key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
@@ -67,8 +58,7 @@ class StepIndices:
         return self._index[key]
 
     def gather(self, t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-        """``t.index_select(0, idx)`` into a pooled buffer (the same values, nothing
-        allocated once the pool holds a free buffer of that shape)."""
+        """``t.index_select(0, idx)`` into a pooled buffer."""
         out = self.pool.take((len(idx), *t.shape[1:]), t.dtype, t.device)
         return torch.index_select(t, 0, self.index(idx, t.device), out=out)
 

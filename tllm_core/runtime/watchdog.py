@@ -1,10 +1,5 @@
-"""A deadline on consumer callbacks: a daemon thread notices one that runs too long.
-
-The bus notes every callback with :meth:`Watchdog.running`; each one past the deadline of its
-kind is reported once to ``on_hung`` as a :class:`Hung` with its thread's stack. The runtime
-then switches a background consumer off, or stops the engine (:class:`EngineStop`) after
-writing the front end's note (:func:`write_note`).
-"""
+"""A deadline on consumer callbacks: a daemon thread reports each one past the deadline of
+its kind once, with its thread's stack (the runtime then switches it off or stops the engine)."""
 
 from __future__ import annotations
 
@@ -20,8 +15,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from tllm_core.runtime.start_error import ENV
 
 log = logging.getLogger("tllm")
 
@@ -55,8 +52,7 @@ class Hung:
         )
 
     def where(self) -> str:
-        """The innermost frame of :attr:`stack` outside Python's own library, as
-        ``file:line in function``."""
+        """The innermost frame of :attr:`stack` outside Python's library: ``file:line in f``."""
         frames = [ln.strip() for ln in self.stack.splitlines() if ln.strip().startswith("File ")]
         stdlib = os.path.dirname(os.__file__)
         own = [f for f in frames if stdlib not in f] or frames
@@ -71,15 +67,13 @@ class Hung:
         return f"{self.message()}; stuck at (thread {self.thread}):\n{self.stack}"
 
 
+@dataclass(slots=True)
 class _Call:
-    __slots__ = ("consumer", "callback", "kind", "start", "reported")
-
-    def __init__(self, consumer: str, callback: str, kind: str):
-        self.consumer = consumer
-        self.callback = callback
-        self.kind = kind
-        self.start = time.monotonic()
-        self.reported = False
+    consumer: str
+    callback: str
+    kind: str
+    start: float = field(default_factory=time.monotonic)
+    reported: bool = False
 
 
 class Watchdog:
@@ -102,7 +96,12 @@ class Watchdog:
         if tid in self._calls:
             return None
         if self._thread is None:
-            self._start()
+            with self._lock:  # the watchdog's thread starts at the first callback
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._watch, name="tllm-watchdog", daemon=True
+                    )
+                    self._thread.start()
         call = self._calls[tid] = _Call(consumer, callback, kind)
         return call
 
@@ -116,14 +115,6 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="tllm-watchdog", daemon=True
-                )
-                self._thread.start()
 
     def _late(self, now: float) -> list[tuple[_Call, Hung]]:
         out = []
@@ -156,8 +147,8 @@ class Watchdog:
 
 
 def write_note(path: str | None, hung: Hung) -> None:
-    """Write ``hung`` into the front end's note at ``path`` (JSON), unless one is there
-    (the first hang is the cause). Never raises: the front end may be gone."""
+    """Write ``hung`` into the front end's note at ``path`` (JSON), unless one is there (the
+    first hang is the cause); never raises."""
     if not path:
         return
     try:
@@ -183,8 +174,7 @@ def read_note(path: str | None) -> Hung | None:
 
 class EngineStop:
     """Exits the engine process with :data:`HUNG_EXIT_CODE` ``after_s`` seconds after a callback
-    hung (the front end sees a dead engine). In the front end's own process (an in-process
-    engine) the hang is only reported."""
+    hung; in the front end's own process (an in-process engine) it is only reported."""
 
     def __init__(self, after_s: float, exit: Callable[[int], Any] = os._exit):
         self.after_s = after_s
@@ -220,11 +210,8 @@ class EngineStop:
 
 
 def _end_engine_core() -> None:
-    """In a worker whose parent is an offline engine core (not the front end the start note
-    names): end the engine core first, which would otherwise log this exit as its own fatal
-    error."""
-    from tllm_core.runtime.start_error import ENV
-
+    """In a worker whose parent is an offline engine core (not the front end), end the engine
+    core first, which would otherwise log this exit as its own fatal error."""
     front = os.environ.get(ENV, "").partition(":")[0]
     parent = os.getppid()
     if not front.isdigit() or parent in (1, int(front), os.getpid()):

@@ -1,7 +1,5 @@
-"""What guards tllm's own server routes (``/tllm/*``): :class:`BearerGuard` asks vLLM's API
-keys there too (vLLM's own check covers ``/v1``), :func:`hide_paths` takes server filesystem
-paths out of a JSON response. Engine-neutral: the wiring is in ``vllm_bridge/serving.py``.
-"""
+"""What guards tllm's own server routes (``/tllm/*``): API keys, client scopes, hidden paths;
+engine-neutral (the wiring is in ``vllm_bridge/serving.py``)."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ CLIENT: ContextVar[str] = ContextVar("tllm_client", default="anon")
 
 
 def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
-    """A short keyed digest of the request's ``Authorization`` header (``anon`` without one):
-    requests with the same API key are one client."""
+    """A short keyed digest of the ``Authorization`` header (``anon`` without one)."""
     value = next((v for k, v in headers if k.lower() == b"authorization"), None)
     if not value:
         return "anon"
@@ -57,8 +54,7 @@ def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
 
 
 def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
-    """The group a server request joins: a client's own ``tllm_group`` inside its namespace
-    (no client joins another's), else the request's own unique id."""
+    """A client's ``tllm_group`` inside its own namespace, else the request's own group."""
     group = extra.get(GROUP_KEY)
     return f"client-{client}/{group}" if group is not None else f"request/{request_id}"
 

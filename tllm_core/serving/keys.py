@@ -1,8 +1,5 @@
-"""The request keys of tllm and their validation (see docs/serving.md): the generic keys here,
-every other declared by a consumer (``tllm_{c}_{f}``). Every ``tllm_*`` key of a request's
-``vllm_xargs`` / ``extra_args`` is checked by :func:`validate_extra_args`, in the server (HTTP
-400) and in ``TllmLLM`` (``ValueError``) alike.
-"""
+"""The request keys of tllm (docs/serving.md) and their validation, in the server (HTTP 400)
+and in ``TllmLLM`` (``ValueError``) alike."""
 
 from __future__ import annotations
 
@@ -32,8 +29,6 @@ from tllm_core.runtime.settings import RuntimeSettings
 
 if TYPE_CHECKING:
     from tllm_core.plugins.registry import Registry
-
-__all__ = ["KEYS", "TAGS", "EngineConsumers", "request_salt", "validate_extra_args"]
 
 # A group name is kept per live group by consumers (ESamp): bounded like any request value.
 MAX_GROUP_CHARS = 1024
@@ -172,7 +167,7 @@ def validate_extra_args(
     name). ``tags``: the internal row tags (:data:`TAGS`) are allowed (``TllmLLM``'s callers)."""
     if not extra:
         return
-    mine: dict[str, list[str]] = {}  # consumer -> its keys in this request
+    mine: dict[str, str] = {}  # consumer -> its first key in this request
     for key, value in extra.items():
         if not key.startswith(PREFIX):
             continue
@@ -180,7 +175,7 @@ def validate_extra_args(
             _check_tag(key, value, where)
             continue
         if key in engine.owners:
-            mine.setdefault(engine.owners[key][0], []).append(key)
+            mine.setdefault(engine.owners[key][0], key)
         elif key not in KEYS:
             known = sorted(
                 [*KEYS, *(k for k, (c, _) in engine.owners.items() if c in engine.models)]
@@ -206,8 +201,7 @@ def validate_extra_args(
         raise ValueError(f"{where}[{GROUP_KEY!r}] must not be empty")
     _check_length(extra, GROUP_KEY, MAX_GROUP_CHARS, where)
     _check_results(extra, engine, where)
-    for name, keys in mine.items():
-        key = keys[0]
+    for name, key in mine.items():
         if name not in engine.per_request:
             raise ValueError(
                 f"{where}[{key!r}] needs the {name!r} consumer, which this engine does not run "
@@ -257,13 +251,9 @@ def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str,
 def request_salt(
     extra: dict[str, Any] | None, key: bytes | None = None, *, can_change_kv: bool = True
 ) -> str | None:
-    """The prefix-cache salt of a request, offline and served (None: no salt).
-
-    Requests whose tllm settings may change their KV (``can_change_kv``: an engine that
-    edits) must not share cached blocks with others: the salt hashes their sorted
-    ``[key, str(value)]`` pairs (tags and ``tllm_results`` aside). A server passes its secret
-    ``key``: an HMAC no client can compute, so no client's own ``cache_salt`` can equal it.
-    """
+    """The prefix-cache salt of a request (None: none): a hash of its tllm keys, when they may
+    change its KV (``can_change_kv``); a server's secret ``key`` makes it an HMAC no client's
+    own ``cache_salt`` can equal."""
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()

@@ -1,7 +1,6 @@
-"""At most one read of the engine's report at a time, shared by the requests waiting for it
-(a read runs every consumer's ``result()`` on the engine thread). A request is answered with
-the first read that started after it arrived, or any read younger than ``min_interval_s``.
-"""
+"""At most one read of the engine's report at a time (it runs every consumer's ``result()``),
+shared by the requests waiting: each gets a read that started after it arrived, or one younger
+than ``min_interval_s``."""
 
 from __future__ import annotations
 
