@@ -88,13 +88,13 @@ def test_the_first_engine_to_tell_stops_the_node_once():
     kills = []
     assert not nodes.tell("no note", kills.append)  # not under a headless node
     with nodes.shared_note() as note:
-        assert note.told() is None
+        assert note.read() == ""
         assert nodes.tell("first", lambda *a: kills.append(a))
         assert not nodes.tell("second", lambda *a: kills.append(a))
-        assert note.told() == "first" and len(kills) == 1
-    assert note.told() == "first"  # kept once the note is removed
+        assert note.read() == "first" and len(kills) == 1
+    assert note.read() == "first"  # kept once the note is removed
     with nodes.shared_note() as again:  # a new note starts empty
-        assert again.told() is None
+        assert again.read() == ""
 
 
 def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
@@ -159,7 +159,7 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
         wait_until(lambda: kills, timeout=20)
         assert kills == [(__import__("os").getpid(), signal.SIGTERM)]
         if requested:
-            assert note.told() == nodes.STOP_REQUESTED and command.lost() is None
+            assert note.read() == nodes.STOP_REQUESTED and command.lost() is None
         else:
             assert f"({host}:{port}) is gone" in command.lost()
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-from tllm_core.runtime.environ import env_set
+from tllm_core.runtime.notes import NoteFile, named, write_once
 
 # "{front end pid}:{note path}", set while the engine starts; its processes inherit it.
 ENV = "TLLM_START_ERROR_FILE"
@@ -18,39 +15,18 @@ ENV = "TLLM_START_ERROR_FILE"
 
 def record(path: str | None, message: str) -> None:
     """Write ``message`` to ``path`` unless a rank wrote first; never raises."""
-    if not path:
-        return
-    try:
-        with open(path, "r+", encoding="utf-8") as f:
-            if not f.read():
-                f.write(message)
-    except OSError:
-        pass
+    write_once(path, message)
 
 
-class StartErrorNote:
+class StartErrorNote(NoteFile):
     """The front end's side: an empty file for the engine to write into."""
 
     def __init__(self) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="tllm-start-", suffix=".txt")
-        os.close(fd)
+        super().__init__("tllm-start-")
 
-    @contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self, env: str = ENV) -> contextlib.AbstractContextManager[None]:
         """While the engine starts: :data:`ENV` names this note to the processes it spawns."""
-        with env_set(ENV, f"{os.getpid()}:{self.path}"):
-            yield
-
-    def read(self) -> str:
-        try:
-            with open(self.path, encoding="utf-8") as f:
-                return f.read().strip()
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        return super().shared(env)
 
 
 class FirstErrorLog(logging.Handler):
@@ -73,7 +49,6 @@ class FirstErrorLog(logging.Handler):
 def watch_engine_start() -> None:
     """In a process the front end spawned while starting its engine, note vLLM's first
     logged exception (elsewhere a no-op)."""
-    value = os.environ.get(ENV, "")
-    pid, _, path = value.partition(":")
-    if path and pid != str(os.getpid()):
-        logging.getLogger("vllm").addHandler(FirstErrorLog(path))
+    note = named(ENV)
+    if note is not None and note[0] != os.getpid():
+        logging.getLogger("vllm").addHandler(FirstErrorLog(note[1]))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tllm_core.runtime.notes import named, write_once
 from tllm_core.runtime.start_error import ENV
 
 log = logging.getLogger("tllm")
@@ -149,15 +150,7 @@ class Watchdog:
 def write_note(path: str | None, hung: Hung) -> None:
     """Write ``hung`` into the front end's note at ``path`` (JSON), unless one is there (the
     first hang is the cause); never raises."""
-    if not path:
-        return
-    try:
-        with open(path, "a+", encoding="utf-8") as f:
-            f.seek(0)
-            if not f.read():
-                f.write(json.dumps(asdict(hung)))
-    except OSError:
-        pass
+    write_once(path, json.dumps(asdict(hung)), create=True)
 
 
 def read_note(path: str | None) -> Hung | None:
@@ -212,9 +205,9 @@ class EngineStop:
 def _end_engine_core() -> None:
     """In a worker whose parent is an offline engine core (not the front end), end the engine
     core first, which would otherwise log this exit as its own fatal error."""
-    front = os.environ.get(ENV, "").partition(":")[0]
+    front = named(ENV)
     parent = os.getppid()
-    if not front.isdigit() or parent in (1, int(front), os.getpid()):
+    if front is None or parent in (1, front[0], os.getpid()):
         return
     with contextlib.suppress(OSError):
         os.kill(parent, signal.SIGKILL)

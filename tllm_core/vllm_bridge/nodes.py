@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tllm_core.runtime.environ import env_set
+from tllm_core.runtime.notes import NoteFile, named, write_once
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 log = logging.getLogger("vllm.tllm")
@@ -218,7 +218,7 @@ class NodeWatch:
         """Why this node stops on its own (a lost node, or what its engines told), else None."""
         if self._lost:
             return self._lost[0]
-        told = None if self._note is None else self._note.told()
+        told = None if self._note is None else self._note.read() or None
         return None if told == STOP_REQUESTED else told
 
     def _report(self, reason: str, on_lost: Any) -> bool:
@@ -315,78 +315,28 @@ NOTE_ENV = "TLLM_NODE_NOTE"
 STOP_REQUESTED = "the leader stopped on request"
 
 
-class NodeNote:
-    """The node command's note (:func:`shared_note`): what an engine process told, kept once
-    the file is removed."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._kept: str | None = None
-        self._closed = False
-
-    def told(self) -> str | None:
-        """The reason an engine process told (None: none)."""
-        return self._kept if self._closed else (_read(self.path) or None)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._kept = _read(self.path) or None
-            self._closed = True
-
-
 @contextlib.contextmanager
-def shared_note() -> Iterator[NodeNote]:
+def shared_note() -> Iterator[NoteFile]:
     """In the node's command while its engines run: an empty note named in :data:`NOTE_ENV`;
     removed on leaving (what was told is kept)."""
-    import tempfile
-
-    fd, path = tempfile.mkstemp(prefix="tllm-node-", suffix=".txt")
-    os.close(fd)
-    note = NodeNote(path)
+    note = NoteFile("tllm-node-")
     try:
-        with env_set(NOTE_ENV, f"{os.getpid()}:{path}"):
+        with note.shared(NOTE_ENV):
             yield note
     finally:
         note.close()
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _note_spec() -> tuple[int, str] | None:
-    pid, _, path = os.environ.get(NOTE_ENV, "").partition(":")
-    return (int(pid), path) if pid.isdigit() and path else None
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def on_headless_node() -> bool:
     """Whether this process runs under a node's command that reads the note."""
-    return _note_spec() is not None
+    return named(NOTE_ENV) is not None
 
 
 def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:
     """In an engine process: write ``reason`` to the note and SIGTERM the node's command,
     unless another process told first or there is no note. Whether it told."""
-    import fcntl
-
-    spec = _note_spec()
-    if spec is None:
+    note = named(NOTE_ENV)
+    if note is None or not write_once(note[1], reason):
         return False
-    pid, path = spec
-    try:
-        with open(path, "r+", encoding="utf-8") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # engines of one node may tell at the same time
-            if f.read():
-                return False
-            f.write(reason)
-            f.flush()
-    except OSError:  # the command is gone, and its note with it
-        return False
-    kill(pid, signal.SIGTERM)
+    kill(note[0], signal.SIGTERM)
     return True
