@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 from tllm_core.api.request_settings import RESULTS_KEY
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
-from tllm_core.app.prompts import read_prompt_file
 
 __all__ = [
     "EXIT_ENGINE_DIED",
@@ -54,6 +53,9 @@ EXIT_ENGINE_DIED = 3
 START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# prompts x n x max_tokens at or below which a command runs eager unless told otherwise:
+# compiling costs more start time than such a job gains (docs/getting-started.md).
+EAGER_MAX_TOKENS = 2048
 
 
 def local_model(model: str | None) -> str | None:
@@ -94,18 +96,6 @@ def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
 
 
-def add_deadline_arg(g: Any) -> None:
-    """``--callback-deadline`` (``RuntimeSettings.callback_deadline_s`` checks it)."""
-    g.add_argument(
-        "--callback-deadline",
-        type=float,
-        default=None,
-        metavar="S",
-        help="longest run of one consumer callback on the engine thread before the watchdog "
-        "names it and stops the engine (default 120 s)",
-    )
-
-
 def _add_count(g: Any, flag: str, help: str) -> None:
     """An optional whole-number option >= 1 (None when not given)."""
     g.add_argument(flag, type=int_at_least(1), default=None, help=help)
@@ -128,7 +118,14 @@ def add_model_args(g: Any) -> None:
     _add_count(
         g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
     )
-    add_deadline_arg(g)
+    g.add_argument(  # RuntimeSettings.callback_deadline_s checks it
+        "--callback-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="longest run of one consumer callback on the engine thread before the watchdog "
+        "names it and stops the engine (default 120 s)",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -207,6 +204,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def read_prompt_file(path: Path, what: str = "prompt file") -> list[str]:
+    """The prompts in ``path``, one a line (blank lines skipped); a ValueError naming the file
+    if it is missing or empty."""
+    if not path.is_file():
+        raise ValueError(f"{what} not found: {path}")
+    prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if not prompts:
+        raise ValueError(f"{what} {path} holds no prompt")
+    return prompts
+
+
 def prompts(args: argparse.Namespace) -> list[str]:
     """``--prompt``s, the ``--prompts`` file, or the built-in prompt."""
     if args.prompts is not None:
@@ -223,8 +231,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options (:func:`check_sampling`, then vLLM's
-    checks)."""
+    """``SamplingParams`` from the sampling options (our checks, then vLLM's)."""
     check_sampling(args)
     from vllm import SamplingParams
 
@@ -258,8 +265,7 @@ def quiet(args: argparse.Namespace) -> None:
 
 
 def set_cpu_kv_cache(gib: int | None) -> None:
-    """``--kv-cache-gib`` when given, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the
-    default ``TllmLLM`` uses too (:mod:`tllm_core.app.kv_cache`)."""
+    """``--kv-cache-gib``, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the default."""
     from tllm_core.app.kv_cache import KV_ENV, kv_cache_gib
 
     value = kv_cache_gib(gib)
@@ -268,8 +274,7 @@ def set_cpu_kv_cache(gib: int | None) -> None:
 
 
 def prepare_engine_processes(args: argparse.Namespace) -> None:
-    """The environment the engine processes of this command inherit; call it before the
-    engine starts (:func:`generate_with` does)."""
+    """The environment the command's engine processes inherit; call it before they start."""
     from tllm_core.app.cpu_preload import apply as preload
     from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
 
@@ -298,6 +303,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
+
+
+def choose_eager(args: argparse.Namespace, new_tokens: int) -> str | None:
+    """Set ``args.enforce_eager`` for a job of at most :data:`EAGER_MAX_TOKENS` new tokens
+    when neither ``--compile`` nor ``--enforce-eager`` was given; returns why (None: kept)."""
+    if getattr(args, "compile", False) or getattr(args, "enforce_eager", False):
+        return None
+    if new_tokens > EAGER_MAX_TOKENS:
+        return None
+    args.enforce_eager = True
+    return f"a small job of {new_tokens} new tokens at most, --compile to compile"
 
 
 def engine_note(args: argparse.Namespace) -> str:
@@ -352,8 +368,6 @@ def generate_with(
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
     if asked:
         params.extra_args = {RESULTS_KEY: asked}
-    from tllm_core.app.startup import choose_eager
-
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
         converting.wait()

@@ -43,11 +43,9 @@ class CheckedConsumers:
     """Consumer specs checked once in the front end (:func:`validate_consumers`)."""
 
     specs: tuple[ConsumerSpec, ...]
-    # Each spec's config model, validated once here.
-    configs: tuple[ConsumerConfig, ...]
+    configs: tuple[ConsumerConfig, ...]  # each spec's config model
     registry: Registry
-    # The model folder the specs were dry-built against (None: names and configs only).
-    model_path: str | None = None
+    model_path: str | None = None  # the folder they were dry-built against (None: not yet)
 
     def all_per_request(self) -> CheckedConsumers:
         """The same consumers, each acting only on requests that name it."""
@@ -55,8 +53,7 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers (``kwargs``: the
-        other fields)."""
+        """The runtime settings sent to the engine with these consumers."""
         return RuntimeSettings(consumers=list(self.specs), **kwargs)
 
 
@@ -87,9 +84,8 @@ def validate_consumers(
 
 
 class ConsumerDisabledError(RuntimeError):
-    """A consumer was switched off during an offline run: raised by ``TllmLLM.generate`` /
-    ``chat`` (``outputs``) or ``close`` (``report``); ``errors``: each one's first error.
-    ``TllmLLM(..., raise_on_disabled=False)`` turns it off."""
+    """A consumer was switched off during an offline run (``TllmLLM.generate``/``chat``:
+    ``outputs``; ``close``: ``report``); ``errors``: each one's first error."""
 
     def __init__(
         self,
@@ -113,8 +109,8 @@ class ConsumerDisabledError(RuntimeError):
 
 
 class ConsumerHungError(EngineDiedError):
-    """A consumer callback ran past its deadline: the engine's watchdog named it (``hung``)
-    and stopped the engine (``death``). Raised where :class:`EngineDiedError` is."""
+    """A consumer callback ran past its deadline (``hung``): the engine's watchdog stopped
+    the engine (``death``)."""
 
     def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
         super().__init__(death, outputs)
@@ -152,8 +148,7 @@ def _salted(prompt: Any, salt: str | None) -> Any:
 
 
 def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) -> None:
-    """The plugins' ``tllm_run_failed`` hooks after a fault, each on its own (one that fails
-    is named in a warning)."""
+    """Each plugin's ``tllm_run_failed`` hook after a fault (one that fails: a warning)."""
     hook = checked.registry.pm.hook.tllm_run_failed
     for impl in hook.get_hookimpls():
         try:
@@ -168,12 +163,9 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
 
 
 class TllmLLM:
-    """A vLLM ``LLM`` whose engine runs tllm consumers.
-
-    Extra keyword arguments go to ``vllm.LLM``. Consumers are validated before the engine
-    starts, each request's ``tllm_*`` extra_args before generation; ``collect()`` returns
-    counters and results from the engine (docs/scaling.md for several ranks).
-    """
+    """A vLLM ``LLM`` whose engine runs tllm consumers (extra keyword arguments go to
+    ``vllm.LLM``); consumers are checked before the engine starts, each request's ``tllm_*``
+    extra_args before generation."""
 
     def __init__(
         self,
@@ -214,11 +206,11 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        deadlines = {
-            "callback_deadline_s": callback_deadline_s,
-            "background_deadline_s": background_deadline_s,
-            "close_deadline_s": close_deadline_s,
-        }
+        deadlines = dict(
+            callback_deadline_s=callback_deadline_s,
+            background_deadline_s=background_deadline_s,
+            close_deadline_s=close_deadline_s,
+        )
         self.settings = checked.settings(
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
@@ -293,14 +285,14 @@ class TllmLLM:
         self._closed_report: dict[str, Any] | None = None
 
     def _rpc(self, method: str) -> Any:
-        """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
+        """tllm's reports from every rank, merged (docs/scaling.md)."""
         with self._naming_a_dead_engine():
             return merge_reports(self.llm.collective_rpc(method))
 
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
-        """Inside, a call on an engine one of whose processes died raises
-        :class:`EngineDiedError` naming that process."""
+        """A call on an engine one of whose processes died raises :class:`EngineDiedError`
+        naming that process."""
         try:
             self._watch.check()
             yield
@@ -427,7 +419,7 @@ class TllmLLM:
 
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), not in vLLM's exit handler (which kills
-        engines slower than 5 s); after a death the others get a few seconds."""
+        engines slower than 5 s)."""
         from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
         from tllm_core.vllm_bridge.lifecycle import shutdown_engine
 
@@ -446,20 +438,18 @@ class TllmLLM:
         self._fault_note.close()
 
     def _death_error(self, death: Any, known: EngineDiedError | None = None) -> EngineDiedError:
-        """The error a dead engine is reported as: the hung callback the engine's watchdog
-        noted, else ``known`` or a new :class:`EngineDiedError`."""
+        """The hung callback the engine's watchdog noted, else ``known`` or a new error."""
         hung = read_note(self._fault_note.path)
         if hung is not None:
             return ConsumerHungError(death, hung)
         return known or EngineDiedError(death)
 
     def _tell_run_failed(self) -> None:
-        """Once every engine process is gone after a fault: :func:`tell_run_failed`."""
-        if self._failure_told:
-            return
-        self._failure_told = True
-        died = self._died or self._death_error(self._watch.death)
-        tell_run_failed(self._checked, str(died), self._started_at)
+        """:func:`tell_run_failed` once, when every engine process is gone after a fault."""
+        if not self._failure_told:
+            self._failure_told = True
+            died = self._died or self._death_error(self._watch.death)
+            tell_run_failed(self._checked, str(died), self._started_at)
 
     def __enter__(self) -> TllmLLM:
         return self

@@ -1,12 +1,6 @@
-"""Stopping a ``tllm`` command when told (docs/cli.md, "Stopping"): SIGTERM as Ctrl-C, and a
-bound on how long stopping may take.
-
-:func:`install` makes SIGTERM do what Ctrl-C does and starts, at the first signal, a
-watchdog: if the command has not exited :func:`stop_timeout` seconds later, it kills the
-command's processes (but ``multiprocessing``'s resource tracker, which then unlinks what they
-leave) and exits with :data:`EXIT_STOP_TIMEOUT`. Otherwise the exit status after a signal is
-``128 + signal`` when the work was cut short, 0 when a ready server stopped cleanly.
-"""
+"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C, and a
+watchdog started by the first signal kills the command's processes if it has not exited
+:func:`stop_timeout` seconds later (exit status :data:`EXIT_STOP_TIMEOUT`)."""
 
 from __future__ import annotations
 
@@ -58,8 +52,7 @@ class StopSignals:
 
         self._received: list[int] = []
         self._lock = threading.RLock()  # taken in the signal handler too (same thread)
-        # The command's processes when the first stop signal came (see forget_dead_children).
-        self._children: set[int] = set()
+        self._children: set[int] = set()  # the processes when the first stop signal came
         self.nodes = nodes if nodes is not None else NodeWatch()
         self.replaced: dict[int, Any] = {}  # the handlers install() replaced
 
