@@ -56,6 +56,17 @@ DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a mess
 # prompts x n x max_tokens at or below which a command runs eager unless told otherwise:
 # compiling costs more start time than such a job gains (docs/getting-started.md).
 EAGER_MAX_TOKENS = 2048
+# The options of add_generation_args that are SamplingParams fields of the same name.
+SAMPLING_OPTIONS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+)
 
 
 def local_model(model: str | None) -> str | None:
@@ -238,16 +249,7 @@ def sampling(args: argparse.Namespace):
     from tllm_core.vllm_bridge.errors import vllm_value_errors
 
     try:
-        return SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
+        return SamplingParams(**{k: getattr(args, k) for k in SAMPLING_OPTIONS})
     except vllm_value_errors() as e:
         raise CliError(f"bad sampling option: {e}") from None
 
@@ -288,20 +290,20 @@ def prepare_engine_processes(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments from the model and engine options."""
-    kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=args.enforce_eager)
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
+    # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        use_tqdm_on_load=bool(getattr(args, "verbose", False)),
+    )
+    for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, k, None) is not None:
+            kw[k] = getattr(args, k)
     for k in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, k, 1) != 1:
             kw[k] = getattr(args, k)
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
-    # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
-    kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))
-    if args.max_num_seqs is not None:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens is not None:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
 
 
@@ -338,10 +340,11 @@ def generate_with(
 
     Status lines and a progress bar (``status()`` beside it) go to stderr. Ctrl-C stops
     generation: the report is then partial (``report["run"]["interrupted"]``, unfinished
-    samples None). ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
+    samples None). ``report["run"]``: ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
     from tllm_core.api.results import encode
     from tllm_core.app.engine import TllmLLM, validate_consumers
-    from tllm_core.app.progress import RunProgress, summary
+    from tllm_core.app.progress import RunProgress
+    from tllm_core.app.summary import run_line
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
@@ -393,7 +396,6 @@ def generate_with(
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
-    n_seqs = len(texts_in) * params.n
     interrupted = False
     died: EngineDiedError | None = None
     try:
@@ -433,17 +435,18 @@ def generate_with(
     if asked:
         report["request_results"] = results
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
-    finished = sum(t is not None for ts in texts for t in ts)
-    line = summary(tokens, seconds, report["consumers"], proofs)
-    cut = "the engine died" if died is not None else "interrupted"
+    line = run_line(tokens, seconds, report["consumers"], proofs)
+    interrupted = interrupted or died is not None
+    if interrupted:
+        finished = sum(t is not None for ts in texts for t in ts)
+        cut = "the engine died" if died is not None else "interrupted"
+        line = f"{cut} after {finished}/{len(texts_in) * params.n} samples; {line}"
     report["run"] = {
         "runner": llm.status["runner"],
         "tokens": tokens,
         "seconds": round(seconds, 3),
-        "interrupted": interrupted or died is not None,
-        "summary": f"{cut} after {finished}/{n_seqs} samples; {line}"
-        if interrupted or died is not None
-        else line,
+        "interrupted": interrupted,
+        "summary": line,
     }
     if died is not None:
         died.outputs = (texts_in, texts, report)
@@ -475,9 +478,7 @@ def has_chat_template(model: Path) -> bool:
 
 
 def _counters(report: dict[str, Any]) -> dict[str, Any]:
-    out = {"runtime": report["runtime"]}
-    out.update(report["consumers"])
-    return out
+    return {"runtime": report["runtime"], **report["consumers"]}
 
 
 def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[str, Any]:
@@ -501,6 +502,8 @@ def print_report(
 ) -> None:
     """Completions as text (or one JSON), then on stderr errors and the run's summary;
     ``counters``: the full counter table too."""
+    from tllm_core.app.summary import summarize
+
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
@@ -511,8 +514,6 @@ def print_report(
         sys.stdout.flush()
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
-        from tllm_core.app.summary import summarize
-
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
             print(f"tllm: warning: {warning}", file=sys.stderr, flush=True)
         return
@@ -527,8 +528,6 @@ def print_report(
             for k, v in sorted(values.items()):
                 print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
     sys.stdout.flush()
-    from tllm_core.app.summary import summarize
-
     for line in summarize(report).text():
         print(f"tllm: {line}", file=sys.stderr)
     sys.stderr.flush()

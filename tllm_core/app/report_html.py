@@ -12,14 +12,11 @@ from __future__ import annotations
 import base64
 import html
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from tllm_core.api.plots import Plot
-from tllm_core.app.summary import Lookup, Summary, registry_lookup, summarize
-
-log = logging.getLogger("tllm")
+from tllm_core.app.summary import Lookup, Summary, call_consumer, registry_lookup, summarize
 
 PAGE = "index.html"
 
@@ -71,18 +68,10 @@ def consumer_plots(run: dict[str, Any], lookup: Lookup) -> list[tuple[str, Plot]
     for name, counters in run.get("counters", {}).items():
         if name == "runtime":
             continue
-        cls = lookup(name)
-        fn = getattr(cls, "report_plots", None)
-        if fn is None:
-            continue
         result = run.get("results", {}).get(name)
         if isinstance(result, list):  # data parallel: the first engine's result
             result = next((r for r in result if r is not None), None)
-        try:
-            plots = list(fn(counters, result) or [])
-        except Exception as e:  # noqa: BLE001 - one consumer's plots must not lose the page
-            log.warning("tllm: %s.report_plots failed: %s: %s", name, type(e).__name__, e)
-            continue
+        plots = call_consumer(lookup(name), "report_plots", name, counters, result)
         out += [(name, p) for p in plots if any(len(s.y) for s in p.series)]
     return out
 

@@ -58,4 +58,4 @@ class LastCounters:
             f"{runtime.get('rows_seen', 0)} token rows (counters read {age:.0f} s before the "
             "server stopped)"
         )
-        return [head, *s.lines, *(f"warning: {w}" for w in s.warnings)]
+        return [head, *s.text()[1:]]
