@@ -128,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
     try:
         status = args.func(args)
-    except ValueError as e:  # ConsumerSpecError and CliError included
-        print(f"tllm: {e}", file=sys.stderr)
-        return 2
-    except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
+    # Bad input (ConsumerSpecError and CliError included); refused before vLLM starts.
+    except (ValueError, UnsupportedEngineError) as e:
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except EngineDiedError as e:  # a process of the engine died: one line (-v: traceback)
