@@ -19,7 +19,7 @@ from tllm_core.app.cli_common import (
     quiet,
     show,
 )
-from tllm_core.app.report_command import add_command as add_report_command
+from tllm_core.app.report_html import add_command as add_report_command
 from tllm_core.app.serve_command import add_command as add_serve_command
 from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
 from tllm_core.vllm_bridge.engine_watch import EngineDiedError
