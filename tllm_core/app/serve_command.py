@@ -308,16 +308,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if signals.nodes.lost():
         say(f"error: {signals.nodes.lost()}")
         _exit(1)
-    if hung is not None and signals.received() is None:
-        cause = f"the server stopped itself: {hung.message()}, at {hung.where()}"
+    if signals.received() is None and (hung is not None or not follower):
+        # Nobody asked it to stop: a hung callback stopped it, or the engine failed.
+        cause = (
+            f"the server stopped itself: {hung.message()}, at {hung.where()}"
+            if hung is not None
+            else "the server stopped on its own: its engine failed (errors in its log)"
+        )
         tell_run_failed(checked, cause, started_at)
-        say(f"error: {cause}")
-        _exit(1)
-    if not follower and signals.received() is None:
-        # Nobody asked it to stop: the engine failed (its errors are above).
-        cause = "the server stopped on its own: its engine failed (errors in its log)"
-        tell_run_failed(checked, cause, started_at)
-        say(f"error: {cause.replace('in its log', 'above')}")
+        say(f"error: {cause.replace('(errors in its log)', '(errors above)')}")
         _exit(1)
     say("headless node stopped" if follower else "server stopped")
     if last is not None:
