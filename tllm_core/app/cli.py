@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e)
         print(f"tllm: error: {e}", file=sys.stderr, flush=True)
         if argv is None:  # the engine is stopped: skip the interpreter's teardown, as below
-            os._exit(EXIT_ENGINE_DIED)
+            stop.exit_now(EXIT_ENGINE_DIED)
         return EXIT_ENGINE_DIED
     except RuntimeError as e:  # a command's TllmLLM whose consumer was switched off
         from tllm_core.app.engine import ConsumerDisabledError
@@ -152,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tllm: interrupted", file=sys.stderr)
         return stop.exit_code()
     if argv is None and getattr(args, "engine_stopped", False):
-        # Everything printed: skip the interpreter's teardown of vLLM and torch (seconds).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        stop.exit_now(status)  # everything printed: skip the teardown of vLLM and torch
     return status
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import threading
 import time
 import urllib.request
@@ -307,7 +305,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fault_note.close()
     if signals.nodes.lost():
         say(f"error: {signals.nodes.lost()}")
-        _exit(1)
+        stop.exit_now(1)
     if signals.received() is None and (hung is not None or not follower):
         # Nobody asked it to stop: a hung callback stopped it, or the engine failed.
         cause = (
@@ -317,22 +315,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         tell_run_failed(checked, cause, started_at)
         say(f"error: {cause.replace('(errors in its log)', '(errors above)')}")
-        _exit(1)
+        stop.exit_now(1)
     say("headless node stopped" if follower else "server stopped")
     if last is not None:
         for line in last.lines():
             say(line)
-    _exit(0)
-
-
-def _exit(code: int) -> None:
-    # The engine is stopped: the interpreter's teardown would only add "nanobind: leaked".
-    from tllm_core.app.stop import forget_dead_children
-
-    forget_dead_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    stop.exit_now(0)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
