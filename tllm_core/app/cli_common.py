@@ -268,7 +268,7 @@ def quiet(args: argparse.Namespace) -> None:
 
 def set_cpu_kv_cache(gib: int | None) -> None:
     """``--kv-cache-gib``, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the default."""
-    from tllm_core.app.kv_cache import KV_ENV, kv_cache_gib
+    from tllm_core.app.defaults import KV_ENV, kv_cache_gib
 
     value = kv_cache_gib(gib)
     if value is not None:

@@ -19,8 +19,7 @@ from typing import Any
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
-from tllm_core.app.defaults import DEFAULT_DTYPE
-from tllm_core.app.kv_cache import default_kv_cache
+from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
