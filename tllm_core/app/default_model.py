@@ -51,24 +51,17 @@ def cache_root() -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    marker = path / _DONE_MARKER
-    if not marker.is_file():
-        return False
     try:
-        return json.loads(marker.read_text()).get("version") == _FORMAT_VERSION
-    except (OSError, ValueError):
+        return json.loads((path / _DONE_MARKER).read_text()).get("version") == _FORMAT_VERSION
+    except (OSError, ValueError):  # no marker (yet), or a broken one
         return False
 
 
 @contextlib.contextmanager
 def _file_lock(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 @contextlib.contextmanager

@@ -311,13 +311,13 @@ class TllmLLM:
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
-        return self._run(self.llm.generate, prompts, sampling_params, chat=False, **kwargs)
+        return self._run(prompts, sampling_params, chat=False, **kwargs)
 
     def chat(self, messages, sampling_params=None, **kwargs):
         """``vllm.LLM.chat`` (one conversation or a list of them), tagged like generate."""
-        return self._run(self.llm.chat, messages, sampling_params, chat=True, **kwargs)
+        return self._run(messages, sampling_params, chat=True, **kwargs)
 
-    def _run(self, fn, prompts, sampling_params, chat: bool, **kwargs):
+    def _run(self, prompts, sampling_params, chat: bool, **kwargs):
         one = isinstance(prompts, (str, dict)) or (
             chat and len(prompts) > 0 and isinstance(prompts[0], dict)
         )
@@ -334,14 +334,12 @@ class TllmLLM:
                 )
         else:
             per = [sampling_params] * len(items)
-        for sp in per:
-            # The one check of request keys the server also runs: bad values fail here,
-            # before anything is generated.
-            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
         tagged, salts = [], []
         # Only edits change KV: without edit layers, no request needs its own cache.
         edits = bool(self.status.get("edit_layers"))
         for i, sp in enumerate(per):
+            # The one check of request keys the server also runs: before anything generates.
+            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
             sp = sp.clone()
             extra = dict(sp.extra_args or {})
             extra.setdefault("tllm_prompt_index", i)
@@ -357,7 +355,7 @@ class TllmLLM:
                     outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
                 else:
                     prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
-                    outputs = fn(prompts, tagged, **kwargs)
+                    outputs = self.llm.generate(prompts, tagged, **kwargs)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
             from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
@@ -395,7 +393,7 @@ class TllmLLM:
                 c.tllm = decode_results(with_missing(asked, mine.get(str(c.index), {}), wait))
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
-        if self.raise_on_disabled:
+        if self.raise_on_disabled:  # each disabled consumer once
             raise_newly_disabled(errors, self._raised, **where)
 
     def collect(self) -> dict[str, Any]:

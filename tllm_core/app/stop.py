@@ -27,10 +27,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def stop_timeout() -> float:
     """Seconds from the first stop signal to the watchdog's kill (``TLLM_STOP_TIMEOUT_S``)."""
     text = os.environ.get(STOP_TIMEOUT_ENV, "")
-    if not text:
-        return DEFAULT_STOP_TIMEOUT_S
     try:
-        value = float(text)
+        value = float(text) if text else DEFAULT_STOP_TIMEOUT_S
     except ValueError:
         value = -1.0
     if not value > 0:
