@@ -91,14 +91,6 @@ def idle_warning(name: str, runtime: dict[str, Any]) -> str:
     return f"consumer {name!r} did no work (all its counters are zero)"  # an older report
 
 
-def _result_of(report: dict[str, Any], name: str) -> Any:
-    """A consumer's result; with data parallel (one per engine) the first engine's."""
-    res = report.get("results", {}).get(name)
-    if isinstance(res, list) and "ranks" in report:
-        res = next((r for r in res if r is not None), None)
-    return res
-
-
 def call_consumer(cls: type | None, method: str, name: str, counters: Any, result: Any) -> list:
     """What a consumer's ``method(counters, result)`` returns, as a list; a failing method
     is logged and returns none (a plugin's wording or plots must not fail the command)."""
@@ -170,7 +162,9 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
     runtime = report.get("runtime", {})
     for name, counters in consumers.items():
         cls = lookup(name)
-        result = _result_of(report, name)
+        result = report.get("results", {}).get(name)
+        if isinstance(result, list) and "ranks" in report:  # data parallel: the first engine's
+            result = next((r for r in result if r is not None), None)
         lines = [str(x) for x in call_consumer(cls, "summary", name, counters, result)]
         if not lines:
             calls = runtime.get(f"consumer_calls.{name}", 0)

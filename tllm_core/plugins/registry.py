@@ -40,7 +40,6 @@ class Registry:
         self._keys: dict[str, tuple[str, str]] = {}  # request key -> (consumer, field name)
         self._producers: dict[type[ReadPort], Producer] = {}
         self.architectures = Architectures()
-        self._collected: set[str] = set()
         for name in self.plugins.loaded:
             try:
                 self._collect(name)
@@ -69,7 +68,6 @@ class Registry:
         except BaseException:
             self._classes, self._keys, self._producers, self.architectures = saved
             raise
-        self._collected.add(plugin_name)
 
     @staticmethod
     def _call(hook: Any, plugin_name: str) -> list[Any]:
