@@ -39,7 +39,6 @@ figure img { width: 100%; height: auto; }
 figcaption { font-size: 13px; color: #444; }
 table { border-collapse: collapse; font-family: ui-monospace, monospace; font-size: 13px; }
 td { padding: 1px 10px 1px 0; } td.v { text-align: right; }
-.error { color: #a33; }
 """
 
 

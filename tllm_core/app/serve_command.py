@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tllm_core.app import cli_common
+from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
 from tllm_core.app.summary import Lookup, summarize
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
@@ -274,7 +274,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for line in describe(url, engine):
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
-    from tllm_core.app import stop
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
     from tllm_core.vllm_bridge.server_entry import (
         CheckedServer,
