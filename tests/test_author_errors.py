@@ -265,7 +265,7 @@ def test_disabled_consumers_are_raised_once_with_their_first_error():
 
 def test_tllmllm_and_the_cli_share_the_cpu_kv_cache_default(monkeypatch):
     from tllm_core.app.cli_common import set_cpu_kv_cache
-    from tllm_core.app.kv_cache import DEFAULT_KV_CACHE_GIB, KV_ENV, default_kv_cache
+    from tllm_core.app.defaults import DEFAULT_KV_CACHE_GIB, KV_ENV, default_kv_cache
 
     monkeypatch.delenv(KV_ENV, raising=False)
     with default_kv_cache({}):

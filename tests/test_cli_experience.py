@@ -215,7 +215,7 @@ def test_ctrl_c_mid_export_leaves_valid_json_and_a_readable_export(tiny_model, t
 
 def test_summary_names_each_consumers_proof_counter_and_export_progress(tmp_path):
     from consumers.export.command import written
-    from tllm_core.app.progress import summary
+    from tllm_core.app.summary import run_line as summary
     from tllm_core.plugins.registry import Registry
 
     reg = Registry()

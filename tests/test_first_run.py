@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from tllm_core.app.cli import build_parser
-from tllm_core.app.startup import EAGER_MAX_TOKENS, choose_eager
+from tllm_core.app.cli_common import EAGER_MAX_TOKENS, choose_eager
 
 
 def _args(*argv: str) -> argparse.Namespace:

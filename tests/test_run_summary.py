@@ -170,7 +170,7 @@ def test_serve_says_what_its_consumers_did_from_the_last_counters_read():
     import http.server
     import threading
 
-    from tllm_core.app.serve_summary import LastCounters
+    from tllm_core.app.serve_command import LastCounters
 
     body = json.dumps(report()).encode()
 

@@ -19,7 +19,7 @@ from tllm_core.app.cli_common import (
     quiet,
     show,
 )
-from tllm_core.app.report_command import add_command as add_report_command
+from tllm_core.app.report_html import add_command as add_report_command
 from tllm_core.app.serve_command import add_command as add_serve_command
 from tllm_core.plugins.loader import ALLOW_ENV, BrokenPlugin, Plugins
 from tllm_core.vllm_bridge.engine_watch import EngineDiedError
@@ -128,10 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
     try:
         status = args.func(args)
-    except ValueError as e:  # ConsumerSpecError and CliError included
-        print(f"tllm: {e}", file=sys.stderr)
-        return 2
-    except UnsupportedEngineError as e:  # refused before vLLM starts (version, model family)
+    # Bad input (ConsumerSpecError and CliError included); refused before vLLM starts.
+    except (ValueError, UnsupportedEngineError) as e:
         print(f"tllm: {e}", file=sys.stderr)
         return 2
     except EngineDiedError as e:  # a process of the engine died: one line (-v: traceback)
@@ -141,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e)
         print(f"tllm: error: {e}", file=sys.stderr, flush=True)
         if argv is None:  # the engine is stopped: skip the interpreter's teardown, as below
-            os._exit(EXIT_ENGINE_DIED)
+            stop.exit_now(EXIT_ENGINE_DIED)
         return EXIT_ENGINE_DIED
     except RuntimeError as e:  # a command's TllmLLM whose consumer was switched off
         from tllm_core.app.engine import ConsumerDisabledError
@@ -154,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tllm: interrupted", file=sys.stderr)
         return stop.exit_code()
     if argv is None and getattr(args, "engine_stopped", False):
-        # Everything printed: skip the interpreter's teardown of vLLM and torch (seconds).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        stop.exit_now(status)  # everything printed: skip the teardown of vLLM and torch
     return status
 
 

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 from tllm_core.api.request_settings import RESULTS_KEY
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
-from tllm_core.app.prompts import read_prompt_file
 
 __all__ = [
     "EXIT_ENGINE_DIED",
@@ -54,6 +53,20 @@ EXIT_ENGINE_DIED = 3
 START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
 
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+# prompts x n x max_tokens at or below which a command runs eager unless told otherwise:
+# compiling costs more start time than such a job gains (docs/getting-started.md).
+EAGER_MAX_TOKENS = 2048
+# The options of add_generation_args that are SamplingParams fields of the same name.
+SAMPLING_OPTIONS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "ignore_eos",
+)
 
 
 def local_model(model: str | None) -> str | None:
@@ -94,18 +107,6 @@ def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
 
 
-def add_deadline_arg(g: Any) -> None:
-    """``--callback-deadline`` (``RuntimeSettings.callback_deadline_s`` checks it)."""
-    g.add_argument(
-        "--callback-deadline",
-        type=float,
-        default=None,
-        metavar="S",
-        help="longest run of one consumer callback on the engine thread before the watchdog "
-        "names it and stops the engine (default 120 s)",
-    )
-
-
 def _add_count(g: Any, flag: str, help: str) -> None:
     """An optional whole-number option >= 1 (None when not given)."""
     g.add_argument(flag, type=int_at_least(1), default=None, help=help)
@@ -128,7 +129,14 @@ def add_model_args(g: Any) -> None:
     _add_count(
         g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
     )
-    add_deadline_arg(g)
+    g.add_argument(  # RuntimeSettings.callback_deadline_s checks it
+        "--callback-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="longest run of one consumer callback on the engine thread before the watchdog "
+        "names it and stops the engine (default 120 s)",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -207,6 +215,17 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def read_prompt_file(path: Path, what: str = "prompt file") -> list[str]:
+    """The prompts in ``path``, one a line (blank lines skipped); a ValueError naming the file
+    if it is missing or empty."""
+    if not path.is_file():
+        raise ValueError(f"{what} not found: {path}")
+    prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if not prompts:
+        raise ValueError(f"{what} {path} holds no prompt")
+    return prompts
+
+
 def prompts(args: argparse.Namespace) -> list[str]:
     """``--prompt``s, the ``--prompts`` file, or the built-in prompt."""
     if args.prompts is not None:
@@ -223,24 +242,14 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options (:func:`check_sampling`, then vLLM's
-    checks)."""
+    """``SamplingParams`` from the sampling options (our checks, then vLLM's)."""
     check_sampling(args)
     from vllm import SamplingParams
 
     from tllm_core.vllm_bridge.errors import vllm_value_errors
 
     try:
-        return SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
+        return SamplingParams(**{k: getattr(args, k) for k in SAMPLING_OPTIONS})
     except vllm_value_errors() as e:
         raise CliError(f"bad sampling option: {e}") from None
 
@@ -258,9 +267,8 @@ def quiet(args: argparse.Namespace) -> None:
 
 
 def set_cpu_kv_cache(gib: int | None) -> None:
-    """``--kv-cache-gib`` when given, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the
-    default ``TllmLLM`` uses too (:mod:`tllm_core.app.kv_cache`)."""
-    from tllm_core.app.kv_cache import KV_ENV, kv_cache_gib
+    """``--kv-cache-gib``, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the default."""
+    from tllm_core.app.defaults import KV_ENV, kv_cache_gib
 
     value = kv_cache_gib(gib)
     if value is not None:
@@ -268,8 +276,7 @@ def set_cpu_kv_cache(gib: int | None) -> None:
 
 
 def prepare_engine_processes(args: argparse.Namespace) -> None:
-    """The environment the engine processes of this command inherit; call it before the
-    engine starts (:func:`generate_with` does)."""
+    """The environment the command's engine processes inherit; call it before they start."""
     from tllm_core.app.cpu_preload import apply as preload
     from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
 
@@ -283,21 +290,32 @@ def prepare_engine_processes(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments from the model and engine options."""
-    kw: dict[str, Any] = dict(dtype=args.dtype, enforce_eager=args.enforce_eager)
-    if args.max_model_len is not None:
-        kw["max_model_len"] = args.max_model_len
+    # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
+    kw: dict[str, Any] = dict(
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        use_tqdm_on_load=bool(getattr(args, "verbose", False)),
+    )
+    for k in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, k, None) is not None:
+            kw[k] = getattr(args, k)
     for k in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, k, 1) != 1:
             kw[k] = getattr(args, k)
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
-    # vLLM's weight-loading bar: the command shows its own lines (all of vLLM's with -v).
-    kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))
-    if args.max_num_seqs is not None:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens is not None:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     return kw
+
+
+def choose_eager(args: argparse.Namespace, new_tokens: int) -> str | None:
+    """Set ``args.enforce_eager`` for a job of at most :data:`EAGER_MAX_TOKENS` new tokens
+    when neither ``--compile`` nor ``--enforce-eager`` was given; returns why (None: kept)."""
+    if getattr(args, "compile", False) or getattr(args, "enforce_eager", False):
+        return None
+    if new_tokens > EAGER_MAX_TOKENS:
+        return None
+    args.enforce_eager = True
+    return f"a small job of {new_tokens} new tokens at most, --compile to compile"
 
 
 def engine_note(args: argparse.Namespace) -> str:
@@ -322,10 +340,11 @@ def generate_with(
 
     Status lines and a progress bar (``status()`` beside it) go to stderr. Ctrl-C stops
     generation: the report is then partial (``report["run"]["interrupted"]``, unfinished
-    samples None). ``report["run"]`` holds ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
+    samples None). ``report["run"]``: ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
     from tllm_core.api.results import encode
     from tllm_core.app.engine import TllmLLM, validate_consumers
-    from tllm_core.app.progress import RunProgress, summary
+    from tllm_core.app.progress import RunProgress
+    from tllm_core.app.summary import run_line
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
@@ -352,8 +371,6 @@ def generate_with(
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
     if asked:
         params.extra_args = {RESULTS_KEY: asked}
-    from tllm_core.app.startup import choose_eager
-
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
         converting.wait()
@@ -379,7 +396,6 @@ def generate_with(
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
-    n_seqs = len(texts_in) * params.n
     interrupted = False
     died: EngineDiedError | None = None
     try:
@@ -419,17 +435,18 @@ def generate_with(
     if asked:
         report["request_results"] = results
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
-    finished = sum(t is not None for ts in texts for t in ts)
-    line = summary(tokens, seconds, report["consumers"], proofs)
-    cut = "the engine died" if died is not None else "interrupted"
+    line = run_line(tokens, seconds, report["consumers"], proofs)
+    interrupted = interrupted or died is not None
+    if interrupted:
+        finished = sum(t is not None for ts in texts for t in ts)
+        cut = "the engine died" if died is not None else "interrupted"
+        line = f"{cut} after {finished}/{len(texts_in) * params.n} samples; {line}"
     report["run"] = {
         "runner": llm.status["runner"],
         "tokens": tokens,
         "seconds": round(seconds, 3),
-        "interrupted": interrupted or died is not None,
-        "summary": f"{cut} after {finished}/{n_seqs} samples; {line}"
-        if interrupted or died is not None
-        else line,
+        "interrupted": interrupted,
+        "summary": line,
     }
     if died is not None:
         died.outputs = (texts_in, texts, report)
@@ -461,9 +478,7 @@ def has_chat_template(model: Path) -> bool:
 
 
 def _counters(report: dict[str, Any]) -> dict[str, Any]:
-    out = {"runtime": report["runtime"]}
-    out.update(report["consumers"])
-    return out
+    return {"runtime": report["runtime"], **report["consumers"]}
 
 
 def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[str, Any]:
@@ -487,6 +502,8 @@ def print_report(
 ) -> None:
     """Completions as text (or one JSON), then on stderr errors and the run's summary;
     ``counters``: the full counter table too."""
+    from tllm_core.app.summary import summarize
+
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
     if as_json:
@@ -497,8 +514,6 @@ def print_report(
         sys.stdout.flush()
         if report.get("run", {}).get("summary"):
             print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
-        from tllm_core.app.summary import summarize
-
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
             print(f"tllm: warning: {warning}", file=sys.stderr, flush=True)
         return
@@ -513,8 +528,6 @@ def print_report(
             for k, v in sorted(values.items()):
                 print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
     sys.stdout.flush()
-    from tllm_core.app.summary import summarize
-
     for line in summarize(report).text():
         print(f"tllm: {line}", file=sys.stderr)
     sys.stderr.flush()

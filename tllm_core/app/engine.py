@@ -19,8 +19,7 @@ from typing import Any
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
-from tllm_core.app.defaults import DEFAULT_DTYPE
-from tllm_core.app.kv_cache import default_kv_cache
+from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
@@ -43,11 +42,9 @@ class CheckedConsumers:
     """Consumer specs checked once in the front end (:func:`validate_consumers`)."""
 
     specs: tuple[ConsumerSpec, ...]
-    # Each spec's config model, validated once here.
-    configs: tuple[ConsumerConfig, ...]
+    configs: tuple[ConsumerConfig, ...]  # each spec's config model
     registry: Registry
-    # The model folder the specs were dry-built against (None: names and configs only).
-    model_path: str | None = None
+    model_path: str | None = None  # the folder they were dry-built against (None: not yet)
 
     def all_per_request(self) -> CheckedConsumers:
         """The same consumers, each acting only on requests that name it."""
@@ -55,8 +52,7 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers (``kwargs``: the
-        other fields)."""
+        """The runtime settings sent to the engine with these consumers."""
         return RuntimeSettings(consumers=list(self.specs), **kwargs)
 
 
@@ -87,9 +83,8 @@ def validate_consumers(
 
 
 class ConsumerDisabledError(RuntimeError):
-    """A consumer was switched off during an offline run: raised by ``TllmLLM.generate`` /
-    ``chat`` (``outputs``) or ``close`` (``report``); ``errors``: each one's first error.
-    ``TllmLLM(..., raise_on_disabled=False)`` turns it off."""
+    """A consumer was switched off during an offline run (``TllmLLM.generate``/``chat``:
+    ``outputs``; ``close``: ``report``); ``errors``: each one's first error."""
 
     def __init__(
         self,
@@ -113,8 +108,8 @@ class ConsumerDisabledError(RuntimeError):
 
 
 class ConsumerHungError(EngineDiedError):
-    """A consumer callback ran past its deadline: the engine's watchdog named it (``hung``)
-    and stopped the engine (``death``). Raised where :class:`EngineDiedError` is."""
+    """A consumer callback ran past its deadline (``hung``): the engine's watchdog stopped
+    the engine (``death``)."""
 
     def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
         super().__init__(death, outputs)
@@ -152,8 +147,7 @@ def _salted(prompt: Any, salt: str | None) -> Any:
 
 
 def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) -> None:
-    """The plugins' ``tllm_run_failed`` hooks after a fault, each on its own (one that fails
-    is named in a warning)."""
+    """Each plugin's ``tllm_run_failed`` hook after a fault (one that fails: a warning)."""
     hook = checked.registry.pm.hook.tllm_run_failed
     for impl in hook.get_hookimpls():
         try:
@@ -168,12 +162,9 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
 
 
 class TllmLLM:
-    """A vLLM ``LLM`` whose engine runs tllm consumers.
-
-    Extra keyword arguments go to ``vllm.LLM``. Consumers are validated before the engine
-    starts, each request's ``tllm_*`` extra_args before generation; ``collect()`` returns
-    counters and results from the engine (docs/scaling.md for several ranks).
-    """
+    """A vLLM ``LLM`` whose engine runs tllm consumers (extra keyword arguments go to
+    ``vllm.LLM``); consumers are checked before the engine starts, each request's ``tllm_*``
+    extra_args before generation."""
 
     def __init__(
         self,
@@ -214,11 +205,11 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        deadlines = {
-            "callback_deadline_s": callback_deadline_s,
-            "background_deadline_s": background_deadline_s,
-            "close_deadline_s": close_deadline_s,
-        }
+        deadlines = dict(
+            callback_deadline_s=callback_deadline_s,
+            background_deadline_s=background_deadline_s,
+            close_deadline_s=close_deadline_s,
+        )
         self.settings = checked.settings(
             queue_size=queue_size,
             overflow=overflow,  # type: ignore[arg-type]
@@ -293,14 +284,14 @@ class TllmLLM:
         self._closed_report: dict[str, Any] | None = None
 
     def _rpc(self, method: str) -> Any:
-        """One answer from the engine: tllm's reports merged over ranks (docs/scaling.md)."""
+        """tllm's reports from every rank, merged (docs/scaling.md)."""
         with self._naming_a_dead_engine():
             return merge_reports(self.llm.collective_rpc(method))
 
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
-        """Inside, a call on an engine one of whose processes died raises
-        :class:`EngineDiedError` naming that process."""
+        """A call on an engine one of whose processes died raises :class:`EngineDiedError`
+        naming that process."""
         try:
             self._watch.check()
             yield
@@ -320,13 +311,13 @@ class TllmLLM:
 
     def generate(self, prompts, sampling_params=None, **kwargs):
         """``vllm.LLM.generate`` with row-localization tags (prompt index, n) added."""
-        return self._run(self.llm.generate, prompts, sampling_params, chat=False, **kwargs)
+        return self._run(prompts, sampling_params, chat=False, **kwargs)
 
     def chat(self, messages, sampling_params=None, **kwargs):
         """``vllm.LLM.chat`` (one conversation or a list of them), tagged like generate."""
-        return self._run(self.llm.chat, messages, sampling_params, chat=True, **kwargs)
+        return self._run(messages, sampling_params, chat=True, **kwargs)
 
-    def _run(self, fn, prompts, sampling_params, chat: bool, **kwargs):
+    def _run(self, prompts, sampling_params, chat: bool, **kwargs):
         one = isinstance(prompts, (str, dict)) or (
             chat and len(prompts) > 0 and isinstance(prompts[0], dict)
         )
@@ -343,14 +334,12 @@ class TllmLLM:
                 )
         else:
             per = [sampling_params] * len(items)
-        for sp in per:
-            # The one check of request keys the server also runs: bad values fail here,
-            # before anything is generated.
-            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
         tagged, salts = [], []
         # Only edits change KV: without edit layers, no request needs its own cache.
         edits = bool(self.status.get("edit_layers"))
         for i, sp in enumerate(per):
+            # The one check of request keys the server also runs: before anything generates.
+            validate_extra_args(sp.extra_args, self.consumers, where="extra_args", tags=True)
             sp = sp.clone()
             extra = dict(sp.extra_args or {})
             extra.setdefault("tllm_prompt_index", i)
@@ -366,7 +355,7 @@ class TllmLLM:
                     outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
                 else:
                     prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
-                    outputs = fn(prompts, tagged, **kwargs)
+                    outputs = self.llm.generate(prompts, tagged, **kwargs)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
             from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
@@ -404,7 +393,7 @@ class TllmLLM:
                 c.tllm = decode_results(with_missing(asked, mine.get(str(c.index), {}), wait))
 
     def _raise_disabled(self, errors: list[dict[str, Any]], **where: Any) -> None:
-        if self.raise_on_disabled:
+        if self.raise_on_disabled:  # each disabled consumer once
             raise_newly_disabled(errors, self._raised, **where)
 
     def collect(self) -> dict[str, Any]:
@@ -427,7 +416,7 @@ class TllmLLM:
 
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), not in vLLM's exit handler (which kills
-        engines slower than 5 s); after a death the others get a few seconds."""
+        engines slower than 5 s)."""
         from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
         from tllm_core.vllm_bridge.lifecycle import shutdown_engine
 
@@ -446,20 +435,18 @@ class TllmLLM:
         self._fault_note.close()
 
     def _death_error(self, death: Any, known: EngineDiedError | None = None) -> EngineDiedError:
-        """The error a dead engine is reported as: the hung callback the engine's watchdog
-        noted, else ``known`` or a new :class:`EngineDiedError`."""
+        """The hung callback the engine's watchdog noted, else ``known`` or a new error."""
         hung = read_note(self._fault_note.path)
         if hung is not None:
             return ConsumerHungError(death, hung)
         return known or EngineDiedError(death)
 
     def _tell_run_failed(self) -> None:
-        """Once every engine process is gone after a fault: :func:`tell_run_failed`."""
-        if self._failure_told:
-            return
-        self._failure_told = True
-        died = self._died or self._death_error(self._watch.death)
-        tell_run_failed(self._checked, str(died), self._started_at)
+        """:func:`tell_run_failed` once, when every engine process is gone after a fault."""
+        if not self._failure_told:
+            self._failure_told = True
+            died = self._died or self._death_error(self._watch.death)
+            tell_run_failed(self._checked, str(died), self._started_at)
 
     def __enter__(self) -> TllmLLM:
         return self

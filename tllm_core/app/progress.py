@@ -1,6 +1,5 @@
-"""What the ``tllm`` command tells the user on stderr: status lines, the progress bar (one,
-over the run's sequences, with vLLM's token rates and the command's own live status), and
-the closing summary line."""
+"""What the ``tllm`` command shows on stderr while it runs: status lines and the progress bar
+(over the run's sequences, with vLLM's token rates and the command's own live status)."""
 
 from __future__ import annotations
 
@@ -67,27 +66,3 @@ class RunProgress:
             self._thread.join(2)
         if self.bar is not None:
             self.bar.close()
-
-
-def proof_counter(counters: dict[str, Any], declared: str = "") -> tuple[str, Any] | None:
-    """The counter that proves a consumer's work: the one its class names
-    (``Consumer.proof_counter``), else the first non-zero counter (memory gauges aside)."""
-    if declared:
-        return declared, counters.get(declared, 0)
-    for k, v in counters.items():
-        if v and not k.startswith("memory"):
-            return k, v
-    return None
-
-
-def summary(
-    tokens: int, seconds: float, consumers: dict[str, dict[str, Any]], proofs: dict[str, str]
-) -> str:
-    """``N tokens in S s (R tok/s); esamp rows_guided=..., stats bundles=...``."""
-    rate = tokens / seconds if seconds > 0 else 0.0
-    parts = []
-    for name, counters in consumers.items():
-        found = proof_counter(counters, proofs.get(name, ""))
-        parts.append(f"{name} {found[0]}={found[1]:g}" if found else f"{name}: no work")
-    line = f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
-    return line + ("; " + ", ".join(parts) if parts else "")

@@ -1,25 +1,21 @@
-"""The run report: one self-contained HTML page and one PNG per plot, in a folder.
-
-``write_report(run, out_dir)`` takes the ``--json`` object of a run (plus its ``prompts``)
-and writes ``index.html`` (the outputs side by side, the summary, the plots as data URIs,
-every counter in a folded table), ``run.json`` and ``<consumer>-<plot>.png`` for each plot
-(for papers). The plots come from the consumers (``Consumer.report_plots``: data only);
-matplotlib draws them here.
+"""The run report and ``tllm report RUN.json``: ``write_report(run, out_dir)`` writes
+``index.html`` (outputs side by side, the summary, the consumers' plots as data URIs, every
+counter in a folded table), ``run.json`` and one ``<consumer>-<plot>.png`` per plot. The
+consumers describe plots (``Consumer.report_plots``: data only); matplotlib draws them here.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import html
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 from tllm_core.api.plots import Plot
-from tllm_core.app.summary import Lookup, Summary, registry_lookup, summarize
-
-log = logging.getLogger("tllm")
+from tllm_core.app.progress import say
+from tllm_core.app.summary import Lookup, Summary, call_consumer, registry_lookup, summarize
 
 PAGE = "index.html"
 
@@ -43,7 +39,6 @@ figure img { width: 100%; height: auto; }
 figcaption { font-size: 13px; color: #444; }
 table { border-collapse: collapse; font-family: ui-monospace, monospace; font-size: 13px; }
 td { padding: 1px 10px 1px 0; } td.v { text-align: right; }
-.error { color: #a33; }
 """
 
 
@@ -71,18 +66,10 @@ def consumer_plots(run: dict[str, Any], lookup: Lookup) -> list[tuple[str, Plot]
     for name, counters in run.get("counters", {}).items():
         if name == "runtime":
             continue
-        cls = lookup(name)
-        fn = getattr(cls, "report_plots", None)
-        if fn is None:
-            continue
         result = run.get("results", {}).get(name)
         if isinstance(result, list):  # data parallel: the first engine's result
             result = next((r for r in result if r is not None), None)
-        try:
-            plots = list(fn(counters, result) or [])
-        except Exception as e:  # noqa: BLE001 - one consumer's plots must not lose the page
-            log.warning("tllm: %s.report_plots failed: %s: %s", name, type(e).__name__, e)
-            continue
+        plots = call_consumer(lookup(name), "report_plots", name, counters, result)
         out += [(name, p) for p in plots if any(len(s.y) for s in p.series)]
     return out
 
@@ -233,3 +220,41 @@ def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = Non
     path = out_dir / PAGE
     path.write_text(page)
     return path
+
+
+EPILOG = """examples:
+  tllm run --consumer esamp --json > run.json && tllm report run.json
+  tllm report run.json --out ./report        # index.html, run.json, one PNG per plot
+
+`tllm run ... --report DIR` writes the same page at the end of a run."""
+
+
+def default_out(run_json: Path) -> Path:
+    """A report's own run.json (an index.html beside it): its folder; any other file:
+    ``<stem>-report`` beside it."""
+    if run_json.name == "run.json" and (run_json.parent / "index.html").is_file():
+        return run_json.parent
+    return run_json.with_name(f"{run_json.stem}-report")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    run = read_run(args.run_json)
+    page = write_report(run, args.out or default_out(args.run_json))
+    say(f"report: {page}")
+    return 0
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    r = subparsers.add_parser(
+        "report",
+        help="write the HTML report (outputs, summary, plots) of a run's JSON",
+        description="Write an HTML page with the outputs side by side, the summary and the "
+        "consumers' plots (one PNG per plot beside it) from `tllm run --json` output.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("run_json", type=Path, metavar="RUN.json", help="a run's --json output")
+    r.add_argument(
+        "--out", type=Path, metavar="DIR", help="folder (default: RUN-report beside RUN.json)"
+    )
+    r.set_defaults(func=cmd_report)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
-from tllm_core.app import cli_common
+from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
+from tllm_core.app.summary import Lookup, summarize
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 
 EPILOG = """examples:
@@ -129,6 +129,57 @@ def headless(args: argparse.Namespace) -> bool:
     return bool(args.headless) or "--headless" in (args.vllm_args or [])
 
 
+# Seconds between reads of /tllm/counters: the engine is gone when the server stops, so its
+# summary comes from the last answer (a server with an API key answers none: no summary).
+COUNTERS_INTERVAL_S = 5.0
+
+
+class LastCounters:
+    """The last report read from ``{url}/tllm/counters``."""
+
+    def __init__(self, url: str, interval_s: float = COUNTERS_INTERVAL_S):
+        self.url = f"{url}/tllm/counters"
+        self.interval_s = interval_s
+        self.report: dict[str, Any] | None = None
+        self.read_at = 0.0
+        self._stop = threading.Event()
+
+    def read_once(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url, timeout=10) as r:
+                report = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        if isinstance(report, dict) and "consumers" in report:
+            self.report, self.read_at = report, time.monotonic()
+            return True
+        return False
+
+    def start(self) -> None:
+        def follow() -> None:
+            while not self._stop.wait(self.interval_s):
+                self.read_once()
+
+        threading.Thread(target=follow, daemon=True, name="tllm-serve-counters").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def lines(self, lookup: Lookup | None = None) -> list[str]:
+        """Summary lines (no ``tllm: `` prefix), empty before any read."""
+        if self.report is None:
+            return []
+        runtime = self.report.get("runtime", {})
+        age = time.monotonic() - self.read_at
+        s = summarize({**self.report, "run": {}}, lookup)
+        head = (
+            f"served {runtime.get('requests_finished', 0)} request(s), "
+            f"{runtime.get('rows_seen', 0)} token rows (counters read {age:.0f} s before the "
+            "server stopped)"
+        )
+        return [head, *s.text()[1:]]
+
+
 def describe(url: str, engine) -> list[str]:
     """Lines naming the URL, the consumers and their request keys (``engine``: the checked
     consumers, a :class:`tllm_core.serving.keys.EngineConsumers`)."""
@@ -223,7 +274,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for line in describe(url, engine):
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
-    from tllm_core.app import stop
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
     from tllm_core.vllm_bridge.server_entry import (
         CheckedServer,
@@ -235,8 +285,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     last = None
     if not follower:
         _announce_when_ready(url)
-        from tllm_core.app.serve_summary import LastCounters
-
         last = LastCounters(url)  # what the consumers did, said when the server stops
         last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
@@ -256,33 +304,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     fault_note.close()
     if signals.nodes.lost():
         say(f"error: {signals.nodes.lost()}")
-        _exit(1)
-    if hung is not None and signals.received() is None:
-        cause = f"the server stopped itself: {hung.message()}, at {hung.where()}"
+        stop.exit_now(1)
+    if signals.received() is None and (hung is not None or not follower):
+        # Nobody asked it to stop: a hung callback stopped it, or the engine failed.
+        cause = (
+            f"the server stopped itself: {hung.message()}, at {hung.where()}"
+            if hung is not None
+            else "the server stopped on its own: its engine failed (errors in its log)"
+        )
         tell_run_failed(checked, cause, started_at)
-        say(f"error: {cause}")
-        _exit(1)
-    if not follower and signals.received() is None:
-        # Nobody asked it to stop: the engine failed (its errors are above).
-        cause = "the server stopped on its own: its engine failed (errors in its log)"
-        tell_run_failed(checked, cause, started_at)
-        say(f"error: {cause.replace('in its log', 'above')}")
-        _exit(1)
+        say(f"error: {cause.replace('(errors in its log)', '(errors above)')}")
+        stop.exit_now(1)
     say("headless node stopped" if follower else "server stopped")
     if last is not None:
         for line in last.lines():
             say(line)
-    _exit(0)
-
-
-def _exit(code: int) -> None:
-    # The engine is stopped: the interpreter's teardown would only add "nanobind: leaked".
-    from tllm_core.app.stop import forget_dead_children
-
-    forget_dead_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    stop.exit_now(0)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

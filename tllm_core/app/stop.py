@@ -1,12 +1,6 @@
-"""Stopping a ``tllm`` command when told (docs/cli.md, "Stopping"): SIGTERM as Ctrl-C, and a
-bound on how long stopping may take.
-
-:func:`install` makes SIGTERM do what Ctrl-C does and starts, at the first signal, a
-watchdog: if the command has not exited :func:`stop_timeout` seconds later, it kills the
-command's processes (but ``multiprocessing``'s resource tracker, which then unlinks what they
-leave) and exits with :data:`EXIT_STOP_TIMEOUT`. Otherwise the exit status after a signal is
-``128 + signal`` when the work was cut short, 0 when a ready server stopped cleanly.
-"""
+"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C, and a
+watchdog started by the first signal kills the command's processes if it has not exited
+:func:`stop_timeout` seconds later (exit status :data:`EXIT_STOP_TIMEOUT`)."""
 
 from __future__ import annotations
 
@@ -33,10 +27,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def stop_timeout() -> float:
     """Seconds from the first stop signal to the watchdog's kill (``TLLM_STOP_TIMEOUT_S``)."""
     text = os.environ.get(STOP_TIMEOUT_ENV, "")
-    if not text:
-        return DEFAULT_STOP_TIMEOUT_S
     try:
-        value = float(text)
+        value = float(text) if text else DEFAULT_STOP_TIMEOUT_S
     except ValueError:
         value = -1.0
     if not value > 0:
@@ -58,8 +50,7 @@ class StopSignals:
 
         self._received: list[int] = []
         self._lock = threading.RLock()  # taken in the signal handler too (same thread)
-        # The command's processes when the first stop signal came (see forget_dead_children).
-        self._children: set[int] = set()
+        self._children: set[int] = set()  # the processes when the first stop signal came
         self.nodes = nodes if nodes is not None else NodeWatch()
         self.replaced: dict[int, Any] = {}  # the handlers install() replaced
 
@@ -196,9 +187,14 @@ def exit_code(default: int = 130) -> int:
     return default if _installed is None else _installed.exit_code(default)
 
 
-def forget_dead_children() -> list[str]:
-    """:meth:`StopSignals.forget_dead_children` of the installed stop (none: nothing)."""
-    return [] if _installed is None else _installed.forget_dead_children()
+def exit_now(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown (the engine is stopped: it would
+    only add seconds and "nanobind: leaked" lines), after what a stop left is cleaned up."""
+    if _installed is not None:
+        _installed.forget_dead_children()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _say(text: str) -> None:

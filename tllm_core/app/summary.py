@@ -8,8 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tllm_core.app.progress import proof_counter
-
 log = logging.getLogger("tllm")
 
 # Consumer name -> its class (None: not installed here, e.g. a report read elsewhere).
@@ -47,6 +45,31 @@ def _count(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
+def proof_counter(counters: dict[str, Any], declared: str = "") -> tuple[str, Any] | None:
+    """The counter that proves a consumer's work: the one its class names
+    (``Consumer.proof_counter``), else the first non-zero counter (memory gauges aside)."""
+    if declared:
+        return declared, counters.get(declared, 0)
+    return next(((k, v) for k, v in counters.items() if v and not k.startswith("memory")), None)
+
+
+def rate_line(tokens: int, seconds: float) -> str:
+    """``N tokens in S s (R tok/s)``."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
+
+
+def run_line(
+    tokens: int, seconds: float, consumers: dict[str, dict[str, Any]], proofs: dict[str, str]
+) -> str:
+    """``N tokens in S s (R tok/s); esamp rows_guided=..., stats bundles=...``."""
+    parts = []
+    for name, counters in consumers.items():
+        found = proof_counter(counters, proofs.get(name, ""))
+        parts.append(f"{name} {found[0]}={found[1]:g}" if found else f"{name}: no work")
+    return rate_line(tokens, seconds) + ("; " + ", ".join(parts) if parts else "")
+
+
 def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls: int = 0) -> str:
     """``name: <proof counter> <value>``, or that it did no work."""
     found = proof_counter(counters, declared)
@@ -68,22 +91,15 @@ def idle_warning(name: str, runtime: dict[str, Any]) -> str:
     return f"consumer {name!r} did no work (all its counters are zero)"  # an older report
 
 
-def _result_of(report: dict[str, Any], name: str) -> Any:
-    res = report.get("results", {}).get(name)
-    # Data parallel: one result per engine; the summary reads the first engine's.
-    if isinstance(res, list) and "ranks" in report:
-        res = next((r for r in res if r is not None), None)
-    return res
-
-
-def _call(cls: type, method: str, name: str, counters: dict[str, Any], result: Any) -> list[str]:
-    """A consumer's own lines; a failing method is logged and reads as none."""
+def call_consumer(cls: type | None, method: str, name: str, counters: Any, result: Any) -> list:
+    """What a consumer's ``method(counters, result)`` returns, as a list; a failing method
+    is logged and returns none (a plugin's wording or plots must not fail the command)."""
     fn = getattr(cls, method, None)
     if fn is None:
         return []
     try:
-        return [str(x) for x in fn(counters, result) or []]
-    except Exception as e:  # noqa: BLE001 - a plugin's wording must not fail the command
+        return list(fn(counters, result) or [])
+    except Exception as e:  # noqa: BLE001
         log.warning("tllm: %s.%s failed: %s: %s", name, method, type(e).__name__, e)
         return []
 
@@ -127,9 +143,7 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
 
 
 def _head(run: dict[str, Any]) -> str:
-    tokens, seconds = run.get("tokens", 0), run.get("seconds", 0.0)
-    rate = tokens / seconds if seconds else 0.0
-    head = f"{tokens} tokens in {seconds:.1f} s ({rate:.1f} tok/s)"
+    head = rate_line(run.get("tokens", 0), run.get("seconds", 0.0))
     text = run.get("summary", "")
     if run.get("interrupted") and text.startswith(("interrupted", "the engine died")):
         head = f"{text.split('; ', 1)[0]}; {head}"
@@ -148,8 +162,10 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
     runtime = report.get("runtime", {})
     for name, counters in consumers.items():
         cls = lookup(name)
-        result = _result_of(report, name)
-        lines = _call(cls, "summary", name, counters, result) if cls is not None else []
+        result = report.get("results", {}).get(name)
+        if isinstance(result, list) and "ranks" in report:  # data parallel: the first engine's
+            result = next((r for r in result if r is not None), None)
+        lines = [str(x) for x in call_consumer(cls, "summary", name, counters, result)]
         if not lines:
             calls = runtime.get(f"consumer_calls.{name}", 0)
             lines = [generic_line(name, counters, getattr(cls, "proof_counter", ""), calls)]
@@ -158,9 +174,7 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
         out.lines += lines
         if proof_counter(counters) is None:
             out.warnings.append(idle_warning(name, runtime))
-        if cls is not None:
-            out.warnings += [
-                f"{name}: {w}" for w in _call(cls, "summary_warnings", name, counters, result)
-            ]
+        warnings = call_consumer(cls, "summary_warnings", name, counters, result)
+        out.warnings += [f"{name}: {w}" for w in warnings]
     out.warnings += runtime_warnings(runtime, list(consumers))
     return out

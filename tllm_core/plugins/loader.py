@@ -56,14 +56,6 @@ class BrokenPlugin:
             f"{fix}, or leave it out of {ALLOW_ENV}."
         )
 
-    def describe(self) -> dict[str, str | None]:
-        return {
-            "name": self.name,
-            "source": self.source,
-            "distribution": self.distribution,
-            "error": self.error,
-        }
-
 
 def allowed_plugins(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
     """The entry-point names ``TLLM_PLUGINS`` allows (comma-separated); None when unset (all)."""
@@ -76,10 +68,6 @@ def allowed_plugins(environ: Mapping[str, str] | None = None) -> frozenset[str] 
 def warn(broken: BrokenPlugin) -> None:
     """The default report of a broken plugin: a Python warning (shown once per process)."""
     warnings.warn(broken.message(), TllmPluginWarning, stacklevel=2)
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 @dataclass
@@ -109,7 +97,7 @@ class Plugins:
     def _load_entry_points(self, allowed: frozenset[str] | None) -> None:
         for dist in importlib.metadata.distributions():
             dist_name = dist.metadata["name"] or "?"
-            own = _canonical(dist_name) == OWN_DISTRIBUTION
+            own = re.sub(r"[-_.]+", "-", dist_name).lower() == OWN_DISTRIBUTION
             for ep in dist.entry_points:
                 if ep.group != ENTRY_POINT_GROUP or self.pm.has_plugin(ep.name):
                     continue  # a distribution seen twice on sys.path registers once

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,17 +24,9 @@ from tllm_core.api.request_settings import (
     request_keys,
     type_name,
 )
-from tllm_core.plugins.loader import ENTRY_POINT_GROUP, BrokenPlugin, Plugins, TllmPluginWarning
+from tllm_core.plugins.loader import BrokenPlugin, Plugins
 
-__all__ = [
-    "ENTRY_POINT_GROUP",
-    "BrokenPlugin",
-    "ConsumerSpec",
-    "ConsumerSpecError",
-    "Plugins",
-    "Registry",
-    "TllmPluginWarning",
-]
+__all__ = ["ConsumerSpec", "ConsumerSpecError", "Registry"]
 
 
 class Registry:
@@ -45,11 +37,9 @@ class Registry:
         self.plugins = plugins or Plugins.load(load_entry_points)
         self.pm = self.plugins.pm
         self._classes: dict[str, type[Consumer]] = {}
-        # request key -> (consumer name, field name)
-        self._keys: dict[str, tuple[str, str]] = {}
+        self._keys: dict[str, tuple[str, str]] = {}  # request key -> (consumer, field name)
         self._producers: dict[type[ReadPort], Producer] = {}
         self.architectures = Architectures()
-        self._collected: set[str] = set()
         for name in self.plugins.loaded:
             try:
                 self._collect(name)
@@ -78,14 +68,12 @@ class Registry:
         except BaseException:
             self._classes, self._keys, self._producers, self.architectures = saved
             raise
-        self._collected.add(plugin_name)
 
     @staticmethod
     def _call(hook: Any, plugin_name: str) -> list[Any]:
-        impls: list[Callable[[], Any]] = [
-            i.function for i in hook.get_hookimpls() if i.plugin_name == plugin_name
-        ]
-        return [r for r in (f() for f in impls) if r is not None]
+        """What one plugin's implementations of ``hook`` return (None left out)."""
+        results = (i.function() for i in hook.get_hookimpls() if i.plugin_name == plugin_name)
+        return [r for r in results if r is not None]
 
     def _add(self, classes: Iterable[type]) -> None:
         for cls in classes:
@@ -128,7 +116,6 @@ class Registry:
         """Every consumer-declared request key -> (consumer name, field name)."""
         return dict(self._keys)
 
-    # -- producers --------------------------------------------------------------------
     def _add_producers(self, classes: Iterable[type]) -> None:
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, Producer)) or not cls.ports:
@@ -192,6 +179,7 @@ class Registry:
         return sorted(self._classes)
 
     def get(self, name: str) -> type[Consumer]:
+        """The consumer class named ``name`` (else a ConsumerSpecError naming those known)."""
         try:
             return self._classes[name]
         except KeyError:
@@ -229,24 +217,25 @@ class Registry:
         return configs
 
     def describe(self) -> list[dict[str, Any]]:
-        """Name, one-line description, config fields and request keys of every consumer."""
+        """Name, one-line description, config fields and request keys of every consumer;
+        broken plugins in the same shape (their consumers are unknown)."""
         out = []
         for name in self.names:
             cls = self._classes[name]
-            fields = []
-            for fname, f in cls.Config.model_fields.items():
-                fields.append(
-                    {
-                        "name": fname,
-                        "type": type_name(f.annotation),
-                        "allowed": allowed(f),
-                        "default": None
-                        if f.is_required()
-                        else _jsonable(f.get_default(call_default_factory=True)),
-                        "required": f.is_required(),
-                        "description": f.description or "",
-                    }
-                )
+            fields = [
+                {
+                    "name": fname,
+                    "type": type_name(f.annotation),
+                    "allowed": allowed(f),
+                    "default": None
+                    if f.is_required()
+                    else _jsonable(f.get_default(call_default_factory=True)),
+                    "required": f.is_required(),
+                    "description": f.description or "",
+                }
+                for fname, f in cls.Config.model_fields.items()
+            ]
+            keys = describe_request_keys(name, cls.Request)
             out.append(
                 {
                     "name": name,
@@ -254,27 +243,22 @@ class Registry:
                     "description": cls.description,
                     "module": cls.__module__,
                     "fields": fields,
-                    "request_keys": [
-                        {**k, "default": _jsonable(k["default"])}
-                        for k in describe_request_keys(name, cls.Request)
-                    ],
-                    # Whether a request can get its per-request result (tllm_results).
-                    "returns_results": cls.makes_results(),
+                    "request_keys": [{**k, "default": _jsonable(k["default"])} for k in keys],
+                    "returns_results": cls.makes_results(),  # can a request ask tllm_results
                 }
             )
-        # Broken plugins are listed in the same shape (their consumers are unknown).
-        for b in self.plugins.broken:
-            out.append(
-                {
-                    "name": b.name,
-                    "broken": True,
-                    "error": b.message(),
-                    "description": f"BROKEN plugin, skipped: {b.error}",
-                    "module": b.source,
-                    "fields": [],
-                    "request_keys": [],
-                }
-            )
+        out += [
+            {
+                "name": b.name,
+                "broken": True,
+                "error": b.message(),
+                "description": f"BROKEN plugin, skipped: {b.error}",
+                "module": b.source,
+                "fields": [],
+                "request_keys": [],
+            }
+            for b in self.plugins.broken
+        ]
         return out
 
 
