@@ -22,6 +22,7 @@ import linecache
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from types import CodeType, SimpleNamespace
@@ -165,11 +166,8 @@ _SYNC_KINDS = ("host_wait", "pageable_copy")  # what set_sync_debug_mode("error"
 PHASES = ("construction", "steps", "teardown")
 REHEARSAL_EVENT_MS = 1.0  # not 0: scripts divide by the times they read
 # Frames never named in a finding: torch, this package, and contextlib (stub context managers).
-_SKIP = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(__file__) + os.sep,
-    contextlib.__file__,
-)
+_SKIP = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__]))
+_SKIP += (contextlib.__file__,)
 Site = tuple[CodeType, int] | None  # formatted only when reported
 
 
@@ -179,6 +177,10 @@ def _site() -> Site:
     while f is not None and f.f_code.co_filename.startswith(_SKIP):
         f = f.f_back
     return None if f is None else (f.f_code, f.f_lineno)
+
+
+def _where(site: Site) -> str:
+    return ":".join(map(str, site_parts(site)))
 
 
 def site_parts(site: Site) -> tuple[str, int, str]:
@@ -191,7 +193,7 @@ def site_parts(site: Site) -> tuple[str, int, str]:
     return (rel, line, code.co_name)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: one per kind, what, line and phase
 class Finding:
     kind: str
     what: str
@@ -272,8 +274,6 @@ class StreamOrder:
         self.fc = fc
         self.clocks: dict[int, dict[int, int]] = {HOST: {HOST: 0}}
         self.history: dict[tuple[str, int], list[_Access]] = {}
-        self.capture: list[tuple] | None = None
-        self.capture_fresh: set[tuple[str, int]] = set()
         self.accesses = 0
 
     def name(self, ctx: int) -> str:
@@ -293,11 +293,11 @@ class StreamOrder:
 
     def wait(self, stream: FakeStream, clock: dict[int, int] | None) -> None:
         """Later work on ``stream`` after ``clock`` (ignored inside a capture)."""
-        if self.capture is None:
+        if self.fc._capture is None:
             _merge(self.enqueued(stream.stream_id), clock)
 
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
-        if self.capture is None:
+        if self.fc._capture is None:
             event.clock = dict(self.enqueued(stream.stream_id))
 
     def host_joins(self, clock: dict[int, int] | None) -> None:
@@ -318,9 +318,9 @@ class StreamOrder:
     def fresh(self, t: torch.Tensor) -> None:
         """``t`` is new storage: what was at its address before is forgotten (inside a
         capture: the graph's pool, not followed)."""
-        key = self._key(t)
-        if key is not None and self.capture is not None:
-            self.capture_fresh.add(key)
+        key, g = self._key(t), self.fc._capture
+        if key is not None and g is not None:
+            g.fresh.add(key)
         elif key is not None:
             self.history.pop(key, None)
 
@@ -346,24 +346,21 @@ class StreamOrder:
         """Accesses ``(tensor, written)`` made now by the current stream or the host."""
         site: Site = None
         ctx = torch.cuda.current_stream().stream_id if on_device else HOST
+        g = self.fc._capture if on_device else None
         for t, written in touched:
             key = self._key(t)
-            if key is None:
+            if key is None or (g is not None and key in g.fresh):
                 continue
             site = site or _site()
-            lo, hi = _span(t)
-            if self.capture is None or not on_device:
-                self._access(ctx, key, lo, hi, written, site)
-            elif key not in self.capture_fresh:
-                self.capture.append((key, lo, hi, written, site))
+            if g is None:
+                self._access(ctx, key, *_span(t), written, site)
+            else:
+                g.order_accesses.append((key, *_span(t), written, site))
 
     def _describe(self, a: _Access, at: bool = True) -> str:
         what = f"{'write' if a.write else 'read'} on {self.name(a.ctx)}"
-        if at:
-            what += " at " + ":".join(map(str, site_parts(a.site)))
-        if a.captured is not None:
-            what += f" (graph replay of {':'.join(map(str, site_parts(a.captured)))})"
-        return what
+        what += f" at {_where(a.site)}" if at else ""
+        return what + (f" (graph replay of {_where(a.captured)})" if a.captured else "")
 
     def _access(
         self, ctx: int, key: tuple, lo: int, hi: int, write: bool, site: Site, captured: Site = None
@@ -468,14 +465,10 @@ class FakeGraph:
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         if self._fc._capture is not None:
             raise RuntimeError("FakeCuda: a graph capture is already in progress")
-        self._fc._capture = self
-        if self._fc.order is not None:
-            self._fc.order.capture, self._fc.order.capture_fresh = [], set()
+        self._fc._capture, self.order_accesses, self.fresh = self, [], set()
 
     def capture_end(self) -> None:
         self._fc._capture, self.captured = None, True
-        if self._fc.order is not None:
-            self.order_accesses, self._fc.order.capture = self._fc.order.capture or [], None
 
     def replay(self) -> None:
         if not self.captured:
@@ -486,6 +479,7 @@ class FakeGraph:
         self.by_op: dict[str, list[int]] = {}  # operation -> [launches, bytes] captured
         self.captured = False
         self.order_accesses: list[tuple] = []  # with order=True: what a replay accesses
+        self.fresh: set[tuple[str, int]] = set()  # storage of the graph's pool: not followed
         self.ops: list[tuple] = []  # on a computing device: what a replay runs again
 
     def pool(self) -> object:
@@ -532,13 +526,8 @@ def _cuda_stubs(fc: FakeCuda) -> dict[str, Any]:
             cuda_graph.capture_end()
             local.stream = prev
 
-    props = SimpleNamespace(
-        name=fc.device_name,
-        total_memory=fc.total_memory,
-        major=9,
-        minor=0,
-        multi_processor_count=132,
-    )
+    props = SimpleNamespace(name=fc.device_name, total_memory=fc.total_memory, major=9, minor=0)
+    props.multi_processor_count = 132
     stubs = {
         "Stream": lambda *a, **k: FakeStream(fc, *a, **k),
         "Event": lambda *a, **k: FakeEvent(fc, *a, **k),
@@ -614,8 +603,8 @@ def _tensor_stubs(fc: FakeCuda) -> dict[str, Any]:
 
 
 def _factory_stubs(fc: FakeCuda) -> dict[str, Any]:
-    """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device: they copy in C++,
-    out of a dispatch mode's sight, from pageable memory."""
+    """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device (they copy in C++,
+    out of a dispatch mode's sight)."""
 
     def wrap(name: str) -> Any:
         orig = getattr(torch, name)
@@ -628,15 +617,10 @@ def _factory_stubs(fc: FakeCuda) -> dict[str, Any]:
                 or (_tensor(data) and fc.is_fake(data))
             ):
                 return orig(data, *args, **kwargs)
-            with fc.quiet():  # some inputs (numpy) dispatch part of it: count it once
-                out = orig(data, *args, **kwargs)
-            what = f"torch.{name}(..., device=)"
-            fc._flag("pageable_copy", what)
-            fc._order.fresh(out)
-            fc._order.tensors(True, [(out, True)])
-            fc._launch(what, tensor_bytes(out) * 2)
-            fc._allocated(what, out)
-            return out
+            # Made on the host, then copied from pageable memory (CUDA does both in C++).
+            grad = kwargs.pop("requires_grad", False)
+            out = orig(data, *args, **{**kwargs, "device": "cpu"}).to(fc.device)
+            return out.requires_grad_() if grad else out
 
         return factory
 
@@ -713,7 +697,8 @@ class FakeCuda:
         self.kernels = dict(kernels or {})
         self.sync_debug_mode: int | str = 0
         self.sync_windows: list[dict[str, Any]] = []
-        self._window: tuple[str, dict[tuple, int]] | None = None
+        self._window: tuple[str, int] | None = None
+        self._sync_log: list[Finding] = []  # each host wait and pageable copy, in order
         self.launches_built: dict[str, int] = {}
         self.launch_configs: dict[str, dict[str, Any]] = {}
         self.phase = "construction"
@@ -833,22 +818,14 @@ class FakeCuda:
         on = mode in ("warn", "error", 1, 2)
         if on and self._window is None:
             file, line, _ = site_parts(_site())
-            self._window = (f"{os.path.basename(file)}:{line}", self._sync_counts())
+            self._window = (f"{os.path.basename(file)}:{line}", len(self._sync_log))
         elif not on and self._window is not None:
-            (at, before), self._window = self._window, None
-            new = {k: n - before.get(k, 0) for k, n in self._sync_counts().items()}
-            sites = [f"{k[0]} at {k[2]}: {k[3]} x{n}" for k, n in new.items() if n > 0]
-            total = sum(n for n in new.values() if n > 0)
+            (at, start), self._window = self._window, None
+            seen = Counter(self._sync_log[start:])
+            sites = [f"{f.kind} at {f.where}: {f.code} x{seen[f]}" for f in seen]
             self.sync_windows.append(
-                {"set_at": at, "host_waits_and_pageable_copies": total, "sites": sites}
+                {"set_at": at, "host_waits_and_pageable_copies": seen.total(), "sites": sites}
             )
-
-    def _sync_counts(self) -> dict[tuple, int]:
-        return {
-            (f.kind, f.what, f.where, f.code, f.phase, f.in_capture): f.count
-            for f in self.findings(phase=None)
-            if f.kind in _SYNC_KINDS
-        }
 
     def launch_built(self, kernel: str, config: dict[str, Any]) -> None:
         """A kernel launch built, not run (meta tensors have no data): counted, each
@@ -869,13 +846,16 @@ class FakeCuda:
         key = (self.phase, kind, what, file, line, in_capture)
         with self._lock:
             self._count(kind)
-            if key in self._findings:
-                self._findings[key].count += 1
+            f = self._findings.get(key)
+            if f is not None:
+                f.count += 1
             else:
                 code = linecache.getline(file, line).strip() if line else ""
-                self._findings[key] = Finding(
+                f = self._findings[key] = Finding(
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
+            if kind in _SYNC_KINDS:
+                self._sync_log.append(f)
         if kind in _SYNC_KINDS and self.sync_debug_mode in ("error", 2):
             raise RuntimeError(
                 f"FakeCuda: {kind} ({what}) under set_sync_debug_mode('error'): on a GPU, "
