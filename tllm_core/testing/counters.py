@@ -11,15 +11,9 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tllm_core.testing.fake_cuda import (
-    _Mode,
-    _name,
-    copy_rule,
-    host_wait_kind,
-    moves_data,
-    op_bytes,
-)
+from tllm_core.testing.fake_cuda import _name, copy_rule, host_wait_kind, moves_data, op_bytes
 
 
 def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
@@ -37,13 +31,11 @@ def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
     return kind
 
 
-class _Counting(_Mode):
+class _Counting(TorchDispatchMode):
     """Runs every operation, then :meth:`count` s it."""
 
-    def __init__(self) -> None:
-        super().__init__(self._run)
-
-    def _run(self, _mode: Any, func: Any, args: tuple, kwargs: dict) -> Any:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.count(func, args, kwargs, out)
         return out

@@ -948,6 +948,7 @@ class FakeCuda:
             self._host_wait(f"aten.{name} (its result needs the values on the host)")
             return out
         host = [t for t in leaves if t.device.type == "cpu"]
+        # A 0-dim host tensor is a kernel argument of these (no copy).
         scalar_ok = rule.does == SCALAR or torch.Tag.pointwise in func.tags
         if any(t.dim() or not (scalar_ok or name.startswith("_foreach_")) for t in host):
             self._flag("pageable_copy", f"aten.{name} with a host tensor argument")
@@ -990,10 +991,10 @@ class FakeCuda:
         for t in tree_leaves(fresh_outputs(func, out)):
             if _tensor(t) and self.is_fake(t):
                 self._allocated(f"aten.{name}", t)
-        s = torch.cuda.current_stream()
-        if RULES.get(name, NONE).does == MATMUL and s.stream_id not in self._cublas_streams:
+        s = torch.cuda.current_stream() if RULES.get(name, NONE).does == MATMUL else None
+        if s is not None and s.stream_id not in self._cublas_streams:
             self._cublas_streams.add(s.stream_id)
-            if self.phase != "construction":
+            if self.phase != "construction":  # cuBLAS's workspace for that stream, then
                 self._flag("first_cublas", f"first matrix product on {s!r}")
 
     # -- results ------------------------------------------------------------------------
