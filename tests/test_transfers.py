@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from tllm_core.api.transfers import HostCopies, HostCopyRing, StagingRing
-from tllm_core.testing.fake_cuda import FakeCuda
-from tllm_core.testing.fake_cuda_stubs import FakeEvent
+from tllm_core.testing.fake_cuda import FakeCuda, FakeEvent
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ and bytes by the same rules (docs/fake-cuda.md; torch only)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -12,15 +13,10 @@ if TYPE_CHECKING:
     from tllm_core.testing.sampling import Sampling
 
 __all__ = ["ConsumerKit", "Sampling"]
+_HOME = {"ConsumerKit": "kit", "Sampling": "sampling"}  # imported on first use: torch only here
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ConsumerKit":
-        from tllm_core.testing.kit import ConsumerKit
-
-        return ConsumerKit
-    if name == "Sampling":
-        from tllm_core.testing.sampling import Sampling
-
-        return Sampling
-    raise AttributeError(f"module 'tllm_core.testing' has no attribute {name!r}")
+    if name not in _HOME:
+        raise AttributeError(f"module 'tllm_core.testing' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tllm_core.testing.{_HOME[name]}"), name)

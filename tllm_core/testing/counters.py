@@ -1,5 +1,5 @@
 """What an operation sequence would cost on a GPU, counted on real (CPU) tensors by the fake
-device's rules (:mod:`.fake_cuda_checker`), torch only: :class:`SyncCounter` (host waits),
+device's rule table (:data:`.fake_cuda.RULES`), torch only: :class:`SyncCounter` (host waits),
 :class:`BytesCounter` (every operand read and written once, not a cache simulation),
 :func:`cpu_peak_bytes`. Work on other threads is not counted."""
 
@@ -13,22 +13,20 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tllm_core.testing.fake_cuda_checker import NO_DATA, copy_rule, host_wait_kind, op_bytes
+from tllm_core.testing.fake_cuda import _name, copy_rule, host_wait_kind, moves_data, op_bytes
 
 
 def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
     """The kind of host wait ``func`` would cause on CUDA, or None."""
     kind = host_wait_kind(func, args, kwargs)
-    name = func._schema.name.split("::")[-1]
-    if kind is None and name in ("_to_copy", "copy_"):
-        src, dst = (args[1], args[0]) if name == "copy_" else (args[0], out)
+    if kind is None and _name(func) in ("_to_copy", "copy_"):
+        src, dst = (args[1], args[0]) if _name(func) == "copy_" else (args[0], out)
         if isinstance(dst, torch.Tensor) and (src.device.type == "cpu") != (
             dst.device.type == "cpu"
         ):
             non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
             host = src if src.device.type == "cpu" else dst
-            to_device = host is src
-            if copy_rule(to_device, bool(non_blocking), host.is_pinned())[0]:
+            if copy_rule(host is src, bool(non_blocking), host.is_pinned())[0]:
                 kind = "host_device_copy"
     return kind
 
@@ -77,9 +75,8 @@ class BytesCounter(_Counting):
         return sum(self.by_op.values())
 
     def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name = func._schema.name.split("::")[-1]
-        if not func.is_view and name not in NO_DATA:
-            self.by_op[name] += op_bytes(func, args, kwargs, out)
+        if moves_data(func):
+            self.by_op[_name(func)] += op_bytes(func, args, kwargs, out)
             self.calls += 1
 
 

@@ -1,12 +1,6 @@
-"""The consumer test kit: run consumers against a Hugging Face model run by transformers, with
-the engine's own runtime, in seconds and without vLLM.
-
-:class:`ConsumerKit` builds the engine's :class:`~tllm_core.runtime.runtime.Runtime`,
-schedules requests as vLLM does (chunked prefill, then one decode row per step), runs each
-forward on transformers with taps that capture and edit like the engine's, and calls the
-runtime in the engine's order: bundles, rows, guide views, edit plans and counters are the
-engine's. What differs from vLLM: docs/testing-consumers.md.
-"""
+"""The consumer test kit: consumers run by the engine's own runtime on a transformers model,
+scheduled as vLLM does (chunked prefill, then one decode row per step), in seconds and without
+vLLM. What differs from vLLM: docs/testing-consumers.md."""
 
 from __future__ import annotations
 
@@ -28,9 +22,8 @@ from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.testing.hf_model import load_model, model_info
-from tllm_core.testing.hf_taps import HfTap, Lockstep, LockstepBroken, Window, install
-from tllm_core.testing.sampling import Sampling, draw, filter_logits, is_random, temperatures
+from tllm_core.testing.hf import HfTap, Lockstep, LockstepBroken, Window, load_model, model_info
+from tllm_core.testing.sampling import Sampling, draw, filter_logits
 
 ConsumerArg = str | dict | ConsumerSpec | type[Consumer] | tuple[type[Consumer], dict]
 
@@ -135,7 +128,7 @@ class ConsumerKit:
                 for owner, module in self.runtime.transforms(tap.key):
                     e.add_transform(owner, module)
                 t.edit = self._edits[tap.key] = e
-            self._handles.append(install(self.hf, tap.site, tap.layer, t))
+            self._handles.append(t.install(self.hf, tap.site, tap.layer))
 
     # -- what a test reads ------------------------------------------------------------------------
     def consumer(self, name: str) -> Consumer:
@@ -201,6 +194,8 @@ class ConsumerKit:
             len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
         ):
             raise ValueError(f"tokens must hold {n} non-empty token lists for each of the prompts")
+        from transformers import DynamicCache
+
         reqs: list[_Request] = []
         for i, p in enumerate(items):
             extra = dict((extras[i] if extras is not None else extra_args) or {})
@@ -211,11 +206,23 @@ class ConsumerKit:
             rid = str(self._next_id)
             self._next_id += 1
             for j in range(n):
-                r = self._request(rid, i, j, n, ids, sampling, max_tokens, ignore_eos, extra)
-                if tokens is not None:
-                    r.forced = [int(t) for t in tokens[i][j]]
-                    r.max_tokens = len(r.forced)
-                reqs.append(r)
+                self._seq += 1
+                base = f"{rid}-kit{self._seq:05d}"
+                gen = torch.Generator()
+                gen.manual_seed((seed if seed is not None else self._seq) * 1009 + j)
+                info = RequestInfo(
+                    engine_id=f"{j}_{base}" if n > 1 else base,
+                    request_id=rid,
+                    prompt_index=i,
+                    sample_index=j,
+                    num_prompt_tokens=len(ids),
+                    extra_args=dict(extra),
+                    prompt_token_ids=tuple(ids),
+                )
+                forced = None if tokens is None else [int(t) for t in tokens[i][j]]
+                limit = max_tokens if forced is None else len(forced)
+                cache = DynamicCache(config=self.hf.config)
+                reqs.append(_Request(info, ids, sampling, limit, ignore_eos, gen, forced, cache))
         while not all(r.done for r in reqs):
             self._step([r for r in reqs if not r.done])
         self._report_finished()  # as TllmLLM's end of batch: every request is done
@@ -226,37 +233,6 @@ class ConsumerKit:
         if self.raise_on_disabled:  # as TllmLLM.generate
             raise_newly_disabled(self.runtime.bus.errors, self._raised, outputs=out)
         return out
-
-    def _request(
-        self,
-        rid: str,
-        prompt_index: int,
-        sample: int,
-        n: int,
-        ids: list[int],
-        sampling: Sampling,
-        max_tokens: int,
-        ignore_eos: bool,
-        extra: dict,
-    ) -> _Request:
-        from transformers import DynamicCache
-
-        self._seq += 1
-        base = f"{rid}-kit{self._seq:05d}"
-        engine_id = f"{sample}_{base}" if n > 1 else base
-        gen = torch.Generator()
-        gen.manual_seed((sampling.seed if sampling.seed is not None else self._seq) * 1009 + sample)
-        info = RequestInfo(
-            engine_id=engine_id,
-            request_id=rid,
-            prompt_index=prompt_index,
-            sample_index=sample,
-            num_prompt_tokens=len(ids),
-            extra_args=dict(extra),
-            prompt_token_ids=tuple(ids),
-        )
-        cache = DynamicCache(config=self.hf.config)
-        return _Request(info, ids, sampling, max_tokens, ignore_eos, gen, cache=cache)
 
     def _take_results(self, reqs: list[_Request]) -> None:
         """Per-request results into :attr:`results`, keyed by (prompt index, sample), as
@@ -329,9 +305,10 @@ class ConsumerKit:
         step.tensors["logits"] = raw
         params = [r.sampling for r, _ in sched]
         guided, filtered = filter_logits(raw, params)
-        rand = is_random(params)
+        rand = np.array([not p.greedy for p in params], dtype=bool)
         if rand.any():  # vLLM's all-greedy batches never reach the guided sampler
-            self.runtime.guide(step, guided, temperatures(params), rand, filtered)
+            temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            self.runtime.guide(step, guided, temps, rand, filtered)
         tokens = draw(raw, guided, params, [r.generator for r, _ in sched])
         for j, (r, _k) in enumerate(sched):
             if r.forced is not None and kept[j]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
@@ -62,15 +61,6 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
             row[idx[drop]] = float("-inf")
     filtered = any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in params)
     return out, filtered
-
-
-def temperatures(params: list[Sampling]) -> torch.Tensor:
-    """vLLM's per-row temperatures (greedy rows included as given)."""
-    return torch.tensor([p.temperature for p in params], dtype=torch.float32)
-
-
-def is_random(params: list[Sampling]) -> np.ndarray:
-    return np.array([not p.greedy for p in params], dtype=bool)
 
 
 def draw(
