@@ -5,18 +5,12 @@ and bytes by the same rules (docs/fake-cuda.md; torch only)."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+from tllm_core.lazy import lazy_exports
+
+if TYPE_CHECKING:  # imported on first use: torch only here
     from tllm_core.testing.kit import ConsumerKit
     from tllm_core.testing.sampling import Sampling
 
-__all__ = ["ConsumerKit", "Sampling"]
-_HOME = {"ConsumerKit": "kit", "Sampling": "sampling"}  # imported on first use: torch only here
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'tllm_core.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"tllm_core.testing.{_HOME[name]}"), name)
+__all__, __getattr__ = lazy_exports(__name__, __file__)
