@@ -1,5 +1,4 @@
-"""The CPU grouped distiller: all groups of a step in one batched computation, updated in
-place by :class:`~algorithms.esamp.host_trainer.HostTrainer`, inline or on a side thread."""
+"""The CPU grouped distiller: all groups of a step in one batched computation."""
 
 from __future__ import annotations
 
@@ -19,13 +18,9 @@ from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 
 class GroupedDistiller(SlotDistiller):
-    """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
-    :mod:`algorithms.esamp.cuda` is the CUDA one). With ``side_thread=True`` train steps and
-    slot resets run in order on a :class:`~algorithms.esamp.side_thread.SideThread`, and
-    whatever reads the state waits for them first (strict staleness, measured by
-    :meth:`staleness_max`). A train step on the rows and parameters of the last prediction
-    (the usual ESamp step) reuses its forward.
-    """
+    """Slots of independent distillers, CPU path. With ``side_thread=True`` train steps and
+    slot resets run in order on a side thread that readers wait for (strict staleness). A
+    train step on the last prediction's rows and parameters reuses its forward."""
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
         device = torch.device(kwargs.get("device", "cpu"))
@@ -84,8 +79,7 @@ class GroupedDistiller(SlotDistiller):
     def _saved_forward(
         self, pk: Packing, x: torch.Tensor
     ) -> tuple[torch.Tensor, Activations] | None:
-        """The last prediction's packed forward if it was on exactly these rows and
-        parameters (checked, not assumed: the inputs are compared)."""
+        """The last prediction's packed forward if it was on exactly these rows and parameters."""
         saved, self._saved = self._saved, None
         if saved is None:
             return None
@@ -102,10 +96,8 @@ class GroupedDistiller(SlotDistiller):
     def _train(
         self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
     ) -> TrainResult:
-        """One in-place update of all packed groups (see :class:`HostTrainer`), inline or
-        queued on the side thread; ``losses``/``updated`` (and ``row_errors``, asked) are
-        filled when the update has run. Reuses the prediction's forward when it was on
-        these rows and parameters."""
+        """One in-place update of all packed groups, inline or on the side thread; the
+        results are filled when it has run."""
         forward = self._saved_forward(pk, x)
         self._version += 1
         errors = torch.full((x.shape[0],), float("nan")) if row_errors else None

@@ -1,14 +1,7 @@
-"""CUDA path of the grouped distiller: the CPU class's math and interface, with everything
-allocated and every graph captured at construction (inside vLLM's ``load_model``, so vLLM's
-memory profile sees it; a fixed ``capacity``), only the step's slots read, one pinned copy
-of the row plan per call (:mod:`algorithms.esamp.cuda_plan`), graph replays on a side stream
-ordered against the main stream by events only (no host wait), results read back in the
-background (:mod:`algorithms.esamp.cuda_results`) and the prediction's forward kept for the
-update of the same rows (``rows_id``). A failed capture is counted (``graph_failures``) and
-the same code runs eagerly. Every predict and train is enqueued on the one side stream, so a
-prediction sees every update enqueued before it (strict staleness, measured on the device).
-The design: docs/consumers/esamp.md, "On a GPU". Importing this module needs no GPU.
-"""
+"""CUDA path of the grouped distiller: everything allocated and captured at construction
+(inside vLLM's ``load_model``, so its memory profile sees it), graph replays on one side
+stream ordered by events only (no host wait; strict staleness), results read back in the
+background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU."""
 
 from __future__ import annotations
 
@@ -60,8 +53,7 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
 
 
 def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
-    """``fn`` captured as a CUDA graph on ``stream`` in memory pool ``pool`` (None: a new
-    one); returns the graph (``.replay()``) and its pool."""
+    """``fn`` captured as a CUDA graph on ``stream`` in ``pool`` (None: new); (graph, pool)."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
         with torch.no_grad():
@@ -129,11 +121,6 @@ class CudaGroupedDistiller(SlotDistiller):
         self.stream.synchronize()
 
     @property
-    def host_waits(self) -> int:
-        """Plan buffers the host had to wait for."""
-        return self._plans.waits
-
-    @property
     def asynchronous(self) -> bool:
         return True
 
@@ -168,9 +155,7 @@ class CudaGroupedDistiller(SlotDistiller):
     def _pack(
         self, lay: Layout, src: torch.Tensor, dst: torch.Tensor, zero: bool = True
     ) -> torch.Tensor:
-        """``src``'s rows at their packed positions in ``dst``; the other rows zero (not
-        with ``zero=False``: they keep what they held, for a buffer only read on the rows
-        the mask marks)."""
+        """``src``'s rows packed into ``dst``; the other rows zeroed unless ``zero=False``."""
         t = self.total_rows
         if zero:
             dst.zero_()
@@ -191,8 +176,7 @@ class CudaGroupedDistiller(SlotDistiller):
         return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
-        """The layout's views of :attr:`hs` and :attr:`acts`: per block (h_out, a, u, s, p),
-        ``[G, M, .]``."""
+        """Per block (h_out, a, u, s, p) ``[G, M, .]``: views of :attr:`hs` and :attr:`acts`."""
         h, i, t = self.shape.hidden_size, self.shape.intermediate_size, self.total_rows
         g, m = lay.groups, lay.rows
         out = []
@@ -224,8 +208,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
 
     def _train_body(self, lay: Layout, reuse: bool = False) -> None:
-        """The update; ``reuse``: on the rows the last prediction packed into ``xp`` and with
-        its forward (:attr:`acts`), not run again (the caller checked that they match)."""
+        """The update; ``reuse``: on the last prediction's packed rows and forward."""
         t, c = self.total_rows, self.capacity
         gs = self._group_slot(lay)
         if reuse:
@@ -276,10 +259,8 @@ class CudaGroupedDistiller(SlotDistiller):
             self._body(kind)(lay)
 
     def _warm_up(self) -> None:
-        """Run every body once on the side stream (no group has a slot: no state changes),
-        so lazy allocations and kernel compilation (and, without Triton, the side stream's
-        cuBLAS workspace) happen now, inside the memory vLLM profiles, not in the first
-        decode step."""
+        """Run every body once with no slot (no state change), so lazy allocations and
+        kernel compilation happen inside the memory vLLM profiles."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
             t, c = self.total_rows, self.capacity
             self.plan.fill_(-1)  # every group padding
@@ -290,9 +271,7 @@ class CudaGroupedDistiller(SlotDistiller):
                     self._body(kind)(lay)
 
     def _capture(self) -> None:
-        """Capture a predict and two update graphs (with and without the forward) per
-        layout, sharing one memory pool. Capture synchronizes the device
-        (``torch.cuda.graph`` does): it happens only here."""
+        """Capture the predict and two update graphs of every layout in one memory pool."""
         pool = None
         try:
             for lay in self.layouts:
@@ -343,10 +322,8 @@ class CudaGroupedDistiller(SlotDistiller):
         src.record_stream(self.stream)
 
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
-        """As the base class. ``rows_id`` (optional, any comparable value): names the rows
-        ``x`` holds; a :meth:`train_step` given the same ``rows_id`` (the caller's promise
-        that its ``x`` is this ``x``) reuses this prediction's forward when nothing changed
-        in between."""
+        """As the base class; a :meth:`train_step` with the same ``rows_id`` (the caller's
+        promise of the same ``x``) reuses this prediction's forward."""
         self._predicted = None  # the buffers are about to hold this prediction's forward
         pk = make_packing(slots)
         if not pk.slots.size:
@@ -368,10 +345,7 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.y[: x.shape[0]]
 
     def _key(self, rows_id: object, pk, batches: list[Batch]) -> tuple | None:
-        """What names the forward a prediction leaves in the buffers: the rows (the caller's
-        word), the parameters' version (an update, reset or growth changes it), the packing
-        and the layout; None where there is none to reuse (several batches: the buffers
-        hold the last)."""
+        """What names the forward a prediction leaves in the buffers (None: not reusable)."""
         if rows_id is None or len(batches) != 1:
             return None
         lay = batches[0].layout
@@ -385,10 +359,7 @@ class CudaGroupedDistiller(SlotDistiller):
         rows_id: object = None,
         row_errors: bool = False,
     ) -> TrainResult:
-        """As the base class, without its defensive copies: the rows are copied into the
-        packed buffers on the side stream, and the main stream waits for that copy only.
-        ``rows_id``: see :meth:`predict` (None: the forward is run again).
-        ``row_errors``: see :meth:`_row_errors` (read when the result is final)."""
+        """As the base class; the main stream waits only for the rows' copy."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
@@ -448,13 +419,8 @@ class CudaGroupedDistiller(SlotDistiller):
     def _row_errors(
         self, pk, batches: list[Batch], x: torch.Tensor, target: torch.Tensor, reuse: bool
     ) -> torch.Tensor:
-        """Each row's error before the update (``TrainResult.row_errors``), from the
-        prediction ``y`` of these rows: the sampler's when the update reuses it, else a
-        prediction run here first. Queued on the side stream with a copy into pinned host
-        memory (no host wait: the copy is final when the update's results are, the result
-        ring's copy coming after it on the same stream). Only steps with rows of requests
-        that ask pay for it (a few small allocations; a second forward where the sampler
-        predicted no row of them)."""
+        """Each row's error before the update, from the prediction ``y`` (run here unless
+        reused), copied to pinned memory on the side stream: final with the update's results."""
         n = x.shape[0]
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)

@@ -1,12 +1,5 @@
-"""The CUDA update's results (each group's loss, whether it was applied, its statistics),
-logged on the device and brought to the host in the background.
-
-Each update batch writes one row of a device ring (``[N, C]``). Every ``every`` updates the
-whole ring and the staleness maximum are copied back to the host without blocking (a D2H
-copy on the side stream, after the updates it covers: :class:`~tllm_core.HostCopyRing`);
-:meth:`ResultLog.poll` hands out the results whose copy has arrived (no wait). Only
-:meth:`ResultLog.drain` waits, where a host sync is paid anyway (the consumer's ``result()``,
-shutdown)."""
+"""The CUDA update's results, logged in a device ring (one row per update batch) and copied
+to the host every ``every`` updates without blocking; only :meth:`ResultLog.drain` waits."""
 
 from __future__ import annotations
 
@@ -37,9 +30,8 @@ class Pending:
 
 
 class ResultLog:
-    """The device ring of update results (``losses``, ``ok``, ``stats`` ``[rows, capacity]``
-    and the staleness maximum ``stale``), copied back through a two-buffer
-    :class:`~tllm_core.HostCopyRing`: one copy may be in flight while the other is read."""
+    """The device ring of update results and the staleness maximum ``stale``, copied back
+    through a two-buffer :class:`~tllm_core.HostCopyRing`."""
 
     def __init__(
         self,
@@ -69,8 +61,7 @@ class ResultLog:
         return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
 
     def next_row(self) -> int:
-        """The ring row of the next update batch; copies the ring first if it would wrap
-        over rows not yet copied."""
+        """The ring row of the next update batch."""
         if self._next - self._copied >= self.rows:
             raise RuntimeError("result ring overrun: copy() was not called in time")
         row = self._next % self.rows
@@ -87,8 +78,7 @@ class ResultLog:
             self.copy(stream)
 
     def copy(self, stream) -> None:
-        """Copy the ring to the host without blocking, ordered after the updates logged
-        (a copy into a buffer still in flight first waits for it: the ring's rule)."""
+        """Copy the ring to the host without blocking, after the updates logged."""
         if self._next == self._copied:
             return
         self._copies.send(self._device_buffers(), tag=self._next, stream=stream)

@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 
 
 def uses_gpu_path(device: torch.device) -> bool:
-    """Whether a distiller on ``device`` takes the CUDA path (tests of that path on a fake
-    device replace this)."""
+    """Whether a distiller on ``device`` takes the CUDA path (fake-device tests patch it)."""
     return device.type == "cuda"
 
 
@@ -36,8 +35,7 @@ def make_distiller(
     graph_max_rows: int = 16,
     **kwargs: Any,
 ) -> SlotDistiller:
-    """The CUDA implementation (side stream, graphs captured here, fixed capacity) for CUDA
-    devices, else the CPU one (updates on a side thread when ``side_thread``)."""
+    """The CUDA distiller for CUDA devices, else the CPU one."""
     device = torch.device(device)
     if uses_gpu_path(device):
         return CudaGroupedDistiller(
@@ -62,8 +60,7 @@ def _use_side_thread(mode: str) -> bool:
 
 
 def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
-    """The CUDA path packs every decode row of a step into ``slots x cuda_graph_max_rows``
-    rows: refuse a configuration with fewer than ``cuda_rows_per_step``, naming the settings."""
+    """Refuse fewer packed rows (``slots x cuda_graph_max_rows``) than ``cuda_rows_per_step``."""
     rows = pow2_rows(cfg.cuda_graph_max_rows)
     if slots * rows < cfg.cuda_rows_per_step:
         name = "max_groups" if cfg.max_groups else "cuda_capacity"
@@ -89,9 +86,7 @@ def distiller_for(
     gpu = uses_gpu_path(device)
     if gpu:
         check_packed_rows(cfg, slots)
-        # Everything the CUDA distiller needs is allocated (and its update graph
-        # captured) now: construction runs inside vLLM's load_model, before vLLM
-        # profiles memory and sizes the KV cache.
+        # Allocated and captured now, inside vLLM's load_model (before it sizes the KV cache).
         extra = {
             "capacity": slots,
             "graph_max_rows": cfg.cuda_graph_max_rows,
@@ -117,7 +112,6 @@ def distiller_for(
 def guide_for(
     shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
 ) -> Guide:
-    """The guidance strategy of the consumer's code path: the allocation-free one on the
-    CUDA path (``shared.on_cuda``), else the host one."""
+    """The guidance strategy of the consumer's code path (CUDA or host)."""
     strategy = CudaGuide if shared.on_cuda else HostGuide
     return strategy(shared, groups, model, diagnostics)

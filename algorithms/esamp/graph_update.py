@@ -1,9 +1,5 @@
-"""The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
-(the CUDA path replays it; the CPU path's faster form is :mod:`algorithms.esamp.host_trainer`).
-The backward is written out (:mod:`algorithms.esamp.backward`) on the kernels' ops, and each
-weight's clipped gradient is formed inside its Adam step (never written to memory). Runs on any
-device (CPU: the kernels' PyTorch reference), which is how the tests check it.
-"""
+"""The update step with fixed shapes and no host sync, captured as a CUDA graph; each weight's
+clipped gradient is formed inside its Adam step. Runs on any device (tests use CPU)."""
 
 from __future__ import annotations
 
@@ -36,19 +32,11 @@ def train_groups(
     forward: tuple[torch.Tensor, Activations] | None = None,
     precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adam step for every packed group with rows, in place in its slot of the stacked
-    ``theta``/``m``/``v`` ``[S, P]`` and ``step [S]``; returns ``(losses [G], updated [G])``.
-
-    ``group_slot [G]``: each packed group's slot (``-1``: padding, nothing read or written);
-    ``xp``/``tp`` ``[G, M, H]`` hold group ``g``'s rows where ``mask [G, M]`` marks them. A
-    group with a non-finite loss or gradient keeps its state bit for bit (``updated``
-    False). ``applied`` (per slot, optional): incremented for every group with rows, the
-    count staleness is measured against. ``stats [G, len(STATS)]`` (with ``hp.stats``): each
-    group's update statistics. ``ops``: the slot product and Adam (default
-    :mod:`~algorithms.esamp.slot_ops`). ``forward``: the prediction's forward of these
-    parameters on ``xp``, kept by the CUDA path (the weights are then not read for it).
-    ``precision``: the Gram products' (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`).
-    """
+    """One Adam step for every packed group with rows, in place in its slot ``group_slot[g]``
+    (-1: padding) of ``theta``/``m``/``v``/``step``; returns ``(losses [G], updated [G])``.
+    ``xp``/``tp [G, M, H]`` hold the rows ``mask`` marks; non-finite groups keep their state.
+    ``applied``: counted per slot; ``stats``: filled with ``hp.stats``; ``ops``: the slot
+    product and Adam; ``forward``: the prediction's, when kept."""
     mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
     with torch.no_grad():
         gs = group_slot

@@ -1,7 +1,5 @@
-"""ESamp's loss bookkeeping: the read-back results of train steps turned into the loss
-counters, each group's first and last loss, the mean learning curve, and with
-``optimizer_stats`` the update statistics (:func:`algorithms.esamp.adam.adam_stats`) as
-counters and a curve by a group's step index."""
+"""ESamp's loss bookkeeping: read-back train results turned into the loss counters and
+curves (and with ``optimizer_stats`` the update statistics)."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def _curve_ages(counts: list[float]) -> list[int]:
 
 
 def final_prefix(results: list[TrainResult], block: bool) -> int:
-    """How many results, oldest first, can be read now: all of them after a synchronize
-    (``block``), else those already final (results complete in order)."""
+    """How many results, oldest first, can be read now (``block``: all, after a sync)."""
     n = 0
     while n < len(results) and (block or results[n].ready()):
         n += 1
@@ -70,7 +67,7 @@ class OptStats:
 
     def summary(self) -> dict[str, Any]:
         """``optimizer_curve``: [step index, clip rate, eps share, update size, gradient norm,
-        updates] for at most 64 step indices (empty without ``optimizer_stats``)."""
+        updates] for at most 64 step indices."""
         curve = []
         for a in _curve_ages([acc[_K] for acc in self._by_age]):
             acc = self._by_age[a]

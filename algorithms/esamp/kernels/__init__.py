@@ -1,9 +1,6 @@
-"""ESamp's fused kernels as torch operators (``torch.ops.tllm_esamp``: a dispatch mode sees
-each call as one op): Triton on CUDA (imported only there), the PyTorch reference on CPU,
-nothing on meta. One module per op (``op_<name>.py``: schema, call, checks, reference, Triton
-launch, bytes moved); what each does: docs/consumers/esamp.md, "The fused kernels".
-Importing this package needs neither Triton nor a GPU.
-"""
+"""ESamp's fused kernels as torch operators (``torch.ops.tllm_esamp``), one module per op
+(``op_<name>.py``: schema, call, checks, reference, Triton launch, bytes moved); see
+docs/consumers/esamp.md, "The fused kernels". Importing needs neither Triton nor a GPU."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The Triton kernels (imported only where Triton is installed); their launchers live in each
-op's module (``op_<op>.py``) and are re-exported here. Launchers read tensor metadata only (no
+op's module (``op_<op>.py``). Launchers read tensor metadata only (no
 host sync, no allocation; ``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first), so
 they can be captured in a CUDA graph once each kernel has compiled.
 
@@ -20,28 +20,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-# The launchers live with their ops; these names are the ones tests and benchmarks use.
-from algorithms.esamp.kernels.launch import Launch  # noqa: F401
-from algorithms.esamp.kernels.op_block_backward import block_backward_launch  # noqa: F401
-from algorithms.esamp.kernels.op_block_backward import run_triton as block_backward  # noqa: F401
-from algorithms.esamp.kernels.op_candidate_dot import candidate_dot_launch  # noqa: F401
-from algorithms.esamp.kernels.op_candidate_dot import run_triton as candidate_dot  # noqa: F401
-from algorithms.esamp.kernels.op_grad_adam import grad_adam_launch  # noqa: F401
-from algorithms.esamp.kernels.op_grad_adam import run_triton as grad_adam  # noqa: F401
-from algorithms.esamp.kernels.op_loss_dy import loss_dy_launch  # noqa: F401
-from algorithms.esamp.kernels.op_loss_dy import run_triton as loss_dy  # noqa: F401
-from algorithms.esamp.kernels.op_silu_mul import run_triton as silu_mul  # noqa: F401
-from algorithms.esamp.kernels.op_silu_mul import silu_mul_launch  # noqa: F401
-from algorithms.esamp.kernels.op_slot_matmul import (
-    auto_split_k,  # noqa: F401
-    slot_matmul_launch,  # noqa: F401
-)
-from algorithms.esamp.kernels.op_slot_matmul import run_triton as slot_matmul  # noqa: F401
-from algorithms.esamp.kernels.op_stale_max import run_triton as stale_max  # noqa: F401
-from algorithms.esamp.kernels.op_stale_max import stale_max_launch  # noqa: F401
-from algorithms.esamp.kernels.op_update_tail import run_triton as update_tail  # noqa: F401
-from algorithms.esamp.kernels.op_update_tail import update_tail_launch  # noqa: F401
 
 
 @triton.jit
