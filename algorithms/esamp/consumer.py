@@ -42,46 +42,18 @@ from tllm_core import (
     layer_key,
 )
 
-COUNTER_NAMES = (
-    "decode_steps",
-    "optimizer_steps",
-    "rows_trained",
-    "rows_visited",
-    "rows_guided",
-    "candidates_guided",
-    "candidates_over_cap",
-    "loss_first",
-    "loss_last",
-    "loss_mean",
-    "groups_created",
-    "groups_freed",
-    "groups_alive",
-    "rows_skipped",
-    "rows_skipped_prefill",
-    "rows_skipped_greedy",
-    "rows_skipped_cap",
-    "rows_skipped_mixed",
-    "train_rows_skipped_cap",
-    "train_rows_skipped_recomputed",
-    "train_rows_skipped_mixed",
-    "train_rows_skipped_frozen",
-    "nonfinite_losses_skipped",
-    "staleness_max",
-    "memory_bytes_per_group",
-    "memory_plan_bytes",
-    "latent_fallback_rows",
-    "finished_unseen",
-    "graph_failures",
-    "eager_updates",
-    "updates_reusing_prediction",
-    "warm_start_groups",
-    "warm_start_rows",
-    "warm_start_steps",
-    "fit_rows",
-    "fit_scale_mean",
-    "diag_rows",
-    "diag_top_changed",
-    "rows_returned",
+# Every counter ESamp sets, registered at 0 at construction.
+COUNTER_NAMES = tuple(
+    """
+    decode_steps optimizer_steps rows_trained rows_visited rows_guided candidates_guided
+    candidates_over_cap loss_first loss_last loss_mean groups_created groups_freed groups_alive
+    rows_skipped rows_skipped_prefill rows_skipped_greedy rows_skipped_cap rows_skipped_mixed
+    train_rows_skipped_cap train_rows_skipped_recomputed train_rows_skipped_mixed
+    train_rows_skipped_frozen nonfinite_losses_skipped staleness_max memory_bytes_per_group
+    memory_plan_bytes latent_fallback_rows finished_unseen graph_failures eager_updates
+    updates_reusing_prediction warm_start_groups warm_start_rows warm_start_steps fit_rows
+    fit_scale_mean diag_rows diag_top_changed rows_returned
+    """.split()
 )
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.host_trainer import HostTrainer
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
@@ -101,21 +99,18 @@ class GroupedDistiller(SlotDistiller):
         forward = self._saved_forward(pk, x)
         self._version += 1
         errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
-        losses = torch.full((len(pk.slots),), float("nan"))
-        updated = torch.zeros(len(pk.slots), dtype=torch.bool)
-        stats = torch.full((len(pk.slots), len(STATS)), float("nan")) if self.hp.stats else None
-        done = threading.Event()
+        res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
         def run() -> None:
             state = (self.theta, self.m, self.v, self.step)
             batch = HostBatch.plan(pk.slots)
             loss, ok, st = self._host.step(state, pk, batch, x, target, forward, errors)
             self.applied[torch.from_numpy(pk.slots)] += 1
-            losses.copy_(torch.tensor(loss))
-            updated.copy_(torch.tensor(ok))
-            if stats is not None:
-                stats.copy_(st)
-            done.set()
+            res.losses.copy_(torch.tensor(loss))
+            res.updated.copy_(torch.tensor(ok))
+            if res.stats is not None:
+                res.stats.copy_(st)
+            res.done.set()
 
         self._ordered(run)
-        return TrainResult(pk.slots, losses, updated, done, stats=stats, row_errors=errors)
+        return res

@@ -29,7 +29,7 @@ from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
-from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
+from algorithms.esamp.slot_ops import slot_matmul, slots_bound
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import StagingRing, pow2_rows
 
@@ -50,15 +50,6 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
-    """``fn`` captured as a CUDA graph on ``stream`` in ``pool`` (None: new); (graph, pool)."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        with torch.no_grad():
-            fn()
-    return g, g.pool()
 
 
 class CudaGroupedDistiller(SlotDistiller):
@@ -167,9 +158,7 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w, out=None, add=None: slot_matmul(
-            x, w, gs, transpose_w, self._precision, out, add
-        )
+        return slots_bound(partial(slot_matmul, precision=self._precision), gs)
 
     @property
     def _precision(self) -> str:
@@ -226,15 +215,10 @@ class CudaGroupedDistiller(SlotDistiller):
         # The packed rows' mask came with the plan (filled on the host).
         mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
         stats = self._stats[: lay.groups] if self.hp.stats else None
-        shape, hp = self.shape, self.hp
         state = (self.theta, self.m, self.v, self.step)
-        ops = (
-            partial(slot_matmul, precision=self._precision),
-            partial(slot_grad_adam_, precision=self._precision),
-        )
         losses, ok = train_groups(
-            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward,
-            precision=self._precision,
+            *state, gs, xp, tp, mask, self.shape, self.hp, self.applied, stats,
+            forward=forward, precision=self._precision,
         )  # fmt: skip
         # Row ring[0] of the result ring, its first G columns: one indexed copy each.
         ring, g = self.plan[2 * t + 2 * c : 2 * t + 2 * c + 1], lay.groups
@@ -276,12 +260,14 @@ class CudaGroupedDistiller(SlotDistiller):
         try:
             for lay in self.layouts:
                 for kind in _KINDS:
-                    body = self._body(kind)
-                    with _matmul_precision(self.tf32):
-                        graph, pool = capture_graph(
-                            lambda b=body, lay=lay: b(lay), self.stream, pool
-                        )
-                    self._graphs[(kind, lay)] = graph
+                    g = torch.cuda.CUDAGraph()
+                    mode = "thread_local"
+                    with _matmul_precision(self.tf32), torch.no_grad():
+                        with torch.cuda.graph(
+                            g, pool=pool, stream=self.stream, capture_error_mode=mode
+                        ):
+                            self._body(kind)(lay)
+                    self._graphs[(kind, lay)], pool = g, g.pool()
         except RuntimeError as err:
             # Capture is an optimisation: fall back to eager runs, loudly.
             self.graph_failures += 1
@@ -296,17 +282,8 @@ class CudaGroupedDistiller(SlotDistiller):
     def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
         """One pinned host-to-device copy of the batch's plan, on the side stream."""
         i, host = self._plans.take(self.plan.numel())
-        fill_plan(
-            host.numpy(),
-            batch,
-            pk.row_group,
-            pk.row_pos,
-            pk.slots,
-            self._submitted[pk.slots],
-            self.total_rows,
-            self.capacity,
-            ring_row,
-        )
+        sub = self._submitted[pk.slots]
+        fill_plan(host.numpy(), batch, pk, sub, self.total_rows, self.capacity, ring_row)
         self._plans.send(i, self.plan, self.stream)
 
     def _check_rows(self, n: int) -> None:
@@ -393,28 +370,13 @@ class CudaGroupedDistiller(SlotDistiller):
         # The bundle's tensors may be overwritten by the next forward: only their copy is
         # waited for, not the update.
         cur.wait_event(self._copied)
-        n = len(pk.slots)
         # Not inference tensors (the step runs in inference mode): the results are written
         # in when they arrive, which may be at a closing read outside it.
         with torch.inference_mode(False):
-            p = Pending(
-                parts,
-                n,
-                torch.full((n,), float("nan")),
-                torch.zeros(n, dtype=torch.bool),
-                torch.full((n, len(STATS)), float("nan")) if self.hp.stats else None,
-            )
-        self.results.add(p)
+            res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
+        self.results.add(Pending(parts, res))
         self.results.maybe_copy(self.stream)
-        return TrainResult(
-            pk.slots,
-            p.losses,
-            p.updated,
-            p.done,
-            counts=pk.counts,
-            stats=p.stats,
-            row_errors=errors,
-        )
+        return res
 
     def _row_errors(
         self, pk, batches: list[Batch], x: torch.Tensor, target: torch.Tensor, reuse: bool

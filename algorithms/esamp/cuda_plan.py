@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from algorithms.esamp.packing import Packing
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -60,16 +62,16 @@ def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
 def fill_plan(
     out: np.ndarray,
     batch: Batch,
-    row_group: np.ndarray,
-    row_pos: np.ndarray,
-    group_slots: np.ndarray,
+    pk: Packing,
     submitted: np.ndarray,
     total: int,
     capacity: int,
     ring_row: int,
 ) -> None:
-    """Write one batch's plan vector into ``out`` (a view of pinned host memory)."""
-    g_of = np.full(len(group_slots), -1, dtype=np.int64)
+    """Write one batch's plan vector into ``out`` (a view of pinned host memory);
+    ``submitted``: the updates submitted for each of ``pk``'s slots."""
+    row_group, row_pos = pk.row_group, pk.row_pos
+    g_of = np.full(len(pk.slots), -1, dtype=np.int64)
     g_of[batch.groups] = np.arange(len(batch.groups))
     n = len(row_group)
     pos, dest = out[:total], out[total : 2 * total]
@@ -83,7 +85,7 @@ def fill_plan(
     gs.fill(-1)
     sub.fill(0)
     k = len(batch.groups)
-    gs[:k] = group_slots[batch.groups]
+    gs[:k] = pk.slots[batch.groups]
     sub[:k] = submitted[batch.groups]
     out[2 * total + 2 * capacity] = ring_row
     mask = out[2 * total + 2 * capacity + 1 :].view(np.uint8)[:total]

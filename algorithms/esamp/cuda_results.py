@@ -3,13 +3,13 @@ to the host every ``every`` updates without blocking; only :meth:`ResultLog.drai
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from algorithms.esamp.adam import STATS
+from algorithms.esamp.slots import TrainResult
 from tllm_core import HostCopyRing
 
 # Update results kept on the device between background copies.
@@ -21,11 +21,7 @@ class Pending:
     """One submitted train step: its batches' ring rows and which step groups each holds."""
 
     parts: list[tuple[int, np.ndarray]]  # (ring row, indices of the step's groups)
-    groups: int
-    losses: torch.Tensor
-    updated: torch.Tensor
-    stats: torch.Tensor | None
-    done: threading.Event = field(default_factory=threading.Event)
+    res: TrainResult  # filled in from the ring
     serial: int = 0  # updates logged before and including this one
 
 
@@ -99,11 +95,12 @@ class ResultLog:
         self.staleness_max = max(self.staleness_max, int(stale[0]))
         while self._pending and self._pending[0].serial <= serial:
             p = self._pending.pop(0)
+            res = p.res
             for row, groups in p.parts:
                 k = len(groups)
                 idx = torch.from_numpy(groups)
-                p.losses[idx] = losses[row, :k]
-                p.updated[idx] = ok[row, :k] > 0
-                if p.stats is not None and stats is not None:
-                    p.stats[idx] = stats[row, :k]
-            p.done.set()
+                res.losses[idx] = losses[row, :k]
+                res.updated[idx] = ok[row, :k] > 0
+                if res.stats is not None and stats is not None:
+                    res.stats[idx] = stats[row, :k]
+            res.done.set()

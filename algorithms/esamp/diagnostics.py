@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from algorithms.esamp.losses import ByAge
 from tllm_core import Counters, HostCopyRing
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
@@ -21,17 +22,14 @@ class Diagnostics:
     def __init__(self, counters: Counters):
         self.counters = counters
         self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
-        self._err_age: list[list[float]] = []  # per group step index: [sum, count]
+        self._err_age = ByAge()
 
     def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:
         """The prediction's relative error by the group's step index."""
         rel = rel.cpu().tolist() if isinstance(rel, torch.Tensor) else rel
         for age, e in zip(ages, rel, strict=True):
-            while len(self._err_age) <= age:
-                self._err_age.append([0.0, 0])
             if math.isfinite(e):
-                self._err_age[age][0] += e
-                self._err_age[age][1] += 1
+                self._err_age.add(age, [e])
 
     def add_shift(self, ages: list[int], rows: list[list[float]]) -> None:
         """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`)."""
@@ -55,7 +53,7 @@ class Diagnostics:
         return {
             **self._diag,
             # [group step index, mean relative error, rows]
-            "rel_err_curve": [[a, s / n, n] for a, (s, n) in enumerate(self._err_age) if n],
+            "rel_err_curve": self._err_age.curve(points=None),
         }
 
 

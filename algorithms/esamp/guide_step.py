@@ -71,7 +71,8 @@ def f_positions(
 
 
 class Guide:
-    """One guided step (:meth:`guide`); the strategies say where its values live."""
+    """One guided step (:meth:`guide`); the strategies (``stage``, ``record``,
+    ``mix_candidates``, ``mix_full``, ``add_counts``) say where its values live."""
 
     ws: GuideWorkspace | None = None  # the CUDA strategy's
 
@@ -167,31 +168,6 @@ class Guide:
         if self.fit is not None:
             self.fit.read(wait)
         return None
-
-    # -- the strategy's part ---------------------------------------------------------------
-    def stage(
-        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
-    ) -> tuple[torch.Tensor, ...]:
-        """The step's host values on the device: ``(idx, betas, slots, fresh)``."""
-        raise NotImplementedError
-
-    def record(
-        self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
-    ) -> object:
-        """Diagnostics: record the rows' errors; returns what the shift is recorded with."""
-        raise NotImplementedError
-
-    def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
-        """Post-filter mix of the ``mixed`` rows; the candidates dropped into ``over``."""
-        raise NotImplementedError
-
-    def mix_full(self, rows: Rows) -> None:
-        """The whole-vocabulary mix of the ``mixed`` rows (latent when exact)."""
-        raise NotImplementedError
-
-    def add_counts(self, counts: torch.Tensor) -> None:
-        """This step's counts, ``GUIDED_COUNTERS`` in order."""
-        raise NotImplementedError
 
 
 class HostGuide(Guide):

@@ -5,7 +5,7 @@ and formulas: docs/consumers/esamp.md, "The memory plan". Torch only (no pydanti
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -45,15 +45,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return (
-            self.state_bytes
-            + self.inputs_bytes
-            + self.update_workspace_bytes
-            + self.predict_workspace_bytes
-            + self.guidance_workspace_bytes
-            + self.cublas_workspace_bytes
-            + self.rounding_bytes
-        )
+        """The sum of the ``*_bytes`` terms."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_bytes"))
 
     def as_dict(self) -> dict[str, int | float]:
         d: dict[str, int | float] = asdict(self)

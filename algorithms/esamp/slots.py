@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
 
@@ -35,6 +36,15 @@ class TrainResult:
     def ready(self) -> bool:
         """True when ``losses``/``updated`` can be read without waiting."""
         return self.done is None or self.done.is_set()
+
+    @classmethod
+    def unfilled(cls, pk: Packing, stats: bool, **kw) -> TrainResult:
+        """A result filled in when its queued update has run (NaN until then)."""
+        n = len(pk.slots)
+        nan = float("nan")
+        st = torch.full((n, len(STATS)), nan) if stats else None
+        return cls(pk.slots, torch.full((n,), nan), torch.zeros(n, dtype=torch.bool),
+                   threading.Event(), counts=pk.counts, stats=st, **kw)  # fmt: skip
 
 
 class SlotDistiller:
@@ -129,23 +139,19 @@ class SlotDistiller:
         """Reallocate the stacked state; new slots start from the template."""
         self._drain()  # pending jobs hold views of the old storage
         self._version += 1
-        rows, p, dev = new_capacity, self.shape.num_params, self.device
-        theta = self.template.expand(rows, p).clone()
-        m = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
-        v = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
-        step = torch.zeros(rows, device=dev)
-        applied = torch.zeros(rows, dtype=torch.long, device=dev)
-        submitted = np.zeros(rows, dtype=np.int64)
-        old = self._capacity
-        if old:
-            theta[:old].copy_(self.theta[:old])
-            m[:old].copy_(self.m[:old])
-            v[:old].copy_(self.v[:old])
-            step[:old].copy_(self.step[:old])
-            applied[:old].copy_(self.applied[:old])
-            submitted[:old] = self._submitted[:old]
-        self.theta, self.m, self.v, self.step = theta, m, v, step
-        self.applied, self._submitted = applied, submitted
+        rows, p, dev, old = new_capacity, self.shape.num_params, self.device, self._capacity
+        new = {
+            "theta": self.template.expand(rows, p).clone(),
+            "m": torch.zeros(rows, p, device=dev, dtype=self.moments_dtype),
+            "v": torch.zeros(rows, p, device=dev, dtype=self.moments_dtype),
+            "step": torch.zeros(rows, device=dev),
+            "applied": torch.zeros(rows, dtype=torch.long, device=dev),
+            "_submitted": np.zeros(rows, dtype=np.int64),
+        }
+        for name, t in new.items():
+            if old:
+                t[:old] = getattr(self, name)[:old]
+            setattr(self, name, t)
         for s in range(old, new_capacity):
             heapq.heappush(self._free, s)
         self._capacity = new_capacity
@@ -177,10 +183,8 @@ class SlotDistiller:
     def _reset(self, slot: int) -> None:
         def reset() -> None:
             self.theta[slot].copy_(self.template)
-            self.m[slot].zero_()
-            self.v[slot].zero_()
-            self.step[slot].zero_()
-            self.applied[slot].zero_()
+            for t in (self.m, self.v, self.step, self.applied):
+                t[slot].zero_()
 
         self._version += 1
         self._submitted[slot] = 0
