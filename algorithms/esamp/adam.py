@@ -34,22 +34,18 @@ def fused_adam_(
 STATS = ("clipped", "eps_share", "update_size", "grad_norm")
 
 
-def clipped(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
-    """Per row: 1.0 where clipping scaled the gradient down, else 0.0."""
-    if hp.grad_clip is None:
-        return torch.zeros_like(norm)
-    return (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)
-
-
 def adam_stats(
     m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, norm: torch.Tensor, hp: AdamHyper
 ) -> torch.Tensor:
     """Statistics ``[c, 4]`` (:data:`STATS`) of the Adam update just applied to rows
     ``m``/``v``: clipped, share with ``sqrt(v_hat) < eps``, mean ``|delta theta| / lr``, and
     the gradient norm before clipping."""
+    clipped = torch.zeros_like(norm)  # 1.0 where clipping scaled the gradient down
+    if hp.grad_clip is not None:
+        clipped = (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)
     b1, b2 = hp.betas
     t = step.clamp(min=1).to(m.dtype)[:, None]
     v_hat_sqrt = (v / (1 - torch.pow(b2, t))).sqrt_()
     share = (v_hat_sqrt < hp.eps).to(m.dtype).mean(1)
     size = (m.abs() / (1 - torch.pow(b1, t))).div_(v_hat_sqrt.add_(hp.eps)).mean(1)
-    return torch.stack([clipped(norm, hp), share, size, norm.to(m.dtype)], dim=1)
+    return torch.stack([clipped, share, size, norm.to(m.dtype)], dim=1)

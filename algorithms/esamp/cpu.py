@@ -27,7 +27,7 @@ class GroupedDistiller(SlotDistiller):
         if device.type not in ("cpu", "meta"):  # meta: the front end's dry build
             raise ValueError(
                 f"GroupedDistiller is the CPU path and got device {str(device)!r}; for a GPU "
-                "use CudaGroupedDistiller (algorithms.esamp.factory.make_distiller picks it)"
+                "use CudaGroupedDistiller (algorithms.esamp.factory.distiller_for picks it)"
             )
         # Set before the base class allocates the state (growth drains the side thread).
         self._side = SideThread("tllm-esamp-update") if side_thread else None

@@ -86,9 +86,8 @@ class CudaGroupedDistiller(SlotDistiller):
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)
         self.stage_t = torch.zeros(t, h, device=dev)
-        # The packed inputs and every block's output, [T + 1, H] each, in one allocation:
-        # the blocks' inputs are then equally spaced (one Adam launch for gate and up of
-        # every block, backward.fused_backward).
+        # The packed inputs and every block's output, [T + 1, H] each, in one allocation: the
+        # blocks' inputs equally spaced (one Adam launch for every gate and up).
         nb, i = self.shape.num_blocks, self.shape.intermediate_size
         self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
         self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
@@ -317,8 +316,7 @@ class CudaGroupedDistiller(SlotDistiller):
                 self._run("predict", batch.layout)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
         self._predicted = self._key(rows_id, pk, batches)
-        # A view of the static output: valid until the next predict (the caller uses it
-        # within the step).
+        # A view of the static output: valid until the next predict.
         return self.y[: x.shape[0]]
 
     def _key(self, rows_id: object, pk, batches: list[Batch]) -> tuple | None:

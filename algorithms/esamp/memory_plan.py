@@ -19,9 +19,7 @@ GIB = 2**30
 MIB = 2**20
 # The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
-# Tensors allocated at construction (the CUDA distiller's state, buffers and ring; the
-# guidance workspace and its view buffers), each rounded up by at most 2 MiB by the caching
-# allocator.
+# Tensors allocated at construction, each rounded up by at most 2 MiB by the caching allocator.
 ALLOCATIONS = 26
 
 

@@ -30,13 +30,12 @@ class Trainer:
         groups: Groups,
         losses: LossBook,
         read_deferred: Callable[[bool], None],
-        returned: ReturnedErrors | None = None,
+        returned: ReturnedErrors,
     ):
         self.s, self.groups, self.losses = shared, groups, losses
         # The device counters, read at each flush (True: waiting for them, at a blocking one).
         self.read_deferred = read_deferred
-        # Per-row errors of the requests that ask for them (tllm_results), or None.
-        self.returned = returned
+        self.returned = returned  # per-row errors of the requests that ask (tllm_results)
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
         self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
@@ -60,8 +59,8 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        asking = self.returned.asking(rows.requests, sel) if self.returned else None
-        ask = asking is not None and asking.size > 0
+        asking = self.returned.asking(rows.requests, sel)
+        ask = asking.size > 0
         rid = rows_id(bundle.step, bundle.rows, sel)
         submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)
         if not submitted:
@@ -155,8 +154,7 @@ class Trainer:
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
         if ready:
             self.losses.add(ready)
-        if self.returned is not None:
-            self.returned.read(block)
+        self.returned.read(block)
         self.prune_losses()
 
     def prune_losses(self) -> None:
