@@ -33,20 +33,16 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors on different devices: {devices}")
 
 
-def _need(ok: bool, name: str, want: str, t: torch.Tensor) -> None:
-    """Unless ``ok``: ``ValueError`` "<name> must be <want>, got <t's shape and dtype>"."""
-    if not ok:
-        raise ValueError(f"{name} must be {want}, got {_shape(t)}")
-
-
 def _group_vector(name: str, t: torch.Tensor, groups: int) -> None:
-    _need(t.dim() == 1 and t.shape[0] == groups, name, f"[{groups}]", t)
+    if t.dim() != 1 or t.shape[0] != groups:
+        raise ValueError(f"{name} must be [{groups}], got {_shape(t)}")
 
 
 def _slot_vector(group_slot: torch.Tensor, groups: int) -> None:
     # Each group's slot (-1: none).
     _group_vector("group_slot", group_slot, groups)
-    _need(group_slot.dtype in _SLOT_DTYPES, "group_slot", "int32 or int64", group_slot)
+    if group_slot.dtype not in _SLOT_DTYPES:
+        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
 
 
 # block_backward: rows are tiled by up to this many for the Gram matrices; each pair of row
@@ -68,10 +64,10 @@ def norm_parts(rows: int, hidden: int = 0) -> int:
 
 
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-    ok = tuple(t.shape) == shape and t.dtype == torch.float32
-    _need(ok, name, f"{list(shape)} fp32 ({what})", t)
+    if not (tuple(t.shape) == shape and t.dtype == torch.float32):
+        raise ValueError(f"{name} must be {list(shape)} fp32 ({what}), got {_shape(t)}")
 
 
 def _row_mask(mask: torch.Tensor, groups: int, rows: int) -> None:
-    ok = tuple(mask.shape) == (groups, rows) and mask.dtype == torch.bool
-    _need(ok, "mask", f"[{groups}, {rows}] bool", mask)
+    if not (tuple(mask.shape) == (groups, rows) and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [{groups}, {rows}] bool, got {_shape(mask)}")

@@ -10,7 +10,6 @@ from algorithms.esamp.kernels.checks import (
     FP32,
     MOMENT_DTYPES,
     _group_vector,
-    _need,
     _same_device,
     _shape,
     _slot_vector,
@@ -62,7 +61,8 @@ def check_grad_adam(
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, b=b, scale=scale, group_slot=group_slot, ok=ok, step=step, w=w, m=m, v=v)
-    _need(a.dim() in (3, 4) and a.dtype == torch.float32, "a", "[G, M, N] or [G, E, M, N] fp32", a)
+    if not (a.dim() in (3, 4) and a.dtype == torch.float32):
+        raise ValueError(f"a must be [G, M, N] or [G, E, M, N] fp32, got {_shape(a)}")
     e = a.shape[1] if a.dim() == 4 else None  # E matrices of a slot at once
     g, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     b_ok = b.dim() == 3 and tuple(b.shape[:2]) == (g, rows)
@@ -73,25 +73,32 @@ def check_grad_adam(
         and b.shape[1] >= 1
         and e % b.shape[1] == 0
     )
-    also = "" if e is None else f" or [{g}, E_b, {rows}, K] with {e} % E_b == 0"
-    want = f"[{g}, {rows}, K]{also} fp32 (a is {_shape(a)})"
-    _need(b_ok and b.dtype == torch.float32, "b", want, b)
+    if not (b_ok and b.dtype == torch.float32):
+        also = "" if e is None else f" or [{g}, E_b, {rows}, K] with {e} % E_b == 0"
+        raise ValueError(
+            f"b must be [{g}, {rows}, K]{also} fp32 (a is {_shape(a)}), got {_shape(b)}"
+        )
     k = b.shape[-1]
     mats = "" if e is None else f"{e}, "
-    ok_w = w.dim() == (3 if e is None else 4) and w.dtype == torch.float32
-    _need(ok_w, "w", f"[S, {mats}N, K] fp32", w)
+    if not (w.dim() == (3 if e is None else 4) and w.dtype == torch.float32):
+        raise ValueError(f"w must be [S, {mats}N, K] fp32, got {_shape(w)}")
     slots = w.shape[0]
-    ok_w = tuple(w.shape[1:]) == ((n, k) if e is None else (e, n, k))
-    _need(ok_w, "w", f"[S, {mats}{n}, {k}] (a^T b's shape)", w)
+    if tuple(w.shape[1:]) != ((n, k) if e is None else (e, n, k)):
+        raise ValueError(f"w must be [S, {mats}{n}, {k}] (a^T b's shape), got {_shape(w)}")
     for name, t in (("m", m), ("v", v)):
-        ok_t = tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES
-        _need(ok_t, name, f"{list(w.shape)} fp32 or bf16 (w's shape)", t)
+        if not (tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES):
+            raise ValueError(
+                f"{name} must be {list(w.shape)} fp32 or bf16 (w's shape), got {_shape(t)}"
+            )
     _group_vector("scale", scale, g)
-    _need(scale.dtype == torch.float32, "scale", "fp32", scale)
+    if scale.dtype != torch.float32:
+        raise ValueError(f"scale must be fp32, got {_shape(scale)}")
     _slot_vector(group_slot, g)
     _group_vector("ok", ok, g)
-    ok_s = step.dim() == 1 and step.shape[0] == slots and step.dtype == torch.float32
-    _need(ok_s, "step", f"[{slots}] fp32 (one count per slot of w)", step)
+    if not (step.dim() == 1 and step.shape[0] == slots and step.dtype == torch.float32):
+        raise ValueError(
+            f"step must be [{slots}] fp32 (one count per slot of w), got {_shape(step)}"
+        )
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):

@@ -10,9 +10,9 @@ from algorithms.esamp.kernels.checks import (
     FP32,
     LOSS_REDUCTIONS,
     _fp32,
-    _need,
     _row_mask,
     _same_device,
+    _shape,
 )
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
@@ -59,13 +59,18 @@ def loss_dy(
 def check_loss_dy(h, tp, mask, parts, dy, reduction) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(h=h, tp=tp, mask=mask, parts=parts, dy=dy)
-    _need(h.dim() == 3 and h.dtype == torch.float32, "h", "[G, M, H] fp32", h)
+    if not (h.dim() == 3 and h.dtype == torch.float32):
+        raise ValueError(f"h must be [G, M, H] fp32, got {_shape(h)}")
     g, rows, _ = h.shape
     _fp32("tp", tp, tuple(h.shape), "h's shape")
     _fp32("dy", dy, tuple(h.shape), "h's shape")
-    ok = parts.dim() == 2 and parts.shape[0] == g and parts.shape[1] >= 1
-    ok = ok and parts.dtype == torch.float32
-    _need(ok, "parts", f"[{g}, L >= 1] fp32 (the loss parts)", parts)
+    if not (
+        parts.dim() == 2
+        and parts.shape[0] == g
+        and parts.shape[1] >= 1
+        and parts.dtype == torch.float32
+    ):
+        raise ValueError(f"parts must be [{g}, L >= 1] fp32 (the loss parts), got {_shape(parts)}")
     _row_mask(mask, g, rows)
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")

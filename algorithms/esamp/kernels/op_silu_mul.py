@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import FP32, _fp32, _need, _same_device
+from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
 NAME = "silu_mul"
@@ -20,7 +20,8 @@ def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor)
 def check_silu_mul(a, u, s, p) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, u=u, s=s, p=p)
-    _need(a.dim() == 3 and a.dtype == torch.float32, "a", "[G, M, I] fp32", a)
+    if not (a.dim() == 3 and a.dtype == torch.float32):
+        raise ValueError(f"a must be [G, M, I] fp32, got {_shape(a)}")
     for name, t in (("u", u), ("s", s), ("p", p)):
         _fp32(name, t, tuple(a.shape), "a's shape")
 

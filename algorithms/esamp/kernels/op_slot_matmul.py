@@ -10,7 +10,6 @@ import torch
 
 from algorithms.esamp.kernels.checks import (
     FP32,
-    _need,
     _same_device,
     _shape,
     _slot_vector,
@@ -55,28 +54,34 @@ def check_slot_matmul(
     extra = {} if add is None else {"add": add}
     _same_device(x=x, w=w, group_slot=group_slot, out=out, **extra)
     layout = "[S, N, K]" if transpose_w else "[S, K, N]"
-    want = f"{layout} or [S, E, ...] fp32 (transpose_w={transpose_w})"
-    _need(w.dim() in (3, 4) and w.dtype == torch.float32, "w", want, w)
+    if not (w.dim() in (3, 4) and w.dtype == torch.float32):
+        raise ValueError(
+            f"w must be {layout} or [S, E, ...] fp32 (transpose_w={transpose_w}), got {_shape(w)}"
+        )
     e = w.shape[1] if w.dim() == 4 else None
-    want = "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]")
-    ok = x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)
-    _need(ok, "x", f"{want} fp32", x)
-    _need(x.dtype == torch.float32, "x", "fp32", x)
+    if not (x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)):
+        want = "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]")
+        raise ValueError(f"x must be {want} fp32, got {_shape(x)}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32, got {_shape(x)}")
     g, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
     w_k = w.shape[-1] if transpose_w else w.shape[-2]
     n = w.shape[-2] if transpose_w else w.shape[-1]
-    _need(w_k == k, "w", f"{layout} with K={k} (x's last dim; transpose_w={transpose_w})", w)
+    if w_k != k:
+        raise ValueError(
+            f"w must be {layout} with K={k} (x's last dim; transpose_w={transpose_w}), got {_shape(w)}"
+        )
     shapes = [(g, rows, n)] + ([] if e is None else [(g, e, rows, n)])
-    want = " or ".join(str(list(sh)) for sh in shapes)
-    _need(tuple(out.shape) in shapes and out.dtype == torch.float32, "out", f"{want} fp32", out)
-    if add is not None:
-        ok = tuple(add.shape) == (g, rows, n) and add.dtype == torch.float32
-        _need(ok, "add", f"[{g}, {rows}, {n}] fp32 (the summed out)", add)
-        if out.dim() != 3:
-            raise ValueError(f"add needs out [{g}, {rows}, {n}] (summed over E), got {_shape(out)}")
-        # Split-K zeroes out before adding into it: an addend in the same memory would be lost.
-        if not out.is_meta and add.data_ptr() == out.data_ptr():
-            raise ValueError("add must not be out (out is zeroed before the sum with split_k > 1)")
+    if not (tuple(out.shape) in shapes and out.dtype == torch.float32):
+        want = " or ".join(str(list(sh)) for sh in shapes)
+        raise ValueError(f"out must be {want} fp32, got {_shape(out)}")
+    if add is not None and not (tuple(add.shape) == (g, rows, n) and add.dtype == torch.float32):
+        raise ValueError(f"add must be [{g}, {rows}, {n}] fp32 (the summed out), got {_shape(add)}")
+    if add is not None and out.dim() != 3:
+        raise ValueError(f"add needs out [{g}, {rows}, {n}] (summed over E), got {_shape(out)}")
+    # Split-K zeroes out before adding into it: an addend in the same memory would be lost.
+    if add is not None and not out.is_meta and add.data_ptr() == out.data_ptr():
+        raise ValueError("add must not be out (out is zeroed before the sum with split_k > 1)")
     _slot_vector(group_slot, g)
     check_precision(input_precision)
     if split_k < 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import _need, _same_device, _slot_vector
+from algorithms.esamp.kernels.checks import _same_device, _shape, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, runner
 
 NAME = "stale_max"
@@ -23,11 +23,13 @@ def stale_max(
 def check_stale_max(submitted, applied, group_slot, stale) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
-    i64 = torch.int64
-    _need(submitted.dim() == 1 and submitted.dtype == i64, "submitted", "[G] int64", submitted)
+    if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
+        raise ValueError(f"submitted must be [G] int64, got {_shape(submitted)}")
     _slot_vector(group_slot, submitted.shape[0])
-    _need(applied.dim() == 1 and applied.dtype == i64, "applied", "[S] int64", applied)
-    _need(tuple(stale.shape) == (1,) and stale.dtype == i64, "stale", "[1] int64", stale)
+    if not (applied.dim() == 1 and applied.dtype == torch.int64):
+        raise ValueError(f"applied must be [S] int64, got {_shape(applied)}")
+    if not (tuple(stale.shape) == (1,) and stale.dtype == torch.int64):
+        raise ValueError(f"stale must be [1] int64, got {_shape(stale)}")
 
 
 def reference(submitted, applied, group_slot, stale) -> None:

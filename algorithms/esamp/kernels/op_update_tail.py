@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import FP32, _fp32, _need, _same_device, _slot_vector
+from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
 
@@ -54,19 +54,26 @@ def check_update_tail(
     if applied is not None:
         tensors["applied"] = applied
     _same_device(**tensors)
-    _need(mask.dim() == 2 and mask.dtype == torch.bool, "mask", "[G, M] bool", mask)
+    if not (mask.dim() == 2 and mask.dtype == torch.bool):
+        raise ValueError(f"mask must be [G, M] bool, got {_shape(mask)}")
     g = mask.shape[0]
     for name, t in (("loss_parts", loss_parts), ("parts", parts)):
-        ok_t = t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32
-        _need(ok_t, name, f"[{g}, K] fp32", t)
+        if not (t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32):
+            raise ValueError(f"{name} must be [{g}, K] fp32, got {_shape(t)}")
     _slot_vector(group_slot, g)
-    _need(step.dim() == 1 and step.dtype == torch.float32, "step", "[S] fp32", step)
-    if applied is not None:
-        ok_a = tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
-        _need(ok_a, "applied", f"{list(step.shape)} int64 (step's)", applied)
-    _need(tuple(ok.shape) == (g,) and ok.dtype == torch.bool, "ok", f"[{g}] bool", ok)
-    for name, t in (("losses", losses), ("scale", scale), ("norm", norm)):
-        _fp32(name, t, (g,), "one per group")
+    if not (step.dim() == 1 and step.dtype == torch.float32):
+        raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
+    if applied is not None and not (
+        tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
+    ):
+        raise ValueError(
+            f"applied must be {list(step.shape)} int64 (step's), got {_shape(applied)}"
+        )
+    if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
+        raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
+    _fp32("losses", losses, (g,), "one per group")
+    _fp32("scale", scale, (g,), "one per group")
+    _fp32("norm", norm, (g,), "one per group")
     if not clip_eps >= 0:
         raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
 
