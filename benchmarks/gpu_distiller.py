@@ -376,13 +376,13 @@ def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: floa
 
 
 def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import op_grad_adam, op_slot_matmul
 
     out: dict[str, Any] = {}
     for bn, bk, nw in ADAM_TILES:
 
         def launch(*args, bn=bn, bk=bk, nw=nw):
-            triton_impl.grad_adam(*args, block_n=bn, block_k=bk, num_warps=nw)
+            op_grad_adam.run_triton(*args, block_n=bn, block_k=bk, num_warps=nw)
 
         ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, launch=launch), c.theta.device, it, wu)
         out[f"grad_adam_{bn}x{bk}_w{nw}"] = _floor(adam_bytes, ms, bandwidth)
@@ -390,7 +390,7 @@ def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
         for split in (0, 1):
 
             def run(x, w, s, o, t, bn=bn, bk=bk, nw=nw, split=split):
-                triton_impl.slot_matmul(
+                op_slot_matmul.run_triton(
                     x, w, s, o, t, "ieee", split, block_n=bn, block_k=bk, num_warps=nw
                 )
 

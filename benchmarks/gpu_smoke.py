@@ -137,7 +137,7 @@ def rehearsal() -> Iterator[FakeCuda]:
     with FakeCuda(device_name=DEVICE_NAME, rehearsal=True, kernels=kernels) as fc:
         fc.patch(factory, {"uses_gpu_path": is_cuda})
         if triton_available():
-            from algorithms.esamp.kernels import triton_impl
+            from algorithms.esamp.kernels import launch, triton_impl
 
             def run(launch: Any, kernels: Any = None) -> None:
                 config = {"kernel": launch.kernel, "constexprs": dict(launch.constexprs)}
@@ -145,7 +145,7 @@ def rehearsal() -> Iterator[FakeCuda]:
                 config["args"] = [_arg_spec(a) for a in launch.args]
                 fc.launch_built(launch.kernel, config)
 
-            fc.patch(triton_impl.Launch, {"run": run})
+            fc.patch(launch.Launch, {"run": run})
             # The GPU's SM count (the fake's properties: 132) picks split_k, as there.
             sms = torch.cuda.get_device_properties(fc.device).multi_processor_count
             fc.patch(triton_impl, {"_sm_count": lambda device: sms})

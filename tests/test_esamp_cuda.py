@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from algorithms.esamp.cpu import GroupedDistiller
-from algorithms.esamp.factory import make_distiller
+from algorithms.esamp.cuda import CudaGroupedDistiller
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,14 +26,14 @@ def _no_tf32():
 
 def _pair(use_cuda_graph=True, **kw):
     kw = {"intermediate_size": INTER, "lr": 1e-2, "capacity": 8, **kw}
-    gpu = make_distiller(H, "cuda", use_cuda_graph=use_cuda_graph, graph_max_rows=16, **kw)
+    gpu = CudaGroupedDistiller(
+        H, device="cuda", use_cuda_graph=use_cuda_graph, graph_max_rows=16, **kw
+    )
     return GroupedDistiller(H, **kw), gpu
 
 
 @pytest.mark.parametrize("use_graph", [True, False])
 def test_cuda_matches_cpu(use_graph):
-    from algorithms.esamp.cuda import CudaGroupedDistiller
-
     cpu, gpu = _pair(use_cuda_graph=use_graph)
     assert isinstance(gpu, CudaGroupedDistiller)
     # The one update graph (dense over the 8 slots, 16 rows each) was captured at
@@ -193,7 +193,6 @@ def test_cuda_distiller_memory_within_its_plan():
     """What the distiller holds after construction (state, buffers, graph pool, the side
     stream's cuBLAS workspace) stays within the plan's terms for it."""
     from algorithms.esamp import memory_plan as mp
-    from algorithms.esamp.cuda import CudaGroupedDistiller
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -275,7 +275,7 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
     interpreter, it equals the forward into fresh tensors bit for bit, and the saved
     forward reads back the same activations."""
     kernels = interpreted_kernels()
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import op_slot_matmul
     from algorithms.esamp.mlp import forward_slots, saved_forward
     from algorithms.esamp.params import DistillerShape, init_params
     from algorithms.esamp.slot_ops import slot_matmul
@@ -288,7 +288,7 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
 
     def mm(x, w, transpose_w, out=None, add=None):
         out = slot_matmul(x, w, gs, transpose_w) if out is None else out  # (its shape)
-        triton_impl.slot_matmul(
+        op_slot_matmul.run_triton(
             x, w, gs, out, transpose_w, "ieee", 1, add, kernels=kernels, block_n=16, block_k=16
         )
         return out

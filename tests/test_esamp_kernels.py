@@ -47,16 +47,18 @@ def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1`` (Triton reads
     the variable when a kernel is decorated), so they run on CPU tensors."""
     kernels = interpreted_kernels()
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import op_candidate_dot, op_grad_adam, op_slot_matmul
 
     # Small tiles, so the test shapes span several tiles with ragged edges.
     return SimpleNamespace(
-        grad_adam=functools.partial(triton_impl.grad_adam, kernels=kernels, block_n=16, block_k=32),
+        grad_adam=functools.partial(
+            op_grad_adam.run_triton, kernels=kernels, block_n=16, block_k=32
+        ),
         slot_matmul=functools.partial(
-            triton_impl.slot_matmul, kernels=kernels, block_n=16, block_k=16
+            op_slot_matmul.run_triton, kernels=kernels, block_n=16, block_k=16
         ),
         candidate_dot=functools.partial(
-            triton_impl.candidate_dot, kernels=kernels, block_p=4, block_h=16
+            op_candidate_dot.run_triton, kernels=kernels, block_p=4, block_h=16
         ),
     )
 
@@ -407,7 +409,7 @@ def test_kernels_compile_for_sm90_without_spills():
     dot) for sm_90 and check that no register spills to the stack, that "ieee" is plain fp32
     FMAs and "tf32" tensor-core MMAs, and that bf16 moments are stored rounded to nearest."""
     pytest.importorskip("triton", reason="Triton is not installed here")
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import op_grad_adam, op_slot_matmul
 
     n, k, rows = 64, 256, 4
     state = [torch.zeros(2, 3 * n * k) for _ in range(3)]
@@ -417,10 +419,10 @@ def test_kernels_compile_for_sm90_without_spills():
     slot, ok, step = torch.tensor([0, 1, -1]), torch.ones(3, dtype=torch.bool), torch.ones(2)
     hyper = (1e-3, 0.9, 0.999, 1e-8)
     adam = [
-        triton_impl.grad_adam_launch(a, b, torch.ones(3), slot, ok, step, w, mm, vv, *hyper, p)
+        op_grad_adam.grad_adam_launch(a, b, torch.ones(3), slot, ok, step, w, mm, vv, *hyper, p)
         for mm, vv, p in ((m, v, "ieee"), (m16, v16, "tf32"))
     ]
-    matmul = triton_impl.slot_matmul_launch(b, w, slot, torch.zeros(3, rows, n), True, "ieee", 2)
+    matmul = op_slot_matmul.slot_matmul_launch(b, w, slot, torch.zeros(3, rows, n), True, "ieee", 2)
     ptx = {}
     for name, launch in zip(("ieee", "tf32", "matmul"), (*adam, matmul), strict=True):
         ptx[name], usage = _compile_sm90(launch)
@@ -606,10 +608,10 @@ def test_candidate_dot_compiles_for_sm90_with_vector_loads():
     """Compiled for sm_90 at the 7B head's layout (H 3584, bf16): no register spills, head and
     prediction rows read by 16-byte vector loads, bf16 upcast and fp32 FMAs."""
     pytest.importorskip("triton", reason="Triton is not installed here")
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import op_candidate_dot
 
     weight, f = torch.zeros(64, 3584, dtype=torch.bfloat16), torch.zeros(8, 3584)
     idx, out = torch.zeros(512, dtype=torch.long), torch.zeros(512)
-    ptx, usage = _compile_sm90(triton_impl.candidate_dot_launch(weight, f, idx, idx, out))
+    ptx, usage = _compile_sm90(op_candidate_dot.candidate_dot_launch(weight, f, idx, idx, out))
     assert "STACK:0" in usage or usage == "", f"candidate_dot spills: {usage}"
     assert "ld.global.v4.b32" in ptx and "cvt.f32.bf16" in ptx and "fma.rn.f32" in ptx

@@ -32,18 +32,28 @@ def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1``, small tiles
     so that the shapes above span several tiles with ragged edges."""
     jit = interpreted_kernels()
-    from algorithms.esamp.kernels import triton_impl
+    from algorithms.esamp.kernels import (
+        op_block_backward,
+        op_grad_adam,
+        op_loss_dy,
+        op_silu_mul,
+        op_slot_matmul,
+        op_stale_max,
+        op_update_tail,
+    )
 
     return SimpleNamespace(
-        grad_adam=functools.partial(triton_impl.grad_adam, kernels=jit, block_n=8, block_k=16),
-        slot_matmul=functools.partial(triton_impl.slot_matmul, kernels=jit, block_n=16, block_k=16),
-        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
-        stale_max=functools.partial(triton_impl.stale_max, kernels=jit, block_g=2),
-        loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
-        block_backward=functools.partial(
-            triton_impl.block_backward, kernels=jit, block_m=16, block_i=8, block_h=16
+        grad_adam=functools.partial(op_grad_adam.run_triton, kernels=jit, block_n=8, block_k=16),
+        slot_matmul=functools.partial(
+            op_slot_matmul.run_triton, kernels=jit, block_n=16, block_k=16
         ),
-        update_tail=lambda *a, grad_clip, clip_eps: triton_impl.update_tail(
+        silu_mul=functools.partial(op_silu_mul.run_triton, kernels=jit, block_m=4, block_i=8),
+        stale_max=functools.partial(op_stale_max.run_triton, kernels=jit, block_g=2),
+        loss_dy=lambda *a, reduction: op_loss_dy.run_triton(*a, reduction, kernels=jit, block_h=16),
+        block_backward=functools.partial(
+            op_block_backward.run_triton, kernels=jit, block_m=16, block_i=8, block_h=16
+        ),
+        update_tail=lambda *a, grad_clip, clip_eps: op_update_tail.run_triton(
             *a, -1.0 if grad_clip is None else grad_clip, clip_eps, kernels=jit, block_g=4
         ),
     )
@@ -257,18 +267,26 @@ def test_kernels_compile_for_sm90_without_spills(rows):
     pytest.importorskip("triton", reason="Triton is not installed here")
     from test_esamp_kernels import _compile_sm90
 
-    from algorithms.esamp.kernels import triton_impl as ti
+    from algorithms.esamp.kernels import (
+        op_block_backward,
+        op_grad_adam,
+        op_loss_dy,
+        op_silu_mul,
+        op_slot_matmul,
+        op_stale_max,
+        op_update_tail,
+    )
 
     g, h, i = 3, 256, 96
     dp, hid = torch.zeros(g, rows, i), torch.zeros(g, rows, h)
     mask, parts = torch.ones(g, rows, dtype=torch.bool), torch.zeros(g, kernels.norm_parts(rows))
     vec, slots = torch.zeros(g), torch.zeros(g, dtype=torch.long)
     launches = (
-        ti.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
-        ti.loss_dy_launch(hid, hid, mask, torch.zeros(g, 2), hid.clone(), "mean"),
-        ti.silu_mul_launch(dp, dp, dp.clone(), dp.clone()),
-        ti.stale_max_launch(slots, torch.zeros(5, dtype=torch.long), slots, slots[:1].clone()),
-        ti.update_tail_launch(
+        op_block_backward.block_backward_launch(dp, dp, dp, dp, dp, hid, hid, dp.clone(), dp.clone(), parts),
+        op_loss_dy.loss_dy_launch(hid, hid, mask, torch.zeros(g, 2), hid.clone(), "mean"),
+        op_silu_mul.silu_mul_launch(dp, dp, dp.clone(), dp.clone()),
+        op_stale_max.stale_max_launch(slots, torch.zeros(5, dtype=torch.long), slots, slots[:1].clone()),
+        op_update_tail.update_tail_launch(
             parts, parts, slots, mask, torch.zeros(5), torch.zeros(5, dtype=torch.long),
             vec, vec.bool(), vec, vec, 0.5, 1e-6,
         ),
@@ -278,9 +296,9 @@ def test_kernels_compile_for_sm90_without_spills(rows):
     pair = torch.zeros(2, 2 * i * h)[:, : 2 * i * h].view(2, 2, i, h)
     dz = torch.zeros(g, 2, rows, i)
     launches += (
-        ti.slot_matmul_launch(hid, pair, slots, torch.zeros(g, 2, rows, i), True, "ieee", 1),
-        ti.slot_matmul_launch(dz, pair, slots, hid.clone(), False, "ieee", 2, hid),
-        ti.grad_adam_launch(
+        op_slot_matmul.slot_matmul_launch(hid, pair, slots, torch.zeros(g, 2, rows, i), True, "ieee", 1),
+        op_slot_matmul.slot_matmul_launch(dz, pair, slots, hid.clone(), False, "ieee", 2, hid),
+        op_grad_adam.grad_adam_launch(
             dz, hid, vec, slots, vec.bool(), torch.ones(2), pair, pair.bfloat16(),
             pair.bfloat16(), 1e-3, 0.9, 0.999, 1e-8,
         ),

@@ -107,31 +107,40 @@ def _interpreted() -> SimpleNamespace:
     """The update's kernel calls, each the Triton kernel under the interpreter (small tiles:
     several per matrix, ragged edges)."""
     jit = interpreted_kernels()
-    from algorithms.esamp.kernels import INPUT_PRECISIONS, norm_parts, triton_impl
+    from algorithms.esamp.kernels import (
+        INPUT_PRECISIONS,
+        norm_parts,
+        op_block_backward,
+        op_grad_adam,
+        op_loss_dy,
+        op_silu_mul,
+        op_slot_matmul,
+        op_update_tail,
+    )
     from algorithms.esamp.slot_ops import slot_matmul
 
     def update_tail(*args, grad_clip, clip_eps):
         clip = -1.0 if grad_clip is None else grad_clip
-        triton_impl.update_tail(*args, clip, clip_eps, kernels=jit, block_g=2)
+        op_update_tail.run_triton(*args, clip, clip_eps, kernels=jit, block_g=2)
 
     def mm(x, w, gs, transpose_w, out=None, add=None, precision="ieee"):
         if out is None:
             out = slot_matmul(x, w, gs, transpose_w)  # the shape (values overwritten)
-        triton_impl.slot_matmul(
+        op_slot_matmul.run_triton(
             x, w, gs, out, transpose_w, "ieee", 2, add, kernels=jit, block_n=16, block_k=16
         )
         return out
 
     def adam(w, m, v, a, b, gs, step, ok, scale, hp, precision="ieee"):
-        triton_impl.grad_adam(
+        op_grad_adam.run_triton(
             a, b, scale, gs, ok, step, w, m, v, hp.lr, *hp.betas, hp.eps,
             kernels=jit, block_n=8, block_k=16,
         )  # fmt: skip
 
     kernels = SimpleNamespace(
-        silu_mul=functools.partial(triton_impl.silu_mul, kernels=jit, block_m=4, block_i=8),
-        loss_dy=lambda *a, reduction: triton_impl.loss_dy(*a, reduction, kernels=jit, block_h=16),
-        block_backward=lambda *a, input_precision="ieee": triton_impl.block_backward(
+        silu_mul=functools.partial(op_silu_mul.run_triton, kernels=jit, block_m=4, block_i=8),
+        loss_dy=lambda *a, reduction: op_loss_dy.run_triton(*a, reduction, kernels=jit, block_h=16),
+        block_backward=lambda *a, input_precision="ieee": op_block_backward.run_triton(
             *a, input_precision, kernels=jit, block_i=8, block_h=16
         ),
         update_tail=update_tail,

@@ -205,7 +205,7 @@ def test_every_triton_launch_of_the_gpu_run_compiles_for_sm90(rehearsal_run):
     pytest.importorskip("triton", reason="Triton is not installed here")
     from test_esamp_kernels import _compile_sm90
 
-    from algorithms.esamp.kernels.triton_impl import Launch
+    from algorithms.esamp.kernels.launch import Launch
 
     configs = rehearsal_run["rehearsal_record"]["triton_configs"]
     assert {c["kernel"] for c in configs} == {"grad_adam", "slot_matmul", "candidate_dot"}

@@ -1,11 +1,6 @@
 """ESamp (Exploratory Sampling): an online-trained Latent Distiller steers sampling away
-from what it already predicts. See ``docs`` and the spec for the exact semantics.
-
-The names below are imported on first use (PEP 562), so that importing the entry point
-``algorithms.esamp.plugin`` (which imports this package first) does not import torch, and
-the torch-level modules (``mlp``, ``adam``, ``graph_update``, ``cuda``, ``memory_plan``)
-import on a machine without pydantic or vLLM (``benchmarks/gpu_smoke.py``).
-"""
+from what it already predicts. Names import on first use (PEP 562): the entry point does not
+import torch, and the torch-level modules import without pydantic or vLLM."""
 
 from __future__ import annotations
 

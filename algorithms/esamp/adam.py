@@ -1,8 +1,5 @@
-"""Gradient clipping and Adam for the distiller's updates (same formulas as
-``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Adam``), and the statistics of an update.
-
-Adam is PyTorch's fused kernel: per call it reads each parameter, gradient and both moments
-once and writes parameter and moments once, the floor of what an Adam step moves."""
+"""Adam for the distiller's updates (``torch.optim.Adam``'s fused kernel, clipping as
+``clip_grad_norm_``) and the statistics of an update."""
 
 from __future__ import annotations
 
@@ -23,11 +20,8 @@ def fused_adam_(
     hp: AdamHyper,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam step of each ``ws[i]`` in place (``ms``/``vs`` its fp32 moments,
-    ``steps[i]`` its step count, already incremented for this step): the PyTorch definition
-    of the step every path runs (the CPU trainer, the kernels' reference; the Triton kernel
-    writes the same formula). ``found_inf`` (a one-element float tensor): when it holds 1.0
-    nothing is touched, read on the device (no host sync)."""
+    """One Adam step of each ``ws[i]`` in place (``steps`` already incremented): the step
+    every path runs. ``found_inf`` holding 1.0: nothing is touched (no host sync)."""
     b1, b2 = hp.betas
     torch._fused_adam_(
         ws, grads, ms, vs, [], steps,
@@ -40,26 +34,18 @@ def fused_adam_(
 STATS = ("clipped", "eps_share", "update_size", "grad_norm")
 
 
-def clipped(norm: torch.Tensor, hp: AdamHyper) -> torch.Tensor:
-    """Per row: 1.0 where clipping scaled the gradient down (``grad_clip / (norm + eps) < 1``,
-    the test both update paths apply), else 0.0."""
-    if hp.grad_clip is None:
-        return torch.zeros_like(norm)
-    return (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)
-
-
 def adam_stats(
     m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, norm: torch.Tensor, hp: AdamHyper
 ) -> torch.Tensor:
-    """Statistics of the Adam update just applied to rows ``m``/``v`` ``[c, P]`` (their state
-    after it; ``step [c]`` already counts it; ``norm [c]`` the gradient norms before
-    clipping). Returns ``[c, 4]`` in :data:`STATS` order: clipped (0/1); the share of
-    parameters whose denominator is dominated by eps (``sqrt(v_hat) < eps``); the update's
-    mean ``|delta theta| / lr`` = mean of ``|m_hat| / (sqrt(v_hat) + eps)`` (exactly the
-    step Adam took, in units of lr); the gradient norm before clipping."""
+    """Statistics ``[c, 4]`` (:data:`STATS`) of the Adam update just applied to rows
+    ``m``/``v``: clipped, share with ``sqrt(v_hat) < eps``, mean ``|delta theta| / lr``, and
+    the gradient norm before clipping."""
+    clipped = torch.zeros_like(norm)  # 1.0 where clipping scaled the gradient down
+    if hp.grad_clip is not None:
+        clipped = (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)
     b1, b2 = hp.betas
     t = step.clamp(min=1).to(m.dtype)[:, None]
     v_hat_sqrt = (v / (1 - torch.pow(b2, t))).sqrt_()
     share = (v_hat_sqrt < hp.eps).to(m.dtype).mean(1)
     size = (m.abs() / (1 - torch.pow(b1, t))).div_(v_hat_sqrt.add_(hp.eps)).mean(1)
-    return torch.stack([clipped(norm, hp), share, size, norm.to(m.dtype)], dim=1)
+    return torch.stack([clipped, share, size, norm.to(m.dtype)], dim=1)

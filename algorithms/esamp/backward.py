@@ -1,10 +1,6 @@
-"""The distiller's backward written out (no autograd) on the kernels' ops, for both update
-paths.
-
-Each weight's gradient is a product ``A^T B`` of two thin ``[B, M, .]`` factors, so its
-squared norm is ``sum((A A^T) * (B B^T))``: each group's gradient norm (for clipping) comes
-from ``M x M`` Gram matrices before any gradient exists, and each gradient can then be
-formed once, already clipped, right before Adam reads it."""
+"""The distiller's backward written out on the kernels' ops. Each weight's gradient is
+``A^T B`` of two thin factors, so its squared norm ``sum((A A^T) * (B B^T))`` comes from
+``M x M`` Gram matrices before any gradient exists (clipping first, gradients formed once)."""
 
 from __future__ import annotations
 
@@ -28,10 +24,7 @@ def backward_factors(
     mm: MatMul = batched_mm,
 ) -> tuple[list[Factor], torch.Tensor]:
     """The gradient factors of every weight matrix and each group's squared gradient norm
-    ``[B]``, from the forward's activations (:func:`~algorithms.esamp.mlp.forward_acts`) and
-    the loss's gradient ``dy [B, M, H]`` with respect to the output (``mm``: as in
-    :func:`~algorithms.esamp.mlp.forward_acts`): per block the product with ``down``,
-    :func:`~algorithms.esamp.kernels.block_backward` and the gradient carried to its input."""
+    ``[B]``, from the forward's activations and the output gradient ``dy [B, M, H]``."""
     factors: list[Factor] = []
     groups, rows, _ = dy.shape
     parts = dy.new_empty(len(weights), groups, kernels.norm_parts(rows))
@@ -55,16 +48,10 @@ def fused_backward(
     mm: MatMul,
     precision: str = "ieee",
 ) -> tuple[list[Factor], torch.Tensor]:
-    """:func:`backward_factors` in fewer launches (the update graph's), for a ``mm`` that
-    takes ``[S, 2, ., .]`` weights and ``add=`` (as :func:`~algorithms.esamp.mlp.forward_slots`):
-    per block the product with ``down``, one :func:`~algorithms.esamp.kernels.block_backward`
-    and one product carrying the gradient to the block's input. ``dys [NB, B, M, H]``:
-    ``dys[-1]`` holds the loss's gradient at the output; block ``b``'s output gradient is
-    written to ``dys[b]``. Returns the factors and the norm parts ``[B, NB * T]`` (summed by
-    :func:`~algorithms.esamp.kernels.update_tail`). Where the activations are equally spaced
-    (:func:`~algorithms.esamp.mlp.stack_view`) a factor of block :data:`ALL_BLOCKS` stands for
-    every block at once, and matrix :data:`GATE_UP` for gate and up together
-    (:func:`factor_weights` gives their weights)."""
+    """:func:`backward_factors` in fewer launches (the update graph's), for a slot-indexed
+    ``mm``. ``dys [NB, B, M, H]``: ``dys[-1]`` the output gradient; block ``b``'s is written
+    to ``dys[b]``. Returns the factors (one of :data:`ALL_BLOCKS` / :data:`GATE_UP` where the
+    activations are equally spaced) and the norm parts ``[B, NB * T]``."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     nb, groups, rows, _ = dys.shape
@@ -95,9 +82,7 @@ def fused_backward(
 
 def factor_weights(t: torch.Tensor, shape: DistillerShape, block: int, matrix: int) -> torch.Tensor:
     """The matrices of ``t [S, P]`` (``theta``, ``m`` or ``v``) a :func:`fused_backward`
-    factor's gradient belongs to: one matrix ``[S, ., .]``, a block's gate and up ``[S, 2,
-    I, H]``, or with :data:`ALL_BLOCKS` every block's down ``[S, NB, H, I]`` or gate and up
-    ``[S, 2 NB, I, H]``."""
+    factor's gradient belongs to."""
     if block == ALL_BLOCKS:
         if matrix == GATE_UP:
             n, i, h = shape.block_numel, shape.intermediate_size, shape.hidden_size
@@ -109,7 +94,6 @@ def factor_weights(t: torch.Tensor, shape: DistillerShape, block: int, matrix: i
 
 
 def clipped_grad(factor: Factor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out [B, ., .]`` <- each group's gradient of the factor's matrix times ``scale [B]``
-    (the clip coefficient folded into the thin factor: ``(c A)^T B = c (A^T B)``)."""
+    """``out`` <- each group's gradient times ``scale [B]`` (folded into the thin factor)."""
     _, _, a_f, b_f = factor
     return torch.bmm((a_f * scale[:, None, None]).transpose(1, 2), b_f, out=out)

@@ -1,11 +1,6 @@
 """ESamp consumer: predict f(h_1) in the sampler, mix it into the candidate logits, and train
-the group's distiller on the step's rows after sampling (strict staleness: guidance at step t
-uses the distiller trained through step t-1).
-
-The jobs live in their own modules, composed here: ``lifecycle`` (groups and their slots),
-``guide_step`` (guidance; ``fit_beta`` the fit-scaled beta), ``training`` (update
-submission, warm start, read-back; ``losses`` the loss bookkeeping), ``diagnostics``.
-"""
+the group's distiller on the step's rows after sampling (guidance at step t uses the
+distiller trained through step t-1). The jobs live in their own modules, composed here."""
 
 from __future__ import annotations
 
@@ -47,46 +42,18 @@ from tllm_core import (
     layer_key,
 )
 
-COUNTER_NAMES = (
-    "decode_steps",
-    "optimizer_steps",
-    "rows_trained",
-    "rows_visited",
-    "rows_guided",
-    "candidates_guided",
-    "candidates_over_cap",
-    "loss_first",
-    "loss_last",
-    "loss_mean",
-    "groups_created",
-    "groups_freed",
-    "groups_alive",
-    "rows_skipped",
-    "rows_skipped_prefill",
-    "rows_skipped_greedy",
-    "rows_skipped_cap",
-    "rows_skipped_mixed",
-    "train_rows_skipped_cap",
-    "train_rows_skipped_recomputed",
-    "train_rows_skipped_mixed",
-    "train_rows_skipped_frozen",
-    "nonfinite_losses_skipped",
-    "staleness_max",
-    "memory_bytes_per_group",
-    "memory_plan_bytes",
-    "latent_fallback_rows",
-    "finished_unseen",
-    "graph_failures",
-    "eager_updates",
-    "updates_reusing_prediction",
-    "warm_start_groups",
-    "warm_start_rows",
-    "warm_start_steps",
-    "fit_rows",
-    "fit_scale_mean",
-    "diag_rows",
-    "diag_top_changed",
-    "rows_returned",
+# Every counter ESamp sets, registered at 0 at construction.
+COUNTER_NAMES = tuple(
+    """
+    decode_steps optimizer_steps rows_trained rows_visited rows_guided candidates_guided
+    candidates_over_cap loss_first loss_last loss_mean groups_created groups_freed groups_alive
+    rows_skipped rows_skipped_prefill rows_skipped_greedy rows_skipped_cap rows_skipped_mixed
+    train_rows_skipped_cap train_rows_skipped_recomputed train_rows_skipped_mixed
+    train_rows_skipped_frozen nonfinite_losses_skipped staleness_max memory_bytes_per_group
+    memory_plan_bytes latent_fallback_rows finished_unseen graph_failures eager_updates
+    updates_reusing_prediction warm_start_groups warm_start_rows warm_start_steps fit_rows
+    fit_scale_mean diag_rows diag_top_changed rows_returned
+    """.split()
 )
 
 
@@ -117,8 +84,7 @@ class ESampConsumer(Consumer):
     def __init__(
         self, config: ESampConfig, context: ConsumerContext, cuda_path: bool | None = None
     ):
-        """``cuda_path``: the CUDA code path (deferred reads, allocation-free guidance) or
-        not; by default where the distiller is the CUDA one (tests run it on CPU tensors)."""
+        """``cuda_path``: the CUDA code path or not (default: where the distiller is CUDA)."""
         super().__init__(config, context)
         model = context.model
         self._src = context.resolve_layer(config.source_layer)
@@ -198,9 +164,7 @@ class ESampConsumer(Consumer):
             self.trainer.prune_losses()
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
-        """This request's decode rows the distiller trained on: ``positions`` and each row's
-        ``prediction_error`` before its update (docs/consumers/esamp.md, "Results with the
-        completion"); updates still queued with its rows are waited for."""
+        """This request's trained decode rows: ``positions`` and ``prediction_error``."""
         if self.returned.waits_for(request.engine_id):
             self.trainer.flush()
         return self.returned.take(request)

@@ -1,15 +1,12 @@
-"""The CPU grouped distiller: all groups of a step in one batched computation, updated in
-place by :class:`~algorithms.esamp.host_trainer.HostTrainer`, inline or on a side thread."""
+"""The CPU grouped distiller: all groups of a step in one batched computation."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 import torch
 
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.host_trainer import HostTrainer
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
@@ -19,13 +16,9 @@ from algorithms.esamp.slots import SlotDistiller, TrainResult
 
 
 class GroupedDistiller(SlotDistiller):
-    """Slots of independent distillers with stacked fp32 parameters and Adam state (CPU path;
-    :mod:`algorithms.esamp.cuda` is the CUDA one). With ``side_thread=True`` train steps and
-    slot resets run in order on a :class:`~algorithms.esamp.side_thread.SideThread`, and
-    whatever reads the state waits for them first (strict staleness, measured by
-    :meth:`staleness_max`). A train step on the rows and parameters of the last prediction
-    (the usual ESamp step) reuses its forward.
-    """
+    """Slots of independent distillers, CPU path. With ``side_thread=True`` train steps and
+    slot resets run in order on a side thread that readers wait for (strict staleness). A
+    train step on the last prediction's rows and parameters reuses its forward."""
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
         device = torch.device(kwargs.get("device", "cpu"))
@@ -34,7 +27,7 @@ class GroupedDistiller(SlotDistiller):
         if device.type not in ("cpu", "meta"):  # meta: the front end's dry build
             raise ValueError(
                 f"GroupedDistiller is the CPU path and got device {str(device)!r}; for a GPU "
-                "use CudaGroupedDistiller (algorithms.esamp.factory.make_distiller picks it)"
+                "use CudaGroupedDistiller (algorithms.esamp.factory.distiller_for picks it)"
             )
         # Set before the base class allocates the state (growth drains the side thread).
         self._side = SideThread("tllm-esamp-update") if side_thread else None
@@ -84,8 +77,7 @@ class GroupedDistiller(SlotDistiller):
     def _saved_forward(
         self, pk: Packing, x: torch.Tensor
     ) -> tuple[torch.Tensor, Activations] | None:
-        """The last prediction's packed forward if it was on exactly these rows and
-        parameters (checked, not assumed: the inputs are compared)."""
+        """The last prediction's packed forward if it was on exactly these rows and parameters."""
         saved, self._saved = self._saved, None
         if saved is None:
             return None
@@ -102,28 +94,23 @@ class GroupedDistiller(SlotDistiller):
     def _train(
         self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
     ) -> TrainResult:
-        """One in-place update of all packed groups (see :class:`HostTrainer`), inline or
-        queued on the side thread; ``losses``/``updated`` (and ``row_errors``, asked) are
-        filled when the update has run. Reuses the prediction's forward when it was on
-        these rows and parameters."""
+        """One in-place update of all packed groups, inline or on the side thread; the
+        results are filled when it has run."""
         forward = self._saved_forward(pk, x)
         self._version += 1
         errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
-        losses = torch.full((len(pk.slots),), float("nan"))
-        updated = torch.zeros(len(pk.slots), dtype=torch.bool)
-        stats = torch.full((len(pk.slots), len(STATS)), float("nan")) if self.hp.stats else None
-        done = threading.Event()
+        res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
         def run() -> None:
             state = (self.theta, self.m, self.v, self.step)
             batch = HostBatch.plan(pk.slots)
             loss, ok, st = self._host.step(state, pk, batch, x, target, forward, errors)
             self.applied[torch.from_numpy(pk.slots)] += 1
-            losses.copy_(torch.tensor(loss))
-            updated.copy_(torch.tensor(ok))
-            if stats is not None:
-                stats.copy_(st)
-            done.set()
+            res.losses.copy_(torch.tensor(loss))
+            res.updated.copy_(torch.tensor(ok))
+            if res.stats is not None:
+                res.stats.copy_(st)
+            res.done.set()
 
         self._ordered(run)
-        return TrainResult(pk.slots, losses, updated, done, stats=stats, row_errors=errors)
+        return res

@@ -1,14 +1,7 @@
-"""CUDA path of the grouped distiller: the CPU class's math and interface, with everything
-allocated and every graph captured at construction (inside vLLM's ``load_model``, so vLLM's
-memory profile sees it; a fixed ``capacity``), only the step's slots read, one pinned copy
-of the row plan per call (:mod:`algorithms.esamp.cuda_plan`), graph replays on a side stream
-ordered against the main stream by events only (no host wait), results read back in the
-background (:mod:`algorithms.esamp.cuda_results`) and the prediction's forward kept for the
-update of the same rows (``rows_id``). A failed capture is counted (``graph_failures``) and
-the same code runs eagerly. Every predict and train is enqueued on the one side stream, so a
-prediction sees every update enqueued before it (strict staleness, measured on the device).
-The design: docs/consumers/esamp.md, "On a GPU". Importing this module needs no GPU.
-"""
+"""CUDA path of the grouped distiller: everything allocated and captured at construction
+(inside vLLM's ``load_model``, so its memory profile sees it), graph replays on one side
+stream ordered by events only (no host wait; strict staleness), results read back in the
+background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU."""
 
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ from algorithms.esamp.graph_update import train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import make_packing
-from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
+from algorithms.esamp.slot_ops import slot_matmul, slots_bound
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import StagingRing, pow2_rows
 
@@ -57,16 +50,6 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def capture_graph(fn: Callable[[], None], stream, pool) -> tuple[Any, Any]:
-    """``fn`` captured as a CUDA graph on ``stream`` in memory pool ``pool`` (None: a new
-    one); returns the graph (``.replay()``) and its pool."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        with torch.no_grad():
-            fn()
-    return g, g.pool()
 
 
 class CudaGroupedDistiller(SlotDistiller):
@@ -103,9 +86,8 @@ class CudaGroupedDistiller(SlotDistiller):
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)
         self.stage_t = torch.zeros(t, h, device=dev)
-        # The packed inputs and every block's output, [T + 1, H] each, in one allocation:
-        # the blocks' inputs are then equally spaced (one Adam launch for gate and up of
-        # every block, backward.fused_backward).
+        # The packed inputs and every block's output, [T + 1, H] each, in one allocation: the
+        # blocks' inputs equally spaced (one Adam launch for every gate and up).
         nb, i = self.shape.num_blocks, self.shape.intermediate_size
         self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
         self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
@@ -127,11 +109,6 @@ class CudaGroupedDistiller(SlotDistiller):
         if use_cuda_graph:
             self._capture()
         self.stream.synchronize()
-
-    @property
-    def host_waits(self) -> int:
-        """Plan buffers the host had to wait for."""
-        return self._plans.waits
 
     @property
     def asynchronous(self) -> bool:
@@ -168,9 +145,7 @@ class CudaGroupedDistiller(SlotDistiller):
     def _pack(
         self, lay: Layout, src: torch.Tensor, dst: torch.Tensor, zero: bool = True
     ) -> torch.Tensor:
-        """``src``'s rows at their packed positions in ``dst``; the other rows zero (not
-        with ``zero=False``: they keep what they held, for a buffer only read on the rows
-        the mask marks)."""
+        """``src``'s rows packed into ``dst``; the other rows zeroed unless ``zero=False``."""
         t = self.total_rows
         if zero:
             dst.zero_()
@@ -182,17 +157,14 @@ class CudaGroupedDistiller(SlotDistiller):
         return self.plan[2 * t : 2 * t + lay.groups]
 
     def _mm(self, gs: torch.Tensor) -> Callable:
-        return lambda x, w, transpose_w, out=None, add=None: slot_matmul(
-            x, w, gs, transpose_w, self._precision, out, add
-        )
+        return slots_bound(partial(slot_matmul, precision=self._precision), gs)
 
     @property
     def _precision(self) -> str:
         return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
-        """The layout's views of :attr:`hs` and :attr:`acts`: per block (h_out, a, u, s, p),
-        ``[G, M, .]``."""
+        """Per block (h_out, a, u, s, p) ``[G, M, .]``: views of :attr:`hs` and :attr:`acts`."""
         h, i, t = self.shape.hidden_size, self.shape.intermediate_size, self.total_rows
         g, m = lay.groups, lay.rows
         out = []
@@ -224,8 +196,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self.y.index_copy_(0, self.plan[t : 2 * t], flat.index_select(0, rows))
 
     def _train_body(self, lay: Layout, reuse: bool = False) -> None:
-        """The update; ``reuse``: on the rows the last prediction packed into ``xp`` and with
-        its forward (:attr:`acts`), not run again (the caller checked that they match)."""
+        """The update; ``reuse``: on the last prediction's packed rows and forward."""
         t, c = self.total_rows, self.capacity
         gs = self._group_slot(lay)
         if reuse:
@@ -243,15 +214,10 @@ class CudaGroupedDistiller(SlotDistiller):
         # The packed rows' mask came with the plan (filled on the host).
         mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
         stats = self._stats[: lay.groups] if self.hp.stats else None
-        shape, hp = self.shape, self.hp
         state = (self.theta, self.m, self.v, self.step)
-        ops = (
-            partial(slot_matmul, precision=self._precision),
-            partial(slot_grad_adam_, precision=self._precision),
-        )
         losses, ok = train_groups(
-            *state, gs, xp, tp, mask, shape, hp, self.applied, stats, ops, forward,
-            precision=self._precision,
+            *state, gs, xp, tp, mask, self.shape, self.hp, self.applied, stats,
+            forward=forward, precision=self._precision,
         )  # fmt: skip
         # Row ring[0] of the result ring, its first G columns: one indexed copy each.
         ring, g = self.plan[2 * t + 2 * c : 2 * t + 2 * c + 1], lay.groups
@@ -276,10 +242,8 @@ class CudaGroupedDistiller(SlotDistiller):
             self._body(kind)(lay)
 
     def _warm_up(self) -> None:
-        """Run every body once on the side stream (no group has a slot: no state changes),
-        so lazy allocations and kernel compilation (and, without Triton, the side stream's
-        cuBLAS workspace) happen now, inside the memory vLLM profiles, not in the first
-        decode step."""
+        """Run every body once with no slot (no state change), so lazy allocations and
+        kernel compilation happen inside the memory vLLM profiles."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
             t, c = self.total_rows, self.capacity
             self.plan.fill_(-1)  # every group padding
@@ -290,19 +254,19 @@ class CudaGroupedDistiller(SlotDistiller):
                     self._body(kind)(lay)
 
     def _capture(self) -> None:
-        """Capture a predict and two update graphs (with and without the forward) per
-        layout, sharing one memory pool. Capture synchronizes the device
-        (``torch.cuda.graph`` does): it happens only here."""
+        """Capture the predict and two update graphs of every layout in one memory pool."""
         pool = None
         try:
             for lay in self.layouts:
                 for kind in _KINDS:
-                    body = self._body(kind)
-                    with _matmul_precision(self.tf32):
-                        graph, pool = capture_graph(
-                            lambda b=body, lay=lay: b(lay), self.stream, pool
-                        )
-                    self._graphs[(kind, lay)] = graph
+                    g = torch.cuda.CUDAGraph()
+                    mode = "thread_local"
+                    with _matmul_precision(self.tf32), torch.no_grad():
+                        with torch.cuda.graph(
+                            g, pool=pool, stream=self.stream, capture_error_mode=mode
+                        ):
+                            self._body(kind)(lay)
+                    self._graphs[(kind, lay)], pool = g, g.pool()
         except RuntimeError as err:
             # Capture is an optimisation: fall back to eager runs, loudly.
             self.graph_failures += 1
@@ -317,17 +281,8 @@ class CudaGroupedDistiller(SlotDistiller):
     def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
         """One pinned host-to-device copy of the batch's plan, on the side stream."""
         i, host = self._plans.take(self.plan.numel())
-        fill_plan(
-            host.numpy(),
-            batch,
-            pk.row_group,
-            pk.row_pos,
-            pk.slots,
-            self._submitted[pk.slots],
-            self.total_rows,
-            self.capacity,
-            ring_row,
-        )
+        sub = self._submitted[pk.slots]
+        fill_plan(host.numpy(), batch, pk, sub, self.total_rows, self.capacity, ring_row)
         self._plans.send(i, self.plan, self.stream)
 
     def _check_rows(self, n: int) -> None:
@@ -343,10 +298,8 @@ class CudaGroupedDistiller(SlotDistiller):
         src.record_stream(self.stream)
 
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
-        """As the base class. ``rows_id`` (optional, any comparable value): names the rows
-        ``x`` holds; a :meth:`train_step` given the same ``rows_id`` (the caller's promise
-        that its ``x`` is this ``x``) reuses this prediction's forward when nothing changed
-        in between."""
+        """As the base class; a :meth:`train_step` with the same ``rows_id`` (the caller's
+        promise of the same ``x``) reuses this prediction's forward."""
         self._predicted = None  # the buffers are about to hold this prediction's forward
         pk = make_packing(slots)
         if not pk.slots.size:
@@ -363,15 +316,11 @@ class CudaGroupedDistiller(SlotDistiller):
                 self._run("predict", batch.layout)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
         self._predicted = self._key(rows_id, pk, batches)
-        # A view of the static output: valid until the next predict (the caller uses it
-        # within the step).
+        # A view of the static output: valid until the next predict.
         return self.y[: x.shape[0]]
 
     def _key(self, rows_id: object, pk, batches: list[Batch]) -> tuple | None:
-        """What names the forward a prediction leaves in the buffers: the rows (the caller's
-        word), the parameters' version (an update, reset or growth changes it), the packing
-        and the layout; None where there is none to reuse (several batches: the buffers
-        hold the last)."""
+        """What names the forward a prediction leaves in the buffers (None: not reusable)."""
         if rows_id is None or len(batches) != 1:
             return None
         lay = batches[0].layout
@@ -385,10 +334,7 @@ class CudaGroupedDistiller(SlotDistiller):
         rows_id: object = None,
         row_errors: bool = False,
     ) -> TrainResult:
-        """As the base class, without its defensive copies: the rows are copied into the
-        packed buffers on the side stream, and the main stream waits for that copy only.
-        ``rows_id``: see :meth:`predict` (None: the forward is run again).
-        ``row_errors``: see :meth:`_row_errors` (read when the result is final)."""
+        """As the base class; the main stream waits only for the rows' copy."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
@@ -422,39 +368,19 @@ class CudaGroupedDistiller(SlotDistiller):
         # The bundle's tensors may be overwritten by the next forward: only their copy is
         # waited for, not the update.
         cur.wait_event(self._copied)
-        n = len(pk.slots)
         # Not inference tensors (the step runs in inference mode): the results are written
         # in when they arrive, which may be at a closing read outside it.
         with torch.inference_mode(False):
-            p = Pending(
-                parts,
-                n,
-                torch.full((n,), float("nan")),
-                torch.zeros(n, dtype=torch.bool),
-                torch.full((n, len(STATS)), float("nan")) if self.hp.stats else None,
-            )
-        self.results.add(p)
+            res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
+        self.results.add(Pending(parts, res))
         self.results.maybe_copy(self.stream)
-        return TrainResult(
-            pk.slots,
-            p.losses,
-            p.updated,
-            p.done,
-            counts=pk.counts,
-            stats=p.stats,
-            row_errors=errors,
-        )
+        return res
 
     def _row_errors(
         self, pk, batches: list[Batch], x: torch.Tensor, target: torch.Tensor, reuse: bool
     ) -> torch.Tensor:
-        """Each row's error before the update (``TrainResult.row_errors``), from the
-        prediction ``y`` of these rows: the sampler's when the update reuses it, else a
-        prediction run here first. Queued on the side stream with a copy into pinned host
-        memory (no host wait: the copy is final when the update's results are, the result
-        ring's copy coming after it on the same stream). Only steps with rows of requests
-        that ask pay for it (a few small allocations; a second forward where the sampler
-        predicted no row of them)."""
+        """Each row's error before the update, from the prediction ``y`` (run here unless
+        reused), copied to pinned memory on the side stream: final with the update's results."""
         n = x.shape[0]
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)

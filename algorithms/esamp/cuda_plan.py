@@ -1,21 +1,8 @@
-"""The CUDA distiller's row plan: where each row of a step goes in the fixed packed buffers,
-computed on the host and sent to the device as one int64 vector (one pinned copy a call).
-
-The packed buffers hold ``T = capacity x graph rows`` rows. A *layout* reads them as ``G``
-groups of ``M`` rows (``G x M <= T``); one CUDA graph is captured per layout, so a step whose
-largest group has more rows than ``graph_max_rows`` (``n`` > 16, warm start on a long
-prompt) still replays a graph on the same buffers: it takes a layout with fewer, longer
-groups. A step whose groups fit no single layout is split into batches of groups, each a
-replay (every group still trains once, on all its rows).
-
-Plan vector, per batch (int64, ``2T + 2C + 1 + ceil(T / 8)``; ``C`` = capacity):
-``pos [T]`` (each row's flat packed position; ``T`` = the trash row, for rows not in the
-batch), ``dest [T]`` (the output row it is unpacked to; ``T`` = trash), ``group_slot [C]``
-(``-1``: padding group), ``submitted [C]`` (updates submitted for each group's slot, for the
-staleness measurement), ``ring_row [1]`` (where the update writes its results), then the
-packed rows' mask, one byte per packed position (``T`` bytes in ``ceil(T / 8)`` words,
-:func:`plan_mask`: the update reads it as a bool tensor, nothing to compute on the
-device)."""
+"""The CUDA distiller's row plan: where each row of a step goes in the packed buffers
+(``T = capacity x graph rows`` rows, read by a *layout* as ``G`` groups of ``M`` rows, one
+graph per layout), computed on the host and sent as one int64 vector per batch of groups:
+``pos [T]`` and ``dest [T]`` (``T``: the trash row), ``group_slot [C]`` (-1: padding),
+``submitted [C]``, ``ring_row [1]``, then the packed rows' mask as ``T`` bytes."""
 
 from __future__ import annotations
 
@@ -23,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from algorithms.esamp.packing import Packing
 
 
 @dataclass(frozen=True)
@@ -32,8 +21,7 @@ class Layout:
 
 
 def layouts(capacity: int, graph_rows: int) -> list[Layout]:
-    """Every layout of ``capacity x graph_rows`` packed rows, groups of ``graph_rows``,
-    twice as many rows, ... and finally one group of all rows."""
+    """Every layout: groups of ``graph_rows`` rows, twice as many, ..., one group of all."""
     total = capacity * graph_rows
     out, m = [], graph_rows
     while m < total:
@@ -50,8 +38,7 @@ class Batch:
 
 
 def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
-    """Batches of the step's groups (``counts``: rows of each) such that each batch fits
-    one layout: usually one batch, in the layout with the shortest groups that holds them."""
+    """Batches of the step's groups that each fit one layout (usually one batch)."""
     order = np.argsort(-counts, kind="stable")
     batches, i = [], 0
     while i < len(order):
@@ -75,16 +62,16 @@ def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
 def fill_plan(
     out: np.ndarray,
     batch: Batch,
-    row_group: np.ndarray,
-    row_pos: np.ndarray,
-    group_slots: np.ndarray,
+    pk: Packing,
     submitted: np.ndarray,
     total: int,
     capacity: int,
     ring_row: int,
 ) -> None:
-    """Write one batch's plan vector into ``out`` (a view of pinned host memory)."""
-    g_of = np.full(len(group_slots), -1, dtype=np.int64)
+    """Write one batch's plan vector into ``out`` (a view of pinned host memory);
+    ``submitted``: the updates submitted for each of ``pk``'s slots."""
+    row_group, row_pos = pk.row_group, pk.row_pos
+    g_of = np.full(len(pk.slots), -1, dtype=np.int64)
     g_of[batch.groups] = np.arange(len(batch.groups))
     n = len(row_group)
     pos, dest = out[:total], out[total : 2 * total]
@@ -98,7 +85,7 @@ def fill_plan(
     gs.fill(-1)
     sub.fill(0)
     k = len(batch.groups)
-    gs[:k] = group_slots[batch.groups]
+    gs[:k] = pk.slots[batch.groups]
     sub[:k] = submitted[batch.groups]
     out[2 * total + 2 * capacity] = ring_row
     mask = out[2 * total + 2 * capacity + 1 :].view(np.uint8)[:total]

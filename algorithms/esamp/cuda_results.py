@@ -1,22 +1,15 @@
-"""The CUDA update's results (each group's loss, whether it was applied, its statistics),
-logged on the device and brought to the host in the background.
-
-Each update batch writes one row of a device ring (``[N, C]``). Every ``every`` updates the
-whole ring and the staleness maximum are copied back to the host without blocking (a D2H
-copy on the side stream, after the updates it covers: :class:`~tllm_core.HostCopyRing`);
-:meth:`ResultLog.poll` hands out the results whose copy has arrived (no wait). Only
-:meth:`ResultLog.drain` waits, where a host sync is paid anyway (the consumer's ``result()``,
-shutdown)."""
+"""The CUDA update's results, logged in a device ring (one row per update batch) and copied
+to the host every ``every`` updates without blocking; only :meth:`ResultLog.drain` waits."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from algorithms.esamp.adam import STATS
+from algorithms.esamp.slots import TrainResult
 from tllm_core import HostCopyRing
 
 # Update results kept on the device between background copies.
@@ -28,18 +21,13 @@ class Pending:
     """One submitted train step: its batches' ring rows and which step groups each holds."""
 
     parts: list[tuple[int, np.ndarray]]  # (ring row, indices of the step's groups)
-    groups: int
-    losses: torch.Tensor
-    updated: torch.Tensor
-    stats: torch.Tensor | None
-    done: threading.Event = field(default_factory=threading.Event)
+    res: TrainResult  # filled in from the ring
     serial: int = 0  # updates logged before and including this one
 
 
 class ResultLog:
-    """The device ring of update results (``losses``, ``ok``, ``stats`` ``[rows, capacity]``
-    and the staleness maximum ``stale``), copied back through a two-buffer
-    :class:`~tllm_core.HostCopyRing`: one copy may be in flight while the other is read."""
+    """The device ring of update results and the staleness maximum ``stale``, copied back
+    through a two-buffer :class:`~tllm_core.HostCopyRing`."""
 
     def __init__(
         self,
@@ -69,8 +57,7 @@ class ResultLog:
         return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
 
     def next_row(self) -> int:
-        """The ring row of the next update batch; copies the ring first if it would wrap
-        over rows not yet copied."""
+        """The ring row of the next update batch."""
         if self._next - self._copied >= self.rows:
             raise RuntimeError("result ring overrun: copy() was not called in time")
         row = self._next % self.rows
@@ -87,8 +74,7 @@ class ResultLog:
             self.copy(stream)
 
     def copy(self, stream) -> None:
-        """Copy the ring to the host without blocking, ordered after the updates logged
-        (a copy into a buffer still in flight first waits for it: the ring's rule)."""
+        """Copy the ring to the host without blocking, after the updates logged."""
         if self._next == self._copied:
             return
         self._copies.send(self._device_buffers(), tag=self._next, stream=stream)
@@ -109,11 +95,12 @@ class ResultLog:
         self.staleness_max = max(self.staleness_max, int(stale[0]))
         while self._pending and self._pending[0].serial <= serial:
             p = self._pending.pop(0)
+            res = p.res
             for row, groups in p.parts:
                 k = len(groups)
                 idx = torch.from_numpy(groups)
-                p.losses[idx] = losses[row, :k]
-                p.updated[idx] = ok[row, :k] > 0
-                if p.stats is not None and stats is not None:
-                    p.stats[idx] = stats[row, :k]
-            p.done.set()
+                res.losses[idx] = losses[row, :k]
+                res.updated[idx] = ok[row, :k] > 0
+                if res.stats is not None and stats is not None:
+                    res.stats[idx] = stats[row, :k]
+            res.done.set()

@@ -1,10 +1,5 @@
-"""ESamp's opt-in diagnostics (``ESampConfig.diagnostics``): per mixed row, how far the
-guidance moved the candidates; the prediction's relative error by a group's step index.
-
-On CUDA (:class:`DeviceRecords`) each guided step writes its rows' values into a ring in the
-guidance workspace; each full half of the ring goes to the host in a copy nothing waits for,
-and the rest at the next blocking read-back: the step itself reads nothing back, waits for
-nothing and allocates nothing."""
+"""ESamp's opt-in diagnostics: per mixed row, how far the guidance moved the candidates; the
+prediction's relative error by a group's step index."""
 
 from __future__ import annotations
 
@@ -13,6 +8,7 @@ from typing import Any
 
 import torch
 
+from algorithms.esamp.losses import ByAge
 from tllm_core import Counters, HostCopyRing
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
@@ -26,29 +22,24 @@ class Diagnostics:
     def __init__(self, counters: Counters):
         self.counters = counters
         self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
-        self._err_age: list[list[float]] = []  # per group step index: [sum, count]
+        self._err_age = ByAge()
 
     def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:
         """The prediction's relative error by the group's step index."""
         rel = rel.cpu().tolist() if isinstance(rel, torch.Tensor) else rel
         for age, e in zip(ages, rel, strict=True):
-            while len(self._err_age) <= age:
-                self._err_age.append([0.0, 0])
             if math.isfinite(e):
-                self._err_age[age][0] += e
-                self._err_age[age][1] += 1
+                self._err_age.add(age, [e])
 
     def add_shift(self, ages: list[int], rows: list[list[float]]) -> None:
-        """Records of guided rows whose candidate shift was measured: one list per row in
-        :data:`RING_COLUMNS` order (rel_err, candidates, top_ref, top_new, tv, beta)."""
+        """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`)."""
         cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
         for name in _INT_COLUMNS:
             cols[name] = [int(v) for v in cols[name]]
         self.add_records({"age": ages, **cols})
 
     def add_records(self, cols: dict[str, list]) -> None:
-        """Keep the rows of ``cols`` (one list per field of _DIAG_FIELDS) that had
-        candidates, up to the cap, and count them."""
+        """Keep (up to the cap) and count the rows of ``cols`` that had candidates."""
         rows = [i for i, c in enumerate(cols["candidates"]) if c > 0]
         self.counters.add("diag_rows", len(rows))
         self.counters.add(
@@ -62,17 +53,13 @@ class Diagnostics:
         return {
             **self._diag,
             # [group step index, mean relative error, rows]
-            "rel_err_curve": [[a, s / n, n] for a, (s, n) in enumerate(self._err_age) if n],
+            "rel_err_curve": self._err_age.curve(points=None),
         }
 
 
 class DeviceRecords:
-    """CUDA: the diagnostics' per-row values of each guided step in ``ring [steps, rows,
-    len(RING_COLUMNS)]`` (fp32, on the device), used in two halves: a full half is copied to
-    pinned host memory without a wait while the steps go on in the other, and handed to
-    ``diagnostics`` at a later step once arrived. A step waits only if a half's copy has not
-    arrived when it is needed again, ``steps / 2`` guided steps later (``waits``);
-    :meth:`read` (where a sync is paid anyway) hands over everything."""
+    """CUDA: each guided step's per-row values in a device ring used in two halves; a full
+    half is copied to the host without a wait while the steps go on in the other."""
 
     def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
         self.diagnostics = diagnostics
@@ -89,8 +76,7 @@ class DeviceRecords:
         return self._copies.waits
 
     def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
-        """The ring row ``[rows, columns]`` of a guided step whose rows have these group
-        ages; ``shift``: its candidate columns are written (post-filter, something mixed)."""
+        """The ring row of a guided step (``shift``: its candidate columns are written)."""
         self._hand_arrived(wait=False)
         if len(self._steps) == self._halves[self._cur].shape[0]:
             self._send()
@@ -112,8 +98,7 @@ class DeviceRecords:
             self._hand(steps, values)
 
     def read(self) -> None:
-        """Hand every step recorded so far to the diagnostics (a host read of the current
-        half: call it where a sync is paid anyway)."""
+        """Hand every step recorded so far to the diagnostics (a host read)."""
         self._hand_arrived(wait=True)
         if self._steps:
             self._hand(self._steps, self._halves[self._cur][: len(self._steps)].tolist())

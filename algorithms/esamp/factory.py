@@ -4,7 +4,7 @@ config."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,31 +23,8 @@ if TYPE_CHECKING:
 
 
 def uses_gpu_path(device: torch.device) -> bool:
-    """Whether a distiller on ``device`` takes the CUDA path (tests of that path on a fake
-    device replace this)."""
+    """Whether a distiller on ``device`` takes the CUDA path (fake-device tests patch it)."""
     return device.type == "cuda"
-
-
-def make_distiller(
-    hidden_size: int,
-    device: torch.device | str,
-    use_cuda_graph: bool = True,
-    side_thread: bool = False,
-    graph_max_rows: int = 16,
-    **kwargs: Any,
-) -> SlotDistiller:
-    """The CUDA implementation (side stream, graphs captured here, fixed capacity) for CUDA
-    devices, else the CPU one (updates on a side thread when ``side_thread``)."""
-    device = torch.device(device)
-    if uses_gpu_path(device):
-        return CudaGroupedDistiller(
-            hidden_size,
-            device=device,
-            use_cuda_graph=use_cuda_graph,
-            graph_max_rows=graph_max_rows,
-            **kwargs,
-        )
-    return GroupedDistiller(hidden_size, device=device, side_thread=side_thread, **kwargs)
 
 
 def _use_side_thread(mode: str) -> bool:
@@ -62,8 +39,7 @@ def _use_side_thread(mode: str) -> bool:
 
 
 def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
-    """The CUDA path packs every decode row of a step into ``slots x cuda_graph_max_rows``
-    rows: refuse a configuration with fewer than ``cuda_rows_per_step``, naming the settings."""
+    """Refuse fewer packed rows (``slots x cuda_graph_max_rows``) than ``cuda_rows_per_step``."""
     rows = pow2_rows(cfg.cuda_graph_max_rows)
     if slots * rows < cfg.cuda_rows_per_step:
         name = "max_groups" if cfg.max_groups else "cuda_capacity"
@@ -85,39 +61,33 @@ def distiller_for(
     cfg: ESampConfig, hidden_size: int, device: torch.device, slots: int
 ) -> SlotDistiller:
     """The distiller ``cfg`` asks for on ``device`` (``slots``: the CUDA one's capacity)."""
-    extra = {}
-    gpu = uses_gpu_path(device)
-    if gpu:
-        check_packed_rows(cfg, slots)
-        # Everything the CUDA distiller needs is allocated (and its update graph
-        # captured) now: construction runs inside vLLM's load_model, before vLLM
-        # profiles memory and sizes the KV cache.
-        extra = {
-            "capacity": slots,
-            "graph_max_rows": cfg.cuda_graph_max_rows,
-            "zero_output": cfg.init == "zero_output",
-            "moments_dtype": getattr(torch, cfg.cuda_adam_moments),
-            "tf32": cfg.cuda_tf32,
-        }
+    # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts the input
+    # (see Shared.predict / Shared.target).
+    init = "zero" if cfg.init == "zero_output" else cfg.init
+    kw = {"init": init, **{name: getattr(cfg, name) for name in _DISTILLER_FIELDS}}
     # Not under inference mode: state made there could not be trained in place.
     with torch.inference_mode(False):
-        return make_distiller(
+        if not uses_gpu_path(device):
+            side = _use_side_thread(cfg.cpu_update)
+            return GroupedDistiller(hidden_size, device=device, side_thread=side, **kw)
+        check_packed_rows(cfg, slots)
+        # Allocated and captured now, inside vLLM's load_model (before it sizes the KV cache).
+        return CudaGroupedDistiller(
             hidden_size,
-            device,
+            device=device,
             use_cuda_graph=cfg.use_cuda_graph,
-            side_thread=not gpu and _use_side_thread(cfg.cpu_update),
-            # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts
-            # the input (see Shared.predict / Shared.target).
-            init="zero" if cfg.init == "zero_output" else cfg.init,
-            **{name: getattr(cfg, name) for name in _DISTILLER_FIELDS},
-            **extra,
+            capacity=slots,
+            graph_max_rows=cfg.cuda_graph_max_rows,
+            zero_output=cfg.init == "zero_output",
+            moments_dtype=getattr(torch, cfg.cuda_adam_moments),
+            tf32=cfg.cuda_tf32,
+            **kw,
         )
 
 
 def guide_for(
     shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
 ) -> Guide:
-    """The guidance strategy of the consumer's code path: the allocation-free one on the
-    CUDA path (``shared.on_cuda``), else the host one."""
+    """The guidance strategy of the consumer's code path (CUDA or host)."""
     strategy = CudaGuide if shared.on_cuda else HostGuide
     return strategy(shared, groups, model, diagnostics)

@@ -1,10 +1,5 @@
-"""``beta_schedule: "fit"``: each row's beta scaled by how well its group's distiller
-predicts, ``clamp(1 - e, 0, 1)`` of the group's recent relative error ``e``.
-
-The errors live on the device, one per distiller slot, and are updated there: a guided step
-reads nothing back (on CUDA a read would make the host wait for the GPU). A slot's error
-starts at 1 when a new group takes it (told by the group's serial, host-side). With the CUDA
-guidance's workspace every temporary is a view of it: the step allocates nothing."""
+"""``beta_schedule: "fit"``: each row's beta scaled by ``clamp(1 - e, 0, 1)`` of its group's
+recent relative error ``e``, kept per slot on the device (a step reads nothing back)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ class FitScale:
         device: torch.device,
         ws: GuideWorkspace | None = None,
     ):
-        """``ws``: the CUDA guidance's workspace (the errors per slot and every temporary
-        there), else the errors grow with the slots and temporaries are allocated."""
+        """``ws``: the CUDA guidance's workspace (else the errors grow with the slots)."""
         self.decay, self.counters, self.device, self.ws = decay, counters, device, ws
         # [slots] recent relative error
         self._err: torch.Tensor | None = None if ws is None else ws.parts["err"]
@@ -37,8 +31,7 @@ class FitScale:
         self._sums = DeviceSums(sums)
 
     def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
-        """The slots a new group has taken since their error was last set (host-side:
-        their error restarts at 1); records the groups as seen."""
+        """The slots a new group has taken since their error was last set (it restarts at 1)."""
         if self.ws is None and (self._err is None or self._err.shape[0] <= max(slots)):
             grown = torch.ones(max(max(slots) + 1, 8), device=self.device)
             if self._err is not None:
@@ -52,9 +45,8 @@ class FitScale:
         return fresh
 
     def scale(self, slots: torch.Tensor, fresh: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-        """Each row's factor from its group's error average *before* this step; then the
-        averages updated with this step's finite errors (their mean per group). ``slots``
-        (one per row) and ``fresh`` (from :meth:`fresh`) on the device."""
+        """Each row's factor from its group's error *before* this step; then the averages
+        updated with this step's finite errors."""
         ws, n, d, dev, f32 = self.ws, slots.numel(), self.decay, rel.device, torch.float32
         err = self._err
         if fresh.numel():
@@ -83,8 +75,7 @@ class FitScale:
         return scale
 
     def read(self, wait: bool = True) -> None:
-        """Count fit_scale_mean from the sums that reached the host (``wait``: all of them,
-        a host wait where a sync is paid anyway)."""
+        """Count fit_scale_mean from the sums that reached the host (``wait``: all)."""
         self._sums.send()
         for (total,) in self._sums.arrived(wait):
             self._sum += total

@@ -1,9 +1,5 @@
-"""The update step with fixed shapes and no host sync, so it can be captured as a CUDA graph
-(the CUDA path replays it; the CPU path's faster form is :mod:`algorithms.esamp.host_trainer`).
-The backward is written out (:mod:`algorithms.esamp.backward`) on the kernels' ops, and each
-weight's clipped gradient is formed inside its Adam step (never written to memory). Runs on any
-device (CPU: the kernels' PyTorch reference), which is how the tests check it.
-"""
+"""The update step with fixed shapes and no host sync, captured as a CUDA graph; each weight's
+clipped gradient is formed inside its Adam step. Runs on any device (tests use CPU)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,11 @@ from algorithms.esamp.adam import CLIP_EPS, adam_stats
 from algorithms.esamp.backward import factor_weights, fused_backward
 from algorithms.esamp.mlp import Activations, forward_slots
 from algorithms.esamp.params import AdamHyper, DistillerShape
-from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
+from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul, slots_bound
+
+# Hidden columns per program of the loss kernel (a group's loss in that many parts), so
+# that a few long groups still spread over the GPU.
+LOSS_CHUNK = 256
 
 
 def train_groups(
@@ -36,29 +36,24 @@ def train_groups(
     forward: tuple[torch.Tensor, Activations] | None = None,
     precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adam step for every packed group with rows, in place in its slot of the stacked
-    ``theta``/``m``/``v`` ``[S, P]`` and ``step [S]``; returns ``(losses [G], updated [G])``.
-
-    ``group_slot [G]``: each packed group's slot (``-1``: padding, nothing read or written);
-    ``xp``/``tp`` ``[G, M, H]`` hold group ``g``'s rows where ``mask [G, M]`` marks them. A
-    group with a non-finite loss or gradient keeps its state bit for bit (``updated``
-    False). ``applied`` (per slot, optional): incremented for every group with rows, the
-    count staleness is measured against. ``stats [G, len(STATS)]`` (with ``hp.stats``): each
-    group's update statistics. ``ops``: the slot product and Adam (default
-    :mod:`~algorithms.esamp.slot_ops`). ``forward``: the prediction's forward of these
-    parameters on ``xp``, kept by the CUDA path (the weights are then not read for it).
-    ``precision``: the Gram products' (:data:`~algorithms.esamp.kernels.INPUT_PRECISIONS`).
-    """
-    mm, grad_adam_ = ops or (slot_matmul, slot_grad_adam_)
+    """One Adam step for every packed group with rows, in place in its slot ``group_slot[g]``
+    (-1: padding) of ``theta``/``m``/``v``/``step``; returns ``(losses [G], updated [G])``.
+    ``xp``/``tp [G, M, H]`` hold the rows ``mask`` marks; non-finite groups keep their state.
+    ``applied``: counted per slot; ``stats``: filled with ``hp.stats``; ``ops``: the slot
+    product and Adam; ``forward``: the prediction's, when kept."""
+    mm, grad_adam_ = ops or (
+        partial(slot_matmul, precision=precision),
+        partial(slot_grad_adam_, precision=precision),
+    )
     with torch.no_grad():
         gs = group_slot
-        slot_mm = partial(_mm, mm, gs)
+        slot_mm = slots_bound(mm, gs)
         if forward is None:
             forward = forward_slots(theta, shape, xp, slot_mm)
         h, acts = forward
         # Allocated here: the graph's pool on CUDA (nothing per replay).
         g_n, rows, hidden = xp.shape
-        loss_parts = xp.new_empty(g_n, loss_parts_for(hidden))
+        loss_parts = xp.new_empty(g_n, max(1, -(-hidden // LOSS_CHUNK)))
         dys = xp.new_empty(shape.num_blocks, g_n, rows, hidden)  # each block's output grad
         kernels.loss_dy(h, tp, mask, loss_parts, dys[-1], reduction=hp.loss_reduction)
         factors, parts = fused_backward(theta, shape, acts, dys, slot_mm, precision)
@@ -77,19 +72,3 @@ def train_groups(
             st = adam_stats(mo, vo, step[idx], norm, hp)
             stats.copy_(torch.where(ok[:, None], st, float("nan")))
     return losses, ok
-
-
-# Hidden columns per program of the loss kernel (a group's loss in that many parts), so
-# that a few long groups still spread over the GPU.
-LOSS_CHUNK = 256
-
-
-def loss_parts_for(hidden: int) -> int:
-    """Columns of the loss parts for groups of hidden size ``hidden``."""
-    return max(1, -(-hidden // LOSS_CHUNK))
-
-
-def _mm(
-    mm, group_slot: torch.Tensor, x: torch.Tensor, w: torch.Tensor, transpose_w: bool, **kw
-) -> torch.Tensor:
-    return mm(x, w, group_slot, transpose_w, **kw)

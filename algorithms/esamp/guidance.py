@@ -1,11 +1,7 @@
-"""ESamp guidance's math, written once: each function allocates its result and temporaries,
-or, given the guidance workspace ``ws``, writes them into its parts (the CUDA strategy's
-step then allocates nothing on the device).
-
-Convention: ``ref`` logits are the sampler's (already divided by the row temperature, -inf
-off the candidate set); ``dist`` logits are raw head projections of the distiller's
-prediction, so they are divided by the same temperature here ("mix before temperature").
-"""
+"""ESamp guidance's math, written once: each function allocates its temporaries, or writes
+them into the guidance workspace ``ws``'s parts (then nothing is allocated). ``ref`` logits
+are the sampler's (temperature-scaled); ``dist`` logits are raw head projections, divided
+by the same temperature here."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ def take(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """A ``shape`` temporary: the first elements of the workspace's part ``name`` (nothing
-    allocated: the CUDA strategy), or a new tensor without a workspace (the host one)."""
+    """A ``shape`` temporary: a view of the workspace's part ``name``, else a new tensor."""
     if ws is None:
         return torch.empty(shape, dtype=dtype, device=device)
     return ws.parts[name].view(-1)[: math.prod(shape)].view(shape)
@@ -42,10 +37,7 @@ def mix_candidates(
     temperature: torch.Tensor,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """The ESamp mix for candidate entries: ``(1+beta)*ref - beta*dist/T`` elementwise
-    (``ref`` temperature-scaled, ``dist`` raw head projections, fp32; ``beta`` and
-    ``temperature`` broadcast to ``ref``). With ``ws``, ``dist`` is its part "dist" and is
-    scaled there."""
+    """The ESamp mix of candidate entries: ``(1+beta)*ref - beta*dist/T`` (fp32, broadcast)."""
     dev, f32 = ref.device, torch.float32
     beta = torch.as_tensor(beta, dtype=f32, device=dev)
     one_b = torch.add(beta, 1, out=take(ws, "one_b", tuple(beta.shape), f32, dev))
@@ -67,10 +59,8 @@ def mix_full_vocab_logits(
     inplace: bool = False,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """Two-projection mix over the whole vocabulary: ``(1+beta)*ref - beta*dist/T``
-    (``beta`` a float or one value per row). ``inplace``: the result is written into
-    ``dist_logits`` (same dtype as ``ref_logits``), so the mix needs no ``[R, V]``
-    temporary of its own."""
+    """Whole-vocabulary mix ``(1+beta)*ref - beta*dist/T``; ``inplace``: into ``dist_logits``
+    (no ``[R, V]`` temporary)."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
     dev, b = ref_logits.device, _per_row(beta)
@@ -89,9 +79,7 @@ def mix_latent(
     beta: torch.Tensor | float,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` in fp32 (``beta`` a float or one value per
-    row): one head projection of it equals the logits mix exactly for a linear head without
-    bias or soft-capping."""
+    """Latent mix ``(1+beta)*h_L - beta*f(h_1)`` (fp32): exact for a plain linear head."""
     dev, f32 = f_pred.device, torch.float32
     b = torch.as_tensor(_per_row(beta), dtype=f32, device=dev)
     one_b = torch.add(b, 1, out=take(ws, "one_b", tuple(b.shape), f32, dev))
@@ -107,10 +95,8 @@ def candidate_dist(
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     dense_fraction: float = 0.25,
 ) -> torch.Tensor:
-    """Raw dist logits (fp32) of the candidate pairs ``(rows, toks)`` from the prediction
-    ``f_pred [R, H]``: with a plain head ``weight [V, H]`` and a sparse set, the gather-dot
-    ``W[toks] . f[rows]`` (:func:`~algorithms.esamp.kernels.candidate_dot`); otherwise the
-    model's ``lm_head`` (it casts to the model dtype itself) over the vocabulary, gathered."""
+    """Raw dist logits (fp32) of the pairs ``(rows, toks)``: the gather-dot with a plain head
+    and a sparse set, else the model's ``lm_head`` over the vocabulary, gathered."""
     n = rows.numel()
     if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
         out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
@@ -133,8 +119,7 @@ def noise_prediction(
     generator: torch.Generator | None = None,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """Noise ablation: a stand-in prediction ``h_L - n`` (fp32) whose error ``n`` is Gaussian
-    with the same per-row norm as the real error ``h_L - f(h_1)`` (direction randomised)."""
+    """Noise ablation: ``h_L - n``, ``n`` Gaussian with the real error's per-row norm."""
     (n, hidden), dev, f32 = f_pred.shape, f_pred.device, torch.float32
     h = take(ws, "hf", (n, hidden), f32, dev).copy_(h_target)
     out = take(ws, "fn", (n, hidden), f32, dev)
@@ -150,9 +135,7 @@ def f_noise_prediction(
     generator: torch.Generator | None = None,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """f-noise ablation: Gaussian noise (fp32) with the same per-row norm as the prediction
-    ``f(h_1)`` (direction randomised). The mix ``(1+beta) ref - beta dist`` keeps its
-    ``(1+beta)`` sharpening; only the learned direction of ``f`` is replaced."""
+    """f-noise ablation: Gaussian noise with the prediction's per-row norm."""
     (n, hidden), dev, f32 = f_pred.shape, f_pred.device, torch.float32
     norm = torch.linalg.vector_norm(f_pred, dim=-1, out=take(ws, "fn_err", (n,), f32, dev))
     out = _unit_noise(
@@ -179,8 +162,7 @@ def relative_error(
 def mixed_rows(
     f_pred: torch.Tensor, betas: torch.Tensor, ws: GuideWorkspace | None = None
 ) -> torch.Tensor:
-    """Which rows are mixed: a finite prediction and ``beta != 0`` (a row's ``f * 0`` sums
-    to 0 exactly when all its values are finite, NaN otherwise)."""
+    """Which rows are mixed: a finite prediction (``sum(f * 0) == 0``) and ``beta != 0``."""
     (n, hidden), dev = f_pred.shape, f_pred.device
     zeros = torch.mul(f_pred, 0, out=take(ws, "hf", (n, hidden), torch.float32, dev))
     fin = torch.sum(zeros, -1, out=take(ws, "fin", (n,), torch.float32, dev))
@@ -189,8 +171,7 @@ def mixed_rows(
 
 
 def fit_scale(err: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """beta_schedule 'fit': the factor ``clamp(1 - err, 0, 1)`` of a group's recent relative
-    error (1 = the distiller predicts perfectly, 0 = no better than predicting zero)."""
+    """beta_schedule 'fit': the factor ``clamp(1 - err, 0, 1)`` of a group's recent error."""
     return torch.neg(err, out=out).add_(1.0).clamp_(0.0, 1.0)
 
 
@@ -201,12 +182,8 @@ def candidate_shift(
     tokens: torch.Tensor | None = None,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """How a mix moved each row's distribution over its ``live`` candidates (logits
-    ``before`` and ``after``, ``[R, k]``): fp32 ``[R, 4]`` columns: the number of candidates,
-    the top token before and after (the first of ties; ``tokens [R, k]``: the entries' ids,
-    else the column) and the total-variation distance between the two softmaxes. A row
-    without live candidates counts 0 (its other values mean nothing). With ``ws`` every
-    temporary is a view of the workspace."""
+    """How a mix moved each row's ``live`` candidates: fp32 ``[R, 4]`` (candidates, top token
+    before, after, total-variation distance of the softmaxes)."""
     (r, k), dev, f32 = before.shape, before.device, torch.float32
     out = take(ws, "dg_rows", (r, 4), f32, dev)
     out[:, 0].copy_(torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev)))

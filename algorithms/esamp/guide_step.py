@@ -1,21 +1,9 @@
 """ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
-decode rows and mix it into their logits (post-filter candidates or the whole vocabulary),
-each row with its request's beta (scaled by the fit when ``beta_schedule`` is 'fit').
-
-:class:`GuideStep` picks the rows; :meth:`Guide.guide` runs the step on
-:mod:`~algorithms.esamp.guidance`'s math, with a strategy chosen at construction
-(:func:`algorithms.esamp.factory.guide_for`) for where its values live:
-
-- :class:`HostGuide`: temporaries allocated, the exact candidate set, counts added at once;
-- :class:`CudaGuide`: no device allocation and no host read in the step. Every temporary is
-  a view of the :class:`~algorithms.esamp.guide_workspace.GuideWorkspace` made with the
-  consumer (before vLLM sizes the KV cache), the step's host values go in one pinned copy,
-  post-filter mixes up to ``cuda_max_candidates`` candidates per row in fixed-size tensors
-  (those past it are dropped and counted), the whole-vocabulary mix runs over every view row
-  (rows not guided: beta 0); counts, 'fit' sums and diagnostics are summed on the device and
-  read where a sync is paid anyway. Without a plain head weight the model's head is called
-  (it allocates its ``[rows, vocab]`` output, logged at start).
-"""
+decode rows and mix it into their logits, each row with its request's beta.
+:class:`GuideStep` picks the rows; :class:`HostGuide` allocates its temporaries and mixes
+the exact candidate set; :class:`CudaGuide` allocates nothing and reads nothing back in the
+step (workspace views, one pinned copy, at most ``cuda_max_candidates`` per row, counts
+summed on the device)."""
 
 from __future__ import annotations
 
@@ -83,7 +71,8 @@ def f_positions(
 
 
 class Guide:
-    """One guided step (:meth:`guide`); the strategies say where its values live."""
+    """One guided step (:meth:`guide`); the strategies (``stage``, ``record``,
+    ``mix_candidates``, ``mix_full``, ``add_counts``) say where its values live."""
 
     ws: GuideWorkspace | None = None  # the CUDA strategy's
 
@@ -146,9 +135,8 @@ class Guide:
         slots: list[int],
         rows: Callable[[torch.Tensor, str], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prediction the mix uses for view rows ``sel`` (``rows(t, part)``: their rows
-        of ``t``, in the workspace's ``part``): ``f(h_1)`` or, with a noise ablation, its
-        stand-in; and with 'fit' or diagnostics each row's relative error of ``f(h_1)``."""
+        """``f(h_1)`` (or its noise stand-in) for rows ``sel`` and, with 'fit' or
+        diagnostics, each row's relative error."""
         s, ablation, ws = self.s, self.s.cfg.ablation, self.ws
         f = f_real = s.predict(
             torch.tensor(slots, dtype=torch.long),
@@ -168,8 +156,7 @@ class Guide:
         return self.model.lm_head(z.to(self.model.dtype)).float()
 
     def latent_fallback(self, n: int) -> bool:
-        """Whether the whole-vocabulary mix is latent; counts the rows that asked for it
-        where it is not exact."""
+        """Whether the whole-vocabulary mix is latent (counts the rows where it is not exact)."""
         if self.s.cfg.mix != "latent":
             return False
         if not self.latent_ok:
@@ -181,34 +168,6 @@ class Guide:
         if self.fit is not None:
             self.fit.read(wait)
         return None
-
-    # -- the strategy's part ---------------------------------------------------------------
-    def stage(
-        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
-    ) -> tuple[torch.Tensor, ...]:
-        """The step's host values on the device: ``(idx, betas, slots, fresh)``."""
-        raise NotImplementedError
-
-    def record(
-        self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
-    ) -> object:
-        """Diagnostics: the rows' relative errors by group age; returns what
-        :meth:`mix_candidates` records the candidate shift with (``shift``) or None."""
-        raise NotImplementedError
-
-    def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
-        """Post-filter: the mix on the candidates of the ``mixed`` rows (the others keep
-        their logits); the candidates dropped into ``over``."""
-        raise NotImplementedError
-
-    def mix_full(self, rows: Rows) -> None:
-        """The whole-vocabulary mix of the ``mixed`` rows: in latent space when exact, else
-        two projections; the other rows keep their logits."""
-        raise NotImplementedError
-
-    def add_counts(self, counts: torch.Tensor) -> None:
-        """This step's counts, ``GUIDED_COUNTERS`` in order."""
-        raise NotImplementedError
 
 
 class HostGuide(Guide):
@@ -240,9 +199,7 @@ class HostGuide(Guide):
             self.fit.read()
 
     def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
-        # Sparse: the dist logits of the surviving candidates only, written back entry by
-        # entry (no pass over the vocabulary beyond finding the candidates; unchanged
-        # entries are written as they are).
+        # Sparse: the dist logits of the surviving candidates only, written back entry by entry.
         view = rows.view
         over.zero_()
         cand = view.candidates()
@@ -339,8 +296,7 @@ class CudaGuide(Guide):
         self.guided_sums.add(counts)
 
     def read(self, wait: bool) -> list[int] | None:
-        """The sums sent to the host without a wait that have arrived (``wait``: all, and
-        the diagnostics' records)."""
+        """The device sums that have reached the host (``wait``: all, and the records)."""
         super().read(wait)
         if self.records is not None and wait:
             self.records.read()
@@ -351,10 +307,8 @@ class CudaGuide(Guide):
         return counts
 
     def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
-        # Each row's cuda_max_candidates highest candidates. A mixed row's candidates past
-        # them are dropped (set to -inf: mixing some candidates and not others would shift
-        # them against each other by an arbitrary offset of the dist logits). Every slot is
-        # computed (fixed shapes); those of rows not mixed are written back unchanged.
+        # A mixed row's candidates past the cap are dropped: mixing only some would shift
+        # them against each other. Fixed shapes; rows not mixed are written back unchanged.
         ws, view = self.ws, rows.view
         top = view.top_candidates(self.s.cfg.cuda_max_candidates, buffers=ws.view_buffers)
         r, k = top.tokens.shape
@@ -380,8 +334,7 @@ class CudaGuide(Guide):
         torch.sum(torch.mul(top.over_cap, row_live, out=ws.take("over", r)), 0, out=over)
 
     def mix_full(self, rows: Rows) -> None:
-        # Over every view row (fixed shapes): rows not guided get beta 0 and are not mixed,
-        # so their logits stay bit for bit (the write's row mask, no extra pass).
+        # Over every view row (fixed shapes): rows not guided get beta 0 and are not written.
         ws, view = self.ws, rows.view
         ref, f, betas, mixed = view.logits, rows.f, rows.betas, rows.mixed
         r = ref.shape[0]
@@ -408,8 +361,7 @@ class CudaGuide(Guide):
 
 
 class GuideStep:
-    """Picks a step's rows to guide (random-sampling decode rows of groups with a slot) and
-    hands them to its strategy."""
+    """Picks a step's rows to guide and hands them to its strategy."""
 
     def __init__(
         self,
@@ -428,9 +380,7 @@ class GuideStep:
 
     def __call__(self, view: GuideView) -> None:
         cfg, rows = self.s.cfg, view.rows
-        # beta = 0 still runs the path (selection, prediction) but writes nothing back. With
-        # some rows at beta != 0, the others' candidates are written with their own values
-        # (masks, no nonzero): the step takes the guided path, which it would anyway.
+        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
         if len(rows) == 0:
             return
         is_dec = np.asarray(rows.is_decode, dtype=bool)
@@ -450,9 +400,8 @@ class GuideStep:
         self.strategy.guide(view, sel, slots, [self.beta_of(rows.requests[i]) for i in sel])
 
     def read_guided(self, wait: bool = True) -> None:
-        """Count what the strategy summed on the device since the last read (``wait``:
-        everything now, a host wait where a sync is paid anyway); the first candidates
-        dropped at the cap are logged once (a top-k filter the user did not ask for)."""
+        """Count what the strategy summed on the device (``wait``: all of it); warn once
+        when candidates were dropped at the cap."""
         counts = self.strategy.read(wait)
         if counts is None:
             return

@@ -1,13 +1,6 @@
-"""The CUDA guidance's preallocated temporaries: everything a guided step computes lives in
-row views of one device allocation (and the view's own :class:`~tllm_core.GuideBuffers`),
-made when the consumer is built, so the step allocates nothing on the device and its
-memory is in the plan (:mod:`algorithms.esamp.memory_plan`) before vLLM sizes the KV cache.
-
-The step's host values (its row indices, betas, slots and the 'fit' schedule's fresh
-slots) go to the device in one copy from tllm_core's pinned staging ring
-(:class:`~tllm_core.StagingRing`: a host buffer is rewritten only after its copy has run),
-so the host never waits in practice and the copy never reads a half-written buffer.
-"""
+"""The CUDA guidance's preallocated temporaries: row views of one device allocation made with
+the consumer (so the step allocates nothing and the memory plan counts it), and the step's
+host values sent in one copy from a pinned :class:`~tllm_core.StagingRing`."""
 
 from __future__ import annotations
 
@@ -44,17 +37,13 @@ def _stage_spec(rows: int) -> WorkspaceSpec:
 
 
 def _aliases_masks(rows: int, vocab: int, mode: str, dtype: torch.dtype) -> bool:
-    """Whether the head's ``[rows, vocab]`` output in the model dtype fits in the view
-    buffers' two bool masks (they are written only after it has been read)."""
+    """Whether the head's ``[rows, vocab]`` output fits in the view buffers' two masks."""
     return mode != "post_filter" and dtype.itemsize <= 2
 
 
 @dataclass(frozen=True)
 class GuideShape:
-    """What sizes the guidance workspace: ``rows`` = cuda_rows_per_step, the model's
-    ``hidden``, ``vocab`` and ``dtype``, ``max_candidates`` = cuda_max_candidates, ESamp's
-    ``mode``, the distiller's ``slots``, ``noise`` (ablation 'noise' or 'f_noise') and
-    ``diagnostics``."""
+    """What sizes the guidance workspace (``rows``: cuda_rows_per_step)."""
 
     rows: int
     hidden: int
@@ -75,10 +64,7 @@ class GuideShape:
 
 
 def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
-    """The parts: row vectors, ``[rows, hidden]`` scratch, the 'fit' errors per slot, per
-    mode the candidates' ``[rows, k]`` mix or the whole-vocabulary ``[rows, vocab]`` fp32
-    mix, with ``noise`` the stand-in prediction, with ``diagnostics`` their records' ring
-    (and post-filter the candidate shift's scratch)."""
+    """The workspace's parts (name, shape, dtype) for this shape."""
     mode, vocab, max_candidates, slots = shape.mode, shape.vocab, shape.max_candidates, shape.slots
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -134,8 +120,7 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
 
 
 def guidance_workspace_bytes(shape: GuideShape) -> int:
-    """Device bytes of a :class:`GuideWorkspace` of this shape (its allocation and its view
-    buffers' one)."""
+    """Device bytes of a :class:`GuideWorkspace` of this shape, view buffers included."""
     return workspace_bytes(workspace_spec(shape)) + GuideBuffers.nbytes(
         shape.rows, shape.vocab, **shape.view_buffers_args()
     )
@@ -163,11 +148,6 @@ class GuideWorkspace:
             carve_workspace_from(flat, _stage_spec(rows)) for flat in self._staging.buffers
         ]
 
-    @property
-    def host_waits(self) -> int:
-        """Staging buffers whose previous copy had not run (not expected)."""
-        return self._staging.waits
-
     def check_rows(self, n: int) -> None:
         if n > self.rows:
             raise ValueError(
@@ -181,8 +161,7 @@ class GuideWorkspace:
         return self.parts[name][:rows]
 
     def proj(self, rows: int) -> torch.Tensor:
-        """``[rows, vocab]`` in the model dtype for the head's output: the view buffers'
-        masks when it fits there (they are written only after it is read)."""
+        """``[rows, vocab]`` for the head's output (the view buffers' masks when it fits)."""
         if not self._proj_aliased:
             return self.parts["proj"][:rows]
         n = rows * self.vocab
@@ -192,8 +171,7 @@ class GuideWorkspace:
     def stage(
         self, idx: list[int], betas: list[float], slots: list[int], fresh: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        """The step's host values on the device in one copy; returns their device views
-        ``(idx, betas, slots, fresh)``."""
+        """The step's host values on the device in one copy: ``(idx, betas, slots, fresh)``."""
         i, _ = self._staging.take(self.parts["stage"].numel())
         values = {"idx": idx, "betas": betas, "slots": slots, "fresh": fresh}
         for name, v in values.items():

@@ -1,9 +1,6 @@
-"""The CPU trainer: clip_grad_norm_ + Adam for the packed groups of one step, in place, on
-the kernels' ops (their PyTorch reference on CPU) and :func:`~algorithms.esamp.adam.fused_adam_`,
-with the weights as views of the state rather than slot-gathered copies. Why not the update
-graph's :func:`~algorithms.esamp.graph_update.train_groups` on CPU: its slot-indexed ops gather
-each slot's weights and moments (no host read of the slot), which made an 8 x 16 update at
-hidden 576 about 2.7 times slower on CPU (18 against 50 ms)."""
+"""The CPU trainer: clip + Adam for the packed groups of one step, in place, with the weights
+as views of the state. Not the update graph's ``train_groups``: its slot-gathered weights and
+moments made an 8 x 16 update at hidden 576 about 2.7 times slower on CPU."""
 
 from __future__ import annotations
 
@@ -19,13 +16,9 @@ from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
 
 
 class HostTrainer:
-    """The backward written out as batched products over groups (both cores work on it
-    through torch's intra-op pool; 16-row products of one group alone run on one core), every
-    group's clip coefficient known before any gradient exists (the update graph's loss,
-    backward and tail ops), then each weight's gradients of all groups formed once, already
-    clipped, in a scratch buffer that stays in cache, for PyTorch's fused Adam: no full-size
-    gradient is ever written to memory.
-    """
+    """The backward as batched products over groups (they use every core), each group's clip
+    coefficient known before any gradient exists, then each weight's clipped gradients formed
+    in a cached scratch buffer for PyTorch's fused Adam."""
 
     def __init__(self, shape: DistillerShape, hp: AdamHyper):
         self.shape, self.hp = shape, hp
@@ -45,16 +38,9 @@ class HostTrainer:
         forward: tuple[torch.Tensor, Activations] | None = None,
         row_errors: torch.Tensor | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
-        """One update of each packed group; returns per group (loss, updated) and, with
-        ``hp.stats``, the update's statistics ``[groups, len(STATS)]`` (:func:`adam_stats`; rows of
-        groups not updated are NaN), else None.
-
-        ``state``: the stacked ``(theta, m, v, step)``. ``forward``: :func:`forward_acts` of
-        these parameters on the packed ``x``, when already computed (a prediction of the same
-        rows). A group with a non-finite loss or gradient norm keeps its state (updated False).
-        ``row_errors`` (fp32 ``[R]``, optional): filled with each row's error before the
-        update (``TrainResult.row_errors``).
-        """
+        """One update of each packed group of ``state = (theta, m, v, step)``; returns per
+        group (loss, updated) and, with ``hp.stats``, the statistics (NaN where not updated).
+        ``forward``: the prediction's, when already computed; ``row_errors``: filled."""
         theta, m, v, step = state
         shape, hp = self.shape, self.hp
         weights = block_weights(batch.take(theta), shape)
@@ -95,8 +81,7 @@ class HostTrainer:
         return losses[pos].tolist(), ok, stats
 
     def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
-        """Form each weight's clipped gradient for all groups and apply Adam to the groups in
-        ``todo`` (batch index, slot)."""
+        """Each weight's clipped gradient for all groups, then Adam on ``todo`` (index, slot)."""
         shape = self.shape
         steps = [step[slot] for _, slot in todo]  # counted by update_tail
         rows = [self._slot_views(theta, m, v, slot) for _, slot in todo]

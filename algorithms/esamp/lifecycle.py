@@ -52,8 +52,7 @@ class Groups:
         return g
 
     def ensure_slot(self, g: Group) -> int | None:
-        """The group's slot, allocated on its first decode row; None at the ``max_groups`` cap
-        (or when a fixed-capacity distiller, the CUDA one, has every slot live)."""
+        """The group's slot, allocated on first use; None at the cap or a full fixed capacity."""
         if g.slot is None:
             d, cap = self.distiller, self.max_groups
             if (cap is not None and d.num_live >= cap) or (
@@ -71,8 +70,7 @@ class Groups:
     def claim(
         self, requests: list[RequestInfo], rows: Iterable[int], admit: Admit | None = None
     ) -> tuple[list[int], list[int], int]:
-        """The one row walk of guidance, training and warm start: track each row's group,
-        drop the rows ``admit`` refuses, give the others their group's slot, in row order.
+        """Track each row's group and give the rows ``admit`` takes their group's slot.
         Returns (rows kept, their slots, rows refused at the slot cap)."""
         sel: list[int] = []
         slots: list[int] = []
@@ -91,8 +89,7 @@ class Groups:
         return sel, slots, capped
 
     def finish(self, request: RequestInfo) -> int | None:
-        """A request finished: its group's slot is freed with the group's last request.
-        Returns the serial of a group freed now, else None."""
+        """A request finished; returns the serial of its group if freed now, else None."""
         key = self.key(request)
         g = self.by_key.get(key)
         if g is None or request.engine_id not in g.live:

@@ -1,7 +1,5 @@
-"""ESamp's loss bookkeeping: the read-back results of train steps turned into the loss
-counters, each group's first and last loss, the mean learning curve, and with
-``optimizer_stats`` the update statistics (:func:`algorithms.esamp.adam.adam_stats`) as
-counters and a curve by a group's step index."""
+"""ESamp's loss bookkeeping: read-back train results turned into the loss counters and
+curves (and with ``optimizer_stats`` the update statistics)."""
 
 from __future__ import annotations
 
@@ -9,29 +7,40 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Counters
 
 _CURVE_POINTS = 64
-_K = len(STATS)  # clipped, eps share, update size, gradient norm
 
 # One submitted train step: the groups' serials and ages (steps before it), its result.
 Submitted = tuple[list[int], list[int], TrainResult]
 
 
-def _curve_ages(counts: list[float]) -> list[int]:
-    """The step indices with data (``counts[a] > 0``), at most 64 spread evenly."""
-    ages = [a for a, n in enumerate(counts) if n]
-    if len(ages) > _CURVE_POINTS:
-        picks = np.unique(np.linspace(0, len(ages) - 1, _CURVE_POINTS).round().astype(int))
-        ages = [ages[i] for i in picks]
-    return ages
+class ByAge:
+    """Per step index within a group: the sums of some values and how many were added."""
+
+    def __init__(self) -> None:
+        self.sums: list[list[float]] = []
+        self.counts: list[int] = []
+
+    def add(self, age: int, values: list[float]) -> None:
+        while len(self.counts) <= age:
+            self.sums.append([0.0] * len(values))
+            self.counts.append(0)
+        self.sums[age] = [s + v for s, v in zip(self.sums[age], values, strict=True)]
+        self.counts[age] += 1
+
+    def curve(self, points: int | None = _CURVE_POINTS) -> list[list[float]]:
+        """``[step index, the means, count]`` per index with data (at most ``points``, evenly)."""
+        ages = [a for a, n in enumerate(self.counts) if n]
+        if points is not None and len(ages) > points:
+            picks = np.unique(np.linspace(0, len(ages) - 1, points).round().astype(int))
+            ages = [ages[i] for i in picks]
+        return [[a, *(s / self.counts[a] for s in self.sums[a]), self.counts[a]] for a in ages]
 
 
 def final_prefix(results: list[TrainResult], block: bool) -> int:
-    """How many results, oldest first, can be read now: all of them after a synchronize
-    (``block``), else those already final (results complete in order)."""
+    """How many results, oldest first, can be read now (``block``: all, after a sync)."""
     n = 0
     while n < len(results) and (block or results[n].ready()):
         n += 1
@@ -43,24 +52,18 @@ class OptStats:
 
     def __init__(self, counters: Counters):
         self.counters = counters
-        # Per step index within a group: the sums of the STATS columns, then the updates.
-        self._by_age: list[list[float]] = []
-        self._tot = [0.0] * (_K + 1)
+        self._by_age, self._total = ByAge(), ByAge()  # the total: all at index 0
 
     def add(self, age: int, row: list[float]) -> None:
         """One decode update's statistics (a row in :data:`STATS` order)."""
-        while len(self._by_age) <= age:
-            self._by_age.append([0.0] * (_K + 1))
-        for acc in (self._by_age[age], self._tot):
-            for i in range(_K):
-                acc[i] += row[i]
-            acc[_K] += 1
+        self._by_age.add(age, row)
+        self._total.add(0, row)
 
     def publish(self) -> None:
         """Set the counters from everything measured so far."""
-        clipped, share, size, norm, n = self._tot
-        if not n:
+        if not self._total.counts:
             return
+        (clipped, share, size, norm), n = self._total.sums[0], self._total.counts[0]
         self.counters.set("optimizer_updates_measured", n)
         self.counters.set("optimizer_clipped_updates", int(clipped))
         self.counters.set("optimizer_clip_rate", clipped / n)
@@ -70,12 +73,8 @@ class OptStats:
 
     def summary(self) -> dict[str, Any]:
         """``optimizer_curve``: [step index, clip rate, eps share, update size, gradient norm,
-        updates] for at most 64 step indices (empty without ``optimizer_stats``)."""
-        curve = []
-        for a in _curve_ages([acc[_K] for acc in self._by_age]):
-            acc = self._by_age[a]
-            curve.append([a, *(x / acc[_K] for x in acc[:_K]), acc[_K]])
-        return {"optimizer_curve": curve}
+        updates] for at most 64 step indices."""
+        return {"optimizer_curve": self._by_age.curve()}
 
 
 class LossBook:
@@ -85,8 +84,7 @@ class LossBook:
         self._sum, self._n = 0.0, 0
         self._first: float | None = None
         self._last: float | None = None
-        self._age_sum: list[float] = []
-        self._age_n: list[int] = []
+        self._by_age = ByAge()
         # Per-group first and last losses, as sums over every group so far (a server runs
         # for ever: a last loss is kept only for groups that may still report one).
         self._group_last: dict[int, float] = {}  # serial -> last loss
@@ -130,11 +128,7 @@ class LossBook:
         if self._first is None:
             self._first = loss
         self._last = loss
-        while len(self._age_sum) <= age:
-            self._age_sum.append(0.0)
-            self._age_n.append(0)
-        self._age_sum[age] += loss
-        self._age_n[age] += 1
+        self._by_age.add(age, [loss])
         last = self._group_last.get(serial)
         if last is None:  # the group's first loss
             self._g_n += 1
@@ -154,11 +148,6 @@ class LossBook:
             self._group_last.pop(s, None)
             self._freed.discard(s)
 
-    def _curve(self) -> list[list[float]]:
-        """Mean loss by a group's optimizer step index (its learning curve), <= 64 points."""
-        ages = _curve_ages(self._age_n)
-        return [[a, self._age_sum[a] / self._age_n[a], self._age_n[a]] for a in ages]
-
     def summary(self) -> dict[str, Any]:
         return {
             "loss_first": self._first,
@@ -167,6 +156,6 @@ class LossBook:
             "group_loss_first_mean": self._gfirst_sum / self._g_n if self._g_n else None,
             "group_loss_last_mean": self._glast_sum / self._g_n if self._g_n else None,
             # [step index within a group, mean loss over groups, number of groups]
-            "loss_curve": self._curve(),
+            "loss_curve": self._by_age.curve(),
             **self.opt.summary(),
         }

@@ -1,20 +1,11 @@
-"""ESamp's device memory, planned from shapes before anything is allocated.
-
-The consumer is built inside vLLM's ``load_model``, before vLLM sizes the KV cache: what it
-holds then (state, static inputs, the update graph's pool) and what it needs per step
-(prediction and guidance temporaries) comes out of the KV cache. The plan states those bytes
-from the model's shapes, vLLM's batch limit and the ESamp settings, so a setting that does
-not fit is refused at start with the numbers, not found out as an out-of-memory error. Each
-term and its formula: docs/consumers/esamp.md, "The memory plan". The state, input and
-guidance terms are the exact sizes of the tensors allocated (tests count them on the real
-objects); the activation terms are upper bounds. Torch only: this module imports on a
-machine without pydantic or vLLM.
-"""
+"""ESamp's device memory, planned from shapes before anything is allocated (it comes out of
+vLLM's KV cache), so a setting that does not fit is refused at start with the numbers. Terms
+and formulas: docs/consumers/esamp.md, "The memory plan". Torch only (no pydantic, vLLM)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -28,9 +19,7 @@ GIB = 2**30
 MIB = 2**20
 # The side stream's cuBLAS + cuBLASLt workspaces (torch's default on sm90: 32 MiB each).
 CUBLAS_WORKSPACE_BYTES = 2 * 32 * MIB
-# Tensors allocated at construction (the CUDA distiller's state, buffers and ring; the
-# guidance workspace and its view buffers), each rounded up by at most 2 MiB by the caching
-# allocator.
+# Tensors allocated at construction, each rounded up by at most 2 MiB by the caching allocator.
 ALLOCATIONS = 26
 
 
@@ -54,15 +43,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return (
-            self.state_bytes
-            + self.inputs_bytes
-            + self.update_workspace_bytes
-            + self.predict_workspace_bytes
-            + self.guidance_workspace_bytes
-            + self.cublas_workspace_bytes
-            + self.rounding_bytes
-        )
+        """The sum of the ``*_bytes`` terms."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_bytes"))
 
     def as_dict(self) -> dict[str, int | float]:
         d: dict[str, int | float] = asdict(self)
@@ -85,8 +67,7 @@ class MemoryPlan:
 
 
 def default_slots(rows_per_step: int, graph_rows: int) -> int:
-    """Slots for a batch of ``rows_per_step`` rows in groups of ``graph_rows`` (vLLM's
-    max_num_seqs / samples per prompt): prompts in flight at once."""
+    """Slots for ``rows_per_step`` rows in groups of ``graph_rows``."""
     return max(1, math.ceil(rows_per_step / graph_rows))
 
 
@@ -107,9 +88,7 @@ def plan_memory(
     noise: bool = False,
     diagnostics: bool = False,
 ) -> MemoryPlan:
-    """The plan for these shapes (each term: docs/consumers/esamp.md); ``mode`` is
-    ESamp's mixing mode, ``dtype`` the model's, ``noise`` whether the ablation is 'noise'
-    or 'f_noise' and ``diagnostics`` ESamp's (the guidance workspace depends on them)."""
+    """The plan for these shapes (each term: docs/consumers/esamp.md)."""
     sh = DistillerShape(hidden_size, intermediate_size, num_blocks)
     p, h, i, nb = sh.num_params, hidden_size, intermediate_size, num_blocks
     s, m = slots, pow2_rows(graph_rows)
@@ -139,8 +118,7 @@ def plan_memory(
 
 
 def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None:
-    """Refuse (ValueError naming the numbers) when the plan needs more than ``max_fraction``
-    of the device's ``device_bytes``."""
+    """Refuse a plan over ``max_fraction`` of ``device_bytes`` (ValueError with the numbers)."""
     limit = max_fraction * device_bytes
     if plan.total_bytes > limit:
         raise ValueError(
@@ -152,8 +130,7 @@ def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None
 
 
 def device_total_bytes(device: torch.device | str) -> int | None:
-    """Total memory of a CUDA device; None elsewhere (the CPU state grows with live groups,
-    so no fixed share of host memory is checked)."""
+    """Total memory of a CUDA device; None elsewhere (the CPU state grows instead)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return None

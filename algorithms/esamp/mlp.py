@@ -35,9 +35,8 @@ def batched_mm(
 def forward_acts(
     weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul = batched_mm
 ) -> tuple[torch.Tensor, Activations]:
-    """``f`` of packed rows ``xp [B, M, H]`` (fp32; one batch entry per group) and the
-    activations its backward needs. All-zero padding rows stay exactly zero (no biases).
-    ``mm``: how a batch entry meets its weights."""
+    """``f`` of packed rows ``xp [B, M, H]`` and the activations its backward needs (zero
+    padding rows stay zero)."""
     acts = []
     h = xp
     for gate, up, down in weights:
@@ -50,8 +49,7 @@ def forward_acts(
 
 
 def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Activations]:
-    """What :func:`forward_slots` returned when it wrote ``out`` from the packed rows ``xp``
-    (read back from the buffers: nothing is computed)."""
+    """What :func:`forward_slots` returned when it wrote ``out`` from ``xp`` (no compute)."""
     acts, h = [], xp
     for h_out, a, u, s, p in out:
         acts.append((h, a, u, s, p))
@@ -60,9 +58,8 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
 
 
 def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tensor]:
-    """Per block, gate and up of every row of ``theta [B, P]`` (or ``m``/``v``) as one view
-    ``[B, 2, I, H]`` (index 0: gate, 1: up; the flat layout keeps them ``NB x I x H`` apart),
-    so that a product or an Adam step of both is one launch."""
+    """Per block, gate and up of ``theta [B, P]`` (or ``m``/``v``) as one view ``[B, 2, I,
+    H]``: one launch for both."""
     b, n = theta.shape[0], shape.block_numel
     nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
     both = theta[:, : 2 * n].view(b, 2, nb, i, h)
@@ -70,9 +67,7 @@ def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tens
 
 
 def stack_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
-    """``[B, N, ...]`` view holding the ``N`` tensors ``parts`` (each ``[B, ...]``) when they
-    are equally strided views of one buffer at equally spaced, increasing offsets (then an
-    operation on it is one launch over all of them); None otherwise."""
+    """``[B, N, ...]`` view of ``parts`` when they are equally spaced views of one buffer."""
     first = parts[0]
     step = parts[1].storage_offset() - first.storage_offset() if len(parts) > 1 else 1
     same = all(
@@ -91,8 +86,7 @@ def stack_view(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def pair_view(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``[B, 2, M, I]`` view holding ``a`` and ``u`` (same shape and strides, one storage,
-    ``u`` after ``a``): a product writing both at once writes them."""
+    """``[B, 2, M, I]`` view holding ``a`` and ``u`` (one product writes both)."""
     both = stack_view([a, u])
     if both is None:
         raise ValueError("a and u must be equally strided views of one buffer, u after a")
@@ -106,15 +100,9 @@ def forward_slots(
     mm: MatMul,
     out: ActBuffers | None = None,
 ) -> tuple[torch.Tensor, Activations]:
-    """:func:`forward_acts` in fewer launches, for a ``mm`` that takes ``[S, 2, ., .]``
-    weights and an ``add=`` (the slot-indexed product, :func:`algorithms.esamp.slot_ops.
-    slot_matmul`): per block ``a`` and ``u`` in one product over gate and up
-    (:func:`gate_up_pairs`), ``s`` and ``p`` in one :func:`~algorithms.esamp.kernels.
-    silu_mul`, and ``h + p @ down^T`` in one product. On CPU the same values as
-    :func:`forward_acts` bit for bit (on CUDA the Triton products may split K differently:
-    fp32 rounding). ``out``: as :func:`forward_acts` (``a`` and ``u`` of a block must then
-    form a :func:`pair_view`); without it every block's output and activations are views
-    of two new buffers, equally spaced across blocks (:func:`stack_view`)."""
+    """:func:`forward_acts` in three launches per block, for a slot-indexed ``mm`` (taking
+    ``[S, 2, ., .]`` weights and ``add=``). ``out``: where each block's output and
+    activations go (else equally spaced views of new buffers)."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     if out is None:

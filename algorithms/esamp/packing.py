@@ -1,6 +1,4 @@
-"""Packing a step's rows per group: rows of one group side by side in ``[G, M, H]``
-(zero-padded to the largest group), so every block of the distiller is one batched product
-over groups. Plans are computed on the host, so packing needs no device sync."""
+"""Packing a step's rows per group into ``[G, M, H]`` (zero-padded), planned on the host."""
 
 from __future__ import annotations
 
@@ -42,13 +40,9 @@ def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
 
 @dataclass
 class HostBatch:
-    """Where the packed groups of one step live in the stacked state (CPU path).
-
-    ``rows`` selects a block of state rows: a slice (so weights are views, nothing copied)
-    when the slots fill a short range, else the slots themselves (weights gathered).
-    ``pos [G]``: batch index of each packed group inside that block; batch entries that are
-    no packed group get all-zero rows, so they contribute nothing and are never updated.
-    """
+    """Where the packed groups of one step live in the stacked state (CPU path): a slice of
+    rows (weights are views) when the slots fill a short range, else the slots (gathered);
+    ``pos [G]``: each group's batch index (other entries get zero rows, never updated)."""
 
     rows: slice | torch.Tensor
     pos: np.ndarray

@@ -1,10 +1,5 @@
-"""The distiller's parameter layout: shapes, optimizer settings, the flat parameter row of
-one group and its views per weight matrix.
-
-Each group (slot) owns one flat fp32 row of ``P`` parameters; ``m`` and ``v`` (Adam's
-moments) share the layout. Row layout: gate ``[NB, I, H]``, up ``[NB, I, H]``, down
-``[NB, H, I]`` (``NB`` blocks, intermediate size ``I``, hidden size ``H``).
-"""
+"""The distiller's parameter layout: one flat fp32 row of ``P`` parameters per group (``m``
+and ``v`` alike): gate ``[NB, I, H]``, up ``[NB, I, H]``, down ``[NB, H, I]``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""What a person reads and sees of an ESamp run: the summary lines, the warnings that
-matter and the report's plots (``ESampConsumer.summary`` / ``summary_warnings`` /
-``report_plots``), from the counters and ``result()`` the engine returned."""
+"""What a person reads of an ESamp run: summary lines, warnings and the report's plots."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """ESamp's per-request results (``tllm_results: "esamp"``): each decode row's prediction
-error, read back with the train step that measured it and kept per request
-(:class:`~tllm_core.api.results.RequestRows`, bounded by ``max_result_bytes``) until the
-request's result is taken."""
+error, kept per request until its result is taken."""
 
 from __future__ import annotations
 
@@ -17,11 +15,7 @@ from tllm_core import Counters, RequestInfo, RequestRows, array_json_bytes, requ
 
 
 class ReturnedErrors:
-    """The errors of the rows of requests that ask, from submission to the request's result.
-
-    :meth:`submitted` notes which rows of a train step (asked with ``row_errors``) belong to
-    asking requests; :meth:`read` moves the errors of final steps, oldest first, into the
-    per-request rows (counted ``rows_returned``); :meth:`take` hands a request's rows out."""
+    """The errors of the rows of requests that ask, from submission to the request's result."""
 
     EMPTY = {"positions": np.zeros(0, np.int64), "prediction_error": np.zeros(0, np.float32)}
 
@@ -41,8 +35,7 @@ class ReturnedErrors:
     def submitted(
         self, res: TrainResult, at: np.ndarray, requests: list[RequestInfo], positions: np.ndarray
     ) -> None:
-        """Rows ``at`` of the step ``res`` (of ``requests``, at ``positions``) return their
-        errors once ``res`` is final."""
+        """Rows ``at`` of the step ``res`` return their errors once it is final."""
         self._pending.append((res, at, requests, positions))
         self._waiting.update({r.engine_id for r in requests})
 
@@ -51,8 +44,7 @@ class ReturnedErrors:
         return self._waiting[engine_id] > 0
 
     def read(self, block: bool) -> None:
-        """Keep the errors of the final steps, oldest first (``block``: every step; the
-        caller has waited for them)."""
+        """Keep the errors of the final steps, oldest first (``block``: every step)."""
         n = final_prefix([p[0] for p in self._pending], block)
         done, self._pending = self._pending[:n], self._pending[n:]
         for res, at, requests, positions in done:
@@ -70,6 +62,5 @@ class ReturnedErrors:
 
     @staticmethod
     def result_bytes(max_tokens: int) -> int:
-        """An upper bound of a request's result: at most one decode row per generated
-        token (positions int64, errors fp32)."""
+        """An upper bound of a request's result (one decode row per generated token)."""
         return array_json_bytes(max_tokens, 8) + array_json_bytes(max_tokens, 4) + 64

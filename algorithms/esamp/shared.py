@@ -42,29 +42,23 @@ class Shared:
         return self.on_cuda or self.distiller.asynchronous
 
     def rows_kw(self, rows: object) -> dict:
-        """The keyword naming the rows (their :func:`rows_id`) for a distiller that takes it:
-        the CUDA distiller keeps a prediction's forward for the update of the same rows (the
-        CPU one compares the rows themselves)."""
+        """The keyword naming the rows (:func:`rows_id`) for a distiller that takes it."""
         return {"rows_id": rows} if self.distiller.takes_rows_id else {}
 
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
-        """The distiller's prediction; with init 'zero_output' the blocks' residual sum
-        alone (the input subtracted), so an untrained distiller predicts 0."""
+        """The distiller's prediction (init 'zero_output': the input subtracted)."""
         f = self.distiller.predict(slots, x, **self.rows_kw(rows))
         return f - x.float() if self.zero_out and not self.distiller.zero_output else f
 
     def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """What the blocks are trained to output: ``target`` (+ the input for 'zero_output',
-        so that ``blocks(x) - x`` learns ``target``)."""
+        """What the blocks are trained to output (+ the input for 'zero_output')."""
         if self.zero_out and not self.distiller.zero_output:
             return target.float() + x.float()
         return target
 
 
 def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:
-    """A name for the step's rows ``sel`` of ``rows``: the step and their packed token rows,
-    so a guide view and the step's bundle name the same tokens (whose hidden states both
-    read from the same capture) alike."""
+    """A name for the step's rows ``sel``, the same in a guide view and the step's bundle."""
     return step, rows.row[sel].tobytes()
 
 
@@ -75,9 +69,8 @@ def select_rows(
     ws: GuideWorkspace | None = None,
     part: str = "",
 ) -> torch.Tensor:
-    """``t[idx]``, or ``t`` itself when ``sel`` is every row in order (the usual decode step:
-    the distiller copies its inputs anyway, so the gather would be a second copy); gathered
-    into the guidance workspace's ``part`` when given and of ``t``'s dtype."""
+    """``t[idx]`` (into the workspace's ``part`` when given), or ``t`` itself when ``sel`` is
+    every row in order."""
     if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1:
         return t
     if ws is None or t.dtype != ws.parts[part].dtype:
@@ -88,9 +81,7 @@ def select_rows(
 def row_index(
     sel: list[int], device: torch.device, arange: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Row indices on ``device`` (``host_to``: :func:`tllm_core.host_to_device`): every row
-    in order is a view of ``arange`` (``Shared.arange``) where it is long enough (nothing
-    allocated or copied)."""
+    """Row indices on ``device``; every row in order is a view of ``arange`` where it fits."""
     ascending = sel and sel[0] == 0 and sel[-1] == len(sel) - 1  # sel is range(len(sel))
     if ascending and arange is not None and len(sel) <= arange.numel():
         return arange[: len(sel)]

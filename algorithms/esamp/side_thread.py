@@ -1,16 +1,6 @@
-"""A CPU side thread: the CPU counterpart of the CUDA side stream.
-
-Jobs run one at a time, in submission order, on one daemon thread. :meth:`SideThread.wait`
-is the event the engine thread waits on before it reads state the jobs write (the next
-prediction), so ordering stays strict while the work itself overlaps with the engine.
-
-Why it helps: vLLM's CPU backend runs the model with one OpenMP thread per core it binds
-and leaves the rest to its scheduler (on a 2-core machine the model gets one core). The side
-thread may run on every core the process is allowed, so it takes a core the model leaves
-idle. It keeps normal priority on purpose: its work is on the critical path of the next
-prediction, and a low-priority thread would be starved whenever other work shares the
-machine, stalling the engine thread at :meth:`wait` instead.
-"""
+"""A CPU side thread, the counterpart of the CUDA side stream: jobs run in order on one
+daemon thread, on a core the model leaves idle, and the engine thread waits for them before
+reading the state. Normal priority on purpose: its work is on the next prediction's path."""
 
 from __future__ import annotations
 
@@ -32,8 +22,7 @@ WAIT_TIMEOUT_S = 300.0
 
 def _widen_affinity() -> str:
     """Let the calling thread run on every core the process may use (vLLM pins its engine
-    thread, and a new thread inherits that pin), not on cores outside the process's allowed
-    set (taskset, a container's cpuset); returns what was set, for the log."""
+    thread; a new thread inherits the pin); returns what was set, for the log."""
     try:  # Linux: the affinity of the calling thread only.
         os.sched_setaffinity(0, allowed_cpus())
         return f"cpus {sorted(os.sched_getaffinity(0))}"
@@ -47,7 +36,6 @@ class SideThread:
     def __init__(self, name: str = "tllm-side"):
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self.jobs_run = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -57,8 +45,7 @@ class SideThread:
         self._jobs.put(job)
 
     def wait(self, timeout: float = WAIT_TIMEOUT_S) -> None:
-        """Block until every submitted job has run; re-raise a job's error here. Raises
-        ``RuntimeError`` when the jobs have not finished after ``timeout`` seconds."""
+        """Block until every submitted job has run (at most ``timeout``); re-raise a job's error."""
         q = self._jobs
         with q.all_tasks_done:
             done = q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
@@ -91,7 +78,6 @@ class SideThread:
                     return
                 if self._error is None:  # after a failure, skip until the owner has seen it
                     job()
-                    self.jobs_run += 1
             except BaseException as e:  # noqa: BLE001 - handed to the engine thread
                 self._error = e
             finally:

@@ -6,9 +6,12 @@ the step's slots are read. Both are :mod:`algorithms.esamp.kernels` operators.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from algorithms.esamp import kernels
+from algorithms.esamp.mlp import MatMul
 from algorithms.esamp.params import AdamHyper
 
 
@@ -59,3 +62,9 @@ def slot_grad_adam_(
         a, b, scale, group_slot, ok, step, w, m, v,
         lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision,
     )  # fmt: skip
+
+
+def slots_bound(mm: Callable[..., torch.Tensor], group_slot: torch.Tensor) -> MatMul:
+    """``mm`` (as :func:`slot_matmul`) with ``group_slot`` bound: the :data:`MatMul` of
+    :func:`~algorithms.esamp.mlp.forward_slots`."""
+    return lambda x, w, transpose_w, **kw: mm(x, w, group_slot, transpose_w, **kw)

@@ -1,11 +1,6 @@
-"""Slots of independent distillers: the stacked parameter and optimizer state, its slot
-lifecycle (alloc, free, growth) and the bookkeeping that measures staleness.
-
-Each group (slot) owns one flat fp32 parameter row of ``theta [C, P]`` plus its Adam state
-(``m``, ``v``, ``step``). Groups never mix: each group's loss only depends on its own
-parameter row, and clipping/Adam are row-wise. The device-specific math lives in the
-subclasses (:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`).
-"""
+"""Slots of independent distillers: one flat fp32 row of ``theta [C, P]`` and its Adam state
+per group, the slot lifecycle (alloc, free, growth) and the staleness bookkeeping. The math
+lives in the subclasses (:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`)."""
 
 from __future__ import annotations
 
@@ -17,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from algorithms.esamp.adam import STATS
 from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
 
@@ -41,16 +37,20 @@ class TrainResult:
         """True when ``losses``/``updated`` can be read without waiting."""
         return self.done is None or self.done.is_set()
 
+    @classmethod
+    def unfilled(cls, pk: Packing, stats: bool, **kw) -> TrainResult:
+        """A result filled in when its queued update has run (NaN until then)."""
+        n = len(pk.slots)
+        nan = float("nan")
+        st = torch.full((n, len(STATS)), nan) if stats else None
+        return cls(pk.slots, torch.full((n,), nan), torch.zeros(n, dtype=torch.bool),
+                   threading.Event(), counts=pk.counts, stats=st, **kw)  # fmt: skip
+
 
 class SlotDistiller:
     """Stacked state of ``capacity`` distiller slots and their lifecycle (base class).
-
-    Staleness is measured, not assumed: ``_submitted[slot]`` counts the train steps handed
-    to the distiller for a slot (host), ``applied[slot]`` (on the device) the ones the update
-    code has processed, incremented where the update runs. A prediction compares the two for
-    its slots at the moment it reads the parameters; :meth:`staleness_max` is the largest
-    gap seen (0 when every update submitted before a prediction ran before it).
-    """
+    Staleness is measured: a prediction compares ``_submitted`` (host) with ``applied``
+    (counted where the update runs) for its slots."""
 
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
@@ -101,8 +101,7 @@ class SlotDistiller:
     # -- ordering hooks (the subclasses' queues) -------------------------------------
     @property
     def asynchronous(self) -> bool:
-        """True when train steps return before they have run (read results after
-        :meth:`synchronize`)."""
+        """True when train steps return before they have run."""
         return False
 
     def _drain(self) -> None:
@@ -140,30 +139,25 @@ class SlotDistiller:
         """Reallocate the stacked state; new slots start from the template."""
         self._drain()  # pending jobs hold views of the old storage
         self._version += 1
-        rows, p, dev = new_capacity, self.shape.num_params, self.device
-        theta = self.template.expand(rows, p).clone()
-        m = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
-        v = torch.zeros(rows, p, device=dev, dtype=self.moments_dtype)
-        step = torch.zeros(rows, device=dev)
-        applied = torch.zeros(rows, dtype=torch.long, device=dev)
-        submitted = np.zeros(rows, dtype=np.int64)
-        old = self._capacity
-        if old:
-            theta[:old].copy_(self.theta[:old])
-            m[:old].copy_(self.m[:old])
-            v[:old].copy_(self.v[:old])
-            step[:old].copy_(self.step[:old])
-            applied[:old].copy_(self.applied[:old])
-            submitted[:old] = self._submitted[:old]
-        self.theta, self.m, self.v, self.step = theta, m, v, step
-        self.applied, self._submitted = applied, submitted
+        rows, p, dev, old = new_capacity, self.shape.num_params, self.device, self._capacity
+        new = {
+            "theta": self.template.expand(rows, p).clone(),
+            "m": torch.zeros(rows, p, device=dev, dtype=self.moments_dtype),
+            "v": torch.zeros(rows, p, device=dev, dtype=self.moments_dtype),
+            "step": torch.zeros(rows, device=dev),
+            "applied": torch.zeros(rows, dtype=torch.long, device=dev),
+            "_submitted": np.zeros(rows, dtype=np.int64),
+        }
+        for name, t in new.items():
+            if old:
+                t[:old] = getattr(self, name)[:old]
+            setattr(self, name, t)
         for s in range(old, new_capacity):
             heapq.heappush(self._free, s)
         self._capacity = new_capacity
 
     def alloc(self) -> int:
-        """A fresh slot (state at init); doubles the capacity when all slots are live (a
-        fixed-capacity distiller raises instead: check :attr:`num_live` first)."""
+        """A fresh slot; doubles the capacity when all are live (fixed capacity: raises)."""
         if not self._free:
             if not self.growable:
                 raise RuntimeError(
@@ -189,10 +183,8 @@ class SlotDistiller:
     def _reset(self, slot: int) -> None:
         def reset() -> None:
             self.theta[slot].copy_(self.template)
-            self.m[slot].zero_()
-            self.v[slot].zero_()
-            self.step[slot].zero_()
-            self.applied[slot].zero_()
+            for t in (self.m, self.v, self.step, self.applied):
+                t[slot].zero_()
 
         self._version += 1
         self._submitted[slot] = 0
@@ -216,11 +208,8 @@ class SlotDistiller:
         target: torch.Tensor,
         row_errors: bool = False,
     ) -> TrainResult:
-        """One Adam step per group present, on that group's rows (loss: :mod:`~algorithms.esamp.kernels.op_loss_dy`).
-
-        Groups whose loss or gradient is non-finite are skipped (``updated`` False).
-        ``row_errors``: also each row's error before the update (``TrainResult.row_errors``).
-        """
+        """One Adam step per group present, on its rows; non-finite groups are skipped.
+        ``row_errors``: also each row's error before the update."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0, device=self.device)
@@ -240,13 +229,11 @@ class SlotDistiller:
         raise NotImplementedError
 
     def staleness_max(self) -> int:
-        """The largest number of submitted-but-unprocessed updates any prediction's slot had
-        when the prediction read its parameters (0: strict ordering held)."""
+        """The largest lag of submitted over applied updates a prediction saw (0: strict)."""
         return self._staleness_max
 
     def memory_bytes_per_group(self) -> int:
-        """Parameters + Adam moments + step counter of one slot, in bytes (fp32; the 8-byte
-        update counter used for staleness is not included)."""
+        """Parameters + Adam moments + step counter of one slot, in bytes."""
         moments = 2 * torch.finfo(self.moments_dtype).bits // 8
         return (self.shape.num_params * (4 + moments)) + 4
 

@@ -1,6 +1,5 @@
 """ESamp's training, after sampling: each step's decode rows train their group's distiller
-(warm start: a group's prompt rows first), and the results are read back as the distiller
-allows (queued updates in batches)."""
+(warm start: its prompt rows first); results are read back as the distiller allows."""
 
 from __future__ import annotations
 
@@ -16,14 +15,11 @@ from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, RequestInfo
 
-# Queued updates (CUDA side stream, CPU side thread): losses are read back this often: on
-# CUDA those the background result copies brought back (no waiting), with a wait only when
-# _FLUSH_LIMIT are still not back (the device that far behind: the host's bookkeeping stays
-# bounded).
+# Queued updates: losses are read back this often without waiting, and with a wait once
+# _FLUSH_LIMIT are not back (the host's bookkeeping stays bounded).
 _FLUSH_EVERY = 256
 _FLUSH_LIMIT = 4 * _FLUSH_EVERY
-# The device-side counters (guided rows, the fit's sums) are sent to the host every this many
-# flushes that do not wait (each send is a copy, a reset and an event on the step's stream).
+# The device-side counters are sent to the host every this many flushes that do not wait.
 _READ_EVERY = 32
 
 
@@ -34,13 +30,12 @@ class Trainer:
         groups: Groups,
         losses: LossBook,
         read_deferred: Callable[[bool], None],
-        returned: ReturnedErrors | None = None,
+        returned: ReturnedErrors,
     ):
         self.s, self.groups, self.losses = shared, groups, losses
         # The device counters, read at each flush (True: waiting for them, at a blocking one).
         self.read_deferred = read_deferred
-        # Per-row errors of the requests that ask for them (tllm_results), or None.
-        self.returned = returned
+        self.returned = returned  # per-row errors of the requests that ask (tllm_results)
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
         self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
@@ -64,8 +59,8 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        asking = self.returned.asking(rows.requests, sel) if self.returned else None
-        ask = asking is not None and asking.size > 0
+        asking = self.returned.asking(rows.requests, sel)
+        ask = asking.size > 0
         rid = rows_id(bundle.step, bundle.rows, sel)
         submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)
         if not submitted:
@@ -82,9 +77,8 @@ class Trainer:
         self._after_submit()
 
     def _warm_start(self, bundle: Bundle, is_dec: np.ndarray) -> None:
-        """warm_start_steps: create the distiller of each group whose prompt rows arrive and
-        train it on them (the rows of the group's first request in this step; a group warms
-        once). Counted in warm_start_groups / warm_start_rows / warm_start_steps."""
+        """warm_start_steps: train each new group's distiller on its first request's prompt
+        rows (once per group)."""
         recomputed = np.asarray(bundle.rows.recomputed, dtype=bool)
         first: dict[int, str] = {}  # id(group) -> engine id whose rows are used
 
@@ -115,11 +109,8 @@ class Trainer:
         rows: object = None,
         row_errors: bool = False,
     ) -> list[TrainResult]:
-        """``steps`` train steps of the rows ``sel`` (their groups' ``slots``); none when
-        there are no rows or training is off (then counted as frozen). ``rows``: their
-        :func:`rows_id` (the guide named the rows it predicted alike: the CUDA distiller
-        then reuses that prediction's forward); ``row_errors``: the first step also
-        measures each row's error before it (``TrainResult.row_errors``)."""
+        """``steps`` train steps of the rows ``sel`` (none when training is off). ``rows``:
+        their :func:`rows_id`; ``row_errors``: the first step measures each row's error."""
         if not sel:
             return []
         if not self.training:
@@ -146,8 +137,7 @@ class Trainer:
             self.flush(block=False)
 
     def flush(self, block: bool = True) -> None:
-        """Read results back to the host and update the counters; with ``block=False`` only
-        those of updates that have already run, oldest first."""
+        """Read results back and update the counters (``block=False``: those already run)."""
         s = self.s
         if block and (self._pending or self._warm_pending):
             s.distiller.synchronize()
@@ -164,8 +154,7 @@ class Trainer:
         ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
         if ready:
             self.losses.add(ready)
-        if self.returned is not None:
-            self.returned.read(block)
+        self.returned.read(block)
         self.prune_losses()
 
     def prune_losses(self) -> None:
@@ -173,8 +162,7 @@ class Trainer:
         self.losses.prune({s for serials, _, _ in self._pending for s in serials})
 
     def _flush_warm(self, block: bool) -> None:
-        """Count the warm-start updates that ran (one per group and step; a group whose
-        loss was non-finite was not updated) once their results are final."""
+        """Count the warm-start updates that ran once their results are final."""
         n = final_prefix(self._warm_pending, block)
         done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
         for res in done:

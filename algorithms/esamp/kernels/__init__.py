@@ -1,35 +1,23 @@
-"""ESamp's fused kernels as torch operators (``torch.ops.tllm_esamp``: a dispatch mode sees
-each call as one op): Triton on CUDA (imported only there), the PyTorch reference on CPU,
-nothing on meta. One module per op (``op_<name>.py``: schema, call, checks, reference, Triton
-launch, bytes moved); what each does: docs/consumers/esamp.md, "The fused kernels".
-Importing this package needs neither Triton nor a GPU.
-"""
+"""ESamp's fused kernels as torch operators (``torch.ops.tllm_esamp``), one module per op
+(``op_<name>.py``: schema, call, checks, reference, Triton launch, bytes moved); see
+docs/consumers/esamp.md, "The fused kernels". Importing needs neither Triton nor a GPU."""
 
 from __future__ import annotations
 
 from algorithms.esamp.kernels import ops  # noqa: F401  (defines the ops)
-from algorithms.esamp.kernels.checks import (
-    HEAD_DTYPES,
-    INPUT_PRECISIONS,
-    MOMENT_DTYPES,
-    NORM_TILE_ROWS,
-    norm_parts,
-)
+from algorithms.esamp.kernels.checks import INPUT_PRECISIONS, norm_parts
 from algorithms.esamp.kernels.op_block_backward import block_backward, block_backward_bytes
 from algorithms.esamp.kernels.op_candidate_dot import candidate_dot, candidate_dot_bytes
 from algorithms.esamp.kernels.op_grad_adam import grad_adam, grad_adam_bytes
 from algorithms.esamp.kernels.op_loss_dy import loss_dy, loss_dy_bytes
-from algorithms.esamp.kernels.op_silu_mul import silu_mul, silu_mul_bytes
+from algorithms.esamp.kernels.op_silu_mul import silu_mul
 from algorithms.esamp.kernels.op_slot_matmul import slot_matmul, slot_matmul_bytes
-from algorithms.esamp.kernels.op_stale_max import stale_max, stale_max_bytes
-from algorithms.esamp.kernels.op_update_tail import update_tail, update_tail_bytes
+from algorithms.esamp.kernels.op_stale_max import stale_max
+from algorithms.esamp.kernels.op_update_tail import update_tail
 from algorithms.esamp.kernels.ops import triton_available
 
 __all__ = [
-    "HEAD_DTYPES",
     "INPUT_PRECISIONS",
-    "MOMENT_DTYPES",
-    "NORM_TILE_ROWS",
     "block_backward",
     "block_backward_bytes",
     "candidate_dot",
@@ -40,12 +28,9 @@ __all__ = [
     "loss_dy_bytes",
     "norm_parts",
     "silu_mul",
-    "silu_mul_bytes",
     "slot_matmul",
     "slot_matmul_bytes",
     "stale_max",
-    "stale_max_bytes",
     "triton_available",
     "update_tail",
-    "update_tail_bytes",
 ]

@@ -57,9 +57,8 @@ NORM_CHUNK_HIDDEN = 512
 
 
 def norm_parts(rows: int, hidden: int = 0) -> int:
-    """Columns of ``block_backward``'s norm parts for groups of ``rows`` rows: at least one
-    per pair of row tiles; with ``hidden``, enough for each pair to split the hidden size
-    over programs of ``NORM_CHUNK_HIDDEN`` columns (more programs on the GPU)."""
+    """Columns of ``block_backward``'s norm parts: one per pair of row tiles, times the
+    shares of ``hidden`` (``NORM_CHUNK_HIDDEN`` columns each) where given."""
     tiles = max(1, -(-rows // NORM_TILE_ROWS))
     return tiles * tiles * max(1, -(-hidden // NORM_CHUNK_HIDDEN))
 

@@ -41,8 +41,7 @@ def bool_bytes(t: Any) -> Any:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: which kernel, its grid, positional arguments, compile-time
-    constants and warps (what a test needs to compile it for a GPU it does not have)."""
+    """One kernel launch (what a test needs to compile it for a GPU it does not have)."""
 
     kernel: str
     grid: tuple[int, ...]
@@ -62,8 +61,7 @@ class Launch:
 
 
 def runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
-    """``launch_fn``'s kernel as a function: builds the launch from the same arguments and
-    runs it (with ``kernels``, else the compiled ones); nothing where there is no launch."""
+    """``launch_fn``'s kernel as a function of the same arguments (``kernels``: whose)."""
 
     def run(*args: Any, kernels: SimpleNamespace | None = None, **kwargs: Any) -> None:
         launch = launch_fn(*args, **kwargs)

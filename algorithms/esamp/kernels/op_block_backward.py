@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::block_backward``: the elementwise backward of one block ``h + (silu(a)
-* u) @ down^T`` and its share of each group's squared gradient norm.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+* u) @ down^T`` and its share of each group's squared gradient norm."""
 
 from __future__ import annotations
 
@@ -39,17 +38,10 @@ def block_backward(
     *,
     input_precision: str = "ieee",
 ) -> None:
-    """The elementwise backward of one block ``h + (silu(a) * u) @ down^T`` and its share of
-    each group's squared gradient norm.
-
-    ``dp`` (the gradient at ``p = s * u``), ``a``, ``u``, ``s = silu(a)``, ``p`` ``[G, M, I]``
-    fp32 (the forward's activations), ``h_in`` (the block's input) and ``dy`` (the gradient
-    at its output) ``[G, M, H]`` fp32. Writes ``du = dp * s``, ``da = dp * u * silu'(a)``
-    ``[G, M, I]``, and ``parts [G, T]`` fp32 (``T >= norm_parts(M)``): columns summing to
-    ``|dy^T p|^2 + |du^T h_in|^2 + |da^T h_in|^2`` (the block's down, up and gate gradients'
-    squared norms, from ``M x M`` Gram matrices); how the sum is spread over the columns is
-    the implementation's. Padding rows must be zero in ``dp``, ``p``, ``h_in`` and ``dy``.
-    ``input_precision``: the Gram products' (:data:`INPUT_PRECISIONS`)."""
+    """The elementwise backward of one block ``h + (silu(a) * u) @ down^T``: ``du = dp * s``,
+    ``da = dp * u * silu'(a)`` (``[G, M, I]`` fp32, as ``a``, ``u``, ``s``, ``p``), and
+    ``parts [G, T >= norm_parts(M)]`` summing to ``|dy^T p|^2 + |du^T h_in|^2 + |da^T
+    h_in|^2`` (from ``M x M`` Gram matrices). Padding rows must be zero."""
     torch.ops.tllm_esamp.block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision)
 
 
@@ -75,8 +67,7 @@ def check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precisio
 
 
 def reference(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
-    """The PyTorch reference of :func:`block_backward`: the whole share in ``parts[:, 0]``
-    (the other columns 0)."""
+    """The PyTorch reference of :func:`block_backward` (the share in ``parts[:, 0]``)."""
     torch.mul(dp, s, out=du)
     sig = torch.sigmoid(a)
     torch.mul(dp * u * sig, 1 + a * (1 - sig), out=da)
@@ -92,10 +83,8 @@ def block_backward_launch(
     dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee",
     *, block_m: int | None = None, block_i: int = 32, block_h: int = 64, num_warps: int | None = None,
 ) -> Launch | None:  # fmt: skip
-    """The block backward kernel's launch: per group one program per column of ``parts``:
-    each pair of row tiles over as many shares of H as the columns allow (at most one per
-    ``block_h`` columns of H), the columns past them written 0. Arguments as
-    :func:`algorithms.esamp.kernels.block_backward`; the caller has checked them."""
+    """The block backward kernel's launch: one program per column of ``parts`` (a pair of
+    row tiles and a share of H; unused columns written 0)."""
     check_precision(input_precision)
     groups, rows, _ = dp.shape
     if groups == 0:
@@ -127,9 +116,7 @@ run_triton = runner(block_backward_launch)
 
 
 def block_backward_bytes(groups: int, rows: int, inter: int, hidden: int, parts: int) -> int:
-    """``block_backward``: ``dp``, ``a``, ``u``, ``s``, ``p`` read and ``du``, ``da`` written
-    (``[rows, inter]`` each), ``h_in`` and ``dy`` read (``[rows, hidden]``) per group (a
-    group's row tiles re-read them from L2, not DRAM), its norm parts written."""
+    """``block_backward``: seven ``[rows, inter]`` and two ``[rows, hidden]`` tensors, parts."""
     per_group = (7 * rows * inter + 2 * rows * hidden + parts) * FP32
     return groups * per_group
 

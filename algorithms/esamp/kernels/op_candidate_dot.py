@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::candidate_dot``: guidance's dist logit ``W[token] . f[row]`` of each
-(row, token) pair, in fp32.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+(row, token) pair, in fp32."""
 
 from __future__ import annotations
 
@@ -20,21 +19,15 @@ def candidate_dot(
     tokens: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]``, accumulated in fp32;
-    returns ``out`` (written in place; nothing allocated on CUDA).
-
-    ``weight [V, H]`` one of :data:`HEAD_DTYPES` (an LM head's weight), ``f [R, H]`` fp32,
-    both with unit stride along H (any row stride); ``rows``, ``tokens`` ``[N]`` int64 (or
-    int32), any pair may repeat; ``out [N]`` fp32. All on one device. Index values are not
-    checked on CUDA (that would need a host read): they must lie in ``[0, R)`` and
-    ``[0, V)``."""
+    """``out[j] = sum_h float(weight[tokens[j], h]) * f[rows[j], h]`` in fp32; returns ``out``.
+    ``weight [V, H]`` (:data:`HEAD_DTYPES`), ``f [R, H]`` fp32, both unit stride along H;
+    ``rows``, ``tokens`` ``[N]`` int; indices unchecked (a host read): in ``[0, R)``, ``[0, V)``."""
     torch.ops.tllm_esamp.candidate_dot(weight, f, rows, tokens, out)
     return out
 
 
 def check_candidate_dot(weight, f, rows, tokens, out) -> None:
-    """Raise ``ValueError`` naming the bad argument and what is allowed. Index values are not
-    checked (that would read the device): they must lie in ``[0, R)`` and ``[0, V)``."""
+    """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(weight=weight, f=f, rows=rows, tokens=tokens, out=out)
     if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES):
         raise ValueError(
@@ -75,9 +68,7 @@ def reference(weight, f, rows, tokens, out, chunk=CANDIDATE_CHUNK) -> None:
 def candidate_dot_launch(
     weight, f, rows, tokens, out, *, block_p=4, block_h=512, num_warps=4
 ) -> Launch | None:
-    """The candidate dot kernel's launch (None: no pairs). Arguments as
-    :func:`algorithms.esamp.kernels.candidate_dot`; the caller has checked them. ``H = 0``
-    still launches (it writes zeros)."""
+    """The candidate dot kernel's launch (None: no pairs; ``H = 0`` writes zeros)."""
     n, h = tokens.shape[0], weight.shape[1]
     if n == 0:
         return None
@@ -94,11 +85,8 @@ run_triton = runner(candidate_dot_launch)
 
 
 def candidate_dot_bytes(n: int, h: int, weight_bytes: int, f_rows: int = 0) -> int:
-    """Bytes one ``candidate_dot`` call moves for ``n`` (row, token) pairs of hidden size
-    ``h``: each pair's head row read once (``weight_bytes`` per element; a token repeated
-    across rows is counted each time), its two int64 indices read and its fp32 result
-    written, plus the prediction ``f [f_rows, h]`` read once (its rows are re-read from L2,
-    not DRAM)."""
+    """Bytes one ``candidate_dot`` call moves: each pair's head row, indices and result, and
+    the prediction ``f [f_rows, h]`` once."""
     return n * h * weight_bytes + n * (8 + 8 + FP32) + f_rows * h * FP32
 
 

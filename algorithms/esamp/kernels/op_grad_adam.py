@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::grad_adam``: one Adam step per live group, gradient formed inside the
-kernel.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+kernel."""
 
 from __future__ import annotations
 
@@ -43,25 +42,14 @@ def grad_adam(
     eps: float,
     input_precision: str = "ieee",
 ) -> None:
-    """One Adam step per live group, gradient formed inside the kernel.
+    """For each group with a slot ``s = group_slot[g] >= 0`` and ``ok[g]``: ``grad = scale[g]
+    * a[g]^T @ b[g]``, then ``torch._fused_adam_``'s step of ``w[s]``, ``m[s]``, ``v[s]`` at
+    count ``step[s]`` (already incremented); other slots are left bit for bit.
 
-    For every group ``g`` with ``group_slot[g] >= 0`` and ``ok[g] != 0``, with
-    ``s = group_slot[g]``: ``grad = scale[g] * a[g]^T @ b[g]``, then ``torch._fused_adam_``'s
-    step of ``w[s]``, ``m[s]``, ``v[s]`` with step count ``step[s]`` (already incremented),
-    no weight decay. Other groups touch nothing (their slots keep w/m/v bit for bit).
-
-    ``a [G, M, N]``, ``b [G, M, K]`` fp32 (rows past a group's count must be zero);
-    ``scale [G]`` fp32 (e.g. the clip coefficient); ``group_slot [G]`` int32/int64;
-    ``ok [G]`` bool/int/float; ``step [S]`` fp32; ``w [S, N, K]`` fp32 and ``m``/``v``
-    (fp32 or bf16: computed in fp32, stored rounded) as any strided views, e.g.
-    ``theta[:, off:off + N * K].view(S, N, K)``. Several matrices of a slot in one launch:
-    ``w``/``m``/``v`` ``[S, E, N, K]``, ``a [G, E, M, N]``, ``b [G, M, K]`` (shared by the
-    matrices, e.g. gate and up of a block) or ``[G, E_b, M, K]`` with ``E`` a multiple of
-    ``E_b``: matrix ``e`` uses ``b[:, e % E_b]`` (gate and up of every block: ``E = 2 NB``,
-    ``b`` each block's input, ``E_b = NB``). A slot may appear in at most one live group
-    (two would race on the GPU). ``input_precision``: the gradient product's, one of
-    :data:`INPUT_PRECISIONS` (``"ieee"``: exact fp32; ``"tf32"`` is faster on tensor cores).
-    """
+    ``a [G, M, N]``, ``b [G, M, K]``, ``scale [G]``, ``step [S]`` fp32, ``w [S, N, K]`` fp32
+    and ``m``/``v`` fp32 or bf16, any strided views. Several matrices at once: ``w``/``m``/``v``
+    ``[S, E, N, K]``, ``a [G, E, M, N]``, ``b [G, M, K]`` (shared) or ``[G, E_b, M, K]``
+    (matrix ``e`` uses ``b[:, e % E_b]``). A slot may be in at most one live group."""
     b1, b2 = betas
     torch.ops.tllm_esamp.grad_adam(
         a, b, scale, group_slot, ok, step, w, m, v, lr, b1, b2, eps, input_precision
@@ -124,8 +112,7 @@ def check_grad_adam(
 def reference(
     a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee"
 ) -> None:
-    """The PyTorch reference of :func:`grad_adam`: :func:`~algorithms.esamp.adam.fused_adam_`
-    on each slot's rows (bf16 moments: computed in fp32, rounded when stored)."""
+    """The PyTorch reference of :func:`grad_adam`: ``fused_adam_`` on each slot's rows."""
     if w.shape[0] == 0:
         return
     if w.dim() == 4:  # E matrices of each slot: one at a time (b shared or cycling)
@@ -151,8 +138,7 @@ def grad_adam_launch(
     a, b, scale, group_slot, ok, step, w, m, v, lr, beta1, beta2, eps, input_precision="ieee",
     *, block_n: int = 32, block_k: int = 128, num_warps: int = 8,
 ) -> Launch | None:  # fmt: skip
-    """The fused gradient + Adam kernel's launch (None: nothing to do). Arguments as
-    :func:`algorithms.esamp.kernels.grad_adam`; the caller has checked them."""
+    """The fused gradient + Adam kernel's launch (None: nothing to do)."""
     check_precision(input_precision)
     # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared by
     # all (3 dims) or cycle over fewer matrices than E.
@@ -193,12 +179,8 @@ def grad_adam_bytes(
     *,
     b_matrices: int = 1,
 ) -> int:
-    """Bytes one ``grad_adam`` call moves for ``groups`` live groups of ``matrices`` ``[n,
-    k]`` matrices with ``rows`` rows each: w, m, v read and written once per parameter, the
-    factors ``a [rows, n]`` (per matrix) and the ``b_matrices`` ``b [rows, k]`` (matrices
-    sharing one read it once) read once (tiles re-read them from L2, not DRAM), plus the
-    per-group scalars. With fp32 moments: 24 bytes per parameter and the factors' share
-    (16 with bf16 moments)."""
+    """Bytes one ``grad_adam`` call moves: w, m, v read and written once per parameter (24
+    bytes with fp32 moments, 16 with bf16), the factors read once, the per-group scalars."""
     e = matrices
     params = groups * e * n * k
     state = params * 2 * (param_bytes + 2 * moment_bytes)
@@ -207,8 +189,6 @@ def grad_adam_bytes(
     return state + factors + scalars
 
 
-# What each call moves, for byte counters that go by operator (tllm_core.testing.fake_cuda):
-# its arguments hold every slot's weights or the whole head, of which it reads a part.
 def _traffic(a, b, scale, group_slot, ok, step, w, m, v, *args, **kwargs) -> int:
     groups, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     e = w.shape[1] if w.dim() == 4 else 1

@@ -1,7 +1,6 @@
 """The op ``tllm_esamp::loss_dy``: each group's loss (in parts) and its gradient with respect
 to ``h``, in one pass; and the loss's denominator rule, defined once for every update path
-(the CPU trainer, the update graph, the Triton kernel).
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+(the CPU trainer, the update graph, the Triton kernel)."""
 
 from __future__ import annotations
 
@@ -20,11 +19,8 @@ from tllm_core import pow2_rows
 
 
 def loss_denominator(rows: torch.Tensor, hidden_size: int, reduction: str) -> torch.Tensor:
-    """What each group's summed squared error ``sum ||f(x) - target||^2`` is divided by
-    (fp32, at least 1). ``rows``: each group's row count. ``"mean"``: rows x hidden size (the
-    mean over rows and hidden dims, as ``F.mse_loss``); ``"sum"``: rows (the paper's loss:
-    summed over hidden dims, averaged over rows), so loss and gradient are ``hidden_size``
-    times the mean's."""
+    """What each group's summed squared error is divided by (fp32, at least 1): rows x
+    hidden size for ``"mean"`` (``F.mse_loss``), rows for ``"sum"`` (the paper's loss)."""
     return (rows.to(torch.float32) * loss_per_row(hidden_size, reduction)).clamp_min(1.0)
 
 
@@ -54,14 +50,9 @@ def loss_dy(
     reduction: str = "mean",
 ) -> None:
     """Each group's loss (in parts) and its gradient with respect to ``h``, in one pass.
-
-    ``h``, ``tp``, ``dy`` ``[G, M, H]`` fp32, ``mask [G, M]`` bool (the group's rows),
-    ``parts [G, L]`` fp32 (``L >= 1``: on CUDA each group's hidden columns are split over
-    ``L`` programs). With ``diff = h - tp`` on marked rows (0 elsewhere, whatever ``h`` and
-    ``tp`` hold there) and ``denom = max(rows x (H for "mean", 1 for "sum"), 1)``
-    (:func:`loss_denominator`): ``parts[g]`` sums to
-    ``sum(diff[g]^2) / denom`` (how it is spread over the columns is the implementation's;
-    :func:`update_tail` sums it), ``dy[g] = diff[g] * (2 / denom)``."""
+    ``h``, ``tp``, ``dy`` ``[G, M, H]`` fp32, ``mask [G, M]`` bool, ``parts [G, L]`` fp32.
+    With ``diff = h - tp`` on marked rows (else 0) and ``denom`` (:func:`loss_denominator`):
+    ``parts[g]`` sums to ``sum(diff[g]^2) / denom`` and ``dy[g] = diff[g] * (2 / denom)``."""
     torch.ops.tllm_esamp.loss_dy(h, tp, mask, parts, dy, reduction)
 
 
@@ -96,9 +87,7 @@ def reference(h, tp, mask, parts, dy, reduction) -> None:
 
 
 def loss_dy_launch(h, tp, mask, parts, dy, reduction, *, block_h=128, num_warps=4) -> Launch | None:
-    """The loss + dy kernel's launch: per group one program per column of ``parts``, each
-    over an equal share of the hidden columns (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.loss_dy`; the caller has checked them."""
+    """The loss + dy kernel's launch: per group one program per column of ``parts``."""
     groups, rows, hidden = h.shape
     if groups == 0:
         return None
@@ -119,9 +108,7 @@ run_triton = runner(loss_dy_launch)
 
 
 def loss_dy_bytes(groups: int, rows: int, hidden: int, parts: int = 1) -> int:
-    """``loss_dy``: ``h`` and ``tp`` read, ``dy`` written (``[groups, rows, hidden]`` fp32
-    each), the mask read (by each of a group's ``parts`` programs) and the loss parts
-    written."""
+    """``loss_dy``: ``h`` and ``tp`` read, ``dy`` written, the mask and the parts."""
     return 3 * groups * rows * hidden * FP32 + groups * parts * (rows + FP32)
 
 

@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::silu_mul``: a SwiGLU block's activations ``s = silu(a)``, ``p = s *
-u`` in one pass.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+u`` in one pass."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ SCHEMA = "silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()"
 
 
 def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor) -> None:
-    """``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32 (any strides), in one pass
-    (CPU: ``torch``'s silu and mul, the values of ``F.silu(a) * u``)."""
+    """``s = silu(a)`` and ``p = s * u``, all ``[G, M, I]`` fp32 (any strides), in one pass."""
     torch.ops.tllm_esamp.silu_mul(a, u, s, p)
 
 
@@ -35,8 +33,7 @@ def reference(a, u, s, p) -> None:
 
 
 def silu_mul_launch(a, u, s, p, *, block_m=16, block_i=128, num_warps=4) -> Launch | None:
-    """The SwiGLU activation kernel's launch (None: nothing to do). Arguments as
-    :func:`algorithms.esamp.kernels.silu_mul`; the caller has checked them."""
+    """The SwiGLU activation kernel's launch (None: nothing to do)."""
     groups, rows, inter = a.shape
     if groups == 0 or rows == 0 or inter == 0:
         return None

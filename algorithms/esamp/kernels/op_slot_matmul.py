@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::slot_matmul``: each packed group's product with its own slot of the
-stacked weights.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+stacked weights."""
 
 from __future__ import annotations
 
@@ -36,18 +35,12 @@ def slot_matmul(
     split_k: int = 0,
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[g] = x[g] @ w[s]^T`` with ``w [S, N, K]`` (``transpose_w``), or ``x[g] @ w[s]``
-    with ``w [S, K, N]``, for ``s = group_slot[g]``; the product is 0 where ``s < 0``.
-    Returns ``out`` (written in place; nothing allocated).
-
-    ``x [G, M, K]``, ``out [G, M, N]`` fp32; ``w`` fp32, any strided view. Several matrices
-    of a slot at once (one launch): ``w [S, E, N, K]`` (or ``[S, E, K, N]``) with ``x [G, M,
-    K]`` (shared) or ``[G, E, M, K]``, into ``out [G, E, M, N]`` (one product per matrix) or
-    ``out [G, M, N]`` (their sum: ``sum_e x[g, e] @ w[s, e]^T``). ``add [G, M, N]``
-    (optional, with ``out [G, M, N]``): added to ``out``, which must not alias it. On CUDA,
-    ``split_k`` splits K over that many programs whose partial sums are added atomically
-    (summation order then varies run to run, at fp32 rounding level); 0 picks it from the
-    GPU's SM count, 1 is deterministic."""
+    """``out[g] = x[g] @ w[s]^T`` (``transpose_w``; else ``x[g] @ w[s]``) for ``s =
+    group_slot[g]``, 0 where ``s < 0``; returns ``out``. ``x [G, M, K]``, ``out [G, M, N]``
+    fp32. Several matrices at once: ``w [S, E, ., .]`` with ``x`` shared or ``[G, E, M, K]``,
+    into ``out [G, E, M, N]`` or their sum ``[G, M, N]``. ``add``: added to ``out`` (not
+    aliasing it). ``split_k`` (CUDA): K over that many programs summed atomically (run-to-run
+    rounding differences); 0 picks it from the SM count, 1 is deterministic."""
     torch.ops.tllm_esamp.slot_matmul(
         x, w, group_slot, out, transpose_w, input_precision, split_k, add
     )
@@ -106,18 +99,12 @@ def reference(
         return
     live = (group_slot >= 0)[:, None, None]
     idx = group_slot.clamp(min=0)
-    if w.dim() == 3:
-        ws = w.index_select(0, idx)
-        y = torch.where(live, torch.bmm(x, ws.transpose(1, 2) if transpose_w else ws), 0.0)
-    else:
-        ys = []
-        for e in range(w.shape[1]):
-            ws = w[:, e].index_select(0, idx)
-            xe = x if x.dim() == 3 else x[:, e]
-            ys.append(
-                torch.where(live, torch.bmm(xe, ws.transpose(1, 2) if transpose_w else ws), 0.0)
-            )
-        y = sum(ys[1:], ys[0]) if out.dim() == 3 else torch.stack(ys, 1)
+    ys = []
+    for e in range(w.shape[1] if w.dim() == 4 else 1):
+        ws = (w if w.dim() == 3 else w[:, e]).index_select(0, idx)
+        xe = x if x.dim() == 3 else x[:, e]
+        ys.append(torch.where(live, torch.bmm(xe, ws.transpose(1, 2) if transpose_w else ws), 0.0))
+    y = sum(ys[1:], ys[0]) if out.dim() == 3 else torch.stack(ys, 1)
     if add is not None:
         y = add + y
     out.copy_(y)
@@ -127,10 +114,8 @@ def slot_matmul_launch(
     x, w, group_slot, out, transpose_w=True, input_precision="ieee", split_k=0, add=None,
     *, block_n: int = 64, block_k: int = 64, num_warps: int = 4,
 ) -> Launch | None:  # fmt: skip
-    """The slot-indexed grouped matmul's launch (None: nothing to launch). Arguments as
-    :func:`algorithms.esamp.kernels.slot_matmul`; ``split_k`` 0 picks it from the SM
-    count; the caller has checked the rest. With ``split_k > 1`` the kernel adds into
-    ``out``, which must be zero first (:func:`slot_matmul` zeroes it)."""
+    """The slot-indexed matmul's launch (None: nothing to launch); with ``split_k > 1`` the
+    kernel adds into ``out``, which must be zero first (:func:`run_triton` zeroes it)."""
     check_precision(input_precision)
     if split_k < 0:
         raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
@@ -172,8 +157,7 @@ def slot_matmul_launch(
 
 
 def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Enough K-splits for about two programs per SM (the weights' read is the whole cost,
-    so every SM must stream some); 1 where a single pass already fills the GPU."""
+    """Enough K-splits for about two programs per SM (every SM must stream weights)."""
     chunks = cdiv(k, block_k)
     want = cdiv(2 * triton_impl()._sm_count(device), max(tiles, 1))
     return max(1, min(want, chunks, 32))
@@ -188,9 +172,7 @@ def run_triton(
     kernels: SimpleNamespace | None = None,
     **kwargs: Any,
 ) -> None:
-    """Run the slot-indexed grouped matmul (arguments as :func:`slot_matmul_launch`);
-    zeroes ``out`` first where the kernel adds into it (``split_k > 1``) or has no K (then
-    ``out`` is the addend, if any)."""
+    """Run the slot-indexed matmul; zeroes ``out`` first where the kernel adds into it."""
     launch = slot_matmul_launch(x, w, group_slot, out, *args, **kwargs)
     if launch is None or launch.constexprs["SPLIT_K"] > 1:
         out.zero_()
@@ -212,10 +194,8 @@ def slot_matmul_bytes(
     summed: bool = False,
     add: bool = False,
 ) -> int:
-    """Bytes one ``slot_matmul`` call moves for ``groups`` live groups: each group's weight
-    ``[n, k]`` (per matrix) read once, ``x [rows, k]`` read (once where the matrices share
-    it), ``out [rows, n]`` written (once where summed over the matrices), ``add [rows, n]``
-    read."""
+    """Bytes one ``slot_matmul`` call moves: weights, ``x`` and ``add`` read once, ``out``
+    written once."""
     e = matrices
     x_reads = 1 if shared_x else e
     outs = 1 if summed else e

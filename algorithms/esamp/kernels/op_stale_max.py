@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::stale_max``: the prediction's staleness measurement, the largest
-lag of its groups' slots.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+lag of its groups' slots."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ def stale_max(
     submitted: torch.Tensor, applied: torch.Tensor, group_slot: torch.Tensor, stale: torch.Tensor
 ) -> None:
     """``stale[0] = max(stale[0], submitted[g] - applied[group_slot[g]])`` over the groups
-    ``g`` with a slot (``group_slot >= 0``): the largest number of updates submitted for a
-    group's slot but not yet applied when the prediction reads it. ``submitted [G]``,
-    ``applied [S]``, ``stale [1]`` int64; ``group_slot [G]`` int32/int64."""
+    with a slot (all int64 but ``group_slot``)."""
     torch.ops.tllm_esamp.stale_max(submitted, applied, group_slot, stale)
 
 
@@ -47,8 +44,7 @@ def reference(submitted, applied, group_slot, stale) -> None:
 def stale_max_launch(
     submitted, applied, group_slot, stale, *, block_g=64, num_warps=1
 ) -> Launch | None:
-    """The staleness kernel's launch, one program (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.stale_max`; the caller has checked them."""
+    """The staleness kernel's launch, one program (None: no groups)."""
     groups = submitted.shape[0]
     if groups == 0:
         return None
@@ -63,8 +59,7 @@ run_triton = runner(stale_max_launch)
 
 
 def stale_max_bytes(groups: int) -> int:
-    """``stale_max``: per group its submitted count, slot and slot's applied count read
-    (int64), the maximum read and written."""
+    """``stale_max``: three int64 per group read, the maximum read and written."""
     return groups * 3 * 8 + 2 * 8
 
 

@@ -1,6 +1,5 @@
 """The op ``tllm_esamp::update_tail``: after the backward, each group's loss, gradient norm,
-finite check and clip coefficient, and its slot's step and applied counts.
-Here: schema, call, checks, PyTorch reference, Triton launch, bytes moved."""
+finite check and clip coefficient, and its slot's step and applied counts."""
 
 from __future__ import annotations
 
@@ -33,17 +32,10 @@ def update_tail(
     grad_clip: float | None,
     clip_eps: float,
 ) -> None:
-    """Per group, after the backward: ``losses[g] = sum(loss_parts[g])`` (:func:`loss_dy`'s),
-    ``norm[g] = sqrt(sum(parts[g]))`` (:func:`block_backward`'s); ``valid`` = the group has
-    a slot (``group_slot >= 0``) and rows (``mask``); ``ok[g]`` = valid with a finite loss
-    and norm; ``scale[g] = min(1, grad_clip / (norm + clip_eps))`` (1 with ``grad_clip``
-    None); ``step[s] += ok`` and ``applied[s] += valid`` (``applied`` optional) at ``s =
-    group_slot[g]``.
-
-    ``loss_parts [G, L]``, ``parts [G, K]``, ``losses``/``scale``/``norm [G]`` fp32,
-    ``group_slot [G]`` int32/int64, ``mask [G, M]`` bool, ``ok [G]`` bool, ``step [S]``
-    fp32, ``applied [S]`` int64. A slot may appear in at most one group (two would race on
-    the GPU)."""
+    """Per group, after the backward: ``losses = sum(loss_parts)``, ``norm =
+    sqrt(sum(parts))``, ``ok`` = a slot, rows and a finite loss and norm, ``scale = min(1,
+    grad_clip / (norm + clip_eps))``; ``step[s] += ok`` and ``applied[s] += valid`` at its
+    slot ``s`` (a slot in at most one group)."""
     clip = -1.0 if grad_clip is None else float(grad_clip)
     if grad_clip is not None and not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip}")
@@ -110,8 +102,7 @@ def update_tail_launch(
     clip_eps,
     *, block_g: int = 64, num_warps: int = 4,
 ) -> Launch | None:  # fmt: skip
-    """The update tail kernel's launch (None: no groups). Arguments as
-    :func:`algorithms.esamp.kernels.update_tail`; the caller has checked them."""
+    """The update tail kernel's launch (None: no groups)."""
     groups, rows = mask.shape
     if groups == 0:
         return None
@@ -139,9 +130,8 @@ run_triton = runner(update_tail_launch)
 
 
 def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
-    """``update_tail``: per group its ``parts`` loss and norm parts, slot and mask row read;
-    loss, ok, scale and norm written; its slot's step (and ``applied`` count) read and
-    written."""
+    """``update_tail``: per group its parts, slot and mask row read, four results written,
+    its slot's counts read and written."""
     per_group = FP32 * parts + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + (16 if applied else 0)
     return groups * per_group
 

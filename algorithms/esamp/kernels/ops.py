@@ -1,15 +1,7 @@
-"""The kernels as torch operators (namespace ``tllm_esamp``): a dispatch mode sees each call as
-one op with its tensor arguments; CPU (and CUDA where Triton is missing) runs the op's PyTorch
-reference, CUDA its Triton kernel, meta and fake tensors nothing at all (the ops return
-nothing and only write their mutated arguments). Each op is one module (``op_<name>.py``:
-schema, checks, reference, launch, bytes); this one registers them. The references are
-written for clarity, but run on any device without a host read (a Python loop over groups;
-a skipped group writes back what it read, so its rows end bit for bit as they were).
-
-Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: a call then
-costs the host a few microseconds instead of about fifty (custom_op wraps every call in
-Python autograd and view-tracking layers), and an eager ESamp step makes dozens of calls.
-The ops have no autograd formula (they run under ``no_grad``)."""
+"""Registers the ``op_<name>.py`` modules as torch operators (namespace ``tllm_esamp``): CPU
+(and CUDA without Triton) runs the PyTorch reference, CUDA the Triton kernel, meta and fake
+tensors nothing (the ops only write their mutated arguments). ``torch.library.Library``
+rather than ``custom_op``: a call costs a few microseconds instead of about fifty."""
 
 from __future__ import annotations
 
@@ -52,8 +44,7 @@ for _op in OP_MODULES:
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether Triton is installed here (the CUDA kernels need it; CPU never does). Looked
-    up without importing it: it is imported by the first CUDA call."""
+    """Whether Triton is installed here (looked up without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -66,9 +57,7 @@ def _warn_no_triton() -> None:
 
 
 def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The op's CPU and CUDA implementations. Both check the arguments; CPU runs the PyTorch
-    reference, CUDA the Triton kernel (the reference, with a warning, where Triton is
-    missing)."""
+    """The op's CPU and CUDA implementations, both checking the arguments first."""
     schema = getattr(torch.ops.tllm_esamp, op.NAME).default._schema
     # The dispatcher leaves out trailing arguments that equal their defaults.
     defaults = tuple(arg.default_value for arg in schema.arguments)
@@ -95,9 +84,8 @@ def _nothing(*args, **kwargs) -> None:
 
 
 def _register() -> Mapping[str, Callable[..., None]]:
-    """Register every op's CPU and CUDA implementation with the library and its byte count
-    (``tllm_bytes``, for counters that go by operator: tllm_core.testing.fake_cuda); returns
-    the CUDA ones by name (the GPU rehearsal runs them on its fake device)."""
+    """Register every op's implementations and byte count (``tllm_bytes``: fake_cuda's
+    counters); returns the CUDA ones by name (the GPU rehearsal runs them)."""
     impls: dict[str, Callable[..., None]] = {}
     for op in OP_MODULES:
         cpu, impls[op.NAME] = _implementations(op)

@@ -1,14 +1,9 @@
-"""The Triton kernels (imported only where Triton is installed); their launchers live in each
-op's module (``op_<op>.py``) and are re-exported here. Launchers read tensor metadata only (no
-host sync, no allocation; ``slot_matmul`` with ``split_k > 1`` zeroes ``out`` first), so
-they can be captured in a CUDA graph once each kernel has compiled.
-
+"""The Triton kernels (imported only where Triton is installed; launchers in ``op_<op>.py``).
 Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its own
-copy under ``TRITON_INTERPRET=1`` (read at decoration time) and run the very same launchers
-on CPU tensors. For that they call only Triton builtins and this module's device helpers,
-which are decorated again with the kernels, in their scope: a ``@triton.jit`` library helper
-(``tl.cdiv``, ``tl.zeros``) is decorated when Triton is imported, possibly before the
-variable is set, and then cannot run under the interpreter."""
+copy under ``TRITON_INTERPRET=1`` and run the same launchers on CPU tensors. For that they
+call only Triton builtins and this module's helpers, decorated again in their scope (a
+library ``@triton.jit`` helper such as ``tl.zeros`` may be compiled where the kernel is
+interpreted)."""
 
 from __future__ import annotations
 
@@ -20,28 +15,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-# The launchers live with their ops; these names are the ones tests and benchmarks use.
-from algorithms.esamp.kernels.launch import Launch  # noqa: F401
-from algorithms.esamp.kernels.op_block_backward import block_backward_launch  # noqa: F401
-from algorithms.esamp.kernels.op_block_backward import run_triton as block_backward  # noqa: F401
-from algorithms.esamp.kernels.op_candidate_dot import candidate_dot_launch  # noqa: F401
-from algorithms.esamp.kernels.op_candidate_dot import run_triton as candidate_dot  # noqa: F401
-from algorithms.esamp.kernels.op_grad_adam import grad_adam_launch  # noqa: F401
-from algorithms.esamp.kernels.op_grad_adam import run_triton as grad_adam  # noqa: F401
-from algorithms.esamp.kernels.op_loss_dy import loss_dy_launch  # noqa: F401
-from algorithms.esamp.kernels.op_loss_dy import run_triton as loss_dy  # noqa: F401
-from algorithms.esamp.kernels.op_silu_mul import run_triton as silu_mul  # noqa: F401
-from algorithms.esamp.kernels.op_silu_mul import silu_mul_launch  # noqa: F401
-from algorithms.esamp.kernels.op_slot_matmul import (
-    auto_split_k,  # noqa: F401
-    slot_matmul_launch,  # noqa: F401
-)
-from algorithms.esamp.kernels.op_slot_matmul import run_triton as slot_matmul  # noqa: F401
-from algorithms.esamp.kernels.op_stale_max import run_triton as stale_max  # noqa: F401
-from algorithms.esamp.kernels.op_stale_max import stale_max_launch  # noqa: F401
-from algorithms.esamp.kernels.op_update_tail import run_triton as update_tail  # noqa: F401
-from algorithms.esamp.kernels.op_update_tail import update_tail_launch  # noqa: F401
 
 
 @triton.jit
@@ -158,9 +131,8 @@ def _slot_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, REDUCE_E: tl.constexpr, HAS_ADD: tl.constexpr,
 ):  # fmt: skip
-    # One [BLOCK_M, BLOCK_N] tile of out[g] (of matrix e, or summed over every e), over every
-    # SPLIT_K-th BLOCK_K chunk of K (with SPLIT_K > 1 the partial sums are added atomically
-    # into a zeroed out; the addend by part 0).
+    # One [BLOCK_M, BLOCK_N] tile of out[g] (of matrix e, or summed over e), over every
+    # SPLIT_K-th BLOCK_K chunk of K (SPLIT_K > 1: added atomically into a zeroed out).
     tile = tl.program_id(0)
     g = tl.program_id(1)
     part = tl.program_id(2) % SPLIT_K
@@ -243,8 +215,7 @@ def _loss_dy_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     # Columns [l * CHUNK, (l + 1) * CHUNK) of one group: its row count (the denominator),
-    # then diff = h - t on its rows, summed squared into the loss part and scaled into dy
-    # (0 on the rows not marked).
+    # then diff = h - t on its rows, squared into the loss part and scaled into dy.
     part = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     cnt = tl.full((BLOCK_M,), 0.0, tl.float32)
@@ -290,11 +261,9 @@ def _block_backward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # One (row tile ti, row tile tj) pair of one group and one share k of H: that tile of
-    # the Gram matrices du du^T + da da^T and p p^T (over all of I) and of h_in h_in^T and
-    # dy dy^T (over the share), reduced to the group's norm part: the sum is linear in the
-    # H Grams, so the shares' parts add up to the pair's. du and da are formed for both
-    # tiles and stored by the diagonal pair's first share (each row once).
+    # One (row tile ti, row tile tj) pair of one group and one share of H: that tile of the
+    # Gram matrices (du du^T + da da^T, p p^T over I; h_in h_in^T, dy dy^T over the share)
+    # reduced to a norm part. du, da are stored by the diagonal pair's first share.
     col = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     tiles_m = (M + BLOCK_M - 1) // BLOCK_M
@@ -463,8 +432,7 @@ def _in_scope(fn: Any, scope: dict[str, Any]) -> Any:
 
 def jit_kernels() -> SimpleNamespace:
     """Freshly decorated kernels (interpreted when ``TRITON_INTERPRET=1`` is set now), with
-    their device helpers decorated afresh in a scope of their own (a helper decorated at import
-    may be compiled where the kernel is interpreted, and cannot be called there)."""
+    their device helpers decorated afresh in a scope of their own."""
     scope = dict(globals())
     for name in _DEVICE_HELPERS:
         scope[name] = triton.jit(_in_scope(globals()[name].fn, scope))
