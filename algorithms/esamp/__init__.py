@@ -4,24 +4,13 @@ import torch, and the torch-level modules import without pydantic or vLLM."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from tllm_core.lazy import lazy_getattr
+from tllm_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
     from algorithms.esamp.consumer import ESampConsumer
     from algorithms.esamp.cpu import GroupedDistiller
 
-__all__ = ["ESampConfig", "ESampConsumer", "GroupedDistiller"]
-
-_HOME = MappingProxyType(
-    {
-        "ESampConfig": "algorithms.esamp.config",
-        "ESampConsumer": "algorithms.esamp.consumer",
-        "GroupedDistiller": "algorithms.esamp.cpu",
-    }
-)
-
-__getattr__ = lazy_getattr(__name__, _HOME)
+__all__, __getattr__ = lazy_exports(__name__, __file__)
