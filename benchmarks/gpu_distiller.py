@@ -3,45 +3,28 @@
     python benchmarks/gpu_distiller.py [--hidden 3584] [--groups 8] [--rows 16] [--iters 200] [--json]
     python benchmarks/gpu_distiller.py --kernels [--quick] [--device cpu] [--bandwidth 4.26e12]
 
-What is timed (CUDA events, after warm-up), in microseconds per decode step:
+Timed with CUDA events after warm-up, in microseconds per decode step:
 
-1. ``predict``, ``train_step`` and both (``step_us``: the update on the same rows, reusing
-   the prediction's forward as ESamp does; ``step_rerun_forward_us``: the forward run
-   again) of the grouped distiller alone (hidden 3584, 8 groups x 16 rows = a batch of 128
-   decode rows, intermediate 384, 2 blocks), for four variants:
+1. ``predict``, ``train_step`` and both (``step_us``: the update reusing the prediction's
+   forward, as ESamp does; ``step_rerun_forward_us``: the forward run again) of the grouped
+   distiller alone (8 groups x 16 rows, intermediate 384, 2 blocks), per variant:
+   ``eager_main`` (CPU only: the CPU ``GroupedDistiller``), ``eager_side`` (side stream, no
+   graphs), ``graph_main`` (graphs on the main stream), ``graph_side`` (as ESamp runs it).
+2. The distiller inside a decode step: :class:`SyntheticDecode` (the linear layers of a
+   Qwen2-7B-shaped decoder in bf16, one CUDA graph; attention left out, so the step is a lower
+   bound and the overhead fraction an upper bound), then ``predict`` and ``train_step``.
+   ``--decode-ms`` replaces the synthetic step's time in the fraction by a measured one.
+3. ``bytes_per_param``: bytes one update moves per distiller parameter and group, counted on
+   the meta device (``BytesCounter``): ``graph_update`` (the CUDA graphs' update) and
+   ``host_update`` (the CPU trainer). ``--bytes-only``: this part and the captured graphs'
+   launches and bytes (:func:`update_graphs`), on any machine.
+4. ``--kernels``: ESamp's fused kernels alone at 7B shapes per ``(groups live, capacity)``
+   case: ``grad_adam`` (``_bf16``: bf16 moments; ``_tf32``: TF32 gradient product) and
+   ``slot_matmul`` (against ``dense_matmul``, ``torch.bmm`` over every slot), each against the
+   bytes it must move at ``--bandwidth``; ``sweep`` (CUDA): a few tile sizes. ``--quick`` (or
+   ``--device cpu``): tiny shapes.
 
-   - ``eager_main``:   on CPU only: the CPU ``GroupedDistiller`` (a smoke run of the script);
-   - ``eager_side``:   ``CudaGroupedDistiller(use_cuda_graph=False)``: side stream, eager update;
-   - ``graph_main``:   the CUDA graphs, but the "side" stream is the main stream;
-   - ``graph_side``:   ``CudaGroupedDistiller`` as ESamp uses it: side stream + CUDA graphs.
-
-2. A decode step with the distiller in it: a synthetic decode step of the model (the linear
-   layers of a Qwen2-7B-shaped decoder -- 28 layers, hidden 3584, intermediate 18944, GQA with
-   4 KV heads of 128, vocabulary 152064 -- in bf16 at the same batch of 128 rows, replayed from
-   a CUDA graph; attention is left out, so this step is a lower bound and the overhead
-   fraction an upper bound) followed by ``predict`` (the sampler waits for it) and
-   ``train_step`` (which may overlap the next step on the side stream). Reported: the decode
-   step alone, the step with the distiller, and the added time as a fraction of the step.
-
-3. ``bytes_per_param``: the bytes one update moves per distiller parameter and group, counted
-   from the tensor sizes of the operations it dispatches (``tllm_core.testing.counters.BytesCounter``;
-   device independent, counted on the meta device): the update the CUDA graphs replay
-   (``graph_update``: the fused operators count as one operation each, with their arguments)
-   and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
-   it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
-
-4. ``--kernels``: ESamp's fused kernels (``algorithms.esamp.kernels``) alone at 7B shapes
-   (6 weight matrices per slot, 16 rows per group), per case ``(groups live, capacity
-   slots)``: (8, 8), (64, 64), (8, 64): ``grad_adam`` (fp32 moments; ``_bf16``: bf16
-   moments; ``_tf32``: TF32 gradient product) and ``slot_matmul`` (the forward's six weight
-   products over the live slots, against ``dense_matmul``, ``torch.bmm`` over every slot),
-   each against the bytes it must move at ``--bandwidth``; ``sweep`` (CUDA): a few tile
-   sizes. ``--quick`` (or ``--device cpu``): tiny shapes, only to show that it runs.
-
-``--bytes-only`` prints part 3 and the captured graphs' launches and bytes
-(:func:`update_graphs`) for fp32 and bf16 moments, on any machine. ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
-the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
-the script without a GPU.
+``--device cpu``: a tiny smoke run of part 1 (eager only), to check the script without a GPU.
 """
 
 from __future__ import annotations

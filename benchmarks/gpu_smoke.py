@@ -3,43 +3,29 @@
     python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
                                    [--budget-s 200]
 
-``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line below
-runs on CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``:
-tiny shapes), and every value of its JSON is null: it checks the code, it measures nothing.
-Each part says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal).
+``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line runs on
+CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``: tiny
+shapes); every value of its JSON is null (it checks the code, it measures nothing). Each part
+says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal). Parts (keys of the
+JSON printed on the last line and written to ``--out`` after each part):
 
-Parts (each a key of the JSON printed on the last line and written to ``--out``):
+1. ``cuda_tests``: ``tests/test_esamp_cuda.py``, ``test_esamp_kernels.py`` and
+   ``test_fake_cuda.py``'s GPU checks, in a subprocess (at most 150 s); CUDA only (the
+   rehearsal collects them).
+2. ``esamp_step`` (CUDA, pydantic): ESamp's whole decode step at 7B shapes for 8 x 16, 1 x 128
+   and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``), and its ``targets``.
+3. ``kernels``: ``gpu_distiller.bench_kernels``; ``--quick`` or CPU: tiny shapes.
+4. ``distiller``: ``gpu_distiller.bench_distiller`` at 7B shapes for 8 and 64 groups, each
+   variant, with the update's bytes per parameter; CPU: tiny shapes.
+5. ``memory``: the plan against ``torch.cuda`` allocation counts after building the distiller
+   and over predict + train steps; on CPU the fake device's counts of a distiller step.
+6. ``syncs``: synchronising operations (``SyncCounter``; on CUDA also the sync debug mode) of
+   the distiller's step, the two candidate searches and (with pydantic) the consumer's step.
+7. ``compiled_taps``: tllm's taps with edits, ``torch.compile``'d and (CUDA) in a CUDA graph,
+   against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math),
-   ``tests/test_esamp_kernels.py`` (the Triton kernels, compiled) and
-   ``tests/test_fake_cuda.py`` (its GPU checks: what the fake device flags must synchronise on
-   a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
-   run only with ``--device cuda`` (the rehearsal collects them).
-2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
-   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``): device
-   time added and ratio, host time of the consumer's calls, the floor, a step under
-   ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
-   step's targets checked (``targets``).
-3. ``kernels``: ``gpu_distiller.bench_kernels`` (the fused kernels against the bytes they
-   must move); ``--quick`` or CPU: tiny shapes.
-4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
-   64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
-   parameter; CPU: tiny shapes.
-5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
-   and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
-   of an ESamp step (``esamp_step``) stand in.
-6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
-   searches (``tllm_core.testing.counters.SyncCounter``; on CUDA also under the sync debug mode) and of the
-   consumer's decode step when pydantic is there.
-7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
-   captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
-
-The CUDA parts have not yet run on a GPU (docs/gpu.md says what has); ``--device fake`` runs
-them in CI. The JSON is also
-written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
-not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
-it prints every thread's stack (a hang shows where). How to run it and what a pass looks
-like: docs/gpu.md.
+A part not started within ``--budget-s`` is skipped; a run still going 120 s past it prints
+every thread's stack. How to run it and what a pass looks like: docs/gpu.md.
 """
 
 from __future__ import annotations

@@ -5,27 +5,16 @@ client polling ``/tllm/counters``.
         [--max-tokens T] [--poll-interval S] [--enforce-eager] [--json]
 
 Starts ``tllm serve --consumer esamp --consumer stats --per-request --max-body-mib 1`` on
-loopback (the embedded SmolLM2-135M-Instruct unless ``--model``), warms it up, then runs
-phases on that same server: A (a second client reads ``GET /tllm/counters`` every
-``--poll-interval`` seconds) and B (the same requests, nobody polling), alternating A, B for
-``--rounds`` rounds of ``--requests`` requests each. The requests of a phase, in a seeded mix,
-at most ``--concurrency`` in flight:
+loopback, warms it up, then alternates phases A (a second client reads ``/tllm/counters``
+every ``--poll-interval`` s) and B (nobody polls) for ``--rounds`` rounds of ``--requests``
+requests, a seeded mix with at most ``--concurrency`` in flight: good ones (completions, plain
+or naming ``esamp``; chats naming ``stats``; streamed chats and completions read to ``[DONE]``)
+must finish; streams dropped after two chunks; bad ``tllm_*`` keys or values must get 400; a
+body past 1 MiB must get 413.
 
-* good: completions (plain, or naming ``esamp`` per request in ``vllm_xargs``), chats naming
-  ``stats``, streamed chats naming ``esamp`` and streamed plain completions (SSE, read to
-  ``[DONE]``); each must finish with a finish reason;
-* cancelled: streamed chats naming ``esamp`` that the client drops after two chunks;
-* bad: bad ``tllm_*`` keys or values (expect 400);
-* huge: a body past the 1 MiB limit (expect 413).
-
-It reports per phase: tokens/s of the good requests (their completion tokens over the phase's
-wall time), the status-code histogram, 5xx answers (must be 0), good requests completed of
-those sent, the polls (count, failures, non-strict JSON), and the tllm counters the phase
-added; overall: the ratio of A's tokens/s to B's, the resident memory of the server's process
-tree (API server, engine core, worker; the API server's alone beside it) when ready, after
-warm-up, after every phase and at the end, and the machine's load. ``--json`` prints one JSON object; a progress line goes to stderr.
-Exit status 1 when a check fails (a 5xx, a good request unfinished, a bad or huge one not
-refused, a failed or non-strict counters read, a consumer error).
+Per phase: good tokens/s, status codes (no 5xx), good requests completed, polls (all strict
+JSON) and the counters the phase added; overall: the ratio of A's tokens/s to B's and the
+resident memory of the server's process tree along the run. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations

@@ -2,32 +2,16 @@
 
     python benchmarks/passk.py [--problems P] [-n 16] [--max-tokens T] [--beta B]... [--json]
 
-Problems are generated from ``--task-seed`` (no data set): each has a prompt, an integer answer
-and a family; the checker reads the *last integer* of a completion (after "Answer:" when the
-completion says so) and compares it with the answer. Families (``--families``):
+Problems are generated from ``--task-seed`` (no data set), round-robin over ``--families``
+(``FAMILIES``: additions, multiplications, counting, unit conversions, word problems; the
+``_worked`` ones ask for a worked solution ending in "Answer: N"); the checker compares the
+completion's answer (:func:`extract_answer`) with the problem's.
 
-    add            two-digit addition, answer only                ("What is 47 + 38? ...")
-    add_worked     two-digit addition with a short worked solution, "Answer: N" at the end
-    mul            one-digit times one/two-digit multiplication, answer only
-    count          how many items a short comma-separated list holds
-    convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
-    word           one-step word problems (gains and losses of apples, coins, ...)
-    multi_worked   three-step word problems (start, buy boxes of k, give some away) with a
-                   worked solution in full sentences, "Answer: N" at the end (long answers:
-                   the distiller gets updates before the answer)
-
-Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
-min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
-``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations (and, with
-``--controls ...,fnoise``, the f-noise ablation ``fnoise_bB``: f replaced by noise of its norm,
-the (1+B) sharpening kept; also ``fnoise_NAME_bB`` of each variant); each
-``--esamp-variant NAME=JSON`` as ``esamp_NAME_bB`` together with its own frozen ablation
-(``frozen_NAME_bB``: the same switches, never trained) and, with ``--variant-noise``, its noise
-ablation.
-
-pass@k per problem is the unbiased estimator of Chen et al. (2021): with c correct among n
-samples, ``1 - C(n-c, k) / C(n, k)``; a method's pass@k is its mean over problems. Methods are
-compared problem by problem (paired t-test and sign test on the per-problem pass@k).
+Methods and engine loop: ``benchmarks/diversity.py``'s (vanilla; ESamp per beta; ``temp_*``;
+the noise and frozen ablations, ``--controls`` choosing the default recipe's; each
+``--esamp-variant`` with its own frozen ablation). pass@k per problem is the unbiased estimator
+of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)``; a method's pass@k is its mean over
+problems; methods are compared problem by problem (paired t-test and sign test).
 """
 
 from __future__ import annotations

@@ -3,26 +3,15 @@
     python benchmarks/soak.py [--model PATH] [--requests N] [--concurrency C] [--max-tokens T]
         [--enforce-eager] [--json]
 
-Starts ``python -m vllm.entrypoints.openai.api_server`` on loopback with ``esamp`` and
-``steer`` (both per request) and the test package's deliberately crashing third-party
-consumer ``crasher`` (per request, raises on its 3rd bundle), then sends ``--requests``
-requests with at most ``--concurrency`` in flight, in a seeded mix: plain completions,
-ESamp completions (n = 1 and n = 2), steered completions, streamed chats (ESamp or plain),
-streams cancelled after two chunks, requests that switch the crasher on, and bad requests
-(negative beta, unknown key, unknown consumer). It checks and prints:
-
-* every good request completed (a finish reason; cancelled streams are not counted) and every
-  bad one got HTTP 400 naming the key;
-* the crasher was isolated: ``consumer_errors.crasher`` is 3 (3 failures in a row switch it
-  off: ``consumers_disabled`` 1), nothing else failed, and
-  requests after the crash still completed;
-* ``groups_alive`` is back to 0 and ``groups_freed == groups_created`` at the end;
-* the engine process's resident memory at the end against after warm-up (percent);
-* the counters add up: ESamp guided rows only for ESamp requests (at most their generated
-  tokens), steered rows only for steered requests.
-
-Figures go to stdout (``--json``: one object); exit status 1 when a check fails. Needs the
-test package ``tests/plugin_pkg`` installed (``bash install.sh --test`` does it).
+Starts ``python -m vllm.entrypoints.openai.api_server`` with ``esamp``, ``steer`` and the test
+package's crashing consumer ``crasher`` (raises from its 3rd bundle), all per request, then
+sends a seeded mix of ``--requests`` requests (``--concurrency`` in flight): plain, ESamp
+(n = 1, 2) and steered completions, streamed chats, streams cancelled after two chunks,
+requests switching the crasher on, and bad ones. Checks: good requests complete, bad ones get
+400; the crasher is isolated (3 errors switch it off, later requests complete); ESamp's groups
+are all freed; the engine's memory after warm-up and at the end within 5%; guided and edited
+rows only for the requests that asked. Exit status 1 when a check fails. Needs the test
+package ``tests/plugin_pkg`` installed (``bash install.sh --test``).
 """
 
 from __future__ import annotations
