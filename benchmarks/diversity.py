@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from bench_setup import (
+    add_model_args,
     command_line,
     model_path,
     offline_engine_env,
@@ -39,7 +40,6 @@ from bench_setup import (
     section,
     shutdown_engine,
     table,
-    write_samples,
 )
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
@@ -99,10 +99,15 @@ def build_methods(
     return out
 
 
-def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, dict[str, Any]]:
-    """``--esamp-variant NAME=JSON`` options as {name: ESamp config fields}."""
+def parse_methods_args(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[float], dict[str, dict[str, Any]]]:
+    """``--beta`` (default 0.25) and ``--esamp-variant NAME=JSON`` as {name: ESamp config}."""
+    betas = args.beta or [0.25]
+    if any(b <= 0 for b in betas):
+        p.error("--beta must be > 0")
     variants: dict[str, dict[str, Any]] = {}
-    for spec in specs:
+    for spec in args.esamp_variant:
         name, sep, raw = spec.partition("=")
         try:
             extra = json.loads(raw) if sep else None
@@ -119,7 +124,7 @@ def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, di
                 "digits, '_', '.', '-'; no 'beta' (--beta sets it) nor 'ablation' field)"
             )
         variants[name] = extra
-    return variants
+    return betas, variants
 
 
 # ----------------------------------------------------------------------------- generation
@@ -198,7 +203,14 @@ def generate_all(
     from tqdm import tqdm
     from vllm import SamplingParams
 
-    from tllm_core.app.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM, validate_consumers
+
+    for m in methods:  # bad consumer fields fail here, before any engine starts
+        if m["consumers"]:
+            validate_consumers(m["consumers"], model)
+
+    def log(msg: str) -> None:
+        print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
 
     convs = [[{"role": "user", "content": p}] for p in prompts]
     by_engine: dict[str, list[dict]] = {}
@@ -212,24 +224,13 @@ def generate_all(
         if all(
             m["name"] in kept and kept[m["name"]]["temperature"] == m["temperature"] for m in ms
         ):
-            print(f"[{tag}] engine {key}: kept from {partial}", file=sys.stderr, flush=True)
+            log(f"engine {key}: kept from {partial}")
             out.update({m["name"]: kept[m["name"]] for m in ms})
             continue
         t0 = time.perf_counter()
-        llm = TllmLLM(
-            model,
-            json.loads(key),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            seed=0,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-        print(
-            f"[{tag}] engine {key} started in {time.perf_counter() - t0:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+        keys = ("dtype", "max_model_len", "enforce_eager", "max_num_batched_tokens")
+        llm = TllmLLM(model, json.loads(key), seed=0, **{k: getattr(args, k) for k in keys})
+        log(f"engine {key} started in {time.perf_counter() - t0:.1f}s")
         for m in ms:
             t1 = time.perf_counter()
             samples: list[list[dict]] = []
@@ -253,29 +254,9 @@ def generate_all(
                     for i in range(len(chunk))
                 ]
                 for o in llm.chat(chunk, params, use_tqdm=False):
-                    comp = []
-                    for c in o.outputs:
-                        ids = list(c.token_ids)
-                        lps = [
-                            d[t].logprob
-                            for t, d in zip(ids, c.logprobs or [], strict=False)
-                            if d is not None and t in d
-                        ]
-                        comp.append(
-                            {
-                                "text": c.text,
-                                "token_ids": ids,
-                                "prompt_token_ids": list(o.prompt_token_ids or []),
-                                "nll": -float(np.mean(lps)) if lps else float("nan"),
-                            }
-                        )
-                    samples.append(comp)
+                    samples.append([_completion(o, c) for c in o.outputs])
             gen_s = time.perf_counter() - t1
-            print(
-                f"[{tag}] {m['name']:<14} generated in {gen_s:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            log(f"{m['name']:<14} generated in {gen_s:.1f}s")
             out[m["name"]] = {"samples": samples, "gen_s": gen_s, "temperature": m["temperature"]}
         rep = llm.close()
         counters = {"runtime": rep["runtime"], **rep["consumers"]}
@@ -289,6 +270,19 @@ def generate_all(
         del llm
         gc.collect()
     return out
+
+
+def _completion(out: Any, c: Any) -> dict[str, Any]:
+    """A sampled completion: text, token ids, prompt ids, mean NLL of its tokens."""
+    ids = list(c.token_ids)
+    zipped = zip(ids, c.logprobs or [], strict=False)
+    lps = [d[t].logprob for t, d in zipped if d is not None and t in d]
+    return {
+        "text": c.text,
+        "token_ids": ids,
+        "prompt_token_ids": list(out.prompt_token_ids or []),
+        "nll": -float(np.mean(lps)) if lps else float("nan"),
+    }
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -460,11 +454,7 @@ def add_engine_args(
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
-    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
+    add_model_args(p, max_model_len, kv_cache_gib)
     p.add_argument(
         "--batch-prompts",
         type=int,
@@ -494,8 +484,6 @@ def add_engine_args(
         help="comma-separated method names to run besides vanilla (default: all the options "
         "select), e.g. esamp_b0.25,frozen_b0.25",
     )
-    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--partial",
         type=Path,
@@ -518,15 +506,6 @@ def sampling_config(args: argparse.Namespace, betas: list[float], variants: Any)
         "seed": args.seed,
         "chat_template": True,
     }
-
-
-def validate_methods(methods: list[dict[str, Any]], model: str) -> None:
-    """Bad consumer fields fail here, before any engine starts."""
-    from tllm_core.app.engine import validate_consumers
-
-    for m in methods:
-        if m["consumers"]:
-            validate_consumers(m["consumers"], model)
 
 
 def method_record(m: dict[str, Any], g: dict[str, Any], **figures: Any) -> dict[str, Any]:
@@ -585,12 +564,9 @@ def main(argv: list[str] | None = None) -> int:
         "Vendi at matched perplexity",
     )
     args = p.parse_args(argv)
-    betas = args.beta or [0.25]
-    variants = parse_variants(p, args.esamp_variant)
+    betas, variants = parse_methods_args(p, args)
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")
-    if any(b <= 0 for b in betas):
-        p.error("--beta must be > 0")
 
     offline_engine_env(args.kv_cache_gib)
 
@@ -608,8 +584,6 @@ def main(argv: list[str] | None = None) -> int:
     methods = build_methods(betas, args.temperature, variants, args.variant_noise, args.fnoise)
     methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
-    if variants:
-        validate_methods(methods, model)
     gen = generate_all(methods, prompts, args, model, partial=args.partial)
     t_gen = time.perf_counter() - t_start
 
@@ -667,8 +641,6 @@ def main(argv: list[str] | None = None) -> int:
         "ppl_check": check,
         **run_record(out_methods, t_gen, t_start, load_start),
     }
-    if args.save_samples:
-        write_samples(args.save_samples, gen)
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
     print(json.dumps(result, default=str) if args.json else render(result))

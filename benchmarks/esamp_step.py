@@ -60,12 +60,15 @@ def esamp_floor_bytes(prompts: int, n: int, vocab: int = V) -> int:
     return update + backward + predict + guidance
 
 
-def _sampler(logits: torch.Tensor) -> torch.Tensor:
-    """min-p 0.1 filter (in place, as vLLM's) and an exponential-race sample: no host sync."""
+def _min_p(logits: torch.Tensor) -> torch.Tensor:
+    """The min-p 0.1 filter, in place as vLLM's."""
     probs = logits.softmax(-1)
-    logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
-    q = torch.empty_like(probs).exponential_()
-    return logits.softmax(-1).div_(q).argmax(-1)
+    return logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def _sample(logits: torch.Tensor) -> torch.Tensor:
+    """An exponential-race sample: no host sync."""
+    return logits.softmax(-1).div_(torch.empty_like(logits).exponential_()).argmax(-1)
 
 
 def bench_step(
@@ -91,24 +94,13 @@ def bench_step(
     temp = torch.ones(r, device=device)
     host: list[float] = []
 
-    def plain() -> None:
-        logits = decode.run_logits().float()
-        _sampler(logits)
-
     # The runtime's taps: ESamp's source layer (the synthetic step's first layer output) and
     # the final state.
     taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
 
     def with_esamp(t: int) -> None:
-        logits = decode.run_logits().float()
-        probs = logits.softmax(-1)
-        logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
-
-        def sample(x: torch.Tensor) -> torch.Tensor:
-            q = torch.empty_like(probs).exponential_()
-            return x.softmax(-1).div_(q).argmax(-1)
-
-        host.append(rs.step(taps.__getitem__, logits, temp, sample))
+        logits = _min_p(decode.run_logits().float())
+        host.append(rs.step(taps.__getitem__, logits, temp, _sample))
 
     def timed(fn) -> float:  # ms per step
         for i in range(warmup):
@@ -116,7 +108,9 @@ def bench_step(
         steps = iter(range(warmup, warmup + iters))
         return time_us(lambda: fn(next(steps)), iters, device) / 1e3
 
-    plain_ms = statistics.median(timed(lambda i: plain()) for _ in range(3))
+    plain_ms = statistics.median(
+        timed(lambda i: _sample(_min_p(decode.run_logits().float()))) for _ in range(3)
+    )
     host.clear()
     esamp_ms = statistics.median(timed(with_esamp) for _ in range(3))
     host_ms = statistics.median(host) * 1e3

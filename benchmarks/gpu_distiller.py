@@ -242,12 +242,6 @@ ADAM_TILES = ((32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4))  # block_n,
 MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 
 
-def _time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    return time_us(fn, iters, device) / 1e3
-
-
 def _matrices(shape: dict) -> list[tuple[int, int, int]]:
     """``(offset, N, K)`` of each weight matrix in a slot's flat row (params.py's layout:
     gate ``[NB, I, H]``, up ``[NB, I, H]``, down ``[NB, H, I]``)."""
@@ -258,11 +252,6 @@ def _matrices(shape: dict) -> list[tuple[int, int, int]]:
 
 def _view(state: torch.Tensor, off: int, n: int, k: int) -> torch.Tensor:
     return state[:, off : off + n * k].view(state.shape[0], n, k)
-
-
-def _floor(total_bytes: int, ms: float, bandwidth: float) -> dict[str, float]:
-    floor_ms = total_bytes / bandwidth * 1e3
-    return dict(ms=ms, bytes=total_bytes, floor_ms=floor_ms, x_floor=ms / floor_ms)
 
 
 class _Case:
@@ -324,41 +313,47 @@ class _Case:
 
 def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: float) -> dict:
     c = _Case(shape, groups, capacity, device)
-    it, wu = shape["iters"], shape["warmup"]
+
+    def timed(fn: Any, nbytes: int, **extra: Any) -> dict[str, Any]:
+        """ms per call of ``fn`` and its floor: ``nbytes`` moved at ``bandwidth``."""
+        for _ in range(shape["warmup"]):
+            fn()
+        ms = time_us(fn, shape["iters"], device) / 1e3
+        floor_ms = nbytes / bandwidth * 1e3
+        return dict(ms=ms, bytes=nbytes, floor_ms=floor_ms, x_floor=ms / floor_ms, **extra)
+
     params = groups * sum(n * k for _, n, k in c.mats)
     adam_bytes = sum(grad_adam_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
-    res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
-
-    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v), device, it, wu)
-    res["grad_adam"] = dict(_floor(adam_bytes, ms, bandwidth), bytes_per_param=adam_bytes / params)
-    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, "tf32"), device, it, wu)
-    res["grad_adam_tf32"] = _floor(adam_bytes, ms, bandwidth)
-    m16, v16 = c.m.bfloat16(), c.v.bfloat16()
     bf16_bytes = sum(grad_adam_bytes(groups, c.rows, n, k, 2) for _, n, k in c.mats)
-    ms = _time_ms(lambda: c.fused(c.theta, m16, v16), device, it, wu)
-    res["grad_adam_bf16"] = dict(
-        _floor(bf16_bytes, ms, bandwidth), bytes_per_param=bf16_bytes / params
-    )
-    h, i = shape["hidden"], shape["intermediate"]
-    out_i = torch.zeros(capacity, c.rows, i, device=device)
-    out_h = torch.zeros(capacity, c.rows, h, device=device)
     mm_bytes = sum(slot_matmul_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
+    res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
+    per_param = adam_bytes / params
+    res["grad_adam"] = timed(
+        lambda: c.fused(c.theta, c.m, c.v), adam_bytes, bytes_per_param=per_param
+    )
+    res["grad_adam_tf32"] = timed(lambda: c.fused(c.theta, c.m, c.v, "tf32"), adam_bytes)
+    m16, v16 = c.m.bfloat16(), c.v.bfloat16()
+    res["grad_adam_bf16"] = timed(
+        lambda: c.fused(c.theta, m16, v16), bf16_bytes, bytes_per_param=bf16_bytes / params
+    )
+    out_i = torch.zeros(capacity, c.rows, shape["intermediate"], device=device)
+    out_h = torch.zeros(capacity, c.rows, shape["hidden"], device=device)
     c.dense_products(c.theta, out_i, out_h)
     dense_h = out_h[c.live].clone()
     g_i, g_h = out_i[:groups].clone(), out_h[:groups].clone()
     c.forward_products(c.theta, g_i, g_h)
-    mm_diff = (g_h - dense_h).abs().max().item()
-    ms = _time_ms(lambda: c.forward_products(c.theta, g_i, g_h), device, it, wu)
-    res["slot_matmul"] = dict(_floor(mm_bytes, ms, bandwidth), max_abs_diff_vs_dense=mm_diff)
-    ms = _time_ms(lambda: c.dense_products(c.theta, out_i, out_h), device, it, wu)
-    res["dense_matmul"] = _floor(mm_bytes, ms, bandwidth)
-
+    diff = (g_h - dense_h).abs().max().item()
+    res["slot_matmul"] = timed(
+        lambda: c.forward_products(c.theta, g_i, g_h), mm_bytes, max_abs_diff_vs_dense=diff
+    )
+    res["dense_matmul"] = timed(lambda: c.dense_products(c.theta, out_i, out_h), mm_bytes)
     if is_cuda(device) and triton_available():
-        res["sweep"] = _sweep(c, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth)
+        res["sweep"] = _sweep(c, g_i, g_h, timed, adam_bytes, mm_bytes)
     return res
 
 
-def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
+def _sweep(c: _Case, g_i, g_h, timed: Any, adam_bytes: int, mm_bytes: int) -> dict:
+    """The kernels at a few tile sizes (CUDA)."""
     from algorithms.esamp.kernels import triton_impl
 
     out: dict[str, Any] = {}
@@ -367,8 +362,8 @@ def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
         def launch(*args, bn=bn, bk=bk, nw=nw):
             triton_impl.grad_adam(*args, block_n=bn, block_k=bk, num_warps=nw)
 
-        ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, launch=launch), c.theta.device, it, wu)
-        out[f"grad_adam_{bn}x{bk}_w{nw}"] = _floor(adam_bytes, ms, bandwidth)
+        fn = lambda: c.fused(c.theta, c.m, c.v, launch=launch)  # noqa: E731
+        out[f"grad_adam_{bn}x{bk}_w{nw}"] = timed(fn, adam_bytes)
     for bn, bk, nw in MATMUL_TILES:
         for split in (0, 1):
 
@@ -377,12 +372,8 @@ def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
                     x, w, s, o, t, "ieee", split, block_n=bn, block_k=bk, num_warps=nw
                 )
 
-            ms = _time_ms(
-                lambda: c.forward_products(c.theta, g_i, g_h, launch=run), c.theta.device, it, wu
-            )
-            out[f"slot_matmul_{bn}x{bk}_w{nw}_split{split or 'auto'}"] = _floor(
-                mm_bytes, ms, bandwidth
-            )
+            fn = lambda: c.forward_products(c.theta, g_i, g_h, launch=run)  # noqa: E731
+            out[f"slot_matmul_{bn}x{bk}_w{nw}_split{split or 'auto'}"] = timed(fn, mm_bytes)
     return out
 
 

@@ -265,14 +265,8 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
             d.close()
             del d
         else:
-            from algorithms.esamp.cuda import CudaGroupedDistiller
-            from tllm_core.testing.fake_cuda import FakeCuda
-
             with FakeCuda() as fc:
-                d = CudaGroupedDistiller(
-                    h, device=fc.device, intermediate_size=inter, capacity=groups,
-                    graph_max_rows=rows,
-                )  # fmt: skip
+                d = _distiller(fc.device, h, inter, groups, rows)
                 live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
                 x = torch.zeros(groups * rows, h, device=fc.device)
                 fc.start_steps()
@@ -496,8 +490,7 @@ def render(sm: dict[str, Any]) -> str:
             allocs = rec["fake_device_step"]["allocation"]
             rows.append([f"memory, {k[7:]} slots", f"{allocs} allocations per step (fake device)"])
         elif k.startswith("groups_"):
-            used = rec.get("update_peak_bytes", rec.get("peak_bytes"))
-            plan = rec.get("plan_update_workspace_bytes", rec.get("plan_distiller_bytes"))
+            used, plan = rec["peak_bytes"], rec["plan_distiller_bytes"]
             rows.append([f"memory, {k[7:]} slots", f"{used} bytes measured, {plan} planned"])
         if k.startswith("groups_"):
             rows.append([f"memory, {k[7:]} slots, within plan", rec["within_plan"]])

@@ -36,12 +36,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
-    ROOT,
+    add_model_args,
     command_line,
     free_port,
     model_path,
     run_machine,
     section,
+    server_env,
     start_server,
     stop_server,
     table,
@@ -94,10 +95,8 @@ def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, in
     argv += ["--max-body-mib", str(LIMIT_MIB), "--max-model-len", "512", "--kv-cache-gib", "1"]
     if eager:
         argv += ["--", "--enforce-eager"]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     log = workdir / "serve.log"
-    proc = start_server(argv, env, log, lambda: "tllm: ready" in log.read_text())
+    proc = start_server(argv, server_env(), log, lambda: "tllm: ready" in log.read_text())
     try:
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
@@ -272,7 +271,7 @@ async def phase(
 def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One phase's rounds summed; tokens/s over their total wall time."""
     out = {"phase": rounds[0]["phase"], "polling_s": rounds[0]["polling_s"]}
-    for k in ("requests", "good_tokens", "good_sent", "good_completed", "cancelled"):
+    for k in ("requests", "good_tokens", "good_sent", "good_completed", "cancelled", "status_5xx"):
         out[k] = sum(r[k] for r in rounds)
     out["wall_s"] = round(sum(r["wall_s"] for r in rounds), 2)
     out["good_tok_s"] = round(out["good_tokens"] / out["wall_s"], 2)
@@ -283,7 +282,6 @@ def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for r in rounds:
             total.update(r[k])
         out[k] = dict(sorted(total.items()))
-    out["status_5xx"] = sum(r["status_5xx"] for r in rounds)
     out["polls"] = sum(r["polls"] for r in rounds)
     out["polls_failed"] = sum(r["polls_failed"] for r in rounds)
     out["unexpected"] = [k for r in rounds for k in r["_unexpected"]]
@@ -329,24 +327,21 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
         "tok_s_ratio_polled_to_unpolled": round(a_["good_tok_s"] / b_["good_tok_s"], 3),
         "phases": {"A": a_, "B": b_},
         "rss_mib": {"start": rss_start, "after_warmup": rss_warm, "end": rss_end},
-        "counters_end": picked(final) | {"esamp.groups_alive": _alive(final)},
+        "counters_end": picked(final)
+        | {"esamp.groups_alive": final["consumers"].get("esamp", {}).get("groups_alive", 0)},
         "errors": final.get("errors", []),
         "checks": checks,
         "passed": all(checks.values()),
     }
 
 
-def _alive(report: dict[str, Any]) -> int:
-    return report["consumers"].get("esamp", {}).get("groups_alive", 0)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_args(p)
     p.add_argument("--requests", type=int, default=200, help="requests per phase and round")
     p.add_argument("--rounds", type=int, default=1, help="rounds of phase A then phase B")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
@@ -355,13 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--poll-interval", type=float, default=0.2, help="seconds between counter reads in A"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = p.parse_args(argv)
     for name in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval"):
         if not getattr(a, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")

@@ -32,9 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import diversity as dv  # noqa: E402  (one method table and engine loop for both benchmarks)
-from bench_setup import command_line, model_path, offline_engine_env, section, table, write_samples  # noqa: E402
+from bench_setup import command_line, model_path, offline_engine_env, section, table  # noqa: E402
 
-FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
 DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
@@ -44,14 +43,9 @@ WORKED_LONG = " Explain each step in a full sentence, then end with 'Answer: <nu
 
 
 # ----------------------------------------------------------------------------- tasks
-def _add(rng: random.Random) -> tuple[str, int]:
+def _add(rng: random.Random, ask: str = DIRECT) -> tuple[str, int]:
     a, b = rng.randint(10, 89), rng.randint(10, 89)
-    return f"What is {a} + {b}?" + DIRECT, a + b
-
-
-def _add_worked(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(10, 89), rng.randint(10, 89)
-    return f"What is {a} + {b}?" + WORKED, a + b
+    return f"What is {a} + {b}?" + ask, a + b
 
 
 def _mul(rng: random.Random) -> tuple[str, int]:
@@ -114,13 +108,14 @@ def _multi_worked(rng: random.Random) -> tuple[str, int]:
 
 _MAKERS = {
     "add": _add,
-    "add_worked": _add_worked,
+    "add_worked": lambda rng: _add(rng, WORKED),
     "mul": _mul,
     "count": _count,
     "convert": _convert,
     "word": _word,
     "multi_worked": _multi_worked,
 }
+FAMILIES = tuple(_MAKERS)
 
 
 def make_problems(
@@ -263,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
     args = p.parse_args(argv)
-    betas = args.beta or [0.25]
-    variants = dv.parse_variants(p, args.esamp_variant)
+    betas, variants = dv.parse_methods_args(p, args)
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     try:
         problems = make_problems(args.problems, args.task_seed, families)
@@ -272,8 +266,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.n < 1:
         p.error("-n must be >= 1")
-    if any(b <= 0 for b in betas):
-        p.error("--beta must be > 0")
     ks = sorted({int(k) for k in args.ks.split(",") if k.strip() and 1 <= int(k) <= args.n})
 
     offline_engine_env(args.kv_cache_gib)
@@ -285,20 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = dv.build_methods(
         betas, args.temperature, variants, args.variant_noise, "fnoise" in controls
     )
-    methods = [
-        m
-        for m in methods
-        if m["kind"] not in ("temperature", "noise") or "variant" in m or m["kind"] in controls
-    ]
-    if args.no_default:
-        methods = [
-            m
-            for m in methods
-            if m["kind"] not in ("esamp", "noise", "frozen", "temperature", "fnoise")
-            or "variant" in m
-        ]
+    # The default recipe's methods (no variant): --controls picks its controls.
+    default = {"esamp", "frozen", "fnoise"} | controls if not args.no_default else set()
+    methods = [m for m in methods if m["kind"] in default | {"vanilla"} or "variant" in m]
     methods = dv.select_methods(p, methods, args.methods)
-    dv.validate_methods(methods, model)
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     gen = dv.generate_all(
@@ -369,8 +351,6 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": comparisons,
         **dv.run_record(out_methods, t_gen, t_start, load_start),
     }
-    if args.save_samples:
-        write_samples(args.save_samples, gen)
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result, default=str) if args.json else render(result))

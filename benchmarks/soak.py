@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
 import random
 import sys
 import tempfile
@@ -32,11 +31,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
+    add_model_args,
     code_version,
     command_line,
     free_port,
     model_path,
     section,
+    server_env,
     start_server,
     stop_server,
     table,
@@ -160,10 +161,6 @@ def start_vllm_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[A
     argv += ["--additional-config", json.dumps({"tllm": server_settings("vector.safetensors")})]
     if enforce_eager:
         argv.append("--enforce-eager")
-    env = dict(os.environ)
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -173,7 +170,7 @@ def start_vllm_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[A
         except (OSError, urllib.error.URLError):
             return False
 
-    return start_server(argv, env, workdir / "server.log", healthy), url
+    return start_server(argv, server_env(), workdir / "server.log", healthy), url
 
 
 def engine_rss(server_pid: int) -> int:
@@ -269,13 +266,11 @@ def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_args(p)
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
-    p.add_argument("--json", action="store_true")
     a = p.parse_args()
     out = soak(
         model_path(a.model), a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager

