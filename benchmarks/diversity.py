@@ -374,67 +374,57 @@ KIND_COLORS = {
 }
 
 
-def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
+    """The quality-diversity plot (Vendi against perplexity) and one bar chart per metric."""
+    plt = pyplot()
     methods = result["methods"]
     names = list(methods)
     if qd_path is not None:
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
-        for name in names:
-            m = methods[name]
-            ax.errorbar(
-                m["means"]["ppl"],
-                m["means"]["vendi"],
-                xerr=m["sem"]["ppl"],
-                yerr=m["sem"]["vendi"],
-                fmt="o",
-                capsize=3,
-                label=name,
-                color=KIND_COLORS.get(m["kind"], None),
-            )
-            xy = (m["means"]["ppl"], m["means"]["vendi"])
-            ax.annotate(name, xy, fontsize=8, xytext=(4, 4), textcoords="offset points")
+        for name, m in methods.items():
+            (x, y), (dx, dy) = ((d["ppl"], d["vendi"]) for d in (m["means"], m["sem"]))
+            color = KIND_COLORS.get(m["kind"])
+            ax.errorbar(x, y, xerr=dx, yerr=dy, fmt="o", capsize=3, label=name, color=color)
+            ax.annotate(name, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
         ax.set_xlabel("perplexity under the generating model (lower = more likely)")
         ax.set_ylabel("Vendi score (higher = more diverse)")
         ax.set_title("Quality-diversity (mean over prompts, ±1 s.e.)")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        qd_path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(qd_path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, qd_path, 120)
     if bars_path is not None:
-        labels = {
-            "vendi": "Vendi score",
-            "cos_sim": "mean pairwise cosine similarity",
-            "ppl": "perplexity",
-            "distinct2": "distinct-2 (within completion)",
-        }
+        labels = ("Vendi score", "mean pairwise cosine similarity", "perplexity")
+        labels += ("distinct-2 (within completion)",)
+        colors = [KIND_COLORS.get(methods[n]["kind"], "tab:purple") for n in names]
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
-        for ax, metric in zip(axes, METRICS, strict=False):
+        for ax, metric, label in zip(axes, METRICS, labels, strict=True):
             vals = [methods[n]["means"][metric] for n in names]
             errs = [methods[n]["sem"][metric] for n in names]
-            ax.bar(
-                range(len(names)),
-                vals,
-                yerr=errs,
-                capsize=3,
-                color=[KIND_COLORS.get(methods[n]["kind"], "tab:purple") for n in names],
-            )
+            ax.bar(range(len(names)), vals, yerr=errs, capsize=3, color=colors)
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-            ax.set_title(labels[metric], fontsize=10)
-            lo = min(v - e for v, e in zip(vals, errs, strict=False))
-            hi = max(v + e for v, e in zip(vals, errs, strict=False))
+            ax.set_title(label, fontsize=10)
+            lo = min(v - e for v, e in zip(vals, errs, strict=True))
+            hi = max(v + e for v, e in zip(vals, errs, strict=True))
             pad = (hi - lo) * 0.3 + 1e-9
             ax.set_ylim(max(0.0, lo - pad), hi + pad)
             ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        bars_path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(bars_path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, bars_path, 110)
 
 
 # ----------------------------------------------------------------------------- driver

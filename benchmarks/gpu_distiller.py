@@ -78,6 +78,11 @@ def plan(args) -> MemoryPlan:
     )
 
 
+def distiller_variants(device: torch.device) -> list[str]:
+    """The variants a device runs (see the module docstring)."""
+    return ["eager_side", "graph_main", "graph_side"] if is_cuda(device) else ["eager_main"]
+
+
 def make(variant: str, args, device):
     """``eager_main`` on CPU: the CPU distiller; otherwise the CUDA distiller, eager or with
     its graphs, on its side stream or (``_main``) the current one."""
@@ -452,9 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, device) -> int:
-    variants = (
-        ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
-    )
+    variants = distiller_variants(device)
     out: dict[str, Any] = {
         "shape": {k: getattr(args, k) for k in ("hidden", "groups", "intermediate", "blocks")}
         | {"rows_per_group": args.rows, "batch_rows": args.groups * args.rows},

@@ -57,6 +57,7 @@ from gpu_distiller import (  # noqa: E402
     SHAPES_7B,
     bench_distiller,
     bench_kernels,
+    distiller_variants,
 )
 from update_bytes import update_bytes_per_param  # noqa: E402
 
@@ -204,12 +205,11 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
 
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     s = _shape(quick, device)
-    variants = ["eager_side", "graph_main", "graph_side"] if is_cuda(device) else ["eager_main"]
     out: dict[str, Any] = {}
     for groups in (8, 64) if not quick else (2, 4):
         args = SimpleNamespace(groups=groups, blocks=2, **s)
         res: dict[str, Any] = {}
-        for v in variants:
+        for v in distiller_variants(device):
             res[v] = bench_distiller(v, args, device)
             _free(device)  # the variant's distiller (6 GB at 64 groups) before the next
         res["bytes_per_param"] = update_bytes_per_param(args, device)
@@ -382,6 +382,13 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _error(err: Exception) -> dict[str, str]:
+    """The part's error with where it was raised (the innermost frames)."""
+    frames = traceback.extract_tb(err.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
+    return {"error": f"{type(err).__name__}: {err}", "traceback": where}
+
+
 def _parts(device: torch.device, quick: bool) -> tuple:
     return (
         ("cuda_tests", lambda: run_cuda_tests(device)),
@@ -394,30 +401,17 @@ def _parts(device: torch.device, quick: bool) -> tuple:
     )
 
 
-def _error(err: Exception) -> dict[str, str]:
-    """The part's error with where it was raised (the innermost frames)."""
-    frames = traceback.extract_tb(err.__traceback__)[-4:]
-    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
-    return {"error": f"{type(err).__name__}: {err}", "traceback": where}
-
-
 def smoke(
-    device: torch.device,
-    quick: bool,
-    out_path: str | None = None,
-    budget_s: float = BUDGET_S,
+    device: torch.device, quick: bool, out_path: str | None = None, budget_s: float = BUDGET_S
 ) -> dict[str, Any]:
-    """Every part on ``device`` (the fake device inside :func:`rehearsal`); the
-    JSON so far goes to ``out_path`` after each part; a part not started within ``budget_s``
-    seconds of the run's start is skipped (said so)."""
+    """Every part on ``device`` (the fake device inside :func:`rehearsal`), the JSON so far
+    written to ``out_path`` after each; parts not started within ``budget_s`` are skipped."""
     rehearsal = active()
-    if rehearsal is not None:
-        ran_on = RAN_ON
-    else:
-        ran_on = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    device_name = torch.cuda.get_device_name(device) if is_cuda(device) else device.type
+    ran_on = RAN_ON if rehearsal is not None else device_name
     t0 = time.time()
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if is_cuda(device) else device.type,
+        "device": device_name,
         "rehearsal": rehearsal is not None,
         "torch": torch.__version__,
         "code": code_version(),

@@ -201,27 +201,15 @@ def compare(a: list[list[float]], b: list[list[float]], ks: list[int]) -> dict[s
 
 # ----------------------------------------------------------------------------- plot
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = dv.KIND_COLORS
+    """pass@k curves, one per method (a line style per method of the same kind)."""
     styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = dv.pyplot().subplots(figsize=(7, 4.8))
     seen: dict[str, int] = {}
     for name, m in result["methods"].items():
         i = seen[m["kind"]] = seen.get(m["kind"], -1) + 1
         ks = list(range(1, len(m["pass_at_k"]) + 1))
-        ax.plot(
-            ks,
-            m["pass_at_k"],
-            styles[i % len(styles)],
-            marker="o",
-            ms=3,
-            color=colors.get(m["kind"], "tab:purple"),
-            label=name,
-        )
+        color = dv.KIND_COLORS.get(m["kind"], "tab:purple")
+        ax.plot(ks, m["pass_at_k"], styles[i % 4], marker="o", ms=3, color=color, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k (samples)")
     ax.set_ylabel("pass@k (mean over problems)")
@@ -229,10 +217,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"pass@k, {cfg['num_problems']} problems, n={cfg['n']}, embedded model")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    dv.save_figure(fig, path, 120)
 
 
 # ----------------------------------------------------------------------------- driver
