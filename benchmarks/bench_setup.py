@@ -125,14 +125,16 @@ def model_path(model: str | None) -> str:
     return str(default_model_path())
 
 
-def machine_info() -> dict[str, Any]:
-    """The hardware and software a run measured on, and the code version it ran."""
+def run_machine(load_start: float) -> dict[str, Any]:
+    """The hardware and software a run measured on, the code version it ran, and the 1-minute
+    load at its start and end."""
     info: dict[str, Any] = {
         "code": code_version(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "loadavg_1m_start": os.getloadavg()[0],
+        "loadavg_1m_start": load_start,
+        "loadavg_1m_end": os.getloadavg()[0],
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -173,11 +175,6 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return "python " + shlex.join([f"benchmarks/{script}", *(argv or sys.argv[1:])])
 
 
-def run_machine(load_start: float) -> dict[str, Any]:
-    """The machine record of a run: hardware plus the 1-minute load at its start and end."""
-    return {**machine_info(), "loadavg_1m_start": load_start, "loadavg_1m_end": os.getloadavg()[0]}
-
-
 def machine_text(m: dict[str, Any] | None) -> str:
     """One line for a run's ``machine`` record."""
     if not m:
@@ -211,14 +208,11 @@ def _number(cell: Any) -> bool:
     return True
 
 
-def provenance(result: dict[str, Any], command: str | None = None) -> str:
-    """The command, code version and machine of a result, as a one-row table."""
+def section(title: str, result: dict[str, Any], *tables: str, command: str | None = None) -> str:
+    """A docs/results.md section: its title, the result's command, code version and machine
+    (one row), then its tables."""
     m = result.get("machine") if isinstance(result.get("machine"), dict) else None
     code = result.get("code") or (m or {}).get("code") or "unknown"
     cmd = command or result.get("command") or "not recorded"
-    return table(["command", "code version", "machine"], [[f"`{cmd}`", code, machine_text(m)]])
-
-
-def section(title: str, result: dict[str, Any], *tables: str, command: str | None = None) -> str:
-    """A docs/results.md section: its title, provenance, then its tables."""
-    return "\n\n".join([f"## {title}", provenance(result, command), *tables]) + "\n"
+    head = table(["command", "code version", "machine"], [[f"`{cmd}`", code, machine_text(m)]])
+    return "\n\n".join([f"## {title}", head, *tables]) + "\n"

@@ -165,19 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
     args = p.parse_args(argv)
-    out = [
-        run(pr, n, mode, fit, args.steps)
-        for pr, n in LAYOUTS
-        for mode in ("post_filter", "full_vocab")
-        for fit in (False, True)
-    ]
+    grid = [(pr, n, mode, fit) for pr, n in LAYOUTS for mode in MODES for fit in (False, True)]
+    out = [run(*g, args.steps) for g in grid]
     # The whole step through tllm's runtime, with stream-order checks.
-    runtime = [
-        run_runtime(pr, n, mode, fit, args.steps, order=True)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for fit in (False, True)
-    ]
+    runtime = [run_runtime(*g, args.steps, order=True) for g in grid]
     per_request = [
         run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
         for pr, n in LAYOUTS
@@ -190,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, opts in CONFIGS:
             fit = opts.get("beta_schedule") == "fit"
             rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
-            for mode in ("post_filter", "full_vocab"):
+            for mode in MODES:
                 configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     result = {
         "torch": torch.__version__,
@@ -207,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
 def render(fs: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
     runtime, per request and per setting, each row a count on the fake device."""
-
-    def beta(r: dict[str, Any]) -> str:
-        return "fit" if r.get("fit") else "constant"
 
     def n(v: Any) -> int:
         return len(v) if isinstance(v, list) else v
@@ -230,7 +218,7 @@ def render(fs: dict[str, Any]) -> str:
                     f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
                     what,
                     r["mode"],
-                    beta(r),
+                    "fit" if r.get("fit") else "constant",
                     r["launches"],
                     f"{r['bytes'] / 1e9:.2f}",
                     r["allocations"],

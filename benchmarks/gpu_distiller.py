@@ -132,24 +132,19 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     slots, x, t = distiller_inputs(args, device)
     slots = torch.tensor(slots_live)[slots]
 
-    def predict():
-        d.predict(slots, x)
-
-    def train():
-        d.train_step(slots, x, t)
-
-    def both():  # as ESamp runs a decode step: the update reuses the prediction's forward
-        d.predict(slots, x, **_same_rows(d))
-        d.train_step(slots, x, t, **_same_rows(d))
-
-    def both_rerun():  # the update runs the forward again
-        d.predict(slots, x)
-        d.train_step(slots, x, t)
+    def step(**same_rows: Any) -> None:
+        d.predict(slots, x, **same_rows)
+        d.train_step(slots, x, t, **same_rows)
 
     res = {}
-    cases = [("predict_us", predict), ("train_us", train), ("step_us", both)]
+    cases = [
+        ("predict_us", lambda: d.predict(slots, x)),
+        ("train_us", lambda: d.train_step(slots, x, t)),
+        # as ESamp runs a decode step: the update reuses the prediction's forward
+        ("step_us", lambda: step(**_same_rows(d))),
+    ]
     if d.takes_rows_id:
-        cases.append(("step_rerun_forward_us", both_rerun))
+        cases.append(("step_rerun_forward_us", step))  # the update runs the forward again
     for name, fn in cases:
         for _ in range(args.warmup):
             fn()

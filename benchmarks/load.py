@@ -214,6 +214,7 @@ def picked(report: dict[str, Any]) -> dict[str, float]:
 async def phase(
     load: Load, name: str, kinds: list[str], concurrency: int, poll_s: float | None, seed: int
 ) -> dict[str, Any]:
+    """One round of a phase: its outcomes, wall time, polls and the counters it added."""
     before = picked(await load.counters())
     queue = list(enumerate(kinds))
     outcomes: list[Outcome] = []
@@ -226,13 +227,9 @@ async def phase(
             i, kind = queue.pop(0)
             outcomes.append(await load.one(kind, random.Random(seed + i)))
             if len(outcomes) % 25 == 0:
-                good_tokens = sum(o.tokens for o in outcomes if o.kind in GOOD)
-                print(
-                    f"load: phase {name}: {len(outcomes)}/{len(kinds)} answered, "
-                    f"{good_tokens / (time.monotonic() - t0):.1f} good tok/s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                tok_s = _good_tokens(outcomes) / (time.monotonic() - t0)
+                msg = f"phase {name}: {len(outcomes)}/{len(kinds)} answered, {tok_s:.1f} good tok/s"
+                print(f"load: {msg}", file=sys.stderr, flush=True)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.monotonic() - t0
@@ -240,25 +237,41 @@ async def phase(
     if poller is not None:
         await poller
     after = picked(await load.counters())
+    added = {k: after[k] - before[k] for k in after}
+    return {"outcomes": outcomes, "wall_s": wall, "polls": polls, "counters_added": added}
+
+
+def _good_tokens(outcomes: list[Outcome]) -> int:
+    return sum(o.tokens for o in outcomes if o.kind in GOOD)
+
+
+def summarize(name: str, poll_s: float | None, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A phase over all its rounds; tokens/s over their total wall time."""
+    outcomes = [o for r in rounds for o in r["outcomes"]]
     good = [o for o in outcomes if o.kind in GOOD]
-    tokens = sum(o.tokens for o in good)
+    wall = sum(r["wall_s"] for r in rounds)
+    added: Counter = Counter()
+    for r in rounds:
+        added.update(r["counters_added"])
     return {
         "phase": name,
         "polling_s": poll_s,
         "requests": len(outcomes),
-        "wall_s": round(wall, 2),
-        "good_tokens": tokens,
-        "good_tok_s": round(tokens / wall, 2),
+        "good_tokens": _good_tokens(outcomes),
         "good_sent": len(good),
         "good_completed": sum(o.status == 200 and o.finished for o in good),
         "cancelled": sum(o.kind == "cancel" for o in outcomes),
+        "wall_s": round(wall, 2),
+        "good_tok_s": round(_good_tokens(outcomes) / wall, 2),
+        "good_tok_s_rounds": [round(_good_tokens(r["outcomes"]) / r["wall_s"], 2) for r in rounds],
+        "rss_mib_after_rounds": [r["rss_mib_after"] for r in rounds],  # a leak would climb
         "status_codes": dict(sorted(Counter(str(o.status) for o in outcomes).items())),
-        "status_5xx": sum(o.status >= 500 for o in outcomes),
         "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
-        "polls": polls.count,
-        "polls_failed": polls.failed,
-        "counters_added": {k: after[k] - before[k] for k in after},
-        "_unexpected": [
+        "counters_added": dict(sorted(added.items())),
+        "status_5xx": sum(o.status >= 500 for o in outcomes),
+        "polls": sum(r["polls"].count for r in rounds),
+        "polls_failed": sum(r["polls"].failed for r in rounds),
+        "unexpected": [
             o.kind
             for o in outcomes
             if (o.kind in GOOD and not (o.status == 200 and o.finished))
@@ -266,26 +279,6 @@ async def phase(
             or (o.kind == "cancel" and o.status != 200)
         ],
     }
-
-
-def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One phase's rounds summed; tokens/s over their total wall time."""
-    out = {"phase": rounds[0]["phase"], "polling_s": rounds[0]["polling_s"]}
-    for k in ("requests", "good_tokens", "good_sent", "good_completed", "cancelled", "status_5xx"):
-        out[k] = sum(r[k] for r in rounds)
-    out["wall_s"] = round(sum(r["wall_s"] for r in rounds), 2)
-    out["good_tok_s"] = round(out["good_tokens"] / out["wall_s"], 2)
-    out["good_tok_s_rounds"] = [r["good_tok_s"] for r in rounds]
-    out["rss_mib_after_rounds"] = [r["rss_mib_after"] for r in rounds]  # a leak would climb
-    for k in ("status_codes", "by_kind", "counters_added"):
-        total: Counter = Counter()
-        for r in rounds:
-            total.update(r[k])
-        out[k] = dict(sorted(total.items()))
-    out["polls"] = sum(r["polls"] for r in rounds)
-    out["polls_failed"] = sum(r["polls_failed"] for r in rounds)
-    out["unexpected"] = [k for r in rounds for k in r["_unexpected"]]
-    return out
 
 
 async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -310,7 +303,7 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
                 phases[name][-1]["rss_mib_after"] = tree_rss_mib(pid)["total"]
         final = await load.counters()
         rss_end = tree_rss_mib(pid)
-    a_, b_ = merge(phases["A"]), merge(phases["B"])
+    a_, b_ = summarize("A", a.poll_interval, phases["A"]), summarize("B", None, phases["B"])
     warm_ok = all(o.status == 200 and o.finished for o in warm)
     checks = {
         "no_5xx": a_["status_5xx"] + b_["status_5xx"] == 0,

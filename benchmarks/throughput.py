@@ -134,14 +134,22 @@ class Case(NamedTuple):
     name: str
     # Consumer specs, or (model folder, temporary folder) -> specs; None = plain vLLM.
     specs: list[str] | None | Callable[[str, Path], list[str]]
-    # The specs as shown in the JSON output (temporary paths elided).
-    shown: list[str] | None
     # Counters ("runtime.<name>" or "<consumer>.<name>") that must be > 0 after the case ran,
     # else the run fails; report.py shows them (and ``also_report``).
     required: tuple[str, ...] = ()
     also_report: tuple[str, ...] = ()
+    # The specs as the JSON output shows them (temporary paths elided); default ``specs``.
+    shown: list[str] | None = None
+
+    @property
+    def public(self) -> list[str] | None:
+        return self.specs if self.shown is None and not callable(self.specs) else self.shown
 
 
+_SAE_WORK: dict[str, Any] = {
+    "required": ("sae.rows_encoded", "sae.rows_recorded"),
+    "also_report": ("sae.shards_written",),
+}
 _SAE_SHOWN = (
     'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
     '"phase": "decode", "out": <tmp>'
@@ -149,18 +157,18 @@ _SAE_SHOWN = (
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
-        Case("plain", None, None),
-        Case("tllm_idle", [], [], also_report=("runtime.engine_steps",)),
+        Case("plain", None),
+        Case("tllm_idle", [], also_report=("runtime.engine_steps",)),
         Case(
             "capture",
             ['stats:{"layers": [0, -1], "phase": "all"}'],
-            ['stats:{"layers": [0, -1]}'],
             required=("runtime.rows_captured.layer.0", "stats.bundles"),
+            shown=['stats:{"layers": [0, -1]}'],
         ),
         Case(
             "export",
             _export_specs,
-            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
+            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
             required=("export.rows_exported",),
             also_report=(
                 "export.bytes_written",
@@ -172,14 +180,14 @@ CASES: dict[str, Case] = {
         Case(
             "probe",
             functools.partial(_export_specs, phase="last_prompt"),
-            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
+            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
             required=("export.rows_exported",),
             also_report=("runtime.rows_bundled.export",),
         ),
         Case(
             "steer",
             _steer_specs,
-            [
+            shown=[
                 'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
                 '"scale": 2.0, "normalize": true}]}'
             ],
@@ -188,26 +196,22 @@ CASES: dict[str, Case] = {
         Case(
             "sae",
             _sae_specs,
-            [_SAE_SHOWN + "}"],
-            required=("sae.rows_encoded", "sae.rows_recorded"),
-            also_report=("sae.shards_written",),
+            shown=[_SAE_SHOWN + "}"],
+            **_SAE_WORK,
         ),
         Case(
             "sae_background",
             functools.partial(_sae_specs, delivery="background"),
-            [_SAE_SHOWN + ', "delivery": "background"}'],
-            required=("sae.rows_encoded", "sae.rows_recorded"),
-            also_report=("sae.shards_written",),
+            shown=[_SAE_SHOWN + ', "delivery": "background"}'],
+            **_SAE_WORK,
         ),
         Case(
             "esamp_train",
-            ['esamp:{"beta": 0.0}'],
             ['esamp:{"beta": 0.0}'],
             required=("esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_visited"),
         ),
         Case(
             "esamp",
-            ['esamp:{"beta": 0.25}'],
             ['esamp:{"beta": 0.25}'],
             required=("esamp.optimizer_steps", "esamp.rows_guided", "runtime.rows_guided"),
             also_report=("esamp.rows_trained",),
@@ -643,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_ratio": (
                 statistics.median(plain_steps) / step_med if step_med and plain_steps else None
             ),
-            "consumers": CASES[case].shown if case in CASES else [case],
+            "consumers": CASES[case].public if case in CASES else [case],
             "start_s": statistics.median(x["start_s"] for x in rs),
             "peak_rss_mib": peak,
             "peak_growth_mib": grow,
