@@ -10,8 +10,9 @@ noise of its norm).
 
 Per prompt: Vendi score and mean pairwise cosine similarity of all-MiniLM-L6-v2 embeddings,
 perplexity under the generating model (vLLM's raw log-probs of the sampled tokens, before
-temperature, min-p and guidance; ``--ppl-check K`` re-scores K completions with transformers),
-and distinct-2 within each completion. Then per-method means (± standard error), paired
+temperature, min-p and guidance; exp(mean NLL) per completion, their geometric mean per
+prompt; ``--ppl-check K`` re-scores K completions with transformers), and distinct-2 (unique
+over total token bigrams) within each completion. Then per-method means (± standard error), paired
 comparisons per prompt (sign test, paired t-test) against vanilla and of ESamp against its
 controls, and a quality-diversity plot.
 """

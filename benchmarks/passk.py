@@ -2,10 +2,17 @@
 
     python benchmarks/passk.py [--problems P] [-n 16] [--max-tokens T] [--beta B]... [--json]
 
-Problems are generated from ``--task-seed`` (no data set), round-robin over ``--families``
-(``FAMILIES``: additions, multiplications, counting, unit conversions, word problems; the
-``_worked`` ones ask for a worked solution ending in "Answer: N"); the checker compares the
-completion's answer (:func:`extract_answer`) with the problem's.
+Problems are generated from ``--task-seed`` (no data set), round-robin over ``--families``;
+the checker compares the completion's answer (:func:`extract_answer`: the last integer, after
+"Answer:" when the completion says so) with the problem's:
+
+    add, mul       two-digit addition, one-digit times one/two-digit multiplication, answer only
+    add_worked     two-digit addition with a short worked solution, "Answer: N" at the end
+    count          how many items a short comma-separated list holds
+    convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
+    word           one-step word problems (gains and losses of apples, coins, ...)
+    multi_worked   three-step word problems with a worked solution in full sentences,
+                   "Answer: N" at the end (long answers: the distiller trains before the answer)
 
 Methods and engine loop: ``benchmarks/diversity.py``'s (vanilla; ESamp per beta; ``temp_*``;
 the noise and frozen ablations, ``--controls`` choosing the default recipe's; each
