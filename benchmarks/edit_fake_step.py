@@ -1,18 +1,12 @@
-"""Hidden-state edits through tllm's runtime on CUDA, counted without a GPU: a step's edit
-path (``Runtime.begin_step``: each editing consumer's plan, checked and written into the
-edit taps' buffers) on the fake CUDA device of ``tllm_core.testing.fake_cuda`` with its
-stream-order checks, then the step's end:
+"""Hidden-state edits through tllm's runtime on CUDA, counted without a GPU:
 
     python benchmarks/edit_fake_step.py [--json] [--steps 3]      # counts from tests/edit_steps.py
 
-Per case, over ``--steps`` steady steps after one warm-up step (8 requests: one 16-token
-prompt and 7 decode rows; bf16 states), once as is and once under ``torch.inference_mode``
-(as vLLM runs a step): host waits, pageable copies, device allocations and races
-(each must be 0 for a wait-free, allocation-free step), with where each comes from. Cases:
-``steer`` on every request and per request (every other request switches it on, with a
-scale override; a vector added at one layer, one ablated at another), and one consumer per edit kind (``add``,
-``replace``, ``ablate``, ``transform``) with its value on the device, and ``add`` with a
-CPU value (moved to the device once: the edit buffers cache it by identity and version).
+A step's edit path (``Runtime.begin_step``: each editing consumer's plan, checked and written
+into the edit taps' buffers) on the fake CUDA device, over ``--steps`` steady steps after a
+warm-up (8 requests, bf16), as is and under ``torch.inference_mode``: host waits, pageable
+copies, allocations and races (each must be 0). Cases: ``steer`` on every request and per
+request, one consumer per edit kind, and ``add`` with a CPU value (moved to the device once).
 """
 
 from __future__ import annotations

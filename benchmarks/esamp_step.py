@@ -3,21 +3,16 @@
     python benchmarks/esamp_step.py [--json] [--steps 3] [--configs]       # counted, no GPU
     from esamp_step import bench_step; bench_step(torch.device("cuda"), prompts=8, n=16)
 
-Counted (the default, any machine): on the fake CUDA device, per layout (prompts x samples:
-8 x 16, 1 x 128, 64 x 16), mode (post_filter, full_vocab) and beta schedule (constant, fit):
-launches (aten operations; a graph replay counts the operations it captured), bytes they read
-and write, device allocations, host waits and pageable copies (must be 0); the consumer alone
-and the whole step through tllm's runtime (``tests/esamp_steps.py``), with ESamp on every
-request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
+Counted (default, any machine; ``tests/esamp_steps.py``): on the fake CUDA device, per layout,
+mode and beta schedule, the launches, bytes moved, allocations, host waits and pageable copies
+(the last three must be 0) of the consumer alone and of the whole step through tllm's runtime,
+ESamp on every request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
 
-Timed (:func:`bench_step`, a CUDA device; ``benchmarks/gpu_smoke.py`` runs it): the step
-beside a synthetic decode step (``gpu_distiller.SyntheticDecode``: the linear layers of a
-Qwen2-7B-shaped decoder in bf16, one CUDA graph, attention left out: a lower bound of a real
-step) and a sampler stand-in (softmax, min-p 0.1, exponential-race sampling; no host sync).
-Per step: device time of plain and ESamp steps (CUDA events over pipelined steps), the time
-ESamp adds, the host time of the runtime's calls, ESamp's floor (the bytes it must move at the
-measured copy bandwidth), one step under ``torch.cuda.set_sync_debug_mode("error")``, and the
-memory plan against what was allocated.
+Timed (:func:`bench_step`, CUDA; ``gpu_smoke.py`` runs it): the step beside
+``gpu_distiller.SyntheticDecode`` and a sampler stand-in (min-p 0.1, exponential race, no host
+sync): device time of plain and ESamp steps, the time ESamp adds, the host time of the
+runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a step under
+``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
 """
 
 from __future__ import annotations
@@ -65,12 +60,15 @@ def esamp_floor_bytes(prompts: int, n: int, vocab: int = V) -> int:
     return update + backward + predict + guidance
 
 
-def _sampler(logits: torch.Tensor) -> torch.Tensor:
-    """min-p 0.1 filter (in place, as vLLM's) and an exponential-race sample: no host sync."""
+def _min_p(logits: torch.Tensor) -> torch.Tensor:
+    """The min-p 0.1 filter, in place as vLLM's."""
     probs = logits.softmax(-1)
-    logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
-    q = torch.empty_like(probs).exponential_()
-    return logits.softmax(-1).div_(q).argmax(-1)
+    return logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
+
+
+def _sample(logits: torch.Tensor) -> torch.Tensor:
+    """An exponential-race sample: no host sync."""
+    return logits.softmax(-1).div_(torch.empty_like(logits).exponential_()).argmax(-1)
 
 
 def bench_step(
@@ -96,24 +94,13 @@ def bench_step(
     temp = torch.ones(r, device=device)
     host: list[float] = []
 
-    def plain() -> None:
-        logits = decode.run_logits().float()
-        _sampler(logits)
-
     # The runtime's taps: ESamp's source layer (the synthetic step's first layer output) and
     # the final state.
     taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
 
     def with_esamp(t: int) -> None:
-        logits = decode.run_logits().float()
-        probs = logits.softmax(-1)
-        logits.masked_fill_(probs < 0.1 * probs.amax(-1, keepdim=True), float("-inf"))
-
-        def sample(x: torch.Tensor) -> torch.Tensor:
-            q = torch.empty_like(probs).exponential_()
-            return x.softmax(-1).div_(q).argmax(-1)
-
-        host.append(rs.step(taps.__getitem__, logits, temp, sample))
+        logits = _min_p(decode.run_logits().float())
+        host.append(rs.step(taps.__getitem__, logits, temp, _sample))
 
     def timed(fn) -> float:  # ms per step
         for i in range(warmup):
@@ -121,7 +108,9 @@ def bench_step(
         steps = iter(range(warmup, warmup + iters))
         return time_us(lambda: fn(next(steps)), iters, device) / 1e3
 
-    plain_ms = statistics.median(timed(lambda i: plain()) for _ in range(3))
+    plain_ms = statistics.median(
+        timed(lambda i: _sample(_min_p(decode.run_logits().float()))) for _ in range(3)
+    )
     host.clear()
     esamp_ms = statistics.median(timed(with_esamp) for _ in range(3))
     host_ms = statistics.median(host) * 1e3
@@ -176,19 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
     args = p.parse_args(argv)
-    out = [
-        run(pr, n, mode, fit, args.steps)
-        for pr, n in LAYOUTS
-        for mode in ("post_filter", "full_vocab")
-        for fit in (False, True)
-    ]
+    grid = [(pr, n, mode, fit) for pr, n in LAYOUTS for mode in MODES for fit in (False, True)]
+    out = [run(*g, args.steps) for g in grid]
     # The whole step through tllm's runtime, with stream-order checks.
-    runtime = [
-        run_runtime(pr, n, mode, fit, args.steps, order=True)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for fit in (False, True)
-    ]
+    runtime = [run_runtime(*g, args.steps, order=True) for g in grid]
     per_request = [
         run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
         for pr, n in LAYOUTS
@@ -201,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, opts in CONFIGS:
             fit = opts.get("beta_schedule") == "fit"
             rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
-            for mode in ("post_filter", "full_vocab"):
+            for mode in MODES:
                 configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     result = {
         "torch": torch.__version__,
@@ -218,9 +198,6 @@ def main(argv: list[str] | None = None) -> int:
 def render(fs: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
     runtime, per request and per setting, each row a count on the fake device."""
-
-    def beta(r: dict[str, Any]) -> str:
-        return "fit" if r.get("fit") else "constant"
 
     def n(v: Any) -> int:
         return len(v) if isinstance(v, list) else v
@@ -241,7 +218,7 @@ def render(fs: dict[str, Any]) -> str:
                     f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
                     what,
                     r["mode"],
-                    beta(r),
+                    "fit" if r.get("fit") else "constant",
                     r["launches"],
                     f"{r['bytes'] / 1e9:.2f}",
                     r["allocations"],

@@ -3,45 +3,28 @@
     python benchmarks/gpu_distiller.py [--hidden 3584] [--groups 8] [--rows 16] [--iters 200] [--json]
     python benchmarks/gpu_distiller.py --kernels [--quick] [--device cpu] [--bandwidth 4.26e12]
 
-What is timed (CUDA events, after warm-up), in microseconds per decode step:
+Timed with CUDA events after warm-up, in microseconds per decode step:
 
-1. ``predict``, ``train_step`` and both (``step_us``: the update on the same rows, reusing
-   the prediction's forward as ESamp does; ``step_rerun_forward_us``: the forward run
-   again) of the grouped distiller alone (hidden 3584, 8 groups x 16 rows = a batch of 128
-   decode rows, intermediate 384, 2 blocks), for four variants:
+1. ``predict``, ``train_step`` and both (``step_us``: the update reusing the prediction's
+   forward, as ESamp does; ``step_rerun_forward_us``: the forward run again) of the grouped
+   distiller alone (8 groups x 16 rows, intermediate 384, 2 blocks), per variant:
+   ``eager_main`` (CPU only: the CPU ``GroupedDistiller``), ``eager_side`` (side stream, no
+   graphs), ``graph_main`` (graphs on the main stream), ``graph_side`` (as ESamp runs it).
+2. The distiller inside a decode step: :class:`SyntheticDecode` (the linear layers of a
+   Qwen2-7B-shaped decoder in bf16, one CUDA graph; attention left out, so the step is a lower
+   bound and the overhead fraction an upper bound), then ``predict`` and ``train_step``.
+   ``--decode-ms`` replaces the synthetic step's time in the fraction by a measured one.
+3. ``bytes_per_param``: bytes one update moves per distiller parameter and group, counted on
+   the meta device (``BytesCounter``): ``graph_update`` (the CUDA graphs' update) and
+   ``host_update`` (the CPU trainer). ``--bytes-only``: this part and the captured graphs'
+   launches and bytes (:func:`update_graphs`), on any machine.
+4. ``--kernels``: ESamp's fused kernels alone at 7B shapes per ``(groups live, capacity)``
+   case: ``grad_adam`` (``_bf16``: bf16 moments; ``_tf32``: TF32 gradient product) and
+   ``slot_matmul`` (against ``dense_matmul``, ``torch.bmm`` over every slot), each against the
+   bytes it must move at ``--bandwidth``; ``sweep`` (CUDA): a few tile sizes. ``--quick`` (or
+   ``--device cpu``): tiny shapes.
 
-   - ``eager_main``:   on CPU only: the CPU ``GroupedDistiller`` (a smoke run of the script);
-   - ``eager_side``:   ``CudaGroupedDistiller(use_cuda_graph=False)``: side stream, eager update;
-   - ``graph_main``:   the CUDA graphs, but the "side" stream is the main stream;
-   - ``graph_side``:   ``CudaGroupedDistiller`` as ESamp uses it: side stream + CUDA graphs.
-
-2. A decode step with the distiller in it: a synthetic decode step of the model (the linear
-   layers of a Qwen2-7B-shaped decoder -- 28 layers, hidden 3584, intermediate 18944, GQA with
-   4 KV heads of 128, vocabulary 152064 -- in bf16 at the same batch of 128 rows, replayed from
-   a CUDA graph; attention is left out, so this step is a lower bound and the overhead
-   fraction an upper bound) followed by ``predict`` (the sampler waits for it) and
-   ``train_step`` (which may overlap the next step on the side stream). Reported: the decode
-   step alone, the step with the distiller, and the added time as a fraction of the step.
-
-3. ``bytes_per_param``: the bytes one update moves per distiller parameter and group, counted
-   from the tensor sizes of the operations it dispatches (``tllm_core.testing.counters.BytesCounter``;
-   device independent, counted on the meta device): the update the CUDA graphs replay
-   (``graph_update``: the fused operators count as one operation each, with their arguments)
-   and the CPU trainer after a prediction of the same rows (``host_update``, as ESamp runs
-   it); ``*_adam``: the share of the Adam kernel (``grad_adam``: gradient formed inside).
-
-4. ``--kernels``: ESamp's fused kernels (``algorithms.esamp.kernels``) alone at 7B shapes
-   (6 weight matrices per slot, 16 rows per group), per case ``(groups live, capacity
-   slots)``: (8, 8), (64, 64), (8, 64): ``grad_adam`` (fp32 moments; ``_bf16``: bf16
-   moments; ``_tf32``: TF32 gradient product) and ``slot_matmul`` (the forward's six weight
-   products over the live slots, against ``dense_matmul``, ``torch.bmm`` over every slot),
-   each against the bytes it must move at ``--bandwidth``; ``sweep`` (CUDA): a few tile
-   sizes. ``--quick`` (or ``--device cpu``): tiny shapes, only to show that it runs.
-
-``--bytes-only`` prints part 3 and the captured graphs' launches and bytes
-(:func:`update_graphs`) for fp32 and bf16 moments, on any machine. ``--decode-ms`` replaces the synthetic step by a measured decode-step time of a real engine in
-the fraction. ``--device cpu`` runs a tiny smoke version of part 1 (eager only) for checking
-the script without a GPU.
+``--device cpu``: a tiny smoke run of part 1 (eager only), to check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -95,6 +78,11 @@ def plan(args) -> MemoryPlan:
     )
 
 
+def distiller_variants(device: torch.device) -> list[str]:
+    """The variants a device runs (see the module docstring)."""
+    return ["eager_side", "graph_main", "graph_side"] if is_cuda(device) else ["eager_main"]
+
+
 def make(variant: str, args, device):
     """``eager_main`` on CPU: the CPU distiller; otherwise the CUDA distiller, eager or with
     its graphs, on its side stream or (``_main``) the current one."""
@@ -144,24 +132,19 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     slots, x, t = distiller_inputs(args, device)
     slots = torch.tensor(slots_live)[slots]
 
-    def predict():
-        d.predict(slots, x)
-
-    def train():
-        d.train_step(slots, x, t)
-
-    def both():  # as ESamp runs a decode step: the update reuses the prediction's forward
-        d.predict(slots, x, **_same_rows(d))
-        d.train_step(slots, x, t, **_same_rows(d))
-
-    def both_rerun():  # the update runs the forward again
-        d.predict(slots, x)
-        d.train_step(slots, x, t)
+    def step(**same_rows: Any) -> None:
+        d.predict(slots, x, **same_rows)
+        d.train_step(slots, x, t, **same_rows)
 
     res = {}
-    cases = [("predict_us", predict), ("train_us", train), ("step_us", both)]
+    cases = [
+        ("predict_us", lambda: d.predict(slots, x)),
+        ("train_us", lambda: d.train_step(slots, x, t)),
+        # as ESamp runs a decode step: the update reuses the prediction's forward
+        ("step_us", lambda: step(**_same_rows(d))),
+    ]
     if d.takes_rows_id:
-        cases.append(("step_rerun_forward_us", both_rerun))
+        cases.append(("step_rerun_forward_us", step))  # the update runs the forward again
     for name, fn in cases:
         for _ in range(args.warmup):
             fn()
@@ -259,12 +242,6 @@ ADAM_TILES = ((32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4))  # block_n,
 MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 
 
-def _time_ms(fn, device: torch.device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    return time_us(fn, iters, device) / 1e3
-
-
 def _matrices(shape: dict) -> list[tuple[int, int, int]]:
     """``(offset, N, K)`` of each weight matrix in a slot's flat row (params.py's layout:
     gate ``[NB, I, H]``, up ``[NB, I, H]``, down ``[NB, H, I]``)."""
@@ -275,11 +252,6 @@ def _matrices(shape: dict) -> list[tuple[int, int, int]]:
 
 def _view(state: torch.Tensor, off: int, n: int, k: int) -> torch.Tensor:
     return state[:, off : off + n * k].view(state.shape[0], n, k)
-
-
-def _floor(total_bytes: int, ms: float, bandwidth: float) -> dict[str, float]:
-    floor_ms = total_bytes / bandwidth * 1e3
-    return dict(ms=ms, bytes=total_bytes, floor_ms=floor_ms, x_floor=ms / floor_ms)
 
 
 class _Case:
@@ -341,41 +313,47 @@ class _Case:
 
 def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: float) -> dict:
     c = _Case(shape, groups, capacity, device)
-    it, wu = shape["iters"], shape["warmup"]
+
+    def timed(fn: Any, nbytes: int, **extra: Any) -> dict[str, Any]:
+        """ms per call of ``fn`` and its floor: ``nbytes`` moved at ``bandwidth``."""
+        for _ in range(shape["warmup"]):
+            fn()
+        ms = time_us(fn, shape["iters"], device) / 1e3
+        floor_ms = nbytes / bandwidth * 1e3
+        return dict(ms=ms, bytes=nbytes, floor_ms=floor_ms, x_floor=ms / floor_ms, **extra)
+
     params = groups * sum(n * k for _, n, k in c.mats)
     adam_bytes = sum(grad_adam_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
-    res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
-
-    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v), device, it, wu)
-    res["grad_adam"] = dict(_floor(adam_bytes, ms, bandwidth), bytes_per_param=adam_bytes / params)
-    ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, "tf32"), device, it, wu)
-    res["grad_adam_tf32"] = _floor(adam_bytes, ms, bandwidth)
-    m16, v16 = c.m.bfloat16(), c.v.bfloat16()
     bf16_bytes = sum(grad_adam_bytes(groups, c.rows, n, k, 2) for _, n, k in c.mats)
-    ms = _time_ms(lambda: c.fused(c.theta, m16, v16), device, it, wu)
-    res["grad_adam_bf16"] = dict(
-        _floor(bf16_bytes, ms, bandwidth), bytes_per_param=bf16_bytes / params
-    )
-    h, i = shape["hidden"], shape["intermediate"]
-    out_i = torch.zeros(capacity, c.rows, i, device=device)
-    out_h = torch.zeros(capacity, c.rows, h, device=device)
     mm_bytes = sum(slot_matmul_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
+    res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
+    per_param = adam_bytes / params
+    res["grad_adam"] = timed(
+        lambda: c.fused(c.theta, c.m, c.v), adam_bytes, bytes_per_param=per_param
+    )
+    res["grad_adam_tf32"] = timed(lambda: c.fused(c.theta, c.m, c.v, "tf32"), adam_bytes)
+    m16, v16 = c.m.bfloat16(), c.v.bfloat16()
+    res["grad_adam_bf16"] = timed(
+        lambda: c.fused(c.theta, m16, v16), bf16_bytes, bytes_per_param=bf16_bytes / params
+    )
+    out_i = torch.zeros(capacity, c.rows, shape["intermediate"], device=device)
+    out_h = torch.zeros(capacity, c.rows, shape["hidden"], device=device)
     c.dense_products(c.theta, out_i, out_h)
     dense_h = out_h[c.live].clone()
     g_i, g_h = out_i[:groups].clone(), out_h[:groups].clone()
     c.forward_products(c.theta, g_i, g_h)
-    mm_diff = (g_h - dense_h).abs().max().item()
-    ms = _time_ms(lambda: c.forward_products(c.theta, g_i, g_h), device, it, wu)
-    res["slot_matmul"] = dict(_floor(mm_bytes, ms, bandwidth), max_abs_diff_vs_dense=mm_diff)
-    ms = _time_ms(lambda: c.dense_products(c.theta, out_i, out_h), device, it, wu)
-    res["dense_matmul"] = _floor(mm_bytes, ms, bandwidth)
-
+    diff = (g_h - dense_h).abs().max().item()
+    res["slot_matmul"] = timed(
+        lambda: c.forward_products(c.theta, g_i, g_h), mm_bytes, max_abs_diff_vs_dense=diff
+    )
+    res["dense_matmul"] = timed(lambda: c.dense_products(c.theta, out_i, out_h), mm_bytes)
     if is_cuda(device) and triton_available():
-        res["sweep"] = _sweep(c, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth)
+        res["sweep"] = _sweep(c, g_i, g_h, timed, adam_bytes, mm_bytes)
     return res
 
 
-def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
+def _sweep(c: _Case, g_i, g_h, timed: Any, adam_bytes: int, mm_bytes: int) -> dict:
+    """The kernels at a few tile sizes (CUDA)."""
     from algorithms.esamp.kernels import op_grad_adam, op_slot_matmul
 
     out: dict[str, Any] = {}
@@ -384,8 +362,8 @@ def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
         def launch(*args, bn=bn, bk=bk, nw=nw):
             op_grad_adam.run_triton(*args, block_n=bn, block_k=bk, num_warps=nw)
 
-        ms = _time_ms(lambda: c.fused(c.theta, c.m, c.v, launch=launch), c.theta.device, it, wu)
-        out[f"grad_adam_{bn}x{bk}_w{nw}"] = _floor(adam_bytes, ms, bandwidth)
+        fn = lambda: c.fused(c.theta, c.m, c.v, launch=launch)  # noqa: E731
+        out[f"grad_adam_{bn}x{bk}_w{nw}"] = timed(fn, adam_bytes)
     for bn, bk, nw in MATMUL_TILES:
         for split in (0, 1):
 
@@ -394,12 +372,8 @@ def _sweep(c: _Case, g_i, g_h, it, wu, adam_bytes, mm_bytes, bandwidth) -> dict:
                     x, w, s, o, t, "ieee", split, block_n=bn, block_k=bk, num_warps=nw
                 )
 
-            ms = _time_ms(
-                lambda: c.forward_products(c.theta, g_i, g_h, launch=run), c.theta.device, it, wu
-            )
-            out[f"slot_matmul_{bn}x{bk}_w{nw}_split{split or 'auto'}"] = _floor(
-                mm_bytes, ms, bandwidth
-            )
+            fn = lambda: c.forward_products(c.theta, g_i, g_h, launch=run)  # noqa: E731
+            out[f"slot_matmul_{bn}x{bk}_w{nw}_split{split or 'auto'}"] = timed(fn, mm_bytes)
     return out
 
 
@@ -478,9 +452,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, device) -> int:
-    variants = (
-        ["eager_side", "graph_main", "graph_side"] if device.type == "cuda" else ["eager_main"]
-    )
+    variants = distiller_variants(device)
     out: dict[str, Any] = {
         "shape": {k: getattr(args, k) for k in ("hidden", "groups", "intermediate", "blocks")}
         | {"rows_per_group": args.rows, "batch_rows": args.groups * args.rows},

@@ -3,43 +3,29 @@
     python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
                                    [--budget-s 200]
 
-``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line below
-runs on CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``:
-tiny shapes), and every value of its JSON is null: it checks the code, it measures nothing.
-Each part says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal).
+``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line runs on
+CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``: tiny
+shapes); every value of its JSON is null (it checks the code, it measures nothing). Each part
+says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal). Parts (keys of the
+JSON printed on the last line and written to ``--out`` after each part):
 
-Parts (each a key of the JSON printed on the last line and written to ``--out``):
+1. ``cuda_tests``: ``tests/test_esamp_cuda.py``, ``test_esamp_kernels.py`` and
+   ``test_fake_cuda.py``'s GPU checks, in a subprocess (at most 150 s); CUDA only (the
+   rehearsal collects them).
+2. ``esamp_step`` (CUDA, pydantic): ESamp's whole decode step at 7B shapes for 8 x 16, 1 x 128
+   and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``), and its ``targets``.
+3. ``kernels``: ``gpu_distiller.bench_kernels``; ``--quick`` or CPU: tiny shapes.
+4. ``distiller``: ``gpu_distiller.bench_distiller`` at 7B shapes for 8 and 64 groups, each
+   variant, with the update's bytes per parameter; CPU: tiny shapes.
+5. ``memory``: the plan against ``torch.cuda`` allocation counts after building the distiller
+   and over predict + train steps; on CPU the fake device's counts of a distiller step.
+6. ``syncs``: synchronising operations (``SyncCounter``; on CUDA also the sync debug mode) of
+   the distiller's step, the two candidate searches and (with pydantic) the consumer's step.
+7. ``compiled_taps``: tllm's taps with edits, ``torch.compile``'d and (CUDA) in a CUDA graph,
+   against eager (``compiled_taps.run``); ``--quick`` skips it.
 
-1. ``cuda_tests``: ``tests/test_esamp_cuda.py`` (the CUDA distiller against the CPU math),
-   ``tests/test_esamp_kernels.py`` (the Triton kernels, compiled) and
-   ``tests/test_fake_cuda.py`` (its GPU checks: what the fake device flags must synchronise on
-   a GPU, what it passes must not) in a subprocess (at most 150 s); on CPU they skip, so they
-   run only with ``--device cuda`` (the rehearsal collects them).
-2. ``esamp_step`` (CUDA, needs pydantic): ESamp's whole decode step at 7B shapes for 8 x 16,
-   1 x 128 and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``): device
-   time added and ratio, host time of the consumer's calls, the floor, a step under
-   ``set_sync_debug_mode("error")``, the memory plan against what was allocated; and the
-   step's targets checked (``targets``).
-3. ``kernels``: ``gpu_distiller.bench_kernels`` (the fused kernels against the bytes they
-   must move); ``--quick`` or CPU: tiny shapes.
-4. ``distiller``: the distiller alone (``gpu_distiller.bench_distiller``) at 7B shapes for 8 and
-   64 groups, each variant (20 timed calls x 3 repeats), with the update's bytes per
-   parameter; CPU: tiny shapes.
-5. ``memory``: the plan against ``torch.cuda.memory_allocated`` after building the distiller
-   and ``max_memory_allocated`` over predict + train steps; on CPU the fake device's counts
-   of an ESamp step (``esamp_step``) stand in.
-6. ``syncs``: synchronising operations of the distiller's step and of the two candidate
-   searches (``tllm_core.testing.counters.SyncCounter``; on CUDA also under the sync debug mode) and of the
-   consumer's decode step when pydantic is there.
-7. ``compiled_taps``: tllm's residual taps with edits, ``torch.compile``'d and (CUDA only)
-   captured in a CUDA graph, against eager (``compiled_taps.run``); ``--quick`` skips it.
-
-The CUDA parts have not yet run on a GPU (docs/gpu.md says what has); ``--device fake`` runs
-them in CI. The JSON is also
-written to ``--out`` after each part, so a run cut short keeps the parts it finished; a part
-not started within ``--budget-s`` of the start is skipped, and a run still going 120 s past
-it prints every thread's stack (a hang shows where). How to run it and what a pass looks
-like: docs/gpu.md.
+A part not started within ``--budget-s`` is skipped; a run still going 120 s past it prints
+every thread's stack. How to run it and what a pass looks like: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -71,6 +57,7 @@ from gpu_distiller import (  # noqa: E402
     SHAPES_7B,
     bench_distiller,
     bench_kernels,
+    distiller_variants,
 )
 from update_bytes import update_bytes_per_param  # noqa: E402
 
@@ -218,12 +205,11 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
 
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     s = _shape(quick, device)
-    variants = ["eager_side", "graph_main", "graph_side"] if is_cuda(device) else ["eager_main"]
     out: dict[str, Any] = {}
     for groups in (8, 64) if not quick else (2, 4):
         args = SimpleNamespace(groups=groups, blocks=2, **s)
         res: dict[str, Any] = {}
-        for v in variants:
+        for v in distiller_variants(device):
             res[v] = bench_distiller(v, args, device)
             _free(device)  # the variant's distiller (6 GB at 64 groups) before the next
         res["bytes_per_param"] = update_bytes_per_param(args, device)
@@ -279,14 +265,8 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
             d.close()
             del d
         else:
-            from algorithms.esamp.cuda import CudaGroupedDistiller
-            from tllm_core.testing.fake_cuda import FakeCuda
-
             with FakeCuda() as fc:
-                d = CudaGroupedDistiller(
-                    h, device=fc.device, intermediate_size=inter, capacity=groups,
-                    graph_max_rows=rows,
-                )  # fmt: skip
+                d = _distiller(fc.device, h, inter, groups, rows)
                 live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
                 x = torch.zeros(groups * rows, h, device=fc.device)
                 fc.start_steps()
@@ -402,6 +382,13 @@ def run_syncs(device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _error(err: Exception) -> dict[str, str]:
+    """The part's error with where it was raised (the innermost frames)."""
+    frames = traceback.extract_tb(err.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
+    return {"error": f"{type(err).__name__}: {err}", "traceback": where}
+
+
 def _parts(device: torch.device, quick: bool) -> tuple:
     return (
         ("cuda_tests", lambda: run_cuda_tests(device)),
@@ -414,30 +401,17 @@ def _parts(device: torch.device, quick: bool) -> tuple:
     )
 
 
-def _error(err: Exception) -> dict[str, str]:
-    """The part's error with where it was raised (the innermost frames)."""
-    frames = traceback.extract_tb(err.__traceback__)[-4:]
-    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in reversed(frames))
-    return {"error": f"{type(err).__name__}: {err}", "traceback": where}
-
-
 def smoke(
-    device: torch.device,
-    quick: bool,
-    out_path: str | None = None,
-    budget_s: float = BUDGET_S,
+    device: torch.device, quick: bool, out_path: str | None = None, budget_s: float = BUDGET_S
 ) -> dict[str, Any]:
-    """Every part on ``device`` (the fake device inside :func:`rehearsal`); the
-    JSON so far goes to ``out_path`` after each part; a part not started within ``budget_s``
-    seconds of the run's start is skipped (said so)."""
+    """Every part on ``device`` (the fake device inside :func:`rehearsal`), the JSON so far
+    written to ``out_path`` after each; parts not started within ``budget_s`` are skipped."""
     rehearsal = active()
-    if rehearsal is not None:
-        ran_on = RAN_ON
-    else:
-        ran_on = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    device_name = torch.cuda.get_device_name(device) if is_cuda(device) else device.type
+    ran_on = RAN_ON if rehearsal is not None else device_name
     t0 = time.time()
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if is_cuda(device) else device.type,
+        "device": device_name,
         "rehearsal": rehearsal is not None,
         "torch": torch.__version__,
         "code": code_version(),
@@ -510,8 +484,7 @@ def render(sm: dict[str, Any]) -> str:
             allocs = rec["fake_device_step"]["allocation"]
             rows.append([f"memory, {k[7:]} slots", f"{allocs} allocations per step (fake device)"])
         elif k.startswith("groups_"):
-            used = rec.get("update_peak_bytes", rec.get("peak_bytes"))
-            plan = rec.get("plan_update_workspace_bytes", rec.get("plan_distiller_bytes"))
+            used, plan = rec["peak_bytes"], rec["plan_distiller_bytes"]
             rows.append([f"memory, {k[7:]} slots", f"{used} bytes measured, {plan} planned"])
         if k.startswith("groups_"):
             rows.append([f"memory, {k[7:]} slots, within plan", rec["within_plan"]])

@@ -5,27 +5,16 @@ client polling ``/tllm/counters``.
         [--max-tokens T] [--poll-interval S] [--enforce-eager] [--json]
 
 Starts ``tllm serve --consumer esamp --consumer stats --per-request --max-body-mib 1`` on
-loopback (the embedded SmolLM2-135M-Instruct unless ``--model``), warms it up, then runs
-phases on that same server: A (a second client reads ``GET /tllm/counters`` every
-``--poll-interval`` seconds) and B (the same requests, nobody polling), alternating A, B for
-``--rounds`` rounds of ``--requests`` requests each. The requests of a phase, in a seeded mix,
-at most ``--concurrency`` in flight:
+loopback, warms it up, then alternates phases A (a second client reads ``/tllm/counters``
+every ``--poll-interval`` s) and B (nobody polls) for ``--rounds`` rounds of ``--requests``
+requests, a seeded mix with at most ``--concurrency`` in flight: good ones (completions, plain
+or naming ``esamp``; chats naming ``stats``; streamed chats and completions read to ``[DONE]``)
+must finish; streams dropped after two chunks; bad ``tllm_*`` keys or values must get 400; a
+body past 1 MiB must get 413.
 
-* good: completions (plain, or naming ``esamp`` per request in ``vllm_xargs``), chats naming
-  ``stats``, streamed chats naming ``esamp`` and streamed plain completions (SSE, read to
-  ``[DONE]``); each must finish with a finish reason;
-* cancelled: streamed chats naming ``esamp`` that the client drops after two chunks;
-* bad: bad ``tllm_*`` keys or values (expect 400);
-* huge: a body past the 1 MiB limit (expect 413).
-
-It reports per phase: tokens/s of the good requests (their completion tokens over the phase's
-wall time), the status-code histogram, 5xx answers (must be 0), good requests completed of
-those sent, the polls (count, failures, non-strict JSON), and the tllm counters the phase
-added; overall: the ratio of A's tokens/s to B's, the resident memory of the server's process
-tree (API server, engine core, worker; the API server's alone beside it) when ready, after
-warm-up, after every phase and at the end, and the machine's load. ``--json`` prints one JSON object; a progress line goes to stderr.
-Exit status 1 when a check fails (a 5xx, a good request unfinished, a bad or huge one not
-refused, a failed or non-strict counters read, a consumer error).
+Per phase: good tokens/s, status codes (no 5xx), good requests completed, polls (all strict
+JSON) and the counters the phase added; overall: the ratio of A's tokens/s to B's and the
+resident memory of the server's process tree along the run. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -47,12 +36,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
-    ROOT,
+    add_model_args,
     command_line,
     free_port,
     model_path,
     run_machine,
     section,
+    server_env,
     start_server,
     stop_server,
     table,
@@ -105,10 +95,8 @@ def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, in
     argv += ["--max-body-mib", str(LIMIT_MIB), "--max-model-len", "512", "--kv-cache-gib", "1"]
     if eager:
         argv += ["--", "--enforce-eager"]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     log = workdir / "serve.log"
-    proc = start_server(argv, env, log, lambda: "tllm: ready" in log.read_text())
+    proc = start_server(argv, server_env(), log, lambda: "tllm: ready" in log.read_text())
     try:
         yield f"http://127.0.0.1:{port}", proc.pid
     finally:
@@ -226,6 +214,7 @@ def picked(report: dict[str, Any]) -> dict[str, float]:
 async def phase(
     load: Load, name: str, kinds: list[str], concurrency: int, poll_s: float | None, seed: int
 ) -> dict[str, Any]:
+    """One round of a phase: its outcomes, wall time, polls and the counters it added."""
     before = picked(await load.counters())
     queue = list(enumerate(kinds))
     outcomes: list[Outcome] = []
@@ -238,13 +227,9 @@ async def phase(
             i, kind = queue.pop(0)
             outcomes.append(await load.one(kind, random.Random(seed + i)))
             if len(outcomes) % 25 == 0:
-                good_tokens = sum(o.tokens for o in outcomes if o.kind in GOOD)
-                print(
-                    f"load: phase {name}: {len(outcomes)}/{len(kinds)} answered, "
-                    f"{good_tokens / (time.monotonic() - t0):.1f} good tok/s",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                tok_s = _good_tokens(outcomes) / (time.monotonic() - t0)
+                msg = f"phase {name}: {len(outcomes)}/{len(kinds)} answered, {tok_s:.1f} good tok/s"
+                print(f"load: {msg}", file=sys.stderr, flush=True)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.monotonic() - t0
@@ -252,25 +237,41 @@ async def phase(
     if poller is not None:
         await poller
     after = picked(await load.counters())
+    added = {k: after[k] - before[k] for k in after}
+    return {"outcomes": outcomes, "wall_s": wall, "polls": polls, "counters_added": added}
+
+
+def _good_tokens(outcomes: list[Outcome]) -> int:
+    return sum(o.tokens for o in outcomes if o.kind in GOOD)
+
+
+def summarize(name: str, poll_s: float | None, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A phase over all its rounds; tokens/s over their total wall time."""
+    outcomes = [o for r in rounds for o in r["outcomes"]]
     good = [o for o in outcomes if o.kind in GOOD]
-    tokens = sum(o.tokens for o in good)
+    wall = sum(r["wall_s"] for r in rounds)
+    added: Counter = Counter()
+    for r in rounds:
+        added.update(r["counters_added"])
     return {
         "phase": name,
         "polling_s": poll_s,
         "requests": len(outcomes),
-        "wall_s": round(wall, 2),
-        "good_tokens": tokens,
-        "good_tok_s": round(tokens / wall, 2),
+        "good_tokens": _good_tokens(outcomes),
         "good_sent": len(good),
         "good_completed": sum(o.status == 200 and o.finished for o in good),
         "cancelled": sum(o.kind == "cancel" for o in outcomes),
+        "wall_s": round(wall, 2),
+        "good_tok_s": round(_good_tokens(outcomes) / wall, 2),
+        "good_tok_s_rounds": [round(_good_tokens(r["outcomes"]) / r["wall_s"], 2) for r in rounds],
+        "rss_mib_after_rounds": [r["rss_mib_after"] for r in rounds],  # a leak would climb
         "status_codes": dict(sorted(Counter(str(o.status) for o in outcomes).items())),
-        "status_5xx": sum(o.status >= 500 for o in outcomes),
         "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
-        "polls": polls.count,
-        "polls_failed": polls.failed,
-        "counters_added": {k: after[k] - before[k] for k in after},
-        "_unexpected": [
+        "counters_added": dict(sorted(added.items())),
+        "status_5xx": sum(o.status >= 500 for o in outcomes),
+        "polls": sum(r["polls"].count for r in rounds),
+        "polls_failed": sum(r["polls"].failed for r in rounds),
+        "unexpected": [
             o.kind
             for o in outcomes
             if (o.kind in GOOD and not (o.status == 200 and o.finished))
@@ -278,27 +279,6 @@ async def phase(
             or (o.kind == "cancel" and o.status != 200)
         ],
     }
-
-
-def merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One phase's rounds summed; tokens/s over their total wall time."""
-    out = {"phase": rounds[0]["phase"], "polling_s": rounds[0]["polling_s"]}
-    for k in ("requests", "good_tokens", "good_sent", "good_completed", "cancelled"):
-        out[k] = sum(r[k] for r in rounds)
-    out["wall_s"] = round(sum(r["wall_s"] for r in rounds), 2)
-    out["good_tok_s"] = round(out["good_tokens"] / out["wall_s"], 2)
-    out["good_tok_s_rounds"] = [r["good_tok_s"] for r in rounds]
-    out["rss_mib_after_rounds"] = [r["rss_mib_after"] for r in rounds]  # a leak would climb
-    for k in ("status_codes", "by_kind", "counters_added"):
-        total: Counter = Counter()
-        for r in rounds:
-            total.update(r[k])
-        out[k] = dict(sorted(total.items()))
-    out["status_5xx"] = sum(r["status_5xx"] for r in rounds)
-    out["polls"] = sum(r["polls"] for r in rounds)
-    out["polls_failed"] = sum(r["polls_failed"] for r in rounds)
-    out["unexpected"] = [k for r in rounds for k in r["_unexpected"]]
-    return out
 
 
 async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -323,7 +303,7 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
                 phases[name][-1]["rss_mib_after"] = tree_rss_mib(pid)["total"]
         final = await load.counters()
         rss_end = tree_rss_mib(pid)
-    a_, b_ = merge(phases["A"]), merge(phases["B"])
+    a_, b_ = summarize("A", a.poll_interval, phases["A"]), summarize("B", None, phases["B"])
     warm_ok = all(o.status == 200 and o.finished for o in warm)
     checks = {
         "no_5xx": a_["status_5xx"] + b_["status_5xx"] == 0,
@@ -340,24 +320,21 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
         "tok_s_ratio_polled_to_unpolled": round(a_["good_tok_s"] / b_["good_tok_s"], 3),
         "phases": {"A": a_, "B": b_},
         "rss_mib": {"start": rss_start, "after_warmup": rss_warm, "end": rss_end},
-        "counters_end": picked(final) | {"esamp.groups_alive": _alive(final)},
+        "counters_end": picked(final)
+        | {"esamp.groups_alive": final["consumers"].get("esamp", {}).get("groups_alive", 0)},
         "errors": final.get("errors", []),
         "checks": checks,
         "passed": all(checks.values()),
     }
 
 
-def _alive(report: dict[str, Any]) -> int:
-    return report["consumers"].get("esamp", {}).get("groups_alive", 0)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_args(p)
     p.add_argument("--requests", type=int, default=200, help="requests per phase and round")
     p.add_argument("--rounds", type=int, default=1, help="rounds of phase A then phase B")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
@@ -366,13 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--poll-interval", type=float, default=0.2, help="seconds between counter reads in A"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    p.add_argument("--enforce-eager", action="store_true", help="skip compilation (faster start)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    a = p.parse_args(argv)
     for name in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval"):
         if not getattr(a, name) > 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")

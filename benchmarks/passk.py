@@ -2,32 +2,23 @@
 
     python benchmarks/passk.py [--problems P] [-n 16] [--max-tokens T] [--beta B]... [--json]
 
-Problems are generated from ``--task-seed`` (no data set): each has a prompt, an integer answer
-and a family; the checker reads the *last integer* of a completion (after "Answer:" when the
-completion says so) and compares it with the answer. Families (``--families``):
+Problems are generated from ``--task-seed`` (no data set), round-robin over ``--families``;
+the checker compares the completion's answer (:func:`extract_answer`: the last integer, after
+"Answer:" when the completion says so) with the problem's:
 
-    add            two-digit addition, answer only                ("What is 47 + 38? ...")
+    add, mul       two-digit addition, one-digit times one/two-digit multiplication, answer only
     add_worked     two-digit addition with a short worked solution, "Answer: N" at the end
-    mul            one-digit times one/two-digit multiplication, answer only
     count          how many items a short comma-separated list holds
     convert        unit conversions (hours -> minutes, meters -> centimeters, ...)
     word           one-step word problems (gains and losses of apples, coins, ...)
-    multi_worked   three-step word problems (start, buy boxes of k, give some away) with a
-                   worked solution in full sentences, "Answer: N" at the end (long answers:
-                   the distiller gets updates before the answer)
+    multi_worked   three-step word problems with a worked solution in full sentences,
+                   "Answer: N" at the end (long answers: the distiller trains before the answer)
 
-Methods, all on the same problems with the same per-problem seeds (chat template, temperature T,
-min-p; see ``benchmarks/diversity.py``, whose engine loop this reuses): vanilla; ESamp per beta;
-``temp_{T/(1+B)}`` (the (1+B) sharpening alone); the noise and frozen ablations (and, with
-``--controls ...,fnoise``, the f-noise ablation ``fnoise_bB``: f replaced by noise of its norm,
-the (1+B) sharpening kept; also ``fnoise_NAME_bB`` of each variant); each
-``--esamp-variant NAME=JSON`` as ``esamp_NAME_bB`` together with its own frozen ablation
-(``frozen_NAME_bB``: the same switches, never trained) and, with ``--variant-noise``, its noise
-ablation.
-
-pass@k per problem is the unbiased estimator of Chen et al. (2021): with c correct among n
-samples, ``1 - C(n-c, k) / C(n, k)``; a method's pass@k is its mean over problems. Methods are
-compared problem by problem (paired t-test and sign test on the per-problem pass@k).
+Methods and engine loop: ``benchmarks/diversity.py``'s (vanilla; ESamp per beta; ``temp_*``;
+the noise and frozen ablations, ``--controls`` choosing the default recipe's; each
+``--esamp-variant`` with its own frozen ablation). pass@k per problem is the unbiased estimator
+of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)``; a method's pass@k is its mean over
+problems; methods are compared problem by problem (paired t-test and sign test).
 """
 
 from __future__ import annotations
@@ -48,9 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import diversity as dv  # noqa: E402  (one method table and engine loop for both benchmarks)
-from bench_setup import command_line, model_path, offline_engine_env, section, table, write_samples  # noqa: E402
+from bench_setup import command_line, model_path, offline_engine_env, section, table  # noqa: E402
 
-FAMILIES = ("add", "add_worked", "mul", "count", "convert", "word", "multi_worked")
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
 DEFAULT_FAMILIES = ("add", "add_worked", "mul", "count", "convert")
@@ -60,14 +50,9 @@ WORKED_LONG = " Explain each step in a full sentence, then end with 'Answer: <nu
 
 
 # ----------------------------------------------------------------------------- tasks
-def _add(rng: random.Random) -> tuple[str, int]:
+def _add(rng: random.Random, ask: str = DIRECT) -> tuple[str, int]:
     a, b = rng.randint(10, 89), rng.randint(10, 89)
-    return f"What is {a} + {b}?" + DIRECT, a + b
-
-
-def _add_worked(rng: random.Random) -> tuple[str, int]:
-    a, b = rng.randint(10, 89), rng.randint(10, 89)
-    return f"What is {a} + {b}?" + WORKED, a + b
+    return f"What is {a} + {b}?" + ask, a + b
 
 
 def _mul(rng: random.Random) -> tuple[str, int]:
@@ -130,13 +115,14 @@ def _multi_worked(rng: random.Random) -> tuple[str, int]:
 
 _MAKERS = {
     "add": _add,
-    "add_worked": _add_worked,
+    "add_worked": lambda rng: _add(rng, WORKED),
     "mul": _mul,
     "count": _count,
     "convert": _convert,
     "word": _word,
     "multi_worked": _multi_worked,
 }
+FAMILIES = tuple(_MAKERS)
 
 
 def make_problems(
@@ -222,27 +208,15 @@ def compare(a: list[list[float]], b: list[list[float]], ks: list[int]) -> dict[s
 
 # ----------------------------------------------------------------------------- plot
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = dv.KIND_COLORS
+    """pass@k curves, one per method (a line style per method of the same kind)."""
     styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7, 4.8))
+    fig, ax = dv.pyplot().subplots(figsize=(7, 4.8))
     seen: dict[str, int] = {}
     for name, m in result["methods"].items():
         i = seen[m["kind"]] = seen.get(m["kind"], -1) + 1
         ks = list(range(1, len(m["pass_at_k"]) + 1))
-        ax.plot(
-            ks,
-            m["pass_at_k"],
-            styles[i % len(styles)],
-            marker="o",
-            ms=3,
-            color=colors.get(m["kind"], "tab:purple"),
-            label=name,
-        )
+        color = dv.KIND_COLORS.get(m["kind"], "tab:purple")
+        ax.plot(ks, m["pass_at_k"], styles[i % 4], marker="o", ms=3, color=color, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k (samples)")
     ax.set_ylabel("pass@k (mean over problems)")
@@ -250,10 +224,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"pass@k, {cfg['num_problems']} problems, n={cfg['n']}, embedded model")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    dv.save_figure(fig, path, 120)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -279,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default="1,4,16", help="k values of the paired comparisons")
     p.add_argument("--plot", type=Path, default=None, help="pass@k curves PNG to write")
     args = p.parse_args(argv)
-    betas = args.beta or [0.25]
-    variants = dv.parse_variants(p, args.esamp_variant)
+    betas, variants = dv.parse_methods_args(p, args)
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     try:
         problems = make_problems(args.problems, args.task_seed, families)
@@ -288,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if args.n < 1:
         p.error("-n must be >= 1")
-    if any(b <= 0 for b in betas):
-        p.error("--beta must be > 0")
     ks = sorted({int(k) for k in args.ks.split(",") if k.strip() and 1 <= int(k) <= args.n})
 
     offline_engine_env(args.kv_cache_gib)
@@ -301,20 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = dv.build_methods(
         betas, args.temperature, variants, args.variant_noise, "fnoise" in controls
     )
-    methods = [
-        m
-        for m in methods
-        if m["kind"] not in ("temperature", "noise") or "variant" in m or m["kind"] in controls
-    ]
-    if args.no_default:
-        methods = [
-            m
-            for m in methods
-            if m["kind"] not in ("esamp", "noise", "frozen", "temperature", "fnoise")
-            or "variant" in m
-        ]
+    # The default recipe's methods (no variant): --controls picks its controls.
+    default = {"esamp", "frozen", "fnoise"} | controls if not args.no_default else set()
+    methods = [m for m in methods if m["kind"] in default | {"vanilla"} or "variant" in m]
     methods = dv.select_methods(p, methods, args.methods)
-    dv.validate_methods(methods, model)
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     gen = dv.generate_all(
@@ -385,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": comparisons,
         **dv.run_record(out_methods, t_gen, t_start, load_start),
     }
-    if args.save_samples:
-        write_samples(args.save_samples, gen)
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result, default=str) if args.json else render(result))

