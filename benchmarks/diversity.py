@@ -270,6 +270,10 @@ def generate_all(
         shutdown_engine(llm)
         del llm
         gc.collect()
+    if args.save_samples:  # the texts of every method, per prompt: {method: [[text, ...], ...]}
+        args.save_samples.parent.mkdir(parents=True, exist_ok=True)
+        texts = {n: [[c["text"] for c in comp] for comp in g["samples"]] for n, g in out.items()}
+        args.save_samples.write_text(json.dumps(texts))
     return out
 
 
@@ -446,6 +450,7 @@ def add_engine_args(
     p.add_argument("--min-p", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed SEED+i in every method")
     add_model_args(p, max_model_len, kv_cache_gib)
+    p.add_argument("--save-samples", type=Path, default=None, help="write completions (JSON)")
     p.add_argument(
         "--batch-prompts",
         type=int,

@@ -134,8 +134,13 @@ def test_passk_script_small_run(tiny_model, tmp_path):
     assert set(out["comparisons"][0]["pass_at_k"]) == {"1"}  # ks 1,4,16 capped at n=3
     assert png.stat().st_size > 0
     # Run again: every engine's samples come from the partial file, none is started.
-    again = _run("passk.py", *args, "--json", *SMALL_ENGINE, timeout=900)
+    texts = tmp_path / "texts.json"
+    again = _run("passk.py", *args, "--save-samples", str(texts), "--json", *SMALL_ENGINE)
     assert again.stderr.count("kept from") == 3 and "started in" not in again.stderr
+    saved = json.loads(texts.read_text())  # each method's texts, per problem
+    assert set(saved) == set(methods) and all(
+        len(p) == 3 and len(p[0]) == 3 for p in saved.values()
+    )
     assert {n: m["pass_at_k"] for n, m in _json(again)["methods"].items()} == {
         n: m["pass_at_k"] for n, m in methods.items()
     }
