@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
-from tllm_core.api.windows import GRAMMAR, LastRow, Window
+from tllm_core.api.windows import GRAMMAR, LastRow, Window, union
 
 ResolveLayer = Callable[[int], int]
 
@@ -32,19 +32,8 @@ class Phase(str, Enum):
     ALL = "all"
     GUIDE = "guide"
 
-    def selects(self, is_decode: bool) -> bool:
-        if self is Phase.GUIDE:
-            return False
-        return self is Phase.ALL or (self is Phase.DECODE) == is_decode
-
     def union(self, other: Any) -> Any:
-        if other is not None and not isinstance(other, Phase):
-            return other.union(self)  # a window (tllm_core/api/windows.py)
-        if other is None or other is self or other is Phase.GUIDE:
-            return self
-        if self is Phase.ALL or other is Phase.ALL:
-            return Phase.ALL
-        return other if self is Phase.GUIDE else Phase.ALL
+        return union(self, other)
 
 
 class Delivery(str, Enum):
