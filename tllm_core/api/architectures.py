@@ -1,10 +1,6 @@
 """How a model family looks to the engine bridge: where its decoder layers are and the tap
-sites inside each layer (pure data, registered through the ``tllm_architectures`` hook).
-
-A :class:`SiteSpec` alone is a site of every decoder layer; an :class:`ArchitectureSpec` with
-``layer_classes`` describes those layers, its ``sites`` replacing the general ones of the same
-name; the spec without ``layer_classes`` is the default family.
-"""
+sites inside each layer (pure data, registered through the ``tllm_architectures`` hook;
+docs/architectures.md)."""
 
 from __future__ import annotations
 

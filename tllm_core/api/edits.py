@@ -1,25 +1,16 @@
 """Edits of token tensors (write port ``Edit``): the plan a consumer fills before the
-forward, the per-row buffers a tap reads inside the forward, and the edit math.
-
-Composition, per row and tap, in consumer order: an edit is the affine map
-``s' = keep·(s − (s·u)u) + add`` of the tapped tensor ``s``:
-
-- ``ablate(u)`` removes direction ``u`` from the *incoming* tensor (before any add);
-  two different directions on one row in one step are an error;
-- ``add(v)`` adds ``v`` (adds of several consumers sum);
-- ``replace(v)`` discards the incoming tensor and the adds made before it: ``s' = v``
-  (adds made after it still add).
-"""
+forward, the per-row buffers a tap reads inside the forward, and the edit math (how edits
+compose: docs/ports.md, "Edit")."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from tllm_core.api.edit_values import EditValues
 from tllm_core.api.port_names import format_port_name, parse_port_name
 from tllm_core.api.ports import ReadPort
 from tllm_core.api.transfers import index_to
@@ -148,6 +139,71 @@ class EditPlan:
         self._push(target, rows, "ablate", direction)
 
 
+KEEP = 32  # values kept per tap; the oldest goes first
+
+
+class EditValues:
+    """Values of one tap's edits, as its buffers hold them (``device``, ``dtype``): moved (an
+    ablation's normalised) once, not every step. A 1-D value is kept by the tensor's identity
+    and version (a host vector also compared with a copy of itself: a write through
+    ``.numpy()`` is seen); 2-D values and inference tensors are prepared every step.
+    ``prepared`` counts the values prepared."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = KEEP) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.keep = keep
+        # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
+        # reused; the prepared value; its tag; a host copy to compare a host tensor with)
+        self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
+        self._tags = 0
+        self._warned = False
+        self.prepared = 0
+
+    def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
+        """``value`` on the device in the dtype (an ablation's normalised), and a tag: equal
+        tags are the same prepared value."""
+        if value.dim() != 1 or value.is_inference():
+            self._warn(value)
+            return self._prepare(value, ablate), self._tag()
+        key = (id(value), value._version, ablate)
+        hit = self._kept.get(key)
+        if hit is not None and hit[0] is value and _unchanged(value, hit[3]):
+            return hit[1], hit[2]
+        if len(self._kept) >= self.keep:
+            del self._kept[next(iter(self._kept))]
+        prepared, tag = self._prepare(value, ablate), self._tag()
+        # A host vector can change without a new version (through ``.numpy()``).
+        snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
+        self._kept[key] = (value, prepared, tag, snapshot)
+        return prepared, tag
+
+    def _tag(self) -> int:
+        self._tags += 1
+        return self._tags
+
+    def _warn(self, value: torch.Tensor) -> None:
+        if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
+                f"{self.device} every step (from pageable memory: the host waits); make "
+                f"per-row edit values on the model's device",
+                stacklevel=4,
+            )
+
+    def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
+        self.prepared += 1
+        if ablate:
+            d = value.float()
+            value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return value.to(device=self.device, dtype=self.dtype)
+
+
+def _unchanged(value: torch.Tensor, snapshot: torch.Tensor | None) -> bool:
+    return snapshot is None or torch.equal(value, snapshot)
+
+
 IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 
 
@@ -201,11 +257,10 @@ class EditBuffers:
         self,
         ops: list[tuple[np.ndarray, str, torch.Tensor]],
         what: str,
-        index: IndexTo | None = None,
+        index: IndexTo = index_to,
     ) -> None:
         """``ValueError`` before writing if ``ops`` would ablate a second, different direction
         on a row (the host waits only where a row already ablates another direction)."""
-        index = index or index_to
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue
@@ -228,11 +283,10 @@ class EditBuffers:
         self,
         ops: list[tuple[np.ndarray, str, torch.Tensor]],
         owner: str = "",
-        index: IndexTo | None = None,
+        index: IndexTo = index_to,
     ) -> None:
         """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
         host index to the device."""
-        index = index or index_to
         dev = self.add.device
         for rows, kind, value in ops:
             idx = index(rows, dev)

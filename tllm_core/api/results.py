@@ -1,11 +1,5 @@
-"""Per-request results: what a consumer computed for one request, returned with its completion.
-
-A request names the consumers in ``tllm_results``; offline each ``CompletionOutput`` gets
-``completion.tllm = {consumer: value}``, the server adds ``"tllm": [{"index": i, consumer:
-value}, ...]`` with arrays as ``{"dtype", "shape", "b64"}`` (:func:`decode_results` turns them
-back into NumPy arrays). Results past ``max_result_bytes`` become errors
-(docs/serving.md#results-with-the-completion).
-"""
+"""Per-request results: what a consumer computed for one request, returned with its completion
+(``tllm_results``; arrays as ``{"dtype", "shape", "b64"}``: docs/serving.md#results-with-the-completion)."""
 
 from __future__ import annotations
 
@@ -19,17 +13,6 @@ import numpy as np
 
 from tllm_core.api.request_settings import RESULTS_KEY
 
-__all__ = [
-    "RESULTS_KEY",
-    "PlannedRequest",
-    "RequestRows",
-    "asked_results",
-    "decode_results",
-    "encode",
-    "encode_array",
-    "merge_taken",
-    "with_missing",
-]
 # What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
 ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
 # The dtypes an array keeps (others are cast to float32 or int64).
