@@ -76,9 +76,20 @@ class EditPlan:
             )
         return key
 
-    def _row_indices(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as int64 indices in ``[0, len(self.rows))`` (a negative one would wrap to
-        a buffer row that is never reset)."""
+    def _push(
+        self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor | None = None
+    ) -> None:
+        """Queue an edit (``value`` None: a transform) of ``rows``, checked as indices in
+        ``[0, len(self.rows))`` (a negative one would wrap to a buffer row never reset)."""
+        key = self._key(target)
+        width = self._widths.get(key, self._hidden_size)
+        if value is None and key not in self._transforms:
+            raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
+        if value is not None and value.shape[-1] != width:
+            raise ValueError(
+                f"edit vector for {key!r} has size {value.shape[-1]}, the tapped tensor's "
+                f"width is {width}"
+            )
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(self.rows)
         bad = rows[(rows < 0) | (rows >= n)]
@@ -87,17 +98,7 @@ class EditPlan:
                 f"edit row index {int(bad[0])} is out of range: this plan has {n} rows "
                 f"(valid: 0..{n - 1})"
             )
-        return rows
-
-    def _push(self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
-        key = self._key(target)
-        width = self._widths.get(key, self._hidden_size)
-        if value.shape[-1] != width:
-            raise ValueError(
-                f"edit vector for {key!r} has size {value.shape[-1]}, the tapped tensor's "
-                f"width is {width}"
-            )
-        rows = self._row_indices(rows)
+        value = torch.empty(0) if value is None else value
         if value.dim() == 2 and value.shape[0] != rows.size:
             raise ValueError(
                 f"edit values have {value.shape[0]} rows for {rows.size} selected rows"
@@ -118,12 +119,7 @@ class EditPlan:
     def transform(self, target: EditTarget, rows: np.ndarray) -> None:
         """Run the consumer's ``Edit(target, transform=...)`` on ``rows`` in this step's
         forward, after every consumer's other edits of that target."""
-        key = self._key(target)
-        if key not in self._transforms:
-            raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
-        rows = self._row_indices(rows)
-        if rows.size:
-            self.ops.setdefault(key, []).append((rows, "transform", torch.empty(0)))
+        self._push(target, rows, "transform")
 
     def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
         """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the target at ``rows``."""
@@ -211,7 +207,7 @@ class EditBuffers:
     """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
 
     Written by index on the device, without a host wait or an allocation given the
-    runtime's ``index`` (pinned, pooled copies) and kept values (:mod:`.edit_values`). Which
+    runtime's ``index`` (pinned, pooled copies) and kept values (:class:`EditValues`). Which
     direction each row ablates is also kept on the host: a second ablation is checked on
     the device only where a row already ablates another direction.
     """
@@ -229,8 +225,7 @@ class EditBuffers:
         self._dirty = 0  # rows [0, dirty) may hold non-identity values
 
     def add_transform(self, owner: str, module: torch.nn.Module) -> None:
-        mask = torch.zeros_like(self.mask)
-        self.transforms.append((owner, module, mask))
+        self.transforms.append((owner, module, torch.zeros_like(self.mask)))
 
     @property
     def rows_used(self) -> int:

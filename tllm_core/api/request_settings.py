@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
@@ -104,15 +104,21 @@ RESULTS_KEY = "tllm_results"
 GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 
 
-def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
-    """The per-request consumers a request switches on (``tllm_consumers``, comma-separated)."""
-    raw = extra_args.get(CONSUMERS_KEY, "")
+def consumer_names(extra_args: Mapping[str, Any] | None, key: str, where: str) -> list[str]:
+    """The consumer names in ``extra_args[key]`` (a comma-separated string), in order, once
+    each; ``ValueError`` naming ``where`` for any other value."""
+    raw = (extra_args or {}).get(key, "")
     if not isinstance(raw, str):
         raise ValueError(
-            f'{where}[{CONSUMERS_KEY!r}] must be a comma-separated string (e.g. "esamp,steer"), '
-            f"got {short_repr(raw)}"
+            f"{where}[{key!r}] must be a comma-separated string of consumer names (e.g. "
+            f'"esamp,steer"), got {short_repr(raw)}'
         )
-    return [n.strip() for n in raw.split(",") if n.strip()]
+    return list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+
+
+def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
+    """The per-request consumers a request switches on (``tllm_consumers``)."""
+    return consumer_names(extra_args, CONSUMERS_KEY, where)
 
 
 def acts_on(consumer: str, per_request: bool, extra_args: Mapping[str, Any]) -> bool:
@@ -139,15 +145,17 @@ def request_keys(consumer: str, model: type[RequestSettings] | None) -> dict[str
     return {request_key(consumer, f): f for f in model.model_fields}
 
 
-def _admits_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
+def _parts(annotation: Any) -> Iterator[Any]:
+    """The types and ``Annotated`` metadata an annotation is made of, through unions."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
-        return _admits_bool(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return any(_admits_bool(a) for a in typing.get_args(annotation))
-    return False
+        yield from args[1:]
+        yield from _parts(args[0])
+    elif origin in (typing.Union, types.UnionType):
+        for a in args:
+            yield from _parts(a)
+    else:
+        yield annotation
 
 
 def type_name(t: Any) -> str:
@@ -170,15 +178,8 @@ def type_name(t: Any) -> str:
 
 def _marked(field: FieldInfo, check: Any) -> bool:
     """Whether the field's type (or an arm of it) is annotated with validator ``check``."""
-
-    def inside(annotation: Any) -> bool:
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-        if origin is typing.Annotated:
-            return any(getattr(m, "func", None) is check for m in args[1:]) or inside(args[0])
-        return origin in (typing.Union, types.UnionType) and any(inside(a) for a in args)
-
-    return inside(field.annotation) or any(
-        getattr(m, "func", None) is check for m in field.metadata
+    return any(
+        getattr(m, "func", None) is check for m in (*_parts(field.annotation), *field.metadata)
     )
 
 
@@ -265,7 +266,9 @@ def parse_request_settings(
             continue
         value = extra[key]
         field = model.model_fields[fname]
-        if isinstance(value, bool) and not _admits_bool(field.annotation):
+        if isinstance(value, bool) and not any(
+            t is bool or t is Any for t in _parts(field.annotation)
+        ):
             raise ValueError(
                 f"{where}[{key!r}] must be a number, got {value!r} (allowed: {allowed(field)})"
             )

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core.api.request_settings import RESULTS_KEY
+from tllm_core.api.request_settings import RESULTS_KEY, consumer_names
 
 # What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
 ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
@@ -30,19 +30,8 @@ class PlannedRequest:
 
 
 def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args") -> list[str]:
-    """The consumers whose results a request asks for (``tllm_results``, comma-separated), in
-    order; a value that is not a string is a ``ValueError`` naming ``where``."""
-    raw = (extra_args or {}).get(RESULTS_KEY, "")
-    if not isinstance(raw, str):
-        raise ValueError(
-            f"{where}[{RESULTS_KEY!r}] must be a comma-separated string of consumer names (e.g. "
-            f'"export,stats"), got {type(raw).__name__}'
-        )
-    out: list[str] = []
-    for name in (n.strip() for n in raw.split(",")):
-        if name and name not in out:
-            out.append(name)
-    return out
+    """The consumers whose results a request asks for (``tllm_results``), in order."""
+    return consumer_names(extra_args, RESULTS_KEY, where)
 
 
 def merge_taken(

@@ -68,7 +68,7 @@ def _recorded(event: Any | None, stream: Any | None) -> Any:
 class StagingRing:
     """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation.
     ``numel``: elements allocated at once per buffer (0: on first use); a buffer asked for
-    more grows to ``grow(n)`` elements."""
+    more grows to :func:`pow2_rows` elements."""
 
     def __init__(
         self,
@@ -76,11 +76,9 @@ class StagingRing:
         slots: int,
         dtype: torch.dtype = torch.int64,
         numel: int = 0,
-        grow: Callable[[int], int] = pow2_rows,
     ) -> None:
         self.pinned = async_copies(torch.device(device))
         self.dtype = dtype
-        self._grow = grow
         self.buffers: list[torch.Tensor | None] = [
             _host_empty(numel, dtype, self.pinned) if numel else None for _ in range(slots)
         ]
@@ -97,7 +95,7 @@ class StagingRing:
         self.waits += _wait(self._events[i])
         buf = self.buffers[i]
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[i] = _host_empty(self._grow(numel), self.dtype, self.pinned)
+            buf = self.buffers[i] = _host_empty(pow2_rows(numel), self.dtype, self.pinned)
         return i, buf[:numel]
 
     def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:

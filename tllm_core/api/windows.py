@@ -73,10 +73,10 @@ class Window:
             inside, index, length = position >= num_prompt, position - num_prompt, None
         else:
             inside, index, length = np.ones(len(position), np.bool_), position, None
-        start = _bound(self.start, length, 0)
+        start = _bound(self.start, length)
         keep = inside & (index >= start) & ((index - start) % self.step == 0)
         if self.stop is not None:
-            keep &= index < _bound(self.stop, length, 0)
+            keep &= index < _bound(self.stop, length)
         return keep
 
     def max_rows(self, prompt: int, generated: int) -> int:
@@ -117,9 +117,9 @@ def takes_last(selector: Any) -> bool:
     return selector == LAST
 
 
-def _bound(value: int | None, length: np.ndarray | None, default: int) -> Any:
+def _bound(value: int | None, length: np.ndarray | None) -> Any:
     if value is None:
-        return default
+        return 0
     if value < 0:
         assert length is not None  # only prompt windows take negative bounds
         return np.maximum(length + value, 0)
