@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tllm_core.api.device_sums import DeviceSums
+from tllm_core.api.transfers import DeviceSums
 from tllm_core.testing.fake_cuda import FakeCuda
 
 

@@ -173,7 +173,7 @@ def test_per_row_values_on_the_cpu_warn_once_on_a_gpu():
 def test_a_host_vector_changed_through_numpy_is_prepared_again():
     """A write through ``.numpy()`` leaves the tensor's version as it was: the kept value is
     checked against a copy of the vector, so the next step edits with the new values."""
-    from tllm_core.api.edit_values import EditValues
+    from tllm_core.api.edits import EditValues
 
     values = EditValues(torch.device("cpu"), torch.bfloat16)
     vec = torch.zeros(8)

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from tllm_core.api.device_sums import DeviceSums
+from tllm_core.api.transfers import DeviceSums
 from tllm_core.runtime.stamp_copies import RING, StampReader
 from tllm_core.testing.fake_cuda import FakeCuda
 

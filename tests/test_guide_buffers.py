@@ -1,4 +1,4 @@
-"""GuideView's writes into preallocated GuideBuffers (``tllm_core/api/guide_buffers.py``):
+"""GuideView's writes into preallocated GuideBuffers (``tllm_core/api/candidates.py``):
 the fixed-size search and its write, and ``update_all``, give the same logits and counts as
 the allocating forms, roll back alike, and refuse buffers that cannot hold the step."""
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
-from tllm_core.api.numbers import F32_MAX, FiniteF32
+from tllm_core.api.request_settings import F32_MAX, FiniteF32
 from tllm_core.plugins.registry import Registry
 from tllm_core.serving import EngineConsumers, validate_extra_args
 

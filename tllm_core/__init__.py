@@ -15,6 +15,7 @@ from tllm_core.lazy import lazy_exports
 if TYPE_CHECKING:
     from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView
+    from tllm_core.api.candidates import GuideBuffers
     from tllm_core.api.consumer import (
         Consumer,
         ConsumerConfig,
@@ -24,11 +25,8 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
     from tllm_core.api.counters import Counters
-    from tllm_core.api.device_sums import DeviceSums
     from tllm_core.api.edits import EditPlan
-    from tllm_core.api.guide_buffers import GuideBuffers
     from tllm_core.api.hookspecs import hookimpl
-    from tllm_core.api.numbers import FiniteF32
     from tllm_core.api.plots import Plot, Series
     from tllm_core.api.port_names import FINAL, PortName, format_port_name, parse_port_name
     from tllm_core.api.ports import (
@@ -50,7 +48,12 @@ if TYPE_CHECKING:
         residual_port,
     )
     from tllm_core.api.producer import LayerProducer, Producer, TapRequest
-    from tllm_core.api.request_settings import RequestSettings
+    from tllm_core.api.request_settings import (
+        CaptureWindow,
+        FiniteF32,
+        RequestSettings,
+        WindowSetting,
+    )
     from tllm_core.api.results import (
         PlannedRequest,
         RequestRows,
@@ -68,13 +71,13 @@ if TYPE_CHECKING:
     )
     from tllm_core.api.step import StepCapture
     from tllm_core.api.transfers import (
+        DeviceSums,
         HostCopies,
         HostCopyRing,
         StagingRing,
         host_to_device,
         pow2_rows,
     )
-    from tllm_core.api.window_setting import CaptureWindow, WindowSetting
     from tllm_core.api.windows import Window, window_text
     from tllm_core.api.workspace import (
         WorkspaceSpec,

@@ -40,7 +40,7 @@ class _Vec:
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
     registered: bool = False  # used only by requests that name it
     # scale -> vector * scale, made once: the same tensor every step, so the edit
-    # buffers move it to the model's dtype once (tllm_core/api/edit_values.py).
+    # buffers move it to the model's dtype once (tllm_core/api/edits.py).
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
 
     def times(self, scale: float) -> torch.Tensor:

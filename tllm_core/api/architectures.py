@@ -1,10 +1,6 @@
 """How a model family looks to the engine bridge: where its decoder layers are and the tap
-sites inside each layer (pure data, registered through the ``tllm_architectures`` hook).
-
-A :class:`SiteSpec` alone is a site of every decoder layer; an :class:`ArchitectureSpec` with
-``layer_classes`` describes those layers, its ``sites`` replacing the general ones of the same
-name; the spec without ``layer_classes`` is the default family.
-"""
+sites inside each layer (pure data, registered through the ``tllm_architectures`` hook;
+docs/architectures.md)."""
 
 from __future__ import annotations
 
@@ -28,7 +24,8 @@ OUTPUTS = MappingProxyType(
 )
 
 
-def _identifier(value: object, what: str) -> str:
+def identifier(value: object, what: str) -> str:
+    """``value`` if it is a Python identifier, else a ``ValueError`` naming ``what``."""
     if not (isinstance(value, str) and value.isidentifier()):
         raise ValueError(f"{what} must be a Python identifier, got {value!r}")
     return value
@@ -50,7 +47,7 @@ class SiteSpec:
     partial_if: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _identifier(self.name, "a site's name")
+        identifier(self.name, "a site's name")
         if self.name in STEP_SITES:
             raise ValueError(f"site name {self.name!r} is taken by a per-step site {STEP_SITES}")
         if self.output not in OUTPUTS:
@@ -58,7 +55,7 @@ class SiteSpec:
                 f"site {self.name!r}: output {self.output!r} is not one of {', '.join(OUTPUTS)}"
             )
         for c in (*self.children, *self.partial_if):
-            _identifier(c, f"site {self.name!r}: a child module name")
+            identifier(c, f"site {self.name!r}: a child module name")
 
     @property
     def label(self) -> str:
@@ -84,7 +81,7 @@ class ArchitectureSpec:
         object.__setattr__(self, "layer_classes", frozenset(self.layer_classes))
         if self.layers is not None:
             for part in self.layers.split("."):
-                _identifier(part, f"architecture {self.name!r}: a part of its layers path")
+                identifier(part, f"architecture {self.name!r}: a part of its layers path")
         names = [s.name for s in self.sites]
         if len(set(names)) != len(names):
             raise ValueError(f"architecture {self.name!r} names a site twice: {names}")

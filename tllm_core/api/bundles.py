@@ -11,13 +11,13 @@ import torch
 from tllm_core.api.candidates import (
     NEG_INF,
     Candidates,
+    GuideBuffers,
     TopCandidates,
     candidate_entries,
     count_rows,
     part,
     top_candidate_entries,
 )
-from tllm_core.api.guide_buffers import GuideBuffers
 from tllm_core.api.rows import RowInfo
 
 
@@ -111,6 +111,14 @@ class GuideView:
             apply(logits)
         self._drops.clear()
 
+    def _wrote(self, undo: Callable[[], None] | None) -> None:
+        """Count a write (``undo``: how to restore it); the cached candidates are stale."""
+        if undo is not None:
+            self._undo.append(undo)
+        self.wrote = True
+        self._writes += 1
+        self._candidates = None
+
     def commit(self) -> None:
         """The consumer's guide returned: apply pending writes (no undo needed any more)."""
         if self._drops:
@@ -145,11 +153,8 @@ class GuideView:
         old = cand.logits[entries]
         new = new_logits.to(self.logits.dtype)
         logits = self.logits  # not self: an undo entry must not keep the view alive
-        self._undo.append(lambda: logits.index_put_((rows, toks), old))
-        self.wrote = True
-        self._writes += 1
-        self.logits[rows, toks] = new
-        self._candidates = None
+        self._wrote(lambda: logits.index_put_((rows, toks), old))
+        logits[rows, toks] = new
         self._changed.index_add_(0, rows, (new != old).long())
 
     def top_candidates(self, k: int, buffers: GuideBuffers | None = None) -> TopCandidates:
@@ -182,11 +187,8 @@ class GuideView:
         old = torch.gather(logits, 1, toks, out=part(b, "old", r))  # earlier writes count
         keep = torch.gt(old, NEG_INF, out=part(b, "keep", r)).logical_and_(top.valid)
         new = torch.where(keep, new_logits.to(logits.dtype), old, out=part(b, "new", r))
-        self._undo.append(lambda: logits.scatter_(1, toks, old))
-        self.wrote = True
-        self._writes += 1
+        self._wrote(lambda: logits.scatter_(1, toks, old))
         logits.scatter_(1, toks, new)
-        self._candidates = None
         flag = torch.ne(new, old, out=part(b, "flag", r)).logical_and_(keep)
         count = torch.sum(flag, -1, out=part(b, "count", r))
         self._changed.add_(count)
@@ -212,11 +214,8 @@ class GuideView:
         cand = old > float("-inf")
         new = torch.where(cand, new_logits.to(old.dtype), old)
         logits = self.logits  # not self: an undo entry must not keep the view alive
-        self._undo.append(lambda: logits.index_put_((row_idx,), old))
-        self.wrote = True
-        self._writes += 1
-        self.logits[row_idx] = new
-        self._candidates = None
+        self._wrote(lambda: logits.index_put_((row_idx,), old))
+        logits[row_idx] = new
         self._changed.index_add_(0, row_idx, count_rows(cand & (new != old)))
 
     def update_all(
@@ -244,9 +243,7 @@ class GuideView:
         torch.where(cand, new_logits, logits, out=new_logits)
         torch.ne(new_logits, logits, out=flag).logical_and_(cand)
         self._changed.add_(torch.sum(flag, -1, out=buffers.take("count", r)))
-        self.wrote = True
-        self._writes += 1
-        self._candidates = None
+        self._wrote(None)
         self._drops.append(lambda logits: logits.copy_(new_logits))
 
     def changed_per_row(self) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class ConsumerSpecError(ValueError):
@@ -54,8 +54,6 @@ class ConsumerSpec(BaseModel):
         if isinstance(value, str):
             return cls.parse(value)
         if isinstance(value, dict):
-            from pydantic import ValidationError
-
             try:
                 return cls.model_validate(value)
             except ValidationError as e:

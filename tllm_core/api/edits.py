@@ -1,25 +1,16 @@
 """Edits of token tensors (write port ``Edit``): the plan a consumer fills before the
-forward, the per-row buffers a tap reads inside the forward, and the edit math.
-
-Composition, per row and tap, in consumer order: an edit is the affine map
-``s' = keep·(s − (s·u)u) + add`` of the tapped tensor ``s``:
-
-- ``ablate(u)`` removes direction ``u`` from the *incoming* tensor (before any add);
-  two different directions on one row in one step are an error;
-- ``add(v)`` adds ``v`` (adds of several consumers sum);
-- ``replace(v)`` discards the incoming tensor and the adds made before it: ``s' = v``
-  (adds made after it still add).
-"""
+forward, the per-row buffers a tap reads inside the forward, and the edit math (how edits
+compose: docs/ports.md, "Edit")."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from tllm_core.api.edit_values import EditValues
 from tllm_core.api.port_names import format_port_name, parse_port_name
 from tllm_core.api.ports import ReadPort
 from tllm_core.api.transfers import index_to
@@ -85,9 +76,20 @@ class EditPlan:
             )
         return key
 
-    def _row_indices(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as int64 indices in ``[0, len(self.rows))`` (a negative one would wrap to
-        a buffer row that is never reset)."""
+    def _push(
+        self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor | None = None
+    ) -> None:
+        """Queue an edit (``value`` None: a transform) of ``rows``, checked as indices in
+        ``[0, len(self.rows))`` (a negative one would wrap to a buffer row never reset)."""
+        key = self._key(target)
+        width = self._widths.get(key, self._hidden_size)
+        if value is None and key not in self._transforms:
+            raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
+        if value is not None and value.shape[-1] != width:
+            raise ValueError(
+                f"edit vector for {key!r} has size {value.shape[-1]}, the tapped tensor's "
+                f"width is {width}"
+            )
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = len(self.rows)
         bad = rows[(rows < 0) | (rows >= n)]
@@ -96,17 +98,7 @@ class EditPlan:
                 f"edit row index {int(bad[0])} is out of range: this plan has {n} rows "
                 f"(valid: 0..{n - 1})"
             )
-        return rows
-
-    def _push(self, target: EditTarget, rows: np.ndarray, kind: str, value: torch.Tensor) -> None:
-        key = self._key(target)
-        width = self._widths.get(key, self._hidden_size)
-        if value.shape[-1] != width:
-            raise ValueError(
-                f"edit vector for {key!r} has size {value.shape[-1]}, the tapped tensor's "
-                f"width is {width}"
-            )
-        rows = self._row_indices(rows)
+        value = torch.empty(0) if value is None else value
         if value.dim() == 2 and value.shape[0] != rows.size:
             raise ValueError(
                 f"edit values have {value.shape[0]} rows for {rows.size} selected rows"
@@ -127,12 +119,7 @@ class EditPlan:
     def transform(self, target: EditTarget, rows: np.ndarray) -> None:
         """Run the consumer's ``Edit(target, transform=...)`` on ``rows`` in this step's
         forward, after every consumer's other edits of that target."""
-        key = self._key(target)
-        if key not in self._transforms:
-            raise ValueError(f"{key!r}: this consumer's Edit port declares no transform")
-        rows = self._row_indices(rows)
-        if rows.size:
-            self.ops.setdefault(key, []).append((rows, "transform", torch.empty(0)))
+        self._push(target, rows, "transform")
 
     def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
         """Add ``vector`` (``[H]`` or ``[len(rows), H]``) to the target at ``rows``."""
@@ -148,6 +135,71 @@ class EditPlan:
         self._push(target, rows, "ablate", direction)
 
 
+KEEP = 32  # values kept per tap; the oldest goes first
+
+
+class EditValues:
+    """Values of one tap's edits, as its buffers hold them (``device``, ``dtype``): moved (an
+    ablation's normalised) once, not every step. A 1-D value is kept by the tensor's identity
+    and version (a host vector also compared with a copy of itself: a write through
+    ``.numpy()`` is seen); 2-D values and inference tensors are prepared every step.
+    ``prepared`` counts the values prepared."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = KEEP) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.keep = keep
+        # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
+        # reused; the prepared value; its tag; a host copy to compare a host tensor with)
+        self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
+        self._tags = 0
+        self._warned = False
+        self.prepared = 0
+
+    def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
+        """``value`` on the device in the dtype (an ablation's normalised), and a tag: equal
+        tags are the same prepared value."""
+        if value.dim() != 1 or value.is_inference():
+            self._warn(value)
+            return self._prepare(value, ablate), self._tag()
+        key = (id(value), value._version, ablate)
+        hit = self._kept.get(key)
+        if hit is not None and hit[0] is value and _unchanged(value, hit[3]):
+            return hit[1], hit[2]
+        if len(self._kept) >= self.keep:
+            del self._kept[next(iter(self._kept))]
+        prepared, tag = self._prepare(value, ablate), self._tag()
+        # A host vector can change without a new version (through ``.numpy()``).
+        snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
+        self._kept[key] = (value, prepared, tag, snapshot)
+        return prepared, tag
+
+    def _tag(self) -> int:
+        self._tags += 1
+        return self._tags
+
+    def _warn(self, value: torch.Tensor) -> None:
+        if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
+                f"{self.device} every step (from pageable memory: the host waits); make "
+                f"per-row edit values on the model's device",
+                stacklevel=4,
+            )
+
+    def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
+        self.prepared += 1
+        if ablate:
+            d = value.float()
+            value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        return value.to(device=self.device, dtype=self.dtype)
+
+
+def _unchanged(value: torch.Tensor, snapshot: torch.Tensor | None) -> bool:
+    return snapshot is None or torch.equal(value, snapshot)
+
+
 IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 
 
@@ -155,7 +207,7 @@ class EditBuffers:
     """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
 
     Written by index on the device, without a host wait or an allocation given the
-    runtime's ``index`` (pinned, pooled copies) and kept values (:mod:`.edit_values`). Which
+    runtime's ``index`` (pinned, pooled copies) and kept values (:class:`EditValues`). Which
     direction each row ablates is also kept on the host: a second ablation is checked on
     the device only where a row already ablates another direction.
     """
@@ -173,8 +225,7 @@ class EditBuffers:
         self._dirty = 0  # rows [0, dirty) may hold non-identity values
 
     def add_transform(self, owner: str, module: torch.nn.Module) -> None:
-        mask = torch.zeros_like(self.mask)
-        self.transforms.append((owner, module, mask))
+        self.transforms.append((owner, module, torch.zeros_like(self.mask)))
 
     @property
     def rows_used(self) -> int:
@@ -201,11 +252,10 @@ class EditBuffers:
         self,
         ops: list[tuple[np.ndarray, str, torch.Tensor]],
         what: str,
-        index: IndexTo | None = None,
+        index: IndexTo = index_to,
     ) -> None:
         """``ValueError`` before writing if ``ops`` would ablate a second, different direction
         on a row (the host waits only where a row already ablates another direction)."""
-        index = index or index_to
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue
@@ -228,11 +278,10 @@ class EditBuffers:
         self,
         ops: list[tuple[np.ndarray, str, torch.Tensor]],
         owner: str = "",
-        index: IndexTo | None = None,
+        index: IndexTo = index_to,
     ) -> None:
         """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
         host index to the device."""
-        index = index or index_to
         dev = self.add.device
         for rows, kind, value in ops:
             idx = index(rows, dev)

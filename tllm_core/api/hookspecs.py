@@ -1,9 +1,5 @@
-"""pluggy hook specifications of the ``tllm`` plugin system.
-
-Third-party plugins are found through the entry-point group ``tllm``; built-in consumers,
-producers and commands register through these same hooks. docs/hooks.md has each hook's
-thread, timing and an example.
-"""
+"""pluggy hook specifications of the ``tllm`` plugin system (entry-point group ``tllm``; the
+built-ins register through the same hooks). docs/hooks.md has each hook's thread and timing."""
 
 from __future__ import annotations
 

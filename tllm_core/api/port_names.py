@@ -1,22 +1,14 @@
-"""Port names: the one grammar for naming a token port in text, and its one formatter.
-
-``{i}`` or ``layer.{i}``: the residual stream after decoder layer ``i`` (negative counts from
-the end); ``final``: the final hidden state; ``{prefix}.{i}``: a layer port registered under
-``prefix`` (built-ins: ``attn``, ``mlp``). Callers pass the registered prefixes; ``None``
-checks the syntax only.
-"""
+"""Port names: the one grammar for naming a token port in text (``{i}``, ``layer.{i}``,
+``final``, ``{prefix}.{i}``), and its one formatter."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
-from types import MappingProxyType
 
 FINAL = "final"
 RESIDUAL = "layer"  # prefix of the residual stream's name: "layer.{i}"
-# Users see the bridge's "residual" tap by the residual stream's port name.
-_TAP_SITE_NAMES = MappingProxyType({"residual": RESIDUAL})
 
 _NAME = re.compile(r"(?:([A-Za-z_]\w*)\.)?(-?\d+)")
 
@@ -91,4 +83,4 @@ def parse_port_name(
 def tap_port_name(tap_key: str) -> str:
     """The name users see for an engine tap key: ``"residual.12"`` -> ``"layer.12"``."""
     site, dot, layer = tap_key.partition(".")
-    return f"{_TAP_SITE_NAMES.get(site, site)}{dot}{layer}"
+    return f"{RESIDUAL if site == 'residual' else site}{dot}{layer}"

@@ -1,10 +1,6 @@
-"""Ports: what a consumer reads from, and writes into, a running engine.
-
-A port is a frozen dataclass that knows its bundle key, declared once at construction (the
-taps it needs are installed before the model is compiled). Built-in read ports here:
-:class:`HiddenStates`, :class:`Logits`, :class:`SampledTokens`; any package can declare more
-by subclassing :class:`TokenPort` or :class:`SamplePort` and registering a producer.
-"""
+"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md). A
+port is a frozen dataclass that knows its bundle key; a package declares more read ports by
+subclassing :class:`TokenPort` or :class:`SamplePort` and registering a producer."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
-from tllm_core.api.windows import GRAMMAR, LastRow, Window
+from tllm_core.api.windows import GRAMMAR, LastRow, Window, union
 
 ResolveLayer = Callable[[int], int]
 
@@ -32,19 +28,8 @@ class Phase(str, Enum):
     ALL = "all"
     GUIDE = "guide"
 
-    def selects(self, is_decode: bool) -> bool:
-        if self is Phase.GUIDE:
-            return False
-        return self is Phase.ALL or (self is Phase.DECODE) == is_decode
-
     def union(self, other: Any) -> Any:
-        if other is not None and not isinstance(other, Phase):
-            return other.union(self)  # a window (tllm_core/api/windows.py)
-        if other is None or other is self or other is Phase.GUIDE:
-            return self
-        if self is Phase.ALL or other is Phase.ALL:
-            return Phase.ALL
-        return other if self is Phase.GUIDE else Phase.ALL
+        return union(self, other)
 
 
 class Delivery(str, Enum):
@@ -99,7 +84,7 @@ class LayerPort(TokenPort):
     phase: Phase = Phase.ALL
 
     def __post_init__(self) -> None:
-        _normalise(self, self.prefix, final=False)
+        _normalise(self, self.prefix)
 
     @property
     def key(self) -> str:
@@ -141,7 +126,7 @@ class _StepSamplePort(SamplePort):
     _key: ClassVar[str]
 
     def __post_init__(self) -> None:
-        _normalise_phase(self)
+        _normalise(self)
 
     @property
     def key(self) -> str:
@@ -222,19 +207,15 @@ def layer_arg(value: Any, prefix: str, *, final: bool, port: str) -> int | str:
     raise ValueError(f"{port}(layer={value!r}): expected {forms}")
 
 
-def _normalise(port: ReadPort, prefix: str, *, final: bool) -> None:
-    """Check and normalise a frozen port's ``layer`` and ``phase`` in ``__post_init__``."""
+def _normalise(port: ReadPort, prefix: str | None = None, *, final: bool = False) -> None:
+    """Check and normalise a frozen port's ``layer`` (with ``prefix``) and ``phase`` (a
+    Phase, its value, or a capture window) in ``__post_init__``."""
     name = type(port).__name__
-    layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
-    object.__setattr__(port, "layer", layer)
-    _normalise_phase(port)
-
-
-def _normalise_phase(port: ReadPort) -> None:
-    """``phase``: a Phase, its value, or a capture window (``tllm_core/api/windows.py``)."""
+    if prefix is not None:
+        layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
+        object.__setattr__(port, "layer", layer)
     phase = getattr(port, "phase", Phase.ALL)
-    where = f"{type(port).__name__}(phase={phase!r})"
-    object.__setattr__(port, "phase", as_selector(phase, where))
+    object.__setattr__(port, "phase", as_selector(phase, f"{name}(phase={phase!r})"))
 
 
 def layer_key(layer: int | str) -> str:

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from tllm_core.api.architectures import STEP_SITES
+from tllm_core.api.architectures import STEP_SITES, identifier
 from tllm_core.api.ports import ReadPort
 from tllm_core.api.step import StepCapture
 
@@ -25,8 +25,7 @@ class TapRequest:
     layer: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.site, str) and self.site.isidentifier()):
-            raise ValueError(f"tap site must be an identifier, got {self.site!r}")
+        identifier(self.site, "tap site")
         if self.site in STEP_SITES:
             if self.layer is not None:
                 raise ValueError(f"tap site {self.site!r} takes no layer")

@@ -1,4 +1,6 @@
-"""Per-request settings that a consumer declares (``vllm_xargs`` / ``SamplingParams.extra_args``).
+"""Per-request settings that a consumer declares (``vllm_xargs`` / ``SamplingParams.extra_args``),
+and the field types of settings and configs: :data:`FiniteF32`, :data:`WindowSetting`,
+:data:`CaptureWindow`.
 
 Field ``f`` of consumer ``c``'s ``Request`` model is the request key ``tllm_{c}_{f}`` (``None``
 usually means "use the config"). The server, ``TllmLLM`` and the engine validate alike
@@ -8,19 +10,89 @@ usually means "use the config"). The server, ``TllmLLM`` and the engine validate
 
 from __future__ import annotations
 
+import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainValidator,
+    ValidationError,
+)
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
 
-from tllm_core.api.numbers import ERROR_TYPE as F32_ERROR
-from tllm_core.api.numbers import MAX_TEXT as F32_MAX_TEXT
-from tllm_core.api.numbers import is_f32_marker
-from tllm_core.api.window_setting import SETTING_ALLOWED, WINDOW_ERROR, is_window_marker
+from tllm_core.api.ports import Phase, as_selector
+from tllm_core.api.windows import GRAMMAR, LastRow, Window
+
+# Largest finite float32 (numpy.finfo(numpy.float32).max), written out to keep numpy out.
+F32_MAX = 3.4028234663852886e38
+F32_ERROR = "float32_range"
+# float32's own shortest spelling of its maximum (rounded up: every value below it fits).
+F32_MAX_TEXT = "3.4028235e+38"
+
+
+def check_f32(value: float) -> float:
+    """``value`` if it is finite and fits float32, else a pydantic error naming both: a float
+    finite in Python may overflow float32 (``1e39``) and turn the model's tensors into inf/NaN."""
+    if not (math.isfinite(value) and abs(value) <= F32_MAX):
+        raise PydanticCustomError(
+            F32_ERROR,
+            f"must be finite and within float32's range [-{F32_MAX_TEXT}, {F32_MAX_TEXT}]",
+        )
+    return value
+
+
+#: Type of every float field of a ``ConsumerConfig`` or ``RequestSettings``
+#: (``scale: FiniteF32 = 1.0``): a value the model's float32 can hold.
+FiniteF32 = Annotated[float, AfterValidator(check_f32)]
+
+# The request-settings field name the runtime narrows a consumer's rows by.
+WINDOW_FIELD = "window"
+WINDOW_ERROR = "capture_window"
+
+
+def request_window(value: Any) -> Any:
+    """A request's window setting checked: ``None``, or its selector (a ``Phase`` or a
+    :class:`Window`)."""
+    if value is None:
+        return None
+    if isinstance(value, (Phase, Window, LastRow)):
+        selector = value
+    elif not isinstance(value, str):
+        raise PydanticCustomError(WINDOW_ERROR, "must be a window text")
+    else:
+        try:
+            selector = as_selector(value, "window")
+        except ValueError:
+            raise PydanticCustomError(WINDOW_ERROR, "is not a capture window") from None
+    if selector is Phase.GUIDE:  # selects no bundle row: nothing would be captured
+        raise PydanticCustomError(WINDOW_ERROR, "is not a capture window")
+    return selector
+
+
+#: Type of a consumer's per-request ``window`` field (request key ``tllm_{consumer}_window``):
+#: a window text in, its selector held.
+WindowSetting = Annotated[Any, PlainValidator(request_window)]
+
+
+def config_window(value: Any) -> str:
+    """A config's ``phase`` checked as a capture window and kept as its text (a ``Phase`` or
+    :class:`Window` given from Python: its text); ``ValueError`` naming the grammar."""
+    text = str(getattr(value, "value", value))
+    as_selector(text, "phase")
+    return text
+
+
+#: Type of a capturing consumer's config field ``phase`` (export, stats, sae): a phase or a
+#: capture window, kept as its text (``as_selector(config.phase, ...)`` gives its selector).
+CaptureWindow = Annotated[str, BeforeValidator(config_window)]
 
 PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
@@ -28,20 +100,25 @@ CONSUMERS_KEY = "tllm_consumers"
 GROUP_KEY = "tllm_group"
 # Internal tags TllmLLM adds to every request (row localization); not for clients.
 TAGS = ("tllm_prompt_index", "tllm_n")
-# tllm_core.api.results.RESULTS_KEY (named here too: results imports nothing of this module).
 RESULTS_KEY = "tllm_results"
 GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 
 
-def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
-    """The per-request consumers a request switches on (``tllm_consumers``, comma-separated)."""
-    raw = extra_args.get(CONSUMERS_KEY, "")
+def consumer_names(extra_args: Mapping[str, Any] | None, key: str, where: str) -> list[str]:
+    """The consumer names in ``extra_args[key]`` (a comma-separated string), in order, once
+    each; ``ValueError`` naming ``where`` for any other value."""
+    raw = (extra_args or {}).get(key, "")
     if not isinstance(raw, str):
         raise ValueError(
-            f'{where}[{CONSUMERS_KEY!r}] must be a comma-separated string (e.g. "esamp,steer"), '
-            f"got {short_repr(raw)}"
+            f"{where}[{key!r}] must be a comma-separated string of consumer names (e.g. "
+            f'"esamp,steer"), got {short_repr(raw)}'
         )
-    return [n.strip() for n in raw.split(",") if n.strip()]
+    return list(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
+
+
+def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") -> list[str]:
+    """The per-request consumers a request switches on (``tllm_consumers``)."""
+    return consumer_names(extra_args, CONSUMERS_KEY, where)
 
 
 def acts_on(consumer: str, per_request: bool, extra_args: Mapping[str, Any]) -> bool:
@@ -68,15 +145,17 @@ def request_keys(consumer: str, model: type[RequestSettings] | None) -> dict[str
     return {request_key(consumer, f): f for f in model.model_fields}
 
 
-def _admits_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
+def _parts(annotation: Any) -> Iterator[Any]:
+    """The types and ``Annotated`` metadata an annotation is made of, through unions."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
-        return _admits_bool(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return any(_admits_bool(a) for a in typing.get_args(annotation))
-    return False
+        yield from args[1:]
+        yield from _parts(args[0])
+    elif origin in (typing.Union, types.UnionType):
+        for a in args:
+            yield from _parts(a)
+    else:
+        yield annotation
 
 
 def type_name(t: Any) -> str:
@@ -97,27 +176,17 @@ def type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _marked_inside(annotation: Any, is_marker: Any) -> bool:
-    """Whether an ``Annotated`` type with an ``is_marker`` item is the annotation or an arm."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return any(is_marker(m) for m in args[1:]) or _marked_inside(args[0], is_marker)
-    if origin in (typing.Union, types.UnionType):
-        return any(_marked_inside(a, is_marker) for a in args)
-    return False
-
-
-def is_window_field(field: FieldInfo) -> bool:
-    """Whether a settings field is a capture window (declared with ``WindowSetting``)."""
-    return _marked_inside(field.annotation, is_window_marker) or any(
-        is_window_marker(m) for m in field.metadata
+def _marked(field: FieldInfo, check: Any) -> bool:
+    """Whether the field's type (or an arm of it) is annotated with validator ``check``."""
+    return any(
+        getattr(m, "func", None) is check for m in (*_parts(field.annotation), *field.metadata)
     )
 
 
 def allowed(field: FieldInfo) -> str:
     """What a field accepts, in words: type, bounds and choices (``float >= 0 | None``)."""
-    if is_window_field(field):
-        return SETTING_ALLOWED
+    if _marked(field, request_window):
+        return f"a capture window (docs/ports.md#capture-windows): {GRAMMAR}; None: the consumer's config"
     text = type_name(field.annotation)
     for m in field.metadata:
         for attr, op in _BOUNDS.values():
@@ -128,9 +197,7 @@ def allowed(field: FieldInfo) -> str:
             text += ", finite"
         if getattr(m, "max_length", None) is not None:
             text += f", at most {m.max_length} entries"
-    if _marked_inside(field.annotation, is_f32_marker) or any(
-        is_f32_marker(m) for m in field.metadata
-    ):
+    if _marked(field, check_f32):
         text += f", finite float32 (|x| <= {F32_MAX_TEXT})"
     return text
 
@@ -199,7 +266,9 @@ def parse_request_settings(
             continue
         value = extra[key]
         field = model.model_fields[fname]
-        if isinstance(value, bool) and not _admits_bool(field.annotation):
+        if isinstance(value, bool) and not any(
+            t is bool or t is Any for t in _parts(field.annotation)
+        ):
             raise ValueError(
                 f"{where}[{key!r}] must be a number, got {value!r} (allowed: {allowed(field)})"
             )

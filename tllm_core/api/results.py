@@ -1,11 +1,5 @@
-"""Per-request results: what a consumer computed for one request, returned with its completion.
-
-A request names the consumers in ``tllm_results``; offline each ``CompletionOutput`` gets
-``completion.tllm = {consumer: value}``, the server adds ``"tllm": [{"index": i, consumer:
-value}, ...]`` with arrays as ``{"dtype", "shape", "b64"}`` (:func:`decode_results` turns them
-back into NumPy arrays). Results past ``max_result_bytes`` become errors
-(docs/serving.md#results-with-the-completion).
-"""
+"""Per-request results: what a consumer computed for one request, returned with its completion
+(``tllm_results``; arrays as ``{"dtype", "shape", "b64"}``: docs/serving.md#results-with-the-completion)."""
 
 from __future__ import annotations
 
@@ -17,19 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from tllm_core.api.request_settings import RESULTS_KEY
+from tllm_core.api.request_settings import RESULTS_KEY, consumer_names
 
-__all__ = [
-    "RESULTS_KEY",
-    "PlannedRequest",
-    "RequestRows",
-    "asked_results",
-    "decode_results",
-    "encode",
-    "encode_array",
-    "merge_taken",
-    "with_missing",
-]
 # What an array becomes in JSON: its dtype, shape and little-endian bytes in base64.
 ARRAY_FIELDS = frozenset({"dtype", "shape", "b64"})
 # The dtypes an array keeps (others are cast to float32 or int64).
@@ -47,19 +30,8 @@ class PlannedRequest:
 
 
 def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args") -> list[str]:
-    """The consumers whose results a request asks for (``tllm_results``, comma-separated), in
-    order; a value that is not a string is a ``ValueError`` naming ``where``."""
-    raw = (extra_args or {}).get(RESULTS_KEY, "")
-    if not isinstance(raw, str):
-        raise ValueError(
-            f"{where}[{RESULTS_KEY!r}] must be a comma-separated string of consumer names (e.g. "
-            f'"export,stats"), got {type(raw).__name__}'
-        )
-    out: list[str] = []
-    for name in (n.strip() for n in raw.split(",")):
-        if name and name not in out:
-            out.append(name)
-    return out
+    """The consumers whose results a request asks for (``tllm_results``), in order."""
+    return consumer_names(extra_args, RESULTS_KEY, where)
 
 
 def merge_taken(

@@ -10,9 +10,10 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from tllm_core.api.ports import Phase
+from tllm_core.api.ports import Phase, as_selector
 from tllm_core.api.request_settings import (
     GROUP_KEY,
+    WINDOW_FIELD,
     RequestSettings,
     acts_on,
     enabled_consumers,
@@ -21,7 +22,6 @@ from tllm_core.api.request_settings import (
 )
 from tllm_core.api.results import asked_results
 from tllm_core.api.transfers import index_to
-from tllm_core.api.window_setting import WINDOW_FIELD
 from tllm_core.api.windows import LastRow, Window
 
 
@@ -148,11 +148,12 @@ class RowInfo:
     def __len__(self) -> int:
         return int(self.row.shape[0])
 
+    def _per_row(self, attr: str) -> np.ndarray:
+        return np.fromiter((getattr(r, attr) for r in self.requests), np.int64, len(self))
+
     def prompt_lengths(self) -> np.ndarray:
         """Each row's request's prompt length (int64 ``[R]``): what a capture window needs."""
-        return np.fromiter(
-            (r.num_prompt_tokens for r in self.requests), np.int64, len(self.requests)
-        )
+        return self._per_row("num_prompt_tokens")
 
     def runs(self) -> Iterator[tuple[RequestInfo, int, int]]:
         """``(request, start, stop)`` per run of one request's rows (see :func:`request_runs`)."""
@@ -164,15 +165,11 @@ class RowInfo:
 
     @property
     def prompt_index(self) -> np.ndarray:
-        return np.fromiter((r.prompt_index for r in self.requests), np.int64, len(self.requests))
+        return self._per_row("prompt_index")
 
     @property
     def sample_index(self) -> np.ndarray:
-        return np.fromiter((r.sample_index for r in self.requests), np.int64, len(self.requests))
-
-    def select(self, mask: np.ndarray) -> RowInfo:
-        """Rows where ``mask`` is true."""
-        return self.take(np.nonzero(mask)[0])
+        return self._per_row("sample_index")
 
     def take(self, idx: np.ndarray, token_ids: torch.Tensor | None = None) -> RowInfo:
         """Rows at indices ``idx`` (in that order, repeats allowed); ``token_ids``: theirs,
@@ -264,10 +261,8 @@ def window_rows(consumer: str, selector: Any, request: Any) -> int:
     ``tllm_{consumer}_window``: a result's bound."""
     prompt, generated = request.prompt_tokens, request.max_tokens
     rows = max_rows(selector, prompt, generated)
-    text = request.extra_args.get(f"tllm_{consumer}_window")
+    text = request.extra_args.get(request_key(consumer, WINDOW_FIELD))
     if isinstance(text, str):
-        from tllm_core.api.ports import as_selector
-
         rows = min(rows, max_rows(as_selector(text, "window"), prompt, generated))
     return rows
 

@@ -1,13 +1,7 @@
-"""Copies between the host and the device that never make the host wait in a steady step.
-
-Two rings of host buffers (pinned where copies are asynchronous), one event per copy in
-flight: :class:`StagingRing` (host to device: a buffer is rewritten only once the copy last
-queued from it has run) and :class:`HostCopyRing` (device to host: copies handed out, oldest
-first, once arrived). A host wait for an event is counted in ``waits``: 0 in a steady step.
-On CPU a copy completes before ``send`` returns and no event is made.
-
-Imports torch and numpy only (the GPU image has neither pydantic nor vLLM).
-"""
+"""Copies between the host and the device that never make the host wait in a steady step:
+rings of host buffers (pinned where copies are asynchronous), one event per copy in flight,
+host waits counted in ``waits``. Imports torch and numpy only (the GPU image has neither
+pydantic nor vLLM)."""
 
 from __future__ import annotations
 
@@ -74,7 +68,7 @@ def _recorded(event: Any | None, stream: Any | None) -> Any:
 class StagingRing:
     """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation.
     ``numel``: elements allocated at once per buffer (0: on first use); a buffer asked for
-    more grows to ``grow(n)`` elements."""
+    more grows to :func:`pow2_rows` elements."""
 
     def __init__(
         self,
@@ -82,11 +76,9 @@ class StagingRing:
         slots: int,
         dtype: torch.dtype = torch.int64,
         numel: int = 0,
-        grow: Callable[[int], int] = pow2_rows,
     ) -> None:
         self.pinned = async_copies(torch.device(device))
         self.dtype = dtype
-        self._grow = grow
         self.buffers: list[torch.Tensor | None] = [
             _host_empty(numel, dtype, self.pinned) if numel else None for _ in range(slots)
         ]
@@ -103,7 +95,7 @@ class StagingRing:
         self.waits += _wait(self._events[i])
         buf = self.buffers[i]
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[i] = _host_empty(self._grow(numel), self.dtype, self.pinned)
+            buf = self.buffers[i] = _host_empty(pow2_rows(numel), self.dtype, self.pinned)
         return i, buf[:numel]
 
     def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:
@@ -197,6 +189,37 @@ class HostCopyRing:
         self._out.append((tag, self._read(tag, host)))
         self._free.append(i)
         return True
+
+
+class DeviceSums:
+    """Sums kept on the device (``values``) and counted on the host without a wait: a copy
+    back is queued through a :class:`HostCopyRing`, the sums zeroed after it, and each copy
+    handed out once arrived (docs/ports.md has an example). ``ring``: copies that may be in
+    flight at once (:meth:`send` skips while all are)."""
+
+    def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
+        self.values = values
+        self._copies = HostCopyRing(values.reshape(-1), ring)
+        self._added = False  # something was added since the last copy
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add ``x`` to the sums (on the device, current stream)."""
+        self.values.add_(x)
+        self._added = True
+
+    def send(self) -> bool:
+        """Queue a copy of the sums to the host and their reset; False when nothing was added
+        or every host buffer is in flight (the sums go with a later copy)."""
+        if not self._added or self._copies.full:
+            return False
+        self._copies.send(self.values.reshape(-1))
+        self.values.zero_()
+        self._added = False
+        return True
+
+    def arrived(self, wait: bool = False) -> list[list[Any]]:
+        """The copies that have arrived, oldest first, as lists (``wait``: every copy)."""
+        return [values for _, values in self._copies.arrived(wait)]
 
 
 class HostCopies(HostCopyRing):

@@ -1,30 +1,7 @@
-"""Capture windows: which token rows of each request a read port selects, by position.
-
-A port's ``phase`` takes a :class:`~tllm_core.api.ports.Phase` or a window (one grammar for
-every port and consumer):
-
-- ``"prompt"``, ``"generated"``, ``"all"``: the phases (prompt rows, decode rows, both);
-- ``"last_prompt"``: each request's last prompt token (``prompt[-1:]``: a linear probe's row);
-- ``"last"``: each request's last token row, the one whose output sampled its final token
-  (with ``max_tokens=1`` the last prompt token). Which row is last is known only when the
-  request finishes, so these rows are delivered then, in a bundle of their own, before its
-  finish notice (``on_bundle``, then ``on_request_finished``);
-- ``REGION[START:STOP:STEP]`` with ``REGION`` one of ``prompt``, ``generated``, ``all``, as a
-  Python slice of the region's positions: ``prompt[-8:]`` (the prompt's last 8 tokens),
-  ``generated[0:16]`` (the first 16 generated tokens), ``all[::4]`` (every 4th token),
-  ``prompt[2:10:2]``. ``prompt`` counts from the prompt's first token (negative: from its
-  end); ``generated`` from the first generated token; ``all`` from position 0.
-
-The runtime keeps a window's rows when it cuts a step into bundles (host metadata only:
-each row's position and its request's prompt length), so rows outside it are never
-gathered, copied or delivered. For ``last`` it keeps, on the device, each asking request's
-latest row with a kept sample (one row per request, overwritten step by step) and copies it
-out when the request finishes (``tllm_core/runtime/last_rows.py``).
-
-Per request: a consumer whose ``Request`` settings declare ``window: WindowSetting = None``
-takes the request key ``tllm_{consumer}_window``; the runtime narrows that consumer's rows
-of such a request to the window (within its ports' own phases and windows).
-"""
+"""Capture windows: which token rows of each request a read port selects, by position
+(grammar and costs: docs/ports.md#capture-windows). The runtime applies them to host metadata
+when it cuts a step into bundles, so rows outside a window are never gathered or copied;
+``last`` rows are kept on the device until the request finishes (runtime/last_rows.py)."""
 
 from __future__ import annotations
 
@@ -96,10 +73,10 @@ class Window:
             inside, index, length = position >= num_prompt, position - num_prompt, None
         else:
             inside, index, length = np.ones(len(position), np.bool_), position, None
-        start = _bound(self.start, length, 0)
+        start = _bound(self.start, length)
         keep = inside & (index >= start) & ((index - start) % self.step == 0)
         if self.stop is not None:
-            keep &= index < _bound(self.stop, length, 0)
+            keep &= index < _bound(self.stop, length)
         return keep
 
     def max_rows(self, prompt: int, generated: int) -> int:
@@ -109,13 +86,7 @@ class Window:
         return len(range(*slice(self.start, self.stop, self.step).indices(length[self.region])))
 
     def union(self, other: Any) -> Any:
-        # ``other`` a Phase (a str enum: compared by value, so no import of ports), a
-        # window or an AnyOf.
-        if other is None or other == self or other == "guide":
-            return self
-        if other == "all":
-            return other
-        return AnyOf(frozenset({self, *(other.parts if isinstance(other, AnyOf) else (other,))}))
+        return union(self, other)
 
 
 @dataclass(frozen=True)
@@ -132,7 +103,8 @@ class LastRow:
     def max_rows(self, prompt: int, generated: int) -> int:
         return 1
 
-    union = Window.union
+    def union(self, other: Any) -> Any:
+        return union(self, other)
 
 
 LAST = LastRow()
@@ -145,9 +117,9 @@ def takes_last(selector: Any) -> bool:
     return selector == LAST
 
 
-def _bound(value: int | None, length: np.ndarray | None, default: int) -> Any:
+def _bound(value: int | None, length: np.ndarray | None) -> Any:
     if value is None:
-        return default
+        return 0
     if value < 0:
         assert length is not None  # only prompt windows take negative bounds
         return np.maximum(length + value, 0)
@@ -162,12 +134,22 @@ class AnyOf:
     parts: frozenset
 
     def union(self, other: Any) -> Any:
-        if other is None or other == "guide":
-            return self
-        if other == "all":
-            return other
-        more = other.parts if isinstance(other, AnyOf) else (other,)
-        return AnyOf(self.parts | frozenset(more))
+        return union(self, other)
+
+
+def union(a: Any, b: Any) -> Any:
+    """Rows ``a`` or ``b`` selects (each a Phase, window or :class:`AnyOf`; ``b`` may be None).
+    A Phase is a str enum, compared by value here: windows do not import the ports."""
+    if b is None or b == a or b == "guide":
+        return a
+    if a == "guide" or b == "all":
+        return b
+    if a == "all":
+        return a
+    if isinstance(a, str) and isinstance(b, str):  # prefill and decode
+        return type(a)("all")
+    both = (x.parts if isinstance(x, AnyOf) else {x} for x in (a, b))
+    return AnyOf(frozenset().union(*both))
 
 
 def window_text(selector: Any) -> str:

@@ -1,9 +1,5 @@
-"""Preallocated step temporaries: named tensors carved out of one flat device allocation.
-
-A step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph) writes
-into views of these with ``out=``. One allocation: its size, the sum of the aligned parts, can
-be stated in advance and the caching allocator rounds it once.
-"""
+"""Preallocated step temporaries: named tensors carved out of one flat device allocation, for a
+step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph)."""
 
 from __future__ import annotations
 

@@ -26,10 +26,9 @@ from tllm_core.api.edits import EditBuffers, EditPlan
 from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
-from tllm_core.api.request_settings import request_key
+from tllm_core.api.request_settings import WINDOW_FIELD, request_key
 from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
-from tllm_core.api.window_setting import WINDOW_FIELD
 from tllm_core.api.windows import takes_last
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
