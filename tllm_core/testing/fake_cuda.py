@@ -25,7 +25,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from types import CodeType, SimpleNamespace
+from types import CodeType, MappingProxyType, SimpleNamespace
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -64,29 +64,33 @@ def _rules(does: str, names: str, **kw: Any) -> dict[str, Rule]:
 # 0-dim host tensor is a kernel argument (no copy); MATMUL: runs on cuBLAS; ELEMENTS/SLICES:
 # touches the indexed elements (or slices) of argument 0, indices in argument 2; COPY:
 # between host and device by :func:`copy_rule`.
-RULES: Mapping[str, Rule] = {
-    **_rules(WAIT, "nonzero masked_select equal bincount _local_scalar_dense"),
-    **_rules(
-        WAIT, "_unique _unique2 unique_consecutive unique_dim unique_dim_consecutive", kind="unique"
-    ),
-    # Tensor repeats: the output size is their sum, unless given.
-    **_rules(
-        WAIT,
-        "repeat_interleave",
-        when=lambda f, a, k: f._overloadname != "self_int" and k.get("output_size") is None,
-    ),
-    **_rules(
-        WAIT, "index index_put index_put_ _index_put_impl_", kind="bool_index", when=_bool_mask
-    ),
-    **_rules(NO_DATA, "empty empty_like empty_strided new_empty new_empty_strided lift_fresh"),
-    **_rules(NO_DATA, "_unsafe_view"),
-    **_rules(SCALAR, "fill fill_ masked_fill masked_fill_"),
-    **_rules(MATMUL, "mm bmm addmm addmv mv addbmm baddbmm dot vdot linear matmul"),
-    **_rules(MATMUL, "_addmm_activation _scaled_mm _int_mm _grouped_mm"),
-    **_rules(ELEMENTS, "gather scatter scatter_ scatter_add scatter_add_"),
-    **_rules(SLICES, "index_select index_copy index_copy_ index_add_ index_fill_"),
-    **_rules(COPY, "_to_copy copy_"),
-}
+RULES: Mapping[str, Rule] = MappingProxyType(
+    {
+        **_rules(WAIT, "nonzero masked_select equal bincount _local_scalar_dense"),
+        **_rules(
+            WAIT,
+            "_unique _unique2 unique_consecutive unique_dim unique_dim_consecutive",
+            kind="unique",
+        ),
+        # Tensor repeats: the output size is their sum, unless given.
+        **_rules(
+            WAIT,
+            "repeat_interleave",
+            when=lambda f, a, k: f._overloadname != "self_int" and k.get("output_size") is None,
+        ),
+        **_rules(
+            WAIT, "index index_put index_put_ _index_put_impl_", kind="bool_index", when=_bool_mask
+        ),
+        **_rules(NO_DATA, "empty empty_like empty_strided new_empty new_empty_strided lift_fresh"),
+        **_rules(NO_DATA, "_unsafe_view"),
+        **_rules(SCALAR, "fill fill_ masked_fill masked_fill_"),
+        **_rules(MATMUL, "mm bmm addmm addmv mv addbmm baddbmm dot vdot linear matmul"),
+        **_rules(MATMUL, "_addmm_activation _scaled_mm _int_mm _grouped_mm"),
+        **_rules(ELEMENTS, "gather scatter scatter_ scatter_add scatter_add_"),
+        **_rules(SLICES, "index_select index_copy index_copy_ index_add_ index_fill_"),
+        **_rules(COPY, "_to_copy copy_"),
+    }
+)
 NONE = Rule("")
 
 
