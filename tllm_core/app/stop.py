@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from tllm_core.runtime.environ import env_seconds
+
 if TYPE_CHECKING:
     from tllm_core.vllm_bridge.nodes import NodeWatch
 
@@ -26,14 +28,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def stop_timeout() -> float:
     """Seconds from the first stop signal to the watchdog's kill (``TLLM_STOP_TIMEOUT_S``)."""
-    text = os.environ.get(STOP_TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else DEFAULT_STOP_TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{STOP_TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
+    return env_seconds(STOP_TIMEOUT_ENV, DEFAULT_STOP_TIMEOUT_S)
 
 
 # POSIX signal handlers are process-wide: install() makes the one StopSignals whose bound

@@ -1,7 +1,9 @@
-"""Setting an environment variable for a block (processes started in it inherit it)."""
+"""Environment variables: one set for a block (processes started in it inherit it), and
+seconds read from one with a clear error."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,3 +21,17 @@ def env_set(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def env_seconds(name: str, default: float, zero: str | None = None) -> float:
+    """Seconds from the environment variable ``name`` (``default`` when unset or empty), or an
+    error naming it and what is allowed; ``zero``: what 0 means where 0 is allowed."""
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = math.nan  # refused below, as every comparison with nan is false
+    if not (value >= 0 if zero else value > 0):
+        allowed = f">= 0 (0: {zero})" if zero else "> 0"
+        raise ValueError(f"{name} must be a number of seconds {allowed}, got {text!r}")
+    return value

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tllm_core.runtime.environ import env_seconds
 from tllm_core.runtime.notes import NoteFile, named, write_once
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
@@ -86,14 +87,7 @@ def node_check() -> int:
 
 def check_interval() -> float:
     """Seconds between two node checks (``TLLM_NODE_CHECK_S``; 0 switches them off)."""
-    text = os.environ.get(NODE_CHECK_ENV, "")
-    try:
-        value = float(text) if text else NODE_CHECK_INTERVAL_S
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise ValueError(f"{NODE_CHECK_ENV} must be seconds >= 0 (0: off), got {text!r}")
-    return value
+    return env_seconds(NODE_CHECK_ENV, NODE_CHECK_INTERVAL_S, zero="off")
 
 
 def stop_self(what: str) -> Any:
