@@ -269,6 +269,7 @@ def test_architecture_matches_transformers(arch, engines, probe_registered, resu
         assert arch in REFUSED, f"{arch} ({model_class}) failed at start: {entry['error']}"
         for word in (model_class, *REFUSED[arch]):
             assert word in str(e), f"start error of {arch} does not name {word!r}: {e}"
+        _committed_agrees(arch, entry)
         return
     assert arch not in REFUSED, f"{arch} now starts: move it out of REFUSED"
     greedy = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -285,8 +286,19 @@ def test_architecture_matches_transformers(arch, engines, probe_registered, resu
     rows = report["results"]["archprobe"]["rows"]
     entry["max_abs_error"] = _compare(path, outs, rows, 1, tol)
     entry["status"] = "pass"
+    _committed_agrees(arch, entry)
     if arch in LACKING:
         entry["lacking"] = _check_lacking(arch, path, model_class, engines)
+
+
+def _committed_agrees(arch: str, entry: dict) -> None:
+    """The committed matrix (``docs/architectures.json``) says what this run found for ``arch``
+    (checked per family, so that it holds whichever worker or order runs the families)."""
+    committed = load_results(COMMITTED).get(arch, {}).get("status")
+    assert committed == entry["status"], (
+        f"{arch}: this run says {entry['status']}, docs/architectures.json says {committed}: "
+        "re-render the table (tests/arch_table.py)"
+    )
 
 
 def _check_lacking(arch: str, path: str, model_class: str, engines) -> dict[str, str]:
