@@ -21,6 +21,7 @@ from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.notes import NoteFile
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
 from tllm_core.runtime.start_error import StartErrorNote
@@ -227,7 +228,7 @@ class TllmLLM:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = StartErrorNote()
         # The same kind of note, kept for the engine's life: a hung callback's report.
-        self._fault_note = StartErrorNote()
+        self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         sent = self.settings.model_copy(
             update={"start_error_file": note.path, "fault_file": self._fault_note.path}

@@ -243,9 +243,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.vllm_bridge.families import check_model
 
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
-    from tllm_core.runtime.start_error import StartErrorNote
+    from tllm_core.runtime.notes import NoteFile
 
-    fault_note = StartErrorNote()  # a hung callback's report, from the engine (watchdog.py)
+    fault_note = NoteFile("tllm-fault-")  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
         hung_stop_s=args.hung_stop,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tllm_core.runtime.notes import named, write_once
+from tllm_core.runtime.notes import named, read_text, write_once
 from tllm_core.runtime.start_error import ENV
 
 log = logging.getLogger("tllm")
@@ -155,13 +155,10 @@ def write_note(path: str | None, hung: Hung) -> None:
 
 def read_note(path: str | None) -> Hung | None:
     """The hung callback the engine wrote at ``path``, if any."""
-    if not path:
-        return None
+    text = read_text(path) if path else ""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
         return Hung(**json.loads(text)) if text.strip() else None
-    except (OSError, ValueError, TypeError):
+    except (ValueError, TypeError):
         return None
 
 
