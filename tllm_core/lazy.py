@@ -12,14 +12,16 @@ from typing import Any
 
 def lazy_getattr(package: str, home: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package``: each name of ``home`` (name -> module)
-    imported from its module when first asked for; a name that is its module's own last
-    component (``"cli_common": "pkg.app.cli_common"``) is the module itself."""
+    imported from its module when first asked for; a name the module does not hold is its
+    submodule (``"cli_common": "pkg.app"`` is ``pkg.app.cli_common``)."""
 
     def __getattr__(name: str) -> Any:
-        if name in home:
-            module = importlib.import_module(home[name])
-            return module if home[name].rpartition(".")[2] == name else getattr(module, name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if name not in home:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(home[name])
+        if hasattr(module, name):
+            return getattr(module, name)
+        return importlib.import_module(f"{home[name]}.{name}")
 
     return __getattr__
 
@@ -27,22 +29,16 @@ def lazy_getattr(package: str, home: Mapping[str, str]) -> Callable[[str], Any]:
 def lazy_exports(package: str, init_file: str) -> tuple[list[str], Callable[[str], Any]]:
     """``(__all__, __getattr__)`` of a package whose public names are the imports of the
     ``if TYPE_CHECKING:`` block of its ``__init__.py``: one list, read by type checkers and
-    editors there and imported on first use here (a submodule imported by name is itself)."""
+    editors there and imported on first use here."""
     home: dict[str, str] = {}
     for node in ast.parse(Path(init_file).read_text(encoding="utf-8")).body:
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
             for imp in node.body:
-                if isinstance(imp, ast.ImportFrom) and imp.module:
+                if isinstance(imp, ast.ImportFrom) and imp.module and not imp.level:
                     for alias in imp.names:
-                        home[alias.asname or alias.name] = f"{imp.module}.{alias.name}"
-
-    def __getattr__(name: str) -> Any:
-        if name not in home:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module, _, attr = home[name].rpartition(".")
-        parent = importlib.import_module(module)
-        return (
-            getattr(parent, attr) if hasattr(parent, attr) else importlib.import_module(home[name])
-        )
-
-    return sorted(home), __getattr__
+                        if alias.asname:  # imported on first use by its own name only
+                            raise ImportError(f"{init_file}: 'as {alias.asname}' in the exports")
+                        home[alias.name] = imp.module
+    if not home:  # a guard spelled otherwise would export nothing, silently
+        raise ImportError(f"{init_file}: no absolute imports under 'if TYPE_CHECKING:' to export")
+    return sorted(home), lazy_getattr(package, home)
