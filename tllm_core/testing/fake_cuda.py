@@ -826,6 +826,7 @@ class FakeCuda:
         elif not on and self._window is not None:
             (at, start), self._window = self._window, None
             seen = Counter(self._sync_log[start:])
+            del self._sync_log[:]
             sites = [f"{f.kind} at {f.where}: {f.code} x{seen[f]}" for f in seen]
             self.sync_windows.append(
                 {"set_at": at, "host_waits_and_pageable_copies": seen.total(), "sites": sites}
@@ -858,7 +859,7 @@ class FakeCuda:
                 f = self._findings[key] = Finding(
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
-            if kind in _SYNC_KINDS:
+            if kind in _SYNC_KINDS and self._window is not None:  # kept for the open window
                 self._sync_log.append(f)
         if kind in _SYNC_KINDS and self.sync_debug_mode in ("error", 2):
             raise RuntimeError(
