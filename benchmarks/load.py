@@ -250,6 +250,7 @@ def summarize(name: str, poll_s: float | None, rounds: list[dict[str, Any]]) -> 
     outcomes = [o for r in rounds for o in r["outcomes"]]
     good = [o for o in outcomes if o.kind in GOOD]
     wall = sum(r["wall_s"] for r in rounds)
+    good_tokens = _good_tokens(outcomes)
     added: Counter = Counter()
     for r in rounds:
         added.update(r["counters_added"])
@@ -257,12 +258,12 @@ def summarize(name: str, poll_s: float | None, rounds: list[dict[str, Any]]) -> 
         "phase": name,
         "polling_s": poll_s,
         "requests": len(outcomes),
-        "good_tokens": _good_tokens(outcomes),
+        "good_tokens": good_tokens,
         "good_sent": len(good),
         "good_completed": sum(o.status == 200 and o.finished for o in good),
         "cancelled": sum(o.kind == "cancel" for o in outcomes),
         "wall_s": round(wall, 2),
-        "good_tok_s": round(_good_tokens(outcomes) / wall, 2),
+        "good_tok_s": round(good_tokens / wall, 2),
         "good_tok_s_rounds": [round(_good_tokens(r["outcomes"]) / r["wall_s"], 2) for r in rounds],
         "rss_mib_after_rounds": [r["rss_mib_after"] for r in rounds],  # a leak would climb
         "status_codes": dict(sorted(Counter(str(o.status) for o in outcomes).items())),
