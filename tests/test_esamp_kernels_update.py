@@ -15,6 +15,15 @@ import torch
 from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp import kernels
+from algorithms.esamp.kernels import (  # the package imports every op: no Triton needed
+    op_block_backward,
+    op_grad_adam,
+    op_loss_dy,
+    op_silu_mul,
+    op_slot_matmul,
+    op_stale_max,
+    op_update_tail,
+)
 
 # NaN and inf in the inputs on purpose (the interpreter's numpy warns about them).
 pytestmark = [
@@ -32,16 +41,6 @@ def interpreted() -> SimpleNamespace:
     """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1``, small tiles
     so that the shapes above span several tiles with ragged edges."""
     jit = interpreted_kernels()
-    from algorithms.esamp.kernels import (
-        op_block_backward,
-        op_grad_adam,
-        op_loss_dy,
-        op_silu_mul,
-        op_slot_matmul,
-        op_stale_max,
-        op_update_tail,
-    )
-
     return SimpleNamespace(
         grad_adam=functools.partial(op_grad_adam.run_triton, kernels=jit, block_n=8, block_k=16),
         slot_matmul=functools.partial(
@@ -266,16 +265,6 @@ def test_kernels_compile_for_sm90_without_spills(rows):
     that the "ieee" Gram products are plain fp32 FMAs."""
     pytest.importorskip("triton", reason="Triton is not installed here")
     from test_esamp_kernels import _compile_sm90
-
-    from algorithms.esamp.kernels import (
-        op_block_backward,
-        op_grad_adam,
-        op_loss_dy,
-        op_silu_mul,
-        op_slot_matmul,
-        op_stale_max,
-        op_update_tail,
-    )
 
     g, h, i = 3, 256, 96
     dp, hid = torch.zeros(g, rows, i), torch.zeros(g, rows, h)
