@@ -74,6 +74,20 @@ class Reader(Consumer):
         self.bundles.append(bundle)
 
 
+class LastReader(Consumer):
+    name = "lastreader"
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.bundles = []
+
+    def reads(self):
+        return [HiddenStates(0, "last"), HiddenStates(1, "last")]
+
+    def on_bundle(self, bundle):
+        self.bundles.append(bundle)
+
+
 class Adder(Consumer):
     name = "adder"
 
@@ -114,7 +128,7 @@ class _Plugin:
 
     @hookimpl
     def tllm_consumers(self):
-        return [Reader, Adder, Ablator]
+        return [Reader, LastReader, Adder, Ablator]
 
 
 def _model() -> ModelInfo:
@@ -196,6 +210,24 @@ def test_stale_tap_is_not_delivered_and_is_counted_as_an_error():
     # Users see the edit/read location by its port name, not the bridge's tap key.
     assert any("'layer.0'" in e["error"] for e in report["errors"])
     assert not any("residual" in e["error"] for e in report["errors"])
+
+
+def test_a_tap_stale_in_a_requests_last_row_reads_nan_there():
+    """Window ``last``: a port whose tap was stale in the request's last step is NaN in its
+    last row (as a GPU step delivers stale rows), not a row an earlier step left there."""
+    rt = _runtime({"name": "lastreader"})
+    rows, step = _step(rt)
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    rows, step = _step(rt, decode=1)
+    step.stamps["residual.0"] = torch.tensor([step.step - 1])
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    rt.finish_requests(list(rows.requests))
+    rt.collect()
+    (b,) = rt.slots[0].consumer.bundles
+    assert len(b.rows) == 1 and torch.isnan(b.hidden["layer.0"]).all()
+    assert torch.equal(b.hidden["layer.1"], step.tensors["residual.1"])
 
 
 def _stamps_in_flight(monkeypatch):

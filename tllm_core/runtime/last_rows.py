@@ -78,8 +78,8 @@ class LastRows:
             )
         self._token_ids = self._store(self._token_ids, rows.token_ids, slots, steps)
         for table, tensors in ((self._token, bundle.hidden), (self._sample, bundle.per_sample)):
-            for key, t in tensors.items():
-                table[key] = self._store(table.get(key), t, slots, steps)
+            for key in table.keys() | tensors.keys():
+                table[key] = self._store(table.get(key), tensors.get(key), slots, steps)
 
     def take(self, requests: list[RequestInfo], step: int) -> Bundle | None:
         """The held last rows of ``requests`` as one bundle (None: none has one); their slots
@@ -118,14 +118,22 @@ class LastRows:
     def _store(
         self,
         holder: torch.Tensor | None,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         slots: np.ndarray,
         steps: StepIndices,
     ) -> torch.Tensor:
-        """``values`` copied into ``holder``'s rows ``slots`` (made or grown first)."""
+        """``values`` copied into ``holder``'s rows ``slots`` (made or grown first); ``None``: a
+        stale tap, left out of the step's bundle, whose rows then read NaN (as on a GPU, where
+        stale rows are delivered as NaN), as do rows never written."""
+        like = values if values is not None else holder
+        assert like is not None
+        fill = float("nan") if like.is_floating_point() else 0
         if holder is None or holder.shape[0] < self._capacity:
-            grown = values.new_zeros((self._capacity, *values.shape[1:]))
+            grown = like.new_full((self._capacity, *like.shape[1:]), fill)
             if holder is not None:
                 grown[: holder.shape[0]].copy_(holder)
             holder = grown
-        return holder.index_copy_(0, steps.index(slots, values.device), values)
+        index = steps.index(slots, holder.device)
+        if values is None:
+            return holder.index_fill_(0, index, fill)
+        return holder.index_copy_(0, index, values)
