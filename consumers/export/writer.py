@@ -457,8 +457,8 @@ class RecordWriter:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         with self.lock:
             if self.used:
-                if self.shards.buffered:
-                    self.shards.write_shard()
+                if self.shards.buffered and self.shards.write_shard() is not None:
+                    return  # the shard's write rewrote the manifest
                 self.shards.write_manifest()
 
     def close(self) -> int:
