@@ -174,7 +174,7 @@ def test_the_first_run_converts_only_after_the_config_check(tiny_model, monkeypa
 
     def convert():
         events.append("convert")
-        return types.SimpleNamespace(wait=lambda: events.append("wait"))
+        return types.SimpleNamespace(wait=lambda timeout: events.append("wait"))
 
     def no_engine(*a, **k):
         raise AssertionError("the engine was started")
@@ -193,3 +193,15 @@ def test_the_first_run_converts_only_after_the_config_check(tiny_model, monkeypa
     with pytest.raises(ValueError, match=r"consumer 'stats': config field 'layers' = 40"):
         cli_common.generate_with(argparse.Namespace(**args), ['stats:{"layers": [40]}'])
     assert events == ["convert", "wait"]
+
+
+def test_an_unready_default_model_is_one_line_not_a_traceback(monkeypatch, capsys):
+    from tllm_core.app import cli, default_model
+
+    def unready(**_):
+        raise default_model.DefaultModelUnavailable("converting took too long")
+
+    monkeypatch.setattr(default_model, "convert_in_background", lambda: None)
+    monkeypatch.setattr(default_model, "default_model_path", unready)
+    assert cli.main(["run", "--max-tokens", "4"]) == 1
+    assert capsys.readouterr().err.strip().endswith("tllm: converting took too long")

@@ -51,3 +51,30 @@ def test_the_conversion_child_is_not_started_for_a_cached_model(tmp_path, monkey
     done.mkdir()
     (done / default_model._DONE_MARKER).write_text('{"version": 1}')
     assert default_model.convert_in_background() is None
+
+
+def test_a_stuck_conversion_child_is_stopped_with_a_clear_error():
+    import subprocess
+    import sys
+
+    from tllm_core.app import default_model
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(default_model.DefaultModelUnavailable, match="did not finish in 0 s"):
+        default_model.wait_for_conversion(child, timeout=0.2)
+    assert child.poll() is not None  # stopped, not left running
+
+
+def test_a_conversion_lock_held_too_long_is_a_clear_error(tmp_path):
+    import fcntl
+
+    from tllm_core.app import default_model
+
+    lock = tmp_path / "model.lock"
+    with open(lock, "a+") as held:  # another process's conversion (flock: per open file)
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(default_model.DefaultModelUnavailable, match=str(lock)):
+            with default_model._file_lock(lock, timeout=0.3):
+                pass
+    with default_model._file_lock(lock, timeout=0.3):  # released: taken at once
+        pass

@@ -141,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # the engine is stopped: skip the interpreter's teardown, as below
             stop.exit_now(EXIT_ENGINE_DIED)
         return EXIT_ENGINE_DIED
-    except RuntimeError as e:  # a command's TllmLLM whose consumer was switched off
+    except RuntimeError as e:  # a consumer switched off, or no default model
+        from tllm_core.app.default_model import DefaultModelUnavailable
         from tllm_core.app.engine import ConsumerDisabledError
 
-        if not isinstance(e, ConsumerDisabledError):
+        if not isinstance(e, (ConsumerDisabledError, DefaultModelUnavailable)):
             raise
         print(f"tllm: {e}", file=sys.stderr)
         return 1

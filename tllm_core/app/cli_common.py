@@ -360,7 +360,11 @@ def generate_with(
     asked = _results_arg(args, checked)
     converting = None
     if model is None:
-        from tllm_core.app.default_model import convert_in_background, default_model_path
+        from tllm_core.app.default_model import (
+            convert_in_background,
+            default_model_path,
+            wait_for_conversion,
+        )
 
         # Converted while vLLM is imported; before the engine processes' preload is set.
         converting = convert_in_background()
@@ -373,7 +377,7 @@ def generate_with(
         params.extra_args = {RESULTS_KEY: asked}
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
-        converting.wait()
+        wait_for_conversion(converting)
         model = str(default_model_path(progress=True))
         checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:

@@ -27,8 +27,14 @@ _DONE_MARKER = ".tllm-complete"
 _FORMAT_VERSION = 1
 
 
+# The conversion takes under a minute; a stuck one (or a lock held by a stuck process) must
+# not hang a run.
+CONVERT_TIMEOUT_S = 600.0
+
+
 class DefaultModelUnavailable(RuntimeError):
-    """The package holding the embedded model's GGUF file is not installed."""
+    """The embedded model cannot be made ready: its package is missing, or converting it
+    did not finish in time."""
 
 
 def gguf_source() -> Path:
@@ -58,9 +64,21 @@ def _is_complete(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
+def _file_lock(lock_path: Path, timeout: float = CONVERT_TIMEOUT_S) -> Iterator[None]:
+    deadline = time.monotonic() + timeout
     with open(lock_path, "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)  # released when the file is closed
+        while True:  # released when the file is closed
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DefaultModelUnavailable(
+                        f"another process has been converting the default model for over "
+                        f"{timeout:.0f} s (it holds {lock_path}); stop it, or delete the "
+                        "lock file if no such process runs"
+                    ) from None
+                time.sleep(0.2)
         yield
 
 
@@ -167,6 +185,19 @@ def convert_in_background() -> subprocess.Popen | None:
         return None
     code = "from tllm_core.app.default_model import _convert_child; _convert_child()"
     return subprocess.Popen([sys.executable, "-c", code])
+
+
+def wait_for_conversion(child: subprocess.Popen, timeout: float = CONVERT_TIMEOUT_S) -> None:
+    """Wait for :func:`convert_in_background`'s child; stop it after ``timeout`` s."""
+    try:
+        child.wait(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(10)  # killed: reaped at once
+        raise DefaultModelUnavailable(
+            f"converting the default model did not finish in {timeout:.0f} s (process "
+            f"{child.pid}, stopped); run again, or pass --model PATH"
+        ) from None
 
 
 def _convert_child() -> None:
