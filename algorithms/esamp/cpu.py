@@ -42,7 +42,7 @@ class GroupedDistiller(SlotDistiller):
 
     def _wait_side(self) -> None:
         if self._side is not None:
-            self._side.wait()
+            self._side.wait()  # bounded: SideThread.wait's default timeout
 
     def _drain(self) -> None:
         self._wait_side()
@@ -53,7 +53,7 @@ class GroupedDistiller(SlotDistiller):
     def close(self) -> None:
         """Finish pending work and stop the side thread (if any)."""
         if self._side is not None:
-            self._side.wait()
+            self._side.wait()  # bounded: SideThread.wait's default timeout
             self._side.close()
             self._side = None
 

@@ -72,6 +72,7 @@ class SideThread:
     def _loop(self) -> None:
         log.debug("tllm: side thread started (%s)", _widen_affinity())
         while True:
+            # bounded: an idle worker; every wait on its jobs has a timeout (wait, close)
             job = self._jobs.get()
             try:
                 if job is _STOP:

@@ -80,6 +80,7 @@ class _BackgroundChannel:
                 self.queue.put(_Dropped(bundle.step, list(bundle_requests(bundle))))
                 return
             self.bus.counters.add("queue_full_waits")
+            # bounded: the watchdog abandons a callback past its deadline, freeing the slots
             self.slots.acquire()
         with self._lock:
             self._pending += 1
@@ -122,6 +123,7 @@ class _BackgroundChannel:
             log.exception("tllm: could not set the threads of %s", self.thread.name)
         self.bus.counters.max("background_threads", torch.get_num_threads())
         while True:
+            # bounded: an idle drain thread; flush and close wait for it with a timeout
             item = self.queue.get()
             self._taken(item)
             try:

@@ -165,7 +165,7 @@ class Lockstep:
             self._parts.append((lo, part))
             self._run_on = run
         try:
-            self._barrier.wait()
+            self._barrier.wait()  # bounded: the barrier's timeout
         except threading.BrokenBarrierError:
             raise LockstepBroken(
                 f"tap {key!r}: another request's forward of this step failed, or the step's "

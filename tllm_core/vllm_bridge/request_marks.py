@@ -86,6 +86,7 @@ class FailureMarks:
 
     async def failed(self, ids: list[str]) -> list[str]:
         try:
+            # bounded: the read ends when the engine answers or the server stops
             known = await self.reads.get()
         except ServerStopping:
             return []  # the response goes out unmarked: the engine is gone

@@ -283,6 +283,7 @@ def attach_routes(
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         async def read() -> JSONResponse:
+            # bounded: the read ends when the engine answers or the server stops
             return JSONResponse(await counters.get())
 
         return await guarded(read)
@@ -307,7 +308,7 @@ def attach_routes(
 
         async def status() -> JSONResponse:
             out = await ask("tllm_status")
-            await counters.get()  # learns which consumers failed
+            await counters.get()  # bounded: as above; learns which consumers failed
             leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
             body = {"worker": leader, **consumers.describe()}
             body["failed_consumers"] = sorted(consumers.failed)
