@@ -51,11 +51,13 @@ import argparse
 import functools
 import json
 import os
+import queue
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -391,10 +393,29 @@ class _Served:
             text=True,
             env=_worker_env(cfg),
         )
+        # A reader thread, so that each reply is awaited at most ``timeout`` s.
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
         self._reply()  # ready
 
-    def _reply(self) -> dict[str, Any]:
+    def _read(self) -> None:
         for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the worker closed its stdout: it is gone
+
+    def _reply(self) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.proc.kill()
+                raise RuntimeError(
+                    f"case {self.case!r} worker did not reply in {self.timeout:g} s "
+                    "(--timeout); it was stopped"
+                ) from None
+            if line is None:
+                break
             if line.startswith("{"):
                 return json.loads(line)
         self.stderr.seek(0)

@@ -77,6 +77,21 @@ def test_throughput_case_selection_and_no_work_check():
     assert tp.work_problems("steer", {"runtime": {"engine_steps": 5, "rows_edited": 0}}, [])
 
 
+def test_a_throughput_worker_that_never_replies_is_stopped(monkeypatch):
+    tp = _load("throughput")
+    popen = subprocess.Popen
+    started = []
+
+    def silent_worker(argv, **kw):  # starts, but never prints its "ready" line
+        started.append(popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(tp.subprocess, "Popen", silent_worker)
+    with pytest.raises(RuntimeError, match="did not reply in 0.5 s"):
+        tp._Served({"case": "esamp", "kv_cache_gib": 1, "runner": "v1"}, timeout=0.5)
+    assert started[0].wait(10) is not None  # stopped, not left running
+
+
 def test_diversity_methods_with_an_esamp_variant():
     dv = _load("diversity")
     ms = {m["name"]: m for m in dv.build_methods([0.25], 1.0, {"lr3e-3": {"lr": 0.003}})}
