@@ -199,7 +199,7 @@ class Load:
                 polls.count += 1
             except Exception:  # noqa: BLE001 - a failed read is counted, the load goes on
                 polls.failed += 1
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError):  # bounded: wait_for
                 await asyncio.wait_for(stop.wait(), interval)
 
 

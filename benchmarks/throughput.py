@@ -420,7 +420,8 @@ class _Served:
                 return json.loads(line)
         self.stderr.seek(0)
         err = self.stderr.read()[-3000:]
-        raise RuntimeError(f"case {self.case!r} worker died (exit {self.proc.wait()}):\n{err}")
+        code = self.proc.wait(self.timeout)  # bounded: its stdout is closed, it is exiting
+        raise RuntimeError(f"case {self.case!r} worker died (exit {code}):\n{err}")
 
     def run(self) -> dict[str, Any]:
         self.proc.stdin.write("run\n")
