@@ -10,6 +10,8 @@ fake device in ``tests/test_esamp_fake_cuda.py``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from test_esamp_math import INTER, H, V, _filtered_logits
 from algorithms.esamp import guide_workspace
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.consumer import ESampConsumer
+from algorithms.esamp.guidance import candidate_shift
 from algorithms.esamp.guide_step import CudaGuide, HostGuide
 from tllm_core.api.bundles import Bundle, GuideView
 from tllm_core.api.consumer import ConsumerContext, ModelInfo
@@ -218,3 +221,13 @@ def test_a_step_with_more_rows_than_planned_is_refused_by_name():
     with pytest.raises(ValueError, match="6 rows exceeds cuda_rows_per_step=4"):
         c.guide(view)
     c.close()
+
+
+def test_the_candidate_shift_fills_its_workspace_parts():
+    """The diagnostics' shift parts are sized to what candidate_shift writes (no unused
+    columns in the plan)."""
+    shape = guide_workspace.GuideShape(4, H, V, 8, "post_filter", 2, torch.float32)
+    ws = guide_workspace.GuideWorkspace(replace(shape, diagnostics=True), torch.device("cpu"))
+    logits = _filtered_logits(4, 8, keep=3)
+    shift = candidate_shift(logits, logits, torch.isfinite(logits), None, ws)
+    assert shift.shape == ws.parts["dg_rows"].shape == ws.parts["dg_sel"].shape == (4, 4)

@@ -11,6 +11,7 @@ import torch
 from pydantic import ValidationError
 from test_esamp_math import INTER, Fake, V, _filtered_logits
 
+from algorithms.esamp import guide_step
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import candidate_shift, fit_scale, mix_candidates, relative_error
@@ -186,6 +187,30 @@ def test_fit_schedule_beta_follows_the_groups_error_average(cuda):
     assert not torch.equal(v.logits, logits)
 
 
+@pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
+def test_a_step_builds_the_slots_and_groups_only_for_fit(fit, monkeypatch):
+    """The slots, their fresh list and the groups are the fit's (and the diagnostics'):
+    a step without them looks up no group and stages only the betas."""
+    fake = Fake()
+    c = fake.consumer(beta_schedule="fit" if fit else "constant")
+
+    class Lookups(dict):
+        n = 0
+
+        def __getitem__(self, slot):
+            Lookups.n += 1
+            return super().__getitem__(slot)
+
+    c.groups.by_slot = Lookups(c.groups.by_slot)
+    staged = []
+    real = guide_step.host_to
+    monkeypatch.setattr(guide_step, "host_to", lambda t, dev: staged.append(t) or real(t, dev))
+    rows, hidden = fake.step(fake.requests(2, 2))
+    c.guide(fake.view(rows, hidden, _filtered_logits(4, V, keep=6)))
+    assert Lookups.n == (4 if fit else 0)
+    assert len(staged) == (3 if fit else 1)  # betas (+ slots, fresh)
+
+
 def test_fit_schedule_paper_init_stays_unguided_while_error_exceeds_one():
     fake = Fake()
     c = fake.consumer(beta_schedule="fit", ablation="frozen")
@@ -210,14 +235,42 @@ def test_candidate_shift_matches_dense_reference():
     count, top_r, top_n, tv = shift.T
     for r in range(4):
         m = torch.isfinite(ref_dense[r])
-        if not m.any():
-            assert count[r] == 0
+        if not m.any():  # defined values (the ring holds them), never recorded
+            assert count[r] == 0 and top_r[r] == top_n[r] == -1 and tv[r] == 0
             continue
         p = torch.softmax(ref_dense[r][m], -1)
         q = torch.softmax(new_dense[r][m], -1)
         torch.testing.assert_close(tv[r], 0.5 * (p - q).abs().sum())
         assert top_r[r] == int(ref_dense[r].argmax()) and top_n[r] == int(new_dense[r].argmax())
         assert count[r] == int(m.sum())
+
+
+def test_host_diagnostics_measure_the_candidates_only(monkeypatch):
+    """The host's candidate shift equals the dense one (each mixed row's finite logits before
+    and after) but is measured on ``[rows, candidates]``, never ``[rows, vocab]``."""
+    fake = Fake()
+    c = fake.consumer(diagnostics=True, beta=2.0)
+    reqs = fake.requests(1, 4)
+    reqs[3].extra_args = {"tllm_esamp_beta": 0.0}  # guided, not mixed: not recorded
+    rows, hidden = fake.step(reqs)
+    logits = _filtered_logits(4, V, keep=6)
+    logits[1] = torch.where(logits[1] >= logits[1].topk(3).values[-1], logits[1], float("-inf"))
+    widths = []
+    real = guide_step.candidate_shift
+    monkeypatch.setattr(
+        guide_step, "candidate_shift", lambda b, *a: widths.append(b.shape[1]) or real(b, *a)
+    )
+    v = fake.view(rows, hidden, logits)
+    c.guide(v)
+    assert widths == [6]  # the widest row's candidates
+    d = c.result()["diagnostics"]
+    live = torch.isfinite(logits)
+    live[3] = False
+    count, top_r, top_n, tv = real(logits, v.logits, live)[:3].T
+    assert d["candidates"] == [6, 3, 6] == count.long().tolist()
+    assert d["top_ref"] == top_r.long().tolist() and d["top_new"] == top_n.long().tolist()
+    np.testing.assert_allclose(d["tv"], tv.tolist(), rtol=1e-6)
+    assert min(d["tv"]) > 0
 
 
 def test_diagnostics_record_each_guided_row():

@@ -183,10 +183,11 @@ def candidate_shift(
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
     """How a mix moved each row's ``live`` candidates: fp32 ``[R, 4]`` (candidates, top token
-    before, after, total-variation distance of the softmaxes)."""
+    before, after, total-variation distance of the softmaxes); a row without any: 0, -1, -1, 0."""
     (r, k), dev, f32 = before.shape, before.device, torch.float32
     out = take(ws, "dg_rows", (r, 4), f32, dev)
-    out[:, 0].copy_(torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev)))
+    count = torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev))
+    out[:, 0].copy_(count)
     ninf = torch.full((), float("-inf"), device=dev) if ws is None else ws.parts["ninf"]
 
     def probs(x: torch.Tensor, part: str, col: int) -> torch.Tensor:
@@ -201,4 +202,7 @@ def candidate_shift(
 
     p, q = probs(before, "dg_p", 1), probs(after, "dg_q", 2)
     torch.sum(p.sub_(q).abs_(), -1, out=out[:, 3]).div_(2)
+    none = torch.eq(count[:, None], 0, out=take(ws, "dg_none", (r, 1), torch.bool, dev))
+    out[:, 1:3].masked_fill_(none, -1)
+    out[:, 3:].masked_fill_(none, 0)  # not NaN (0/0)
     return out

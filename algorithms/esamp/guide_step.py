@@ -95,13 +95,15 @@ class Guide:
         self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
     ) -> None:
         """Guide view rows ``sel`` (their groups' distiller ``slots``, their betas)."""
-        ws, r = self.ws, len(view.rows)
-        groups = [self.groups.by_slot[x] for x in slots]
-        fresh = [] if self.fit is None else self.fit.fresh(slots, groups)
-        idx, betas, slots_t, fresh_t = self.stage(view, sel, slots, host_betas, fresh)
+        ws, r, fit = self.ws, len(view.rows), self.fit
+        # Only 'fit' (serials, slots on the device) and diagnostics (ages) read the groups.
+        used = fit is not None or self.diagnostics is not None
+        groups = [self.groups.by_slot[x] for x in slots] if used else []
+        fit_args = () if fit is None else (slots, fit.fresh(slots, groups))
+        idx, betas, *fit_t = self.stage(view, sel, host_betas, *fit_args)
         f, rel = self.predict(view, sel, slots, lambda t, part: select_rows(t, sel, idx, ws, part))
-        if self.fit is not None:
-            betas.mul_(self.fit.scale(slots_t, fresh_t, rel))
+        if fit is not None:
+            betas.mul_(fit.scale(*fit_t, rel))
         post_filter = self.post_filter(view)
         rec = self.record([g.age for g in groups], rel, betas, post_filter and any(host_betas))
         if not any(host_betas):
@@ -174,15 +176,16 @@ class HostGuide(Guide):
     """Temporaries allocated, the exact candidate set, counts added at once."""
 
     def stage(
-        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
+        self, view: GuideView, sel: list[int], betas: list[float], *fit_args: list[int]
     ) -> tuple[torch.Tensor, ...]:
+        """On the device: the rows, their betas and, for 'fit', their slots and fresh slots."""
         dev = view.logits.device
 
         def on_dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
             return host_to(torch.tensor(values, dtype=dtype), dev)
 
         idx = row_index(sel, dev, self.s.arange)
-        return idx, on_dev(betas, torch.float32), on_dev(slots), on_dev(fresh)
+        return idx, on_dev(betas, torch.float32), *map(on_dev, fit_args)
 
     def record(
         self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool
@@ -210,12 +213,19 @@ class HostGuide(Guide):
         dist = candidate_dist(rows.f, p, cand.tokens, self.weight, self.head)
         temp = view.temperature.to(ref.device).float()[cand.rows]
         new = torch.where(live, mix_candidates(ref, dist, rows.betas[p], temp), ref)
-        before = view.logits[rows.idx].float() if rec else None
         view.update_candidates(torch.arange(len(p), device=p.device), new)
-        if rec:  # diagnostics: the shift of the mixed rows' candidates, in dense rows
+        if rec:  # diagnostics: the mixed rows' candidates as [guided rows, candidates]
             ages, rel = rec
-            live_rows = torch.gt(before, float("-inf")).logical_and_(rows.mixed[:, None])
-            shift = candidate_shift(before, view.logits[rows.idx].float(), live_rows)
+            e = live.nonzero().squeeze(1)
+            r_e, p_e = cand.rows[e], p[e]  # entries are row-major: a row's are contiguous
+            per_row = torch.bincount(r_e, minlength=len(view.rows))
+            col = torch.arange(e.numel(), device=e.device) - (per_row.cumsum(0) - per_row)[r_e]
+            shape = (rows.idx.numel(), max(int(per_row.max()), 1))
+            grid = torch.full((2, *shape), float("-inf"), device=e.device)
+            grid[:, p_e, col] = torch.stack([ref[e], new[e].to(ref.dtype)]).float()
+            tokens = torch.zeros(shape, dtype=torch.long, device=e.device)
+            tokens[p_e, col] = cand.tokens[e]
+            shift = candidate_shift(grid[0], grid[1], torch.gt(grid[0], float("-inf")), tokens)
             ring = torch.cat([rel[:, None], shift, rows.betas[:, None]], 1)
             self.diagnostics.add_shift(ages, ring.tolist())
 
@@ -277,10 +287,10 @@ class CudaGuide(Guide):
             )
 
     def stage(
-        self, view: GuideView, sel: list[int], slots: list[int], betas: list[float], fresh: list
+        self, view: GuideView, sel: list[int], betas: list[float], *fit_args: list[int]
     ) -> tuple[torch.Tensor, ...]:
         self.ws.check_rows(len(view.rows))
-        return self.ws.stage(sel, betas, slots, fresh)
+        return self.ws.stage(sel, betas, *fit_args)
 
     def record(
         self, ages: list[int], rel: torch.Tensor | None, betas: torch.Tensor, shift: bool

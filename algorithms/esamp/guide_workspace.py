@@ -4,6 +4,7 @@ host values sent in one copy from a pinned :class:`~tllm_core.StagingRing`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,8 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
                 *_parts("dg_mx dg_s", (r, 1), f32),
                 *_parts("dg_arg dg_tok", (r, 1), torch.long),
                 ("dg_cnt", (r,), torch.long),
-                ("dg_rows", (r, DIAG_FIELDS), f32),
+                ("dg_none", (r, 1), torch.bool),
+                ("dg_rows", (r, 4), f32),
                 ("dg_sel", (r, 4), f32),
                 ("ninf", (), f32),
             ]
@@ -169,9 +171,14 @@ class GuideWorkspace:
         return flat[: n * self._dtype.itemsize].view(self._dtype).view(rows, self.vocab)
 
     def stage(
-        self, idx: list[int], betas: list[float], slots: list[int], fresh: list[int]
+        self,
+        idx: list[int],
+        betas: list[float],
+        slots: Sequence[int] = (),
+        fresh: Sequence[int] = (),
     ) -> tuple[torch.Tensor, ...]:
-        """The step's host values on the device in one copy: ``(idx, betas, slots, fresh)``."""
+        """The step's host values on the device in one copy: ``(idx, betas, slots, fresh)``
+        (slots and fresh: 'fit' only)."""
         i, _ = self._staging.take(self.parts["stage"].numel())
         values = {"idx": idx, "betas": betas, "slots": slots, "fresh": fresh}
         for name, v in values.items():
