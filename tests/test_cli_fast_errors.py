@@ -126,6 +126,35 @@ def test_tllmllm_refuses_a_bad_config_before_vllm_is_imported():
     assert_no_vllm(seen)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        'export:{"out": null, "phase": "x"}',
+        'stats:{"phase": "x"}',
+        'sae:{"path": "p", "phase": "x"}',
+    ],
+)
+def test_a_bad_phase_names_the_consumer_and_the_setting(spec):
+    from tllm_core.app.engine import validate_consumers
+
+    name = spec.partition(":")[0]
+    with pytest.raises(ValueError, match=rf"{name}: phase: expected a Phase \('prefill'"):
+        validate_consumers([spec])
+
+
+def test_a_bad_phase_says_the_same_from_tllmllm_run_and_serve():
+    spec, says = '{"out": null, "phase": "x"}', "export: phase: expected a Phase ('prefill'"
+    seen, _ = _run("python", "export:" + spec)
+    assert seen["error"] and says in seen["error"], seen
+    for argv in (
+        ["run", "--consumer", "export:" + spec, "--prompt", "hi"],
+        ["serve", "--consumer", "export:" + spec],
+    ):
+        seen, err = _run("cli", *argv)
+        assert seen["status"] == 2 and says in err, (argv, seen, err[-2000:])
+        assert_no_vllm(seen)
+
+
 def test_help_imports_neither_vllm_nor_torch():
     """``tllm --help`` loads every plugin (their commands) and imports no torch: the built-in
     packages import their names on first use."""

@@ -793,3 +793,65 @@ def test_reader_reads_version_1_manifests(tmp_path):
     (out / fmt.MANIFEST).write_text(json.dumps(m))
     (out / fmt.REQUESTS_FILE).unlink()
     assert sorted(r.request_id for r in read_export(out)) == ["req0", "req1"]
+
+
+# -- token bookkeeping: one split of a bundle into request runs, a cheap one-row run ----------
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    """Record the calls of ``owner.name`` (still calling it); a name ``owner`` lacks is set
+    anyway, so a path that is gone counts 0 instead of erroring."""
+    calls: list = []
+    real = getattr(owner, name, None)
+
+    def spy(*a, **k):
+        calls.append(a)
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, spy, raising=False)
+    return calls
+
+
+def test_one_row_runs_take_the_one_row_path_with_the_same_tokens(tmp_path, monkeypatch):
+    """Decode: each request adds one row per step. Those runs take the one-row path (no numpy
+    fancy indexing), and leave the same table as multi-row runs of the same ids."""
+    from consumers.export.requests import RequestTokens
+
+    def table_after(batches):
+        c = make_export(tmp_path / f"t{len(batches)}", layers=["final"], shard_rows=4)
+        for reqs, pos, ids in batches:
+            c._note(reqs, np.array(pos, np.int64), np.array(ids, np.int64))
+        return {
+            e: (r.tokens[: r.length].tolist(), r.fed[: r.length].tolist(), r.length)
+            for e, r in c.files.table._open.items()
+        }
+
+    a, b = (RequestInfo(f"{i}-x", f"r{i}", i, 0, 3, prompt_token_ids=(7, 8, 9)) for i in (0, 1))
+    # Past the first allocation (3 + 16 slots): the one-row path grows the arrays too.
+    decode = [([a, b], [p, p + 1], [p, 100 + p]) for p in range(3, 30)]
+    batched = [
+        (
+            [a] * 27 + [b] * 27,
+            list(range(3, 30)) + list(range(4, 31)),
+            list(range(3, 30)) + [100 + p for p in range(3, 30)],
+        )
+    ]
+    one = _count_calls(monkeypatch, RequestTokens, "put_one")
+    assert table_after(decode) == table_after(batched)
+    assert len(one) == 2 * 27  # every one-row run, and only those
+
+
+def test_a_bundle_is_split_into_request_runs_once(tmp_path, monkeypatch):
+    """One walk over a bundle's rows finds its request runs: token ids and the rows returned
+    to asking requests both use it (the sampled rows are their own split)."""
+    import consumers.export.writer as writer_mod
+    import tllm_core.api.rows as rows_mod
+
+    c = make_export(tmp_path / "runs", layers=["final"], shard_rows=4)
+    engine = FakeEngine([3, 4], [2, 2], ["final"])
+    plan = plan_reads(c.reads(), lambda i: resolve_layer(i, NUM_LAYERS), PRODUCERS)
+    bundle = build_bundle(plan, engine.step()[0])
+    bundle.sampled_rows = None  # the token rows only
+    splits = _count_calls(monkeypatch, rows_mod, "request_runs")
+    monkeypatch.setattr(writer_mod, "request_runs", rows_mod.request_runs)
+    c.on_bundle(bundle)
+    assert len(splits) == 1
+    assert c.files.table.seen == 2  # both requests' ids were noted

@@ -207,12 +207,14 @@ class ExportConsumer(Consumer):
         # This thread's time per bundle (shard writes included: seconds_writing of it).
         self.counters.add("seconds_taking", time.perf_counter() - t)
 
-    def _note(self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray) -> Any:
+    def _note(
+        self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray, runs: Any = None
+    ) -> Any:
         """Token ids into the request table; each row's request index (None: no files)."""
         if self.files is None:
             return None
         seen = self.files.table.seen
-        index = self.files.note_tokens(requests, pos, ids)
+        index = self.files.note_tokens(requests, pos, ids, runs)
         if self.files.table.seen != seen:
             self.counters.add("requests_seen", self.files.table.seen - seen)
         return index
@@ -234,11 +236,12 @@ class ExportConsumer(Consumer):
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         keep = rows_to_write(rows, self.phase, self.counters)
-        for info, start, stop in rows.runs():
+        runs = list(rows.runs())  # one split for the returned rows and the token ids
+        for info, start, stop in runs:
             if info.wants_result(self.name):
                 sel = np.nonzero(keep[start:stop])[0] + start
                 self._return_rows(info, bundle, sel, positions, tokens)
-        row_request = self._note(rows.requests, positions, tokens)
+        row_request = self._note(rows.requests, positions, tokens, runs)
         if row_request is None or not keep.any():
             return
         idx = np.nonzero(keep)[0]

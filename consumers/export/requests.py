@@ -40,14 +40,24 @@ class RequestTokens:
         if positions.size == 0:
             return
         end = int(positions.max()) + 1
-        if end > self.tokens.shape[0]:
-            n, size = self.length, max(end, 2 * self.tokens.shape[0])
-            self.tokens = np.concatenate([self.tokens[:n], np.full(size - n, -1, np.int64)])
-            self.fed = np.concatenate([self.fed[:n], np.zeros(size - n, np.bool_)])
+        self._grow(end)
         self.tokens[positions] = tokens
         if fed:
             self.fed[positions] = True
         self.length = max(self.length, end)
+
+    def put_one(self, position: int, token: int) -> None:
+        """One delivered row (a decode step's, the common case): no numpy fancy indexing."""
+        self._grow(position + 1)
+        self.tokens[position] = token
+        self.fed[position] = True
+        self.length = max(self.length, position + 1)
+
+    def _grow(self, end: int) -> None:
+        if end > self.tokens.shape[0]:
+            n, size = self.length, max(end, 2 * self.tokens.shape[0])
+            self.tokens = np.concatenate([self.tokens[:n], np.full(size - n, -1, np.int64)])
+            self.fed = np.concatenate([self.fed[:n], np.zeros(size - n, np.bool_)])
 
     def missing(self, phase: Any, window: Any = None) -> int:
         """Positions with no token id, plus prompt positions ``phase`` (and the request's own

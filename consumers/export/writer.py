@@ -9,7 +9,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NoReturn
@@ -389,14 +389,22 @@ class RecordWriter:
         )
 
     def note_tokens(
-        self, requests: list[Any], positions: np.ndarray, tokens: np.ndarray
+        self,
+        requests: list[Any],
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        runs: Iterable[tuple[Any, int, int]] | None = None,
     ) -> np.ndarray:
-        """Token ids fed (or sampled) at ``positions``; returns each row's request index."""
+        """Token ids fed (or sampled) at ``positions``; returns each row's request index.
+        ``runs``: ``request_runs(requests)`` when the caller has it already."""
         index = np.empty(len(requests), np.int64)
         with self.lock:
-            for info, start, stop in request_runs(requests):
+            for info, start, stop in request_runs(requests) if runs is None else runs:
                 req = self.table.get(info)
-                req.put(positions[start:stop], tokens[start:stop])
+                if stop - start == 1:
+                    req.put_one(int(positions[start]), int(tokens[start]))
+                else:
+                    req.put(positions[start:stop], tokens[start:stop])
                 index[start:stop] = req.index
         return index
 

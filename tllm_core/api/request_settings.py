@@ -24,6 +24,7 @@ from pydantic import (
     ConfigDict,
     PlainValidator,
     ValidationError,
+    ValidationInfo,
 )
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
@@ -82,11 +83,13 @@ def request_window(value: Any) -> Any:
 WindowSetting = Annotated[Any, PlainValidator(request_window)]
 
 
-def config_window(value: Any) -> str:
+def config_window(value: Any, info: ValidationInfo) -> str:
     """A config's ``phase`` checked as a capture window and kept as its text (a ``Phase`` or
-    :class:`Window` given from Python: its text); ``ValueError`` naming the grammar."""
+    :class:`Window` given from Python: its text); ``ValueError`` naming the consumer (the
+    registry's ``context["consumer"]``), the field and the grammar."""
     text = str(getattr(value, "value", value))
-    as_selector(text, "phase")
+    consumer = (info.context or {}).get("consumer")
+    as_selector(text, f"{consumer}: {info.field_name}" if consumer else str(info.field_name))
     return text
 
 

@@ -193,7 +193,7 @@ class Registry:
         """Build the consumer's config model; errors name the consumer and the field."""
         cls = self.get(spec.name)
         try:
-            return cls.Config(**spec.config)
+            return cls.Config.model_validate(spec.config, context={"consumer": spec.name})
         except ValidationError as e:
             unknown = [str(err["loc"][0]) for err in e.errors() if err["type"] == "extra_forbidden"]
             hint = (
