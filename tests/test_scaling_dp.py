@@ -12,11 +12,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
+from reference import hf_states
 from serve_util import get_json, tllm_serve
 
+from tllm_core import decode_results
 from tllm_core.vllm_bridge.parallel import data_parallel_layout
 
 ROOT = Path(__file__).resolve().parent.parent
+FULL = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 
 
 def test_engine_reads_its_dp_rank_and_size_after_vllm_made_it_independent():
@@ -128,9 +132,9 @@ def test_worker_shutdown_closes_the_runtime_once():
 
 
 # -- real vLLM ---------------------------------------------------------------------------------
-def _post(url: str, body: dict) -> dict:
+def _post(url: str, body: dict, headers: dict | None = None) -> dict:
     req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
@@ -152,6 +156,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         "--model", tiny_model, "--data-parallel-size", "2", "--max-model-len", "256",
         "--consumer", "esamp", "--consumer", "stats", "--consumer", f"export:{export}",
         "--per-request", "--", "--enforce-eager", "--max-num-seqs", "4", "--no-enable-prefix-caching",
+        "--dtype", "float32",
     ]  # fmt: skip
     with tllm_serve(args, err_path, ready_timeout=900, stop_timeout=180) as url:
         status = get_json(f"{url}/tllm/status")
@@ -198,6 +203,17 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 8 * 7
         assert len(rep["results"]["export"]) == 2
         assert rep["errors"] == []
+
+        # Full rows (no window), one request sent to each engine (vLLM's header): 31+ rows each,
+        # so each part's record spans shards of 16 rows, and the result comes from one rank.
+        def full(rank: int) -> dict:
+            xargs = {"tllm_consumers": "export", "tllm_results": "export"}
+            body = {"model": "default", "prompt": f"Engine {rank} tells a long story", **FULL}
+            body["vllm_xargs"] = xargs
+            return _post(f"{url}/v1/completions", body, {"X-data-parallel-rank": str(rank)})
+
+        with ThreadPoolExecutor(2) as pool:
+            full_results = list(pool.map(full, (0, 1)))
     log = err_path.read_text()
     assert "Traceback" not in log, log[-4000:]
 
@@ -207,6 +223,25 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
     assert isinstance(exp, DataParallelExport) and exp.data_parallel_size == 2
     assert exp.complete  # each engine closed its consumers when the server stopped
     records = exp.records()
+    # The full-row records: one per part, every row (all shards of both parts), rows equal
+    # to transformers' on the same tokens and to the rows returned with the completion.
+    whole = sorted((r for r in records if len(r.positions) > 1), key=lambda r: r.data_parallel_rank)
+    assert [r.data_parallel_rank for r in whole] == [0, 1]
+    assert all(len(p.shards) > 1 for _, p in exp.parts)
+    for rec, r in zip(whole, full_results, strict=True):
+        seq = rec.token_ids.tolist()
+        assert len(rec.generated_token_ids) == FULL["max_tokens"]
+        assert rec.positions.tolist() == list(range(len(seq) - 1)), rec.positions
+        got = decode_results(r["tllm"][0])["export"]
+        assert got["positions"].tolist() == rec.positions.tolist()
+        ref = hf_states(tiny_model, seq)
+        for key in ("layer.0", "final"):
+            assert np.array_equal(got[key], rec.hidden[key].numpy()), key
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4
+            )
+    assert exp.num_rows == 8 + sum(len(r.positions) for r in whole)
+    records = [r for r in records if len(r.positions) == 1]
     assert len(records) == 8
     assert {r.data_parallel_rank for r in records} <= {0, 1}
     for rec in records:
@@ -214,10 +249,7 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         n = rec.num_prompt_tokens
         assert rec.positions.tolist() in ([n - 1], [n + 6]), rec.positions  # the two windows
         assert set(rec.hidden) == {"layer.0", "final"}
-    assert sorted(len(r.positions) for r in records) == [1] * 8
     # Each asking request got its row back: the one its engine's export wrote.
-    from tllm_core import decode_results
-
     for i, r in enumerate(results):
         if i % 2 == 0:
             assert "tllm" not in r
