@@ -6,20 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tllm_core.lazy import lazy_getattr
+from tllm_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from producers.attention import AttentionOutput
     from producers.mlp import MlpOutput
     from producers.router import RouterLogits, RouterTopK, RouterWeights
 
-__all__ = ["AttentionOutput", "MlpOutput", "RouterLogits", "RouterTopK", "RouterWeights"]
-
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "AttentionOutput": "producers.attention",
-        "MlpOutput": "producers.mlp",
-        **dict.fromkeys(("RouterLogits", "RouterTopK", "RouterWeights"), "producers.router"),
-    },
-)
+__all__, __getattr__ = lazy_exports(__name__, __file__)

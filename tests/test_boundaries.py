@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +161,23 @@ def test_the_public_api_check_sees_a_deep_import(tmp_path):
     assert _deep_core_imports({"consumers.mine": f}, {"Consumer", "RowInfo"}) == [
         "mine.py:2 imports tllm_core.api.rows.RowInfo"
     ]
+
+
+def test_every_lazy_export_resolves_to_its_type_checking_import():
+    """A package exporting names on first use (tllm_core/lazy.py) lists them once, as its
+    ``if TYPE_CHECKING:`` imports: each resolves at run time to what its import names."""
+    mods = _modules()
+    lazy = sorted(m for m, p in mods.items() if "= lazy_exports(" in p.read_text())
+    assert len(lazy) >= 6, lazy  # tllm_core, .testing, producers, esamp, export, steer
+    for mod in lazy:
+        package = importlib.import_module(mod)
+        typed = set(_imports(mods[mod], mod, typing=True)) - set(_imports(mods[mod], mod))
+        homes = [name.rpartition(".") for name, _ in typed]
+        assert sorted(package.__all__) == sorted(n for _, _, n in homes), mod
+        for home, _, name in homes:
+            got = getattr(package, name)  # first: a submodule is its package's attribute after
+            want = getattr(importlib.import_module(home), name, None)
+            assert got is want is not None, f"{mod}.{name} is not {home}.{name}"
 
 
 def test_the_checks_see_a_violation(tmp_path):

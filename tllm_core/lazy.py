@@ -5,31 +5,16 @@ from __future__ import annotations
 
 import ast
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-
-def lazy_getattr(package: str, home: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``package``: each name of ``home`` (name -> module)
-    imported from its module when first asked for; a name the module does not hold is its
-    submodule (``"cli_common": "pkg.app"`` is ``pkg.app.cli_common``)."""
-
-    def __getattr__(name: str) -> Any:
-        if name not in home:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module = importlib.import_module(home[name])
-        if hasattr(module, name):
-            return getattr(module, name)
-        return importlib.import_module(f"{home[name]}.{name}")
-
-    return __getattr__
 
 
 def lazy_exports(package: str, init_file: str) -> tuple[list[str], Callable[[str], Any]]:
     """``(__all__, __getattr__)`` of a package whose public names are the imports of the
     ``if TYPE_CHECKING:`` block of its ``__init__.py``: one list, read by type checkers and
-    editors there and imported on first use here."""
+    editors there and imported on first use here (a name its module does not hold is that
+    module's submodule: ``from pkg.app import cli_common``)."""
     home: dict[str, str] = {}
     for node in ast.parse(Path(init_file).read_text(encoding="utf-8")).body:
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
@@ -41,4 +26,13 @@ def lazy_exports(package: str, init_file: str) -> tuple[list[str], Callable[[str
                         home[alias.name] = imp.module
     if not home:  # a guard spelled otherwise would export nothing, silently
         raise ImportError(f"{init_file}: no absolute imports under 'if TYPE_CHECKING:' to export")
-    return sorted(home), lazy_getattr(package, home)
+
+    def __getattr__(name: str) -> Any:
+        if name not in home:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = importlib.import_module(home[name])
+        if hasattr(module, name):
+            return getattr(module, name)
+        return importlib.import_module(f"{home[name]}.{name}")
+
+    return sorted(home), __getattr__

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tllm_core.lazy import lazy_getattr
+from tllm_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from consumers.export.reader import (
@@ -17,13 +17,4 @@ if TYPE_CHECKING:
         read_export,
     )
 
-__all__ = [
-    "DataParallelExport",
-    "ExportReader",
-    "ExportRecord",
-    "IncompleteExportWarning",
-    "open_export",
-    "read_export",
-]
-
-__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, "consumers.export.reader"))
+__all__, __getattr__ = lazy_exports(__name__, __file__)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tllm_core.lazy import lazy_getattr
+from tllm_core.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from consumers.steer.vectors import check_vector, load_vector
 
-__all__ = ["check_vector", "load_vector"]
-
-__getattr__ = lazy_getattr(__name__, dict.fromkeys(__all__, "consumers.steer.vectors"))
+__all__, __getattr__ = lazy_exports(__name__, __file__)
