@@ -308,6 +308,21 @@ def test_held_last_rows_are_taken_with_one_index_copy(monkeypatch):
     assert len(sent) == 1 and len(b.rows) == 1 and set(b.hidden) == {"layer.0", "layer.1"}
 
 
+def test_a_sampling_port_alone_in_window_last_holds_the_last_sampled_token(monkeypatch):
+    monkeypatch.setattr(LastReader, "reads", lambda self: [SampledTokens("last")])
+    rt = _runtime({"name": "lastreader"})
+    for token in (7, 9):
+        rows, step = _step(rt)
+        step.tensors["sampled"] = torch.tensor([token])
+        rt.begin_step(rows, {})
+        rt.end_step(step)
+    rt.finish_requests(list(rows.requests))
+    report = rt.collect()
+    assert not report["errors"], report["errors"]
+    (b,) = rt.slots[0].consumer.bundles
+    assert b.sampled_token_ids.tolist() == [9] and b.sampled_rows.position.tolist() == [2]
+
+
 def _stamps_in_flight(monkeypatch):
     """As on a GPU: the step's stamps are still on their way to the host at its end."""
     from tllm_core.runtime.stamp_copies import StampRead

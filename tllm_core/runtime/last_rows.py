@@ -76,7 +76,8 @@ class LastRows:
     def keep(self, bundle: Bundle, slots: np.ndarray, steps: StepIndices) -> None:
         """``bundle``'s rows (at most one per request, at ``slots`` from :meth:`place`)
         become their requests' last rows."""
-        rows = bundle.rows
+        # Sampling ports alone bundle no token rows; with token ports both are the same rows.
+        rows = bundle.rows if bundle.sampled_rows is None else bundle.sampled_rows
         for i, req in enumerate(rows.requests):
             self._held[req.engine_id] = _Held(
                 int(slots[i]),
