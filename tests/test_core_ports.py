@@ -21,9 +21,11 @@ from tllm_core import (
     LayerPort,
     Phase,
     Producer,
+    RequestSettings,
     ResidualEdit,
     SampledTokens,
     TapRequest,
+    WindowSetting,
     hookimpl,
 )
 from tllm_core.api.consumer import ModelInfo
@@ -88,6 +90,18 @@ class LastReader(Consumer):
         self.bundles.append(bundle)
 
 
+class WindowReader(LastReader):
+    """Every row of layer 0, narrowed by each request's ``tllm_windowreader_window``."""
+
+    name = "windowreader"
+
+    class Request(RequestSettings):
+        window: WindowSetting = None
+
+    def reads(self):
+        return [HiddenStates(0)]
+
+
 class Adder(Consumer):
     name = "adder"
 
@@ -128,7 +142,7 @@ class _Plugin:
 
     @hookimpl
     def tllm_consumers(self):
-        return [Reader, LastReader, Adder, Ablator]
+        return [Reader, LastReader, WindowReader, Adder, Ablator]
 
 
 def _model() -> ModelInfo:
@@ -228,6 +242,85 @@ def test_a_tap_stale_in_a_requests_last_row_reads_nan_there():
     (b,) = rt.slots[0].consumer.bundles
     assert len(b.rows) == 1 and torch.isnan(b.hidden["layer.0"]).all()
     assert torch.equal(b.hidden["layer.1"], step.tensors["residual.1"])
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_stale_port_in_a_step_and_its_last_rows_is_counted_once(monkeypatch, in_flight):
+    """A port read both in a step's bundle (decode rows) and in its last rows: its stale tap
+    is one refused read, counted once, whether the stamps are there at once (CPU) or arrive
+    later (GPU)."""
+    if in_flight:
+        _stamps_in_flight(monkeypatch)
+    monkeypatch.setattr(
+        LastReader, "reads", lambda self: [HiddenStates(0, Phase.DECODE), HiddenStates(0, "last")]
+    )
+    rt = _runtime({"name": "lastreader"})
+    rows, step = _step(rt)
+    step.stamps["residual.0"] = torch.tensor([step.step - 1])
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    report = rt.collect()["runtime"]
+    assert (report["stale_captures"], report["stale_captures.layer.0"]) == (1, 1), report
+
+
+def test_a_requests_last_window_is_read_once_per_step(monkeypatch):
+    """A request's window and whether a per-request consumer acts on it are read once per
+    step (not again per row, nor again to hold its last row)."""
+    calls = {"window": 0, "acted_on_by": 0}
+    for name in calls:
+        real = getattr(RequestInfo, name)
+
+        def spy(self, *a, real=real, name=name):
+            calls[name] += 1
+            return real(self, *a)
+
+        monkeypatch.setattr(RequestInfo, name, spy)
+    rt = _runtime({"name": "windowreader", "per_request": True})
+    rows, step = _step(rt, decode=3)
+    rows.requests[0].extra_args.update(
+        {"tllm_consumers": "windowreader", "tllm_windowreader_window": "last"}
+    )
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    assert calls == {"window": 1, "acted_on_by": 1}
+    rt.finish_requests(list(rows.requests))
+    rt.collect()
+    (b,) = rt.slots[0].consumer.bundles  # its last row, at its finish
+    assert b.rows.position.tolist() == [4]
+    assert torch.equal(b.hidden["layer.0"], step.tensors["residual.0"][2:])
+
+
+def test_held_last_rows_are_taken_with_one_index_copy(monkeypatch):
+    """At a request's finish its held rows (token ids and two ports) are taken with one
+    index sent to their device, not one per tensor."""
+    import tllm_core.runtime.last_rows as last_rows
+
+    sent = []
+    real = last_rows.index_to
+    monkeypatch.setattr(last_rows, "index_to", lambda *a: sent.append(a) or real(*a))
+    rt = _runtime({"name": "lastreader"})
+    rows, step = _step(rt)
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    rt.finish_requests(list(rows.requests))
+    rt.collect()
+    (b,) = rt.slots[0].consumer.bundles
+    assert len(sent) == 1 and len(b.rows) == 1 and set(b.hidden) == {"layer.0", "layer.1"}
+
+
+def test_a_sampling_port_alone_in_window_last_holds_the_last_sampled_token(monkeypatch):
+    monkeypatch.setattr(LastReader, "reads", lambda self: [SampledTokens("last")])
+    rt = _runtime({"name": "lastreader"})
+    for token in (7, 9):
+        rows, step = _step(rt)
+        step.tensors["sampled"] = torch.tensor([token])
+        rt.begin_step(rows, {})
+        rt.end_step(step)
+    rt.finish_requests(list(rows.requests))
+    report = rt.collect()
+    assert not report["errors"], report["errors"]
+    (b,) = rt.slots[0].consumer.bundles
+    assert b.sampled_token_ids.tolist() == [9] and b.sampled_rows.position.tolist() == [2]
 
 
 def _stamps_in_flight(monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_core_ports import H, _model, _runtime
+from test_core_ports import H, _model, _runtime, _stamps_in_flight, _step
 
 from tllm_core import Consumer, HiddenStates, Phase, SamplerGuide, hookimpl
 from tllm_core.api.rows import RequestInfo, StepLayout, index_to, layout_rows
@@ -21,6 +21,7 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.testing.counters import SyncCounter
+from tllm_core.testing.fake_cuda import FakeCuda
 
 META = torch.device("meta")
 
@@ -146,6 +147,31 @@ def test_index_copies_do_not_wait_for_the_device():
     with SyncCounter() as sc:
         torch.from_numpy(idx).to(META)  # the plain form: a blocking copy
     assert sc.kinds == {"host_device_copy": 1}
+
+
+def test_a_last_window_consumer_sends_its_indices_in_the_steps_one_copy(monkeypatch):
+    """Window ``last``: the rows a step holds and their holders' slots go to the device in
+    the step's one planned index copy (``StepIndices.copies``), none sent alone."""
+    _stamps_in_flight(monkeypatch)  # as on a GPU: the step's bundles cut before its stamps arrive
+    rt = _runtime({"name": "lastreader"})
+    copies = []
+    with FakeCuda() as fc:
+        for _ in range(3):
+            rows, step = _step(rt, decode=3)  # the last row (2) is not the holder's slot (0)
+            with fc.quiet():  # the forward's tensors, on the device (rows is step.rows)
+                rows.token_ids = rows.token_ids.to(fc.device)
+                step.tensors = {k: v.to(fc.device) for k, v in step.tensors.items()}
+                step.stamps = {k: v.to(fc.device) for k, v in step.stamps.items()}
+            before = rt._buffers.copies
+            with fc.step():
+                rt.begin_step(rows, {})
+                rt.end_step(step)
+            copies.append(rt._buffers.copies - before)
+        rt.finish_requests(list(rows.requests))
+    assert copies == [1, 1, 1]
+    assert not fc.findings(kind="host_wait") and not fc.findings(kind="pageable_copy")
+    (b,) = rt.slots[0].consumer.bundles
+    assert len(b.rows) == 1 and b.rows.position.tolist() == [4]
 
 
 class Writer(Consumer):

@@ -54,20 +54,31 @@ class LastRows:
         self._token: dict[str, torch.Tensor] = {}
         self._sample: dict[str, torch.Tensor] = {}
         self._token_ids: torch.Tensor | None = None
+        self._slots: dict[str, int] = {}  # engine id -> its slot
         self._held: dict[str, _Held] = {}  # engine id -> its row
         self._free: list[int] = []
         self._capacity = 0
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._slots)
 
-    def keep(self, bundle: Bundle, steps: StepIndices) -> None:
-        """``bundle``'s rows (at most one per request) become their requests' last rows."""
-        rows = bundle.rows
-        slots = np.empty(len(rows), np.int64)
+    def place(self, requests: list[RequestInfo]) -> np.ndarray:
+        """The slots of ``requests``' rows (a new request takes a free one): found when the
+        step is planned, so that they go to the device in its one index copy."""
+        slots = np.empty(len(requests), np.int64)
+        for i, req in enumerate(requests):
+            slot = self._slots.get(req.engine_id)
+            if slot is None:
+                slot = self._slots[req.engine_id] = self._take_slot()
+            slots[i] = slot
+        return slots
+
+    def keep(self, bundle: Bundle, slots: np.ndarray, steps: StepIndices) -> None:
+        """``bundle``'s rows (at most one per request, at ``slots`` from :meth:`place`)
+        become their requests' last rows."""
+        # Sampling ports alone bundle no token rows; with token ports both are the same rows.
+        rows = bundle.rows if bundle.sampled_rows is None else bundle.sampled_rows
         for i, req in enumerate(rows.requests):
-            old = self._held.get(req.engine_id)
-            slots[i] = old.slot if old is not None else self._take_slot()
             self._held[req.engine_id] = _Held(
                 int(slots[i]),
                 req,
@@ -84,12 +95,14 @@ class LastRows:
     def take(self, requests: list[RequestInfo], step: int) -> Bundle | None:
         """The held last rows of ``requests`` as one bundle (None: none has one); their slots
         are let go."""
+        for r in requests:
+            if r.engine_id in self._slots:
+                self._free.append(self._slots.pop(r.engine_id))
         held = [h for r in requests if (h := self._held.pop(r.engine_id, None)) is not None]
         if not held or self._token_ids is None:
             return None
         slots = np.array([h.slot for h in held], np.int64)
-        self._free.extend(slots.tolist())
-        idx = index_to(slots, self._token_ids.device)
+        idx = index_to(slots, self._token_ids.device)  # every holder is on the step's device
         rows = RowInfo(
             row=np.array([h.row for h in held], np.int64),
             requests=[h.request for h in held],
@@ -100,11 +113,11 @@ class LastRows:
         )
         bundle = Bundle(step=step, rows=rows)
         for key, t in self._token.items():
-            bundle.hidden[key] = t.index_select(0, index_to(slots, t.device))
+            bundle.hidden[key] = t.index_select(0, idx)
         if self._sample:
             bundle.sampled_rows = rows
             for key, t in self._sample.items():
-                bundle.per_sample[key] = t.index_select(0, index_to(slots, t.device))
+                bundle.per_sample[key] = t.index_select(0, idx)
         return bundle
 
     def _take_slot(self) -> int:

@@ -3,6 +3,7 @@ the vLLM bridge calls begin_step, guide, end_step and finish_requests."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from tllm_core.api.port_names import tap_port_name
 from tllm_core.api.ports import Edit, Phase, SamplerGuide, resolve_layer
 from tllm_core.api.producer import TapRequest
 from tllm_core.api.request_settings import WINDOW_FIELD, request_key
-from tllm_core.api.rows import RequestInfo, RowInfo, row_mask
+from tllm_core.api.rows import RequestInfo, RowInfo, request_runs, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.windows import takes_last
 from tllm_core.plugins.registry import Registry
@@ -86,7 +87,10 @@ class _Slot:
         """Row mask of requests this consumer acts on; None when it acts on all."""
         if not self.per_request:
             return None
-        return np.fromiter((self.acts_on(r) for r in requests), bool, len(requests))
+        out = np.empty(len(requests), np.bool_)
+        for req, start, stop in request_runs(requests):  # once per request, not per row
+            out[start:stop] = self.acts_on(req)
+        return out
 
 
 def _write_plan(
@@ -260,7 +264,9 @@ class Runtime:
         # The rows each reading slot may take (requests it acts on, their windows), by slot.
         self._masks: dict[int, RowMasks | np.ndarray | None] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
-        self._asks_last: set[int] = set()  # slots a request of the step asks 'last' of
+        # Window ``last``: the rows each slot holds as its requests' last (a mask over the
+        # step's rows) and their holders' slots, by slot.
+        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -353,35 +359,47 @@ class Runtime:
                 if mask is not None and mask.any():
                     self._selections[i] = RowSelection(mask)
                     arrays += self._selections[i].indices()
-        self._masks = {}
-        self._asks_last = set()
+        self._masks, self._last = {}, {}
         runs = None
+        # The rows with a kept sample: each request's last row so far.
+        kept = np.zeros(len(step.rows), np.bool_)
+        kept[step.sample_token_row[step.sample_kept]] = True
         for i, s in enumerate(self.slots):
             if s.reads.empty:
                 continue
-            masks: RowMasks | np.ndarray | None = s.enabled(step.rows.requests)
+            enabled = s.enabled(step.rows.requests)
+            masks: RowMasks | np.ndarray | None = enabled
+            last = None
+            if s.port_last:  # every request's last row so far (of those it acts on)
+                last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
                     runs = step_runs(step)
-                masks = self._windowed(i, s, step.rows, runs, masks)
+                masks, last = self._windowed(s, step, runs, enabled, last)
             self._masks[i] = masks
             arrays += bundle_indices(s.reads, step, masks)
+            if s.last is not None and last is not None and last.any():
+                slots = s.last.place([step.rows.requests[r] for r in np.nonzero(last)[0]])
+                self._last[i] = last, slots
+                arrays += [*bundle_indices(s.last_plan, step, RowMasks(last, last)), slots]
         self._buffers.plan(arrays, step.rows.token_ids.device)
 
     def _windowed(
         self,
-        i: int,
         s: _Slot,
-        rows: RowInfo,
+        step: StepCapture,
         runs: list[tuple[RequestInfo, int, int]],
         enabled: np.ndarray | None,
-    ) -> RowMasks | np.ndarray | None:
+        last: np.ndarray | None,
+    ) -> tuple[RowMasks | np.ndarray | None, np.ndarray | None]:
         """``enabled`` narrowed to the rows inside the window of each request that sets the
-        consumer's window key (host metadata; only those requests cost anything). A window
-        the engine cannot parse takes no row (``rows_window_invalid.{consumer}``). Notes slot
-        ``i`` in ``_asks_last`` when a window takes a request's last row."""
-        key, out = s.window_key, None
-        for req, start, stop in runs:
+        consumer's window key (host metadata; only those requests cost anything), and
+        ``last`` (the rows held as requests' last rows) as those windows decide: a request's
+        last row is held when its window is ``last`` and the row is within the consumer's
+        ports' phases. A window the engine cannot parse takes no row
+        (``rows_window_invalid.{consumer}``)."""
+        key, out, rows = s.window_key, None, step.rows
+        for j, (req, start, stop) in enumerate(runs):
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
                 continue
             try:
@@ -391,27 +409,31 @@ class Runtime:
                 if s.consumer.name not in self._window_warned:
                     self._window_warned.add(s.consumer.name)
                     log.warning("tllm: %s: %s; none of its rows are taken", s.consumer.name, e)
-                keep = np.zeros(stop - start, np.bool_)
+                keep, held = np.zeros(stop - start, np.bool_), False
             else:
                 if window is None:
                     continue
-                if s.last is not None and takes_last(window):
-                    self._asks_last.add(i)
-                keep = row_mask(
-                    window,
-                    rows.is_decode[start:stop],
-                    rows.position[start:stop],
-                    lambda n=stop - start, p=req.num_prompt_tokens: np.full(n, p, np.int64),
+                here = (rows.is_decode[start:stop], rows.position[start:stop])
+                prompt = functools.partial(np.full, stop - start, req.num_prompt_tokens, np.int64)
+                keep = row_mask(window, *here, prompt)
+                held = (
+                    s.last is not None
+                    and takes_last(window)
+                    and bool(step.sample_kept[j])
+                    and (s.port_last or bool(row_mask(s.ports, *here, prompt)[-1]))
                 )
             if out is None:
                 out = np.ones(len(rows), np.bool_) if enabled is None else enabled.copy()
             out[start:stop] &= keep
+            if held or last is not None:
+                last = np.zeros(len(rows), np.bool_) if last is None else last
+                last[stop - 1] = held
         if out is None:
-            return enabled
+            return enabled, last
         narrows = type(s.consumer).request_window_rows
         token = out if "token" in narrows else enabled
         sample = out if "sample" in narrows else enabled
-        return RowMasks(token, sample)
+        return RowMasks(token, sample), last
 
     def guide(
         self,
@@ -504,68 +526,32 @@ class Runtime:
         for i, s in enumerate(self.slots):
             if s.reads.empty:
                 continue
+            # A port stale in both the step's bundle and its last rows: one read refused.
+            stale: dict[str, StaleTapError] = {}
+            mine: list[tuple[str, set[str]]] = []
             bundle = build_bundle(
-                s.reads, step, self._masks.get(i), self._stale, unchecked, buffers=self._buffers
+                s.reads, step, self._masks.get(i), stale.setdefault, mine, self._buffers
             )
             if bundle is not None:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
-            if s.last is not None and (s.port_last or i in self._asks_last):
-                self._keep_last(s, step, unchecked)
+            if i in self._last:  # held on the device, delivered at the requests' finish
+                assert s.last is not None and s.last_plan is not None
+                mask, slots = self._last[i]
+                masks = RowMasks(mask, mask)
+                held = build_bundle(s.last_plan, step, masks, stale.setdefault, mine, self._buffers)
+                if held is not None:
+                    s.last.keep(held, slots, self._buffers)
+            for key, error in stale.items():
+                self._stale(key, error)
+            unchecked.extend(dict(mine).items())
         self._planned = None  # its device indices are let go (a later plan reuses them)
         self._buffers.release()
         for i, req in enumerate(step.rows.requests):
             req.max_position_seen = max(req.max_position_seen, int(step.rows.position[i]))
         self._unsettled.append((step, read, unchecked))
         self._settle(wait=False)
-
-    def _keep_last(
-        self, s: _Slot, step: StepCapture, unchecked: list[tuple[str, set[str]]]
-    ) -> None:
-        """Hold, on the device, this step's rows that are now the last of requests whose
-        last row ``s`` takes (delivered at their finish).
-
-        Over ``step.rows``, those are the rows with a kept sample of requests whose last row
-        ``s`` takes: its ports' window is ``last``, or the request's own window is, within
-        its ports' phases."""
-        assert s.last is not None and s.last_plan is not None
-        rows, mask = step.rows, None
-        for j in np.nonzero(step.sample_kept)[0]:
-            r = int(step.sample_token_row[j])
-            req = rows.requests[r]
-            window = None
-            if s.window_key is not None and s.window_key in req.extra_args:
-                try:
-                    window = req.window(s.consumer)
-                except ValueError:  # counted and logged by _windowed
-                    continue
-            wants = s.port_last
-            if window is not None:
-                wants = takes_last(window) and (
-                    s.port_last
-                    or bool(
-                        row_mask(
-                            s.ports,
-                            rows.is_decode[r : r + 1],
-                            rows.position[r : r + 1],
-                            lambda n=req.num_prompt_tokens: np.array([n], np.int64),
-                        )[0]
-                    )
-                )
-            if wants and s.acts_on(req):
-                if mask is None:
-                    mask = np.zeros(len(rows), np.bool_)
-                mask[r] = True
-        if mask is None:
-            return
-        mine: list[tuple[str, set[str]]] = []
-        held = build_bundle(
-            s.last_plan, step, RowMasks(mask, mask), self._stale, mine, buffers=self._buffers
-        )
-        unchecked.extend(u for u in mine if u not in unchecked)
-        if held is not None:
-            s.last.keep(held, self._buffers)
 
     def _settle(self, wait: bool) -> None:
         """Count and check the delivered steps whose stamps have reached the host, in order
