@@ -244,6 +244,25 @@ def test_a_tap_stale_in_a_requests_last_row_reads_nan_there():
     assert torch.equal(b.hidden["layer.1"], step.tensors["residual.1"])
 
 
+def test_every_tap_stale_in_a_requests_last_step_still_moves_its_last_row():
+    """Every port stale in the request's last step: its last row is that step's, reading
+    NaN, not the earlier step's row with its values."""
+    rt = _runtime({"name": "lastreader"})
+    rows, step = _step(rt)
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    rows, step = _step(rt, n_prompt=3)  # one position on
+    for key in step.stamps:
+        step.stamps[key] = torch.tensor([step.step - 1])
+    rt.begin_step(rows, {})
+    rt.end_step(step)
+    rt.finish_requests(list(rows.requests))
+    rt.collect()
+    (b,) = rt.slots[0].consumer.bundles
+    assert b.rows.position.tolist() == rows.position.tolist()
+    assert all(torch.isnan(t).all() for t in b.hidden.values()) and b.hidden
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_stale_port_in_a_step_and_its_last_rows_is_counted_once(monkeypatch, in_flight):
     """A port read both in a step's bundle (decode rows) and in its last rows: its stale tap

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tllm_core import Consumer, HiddenStates, SampledTokens, SamplerGuide, hookimpl
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.rows import StepLayout
 from tllm_core.plugins.registry import Registry
@@ -54,7 +55,7 @@ def _hooks(async_scheduling: bool) -> tuple[RunnerHooks, FakeAdapter]:
     return RunnerHooks(adapter, runtime), adapter
 
 
-def _step(ev, ids, nsched, ncomputed, tokens, finished=()):
+def _step(ev, ids, nsched, ncomputed, tokens, finished=(), guide=False):
     ev.finished(list(finished))
     nsched = np.array(nsched, np.int64)
     total = int(nsched.sum())
@@ -68,6 +69,9 @@ def _step(ev, ids, nsched, ncomputed, tokens, finished=()):
         )
     )
     ev.forward_done(torch.randn(total, H), torch.randn(len(ids), V))
+    if guide:  # a guiding consumer: the step's indices are planned here, before its end
+        n = len(ids)
+        ev.guide(torch.randn(n, V), torch.ones(n), np.ones(n, np.bool_), False)
     ev.sampled(torch.tensor(tokens))
 
 
@@ -144,3 +148,63 @@ def test_finish_notices_say_which_requests_were_cut_short():
     _step(ev, [e], [PROMPT], [0], [12])
     hooks.finish_all()
     assert notices[-1] == ("e", False)
+
+
+class _LastReader(Consumer):
+    name = "lastreader"
+    port = HiddenStates("final", "last")
+
+    def __init__(self, config, context):
+        super().__init__(config, context)
+        self.last: dict[str, int] = {}  # request -> position of the row delivered as its last
+
+    def reads(self):
+        return [self.port]
+
+    def on_bundle(self, bundle):
+        rows = bundle.rows if bundle.sampled_rows is None else bundle.sampled_rows
+        self.last.update(
+            (q.request_id, int(p)) for q, p in zip(rows.requests, rows.position, strict=True)
+        )
+
+
+class _Guider(Consumer):
+    name = "noguide"
+
+    def writes(self):
+        return [SamplerGuide()]
+
+    def guide(self, view):
+        pass
+
+
+@pytest.mark.parametrize("port", [HiddenStates("final", "last"), SampledTokens("last")])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_requests_last_row_is_never_a_row_past_its_stop(async_scheduling, port, monkeypatch):
+    """With a guide the step's rows are planned at guide time, before async scheduling drops
+    a stopped request's row: the row held as its last must still be its last kept one."""
+
+    class Plugin:
+        @hookimpl
+        def tllm_consumers(self):
+            return [_LastReader, _Guider]
+
+    monkeypatch.setattr(_LastReader, "port", port)
+    registry = Registry()
+    registry.register(Plugin(), name="seam-last")
+    settings = RuntimeSettings.model_validate(
+        {"consumers": [{"name": "lastreader"}, {"name": "noguide"}]}
+    )
+    info = ModelInfo(H, 2, V, torch.float32, torch.device("cpu"), lambda h: h, None)
+    runtime = Runtime(settings, info, registry)
+    adapter = FakeAdapter(async_scheduling)
+    hooks, ev = RunnerHooks(adapter, runtime), adapter.events
+    a, b = "a-00000000", "b-00000000"
+    _step(ev, [a, b], [PROMPT, PROMPT], [0, 0], [5, 6], guide=True)
+    _step(ev, [a, b], [1, 1], [PROMPT, PROMPT], [7, 8], guide=True)
+    _step(ev, [b], [1], [PROMPT + 1], [9], finished=[a], guide=True)
+    hooks.finish_all()
+    assert not hooks.close()["errors"]
+    last = runtime.slots[0].consumer.last
+    # async: a's step-1 row came after its stop; its last kept row is the prompt's last
+    assert last == {"a": PROMPT - 1 if async_scheduling else PROMPT, "b": PROMPT + 1}

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tllm_core.api.bundles import GuideView
+from tllm_core.api.bundles import Bundle, GuideView
 from tllm_core.api.consumer import (
     Consumer,
     ConsumerConfig,
@@ -186,6 +186,13 @@ def _slot(
 _NOT_ACTING = (
     "this consumer did not act on the request (it is per-request: name it in tllm_consumers)"
 )
+
+
+def _kept_rows(step: StepCapture) -> np.ndarray:
+    """Over the step's rows: those with a kept sample (each request's last row so far)."""
+    kept = np.zeros(len(step.rows), np.bool_)
+    kept[step.sample_token_row[step.sample_kept]] = True
+    return kept
 
 
 class Runtime:
@@ -361,16 +368,14 @@ class Runtime:
                     arrays += self._selections[i].indices()
         self._masks, self._last = {}, {}
         runs = None
-        # The rows with a kept sample: each request's last row so far.
-        kept = np.zeros(len(step.rows), np.bool_)
-        kept[step.sample_token_row[step.sample_kept]] = True
+        kept = _kept_rows(step) if any(s.last is not None for s in self.slots) else None
         for i, s in enumerate(self.slots):
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
             masks: RowMasks | np.ndarray | None = enabled
             last = None
-            if s.port_last:  # every request's last row so far (of those it acts on)
+            if s.port_last and kept is not None:  # each request's last row so far
                 last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
@@ -539,10 +544,16 @@ class Runtime:
             if i in self._last:  # held on the device, delivered at the requests' finish
                 assert s.last is not None and s.last_plan is not None
                 mask, slots = self._last[i]
+                still = _kept_rows(step)[mask]
+                if not still.all():  # rows past a stop, dropped since the plan (async)
+                    mask, slots = mask & _kept_rows(step), slots[still]
                 masks = RowMasks(mask, mask)
                 held = build_bundle(s.last_plan, step, masks, stale.setdefault, mine, self._buffers)
-                if held is not None:
-                    s.last.keep(held, slots, self._buffers)
+                if held is None:  # every port stale: the rows are held, reading NaN
+                    idx = np.nonzero(mask)[0]
+                    rows = step.rows.take(idx, step.rows.token_ids[idx])
+                    held = Bundle(step=step.step, rows=rows)
+                s.last.keep(held, slots, self._buffers)
             for key, error in stale.items():
                 self._stale(key, error)
             unchecked.extend(dict(mine).items())
