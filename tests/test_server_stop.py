@@ -46,3 +46,24 @@ def test_a_call_never_answered_ends_once_the_server_stops():
 
     asyncio.run(main())
     assert cancelled == [True]  # the engine call is not left behind
+
+
+def test_a_call_never_answered_ends_after_its_timeout_naming_it():
+    from tllm_core.vllm_bridge.request_marks import EngineNoAnswer
+
+    app, cancelled = app_with_server(), []
+
+    async def engine_hung():
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main():
+        call = until_server_stops(app, engine_hung(), "'tllm_collect'", timeout=0.3)
+        await asyncio.wait_for(call, timeout=10)
+
+    with pytest.raises(EngineNoAnswer, match="did not answer 'tllm_collect' in 0.3 s"):
+        asyncio.run(main())
+    assert cancelled == [True]

@@ -25,16 +25,27 @@ SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
+# The longest a tllm route waits for its engine (a hung engine answers no call; the watchdog
+# stops one hung in a consumer sooner).
+ENGINE_ANSWER_S = 300.0
 
 
 class ServerStopping(RuntimeError):
     """The server began to stop while a tllm route waited for its engine."""
 
 
-async def until_server_stops(app: Any, awaitable: Any) -> Any:
+class EngineNoAnswer(RuntimeError):
+    """The engine did not answer a tllm route's call in time."""
+
+
+async def until_server_stops(
+    app: Any, awaitable: Any, what: str = "the call", timeout: float = ENGINE_ANSWER_S
+) -> Any:
     """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``
-    gets ``should_exit``): then the wait is cancelled and :class:`ServerStopping` raised."""
+    gets ``should_exit``: :class:`ServerStopping`) or ``timeout`` s pass
+    (:class:`EngineNoAnswer` naming ``what``); the wait is then cancelled."""
     task = asyncio.ensure_future(awaitable)
+    deadline = asyncio.get_running_loop().time() + timeout
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
@@ -42,6 +53,8 @@ async def until_server_stops(app: Any, awaitable: Any) -> Any:
                 return task.result()
             if getattr(getattr(app.state, "server", None), "should_exit", False):
                 raise ServerStopping("the server is stopping")
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineNoAnswer(f"the engine did not answer {what} in {timeout:g} s")
     finally:
         if not task.done():
             task.cancel()
@@ -86,8 +99,7 @@ class FailureMarks:
 
     async def failed(self, ids: list[str]) -> list[str]:
         try:
-            # bounded: the read ends when the engine answers or the server stops
-            known = await self.reads.get()
+            known = await self.reads.get()  # bounded: until_server_stops' timeout
         except ServerStopping:
             return []  # the response goes out unmarked: the engine is gone
         except Exception:  # noqa: BLE001 - the response goes out unmarked

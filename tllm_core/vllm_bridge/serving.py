@@ -34,6 +34,7 @@ from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.nodes import NodeWatch
 from tllm_core.vllm_bridge.request_marks import (
+    EngineNoAnswer,
     FailureMarks,
     ServerStopping,
     install_abort_marks,
@@ -243,7 +244,8 @@ def attach_routes(
     settings = settings or ServerSettings()
 
     def ask(method: str, *args: Any) -> Any:
-        return until_server_stops(app, rpc_all(app.state.tllm_engine_client, method, *args))
+        client = app.state.tllm_engine_client
+        return until_server_stops(app, rpc_all(client, method, *args), repr(method))
 
     def ask_workers():  # None while the engine is not up
         return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
@@ -272,6 +274,8 @@ def attach_routes(
             return await answer()
         except ServerStopping:
             return _error("the server is stopping", 503)
+        except EngineNoAnswer as e:
+            return _error(str(e), 504)
 
     async def _read_counters() -> Any:
         report = merge_reports(await ask("tllm_collect"))
@@ -283,8 +287,7 @@ def attach_routes(
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         async def read() -> JSONResponse:
-            # bounded: the read ends when the engine answers or the server stops
-            return JSONResponse(await counters.get())
+            return JSONResponse(await counters.get())  # bounded: until_server_stops
 
         return await guarded(read)
 
