@@ -128,7 +128,7 @@ def bench_step(
         sync = f"synced: {err}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    res = c.result()
+    res = c.result()  # bounded: a consumer's result, not a future
     rs.close()
     bw = copy_bandwidth(device)
     floor_ms = esamp_floor_bytes(prompts, n) / bw * 1e3

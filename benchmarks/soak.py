@@ -193,6 +193,7 @@ def soak(
         t0 = time.monotonic()
         with cf.ThreadPoolExecutor(concurrency) as pool:
             futs = [pool.submit(s.run_one, k, random.Random(seed + i)) for i, k in enumerate(kinds)]
+            # bounded: each request has the client's 300 s timeout
             outcomes = [f.result() for f in futs]
         wall = time.monotonic() - t0
         after = [s.run_one(k, random.Random(i)) for i, k in enumerate(GOOD)]  # after the crash

@@ -399,7 +399,7 @@ class _Served:
         self._reply()  # ready
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.proc.stdout:  # bounded: a reader thread; _reply has the timeout
             self._lines.put(line)
         self._lines.put(None)  # the worker closed its stdout: it is gone
 
@@ -420,7 +420,11 @@ class _Served:
                 return json.loads(line)
         self.stderr.seek(0)
         err = self.stderr.read()[-3000:]
-        code = self.proc.wait(self.timeout)  # bounded: its stdout is closed, it is exiting
+        try:
+            code: Any = self.proc.wait(self.timeout)  # its stdout is closed: it is exiting
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = "none, stopped"
         raise RuntimeError(f"case {self.case!r} worker died (exit {code}):\n{err}")
 
     def run(self) -> dict[str, Any]:

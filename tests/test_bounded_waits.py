@@ -10,26 +10,46 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("tllm_core", "producers", "consumers", "algorithms", "benchmarks")
-BLOCKING = {"get", "join", "wait", "acquire"}
+BLOCKING = {"get", "join", "wait", "acquire", "result", "communicate"}
+
+
+def _bounded(call: ast.Call) -> bool:
+    """Whether the call gives a timeout (or does not block): a keyword ``timeout`` or
+    ``blocking=False``, or a first argument other than None or True."""
+    for k in call.keywords:
+        value = k.value.value if isinstance(k.value, ast.Constant) else ...
+        if k.arg == "timeout" and value is not None:
+            return True
+        if k.arg in ("block", "blocking") and value is False:
+            return True
+    first = call.args[0] if call.args else None
+    # None or True as the first argument: no timeout (True: ``block``/``blocking``)
+    return first is not None and not (
+        isinstance(first, ast.Constant) and (first.value is None or first.value is True)
+    )
 
 
 def unbounded_waits(path: Path, source: str) -> list[str]:
     lines = source.splitlines()
     found = []
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr not in BLOCKING or _bounded(node):
+                continue
+            receiver = node.func.value
+            if isinstance(receiver, ast.Name) and receiver.id.isupper():
+                continue  # a ContextVar (module constants are named in capitals): no wait
+        elif isinstance(node, ast.For):  # reading a pipe line by line until it closes
+            it = node.iter
+            if not (isinstance(it, ast.Attribute) and it.attr in ("stdout", "stderr")):
+                continue
+        else:
             continue
-        if node.func.attr not in BLOCKING or node.args:
-            continue
-        if any(k.arg in ("timeout", "blocking") for k in node.keywords):
-            continue
-        receiver = node.func.value
-        if isinstance(receiver, ast.Name) and receiver.id.isupper():
-            continue  # a ContextVar (module constants are named in capitals): no wait
         near = " ".join(lines[max(0, node.lineno - 2) : node.lineno])
         if "bounded:" not in near:
-            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
-    return found
+            what = ast.unparse(node.iter if isinstance(node, ast.For) else node)
+            found.append(f"{path}:{node.lineno}: {what}")
+    return sorted(found, key=lambda w: int(w.split(":")[1]))
 
 
 def test_every_blocking_wait_has_a_bound():
@@ -54,5 +74,17 @@ def test_the_check_sees_an_unbounded_wait():
         "# bounded: the watchdog frees it\n"
         "s.acquire()\n"
         "lock.acquire()\n"
+        "lock.acquire(blocking=False)\n"
+        "q.get(timeout=None)\n"
+        "q.get(True)\n"
+        "fut.result()\n"
+        "for line in proc.stdout:\n    pass\n"
     )
-    assert unbounded_waits(Path("x.py"), src) == ["x.py:1: q.get()", "x.py:7: lock.acquire()"]
+    assert unbounded_waits(Path("x.py"), src) == [
+        "x.py:1: q.get()",
+        "x.py:7: lock.acquire()",
+        "x.py:9: q.get(timeout=None)",
+        "x.py:10: q.get(True)",
+        "x.py:11: fut.result()",
+        "x.py:12: proc.stdout",
+    ]

@@ -195,7 +195,7 @@ def wait_for_conversion(child: subprocess.Popen, timeout: float = CONVERT_TIMEOU
         child.kill()
         child.wait(10)  # killed: reaped at once
         raise DefaultModelUnavailable(
-            f"converting the default model did not finish in {timeout:.0f} s (process "
+            f"converting the default model did not finish in {timeout:g} s (process "
             f"{child.pid}, stopped); run again, or pass --model PATH"
         ) from None
 

@@ -660,7 +660,7 @@ class Runtime:
                 noted = self.watchdog.running(c.name, "result", CLOSE)
                 try:
                     # First: result() may settle deferred work that the counters then include.
-                    results[c.name] = c.result()
+                    results[c.name] = c.result()  # bounded: under the watchdog
                 except Exception as e:  # noqa: BLE001
                     results[c.name] = {"error": f"{type(e).__name__}: {e}"}
                 finally:

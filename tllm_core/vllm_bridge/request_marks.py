@@ -50,7 +50,7 @@ async def until_server_stops(
         while True:
             done, _ = await asyncio.wait({task}, timeout=STOP_POLL_S)
             if done:
-                return task.result()
+                return task.result()  # bounded: done
             if getattr(getattr(app.state, "server", None), "should_exit", False):
                 raise ServerStopping("the server is stopping")
             if asyncio.get_running_loop().time() > deadline:
