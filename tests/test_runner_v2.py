@@ -95,34 +95,6 @@ def _unit_vector(path, hidden: int = 128, seed: int = 0):
     return v / v.norm()
 
 
-def test_v2_steering_edit_matches_transformers_with_the_same_edit(tiny_model, tmp_path):
-    """A residual edit at layer 1 (every row): the downstream states and the greedy tokens
-    equal transformers' with the same vector added by a forward hook."""
-    scale = 4.0
-    vec = _unit_vector(tmp_path / "v.pt")
-    steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": scale}]}
-    rec = json.dumps({"layers": [2, "final"]})
-    args = ["run", "--model", tiny_model, "--consumer", f"steer:{json.dumps(steer)}"]
-    args += ["--consumer", f"recorder:{rec}", "-n", "1", "--max-tokens", "5"]
-    args += ["--temperature", "0", "--no-prefix-caching", "--json"]
-    for p in PROMPTS:
-        args += ["--prompt", p]
-    out = _run_v2(*args, *ENGINE)
-    assert out["counters"]["runtime"]["rows_edited"] > 0
-    layer = hf_model(tiny_model).model.layers[1]
-
-    def add(_m, _i, output):
-        if isinstance(output, tuple):
-            return (output[0] + scale * vec, *output[1:])
-        return output + scale * vec
-
-    handle = layer.register_forward_hook(add)
-    try:
-        assert check_against_hf(tiny_model, out["results"]["recorder"], 4, 1) > 0
-    finally:
-        handle.remove()
-
-
 @pytest.mark.slow  # ~46 s; serving on V1 (test_serve_command), V2 capture and edits above
 def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
     import urllib.error
@@ -171,24 +143,35 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
 
 
 @torch.no_grad()
-def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
+def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
+    tiny_model, tmp_path
+):
     """Capture windows on V2, through the server: the config's 'all[1:]' (every row but
     position 0) for a request without a window, and its own 'last_prompt' for one with it,
     each row equal to transformers; a bad window is a 400. The second request also asks for
     its rows back with the completion (tllm_results): the same row as the record's; a third
-    asks for its last row ('last', delivered at its finish) and gets it back too."""
+    asks for its last row ('last', delivered at its finish) and gets it back too.
+
+    The same engine steers every row (a residual edit at layer 1, prefill and decode): the
+    exported downstream states (layer 2, final) equal transformers' with the same vector
+    added by a forward hook; layer 0, before the edit, equals plain transformers'. (One V2
+    engine for both: each is an interpreted V2 start, ~40 s.)"""
     import urllib.error
     import urllib.request
 
     from reference import hf_states
-    from serve_util import tllm_serve
+    from serve_util import get_json, tllm_serve
 
     from consumers.export import read_export
     from tllm_core import decode_results
 
+    scale = 4.0
+    vec = _unit_vector(tmp_path / "v.pt")
+    steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": scale}]}
     out = tmp_path / "x"
-    export = {"out": str(out), "layers": [0], "phase": "all[1:]"}
+    export = {"out": str(out), "layers": [0, 2, "final"], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
+    args += ["--consumer", f"steer:{json.dumps(steer)}"]
     args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
 
     answers: list[dict] = []
@@ -217,14 +200,29 @@ def test_v2_config_and_request_windows_export_their_rows(tiny_model, tmp_path):
         final = {"tllm_export_window": "last", "tllm_results": "export"}
         assert complete(url, [13, 14], final) == 200
         assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
+        runtime = get_json(f"{url}/tllm/counters")["runtime"]
+    assert runtime["rows_edited"] > 0
     recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
     assert sorted(recs) == [2, 3, 4], sorted(recs)
     assert recs[2].positions.tolist() == [3]  # last: the row that sampled the 3rd token
     assert recs[4].positions.tolist() == [1, 2, 3, 4, 5]  # all[1:] of 4 prompt + 2 fed
     assert recs[3].positions.tolist() == [2]  # last_prompt (within all[1:])
-    for rec in recs.values():
-        ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())["layer.0"]
-        torch.testing.assert_close(rec.hidden["layer.0"], ref[rec.positions], rtol=1e-4, atol=1e-4)
+
+    def add(_m, _i, output):
+        if isinstance(output, tuple):
+            return (output[0] + scale * vec, *output[1:])
+        return output + scale * vec
+
+    # transformers with the same edit: layer 0 (before it) is plain transformers' too
+    handle = hf_model(tiny_model).model.layers[1].register_forward_hook(add)
+    try:
+        for rec in recs.values():
+            ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
+            for key in ("layer.0", "layer.2", "final"):
+                want = ref[key][rec.positions]
+                torch.testing.assert_close(rec.hidden[key], want, rtol=1e-4, atol=1e-4, msg=key)
+    finally:
+        handle.remove()
     assert "tllm" not in answers[0]  # did not ask
     returned = decode_results(answers[1]["tllm"][0])["export"]
     assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]

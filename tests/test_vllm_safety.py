@@ -42,45 +42,55 @@ def _python(code: str, env: dict | None = None, timeout: int = 300) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_register_imports_no_runner_and_installs_only_config_checks():
-    code = """
+# One fresh interpreter per plugin state (on, and off by TLLM_DISABLE_PLUGIN) checks both what
+# registering imports and patches (before any engine), then runs a plain vllm.LLM: a pair of
+# interpreters importing vLLM costs ~25 s on 2 cores, so the two checks share them.
+PLAIN_RUN = """
 import json, sys
 import vllm.plugins as vp
 vp.load_general_plugins()
 from vllm.v1.worker.worker_base import WorkerWrapperBase
-print(json.dumps({
+registered = {
     "modules": sorted(m for m in sys.modules if m.startswith(("vllm.v1.worker", "tllm_core"))),
     "init_device_patched": getattr(WorkerWrapperBase.init_device, "_tllm_patched", False),
     "endpoints_patched": getattr(vp.load_endpoint_plugins, "_tllm_patched", False),
-}))
-"""
-    on = _python(code)
-    assert "tllm_core.vllm_bridge.plugin" in on["modules"], "the plugin was not loaded"
-    assert on["init_device_patched"] and on["endpoints_patched"]
-    for mod in RUNNER_MODULES + TLLM_ENGINE_MODULES:
-        assert mod not in on["modules"], f"register() imported {mod}"
-    off = _python(code, env={"TLLM_DISABLE_PLUGIN": "1"})
-    assert not off["init_device_patched"] and not off["endpoints_patched"]
-
-
-PLAIN_RUN = """
-import json, sys
+}
 from vllm import LLM, SamplingParams
 llm = LLM(%r, dtype="float32", max_model_len=512, enforce_eager=True)
 params = [SamplingParams(n=2, max_tokens=8, seed=7 + i, temperature=1.0) for i in range(3)]
 outs = llm.generate(%r, params, use_tqdm=False)
 print(json.dumps({
+    "registered": registered,
     "tokens": [[list(c.token_ids) for c in o.outputs] for o in outs],
     "tllm": sorted(m for m in sys.modules if m.startswith("tllm_core")),
 }))
 """
 
 
-@pytest.mark.vllm
-def test_plain_vllm_with_tllm_installed_generates_as_with_the_plugin_disabled(tiny_model):
+@pytest.fixture(scope="module")
+def plain_runs(tiny_model) -> dict[str, dict]:
+    """PLAIN_RUN with the plugin on and off (in-process engines in fresh interpreters)."""
     code = PLAIN_RUN % (tiny_model, PROMPTS)
-    on = _python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    off = _python(code, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TLLM_DISABLE_PLUGIN": "1"})
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {
+        "on": _python(code, env=env),
+        "off": _python(code, env={**env, "TLLM_DISABLE_PLUGIN": "1"}),
+    }
+
+
+@pytest.mark.vllm
+def test_register_imports_no_runner_and_installs_only_config_checks(plain_runs):
+    on, off = plain_runs["on"]["registered"], plain_runs["off"]["registered"]
+    assert "tllm_core.vllm_bridge.plugin" in on["modules"], "the plugin was not loaded"
+    assert on["init_device_patched"] and on["endpoints_patched"]
+    for mod in RUNNER_MODULES + TLLM_ENGINE_MODULES:
+        assert mod not in on["modules"], f"register() imported {mod}"
+    assert not off["init_device_patched"] and not off["endpoints_patched"]
+
+
+@pytest.mark.vllm
+def test_plain_vllm_with_tllm_installed_generates_as_with_the_plugin_disabled(plain_runs):
+    on, off = plain_runs["on"], plain_runs["off"]
     assert "tllm_core.vllm_bridge.plugin" in on["tllm"], "the plugin was not loaded"
     assert on["tokens"] == off["tokens"]
     leaked = [m for m in on["tllm"] if m.startswith(TLLM_ENGINE_MODULES)]
