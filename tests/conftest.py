@@ -66,6 +66,20 @@ def pytest_configure_node(node) -> None:
     node.workerinput["tllm_dist"] = node.config.option.dist
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """A grouping pytest-xdist did not apply stops the run at once: split over two workers, a
+    file's module fixtures would run twice and a shared server would start twice (as with
+    pytest 9.2 and pytest-xdist 3.8: pytest-xdist issue 1386; pyproject.toml pins pytest)."""
+    if node.config.option.dist == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit(
+            f"pytest-xdist did not group the tests (e.g. {ids[0]}) with pytest "
+            f"{pytest.__version__}: tests/conftest.py's grouping needs a pytest it works with "
+            "(pyproject.toml's test extra)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
         config.option.loadgroup = True
@@ -232,23 +246,27 @@ def _xdist_group(item: pytest.Item) -> str:
     return shared[0] if shared else item.nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Groups for pytest-xdist's ``--dist loadgroup`` (the default, ``-n 2``): the users of a
     shared server run on one worker (one server, stopped after its last user); every other
     test runs on one worker with the rest of its file (a file's module fixtures and
-    consecutive tests sharing an engine start it once). The groups are handed out longest
-    first (seconds from ``DURATIONS``), so that the last ones, run while the other worker may
-    have nothing left, are short."""
-    if not getattr(config.option, "loadgroup", False):  # set in pytest-xdist's workers
+    consecutive tests sharing an engine start it once). Marked as each test is collected:
+    pytest-xdist reads the marks in its own ``pytest_collection_modifyitems``, which may run
+    before this file's (it does with pytest 9.2 and pluggy 1.7)."""
+    if getattr(item.config.option, "loadgroup", False):  # set in pytest-xdist's workers
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The groups are handed out longest first (seconds from ``DURATIONS``), so that the last
+    ones, run while the other worker may have nothing left, are short."""
+    if not getattr(config.option, "loadgroup", False):
         return
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        group = _xdist_group(item)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
+        groups.setdefault(_xdist_group(item), []).append(item)
     ordered = sorted(groups.items(), key=lambda kv: -seconds.get(kv[0], UNKNOWN_GROUP_S))
     items[:] = [item for _, members in ordered for item in members]
 
