@@ -71,7 +71,7 @@ def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
     """A grouping pytest-xdist did not apply stops the run at once: split over two workers, a
     file's module fixtures would run twice and a shared server would start twice (as with
     pytest 9.2 and pytest-xdist 3.8: pytest-xdist issue 1386; pyproject.toml pins pytest)."""
-    if node.config.option.dist == "loadgroup" and ids and not any("@" in i for i in ids):
+    if node.config.option.dist == "loadgroup" and not all("@" in i for i in ids):
         pytest.exit(
             f"pytest-xdist did not group the tests (e.g. {ids[0]}) with pytest "
             f"{pytest.__version__}: tests/conftest.py's grouping needs a pytest it works with "

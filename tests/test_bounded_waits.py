@@ -1,6 +1,7 @@
-"""Every wait in shipped code and the benchmark tools has a bound (developers' guide): a blocking ``get()``,
-``join()``, ``wait()`` or ``acquire()`` without a timeout is refused unless a ``bounded:``
-comment on its line or the line above says what bounds it."""
+"""Every wait in shipped code and the benchmark tools has a bound (developers' guide): a blocking
+``get``, ``join``, ``wait``, ``acquire``, ``result`` or ``communicate`` without a timeout, or a
+loop over a pipe, is refused unless a ``bounded:`` comment on its line or the line above says
+what bounds it. Not seen: ``await`` of a future, ``subprocess.run`` and ``readline``."""
 
 from __future__ import annotations
 

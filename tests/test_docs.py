@@ -274,7 +274,7 @@ def test_python_blocks_that_are_not_run_say_why():
 # missing import still fails; blocks that start an engine keep a fresh interpreter.
 FORK_RUNNER = r"""
 import json, os, runpy, sys, traceback
-import numpy, pydantic, torch  # noqa: F401
+import numpy, pydantic, torch  # noqa: F401  (no torch op: OpenMP's pool must not fork)
 import tllm_core, tllm_core.testing  # noqa: F401
 
 for line in sys.stdin:
@@ -301,7 +301,9 @@ for line in sys.stdin:
             except BaseException:
                 traceback.print_exc()
             import atexit
+            import threading
 
+            threading._shutdown()  # as the interpreter's exit: wait for non-daemon threads
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -296,9 +296,9 @@ def test_groups_are_scoped_to_a_client(engine):
     assert CLIENT.get() == "anon"  # reset after the request
 
 
-def _app(engine, api_key, settings=None, errors=None):
+def _app(engine, api_key, settings=None, errors=None, hung=False):
     """A FastAPI app with tllm's routes and middlewares as the plugin attaches them, and a
-    fake engine client whose report shows server paths."""
+    fake engine client whose report shows server paths (``hung``: it never answers one)."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -320,6 +320,8 @@ def _app(engine, api_key, settings=None, errors=None):
                 FakeEngineClient.failure_reads += 1
                 await asyncio.sleep(0.05)  # a round trip to the engine
                 return [{r: ["esamp"] for r in ran if r.startswith("bad")}]
+            if hung:
+                await asyncio.Event().wait()
             return [
                 {
                     "runtime": {"steps": 1},
@@ -378,6 +380,39 @@ def test_app_routes_ask_the_servers_api_key_and_hide_paths(engine):
     )
     small = _app(engine, None, ServerSettings(max_body_bytes=2048))
     assert small.post("/v1/completions", content=b"x" * 4096).status_code == 413
+
+
+def test_an_engine_that_never_answers_gets_504_naming_the_call(engine):
+    client = _app(engine, None, ServerSettings(engine_answer_s=0.5), hung=True)
+    got = client.get("/tllm/counters")
+    assert got.status_code == 504
+    assert got.json()["error"] == "the engine did not answer 'tllm_collect' in 0.5 s"
+
+
+def test_a_failed_read_fails_every_request_that_waited_for_it():
+    from tllm_core.serving.throttle import Throttle
+
+    async def scenario():
+        calls = []
+
+        async def fetch():
+            calls.append(1)
+            await asyncio.sleep(0.05)
+            raise TimeoutError("no answer")
+
+        t = Throttle(fetch)
+        first = asyncio.ensure_future(t.get())
+        await asyncio.sleep(0.01)  # the read is in flight: these wait for it
+        waited = await asyncio.gather(*(t.get() for _ in range(5)), return_exceptions=True)
+        with pytest.raises(TimeoutError):
+            await first
+        with pytest.raises(TimeoutError):
+            await t.get()  # a later request reads again
+        return waited, len(calls)
+
+    waited, reads = asyncio.run(scenario())
+    assert all(isinstance(w, TimeoutError) for w in waited)
+    assert reads == 2  # one for the six that waited together, one for the later one
 
 
 def test_counters_reads_are_shared_and_never_older_than_the_request():

@@ -21,7 +21,7 @@ def test_an_answered_call_returns_its_value():
         await asyncio.sleep(0.01)
         return [1, 2]
 
-    assert asyncio.run(until_server_stops(app_with_server(), answer())) == [1, 2]
+    assert asyncio.run(until_server_stops(app_with_server(), answer(), "'x'", 60)) == [1, 2]
 
 
 def test_a_call_never_answered_ends_once_the_server_stops():
@@ -37,7 +37,7 @@ def test_a_call_never_answered_ends_once_the_server_stops():
             raise
 
     async def main():
-        waiting = asyncio.ensure_future(until_server_stops(app, engine_gone()))
+        waiting = asyncio.ensure_future(until_server_stops(app, engine_gone(), "'x'", 60))
         await asyncio.sleep(0.3)
         assert not waiting.done()  # still waiting while the server runs
         app.state.server.should_exit = True

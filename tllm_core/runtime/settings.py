@@ -34,6 +34,14 @@ class ServerSettings(BaseModel):
         "old (0: only with a read that started after the request arrived); reads run one at "
         "a time and are shared by the requests waiting for them",
     )
+    engine_answer_s: float = Field(
+        900.0,
+        gt=0,
+        le=86400,
+        description="longest a /tllm/* route (or a completion's tllm marks) waits for the "
+        "engine to answer (HTTP 504 past it); above the engine's own deadlines, so that a "
+        "slow but healthy engine (a long result() under close_deadline_s) is not cut off",
+    )
     show_paths: bool = Field(
         False,
         description="show server filesystem paths in /tllm/* responses (hidden by default: "

@@ -1,6 +1,7 @@
 """At most one read of the engine's report at a time (it runs every consumer's ``result()``),
 shared by the requests waiting: each gets a read that started after it arrived, or one younger
-than ``min_interval_s``."""
+than ``min_interval_s``; a read that fails fails every request that waited for it (a hung
+engine costs each one wait, not one per request queued)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,24 @@ class Throttle:
         self._lock = asyncio.Lock()
         self._value: Any = None
         self._started = -float("inf")  # when the last completed read started
+        # The last failed read: when it failed, and why (None: the last read succeeded).
+        self._failed: tuple[float, BaseException] | None = None
 
     async def get(self) -> Any:
         arrived = time.monotonic()
         async with self._lock:
+            if self._failed is not None and self._failed[0] >= arrived:
+                raise self._failed[1]  # failed while this request waited: not read again
             fresh = self._started >= arrived  # a read that began after this request did
             recent = time.monotonic() - self._started < self.min_interval_s
             if not (fresh or recent):
                 started = time.monotonic()
-                self._value = await self.fetch()
+                try:
+                    self._value = await self.fetch()
+                except Exception as e:
+                    self._failed = (time.monotonic(), e)
+                    raise
+                self._failed = None
                 self._started = started
                 self.reads += 1
             return self._value

@@ -25,9 +25,6 @@ SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
 STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
-# The longest a tllm route waits for its engine (a hung engine answers no call; the watchdog
-# stops one hung in a consumer sooner).
-ENGINE_ANSWER_S = 300.0
 
 
 class ServerStopping(RuntimeError):
@@ -38,9 +35,7 @@ class EngineNoAnswer(RuntimeError):
     """The engine did not answer a tllm route's call in time."""
 
 
-async def until_server_stops(
-    app: Any, awaitable: Any, what: str = "the call", timeout: float = ENGINE_ANSWER_S
-) -> Any:
+async def until_server_stops(app: Any, awaitable: Any, what: str, timeout: float) -> Any:
     """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``
     gets ``should_exit``: :class:`ServerStopping`) or ``timeout`` s pass
     (:class:`EngineNoAnswer` naming ``what``); the wait is then cancelled."""
@@ -99,7 +94,7 @@ class FailureMarks:
 
     async def failed(self, ids: list[str]) -> list[str]:
         try:
-            known = await self.reads.get()  # bounded: until_server_stops' timeout
+            known = await self.reads.get()  # bounded: until_server_stops' timeout, shared
         except ServerStopping:
             return []  # the response goes out unmarked: the engine is gone
         except Exception:  # noqa: BLE001 - the response goes out unmarked

@@ -245,7 +245,8 @@ def attach_routes(
 
     def ask(method: str, *args: Any) -> Any:
         client = app.state.tllm_engine_client
-        return until_server_stops(app, rpc_all(client, method, *args), repr(method))
+        call = rpc_all(client, method, *args)
+        return until_server_stops(app, call, repr(method), settings.engine_answer_s)
 
     def ask_workers():  # None while the engine is not up
         return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
@@ -266,8 +267,9 @@ def attach_routes(
         body = json_safe(body)
         return body if settings.show_paths else hide_paths(body)
 
-    async def guarded(answer: Any) -> Any:
-        """``await answer()``, or 503 while tllm is not initialised or the server stops."""
+    async def guarded(answer: Any, unanswered: str = "") -> Any:
+        """``await answer()``, or 503 while tllm is not initialised or the server stops, or
+        504 (``unanswered`` added to the message) when the engine does not answer in time."""
         if getattr(app.state, "tllm_engine_client", None) is None:
             return _error("tllm is not initialised in this server", 503)
         try:
@@ -275,7 +277,7 @@ def attach_routes(
         except ServerStopping:
             return _error("the server is stopping", 503)
         except EngineNoAnswer as e:
-            return _error(str(e), 504)
+            return _error(f"{e}{unanswered}", 504)
 
     async def _read_counters() -> Any:
         report = merge_reports(await ask("tllm_collect"))
@@ -287,7 +289,7 @@ def attach_routes(
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
         async def read() -> JSONResponse:
-            return JSONResponse(await counters.get())  # bounded: until_server_stops
+            return JSONResponse(await counters.get())  # bounded: until_server_stops, shared
 
         return await guarded(read)
 
@@ -351,7 +353,8 @@ def attach_routes(
             except ControlError as e:
                 return _error(str(e), e.status)
             if new is not config:
-                out = await guarded(lambda: ask("tllm_control", name, action, body))
+                late = "; the action may still take effect there (see /tllm/status)"
+                out = await guarded(lambda: ask("tllm_control", name, action, body), late)
                 if isinstance(out, JSONResponse):
                     return out
                 failed = next((o for o in out if "error" in o), None)
@@ -433,7 +436,10 @@ async def init_state(
         hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
     install_abort_marks(
-        engine_client.engine_core, lambda method, ids: rpc_all(engine_client, method, ids)
+        engine_client.engine_core,
+        lambda method, ids: asyncio.wait_for(
+            rpc_all(engine_client, method, ids), mine.server.engine_answer_s
+        ),
     )
     state.tllm_server = server
     state.tllm_engine_client = engine_client
