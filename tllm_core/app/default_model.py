@@ -75,7 +75,7 @@ def _file_lock(lock_path: Path, timeout: float = CONVERT_TIMEOUT_S) -> Iterator[
                 if time.monotonic() > deadline:
                     raise DefaultModelUnavailable(
                         f"another process has been converting the default model for over "
-                        f"{timeout:.0f} s (it holds {lock_path}); stop it, or delete the "
+                        f"{timeout:g} s (it holds {lock_path}); stop it, or delete the "
                         "lock file if no such process runs"
                     ) from None
                 time.sleep(0.2)

@@ -528,6 +528,7 @@ class Runtime:
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
         self._plan(step)
+        kept = _kept_rows(step) if self._last else None  # now: async may have dropped rows
         for i, s in enumerate(self.slots):
             if s.reads.empty:
                 continue
@@ -542,16 +543,16 @@ class Runtime:
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
             if i in self._last:  # held on the device, delivered at the requests' finish
-                assert s.last is not None and s.last_plan is not None
+                assert s.last is not None and s.last_plan is not None and kept is not None
                 mask, slots = self._last[i]
-                still = _kept_rows(step)[mask]
+                still = kept[mask]
                 if not still.all():  # rows past a stop, dropped since the plan (async)
-                    mask, slots = mask & _kept_rows(step), slots[still]
+                    mask, slots = mask & kept, slots[still]
                 masks = RowMasks(mask, mask)
                 held = build_bundle(s.last_plan, step, masks, stale.setdefault, mine, self._buffers)
                 if held is None:  # every port stale: the rows are held, reading NaN
                     idx = np.nonzero(mask)[0]
-                    rows = step.rows.take(idx, step.rows.token_ids[idx])
+                    rows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
                     held = Bundle(step=step.step, rows=rows)
                 s.last.keep(held, slots, self._buffers)
             for key, error in stale.items():
