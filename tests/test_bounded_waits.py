@@ -1,7 +1,8 @@
 """Every wait in shipped code and the benchmark tools has a bound (developers' guide): a blocking
 ``get``, ``join``, ``wait``, ``acquire``, ``result`` or ``communicate`` without a timeout, or a
-loop over a pipe, is refused unless a ``bounded:`` comment on its line or the line above says
-what bounds it. Not seen: ``await`` of a future, ``subprocess.run`` and ``readline``."""
+``subprocess.run``-style call without a timeout, or a read of a pipe (a loop over it or its
+``readline``), is refused unless a ``bounded:`` comment on its line or the line above says what
+bounds it. Not seen: ``await`` (the server's awaits are bounded by its own timeouts)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("tllm_core", "producers", "consumers", "algorithms", "benchmarks")
 BLOCKING = {"get", "join", "wait", "acquire", "result", "communicate"}
+SUBPROCESS = {"run", "call", "check_call", "check_output"}  # subprocess's, waiting for the child
+PIPES = ("stdout", "stderr")
 
 
 def _bounded(call: ast.Call) -> bool:
@@ -30,19 +33,28 @@ def _bounded(call: ast.Call) -> bool:
     )
 
 
+def _waits(call: ast.Call, name: str, receiver: ast.expr) -> bool:
+    """Whether ``receiver.name(...)`` may block without a bound."""
+    if isinstance(receiver, ast.Name) and receiver.id == "subprocess":
+        return name in SUBPROCESS and not any(k.arg == "timeout" for k in call.keywords)
+    if name == "readline":
+        return isinstance(receiver, ast.Attribute) and receiver.attr in PIPES
+    if name not in BLOCKING or _bounded(call):
+        return False
+    # a ContextVar (module constants are named in capitals): no wait
+    return not (isinstance(receiver, ast.Name) and receiver.id.isupper())
+
+
 def unbounded_waits(path: Path, source: str) -> list[str]:
     lines = source.splitlines()
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr not in BLOCKING or _bounded(node):
+            if not _waits(node, node.func.attr, node.func.value):
                 continue
-            receiver = node.func.value
-            if isinstance(receiver, ast.Name) and receiver.id.isupper():
-                continue  # a ContextVar (module constants are named in capitals): no wait
         elif isinstance(node, ast.For):  # reading a pipe line by line until it closes
             it = node.iter
-            if not (isinstance(it, ast.Attribute) and it.attr in ("stdout", "stderr")):
+            if not (isinstance(it, ast.Attribute) and it.attr in PIPES):
                 continue
         else:
             continue
@@ -80,6 +92,11 @@ def test_the_check_sees_an_unbounded_wait():
         "q.get(True)\n"
         "fut.result()\n"
         "for line in proc.stdout:\n    pass\n"
+        "subprocess.run(cmd)\n"
+        "subprocess.run(cmd, timeout=5)\n"
+        "subprocess.check_output(cmd)\n"
+        "proc.stderr.readline()\n"
+        "f.readline()\n"
     )
     assert unbounded_waits(Path("x.py"), src) == [
         "x.py:1: q.get()",
@@ -88,4 +105,7 @@ def test_the_check_sees_an_unbounded_wait():
         "x.py:10: q.get(True)",
         "x.py:11: fut.result()",
         "x.py:12: proc.stdout",
+        "x.py:14: subprocess.run(cmd)",
+        "x.py:16: subprocess.check_output(cmd)",
+        "x.py:17: proc.stderr.readline()",
     ]
