@@ -258,10 +258,20 @@ def _fake_client():
         utility_results={1: Future()},
         outputs_queue=queue.Queue(),
     )
+    # Until the worker runs under its vLLM name: a fork not yet exec'd is no worker to the watch.
     deadline = time.monotonic() + 30
-    while not _kids(proc.pid) and time.monotonic() < deadline:
+    while not _named_worker(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     return core, proc
+
+
+def _named_worker(pid: int) -> bool:
+    import psutil
+
+    try:
+        return any("VLLM::" in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
+    except psutil.Error:
+        return False
 
 
 def _kids(pid: int) -> list[int]:
