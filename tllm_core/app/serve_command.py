@@ -10,6 +10,7 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,45 +68,44 @@ API_SERVER_FLAGS = ("--api-server-count", "-asc")
 DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
 
 
-def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
-    """The whole-number value of the last of ``flags`` among vLLM's arguments, if given."""
+def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
+    """The value of the last of ``flags`` among vLLM's arguments (a whole number), if given."""
     found = None
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
         if flag in flags:
             value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
             try:
-                found = int(value)
+                found = convert(value)
             except ValueError:
                 raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
     return found
 
 
 def followers_store(extra: list[str]) -> tuple[str, int] | None:
-    """Where a multi-node leader's engine store listens (``--master-addr:--master-port``);
-    None for a one-node engine or a follower."""
-    if (_int_flag(extra, ("--nnodes",)) or 1) <= 1 or (_int_flag(extra, ("--node-rank",)) or 0):
-        return None
-    host = "127.0.0.1"
-    for i, a in enumerate(extra):
-        flag, eq, value = a.partition("=")
-        if flag in ("--master-addr", "--master_addr"):
-            host = value if eq else (extra[i + 1] if i + 1 < len(extra) else host)
-    return host, _int_flag(extra, ("--master-port", "--master_port")) or 29501
+    """Where a multi-node leader's engine store listens; None for one node or a follower."""
+    from tllm_core.vllm_bridge.nodes import leader_store
+
+    return leader_store(
+        _flag(extra, ("--nnodes",)),
+        _flag(extra, ("--node-rank",)),
+        _flag(extra, ("--master-addr", "--master_addr"), str),
+        _flag(extra, ("--master-port", "--master_port")),
+    )
 
 
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
     Refuses more than one API server (tllm's checks and routes live in this one)."""
     extra = list(args.vllm_args or [])
-    servers = _int_flag(extra, API_SERVER_FLAGS)
+    servers = _flag(extra, API_SERVER_FLAGS)
     if servers is not None and servers != 1:
         raise cli_common.CliError(
             f"--api-server-count {servers}: tllm serve runs one API server (its request "
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _int_flag(extra, DP_FLAGS)
+    dp = _flag(extra, DP_FLAGS)
     dp = args.data_parallel_size if dp is None else dp
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
@@ -115,10 +115,10 @@ def parallel_ranks(args: argparse.Namespace) -> int:
 def local_ranks(extra: list[str], tp: int, dp: int) -> int:
     """Ranks of the engine on this node: ``--data-parallel-size-local`` engines of ``tp``
     ranks, else the ``tp * dp`` ranks split over ``--nnodes``."""
-    dp_local = _int_flag(extra, DP_LOCAL_FLAGS)
+    dp_local = _flag(extra, DP_LOCAL_FLAGS)
     if dp_local is not None:
         return tp * max(dp_local, 1)
-    nodes = _int_flag(extra, ("--nnodes",)) or 1
+    nodes = _flag(extra, ("--nnodes",)) or 1
     if nodes < 1:
         raise cli_common.CliError(f"--nnodes must be >= 1, got {nodes}")
     return max(1, tp * dp // nodes)

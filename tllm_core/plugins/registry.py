@@ -3,9 +3,10 @@ producers serving each port type and the architectures (tap sites) the bridge kn
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,10 +52,19 @@ class Registry:
         """The plugins skipped because they failed to load or register."""
         return list(self.plugins.broken)
 
-    def _collect(self, plugin_name: str) -> None:
-        """Add one plugin's producers and consumers, all or none (a failing one is skipped)."""
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """The registry as it was before, if the body fails."""
         saved = dict(self._classes), dict(self._keys), dict(self._producers), self.architectures
         try:
+            yield
+        except BaseException:
+            self._classes, self._keys, self._producers, self.architectures = saved
+            raise
+
+    def _collect(self, plugin_name: str) -> None:
+        """Add one plugin's producers and consumers, all or none (a failing one is skipped)."""
+        with self._all_or_nothing():
             for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
                 self._add_producers(classes)
             for classes in self._call(self.pm.hook.tllm_consumers, plugin_name):
@@ -65,9 +75,6 @@ class Registry:
                 for spec in (s for group in specs for s in group):
                     merged.add(spec, f"plugin {plugin_name!r}")
                 self.architectures = merged
-        except BaseException:
-            self._classes, self._keys, self._producers, self.architectures = saved
-            raise
 
     @staticmethod
     def _call(hook: Any, plugin_name: str) -> list[Any]:
@@ -162,17 +169,11 @@ class Registry:
     def use(self, cls: type[Consumer]) -> None:
         """Serve consumer ``cls.name`` by ``cls``, replacing a class of that name found through
         an entry point (the test kit: the class being edited wins)."""
-        old = self._classes.pop(getattr(cls, "name", ""), None)
-        saved = dict(self._keys)
-        if old is not None:
-            self._keys = {k: v for k, v in self._keys.items() if v[0] != old.name}
-        try:
-            self._add([cls])
-        except BaseException:
-            self._keys = saved
+        with self._all_or_nothing():
+            old = self._classes.pop(getattr(cls, "name", ""), None)
             if old is not None:
-                self._classes[old.name] = old
-            raise
+                self._keys = {k: v for k, v in self._keys.items() if v[0] != old.name}
+            self._add([cls])
 
     @property
     def names(self) -> list[str]:
