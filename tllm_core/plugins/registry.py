@@ -1,5 +1,4 @@
-"""Plugin discovery (pluggy): consumers (by name, with their configs and request keys), the
-producers serving each port type and the architectures (tap sites) the bridge knows."""
+"""The consumers, producers and architectures the ``tllm`` plugins contribute."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ __all__ = ["ConsumerSpec", "ConsumerSpecError", "Registry"]
 
 
 class Registry:
-    """Consumer and producer classes, collected from the ``tllm`` entry points and plugins
-    registered at run time (one per engine or command)."""
+    """Consumer and producer classes from the ``tllm`` entry points and run-time plugins."""
 
     def __init__(self, load_entry_points: bool = True, plugins: Plugins | None = None):
         self.plugins = plugins or Plugins.load(load_entry_points)
@@ -109,8 +107,7 @@ class Registry:
             self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object/module at run time (tests, notebooks); errors raise (a
-        misspelled hook: ``pluggy.PluginValidationError``) and leave the registry unchanged."""
+        """Register a plugin at run time (tests, notebooks); an error leaves the registry as it was."""
         registered = self.plugins.register(plugin, name)
         try:
             self._collect(registered)
@@ -152,8 +149,7 @@ class Registry:
         )
 
     def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
-        """A token port from its name (:mod:`tllm_core.api.port_names`), any registered layer
-        port's prefix included."""
+        """A token port from its name (:mod:`tllm_core.api.port_names`), any layer port's prefix."""
         prefixes = {
             t.prefix: t
             for t in self._producers
@@ -167,8 +163,7 @@ class Registry:
         return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
 
     def use(self, cls: type[Consumer]) -> None:
-        """Serve consumer ``cls.name`` by ``cls``, replacing a class of that name found through
-        an entry point (the test kit: the class being edited wins)."""
+        """Serve consumer ``cls.name`` by ``cls``, replacing one of that name (the test kit)."""
         with self._all_or_nothing():
             old = self._classes.pop(getattr(cls, "name", ""), None)
             if old is not None:
@@ -218,8 +213,8 @@ class Registry:
         return configs
 
     def describe(self) -> list[dict[str, Any]]:
-        """Name, one-line description, config fields and request keys of every consumer;
-        broken plugins in the same shape (their consumers are unknown)."""
+        """Every consumer's name, description, config fields and request keys; broken plugins too."""
+
         out = []
         for name in self.names:
             cls = self._classes[name]
