@@ -32,11 +32,6 @@ def find(files: tuple[str, ...]) -> str | None:
     return None
 
 
-def preload_libs() -> list[str]:
-    """Paths of tcmalloc and Intel OpenMP found on this machine (either may be missing)."""
-    return [p for p in (find(TCMALLOC_FILES), find(IOMP_FILES)) if p]
-
-
 def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
     """Prepend the found libraries of kinds ``env["LD_PRELOAD"]`` lacks; returns what was added."""
 

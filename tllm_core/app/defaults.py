@@ -5,8 +5,8 @@ each) and a 2 GiB CPU KV cache (vLLM's CPU backend would reserve 92% of the memo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from tllm_core.runtime.environ import env_set
@@ -26,9 +26,7 @@ def kv_cache_gib(gib: int | None = None, llm_kwargs: Mapping[str, Any] | None = 
     return str(DEFAULT_KV_CACHE_GIB)
 
 
-@contextmanager
-def default_kv_cache(llm_kwargs: Mapping[str, Any]) -> Iterator[None]:
+def default_kv_cache(llm_kwargs: Mapping[str, Any]) -> AbstractContextManager[None]:
     """The default KV cache size while ``vllm.LLM(...)`` starts, unless the caller chose one."""
     value = kv_cache_gib(None, llm_kwargs)
-    with env_set(KV_ENV, value) if value is not None else nullcontext():
-        yield
+    return env_set(KV_ENV, value) if value is not None else nullcontext()

@@ -11,12 +11,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tllm_core.runtime.environ import env_seconds
-
-if TYPE_CHECKING:
-    from tllm_core.vllm_bridge.nodes import NodeWatch
 
 STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
 # vLLM's engine gets 60 s (the command's --shutdown-timeout / lifecycle.SHUTDOWN_TIMEOUT_S),
@@ -39,13 +36,13 @@ _installed: StopSignals | None = None
 class StopSignals:
     """A command's stop: the signals received, the watchdog the first starts, its processes."""
 
-    def __init__(self, nodes: NodeWatch | None = None) -> None:
+    def __init__(self) -> None:
         from tllm_core.vllm_bridge.nodes import NodeWatch
 
         self._received: list[int] = []
         self._lock = threading.RLock()  # taken in the signal handler too (same thread)
         self._children: set[int] = set()  # the processes when the first stop signal came
-        self.nodes = nodes if nodes is not None else NodeWatch()
+        self.nodes = NodeWatch()
         self.replaced: dict[int, Any] = {}  # the handlers install() replaced
 
     def received(self) -> int | None:
@@ -64,7 +61,7 @@ class StopSignals:
             self._received.append(signum)
         if first:
             self.nodes.stop()  # peers that stop answering now are part of this stop
-            self._children.update(_descendant_pids())
+            self._children.update(p.pid for p in _descendants())
             threading.Thread(
                 target=self._watchdog,
                 args=(stop_timeout(),),
@@ -195,12 +192,12 @@ def _say(text: str) -> None:
         print(f"tllm: {text}", file=sys.stderr, flush=True)
 
 
-def _descendant_pids() -> set[int]:
+def _descendants() -> list[Any]:
     import psutil
 
     with contextlib.suppress(psutil.Error):
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    return set()
+        return psutil.Process().children(recursive=True)
+    return []
 
 
 def kill_children() -> list[int]:
@@ -208,15 +205,11 @@ def kill_children() -> list[int]:
     import psutil
 
     killed = []
-    with contextlib.suppress(psutil.Error):
-        children = psutil.Process().children(recursive=True)
-        for p in children:
-            try:
-                if "resource_tracker" in " ".join(p.cmdline()):
-                    continue
+    for p in _descendants():
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(p.cmdline()):
                 p.kill()
-                killed.append(p.pid)
-            except psutil.Error:
-                continue
-        psutil.wait_procs([p for p in children if p.pid in killed], timeout=10)
-    return killed
+                killed.append(p)
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs(killed, timeout=10)
+    return [p.pid for p in killed]

@@ -14,15 +14,6 @@ import pluggy
 
 from tllm_core.api import hookspecs
 
-__all__ = [
-    "ALLOW_ENV",
-    "ENTRY_POINT_GROUP",
-    "BrokenPlugin",
-    "Plugins",
-    "TllmPluginWarning",
-    "allowed_plugins",
-]
-
 # Built-ins register through this group and the same hooks as third-party plugins.
 ENTRY_POINT_GROUP = "tllm"
 ALLOW_ENV = "TLLM_PLUGINS"
