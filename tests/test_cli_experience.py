@@ -260,7 +260,6 @@ def test_cpu_preload_env():
     from tllm_core.app import cpu_preload
 
     libs = cpu_preload.apply({})  # what this machine has: tcmalloc, Intel OpenMP
-
     if not libs:
         pytest.skip("neither tcmalloc nor libiomp5 is installed here")
     env: dict[str, str] = {"LD_PRELOAD": "/x/libfoo.so"}

@@ -322,7 +322,6 @@ def generate_with(
         raise CliError(f"-n must be >= 1, got {args.n}")
     if args.max_tokens < 1:
         raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = _results_arg(args, checked)
@@ -511,7 +510,6 @@ def show(
     report: dict[str, Any],
 ) -> int:
     """Print and write what :func:`generate_with` returned; returns the exit status."""
-
     print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
     if getattr(args, "report", None) is not None:
         from tllm_core.app.report_html import write_report

@@ -34,7 +34,6 @@ def find(files: tuple[str, ...]) -> str | None:
 
 def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
     """Prepend the found libraries of kinds ``env["LD_PRELOAD"]`` lacks; returns what was added."""
-
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(OFF_ENV, "") not in ("", "0"):
         return []

@@ -173,7 +173,6 @@ def default_model_path(progress: bool = True) -> Path:
 def convert_in_background() -> subprocess.Popen | None:
     """Convert the default model in a child process, on one core while the command imports
     vLLM on the other (None: cached, or the GGUF package is missing)."""
-
     if _is_complete(cache_root() / MODEL_DIRNAME):
         return None
     try:

@@ -158,9 +158,8 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
 
 
 class TllmLLM:
-    """A vLLM ``LLM`` whose engine runs tllm consumers (extra keyword arguments go to
-    ``vllm.LLM``); consumers are checked before the engine starts, each request's ``tllm_*``
-    extra_args before generation."""
+    """A vLLM ``LLM`` whose engine runs tllm consumers, checked before the engine starts (extra
+    keyword arguments go to ``vllm.LLM``)."""
 
     def __init__(
         self,
@@ -286,7 +285,6 @@ class TllmLLM:
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
         """A call on an engine with a dead process raises :class:`EngineDiedError` naming it."""
-
         try:
             self._watch.check()
             yield

@@ -224,7 +224,6 @@ EPILOG = """examples:
 
 def default_out(run_json: Path) -> Path:
     """A report's own run.json: its folder; any other file: ``<stem>-report`` beside it."""
-
     if run_json.name == "run.json" and (run_json.parent / "index.html").is_file():
         return run_json.parent
     return run_json.with_name(f"{run_json.stem}-report")

@@ -177,7 +177,6 @@ class LastCounters:
 
 def describe(url: str, engine) -> list[str]:
     """Lines naming the URL, the consumers and their request keys."""
-
     from tllm_core.serving.keys import KEYS
 
     info = engine.describe()

@@ -1,6 +1,5 @@
-"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C, and a
-watchdog started by the first signal kills the command's processes if it has not exited
-:func:`stop_timeout` seconds later (exit status :data:`EXIT_STOP_TIMEOUT`)."""
+"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C; a watchdog
+kills the command's processes if it has not exited :func:`stop_timeout` s after the first."""
 
 from __future__ import annotations
 
@@ -179,7 +178,6 @@ def exit_code(default: int = 130) -> int:
 def exit_now(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown (the engine is stopped: it would
     only add seconds and "nanobind: leaked" lines)."""
-
     if _installed is not None:
         _installed.forget_dead_children()
     sys.stdout.flush()

@@ -106,7 +106,6 @@ class Plugins:
 
     def register(self, plugin: object, name: str | None = None) -> str:
         """Register ``plugin``; a misspelled hook raises ``PluginValidationError`` (unregistered)."""
-
         registered = self.pm.register(plugin, name=name)
         if registered is None:
             raise ValueError(f"plugin {name or plugin!r} is blocked")

@@ -214,7 +214,6 @@ class Registry:
 
     def describe(self) -> list[dict[str, Any]]:
         """Every consumer's name, description, config fields and request keys; broken plugins too."""
-
         out = []
         for name in self.names:
             cls = self._classes[name]

@@ -90,7 +90,6 @@ class BearerGuard:
 
     def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
         scheme, _, token = _authorization(headers).decode("latin-1").partition(" ")
-
         if scheme.lower() != "bearer":
             return False
         digest = hashlib.sha256(token.encode()).digest()

@@ -253,7 +253,6 @@ def request_salt(
 ) -> str | None:
     """The prefix-cache salt of a request whose tllm keys may change its KV (None: none); a
     server's secret ``key`` makes it an HMAC no client's own ``cache_salt`` can equal."""
-
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()
