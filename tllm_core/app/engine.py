@@ -192,7 +192,8 @@ class TllmLLM:
             from tllm_core.runtime.model_config import read_model_config
 
             read_model_config(model)
-        checked = validate_consumers(checked, model if os.path.isdir(model) else None)
+            checked = validate_consumers(checked, model)
+
         from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
