@@ -36,7 +36,6 @@ class Registry:
         self.plugins = plugins or Plugins.load(load_entry_points)
         self.pm = self.plugins.pm
         self._classes: dict[str, type[Consumer]] = {}
-        self._keys: dict[str, tuple[str, str]] = {}  # request key -> (consumer, field name)
         self._producers: dict[type[ReadPort], Producer] = {}
         self.architectures = Architectures()
         for name in self.plugins.loaded:
@@ -53,11 +52,11 @@ class Registry:
     @contextlib.contextmanager
     def _all_or_nothing(self) -> Iterator[None]:
         """The registry as it was before, if the body fails."""
-        saved = dict(self._classes), dict(self._keys), dict(self._producers), self.architectures
+        saved = dict(self._classes), dict(self._producers), self.architectures
         try:
             yield
         except BaseException:
-            self._classes, self._keys, self._producers, self.architectures = saved
+            self._classes, self._producers, self.architectures = saved
             raise
 
     def _collect(self, plugin_name: str) -> None:
@@ -95,15 +94,15 @@ class Registry:
                     f"consumer {cls.name!r}: Request must be a RequestSettings subclass or None, "
                     f"got {req!r}"
                 )
+            taken = self.request_keys
             for key, fname in request_keys(cls.name, req).items():
-                owner = self._keys.get(key)
+                owner = taken.get(key)
                 if key in GENERIC_KEYS or (owner is not None and owner[0] != cls.name):
                     taken = f"consumer {owner[0]!r}" if owner else "tllm itself"
                     raise ValueError(
                         f"consumer {cls.name!r}: request key {key!r} (field {fname!r}) is "
                         f"already used by {taken}; rename the field"
                     )
-                self._keys[key] = (cls.name, fname)
             self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
@@ -118,7 +117,11 @@ class Registry:
     @property
     def request_keys(self) -> dict[str, tuple[str, str]]:
         """Every consumer-declared request key -> (consumer name, field name)."""
-        return dict(self._keys)
+        return {
+            key: (name, fname)
+            for name, cls in self._classes.items()
+            for key, fname in request_keys(name, cls.Request).items()
+        }
 
     def _add_producers(self, classes: Iterable[type]) -> None:
         for cls in classes:
@@ -165,9 +168,7 @@ class Registry:
     def use(self, cls: type[Consumer]) -> None:
         """Serve consumer ``cls.name`` by ``cls``, replacing one of that name (the test kit)."""
         with self._all_or_nothing():
-            old = self._classes.pop(getattr(cls, "name", ""), None)
-            if old is not None:
-                self._keys = {k: v for k, v in self._keys.items() if v[0] != old.name}
+            self._classes.pop(getattr(cls, "name", ""), None)
             self._add([cls])
 
     @property
