@@ -336,7 +336,7 @@ def generate_with(
         # Converted while vLLM is imported; before the engine processes' preload is set.
         converting = convert_in_background()
         if converting is None:  # cached: the dry build now, before vLLM is imported
-            model = str(default_model_path(progress=True))
+            model = str(default_model_path())
             checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
@@ -345,7 +345,7 @@ def generate_with(
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
         wait_for_conversion(converting)
-        model = str(default_model_path(progress=True))
+        model = str(default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))

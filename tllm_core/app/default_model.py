@@ -140,7 +140,7 @@ def _make_readable(root: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def default_model_path(progress: bool = True) -> Path:
+def default_model_path() -> Path:
     """Folder of the embedded default model, converting the GGUF file on first use (~10-20 s)."""
     target = cache_root() / MODEL_DIRNAME
     if _is_complete(target):
@@ -150,8 +150,7 @@ def default_model_path(progress: bool = True) -> Path:
     with _file_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
         if _is_complete(target):  # another process converted it while we waited
             return target
-        if progress:
-            say(f"converting {source.name} -> {target} (once, under a minute)")
+        say(f"converting {source.name} -> {target} (once, under a minute)")
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
         try:
@@ -165,8 +164,7 @@ def default_model_path(progress: bool = True) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if progress:
-            say(f"default model ready in {time.perf_counter() - t0:.1f}s")
+        say(f"default model ready in {time.perf_counter() - t0:.1f}s")
     return target
 
 
@@ -198,6 +196,6 @@ def wait_for_conversion(child: subprocess.Popen, timeout: float = CONVERT_TIMEOU
 
 def _convert_child() -> None:
     try:
-        default_model_path(progress=True)
+        default_model_path()
     except BaseException:  # noqa: BLE001 - Ctrl-C included: the parent reports it, or the error
         sys.exit(1)

@@ -14,7 +14,7 @@ from typing import Any
 
 from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
-from tllm_core.app.summary import Lookup, summarize
+from tllm_core.app.summary import summarize
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 
 EPILOG = """examples:
@@ -133,9 +133,8 @@ COUNTERS_INTERVAL_S = 5.0
 class LastCounters:
     """The last report read from ``{url}/tllm/counters``."""
 
-    def __init__(self, url: str, interval_s: float = COUNTERS_INTERVAL_S):
+    def __init__(self, url: str):
         self.url = f"{url}/tllm/counters"
-        self.interval_s = interval_s
         self.report: dict[str, Any] | None = None
         self.read_at = 0.0
         self._stop = threading.Event()
@@ -152,7 +151,7 @@ class LastCounters:
 
     def start(self) -> None:
         def follow() -> None:
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.wait(COUNTERS_INTERVAL_S):
                 self.read_once()
 
         threading.Thread(target=follow, daemon=True, name="tllm-serve-counters").start()
@@ -160,13 +159,13 @@ class LastCounters:
     def stop(self) -> None:
         self._stop.set()
 
-    def lines(self, lookup: Lookup | None = None) -> list[str]:
+    def lines(self) -> list[str]:
         """Summary lines (no ``tllm: `` prefix), empty before any read."""
         if self.report is None:
             return []
         runtime = self.report.get("runtime", {})
         age = time.monotonic() - self.read_at
-        s = summarize({**self.report, "run": {}}, lookup)
+        s = summarize({**self.report, "run": {}})
         head = (
             f"served {runtime.get('requests_finished', 0)} request(s), "
             f"{runtime.get('rows_seen', 0)} token rows (counters read {age:.0f} s before the "
@@ -236,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
-        model = str(default_model_path(progress=True))
+        model = str(default_model_path())
         checked = validate_consumers(checked, model)
     from tllm_core.vllm_bridge.families import check_model
 

@@ -83,9 +83,8 @@ class BearerGuard:
     """Pure ASGI middleware: HTTP 401 on ``/tllm/*`` without ``Authorization: Bearer KEY``
     (any of ``tokens``, compared in constant time; no tokens: nothing guarded)."""
 
-    def __init__(self, app: Any, tokens: list[str], prefix: str = TLLM_PREFIX):
+    def __init__(self, app: Any, tokens: list[str]):
         self.app = app
-        self.prefix = prefix
         self.digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
 
     def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -102,7 +101,7 @@ class BearerGuard:
         if not self.digests or scope["type"] != "http":  # tllm has no websocket route
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        guarded = path == self.prefix or path.startswith(self.prefix + "/")
+        guarded = path == TLLM_PREFIX or path.startswith(TLLM_PREFIX + "/")
         if not guarded or scope.get("method") == "OPTIONS" or self.allowed(scope["headers"]):
             return await self.app(scope, receive, send)
         body = json.dumps({"error": "Unauthorized"}).encode()
