@@ -210,8 +210,17 @@ def prompts(args: argparse.Namespace) -> list[str]:
     return args.prompt or [DEFAULT_PROMPT]
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+    """tllm's own checks of the sampling options, which need no vLLM (``-n``, ``--max-tokens``)."""
+    if args.n < 1:
+        raise CliError(f"-n must be >= 1, got {args.n}")
+    if args.max_tokens < 1:
+        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+
 def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options (vLLM's own checks)."""
+    """``SamplingParams`` from the sampling options (our checks, then vLLM's)."""
+    check_sampling(args)
     from vllm import SamplingParams
 
     from tllm_core.vllm_bridge.errors import vllm_value_errors
@@ -318,10 +327,7 @@ def generate_with(
         check_out_dir(args.report)
     model = local_model(args.model)
     texts_in = prompts(args)
-    if args.n < 1:  # tllm's own checks, before vLLM is imported
-        raise CliError(f"-n must be >= 1, got {args.n}")
-    if args.max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_sampling(args)
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = _results_arg(args, checked)

@@ -67,7 +67,7 @@ DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
 
 
 def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
-    """The value of the last of ``flags`` among vLLM's arguments (a whole number), if given."""
+    """The last of ``flags``'s value among vLLM's arguments, converted (None: not given)."""
     found = None
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")

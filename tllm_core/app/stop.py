@@ -82,7 +82,7 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def forget_dead_children(self) -> list[str]:
-        """Remove the /dev/shm files of stopped processes (libiomp5 does only at a normal exit)."""
+        """Remove stopped processes' Intel OpenMP files in /dev/shm (libiomp5 does at exit only)."""
         from tllm_core.vllm_bridge.engine_watch import remove_openmp_files
 
         return remove_openmp_files(self._children)
