@@ -1,2 +1,1 @@
-"""The user-facing edges: the ``tllm`` command and its helpers for plugin commands, ``tllm
-serve``, the Python ``TllmLLM`` and the embedded default model."""
+"""The user-facing edges: the ``tllm`` command, ``tllm serve``, ``TllmLLM``, the default model."""

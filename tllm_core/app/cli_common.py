@@ -1,7 +1,5 @@
 """Helpers shared by ``tllm`` commands, built-in or contributed by plugins through the
-``tllm_commands`` hook (docs/hooks.md has an example): ``add_generation_args``, ``quiet``,
-``generate_with``, ``show``.
-"""
+``tllm_commands`` hook (docs/hooks.md lists them, with an example)."""
 
 from __future__ import annotations
 
@@ -20,25 +18,6 @@ if TYPE_CHECKING:
 from tllm_core.api.request_settings import RESULTS_KEY
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
-
-__all__ = [
-    "EXIT_ENGINE_DIED",
-    "CliError",
-    "add_consumer_arg",
-    "add_generation_args",
-    "engine_kwargs",
-    "engine_note",
-    "exit_status",
-    "generate_with",
-    "int_at_least",
-    "print_report",
-    "prompts",
-    "quiet",
-    "read_prompt_file",
-    "sampling",
-    "say",
-    "show",
-]
 
 
 class CliError(ValueError):
@@ -113,8 +92,7 @@ def _add_count(g: Any, flag: str, help: str) -> None:
 
 
 def add_model_args(g: Any) -> None:
-    """``--model``, ``--dtype``, ``--max-model-len``, ``--kv-cache-gib`` and
-    ``--callback-deadline`` (``tllm run`` and ``tllm serve``)."""
+    """The model options ``tllm run`` and ``tllm serve`` share."""
     g.add_argument(
         "--model", help="local Hugging Face model folder (default: embedded SmolLM2-135M-Instruct)"
     )
@@ -216,8 +194,7 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def read_prompt_file(path: Path, what: str = "prompt file") -> list[str]:
-    """The prompts in ``path``, one a line (blank lines skipped); a ValueError naming the file
-    if it is missing or empty."""
+    """The prompts in ``path``, one a line; a ValueError naming the file if missing or empty."""
     if not path.is_file():
         raise ValueError(f"{what} not found: {path}")
     prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
@@ -308,8 +285,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def choose_eager(args: argparse.Namespace, new_tokens: int) -> str | None:
-    """Set ``args.enforce_eager`` for a job of at most :data:`EAGER_MAX_TOKENS` new tokens
-    when neither ``--compile`` nor ``--enforce-eager`` was given; returns why (None: kept)."""
+    """Eager mode for a small job unless ``--compile``/``--enforce-eager``; returns why."""
     if getattr(args, "compile", False) or getattr(args, "enforce_eager", False):
         return None
     if new_tokens > EAGER_MAX_TOKENS:
@@ -335,12 +311,9 @@ def generate_with(
     extra_engine: dict | None = None,
     status: Callable[[], str] | None = None,
 ) -> tuple[list[str], list[list[str | None]], dict[str, Any]]:
-    """Start the engine with ``consumers``, generate for the prompts of ``args`` (options of
-    :func:`add_generation_args`), close; return (prompts, texts per prompt and sample, report).
-
-    Status lines and a progress bar (``status()`` beside it) go to stderr. Ctrl-C stops
-    generation: the report is then partial (``report["run"]["interrupted"]``, unfinished
-    samples None). ``report["run"]``: ``tokens``, ``seconds``, ``interrupted``, ``summary``."""
+    """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
+    return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
+    (``report["run"]["interrupted"]``, unfinished samples None)."""
     from tllm_core.api.results import encode
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
@@ -369,7 +342,7 @@ def generate_with(
         # Converted while vLLM is imported; before the engine processes' preload is set.
         converting = convert_in_background()
         if converting is None:  # cached: the dry build now, before vLLM is imported
-            model = str(default_model_path(progress=True))
+            model = str(default_model_path())
             checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
@@ -378,7 +351,7 @@ def generate_with(
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
         wait_for_conversion(converting)
-        model = str(default_model_path(progress=True))
+        model = str(default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
@@ -504,8 +477,7 @@ def print_report(
     as_json: bool,
     counters: bool = False,
 ) -> None:
-    """Completions as text (or one JSON), then on stderr errors and the run's summary;
-    ``counters``: the full counter table too."""
+    """Completions as text (or one JSON), then errors and the run's summary on stderr."""
     from tllm_core.app.summary import summarize
 
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
@@ -543,8 +515,7 @@ def show(
     texts: list[list[str | None]],
     report: dict[str, Any],
 ) -> int:
-    """What a command prints and writes after :func:`generate_with` (outputs, ``--json``,
-    ``--counters``, ``--report DIR``); returns the exit status."""
+    """Print and write what :func:`generate_with` returned; returns the exit status."""
     print_report(prompts, texts, report, args.json, counters=getattr(args, "counters", False))
     if getattr(args, "report", None) is not None:
         from tllm_core.app.report_html import write_report

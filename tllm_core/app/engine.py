@@ -65,18 +65,14 @@ def validate_consumers(
     specs: ConsumersArg, model_path: str | None = None, registry: Registry | None = None
 ) -> CheckedConsumers:
     """Check names and configs and, given the model folder, build every consumer on the meta
-    device, before the engine starts. Passing the result back in adds only what was not done
-    yet (the dry build, once the model folder is known)."""
-    if isinstance(specs, CheckedConsumers):
-        if model_path is None or specs.model_path == model_path:
-            return specs
-        checked = specs
-    else:
+    device, before the engine starts. Passing the result back in adds only the dry build."""
+    checked = specs
+    if not isinstance(checked, CheckedConsumers):
         registry = registry or Registry()
-        parsed = tuple(ConsumerSpec.coerce(c) for c in specs)
+        parsed = tuple(ConsumerSpec.coerce(c) for c in checked)
         checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
-        if model_path is None or not checked.specs:
-            return checked
+    if model_path is None or checked.model_path == model_path or not checked.specs:
+        return checked
     from tllm_core.runtime.dry_run import dry_build
 
     dry_build(checked.specs, checked.configs, model_path, checked.registry)
@@ -109,8 +105,7 @@ class ConsumerDisabledError(RuntimeError):
 
 
 class ConsumerHungError(EngineDiedError):
-    """A consumer callback ran past its deadline (``hung``): the engine's watchdog stopped
-    the engine (``death``)."""
+    """A consumer callback ran past its deadline (``hung``): the watchdog stopped the engine."""
 
     def __init__(self, death: Any, hung: Hung, outputs: Any = None) -> None:
         super().__init__(death, outputs)
@@ -163,9 +158,8 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
 
 
 class TllmLLM:
-    """A vLLM ``LLM`` whose engine runs tllm consumers (extra keyword arguments go to
-    ``vllm.LLM``); consumers are checked before the engine starts, each request's ``tllm_*``
-    extra_args before generation."""
+    """A vLLM ``LLM`` whose engine runs tllm consumers, checked before the engine starts (extra
+    keyword arguments go to ``vllm.LLM``)."""
 
     def __init__(
         self,
@@ -198,7 +192,8 @@ class TllmLLM:
             from tllm_core.runtime.model_config import read_model_config
 
             read_model_config(model)
-        checked = validate_consumers(checked, model if os.path.isdir(model) else None)
+            checked = validate_consumers(checked, model)
+
         from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
@@ -227,7 +222,6 @@ class TllmLLM:
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = StartErrorNote()
-        # The same kind of note, kept for the engine's life: a hung callback's report.
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         sent = self.settings.model_copy(
@@ -291,8 +285,7 @@ class TllmLLM:
 
     @contextlib.contextmanager
     def _naming_a_dead_engine(self):
-        """A call on an engine one of whose processes died raises :class:`EngineDiedError`
-        naming that process."""
+        """A call on an engine with a dead process raises :class:`EngineDiedError` naming it."""
         try:
             self._watch.check()
             yield

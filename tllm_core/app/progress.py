@@ -1,5 +1,4 @@
-"""What the ``tllm`` command shows on stderr while it runs: status lines and the progress bar
-(over the run's sequences, with vLLM's token rates and the command's own live status)."""
+"""What the ``tllm`` command shows on stderr while it runs: status lines and the progress bar."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class _Bar(tqdm):
 
 
 class RunProgress:
-    """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat`` (no bar: pass
-    ``use_tqdm=False``, vLLM divides by a bar's elapsed time)."""
+    """A ``use_tqdm`` factory for ``vllm.LLM.generate``/``chat``."""
 
     def __init__(self, extra: Callable[[], str] | None = None):
         self.extra = extra

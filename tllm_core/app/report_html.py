@@ -1,8 +1,6 @@
-"""The run report and ``tllm report RUN.json``: ``write_report(run, out_dir)`` writes
-``index.html`` (outputs side by side, the summary, the consumers' plots as data URIs, every
-counter in a folded table), ``run.json`` and one ``<consumer>-<plot>.png`` per plot. The
-consumers describe plots (``Consumer.report_plots``: data only); matplotlib draws them here.
-"""
+"""The run report and ``tllm report RUN.json``: ``index.html`` (outputs side by side, summary,
+plots, counters), ``run.json`` and one PNG per plot. Consumers describe plots
+(``Consumer.report_plots``: data only); matplotlib draws them here."""
 
 from __future__ import annotations
 
@@ -76,13 +74,8 @@ def consumer_plots(run: dict[str, Any], lookup: Lookup) -> list[tuple[str, Plot]
 
 def render_png(plot: Plot, path: Path) -> None:
     """Draw ``plot`` into the PNG file ``path`` (matplotlib, no display)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError(
-            "the report's plots need matplotlib (in the cpu and cuda extras): "
-            "pip install matplotlib"
-        ) from None
+    import matplotlib  # check_out_dir said whether it is installed
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -230,8 +223,7 @@ EPILOG = """examples:
 
 
 def default_out(run_json: Path) -> Path:
-    """A report's own run.json (an index.html beside it): its folder; any other file:
-    ``<stem>-report`` beside it."""
+    """A report's own run.json: its folder; any other file: ``<stem>-report`` beside it."""
     if run_json.name == "run.json" and (run_json.parent / "index.html").is_file():
         return run_json.parent
     return run_json.with_name(f"{run_json.stem}-report")

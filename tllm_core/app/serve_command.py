@@ -1,7 +1,5 @@
-"""``tllm serve``: vLLM's OpenAI-compatible server with tllm switched on (docs/serving.md). The
-consumers, validated before vLLM starts, travel as ``--additional-config '{"tllm": ...}'``;
-the server runs in this process and reuses the checked configs.
-"""
+"""``tllm serve``: vLLM's OpenAI-compatible server, in this process, with tllm switched on
+(docs/serving.md); the consumers travel as ``--additional-config '{"tllm": ...}'``."""
 
 from __future__ import annotations
 
@@ -10,12 +8,13 @@ import json
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
-from tllm_core.app.summary import Lookup, summarize
+from tllm_core.app.summary import summarize
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 
 EPILOG = """examples:
@@ -67,45 +66,43 @@ API_SERVER_FLAGS = ("--api-server-count", "-asc")
 DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
 
 
-def _int_flag(extra: list[str], flags: tuple[str, ...]) -> int | None:
-    """The whole-number value of the last of ``flags`` among vLLM's arguments, if given."""
+def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
+    """The last of ``flags``'s value among vLLM's arguments, converted (None: not given)."""
     found = None
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
         if flag in flags:
             value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
             try:
-                found = int(value)
+                found = convert(value)
             except ValueError:
                 raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
     return found
 
 
 def followers_store(extra: list[str]) -> tuple[str, int] | None:
-    """Where a multi-node leader's engine store listens (``--master-addr:--master-port``);
-    None for a one-node engine or a follower."""
-    if (_int_flag(extra, ("--nnodes",)) or 1) <= 1 or (_int_flag(extra, ("--node-rank",)) or 0):
-        return None
-    host = "127.0.0.1"
-    for i, a in enumerate(extra):
-        flag, eq, value = a.partition("=")
-        if flag in ("--master-addr", "--master_addr"):
-            host = value if eq else (extra[i + 1] if i + 1 < len(extra) else host)
-    return host, _int_flag(extra, ("--master-port", "--master_port")) or 29501
+    """Where a multi-node leader's engine store listens; None for one node or a follower."""
+    from tllm_core.vllm_bridge.nodes import leader_store
+
+    return leader_store(
+        _flag(extra, ("--nnodes",)),
+        _flag(extra, ("--node-rank",)),
+        _flag(extra, ("--master-addr", "--master_addr"), str),
+        _flag(extra, ("--master-port", "--master_port")),
+    )
 
 
 def parallel_ranks(args: argparse.Namespace) -> int:
-    """Model ranks on this machine: TP size times DP size (a size given after ``--`` wins).
-    Refuses more than one API server (tllm's checks and routes live in this one)."""
+    """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
     extra = list(args.vllm_args or [])
-    servers = _int_flag(extra, API_SERVER_FLAGS)
+    servers = _flag(extra, API_SERVER_FLAGS)
     if servers is not None and servers != 1:
         raise cli_common.CliError(
             f"--api-server-count {servers}: tllm serve runs one API server (its request "
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _int_flag(extra, DP_FLAGS)
+    dp = _flag(extra, DP_FLAGS)
     dp = args.data_parallel_size if dp is None else dp
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
@@ -113,12 +110,11 @@ def parallel_ranks(args: argparse.Namespace) -> int:
 
 
 def local_ranks(extra: list[str], tp: int, dp: int) -> int:
-    """Ranks of the engine on this node: ``--data-parallel-size-local`` engines of ``tp``
-    ranks, else the ``tp * dp`` ranks split over ``--nnodes``."""
-    dp_local = _int_flag(extra, DP_LOCAL_FLAGS)
+    """Ranks on this node: ``--data-parallel-size-local`` engines, else ``tp * dp`` / nodes."""
+    dp_local = _flag(extra, DP_LOCAL_FLAGS)
     if dp_local is not None:
         return tp * max(dp_local, 1)
-    nodes = _int_flag(extra, ("--nnodes",)) or 1
+    nodes = _flag(extra, ("--nnodes",)) or 1
     if nodes < 1:
         raise cli_common.CliError(f"--nnodes must be >= 1, got {nodes}")
     return max(1, tp * dp // nodes)
@@ -137,17 +133,15 @@ COUNTERS_INTERVAL_S = 5.0
 class LastCounters:
     """The last report read from ``{url}/tllm/counters``."""
 
-    def __init__(self, url: str, interval_s: float = COUNTERS_INTERVAL_S):
+    def __init__(self, url: str):
         self.url = f"{url}/tllm/counters"
-        self.interval_s = interval_s
         self.report: dict[str, Any] | None = None
         self.read_at = 0.0
         self._stop = threading.Event()
 
     def read_once(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url, timeout=10) as r:
-                report = json.loads(r.read())
+            report = _get_json(self.url)
         except (OSError, ValueError):
             return False
         if isinstance(report, dict) and "consumers" in report:
@@ -157,7 +151,7 @@ class LastCounters:
 
     def start(self) -> None:
         def follow() -> None:
-            while not self._stop.wait(self.interval_s):
+            while not self._stop.wait(COUNTERS_INTERVAL_S):
                 self.read_once()
 
         threading.Thread(target=follow, daemon=True, name="tllm-serve-counters").start()
@@ -165,13 +159,13 @@ class LastCounters:
     def stop(self) -> None:
         self._stop.set()
 
-    def lines(self, lookup: Lookup | None = None) -> list[str]:
+    def lines(self) -> list[str]:
         """Summary lines (no ``tllm: `` prefix), empty before any read."""
         if self.report is None:
             return []
         runtime = self.report.get("runtime", {})
         age = time.monotonic() - self.read_at
-        s = summarize({**self.report, "run": {}}, lookup)
+        s = summarize({**self.report, "run": {}})
         head = (
             f"served {runtime.get('requests_finished', 0)} request(s), "
             f"{runtime.get('rows_seen', 0)} token rows (counters read {age:.0f} s before the "
@@ -181,8 +175,7 @@ class LastCounters:
 
 
 def describe(url: str, engine) -> list[str]:
-    """Lines naming the URL, the consumers and their request keys (``engine``: the checked
-    consumers, a :class:`tllm_core.serving.keys.EngineConsumers`)."""
+    """Lines naming the URL, the consumers and their request keys."""
     from tllm_core.serving.keys import KEYS
 
     info = engine.describe()
@@ -199,11 +192,15 @@ def describe(url: str, engine) -> list[str]:
     return lines
 
 
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def _runner_note(url: str) -> str:
     """ " on vLLM's V2 runner ..." from ``/tllm/status`` (empty: unreadable, e.g. an API key)."""
     try:
-        with urllib.request.urlopen(f"{url}/tllm/status", timeout=10) as r:
-            runner = json.loads(r.read())["worker"]["runner"]
+        runner = _get_json(f"{url}/tllm/status")["worker"]["runner"]
     except (OSError, ValueError, KeyError, TypeError):
         return ""
     return f" on vLLM's {runner}"
@@ -238,7 +235,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if model is None:
         from tllm_core.app.default_model import default_model_path
 
-        model = str(default_model_path(progress=True))
+        model = str(default_model_path())
         checked = validate_consumers(checked, model)
     from tllm_core.vllm_bridge.families import check_model
 

@@ -1,6 +1,5 @@
-"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C, and a
-watchdog started by the first signal kills the command's processes if it has not exited
-:func:`stop_timeout` seconds later (exit status :data:`EXIT_STOP_TIMEOUT`)."""
+"""Stopping a ``tllm`` command (docs/cli.md, "Stopping"): SIGTERM acts as Ctrl-C; a watchdog
+kills the command's processes if it has not exited :func:`stop_timeout` s after the first."""
 
 from __future__ import annotations
 
@@ -11,12 +10,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tllm_core.runtime.environ import env_seconds
-
-if TYPE_CHECKING:
-    from tllm_core.vllm_bridge.nodes import NodeWatch
 
 STOP_TIMEOUT_ENV = "TLLM_STOP_TIMEOUT_S"
 # vLLM's engine gets 60 s (the command's --shutdown-timeout / lifecycle.SHUTDOWN_TIMEOUT_S),
@@ -37,16 +33,15 @@ _installed: StopSignals | None = None
 
 
 class StopSignals:
-    """A command's stop: the signals received, its processes when the first came, the
-    watchdog that first signal starts, and the node watch it silences."""
+    """A command's stop: the signals received, the watchdog the first starts, its processes."""
 
-    def __init__(self, nodes: NodeWatch | None = None) -> None:
+    def __init__(self) -> None:
         from tllm_core.vllm_bridge.nodes import NodeWatch
 
         self._received: list[int] = []
         self._lock = threading.RLock()  # taken in the signal handler too (same thread)
         self._children: set[int] = set()  # the processes when the first stop signal came
-        self.nodes = nodes if nodes is not None else NodeWatch()
+        self.nodes = NodeWatch()
         self.replaced: dict[int, Any] = {}  # the handlers install() replaced
 
     def received(self) -> int | None:
@@ -65,7 +60,7 @@ class StopSignals:
             self._received.append(signum)
         if first:
             self.nodes.stop()  # peers that stop answering now are part of this stop
-            self._children.update(_descendant_pids())
+            self._children.update(p.pid for p in _descendants())
             threading.Thread(
                 target=self._watchdog,
                 args=(stop_timeout(),),
@@ -87,8 +82,7 @@ class StopSignals:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     def forget_dead_children(self) -> list[str]:
-        """Remove the Intel OpenMP files in /dev/shm of the command's processes that a stop
-        caught and are gone (libiomp5 removes its own only at a normal exit)."""
+        """Remove stopped processes' Intel OpenMP files in /dev/shm (libiomp5 does at exit only)."""
         from tllm_core.vllm_bridge.engine_watch import remove_openmp_files
 
         return remove_openmp_files(self._children)
@@ -96,8 +90,7 @@ class StopSignals:
     @contextlib.contextmanager
     def noting_handlers(self, seen: Callable[[Any], None] | None = None) -> Iterator[None]:
         """While inside, a SIGINT/SIGTERM handler someone else installs (vLLM's server,
-        uvicorn) first records the signal (:meth:`note`), then runs as it would;
-        ``seen(handler)`` is called with each."""
+        uvicorn) first records the signal, then runs; ``seen(handler)`` is called with each."""
         original = signal.signal
 
         def signal_noting(signalnum: Any, handler: Any) -> Any:
@@ -184,7 +177,7 @@ def exit_code(default: int = 130) -> int:
 
 def exit_now(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown (the engine is stopped: it would
-    only add seconds and "nanobind: leaked" lines), after what a stop left is cleaned up."""
+    only add seconds and "nanobind: leaked" lines)."""
     if _installed is not None:
         _installed.forget_dead_children()
     sys.stdout.flush()
@@ -197,12 +190,12 @@ def _say(text: str) -> None:
         print(f"tllm: {text}", file=sys.stderr, flush=True)
 
 
-def _descendant_pids() -> set[int]:
+def _descendants() -> list[Any]:
     import psutil
 
     with contextlib.suppress(psutil.Error):
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    return set()
+        return psutil.Process().children(recursive=True)
+    return []
 
 
 def kill_children() -> list[int]:
@@ -210,15 +203,11 @@ def kill_children() -> list[int]:
     import psutil
 
     killed = []
-    with contextlib.suppress(psutil.Error):
-        children = psutil.Process().children(recursive=True)
-        for p in children:
-            try:
-                if "resource_tracker" in " ".join(p.cmdline()):
-                    continue
+    for p in _descendants():
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(p.cmdline()):
                 p.kill()
-                killed.append(p.pid)
-            except psutil.Error:
-                continue
-        psutil.wait_procs([p for p in children if p.pid in killed], timeout=10)
-    return killed
+                killed.append(p)
+    with contextlib.suppress(psutil.Error):
+        psutil.wait_procs(killed, timeout=10)
+    return [p.pid for p in killed]

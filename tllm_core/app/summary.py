@@ -1,5 +1,4 @@
-"""The few lines a person reads after a run: what each consumer did (its ``summary``, else
-its proof counter), then what went wrong (its ``summary_warnings`` and the runtime's)."""
+"""The few lines a person reads after a run: what each consumer did, then what went wrong."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def _count(v: Any) -> str:
 
 
 def proof_counter(counters: dict[str, Any], declared: str = "") -> tuple[str, Any] | None:
-    """The counter that proves a consumer's work: the one its class names
-    (``Consumer.proof_counter``), else the first non-zero counter (memory gauges aside)."""
+    """The counter its class names (``Consumer.proof_counter``), else the first non-zero one."""
     if declared:
         return declared, counters.get(declared, 0)
     return next(((k, v) for k, v in counters.items() if v and not k.startswith("memory")), None)
@@ -92,8 +90,7 @@ def idle_warning(name: str, runtime: dict[str, Any]) -> str:
 
 
 def call_consumer(cls: type | None, method: str, name: str, counters: Any, result: Any) -> list:
-    """What a consumer's ``method(counters, result)`` returns, as a list; a failing method
-    is logged and returns none (a plugin's wording or plots must not fail the command)."""
+    """``cls.method(counters, result)`` as a list; a failing one is logged and returns none."""
     fn = getattr(cls, method, None)
     if fn is None:
         return []
@@ -108,14 +105,13 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
     """Warnings from the runtime's counters (docs/counters.md)."""
     out = []
     for name in names:
-        errors = runtime.get(f"consumer_errors.{name}", 0)
-        if errors:
-            out.append(f"consumer {name!r}: {errors} callback error(s) (see the errors above)")
-        dropped = runtime.get(f"bundles_dropped.{name}", 0)
-        if dropped:
-            out.append(f"consumer {name!r}: {dropped} bundle(s) dropped (its queue was full)")
-        hung = runtime.get(f"callbacks_hung.{name}", 0)
-        if hung:
+        for key, what in (
+            ("consumer_errors", "callback error(s) (see the errors above)"),
+            ("bundles_dropped", "bundle(s) dropped (its queue was full)"),
+        ):
+            if runtime.get(f"{key}.{name}", 0):
+                out.append(f"consumer {name!r}: {runtime[f'{key}.{name}']} {what}")
+        if runtime.get(f"callbacks_hung.{name}", 0):
             abandoned = runtime.get(f"bundles_abandoned.{name}", 0)
             out.append(
                 f"consumer {name!r}: a callback passed its deadline (see the errors above)"

@@ -1,2 +1,1 @@
-"""Plugin discovery: the pluggy manager over the ``tllm`` entry points (``loader``) and the
-registry of ports, consumers, request keys and commands they contribute (``registry``)."""
+"""Plugin discovery: the pluggy manager (``loader``) and what the plugins contribute (``registry``)."""

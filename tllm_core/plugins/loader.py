@@ -1,7 +1,5 @@
-"""Loading the ``tllm`` entry points into a pluggy manager (see docs/hooks.md). A plugin that
-fails to import, misspells a hook or fails when its hooks are collected is named once and
-skipped; ``TLLM_PLUGINS`` (an allow-list) limits which third-party entry points load.
-"""
+"""Loading the ``tllm`` entry points into a pluggy manager (docs/hooks.md): a broken plugin is
+named once and skipped; ``TLLM_PLUGINS`` (an allow-list) limits the third-party ones."""
 
 from __future__ import annotations
 
@@ -15,15 +13,6 @@ from dataclasses import dataclass, field
 import pluggy
 
 from tllm_core.api import hookspecs
-
-__all__ = [
-    "ALLOW_ENV",
-    "ENTRY_POINT_GROUP",
-    "BrokenPlugin",
-    "Plugins",
-    "TllmPluginWarning",
-    "allowed_plugins",
-]
 
 # Built-ins register through this group and the same hooks as third-party plugins.
 ENTRY_POINT_GROUP = "tllm"
@@ -72,8 +61,7 @@ def warn(broken: BrokenPlugin) -> None:
 
 @dataclass
 class Plugins:
-    """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it (one
-    per engine or command; ``on_broken`` names each once, a warning by default)."""
+    """A plugin manager with the ``tllm`` hook specs, and the plugins found broken in it."""
 
     pm: pluggy.PluginManager = field(default_factory=lambda: _new_manager())
     broken: list[BrokenPlugin] = field(default_factory=list)
@@ -117,8 +105,7 @@ class Plugins:
                     self._skip(ep.name, ep.value, f"{type(e).__name__}: {e}")
 
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Register ``plugin`` and check every hook implementation has a spec (a misspelled
-        hook: ``PluginValidationError``, the plugin unregistered again); its name."""
+        """Register ``plugin``; a misspelled hook raises ``PluginValidationError`` (unregistered)."""
         registered = self.pm.register(plugin, name=name)
         if registered is None:
             raise ValueError(f"plugin {name or plugin!r} is blocked")

@@ -1,11 +1,11 @@
-"""Plugin discovery (pluggy): consumers (by name, with their configs and request keys), the
-producers serving each port type and the architectures (tap sites) the bridge knows."""
+"""The consumers, producers and architectures the ``tllm`` plugins contribute."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,14 +30,12 @@ __all__ = ["ConsumerSpec", "ConsumerSpecError", "Registry"]
 
 
 class Registry:
-    """Consumer and producer classes, collected from the ``tllm`` entry points and plugins
-    registered at run time (one per engine or command)."""
+    """Consumer and producer classes from the ``tllm`` entry points and run-time plugins."""
 
     def __init__(self, load_entry_points: bool = True, plugins: Plugins | None = None):
         self.plugins = plugins or Plugins.load(load_entry_points)
         self.pm = self.plugins.pm
         self._classes: dict[str, type[Consumer]] = {}
-        self._keys: dict[str, tuple[str, str]] = {}  # request key -> (consumer, field name)
         self._producers: dict[type[ReadPort], Producer] = {}
         self.architectures = Architectures()
         for name in self.plugins.loaded:
@@ -51,10 +49,19 @@ class Registry:
         """The plugins skipped because they failed to load or register."""
         return list(self.plugins.broken)
 
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """The registry as it was before, if the body fails."""
+        saved = dict(self._classes), dict(self._producers), self.architectures
+        try:
+            yield
+        except BaseException:
+            self._classes, self._producers, self.architectures = saved
+            raise
+
     def _collect(self, plugin_name: str) -> None:
         """Add one plugin's producers and consumers, all or none (a failing one is skipped)."""
-        saved = dict(self._classes), dict(self._keys), dict(self._producers), self.architectures
-        try:
+        with self._all_or_nothing():
             for classes in self._call(self.pm.hook.tllm_producers, plugin_name):
                 self._add_producers(classes)
             for classes in self._call(self.pm.hook.tllm_consumers, plugin_name):
@@ -65,9 +72,6 @@ class Registry:
                 for spec in (s for group in specs for s in group):
                     merged.add(spec, f"plugin {plugin_name!r}")
                 self.architectures = merged
-        except BaseException:
-            self._classes, self._keys, self._producers, self.architectures = saved
-            raise
 
     @staticmethod
     def _call(hook: Any, plugin_name: str) -> list[Any]:
@@ -90,20 +94,19 @@ class Registry:
                     f"consumer {cls.name!r}: Request must be a RequestSettings subclass or None, "
                     f"got {req!r}"
                 )
+            taken = self.request_keys
             for key, fname in request_keys(cls.name, req).items():
-                owner = self._keys.get(key)
+                owner = taken.get(key)
                 if key in GENERIC_KEYS or (owner is not None and owner[0] != cls.name):
                     taken = f"consumer {owner[0]!r}" if owner else "tllm itself"
                     raise ValueError(
                         f"consumer {cls.name!r}: request key {key!r} (field {fname!r}) is "
                         f"already used by {taken}; rename the field"
                     )
-                self._keys[key] = (cls.name, fname)
             self._classes[cls.name] = cls
 
     def register(self, plugin: object, name: str | None = None) -> None:
-        """Register a plugin object/module at run time (tests, notebooks); errors raise (a
-        misspelled hook: ``pluggy.PluginValidationError``) and leave the registry unchanged."""
+        """Register a plugin at run time (tests, notebooks); an error leaves the registry as it was."""
         registered = self.plugins.register(plugin, name)
         try:
             self._collect(registered)
@@ -114,7 +117,11 @@ class Registry:
     @property
     def request_keys(self) -> dict[str, tuple[str, str]]:
         """Every consumer-declared request key -> (consumer name, field name)."""
-        return dict(self._keys)
+        return {
+            key: (name, fname)
+            for name, cls in self._classes.items()
+            for key, fname in request_keys(name, cls.Request).items()
+        }
 
     def _add_producers(self, classes: Iterable[type]) -> None:
         for cls in classes:
@@ -145,8 +152,7 @@ class Registry:
         )
 
     def parse_port(self, text: str, phase: Phase = Phase.ALL) -> TokenPort:
-        """A token port from its name (:mod:`tllm_core.api.port_names`), any registered layer
-        port's prefix included."""
+        """A token port from its name (:mod:`tllm_core.api.port_names`), any layer port's prefix."""
         prefixes = {
             t.prefix: t
             for t in self._producers
@@ -160,19 +166,10 @@ class Registry:
         return prefixes[name.prefix](int(name.layer), phase)  # type: ignore[arg-type, call-arg]
 
     def use(self, cls: type[Consumer]) -> None:
-        """Serve consumer ``cls.name`` by ``cls``, replacing a class of that name found through
-        an entry point (the test kit: the class being edited wins)."""
-        old = self._classes.pop(getattr(cls, "name", ""), None)
-        saved = dict(self._keys)
-        if old is not None:
-            self._keys = {k: v for k, v in self._keys.items() if v[0] != old.name}
-        try:
+        """Serve consumer ``cls.name`` by ``cls``, replacing one of that name (the test kit)."""
+        with self._all_or_nothing():
+            self._classes.pop(getattr(cls, "name", ""), None)
             self._add([cls])
-        except BaseException:
-            self._keys = saved
-            if old is not None:
-                self._classes[old.name] = old
-            raise
 
     @property
     def names(self) -> list[str]:
@@ -217,8 +214,7 @@ class Registry:
         return configs
 
     def describe(self) -> list[dict[str, Any]]:
-        """Name, one-line description, config fields and request keys of every consumer;
-        broken plugins in the same shape (their consumers are unknown)."""
+        """Every consumer's name, description, config fields and request keys; broken plugins too."""
         out = []
         for name in self.names:
             cls = self._classes[name]

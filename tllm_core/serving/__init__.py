@@ -1,6 +1,4 @@
-"""Serving: the request keys and their validation against an engine's consumers (server and
-``TllmLLM`` alike), without vLLM; the wiring lives in :mod:`tllm_core.vllm_bridge.serving`.
-"""
+"""The request keys and their checks, for the server and ``TllmLLM`` alike (no vLLM here)."""
 
 from tllm_core.serving.keys import (
     KEYS,

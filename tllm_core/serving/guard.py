@@ -1,5 +1,4 @@
-"""What guards tllm's own server routes (``/tllm/*``): API keys, client scopes, hidden paths;
-engine-neutral (the wiring is in ``vllm_bridge/serving.py``)."""
+"""What guards tllm's server routes (``/tllm/*``): API keys, client scopes, hidden paths."""
 
 from __future__ import annotations
 
@@ -45,9 +44,13 @@ def hide_paths(value: Any) -> Any:
 CLIENT: ContextVar[str] = ContextVar("tllm_client", default="anon")
 
 
+def _authorization(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return next((v for k, v in headers if k.lower() == b"authorization"), b"")
+
+
 def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
     """A short keyed digest of the ``Authorization`` header (``anon`` without one)."""
-    value = next((v for k, v in headers if k.lower() == b"authorization"), None)
+    value = _authorization(headers)
     if not value:
         return "anon"
     return hmac.new(secret, value, hashlib.sha256).hexdigest()[:12]
@@ -80,14 +83,12 @@ class BearerGuard:
     """Pure ASGI middleware: HTTP 401 on ``/tllm/*`` without ``Authorization: Bearer KEY``
     (any of ``tokens``, compared in constant time; no tokens: nothing guarded)."""
 
-    def __init__(self, app: Any, tokens: list[str], prefix: str = TLLM_PREFIX):
+    def __init__(self, app: Any, tokens: list[str]):
         self.app = app
-        self.prefix = prefix
         self.digests = [hashlib.sha256(t.encode()).digest() for t in tokens]
 
     def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        value = next((v for k, v in headers if k.lower() == b"authorization"), b"")
-        scheme, _, token = value.decode("latin-1").partition(" ")
+        scheme, _, token = _authorization(headers).decode("latin-1").partition(" ")
         if scheme.lower() != "bearer":
             return False
         digest = hashlib.sha256(token.encode()).digest()
@@ -100,7 +101,7 @@ class BearerGuard:
         if not self.digests or scope["type"] != "http":  # tllm has no websocket route
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        guarded = path == self.prefix or path.startswith(self.prefix + "/")
+        guarded = path == TLLM_PREFIX or path.startswith(TLLM_PREFIX + "/")
         if not guarded or scope.get("method") == "OPTIONS" or self.allowed(scope["headers"]):
             return await self.app(scope, receive, send)
         body = json.dumps({"error": "Unauthorized"}).encode()

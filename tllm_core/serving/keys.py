@@ -163,8 +163,8 @@ def validate_extra_args(
     where: str = "vllm_xargs",
     tags: bool = False,
 ) -> None:
-    """Check every ``tllm_*`` key of a request; ValueError naming the key (``where``: the dict's
-    name). ``tags``: the internal row tags (:data:`TAGS`) are allowed (``TllmLLM``'s callers)."""
+    """Check every ``tllm_*`` key of a request (``where``: the dict's name); ``tags``: the
+    internal row tags (:data:`TAGS`) are allowed."""
     if not extra:
         return
     mine: dict[str, str] = {}  # consumer -> its first key in this request
@@ -251,9 +251,8 @@ def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str,
 def request_salt(
     extra: dict[str, Any] | None, key: bytes | None = None, *, can_change_kv: bool = True
 ) -> str | None:
-    """The prefix-cache salt of a request (None: none): a hash of its tllm keys, when they may
-    change its KV (``can_change_kv``); a server's secret ``key`` makes it an HMAC no client's
-    own ``cache_salt`` can equal."""
+    """The prefix-cache salt of a request whose tllm keys may change its KV (None: none); a
+    server's secret ``key`` makes it an HMAC no client's own ``cache_salt`` can equal."""
     items = sorted(
         (k, str(v))
         for k, v in (extra or {}).items()

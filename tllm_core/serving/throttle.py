@@ -1,7 +1,6 @@
-"""At most one read of the engine's report at a time (it runs every consumer's ``result()``),
-shared by the requests waiting: each gets a read that started after it arrived, or one younger
-than ``min_interval_s``; a read that fails fails every request that waited for it (a hung
-engine costs each one wait, not one per request queued)."""
+"""At most one read of the engine's report at a time, shared by the requests waiting: each gets
+a read that started after it arrived, or one younger than ``min_interval_s``; a failed read
+fails every request that waited for it (a hung engine costs one wait, not one per request)."""
 
 from __future__ import annotations
 
