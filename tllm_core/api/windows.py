@@ -21,8 +21,15 @@ _SLICE = re.compile(r"^(prompt|generated|all)\[(-?\d*):(-?\d*)(?::(\d*))?\]$")
 MAX_INDEX = 1 << 40
 
 
+class Selector:
+    """What selects rows (a Phase, window or :class:`AnyOf`): they unite with :func:`union`."""
+
+    def union(self, other: Any) -> Any:
+        return union(self, other)
+
+
 @dataclass(frozen=True)
-class Window:
+class Window(Selector):
     """Rows of ``region`` whose index in it lies in ``[start:stop:step]`` (a Python slice)."""
 
     region: str
@@ -85,12 +92,9 @@ class Window:
         length = {"prompt": prompt, "generated": generated, "all": prompt + generated}
         return len(range(*slice(self.start, self.stop, self.step).indices(length[self.region])))
 
-    def union(self, other: Any) -> Any:
-        return union(self, other)
-
 
 @dataclass(frozen=True)
-class LastRow:
+class LastRow(Selector):
     """Each request's last token row (``"last"``): known only when the request finishes, so
     a step's cut keeps none of its rows (:meth:`mask`); the runtime delivers it at the finish."""
 
@@ -102,9 +106,6 @@ class LastRow:
 
     def max_rows(self, prompt: int, generated: int) -> int:
         return 1
-
-    def union(self, other: Any) -> Any:
-        return union(self, other)
 
 
 LAST = LastRow()
@@ -127,14 +128,11 @@ def _bound(value: int | None, length: np.ndarray | None) -> Any:
 
 
 @dataclass(frozen=True)
-class AnyOf:
+class AnyOf(Selector):
     """Rows any of ``parts`` (phases and windows) selects: several ports of one consumer
     with the same key, or one bundle's token ports."""
 
     parts: frozenset
-
-    def union(self, other: Any) -> Any:
-        return union(self, other)
 
 
 def union(a: Any, b: Any) -> Any:
