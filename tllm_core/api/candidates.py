@@ -1,9 +1,6 @@
-"""Finding the candidates of a guided step (the logits ``> -inf`` after top-k/top-p/min-p):
-:class:`Candidates`, all of them (ends in a ``nonzero``: on CUDA the host waits), or
-:class:`TopCandidates`, up to ``k`` per row in fixed ``[R, k]`` tensors (no host sync); and
-:class:`GuideBuffers`, the preallocated temporaries of a ``GuideView``'s fixed-size writes
-(made once, sized for the most rows a step can have: guidance allocates nothing per step).
-"""
+"""The candidates of a guided step (logits ``> -inf`` after top-k/top-p/min-p): all of them
+(a ``nonzero``: the host waits), or up to ``k`` per row in fixed shapes (no host sync); and
+:class:`GuideBuffers`, preallocated temporaries so that guidance allocates nothing per step."""
 
 from __future__ import annotations
 
@@ -17,9 +14,8 @@ NEG_INF = float("-inf")
 
 
 def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits > -inf).nonzero(as_tuple=True)`` of ``logits [R, V]``, at a fraction of its
-    cost: a max per block of ``block`` tokens, then an exact scan of the blocks holding a
-    candidate (a NaN block max keeps the block)."""
+    """``(logits > -inf).nonzero(as_tuple=True)`` at a fraction of its cost: a max per block of
+    ``block`` tokens, then an exact scan of the blocks holding a candidate."""
     r, v = logits.shape
     nb = v // block
     if nb == 0 or logits.stride(-1) != 1:
@@ -47,8 +43,7 @@ def count_rows(mask: torch.Tensor, block: int = 8, out: torch.Tensor | None = No
 
 
 def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) -> WorkspaceSpec:
-    """The parts: with ``top_k``, the search and its write (``[rows, k]`` slots and a
-    ``[rows, vocab]`` mask); with ``dense``, two ``[rows, vocab]`` masks (the first shared)."""
+    """The parts of :class:`GuideBuffers` (``dense``: two ``[rows, vocab]`` masks)."""
     spec: list = [("count", (rows,), torch.long), ("count2", (rows,), torch.long)]
     if dense or top_k is not None:
         spec.append(("masks", (2 if dense else 1, rows, vocab), torch.bool))

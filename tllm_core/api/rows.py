@@ -26,8 +26,7 @@ from tllm_core.api.windows import LastRow, Window
 
 
 class SettingsOwner(Protocol):
-    """What :meth:`RequestInfo.settings` reads of a consumer (structural: rows does not
-    import the consumer module)."""
+    """What :meth:`RequestInfo.settings` reads of a consumer (rows does not import it)."""
 
     name: str
     config: Any
@@ -36,11 +35,8 @@ class SettingsOwner(Protocol):
 
 @dataclass
 class RequestInfo:
-    """One engine request (one of the ``n`` samples of a prompt).
-
-    ``engine_id`` is vLLM's internal id; ``request_id`` the caller's id without vLLM's
-    random suffix or the ``n`` fan-out prefix.
-    """
+    """One engine request (one of the ``n`` samples of a prompt): ``engine_id`` is vLLM's id,
+    ``request_id`` the caller's (without vLLM's random suffix or the ``n`` fan-out prefix)."""
 
     engine_id: str
     request_id: str
@@ -126,12 +122,10 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
 
 @dataclass
 class RowInfo:
-    """Metadata of a set of token rows (host arrays, one entry per row).
-
-    ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``;
-    ``token_ids`` (a device tensor) the token fed there. ``mid_prefill[i]``: a prompt row of
-    a request whose prompt is not complete after this step (its sampled token is discarded).
-    """
+    """Metadata of a set of token rows (host arrays, one entry per row): ``row`` indexes the
+    step's packed token rows; ``requests[i]`` describes row ``i``; ``token_ids`` (a device
+    tensor) the token fed there. ``mid_prefill[i]``: a prompt row of a request whose prompt
+    is not complete after this step (its sampled token is discarded)."""
 
     row: np.ndarray  # int64 [R]: packed row index in the step
     requests: list[RequestInfo]

@@ -21,14 +21,10 @@ class StaleTapError(RuntimeError):
 
 @dataclass
 class StepCapture:
-    """One engine step.
-
-    ``rows`` are all packed token rows. Sampling row ``j`` is token row
+    """One engine step: ``rows`` are all packed token rows; sampling row ``j`` is token row
     ``sample_token_row[j]``, kept unless mid-prefill (``sample_kept[j]``). ``tensors[tap_key]``
     holds what a tap captured (``[T, ...]`` or ``[S, ...]``); taps inside the forward also set
-    ``stamps[tap_key]`` to the step number in-graph, so a buffer the forward did not write is
-    detected (:meth:`confirm`) instead of delivered.
-    """
+    ``stamps[tap_key]`` to the step number in-graph, so a stale buffer is detected."""
 
     step: int
     rows: RowInfo

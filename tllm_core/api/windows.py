@@ -1,7 +1,5 @@
 """Capture windows: which token rows of each request a read port selects, by position
-(grammar and costs: docs/ports.md#capture-windows). The runtime applies them to host metadata
-when it cuts a step into bundles, so rows outside a window are never gathered or copied;
-``last`` rows are kept on the device until the request finishes (runtime/last_rows.py)."""
+(grammar and costs: docs/ports.md#capture-windows)."""
 
 from __future__ import annotations
 
@@ -136,8 +134,8 @@ class AnyOf(Selector):
 
 
 def union(a: Any, b: Any) -> Any:
-    """Rows ``a`` or ``b`` selects (each a Phase, window or :class:`AnyOf`; ``b`` may be None).
-    A Phase is a str enum, compared by value here: windows do not import the ports."""
+    """Rows ``a`` or ``b`` selects (``b`` may be None). A Phase is compared by its value here:
+    windows do not import the ports."""
     if b is None or b == a or b == "guide":
         return a
     if a == "guide" or b == "all":
@@ -151,8 +149,7 @@ def union(a: Any, b: Any) -> Any:
 
 
 def window_text(selector: Any) -> str:
-    """A selector (``Phase``, :class:`Window`, :class:`AnyOf`) as text: ``"decode"``,
-    ``"prompt[-1:]"``."""
+    """A selector as text: ``"decode"``, ``"prompt[-1:]"``."""
     if isinstance(selector, AnyOf):
         return " | ".join(sorted(window_text(p) for p in selector.parts))
     value = getattr(selector, "value", None)  # a Phase (no import of ports)
