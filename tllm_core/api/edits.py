@@ -1,6 +1,5 @@
-"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the
-forward, the per-row buffers a tap reads inside the forward, and the edit math (how edits
-compose: docs/ports.md, "Edit")."""
+"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the forward,
+and the per-row buffers a tap reads inside it (how edits compose: docs/ports.md, "Edit")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md). A
-port is a frozen dataclass that knows its bundle key; a package declares more read ports by
-subclassing :class:`TokenPort` or :class:`SamplePort` and registering a producer."""
+"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md); a
+package adds read ports by subclassing :class:`TokenPort` or :class:`SamplePort`."""
 
 from __future__ import annotations
 

@@ -62,12 +62,9 @@ class StepCapture:
             stamp = self.stamps.get(k)
             if stamp is None:
                 continue
-            if out is None:
-                hit = (stamp == self.step).all()
-                ok = hit if ok is None else ok & hit
-            else:  # one-element stamps: their only value compared
-                hit = torch.eq(stamp.reshape(()), self.step, out=out[0 if ok is None else 1])
-                ok = hit if ok is None else ok.logical_and_(hit)
+            into = None if out is None else out[0 if ok is None else 1]
+            hit = torch.eq(stamp.reshape(()), self.step, out=into)  # stamps have one element
+            ok = hit if ok is None else ok.logical_and_(hit)
         return ok
 
     def sample_rows(self) -> RowInfo:
