@@ -3,6 +3,7 @@ and the per-row buffers a tap reads inside it (how edits compose: docs/ports.md,
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -147,47 +148,40 @@ class EditValues:
         # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
         # reused; the prepared value; its tag; a host copy to compare a host tensor with)
         self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
-        self._tags = 0
+        self._tags = itertools.count(1)
         self._warned = False
         self.prepared = 0
 
     def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
         """``value`` prepared, and a tag: equal tags are the same prepared value."""
         if value.dim() != 1 or value.is_inference():
-            self._warn(value)
-            return self._prepare(value, ablate), self._tag()
+            if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
+                    f"{self.device} every step (from pageable memory: the host waits); make "
+                    f"per-row edit values on the model's device",
+                    stacklevel=3,
+                )
+            return self._prepare(value, ablate)
         key = (id(value), value._version, ablate)
         hit = self._kept.get(key)
         if hit is not None and hit[0] is value and (hit[3] is None or torch.equal(value, hit[3])):
             return hit[1], hit[2]
         if len(self._kept) >= self.keep:
             del self._kept[next(iter(self._kept))]
-        prepared, tag = self._prepare(value, ablate), self._tag()
+        prepared, tag = self._prepare(value, ablate)
         # A host vector can change without a new version (through ``.numpy()``).
         snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
         self._kept[key] = (value, prepared, tag, snapshot)
         return prepared, tag
 
-    def _tag(self) -> int:
-        self._tags += 1
-        return self._tags
-
-    def _warn(self, value: torch.Tensor) -> None:
-        if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
-                f"{self.device} every step (from pageable memory: the host waits); make "
-                f"per-row edit values on the model's device",
-                stacklevel=4,
-            )
-
-    def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
+    def _prepare(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
         self.prepared += 1
         if ablate:
             d = value.float()
             value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        return value.to(device=self.device, dtype=self.dtype)
+        return value.to(device=self.device, dtype=self.dtype), next(self._tags)
 
 
 IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
