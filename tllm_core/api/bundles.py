@@ -190,7 +190,7 @@ class GuideView:
                 torch.logical_not(keep, out=flag).logical_and_(top.valid)
                 torch.sum(flag, -1, out=count).add_(top.over_cap)
             else:
-                count_rows(torch.gt(logits, NEG_INF, out=part(b, "mask", r)), out=count)
+                count_rows(torch.gt(logits, NEG_INF, out=part(b, "masks", r)), out=count)
                 count.sub_(torch.sum(keep, -1, out=part(b, "count2", r)))
             self._changed.add_(count.mul_(rows))
             self._drops.append(_drop(rows, toks, part(b, "kept", r)))

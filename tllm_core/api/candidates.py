@@ -108,9 +108,7 @@ class GuideBuffers:
 
 def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | None:
     """``out=`` for a temporary: a row view of ``buffers``, or None (allocate)."""
-    if buffers is None:
-        return None
-    return buffers.mask(0, rows) if name == "mask" else buffers.take(name, rows)
+    return None if buffers is None else buffers.take(name, rows)
 
 
 @dataclass(frozen=True)
@@ -162,7 +160,7 @@ def top_candidate_entries(
     vals, toks = torch.topk(logits, k, dim=-1, sorted=False, out=outs)
     valid = torch.gt(vals, NEG_INF, out=part(b, "valid", r))
     # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
-    cands = torch.gt(logits, NEG_INF, out=part(b, "mask", r))
+    cands = torch.gt(logits, NEG_INF, out=part(b, "masks", r))
     over = count_rows(cands, out=part(b, "over_cap", r))
     over.sub_(torch.sum(valid, -1, out=part(b, "count", r)))
     return TopCandidates(toks, vals, valid, over, version, b)
