@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -55,7 +56,6 @@ class RequestInfo:
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _asked: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated settings for ``consumer`` (an instance of its ``Request``;
@@ -90,13 +90,11 @@ class RequestInfo:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
         return acts_on(consumer, per_request, self.extra_args)
 
-    @property
+    @functools.cached_property
     def results_asked(self) -> frozenset[str]:
         """The consumers whose per-request results this request asks for
         (``extra_args["tllm_results"]``), parsed once."""
-        if self._asked is None:
-            self._asked = frozenset(asked_results(self.extra_args))
-        return self._asked
+        return frozenset(asked_results(self.extra_args))
 
     def wants_result(self, consumer: str) -> bool:
         """Whether this request asks for ``consumer``'s per-request result."""
