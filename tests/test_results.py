@@ -35,6 +35,24 @@ def test_arrays_round_trip_through_json():
     assert json_bytes(encode(value)) == len(json.dumps(encode(value), separators=(",", ":")))
 
 
+def test_request_rows_keep_columns_until_their_limit_and_say_why_when_not():
+    from tllm_core.api.results import RequestRows
+
+    rows = RequestRows(limit=60, what="x")  # 60 bytes of base64: 45 bytes of rows
+    rows.add("a", v=np.arange(4, dtype=np.int32))
+    rows.add("a", v=np.arange(2, dtype=np.int32))
+    assert rows.take("a", {"v": []})["v"].tolist() == [0, 1, 2, 3, 0, 1]
+    assert rows.take("a", {"v": []}) == {"v": []}  # taken: forgotten
+    for _ in range(3):  # 48 bytes: past the limit, then still counted
+        rows.add("b", v=np.zeros(4, np.int32))
+    over = rows.take("b", {})
+    assert "more than 48 bytes" in over["error"] and over["limit"] == 60
+    rows.add("c", v=np.zeros(1, np.int32))
+    rows.lose("c")
+    rows.add("c", v=np.zeros(1, np.int32))  # after a loss: ignored
+    assert "dropped" in rows.take("c", {})["error"] and rows.take("c", {}) == {}
+
+
 def test_the_result_store_is_bounded_and_refuses_large_results():
     from tllm_core.api.counters import Counters
     from tllm_core.api.rows import RequestInfo

@@ -1,6 +1,5 @@
 """How a model family looks to the engine bridge: where its decoder layers are and the tap
-sites inside each layer (pure data, registered through the ``tllm_architectures`` hook;
-docs/architectures.md)."""
+sites inside each layer (registered through ``tllm_architectures``; docs/architectures.md)."""
 
 from __future__ import annotations
 

@@ -23,13 +23,10 @@ from tllm_core.api.rows import RowInfo
 
 @dataclass
 class Bundle:
-    """What one engine step produced for one consumer's read ports.
-
-    ``hidden[key]`` holds each token port's data, ``[len(rows), ...]``; ``per_sample[key]``
-    each sample port's data for ``sampled_rows`` (the rows whose sampled token is kept).
-    End-of-step bundles hold device tensors valid only during the call; background bundles
-    hold host copies the consumer may keep (docs/delivery.md).
-    """
+    """What one engine step produced for one consumer's read ports: ``hidden[key]`` holds each
+    token port's data, ``[len(rows), ...]``; ``per_sample[key]`` each sample port's data for
+    ``sampled_rows`` (rows whose sampled token is kept). End-of-step bundles hold device
+    tensors valid only during the call; background bundles host copies (docs/delivery.md)."""
 
     step: int
     rows: RowInfo
@@ -49,16 +46,13 @@ class Bundle:
 
 
 class GuideView:
-    """The sampler's view for one step (write port ``SamplerGuide``).
-
-    ``logits`` are fp32, divided by each row's temperature and filtered by top-k/top-p/min-p
-    (non-candidates are ``-inf``); row ``i`` belongs to ``rows[i]``. Change them only through
+    """The sampler's view for one step (write port ``SamplerGuide``): ``logits`` are fp32,
+    divided by each row's temperature and filtered by top-k/top-p/min-p (non-candidates are
+    ``-inf``); row ``i`` belongs to ``rows[i]``. Change them only through
     :meth:`update_candidates` (sparse), :meth:`update_top_candidates` (up to ``k`` per row,
     no host sync), :meth:`update` (dense rows) or :meth:`update_all` (every row, nothing
-    allocated): each keeps filtered-out entries at ``-inf``, leaves the others bit for bit
-    and counts what changed on the device. ``wrote``: whether any write was made (vLLM then
-    samples from the guided logits). ``changed``: an int64 ``[R]`` buffer to count into.
-    """
+    allocated): each keeps filtered-out entries at ``-inf`` and the others bit for bit, and
+    counts what changed on the device. ``wrote``: whether any write was made."""
 
     def __init__(
         self,
@@ -76,14 +70,12 @@ class GuideView:
         self._logits = logits
         # Writes applied at commit, or (with an undo copy) when the logits are read first.
         self._drops: list[Callable[[torch.Tensor], None]] = []
-        # ids of GuideBuffers holding this step's pending writes or undo values.
-        self._busy: set[int] = set()
+        self._busy: set[int] = set()  # ids of GuideBuffers holding this step's writes
         self.temperature = temperature
         self.is_random = is_random
         self.filtered = filtered
         self._hidden = hidden
-        # Logits changed per row, on the device: counted without a host sync.
-        if changed is None:
+        if changed is None:  # logits changed per row, counted on the device
             changed = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         else:
             changed.zero_()
@@ -102,7 +94,6 @@ class GuideView:
         return self._logits
 
     def _apply_drops(self, undo: bool) -> None:
-        """Apply the pending writes in place; ``undo``: keep one copy to restore from."""
         logits = self._logits
         if undo:
             snapshot = logits.clone()
@@ -112,7 +103,6 @@ class GuideView:
         self._drops.clear()
 
     def _wrote(self, undo: Callable[[], None] | None) -> None:
-        """Count a write (``undo``: how to restore it); the cached candidates are stale."""
         if undo is not None:
             self._undo.append(undo)
         self.wrote = True
@@ -200,14 +190,13 @@ class GuideView:
                 torch.logical_not(keep, out=flag).logical_and_(top.valid)
                 torch.sum(flag, -1, out=count).add_(top.over_cap)
             else:
-                count_rows(torch.gt(logits, NEG_INF, out=part(b, "mask", r)), out=count)
+                count_rows(torch.gt(logits, NEG_INF, out=part(b, "masks", r)), out=count)
                 count.sub_(torch.sum(keep, -1, out=part(b, "count2", r)))
             self._changed.add_(count.mul_(rows))
             self._drops.append(_drop(rows, toks, part(b, "kept", r)))
 
     def update(self, row_idx: torch.Tensor, new_logits: torch.Tensor) -> None:
-        """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries
-        only (dense: prefer :meth:`update_candidates` when only candidates change)."""
+        """Set ``logits[row_idx]`` to ``new_logits`` ``[len(row_idx), V]`` on candidate entries."""
         if row_idx.numel() == 0:
             return
         old = self.logits[row_idx]
@@ -282,8 +271,7 @@ class GuideView:
 def _drop(
     rows: torch.Tensor, toks: torch.Tensor, kept: torch.Tensor | None
 ) -> Callable[[torch.Tensor], None]:
-    """A drop_rest write: in ``rows``, every candidate outside ``toks`` to -inf (``kept``:
-    where to hold the kept values, None to allocate)."""
+    """A drop_rest write: in ``rows``, every candidate outside ``toks`` to -inf."""
 
     def apply(logits: torch.Tensor) -> None:
         k = logits.gather(1, toks) if kept is None else torch.gather(logits, 1, toks, out=kept)

@@ -1,9 +1,6 @@
-"""Finding the candidates of a guided step (the logits ``> -inf`` after top-k/top-p/min-p):
-:class:`Candidates`, all of them (ends in a ``nonzero``: on CUDA the host waits), or
-:class:`TopCandidates`, up to ``k`` per row in fixed ``[R, k]`` tensors (no host sync); and
-:class:`GuideBuffers`, the preallocated temporaries of a ``GuideView``'s fixed-size writes
-(made once, sized for the most rows a step can have: guidance allocates nothing per step).
-"""
+"""The candidates of a guided step (logits ``> -inf`` after top-k/top-p/min-p): all of them
+(a ``nonzero``: the host waits), or up to ``k`` per row in fixed shapes (no host sync); and
+:class:`GuideBuffers`, preallocated temporaries so that guidance allocates nothing per step."""
 
 from __future__ import annotations
 
@@ -17,9 +14,8 @@ NEG_INF = float("-inf")
 
 
 def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits > -inf).nonzero(as_tuple=True)`` of ``logits [R, V]``, at a fraction of its
-    cost: a max per block of ``block`` tokens, then an exact scan of the blocks holding a
-    candidate (a NaN block max keeps the block)."""
+    """``(logits > -inf).nonzero(as_tuple=True)`` at a fraction of its cost: a max per block of
+    ``block`` tokens, then an exact scan of the blocks holding a candidate."""
     r, v = logits.shape
     nb = v // block
     if nb == 0 or logits.stride(-1) != 1:
@@ -47,8 +43,7 @@ def count_rows(mask: torch.Tensor, block: int = 8, out: torch.Tensor | None = No
 
 
 def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) -> WorkspaceSpec:
-    """The parts: with ``top_k``, the search and its write (``[rows, k]`` slots and a
-    ``[rows, vocab]`` mask); with ``dense``, two ``[rows, vocab]`` masks (the first shared)."""
+    """The parts of :class:`GuideBuffers` (``dense``: two ``[rows, vocab]`` masks)."""
     spec: list = [("count", (rows,), torch.long), ("count2", (rows,), torch.long)]
     if dense or top_k is not None:
         spec.append(("masks", (2 if dense else 1, rows, vocab), torch.bool))
@@ -113,9 +108,7 @@ class GuideBuffers:
 
 def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | None:
     """``out=`` for a temporary: a row view of ``buffers``, or None (allocate)."""
-    if buffers is None:
-        return None
-    return buffers.mask(0, rows) if name == "mask" else buffers.take(name, rows)
+    return None if buffers is None else buffers.take(name, rows)
 
 
 @dataclass(frozen=True)
@@ -167,7 +160,7 @@ def top_candidate_entries(
     vals, toks = torch.topk(logits, k, dim=-1, sorted=False, out=outs)
     valid = torch.gt(vals, NEG_INF, out=part(b, "valid", r))
     # Counted, not assumed to be count - k: a NaN logit is no candidate but tops the order.
-    cands = torch.gt(logits, NEG_INF, out=part(b, "mask", r))
+    cands = torch.gt(logits, NEG_INF, out=part(b, "masks", r))
     over = count_rows(cands, out=part(b, "over_cap", r))
     over.sub_(torch.sum(valid, -1, out=part(b, "count", r)))
     return TopCandidates(toks, vals, valid, over, version, b)

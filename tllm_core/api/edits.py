@@ -1,9 +1,9 @@
-"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the
-forward, the per-row buffers a tap reads inside the forward, and the edit math (how edits
-compose: docs/ports.md, "Edit")."""
+"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the forward,
+and the per-row buffers a tap reads inside it (how edits compose: docs/ports.md, "Edit")."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -35,12 +35,10 @@ def apply_edit(
 
 
 class EditPlan:
-    """Edits a consumer asks for before this step's forward.
-
-    Row indices index ``rows``. ``target`` is a decoder layer index (the residual stream
-    after it; negative counts from the end), a token port the consumer declared in an
-    ``Edit`` write port, or that port's name (``"attn.3"``, ``"layer.-1"``).
-    """
+    """Edits a consumer asks for before this step's forward. Row indices index ``rows``;
+    ``target`` is a decoder layer index (the residual stream after it; negative counts from
+    the end), a token port the consumer declared in an ``Edit`` write port, or that port's
+    name (``"attn.3"``, ``"layer.-1"``)."""
 
     def __init__(
         self,
@@ -139,11 +137,9 @@ KEEP = 32  # values kept per tap; the oldest goes first
 
 
 class EditValues:
-    """Values of one tap's edits, as its buffers hold them (``device``, ``dtype``): moved (an
-    ablation's normalised) once, not every step. A 1-D value is kept by the tensor's identity
-    and version (a host vector also compared with a copy of itself: a write through
-    ``.numpy()`` is seen); 2-D values and inference tensors are prepared every step.
-    ``prepared`` counts the values prepared."""
+    """Values of one tap's edits on its buffers' device and dtype, moved (an ablation's
+    normalised) once: a 1-D value is kept by the tensor's identity and version; 2-D values and
+    inference tensors are prepared every step (counted in ``prepared``)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = KEEP) -> None:
         self.device = device
@@ -152,65 +148,50 @@ class EditValues:
         # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
         # reused; the prepared value; its tag; a host copy to compare a host tensor with)
         self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
-        self._tags = 0
+        self._tags = itertools.count(1)
         self._warned = False
         self.prepared = 0
 
     def get(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
-        """``value`` on the device in the dtype (an ablation's normalised), and a tag: equal
-        tags are the same prepared value."""
+        """``value`` prepared, and a tag: equal tags are the same prepared value."""
         if value.dim() != 1 or value.is_inference():
-            self._warn(value)
-            return self._prepare(value, ablate), self._tag()
+            if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
+                    f"{self.device} every step (from pageable memory: the host waits); make "
+                    f"per-row edit values on the model's device",
+                    stacklevel=3,
+                )
+            return self._prepare(value, ablate)
         key = (id(value), value._version, ablate)
         hit = self._kept.get(key)
-        if hit is not None and hit[0] is value and _unchanged(value, hit[3]):
+        if hit is not None and hit[0] is value and (hit[3] is None or torch.equal(value, hit[3])):
             return hit[1], hit[2]
         if len(self._kept) >= self.keep:
             del self._kept[next(iter(self._kept))]
-        prepared, tag = self._prepare(value, ablate), self._tag()
+        prepared, tag = self._prepare(value, ablate)
         # A host vector can change without a new version (through ``.numpy()``).
         snapshot = value.clone() if value.device.type == "cpu" and prepared is not value else None
         self._kept[key] = (value, prepared, tag, snapshot)
         return prepared, tag
 
-    def _tag(self) -> int:
-        self._tags += 1
-        return self._tags
-
-    def _warn(self, value: torch.Tensor) -> None:
-        if value.device.type == "cpu" and self.device.type != "cpu" and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"edit values of shape {tuple(value.shape)} on the CPU are copied to "
-                f"{self.device} every step (from pageable memory: the host waits); make "
-                f"per-row edit values on the model's device",
-                stacklevel=4,
-            )
-
-    def _prepare(self, value: torch.Tensor, ablate: bool) -> torch.Tensor:
+    def _prepare(self, value: torch.Tensor, ablate: bool) -> tuple[torch.Tensor, int]:
         self.prepared += 1
         if ablate:
             d = value.float()
             value = d / d.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        return value.to(device=self.device, dtype=self.dtype)
-
-
-def _unchanged(value: torch.Tensor, snapshot: torch.Tensor | None) -> bool:
-    return snapshot is None or torch.equal(value, snapshot)
+        return value.to(device=self.device, dtype=self.dtype), next(self._tags)
 
 
 IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 
 
 class EditBuffers:
-    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`.
-
-    Written by index on the device, without a host wait or an allocation given the
-    runtime's ``index`` (pinned, pooled copies) and kept values (:class:`EditValues`). Which
-    direction each row ablates is also kept on the host: a second ablation is checked on
-    the device only where a row already ablates another direction.
-    """
+    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`: written by
+    index on the device, without a host wait given the runtime's ``index`` (pinned, pooled
+    copies). The host keeps which direction each row ablates, so a second ablation is
+    checked on the device only where a row already ablates another one."""
 
     def __init__(self, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device):
         self.mask = torch.zeros(max_tokens, 1, dtype=torch.bool, device=device)
@@ -255,7 +236,7 @@ class EditBuffers:
         index: IndexTo = index_to,
     ) -> None:
         """``ValueError`` before writing if ``ops`` would ablate a second, different direction
-        on a row (the host waits only where a row already ablates another direction)."""
+        on a row."""
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue
@@ -280,8 +261,7 @@ class EditBuffers:
         owner: str = "",
         index: IndexTo = index_to,
     ) -> None:
-        """Compose ``ops`` (one consumer's, in order) into the buffers; ``index`` sends a
-        host index to the device."""
+        """Compose ``ops`` (one consumer's, in order) into the buffers."""
         dev = self.add.device
         for rows, kind, value in ops:
             idx = index(rows, dev)

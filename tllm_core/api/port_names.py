@@ -47,7 +47,7 @@ def format_port_name(prefix: str, layer: int | None = None) -> str:
 
 
 def allowed_port_names(prefixes: Collection[str] | None = None, final: bool = True) -> str:
-    """The forms :func:`parse_port_name` accepts, for error messages and help texts."""
+    """The forms :func:`parse_port_name` accepts, for error messages."""
     forms = ["'{i}'", f"'{RESIDUAL}.{{i}}'"]
     if final:
         forms.append(f"'{FINAL}'")

@@ -1,6 +1,5 @@
-"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md). A
-port is a frozen dataclass that knows its bundle key; a package declares more read ports by
-subclassing :class:`TokenPort` or :class:`SamplePort` and registering a producer."""
+"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md); a
+package adds read ports by subclassing :class:`TokenPort` or :class:`SamplePort`."""
 
 from __future__ import annotations
 
@@ -13,12 +12,12 @@ from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from tllm_core.api.port_names import FINAL, RESIDUAL, format_port_name, parse_port_name
-from tllm_core.api.windows import GRAMMAR, LastRow, Window, union
+from tllm_core.api.windows import GRAMMAR, LastRow, Selector, Window
 
 ResolveLayer = Callable[[int], int]
 
 
-class Phase(str, Enum):
+class Phase(Selector, str, Enum):
     """Which token rows a read port selects: ``PREFILL`` (prompt tokens), ``DECODE``
     (generated tokens), ``ALL``, or ``GUIDE`` (none for bundles: read only at guide time,
     ``GuideView.hidden``)."""
@@ -27,9 +26,6 @@ class Phase(str, Enum):
     DECODE = "decode"
     ALL = "all"
     GUIDE = "guide"
-
-    def union(self, other: Any) -> Any:
-        return union(self, other)
 
 
 class Delivery(str, Enum):
@@ -208,8 +204,7 @@ def layer_arg(value: Any, prefix: str, *, final: bool, port: str) -> int | str:
 
 
 def _normalise(port: ReadPort, prefix: str | None = None, *, final: bool = False) -> None:
-    """Check and normalise a frozen port's ``layer`` (with ``prefix``) and ``phase`` (a
-    Phase, its value, or a capture window) in ``__post_init__``."""
+    """Check and normalise a frozen port's ``layer`` (with ``prefix``) and ``phase``."""
     name = type(port).__name__
     if prefix is not None:
         layer = layer_arg(getattr(port, "layer"), prefix, final=final, port=name)  # noqa: B009
@@ -246,14 +241,10 @@ def as_selector(value: Any, where: str) -> Any:
     its text); ``ValueError`` naming ``where`` and the grammar otherwise."""
     if isinstance(value, (Phase, Window, LastRow)):
         return value
-    try:
-        return Phase(value)
-    except ValueError:
+    try:  # "prompt" and "generated" name the phases too
+        return Phase({"prompt": "prefill", "generated": "decode"}.get(value, value))
+    except (ValueError, TypeError):
         pass
-    if value == "prompt":
-        return Phase.PREFILL
-    if value == "generated":
-        return Phase.DECODE
     try:
         return Window.parse(value)
     except (ValueError, TypeError):

@@ -1,7 +1,5 @@
-"""The producer plugin interface: which engine taps a port needs (:class:`TapRequest`), and
-how to :meth:`~Producer.read` them into one tensor for the whole step (row selection is the
-runtime's job). Producers register through the ``tllm_producers`` hook.
-"""
+"""The producer plugin interface: which engine taps a port needs and how to read them into one
+tensor for the whole step. Producers register through the ``tllm_producers`` hook."""
 
 from __future__ import annotations
 
@@ -42,11 +40,9 @@ class TapRequest:
 
 
 class Producer:
-    """Base class of producers (built-in or third-party).
-
-    Subclasses set ``name`` and ``ports`` (the read-port classes they serve) and implement
-    :meth:`taps`; override :meth:`read` when a port's data is not simply its first tap.
-    """
+    """Base class of producers: subclasses set ``name`` and ``ports`` (the read-port classes
+    they serve) and implement :meth:`taps`; override :meth:`read` when a port's data is not
+    simply its first tap."""
 
     name: ClassVar[str] = ""
     ports: ClassVar[tuple[type[ReadPort], ...]] = ()

@@ -1,12 +1,6 @@
-"""Per-request settings that a consumer declares (``vllm_xargs`` / ``SamplingParams.extra_args``),
-and the field types of settings and configs: :data:`FiniteF32`, :data:`WindowSetting`,
-:data:`CaptureWindow`.
-
-Field ``f`` of consumer ``c``'s ``Request`` model is the request key ``tllm_{c}_{f}`` (``None``
-usually means "use the config"). The server, ``TllmLLM`` and the engine validate alike
-(:func:`parse_request_settings`); validators find the consumer's config in
-``info.context["config"]``.
-"""
+"""Per-request settings a consumer declares (field ``f`` of consumer ``c``'s ``Request`` is the
+``extra_args`` key ``tllm_{c}_{f}``), and the field types :data:`FiniteF32`,
+:data:`WindowSetting`, :data:`CaptureWindow`."""
 
 from __future__ import annotations
 
@@ -64,15 +58,12 @@ def request_window(value: Any) -> Any:
     :class:`Window`)."""
     if value is None:
         return None
-    if isinstance(value, (Phase, Window, LastRow)):
-        selector = value
-    elif not isinstance(value, str):
+    if not isinstance(value, (str, Phase, Window, LastRow)):
         raise PydanticCustomError(WINDOW_ERROR, "must be a window text")
-    else:
-        try:
-            selector = as_selector(value, "window")
-        except ValueError:
-            raise PydanticCustomError(WINDOW_ERROR, "is not a capture window") from None
+    try:
+        selector = as_selector(value, "window")
+    except ValueError:
+        raise PydanticCustomError(WINDOW_ERROR, "is not a capture window") from None
     if selector is Phase.GUIDE:  # selects no bundle row: nothing would be captured
         raise PydanticCustomError(WINDOW_ERROR, "is not a capture window")
     return selector
@@ -84,9 +75,8 @@ WindowSetting = Annotated[Any, PlainValidator(request_window)]
 
 
 def config_window(value: Any, info: ValidationInfo) -> str:
-    """A config's ``phase`` checked as a capture window and kept as its text (a ``Phase`` or
-    :class:`Window` given from Python: its text); ``ValueError`` naming the consumer (the
-    registry's ``context["consumer"]``), the field and the grammar."""
+    """A config's ``phase`` checked as a capture window and kept as its text; ``ValueError``
+    naming the consumer (``context["consumer"]``), the field and the grammar."""
     text = str(getattr(value, "value", value))
     consumer = (info.context or {}).get("consumer")
     as_selector(text, f"{consumer}: {info.field_name}" if consumer else str(info.field_name))
@@ -211,10 +201,6 @@ def short_repr(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _num(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
 # pydantic error types -> our words.
 _MESSAGES = MappingProxyType(
     {
@@ -239,7 +225,10 @@ _BOUNDS = MappingProxyType(
 
 
 def _message(err: dict[str, Any]) -> str:
-    kind, ctx = err["type"], {k: _num(v) for k, v in (err.get("ctx") or {}).items()}
+    kind = err["type"]
+    ctx = {
+        k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in (err.get("ctx") or {}).items()
+    }
     if kind in _MESSAGES:
         return _MESSAGES[kind]
     if kind in (F32_ERROR, WINDOW_ERROR):
@@ -297,15 +286,13 @@ def parse_request_settings(
 
 def describe_request_keys(consumer: str, model: type[RequestSettings] | None) -> list[dict]:
     """Key, allowed values, default and description of each request key of a consumer."""
-    out = []
-    for key, fname in request_keys(consumer, model).items():
-        f = model.model_fields[fname]  # type: ignore[union-attr]
-        out.append(
-            {
-                "key": key,
-                "allowed": allowed(f),
-                "default": None if f.is_required() else f.get_default(call_default_factory=True),
-                "description": f.description or "",
-            }
-        )
-    return out
+    fields = model.model_fields if model is not None else {}
+    return [
+        {
+            "key": key,
+            "allowed": allowed(f := fields[fname]),
+            "default": None if f.is_required() else f.get_default(call_default_factory=True),
+            "description": f.description or "",
+        }
+        for key, fname in request_keys(consumer, model).items()
+    ]

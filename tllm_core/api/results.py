@@ -1,5 +1,5 @@
-"""Per-request results: what a consumer computed for one request, returned with its completion
-(``tllm_results``; arrays as ``{"dtype", "shape", "b64"}``: docs/serving.md#results-with-the-completion)."""
+"""Per-request results a consumer returns with a completion (``tllm_results``; arrays as
+``{"dtype", "shape", "b64"}``: docs/serving.md#results-with-the-completion)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args
 def merge_taken(
     answers: Iterable[Any], into: dict[str, dict[str, dict[str, Any]]] | None = None
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every rank's answer to ``tllm_take_results`` merged (``into``, when given): caller id
-    -> sample index as text -> consumer -> result."""
+    """Every rank's answer to ``tllm_take_results`` merged (into ``into``): caller id -> sample
+    index as text -> consumer -> result."""
     out = {} if into is None else into
     for answer in answers:
         for rid, per in (answer or {}).items():
@@ -48,8 +48,7 @@ def merge_taken(
 
 
 def with_missing(names: list[str], values: Mapping[str, Any], wait_s: float) -> dict[str, Any]:
-    """The results of the asked consumers ``names`` from ``values``, an error in place of
-    each one that did not come within ``wait_s``."""
+    """The results of consumers ``names`` from ``values``, an error for each one missing."""
     return {
         n: values[n]
         if n in values
@@ -111,7 +110,7 @@ def json_bytes(value: Any) -> int:
 
 def array_json_bytes(num_values: int, itemsize: int) -> int:
     """An upper bound of :func:`encode_array`'s JSON size for ``num_values`` items of
-    ``itemsize`` bytes (base64: 4 characters per 3 bytes, plus the fields)."""
+    ``itemsize`` bytes."""
     return 4 * ((num_values * itemsize + 2) // 3) + 96
 
 
@@ -123,54 +122,45 @@ class RequestRows:
     def __init__(self, limit: int, what: str):
         self.limit = int(limit)
         self.what = what
-        self._rows: dict[str, dict[str, list[Any]]] = {}
-        self._bytes: dict[str, int] = {}
-        self._over: dict[str, int] = {}
-        self._lost: set[str] = set()
+        # engine id -> [its columns (None: past the limit, _LOST: dropped), bytes added]
+        self._kept: dict[str, list[Any]] = {}
 
     def add(self, engine_id: str, **columns: Any) -> None:
-        if engine_id in self._lost:
+        kept = self._kept.setdefault(engine_id, [{}, 0])
+        if kept[0] is _LOST:
             return
-        size = sum(_nbytes(v) for v in columns.values())
-        if engine_id in self._over:
-            self._over[engine_id] += size
-            return
-        kept = self._rows.setdefault(engine_id, {})
-        for k, v in columns.items():
-            kept.setdefault(k, []).append(v)
-        total = self._bytes[engine_id] = self._bytes.get(engine_id, 0) + size
-        if total * 4 // 3 > self.limit:
-            self._rows.pop(engine_id, None)
-            self._over[engine_id] = self._bytes.pop(engine_id)
+        kept[1] += sum(_nbytes(v) for v in columns.values())
+        if kept[0] is not None:
+            for k, v in columns.items():
+                kept[0].setdefault(k, []).append(v)
+            if kept[1] * 4 // 3 > self.limit:
+                kept[0] = None
 
     def lose(self, engine_id: str) -> None:
         """Rows of the request were dropped (a full queue): its result says so."""
-        self._rows.pop(engine_id, None)
-        self._bytes.pop(engine_id, None)
-        self._lost.add(engine_id)
+        self._kept[engine_id] = [_LOST, 0]
 
     def take(self, engine_id: str, empty: dict[str, Any]) -> dict[str, Any]:
         """The request's columns (``empty`` when it kept no row), or an error; forgotten."""
-        if engine_id in self._lost:
-            self._lost.discard(engine_id)
-            self._over.pop(engine_id, None)
+        if engine_id not in self._kept:
+            return dict(empty)
+        columns, size = self._kept.pop(engine_id)
+        if columns is _LOST:
             return {
                 "error": f"{self.what}: rows of this request were dropped (a full queue: "
                 'overflow "drop"); its result would have holes'
             }
-        over = self._over.pop(engine_id, None)
-        if over is not None:
+        if columns is None:
             return {
-                "error": f"{self.what}: this request's rows hold more than {over} bytes, past "
+                "error": f"{self.what}: this request's rows hold more than {size} bytes, past "
                 f"this engine's limit of {self.limit} (setting max_result_bytes); ask for "
                 "fewer rows (a narrower window, fewer layers or tokens)",
                 "limit": self.limit,
             }
-        kept = self._rows.pop(engine_id, None)
-        self._bytes.pop(engine_id, None)
-        if kept is None:
-            return dict(empty)
-        return {k: _concat(parts) for k, parts in kept.items()}
+        return {k: _concat(parts) for k, parts in columns.items()}
+
+
+_LOST = object()
 
 
 def _nbytes(v: Any) -> int:

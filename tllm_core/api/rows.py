@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -26,8 +27,7 @@ from tllm_core.api.windows import LastRow, Window
 
 
 class SettingsOwner(Protocol):
-    """What :meth:`RequestInfo.settings` reads of a consumer (structural: rows does not
-    import the consumer module)."""
+    """What :meth:`RequestInfo.settings` reads of a consumer (rows does not import it)."""
 
     name: str
     config: Any
@@ -36,11 +36,8 @@ class SettingsOwner(Protocol):
 
 @dataclass
 class RequestInfo:
-    """One engine request (one of the ``n`` samples of a prompt).
-
-    ``engine_id`` is vLLM's internal id; ``request_id`` the caller's id without vLLM's
-    random suffix or the ``n`` fan-out prefix.
-    """
+    """One engine request (one of the ``n`` samples of a prompt): ``engine_id`` is vLLM's id,
+    ``request_id`` the caller's (without vLLM's random suffix or the ``n`` fan-out prefix)."""
 
     engine_id: str
     request_id: str
@@ -59,7 +56,6 @@ class RequestInfo:
     _settings: dict[str, RequestSettings] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _asked: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
         """This request's validated settings for ``consumer`` (an instance of its ``Request``;
@@ -94,13 +90,11 @@ class RequestInfo:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
         return acts_on(consumer, per_request, self.extra_args)
 
-    @property
+    @functools.cached_property
     def results_asked(self) -> frozenset[str]:
         """The consumers whose per-request results this request asks for
         (``extra_args["tllm_results"]``), parsed once."""
-        if self._asked is None:
-            self._asked = frozenset(asked_results(self.extra_args))
-        return self._asked
+        return frozenset(asked_results(self.extra_args))
 
     def wants_result(self, consumer: str) -> bool:
         """Whether this request asks for ``consumer``'s per-request result."""
@@ -126,12 +120,10 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
 
 @dataclass
 class RowInfo:
-    """Metadata of a set of token rows (host arrays, one entry per row).
-
-    ``row`` indexes the step's packed token rows; ``requests[i]`` describes row ``i``;
-    ``token_ids`` (a device tensor) the token fed there. ``mid_prefill[i]``: a prompt row of
-    a request whose prompt is not complete after this step (its sampled token is discarded).
-    """
+    """Metadata of a set of token rows (host arrays, one entry per row): ``row`` indexes the
+    step's packed token rows; ``requests[i]`` describes row ``i``; ``token_ids`` (a device
+    tensor) the token fed there. ``mid_prefill[i]``: a prompt row of a request whose prompt
+    is not complete after this step (its sampled token is discarded)."""
 
     row: np.ndarray  # int64 [R]: packed row index in the step
     requests: list[RequestInfo]

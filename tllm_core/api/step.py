@@ -21,14 +21,10 @@ class StaleTapError(RuntimeError):
 
 @dataclass
 class StepCapture:
-    """One engine step.
-
-    ``rows`` are all packed token rows. Sampling row ``j`` is token row
+    """One engine step: ``rows`` are all packed token rows; sampling row ``j`` is token row
     ``sample_token_row[j]``, kept unless mid-prefill (``sample_kept[j]``). ``tensors[tap_key]``
     holds what a tap captured (``[T, ...]`` or ``[S, ...]``); taps inside the forward also set
-    ``stamps[tap_key]`` to the step number in-graph, so a buffer the forward did not write is
-    detected (:meth:`confirm`) instead of delivered.
-    """
+    ``stamps[tap_key]`` to the step number in-graph, so a stale buffer is detected."""
 
     step: int
     rows: RowInfo
@@ -66,12 +62,9 @@ class StepCapture:
             stamp = self.stamps.get(k)
             if stamp is None:
                 continue
-            if out is None:
-                hit = (stamp == self.step).all()
-                ok = hit if ok is None else ok & hit
-            else:  # one-element stamps: their only value compared
-                hit = torch.eq(stamp.reshape(()), self.step, out=out[0 if ok is None else 1])
-                ok = hit if ok is None else ok.logical_and_(hit)
+            into = None if out is None else out[0 if ok is None else 1]
+            hit = torch.eq(stamp.reshape(()), self.step, out=into)  # stamps have one element
+            ok = hit if ok is None else ok.logical_and_(hit)
         return ok
 
     def sample_rows(self) -> RowInfo:

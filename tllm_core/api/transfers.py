@@ -1,7 +1,6 @@
-"""Copies between the host and the device that never make the host wait in a steady step:
-rings of host buffers (pinned where copies are asynchronous), one event per copy in flight,
-host waits counted in ``waits``. Imports torch and numpy only (the GPU image has neither
-pydantic nor vLLM)."""
+"""Copies between the host and the device that never make the host wait in a steady step
+(host waits counted in ``waits``). Imports torch and numpy only: the GPU image has neither
+pydantic nor vLLM."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ Read = Callable[[Any, Any], Any]
 
 
 def async_copies(device: torch.device) -> bool:
-    """Whether copies between the host and ``device`` are queued without blocking (CUDA,
-    and the fake CUDA)."""
+    """Whether copies between the host and ``device`` are queued without blocking."""
     return device.type != "cpu" and torch.cuda.is_available()
 
 
@@ -51,7 +49,7 @@ def _host_empty(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
 
 
 def _wait(event: Any | None) -> bool:
-    """Synchronise on ``event`` if it has not completed; whether the host had to wait."""
+    """Whether the host had to wait for ``event``."""
     if event is None or event.query():
         return False
     event.synchronize()
@@ -168,18 +166,16 @@ class HostCopyRing:
     def arrived(self, wait: bool = False, until: Any = None) -> list[tuple[Any, Any]]:
         """``(tag, read(tag, host))`` of the copies that have arrived, oldest first.
         ``wait``: every copy, waiting for those in flight (``until``: up to that tag's)."""
-        out, self._out = self._out, []
         while self._flight:
             tag = self._flight[0][2]
             if not self._take_oldest(wait):
                 break
-            out.append(self._out.pop())
-            if wait and until is not None and tag is until:
+            if until is not None and tag is until:
                 wait = False
+        out, self._out = self._out, []
         return out
 
     def _take_oldest(self, wait: bool) -> bool:
-        """Read the oldest copy into ``_out`` and free its buffer if it has arrived."""
         i, event, tag = self._flight[0]
         if not wait and event is not None and not event.query():
             return False

@@ -1,7 +1,5 @@
 """Capture windows: which token rows of each request a read port selects, by position
-(grammar and costs: docs/ports.md#capture-windows). The runtime applies them to host metadata
-when it cuts a step into bundles, so rows outside a window are never gathered or copied;
-``last`` rows are kept on the device until the request finishes (runtime/last_rows.py)."""
+(grammar and costs: docs/ports.md#capture-windows)."""
 
 from __future__ import annotations
 
@@ -21,8 +19,15 @@ _SLICE = re.compile(r"^(prompt|generated|all)\[(-?\d*):(-?\d*)(?::(\d*))?\]$")
 MAX_INDEX = 1 << 40
 
 
+class Selector:
+    """What selects rows (a Phase, window or :class:`AnyOf`): they unite with :func:`union`."""
+
+    def union(self, other: Any) -> Any:
+        return union(self, other)
+
+
 @dataclass(frozen=True)
-class Window:
+class Window(Selector):
     """Rows of ``region`` whose index in it lies in ``[start:stop:step]`` (a Python slice)."""
 
     region: str
@@ -85,12 +90,9 @@ class Window:
         length = {"prompt": prompt, "generated": generated, "all": prompt + generated}
         return len(range(*slice(self.start, self.stop, self.step).indices(length[self.region])))
 
-    def union(self, other: Any) -> Any:
-        return union(self, other)
-
 
 @dataclass(frozen=True)
-class LastRow:
+class LastRow(Selector):
     """Each request's last token row (``"last"``): known only when the request finishes, so
     a step's cut keeps none of its rows (:meth:`mask`); the runtime delivers it at the finish."""
 
@@ -102,9 +104,6 @@ class LastRow:
 
     def max_rows(self, prompt: int, generated: int) -> int:
         return 1
-
-    def union(self, other: Any) -> Any:
-        return union(self, other)
 
 
 LAST = LastRow()
@@ -127,19 +126,16 @@ def _bound(value: int | None, length: np.ndarray | None) -> Any:
 
 
 @dataclass(frozen=True)
-class AnyOf:
+class AnyOf(Selector):
     """Rows any of ``parts`` (phases and windows) selects: several ports of one consumer
     with the same key, or one bundle's token ports."""
 
     parts: frozenset
 
-    def union(self, other: Any) -> Any:
-        return union(self, other)
-
 
 def union(a: Any, b: Any) -> Any:
-    """Rows ``a`` or ``b`` selects (each a Phase, window or :class:`AnyOf`; ``b`` may be None).
-    A Phase is a str enum, compared by value here: windows do not import the ports."""
+    """Rows ``a`` or ``b`` selects (``b`` may be None). A Phase is compared by its value here:
+    windows do not import the ports."""
     if b is None or b == a or b == "guide":
         return a
     if a == "guide" or b == "all":
@@ -153,8 +149,7 @@ def union(a: Any, b: Any) -> Any:
 
 
 def window_text(selector: Any) -> str:
-    """A selector (``Phase``, :class:`Window`, :class:`AnyOf`) as text: ``"decode"``,
-    ``"prompt[-1:]"``."""
+    """A selector as text: ``"decode"``, ``"prompt[-1:]"``."""
     if isinstance(selector, AnyOf):
         return " | ".join(sorted(window_text(p) for p in selector.parts))
     value = getattr(selector, "value", None)  # a Phase (no import of ports)

@@ -3,6 +3,7 @@ step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,10 +20,7 @@ def _aligned(n: int) -> int:
 
 
 def _part_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def workspace_bytes(spec: WorkspaceSpec) -> int:
