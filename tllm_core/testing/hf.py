@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.edits import EditBuffers, apply_edit
 from tllm_core.api.norms import norm_eps, rmsnorm_gain
+from tllm_core.app.default_model import default_model_path
 
 # Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
 # and per step. Router taps need vLLM's MoE runner: not served here.
@@ -33,10 +35,7 @@ def load_model(
     """``(transformers model, tokenizer, folder)``; ``None``: the embedded model. ``dtype``: a
     torch dtype or its name. ``shared``: the process's one copy of this folder in this dtype
     (weights must then not be changed in place)."""
-    if model is None:
-        from tllm_core.app.default_model import default_model_path
-
-        model = default_model_path()
+    model = default_model_path() if model is None else model
     path = str(Path(model).resolve())
     if not (Path(path) / "config.json").is_file():
         raise ValueError(
@@ -48,8 +47,6 @@ def load_model(
 
 
 def _load(path: str, dtype: str) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return hf, AutoTokenizer.from_pretrained(path)
 
@@ -91,9 +88,7 @@ def model_info(hf: Any) -> ModelInfo:
     cap = getattr(cfg, "final_logit_softcapping", None)
 
     def head(h: torch.Tensor) -> torch.Tensor:
-        logits = linear(h.to(linear.weight.dtype))
-        if scaling != 1.0:
-            logits = logits / scaling
+        logits = linear(h.to(linear.weight.dtype)) / scaling  # x / 1.0 is x exactly
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     plain = getattr(linear, "bias", None) is None and scaling == 1.0 and cap is None
@@ -119,21 +114,13 @@ def model_info(hf: Any) -> ModelInfo:
 
 
 class Window:
-    """Which packed rows the running forward covers (per thread: forwards may run side by
-    side)."""
+    """Which packed rows the running forward covers: ``here.span``, its ``(offset, rows)``
+    (per thread: forwards may run side by side)."""
 
     def __init__(self) -> None:
-        self._here = threading.local()
+        self.here = threading.local()
         self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
         self.lockstep: Lockstep | None = None
-
-    def set(self, offset: int, rows: int) -> None:
-        self._here.span = (offset, rows)
-
-    @property
-    def span(self) -> tuple[int, int]:
-        """``(offset, rows)`` of the forward running on this thread."""
-        return getattr(self._here, "span", (0, 0))
 
 
 class LockstepBroken(RuntimeError):
@@ -148,7 +135,7 @@ class Lockstep:
         self.timeout = timeout
         self._barrier = threading.Barrier(parties, action=self._run, timeout=timeout)
         self._lock = threading.Lock()
-        self._parts: list[tuple[int, torch.Tensor]] = []
+        self._parts: dict[int, torch.Tensor] = {}  # by first row
         self._run_on: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         self._out: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -162,7 +149,7 @@ class Lockstep:
         """Hand in this forward's rows ``[lo, lo + len(part))``; ``run`` (the same for every
         party) maps the step's rows to ``(new rows, row mask)``; returns this forward's slice."""
         with self._lock:
-            self._parts.append((lo, part))
+            self._parts[lo] = part
             self._run_on = run
         try:
             self._barrier.wait()  # bounded: the barrier's timeout
@@ -171,15 +158,12 @@ class Lockstep:
                 f"tap {key!r}: another request's forward of this step failed, or the step's "
                 f"forwards did not all reach the tap within {self.timeout:g} s"
             ) from None
-        assert self._out is not None
         new, mask = self._out
         return new[lo : lo + len(part)], mask[lo : lo + len(part)]
 
     def _run(self) -> None:
-        parts = sorted(self._parts, key=lambda p: p[0])
-        self._parts = []
-        assert self._run_on is not None
-        self._out = self._run_on(torch.cat([p for _, p in parts]))
+        parts, self._parts = self._parts, {}
+        self._out = self._run_on(torch.cat([parts[lo] for lo in sorted(parts)]))
 
     def abort(self) -> None:
         self._barrier.abort()
@@ -196,44 +180,35 @@ class HfTap:
         self.capture: torch.Tensor | None = None
         self.edit: EditBuffers | None = None
         self.edited = torch.zeros(1, dtype=torch.int64)
-        self.written = False
         self._count = threading.Lock()
 
     def begin(self, total: int) -> None:
         self.capture = torch.zeros(total, self.width, dtype=self.dtype)
         self.edited.zero_()
-        self.written = False
 
     def process(self, s: torch.Tensor) -> torch.Tensor | None:
         """``s`` ``[n, width]``: this request's rows; returns the edited tensor (None: as is)."""
-        lo, n = self.window.span
+        lo, n = self.window.here.span
         new = None
         if self.edit is not None:
             e = self.edit
             mask = e.mask[lo : lo + n]
             new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
-            if e.transforms:
-                step = self.window.lockstep
-                if step is None:
-                    new, mask = self._transform(new, lo, mask)
-                else:
-                    new, mask = step.meet(
-                        self.key, lo, new, lambda t: self._transform(t, 0, e.mask[: len(t)])
-                    )
+            if e.transforms and self.window.lockstep is None:
+                new, mask = self._transform(new, lo)
+            elif e.transforms:
+                new, mask = self.window.lockstep.meet(self.key, lo, new, self._transform)
             changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
             with self._count:
                 self.edited += changed.sum()
             s = new
-        assert self.capture is not None
         self.capture[lo : lo + n] = s.detach().to(self.dtype)
-        self.written = True
         return new
 
-    def _transform(
-        self, new: torch.Tensor, lo: int, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order."""
-        assert self.edit is not None
+    def _transform(self, new: torch.Tensor, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order; returns
+        ``(new rows, rows edited)``."""
+        mask = self.edit.mask[lo : lo + len(new)]
         for _, module, rows in self.edit.transforms:
             rows = rows[lo : lo + len(new)]
             new = torch.where(rows, module(new, rows), new)

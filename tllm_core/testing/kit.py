@@ -12,16 +12,20 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from tllm_core.api.consumer import Consumer
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditBuffers
+from tllm_core.api.results import asked_results, decode_results, with_missing
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.app.defaults import DEFAULT_DTYPE
+from tllm_core.app.engine import raise_newly_disabled
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.serving.keys import EngineConsumers, validate_extra_args
 from tllm_core.testing.hf import HfTap, Lockstep, LockstepBroken, Window, load_model, model_info
 from tllm_core.testing.sampling import Sampling, draw, filter_logits
 
@@ -84,8 +88,6 @@ class ConsumerKit:
         )
         with torch.inference_mode(False):  # as the engine builds them (trainable state)
             self.runtime = Runtime(runtime_settings, self.model, self.registry)
-        from tllm_core.serving.keys import EngineConsumers
-
         self._keys = EngineConsumers.of(specs, configs, self.registry)
         self.budget = int(max_num_batched_tokens)
         if self.budget < 1:
@@ -180,9 +182,6 @@ class ConsumerKit:
         ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
         prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
         drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
-        from tllm_core.app.engine import raise_newly_disabled
-        from tllm_core.serving.keys import validate_extra_args
-
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         extras = list(extra_args) if isinstance(extra_args, (list, tuple)) else None
         if extras is not None and len(extras) != len(items):
@@ -194,8 +193,6 @@ class ConsumerKit:
             len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
         ):
             raise ValueError(f"tokens must hold {n} non-empty token lists for each of the prompts")
-        from transformers import DynamicCache
-
         reqs: list[_Request] = []
         for i, p in enumerate(items):
             extra = dict((extras[i] if extras is not None else extra_args) or {})
@@ -237,8 +234,6 @@ class ConsumerKit:
     def _take_results(self, reqs: list[_Request]) -> None:
         """Per-request results into :attr:`results`, keyed by (prompt index, sample), as
         ``TllmLLM`` sets ``completion.tllm``."""
-        from tllm_core.api.results import asked_results, decode_results, with_missing
-
         asking = [r for r in reqs if asked_results(r.info.extra_args)]
         self.results = {}
         if not asking:
@@ -247,9 +242,8 @@ class ConsumerKit:
         got = self.runtime.take_results(sorted({r.info.request_id for r in asking}), wait)
         for r in asking:
             mine = got.get(r.info.request_id, {}).get(r.info.sample_index, {})
-            asked = asked_results(r.info.extra_args)
-            key = (r.info.prompt_index, r.info.sample_index)
-            self.results[key] = decode_results(with_missing(asked, mine, wait))
+            answer = with_missing(asked_results(r.info.extra_args), mine, wait)
+            self.results[r.info.prompt_index, r.info.sample_index] = decode_results(answer)
 
     def _report_finished(self) -> None:
         if self._finished:
@@ -259,13 +253,9 @@ class ConsumerKit:
     def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
         """Decode rows first (one each), then prefill chunks within the token budget."""
         out, left = [], self.budget
-        for r in running:
-            if r.computed >= len(r.prompt) and left > 0:
-                out.append((r, 1))
-                left -= 1
-        for r in running:
-            if r.computed < len(r.prompt) and left > 0:
-                k = min(len(r.prompt) - r.computed, left)
+        for r in sorted(running, key=lambda r: r.computed < len(r.prompt)):  # decodes first
+            k = min(max(len(r.prompt) - r.computed, 1), left)
+            if k > 0:
                 out.append((r, k))
                 left -= k
         return out
@@ -370,7 +360,7 @@ class ConsumerKit:
         return [x for x in logits if x is not None]
 
     def _forward_one(self, r: _Request, ids: list[int], lo: int) -> torch.Tensor:
-        self._window.set(lo, len(ids))
+        self._window.here.span = (lo, len(ids))
         pos = torch.arange(r.computed, r.computed + len(ids))[None]
         out = self.hf(
             input_ids=torch.tensor([ids]),
@@ -386,6 +376,4 @@ class ConsumerKit:
         ids = getattr(self.hf.generation_config, "eos_token_id", None)
         if ids is None:
             ids = self.hf.config.get_text_config().eos_token_id
-        if ids is None:
-            return set()
-        return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+        return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]) if i is not None}
