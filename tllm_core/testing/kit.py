@@ -310,8 +310,7 @@ def draw(
         if p.greedy:
             out[i] = raw[i].argmax()
         else:
-            probs = guided[i].softmax(-1)
-            out[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
+            out[i] = torch.multinomial(guided[i].softmax(-1), 1, generator=gens[i])[0]
     return out
 
 
@@ -322,7 +321,6 @@ ConsumerArg = str | dict | ConsumerSpec | type[Consumer] | tuple[type[Consumer],
 @dataclass
 class _Request:
     info: RequestInfo
-    prompt: list[int]
     sampling: Sampling
     max_tokens: int
     ignore_eos: bool
@@ -335,7 +333,7 @@ class _Request:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        return [*self.info.prompt_token_ids, *self.output]
 
 
 class ConsumerKit:
@@ -506,7 +504,7 @@ class ConsumerKit:
                 forced = None if tokens is None else [int(t) for t in tokens[i][j]]
                 limit = max_tokens if forced is None else len(forced)
                 cache = DynamicCache(config=self.hf.config)
-                reqs.append(_Request(info, ids, sampling, limit, ignore_eos, gen, forced, cache))
+                reqs.append(_Request(info, sampling, limit, ignore_eos, gen, forced, cache))
         while not all(r.done for r in reqs):
             self._step([r for r in reqs if not r.done])
         self._report_finished()  # as TllmLLM's end of batch: every request is done
@@ -540,8 +538,8 @@ class ConsumerKit:
     def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
         """Decode rows first (one each), then prefill chunks within the token budget."""
         out, left = [], self.budget
-        for r in sorted(running, key=lambda r: r.computed < len(r.prompt)):  # decodes first
-            k = min(max(len(r.prompt) - r.computed, 1), left)
+        for r in sorted(running, key=lambda r: r.computed < r.info.num_prompt_tokens):
+            k = min(max(r.info.num_prompt_tokens - r.computed, 1), left)
             if k > 0:
                 out.append((r, k))
                 left -= k
