@@ -43,24 +43,8 @@ LAYER_SITES: Mapping[str, str | None] = MappingProxyType(
 STEP_SITES = ("final", "logits", "sampled")
 
 
-def load_model(
-    model: str | Path | None, dtype: torch.dtype | str = torch.float32, *, shared: bool = False
-) -> tuple[Any, Any, str]:
-    """``(transformers model, tokenizer, folder)``; ``None``: the embedded model. ``dtype``: a
-    torch dtype or its name. ``shared``: the process's one copy of this folder in this dtype
-    (weights must then not be changed in place)."""
-    model = default_model_path() if model is None else model
-    path = str(Path(model).resolve())
-    if not (Path(path) / "config.json").is_file():
-        raise ValueError(
-            f"model {str(model)!r} is not a local Hugging Face folder (no config.json)"
-        )
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    hf, tok = (_load_shared if shared else _load)(path, name)
-    return hf, tok, path
-
-
 def _load(path: str, dtype: str) -> tuple[Any, Any]:
+    """``(transformers model, tokenizer)`` of a local folder, ``dtype`` a torch dtype's name."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     return hf, AutoTokenizer.from_pretrained(path)
 
@@ -362,7 +346,15 @@ class ConsumerKit:
         lockstep_timeout: float = 300.0,
         settings: dict[str, Any] | None = None,
     ):
-        self.hf, self.tokenizer, self.model_path = load_model(model, dtype, shared=share_model)
+        model = default_model_path() if model is None else model
+        self.model_path = str(Path(model).resolve())
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(
+                f"model {str(model)!r} is not a local Hugging Face folder (no config.json)"
+            )
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        load = _load_shared if share_model else _load  # shared: weights must not change
+        self.hf, self.tokenizer = load(self.model_path, name)
         self.lockstep_timeout = float(lockstep_timeout)
         self.registry = Registry()
         specs = [self._spec(c) for c in consumers]
