@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from tllm_core.lazy import lazy_exports
 
 if TYPE_CHECKING:  # imported on first use: torch only here
-    from tllm_core.testing.kit import ConsumerKit
-    from tllm_core.testing.sampling import Sampling
+    from tllm_core.testing.kit import ConsumerKit, Sampling
 
 __all__, __getattr__ = lazy_exports(__name__, __file__)

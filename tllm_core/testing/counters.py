@@ -7,44 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tllm_core.testing.fake_cuda import _name, copy_rule, host_wait_kind, moves_data, op_bytes
 
 
-def sync_kind(func: Any, args: tuple, kwargs: dict, out: Any) -> str | None:
-    """The kind of host wait ``func`` would cause on CUDA, or None."""
-    kind = host_wait_kind(func, args, kwargs)
-    if kind is None and _name(func) in ("_to_copy", "copy_"):
-        src, dst = (args[1], args[0]) if _name(func) == "copy_" else (args[0], out)
-        if isinstance(dst, torch.Tensor) and (src.device.type == "cpu") != (
-            dst.device.type == "cpu"
-        ):
-            non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
-            host = src if src.device.type == "cpu" else dst
-            if copy_rule(host is src, bool(non_blocking), host.is_pinned())[0]:
-                kind = "host_device_copy"
-    return kind
-
-
-class _Counting(TorchDispatchMode):
-    """Runs every operation, then :meth:`count` s it."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.count(func, args, kwargs, out)
-        return out
-
-    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        raise NotImplementedError
-
-
-class SyncCounter(_Counting):
+class SyncCounter(TorchDispatchMode):
     """``with SyncCounter() as c: ...`` then ``c.total`` / ``c.kinds`` (a Counter by kind)."""
 
     def __init__(self) -> None:
@@ -55,13 +25,23 @@ class SyncCounter(_Counting):
     def total(self) -> int:
         return sum(self.kinds.values())
 
-    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        kind = sync_kind(func, args, kwargs, out)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = host_wait_kind(func, args, kwargs)
+        if kind is None and _name(func) in ("_to_copy", "copy_"):
+            src, dst = (args[1], args[0]) if _name(func) == "copy_" else (args[0], out)
+            if (src.device.type == "cpu") != (dst.device.type == "cpu"):
+                non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2] is True)
+                host = src if src.device.type == "cpu" else dst
+                if copy_rule(host is src, bool(non_blocking), host.is_pinned())[0]:
+                    kind = "host_device_copy"
         if kind is not None:
             self.kinds[kind] += 1
+        return out
 
 
-class BytesCounter(_Counting):
+class BytesCounter(TorchDispatchMode):
     """``with BytesCounter() as c: ...`` then ``c.total`` (bytes), ``c.by_op`` (bytes by
     operation name) and ``c.calls`` (operations counted: a launch each)."""
 
@@ -74,10 +54,13 @@ class BytesCounter(_Counting):
     def total(self) -> int:
         return sum(self.by_op.values())
 
-    def count(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if moves_data(func):
             self.by_op[_name(func)] += op_bytes(func, args, kwargs, out)
             self.calls += 1
+        return out
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:

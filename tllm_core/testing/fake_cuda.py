@@ -1,18 +1,6 @@
-"""Run CUDA-path code on a fake device and flag what would make the host wait, copy from
-pageable memory, allocate, first use cuBLAS on a stream, or race between streams, during
-the steps (docs/fake-cuda.md: what is flagged, counted, and not seen)::
-
-    with FakeCuda() as fc:
-        d = Distiller(device=fc.device)  # construction: counted, never a failure
-        with fc.step():                  # one step: every finding here fails assert_clean
-            d.train_step(...)
-    fc.assert_clean()
-
-The device is ``torch.device("meta")`` (7B shapes cost nothing), ``torch.cuda`` and a few
-``Tensor`` methods are stubbed and a ``TorchDispatchMode`` applies :data:`RULES` to every aten
-operation; ``order=True`` adds race checks, ``rehearsal=True`` lets a script that measures
-run, ``device="cpu"`` computes instead (nothing checked).
-"""
+"""Run CUDA-path code on a fake device (``torch.device("meta")``: 7B shapes cost nothing) and
+flag what would make the host wait, copy from pageable memory, allocate, first use cuBLAS on a
+stream, or race between streams during the steps: docs/fake-cuda.md."""
 
 from __future__ import annotations
 
@@ -502,15 +490,14 @@ def _cuda_stubs(fc: FakeCuda) -> dict[str, Any]:
             local.stream = stream
 
     @contextlib.contextmanager
-    def stream(s: FakeStream | None) -> Iterator[None]:
-        if s is None:
-            yield
-            return
-        prev, local.stream = current_stream(), s
+    def on_stream(s: FakeStream | None) -> Iterator[None]:
+        prev = current_stream()
+        local.stream = s or prev
         try:
             yield
         finally:
-            local.stream = prev
+            if s is not None:
+                local.stream = prev
 
     def synchronize(device: Any = None, what: str = "torch.cuda.synchronize()") -> None:
         fc._host_wait(what, joins_current=False)
@@ -522,13 +509,12 @@ def _cuda_stubs(fc: FakeCuda) -> dict[str, Any]:
     ) -> Iterator[FakeGraph]:
         # The real context manager synchronizes the device before capturing.
         synchronize(what="torch.cuda.graph() (synchronizes the device before capture)")
-        prev, local.stream = current_stream(), stream or FakeStream(fc)
-        cuda_graph.capture_begin()
-        try:
-            yield cuda_graph
-        finally:
-            cuda_graph.capture_end()
-            local.stream = prev
+        with on_stream(stream or FakeStream(fc)):
+            cuda_graph.capture_begin()
+            try:
+                yield cuda_graph
+            finally:
+                cuda_graph.capture_end()
 
     props = SimpleNamespace(name=fc.device_name, total_memory=fc.total_memory, major=9, minor=0)
     props.multi_processor_count = 132
@@ -538,7 +524,7 @@ def _cuda_stubs(fc: FakeCuda) -> dict[str, Any]:
         "CUDAGraph": lambda *a, **k: FakeGraph(fc, *a, **k),
         "graph": graph,
         "graph_pool_handle": lambda: object(),
-        "stream": stream,
+        "stream": on_stream,
         "current_stream": current_stream,
         "default_stream": lambda device=None: fc.default_stream,
         "set_stream": set_stream,
@@ -606,9 +592,10 @@ def _tensor_stubs(fc: FakeCuda) -> dict[str, Any]:
     }
 
 
-def _factory_stubs(fc: FakeCuda) -> dict[str, Any]:
+def _torch_stubs(fc: FakeCuda) -> dict[str, Any]:
     """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device (they copy in C++,
-    out of a dispatch mode's sight)."""
+    out of a dispatch mode's sight); in a rehearsal a CPU ``torch.Generator`` for the fake
+    device (meta has none), and ``torch.compile`` returning the module uncompiled."""
 
     def wrap(name: str) -> Any:
         orig = getattr(torch, name)
@@ -628,12 +615,9 @@ def _factory_stubs(fc: FakeCuda) -> dict[str, Any]:
 
         return factory
 
-    return {name: wrap(name) for name in ("tensor", "as_tensor", "asarray")}
-
-
-def _rehearsal_stubs(fc: FakeCuda) -> dict[str, Any]:
-    """For a script that measures: a CPU ``torch.Generator`` for the fake device (meta has
-    none), and ``torch.compile`` returning the module uncompiled."""
+    stubs = {name: wrap(name) for name in ("tensor", "as_tensor", "asarray")}
+    if not fc.rehearsal:
+        return stubs
     real = torch.Generator
 
     class Generator(real):  # type: ignore[misc, valid-type]
@@ -644,7 +628,7 @@ def _rehearsal_stubs(fc: FakeCuda) -> dict[str, Any]:
         def __init__(self, *_: Any, **__: Any) -> None:
             pass
 
-    return {"Generator": Generator, "compile": lambda model, *a, **k: model}
+    return {**stubs, "Generator": Generator, "compile": lambda model, *a, **k: model}
 
 
 def _scalar_to_meta(t: Any) -> Any:
@@ -681,7 +665,8 @@ class _Mode(TorchDispatchMode):
 
 # -- the device --------------------------------------------------------------------------------
 class FakeCuda:
-    """The fake device and its record (see the module docstring)."""
+    """The fake device and its record: ``order=True`` adds race checks, ``rehearsal=True``
+    lets a script that measures run, ``device="cpu"`` computes instead (nothing checked)."""
 
     def __init__(
         self,
@@ -701,8 +686,8 @@ class FakeCuda:
         self.kernels = dict(kernels or {})
         self.sync_debug_mode: int | str = 0
         self.sync_windows: list[dict[str, Any]] = []
-        self._window: tuple[str, int] | None = None
-        self._sync_log: list[Finding] = []  # each host wait and pageable copy, in order
+        self._window: str | None = None  # where the sync debug mode was switched on
+        self._sync_seen: Counter[Finding] = Counter()  # its host waits and pageable copies
         self.launches_built: dict[str, int] = {}
         self.launch_configs: dict[str, dict[str, Any]] = {}
         self.phase = "construction"
@@ -716,7 +701,6 @@ class FakeCuda:
         self._pinned = WeakTensorKeyDictionary()
         self._pinned_at: dict[int, Any] = {}  # storage address -> pinned storage
         self._patches = contextlib.ExitStack()
-        self._mode: _Mode | None = None
         self._quiet = threading.local()
         self._stream_ids = itertools.count()
         self.default_stream = FakeStream(self)
@@ -729,26 +713,19 @@ class FakeCuda:
         if active() is not None:  # the patches are process-wide
             raise RuntimeError("a FakeCuda is already active; nest none and share none")
         # Made before any is installed: the Tensor stubs keep the original torch.tensor.
-        stubs = (_cuda_stubs(self), _tensor_stubs(self), _factory_stubs(self))
+        stubs = (_cuda_stubs(self), _tensor_stubs(self), _torch_stubs(self))
         try:
             for owner, attrs in zip((torch.cuda, torch.Tensor, torch), stubs, strict=True):
                 self.patch(owner, attrs)
-            if self.rehearsal:
-                self.patch(torch, _rehearsal_stubs(self))
-            self._mode = _Mode(self._dispatch).__enter__()
+            self._patches.enter_context(_Mode(self._dispatch))
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            if self._mode is not None:
-                self._mode.__exit__(*exc)
-        finally:
-            self._mode = None
-            self._pinned_at.clear()
-            self._patches.close()
+        self._pinned_at.clear()
+        self._patches.close()  # the dispatch mode first, then the patches
 
     def patch(self, owner: Any, attrs: dict[str, Any]) -> None:
         """Set ``owner``'s attributes while this device is active (put back on exit)."""
@@ -822,15 +799,14 @@ class FakeCuda:
         on = mode in ("warn", "error", 1, 2)
         if on and self._window is None:
             file, line, _ = site_parts(_site())
-            self._window = (f"{os.path.basename(file)}:{line}", len(self._sync_log))
+            self._window = f"{os.path.basename(file)}:{line}"
         elif not on and self._window is not None:
-            (at, start), self._window = self._window, None
-            seen = Counter(self._sync_log[start:])
-            del self._sync_log[:]
-            sites = [f"{f.kind} at {f.where}: {f.code} x{seen[f]}" for f in seen]
+            seen, at = self._sync_seen, self._window
+            sites = [f"{f.kind} at {f.where}: {f.code} x{n}" for f, n in seen.items()]
             self.sync_windows.append(
                 {"set_at": at, "host_waits_and_pageable_copies": seen.total(), "sites": sites}
             )
+            self._window, self._sync_seen = None, Counter()
 
     def launch_built(self, kernel: str, config: dict[str, Any]) -> None:
         """A kernel launch built, not run (meta tensors have no data): counted, each
@@ -840,9 +816,10 @@ class FakeCuda:
 
     # -- recording ----------------------------------------------------------------------
     def _count(self, key: str, n: int = 1, phase: str | None = None) -> None:
+        phase = phase or self.phase
         with self._lock:
-            self._phase_stats[phase or self.phase][key] += n
-            if self._step is not None and (phase or self.phase) == "steps":
+            self._phase_stats[phase][key] += n
+            if self._step is not None and phase == "steps":
                 self._step[key] += n
 
     def _flag(self, kind: str, what: str, site: Site = None) -> None:
@@ -860,7 +837,7 @@ class FakeCuda:
                     kind, what, file, line, function, code, self.phase, in_capture
                 )
             if kind in _SYNC_KINDS and self._window is not None:  # kept for the open window
-                self._sync_log.append(f)
+                self._sync_seen[f] += 1
         if kind in _SYNC_KINDS and self.sync_debug_mode in ("error", 2):
             raise RuntimeError(
                 f"FakeCuda: {kind} ({what}) under set_sync_debug_mode('error'): on a GPU, "
@@ -888,14 +865,12 @@ class FakeCuda:
 
     def _allocated(self, what: str, t: torch.Tensor) -> None:
         nbytes = tensor_bytes(t)
-        if not nbytes:
-            return
-        if self._capture is not None:  # the graph's pool, allocated at capture
-            self._count("allocation", phase="construction")
-            self._count("allocated_bytes", nbytes, phase="construction")
-            return
-        self._flag("allocation", what)
-        self._count("allocated_bytes", nbytes)
+        pool = "construction" if self._capture is not None else None  # a graph's, at capture
+        if nbytes and pool:
+            self._count("allocation", phase=pool)
+        elif nbytes:
+            self._flag("allocation", what)
+        self._count("allocated_bytes", nbytes, phase=pool)
 
     def _replay(self, graph: FakeGraph) -> None:
         self._count("graph_replays")
@@ -931,14 +906,12 @@ class FakeCuda:
             if out is not NotImplemented:
                 return out
         leaves = [t for t in tree_leaves((args, kwargs)) if _tensor(t)]
-        kernel = self.kernels.get(func._schema.name)
-        if kernel is not None and any(self.is_fake(t) for t in leaves):
+        fake, kernel = any(self.is_fake(t) for t in leaves), self.kernels.get(func._schema.name)
+        if kernel is not None and fake:
             with mode:  # its checks and the launch it builds, seen as on the device
                 kernel(*args, **kwargs)
         dev = kwargs.get("device")
-        if not any(self.is_fake(t) for t in leaves) and not (
-            dev is not None and torch.device(dev) == self.device
-        ):
+        if not fake and (dev is None or torch.device(dev) != self.device):
             out = func(*args, **kwargs)
             self._order.operation(False, func, args, kwargs, out)  # the host on pinned memory
             if pin:

@@ -1,37 +1,310 @@
 """The consumer test kit: consumers run by the engine's own runtime on a transformers model,
 scheduled as vLLM does (chunked prefill, then one decode row per step), in seconds and without
-vLLM. What differs from vLLM: docs/testing-consumers.md."""
+vLLM. What differs from vLLM: docs/testing-consumers.md. Forward hooks capture and edit its tap
+sites as the engine's taps do, over the step's packed rows (a request's forward covers
+``[offset, offset + n)``); the sampler orders its steps around guidance as vLLM's does."""
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from tllm_core.api.consumer import Consumer
+from tllm_core.api.consumer import Consumer, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
-from tllm_core.api.edits import EditBuffers
+from tllm_core.api.edits import EditBuffers, apply_edit
+from tllm_core.api.norms import norm_eps, rmsnorm_gain
+from tllm_core.api.results import asked_results, decode_results, with_missing
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
+from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE
+from tllm_core.app.engine import raise_newly_disabled
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.testing.hf import HfTap, Lockstep, LockstepBroken, Window, load_model, model_info
-from tllm_core.testing.sampling import Sampling, draw, filter_logits
+from tllm_core.serving.keys import EngineConsumers, validate_extra_args
 
+# -- the transformers model, described and tapped as the engine's ------------------------------
+# Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
+# and per step. Router taps need vLLM's MoE runner: not served here.
+LAYER_SITES: Mapping[str, str | None] = MappingProxyType(
+    {"residual": None, "attn": "self_attn", "mlp": "mlp"}
+)
+STEP_SITES = ("final", "logits", "sampled")
+
+
+def _load(path: str, dtype: str) -> tuple[Any, Any]:
+    """``(transformers model, tokenizer)`` of a local folder, ``dtype`` a torch dtype's name."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return hf, AutoTokenizer.from_pretrained(path)
+
+
+# A test process's kits share what they load (the slow part of a kit test); at most two.
+_load_shared = functools.lru_cache(maxsize=2)(_load)
+
+
+def _module(hf: Any, name: str, kind: type, what: str) -> Any:
+    """``hf.model.<name>``, checked to be a ``kind``."""
+    found = getattr(getattr(hf, "model", None), name, None)
+    if not isinstance(found, kind):
+        raise ValueError(f"{type(hf).__name__}: no {what} at model.{name}")
+    return found
+
+
+def site_module(hf: Any, site: str, layer: int) -> nn.Module:
+    """The module whose output is tap ``site`` at decoder layer ``layer`` (``final``: the
+    final norm)."""
+    if site == "final":
+        return _module(hf, "norm", nn.Module, "final norm")
+    if site not in LAYER_SITES:
+        raise ValueError(
+            f"the test kit serves tap sites {', '.join([*LAYER_SITES, *STEP_SITES])}; "
+            f"{site!r} needs vLLM (run that consumer in an engine)"
+        )
+    block = _module(hf, "layers", nn.ModuleList, "decoder layers")[layer]
+    child = LAYER_SITES[site]
+    return block if child is None else getattr(block, child)
+
+
+def model_info(hf: Any) -> ModelInfo:
+    """What a consumer is told about the model in an engine, for this transformers model: the
+    head as the model computes it (scaling and soft-capping included), its ``[vocab, hidden]``
+    weight when it is a plain linear, the final norm and its gain when it is a plain RMSNorm."""
+    cfg = hf.config.get_text_config()
+    linear = hf.get_output_embeddings()
+    scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        logits = linear(h.to(linear.weight.dtype)) / scaling  # x / 1.0 is x exactly
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    plain = getattr(linear, "bias", None) is None and scaling == 1.0 and cap is None
+    norm = _module(hf, "norm", nn.Module, "final norm")
+    w = getattr(norm, "weight", None)
+    gain = None
+    if isinstance(w, torch.Tensor) and w.dim() == 1:
+        with torch.no_grad():
+            gain = rmsnorm_gain(norm, w.shape[0], norm_eps(norm), w.dtype, w.device)
+    param = next(hf.parameters())
+    return ModelInfo(
+        hidden_size=int(cfg.hidden_size),
+        num_layers=int(cfg.num_hidden_layers),
+        vocab_size=int(cfg.vocab_size),
+        dtype=param.dtype,
+        device=param.device,
+        lm_head=head,
+        lm_head_weight=linear.weight if plain else None,
+        final_norm=lambda h: norm(h),
+        final_norm_weight=gain,
+        final_norm_eps=norm_eps(norm) if gain is not None else None,
+    )
+
+
+class Window:
+    """Which packed rows the running forward covers: ``here.span``, its ``(offset, rows)``
+    (per thread: forwards may run side by side)."""
+
+    def __init__(self) -> None:
+        self.here = threading.local()
+        self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
+        self.lockstep: Lockstep | None = None
+
+
+class LockstepBroken(RuntimeError):
+    """Another forward of the step failed (or was late) while this one waited at a tap."""
+
+
+class Lockstep:
+    """The step's forwards, one thread each, meet at every tap with a transform, which then
+    runs once over all the step's rows as the engine's does (a failure breaks the meeting)."""
+
+    def __init__(self, parties: int, timeout: float) -> None:
+        self.timeout = timeout
+        self._barrier = threading.Barrier(parties, action=self._run, timeout=timeout)
+        self._lock = threading.Lock()
+        self._parts: dict[int, torch.Tensor] = {}  # by first row
+        self._run_on: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def meet(
+        self,
+        key: str,
+        lo: int,
+        part: torch.Tensor,
+        run: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hand in this forward's rows ``[lo, lo + len(part))``; ``run`` (the same for every
+        party) maps the step's rows to ``(new rows, row mask)``; returns this forward's slice."""
+        with self._lock:
+            self._parts[lo] = part
+            self._run_on = run
+        try:
+            self._barrier.wait()  # bounded: the barrier's timeout
+        except threading.BrokenBarrierError:
+            raise LockstepBroken(
+                f"tap {key!r}: another request's forward of this step failed, or the step's "
+                f"forwards did not all reach the tap within {self.timeout:g} s"
+            ) from None
+        new, mask = self._out
+        return new[lo : lo + len(part)], mask[lo : lo + len(part)]
+
+    def _run(self) -> None:
+        parts, self._parts = self._parts, {}
+        self._out = self._run_on(torch.cat([parts[lo] for lo in sorted(parts)]))
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+
+class HfTap:
+    """One tap: captures into ``capture`` (``[T, width]`` for the step) and edits via ``edit``."""
+
+    def __init__(self, key: str, width: int, dtype: torch.dtype, window: Window):
+        self.key = key
+        self.width = width
+        self.dtype = dtype
+        self.window = window
+        self.capture: torch.Tensor | None = None
+        self.edit: EditBuffers | None = None
+        self.edited = torch.zeros(1, dtype=torch.int64)
+        self._count = threading.Lock()
+
+    def begin(self, total: int) -> None:
+        self.capture = torch.zeros(total, self.width, dtype=self.dtype)
+        self.edited.zero_()
+
+    def process(self, s: torch.Tensor) -> torch.Tensor | None:
+        """``s`` ``[n, width]``: this request's rows; returns the edited tensor (None: as is)."""
+        lo, n = self.window.here.span
+        new = None
+        if self.edit is not None:
+            e = self.edit
+            mask = e.mask[lo : lo + n]
+            new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
+            if e.transforms and self.window.lockstep is None:
+                new, mask = self._transform(new, lo)
+            elif e.transforms:
+                new, mask = self.window.lockstep.meet(self.key, lo, new, self._transform)
+            changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
+            with self._count:
+                self.edited += changed.sum()
+            s = new
+        self.capture[lo : lo + n] = s.detach().to(self.dtype)
+        return new
+
+    def _transform(self, new: torch.Tensor, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order; returns
+        ``(new rows, rows edited)``."""
+        mask = self.edit.mask[lo : lo + len(new)]
+        for _, module, rows in self.edit.transforms:
+            rows = rows[lo : lo + len(new)]
+            new = torch.where(rows, module(new, rows), new)
+            mask = mask | rows
+        return new, mask
+
+    def install(self, hf: Any, site: str, layer: int | None) -> Any:
+        """Hook this tap on ``site``; returns the hook handle."""
+
+        def hook(_module: Any, _args: Any, out: Any) -> Any:
+            if not self.window.active:
+                return None
+            t = out[0] if isinstance(out, tuple) else out  # [1, n, width]: one request
+            new = self.process(t[0])
+            if new is None:
+                return None
+            return (new[None], *out[1:]) if isinstance(out, tuple) else new[None]
+
+        return site_module(hf, site, layer or 0).register_forward_hook(hook)
+
+
+# -- the sampler: vLLM's order of greedy, temperature, min-p, top-k / top-p, guidance, draw -----
+GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampling settings (the fields of vLLM's ``SamplingParams`` the kit uses)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.temperature >= 0, "temperature", ">= 0"),
+            (self.top_k >= 0, "top_k", ">= 0 (0: off)"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
+        ]
+        for ok, name, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.Tensor, bool]:
+    """``(filtered, filtered_any)``: fp32 logits divided by temperature (greedy rows by 1), min-p
+    then top-k / top-p applied per row (removed entries ``-inf``); ``filtered_any`` as the
+    ``GuideView.filtered`` flag: a top-k or top-p for the batch, or min-p > 0 for a row."""
+    out = logits.float().clone()
+    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=out.dtype)
+    out /= temp[:, None]
+    for i, p in enumerate(params):
+        row = out[i]
+        if p.min_p > 0:
+            probs = row.softmax(-1)
+            row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
+        if p.top_k and p.top_k < row.numel():
+            kth = row.topk(p.top_k).values[-1]
+            row.masked_fill_(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            # Keep the smallest set of highest logits whose probability reaches top_p.
+            vals, idx = row.sort(descending=True)
+            before = vals.softmax(-1).cumsum(-1) - vals.softmax(-1)  # mass above each entry
+            drop = before >= p.top_p
+            drop[0] = False
+            row[idx[drop]] = float("-inf")
+    filtered = any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in params)
+    return out, filtered
+
+
+def draw(
+    raw: torch.Tensor, guided: torch.Tensor, params: list[Sampling], gens: list[torch.Generator]
+) -> torch.Tensor:
+    """Token per row: greedy rows the argmax of the raw logits, random rows a draw from the
+    softmax of the (guided) filtered logits with the request's generator."""
+    out = torch.empty(len(params), dtype=torch.long)
+    for i, p in enumerate(params):
+        if p.greedy:
+            out[i] = raw[i].argmax()
+        else:
+            out[i] = torch.multinomial(guided[i].softmax(-1), 1, generator=gens[i])[0]
+    return out
+
+
+# -- the kit -----------------------------------------------------------------------------------
 ConsumerArg = str | dict | ConsumerSpec | type[Consumer] | tuple[type[Consumer], dict]
 
 
 @dataclass
 class _Request:
     info: RequestInfo
-    prompt: list[int]
     sampling: Sampling
     max_tokens: int
     ignore_eos: bool
@@ -44,7 +317,7 @@ class _Request:
 
     @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        return [*self.info.prompt_token_ids, *self.output]
 
 
 class ConsumerKit:
@@ -73,7 +346,15 @@ class ConsumerKit:
         lockstep_timeout: float = 300.0,
         settings: dict[str, Any] | None = None,
     ):
-        self.hf, self.tokenizer, self.model_path = load_model(model, dtype, shared=share_model)
+        model = default_model_path() if model is None else model
+        self.model_path = str(Path(model).resolve())
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(
+                f"model {str(model)!r} is not a local Hugging Face folder (no config.json)"
+            )
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        load = _load_shared if share_model else _load  # shared: weights must not change
+        self.hf, self.tokenizer = load(self.model_path, name)
         self.lockstep_timeout = float(lockstep_timeout)
         self.registry = Registry()
         specs = [self._spec(c) for c in consumers]
@@ -84,8 +365,6 @@ class ConsumerKit:
         )
         with torch.inference_mode(False):  # as the engine builds them (trainable state)
             self.runtime = Runtime(runtime_settings, self.model, self.registry)
-        from tllm_core.serving.keys import EngineConsumers
-
         self._keys = EngineConsumers.of(specs, configs, self.registry)
         self.budget = int(max_num_batched_tokens)
         if self.budget < 1:
@@ -180,9 +459,6 @@ class ConsumerKit:
         ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
         prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
         drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
-        from tllm_core.app.engine import raise_newly_disabled
-        from tllm_core.serving.keys import validate_extra_args
-
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         extras = list(extra_args) if isinstance(extra_args, (list, tuple)) else None
         if extras is not None and len(extras) != len(items):
@@ -194,8 +470,6 @@ class ConsumerKit:
             len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
         ):
             raise ValueError(f"tokens must hold {n} non-empty token lists for each of the prompts")
-        from transformers import DynamicCache
-
         reqs: list[_Request] = []
         for i, p in enumerate(items):
             extra = dict((extras[i] if extras is not None else extra_args) or {})
@@ -222,7 +496,7 @@ class ConsumerKit:
                 forced = None if tokens is None else [int(t) for t in tokens[i][j]]
                 limit = max_tokens if forced is None else len(forced)
                 cache = DynamicCache(config=self.hf.config)
-                reqs.append(_Request(info, ids, sampling, limit, ignore_eos, gen, forced, cache))
+                reqs.append(_Request(info, sampling, limit, ignore_eos, gen, forced, cache))
         while not all(r.done for r in reqs):
             self._step([r for r in reqs if not r.done])
         self._report_finished()  # as TllmLLM's end of batch: every request is done
@@ -237,8 +511,6 @@ class ConsumerKit:
     def _take_results(self, reqs: list[_Request]) -> None:
         """Per-request results into :attr:`results`, keyed by (prompt index, sample), as
         ``TllmLLM`` sets ``completion.tllm``."""
-        from tllm_core.api.results import asked_results, decode_results, with_missing
-
         asking = [r for r in reqs if asked_results(r.info.extra_args)]
         self.results = {}
         if not asking:
@@ -247,9 +519,8 @@ class ConsumerKit:
         got = self.runtime.take_results(sorted({r.info.request_id for r in asking}), wait)
         for r in asking:
             mine = got.get(r.info.request_id, {}).get(r.info.sample_index, {})
-            asked = asked_results(r.info.extra_args)
-            key = (r.info.prompt_index, r.info.sample_index)
-            self.results[key] = decode_results(with_missing(asked, mine, wait))
+            answer = with_missing(asked_results(r.info.extra_args), mine, wait)
+            self.results[r.info.prompt_index, r.info.sample_index] = decode_results(answer)
 
     def _report_finished(self) -> None:
         if self._finished:
@@ -259,13 +530,9 @@ class ConsumerKit:
     def _schedule(self, running: list[_Request]) -> list[tuple[_Request, int]]:
         """Decode rows first (one each), then prefill chunks within the token budget."""
         out, left = [], self.budget
-        for r in running:
-            if r.computed >= len(r.prompt) and left > 0:
-                out.append((r, 1))
-                left -= 1
-        for r in running:
-            if r.computed < len(r.prompt) and left > 0:
-                k = min(len(r.prompt) - r.computed, left)
+        for r in sorted(running, key=lambda r: r.computed < r.info.num_prompt_tokens):
+            k = min(max(r.info.num_prompt_tokens - r.computed, 1), left)
+            if k > 0:
                 out.append((r, k))
                 left -= k
         return out
@@ -370,7 +637,7 @@ class ConsumerKit:
         return [x for x in logits if x is not None]
 
     def _forward_one(self, r: _Request, ids: list[int], lo: int) -> torch.Tensor:
-        self._window.set(lo, len(ids))
+        self._window.here.span = (lo, len(ids))
         pos = torch.arange(r.computed, r.computed + len(ids))[None]
         out = self.hf(
             input_ids=torch.tensor([ids]),
@@ -386,6 +653,4 @@ class ConsumerKit:
         ids = getattr(self.hf.generation_config, "eos_token_id", None)
         if ids is None:
             ids = self.hf.config.get_text_config().eos_token_id
-        if ids is None:
-            return set()
-        return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+        return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids]) if i is not None}
