@@ -25,10 +25,6 @@ from tllm_core.runtime.watchdog import BACKGROUND, STEP, Watchdog
 log = logging.getLogger("tllm")
 
 Overflow = Literal["block", "drop"]
-# How long flush and close wait for a background consumer before going on without it.
-WAIT_TIMEOUT_S = 120.0
-# Failures in a row of one callback (e.g. on_bundle) after which its consumer is switched off.
-MAX_CONSECUTIVE_FAILURES = 3
 # Requests whose consumers failed, kept for the server's response marks (newest kept).
 MAX_FAILED_REQUESTS = 1024
 _STOP = object()
@@ -134,12 +130,7 @@ class _BackgroundChannel:
                     self.bus.request_done(c, item, BACKGROUND)
                 elif isinstance(item, _Dropped):
                     self.bus.call(
-                        c,
-                        "on_bundle_dropped",
-                        c.on_bundle_dropped,
-                        item.step,
-                        item.requests,
-                        kind=BACKGROUND,
+                        c, "on_bundle_dropped", c.on_bundle_dropped, *item, kind=BACKGROUND
                     )
                 else:
                     self.bus.deliver_now(c, item, kind=BACKGROUND)
@@ -172,15 +163,15 @@ class Bus:
         queue_size: int = 64,
         overflow: Overflow = "block",
         background_threads: int = 1,
-        wait_timeout_s: float = WAIT_TIMEOUT_S,
-        max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        wait_timeout_s: float = 120.0,
+        max_consecutive_failures: int = 3,
         watchdog: Watchdog | None = None,
         results: ResultStore | None = None,
     ) -> None:
         self.counters = counters
         self.results = results
         self.watchdog = watchdog
-        self.max_consecutive_failures = max(1, int(max_consecutive_failures))
+        self.max_consecutive_failures = max_consecutive_failures
         self.wait_timeout_s = wait_timeout_s
         self.queue_size = queue_size
         self.overflow = overflow
@@ -369,8 +360,8 @@ class Bus:
         return ch is not None and ch.abandoned
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued bundle has been handled, at most ``timeout`` seconds per
-        consumer; False (counted, logged) when one has not caught up."""
+        """Wait until every queued bundle has been handled, at most ``timeout`` seconds (else
+        ``wait_timeout_s``) per consumer; False (counted, logged) when one has not caught up."""
         timeout = self.wait_timeout_s if timeout is None else timeout
         ok = True
         for name, ch in self._channels.items():

@@ -35,7 +35,7 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
-from tllm_core.runtime.last_rows import LastRows, last_rows_plan
+from tllm_core.runtime.last_rows import LastRows, last_rows
 from tllm_core.runtime.reads import (
     PortRead,
     ReadPlan,
@@ -73,12 +73,7 @@ class _Slot:
     guides: bool = False
     per_request: bool = False
     window_key: str | None = None  # ``tllm_{name}_window`` when its Request declares one
-    # Window ``last``: the ports its last rows carry, the rows held, whether its ports' own
-    # window is ``last`` (else only requests that set it ask), and its ports' phases and windows.
-    last_plan: ReadPlan | None = None
-    last: LastRows | None = None
-    port_last: bool = False
-    ports: Any = None
+    last: LastRows | None = None  # window ``last``: the rows held
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -121,11 +116,10 @@ def build_consumers(
     data_parallel: tuple[int, int] = (0, 1),
     where: str = ENGINE,
     model_path: str = "",
-    max_result_bytes: int | None = None,
+    max_result_bytes: int = ConsumerContext.max_result_bytes,
 ) -> list[_Slot]:
     """Construct consumers from their checked configs and resolve their ports; a failure is
     a ConsumerBuildError naming the consumer, its field and ``where`` the build ran."""
-    limits = {} if max_result_bytes is None else {"max_result_bytes": max_result_bytes}
     slots = []
     for spec, config in zip(specs, configs, strict=True):
         resolve = LayerResolver(model.num_layers)
@@ -138,7 +132,7 @@ def build_consumers(
                 per_request=spec.per_request,
                 data_parallel_rank=data_parallel[0],
                 data_parallel_size=data_parallel[1],
-                **limits,
+                max_result_bytes=max_result_bytes,
             )
             slots.append(_slot(cls(config, context), spec, resolve, registry))
         except Exception as e:
@@ -155,14 +149,7 @@ def _slot(
     slot = _Slot(consumer, reads, per_request=spec.per_request)
     if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
         slot.window_key = request_key(cls.name, WINDOW_FIELD)
-    slot.last_plan = last_rows_plan(
-        reads, cls.request_window_rows, windowed=slot.window_key is not None
-    )
-    if slot.last_plan is not None:
-        slot.last = LastRows()
-        token, sample = ReadPlan.phase(reads.token), ReadPlan.phase(reads.sample)
-        slot.ports = token.union(sample) if token is not None else sample
-        slot.port_last = takes_last(slot.ports)
+    slot.last = last_rows(reads, cls.request_window_rows, windowed=slot.window_key is not None)
     for w in consumer.writes():
         if isinstance(w, Edit):
             target = w.target.resolve(resolve)
@@ -269,7 +256,7 @@ class Runtime:
         self._planned: StepCapture | None = None  # the step whose indices were sent
         self._selections: dict[int, RowSelection] = {}  # per-request guides' rows, by slot
         # The rows each reading slot may take (requests it acts on, their windows), by slot.
-        self._masks: dict[int, RowMasks | np.ndarray | None] = {}
+        self._masks: dict[int, RowMasks] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
         # Window ``last``: the rows each slot holds as its requests' last (a mask over the
         # step's rows) and their holders' slots, by slot.
@@ -330,8 +317,9 @@ class Runtime:
             own = rows if sel is None else sel.rows(rows, self._buffers)
             allowed = {k: t.key for k, t in s.edits.items()}
             widths = {k: buffers[t].add.shape[-1] for k, t in allowed.items() if t in buffers}
+            resolve = functools.partial(resolve_layer, num_layers=self.model.num_layers)
             plan = EditPlan(
-                own, allowed, self.model.hidden_size, self._resolve, set(s.transforms), widths
+                own, allowed, self.model.hidden_size, resolve, set(s.transforms), widths
             )
             acted = own.requests
             if (
@@ -346,9 +334,6 @@ class Runtime:
                 _write_plan(plan, allowed, buffers, name, self._buffers)
 
             self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
-
-    def _resolve(self, layer: int) -> int:
-        return resolve_layer(layer, self.model.num_layers)
 
     def _plan(self, step: StepCapture) -> None:
         """Send every index the step's guide and bundles will use to the device in one copy
@@ -373,9 +358,11 @@ class Runtime:
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
-            masks: RowMasks | np.ndarray | None = enabled
+            masks = RowMasks(enabled, enabled)
             last = None
-            if s.port_last and kept is not None:  # each request's last row so far
+            if (
+                s.last is not None and s.last.every and kept is not None
+            ):  # each request's last row so far
                 last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
@@ -386,7 +373,7 @@ class Runtime:
             if s.last is not None and last is not None and last.any():
                 slots = s.last.place([step.rows.requests[r] for r in np.nonzero(last)[0]])
                 self._last[i] = last, slots
-                arrays += [*bundle_indices(s.last_plan, step, RowMasks(last, last)), slots]
+                arrays += [*bundle_indices(s.last.plan, step, RowMasks(last, last)), slots]
         self._buffers.plan(arrays, step.rows.token_ids.device)
 
     def _windowed(
@@ -396,7 +383,7 @@ class Runtime:
         runs: list[tuple[RequestInfo, int, int]],
         enabled: np.ndarray | None,
         last: np.ndarray | None,
-    ) -> tuple[RowMasks | np.ndarray | None, np.ndarray | None]:
+    ) -> tuple[RowMasks, np.ndarray | None]:
         """``enabled`` narrowed to the rows inside the window of each request that sets the
         consumer's window key (host metadata; only those requests cost anything), and
         ``last`` (the rows held as requests' last rows) as those windows decide: a request's
@@ -425,7 +412,7 @@ class Runtime:
                     s.last is not None
                     and takes_last(window)
                     and bool(step.sample_kept[j])
-                    and (s.port_last or bool(row_mask(s.ports, *here, prompt)[-1]))
+                    and (s.last.every or bool(row_mask(s.last.ports, *here, prompt)[-1]))
                 )
             if out is None:
                 out = np.ones(len(rows), np.bool_) if enabled is None else enabled.copy()
@@ -434,7 +421,7 @@ class Runtime:
                 last = np.zeros(len(rows), np.bool_) if last is None else last
                 last[stop - 1] = held
         if out is None:
-            return enabled, last
+            return RowMasks(enabled, enabled), last
         narrows = type(s.consumer).request_window_rows
         token = out if "token" in narrows else enabled
         sample = out if "sample" in narrows else enabled
@@ -536,20 +523,20 @@ class Runtime:
             stale: dict[str, StaleTapError] = {}
             mine: list[tuple[str, set[str]]] = []
             bundle = build_bundle(
-                s.reads, step, self._masks.get(i), stale.setdefault, mine, self._buffers
+                s.reads, step, self._masks[i], stale.setdefault, mine, self._buffers
             )
             if bundle is not None:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
             if i in self._last:  # held on the device, delivered at the requests' finish
-                assert s.last is not None and s.last_plan is not None and kept is not None
+                assert s.last is not None and kept is not None
                 mask, slots = self._last[i]
                 still = kept[mask]
                 if not still.all():  # rows past a stop, dropped since the plan (async)
                     mask, slots = mask & kept, slots[still]
                 masks = RowMasks(mask, mask)
-                held = build_bundle(s.last_plan, step, masks, stale.setdefault, mine, self._buffers)
+                held = build_bundle(s.last.plan, step, masks, stale.setdefault, mine, self._buffers)
                 if held is None:  # every port stale: the rows are held, reading NaN
                     idx = np.nonzero(mask)[0]
                     rows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
@@ -595,9 +582,7 @@ class Runtime:
         kept = int(step.sample_kept.sum())
         for key, r in self._read_ports.items():
             taps = r.producer.taps(r.port)
-            if any(t.key in stale for t in taps):
-                continue
-            if all(t.key in step.tensors for t in taps):
+            if all(t.key in step.tensors and t.key not in stale for t in taps):
                 self.counters.add(
                     f"rows_captured.{key}", len(step.rows) if r.port.rows == "token" else kept
                 )
