@@ -300,32 +300,21 @@ class Bus:
     def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
         """``on_request_finished``, then the request's result if it asked for one (an error in
         its place when the consumer failed: nobody waits for it)."""
+        c, name, acted = consumer, consumer.name, (request,)
         self.call(
-            consumer,
-            "on_request_finished",
-            consumer.on_request_finished,
-            request,
-            requests=(request,),
-            kind=kind,
+            c, "on_request_finished", c.on_request_finished, request, requests=acted, kind=kind
         )
-        if self.results is None or not request.wants_result(consumer.name):
+        if self.results is None or not request.wants_result(name):
             return
         made: list[Any] = []
-        ok = self.call(
-            consumer,
-            "request_result",
-            lambda: made.append(consumer.request_result(request)),
-            requests=(request,),
-            kind=kind,
-        )
-        name = consumer.name
-        if ok:
-            self.results.put(request, name, made[0])
-            return
-        what = "is switched off" if name in self.disabled else "raised while making this result"
-        self.results.put(
-            request, name, {"error": f"consumer {name!r} {what} (see the run's errors)"}
-        )
+
+        def make() -> None:
+            made.append(c.request_result(request))
+
+        if not self.call(c, "request_result", make, requests=acted, kind=kind):
+            what = "is switched off" if name in self.disabled else "raised while making this result"
+            made.append({"error": f"consumer {name!r} {what} (see the run's errors)"})
+        self.results.put(request, name, made[0])
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
         if self.call(

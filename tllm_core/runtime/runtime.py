@@ -94,9 +94,13 @@ def _write_plan(
     buffers: dict[str, EditBuffers],
     owner: str,
     steps: StepIndices,
+    index: np.ndarray | None,
 ) -> None:
-    """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
-    go to the device in one pinned copy (per device)."""
+    """Check, then write, one consumer's plan (its rows ``index`` into the step's, when it
+    saw a selection) into the edit taps' buffers; its row indices go to the device in one
+    pinned copy (per device)."""
+    if index is not None:
+        plan.remap(index)
     by_device: dict[torch.device, list[np.ndarray]] = {}
     for key, ops in plan.ops.items():
         by_device.setdefault(buffers[allowed[key]].add.device, []).extend(r for r, _, _ in ops)
@@ -183,13 +187,9 @@ def _kept_rows(step: StepCapture) -> np.ndarray:
 
 
 class Runtime:
-    """One engine's consumers and their step flow.
-
-    ``deliver=False``: a follower (a tensor-parallel rank whose output the engine does not
-    keep) builds the consumers, so that every rank asks for the same taps, then closes them
-    and never calls one; its counters are not in the report. ``data_parallel``: ``(rank,
-    size)`` of this engine, seen by the consumers on their context.
-    """
+    """One engine's consumers and their step flow. ``deliver=False``: a follower (a tensor-
+    parallel rank whose output is not kept) builds the consumers only so that every rank asks
+    for the same taps, then closes them. ``data_parallel``: this engine's ``(rank, size)``."""
 
     def __init__(
         self,
@@ -305,6 +305,7 @@ class Runtime:
         self.counters.add("rows_seen", len(rows))
         for b in buffers.values():
             b.reset()
+        resolve = functools.partial(resolve_layer, num_layers=self.model.num_layers)
         for s in self.slots:
             if not s.edits or not self.bus.active(s.consumer):
                 continue
@@ -313,27 +314,18 @@ class Runtime:
                 continue
             # A per-request consumer sees (and can select) only its requests' rows.
             sel = None if mask is None else RowSelection(mask)
-            index = None if sel is None else sel.index
             own = rows if sel is None else sel.rows(rows, self._buffers)
             allowed = {k: t.key for k, t in s.edits.items()}
             widths = {k: buffers[t].add.shape[-1] for k, t in allowed.items() if t in buffers}
-            resolve = functools.partial(resolve_layer, num_layers=self.model.num_layers)
             plan = EditPlan(
                 own, allowed, self.model.hidden_size, resolve, set(s.transforms), widths
             )
-            acted = own.requests
-            if (
-                not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan, requests=acted)
-                or not plan.ops
-            ):
-                continue
-
-            def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
-                if index is not None:  # inside the consumer's isolation, as the write is
-                    plan.remap(index)
-                _write_plan(plan, allowed, buffers, name, self._buffers)
-
-            self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
+            c, acted = s.consumer, own.requests
+            if self.bus.call(c, "edit", c.edit, own, plan, requests=acted) and plan.ops:
+                # In the consumer's isolation: a bad plan is its failure.
+                index = None if sel is None else sel.index
+                args = (plan, allowed, buffers, c.name, self._buffers, index)
+                self.bus.call(c, "edit (buffers)", _write_plan, *args, requests=acted)
 
     def _plan(self, step: StepCapture) -> None:
         """Send every index the step's guide and bundles will use to the device in one copy
@@ -384,12 +376,9 @@ class Runtime:
         enabled: np.ndarray | None,
         last: np.ndarray | None,
     ) -> tuple[RowMasks, np.ndarray | None]:
-        """``enabled`` narrowed to the rows inside the window of each request that sets the
-        consumer's window key (host metadata; only those requests cost anything), and
-        ``last`` (the rows held as requests' last rows) as those windows decide: a request's
-        last row is held when its window is ``last`` and the row is within the consumer's
-        ports' phases. A window the engine cannot parse takes no row
-        (``rows_window_invalid.{consumer}``)."""
+        """``enabled`` and ``last`` (the rows held as requests' last) as the windows of the
+        requests that set the consumer's window key decide (only those cost anything); a
+        window the engine cannot parse takes no row (``rows_window_invalid.{consumer}``)."""
         key, out, rows = s.window_key, None, step.rows
         for j, (req, start, stop) in enumerate(runs):
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
@@ -501,11 +490,9 @@ class Runtime:
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
 
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: deliver bundles, mark positions, count what the taps confirm.
-
-        The stamps go to the host without the host waiting. Where they are there at once
-        (CPU) a stale tap is left out of the bundles; otherwise its rows are delivered as NaN
-        (decided on the device) and the step is checked once they arrive (:meth:`_settle`)."""
+        """After sampling: deliver bundles, mark positions, count what the taps confirm. The
+        host does not wait for the stamps: until they arrive (not at once on a GPU) a stale
+        tap's rows are delivered as NaN and checked later (:meth:`_settle`)."""
         if self.guides and self._guided_step != step.step and step.sample_kept.any():
             # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
             self.counters.add("steps_greedy")
