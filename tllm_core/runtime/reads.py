@@ -170,15 +170,13 @@ def build_bundle(
         if unconfirmed is not None and not step.confirmed:
             with step.unconfirmed() as taps:
                 t = r.producer.read(r.port, step)
-            if not t.is_floating_point():
-                if not any(k in step.stamps for k in taps):
-                    return t, None
-            else:
+            if t.is_floating_point():
                 stale = unwritten(step, taps, t.device, buffers)
-                if stale is None:
-                    return t, None
-                unconfirmed.append((r.port.key, set(taps)))
+                if stale is not None:
+                    unconfirmed.append((r.port.key, set(taps)))
                 return t, stale
+            if not any(k in step.stamps for k in taps):
+                return t, None
         try:
             return r.producer.read(r.port, step), None
         except StaleTapError as e:

@@ -74,6 +74,11 @@ class _Slot:
     per_request: bool = False
     window_key: str | None = None  # ``tllm_{name}_window`` when its Request declares one
     last: LastRows | None = None  # window ``last``: the rows held
+    # Set by each step's plan: its guide's rows (per-request), the rows it may take, and the
+    # rows it holds as its requests' last (a mask over the step's rows) with their slots.
+    selection: RowSelection | None = None
+    masks: RowMasks = field(default_factory=RowMasks)
+    held: tuple[np.ndarray, np.ndarray] | None = None
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -251,16 +256,9 @@ class Runtime:
             self.results,
         )
         self.step_index = 0
-        # Device indices and gathered rows in buffers reused from step to step.
         self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
-        self._selections: dict[int, RowSelection] = {}  # per-request guides' rows, by slot
-        # The rows each reading slot may take (requests it acts on, their windows), by slot.
-        self._masks: dict[int, RowMasks] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
-        # Window ``last``: the rows each slot holds as its requests' last (a mask over the
-        # step's rows) and their holders' slots, by slot.
-        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -334,37 +332,31 @@ class Runtime:
             return
         self._planned = step
         arrays = [step.sample_token_row] if self.guides else []
-        self._selections = {}
-        if self.guides:
-            # Per-request guides' rows, as indices into the sampling rows.
-            requests = [step.rows.requests[i] for i in step.sample_token_row]
-            for i, s in enumerate(self.slots):
-                mask = s.enabled(requests) if s.guides else None
-                if mask is not None and mask.any():
-                    self._selections[i] = RowSelection(mask)
-                    arrays += self._selections[i].indices()
-        self._masks, self._last = {}, {}
+        # Per-request guides' rows, as indices into the sampling rows.
+        requests = [step.rows.requests[i] for i in step.sample_token_row] if self.guides else []
+        for s in self.slots:
+            mask = s.enabled(requests) if s.guides else None
+            s.selection = RowSelection(mask) if mask is not None and mask.any() else None
+            arrays += s.selection.indices() if s.selection is not None else []
         runs = None
         kept = _kept_rows(step) if any(s.last is not None for s in self.slots) else None
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
+            s.held = None
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
-            masks = RowMasks(enabled, enabled)
+            s.masks = RowMasks(enabled, enabled)
             last = None
-            if (
-                s.last is not None and s.last.every and kept is not None
-            ):  # each request's last row so far
+            if s.last is not None and s.last.every:  # each request's last row so far
                 last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
                     runs = step_runs(step)
-                masks, last = self._windowed(s, step, runs, enabled, last)
-            self._masks[i] = masks
-            arrays += bundle_indices(s.reads, step, masks)
+                s.masks, last = self._windowed(s, step, runs, enabled, last)
+            arrays += bundle_indices(s.reads, step, s.masks)
             if s.last is not None and last is not None and last.any():
                 slots = s.last.place([step.rows.requests[r] for r in np.nonzero(last)[0]])
-                self._last[i] = last, slots
+                s.held = last, slots
                 arrays += [*bundle_indices(s.last.plan, step, RowMasks(last, last)), slots]
         self._buffers.plan(arrays, step.rows.token_ids.device)
 
@@ -439,11 +431,11 @@ class Runtime:
             except StaleTapError as e:
                 self._stale(key, e)
         changed = False
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
             # Per-request: only its requests' rows (views, or gathered and written back).
-            sel = self._selections.get(i)
+            sel = s.selection
             if s.per_request and sel is None:
                 continue  # no request of the step switched it on
             n = len(srows) if sel is None else len(sel)
@@ -453,8 +445,6 @@ class Runtime:
                 view = GuideView(step.step, srows, *args)
             else:
                 view = sel.guide_view(self._buffers, step.step, srows, *args)
-            # Whether its guide wrote logits (None: it failed); the changes are counted on
-            # the device (no host read in the step).
             self.counters.add("rows_guide_visited", len(view.rows))
             if not self.bus.call(
                 s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
@@ -502,23 +492,22 @@ class Runtime:
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
         self._plan(step)
-        kept = _kept_rows(step) if self._last else None  # now: async may have dropped rows
-        for i, s in enumerate(self.slots):
+        # Again now: async scheduling may have dropped rows since the plan.
+        kept = _kept_rows(step) if any(s.held is not None for s in self.slots) else None
+        for s in self.slots:
             if s.reads.empty:
                 continue
             # A port stale in both the step's bundle and its last rows: one read refused.
             stale: dict[str, StaleTapError] = {}
             mine: list[tuple[str, set[str]]] = []
-            bundle = build_bundle(
-                s.reads, step, self._masks[i], stale.setdefault, mine, self._buffers
-            )
+            bundle = build_bundle(s.reads, step, s.masks, stale.setdefault, mine, self._buffers)
             if bundle is not None:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
-            if i in self._last:  # held on the device, delivered at the requests' finish
+            if s.held is not None:  # held on the device, delivered at the requests' finish
                 assert s.last is not None and kept is not None
-                mask, slots = self._last[i]
+                mask, slots = s.held
                 still = kept[mask]
                 if not still.all():  # rows past a stop, dropped since the plan (async)
                     mask, slots = mask & kept, slots[still]
