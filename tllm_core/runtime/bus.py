@@ -48,18 +48,18 @@ class _Dropped(NamedTuple):
 
 
 class _BackgroundChannel:
-    """A queue drained by one daemon thread per background consumer. Bundles take one of
-    ``maxsize`` slots (a full channel blocks or drops them, per ``overflow``); finish notices
-    take none: they never wait, are never dropped, and come after the request's bundles."""
+    """A queue drained by one daemon thread per background consumer. Bundles take one of the
+    bus's ``queue_size`` slots (a full channel blocks or drops them, per its ``overflow``);
+    finish notices take none: they never wait, are never dropped, and come after the request's
+    bundles."""
 
-    def __init__(self, bus: Bus, consumer: Consumer, maxsize: int, overflow: Overflow):
+    def __init__(self, bus: Bus, consumer: Consumer):
         self.bus = bus
         self.consumer = consumer
-        self.overflow = overflow
         self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
         # Its thread is stuck in a callback past its deadline: nothing waits for it any more.
         self.abandoned = False
-        self.slots = threading.BoundedSemaphore(maxsize)
+        self.slots = threading.BoundedSemaphore(bus.queue_size)
         self._pending = 0  # bundles queued, for queue_depth_max
         self._lock = threading.Lock()
         self.thread = threading.Thread(
@@ -69,7 +69,7 @@ class _BackgroundChannel:
 
     def put(self, bundle: Bundle) -> None:
         if not self.slots.acquire(blocking=False):
-            if self.overflow == "drop":
+            if self.bus.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
                 # Takes no slot, like finish notices.
@@ -274,9 +274,7 @@ class Bus:
         if consumer.delivery is Delivery.BACKGROUND:
             ch = self._channels.get(consumer.name)
             if ch is None:
-                ch = self._channels[consumer.name] = _BackgroundChannel(
-                    self, consumer, self.queue_size, self.overflow
-                )
+                ch = self._channels[consumer.name] = _BackgroundChannel(self, consumer)
             t = perf_counter()
             host = _to_host(bundle)
             # Engine-thread seconds copying bundles to the host for background consumers.

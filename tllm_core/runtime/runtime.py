@@ -471,7 +471,7 @@ class Runtime:
                 rows.masked_fill_(stale, float("nan"))
         return rows
 
-    def _stale(self, key: str, error: StaleTapError) -> None:
+    def _stale(self, key: str, error: StaleTapError | str) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
         self.counters.add("stale_captures")
         self.counters.add(f"stale_captures.{key}")
@@ -543,17 +543,12 @@ class Runtime:
         stale_at = f"was not written by step {step.step}'s forward (stale buffer)"
         for key, r in self._guide_reads.items():  # read at guide time only: no bundle reports it
             if r.phase is Phase.GUIDE and any(t.key in stale for t in r.producer.taps(r.port)):
-                self._stale(
-                    key, StaleTapError(f"the tap of {key!r} {stale_at}: the guide read NaN rows")
-                )
+                self._stale(key, f"the tap of {key!r} {stale_at}: the guide read NaN rows")
         for key, taps in unchecked:
             if taps & stale:
                 port = tap_port_name(min(taps & stale))
                 self._stale(
-                    key,
-                    StaleTapError(
-                        f"the tap of {port!r} {stale_at}: {key!r} was delivered as NaN rows"
-                    ),
+                    key, f"the tap of {port!r} {stale_at}: {key!r} was delivered as NaN rows"
                 )
         kept = int(step.sample_kept.sum())
         for key, r in self._read_ports.items():
