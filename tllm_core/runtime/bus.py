@@ -25,10 +25,6 @@ from tllm_core.runtime.watchdog import BACKGROUND, STEP, Watchdog
 log = logging.getLogger("tllm")
 
 Overflow = Literal["block", "drop"]
-# How long flush and close wait for a background consumer before going on without it.
-WAIT_TIMEOUT_S = 120.0
-# Failures in a row of one callback (e.g. on_bundle) after which its consumer is switched off.
-MAX_CONSECUTIVE_FAILURES = 3
 # Requests whose consumers failed, kept for the server's response marks (newest kept).
 MAX_FAILED_REQUESTS = 1024
 _STOP = object()
@@ -52,18 +48,18 @@ class _Dropped(NamedTuple):
 
 
 class _BackgroundChannel:
-    """A queue drained by one daemon thread per background consumer. Bundles take one of
-    ``maxsize`` slots (a full channel blocks or drops them, per ``overflow``); finish notices
-    take none: they never wait, are never dropped, and come after the request's bundles."""
+    """A queue drained by one daemon thread per background consumer. Bundles take one of the
+    bus's ``queue_size`` slots (a full channel blocks or drops them, per its ``overflow``);
+    finish notices take none: they never wait, are never dropped, and come after the request's
+    bundles."""
 
-    def __init__(self, bus: Bus, consumer: Consumer, maxsize: int, overflow: Overflow):
+    def __init__(self, bus: Bus, consumer: Consumer):
         self.bus = bus
         self.consumer = consumer
-        self.overflow = overflow
         self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
         # Its thread is stuck in a callback past its deadline: nothing waits for it any more.
         self.abandoned = False
-        self.slots = threading.BoundedSemaphore(maxsize)
+        self.slots = threading.BoundedSemaphore(bus.queue_size)
         self._pending = 0  # bundles queued, for queue_depth_max
         self._lock = threading.Lock()
         self.thread = threading.Thread(
@@ -73,7 +69,7 @@ class _BackgroundChannel:
 
     def put(self, bundle: Bundle) -> None:
         if not self.slots.acquire(blocking=False):
-            if self.overflow == "drop":
+            if self.bus.overflow == "drop":
                 self.bus.counters.add("bundles_dropped")
                 self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
                 # Takes no slot, like finish notices.
@@ -134,12 +130,7 @@ class _BackgroundChannel:
                     self.bus.request_done(c, item, BACKGROUND)
                 elif isinstance(item, _Dropped):
                     self.bus.call(
-                        c,
-                        "on_bundle_dropped",
-                        c.on_bundle_dropped,
-                        item.step,
-                        item.requests,
-                        kind=BACKGROUND,
+                        c, "on_bundle_dropped", c.on_bundle_dropped, *item, kind=BACKGROUND
                     )
                 else:
                     self.bus.deliver_now(c, item, kind=BACKGROUND)
@@ -172,15 +163,15 @@ class Bus:
         queue_size: int = 64,
         overflow: Overflow = "block",
         background_threads: int = 1,
-        wait_timeout_s: float = WAIT_TIMEOUT_S,
-        max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+        wait_timeout_s: float = 120.0,
+        max_consecutive_failures: int = 3,
         watchdog: Watchdog | None = None,
         results: ResultStore | None = None,
     ) -> None:
         self.counters = counters
         self.results = results
         self.watchdog = watchdog
-        self.max_consecutive_failures = max(1, int(max_consecutive_failures))
+        self.max_consecutive_failures = max_consecutive_failures
         self.wait_timeout_s = wait_timeout_s
         self.queue_size = queue_size
         self.overflow = overflow
@@ -283,9 +274,7 @@ class Bus:
         if consumer.delivery is Delivery.BACKGROUND:
             ch = self._channels.get(consumer.name)
             if ch is None:
-                ch = self._channels[consumer.name] = _BackgroundChannel(
-                    self, consumer, self.queue_size, self.overflow
-                )
+                ch = self._channels[consumer.name] = _BackgroundChannel(self, consumer)
             t = perf_counter()
             host = _to_host(bundle)
             # Engine-thread seconds copying bundles to the host for background consumers.
@@ -309,32 +298,21 @@ class Bus:
     def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
         """``on_request_finished``, then the request's result if it asked for one (an error in
         its place when the consumer failed: nobody waits for it)."""
+        c, name, acted = consumer, consumer.name, (request,)
         self.call(
-            consumer,
-            "on_request_finished",
-            consumer.on_request_finished,
-            request,
-            requests=(request,),
-            kind=kind,
+            c, "on_request_finished", c.on_request_finished, request, requests=acted, kind=kind
         )
-        if self.results is None or not request.wants_result(consumer.name):
+        if self.results is None or not request.wants_result(name):
             return
         made: list[Any] = []
-        ok = self.call(
-            consumer,
-            "request_result",
-            lambda: made.append(consumer.request_result(request)),
-            requests=(request,),
-            kind=kind,
-        )
-        name = consumer.name
-        if ok:
-            self.results.put(request, name, made[0])
-            return
-        what = "is switched off" if name in self.disabled else "raised while making this result"
-        self.results.put(
-            request, name, {"error": f"consumer {name!r} {what} (see the run's errors)"}
-        )
+
+        def make() -> None:
+            made.append(c.request_result(request))
+
+        if not self.call(c, "request_result", make, requests=acted, kind=kind):
+            what = "is switched off" if name in self.disabled else "raised while making this result"
+            made.append({"error": f"consumer {name!r} {what} (see the run's errors)"})
+        self.results.put(request, name, made[0])
 
     def deliver_now(self, consumer: Consumer, bundle: Bundle, kind: str = STEP) -> None:
         if self.call(
@@ -369,8 +347,8 @@ class Bus:
         return ch is not None and ch.abandoned
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued bundle has been handled, at most ``timeout`` seconds per
-        consumer; False (counted, logged) when one has not caught up."""
+        """Wait until every queued bundle has been handled, at most ``timeout`` seconds (else
+        ``wait_timeout_s``) per consumer; False (counted, logged) when one has not caught up."""
         timeout = self.wait_timeout_s if timeout is None else timeout
         ok = True
         for name, ch in self._channels.items():

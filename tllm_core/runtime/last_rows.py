@@ -5,6 +5,7 @@ step, so each step's newest kept row of an asking request is copied over its pre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,20 +19,24 @@ from tllm_core.runtime.reads import PortRead, ReadPlan
 from tllm_core.runtime.step_indices import StepIndices
 
 
-def last_rows_plan(plan: ReadPlan, narrows: frozenset[str], windowed: bool) -> ReadPlan | None:
-    """The ports a consumer's last rows carry (every row: the runtime's mask cuts): those
-    whose window is ``last``, and with per-request windows the kinds they ``narrows``."""
+def last_rows(reads: ReadPlan, narrows: frozenset[str], windowed: bool) -> LastRows | None:
+    """The holder of a consumer's last rows (None: it takes none). They carry (every row: the
+    runtime's mask cuts) the ports whose window is ``last``, and with per-request windows the
+    kinds they ``narrows``."""
 
-    def carried(reads: dict[str, PortRead], kind: str) -> dict[str, PortRead]:
+    def carried(table: dict[str, PortRead], kind: str) -> dict[str, PortRead]:
         return {
             k: PortRead(r.port, r.producer, Phase.ALL)
-            for k, r in reads.items()
+            for k, r in table.items()
             if r.phase is not Phase.GUIDE
             and (takes_last(r.phase) or (windowed and kind in narrows))
         }
 
-    out = ReadPlan(carried(plan.token, "token"), carried(plan.sample, "sample"))
-    return None if out.empty else out
+    plan = ReadPlan(carried(reads.token, "token"), carried(reads.sample, "sample"))
+    if plan.empty:
+        return None
+    token, sample = ReadPlan.phase(reads.token), ReadPlan.phase(reads.sample)
+    return LastRows(plan, token.union(sample) if token is not None else sample)
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,14 @@ class _Held:
 
 class LastRows:
     """One consumer's held last rows, one per request: a device tensor per port key and the
-    token ids (``[capacity, ...]``, grown by doubling)."""
+    token ids (``[capacity, ...]``, grown by doubling). ``plan``: the ports the rows carry;
+    ``ports``: the phases and windows of the consumer's ports; ``every``: whether their own
+    window is ``last`` (else only requests that set it ask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: ReadPlan, ports: Any) -> None:
+        self.plan = plan
+        self.ports = ports
+        self.every = takes_last(ports)
         self._token: dict[str, torch.Tensor] = {}
         self._sample: dict[str, torch.Tensor] = {}
         self._token_ids: torch.Tensor | None = None

@@ -99,9 +99,6 @@ class RowMasks:
     sample: np.ndarray | None = None
 
 
-Enabled = np.ndarray | RowMasks | None
-
-
 def step_runs(step: StepCapture) -> list[tuple[RequestInfo, int, int]]:
     """``(request, start, stop)`` of each scheduled request's rows, found from the sampling
     rows (each request's last row): per request, not per row."""
@@ -112,14 +109,13 @@ def step_runs(step: StepCapture) -> list[tuple[RequestInfo, int, int]]:
 
 
 def bundle_rows(
-    plan: ReadPlan, step: StepCapture, enabled: Enabled = None
+    plan: ReadPlan, step: StepCapture, masks: RowMasks | None = None
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """A consumer bundle's token rows (into ``step.rows``) and sampling rows (into the step's
-    sampling rows), None where it has none; ``enabled`` (a mask over ``step.rows``, or
-    :class:`RowMasks`; None: every row) narrows them. Host metadata only."""
+    sampling rows), None where it has none, narrowed by ``masks``. Host metadata only."""
     token = sample = None
     rows = step.rows
-    masks = enabled if isinstance(enabled, RowMasks) else RowMasks(enabled, enabled)
+    masks = masks or RowMasks()
     prompt_lengths = functools.cache(rows.prompt_lengths)  # only windows need them
     phase = ReadPlan.phase(plan.token)
     if phase is not None:
@@ -141,9 +137,9 @@ def bundle_rows(
     return token, sample
 
 
-def bundle_indices(plan: ReadPlan, step: StepCapture, enabled: Enabled = None) -> list[np.ndarray]:
+def bundle_indices(plan: ReadPlan, step: StepCapture, masks: RowMasks) -> list[np.ndarray]:
     """Every host index :func:`build_bundle` sends to the device for this bundle."""
-    token, sample = bundle_rows(plan, step, enabled)
+    token, sample = bundle_rows(plan, step, masks)
     out = [] if token is None else [token]
     if sample is not None:
         out += [sample, step.sample_token_row[sample]]
@@ -153,12 +149,12 @@ def bundle_indices(plan: ReadPlan, step: StepCapture, enabled: Enabled = None) -
 def build_bundle(
     plan: ReadPlan,
     step: StepCapture,
-    enabled: Enabled = None,
+    masks: RowMasks | None = None,
     on_stale: Callable[[str, StaleTapError], None] | None = None,
     unconfirmed: list[tuple[str, set[str]]] | None = None,
     buffers: StepIndices | None = None,
 ) -> Bundle | None:
-    """The consumer's bundle for this step (rows narrowed by ``enabled``, see
+    """The consumer's bundle for this step (rows narrowed by ``masks``, see
     :func:`bundle_rows`), or None when it selects no row; a stale port is left out and
     reported to ``on_stale``. ``unconfirmed``: while the stamps are on their way to the host,
     floating-point ports are cut without waiting, their rows NaN where this step's forward
@@ -174,15 +170,13 @@ def build_bundle(
         if unconfirmed is not None and not step.confirmed:
             with step.unconfirmed() as taps:
                 t = r.producer.read(r.port, step)
-            if not t.is_floating_point():
-                if not any(k in step.stamps for k in taps):
-                    return t, None
-            else:
+            if t.is_floating_point():
                 stale = unwritten(step, taps, t.device, buffers)
-                if stale is None:
-                    return t, None
-                unconfirmed.append((r.port.key, set(taps)))
+                if stale is not None:
+                    unconfirmed.append((r.port.key, set(taps)))
                 return t, stale
+            if not any(k in step.stamps for k in taps):
+                return t, None
         try:
             return r.producer.read(r.port, step), None
         except StaleTapError as e:
@@ -199,7 +193,7 @@ def build_bundle(
             out.masked_fill_(stale, float("nan"))
         return out
 
-    token, sample = bundle_rows(plan, step, enabled)
+    token, sample = bundle_rows(plan, step, masks)
     if token is not None:
         bundle.rows = rows.take(token, gather(rows.token_ids, token))
         for key, r in plan.token.items():

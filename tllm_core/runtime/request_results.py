@@ -12,8 +12,6 @@ from tllm_core.api.counters import Counters
 from tllm_core.api.results import encode, json_bytes
 from tllm_core.api.rows import RequestInfo
 
-DEFAULT_MAX_REQUESTS = 4096
-
 
 class ResultStore:
     """Caller request id -> sample index -> consumer -> its encoded result."""
@@ -22,7 +20,7 @@ class ResultStore:
         self,
         counters: Counters,
         max_result_bytes: int,
-        max_requests: int = DEFAULT_MAX_REQUESTS,
+        max_requests: int = 4096,
         max_bytes: int | None = None,
     ) -> None:
         self.counters = counters

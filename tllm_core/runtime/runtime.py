@@ -35,7 +35,7 @@ from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.guided_counts import GuidedCounts
-from tllm_core.runtime.last_rows import LastRows, last_rows_plan
+from tllm_core.runtime.last_rows import LastRows, last_rows
 from tllm_core.runtime.reads import (
     PortRead,
     ReadPlan,
@@ -73,12 +73,12 @@ class _Slot:
     guides: bool = False
     per_request: bool = False
     window_key: str | None = None  # ``tllm_{name}_window`` when its Request declares one
-    # Window ``last``: the ports its last rows carry, the rows held, whether its ports' own
-    # window is ``last`` (else only requests that set it ask), and its ports' phases and windows.
-    last_plan: ReadPlan | None = None
-    last: LastRows | None = None
-    port_last: bool = False
-    ports: Any = None
+    last: LastRows | None = None  # window ``last``: the rows held
+    # Set by each step's plan: its guide's rows (per-request), the rows it may take, and the
+    # rows it holds as its requests' last (a mask over the step's rows) with their slots.
+    selection: RowSelection | None = None
+    masks: RowMasks = field(default_factory=RowMasks)
+    held: tuple[np.ndarray, np.ndarray] | None = None
 
     def acts_on(self, request: RequestInfo) -> bool:
         return request.acted_on_by(self.consumer.name, self.per_request)
@@ -99,9 +99,13 @@ def _write_plan(
     buffers: dict[str, EditBuffers],
     owner: str,
     steps: StepIndices,
+    index: np.ndarray | None,
 ) -> None:
-    """Check, then write, one consumer's plan into the edit taps' buffers; its row indices
-    go to the device in one pinned copy (per device)."""
+    """Check, then write, one consumer's plan (its rows ``index`` into the step's, when it
+    saw a selection) into the edit taps' buffers; its row indices go to the device in one
+    pinned copy (per device)."""
+    if index is not None:
+        plan.remap(index)
     by_device: dict[torch.device, list[np.ndarray]] = {}
     for key, ops in plan.ops.items():
         by_device.setdefault(buffers[allowed[key]].add.device, []).extend(r for r, _, _ in ops)
@@ -121,11 +125,10 @@ def build_consumers(
     data_parallel: tuple[int, int] = (0, 1),
     where: str = ENGINE,
     model_path: str = "",
-    max_result_bytes: int | None = None,
+    max_result_bytes: int = ConsumerContext.max_result_bytes,
 ) -> list[_Slot]:
     """Construct consumers from their checked configs and resolve their ports; a failure is
     a ConsumerBuildError naming the consumer, its field and ``where`` the build ran."""
-    limits = {} if max_result_bytes is None else {"max_result_bytes": max_result_bytes}
     slots = []
     for spec, config in zip(specs, configs, strict=True):
         resolve = LayerResolver(model.num_layers)
@@ -138,7 +141,7 @@ def build_consumers(
                 per_request=spec.per_request,
                 data_parallel_rank=data_parallel[0],
                 data_parallel_size=data_parallel[1],
-                **limits,
+                max_result_bytes=max_result_bytes,
             )
             slots.append(_slot(cls(config, context), spec, resolve, registry))
         except Exception as e:
@@ -155,14 +158,7 @@ def _slot(
     slot = _Slot(consumer, reads, per_request=spec.per_request)
     if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
         slot.window_key = request_key(cls.name, WINDOW_FIELD)
-    slot.last_plan = last_rows_plan(
-        reads, cls.request_window_rows, windowed=slot.window_key is not None
-    )
-    if slot.last_plan is not None:
-        slot.last = LastRows()
-        token, sample = ReadPlan.phase(reads.token), ReadPlan.phase(reads.sample)
-        slot.ports = token.union(sample) if token is not None else sample
-        slot.port_last = takes_last(slot.ports)
+    slot.last = last_rows(reads, cls.request_window_rows, windowed=slot.window_key is not None)
     for w in consumer.writes():
         if isinstance(w, Edit):
             target = w.target.resolve(resolve)
@@ -196,13 +192,9 @@ def _kept_rows(step: StepCapture) -> np.ndarray:
 
 
 class Runtime:
-    """One engine's consumers and their step flow.
-
-    ``deliver=False``: a follower (a tensor-parallel rank whose output the engine does not
-    keep) builds the consumers, so that every rank asks for the same taps, then closes them
-    and never calls one; its counters are not in the report. ``data_parallel``: ``(rank,
-    size)`` of this engine, seen by the consumers on their context.
-    """
+    """One engine's consumers and their step flow. ``deliver=False``: a follower (a tensor-
+    parallel rank whose output is not kept) builds the consumers only so that every rank asks
+    for the same taps, then closes them. ``data_parallel``: this engine's ``(rank, size)``."""
 
     def __init__(
         self,
@@ -264,16 +256,9 @@ class Runtime:
             self.results,
         )
         self.step_index = 0
-        # Device indices and gathered rows in buffers reused from step to step.
         self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
-        self._selections: dict[int, RowSelection] = {}  # per-request guides' rows, by slot
-        # The rows each reading slot may take (requests it acts on, their windows), by slot.
-        self._masks: dict[int, RowMasks | np.ndarray | None] = {}
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
-        # Window ``last``: the rows each slot holds as its requests' last (a mask over the
-        # step's rows) and their holders' slots, by slot.
-        self._last: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
         # Steps delivered before their stamps reached the host, oldest first, each with the
@@ -318,6 +303,7 @@ class Runtime:
         self.counters.add("rows_seen", len(rows))
         for b in buffers.values():
             b.reset()
+        resolve = functools.partial(resolve_layer, num_layers=self.model.num_layers)
         for s in self.slots:
             if not s.edits or not self.bus.active(s.consumer):
                 continue
@@ -326,29 +312,18 @@ class Runtime:
                 continue
             # A per-request consumer sees (and can select) only its requests' rows.
             sel = None if mask is None else RowSelection(mask)
-            index = None if sel is None else sel.index
             own = rows if sel is None else sel.rows(rows, self._buffers)
             allowed = {k: t.key for k, t in s.edits.items()}
             widths = {k: buffers[t].add.shape[-1] for k, t in allowed.items() if t in buffers}
             plan = EditPlan(
-                own, allowed, self.model.hidden_size, self._resolve, set(s.transforms), widths
+                own, allowed, self.model.hidden_size, resolve, set(s.transforms), widths
             )
-            acted = own.requests
-            if (
-                not self.bus.call(s.consumer, "edit", s.consumer.edit, own, plan, requests=acted)
-                or not plan.ops
-            ):
-                continue
-
-            def write(plan=plan, index=index, allowed=allowed, name=s.consumer.name) -> None:
-                if index is not None:  # inside the consumer's isolation, as the write is
-                    plan.remap(index)
-                _write_plan(plan, allowed, buffers, name, self._buffers)
-
-            self.bus.call(s.consumer, "edit (buffers)", write, requests=acted)
-
-    def _resolve(self, layer: int) -> int:
-        return resolve_layer(layer, self.model.num_layers)
+            c, acted = s.consumer, own.requests
+            if self.bus.call(c, "edit", c.edit, own, plan, requests=acted) and plan.ops:
+                # In the consumer's isolation: a bad plan is its failure.
+                index = None if sel is None else sel.index
+                args = (plan, allowed, buffers, c.name, self._buffers, index)
+                self.bus.call(c, "edit (buffers)", _write_plan, *args, requests=acted)
 
     def _plan(self, step: StepCapture) -> None:
         """Send every index the step's guide and bundles will use to the device in one copy
@@ -357,36 +332,32 @@ class Runtime:
             return
         self._planned = step
         arrays = [step.sample_token_row] if self.guides else []
-        self._selections = {}
-        if self.guides:
-            # Per-request guides' rows, as indices into the sampling rows.
-            requests = [step.rows.requests[i] for i in step.sample_token_row]
-            for i, s in enumerate(self.slots):
-                mask = s.enabled(requests) if s.guides else None
-                if mask is not None and mask.any():
-                    self._selections[i] = RowSelection(mask)
-                    arrays += self._selections[i].indices()
-        self._masks, self._last = {}, {}
+        # Per-request guides' rows, as indices into the sampling rows.
+        requests = [step.rows.requests[i] for i in step.sample_token_row] if self.guides else []
+        for s in self.slots:
+            mask = s.enabled(requests) if s.guides else None
+            s.selection = RowSelection(mask) if mask is not None and mask.any() else None
+            arrays += s.selection.indices() if s.selection is not None else []
         runs = None
         kept = _kept_rows(step) if any(s.last is not None for s in self.slots) else None
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
+            s.held = None
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
-            masks: RowMasks | np.ndarray | None = enabled
+            s.masks = RowMasks(enabled, enabled)
             last = None
-            if s.port_last and kept is not None:  # each request's last row so far
+            if s.last is not None and s.last.every:  # each request's last row so far
                 last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
                 if runs is None:  # once per step, and only when some consumer takes windows
                     runs = step_runs(step)
-                masks, last = self._windowed(s, step, runs, enabled, last)
-            self._masks[i] = masks
-            arrays += bundle_indices(s.reads, step, masks)
+                s.masks, last = self._windowed(s, step, runs, enabled, last)
+            arrays += bundle_indices(s.reads, step, s.masks)
             if s.last is not None and last is not None and last.any():
                 slots = s.last.place([step.rows.requests[r] for r in np.nonzero(last)[0]])
-                self._last[i] = last, slots
-                arrays += [*bundle_indices(s.last_plan, step, RowMasks(last, last)), slots]
+                s.held = last, slots
+                arrays += [*bundle_indices(s.last.plan, step, RowMasks(last, last)), slots]
         self._buffers.plan(arrays, step.rows.token_ids.device)
 
     def _windowed(
@@ -396,13 +367,10 @@ class Runtime:
         runs: list[tuple[RequestInfo, int, int]],
         enabled: np.ndarray | None,
         last: np.ndarray | None,
-    ) -> tuple[RowMasks | np.ndarray | None, np.ndarray | None]:
-        """``enabled`` narrowed to the rows inside the window of each request that sets the
-        consumer's window key (host metadata; only those requests cost anything), and
-        ``last`` (the rows held as requests' last rows) as those windows decide: a request's
-        last row is held when its window is ``last`` and the row is within the consumer's
-        ports' phases. A window the engine cannot parse takes no row
-        (``rows_window_invalid.{consumer}``)."""
+    ) -> tuple[RowMasks, np.ndarray | None]:
+        """``enabled`` and ``last`` (the rows held as requests' last) as the windows of the
+        requests that set the consumer's window key decide (only those cost anything); a
+        window the engine cannot parse takes no row (``rows_window_invalid.{consumer}``)."""
         key, out, rows = s.window_key, None, step.rows
         for j, (req, start, stop) in enumerate(runs):
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
@@ -425,7 +393,7 @@ class Runtime:
                     s.last is not None
                     and takes_last(window)
                     and bool(step.sample_kept[j])
-                    and (s.port_last or bool(row_mask(s.ports, *here, prompt)[-1]))
+                    and (s.last.every or bool(row_mask(s.last.ports, *here, prompt)[-1]))
                 )
             if out is None:
                 out = np.ones(len(rows), np.bool_) if enabled is None else enabled.copy()
@@ -434,7 +402,7 @@ class Runtime:
                 last = np.zeros(len(rows), np.bool_) if last is None else last
                 last[stop - 1] = held
         if out is None:
-            return enabled, last
+            return RowMasks(enabled, enabled), last
         narrows = type(s.consumer).request_window_rows
         token = out if "token" in narrows else enabled
         sample = out if "sample" in narrows else enabled
@@ -463,11 +431,11 @@ class Runtime:
             except StaleTapError as e:
                 self._stale(key, e)
         changed = False
-        for i, s in enumerate(self.slots):
+        for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
             # Per-request: only its requests' rows (views, or gathered and written back).
-            sel = self._selections.get(i)
+            sel = s.selection
             if s.per_request and sel is None:
                 continue  # no request of the step switched it on
             n = len(srows) if sel is None else len(sel)
@@ -477,8 +445,6 @@ class Runtime:
                 view = GuideView(step.step, srows, *args)
             else:
                 view = sel.guide_view(self._buffers, step.step, srows, *args)
-            # Whether its guide wrote logits (None: it failed); the changes are counted on
-            # the device (no host read in the step).
             self.counters.add("rows_guide_visited", len(view.rows))
             if not self.bus.call(
                 s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
@@ -505,7 +471,7 @@ class Runtime:
                 rows.masked_fill_(stale, float("nan"))
         return rows
 
-    def _stale(self, key: str, error: StaleTapError) -> None:
+    def _stale(self, key: str, error: StaleTapError | str) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
         self.counters.add("stale_captures")
         self.counters.add(f"stale_captures.{key}")
@@ -514,11 +480,9 @@ class Runtime:
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
 
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: deliver bundles, mark positions, count what the taps confirm.
-
-        The stamps go to the host without the host waiting. Where they are there at once
-        (CPU) a stale tap is left out of the bundles; otherwise its rows are delivered as NaN
-        (decided on the device) and the step is checked once they arrive (:meth:`_settle`)."""
+        """After sampling: deliver bundles, mark positions, count what the taps confirm. The
+        host does not wait for the stamps: until they arrive (not at once on a GPU) a stale
+        tap's rows are delivered as NaN and checked later (:meth:`_settle`)."""
         if self.guides and self._guided_step != step.step and step.sample_kept.any():
             # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
             self.counters.add("steps_greedy")
@@ -528,28 +492,27 @@ class Runtime:
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
         self._plan(step)
-        kept = _kept_rows(step) if self._last else None  # now: async may have dropped rows
-        for i, s in enumerate(self.slots):
+        # Again now: async scheduling may have dropped rows since the plan.
+        kept = _kept_rows(step) if any(s.held is not None for s in self.slots) else None
+        for s in self.slots:
             if s.reads.empty:
                 continue
             # A port stale in both the step's bundle and its last rows: one read refused.
             stale: dict[str, StaleTapError] = {}
             mine: list[tuple[str, set[str]]] = []
-            bundle = build_bundle(
-                s.reads, step, self._masks.get(i), stale.setdefault, mine, self._buffers
-            )
+            bundle = build_bundle(s.reads, step, s.masks, stale.setdefault, mine, self._buffers)
             if bundle is not None:
                 if s.reads.token:  # the token rows its phases and windows kept
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                 self.bus.publish(s.consumer, bundle)
-            if i in self._last:  # held on the device, delivered at the requests' finish
-                assert s.last is not None and s.last_plan is not None and kept is not None
-                mask, slots = self._last[i]
+            if s.held is not None:  # held on the device, delivered at the requests' finish
+                assert s.last is not None and kept is not None
+                mask, slots = s.held
                 still = kept[mask]
                 if not still.all():  # rows past a stop, dropped since the plan (async)
                     mask, slots = mask & kept, slots[still]
                 masks = RowMasks(mask, mask)
-                held = build_bundle(s.last_plan, step, masks, stale.setdefault, mine, self._buffers)
+                held = build_bundle(s.last.plan, step, masks, stale.setdefault, mine, self._buffers)
                 if held is None:  # every port stale: the rows are held, reading NaN
                     idx = np.nonzero(mask)[0]
                     rows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
@@ -580,24 +543,17 @@ class Runtime:
         stale_at = f"was not written by step {step.step}'s forward (stale buffer)"
         for key, r in self._guide_reads.items():  # read at guide time only: no bundle reports it
             if r.phase is Phase.GUIDE and any(t.key in stale for t in r.producer.taps(r.port)):
-                self._stale(
-                    key, StaleTapError(f"the tap of {key!r} {stale_at}: the guide read NaN rows")
-                )
+                self._stale(key, f"the tap of {key!r} {stale_at}: the guide read NaN rows")
         for key, taps in unchecked:
             if taps & stale:
                 port = tap_port_name(min(taps & stale))
                 self._stale(
-                    key,
-                    StaleTapError(
-                        f"the tap of {port!r} {stale_at}: {key!r} was delivered as NaN rows"
-                    ),
+                    key, f"the tap of {port!r} {stale_at}: {key!r} was delivered as NaN rows"
                 )
         kept = int(step.sample_kept.sum())
         for key, r in self._read_ports.items():
             taps = r.producer.taps(r.port)
-            if any(t.key in stale for t in taps):
-                continue
-            if all(t.key in step.tensors for t in taps):
+            if all(t.key in step.tensors and t.key not in stale for t in taps):
                 self.counters.add(
                     f"rows_captured.{key}", len(step.rows) if r.port.rows == "token" else kept
                 )

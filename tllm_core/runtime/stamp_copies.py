@@ -26,15 +26,12 @@ class StampRead:
         """Whether the values can be read without waiting for the device."""
         if self._values is None and self._ring is not None:
             self._ring.arrived()
-        return self._values is not None or self._ring is None
+        return self._values is not None
 
     def values(self) -> list[int]:
         """The values (waits for the copy if it has not arrived)."""
-        if self._values is None:
-            if self._ring is None:
-                self._values = []
-            else:
-                self._ring.arrived(wait=True, until=self)
+        if self._values is None and self._ring is not None:
+            self._ring.arrived(wait=True, until=self)
         assert self._values is not None
         return self._values
 
@@ -61,7 +58,7 @@ class StampReader:
         keys = (*stamps, *edited)
         parts = [t.reshape(1) for t in (*stamps.values(), *edited.values())]
         if not parts:
-            return StampRead(keys, 0, None)
+            return StampRead(keys, 0, None, [])
         device = parts[0].device
         if keys != self._keys or self._device is None or self._device.device != device:
             self._keys = keys

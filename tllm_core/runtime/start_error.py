@@ -11,11 +11,7 @@ from tllm_core.runtime.notes import NoteFile, named, write_once
 
 # "{front end pid}:{note path}", set while the engine starts; its processes inherit it.
 ENV = "TLLM_START_ERROR_FILE"
-
-
-def record(path: str | None, message: str) -> None:
-    """Write ``message`` to ``path`` unless a rank wrote first; never raises."""
-    write_once(path, message)
+record = write_once  # (path, message): the first rank's reason wins; never raises
 
 
 class StartErrorNote(NoteFile):

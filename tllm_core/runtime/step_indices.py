@@ -40,29 +40,8 @@ class StepIndices:
 
     def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
         """Send ``arrays`` to ``device`` in one copy, beside the step's other indices."""
-        if async_copies(device):
-            self._send(list(arrays), device)
-
-    def release(self) -> None:
-        """Let the step's device indices go (their buffer is reused by a later plan)."""
-        self._index.clear()
-
-    def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
-        """``idx`` as an int64 tensor on ``device`` (the planned copy's view, else sent alone),
-        valid until the next :meth:`plan`."""
         if not async_copies(device):
-            return index_to(idx, device)
-        key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
-        if key not in self._index:
-            self._send([idx], device)
-        return self._index[key]
-
-    def gather(self, t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-        """``t.index_select(0, idx)`` into a pooled buffer."""
-        out = self.pool.take((len(idx), *t.shape[1:]), t.dtype, t.device)
-        return torch.index_select(t, 0, self.index(idx, t.device), out=out)
-
-    def _send(self, arrays: list[np.ndarray], device: torch.device) -> None:
+            return  # index() makes each index on the device as it is needed
         new: dict[tuple[torch.device, bytes], np.ndarray] = {}
         for x in arrays:
             a = np.ascontiguousarray(x, dtype=np.int64)
@@ -83,3 +62,22 @@ class StepIndices:
         for key, a in new.items():
             self._index[key] = dev[off : off + a.size]
             off += a.size
+
+    def release(self) -> None:
+        """Let the step's device indices go (their buffer is reused by a later plan)."""
+        self._index.clear()
+
+    def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``idx`` as an int64 tensor on ``device`` (the planned copy's view, else sent alone),
+        valid until the next :meth:`plan`."""
+        if not async_copies(device):
+            return index_to(idx, device)
+        key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
+        if key not in self._index:
+            self.send([idx], device)
+        return self._index[key]
+
+    def gather(self, t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """``t.index_select(0, idx)`` into a pooled buffer."""
+        out = self.pool.take((len(idx), *t.shape[1:]), t.dtype, t.device)
+        return torch.index_select(t, 0, self.index(idx, t.device), out=out)
