@@ -275,10 +275,10 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
     interpreter, it equals the forward into fresh tensors bit for bit, and the saved
     forward reads back the same activations."""
     kernels = interpreted_kernels()
+    from algorithms.esamp.graph_update import slot_matmul
     from algorithms.esamp.kernels import op_slot_matmul
     from algorithms.esamp.mlp import forward_slots, saved_forward
     from algorithms.esamp.params import DistillerShape, init_params
-    from algorithms.esamp.slot_ops import slot_matmul
 
     shape = DistillerShape(H, INTER, 2)
     theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(3)])

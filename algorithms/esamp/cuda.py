@@ -1,37 +1,36 @@
 """CUDA path of the grouped distiller: everything allocated and captured at construction
 (inside vLLM's ``load_model``, so its memory profile sees it), graph replays on one side
 stream ordered by events only (no host wait; strict staleness), results read back in the
-background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU."""
+background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU.
+
+The row plan: where each row of a step goes in the packed buffers (``T = capacity x graph
+rows`` rows, read by a *layout* as ``G`` groups of ``M`` rows, one graph per layout),
+computed on the host and sent as one int64 vector per batch of groups: ``pos [T]`` and
+``dest [T]`` (``T``: the trash row), ``group_slot [C]`` (-1: padding), ``submitted [C]``,
+``ring_row [1]``, then the packed rows' mask as ``T`` bytes. The results: logged in a device
+ring (one row per update batch), copied to the host every ``every`` updates without
+blocking; only :meth:`ResultLog.drain` waits."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import STATS
-from algorithms.esamp.cuda_plan import (
-    Batch,
-    Layout,
-    fill_plan,
-    layouts,
-    plan_mask,
-    plan_size,
-    split,
-)
-from algorithms.esamp.cuda_results import Pending, ResultLog
-from algorithms.esamp.graph_update import train_groups
+from algorithms.esamp.graph_update import slot_matmul, slots_bound, train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.packing import make_packing
-from algorithms.esamp.slot_ops import slot_matmul, slots_bound
+from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.slots import SlotDistiller, TrainResult
-from tllm_core import StagingRing, pow2_rows
+from tllm_core import HostCopyRing, StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")
 
@@ -39,6 +38,189 @@ log = logging.getLogger("tllm")
 _PLAN_BUFFERS = 8
 # The graphs of each layout: prediction, update, update on the prediction's forward.
 _KINDS = ("predict", "train", "train_reuse")
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: int  # G
+    rows: int  # M
+
+
+def layouts(capacity: int, graph_rows: int) -> list[Layout]:
+    """Every layout: groups of ``graph_rows`` rows, twice as many, ..., one group of all."""
+    total = capacity * graph_rows
+    out, m = [], graph_rows
+    while m < total:
+        out.append(Layout(total // m, m))
+        m *= 2
+    out.append(Layout(1, total))
+    return out
+
+
+@dataclass
+class Batch:
+    layout: Layout
+    groups: np.ndarray  # indices into the step's packed groups (make_packing order)
+
+
+def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
+    """Batches of the step's groups that each fit one layout (usually one batch)."""
+    order = np.argsort(-counts, kind="stable")
+    batches, i = [], 0
+    while i < len(order):
+        largest = counts[order[i]]
+        fits = [lay for lay in options if lay.rows >= largest]
+        if not fits:
+            raise ValueError(
+                f"a group has {largest} rows, more than the {options[-1].rows} packed rows "
+                "(cuda_capacity x cuda_graph_max_rows)"
+            )
+        rest = len(order) - i
+        # The shortest groups that hold every remaining group, else the layout with the most
+        # groups of this size (then another batch).
+        lay = next((x for x in fits if x.groups >= rest), fits[0])
+        take = min(rest, lay.groups)
+        batches.append(Batch(lay, np.sort(order[i : i + take])))
+        i += take
+    return batches
+
+
+def fill_plan(
+    out: np.ndarray,
+    batch: Batch,
+    pk: Packing,
+    submitted: np.ndarray,
+    total: int,
+    capacity: int,
+    ring_row: int,
+) -> None:
+    """Write one batch's plan vector into ``out`` (a view of pinned host memory);
+    ``submitted``: the updates submitted for each of ``pk``'s slots."""
+    row_group, row_pos = pk.row_group, pk.row_pos
+    g_of = np.full(len(pk.slots), -1, dtype=np.int64)
+    g_of[batch.groups] = np.arange(len(batch.groups))
+    n = len(row_group)
+    pos, dest = out[:total], out[total : 2 * total]
+    pos.fill(total)
+    dest.fill(total)
+    mine = g_of[row_group] >= 0
+    pos[:n][mine] = g_of[row_group[mine]] * batch.layout.rows + row_pos[mine]
+    dest[:n][mine] = np.flatnonzero(mine)
+    gs = out[2 * total : 2 * total + capacity]
+    sub = out[2 * total + capacity : 2 * total + 2 * capacity]
+    gs.fill(-1)
+    sub.fill(0)
+    k = len(batch.groups)
+    gs[:k] = pk.slots[batch.groups]
+    sub[:k] = submitted[batch.groups]
+    out[2 * total + 2 * capacity] = ring_row
+    mask = out[2 * total + 2 * capacity + 1 :].view(np.uint8)[:total]
+    mask.fill(0)
+    mask[pos[:n][mine]] = 1
+
+
+def plan_size(total: int, capacity: int) -> int:
+    return 2 * total + 2 * capacity + 1 + -(-total // 8)
+
+
+def plan_mask(plan: torch.Tensor, total: int, capacity: int) -> torch.Tensor:
+    """The packed rows' mask ``[T]`` (bool) in a plan vector (a view: no copy)."""
+    start = 8 * (2 * total + 2 * capacity + 1)
+    return plan.view(torch.uint8)[start : start + total].view(torch.bool)
+
+
+# Update results kept on the device between background copies.
+RESULT_ROWS = 512
+
+
+@dataclass
+class Pending:
+    """One submitted train step: its batches' ring rows and which step groups each holds."""
+
+    parts: list[tuple[int, np.ndarray]]  # (ring row, indices of the step's groups)
+    res: TrainResult  # filled in from the ring
+    serial: int = 0  # updates logged before and including this one
+
+
+class ResultLog:
+    """The device ring of update results and the staleness maximum ``stale``, copied back
+    through a two-buffer :class:`~tllm_core.HostCopyRing`."""
+
+    def __init__(
+        self,
+        capacity: int,
+        stats: bool,
+        device: torch.device,
+        rows: int = RESULT_ROWS,
+        every: int = 32,
+    ):
+        self.rows, self.every = rows, every
+        self.losses = torch.zeros(rows, capacity, device=device)
+        self.ok = torch.zeros(rows, capacity, device=device)
+        self.stats = torch.zeros(rows, capacity, len(STATS), device=device) if stats else None
+        self.stale = torch.zeros(1, dtype=torch.long, device=device)  # max staleness seen
+        self._copies = HostCopyRing(self._device_buffers(), 2, read=self._read)
+        self._pending: list[Pending] = []
+        self._next = 0  # updates logged so far
+        self._copied = 0  # updates covered by the last copy issued
+        self.staleness_max = 0
+
+    @property
+    def host_waits(self) -> int:
+        """Copies the host had to wait for (a buffer still in flight, drain)."""
+        return self._copies.waits
+
+    def _device_buffers(self) -> list[torch.Tensor]:
+        return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
+
+    def next_row(self) -> int:
+        """The ring row of the next update batch."""
+        if self._next - self._copied >= self.rows:
+            raise RuntimeError("result ring overrun: copy() was not called in time")
+        row = self._next % self.rows
+        self._next += 1
+        return row
+
+    def add(self, p: Pending) -> None:
+        p.serial = self._next
+        self._pending.append(p)
+
+    def maybe_copy(self, stream) -> None:
+        """Start a background copy every ``every`` updates (and before the ring wraps)."""
+        if self._next - self._copied >= min(self.every, self.rows // 2):
+            self.copy(stream)
+
+    def copy(self, stream) -> None:
+        """Copy the ring to the host without blocking, after the updates logged."""
+        if self._next == self._copied:
+            return
+        self._copies.send(self._device_buffers(), tag=self._next, stream=stream)
+        self._copied = self._next
+
+    def poll(self) -> None:
+        """Hand out every result whose copy has arrived (no waiting)."""
+        self._copies.arrived()
+
+    def drain(self, stream) -> None:
+        """Copy and wait for every result logged (a host sync)."""
+        self.copy(stream)
+        self._copies.arrived(wait=True)
+
+    def _read(self, serial: int, host: list[torch.Tensor]) -> None:
+        losses, ok, stale = host[0], host[1], host[2]
+        stats = host[3] if self.stats is not None else None
+        self.staleness_max = max(self.staleness_max, int(stale[0]))
+        while self._pending and self._pending[0].serial <= serial:
+            p = self._pending.pop(0)
+            res = p.res
+            for row, groups in p.parts:
+                k = len(groups)
+                idx = torch.from_numpy(groups)
+                res.losses[idx] = losses[row, :k]
+                res.updated[idx] = ok[row, :k] > 0
+                if res.stats is not None and stats is not None:
+                    res.stats[idx] = stats[row, :k]
+            res.done.set()
 
 
 @contextmanager

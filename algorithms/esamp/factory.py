@@ -4,6 +4,7 @@ config."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ from tllm_core import pow2_rows
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
-    from tllm_core import ModelInfo  # pydantic: not on the GPU image (gpu_smoke.py)
+    from tllm_core import ModelInfo, RequestInfo  # pydantic: not on the GPU image (gpu_smoke.py)
 
 
 def uses_gpu_path(device: torch.device) -> bool:
@@ -86,8 +87,12 @@ def distiller_for(
 
 
 def guide_for(
-    shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
+    shared: Shared,
+    groups: Groups,
+    model: ModelInfo,
+    diagnostics: Diagnostics | None,
+    beta_of: Callable[[RequestInfo], float],
 ) -> Guide:
-    """The guidance strategy of the consumer's code path (CUDA or host)."""
+    """The guidance of the consumer's code path (CUDA or host)."""
     strategy = CudaGuide if shared.on_cuda else HostGuide
-    return strategy(shared, groups, model, diagnostics)
+    return strategy(shared, groups, model, diagnostics, beta_of)

@@ -9,8 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from algorithms.esamp.cuda_plan import plan_size
-from algorithms.esamp.cuda_results import RESULT_ROWS
+from algorithms.esamp.cuda import RESULT_ROWS, plan_size
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 from tllm_core import pow2_rows
