@@ -46,7 +46,7 @@ def test_cuda_distiller_matches_the_cpu_math(monkeypatch, graph, max_rows, zero_
         x, t = torch.randn(r, H), torch.randn(r, H) * 3
         if step == 7:
             x[0, 0] = float("nan")  # that group's step is skipped on both
-        # The CPU reference of 'zero_output' (what Shared does on CPU): target + x, f - x.
+        # The CPU reference of 'zero_output', written out: target + x, f - x.
         a = cpu.train_step(slots, x, t + x if zero_output else t)
         b = gpu.train_step(slots, x, t)
         xq = torch.randn(r, H)

@@ -15,7 +15,7 @@ from algorithms.esamp.backward import backward_factors, clipped_grad
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
-from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights
+from algorithms.esamp.params import block_weights
 from algorithms.esamp.side_thread import SideThread
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 
@@ -39,7 +39,11 @@ class GroupedDistiller(SlotDistiller):
         # The last prediction: (version, slots [G], x fp32 [R, H], packed (f, activations)).
         self._saved: tuple[int, np.ndarray, torch.Tensor, tuple] | None = None
         super().__init__(hidden_size, **kwargs)
-        self._host = HostTrainer(self.shape, self.hp)
+        self._scratch = torch.empty(0)  # each weight's clipped gradients, for fused Adam
+        # Per slot: its weight matrices in theta, m and v (flat, index 3 * block + matrix),
+        # kept while the state tensors are the same storage (they change only on growth).
+        self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        self._views_key: tuple[int, ...] = ()
 
     @property
     def asynchronous(self) -> bool:
@@ -77,7 +81,8 @@ class GroupedDistiller(SlotDistiller):
             batch = HostBatch.plan(pk.slots)
             fwd = forward_acts(block_weights(batch.take(self.theta), self.shape), batch.pack(pk, x))
             self._saved = (self._version, pk.slots, x, fwd)
-            return batch.unpack(pk, fwd[0])
+            f = batch.unpack(pk, fwd[0])
+            return f - x if self.zero_output else f
 
     def _saved_forward(
         self, pk: Packing, x: torch.Tensor
@@ -102,14 +107,14 @@ class GroupedDistiller(SlotDistiller):
         """One in-place update of all packed groups, inline or on the side thread; the
         results are filled when it has run."""
         forward = self._saved_forward(pk, x)
+        if self.zero_output:
+            target = target.float() + x.float()
         self._version += 1
         errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
         res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
         def run() -> None:
-            state = (self.theta, self.m, self.v, self.step)
-            batch = HostBatch.plan(pk.slots)
-            loss, ok, st = self._host.step(state, pk, batch, x, target, forward, errors)
+            loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
             self.applied[torch.from_numpy(pk.slots)] += 1
             res.losses.copy_(torch.tensor(loss))
             res.updated.copy_(torch.tensor(ok))
@@ -120,22 +125,8 @@ class GroupedDistiller(SlotDistiller):
         self._ordered(run)
         return res
 
-
-class HostTrainer:
-    """The backward as batched products over groups (every core), the clip known before any
-    gradient exists, then each weight's clipped gradients in a scratch for fused Adam."""
-
-    def __init__(self, shape: DistillerShape, hp: AdamHyper):
-        self.shape, self.hp = shape, hp
-        self.scratch = torch.empty(0)
-        # Per slot: its weight matrices in theta, m and v (flat, index 3 * block + matrix),
-        # kept while the state tensors are the same storage (they change only on growth).
-        self._views: dict[int, tuple[list[torch.Tensor], ...]] = {}
-        self._views_key: tuple[int, ...] = ()
-
-    def step(
+    def _step(
         self,
-        state: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         pk: Packing,
         batch: HostBatch,
         x: torch.Tensor,
@@ -143,10 +134,11 @@ class HostTrainer:
         forward: tuple[torch.Tensor, Activations] | None = None,
         row_errors: torch.Tensor | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
-        """One update of each packed group of ``state = (theta, m, v, step)``; returns per
-        group (loss, updated) and, with ``hp.stats``, the statistics (NaN where not updated).
+        """One update of each packed group: the backward as batched products over groups
+        (every core), the clip known before any gradient exists. Returns per group (loss,
+        updated) and, with ``hp.stats``, the statistics (NaN where not updated).
         ``forward``: the prediction's, when already computed; ``row_errors``: filled."""
-        theta, m, v, step = state
+        theta, m, v, step = self.theta, self.m, self.v, self.step
         shape, hp = self.shape, self.hp
         weights = block_weights(batch.take(theta), shape)
         if forward is None:
@@ -175,7 +167,7 @@ class HostTrainer:
         ok = ok_b[pos].tolist()
         todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
         if todo:
-            self._update(theta, m, v, step, factors, coef, todo, batch.size)
+            self._update(factors, coef, todo, batch.size)
         stats = None
         if hp.stats:
             stats = torch.full((len(ok), len(STATS)), float("nan"))
@@ -185,17 +177,16 @@ class HostTrainer:
                 stats[done] = adam_stats(m[sl], v[sl], step[sl], norm[pos[done]], hp)
         return losses[pos].tolist(), ok, stats
 
-    def _update(self, theta, m, v, step, factors, coef, todo, size) -> None:
+    def _update(self, factors, coef, todo, size) -> None:
         """Each weight's clipped gradient for all groups, then Adam on ``todo`` (index, slot)."""
-        shape = self.shape
-        steps = [step[slot] for _, slot in todo]  # counted by update_tail
-        rows = [self._slot_views(theta, m, v, slot) for _, slot in todo]
-        numel = shape.intermediate_size * shape.hidden_size
-        if self.scratch.numel() < size * numel:
-            self.scratch = torch.empty(size * numel)
+        steps = [self.step[slot] for _, slot in todo]  # counted by update_tail
+        rows = [self._slot_views(slot) for _, slot in todo]
+        numel = self.shape.intermediate_size * self.shape.hidden_size
+        if self._scratch.numel() < size * numel:
+            self._scratch = torch.empty(size * numel)
         for f in factors:
             j = 3 * f[0] + f[1]
-            grad = self.scratch[: size * numel].view(size, *rows[0][0][j].shape)
+            grad = self._scratch[: size * numel].view(size, *rows[0][0][j].shape)
             clipped_grad(f, coef, grad)
             fused_adam_(
                 [r[0][j] for r in rows],
@@ -206,8 +197,9 @@ class HostTrainer:
                 self.hp,
             )
 
-    def _slot_views(self, theta, m, v, slot: int) -> tuple[list[torch.Tensor], ...]:
+    def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], ...]:
         # Capacity only grows, so a row count names one allocation of the state.
+        theta, m, v = self.theta, self.m, self.v
         key = (theta.data_ptr(), theta.shape[0], m.data_ptr(), v.data_ptr())
         if key != self._views_key:
             self._views, self._views_key = {}, key

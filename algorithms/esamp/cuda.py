@@ -1,15 +1,7 @@
 """CUDA path of the grouped distiller: everything allocated and captured at construction
 (inside vLLM's ``load_model``, so its memory profile sees it), graph replays on one side
 stream ordered by events only (no host wait; strict staleness), results read back in the
-background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU.
-
-The row plan: where each row of a step goes in the packed buffers (``T = capacity x graph
-rows`` rows, read by a *layout* as ``G`` groups of ``M`` rows, one graph per layout),
-computed on the host and sent as one int64 vector per batch of groups: ``pos [T]`` and
-``dest [T]`` (``T``: the trash row), ``group_slot [C]`` (-1: padding), ``submitted [C]``,
-``ring_row [1]``, then the packed rows' mask as ``T`` bytes. The results: logged in a device
-ring (one row per update batch), copied to the host every ``every`` updates without
-blocking; only :meth:`ResultLog.drain` waits."""
+background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU."""
 
 from __future__ import annotations
 
@@ -94,8 +86,10 @@ def fill_plan(
     capacity: int,
     ring_row: int,
 ) -> None:
-    """Write one batch's plan vector into ``out`` (a view of pinned host memory);
-    ``submitted``: the updates submitted for each of ``pk``'s slots."""
+    """One batch's row plan into ``out`` (pinned host memory, sent in one copy): ``pos [T]``
+    and ``dest [T]`` (``T`` packed rows, read by a layout as ``G`` groups of ``M``; ``T``:
+    the trash row), ``group_slot [C]`` (-1: padding), ``submitted [C]`` (the updates
+    submitted for each of ``pk``'s slots), ``ring_row [1]``, then the packed rows' mask."""
     row_group, row_pos = pk.row_group, pk.row_pos
     g_of = np.full(len(pk.slots), -1, dtype=np.int64)
     g_of[batch.groups] = np.arange(len(batch.groups))
@@ -123,12 +117,6 @@ def plan_size(total: int, capacity: int) -> int:
     return 2 * total + 2 * capacity + 1 + -(-total // 8)
 
 
-def plan_mask(plan: torch.Tensor, total: int, capacity: int) -> torch.Tensor:
-    """The packed rows' mask ``[T]`` (bool) in a plan vector (a view: no copy)."""
-    start = 8 * (2 * total + 2 * capacity + 1)
-    return plan.view(torch.uint8)[start : start + total].view(torch.bool)
-
-
 # Update results kept on the device between background copies.
 RESULT_ROWS = 512
 
@@ -143,8 +131,9 @@ class Pending:
 
 
 class ResultLog:
-    """The device ring of update results and the staleness maximum ``stale``, copied back
-    through a two-buffer :class:`~tllm_core.HostCopyRing`."""
+    """The device ring of update results (a row per update batch) and the staleness maximum
+    ``stale``, copied back every ``every`` updates through a two-buffer
+    :class:`~tllm_core.HostCopyRing` without blocking; only :meth:`drain` waits."""
 
     def __init__(
         self,
@@ -237,6 +226,7 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
 class CudaGroupedDistiller(SlotDistiller):
     growable = False  # the graphs and the memory profile hold the state's storage
     takes_rows_id = True
+    asynchronous = True
 
     def __init__(
         self,
@@ -246,7 +236,6 @@ class CudaGroupedDistiller(SlotDistiller):
         use_cuda_graph: bool = True,
         capacity: int = 8,
         graph_max_rows: int = 16,
-        zero_output: bool = False,
         tf32: bool = False,
         **kwargs: Any,
     ):
@@ -255,13 +244,9 @@ class CudaGroupedDistiller(SlotDistiller):
         self.stream: torch.cuda.Stream | None = None
         super().__init__(hidden_size, device=device, capacity=capacity, **kwargs)
         dev, h = self.device, self.shape.hidden_size
-        self.zero_output = zero_output
         self.tf32 = tf32  # TF32 products (cuBLAS and the Triton kernels), opt-in
+        self._precision = "tf32" if tf32 else "ieee"
         self.stream = torch.cuda.Stream(device=dev)
-        self.use_cuda_graph = use_cuda_graph
-        self.graph_failures = 0
-        self.eager_updates = 0
-        self.updates_reusing_prediction = 0  # update runs that reused the prediction's forward
         self.graph_rows = pow2_rows(graph_max_rows)
         self.total_rows = t = capacity * self.graph_rows
         self.layouts = layouts(capacity, self.graph_rows)
@@ -291,10 +276,6 @@ class CudaGroupedDistiller(SlotDistiller):
         if use_cuda_graph:
             self._capture()
         self.stream.synchronize()
-
-    @property
-    def asynchronous(self) -> bool:
-        return True
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -340,10 +321,6 @@ class CudaGroupedDistiller(SlotDistiller):
 
     def _mm(self, gs: torch.Tensor) -> Callable:
         return slots_bound(partial(slot_matmul, precision=self._precision), gs)
-
-    @property
-    def _precision(self) -> str:
-        return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
         """Per block (h_out, a, u, s, p) ``[G, M, .]``: views of :attr:`hs` and :attr:`acts`."""
@@ -393,8 +370,9 @@ class CudaGroupedDistiller(SlotDistiller):
         tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
-        # The packed rows' mask came with the plan (filled on the host).
-        mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
+        # The packed rows' mask came with the plan (filled on the host): a view, no copy.
+        at, n = 8 * (2 * t + 2 * c + 1), lay.groups * lay.rows
+        mask = self.plan.view(torch.uint8)[at : at + n].view(torch.bool).view(lay.groups, -1)
         stats = self._stats[: lay.groups] if self.hp.stats else None
         state = (self.theta, self.m, self.v, self.step)
         losses, ok = train_groups(
@@ -442,12 +420,14 @@ class CudaGroupedDistiller(SlotDistiller):
             for lay in self.layouts:
                 for kind in _KINDS:
                     g = torch.cuda.CUDAGraph()
-                    mode = "thread_local"
-                    with _matmul_precision(self.tf32), torch.no_grad():
-                        with torch.cuda.graph(
-                            g, pool=pool, stream=self.stream, capture_error_mode=mode
-                        ):
-                            self._body(kind)(lay)
+                    with (
+                        _matmul_precision(self.tf32),
+                        torch.no_grad(),
+                        torch.cuda.graph(
+                            g, pool=pool, stream=self.stream, capture_error_mode="thread_local"
+                        ),
+                    ):
+                        self._body(kind)(lay)
                     self._graphs[(kind, lay)], pool = g, g.pool()
         except RuntimeError as err:
             # Capture is an optimisation: fall back to eager runs, loudly.
@@ -479,6 +459,13 @@ class CudaGroupedDistiller(SlotDistiller):
         dst[: src.shape[0]].copy_(src)
         src.record_stream(self.stream)
 
+    def _forward(self, pk: Packing, batches: list[Batch], x: torch.Tensor) -> None:
+        """The prediction of ``x`` into ``y`` (on the side stream)."""
+        self._stage(self.stage_x, x)
+        for batch in batches:
+            self._send_plan(batch, pk, 0)
+            self._run("predict", batch.layout)
+
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
         """As the base class; a :meth:`train_step` with the same ``rows_id`` (the caller's
         promise of the same ``x``) reuses this prediction's forward."""
@@ -492,10 +479,7 @@ class CudaGroupedDistiller(SlotDistiller):
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream):
-            self._stage(self.stage_x, x)
-            for batch in batches:
-                self._send_plan(batch, pk, 0)
-                self._run("predict", batch.layout)
+            self._forward(pk, batches, x)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
         self._predicted = self._key(rows_id, pk, batches)
         # A view of the static output: valid until the next predict.
@@ -569,10 +553,7 @@ class CudaGroupedDistiller(SlotDistiller):
         per_row = loss_per_row(self.shape.hidden_size, self.hp.loss_reduction)
         with torch.cuda.stream(self.stream), torch.inference_mode(False), torch.no_grad():
             if not reuse:
-                self._stage(self.stage_x, x)
-                for batch in batches:
-                    self._send_plan(batch, pk, 0)
-                    self._run("predict", batch.layout)
+                self._forward(pk, batches, x)
             # y: blocks(x) (- x with zero_output); target: what that is trained toward.
             diff = self.y[:n] - target.float()
             target.record_stream(self.stream)

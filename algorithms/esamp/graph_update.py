@@ -31,13 +31,8 @@ def slot_matmul(
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x[g] @ w[group_slot[g]]^T`` (``w [S, N, K]``) or, with ``transpose_w=False``,
-    ``x[g] @ w[group_slot[g]]`` (``w [S, K, N]``); ``x [G, M, K]``; padding groups give 0.
-    With ``w [S, E, ., .]`` (e.g. :func:`~algorithms.esamp.mlp.gate_up_pairs`): one product
-    per matrix ``[G, E, M, N]`` from a shared ``x``, or, with ``x [G, E, M, K]``, their sum
-    ``[G, M, N]``. ``add``: added to the result (:func:`algorithms.esamp.kernels.slot_matmul`).
-    ``precision``: the product's (``"ieee"`` or ``"tf32"``); ``out``: written there (else a
-    new tensor)."""
+    """:func:`algorithms.esamp.kernels.slot_matmul` into ``out`` (else a new tensor), the
+    :data:`~algorithms.esamp.mlp.MatMul` of the update; ``precision``: ``"ieee"`` or ``"tf32"``."""
     if out is None:
         n = w.shape[-2] if transpose_w else w.shape[-1]
         per_matrix = w.dim() == 4 and x.dim() == 3
@@ -61,10 +56,7 @@ def slot_grad_adam_(
     hp: AdamHyper,
     precision: str = "ieee",
 ) -> None:
-    """For each group with a slot and ``ok``: gradient ``scale[g] * a[g]^T b[g]`` (``a [G, M,
-    N]``, ``b [G, M, K]``), then one Adam step of ``w``/``m``/``v`` ``[S, N, K]`` at the slot
-    with its count ``step[slot]`` (already incremented). Same formulas as
-    ``torch._fused_adam_``; other slots, and groups not ``ok``, are left bit for bit."""
+    """:func:`algorithms.esamp.kernels.grad_adam` with ``hp``'s Adam settings."""
     kernels.grad_adam(
         a, b, scale, group_slot, ok, step, w, m, v,
         lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision,

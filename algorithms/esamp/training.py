@@ -14,14 +14,7 @@ from algorithms.esamp.lifecycle import Group, Groups
 from algorithms.esamp.losses import LossBook, Submitted, final_prefix
 from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
-from tllm_core import (
-    Bundle,
-    Counters,
-    RequestInfo,
-    RequestRows,
-    array_json_bytes,
-    request_runs,
-)
+from tllm_core import Bundle, Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
 
 # Queued updates: losses are read back this often without waiting, and with a wait once
 # _FLUSH_LIMIT are not back (the host's bookkeeping stays bounded).
@@ -181,7 +174,7 @@ class Trainer:
         slot_t = torch.tensor(slots, dtype=torch.long)
         idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
-        target = self.s.target(x, select_rows(tgt, sel, idx))
+        target = select_rows(tgt, sel, idx)
         train, kw = self.s.distiller.train_step, self.s.rows_kw(rows)
         return [
             train(slot_t, x, target, row_errors=row_errors and k == 0, **kw) for k in range(steps)

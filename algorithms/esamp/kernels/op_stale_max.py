@@ -58,10 +58,6 @@ def stale_max_launch(
 run_triton = runner(stale_max_launch)
 
 
-def stale_max_bytes(groups: int) -> int:
-    """``stale_max``: three int64 per group read, the maximum read and written."""
-    return groups * 3 * 8 + 2 * 8
-
-
 def _traffic(submitted, *args, **kwargs) -> int:
-    return stale_max_bytes(submitted.shape[0])
+    """``stale_max``'s bytes: three int64 per group read, the maximum read and written."""
+    return submitted.shape[0] * 3 * 8 + 2 * 8

@@ -129,14 +129,10 @@ def update_tail_launch(
 run_triton = runner(update_tail_launch)
 
 
-def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
-    """``update_tail``: per group its parts, slot and mask row read, four results written,
-    its slot's counts read and written."""
-    per_group = FP32 * parts + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + (16 if applied else 0)
-    return groups * per_group
-
-
 def _traffic(loss_parts, parts, group_slot, mask, step, applied, *args, **kwargs) -> int:
+    """``update_tail``'s bytes: per group its parts, slot and mask row read, four results
+    written, its slot's counts read and written."""
     groups, rows = mask.shape
     cols = loss_parts.shape[1] + parts.shape[1]
-    return update_tail_bytes(groups, rows, cols, applied is not None)
+    counts = 16 if applied is not None else 0
+    return groups * (FP32 * cols + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + counts)

@@ -79,10 +79,6 @@ def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[...,
     return on_cpu, on_cuda
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
-
-
 def _register() -> Mapping[str, Callable[..., None]]:
     """Register every op's implementations and byte count (``tllm_bytes``: fake_cuda's
     counters); returns the CUDA ones by name (the GPU rehearsal runs them)."""
@@ -92,7 +88,7 @@ def _register() -> Mapping[str, Callable[..., None]]:
         _LIB.impl(op.NAME, cpu, "CPU")
         _LIB.impl(op.NAME, impls[op.NAME], "CUDA")
         # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-        torch.library.register_fake(f"tllm_esamp::{op.NAME}", _nothing, lib=_LIB)
+        torch.library.register_fake(f"tllm_esamp::{op.NAME}", lambda *a, **k: None, lib=_LIB)
         getattr(torch.ops.tllm_esamp, op.NAME).default.tllm_bytes = op._traffic
     return MappingProxyType(impls)
 
