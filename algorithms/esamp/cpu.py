@@ -11,7 +11,7 @@ import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
-from algorithms.esamp.backward import backward_factors, clipped_grad
+from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import Activations, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
@@ -187,7 +187,8 @@ class GroupedDistiller(SlotDistiller):
         for f in factors:
             j = 3 * f[0] + f[1]
             grad = self._scratch[: size * numel].view(size, *rows[0][0][j].shape)
-            clipped_grad(f, coef, grad)
+            # Each group's gradient A^T B times its clip coefficient (folded into A).
+            torch.bmm((f[2] * coef[:, None, None]).transpose(1, 2), f[3], out=grad)
             fused_adam_(
                 [r[0][j] for r in rows],
                 [grad[i] for i, _ in todo],

@@ -1,8 +1,6 @@
-"""The update step with fixed shapes and no host sync, captured as a CUDA graph; each weight's
-clipped gradient is formed inside its Adam step. Runs on any device (tests use CPU). Its two
-slot-indexed operations (:mod:`algorithms.esamp.kernels`): a product with each packed group's
-own slot of the stacked weights (``group_slot[g]``; ``-1``: a padding group, output 0), and
-each group's clipped gradient formed inside its slot's Adam step."""
+"""The update step with fixed shapes and no host sync, captured as a CUDA graph, on two
+slot-indexed operations: a product with each packed group's own slot of the stacked weights,
+and each weight's clipped gradient formed inside its Adam step. Runs on any device."""
 
 from __future__ import annotations
 

@@ -420,7 +420,12 @@ class CudaGuide(Guide):
     def stage(
         self, view: GuideView, sel: list[int], betas: list[float], *fit_args: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        self.ws.check_rows(len(view.rows))
+        if (n := len(view.rows)) > self.ws.rows:
+            raise ValueError(
+                f"esamp: a guided step of {n} rows exceeds cuda_rows_per_step={self.ws.rows} "
+                "(the guidance workspace is sized from it); set cuda_rows_per_step to "
+                "vLLM's max_num_seqs"
+            )
         return self.ws.stage(sel, betas, *fit_args)
 
     def record(

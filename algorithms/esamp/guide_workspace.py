@@ -147,14 +147,6 @@ class GuideWorkspace:
             carve_workspace_from(flat, _stage_spec(rows)) for flat in self._staging.buffers
         ]
 
-    def check_rows(self, n: int) -> None:
-        if n > self.rows:
-            raise ValueError(
-                f"esamp: a guided step of {n} rows exceeds cuda_rows_per_step={self.rows} "
-                "(the guidance workspace is sized from it); set cuda_rows_per_step to "
-                "vLLM's max_num_seqs"
-            )
-
     def take(self, name: str, rows: int) -> torch.Tensor:
         """Part ``name``'s first ``rows`` rows."""
         return self.parts[name][:rows]

@@ -3,7 +3,8 @@ curves (and with ``optimizer_stats`` the update statistics)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from algorithms.esamp.slots import TrainResult
 from tllm_core import Counters
 
 _CURVE_POINTS = 64
+T = TypeVar("T")
 
 # One submitted train step: the groups' serials and ages (steps before it), its result.
 Submitted = tuple[list[int], list[int], TrainResult]
@@ -39,12 +41,13 @@ class ByAge:
         return [[a, *(s / self.counts[a] for s in self.sums[a]), self.counts[a]] for a in ages]
 
 
-def final_prefix(results: list[TrainResult], block: bool) -> int:
-    """How many results, oldest first, can be read now (``block``: all, after a sync)."""
+def split_final(items: list[T], block: bool, result: Callable[[T], TrainResult]) -> tuple:
+    """``items`` (oldest first) whose ``result`` can be read now (``block``: all, after a
+    sync), and the rest."""
     n = 0
-    while n < len(results) and (block or results[n].ready()):
+    while n < len(items) and (block or result(items[n]).ready()):
         n += 1
-    return n
+    return items[:n], items[n:]
 
 
 class LossBook:

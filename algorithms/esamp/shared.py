@@ -32,11 +32,6 @@ class Shared:
     # index of a step that takes every row in order is a view of it (see row_index).
     arange: torch.Tensor | None = None
 
-    @property
-    def deferred(self) -> bool:
-        """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
-        return self.on_cuda or self.distiller.asynchronous
-
     def rows_kw(self, rows: object) -> dict:
         """The keyword naming the rows (:func:`rows_id`) for a distiller that takes it."""
         return {"rows_id": rows} if self.distiller.takes_rows_id else {}

@@ -99,10 +99,7 @@ class SlotDistiller:
         self._grow(capacity)
 
     # -- ordering hooks (the subclasses' queues) -------------------------------------
-    @property
-    def asynchronous(self) -> bool:
-        """True when train steps return before they have run."""
-        return False
+    asynchronous = False  # True: train steps return before they have run
 
     def _drain(self) -> None:
         """Wait for pending work that uses the state (before it is reallocated)."""
@@ -198,11 +195,7 @@ class SlotDistiller:
         raise NotImplementedError
 
     def train_step(
-        self,
-        slots: torch.Tensor,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        row_errors: bool = False,
+        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
         ``row_errors``: also each row's error before the update."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from algorithms.esamp.lifecycle import Group, Groups
-from algorithms.esamp.losses import LossBook, Submitted, final_prefix
+from algorithms.esamp.losses import LossBook, Submitted, split_final
 from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
@@ -56,8 +56,7 @@ class ReturnedErrors:
 
     def read(self, block: bool) -> None:
         """Keep the errors of the final steps, oldest first (``block``: every step)."""
-        n = final_prefix([p[0] for p in self._pending], block)
-        done, self._pending = self._pending[:n], self._pending[n:]
+        done, self._pending = split_final(self._pending, block, lambda p: p[0])
         for res, at, requests, positions in done:
             errors = res.row_errors.numpy()[at].astype(np.float32)
             for req, a, b in request_runs(requests):
@@ -183,7 +182,8 @@ class Trainer:
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
         n = len(self._pending)
-        if not self.s.deferred or n >= _FLUSH_LIMIT:
+        # Queued updates (CUDA side stream, CPU side thread): results read in batches.
+        if not (self.s.on_cuda or self.s.distiller.asynchronous) or n >= _FLUSH_LIMIT:
             self.flush()
         elif self.s.distiller.asynchronous or n >= _FLUSH_EVERY:
             # The updates that have already run (no waiting): every step on the CPU side
@@ -204,8 +204,7 @@ class Trainer:
         if block or self._flushes % _READ_EVERY == 0:
             self.read_deferred(block)
         self._flush_warm(block)
-        n_ready = final_prefix([res for _, _, res in self._pending], block)
-        ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
+        ready, self._pending = split_final(self._pending, block, lambda p: p[2])
         if ready:
             self.losses.add(ready)
         self.returned.read(block)
@@ -217,8 +216,7 @@ class Trainer:
 
     def _flush_warm(self, block: bool) -> None:
         """Count the warm-start updates that ran once their results are final."""
-        n = final_prefix(self._warm_pending, block)
-        done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
+        done, self._warm_pending = split_final(self._warm_pending, block, lambda r: r)
         for res in done:
             ok = res.updated.cpu().tolist()
             self.s.counters.add("warm_start_steps", sum(ok))

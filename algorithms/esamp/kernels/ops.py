@@ -79,18 +79,14 @@ def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[...,
     return on_cpu, on_cuda
 
 
-def _register() -> Mapping[str, Callable[..., None]]:
-    """Register every op's implementations and byte count (``tllm_bytes``: fake_cuda's
-    counters); returns the CUDA ones by name (the GPU rehearsal runs them)."""
-    impls: dict[str, Callable[..., None]] = {}
-    for op in OP_MODULES:
-        cpu, impls[op.NAME] = _implementations(op)
-        _LIB.impl(op.NAME, cpu, "CPU")
-        _LIB.impl(op.NAME, impls[op.NAME], "CUDA")
-        # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-        torch.library.register_fake(f"tllm_esamp::{op.NAME}", lambda *a, **k: None, lib=_LIB)
-        getattr(torch.ops.tllm_esamp, op.NAME).default.tllm_bytes = op._traffic
-    return MappingProxyType(impls)
-
-
-CUDA_IMPLS = _register()
+# Every op's implementations and byte count (``tllm_bytes``: fake_cuda's counters); the CUDA
+# ones by name (the GPU rehearsal runs them).
+_impls: dict[str, Callable[..., None]] = {}
+for _op in OP_MODULES:
+    _cpu, _impls[_op.NAME] = _implementations(_op)
+    _LIB.impl(_op.NAME, _cpu, "CPU")
+    _LIB.impl(_op.NAME, _impls[_op.NAME], "CUDA")
+    # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
+    torch.library.register_fake(f"tllm_esamp::{_op.NAME}", lambda *a, **k: None, lib=_LIB)
+    getattr(torch.ops.tllm_esamp, _op.NAME).default.tllm_bytes = _op._traffic
+CUDA_IMPLS: Mapping[str, Callable[..., None]] = MappingProxyType(_impls)
