@@ -15,13 +15,12 @@ _DIAG_CAP = 50000  # records kept (the counters go on counting)
 # A guided row's values, in order (a DeviceRecords ring row; CudaGuide writes them).
 RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
 _INT_COLUMNS = ("candidates", "top_ref", "top_new")
-_DIAG_FIELDS = ("age", *RING_COLUMNS)
 
 
 class Diagnostics:
     def __init__(self, counters: Counters):
         self.counters = counters
-        self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
+        self._diag: dict[str, list] = {k: [] for k in ("age", *RING_COLUMNS)}
         self._err_age = ByAge()
 
     def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:

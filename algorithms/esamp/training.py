@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,12 +36,6 @@ class ReturnedErrors:
         # (result, its rows' indices in the step's submission, their requests, positions)
         self._pending: list[tuple[TrainResult, np.ndarray, list[RequestInfo], np.ndarray]] = []
         self._waiting: Counter[str] = Counter()  # engine id -> pending steps with its rows
-
-    def asking(self, requests: Sequence[RequestInfo], sel: list[int]) -> np.ndarray:
-        """Indices into ``sel`` of the rows whose request asks for this consumer's result."""
-        return np.fromiter(
-            (k for k, i in enumerate(sel) if requests[i].wants_result(self.name)), np.int64
-        )
 
     def submitted(
         self, res: TrainResult, at: np.ndarray, requests: list[RequestInfo], positions: np.ndarray
@@ -112,7 +106,9 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        asking = self.returned.asking(rows.requests, sel)
+        # Indices into sel of the rows whose request asks for ESamp's result.
+        wants = (k for k, i in enumerate(sel) if rows.requests[i].wants_result(self.returned.name))
+        asking = np.fromiter(wants, np.int64)
         ask = asking.size > 0
         rid = rows_id(bundle.step, bundle.rows, sel)
         submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)

@@ -16,7 +16,6 @@ from algorithms.esamp.kernels.checks import (
 )
 from algorithms.esamp.kernels.launch import Launch, cdiv, rows_block, runner
 
-NAME = "block_backward"
 SCHEMA = (
     "block_backward(Tensor dp, Tensor a, Tensor u, Tensor s, Tensor p, Tensor h_in, "
     "Tensor dy, Tensor(a!) du, Tensor(b!) da, Tensor(c!) parts, "

@@ -18,7 +18,6 @@ from algorithms.esamp.kernels.checks import (
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, log_beta, rows_block, runner
 from algorithms.esamp.params import AdamHyper
 
-NAME = "grad_adam"
 SCHEMA = (
     "grad_adam(Tensor a, Tensor b, Tensor scale, Tensor group_slot, Tensor ok, Tensor step, "
     "Tensor(a!) w, Tensor(b!) m, Tensor(c!) v, float lr, float beta1, float beta2, float eps, "

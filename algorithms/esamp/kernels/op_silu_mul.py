@@ -8,7 +8,6 @@ import torch
 from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
-NAME = "silu_mul"
 SCHEMA = "silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()"
 
 

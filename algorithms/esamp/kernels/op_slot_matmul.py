@@ -17,7 +17,6 @@ from algorithms.esamp.kernels.checks import (
 )
 from algorithms.esamp.kernels.launch import Launch, cdiv, rows_block, triton_impl
 
-NAME = "slot_matmul"
 SCHEMA = (
     "slot_matmul(Tensor x, Tensor w, Tensor group_slot, Tensor(a!) out, bool transpose_w=True, "
     "str input_precision='ieee', int split_k=0, Tensor? add=None) -> ()"

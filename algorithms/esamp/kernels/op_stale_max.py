@@ -8,7 +8,6 @@ import torch
 from algorithms.esamp.kernels.checks import _same_device, _shape, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, runner
 
-NAME = "stale_max"
 SCHEMA = "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
 
 

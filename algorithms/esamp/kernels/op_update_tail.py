@@ -9,7 +9,6 @@ from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
 
-NAME = "update_tail"
 SCHEMA = (
     "update_tail(Tensor loss_parts, Tensor parts, Tensor group_slot, Tensor mask, "
     "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) losses, Tensor(d!) ok, "

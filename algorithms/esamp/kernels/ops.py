@@ -56,12 +56,12 @@ def _warn_no_triton() -> None:
     )
 
 
-def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[..., None]]:
+def _implementations(op: ModuleType, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
     """The op's CPU and CUDA implementations, both checking the arguments first."""
-    schema = getattr(torch.ops.tllm_esamp, op.NAME).default._schema
+    schema = getattr(torch.ops.tllm_esamp, name).default._schema
     # The dispatcher leaves out trailing arguments that equal their defaults.
     defaults = tuple(arg.default_value for arg in schema.arguments)
-    check = getattr(op, f"check_{op.NAME}")
+    check = getattr(op, f"check_{name}")
 
     def on_cpu(*args: Any) -> None:
         args = args + defaults[len(args) :]
@@ -83,10 +83,11 @@ def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[...,
 # ones by name (the GPU rehearsal runs them).
 _impls: dict[str, Callable[..., None]] = {}
 for _op in OP_MODULES:
-    _cpu, _impls[_op.NAME] = _implementations(_op)
-    _LIB.impl(_op.NAME, _cpu, "CPU")
-    _LIB.impl(_op.NAME, _impls[_op.NAME], "CUDA")
+    _name = _op.SCHEMA.split("(", 1)[0]
+    _cpu, _impls[_name] = _implementations(_op, _name)
+    _LIB.impl(_name, _cpu, "CPU")
+    _LIB.impl(_name, _impls[_name], "CUDA")
     # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-    torch.library.register_fake(f"tllm_esamp::{_op.NAME}", lambda *a, **k: None, lib=_LIB)
-    getattr(torch.ops.tllm_esamp, _op.NAME).default.tllm_bytes = _op._traffic
+    torch.library.register_fake(f"tllm_esamp::{_name}", lambda *a, **k: None, lib=_LIB)
+    getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _op._traffic
 CUDA_IMPLS: Mapping[str, Callable[..., None]] = MappingProxyType(_impls)
