@@ -70,9 +70,8 @@ def check_update_tail(
         )
     if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
         raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
-    _fp32("losses", losses, (g,), "one per group")
-    _fp32("scale", scale, (g,), "one per group")
-    _fp32("norm", norm, (g,), "one per group")
+    for name, t in (("losses", losses), ("scale", scale), ("norm", norm)):
+        _fp32(name, t, (g,), "one per group")
     if not clip_eps >= 0:
         raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
 
