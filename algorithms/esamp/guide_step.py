@@ -148,8 +148,6 @@ class Guide:
     """Picks a step's rows and guides them (:meth:`guide`); the strategies (``stage``,
     ``record``, ``mix_candidates``, ``mix_full``, ``add_counts``) say where values live."""
 
-    ws: GuideWorkspace | None = None  # the CUDA strategy's
-
     def __init__(
         self,
         shared: Shared,
@@ -161,15 +159,20 @@ class Guide:
         self.s, self.groups, self.model, self.diagnostics = shared, groups, model, diagnostics
         self.beta_of, self._warned_cap = beta_of, False
         cfg = shared.cfg
+        self.weight = model.lm_head_weight
+        self.ws = self._workspace()
         self.fit = None
         if cfg.beta_schedule == "fit":
             self.fit = FitScale(cfg.fit_decay, shared.counters, model.device, self.ws)
-        self.weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self.latent_ok = self.weight is not None and shared.tgt_key == FINAL
         # The front end's dry build runs on the meta device, which has no generator.
         gen_device = "cpu" if model.device.type == "meta" else model.device
         self.noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
+
+    def _workspace(self) -> GuideWorkspace | None:
+        """The step's preallocated temporaries (None: each step allocates its own)."""
+        return None
 
     def _skip(self, reason: str, n: int) -> None:
         if n:
@@ -373,15 +376,8 @@ class HostGuide(Guide):
 class CudaGuide(Guide):
     """No device allocation, no host read in the step (see the module's docstring)."""
 
-    def __init__(
-        self,
-        shared: Shared,
-        groups: Groups,
-        model: ModelInfo,
-        diagnostics: Diagnostics | None,
-        beta_of: Callable[[RequestInfo], float],
-    ):
-        cfg = shared.cfg
+    def _workspace(self) -> GuideWorkspace:
+        shared, model, diagnostics, cfg = self.s, self.model, self.diagnostics, self.s.cfg
         shape = GuideShape(
             cfg.cuda_rows_per_step,
             model.hidden_size,
@@ -393,8 +389,7 @@ class CudaGuide(Guide):
             noise=cfg.ablation in NOISE_ABLATIONS,
             diagnostics=diagnostics is not None,
         )
-        self.ws = ws = GuideWorkspace(shape, model.device)
-        super().__init__(shared, groups, model, diagnostics, beta_of)
+        ws = GuideWorkspace(shape, model.device)
         shared.arange = ws.parts["arange"]  # whole-step row indices are its views
         self.guided_sums = DeviceSums(ws.parts["guided"])
         self.records = None
@@ -416,6 +411,7 @@ class CudaGuide(Guide):
                 cfg.cuda_rows_per_step,
                 str(model.dtype).removeprefix("torch."),
             )
+        return ws
 
     def stage(
         self, view: GuideView, sel: list[int], betas: list[float], *fit_args: list[int]
