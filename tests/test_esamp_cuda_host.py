@@ -46,7 +46,7 @@ def test_cuda_distiller_matches_the_cpu_math(monkeypatch, graph, max_rows, zero_
         x, t = torch.randn(r, H), torch.randn(r, H) * 3
         if step == 7:
             x[0, 0] = float("nan")  # that group's step is skipped on both
-        # The CPU reference of 'zero_output' (what Shared does on CPU): target + x, f - x.
+        # The CPU reference of 'zero_output', written out: target + x, f - x.
         a = cpu.train_step(slots, x, t + x if zero_output else t)
         b = gpu.train_step(slots, x, t)
         xq = torch.randn(r, H)
@@ -275,10 +275,10 @@ def test_the_kept_forward_through_the_triton_products_equals_the_plain_forward()
     interpreter, it equals the forward into fresh tensors bit for bit, and the saved
     forward reads back the same activations."""
     kernels = interpreted_kernels()
+    from algorithms.esamp.graph_update import slot_matmul
     from algorithms.esamp.kernels import op_slot_matmul
     from algorithms.esamp.mlp import forward_slots, saved_forward
     from algorithms.esamp.params import DistillerShape, init_params
-    from algorithms.esamp.slot_ops import slot_matmul
 
     shape = DistillerShape(H, INTER, 2)
     theta = torch.stack([init_params(shape, "paper", seed=s) for s in range(3)])

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.esamp import graph_update
+from algorithms.esamp.graph_update import slot_grad_adam_, slot_matmul
 from algorithms.esamp.mlp import (
     batched_mm,
     forward_acts,
@@ -18,7 +19,6 @@ from algorithms.esamp.mlp import (
     pair_view,
 )
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
-from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul
 
 SHAPE = DistillerShape(hidden_size=24, intermediate_size=9)  # 2 blocks
 SLOTS, ROWS = 4, 5

@@ -38,7 +38,7 @@ def _consumer(w: torch.Tensor, cuda: bool, plain_head: bool = True, **cfg) -> ES
         ConsumerContext(model, lambda i: resolve_layer(i, 4)),
         cuda_path=cuda,
     )
-    assert type(c.guide_step.strategy) is (CudaGuide if cuda else HostGuide)
+    assert type(c.guide_step) is (CudaGuide if cuda else HostGuide)
     return c
 
 
@@ -121,7 +121,7 @@ def _run(
         out.append(view.logits.clone())
         c.on_bundle(Bundle(t, rows, {k: v.clone() for k, v in hidden.items()}))
     res = c.result()
-    records = getattr(c.guide_step.strategy, "records", None)
+    records = getattr(c.guide_step, "records", None)
     c.close()
     sent = None if records is None else (records.halves_sent, records.waits)
     return out, {**res["counters"], "diagnostics": res.get("diagnostics"), "halves_sent": sent}

@@ -629,7 +629,7 @@ def test_sync_free_candidate_mix_equals_the_exact_one_up_to_its_cap(cap, caplog)
 def test_train_step_reuses_the_prediction_forward_only_when_valid(monkeypatch):
     """predict -> train_step on the same rows skips the training forward (same result as a
     distiller that never predicted); any other rows or changed parameters recompute it."""
-    import algorithms.esamp.host_trainer as dist
+    import algorithms.esamp.cpu as dist
 
     calls = []
     real = dist.forward_acts

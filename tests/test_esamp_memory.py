@@ -184,7 +184,7 @@ def test_plan_guidance_term_equals_the_workspace_allocated(mode, dtype, ablation
         cuda_max_candidates=9, ablation=ablation, diagnostics=diagnostics,
     )  # fmt: skip
     c = ESampConsumer(cfg, ConsumerContext(model, lambda i: resolve_layer(i, 4)), cuda_path=True)
-    ws = c.guide_step.strategy.ws
+    ws = c.guide_step.ws
     flats = (ws.flat, ws.view_buffers.flat)
     held = {t.untyped_storage().data_ptr() for t in flats}
     parts = [*ws.parts.values(), *ws.view_buffers.parts.values()]

@@ -107,6 +107,7 @@ def _interpreted() -> SimpleNamespace:
     """The update's kernel calls, each the Triton kernel under the interpreter (small tiles:
     several per matrix, ragged edges)."""
     jit = interpreted_kernels()
+    from algorithms.esamp.graph_update import slot_matmul
     from algorithms.esamp.kernels import (
         INPUT_PRECISIONS,
         norm_parts,
@@ -117,7 +118,7 @@ def _interpreted() -> SimpleNamespace:
         op_slot_matmul,
         op_update_tail,
     )
-    from algorithms.esamp.slot_ops import slot_matmul
+    from algorithms.esamp.kernels import slot_matmul as slot_matmul_op
 
     def update_tail(*args, grad_clip, clip_eps):
         clip = -1.0 if grad_clip is None else grad_clip
@@ -146,6 +147,7 @@ def _interpreted() -> SimpleNamespace:
         update_tail=update_tail,
         norm_parts=norm_parts,
         INPUT_PRECISIONS=INPUT_PRECISIONS,
+        slot_matmul=slot_matmul_op,  # graph_update.slot_matmul's, for the output's shape
     )
     return SimpleNamespace(kernels=kernels, ops=(mm, adam))
 

@@ -61,7 +61,6 @@ def test_zero_output_untrained_is_pure_sharpening_and_learns_like_reference():
     # Training: the blocks learn target + x, the prediction is blocks(x) - x.
     ref = _ref_distiller(hidden["layer.0"].shape[1], "zero")
     ref.hp = c.distiller.hp
-    ref._host.hp = c.distiller.hp
     slot = ref.alloc()
     slots = torch.tensor([slot, slot])
     x, t = hidden["layer.0"], hidden["final"]
@@ -109,7 +108,6 @@ def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     for g_idx, first_rows in ((0, slice(0, 4)), (1, slice(8, 12))):
         ref = _ref_distiller(h, "paper")
         ref.hp = c.distiller.hp
-        ref._host.hp = c.distiller.hp
         s = ref.alloc()
         x, t = hidden["layer.0"][first_rows], hidden["final"][first_rows]
         for _ in range(steps):

@@ -34,9 +34,8 @@ def update_bytes_per_param(args, device) -> dict[str, float]:
     ``graph_update_reuse``: the same on the forward the step's prediction kept, as ESamp runs
     it when the trained rows are the predicted ones; ``*_bf16``: with bf16 Adam moments) and
     the CPU trainer (after a prediction of the same rows, as ESamp runs it); ``*_ops``: operations dispatched."""
-    from algorithms.esamp.graph_update import train_groups
+    from algorithms.esamp.graph_update import slot_matmul, train_groups
     from algorithms.esamp.mlp import forward_slots
-    from algorithms.esamp.slot_ops import slot_matmul
 
     # Counted from the operations' tensor sizes: the meta device gives the same counts as a
     # GPU without computing anything; the CPU trainer's part runs on CPU.

@@ -91,9 +91,3 @@ def factor_weights(t: torch.Tensor, shape: DistillerShape, block: int, matrix: i
     if matrix == GATE_UP:
         return gate_up_pairs(t, shape)[block]
     return block_weights(t, shape)[block][matrix]
-
-
-def clipped_grad(factor: Factor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` <- each group's gradient times ``scale [B]`` (folded into the thin factor)."""
-    _, _, a_f, b_f = factor
-    return torch.bmm((a_f * scale[:, None, None]).transpose(1, 2), b_f, out=out)

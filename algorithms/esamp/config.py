@@ -17,20 +17,13 @@ _RULES: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
         "beta": (lambda v: v >= 0, "beta must be >= 0 (0 disables guidance)"),
         "warm_start_steps": (lambda v: v >= 0, "warm_start_steps must be >= 0 (0 disables it)"),
         "fit_decay": (lambda v: 0 <= v < 1, "fit_decay must be in [0, 1)"),
-        **{
-            name: (lambda v: v is None or v >= 1, "must be >= 1")
-            for name in (
-                "intermediate_size",
-                "num_blocks",
-                "cuda_capacity",
-                "cuda_graph_max_rows",
-                "cuda_rows_per_step",
-                "cuda_max_candidates",
-            )
-        },
+        **dict.fromkeys(
+            "intermediate_size num_blocks cuda_capacity cuda_graph_max_rows cuda_rows_per_step "
+            "cuda_max_candidates".split(),
+            (lambda v: v is None or v >= 1, "must be >= 1"),
+        ),
         "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
-        "lr": (lambda v: v > 0, "must be > 0"),
-        "eps": (lambda v: v > 0, "must be > 0"),
+        **dict.fromkeys(("lr", "eps"), (lambda v: v > 0, "must be > 0")),
         "grad_clip": (lambda v: v is None or v > 0, "grad_clip must be > 0 or None (no clipping)"),
         "max_groups": (
             lambda v: v is None or v >= 1,

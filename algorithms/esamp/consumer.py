@@ -12,19 +12,13 @@ from algorithms.esamp import report
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
-from algorithms.esamp.factory import distiller_for, guide_for
-from algorithms.esamp.guide_step import NOISE_ABLATIONS, GuideStep
+from algorithms.esamp.factory import distiller_for
+from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, HostGuide
 from algorithms.esamp.lifecycle import Groups
 from algorithms.esamp.losses import LossBook
-from algorithms.esamp.memory_plan import (
-    check_plan,
-    default_slots,
-    device_total_bytes,
-    plan_memory,
-)
-from algorithms.esamp.returned import ReturnedErrors
+from algorithms.esamp.memory_plan import check_plan, default_slots, device_total_bytes, plan_memory
 from algorithms.esamp.shared import Shared
-from algorithms.esamp.training import Trainer
+from algorithms.esamp.training import ReturnedErrors, Trainer
 from tllm_core import (
     FINAL,
     Bundle,
@@ -121,8 +115,9 @@ class ESampConsumer(Consumer):
         self.shared = Shared(config, self.distiller, self.counters, src_key, tgt_key, on_cuda)
         self.groups = Groups(self.distiller, self.counters, config.scope, config.max_groups)
         self.diagnostics = Diagnostics(self.counters) if config.diagnostics else None
-        guide = guide_for(self.shared, self.groups, model, self.diagnostics)
-        self.guide_step = GuideStep(self.shared, self.groups, self._beta, guide)
+        # The guidance of the code path: CUDA (no allocation, no host read) or host.
+        guide = CudaGuide if on_cuda else HostGuide
+        self.guide_step = guide(self.shared, self.groups, model, self.diagnostics, self._beta)
         self.losses = LossBook(self.counters)
         self.returned = ReturnedErrors(self.name, context.max_result_bytes, self.counters)
         self.trainer = Trainer(

@@ -8,30 +8,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import STATS
-from algorithms.esamp.cuda_plan import (
-    Batch,
-    Layout,
-    fill_plan,
-    layouts,
-    plan_mask,
-    plan_size,
-    split,
-)
-from algorithms.esamp.cuda_results import Pending, ResultLog
-from algorithms.esamp.graph_update import train_groups
+from algorithms.esamp.graph_update import slot_matmul, slots_bound, train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.packing import make_packing
-from algorithms.esamp.slot_ops import slot_matmul, slots_bound
+from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.slots import SlotDistiller, TrainResult
-from tllm_core import StagingRing, pow2_rows
+from tllm_core import HostCopyRing, StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")
 
@@ -39,6 +30,186 @@ log = logging.getLogger("tllm")
 _PLAN_BUFFERS = 8
 # The graphs of each layout: prediction, update, update on the prediction's forward.
 _KINDS = ("predict", "train", "train_reuse")
+
+
+@dataclass(frozen=True)
+class Layout:
+    groups: int  # G
+    rows: int  # M
+
+
+def layouts(capacity: int, graph_rows: int) -> list[Layout]:
+    """Every layout: groups of ``graph_rows`` rows, twice as many, ..., one group of all."""
+    total = capacity * graph_rows
+    out, m = [], graph_rows
+    while m < total:
+        out.append(Layout(total // m, m))
+        m *= 2
+    out.append(Layout(1, total))
+    return out
+
+
+@dataclass
+class Batch:
+    layout: Layout
+    groups: np.ndarray  # indices into the step's packed groups (make_packing order)
+
+
+def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
+    """Batches of the step's groups that each fit one layout (usually one batch)."""
+    order = np.argsort(-counts, kind="stable")
+    batches, i = [], 0
+    while i < len(order):
+        largest = counts[order[i]]
+        fits = [lay for lay in options if lay.rows >= largest]
+        if not fits:
+            raise ValueError(
+                f"a group has {largest} rows, more than the {options[-1].rows} packed rows "
+                "(cuda_capacity x cuda_graph_max_rows)"
+            )
+        rest = len(order) - i
+        # The shortest groups that hold every remaining group, else the layout with the most
+        # groups of this size (then another batch).
+        lay = next((x for x in fits if x.groups >= rest), fits[0])
+        take = min(rest, lay.groups)
+        batches.append(Batch(lay, np.sort(order[i : i + take])))
+        i += take
+    return batches
+
+
+def fill_plan(
+    out: np.ndarray,
+    batch: Batch,
+    pk: Packing,
+    submitted: np.ndarray,
+    total: int,
+    capacity: int,
+    ring_row: int,
+) -> None:
+    """One batch's row plan into ``out`` (pinned host memory, sent in one copy): ``pos [T]``
+    and ``dest [T]`` (``T`` packed rows, read by a layout as ``G`` groups of ``M``; ``T``:
+    the trash row), ``group_slot [C]`` (-1: padding), ``submitted [C]`` (the updates
+    submitted for each of ``pk``'s slots), ``ring_row [1]``, then the packed rows' mask."""
+    row_group, row_pos = pk.row_group, pk.row_pos
+    g_of = np.full(len(pk.slots), -1, dtype=np.int64)
+    g_of[batch.groups] = np.arange(len(batch.groups))
+    n = len(row_group)
+    pos, dest = out[:total], out[total : 2 * total]
+    pos.fill(total)
+    dest.fill(total)
+    mine = g_of[row_group] >= 0
+    pos[:n][mine] = g_of[row_group[mine]] * batch.layout.rows + row_pos[mine]
+    dest[:n][mine] = np.flatnonzero(mine)
+    gs = out[2 * total : 2 * total + capacity]
+    sub = out[2 * total + capacity : 2 * total + 2 * capacity]
+    gs.fill(-1)
+    sub.fill(0)
+    k = len(batch.groups)
+    gs[:k] = pk.slots[batch.groups]
+    sub[:k] = submitted[batch.groups]
+    out[2 * total + 2 * capacity] = ring_row
+    mask = out[2 * total + 2 * capacity + 1 :].view(np.uint8)[:total]
+    mask.fill(0)
+    mask[pos[:n][mine]] = 1
+
+
+def plan_size(total: int, capacity: int) -> int:
+    return 2 * total + 2 * capacity + 1 + -(-total // 8)
+
+
+# Update results kept on the device between background copies.
+RESULT_ROWS = 512
+
+
+@dataclass
+class Pending:
+    """One submitted train step: its batches' ring rows and which step groups each holds."""
+
+    parts: list[tuple[int, np.ndarray]]  # (ring row, indices of the step's groups)
+    res: TrainResult  # filled in from the ring
+    serial: int = 0  # updates logged before and including this one
+
+
+class ResultLog:
+    """The device ring of update results (a row per update batch) and the staleness maximum
+    ``stale``, copied back every ``every`` updates through a two-buffer
+    :class:`~tllm_core.HostCopyRing` without blocking; only :meth:`drain` waits."""
+
+    def __init__(
+        self,
+        capacity: int,
+        stats: bool,
+        device: torch.device,
+        rows: int = RESULT_ROWS,
+        every: int = 32,
+    ):
+        self.rows, self.every = rows, every
+        self.losses = torch.zeros(rows, capacity, device=device)
+        self.ok = torch.zeros(rows, capacity, device=device)
+        self.stats = torch.zeros(rows, capacity, len(STATS), device=device) if stats else None
+        self.stale = torch.zeros(1, dtype=torch.long, device=device)  # max staleness seen
+        self._copies = HostCopyRing(self._device_buffers(), 2, read=self._read)
+        self._pending: list[Pending] = []
+        self._next = 0  # updates logged so far
+        self._copied = 0  # updates covered by the last copy issued
+        self.staleness_max = 0
+
+    @property
+    def host_waits(self) -> int:
+        """Copies the host had to wait for (a buffer still in flight, drain)."""
+        return self._copies.waits
+
+    def _device_buffers(self) -> list[torch.Tensor]:
+        return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
+
+    def next_row(self) -> int:
+        """The ring row of the next update batch."""
+        if self._next - self._copied >= self.rows:
+            raise RuntimeError("result ring overrun: copy() was not called in time")
+        row = self._next % self.rows
+        self._next += 1
+        return row
+
+    def add(self, p: Pending) -> None:
+        p.serial = self._next
+        self._pending.append(p)
+
+    def maybe_copy(self, stream) -> None:
+        """Start a background copy every ``every`` updates (and before the ring wraps)."""
+        if self._next - self._copied >= min(self.every, self.rows // 2):
+            self.copy(stream)
+
+    def copy(self, stream) -> None:
+        """Copy the ring to the host without blocking, after the updates logged."""
+        if self._next == self._copied:
+            return
+        self._copies.send(self._device_buffers(), tag=self._next, stream=stream)
+        self._copied = self._next
+
+    def poll(self) -> None:
+        """Hand out every result whose copy has arrived (no waiting)."""
+        self._copies.arrived()
+
+    def drain(self, stream) -> None:
+        """Copy and wait for every result logged (a host sync)."""
+        self.copy(stream)
+        self._copies.arrived(wait=True)
+
+    def _read(self, serial: int, host: list[torch.Tensor]) -> None:
+        losses, ok, stale = host[0], host[1], host[2]
+        stats = host[3] if self.stats is not None else None
+        self.staleness_max = max(self.staleness_max, int(stale[0]))
+        while self._pending and self._pending[0].serial <= serial:
+            p = self._pending.pop(0)
+            res = p.res
+            for row, groups in p.parts:
+                k = len(groups)
+                idx = torch.from_numpy(groups)
+                res.losses[idx] = losses[row, :k]
+                res.updated[idx] = ok[row, :k] > 0
+                if res.stats is not None and stats is not None:
+                    res.stats[idx] = stats[row, :k]
+            res.done.set()
 
 
 @contextmanager
@@ -55,6 +226,7 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
 class CudaGroupedDistiller(SlotDistiller):
     growable = False  # the graphs and the memory profile hold the state's storage
     takes_rows_id = True
+    asynchronous = True
 
     def __init__(
         self,
@@ -64,7 +236,6 @@ class CudaGroupedDistiller(SlotDistiller):
         use_cuda_graph: bool = True,
         capacity: int = 8,
         graph_max_rows: int = 16,
-        zero_output: bool = False,
         tf32: bool = False,
         **kwargs: Any,
     ):
@@ -73,13 +244,9 @@ class CudaGroupedDistiller(SlotDistiller):
         self.stream: torch.cuda.Stream | None = None
         super().__init__(hidden_size, device=device, capacity=capacity, **kwargs)
         dev, h = self.device, self.shape.hidden_size
-        self.zero_output = zero_output
         self.tf32 = tf32  # TF32 products (cuBLAS and the Triton kernels), opt-in
+        self._precision = "tf32" if tf32 else "ieee"
         self.stream = torch.cuda.Stream(device=dev)
-        self.use_cuda_graph = use_cuda_graph
-        self.graph_failures = 0
-        self.eager_updates = 0
-        self.updates_reusing_prediction = 0  # update runs that reused the prediction's forward
         self.graph_rows = pow2_rows(graph_max_rows)
         self.total_rows = t = capacity * self.graph_rows
         self.layouts = layouts(capacity, self.graph_rows)
@@ -109,10 +276,6 @@ class CudaGroupedDistiller(SlotDistiller):
         if use_cuda_graph:
             self._capture()
         self.stream.synchronize()
-
-    @property
-    def asynchronous(self) -> bool:
-        return True
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -158,10 +321,6 @@ class CudaGroupedDistiller(SlotDistiller):
 
     def _mm(self, gs: torch.Tensor) -> Callable:
         return slots_bound(partial(slot_matmul, precision=self._precision), gs)
-
-    @property
-    def _precision(self) -> str:
-        return "tf32" if self.tf32 else "ieee"
 
     def _act_buffers(self, lay: Layout) -> ActBuffers:
         """Per block (h_out, a, u, s, p) ``[G, M, .]``: views of :attr:`hs` and :attr:`acts`."""
@@ -211,8 +370,9 @@ class CudaGroupedDistiller(SlotDistiller):
         tp = self._pack(lay, self.stage_t, self.tp, zero=False)
         if self.zero_output:
             tp.add_(xp)  # the blocks learn target + x, so that blocks(x) - x learns target
-        # The packed rows' mask came with the plan (filled on the host).
-        mask = plan_mask(self.plan, t, c)[: lay.groups * lay.rows].view(lay.groups, lay.rows)
+        # The packed rows' mask came with the plan (filled on the host): a view, no copy.
+        at, n = 8 * (2 * t + 2 * c + 1), lay.groups * lay.rows
+        mask = self.plan.view(torch.uint8)[at : at + n].view(torch.bool).view(lay.groups, -1)
         stats = self._stats[: lay.groups] if self.hp.stats else None
         state = (self.theta, self.m, self.v, self.step)
         losses, ok = train_groups(
@@ -260,12 +420,14 @@ class CudaGroupedDistiller(SlotDistiller):
             for lay in self.layouts:
                 for kind in _KINDS:
                     g = torch.cuda.CUDAGraph()
-                    mode = "thread_local"
-                    with _matmul_precision(self.tf32), torch.no_grad():
-                        with torch.cuda.graph(
-                            g, pool=pool, stream=self.stream, capture_error_mode=mode
-                        ):
-                            self._body(kind)(lay)
+                    with (
+                        _matmul_precision(self.tf32),
+                        torch.no_grad(),
+                        torch.cuda.graph(
+                            g, pool=pool, stream=self.stream, capture_error_mode="thread_local"
+                        ),
+                    ):
+                        self._body(kind)(lay)
                     self._graphs[(kind, lay)], pool = g, g.pool()
         except RuntimeError as err:
             # Capture is an optimisation: fall back to eager runs, loudly.
@@ -297,6 +459,13 @@ class CudaGroupedDistiller(SlotDistiller):
         dst[: src.shape[0]].copy_(src)
         src.record_stream(self.stream)
 
+    def _forward(self, pk: Packing, batches: list[Batch], x: torch.Tensor) -> None:
+        """The prediction of ``x`` into ``y`` (on the side stream)."""
+        self._stage(self.stage_x, x)
+        for batch in batches:
+            self._send_plan(batch, pk, 0)
+            self._run("predict", batch.layout)
+
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
         """As the base class; a :meth:`train_step` with the same ``rows_id`` (the caller's
         promise of the same ``x``) reuses this prediction's forward."""
@@ -310,10 +479,7 @@ class CudaGroupedDistiller(SlotDistiller):
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # x was produced on the main stream
         with torch.cuda.stream(self.stream):
-            self._stage(self.stage_x, x)
-            for batch in batches:
-                self._send_plan(batch, pk, 0)
-                self._run("predict", batch.layout)
+            self._forward(pk, batches, x)
         cur.wait_stream(self.stream)  # the sampler reads y on the main stream
         self._predicted = self._key(rows_id, pk, batches)
         # A view of the static output: valid until the next predict.
@@ -387,10 +553,7 @@ class CudaGroupedDistiller(SlotDistiller):
         per_row = loss_per_row(self.shape.hidden_size, self.hp.loss_reduction)
         with torch.cuda.stream(self.stream), torch.inference_mode(False), torch.no_grad():
             if not reuse:
-                self._stage(self.stage_x, x)
-                for batch in batches:
-                    self._send_plan(batch, pk, 0)
-                    self._run("predict", batch.layout)
+                self._forward(pk, batches, x)
             # y: blocks(x) (- x with zero_output); target: what that is trained toward.
             diff = self.y[:n] - target.float()
             target.record_stream(self.stream)

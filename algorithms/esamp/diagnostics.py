@@ -15,13 +15,12 @@ _DIAG_CAP = 50000  # records kept (the counters go on counting)
 # A guided row's values, in order (a DeviceRecords ring row; CudaGuide writes them).
 RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
 _INT_COLUMNS = ("candidates", "top_ref", "top_new")
-_DIAG_FIELDS = ("age", *RING_COLUMNS)
 
 
 class Diagnostics:
     def __init__(self, counters: Counters):
         self.counters = counters
-        self._diag: dict[str, list] = {k: [] for k in _DIAG_FIELDS}
+        self._diag: dict[str, list] = {k: [] for k in ("age", *RING_COLUMNS)}
         self._err_age = ByAge()
 
     def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:
@@ -31,15 +30,15 @@ class Diagnostics:
             if math.isfinite(e):
                 self._err_age.add(age, [e])
 
-    def add_shift(self, ages: list[int], rows: list[list[float]]) -> None:
-        """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`)."""
-        cols = {name: [r[j] for r in rows] for j, name in enumerate(RING_COLUMNS)}
+    def add_shift(self, ages: list[int], values: list[list[float]]) -> None:
+        """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`):
+        those with candidates are kept (up to the cap) and counted."""
+        cols = {
+            "age": ages,
+            **{name: [r[j] for r in values] for j, name in enumerate(RING_COLUMNS)},
+        }
         for name in _INT_COLUMNS:
             cols[name] = [int(v) for v in cols[name]]
-        self.add_records({"age": ages, **cols})
-
-    def add_records(self, cols: dict[str, list]) -> None:
-        """Keep (up to the cap) and count the rows of ``cols`` that had candidates."""
         rows = [i for i, c in enumerate(cols["candidates"]) if c > 0]
         self.counters.add("diag_rows", len(rows))
         self.counters.add(
@@ -79,18 +78,15 @@ class DeviceRecords:
         """The ring row of a guided step (``shift``: its candidate columns are written)."""
         self._hand_arrived(wait=False)
         if len(self._steps) == self._halves[self._cur].shape[0]:
-            self._send()
+            # Copy the full half to the host (no waiting) and go on in the other.
+            if self._copies.full:  # both host buffers hold copies not yet handed over
+                self._hand_arrived(wait=True)
+            self._copies.send(self._halves[self._cur], tag=self._steps)
+            self.halves_sent += 1
+            self._steps = []
+            self._cur = 1 - self._cur
         self._steps.append((ages, shift))
         return self._halves[self._cur][len(self._steps) - 1]
-
-    def _send(self) -> None:
-        """Copy the full current half to the host (no waiting) and go on in the other."""
-        if self._copies.full:  # both host buffers hold copies not yet handed over
-            self._hand_arrived(wait=True)
-        self._copies.send(self._halves[self._cur], tag=self._steps)
-        self.halves_sent += 1
-        self._steps = []
-        self._cur = 1 - self._cur
 
     def _hand_arrived(self, wait: bool) -> None:
         """Hand the copies that have arrived to the diagnostics, in order (``wait``: all)."""

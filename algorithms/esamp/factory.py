@@ -1,5 +1,4 @@
-"""Picks the distiller and the guidance strategy for a device and builds them from an ESamp
-config."""
+"""Picks the distiller for a device and builds it from an ESamp config."""
 
 from __future__ import annotations
 
@@ -10,16 +9,11 @@ import torch
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
-from algorithms.esamp.diagnostics import Diagnostics
-from algorithms.esamp.guide_step import CudaGuide, Guide, HostGuide
-from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.shared import Shared
 from algorithms.esamp.slots import SlotDistiller
 from tllm_core import pow2_rows
 
 if TYPE_CHECKING:
     from algorithms.esamp.config import ESampConfig
-    from tllm_core import ModelInfo  # pydantic: not on the GPU image (gpu_smoke.py)
 
 
 def uses_gpu_path(device: torch.device) -> bool:
@@ -61,10 +55,10 @@ def distiller_for(
     cfg: ESampConfig, hidden_size: int, device: torch.device, slots: int
 ) -> SlotDistiller:
     """The distiller ``cfg`` asks for on ``device`` (``slots``: the CUDA one's capacity)."""
-    # zero_output: the blocks start at zero (f(x) = x) and the consumer subtracts the input
-    # (see Shared.predict / Shared.target).
-    init = "zero" if cfg.init == "zero_output" else cfg.init
-    kw = {"init": init, **{name: getattr(cfg, name) for name in _DISTILLER_FIELDS}}
+    # zero_output: the blocks start at zero (f(x) = x) and the distiller subtracts the input.
+    zero_output = cfg.init == "zero_output"
+    kw = {name: getattr(cfg, name) for name in _DISTILLER_FIELDS}
+    kw.update(init="zero" if zero_output else cfg.init, zero_output=zero_output)
     # Not under inference mode: state made there could not be trained in place.
     with torch.inference_mode(False):
         if not uses_gpu_path(device):
@@ -78,16 +72,7 @@ def distiller_for(
             use_cuda_graph=cfg.use_cuda_graph,
             capacity=slots,
             graph_max_rows=cfg.cuda_graph_max_rows,
-            zero_output=cfg.init == "zero_output",
             moments_dtype=getattr(torch, cfg.cuda_adam_moments),
             tf32=cfg.cuda_tf32,
             **kw,
         )
-
-
-def guide_for(
-    shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
-) -> Guide:
-    """The guidance strategy of the consumer's code path (CUDA or host)."""
-    strategy = CudaGuide if shared.on_cuda else HostGuide
-    return strategy(shared, groups, model, diagnostics)

@@ -1,8 +1,10 @@
-"""The update step with fixed shapes and no host sync, captured as a CUDA graph; each weight's
-clipped gradient is formed inside its Adam step. Runs on any device (tests use CPU)."""
+"""The update step with fixed shapes and no host sync, captured as a CUDA graph, on two
+slot-indexed operations: a product with each packed group's own slot of the stacked weights,
+and each weight's clipped gradient formed inside its Adam step. Runs on any device."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -10,13 +12,59 @@ import torch
 from algorithms.esamp import kernels
 from algorithms.esamp.adam import CLIP_EPS, adam_stats
 from algorithms.esamp.backward import factor_weights, fused_backward
-from algorithms.esamp.mlp import Activations, forward_slots
+from algorithms.esamp.mlp import Activations, MatMul, forward_slots
 from algorithms.esamp.params import AdamHyper, DistillerShape
-from algorithms.esamp.slot_ops import slot_grad_adam_, slot_matmul, slots_bound
 
 # Hidden columns per program of the loss kernel (a group's loss in that many parts), so
 # that a few long groups still spread over the GPU.
 LOSS_CHUNK = 256
+
+
+def slot_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    group_slot: torch.Tensor,
+    transpose_w: bool,
+    precision: str = "ieee",
+    out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`algorithms.esamp.kernels.slot_matmul` into ``out`` (else a new tensor), the
+    :data:`~algorithms.esamp.mlp.MatMul` of the update; ``precision``: ``"ieee"`` or ``"tf32"``."""
+    if out is None:
+        n = w.shape[-2] if transpose_w else w.shape[-1]
+        per_matrix = w.dim() == 4 and x.dim() == 3
+        lead = (x.shape[0], w.shape[1]) if per_matrix else (x.shape[0],)
+        out = torch.empty(*lead, x.shape[-2], n, device=x.device, dtype=torch.float32)
+    return kernels.slot_matmul(
+        x, w, group_slot, out, transpose_w=transpose_w, input_precision=precision, add=add
+    )
+
+
+def slot_grad_adam_(
+    w: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_slot: torch.Tensor,
+    step: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+    hp: AdamHyper,
+    precision: str = "ieee",
+) -> None:
+    """:func:`algorithms.esamp.kernels.grad_adam` with ``hp``'s Adam settings."""
+    kernels.grad_adam(
+        a, b, scale, group_slot, ok, step, w, m, v,
+        lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision,
+    )  # fmt: skip
+
+
+def slots_bound(mm: Callable[..., torch.Tensor], group_slot: torch.Tensor) -> MatMul:
+    """``mm`` (as :func:`slot_matmul`) with ``group_slot`` bound: the :data:`MatMul` of
+    :func:`~algorithms.esamp.mlp.forward_slots`."""
+    return lambda x, w, transpose_w, **kw: mm(x, w, group_slot, transpose_w, **kw)
 
 
 def train_groups(

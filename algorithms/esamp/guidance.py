@@ -131,9 +131,7 @@ def noise_prediction(
 
 
 def f_noise_prediction(
-    f_pred: torch.Tensor,
-    generator: torch.Generator | None = None,
-    ws: GuideWorkspace | None = None,
+    f_pred: torch.Tensor, generator: torch.Generator | None = None, ws: GuideWorkspace | None = None
 ) -> torch.Tensor:
     """f-noise ablation: Gaussian noise with the prediction's per-row norm."""
     (n, hidden), dev, f32 = f_pred.shape, f_pred.device, torch.float32

@@ -1,9 +1,8 @@
 """ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
 decode rows and mix it into their logits, each row with its request's beta.
-:class:`GuideStep` picks the rows; :class:`HostGuide` allocates its temporaries and mixes
-the exact candidate set; :class:`CudaGuide` allocates nothing and reads nothing back in the
-step (workspace views, one pinned copy, at most ``cuda_max_candidates`` per row, counts
-summed on the device)."""
+:class:`HostGuide` allocates and mixes the exact candidate set; :class:`CudaGuide` allocates
+nothing and reads nothing back in the step (workspace views, one pinned copy, at most
+``cuda_max_candidates`` per row, counts summed on the device)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,11 @@ import numpy as np
 import torch
 
 from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
-from algorithms.esamp.fit_beta import FitScale
 from algorithms.esamp.guidance import (
     candidate_dist,
     candidate_shift,
     f_noise_prediction,
+    fit_scale,
     mix_candidates,
     mix_full_vocab_logits,
     mix_latent,
@@ -31,9 +30,9 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
-from algorithms.esamp.lifecycle import Groups
+from algorithms.esamp.lifecycle import Group, Groups
 from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL, DeviceSums
+from tllm_core import FINAL, Counters, DeviceSums
 
 if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
     from tllm_core import GuideView, ModelInfo, RequestInfo
@@ -70,26 +69,156 @@ def f_positions(
     return pos, live
 
 
-class Guide:
-    """One guided step (:meth:`guide`); the strategies (``stage``, ``record``,
-    ``mix_candidates``, ``mix_full``, ``add_counts``) say where its values live."""
-
-    ws: GuideWorkspace | None = None  # the CUDA strategy's
+class FitScale:
+    """``beta_schedule: "fit"``: each row's beta scaled by ``clamp(1 - e, 0, 1)`` of its group's
+    recent relative error ``e``, kept per slot on the device (a step reads nothing back)."""
 
     def __init__(
-        self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
+        self,
+        decay: float,
+        counters: Counters,
+        device: torch.device,
+        ws: GuideWorkspace | None = None,
+    ):
+        """``ws``: the CUDA guidance's workspace (else the errors grow with the slots)."""
+        self.decay, self.counters, self.device, self.ws = decay, counters, device, ws
+        # [slots] recent relative error
+        self._err: torch.Tensor | None = None if ws is None else ws.parts["err"]
+        self._serial: dict[int, int] = {}  # slot -> serial of the group whose error it holds
+        self._n = 0
+        self._sum = 0.0
+        # The scales' sum, sent to the host without a wait.
+        sums = torch.zeros((), device=device) if ws is None else ws.parts["pending"]
+        self._sums = DeviceSums(sums)
+
+    def fresh(self, slots: list[int], groups: list[Group]) -> list[int]:
+        """The slots a new group has taken since their error was last set (it restarts at 1)."""
+        if self.ws is None and (self._err is None or self._err.shape[0] <= max(slots)):
+            grown = torch.ones(max(max(slots) + 1, 8), device=self.device)
+            if self._err is not None:
+                grown[: self._err.shape[0]].copy_(self._err)
+            self._err = grown
+        fresh = sorted(
+            {s for s, g in zip(slots, groups, strict=True) if self._serial.get(s) != g.serial}
+        )
+        for s, g in zip(slots, groups, strict=True):
+            self._serial[s] = g.serial
+        return fresh
+
+    def scale(self, slots: torch.Tensor, fresh: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
+        """Each row's factor from its group's error *before* this step; then the averages
+        updated with this step's finite errors."""
+        ws, n, d, dev, f32 = self.ws, slots.numel(), self.decay, rel.device, torch.float32
+        err = self._err
+        if fresh.numel():
+            err.index_fill_(0, fresh, 1.0)
+        scale = torch.index_select(err, 0, slots, out=take(ws, "scale", (n,), f32, dev))
+        fit_scale(scale, out=scale)
+        ok = torch.lt(
+            torch.abs(rel, out=take(ws, "fit_abs", (n,), f32, dev)),
+            float("inf"),
+            out=take(ws, "fit_ok", (n,), torch.bool, dev),
+        )
+        zero = torch.zeros((), device=dev) if ws is None else ws.parts["zero"]
+        val = torch.where(ok, rel, zero, out=take(ws, "fit_val", (n,), f32, dev))
+        shape = tuple(err.shape)
+        sums = take(ws, "sums", shape, f32, dev).zero_().index_add_(0, slots, val)
+        okf = take(ws, "fit_okf", (n,), f32, dev).copy_(ok)
+        count = take(ws, "cnt", shape, f32, dev).zero_().index_add_(0, slots, okf)
+        upd = take(ws, "upd", shape, f32, dev)
+        mean = sums.div_(torch.clamp(count, min=1.0, out=upd))
+        upd = torch.mul(err, d, out=upd).add_(mean.mul_(1 - d))
+        has = torch.gt(count, 0, out=take(ws, "smask", shape, torch.bool, dev))
+        torch.where(has, upd, err, out=err)
+        self._n += n
+        self.counters.add("fit_rows", n)
+        self._sums.add(torch.sum(scale, 0, out=take(ws, "total", (), f32, dev)))
+        return scale
+
+    def read(self, wait: bool = True) -> None:
+        """Count fit_scale_mean from the sums that reached the host (``wait``: all)."""
+        self._sums.send()
+        for (total,) in self._sums.arrived(wait):
+            self._sum += total
+        if self._n:
+            self.counters.set("fit_scale_mean", self._sum / self._n)
+
+
+class Guide:
+    """Picks a step's rows and guides them (:meth:`guide`); the strategies (``stage``,
+    ``record``, ``mix_candidates``, ``mix_full``, ``add_counts``) say where values live."""
+
+    def __init__(
+        self,
+        shared: Shared,
+        groups: Groups,
+        model: ModelInfo,
+        diagnostics: Diagnostics | None,
+        beta_of: Callable[[RequestInfo], float],
     ):
         self.s, self.groups, self.model, self.diagnostics = shared, groups, model, diagnostics
+        self.beta_of, self._warned_cap = beta_of, False
         cfg = shared.cfg
+        self.weight = model.lm_head_weight
+        self.ws = self._workspace()
         self.fit = None
         if cfg.beta_schedule == "fit":
             self.fit = FitScale(cfg.fit_decay, shared.counters, model.device, self.ws)
-        self.weight = model.lm_head_weight
         # Latent mixing is exact only for a plain linear head predicting the final state.
         self.latent_ok = self.weight is not None and shared.tgt_key == FINAL
         # The front end's dry build runs on the meta device, which has no generator.
         gen_device = "cpu" if model.device.type == "meta" else model.device
         self.noise_gen = torch.Generator(device=gen_device).manual_seed(cfg.seed + 1)
+
+    def _workspace(self) -> GuideWorkspace | None:
+        """The step's preallocated temporaries (None: each step allocates its own)."""
+        return None
+
+    def _skip(self, reason: str, n: int) -> None:
+        if n:
+            self.s.counters.add("rows_skipped", n)
+            self.s.counters.add(f"rows_skipped_{reason}", n)
+
+    def __call__(self, view: GuideView) -> None:
+        cfg, rows = self.s.cfg, view.rows
+        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
+        if len(rows) == 0:
+            return
+        is_dec = np.asarray(rows.is_decode, dtype=bool)
+        is_rand = np.asarray(view.is_random, dtype=bool)
+        if cfg.skip_mixed_batches and not is_dec.all():
+            self._skip("mixed", len(rows))
+            return
+        self._skip("prefill", int((~is_dec).sum()))  # the token after prefill is the model's own
+        self._skip("greedy", int((is_dec & ~is_rand).sum()))
+        sel, slots, capped = self.groups.claim(
+            rows.requests, np.flatnonzero(is_dec & is_rand).tolist()
+        )
+        self._skip("cap", capped)
+        if not sel:
+            return
+        self.s.counters.add("rows_visited", len(sel))
+        self.guide(view, sel, slots, [self.beta_of(rows.requests[i]) for i in sel])
+
+    def read_guided(self, wait: bool = True) -> None:
+        """Count what the strategy summed on the device (``wait``: all of it); warn once
+        when candidates were dropped at the cap."""
+        counts = self.read(wait)
+        if counts is None:
+            return
+        for name, n in zip(GUIDED_COUNTERS, counts, strict=True):
+            self.s.counters.add(name, n)
+        k = self.s.cfg.cuda_max_candidates
+        if counts[2] and not self._warned_cap:
+            self._warned_cap = True
+            log.warning(
+                "esamp: %d candidates of guided rows were past cuda_max_candidates=%d and "
+                "were dropped (a top-%d filter; counter candidates_over_cap); raise "
+                "cuda_max_candidates to mix them",
+                counts[2],
+                k,
+                k,
+            )
 
     def guide(
         self, view: GuideView, sel: list[int], slots: list[int], host_betas: list[float]
@@ -247,10 +376,8 @@ class HostGuide(Guide):
 class CudaGuide(Guide):
     """No device allocation, no host read in the step (see the module's docstring)."""
 
-    def __init__(
-        self, shared: Shared, groups: Groups, model: ModelInfo, diagnostics: Diagnostics | None
-    ):
-        cfg = shared.cfg
+    def _workspace(self) -> GuideWorkspace:
+        shared, model, diagnostics, cfg = self.s, self.model, self.diagnostics, self.s.cfg
         shape = GuideShape(
             cfg.cuda_rows_per_step,
             model.hidden_size,
@@ -262,8 +389,7 @@ class CudaGuide(Guide):
             noise=cfg.ablation in NOISE_ABLATIONS,
             diagnostics=diagnostics is not None,
         )
-        self.ws = ws = GuideWorkspace(shape, model.device)
-        super().__init__(shared, groups, model, diagnostics)
+        ws = GuideWorkspace(shape, model.device)
         shared.arange = ws.parts["arange"]  # whole-step row indices are its views
         self.guided_sums = DeviceSums(ws.parts["guided"])
         self.records = None
@@ -285,11 +411,17 @@ class CudaGuide(Guide):
                 cfg.cuda_rows_per_step,
                 str(model.dtype).removeprefix("torch."),
             )
+        return ws
 
     def stage(
         self, view: GuideView, sel: list[int], betas: list[float], *fit_args: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        self.ws.check_rows(len(view.rows))
+        if (n := len(view.rows)) > self.ws.rows:
+            raise ValueError(
+                f"esamp: a guided step of {n} rows exceeds cuda_rows_per_step={self.ws.rows} "
+                "(the guidance workspace is sized from it); set cuda_rows_per_step to "
+                "vLLM's max_num_seqs"
+            )
         return self.ws.stage(sel, betas, *fit_args)
 
     def record(
@@ -368,63 +500,3 @@ class CudaGuide(Guide):
         if self.weight is None:  # not a plain product: the model's own head (allocates)
             return out.copy_(self.model.lm_head(hb))
         return out.copy_(torch.mm(hb, self.weight.t(), out=self.ws.proj(r)))
-
-
-class GuideStep:
-    """Picks a step's rows to guide and hands them to its strategy."""
-
-    def __init__(
-        self,
-        shared: Shared,
-        groups: Groups,
-        beta_of: Callable[[RequestInfo], float],
-        strategy: Guide,
-    ):
-        self.s, self.groups, self.beta_of, self.strategy = shared, groups, beta_of, strategy
-        self._warned_cap = False
-
-    def _skip(self, reason: str, n: int) -> None:
-        if n:
-            self.s.counters.add("rows_skipped", n)
-            self.s.counters.add(f"rows_skipped_{reason}", n)
-
-    def __call__(self, view: GuideView) -> None:
-        cfg, rows = self.s.cfg, view.rows
-        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
-        if len(rows) == 0:
-            return
-        is_dec = np.asarray(rows.is_decode, dtype=bool)
-        is_rand = np.asarray(view.is_random, dtype=bool)
-        if cfg.skip_mixed_batches and not is_dec.all():
-            self._skip("mixed", len(rows))
-            return
-        self._skip("prefill", int((~is_dec).sum()))  # the token after prefill is the model's own
-        self._skip("greedy", int((is_dec & ~is_rand).sum()))
-        sel, slots, capped = self.groups.claim(
-            rows.requests, np.flatnonzero(is_dec & is_rand).tolist()
-        )
-        self._skip("cap", capped)
-        if not sel:
-            return
-        self.s.counters.add("rows_visited", len(sel))
-        self.strategy.guide(view, sel, slots, [self.beta_of(rows.requests[i]) for i in sel])
-
-    def read_guided(self, wait: bool = True) -> None:
-        """Count what the strategy summed on the device (``wait``: all of it); warn once
-        when candidates were dropped at the cap."""
-        counts = self.strategy.read(wait)
-        if counts is None:
-            return
-        for name, n in zip(GUIDED_COUNTERS, counts, strict=True):
-            self.s.counters.add(name, n)
-        k = self.s.cfg.cuda_max_candidates
-        if counts[2] and not self._warned_cap:
-            self._warned_cap = True
-            log.warning(
-                "esamp: %d candidates of guided rows were past cuda_max_candidates=%d and "
-                "were dropped (a top-%d filter; counter candidates_over_cap); raise "
-                "cuda_max_candidates to mix them",
-                counts[2],
-                k,
-                k,
-            )

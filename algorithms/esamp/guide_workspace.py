@@ -25,7 +25,6 @@ STAGING_BUFFERS = 4
 # (rel_err, candidates, top_ref, top_new, tv, beta) in fp32 (token ids exact below 2**24).
 DIAG_STEPS = 256
 DIAG_FIELDS = 6
-MODES = ("post_filter", "full_vocab", "auto")
 
 
 def _parts(names: str, shape: tuple[int, ...], dtype: torch.dtype) -> WorkspaceSpec:
@@ -37,7 +36,7 @@ def _stage_spec(rows: int) -> WorkspaceSpec:
     return _parts("idx slots fresh", (rows,), torch.long) + _parts("betas", (rows,), torch.float32)
 
 
-def _aliases_masks(rows: int, vocab: int, mode: str, dtype: torch.dtype) -> bool:
+def _aliases_masks(mode: str, dtype: torch.dtype) -> bool:
     """Whether the head's ``[rows, vocab]`` output fits in the view buffers' two masks."""
     return mode != "post_filter" and dtype.itemsize <= 2
 
@@ -67,8 +66,6 @@ class GuideShape:
 def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     """The workspace's parts (name, shape, dtype) for this shape."""
     mode, vocab, max_candidates, slots = shape.mode, shape.vocab, shape.max_candidates, shape.slots
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     r, h, dtype, f32 = shape.rows, shape.hidden, shape.dtype, torch.float32
     spec: list = [
         ("stage", (workspace_bytes(_stage_spec(r)),), torch.uint8),
@@ -116,7 +113,7 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     if mode != "post_filter":
         spec += [("new", (r, vocab), f32), *_parts("fw fb", (r, h), f32)]
         spec += [("bfull", (r,), f32), ("mfull", (r,), torch.bool)]
-        if not _aliases_masks(r, vocab, mode, dtype):
+        if not _aliases_masks(mode, dtype):
             spec.append(("proj", (r, vocab), dtype))
     return spec
 
@@ -141,7 +138,7 @@ class GuideWorkspace:
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         if "ninf" in self.parts:
             self.parts["ninf"].fill_(float("-inf"))
-        self._proj_aliased = _aliases_masks(rows, vocab, mode, dtype)
+        self._proj_aliased = _aliases_masks(mode, dtype)
         self._dtype = dtype
         self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))
         n = self.parts["stage"].numel()
@@ -149,14 +146,6 @@ class GuideWorkspace:
         self._host = [
             carve_workspace_from(flat, _stage_spec(rows)) for flat in self._staging.buffers
         ]
-
-    def check_rows(self, n: int) -> None:
-        if n > self.rows:
-            raise ValueError(
-                f"esamp: a guided step of {n} rows exceeds cuda_rows_per_step={self.rows} "
-                "(the guidance workspace is sized from it); set cuda_rows_per_step to "
-                "vLLM's max_num_seqs"
-            )
 
     def take(self, name: str, rows: int) -> torch.Tensor:
         """Part ``name``'s first ``rows`` rows."""

@@ -46,11 +46,6 @@ class Groups:
     def key(self, req: RequestInfo) -> str:
         return req.group_key if self.scope == "group" else _BATCH_KEY
 
-    def track(self, req: RequestInfo) -> Group:
-        g = self.by_key.setdefault(self.key(req), Group())
-        g.live.add(req.engine_id)
-        return g
-
     def ensure_slot(self, g: Group) -> int | None:
         """The group's slot, allocated on first use; None at the cap or a full fixed capacity."""
         if g.slot is None:
@@ -77,7 +72,8 @@ class Groups:
         capped = 0
         for i in rows:
             req = requests[i]
-            g = self.track(req)
+            g = self.by_key.setdefault(self.key(req), Group())
+            g.live.add(req.engine_id)
             if admit is not None and not admit(i, req, g):
                 continue
             slot = self.ensure_slot(g)

@@ -3,7 +3,8 @@ curves (and with ``optimizer_stats`` the update statistics)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from algorithms.esamp.slots import TrainResult
 from tllm_core import Counters
 
 _CURVE_POINTS = 64
+T = TypeVar("T")
 
 # One submitted train step: the groups' serials and ages (steps before it), its result.
 Submitted = tuple[list[int], list[int], TrainResult]
@@ -39,48 +41,21 @@ class ByAge:
         return [[a, *(s / self.counts[a] for s in self.sums[a]), self.counts[a]] for a in ages]
 
 
-def final_prefix(results: list[TrainResult], block: bool) -> int:
-    """How many results, oldest first, can be read now (``block``: all, after a sync)."""
+def split_final(items: list[T], block: bool, result: Callable[[T], TrainResult]) -> tuple:
+    """``items`` (oldest first) whose ``result`` can be read now (``block``: all, after a
+    sync), and the rest."""
     n = 0
-    while n < len(results) and (block or results[n].ready()):
+    while n < len(items) and (block or result(items[n]).ready()):
         n += 1
-    return n
-
-
-class OptStats:
-    """``optimizer_stats``: the update statistics read back with the losses."""
-
-    def __init__(self, counters: Counters):
-        self.counters = counters
-        self._by_age, self._total = ByAge(), ByAge()  # the total: all at index 0
-
-    def add(self, age: int, row: list[float]) -> None:
-        """One decode update's statistics (a row in :data:`STATS` order)."""
-        self._by_age.add(age, row)
-        self._total.add(0, row)
-
-    def publish(self) -> None:
-        """Set the counters from everything measured so far."""
-        if not self._total.counts:
-            return
-        (clipped, share, size, norm), n = self._total.sums[0], self._total.counts[0]
-        self.counters.set("optimizer_updates_measured", n)
-        self.counters.set("optimizer_clipped_updates", int(clipped))
-        self.counters.set("optimizer_clip_rate", clipped / n)
-        self.counters.set("optimizer_eps_share", share / n)
-        self.counters.set("optimizer_update_size", size / n)
-        self.counters.set("optimizer_grad_norm", norm / n)
-
-    def summary(self) -> dict[str, Any]:
-        """``optimizer_curve``: [step index, clip rate, eps share, update size, gradient norm,
-        updates] for at most 64 step indices."""
-        return {"optimizer_curve": self._by_age.curve()}
+    return items[:n], items[n:]
 
 
 class LossBook:
     def __init__(self, counters: Counters):
         self.counters = counters
-        self.opt = OptStats(counters)
+        # optimizer_stats: each decode update's statistics (rows in STATS order), by step
+        # index and in total (all at index 0).
+        self._opt_by_age, self._opt_total = ByAge(), ByAge()
         self._sum, self._n = 0.0, 0
         self._first: float | None = None
         self._last: float | None = None
@@ -111,8 +86,16 @@ class LossBook:
                 rows += n
                 self._add_loss(serial, age, loss)
                 if stats is not None:
-                    self.opt.add(age, stats[i])
-        self.opt.publish()
+                    self._opt_by_age.add(age, stats[i])
+                    self._opt_total.add(0, stats[i])
+        if self._opt_total.counts:
+            (clipped, share, size, norm), n = self._opt_total.sums[0], self._opt_total.counts[0]
+            self.counters.set("optimizer_updates_measured", n)
+            self.counters.set("optimizer_clipped_updates", int(clipped))
+            self.counters.set("optimizer_clip_rate", clipped / n)
+            self.counters.set("optimizer_eps_share", share / n)
+            self.counters.set("optimizer_update_size", size / n)
+            self.counters.set("optimizer_grad_norm", norm / n)
         self.counters.add("optimizer_steps", steps)
         self.counters.add("rows_trained", rows)
         self.counters.add("decode_steps", train_steps)
@@ -157,5 +140,6 @@ class LossBook:
             "group_loss_last_mean": self._glast_sum / self._g_n if self._g_n else None,
             # [step index within a group, mean loss over groups, number of groups]
             "loss_curve": self._by_age.curve(),
-            **self.opt.summary(),
+            # [step index, clip rate, eps share, update size, gradient norm, updates]
+            "optimizer_curve": self._opt_by_age.curve(),
         }

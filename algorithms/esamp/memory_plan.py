@@ -9,8 +9,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from algorithms.esamp.cuda_plan import plan_size
-from algorithms.esamp.cuda_results import RESULT_ROWS
+from algorithms.esamp.cuda import RESULT_ROWS, plan_size
 from algorithms.esamp.guide_workspace import GuideShape, guidance_workspace_bytes
 from algorithms.esamp.params import DistillerShape
 from tllm_core import pow2_rows
@@ -47,10 +46,8 @@ class MemoryPlan:
         return sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_bytes"))
 
     def as_dict(self) -> dict[str, int | float]:
-        d: dict[str, int | float] = asdict(self)
-        d["total_bytes"] = self.total_bytes
-        d["total_gib"] = round(self.total_bytes / GIB, 4)
-        return d
+        total = self.total_bytes
+        return {**asdict(self), "total_bytes": total, "total_gib": round(total / GIB, 4)}
 
     def describe(self) -> str:
         gib = lambda b: f"{b / GIB:.3f} GiB"  # noqa: E731

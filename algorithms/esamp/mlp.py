@@ -1,7 +1,5 @@
-"""The distiller's function ``f``: residual gated-SwiGLU blocks, batched over groups.
-
-``x <- x + down(silu(gate x) * up x)`` per block, no biases, fp32.
-"""
+"""The distiller's function ``f``: residual gated-SwiGLU blocks, batched over groups,
+``x <- x + down(silu(gate x) * up x)`` per block, no biases, fp32."""
 
 from __future__ import annotations
 

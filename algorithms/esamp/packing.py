@@ -29,13 +29,8 @@ def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     pos = np.empty_like(inv)
     pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
-    return Packing(
-        uniq,
-        inv.astype(np.int64),
-        pos,
-        counts.astype(np.int64),
-        int(counts.max()) if counts.size else 0,
-    )
+    max_rows = int(counts.max()) if counts.size else 0
+    return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64), max_rows)
 
 
 @dataclass

@@ -100,18 +100,13 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
         ),
     ]
     if visited or _n(counters, "rows_skipped"):
-        out.append(
-            Plot(
-                name="rows",
-                title="ESamp sampler rows: guided share",
-                xlabel="",
-                ylabel="rows",
-                kind="bar",
-                series=(Series("rows", [b[0] for b in bars], [b[1] for b in bars]),),
-                caption=f"{guided} of {sampled_rows(counters)} sampled rows guided; the first "
-                "token of each sample (a prefill row) is never guided",
-            )
+        series = (Series("rows", [b[0] for b in bars], [b[1] for b in bars]),)
+        caption = (
+            f"{guided} of {sampled_rows(counters)} sampled rows guided; the first token of "
+            "each sample (a prefill row) is never guided"
         )
+        title = "ESamp sampler rows: guided share"
+        out.append(Plot("rows", title, "", "rows", series, kind="bar", caption=caption))
     x, y = _curve((res.get("diagnostics") or {}).get("rel_err_curve"))
     if x:
         title, series = "ESamp prediction error by step", Series("mean relative error", x, y)

@@ -1,5 +1,5 @@
 """What every job of the ESamp consumer shares: its config, distiller, counters and layer
-keys, the distiller's input/output convention (init 'zero_output') and the row gathers."""
+keys, and the row gathers."""
 
 from __future__ import annotations
 
@@ -32,29 +32,13 @@ class Shared:
     # index of a step that takes every row in order is a view of it (see row_index).
     arange: torch.Tensor | None = None
 
-    @property
-    def zero_out(self) -> bool:
-        return self.cfg.init == "zero_output"
-
-    @property
-    def deferred(self) -> bool:
-        """Updates are queued (CUDA side stream, CPU side thread): results read in batches."""
-        return self.on_cuda or self.distiller.asynchronous
-
     def rows_kw(self, rows: object) -> dict:
         """The keyword naming the rows (:func:`rows_id`) for a distiller that takes it."""
         return {"rows_id": rows} if self.distiller.takes_rows_id else {}
 
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
-        """The distiller's prediction (init 'zero_output': the input subtracted)."""
-        f = self.distiller.predict(slots, x, **self.rows_kw(rows))
-        return f - x.float() if self.zero_out and not self.distiller.zero_output else f
-
-    def target(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """What the blocks are trained to output (+ the input for 'zero_output')."""
-        if self.zero_out and not self.distiller.zero_output:
-            return target.float() + x.float()
-        return target
+        """The distiller's prediction of rows named ``rows`` (:func:`rows_id`)."""
+        return self.distiller.predict(slots, x, **self.rows_kw(rows))
 
 
 def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:

@@ -58,9 +58,6 @@ class SlotDistiller:
     updates_reusing_prediction = 0  # CUDA only: update runs on the prediction's forward
     # True: predict and train_step take ``rows_id`` (CUDA; the CPU path compares the rows).
     takes_rows_id = False
-    # True: predict returns blocks(x) - x and train_step trains it toward the target (the
-    # CUDA path does both inside its graphs); False: Shared does it (init 'zero_output').
-    zero_output = False
 
     def __init__(
         self,
@@ -79,15 +76,18 @@ class SlotDistiller:
         capacity: int = 4,
         device: torch.device | str = "cpu",
         moments_dtype: torch.dtype = torch.float32,
+        zero_output: bool = False,
     ):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
         self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip, loss_reduction, optimizer_stats)
         self.moments_dtype = moments_dtype  # Adam's m and v (bf16: CUDA only, opt-in)
+        # init 'zero_output': predict returns blocks(x) - x, trained toward target + x.
+        self.zero_output = zero_output
         self.device = torch.device(device)
         self.template = init_params(self.shape, init, seed).to(self.device)
-        self._capacity = 0
+        self.capacity = 0
         self.theta = self.m = self.v = self.step = torch.empty(0)
         self.applied = torch.empty(0, dtype=torch.long)
         self._submitted = np.zeros(0, dtype=np.int64)
@@ -99,10 +99,7 @@ class SlotDistiller:
         self._grow(capacity)
 
     # -- ordering hooks (the subclasses' queues) -------------------------------------
-    @property
-    def asynchronous(self) -> bool:
-        """True when train steps return before they have run."""
-        return False
+    asynchronous = False  # True: train steps return before they have run
 
     def _drain(self) -> None:
         """Wait for pending work that uses the state (before it is reallocated)."""
@@ -124,10 +121,6 @@ class SlotDistiller:
 
     # -- slots ----------------------------------------------------------------------
     @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
     def num_live(self) -> int:
         return len(self._live)
 
@@ -139,7 +132,7 @@ class SlotDistiller:
         """Reallocate the stacked state; new slots start from the template."""
         self._drain()  # pending jobs hold views of the old storage
         self._version += 1
-        rows, p, dev, old = new_capacity, self.shape.num_params, self.device, self._capacity
+        rows, p, dev, old = new_capacity, self.shape.num_params, self.device, self.capacity
         new = {
             "theta": self.template.expand(rows, p).clone(),
             "m": torch.zeros(rows, p, device=dev, dtype=self.moments_dtype),
@@ -154,20 +147,20 @@ class SlotDistiller:
             setattr(self, name, t)
         for s in range(old, new_capacity):
             heapq.heappush(self._free, s)
-        self._capacity = new_capacity
+        self.capacity = new_capacity
 
     def alloc(self) -> int:
         """A fresh slot; doubles the capacity when all are live (fixed capacity: raises)."""
         if not self._free:
             if not self.growable:
                 raise RuntimeError(
-                    f"all {self._capacity} distiller slots are live and this distiller's "
+                    f"all {self.capacity} distiller slots are live and this distiller's "
                     "capacity is fixed"
                 )
             # vLLM calls consumers under inference mode; state made there could not be
             # trained in place later.
             with torch.inference_mode(False):
-                self._grow(2 * self._capacity)
+                self._grow(2 * self.capacity)
         slot = heapq.heappop(self._free)
         self._live.add(slot)
         return slot
@@ -202,11 +195,7 @@ class SlotDistiller:
         raise NotImplementedError
 
     def train_step(
-        self,
-        slots: torch.Tensor,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        row_errors: bool = False,
+        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
         ``row_errors``: also each row's error before the update."""
@@ -239,4 +228,4 @@ class SlotDistiller:
 
     def memory_bytes(self) -> int:
         """Bytes held by the stacked state (all slots, live or not) plus the template."""
-        return self._capacity * self.memory_bytes_per_group() + self.shape.num_params * 4
+        return self.capacity * self.memory_bytes_per_group() + self.shape.num_params * 4

@@ -3,17 +3,18 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from algorithms.esamp.lifecycle import Group, Groups
-from algorithms.esamp.losses import LossBook, Submitted, final_prefix
-from algorithms.esamp.returned import ReturnedErrors
+from algorithms.esamp.losses import LossBook, Submitted, split_final
 from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
-from tllm_core import Bundle, RequestInfo
+from tllm_core import Bundle, Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
 
 # Queued updates: losses are read back this often without waiting, and with a wait once
 # _FLUSH_LIMIT are not back (the host's bookkeeping stays bounded).
@@ -21,6 +22,52 @@ _FLUSH_EVERY = 256
 _FLUSH_LIMIT = 4 * _FLUSH_EVERY
 # The device-side counters are sent to the host every this many flushes that do not wait.
 _READ_EVERY = 32
+
+
+class ReturnedErrors:
+    """ESamp's per-request results (``tllm_results: "esamp"``): each decode row's prediction
+    error, kept from submission until the request's result is taken."""
+
+    EMPTY = {"positions": np.zeros(0, np.int64), "prediction_error": np.zeros(0, np.float32)}
+
+    def __init__(self, name: str, limit: int, counters: Counters):
+        self.name, self.counters = name, counters
+        self.rows = RequestRows(limit, name)
+        # (result, its rows' indices in the step's submission, their requests, positions)
+        self._pending: list[tuple[TrainResult, np.ndarray, list[RequestInfo], np.ndarray]] = []
+        self._waiting: Counter[str] = Counter()  # engine id -> pending steps with its rows
+
+    def submitted(
+        self, res: TrainResult, at: np.ndarray, requests: list[RequestInfo], positions: np.ndarray
+    ) -> None:
+        """Rows ``at`` of the step ``res`` return their errors once it is final."""
+        self._pending.append((res, at, requests, positions))
+        self._waiting.update({r.engine_id for r in requests})
+
+    def waits_for(self, engine_id: str) -> bool:
+        """Whether rows of this request are in steps not read back yet."""
+        return self._waiting[engine_id] > 0
+
+    def read(self, block: bool) -> None:
+        """Keep the errors of the final steps, oldest first (``block``: every step)."""
+        done, self._pending = split_final(self._pending, block, lambda p: p[0])
+        for res, at, requests, positions in done:
+            errors = res.row_errors.numpy()[at].astype(np.float32)
+            for req, a, b in request_runs(requests):
+                self.rows.add(req.engine_id, positions=positions[a:b], prediction_error=errors[a:b])
+            for eid in {r.engine_id for r in requests}:
+                self._waiting[eid] -= 1
+                if self._waiting[eid] <= 0:
+                    del self._waiting[eid]
+            self.counters.add("rows_returned", len(at))
+
+    def take(self, request: RequestInfo) -> dict[str, Any]:
+        return self.rows.take(request.engine_id, self.EMPTY)
+
+    @staticmethod
+    def result_bytes(max_tokens: int) -> int:
+        """An upper bound of a request's result (one decode row per generated token)."""
+        return array_json_bytes(max_tokens, 8) + array_json_bytes(max_tokens, 4) + 64
 
 
 class Trainer:
@@ -59,7 +106,9 @@ class Trainer:
         )
         counters.add("train_rows_skipped_recomputed", int((is_dec & recomputed).sum()))
         counters.add("train_rows_skipped_cap", capped)
-        asking = self.returned.asking(rows.requests, sel)
+        # Indices into sel of the rows whose request asks for ESamp's result.
+        wants = (k for k, i in enumerate(sel) if rows.requests[i].wants_result(self.returned.name))
+        asking = np.fromiter(wants, np.int64)
         ask = asking.size > 0
         rid = rows_id(bundle.step, bundle.rows, sel)
         submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)
@@ -120,7 +169,7 @@ class Trainer:
         slot_t = torch.tensor(slots, dtype=torch.long)
         idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
-        target = self.s.target(x, select_rows(tgt, sel, idx))
+        target = select_rows(tgt, sel, idx)
         train, kw = self.s.distiller.train_step, self.s.rows_kw(rows)
         return [
             train(slot_t, x, target, row_errors=row_errors and k == 0, **kw) for k in range(steps)
@@ -129,7 +178,8 @@ class Trainer:
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
         n = len(self._pending)
-        if not self.s.deferred or n >= _FLUSH_LIMIT:
+        # Queued updates (CUDA side stream, CPU side thread): results read in batches.
+        if not (self.s.on_cuda or self.s.distiller.asynchronous) or n >= _FLUSH_LIMIT:
             self.flush()
         elif self.s.distiller.asynchronous or n >= _FLUSH_EVERY:
             # The updates that have already run (no waiting): every step on the CPU side
@@ -150,8 +200,7 @@ class Trainer:
         if block or self._flushes % _READ_EVERY == 0:
             self.read_deferred(block)
         self._flush_warm(block)
-        n_ready = final_prefix([res for _, _, res in self._pending], block)
-        ready, self._pending = self._pending[:n_ready], self._pending[n_ready:]
+        ready, self._pending = split_final(self._pending, block, lambda p: p[2])
         if ready:
             self.losses.add(ready)
         self.returned.read(block)
@@ -163,8 +212,7 @@ class Trainer:
 
     def _flush_warm(self, block: bool) -> None:
         """Count the warm-start updates that ran once their results are final."""
-        n = final_prefix(self._warm_pending, block)
-        done, self._warm_pending = self._warm_pending[:n], self._warm_pending[n:]
+        done, self._warm_pending = split_final(self._warm_pending, block, lambda r: r)
         for res in done:
             ok = res.updated.cpu().tolist()
             self.s.counters.add("warm_start_steps", sum(ok))

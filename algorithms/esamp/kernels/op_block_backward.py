@@ -16,7 +16,6 @@ from algorithms.esamp.kernels.checks import (
 )
 from algorithms.esamp.kernels.launch import Launch, cdiv, rows_block, runner
 
-NAME = "block_backward"
 SCHEMA = (
     "block_backward(Tensor dp, Tensor a, Tensor u, Tensor s, Tensor p, Tensor h_in, "
     "Tensor dy, Tensor(a!) du, Tensor(b!) da, Tensor(c!) parts, "
@@ -85,7 +84,6 @@ def block_backward_launch(
 ) -> Launch | None:  # fmt: skip
     """The block backward kernel's launch: one program per column of ``parts`` (a pair of
     row tiles and a share of H; unused columns written 0)."""
-    check_precision(input_precision)
     groups, rows, _ = dp.shape
     if groups == 0:
         return None

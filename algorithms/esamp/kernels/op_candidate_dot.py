@@ -8,7 +8,6 @@ import torch
 from algorithms.esamp.kernels.checks import _SLOT_DTYPES, FP32, HEAD_DTYPES, _same_device, _shape
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
-NAME = "candidate_dot"
 SCHEMA = "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
 
 

@@ -15,10 +15,9 @@ from algorithms.esamp.kernels.checks import (
     _slot_vector,
     check_precision,
 )
-from algorithms.esamp.kernels.launch import Launch, cdiv, log_beta, rows_block, runner
+from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, log_beta, rows_block, runner
 from algorithms.esamp.params import AdamHyper
 
-NAME = "grad_adam"
 SCHEMA = (
     "grad_adam(Tensor a, Tensor b, Tensor scale, Tensor group_slot, Tensor ok, Tensor step, "
     "Tensor(a!) w, Tensor(b!) m, Tensor(c!) v, float lr, float beta1, float beta2, float eps, "
@@ -150,10 +149,8 @@ def grad_adam_launch(
     k = b.shape[3]
     if groups == 0 or n == 0 or k == 0 or e == 0:
         return None
-    if ok.dtype == torch.bool:
-        ok = ok.view(torch.uint8)  # Triton loads bool pointers as int1; same bytes
     args = (
-        a, b, scale, group_slot, ok, step, w, m, v,
+        a, b, scale, group_slot, bool_bytes(ok), step, w, m, v,
         rows, n, k, b.shape[1],
         *a.stride(), *b.stride(), *w.stride(), *m.stride(), *v.stride(),
         lr, beta1, beta2, eps, 1.0 - beta1, 1.0 - beta2, log_beta(beta1), log_beta(beta2),

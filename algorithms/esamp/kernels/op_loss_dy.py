@@ -33,7 +33,6 @@ def loss_per_row(hidden_size: int, reduction: str) -> float:
     raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
 
 
-NAME = "loss_dy"
 SCHEMA = (
     "loss_dy(Tensor h, Tensor tp, Tensor mask, Tensor(a!) parts, Tensor(b!) dy, "
     "str reduction) -> ()"

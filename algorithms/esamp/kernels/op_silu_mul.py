@@ -8,7 +8,6 @@ import torch
 from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
-NAME = "silu_mul"
 SCHEMA = "silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()"
 
 
@@ -46,10 +45,6 @@ def silu_mul_launch(a, u, s, p, *, block_m=16, block_i=128, num_warps=4) -> Laun
 run_triton = runner(silu_mul_launch)
 
 
-def silu_mul_bytes(numel: int) -> int:
-    """``silu_mul``: ``a`` and ``u`` read, ``s`` and ``p`` written (fp32)."""
-    return 4 * numel * FP32
-
-
 def _traffic(a, *args, **kwargs) -> int:
-    return silu_mul_bytes(a.numel())
+    """``silu_mul``'s bytes: ``a`` and ``u`` read, ``s`` and ``p`` written (fp32)."""
+    return 4 * a.numel() * FP32

@@ -8,7 +8,6 @@ import torch
 from algorithms.esamp.kernels.checks import _same_device, _shape, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, runner
 
-NAME = "stale_max"
 SCHEMA = "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
 
 
@@ -58,10 +57,6 @@ def stale_max_launch(
 run_triton = runner(stale_max_launch)
 
 
-def stale_max_bytes(groups: int) -> int:
-    """``stale_max``: three int64 per group read, the maximum read and written."""
-    return groups * 3 * 8 + 2 * 8
-
-
 def _traffic(submitted, *args, **kwargs) -> int:
-    return stale_max_bytes(submitted.shape[0])
+    """``stale_max``'s bytes: three int64 per group read, the maximum read and written."""
+    return submitted.shape[0] * 3 * 8 + 2 * 8

@@ -9,7 +9,6 @@ from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
 
-NAME = "update_tail"
 SCHEMA = (
     "update_tail(Tensor loss_parts, Tensor parts, Tensor group_slot, Tensor mask, "
     "Tensor(a!) step, Tensor(b!)? applied, Tensor(c!) losses, Tensor(d!) ok, "
@@ -71,9 +70,8 @@ def check_update_tail(
         )
     if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
         raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
-    _fp32("losses", losses, (g,), "one per group")
-    _fp32("scale", scale, (g,), "one per group")
-    _fp32("norm", norm, (g,), "one per group")
+    for name, t in (("losses", losses), ("scale", scale), ("norm", norm)):
+        _fp32(name, t, (g,), "one per group")
     if not clip_eps >= 0:
         raise ValueError(f"clip_eps must be >= 0, got {clip_eps}")
 
@@ -129,14 +127,10 @@ def update_tail_launch(
 run_triton = runner(update_tail_launch)
 
 
-def update_tail_bytes(groups: int, rows: int, parts: int, applied: bool = True) -> int:
-    """``update_tail``: per group its parts, slot and mask row read, four results written,
-    its slot's counts read and written."""
-    per_group = FP32 * parts + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + (16 if applied else 0)
-    return groups * per_group
-
-
 def _traffic(loss_parts, parts, group_slot, mask, step, applied, *args, **kwargs) -> int:
+    """``update_tail``'s bytes: per group its parts, slot and mask row read, four results
+    written, its slot's counts read and written."""
     groups, rows = mask.shape
     cols = loss_parts.shape[1] + parts.shape[1]
-    return update_tail_bytes(groups, rows, cols, applied is not None)
+    counts = 16 if applied is not None else 0
+    return groups * (FP32 * cols + 8 + rows + 3 * FP32 + 1 + 2 * FP32 + counts)

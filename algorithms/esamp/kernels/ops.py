@@ -56,12 +56,12 @@ def _warn_no_triton() -> None:
     )
 
 
-def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[..., None]]:
+def _implementations(op: ModuleType, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
     """The op's CPU and CUDA implementations, both checking the arguments first."""
-    schema = getattr(torch.ops.tllm_esamp, op.NAME).default._schema
+    schema = getattr(torch.ops.tllm_esamp, name).default._schema
     # The dispatcher leaves out trailing arguments that equal their defaults.
     defaults = tuple(arg.default_value for arg in schema.arguments)
-    check = getattr(op, f"check_{op.NAME}")
+    check = getattr(op, f"check_{name}")
 
     def on_cpu(*args: Any) -> None:
         args = args + defaults[len(args) :]
@@ -79,22 +79,15 @@ def _implementations(op: ModuleType) -> tuple[Callable[..., None], Callable[...,
     return on_cpu, on_cuda
 
 
-def _nothing(*args, **kwargs) -> None:
-    return None
-
-
-def _register() -> Mapping[str, Callable[..., None]]:
-    """Register every op's implementations and byte count (``tllm_bytes``: fake_cuda's
-    counters); returns the CUDA ones by name (the GPU rehearsal runs them)."""
-    impls: dict[str, Callable[..., None]] = {}
-    for op in OP_MODULES:
-        cpu, impls[op.NAME] = _implementations(op)
-        _LIB.impl(op.NAME, cpu, "CPU")
-        _LIB.impl(op.NAME, impls[op.NAME], "CUDA")
-        # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-        torch.library.register_fake(f"tllm_esamp::{op.NAME}", _nothing, lib=_LIB)
-        getattr(torch.ops.tllm_esamp, op.NAME).default.tllm_bytes = op._traffic
-    return MappingProxyType(impls)
-
-
-CUDA_IMPLS = _register()
+# Every op's implementations and byte count (``tllm_bytes``: fake_cuda's counters); the CUDA
+# ones by name (the GPU rehearsal runs them).
+_impls: dict[str, Callable[..., None]] = {}
+for _op in OP_MODULES:
+    _name = _op.SCHEMA.split("(", 1)[0]
+    _cpu, _impls[_name] = _implementations(_op, _name)
+    _LIB.impl(_name, _cpu, "CPU")
+    _LIB.impl(_name, _impls[_name], "CUDA")
+    # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
+    torch.library.register_fake(f"tllm_esamp::{_name}", lambda *a, **k: None, lib=_LIB)
+    getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _op._traffic
+CUDA_IMPLS: Mapping[str, Callable[..., None]] = MappingProxyType(_impls)

@@ -437,18 +437,12 @@ def jit_kernels() -> SimpleNamespace:
     for name in _DEVICE_HELPERS:
         scope[name] = triton.jit(_in_scope(globals()[name].fn, scope))
 
-    def jit(fn: Any) -> Any:
-        return triton.jit(_in_scope(fn, scope))
-
+    kernels = (k for k in globals() if k.startswith("_") and k.endswith("_kernel"))
     return SimpleNamespace(
-        grad_adam=jit(_grad_adam_kernel),
-        slot_matmul=jit(_slot_matmul_kernel),
-        candidate_dot=jit(_candidate_dot_kernel),
-        loss_dy=jit(_loss_dy_kernel),
-        block_backward=jit(_block_backward_kernel),
-        update_tail=jit(_update_tail_kernel),
-        silu_mul=jit(_silu_mul_kernel),
-        stale_max=jit(_stale_max_kernel),
+        **{
+            k[1:].removesuffix("_kernel"): triton.jit(_in_scope(globals()[k], scope))
+            for k in kernels
+        }
     )
 
 
