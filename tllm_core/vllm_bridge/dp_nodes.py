@@ -7,6 +7,7 @@ the leader is gone (exit 1) or stopped on request (:func:`stop_beacon`'s store, 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -107,7 +108,7 @@ def join_leader(
     dp_rank: int,
     endpoint: Any,
     watch: bool,
-    kill: Callable[[int, int], None] | None = None,
+    kill: Callable[[int, int], None] = os.kill,
     delay: float = TELL_DELAY_S,
     fallback_host: str | None = None,
     *,
@@ -117,9 +118,6 @@ def join_leader(
     ``mine`` (a headless node is told to stop), else ``{"watching": bool}``: whether this
     worker (``watch``: the leading rank) watches the leader at ``endpoint`` (a wildcard host
     becomes ``fallback_host``) through ``watcher`` (at most one leader watch)."""
-    import os
-
-    kill = kill or os.kill
     if nodes.comparable(mine) != nodes.comparable(leader):
         msg = nodes.differ_message(LEADER_NAME, leader, f"data-parallel rank {dp_rank}", mine)
         if nodes.on_headless_node():

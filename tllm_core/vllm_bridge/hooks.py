@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
@@ -114,8 +116,11 @@ class RunnerHooks:
         return self.runtime.configured
 
     # -- step events -----------------------------------------------------------------------
-    def _host_time(self, phase: str, since: float) -> None:
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
         """Engine-thread seconds tllm spent in ``phase`` (``host_s.*`` runtime counters)."""
+        since = perf_counter()
+        yield
         dt = perf_counter() - since
         self.runtime.counters.add(f"host_s.{phase}", dt)
         self.runtime.counters.add("host_s", dt)
@@ -139,32 +144,30 @@ class RunnerHooks:
         return req
 
     def begin(self, layout: StepLayout | None) -> None:
-        t = perf_counter()
-        self.step = None
-        if layout is None:
-            self.runtime.count_step()
-            self._host_time("begin_step", t)
-            return
-        reqs = [self._request(e) for e in layout.engine_ids]
-        rows, sample_row, kept = layout_rows(layout, reqs)
-        total = layout.total
-        self.num_tokens = total
-        step_no = self.runtime.step_index + 1
-        self.step = StepCapture(
-            step=step_no,
-            rows=rows,
-            sample_token_row=sample_row,
-            sample_kept=kept,
-            tensors={k: buf[:total] for k, buf in self.capture.items()},
-            stamps=dict(self.stamps),
-            edited=dict(self.edit_counts),
-            tap_info=self.tap_info,
-        )
-        self.clock.fill_(step_no)
-        self.runtime.begin_step(rows, self.edits)
-        if self._sync and self.edits:
-            sync_edits([self.edits[k] for k in sorted(self.edits)], self.clock.device)
-        self._host_time("begin_step", t)
+        with self._timed("begin_step"):
+            self.step = None
+            if layout is None:
+                self.runtime.count_step()
+                return
+            reqs = [self._request(e) for e in layout.engine_ids]
+            rows, sample_row, kept = layout_rows(layout, reqs)
+            total = layout.total
+            self.num_tokens = total
+            step_no = self.runtime.step_index + 1
+            self.step = StepCapture(
+                step=step_no,
+                rows=rows,
+                sample_token_row=sample_row,
+                sample_kept=kept,
+                tensors={k: buf[:total] for k, buf in self.capture.items()},
+                stamps=dict(self.stamps),
+                edited=dict(self.edit_counts),
+                tap_info=self.tap_info,
+            )
+            self.clock.fill_(step_no)
+            self.runtime.begin_step(rows, self.edits)
+            if self._sync and self.edits:
+                sync_edits([self.edits[k] for k in sorted(self.edits)], self.clock.device)
 
     def finished(self, engine_ids: list[str]) -> None:
         self._deliver_pending(set(engine_ids))
@@ -177,19 +180,18 @@ class RunnerHooks:
         step, self._pending = self._pending, None
         if step is None:
             return
-        t = perf_counter()
-        if stopped:
-            past = np.fromiter(
-                (r.engine_id in stopped for r in step.sample_rows().requests),
-                bool,
-                len(step.sample_kept),
-            )
-            past &= step.sample_kept
-            if past.any():
-                step.sample_kept = step.sample_kept & ~past
-                self.runtime.counters.add("rows_past_stop", int(past.sum()))
-        self.runtime.end_step(step)
-        self._host_time("end_step", t)
+        with self._timed("end_step"):
+            if stopped:
+                past = np.fromiter(
+                    (r.engine_id in stopped for r in step.sample_rows().requests),
+                    bool,
+                    len(step.sample_kept),
+                )
+                past &= step.sample_kept
+                if past.any():
+                    step.sample_kept = step.sample_kept & ~past
+                    self.runtime.counters.add("rows_past_stop", int(past.sum()))
+            self.runtime.end_step(step)
 
     def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None:
         if self.step is None:
@@ -205,10 +207,8 @@ class RunnerHooks:
     ) -> bool:
         if self.step is None:
             return False
-        t = perf_counter()
-        changed = self.runtime.guide(self.step, logits, temperature, is_random, filtered)
-        self._host_time("guide", t)
-        return changed
+        with self._timed("guide"):
+            return self.runtime.guide(self.step, logits, temperature, is_random, filtered)
 
     def sampled(self, token_ids: torch.Tensor) -> None:
         if self.step is None:
@@ -217,9 +217,8 @@ class RunnerHooks:
         if self._defer:
             self._pending = self.step
             return
-        t = perf_counter()
-        self.runtime.end_step(self.step)
-        self._host_time("end_step", t)
+        with self._timed("end_step"):
+            self.runtime.end_step(self.step)
 
     def close(self) -> dict[str, Any]:
         """Close the runtime once; later calls return the same final report."""

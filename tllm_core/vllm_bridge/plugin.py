@@ -14,9 +14,7 @@ import threading
 from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
-
-# Re-exported: read here, by the API server and by the workers (engine_settings.py).
-from tllm_core.vllm_bridge.engine_settings import SETTINGS_KEY, tllm_settings  # noqa: F401
+from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
 log = logging.getLogger("tllm")
 

@@ -42,6 +42,7 @@ from tllm_core.vllm_bridge.request_marks import (
     until_server_stops,
 )
 from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
+from tllm_core.vllm_bridge.version import require_attrs
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -106,16 +107,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     ).encode()
 
 
-def _declared_length(scope: dict) -> int | None:
-    for name, value in scope.get("headers") or ():
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
 class XargsCheck:
     """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
     tllm vllm_xargs, both before the handler runs (chunks joined once, not quadratically)."""
@@ -144,7 +135,9 @@ class XargsCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        declared = _declared_length(scope)
+        headers = {k.lower(): v for k, v in scope.get("headers") or ()}
+        declared = headers.get(b"content-length", b"")
+        declared = int(declared) if declared.isdigit() else None
         if declared is not None and declared > self.max_body_bytes:
             # Past the drain budget: answer at once, the client may see a reset instead.
             return await self.refuse(
@@ -378,13 +371,7 @@ def install_request_checks(
     results a consumer bounds past it are refused."""
     from vllm.exceptions import VLLMValidationError
 
-    if not hasattr(input_processor, "assign_request_id"):
-        from tllm_core.vllm_bridge.version import UnsupportedEngineError
-
-        raise UnsupportedEngineError(
-            "vLLM's input processor lacks assign_request_id: "
-            "this vLLM is not supported for serving with tllm"
-        )
+    require_attrs(input_processor, ("assign_request_id",), "input processor")
     # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
     salt_key = secret if secret is not None else secrets.token_bytes(32)
     assign_orig = input_processor.assign_request_id
