@@ -91,6 +91,17 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _vllm_started(pid: int) -> bool:
+    """Whether ``pid`` is a process vLLM started (a ``VLLM::`` title or spawn), not the
+    resource tracker or another helper (e.g. a compiler)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            line = f.read()
+    except OSError:
+        return False
+    return b"resource_tracker" not in line and (b"VLLM::" in line or b"spawn_main" in line)
+
+
 def remove_openmp_files(pids: Iterable[int]) -> list[str]:
     """Remove the Intel OpenMP files of the dead ``pids`` (libiomp5 removes its own only at a
     normal exit); the paths removed."""
@@ -251,7 +262,7 @@ class EngineWatch:
             workers = [d for d in deaths if "worker" in d.what]
             return (killed or workers or deaths)[0]
         workers = {c for p in self.cores for c in _children(int(p.pid))}
-        self._workers = {w for w in workers if w not in self._spawn_helpers(workers)}
+        self._workers = {w for w in workers if _vllm_started(w)}
         self._follow(self._workers)
         self.pids |= workers
         if self._looks % SHM_EVERY == 0:
@@ -259,22 +270,6 @@ class EngineWatch:
                 self.shm |= mapped_shm(pid)
         self._looks += 1
         return None
-
-    @staticmethod
-    def _spawn_helpers(pids: set[int]) -> set[int]:
-        """No workers: the resource tracker and any process vLLM did not start (no ``VLLM::``
-        title or spawn), e.g. a compiler."""
-        helpers = set()
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    line = f.read()
-            except OSError:
-                helpers.add(pid)
-                continue
-            if b"resource_tracker" in line or not (b"VLLM::" in line or b"spawn_main" in line):
-                helpers.add(pid)
-        return helpers
 
     def _wake_waiters(self) -> None:
         """End every wait on the dead engine."""
@@ -299,7 +294,7 @@ class EngineWatch:
             time.sleep(0.1)
         killed = []
         for pid in sorted(self.pids):
-            if _alive(pid) and pid not in self._spawn_helpers({pid}):
+            if _alive(pid) and _vllm_started(pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)

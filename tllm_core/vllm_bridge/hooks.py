@@ -17,15 +17,11 @@ from tllm_core.api.architectures import Architectures
 from tllm_core.api.edits import EditBuffers
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
-from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
-from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.layouts import builtin_architectures
-from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
+from tllm_core.vllm_bridge.parallel import ParallelInfo, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
-from tllm_core.vllm_bridge.runners import check_runner
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
-from tllm_core.vllm_bridge.version import check_version
 
 log = logging.getLogger("tllm")
 
@@ -46,7 +42,9 @@ def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, in
 
 
 class RunnerHooks:
-    """Implements the adapter's step events on top of a :class:`Runtime`."""
+    """The step events an adapter reports, on top of a :class:`Runtime`. Per engine step, in
+    order: ``finished`` -> ``begin`` -> the forward -> ``forward_done`` -> ``guide`` (when a
+    consumer guides) -> ``sampled``."""
 
     def __init__(
         self,
@@ -113,6 +111,7 @@ class RunnerHooks:
 
     @property
     def active(self) -> bool:
+        """Whether any consumer needs row metadata (else ``begin(None)`` only counts)."""
         return self.runtime.configured
 
     # -- step events -----------------------------------------------------------------------
@@ -249,32 +248,3 @@ class RunnerHooks:
         self._deliver_pending(set())
         self.finished(list(self.requests))
         self._aborting.clear()
-
-
-def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
-    """Hook ``runner`` (after ``load_model``, in the process that runs the model)."""
-    check_version()
-    adapter = check_runner(runner)(runner)
-    settings = RuntimeSettings.model_validate(raw_settings)
-    rank = parallel_info(adapter.parallel_config)
-    registry = Registry()
-    with torch.inference_mode(False):  # consumer parameters must not be inference tensors
-        runtime = Runtime(
-            settings,
-            adapter.model_info(),
-            registry,
-            deliver=rank.leader,
-            data_parallel=(rank.dp_rank, rank.dp_size),
-        )
-    hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
-    runner._tllm_hooks = hooks
-    log.info(
-        "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
-        adapter.describe(),
-        sorted(t.key for t in runtime.taps),
-        sorted(t.key for t in runtime.edit_taps),
-        runtime.guides,
-        [e.name for e in settings.consumers],
-        rank.as_dict(),
-    )
-    return hooks

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -182,10 +183,8 @@ class ResultReturn:
         if not first:
             for line in body.split(b"\n"):
                 if line.startswith(b"data: {"):
-                    try:
+                    with contextlib.suppress(ValueError):
                         first.append(json.loads(line[6:]))
-                    except ValueError:
-                        pass
                     break
         if STREAM_END not in body:
             return msg

@@ -162,7 +162,7 @@ class XargsCheck:
         xargs, error = (None, None)
         if scope["path"].endswith(CHECKED_PATHS):
             xargs, error = parse_xargs(b"".join(chunks))
-        if xargs is not None and error is None:
+        if xargs is not None:
             error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
             status, message = error
@@ -289,10 +289,9 @@ def attach_routes(
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         hung = read_note(fault_file)
-        consumers: EngineConsumers = getattr(request.app.state, "tllm_server", None)
         if hung is not None:  # the engine is stuck in it: no RPC would answer
             body = {
-                **consumers.describe(),
+                **server.describe(),
                 "hung": {
                     "consumer": hung.consumer,
                     "callback": hung.callback,
@@ -308,9 +307,9 @@ def attach_routes(
             out = await ask("tllm_status")
             await counters.get()  # bounded: as above; learns which consumers failed
             leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-            body = {"worker": leader, **consumers.describe()}
-            body["failed_consumers"] = sorted(consumers.failed)
-            body["controls"] = consumers.control_state()
+            body = {"worker": leader, **server.describe()}
+            body["failed_consumers"] = sorted(server.failed)
+            body["controls"] = server.control_state()
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
@@ -325,7 +324,6 @@ def attach_routes(
                 "key (--api-key or VLLM_API_KEY)",
                 403,
             )
-        server: EngineConsumers = request.app.state.tllm_server
         cls = server.classes.get(name)
         if cls is None:
             known = ", ".join(sorted(server.classes)) or "(none)"

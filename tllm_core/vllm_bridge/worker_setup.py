@@ -11,7 +11,17 @@ import os
 import threading
 from typing import Any
 
+import torch
+
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.vllm_bridge import workarounds
+from tllm_core.vllm_bridge.hooks import RunnerHooks
+from tllm_core.vllm_bridge.parallel import parallel_info
+from tllm_core.vllm_bridge.runners import check_runner
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
 
 log = logging.getLogger("tllm")
 
@@ -56,9 +66,6 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
         raise UnsupportedEngineError(
             f"tllm found no model_runner on vLLM's worker {type(worker).__name__}"
         )
-    from tllm_core.vllm_bridge.runners import check_runner
-    from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
-
     check_runner(runner)
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
@@ -99,9 +106,6 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
     @functools.wraps(load)
     def load_model(*args, **kwargs):
         out = load(*args, **kwargs)
-        from tllm_core.vllm_bridge import workarounds
-        from tllm_core.vllm_bridge.hooks import install
-
         try:
             hooks = install(runner, settings)
         except Exception as e:
@@ -114,3 +118,32 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         return out
 
     runner.load_model = load_model
+
+
+def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
+    """Hook ``runner`` (after ``load_model``, in the process that runs the model)."""
+    check_version()
+    adapter = check_runner(runner)(runner)
+    settings = RuntimeSettings.model_validate(raw_settings)
+    rank = parallel_info(adapter.parallel_config)
+    registry = Registry()
+    with torch.inference_mode(False):  # consumer parameters must not be inference tensors
+        runtime = Runtime(
+            settings,
+            adapter.model_info(),
+            registry,
+            deliver=rank.leader,
+            data_parallel=(rank.dp_rank, rank.dp_size),
+        )
+    hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
+    runner._tllm_hooks = hooks
+    log.info(
+        "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
+        adapter.describe(),
+        sorted(t.key for t in runtime.taps),
+        sorted(t.key for t in runtime.edit_taps),
+        runtime.guides,
+        [e.name for e in settings.consumers],
+        rank.as_dict(),
+    )
+    return hooks
