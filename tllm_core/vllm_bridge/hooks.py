@@ -70,9 +70,7 @@ class RunnerHooks:
         info = runtime.model
         dev, max_tokens = info.device, adapter.max_num_tokens
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.capture: dict[str, torch.Tensor] = {}
-        self.stamps: dict[str, torch.Tensor] = {}
-        self.edit_counts: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, TapBuffers] = {}
         self.edits: dict[str, EditBuffers] = {}
         self.tap_info: dict[str, dict[str, Any]] = {}  # sites.tap_info of non-hidden taps
         self._needs = {t.key for t in runtime.taps}
@@ -88,23 +86,18 @@ class RunnerHooks:
             if site:
                 self.tap_info[tap.key] = site
             width, dtype = site.get("width", info.hidden_size), site.get("dtype", info.dtype)
-            cap = torch.zeros(max_tokens, width, dtype=dtype, device=dev)
             edit = None
             if tap.key in edit_keys:
                 edit = self.edits[tap.key] = EditBuffers(max_tokens, width, dtype, dev)
                 for owner, module in runtime.transforms(tap.key):
                     edit.add_transform(owner, module)
-            buffers = TapBuffers(
-                capture=cap,
+            self.buffers[tap.key] = buffers = TapBuffers(
+                capture=torch.zeros(max_tokens, width, dtype=dtype, device=dev),
                 edit=edit,
                 clock=self.clock,
                 stamp=torch.full((1,), -1, dtype=torch.int64, device=dev),
                 edited=torch.zeros(1, dtype=torch.int64, device=dev),
             )
-            self.capture[tap.key] = cap
-            self.stamps[tap.key] = buffers.stamp
-            if edit is not None:
-                self.edit_counts[tap.key] = buffers.edited
             install_tap(layers, tap.site, tap.layer, buffers, model_name, archs)
         sync = sync_sampled if self._sync and runtime.guides else None
         adapter.install(self, guides=runtime.guides, sync_sampled=sync)
@@ -150,17 +143,16 @@ class RunnerHooks:
                 return
             reqs = [self._request(e) for e in layout.engine_ids]
             rows, sample_row, kept = layout_rows(layout, reqs)
-            total = layout.total
-            self.num_tokens = total
+            self.num_tokens = total = layout.total
             step_no = self.runtime.step_index + 1
             self.step = StepCapture(
                 step=step_no,
                 rows=rows,
                 sample_token_row=sample_row,
                 sample_kept=kept,
-                tensors={k: buf[:total] for k, buf in self.capture.items()},
-                stamps=dict(self.stamps),
-                edited=dict(self.edit_counts),
+                tensors={k: b.capture[:total] for k, b in self.buffers.items()},
+                stamps={k: b.stamp for k, b in self.buffers.items()},
+                edited={k: self.buffers[k].edited for k in self.edits},
                 tap_info=self.tap_info,
             )
             self.clock.fill_(step_no)

@@ -215,12 +215,10 @@ class NodeWatch:
         told = None if self._note is None else self._note.read() or None
         return None if told == STOP_REQUESTED else told
 
-    def _report(self, reason: str, on_lost: Any) -> bool:
-        if self.stopping:
-            return False
-        self._lost.append(reason)
-        on_lost(reason)
-        return True
+    def _report(self, reason: str, on_lost: Any) -> None:
+        if not self.stopping:
+            self._lost.append(reason)
+            on_lost(reason)
 
     async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
         """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``."""

@@ -143,13 +143,10 @@ class ResultReturn:
                     held["start"] = msg  # held until the body is complete
                     return None
                 return await send(msg)
-            if msg["type"] != "http.response.body":
-                return await send(msg)
-            if held.get("stream"):
-                if asked:
-                    msg = await self._stream_event(msg, asked, first_event)
-                return await send(msg)
-            if "start" not in held:
+            is_body = msg["type"] == "http.response.body"
+            if is_body and held.get("stream") and asked:
+                msg = await self._stream_event(msg, asked, first_event)
+            if not is_body or "start" not in held:
                 return await send(msg)
             chunks.append(msg.get("body", b""))
             if msg.get("more_body", False):

@@ -144,24 +144,21 @@ class XargsCheck:
                 receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
             )
         messages: deque = deque()
-        chunks: list[bytes] = []
         size = 0
         while True:
             msg = await receive()
             messages.append(msg)
             if msg["type"] != "http.request":
                 break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
+            size += len(msg.get("body", b""))
             if size > self.max_body_bytes:
                 return await self.refuse(receive, send, more=msg.get("more_body", False))
-            chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
         # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
         xargs, error = (None, None)
         if scope["path"].endswith(CHECKED_PATHS):
-            xargs, error = parse_xargs(b"".join(chunks))
+            xargs, error = parse_xargs(b"".join(m.get("body", b"") for m in messages))
         if xargs is not None:
             error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:

@@ -121,8 +121,7 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
 
 
 def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
-    """Hook ``runner`` (after ``load_model``, in the process that runs the model)."""
-    check_version()
+    """Hook ``runner`` (after ``load_model``; :func:`before_device` checked the version)."""
     adapter = check_runner(runner)(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
     rank = parallel_info(adapter.parallel_config)
