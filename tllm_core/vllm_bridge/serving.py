@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from tllm_core.api.consumer import ControlError
 from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
-from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
+from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
 from tllm_core.serving.guard import (
     CLIENT,
@@ -32,7 +32,7 @@ from tllm_core.serving.guard import (
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
-from tllm_core.vllm_bridge.nodes import NodeWatch
+from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     EngineNoAnswer,
     FailureMarks,
@@ -42,6 +42,7 @@ from tllm_core.vllm_bridge.request_marks import (
     until_server_stops,
 )
 from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
+from tllm_core.vllm_bridge.server_entry import close_http_soon
 from tllm_core.vllm_bridge.version import require_attrs
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
@@ -401,12 +402,8 @@ def install_request_checks(
 
 
 async def init_state(
-    engine_client: Any, state: Any, server: EngineConsumers, watch: NodeWatch
+    engine_client: Any, state: Any, server: EngineConsumers, watch: nodes.NodeWatch
 ) -> None:
-    from tllm_core.runtime.settings import RuntimeSettings
-    from tllm_core.vllm_bridge.dp_nodes import check_followers
-    from tllm_core.vllm_bridge.engine_settings import tllm_settings
-
     # This server's settings, read once: its limits here, its followers' check below.
     leader = tllm_settings(engine_client.vllm_config.additional_config)
     mine = RuntimeSettings.model_validate(leader or {})
@@ -427,8 +424,8 @@ async def init_state(
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
-    # watch this leader (dp_nodes.py).
-    await check_followers(engine_client, rpc_all, leader, watch)
+    # watch this leader (nodes.py).
+    await nodes.check_followers(engine_client, rpc_all, leader, watch)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
@@ -449,8 +446,6 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
     """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``): a
     request whose engine went away would otherwise never complete. vLLM's server installs
     no signal handler, so it is found in ``state.server``, which appears after ``init_state``."""
-    from tllm_core.vllm_bridge.server_entry import close_http_soon
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
@@ -461,7 +456,7 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
+def watch_peer_nodes(engine_client: Any, state: Any, watch: nodes.NodeWatch) -> None:
     """On the leader of a multi-node engine: check every engine and rank every few seconds; a
     lost node (recorded in ``watch``) stops this server."""
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)

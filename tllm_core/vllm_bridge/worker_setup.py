@@ -16,6 +16,7 @@ import torch
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.runtime.start_error import record
 from tllm_core.vllm_bridge import workarounds
 from tllm_core.vllm_bridge.hooks import RunnerHooks
 from tllm_core.vllm_bridge.parallel import parallel_info
@@ -109,8 +110,6 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         try:
             hooks = install(runner, settings)
         except Exception as e:
-            from tllm_core.runtime.start_error import record
-
             tllm = isinstance(e, (UnsupportedEngineError, ValueError))
             record(settings.get("start_error_file"), str(e) if tllm else f"{type(e).__name__}: {e}")
             raise
