@@ -39,7 +39,7 @@ class RunnerAdapterBase:
     #: the runner generation this adapter hooks ("V1", "V2"), for logs and errors
     generation: ClassVar[str] = "?"
     #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
-    #: weights load (``runners.check_runner``)
+    #: weights load (``worker_setup.check_runner``)
     required_attrs: ClassVar[tuple[str, ...]] = COMMON_ATTRS
 
     def __init__(self, runner: Any):

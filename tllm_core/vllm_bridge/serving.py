@@ -36,12 +36,14 @@ from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     EngineNoAnswer,
     FailureMarks,
+    ResultReturn,
     ServerStopping,
+    check_bounds,
     install_abort_marks,
+    note_asked,
     note_request,
     until_server_stops,
 )
-from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
 from tllm_core.vllm_bridge.server_entry import close_http_soon
 from tllm_core.vllm_bridge.version import require_attrs
 

@@ -1,4 +1,4 @@
-"""Which vLLM versions the bridge supports (see CONTRACT.md); runners: ``runners.py``."""
+"""Which vLLM versions the bridge supports (see CONTRACT.md); runners: ``worker_setup.py``."""
 
 from __future__ import annotations
 

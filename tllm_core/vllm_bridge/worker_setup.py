@@ -1,7 +1,9 @@
 """What a tllm engine goes through in the process that runs the model (from the plugin's
 ``init_device`` wrapper): :func:`before_device` (version check, AOT off), then :func:`attach`
 (runner checked, RPC methods added, hooks installed after ``load_model``, consumers closed at
-shutdown)."""
+shutdown). The adapter of a runner is read from its class hierarchy by module name
+(CONTRACT.md, "Runners"), so neither of vLLM's runner modules is imported (V2's pulls in Triton
+kernels)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,15 +23,52 @@ from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.start_error import record
 from tllm_core.vllm_bridge import workarounds
 from tllm_core.vllm_bridge.hooks import RunnerHooks
-from tllm_core.vllm_bridge.parallel import parallel_info
-from tllm_core.vllm_bridge.runners import check_runner
-from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+from tllm_core.vllm_bridge.parallel import check_layout, parallel_info
+from tllm_core.vllm_bridge.runner_base import LOADED_MODEL_ATTRS, RunnerAdapterBase
+from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
+from tllm_core.vllm_bridge.v2_runner import V2RunnerAdapter
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version, require_attrs
 from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
 
 log = logging.getLogger("tllm")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
 CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker has 30 s)
+
+# (module, class) of each runner generation's base class -> its adapter
+ADAPTERS: Mapping[tuple[str, str], type[RunnerAdapterBase]] = MappingProxyType(
+    {
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): V1RunnerAdapter,
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"): V2RunnerAdapter,
+    }
+)
+
+
+def adapter_class(runner: object) -> type[RunnerAdapterBase]:
+    """The adapter for ``runner``'s generation, or ``UnsupportedEngineError`` naming it."""
+    for cls in type(runner).__mro__:
+        found = ADAPTERS.get((cls.__module__, cls.__name__))
+        if found is not None:
+            return found
+    cls = type(runner)
+    known = ", ".join(f"{m}.{c}" for m, c in ADAPTERS)
+    raise UnsupportedEngineError(
+        f"tllm has no adapter for vLLM's model runner {cls.__module__}.{cls.__name__}; "
+        f"supported runners derive from {known}"
+    )
+
+
+def check_runner(runner: object) -> type[RunnerAdapterBase]:
+    """Refuse, before the first step, a runner tllm cannot hook; return its adapter class."""
+    adapter = adapter_class(runner)
+    paths = adapter.required_attrs
+    if getattr(runner, "model", None) is not None:
+        paths = paths + LOADED_MODEL_ATTRS
+    require_attrs(runner, paths, f"{adapter.generation} runner")
+    if getattr(runner, "speculative_config", None) is not None:
+        raise UnsupportedEngineError("tllm does not support speculative decoding yet")
+    check_layout(runner.vllm_config.parallel_config)
+    return adapter
 
 
 def aot_compile_off() -> None:
