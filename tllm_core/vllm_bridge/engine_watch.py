@@ -140,11 +140,8 @@ def release_shm(names: Iterable[str]) -> list[str]:
         except OSError:
             continue
         # The tracker's names: "/psm_..." (shared_memory), "/mp-..." for file sem.mp-...
-        kind, tracked = (
-            ("semaphore", f"/{name[4:]}")
-            if name.startswith("sem.")
-            else ("shared_memory", f"/{name}")
-        )
+        sem = name.startswith("sem.")
+        kind, tracked = ("semaphore", f"/{name[4:]}") if sem else ("shared_memory", f"/{name}")
         with contextlib.suppress(Exception):  # no tracker running: nothing to tell
             resource_tracker.unregister(tracked, kind)
         released.append(name)

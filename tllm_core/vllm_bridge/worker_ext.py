@@ -112,6 +112,6 @@ class TllmWorkerExtension:
 
 def ensure_worker_methods(worker_cls: type) -> None:
     """Give the worker class the ``tllm_*`` RPC methods (idempotent)."""
-    if hasattr(worker_cls, "tllm_collect") or TllmWorkerExtension in worker_cls.__mro__:
+    if hasattr(worker_cls, "tllm_collect"):  # this extension, or vLLM mixed it in already
         return
     worker_cls.__bases__ = worker_cls.__bases__ + (TllmWorkerExtension,)
