@@ -3,7 +3,6 @@ adapter (``v1_runner.py``, ``v2_runner.py``); nothing here reads a runner's inte
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,8 +21,6 @@ from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
-
-log = logging.getLogger("tllm")
 
 # Engine ids: "{external}-{8 chars}"; n>1 children: "{index}_{external}-{8 chars}".
 _SUFFIX = re.compile(r"^(?P<base>.*)-[0-9A-Za-z]{8}$")
