@@ -13,7 +13,6 @@ from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.norms import norm_eps, rmsnorm_gain
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.sites import find_layers
 
 # Tensor parallel with guidance: every rank continues from the same sampled tokens.
@@ -73,10 +72,10 @@ class RunnerAdapterBase:
         cls = type(self.runner)
         return f"{self.generation} runner {cls.__module__}.{cls.__name__}"
 
-    def decoder_layers(self, architectures: Architectures | None = None) -> nn.ModuleList:
-        """The model's decoder layers, where ``architectures`` (default: the built-ins) say."""
+    def decoder_layers(self, architectures: Architectures) -> nn.ModuleList:
+        """The model's decoder layers, where ``architectures`` say."""
         num = self.runner.model_config.get_total_num_hidden_layers()
-        return find_layers(self.runner.model, num, architectures or builtin_architectures())
+        return find_layers(self.runner.model, num, architectures)
 
     def model_info(self) -> ModelInfo:
         runner = self.runner
