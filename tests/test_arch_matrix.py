@@ -468,7 +468,8 @@ def test_raw_attention_kernel_is_not_taken_for_the_block():
 @pytest.mark.parametrize("convention", ["sum", "tensor", "stream_first"])
 def test_residual_tap_reads_and_edits_each_layer_convention(convention):
     from tllm_core.api.edits import EditBuffers
-    from tllm_core.vllm_bridge.sites import STREAM_FIRST_LAYERS, install_tap
+    from tllm_core.vllm_bridge.layouts import STREAM_FIRST_LAYERS
+    from tllm_core.vllm_bridge.sites import install_tap
 
     h, r = torch.randn(3, 2), torch.randn(3, 2)
     stream = {"sum": h + r, "tensor": h, "stream_first": h}[convention]

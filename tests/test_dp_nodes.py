@@ -1,5 +1,5 @@
-"""Data-parallel engines on several nodes, without an engine (``dp_nodes.py``,
-``nodes.py``): the leader's settings compared on every engine, the refusal naming both
+"""Data-parallel engines on several nodes, without an engine (``nodes.py``): the
+leader's settings compared on every engine, the refusal naming both
 sides, a headless node told to stop, and the follower's watch of its leader. The same on two
 loopback nodes: tests/test_multinode.py (slow)."""
 
@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 import pytest
 from serve_util import free_port
 
-from tllm_core.vllm_bridge import dp_nodes, nodes
+from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
 
 STATS = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
@@ -36,19 +36,19 @@ def wait_until(pred, timeout=5.0):
 
 
 def test_endpoints_and_layouts():
-    assert dp_nodes.parse_tcp("tcp://127.0.0.1:5555") == ("127.0.0.1", 5555)
-    assert dp_nodes.parse_tcp("tcp://[::1]:7") == ("::1", 7)
-    assert dp_nodes.parse_tcp("ipc:///tmp/x") is None
-    assert dp_nodes.parse_tcp("tcp://host") is None
-    assert dp_nodes.remote_engines(NS(data_parallel_size=2, data_parallel_size_local=1))
-    assert not dp_nodes.remote_engines(NS(data_parallel_size=2, data_parallel_size_local=2))
-    assert not dp_nodes.remote_engines(NS(data_parallel_size=1, data_parallel_size_local=1))
+    assert nodes.parse_tcp("tcp://127.0.0.1:5555") == ("127.0.0.1", 5555)
+    assert nodes.parse_tcp("tcp://[::1]:7") == ("::1", 7)
+    assert nodes.parse_tcp("ipc:///tmp/x") is None
+    assert nodes.parse_tcp("tcp://host") is None
+    assert nodes.remote_engines(NS(data_parallel_size=2, data_parallel_size_local=1))
+    assert not nodes.remote_engines(NS(data_parallel_size=2, data_parallel_size_local=2))
+    assert not nodes.remote_engines(NS(data_parallel_size=1, data_parallel_size_local=1))
 
 
 def test_same_settings_are_taken_and_per_process_fields_ignored():
     mine = {**STATS, "start_error_file": "/tmp/b", "server": {"max_body_bytes": 1}}
     watcher = nodes.NodeWatch()
-    answer = dp_nodes.join_leader(mine, STATS, 1, ("127.0.0.1", 1), watch=True, watcher=watcher)
+    answer = nodes.join_leader(mine, STATS, 1, ("127.0.0.1", 1), watch=True, watcher=watcher)
     assert answer == {"watching": False}  # not on a headless node: nothing to stop
     assert watcher.leader_watch is None
 
@@ -58,7 +58,7 @@ def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node()
     command = nodes.NodeWatch()  # the node's command's, which reads the note
     with nodes.shared_note() as note:
         command.listen(note)
-        answer = dp_nodes.join_leader(
+        answer = nodes.join_leader(
             ESAMP,
             STATS,
             1,
@@ -80,7 +80,7 @@ def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node()
         assert command.lost() == msg  # the node's command reports it
     assert command.lost() == msg  # ... also once its note is removed
     # tllm on only one side is a difference too
-    refused = dp_nodes.join_leader(None, STATS, 2, None, False, delay=9, watcher=nodes.NodeWatch())
+    refused = nodes.join_leader(None, STATS, 2, None, False, delay=9, watcher=nodes.NodeWatch())
     assert "fields: tllm" in refused["refused"]
 
 
@@ -104,11 +104,11 @@ def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
     watcher = nodes.NodeWatch()  # the worker's
     with nodes.shared_note():
         kill = lambda *a: kills.append(a)  # noqa: E731
-        assert not dp_nodes.join_leader(
+        assert not nodes.join_leader(
             STATS, STATS, 1, ["127.0.0.1", port], False, kill, watcher=watcher
         )["watching"]  # not the engine's leading rank
         # (a leader bound to every interface is probed where this engine connected)
-        answer = dp_nodes.join_leader(
+        answer = nodes.join_leader(
             STATS,
             STATS,
             1,
@@ -120,9 +120,7 @@ def test_a_follower_watches_its_leader_and_stops_once_it_is_gone():
         )
         assert answer == {"watching": True}
         first = watcher.leader_watch
-        again = dp_nodes.join_leader(
-            STATS, STATS, 1, ["127.0.0.1", port], True, kill, watcher=watcher
-        )
+        again = nodes.join_leader(STATS, STATS, 1, ["127.0.0.1", port], True, kill, watcher=watcher)
         assert again == {"watching": True} and watcher.leader_watch is first  # one watch
         time.sleep(0.3)
         assert kills == [] and watcher.lost() is None  # the leader answers
@@ -139,14 +137,14 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
     gone the follower's node stops on request (exit 0: no lost leader); a leader gone without
     a word is a lost leader."""
     leader = nodes.NodeWatch()  # the leader's command's
-    host, port, kind = dp_nodes.stop_beacon(("127.0.0.1", 5555), leader)
+    host, port, kind = nodes.stop_beacon(("127.0.0.1", 5555), leader)
     assert leader.followers_store == ("127.0.0.1", port) and leader.beacon is not None
     kills = []
     command = nodes.NodeWatch()  # the follower node's command's, which reads the note
     with nodes.shared_note() as note:
         command.listen(note)
         kill = lambda *a: kills.append(a)  # noqa: E731
-        answer = dp_nodes.join_leader(
+        answer = nodes.join_leader(
             STATS, STATS, 1, [host, port, kind], True, kill, watcher=nodes.NodeWatch()
         )
         assert answer == {"watching": True}
@@ -167,7 +165,7 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
 def test_no_watch_when_switched_off(monkeypatch):
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, "0")
     with nodes.shared_note():
-        answer = dp_nodes.join_leader(
+        answer = nodes.join_leader(
             STATS, STATS, 1, ("127.0.0.1", 1), True, watcher=nodes.NodeWatch()
         )
         assert answer == {"watching": False}
@@ -188,20 +186,20 @@ def test_the_leader_checks_every_engine_and_refuses_a_differing_one():
 
         return rpc
 
-    asyncio.run(dp_nodes.check_followers(_client(2), rpc_answering(), STATS))
+    asyncio.run(nodes.check_followers(_client(2), rpc_answering(), STATS))
     assert calls == []  # every engine on this node: nothing to check
     ok = rpc_answering({"watching": False}, {"watching": True})
-    asyncio.run(dp_nodes.check_followers(_client(1), ok, STATS))
+    asyncio.run(nodes.check_followers(_client(1), ok, STATS))
     assert calls == [("tllm_join_leader", (STATS, None))]
     refusal = rpc_answering({"watching": False}, {"refused": "tllm settings differ ..."})
     with pytest.raises(UnsupportedEngineError, match="tllm settings differ"):
-        asyncio.run(dp_nodes.check_followers(_client(1), refusal, STATS))
+        asyncio.run(nodes.check_followers(_client(1), refusal, STATS))
 
     async def no_tllm(client, method, *args):
         raise RuntimeError("Call to collective_rpc method failed: no tllm_join_leader")
 
     with pytest.raises(UnsupportedEngineError, match=r"is tllm off on its node\? leader") as e:
-        asyncio.run(dp_nodes.check_followers(_client(1), no_tllm, STATS))
+        asyncio.run(nodes.check_followers(_client(1), no_tllm, STATS))
     assert '"name": "stats"' in str(e.value)
 
 

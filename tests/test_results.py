@@ -447,7 +447,7 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     that never comes (an error after the wait), and a request that did not ask."""
     import asyncio
 
-    from tllm_core.vllm_bridge import request_results as rr
+    from tllm_core.vllm_bridge import request_marks as rr
 
     taken: list[list[str]] = []
 

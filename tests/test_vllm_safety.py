@@ -135,8 +135,7 @@ def test_runner_check_refuses_other_runners_and_names_missing_attributes():
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from tllm_core.vllm_bridge import UnsupportedEngineError
-    from tllm_core.vllm_bridge.runners import adapter_class, check_runner
-    from tllm_core.vllm_bridge.worker_setup import attach
+    from tllm_core.vllm_bridge.worker_setup import adapter_class, attach, check_runner
 
     class SomeOtherRunner:  # a runner no adapter hooks (e.g. a pooling or TPU runner)
         pass

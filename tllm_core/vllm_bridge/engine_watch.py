@@ -82,23 +82,24 @@ def exit_code(pid: int) -> int | None:
 
 
 def _children(pid: int) -> list[int]:
-    """Every process below ``pid`` (/proc; an empty list where it is not readable)."""
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
+    """Every process below ``pid`` (an empty list where it is gone)."""
+    import psutil  # vLLM's dependency (tllm's core does not need it)
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _vllm_started(pid: int) -> bool:
+    """Whether ``pid`` is a process vLLM started (a ``VLLM::`` title or spawn), not the
+    resource tracker or another helper (e.g. a compiler)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            line = f.read()
+    except OSError:
+        return False
+    return b"resource_tracker" not in line and (b"VLLM::" in line or b"spawn_main" in line)
 
 
 def remove_openmp_files(pids: Iterable[int]) -> list[str]:
@@ -139,11 +140,8 @@ def release_shm(names: Iterable[str]) -> list[str]:
         except OSError:
             continue
         # The tracker's names: "/psm_..." (shared_memory), "/mp-..." for file sem.mp-...
-        kind, tracked = (
-            ("semaphore", f"/{name[4:]}")
-            if name.startswith("sem.")
-            else ("shared_memory", f"/{name}")
-        )
+        sem = name.startswith("sem.")
+        kind, tracked = ("semaphore", f"/{name[4:]}") if sem else ("shared_memory", f"/{name}")
         with contextlib.suppress(Exception):  # no tracker running: nothing to tell
             resource_tracker.unregister(tracked, kind)
         released.append(name)
@@ -261,7 +259,7 @@ class EngineWatch:
             workers = [d for d in deaths if "worker" in d.what]
             return (killed or workers or deaths)[0]
         workers = {c for p in self.cores for c in _children(int(p.pid))}
-        self._workers = {w for w in workers if w not in self._spawn_helpers(workers)}
+        self._workers = {w for w in workers if _vllm_started(w)}
         self._follow(self._workers)
         self.pids |= workers
         if self._looks % SHM_EVERY == 0:
@@ -269,22 +267,6 @@ class EngineWatch:
                 self.shm |= mapped_shm(pid)
         self._looks += 1
         return None
-
-    @staticmethod
-    def _spawn_helpers(pids: set[int]) -> set[int]:
-        """No workers: the resource tracker and any process vLLM did not start (no ``VLLM::``
-        title or spawn), e.g. a compiler."""
-        helpers = set()
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    line = f.read()
-            except OSError:
-                helpers.add(pid)
-                continue
-            if b"resource_tracker" in line or not (b"VLLM::" in line or b"spawn_main" in line):
-                helpers.add(pid)
-        return helpers
 
     def _wake_waiters(self) -> None:
         """End every wait on the dead engine."""
@@ -309,7 +291,7 @@ class EngineWatch:
             time.sleep(0.1)
         killed = []
         for pid in sorted(self.pids):
-            if _alive(pid) and pid not in self._spawn_helpers({pid}):
+            if _alive(pid) and _vllm_started(pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)

@@ -3,8 +3,9 @@ adapter (``v1_runner.py``, ``v2_runner.py``); nothing here reads a runner's inte
 
 from __future__ import annotations
 
-import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
@@ -15,17 +16,11 @@ from tllm_core.api.architectures import Architectures
 from tllm_core.api.edits import EditBuffers
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
-from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.runtime import Runtime
-from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.vllm_bridge.layouts import builtin_architectures
-from tllm_core.vllm_bridge.parallel import ParallelInfo, parallel_info, sync_edits, sync_sampled
+from tllm_core.vllm_bridge.parallel import ParallelInfo, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
-from tllm_core.vllm_bridge.runners import check_runner
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
-from tllm_core.vllm_bridge.version import check_version
-
-log = logging.getLogger("tllm")
 
 # Engine ids: "{external}-{8 chars}"; n>1 children: "{index}_{external}-{8 chars}".
 _SUFFIX = re.compile(r"^(?P<base>.*)-[0-9A-Za-z]{8}$")
@@ -44,7 +39,9 @@ def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, in
 
 
 class RunnerHooks:
-    """Implements the adapter's step events on top of a :class:`Runtime`."""
+    """The step events an adapter reports, on top of a :class:`Runtime`. Per engine step, in
+    order: ``finished`` -> ``begin`` -> the forward -> ``forward_done`` -> ``guide`` (when a
+    consumer guides) -> ``sampled``."""
 
     def __init__(
         self,
@@ -70,9 +67,7 @@ class RunnerHooks:
         info = runtime.model
         dev, max_tokens = info.device, adapter.max_num_tokens
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.capture: dict[str, torch.Tensor] = {}
-        self.stamps: dict[str, torch.Tensor] = {}
-        self.edit_counts: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, TapBuffers] = {}
         self.edits: dict[str, EditBuffers] = {}
         self.tap_info: dict[str, dict[str, Any]] = {}  # sites.tap_info of non-hidden taps
         self._needs = {t.key for t in runtime.taps}
@@ -88,34 +83,33 @@ class RunnerHooks:
             if site:
                 self.tap_info[tap.key] = site
             width, dtype = site.get("width", info.hidden_size), site.get("dtype", info.dtype)
-            cap = torch.zeros(max_tokens, width, dtype=dtype, device=dev)
             edit = None
             if tap.key in edit_keys:
                 edit = self.edits[tap.key] = EditBuffers(max_tokens, width, dtype, dev)
                 for owner, module in runtime.transforms(tap.key):
                     edit.add_transform(owner, module)
-            buffers = TapBuffers(
-                capture=cap,
+            self.buffers[tap.key] = buffers = TapBuffers(
+                capture=torch.zeros(max_tokens, width, dtype=dtype, device=dev),
                 edit=edit,
                 clock=self.clock,
                 stamp=torch.full((1,), -1, dtype=torch.int64, device=dev),
                 edited=torch.zeros(1, dtype=torch.int64, device=dev),
             )
-            self.capture[tap.key] = cap
-            self.stamps[tap.key] = buffers.stamp
-            if edit is not None:
-                self.edit_counts[tap.key] = buffers.edited
             install_tap(layers, tap.site, tap.layer, buffers, model_name, archs)
         sync = sync_sampled if self._sync and runtime.guides else None
         adapter.install(self, guides=runtime.guides, sync_sampled=sync)
 
     @property
     def active(self) -> bool:
+        """Whether any consumer needs row metadata (else ``begin(None)`` only counts)."""
         return self.runtime.configured
 
     # -- step events -----------------------------------------------------------------------
-    def _host_time(self, phase: str, since: float) -> None:
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
         """Engine-thread seconds tllm spent in ``phase`` (``host_s.*`` runtime counters)."""
+        since = perf_counter()
+        yield
         dt = perf_counter() - since
         self.runtime.counters.add(f"host_s.{phase}", dt)
         self.runtime.counters.add("host_s", dt)
@@ -139,32 +133,29 @@ class RunnerHooks:
         return req
 
     def begin(self, layout: StepLayout | None) -> None:
-        t = perf_counter()
-        self.step = None
-        if layout is None:
-            self.runtime.count_step()
-            self._host_time("begin_step", t)
-            return
-        reqs = [self._request(e) for e in layout.engine_ids]
-        rows, sample_row, kept = layout_rows(layout, reqs)
-        total = layout.total
-        self.num_tokens = total
-        step_no = self.runtime.step_index + 1
-        self.step = StepCapture(
-            step=step_no,
-            rows=rows,
-            sample_token_row=sample_row,
-            sample_kept=kept,
-            tensors={k: buf[:total] for k, buf in self.capture.items()},
-            stamps=dict(self.stamps),
-            edited=dict(self.edit_counts),
-            tap_info=self.tap_info,
-        )
-        self.clock.fill_(step_no)
-        self.runtime.begin_step(rows, self.edits)
-        if self._sync and self.edits:
-            sync_edits([self.edits[k] for k in sorted(self.edits)], self.clock.device)
-        self._host_time("begin_step", t)
+        with self._timed("begin_step"):
+            self.step = None
+            if layout is None:
+                self.runtime.count_step()
+                return
+            reqs = [self._request(e) for e in layout.engine_ids]
+            rows, sample_row, kept = layout_rows(layout, reqs)
+            self.num_tokens = total = layout.total
+            step_no = self.runtime.step_index + 1
+            self.step = StepCapture(
+                step=step_no,
+                rows=rows,
+                sample_token_row=sample_row,
+                sample_kept=kept,
+                tensors={k: b.capture[:total] for k, b in self.buffers.items()},
+                stamps={k: b.stamp for k, b in self.buffers.items()},
+                edited={k: self.buffers[k].edited for k in self.edits},
+                tap_info=self.tap_info,
+            )
+            self.clock.fill_(step_no)
+            self.runtime.begin_step(rows, self.edits)
+            if self._sync and self.edits:
+                sync_edits([self.edits[k] for k in sorted(self.edits)], self.clock.device)
 
     def finished(self, engine_ids: list[str]) -> None:
         self._deliver_pending(set(engine_ids))
@@ -177,19 +168,18 @@ class RunnerHooks:
         step, self._pending = self._pending, None
         if step is None:
             return
-        t = perf_counter()
-        if stopped:
-            past = np.fromiter(
-                (r.engine_id in stopped for r in step.sample_rows().requests),
-                bool,
-                len(step.sample_kept),
-            )
-            past &= step.sample_kept
-            if past.any():
-                step.sample_kept = step.sample_kept & ~past
-                self.runtime.counters.add("rows_past_stop", int(past.sum()))
-        self.runtime.end_step(step)
-        self._host_time("end_step", t)
+        with self._timed("end_step"):
+            if stopped:
+                past = np.fromiter(
+                    (r.engine_id in stopped for r in step.sample_rows().requests),
+                    bool,
+                    len(step.sample_kept),
+                )
+                past &= step.sample_kept
+                if past.any():
+                    step.sample_kept = step.sample_kept & ~past
+                    self.runtime.counters.add("rows_past_stop", int(past.sum()))
+            self.runtime.end_step(step)
 
     def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None:
         if self.step is None:
@@ -205,10 +195,8 @@ class RunnerHooks:
     ) -> bool:
         if self.step is None:
             return False
-        t = perf_counter()
-        changed = self.runtime.guide(self.step, logits, temperature, is_random, filtered)
-        self._host_time("guide", t)
-        return changed
+        with self._timed("guide"):
+            return self.runtime.guide(self.step, logits, temperature, is_random, filtered)
 
     def sampled(self, token_ids: torch.Tensor) -> None:
         if self.step is None:
@@ -217,9 +205,8 @@ class RunnerHooks:
         if self._defer:
             self._pending = self.step
             return
-        t = perf_counter()
-        self.runtime.end_step(self.step)
-        self._host_time("end_step", t)
+        with self._timed("end_step"):
+            self.runtime.end_step(self.step)
 
     def close(self) -> dict[str, Any]:
         """Close the runtime once; later calls return the same final report."""
@@ -250,32 +237,3 @@ class RunnerHooks:
         self._deliver_pending(set())
         self.finished(list(self.requests))
         self._aborting.clear()
-
-
-def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
-    """Hook ``runner`` (after ``load_model``, in the process that runs the model)."""
-    check_version()
-    adapter = check_runner(runner)(runner)
-    settings = RuntimeSettings.model_validate(raw_settings)
-    rank = parallel_info(adapter.parallel_config)
-    registry = Registry()
-    with torch.inference_mode(False):  # consumer parameters must not be inference tensors
-        runtime = Runtime(
-            settings,
-            adapter.model_info(),
-            registry,
-            deliver=rank.leader,
-            data_parallel=(rank.dp_rank, rank.dp_size),
-        )
-    hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
-    runner._tllm_hooks = hooks
-    log.info(
-        "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
-        adapter.describe(),
-        sorted(t.key for t in runtime.taps),
-        sorted(t.key for t in runtime.edit_taps),
-        runtime.guides,
-        [e.name for e in settings.consumers],
-        rank.as_dict(),
-    )
-    return hooks

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
 
 def chat_with_salts(llm: Any, salts: Sequence[str | None], messages: Any, params: Any, **kwargs):
     """``llm.chat(messages, params, **kwargs)`` with ``salts[i]`` set on the engine input
@@ -21,8 +23,6 @@ def chat_with_salts(llm: Any, salts: Sequence[str | None], messages: Any, params
         if salt is None or (isinstance(engine_input, dict) and engine_input.get("cache_salt")):
             return engine_input
         if not isinstance(engine_input, dict):
-            from tllm_core.vllm_bridge.version import UnsupportedEngineError
-
             raise UnsupportedEngineError(
                 f"vLLM rendered a chat as {type(engine_input).__name__}, not a dict: tllm cannot "
                 f"salt its prefix cache in this vLLM"

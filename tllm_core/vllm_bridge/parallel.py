@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from tllm_core.api.edits import EditBuffers
@@ -68,14 +69,13 @@ def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
 
 
 def parallel_info(parallel_config: Any) -> ParallelInfo:
-    """Ranks of this worker, read from vLLM's initialised parallel groups."""
-    tp, pp = int(parallel_config.tensor_parallel_size), int(parallel_config.pipeline_parallel_size)
-    tp_rank = pp_rank = 0
-    if tp > 1 or pp > 1:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    """Ranks of this worker, read from vLLM's initialised parallel groups (PP is refused)."""
+    tp, tp_rank = int(parallel_config.tensor_parallel_size), 0
+    if tp > 1:
+        from vllm.distributed.parallel_state import get_tp_group
 
-        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
-    return ParallelInfo(tp_rank, tp, pp_rank, pp, *data_parallel_layout(parallel_config))
+        tp_rank = get_tp_group().rank_in_group
+    return ParallelInfo(tp_rank, tp, 0, 1, *data_parallel_layout(parallel_config))
 
 
 def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
@@ -120,13 +120,7 @@ def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
             f"process may use {len(ids)} ({ids}). Lower tensor_parallel_size (times "
             f"data_parallel_size), or set {BIND_ENV} yourself"
         )
-    per, extra = divmod(len(ids), world_size)
-    groups, start = [], 0
-    for r in range(world_size):
-        size = per + (1 if r < extra else 0)
-        groups.append(",".join(str(c) for c in ids[start : start + size]))
-        start += size
-    return "|".join(groups)
+    return "|".join(",".join(map(str, g)) for g in np.array_split(ids, world_size))
 
 
 def bind_cpu_threads(world_size: int) -> str | None:

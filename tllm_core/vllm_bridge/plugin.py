@@ -14,9 +14,7 @@ import threading
 from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
-
-# Re-exported: read here, by the API server and by the workers (engine_settings.py).
-from tllm_core.vllm_bridge.engine_settings import SETTINGS_KEY, tllm_settings  # noqa: F401
+from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
 log = logging.getLogger("tllm")
 
@@ -128,7 +126,7 @@ class EndpointGate:
     def __init__(self) -> None:
         self.active = False
         self.engine = None  # EngineConsumers, built once in attach_router
-        self.nodes = None  # the command's NodeWatch (`tllm serve`), else made in init_state
+        self.nodes = None  # the command's NodeWatch (`tllm serve`), else a new one
 
     def attach_router(self, app) -> None:
         cfg = tllm_settings(getattr(getattr(app.state, "args", None), "additional_config", None))
@@ -136,14 +134,15 @@ class EndpointGate:
             return
         from tllm_core.runtime.settings import RuntimeSettings
         from tllm_core.serving.keys import EngineConsumers
+        from tllm_core.vllm_bridge.nodes import NodeWatch
         from tllm_core.vllm_bridge.server_entry import CHECKED
         from tllm_core.vllm_bridge.serving import attach_routes
 
         self.active = True
         settings = RuntimeSettings.model_validate(cfg)
         pre = CHECKED.get()
-        if pre is not None:
-            self.nodes = pre.nodes  # the command reports the lost node it records
+        # The command reports the lost node its NodeWatch records.
+        self.nodes = pre.nodes if pre is not None else NodeWatch()
         if pre is not None and pre.settings == cfg:
             self.engine = pre.engine  # `tllm serve` checked these in this process
         else:  # `python -m vllm...api_server --additional-config ...`: the front end's check
@@ -153,18 +152,13 @@ class EndpointGate:
         )
 
     async def init_state(self, engine_client, state, args) -> None:
-        if engine_client is None:
+        # vLLM calls it on the plugins it attached (same arguments: tllm's switch is the same);
+        # the render server has no engine.
+        if engine_client is None or not self.active:
             return
-        cfg = tllm_settings(engine_client.vllm_config.additional_config)
-        if cfg is None:
-            return
-        from tllm_core.serving.keys import EngineConsumers
-        from tllm_core.vllm_bridge.nodes import NodeWatch
         from tllm_core.vllm_bridge.serving import init_state
 
-        engine = self.engine if self.engine is not None else EngineConsumers.from_settings(cfg)
-        nodes = self.nodes if self.nodes is not None else NodeWatch()
-        await init_state(engine_client, state, engine, nodes)
+        await init_state(engine_client, state, self.engine, self.nodes)
 
 
 def _patch_endpoint_plugins() -> None:

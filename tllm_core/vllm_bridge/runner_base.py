@@ -1,47 +1,19 @@
-"""What every runner adapter shares: the engine-neutral step protocol (:class:`StepEvents`)
-and the reads that do not depend on the runner's generation (model, config, decoder layers)."""
+"""What every runner adapter shares: the reads that do not depend on the runner's generation
+(model, config, decoder layers)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.norms import norm_eps, rmsnorm_gain
-from tllm_core.api.rows import StepLayout
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.sites import find_layers
-
-
-class StepEvents(Protocol):
-    """What an adapter reports per engine step, in order: ``finished`` -> ``begin`` -> the
-    forward -> ``forward_done`` -> ``guide`` (when a consumer guides) -> ``sampled``."""
-
-    @property
-    def active(self) -> bool:
-        """Whether any consumer needs row metadata (else ``begin(None)`` only counts)."""
-        ...
-
-    def begin(self, layout: StepLayout | None) -> None: ...
-
-    def finished(self, engine_ids: list[str]) -> None: ...
-
-    def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None: ...
-
-    def guide(
-        self, logits: torch.Tensor, temperature: torch.Tensor, is_random: np.ndarray, filtered: bool
-    ) -> bool:
-        """Let guiding consumers edit ``logits`` in place; True when a guide wrote logits."""
-        ...
-
-    def sampled(self, token_ids: torch.Tensor) -> None: ...
-
 
 # Tensor parallel with guidance: every rank continues from the same sampled tokens.
 SyncSampled = Callable[[torch.Tensor], None] | None
@@ -66,7 +38,7 @@ class RunnerAdapterBase:
     #: the runner generation this adapter hooks ("V1", "V2"), for logs and errors
     generation: ClassVar[str] = "?"
     #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
-    #: weights load (``runners.check_runner``)
+    #: weights load (``worker_setup.check_runner``)
     required_attrs: ClassVar[tuple[str, ...]] = COMMON_ATTRS
 
     def __init__(self, runner: Any):
@@ -76,9 +48,10 @@ class RunnerAdapterBase:
         """``(extra_args, prompt length, prompt token ids)`` of a scheduled request."""
         raise NotImplementedError
 
-    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
-        """Wrap the runner (instance attributes only) so that each step reports ``events``;
-        the guide is wired only when ``guides``; ``sync_sampled`` runs after every sampling."""
+    def install(self, events: Any, guides: bool, sync_sampled: SyncSampled = None) -> None:
+        """Wrap the runner (instance attributes only) so that each step reports ``events``
+        (``hooks.RunnerHooks``); the guide is wired only when ``guides``; ``sync_sampled``
+        runs after every sampling."""
         raise NotImplementedError
 
     @property
@@ -99,10 +72,10 @@ class RunnerAdapterBase:
         cls = type(self.runner)
         return f"{self.generation} runner {cls.__module__}.{cls.__name__}"
 
-    def decoder_layers(self, architectures: Architectures | None = None) -> nn.ModuleList:
-        """The model's decoder layers, where ``architectures`` (default: the built-ins) say."""
+    def decoder_layers(self, architectures: Architectures) -> nn.ModuleList:
+        """The model's decoder layers, where ``architectures`` say."""
         num = self.runner.model_config.get_total_num_hidden_layers()
-        return find_layers(self.runner.model, num, architectures or builtin_architectures())
+        return find_layers(self.runner.model, num, architectures)
 
     def model_info(self) -> ModelInfo:
         runner = self.runner

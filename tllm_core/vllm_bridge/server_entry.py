@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tllm_core.vllm_bridge.nodes import NodeWatch, check_interval, shared_note, stop_self
+from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,6 @@ CHECKED: ContextVar[CheckedServer | None] = ContextVar("tllm_checked_server", de
 def run_openai_server(argv: list[str], checked: CheckedServer | None = None) -> None:
     """Run vLLM's OpenAI server with command-line arguments ``argv`` until it stops (a Ctrl-C
     while the engine starts stops the start); ``--headless``: :func:`run_headless_node`."""
-    from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
-
     if HEADLESS_FLAG in argv:
         with interrupts_reach_caller():
             run_headless_node(argv, checked.nodes if checked is not None else NodeWatch())
@@ -73,17 +72,15 @@ def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
         )
     args.api_server_count = 0
     _watch_leader(args, nodes)
-    # A data-parallel engine of this node tells it to stop through the note (dp_nodes.py).
+    # A data-parallel engine of this node tells it to stop through the note (nodes.py).
     with shared_note() as note:
         nodes.listen(note)
         try:
             run_headless(args)
         except SystemExit:
-            reason = nodes.lost()
-            if reason is None:
+            if nodes.lost() is None:
                 raise
-        else:
-            reason = nodes.lost()
+        reason = nodes.lost()
     if reason:  # the leader is gone, or refused: an error, not a requested stop
         # Raised, not returned: the interpreter's exit stops what vLLM left running.
         print(f"tllm: error: {reason}", file=sys.stderr, flush=True)

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from tllm_core.api.consumer import ControlError
 from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
 from tllm_core.runtime.reports import json_safe, merge_reports
-from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, ServerSettings
+from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
 from tllm_core.serving.guard import (
     CLIENT,
@@ -32,16 +32,20 @@ from tllm_core.serving.guard import (
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
-from tllm_core.vllm_bridge.nodes import NodeWatch
+from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     EngineNoAnswer,
     FailureMarks,
+    ResultReturn,
     ServerStopping,
+    check_bounds,
     install_abort_marks,
+    note_asked,
     note_request,
     until_server_stops,
 )
-from tllm_core.vllm_bridge.request_results import ResultReturn, check_bounds, note_asked
+from tllm_core.vllm_bridge.server_entry import close_http_soon
+from tllm_core.vllm_bridge.version import require_attrs
 
 # Under "vllm." so the line goes through vLLM's configured handler in the server log.
 log = logging.getLogger("vllm.tllm")
@@ -106,16 +110,6 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
     ).encode()
 
 
-def _declared_length(scope: dict) -> int | None:
-    for name, value in scope.get("headers") or ():
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
 class XargsCheck:
     """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
     tllm vllm_xargs, both before the handler runs (chunks joined once, not quadratically)."""
@@ -144,32 +138,31 @@ class XargsCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        declared = _declared_length(scope)
+        headers = {k.lower(): v for k, v in scope.get("headers") or ()}
+        declared = headers.get(b"content-length", b"")
+        declared = int(declared) if declared.isdigit() else None
         if declared is not None and declared > self.max_body_bytes:
             # Past the drain budget: answer at once, the client may see a reset instead.
             return await self.refuse(
                 receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
             )
         messages: deque = deque()
-        chunks: list[bytes] = []
         size = 0
         while True:
             msg = await receive()
             messages.append(msg)
             if msg["type"] != "http.request":
                 break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
+            size += len(msg.get("body", b""))
             if size > self.max_body_bytes:
                 return await self.refuse(receive, send, more=msg.get("more_body", False))
-            chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
         # Every POST body is counted against the limit; only the OpenAI routes' are parsed.
         xargs, error = (None, None)
         if scope["path"].endswith(CHECKED_PATHS):
-            xargs, error = parse_xargs(b"".join(chunks))
-        if xargs is not None and error is None:
+            xargs, error = parse_xargs(b"".join(m.get("body", b"") for m in messages))
+        if xargs is not None:
             error = check_xargs(xargs, self.server, scope["path"])
         if error is not None:
             status, message = error
@@ -296,10 +289,9 @@ def attach_routes(
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
         hung = read_note(fault_file)
-        consumers: EngineConsumers = getattr(request.app.state, "tllm_server", None)
         if hung is not None:  # the engine is stuck in it: no RPC would answer
             body = {
-                **consumers.describe(),
+                **server.describe(),
                 "hung": {
                     "consumer": hung.consumer,
                     "callback": hung.callback,
@@ -315,9 +307,9 @@ def attach_routes(
             out = await ask("tllm_status")
             await counters.get()  # bounded: as above; learns which consumers failed
             leader = next((s for s in out if s.get("rank", {}).get("leader", True)), out[0])
-            body = {"worker": leader, **consumers.describe()}
-            body["failed_consumers"] = sorted(consumers.failed)
-            body["controls"] = consumers.control_state()
+            body = {"worker": leader, **server.describe()}
+            body["failed_consumers"] = sorted(server.failed)
+            body["controls"] = server.control_state()
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
@@ -332,7 +324,6 @@ def attach_routes(
                 "key (--api-key or VLLM_API_KEY)",
                 403,
             )
-        server: EngineConsumers = request.app.state.tllm_server
         cls = server.classes.get(name)
         if cls is None:
             known = ", ".join(sorted(server.classes)) or "(none)"
@@ -378,13 +369,7 @@ def install_request_checks(
     results a consumer bounds past it are refused."""
     from vllm.exceptions import VLLMValidationError
 
-    if not hasattr(input_processor, "assign_request_id"):
-        from tllm_core.vllm_bridge.version import UnsupportedEngineError
-
-        raise UnsupportedEngineError(
-            "vLLM's input processor lacks assign_request_id: "
-            "this vLLM is not supported for serving with tllm"
-        )
+    require_attrs(input_processor, ("assign_request_id",), "input processor")
     # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
     salt_key = secret if secret is not None else secrets.token_bytes(32)
     assign_orig = input_processor.assign_request_id
@@ -419,12 +404,8 @@ def install_request_checks(
 
 
 async def init_state(
-    engine_client: Any, state: Any, server: EngineConsumers, watch: NodeWatch
+    engine_client: Any, state: Any, server: EngineConsumers, watch: nodes.NodeWatch
 ) -> None:
-    from tllm_core.runtime.settings import RuntimeSettings
-    from tllm_core.vllm_bridge.dp_nodes import check_followers
-    from tllm_core.vllm_bridge.engine_settings import tllm_settings
-
     # This server's settings, read once: its limits here, its followers' check below.
     leader = tllm_settings(engine_client.vllm_config.additional_config)
     mine = RuntimeSettings.model_validate(leader or {})
@@ -445,8 +426,8 @@ async def init_state(
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
-    # watch this leader (dp_nodes.py).
-    await check_followers(engine_client, rpc_all, leader, watch)
+    # watch this leader (nodes.py).
+    await nodes.check_followers(engine_client, rpc_all, leader, watch)
     status = await rpc_all(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
@@ -467,8 +448,6 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
     """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``): a
     request whose engine went away would otherwise never complete. vLLM's server installs
     no signal handler, so it is found in ``state.server``, which appears after ``init_state``."""
-    from tllm_core.vllm_bridge.server_entry import close_http_soon
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
@@ -479,7 +458,7 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def watch_peer_nodes(engine_client: Any, state: Any, watch: NodeWatch) -> None:
+def watch_peer_nodes(engine_client: Any, state: Any, watch: nodes.NodeWatch) -> None:
     """On the leader of a multi-node engine: check every engine and rank every few seconds; a
     lost node (recorded in ``watch``) stops this server."""
     nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)

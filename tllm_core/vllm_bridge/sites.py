@@ -15,9 +15,7 @@ from torch import nn
 from tllm_core.api.architectures import Architectures, SiteSpec
 from tllm_core.api.edits import EditBuffers, apply_edit
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-from tllm_core.vllm_bridge.layouts import STREAM_FIRST_LAYERS, builtin_architectures
-
-__all__ = ["STREAM_FIRST_LAYERS", "TAPS", "TapBuffers", "find_layers", "install_tap", "tap_info"]
+from tllm_core.vllm_bridge.layouts import builtin_architectures
 
 
 @dataclass
@@ -187,10 +185,11 @@ def find_router(block: nn.Module) -> tuple[nn.Module | None, str | None]:
 
 
 def _site_module(
-    layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures
+    layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures | None
 ) -> tuple[SiteSpec, nn.Module, str | None]:
     """``site``'s spec at layer ``index``, the layer and the attribute holding the site's
     module (None: the layer itself); refusals name the layer, the site and why."""
+    archs = archs or builtin_architectures()
     layer = unwrap(layers[index])
     of = f" of {model}" if model else ""
     spec = archs.site(site, type(layer).__name__)
@@ -222,8 +221,7 @@ def tap_info(
 ) -> dict[str, Any]:
     """What a site's tap holds unless hidden-size rows (``{}``); ``router``: ``width``,
     ``dtype``, ``top_k``, ``renormalize``, ``routing`` (``"softmax_topk"`` or the kind)."""
-    archs = architectures or builtin_architectures()
-    spec, layer, name = _site_module(layers, site, index, model, archs)
+    spec, layer, name = _site_module(layers, site, index, model, architectures)
     if spec.output != "router":
         return {}
     block = unwrap(getattr(layer, name))
@@ -255,8 +253,7 @@ def install_tap(
     architectures: Architectures | None = None,
 ) -> None:
     """Wrap ``site``'s module in decoder layer ``index`` (a router: hook its gate)."""
-    archs = architectures or builtin_architectures()
-    spec, layer, name = _site_module(layers, site, index, model, archs)
+    spec, layer, name = _site_module(layers, site, index, model, architectures)
     tap = TAPS[spec.output]
     if name is None:
         layers[index] = tap(layers[index], buffers)

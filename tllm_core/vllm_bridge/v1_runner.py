@@ -9,12 +9,8 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import (
-    COMMON_ATTRS,
-    RunnerAdapterBase,
-    StepEvents,
-    SyncSampled,
-)
+from tllm_core.vllm_bridge.hooks import RunnerHooks
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 
 
 class V1RunnerAdapter(RunnerAdapterBase):
@@ -59,7 +55,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
                 return True
         return False
 
-    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
+    def install(self, events: RunnerHooks, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
         prepare, execute, sample = r._prepare_inputs, r.execute_model, r._sample
         state = {"ids": [], "live": False}
@@ -98,7 +94,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
             tk = r.sampler.topk_topp_sampler
             tk.forward = self._guided_forward(events, tk.forward, state)
 
-    def _guided_forward(self, events: StepEvents, orig: Any, state: dict[str, Any]):
+    def _guided_forward(self, events: RunnerHooks, orig: Any, state: dict[str, Any]):
         """``topk_topp_sampler.forward`` with the guide between filtering and sampling."""
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 

@@ -12,12 +12,8 @@ import numpy as np
 import torch
 
 from tllm_core.api.rows import StepLayout
-from tllm_core.vllm_bridge.runner_base import (
-    COMMON_ATTRS,
-    RunnerAdapterBase,
-    StepEvents,
-    SyncSampled,
-)
+from tllm_core.vllm_bridge.hooks import RunnerHooks
+from tllm_core.vllm_bridge.runner_base import COMMON_ATTRS, RunnerAdapterBase, SyncSampled
 from tllm_core.vllm_bridge.version import require_attrs
 
 # Below this a temperature means greedy (vLLM's sampling epsilon).
@@ -67,7 +63,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
             token_ids=batch.input_ids[: int(nsched.sum())],
         )
 
-    def install(self, events: StepEvents, guides: bool, sync_sampled: SyncSampled = None) -> None:
+    def install(self, events: RunnerHooks, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
         require_attrs(r, self.sampler_attrs, "V2 runner")
         execute, add, prepare, sample = r.execute_model, r.add_requests, r.prepare_inputs, r.sample
@@ -125,7 +121,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
             sampler._sample_random = self._guided_sample_random(events, sampler, state)
 
     @staticmethod
-    def _guided_sample_random(events: StepEvents, sampler: Any, state: dict[str, Any]):
+    def _guided_sample_random(events: RunnerHooks, sampler: Any, state: dict[str, Any]):
         """``sampler._sample_random`` with the guide between filtering and sampling."""
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 

@@ -1,4 +1,4 @@
-"""Which vLLM versions the bridge supports (see CONTRACT.md); runners: ``runners.py``."""
+"""Which vLLM versions the bridge supports (see CONTRACT.md); runners: ``worker_setup.py``."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ def check_version(version: str | None = None) -> str:
         import vllm
 
         version = vllm.__version__
-    if not any(in_series(version, s) for s in SUPPORTED_SERIES):
-        if os.environ.get("TLLM_ALLOW_UNSUPPORTED_VLLM") != "1":
-            raise UnsupportedEngineError(
-                f"tllm supports vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}; found {version}. "
-                f"Install a supported version, or set TLLM_ALLOW_UNSUPPORTED_VLLM=1 to try anyway "
-                f"(the bridge still fails loudly if a hooked method is missing)."
-            )
+    supported = any(in_series(version, s) for s in SUPPORTED_SERIES)
+    if not supported and os.environ.get("TLLM_ALLOW_UNSUPPORTED_VLLM") != "1":
+        raise UnsupportedEngineError(
+            f"tllm supports vLLM {', '.join(s + '.x' for s in SUPPORTED_SERIES)}; found {version}. "
+            f"Install a supported version, or set TLLM_ALLOW_UNSUPPORTED_VLLM=1 to try anyway "
+            f"(the bridge still fails loudly if a hooked method is missing)."
+        )
     return version
 
 

@@ -8,6 +8,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+from tllm_core.vllm_bridge.engine_settings import tllm_settings
+from tllm_core.vllm_bridge.nodes import NodeWatch, join_leader, node_check
+
 
 def _with_hooks(default: Any = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Run the method with the runner's hooks; answer (a copy of) ``default`` without them."""
@@ -87,16 +90,10 @@ class TllmWorkerExtension:
 
     def tllm_node_check(self) -> int:
         """A barrier over every rank of a multi-node engine (``nodes.NodeWatch.watch_nodes``)."""
-        from tllm_core.vllm_bridge.nodes import node_check
-
         return node_check()
 
     def tllm_join_leader(self, settings: dict | None, endpoint: Any) -> dict[str, Any]:
-        """The leader's settings and address, sent by its API server (``dp_nodes``)."""
-        from tllm_core.vllm_bridge.dp_nodes import join_leader
-        from tllm_core.vllm_bridge.engine_settings import tllm_settings
-        from tllm_core.vllm_bridge.nodes import NodeWatch
-
+        """The leader's settings and address, sent by its API server (``nodes.join_leader``)."""
         hooks = getattr(getattr(self, "model_runner", None), "_tllm_hooks", None)
         rank = getattr(hooks, "rank", None)
         parallel = getattr(self.vllm_config, "parallel_config", None)
@@ -115,6 +112,6 @@ class TllmWorkerExtension:
 
 def ensure_worker_methods(worker_cls: type) -> None:
     """Give the worker class the ``tllm_*`` RPC methods (idempotent)."""
-    if hasattr(worker_cls, "tllm_collect") or TllmWorkerExtension in worker_cls.__mro__:
+    if hasattr(worker_cls, "tllm_collect"):  # this extension, or vLLM mixed it in already
         return
     worker_cls.__bases__ = worker_cls.__bases__ + (TllmWorkerExtension,)

@@ -1,7 +1,9 @@
 """What a tllm engine goes through in the process that runs the model (from the plugin's
 ``init_device`` wrapper): :func:`before_device` (version check, AOT off), then :func:`attach`
 (runner checked, RPC methods added, hooks installed after ``load_model``, consumers closed at
-shutdown)."""
+shutdown). The adapter of a runner is read from its class hierarchy by module name
+(CONTRACT.md, "Runners"), so neither of vLLM's runner modules is imported (V2's pulls in Triton
+kernels)."""
 
 from __future__ import annotations
 
@@ -9,14 +11,64 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
+import torch
+
+from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.runtime import Runtime
+from tllm_core.runtime.settings import RuntimeSettings
+from tllm_core.runtime.start_error import record
+from tllm_core.vllm_bridge import workarounds
+from tllm_core.vllm_bridge.hooks import RunnerHooks
+from tllm_core.vllm_bridge.parallel import check_layout, parallel_info
+from tllm_core.vllm_bridge.runner_base import LOADED_MODEL_ATTRS, RunnerAdapterBase
+from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
+from tllm_core.vllm_bridge.v2_runner import V2RunnerAdapter
+from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version, require_attrs
+from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
 
 log = logging.getLogger("tllm")
 
 AOT_ENV = "VLLM_USE_AOT_COMPILE"
 CLOSE_TIMEOUT_S = 20.0  # closing the consumers at engine shutdown (the worker has 30 s)
+
+# (module, class) of each runner generation's base class -> its adapter
+ADAPTERS: Mapping[tuple[str, str], type[RunnerAdapterBase]] = MappingProxyType(
+    {
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"): V1RunnerAdapter,
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"): V2RunnerAdapter,
+    }
+)
+
+
+def adapter_class(runner: object) -> type[RunnerAdapterBase]:
+    """The adapter for ``runner``'s generation, or ``UnsupportedEngineError`` naming it."""
+    for cls in type(runner).__mro__:
+        found = ADAPTERS.get((cls.__module__, cls.__name__))
+        if found is not None:
+            return found
+    cls = type(runner)
+    known = ", ".join(f"{m}.{c}" for m, c in ADAPTERS)
+    raise UnsupportedEngineError(
+        f"tllm has no adapter for vLLM's model runner {cls.__module__}.{cls.__name__}; "
+        f"supported runners derive from {known}"
+    )
+
+
+def check_runner(runner: object) -> type[RunnerAdapterBase]:
+    """Refuse, before the first step, a runner tllm cannot hook; return its adapter class."""
+    adapter = adapter_class(runner)
+    paths = adapter.required_attrs
+    if getattr(runner, "model", None) is not None:
+        paths = paths + LOADED_MODEL_ATTRS
+    require_attrs(runner, paths, f"{adapter.generation} runner")
+    if getattr(runner, "speculative_config", None) is not None:
+        raise UnsupportedEngineError("tllm does not support speculative decoding yet")
+    check_layout(runner.vllm_config.parallel_config)
+    return adapter
 
 
 def aot_compile_off() -> None:
@@ -56,9 +108,6 @@ def attach(worker: Any, settings: dict[str, Any]) -> None:
         raise UnsupportedEngineError(
             f"tllm found no model_runner on vLLM's worker {type(worker).__name__}"
         )
-    from tllm_core.vllm_bridge.runners import check_runner
-    from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
-
     check_runner(runner)
     ensure_worker_methods(type(worker))
     _hook_after_load(runner, settings)
@@ -99,14 +148,9 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
     @functools.wraps(load)
     def load_model(*args, **kwargs):
         out = load(*args, **kwargs)
-        from tllm_core.vllm_bridge import workarounds
-        from tllm_core.vllm_bridge.hooks import install
-
         try:
             hooks = install(runner, settings)
         except Exception as e:
-            from tllm_core.runtime.start_error import record
-
             tllm = isinstance(e, (UnsupportedEngineError, ValueError))
             record(settings.get("start_error_file"), str(e) if tllm else f"{type(e).__name__}: {e}")
             raise
@@ -114,3 +158,31 @@ def _hook_after_load(runner: Any, settings: dict[str, Any]) -> None:
         return out
 
     runner.load_model = load_model
+
+
+def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
+    """Hook ``runner`` (after ``load_model``; :func:`before_device` checked the version)."""
+    adapter = check_runner(runner)(runner)
+    settings = RuntimeSettings.model_validate(raw_settings)
+    rank = parallel_info(adapter.parallel_config)
+    registry = Registry()
+    with torch.inference_mode(False):  # consumer parameters must not be inference tensors
+        runtime = Runtime(
+            settings,
+            adapter.model_info(),
+            registry,
+            deliver=rank.leader,
+            data_parallel=(rank.dp_rank, rank.dp_size),
+        )
+    hooks = RunnerHooks(adapter, runtime, rank, registry.architectures)
+    runner._tllm_hooks = hooks
+    log.info(
+        "tllm: hooked vLLM's %s (taps %s, edit taps %s, guide %s) for consumers %s, rank %s",
+        adapter.describe(),
+        sorted(t.key for t in runtime.taps),
+        sorted(t.key for t in runtime.edit_taps),
+        runtime.guides,
+        [e.name for e in settings.consumers],
+        rank.as_dict(),
+    )
+    return hooks
