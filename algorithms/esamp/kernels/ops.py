@@ -79,15 +79,19 @@ def _implementations(op: ModuleType, name: str) -> tuple[Callable[..., None], Ca
     return on_cpu, on_cuda
 
 
-# Every op's implementations and byte count (``tllm_bytes``: fake_cuda's counters); the CUDA
-# ones by name (the GPU rehearsal runs them).
-_impls: dict[str, Callable[..., None]] = {}
-for _op in OP_MODULES:
-    _name = _op.SCHEMA.split("(", 1)[0]
-    _cpu, _impls[_name] = _implementations(_op, _name)
-    _LIB.impl(_name, _cpu, "CPU")
-    _LIB.impl(_name, _impls[_name], "CUDA")
-    # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
-    torch.library.register_fake(f"tllm_esamp::{_name}", lambda *a, **k: None, lib=_LIB)
-    getattr(torch.ops.tllm_esamp, _name).default.tllm_bytes = _op._traffic
-CUDA_IMPLS: Mapping[str, Callable[..., None]] = MappingProxyType(_impls)
+def _register() -> Mapping[str, Callable[..., None]]:
+    """Register every op's implementations and byte count (``tllm_bytes``: fake_cuda's
+    counters); the CUDA ones by name (the GPU rehearsal runs them)."""
+    impls = {}
+    for op in OP_MODULES:
+        name = op.SCHEMA.split("(", 1)[0]
+        on_cpu, impls[name] = _implementations(op, name)
+        _LIB.impl(name, on_cpu, "CPU")
+        _LIB.impl(name, impls[name], "CUDA")
+        # Meta and FakeTensor: shapes are the caller's (out= style), so nothing to do.
+        torch.library.register_fake(f"tllm_esamp::{name}", lambda *a, **k: None, lib=_LIB)
+        getattr(torch.ops.tllm_esamp, name).default.tllm_bytes = op._traffic
+    return MappingProxyType(impls)
+
+
+CUDA_IMPLS = _register()
