@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,6 @@ def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_mode
     """The command checks ESamp's config before vLLM starts; the API server it runs in the
     same process (its endpoint gate) reuses that check instead of validating again. A
     server started without the command still checks the configs it is given."""
-    import types
 
     import vllm.entrypoints.launchers.api_server.entry as entry
     from test_core_unit import _CountingValidator
@@ -134,3 +134,22 @@ def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_mode
     counting.calls = 0
     run_openai_server(argv)
     assert counting.calls == 1 and gates[1].engine.configs["esamp"].beta == 0.5
+
+
+def test_a_gate_set_up_without_its_routes_refuses_to_start():
+    """vLLM calls ``init_state`` on the endpoint plugins it attached (CONTRACT.md): a gate
+    whose routes were never attached, in a server switched on for tllm, is an unsupported
+    vLLM, refused rather than served without tllm's request checks."""
+    import asyncio
+
+    from tllm_core.vllm_bridge.plugin import EndpointGate
+
+    def client(additional_config):
+        return types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(additional_config=additional_config)
+        )
+
+    gate = EndpointGate()
+    asyncio.run(gate.init_state(client({}), types.SimpleNamespace(), None))  # tllm off: inert
+    with pytest.raises(RuntimeError, match="without attaching its routes"):
+        asyncio.run(gate.init_state(client({"tllm": {}}), types.SimpleNamespace(), None))

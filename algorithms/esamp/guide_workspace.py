@@ -25,6 +25,7 @@ STAGING_BUFFERS = 4
 # (rel_err, candidates, top_ref, top_new, tv, beta) in fp32 (token ids exact below 2**24).
 DIAG_STEPS = 256
 DIAG_FIELDS = 6
+MODES = ("post_filter", "full_vocab", "auto")
 
 
 def _parts(names: str, shape: tuple[int, ...], dtype: torch.dtype) -> WorkspaceSpec:
@@ -66,6 +67,8 @@ class GuideShape:
 def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     """The workspace's parts (name, shape, dtype) for this shape."""
     mode, vocab, max_candidates, slots = shape.mode, shape.vocab, shape.max_candidates, shape.slots
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     r, h, dtype, f32 = shape.rows, shape.hidden, shape.dtype, torch.float32
     spec: list = [
         ("stage", (workspace_bytes(_stage_spec(r)),), torch.uint8),

@@ -152,9 +152,15 @@ class EndpointGate:
         )
 
     async def init_state(self, engine_client, state, args) -> None:
-        # vLLM calls it on the plugins it attached (same arguments: tllm's switch is the same);
-        # the render server has no engine.
-        if engine_client is None or not self.active:
+        # vLLM calls it on the plugins it attached (CONTRACT.md); the render server has none.
+        if engine_client is None:
+            return
+        if not self.active:
+            if tllm_settings(engine_client.vllm_config.additional_config) is not None:
+                raise RuntimeError(
+                    "tllm: vLLM set up an endpoint plugin's state without attaching its routes "
+                    "first (unsupported vLLM; see tllm_core/vllm_bridge/CONTRACT.md, Serving)"
+                )
             return
         from tllm_core.vllm_bridge.serving import init_state
 

@@ -78,9 +78,10 @@ def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
         try:
             run_headless(args)
         except SystemExit:
-            if nodes.lost() is None:
+            if (reason := nodes.lost()) is None:
                 raise
-        reason = nodes.lost()
+        else:
+            reason = nodes.lost()
     if reason:  # the leader is gone, or refused: an error, not a requested stop
         # Raised, not returned: the interpreter's exit stops what vLLM left running.
         print(f"tllm: error: {reason}", file=sys.stderr, flush=True)

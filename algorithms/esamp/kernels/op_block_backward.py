@@ -84,6 +84,7 @@ def block_backward_launch(
 ) -> Launch | None:  # fmt: skip
     """The block backward kernel's launch: one program per column of ``parts`` (a pair of
     row tiles and a share of H; unused columns written 0)."""
+    check_precision(input_precision)  # launched directly too (rehearsal, tests)
     groups, rows, _ = dp.shape
     if groups == 0:
         return None
