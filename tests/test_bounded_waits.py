@@ -17,15 +17,21 @@ SUBPROCESS = {"run", "call", "check_call", "check_output"}  # subprocess's, wait
 PIPES = ("stdout", "stderr")
 
 
+def _keyword(call: ast.Call, name: str) -> object:
+    """The value of keyword ``name`` (``...``: not a constant; None: not given either)."""
+    k = next((k for k in call.keywords if k.arg == name), None)
+    if k is None:
+        return None
+    return k.value.value if isinstance(k.value, ast.Constant) else ...
+
+
 def _bounded(call: ast.Call) -> bool:
     """Whether the call gives a timeout (or does not block): a keyword ``timeout`` or
     ``blocking=False``, or a first argument other than None or True."""
-    for k in call.keywords:
-        value = k.value.value if isinstance(k.value, ast.Constant) else ...
-        if k.arg == "timeout" and value is not None:
-            return True
-        if k.arg in ("block", "blocking") and value is False:
-            return True
+    if _keyword(call, "timeout") is not None:
+        return True
+    if _keyword(call, "block") is False or _keyword(call, "blocking") is False:
+        return True
     first = call.args[0] if call.args else None
     # None or True as the first argument: no timeout (True: ``block``/``blocking``)
     return first is not None and not (
@@ -36,7 +42,7 @@ def _bounded(call: ast.Call) -> bool:
 def _waits(call: ast.Call, name: str, receiver: ast.expr) -> bool:
     """Whether ``receiver.name(...)`` may block without a bound."""
     if isinstance(receiver, ast.Name) and receiver.id == "subprocess":
-        return name in SUBPROCESS and not any(k.arg == "timeout" for k in call.keywords)
+        return name in SUBPROCESS and _keyword(call, "timeout") is None
     if name == "readline":
         return isinstance(receiver, ast.Attribute) and receiver.attr in PIPES
     if name not in BLOCKING or _bounded(call):
@@ -94,6 +100,7 @@ def test_the_check_sees_an_unbounded_wait():
         "for line in proc.stdout:\n    pass\n"
         "subprocess.run(cmd)\n"
         "subprocess.run(cmd, timeout=5)\n"
+        "subprocess.run(cmd, timeout=None)\n"
         "subprocess.check_output(cmd)\n"
         "proc.stderr.readline()\n"
         "f.readline()\n"
@@ -106,6 +113,7 @@ def test_the_check_sees_an_unbounded_wait():
         "x.py:11: fut.result()",
         "x.py:12: proc.stdout",
         "x.py:14: subprocess.run(cmd)",
-        "x.py:16: subprocess.check_output(cmd)",
-        "x.py:17: proc.stderr.readline()",
+        "x.py:16: subprocess.run(cmd, timeout=None)",
+        "x.py:17: subprocess.check_output(cmd)",
+        "x.py:18: proc.stderr.readline()",
     ]
