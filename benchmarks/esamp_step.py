@@ -7,12 +7,7 @@ Counted (default, any machine; ``tests/esamp_steps.py``): on the fake CUDA devic
 mode and beta schedule, the launches, bytes moved, allocations, host waits and pageable copies
 (the last three must be 0) of the consumer alone and of the whole step through tllm's runtime,
 ESamp on every request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
-
-Timed (:func:`bench_step`, CUDA; ``gpu_smoke.py`` runs it): the step beside
-``gpu_distiller.SyntheticDecode`` and a sampler stand-in (min-p 0.1, exponential race, no host
-sync): device time of plain and ESamp steps, the time ESamp adds, the host time of the
-runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a step under
-``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
+Timed: :func:`bench_step` (CUDA; ``gpu_smoke.py`` runs it).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bench_setup import code_version, section, table  # noqa: E402
 from esamp_steps import CONFIGS, COUNTED_PER_REQUEST, LAYOUTS, MODES, run, run_runtime  # noqa: E402
-from gpu_distiller import QWEN2_7B, SyntheticDecode, time_us  # noqa: E402
+from gpu_distiller import QWEN2_7B, time_us  # noqa: E402
 
 from algorithms.esamp.kernels import grad_adam_bytes, slot_matmul_bytes  # noqa: E402
 
@@ -42,8 +37,51 @@ def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
     """Device copy bandwidth (read + write bytes per second) of a large copy."""
     a = torch.empty(mib * 2**20 // 4, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
-    return 2 * a.numel() * 4 / (time_us(lambda: b.copy_(a), 10, device) / 1e6)
+    return 2 * a.numel() * 4 / (time_us(lambda: b.copy_(a), 10, device, warmup=1) / 1e6)
+
+
+class SyntheticDecode:
+    """The linear layers of a Qwen2-7B-shaped decoder at ``rows`` tokens in bf16, one CUDA
+    graph (attention left out: a lower bound of a decode step). A replay rewrites ``h1`` (the
+    first layer's output), ``hL`` (the last one's) and ``logits``."""
+
+    def __init__(self, rows: int, device: torch.device):
+        spec, dtype = QWEN2_7B, torch.bfloat16
+        h, i = spec["hidden"], spec["intermediate"]
+        qkv = (spec["q_heads"] + 2 * spec["kv_heads"]) * spec["head_dim"]
+        w = lambda o, k: torch.randn(o, k, device=device, dtype=dtype) * 0.01  # noqa: E731
+        self.layers = [(w(qkv, h), w(h, h), w(2 * i, h), w(h, i)) for _ in range(spec["layers"])]
+        self.head = w(spec["vocab"], h)
+        self.x = torch.randn(rows, h, device=device, dtype=dtype)
+        self.h1 = torch.empty(rows, h, device=device, dtype=torch.float32)
+        self.hL = torch.empty(rows, h, device=device, dtype=torch.float32)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+
+    def _run(self) -> torch.Tensor:
+        h = self.x
+        for li, (wqkv, wo, wgu, wd) in enumerate(self.layers):
+            a = h @ wqkv.T
+            h = h + a[:, : wo.shape[1]] @ wo.T
+            g, u = (h @ wgu.T).chunk(2, dim=-1)
+            h = h + (torch.nn.functional.silu(g) * u) @ wd.T
+            h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+            if li == 0:
+                self.h1.copy_(h)
+        self.hL.copy_(h)
+        return h @ self.head.T
+
+    def run_logits(self) -> torch.Tensor:
+        """One step (the graph) and its logits (the graph's static output)."""
+        self.graph.replay()
+        return self.logits
 
 
 def esamp_floor_bytes(prompts: int, n: int, vocab: int = V) -> int:
@@ -74,6 +112,10 @@ def _sample(logits: torch.Tensor) -> torch.Tensor:
 def bench_step(
     device: torch.device, prompts: int, n: int, iters: int = 30, warmup: int = 5, **cfg: Any
 ) -> dict[str, Any]:
+    """ms per step of :class:`SyntheticDecode` and a sampler stand-in (min-p 0.1, exponential
+    race: no host sync), plain and with ESamp through tllm's runtime: what ESamp adds, the host
+    time of the runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a
+    step under ``torch.cuda.set_sync_debug_mode("error")``, the memory plan against the peak."""
     from esamp_steps import RuntimeStep
 
     from tllm_core.api.consumer import ModelInfo
@@ -98,28 +140,21 @@ def bench_step(
     # the final state.
     taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
 
-    def with_esamp(t: int) -> None:
+    def with_esamp() -> None:
         logits = _min_p(decode.run_logits().float())
         host.append(rs.step(taps.__getitem__, logits, temp, _sample))
 
-    def timed(fn) -> float:  # ms per step
-        for i in range(warmup):
-            fn(i)
-        steps = iter(range(warmup, warmup + iters))
-        return time_us(lambda: fn(next(steps)), iters, device) / 1e3
+    def plain() -> None:
+        _sample(_min_p(decode.run_logits().float()))
 
-    plain_ms = statistics.median(
-        timed(lambda i: _sample(_min_p(decode.run_logits().float()))) for _ in range(3)
-    )
-    host.clear()
-    esamp_ms = statistics.median(timed(with_esamp) for _ in range(3))
+    plain_ms, esamp_ms = (time_us(fn, iters, device, warmup, 3) / 1e3 for fn in (plain, with_esamp))
     host_ms = statistics.median(host) * 1e3
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.synchronize(device)
     errors_before = len(rs.runtime.bus.errors)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with_esamp(10**6)
+        with_esamp()
         # A sync inside the consumer's callbacks raised there: the runtime's isolation caught
         # it as the consumer's error (the step went on without it).
         caught = rs.runtime.bus.errors[errors_before:]
