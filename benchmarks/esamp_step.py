@@ -130,7 +130,6 @@ def bench_step(
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     rs = RuntimeStep(model, prompts, n, {"cuda_rows_per_step": r, **cfg})
-    c = rs.consumer
     torch.cuda.synchronize(device)
     built = torch.cuda.memory_allocated(device) - base
     temp = torch.ones(r, device=device)
@@ -140,14 +139,14 @@ def bench_step(
     # the final state.
     taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
 
+    def logits() -> torch.Tensor:
+        return _min_p(decode.run_logits().float())
+
     def with_esamp() -> None:
-        logits = _min_p(decode.run_logits().float())
-        host.append(rs.step(taps.__getitem__, logits, temp, _sample))
+        host.append(rs.step(taps.__getitem__, logits(), temp, _sample))
 
-    def plain() -> None:
-        _sample(_min_p(decode.run_logits().float()))
-
-    plain_ms, esamp_ms = (time_us(fn, iters, device, warmup, 3) / 1e3 for fn in (plain, with_esamp))
+    fns = (lambda: _sample(logits()), with_esamp)  # a plain step, then one with ESamp
+    plain_ms, esamp_ms = (time_us(fn, iters, device, warmup, 3) / 1e3 for fn in fns)
     host_ms = statistics.median(host) * 1e3
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.synchronize(device)
@@ -163,7 +162,7 @@ def bench_step(
         sync = f"synced: {err}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    res = c.result()  # bounded: a consumer's result, not a future
+    res = rs.consumer.result()  # bounded: a consumer's result, not a future
     rs.close()
     bw = copy_bandwidth(device)
     floor_ms = esamp_floor_bytes(prompts, n) / bw * 1e3
@@ -233,10 +232,6 @@ def main(argv: list[str] | None = None) -> int:
 def render(fs: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
     runtime, per request and per setting, each row a count on the fake device."""
-
-    def n(v: Any) -> int:
-        return len(v) if isinstance(v, list) else v
-
     rows = []
     for where, key in (
         ("consumer", "results"),
@@ -245,29 +240,19 @@ def render(fs: dict[str, Any]) -> str:
         ("consumer", "configurations"),
     ):
         for r in fs.get(key, []):
-            what = r.get("config") or (
-                f"per request ({r['per_request']})" if "per_request" in r else where
-            )
-            rows.append(
-                [
-                    f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
-                    what,
-                    r["mode"],
-                    "fit" if r.get("fit") else "constant",
-                    r["launches"],
-                    f"{r['bytes'] / 1e9:.2f}",
-                    r["allocations"],
-                    n(r["host_waits"]),
-                    n(r.get("pageable_copies", 0)),
-                ]
-            )
+            per_request = f"per request ({r['per_request']})" if "per_request" in r else where
+            layout = f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16"
+            beta = "fit" if r.get("fit") else "constant"
+            counts = [r["launches"], f"{r['bytes'] / 1e9:.2f}", r["allocations"]]
+            for v in (r["host_waits"], r.get("pageable_copies", 0)):  # a list of sites, or a count
+                counts.append(len(v) if isinstance(v, list) else v)
+            rows.append([layout, r.get("config") or per_request, r["mode"], beta, *counts])
     head = ["prompts x n", "driven by", "mode", "beta", "launches", "GB moved", "allocations"]
-    command = "python benchmarks/esamp_step.py --configs --json"
     return section(
         "ESamp decode step on the fake CUDA device",
         fs,
         table([*head, "host waits", "pageable copies"], rows),
-        command=command,
+        command="python benchmarks/esamp_step.py --configs --json",
     )
 
 

@@ -48,6 +48,7 @@ from algorithms.esamp.kernels import (  # noqa: E402
     triton_available,
 )
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
+from algorithms.esamp.params import DistillerShape, block_weights  # noqa: E402
 from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 QWEN2_7B = dict(
@@ -172,16 +173,12 @@ MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 
 
 class _Case:
-    """State, factors and inputs of one ``(groups, capacity)`` case. ``mats``: ``(offset, N,
-    K)`` of each weight matrix in a slot's flat row (params.py's layout: gate ``[NB, I, H]``,
-    up ``[NB, I, H]``, down ``[NB, H, I]``)."""
+    """State, factors and inputs of one ``(groups, capacity)`` case."""
 
     def __init__(self, shape: dict, groups: int, capacity: int, device: torch.device):
-        h, i, nb, rows = shape["hidden"], shape["intermediate"], shape["blocks"], shape["rows"]
-        kinds = ((i, h), (i, h), (h, i))
-        self.mats = [(kind * nb * i * h + blk * i * h, n, k)
-                     for kind, (n, k) in enumerate(kinds) for blk in range(nb)]  # fmt: skip
-        p = sum(n * k for _, n, k in self.mats)
+        h, rows = shape["hidden"], shape["rows"]
+        self.shape = DistillerShape(h, shape["intermediate"], shape["blocks"])
+        p = self.shape.num_params
         gen = torch.Generator(device=device).manual_seed(0)
         self.groups, self.capacity, self.rows = groups, capacity, rows
         self.live = torch.arange(groups, device=device) * (capacity // groups)
@@ -189,17 +186,16 @@ class _Case:
         self.m = torch.zeros(capacity, p, device=device)
         self.v = torch.zeros(capacity, p, device=device)
         self.step = torch.full((capacity,), 5.0, device=device)
-        self.a = [
-            torch.randn(groups, rows, n, device=device, generator=gen) for _, n, _ in self.mats
-        ]
-        self.b = [torch.randn(groups, rows, k, device=device, generator=gen) for *_, k in self.mats]
+        self.mats = [tuple(w.shape[1:]) for w in self.views(self.theta)]  # (N, K) each
+        self.a = [torch.randn(groups, rows, n, device=device, generator=gen) for n, _ in self.mats]
+        self.b = [torch.randn(groups, rows, k, device=device, generator=gen) for _, k in self.mats]
         self.scale = torch.full((groups,), 0.5, device=device)
         self.ok = torch.ones(groups, dtype=torch.bool, device=device)
         self.x = torch.randn(groups, rows, h, device=device, generator=gen)
 
     def views(self, state: torch.Tensor) -> list[torch.Tensor]:
-        """Each matrix of ``state`` (parameters or a moment), ``[capacity, N, K]``."""
-        return [state[:, off : off + n * k].view(state.shape[0], n, k) for off, n, k in self.mats]
+        """Each weight matrix of ``state`` (parameters or a moment), ``[capacity, N, K]``."""
+        return [w for block in block_weights(state, self.shape) for w in block]
 
     def fused(self, m, v, precision: str = "ieee", **tiles: int) -> None:
         """The fused gradient + Adam of every matrix; with ``tiles``: the Triton launch's."""
@@ -240,10 +236,10 @@ def _bench_case(shape: dict, groups: int, capacity: int, device, bandwidth: floa
         floor_ms = nbytes / bandwidth * 1e3
         return dict(ms=ms, bytes=nbytes, floor_ms=floor_ms, x_floor=ms / floor_ms, **extra)
 
-    params = groups * sum(n * k for _, n, k in c.mats)
-    adam_bytes = sum(grad_adam_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
-    bf16_bytes = sum(grad_adam_bytes(groups, c.rows, n, k, 2) for _, n, k in c.mats)
-    mm_bytes = sum(slot_matmul_bytes(groups, c.rows, n, k) for _, n, k in c.mats)
+    params = groups * c.shape.num_params
+    adam_bytes = sum(grad_adam_bytes(groups, c.rows, n, k) for n, k in c.mats)
+    bf16_bytes = sum(grad_adam_bytes(groups, c.rows, n, k, 2) for n, k in c.mats)
+    mm_bytes = sum(slot_matmul_bytes(groups, c.rows, n, k) for n, k in c.mats)
     res: dict[str, Any] = dict(groups=groups, capacity=capacity, rows=c.rows, params_updated=params)
     per_param = adam_bytes / params
     res["grad_adam"] = timed(lambda: c.fused(c.m, c.v), adam_bytes, bytes_per_param=per_param)
@@ -323,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s (--kernels)")
     args = p.parse_args(argv)
     if args.kernels:
-        shapes = QUICK_SHAPES if args.quick or args.device == "cpu" else SHAPES_7B
+        shapes = QUICK_SHAPES if args.quick else None
         print(json.dumps(bench_kernels(args.device, shapes, args.bandwidth)))
         return 0
     if args.bytes_only:

@@ -145,10 +145,6 @@ def _shape(quick: bool, device: torch.device, small: dict, full: dict) -> dict:
     return s
 
 
-def _groups(quick: bool) -> tuple[int, int]:
-    return (2, 4) if quick else (8, 64)
-
-
 def _free(device: torch.device) -> None:
     """Free what the last case left (reference cycles included) back to the device."""
     if is_cuda(device):
@@ -190,7 +186,7 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
     s = _shape(quick, device, SMALL, FULL)
     out: dict[str, Any] = {}
-    for groups in _groups(quick):
+    for groups in (2, 4) if quick else (8, 64):
         args = SimpleNamespace(groups=groups, **s)
         res = out[f"groups_{groups}"] = {}
         for v in distiller_variants(device):
@@ -205,7 +201,7 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
     the distiller's step (predict + update allocate nothing per step there: graph replays)."""
     s = _shape(quick, device, SMALL, FULL)
     out: dict[str, Any] = {}
-    for groups in _groups(quick):
+    for groups in (2, 4) if quick else (8, 64):
         args = SimpleNamespace(groups=groups, **s)
         p = plan(args)
         rec: dict[str, Any] = {"plan": p.as_dict()}
@@ -413,16 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     # A part that hangs (a stream or graph waiting forever) prints every thread's stack.
     faulthandler.dump_traceback_later(args.budget_s + 120, exit=False)
-    if args.device == "fake":
-        with rehearsal() as r:
-            out = smoke(r.device, args.quick, args.out, args.budget_s)
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            print(
-                "gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr
-            )
-            return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr)
+        return 2
+    with rehearsal() if args.device == "fake" else contextlib.nullcontext() as r:
+        device = r.device if r else torch.device(args.device)
         out = smoke(device, args.quick, args.out, args.budget_s)
     faulthandler.cancel_dump_traceback_later()
     print(json.dumps(out))
