@@ -200,29 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
     args = p.parse_args(argv)
     grid = [(pr, n, mode, fit) for pr, n in LAYOUTS for mode in MODES for fit in (False, True)]
-    out = [run(*g, args.steps) for g in grid]
-    # The whole step through tllm's runtime, with stream-order checks.
-    runtime = [run_runtime(*g, args.steps, order=True) for g in grid]
-    per_request = [
-        run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for pq in COUNTED_PER_REQUEST
-        if pr > 1 or pq == "block"
-    ]
     configs = []
-    if args.configs:
-        for name, opts in CONFIGS:
-            fit = opts.get("beta_schedule") == "fit"
-            rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
-            for mode in MODES:
-                configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
+    for name, opts in CONFIGS if args.configs else ():
+        fit = opts.get("beta_schedule") == "fit"
+        rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
+        for mode in MODES:
+            configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     result = {
         "torch": torch.__version__,
         "code": code_version(),
-        "results": out,
-        "runtime": runtime,
-        "runtime_per_request": per_request,
+        "results": [run(*g, args.steps) for g in grid],
+        # The whole step through tllm's runtime, with stream-order checks.
+        "runtime": [run_runtime(*g, args.steps, order=True) for g in grid],
+        "runtime_per_request": [
+            run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
+            for pr, n in LAYOUTS
+            for mode in MODES
+            for pq in COUNTED_PER_REQUEST
+            if pr > 1 or pq == "block"
+        ],
         "configurations": configs,
     }
     print(json.dumps(result) if args.json else render(result))

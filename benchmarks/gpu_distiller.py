@@ -48,7 +48,7 @@ from algorithms.esamp.kernels import (  # noqa: E402
     triton_available,
 )
 from algorithms.esamp.memory_plan import MemoryPlan, default_slots, plan_memory  # noqa: E402
-from algorithms.esamp.params import DistillerShape, block_weights  # noqa: E402
+from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights  # noqa: E402
 from tllm_core.testing.fake_cuda import is_cuda  # noqa: E402
 
 QWEN2_7B = dict(
@@ -167,7 +167,7 @@ QUICK_SHAPES: dict[str, Any] = dict(
     hidden=48, intermediate=16, blocks=2, rows=4, cases=((2, 3),), iters=2, warmup=1
 )
 H200_BANDWIDTH = 4.26e12  # copy bandwidth measured on an H200, bytes/s
-LR, BETAS, EPS = 4e-4, (0.9, 0.999), 1e-4
+HP = AdamHyper()  # the distiller's defaults
 ADAM_TILES = ((32, 128, 4), (64, 64, 4), (64, 128, 8), (16, 256, 4))  # block_n, block_k, warps
 MATMUL_TILES = ((64, 64, 4), (32, 128, 4), (128, 64, 8))
 
@@ -203,9 +203,9 @@ class _Case:
         for a, b, w, mm, vv in mats:
             args = (a, b, self.scale, self.live, self.ok, self.step, w, mm, vv)
             if tiles:
-                op_grad_adam.run_triton(*args, LR, *BETAS, EPS, precision, **tiles)
+                op_grad_adam.run_triton(*args, HP.lr, *HP.betas, HP.eps, precision, **tiles)
             else:
-                grad_adam(*args, lr=LR, betas=BETAS, eps=EPS, input_precision=precision)
+                grad_adam(*args, lr=HP.lr, betas=HP.betas, eps=HP.eps, input_precision=precision)
 
     def forward_products(self, out_i, out_h, split: int | None = None, **tiles: int) -> None:
         """The six weight products of one forward pass (inputs reused: only the weight reads
