@@ -30,11 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="steady steps counted per case")
     args = ap.parse_args(argv)
     cases = ("steer_all", "steer_per_request", *KINDS)
-    results = [run(c, args.steps, inf) for inf in (False, True) for c in cases]
     out = {
         "command": command_line("edit_fake_step.py", argv),
         "code": code_version(),
-        "results": results,
+        "results": [run(c, args.steps, inf) for inf in (False, True) for c in cases],
     }
     print(json.dumps(out, indent=1) if args.json else render(out))
 

@@ -7,12 +7,7 @@ Counted (default, any machine; ``tests/esamp_steps.py``): on the fake CUDA devic
 mode and beta schedule, the launches, bytes moved, allocations, host waits and pageable copies
 (the last three must be 0) of the consumer alone and of the whole step through tllm's runtime,
 ESamp on every request and per request. ``--configs``: each setting of ``CONFIGS`` at 8 x 16.
-
-Timed (:func:`bench_step`, CUDA; ``gpu_smoke.py`` runs it): the step beside
-``gpu_distiller.SyntheticDecode`` and a sampler stand-in (min-p 0.1, exponential race, no host
-sync): device time of plain and ESamp steps, the time ESamp adds, the host time of the
-runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a step under
-``torch.cuda.set_sync_debug_mode("error")``, and the memory plan against what was allocated.
+Timed: :func:`bench_step` (CUDA; ``gpu_smoke.py`` runs it).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from bench_setup import code_version, section, table  # noqa: E402
 from esamp_steps import CONFIGS, COUNTED_PER_REQUEST, LAYOUTS, MODES, run, run_runtime  # noqa: E402
-from gpu_distiller import QWEN2_7B, SyntheticDecode, time_us  # noqa: E402
+from gpu_distiller import QWEN2_7B, time_us  # noqa: E402
 
 from algorithms.esamp.kernels import grad_adam_bytes, slot_matmul_bytes  # noqa: E402
 
@@ -42,8 +37,51 @@ def copy_bandwidth(device: torch.device, mib: int = 1024) -> float:
     """Device copy bandwidth (read + write bytes per second) of a large copy."""
     a = torch.empty(mib * 2**20 // 4, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
-    return 2 * a.numel() * 4 / (time_us(lambda: b.copy_(a), 10, device) / 1e6)
+    return 2 * a.numel() * 4 / (time_us(lambda: b.copy_(a), 10, device, warmup=1) / 1e6)
+
+
+class SyntheticDecode:
+    """The linear layers of a Qwen2-7B-shaped decoder at ``rows`` tokens in bf16, one CUDA
+    graph (attention left out: a lower bound of a decode step). A replay rewrites ``h1`` (the
+    first layer's output), ``hL`` (the last one's) and ``logits``."""
+
+    def __init__(self, rows: int, device: torch.device):
+        spec, dtype = QWEN2_7B, torch.bfloat16
+        h, i = spec["hidden"], spec["intermediate"]
+        qkv = (spec["q_heads"] + 2 * spec["kv_heads"]) * spec["head_dim"]
+        w = lambda o, k: torch.randn(o, k, device=device, dtype=dtype) * 0.01  # noqa: E731
+        self.layers = [(w(qkv, h), w(h, h), w(2 * i, h), w(h, i)) for _ in range(spec["layers"])]
+        self.head = w(spec["vocab"], h)
+        self.x = torch.randn(rows, h, device=device, dtype=dtype)
+        self.h1 = torch.empty(rows, h, device=device, dtype=torch.float32)
+        self.hL = torch.empty(rows, h, device=device, dtype=torch.float32)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream(device).wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._run()
+
+    def _run(self) -> torch.Tensor:
+        h = self.x
+        for li, (wqkv, wo, wgu, wd) in enumerate(self.layers):
+            a = h @ wqkv.T
+            h = h + a[:, : wo.shape[1]] @ wo.T
+            g, u = (h @ wgu.T).chunk(2, dim=-1)
+            h = h + (torch.nn.functional.silu(g) * u) @ wd.T
+            h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+            if li == 0:
+                self.h1.copy_(h)
+        self.hL.copy_(h)
+        return h @ self.head.T
+
+    def run_logits(self) -> torch.Tensor:
+        """One step (the graph) and its logits (the graph's static output)."""
+        self.graph.replay()
+        return self.logits
 
 
 def esamp_floor_bytes(prompts: int, n: int, vocab: int = V) -> int:
@@ -74,6 +112,10 @@ def _sample(logits: torch.Tensor) -> torch.Tensor:
 def bench_step(
     device: torch.device, prompts: int, n: int, iters: int = 30, warmup: int = 5, **cfg: Any
 ) -> dict[str, Any]:
+    """ms per step of :class:`SyntheticDecode` and a sampler stand-in (min-p 0.1, exponential
+    race: no host sync), plain and with ESamp through tllm's runtime: what ESamp adds, the host
+    time of the runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a
+    step under ``torch.cuda.set_sync_debug_mode("error")``, the memory plan against the peak."""
     from esamp_steps import RuntimeStep
 
     from tllm_core.api.consumer import ModelInfo
@@ -88,7 +130,6 @@ def bench_step(
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     rs = RuntimeStep(model, prompts, n, {"cuda_rows_per_step": r, **cfg})
-    c = rs.consumer
     torch.cuda.synchronize(device)
     built = torch.cuda.memory_allocated(device) - base
     temp = torch.ones(r, device=device)
@@ -98,28 +139,21 @@ def bench_step(
     # the final state.
     taps = {k: decode.hL if k == "final" else decode.h1 for k in rs.tap_keys}
 
-    def with_esamp(t: int) -> None:
-        logits = _min_p(decode.run_logits().float())
-        host.append(rs.step(taps.__getitem__, logits, temp, _sample))
+    def logits() -> torch.Tensor:
+        return _min_p(decode.run_logits().float())
 
-    def timed(fn) -> float:  # ms per step
-        for i in range(warmup):
-            fn(i)
-        steps = iter(range(warmup, warmup + iters))
-        return time_us(lambda: fn(next(steps)), iters, device) / 1e3
+    def with_esamp() -> None:
+        host.append(rs.step(taps.__getitem__, logits(), temp, _sample))
 
-    plain_ms = statistics.median(
-        timed(lambda i: _sample(_min_p(decode.run_logits().float()))) for _ in range(3)
-    )
-    host.clear()
-    esamp_ms = statistics.median(timed(with_esamp) for _ in range(3))
+    fns = (lambda: _sample(logits()), with_esamp)  # a plain step, then one with ESamp
+    plain_ms, esamp_ms = (time_us(fn, iters, device, warmup, 3) / 1e3 for fn in fns)
     host_ms = statistics.median(host) * 1e3
     peak = torch.cuda.max_memory_allocated(device) - base
     torch.cuda.synchronize(device)
     errors_before = len(rs.runtime.bus.errors)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with_esamp(10**6)
+        with_esamp()
         # A sync inside the consumer's callbacks raised there: the runtime's isolation caught
         # it as the consumer's error (the step went on without it).
         caught = rs.runtime.bus.errors[errors_before:]
@@ -128,7 +162,7 @@ def bench_step(
         sync = f"synced: {err}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    res = c.result()  # bounded: a consumer's result, not a future
+    res = rs.consumer.result()  # bounded: a consumer's result, not a future
     rs.close()
     bw = copy_bandwidth(device)
     floor_ms = esamp_floor_bytes(prompts, n) / bw * 1e3
@@ -166,29 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", action="store_true", help="also each setting of CONFIGS at 8 x 16")
     args = p.parse_args(argv)
     grid = [(pr, n, mode, fit) for pr, n in LAYOUTS for mode in MODES for fit in (False, True)]
-    out = [run(*g, args.steps) for g in grid]
-    # The whole step through tllm's runtime, with stream-order checks.
-    runtime = [run_runtime(*g, args.steps, order=True) for g in grid]
-    per_request = [
-        run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
-        for pr, n in LAYOUTS
-        for mode in MODES
-        for pq in COUNTED_PER_REQUEST
-        if pr > 1 or pq == "block"
-    ]
     configs = []
-    if args.configs:
-        for name, opts in CONFIGS:
-            fit = opts.get("beta_schedule") == "fit"
-            rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
-            for mode in MODES:
-                configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
+    for name, opts in CONFIGS if args.configs else ():
+        fit = opts.get("beta_schedule") == "fit"
+        rest = {k: v for k, v in opts.items() if k != "beta_schedule"}
+        for mode in MODES:
+            configs.append({"config": name, **run(8, 16, mode, fit, args.steps, **rest)})
     result = {
         "torch": torch.__version__,
         "code": code_version(),
-        "results": out,
-        "runtime": runtime,
-        "runtime_per_request": per_request,
+        "results": [run(*g, args.steps) for g in grid],
+        # The whole step through tllm's runtime, with stream-order checks.
+        "runtime": [run_runtime(*g, args.steps, order=True) for g in grid],
+        "runtime_per_request": [
+            run_runtime(pr, n, mode, False, args.steps, order=True, per_request=pq)
+            for pr, n in LAYOUTS
+            for mode in MODES
+            for pq in COUNTED_PER_REQUEST
+            if pr > 1 or pq == "block"
+        ],
         "configurations": configs,
     }
     print(json.dumps(result) if args.json else render(result))
@@ -198,10 +228,6 @@ def main(argv: list[str] | None = None) -> int:
 def render(fs: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--json`` result: ESamp's step alone, through the
     runtime, per request and per setting, each row a count on the fake device."""
-
-    def n(v: Any) -> int:
-        return len(v) if isinstance(v, list) else v
-
     rows = []
     for where, key in (
         ("consumer", "results"),
@@ -210,29 +236,19 @@ def render(fs: dict[str, Any]) -> str:
         ("consumer", "configurations"),
     ):
         for r in fs.get(key, []):
-            what = r.get("config") or (
-                f"per request ({r['per_request']})" if "per_request" in r else where
-            )
-            rows.append(
-                [
-                    f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16",
-                    what,
-                    r["mode"],
-                    "fit" if r.get("fit") else "constant",
-                    r["launches"],
-                    f"{r['bytes'] / 1e9:.2f}",
-                    r["allocations"],
-                    n(r["host_waits"]),
-                    n(r.get("pageable_copies", 0)),
-                ]
-            )
+            per_request = f"per request ({r['per_request']})" if "per_request" in r else where
+            layout = f"{r['prompts']} x {r['n']}" if "prompts" in r else "8 x 16"
+            beta = "fit" if r.get("fit") else "constant"
+            counts = [r["launches"], f"{r['bytes'] / 1e9:.2f}", r["allocations"]]
+            for v in (r["host_waits"], r.get("pageable_copies", 0)):  # a list of sites, or a count
+                counts.append(len(v) if isinstance(v, list) else v)
+            rows.append([layout, r.get("config") or per_request, r["mode"], beta, *counts])
     head = ["prompts x n", "driven by", "mode", "beta", "launches", "GB moved", "allocations"]
-    command = "python benchmarks/esamp_step.py --configs --json"
     return section(
         "ESamp decode step on the fake CUDA device",
         fs,
         table([*head, "host waits", "pageable copies"], rows),
-        command=command,
+        command="python benchmarks/esamp_step.py --configs --json",
     )
 
 

@@ -3,29 +3,11 @@
     python benchmarks/gpu_smoke.py [--device cuda|cpu|fake] [--quick] [--out smoke.json]
                                    [--budget-s 200]
 
-``--device fake`` is the dress rehearsal (:func:`rehearsal`): every CUDA-only line runs on
-CPU on the fake CUDA device, at the GPU run's shapes with one iteration (``--quick``: tiny
-shapes); every value of its JSON is null (it checks the code, it measures nothing). Each part
-says where it ran (``ran_on``: the GPU's name, ``cpu``, or the rehearsal). Parts (keys of the
-JSON printed on the last line and written to ``--out`` after each part):
-
-1. ``cuda_tests``: ``tests/test_esamp_cuda.py``, ``test_esamp_kernels.py`` and
-   ``test_fake_cuda.py``'s GPU checks, in a subprocess (at most 150 s); CUDA only (the
-   rehearsal collects them).
-2. ``esamp_step`` (CUDA, pydantic): ESamp's whole decode step at 7B shapes for 8 x 16, 1 x 128
-   and 64 x 16 beside a synthetic decode step (``esamp_step.bench_step``), and its ``targets``.
-3. ``kernels``: ``gpu_distiller.bench_kernels``; ``--quick`` or CPU: tiny shapes.
-4. ``distiller``: ``gpu_distiller.bench_distiller`` at 7B shapes for 8 and 64 groups, each
-   variant, with the update's bytes per parameter; CPU: tiny shapes.
-5. ``memory``: the plan against ``torch.cuda`` allocation counts after building the distiller
-   and over predict + train steps; on CPU the fake device's counts of a distiller step.
-6. ``syncs``: synchronising operations (``SyncCounter``; on CUDA also the sync debug mode) of
-   the distiller's step, the two candidate searches and (with pydantic) the consumer's step.
-7. ``compiled_taps``: tllm's taps with edits, ``torch.compile``'d and (CUDA) in a CUDA graph,
-   against eager (``compiled_taps.run``); ``--quick`` skips it.
-
-A part not started within ``--budget-s`` is skipped; a run still going 120 s past it prints
-every thread's stack. How to run it and what a pass looks like: docs/gpu.md.
+Seven parts (:func:`_parts`), each a key of the JSON printed on the last line and written to
+``--out`` after each part, each saying where it ran (``ran_on``); what each checks and what a
+pass looks like: docs/gpu.md. ``--device fake`` is the dress rehearsal (:func:`rehearsal`):
+every CUDA-only line runs on CPU on the fake CUDA device at the GPU run's shapes, one
+iteration; every value of its JSON is null (it checks the code, it measures nothing).
 """
 
 from __future__ import annotations
@@ -54,20 +36,20 @@ from bench_setup import code_version, section, table  # noqa: E402
 from compiled_taps import run as run_compiled_taps  # noqa: E402
 from gpu_distiller import (  # noqa: E402
     QUICK_SHAPES,
+    QWEN2_7B,
     SHAPES_7B,
     bench_distiller,
     bench_kernels,
     distiller_variants,
+    make,
+    plan,
 )
-from update_bytes import update_bytes_per_param  # noqa: E402
+from update_bytes import distiller_inputs, update_bytes_per_param  # noqa: E402
 
 from algorithms.esamp.memory_plan import GIB, plan_memory  # noqa: E402
 from tllm_core.testing import fake_cuda  # noqa: E402
 from tllm_core.testing.counters import SyncCounter  # noqa: E402
 from tllm_core.testing.fake_cuda import FakeCuda, is_cuda  # noqa: E402
-
-VOCAB_7B = 152064
-
 
 CUDA_TESTS = ["tests/test_esamp_cuda.py", "tests/test_esamp_kernels.py", "tests/test_fake_cuda.py"]
 BUDGET_S = 200.0  # parts not started by then are skipped: the run ends near 3 minutes
@@ -78,6 +60,9 @@ RAN_ON = (
 )
 DEVICE_NAME = "FakeCuda rehearsal (not a GPU)"
 KEEP = frozenset({"ran_on", "skipped", "error", "traceback", "rehearsal"})
+# The distiller's shapes: 7B on a GPU, tiny with --quick or on CPU.
+FULL = dict(hidden=3584, intermediate=384, blocks=2, rows=16, iters=20, warmup=5, repeats=3)
+SMALL = dict(hidden=256, intermediate=64, blocks=2, rows=4, iters=3, warmup=1, repeats=1)
 
 
 def active() -> FakeCuda | None:
@@ -111,11 +96,8 @@ def _arg_spec(arg: Any) -> list:
 @contextlib.contextmanager
 def rehearsal() -> Iterator[FakeCuda]:
     """The fake CUDA device as a rehearsal (``FakeCuda(rehearsal=True)``: docs/fake-cuda.md)
-    where ESamp's factory takes its CUDA path and ESamp's kernel operators run their CUDA
-    implementation: the argument checks, and the Triton launch built (grid, arguments,
-    tiles) and recorded, not run (their math runs under ``TRITON_INTERPRET=1`` in
-    ``tests/test_esamp_kernels.py``); each distinct compilation is kept for a compile check
-    for sm_90. All put back on exit."""
+    where ESamp takes its CUDA path and its kernel operators run their CUDA implementation's
+    checks, each Triton launch built and recorded (for a compile check for sm_90), not run."""
     from algorithms.esamp import factory
     from algorithms.esamp.kernels import ops, triton_available
 
@@ -155,13 +137,11 @@ def rehearsal_record(fc: FakeCuda) -> dict[str, Any]:
     }
 
 
-def _shape(quick: bool, device: torch.device) -> dict[str, int]:
-    if quick or device.type == "cpu":
-        s = dict(hidden=256, intermediate=64, rows=4, iters=3, warmup=1, repeats=1)
-    else:
-        s = dict(hidden=3584, intermediate=384, rows=16, iters=20, warmup=5, repeats=3)
+def _shape(quick: bool, device: torch.device, small: dict, full: dict) -> dict:
+    """``small`` with ``--quick`` or on CPU, else ``full``; in the rehearsal one iteration."""
+    s = dict(small if quick or device.type == "cpu" else full)
     if active():  # the GPU run's shapes, one iteration: nothing is timed
-        s.update(iters=1, warmup=1, repeats=1)
+        s.update((k, 1) for k in ("iters", "warmup", "repeats") if k in s)
     return s
 
 
@@ -204,54 +184,34 @@ def run_cuda_tests(device: torch.device) -> dict[str, Any]:
 
 
 def run_distiller(device: torch.device, quick: bool) -> dict[str, Any]:
-    s = _shape(quick, device)
+    s = _shape(quick, device, SMALL, FULL)
     out: dict[str, Any] = {}
-    for groups in (8, 64) if not quick else (2, 4):
-        args = SimpleNamespace(groups=groups, blocks=2, **s)
-        res: dict[str, Any] = {}
+    for groups in (2, 4) if quick else (8, 64):
+        args = SimpleNamespace(groups=groups, **s)
+        res = out[f"groups_{groups}"] = {}
         for v in distiller_variants(device):
             res[v] = bench_distiller(v, args, device)
             _free(device)  # the variant's distiller (6 GB at 64 groups) before the next
         res["bytes_per_param"] = update_bytes_per_param(args, device)
-        out[f"groups_{groups}"] = res
     return {"shape": s, "results": out}
-
-
-def _distiller(device: torch.device, hidden: int, inter: int, slots: int, rows: int):
-    if is_cuda(device):
-        from algorithms.esamp.cuda import CudaGroupedDistiller
-
-        return CudaGroupedDistiller(
-            hidden, device=device, intermediate_size=inter, capacity=slots, graph_max_rows=rows
-        )
-    from algorithms.esamp.cpu import GroupedDistiller
-
-    return GroupedDistiller(hidden, intermediate_size=inter, capacity=slots)
 
 
 def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
     """CUDA: the plan against what the distiller allocates. CPU: the fake device's counts of
     the distiller's step (predict + update allocate nothing per step there: graph replays)."""
-    s = _shape(quick, device)
-    h, inter, rows = s["hidden"], s["intermediate"], s["rows"]
+    s = _shape(quick, device, SMALL, FULL)
     out: dict[str, Any] = {}
-    for groups in (8, 64) if not quick else (2, 4):
-        plan = plan_memory(
-            h, VOCAB_7B, slots=groups, graph_rows=rows, rows_per_step=groups * rows,
-            intermediate_size=inter,
-        )  # fmt: skip
-        rec: dict[str, Any] = {"plan": plan.as_dict()}
-        # The plan's terms that the distiller alone allocates (no guidance here).
-        distiller_plan = plan.total_bytes - plan.guidance_workspace_bytes
-        slots = torch.arange(groups).repeat_interleave(rows)
+    for groups in (2, 4) if quick else (8, 64):
+        args = SimpleNamespace(groups=groups, **s)
+        p = plan(args)
+        rec: dict[str, Any] = {"plan": p.as_dict()}
         if is_cuda(device):
-            x = torch.randn(groups * rows, h, device=device)
-            t = x + 0.1 * torch.randn_like(x)
+            slots, x, t = distiller_inputs(args, device)
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-            d = _distiller(device, h, inter, groups, rows)
+            d = make("graph_side", args, device)
             torch.cuda.synchronize(device)
             rec["built_bytes"] = torch.cuda.memory_allocated(device) - base
             live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
@@ -260,30 +220,28 @@ def run_memory(device: torch.device, quick: bool) -> dict[str, Any]:
                 d.train_step(live, x, t)
             d.synchronize()
             rec["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
-            rec["plan_distiller_bytes"] = distiller_plan
-            rec["within_plan"] = rec["peak_bytes"] <= distiller_plan
+            # The plan's terms that the distiller alone allocates (no guidance here).
+            rec["plan_distiller_bytes"] = p.total_bytes - p.guidance_workspace_bytes
+            rec["within_plan"] = rec["peak_bytes"] <= rec["plan_distiller_bytes"]
             d.close()
-            del d
         else:
             with FakeCuda() as fc:
-                d = _distiller(fc.device, h, inter, groups, rows)
+                d = make("graph_side", args, fc.device)
+                slots, x, _ = distiller_inputs(args, fc.device)
                 live = torch.tensor([d.alloc() for _ in range(groups)])[slots]
-                x = torch.zeros(groups * rows, h, device=fc.device)
                 fc.start_steps()
                 for _ in range(2):
                     with fc.step():
                         d.predict(live, x)
                         d.train_step(live, x, x)
                 step = fc.report()["steps"]["per_step"][-1]
-            rec["fake_device_step"] = {
-                k: step[k]
-                for k in ("launches", "bytes", "allocation", "host_wait", "pageable_copy")
-            }
+            keys = ("launches", "bytes", "allocation", "host_wait", "pageable_copy")
+            rec["fake_device_step"] = {k: step[k] for k in keys}
             rec["within_plan"] = step["allocation"] == 0
-        rec["plan_gib"] = round(plan.total_bytes / GIB, 4)
+        rec["plan_gib"] = round(p.total_bytes / GIB, 4)
         out[f"groups_{groups}"] = rec
     out["qwen2.5_7b_default_plan"] = plan_memory(
-        3584, VOCAB_7B, slots=8, graph_rows=16, rows_per_step=128
+        3584, QWEN2_7B["vocab"], slots=8, graph_rows=16, rows_per_step=128
     ).as_dict()
     return out
 
@@ -298,12 +256,10 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
         import algorithms.esamp.consumer  # noqa: F401  (pydantic: bench_step imports it late)
     except ImportError as err:
         return {"skipped": f"the consumer is not importable: {err}"}
-    iters, warmup = (5, 5) if quick else (30, 5)
-    if active():
-        iters, warmup = 1, 1
+    s = _shape(quick, device, dict(iters=5, warmup=5), dict(iters=30, warmup=5))
     out: dict[str, Any] = {}
     for prompts, n in ((8, 16), (1, 128), (64, 16)):
-        out[f"{prompts}x{n}"] = bench_step(device, prompts, n, iters=iters, warmup=warmup)
+        out[f"{prompts}x{n}"] = bench_step(device, prompts, n, **s)
         _free(device)  # each layout's 14 GB synthetic model before the next one's
     a, b, c = out["8x16"], out["1x128"], out["64x16"]
     out["targets"] = {
@@ -317,14 +273,7 @@ def run_esamp_step(device: torch.device, quick: bool) -> dict[str, Any]:
     return out
 
 
-def run_kernels(device: torch.device, quick: bool) -> dict[str, Any]:
-    shapes = QUICK_SHAPES if quick or device.type == "cpu" else SHAPES_7B
-    if active():  # the GPU run's shapes, one iteration
-        shapes = {**shapes, "iters": 1, "warmup": 1}
-    return bench_kernels(device, shapes)
-
-
-def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B) -> dict:
+def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = QWEN2_7B["vocab"]) -> dict:
     """Syncs of the two candidate searches on min-p-filtered logits (SyncCounter), and on
     CUDA the fixed-size search and write under ``torch.cuda.set_sync_debug_mode("error")``,
     which raises at any real synchronisation."""
@@ -360,10 +309,10 @@ def candidate_syncs(device: torch.device, rows: int = 128, vocab: int = VOCAB_7B
 
 
 def run_syncs(device: torch.device) -> dict[str, Any]:
-    h, inter, groups, rows = 64, 32, 4, 4
-    d = _distiller(device, h, inter, groups, rows)
-    live = torch.tensor([d.alloc() for _ in range(groups)]).repeat_interleave(rows)
-    x = torch.randn(groups * rows, h, device=device)
+    args = SimpleNamespace(hidden=64, intermediate=32, blocks=2, groups=4, rows=4)
+    d = make("graph_side", args, device)
+    slots, x, _ = distiller_inputs(args, device)
+    live = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
     per_step = []
     for _ in range(3):
         with SyncCounter() as sc:
@@ -393,7 +342,7 @@ def _parts(device: torch.device, quick: bool) -> tuple:
     return (
         ("cuda_tests", lambda: run_cuda_tests(device)),
         ("esamp_step", lambda: run_esamp_step(device, quick)),
-        ("kernels", lambda: run_kernels(device, quick)),
+        ("kernels", lambda: bench_kernels(device, _shape(quick, device, QUICK_SHAPES, SHAPES_7B))),
         ("distiller", lambda: run_distiller(device, quick)),
         ("memory", lambda: run_memory(device, quick)),
         ("syncs", lambda: run_syncs(device)),
@@ -460,16 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     # A part that hangs (a stream or graph waiting forever) prints every thread's stack.
     faulthandler.dump_traceback_later(args.budget_s + 120, exit=False)
-    if args.device == "fake":
-        with rehearsal() as r:
-            out = smoke(r.device, args.quick, args.out, args.budget_s)
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            print(
-                "gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr
-            )
-            return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (use --device cpu, or fake to rehearse)", file=sys.stderr)
+        return 2
+    with rehearsal() if args.device == "fake" else contextlib.nullcontext() as r:
+        device = r.device if r else torch.device(args.device)
         out = smoke(device, args.quick, args.out, args.budget_s)
     faulthandler.cancel_dump_traceback_later()
     print(json.dumps(out))
@@ -479,46 +423,45 @@ def main(argv: list[str] | None = None) -> int:
 def render(sm: dict[str, Any]) -> str:
     """The docs/results.md section of a ``--out`` result: each part's figures, one row each."""
     rows: list[list[Any]] = []
-    for k, rec in sm["memory"].items():
-        if k.startswith("groups_") and "fake_device_step" in rec:
-            allocs = rec["fake_device_step"]["allocation"]
-            rows.append([f"memory, {k[7:]} slots", f"{allocs} allocations per step (fake device)"])
-        elif k.startswith("groups_"):
-            used, plan = rec["peak_bytes"], rec["plan_distiller_bytes"]
-            rows.append([f"memory, {k[7:]} slots", f"{used} bytes measured, {plan} planned"])
+    mem, sy = sm["memory"], sm["syncs"]
+    for k, rec in mem.items():
         if k.startswith("groups_"):
-            rows.append([f"memory, {k[7:]} slots, within plan", rec["within_plan"]])
-    plan7 = sm["memory"].get("qwen2.5_7b_default_plan", {})
-    if plan7:
-        rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{plan7['total_gib']:.3f}"])
-    sy = sm["syncs"]
-    if "distiller_step" in sy:
-        rows.append(["host syncs, distiller step", sum(sy["distiller_step"][-1].values())])
-    for mode, counts in sy.get("consumer_step", {}).items():
-        if isinstance(counts, list):
-            rows.append([f"host syncs, ESamp step ({mode})", sum(counts[-1].values())])
+            step = rec.get("fake_device_step")
+            used = (
+                f"{rec.get('peak_bytes')} bytes measured, {rec.get('plan_distiller_bytes')} planned"
+            )
+            got = f"{step['allocation']} allocations per step (fake device)" if step else used
+            rows += [[f"memory, {k[7:]} slots", got]]
+            rows += [[f"memory, {k[7:]} slots, within plan", rec["within_plan"]]]
+    if "qwen2.5_7b_default_plan" in mem:
+        gib = mem["qwen2.5_7b_default_plan"]["total_gib"]
+        rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{gib:.3f}"])
+    steps = {"distiller step": sy.get("distiller_step")}
+    steps |= {f"ESamp step ({m})": c for m, c in sy.get("consumer_step", {}).items()}
+    rows += [
+        [f"host syncs, {k}", sum(c[-1].values())] for k, c in steps.items() if isinstance(c, list)
+    ]
     search = sy.get("candidate_search") or {}
-    for kind in ("exact", "fixed_size"):
-        if kind in search:
-            rows.append([f"host syncs, {kind} candidate search", sum(search[kind].values())])
+    rows += [
+        [f"host syncs, {k} candidate search", sum(v.values())]
+        for k, v in search.items()
+        if k in ("exact", "fixed_size")
+    ]
     for k, rec in sm["distiller"].get("results", {}).items():
         for name, v in (rec.get("bytes_per_param") or {}).items():
             rows.append([f"update bytes per parameter, {k[7:]} groups, {name}", f"{v:.1f}"])
     ct = sm.get("compiled_taps") or {}
     if "compiled_max_abs_diff" in ct:
-        rows.append(
-            ["compiled taps, max abs diff from eager", f"{max(ct['compiled_max_abs_diff']):.1e}"]
-        )
         replay = ct["cuda_graph"].get("replay_max_abs_diff")
-        rows.append(
-            ["CUDA graph taps, max abs diff", f"{max(replay):.1e}" if replay else "not run"]
-        )
-    skipped = [
-        f"{part}: {rec['skipped']}"
+        rows += [
+            ["compiled taps, max abs diff from eager", f"{max(ct['compiled_max_abs_diff']):.1e}"],
+            ["CUDA graph taps, max abs diff", f"{max(replay):.1e}" if replay else "not run"],
+        ]
+    rows += [
+        ["not run", f"{part}: {rec['skipped']}"]
         for part, rec in sm.items()
         if isinstance(rec, dict) and "skipped" in rec
     ]
-    rows += [["not run", s] for s in skipped]
     device = f"{sm['device']}, torch {sm['torch']}"
     command = f"python benchmarks/gpu_smoke.py --device {sm['device']} --out FILE"
     return section(
