@@ -15,10 +15,13 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import pydantic
 import torch
+from pydantic import Field
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from tllm_core.api.architectures import STEP_SITES
 from tllm_core.api.consumer import Consumer, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditBuffers, apply_edit
@@ -35,12 +38,11 @@ from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.serving.keys import EngineConsumers, validate_extra_args
 
 # -- the transformers model, described and tapped as the engine's ------------------------------
-# Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
-# and per step. Router taps need vLLM's MoE runner: not served here.
+# Tap sites the kit serves per layer (module of the decoder layer; None: the layer itself).
+# Router taps need vLLM's MoE runner: not served here.
 LAYER_SITES: Mapping[str, str | None] = MappingProxyType(
     {"residual": None, "attn": "self_attn", "mlp": "mlp"}
 )
-STEP_SITES = ("final", "logits", "sampled")
 
 
 def _load(path: str, dtype: str) -> tuple[Any, Any]:
@@ -192,9 +194,7 @@ class HfTap:
             e = self.edit
             mask = e.mask[lo : lo + n]
             new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
-            if e.transforms and self.window.lockstep is None:
-                new, mask = self._transform(new, lo)
-            elif e.transforms:
+            if e.transforms:  # over the step's rows, as in the engine
                 new, mask = self.window.lockstep.meet(self.key, lo, new, self._transform)
             changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
             with self._count:
@@ -203,12 +203,12 @@ class HfTap:
         self.capture[lo : lo + n] = s.detach().to(self.dtype)
         return new
 
-    def _transform(self, new: torch.Tensor, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order; returns
-        ``(new rows, rows edited)``."""
-        mask = self.edit.mask[lo : lo + len(new)]
+    def _transform(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-graph transforms on the step's rows, in consumer order; returns ``(new
+        rows, rows edited)``."""
+        mask = self.edit.mask[: len(new)]
         for _, module, rows in self.edit.transforms:
-            rows = rows[lo : lo + len(new)]
+            rows = rows[: len(new)]
             new = torch.where(rows, module(new, rows), new)
             mask = mask | rows
         return new, mask
@@ -232,26 +232,15 @@ class HfTap:
 GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
 
 
-@dataclass(frozen=True)
+@pydantic.dataclasses.dataclass(frozen=True)
 class Sampling:
     """One request's sampling settings (the fields of vLLM's ``SamplingParams`` the kit uses)."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)  # 0: off
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature", ">= 0"),
-            (self.top_k >= 0, "top_k", ">= 0 (0: off)"),
-            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
-        ]
-        for ok, name, allowed in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {allowed}")
 
     @property
     def greedy(self) -> bool:
@@ -321,17 +310,8 @@ class _Request:
 
 
 class ConsumerKit:
-    """Consumers run on a transformers model by tllm's runtime, without vLLM.
-
-    ``model``: a local Hugging Face folder (None: the embedded model). ``consumers``: what
-    ``TllmLLM`` takes, and also a ``Consumer`` subclass, ``(class, config dict)`` or a spec
-    dict whose ``"name"`` is the class (used even where an entry point names another).
-    ``max_num_batched_tokens``: the token budget per step (chunked prefill).
-    ``max_consecutive_failures``, ``raise_on_disabled``, ``dtype``: as ``TllmLLM``'s.
-    ``share_model``: kits in one process share the loaded model (False: a private copy, for a
-    test that changes weights). ``lockstep_timeout``: how long a step's forwards may wait for
-    each other at a tap with a transform. ``settings``: other ``RuntimeSettings`` fields.
-    """
+    """Consumers run on a transformers model by tllm's runtime, without vLLM (arguments:
+    docs/testing-consumers.md; ``settings``: other ``RuntimeSettings`` fields)."""
 
     def __init__(
         self,
@@ -455,10 +435,8 @@ class ConsumerKit:
         extra_args: dict | Sequence[dict | None] | None = None,
         tokens: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[list[list[int]]]:
-        """Generate for ``prompts`` (texts or token-id lists) like ``TllmLLM.generate`` with one
-        ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
-        prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
-        drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
+        """Token ids per prompt and sample, generated like ``TllmLLM.generate`` with one
+        ``SamplingParams`` of these fields (``tokens``: a replay; docs/testing-consumers.md)."""
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         extras = list(extra_args) if isinstance(extra_args, (list, tuple)) else None
         if extras is not None and len(extras) != len(items):
@@ -601,12 +579,12 @@ class ConsumerKit:
         the transform sees the whole step."""
         spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
         transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
-        if len(sched) < 2 or not transforms:
+        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
+        if len(sched) < 2 or not transforms:  # one party: the tap's meeting runs at once
             return [
                 self._forward_one(r, ids, lo)
                 for (r, _), ids, lo in zip(sched, fed, spans, strict=True)
             ]
-        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
         logits: list[torch.Tensor | None] = [None] * len(sched)
         errors: list[BaseException] = []
 
@@ -619,19 +597,16 @@ class ConsumerKit:
                 step.abort()
 
         threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(sched))]
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(self.lockstep_timeout)
-                if t.is_alive():
-                    step.abort()
-                    raise TimeoutError(
-                        f"ConsumerKit: a request's forward did not end within "
-                        f"{self.lockstep_timeout:g} s (a transform or hook that hangs?)"
-                    )
-        finally:
-            self._window.lockstep = None
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.lockstep_timeout)
+            if t.is_alive():
+                step.abort()
+                raise TimeoutError(
+                    f"ConsumerKit: a request's forward did not end within "
+                    f"{self.lockstep_timeout:g} s (a transform or hook that hangs?)"
+                )
         if errors:  # the forward that failed first, not those it broke off
             raise next((e for e in errors if not isinstance(e, LockstepBroken)), errors[0])
         return [x for x in logits if x is not None]
