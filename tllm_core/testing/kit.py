@@ -1,8 +1,5 @@
 """The consumer test kit: consumers run by the engine's own runtime on a transformers model,
-scheduled as vLLM does (chunked prefill, then one decode row per step), in seconds and without
-vLLM. What differs from vLLM: docs/testing-consumers.md. Forward hooks capture and edit its tap
-sites as the engine's taps do, over the step's packed rows (a request's forward covers
-``[offset, offset + n)``); the sampler orders its steps around guidance as vLLM's does."""
+scheduled and sampled as vLLM does, without vLLM (what differs: docs/testing-consumers.md)."""
 
 from __future__ import annotations
 
@@ -79,9 +76,8 @@ def site_module(hf: Any, site: str, layer: int) -> nn.Module:
 
 
 def model_info(hf: Any) -> ModelInfo:
-    """What a consumer is told about the model in an engine, for this transformers model: the
-    head as the model computes it (scaling and soft-capping included), its ``[vocab, hidden]``
-    weight when it is a plain linear, the final norm and its gain when it is a plain RMSNorm."""
+    """The ``ModelInfo`` an engine gives consumers, for this transformers model (the head
+    with its scaling and soft-capping, the final norm)."""
     cfg = hf.config.get_text_config()
     linear = hf.get_output_embeddings()
     scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
@@ -119,8 +115,7 @@ class Window:
 
     def __init__(self) -> None:
         self.here = threading.local()
-        self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
-        self.lockstep: Lockstep | None = None
+        self.lockstep: Lockstep | None = None  # set only during the kit's own forwards
 
 
 class LockstepBroken(RuntimeError):
@@ -217,7 +212,7 @@ class HfTap:
         """Hook this tap on ``site``; returns the hook handle."""
 
         def hook(_module: Any, _args: Any, out: Any) -> Any:
-            if not self.window.active:
+            if self.window.lockstep is None:  # not the kit's forward (a test may call the model)
                 return None
             t = out[0] if isinstance(out, tuple) else out  # [1, n, width]: one request
             new = self.process(t[0])
@@ -540,11 +535,10 @@ class ConsumerKit:
             edited={k: t.edited for k, t in self._taps.items() if t.edit is not None},
         )
         self.runtime.begin_step(rows, self._edits)
-        self._window.active = True
         try:
             logits = self._forward(sched, fed)
         finally:
-            self._window.active = False
+            self._window.lockstep = None
         step.tensors = {k: t.capture for k, t in self._taps.items() if t.capture is not None}
         raw = torch.stack(logits)
         step.tensors["logits"] = raw
@@ -574,9 +568,8 @@ class ConsumerKit:
     def _forward(
         self, sched: list[tuple[_Request, int]], fed: list[list[int]]
     ) -> list[torch.Tensor]:
-        """Each scheduled request's forward with its own KV cache; the logits of its last row.
-        Where a transform edits a tap the forwards run side by side and meet there, so that
-        the transform sees the whole step."""
+        """Each request's forward (own KV cache): its last row's logits. With a transform the
+        forwards run side by side and meet at its tap, so that it sees the whole step."""
         spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
         transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
         step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
