@@ -1,8 +1,5 @@
-"""tllm: run consumers inside vLLM generation.
-
-The public API for consumer, producer, architecture-plugin and command authors
-(docs/ports.md, docs/hooks.md); every name below is imported on first use.
-"""
+"""tllm: run consumers inside vLLM generation. The public API for consumer, producer,
+architecture-plugin and command authors (docs/ports.md, docs/hooks.md)."""
 
 from __future__ import annotations
 
@@ -10,8 +7,7 @@ from typing import TYPE_CHECKING
 
 from tllm_core.lazy import lazy_exports
 
-# The public names: imported on first use (PEP 562), so that importing a plugin's entry point
-# (``from tllm_core import hookimpl``) costs neither torch nor vLLM; type checkers read them here.
+# Imported on first use (tllm_core.lazy): ``from tllm_core import hookimpl`` costs no torch.
 if TYPE_CHECKING:
     from tllm_core.api.architectures import ArchitectureSpec, SiteSpec
     from tllm_core.api.bundles import Bundle, GuideView

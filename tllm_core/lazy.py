@@ -11,10 +11,8 @@ from typing import Any
 
 
 def lazy_exports(package: str, init_file: str) -> tuple[list[str], Callable[[str], Any]]:
-    """``(__all__, __getattr__)`` of a package whose public names are the imports of the
-    ``if TYPE_CHECKING:`` block of its ``__init__.py``: one list, read by type checkers and
-    editors there and imported on first use here (a name its module does not hold is that
-    module's submodule: ``from pkg.app import cli_common``)."""
+    """``(__all__, __getattr__)`` exporting the imports of the ``if TYPE_CHECKING:`` block of
+    ``init_file`` (a name its module lacks is a submodule: ``from pkg.app import cli_common``)."""
     home: dict[str, str] = {}
     for node in ast.parse(Path(init_file).read_text(encoding="utf-8")).body:
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":

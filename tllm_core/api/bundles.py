@@ -23,10 +23,8 @@ from tllm_core.api.rows import RowInfo
 
 @dataclass
 class Bundle:
-    """What one engine step produced for one consumer's read ports: ``hidden[key]`` holds each
-    token port's data, ``[len(rows), ...]``; ``per_sample[key]`` each sample port's data for
-    ``sampled_rows`` (rows whose sampled token is kept). End-of-step bundles hold device
-    tensors valid only during the call; background bundles host copies (docs/delivery.md)."""
+    """One step's data for a consumer's read ports: ``hidden[key]`` per token row of
+    ``rows``, ``per_sample[key]`` per row of ``sampled_rows`` (docs/delivery.md)."""
 
     step: int
     rows: RowInfo
@@ -46,13 +44,8 @@ class Bundle:
 
 
 class GuideView:
-    """The sampler's view for one step (write port ``SamplerGuide``): ``logits`` are fp32,
-    divided by each row's temperature and filtered by top-k/top-p/min-p (non-candidates are
-    ``-inf``); row ``i`` belongs to ``rows[i]``. Change them only through
-    :meth:`update_candidates` (sparse), :meth:`update_top_candidates` (up to ``k`` per row,
-    no host sync), :meth:`update` (dense rows) or :meth:`update_all` (every row, nothing
-    allocated): each keeps filtered-out entries at ``-inf`` and the others bit for bit, and
-    counts what changed on the device. ``wrote``: whether any write was made."""
+    """The sampler's view for one step (write port ``SamplerGuide``): filtered fp32 logits,
+    changed only through the ``update*`` methods (docs/ports.md, "SamplerGuide")."""
 
     def __init__(
         self,
@@ -148,9 +141,7 @@ class GuideView:
         self._changed.index_add_(0, rows, (new != old).long())
 
     def top_candidates(self, k: int, buffers: GuideBuffers | None = None) -> TopCandidates:
-        """Up to ``k`` surviving entries of every row in fixed ``[R, k]`` tensors, found
-        without a host sync. With ``buffers`` (``top_k=k``) the search and its
-        :meth:`update_top_candidates` allocate nothing (one write per step)."""
+        """Up to ``k`` surviving entries of every row in fixed ``[R, k]`` tensors (no host sync)."""
         if buffers is not None and id(buffers) in self._busy:
             raise ValueError(
                 "these GuideBuffers already hold a write of this step; a second search into "
@@ -164,9 +155,8 @@ class GuideView:
         new_logits: torch.Tensor,
         drop_rest: torch.Tensor | None = None,
     ) -> None:
-        """Set the valid slots of ``top`` to ``new_logits [R, k]``; everything else stays
-        bit for bit. ``drop_rest`` (bool ``[R]``): in those rows, also set every candidate
-        outside ``top`` to ``-inf`` (counted as changed). No host sync."""
+        """Set the valid slots of ``top`` to ``new_logits [R, k]`` (``drop_rest`` rows: every
+        other candidate to ``-inf``). No host sync."""
         b = top.buffers  # with buffers every temporary is a row view of them
         if b is not None:
             if id(b) in self._busy:
@@ -210,10 +200,8 @@ class GuideView:
     def update_all(
         self, new_logits: torch.Tensor, buffers: GuideBuffers, rows: torch.Tensor | None = None
     ) -> None:
-        """Set every row's candidate entries to ``new_logits [R, V]`` (the logits' dtype),
-        allocating nothing: ``new_logits`` is overwritten with the values to write and copied
-        in when the guide returns (leave it untouched until then). ``rows`` (bool ``[R]``):
-        only those rows. ``buffers`` (``dense``) hold the masks that count what changed."""
+        """Set every (``rows``: those) row's candidate entries to ``new_logits [R, V]``,
+        allocating nothing; ``new_logits`` is copied in when the guide returns."""
         logits = self.logits
         if new_logits.shape != logits.shape or new_logits.dtype != logits.dtype:
             raise ValueError(
@@ -236,8 +224,7 @@ class GuideView:
         self._drops.append(lambda logits: logits.copy_(new_logits))
 
     def changed_per_row(self) -> torch.Tensor:
-        """Logits changed through this view so far, per row (int64 ``[R]``, on the logits'
-        device: reading it is up to the caller)."""
+        """Logits changed through this view so far, per row (int64 ``[R]``, on the device)."""
         return self._changed
 
     def guided_counts(self) -> tuple[int, int]:

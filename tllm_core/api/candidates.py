@@ -113,9 +113,8 @@ def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | N
 
 @dataclass(frozen=True)
 class Candidates:
-    """The candidate entries of a :class:`~tllm_core.api.bundles.GuideView`, row-major: entry
-    ``j`` is token ``tokens[j]`` of view row ``rows[j]`` with logit ``logits[j]``. Write back
-    through ``GuideView.update_candidates`` with indices into these entries."""
+    """A ``GuideView``'s candidate entries, row-major: entry ``j`` is token ``tokens[j]`` of
+    view row ``rows[j]`` with logit ``logits[j]``."""
 
     rows: torch.Tensor  # int64 [N]: view row of each entry
     tokens: torch.Tensor  # int64 [N]
@@ -127,10 +126,8 @@ class Candidates:
 
 @dataclass(frozen=True)
 class TopCandidates:
-    """Up to ``k`` candidates of every view row, fixed-size: slot ``[i, j]`` is token
-    ``tokens[i, j]`` with logit ``logits[i, j]``, ``valid`` False past a row's candidates;
-    a row's ``k`` highest (``over_cap[i]``: the others), in no particular order. Write back
-    through ``GuideView.update_top_candidates``."""
+    """A row's ``k`` highest candidates, unordered: slot ``[i, j]`` is token ``tokens[i, j]``
+    with logit ``logits[i, j]`` where ``valid`` (``over_cap[i]``: the others)."""
 
     tokens: torch.Tensor  # int64 [R, k]
     logits: torch.Tensor  # fp32 [R, k]

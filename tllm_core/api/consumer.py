@@ -73,18 +73,8 @@ class ControlError(ValueError):
 
 
 class Consumer:
-    """Base class of every consumer (built-in or third-party).
-
-    Subclasses set ``name``, ``description`` and ``Config``, declare ports in
-    :meth:`reads` / :meth:`writes` and implement the callbacks they need. Constructed in
-    the process that runs the model, before the first forward: raise ``ValueError`` there
-    for bad settings.
-
-    ``Request`` (optional) declares per-request settings: field ``f`` is the request key
-    ``tllm_{name}_{f}``, validated before the request reaches the engine; read with
-    ``request.settings(self)``. A field ``window: WindowSetting = None`` narrows this
-    consumer's rows of a request to a capture window (see ``request_window_rows``).
-    """
+    """Base class of every consumer: set ``name``, ``description``, ``Config`` (and
+    optionally ``Request``), declare ports and implement the callbacks (docs/hooks.md)."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
@@ -128,12 +118,10 @@ class Consumer:
         """Receive the read ports' data (end of step, or on the background thread)."""
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        """A request (one sample) finished or was aborted: ``request.cut_short`` tells
-        which (True: aborted or closed before its end, see :class:`RequestInfo`)."""
+        """A request (one sample) finished or (``request.cut_short``) was aborted."""
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
-        """A bundle of ``step`` was dropped (background delivery, ``overflow: "drop"``, a full
-        queue); ``requests`` lost rows. Called in order on the background thread."""
+        """A bundle of ``step`` was dropped (a full background queue); ``requests`` lost rows."""
 
     def result(self) -> Any:
         """A JSON-able result returned to the caller after the run (optional)."""
@@ -141,17 +129,13 @@ class Consumer:
 
     # -- per-request results (returned with the completion: tllm_core/api/results.py) -------
     def request_result(self, request: RequestInfo) -> Any:
-        """What this consumer computed for ``request`` (one sample), returned with its
-        completion when ``tllm_results`` names this consumer. Called once, after
-        :meth:`on_request_finished`; JSON-able values, tensors and arrays. Collect only for
-        requests that ask (``request.wants_result(self.name)``)."""
+        """What this consumer computed for ``request``, returned with its completion when
+        ``tllm_results`` names this consumer (once, after :meth:`on_request_finished`)."""
         return None
 
     @classmethod
     def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
-        """An upper bound of :meth:`request_result`'s JSON size for ``request``; the server
-        refuses (HTTP 400) a request bounded past its ``max_result_bytes`` before generating.
-        None: unknown, checked when the result is made."""
+        """An upper bound of :meth:`request_result`'s JSON size for ``request`` (None: unknown)."""
         return None
 
     @classmethod
@@ -167,15 +151,12 @@ class Consumer:
     def check_control(
         cls, action: str, payload: dict[str, Any], config: ConsumerConfig
     ) -> tuple[ConsumerConfig, Any]:
-        """In the server's front end (no model): check a control request. Return the config
-        later requests are validated against and the reply; ``config`` itself answers from
-        the front end alone, a new config sends the request to the engine's :meth:`control`
-        first. Raise :class:`ControlError` to refuse (default: 404, docs/hooks.md)."""
+        """In the server's front end: check a control request; ``(config, reply)`` or a
+        :class:`ControlError` (default: 404)."""
         raise ControlError(f"consumer {cls.name!r} takes no control requests", 404)
 
     def control(self, action: str, payload: dict[str, Any]) -> Any:
-        """In the engine, between steps: apply a request :meth:`check_control` accepted
-        (every rank gets it); return a JSON-able reply, or raise :class:`ControlError`."""
+        """In the engine, between steps: apply a request :meth:`check_control` accepted."""
         raise ControlError(f"consumer {self.name!r} takes no control requests", 404)
 
     # -- the run's summary and report: class methods, called in the ``tllm`` command's

@@ -35,10 +35,8 @@ def apply_edit(
 
 
 class EditPlan:
-    """Edits a consumer asks for before this step's forward. Row indices index ``rows``;
-    ``target`` is a decoder layer index (the residual stream after it; negative counts from
-    the end), a token port the consumer declared in an ``Edit`` write port, or that port's
-    name (``"attn.3"``, ``"layer.-1"``)."""
+    """Edits a consumer asks for before this step's forward: rows index ``rows``; ``target``
+    is a layer index, a port declared in an ``Edit`` write port, or its name (``"attn.3"``)."""
 
     def __init__(
         self,
@@ -188,10 +186,8 @@ IndexTo = Callable[[np.ndarray, torch.device], torch.Tensor]
 
 
 class EditBuffers:
-    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit`: written by
-    index on the device, without a host wait given the runtime's ``index`` (pinned, pooled
-    copies). The host keeps which direction each row ablates, so a second ablation is
-    checked on the device only where a row already ablates another one."""
+    """Per-row edit state of one tap, read inside the forward by :func:`apply_edit` and
+    written by index on the device (no host wait given the runtime's pooled ``index``)."""
 
     def __init__(self, max_tokens: int, width: int, dtype: torch.dtype, device: torch.device):
         self.mask = torch.zeros(max_tokens, 1, dtype=torch.bool, device=device)

@@ -67,13 +67,8 @@ class SamplePort(ReadPort):
 
 @dataclass(frozen=True)
 class LayerPort(TokenPort):
-    """A token port at one decoder layer: key ``"{prefix}.{layer}"``; a frozen dataclass
-    with fields ``layer`` (negative counts from the end) and ``phase``. A subclass sets the
-    class attribute ``prefix`` and nothing else::
-
-        class AttentionOutput(LayerPort):
-            prefix = "attn"
-    """
+    """A token port at one decoder layer, key ``"{prefix}.{layer}"``: a subclass sets only
+    the class attribute ``prefix`` (docs/ports.md)."""
 
     prefix: ClassVar[str]
     layer: int
@@ -150,14 +145,8 @@ class WritePort:
 
 @dataclass(frozen=True)
 class Edit(WritePort):
-    """Write port: edit the tensor of token port ``target`` (a port whose producer names an
-    editable tap) for rows the consumer selects in :meth:`Consumer.edit`; other rows stay bit
-    for bit.
-
-    ``transform`` (optional): a ``torch.nn.Module`` run inside the forward,
-    ``transform(s, rows) -> s'`` with ``rows`` a ``[n, 1]`` bool mask of the rows selected
-    with ``plan.transform(target, row_idx)``: tensor operations only (it is compiled), on
-    the model's device."""
+    """Write port: edit token port ``target`` on rows selected in :meth:`Consumer.edit`;
+    ``transform``: a module run in the forward (docs/ports.md, "Edit")."""
 
     target: TokenPort
     transform: Any = dataclasses.field(default=None, kw_only=True, compare=False)

@@ -64,9 +64,8 @@ def _recorded(event: Any | None, stream: Any | None) -> Any:
 
 
 class StagingRing:
-    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation.
-    ``numel``: elements allocated at once per buffer (0: on first use); a buffer asked for
-    more grows to :func:`pow2_rows` elements."""
+    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation, each
+    grown to :func:`pow2_rows` elements when asked for more (``numel``: allocated at once)."""
 
     def __init__(
         self,
@@ -112,10 +111,8 @@ def _as_lists(tag: Any, host: Any) -> Any:
 
 
 class HostCopyRing:
-    """Device-to-host copies: ``ring`` host buffers shaped like ``like`` (a tensor, or
-    tensors copied together), handed out in order once arrived. ``read(tag, host)`` turns a
-    copy into what :meth:`arrived` hands out (default: the values as lists); ``tag``: what
-    the sender keeps with its copy."""
+    """Device-to-host copies into ``ring`` host buffers shaped like ``like`` (tensors copied
+    together), handed out in order once arrived as ``read(tag, host)`` (default: lists)."""
 
     def __init__(
         self, like: torch.Tensor | Sequence[torch.Tensor], ring: int = 2, read: Read = _as_lists
@@ -188,10 +185,8 @@ class HostCopyRing:
 
 
 class DeviceSums:
-    """Sums kept on the device (``values``) and counted on the host without a wait: a copy
-    back is queued through a :class:`HostCopyRing`, the sums zeroed after it, and each copy
-    handed out once arrived (docs/ports.md has an example). ``ring``: copies that may be in
-    flight at once (:meth:`send` skips while all are)."""
+    """Sums kept on the device (``values``), read on the host without a wait through a
+    :class:`HostCopyRing` of ``ring`` copies (docs/ports.md has an example)."""
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values

@@ -1,7 +1,5 @@
-"""Test tools that run without vLLM or a GPU: :class:`ConsumerKit` runs consumers on a
-transformers model through the engine's runtime (docs/testing-consumers.md);
-:mod:`.fake_cuda` runs CUDA-path code on a fake device and :mod:`.counters` counts host waits
-and bytes by the same rules (docs/fake-cuda.md; torch only)."""
+"""Test tools without vLLM or a GPU: :class:`ConsumerKit` (docs/testing-consumers.md),
+:mod:`.fake_cuda` and :mod:`.counters` (docs/fake-cuda.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What an operation sequence would cost on a GPU, counted on real (CPU) tensors by the fake
-device's rule table (:data:`.fake_cuda.RULES`), torch only: :class:`SyncCounter` (host waits),
-:class:`BytesCounter` (every operand read and written once, not a cache simulation),
-:func:`cpu_peak_bytes`. Work on other threads is not counted."""
+"""Host waits and bytes an operation sequence would cost on a GPU, counted on real tensors
+by the fake device's rule table (:data:`.fake_cuda.RULES`); other threads are not counted."""
 
 from __future__ import annotations
 

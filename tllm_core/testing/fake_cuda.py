@@ -237,8 +237,7 @@ class _Access(NamedTuple):
 
 def _merge(into: dict[int, int], other: dict[int, int] | None) -> None:
     for ctx, t in (other or {}).items():
-        if into.get(ctx, 0) < t:
-            into[ctx] = t
+        into[ctx] = max(into.get(ctx, 0), t)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -593,20 +592,15 @@ def _tensor_stubs(fc: FakeCuda) -> dict[str, Any]:
 
 
 def _torch_stubs(fc: FakeCuda) -> dict[str, Any]:
-    """``torch.tensor`` / ``as_tensor`` / ``asarray`` to the fake device (they copy in C++,
-    out of a dispatch mode's sight); in a rehearsal a CPU ``torch.Generator`` for the fake
-    device (meta has none), and ``torch.compile`` returning the module uncompiled."""
+    """The ``torch`` factories that copy in C++, out of a dispatch mode's sight; in a
+    rehearsal also ``Generator`` (meta has none) and ``compile`` (a no-op)."""
 
     def wrap(name: str) -> Any:
         orig = getattr(torch, name)
 
         def factory(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            dev = kwargs.get("device")
-            if (
-                dev is None
-                or torch.device(dev) != fc.device
-                or (_tensor(data) and fc.is_fake(data))
-            ):
+            dev, fake = kwargs.get("device"), _tensor(data) and fc.is_fake(data)
+            if fake or dev is None or torch.device(dev) != fc.device:
                 return orig(data, *args, **kwargs)
             # Made on the host, then copied from pageable memory (CUDA does both in C++).
             grad = kwargs.pop("requires_grad", False)

@@ -1,8 +1,5 @@
 """The consumer test kit: consumers run by the engine's own runtime on a transformers model,
-scheduled as vLLM does (chunked prefill, then one decode row per step), in seconds and without
-vLLM. What differs from vLLM: docs/testing-consumers.md. Forward hooks capture and edit its tap
-sites as the engine's taps do, over the step's packed rows (a request's forward covers
-``[offset, offset + n)``); the sampler orders its steps around guidance as vLLM's does."""
+scheduled and sampled as vLLM does, without vLLM (what differs: docs/testing-consumers.md)."""
 
 from __future__ import annotations
 
@@ -15,10 +12,13 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import pydantic
 import torch
+from pydantic import Field
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from tllm_core.api.architectures import STEP_SITES
 from tllm_core.api.consumer import Consumer, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditBuffers, apply_edit
@@ -35,12 +35,11 @@ from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.serving.keys import EngineConsumers, validate_extra_args
 
 # -- the transformers model, described and tapped as the engine's ------------------------------
-# Tap sites the kit serves: per layer (module of the decoder layer; None: the layer itself)
-# and per step. Router taps need vLLM's MoE runner: not served here.
+# Tap sites the kit serves per layer (module of the decoder layer; None: the layer itself).
+# Router taps need vLLM's MoE runner: not served here.
 LAYER_SITES: Mapping[str, str | None] = MappingProxyType(
     {"residual": None, "attn": "self_attn", "mlp": "mlp"}
 )
-STEP_SITES = ("final", "logits", "sampled")
 
 
 def _load(path: str, dtype: str) -> tuple[Any, Any]:
@@ -77,9 +76,8 @@ def site_module(hf: Any, site: str, layer: int) -> nn.Module:
 
 
 def model_info(hf: Any) -> ModelInfo:
-    """What a consumer is told about the model in an engine, for this transformers model: the
-    head as the model computes it (scaling and soft-capping included), its ``[vocab, hidden]``
-    weight when it is a plain linear, the final norm and its gain when it is a plain RMSNorm."""
+    """The ``ModelInfo`` an engine gives consumers, for this transformers model (the head
+    with its scaling and soft-capping, the final norm)."""
     cfg = hf.config.get_text_config()
     linear = hf.get_output_embeddings()
     scaling = float(getattr(cfg, "logits_scaling", 1.0) or 1.0)
@@ -117,8 +115,7 @@ class Window:
 
     def __init__(self) -> None:
         self.here = threading.local()
-        self.active = False  # hooks act only in the kit's own forwards (a test may call the model)
-        self.lockstep: Lockstep | None = None
+        self.lockstep: Lockstep | None = None  # set only during the kit's own forwards
 
 
 class LockstepBroken(RuntimeError):
@@ -192,9 +189,7 @@ class HfTap:
             e = self.edit
             mask = e.mask[lo : lo + n]
             new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
-            if e.transforms and self.window.lockstep is None:
-                new, mask = self._transform(new, lo)
-            elif e.transforms:
+            if e.transforms:  # over the step's rows, as in the engine
                 new, mask = self.window.lockstep.meet(self.key, lo, new, self._transform)
             changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
             with self._count:
@@ -203,12 +198,12 @@ class HfTap:
         self.capture[lo : lo + n] = s.detach().to(self.dtype)
         return new
 
-    def _transform(self, new: torch.Tensor, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """The in-graph transforms on rows ``[lo, lo + len(new))``, in consumer order; returns
-        ``(new rows, rows edited)``."""
-        mask = self.edit.mask[lo : lo + len(new)]
+    def _transform(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The in-graph transforms on the step's rows, in consumer order; returns ``(new
+        rows, rows edited)``."""
+        mask = self.edit.mask[: len(new)]
         for _, module, rows in self.edit.transforms:
-            rows = rows[lo : lo + len(new)]
+            rows = rows[: len(new)]
             new = torch.where(rows, module(new, rows), new)
             mask = mask | rows
         return new, mask
@@ -217,7 +212,7 @@ class HfTap:
         """Hook this tap on ``site``; returns the hook handle."""
 
         def hook(_module: Any, _args: Any, out: Any) -> Any:
-            if not self.window.active:
+            if self.window.lockstep is None:  # not the kit's forward (a test may call the model)
                 return None
             t = out[0] if isinstance(out, tuple) else out  # [1, n, width]: one request
             new = self.process(t[0])
@@ -232,26 +227,15 @@ class HfTap:
 GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
 
 
-@dataclass(frozen=True)
+@pydantic.dataclasses.dataclass(frozen=True)
 class Sampling:
     """One request's sampling settings (the fields of vLLM's ``SamplingParams`` the kit uses)."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float = Field(1.0, ge=0)
+    top_k: int = Field(0, ge=0)  # 0: off
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.temperature >= 0, "temperature", ">= 0"),
-            (self.top_k >= 0, "top_k", ">= 0 (0: off)"),
-            (0 < self.top_p <= 1, "top_p", "in (0, 1]"),
-            (0 <= self.min_p <= 1, "min_p", "in [0, 1]"),
-        ]
-        for ok, name, allowed in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {allowed}")
 
     @property
     def greedy(self) -> bool:
@@ -321,17 +305,8 @@ class _Request:
 
 
 class ConsumerKit:
-    """Consumers run on a transformers model by tllm's runtime, without vLLM.
-
-    ``model``: a local Hugging Face folder (None: the embedded model). ``consumers``: what
-    ``TllmLLM`` takes, and also a ``Consumer`` subclass, ``(class, config dict)`` or a spec
-    dict whose ``"name"`` is the class (used even where an entry point names another).
-    ``max_num_batched_tokens``: the token budget per step (chunked prefill).
-    ``max_consecutive_failures``, ``raise_on_disabled``, ``dtype``: as ``TllmLLM``'s.
-    ``share_model``: kits in one process share the loaded model (False: a private copy, for a
-    test that changes weights). ``lockstep_timeout``: how long a step's forwards may wait for
-    each other at a tap with a transform. ``settings``: other ``RuntimeSettings`` fields.
-    """
+    """Consumers run on a transformers model by tllm's runtime, without vLLM (arguments:
+    docs/testing-consumers.md; ``settings``: other ``RuntimeSettings`` fields)."""
 
     def __init__(
         self,
@@ -455,10 +430,8 @@ class ConsumerKit:
         extra_args: dict | Sequence[dict | None] | None = None,
         tokens: Sequence[Sequence[Sequence[int]]] | None = None,
     ) -> list[list[list[int]]]:
-        """Generate for ``prompts`` (texts or token-id lists) like ``TllmLLM.generate`` with one
-        ``SamplingParams`` of these fields; ``extra_args``: one dict for every prompt or one per
-        prompt. ``tokens``: a replay, the tokens to take per prompt and sample instead of
-        drawing (e.g. what an engine sampled). Returns the token ids per prompt and sample."""
+        """Token ids per prompt and sample, generated like ``TllmLLM.generate`` with one
+        ``SamplingParams`` of these fields (``tokens``: a replay; docs/testing-consumers.md)."""
         items = [prompts] if isinstance(prompts, str) else list(prompts)
         extras = list(extra_args) if isinstance(extra_args, (list, tuple)) else None
         if extras is not None and len(extras) != len(items):
@@ -562,11 +535,10 @@ class ConsumerKit:
             edited={k: t.edited for k, t in self._taps.items() if t.edit is not None},
         )
         self.runtime.begin_step(rows, self._edits)
-        self._window.active = True
         try:
             logits = self._forward(sched, fed)
         finally:
-            self._window.active = False
+            self._window.lockstep = None
         step.tensors = {k: t.capture for k, t in self._taps.items() if t.capture is not None}
         raw = torch.stack(logits)
         step.tensors["logits"] = raw
@@ -596,17 +568,16 @@ class ConsumerKit:
     def _forward(
         self, sched: list[tuple[_Request, int]], fed: list[list[int]]
     ) -> list[torch.Tensor]:
-        """Each scheduled request's forward with its own KV cache; the logits of its last row.
-        Where a transform edits a tap the forwards run side by side and meet there, so that
-        the transform sees the whole step."""
+        """Each request's forward (own KV cache): its last row's logits. With a transform the
+        forwards run side by side and meet at its tap, so that it sees the whole step."""
         spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
         transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
-        if len(sched) < 2 or not transforms:
+        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
+        if len(sched) < 2 or not transforms:  # one party: the tap's meeting runs at once
             return [
                 self._forward_one(r, ids, lo)
                 for (r, _), ids, lo in zip(sched, fed, spans, strict=True)
             ]
-        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
         logits: list[torch.Tensor | None] = [None] * len(sched)
         errors: list[BaseException] = []
 
@@ -619,19 +590,16 @@ class ConsumerKit:
                 step.abort()
 
         threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in range(len(sched))]
-        try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(self.lockstep_timeout)
-                if t.is_alive():
-                    step.abort()
-                    raise TimeoutError(
-                        f"ConsumerKit: a request's forward did not end within "
-                        f"{self.lockstep_timeout:g} s (a transform or hook that hangs?)"
-                    )
-        finally:
-            self._window.lockstep = None
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.lockstep_timeout)
+            if t.is_alive():
+                step.abort()
+                raise TimeoutError(
+                    f"ConsumerKit: a request's forward did not end within "
+                    f"{self.lockstep_timeout:g} s (a transform or hook that hangs?)"
+                )
         if errors:  # the forward that failed first, not those it broke off
             raise next((e for e in errors if not isinstance(e, LockstepBroken)), errors[0])
         return [x for x in logits if x is not None]
