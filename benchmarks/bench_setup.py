@@ -5,6 +5,7 @@ the model folder, the run's machine and code version, and the markdown each scri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -13,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,9 @@ def offline_engine_env(kv_cache_gib: int) -> None:
 
 def shutdown_engine(llm: Any) -> None:
     """Stops the engine core of a ``vllm.LLM`` or ``TllmLLM`` (its worker threads hold memory
-    until then); a failure to stop is not the benchmark's."""
-    inner = getattr(llm, "llm", llm)
-    core = getattr(getattr(inner, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        try:
-            core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+    until then); a failure to stop (or no engine core) is not the benchmark's."""
+    with contextlib.suppress(Exception):
+        getattr(llm, "llm", llm).llm_engine.engine_core.shutdown()
 
 
 def free_port() -> int:
@@ -71,35 +67,32 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def start_server(
-    argv: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool], timeout: float = 900
-) -> subprocess.Popen:
-    """``argv`` in its own session, output to ``log``, once ``ready()``; ``RuntimeError`` with
-    the log's tail if it exits first, ``TimeoutError`` after ``timeout`` seconds."""
+@contextlib.contextmanager
+def server(argv: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[int]:
+    """``argv`` (:func:`server_env`) in its own session, output to ``log``; yields its process
+    id once ``ready()``, then SIGTERM to its process group, SIGKILL after 60 s.
+    ``RuntimeError`` with the log's tail if it exits first, ``TimeoutError`` after 900 s."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            argv, cwd=log.parent, env=env, stdout=out, stderr=out, start_new_session=True
+            argv, cwd=log.parent, env=server_env(), stdout=out, stderr=out, start_new_session=True
         )
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[2]} exited:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            raise TimeoutError(f"{argv[2]} not ready in {timeout:.0f} s; log: {log}")
-        time.sleep(1)
-    return proc
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 60 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[2]} exited:\n{log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[2]} not ready in 900 s; log: {log}")
+            time.sleep(1)
+        yield proc.pid
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
 
 
 def add_model_args(
