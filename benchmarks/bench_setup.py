@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_FILE = ROOT / "benchmarks" / "prompts.txt"
 
 
 def engine_env(

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from bench_setup import (
+    PROMPTS_FILE,
     add_model_args,
     command_line,
     model_path,
@@ -43,7 +44,6 @@ from bench_setup import (
     table,
 )
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 # name -> True when higher is better (an "improvement")
 METRICS = {"vendi": True, "cos_sim": False, "ppl": False, "distinct2": True}
 ABLATIONS = {"noise": "noise", "frozen": "frozen", "fnoise": "f_noise"}  # method kind -> ESamp's
@@ -578,27 +578,20 @@ def main(argv: list[str] | None = None) -> int:
     del embedder
     gc.collect()
 
-    comparisons = []
     pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
-    for m in methods:
-        if m["kind"] == "esamp":
-            b = m["beta"]
-            pairs += [
-                (m["name"], c["name"])
-                for c in methods
-                if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen", "fnoise")
-            ]
-    for a, b in pairs:
-        comparisons.append(
-            {
-                "method": a,
-                "against": b,
-                "metrics": {
-                    k: paired(out_methods[a]["per_prompt"][k], out_methods[b]["per_prompt"][k], hb)
-                    for k, hb in METRICS.items()
-                },
-            }
-        )
+    pairs += [  # each ESamp method against the controls of its beta
+        (m["name"], c["name"])
+        for m in methods
+        if m["kind"] == "esamp"
+        for c in methods
+        if c.get("beta") == m["beta"] and c["kind"] in ("temperature", "noise", "frozen", "fnoise")
+    ]
+
+    def metrics(a: str, b: str) -> dict[str, Any]:
+        pa, pb = out_methods[a]["per_prompt"], out_methods[b]["per_prompt"]
+        return {k: paired(pa[k], pb[k], higher) for k, higher in METRICS.items()}
+
+    comparisons = [{"method": a, "against": b, "metrics": metrics(a, b)} for a, b in pairs]
 
     check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
     result = {
@@ -657,5 +650,4 @@ def render(dv: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

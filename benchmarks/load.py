@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
+from bench_setup import (
     add_model_args,
     command_line,
     free_port,

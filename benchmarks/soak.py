@@ -27,8 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
+from bench_setup import (
     code_version,
     command_line,
     free_port,
@@ -37,7 +36,7 @@ from bench_setup import (  # noqa: E402
     server,
     table,
 )
-from load import Outcome, Traffic, add_traffic_args, process_rss, run_mix  # noqa: E402
+from load import Outcome, Traffic, add_traffic_args, process_rss, run_mix
 
 CRASH_AFTER = 3
 GOOD = ["plain", "esamp", "esamp_n2", "steer", "stream_esamp", "stream_plain"]

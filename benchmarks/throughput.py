@@ -64,8 +64,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
+from bench_setup import (
+    PROMPTS_FILE,
+    ROOT,
     add_model_args,
     command_line,
     engine_env,
@@ -76,9 +77,6 @@ from bench_setup import (  # noqa: E402
     shutdown_engine,
     table,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -198,14 +196,6 @@ CASES: dict[str, Case] = {
 DEFAULT_CASES = [c for c in CASES if c not in ("sae_background", "probe")]
 
 
-def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
-    """Consumer specs of a case (None = plain vLLM, no tllm); a custom case is its spec."""
-    if case not in CASES:
-        return [case]
-    specs = CASES[case].specs
-    return specs(model, tmp) if callable(specs) else specs
-
-
 def _get(counters: dict[str, Any], dotted: str) -> Any:
     """``counters["runtime"]["x"]`` for ``"runtime.x"`` (None when absent)."""
     group, _, key = dotted.partition(".")
@@ -249,12 +239,13 @@ class _Case:
     """One case's engine in this process: start, warm up, timed generates, close."""
 
     def __init__(self, cfg: dict[str, Any], tmpdir: Path):
-        sys.path.insert(0, str(ROOT))
         from vllm import LLM, SamplingParams
 
         self.cfg, self.case, model = cfg, cfg["case"], cfg["model"]
         self.rss_before = _current_rss_mib()
-        consumers = case_consumers(self.case, model, tmpdir)
+        # None: plain vLLM, no tllm; a custom case is its spec
+        specs = CASES[self.case].specs if self.case in CASES else [self.case]
+        consumers = specs(model, tmpdir) if callable(specs) else specs
         kw = {k: cfg[k] for k in ("dtype", "max_model_len", "enforce_eager")} | {"seed": 0}
         t0 = time.perf_counter()
         if consumers is None:
@@ -487,11 +478,6 @@ def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- driver
-def load_prompts(n: int, path: Path = PROMPTS_FILE) -> list[str]:
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
-    return [lines[i % len(lines)] for i in range(n)]
-
-
 def select_cases(specs: list[str] | None) -> list[str]:
     """The cases named (any of the table, ``plain`` first) or the defaults, then custom specs."""
     named = [c for c in CASES if c in (specs or ())]
@@ -545,10 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:  # custom specs are checked before anything runs
         if c not in CASES:
             validate_consumers([c], model)
+    prompts = [ln.strip() for ln in PROMPTS_FILE.read_text().splitlines() if ln.strip()]
     keys = ("n", "max_tokens", "min_p", "dtype", "max_model_len", "kv_cache_gib", "runner")
     base_cfg = {k: getattr(args, k) for k in (*keys, "warmup_tokens")} | {
         "model": model,
-        "prompts": load_prompts(args.prompts),
+        "prompts": [prompts[i % len(prompts)] for i in range(args.prompts)],
         "enforce_eager": args.enforce_eager or args.runner == "v2",
     }
 
@@ -664,10 +651,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _shown(value: Any) -> Any:
-    return f"{value:.3g}" if isinstance(value, float) else value
-
-
 def render(tp: dict[str, Any], title: str = "Throughput") -> str:
     """The docs/results.md section of a ``--json`` result: one row per case. A case merged
     from a later run (``report.py --merge``) shows that run's command and machine."""
@@ -682,11 +665,12 @@ def render(tp: dict[str, Any], title: str = "Throughput") -> str:
             if rt.get("host_s") is not None and rt.get("engine_steps")
             else "—"
         )
-        spec = CASES.get(name)
+        spec = CASES.get(name, Case(None))
+        shown = {k: _get(c["counters"], k) for k in spec.required + spec.also_report}
         work = ", ".join(
-            f"{k}={_shown(_get(c['counters'], k))}"
-            for k in ([*spec.required, *spec.also_report] if spec else [])
-            if _get(c["counters"], k) is not None
+            f"{k}={f'{v:.3g}' if isinstance(v, float) else v}"
+            for k, v in shown.items()
+            if v is not None
         )
         rows.append(
             [
