@@ -58,24 +58,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
-    """This process's environment for a server in its own processes (vLLM's multiprocess
-    layout), quiet, with the checkout importable."""
+@contextlib.contextmanager
+def server(argv: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[int]:
+    """``argv`` in its own session (vLLM's multiprocess layout, quiet, the checkout
+    importable), output to ``log``; yields its process id once ``ready()``, then SIGTERM to its
+    process group, SIGKILL after 60 s. ``RuntimeError`` with the log's tail if it exits first,
+    ``TimeoutError`` after 900 s."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return env
-
-
-@contextlib.contextmanager
-def server(argv: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[int]:
-    """``argv`` (:func:`server_env`) in its own session, output to ``log``; yields its process
-    id once ``ready()``, then SIGTERM to its process group, SIGKILL after 60 s.
-    ``RuntimeError`` with the log's tail if it exits first, ``TimeoutError`` after 900 s."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            argv, cwd=log.parent, env=server_env(), stdout=out, stderr=out, start_new_session=True
+            argv, cwd=log.parent, env=env, stdout=out, stderr=out, start_new_session=True
         )
     try:
         deadline = time.monotonic() + 900
