@@ -5,6 +5,7 @@ the model folder, the run's machine and code version, and the markdown each scri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shlex
@@ -13,11 +14,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPTS_FILE = ROOT / "benchmarks" / "prompts.txt"
 
 
 def engine_env(
@@ -45,14 +47,9 @@ def offline_engine_env(kv_cache_gib: int) -> None:
 
 def shutdown_engine(llm: Any) -> None:
     """Stops the engine core of a ``vllm.LLM`` or ``TllmLLM`` (its worker threads hold memory
-    until then); a failure to stop is not the benchmark's."""
-    inner = getattr(llm, "llm", llm)
-    core = getattr(getattr(inner, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        try:
-            core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+    until then); a failure to stop (or no engine core) is not the benchmark's."""
+    with contextlib.suppress(Exception):
+        getattr(llm, "llm", llm).llm_engine.engine_core.shutdown()
 
 
 def free_port() -> int:
@@ -61,45 +58,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
-    """This process's environment for a server in its own processes (vLLM's multiprocess
-    layout), quiet, with the checkout importable."""
+@contextlib.contextmanager
+def server(argv: list[str], log: Path, ready: Callable[[], bool]) -> Iterator[int]:
+    """``argv`` in its own session (vLLM's multiprocess layout, quiet, the checkout
+    importable), output to ``log``; yields its process id once ``ready()``, then SIGTERM to its
+    process group, SIGKILL after 60 s. ``RuntimeError`` with the log's tail if it exits first,
+    ``TimeoutError`` after 900 s."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    return env
-
-
-def start_server(
-    argv: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool], timeout: float = 900
-) -> subprocess.Popen:
-    """``argv`` in its own session, output to ``log``, once ``ready()``; ``RuntimeError`` with
-    the log's tail if it exits first, ``TimeoutError`` after ``timeout`` seconds."""
     with open(log, "w") as out:
         proc = subprocess.Popen(
             argv, cwd=log.parent, env=env, stdout=out, stderr=out, start_new_session=True
         )
-    deadline = time.monotonic() + timeout
-    while not ready():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[2]} exited:\n{log.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            raise TimeoutError(f"{argv[2]} not ready in {timeout:.0f} s; log: {log}")
-        time.sleep(1)
-    return proc
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 60 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    try:
+        deadline = time.monotonic() + 900
+        while not ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[2]} exited:\n{log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{argv[2]} not ready in 900 s; log: {log}")
+            time.sleep(1)
+        yield proc.pid
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
 
 
 def add_model_args(

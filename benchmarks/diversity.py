@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from bench_setup import (
+    PROMPTS_FILE,
     add_model_args,
     command_line,
     model_path,
@@ -43,20 +44,9 @@ from bench_setup import (
     table,
 )
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
-METRICS = {  # name -> True when higher is better (an "improvement")
-    "vendi": True,
-    "cos_sim": False,
-    "ppl": False,
-    "distinct2": True,
-}
-
-
+# name -> True when higher is better (an "improvement")
+METRICS = {"vendi": True, "cos_sim": False, "ppl": False, "distinct2": True}
 ABLATIONS = {"noise": "noise", "frozen": "frozen", "fnoise": "f_noise"}  # method kind -> ESamp's
-
-
-def _esamp(conf: dict[str, Any]) -> str:
-    return "esamp:" + json.dumps(conf)
 
 
 def build_methods(
@@ -75,7 +65,10 @@ def build_methods(
     def method(kind, b, conf=None, variant=None, name=None, temp=temperature) -> dict[str, Any]:
         m = {"name": name or f"{kind}{f'_{variant}' if variant else ''}_b{b:g}"}
         m |= {"kind": kind, "beta": b} | ({"variant": variant} if variant else {})
-        return m | {"temperature": temp, "consumers": [] if conf is None else [_esamp(conf)]}
+        return m | {
+            "temperature": temp,
+            "consumers": [] if conf is None else [f"esamp:{json.dumps(conf)}"],
+        }
 
     methods = [{"name": "vanilla", "kind": "vanilla", "temperature": temperature, "consumers": []}]
     for b in betas:
@@ -92,12 +85,10 @@ def build_methods(
                 methods.append(
                     method(kind, b, {**extra, "beta": b, "ablation": ABLATIONS[kind]}, v)
                 )
-    seen, out = set(), []
-    for m in methods:  # e.g. two betas giving the same temperature
-        if m["name"] not in seen:
-            seen.add(m["name"])
-            out.append(m)
-    return out
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:  # the first of a name (e.g. two betas giving the same temperature)
+        out.setdefault(m["name"], m)
+    return list(out.values())
 
 
 def parse_methods_args(
@@ -133,19 +124,15 @@ def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[d
     """``--vanilla-temps T1,T2,...``: vanilla at each temperature, ``vanilla_t{T}`` (kind
     ``vanilla_t``), for comparing Vendi at matched perplexity."""
     out = []
-    for raw in (spec or "").split(","):
-        if not raw.strip():
-            continue
+    for raw in filter(str.strip, (spec or "").split(",")):
         try:
             t = float(raw)
         except ValueError:
             p.error(f"--vanilla-temps: not a number: {raw!r}")
         if not t > 0:
             p.error(f"--vanilla-temps: temperatures must be > 0, got {t}")
-        out.append(
-            {"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t, "consumers": []}
-        )
-    return out
+        out.append({"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t})
+    return [m | {"consumers": []} for m in out]
 
 
 def select_methods(
@@ -176,8 +163,7 @@ def _read_partial(path: Path | None, settings: dict[str, Any]) -> dict[str, Any]
     """Engines finished by an earlier run that wrote ``path`` with the same settings."""
     if path is None or not path.exists():
         return {}
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt") as f:
         old = json.load(f)
     if old.get("settings") != settings:
         raise SystemExit(f"{path}: written by a run with other settings; remove it to start over")
@@ -186,8 +172,7 @@ def _read_partial(path: Path | None, settings: dict[str, Any]) -> dict[str, Any]
 
 def _write_partial(path: Path, settings: dict[str, Any], engines: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(tmp, "wt") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(tmp, "wt") as f:
         json.dump({"settings": settings, "engines": engines}, f)
     tmp.replace(path)
 
@@ -369,14 +354,8 @@ def ppl_check(gen: dict[str, Any], model: str, k: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- plots
 # Each method kind's colour in the plots (passk.py's too).
-KIND_COLORS = {
-    "vanilla": "black",
-    "esamp": "tab:red",
-    "temperature": "tab:blue",
-    "noise": "tab:gray",
-    "frozen": "tab:green",
-    "fnoise": "tab:purple",
-}
+KIND_COLORS = {"vanilla": "black", "esamp": "tab:red", "temperature": "tab:blue"}
+KIND_COLORS |= {"noise": "tab:gray", "frozen": "tab:green", "fnoise": "tab:purple"}
 
 
 def pyplot() -> Any:
@@ -599,27 +578,20 @@ def main(argv: list[str] | None = None) -> int:
     del embedder
     gc.collect()
 
-    comparisons = []
     pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
-    for m in methods:
-        if m["kind"] == "esamp":
-            b = m["beta"]
-            pairs += [
-                (m["name"], c["name"])
-                for c in methods
-                if c.get("beta") == b and c["kind"] in ("temperature", "noise", "frozen", "fnoise")
-            ]
-    for a, b in pairs:
-        comparisons.append(
-            {
-                "method": a,
-                "against": b,
-                "metrics": {
-                    k: paired(out_methods[a]["per_prompt"][k], out_methods[b]["per_prompt"][k], hb)
-                    for k, hb in METRICS.items()
-                },
-            }
-        )
+    pairs += [  # each ESamp method against the controls of its beta
+        (m["name"], c["name"])
+        for m in methods
+        if m["kind"] == "esamp"
+        for c in methods
+        if c.get("beta") == m["beta"] and c["kind"] in ("temperature", "noise", "frozen", "fnoise")
+    ]
+
+    def metrics(a: str, b: str) -> dict[str, Any]:
+        pa, pb = out_methods[a]["per_prompt"], out_methods[b]["per_prompt"]
+        return {k: paired(pa[k], pb[k], higher) for k, higher in METRICS.items()}
+
+    comparisons = [{"method": a, "against": b, "metrics": metrics(a, b)} for a, b in pairs]
 
     check = ppl_check(gen, model, args.ppl_check) if args.ppl_check > 0 else None
     result = {
@@ -678,5 +650,4 @@ def render(dv: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

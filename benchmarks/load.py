@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -29,22 +30,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
+from bench_setup import (
     add_model_args,
     command_line,
     free_port,
     model_path,
     run_machine,
     section,
-    server_env,
-    start_server,
-    stop_server,
+    server,
     table,
 )
 
@@ -75,14 +73,8 @@ COUNTERS = {
 class Outcome:
     kind: str
     status: int  # HTTP status (a cancelled stream: 200, the status it had when dropped)
-    tokens: int = 0
+    tokens: int = 0  # completion tokens; a stream without usage or cut short: chunks read
     finished: bool = False
-
-
-@dataclass
-class Polls:
-    count: int = 0
-    failed: int = 0  # not 200, or not strict JSON
 
 
 @contextlib.contextmanager
@@ -96,22 +88,23 @@ def tllm_serve(model: str, workdir: Path, eager: bool) -> Iterator[tuple[str, in
     if eager:
         argv += ["--", "--enforce-eager"]
     log = workdir / "serve.log"
-    proc = start_server(argv, server_env(), log, lambda: "tllm: ready" in log.read_text())
-    try:
-        yield f"http://127.0.0.1:{port}", proc.pid
-    finally:
-        stop_server(proc)
+    with server(argv, log, lambda: "tllm: ready" in log.read_text()) as pid:
+        yield f"http://127.0.0.1:{port}", pid
+
+
+def process_rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of a process and of all its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return root.memory_info().rss, sum(p.memory_info().rss for p in root.children(True))
 
 
 def tree_rss_mib(pid: int) -> dict[str, float]:
     """Resident memory (MiB) of a process and all its descendants (``total``), and of the
     process alone (``front_end``: the API server, which reads every body)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    own = root.memory_info().rss
-    total = own + sum(p.memory_info().rss for p in root.children(True))
-    return {"total": round(total / MIB, 1), "front_end": round(own / MIB, 1)}
+    own, children = process_rss(pid)
+    return {"total": round((own + children) / MIB, 1), "front_end": round(own / MIB, 1)}
 
 
 def _strict(data: bytes) -> Any:
@@ -121,31 +114,40 @@ def _strict(data: bytes) -> Any:
     return json.loads(data, parse_constant=refuse)
 
 
-class Load:
-    def __init__(self, client: Any, max_tokens: int):
-        self.client = client
-        self.max_tokens = max_tokens
+class Traffic:
+    """Requests of each shape to an OpenAI-compatible server (``client``: an
+    ``httpx.AsyncClient`` on its URL), each read to an :class:`Outcome`; ``usage``: streams
+    ask for the token count."""
 
-    def body(self, chat: bool, xargs: dict | None, stream: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": "default", "max_tokens": self.max_tokens}
+    def __init__(self, client: Any, max_tokens: int, model: str = "default", usage: bool = True):
+        self.client, self.max_tokens, self.model, self.usage = client, max_tokens, model, usage
+
+    def body(self, chat: bool, xargs: dict | None, stream: bool = False, n: int = 1) -> dict:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "n": n}
         body |= {"messages": CHAT} if chat else {"prompt": PROMPT}
         body["temperature"] = 1.0  # ESamp guides sampled rows only
         if xargs:
             body["vllm_xargs"] = xargs
         if stream:
-            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            body["stream"] = True
+        if stream and self.usage:
+            body["stream_options"] = {"include_usage": True}
         return body
 
-    async def post(self, kind: str, chat: bool, xargs: dict | None) -> Outcome:
+    async def post(self, kind: str, chat: bool, xargs: dict | None, n: int = 1) -> Outcome:
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        r = await self.client.post(path, json=self.body(chat, xargs))
+        r = await self.client.post(path, json=self.body(chat, xargs, n=n))
         if r.status_code != 200:
             return Outcome(kind, r.status_code)
         out = r.json()
-        done = all(c.get("finish_reason") in ("length", "stop") for c in out["choices"])
+        done = len(out["choices"]) == n and all(
+            c.get("finish_reason") in ("length", "stop") for c in out["choices"]
+        )
         return Outcome(kind, 200, out["usage"]["completion_tokens"], done)
 
-    async def stream(self, kind: str, chat: bool, xargs: dict | None, cancel_after: int = 0):
+    async def stream(
+        self, kind: str, chat: bool, xargs: dict | None, cancel_after: int = 0
+    ) -> Outcome:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tokens, finished, chunks = 0, False, 0
         async with self.client.stream("POST", path, json=self.body(chat, xargs, True)) as r:
@@ -160,12 +162,12 @@ class Load:
                     return Outcome(kind, event["error"].get("code", 500))
                 chunks += 1
                 if cancel_after and chunks >= cancel_after:
-                    return Outcome(kind, 200)  # leaving the block drops the connection
+                    return Outcome(kind, 200, chunks)  # leaving the block drops the connection
                 choices = event.get("choices") or []
                 finished |= any(c.get("finish_reason") for c in choices)
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-        return Outcome(kind, 200, tokens, finished)
+        return Outcome(kind, 200, tokens or chunks, finished)
 
     async def huge(self) -> Outcome:
         body = json.dumps(self.body(False, ESAMP)).encode()
@@ -174,33 +176,63 @@ class Load:
         r = await self.client.post("/v1/completions", content=body + pad, headers=headers)
         return Outcome("huge", r.status_code)
 
-    async def one(self, kind: str, rng: random.Random) -> Outcome:
-        if kind == "huge":
-            return await self.huge()
-        if kind in ("stream_esamp", "stream_plain", "cancel"):
-            chat, xargs = kind != "stream_plain", None if kind == "stream_plain" else ESAMP
-            return await self.stream(kind, chat, xargs, cancel_after=2 if kind == "cancel" else 0)
-        xargs = {"plain": None, "esamp": ESAMP, "chat_stats": {"tllm_consumers": "stats"}}
-        if kind == "bad":
-            return await self.post(kind, False, rng.choice(BAD_XARGS))
-        if kind in xargs:
-            return await self.post(kind, kind == "chat_stats", xargs[kind])
-        raise ValueError(f"unknown request kind {kind!r}; known: {sorted(WEIGHTS)}")
-
     async def counters(self) -> dict[str, Any]:
         r = await self.client.get("/tllm/counters")
         r.raise_for_status()
         return _strict(r.content)
 
-    async def poll(self, interval: float, polls: Polls, stop: asyncio.Event) -> None:
+    async def poll(self, interval: float, polls: Counter, stop: asyncio.Event) -> None:
+        """Reads the counters every ``interval`` s until ``stop``; ``polls`` counts the reads
+        (``count``) and those not 200 or not strict JSON (``failed``)."""
         while not stop.is_set():
             try:
                 await self.counters()
-                polls.count += 1
+                polls["count"] += 1
             except Exception:  # noqa: BLE001 - a failed read is counted, the load goes on
-                polls.failed += 1
+                polls["failed"] += 1
             with contextlib.suppress(TimeoutError):  # bounded: wait_for
                 await asyncio.wait_for(stop.wait(), interval)
+
+
+async def send(t: Traffic, kind: str, rng: random.Random) -> Outcome:
+    """One request of the load mix."""
+    if kind == "huge":
+        return await t.huge()
+    if kind in ("stream_esamp", "stream_plain", "cancel"):
+        chat, xargs = kind != "stream_plain", None if kind == "stream_plain" else ESAMP
+        return await t.stream(kind, chat, xargs, cancel_after=2 if kind == "cancel" else 0)
+    xargs = {"plain": None, "esamp": ESAMP, "chat_stats": {"tllm_consumers": "stats"}}
+    if kind == "bad":
+        return await t.post(kind, False, rng.choice(BAD_XARGS))
+    if kind in xargs:
+        return await t.post(kind, kind == "chat_stats", xargs[kind])
+    raise ValueError(f"unknown request kind {kind!r}; known: {sorted(WEIGHTS)}")
+
+
+async def run_mix(
+    send: Callable[[str, random.Random], Awaitable[Outcome]],
+    kinds: list[str],
+    concurrency: int,
+    seed: int,
+    name: str = "",
+) -> tuple[list[Outcome], float]:
+    """``kinds`` sent with at most ``concurrency`` in flight, request i drawing from
+    ``Random(seed + i)``: their outcomes and the wall time; progress on stderr when ``name``."""
+    queue = list(enumerate(kinds))
+    outcomes: list[Outcome] = []
+    t0 = time.monotonic()
+
+    async def worker() -> None:
+        while queue:
+            i, kind = queue.pop(0)
+            outcomes.append(await send(kind, random.Random(seed + i)))
+            if name and len(outcomes) % 25 == 0:
+                tok_s = _good_tokens(outcomes) / (time.monotonic() - t0)
+                msg = f"phase {name}: {len(outcomes)}/{len(kinds)} answered, {tok_s:.1f} good tok/s"
+                print(f"load: {msg}", file=sys.stderr, flush=True)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outcomes, time.monotonic() - t0
 
 
 def picked(report: dict[str, Any]) -> dict[str, float]:
@@ -212,31 +244,17 @@ def picked(report: dict[str, Any]) -> dict[str, float]:
 
 
 async def phase(
-    load: Load, name: str, kinds: list[str], concurrency: int, poll_s: float | None, seed: int
+    t: Traffic, name: str, kinds: list[str], concurrency: int, poll_s: float | None, seed: int
 ) -> dict[str, Any]:
     """One round of a phase: its outcomes, wall time, polls and the counters it added."""
-    before = picked(await load.counters())
-    queue = list(enumerate(kinds))
-    outcomes: list[Outcome] = []
-    polls, stop = Polls(), asyncio.Event()
-    poller = asyncio.create_task(load.poll(poll_s, polls, stop)) if poll_s else None
-    t0 = time.monotonic()
-
-    async def worker() -> None:
-        while queue:
-            i, kind = queue.pop(0)
-            outcomes.append(await load.one(kind, random.Random(seed + i)))
-            if len(outcomes) % 25 == 0:
-                tok_s = _good_tokens(outcomes) / (time.monotonic() - t0)
-                msg = f"phase {name}: {len(outcomes)}/{len(kinds)} answered, {tok_s:.1f} good tok/s"
-                print(f"load: {msg}", file=sys.stderr, flush=True)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.monotonic() - t0
+    before = picked(await t.counters())
+    polls, stop = Counter(), asyncio.Event()
+    poller = asyncio.create_task(t.poll(poll_s, polls, stop)) if poll_s else None
+    outcomes, wall = await run_mix(functools.partial(send, t), kinds, concurrency, seed, name)
     stop.set()
     if poller is not None:
         await poller
-    after = picked(await load.counters())
+    after = picked(await t.counters())
     added = {k: after[k] - before[k] for k in after}
     return {"outcomes": outcomes, "wall_s": wall, "polls": polls, "counters_added": added}
 
@@ -270,8 +288,8 @@ def summarize(name: str, poll_s: float | None, rounds: list[dict[str, Any]]) -> 
         "by_kind": dict(sorted(Counter(o.kind for o in outcomes).items())),
         "counters_added": dict(sorted(added.items())),
         "status_5xx": sum(o.status >= 500 for o in outcomes),
-        "polls": sum(r["polls"].count for r in rounds),
-        "polls_failed": sum(r["polls"].failed for r in rounds),
+        "polls": sum(r["polls"]["count"] for r in rounds),
+        "polls_failed": sum(r["polls"]["failed"] for r in rounds),
         "unexpected": [
             o.kind
             for o in outcomes
@@ -287,9 +305,9 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
 
     limits = httpx.Limits(max_connections=a.concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        load = Load(client, a.max_tokens)
+        t = Traffic(client, a.max_tokens)
         rss_start = tree_rss_mib(pid)
-        warm = [await load.one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
+        warm = [await send(t, k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
         rss_warm = tree_rss_mib(pid)
         rng = random.Random(a.seed)
         phases: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
@@ -300,9 +318,9 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
             rng.shuffle(kinds)
             for name, poll_s in (("A", a.poll_interval), ("B", None)):
                 seed = a.seed + 1000 * r
-                phases[name].append(await phase(load, name, kinds, a.concurrency, poll_s, seed))
+                phases[name].append(await phase(t, name, kinds, a.concurrency, poll_s, seed))
                 phases[name][-1]["rss_mib_after"] = tree_rss_mib(pid)["total"]
-        final = await load.counters()
+        final = await t.counters()
         rss_end = tree_rss_mib(pid)
     a_, b_ = summarize("A", a.poll_interval, phases["A"]), summarize("B", None, phases["B"])
     warm_ok = all(o.status == 200 and o.finished for o in warm)
@@ -329,21 +347,30 @@ async def drive(url: str, pid: int, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def add_traffic_args(p: argparse.ArgumentParser, requests: int, concurrency: int) -> None:
+    """The model options, ``--requests``, ``--concurrency``, ``--max-tokens`` and ``--seed``."""
+    add_model_args(p)
+    p.add_argument(
+        "--requests", type=int, default=requests, help="requests (load.py: per phase and round)"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=concurrency, help="requests in flight at most"
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_args(p)
-    p.add_argument("--requests", type=int, default=200, help="requests per phase and round")
+    add_traffic_args(p, requests=200, concurrency=16)
     p.add_argument("--rounds", type=int, default=1, help="rounds of phase A then phase B")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at most")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request")
     p.add_argument(
         "--poll-interval", type=float, default=0.2, help="seconds between counter reads in A"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     a = p.parse_args(argv)
     for name in ("requests", "rounds", "concurrency", "max_tokens", "poll_interval"):
         if not getattr(a, name) > 0:

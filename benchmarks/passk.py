@@ -35,11 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import diversity as dv  # one method table and engine loop for both benchmarks
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import diversity as dv  # noqa: E402  (one method table and engine loop for both benchmarks)
-from bench_setup import command_line, model_path, offline_engine_env, section, table  # noqa: E402
+from bench_setup import command_line, model_path, offline_engine_env, section, table
 
 # Calibrated on the embedded model (vanilla, T=1, min-p 0.1, n=8, 48 tokens, 6 problems each):
 # pass@1 add 0.15, add_worked 0.10, mul 0.31, count 0.12, convert 0.08, word 0.02 (left out).
@@ -304,28 +302,27 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
 
-    pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
-    for m in methods:
-        if m["kind"] != "esamp":
-            continue
+    def control(m: dict[str, Any], c: dict[str, Any]) -> bool:
+        """``c`` is ``m``'s temperature control or own ablation (a variant's: also the default
+        recipe's ESamp), at ``m``'s beta."""
         v = m.get("variant")
-        for c in methods:
-            if c.get("beta") != m["beta"] or c is m:
-                continue
-            if c["kind"] == "temperature" or (
-                c["kind"] in ("noise", "frozen", "fnoise") and c.get("variant") == v
-            ):
-                pairs.append((m["name"], c["name"]))
-            elif v is not None and c["kind"] == "esamp" and c.get("variant") is None:
-                pairs.append((m["name"], c["name"]))
+        return c.get("beta") == m["beta"] and (
+            c["kind"] == "temperature"
+            or (c["kind"] in ("noise", "frozen", "fnoise") and c.get("variant") == v)
+            or (v is not None and c["kind"] == "esamp" and c.get("variant") is None)
+        )
+
+    pairs = [(n, "vanilla") for n in out_methods if n != "vanilla"]
+    pairs += [
+        (m["name"], c["name"])
+        for m in methods
+        if m["kind"] == "esamp"
+        for c in methods
+        if control(m, c)
+    ]
+    curves = {n: m["per_problem"]["curves"] for n, m in out_methods.items()}
     comparisons = [
-        {
-            "method": a,
-            "against": b,
-            "pass_at_k": compare(
-                out_methods[a]["per_problem"]["curves"], out_methods[b]["per_problem"]["curves"], ks
-            ),
-        }
+        {"method": a, "against": b, "pass_at_k": compare(curves[a], curves[b], ks)}
         for a, b in pairs
     ]
     result = {

@@ -17,106 +17,28 @@ package ``tests/plugin_pkg`` installed (``bash install.sh --test``).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
+import asyncio
+import functools
 import json
 import random
 import sys
 import tempfile
-import time
-import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
-    add_model_args,
+from bench_setup import (
     code_version,
     command_line,
     free_port,
     model_path,
     section,
-    server_env,
-    start_server,
-    stop_server,
+    server,
     table,
 )
+from load import Outcome, Traffic, add_traffic_args, process_rss, run_mix
 
 CRASH_AFTER = 3
-
-
-@dataclass
-class Outcome:
-    kind: str
-    status: int  # HTTP status, 0 for a cancelled stream
-    tokens: int = 0
-    finished: bool = False
-
-
-@dataclass
-class Soak:
-    url: str
-    model: str
-    max_tokens: int
-
-    def client(self):
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0, timeout=300)
-
-    # -- one request of each kind ---------------------------------------------------------
-    def complete(self, kind: str, xargs: dict | None, n: int = 1) -> Outcome:
-        import openai
-
-        try:
-            r = self.client().completions.create(
-                model=self.model,
-                prompt="Write about the sea and its colours:",
-                max_tokens=self.max_tokens,
-                temperature=1.0,
-                n=n,
-                extra_body={"vllm_xargs": xargs} if xargs else None,
-            )
-        except openai.BadRequestError:
-            return Outcome(kind, 400)
-        ok = all(c.finish_reason in ("length", "stop") for c in r.choices) and len(r.choices) == n
-        return Outcome(kind, 200, r.usage.completion_tokens, ok)
-
-    def chat_stream(self, kind: str, xargs: dict | None, cancel_after: int | None = None):
-        stream = self.client().chat.completions.create(
-            model=self.model,
-            messages=[{"role": "user", "content": "Tell me a short story about a fox."}],
-            max_tokens=self.max_tokens,
-            temperature=1.0,
-            stream=True,
-            extra_body={"vllm_xargs": xargs} if xargs else None,
-        )
-        chunks, finished = 0, False
-        for chunk in stream:
-            chunks += 1
-            if chunk.choices and chunk.choices[0].finish_reason is not None:
-                finished = True
-            if cancel_after is not None and chunks >= cancel_after:
-                stream.close()  # the client goes away mid-stream: vLLM aborts the request
-                return Outcome(kind, 0, chunks, False)
-        return Outcome(kind, 200, chunks, finished)
-
-    def run_one(self, kind: str, rng: random.Random) -> Outcome:
-        esamp = {"tllm_consumers": "esamp", "tllm_esamp_beta": rng.choice([0.25, 0.5, 1.0])}
-        steer = {"tllm_consumers": "steer", "tllm_steer_scale": rng.choice([2.0, 4.0])}
-        if kind in ("stream_esamp", "stream_plain", "cancel"):
-            xargs = None if kind == "stream_plain" else esamp
-            return self.chat_stream(kind, xargs, cancel_after=2 if kind == "cancel" else None)
-        xargs = {"plain": None, "esamp": esamp, "esamp_n2": esamp, "steer": steer}
-        xargs |= {"crash": {"tllm_consumers": "crasher"}, "bad_key": {"tllm_no_such_key": 1}}
-        xargs |= {"bad_beta": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}}
-        xargs |= {"bad_consumer": {"tllm_consumers": "nobody"}}
-        if kind not in xargs:
-            raise ValueError(f"unknown request kind {kind!r}")
-        return self.complete(kind, xargs[kind], n=2 if kind == "esamp_n2" else 1)
-
-
 GOOD = ["plain", "esamp", "esamp_n2", "steer", "stream_esamp", "stream_plain"]
 WEIGHTS = {k: 3 for k in GOOD} | {"cancel": 1, "crash": 1, "bad_beta": 1, "bad_key": 1}
 WEIGHTS["bad_consumer"] = 1
@@ -125,53 +47,29 @@ ESAMP_COUNTERS = ("rows_guided", "rows_visited", "rows_trained")
 ESAMP_COUNTERS += ("groups_created", "groups_freed", "groups_alive")
 RUNTIME_COUNTERS = ("engine_steps", "rows_edited", "rows_guided", "consumer_errors")
 RUNTIME_COUNTERS += ("consumer_errors.crasher", "requests_finished")
+# The server's consumers (the steering vector is written to its working folder).
+STEER = {"vectors": [{"layer": 1, "path": "vector.safetensors", "scale": 4.0}]}
+CONSUMERS = [
+    {"name": "esamp", "per_request": True, "config": {"beta": 0.25}},
+    {"name": "steer", "per_request": True, "config": STEER},
+    {"name": "crasher", "per_request": True, "config": {"after": CRASH_AFTER}},
+]
 
 
-def server_settings(vector_path: str) -> dict[str, Any]:
-    return {
-        "consumers": [
-            {"name": "esamp", "per_request": True, "config": {"beta": 0.25}},
-            {
-                "name": "steer",
-                "per_request": True,
-                "config": {"vectors": [{"layer": 1, "path": vector_path, "scale": 4.0}]},
-            },
-            {"name": "crasher", "per_request": True, "config": {"after": CRASH_AFTER}},
-        ]
-    }
-
-
-def start_vllm_server(model: str, workdir: Path, enforce_eager: bool) -> tuple[Any, str]:
-    import torch
-    from safetensors.torch import save_file
-
-    hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
-    g = torch.Generator().manual_seed(0)
-    save_file({"v": torch.randn(hidden, generator=g)}, str(workdir / "vector.safetensors"))
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    argv += ["--max-model-len", "512", "--served-model-name", "m"]
-    argv += ["--additional-config", json.dumps({"tllm": server_settings("vector.safetensors")})]
-    if enforce_eager:
-        argv.append("--enforce-eager")
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                return r.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
-
-    return start_server(argv, server_env(), workdir / "server.log", healthy), url
-
-
-def engine_rss(server_pid: int) -> int:
-    """Resident bytes of the server's child processes (the engine core and its worker)."""
-    import psutil
-
-    return sum(c.memory_info().rss for c in psutil.Process(server_pid).children(recursive=True))
+async def send(t: Traffic, kind: str, rng: random.Random) -> Outcome:
+    """One request of the soak mix (streams are chats, cancelled after two chunks)."""
+    esamp = {"tllm_consumers": "esamp", "tllm_esamp_beta": rng.choice([0.25, 0.5, 1.0])}
+    steer = {"tllm_consumers": "steer", "tllm_steer_scale": rng.choice([2.0, 4.0])}
+    if kind in ("stream_esamp", "stream_plain", "cancel"):
+        xargs = None if kind == "stream_plain" else esamp
+        return await t.stream(kind, True, xargs, cancel_after=2 if kind == "cancel" else 0)
+    xargs = {"plain": None, "esamp": esamp, "esamp_n2": esamp, "steer": steer}
+    xargs |= {"crash": {"tllm_consumers": "crasher"}, "bad_key": {"tllm_no_such_key": 1}}
+    xargs |= {"bad_beta": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}}
+    xargs |= {"bad_consumer": {"tllm_consumers": "nobody"}}
+    if kind not in xargs:
+        raise ValueError(f"unknown request kind {kind!r}")
+    return await t.post(kind, False, xargs[kind], n=2 if kind == "esamp_n2" else 1)
 
 
 def soak(
@@ -182,30 +80,58 @@ def soak(
     seed: int = 0,
     enforce_eager: bool = False,
 ) -> dict[str, Any]:
+    """vLLM's OpenAI server with the consumers, the traffic, the checks."""
+    import torch
+    from safetensors.torch import save_file
+
     workdir = Path(tempfile.mkdtemp(prefix="tllm-soak-"))
-    proc, url = start_vllm_server(model, workdir, enforce_eager)
-    try:
-        s = Soak(url, "m", max_tokens)
-        rng = random.Random(seed)
-        kinds = [rng.choices(list(WEIGHTS), list(WEIGHTS.values()))[0] for _ in range(requests)]
-        warm = [s.run_one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
-        rss_warm = engine_rss(proc.pid)
-        t0 = time.monotonic()
-        with cf.ThreadPoolExecutor(concurrency) as pool:
-            futs = [pool.submit(s.run_one, k, random.Random(seed + i)) for i, k in enumerate(kinds)]
-            # bounded: each request has the client's 300 s timeout
-            outcomes = [f.result() for f in futs]
-        wall = time.monotonic() - t0
-        after = [s.run_one(k, random.Random(i)) for i, k in enumerate(GOOD)]  # after the crash
-        s.complete("flush", None)  # finished requests are reported on a later engine step
-        time.sleep(1)
-        s.complete("flush", None)
-        rss_end = engine_rss(proc.pid)
-        with urllib.request.urlopen(f"{url}/tllm/counters", timeout=120) as r:
-            report = json.loads(r.read())
-    finally:
-        stop_server(proc)
-    return summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency)
+    hidden = json.loads((Path(model) / "config.json").read_text())["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+    save_file({"v": torch.randn(hidden, generator=g)}, str(workdir / "vector.safetensors"))
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    argv += ["--max-model-len", "512", "--served-model-name", "m"]
+    argv += ["--additional-config", json.dumps({"tllm": {"consumers": CONSUMERS}})]
+    if enforce_eager:
+        argv.append("--enforce-eager")
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:  # urllib.error.URLError is one
+            return False
+
+    with server(argv, workdir / "server.log", healthy) as pid:
+        run = asyncio.run(traffic(url, pid, requests, concurrency, max_tokens, seed))
+    return summarize(*run, requests, concurrency)
+
+
+async def traffic(
+    url: str, pid: int, requests: int, concurrency: int, max_tokens: int, seed: int
+) -> tuple[Any, ...]:
+    """Warm-up, the seeded mix, every good kind once more after the crasher, the counters;
+    the engine's resident bytes (the server's child processes) after warm-up and at the end."""
+    import httpx
+
+    kinds = random.Random(seed).choices(list(WEIGHTS), list(WEIGHTS.values()), k=requests)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    # bounded: each request has the client's 300 s timeout
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        t = Traffic(client, max_tokens, model="m", usage=False)
+        one = functools.partial(send, t)
+        warm = [await one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
+        rss_warm = process_rss(pid)[1]
+        outcomes, wall = await run_mix(one, kinds, concurrency, seed)
+        after = [await one(k, random.Random(i)) for i, k in enumerate(GOOD)]  # after the crash
+        await t.post("flush", False, None)  # finished requests are reported on a later step
+        await asyncio.sleep(1)
+        await t.post("flush", False, None)
+        rss_end = process_rss(pid)[1]
+        report = await t.counters()
+    return warm, outcomes, after, report, rss_warm, rss_end, wall
 
 
 def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency):
@@ -262,11 +188,7 @@ def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_model_args(p)
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_traffic_args(p, requests=300, concurrency=8)
     a = p.parse_args()
     out = soak(
         model_path(a.model), a.requests, a.concurrency, a.max_tokens, a.seed, a.enforce_eager

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import queue
@@ -63,8 +64,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_setup import (  # noqa: E402
+from bench_setup import (
+    PROMPTS_FILE,
+    ROOT,
     add_model_args,
     command_line,
     engine_env,
@@ -75,9 +77,6 @@ from bench_setup import (  # noqa: E402
     shutdown_engine,
     table,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-PROMPTS_FILE = Path(__file__).resolve().parent / "prompts.txt"
 
 
 # ----------------------------------------------------------------------------- cases
@@ -118,22 +117,14 @@ def _sae_specs(model: str, tmp: Path, delivery: str = "end_of_step") -> list[str
         k=32,
     )
     save_sae(sae, tmp / "sae")
-    spec = {
-        "path": str(tmp / "sae"),
-        "site": -2,
-        "top_k": 32,
-        "phase": "decode",
-        "out": str(tmp / "features"),
-        "overwrite": True,
-        "delivery": delivery,
-    }
+    spec = {"path": str(tmp / "sae"), "site": -2, "top_k": 32, "phase": "decode"}
+    spec |= {"out": str(tmp / "features"), "overwrite": True, "delivery": delivery}
     return ["sae:" + json.dumps(spec)]
 
 
 class Case(NamedTuple):
     """One benchmark case: everything the script (and report.py) knows about it."""
 
-    name: str
     # Consumer specs, or (model folder, temporary folder) -> specs; None = plain vLLM.
     specs: list[str] | None | Callable[[str, Path], list[str]]
     # Counters ("runtime.<name>" or "<consumer>.<name>") that must be > 0 after the case ran,
@@ -148,90 +139,61 @@ class Case(NamedTuple):
         return self.specs if self.shown is None and not callable(self.specs) else self.shown
 
 
-_SAE_WORK: dict[str, Any] = {
-    "required": ("sae.rows_encoded", "sae.rows_recorded"),
-    "also_report": ("sae.shards_written",),
-}
+_SAE = ("sae.rows_encoded", "sae.rows_recorded"), ("sae.shards_written",)
 _SAE_SHOWN = (
     'sae:{"path": <random top-k SAE, d_sae 8 x hidden>, "site": -2, "top_k": 32, '
     '"phase": "decode", "out": <tmp>'
 )
+_EXPORT_SHOWN = 'export:{"out": <tmp>, "layers": [0, -1], "phase": '
 CASES: dict[str, Case] = {
-    c.name: c
-    for c in (
-        Case("plain", None),
-        Case("tllm_idle", [], also_report=("runtime.engine_steps",)),
-        Case(
-            "capture",
-            ['stats:{"layers": [0, -1], "phase": "all"}'],
-            required=("runtime.rows_captured.layer.0", "stats.bundles"),
-            shown=['stats:{"layers": [0, -1]}'],
-        ),
-        Case(
-            "export",
-            _export_specs,
-            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "decode"}'],
-            required=("export.rows_exported",),
-            also_report=(
-                "export.bytes_written",
-                "export.seconds_taking",
-                "export.seconds_writing",
-                "runtime.host_s.to_host",
-            ),
-        ),
-        Case(
-            "probe",
-            functools.partial(_export_specs, phase="last_prompt"),
-            shown=['export:{"out": <tmp>, "layers": [0, -1], "phase": "last_prompt"}'],
-            required=("export.rows_exported",),
-            also_report=("runtime.rows_bundled.export",),
-        ),
-        Case(
-            "steer",
-            _steer_specs,
-            shown=[
-                'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
-                '"scale": 2.0, "normalize": true}]}'
-            ],
-            required=("runtime.rows_edited",),
-        ),
-        Case(
-            "sae",
-            _sae_specs,
-            shown=[_SAE_SHOWN + "}"],
-            **_SAE_WORK,
-        ),
-        Case(
-            "sae_background",
-            functools.partial(_sae_specs, delivery="background"),
-            shown=[_SAE_SHOWN + ', "delivery": "background"}'],
-            **_SAE_WORK,
-        ),
-        Case(
-            "esamp_train",
-            ['esamp:{"beta": 0.0}'],
-            required=("esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_visited"),
-        ),
-        Case(
-            "esamp",
-            ['esamp:{"beta": 0.25}'],
-            required=("esamp.optimizer_steps", "esamp.rows_guided", "runtime.rows_guided"),
-            also_report=("esamp.rows_trained",),
-        ),
-    )
+    "plain": Case(None),
+    "tllm_idle": Case([], also_report=("runtime.engine_steps",)),
+    "capture": Case(
+        ['stats:{"layers": [0, -1], "phase": "all"}'],
+        ("runtime.rows_captured.layer.0", "stats.bundles"),
+        shown=['stats:{"layers": [0, -1]}'],
+    ),
+    "export": Case(
+        _export_specs,
+        ("export.rows_exported",),
+        ("export.bytes_written", "export.seconds_taking", "export.seconds_writing")
+        + ("runtime.host_s.to_host",),
+        [_EXPORT_SHOWN + '"decode"}'],
+    ),
+    "probe": Case(
+        functools.partial(_export_specs, phase="last_prompt"),
+        ("export.rows_exported",),
+        ("runtime.rows_bundled.export",),
+        [_EXPORT_SHOWN + '"last_prompt"}'],
+    ),
+    "steer": Case(
+        _steer_specs,
+        ("runtime.rows_edited",),
+        shown=[
+            'steer:{"vectors": [{"layer": -2, "path": <random unit vector>, '
+            '"scale": 2.0, "normalize": true}]}'
+        ],
+    ),
+    "sae": Case(_sae_specs, *_SAE, [_SAE_SHOWN + "}"]),
+    "sae_background": Case(
+        functools.partial(_sae_specs, delivery="background"),
+        *_SAE,
+        [_SAE_SHOWN + ', "delivery": "background"}'],
+    ),
+    "esamp_train": Case(
+        ['esamp:{"beta": 0.0}'],
+        ("esamp.optimizer_steps", "esamp.rows_trained", "esamp.rows_visited"),
+    ),
+    "esamp": Case(
+        ['esamp:{"beta": 0.25}'],
+        ("esamp.optimizer_steps", "esamp.rows_guided", "runtime.rows_guided"),
+        ("esamp.rows_trained",),
+    ),
 }
 # sae_background: the other sae delivery, for comparison; probe: a linear probe's data set
 # (the last prompt token), for a prefill workload (--prompts 512 -n 1 --max-tokens 1);
 # both on request only.
 DEFAULT_CASES = [c for c in CASES if c not in ("sae_background", "probe")]
-
-
-def case_consumers(case: str, model: str, tmp: Path) -> list[str] | None:
-    """Consumer specs of a case (None = plain vLLM, no tllm); a custom case is its spec."""
-    if case not in CASES:
-        return [case]
-    specs = CASES[case].specs
-    return specs(model, tmp) if callable(specs) else specs
 
 
 def _get(counters: dict[str, Any], dotted: str) -> Any:
@@ -240,10 +202,8 @@ def _get(counters: dict[str, Any], dotted: str) -> Any:
     return counters.get(group, {}).get(key)
 
 
-def counter_value(counters: dict[str, dict[str, Any]], name: str) -> float:
-    """:func:`_get` as a number (0 when absent or not a number)."""
-    v = _get(counters, name)
-    return float(v) if isinstance(v, (int, float)) else 0.0
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value > 0
 
 
 def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) -> list[str]:
@@ -251,44 +211,41 @@ def work_problems(case: str, counters: dict[str, dict[str, Any]], errors: list) 
     if case == "plain":
         return []
     probs = [f"consumer error: {e.get('consumer')}: {e.get('error')}" for e in errors]
-    if counter_value(counters, "runtime.engine_steps") <= 0:
+    if not _positive(_get(counters, "runtime.engine_steps")):
         probs.append("runtime.engine_steps is 0: the tllm runtime saw no step")
     if case in CASES:
-        need = [(name, counter_value(counters, name)) for name in CASES[case].required]
-    else:  # custom: each consumer must have been delivered something
-        need = []
-        for name, values in counters.items():
-            if name == "runtime":
-                continue
-            delivered = counter_value(counters, f"runtime.bundles_delivered.{name}")
-            did = any(isinstance(v, (int, float)) and v > 0 for v in values.values())
-            need.append(
-                (f"{name}: bundles delivered or a positive counter", max(delivered, float(did)))
-            )
-    probs += [f"{what} is 0" for what, value in need if value <= 0]
+        return probs + [
+            f"{n} is 0" for n in CASES[case].required if not _positive(_get(counters, n))
+        ]
+    for name, values in counters.items():  # custom: each consumer must have been delivered to
+        delivered = _get(counters, f"runtime.bundles_delivered.{name}")
+        if (
+            name != "runtime"
+            and not _positive(delivered)
+            and not any(map(_positive, values.values()))
+        ):
+            probs.append(f"{name}: bundles delivered or a positive counter is 0")
     return probs
 
 
 # ----------------------------------------------------------------------------- worker
 def _current_rss_mib() -> float:
-    try:
-        import psutil
+    import psutil
 
-        return psutil.Process().memory_info().rss / 2**20
-    except ImportError:  # pragma: no cover
-        return float("nan")
+    return psutil.Process().memory_info().rss / 2**20
 
 
 class _Case:
     """One case's engine in this process: start, warm up, timed generates, close."""
 
     def __init__(self, cfg: dict[str, Any], tmpdir: Path):
-        sys.path.insert(0, str(ROOT))
         from vllm import LLM, SamplingParams
 
         self.cfg, self.case, model = cfg, cfg["case"], cfg["model"]
         self.rss_before = _current_rss_mib()
-        consumers = case_consumers(self.case, model, tmpdir)
+        # None: plain vLLM, no tllm; a custom case is its spec
+        specs = CASES[self.case].specs if self.case in CASES else [self.case]
+        consumers = specs(model, tmpdir) if callable(specs) else specs
         kw = {k: cfg[k] for k in ("dtype", "max_model_len", "enforce_eager")} | {"seed": 0}
         t0 = time.perf_counter()
         if consumers is None:
@@ -296,8 +253,7 @@ class _Case:
         else:
             from tllm_core.app.engine import TllmLLM
 
-            self.engine = TllmLLM(model, consumers, **kw)
-            self.llm = self.engine
+            self.llm = self.engine = TllmLLM(model, consumers, **kw)
         self.start_s = time.perf_counter() - t0
         self.prompts = cfg["prompts"]
         self.params = [
@@ -427,15 +383,13 @@ class _Served:
             code = "none, stopped"
         raise RuntimeError(f"case {self.case!r} worker died (exit {code}):\n{err}")
 
-    def run(self) -> dict[str, Any]:
-        self.proc.stdin.write("run\n")
+    def run(self, command: str = "run") -> dict[str, Any]:
+        self.proc.stdin.write(f"{command}\n")
         self.proc.stdin.flush()
         return self._reply()
 
     def close(self) -> dict[str, Any]:
-        self.proc.stdin.write("close\n")
-        self.proc.stdin.flush()
-        out = self._reply()
+        out = self.run("close")
         self.proc.stdin.close()
         self.proc.wait(timeout=self.timeout)
         return out
@@ -444,11 +398,8 @@ class _Served:
 def run_paired(
     cases: list[str], base_cfg: dict[str, Any], rounds: int, restarts: int, timeout: float, log: Any
 ) -> dict[str, list[dict[str, Any]]]:
-    """For each case, ``restarts`` fresh process pairs (plain and the case); within a pair the
-    two alternate (plain, case, case, plain, ...), so every case run has a plain run of the
-    same round beside it on the same machine state. Fresh pairs average out the per-process
-    bias (memory placement, which core each thread lands on) that one pair keeps for all its
-    rounds."""
+    """For each case, ``restarts`` fresh process pairs (plain and the case) whose two engines
+    alternate round by round (plain, case, case, plain, ...)."""
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     for case in [c for c in cases if c != "plain"]:
         for k in range(restarts):
@@ -485,9 +436,6 @@ def run_paired(
 def run_in_process(cfg: dict[str, Any]) -> dict[str, Any]:
     """The worker in this process (for small runs), the engine shut down after; its peak RSS
     sampled every 20 ms (``ru_maxrss`` would span all cases)."""
-    import gc
-    import threading
-
     peak, stop = [_current_rss_mib()], threading.Event()
 
     def sample() -> None:
@@ -526,26 +474,15 @@ def _worker_env(cfg: dict[str, Any]) -> dict[str, str]:
     # the engine in the worker, so that its RSS covers it all; the same runner for every case
     env = engine_env(cfg["kv_cache_gib"], dict(os.environ), **runner_env(cfg["runner"]))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return dict(env)
+    return env
 
 
 # ----------------------------------------------------------------------------- driver
-def load_prompts(n: int, path: Path = PROMPTS_FILE) -> list[str]:
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
-    return [lines[i % len(lines)] for i in range(n)]
-
-
 def select_cases(specs: list[str] | None) -> list[str]:
-    if not specs:
-        return list(DEFAULT_CASES)
-    named = [s for s in specs if s in CASES]  # any case of the table, defaults or not
-    custom = [s for s in specs if s not in CASES]
-    base = (
-        ["plain"] + [c for c in CASES if c in named and c != "plain"]
-        if named
-        else list(DEFAULT_CASES)
-    )
-    return base + [c for c in dict.fromkeys(custom)]
+    """The cases named (any of the table, ``plain`` first) or the defaults, then custom specs."""
+    named = [c for c in CASES if c in (specs or ())]
+    base = ["plain", *(c for c in named if c != "plain")] if named else DEFAULT_CASES
+    return base + [s for s in dict.fromkeys(specs or ()) if s not in CASES]
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -594,10 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:  # custom specs are checked before anything runs
         if c not in CASES:
             validate_consumers([c], model)
+    prompts = [ln.strip() for ln in PROMPTS_FILE.read_text().splitlines() if ln.strip()]
     keys = ("n", "max_tokens", "min_p", "dtype", "max_model_len", "kv_cache_gib", "runner")
     base_cfg = {k: getattr(args, k) for k in (*keys, "warmup_tokens")} | {
         "model": model,
-        "prompts": load_prompts(args.prompts),
+        "prompts": [prompts[i % len(prompts)] for i in range(args.prompts)],
         "enforce_eager": args.enforce_eager or args.runner == "v2",
     }
 
@@ -623,34 +561,31 @@ def main(argv: list[str] | None = None) -> int:
                 runs[case].append(run_in_process({**base_cfg, "case": case}))
                 log(r, case, runs[case][-1])
 
-    base = statistics.median(x["tok_s"] for x in runs["plain"])
-    base_grow = statistics.median(
-        x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in runs["plain"]
-    )
+    def median(rows: list[dict[str, Any]], of: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(map(of, rows))
+
+    def growth(x: dict[str, Any]) -> float:
+        return x["peak_rss_mib"] - x["rss_before_engine_mib"]
+
+    base = median(runs["plain"], lambda x: x["tok_s"])
     expected = args.prompts * args.n * args.max_tokens
     out_cases: dict[str, Any] = {}
     failures: list[str] = []
-    # Median engine-step time of the plain runs that were paired with each case (all plain
-    # runs for the other methods).
     for case in cases:
-        rs, plains = runs[case], [x for x in runs["plain"] if x.get("paired_with", case) == case]
+        rs, last, paired = runs[case], runs[case][-1], method == "paired" and case != "plain"
+        # the plain runs paired with this case (all plain runs for the other methods)
+        plains = [x for x in runs["plain"] if x.get("paired_with", case) == case]
         plain_steps = [t for x in plains for t in x.get("step_ms", [])]
-        tok_s = statistics.median(x["tok_s"] for x in rs)
-        peak = statistics.median(x["peak_rss_mib"] for x in rs)
-        grow = statistics.median(x["peak_rss_mib"] - x["rss_before_engine_mib"] for x in rs)
-        last = rs[-1]
+        tok_s = median(rs, lambda x: x["tok_s"])
         steps = [t for x in rs for t in x.get("step_ms", [])]
         step_med = statistics.median(steps) if steps else None
-        if method == "paired" and case != "plain":
+        if paired:
             ratios = [x["tok_s"] / x["paired_plain_tok_s"] for x in rs]
         else:
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(rs, runs["plain"], strict=False)]
         probs = work_problems(case, last["counters"], last["errors"])
-        probs += [
-            f"generated {x['tokens']} tokens, expected {expected}"
-            for x in rs
-            if x["tokens"] != expected
-        ]
+        bad = [x["tokens"] for x in rs if x["tokens"] != expected]
+        probs += [f"generated {n} tokens, expected {expected}" for n in bad]
         failures += [f"{case}: {m}" for m in probs]
         out_cases[case] = {
             "tok_s": tok_s,
@@ -659,25 +594,21 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_rounds": ratios,
             "ratio_min": min(ratios) if ratios else None,
             "ratio_max": max(ratios) if ratios else None,
-            "ratio_by_pair": (
-                [
-                    statistics.median(
-                        r for r, x in zip(ratios, rs, strict=True) if x.get("restart") == k
-                    )
-                    for k in sorted({x.get("restart", 0) for x in rs})
-                ]
-                if method == "paired" and case != "plain"
-                else None
-            ),
+            "ratio_by_pair": [
+                statistics.median(r for r, x in zip(ratios, rs, strict=True) if x["restart"] == k)
+                for k in range(args.restarts)
+            ]
+            if paired
+            else None,
             "step_ms_median": step_med,
             "step_ratio": (
                 statistics.median(plain_steps) / step_med if step_med and plain_steps else None
             ),
             "consumers": CASES[case].public if case in CASES else [case],
-            "start_s": statistics.median(x["start_s"] for x in rs),
-            "peak_rss_mib": peak,
-            "peak_growth_mib": grow,
-            "extra_peak_rss_mib": grow - base_grow,
+            "start_s": median(rs, lambda x: x["start_s"]),
+            "peak_rss_mib": median(rs, lambda x: x["peak_rss_mib"]),
+            "peak_growth_mib": median(rs, growth),
+            "extra_peak_rss_mib": median(rs, growth) - median(runs["plain"], growth),
             "tokens": last["tokens"],
             "counters": last["counters"],
             "errors": last["errors"],
@@ -720,10 +651,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _shown(value: Any) -> Any:
-    return f"{value:.3g}" if isinstance(value, float) else value
-
-
 def render(tp: dict[str, Any], title: str = "Throughput") -> str:
     """The docs/results.md section of a ``--json`` result: one row per case. A case merged
     from a later run (``report.py --merge``) shows that run's command and machine."""
@@ -738,11 +665,12 @@ def render(tp: dict[str, Any], title: str = "Throughput") -> str:
             if rt.get("host_s") is not None and rt.get("engine_steps")
             else "—"
         )
-        spec = CASES.get(name)
+        spec = CASES.get(name, Case(None))
+        shown = {k: _get(c["counters"], k) for k in spec.required + spec.also_report}
         work = ", ".join(
-            f"{k}={_shown(_get(c['counters'], k))}"
-            for k in ([*spec.required, *spec.also_report] if spec else [])
-            if _get(c["counters"], k) is not None
+            f"{k}={f'{v:.3g}' if isinstance(v, float) else v}"
+            for k, v in shown.items()
+            if v is not None
         )
         rows.append(
             [
