@@ -106,7 +106,7 @@ def soak(
 
     with server(argv, workdir / "server.log", healthy) as pid:
         run = asyncio.run(traffic(url, pid, requests, concurrency, max_tokens, seed))
-    return summarize(*run, requests, concurrency)
+    return summarize(*run, requests, concurrency, max_tokens)
 
 
 async def traffic(
@@ -120,7 +120,7 @@ async def traffic(
     limits = httpx.Limits(max_connections=concurrency + 4)
     # bounded: each request has the client's 300 s timeout
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        t = Traffic(client, max_tokens, model="m", usage=False)
+        t = Traffic(client, max_tokens, model="m")
         one = functools.partial(send, t)
         warm = [await one(k, random.Random(i)) for i, k in enumerate(GOOD * 2)]
         rss_warm = process_rss(pid)[1]
@@ -134,7 +134,9 @@ async def traffic(
     return warm, outcomes, after, report, rss_warm, rss_end, wall
 
 
-def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency):
+def summarize(
+    warm, outcomes, after, report, rss_warm, rss_end, wall, requests, concurrency, max_tokens
+):
     by_kind: dict[str, dict[str, int]] = {}
     for o in outcomes:
         k = by_kind.setdefault(o.kind, {"sent": 0, "ok": 0, "400": 0, "other": 0})
@@ -148,8 +150,10 @@ def summarize(warm, outcomes, after, report, rss_warm, rss_end, wall, requests, 
     es = report["consumers"]["esamp"]
     st = report["consumers"]["steer"]
     rt = report["runtime"]
+    # Each token of an ESamp request is one guided row (streams report usage); a cancelled
+    # stream may run on to max_tokens before the abort reaches the engine.
     esamp_tokens = sum(o.tokens for o in [*warm, *outcomes, *after] if "esamp" in o.kind)
-    esamp_tokens += sum(o.tokens for o in outcomes if o.kind == "cancel")
+    esamp_tokens += max_tokens * sum(o.kind == "cancel" for o in outcomes)
     checks = {
         "good_requests_completed": all(v["other"] == 0 for k, v in by_kind.items() if k not in BAD)
         and all(o.finished for o in [*warm, *after]),
