@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
+from tllm_core.vllm_bridge.runners import V1RunnerAdapter
 
 ROWS, V = 3, 10
 
@@ -42,8 +42,8 @@ def _forward(events: Events, live: bool = True):
     batch = SimpleNamespace(sampling_metadata=md, temperature_cpu=np.ones(ROWS, np.float32))
     runner = SimpleNamespace(input_batch=batch, requests={})
     adapter = V1RunnerAdapter(runner)
-    state = {"live": live, "ids": ["a", "b", "c"]}
-    return adapter._guided_forward(events, orig, state), seen, runner
+    adapter.live, adapter._ids = live, ["a", "b", "c"]
+    return adapter._guided_forward(events, orig), seen, runner
 
 
 def _kp(filters: bool):

@@ -35,11 +35,8 @@ def test_watchdog_reports_a_late_callback_once_with_its_stack():
         gate.wait(BOUND_S)
 
     def run() -> None:
-        noted = dog.running("sleepy", "on_bundle", STEP)
-        try:
+        with dog.watching("sleepy", "on_bundle", STEP):
             slow_callback()
-        finally:
-            dog.done(noted)
 
     t = threading.Thread(target=run, name="engine-thread")
     t.start()

@@ -3,6 +3,7 @@ consumer call goes through :meth:`Bus.call`, which isolates and counts failures.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -207,15 +208,12 @@ class Bus:
         # Counted before the call: a callback that never returns was still called.
         self.counters.add(f"consumer_calls.{consumer.name}")
         watch = self.watchdog
-        noted = watch.running(consumer.name, what, kind) if watch is not None else None
         try:
-            fn(*args)
+            with watch.watching(consumer.name, what, kind) if watch else contextlib.nullcontext():
+                fn(*args)
         except Exception as e:  # noqa: BLE001 - isolation is the point
             self.fail(consumer, what, e, requests)
             return False
-        finally:
-            if watch is not None:
-                watch.done(noted)
         if self._failures:  # a call that returns ends its callback's run of failures
             self._failures.pop((consumer.name, what), None)
         return True

@@ -4,7 +4,6 @@ step, so each step's newest kept row of an asking request is copied over its pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,18 +38,6 @@ def last_rows(reads: ReadPlan, narrows: frozenset[str], windowed: bool) -> LastR
     return LastRows(plan, token.union(sample) if token is not None else sample)
 
 
-@dataclass(frozen=True)
-class _Held:
-    """A held row's host metadata (its values are in the holder's ``slot``)."""
-
-    slot: int
-    request: RequestInfo
-    row: int
-    position: int
-    is_decode: bool
-    recomputed: bool
-
-
 class LastRows:
     """One consumer's held last rows, one per request: a device tensor per port key and the
     token ids (``[capacity, ...]``, grown by doubling). ``plan``: the ports the rows carry;
@@ -65,7 +52,8 @@ class LastRows:
         self._sample: dict[str, torch.Tensor] = {}
         self._token_ids: torch.Tensor | None = None
         self._slots: dict[str, int] = {}  # engine id -> its slot
-        self._held: dict[str, _Held] = {}  # engine id -> its row
+        # engine id -> (slot, request, row, position, is_decode, recomputed) of its held row
+        self._held: dict[str, tuple[int, RequestInfo, int, int, bool, bool]] = {}
         self._free: list[int] = []
         self._capacity = 0
 
@@ -89,7 +77,7 @@ class LastRows:
         # Sampling ports alone bundle no token rows; with token ports both are the same rows.
         rows = bundle.rows if bundle.sampled_rows is None else bundle.sampled_rows
         for i, req in enumerate(rows.requests):
-            self._held[req.engine_id] = _Held(
+            self._held[req.engine_id] = (
                 int(slots[i]),
                 req,
                 int(rows.row[i]),
@@ -111,14 +99,14 @@ class LastRows:
         held = [h for r in requests if (h := self._held.pop(r.engine_id, None)) is not None]
         if not held or self._token_ids is None:
             return None
-        slots = np.array([h.slot for h in held], np.int64)
-        idx = index_to(slots, self._token_ids.device)  # every holder is on the step's device
+        slots, reqs, row, position, is_decode, recomputed = zip(*held, strict=True)
+        idx = index_to(np.array(slots, np.int64), self._token_ids.device)  # the step's device
         rows = RowInfo(
-            row=np.array([h.row for h in held], np.int64),
-            requests=[h.request for h in held],
-            position=np.array([h.position for h in held], np.int64),
-            is_decode=np.array([h.is_decode for h in held], np.bool_),
-            recomputed=np.array([h.recomputed for h in held], np.bool_),
+            row=np.array(row, np.int64),
+            requests=list(reqs),
+            position=np.array(position, np.int64),
+            is_decode=np.array(is_decode, np.bool_),
+            recomputed=np.array(recomputed, np.bool_),
             token_ids=self._token_ids.index_select(0, idx),
         )
         bundle = Bundle(step=step, rows=rows)

@@ -614,14 +614,12 @@ class Runtime:
             if self.bus.abandoned(c.name):  # its thread is stuck in it: not asked again
                 results[c.name] = {"error": "switched off: a callback passed its deadline"}
             else:
-                noted = self.watchdog.running(c.name, "result", CLOSE)
                 try:
-                    # First: result() may settle deferred work that the counters then include.
-                    results[c.name] = c.result()  # bounded: under the watchdog
+                    with self.watchdog.watching(c.name, "result", CLOSE):
+                        # First: result() may settle deferred work the counters then include.
+                        results[c.name] = c.result()  # bounded: under the watchdog
                 except Exception as e:  # noqa: BLE001
                     results[c.name] = {"error": f"{type(e).__name__}: {e}"}
-                finally:
-                    self.watchdog.done(noted)
             consumers[c.name] = c.counters.snapshot()
         return {
             "runtime": self.counters.snapshot(),

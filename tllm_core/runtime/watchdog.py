@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -90,12 +90,13 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def running(self, consumer: str, callback: str, kind: str) -> _Call | None:
-        """Note a callback starting on this thread (not one inside another); pass the result
-        to :meth:`done`."""
+    @contextlib.contextmanager
+    def watching(self, consumer: str, callback: str, kind: str) -> Iterator[None]:
+        """Watch the callback this thread runs inside the block (not one inside another)."""
         tid = threading.get_ident()
         if tid in self._calls:
-            return None
+            yield
+            return
         if self._thread is None:
             with self._lock:  # the watchdog's thread starts at the first callback
                 if self._thread is None:
@@ -103,12 +104,11 @@ class Watchdog:
                         target=self._watch, name="tllm-watchdog", daemon=True
                     )
                     self._thread.start()
-        call = self._calls[tid] = _Call(consumer, callback, kind)
-        return call
-
-    def done(self, call: _Call | None) -> None:
-        if call is not None:
-            self._calls.pop(threading.get_ident(), None)
+        self._calls[tid] = _Call(consumer, callback, kind)
+        try:
+            yield
+        finally:
+            self._calls.pop(tid, None)
 
     def stuck(self) -> list[Hung]:
         """The callbacks past their deadline now (reported or not)."""

@@ -1,5 +1,5 @@
 """Runner hooks: the taps and per-step flow of one engine, on the step events of a runner
-adapter (``v1_runner.py``, ``v2_runner.py``); nothing here reads a runner's internals."""
+adapter (``runners.py``); nothing here reads a runner's internals."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tllm_core.api.step import StepCapture
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, sync_edits, sync_sampled
-from tllm_core.vllm_bridge.runner_base import RunnerAdapterBase
+from tllm_core.vllm_bridge.runners import RunnerAdapterBase
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
 
 # Engine ids: "{external}-{8 chars}"; n>1 children: "{index}_{external}-{8 chars}".

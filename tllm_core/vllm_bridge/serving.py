@@ -422,7 +422,6 @@ async def init_state(
             rpc_all(engine_client, method, ids), mine.server.engine_answer_s
         ),
     )
-    state.tllm_server = server
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that

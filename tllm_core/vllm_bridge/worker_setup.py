@@ -24,9 +24,12 @@ from tllm_core.runtime.start_error import record
 from tllm_core.vllm_bridge import workarounds
 from tllm_core.vllm_bridge.hooks import RunnerHooks
 from tllm_core.vllm_bridge.parallel import check_layout, parallel_info
-from tllm_core.vllm_bridge.runner_base import LOADED_MODEL_ATTRS, RunnerAdapterBase
-from tllm_core.vllm_bridge.v1_runner import V1RunnerAdapter
-from tllm_core.vllm_bridge.v2_runner import V2RunnerAdapter
+from tllm_core.vllm_bridge.runners import (
+    LOADED_MODEL_ATTRS,
+    RunnerAdapterBase,
+    V1RunnerAdapter,
+    V2RunnerAdapter,
+)
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version, require_attrs
 from tllm_core.vllm_bridge.worker_ext import ensure_worker_methods
 
