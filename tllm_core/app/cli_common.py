@@ -219,8 +219,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options (our checks, then vLLM's)."""
-    check_sampling(args)
+    """``SamplingParams`` from the sampling options (vLLM's checks; ours ran before)."""
     from vllm import SamplingParams
 
     from tllm_core.vllm_bridge.errors import vllm_value_errors
@@ -478,7 +477,7 @@ def print_report(
     counters: bool = False,
 ) -> None:
     """Completions as text (or one JSON), then errors and the run's summary on stderr."""
-    from tllm_core.app.summary import summarize
+    from tllm_core.app.summary import count_text, summarize
 
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
@@ -502,7 +501,7 @@ def print_report(
         for group, values in _counters(report).items():
             print(f"[{group}]")
             for k, v in sorted(values.items()):
-                print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
+                print(f"  {k:<40} {count_text(v)}")
     sys.stdout.flush()
     for line in summarize(report).text():
         print(f"tllm: {line}", file=sys.stderr)

@@ -258,11 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
     from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import (
-        CheckedServer,
-        close_http_soon,
-        run_openai_server,
-    )
+    from tllm_core.vllm_bridge.server_entry import CheckedServer, close_http_soon, run_openai_server
 
     bind_cpu_threads(ranks)
     last = None

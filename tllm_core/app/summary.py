@@ -40,7 +40,8 @@ def registry_lookup() -> Lookup:
     return lookup
 
 
-def _count(v: Any) -> str:
+def count_text(v: Any) -> str:
+    """A counter's value as shown: a float to 6 significant digits."""
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
@@ -73,7 +74,7 @@ def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls:
     found = proof_counter(counters, declared)
     if found is None:
         return f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
-    return f"{name}: {found[0]} {_count(found[1])}"
+    return f"{name}: {found[0]} {count_text(found[1])}"
 
 
 def idle_warning(name: str, runtime: dict[str, Any]) -> str:
@@ -81,7 +82,7 @@ def idle_warning(name: str, runtime: dict[str, Any]) -> str:
     calls = runtime.get(f"consumer_calls.{name}", 0)
     if calls:
         return (
-            f"consumer {name!r} was called {_count(calls)} time(s) but produced no result "
+            f"consumer {name!r} was called {count_text(calls)} time(s) but produced no result "
             "(all its counters are zero)"
         )
     if any(k.startswith("consumer_calls.") for k in runtime):
