@@ -314,6 +314,7 @@ def generate_with(
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
     (``report["run"]["interrupted"]``, unfinished samples None)."""
     from tllm_core.api.results import encode
+    from tllm_core.app import default_model
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
     from tllm_core.app.summary import run_line
@@ -332,16 +333,10 @@ def generate_with(
     asked = _results_arg(args, checked)
     converting = None
     if model is None:
-        from tllm_core.app.default_model import (
-            convert_in_background,
-            default_model_path,
-            wait_for_conversion,
-        )
-
         # Converted while vLLM is imported; before the engine processes' preload is set.
-        converting = convert_in_background()
+        converting = default_model.convert_in_background()
         if converting is None:  # cached: the dry build now, before vLLM is imported
-            model = str(default_model_path())
+            model = str(default_model.default_model_path())
             checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
@@ -349,8 +344,8 @@ def generate_with(
         params.extra_args = {RESULTS_KEY: asked}
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
-        wait_for_conversion(converting)
-        model = str(default_model_path())
+        default_model.wait_for_conversion(converting)
+        model = str(default_model.default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))

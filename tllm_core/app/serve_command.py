@@ -213,7 +213,14 @@ def _runner_note(url: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tllm_core.app.default_model import default_model_path
     from tllm_core.app.engine import tell_run_failed, validate_consumers
+    from tllm_core.runtime.notes import NoteFile
+    from tllm_core.runtime.watchdog import read_note
+    from tllm_core.serving.keys import EngineConsumers
+    from tllm_core.vllm_bridge.families import check_model
+    from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+    from tllm_core.vllm_bridge.server_entry import CheckedServer, close_http_soon, run_openai_server
 
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
@@ -223,15 +230,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.per_request:
         checked = checked.all_per_request()
     if model is None:
-        from tllm_core.app.default_model import default_model_path
-
         model = str(default_model_path())
         checked = validate_consumers(checked, model)
-    from tllm_core.vllm_bridge.families import check_model
-
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
-    from tllm_core.runtime.notes import NoteFile
-
     fault_note = NoteFile("tllm-fault-")  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
@@ -242,8 +243,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
-    from tllm_core.serving.keys import EngineConsumers
-
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
     follower = headless(args)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
@@ -257,9 +256,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for line in describe(url, engine):
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
-    from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import CheckedServer, close_http_soon, run_openai_server
-
     bind_cpu_threads(ranks)
     last = None
     if not follower:  # says when it is ready, and what the consumers did when it stops
@@ -276,8 +272,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
         last.stop()
-    from tllm_core.runtime.watchdog import read_note
-
     hung = read_note(fault_note.path)
     fault_note.close()
     if signals.nodes.lost():
