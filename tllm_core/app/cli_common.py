@@ -146,16 +146,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts", type=Path, help="file with one prompt per line")
-    chat = g.add_mutually_exclusive_group()
-    chat.add_argument(
+    g.add_argument(
         "--chat",
-        dest="chat",
-        action="store_true",
-        default=None,
-        help="apply the model's chat template (default: when the model has one)",
-    )
-    chat.add_argument(
-        "--no-chat", dest="chat", action="store_false", help="send prompts as raw text"
+        action=argparse.BooleanOptionalAction,
+        help="apply the model's chat template (default: when the model has one); --no-chat "
+        "sends prompts as raw text",
     )
     g.add_argument(
         "-n",

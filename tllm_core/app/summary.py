@@ -118,24 +118,23 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
                 f"consumer {name!r}: a callback passed its deadline (see the errors above)"
                 + (f"; {abandoned} queued bundle(s) dropped" if abandoned else "")
             )
-    if runtime.get("consumers_disabled", 0):
-        out.append(
-            f"{runtime['consumers_disabled']} consumer(s) switched off after repeated failures"
-        )
-    if runtime.get("steps_greedy", 0):
-        out.append(
-            f"{runtime['steps_greedy']} step(s) sampled every row greedily (temperature 0): vLLM "
-            "calls no guide then, so guiding consumers left those steps alone (sample with "
-            "temperature > 0 to guide them)"
-        )
-    if runtime.get("stale_captures", 0):
-        out.append(f"{runtime['stale_captures']} stale capture(s): those reads were not delivered")
-    for key, what in (
-        ("flush_timeouts", "waits for a background consumer timed out"),
-        ("close_timeouts", "background consumer thread(s) did not stop in time"),
+    for key, text in (
+        ("consumers_disabled", "{} consumer(s) switched off after repeated failures"),
+        (
+            "steps_greedy",
+            "{} step(s) sampled every row greedily (temperature 0): vLLM calls no guide then, "
+            "so guiding consumers left those steps alone (sample with temperature > 0 to guide "
+            "them)",
+        ),
+        ("stale_captures", "{} stale capture(s): those reads were not delivered"),
+        ("flush_timeouts", "{} waits for a background consumer timed out (flush_timeouts)"),
+        (
+            "close_timeouts",
+            "{} background consumer thread(s) did not stop in time (close_timeouts)",
+        ),
     ):
         if runtime.get(key, 0):
-            out.append(f"{runtime[key]} {what} ({key})")
+            out.append(text.format(runtime[key]))
     return out
 
 
