@@ -475,12 +475,12 @@ def print_report(
         from tllm_core.runtime.reports import json_safe
 
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
-        print(json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False))
-        sys.stdout.flush()
+        text = json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False)
+        print(text, flush=True)
         if report.get("run", {}).get("summary"):
-            print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
+            say(report["run"]["summary"])
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
-            print(f"tllm: warning: {warning}", file=sys.stderr, flush=True)
+            say(f"warning: {warning}")
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
@@ -494,8 +494,7 @@ def print_report(
                 print(f"  {k:<40} {count_text(v)}")
     sys.stdout.flush()
     for line in summarize(report).text():
-        print(f"tllm: {line}", file=sys.stderr)
-    sys.stderr.flush()
+        say(line)
 
 
 def show(
