@@ -110,7 +110,7 @@ def test_tllm_serve_validates_its_consumer_configs_once_in_its_process(tiny_mode
     monkeypatch.setattr(ESampConfig, "__pydantic_validator__", counting)
     monkeypatch.setattr(entry, "main", fake_vllm_server)
     monkeypatch.setattr(bridge_serving, "attach_routes", lambda *a: None)
-    monkeypatch.setattr(serve_command, "_announce_when_ready", lambda url: None)
+    monkeypatch.setattr(serve_command.LastCounters, "start", lambda self: None)
     monkeypatch.setattr(serve_command.stop.os, "_exit", lambda code: None)
     monkeypatch.setattr("tllm_core.vllm_bridge.parallel.bind_cpu_threads", lambda ranks: None)
     # Logging and engine-process settings are the command's business, not this test's: left

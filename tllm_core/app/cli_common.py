@@ -146,16 +146,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts", type=Path, help="file with one prompt per line")
-    chat = g.add_mutually_exclusive_group()
-    chat.add_argument(
+    g.add_argument(
         "--chat",
-        dest="chat",
-        action="store_true",
-        default=None,
-        help="apply the model's chat template (default: when the model has one)",
-    )
-    chat.add_argument(
-        "--no-chat", dest="chat", action="store_false", help="send prompts as raw text"
+        action=argparse.BooleanOptionalAction,
+        help="apply the model's chat template (default: when the model has one); --no-chat "
+        "sends prompts as raw text",
     )
     g.add_argument(
         "-n",
@@ -219,8 +214,7 @@ def check_sampling(args: argparse.Namespace) -> None:
 
 
 def sampling(args: argparse.Namespace):
-    """``SamplingParams`` from the sampling options (our checks, then vLLM's)."""
-    check_sampling(args)
+    """``SamplingParams`` from the sampling options (vLLM's checks; ours ran before)."""
     from vllm import SamplingParams
 
     from tllm_core.vllm_bridge.errors import vllm_value_errors
@@ -315,6 +309,7 @@ def generate_with(
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
     (``report["run"]["interrupted"]``, unfinished samples None)."""
     from tllm_core.api.results import encode
+    from tllm_core.app import default_model
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
     from tllm_core.app.summary import run_line
@@ -333,16 +328,10 @@ def generate_with(
     asked = _results_arg(args, checked)
     converting = None
     if model is None:
-        from tllm_core.app.default_model import (
-            convert_in_background,
-            default_model_path,
-            wait_for_conversion,
-        )
-
         # Converted while vLLM is imported; before the engine processes' preload is set.
-        converting = convert_in_background()
+        converting = default_model.convert_in_background()
         if converting is None:  # cached: the dry build now, before vLLM is imported
-            model = str(default_model_path())
+            model = str(default_model.default_model_path())
             checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
@@ -350,8 +339,8 @@ def generate_with(
         params.extra_args = {RESULTS_KEY: asked}
     eager_note = choose_eager(args, len(texts_in) * params.n * params.max_tokens)
     if converting is not None:  # the first run: the converted model, then its dry build
-        wait_for_conversion(converting)
-        model = str(default_model_path())
+        default_model.wait_for_conversion(converting)
+        model = str(default_model.default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
     if args.chat is None:
         args.chat = has_chat_template(Path(model))
@@ -478,7 +467,7 @@ def print_report(
     counters: bool = False,
 ) -> None:
     """Completions as text (or one JSON), then errors and the run's summary on stderr."""
-    from tllm_core.app.summary import summarize
+    from tllm_core.app.summary import count_text, summarize
 
     for e in report.get("errors", []):  # with --json too: stdout is then the JSON only
         print(f"ERROR: {e['error']}", file=sys.stderr)
@@ -486,12 +475,12 @@ def print_report(
         from tllm_core.runtime.reports import json_safe
 
         # Strict JSON: a NaN or infinite figure is written as a string, not as bare NaN.
-        print(json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False))
-        sys.stdout.flush()
+        text = json.dumps(json_safe(json_report(texts, report)), default=str, allow_nan=False)
+        print(text, flush=True)
         if report.get("run", {}).get("summary"):
-            print(f"tllm: {report['run']['summary']}", file=sys.stderr, flush=True)
+            say(report["run"]["summary"])
         for warning in summarize(report).warnings:  # stderr: stdout is the one JSON
-            print(f"tllm: warning: {warning}", file=sys.stderr, flush=True)
+            say(f"warning: {warning}")
         return
     for i, (p, samples) in enumerate(zip(prompts, texts, strict=False)):
         print(f"=== prompt {i}: {p[:70]}")
@@ -502,11 +491,10 @@ def print_report(
         for group, values in _counters(report).items():
             print(f"[{group}]")
             for k, v in sorted(values.items()):
-                print(f"  {k:<40} {v:.6g}" if isinstance(v, float) else f"  {k:<40} {v}")
+                print(f"  {k:<40} {count_text(v)}")
     sys.stdout.flush()
     for line in summarize(report).text():
-        print(f"tllm: {line}", file=sys.stderr)
-    sys.stderr.flush()
+        say(line)
 
 
 def show(

@@ -19,8 +19,10 @@ from typing import Any
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
+from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.model_config import read_model_config
 from tllm_core.runtime.notes import NoteFile
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
@@ -28,7 +30,13 @@ from tllm_core.runtime.start_error import StartErrorNote
 from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
-from tllm_core.vllm_bridge.engine_watch import EngineDiedError, EngineWatch
+from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S, EngineDiedError, EngineWatch
+from tllm_core.vllm_bridge.families import check_model
+from tllm_core.vllm_bridge.lifecycle import abort_unfinished, shutdown_engine, unfinished_ids
+from tllm_core.vllm_bridge.nodes import announce_stop, leader_store
+from tllm_core.vllm_bridge.offline import chat_with_salts
+from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
@@ -53,8 +61,9 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers."""
-        return RuntimeSettings(consumers=list(self.specs), **kwargs)
+        """The runtime settings sent to the engine with these consumers (None: the default)."""
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        return RuntimeSettings(consumers=list(self.specs), **given)
 
 
 # A ``NAME[:JSON]`` string, a spec dict or a spec each, converted once by validate_consumers.
@@ -73,7 +82,7 @@ def validate_consumers(
         checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
     if model_path is None or checked.model_path == model_path or not checked.specs:
         return checked
-    from tllm_core.runtime.dry_run import dry_build
+    from tllm_core.runtime.dry_run import dry_build  # tests count its calls
 
     dry_build(checked.specs, checked.configs, model_path, checked.registry)
     return replace(checked, model_path=model_path)
@@ -182,39 +191,28 @@ class TllmLLM:
         check_version()
         llm_kwargs.setdefault("dtype", DEFAULT_DTYPE)  # as `tllm run` and ConsumerKit
         if model is None:
-            from tllm_core.app.default_model import default_model_path
-
             model = str(default_model_path())
         self.model_path = model
         self.raise_on_disabled = raise_on_disabled
         self._raised: set[str] = set()  # consumers already raised as disabled
         if os.path.isdir(model):  # a broken config.json is bad input, before vLLM starts
-            from tllm_core.runtime.model_config import read_model_config
-
             read_model_config(model)
             checked = validate_consumers(checked, model)
-
-        from tllm_core.vllm_bridge.families import check_model
 
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        deadlines = dict(
+        self.settings = checked.settings(
+            queue_size=queue_size,
+            overflow=overflow,
+            background_threads=background_threads,
+            max_consecutive_failures=max_consecutive_failures,
             callback_deadline_s=callback_deadline_s,
             background_deadline_s=background_deadline_s,
             close_deadline_s=close_deadline_s,
         )
-        self.settings = checked.settings(
-            queue_size=queue_size,
-            overflow=overflow,  # type: ignore[arg-type]
-            background_threads=background_threads,
-            max_consecutive_failures=max_consecutive_failures,
-            **{k: v for k, v in deadlines.items() if v is not None},  # else the defaults
-        )
-        from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-
         world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
             llm_kwargs.get("pipeline_parallel_size") or 1
         )
@@ -228,13 +226,9 @@ class TllmLLM:
             update={"start_error_file": note.path, "fault_file": self._fault_note.path}
         )
         additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
-        from vllm import LLM
-
-        from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
+        from vllm import LLM  # after check_version
 
         self._started_at = time.time()  # files older than this are not this run's
-        from tllm_core.vllm_bridge.nodes import leader_store
-
         # A multi-node leader tells its followers of a requested stop (nodes.announce_stop).
         self._followers_store = leader_store(
             llm_kwargs.get("nnodes"),
@@ -344,16 +338,12 @@ class TllmLLM:
         try:
             with self._naming_a_dead_engine():
                 if chat:
-                    from tllm_core.vllm_bridge.offline import chat_with_salts
-
                     outputs = chat_with_salts(self.llm, salts, items, tagged, **kwargs)
                 else:
                     prompts = [_salted(p, s) for p, s in zip(items, salts, strict=True)]
                     outputs = self.llm.generate(prompts, tagged, **kwargs)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: stop the requests nobody waits for any more.
-            from tllm_core.vllm_bridge.lifecycle import abort_unfinished, unfinished_ids
-
             ids = None
             with contextlib.suppress(Exception):
                 ids = unfinished_ids(self.llm)
@@ -411,14 +401,9 @@ class TllmLLM:
     def shutdown(self) -> None:
         """Stop the engine processes now (idempotent), not in vLLM's exit handler (which kills
         engines slower than 5 s)."""
-        from tllm_core.vllm_bridge.engine_watch import LEFTOVER_GRACE_S
-        from tllm_core.vllm_bridge.lifecycle import shutdown_engine
-
         self._watch.stop()  # processes that end from here on are stopped, not dead
         if self._watch.death is None:
             if self._followers_store is not None:  # before the engine (and its store) stops
-                from tllm_core.vllm_bridge.nodes import announce_stop
-
                 announce_stop(*self._followers_store)
                 self._followers_store = None  # once
             shutdown_engine(self.llm)

@@ -188,16 +188,9 @@ def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = Non
         png = out_dir / f"{name}-{plot.name}.png"
         render_png(plot, png)
         figures.append(_figure(name, plot, png))
-    info = run.get("run", {})
-    meta = " · ".join(
-        _esc(x)
-        for x in (
-            f"{len(run.get('outputs', []))} prompt(s)",
-            f"{sum(len(s) for s in run.get('outputs', []))} sample(s)",
-            info.get("runner", ""),
-        )
-        if x
-    )
+    outputs, runner = run.get("outputs", []), run.get("run", {}).get("runner")
+    meta = f"{len(outputs)} prompt(s) · {sum(map(len, outputs))} sample(s)"
+    meta += f" · {_esc(runner)}" if runner else ""
     plots = f'<div class="plots">{"".join(figures)}</div>' if figures else "<p>(no plots)</p>"
     page = (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'

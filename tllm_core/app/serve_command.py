@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import time
@@ -61,9 +62,6 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 # Seconds a server goes on after a consumer callback passed its deadline before its engine
 # stops itself: /health fails meanwhile, so that a load balancer drains it first.
 HUNG_STOP_S = 60.0
-DP_FLAGS = ("--data-parallel-size", "-dp")
-API_SERVER_FLAGS = ("--api-server-count", "-asc")
-DP_LOCAL_FLAGS = ("--data-parallel-size-local", "-dpl")
 
 
 def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
@@ -95,23 +93,20 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
     extra = list(args.vllm_args or [])
-    servers = _flag(extra, API_SERVER_FLAGS)
+    servers = _flag(extra, ("--api-server-count", "-asc"))
     if servers is not None and servers != 1:
         raise cli_common.CliError(
             f"--api-server-count {servers}: tllm serve runs one API server (its request "
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _flag(extra, DP_FLAGS)
+    dp = _flag(extra, ("--data-parallel-size", "-dp"))
     dp = args.data_parallel_size if dp is None else dp
     if dp < 1:
         raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
-    return local_ranks(extra, args.tensor_parallel_size, dp)
-
-
-def local_ranks(extra: list[str], tp: int, dp: int) -> int:
-    """Ranks on this node: ``--data-parallel-size-local`` engines, else ``tp * dp`` / nodes."""
-    dp_local = _flag(extra, DP_LOCAL_FLAGS)
+    tp = args.tensor_parallel_size
+    # This node's share: --data-parallel-size-local engines, else tp * dp / nodes.
+    dp_local = _flag(extra, ("--data-parallel-size-local", "-dpl"))
     if dp_local is not None:
         return tp * max(dp_local, 1)
     nodes = _flag(extra, ("--nnodes",)) or 1
@@ -128,20 +123,21 @@ def headless(args: argparse.Namespace) -> bool:
 # Seconds between reads of /tllm/counters: the engine is gone when the server stops, so its
 # summary comes from the last answer (a server with an API key answers none: no summary).
 COUNTERS_INTERVAL_S = 5.0
+READY_WAIT_S = 3600.0  # the longest wait for the server to answer /health (a first compile)
 
 
 class LastCounters:
     """The last report read from ``{url}/tllm/counters``."""
 
     def __init__(self, url: str):
-        self.url = f"{url}/tllm/counters"
+        self.url = url
         self.report: dict[str, Any] | None = None
         self.read_at = 0.0
         self._stop = threading.Event()
 
     def read_once(self) -> bool:
         try:
-            report = _get_json(self.url)
+            report = _get_json(f"{self.url}/tllm/counters")
         except (OSError, ValueError):
             return False
         if isinstance(report, dict) and "consumers" in report:
@@ -150,11 +146,21 @@ class LastCounters:
         return False
 
     def start(self) -> None:
-        def follow() -> None:
-            while not self._stop.wait(COUNTERS_INTERVAL_S):
-                self.read_once()
+        """Say when the server answers /health, then read its counters now and then."""
+        threading.Thread(target=self._follow, daemon=True, name="tllm-serve-counters").start()
 
-        threading.Thread(target=follow, daemon=True, name="tllm-serve-counters").start()
+    def _follow(self) -> None:
+        deadline = time.monotonic() + READY_WAIT_S
+        while time.monotonic() < deadline and not self._stop.wait(1):
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=2) as r,
+            ):
+                if r.status == 200:
+                    say(f"ready: {self.url}/v1{_runner_note(self.url)} (Ctrl-C stops the server)")
+                    break
+        while not self._stop.wait(COUNTERS_INTERVAL_S):
+            self.read_once()
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,24 +212,15 @@ def _runner_note(url: str) -> str:
     return f" on vLLM's {runner}"
 
 
-def _announce_when_ready(url: str, timeout: float = 3600) -> None:
-    def wait() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        say(f"ready: {url}/v1{_runner_note(url)} (Ctrl-C stops the server)")
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-
-    threading.Thread(target=wait, daemon=True, name="tllm-serve-ready").start()
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tllm_core.app.default_model import default_model_path
     from tllm_core.app.engine import tell_run_failed, validate_consumers
+    from tllm_core.runtime.notes import NoteFile
+    from tllm_core.runtime.watchdog import read_note
+    from tllm_core.serving.keys import EngineConsumers
+    from tllm_core.vllm_bridge.families import check_model
+    from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+    from tllm_core.vllm_bridge.server_entry import CheckedServer, close_http_soon, run_openai_server
 
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
@@ -233,31 +230,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.per_request:
         checked = checked.all_per_request()
     if model is None:
-        from tllm_core.app.default_model import default_model_path
-
         model = str(default_model_path())
         checked = validate_consumers(checked, model)
-    from tllm_core.vllm_bridge.families import check_model
-
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
-    from tllm_core.runtime.notes import NoteFile
-
     fault_note = NoteFile("tllm-fault-")  # a hung callback's report, from the engine (watchdog.py)
     settings = checked.settings(
         server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
         hung_stop_s=args.hung_stop,
         fault_file=fault_note.path,
         max_result_bytes=args.max_result_kib * 1024,
-        **(
-            {"callback_deadline_s": args.callback_deadline}
-            if args.callback_deadline is not None
-            else {}
-        ),
+        callback_deadline_s=args.callback_deadline,
     )
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
-    from tllm_core.serving.keys import EngineConsumers
-
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
     follower = headless(args)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
@@ -271,18 +256,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for line in describe(url, engine):
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
-    from tllm_core.vllm_bridge.parallel import bind_cpu_threads
-    from tllm_core.vllm_bridge.server_entry import (
-        CheckedServer,
-        close_http_soon,
-        run_openai_server,
-    )
-
     bind_cpu_threads(ranks)
     last = None
-    if not follower:
-        _announce_when_ready(url)
-        last = LastCounters(url)  # what the consumers did, said when the server stops
+    if not follower:  # says when it is ready, and what the consumers did when it stops
+        last = LastCounters(url)
         last.start()
     wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     # The command's stop (its watchdog bounds the server's); a lost node is recorded there.
@@ -295,8 +272,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_openai_server(server_argv(args, model, settings), pre)
     if last is not None:
         last.stop()
-    from tllm_core.runtime.watchdog import read_note
-
     hung = read_note(fault_note.path)
     fault_note.close()
     if signals.nodes.lost():

@@ -40,7 +40,8 @@ def registry_lookup() -> Lookup:
     return lookup
 
 
-def _count(v: Any) -> str:
+def count_text(v: Any) -> str:
+    """A counter's value as shown: a float to 6 significant digits."""
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
@@ -73,7 +74,7 @@ def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls:
     found = proof_counter(counters, declared)
     if found is None:
         return f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
-    return f"{name}: {found[0]} {_count(found[1])}"
+    return f"{name}: {found[0]} {count_text(found[1])}"
 
 
 def idle_warning(name: str, runtime: dict[str, Any]) -> str:
@@ -81,7 +82,7 @@ def idle_warning(name: str, runtime: dict[str, Any]) -> str:
     calls = runtime.get(f"consumer_calls.{name}", 0)
     if calls:
         return (
-            f"consumer {name!r} was called {_count(calls)} time(s) but produced no result "
+            f"consumer {name!r} was called {count_text(calls)} time(s) but produced no result "
             "(all its counters are zero)"
         )
     if any(k.startswith("consumer_calls.") for k in runtime):
@@ -117,24 +118,23 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
                 f"consumer {name!r}: a callback passed its deadline (see the errors above)"
                 + (f"; {abandoned} queued bundle(s) dropped" if abandoned else "")
             )
-    if runtime.get("consumers_disabled", 0):
-        out.append(
-            f"{runtime['consumers_disabled']} consumer(s) switched off after repeated failures"
-        )
-    if runtime.get("steps_greedy", 0):
-        out.append(
-            f"{runtime['steps_greedy']} step(s) sampled every row greedily (temperature 0): vLLM "
-            "calls no guide then, so guiding consumers left those steps alone (sample with "
-            "temperature > 0 to guide them)"
-        )
-    if runtime.get("stale_captures", 0):
-        out.append(f"{runtime['stale_captures']} stale capture(s): those reads were not delivered")
-    for key, what in (
-        ("flush_timeouts", "waits for a background consumer timed out"),
-        ("close_timeouts", "background consumer thread(s) did not stop in time"),
+    for key, text in (
+        ("consumers_disabled", "{} consumer(s) switched off after repeated failures"),
+        (
+            "steps_greedy",
+            "{} step(s) sampled every row greedily (temperature 0): vLLM calls no guide then, "
+            "so guiding consumers left those steps alone (sample with temperature > 0 to guide "
+            "them)",
+        ),
+        ("stale_captures", "{} stale capture(s): those reads were not delivered"),
+        ("flush_timeouts", "{} waits for a background consumer timed out (flush_timeouts)"),
+        (
+            "close_timeouts",
+            "{} background consumer thread(s) did not stop in time (close_timeouts)",
+        ),
     ):
         if runtime.get(key, 0):
-            out.append(f"{runtime[key]} {what} ({key})")
+            out.append(text.format(runtime[key]))
     return out
 
 

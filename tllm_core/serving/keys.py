@@ -131,10 +131,7 @@ class EngineConsumers:
     def describe(self) -> dict[str, Any]:
         return {
             "consumers": {
-                n: {
-                    "per_request": p,
-                    "request_keys": describe_request_keys(n, self.models[n]),
-                }
+                n: {"per_request": p, "request_keys": describe_request_keys(n, self.models[n])}
                 for n, p in self.per_request.items()
             },
             "keys": self.keys(),
