@@ -7,9 +7,12 @@ fake engine client (``tests/test_steer_unit.py``'s model context)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import re
+import time
 import tracemalloc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +30,14 @@ URL = "/tllm/consumers/steer/control"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _server(cfg: dict, api_key: str | None = KEY, fault_file: str | None = None):
+def _server(
+    cfg: dict,
+    api_key: str | None = KEY,
+    fault_file: str | None = None,
+    settings: Any = None,
+    delays: list[float] | None = None,
+):
+    """``delays``: seconds the engine takes to answer each control call, in order."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -47,6 +57,8 @@ def _server(cfg: dict, api_key: str | None = KEY, fault_file: str | None = None)
             if method == "tllm_collect":
                 return [{"runtime": {}, "consumers": {}, "results": {}, "errors": []}]
             assert method == "tllm_control", method
+            if delays:
+                await asyncio.sleep(delays.pop(0))
             from tllm_core.api.consumer import ControlError
 
             name, action, payload = args
@@ -57,7 +69,7 @@ def _server(cfg: dict, api_key: str | None = KEY, fault_file: str | None = None)
 
     app = FastAPI()
     app.state.args = SimpleNamespace(api_key=api_key)
-    attach_routes(app, engine, fault_file=fault_file)
+    attach_routes(app, engine, settings, fault_file=fault_file)
     app.state.tllm_engine_client = Engine()
     app.state.tllm_server = engine
     return TestClient(app), engine, consumer
@@ -194,3 +206,37 @@ def test_a_control_request_is_refused_at_once_while_a_callback_hangs(tmp_path):
     assert consumer.vectors == []
     note.write_text("")
     assert client.post(URL, json=body, headers=AUTH).status_code == 200
+
+
+def test_a_control_answered_after_its_504_is_adopted_before_the_next_one():
+    """The engine applies a control call after the route gave up (504): the front end adopts
+    its config when the answer comes, and holds later control calls until then (503 past
+    the bound), so that the front end never checks requests against a config the engine
+    no longer has."""
+    from tllm_core.runtime.settings import ServerSettings
+
+    fast = ServerSettings(engine_answer_s=0.3)
+    client, engine, consumer = _server(
+        {"vectors": [], "open_layers": [1]}, settings=fast, delays=[1.5]
+    )
+
+    def add(name: str) -> dict:
+        return {"action": "add", "name": name, "layer": 1, "vector": [1.0] * H}
+
+    with client:  # one event loop for all requests: the late answer arrives between them
+        r = client.post(URL, json=add("calm"), headers=AUTH)
+        assert r.status_code == 504 and "then so does the server" in r.json()["error"], r.text
+        assert client.get("/tllm/status", headers=AUTH).json()["controls_pending"] == {
+            "steer": "add"
+        }
+        r = client.post(URL, json=add("happy"), headers=AUTH)
+        assert r.status_code == 503 and "(steer add) still waits" in r.json()["error"], r.text
+        deadline = time.monotonic() + 10
+        while client.get("/tllm/status", headers=AUTH).json()["controls_pending"]:
+            assert time.monotonic() < deadline, "the late control answer was never adopted"
+            time.sleep(0.05)
+        assert [v.name for v in consumer.vectors] == ["calm"]  # the engine did apply it
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
+        assert client.post(URL, json=add("happy"), headers=AUTH).status_code == 200
+        listed = client.get("/tllm/status", headers=AUTH).json()["controls"]["steer"]
+        assert [x["name"] for x in listed] == ["calm", "happy"]

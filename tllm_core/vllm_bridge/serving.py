@@ -67,6 +67,8 @@ NO_RESULTS = ("/v1/responses",)
 # A body past the limit is still read (and dropped) up to this many times the limit, so that
 # the client can read the 413 (see XargsCheck.refuse).
 DRAIN_FACTOR = 4
+# A control call answered after its 504 is still adopted up to this many times engine_answer_s.
+LATE_CONTROL_FACTOR = 10
 
 
 def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
@@ -236,9 +238,9 @@ def attach_routes(
     ``results_wait_s``: :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
-    def ask(method: str, *args: Any) -> Any:
-        client = app.state.tllm_engine_client
-        call = rpc_all(client, method, *args)
+    def ask(method: str, *args: Any, call: Any = None) -> Any:
+        """The workers' answers to ``method`` (``call``: an RPC already sent), bounded."""
+        call = call or rpc_all(app.state.tllm_engine_client, method, *args)
         return until_server_stops(app, call, repr(method), settings.engine_answer_s)
 
     def ask_workers():  # None while the engine is not up
@@ -255,6 +257,26 @@ def attach_routes(
     app.add_middleware(BearerGuard, tokens=tokens)
     router = APIRouter()
     control_lock = asyncio.Lock()  # the front end's configs and the engine's change in step
+    pending: dict[str, str] = {}  # consumer -> control action the engine has not answered yet
+
+    async def adopt_late(call: Any, name: str, action: str, new: Any) -> None:
+        """A control call that timed out may still be applied by the engine: wait for its
+        answer (bounded) and then keep the front end's config in step, holding the control
+        lock until then so that the next control call starts from the engine's config."""
+        try:
+            what = f"'tllm_control' ({name} {action}, after its 504)"
+            out = await until_server_stops(
+                app, call, what, LATE_CONTROL_FACTOR * settings.engine_answer_s
+            )
+            if not any("error" in o for o in out):
+                server.configs[name] = new
+        except Exception as e:  # the server stops, or the engine never answered
+            log.warning(
+                "tllm: %s's config in the front end may differ from the engine's: %s", name, e
+            )
+        finally:
+            pending.pop(name, None)
+            control_lock.release()
 
     def shown(body: Any) -> Any:
         body = json_safe(body)
@@ -310,6 +332,7 @@ def attach_routes(
             body = {"worker": leader, **server.describe()}
             body["failed_consumers"] = sorted(server.failed)
             body["controls"] = server.control_state()
+            body["controls_pending"] = dict(pending)  # answered late: adopted when answered
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
@@ -337,21 +360,41 @@ def attach_routes(
         action = body.pop("action")
         if read_note(fault_file) is not None:  # the engine is stuck: no RPC would answer
             return _error("a consumer callback is hung (see /tllm/status)", 503)
-        async with control_lock:
+        try:  # bounded: an earlier call's late answer holds the lock for a bounded time
+            await asyncio.wait_for(control_lock.acquire(), settings.engine_answer_s)
+        except asyncio.TimeoutError:
+            waiting = ", ".join(f"{n} {a}" for n, a in pending.items()) or "another request"
+            return _error(f"an earlier control request ({waiting}) still waits for the engine", 503)
+        handed_over = False  # to adopt_late, which releases the lock
+        try:
             config = server.configs[name]
             try:
                 new, reply = cls.check_control(action, body, config)
             except ControlError as e:
                 return _error(str(e), e.status)
             if new is not config:
-                late = "; the action may still take effect there (see /tllm/status)"
-                out = await guarded(lambda: ask("tllm_control", name, action, body), late)
+                sent: list[Any] = []
+
+                def send() -> Any:
+                    rpc = rpc_all(app.state.tllm_engine_client, "tllm_control", name, action, body)
+                    sent.append(asyncio.ensure_future(rpc))
+                    return ask("tllm_control", call=asyncio.shield(sent[0]))
+
+                late = "; the engine may still apply it, and then so does the server (see /tllm/status)"
+                out = await guarded(send, late)
                 if isinstance(out, JSONResponse):
+                    if out.status_code == 504:
+                        pending[name] = action
+                        asyncio.ensure_future(adopt_late(sent[0], name, action, new))
+                        handed_over = True
                     return out
                 failed = next((o for o in out if "error" in o), None)
                 if failed is not None:
                     return _error(failed["error"], failed.get("status", 400))
                 server.configs[name] = new
+        finally:
+            if not handed_over:
+                control_lock.release()
         return JSONResponse(shown({"consumer": name, "action": action, "reply": reply}))
 
     app.include_router(router)
