@@ -116,13 +116,15 @@ def _strict(data: bytes) -> Any:
 
 class Traffic:
     """Requests of each shape to an OpenAI-compatible server (``client``: an
-    ``httpx.AsyncClient`` on its URL), each read to an :class:`Outcome`; ``usage``: streams
-    ask for the token count."""
+    ``httpx.AsyncClient`` on its URL), each read to an :class:`Outcome`."""
 
-    def __init__(self, client: Any, max_tokens: int, model: str = "default", usage: bool = True):
-        self.client, self.max_tokens, self.model, self.usage = client, max_tokens, model, usage
+    def __init__(self, client: Any, max_tokens: int, model: str = "default"):
+        self.client, self.max_tokens, self.model = client, max_tokens, model
 
-    def body(self, chat: bool, xargs: dict | None, stream: bool = False, n: int = 1) -> dict:
+    def body(
+        self, chat: bool, xargs: dict | None, stream: bool = False, n: int = 1, usage: bool = True
+    ) -> dict:
+        """``usage``: a stream asks for the token count (else its tokens are chunks read)."""
         body: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "n": n}
         body |= {"messages": CHAT} if chat else {"prompt": PROMPT}
         body["temperature"] = 1.0  # ESamp guides sampled rows only
@@ -130,7 +132,7 @@ class Traffic:
             body["vllm_xargs"] = xargs
         if stream:
             body["stream"] = True
-        if stream and self.usage:
+        if stream and usage:
             body["stream_options"] = {"include_usage": True}
         return body
 
@@ -146,11 +148,13 @@ class Traffic:
         return Outcome(kind, 200, out["usage"]["completion_tokens"], done)
 
     async def stream(
-        self, kind: str, chat: bool, xargs: dict | None, cancel_after: int = 0
+        self, kind: str, chat: bool, xargs: dict | None, cancel_after: int = 0, usage: bool = True
     ) -> Outcome:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tokens, finished, chunks = 0, False, 0
-        async with self.client.stream("POST", path, json=self.body(chat, xargs, True)) as r:
+        async with self.client.stream(
+            "POST", path, json=self.body(chat, xargs, True, usage=usage)
+        ) as r:
             if r.status_code != 200:
                 await r.aread()
                 return Outcome(kind, r.status_code)

@@ -57,12 +57,14 @@ CONSUMERS = [
 
 
 async def send(t: Traffic, kind: str, rng: random.Random) -> Outcome:
-    """One request of the soak mix (streams are chats, cancelled after two chunks)."""
+    """One request of the soak mix (streams are chats; ``cancel`` drops one after two chunks)."""
     esamp = {"tllm_consumers": "esamp", "tllm_esamp_beta": rng.choice([0.25, 0.5, 1.0])}
     steer = {"tllm_consumers": "steer", "tllm_steer_scale": rng.choice([2.0, 4.0])}
     if kind in ("stream_esamp", "stream_plain", "cancel"):
         xargs = None if kind == "stream_plain" else esamp
-        return await t.stream(kind, True, xargs, cancel_after=2 if kind == "cancel" else 0)
+        cancel_after = 2 if kind == "cancel" else 0
+        # plain streams without usage, as clients that do not ask for it send them
+        return await t.stream(kind, True, xargs, cancel_after, usage=kind != "stream_plain")
     xargs = {"plain": None, "esamp": esamp, "esamp_n2": esamp, "steer": steer}
     xargs |= {"crash": {"tllm_consumers": "crasher"}, "bad_key": {"tllm_no_such_key": 1}}
     xargs |= {"bad_beta": {"tllm_consumers": "esamp", "tllm_esamp_beta": -1}}

@@ -348,3 +348,22 @@ def test_kit_replays_an_engine_run_and_esamp_writes_the_same(tiny_model, engines
     for key in a:
         assert a[key]["tokens"] == b[key]["tokens"], key
         assert a[key]["logits"] == pytest.approx(b[key]["logits"], abs=1e-3), key
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "bound"),
+    [
+        ("temperature", -1.0, "greater than or equal to 0"),
+        ("top_p", 0.0, "greater than 0"),
+        ("top_p", 1.5, "less than or equal to 1"),
+        ("min_p", 2.0, "less than or equal to 1"),
+        ("top_k", -1, "greater than or equal to 0"),
+    ],
+)
+def test_bad_sampling_is_refused_naming_the_field_value_and_bound(field, value, bound):
+    from tllm_core.testing import Sampling
+
+    with pytest.raises(ValueError) as e:
+        Sampling(**{field: value})
+    text = str(e.value)
+    assert field in text and f"input_value={value}" in text and bound in text, text

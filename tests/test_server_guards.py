@@ -336,7 +336,6 @@ def _app(engine, api_key, settings=None, errors=None, hung=False):
     app.state.args = SimpleNamespace(api_key=api_key)
     attach_routes(app, engine, settings)
     app.state.tllm_engine_client = FakeEngineClient()
-    app.state.tllm_server = engine
 
     @app.post("/v1/completions")
     async def completions(request: Request):

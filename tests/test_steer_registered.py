@@ -71,7 +71,6 @@ def _server(
     app.state.args = SimpleNamespace(api_key=api_key)
     attach_routes(app, engine, settings, fault_file=fault_file)
     app.state.tllm_engine_client = Engine()
-    app.state.tllm_server = engine
     return TestClient(app), engine, consumer
 
 

@@ -160,7 +160,6 @@ def test_health_fails_and_status_names_a_hung_consumer(tmp_path):
     engine = EngineConsumers.from_settings({"consumers": [{"name": "stats"}]})
     app = FastAPI()
     attach_routes(app, engine, None, str(note))
-    app.state.tllm_server = engine
 
     @app.get("/health")
     async def health():  # vLLM's own route

@@ -73,8 +73,9 @@ class RunnerAdapterBase:
         if not events.active:  # no consumer: count the step, build nothing
             events.begin(None)
             return
+        rows = layout()  # first: a layout that raises leaves the step unreported
         self.live = True
-        events.begin(layout())
+        events.begin(rows)
 
     def _sampled(self, events: Any, sampled: torch.Tensor, sync_sampled: SyncSampled) -> None:
         if sync_sampled is not None:
@@ -212,6 +213,7 @@ class V1RunnerAdapter(RunnerAdapterBase):
         "requests",
         "input_ids.gpu",
     )
+    _ids: list[str] | tuple[()] = ()  # the step's requests, set by each layout
 
     def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         st = self.runner.requests[engine_id]
