@@ -102,28 +102,32 @@ class GroupedDistiller(SlotDistiller):
         return fwd
 
     def _train(
-        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
         """One in-place update of all packed groups, inline or on the side thread; the
         results are filled when it has run."""
-        forward = self._saved_forward(pk, x)
-        if self.zero_output:
-            target = target.float() + x.float()
-        self._version += 1
-        errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
-        res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
+        self._submitted[pk.slots] += 1
+        # vLLM samples under inference mode: the state and results are made outside it.
+        with torch.inference_mode(False):
+            x, target = x.clone(), target.clone()
+            forward = self._saved_forward(pk, x)
+            if self.zero_output:
+                target = target.float() + x.float()
+            self._version += 1
+            errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
+            res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
-        def run() -> None:
-            loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
-            self.applied[torch.from_numpy(pk.slots)] += 1
-            res.losses.copy_(torch.tensor(loss))
-            res.updated.copy_(torch.tensor(ok))
-            if res.stats is not None:
-                res.stats.copy_(st)
-            res.done.set()
+            def run() -> None:
+                loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
+                self.applied[torch.from_numpy(pk.slots)] += 1
+                res.losses.copy_(torch.tensor(loss))
+                res.updated.copy_(torch.tensor(ok))
+                if res.stats is not None:
+                    res.stats.copy_(st)
+                res.done.set()
 
-        self._ordered(run)
-        return res
+            self._ordered(run)
+            return res
 
     def _step(
         self,

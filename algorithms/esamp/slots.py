@@ -195,25 +195,24 @@ class SlotDistiller:
         raise NotImplementedError
 
     def train_step(
-        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        rows_id: object = None,
+        row_errors: bool = False,
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
         ``row_errors``: also each row's error before the update."""
         pk = make_packing(slots)
         if not pk.slots.size:
-            empty = torch.zeros(0, device=self.device)
+            empty = torch.zeros(0)
             return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
         self._check_live(pk)
-        self._submitted[pk.slots] += 1
-        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
-        # train outside it (subclasses override _train only).
-        with torch.inference_mode(False):
-            res = self._train(pk, x.clone(), target.clone(), row_errors)
-        res.counts = pk.counts
-        return res
+        return self._train(pk, x, target, rows_id, row_errors)
 
     def _train(
-        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
         raise NotImplementedError
 
