@@ -1,8 +1,6 @@
-"""ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
-decode rows and mix it into their logits, each row with its request's beta.
-:class:`HostGuide` allocates and mixes the exact candidate set; :class:`CudaGuide` allocates
-nothing and reads nothing back in the step (workspace views, one pinned copy, at most
-``cuda_max_candidates`` per row, counts summed on the device)."""
+"""ESamp's guidance, in the sampler: ``f(h_1)`` of the step's random-sampling decode rows
+mixed into their logits. :class:`HostGuide` allocates and mixes the exact candidate set;
+:class:`CudaGuide` allocates nothing and reads nothing back in the step."""
 
 from __future__ import annotations
 
@@ -233,7 +231,8 @@ class Guide:
         f, rel = self.predict(view, sel, slots, lambda t, part: select_rows(t, sel, idx, ws, part))
         if fit is not None:
             betas.mul_(fit.scale(*fit_t, rel))
-        post_filter = self.post_filter(view)
+        mode = self.s.cfg.mode
+        post_filter = mode == "post_filter" or (mode == "auto" and view.filtered)
         rec = self.record([g.age for g in groups], rel, betas, post_filter and any(host_betas))
         if not any(host_betas):
             return  # nothing written: vLLM's own sampling call goes on
@@ -254,10 +253,6 @@ class Guide:
         torch.sum(changed, 0, out=counts[0])
         torch.sum(delta, 0, out=counts[1])
         self.add_counts(counts)
-
-    def post_filter(self, view: GuideView) -> bool:
-        mode = self.s.cfg.mode
-        return mode == "post_filter" or (mode == "auto" and view.filtered)
 
     def predict(
         self,

@@ -147,7 +147,7 @@ class Trainer:
         self._warm_pending += submitted
         self.s.counters.add("warm_start_groups", len(set(slots)))
         self.s.counters.add("warm_start_rows", len(sel))
-        self._after_submit()  # warm_start_steps: counted from the results, in _flush_warm
+        self._after_submit()  # warm_start_steps: counted from the results, in flush
 
     def _submit(
         self,
@@ -199,7 +199,11 @@ class Trainer:
         self._flushes += 1
         if block or self._flushes % _READ_EVERY == 0:
             self.read_deferred(block)
-        self._flush_warm(block)
+        done, self._warm_pending = split_final(self._warm_pending, block, lambda r: r)
+        for res in done:  # warm-start updates: counted once final
+            ok = res.updated.cpu().tolist()
+            s.counters.add("warm_start_steps", sum(ok))
+            s.counters.add("nonfinite_losses_skipped", len(ok) - sum(ok))
         ready, self._pending = split_final(self._pending, block, lambda p: p[2])
         if ready:
             self.losses.add(ready)
@@ -209,11 +213,3 @@ class Trainer:
     def prune_losses(self) -> None:
         """Drop the loss state of freed groups with no update still to read back."""
         self.losses.prune({s for serials, _, _ in self._pending for s in serials})
-
-    def _flush_warm(self, block: bool) -> None:
-        """Count the warm-start updates that ran once their results are final."""
-        done, self._warm_pending = split_final(self._warm_pending, block, lambda r: r)
-        for res in done:
-            ok = res.updated.cpu().tolist()
-            self.s.counters.add("warm_start_steps", sum(ok))
-            self.s.counters.add("nonfinite_losses_skipped", len(ok) - sum(ok))
