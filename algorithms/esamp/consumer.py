@@ -129,7 +129,6 @@ class ESampConsumer(Consumer):
         self.counters.set("memory_plan_bytes", self.memory_plan.total_bytes)
         self.counters.set("graph_failures", self.distiller.graph_failures)
 
-    # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
         # Warm start trains on the prompt's prefill rows too.
         phase = Phase.ALL if self.config.warm_start_steps > 0 else Phase.DECODE

@@ -66,7 +66,6 @@ class GroupedDistiller(SlotDistiller):
             self._side.close()
             self._side = None
 
-    # -- math -----------------------------------------------------------------------
     def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         pk = make_packing(slots)
         if not pk.slots.size:

@@ -273,7 +273,6 @@ class CudaGroupedDistiller(SlotDistiller):
         """The update graph of the first layout (None: updates run eagerly)."""
         return self._graphs.get(("train", self.layouts[0]))
 
-    # -- ordering ---------------------------------------------------------------------
     def _drain(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
@@ -430,7 +429,6 @@ class CudaGroupedDistiller(SlotDistiller):
                 err,
             )
 
-    # -- per call ---------------------------------------------------------------------
     def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
         """One pinned host-to-device copy of the batch's plan, on the side stream."""
         i, host = self._plans.take(self.plan.numel())

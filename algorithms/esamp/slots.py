@@ -119,7 +119,6 @@ class SlotDistiller:
         """Finish pending work and release helpers (threads, streams)."""
         self._drain()
 
-    # -- slots ----------------------------------------------------------------------
     @property
     def num_live(self) -> int:
         return len(self._live)
