@@ -10,12 +10,10 @@ import numpy as np
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
-from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
-from algorithms.esamp.mlp import Activations, forward_acts
+from algorithms.esamp.mlp import Activations, backward_factors, forward_acts
 from algorithms.esamp.packing import HostBatch, Packing, make_packing
-from algorithms.esamp.params import block_weights
+from algorithms.esamp.params import CLIP_EPS, STATS, adam_stats, block_weights, fused_adam_
 from algorithms.esamp.side_thread import SideThread
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 

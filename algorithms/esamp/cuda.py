@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.graph_update import slot_matmul, slots_bound, train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
 from algorithms.esamp.packing import Packing, make_packing
+from algorithms.esamp.params import STATS
 from algorithms.esamp.slots import SlotDistiller, TrainResult
 from tllm_core import HostCopyRing, StagingRing, pow2_rows
 

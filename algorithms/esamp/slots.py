@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.packing import Packing, make_packing
-from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
+from algorithms.esamp.params import STATS, AdamHyper, DistillerShape, init_params
 
 
 @dataclass
@@ -27,7 +26,7 @@ class TrainResult:
     # Set once the values are final (CPU side thread); None: final after synchronize().
     done: threading.Event | None = None
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
-    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
+    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.params.STATS)
     stats: torch.Tensor | None = None
     # fp32 [R] (host) with ``train_step(row_errors=True)``: each row's term of its group's
     # loss before the update (its squared error over loss_per_row); final when ready().

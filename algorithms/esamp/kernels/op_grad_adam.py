@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.adam import fused_adam_
 from algorithms.esamp.kernels.checks import (
     FP32,
     MOMENT_DTYPES,
@@ -18,7 +17,7 @@ from algorithms.esamp.kernels.checks import (
     check_precision,
 )
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, log_beta, rows_block, runner
-from algorithms.esamp.params import AdamHyper
+from algorithms.esamp.params import AdamHyper, fused_adam_
 
 SCHEMA = (
     "grad_adam(Tensor a, Tensor b, Tensor scale, Tensor group_slot, Tensor ok, Tensor step, "
