@@ -18,8 +18,8 @@ from algorithms.esamp.guidance import (
     mix_latent,
     noise_prediction,
 )
-from algorithms.esamp.packing import make_packing
 from algorithms.esamp.params import split_params
+from algorithms.esamp.slots import make_packing
 from tllm_core.api.bundles import Bundle, GuideView
 from tllm_core.api.consumer import ConsumerContext, ModelInfo
 from tllm_core.api.ports import SamplerGuide, resolve_layer

@@ -4,6 +4,7 @@ slot-gathered weights and moments made an 8 x 16 update at hidden 576 about 2.7 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,10 +13,44 @@ import torch
 from algorithms.esamp import kernels
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import Activations, backward_factors, forward_acts
-from algorithms.esamp.packing import HostBatch, Packing, make_packing
 from algorithms.esamp.params import CLIP_EPS, STATS, adam_stats, block_weights, fused_adam_
 from algorithms.esamp.side_thread import SideThread
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.slots import Packing, SlotDistiller, TrainResult, make_packing
+
+
+@dataclass
+class HostBatch:
+    """Where the packed groups of one step live in the stacked state (CPU path): a slice of
+    rows (weights are views) when the slots fill a short range, else the slots (gathered);
+    ``pos [G]``: each group's batch index (other entries get zero rows, never updated)."""
+
+    rows: slice | torch.Tensor
+    pos: np.ndarray
+    size: int
+
+    @classmethod
+    def plan(cls, slots: np.ndarray) -> HostBatch:
+        lo, hi = int(slots[0]), int(slots[-1]) + 1  # slots: sorted, unique
+        if hi - lo <= 2 * len(slots):
+            return cls(slice(lo, hi), slots - lo, hi - lo)
+        return cls(torch.from_numpy(slots), np.arange(len(slots)), len(slots))
+
+    def take(self, state: torch.Tensor) -> torch.Tensor:
+        return (
+            state[self.rows] if isinstance(self.rows, slice) else state.index_select(0, self.rows)
+        )
+
+    def pack(self, pk: Packing, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, H]`` -> zero-padded fp32 ``[size, max_rows, H]``."""
+        xp = torch.zeros(self.size, pk.max_rows, x.shape[-1], device=x.device)
+        xp[self._index(pk)] = x.float()
+        return xp
+
+    def unpack(self, pk: Packing, yp: torch.Tensor) -> torch.Tensor:
+        return yp[self._index(pk)]
+
+    def _index(self, pk: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.pos[pk.row_group]), torch.from_numpy(pk.row_pos)
 
 
 class GroupedDistiller(SlotDistiller):

@@ -17,9 +17,8 @@ from algorithms.esamp import kernels
 from algorithms.esamp.graph_update import slot_matmul, slots_bound, train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.params import STATS
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.slots import Packing, SlotDistiller, TrainResult, make_packing
 from tllm_core import HostCopyRing, StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")

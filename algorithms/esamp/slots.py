@@ -1,6 +1,7 @@
 """Slots of independent distillers: one flat fp32 row of ``theta [C, P]`` and its Adam state
-per group, the slot lifecycle (alloc, free, growth) and the staleness bookkeeping. The math
-lives in the subclasses (:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`)."""
+per group, the slot lifecycle (alloc, free, growth), the staleness bookkeeping and the
+packing of a step's rows per group (planned on the host). The math lives in the subclasses
+(:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from algorithms.esamp.packing import Packing, make_packing
 from algorithms.esamp.params import STATS, AdamHyper, DistillerShape, init_params
+
+
+@dataclass
+class Packing:
+    """Host-side plan mapping R rows onto ``[G, M]`` packed positions."""
+
+    slots: np.ndarray  # int64 [G]: slot of each packed group (sorted, unique)
+    row_group: np.ndarray  # int64 [R]: packed group of each row
+    row_pos: np.ndarray  # int64 [R]: position of each row inside its group
+    counts: np.ndarray  # int64 [G]
+    max_rows: int
+
+
+def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
+    """Plan the per-group packing of rows; computed on the host so no device sync is needed."""
+    s = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    s = s.astype(np.int64).reshape(-1)
+    uniq, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(inv, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    pos = np.empty_like(inv)
+    pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
+    max_rows = int(counts.max()) if counts.size else 0
+    return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64), max_rows)
 
 
 @dataclass
