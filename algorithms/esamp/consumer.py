@@ -14,10 +14,9 @@ from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
 from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, HostGuide
-from algorithms.esamp.lifecycle import Groups
+from algorithms.esamp.lifecycle import Groups, Shared
 from algorithms.esamp.losses import LossBook
 from algorithms.esamp.memory_plan import check_plan, default_slots, device_total_bytes, plan_memory
-from algorithms.esamp.shared import Shared
 from algorithms.esamp.training import ReturnedErrors, Trainer
 from tllm_core import (
     FINAL,

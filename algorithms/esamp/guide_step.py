@@ -28,9 +28,8 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
-from algorithms.esamp.lifecycle import Group, Groups
-from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL, Counters, DeviceSums
+from algorithms.esamp.lifecycle import Group, Groups, Shared, row_index, rows_id, select_rows
+from tllm_core import FINAL, Counters, DeviceSums, host_to_device
 
 if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
     from tllm_core import GuideView, ModelInfo, RequestInfo
@@ -306,7 +305,7 @@ class HostGuide(Guide):
         dev = view.logits.device
 
         def on_dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return host_to(torch.tensor(values, dtype=dtype), dev)
+            return host_to_device(torch.tensor(values, dtype=dtype), dev)
 
         idx = row_index(sel, dev, self.s.arange)
         return idx, on_dev(betas, torch.float32), *map(on_dev, fit_args)

@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from algorithms.esamp.lifecycle import Group, Groups
+from algorithms.esamp.lifecycle import Group, Groups, Shared, row_index, rows_id, select_rows
 from algorithms.esamp.losses import LossBook, Submitted, split_final
-from algorithms.esamp.shared import Shared, row_index, rows_id, select_rows
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
 
