@@ -15,9 +15,8 @@ from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
 from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, HostGuide
 from algorithms.esamp.lifecycle import Groups, Shared
-from algorithms.esamp.losses import LossBook
 from algorithms.esamp.memory_plan import check_plan, default_slots, device_total_bytes, plan_memory
-from algorithms.esamp.training import ReturnedErrors, Trainer
+from algorithms.esamp.training import LossBook, ReturnedErrors, Trainer
 from tllm_core import (
     FINAL,
     Bundle,

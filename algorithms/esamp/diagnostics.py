@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from algorithms.esamp.losses import ByAge
+from algorithms.esamp.training import ByAge
 from tllm_core import Counters, HostCopyRing
 
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
