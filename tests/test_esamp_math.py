@@ -534,7 +534,7 @@ def test_side_thread_updates_equal_inline_updates():
 
 
 def test_side_thread_error_surfaces_on_the_engine_thread():
-    from algorithms.esamp.side_thread import SideThread
+    from algorithms.esamp.cpu import SideThread
 
     st = SideThread()
     ran = []
@@ -806,7 +806,7 @@ def test_group_loss_means_follow_each_groups_first_and_last_step():
 def test_side_thread_waits_are_bounded():
     import threading
 
-    from algorithms.esamp.side_thread import SideThread
+    from algorithms.esamp.cpu import SideThread
 
     st = SideThread()
     gate = threading.Event()
