@@ -11,9 +11,8 @@ from pydantic import Field
 from algorithms.esamp import report
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
-from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
-from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, HostGuide
+from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, Diagnostics, HostGuide
 from algorithms.esamp.lifecycle import Groups, Shared
 from algorithms.esamp.memory_plan import check_plan, default_slots, device_total_bytes, plan_memory
 from algorithms.esamp.training import LossBook, ReturnedErrors, Trainer
