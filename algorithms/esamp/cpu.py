@@ -249,9 +249,8 @@ class GroupedDistiller(SlotDistiller):
         forward: tuple[torch.Tensor, Activations] | None = None,
         row_errors: torch.Tensor | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
-        """One update of each packed group: the backward as batched products over groups
-        (every core), the clip known before any gradient exists. Returns per group (loss,
-        updated) and, with ``hp.stats``, the statistics (NaN where not updated).
+        """One update of each packed group, the backward batched over groups (every core): per
+        group (loss, updated) and with ``hp.stats`` the statistics (NaN where not updated).
         ``forward``: the prediction's, when already computed; ``row_errors``: filled."""
         theta, m, v, step = self.theta, self.m, self.v, self.step
         shape, hp = self.shape, self.hp

@@ -1,8 +1,6 @@
 """ESamp's guidance, in the sampler: ``f(h_1)`` of the step's random-sampling decode rows
-mixed into their logits. :class:`HostGuide` allocates and mixes the exact candidate set;
-:class:`CudaGuide` allocates nothing and reads nothing back in the step. The opt-in
-diagnostics: per mixed row, how far the guidance moved the candidates; the prediction's
-relative error by a group's step index."""
+mixed into their logits (:class:`HostGuide`: allocating, the exact candidate set;
+:class:`CudaGuide`: no allocation or host read in the step), and the opt-in diagnostics."""
 
 from __future__ import annotations
 

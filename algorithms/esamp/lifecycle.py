@@ -1,7 +1,6 @@
-"""What every job of the ESamp consumer shares: its config, distiller, counters and layer
-keys, the row gathers, and the groups with their distiller slots (a group, a prompt's
-requests or the whole batch, gets a slot at its first row that needs one and frees it when
-its last request finishes)."""
+"""What ESamp's jobs share: config, distiller, counters, layer keys, the row gathers, and
+the groups (a prompt's requests, or the whole batch) with their slots, taken at a group's
+first row that needs one and freed with its last request."""
 
 from __future__ import annotations
 

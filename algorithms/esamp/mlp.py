@@ -1,8 +1,7 @@
-"""The distiller's function ``f``: residual gated-SwiGLU blocks, batched over groups,
-``x <- x + down(silu(gate x) * up x)`` per block, no biases, fp32; and its backward on the
-kernels' ops. Each weight's gradient is ``A^T B`` of two thin factors, so its squared norm
-``sum((A A^T) * (B B^T))`` comes from ``M x M`` Gram matrices before any gradient exists
-(clipping first, gradients formed once)."""
+"""The distiller's ``f``: residual gated-SwiGLU blocks ``x <- x + down(silu(gate x) * up x)``
+(no biases, fp32) batched over groups, and its backward. Each weight's gradient is ``A^T B``
+of two thin factors, so its squared norm ``sum((A A^T) * (B B^T))`` comes from ``M x M`` Gram
+matrices before any gradient exists (clipping first, gradients formed once)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Slots of independent distillers: one flat fp32 row of ``theta [C, P]`` and its Adam state
-per group, the slot lifecycle (alloc, free, growth), the staleness bookkeeping and the
-packing of a step's rows per group (planned on the host). The math lives in the subclasses
-(:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`)."""
+"""Slots of independent distillers (base class): one flat fp32 row of ``theta [C, P]`` and its
+Adam state per group, the slot lifecycle, the staleness bookkeeping and the packing of a
+step's rows per group. The math lives in :mod:`~algorithms.esamp.cpu` and ``.cuda``."""
 
 from __future__ import annotations
 
