@@ -188,10 +188,7 @@ class ReturnedErrors:
             errors = res.row_errors.numpy()[at].astype(np.float32)
             for req, a, b in request_runs(requests):
                 self.rows.add(req.engine_id, positions=positions[a:b], prediction_error=errors[a:b])
-            for eid in {r.engine_id for r in requests}:
-                self._waiting[eid] -= 1
-                if self._waiting[eid] <= 0:
-                    del self._waiting[eid]
+            self._waiting -= Counter({r.engine_id for r in requests})  # drops those at 0
             self.counters.add("rows_returned", len(at))
 
     def take(self, request: RequestInfo) -> dict[str, Any]:
