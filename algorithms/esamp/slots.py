@@ -225,7 +225,7 @@ class SlotDistiller:
         row_errors: bool = False,
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
-        ``row_errors``: also each row's error before the update."""
+        ``row_errors``: also each row's error before the update; ``rows_id``: takes_rows_id."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
