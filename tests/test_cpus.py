@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Li
 
 
 def test_side_thread_widens_to_the_noted_set_only(monkeypatch):
-    from algorithms.esamp import side_thread
+    from algorithms.esamp import cpu as side_thread
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # a big machine; the process may use 1
     allowed = set(os.sched_getaffinity(0))

@@ -12,7 +12,7 @@ from esamp_kernel_helpers import interpreted_kernels
 
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.cuda import CudaGroupedDistiller
-from algorithms.esamp.packing import make_packing
+from algorithms.esamp.slots import make_packing
 
 H, INTER = 32, 16
 

@@ -226,7 +226,7 @@ def test_the_update_measures_the_gradient_autograd_finds(reduction):
     (summed squared error of the marked rows over rows, or over rows x hidden). The clip and
     Adam cancel any uniform scale of the gradient, so the update's weights alone would not
     show a wrong loss or gradient scale; this does."""
-    from algorithms.esamp.adam import STATS
+    from algorithms.esamp.params import STATS
 
     hp = AdamHyper(lr=1e-2, grad_clip=0.05, loss_reduction=reduction, stats=True)
     state = _state()

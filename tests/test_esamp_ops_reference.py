@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from esamp_kernel_helpers import interpreted_kernels
 
-from algorithms.esamp import backward, graph_update, mlp
+from algorithms.esamp import graph_update, mlp
 from algorithms.esamp.params import AdamHyper, DistillerShape, block_weights, init_params
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -208,7 +208,7 @@ def test_every_update_path_equals_autograd_clip_and_torch_adam(
         if layout != "4groups" or moments != torch.float32 and reduction != "mean":
             pytest.skip("the interpreter is slow: one layout, bf16 with one reduction")
         interp = _interpreted()
-        for module in (graph_update, backward, mlp):
+        for module in (graph_update, mlp):
             monkeypatch.setattr(module, "kernels", interp.kernels)
         got = _run_graph_update(layout, hp, moments, interpreted=interp)
     else:

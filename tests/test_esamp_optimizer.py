@@ -8,11 +8,10 @@ import torch.nn.functional as F
 from esamp_kernel_helpers import train_dense
 from test_esamp_math import INTER, Fake, H, _dense_inputs, _filtered_logits
 
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.cpu import GroupedDistiller
 from algorithms.esamp.guidance import f_noise_prediction
 from algorithms.esamp.kernels.op_loss_dy import loss_denominator
-from algorithms.esamp.params import block_weights
+from algorithms.esamp.params import STATS, block_weights
 from tllm_core.api.bundles import Bundle
 
 

@@ -201,8 +201,9 @@ def test_a_step_builds_the_slots_and_groups_only_for_fit(fit, monkeypatch):
 
     c.groups.by_slot = Lookups(c.groups.by_slot)
     staged = []
-    real = guide_step.host_to
-    monkeypatch.setattr(guide_step, "host_to", lambda t, dev: staged.append(t) or real(t, dev))
+    real = guide_step.host_to_device
+    record = lambda t, dev: staged.append(t) or real(t, dev)  # noqa: E731
+    monkeypatch.setattr(guide_step, "host_to_device", record)
     rows, hidden = fake.step(fake.requests(2, 2))
     c.guide(fake.view(rows, hidden, _filtered_logits(4, V, keep=6)))
     assert Lookups.n == (4 if fit else 0)

@@ -2,35 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from tllm_core import ConsumerConfig, FiniteF32
-
-# Range checks, one per field: (value is allowed, error message). None passes where the
-# field allows it (the type does the rest).
-_RULES: Mapping[str, tuple[Callable[[Any], bool], str]] = MappingProxyType(
-    {
-        "beta": (lambda v: v >= 0, "beta must be >= 0 (0 disables guidance)"),
-        "warm_start_steps": (lambda v: v >= 0, "warm_start_steps must be >= 0 (0 disables it)"),
-        "fit_decay": (lambda v: 0 <= v < 1, "fit_decay must be in [0, 1)"),
-        **dict.fromkeys(
-            "intermediate_size num_blocks cuda_capacity cuda_graph_max_rows cuda_rows_per_step "
-            "cuda_max_candidates".split(),
-            (lambda v: v is None or v >= 1, "must be >= 1"),
-        ),
-        "max_memory_fraction": (lambda v: 0 < v <= 1, "max_memory_fraction must be in (0, 1]"),
-        **dict.fromkeys(("lr", "eps"), (lambda v: v > 0, "must be > 0")),
-        "grad_clip": (lambda v: v is None or v > 0, "grad_clip must be > 0 or None (no clipping)"),
-        "max_groups": (
-            lambda v: v is None or v >= 1,
-            "max_groups must be >= 1 or None (unlimited)",
-        ),
-    }
-)
 
 
 class ESampConfig(ConsumerConfig):
@@ -38,6 +14,7 @@ class ESampConfig(ConsumerConfig):
 
     beta: FiniteF32 = Field(
         0.25,
+        ge=0,
         description="Exploration strength: logits_new = (1+beta)*logits_ref - beta*logits_dist. "
         "0 leaves sampling bit-identical to vanilla (the distiller still trains).",
     )
@@ -52,12 +29,14 @@ class ESampConfig(ConsumerConfig):
         "input) or a decoder layer index. Guidance always projects the prediction with the "
         "LM head, so a non-final target gives logit-lens semantics.",
     )
-    intermediate_size: int = Field(384, description="Intermediate width of each SwiGLU block.")
-    num_blocks: int = Field(2, description="Number of residual gated-SwiGLU blocks.")
-    lr: FiniteF32 = Field(4e-4, description="Adam learning rate.")
-    eps: FiniteF32 = Field(1e-4, description="Adam epsilon.")
+    intermediate_size: int = Field(
+        384, ge=1, description="Intermediate width of each SwiGLU block."
+    )
+    num_blocks: int = Field(2, ge=1, description="Number of residual gated-SwiGLU blocks.")
+    lr: FiniteF32 = Field(4e-4, gt=0, description="Adam learning rate.")
+    eps: FiniteF32 = Field(1e-4, gt=0, description="Adam epsilon.")
     grad_clip: FiniteF32 | None = Field(
-        0.5, description="Per-group gradient-norm clip (None disables clipping)."
+        0.5, gt=0, description="Per-group gradient-norm clip (None disables clipping)."
     )
     loss_reduction: Literal["mean", "sum"] = Field(
         "mean",
@@ -80,6 +59,7 @@ class ESampConfig(ConsumerConfig):
     )
     max_groups: int | None = Field(
         None,
+        ge=1,
         description="Cap on live distillers. A new group arriving at the cap gets none: its rows "
         "are neither guided nor trained (counted as rows_skipped_cap / train_rows_skipped_cap) "
         "until a live group is freed, after which it gets a fresh distiller on its next decode "
@@ -117,6 +97,7 @@ class ESampConfig(ConsumerConfig):
     )
     warm_start_steps: int = Field(
         0,
+        ge=0,
         description="Optimizer steps on the prompt's own prefill rows (pairs h_src -> h_tgt of "
         "the prompt tokens) when a group's distiller is created, before its first decode step. "
         "The consumer then reads prefill rows too and creates the group's distiller at "
@@ -132,6 +113,8 @@ class ESampConfig(ConsumerConfig):
     )
     fit_decay: FiniteF32 = Field(
         0.8,
+        ge=0,
+        lt=1,
         description="beta_schedule 'fit': e <- fit_decay * e + (1 - fit_decay) * (this step's "
         "mean relative error of the group's rows); in [0, 1).",
     )
@@ -170,6 +153,7 @@ class ESampConfig(ConsumerConfig):
     )
     cuda_capacity: int | None = Field(
         None,
+        ge=1,
         description="On CUDA: distiller slots allocated when the consumer is built (inside "
         "vLLM's load_model, so vLLM's memory profile sees them); the CUDA distiller never grows, "
         "so a group arriving while this many are live gets none (rows_skipped_cap) until one is "
@@ -179,6 +163,7 @@ class ESampConfig(ConsumerConfig):
     )
     cuda_graph_max_rows: int = Field(
         16,
+        ge=1,
         description="On CUDA: rows of one group per step in the packed buffers' first layout "
         "(rounded up to a power of two; the samples per prompt, n). The buffers hold slots x "
         "this many rows; a step whose group has more (n > 16, warm start) replays the graph "
@@ -186,6 +171,7 @@ class ESampConfig(ConsumerConfig):
     )
     cuda_rows_per_step: int = Field(
         128,
+        ge=1,
         description="Decode rows of one step the memory plan budgets for: set it to vLLM's "
         "max_num_seqs (prompts x samples per prompt).",
     )
@@ -204,6 +190,7 @@ class ESampConfig(ConsumerConfig):
     )
     cuda_max_candidates: int = Field(
         64,
+        ge=1,
         description="On CUDA, post-filter guidance mixes up to this many candidates per row "
         "(the highest model logits), found in fixed-size tensors without a host sync (a "
         "variable-length search would make the host wait for the GPU every step); a guided "
@@ -212,19 +199,13 @@ class ESampConfig(ConsumerConfig):
     )
     max_memory_fraction: float = Field(
         0.1,
+        gt=0,
+        le=1,
         description="Refuse to start (an error naming the numbers) when the memory plan "
         "(state + update graph pool + step workspace, counter memory_plan_bytes, result key "
         "'memory_plan') exceeds this share of the device's memory. Checked on CUDA; on CPU "
         "the state grows with live groups, so the plan is reported but not enforced.",
     )
-
-    @field_validator(*_RULES)
-    @classmethod
-    def _in_range(cls, v: float | None, info: ValidationInfo) -> float | None:
-        ok, message = _RULES[info.field_name]
-        if not ok(v):
-            raise ValueError(f"{message}, got {v}")
-        return v
 
     @model_validator(mode="after")
     def _layers(self) -> ESampConfig:

@@ -11,14 +11,11 @@ from pydantic import Field
 from algorithms.esamp import report
 from algorithms.esamp.config import ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
-from algorithms.esamp.diagnostics import Diagnostics
 from algorithms.esamp.factory import distiller_for
-from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, HostGuide
-from algorithms.esamp.lifecycle import Groups
-from algorithms.esamp.losses import LossBook
+from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, Diagnostics, HostGuide
+from algorithms.esamp.lifecycle import Groups, Shared
 from algorithms.esamp.memory_plan import check_plan, default_slots, device_total_bytes, plan_memory
-from algorithms.esamp.shared import Shared
-from algorithms.esamp.training import ReturnedErrors, Trainer
+from algorithms.esamp.training import LossBook, ReturnedErrors, Trainer
 from tllm_core import (
     FINAL,
     Bundle,
@@ -129,7 +126,6 @@ class ESampConsumer(Consumer):
         self.counters.set("memory_plan_bytes", self.memory_plan.total_bytes)
         self.counters.set("graph_failures", self.distiller.graph_failures)
 
-    # -- declarations -------------------------------------------------------------
     def reads(self) -> list:
         # Warm start trains on the prompt's prefill rows too.
         phase = Phase.ALL if self.config.warm_start_steps > 0 else Phase.DECODE

@@ -4,20 +4,132 @@ slot-gathered weights and moments made an 8 x 16 update at hidden 576 about 2.7 
 
 from __future__ import annotations
 
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.adam import CLIP_EPS, STATS, adam_stats, fused_adam_
-from algorithms.esamp.backward import backward_factors
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
-from algorithms.esamp.mlp import Activations, forward_acts
-from algorithms.esamp.packing import HostBatch, Packing, make_packing
-from algorithms.esamp.params import block_weights
-from algorithms.esamp.side_thread import SideThread
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.mlp import Activations, backward_factors, forward_acts
+from algorithms.esamp.params import CLIP_EPS, STATS, adam_stats, block_weights, fused_adam_
+from algorithms.esamp.slots import Packing, SlotDistiller, TrainResult, make_packing
+from tllm_core import allowed_cpus
+
+log = logging.getLogger("tllm")
+
+_STOP = object()
+# Longest wait for the jobs (a training step takes milliseconds to seconds): past it the
+# engine thread gives up with an error (the consumer is then switched off) instead of hanging.
+WAIT_TIMEOUT_S = 300.0
+
+
+def _widen_affinity() -> str:
+    """Let the calling thread run on every core the process may use (vLLM pins its engine
+    thread; a new thread inherits the pin); returns what was set, for the log."""
+    try:  # Linux: the affinity of the calling thread only.
+        os.sched_setaffinity(0, allowed_cpus())
+        return f"cpus {sorted(os.sched_getaffinity(0))}"
+    except (AttributeError, OSError):
+        return "inherited affinity"
+
+
+class SideThread:
+    """The counterpart of the CUDA side stream: jobs run in order on one daemon thread, on a
+    core the model leaves idle, and the engine thread waits for them before reading the state.
+    Normal priority on purpose: its work is on the next prediction's path."""
+
+    def __init__(self, name: str = "tllm-side"):
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; it runs after every job submitted before it."""
+        self._raise()
+        self._jobs.put(job)
+
+    def wait(self, timeout: float = WAIT_TIMEOUT_S) -> None:
+        """Block until every submitted job has run (at most ``timeout``); re-raise a job's error."""
+        q = self._jobs
+        with q.all_tasks_done:
+            done = q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+        if not done:
+            raise RuntimeError(
+                f"side thread {self._thread.name!r} has not finished its jobs after "
+                f"{timeout:.0f} s ({q.unfinished_tasks} still queued or running)"
+            )
+        self._raise()
+
+    def close(self, timeout: float = WAIT_TIMEOUT_S) -> None:
+        """Stop the thread after its queued jobs, waiting at most ``timeout`` seconds."""
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("tllm: side thread %r did not stop in %.0f s", self._thread.name, timeout)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"side-thread job failed: {type(err).__name__}: {err}") from err
+
+    def _loop(self) -> None:
+        log.debug("tllm: side thread started (%s)", _widen_affinity())
+        while True:
+            # bounded: an idle worker; every wait on its jobs has a timeout (wait, close)
+            job = self._jobs.get()
+            try:
+                if job is _STOP:
+                    return
+                if self._error is None:  # after a failure, skip until the owner has seen it
+                    job()
+            except BaseException as e:  # noqa: BLE001 - handed to the engine thread
+                self._error = e
+            finally:
+                self._jobs.task_done()
+
+
+@dataclass
+class HostBatch:
+    """Where the packed groups of one step live in the stacked state (CPU path): a slice of
+    rows (weights are views) when the slots fill a short range, else the slots (gathered);
+    ``pos [G]``: each group's batch index (other entries get zero rows, never updated)."""
+
+    rows: slice | torch.Tensor
+    pos: np.ndarray
+    size: int
+
+    @classmethod
+    def plan(cls, slots: np.ndarray) -> HostBatch:
+        lo, hi = int(slots[0]), int(slots[-1]) + 1  # slots: sorted, unique
+        if hi - lo <= 2 * len(slots):
+            return cls(slice(lo, hi), slots - lo, hi - lo)
+        return cls(torch.from_numpy(slots), np.arange(len(slots)), len(slots))
+
+    def take(self, state: torch.Tensor) -> torch.Tensor:
+        return (
+            state[self.rows] if isinstance(self.rows, slice) else state.index_select(0, self.rows)
+        )
+
+    def pack(self, pk: Packing, x: torch.Tensor) -> torch.Tensor:
+        """``x [R, H]`` -> zero-padded fp32 ``[size, max_rows, H]``."""
+        xp = torch.zeros(self.size, pk.max_rows, x.shape[-1], device=x.device)
+        xp[self._index(pk)] = x.float()
+        return xp
+
+    def unpack(self, pk: Packing, yp: torch.Tensor) -> torch.Tensor:
+        return yp[self._index(pk)]
+
+    def _index(self, pk: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(self.pos[pk.row_group]), torch.from_numpy(pk.row_pos)
 
 
 class GroupedDistiller(SlotDistiller):
@@ -66,7 +178,6 @@ class GroupedDistiller(SlotDistiller):
             self._side.close()
             self._side = None
 
-    # -- math -----------------------------------------------------------------------
     def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         pk = make_packing(slots)
         if not pk.slots.size:
@@ -102,28 +213,32 @@ class GroupedDistiller(SlotDistiller):
         return fwd
 
     def _train(
-        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
         """One in-place update of all packed groups, inline or on the side thread; the
         results are filled when it has run."""
-        forward = self._saved_forward(pk, x)
-        if self.zero_output:
-            target = target.float() + x.float()
-        self._version += 1
-        errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
-        res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
+        self._submitted[pk.slots] += 1
+        # vLLM samples under inference mode: the state and results are made outside it.
+        with torch.inference_mode(False):
+            x, target = x.clone(), target.clone()
+            forward = self._saved_forward(pk, x)
+            if self.zero_output:
+                target = target.float() + x.float()
+            self._version += 1
+            errors = torch.full((x.shape[0],), float("nan")) if row_errors else None
+            res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
-        def run() -> None:
-            loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
-            self.applied[torch.from_numpy(pk.slots)] += 1
-            res.losses.copy_(torch.tensor(loss))
-            res.updated.copy_(torch.tensor(ok))
-            if res.stats is not None:
-                res.stats.copy_(st)
-            res.done.set()
+            def run() -> None:
+                loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
+                self.applied[torch.from_numpy(pk.slots)] += 1
+                res.losses.copy_(torch.tensor(loss))
+                res.updated.copy_(torch.tensor(ok))
+                if res.stats is not None:
+                    res.stats.copy_(st)
+                res.done.set()
 
-        self._ordered(run)
-        return res
+            self._ordered(run)
+            return res
 
     def _step(
         self,
@@ -134,9 +249,8 @@ class GroupedDistiller(SlotDistiller):
         forward: tuple[torch.Tensor, Activations] | None = None,
         row_errors: torch.Tensor | None = None,
     ) -> tuple[list[float], list[bool], torch.Tensor | None]:
-        """One update of each packed group: the backward as batched products over groups
-        (every core), the clip known before any gradient exists. Returns per group (loss,
-        updated) and, with ``hp.stats``, the statistics (NaN where not updated).
+        """One update of each packed group, the backward batched over groups (every core): per
+        group (loss, updated) and with ``hp.stats`` the statistics (NaN where not updated).
         ``forward``: the prediction's, when already computed; ``row_errors``: filled."""
         theta, m, v, step = self.theta, self.m, self.v, self.step
         shape, hp = self.shape, self.hp

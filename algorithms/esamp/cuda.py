@@ -1,7 +1,5 @@
-"""CUDA path of the grouped distiller: everything allocated and captured at construction
-(inside vLLM's ``load_model``, so its memory profile sees it), graph replays on one side
-stream ordered by events only (no host wait; strict staleness), results read back in the
-background. Design: docs/consumers/esamp.md, "On a GPU". Importing it needs no GPU."""
+"""CUDA path of the grouped distiller: allocated and captured at construction, replayed on a
+side stream without host waits. Design: docs/consumers/esamp.md, "On a GPU"."""
 
 from __future__ import annotations
 
@@ -16,12 +14,11 @@ import numpy as np
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.adam import STATS
 from algorithms.esamp.graph_update import slot_matmul, slots_bound, train_groups
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import ActBuffers, forward_slots, saved_forward
-from algorithms.esamp.packing import Packing, make_packing
-from algorithms.esamp.slots import SlotDistiller, TrainResult
+from algorithms.esamp.params import STATS
+from algorithms.esamp.slots import Packing, SlotDistiller, TrainResult, make_packing
 from tllm_core import HostCopyRing, StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")
@@ -117,8 +114,9 @@ def plan_size(total: int, capacity: int) -> int:
     return 2 * total + 2 * capacity + 1 + -(-total // 8)
 
 
-# Update results kept on the device between background copies.
+# Update results kept on the device between background copies, copied every _COPY_EVERY.
 RESULT_ROWS = 512
+_COPY_EVERY = 32
 
 
 @dataclass
@@ -132,18 +130,10 @@ class Pending:
 
 class ResultLog:
     """The device ring of update results (a row per update batch) and the staleness maximum
-    ``stale``, copied back every ``every`` updates through a two-buffer
-    :class:`~tllm_core.HostCopyRing` without blocking; only :meth:`drain` waits."""
+    ``stale``, copied back without blocking (only :meth:`drain` waits)."""
 
-    def __init__(
-        self,
-        capacity: int,
-        stats: bool,
-        device: torch.device,
-        rows: int = RESULT_ROWS,
-        every: int = 32,
-    ):
-        self.rows, self.every = rows, every
+    def __init__(self, capacity: int, stats: bool, device: torch.device):
+        rows = self.rows = RESULT_ROWS
         self.losses = torch.zeros(rows, capacity, device=device)
         self.ok = torch.zeros(rows, capacity, device=device)
         self.stats = torch.zeros(rows, capacity, len(STATS), device=device) if stats else None
@@ -175,8 +165,8 @@ class ResultLog:
         self._pending.append(p)
 
     def maybe_copy(self, stream) -> None:
-        """Start a background copy every ``every`` updates (and before the ring wraps)."""
-        if self._next - self._copied >= min(self.every, self.rows // 2):
+        """Start a background copy every _COPY_EVERY updates (and before the ring wraps)."""
+        if self._next - self._copied >= min(_COPY_EVERY, self.rows // 2):
             self.copy(stream)
 
     def copy(self, stream) -> None:
@@ -282,7 +272,6 @@ class CudaGroupedDistiller(SlotDistiller):
         """The update graph of the first layout (None: updates run eagerly)."""
         return self._graphs.get(("train", self.layouts[0]))
 
-    # -- ordering ---------------------------------------------------------------------
     def _drain(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
@@ -439,7 +428,6 @@ class CudaGroupedDistiller(SlotDistiller):
                 err,
             )
 
-    # -- per call ---------------------------------------------------------------------
     def _send_plan(self, batch: Batch, pk, ring_row: int) -> None:
         """One pinned host-to-device copy of the batch's plan, on the side stream."""
         i, host = self._plans.take(self.plan.numel())
@@ -492,20 +480,10 @@ class CudaGroupedDistiller(SlotDistiller):
         lay = batches[0].layout
         return rows_id, self._version, pk.slots.tobytes(), pk.row_group.tobytes(), lay
 
-    def train_step(
-        self,
-        slots: torch.Tensor,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        rows_id: object = None,
-        row_errors: bool = False,
+    def _train(
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
-        """As the base class; the main stream waits only for the rows' copy."""
-        pk = make_packing(slots)
-        if not pk.slots.size:
-            empty = torch.zeros(0)
-            return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
-        self._check_live(pk)
+        """The main stream waits only for the rows' copy."""
         self._check_rows(max(x.shape[0], target.shape[0]))
         batches = split(pk.counts, self.layouts)
         key = self._key(rows_id, pk, batches)

@@ -32,19 +32,6 @@ def _use_side_thread(mode: str) -> bool:
     return torch.get_num_threads() < cores
 
 
-def check_packed_rows(cfg: ESampConfig, slots: int) -> None:
-    """Refuse fewer packed rows (``slots x cuda_graph_max_rows``) than ``cuda_rows_per_step``."""
-    rows = pow2_rows(cfg.cuda_graph_max_rows)
-    if slots * rows < cfg.cuda_rows_per_step:
-        name = "max_groups" if cfg.max_groups else "cuda_capacity"
-        raise ValueError(
-            f"esamp: {name} {slots} x cuda_graph_max_rows {cfg.cuda_graph_max_rows} (rounded "
-            f"to {rows}) = {slots * rows} packed rows, fewer than cuda_rows_per_step "
-            f"{cfg.cuda_rows_per_step}: the CUDA path packs every decode row of a step into "
-            f"them; raise {name} or cuda_graph_max_rows, or lower cuda_rows_per_step"
-        )
-
-
 # Config fields the distiller takes as they are.
 _DISTILLER_FIELDS = tuple(
     "intermediate_size num_blocks lr eps grad_clip loss_reduction optimizer_stats seed".split()
@@ -64,7 +51,15 @@ def distiller_for(
         if not uses_gpu_path(device):
             side = _use_side_thread(cfg.cpu_update)
             return GroupedDistiller(hidden_size, device=device, side_thread=side, **kw)
-        check_packed_rows(cfg, slots)
+        rows = pow2_rows(cfg.cuda_graph_max_rows)
+        if slots * rows < cfg.cuda_rows_per_step:  # the CUDA path packs every decode row
+            name = "max_groups" if cfg.max_groups else "cuda_capacity"
+            raise ValueError(
+                f"esamp: {name} {slots} x cuda_graph_max_rows {cfg.cuda_graph_max_rows} (rounded "
+                f"to {rows}) = {slots * rows} packed rows, fewer than cuda_rows_per_step "
+                f"{cfg.cuda_rows_per_step}: the CUDA path packs every decode row of a step into "
+                f"them; raise {name} or cuda_graph_max_rows, or lower cuda_rows_per_step"
+            )
         # Allocated and captured now, inside vLLM's load_model (before it sizes the KV cache).
         return CudaGroupedDistiller(
             hidden_size,

@@ -10,10 +10,8 @@ from functools import partial
 import torch
 
 from algorithms.esamp import kernels
-from algorithms.esamp.adam import CLIP_EPS, adam_stats
-from algorithms.esamp.backward import factor_weights, fused_backward
-from algorithms.esamp.mlp import Activations, MatMul, forward_slots
-from algorithms.esamp.params import AdamHyper, DistillerShape
+from algorithms.esamp.mlp import Activations, MatMul, factor_weights, forward_slots, fused_backward
+from algorithms.esamp.params import CLIP_EPS, AdamHyper, DistillerShape, adam_stats
 
 # Hidden columns per program of the loss kernel (a group's loss in that many parts), so
 # that a few long groups still spread over the GPU.

@@ -1,7 +1,6 @@
 """ESamp guidance's math, written once: each function allocates its temporaries, or writes
-them into the guidance workspace ``ws``'s parts (then nothing is allocated). ``ref`` logits
-are the sampler's (temperature-scaled); ``dist`` logits are raw head projections, divided
-by the same temperature here."""
+them into the workspace ``ws``'s parts. ``ref`` logits are the sampler's (temperature-scaled);
+``dist`` logits are raw head projections, divided by the same temperature here."""
 
 from __future__ import annotations
 

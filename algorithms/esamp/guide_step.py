@@ -1,20 +1,18 @@
-"""ESamp's guidance, in the sampler: predict ``f(h_1)`` for the step's random-sampling
-decode rows and mix it into their logits, each row with its request's beta.
-:class:`HostGuide` allocates and mixes the exact candidate set; :class:`CudaGuide` allocates
-nothing and reads nothing back in the step (workspace views, one pinned copy, at most
-``cuda_max_candidates`` per row, counts summed on the device)."""
+"""ESamp's guidance, in the sampler: ``f(h_1)`` of the step's random-sampling decode rows
+mixed into their logits (:class:`HostGuide`: allocating, the exact candidate set;
+:class:`CudaGuide`: no allocation or host read in the step), and the opt-in diagnostics."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from algorithms.esamp.diagnostics import DeviceRecords, Diagnostics
 from algorithms.esamp.guidance import (
     candidate_dist,
     candidate_shift,
@@ -30,9 +28,9 @@ from algorithms.esamp.guidance import (
 )
 from algorithms.esamp.guide_workspace import GuideShape, GuideWorkspace
 from algorithms.esamp.kernels import candidate_dot
-from algorithms.esamp.lifecycle import Group, Groups
-from algorithms.esamp.shared import Shared, host_to, row_index, rows_id, select_rows
-from tllm_core import FINAL, Counters, DeviceSums
+from algorithms.esamp.lifecycle import Group, Groups, Shared, row_index, rows_id, select_rows
+from algorithms.esamp.training import ByAge
+from tllm_core import FINAL, Counters, DeviceSums, HostCopyRing, host_to_device
 
 if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
     from tllm_core import GuideView, ModelInfo, RequestInfo
@@ -43,6 +41,103 @@ log = logging.getLogger("tllm")
 NOISE_ABLATIONS = ("noise", "f_noise")
 # What a guided step counts, in order.
 GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
+
+
+_DIAG_CAP = 50000  # records kept (the counters go on counting)
+# A guided row's values, in order (a DeviceRecords ring row; CudaGuide writes them).
+RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
+_INT_COLUMNS = ("candidates", "top_ref", "top_new")
+
+
+class Diagnostics:
+    def __init__(self, counters: Counters):
+        self.counters = counters
+        self._diag: dict[str, list] = {k: [] for k in ("age", *RING_COLUMNS)}
+        self._err_age = ByAge()
+
+    def record_error(self, ages: list[int], rel: torch.Tensor | list[float]) -> None:
+        """The prediction's relative error by the group's step index."""
+        rel = rel.cpu().tolist() if isinstance(rel, torch.Tensor) else rel
+        for age, e in zip(ages, rel, strict=True):
+            if math.isfinite(e):
+                self._err_age.add(age, [e])
+
+    def add_shift(self, ages: list[int], values: list[list[float]]) -> None:
+        """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`):
+        those with candidates are kept (up to the cap) and counted."""
+        cols = {
+            "age": ages,
+            **{name: [r[j] for r in values] for j, name in enumerate(RING_COLUMNS)},
+        }
+        for name in _INT_COLUMNS:
+            cols[name] = [int(v) for v in cols[name]]
+        rows = [i for i, c in enumerate(cols["candidates"]) if c > 0]
+        self.counters.add("diag_rows", len(rows))
+        self.counters.add(
+            "diag_top_changed", sum(cols["top_ref"][i] != cols["top_new"][i] for i in rows)
+        )
+        room = _DIAG_CAP - len(self._diag["age"])
+        for k, v in cols.items():
+            self._diag[k].extend([v[i] for i in rows[: max(room, 0)]])
+
+    def as_result(self) -> dict[str, Any]:
+        return {
+            **self._diag,
+            # [group step index, mean relative error, rows]
+            "rel_err_curve": self._err_age.curve(points=None),
+        }
+
+
+class DeviceRecords:
+    """CUDA: each guided step's per-row values in a device ring used in two halves; a full
+    half is copied to the host without a wait while the steps go on in the other."""
+
+    def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
+        self.diagnostics = diagnostics
+        half = max(ring.shape[0] // 2, 1)
+        self._halves = [ring[:half], ring[half : 2 * half]]
+        self._copies = HostCopyRing(self._halves[0], 2)
+        self._cur = 0
+        self._steps: list[tuple[list[int], bool]] = []  # per row of the current half
+        self.halves_sent = 0
+
+    @property
+    def waits(self) -> int:
+        """Steps that waited for a half's copy (a host wait each; not expected)."""
+        return self._copies.waits
+
+    def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
+        """The ring row of a guided step (``shift``: its candidate columns are written)."""
+        self._hand_arrived(wait=False)
+        if len(self._steps) == self._halves[self._cur].shape[0]:
+            # Copy the full half to the host (no waiting) and go on in the other.
+            if self._copies.full:  # both host buffers hold copies not yet handed over
+                self._hand_arrived(wait=True)
+            self._copies.send(self._halves[self._cur], tag=self._steps)
+            self.halves_sent += 1
+            self._steps = []
+            self._cur = 1 - self._cur
+        self._steps.append((ages, shift))
+        return self._halves[self._cur][len(self._steps) - 1]
+
+    def _hand_arrived(self, wait: bool) -> None:
+        """Hand the copies that have arrived to the diagnostics, in order (``wait``: all)."""
+        for steps, values in self._copies.arrived(wait):
+            self._hand(steps, values)
+
+    def read(self) -> None:
+        """Hand every step recorded so far to the diagnostics (a host read)."""
+        self._hand_arrived(wait=True)
+        if self._steps:
+            self._hand(self._steps, self._halves[self._cur][: len(self._steps)].tolist())
+            self._steps = []
+
+    def _hand(self, steps: list[tuple[list[int], bool]], values: list) -> None:
+        for (ages, shift), rows in zip(steps, values, strict=False):
+            rows = rows[: len(ages)]
+            self.diagnostics.record_error(ages, [r[0] for r in rows])
+            if shift:
+                self.diagnostics.add_shift(ages, rows)
 
 
 @dataclass
@@ -233,7 +328,8 @@ class Guide:
         f, rel = self.predict(view, sel, slots, lambda t, part: select_rows(t, sel, idx, ws, part))
         if fit is not None:
             betas.mul_(fit.scale(*fit_t, rel))
-        post_filter = self.post_filter(view)
+        mode = self.s.cfg.mode
+        post_filter = mode == "post_filter" or (mode == "auto" and view.filtered)
         rec = self.record([g.age for g in groups], rel, betas, post_filter and any(host_betas))
         if not any(host_betas):
             return  # nothing written: vLLM's own sampling call goes on
@@ -254,10 +350,6 @@ class Guide:
         torch.sum(changed, 0, out=counts[0])
         torch.sum(delta, 0, out=counts[1])
         self.add_counts(counts)
-
-    def post_filter(self, view: GuideView) -> bool:
-        mode = self.s.cfg.mode
-        return mode == "post_filter" or (mode == "auto" and view.filtered)
 
     def predict(
         self,
@@ -311,7 +403,7 @@ class HostGuide(Guide):
         dev = view.logits.device
 
         def on_dev(values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return host_to(torch.tensor(values, dtype=dtype), dev)
+            return host_to_device(torch.tensor(values, dtype=dtype), dev)
 
         idx = row_index(sel, dev, self.s.arange)
         return idx, on_dev(betas, torch.float32), *map(on_dev, fit_args)

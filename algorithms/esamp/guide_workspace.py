@@ -134,7 +134,7 @@ class GuideWorkspace:
 
     def __init__(self, shape: GuideShape, device: torch.device):
         rows, vocab, mode, dtype = shape.rows, shape.vocab, shape.mode, shape.dtype
-        self.rows, self.vocab, self.mode, self.device = rows, vocab, mode, device
+        self.rows, self.vocab = rows, vocab
         self.flat, self.parts = carve_workspace(workspace_spec(shape), device)
         self.view_buffers = GuideBuffers(rows, vocab, device, **shape.view_buffers_args())
         self.parts["arange"].copy_(torch.arange(rows, device=device))

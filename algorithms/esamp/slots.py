@@ -1,6 +1,6 @@
-"""Slots of independent distillers: one flat fp32 row of ``theta [C, P]`` and its Adam state
-per group, the slot lifecycle (alloc, free, growth) and the staleness bookkeeping. The math
-lives in the subclasses (:mod:`algorithms.esamp.cpu`, :mod:`algorithms.esamp.cuda`)."""
+"""Slots of independent distillers (base class): one flat fp32 row of ``theta [C, P]`` and its
+Adam state per group, the slot lifecycle, the staleness bookkeeping and the packing of a
+step's rows per group. The math lives in :mod:`~algorithms.esamp.cpu` and ``.cuda``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from algorithms.esamp.adam import STATS
-from algorithms.esamp.packing import Packing, make_packing
-from algorithms.esamp.params import AdamHyper, DistillerShape, init_params
+from algorithms.esamp.params import STATS, AdamHyper, DistillerShape, init_params
+
+
+@dataclass
+class Packing:
+    """Host-side plan mapping R rows onto ``[G, M]`` packed positions."""
+
+    slots: np.ndarray  # int64 [G]: slot of each packed group (sorted, unique)
+    row_group: np.ndarray  # int64 [R]: packed group of each row
+    row_pos: np.ndarray  # int64 [R]: position of each row inside its group
+    counts: np.ndarray  # int64 [G]
+    max_rows: int
+
+
+def make_packing(slots: torch.Tensor | np.ndarray) -> Packing:
+    """Plan the per-group packing of rows; computed on the host so no device sync is needed."""
+    s = slots.cpu().numpy() if isinstance(slots, torch.Tensor) else np.asarray(slots)
+    s = s.astype(np.int64).reshape(-1)
+    uniq, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    inv = inv.reshape(-1)
+    order = np.argsort(inv, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    pos = np.empty_like(inv)
+    pos[order] = np.arange(s.size, dtype=np.int64) - np.repeat(starts, counts)
+    max_rows = int(counts.max()) if counts.size else 0
+    return Packing(uniq, inv.astype(np.int64), pos, counts.astype(np.int64), max_rows)
 
 
 @dataclass
@@ -27,7 +50,7 @@ class TrainResult:
     # Set once the values are final (CPU side thread); None: final after synchronize().
     done: threading.Event | None = None
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
-    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.adam.STATS)
+    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.params.STATS)
     stats: torch.Tensor | None = None
     # fp32 [R] (host) with ``train_step(row_errors=True)``: each row's term of its group's
     # loss before the update (its squared error over loss_per_row); final when ready().
@@ -119,7 +142,6 @@ class SlotDistiller:
         """Finish pending work and release helpers (threads, streams)."""
         self._drain()
 
-    # -- slots ----------------------------------------------------------------------
     @property
     def num_live(self) -> int:
         return len(self._live)
@@ -195,25 +217,24 @@ class SlotDistiller:
         raise NotImplementedError
 
     def train_step(
-        self, slots: torch.Tensor, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self,
+        slots: torch.Tensor,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        rows_id: object = None,
+        row_errors: bool = False,
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
-        ``row_errors``: also each row's error before the update."""
+        ``row_errors``: also each row's error before the update; ``rows_id``: takes_rows_id."""
         pk = make_packing(slots)
         if not pk.slots.size:
-            empty = torch.zeros(0, device=self.device)
+            empty = torch.zeros(0)
             return TrainResult(pk.slots, empty, empty.bool(), counts=pk.counts)
         self._check_live(pk)
-        self._submitted[pk.slots] += 1
-        # vLLM runs sampling under inference mode; its tensors cannot enter autograd, so
-        # train outside it (subclasses override _train only).
-        with torch.inference_mode(False):
-            res = self._train(pk, x.clone(), target.clone(), row_errors)
-        res.counts = pk.counts
-        return res
+        return self._train(pk, x, target, rows_id, row_errors)
 
     def _train(
-        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, row_errors: bool = False
+        self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
         raise NotImplementedError
 

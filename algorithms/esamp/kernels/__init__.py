@@ -4,7 +4,7 @@ docs/consumers/esamp.md, "The fused kernels". Importing needs neither Triton nor
 
 from __future__ import annotations
 
-from algorithms.esamp.kernels import ops  # noqa: F401  (defines the ops)
+from algorithms.esamp.kernels import ops  # defines the ops
 from algorithms.esamp.kernels.checks import INPUT_PRECISIONS, norm_parts
 from algorithms.esamp.kernels.op_block_backward import block_backward, block_backward_bytes
 from algorithms.esamp.kernels.op_candidate_dot import candidate_dot, candidate_dot_bytes
@@ -15,22 +15,3 @@ from algorithms.esamp.kernels.op_slot_matmul import slot_matmul, slot_matmul_byt
 from algorithms.esamp.kernels.op_stale_max import stale_max
 from algorithms.esamp.kernels.op_update_tail import update_tail
 from algorithms.esamp.kernels.ops import triton_available
-
-__all__ = [
-    "INPUT_PRECISIONS",
-    "block_backward",
-    "block_backward_bytes",
-    "candidate_dot",
-    "candidate_dot_bytes",
-    "grad_adam",
-    "grad_adam_bytes",
-    "loss_dy",
-    "loss_dy_bytes",
-    "norm_parts",
-    "silu_mul",
-    "slot_matmul",
-    "slot_matmul_bytes",
-    "stale_max",
-    "triton_available",
-    "update_tail",
-]

@@ -33,22 +33,25 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors on different devices: {devices}")
 
 
+def _expect(name: str, t: torch.Tensor, ok: bool, want: str) -> None:
+    """Raise ``ValueError`` ``{name} must be {want}, got {t's shape and dtype}`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {_shape(t)}")
+
+
 def _group_vector(name: str, t: torch.Tensor, groups: int) -> None:
-    if t.dim() != 1 or t.shape[0] != groups:
-        raise ValueError(f"{name} must be [{groups}], got {_shape(t)}")
+    _expect(name, t, t.dim() == 1 and t.shape[0] == groups, f"[{groups}]")
 
 
 def _slot_vector(group_slot: torch.Tensor, groups: int) -> None:
     # Each group's slot (-1: none).
     _group_vector("group_slot", group_slot, groups)
-    if group_slot.dtype not in _SLOT_DTYPES:
-        raise ValueError(f"group_slot must be int32 or int64, got {_shape(group_slot)}")
+    _expect("group_slot", group_slot, group_slot.dtype in _SLOT_DTYPES, "int32 or int64")
 
 
 # block_backward: rows are tiled by up to this many for the Gram matrices; each pair of row
 # tiles of a group writes one column of the norm parts.
 NORM_TILE_ROWS = 32
-LOSS_REDUCTIONS = ("mean", "sum")
 
 
 # block_backward: hidden columns per program (norm_parts with a hidden size: the columns
@@ -64,10 +67,5 @@ def norm_parts(rows: int, hidden: int = 0) -> int:
 
 
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-    if not (tuple(t.shape) == shape and t.dtype == torch.float32):
-        raise ValueError(f"{name} must be {list(shape)} fp32 ({what}), got {_shape(t)}")
-
-
-def _row_mask(mask: torch.Tensor, groups: int, rows: int) -> None:
-    if not (tuple(mask.shape) == (groups, rows) and mask.dtype == torch.bool):
-        raise ValueError(f"mask must be [{groups}, {rows}] bool, got {_shape(mask)}")
+    ok = tuple(t.shape) == shape and t.dtype == torch.float32
+    _expect(name, t, ok, f"{list(shape)} fp32 ({what})")

@@ -1,5 +1,5 @@
 """What every op's Triton launch shares: the :class:`Launch` record and the integer helpers
-(plain Python: building a launch needs no Triton; running one imports it)."""
+(building a launch needs no Triton; running one imports it)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
+
+import torch
 
 from tllm_core import pow2_rows
 
@@ -32,10 +34,8 @@ def rows_block(rows: int) -> int:
     return min(64, max(16, pow2_rows(rows)))
 
 
-def bool_bytes(t: Any) -> Any:
+def bool_bytes(t: torch.Tensor) -> torch.Tensor:
     # Triton loads bool pointers as int1; the same bytes as uint8.
-    import torch
-
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
@@ -68,6 +68,4 @@ def runner(launch_fn: Callable[..., Launch | None]) -> Callable[..., None]:
         if launch is not None:
             launch.run(kernels)
 
-    run.__name__ = run.__qualname__ = launch_fn.__name__.removesuffix("_launch")
-    run.__doc__ = f"Run the kernel of :func:`{launch_fn.__name__}` (the same arguments)."
     return run

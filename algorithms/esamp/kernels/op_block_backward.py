@@ -8,6 +8,7 @@ import torch
 from algorithms.esamp.kernels.checks import (
     FP32,
     NORM_TILE_ROWS,
+    _expect,
     _fp32,
     _same_device,
     _shape,
@@ -47,17 +48,16 @@ def block_backward(
 def check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precision="ieee") -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(dp=dp, a=a, u=u, s=s, p=p, h_in=h_in, dy=dy, du=du, da=da, parts=parts)
-    if not (dp.dim() == 3 and dp.dtype == torch.float32):
-        raise ValueError(f"dp must be [G, M, I] fp32, got {_shape(dp)}")
+    _expect("dp", dp, dp.dim() == 3 and dp.dtype == torch.float32, "[G, M, I] fp32")
     g, rows, _ = dp.shape
     for name, t in (("a", a), ("u", u), ("s", s), ("p", p), ("du", du), ("da", da)):
         _fp32(name, t, tuple(dp.shape), "dp's shape")
-    if not (h_in.dim() == 3 and h_in.dtype == torch.float32 and h_in.shape[:2] == dp.shape[:2]):
-        raise ValueError(f"h_in must be [{g}, {rows}, H] fp32, got {_shape(h_in)}")
+    ok = h_in.dim() == 3 and h_in.dtype == torch.float32 and h_in.shape[:2] == dp.shape[:2]
+    _expect("h_in", h_in, ok, f"[{g}, {rows}, H] fp32")
     _fp32("dy", dy, tuple(h_in.shape), "h_in's shape")
     need = norm_parts(rows)
-    if not (parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32):
-        raise ValueError(f"parts must be [{g}, >= {need}] fp32, got {_shape(parts)}")
+    ok = parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32
+    _expect("parts", parts, ok, f"[{g}, >= {need}] fp32")
     if parts.shape[1] < need:
         raise ValueError(
             f"parts must have >= {need} columns for {rows} rows (norm_parts), got {_shape(parts)}"

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import _SLOT_DTYPES, FP32, HEAD_DTYPES, _same_device, _shape
+from algorithms.esamp.kernels.checks import (
+    _SLOT_DTYPES,
+    FP32,
+    HEAD_DTYPES,
+    _expect,
+    _fp32,
+    _same_device,
+    _shape,
+)
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
 SCHEMA = "candidate_dot(Tensor weight, Tensor f, Tensor rows, Tensor tokens, Tensor(a!) out) -> ()"
@@ -28,26 +36,23 @@ def candidate_dot(
 def check_candidate_dot(weight, f, rows, tokens, out) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(weight=weight, f=f, rows=rows, tokens=tokens, out=out)
-    if not (weight.dim() == 2 and weight.dtype in HEAD_DTYPES):
-        raise ValueError(
-            f"weight must be [V, H] float16, bfloat16 or float32, got {_shape(weight)}"
-        )
+    ok = weight.dim() == 2 and weight.dtype in HEAD_DTYPES
+    _expect("weight", weight, ok, "[V, H] float16, bfloat16 or float32")
     h = weight.shape[1]
-    if not (f.dim() == 2 and f.dtype == torch.float32 and f.shape[1] == h):
-        raise ValueError(f"f must be [R, {h}] fp32 (H of weight), got {_shape(f)}")
+    ok = f.dim() == 2 and f.dtype == torch.float32 and f.shape[1] == h
+    _expect("f", f, ok, f"[R, {h}] fp32 (H of weight)")
     # Rows are gathered as contiguous runs of H elements (vector loads on the GPU).
     for name, t in (("weight", weight), ("f", f)):
         if h > 1 and t.stride(1) != 1:
             raise ValueError(
                 f"{name} must have unit stride along H (any row stride), got strides {t.stride()}"
             )
-    if not (tokens.dim() == 1 and tokens.dtype in _SLOT_DTYPES):
-        raise ValueError(f"tokens must be [N] int32 or int64, got {_shape(tokens)}")
+    ok = tokens.dim() == 1 and tokens.dtype in _SLOT_DTYPES
+    _expect("tokens", tokens, ok, "[N] int32 or int64")
     n = tokens.shape[0]
-    if not (rows.dim() == 1 and rows.dtype in _SLOT_DTYPES and rows.shape[0] == n):
-        raise ValueError(f"rows must be [{n}] int32 or int64 (one per token), got {_shape(rows)}")
-    if not (out.dim() == 1 and out.shape[0] == n and out.dtype == torch.float32):
-        raise ValueError(f"out must be [{n}] fp32 (one per token), got {_shape(out)}")
+    ok = rows.dim() == 1 and rows.dtype in _SLOT_DTYPES and rows.shape[0] == n
+    _expect("rows", rows, ok, f"[{n}] int32 or int64 (one per token)")
+    _fp32("out", out, (n,), "one per token")
     if n > 0 and (weight.shape[0] == 0 or f.shape[0] == 0):
         raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.adam import fused_adam_
 from algorithms.esamp.kernels.checks import (
     FP32,
     MOMENT_DTYPES,
+    _expect,
+    _fp32,
     _group_vector,
     _same_device,
     _shape,
@@ -16,7 +17,7 @@ from algorithms.esamp.kernels.checks import (
     check_precision,
 )
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, log_beta, rows_block, runner
-from algorithms.esamp.params import AdamHyper
+from algorithms.esamp.params import AdamHyper, fused_adam_
 
 SCHEMA = (
     "grad_adam(Tensor a, Tensor b, Tensor scale, Tensor group_slot, Tensor ok, Tensor step, "
@@ -60,8 +61,8 @@ def check_grad_adam(
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, b=b, scale=scale, group_slot=group_slot, ok=ok, step=step, w=w, m=m, v=v)
-    if not (a.dim() in (3, 4) and a.dtype == torch.float32):
-        raise ValueError(f"a must be [G, M, N] or [G, E, M, N] fp32, got {_shape(a)}")
+    ok_a = a.dim() in (3, 4) and a.dtype == torch.float32
+    _expect("a", a, ok_a, "[G, M, N] or [G, E, M, N] fp32")
     e = a.shape[1] if a.dim() == 4 else None  # E matrices of a slot at once
     g, rows, n = a.shape[0], a.shape[-2], a.shape[-1]
     b_ok = b.dim() == 3 and tuple(b.shape[:2]) == (g, rows)
@@ -79,25 +80,19 @@ def check_grad_adam(
         )
     k = b.shape[-1]
     mats = "" if e is None else f"{e}, "
-    if not (w.dim() == (3 if e is None else 4) and w.dtype == torch.float32):
-        raise ValueError(f"w must be [S, {mats}N, K] fp32, got {_shape(w)}")
+    ok_w = w.dim() == (3 if e is None else 4) and w.dtype == torch.float32
+    _expect("w", w, ok_w, f"[S, {mats}N, K] fp32")
     slots = w.shape[0]
-    if tuple(w.shape[1:]) != ((n, k) if e is None else (e, n, k)):
-        raise ValueError(f"w must be [S, {mats}{n}, {k}] (a^T b's shape), got {_shape(w)}")
+    ok_w = tuple(w.shape[1:]) == ((n, k) if e is None else (e, n, k))
+    _expect("w", w, ok_w, f"[S, {mats}{n}, {k}] (a^T b's shape)")
     for name, t in (("m", m), ("v", v)):
-        if not (tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES):
-            raise ValueError(
-                f"{name} must be {list(w.shape)} fp32 or bf16 (w's shape), got {_shape(t)}"
-            )
+        ok_t = tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES
+        _expect(name, t, ok_t, f"{list(w.shape)} fp32 or bf16 (w's shape)")
     _group_vector("scale", scale, g)
-    if scale.dtype != torch.float32:
-        raise ValueError(f"scale must be fp32, got {_shape(scale)}")
+    _expect("scale", scale, scale.dtype == torch.float32, "fp32")
     _slot_vector(group_slot, g)
     _group_vector("ok", ok, g)
-    if not (step.dim() == 1 and step.shape[0] == slots and step.dtype == torch.float32):
-        raise ValueError(
-            f"step must be [{slots}] fp32 (one count per slot of w), got {_shape(step)}"
-        )
+    _fp32("step", step, (slots,), "one count per slot of w")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):

@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import (
-    FP32,
-    LOSS_REDUCTIONS,
-    _fp32,
-    _row_mask,
-    _same_device,
-    _shape,
-)
+from algorithms.esamp.kernels.checks import FP32, _expect, _fp32, _same_device
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
 
@@ -58,21 +51,16 @@ def loss_dy(
 def check_loss_dy(h, tp, mask, parts, dy, reduction) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(h=h, tp=tp, mask=mask, parts=parts, dy=dy)
-    if not (h.dim() == 3 and h.dtype == torch.float32):
-        raise ValueError(f"h must be [G, M, H] fp32, got {_shape(h)}")
-    g, rows, _ = h.shape
+    _expect("h", h, h.dim() == 3 and h.dtype == torch.float32, "[G, M, H] fp32")
+    g, rows, hidden = h.shape
     _fp32("tp", tp, tuple(h.shape), "h's shape")
     _fp32("dy", dy, tuple(h.shape), "h's shape")
-    if not (
-        parts.dim() == 2
-        and parts.shape[0] == g
-        and parts.shape[1] >= 1
-        and parts.dtype == torch.float32
-    ):
-        raise ValueError(f"parts must be [{g}, L >= 1] fp32 (the loss parts), got {_shape(parts)}")
-    _row_mask(mask, g, rows)
-    if reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss reduction must be 'mean' or 'sum', got {reduction!r}")
+    ok = parts.dim() == 2 and parts.shape[0] == g and parts.shape[1] >= 1
+    want = f"[{g}, L >= 1] fp32 (the loss parts)"
+    _expect("parts", parts, ok and parts.dtype == torch.float32, want)
+    ok = tuple(mask.shape) == (g, rows) and mask.dtype == torch.bool
+    _expect("mask", mask, ok, f"[{g}, {rows}] bool")
+    loss_per_row(hidden, reduction)  # raises for another reduction
 
 
 def reference(h, tp, mask, parts, dy, reduction) -> None:

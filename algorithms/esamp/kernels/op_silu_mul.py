@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape
+from algorithms.esamp.kernels.checks import FP32, _expect, _fp32, _same_device
 from algorithms.esamp.kernels.launch import Launch, cdiv, runner
 
 SCHEMA = "silu_mul(Tensor a, Tensor u, Tensor(a!) s, Tensor(b!) p) -> ()"
@@ -19,8 +19,7 @@ def silu_mul(a: torch.Tensor, u: torch.Tensor, s: torch.Tensor, p: torch.Tensor)
 def check_silu_mul(a, u, s, p) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(a=a, u=u, s=s, p=p)
-    if not (a.dim() == 3 and a.dtype == torch.float32):
-        raise ValueError(f"a must be [G, M, I] fp32, got {_shape(a)}")
+    _expect("a", a, a.dim() == 3 and a.dtype == torch.float32, "[G, M, I] fp32")
     for name, t in (("u", u), ("s", s), ("p", p)):
         _fp32(name, t, tuple(a.shape), "a's shape")
 

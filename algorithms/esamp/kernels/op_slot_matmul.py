@@ -10,6 +10,8 @@ import torch
 
 from algorithms.esamp.kernels.checks import (
     FP32,
+    _expect,
+    _fp32,
     _same_device,
     _shape,
     _slot_vector,
@@ -53,29 +55,22 @@ def check_slot_matmul(
     extra = {} if add is None else {"add": add}
     _same_device(x=x, w=w, group_slot=group_slot, out=out, **extra)
     layout = "[S, N, K]" if transpose_w else "[S, K, N]"
-    if not (w.dim() in (3, 4) and w.dtype == torch.float32):
-        raise ValueError(
-            f"w must be {layout} or [S, E, ...] fp32 (transpose_w={transpose_w}), got {_shape(w)}"
-        )
+    ok = w.dim() in (3, 4) and w.dtype == torch.float32
+    _expect("w", w, ok, f"{layout} or [S, E, ...] fp32 (transpose_w={transpose_w})")
     e = w.shape[1] if w.dim() == 4 else None
-    if not (x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)):
-        want = "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]")
-        raise ValueError(f"x must be {want} fp32, got {_shape(x)}")
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be fp32, got {_shape(x)}")
+    ok = x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)
+    _expect("x", x, ok, "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]") + " fp32")
+    _expect("x", x, x.dtype == torch.float32, "fp32")
     g, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
     w_k = w.shape[-1] if transpose_w else w.shape[-2]
     n = w.shape[-2] if transpose_w else w.shape[-1]
-    if w_k != k:
-        raise ValueError(
-            f"w must be {layout} with K={k} (x's last dim; transpose_w={transpose_w}), got {_shape(w)}"
-        )
+    want = f"{layout} with K={k} (x's last dim; transpose_w={transpose_w})"
+    _expect("w", w, w_k == k, want)
     shapes = [(g, rows, n)] + ([] if e is None else [(g, e, rows, n)])
-    if not (tuple(out.shape) in shapes and out.dtype == torch.float32):
-        want = " or ".join(str(list(sh)) for sh in shapes)
-        raise ValueError(f"out must be {want} fp32, got {_shape(out)}")
-    if add is not None and not (tuple(add.shape) == (g, rows, n) and add.dtype == torch.float32):
-        raise ValueError(f"add must be [{g}, {rows}, {n}] fp32 (the summed out), got {_shape(add)}")
+    ok = tuple(out.shape) in shapes and out.dtype == torch.float32
+    _expect("out", out, ok, " or ".join(str(list(sh)) for sh in shapes) + " fp32")
+    if add is not None:
+        _fp32("add", add, (g, rows, n), "the summed out")
     if add is not None and out.dim() != 3:
         raise ValueError(f"add needs out [{g}, {rows}, {n}] (summed over E), got {_shape(out)}")
     # Split-K zeroes out before adding into it: an addend in the same memory would be lost.

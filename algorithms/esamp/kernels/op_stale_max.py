@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import _same_device, _shape, _slot_vector
+from algorithms.esamp.kernels.checks import _expect, _same_device, _slot_vector
 from algorithms.esamp.kernels.launch import Launch, runner
 
 SCHEMA = "stale_max(Tensor submitted, Tensor applied, Tensor group_slot, Tensor(a!) stale) -> ()"
@@ -22,13 +22,12 @@ def stale_max(
 def check_stale_max(submitted, applied, group_slot, stale) -> None:
     """Raise ``ValueError`` naming the bad argument and what is allowed."""
     _same_device(submitted=submitted, applied=applied, group_slot=group_slot, stale=stale)
-    if not (submitted.dim() == 1 and submitted.dtype == torch.int64):
-        raise ValueError(f"submitted must be [G] int64, got {_shape(submitted)}")
+    ok = submitted.dim() == 1 and submitted.dtype == torch.int64
+    _expect("submitted", submitted, ok, "[G] int64")
     _slot_vector(group_slot, submitted.shape[0])
-    if not (applied.dim() == 1 and applied.dtype == torch.int64):
-        raise ValueError(f"applied must be [S] int64, got {_shape(applied)}")
-    if not (tuple(stale.shape) == (1,) and stale.dtype == torch.int64):
-        raise ValueError(f"stale must be [1] int64, got {_shape(stale)}")
+    _expect("applied", applied, applied.dim() == 1 and applied.dtype == torch.int64, "[S] int64")
+    ok = tuple(stale.shape) == (1,) and stale.dtype == torch.int64
+    _expect("stale", stale, ok, "[1] int64")
 
 
 def reference(submitted, applied, group_slot, stale) -> None:

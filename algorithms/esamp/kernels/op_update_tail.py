@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.esamp.kernels.checks import FP32, _fp32, _same_device, _shape, _slot_vector
+from algorithms.esamp.kernels.checks import (
+    FP32,
+    _expect,
+    _fp32,
+    _same_device,
+    _slot_vector,
+)
 from algorithms.esamp.kernels.launch import Launch, bool_bytes, cdiv, runner
 from tllm_core import pow2_rows
 
@@ -53,23 +59,18 @@ def check_update_tail(
     if applied is not None:
         tensors["applied"] = applied
     _same_device(**tensors)
-    if not (mask.dim() == 2 and mask.dtype == torch.bool):
-        raise ValueError(f"mask must be [G, M] bool, got {_shape(mask)}")
+    _expect("mask", mask, mask.dim() == 2 and mask.dtype == torch.bool, "[G, M] bool")
     g = mask.shape[0]
     for name, t in (("loss_parts", loss_parts), ("parts", parts)):
-        if not (t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32):
-            raise ValueError(f"{name} must be [{g}, K] fp32, got {_shape(t)}")
-    _slot_vector(group_slot, g)
-    if not (step.dim() == 1 and step.dtype == torch.float32):
-        raise ValueError(f"step must be [S] fp32, got {_shape(step)}")
-    if applied is not None and not (
-        tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
-    ):
-        raise ValueError(
-            f"applied must be {list(step.shape)} int64 (step's), got {_shape(applied)}"
+        _expect(
+            name, t, t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32, f"[{g}, K] fp32"
         )
-    if not (tuple(ok.shape) == (g,) and ok.dtype == torch.bool):
-        raise ValueError(f"ok must be [{g}] bool, got {_shape(ok)}")
+    _slot_vector(group_slot, g)
+    _expect("step", step, step.dim() == 1 and step.dtype == torch.float32, "[S] fp32")
+    if applied is not None:
+        same = tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
+        _expect("applied", applied, same, f"{list(step.shape)} int64 (step's)")
+    _expect("ok", ok, tuple(ok.shape) == (g,) and ok.dtype == torch.bool, f"[{g}] bool")
     for name, t in (("losses", losses), ("scale", scale), ("norm", norm)):
         _fp32(name, t, (g,), "one per group")
     if not clip_eps >= 0:

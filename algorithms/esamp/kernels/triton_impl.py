@@ -1,9 +1,7 @@
-"""The Triton kernels (imported only where Triton is installed; launchers in ``op_<op>.py``).
-Kernels are plain functions decorated by :func:`jit_kernels`, so a test can decorate its own
-copy under ``TRITON_INTERPRET=1`` and run the same launchers on CPU tensors. For that they
+"""The Triton kernels (launchers in ``op_<op>.py``): plain functions decorated by
+:func:`jit_kernels`, so a test can run its own copy under ``TRITON_INTERPRET=1`` on CPU. They
 call only Triton builtins and this module's helpers, decorated again in their scope (a
-library ``@triton.jit`` helper such as ``tl.zeros`` may be compiled where the kernel is
-interpreted)."""
+library ``@triton.jit`` helper such as ``tl.zeros`` may be compiled where they are interpreted)."""
 
 from __future__ import annotations
 
