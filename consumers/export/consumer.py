@@ -151,8 +151,7 @@ class ExportConsumer(Consumer):
         self._lock = threading.Lock()
         # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
-        self.files: RecordWriter | None = None
-        self.writer = None
+        self.writer: RecordWriter | None = None
         self.path = None
         self.shard_rows = 0
         if config.out is None:  # returns rows only
@@ -175,7 +174,7 @@ class ExportConsumer(Consumer):
                     f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        self.files = RecordWriter(
+        self.writer = RecordWriter(
             layout,
             {},  # fixed by each key's first rows (_width)
             self.shard_rows,
@@ -184,7 +183,6 @@ class ExportConsumer(Consumer):
             phase=self.phase,
             owner=self,
         )
-        self.writer = self.files.shards
 
     def reads(self) -> list[ReadPort]:
         # Only the rows to write are captured: the prompt's token ids come with each request
@@ -196,8 +194,8 @@ class ExportConsumer(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         t = time.perf_counter()
         with self._lock:
-            if self.files is not None:
-                self.files.used, self.files.closed = True, False
+            if self.writer is not None:
+                self.writer.used, self.writer.closed = True, False
             self._take_rows(bundle)
             srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
             if srows is not None and ids is not None and len(srows):
@@ -211,12 +209,12 @@ class ExportConsumer(Consumer):
         self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray, runs: Any = None
     ) -> Any:
         """Token ids into the request table; each row's request index (None: no files)."""
-        if self.files is None:
+        if self.writer is None:
             return None
-        seen = self.files.table.seen
-        index = self.files.note_tokens(requests, pos, ids, runs)
-        if self.files.table.seen != seen:
-            self.counters.add("requests_seen", self.files.table.seen - seen)
+        seen = self.writer.table.seen
+        index = self.writer.note_tokens(requests, pos, ids, runs)
+        if self.writer.table.seen != seen:
+            self.counters.add("requests_seen", self.writer.table.seen - seen)
         return index
 
     def _take_rows(self, bundle: Bundle) -> None:
@@ -253,7 +251,7 @@ class ExportConsumer(Consumer):
         }
         decode = np.asarray(rows.is_decode, np.bool_)[idx]
         before = len(self.writer.shards)
-        self.files.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
+        self.writer.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
         self._sync_counters(before)
 
     def _return_rows(
@@ -294,15 +292,15 @@ class ExportConsumer(Consumer):
         # Background thread (after the request's bundles), or the engine thread when no
         # bundle ever reached this consumer: then no shard write holds the lock.
         with self._lock:
-            if self.files is not None:
-                self.files.finished(request)
+            if self.writer is not None:
+                self.writer.finished(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
         with self._lock:
-            if self.files is not None:
-                self.files.dropped(requests)  # the bus counts it (bundles_dropped.export)
+            if self.writer is not None:
+                self.writer.dropped(requests)  # the bus counts it (bundles_dropped.export)
             for r in requests:  # its rows have a hole: no result rather than a wrong one
                 if r.wants_result(self.name):
                     self._returned.lose(r.engine_id)
@@ -346,27 +344,27 @@ class ExportConsumer(Consumer):
     def _write(self, step: Callable[[RecordWriter], Any]) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
-            if self.files is not None and self.files.used:
-                before = len(self.files.shards.shards)
+            if self.writer is not None and self.writer.used:
+                before = len(self.writer.shards)
                 try:
-                    step(self.files)
+                    step(self.writer)
                 finally:  # a failed write still counts what was written
                     self._sync_counters(before)
 
     def result(self) -> dict[str, Any]:
         with self._lock:
-            if self.files is None:
+            w = self.writer
+            if w is None:
                 return {"out": None, "keys": list(self.keys), "complete": True}
-            w = self.files.shards
             return {
                 "out": self.path,
                 "shards": len(w.shards),
                 "rows": w.rows_written,
                 "rows_buffered": w.buffered,
-                "requests": self.files.table.seen,
-                "requests_open": self.files.table.open_count,
+                "requests": w.table.seen,
+                "requests_open": w.table.open_count,
                 "keys": list(self.keys),
-                "complete": self.files.complete,
+                "complete": w.complete,
                 **({"error": w.error} if w.error else {}),
             }
 

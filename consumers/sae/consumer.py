@@ -364,11 +364,11 @@ class SaeConsumer(Consumer):
             "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
         if self.writer is not None:
-            w = self.writer.shards
-            out["out"] = self.writer.path
+            w = self.writer
+            out["out"] = w.path
             out["rows_recorded"] = int(c.get("rows_recorded"))
             out["shards"] = len(w.shards)
-            out["requests_open"] = self.writer.table.open_count
+            out["requests_open"] = w.table.open_count
             if w.error:
                 out["error"] = w.error
             out["bytes_per_row"] = {
