@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from consumers.export import format as fmt
 from consumers.sae import SAEFileError, load_sae, read_features, save_sae, top_features
 from consumers.sae.consumer import SaeConsumer
-from consumers.sae.features_writer import FeatureWriter
+from consumers.sae.features import FeatureWriter
 from consumers.sae.model import SparseAutoencoder
 from consumers.sae.request import SaeRequest
 from consumers.sae.site import parse_site

@@ -368,14 +368,6 @@ class ExportConsumer(Consumer):
                 **({"error": w.error} if w.error else {}),
             }
 
-    @classmethod
-    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.summary(counters, result)
-
-    @classmethod
-    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.warnings(counters, result)
-
-    @classmethod
-    def report_plots(cls, counters: dict[str, Any], result: Any) -> list:
-        return report.plots(counters, result)
+    summary = staticmethod(report.summary)
+    summary_warnings = staticmethod(report.warnings)
+    report_plots = staticmethod(report.plots)

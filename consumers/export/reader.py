@@ -86,10 +86,7 @@ class ExportReader:
 
     format_name = fmt.FORMAT_NAME
     format_version = fmt.FORMAT_VERSION
-
-    def tensor_name(self, key: str) -> str:
-        """Shard tensor name of manifest key ``key``."""
-        return fmt.hidden_tensor_name(key)
+    tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
         self.path = os.fspath(path)

@@ -181,7 +181,7 @@ class RecordWriter:
         self._fill = 0
         self._hidden: dict[str, torch.Tensor] = {}
         self._meta: dict[str, np.ndarray] = {}
-        self.table = RequestTable(self.path, self.prepare, lambda: self.error, phase, owner)
+        self.table = RequestTable(self, phase, owner)
 
     @property
     def buffered(self) -> int:

@@ -14,7 +14,7 @@ import torch
 from consumers.export.requests import rows_to_write
 from consumers.export.writer import output_layout
 from consumers.sae.config import SaeConfig
-from consumers.sae.features_writer import FeatureWriter, bytes_per_row
+from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
 from consumers.sae.request import SaeRequest
@@ -41,8 +41,6 @@ from tllm_core import (
 )
 
 log = logging.getLogger("tllm")
-
-_INVALID = object()  # request settings that failed validation
 
 
 class SaeConsumer(Consumer):
@@ -103,8 +101,8 @@ class SaeConsumer(Consumer):
         # Declared even without steering in the config: a request may steer.
         self._edit_port = edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
-        self._settings: dict[str, Any] = {}  # engine_id -> validated settings or _INVALID
-        self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
+        # engine_id -> (steering vector, config's clamps apply, records): _plan
+        self._plans: dict[str, tuple[torch.Tensor | None, bool, bool]] = {}
         self.writer: FeatureWriter | None = None
         if config.out is not None:
             # Data parallel: this engine writes its own part folder (out/dp{rank}).
@@ -141,44 +139,30 @@ class SaeConsumer(Consumer):
             "hook_name": s.metadata.get("hook_name"),
         }
 
-    def _request_settings(self, req: RequestInfo) -> Any:
-        """Validated settings of ``req`` (cached), or ``_INVALID``."""
-        got = self._settings.get(req.engine_id)
+    def _plan(self, req: RequestInfo) -> tuple[torch.Tensor | None, bool, bool]:
+        """``req``'s steering vector, whether the config's clamps apply to it (a request's own
+        'steer' replaces the config's, clamps included) and whether it records; cached."""
+        got = self._plans.get(req.engine_id)
         if got is None:
             try:
                 # The same validation as the front end's (feature range, no clamps): a failure
                 # here means the request bypassed it.
-                got = req.settings(self)
+                s = req.settings(self)
             except ValueError as e:
                 self.counters.add("invalid_request_settings")
                 log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
-                got = _INVALID
-            self._settings[req.engine_id] = got
-        return got
-
-    def _clamped(self, req: RequestInfo) -> bool:
-        """Whether the config's clamps apply to ``req`` (a request's own 'steer' replaces
-        the config's, clamps included)."""
-        if self._clamp is None:
-            return False
-        s = self._request_settings(req)
-        return s is not _INVALID and s.steer is None
-
-    def _steer_vector(self, req: RequestInfo) -> torch.Tensor | None:
-        if req.engine_id not in self._vectors:
-            s = self._request_settings(req)
-            if s is _INVALID:
-                vec = None
+                got = (None, False, False)
             else:
                 vec = self._config_vector if s.steer is None else self._vector(s.steer)
-            if vec is not None and not bool(vec.any()):
-                vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
-            self._vectors[req.engine_id] = vec
-        return self._vectors[req.engine_id]
+                if vec is not None and not bool(vec.any()):
+                    vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
+                clamped = self._clamp is not None and s.steer is None
+                got = (vec, clamped, self.writer is not None and s.record is not False)
+            self._plans[req.engine_id] = got
+        return got
 
     def _records(self, req: RequestInfo) -> bool:
-        s = self._request_settings(req)
-        return self.writer is not None and s is not _INVALID and s.record is not False
+        return self._plan(req)[2]
 
     def reads(self) -> list[ReadPort]:
         if self.writer is None:
@@ -202,11 +186,11 @@ class SaeConsumer(Consumer):
         vecs: list[torch.Tensor] = []
         clamped: list[np.ndarray] = []
         for req, start, stop in rows.runs():
-            vec = self._steer_vector(req)
+            vec, clamped_req, _ = self._plan(req)
             if vec is not None:
                 idx.append(np.arange(start, stop, dtype=np.int64))
                 vecs.append(vec)
-            if self._clamped(req):
+            if clamped_req:
                 clamped.append(np.arange(start, stop, dtype=np.int64))
         if clamped:
             plan.transform(self.key, np.concatenate(clamped))
@@ -330,8 +314,7 @@ class SaeConsumer(Consumer):
             self.writer.note_tokens([requests[j] for j in sel], pos[sel], ids[sel])
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        self._settings.pop(request.engine_id, None)
-        self._vectors.pop(request.engine_id, None)
+        self._plans.pop(request.engine_id, None)
         if self.writer is not None:
             self.writer.finished(request)
             if request.cut_short:

@@ -57,7 +57,7 @@ def scale_vector(sae: SparseAutoencoder, entries: list[FeatureSteer]) -> torch.T
     vec = None
     for e in entries:
         if e.scale is not None:
-            v = e.scale * sae.decoder_direction(e.feature)
+            v = e.scale * sae.W_dec[e.feature].float()  # what a unit of the feature adds
             vec = v if vec is None else vec + v
     return vec
 

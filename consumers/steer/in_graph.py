@@ -26,8 +26,6 @@ class SteerTransform(nn.Module):
         above: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in ("add", "ablate", "clamp"):
-            raise ValueError(f"mode must be 'add', 'ablate' or 'clamp', got {mode!r}")
         v = vector.float()
         self.mode = mode
         self.lo, self.hi, self.target = lo, hi, target

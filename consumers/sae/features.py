@@ -1,33 +1,28 @@
-"""Sparse feature records: the export layout (``docs/export-format.md``, format
-``tllm-sae-features``) with per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` unused) and
-``values`` (fp16/fp32), written by the export's :class:`RecordWriter`."""
+"""Sparse feature records of the ``sae`` consumer: the export layout (``docs/export-format.md``,
+format ``tllm-sae-features``) with per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` unused)
+and ``values`` (fp16/fp32); one definition for the writer and the reader."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from consumers.export import format as fmt
+from consumers.export.reader import ExportReader, RequestRecord, open_export
 from consumers.export.writer import TORCH_DTYPES, OutputLayout, RecordWriter
 from tllm_core import as_selector
 
 FORMAT_NAME = "tllm-sae-features"
-FORMAT_VERSION = fmt.FORMAT_VERSION  # the export layout's (closed requests in requests.jsonl)
 INDICES = "indices"
 VALUES = "values"
 KEYS = (INDICES, VALUES)
-VALUE_DTYPES = ("float16", "float32")
 # bytes of the row tensors every shard row carries (row_request, position, token_id: int64;
 # is_decode: bool)
 ROW_META_BYTES = 8 + 8 + 8 + 1
-
-
-def tensor_name(key: str) -> str:
-    """Shard tensor name of a feature column (the key itself)."""
-    return key
 
 
 def bytes_per_row(top_k: int, value_dtype: str) -> int:
@@ -52,8 +47,6 @@ class FeatureWriter(RecordWriter):
     ):
         """``layout`` (data parallel): this engine's part folder of the output directory;
         ``describe``: the SAE's description in the manifest."""
-        if value_dtype not in VALUE_DTYPES:
-            raise ValueError(f"feature values dtype {value_dtype!r}: allowed {VALUE_DTYPES}")
         self.top_k = top_k
         self.value_dtype = value_dtype
         self._describe = describe
@@ -66,7 +59,7 @@ class FeatureWriter(RecordWriter):
             phase=as_selector(phase, "phase"),
             owner=owner,
             format_name=FORMAT_NAME,
-            tensor_name=tensor_name,
+            tensor_name=str,  # a column's tensor is named by its key
         )
 
     def _sae_fields(self) -> dict[str, Any]:
@@ -93,3 +86,43 @@ class FeatureWriter(RecordWriter):
             return self.write_rows(
                 index, positions, tokens, is_decode, {INDICES: indices, VALUES: values}
             )
+
+
+@dataclass
+class FeatureRecord(RequestRecord):
+    """The features recorded for one request: row ``j`` of ``indices`` / ``values``
+    (``[rows, top_k]``, by value, ``-1``/0 in unused slots) belongs to ``positions[j]``."""
+
+    indices: torch.Tensor  # int32 [rows, top_k]
+    values: torch.Tensor  # fp16/fp32 [rows, top_k]
+
+
+class FeatureReader(ExportReader):
+    """A feature directory: manifest (``format: tllm-sae-features``), requests, shards."""
+
+    format_name = FORMAT_NAME
+    tensor_name = staticmethod(str)  # a feature column's tensor is named by its key
+
+    @property
+    def top_k(self) -> int:
+        return int(self.manifest["top_k"])
+
+    @property
+    def sae(self) -> dict[str, Any]:
+        """The SAE's description stored by the writer (path, site, architecture, sizes)."""
+        return dict(self.manifest.get("sae", {}))
+
+    def _no_rows(self, key: str) -> torch.Tensor:
+        dtype = torch.int32 if key == INDICES else getattr(torch, self.dtype)
+        return torch.zeros(0, self.top_k, dtype=dtype)
+
+    def _make(self, fields: dict[str, Any], pos: Any, dec: Any, data: dict) -> FeatureRecord:  # type: ignore[override]
+        idx, val = data[INDICES], data[VALUES]
+        return FeatureRecord(**fields, positions=pos, is_decode=dec, indices=idx, values=val)
+
+
+def read_features(path: str | os.PathLike, verify: bool = False) -> Iterator[FeatureRecord]:
+    """Yield one :class:`FeatureRecord` per (request, sample) of the feature directory
+    ``path``, reading one shard at a time (the parts of a data-parallel run, ``dp{rank}``,
+    part by part). ``verify=True`` checks shard sha256 sums."""
+    return iter(open_export(path, verify=verify, reader=FeatureReader))
