@@ -13,12 +13,11 @@ import torch
 
 from consumers.export.requests import rows_to_write
 from consumers.export.writer import output_layout
-from consumers.sae.config import SaeConfig
+from consumers.sae.config import SaeConfig, edit_port, parse_site, read_port
 from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
 from consumers.sae.request import SaeRequest
-from consumers.sae.site import edit_port, parse_site, read_port
 from consumers.sae.steer import FeatureSteer, apply_clamp, check_features, clamps_of, scale_vector
 from tllm_core import (
     Bundle,

@@ -1,7 +1,7 @@
 """Steering by SAE feature: ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]``;
 ``{"feature": f, "clamp": v}`` sets feature ``f`` to ``v`` and adds the difference of the two
 reconstructions, ``x' = x + decode(a with a_f = v) - decode(a)`` (the SAE's error term kept),
-which depends on the row itself and so runs in the forward (``consumers/sae/site.py``)."""
+which depends on the row itself and so runs in the forward (``SaeConsumer``'s ``_Clamp``)."""
 
 from __future__ import annotations
 
