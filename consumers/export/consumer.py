@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from consumers.export import format as fmt
 from consumers.export import report
 from consumers.export.requests import rows_to_write
-from consumers.export.writer import TORCH_DTYPES, RecordWriter, output_layout
+from consumers.export.writer import RecordWriter, output_layout
 from tllm_core import (
     Bundle,
     CaptureWindow,
@@ -146,7 +146,7 @@ class ExportConsumer(Consumer):
                 keys.append(port.key)
                 self._ports.append(port)
         self.keys = keys
-        self.dtype = TORCH_DTYPES[config.dtype]
+        self.dtype = getattr(torch, config.dtype)
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
         # Rows of the requests that ask for them back (tllm_results=export).
@@ -178,7 +178,6 @@ class ExportConsumer(Consumer):
             layout,
             {},  # fixed by each key's first rows (_width)
             self.shard_rows,
-            config.overwrite,
             self._manifest_fields,
             phase=self.phase,
             owner=self,
@@ -317,7 +316,7 @@ class ExportConsumer(Consumer):
         """JSON bytes of a request's result at most: its rows (the config's phase, narrowed by
         the request's window) times one hidden-size array per key, plus positions and ids."""
         assert isinstance(config, ExportConfig)
-        itemsize = TORCH_DTYPES[config.dtype].itemsize
+        itemsize = getattr(torch, config.dtype).itemsize
         keys = len(dict.fromkeys(str(k) for k in config.layers))
         rows = window_rows("export", as_selector(config.phase, "export: phase"), request)
         width = request.hidden_size

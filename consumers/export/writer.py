@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, NoReturn
 
 import numpy as np
@@ -21,10 +20,6 @@ from safetensors.torch import save_file
 from consumers.export import format as fmt
 from consumers.export.requests import RequestTable
 from tllm_core import Phase, request_runs
-
-TORCH_DTYPES = MappingProxyType(
-    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-)
 
 # First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
 _INITIAL_ROWS = 256
@@ -148,7 +143,6 @@ class RecordWriter:
         layout: OutputLayout,
         columns: dict[str, tuple[int, torch.dtype]],
         shard_rows: int,
-        overwrite: bool,
         fields: Callable[[], dict[str, Any]],
         *,
         phase: Any = Phase.ALL,
@@ -160,7 +154,6 @@ class RecordWriter:
         self.path = layout.path
         self.columns = columns
         self.shard_rows = shard_rows
-        self.overwrite = overwrite
         self._fields = fields
         self.format_name = format_name
         self.tensor_name = tensor_name
@@ -289,7 +282,7 @@ class RecordWriter:
         self.layout.clean_root()
         os.makedirs(self.path, exist_ok=True)
         names = sorted(os.listdir(self.path))
-        if names and not self.overwrite:
+        if names and not self.layout.overwrite:
             raise ValueError(
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
                 f"refusing to mix exports (set overwrite=true to replace)"

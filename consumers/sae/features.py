@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from consumers.export.reader import ExportReader, RequestRecord, open_export
-from consumers.export.writer import TORCH_DTYPES, OutputLayout, RecordWriter
+from consumers.export.writer import OutputLayout, RecordWriter
 from tllm_core import as_selector
 
 FORMAT_NAME = "tllm-sae-features"
@@ -27,7 +27,7 @@ ROW_META_BYTES = 8 + 8 + 8 + 1
 
 def bytes_per_row(top_k: int, value_dtype: str) -> int:
     """Payload bytes of one sparse row (indices + values + row tensors)."""
-    return top_k * (4 + TORCH_DTYPES[value_dtype].itemsize) + ROW_META_BYTES
+    return top_k * (4 + getattr(torch, value_dtype).itemsize) + ROW_META_BYTES
 
 
 class FeatureWriter(RecordWriter):
@@ -51,10 +51,9 @@ class FeatureWriter(RecordWriter):
         self.value_dtype = value_dtype
         self._describe = describe
         super().__init__(
-            layout or OutputLayout(path, path),
-            {INDICES: (top_k, torch.int32), VALUES: (top_k, TORCH_DTYPES[value_dtype])},
+            layout or OutputLayout(path, path, overwrite=overwrite),
+            {INDICES: (top_k, torch.int32), VALUES: (top_k, getattr(torch, value_dtype))},
             shard_rows,
-            overwrite,
             self._sae_fields,
             phase=as_selector(phase, "phase"),
             owner=owner,
