@@ -30,28 +30,18 @@ from tllm_core import (
 # forward as the transform of Edit(HiddenStates(layer)): tensor operations on buffers made at
 # construction, so they trace into vLLM's compiled graph and read nothing back per step.
 class SteerTransform(torch.nn.Module):
-    """One vector's ``add`` (already scaled), ``ablate`` or ``clamp`` at a layer, optionally
+    """``entry``'s ``add`` (scaled here), ``ablate`` or ``clamp`` of ``vector``, optionally
     gated by ``s . probe > threshold`` (``above=False``: ``<``); ``gated`` counts the rows it
     edited, on the device."""
 
-    def __init__(
-        self,
-        vector: torch.Tensor,
-        mode: str,
-        *,
-        lo: float | None = None,
-        hi: float | None = None,
-        target: float | None = None,
-        probe: torch.Tensor | None = None,
-        threshold: float = 0.0,
-        above: bool = True,
-    ) -> None:
+    def __init__(self, entry: SteerVector, vector: torch.Tensor, probe: torch.Tensor | None):
         super().__init__()
         v = vector.float()
-        self.mode = mode
-        self.lo, self.hi, self.target = lo, hi, target
-        self.threshold, self.above = float(threshold), bool(above)
-        self.register_buffer("vector", v if mode == "add" else v / v.norm())
+        self.mode, self.lo, self.hi, self.target = entry.mode, entry.lo, entry.hi, entry.target
+        gate = entry.gate
+        self.threshold = float(gate.threshold) if gate is not None else 0.0
+        self.above = gate.above if gate is not None else True
+        self.register_buffer("vector", v * entry.scale if self.mode == "add" else v / v.norm())
         self.register_buffer("probe", None if probe is None else probe.float().to(v.device))
         self.register_buffer("gated", torch.zeros(1, dtype=torch.int64, device=v.device))
 
@@ -172,43 +162,22 @@ class SteerConsumer(Consumer):
                 )
         if entry.mode == "ablate" or entry.normalize:
             vec = vec / norm
-        transform = None
-        if entry.in_graph:
-            transform = self._transform(entry, vec, hidden, self.context.model.device, what)
-        return _Vec(
-            entry.name,
-            layer,
-            vec.to(self.context.model.device),
-            float(entry.scale),
-            entry.mode,
-            transform,
-            entry.registered,
-        )
-
-    @staticmethod
-    def _transform(
-        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, what: str
-    ) -> SteerTransform:
-        probe = None
-        gate = entry.gate
-        if gate is not None:
-            probe = _vector(gate.path, gate.vector, hidden, f"{what}.gate")
+        device = self.context.model.device
+        transform = probe = None
+        if entry.gate is not None:
+            probe = _vector(entry.gate.path, entry.gate.vector, hidden, f"{what}.gate")
             pnorm = float(probe.norm())
             if pnorm == 0.0:
                 raise ValueError(f"steer: {what}.gate: the probe direction is all zeros")
-            if gate.normalize:
+            if entry.gate.normalize:
                 probe = probe / pnorm
-        with torch.inference_mode(False):
-            return SteerTransform(
-                (vec * entry.scale if entry.mode == "add" else vec).to(device),
-                entry.mode,
-                lo=entry.lo,
-                hi=entry.hi,
-                target=entry.target,
-                probe=probe,
-                threshold=gate.threshold if gate is not None else 0.0,
-                above=gate.above if gate is not None else True,
-            )
+        if entry.in_graph:
+            with torch.inference_mode(False):
+                transform = SteerTransform(entry, vec.to(device), probe)
+        vec = vec.to(device)
+        return _Vec(
+            entry.name, layer, vec, float(entry.scale), entry.mode, transform, entry.registered
+        )
 
     def writes(self) -> list[WritePort]:
         graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
