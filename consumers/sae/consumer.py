@@ -18,7 +18,7 @@ from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
 from consumers.sae.request import SaeRequest
-from consumers.sae.steer import FeatureSteer, apply_clamp, check_features, clamps_of, scale_vector
+from consumers.sae.steer import Clamp, FeatureSteer, check_features, clamps_of, scale_vector
 from tllm_core import (
     Bundle,
     Consumer,
@@ -77,13 +77,8 @@ class SaeConsumer(Consumer):
             sae = load_sae(config.path, d_model=int(model.hidden_size))
         except ValueError as e:
             raise ValueError(f"sae: path {config.path!r}: {e}") from None
-        check_features(config.steer, sae.d_sae, "sae: steer")
-        for i, f in enumerate(config.watch):
-            if not 0 <= f < sae.d_sae:
-                raise ValueError(
-                    f"sae: watch[{i}] is {f}: the SAE has {sae.d_sae} features "
-                    f"(valid: 0..{sae.d_sae - 1})"
-                )
+        check_features((e.feature for e in config.steer), sae.d_sae, "sae: steer[{}].feature")
+        check_features(config.watch, sae.d_sae, "sae: watch[{}]")
         self.sae = sae  # host copy (fp32): encodes background bundles
         # Top features of the requests that ask for them back (tllm_results=sae).
         self._returned = RequestRows(context.max_result_bytes, "sae")
@@ -96,7 +91,7 @@ class SaeConsumer(Consumer):
         dev = model.device if model.device.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
         clamps = clamps_of(config.steer)
-        self._clamp = _Clamp(self.sae_dev, clamps) if clamps else None
+        self._clamp = Clamp(self.sae_dev, clamps) if clamps else None
         # Declared even without steering in the config: a request may steer.
         self._edit_port = edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
@@ -406,26 +401,3 @@ class _Codes:
         if rows is not None:
             acts = acts[torch.from_numpy(rows).to(acts.device)]
         return top_features(acts, top_k)
-
-
-class _Clamp(torch.nn.Module):
-    """In-graph edit: encode each selected row, set the clamped features, decode the
-    difference and add it (``consumers.sae.steer.apply_clamp``); tensor operations only."""
-
-    def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
-        super().__init__()
-        self.sae = sae
-        self.clamps = clamps
-        # Rows the forward clamped, counted in the graph where the work happens.
-        self.rows_done = torch.zeros((), dtype=torch.int64, device=sae.device)
-
-    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.rows_done.add_(rows.sum())
-        return apply_clamp(self.sae, s, self.clamps)
-
-    def take_rows(self) -> int:
-        """Rows clamped since the last call; call between forwards (engine thread)."""
-        n = int(self.rows_done.item())
-        if n:
-            self.rows_done.sub_(n)
-        return n

@@ -60,5 +60,5 @@ class SaeRequest(RequestSettings):
                 )
         d_sae = config.declared_d_sae() if config is not None else None
         if d_sae is not None:
-            check_features(self.steer, d_sae, "steer")
+            check_features((e.feature for e in self.steer), d_sae, "steer[{}].feature")
         return self
