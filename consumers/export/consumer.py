@@ -176,7 +176,7 @@ class ExportConsumer(Consumer):
         self.shard_rows = int(shard_rows)
         self.writer = RecordWriter(
             layout,
-            {},  # fixed by each key's first rows (_width)
+            {},  # fixed by each key's first rows (_take_rows)
             self.shard_rows,
             self._manifest_fields,
             phase=self.phase,
@@ -221,15 +221,13 @@ class ExportConsumer(Consumer):
         n = len(rows)
         if n == 0:
             return
-        for key in self.keys:
-            t = bundle.hidden.get(key)
-            if t is None:
-                raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
-            width = self._width(key, t)
-            if t.shape != (n, width):
-                raise ValueError(
-                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {width})"
-                )
+        if self.writer is not None:
+            # A key's row width is fixed by its first rows: the hidden size, or (router ports)
+            # the number of experts or top-k; floats are stored as the config's dtype.
+            for key in self.keys:
+                t = bundle.hidden[key]
+                dtype = self.dtype if t.is_floating_point() else torch.int64
+                self.writer.columns.setdefault(key, (int(t.shape[-1]), dtype))
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         keep = rows_to_write(rows, self.phase, self.counters)
@@ -265,16 +263,6 @@ class ExportConsumer(Consumer):
             hidden[k] = t.to("cpu", self.dtype if t.is_floating_point() else torch.int64, copy=True)
         self._returned.add(info.engine_id, positions=pos[sel], token_ids=ids[sel], **hidden)
         self.counters.add("rows_returned", int(sel.size))
-
-    def _width(self, key: str, t: torch.Tensor) -> int:
-        """The key's row width, fixed by its first rows: the hidden size, or (router ports) the
-        number of experts or top-k; floats are stored as the config's dtype, ids as int64."""
-        if self.writer is None:
-            return int(t.shape[-1])
-        if key not in self.writer.columns:
-            dtype = self.dtype if t.is_floating_point() else torch.int64
-            self.writer.columns[key] = (int(t.shape[-1]), dtype)
-        return self.writer.columns[key][0]
 
     def _sync_counters(self, shards_before: int) -> None:
         if self.writer is None:

@@ -199,13 +199,8 @@ class SaeConsumer(Consumer):
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     def on_bundle(self, bundle: Bundle) -> None:
-        rows = bundle.rows
-        n = len(rows)
-        if n:
-            x = bundle.hidden.get(self.key)
-            if x is None:
-                raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
-            self._encode(rows, x)
+        if len(bundle.rows):
+            self._encode(bundle.rows, bundle.hidden[self.key])
         self._take_sampled(bundle)
 
     def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
