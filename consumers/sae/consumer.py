@@ -1,6 +1,6 @@
 """``sae``: encode one site's activations with a sparse autoencoder while vLLM serves: summary
 counters, optional top-k feature records (``out``) and steering by feature (``steer``), per
-request too (``consumers/sae/request.py``)."""
+request too (``SaeRequest``)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch
 
 from consumers.export.requests import rows_to_write
 from consumers.export.writer import output_layout
-from consumers.sae.config import SaeConfig, edit_port, parse_site, read_port
+from consumers.sae.config import SaeConfig, SaeRequest, edit_port, parse_site, read_port
 from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
-from consumers.sae.request import SaeRequest
 from consumers.sae.steer import Clamp, FeatureSteer, check_features, clamps_of, scale_vector
 from tllm_core import (
     Bundle,

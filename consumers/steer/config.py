@@ -1,12 +1,18 @@
-"""``steer``'s configuration and per-request settings (pydantic models)."""
+"""``steer``'s configuration and per-request settings (pydantic models), and the registered
+vectors kept in its ``keep_dir``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tllm_core import ConsumerConfig, FiniteF32, RequestSettings
+
+if TYPE_CHECKING:
+    import torch
 
 # Inline vectors are model-width; a million entries is past any model (and bounds the JSON).
 MAX_INLINE_VECTOR = 1 << 20
@@ -134,8 +140,6 @@ class SteerConfig(ConsumerConfig):
     @model_validator(mode="after")
     def _names_and_layers(self) -> SteerConfig:
         if self.keep_dir is not None:
-            from consumers.steer.kept import kept_entries
-
             have = {v.name for v in self.vectors}
             kept = [SteerVector.model_validate(e) for e in kept_entries(self.keep_dir)]
             self.vectors = [*self.vectors, *(v for v in kept if v.name not in have)]
@@ -200,3 +204,54 @@ class SteerRequest(RequestSettings):
             if scale is not None and known[name].mode != "add":
                 raise ValueError(f"vector {name!r} is '{known[name].mode}': it takes no scale")
         return self
+
+
+# Registered steering vectors kept on disk (keep_dir): one NAME.safetensors per vector (the
+# vector, with its layer, mode, scale and normalize as metadata), written atomically.
+KEPT_SUFFIX = ".safetensors"
+
+
+def kept_entries(folder: str) -> list[dict[str, Any]]:
+    """The vector entries kept in ``folder`` (none when it does not exist yet)."""
+    from safetensors import safe_open
+
+    path = Path(folder)
+    if not path.is_dir():
+        return []
+    out = []
+    for f in sorted(path.glob(f"*{KEPT_SUFFIX}")):
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata() or {}
+        out.append(
+            {
+                "name": f.name[: -len(KEPT_SUFFIX)],
+                "layer": int(meta.get("layer", "0")),
+                "mode": meta.get("mode", "add"),
+                "scale": float(meta.get("scale", "1.0")),
+                "normalize": meta.get("normalize", "false") == "true",
+                "path": str(f),
+                "registered": True,
+            }
+        )
+    return out
+
+
+def keep(folder: str, name: str, vector: torch.Tensor, entry: dict[str, Any]) -> None:
+    """Write ``NAME.safetensors`` atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    meta = {
+        "layer": str(entry["layer"]),
+        "mode": str(entry.get("mode", "add")),
+        "scale": repr(float(entry.get("scale", 1.0))),
+        "normalize": "true" if entry.get("normalize") else "false",
+    }
+    final = Path(folder) / f"{name}{KEPT_SUFFIX}"
+    tmp = final.with_name(f".{name}.{os.getpid()}.tmp")
+    save_file({"vector": vector.detach().float().cpu().contiguous()}, str(tmp), metadata=meta)
+    os.replace(tmp, final)
+
+
+def forget(folder: str, name: str) -> None:
+    (Path(folder) / f"{name}{KEPT_SUFFIX}").unlink(missing_ok=True)

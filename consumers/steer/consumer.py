@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from consumers.steer import kept, registered
-from consumers.steer.config import SteerConfig, SteerRequest, SteerVector
+from consumers.steer import registered
+from consumers.steer.config import SteerConfig, SteerRequest, SteerVector, forget, keep
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core import (
     Consumer,
@@ -277,11 +277,11 @@ class SteerConsumer(Consumer):
                 raise ControlError(f"layer {vec.layer} has no edit port in this engine")
             self.vectors.append(vec)
             if self.config.keep_dir is not None:
-                kept.keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
+                keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
         elif action == "remove":
             self.vectors = [v for v in self.vectors if v.name != payload["name"]]
             if self.config.keep_dir is not None:
-                kept.forget(self.config.keep_dir, payload["name"])
+                forget(self.config.keep_dir, payload["name"])
         self.config = new  # requests are validated against its names from here on
         return reply
 
