@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,10 +172,24 @@ class ExportReader:
         with safe_open(self._check(i), framework="pt") as f:
             return f.get_tensor(fmt.ROW_REQUEST)
 
-    @staticmethod
-    def _request_fields(meta: dict[str, Any]) -> dict[str, Any]:
-        """A record's fields from its request-table entry (those of every record kind)."""
-        return {
+    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
+        """Request ``r``'s record from its shard pieces, in position order (a position written
+        twice keeps its first row)."""
+        if pieces:
+            pos = torch.cat([p[fmt.POSITION] for p in pieces])
+            order = torch.argsort(pos, stable=True)
+            pos = pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[1:] = pos[1:] != pos[:-1]
+            pos, order = pos[keep], order[keep]
+            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])[order]
+            data = {k: torch.cat([p[k] for p in pieces])[order] for k in self.keys}
+        else:
+            pos = torch.zeros(0, dtype=torch.int64)
+            dec = torch.zeros(0, dtype=torch.bool)
+            data = {k: self._no_rows(k) for k in self.keys}
+        meta = self.requests[r]
+        fields = {
             "request_id": meta["request_id"],
             "prompt_index": int(meta["prompt_index"]),
             "sample_index": int(meta["sample_index"]),
@@ -184,31 +198,7 @@ class ExportReader:
             "finished": bool(meta.get("finished", False)),
             "engine_id": meta.get("engine_id", ""),
         }
-
-    @staticmethod
-    def _merge_rows(
-        pieces: list[dict[str, torch.Tensor]], keys: Iterable[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """One request's rows from its shard pieces, in position order: positions, decode
-        flags and the tensors under ``keys``. A position written twice keeps its first row."""
-        pos = torch.cat([p[fmt.POSITION] for p in pieces])
-        dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
-        order = torch.argsort(pos, stable=True)
-        pos = pos[order]
-        keep = torch.ones_like(pos, dtype=torch.bool)
-        keep[1:] = pos[1:] != pos[:-1]
-        order = order[keep]
-        data = {k: torch.cat([p[k] for p in pieces])[order] for k in keys}
-        return pos[keep], dec[order], data
-
-    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
-        if pieces:
-            pos, dec, data = self._merge_rows(pieces, self.keys)
-        else:
-            pos = torch.zeros(0, dtype=torch.int64)
-            dec = torch.zeros(0, dtype=torch.bool)
-            data = {k: self._no_rows(k) for k in self.keys}
-        return self._make(self._request_fields(self.requests[r]), pos, dec, data)
+        return self._make(fields, pos, dec, data)
 
     def _no_rows(self, key: str) -> torch.Tensor:
         """An empty column of ``key`` (a request without captured rows)."""
@@ -309,9 +299,7 @@ class DataParallelExport:
                 f"stale parts, or export again with overwrite=true"
             )
         self.data_parallel_size: int = sizes.pop()
-        self.keys: list[str] = first.keys
-        self.hidden_size: int = first.hidden_size
-        self.dtype: str = first.dtype
+        self.keys, self.hidden_size, self.dtype = first.keys, first.hidden_size, first.dtype
         self.complete: bool = all(p.complete for _, p in self.parts)
 
     @property
@@ -327,9 +315,7 @@ class DataParallelExport:
                 record.data_parallel_rank = rank
                 yield record
 
-    def records(self) -> list[Any]:
-        """All records, sorted by (prompt_index, sample_index, request_id); loads everything."""
-        return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
+    records = ExportReader.records
 
 
 def open_export(
