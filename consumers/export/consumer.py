@@ -1,8 +1,6 @@
-"""``export``: write captured hidden states (plus token ids) to sharded safetensors files.
-
-Runs on the background thread (host copies). See ``docs/export-format.md`` for the layout
-and :func:`consumers.export.read_export` to read an export back.
-"""
+"""``export``: write captured hidden states (plus token ids) to sharded safetensors files, on
+the background thread (host copies). Layout: ``docs/export-format.md``; reader:
+:func:`consumers.export.read_export`."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from consumers.export import format as fmt
 from consumers.export import report
 from consumers.export.requests import rows_to_write
 from consumers.export.writer import RecordWriter, output_layout
@@ -300,10 +297,9 @@ class ExportConsumer(Consumer):
             return self._returned.take(request.engine_id, {"positions": none, "token_ids": none})
 
     @classmethod
-    def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
+    def result_bytes(cls, config: ExportConfig, request: PlannedRequest) -> int | None:
         """JSON bytes of a request's result at most: its rows (the config's phase, narrowed by
         the request's window) times one hidden-size array per key, plus positions and ids."""
-        assert isinstance(config, ExportConfig)
         itemsize = getattr(torch, config.dtype).itemsize
         keys = len(dict.fromkeys(str(k) for k in config.layers))
         rows = window_rows("export", as_selector(config.phase, "export: phase"), request)
@@ -311,13 +307,18 @@ class ExportConsumer(Consumer):
         return keys * array_json_bytes(rows * width, itemsize) + 2 * array_json_bytes(rows, 8)
 
     def _manifest_fields(self) -> dict[str, Any]:
-        assert self.writer is not None
+        # "columns": the keys whose rows are not hidden_size wide in dtype (router ports).
+        other = {
+            k: {"width": int(w), "dtype": str(d).removeprefix("torch.")}
+            for k, (w, d) in self.writer.columns.items()
+            if (w, d) != (self.hidden_size, self.dtype)
+        }
         return {
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
             "keys": list(self.keys),
-            **fmt.columns_entry(self.writer.columns, self.hidden_size, self.dtype),
+            **({"columns": other} if other else {}),
             "phase": self.config.phase,
         }
 

@@ -54,13 +54,11 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
                 f"or set overwrite=true to replace the export files in it"
             )
         return path
-    # Does not exist yet: the nearest existing ancestor must be a writable directory.
+    # Does not exist yet: the nearest existing ancestor (at worst "/") must be a writable
+    # directory.
     parent = os.path.dirname(path)
     while not os.path.lexists(parent):
-        nxt = os.path.dirname(parent)
-        if nxt == parent:
-            break
-        parent = nxt
+        parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(
             f"export: cannot create out={out!r}: {parent!r} exists and is not a directory"
