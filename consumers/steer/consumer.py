@@ -200,16 +200,14 @@ class SteerConsumer(Consumer):
         self._req_cache[req.engine_id] = state
         return state
 
-    def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per vector: its row indices this step and their scales (None: the configured)."""
+    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         n = len(rows)
-        pos = self.config.positions
-        if pos == "all":
-            base = np.ones(n, np.bool_)
-        else:
+        base = np.ones(n, np.bool_)
+        if self.config.positions != "all":
             dec = np.asarray(rows.is_decode, np.bool_)
-            base = dec.copy() if pos == "generated" else ~dec
+            base = dec if self.config.positions == "generated" else ~dec
         masks = [base.copy() for _ in self.vectors]
+        # Per vector: each row's scale, once a request overrides it ('add' outside the graph).
         scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
             state = self._request_state(req)
@@ -218,23 +216,15 @@ class SteerConsumer(Consumer):
                 if state is None or (v.name not in state[1] if named else v.registered):
                     masks[j][start:stop] = False
                     continue
-                scale = state[1].get(v.name) if state[1] is not None else None
+                scale = state[1].get(v.name) if named else None
                 scale = state[0] if scale is None else scale
                 if scale is not None and v.mode == "add" and v.transform is None:
                     if scales[j] is None:
-                        scales[j] = np.full(n, np.nan)
+                        scales[j] = np.full(n, v.scale)
                     scales[j][start:stop] = scale  # type: ignore[index]
-        out = []
-        for mask, sc in zip(masks, scales, strict=True):
-            idx = np.nonzero(mask)[0].astype(np.int64)
-            sc = None if sc is None else sc[idx]
-            out.append((idx, None if sc is None or np.isnan(sc).all() else sc))
-        return out
-
-    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
-        chosen = self.plan_rows(rows)
         per_layer: dict[int, set[int]] = {}
-        for v, (idx, overrides) in zip(self.vectors, chosen, strict=True):
+        for v, mask, sc in zip(self.vectors, masks, scales, strict=True):
+            idx = np.nonzero(mask)[0].astype(np.int64)
             if idx.size == 0:
                 continue
             per_layer.setdefault(v.layer, set()).update(idx.tolist())
@@ -242,15 +232,11 @@ class SteerConsumer(Consumer):
                 plan.transform(v.layer, idx)
             elif v.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
-            elif overrides is None:
-                plan.add(v.layer, idx, v.times(v.scale))
-            else:
-                scales = np.where(np.isnan(overrides), v.scale, overrides)
-                if np.all(scales == scales[0]):
-                    plan.add(v.layer, idx, v.times(float(scales[0])))
-                else:  # per-row values: made (and on a GPU copied) every step
-                    s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
-                    plan.add(v.layer, idx, s[:, None] * v.vector)
+            elif sc is None or np.all(sc[idx] == sc[idx[0]]):
+                plan.add(v.layer, idx, v.times(v.scale if sc is None else float(sc[idx[0]])))
+            else:  # per-row values: made (and on a GPU copied) every step
+                s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
+                plan.add(v.layer, idx, s[:, None] * v.vector)
         for layer, sel in per_layer.items():
             self.counters.add(f"rows_selected.layer.{layer}", len(sel))
         if per_layer:
