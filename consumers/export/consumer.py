@@ -149,7 +149,6 @@ class ExportConsumer(Consumer):
         # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
         self.writer: RecordWriter | None = None
-        self.path = None
         self.shard_rows = 0
         if config.out is None:  # returns rows only
             return
@@ -157,7 +156,6 @@ class ExportConsumer(Consumer):
         layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
-        self.path = layout.path
         row_bytes = self.hidden_size * self.dtype.itemsize * len(keys)
         if config.shard_rows is not None:
             shard_rows = config.shard_rows
@@ -345,7 +343,7 @@ class ExportConsumer(Consumer):
             if w is None:
                 return {"out": None, "keys": list(self.keys), "complete": True}
             return {
-                "out": self.path,
+                "out": w.path,
                 "shards": len(w.shards),
                 "rows": w.rows_written,
                 "rows_buffered": w.buffered,

@@ -137,11 +137,9 @@ class ExportReader:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def shard_path(self, i: int) -> str:
-        return os.path.join(self.path, self.shards[i]["file"])
-
     def _check(self, i: int) -> str:
-        p = self.shard_path(i)
+        """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
+        p = os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
             raise ExportFormatError(
                 f"shard {self.shards[i]['file']!r} listed in the manifest is missing"
