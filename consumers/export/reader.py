@@ -166,10 +166,6 @@ class ExportReader:
             )
         return out
 
-    def _row_requests(self, i: int) -> torch.Tensor:
-        with safe_open(self._check(i), framework="pt") as f:
-            return f.get_tensor(fmt.ROW_REQUEST)
-
     def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
         """Request ``r``'s record from its shard pieces, in position order (a position written
         twice keeps its first row)."""
@@ -212,7 +208,9 @@ class ExportReader:
         n_req = len(self.requests)
         last = [-1] * n_req
         for i in range(len(self.shards)):
-            for r in torch.unique(self._row_requests(i)).tolist():
+            with safe_open(self._check(i), framework="pt") as f:
+                row_request = f.get_tensor(fmt.ROW_REQUEST)
+            for r in torch.unique(row_request).tolist():
                 if not 0 <= r < n_req:
                     raise ExportFormatError(
                         f"shard {self.shards[i]['file']!r} refers to request {r}, the table has {n_req}"

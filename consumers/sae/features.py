@@ -47,28 +47,18 @@ class FeatureWriter(RecordWriter):
     ):
         """``layout`` (data parallel): this engine's part folder of the output directory;
         ``describe``: the SAE's description in the manifest."""
-        self.top_k = top_k
-        self.value_dtype = value_dtype
-        self._describe = describe
+        fields = {"hidden_size": top_k, "top_k": top_k, "dtype": value_dtype, "keys": list(KEYS)}
         super().__init__(
             layout or OutputLayout(path, path, overwrite=overwrite),
             {INDICES: (top_k, torch.int32), VALUES: (top_k, getattr(torch, value_dtype))},
             shard_rows,
-            self._sae_fields,
+            # hidden_size: the width of each column (the reader's generic field)
+            lambda: {**fields, "sae": describe()},
             phase=as_selector(phase, "phase"),
             owner=owner,
             format_name=FORMAT_NAME,
             tensor_name=str,  # a column's tensor is named by its key
         )
-
-    def _sae_fields(self) -> dict[str, Any]:
-        return {
-            "hidden_size": self.top_k,  # width of each column (the reader's generic field)
-            "top_k": self.top_k,
-            "dtype": self.value_dtype,
-            "keys": list(KEYS),
-            "sae": self._describe(),
-        }
 
     def append(
         self,
