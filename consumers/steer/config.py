@@ -18,15 +18,21 @@ if TYPE_CHECKING:
 MAX_INLINE_VECTOR = 1 << 20
 
 
-def _one_source(model: BaseModel) -> None:
-    if (model.path is None) == (model.vector is None):  # type: ignore[attr-defined]
-        raise ValueError("give exactly one of 'path' and 'vector'")
-
-
-class SteerGate(BaseModel):
-    """A probe that decides, row by row inside the forward, whether a vector applies."""
+class _FromPathOrVector(BaseModel):
+    """A direction given as exactly one of ``path`` and ``vector``."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _FromPathOrVector:
+        if (self.path is None) == (self.vector is None):  # type: ignore[attr-defined]
+            raise ValueError("give exactly one of 'path' and 'vector'")
+        return self
+
+
+class SteerGate(_FromPathOrVector):
+    """A probe that decides, row by row inside the forward, whether a vector applies."""
+
     path: str | None = Field(None, description="Probe direction file (as a vector's 'path').")
     vector: list[FiniteF32] | None = Field(
         None, max_length=MAX_INLINE_VECTOR, description="The probe direction inline."
@@ -39,16 +45,10 @@ class SteerGate(BaseModel):
         True, description="Score with the unit direction (s.d/|d|); false: the raw s.d."
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> SteerGate:
-        _one_source(self)
-        return self
 
-
-class SteerVector(BaseModel):
+class SteerVector(_FromPathOrVector):
     """One vector at one layer."""
 
-    model_config = ConfigDict(extra="forbid")
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
@@ -94,7 +94,6 @@ class SteerVector(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SteerVector:
-        _one_source(self)
         bounds = (self.lo, self.hi, self.target)
         if self.mode != "clamp":
             if any(b is not None for b in bounds):
