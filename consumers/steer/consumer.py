@@ -189,9 +189,8 @@ class SteerConsumer(Consumer):
         ]
 
     def _request_state(self, req: RequestInfo) -> _State:
-        state = self._req_cache.get(req.engine_id, _MISSING)
-        if state is not _MISSING:
-            return state  # type: ignore[return-value]
+        if req.engine_id in self._req_cache:
+            return self._req_cache[req.engine_id]
         if not self.acts_on(req):
             state = None  # per-request steer that this request did not name
         else:
@@ -245,14 +244,10 @@ class SteerConsumer(Consumer):
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
 
-    @classmethod
-    def check_control(
-        cls, action: str, payload: dict[str, Any], config: SteerConfig
-    ) -> tuple[SteerConfig, Any]:
-        return registered.check_control(config, action, payload)
+    check_control = staticmethod(registered.check_control)
 
     def control(self, action: str, payload: dict[str, Any]) -> Any:
-        new, reply = registered.check_control(self.config, action, payload)
+        new, reply = registered.check_control(action, payload, self.config)
         if action == "add":
             entry = new.vectors[-1]
             try:
@@ -303,6 +298,3 @@ def _vector(path: str | None, inline: list[float] | None, hidden: int, what: str
         return check_vector(torch.tensor(inline, dtype=torch.float32), hidden, f"{what}.vector")
     except ValueError as e:
         raise ValueError(f"steer: {e}") from None
-
-
-_MISSING = object()

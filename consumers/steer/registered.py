@@ -14,7 +14,7 @@ ADD_FIELDS = frozenset({"name", "layer", "vector", "scale", "mode", "normalize"}
 
 
 def check_control(
-    config: SteerConfig, action: str, payload: dict[str, Any]
+    action: str, payload: dict[str, Any], config: SteerConfig
 ) -> tuple[SteerConfig, Any]:
     """The front end's check of a control request: ``list``, ``add`` or ``remove``."""
     from pydantic import ValidationError
