@@ -17,7 +17,7 @@ from consumers.sae.config import SaeConfig, SaeRequest, edit_port, parse_site, r
 from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
-from consumers.sae.steer import Clamp, FeatureSteer, check_features, clamps_of, scale_vector
+from consumers.sae.steer import Clamp, FeatureSteer, check_features
 from tllm_core import (
     Bundle,
     Consumer,
@@ -89,7 +89,10 @@ class SaeConsumer(Consumer):
         }
         dev = model.device if model.device.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
-        clamps = clamps_of(config.steer)
+        # (feature, value) of the clamp entries; a later entry for the same feature wins.
+        clamps = list(
+            {e.feature: float(e.clamp) for e in config.steer if e.clamp is not None}.items()
+        )
         self._clamp = Clamp(self.sae_dev, clamps) if clamps else None
         # Declared even without steering in the config: a request may steer.
         self._edit_port = edit_port(self.site, self._clamp)
@@ -115,8 +118,12 @@ class SaeConsumer(Consumer):
             )
 
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
-        v = scale_vector(self.sae_dev, entries)
-        return None if v is None else v.to(self.context.model.dtype)
+        """``sum(scale * W_dec[feature])`` over the ``scale`` entries, in the model's dtype (None:
+        there is none); W_dec[f] is what a unit of feature f adds."""
+        vs = [
+            e.scale * self.sae_dev.W_dec[e.feature].float() for e in entries if e.scale is not None
+        ]
+        return sum(vs[1:], vs[0]).to(self.context.model.dtype) if vs else None
 
     def describe(self) -> dict[str, Any]:
         """What the feature manifest says about the SAE."""

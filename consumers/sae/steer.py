@@ -53,27 +53,6 @@ def check_features(features: Iterable[int], d_sae: int, where: str) -> None:
             )
 
 
-def scale_vector(sae: SparseAutoencoder, entries: list[FeatureSteer]) -> torch.Tensor | None:
-    """``sum(scale * W_dec[feature])`` over the ``scale`` entries (fp32 ``[d_in]``), or
-    ``None`` when there is none."""
-    vec = None
-    for e in entries:
-        if e.scale is not None:
-            v = e.scale * sae.W_dec[e.feature].float()  # what a unit of the feature adds
-            vec = v if vec is None else vec + v
-    return vec
-
-
-def clamps_of(entries: list[FeatureSteer]) -> list[tuple[int, float]]:
-    """The ``(feature, value)`` pairs of the ``clamp`` entries (a later entry for the same
-    feature wins)."""
-    out: dict[int, float] = {}
-    for e in entries:
-        if e.clamp is not None:
-            out[e.feature] = float(e.clamp)
-    return list(out.items())
-
-
 @torch.no_grad()
 def clamp_delta(
     sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
