@@ -132,17 +132,14 @@ class ExportConsumer(Consumer):
         super().__init__(config, context)
         model = context.model
         self.hidden_size = int(model.hidden_size)
-        keys: list[str] = []
-        self._ports: list[TokenPort] = []
+        ports: dict[str, TokenPort] = {}  # by key, in the config's order, each once
         for spec in config.layers:
             try:
                 port = context.parse_port(str(spec), Phase.ALL).resolve(context.resolve_layer)
             except ValueError as e:
                 raise ValueError(f"export: layers entry {spec!r}: {e}") from None
-            if port.key not in keys:
-                keys.append(port.key)
-                self._ports.append(port)
-        self.keys = keys
+            ports.setdefault(port.key, port)
+        self._ports, self.keys = list(ports.values()), list(ports)
         self.dtype = getattr(torch, config.dtype)
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
@@ -156,7 +153,7 @@ class ExportConsumer(Consumer):
         layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
-        row_bytes = self.hidden_size * self.dtype.itemsize * len(keys)
+        row_bytes = self.hidden_size * self.dtype.itemsize * len(self.keys)
         if config.shard_rows is not None:
             shard_rows = config.shard_rows
         else:
@@ -165,7 +162,7 @@ class ExportConsumer(Consumer):
             if shard_rows < 1:
                 raise ValueError(
                     f"export: shard_bytes={target} is smaller than one row "
-                    f"({row_bytes} bytes: {len(keys)} key(s) x hidden size {self.hidden_size} x "
+                    f"({row_bytes} bytes: {len(self.keys)} key(s) x hidden size {self.hidden_size} x "
                     f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
