@@ -358,13 +358,7 @@ class RecordWriter:
         mpath = os.path.join(self.path, fmt.MANIFEST)
         try:
             self.prepare()
-            manifest = self._manifest()
-            if self.error is not None:
-                manifest = {**manifest, "complete": False, "error": self.error}
-                losses = dict(manifest.get("losses") or {})
-                losses["rows_unwritten"] = self.rows_unwritten
-                manifest["losses"] = losses
-            fmt.write_json_atomic(mpath, manifest)
+            fmt.write_json_atomic(mpath, self._manifest())
         except Exception as e:  # noqa: BLE001 - as write_shard
             with contextlib.suppress(OSError):
                 os.remove(mpath + fmt.TMP_SUFFIX)
@@ -374,6 +368,8 @@ class RecordWriter:
 
     def _manifest(self) -> dict[str, Any]:
         table = self.table.manifest_fields()
+        if self.error is not None:  # after a failed write: the cause, and the rows it cost
+            table["losses"]["rows_unwritten"] = self.rows_unwritten
         # Complete: closed after its last data, with every request finished on its own, no
         # position missing, no bundle dropped and no failed write.
         losses = table["losses"].values()
@@ -392,6 +388,7 @@ class RecordWriter:
             "num_rows": self.rows_written,
             "shards": [dict(s) for s in self.shards],
             **table,
+            **({} if self.error is None else {"error": self.error}),
         }
 
     def flush(self) -> None:
