@@ -83,13 +83,12 @@ KEEP_SCALED = 64
 
 @dataclass(eq=False)
 class _Vec:
-    name: str | None
+    """``entry`` built for the model: its layer resolved, its vector on the model's device."""
+
+    entry: SteerVector
     layer: int
     vector: torch.Tensor
-    scale: float
-    mode: str
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
-    registered: bool = False  # used only by requests that name it
     # scale -> vector * scale, made once: the same tensor every step, so the edit
     # buffers move it to the model's dtype once (tllm_core/api/edits.py).
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
@@ -216,7 +215,7 @@ class SteerConsumer(Consumer):
         for j, other in enumerate(self.vectors):
             if other.layer != layer:
                 continue
-            if entry.mode == "ablate" and entry.gate is None and other.mode == "ablate":
+            if entry.mode == "ablate" and entry.gate is None and other.entry.mode == "ablate":
                 if other.transform is None:
                     raise ValueError(
                         f"steer: vectors[{j}] and {what} both ablate at layer {layer}; one "
@@ -241,10 +240,7 @@ class SteerConsumer(Consumer):
         if entry.in_graph:
             with torch.inference_mode(False):
                 transform = SteerTransform(entry, vec.to(device), probe)
-        vec = vec.to(device)
-        return _Vec(
-            entry.name, layer, vec, float(entry.scale), entry.mode, transform, entry.registered
-        )
+        return _Vec(entry, layer, vec.to(device), transform)
 
     def writes(self) -> list[WritePort]:
         graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
@@ -279,14 +275,14 @@ class SteerConsumer(Consumer):
             state = self._request_state(req)
             for j, v in enumerate(self.vectors):
                 named = state is not None and state[1] is not None
-                if state is None or (v.name not in state[1] if named else v.registered):
+                if state is None or (v.entry.name not in state[1] if named else v.entry.registered):
                     masks[j][start:stop] = False
                     continue
-                scale = state[1].get(v.name) if named else None
+                scale = state[1].get(v.entry.name) if named else None
                 scale = state[0] if scale is None else scale
-                if scale is not None and v.mode == "add" and v.transform is None:
+                if scale is not None and v.entry.mode == "add" and v.transform is None:
                     if scales[j] is None:
-                        scales[j] = np.full(n, v.scale)
+                        scales[j] = np.full(n, v.entry.scale)
                     scales[j][start:stop] = scale  # type: ignore[index]
         per_layer: dict[int, set[int]] = {}
         for v, mask, sc in zip(self.vectors, masks, scales, strict=True):
@@ -296,10 +292,10 @@ class SteerConsumer(Consumer):
             per_layer.setdefault(v.layer, set()).update(idx.tolist())
             if v.transform is not None:
                 plan.transform(v.layer, idx)
-            elif v.mode == "ablate":
+            elif v.entry.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
             elif sc is None or np.all(sc[idx] == sc[idx[0]]):
-                plan.add(v.layer, idx, v.times(v.scale if sc is None else float(sc[idx[0]])))
+                plan.add(v.layer, idx, v.times(v.entry.scale if sc is None else float(sc[idx[0]])))
             else:  # per-row values: made (and on a GPU copied) every step
                 s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
                 plan.add(v.layer, idx, s[:, None] * v.vector)
@@ -325,9 +321,9 @@ class SteerConsumer(Consumer):
                 raise ControlError(f"layer {vec.layer} has no edit port in this engine")
             self.vectors.append(vec)
             if self.config.keep_dir is not None:
-                keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
+                keep(self.config.keep_dir, entry.name or "", vec.vector, payload)
         elif action == "remove":
-            self.vectors = [v for v in self.vectors if v.name != payload["name"]]
+            self.vectors = [v for v in self.vectors if v.entry.name != payload["name"]]
             if self.config.keep_dir is not None:
                 forget(self.config.keep_dir, payload["name"])
         self.config = new  # requests are validated against its names from here on
