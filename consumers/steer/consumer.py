@@ -329,23 +329,22 @@ class SteerConsumer(Consumer):
         self.config = new  # requests are validated against its names from here on
         return reply
 
-    def _read_gates(self) -> None:
-        """Move the forwards' gate counts to the counters (read once, at the end)."""
-        for v in self.vectors:
-            t = v.transform
-            if t is not None and t.probe is not None:
-                n = int(t.gated.item())
-                t.gated.zero_()
-                self.counters.add(f"rows_gated.layer.{v.layer}", n)
-                self.counters.add("rows_gated", n)
-
     def result(self) -> dict[str, Any]:
-        self._read_gates()
+        gated = [
+            (v.layer, t)
+            for v in self.vectors
+            if (t := v.transform) is not None and t.probe is not None
+        ]
+        for layer, t in gated:  # the forwards' gate counts into the counters (read at the end)
+            n = int(t.gated.item())
+            t.gated.zero_()
+            self.counters.add(f"rows_gated.layer.{layer}", n)
+            self.counters.add("rows_gated", n)
         out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
         }
-        if any(v.transform is not None and v.transform.probe is not None for v in self.vectors):
+        if gated:
             out["rows_gated"] = int(self.counters.get("rows_gated"))
         return out
 
