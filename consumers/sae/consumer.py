@@ -207,7 +207,10 @@ class SaeConsumer(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         if len(bundle.rows):
             self._encode(bundle.rows, bundle.hidden[self.key])
-        self._take_sampled(bundle)
+        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
+        if self.writer is not None and srows is not None and ids is not None and len(srows):
+            pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
+            self._note_tokens(srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy())
 
     def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
         n = len(rows)
@@ -284,14 +287,6 @@ class SaeConsumer(Consumer):
     def result_bytes(cls, config: SaeConfig, request: PlannedRequest) -> int:
         rows = window_rows(cls.name, as_selector(config.phase, "sae: phase"), request)
         return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
-
-    def _take_sampled(self, bundle: Bundle) -> None:
-        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
-        if self.writer is None or srows is None or ids is None or len(srows) == 0:
-            return
-        ids_np = ids.detach().to("cpu", torch.int64).numpy()
-        pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
-        self._note_tokens(srows.requests, pos, ids_np)
 
     def _note_tokens(
         self,
