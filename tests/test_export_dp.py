@@ -161,7 +161,7 @@ def test_sae_feature_records_of_two_ranks_are_merged(tmp_path):
 
     from consumers.export.writer import output_layout
     from consumers.sae import read_features
-    from consumers.sae.features_writer import FeatureWriter
+    from consumers.sae.features import FeatureWriter
     from tllm_core.api.rows import RequestInfo
 
     out = tmp_path / "feat"

@@ -821,7 +821,7 @@ def test_one_row_runs_take_the_one_row_path_with_the_same_tokens(tmp_path, monke
             c._note(reqs, np.array(pos, np.int64), np.array(ids, np.int64))
         return {
             e: (r.tokens[: r.length].tolist(), r.fed[: r.length].tolist(), r.length)
-            for e, r in c.files.table._open.items()
+            for e, r in c.writer.table._open.items()
         }
 
     a, b = (RequestInfo(f"{i}-x", f"r{i}", i, 0, 3, prompt_token_ids=(7, 8, 9)) for i in (0, 1))
@@ -854,4 +854,4 @@ def test_a_bundle_is_split_into_request_runs_once(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod, "request_runs", rows_mod.request_runs)
     c.on_bundle(bundle)
     assert len(splits) == 1
-    assert c.files.table.seen == 2  # both requests' ids were noted
+    assert c.writer.table.seen == 2  # both requests' ids were noted

@@ -16,11 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from consumers.export import format as fmt
 from consumers.sae import SAEFileError, load_sae, read_features, save_sae, top_features
+from consumers.sae.config import SaeRequest, parse_site
 from consumers.sae.consumer import SaeConsumer
-from consumers.sae.features_writer import FeatureWriter
+from consumers.sae.features import FeatureWriter
 from consumers.sae.model import SparseAutoencoder
-from consumers.sae.request import SaeRequest
-from consumers.sae.site import parse_site
 from consumers.sae.steer import FeatureSteer, clamp_delta
 from tllm_core.api.bundles import Bundle
 from tllm_core.api.consumer import ConsumerContext, ModelInfo

@@ -138,7 +138,7 @@ def test_registration_is_refused_when_unauthenticated_malformed_or_too_large():
         r = client.post(URL, headers=AUTH, **kw)
         assert r.status_code == status, (body, r.text)
         assert re.search(text, r.json()["error"]), (body, r.text)
-    assert [v.name for v in consumer.vectors] == ["base"]  # nothing half-registered
+    assert [v.entry.name for v in consumer.vectors] == ["base"]  # nothing half-registered
     assert [v.name for v in engine.configs["steer"].vectors] == ["base"]
     client2, _, _ = _server({**cfg, "max_registered": 1})
     assert client2.post(URL, json=good, headers=AUTH).status_code == 200

@@ -20,8 +20,7 @@ from consumers.export import read_export
 from consumers.export import writer as writer_mod
 from consumers.export.reader import IncompleteExportWarning
 from consumers.export.writer import ExportWriteError
-from consumers.sae.features_reader import read_features
-from consumers.sae.features_writer import FeatureWriter
+from consumers.sae.features import FeatureWriter, read_features
 from tllm_core.api.rows import RequestInfo
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")

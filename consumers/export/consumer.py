@@ -1,8 +1,6 @@
-"""``export``: write captured hidden states (plus token ids) to sharded safetensors files.
-
-Runs on the background thread (host copies). See ``docs/export-format.md`` for the layout
-and :func:`consumers.export.read_export` to read an export back.
-"""
+"""``export``: write captured hidden states (plus token ids) to sharded safetensors files, on
+the background thread (host copies). Layout: ``docs/export-format.md``; reader:
+:func:`consumers.export.read_export`."""
 
 from __future__ import annotations
 
@@ -16,10 +14,9 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from consumers.export import format as fmt
 from consumers.export import report
 from consumers.export.requests import rows_to_write
-from consumers.export.writer import TORCH_DTYPES, RecordWriter, output_layout
+from consumers.export.writer import RecordWriter, output_layout
 from tllm_core import (
     Bundle,
     CaptureWindow,
@@ -135,25 +132,20 @@ class ExportConsumer(Consumer):
         super().__init__(config, context)
         model = context.model
         self.hidden_size = int(model.hidden_size)
-        keys: list[str] = []
-        self._ports: list[TokenPort] = []
+        ports: dict[str, TokenPort] = {}  # by key, in the config's order, each once
         for spec in config.layers:
             try:
                 port = context.parse_port(str(spec), Phase.ALL).resolve(context.resolve_layer)
             except ValueError as e:
                 raise ValueError(f"export: layers entry {spec!r}: {e}") from None
-            if port.key not in keys:
-                keys.append(port.key)
-                self._ports.append(port)
-        self.keys = keys
-        self.dtype = TORCH_DTYPES[config.dtype]
+            ports.setdefault(port.key, port)
+        self._ports, self.keys = list(ports.values()), list(ports)
+        self.dtype = getattr(torch, config.dtype)
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
         # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
-        self.files: RecordWriter | None = None
-        self.writer = None
-        self.path = None
+        self.writer: RecordWriter | None = None
         self.shard_rows = 0
         if config.out is None:  # returns rows only
             return
@@ -161,8 +153,7 @@ class ExportConsumer(Consumer):
         layout = output_layout(
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
-        self.path = layout.path
-        row_bytes = self.hidden_size * self.dtype.itemsize * len(keys)
+        row_bytes = self.hidden_size * self.dtype.itemsize * len(self.keys)
         if config.shard_rows is not None:
             shard_rows = config.shard_rows
         else:
@@ -171,20 +162,18 @@ class ExportConsumer(Consumer):
             if shard_rows < 1:
                 raise ValueError(
                     f"export: shard_bytes={target} is smaller than one row "
-                    f"({row_bytes} bytes: {len(keys)} key(s) x hidden size {self.hidden_size} x "
+                    f"({row_bytes} bytes: {len(self.keys)} key(s) x hidden size {self.hidden_size} x "
                     f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
                 )
         self.shard_rows = int(shard_rows)
-        self.files = RecordWriter(
+        self.writer = RecordWriter(
             layout,
-            {},  # fixed by each key's first rows (_width)
+            {},  # fixed by each key's first rows (_take_rows)
             self.shard_rows,
-            config.overwrite,
             self._manifest_fields,
             phase=self.phase,
             owner=self,
         )
-        self.writer = self.files.shards
 
     def reads(self) -> list[ReadPort]:
         # Only the rows to write are captured: the prompt's token ids come with each request
@@ -196,8 +185,8 @@ class ExportConsumer(Consumer):
     def on_bundle(self, bundle: Bundle) -> None:
         t = time.perf_counter()
         with self._lock:
-            if self.files is not None:
-                self.files.used, self.files.closed = True, False
+            if self.writer is not None:
+                self.writer.used, self.writer.closed = True, False
             self._take_rows(bundle)
             srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
             if srows is not None and ids is not None and len(srows):
@@ -211,12 +200,12 @@ class ExportConsumer(Consumer):
         self, requests: list[RequestInfo], pos: np.ndarray, ids: np.ndarray, runs: Any = None
     ) -> Any:
         """Token ids into the request table; each row's request index (None: no files)."""
-        if self.files is None:
+        if self.writer is None:
             return None
-        seen = self.files.table.seen
-        index = self.files.note_tokens(requests, pos, ids, runs)
-        if self.files.table.seen != seen:
-            self.counters.add("requests_seen", self.files.table.seen - seen)
+        seen = self.writer.table.seen
+        index = self.writer.note_tokens(requests, pos, ids, runs)
+        if self.writer.table.seen != seen:
+            self.counters.add("requests_seen", self.writer.table.seen - seen)
         return index
 
     def _take_rows(self, bundle: Bundle) -> None:
@@ -224,15 +213,13 @@ class ExportConsumer(Consumer):
         n = len(rows)
         if n == 0:
             return
-        for key in self.keys:
-            t = bundle.hidden.get(key)
-            if t is None:
-                raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
-            width = self._width(key, t)
-            if t.shape != (n, width):
-                raise ValueError(
-                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {width})"
-                )
+        if self.writer is not None:
+            # A key's row width is fixed by its first rows: the hidden size, or (router ports)
+            # the number of experts or top-k; floats are stored as the config's dtype.
+            for key in self.keys:
+                t = bundle.hidden[key]
+                dtype = self.dtype if t.is_floating_point() else torch.int64
+                self.writer.columns.setdefault(key, (int(t.shape[-1]), dtype))
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         keep = rows_to_write(rows, self.phase, self.counters)
@@ -253,7 +240,7 @@ class ExportConsumer(Consumer):
         }
         decode = np.asarray(rows.is_decode, np.bool_)[idx]
         before = len(self.writer.shards)
-        self.files.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
+        self.writer.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
         self._sync_counters(before)
 
     def _return_rows(
@@ -268,16 +255,6 @@ class ExportConsumer(Consumer):
             hidden[k] = t.to("cpu", self.dtype if t.is_floating_point() else torch.int64, copy=True)
         self._returned.add(info.engine_id, positions=pos[sel], token_ids=ids[sel], **hidden)
         self.counters.add("rows_returned", int(sel.size))
-
-    def _width(self, key: str, t: torch.Tensor) -> int:
-        """The key's row width, fixed by its first rows: the hidden size, or (router ports) the
-        number of experts or top-k; floats are stored as the config's dtype, ids as int64."""
-        if self.writer is None:
-            return int(t.shape[-1])
-        if key not in self.writer.columns:
-            dtype = self.dtype if t.is_floating_point() else torch.int64
-            self.writer.columns[key] = (int(t.shape[-1]), dtype)
-        return self.writer.columns[key][0]
 
     def _sync_counters(self, shards_before: int) -> None:
         if self.writer is None:
@@ -294,15 +271,15 @@ class ExportConsumer(Consumer):
         # Background thread (after the request's bundles), or the engine thread when no
         # bundle ever reached this consumer: then no shard write holds the lock.
         with self._lock:
-            if self.files is not None:
-                self.files.finished(request)
+            if self.writer is not None:
+                self.writer.finished(request)
         if request.cut_short:
             self.counters.add("requests_cut_short")
 
     def on_bundle_dropped(self, step: int, requests: list[RequestInfo]) -> None:
         with self._lock:
-            if self.files is not None:
-                self.files.dropped(requests)  # the bus counts it (bundles_dropped.export)
+            if self.writer is not None:
+                self.writer.dropped(requests)  # the bus counts it (bundles_dropped.export)
             for r in requests:  # its rows have a hole: no result rather than a wrong one
                 if r.wants_result(self.name):
                     self._returned.lose(r.engine_id)
@@ -315,24 +292,28 @@ class ExportConsumer(Consumer):
             return self._returned.take(request.engine_id, {"positions": none, "token_ids": none})
 
     @classmethod
-    def result_bytes(cls, config: ConsumerConfig, request: PlannedRequest) -> int | None:
+    def result_bytes(cls, config: ExportConfig, request: PlannedRequest) -> int | None:
         """JSON bytes of a request's result at most: its rows (the config's phase, narrowed by
         the request's window) times one hidden-size array per key, plus positions and ids."""
-        assert isinstance(config, ExportConfig)
-        itemsize = TORCH_DTYPES[config.dtype].itemsize
+        itemsize = getattr(torch, config.dtype).itemsize
         keys = len(dict.fromkeys(str(k) for k in config.layers))
         rows = window_rows("export", as_selector(config.phase, "export: phase"), request)
         width = request.hidden_size
         return keys * array_json_bytes(rows * width, itemsize) + 2 * array_json_bytes(rows, 8)
 
     def _manifest_fields(self) -> dict[str, Any]:
-        assert self.writer is not None
+        # "columns": the keys whose rows are not hidden_size wide in dtype (router ports).
+        other = {
+            k: {"width": int(w), "dtype": str(d).removeprefix("torch.")}
+            for k, (w, d) in self.writer.columns.items()
+            if (w, d) != (self.hidden_size, self.dtype)
+        }
         return {
             "hidden_size": self.hidden_size,
             "num_layers": int(self.context.model.num_layers),
             "dtype": self.config.dtype,
             "keys": list(self.keys),
-            **fmt.columns_entry(self.writer.columns, self.hidden_size, self.dtype),
+            **({"columns": other} if other else {}),
             "phase": self.config.phase,
         }
 
@@ -346,38 +327,30 @@ class ExportConsumer(Consumer):
     def _write(self, step: Callable[[RecordWriter], Any]) -> None:
         # Unused (e.g. the front end's dry build): write nothing, create nothing.
         with self._lock:
-            if self.files is not None and self.files.used:
-                before = len(self.files.shards.shards)
+            if self.writer is not None and self.writer.used:
+                before = len(self.writer.shards)
                 try:
-                    step(self.files)
+                    step(self.writer)
                 finally:  # a failed write still counts what was written
                     self._sync_counters(before)
 
     def result(self) -> dict[str, Any]:
         with self._lock:
-            if self.files is None:
+            w = self.writer
+            if w is None:
                 return {"out": None, "keys": list(self.keys), "complete": True}
-            w = self.files.shards
             return {
-                "out": self.path,
+                "out": w.path,
                 "shards": len(w.shards),
                 "rows": w.rows_written,
                 "rows_buffered": w.buffered,
-                "requests": self.files.table.seen,
-                "requests_open": self.files.table.open_count,
+                "requests": w.table.seen,
+                "requests_open": w.table.open_count,
                 "keys": list(self.keys),
-                "complete": self.files.complete,
+                "complete": w.complete,
                 **({"error": w.error} if w.error else {}),
             }
 
-    @classmethod
-    def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.summary(counters, result)
-
-    @classmethod
-    def summary_warnings(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        return report.warnings(counters, result)
-
-    @classmethod
-    def report_plots(cls, counters: dict[str, Any], result: Any) -> list:
-        return report.plots(counters, result)
+    summary = staticmethod(report.summary)
+    summary_warnings = staticmethod(report.warnings)
+    report_plots = staticmethod(report.plots)

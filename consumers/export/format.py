@@ -125,17 +125,6 @@ def write_json_atomic(path: str, obj: Any) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def columns_entry(columns: dict[str, tuple[int, Any]], hidden_size: int, dtype: Any) -> dict:
-    """The manifest's optional ``columns`` field, ``{key: {"width", "dtype"}}``, for keys whose
-    rows are not ``hidden_size`` wide in ``dtype`` (router ports); ``{}`` when there are none."""
-    other = {
-        k: {"width": int(w), "dtype": str(d).removeprefix("torch.")}
-        for k, (w, d) in columns.items()
-        if (w, d) != (hidden_size, dtype)
-    }
-    return {"columns": other} if other else {}
-
-
 def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """The request table of the export in ``path``: the first ``manifest["requests_closed"]``
     lines of its requests file plus the manifest's ``requests``, in index order. ``ValueError``

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,10 +86,7 @@ class ExportReader:
 
     format_name = fmt.FORMAT_NAME
     format_version = fmt.FORMAT_VERSION
-
-    def tensor_name(self, key: str) -> str:
-        """Shard tensor name of manifest key ``key``."""
-        return fmt.hidden_tensor_name(key)
+    tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
         self.path = os.fspath(path)
@@ -140,11 +137,9 @@ class ExportReader:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def shard_path(self, i: int) -> str:
-        return os.path.join(self.path, self.shards[i]["file"])
-
     def _check(self, i: int) -> str:
-        p = self.shard_path(i)
+        """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
+        p = os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
             raise ExportFormatError(
                 f"shard {self.shards[i]['file']!r} listed in the manifest is missing"
@@ -171,14 +166,24 @@ class ExportReader:
             )
         return out
 
-    def _row_requests(self, i: int) -> torch.Tensor:
-        with safe_open(self._check(i), framework="pt") as f:
-            return f.get_tensor(fmt.ROW_REQUEST)
-
-    @staticmethod
-    def _request_fields(meta: dict[str, Any]) -> dict[str, Any]:
-        """A record's fields from its request-table entry (those of every record kind)."""
-        return {
+    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
+        """Request ``r``'s record from its shard pieces, in position order (a position written
+        twice keeps its first row)."""
+        if pieces:
+            pos = torch.cat([p[fmt.POSITION] for p in pieces])
+            order = torch.argsort(pos, stable=True)
+            pos = pos[order]
+            keep = torch.ones_like(pos, dtype=torch.bool)
+            keep[1:] = pos[1:] != pos[:-1]
+            pos, order = pos[keep], order[keep]
+            dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])[order]
+            data = {k: torch.cat([p[k] for p in pieces])[order] for k in self.keys}
+        else:
+            pos = torch.zeros(0, dtype=torch.int64)
+            dec = torch.zeros(0, dtype=torch.bool)
+            data = {k: self._no_rows(k) for k in self.keys}
+        meta = self.requests[r]
+        fields = {
             "request_id": meta["request_id"],
             "prompt_index": int(meta["prompt_index"]),
             "sample_index": int(meta["sample_index"]),
@@ -187,31 +192,7 @@ class ExportReader:
             "finished": bool(meta.get("finished", False)),
             "engine_id": meta.get("engine_id", ""),
         }
-
-    @staticmethod
-    def _merge_rows(
-        pieces: list[dict[str, torch.Tensor]], keys: Iterable[str]
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """One request's rows from its shard pieces, in position order: positions, decode
-        flags and the tensors under ``keys``. A position written twice keeps its first row."""
-        pos = torch.cat([p[fmt.POSITION] for p in pieces])
-        dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])
-        order = torch.argsort(pos, stable=True)
-        pos = pos[order]
-        keep = torch.ones_like(pos, dtype=torch.bool)
-        keep[1:] = pos[1:] != pos[:-1]
-        order = order[keep]
-        data = {k: torch.cat([p[k] for p in pieces])[order] for k in keys}
-        return pos[keep], dec[order], data
-
-    def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
-        if pieces:
-            pos, dec, data = self._merge_rows(pieces, self.keys)
-        else:
-            pos = torch.zeros(0, dtype=torch.int64)
-            dec = torch.zeros(0, dtype=torch.bool)
-            data = {k: self._no_rows(k) for k in self.keys}
-        return self._make(self._request_fields(self.requests[r]), pos, dec, data)
+        return self._make(fields, pos, dec, data)
 
     def _no_rows(self, key: str) -> torch.Tensor:
         """An empty column of ``key`` (a request without captured rows)."""
@@ -227,7 +208,9 @@ class ExportReader:
         n_req = len(self.requests)
         last = [-1] * n_req
         for i in range(len(self.shards)):
-            for r in torch.unique(self._row_requests(i)).tolist():
+            with safe_open(self._check(i), framework="pt") as f:
+                row_request = f.get_tensor(fmt.ROW_REQUEST)
+            for r in torch.unique(row_request).tolist():
                 if not 0 <= r < n_req:
                     raise ExportFormatError(
                         f"shard {self.shards[i]['file']!r} refers to request {r}, the table has {n_req}"
@@ -312,9 +295,7 @@ class DataParallelExport:
                 f"stale parts, or export again with overwrite=true"
             )
         self.data_parallel_size: int = sizes.pop()
-        self.keys: list[str] = first.keys
-        self.hidden_size: int = first.hidden_size
-        self.dtype: str = first.dtype
+        self.keys, self.hidden_size, self.dtype = first.keys, first.hidden_size, first.dtype
         self.complete: bool = all(p.complete for _, p in self.parts)
 
     @property
@@ -330,9 +311,7 @@ class DataParallelExport:
                 record.data_parallel_rank = rank
                 yield record
 
-    def records(self) -> list[Any]:
-        """All records, sorted by (prompt_index, sample_index, request_id); loads everything."""
-        return sorted(self, key=lambda x: (x.prompt_index, x.sample_index, x.request_id))
+    records = ExportReader.records
 
 
 def open_export(

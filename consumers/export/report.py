@@ -4,6 +4,7 @@ report's per-layer norm plots, read back from the export itself
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -49,23 +50,18 @@ def _layer_order(key: str) -> tuple[int, float, str]:
 
 
 def norms(path: str) -> tuple[dict[str, list[float]], dict[str, dict[int, list[float]]]]:
-    """Per key, the L2 norms of the rows (first :data:`MAX_RECORDS` records), and their sums
-    and counts by position."""
+    """Per key, the L2 norms of the rows (first :data:`MAX_RECORDS` records), and by position."""
     from consumers.export import read_export
 
     per_key: dict[str, list[float]] = {}
     by_pos: dict[str, dict[int, list[float]]] = {}
-    for i, rec in enumerate(read_export(path)):
-        if i >= MAX_RECORDS:
-            break
+    for rec in itertools.islice(read_export(path), MAX_RECORDS):
         for key, h in rec.hidden.items():
-            n = h.float().norm(dim=-1)
-            per_key.setdefault(key, []).extend(n.tolist())
+            n = h.float().norm(dim=-1).tolist()
+            per_key.setdefault(key, []).extend(n)
             acc = by_pos.setdefault(key, {})
-            for p, v in zip(rec.positions.tolist(), n.tolist(), strict=False):
-                s = acc.setdefault(int(p), [0.0, 0.0])
-                s[0] += v
-                s[1] += 1
+            for p, v in zip(rec.positions.tolist(), n, strict=False):
+                acc.setdefault(int(p), []).append(v)
     return per_key, by_pos
 
 
@@ -91,7 +87,7 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
     series = []
     for k in keys:
         pos = sorted(by_pos[k])
-        series.append(Series(k, pos, [by_pos[k][p][0] / by_pos[k][p][1] for p in pos]))
+        series.append(Series(k, pos, [sum(by_pos[k][p]) / len(by_pos[k][p]) for p in pos]))
     out.append(
         Plot(
             name="norms_by_position",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -90,23 +89,14 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
 
 
 class RequestTable:
-    """Open requests in memory, closed ones in ``{path}/requests.jsonl``. ``prepare`` creates
-    the directory before the first line is written; ``owner``: the consumer whose per-request
-    capture windows (``tllm_{name}_window``) narrow its rows."""
+    """Open requests in memory, closed ones in ``requests.jsonl`` of the ``writer``'s folder
+    (a ``RecordWriter``); ``owner``: the consumer whose per-request capture windows
+    (``tllm_{name}_window``) narrow its rows."""
 
-    def __init__(
-        self,
-        path: str,
-        prepare: Callable[[], None],
-        failed: Callable[[], str | None] = lambda: None,
-        phase: Any = Phase.ALL,
-        owner: Any = None,
-    ):
-        self.path = path
+    def __init__(self, writer: Any, phase: Any = Phase.ALL, owner: Any = None):
+        self._writer = writer
         self.phase = phase
         self._owner = owner
-        self._prepare = prepare
-        self._failed = failed
         self._open: dict[str, RequestTokens] = {}
         # Finished entries not in the file yet: their rows may still be in an unwritten shard.
         self._pending: list[dict[str, Any]] = []
@@ -153,9 +143,9 @@ class RequestTable:
         if not self._pending:
             return
         if self._file is None:
-            self._prepare()
+            self._writer.prepare()
             mode = "a" if self.closed else "w"  # "a": used again after release()
-            path = os.path.join(self.path, fmt.REQUESTS_FILE)
+            path = os.path.join(self._writer.path, fmt.REQUESTS_FILE)
             self._file = open(path, mode, encoding="utf-8")  # noqa: SIM115 - kept open
         self._file.write(
             "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in self._pending)
@@ -192,7 +182,7 @@ class RequestTable:
         """A manifest's ``losses`` and table: open requests inline, closed ones as the first
         ``requests_closed`` lines of the file (made durable here, before the manifest naming them).
         After a failed write the finished requests not in the file yet stay inline."""
-        if self._failed() is None:
+        if self._writer.error is None:
             self._write_pending()
         opened = [self._entry(r, False, self._dropped.get(e, 0)) for e, r in self._open.items()]
         closed = self._closed_losses

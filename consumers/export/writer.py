@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, NoReturn
 
 import numpy as np
@@ -21,10 +20,6 @@ from safetensors.torch import save_file
 from consumers.export import format as fmt
 from consumers.export.requests import RequestTable
 from tllm_core import Phase, request_runs
-
-TORCH_DTYPES = MappingProxyType(
-    {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-)
 
 # First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
 _INITIAL_ROWS = 256
@@ -59,13 +54,11 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
                 f"or set overwrite=true to replace the export files in it"
             )
         return path
-    # Does not exist yet: the nearest existing ancestor must be a writable directory.
+    # Does not exist yet: the nearest existing ancestor (at worst "/") must be a writable
+    # directory.
     parent = os.path.dirname(path)
     while not os.path.lexists(parent):
-        nxt = os.path.dirname(parent)
-        if nxt == parent:
-            break
-        parent = nxt
+        parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(
             f"export: cannot create out={out!r}: {parent!r} exists and is not a directory"
@@ -135,32 +128,37 @@ def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1)
     return OutputLayout(root, path, dp_rank, dp_size, overwrite)
 
 
-class ShardWriter:
-    """Buffers rows (at most ``shard_rows``) and writes them as numbered shards."""
+class RecordWriter:
+    """One engine's record in the export layout (``export``, ``sae`` features), thread-safe: its
+    request table, at most one shard of rows buffered, numbered shards and the manifest.
+    ``columns``: each key's ``(width, dtype)``; ``fields``: the format's own manifest fields;
+    ``phase``: the rows recorded (a selected prompt position without a row is missing);
+    ``owner``: the consumer whose per-request windows narrow them; ``tensor_name`` maps a key
+    to its shard tensor name."""
 
     def __init__(
         self,
-        path: str,
+        layout: OutputLayout,
         columns: dict[str, tuple[int, torch.dtype]],
         shard_rows: int,
-        overwrite: bool,
-        manifest_fn: Callable[[], dict[str, Any]],
+        fields: Callable[[], dict[str, Any]],
         *,
-        tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
+        phase: Any = Phase.ALL,
+        owner: Any = None,
         format_name: str = fmt.FORMAT_NAME,
-        before_first_write: Callable[[], None] | None = None,
+        tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
     ):
-        """``columns``: each key's ``(width, dtype)``; ``tensor_name`` maps a key to its shard
-        tensor name and ``format_name`` goes into each shard's metadata. ``before_first_write``
-        runs once, before the directory is created (:meth:`OutputLayout.clean_root`)."""
-        self.path = path
+        self.layout = layout
+        self.path = layout.path
         self.columns = columns
-        self.tensor_name = tensor_name
-        self.format_name = format_name
         self.shard_rows = shard_rows
-        self.overwrite = overwrite
-        self.manifest_fn = manifest_fn
-        self.before_first_write = before_first_write
+        self._fields = fields
+        self.format_name = format_name
+        self.tensor_name = tensor_name
+        self.lock = threading.RLock()
+        self.used = False
+        self.closed = False  # closed after the last data
+        self.complete = False  # ... and nothing was lost
         self.shards: list[dict[str, Any]] = []
         # The first failed write ("writing FILE: cause"); from then on rows are dropped.
         self.error: str | None = None
@@ -174,10 +172,7 @@ class ShardWriter:
         self._fill = 0
         self._hidden: dict[str, torch.Tensor] = {}
         self._meta: dict[str, np.ndarray] = {}
-
-    @property
-    def keys(self) -> list[str]:
-        return list(self.columns)
+        self.table = RequestTable(self, phase, owner)
 
     @property
     def buffered(self) -> int:
@@ -203,44 +198,89 @@ class ShardWriter:
                     buf[:n] = old[k][:n]
         self._hidden, self._meta, self._cap = hidden, meta, cap
 
-    def append(self, hidden: dict[str, torch.Tensor], meta: dict[str, np.ndarray]) -> int:
-        """Append rows (``hidden[key]`` is ``[R, H]``, ``meta`` arrays ``[R]``); writes a shard
-        each time the buffer reaches ``shard_rows``. Returns the number of shards written."""
-        total = len(meta[fmt.POSITION])
-        if self.error is not None:
-            self.rows_unwritten += total
-            return 0
-        written = 0
-        start = 0
-        while start < total:
-            take = min(total - start, self.shard_rows - self._fill)
-            self._ensure_capacity(self._fill + take)
-            a, b = self._fill, self._fill + take
-            for key in self.keys:
-                self._hidden[key][a:b] = hidden[key][start : start + take]
-            for k in fmt.ROW_TENSORS:
-                self._meta[k][a:b] = meta[k][start : start + take]
-            self._fill = b
-            self.buffer_rows_max = max(self.buffer_rows_max, self._fill)
-            start += take
-            if self._fill >= self.shard_rows:
-                try:
-                    self.write_shard()
-                except ExportWriteError:
-                    self.rows_unwritten += total - start  # this call's rows not yet buffered
-                    raise
-                written += 1
-        return written
+    def note_tokens(
+        self,
+        requests: list[Any],
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        runs: Iterable[tuple[Any, int, int]] | None = None,
+    ) -> np.ndarray:
+        """Token ids fed (or sampled) at ``positions``; returns each row's request index.
+        ``runs``: ``request_runs(requests)`` when the caller has it already."""
+        index = np.empty(len(requests), np.int64)
+        with self.lock:
+            for info, start, stop in request_runs(requests) if runs is None else runs:
+                req = self.table.get(info)
+                if stop - start == 1:
+                    req.put_one(int(positions[start]), int(tokens[start]))
+                else:
+                    req.put(positions[start:stop], tokens[start:stop])
+                index[start:stop] = req.index
+        return index
+
+    def write_rows(
+        self,
+        row_request: np.ndarray,
+        positions: np.ndarray,
+        tokens: np.ndarray,
+        is_decode: np.ndarray,
+        columns: dict[str, torch.Tensor],
+    ) -> int:
+        """Append rows (``columns[key]`` is ``[R, width]``); writes a shard each time the
+        buffer reaches ``shard_rows``. Returns the number of shards written by this call."""
+        meta = {
+            fmt.ROW_REQUEST: row_request,
+            fmt.POSITION: positions,
+            fmt.TOKEN_ID: tokens,
+            fmt.IS_DECODE: is_decode,
+        }
+        total = len(positions)
+        with self.lock:
+            self.used, self.closed = True, False
+            if self.error is not None:
+                self.rows_unwritten += total
+                return 0
+            written = 0
+            start = 0
+            while start < total:
+                take = min(total - start, self.shard_rows - self._fill)
+                self._ensure_capacity(self._fill + take)
+                a, b = self._fill, self._fill + take
+                for key in self.columns:
+                    self._hidden[key][a:b] = columns[key][start : start + take]
+                for k in fmt.ROW_TENSORS:
+                    self._meta[k][a:b] = meta[k][start : start + take]
+                self._fill = b
+                self.buffer_rows_max = max(self.buffer_rows_max, self._fill)
+                start += take
+                if self._fill >= self.shard_rows:
+                    try:
+                        self.write_shard()
+                    except ExportWriteError:
+                        self.rows_unwritten += total - start  # this call's rows not yet buffered
+                        raise
+                    written += 1
+            return written
+
+    def finished(self, request: Any) -> None:
+        """A request's finish notice (``request.cut_short``: it did not run to its end)."""
+        with self.lock:
+            self.table.finish(request)
+
+    def dropped(self, requests: list[Any]) -> None:
+        """A bundle holding rows or tokens of ``requests`` was dropped."""
+        with self.lock:
+            self.table.drop(requests)
 
     def prepare(self) -> None:
-        """Create the directory (first write only); with ``overwrite``, remove old export files."""
+        """Create the directory (first write only); with ``overwrite``, remove old export files
+        (and, first, what an earlier export left in the output directory: ``clean_root``)."""
         if self._prepared:
             return
-        if self.before_first_write is not None:
-            self.before_first_write()
+        self.layout.clean_root()
         os.makedirs(self.path, exist_ok=True)
         names = sorted(os.listdir(self.path))
-        if names and not self.overwrite:
+        if names and not self.layout.overwrite:
             raise ValueError(
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
                 f"refusing to mix exports (set overwrite=true to replace)"
@@ -262,38 +302,28 @@ class ShardWriter:
         final = os.path.join(self.path, name)
         t = time.perf_counter()
         try:
-            entry = self._write_shard_file(index, final, n)
+            self.prepare()
+            tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.columns}
+            for k in fmt.ROW_TENSORS:
+                tensors[k] = torch.from_numpy(self._meta[k][:n])
+            tmp = final + fmt.TMP_SUFFIX
+            metadata = {"format": self.format_name, "version": str(fmt.FORMAT_VERSION)}
+            save_file(
+                tensors, tmp, metadata={**metadata, "shard_index": str(index), "rows": str(n)}
+            )
+            digest, size = fmt.sha256_file(tmp)
+            fmt.fsync(tmp)
+            os.replace(tmp, final)
+            fmt.fsync_dir(self.path)
         except Exception as e:  # noqa: BLE001 - safetensors' own error class carries ENOSPC too
             self._fail(final, e, n)
+        entry = {"file": name, "rows": n, "bytes": size, "sha256": digest}
         self.shards.append(entry)
         self.rows_written += n
         self._fill = 0
         self.write_manifest()
         self.seconds_writing += time.perf_counter() - t
         return entry
-
-    def _write_shard_file(self, index: int, final: str, n: int) -> dict[str, Any]:
-        self.prepare()
-        name = os.path.basename(final)
-        tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.keys}
-        for k in fmt.ROW_TENSORS:
-            tensors[k] = torch.from_numpy(self._meta[k][:n])
-        tmp = final + fmt.TMP_SUFFIX
-        save_file(
-            tensors,
-            tmp,
-            metadata={
-                "format": self.format_name,
-                "version": str(fmt.FORMAT_VERSION),
-                "shard_index": str(index),
-                "rows": str(n),
-            },
-        )
-        digest, size = fmt.sha256_file(tmp)
-        fmt.fsync(tmp)
-        os.replace(tmp, final)
-        fmt.fsync_dir(self.path)
-        return {"file": name, "rows": n, "bytes": size, "sha256": digest}
 
     def _fail(self, path: str, e: BaseException, rows: int) -> NoReturn:
         """A failed write of ``path``: drop the buffered ``rows``, leave a manifest that says
@@ -328,13 +358,7 @@ class ShardWriter:
         mpath = os.path.join(self.path, fmt.MANIFEST)
         try:
             self.prepare()
-            manifest = self.manifest_fn()
-            if self.error is not None:
-                manifest = {**manifest, "complete": False, "error": self.error}
-                losses = dict(manifest.get("losses") or {})
-                losses["rows_unwritten"] = self.rows_unwritten
-                manifest["losses"] = losses
-            fmt.write_json_atomic(mpath, manifest)
+            fmt.write_json_atomic(mpath, self._manifest())
         except Exception as e:  # noqa: BLE001 - as write_shard
             with contextlib.suppress(OSError):
                 os.remove(mpath + fmt.TMP_SUFFIX)
@@ -342,132 +366,36 @@ class ShardWriter:
                 raise ExportWriteError(f"export: writing {mpath}: {_cause(e)}") from e
             self._fail(mpath, e, 0)
 
-    def release(self) -> None:
-        """Drop the (empty) buffers."""
-        if self._fill == 0:
-            self._hidden, self._meta, self._cap = {}, {}, 0
-
-
-class RecordWriter:
-    """One engine's record in the export layout (``export``, ``sae`` features): its shards,
-    request table and manifest (thread-safe). ``fields`` gives the format's own manifest
-    fields; ``phase`` the rows recorded (a selected prompt position without a row is
-    missing) and ``owner`` the consumer whose per-request windows narrow them."""
-
-    def __init__(
-        self,
-        layout: OutputLayout,
-        columns: dict[str, tuple[int, torch.dtype]],
-        shard_rows: int,
-        overwrite: bool,
-        fields: Callable[[], dict[str, Any]],
-        *,
-        phase: Any = Phase.ALL,
-        owner: Any = None,
-        format_name: str = fmt.FORMAT_NAME,
-        tensor_name: Callable[[str], str] = fmt.hidden_tensor_name,
-    ):
-        self.layout = layout
-        self.path = layout.path
-        self._fields = fields
-        self.lock = threading.RLock()
-        self.used = False
-        self.closed = False  # closed after the last data
-        self.complete = False  # ... and nothing was lost
-        self.shards = ShardWriter(
-            self.path,
-            columns,
-            shard_rows,
-            overwrite,
-            self._manifest,
-            tensor_name=tensor_name,
-            format_name=format_name,
-            before_first_write=layout.clean_root,
-        )
-        self.table = RequestTable(
-            self.path, self.shards.prepare, lambda: self.shards.error, phase, owner
-        )
-
-    def note_tokens(
-        self,
-        requests: list[Any],
-        positions: np.ndarray,
-        tokens: np.ndarray,
-        runs: Iterable[tuple[Any, int, int]] | None = None,
-    ) -> np.ndarray:
-        """Token ids fed (or sampled) at ``positions``; returns each row's request index.
-        ``runs``: ``request_runs(requests)`` when the caller has it already."""
-        index = np.empty(len(requests), np.int64)
-        with self.lock:
-            for info, start, stop in request_runs(requests) if runs is None else runs:
-                req = self.table.get(info)
-                if stop - start == 1:
-                    req.put_one(int(positions[start]), int(tokens[start]))
-                else:
-                    req.put(positions[start:stop], tokens[start:stop])
-                index[start:stop] = req.index
-        return index
-
-    def write_rows(
-        self,
-        row_request: np.ndarray,
-        positions: np.ndarray,
-        tokens: np.ndarray,
-        is_decode: np.ndarray,
-        columns: dict[str, torch.Tensor],
-    ) -> int:
-        """Append rows; returns the number of shards written by this call."""
-        meta = {
-            fmt.ROW_REQUEST: row_request,
-            fmt.POSITION: positions,
-            fmt.TOKEN_ID: tokens,
-            fmt.IS_DECODE: is_decode,
-        }
-        with self.lock:
-            self.used, self.closed = True, False
-            before = len(self.shards.shards)
-            self.shards.append(columns, meta)
-            return len(self.shards.shards) - before
-
-    def finished(self, request: Any) -> None:
-        """A request's finish notice (``request.cut_short``: it did not run to its end)."""
-        with self.lock:
-            self.table.finish(request)
-
-    def dropped(self, requests: list[Any]) -> None:
-        """A bundle holding rows or tokens of ``requests`` was dropped."""
-        with self.lock:
-            self.table.drop(requests)
-
     def _manifest(self) -> dict[str, Any]:
         table = self.table.manifest_fields()
+        if self.error is not None:  # after a failed write: the cause, and the rows it cost
+            table["losses"]["rows_unwritten"] = self.rows_unwritten
         # Complete: closed after its last data, with every request finished on its own, no
         # position missing, no bundle dropped and no failed write.
         losses = table["losses"].values()
-        self.complete = self.closed and not any(losses) and self.shards.error is None
-        w, layout = self.shards, self.layout
+        self.complete = self.closed and not any(losses) and self.error is None
+        layout = self.layout
         part = {}
         if layout.dp_size > 1:
             part = {"data_parallel": {"rank": layout.dp_rank, "size": layout.dp_size}}
         return {
             **part,
-            "format": w.format_name,
+            "format": self.format_name,
             "version": fmt.FORMAT_VERSION,
             "complete": self.complete,
             **self._fields(),
-            "shard_rows": w.shard_rows,
-            "num_rows": w.rows_written,
-            "shards": [dict(s) for s in w.shards],
+            "shard_rows": self.shard_rows,
+            "num_rows": self.rows_written,
+            "shards": [dict(s) for s in self.shards],
             **table,
+            **({} if self.error is None else {"error": self.error}),
         }
 
     def flush(self) -> None:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         with self.lock:
-            if self.used:
-                if self.shards.buffered and self.shards.write_shard() is not None:
-                    return  # the shard's write rewrote the manifest
-                self.shards.write_manifest()
+            if self.used and (not self._fill or self.write_shard() is None):
+                self.write_manifest()  # (a shard's write rewrote it)
 
     def close(self) -> int:
         """Write buffered rows and the final manifest (nothing when never used); returns the
@@ -475,14 +403,15 @@ class RecordWriter:
         with self.lock:
             if not self.used:
                 return 0
-            before = len(self.shards.shards)
+            before = len(self.shards)
             self.closed = True
             try:
-                if self.shards.buffered:
-                    self.shards.write_shard()  # rewrites the manifest too
+                if self._fill:
+                    self.write_shard()  # rewrites the manifest too
                 else:
-                    self.shards.write_manifest()
+                    self.write_manifest()
             finally:  # a failed write (ExportWriteError) still lets go of the files
-                self.shards.release()
+                if self._fill == 0:  # drop the (empty) buffers
+                    self._hidden, self._meta, self._cap = {}, {}, 0
                 self.table.release()
-            return len(self.shards.shards) - before
+            return len(self.shards) - before

@@ -1,6 +1,6 @@
 """``sae`` consumer: sparse-autoencoder features and steering by feature inside vLLM."""
 
-from consumers.sae.features_reader import FeatureReader, FeatureRecord, read_features
+from consumers.sae.features import FeatureReader, FeatureRecord, read_features
 from consumers.sae.loader import SAEFileError, load_sae, save_sae
 from consumers.sae.model import SparseAutoencoder, top_features
 

@@ -1,16 +1,55 @@
 """Config of the ``sae`` consumer (field names fixed by the issue: ``path``, ``site``,
-``top_k``, ``out``, ``steer``, ``watch``)."""
+``top_k``, ``out``, ``steer``, ``watch``), its per-request settings and the ports of its ``site``."""
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from consumers.sae.loader import SAEFileError, read_config
-from consumers.sae.site import parse_site
-from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer
-from tllm_core import CaptureWindow, ConsumerConfig
+from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer, check_features
+from producers import AttentionOutput, MlpOutput
+from tllm_core import (
+    CaptureWindow,
+    ConsumerConfig,
+    Edit,
+    HiddenStates,
+    Phase,
+    PortName,
+    ReadPort,
+    RequestSettings,
+    ResidualEdit,
+    WindowSetting,
+    WritePort,
+    parse_port_name,
+)
+
+# The ``site`` an SAE reads and edits, a port name: ``{i}``/``layer.{i}`` (residual stream after
+# layer ``i``), ``attn.{i}`` or ``mlp.{i}``; not ``final`` (an SAE there could not edit it).
+SITE_PREFIXES = ("attn", "mlp")
+
+
+def parse_site(value: int | str) -> PortName:
+    """Parse a site spec; raises ``ValueError`` naming the bad value and the allowed forms."""
+    return parse_port_name(value, SITE_PREFIXES, final=False, what="site")
+
+
+def read_port(site: PortName, phase: Any) -> ReadPort:
+    """The read port of ``site`` (absolute layer); ``phase`` a Phase or a capture window."""
+    layer = int(site.layer)  # type: ignore[arg-type]  # a site is never 'final'
+    if site.is_residual:
+        return HiddenStates(layer, phase)
+    return (AttentionOutput if site.prefix == "attn" else MlpOutput)(layer, phase)
+
+
+def edit_port(site: PortName, transform: Any = None) -> WritePort:
+    """The write port that edits ``site``: a plain residual edit, or an ``Edit`` of the
+    site's tensor with an in-graph per-row ``transform`` (clamps)."""
+    if site.is_residual and transform is None:
+        return ResidualEdit(int(site.layer))  # type: ignore[arg-type]
+    return Edit(read_port(site, Phase.ALL), transform=transform)
 
 
 class SaeConfig(ConsumerConfig):
@@ -82,3 +121,58 @@ class SaeConfig(ConsumerConfig):
         if not v.strip():
             raise ValueError("path must be an SAE folder, got an empty string")
         return v
+
+
+class SaeRequest(RequestSettings):
+    """Per-request settings (``tllm_sae_{field}``); feature indices are checked against the
+    configured SAE's ``cfg.json``, so the server answers 400 to a bad one."""
+
+    steer: list[FeatureSteer] | None = Field(
+        None,
+        max_length=MAX_STEER_ENTRIES,
+        description="Steering entries for this request ({'feature': f, 'scale': s} or "
+        "{'feature': f, 'clamp': v}); replaces the config's 'steer'; [] turns it off.",
+    )
+    record: bool | None = Field(
+        None, description="Record this request's features (default: when 'out' is set)."
+    )
+    window: WindowSetting = Field(
+        None,
+        description="Rows of this request to encode and record, within the config's 'phase' "
+        "(steering is not windowed).",
+    )
+
+    @field_validator("steer", mode="before")
+    @classmethod
+    def _json_text(cls, v: Any) -> Any:
+        # vllm_xargs values are often strings: accept the list as JSON text too.
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"steer: not valid JSON: {e}") from None
+            except RecursionError:  # nested deeper than Python's parser goes
+                raise ValueError("steer: not valid JSON: nested too deeply") from None
+        return v
+
+    @model_validator(mode="after")
+    def _fits_the_sae(self, info: ValidationInfo) -> SaeRequest:
+        config = (info.context or {}).get("config")
+        if self.record and config is not None and getattr(config, "out", None) is None:
+            raise ValueError(
+                "record is true but the sae consumer's config sets no 'out' folder to record "
+                "into; set 'out' in the config (per-request 'record' can only switch "
+                "recording off or back on)"
+            )
+        if not self.steer:
+            return self
+        for i, e in enumerate(self.steer):
+            if e.clamp is not None:
+                raise ValueError(
+                    f"steer[{i}] uses 'clamp': clamps are compiled into the forward at start-up, "
+                    f"so they are given in the consumer's config 'steer' only; use 'scale' here"
+                )
+        d_sae = config.declared_d_sae() if config is not None else None
+        if d_sae is not None:
+            check_features((e.feature for e in self.steer), d_sae, "steer[{}].feature")
+        return self

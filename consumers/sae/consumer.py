@@ -1,6 +1,6 @@
 """``sae``: encode one site's activations with a sparse autoencoder while vLLM serves: summary
 counters, optional top-k feature records (``out``) and steering by feature (``steer``), per
-request too (``consumers/sae/request.py``)."""
+request too (``SaeRequest``)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ import torch
 
 from consumers.export.requests import rows_to_write
 from consumers.export.writer import output_layout
-from consumers.sae.config import SaeConfig
-from consumers.sae.features_writer import FeatureWriter, bytes_per_row
+from consumers.sae.config import SaeConfig, SaeRequest, edit_port, parse_site, read_port
+from consumers.sae.features import FeatureWriter, bytes_per_row
 from consumers.sae.loader import load_sae
 from consumers.sae.model import SparseAutoencoder, top_codes, top_features
-from consumers.sae.request import SaeRequest
-from consumers.sae.site import edit_port, parse_site, read_port
-from consumers.sae.steer import FeatureSteer, apply_clamp, check_features, clamps_of, scale_vector
+from consumers.sae.steer import Clamp, FeatureSteer, check_features
 from tllm_core import (
     Bundle,
     Consumer,
@@ -41,8 +39,6 @@ from tllm_core import (
 )
 
 log = logging.getLogger("tllm")
-
-_INVALID = object()  # request settings that failed validation
 
 
 class SaeConsumer(Consumer):
@@ -80,13 +76,8 @@ class SaeConsumer(Consumer):
             sae = load_sae(config.path, d_model=int(model.hidden_size))
         except ValueError as e:
             raise ValueError(f"sae: path {config.path!r}: {e}") from None
-        check_features(config.steer, sae.d_sae, "sae: steer")
-        for i, f in enumerate(config.watch):
-            if not 0 <= f < sae.d_sae:
-                raise ValueError(
-                    f"sae: watch[{i}] is {f}: the SAE has {sae.d_sae} features "
-                    f"(valid: 0..{sae.d_sae - 1})"
-                )
+        check_features((e.feature for e in config.steer), sae.d_sae, "sae: steer[{}].feature")
+        check_features(config.watch, sae.d_sae, "sae: watch[{}]")
         self.sae = sae  # host copy (fp32): encodes background bundles
         # Top features of the requests that ask for them back (tllm_results=sae).
         self._returned = RequestRows(context.max_result_bytes, "sae")
@@ -98,13 +89,16 @@ class SaeConsumer(Consumer):
         }
         dev = model.device if model.device.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
-        clamps = clamps_of(config.steer)
-        self._clamp = _Clamp(self.sae_dev, clamps) if clamps else None
+        # (feature, value) of the clamp entries; a later entry for the same feature wins.
+        clamps = list(
+            {e.feature: float(e.clamp) for e in config.steer if e.clamp is not None}.items()
+        )
+        self._clamp = Clamp(self.sae_dev, clamps) if clamps else None
         # Declared even without steering in the config: a request may steer.
         self._edit_port = edit_port(self.site, self._clamp)
         self._config_vector = self._vector(config.steer)
-        self._settings: dict[str, Any] = {}  # engine_id -> validated settings or _INVALID
-        self._vectors: dict[str, torch.Tensor | None] = {}  # engine_id -> steering vector
+        # engine_id -> (steering vector, config's clamps apply, records): _plan
+        self._plans: dict[str, tuple[torch.Tensor | None, bool, bool]] = {}
         self.writer: FeatureWriter | None = None
         if config.out is not None:
             # Data parallel: this engine writes its own part folder (out/dp{rank}).
@@ -124,8 +118,12 @@ class SaeConsumer(Consumer):
             )
 
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
-        v = scale_vector(self.sae_dev, entries)
-        return None if v is None else v.to(self.context.model.dtype)
+        """``sum(scale * W_dec[feature])`` over the ``scale`` entries, in the model's dtype (None:
+        there is none); W_dec[f] is what a unit of feature f adds."""
+        vs = [
+            e.scale * self.sae_dev.W_dec[e.feature].float() for e in entries if e.scale is not None
+        ]
+        return sum(vs[1:], vs[0]).to(self.context.model.dtype) if vs else None
 
     def describe(self) -> dict[str, Any]:
         """What the feature manifest says about the SAE."""
@@ -141,44 +139,30 @@ class SaeConsumer(Consumer):
             "hook_name": s.metadata.get("hook_name"),
         }
 
-    def _request_settings(self, req: RequestInfo) -> Any:
-        """Validated settings of ``req`` (cached), or ``_INVALID``."""
-        got = self._settings.get(req.engine_id)
+    def _plan(self, req: RequestInfo) -> tuple[torch.Tensor | None, bool, bool]:
+        """``req``'s steering vector, whether the config's clamps apply to it (a request's own
+        'steer' replaces the config's, clamps included) and whether it records; cached."""
+        got = self._plans.get(req.engine_id)
         if got is None:
             try:
                 # The same validation as the front end's (feature range, no clamps): a failure
                 # here means the request bypassed it.
-                got = req.settings(self)
+                s = req.settings(self)
             except ValueError as e:
                 self.counters.add("invalid_request_settings")
                 log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
-                got = _INVALID
-            self._settings[req.engine_id] = got
-        return got
-
-    def _clamped(self, req: RequestInfo) -> bool:
-        """Whether the config's clamps apply to ``req`` (a request's own 'steer' replaces
-        the config's, clamps included)."""
-        if self._clamp is None:
-            return False
-        s = self._request_settings(req)
-        return s is not _INVALID and s.steer is None
-
-    def _steer_vector(self, req: RequestInfo) -> torch.Tensor | None:
-        if req.engine_id not in self._vectors:
-            s = self._request_settings(req)
-            if s is _INVALID:
-                vec = None
+                got = (None, False, False)
             else:
                 vec = self._config_vector if s.steer is None else self._vector(s.steer)
-            if vec is not None and not bool(vec.any()):
-                vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
-            self._vectors[req.engine_id] = vec
-        return self._vectors[req.engine_id]
+                if vec is not None and not bool(vec.any()):
+                    vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
+                clamped = self._clamp is not None and s.steer is None
+                got = (vec, clamped, self.writer is not None and s.record is not False)
+            self._plans[req.engine_id] = got
+        return got
 
     def _records(self, req: RequestInfo) -> bool:
-        s = self._request_settings(req)
-        return self.writer is not None and s is not _INVALID and s.record is not False
+        return self._plan(req)[2]
 
     def reads(self) -> list[ReadPort]:
         if self.writer is None:
@@ -202,11 +186,11 @@ class SaeConsumer(Consumer):
         vecs: list[torch.Tensor] = []
         clamped: list[np.ndarray] = []
         for req, start, stop in rows.runs():
-            vec = self._steer_vector(req)
+            vec, clamped_req, _ = self._plan(req)
             if vec is not None:
                 idx.append(np.arange(start, stop, dtype=np.int64))
                 vecs.append(vec)
-            if self._clamped(req):
+            if clamped_req:
                 clamped.append(np.arange(start, stop, dtype=np.int64))
         if clamped:
             plan.transform(self.key, np.concatenate(clamped))
@@ -221,14 +205,12 @@ class SaeConsumer(Consumer):
         self.counters.add("rows_selected_steer", int(rows_sel.size))
 
     def on_bundle(self, bundle: Bundle) -> None:
-        rows = bundle.rows
-        n = len(rows)
-        if n:
-            x = bundle.hidden.get(self.key)
-            if x is None:
-                raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
-            self._encode(rows, x)
-        self._take_sampled(bundle)
+        if len(bundle.rows):
+            self._encode(bundle.rows, bundle.hidden[self.key])
+        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
+        if self.writer is not None and srows is not None and ids is not None and len(srows):
+            pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
+            self._note_tokens(srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy())
 
     def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
         n = len(rows)
@@ -306,14 +288,6 @@ class SaeConsumer(Consumer):
         rows = window_rows(cls.name, as_selector(config.phase, "sae: phase"), request)
         return array_json_bytes(rows * config.top_k, 8) * 2 + array_json_bytes(rows, 8)
 
-    def _take_sampled(self, bundle: Bundle) -> None:
-        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
-        if self.writer is None or srows is None or ids is None or len(srows) == 0:
-            return
-        ids_np = ids.detach().to("cpu", torch.int64).numpy()
-        pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
-        self._note_tokens(srows.requests, pos, ids_np)
-
     def _note_tokens(
         self,
         requests: list[RequestInfo],
@@ -330,8 +304,7 @@ class SaeConsumer(Consumer):
             self.writer.note_tokens([requests[j] for j in sel], pos[sel], ids[sel])
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        self._settings.pop(request.engine_id, None)
-        self._vectors.pop(request.engine_id, None)
+        self._plans.pop(request.engine_id, None)
         if self.writer is not None:
             self.writer.finished(request)
             if request.cut_short:
@@ -364,11 +337,11 @@ class SaeConsumer(Consumer):
             "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
         if self.writer is not None:
-            w = self.writer.shards
-            out["out"] = self.writer.path
+            w = self.writer
+            out["out"] = w.path
             out["rows_recorded"] = int(c.get("rows_recorded"))
             out["shards"] = len(w.shards)
-            out["requests_open"] = self.writer.table.open_count
+            out["requests_open"] = w.table.open_count
             if w.error:
                 out["error"] = w.error
             out["bytes_per_row"] = {
@@ -424,26 +397,3 @@ class _Codes:
         if rows is not None:
             acts = acts[torch.from_numpy(rows).to(acts.device)]
         return top_features(acts, top_k)
-
-
-class _Clamp(torch.nn.Module):
-    """In-graph edit: encode each selected row, set the clamped features, decode the
-    difference and add it (``consumers.sae.steer.apply_clamp``); tensor operations only."""
-
-    def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
-        super().__init__()
-        self.sae = sae
-        self.clamps = clamps
-        # Rows the forward clamped, counted in the graph where the work happens.
-        self.rows_done = torch.zeros((), dtype=torch.int64, device=sae.device)
-
-    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        self.rows_done.add_(rows.sum())
-        return apply_clamp(self.sae, s, self.clamps)
-
-    def take_rows(self) -> int:
-        """Rows clamped since the last call; call between forwards (engine thread)."""
-        n = int(self.rows_done.item())
-        if n:
-            self.rows_done.sub_(n)
-        return n

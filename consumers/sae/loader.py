@@ -123,15 +123,12 @@ def read_config(path: str) -> dict[str, Any]:
     return out
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    where = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(where):
-        raise SAEFileError(f"{where} is missing: an SAE folder holds {CFG_FILE} and {WEIGHTS_FILE}")
-    try:
-        with safe_open(where, framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as e:
-        raise SAEFileError(f"{where} is not a readable safetensors file: {e}") from None
+def _shapes(arch: str, d_in: int, d_sae: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of an ``arch`` SAE in the weights file, and their shapes."""
+    shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    if arch == "jumprelu":
+        shapes["threshold"] = (d_sae,)
+    return shapes
 
 
 def load_sae(path: str | os.PathLike, d_model: int | None = None) -> SparseAutoencoder:
@@ -147,18 +144,17 @@ def load_sae(path: str | os.PathLike, d_model: int | None = None) -> SparseAutoe
             f"{os.path.join(path, CFG_FILE)}: d_in={d_in} does not match the model's hidden size "
             f"{d_model} at the site"
         )
-    tensors = _read_tensors(path)
     where = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(where):
+        raise SAEFileError(f"{where} is missing: an SAE folder holds {CFG_FILE} and {WEIGHTS_FILE}")
+    try:
+        with safe_open(where, framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as e:
+        raise SAEFileError(f"{where} is not a readable safetensors file: {e}") from None
     if arch == "jumprelu" and "threshold" not in tensors and "log_threshold" in tensors:
         tensors["threshold"] = torch.exp(tensors["log_threshold"].float())
-    shapes = {
-        "W_enc": (d_in, d_sae),
-        "b_enc": (d_sae,),
-        "W_dec": (d_sae, d_in),
-        "b_dec": (d_in,),
-    }
-    if arch == "jumprelu":
-        shapes["threshold"] = (d_sae,)
+    shapes = _shapes(arch, d_in, d_sae)
     missing = [name for name in shapes if name not in tensors]
     if missing:
         raise SAEFileError(
@@ -190,19 +186,9 @@ def save_sae(sae: SparseAutoencoder, path: str | os.PathLike) -> str:
     """Write ``sae`` as a SAELens folder (``cfg.json`` + ``sae_weights.safetensors``)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    tensors = {
-        "W_enc": sae.W_enc,
-        "b_enc": sae.b_enc,
-        "W_dec": sae.W_dec,
-        "b_dec": sae.b_dec,
-    }
-    if sae.architecture == "jumprelu":
-        assert sae.threshold is not None
-        tensors["threshold"] = sae.threshold
-    save_file(
-        {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()},
-        os.path.join(path, WEIGHTS_FILE),
-    )
+    names = _shapes(sae.architecture, sae.d_in, sae.d_sae)
+    tensors = {k: getattr(sae, k).detach().float().cpu().contiguous() for k in names}
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
     cfg: dict[str, Any] = {
         "architecture": sae.architecture,
         "d_in": sae.d_in,

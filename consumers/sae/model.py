@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 Architecture = Literal["standard", "jumprelu", "topk"]
 Normalization = Literal["none", "layer_norm", "constant_norm_rescale"]
 
-ARCHITECTURES: tuple[str, ...] = ("standard", "jumprelu", "topk")
-NORMALIZATIONS: tuple[str, ...] = ("none", "layer_norm", "constant_norm_rescale")
+ARCHITECTURES: tuple[str, ...] = get_args(Architecture)
+NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 _LN_EPS = 1e-5
 
 
@@ -167,11 +167,6 @@ class SparseAutoencoder:
             + self.b_dec
         )
         return self.denormalize(y, state) if state is not None else y
-
-    def decoder_direction(self, feature: int) -> torch.Tensor:
-        """``W_dec[feature]`` (fp32), the vector a unit of the feature adds before any
-        output normalization."""
-        return self.W_dec[feature].float()
 
 
 def top_codes(

@@ -1,9 +1,11 @@
 """Steering by SAE feature: ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]``;
 ``{"feature": f, "clamp": v}`` sets feature ``f`` to ``v`` and adds the difference of the two
 reconstructions, ``x' = x + decode(a with a_f = v) - decode(a)`` (the SAE's error term kept),
-which depends on the row itself and so runs in the forward (``consumers/sae/site.py``)."""
+which depends on the row itself and so runs in the forward (:class:`Clamp`)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -41,35 +43,14 @@ class FeatureSteer(BaseModel):
         return self
 
 
-def check_features(entries: list[FeatureSteer], d_sae: int, where: str) -> None:
-    """Raise ``ValueError`` for a feature index outside the SAE."""
-    for i, e in enumerate(entries):
-        if not 0 <= e.feature < d_sae:
+def check_features(features: Iterable[int], d_sae: int, where: str) -> None:
+    """Raise ``ValueError`` for a feature index outside the SAE (``where.format(i)`` names
+    the ``i``-th)."""
+    for i, f in enumerate(features):
+        if not 0 <= f < d_sae:
             raise ValueError(
-                f"{where}[{i}].feature is {e.feature}: the SAE has {d_sae} features "
-                f"(valid: 0..{d_sae - 1})"
+                f"{where.format(i)} is {f}: the SAE has {d_sae} features (valid: 0..{d_sae - 1})"
             )
-
-
-def scale_vector(sae: SparseAutoencoder, entries: list[FeatureSteer]) -> torch.Tensor | None:
-    """``sum(scale * W_dec[feature])`` over the ``scale`` entries (fp32 ``[d_in]``), or
-    ``None`` when there is none."""
-    vec = None
-    for e in entries:
-        if e.scale is not None:
-            v = e.scale * sae.decoder_direction(e.feature)
-            vec = v if vec is None else vec + v
-    return vec
-
-
-def clamps_of(entries: list[FeatureSteer]) -> list[tuple[int, float]]:
-    """The ``(feature, value)`` pairs of the ``clamp`` entries (a later entry for the same
-    feature wins)."""
-    out: dict[int, float] = {}
-    for e in entries:
-        if e.clamp is not None:
-            out[e.feature] = float(e.clamp)
-    return list(out.items())
 
 
 @torch.no_grad()
@@ -86,8 +67,24 @@ def clamp_delta(
     return sae.decode(changed, state) - sae.decode(acts, state)
 
 
-def apply_clamp(
-    sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
-) -> torch.Tensor:
-    """``x + clamp_delta(sae, x, clamps)`` in ``x``'s dtype: the edit an in-graph op applies."""
-    return (x.float() + clamp_delta(sae, x, clamps)).to(x.dtype)
+class Clamp(torch.nn.Module):
+    """The in-graph edit of the config's clamps: ``x + clamp_delta(sae, x, clamps)`` in
+    ``x``'s dtype, on each selected row; tensor operations only."""
+
+    def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
+        super().__init__()
+        self.sae = sae
+        self.clamps = clamps
+        # Rows the forward clamped, counted in the graph where the work happens.
+        self.rows_done = torch.zeros((), dtype=torch.int64, device=sae.device)
+
+    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.rows_done.add_(rows.sum())
+        return (s.float() + clamp_delta(self.sae, s, self.clamps)).to(s.dtype)
+
+    def take_rows(self) -> int:
+        """Rows clamped since the last call; call between forwards (engine thread)."""
+        n = int(self.rows_done.item())
+        if n:
+            self.rows_done.sub_(n)
+        return n

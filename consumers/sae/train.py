@@ -57,19 +57,9 @@ def train_sae(
     opt = torch.optim.Adam(params.values(), lr=lr)
     train_arch = "topk" if architecture == "topk" else "standard"
 
-    def sae_of(p: dict[str, torch.Tensor], arch: str) -> SparseAutoencoder:
-        return SparseAutoencoder(
-            W_enc=p["W_enc"],
-            b_enc=p["b_enc"],
-            W_dec=p["W_dec"],
-            b_dec=p["b_dec"],
-            architecture=arch,
-            k=k,  # type: ignore[arg-type]
-        )
-
     for _ in range(steps):
         batch = z[torch.randint(0, n, (min(batch_size, n),), generator=g)]
-        sae = sae_of(params, train_arch)
+        sae = SparseAutoencoder(**params, architecture=train_arch, k=k)  # type: ignore[arg-type]
         acts, state = sae.encode(batch)
         recon = sae.decode(acts, state)
         loss = ((recon - batch) ** 2).sum(-1).mean() / d_in
@@ -83,7 +73,7 @@ def train_sae(
         out["W_enc"] /= scale  # back to the units of x
         out["W_dec"] *= scale
         out["b_dec"] *= scale
-        sae = sae_of(out, train_arch)
+        sae = SparseAutoencoder(**out, architecture=train_arch, k=k)  # type: ignore[arg-type]
         if architecture != "jumprelu":
             return sae
         acts, _ = sae.encode(x)

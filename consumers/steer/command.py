@@ -1,19 +1,25 @@
-"""``tllm steer compute`` (contributed through ``tllm_commands``)."""
+"""``tllm steer compute`` (contributed through ``tllm_commands``): a steering vector as the mean
+difference of activations between contrastive prompt sets, computed through the export path
+(prompt rows of one layer). Imports no torch until it runs (``tllm --help`` loads it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tllm_core import cli_common
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cmd_steer_compute(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
-    from consumers.steer.compute import compute_steering_vector
-
     vec, info = compute_steering_vector(args)
     if args.json:
         print(json.dumps(info))
@@ -23,6 +29,89 @@ def cmd_steer_compute(args: argparse.Namespace) -> int:
             f"{info['positive_rows']} positive / {info['negative_rows']} negative rows"
         )
     return 0
+
+
+def check_out(out: Path) -> None:
+    if out.suffix not in (".safetensors", ".pt", ".npy"):
+        raise ValueError(f"--out must end in .safetensors, .pt or .npy, got {out.name!r}")
+    parent = out.parent if str(out.parent) else Path(".")
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise ValueError(f"--out directory {parent} is not writable")
+
+
+def save_vector(vec: torch.Tensor, out: Path) -> None:
+    """Write ``vec`` by suffix (.safetensors, .pt, .npy), atomically."""
+    import numpy as np
+    import torch
+
+    check_out(out)
+    suffix = out.suffix
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".vec-", suffix=suffix, dir=out.parent)
+    os.close(fd)
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({"vector": vec.contiguous()}, tmp)
+        elif suffix == ".pt":
+            torch.save(vec, tmp)
+        else:
+            np.save(tmp, vec.numpy())
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def mean_difference(records, layer_key: str, n_positive: int) -> tuple[torch.Tensor, int, int]:
+    """Mean over prompt tokens per prompt, then over prompts; positive minus negative."""
+    import torch
+
+    pos, neg = [], []
+    for rec in records:
+        h = rec.hidden[layer_key]
+        keep = torch.as_tensor(rec.positions) < rec.num_prompt_tokens
+        (pos if rec.prompt_index < n_positive else neg).append(h[keep].float().mean(0))
+    if not pos or not neg:
+        raise ValueError("steer compute: one of the prompt sets produced no activations")
+    return torch.stack(pos).mean(0) - torch.stack(neg).mean(0), len(pos), len(neg)
+
+
+def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dict[str, Any]]:
+    from vllm import SamplingParams
+
+    from consumers.export import read_export
+    from tllm_core import TllmLLM, cli_common, layer_key
+
+    positive = cli_common.read_prompt_file(args.positive, "--positive file")
+    negative = cli_common.read_prompt_file(args.negative, "--negative file")
+    check_out(args.out)  # before the engine starts
+    with tempfile.TemporaryDirectory(prefix="tllm-steer-") as tmp:
+        spec = {
+            "name": "export",
+            "config": {"out": tmp, "layers": [args.layer], "phase": "prefill", "overwrite": True},
+        }
+        llm = TllmLLM(
+            args.model,
+            [spec],
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            enable_prefix_caching=False,
+        )
+        layer = llm.status["capture_layers"][0]
+        llm.generate(positive + negative, SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.close()
+        vec, n_pos, n_neg = mean_difference(read_export(tmp), layer_key(layer), len(positive))
+    save_vector(vec, args.out)
+    return vec, {
+        "out": str(args.out),
+        "layer": layer,
+        "norm": float(vec.norm()),
+        "positive_rows": n_pos,
+        "negative_rows": n_neg,
+    }
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:

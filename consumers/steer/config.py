@@ -1,26 +1,38 @@
-"""``steer``'s configuration and per-request settings (pydantic models)."""
+"""``steer``'s configuration and per-request settings (pydantic models), and the registered
+vectors kept in its ``keep_dir``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from tllm_core import ConsumerConfig, FiniteF32, RequestSettings
 
+if TYPE_CHECKING:
+    import torch
+
 # Inline vectors are model-width; a million entries is past any model (and bounds the JSON).
 MAX_INLINE_VECTOR = 1 << 20
 
 
-def _one_source(model: BaseModel) -> None:
-    if (model.path is None) == (model.vector is None):  # type: ignore[attr-defined]
-        raise ValueError("give exactly one of 'path' and 'vector'")
-
-
-class SteerGate(BaseModel):
-    """A probe that decides, row by row inside the forward, whether a vector applies."""
+class _FromPathOrVector(BaseModel):
+    """A direction given as exactly one of ``path`` and ``vector``."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> _FromPathOrVector:
+        if (self.path is None) == (self.vector is None):  # type: ignore[attr-defined]
+            raise ValueError("give exactly one of 'path' and 'vector'")
+        return self
+
+
+class SteerGate(_FromPathOrVector):
+    """A probe that decides, row by row inside the forward, whether a vector applies."""
+
     path: str | None = Field(None, description="Probe direction file (as a vector's 'path').")
     vector: list[FiniteF32] | None = Field(
         None, max_length=MAX_INLINE_VECTOR, description="The probe direction inline."
@@ -33,16 +45,10 @@ class SteerGate(BaseModel):
         True, description="Score with the unit direction (s.d/|d|); false: the raw s.d."
     )
 
-    @model_validator(mode="after")
-    def _one_source(self) -> SteerGate:
-        _one_source(self)
-        return self
 
-
-class SteerVector(BaseModel):
+class SteerVector(_FromPathOrVector):
     """One vector at one layer."""
 
-    model_config = ConfigDict(extra="forbid")
     name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
@@ -88,7 +94,6 @@ class SteerVector(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SteerVector:
-        _one_source(self)
         bounds = (self.lo, self.hi, self.target)
         if self.mode != "clamp":
             if any(b is not None for b in bounds):
@@ -134,8 +139,6 @@ class SteerConfig(ConsumerConfig):
     @model_validator(mode="after")
     def _names_and_layers(self) -> SteerConfig:
         if self.keep_dir is not None:
-            from consumers.steer.kept import kept_entries
-
             have = {v.name for v in self.vectors}
             kept = [SteerVector.model_validate(e) for e in kept_entries(self.keep_dir)]
             self.vectors = [*self.vectors, *(v for v in kept if v.name not in have)]
@@ -200,3 +203,54 @@ class SteerRequest(RequestSettings):
             if scale is not None and known[name].mode != "add":
                 raise ValueError(f"vector {name!r} is '{known[name].mode}': it takes no scale")
         return self
+
+
+# Registered steering vectors kept on disk (keep_dir): one NAME.safetensors per vector (the
+# vector, with its layer, mode, scale and normalize as metadata), written atomically.
+KEPT_SUFFIX = ".safetensors"
+
+
+def kept_entries(folder: str) -> list[dict[str, Any]]:
+    """The vector entries kept in ``folder`` (none when it does not exist yet)."""
+    from safetensors import safe_open
+
+    path = Path(folder)
+    if not path.is_dir():
+        return []
+    out = []
+    for f in sorted(path.glob(f"*{KEPT_SUFFIX}")):
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata() or {}
+        out.append(
+            {
+                "name": f.name[: -len(KEPT_SUFFIX)],
+                "layer": int(meta.get("layer", "0")),
+                "mode": meta.get("mode", "add"),
+                "scale": float(meta.get("scale", "1.0")),
+                "normalize": meta.get("normalize", "false") == "true",
+                "path": str(f),
+                "registered": True,
+            }
+        )
+    return out
+
+
+def keep(folder: str, name: str, vector: torch.Tensor, entry: dict[str, Any]) -> None:
+    """Write ``NAME.safetensors`` atomically (a reader never sees half a file)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    meta = {
+        "layer": str(entry["layer"]),
+        "mode": str(entry.get("mode", "add")),
+        "scale": repr(float(entry.get("scale", 1.0))),
+        "normalize": "true" if entry.get("normalize") else "false",
+    }
+    final = Path(folder) / f"{name}{KEPT_SUFFIX}"
+    tmp = final.with_name(f".{name}.{os.getpid()}.tmp")
+    save_file({"vector": vector.detach().float().cpu().contiguous()}, str(tmp), metadata=meta)
+    os.replace(tmp, final)
+
+
+def forget(folder: str, name: str) -> None:
+    (Path(folder) / f"{name}{KEPT_SUFFIX}").unlink(missing_ok=True)

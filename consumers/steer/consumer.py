@@ -1,5 +1,8 @@
 """``steer``: add, ablate or clamp vectors in the residual stream at chosen layers, optionally
-gated by a probe; vectors registered on a running server (``registered.py``)."""
+gated by a probe. Vectors registered on a running server (``POST
+/tllm/consumers/steer/control``): ``add`` or ``ablate`` at a layer opened at start, used only by
+requests that name them, removable; kept in ``keep_dir`` when set. The front end checks a
+control request (:func:`check_control`), the engine applies it (``SteerConsumer.control``)."""
 
 from __future__ import annotations
 
@@ -8,10 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
-from consumers.steer import kept, registered
-from consumers.steer.config import SteerConfig, SteerRequest, SteerVector
-from consumers.steer.in_graph import SteerTransform
+from consumers.steer.config import SteerConfig, SteerRequest, SteerVector, forget, keep
 from consumers.steer.vectors import check_vector, load_vector
 from tllm_core import (
     Consumer,
@@ -26,19 +28,67 @@ from tllm_core import (
     WritePort,
 )
 
+
+# steer's edits that depend on the row's own value (a clamp, a probe gate) run inside the
+# forward as the transform of Edit(HiddenStates(layer)): tensor operations on buffers made at
+# construction, so they trace into vLLM's compiled graph and read nothing back per step.
+class SteerTransform(torch.nn.Module):
+    """``entry``'s ``add`` (scaled here), ``ablate`` or ``clamp`` of ``vector``, optionally
+    gated by ``s . probe > threshold`` (``above=False``: ``<``); ``gated`` counts the rows it
+    edited, on the device."""
+
+    def __init__(self, entry: SteerVector, vector: torch.Tensor, probe: torch.Tensor | None):
+        super().__init__()
+        v = vector.float()
+        self.mode, self.lo, self.hi, self.target = entry.mode, entry.lo, entry.hi, entry.target
+        gate = entry.gate
+        self.threshold = float(gate.threshold) if gate is not None else 0.0
+        self.above = gate.above if gate is not None else True
+        self.register_buffer("vector", v * entry.scale if self.mode == "add" else v / v.norm())
+        self.register_buffer("probe", None if probe is None else probe.float().to(v.device))
+        self.register_buffer("gated", torch.zeros(1, dtype=torch.int64, device=v.device))
+
+    def edited(self, x: torch.Tensor) -> torch.Tensor:
+        """The edit on float32 rows ``x`` ``[n, H]``, ungated (the reference of the math)."""
+        if self.mode == "add":
+            return x + self.vector
+        u = self.vector
+        p = x @ u
+        if self.mode == "ablate":
+            return x - p[:, None] * u
+        if self.target is not None:
+            q = torch.full_like(p, self.target)
+        else:
+            q = torch.clamp(p, min=self.lo, max=self.hi)
+        return x + (q - p)[:, None] * u
+
+    def fires(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, 1]`` bool: rows where the gate fires (all rows without a gate)."""
+        if self.probe is None:
+            return torch.ones(x.shape[0], 1, dtype=torch.bool, device=x.device)
+        score = x @ self.probe
+        hit = score > self.threshold if self.above else score < self.threshold
+        return hit[:, None]
+
+    def forward(self, s: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        x = s.float()
+        fire = self.fires(x) & rows
+        self.gated.add_(fire.sum())
+        return torch.where(fire, self.edited(x), x).to(s.dtype)
+
+
 # Scaled vectors kept per steer for scale overrides (one per distinct override and vector).
 KEEP_SCALED = 64
 
 
 @dataclass(eq=False)
 class _Vec:
-    name: str | None
+    """``entry`` built for the model: its layer resolved, its vector on the model's device."""
+
+    entry: SteerVector
     layer: int
     vector: torch.Tensor
-    scale: float
-    mode: str
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
-    registered: bool = False  # used only by requests that name it
     # scale -> vector * scale, made once: the same tensor every step, so the edit
     # buffers move it to the model's dtype once (tllm_core/api/edits.py).
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
@@ -58,6 +108,70 @@ class _Vec:
 
 # A request's steering: None (not steered) or (scale override, {name: scale} chosen or None).
 _State = tuple[float | None, dict[str, float | None] | None] | None
+
+
+ADD_FIELDS = frozenset({"name", "layer", "vector", "scale", "mode", "normalize"})
+
+
+def check_control(
+    action: str, payload: dict[str, Any], config: SteerConfig
+) -> tuple[SteerConfig, Any]:
+    """The front end's check of a control request: ``list``, ``add`` or ``remove``."""
+    if action == "list":
+        shown = ("name", "layer", "mode", "scale", "registered")
+        return config, [{k: getattr(v, k) for k in shown} for v in config.vectors]
+    by_name = {v.name: v for v in config.vectors if v.name is not None}
+    if action == "remove":
+        name = payload.get("name")
+        if set(payload) != {"name"} or not isinstance(name, str):
+            raise ControlError('"remove" takes {"name": NAME}')
+        if name not in by_name:
+            raise ControlError(f"no steering vector named {name!r}", 404)
+        if not by_name[name].registered:
+            raise ControlError(
+                f"vector {name!r} was configured at start: it cannot be removed", 409
+            )
+        vectors = [v for v in config.vectors if v.name != name]
+        return config.model_copy(update={"vectors": vectors}), {"removed": name}
+    if action != "add":
+        raise ControlError(f"unknown action {action!r}; steer takes: list, add, remove")
+    extra = set(payload) - ADD_FIELDS
+    if extra:
+        raise ControlError(
+            f"unknown field(s) {', '.join(sorted(extra))}; an added vector takes: "
+            f"{', '.join(sorted(ADD_FIELDS))}"
+        )
+    if not isinstance(payload.get("name"), str):
+        raise ControlError('"add" needs a "name"')
+    if payload.get("mode", "add") not in ("add", "ablate"):
+        raise ControlError("a registered vector is 'add' or 'ablate' (clamps and gates are fixed)")
+    if not isinstance(payload.get("vector"), list):
+        raise ControlError('"add" needs the vector inline: "vector": [numbers]')
+    try:
+        entry = SteerVector.model_validate({**payload, "registered": True})
+    except ValidationError as e:
+        raise ControlError(f"invalid vector: {e}") from None
+    if entry.name in by_name:
+        raise ControlError(f"a vector named {entry.name!r} exists: remove it first", 409)
+    layers = sorted(set(config.open_layers) | {v.layer for v in config.vectors if not v.registered})
+    if entry.layer not in layers:
+        raise ControlError(
+            f"layer {entry.layer} is not open for registered vectors; this server's: "
+            f"{', '.join(map(str, layers)) or '(none)'} (steer's open_layers)"
+        )
+    registered = [v for v in config.vectors if v.registered]
+    if len(registered) >= config.max_registered:
+        raise ControlError(
+            f"{len(registered)} vectors registered: at most {config.max_registered}", 413
+        )
+    floats = sum(len(v.vector or ()) for v in registered) + len(entry.vector or ())
+    if floats * 4 > config.max_registered_mib * (1 << 20):
+        raise ControlError(
+            f"registered vectors would hold {floats * 4 / (1 << 20):.1f} MiB: at most "
+            f"{config.max_registered_mib:g} MiB (steer's max_registered_mib)",
+            413,
+        )
+    return config.model_copy(update={"vectors": [*config.vectors, entry]}), {"added": entry.name}
 
 
 class SteerConsumer(Consumer):
@@ -101,7 +215,7 @@ class SteerConsumer(Consumer):
         for j, other in enumerate(self.vectors):
             if other.layer != layer:
                 continue
-            if entry.mode == "ablate" and entry.gate is None and other.mode == "ablate":
+            if entry.mode == "ablate" and entry.gate is None and other.entry.mode == "ablate":
                 if other.transform is None:
                     raise ValueError(
                         f"steer: vectors[{j}] and {what} both ablate at layer {layer}; one "
@@ -114,43 +228,19 @@ class SteerConsumer(Consumer):
                 )
         if entry.mode == "ablate" or entry.normalize:
             vec = vec / norm
-        transform = None
-        if entry.in_graph:
-            transform = self._transform(entry, vec, hidden, self.context.model.device, what)
-        return _Vec(
-            entry.name,
-            layer,
-            vec.to(self.context.model.device),
-            float(entry.scale),
-            entry.mode,
-            transform,
-            entry.registered,
-        )
-
-    @staticmethod
-    def _transform(
-        entry: SteerVector, vec: torch.Tensor, hidden: int, device: Any, what: str
-    ) -> SteerTransform:
-        probe = None
-        gate = entry.gate
-        if gate is not None:
-            probe = _vector(gate.path, gate.vector, hidden, f"{what}.gate")
+        device = self.context.model.device
+        transform = probe = None
+        if entry.gate is not None:
+            probe = _vector(entry.gate.path, entry.gate.vector, hidden, f"{what}.gate")
             pnorm = float(probe.norm())
             if pnorm == 0.0:
                 raise ValueError(f"steer: {what}.gate: the probe direction is all zeros")
-            if gate.normalize:
+            if entry.gate.normalize:
                 probe = probe / pnorm
-        with torch.inference_mode(False):
-            return SteerTransform(
-                (vec * entry.scale if entry.mode == "add" else vec).to(device),
-                entry.mode,
-                lo=entry.lo,
-                hi=entry.hi,
-                target=entry.target,
-                probe=probe,
-                threshold=gate.threshold if gate is not None else 0.0,
-                above=gate.above if gate is not None else True,
-            )
+        if entry.in_graph:
+            with torch.inference_mode(False):
+                transform = SteerTransform(entry, vec.to(device), probe)
+        return _Vec(entry, layer, vec.to(device), transform)
 
     def writes(self) -> list[WritePort]:
         graph = {v.layer: v.transform for v in self.vectors if v.transform is not None}
@@ -162,9 +252,8 @@ class SteerConsumer(Consumer):
         ]
 
     def _request_state(self, req: RequestInfo) -> _State:
-        state = self._req_cache.get(req.engine_id, _MISSING)
-        if state is not _MISSING:
-            return state  # type: ignore[return-value]
+        if req.engine_id in self._req_cache:
+            return self._req_cache[req.engine_id]
         if not self.acts_on(req):
             state = None  # per-request steer that this request did not name
         else:
@@ -173,57 +262,43 @@ class SteerConsumer(Consumer):
         self._req_cache[req.engine_id] = state
         return state
 
-    def plan_rows(self, rows: RowInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """Per vector: its row indices this step and their scales (None: the configured)."""
+    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         n = len(rows)
-        pos = self.config.positions
-        if pos == "all":
-            base = np.ones(n, np.bool_)
-        else:
+        base = np.ones(n, np.bool_)
+        if self.config.positions != "all":
             dec = np.asarray(rows.is_decode, np.bool_)
-            base = dec.copy() if pos == "generated" else ~dec
+            base = dec if self.config.positions == "generated" else ~dec
         masks = [base.copy() for _ in self.vectors]
+        # Per vector: each row's scale, once a request overrides it ('add' outside the graph).
         scales: list[np.ndarray | None] = [None] * len(self.vectors)
         for req, start, stop in rows.runs():
             state = self._request_state(req)
             for j, v in enumerate(self.vectors):
                 named = state is not None and state[1] is not None
-                if state is None or (v.name not in state[1] if named else v.registered):
+                if state is None or (v.entry.name not in state[1] if named else v.entry.registered):
                     masks[j][start:stop] = False
                     continue
-                scale = state[1].get(v.name) if state[1] is not None else None
+                scale = state[1].get(v.entry.name) if named else None
                 scale = state[0] if scale is None else scale
-                if scale is not None and v.mode == "add" and v.transform is None:
+                if scale is not None and v.entry.mode == "add" and v.transform is None:
                     if scales[j] is None:
-                        scales[j] = np.full(n, np.nan)
+                        scales[j] = np.full(n, v.entry.scale)
                     scales[j][start:stop] = scale  # type: ignore[index]
-        out = []
-        for mask, sc in zip(masks, scales, strict=True):
-            idx = np.nonzero(mask)[0].astype(np.int64)
-            sc = None if sc is None else sc[idx]
-            out.append((idx, None if sc is None or np.isnan(sc).all() else sc))
-        return out
-
-    def edit(self, rows: RowInfo, plan: EditPlan) -> None:
-        chosen = self.plan_rows(rows)
         per_layer: dict[int, set[int]] = {}
-        for v, (idx, overrides) in zip(self.vectors, chosen, strict=True):
+        for v, mask, sc in zip(self.vectors, masks, scales, strict=True):
+            idx = np.nonzero(mask)[0].astype(np.int64)
             if idx.size == 0:
                 continue
             per_layer.setdefault(v.layer, set()).update(idx.tolist())
             if v.transform is not None:
                 plan.transform(v.layer, idx)
-            elif v.mode == "ablate":
+            elif v.entry.mode == "ablate":
                 plan.ablate(v.layer, idx, v.vector)
-            elif overrides is None:
-                plan.add(v.layer, idx, v.times(v.scale))
-            else:
-                scales = np.where(np.isnan(overrides), v.scale, overrides)
-                if np.all(scales == scales[0]):
-                    plan.add(v.layer, idx, v.times(float(scales[0])))
-                else:  # per-row values: made (and on a GPU copied) every step
-                    s = torch.from_numpy(scales.astype(np.float32)).to(v.vector.device)
-                    plan.add(v.layer, idx, s[:, None] * v.vector)
+            elif sc is None or np.all(sc[idx] == sc[idx[0]]):
+                plan.add(v.layer, idx, v.times(v.entry.scale if sc is None else float(sc[idx[0]])))
+            else:  # per-row values: made (and on a GPU copied) every step
+                s = torch.from_numpy(sc[idx].astype(np.float32)).to(v.vector.device)
+                plan.add(v.layer, idx, s[:, None] * v.vector)
         for layer, sel in per_layer.items():
             self.counters.add(f"rows_selected.layer.{layer}", len(sel))
         if per_layer:
@@ -232,14 +307,10 @@ class SteerConsumer(Consumer):
     def on_request_finished(self, request: RequestInfo) -> None:
         self._req_cache.pop(request.engine_id, None)
 
-    @classmethod
-    def check_control(
-        cls, action: str, payload: dict[str, Any], config: SteerConfig
-    ) -> tuple[SteerConfig, Any]:
-        return registered.check_control(config, action, payload)
+    check_control = staticmethod(check_control)
 
     def control(self, action: str, payload: dict[str, Any]) -> Any:
-        new, reply = registered.check_control(self.config, action, payload)
+        new, reply = check_control(action, payload, self.config)
         if action == "add":
             entry = new.vectors[-1]
             try:
@@ -250,31 +321,30 @@ class SteerConsumer(Consumer):
                 raise ControlError(f"layer {vec.layer} has no edit port in this engine")
             self.vectors.append(vec)
             if self.config.keep_dir is not None:
-                kept.keep(self.config.keep_dir, vec.name or "", vec.vector, payload)
+                keep(self.config.keep_dir, entry.name or "", vec.vector, payload)
         elif action == "remove":
-            self.vectors = [v for v in self.vectors if v.name != payload["name"]]
+            self.vectors = [v for v in self.vectors if v.entry.name != payload["name"]]
             if self.config.keep_dir is not None:
-                kept.forget(self.config.keep_dir, payload["name"])
+                forget(self.config.keep_dir, payload["name"])
         self.config = new  # requests are validated against its names from here on
         return reply
 
-    def _read_gates(self) -> None:
-        """Move the forwards' gate counts to the counters (read once, at the end)."""
-        for v in self.vectors:
-            t = v.transform
-            if t is not None and t.probe is not None:
-                n = int(t.gated.item())
-                t.gated.zero_()
-                self.counters.add(f"rows_gated.layer.{v.layer}", n)
-                self.counters.add("rows_gated", n)
-
     def result(self) -> dict[str, Any]:
-        self._read_gates()
+        gated = [
+            (v.layer, t)
+            for v in self.vectors
+            if (t := v.transform) is not None and t.probe is not None
+        ]
+        for layer, t in gated:  # the forwards' gate counts into the counters (read at the end)
+            n = int(t.gated.item())
+            t.gated.zero_()
+            self.counters.add(f"rows_gated.layer.{layer}", n)
+            self.counters.add("rows_gated", n)
         out: dict[str, Any] = {
             "layers": self.layers,
             "rows_selected": int(self.counters.get("rows_selected")),
         }
-        if any(v.transform is not None and v.transform.probe is not None for v in self.vectors):
+        if gated:
             out["rows_gated"] = int(self.counters.get("rows_gated"))
         return out
 
@@ -290,6 +360,3 @@ def _vector(path: str | None, inline: list[float] | None, hidden: int, what: str
         return check_vector(torch.tensor(inline, dtype=torch.float32), hidden, f"{what}.vector")
     except ValueError as e:
         raise ValueError(f"steer: {e}") from None
-
-
-_MISSING = object()

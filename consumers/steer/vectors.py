@@ -11,16 +11,6 @@ SUFFIXES = (".safetensors", ".pt", ".pth", ".npy")
 KEY_SEP = "::"
 
 
-def split_key(path: str) -> tuple[str, str | None]:
-    """``"file.safetensors::key"`` -> (file, key); no separator -> (path, None)."""
-    if KEY_SEP in path:
-        file, _, key = path.rpartition(KEY_SEP)
-        if not key:
-            raise ValueError(f"steering vector {path!r}: empty key after '::'")
-        return file, key
-    return path, None
-
-
 def _pick(tensors: dict, key: str | None, what: str) -> object:
     if key is not None:
         if key not in tensors:
@@ -41,8 +31,12 @@ def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
     """A 1-D float32 CPU steering vector of size ``hidden_size`` from a ``.safetensors`` (one
     tensor, or ``file.safetensors::key``), ``.pt``/``.pth`` (a tensor or a dict, ``::key``) or
     ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
-    file, key = split_key(os.fspath(path))
     what = repr(os.fspath(path))
+    file, sep, key = os.fspath(path).rpartition(KEY_SEP)  # "file.safetensors::key"
+    if not sep:
+        file, key = key, None
+    elif not key:
+        raise ValueError(f"steering vector {what}: empty key after '::'")
     if not os.path.exists(file):
         raise ValueError(f"steering vector {what}: file {file!r} does not exist")
     if not os.path.isfile(file):
