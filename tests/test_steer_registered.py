@@ -234,7 +234,7 @@ def test_a_control_answered_after_its_504_is_adopted_before_the_next_one():
         while client.get("/tllm/status", headers=AUTH).json()["controls_pending"]:
             assert time.monotonic() < deadline, "the late control answer was never adopted"
             time.sleep(0.05)
-        assert [v.name for v in consumer.vectors] == ["calm"]  # the engine did apply it
+        assert [v.entry.name for v in consumer.vectors] == ["calm"]  # the engine did apply it
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
         assert client.post(URL, json=add("happy"), headers=AUTH).status_code == 200
         listed = client.get("/tllm/status", headers=AUTH).json()["controls"]["steer"]
