@@ -855,3 +855,36 @@ def test_a_bundle_is_split_into_request_runs_once(tmp_path, monkeypatch):
     c.on_bundle(bundle)
     assert len(splits) == 1
     assert c.writer.table.seen == 2  # both requests' ids were noted
+
+
+def test_a_bundle_without_a_port_or_of_the_wrong_width_fails_naming_it(tmp_path):
+    """A tap the step did not write leaves its port out of the bundle (see StaleTapError):
+    the consumer says which, and writes nothing of that bundle."""
+    from tllm_core.api.bundles import Bundle
+
+    c = make_export(tmp_path / "out", layers=[1])
+    (key,) = c.keys
+    r = RequestInfo(
+        engine_id="0-a",
+        request_id="0",
+        prompt_index=0,
+        sample_index=0,
+        num_prompt_tokens=2,
+        extra_args={},
+    )
+    rows = RowInfo(
+        row=np.arange(2),
+        requests=[r, r],
+        position=np.array([0, 1]),
+        is_decode=np.zeros(2, np.bool_),
+        recomputed=np.zeros(2, np.bool_),
+        token_ids=torch.tensor([5, 6]),
+    )
+    with pytest.raises(ValueError, match=rf"export: bundle lacks '{key}' \(has \[\]\)"):
+        c.on_bundle(Bundle(step=0, rows=rows, hidden={}))
+    c.on_bundle(Bundle(step=0, rows=rows, hidden={key: torch.zeros(2, H)}))
+    with pytest.raises(
+        ValueError, match=rf"export: '{key}' has shape \(2, {H + 1}\), expected \(2, {H}\)"
+    ):
+        c.on_bundle(Bundle(step=1, rows=rows, hidden={key: torch.zeros(2, H + 1)}))
+    c.close()

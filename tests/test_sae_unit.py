@@ -662,3 +662,12 @@ def test_feature_records_say_when_they_are_not_complete(tmp_path):
     assert m["complete"] is False and m["losses"]["bundles_dropped"] == 1
     with pytest.warns(IncompleteExportWarning, match="bundles_dropped: 1"):
         list(read_features(tmp_path / "drop"))
+
+
+def test_a_bundle_without_the_site_fails_naming_it(tmp_path):
+    """A tap the step did not write leaves its port out of the bundle (see StaleTapError)."""
+    c = make(tmp_path, site=1, top_k=4)
+    with pytest.raises(ValueError, match=r"sae: bundle lacks 'layer.1' \(has \['layer.0'\]\)"):
+        c.on_bundle(
+            Bundle(step=0, rows=rows_of([req(0)], [0]), hidden={"layer.0": torch.zeros(1, D_IN)})
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import threading
 import time
 import tracemalloc
 from typing import Any
@@ -35,9 +36,9 @@ def _server(
     api_key: str | None = KEY,
     fault_file: str | None = None,
     settings: Any = None,
-    delays: list[float] | None = None,
+    control_wait: Any = None,
 ):
-    """``delays``: seconds the engine takes to answer each control call, in order."""
+    """``control_wait``: awaited by the engine before it applies each control call."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -57,8 +58,8 @@ def _server(
             if method == "tllm_collect":
                 return [{"runtime": {}, "consumers": {}, "results": {}, "errors": []}]
             assert method == "tllm_control", method
-            if delays:
-                await asyncio.sleep(delays.pop(0))
+            if control_wait is not None:
+                await control_wait()
             from tllm_core.api.consumer import ControlError
 
             name, action, payload = args
@@ -207,35 +208,79 @@ def test_a_control_request_is_refused_at_once_while_a_callback_hangs(tmp_path):
     assert client.post(URL, json=body, headers=AUTH).status_code == 200
 
 
+def _add(name: str) -> dict:
+    return {"action": "add", "name": name, "layer": 1, "vector": [1.0] * H}
+
+
+def _late_controls(client) -> dict:
+    body = client.get("/tllm/status", headers=AUTH).json()
+    return {k: body[k] for k in ("controls_pending", "controls_unconfirmed")}
+
+
 def test_a_control_answered_after_its_504_is_adopted_before_the_next_one():
     """The engine applies a control call after the route gave up (504): the front end adopts
-    its config when the answer comes, and holds later control calls until then (503 past
-    the bound), so that the front end never checks requests against a config the engine
-    no longer has."""
+    its config when the answer comes, and refuses later control calls until then (503), so
+    that it never checks requests against a config the engine no longer has."""
     from tllm_core.runtime.settings import ServerSettings
 
-    fast = ServerSettings(engine_answer_s=0.3)
+    answer = threading.Event()  # set by the test: the engine may answer
+
+    async def until_answer():
+        for _ in range(3000):  # bounded: 30 s
+            if answer.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("the test never let the engine answer")
+
     client, engine, consumer = _server(
-        {"vectors": [], "open_layers": [1]}, settings=fast, delays=[1.5]
+        {"vectors": [], "open_layers": [1]},
+        settings=ServerSettings(engine_answer_s=0.3),
+        control_wait=until_answer,
     )
-
-    def add(name: str) -> dict:
-        return {"action": "add", "name": name, "layer": 1, "vector": [1.0] * H}
-
     with client:  # one event loop for all requests: the late answer arrives between them
-        r = client.post(URL, json=add("calm"), headers=AUTH)
+        r = client.post(URL, json=_add("calm"), headers=AUTH)
         assert r.status_code == 504 and "then so does the server" in r.json()["error"], r.text
-        assert client.get("/tllm/status", headers=AUTH).json()["controls_pending"] == {
-            "steer": "add"
+        assert _late_controls(client) == {
+            "controls_pending": {"steer": "add"},
+            "controls_unconfirmed": {},
         }
-        r = client.post(URL, json=add("happy"), headers=AUTH)
+        r = client.post(URL, json=_add("happy"), headers=AUTH)
         assert r.status_code == 503 and "(steer add) still waits" in r.json()["error"], r.text
+        answer.set()
         deadline = time.monotonic() + 10
-        while client.get("/tllm/status", headers=AUTH).json()["controls_pending"]:
+        while _late_controls(client)["controls_pending"]:
             assert time.monotonic() < deadline, "the late control answer was never adopted"
             time.sleep(0.05)
-        assert [v.entry.name for v in consumer.vectors] == ["calm"]  # the engine did apply it
+        assert [v.entry.name for v in consumer.vectors] == ["calm"]  # the engine applied it
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
-        assert client.post(URL, json=add("happy"), headers=AUTH).status_code == 200
+        assert client.post(URL, json=_add("happy"), headers=AUTH).status_code == 200
         listed = client.get("/tllm/status", headers=AUTH).json()["controls"]["steer"]
         assert [x["name"] for x in listed] == ["calm", "happy"]
+        assert _late_controls(client)["controls_unconfirmed"] == {}
+
+
+def test_a_control_the_engine_never_answers_is_shown_unconfirmed_and_frees_the_route():
+    from tllm_core.runtime.settings import ServerSettings
+
+    async def never():
+        await asyncio.Event().wait()  # bounded: the route's late wait cancels it
+
+    client, engine, consumer = _server(
+        {"vectors": [], "open_layers": [1]},
+        settings=ServerSettings(engine_answer_s=0.05),
+        control_wait=never,
+    )
+    with client:
+        assert client.post(URL, json=_add("calm"), headers=AUTH).status_code == 504
+        deadline = time.monotonic() + 10
+        while _late_controls(client)["controls_pending"]:
+            assert time.monotonic() < deadline, "the late wait never ended"
+            time.sleep(0.05)
+        assert _late_controls(client)["controls_unconfirmed"] == {"steer": "add"}
+        # the lock is free again: the next call reaches the engine (and times out in turn)
+        assert client.post(URL, json=_add("happy"), headers=AUTH).status_code == 504
+        while _late_controls(client)["controls_pending"]:  # its late wait ends before the loop
+            assert time.monotonic() < deadline + 10, "the second late wait never ended"
+            time.sleep(0.05)
+    with pytest.raises(ValueError, match="no steering vector named 'calm'"):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)

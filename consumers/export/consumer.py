@@ -213,13 +213,20 @@ class ExportConsumer(Consumer):
         n = len(rows)
         if n == 0:
             return
-        if self.writer is not None:
+        for key in self.keys:  # checked before anything is noted: a bad bundle writes nothing
+            t = bundle.hidden.get(key)
+            if t is None:  # a tap the step did not write (see StaleTapError)
+                raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
+            if self.writer is None:
+                continue
             # A key's row width is fixed by its first rows: the hidden size, or (router ports)
             # the number of experts or top-k; floats are stored as the config's dtype.
-            for key in self.keys:
-                t = bundle.hidden[key]
-                dtype = self.dtype if t.is_floating_point() else torch.int64
-                self.writer.columns.setdefault(key, (int(t.shape[-1]), dtype))
+            dtype = self.dtype if t.is_floating_point() else torch.int64
+            width = self.writer.columns.setdefault(key, (int(t.shape[-1]), dtype))[0]
+            if t.shape != (n, width):
+                raise ValueError(
+                    f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {width})"
+                )
         tokens = rows.token_ids.detach().to("cpu", torch.int64).numpy()
         positions = np.asarray(rows.position, np.int64)
         keep = rows_to_write(rows, self.phase, self.counters)

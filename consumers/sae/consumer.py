@@ -206,7 +206,10 @@ class SaeConsumer(Consumer):
 
     def on_bundle(self, bundle: Bundle) -> None:
         if len(bundle.rows):
-            self._encode(bundle.rows, bundle.hidden[self.key])
+            x = bundle.hidden.get(self.key)
+            if x is None:  # a tap the step did not write (see StaleTapError)
+                raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
+            self._encode(bundle.rows, x)
         srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
         if self.writer is not None and srows is not None and ids is not None and len(srows):
             pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position

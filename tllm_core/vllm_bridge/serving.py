@@ -257,7 +257,15 @@ def attach_routes(
     app.add_middleware(BearerGuard, tokens=tokens)
     router = APIRouter()
     control_lock = asyncio.Lock()  # the front end's configs and the engine's change in step
-    pending: dict[str, str] = {}  # consumer -> control action the engine has not answered yet
+    # Control actions the engine did not answer in time (consumer -> action): still waited
+    # for, and given up on (the front end's config of that consumer may differ from the
+    # engine's); late_tasks holds the waiting tasks.
+    pending: dict[str, str] = {}
+    unconfirmed: dict[str, str] = {}
+    late_tasks: set[asyncio.Task] = set()
+
+    def late_controls() -> dict[str, Any]:
+        return {"controls_pending": dict(pending), "controls_unconfirmed": dict(unconfirmed)}
 
     async def adopt_late(call: Any, name: str, action: str, new: Any) -> None:
         """A control call that timed out may still be applied by the engine: wait for its
@@ -271,6 +279,7 @@ def attach_routes(
             if not any("error" in o for o in out):
                 server.configs[name] = new
         except Exception as e:  # the server stops, or the engine never answered
+            unconfirmed[name] = action
             log.warning(
                 "tllm: %s's config in the front end may differ from the engine's: %s", name, e
             )
@@ -332,12 +341,15 @@ def attach_routes(
             body = {"worker": leader, **server.describe()}
             body["failed_consumers"] = sorted(server.failed)
             body["controls"] = server.control_state()
-            body["controls_pending"] = dict(pending)  # answered late: adopted when answered
+            body |= late_controls()
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
 
-        return await guarded(status)
+        got = await guarded(status)
+        if got.status_code != 200 and (pending or unconfirmed):  # front-end state: no engine
+            return JSONResponse({**json.loads(got.body), **late_controls()}, got.status_code)
+        return got
 
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
@@ -360,11 +372,17 @@ def attach_routes(
         action = body.pop("action")
         if read_note(fault_file) is not None:  # the engine is stuck: no RPC would answer
             return _error("a consumer callback is hung (see /tllm/status)", 503)
-        try:  # bounded: an earlier call's late answer holds the lock for a bounded time
+        if pending:  # the engine's config is not known until it answers
+            waiting = ", ".join(f"{n} {a}" for n, a in pending.items())
+            return _error(
+                f"an earlier control request ({waiting}) still waits for the engine's answer "
+                "(see /tllm/status)",
+                503,
+            )
+        try:  # bounded: the holder waits for the engine engine_answer_s at most
             await asyncio.wait_for(control_lock.acquire(), settings.engine_answer_s)
         except asyncio.TimeoutError:
-            waiting = ", ".join(f"{n} {a}" for n, a in pending.items()) or "another request"
-            return _error(f"an earlier control request ({waiting}) still waits for the engine", 503)
+            return _error("another control request still waits for the engine's answer", 503)
         handed_over = False  # to adopt_late, which releases the lock
         try:
             config = server.configs[name]
@@ -385,7 +403,9 @@ def attach_routes(
                 if isinstance(out, JSONResponse):
                     if out.status_code == 504:
                         pending[name] = action
-                        asyncio.ensure_future(adopt_late(sent[0], name, action, new))
+                        task = asyncio.ensure_future(adopt_late(sent[0], name, action, new))
+                        late_tasks.add(task)
+                        task.add_done_callback(late_tasks.discard)
                         handed_over = True
                     return out
                 failed = next((o for o in out if "error" in o), None)
