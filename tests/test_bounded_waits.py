@@ -1,8 +1,10 @@
 """Every wait in shipped code and the benchmark tools has a bound (developers' guide): a blocking
 ``get``, ``join``, ``wait``, ``acquire``, ``result`` or ``communicate`` without a timeout, or a
 ``subprocess.run``-style call without a timeout, or a read of a pipe (a loop over it or its
-``readline``), is refused unless a ``bounded:`` comment on its line or the line above says what
-bounds it. Not seen: ``await`` (the server's awaits are bounded by its own timeouts)."""
+``readline``), or an awaited call to the engine (``rpc``, ``rpc_all``, ``collective_rpc``,
+``call_utility_all_async``) not under ``asyncio.wait_for``, is refused unless a ``bounded:``
+comment on its line or the line above says what bounds it. Other awaits (ASGI ``receive`` and
+``send``, the app) are the client's pace, not a wait of ours."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ CHECKED = ("tllm_core", "producers", "consumers", "algorithms", "benchmarks")
 BLOCKING = {"get", "join", "wait", "acquire", "result", "communicate"}
 SUBPROCESS = {"run", "call", "check_call", "check_output"}  # subprocess's, waiting for the child
 PIPES = ("stdout", "stderr")
+RPC = {"rpc", "rpc_all", "collective_rpc", "call_utility_all_async", "call_all"}  # to the engine
 
 
 def _keyword(call: ast.Call, name: str) -> object:
@@ -57,6 +60,13 @@ def unbounded_waits(path: Path, source: str) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if not _waits(node, node.func.attr, node.func.value):
+                continue
+        elif isinstance(node, ast.Await):  # an awaited call to the engine, unbounded
+            call = node.value
+            if not isinstance(call, ast.Call):
+                continue
+            f = call.func
+            if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) not in RPC:
                 continue
         elif isinstance(node, ast.For):  # reading a pipe line by line until it closes
             it = node.iter
@@ -104,6 +114,10 @@ def test_the_check_sees_an_unbounded_wait():
         "subprocess.check_output(cmd)\n"
         "proc.stderr.readline()\n"
         "f.readline()\n"
+        "await rpc_all(client, 'tllm_status')\n"
+        "await asyncio.wait_for(rpc_all(client, 'tllm_status'), 5)\n"
+        "await client.collective_rpc('m')\n"
+        "await receive()\n"
     )
     assert unbounded_waits(Path("x.py"), src) == [
         "x.py:1: q.get()",
@@ -116,4 +130,6 @@ def test_the_check_sees_an_unbounded_wait():
         "x.py:16: subprocess.run(cmd, timeout=None)",
         "x.py:17: subprocess.check_output(cmd)",
         "x.py:18: proc.stderr.readline()",
+        "x.py:20: await rpc_all(client, 'tllm_status')",
+        "x.py:22: await client.collective_rpc('m')",
     ]

@@ -633,3 +633,35 @@ def test_a_served_requests_keys_are_validated_once_in_the_api_server(engine, mon
     bad = {"prompt": "x", "vllm_xargs": {"tllm_consumers": "esamp", "tllm_esamp_beta": "x"}}
     assert "tllm_esamp_beta" in client.post("/v1/other", json=bad).json()["error"]
     assert client.post("/v1/completions", json=bad).status_code == 400
+
+
+def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine):
+    """At start the server asks every engine for tllm's status: an engine that never answers
+    stops the start after engine_answer_s with the call's name, instead of hanging it."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge import nodes
+    from tllm_core.vllm_bridge.request_marks import EngineNoAnswer
+    from tllm_core.vllm_bridge.serving import init_state
+
+    class Silent:
+        vllm_config = SimpleNamespace(
+            additional_config={"tllm": {"server": {"engine_answer_s": 0.2}}},
+            model_config=SimpleNamespace(get_hidden_size=lambda: 8),
+            parallel_config=SimpleNamespace(data_parallel_size=1),
+        )
+        input_processor = SimpleNamespace(assign_request_id=lambda request: None)
+        engine_core = SimpleNamespace(abort_requests_async=None)
+
+        async def collective_rpc(self, method, args=()):
+            await asyncio.Event().wait()  # bounded: the start's timeout cancels it
+
+    async def start():
+        state = SimpleNamespace()
+        try:
+            await init_state(Silent(), state, engine, nodes.NodeWatch())
+        finally:
+            state.tllm_http_close.cancel()
+
+    with pytest.raises(EngineNoAnswer, match=r"did not answer 'tllm_status' in 0.2 s"):
+        asyncio.run(start())

@@ -405,13 +405,15 @@ async def check_followers(
     watch: NodeWatch | None = None,
 ) -> None:
     """On a leader's API server with remote engines: every engine takes the leader's
-    ``settings``, or the server refuses to start naming both (``rpc``: ``serving.rpc_all``)."""
+    ``settings``, or the server refuses to start naming both (``rpc``: ``serving.answered``
+    with its bound)."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
     endpoint = leader_endpoint(engine_client)
     if watch is not None:
         endpoint = stop_beacon(endpoint, watch)
     try:
+        # bounded: rpc is serving.answered, bounded by engine_answer_s
         answers = await rpc(engine_client, "tllm_join_leader", settings, endpoint)
     except Exception as e:  # noqa: BLE001 - an engine without tllm has no such method
         raise UnsupportedEngineError(

@@ -6,6 +6,7 @@ cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -189,9 +190,18 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
+        # bounded: every caller bounds rpc_all (ask, answered, wait_for)
         per_engine = await call_all("collective_rpc", method, None, args, None)
         return [r for rs in per_engine for r in rs]
-    return list(await engine_client.collective_rpc(method, args=args))
+    return list(await engine_client.collective_rpc(method, args=args))  # bounded: as above
+
+
+async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
+    """:func:`rpc_all`, or :class:`EngineNoAnswer` naming ``method`` past ``timeout`` s."""
+    try:
+        return await asyncio.wait_for(rpc_all(engine_client, method, *args), timeout)
+    except asyncio.TimeoutError:
+        raise EngineNoAnswer(f"the engine did not answer {method!r} in {timeout:g} s") from None
 
 
 class HungHealth:
@@ -489,8 +499,9 @@ async def init_state(
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (nodes.py).
-    await nodes.check_followers(engine_client, rpc_all, leader, watch)
-    status = await rpc_all(engine_client, "tllm_status")
+    ask_engine = functools.partial(answered, mine.server.engine_answer_s)
+    await nodes.check_followers(engine_client, ask_engine, leader, watch)
+    status = await ask_engine(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
         raise RuntimeError(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
