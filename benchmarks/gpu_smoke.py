@@ -426,11 +426,10 @@ def render(sm: dict[str, Any]) -> str:
     mem, sy = sm["memory"], sm["syncs"]
     for k, rec in mem.items():
         if k.startswith("groups_"):
-            step = rec.get("fake_device_step")
-            used = (
-                f"{rec.get('peak_bytes')} bytes measured, {rec.get('plan_distiller_bytes')} planned"
-            )
-            got = f"{step['allocation']} allocations per step (fake device)" if step else used
+            if step := rec.get("fake_device_step"):
+                got = f"{step['allocation']} allocations per step (fake device)"
+            else:  # a record without its figures fails here rather than showing None
+                got = f"{rec['peak_bytes']} bytes measured, {rec['plan_distiller_bytes']} planned"
             rows += [[f"memory, {k[7:]} slots", got]]
             rows += [[f"memory, {k[7:]} slots, within plan", rec["within_plan"]]]
     if "qwen2.5_7b_default_plan" in mem:
@@ -438,9 +437,7 @@ def render(sm: dict[str, Any]) -> str:
         rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{gib:.3f}"])
     steps = {"distiller step": sy.get("distiller_step")}
     steps |= {f"ESamp step ({m})": c for m, c in sy.get("consumer_step", {}).items()}
-    rows += [
-        [f"host syncs, {k}", sum(c[-1].values())] for k, c in steps.items() if isinstance(c, list)
-    ]
+    rows += [[f"host syncs, {k}", sum(c[-1].values())] for k, c in steps.items() if c is not None]
     search = sy.get("candidate_search") or {}
     rows += [
         [f"host syncs, {k} candidate search", sum(v.values())]
