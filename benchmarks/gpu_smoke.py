@@ -437,7 +437,12 @@ def render(sm: dict[str, Any]) -> str:
         rows.append(["memory plan, Qwen2.5-7B defaults (GiB)", f"{gib:.3f}"])
     steps = {"distiller step": sy.get("distiller_step")}
     steps |= {f"ESamp step ({m})": c for m, c in sy.get("consumer_step", {}).items()}
-    rows += [[f"host syncs, {k}", sum(c[-1].values())] for k, c in steps.items() if c is not None]
+    for k, c in steps.items():
+        if c is None:
+            continue
+        if not (isinstance(c, list) and c and isinstance(c[-1], dict)):
+            raise ValueError(f"syncs of the {k}: expected a list of counts per step, got {c!r}")
+        rows.append([f"host syncs, {k}", sum(c[-1].values())])
     search = sy.get("candidate_search") or {}
     rows += [
         [f"host syncs, {k} candidate search", sum(v.values())]

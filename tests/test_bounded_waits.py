@@ -2,7 +2,7 @@
 ``get``, ``join``, ``wait``, ``acquire``, ``result`` or ``communicate`` without a timeout, or a
 ``subprocess.run``-style call without a timeout, or a read of a pipe (a loop over it or its
 ``readline``), or an awaited call to the engine (``rpc``, ``rpc_all``, ``collective_rpc``,
-``call_utility_all_async``) not under ``asyncio.wait_for``, is refused unless a ``bounded:``
+``call_utility_all_async``, ``call_all``) not under ``asyncio.wait_for``, is refused unless a ``bounded:``
 comment on its line or the line above says what bounds it. Other awaits (ASGI ``receive`` and
 ``send``, the app) are the client's pace, not a wait of ours."""
 

@@ -16,7 +16,7 @@ import pytest
 from serve_util import free_port
 
 from tllm_core.vllm_bridge import nodes
-from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.errors import EngineNoAnswer, UnsupportedEngineError
 
 STATS = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
 ESAMP = {**STATS, "consumers": [{"name": "esamp"}]}
@@ -201,6 +201,13 @@ def test_the_leader_checks_every_engine_and_refuses_a_differing_one():
     with pytest.raises(UnsupportedEngineError, match=r"is tllm off on its node\? leader") as e:
         asyncio.run(nodes.check_followers(_client(1), no_tllm, STATS))
     assert '"name": "stats"' in str(e.value)
+
+    async def slow(client, method, *args):  # serving.answered past its bound
+        raise EngineNoAnswer(f"the engine did not answer {method!r} in 0.5 s")
+
+    # A slow engine is not one without tllm: the start fails naming the call, not the setup.
+    with pytest.raises(EngineNoAnswer, match="did not answer 'tllm_join_leader' in 0.5 s"):
+        asyncio.run(nodes.check_followers(_client(1), slow, STATS))
 
 
 def test_the_worker_compares_its_own_settings():

@@ -664,4 +664,4 @@ def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine
             state.tllm_http_close.cancel()
 
     with pytest.raises(EngineNoAnswer, match=r"did not answer 'tllm_status' in 0.2 s"):
-        asyncio.run(start())
+        asyncio.run(asyncio.wait_for(start(), 60))  # 60 s: the test's own bound

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import threading
 import time
@@ -217,12 +218,15 @@ def _late_controls(client) -> dict:
     return {k: body[k] for k in ("controls_pending", "controls_unconfirmed")}
 
 
-def test_a_control_answered_after_its_504_is_adopted_before_the_next_one():
+def test_a_control_answered_after_its_504_is_adopted_before_the_next_one(monkeypatch):
     """The engine applies a control call after the route gave up (504): the front end adopts
     its config when the answer comes, and refuses later control calls until then (503), so
     that it never checks requests against a config the engine no longer has."""
     from tllm_core.runtime.settings import ServerSettings
+    from tllm_core.vllm_bridge import serving
 
+    # The late answer is waited for 30 s: a loaded machine does not end the wait mid-test.
+    monkeypatch.setattr(serving, "LATE_CONTROL_FACTOR", 100)
     answer = threading.Event()  # set by the test: the engine may answer
 
     async def until_answer():
@@ -262,8 +266,9 @@ def test_a_control_answered_after_its_504_is_adopted_before_the_next_one():
 def test_a_control_the_engine_never_answers_is_shown_unconfirmed_and_frees_the_route():
     from tllm_core.runtime.settings import ServerSettings
 
-    async def never():
-        await asyncio.Event().wait()  # bounded: the route's late wait cancels it
+    async def never():  # until the route's late wait cancels it
+        await asyncio.wait_for(asyncio.Event().wait(), 60)
+        raise TimeoutError("the route never gave up on a control call the engine did not answer")
 
     client, engine, consumer = _server(
         {"vectors": [], "open_layers": [1]},
@@ -284,3 +289,52 @@ def test_a_control_the_engine_never_answers_is_shown_unconfirmed_and_frees_the_r
             time.sleep(0.05)
     with pytest.raises(ValueError, match="no steering vector named 'calm'"):
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
+
+
+def test_a_control_route_cancelled_after_sending_still_adopts_the_engines_answer():
+    """The route's task is cancelled (a middleware, the server's shutdown) after the call went
+    to the engine: the engine may still apply it, so the front end waits for its answer too."""
+    from fastapi import Request
+
+    from tllm_core.runtime.settings import ServerSettings
+
+    answer = threading.Event()
+
+    async def until_answer():
+        for _ in range(3000):  # bounded: 30 s
+            if answer.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("the test never let the engine answer")
+
+    client, engine, consumer = _server(
+        {"vectors": [], "open_layers": [1]},
+        settings=ServerSettings(engine_answer_s=30),
+        control_wait=until_answer,
+    )
+    from tllm_core.vllm_bridge.serving import CONTROL_PATH
+
+    route = next(r for r in client.app.routes if getattr(r, "path", "") == CONTROL_PATH)
+
+    async def scenario():
+        body = json.dumps(_add("calm")).encode()
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": URL, "headers": [], "app": client.app}
+        call = asyncio.ensure_future(route.endpoint("steer", Request(scope, receive)))
+        await asyncio.sleep(0.3)  # the call has reached the engine
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert engine.configs["steer"].vectors == []
+        answer.set()
+        for _ in range(600):  # bounded: 30 s
+            if [v.name for v in engine.configs["steer"].vectors] == ["calm"]:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the cancelled route's call was never adopted")
+
+    asyncio.run(scenario())
+    assert [v.entry.name for v in consumer.vectors] == ["calm"]

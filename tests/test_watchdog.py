@@ -177,4 +177,6 @@ def test_health_fails_and_status_names_a_hung_consumer(tmp_path):
     assert s.status_code == 503
     hung = s.json()["hung"]
     assert (hung["consumer"], hung["callback"]) == ("hang", "on_bundle")
+    # what the front end knows without the engine: control actions still unanswered
+    assert s.json()["controls_pending"] == {} and s.json()["controls_unconfirmed"] == {}
     assert "/srv" not in s.text and hung["where"].endswith(":9 in on_bundle")  # path hidden

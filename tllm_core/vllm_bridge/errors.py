@@ -1,8 +1,12 @@
-"""The bridge's error type (its own module: every bridge module raises it)."""
+"""The bridge's error types (their own module: every bridge module raises them)."""
 
 
 class UnsupportedEngineError(RuntimeError):
     """vLLM version, runner or model layout the bridge does not support."""
+
+
+class EngineNoAnswer(RuntimeError):
+    """The engine did not answer a tllm call in time."""
 
 
 def vllm_value_errors() -> tuple[type[Exception], ...]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from tllm_core.runtime.environ import env_seconds
 from tllm_core.runtime.notes import NoteFile, named, write_once
-from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+from tllm_core.vllm_bridge.errors import EngineNoAnswer, UnsupportedEngineError
 
 log = logging.getLogger("vllm.tllm")
 
@@ -415,6 +415,8 @@ async def check_followers(
     try:
         # bounded: rpc is serving.answered, bounded by engine_answer_s
         answers = await rpc(engine_client, "tllm_join_leader", settings, endpoint)
+    except EngineNoAnswer:
+        raise  # a slow engine, not one without tllm: the error names the call
     except Exception as e:  # noqa: BLE001 - an engine without tllm has no such method
         raise UnsupportedEngineError(
             "an engine of this data-parallel server did not take the leader's tllm settings "

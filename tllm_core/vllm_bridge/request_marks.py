@@ -18,6 +18,7 @@ from typing import Any
 from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
+from tllm_core.vllm_bridge.errors import EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
 
@@ -36,10 +37,6 @@ STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is
 
 class ServerStopping(RuntimeError):
     """The server began to stop while a tllm route waited for its engine."""
-
-
-class EngineNoAnswer(RuntimeError):
-    """The engine did not answer a tllm route's call in time."""
 
 
 async def until_server_stops(app: Any, awaitable: Any, what: str, timeout: float) -> Any:

@@ -286,7 +286,12 @@ def attach_routes(
             out = await until_server_stops(
                 app, call, what, LATE_CONTROL_FACTOR * settings.engine_answer_s
             )
-            if not any("error" in o for o in out):
+            refused = [o["error"] for o in out if "error" in o]
+            if refused:
+                log.warning(
+                    "tllm: the engine refused %s %s after its 504: %s", name, action, refused
+                )
+            else:
                 server.configs[name] = new
         except Exception as e:  # the server stops, or the engine never answered
             unconfirmed[name] = action
@@ -341,6 +346,7 @@ def attach_routes(
                     "where": hung.where(),
                     "error": f"tllm: {hung.message()}; the engine stops itself",
                 },
+                **late_controls(),
             }
             return JSONResponse(shown(body), 503)
 
@@ -409,14 +415,19 @@ def attach_routes(
                     return ask("tllm_control", call=asyncio.shield(sent[0]))
 
                 late = "; the engine may still apply it, and then so does the server (see /tllm/status)"
-                out = await guarded(send, late)
-                if isinstance(out, JSONResponse):
-                    if out.status_code == 504:
+                out: Any = None
+                try:
+                    out = await guarded(send, late)
+                finally:
+                    # Sent but not answered here (504, the server stopping, the route
+                    # cancelled): the engine may still apply it, so its answer is adopted.
+                    if sent and not isinstance(out, list):
                         pending[name] = action
                         task = asyncio.ensure_future(adopt_late(sent[0], name, action, new))
                         late_tasks.add(task)
                         task.add_done_callback(late_tasks.discard)
                         handed_over = True
+                if isinstance(out, JSONResponse):
                     return out
                 failed = next((o for o in out if "error" in o), None)
                 if failed is not None:
