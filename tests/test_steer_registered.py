@@ -213,6 +213,19 @@ def _add(name: str) -> dict:
     return {"action": "add", "name": name, "layer": 1, "vector": [1.0] * H}
 
 
+def _until(answer: threading.Event) -> Any:
+    """The fake engine's wait before it applies a control call: until the test sets ``answer``."""
+
+    async def wait() -> None:
+        for _ in range(3000):  # bounded: 30 s
+            if answer.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise TimeoutError("the test never let the engine answer")
+
+    return wait
+
+
 def _late_controls(client) -> dict:
     body = client.get("/tllm/status", headers=AUTH).json()
     return {k: body[k] for k in ("controls_pending", "controls_unconfirmed")}
@@ -228,14 +241,7 @@ def test_a_control_answered_after_its_504_is_adopted_before_the_next_one(monkeyp
     # The late answer is waited for 30 s: a loaded machine does not end the wait mid-test.
     monkeypatch.setattr(serving, "LATE_CONTROL_FACTOR", 100)
     answer = threading.Event()  # set by the test: the engine may answer
-
-    async def until_answer():
-        for _ in range(3000):  # bounded: 30 s
-            if answer.is_set():
-                return
-            await asyncio.sleep(0.01)
-        raise TimeoutError("the test never let the engine answer")
-
+    until_answer = _until(answer)
     client, engine, consumer = _server(
         {"vectors": [], "open_layers": [1]},
         settings=ServerSettings(engine_answer_s=0.3),
@@ -299,14 +305,7 @@ def test_a_control_route_cancelled_after_sending_still_adopts_the_engines_answer
     from tllm_core.runtime.settings import ServerSettings
 
     answer = threading.Event()
-
-    async def until_answer():
-        for _ in range(3000):  # bounded: 30 s
-            if answer.is_set():
-                return
-            await asyncio.sleep(0.01)
-        raise TimeoutError("the test never let the engine answer")
-
+    until_answer = _until(answer)
     client, engine, consumer = _server(
         {"vectors": [], "open_layers": [1]},
         settings=ServerSettings(engine_answer_s=30),
