@@ -249,8 +249,9 @@ def attach_routes(
     settings = settings or ServerSettings()
 
     def ask(method: str, *args: Any, call: Any = None) -> Any:
-        """The workers' answers to ``method`` (``call``: an RPC already sent), bounded."""
-        call = call or rpc_all(app.state.tllm_engine_client, method, *args)
+        """The workers' answers to ``method`` (``call``: that RPC, already sent), bounded."""
+        if call is None:
+            call = rpc_all(app.state.tllm_engine_client, method, *args)
         return until_server_stops(app, call, repr(method), settings.engine_answer_s)
 
     def ask_workers():  # None while the engine is not up
@@ -500,17 +501,14 @@ async def init_state(
         max_result_bytes=mine.max_result_bytes,
         hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
+    ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(
-        engine_client.engine_core,
-        lambda method, ids: asyncio.wait_for(
-            rpc_all(engine_client, method, ids), mine.server.engine_answer_s
-        ),
+        engine_client.engine_core, lambda method, ids: ask_engine(engine_client, method, ids)
     )
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
     # watch this leader (nodes.py).
-    ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     await nodes.check_followers(engine_client, ask_engine, leader, watch)
     status = await ask_engine(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
