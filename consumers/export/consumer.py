@@ -15,7 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import report
-from consumers.export.requests import rows_to_write
+from consumers.export.requests import rows_to_write, sampled_tokens
 from consumers.export.writer import RecordWriter, output_layout
 from tllm_core import (
     Bundle,
@@ -188,11 +188,8 @@ class ExportConsumer(Consumer):
             if self.writer is not None:
                 self.writer.used, self.writer.closed = True, False
             self._take_rows(bundle)
-            srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
-            if srows is not None and ids is not None and len(srows):
-                # The sampled token's own position: one past its row's.
-                pos = np.asarray(srows.position, np.int64) + 1
-                self._note(srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy())
+            if (sampled := sampled_tokens(bundle)) is not None:
+                self._note(*sampled)
         # This thread's time per bundle (shard writes included: seconds_writing of it).
         self.counters.add("seconds_taking", time.perf_counter() - t)
 
@@ -217,12 +214,12 @@ class ExportConsumer(Consumer):
             t = bundle.hidden.get(key)
             if t is None:  # a tap the step did not write (see StaleTapError)
                 raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
-            if self.writer is None:
-                continue
-            # A key's row width is fixed by its first rows: the hidden size, or (router ports)
-            # the number of experts or top-k; floats are stored as the config's dtype.
-            dtype = self.dtype if t.is_floating_point() else torch.int64
-            width = self.writer.columns.setdefault(key, (int(t.shape[-1]), dtype))[0]
+            width = int(t.shape[-1])
+            if self.writer is not None:
+                # A key's row width is fixed by its first rows: the hidden size, or (router
+                # ports) the number of experts or top-k; floats are stored as the config's dtype.
+                dtype = self.dtype if t.is_floating_point() else torch.int64
+                width = self.writer.columns.setdefault(key, (width, dtype))[0]
             if t.shape != (n, width):
                 raise ValueError(
                     f"export: {key!r} has shape {tuple(t.shape)}, expected ({n}, {width})"

@@ -11,9 +11,10 @@ import os
 from typing import IO, Any
 
 import numpy as np
+import torch
 
 from consumers.export import format as fmt
-from tllm_core import Counters, Phase, RowInfo, row_mask, window_text
+from tllm_core import Counters, Phase, RequestInfo, RowInfo, row_mask, window_text
 
 
 class RequestTokens:
@@ -86,6 +87,16 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
     if skipped:
         counters.add("rows_skipped_recomputed", skipped)
     return wanted & ~recomputed
+
+
+def sampled_tokens(bundle: Any) -> tuple[list[RequestInfo], np.ndarray, np.ndarray] | None:
+    """A bundle's sampled tokens as ``(requests, positions, token ids)``, each at the sampled
+    token's own position (one past its row's); None when it has none."""
+    srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
+    if srows is None or ids is None or not len(srows):
+        return None
+    pos = np.asarray(srows.position, np.int64) + 1
+    return srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy()
 
 
 class RequestTable:

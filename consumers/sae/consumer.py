@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from consumers.export.requests import rows_to_write
+from consumers.export.requests import rows_to_write, sampled_tokens
 from consumers.export.writer import output_layout
 from consumers.sae.config import SaeConfig, SaeRequest, edit_port, parse_site, read_port
 from consumers.sae.features import FeatureWriter, bytes_per_row
@@ -210,10 +210,8 @@ class SaeConsumer(Consumer):
             if x is None:  # a tap the step did not write (see StaleTapError)
                 raise ValueError(f"sae: bundle lacks {self.key!r} (has {sorted(bundle.hidden)})")
             self._encode(bundle.rows, x)
-        srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
-        if self.writer is not None and srows is not None and ids is not None and len(srows):
-            pos = np.asarray(srows.position, np.int64) + 1  # the sampled token's own position
-            self._note_tokens(srows.requests, pos, ids.detach().to("cpu", torch.int64).numpy())
+        if self.writer is not None and (sampled := sampled_tokens(bundle)) is not None:
+            self._note_tokens(*sampled)
 
     def _encode(self, rows: RowInfo, x: torch.Tensor) -> None:
         n = len(rows)
