@@ -26,6 +26,8 @@ SyncSampled = Callable[[torch.Tensor], None] | None
 
 # Read once the weights are loaded (``runner.model`` exists only then).
 LOADED_MODEL_ATTRS = ("model.compute_logits",)
+# Below this a temperature means greedy (vLLM's sampling epsilon).
+_GREEDY_EPS = 1e-5
 # What every adapter reads or wraps on its runner (this base and the step wrappers).
 COMMON_ATTRS = (
     "execute_model",
@@ -286,16 +288,12 @@ class V1RunnerAdapter(RunnerAdapterBase):
             temp = md.temperature[:n] if md.temperature is not None else torch.ones(n)
             # From the host copy of the temperatures: reading md.temperature would sync.
             ib = self.runner.input_batch
-            is_random = np.ones(n, bool) if md.all_random else ib.temperature_cpu[:n] >= 1e-5
+            is_random = np.ones(n, bool) if md.all_random else ib.temperature_cpu[:n] >= _GREEDY_EPS
             if events.guide(cand, temp, is_random, filters or self._min_p_active()):
                 return orig(cand, generators, None, None)
             return orig(logits, generators, k, p)
 
         return forward
-
-
-# Below this a temperature means greedy (vLLM's sampling epsilon).
-_GREEDY_EPS = 1e-5
 
 
 class V2RunnerAdapter(RunnerAdapterBase):
