@@ -131,8 +131,10 @@ def vanilla_temperatures(p: argparse.ArgumentParser, spec: str | None) -> list[d
             p.error(f"--vanilla-temps: not a number: {raw!r}")
         if not t > 0:
             p.error(f"--vanilla-temps: temperatures must be > 0, got {t}")
-        out.append({"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t})
-    return [m | {"consumers": []} for m in out]
+        out.append(
+            {"name": f"vanilla_t{t:g}", "kind": "vanilla_t", "temperature": t, "consumers": []}
+        )
+    return out
 
 
 def select_methods(

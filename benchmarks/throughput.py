@@ -571,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = args.prompts * args.n * args.max_tokens
     out_cases: dict[str, Any] = {}
     failures: list[str] = []
+    plain_growth = median(runs["plain"], growth)
     for case in cases:
         rs, last, paired = runs[case], runs[case][-1], method == "paired" and case != "plain"
         # the plain runs paired with this case (all plain runs for the other methods)
@@ -607,8 +608,8 @@ def main(argv: list[str] | None = None) -> int:
             "consumers": CASES[case].public if case in CASES else [case],
             "start_s": median(rs, lambda x: x["start_s"]),
             "peak_rss_mib": median(rs, lambda x: x["peak_rss_mib"]),
-            "peak_growth_mib": median(rs, growth),
-            "extra_peak_rss_mib": median(rs, growth) - median(runs["plain"], growth),
+            "peak_growth_mib": (grown := median(rs, growth)),
+            "extra_peak_rss_mib": grown - plain_growth,
             "tokens": last["tokens"],
             "counters": last["counters"],
             "errors": last["errors"],
