@@ -308,9 +308,14 @@ def test_a_killed_engine_core_is_named_and_every_wait_on_it_ends():
             os.unlink(kmp)
 
 
-def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death():
+@pytest.mark.parametrize("kernel_lists", [True, False], ids=["proc-children", "no-proc-children"])
+def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death(kernel_lists, monkeypatch):
+    from tllm_core.vllm_bridge import engine_watch
     from tllm_core.vllm_bridge.engine_watch import EngineWatch
 
+    if kernel_lists and not engine_watch.KERNEL_CHILDREN:
+        pytest.skip("this kernel keeps no /proc/PID/task/TID/children lists")
+    monkeypatch.setattr(engine_watch, "KERNEL_CHILDREN", kernel_lists)  # False: psutil's scan
     core, proc = _fake_client()
     (worker,) = _kids(proc.pid)
     watch = EngineWatch(core).start()
