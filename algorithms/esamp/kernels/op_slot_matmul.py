@@ -121,9 +121,10 @@ def slot_matmul_launch(
         return None
     block_m = rows_block(rows)
     tiles = cdiv(rows, block_m) * cdiv(n, block_n)
-    if split_k == 0:
-        outputs = 1 if reduce_e else e
-        split_k = auto_split_k(tiles * groups * outputs, k, block_k, x.device)
+    if split_k == 0:  # about two programs per SM (every SM must stream weights)
+        programs = tiles * groups * (1 if reduce_e else e)
+        want = cdiv(2 * triton_impl()._sm_count(x.device), max(programs, 1))
+        split_k = max(1, min(want, cdiv(k, block_k), 32))
     # w[s, e] as a [K, N] operand: transpose_w reads w [S, E, N, K] with its strides swapped.
     s_ws, s_we, s_w1, s_w2 = w4.stride()
     s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
@@ -145,13 +146,6 @@ def slot_matmul_launch(
     )
     grid = (tiles, groups, split_k * (1 if reduce_e else e))
     return Launch("slot_matmul", grid, args, consts, num_warps)
-
-
-def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Enough K-splits for about two programs per SM (every SM must stream weights)."""
-    chunks = cdiv(k, block_k)
-    want = cdiv(2 * triton_impl()._sm_count(device), max(tiles, 1))
-    return max(1, min(want, chunks, 32))
 
 
 def run_triton(
