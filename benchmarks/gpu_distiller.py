@@ -139,7 +139,6 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     d = make(variant, args, device)
     slots, x, t = distiller_inputs(args, device)
     slots = torch.tensor([d.alloc() for _ in range(args.groups)])[slots]
-    same_rows = {"rows_id": "step"} if d.takes_rows_id else {}  # as ESamp names them
 
     def step(**same: Any) -> None:
         d.predict(slots, x, **same)
@@ -148,9 +147,9 @@ def bench_distiller(variant: str, args, device) -> dict[str, float]:
     cases = {
         "predict_us": lambda: d.predict(slots, x),
         "train_us": lambda: d.train_step(slots, x, t),
-        "step_us": lambda: step(**same_rows),
+        "step_us": lambda: step(rows_id="step"),  # as ESamp names them
     }
-    if d.takes_rows_id:
+    if not isinstance(d, GroupedDistiller):  # the CPU path compares the rows: always reuses
         cases["step_rerun_forward_us"] = step
     a = (args.iters, device, args.warmup, args.repeats, d.synchronize)
     res = {name: time_us(fn, *a) for name, fn in cases.items()}

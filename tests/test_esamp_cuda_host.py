@@ -250,7 +250,7 @@ def test_the_consumer_reuses_the_guidance_forward_for_the_same_rows_only(monkeyp
     parameters equal, bit for bit, those of a consumer that never reuses."""
     r = 8
     consumers = [_esamp_on_cpu_cuda(monkeypatch, r) for _ in range(2)]
-    consumers[1][0].distiller.takes_rows_id = False  # never names rows: never reuses
+    consumers[1][0].distiller._key = lambda *a: None  # never names rows: never reuses
     greedy = np.ones(r, bool)
     greedy[3] = False
     plan = [np.ones(r, bool), np.ones(r, bool), greedy, np.ones(r, bool)]

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algorithms.esamp import graph_update
-from algorithms.esamp.graph_update import slot_grad_adam_, slot_matmul
+from algorithms.esamp import graph_update, kernels
+from algorithms.esamp.graph_update import slot_matmul
 from algorithms.esamp.mlp import (
     batched_mm,
     forward_acts,
@@ -121,7 +121,7 @@ def test_train_groups_launches_and_leaves_other_slots(reduction, stacked):
     before = [t.clone() for t in ours]
     applied = torch.zeros(SLOTS, dtype=torch.long)
     gs = torch.tensor(GROUP_SLOT)
-    adam = _Counted(slot_grad_adam_)
+    adam = _Counted(kernels.grad_adam)
     ops = (slot_matmul, adam)
     for seed in range(2):
         xp, tp, mask = _rows(seed)

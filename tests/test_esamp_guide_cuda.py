@@ -70,7 +70,7 @@ def test_guided_logits_equal_the_spec_mix(cuda, mode, mix):
     view.commit()
     guided = torch.arange(r - 1)  # the greedy row is not predicted
     slots = torch.tensor([c.groups.by_key[q.request_id].slot for q in reqs[: r - 1]])
-    f = c.shared.predict(slots, hidden["layer.0"][guided]).double()
+    f = c.distiller.predict(slots, hidden["layer.0"][guided]).double()
     b = torch.tensor([0.7, 0.7, 1.5, 0.7, 0.0], dtype=torch.float64)[:, None]
     t = temp[guided].double()[:, None]
     wd, ref = w.double(), logits[guided].double()

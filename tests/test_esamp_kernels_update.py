@@ -7,7 +7,9 @@ kernel run by Triton's interpreter (skipped without Triton)."""
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 from types import SimpleNamespace
 
 import pytest
@@ -237,6 +239,47 @@ def test_bad_input_names_the_argument():
             vec, col, slots, mask, torch.zeros(3), None, vec, vec.bool(), vec, vec,
             grad_clip=1.0, clip_eps=0.0,
         )  # fmt: skip
+
+
+def test_every_launch_refuses_an_unknown_precision():
+    """Launches are built directly too (the sm_90 compile checks, the interpreter tests): each
+    launcher that takes a precision refuses an unknown one (one check, in Launch)."""
+    g, rows, i, h = 2, 4, 3, 5
+    dp, hid, w = torch.zeros(g, rows, i), torch.zeros(g, rows, h), torch.zeros(2, i, h)
+    slots, vec, parts = torch.zeros(g, dtype=torch.long), torch.zeros(g), torch.zeros(g, 1)
+    builds = {
+        "block_backward": lambda p: op_block_backward.block_backward_launch(
+            dp, dp, dp, dp, dp, hid, hid, dp, dp, parts, p
+        ),
+        "slot_matmul": lambda p: op_slot_matmul.slot_matmul_launch(
+            hid, w, slots, dp.clone(), True, p, 1
+        ),
+        "grad_adam": lambda p: op_grad_adam.grad_adam_launch(
+            dp, hid, vec, slots, vec.bool(), torch.ones(2), w, w, w, 1e-3, 0.9, 0.999, 1e-8, p
+        ),
+    }
+    for name, build in builds.items():
+        assert build("tf32").constexprs["INPUT_PRECISION"] == "tf32", name
+        with pytest.raises(ValueError, match="'fp16' is not one of ieee, tf32, tf32x3"):
+            build("fp16")
+
+
+def test_the_checks_build_no_message_for_good_arguments():
+    """The op checks run on every eager call: an error message (an f-string) is formatted only
+    where a check fails, inside the ``if`` that raises (``_expect`` takes a format and args)."""
+    from algorithms.esamp.kernels import checks, ops
+
+    for module in (checks, *ops.OP_MODULES):
+        for fn in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(fn, ast.FunctionDef) or fn.name == "_shape":  # failures' only
+                continue
+            if module is not checks and not fn.name.startswith("check_"):
+                continue
+            raising = [n for n in ast.walk(fn) if isinstance(n, ast.If)]
+            raising = [n for n in raising if any(isinstance(s, ast.Raise) for s in n.body)]
+            lazy = {id(x) for n in raising for s in n.body for x in ast.walk(s)}
+            eager = [n for n in ast.walk(fn) if isinstance(n, ast.JoinedStr) and id(n) not in lazy]
+            assert not eager, f"{module.__name__}.{fn.name}: {ast.unparse(eager[0])}"
 
 
 def test_meta_tensors_run_the_fake_impls_and_state_their_bytes():

@@ -109,7 +109,7 @@ def test_plan_estimates_bound_the_measured_workspace():
         y = y if add is None else y + add
         return y if out is None else out.copy_(y)
 
-    ops = (dense_mm, lambda *a: None)
+    ops = (dense_mm, lambda *a, **kw: None)
 
     def update():
         with torch.inference_mode(False):

@@ -132,11 +132,8 @@ def _interpreted() -> SimpleNamespace:
         )
         return out
 
-    def adam(w, m, v, a, b, gs, step, ok, scale, hp, precision="ieee"):
-        op_grad_adam.run_triton(
-            a, b, scale, gs, ok, step, w, m, v, hp.lr, *hp.betas, hp.eps,
-            kernels=jit, block_n=8, block_k=16,
-        )  # fmt: skip
+    def adam(*args, lr, betas, eps, input_precision="ieee"):
+        op_grad_adam.run_triton(*args, lr, *betas, eps, kernels=jit, block_n=8, block_k=16)
 
     kernels = SimpleNamespace(
         silu_mul=functools.partial(op_silu_mul.run_triton, kernels=jit, block_m=4, block_i=8),

@@ -67,13 +67,13 @@ def test_zero_output_untrained_is_pure_sharpening_and_learns_like_reference():
     for step in range(3):
         c.on_bundle(Bundle(step, rows, hidden))
         ref.train_step(slots, x, t + x)
-    got = c.shared.predict(torch.tensor([c.groups.by_key["r0"].slot] * 2), x)
+    got = c.distiller.predict(torch.tensor([c.groups.by_key["r0"].slot] * 2), x)
     torch.testing.assert_close(got, ref.predict(slots, x) - x)
     assert not torch.equal(got, torch.zeros_like(got))  # it learned something
     # ... and the paper init would not start at zero.
     p = fake.consumer()
     p.guide(fake.view(rows, hidden, logits))
-    assert not torch.allclose(p.shared.predict(torch.tensor([0, 0]), x), torch.zeros_like(x))
+    assert not torch.allclose(p.distiller.predict(torch.tensor([0, 0]), x), torch.zeros_like(x))
 
 
 # -- warm start on prefill rows --------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_fit_schedule_beta_follows_the_groups_error_average(cuda):
         v = fake.view(rows, hidden, logits, temp=temp)
         slots = torch.tensor([c.groups.by_key[f"r{i}"].slot for i in range(2)] if step else [0, 1])
         c.guide(v)
-        f = c.shared.predict(slots, x)
+        f = c.distiller.predict(slots, x)
         expect = _mixed_as(logits, f, fake.w, beta * (1 - err).clamp(0, 1), temp)
         torch.testing.assert_close(v.logits, expect)
         if step == 0:
@@ -281,7 +281,7 @@ def test_diagnostics_record_each_guided_row():
     for step in range(2):
         c.guide(fake.view(rows, hidden, logits))
         # The prediction the guidance just used (before this step's training).
-        f = c.shared.predict(torch.tensor([0, 0, 0]), hidden["layer.0"])
+        f = c.distiller.predict(torch.tensor([0, 0, 0]), hidden["layer.0"])
         c.on_bundle(Bundle(step, rows, hidden))
     d = c.result()["diagnostics"]
     json.dumps(d)

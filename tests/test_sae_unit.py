@@ -412,6 +412,27 @@ def test_steering_plans_scale_times_decoder_row_and_per_request_settings(tmp_pat
     assert c.writes()[0].layer == 2
 
 
+def test_a_steered_requests_first_edit_does_not_wait_for_the_device(tmp_path):
+    """A request's steering vector is made at its first edit, inside the engine's step: on the
+    fake CUDA device that edit reads nothing back and copies nothing from pageable memory
+    (the vector, and whether it is all zeros, come from the SAE's host copy)."""
+    from tllm_core.testing.fake_cuda import FakeCuda
+
+    c = make(tmp_path, site=-2, steer=[{"feature": 3, "scale": 2.0}])
+    own = req(1, tllm_sae_steer=json.dumps([{"feature": 5, "scale": -1.0}]))
+    zero = req(2, tllm_sae_steer=json.dumps([{"feature": 5, "scale": 0.0}]))
+    with FakeCuda() as fc:
+        c.sae_dev = c.sae.to(fc.device)  # as on a GPU (a meta model is the front end's dry build)
+        c._config_vector = c._vector(c.config.steer)
+        rows = rows_of([req(0), own, zero], [0, 0, 0])
+        plan = EditPlan(rows, {"layer.2": "residual.2"}, D_IN)
+        with fc.step():
+            c.edit(rows, plan)
+    assert fc.findings(kind="host_wait") == fc.findings(kind="pageable_copy") == []
+    ((r, kind, value),) = plan.ops["layer.2"]
+    assert r.tolist() == [0, 1] and value.device == fc.device  # the all-zero one: not planned
+
+
 CONFIG_ERRORS = [
     ({"site": 9}, "out of range"),
     ({"steer": [{"feature": D_SAE, "scale": 1.0}]}, f"the SAE has {D_SAE} features"),

@@ -178,7 +178,7 @@ class GroupedDistiller(SlotDistiller):
             self._side.close()
             self._side = None
 
-    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
         pk = make_packing(slots)
         if not pk.slots.size:
             return torch.zeros(0, self.shape.hidden_size, device=x.device)

@@ -215,7 +215,6 @@ def _matmul_precision(tf32: bool) -> Iterator[None]:
 
 class CudaGroupedDistiller(SlotDistiller):
     growable = False  # the graphs and the memory profile hold the state's storage
-    takes_rows_id = True
     asynchronous = True
 
     def __init__(

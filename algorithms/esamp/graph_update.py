@@ -39,26 +39,6 @@ def slot_matmul(
     )
 
 
-def slot_grad_adam_(
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    group_slot: torch.Tensor,
-    step: torch.Tensor,
-    ok: torch.Tensor,
-    scale: torch.Tensor,
-    hp: AdamHyper,
-    precision: str = "ieee",
-) -> None:
-    """:func:`algorithms.esamp.kernels.grad_adam` with ``hp``'s Adam settings."""
-    kernels.grad_adam(
-        a, b, scale, group_slot, ok, step, w, m, v,
-        lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision,
-    )  # fmt: skip
-
-
 def slots_bound(mm: Callable[..., torch.Tensor], group_slot: torch.Tensor) -> MatMul:
     """``mm`` (as :func:`slot_matmul`) with ``group_slot`` bound: the :data:`MatMul` of
     :func:`~algorithms.esamp.mlp.forward_slots`."""
@@ -86,11 +66,9 @@ def train_groups(
     (-1: padding) of ``theta``/``m``/``v``/``step``; returns ``(losses [G], updated [G])``.
     ``xp``/``tp [G, M, H]`` hold the rows ``mask`` marks; non-finite groups keep their state.
     ``applied``: counted per slot; ``stats``: filled with ``hp.stats``; ``ops``: the slot
-    product and Adam; ``forward``: the prediction's, when kept."""
-    mm, grad_adam_ = ops or (
-        partial(slot_matmul, precision=precision),
-        partial(slot_grad_adam_, precision=precision),
-    )
+    product and Adam (as ``kernels.grad_adam``); ``forward``: the prediction's, when kept."""
+    mm, grad_adam = ops or (partial(slot_matmul, precision=precision), kernels.grad_adam)
+    adam = dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision)
     with torch.no_grad():
         gs = group_slot
         slot_mm = slots_bound(mm, gs)
@@ -111,7 +89,7 @@ def train_groups(
         )  # fmt: skip
         for blk, k, a_f, b_f in factors:
             w, mm_, vv = (factor_weights(t, shape, blk, k) for t in (theta, m, v))
-            grad_adam_(w, mm_, vv, a_f, b_f, gs, step, ok, scale, hp)
+            grad_adam(a_f, b_f, scale, gs, ok, step, w, mm_, vv, **adam)
         if stats is not None and hp.stats:
             idx = gs.clamp(min=0)
             mo, vo = (t.index_select(0, idx).float() for t in (m, v))

@@ -361,7 +361,7 @@ class Guide:
         """``f(h_1)`` (or its noise stand-in) for rows ``sel`` and, with 'fit' or
         diagnostics, each row's relative error."""
         s, ablation, ws = self.s, self.s.cfg.ablation, self.ws
-        f = f_real = s.predict(
+        f = f_real = s.distiller.predict(
             torch.tensor(slots, dtype=torch.long),
             rows(view.hidden(s.src_key), "x"),
             rows_id(view.step, view.rows, sel),  # the update of the same rows reuses its forward

@@ -123,14 +123,6 @@ class Shared:
     # index of a step that takes every row in order is a view of it (see row_index).
     arange: torch.Tensor | None = None
 
-    def rows_kw(self, rows: object) -> dict:
-        """The keyword naming the rows (:func:`rows_id`) for a distiller that takes it."""
-        return {"rows_id": rows} if self.distiller.takes_rows_id else {}
-
-    def predict(self, slots: torch.Tensor, x: torch.Tensor, rows: object = None) -> torch.Tensor:
-        """The distiller's prediction of rows named ``rows`` (:func:`rows_id`)."""
-        return self.distiller.predict(slots, x, **self.rows_kw(rows))
-
 
 def rows_id(step: int, rows: RowInfo, sel: list[int]) -> tuple[int, bytes]:
     """A name for the step's rows ``sel``, the same in a guide view and the step's bundle."""

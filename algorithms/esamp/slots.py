@@ -79,8 +79,6 @@ class SlotDistiller:
     graph_failures = 0  # CUDA only: update graphs whose capture failed
     eager_updates = 0  # CUDA only: update steps run without a captured graph
     updates_reusing_prediction = 0  # CUDA only: update runs on the prediction's forward
-    # True: predict and train_step take ``rows_id`` (CUDA; the CPU path compares the rows).
-    takes_rows_id = False
 
     def __init__(
         self,
@@ -212,8 +210,9 @@ class SlotDistiller:
             raise ValueError(f"slots {dead} are not live (live: {self.live_slots})")
 
     # -- math (device-specific parts in the subclasses) ---------------------------------
-    def predict(self, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``."""
+    def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
+        """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``; a
+        :meth:`train_step` of the same ``rows_id`` may reuse its forward (CPU: rows compared)."""
         raise NotImplementedError
 
     def train_step(
@@ -225,7 +224,7 @@ class SlotDistiller:
         row_errors: bool = False,
     ) -> TrainResult:
         """One Adam step per group present, on its rows; non-finite groups are skipped.
-        ``row_errors``: also each row's error before the update; ``rows_id``: takes_rows_id."""
+        ``row_errors``: also each row's error before the update; ``rows_id``: as predict's."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)

@@ -300,10 +300,8 @@ class Trainer:
         idx = row_index(sel, src.device, self.s.arange)
         x = select_rows(src, sel, idx)
         target = select_rows(tgt, sel, idx)
-        train, kw = self.s.distiller.train_step, self.s.rows_kw(rows)
-        return [
-            train(slot_t, x, target, row_errors=row_errors and k == 0, **kw) for k in range(steps)
-        ]
+        train = self.s.distiller.train_step
+        return [train(slot_t, x, target, rows, row_errors and k == 0) for k in range(steps)]
 
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""

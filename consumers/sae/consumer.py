@@ -34,6 +34,7 @@ from tllm_core import (
     WritePort,
     array_json_bytes,
     as_selector,
+    host_to_device,
     request_runs,
     window_rows,
 )
@@ -119,11 +120,11 @@ class SaeConsumer(Consumer):
 
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
         """``sum(scale * W_dec[feature])`` over the ``scale`` entries, in the model's dtype (None:
-        there is none); W_dec[f] is what a unit of feature f adds."""
-        vs = [
-            e.scale * self.sae_dev.W_dec[e.feature].float() for e in entries if e.scale is not None
-        ]
-        return sum(vs[1:], vs[0]).to(self.context.model.dtype) if vs else None
+        none, or all zeros: it changes nothing); W_dec[f] is what a unit of feature f adds. Made
+        on the host copy and sent without a wait: a request's first edit is in the engine's step."""
+        vs = [e.scale * self.sae.W_dec[e.feature] for e in entries if e.scale is not None]
+        v = sum(vs[1:], vs[0]).to(self.context.model.dtype) if vs else None
+        return host_to_device(v, self.sae_dev.W_dec.device) if v is not None and v.any() else None
 
     def describe(self) -> dict[str, Any]:
         """What the feature manifest says about the SAE."""
@@ -154,8 +155,6 @@ class SaeConsumer(Consumer):
                 got = (None, False, False)
             else:
                 vec = self._config_vector if s.steer is None else self._vector(s.steer)
-                if vec is not None and not bool(vec.any()):
-                    vec = None  # all zeros (scale 0) changes nothing: not planned, not counted
                 clamped = self._clamp is not None and s.steer is None
                 got = (vec, clamped, self.writer is not None and s.record is not False)
             self._plans[req.engine_id] = got

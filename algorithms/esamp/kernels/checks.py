@@ -33,14 +33,16 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors on different devices: {devices}")
 
 
-def _expect(name: str, t: torch.Tensor, ok: bool, want: str) -> None:
-    """Raise ``ValueError`` ``{name} must be {want}, got {t's shape and dtype}`` unless ``ok``."""
+def _expect(name: str, t: torch.Tensor, ok: bool, want: str, *args: object) -> None:
+    """Unless ``ok``, raise ``ValueError`` "NAME must be WANT.format(*ARGS), got SHAPE DTYPE"
+    (a tuple as ``[a, b]``); formatted only then, as the checks run on every eager call."""
     if not ok:
-        raise ValueError(f"{name} must be {want}, got {_shape(t)}")
+        args = ["[" + ", ".join(map(str, a)) + "]" if isinstance(a, tuple) else a for a in args]
+        raise ValueError(f"{name} must be {want.format(*args)}, got {_shape(t)}")
 
 
 def _group_vector(name: str, t: torch.Tensor, groups: int) -> None:
-    _expect(name, t, t.dim() == 1 and t.shape[0] == groups, f"[{groups}]")
+    _expect(name, t, t.dim() == 1 and t.shape[0] == groups, "[{}]", groups)
 
 
 def _slot_vector(group_slot: torch.Tensor, groups: int) -> None:
@@ -68,4 +70,4 @@ def norm_parts(rows: int, hidden: int = 0) -> int:
 
 def _fp32(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
     ok = tuple(t.shape) == shape and t.dtype == torch.float32
-    _expect(name, t, ok, f"{list(shape)} fp32 ({what})")
+    _expect(name, t, ok, "{} fp32 ({})", shape, what)

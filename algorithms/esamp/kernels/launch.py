@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from algorithms.esamp.kernels.checks import check_precision
 from tllm_core import pow2_rows
 
 
@@ -48,6 +49,9 @@ class Launch:
     args: tuple[Any, ...]
     constexprs: dict[str, Any]
     num_warps: int
+
+    def __post_init__(self) -> None:  # every launcher's one check (tests launch directly)
+        check_precision(self.constexprs.get("INPUT_PRECISION", "ieee"))
 
     def run(self, kernels: SimpleNamespace | None = None) -> None:
         fn = getattr(kernels or triton_impl()._kernels(), self.kernel)

@@ -53,11 +53,11 @@ def check_block_backward(dp, a, u, s, p, h_in, dy, du, da, parts, input_precisio
     for name, t in (("a", a), ("u", u), ("s", s), ("p", p), ("du", du), ("da", da)):
         _fp32(name, t, tuple(dp.shape), "dp's shape")
     ok = h_in.dim() == 3 and h_in.dtype == torch.float32 and h_in.shape[:2] == dp.shape[:2]
-    _expect("h_in", h_in, ok, f"[{g}, {rows}, H] fp32")
+    _expect("h_in", h_in, ok, "[{}, {}, H] fp32", g, rows)
     _fp32("dy", dy, tuple(h_in.shape), "h_in's shape")
     need = norm_parts(rows)
     ok = parts.dim() == 2 and parts.shape[0] == g and parts.dtype == torch.float32
-    _expect("parts", parts, ok, f"[{g}, >= {need}] fp32")
+    _expect("parts", parts, ok, "[{}, >= {}] fp32", g, need)
     if parts.shape[1] < need:
         raise ValueError(
             f"parts must have >= {need} columns for {rows} rows (norm_parts), got {_shape(parts)}"
@@ -84,7 +84,6 @@ def block_backward_launch(
 ) -> Launch | None:  # fmt: skip
     """The block backward kernel's launch: one program per column of ``parts`` (a pair of
     row tiles and a share of H; unused columns written 0)."""
-    check_precision(input_precision)  # launched directly too (rehearsal, tests)
     groups, rows, _ = dp.shape
     if groups == 0:
         return None

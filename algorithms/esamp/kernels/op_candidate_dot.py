@@ -40,7 +40,7 @@ def check_candidate_dot(weight, f, rows, tokens, out) -> None:
     _expect("weight", weight, ok, "[V, H] float16, bfloat16 or float32")
     h = weight.shape[1]
     ok = f.dim() == 2 and f.dtype == torch.float32 and f.shape[1] == h
-    _expect("f", f, ok, f"[R, {h}] fp32 (H of weight)")
+    _expect("f", f, ok, "[R, {}] fp32 (H of weight)", h)
     # Rows are gathered as contiguous runs of H elements (vector loads on the GPU).
     for name, t in (("weight", weight), ("f", f)):
         if h > 1 and t.stride(1) != 1:
@@ -51,7 +51,7 @@ def check_candidate_dot(weight, f, rows, tokens, out) -> None:
     _expect("tokens", tokens, ok, "[N] int32 or int64")
     n = tokens.shape[0]
     ok = rows.dim() == 1 and rows.dtype in _SLOT_DTYPES and rows.shape[0] == n
-    _expect("rows", rows, ok, f"[{n}] int32 or int64 (one per token)")
+    _expect("rows", rows, ok, "[{}] int32 or int64 (one per token)", n)
     _fp32("out", out, (n,), "one per token")
     if n > 0 and (weight.shape[0] == 0 or f.shape[0] == 0):
         raise ValueError(f"{n} pairs index an empty table: weight {_shape(weight)}, f {_shape(f)}")

@@ -79,15 +79,14 @@ def check_grad_adam(
             f"b must be [{g}, {rows}, K]{also} fp32 (a is {_shape(a)}), got {_shape(b)}"
         )
     k = b.shape[-1]
-    mats = "" if e is None else f"{e}, "
-    ok_w = w.dim() == (3 if e is None else 4) and w.dtype == torch.float32
-    _expect("w", w, ok_w, f"[S, {mats}N, K] fp32")
+    dims = (n, k) if e is None else (e, n, k)  # a slot's
+    ok_w = w.dim() == len(dims) + 1 and w.dtype == torch.float32
+    _expect("w", w, ok_w, "{} fp32", ("S", *dims[:-2], "N", "K"))
     slots = w.shape[0]
-    ok_w = tuple(w.shape[1:]) == ((n, k) if e is None else (e, n, k))
-    _expect("w", w, ok_w, f"[S, {mats}{n}, {k}] (a^T b's shape)")
+    _expect("w", w, tuple(w.shape[1:]) == dims, "{} (a^T b's shape)", ("S", *dims))
     for name, t in (("m", m), ("v", v)):
-        ok_t = tuple(t.shape) == tuple(w.shape) and t.dtype in MOMENT_DTYPES
-        _expect(name, t, ok_t, f"{list(w.shape)} fp32 or bf16 (w's shape)")
+        ok_t = t.shape == w.shape and t.dtype in MOMENT_DTYPES
+        _expect(name, t, ok_t, "{} fp32 or bf16 (w's shape)", w.shape)
     _group_vector("scale", scale, g)
     _expect("scale", scale, scale.dtype == torch.float32, "fp32")
     _slot_vector(group_slot, g)
@@ -133,7 +132,6 @@ def grad_adam_launch(
     *, block_n: int = 32, block_k: int = 128, num_warps: int = 8,
 ) -> Launch | None:  # fmt: skip
     """The fused gradient + Adam kernel's launch (None: nothing to do)."""
-    check_precision(input_precision)
     # Several matrices of a slot (w [S, E, N, K]): one more grid axis; b may be shared by
     # all (3 dims) or cycle over fewer matrices than E.
     w, m, v = (t if t.dim() == 4 else t.unsqueeze(1) for t in (w, m, v))

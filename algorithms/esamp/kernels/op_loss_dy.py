@@ -56,10 +56,10 @@ def check_loss_dy(h, tp, mask, parts, dy, reduction) -> None:
     _fp32("tp", tp, tuple(h.shape), "h's shape")
     _fp32("dy", dy, tuple(h.shape), "h's shape")
     ok = parts.dim() == 2 and parts.shape[0] == g and parts.shape[1] >= 1
-    want = f"[{g}, L >= 1] fp32 (the loss parts)"
-    _expect("parts", parts, ok and parts.dtype == torch.float32, want)
+    want = "[{}, L >= 1] fp32 (the loss parts)"
+    _expect("parts", parts, ok and parts.dtype == torch.float32, want, g)
     ok = tuple(mask.shape) == (g, rows) and mask.dtype == torch.bool
-    _expect("mask", mask, ok, f"[{g}, {rows}] bool")
+    _expect("mask", mask, ok, "[{}, {}] bool", g, rows)
     loss_per_row(hidden, reduction)  # raises for another reduction
 
 

@@ -56,19 +56,19 @@ def check_slot_matmul(
     _same_device(x=x, w=w, group_slot=group_slot, out=out, **extra)
     layout = "[S, N, K]" if transpose_w else "[S, K, N]"
     ok = w.dim() in (3, 4) and w.dtype == torch.float32
-    _expect("w", w, ok, f"{layout} or [S, E, ...] fp32 (transpose_w={transpose_w})")
+    _expect("w", w, ok, "{} or [S, E, ...] fp32 (transpose_w={})", layout, transpose_w)
     e = w.shape[1] if w.dim() == 4 else None
     ok = x.dim() == 3 or (e is not None and x.dim() == 4 and x.shape[1] == e)
-    _expect("x", x, ok, "[G, M, K]" + ("" if e is None else f" or [G, {e}, M, K]") + " fp32")
-    _expect("x", x, x.dtype == torch.float32, "fp32")
+    want = "[G, M, K] fp32" if e is None else "[G, M, K] or [G, {}, M, K] fp32"
+    _expect("x", x, ok and x.dtype == torch.float32, want, e)
     g, rows, k = x.shape[0], x.shape[-2], x.shape[-1]
     w_k = w.shape[-1] if transpose_w else w.shape[-2]
     n = w.shape[-2] if transpose_w else w.shape[-1]
-    want = f"{layout} with K={k} (x's last dim; transpose_w={transpose_w})"
-    _expect("w", w, w_k == k, want)
+    want = "{} with K={} (x's last dim; transpose_w={})"
+    _expect("w", w, w_k == k, want, layout, k, transpose_w)
     shapes = [(g, rows, n)] + ([] if e is None else [(g, e, rows, n)])
     ok = tuple(out.shape) in shapes and out.dtype == torch.float32
-    _expect("out", out, ok, " or ".join(str(list(sh)) for sh in shapes) + " fp32")
+    _expect("out", out, ok, "{} fp32" if e is None else "{} or {} fp32", *shapes)
     if add is not None:
         _fp32("add", add, (g, rows, n), "the summed out")
     if add is not None and out.dim() != 3:
@@ -110,9 +110,6 @@ def slot_matmul_launch(
 ) -> Launch | None:  # fmt: skip
     """The slot-indexed matmul's launch (None: nothing to launch); with ``split_k > 1`` the
     kernel adds into ``out``, which must be zero first (:func:`run_triton` zeroes it)."""
-    check_precision(input_precision)  # launched directly too (rehearsal, tests)
-    if split_k < 0:
-        raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
     w4 = w if w.dim() == 4 else w.unsqueeze(1)
     e = w4.shape[1]
     x4 = x if x.dim() == 4 else x.unsqueeze(1).expand(x.shape[0], e, *x.shape[1:])
@@ -124,9 +121,10 @@ def slot_matmul_launch(
         return None
     block_m = rows_block(rows)
     tiles = cdiv(rows, block_m) * cdiv(n, block_n)
-    if split_k == 0:
-        outputs = 1 if reduce_e else e
-        split_k = auto_split_k(tiles * groups * outputs, k, block_k, x.device)
+    if split_k == 0:  # about two programs per SM (every SM must stream weights)
+        programs = tiles * groups * (1 if reduce_e else e)
+        want = cdiv(2 * triton_impl()._sm_count(x.device), max(programs, 1))
+        split_k = max(1, min(want, cdiv(k, block_k), 32))
     # w[s, e] as a [K, N] operand: transpose_w reads w [S, E, N, K] with its strides swapped.
     s_ws, s_we, s_w1, s_w2 = w4.stride()
     s_wk, s_wn = (s_w2, s_w1) if transpose_w else (s_w1, s_w2)
@@ -148,13 +146,6 @@ def slot_matmul_launch(
     )
     grid = (tiles, groups, split_k * (1 if reduce_e else e))
     return Launch("slot_matmul", grid, args, consts, num_warps)
-
-
-def auto_split_k(tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Enough K-splits for about two programs per SM (every SM must stream weights)."""
-    chunks = cdiv(k, block_k)
-    want = cdiv(2 * triton_impl()._sm_count(device), max(tiles, 1))
-    return max(1, min(want, chunks, 32))
 
 
 def run_triton(

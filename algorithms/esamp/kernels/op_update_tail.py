@@ -62,15 +62,14 @@ def check_update_tail(
     _expect("mask", mask, mask.dim() == 2 and mask.dtype == torch.bool, "[G, M] bool")
     g = mask.shape[0]
     for name, t in (("loss_parts", loss_parts), ("parts", parts)):
-        _expect(
-            name, t, t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32, f"[{g}, K] fp32"
-        )
+        ok_t = t.dim() == 2 and t.shape[0] == g and t.dtype == torch.float32
+        _expect(name, t, ok_t, "[{}, K] fp32", g)
     _slot_vector(group_slot, g)
     _expect("step", step, step.dim() == 1 and step.dtype == torch.float32, "[S] fp32")
     if applied is not None:
         same = tuple(applied.shape) == tuple(step.shape) and applied.dtype == torch.int64
-        _expect("applied", applied, same, f"{list(step.shape)} int64 (step's)")
-    _expect("ok", ok, tuple(ok.shape) == (g,) and ok.dtype == torch.bool, f"[{g}] bool")
+        _expect("applied", applied, same, "{} int64 (step's)", step.shape)
+    _expect("ok", ok, tuple(ok.shape) == (g,) and ok.dtype == torch.bool, "[{}] bool", g)
     for name, t in (("losses", losses), ("scale", scale), ("norm", norm)):
         _fp32(name, t, (g,), "one per group")
     if not clip_eps >= 0:
