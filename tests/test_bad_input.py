@@ -119,3 +119,57 @@ def test_python_api_fails_before_engine_start(tiny_model):
         TllmLLM(tiny_model, ['stats:{"layers": [-5]}'])
     with pytest.raises(ConsumerSpecError, match="unknown consumer"):
         TllmLLM(tiny_model, ["nope"])
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """``TllmLLM`` stops right after its input checks: check_version is its next step."""
+    import tllm_core.app.engine as engine
+
+    def passed(*a, **k):
+        raise AssertionError("the input checks passed (TllmLLM went on to check vLLM)")
+
+    monkeypatch.setattr(engine, "check_version", passed)
+    return engine
+
+
+@pytest.mark.parametrize(
+    "setting, bad",
+    [
+        ("queue_size", None),
+        ("overflow", None),
+        ("background_threads", None),
+        ("max_consecutive_failures", None),
+        ("queue_size", 0),
+        ("overflow", "spill"),
+        ("callback_deadline_s", 0),
+        ("close_deadline_s", float("nan")),
+    ],
+)
+def test_tllmllm_refuses_a_bad_setting_naming_it_before_anything_starts(no_engine, setting, bad):
+    """An explicit None is refused where the setting has no None meaning (pydantic's message,
+    as the engine and a server would give it), before vLLM or the default model."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        no_engine.TllmLLM(consumers=["stats"], **{setting: bad})
+    assert setting in str(e.value) and f"input_value={bad!r}" in str(e.value), str(e.value)
+
+
+def test_none_means_the_default_only_for_the_deadlines(no_engine):
+    """The deadlines document None as "the default" (TllmLLM's signature, --callback-deadline
+    not given); the same None for another setting is refused on every path."""
+    from pydantic import ValidationError
+
+    from tllm_core.runtime.settings import RuntimeSettings
+
+    checked = no_engine.validate_consumers(["stats"])
+    deadlines = dict.fromkeys(no_engine.NONE_IS_DEFAULT)
+    assert checked.settings(**deadlines) == RuntimeSettings(consumers=list(checked.specs))
+    for name, field in RuntimeSettings.model_fields.items():
+        if name == "consumers" or field.default is None or name in no_engine.NONE_IS_DEFAULT:
+            continue  # None is the default itself (fault_file, start_error_file), or a deadline's
+        with pytest.raises(ValidationError, match=name):
+            checked.settings(**{name: None})
+        with pytest.raises(ValidationError, match=name):  # a server's --additional-config
+            RuntimeSettings.model_validate({name: None})

@@ -46,6 +46,11 @@ log = logging.getLogger("tllm")
 DEATH_NOTICE_S = 2.0
 
 
+# The settings whose documented default is None (TllmLLM's, --callback-deadline's): the
+# field's own default. An explicit None for any other setting is refused, as on every path.
+NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
+
+
 @dataclass(frozen=True)
 class CheckedConsumers:
     """Consumer specs checked once in the front end (:func:`validate_consumers`)."""
@@ -61,8 +66,9 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers (None: the default)."""
-        given = {k: v for k, v in kwargs.items() if v is not None}
+        """The runtime settings sent to the engine with these consumers; None means the default
+        only for the deadlines (:data:`NONE_IS_DEFAULT`), elsewhere pydantic refuses it."""
+        given = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
         return RuntimeSettings(consumers=list(self.specs), **given)
 
 
@@ -185,9 +191,18 @@ class TllmLLM:
         close_deadline_s: float | None = None,
         **llm_kwargs: Any,
     ):
-        # Names and configs first: a bad one fails in about a second, before vLLM is
-        # imported (check_version) or the default model converted.
+        # Names, configs and settings first: a bad one fails in about a second, before vLLM
+        # is imported (check_version) or the default model converted.
         checked = validate_consumers(consumers)
+        self.settings = checked.settings(
+            queue_size=queue_size,
+            overflow=overflow,
+            background_threads=background_threads,
+            max_consecutive_failures=max_consecutive_failures,
+            callback_deadline_s=callback_deadline_s,
+            background_deadline_s=background_deadline_s,
+            close_deadline_s=close_deadline_s,
+        )
         check_version()
         llm_kwargs.setdefault("dtype", DEFAULT_DTYPE)  # as `tllm run` and ConsumerKit
         if model is None:
@@ -204,15 +219,6 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        self.settings = checked.settings(
-            queue_size=queue_size,
-            overflow=overflow,
-            background_threads=background_threads,
-            max_consecutive_failures=max_consecutive_failures,
-            callback_deadline_s=callback_deadline_s,
-            background_deadline_s=background_deadline_s,
-            close_deadline_s=close_deadline_s,
-        )
         world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
             llm_kwargs.get("pipeline_parallel_size") or 1
         )
