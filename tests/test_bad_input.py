@@ -173,3 +173,57 @@ def test_none_means_the_default_only_for_the_deadlines(no_engine):
             checked.settings(**{name: None})
         with pytest.raises(ValidationError, match=name):  # a server's --additional-config
             RuntimeSettings.model_validate({name: None})
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["run", "--callback-deadline", "0"], "callback_deadline_s must be > 0, got 0.0"),
+        (["export", "--callback-deadline", "inf"], "callback_deadline_s must be <= 86400, got inf"),
+        (["serve", "--callback-deadline", "x"], "callback_deadline_s must be a number, got 'x'"),
+        (["serve", "--hung-stop", "-1"], "hung_stop_s must be >= 0, got -1.0"),
+        (
+            ["serve", "--max-body-mib", "4096"],
+            "max_body_bytes must be <= 2147483648, got 4294967296",
+        ),
+        (["serve", "--max-result-kib", "3000000"], "max_result_bytes must be <= 2147483648, got"),
+    ],
+)
+def test_a_settings_flag_is_checked_by_its_settings_field_at_parsing(argv, says, run_cli):
+    """Each flag of a runtime setting is refused by the field's own constraints (the check
+    TllmLLM and a server's JSON get) when parsed: the flag, the setting, the value, what is
+    allowed, before anything loads (a too large --max-body-mib went on to the default model
+    and the dry build, then failed as pydantic's byte count only)."""
+    from tllm_core.runtime.settings import RuntimeSettings, ServerSettings
+
+    proc = run_cli(*argv, "--prompt", "x") if argv[0] != "serve" else run_cli(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    field = says.split()[0]
+    model = ServerSettings if field in ServerSettings.model_fields else RuntimeSettings
+    bounds = model.model_fields[field].metadata
+    assert f"argument {argv[1]}: {says}" in proc.stderr, proc.stderr[-2000:]
+    assert all(
+        str(getattr(b, a)) in proc.stderr
+        for b in bounds
+        for a in ("ge", "gt", "le")
+        if hasattr(b, a)
+    )
+
+
+def test_settings_flags_not_given_are_the_settings_defaults():
+    """The CLI path of the None rule: --callback-deadline not given is None, the default; every
+    other settings flag has the field's default or a value the field accepts."""
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.engine import validate_consumers
+    from tllm_core.runtime.settings import MIB, RuntimeSettings, ServerSettings
+
+    args = build_parser().parse_args(["serve", "--max-body-mib", "2048", "--max-result-kib", "1"])
+    assert args.callback_deadline is None
+    settings = validate_consumers([]).settings(
+        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB),
+        hung_stop_s=args.hung_stop,
+        max_result_bytes=args.max_result_kib * 1024,
+        callback_deadline_s=args.callback_deadline,
+    )
+    assert settings.callback_deadline_s == RuntimeSettings().callback_deadline_s == 120
+    assert settings.server.max_body_bytes == 2**31 and settings.max_result_bytes == 1024

@@ -224,7 +224,7 @@ _BOUNDS = MappingProxyType(
 )
 
 
-def _message(err: dict[str, Any]) -> str:
+def error_words(err: dict[str, Any]) -> str:
     kind = err["type"]
     ctx = {
         k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in (err.get("ctx") or {}).items()
@@ -276,7 +276,7 @@ def parse_request_settings(
             inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
             value = err.get("input") if inner else data.get(loc)
             raise ValueError(
-                f"{where}[{key!r}]{inner} {_message(err)}, got {short_repr(value)} "
+                f"{where}[{key!r}]{inner} {error_words(err)}, got {short_repr(value)} "
                 f"(allowed: {allowed(model.model_fields[loc])})"
             ) from None
         # A model-level check (several fields together): name every key that was given.

@@ -10,14 +10,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 if TYPE_CHECKING:
     from tllm_core.app.engine import ConsumersArg
 
-from tllm_core.api.request_settings import RESULTS_KEY
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
+from tllm_core.runtime.settings import RuntimeSettings
 
 
 class CliError(ValueError):
@@ -81,6 +84,31 @@ def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
     return parse
 
 
+def setting_arg(
+    field: str, unit: int = 1, model: type[BaseModel] = RuntimeSettings
+) -> Callable[[str], Any]:
+    """An argparse ``type`` checked by the settings field ``field`` itself, as ``TllmLLM`` and a
+    server's JSON are (one check, refused at parsing); the flag counts ``unit``s of it."""
+    info = model.model_fields[field]
+    number = TypeAdapter(info.annotation)
+    check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
+
+    def parse(text: str) -> Any:
+        got = repr(text)
+        try:
+            value = number.validate_strings(text)
+            got = str(value) if unit == 1 else f"{value * unit} ({text} x {unit})"
+            check.validate_python(value * unit)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(
+                f"{field} {error_words(e.errors()[0])}, got {got}; allowed: {allowed(info)}"
+            ) from None
+        return value
+
+    parse.__name__ = field  # argparse names the type in some messages
+    return parse
+
+
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
@@ -107,9 +135,9 @@ def add_model_args(g: Any) -> None:
     _add_count(
         g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
     )
-    g.add_argument(  # RuntimeSettings.callback_deadline_s checks it
+    g.add_argument(
         "--callback-deadline",
-        type=float,
+        type=setting_arg("callback_deadline_s"),
         default=None,
         metavar="S",
         help="longest run of one consumer callback on the engine thread before the watchdog "

@@ -332,13 +332,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--max-body-mib",
-        type=cli_common.int_at_least(1),
+        type=cli_common.setting_arg("max_body_bytes", MIB, ServerSettings),
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
     )
     s.add_argument(
         "--max-result-kib",
-        type=cli_common.int_at_least(1),
+        type=cli_common.setting_arg("max_result_bytes", 1024),
         default=16 * 1024,
         help="largest per-request result returned with a completion (vllm_xargs "
         "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
@@ -346,7 +346,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--hung-stop",
-        type=float,
+        type=cli_common.setting_arg("hung_stop_s"),
         default=HUNG_STOP_S,
         metavar="S",
         help="seconds the server goes on, /health failing, after a consumer callback passed its "
