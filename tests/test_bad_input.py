@@ -8,6 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 
@@ -227,3 +228,25 @@ def test_settings_flags_not_given_are_the_settings_defaults():
     )
     assert settings.callback_deadline_s == RuntimeSettings().callback_deadline_s == 120
     assert settings.server.max_body_bytes == 2**31 and settings.max_result_bytes == 1024
+
+
+@pytest.mark.parametrize(
+    "config, hint",
+    [
+        ({"beta": -1}, "0 leaves sampling bit-identical to vanilla"),
+        ({"grad_clip": 0}, "None disables clipping"),
+        ({"max_groups": 0}, "None = unlimited"),
+        ({"warm_start_steps": -1}, "0 = off"),
+        ({"fit_decay": 1}, "fit_decay: float, >= 0, < 1"),
+    ],
+)
+def test_a_bad_config_value_says_what_the_field_allows_and_means(config, hint):
+    """Field constraints replaced ESamp's hand-written errors ("beta must be >= 0 (0 disables
+    guidance)"): the error now carries the field's bounds and description, the words that say
+    what 0 or None means there (as `tllm consumers` lists them), for every consumer."""
+    from tllm_core.plugins.registry import ConsumerSpecError, Registry
+
+    with pytest.raises(ConsumerSpecError) as e:
+        Registry().check([ConsumerSpec(name="esamp", config=config)])
+    assert hint in str(e.value) and f"input_value={next(iter(config.values()))}" in str(e.value)
+    assert "unknown field" not in str(e.value)
