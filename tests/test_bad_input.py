@@ -250,3 +250,11 @@ def test_a_bad_config_value_says_what_the_field_allows_and_means(config, hint):
         Registry().check([ConsumerSpec(name="esamp", config=config)])
     assert hint in str(e.value) and f"input_value={next(iter(config.values()))}" in str(e.value)
     assert "unknown field" not in str(e.value)
+
+
+def test_tllmllm_refuses_its_own_settings_in_additional_config(no_engine):
+    """TllmLLM writes additional_config["tllm"] itself: one given there was silently replaced."""
+    with pytest.raises(ValueError, match=r"additional_config\['tllm'\] is set by TllmLLM"):
+        no_engine.TllmLLM(consumers=[], additional_config={"tllm": {"results_wait_s": 5}})
+    with pytest.raises(AssertionError, match="input checks passed"):  # vLLM's own keys pass
+        no_engine.TllmLLM(consumers=[], additional_config={"other": 1})

@@ -203,6 +203,11 @@ class TllmLLM:
             background_deadline_s=background_deadline_s,
             close_deadline_s=close_deadline_s,
         )
+        if ADDITIONAL_CONFIG_KEY in (llm_kwargs.get("additional_config") or {}):  # else lost
+            raise ValueError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set by TllmLLM from its "
+                "consumers and settings arguments; give them there"
+            )
         check_version()
         llm_kwargs.setdefault("dtype", DEFAULT_DTYPE)  # as `tllm run` and ConsumerKit
         if model is None:
