@@ -258,3 +258,29 @@ def test_tllmllm_refuses_its_own_settings_in_additional_config(no_engine):
         no_engine.TllmLLM(consumers=[], additional_config={"tllm": {"results_wait_s": 5}})
     with pytest.raises(AssertionError, match="input checks passed"):  # vLLM's own keys pass
         no_engine.TllmLLM(consumers=[], additional_config={"other": 1})
+
+
+@pytest.mark.parametrize(
+    "tllm, error, says",
+    [
+        ({"queue_size": 0}, "ValidationError", "queue_size"),
+        ({"consumers": [{"name": "esamp", "config": {"beta": -1}}]}, "ConsumerSpecError", "beta"),
+    ],
+)
+def test_a_bare_vllm_engine_refuses_bad_settings_before_its_device(monkeypatch, tllm, error, says):
+    """``vllm serve --additional-config '{"tllm": ...}'`` has no tllm front end before the
+    engine: the engine process refuses bad settings or a bad consumer config before vLLM's own
+    init_device (device, model runner, weights), naming the setting; it refused them only once
+    the weights had loaded. A fake worker: vLLM's init_device is never reached."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from tllm_core.vllm_bridge import plugin
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")  # before_device's own setting, restored
+    plugin._wrap_init_device()
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"tllm": tllm}))
+    with pytest.raises(Exception) as e:  # noqa: PT011 - the type is checked below
+        WorkerWrapperBase.init_device(worker)
+    assert type(e.value).__name__ == error and says in str(e.value), repr(e.value)
