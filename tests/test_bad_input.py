@@ -102,7 +102,7 @@ def test_bad_cli_values(run_cli):
     proc = run_cli("run", "--prompts", "/nonexistent/prompts.txt")
     assert proc.returncode != 0 and "/nonexistent/prompts.txt" in proc.stderr
     proc = run_cli("run", "-n", "0", "--prompt", "x")
-    assert proc.returncode != 0 and "-n must be >= 1" in proc.stderr
+    assert proc.returncode != 0 and "argument -n: must be >= 1, got 0" in proc.stderr
 
 
 def test_unsupported_vllm_version_is_refused(monkeypatch):

@@ -13,8 +13,13 @@ from tllm_core.app.cli import build_parser
     [
         (["run", "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
         (["run", "--max-num-batched-tokens", "-3"], "--max-num-batched-tokens: must be >= 1"),
-        (["run", "--top-k", "-5"], "argument --top-k: must be >= 0 (0 disables top-k), got -5"),
+        (
+            ["run", "--top-k", "-5"],
+            "argument --top-k: must be >= 0, got -5; allowed: int, >= 0 (0 disables top-k)",
+        ),
         (["run", "--top-k", "x"], "argument --top-k: must be a whole number, got 'x'"),
+        (["export", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["run", "-n", "1.5"], "argument -n: must be a whole number, got '1.5'"),
     ],
 )
 def test_out_of_range_options_are_refused(capsys, argv, message):

@@ -204,10 +204,8 @@ def short_repr(value: Any, limit: int = 200) -> str:
 # pydantic error types -> our words.
 _MESSAGES = MappingProxyType(
     {
-        **dict.fromkeys(
-            ("float_parsing", "float_type", "int_parsing", "int_type"), "must be a number"
-        ),
-        "int_from_float": "must be a whole number",
+        **dict.fromkeys(("float_parsing", "float_type"), "must be a number"),
+        **dict.fromkeys(("int_parsing", "int_type", "int_from_float"), "must be a whole number"),
         "finite_number": "must be finite",
         **dict.fromkeys(
             ("bool_parsing", "bool_type"), "must be a boolean (true/false, 1/0, yes/no, on/off)"

@@ -313,9 +313,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     cli_common.add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument(
-        "--tensor-parallel-size", type=cli_common.int_at_least(1), default=1, help="vLLM's option"
-    )
+    s.add_argument("--tensor-parallel-size", type=cli_common.COUNT, default=1, help="vLLM's option")
     s.add_argument(
         "--data-parallel-size",
         type=int,  # parallel_ranks checks it (a size given after `--` too)
@@ -332,13 +330,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--max-body-mib",
-        type=cli_common.setting_arg("max_body_bytes", MIB, ServerSettings),
+        type=cli_common.checked_arg("max_body_bytes", MIB, ServerSettings),
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
     )
     s.add_argument(
         "--max-result-kib",
-        type=cli_common.setting_arg("max_result_bytes", 1024),
+        type=cli_common.checked_arg("max_result_bytes", 1024),
         default=16 * 1024,
         help="largest per-request result returned with a completion (vllm_xargs "
         "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
@@ -346,7 +344,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--hung-stop",
-        type=cli_common.setting_arg("hung_stop_s"),
+        type=cli_common.checked_arg("hung_stop_s"),
         default=HUNG_STOP_S,
         metavar="S",
         help="seconds the server goes on, /health failing, after a consumer callback passed its "
