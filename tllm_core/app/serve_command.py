@@ -11,7 +11,9 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
@@ -62,10 +64,11 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 # Seconds a server goes on after a consumer callback passed its deadline before its engine
 # stops itself: /health fails meanwhile, so that a load balancer drains it first.
 HUNG_STOP_S = 60.0
+NUMBER = cli_common.checked_arg(Annotated[int, Field(ge=0)])  # vLLM's flags after `--`
 
 
-def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
-    """The last of ``flags``'s value among vLLM's arguments, converted (None: not given)."""
+def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = NUMBER) -> Any:
+    """The last of ``flags``'s value among vLLM's arguments, checked (None: not given)."""
     found = None
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
@@ -73,8 +76,8 @@ def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any
             value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
             try:
                 found = convert(value)
-            except ValueError:
-                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
+            except argparse.ArgumentTypeError as e:
+                raise cli_common.CliError(f"{flag}: {e}") from None
     return found
 
 
@@ -100,18 +103,14 @@ def parallel_ranks(args: argparse.Namespace) -> int:
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _flag(extra, ("--data-parallel-size", "-dp"))
+    dp = _flag(extra, ("--data-parallel-size", "-dp"), cli_common.COUNT)
     dp = args.data_parallel_size if dp is None else dp
-    if dp < 1:
-        raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
     tp = args.tensor_parallel_size
     # This node's share: --data-parallel-size-local engines, else tp * dp / nodes.
     dp_local = _flag(extra, ("--data-parallel-size-local", "-dpl"))
     if dp_local is not None:
         return tp * max(dp_local, 1)
-    nodes = _flag(extra, ("--nnodes",)) or 1
-    if nodes < 1:
-        raise cli_common.CliError(f"--nnodes must be >= 1, got {nodes}")
+    nodes = _flag(extra, ("--nnodes",), cli_common.COUNT) or 1
     return max(1, tp * dp // nodes)
 
 
@@ -316,7 +315,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--tensor-parallel-size", type=cli_common.COUNT, default=1, help="vLLM's option")
     s.add_argument(
         "--data-parallel-size",
-        type=int,  # parallel_ranks checks it (a size given after `--` too)
+        type=cli_common.COUNT,  # as parallel_ranks checks a size given after `--`
         default=1,
         help="vLLM's option: engines behind this one server, each with its own consumers "
         "(docs/scaling.md)",
