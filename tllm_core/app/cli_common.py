@@ -95,18 +95,13 @@ def checked_arg(
     return parse
 
 
-# An option counting something: a whole number >= 1 (vLLM would replace some silently).
-COUNT = checked_arg(Annotated[int, Field(ge=1)])
+# Options counting something, and other whole numbers (vLLM would replace some silently).
+COUNT, WHOLE = checked_arg(Annotated[int, Field(ge=1)]), checked_arg(Annotated[int, Field(ge=0)])
 
 
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
-
-
-def _add_count(g: Any, flag: str, help: str) -> None:
-    """An optional whole-number option >= 1 (None when not given)."""
-    g.add_argument(flag, type=COUNT, default=None, help=help)
 
 
 def add_model_args(g: Any) -> None:
@@ -119,11 +114,15 @@ def add_model_args(g: Any) -> None:
         default=DEFAULT_DTYPE,
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
-    _add_count(
-        g, "--max-model-len", "context length (default: the model's own, as vLLM derives it)"
+    g.add_argument(
+        "--max-model-len",
+        type=COUNT,
+        help="context length (default: the model's own, as vLLM derives it)",
     )
-    _add_count(
-        g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
+    g.add_argument(
+        "--kv-cache-gib",
+        type=COUNT,
+        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
     g.add_argument(
         "--callback-deadline",
@@ -151,8 +150,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="compile with torch.compile even for a small job (default above "
         "prompts x n x max-tokens = 2048)",
     )
-    _add_count(g, "--max-num-seqs", "vLLM max_num_seqs")
-    _add_count(g, "--max-num-batched-tokens", "vLLM token budget per step")
+    g.add_argument("--max-num-seqs", type=COUNT, help="vLLM max_num_seqs")
+    g.add_argument("--max-num-batched-tokens", type=COUNT, help="vLLM token budget per step")
     g.add_argument(
         "--no-prefix-caching",
         action="store_true",

@@ -46,8 +46,7 @@ log = logging.getLogger("tllm")
 DEATH_NOTICE_S = 2.0
 
 
-# The settings whose documented default is None (TllmLLM's, --callback-deadline's): the
-# field's own default. An explicit None for any other setting is refused, as on every path.
+# Settings whose documented default is None (TllmLLM's); another's None is refused, as elsewhere.
 NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
 
 
@@ -66,8 +65,7 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers; None means the default
-        only for the deadlines (:data:`NONE_IS_DEFAULT`), elsewhere pydantic refuses it."""
+        """The runtime settings sent to the engine with these consumers (see NONE_IS_DEFAULT)."""
         given = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
         return RuntimeSettings(consumers=list(self.specs), **given)
 

@@ -11,9 +11,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
-
-from pydantic import Field
+from typing import Any
 
 from tllm_core.app import cli_common, stop
 from tllm_core.app.progress import say
@@ -64,10 +62,11 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 # Seconds a server goes on after a consumer callback passed its deadline before its engine
 # stops itself: /health fails meanwhile, so that a load balancer drains it first.
 HUNG_STOP_S = 60.0
-NUMBER = cli_common.checked_arg(Annotated[int, Field(ge=0)])  # vLLM's flags after `--`
 
 
-def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = NUMBER) -> Any:
+def _flag(
+    extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = cli_common.WHOLE
+) -> Any:
     """The last of ``flags``'s value among vLLM's arguments, checked (None: not given)."""
     found = None
     for i, a in enumerate(extra):
