@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import numpy as np
@@ -284,3 +285,15 @@ def test_a_bare_vllm_engine_refuses_bad_settings_before_its_device(monkeypatch, 
     with pytest.raises(Exception) as e:  # noqa: PT011 - the type is checked below
         WorkerWrapperBase.init_device(worker)
     assert type(e.value).__name__ == error and says in str(e.value), repr(e.value)
+
+
+@pytest.mark.parametrize("bad", ["esamp", {"name": "esamp"}, None, 5])
+def test_tllmllm_refuses_consumers_that_are_not_a_list(no_engine, bad):
+    """A bare "esamp" was read as the consumers 'e', 's', ... ("unknown consumer 'e'"), a spec
+    dict as its keys, None as a TypeError: each is refused naming what consumers must be."""
+    from tllm_core.plugins.registry import ConsumerSpecError
+
+    with pytest.raises(
+        ConsumerSpecError, match=r"consumers must be a list .*, got " + re.escape(repr(bad))
+    ):
+        no_engine.TllmLLM(consumers=bad)
