@@ -20,6 +20,11 @@ from tllm_core.app.cli import build_parser
         (["run", "--top-k", "x"], "argument --top-k: must be a whole number, got 'x'"),
         (["export", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
         (["run", "-n", "1.5"], "argument -n: must be a whole number, got '1.5'"),
+        (
+            ["steer", "compute", "--kv-cache-gib", "0"],
+            "argument --kv-cache-gib: must be >= 1, got 0",
+        ),
+        (["steer", "compute", "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
     ],
 )
 def test_out_of_range_options_are_refused(capsys, argv, message):
