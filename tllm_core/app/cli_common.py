@@ -72,9 +72,8 @@ def local_model(model: str | None) -> str | None:
 def checked_arg(
     field: str | Any, unit: int = 1, model: type[BaseModel] = RuntimeSettings
 ) -> Callable[[str], Any]:
-    """An argparse ``type`` checked by pydantic: by settings field ``field`` itself, as
-    ``TllmLLM`` and a server's JSON are (the flag counts ``unit``s of it), or by a type
-    (:data:`COUNT`; its description says what a value means)."""
+    """An argparse ``type`` checked by settings field ``field`` itself, as ``TllmLLM`` and a
+    server's JSON are (in ``unit``s of it), or by a type (:data:`COUNT`; its description: a note)."""
     named = isinstance(field, str)
     info = model.model_fields[field] if named else FieldInfo.from_annotation(field)
     number, what = TypeAdapter(info.annotation), f"{field} " if named else ""

@@ -99,8 +99,7 @@ def aot_compile_off() -> None:
 
 
 def before_device(settings: dict[str, Any]) -> None:
-    """Checks and settings that must precede the model runner and the model: the settings and
-    consumer configs first (a bare ``vllm serve`` checks them in its front end only later)."""
+    """Before the model runner and the model: settings and consumer configs, version, AOT off."""
     Registry().check(RuntimeSettings.model_validate(settings).consumers)
     check_version()
     aot_compile_off()
