@@ -96,6 +96,7 @@ def checked_arg(
 
 # Options counting something, and other whole numbers (vLLM would replace some silently).
 COUNT, WHOLE = checked_arg(Annotated[int, Field(ge=1)]), checked_arg(Annotated[int, Field(ge=0)])
+PORT = checked_arg(Annotated[int, Field(ge=0, le=65535)])  # else a traceback when vLLM binds
 
 
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:

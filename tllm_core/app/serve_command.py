@@ -88,7 +88,7 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
         _flag(extra, ("--nnodes",)),
         _flag(extra, ("--node-rank",)),
         _flag(extra, ("--master-addr", "--master_addr"), str),
-        _flag(extra, ("--master-port", "--master_port")),
+        _flag(extra, ("--master-port", "--master_port"), cli_common.PORT),
     )
 
 
@@ -310,7 +310,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     cli_common.add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=cli_common.PORT, default=8000, help="port (default 8000)")
     s.add_argument("--tensor-parallel-size", type=cli_common.COUNT, default=1, help="vLLM's option")
     s.add_argument(
         "--data-parallel-size",
