@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from consumers.export.format import OutDir
 from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer, check_features
 from producers import AttentionOutput, MlpOutput
@@ -65,7 +66,7 @@ class SaeConfig(ConsumerConfig):
     top_k: int = Field(
         32, ge=1, le=65536, description="Active features recorded per row (with 'out')."
     )
-    out: str | None = Field(
+    out: OutDir | None = Field(
         None,
         description="Directory for sparse feature records (export layout); none: no records.",
     )
