@@ -15,7 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import report
-from consumers.export.format import OutDir
+from consumers.export.format import Folder
 from consumers.export.requests import rows_to_write, sampled_tokens
 from consumers.export.writer import RecordWriter, output_layout
 from tllm_core import (
@@ -44,7 +44,7 @@ DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 
 
 class ExportConfig(ConsumerConfig):
-    out: OutDir | None = Field(
+    out: Folder | None = Field(
         ...,
         description="Output directory (created on the first write; must be new or empty "
         "unless overwrite=true); null: write no files, only return each asking request's rows "

@@ -32,14 +32,14 @@ ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
 PART_PATTERN = re.compile(r"^dp(\d+)$")
 
 
-def _a_path(out: str) -> str:
-    if not out.strip():
-        raise ValueError("must be a directory path, got an empty string")
-    return out
+def _a_path(path: str) -> str:
+    if not path.strip():
+        raise ValueError("must be a path, got an empty string")
+    return path
 
 
-#: The output directory of a config (export's and sae's ``out``), checked where it is given.
-OutDir = Annotated[str, AfterValidator(_a_path)]
+#: A folder a config names (export's and sae's ``out``, sae's SAE ``path``): not empty.
+Folder = Annotated[str, AfterValidator(_a_path)]
 
 
 def part_name(rank: int) -> str:
