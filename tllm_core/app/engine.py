@@ -18,7 +18,6 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
-from tllm_core.api.request_settings import short_repr
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
@@ -82,11 +81,8 @@ def validate_consumers(
     device, before the engine starts. Passing the result back in adds only the dry build."""
     checked = specs
     if not isinstance(checked, CheckedConsumers):
-        if isinstance(specs, (str, dict)) or not isinstance(specs, Sequence):  # not a list
-            raise ConsumerSpecError(
-                f"consumers must be a list of NAME[:JSON] strings, spec dicts or ConsumerSpecs, "
-                f"got {short_repr(specs)}"
-            )
+        if isinstance(specs, (str, dict)) or not isinstance(specs, Sequence):  # one, or none
+            raise ConsumerSpecError(f"consumers must be a list (e.g. ['stats']), got {specs!r:.80}")
         registry = registry or Registry()
         parsed = tuple(ConsumerSpec.coerce(c) for c in checked)
         checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
