@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import numpy as np
 import pytest
 
+from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 
@@ -101,7 +103,7 @@ def test_bad_cli_values(run_cli):
     proc = run_cli("run", "--prompts", "/nonexistent/prompts.txt")
     assert proc.returncode != 0 and "/nonexistent/prompts.txt" in proc.stderr
     proc = run_cli("run", "-n", "0", "--prompt", "x")
-    assert proc.returncode != 0 and "-n must be >= 1" in proc.stderr
+    assert proc.returncode != 0 and "argument -n: must be >= 1, got 0" in proc.stderr
 
 
 def test_unsupported_vllm_version_is_refused(monkeypatch):
@@ -119,3 +121,200 @@ def test_python_api_fails_before_engine_start(tiny_model):
         TllmLLM(tiny_model, ['stats:{"layers": [-5]}'])
     with pytest.raises(ConsumerSpecError, match="unknown consumer"):
         TllmLLM(tiny_model, ["nope"])
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """``TllmLLM`` stops right after its input checks: check_version is its next step."""
+    import tllm_core.app.engine as engine
+
+    def passed(*a, **k):
+        raise AssertionError("the input checks passed (TllmLLM went on to check vLLM)")
+
+    monkeypatch.setattr(engine, "check_version", passed)
+    return engine
+
+
+@pytest.mark.parametrize(
+    "setting, bad",
+    [
+        ("queue_size", None),
+        ("overflow", None),
+        ("background_threads", None),
+        ("max_consecutive_failures", None),
+        ("queue_size", 0),
+        ("overflow", "spill"),
+        ("callback_deadline_s", 0),
+        ("close_deadline_s", float("nan")),
+    ],
+)
+def test_tllmllm_refuses_a_bad_setting_naming_it_before_anything_starts(no_engine, setting, bad):
+    """An explicit None is refused where the setting has no None meaning (pydantic's message,
+    as the engine and a server would give it), before vLLM or the default model."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        no_engine.TllmLLM(consumers=["stats"], **{setting: bad})
+    assert setting in str(e.value) and f"input_value={bad!r}" in str(e.value), str(e.value)
+
+
+def test_none_means_the_default_only_for_the_deadlines(no_engine):
+    """The deadlines document None as "the default" (TllmLLM's signature, --callback-deadline
+    not given); the same None for another setting is refused on every path."""
+    from pydantic import ValidationError
+
+    from tllm_core.runtime.settings import RuntimeSettings
+
+    checked = no_engine.validate_consumers(["stats"])
+    deadlines = dict.fromkeys(no_engine.NONE_IS_DEFAULT)
+    assert checked.settings(**deadlines) == RuntimeSettings(consumers=list(checked.specs))
+    for name, field in RuntimeSettings.model_fields.items():
+        if name == "consumers" or field.default is None or name in no_engine.NONE_IS_DEFAULT:
+            continue  # None is the default itself (fault_file, start_error_file), or a deadline's
+        with pytest.raises(ValidationError, match=name):
+            checked.settings(**{name: None})
+        with pytest.raises(ValidationError, match=name):  # a server's --additional-config
+            RuntimeSettings.model_validate({name: None})
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["run", "--callback-deadline", "0"], "callback_deadline_s must be > 0, got 0.0"),
+        (["export", "--callback-deadline", "inf"], "callback_deadline_s must be <= 86400, got inf"),
+        (["serve", "--callback-deadline", "x"], "callback_deadline_s must be a number, got 'x'"),
+        (["serve", "--hung-stop", "-1"], "hung_stop_s must be >= 0, got -1.0"),
+        (
+            ["serve", "--max-body-mib", "4096"],
+            "max_body_bytes must be <= 2147483648, got 4294967296",
+        ),
+        (["serve", "--max-result-kib", "3000000"], "max_result_bytes must be <= 2147483648, got"),
+    ],
+)
+def test_a_settings_flag_is_checked_by_its_settings_field_at_parsing(argv, says, run_cli):
+    """Each flag of a runtime setting is refused by the field's own constraints (the check
+    TllmLLM and a server's JSON get) when parsed: the flag, the setting, the value, what is
+    allowed, before anything loads (a too large --max-body-mib went on to the default model
+    and the dry build, then failed as pydantic's byte count only)."""
+    from tllm_core.runtime.settings import RuntimeSettings, ServerSettings
+
+    proc = run_cli(*argv, "--prompt", "x") if argv[0] != "serve" else run_cli(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    field = says.split()[0]
+    model = ServerSettings if field in ServerSettings.model_fields else RuntimeSettings
+    bounds = model.model_fields[field].metadata
+    assert f"argument {argv[1]}: {says}" in proc.stderr, proc.stderr[-2000:]
+    assert all(
+        str(getattr(b, a)) in proc.stderr
+        for b in bounds
+        for a in ("ge", "gt", "le")
+        if hasattr(b, a)
+    )
+
+
+def test_settings_flags_not_given_are_the_settings_defaults():
+    """The CLI path of the None rule: --callback-deadline not given is None, the default; every
+    other settings flag has the field's default or a value the field accepts."""
+    from tllm_core.app.cli import build_parser
+    from tllm_core.app.engine import validate_consumers
+    from tllm_core.runtime.settings import MIB, RuntimeSettings, ServerSettings
+
+    args = build_parser().parse_args(["serve", "--max-body-mib", "2048", "--max-result-kib", "1"])
+    assert args.callback_deadline is None
+    settings = validate_consumers([]).settings(
+        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB),
+        hung_stop_s=args.hung_stop,
+        max_result_bytes=args.max_result_kib * 1024,
+        callback_deadline_s=args.callback_deadline,
+    )
+    assert settings.callback_deadline_s == RuntimeSettings().callback_deadline_s == 120
+    assert settings.server.max_body_bytes == 2**31 and settings.max_result_bytes == 1024
+
+
+@pytest.mark.parametrize(
+    "config, hint",
+    [
+        ({"beta": -1}, "0 leaves sampling bit-identical to vanilla"),
+        ({"grad_clip": 0}, "None disables clipping"),
+        ({"max_groups": 0}, "None = unlimited"),
+        ({"warm_start_steps": -1}, "0 = off"),
+        ({"fit_decay": 1}, "fit_decay: float, >= 0, < 1"),
+    ],
+)
+def test_a_bad_config_value_says_what_the_field_allows_and_means(config, hint):
+    """Field constraints replaced ESamp's hand-written errors ("beta must be >= 0 (0 disables
+    guidance)"): the error now carries the field's bounds and description, the words that say
+    what 0 or None means there (as `tllm consumers` lists them), for every consumer."""
+    from tllm_core.plugins.registry import ConsumerSpecError, Registry
+
+    with pytest.raises(ConsumerSpecError) as e:
+        Registry().check([ConsumerSpec(name="esamp", config=config)])
+    assert hint in str(e.value) and f"input_value={next(iter(config.values()))}" in str(e.value)
+    assert "unknown field" not in str(e.value)
+
+
+def test_tllmllm_refuses_its_own_settings_in_additional_config(no_engine):
+    """TllmLLM writes additional_config["tllm"] itself: one given there was silently replaced."""
+    with pytest.raises(ValueError, match=r"additional_config\['tllm'\] is set by TllmLLM"):
+        no_engine.TllmLLM(consumers=[], additional_config={"tllm": {"results_wait_s": 5}})
+    with pytest.raises(AssertionError, match="input checks passed"):  # vLLM's own keys pass
+        no_engine.TllmLLM(consumers=[], additional_config={"other": 1})
+
+
+@pytest.mark.parametrize(
+    "tllm, error, says",
+    [
+        ({"queue_size": 0}, "ValidationError", "queue_size"),
+        ({"consumers": [{"name": "esamp", "config": {"beta": -1}}]}, "ConsumerSpecError", "beta"),
+    ],
+)
+def test_a_bare_vllm_engine_refuses_bad_settings_before_its_device(monkeypatch, tllm, error, says):
+    """``vllm serve --additional-config '{"tllm": ...}'`` has no tllm front end before the
+    engine: the engine process refuses bad settings or a bad consumer config before vLLM's own
+    init_device (device, model runner, weights), naming the setting; it refused them only once
+    the weights had loaded. A fake worker: vLLM's init_device is never reached."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from tllm_core.vllm_bridge import plugin
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")  # before_device's own setting, restored
+    plugin._wrap_init_device()
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(additional_config={"tllm": tllm}))
+    with pytest.raises(Exception) as e:  # noqa: PT011 - the type is checked below
+        WorkerWrapperBase.init_device(worker)
+    assert type(e.value).__name__ == error and says in str(e.value), repr(e.value)
+
+
+@pytest.mark.parametrize("bad", ["esamp", {"name": "esamp"}, None, 5])
+def test_tllmllm_refuses_consumers_that_are_not_a_list(no_engine, bad):
+    """A bare "esamp" was read as the consumers 'e', 's', ... ("unknown consumer 'e'"), a spec
+    dict as its keys, None as a TypeError: each is refused naming what consumers must be."""
+    from tllm_core.plugins.registry import ConsumerSpecError
+
+    with pytest.raises(
+        ConsumerSpecError, match=r"consumers must be a list .*, got " + re.escape(repr(bad))
+    ):
+        no_engine.TllmLLM(consumers=bad)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"name": "export", "config": {"out": " "}},
+        {"name": "sae", "config": {"path": "/nowhere/sae", "out": ""}},
+        {"name": "sae", "config": {"path": " "}},
+    ],
+)
+def test_an_empty_folder_is_refused_by_the_config_of_export_and_sae_alike(spec):
+    """One check of a folder (consumers.export.format.Folder) where the config is given: sae's
+    empty out passed its config and was refused only when the consumer was built, as
+    "export: 'out' must be ...", by a second copy of export's check in the writer."""
+    from tllm_core.plugins.registry import ConsumerSpecError, Registry
+
+    with pytest.raises(ConsumerSpecError) as e:
+        Registry().check([ConsumerSpec(**spec)])
+    says = str(e.value)
+    assert f"consumer {spec['name']!r}" in says and "must be a path" in says, says
+    assert "export:" not in says and ("out: str | None" in says or "SAELens" in says), says

@@ -13,8 +13,19 @@ from tllm_core.app.cli import build_parser
     [
         (["run", "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
         (["run", "--max-num-batched-tokens", "-3"], "--max-num-batched-tokens: must be >= 1"),
-        (["run", "--top-k", "-5"], "argument --top-k: must be >= 0 (0 disables top-k), got -5"),
+        (
+            ["run", "--top-k", "-5"],
+            "argument --top-k: must be >= 0, got -5; allowed: int, >= 0 (0 disables top-k)",
+        ),
         (["run", "--top-k", "x"], "argument --top-k: must be a whole number, got 'x'"),
+        (["export", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["run", "-n", "1.5"], "argument -n: must be a whole number, got '1.5'"),
+        (
+            ["steer", "compute", "--kv-cache-gib", "0"],
+            "argument --kv-cache-gib: must be >= 1, got 0",
+        ),
+        (["steer", "compute", "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
+        (["serve", "--port", "70000"], "argument --port: must be <= 65535, got 70000"),
     ],
 )
 def test_out_of_range_options_are_refused(capsys, argv, message):

@@ -170,7 +170,7 @@ def test_help_imports_neither_vllm_nor_torch():
         (["run", "--max-model-len", "0"], "--max-model-len: must be >= 1, got 0"),
         (["run", "--tensor-parallel-size", "0"], "--tensor-parallel-size: must be >= 1, got 0"),
         (["serve", "--kv-cache-gib", "0"], "--kv-cache-gib: must be >= 1, got 0"),
-        (["serve", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1, got 0"),
+        (["serve", "--data-parallel-size", "0"], "--data-parallel-size: must be >= 1, got 0"),
     ],
 )
 def test_engine_sizes_below_one_are_refused_by_the_parser(argv, says):

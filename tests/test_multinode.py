@@ -204,6 +204,8 @@ def test_followers_store_is_the_leaders_master_address():
     assert followers_store(["--nnodes", "2"]) == ("127.0.0.1", 29501)
     argv = ["--nnodes=2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port=7"]
     assert followers_store(argv) == ("10.0.0.1", 7)
+    with pytest.raises(ValueError, match="--master-port: must be <= 65535, got 70000"):
+        followers_store(["--nnodes", "2", "--master-port", "70000"])
 
 
 # -- two node processes on loopback ------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_plugin_key_offline_good_value_counts_and_bad_value_fails_first(tiny_mod
     steps = llm.collect()["runtime"]["engine_steps"]
     bad = [
         ({"tllm_consumers": "tally", "tllm_tally_weight": -1}, "'tllm_tally_weight'] must be >= 0"),
-        ({"tllm_consumers": "tally", "tllm_tally_weight": "x"}, "must be a number, got 'x'"),
+        ({"tllm_consumers": "tally", "tllm_tally_weight": "x"}, "must be a whole number, got 'x'"),
         ({"tllm_tally_weight": 2}, "'tally' is not active for this request"),
         # Built-in keys follow the same path: no silent fallback to the configured beta.
         ({"tllm_consumers": "esamp", "tllm_esamp_beta": -0.5}, "'tllm_esamp_beta'] must be >= 0"),

@@ -46,7 +46,7 @@ def test_engine_reads_its_dp_rank_and_size_after_vllm_made_it_independent():
 def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
     from tllm_core.app.cli import build_parser
     from tllm_core.app.cli_common import CliError
-    from tllm_core.app.serve_command import parallel_ranks, server_argv
+    from tllm_core.app.serve_command import followers_store, parallel_ranks, server_argv
     from tllm_core.runtime.settings import RuntimeSettings
 
     def parse(*argv):
@@ -61,10 +61,14 @@ def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
     # A size given to vLLM after `--` is the one vLLM uses: bind for it.
     assert parallel_ranks(parse("--", "--data-parallel-size", "2")) == 2
     assert parallel_ranks(parse("--", "-dp=3")) == 3
-    with pytest.raises(CliError, match="--data-parallel-size must be a whole number, got 'x'"):
+    with pytest.raises(CliError, match="--data-parallel-size: must be a whole number, got 'x'"):
         parallel_ranks(parse("--", "--data-parallel-size", "x"))
-    with pytest.raises(CliError, match="must be >= 1, got 0"):
-        parallel_ranks(parse("--data-parallel-size", "0"))
+    with pytest.raises(CliError, match="--data-parallel-size: must be >= 1, got 0"):
+        parallel_ranks(parse("--", "--data-parallel-size", "0"))  # as the flag's own check
+    with pytest.raises(CliError, match="--nnodes: must be >= 1, got 0"):
+        parallel_ranks(parse("--", "--nnodes", "0"))
+    with pytest.raises(CliError, match="--node-rank: must be >= 0, got -1"):
+        followers_store(["--nnodes", "2", "--node-rank", "-1"])
     # One API server: tllm's request checks and /tllm routes live in it.
     assert parallel_ranks(parse("--", "--api-server-count", "1")) == 1
     with pytest.raises(CliError, match="--api-server-count 2: tllm serve runs one API server"):

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from consumers.export import report
+from consumers.export.format import Folder
 from consumers.export.requests import rows_to_write, sampled_tokens
 from consumers.export.writer import RecordWriter, output_layout
 from tllm_core import (
@@ -43,7 +44,7 @@ DEFAULT_SHARD_BYTES = 256 * 1024 * 1024
 
 
 class ExportConfig(ConsumerConfig):
-    out: str | None = Field(
+    out: Folder | None = Field(
         ...,
         description="Output directory (created on the first write; must be new or empty "
         "unless overwrite=true); null: write no files, only return each asking request's rows "
@@ -87,13 +88,6 @@ class ExportConfig(ConsumerConfig):
         # Syntax only: which prefixes exist is known where the registry is (the consumer).
         for item in v:
             parse_port_name(item, what="layers entry")
-        return v
-
-    @field_validator("out")
-    @classmethod
-    def _out_not_empty(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError("out must be a directory path, got an empty string")
         return v
 
     @model_validator(mode="after")

@@ -9,7 +9,9 @@ import hashlib
 import json
 import os
 import re
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
 
 FORMAT_NAME = "tllm-export"
 # 2: closed requests in REQUESTS_FILE (1: the whole request table in the manifest).
@@ -28,6 +30,16 @@ IS_DECODE = "is_decode"  # bool: position >= num_prompt_tokens
 ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
 
 PART_PATTERN = re.compile(r"^dp(\d+)$")
+
+
+def _a_path(path: str) -> str:
+    if not path.strip():
+        raise ValueError("must be a path, got an empty string")
+    return path
+
+
+#: A folder a config names (export's and sae's ``out``, sae's SAE ``path``): not empty.
+Folder = Annotated[str, AfterValidator(_a_path)]
 
 
 def part_name(rank: int) -> str:

@@ -37,8 +37,6 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
     """Check ``out`` without creating anything; its absolute path. ``ValueError`` naming it when
     it is (or lies under) a file, is not writable, or is non-empty without ``overwrite``; part
     folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own)."""
-    if not out or not str(out).strip():
-        raise ValueError("export: 'out' must be a directory path, got an empty string")
     path = os.path.abspath(os.path.expanduser(str(out)))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"export: out={out!r} exists and is not a directory")

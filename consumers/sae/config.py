@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from consumers.export.format import Folder
 from consumers.sae.loader import SAEFileError, read_config
 from consumers.sae.steer import MAX_STEER_ENTRIES, FeatureSteer, check_features
 from producers import AttentionOutput, MlpOutput
@@ -53,7 +54,7 @@ def edit_port(site: PortName, transform: Any = None) -> WritePort:
 
 
 class SaeConfig(ConsumerConfig):
-    path: str = Field(
+    path: Folder = Field(
         ..., description="SAE folder in SAELens's layout (cfg.json + sae_weights.safetensors)."
     )
     site: int | str = Field(
@@ -65,7 +66,7 @@ class SaeConfig(ConsumerConfig):
     top_k: int = Field(
         32, ge=1, le=65536, description="Active features recorded per row (with 'out')."
     )
-    out: str | None = Field(
+    out: Folder | None = Field(
         None,
         description="Directory for sparse feature records (export layout); none: no records.",
     )
@@ -113,13 +114,6 @@ class SaeConfig(ConsumerConfig):
     @classmethod
     def _site(cls, v: int | str) -> int | str:
         parse_site(v)
-        return v
-
-    @field_validator("path")
-    @classmethod
-    def _path(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("path must be an SAE folder, got an empty string")
         return v
 
 

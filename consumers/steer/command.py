@@ -97,6 +97,7 @@ def compute_steering_vector(args: argparse.Namespace) -> tuple[torch.Tensor, dic
             [spec],
             dtype=args.dtype,
             max_model_len=args.max_model_len,
+            callback_deadline_s=args.callback_deadline,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=False,
         )
@@ -122,11 +123,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     sc.add_argument("--negative", required=True, type=Path, help="file, one prompt per line")
     sc.add_argument("--layer", required=True, type=int, help="decoder layer index")
     sc.add_argument("--out", required=True, type=Path, help="output .safetensors/.pt/.npy")
-    sc.add_argument("--model")
-    sc.add_argument("--dtype", default="float32")
-    sc.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
+    cli_common.add_model_args(sc)  # checked as `tllm run`'s (--kv-cache-gib 0 is refused)
     sc.add_argument("--enforce-eager", action="store_true")
-    sc.add_argument("--kv-cache-gib", type=int, default=None)
     sc.add_argument("--json", action="store_true")
     sc.add_argument("-v", "--verbose", action="store_true")
     sc.set_defaults(func=cmd_steer_compute)

@@ -204,10 +204,8 @@ def short_repr(value: Any, limit: int = 200) -> str:
 # pydantic error types -> our words.
 _MESSAGES = MappingProxyType(
     {
-        **dict.fromkeys(
-            ("float_parsing", "float_type", "int_parsing", "int_type"), "must be a number"
-        ),
-        "int_from_float": "must be a whole number",
+        **dict.fromkeys(("float_parsing", "float_type"), "must be a number"),
+        **dict.fromkeys(("int_parsing", "int_type", "int_from_float"), "must be a whole number"),
         "finite_number": "must be finite",
         **dict.fromkeys(
             ("bool_parsing", "bool_type"), "must be a boolean (true/false, 1/0, yes/no, on/off)"
@@ -224,7 +222,7 @@ _BOUNDS = MappingProxyType(
 )
 
 
-def _message(err: dict[str, Any]) -> str:
+def error_words(err: dict[str, Any]) -> str:
     kind = err["type"]
     ctx = {
         k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in (err.get("ctx") or {}).items()
@@ -276,7 +274,7 @@ def parse_request_settings(
             inner = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
             value = err.get("input") if inner else data.get(loc)
             raise ValueError(
-                f"{where}[{key!r}]{inner} {_message(err)}, got {short_repr(value)} "
+                f"{where}[{key!r}]{inner} {error_words(err)}, got {short_repr(value)} "
                 f"(allowed: {allowed(model.model_fields[loc])})"
             ) from None
         # A model-level check (several fields together): name every key that was given.

@@ -10,14 +10,18 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 if TYPE_CHECKING:
     from tllm_core.app.engine import ConsumersArg
 
-from tllm_core.api.request_settings import RESULTS_KEY
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
+from tllm_core.runtime.settings import RuntimeSettings
 
 
 class CliError(ValueError):
@@ -65,30 +69,39 @@ def local_model(model: str | None) -> str | None:
     return model
 
 
-def int_at_least(low: int, note: str = "") -> Callable[[str], int]:
-    """An argparse ``type``: a whole number >= ``low`` (vLLM would replace some silently)."""
+def checked_arg(
+    field: str | Any, unit: int = 1, model: type[BaseModel] = RuntimeSettings
+) -> Callable[[str], Any]:
+    """An argparse ``type`` checked by settings field ``field`` itself, as ``TllmLLM`` and a
+    server's JSON are (in ``unit``s of it), or by a type (:data:`COUNT`; its description: a note)."""
+    named = isinstance(field, str)
+    info = model.model_fields[field] if named else FieldInfo.from_annotation(field)
+    number, what = TypeAdapter(info.annotation), f"{field} " if named else ""
+    check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
+    note = f" ({info.description})" if info.description and not named else ""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
+        got = repr(text)
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}{note}, got {value}")
+            value = number.validate_strings(text)
+            got = str(value) if unit == 1 else f"{value * unit} ({text} x {unit})"
+            check.validate_python(value * unit)
+        except ValidationError as e:
+            words = f"{what}{error_words(e.errors()[0])}, got {got}"
+            raise argparse.ArgumentTypeError(f"{words}; allowed: {allowed(info)}{note}") from None
         return value
 
-    parse.__name__ = "whole number"  # argparse names the type in some messages
     return parse
+
+
+# Options counting something, and other whole numbers (vLLM would replace some silently).
+COUNT, WHOLE = checked_arg(Annotated[int, Field(ge=1)]), checked_arg(Annotated[int, Field(ge=0)])
+PORT = checked_arg(Annotated[int, Field(ge=0, le=65535)])  # else a traceback when vLLM binds
 
 
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:
     """``--consumer NAME[:JSON]`` (repeatable): the consumer option every command shares."""
     parser.add_argument("--consumer", action="append", metavar="NAME[:JSON]", help=help)
-
-
-def _add_count(g: Any, flag: str, help: str) -> None:
-    """An optional whole-number option >= 1 (None when not given)."""
-    g.add_argument(flag, type=int_at_least(1), default=None, help=help)
 
 
 def add_model_args(g: Any) -> None:
@@ -101,15 +114,19 @@ def add_model_args(g: Any) -> None:
         default=DEFAULT_DTYPE,
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
-    _add_count(
-        g, "--max-model-len", "context length (default: the model's own, as vLLM derives it)"
+    g.add_argument(
+        "--max-model-len",
+        type=COUNT,
+        help="context length (default: the model's own, as vLLM derives it)",
     )
-    _add_count(
-        g, "--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"
+    g.add_argument(
+        "--kv-cache-gib",
+        type=COUNT,
+        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
     )
-    g.add_argument(  # RuntimeSettings.callback_deadline_s checks it
+    g.add_argument(
         "--callback-deadline",
-        type=float,
+        type=checked_arg("callback_deadline_s"),
         default=None,
         metavar="S",
         help="longest run of one consumer callback on the engine thread before the watchdog "
@@ -133,15 +150,15 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="compile with torch.compile even for a small job (default above "
         "prompts x n x max-tokens = 2048)",
     )
-    _add_count(g, "--max-num-seqs", "vLLM max_num_seqs")
-    _add_count(g, "--max-num-batched-tokens", "vLLM token budget per step")
+    g.add_argument("--max-num-seqs", type=COUNT, help="vLLM max_num_seqs")
+    g.add_argument("--max-num-batched-tokens", type=COUNT, help="vLLM token budget per step")
     g.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="disable prefix caching (every prompt row is computed and captured)",
     )
     for opt in ("--tensor-parallel-size", "--pipeline-parallel-size"):
-        g.add_argument(opt, type=int_at_least(1), default=1, help="vLLM's option (docs/scaling.md)")
+        g.add_argument(opt, type=COUNT, default=1, help="vLLM's option (docs/scaling.md)")
     g = p.add_argument_group("prompts and sampling")
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
@@ -154,15 +171,20 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "-n",
-        type=int,
+        type=COUNT,
         default=4,
         help="samples per prompt (default 4; ESamp spreads the samples of a prompt apart)",
     )
-    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per sample (default 64)")
+    g.add_argument(
+        "--max-tokens", type=COUNT, default=64, help="new tokens per sample (default 64)"
+    )
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument(
-        "--top-k", type=int_at_least(0, " (0 disables top-k)"), default=0, help="0 disables top-k"
+        "--top-k",
+        type=checked_arg(Annotated[int, Field(ge=0, description="0 disables top-k")]),
+        default=0,
+        help="0 disables top-k",
     )
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -203,14 +225,6 @@ def prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts is not None:
         return read_prompt_file(args.prompts, "--prompts file")
     return args.prompt or [DEFAULT_PROMPT]
-
-
-def check_sampling(args: argparse.Namespace) -> None:
-    """tllm's own checks of the sampling options, which need no vLLM (``-n``, ``--max-tokens``)."""
-    if args.n < 1:
-        raise CliError(f"-n must be >= 1, got {args.n}")
-    if args.max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
 
 
 def sampling(args: argparse.Namespace):
@@ -322,7 +336,6 @@ def generate_with(
         check_out_dir(args.report)
     model = local_model(args.model)
     texts_in = prompts(args)
-    check_sampling(args)
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = _results_arg(args, checked)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
-from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
@@ -46,6 +46,10 @@ log = logging.getLogger("tllm")
 DEATH_NOTICE_S = 2.0
 
 
+# Settings whose documented default is None (TllmLLM's); another's None is refused, as elsewhere.
+NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
+
+
 @dataclass(frozen=True)
 class CheckedConsumers:
     """Consumer specs checked once in the front end (:func:`validate_consumers`)."""
@@ -61,8 +65,8 @@ class CheckedConsumers:
         return replace(self, specs=specs)
 
     def settings(self, **kwargs: Any) -> RuntimeSettings:
-        """The runtime settings sent to the engine with these consumers (None: the default)."""
-        given = {k: v for k, v in kwargs.items() if v is not None}
+        """The runtime settings sent to the engine with these consumers (see NONE_IS_DEFAULT)."""
+        given = {k: v for k, v in kwargs.items() if v is not None or k not in NONE_IS_DEFAULT}
         return RuntimeSettings(consumers=list(self.specs), **given)
 
 
@@ -77,6 +81,8 @@ def validate_consumers(
     device, before the engine starts. Passing the result back in adds only the dry build."""
     checked = specs
     if not isinstance(checked, CheckedConsumers):
+        if isinstance(specs, (str, dict)) or not isinstance(specs, Sequence):  # one, or none
+            raise ConsumerSpecError(f"consumers must be a list (e.g. ['stats']), got {specs!r:.80}")
         registry = registry or Registry()
         parsed = tuple(ConsumerSpec.coerce(c) for c in checked)
         checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
@@ -185,9 +191,23 @@ class TllmLLM:
         close_deadline_s: float | None = None,
         **llm_kwargs: Any,
     ):
-        # Names and configs first: a bad one fails in about a second, before vLLM is
-        # imported (check_version) or the default model converted.
+        # Names, configs and settings first: a bad one fails in about a second, before vLLM
+        # is imported (check_version) or the default model converted.
         checked = validate_consumers(consumers)
+        self.settings = checked.settings(
+            queue_size=queue_size,
+            overflow=overflow,
+            background_threads=background_threads,
+            max_consecutive_failures=max_consecutive_failures,
+            callback_deadline_s=callback_deadline_s,
+            background_deadline_s=background_deadline_s,
+            close_deadline_s=close_deadline_s,
+        )
+        if ADDITIONAL_CONFIG_KEY in (llm_kwargs.get("additional_config") or {}):  # else lost
+            raise ValueError(
+                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set by TllmLLM from its "
+                "consumers and settings arguments; give them there"
+            )
         check_version()
         llm_kwargs.setdefault("dtype", DEFAULT_DTYPE)  # as `tllm run` and ConsumerKit
         if model is None:
@@ -204,15 +224,6 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        self.settings = checked.settings(
-            queue_size=queue_size,
-            overflow=overflow,
-            background_threads=background_threads,
-            max_consecutive_failures=max_consecutive_failures,
-            callback_deadline_s=callback_deadline_s,
-            background_deadline_s=background_deadline_s,
-            close_deadline_s=close_deadline_s,
-        )
         world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
             llm_kwargs.get("pipeline_parallel_size") or 1
         )

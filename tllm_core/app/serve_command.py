@@ -64,8 +64,10 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
 HUNG_STOP_S = 60.0
 
 
-def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = int) -> Any:
-    """The last of ``flags``'s value among vLLM's arguments, converted (None: not given)."""
+def _flag(
+    extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = cli_common.WHOLE
+) -> Any:
+    """The last of ``flags``'s value among vLLM's arguments, checked (None: not given)."""
     found = None
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
@@ -73,8 +75,8 @@ def _flag(extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any
             value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
             try:
                 found = convert(value)
-            except ValueError:
-                raise cli_common.CliError(f"{flag} must be a whole number, got {value!r}") from None
+            except argparse.ArgumentTypeError as e:
+                raise cli_common.CliError(f"{flag}: {e}") from None
     return found
 
 
@@ -86,7 +88,7 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
         _flag(extra, ("--nnodes",)),
         _flag(extra, ("--node-rank",)),
         _flag(extra, ("--master-addr", "--master_addr"), str),
-        _flag(extra, ("--master-port", "--master_port")),
+        _flag(extra, ("--master-port", "--master_port"), cli_common.PORT),
     )
 
 
@@ -100,18 +102,14 @@ def parallel_ranks(args: argparse.Namespace) -> int:
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _flag(extra, ("--data-parallel-size", "-dp"))
+    dp = _flag(extra, ("--data-parallel-size", "-dp"), cli_common.COUNT)
     dp = args.data_parallel_size if dp is None else dp
-    if dp < 1:
-        raise cli_common.CliError(f"--data-parallel-size must be >= 1, got {dp}")
     tp = args.tensor_parallel_size
     # This node's share: --data-parallel-size-local engines, else tp * dp / nodes.
     dp_local = _flag(extra, ("--data-parallel-size-local", "-dpl"))
     if dp_local is not None:
         return tp * max(dp_local, 1)
-    nodes = _flag(extra, ("--nnodes",)) or 1
-    if nodes < 1:
-        raise cli_common.CliError(f"--nnodes must be >= 1, got {nodes}")
+    nodes = _flag(extra, ("--nnodes",), cli_common.COUNT) or 1
     return max(1, tp * dp // nodes)
 
 
@@ -312,13 +310,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     cli_common.add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument(
-        "--tensor-parallel-size", type=cli_common.int_at_least(1), default=1, help="vLLM's option"
-    )
+    s.add_argument("--port", type=cli_common.PORT, default=8000, help="port (default 8000)")
+    s.add_argument("--tensor-parallel-size", type=cli_common.COUNT, default=1, help="vLLM's option")
     s.add_argument(
         "--data-parallel-size",
-        type=int,  # parallel_ranks checks it (a size given after `--` too)
+        type=cli_common.COUNT,  # as parallel_ranks checks a size given after `--`
         default=1,
         help="vLLM's option: engines behind this one server, each with its own consumers "
         "(docs/scaling.md)",
@@ -332,13 +328,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--max-body-mib",
-        type=cli_common.int_at_least(1),
+        type=cli_common.checked_arg("max_body_bytes", MIB, ServerSettings),
         default=32,
         help="largest request body in MiB (HTTP 413 past it; default 32)",
     )
     s.add_argument(
         "--max-result-kib",
-        type=cli_common.int_at_least(1),
+        type=cli_common.checked_arg("max_result_bytes", 1024),
         default=16 * 1024,
         help="largest per-request result returned with a completion (vllm_xargs "
         "tllm_results), in KiB: a request whose result a consumer bounds past it gets HTTP "
@@ -346,7 +342,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--hung-stop",
-        type=float,
+        type=cli_common.checked_arg("hung_stop_s"),
         default=HUNG_STOP_S,
         metavar="S",
         help="seconds the server goes on, /health failing, after a consumer callback passed its "

@@ -192,13 +192,15 @@ class Registry:
         try:
             return cls.Config.model_validate(spec.config, context={"consumer": spec.name})
         except ValidationError as e:
-            unknown = [str(err["loc"][0]) for err in e.errors() if err["type"] == "extra_forbidden"]
-            hint = (
-                f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer {spec.name!r} takes: "
-                f"{', '.join(cls.Config.model_fields) or '(no fields)'}"
-                if unknown
-                else ""
+            fields = cls.Config.model_fields
+            bad = {str(x["loc"][0]) for x in e.errors() if x["loc"]}
+            # Each bad field's bounds and words (what 0 or None means there), as listed.
+            hint = "".join(
+                f"\n{n}: {allowed(f)}; {f.description or ''}" for n, f in fields.items() if n in bad
             )
+            if unknown := sorted(bad - set(fields)):
+                hint += f"\nunknown field(s) {', '.join(map(repr, unknown))}; consumer "
+                hint += f"{spec.name!r} takes: {', '.join(fields) or '(no fields)'}"
             raise ConsumerSpecError(
                 f"invalid config for consumer {spec.name!r}:\n{e}{hint}"
             ) from None

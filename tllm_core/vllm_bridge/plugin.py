@@ -90,7 +90,7 @@ def _wrap_init_device() -> None:
         from tllm_core.vllm_bridge import worker_setup
 
         note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
-        worker_setup.before_device()
+        worker_setup.before_device(settings)
         out = orig(self, *args, **kwargs)
         _same_on_every_node(config, settings)
         worker_setup.attach(self.worker, settings)

@@ -1,5 +1,5 @@
 """What a tllm engine goes through in the process that runs the model (from the plugin's
-``init_device`` wrapper): :func:`before_device` (version check, AOT off), then :func:`attach`
+``init_device`` wrapper): :func:`before_device` (settings, version, AOT off), then :func:`attach`
 (runner checked, RPC methods added, hooks installed after ``load_model``, consumers closed at
 shutdown). The adapter of a runner is read from its class hierarchy by module name
 (CONTRACT.md, "Runners"), so neither of vLLM's runner modules is imported (V2's pulls in Triton
@@ -98,8 +98,9 @@ def aot_compile_off() -> None:
         )
 
 
-def before_device() -> None:
-    """Checks and settings that must precede the model runner and the model."""
+def before_device(settings: dict[str, Any]) -> None:
+    """Before the model runner and the model: settings and consumer configs, version, AOT off."""
+    Registry().check(RuntimeSettings.model_validate(settings).consumers)
     check_version()
     aot_compile_off()
 
