@@ -276,7 +276,7 @@ def draw(
         if p.greedy:
             out[i] = raw[i].argmax()
         elif not bool((probs := guided[i].softmax(-1)).isfinite().all()):  # vLLM: token 0
-            raise ValueError(f"guide left sampling row {i} no finite logit (all -inf or NaN)")
+            raise ValueError(f"guide left sampling row {i} nothing to draw (all -inf, NaN or +inf)")
         else:
             out[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
     return out
