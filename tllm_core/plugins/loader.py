@@ -35,11 +35,9 @@ class BrokenPlugin:
     distribution: str | None = None
 
     def message(self) -> str:
-        where = self.source
-        fix = "Fix it"
-        if self.distribution:
-            where += f", from the installed distribution {self.distribution!r}"
-            fix = f"Fix or uninstall it (pip uninstall {self.distribution})"
+        dist = self.distribution
+        where = self.source + (f", from the installed distribution {dist!r}" if dist else "")
+        fix = f"Fix or uninstall it (pip uninstall {dist})" if dist else "Fix it"
         return (
             f"tllm plugin {self.name!r} ({where}) is broken and was skipped: {self.error}. "
             f"{fix}, or leave it out of {ALLOW_ENV}."
@@ -49,9 +47,7 @@ class BrokenPlugin:
 def allowed_plugins(environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
     """The entry-point names ``TLLM_PLUGINS`` allows (comma-separated); None when unset (all)."""
     raw = (os.environ if environ is None else environ).get(ALLOW_ENV)
-    if raw is None:
-        return None
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
+    return None if raw is None else frozenset(n.strip() for n in raw.split(",") if n.strip())
 
 
 def warn(broken: BrokenPlugin) -> None:

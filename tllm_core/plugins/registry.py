@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -83,6 +84,8 @@ class Registry:
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, Consumer)) or not cls.name:
                 raise TypeError(f"plugin returned {cls!r}: expected a named Consumer subclass")
+            if not re.fullmatch(r"[\w.-]+", cls.name):  # specs split at ':', tllm_consumers at ','
+                raise ValueError(f"consumer {cls.name!r}: name it with letters, digits, _ . -")
             if cls.name in self._classes and self._classes[cls.name] is not cls:
                 raise ValueError(
                     f"two plugins register a consumer named {cls.name!r}: "

@@ -61,8 +61,7 @@ def _module(hf: Any, name: str, kind: type, what: str) -> Any:
 
 
 def site_module(hf: Any, site: str, layer: int) -> nn.Module:
-    """The module whose output is tap ``site`` at decoder layer ``layer`` (``final``: the
-    final norm)."""
+    """The module whose output is tap ``site`` at layer ``layer`` (``final``: the final norm)."""
     if site == "final":
         return _module(hf, "norm", nn.Module, "final norm")
     if site not in LAYER_SITES:
@@ -271,14 +270,15 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
 def draw(
     raw: torch.Tensor, guided: torch.Tensor, params: list[Sampling], gens: list[torch.Generator]
 ) -> torch.Tensor:
-    """Token per row: greedy rows the argmax of the raw logits, random rows a draw from the
-    softmax of the (guided) filtered logits with the request's generator."""
+    """Token per row: greedy rows the raw logits' argmax, random ones a draw from the guided."""
     out = torch.empty(len(params), dtype=torch.long)
     for i, p in enumerate(params):
         if p.greedy:
             out[i] = raw[i].argmax()
+        elif not bool((probs := guided[i].softmax(-1)).isfinite().all()):  # vLLM: token 0
+            raise ValueError(f"guide left sampling row {i} nothing to draw (all -inf, NaN or +inf)")
         else:
-            out[i] = torch.multinomial(guided[i].softmax(-1), 1, generator=gens[i])[0]
+            out[i] = torch.multinomial(probs, 1, generator=gens[i])[0]
     return out
 
 
