@@ -387,3 +387,16 @@ def test_bad_sampling_is_refused_naming_the_field_value_and_bound(field, value, 
         Sampling(**{field: value})
     text = str(e.value)
     assert field in text and f"input_value={value}" in text and bound in text, text
+
+
+@pytest.mark.parametrize(
+    ("consumers", "says"),
+    [("stats", "consumers must be a list"), (["no-such-consumer"], "unknown consumer")],
+)
+def test_the_kit_checks_its_consumers_before_it_loads_the_model(consumers, says, tmp_path):
+    """As TllmLLM: a bare "stats" is not read as the consumers 's', 't', ..., and a bad name is
+    named before the model is touched (``tmp_path`` holds no model: that check comes after)."""
+    from tllm_core.plugins.registry import ConsumerSpecError
+
+    with pytest.raises(ConsumerSpecError, match=says):
+        ConsumerKit(tmp_path, consumers)

@@ -4,6 +4,7 @@ a server to the worker: ``{"name", "config", "per_request"}``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,6 +45,13 @@ class ConsumerSpec(BaseModel):
                     f"consumer {name!r}: config must be a JSON object, got {type(config).__name__}"
                 )
         return cls(name=name, config=config)
+
+    @staticmethod
+    def listed(specs: Any) -> Sequence:
+        """``specs`` if a list of them: a bare string would be read as its letters."""
+        if isinstance(specs, (str, dict)) or not isinstance(specs, Sequence):
+            raise ConsumerSpecError(f"consumers must be a list (e.g. ['stats']), got {specs!r:.80}")
+        return specs
 
     @classmethod
     def coerce(cls, value: str | dict | ConsumerSpec) -> ConsumerSpec:

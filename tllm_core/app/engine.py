@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
-from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
@@ -81,10 +81,8 @@ def validate_consumers(
     device, before the engine starts. Passing the result back in adds only the dry build."""
     checked = specs
     if not isinstance(checked, CheckedConsumers):
-        if isinstance(specs, (str, dict)) or not isinstance(specs, Sequence):  # one, or none
-            raise ConsumerSpecError(f"consumers must be a list (e.g. ['stats']), got {specs!r:.80}")
         registry = registry or Registry()
-        parsed = tuple(ConsumerSpec.coerce(c) for c in checked)
+        parsed = tuple(ConsumerSpec.coerce(c) for c in ConsumerSpec.listed(checked))
         checked = CheckedConsumers(parsed, tuple(registry.check(parsed)), registry)
     if model_path is None or checked.model_path == model_path or not checked.specs:
         return checked

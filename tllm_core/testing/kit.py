@@ -321,6 +321,9 @@ class ConsumerKit:
         lockstep_timeout: float = 300.0,
         settings: dict[str, Any] | None = None,
     ):
+        self.registry = Registry()  # consumers checked first: before the model loads
+        specs = [self._spec(c) for c in ConsumerSpec.listed(consumers)]
+        configs = self.registry.check(specs)
         model = default_model_path() if model is None else model
         self.model_path = str(Path(model).resolve())
         if not (Path(self.model_path) / "config.json").is_file():
@@ -331,9 +334,6 @@ class ConsumerKit:
         load = _load_shared if share_model else _load  # shared: weights must not change
         self.hf, self.tokenizer = load(self.model_path, name)
         self.lockstep_timeout = float(lockstep_timeout)
-        self.registry = Registry()
-        specs = [self._spec(c) for c in consumers]
-        configs = self.registry.check(specs)
         self.model = model_info(self.hf)
         runtime_settings = RuntimeSettings(
             consumers=specs, max_consecutive_failures=max_consecutive_failures, **(settings or {})
