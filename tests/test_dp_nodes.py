@@ -275,5 +275,7 @@ def test_the_http_server_vllm_builds_gets_its_close_bound():
 @pytest.mark.parametrize("text", ["x", "-1", "nan"])
 def test_a_bad_node_check_interval_is_refused_naming_it(monkeypatch, text):
     monkeypatch.setenv(nodes.NODE_CHECK_ENV, text)
-    with pytest.raises(ValueError, match=r"TLLM_NODE_CHECK_S must be a number of seconds >= 0"):
+    with pytest.raises(
+        ValueError, match=r"TLLM_NODE_CHECK_S must be a finite number of seconds >= 0"
+    ):
         nodes.check_interval()

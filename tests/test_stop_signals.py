@@ -92,9 +92,10 @@ def test_exit_codes_and_timeout_setting(monkeypatch):
     assert exit_code(130) == 130  # another owner's signals
     monkeypatch.setattr(stop, "_installed", signals)
     assert exit_code(130) == SIGTERM_EXIT and stop.received() == signal.SIGTERM
-    monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "0")
-    with pytest.raises(ValueError, match="TLLM_STOP_TIMEOUT_S must be a number of seconds > 0"):
-        stop.stop_timeout()
+    for bad in ("0", "inf", "nan", "soon"):  # inf: a stop that never ends
+        monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=f"finite number of seconds > 0, got '{bad}'"):
+            stop.stop_timeout()
     monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "7.5")
     assert stop.stop_timeout() == 7.5
 

@@ -31,7 +31,7 @@ def env_seconds(name: str, default: float, zero: str | None = None) -> float:
         value = float(text) if text else default
     except ValueError:
         value = math.nan  # refused below, as every comparison with nan is false
-    if not (value >= 0 if zero else value > 0):
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):  # inf: unbounded
         allowed = f">= 0 (0: {zero})" if zero else "> 0"
-        raise ValueError(f"{name} must be a number of seconds {allowed}, got {text!r}")
+        raise ValueError(f"{name} must be a finite number of seconds {allowed}, got {text!r}")
     return value
