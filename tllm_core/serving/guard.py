@@ -48,14 +48,6 @@ def _authorization(headers: list[tuple[bytes, bytes]]) -> bytes:
     return next((v for k, v in headers if k.lower() == b"authorization"), b"")
 
 
-def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
-    """A short keyed digest of the ``Authorization`` header (``anon`` without one)."""
-    value = _authorization(headers)
-    if not value:
-        return "anon"
-    return hmac.new(secret, value, hashlib.sha256).hexdigest()[:12]
-
-
 def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
     """A client's ``tllm_group`` inside its own namespace, else the request's own group."""
     group = extra.get(GROUP_KEY)
@@ -63,7 +55,8 @@ def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
 
 
 class ClientScope:
-    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on."""
+    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on (a short keyed
+    digest of its ``Authorization`` header, ``anon`` without one)."""
 
     def __init__(self, app: Any, secret: bytes):
         self.app = app
@@ -72,7 +65,8 @@ class ClientScope:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        token = CLIENT.set(client_id(scope["headers"], self.secret))
+        key = _authorization(scope["headers"])
+        token = CLIENT.set(hmac.new(self.secret, key, "sha256").hexdigest()[:12] if key else "anon")
         try:
             await self.app(scope, receive, send)
         finally:

@@ -358,18 +358,23 @@ def attach_routes(
             body = {"worker": leader, **server.describe()}
             body["failed_consumers"] = sorted(server.failed)
             body["controls"] = server.control_state()
-            body |= late_controls()
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
 
-        got = await guarded(status)
-        if got.status_code != 200 and (pending or unconfirmed):  # front-end state: no engine
-            return JSONResponse({**json.loads(got.body), **late_controls()}, got.status_code)
-        return got
+        got = await guarded(status)  # the late controls: front-end state, read with no engine too
+        return JSONResponse({**json.loads(got.body), **late_controls()}, got.status_code)
 
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
+        got = await control(name, request)
+        if name in unconfirmed:  # the answer rests on a config the engine may not share
+            warning = f"an earlier {unconfirmed[name]!r} request to {name!r} was never answered by "
+            warning += "the engine: its config here may differ from the engine's until a restart"
+            return JSONResponse({**json.loads(got.body), "warning": warning}, got.status_code)
+        return got
+
+    async def control(name: str, request: Request) -> JSONResponse:
         if not tokens:
             return _error(
                 "control requests change the server for every client: start it with an API "
