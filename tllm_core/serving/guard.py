@@ -15,21 +15,17 @@ from tllm_core.api.request_settings import GROUP_KEY
 TLLM_PREFIX = "/tllm"
 HIDDEN = "<hidden>"
 # Keys whose string values are filesystem paths (consumer results: export/sae "out", sae "path").
-PATH_KEYS = ("path", "out", "dir")
+_PATH_KEY = re.compile(r"(?s)path|out|dir|.*_path|.*_dir")
 # An absolute POSIX path inside any text (tracebacks, error messages): "/" not preceded by a
 # word character, so "top-k/top-p" or "1/0" are left alone.
 _ABS_PATH = re.compile(r"(?<![\w./:-])/[^\s'\"()<>,;:]+")
-
-
-def _is_path_key(key: Any) -> bool:
-    return isinstance(key, str) and (key in PATH_KEYS or key.endswith(("_path", "_dir")))
 
 
 def hide_paths(value: Any) -> Any:
     """``value`` (JSON-like) with path-valued keys and absolute paths in strings hidden."""
     if isinstance(value, dict):
         return {
-            k: HIDDEN if _is_path_key(k) and isinstance(v, str) else hide_paths(v)
+            k: HIDDEN if isinstance(v, str) and _PATH_KEY.fullmatch(str(k)) else hide_paths(v)
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
