@@ -718,7 +718,7 @@ def test_escaped_tllm_keys_are_checked_in_the_body(steer_engine):
     message = json.loads(answer)["error"]["message"]
     assert status == 400 and app.calls == 0 and "unknown consumer 'nope'" in message, message
     # A request naming a huge unknown steering vector: the name is quoted short.
-    named = {"tllm_consumers": "steer", "tllm_steer_vectors": "v" * 100_000}
+    named = {"tllm_consumers": "steer", "tllm_steer_vectors": "v" * 60_000}
     status, answer = _call(XargsCheck(FakeApp(), steer_engine), Chunks([_json(named)]))
     message = json.loads(answer)["error"]["message"]
     assert status == 400 and "no steering vector named" in message and len(message) < 400
@@ -726,3 +726,22 @@ def test_escaped_tllm_keys_are_checked_in_the_body(steer_engine):
 
 def _json(xargs: dict) -> bytes:
     return json.dumps({"prompt": "p", "vllm_xargs": xargs}).encode()
+
+
+def test_a_huge_value_is_refused_before_its_consumer_parses_it(steer_engine):
+    """A 32 MiB ``tllm_steer_vectors`` of distinct names was split into a dict of millions of
+    entries before its 256-entry bound refused it: seconds of the server's event loop (every
+    client waits) and most of a GiB. Every tllm value is bounded by its length first."""
+    from tllm_core.serving import validate_extra_args
+    from tllm_core.serving.keys import MAX_VALUE_CHARS
+
+    names = ",".join(f"v{i}" for i in range(MAX_VALUE_CHARS // 4))
+    assert len(names) > MAX_VALUE_CHARS
+    with pytest.raises(
+        ValueError,
+        match=rf"tllm_steer_vectors'\] has \d+ characters; allowed: at most {MAX_VALUE_CHARS}",
+    ):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": names}, steer_engine)
+    short = {"tllm_consumers": "steer", "tllm_steer_vectors": names[:4000]}
+    with pytest.raises(ValueError, match="at most 256 entries"):  # the entry bound still holds
+        validate_extra_args(short, steer_engine)

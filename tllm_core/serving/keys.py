@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 MAX_GROUP_CHARS = 1024
 # tllm_consumers is split again wherever a consumer asks whether it acts on the request.
 MAX_CONSUMERS_CHARS = 1024
+# Any value: parsing a longer one (a 32 MiB list of names) would hold the server's event loop.
+MAX_VALUE_CHARS = 65536
 
 KEYS: Mapping[str, str] = MappingProxyType(
     {
@@ -184,6 +186,7 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
+        _check_length(extra, key, MAX_VALUE_CHARS, where)
     _check_length(extra, CONSUMERS_KEY, MAX_CONSUMERS_CHARS, where)
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
