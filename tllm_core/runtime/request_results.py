@@ -31,8 +31,7 @@ class ResultStore:
         self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._sizes: dict[str, int] = {}
         self._total = 0
-        # Errors in place of results dropped before they were taken: their takers learn it at
-        # once, instead of waiting results_wait_s for them.
+        # Errors for results dropped before they were taken (told at once, not waited for).
         self._dropped: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes (8 x max_result_bytes)"
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}

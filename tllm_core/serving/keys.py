@@ -139,12 +139,6 @@ class EngineConsumers:
         }
 
 
-def _check_length(extra: dict[str, Any], key: str, most: int, where: str) -> None:
-    raw = extra.get(key)
-    if isinstance(raw, str) and len(raw) > most:
-        raise ValueError(f"{where}[{key!r}] has {len(raw)} characters; allowed: at most {most}")
-
-
 def _check_tag(key: str, value: Any, where: str) -> None:
     """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers to index with."""
     low = 0 if key == "tllm_prompt_index" else 1
@@ -185,7 +179,9 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
-        _check_length(extra, key, MAX_CHARS.get(key, MAX_VALUE_CHARS), where)
+        most = MAX_CHARS.get(key, MAX_VALUE_CHARS)
+        if isinstance(value, str) and (n := len(value)) > most:
+            raise ValueError(f"{where}[{key!r}] has {n} characters; allowed: at most {most}")
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
