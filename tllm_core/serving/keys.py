@@ -30,9 +30,8 @@ from tllm_core.runtime.settings import RuntimeSettings
 if TYPE_CHECKING:
     from tllm_core.plugins.registry import Registry
 
-# The longest value of a key, checked before it is parsed (a 32 MiB list of names would hold
-# the server's event loop); tllm's own keys are shorter: the consumer names are split again
-# wherever a consumer asks whether it acts on a request, a group name is kept per live group.
+# Longest values, checked before parsing (a 32 MiB list of names would hold the event loop);
+# tllm's own keys are shorter: names are split again per consumer, groups kept per live group.
 MAX_VALUE_CHARS = 65536
 MAX_CHARS = MappingProxyType({CONSUMERS_KEY: 1024, GROUP_KEY: 1024, RESULTS_KEY: 1024})
 

@@ -218,8 +218,7 @@ class HungHealth:
             if hung is not None:
                 # No path: /health answers without the API key.
                 body = json.dumps({"error": f"tllm: {hung.message()}"}).encode()
-                await send_json(send, 503, body)
-                return
+                return await send_json(send, 503, body)
         await self.app(scope, receive, send)
 
 
