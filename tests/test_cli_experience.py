@@ -256,6 +256,35 @@ def test_harmless_filter_drops_only_the_listed_messages():
     assert not shown(logging.ERROR, "AsyncLLM output_handler failed.")  # after the engine stopped
 
 
+def test_a_clients_bad_request_in_a_stream_is_logged_in_one_line():
+    """vLLM logs an exception raised inside a stream with its traceback: a request tllm
+    refuses there (a result bound past max_result_bytes) wrote ~40 lines to the server log,
+    per request, at a client's will. The record keeps its message and the refusal, no
+    traceback; other errors keep theirs."""
+    import logging
+    import sys
+
+    from vllm.exceptions import VLLMValidationError
+
+    from tllm_core.vllm_bridge.quiet import HarmlessFilter
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            info = sys.exc_info()
+        msg = "Error in completion stream generator."
+        return logging.LogRecord("vllm.x", logging.ERROR, "f.py", 1, msg, None, info)
+
+    refused = record(VLLMValidationError("tllm: the 'export' result ... past this server's limit"))
+    assert HarmlessFilter().filter(refused) and refused.exc_info is None
+    text = logging.Formatter().format(refused)
+    assert text.startswith("Error in completion stream generator. tllm: the 'export' result")
+    assert "Traceback" not in text
+    crashed = record(RuntimeError("boom"))
+    assert HarmlessFilter().filter(crashed) and "Traceback" in logging.Formatter().format(crashed)
+
+
 def test_cpu_preload_env():
     from tllm_core.app import cpu_preload
 

@@ -89,6 +89,10 @@ def test_request_lists_are_bounded(engine):
         validate_extra_args({"tllm_consumers": many}, engine)
     with pytest.raises(ValueError, match="nested too deeply"):
         validate_extra_args(
+            {"tllm_consumers": "sae", "tllm_sae_steer": "[" * 30_000 + "]" * 30_000}, engine
+        )
+    with pytest.raises(ValueError, match=r"200000 characters; allowed: at most 65536"):
+        validate_extra_args(  # longer: refused before it is parsed
             {"tllm_consumers": "sae", "tllm_sae_steer": "[" * 100_000 + "]" * 100_000}, engine
         )
 

@@ -70,7 +70,8 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
     for i in range(1, 6):
         store.put(req(i), "c", {"v": i})
     assert len(store) == 3 and counters.snapshot()["results_expired"] == 2
-    assert store.take(["r1", "r5"]) == {"r5": {0: {"c": {"v": 5}}}}
+    got = store.take(["r1", "r5"])  # r1 was dropped: its taker is told so
+    assert got["r5"] == {0: {"c": {"v": 5}}} and "dropped" in got["r1"][0]["c"]["error"]
     snap = counters.snapshot()
     assert snap["results_made"] == 5 and snap["results_refused"] == 1
     assert snap["results_taken"] == 2  # r0's error and r5's result
@@ -511,3 +512,34 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     taken.clear()  # a request that did not ask: its response goes out as it was
     _, out = _asgi(app_for([""], body, False), path="/v1/completions")
     assert out == body and taken == []
+
+
+def test_results_dropped_from_a_full_store_say_so_at_once():
+    """A store past its bytes drops the oldest requests' results (a client gone never takes
+    them). One that is still taken got nothing, and its taker waited results_wait_s (30 s) to
+    report "no result" (a request with many large choices, or another client's, caused it):
+    now it gets an error naming the store's bound, and the errors kept are bounded too."""
+    from tllm_core.api.counters import Counters
+    from tllm_core.api.rows import RequestInfo
+    from tllm_core.runtime.request_results import ResultStore
+
+    counters = Counters()
+    store = ResultStore(counters, max_result_bytes=2048, max_requests=16)
+
+    def put(rid: str, sample: int, floats: int) -> None:
+        value = np.zeros(floats, np.float32)
+        store.put(RequestInfo(f"{rid}-abcdefgh", rid, 0, sample, 4), "c", value)
+
+    put("a", 0, 8)
+    for sample in range(12):  # ~1.5 kB each: 16 kB (8 x 2048) holds about ten
+        put("b", sample, 256)
+    got = store.take(["a", "b"])
+    assert "dropped uncollected" in got["a"][0]["c"]["error"], got["a"]
+    assert "16384 bytes" in got["a"][0]["c"]["error"]
+    assert all(s in got["b"] for s in range(12)), sorted(got["b"])  # dropped or kept: each told
+    assert counters.snapshot()["results_expired"] >= 2
+    assert store.take(["a", "b"]) == {}  # taken once
+    for i in range(50):  # the errors of requests nobody takes are bounded (16 samples here)
+        for sample in range(3):
+            put(f"x{i}", sample, 256)
+    assert 0 < sum(map(len, store._dropped.values())) <= 16

@@ -665,3 +665,83 @@ def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine
 
     with pytest.raises(EngineNoAnswer, match=r"did not answer 'tllm_status' in 0.2 s"):
         asyncio.run(asyncio.wait_for(start(), 60))  # 60 s: the test's own bound
+
+
+@pytest.fixture(scope="module")
+def steer_engine() -> EngineConsumers:
+    return EngineConsumers.from_settings(
+        {
+            "consumers": [
+                {"name": "esamp", "per_request": True},
+                {"name": "steer", "per_request": True, "config": {"open_layers": [1]}},
+            ]
+        }
+    )
+
+
+def test_hostile_control_bodies_get_a_short_4xx_and_the_server_serves_on(steer_engine):
+    """A control body nested past the parser was a 500 (RecursionError escaped the route);
+    huge names and actions were echoed whole. Each gets a 4xx naming what is allowed, in a
+    message of bounded size, and the routes keep answering."""
+    client = _app(steer_engine, ["k"])
+    auth = {"Authorization": "Bearer k"}
+    route = "/tllm/consumers/steer/control"
+
+    def post(body: bytes, path: str = route):
+        return client.post(path, content=body, headers=auth)
+
+    nested = post(b"[" * 100_000 + b"]" * 100_000)
+    assert nested.status_code == 400 and "not JSON" in nested.json()["error"], nested.text
+    inner = post(b'{"action": "add", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+    assert inner.status_code == 400, inner.text
+    huge = "x" * 100_000
+    for got, status, allowed in [
+        (post(b'{"action": "list"}', f"/tllm/consumers/{huge[:5000]}/control"), 404, "steer"),
+        (post(json.dumps({"action": huge}).encode()), 400, "list, add, remove"),
+        (post(json.dumps({"action": "remove", "name": huge}).encode()), 404, "no steering"),
+    ]:
+        message = got.json()["error"]
+        assert got.status_code == status and allowed in message and len(message) < 400, message
+    assert post(b'{"action": "list"}').status_code == 200
+    assert client.get("/tllm/status", headers=auth).status_code == 200
+
+
+def test_escaped_tllm_keys_are_checked_in_the_body(steer_engine):
+    """A key written with a JSON escape ("\\u0074llm_consumers") is the same key to vLLM's
+    parser: it was let through unchecked (a stream then got a 200 with an error event, a
+    request naming a failed consumer was served without it)."""
+    body = json.dumps({"prompt": "p", "stream": True, "vllm_xargs": {"tllm_consumers": "nope"}})
+    body = body.replace("tllm_consumers", "\\u0074llm_consumers").encode()
+    assert b"tllm_" not in body
+    app = FakeApp()
+    status, answer = _call(XargsCheck(app, steer_engine), Chunks([body]))
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400 and app.calls == 0 and "unknown consumer 'nope'" in message, message
+    # A request naming a huge unknown steering vector: the name is quoted short.
+    named = {"tllm_consumers": "steer", "tllm_steer_vectors": "v" * 60_000}
+    status, answer = _call(XargsCheck(FakeApp(), steer_engine), Chunks([_json(named)]))
+    message = json.loads(answer)["error"]["message"]
+    assert status == 400 and "no steering vector named" in message and len(message) < 400
+
+
+def _json(xargs: dict) -> bytes:
+    return json.dumps({"prompt": "p", "vllm_xargs": xargs}).encode()
+
+
+def test_a_huge_value_is_refused_before_its_consumer_parses_it(steer_engine):
+    """A 32 MiB ``tllm_steer_vectors`` of distinct names was split into a dict of millions of
+    entries before its 256-entry bound refused it: seconds of the server's event loop (every
+    client waits) and most of a GiB. Every tllm value is bounded by its length first."""
+    from tllm_core.serving import validate_extra_args
+    from tllm_core.serving.keys import MAX_VALUE_CHARS
+
+    names = ",".join(f"v{i}" for i in range(MAX_VALUE_CHARS // 4))
+    assert len(names) > MAX_VALUE_CHARS
+    with pytest.raises(
+        ValueError,
+        match=rf"tllm_steer_vectors'\] has \d+ characters; allowed: at most {MAX_VALUE_CHARS}",
+    ):
+        validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": names}, steer_engine)
+    short = {"tllm_consumers": "steer", "tllm_steer_vectors": names[:4000]}
+    with pytest.raises(ValueError, match="at most 256 entries"):  # the entry bound still holds
+        validate_extra_args(short, steer_engine)

@@ -263,13 +263,17 @@ def test_a_control_answered_after_its_504_is_adopted_before_the_next_one(monkeyp
             time.sleep(0.05)
         assert [v.entry.name for v in consumer.vectors] == ["calm"]  # the engine applied it
         validate_extra_args({"tllm_consumers": "steer", "tllm_steer_vectors": "calm"}, engine)
-        assert client.post(URL, json=_add("happy"), headers=AUTH).status_code == 200
+        added = client.post(URL, json=_add("happy"), headers=AUTH)
+        assert added.status_code == 200 and "warning" not in added.json()  # confirmed: no doubt
         listed = client.get("/tllm/status", headers=AUTH).json()["controls"]["steer"]
         assert [x["name"] for x in listed] == ["calm", "happy"]
         assert _late_controls(client)["controls_unconfirmed"] == {}
 
 
 def test_a_control_the_engine_never_answers_is_shown_unconfirmed_and_frees_the_route():
+    """A control call never answered is listed unconfirmed and frees the route; every later
+    control answer about that consumer warns, naming the action (it was a plain 200 before,
+    from a front-end config that may differ from the engine's)."""
     from tllm_core.runtime.settings import ServerSettings
 
     async def never():  # until the route's late wait cancels it
@@ -288,8 +292,15 @@ def test_a_control_the_engine_never_answers_is_shown_unconfirmed_and_frees_the_r
             assert time.monotonic() < deadline, "the late wait never ended"
             time.sleep(0.05)
         assert _late_controls(client)["controls_unconfirmed"] == {"steer": "add"}
+        # Later answers about steer rest on a config the engine may not share: each says so.
+        listed = client.post(URL, json={"action": "list"}, headers=AUTH)
+        assert listed.status_code == 200 and listed.json()["reply"] == []
+        assert "earlier 'add' request to 'steer' was never answered" in listed.json()["warning"]
+        refused = client.post(URL, json={"action": "fly"}, headers=AUTH)
+        assert refused.status_code == 400 and "never answered" in refused.json()["warning"]
         # the lock is free again: the next call reaches the engine (and times out in turn)
-        assert client.post(URL, json=_add("happy"), headers=AUTH).status_code == 504
+        timed_out = client.post(URL, json=_add("happy"), headers=AUTH)
+        assert timed_out.status_code == 504 and "never answered" in timed_out.json()["warning"]
         while _late_controls(client)["controls_pending"]:  # its late wait ends before the loop
             assert time.monotonic() < deadline + 10, "the second late wait never ended"
             time.sleep(0.05)

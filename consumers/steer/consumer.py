@@ -126,7 +126,7 @@ def check_control(
         if set(payload) != {"name"} or not isinstance(name, str):
             raise ControlError('"remove" takes {"name": NAME}')
         if name not in by_name:
-            raise ControlError(f"no steering vector named {name!r}", 404)
+            raise ControlError(f"no steering vector named {name[:64]!r}", 404)  # names: <= 64
         if not by_name[name].registered:
             raise ControlError(
                 f"vector {name!r} was configured at start: it cannot be removed", 409
@@ -134,7 +134,7 @@ def check_control(
         vectors = [v for v in config.vectors if v.name != name]
         return config.model_copy(update={"vectors": vectors}), {"removed": name}
     if action != "add":
-        raise ControlError(f"unknown action {action!r}; steer takes: list, add, remove")
+        raise ControlError(f"unknown action {action[:64]!r}; steer takes: list, add, remove")
     extra = set(payload) - ADD_FIELDS
     if extra:
         raise ControlError(

@@ -31,6 +31,10 @@ class ResultStore:
         self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._sizes: dict[str, int] = {}
         self._total = 0
+        # Errors for results dropped before they were taken (told at once, not waited for).
+        self._dropped: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
+        why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes (8 x max_result_bytes)"
+        self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread)."""
@@ -63,23 +67,28 @@ class ResultStore:
             while self._kept and (
                 len(self._kept) > self.max_requests or self._total > self.max_bytes
             ):
-                old, _ = self._kept.popitem(last=False)
+                old, lost = self._kept.popitem(last=False)
                 self._total -= self._sizes.pop(old, 0)
                 self.counters.add("results_expired")
+                gone = {s: dict.fromkeys(per, self._gone) for s, per in lost.items()}
+                self._dropped.setdefault(old, {}).update(gone)
+                while sum(map(len, self._dropped.values())) > self.max_requests:
+                    self._dropped.popitem(last=False)  # bounded too (then: the wait)
 
     def take(self, request_ids: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
         """The results kept for these caller ids, removed from the store."""
         out: dict[str, dict[int, dict[str, Any]]] = {}
+        taken = 0
         with self._lock:
             for rid in request_ids:
-                got = self._kept.pop(rid, None)
-                if got is not None:
+                got = self._dropped.pop(rid, {})  # dropped: errors, not counted as taken
+                for sample, per in self._kept.pop(rid, {}).items():
+                    got.setdefault(sample, {}).update(per)
+                    taken += len(per)
+                if got:
                     out[rid] = got
                     self._total -= self._sizes.pop(rid, 0)
-        if out:
-            self.counters.add(
-                "results_taken", sum(len(v) for s in out.values() for v in s.values())
-            )
+        self.counters.add("results_taken", taken)
         return out
 
     def __len__(self) -> int:

@@ -15,21 +15,17 @@ from tllm_core.api.request_settings import GROUP_KEY
 TLLM_PREFIX = "/tllm"
 HIDDEN = "<hidden>"
 # Keys whose string values are filesystem paths (consumer results: export/sae "out", sae "path").
-PATH_KEYS = ("path", "out", "dir")
+_PATH_KEY = re.compile(r"(?s)path|out|dir|.*_path|.*_dir")
 # An absolute POSIX path inside any text (tracebacks, error messages): "/" not preceded by a
 # word character, so "top-k/top-p" or "1/0" are left alone.
 _ABS_PATH = re.compile(r"(?<![\w./:-])/[^\s'\"()<>,;:]+")
-
-
-def _is_path_key(key: Any) -> bool:
-    return isinstance(key, str) and (key in PATH_KEYS or key.endswith(("_path", "_dir")))
 
 
 def hide_paths(value: Any) -> Any:
     """``value`` (JSON-like) with path-valued keys and absolute paths in strings hidden."""
     if isinstance(value, dict):
         return {
-            k: HIDDEN if _is_path_key(k) and isinstance(v, str) else hide_paths(v)
+            k: HIDDEN if isinstance(v, str) and _PATH_KEY.fullmatch(str(k)) else hide_paths(v)
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
@@ -48,14 +44,6 @@ def _authorization(headers: list[tuple[bytes, bytes]]) -> bytes:
     return next((v for k, v in headers if k.lower() == b"authorization"), b"")
 
 
-def client_id(headers: list[tuple[bytes, bytes]], secret: bytes) -> str:
-    """A short keyed digest of the ``Authorization`` header (``anon`` without one)."""
-    value = _authorization(headers)
-    if not value:
-        return "anon"
-    return hmac.new(secret, value, hashlib.sha256).hexdigest()[:12]
-
-
 def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
     """A client's ``tllm_group`` inside its own namespace, else the request's own group."""
     group = extra.get(GROUP_KEY)
@@ -63,7 +51,8 @@ def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
 
 
 class ClientScope:
-    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on."""
+    """Pure ASGI middleware: sets :data:`CLIENT` for the request it passes on (a short keyed
+    digest of its ``Authorization`` header, ``anon`` without one)."""
 
     def __init__(self, app: Any, secret: bytes):
         self.app = app
@@ -72,7 +61,8 @@ class ClientScope:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        token = CLIENT.set(client_id(scope["headers"], self.secret))
+        key = _authorization(scope["headers"])
+        token = CLIENT.set(hmac.new(self.secret, key, "sha256").hexdigest()[:12] if key else "anon")
         try:
             await self.app(scope, receive, send)
         finally:

@@ -30,10 +30,10 @@ from tllm_core.runtime.settings import RuntimeSettings
 if TYPE_CHECKING:
     from tllm_core.plugins.registry import Registry
 
-# A group name is kept per live group by consumers (ESamp): bounded like any request value.
-MAX_GROUP_CHARS = 1024
-# tllm_consumers is split again wherever a consumer asks whether it acts on the request.
-MAX_CONSUMERS_CHARS = 1024
+# Longest values, checked before parsing (a 32 MiB list of names would hold the event loop);
+# tllm's own keys are shorter: names are split again per consumer, groups kept per live group.
+MAX_VALUE_CHARS = 65536
+MAX_CHARS = MappingProxyType({CONSUMERS_KEY: 1024, GROUP_KEY: 1024, RESULTS_KEY: 1024})
 
 KEYS: Mapping[str, str] = MappingProxyType(
     {
@@ -138,12 +138,6 @@ class EngineConsumers:
         }
 
 
-def _check_length(extra: dict[str, Any], key: str, most: int, where: str) -> None:
-    raw = extra.get(key)
-    if isinstance(raw, str) and len(raw) > most:
-        raise ValueError(f"{where}[{key!r}] has {len(raw)} characters; allowed: at most {most}")
-
-
 def _check_tag(key: str, value: Any, where: str) -> None:
     """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers to index with."""
     low = 0 if key == "tllm_prompt_index" else 1
@@ -184,7 +178,9 @@ def validate_extra_args(
             raise ValueError(
                 f"{where}[{key!r}] must be a flat string or number, got {short_repr(value)}"
             )
-    _check_length(extra, CONSUMERS_KEY, MAX_CONSUMERS_CHARS, where)
+        most = MAX_CHARS.get(key, MAX_VALUE_CHARS)
+        if isinstance(value, str) and (n := len(value)) > most:
+            raise ValueError(f"{where}[{key!r}] has {n} characters; allowed: at most {most}")
     names = enabled_consumers(extra, where)
     optional = sorted(n for n, p in engine.per_request.items() if p)
     for n in names:
@@ -196,7 +192,6 @@ def validate_extra_args(
     group = extra.get(GROUP_KEY)
     if isinstance(group, str) and not group.strip():
         raise ValueError(f"{where}[{GROUP_KEY!r}] must not be empty")
-    _check_length(extra, GROUP_KEY, MAX_GROUP_CHARS, where)
     _check_results(extra, engine, where)
     for name, key in mine.items():
         if name not in engine.per_request:
@@ -216,7 +211,6 @@ def validate_extra_args(
 
 def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -> None:
     """``tllm_results``: configured consumers that make results and act on the request."""
-    _check_length(extra, RESULTS_KEY, MAX_CONSUMERS_CHARS, where)
     makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
     for name in asked_results(extra, where):
         if name not in makers:

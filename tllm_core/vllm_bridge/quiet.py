@@ -62,6 +62,9 @@ class HarmlessFilter(logging.Filter):
             return True
         if _CONSEQUENCE.search(msg):
             return False
+        exc = record.exc_info[1] if record.exc_info else None
+        if type(exc).__name__ == "VLLMValidationError":  # a client's bad request (in a stream)
+            record.msg, record.args, record.exc_info = f"{msg} {exc}", (), None
         return record.levelno >= logging.ERROR or _PATTERN.search(msg) is None
 
 

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.api.consumer import ControlError
-from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY
+from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY, short_repr
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
@@ -75,7 +75,7 @@ LATE_CONTROL_FACTOR = 10
 def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
     """The ``vllm_xargs`` of a request body that names tllm keys (None: it does not, or the
     body is vLLM's to refuse), or the HTTP 400 of a body too deeply nested to parse."""
-    if b"tllm_" not in body:
+    if b"tllm_" not in body and b"\\u" not in body:  # a key may be spelt "\u0074llm_..."
         return None, None
     try:
         data = json.loads(body)
@@ -218,8 +218,7 @@ class HungHealth:
             if hung is not None:
                 # No path: /health answers without the API key.
                 body = json.dumps({"error": f"tllm: {hung.message()}"}).encode()
-                await send_json(send, 503, body)
-                return
+                return await send_json(send, 503, body)
         await self.app(scope, receive, send)
 
 
@@ -358,18 +357,23 @@ def attach_routes(
             body = {"worker": leader, **server.describe()}
             body["failed_consumers"] = sorted(server.failed)
             body["controls"] = server.control_state()
-            body |= late_controls()
             if len(out) > 1:
                 body["ranks"] = out
             return JSONResponse(shown(body))
 
-        got = await guarded(status)
-        if got.status_code != 200 and (pending or unconfirmed):  # front-end state: no engine
-            return JSONResponse({**json.loads(got.body), **late_controls()}, got.status_code)
-        return got
+        got = await guarded(status)  # the late controls: front-end state, read with no engine too
+        return JSONResponse({**json.loads(got.body), **late_controls()}, got.status_code)
 
     @router.post(CONTROL_PATH)
     async def tllm_control(name: str, request: Request):
+        got = await control(name, request)
+        if name in unconfirmed:  # the answer rests on a config the engine may not share
+            warning = f"an earlier {unconfirmed[name]!r} request to {name!r} was never answered by "
+            warning += "the engine: its config here may differ from the engine's until a restart"
+            return JSONResponse({**json.loads(got.body), "warning": warning}, got.status_code)
+        return got
+
+    async def control(name: str, request: Request) -> JSONResponse:
         if not tokens:
             return _error(
                 "control requests change the server for every client: start it with an API "
@@ -379,10 +383,10 @@ def attach_routes(
         cls = server.classes.get(name)
         if cls is None:
             known = ", ".join(sorted(server.classes)) or "(none)"
-            return _error(f"no consumer {name!r}; this server's: {known}", 404)
+            return _error(f"no consumer {short_repr(name)}; this server's: {known}", 404)
         try:
             body = json.loads(await request.body())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser
             return _error(f"the body is not JSON: {e}", 400)
         if not isinstance(body, dict) or not isinstance(body.get("action"), str):
             return _error('the body must be a JSON object with a string "action"', 400)
