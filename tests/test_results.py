@@ -543,3 +543,27 @@ def test_results_dropped_from_a_full_store_say_so_at_once():
         for sample in range(3):
             put(f"x{i}", sample, 256)
     assert 0 < sum(map(len, store._dropped.values())) <= 16
+
+
+def test_a_request_whose_choices_together_overflow_the_results_store_is_refused():
+    """Each choice's result within max_result_bytes, but n of them past what the engine keeps
+    uncollected (8 x): refused up front, not left to evict other clients' results."""
+    from types import SimpleNamespace
+
+    from tllm_core.api.consumer_spec import ConsumerSpec
+    from tllm_core.plugins.registry import Registry
+    from tllm_core.serving.keys import EngineConsumers
+    from tllm_core.vllm_bridge.request_marks import check_bounds
+
+    registry = Registry()
+    specs = [ConsumerSpec(name="stats", config={"layers": [0, 1, 2, 3]})]
+    server = EngineConsumers.of(specs, registry.check(specs), registry)
+    extra = {"tllm_results": "stats"}  # a stats result is bounded by 512 bytes (4 layers)
+
+    def why(n: int) -> str | None:
+        params = SimpleNamespace(n=n, max_tokens=4)
+        request = SimpleNamespace(sampling_params=params, prompt_token_ids=[1, 2])
+        return check_bounds(request, extra, server, limit=1024, hidden_size=64)
+
+    assert why(1) is None and why(16) is None  # 16 x 512 = 8 x 1024: what the store keeps
+    assert "17 choices could hold up to 8704 bytes, past the 8192" in why(17)

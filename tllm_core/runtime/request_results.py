@@ -12,6 +12,8 @@ from tllm_core.api.counters import Counters
 from tllm_core.api.results import encode, json_bytes
 from tllm_core.api.rows import RequestInfo
 
+STORE_RESULTS = 8  # the store holds this many max_result_bytes of uncollected results
+
 
 class ResultStore:
     """Caller request id -> sample index -> consumer -> its encoded result."""
@@ -26,14 +28,14 @@ class ResultStore:
         self.counters = counters
         self.max_result_bytes = int(max_result_bytes)
         self.max_requests = int(max_requests)
-        self.max_bytes = int(max_bytes) if max_bytes is not None else 8 * self.max_result_bytes
+        self.max_bytes = STORE_RESULTS * self.max_result_bytes if max_bytes is None else max_bytes
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._sizes: dict[str, int] = {}
         self._total = 0
         # Errors for results dropped before they were taken (told at once, not waited for).
         self._dropped: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
-        why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes (8 x max_result_bytes)"
+        why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes ({STORE_RESULTS} x max_result_bytes)"
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:

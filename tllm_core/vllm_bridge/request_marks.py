@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from tllm_core.api.results import PlannedRequest, asked_results, merge_taken, with_missing
+from tllm_core.runtime.request_results import STORE_RESULTS
 from tllm_core.serving.keys import EngineConsumers, result_bounds
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge.errors import EngineNoAnswer
@@ -170,7 +171,8 @@ def check_bounds(
     prompt = len(getattr(request, "prompt_token_ids", None) or ())
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
     planned = PlannedRequest(prompt, max_tokens, hidden_size, dict(extra))
-    for name, bound in result_bounds(planned, server).items():
+    bounds = result_bounds(planned, server)
+    for name, bound in bounds.items():
         if bound > limit:
             return (
                 f"tllm: the {name!r} result of this request could hold up to {bound} bytes "
@@ -178,6 +180,13 @@ def check_bounds(
                 f"of {limit} bytes (setting max_result_bytes); ask for fewer rows (a narrower "
                 "window, fewer tokens or layers)"
             )
+    n = int(getattr(params, "n", None) or 1)  # all its choices wait in one store together
+    if (total := n * sum(bounds.values())) > STORE_RESULTS * limit:
+        return (
+            f"tllm: the results of this request's {n} choices could hold up to {total} bytes, "
+            f"past the {STORE_RESULTS * limit} bytes this server keeps uncollected "
+            f"({STORE_RESULTS} x max_result_bytes); ask for fewer choices (n) or rows"
+        )
     return None
 
 
