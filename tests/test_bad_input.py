@@ -318,3 +318,57 @@ def test_an_empty_folder_is_refused_by_the_config_of_export_and_sae_alike(spec):
     says = str(e.value)
     assert f"consumer {spec['name']!r}" in says and "must be a path" in says, says
     assert "export:" not in says and ("out: str | None" in says or "SAELens" in says), says
+
+
+def test_a_bad_value_of_a_field_given_by_its_alias_is_not_an_unknown_field():
+    """A third-party config may name a field by an alias: its bad value gets the field's
+    bounds and words, not "unknown field 'max-rows'"."""
+    from pydantic import Field
+
+    from tllm_core import Consumer, ConsumerConfig, SampledTokens
+    from tllm_core.plugins.registry import ConsumerSpecError, Registry
+
+    class AliasedConfig(ConsumerConfig):
+        max_rows: int = Field(1, ge=1, alias="max-rows", description="rows kept")
+
+    class Aliased(Consumer):
+        name = "aliased"
+        Config = AliasedConfig
+
+        def reads(self):
+            return [SampledTokens()]
+
+    registry = Registry()
+    registry.use(Aliased)
+    with pytest.raises(ConsumerSpecError) as e:
+        registry.check([ConsumerSpec(name="aliased", config={"max-rows": 0})])
+    assert "max_rows: int, >= 1; rows kept" in str(e.value), str(e.value)
+    assert "unknown field" not in str(e.value)
+    with pytest.raises(ConsumerSpecError, match="unknown field.*'rows'.*takes: max_rows"):
+        registry.check([ConsumerSpec(name="aliased", config={"rows": 2})])
+
+
+def test_a_multi_node_bare_vllm_engine_compares_its_settings_before_it_refuses_them(
+    monkeypatch,
+):
+    """Nodes of a bare ``vllm serve`` each read their own settings: one node refusing its own
+    before the nodes compared them would leave the others waiting in vLLM's distributed start;
+    compared first, every node stops (differ) or every node refuses the same bad value."""
+    from types import SimpleNamespace
+
+    from pydantic import ValidationError
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    from tllm_core.vllm_bridge import nodes, plugin
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")  # before_device's own setting, restored
+    calls = []
+    monkeypatch.setattr(WorkerWrapperBase, "init_device", lambda self: calls.append("device"))
+    monkeypatch.setattr(nodes, "check_same_settings", lambda *a: calls.append("compared"))
+    plugin._wrap_init_device()  # wraps the stand-in above; monkeypatch restores vLLM's
+    config = SimpleNamespace(
+        additional_config={"tllm": {"queue_size": 0}}, parallel_config=SimpleNamespace(nnodes=2)
+    )
+    with pytest.raises(ValidationError, match="queue_size"):
+        WorkerWrapperBase.init_device(SimpleNamespace(vllm_config=config))
+    assert calls == ["device", "compared"]

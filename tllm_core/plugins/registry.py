@@ -196,7 +196,8 @@ class Registry:
             return cls.Config.model_validate(spec.config, context={"consumer": spec.name})
         except ValidationError as e:
             fields = cls.Config.model_fields
-            bad = {str(x["loc"][0]) for x in e.errors() if x["loc"]}
+            named = {f.alias: n for n, f in fields.items() if f.alias}  # given by its alias
+            bad = {named.get(str(x["loc"][0]), str(x["loc"][0])) for x in e.errors() if x["loc"]}
             # Each bad field's bounds and words (what 0 or None means there), as listed.
             hint = "".join(
                 f"\n{n}: {allowed(f)}; {f.description or ''}" for n, f in fields.items() if n in bad

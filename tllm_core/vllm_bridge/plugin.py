@@ -90,7 +90,7 @@ def _wrap_init_device() -> None:
         from tllm_core.vllm_bridge import worker_setup
 
         note_allowed_cpus()  # before vLLM pins this process's threads (side threads widen to it)
-        worker_setup.before_device(settings)
+        worker_setup.before_device(settings, _nodes(config))
         out = orig(self, *args, **kwargs)
         _same_on_every_node(config, settings)
         worker_setup.attach(self.worker, settings)
@@ -100,16 +100,21 @@ def _wrap_init_device() -> None:
     cls.init_device = init_device
 
 
+def _nodes(config: Any) -> int:
+    return int(getattr(getattr(config, "parallel_config", None), "nnodes", 1) or 1)
+
+
 def _same_on_every_node(config: Any, settings: dict | None) -> None:
     """Multi-node engines (plain ones too: every rank joins the gather): refuse settings that
-    differ between the nodes."""
-    parallel = getattr(config, "parallel_config", None)
-    if int(getattr(parallel, "nnodes", 1) or 1) <= 1:
+    differ between the nodes, then bad ones (every node has the same)."""
+    if _nodes(config) <= 1:
         return
-    from tllm_core.vllm_bridge.nodes import check_same_settings
+    from tllm_core.vllm_bridge import nodes, worker_setup
 
     try:
-        check_same_settings(config, settings)
+        nodes.check_same_settings(config, settings)
+        if settings is not None:
+            worker_setup.check_settings(settings)
     except Exception as e:
         from tllm_core.runtime.start_error import record
 

@@ -98,10 +98,17 @@ def aot_compile_off() -> None:
         )
 
 
-def before_device(settings: dict[str, Any]) -> None:
-    """Before the model runner and the model: settings and consumer configs, version, AOT off."""
+def check_settings(settings: dict[str, Any]) -> None:
+    """The settings and consumer configs (a bare ``vllm serve`` has no front end to check them)."""
     Registry().check(RuntimeSettings.model_validate(settings).consumers)
+
+
+def before_device(settings: dict[str, Any], nodes: int = 1) -> None:
+    """Before the model runner and the model: version, settings (one node: several check them
+    once they compared them, so that every node stops), AOT off."""
     check_version()
+    if nodes <= 1:
+        check_settings(settings)
     aot_compile_off()
 
 
