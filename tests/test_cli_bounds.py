@@ -26,6 +26,7 @@ from tllm_core.app.cli import build_parser
         ),
         (["steer", "compute", "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
         (["serve", "--port", "70000"], "argument --port: must be <= 65535, got 70000"),
+        (["serve", "--port", "0"], "argument --port: must be >= 1, got 0"),  # vLLM: any port
     ],
 )
 def test_out_of_range_options_are_refused(capsys, argv, message):

@@ -265,6 +265,10 @@ def test_slot_matmul_bad_input_names_the_argument():
         slot_matmul(x, w, slots.float(), out)
     with pytest.raises(ValueError, match="split_k must be >= 0"):
         slot_matmul(x, w, slots, out, split_k=-1)
+    from algorithms.esamp.kernels.op_slot_matmul import slot_matmul_launch
+
+    with pytest.raises(ValueError, match="split_k must be >= 0"):  # launched directly
+        slot_matmul_launch(x, w, slots, out, transpose_w=True, split_k=-1)
 
 
 def test_meta_tensors_run_the_fake_impls():

@@ -71,6 +71,8 @@ def test_serve_passes_the_dp_size_and_binds_one_core_group_per_rank():
         followers_store(["--nnodes", "2", "--node-rank", "-1"])
     # One API server: tllm's request checks and /tllm routes live in it.
     assert parallel_ranks(parse("--", "--api-server-count", "1")) == 1
+    with pytest.raises(CliError, match="--api-server-count -1: .*allowed: 1"):
+        parallel_ranks(parse("--", "-asc", "-1"))
     with pytest.raises(CliError, match="--api-server-count 2: tllm serve runs one API server"):
         parallel_ranks(parse("--data-parallel-size", "2", "--", "--api-server-count=2"))
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 if TYPE_CHECKING:
     from tllm_core.app.engine import ConsumersArg
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
@@ -76,7 +76,8 @@ def checked_arg(
     server's JSON are (in ``unit``s of it), or by a type (:data:`COUNT`; its description: a note)."""
     named = isinstance(field, str)
     info = model.model_fields[field] if named else FieldInfo.from_annotation(field)
-    number, what = TypeAdapter(info.annotation), f"{field} " if named else ""
+    finite = ConfigDict(allow_inf_nan=False)  # as the settings: every wait bounded
+    number, what = TypeAdapter(info.annotation, config=finite), f"{field} " if named else ""
     check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
     note = f" ({info.description})" if info.description and not named else ""
 
@@ -96,7 +97,7 @@ def checked_arg(
 
 # Options counting something, and other whole numbers (vLLM would replace some silently).
 COUNT, WHOLE = checked_arg(Annotated[int, Field(ge=1)]), checked_arg(Annotated[int, Field(ge=0)])
-PORT = checked_arg(Annotated[int, Field(ge=0, le=65535)])  # else a traceback when vLLM binds
+PORT = checked_arg(Annotated[int, Field(ge=1, le=65535)])  # else a traceback when vLLM binds
 
 
 def add_consumer_arg(parser: argparse.ArgumentParser, help: str) -> None:

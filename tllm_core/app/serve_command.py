@@ -95,8 +95,8 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
     extra = list(args.vllm_args or [])
-    servers = _flag(extra, ("--api-server-count", "-asc"))
-    if servers is not None and servers != 1:
+    servers = _flag(extra, ("--api-server-count", "-asc"), str)
+    if servers is not None and servers != "1":
         raise cli_common.CliError(
             f"--api-server-count {servers}: tllm serve runs one API server (its request "
             "checks and /tllm routes live in that process); allowed: 1. Several engines "

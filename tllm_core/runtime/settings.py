@@ -18,7 +18,7 @@ MIB = 1024 * 1024
 class ServerSettings(BaseModel):
     """Settings of tllm's part of an OpenAI server (``tllm serve``/``vllm serve``), API-server side."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every wait bounded
     max_body_bytes: int = Field(
         32 * MIB,
         ge=1024,
@@ -52,7 +52,7 @@ class ServerSettings(BaseModel):
 class RuntimeSettings(BaseModel):
     """Engine-side runtime settings (JSON in ``additional_config["tllm"]``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every wait bounded
     consumers: list[ConsumerSpec] = Field(default_factory=list)
     server: ServerSettings = Field(
         default_factory=ServerSettings, description="the OpenAI server's limits (serving only)"

@@ -110,6 +110,8 @@ def slot_matmul_launch(
 ) -> Launch | None:  # fmt: skip
     """The slot-indexed matmul's launch (None: nothing to launch); with ``split_k > 1`` the
     kernel adds into ``out``, which must be zero first (:func:`run_triton` zeroes it)."""
+    if split_k < 0:  # launched directly too (rehearsal, compile checks)
+        raise ValueError(f"split_k must be >= 0 (0: automatic), got {split_k}")
     w4 = w if w.dim() == 4 else w.unsqueeze(1)
     e = w4.shape[1]
     x4 = x if x.dim() == 4 else x.unsqueeze(1).expand(x.shape[0], e, *x.shape[1:])
