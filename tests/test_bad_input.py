@@ -218,16 +218,12 @@ def test_settings_flags_not_given_are_the_settings_defaults():
     other settings flag has the field's default or a value the field accepts."""
     from tllm_core.app.cli import build_parser
     from tllm_core.app.engine import validate_consumers
-    from tllm_core.runtime.settings import MIB, RuntimeSettings, ServerSettings
+    from tllm_core.app.serve_command import serve_settings
+    from tllm_core.runtime.settings import RuntimeSettings
 
     args = build_parser().parse_args(["serve", "--max-body-mib", "2048", "--max-result-kib", "1"])
     assert args.callback_deadline is None
-    settings = validate_consumers([]).settings(
-        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB),
-        hung_stop_s=args.hung_stop,
-        max_result_bytes=args.max_result_kib * 1024,
-        callback_deadline_s=args.callback_deadline,
-    )
+    settings = serve_settings(args, validate_consumers([]), "")  # what tllm serve sends
     assert settings.callback_deadline_s == RuntimeSettings().callback_deadline_s == 120
     assert settings.server.max_body_bytes == 2**31 and settings.max_result_bytes == 1024
 

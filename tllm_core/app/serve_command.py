@@ -210,6 +210,17 @@ def _runner_note(url: str) -> str:
     return f" on vLLM's {runner}"
 
 
+def serve_settings(args: argparse.Namespace, checked: Any, fault_file: str) -> RuntimeSettings:
+    """The engine's settings from ``tllm serve``'s flags (a flag not given: the default)."""
+    return checked.settings(
+        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
+        hung_stop_s=args.hung_stop,
+        fault_file=fault_file,
+        max_result_bytes=args.max_result_kib * 1024,
+        callback_deadline_s=args.callback_deadline,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tllm_core.app.default_model import default_model_path
     from tllm_core.app.engine import tell_run_failed, validate_consumers
@@ -232,13 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         checked = validate_consumers(checked, model)
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
     fault_note = NoteFile("tllm-fault-")  # a hung callback's report, from the engine (watchdog.py)
-    settings = checked.settings(
-        server=ServerSettings(max_body_bytes=args.max_body_mib * MIB, show_paths=args.show_paths),
-        hung_stop_s=args.hung_stop,
-        fault_file=fault_note.path,
-        max_result_bytes=args.max_result_kib * 1024,
-        callback_deadline_s=args.callback_deadline,
-    )
+    settings = serve_settings(args, checked, fault_note.path)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     url = f"http://{host}:{args.port}"
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
