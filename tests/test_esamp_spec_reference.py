@@ -83,9 +83,12 @@ def _slot_params(c: ESampConsumer, slot: int) -> torch.Tensor:
         {"loss_reduction": "sum", "mode": "full_vocab"},
         {"cpu_update": "thread", "beta": 0.6, "grad_clip": None},
         {"loss_reduction": "sum", "grad_clip": None},
+        {"cuda_path": True},  # the CUDA guidance (fixed-size candidates, workspace) on CPU
+        {"cuda_path": True, "mode": "full_vocab", "beta": 0.6},
     ],
 )
 def test_consumer_matches_the_spec_reference_step_by_step(cfg):
+    cfg = dict(cfg)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(V, H, generator=g)
     model = ModelInfo(
@@ -97,8 +100,10 @@ def test_consumer_matches_the_spec_reference_step_by_step(cfg):
         lm_head=lambda z: z @ w.t(),
         lm_head_weight=w,
     )
+    cuda_path = cfg.pop("cuda_path", None)
     config = ESampConfig(intermediate_size=INTER, **{"cpu_update": "inline", **cfg})
-    c = ESampConsumer(config, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
+    ctx = ConsumerContext(model, lambda i: resolve_layer(i, 4))
+    c = ESampConsumer(config, ctx, cuda_path=cuda_path)
     template = c.distiller.template.clone()
 
     def req(p: int, s: int) -> RequestInfo:
