@@ -164,3 +164,43 @@ def test_consumer_matches_the_spec_reference_step_by_step(cfg):
     # group 0: 3 rows x 4 steps; group 1: 2 x 9; group 2: 2 x 7; group 3: 3 x 4
     assert k["rows_trained"] == 12 + 18 + 14 + 12
     c.close()
+
+
+def test_a_sample_still_in_prefill_keeps_its_groups_distiller():
+    """The spec frees a group's distiller "when its last request finishes": a sample whose
+    prefill is still running (chunked prefill) when its siblings finish joins the distiller
+    they trained, not a fresh one."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(V, H, generator=g)
+    model = ModelInfo(
+        hidden_size=H,
+        num_layers=4,
+        vocab_size=V,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        lm_head=lambda z: z @ w.t(),
+        lm_head_weight=w,
+    )
+    config = ESampConfig(intermediate_size=INTER, cpu_update="inline")
+    c = ESampConsumer(config, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
+    a, b = (RequestInfo(f"{s}-r0", "r0", 0, s, 3) for s in range(2))
+    # step 0: a's last prefill chunk; 1: a decodes, b mid-prefill; 2: a decodes, b's last
+    # prefill chunk; a finishes; 3: b decodes
+    for t, reqs, decode in [(0, [a], [0]), (1, [a, b], [1, 0]), (2, [a, b], [1, 0]), (3, [b], [1])]:
+        n = len(reqs)
+        rows = RowInfo(np.arange(n), reqs, np.full(n, 5 + t), np.array(decode, bool),
+                       np.zeros(n, bool), torch.zeros(n))  # fmt: skip
+        hidden = {
+            "layer.0": torch.randn(n, H, generator=g),
+            "final": torch.randn(n, H, generator=g),
+        }
+        logits = torch.randn(n, V, generator=g)
+        c.guide(GuideView(t, rows, logits, torch.ones(n), np.ones(n, bool), False, hidden))
+        c.on_bundle(Bundle(t, rows, hidden))
+        if t == 2:
+            c.on_request_finished(a)
+    k = c.result()["counters"]
+    assert k["groups_created"] == 1 and k["groups_freed"] == 0 and k["optimizer_steps"] == 3
+    c.on_request_finished(b)
+    assert c.counters.get("groups_freed") == 1 and c.counters.get("finished_unseen") == 0
+    c.close()
