@@ -390,7 +390,7 @@ def test_vllm_esamp_errors_equal_a_reference_on_transformers_states(tiny_model, 
         lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
     )
     params = SamplingParams(
-        max_tokens=8, temperature=1.0, seed=3, extra_args={"tllm_results": "esamp"}
+        max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, extra_args={"tllm_results": "esamp"}
     )
     prompt = [5, 6, 7, 8, 9]
     out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
