@@ -372,6 +372,38 @@ def test_tllm_llm_returns_esamp_errors_on_each_completion(tiny_model, engines):
         assert np.isfinite(got["prediction_error"]).all() and (got["prediction_error"] >= 0).all()
 
 
+@torch.no_grad()
+def test_vllm_esamp_errors_equal_a_reference_on_transformers_states(tiny_model, engines):
+    """In vLLM, ESamp's distiller reads the spec's layers (h_1: the residual stream after
+    decoder layer 0; h_L: the final state after the norm) and takes one Adam step per decode
+    row: a one-sample request's returned errors equal a distiller trained independently
+    (torch's Adam) on transformers' hidden states of the same tokens."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from tllm_core import TllmLLM
+
+    cfg = {"intermediate_size": 16}
+    spec = {"name": "esamp", "config": cfg}
+    llm = engines.get(
+        ("results-esamp", tiny_model),
+        lambda: TllmLLM(tiny_model, [spec], enable_prefix_caching=False, **ENGINE_KW),
+    )
+    params = SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, extra_args={"tllm_results": "esamp"}
+    )
+    prompt = [5, 6, 7, 8, 9]
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    got = out.tllm["esamp"]
+    with torch.enable_grad():
+        tokens = prompt + list(out.token_ids)
+        decode = list(range(len(prompt), len(tokens) - 1))
+        assert got["positions"].tolist() == decode and len(decode) > 2
+        ref = hf_states(tiny_model, tokens[:-1])
+        want = _distiller_reference(ref["layer.0"][decode], ref["final"][decode], cfg)
+    np.testing.assert_allclose(got["prediction_error"], want, rtol=2e-3)
+
+
 def _distiller_reference(x: torch.Tensor, target: torch.Tensor, cfg: dict) -> list[float]:
     """ESamp's row errors for one request's decode rows, one row per step, recomputed
     independently: the distiller from its seeded initial parameters, each row's error

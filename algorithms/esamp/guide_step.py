@@ -275,12 +275,13 @@ class Guide:
             self.s.counters.add(f"rows_skipped_{reason}", n)
 
     def __call__(self, view: GuideView) -> None:
-        cfg, rows = self.s.cfg, view.rows
-        # beta = 0 still runs the path (selection, prediction) but writes nothing back.
+        cfg, rows = self.s.cfg, view.rows  # beta = 0 runs the path but writes nothing back
         if len(rows) == 0:
             return
         is_dec = np.asarray(rows.is_decode, dtype=bool)
         is_rand = np.asarray(view.is_random, dtype=bool)
+        # Tracked (no slot): a sample still in prefill keeps its group's distiller alive.
+        self.groups.claim(rows.requests, np.flatnonzero(~is_dec).tolist(), lambda *_: False)
         if cfg.skip_mixed_batches and not is_dec.all():
             self._skip("mixed", len(rows))
             return

@@ -93,8 +93,7 @@ class Groups:
         """A request finished; returns the serial of its group if freed now, else None."""
         key = self.key(request)
         g = self.by_key.get(key)
-        if g is None or request.engine_id not in g.live:
-            # Finished before any decode row reached us (e.g. aborted in prefill, max_tokens=1).
+        if g is None or request.engine_id not in g.live:  # no row of it seen (aborted waiting)
             self.counters.add("finished_unseen")
             return None
         g.live.discard(request.engine_id)
