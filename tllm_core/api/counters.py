@@ -13,9 +13,12 @@ class Counters:
         self._values: dict[str, float] = defaultdict(float)
         self._lock = threading.Lock()
 
-    def add(self, name: str, value: float = 1) -> None:
+    def add(self, name: str, value: float = 1, of: str | None = None) -> None:
+        """Add ``value`` to ``name`` (``of``: to ``name.{of}`` too, a total and its part)."""
         with self._lock:
             self._values[name] += value
+            if of is not None:
+                self._values[f"{name}.{of}"] += value
 
     def set(self, name: str, value: float) -> None:
         with self._lock:

@@ -282,15 +282,16 @@ def parse_request_settings(
         raise ValueError(f"{where}[{keys}]: {err['msg']}") from None
 
 
+def describe_field(f: FieldInfo) -> dict[str, Any]:
+    """A field's allowed values, default (None: required) and description, as listed."""
+    default = None if f.is_required() else f.get_default(call_default_factory=True)
+    return {"allowed": allowed(f), "default": default, "description": f.description or ""}
+
+
 def describe_request_keys(consumer: str, model: type[RequestSettings] | None) -> list[dict]:
     """Key, allowed values, default and description of each request key of a consumer."""
     fields = model.model_fields if model is not None else {}
     return [
-        {
-            "key": key,
-            "allowed": allowed(f := fields[fname]),
-            "default": None if f.is_required() else f.get_default(call_default_factory=True),
-            "description": f.description or "",
-        }
+        {"key": key, **describe_field(fields[fname])}
         for key, fname in request_keys(consumer, model).items()
     ]

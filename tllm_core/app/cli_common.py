@@ -58,14 +58,9 @@ def local_model(model: str | None) -> str | None:
         return None
     if not Path(model).is_dir():
         raise CliError(f"--model must be a local model folder; {model!r} is not a directory")
-    if not (Path(model) / "config.json").is_file():
-        raise CliError(
-            f"--model {model!r} has no config.json: a model folder holds a Hugging Face "
-            "config.json, tokenizer and weights"
-        )
     from tllm_core.runtime.model_config import read_model_config
 
-    read_model_config(model)  # readable JSON with the sizes tllm needs, or exit 2
+    read_model_config(model, "--model")  # readable JSON with the sizes tllm needs, or exit 2
     return model
 
 

@@ -26,7 +26,7 @@ from tllm_core.runtime.model_config import read_model_config
 from tllm_core.runtime.notes import NoteFile
 from tllm_core.runtime.reports import merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, RuntimeSettings
-from tllm_core.runtime.start_error import StartErrorNote
+from tllm_core.runtime.start_error import ENV as START_ERROR_ENV
 from tllm_core.runtime.watchdog import Hung, read_note
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.vllm_bridge import WORKER_EXTENSION
@@ -228,7 +228,7 @@ class TllmLLM:
         bound = bind_cpu_threads(world)
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
-        note = StartErrorNote()
+        note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         sent = self.settings.model_copy(
@@ -249,7 +249,11 @@ class TllmLLM:
         try:
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
             # the engine processes note their first error for us.
-            with interrupts_reach_caller(), default_kv_cache(llm_kwargs), note.shared():
+            with (
+                interrupts_reach_caller(),
+                default_kv_cache(llm_kwargs),
+                note.shared(START_ERROR_ENV),
+            ):
                 self.llm = LLM(
                     model=model,
                     additional_config=additional,

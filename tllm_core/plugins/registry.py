@@ -21,6 +21,7 @@ from tllm_core.api.request_settings import (
     GENERIC_KEYS,
     RequestSettings,
     allowed,
+    describe_field,
     describe_request_keys,
     request_keys,
     type_name,
@@ -228,16 +229,14 @@ class Registry:
                 {
                     "name": fname,
                     "type": type_name(f.annotation),
-                    "allowed": allowed(f),
-                    "default": None
-                    if f.is_required()
-                    else _jsonable(f.get_default(call_default_factory=True)),
+                    **describe_field(f),
                     "required": f.is_required(),
-                    "description": f.description or "",
                 }
                 for fname, f in cls.Config.model_fields.items()
             ]
             keys = describe_request_keys(name, cls.Request)
+            for d in (*fields, *keys):
+                d["default"] = _jsonable(d["default"])
             out.append(
                 {
                     "name": name,
@@ -245,7 +244,7 @@ class Registry:
                     "description": cls.description,
                     "module": cls.__module__,
                     "fields": fields,
-                    "request_keys": [{**k, "default": _jsonable(k["default"])} for k in keys],
+                    "request_keys": keys,
                     "returns_results": cls.makes_results(),  # can a request ask tllm_results
                 }
             )

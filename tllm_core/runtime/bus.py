@@ -71,8 +71,7 @@ class _BackgroundChannel:
     def put(self, bundle: Bundle) -> None:
         if not self.slots.acquire(blocking=False):
             if self.bus.overflow == "drop":
-                self.bus.counters.add("bundles_dropped")
-                self.bus.counters.add(f"bundles_dropped.{self.consumer.name}")
+                self.bus.counters.add("bundles_dropped", of=self.consumer.name)
                 # Takes no slot, like finish notices.
                 self.queue.put(_Dropped(bundle.step, list(bundle_requests(bundle))))
                 return
@@ -230,8 +229,7 @@ class Bus:
         switch it off after ``max_consecutive_failures`` in a row, or when ``disable``; note
         ``requests`` in :attr:`failed_requests`."""
         name = consumer.name
-        self.counters.add("consumer_errors")
-        self.counters.add(f"consumer_errors.{name}")
+        self.counters.add("consumer_errors", of=name)
         msg = f"consumer {name!r} raised in {what}: {type(e).__name__}: {e}"
         limit = self.max_consecutive_failures
         with self._fail_lock:
@@ -321,8 +319,7 @@ class Bus:
             requests=bundle_requests(bundle),
             kind=kind,
         ):
-            self.counters.add("bundles_delivered")
-            self.counters.add(f"bundles_delivered.{consumer.name}")
+            self.counters.add("bundles_delivered", of=consumer.name)
 
     def abandon(self, name: str, why: str) -> None:
         """Switch off the background consumer ``name``, stuck in a callback, and drop its
@@ -331,8 +328,7 @@ class Bus:
         ch = self._channels.get(name)
         dropped = ch.abandon() if ch is not None else 0
         self.counters.add("consumers_abandoned")
-        self.counters.add("bundles_abandoned", dropped)
-        self.counters.add(f"bundles_abandoned.{name}", dropped)
+        self.counters.add("bundles_abandoned", dropped, of=name)
         msg = f"{why}; switched off, {dropped} queued bundle(s) dropped"
         log.error("tllm: %s", msg)
         with self._fail_lock:

@@ -35,12 +35,13 @@ class ModelConfig:
     vocab_size: int
 
 
-def read_model_config(model_path: str) -> ModelConfig:
-    """``model_path``/config.json, checked (:class:`BadModelConfig` naming the file and key)."""
+def read_model_config(model_path: str, what: str = "model") -> ModelConfig:
+    """``model_path``/config.json, checked (:class:`BadModelConfig` naming the file and key;
+    ``what``: the folder's name in messages)."""
     path = Path(model_path) / "config.json"
     if not path.exists():
         raise BadModelConfig(
-            f"model {str(model_path)!r} has no config.json: a model folder holds a Hugging "
+            f"{what} {str(model_path)!r} has no config.json: a model folder holds a Hugging "
             "Face config.json, tokenizer and weights"
         )
     try:

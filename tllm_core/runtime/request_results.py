@@ -58,8 +58,7 @@ class ResultStore:
             }
             size = json_bytes(out)
         elif not (isinstance(out, dict) and "error" in out):
-            self.counters.add("results_made")
-            self.counters.add(f"results_made.{consumer}")
+            self.counters.add("results_made", of=consumer)
         rid = request.request_id
         with self._lock:
             self._kept.setdefault(rid, {}).setdefault(request.sample_index, {})[consumer] = out

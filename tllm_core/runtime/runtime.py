@@ -275,8 +275,7 @@ class Runtime:
     def _hung(self, hung: Hung) -> None:
         """A callback past its deadline (on the watchdog's thread): a background consumer is
         switched off; otherwise the front end is told (``fault_file``) and the engine stopped."""
-        self.counters.add("callbacks_hung")
-        self.counters.add(f"callbacks_hung.{hung.consumer}")
+        self.counters.add("callbacks_hung", of=hung.consumer)
         if hung.kind == BACKGROUND:
             self.bus.abandon(hung.consumer, hung.report())
             return
@@ -473,8 +472,7 @@ class Runtime:
 
     def _stale(self, key: str, error: StaleTapError | str) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""
-        self.counters.add("stale_captures")
-        self.counters.add(f"stale_captures.{key}")
+        self.counters.add("stale_captures", of=key)
         if not any(e["where"] == key for e in self.tap_errors):
             log.error("tllm: %s; not delivered", error)
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
@@ -558,8 +556,7 @@ class Runtime:
                     f"rows_captured.{key}", len(step.rows) if r.port.rows == "token" else kept
                 )
         for tap_key, n in step.edited_rows().items():
-            self.counters.add("rows_edited", n)
-            self.counters.add(f"rows_edited.{tap_port_name(tap_key)}", n)
+            self.counters.add("rows_edited", n, of=tap_port_name(tap_key))
 
     def finish_requests(self, requests: list[RequestInfo]) -> None:
         for s in self.slots:  # window ``last``: the rows come before the finish notices

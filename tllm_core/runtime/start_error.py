@@ -3,26 +3,14 @@ a worker that fails while loading only as "see root cause above"."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 
-from tllm_core.runtime.notes import NoteFile, named, write_once
+from tllm_core.runtime.notes import named, write_once
 
 # "{front end pid}:{note path}", set while the engine starts; its processes inherit it.
 ENV = "TLLM_START_ERROR_FILE"
 record = write_once  # (path, message): the first rank's reason wins; never raises
-
-
-class StartErrorNote(NoteFile):
-    """The front end's side: an empty file for the engine to write into."""
-
-    def __init__(self) -> None:
-        super().__init__("tllm-start-")
-
-    def shared(self, env: str = ENV) -> contextlib.AbstractContextManager[None]:
-        """While the engine starts: :data:`ENV` names this note to the processes it spawns."""
-        return super().shared(env)
 
 
 class FirstErrorLog(logging.Handler):
