@@ -142,6 +142,13 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
     assert rt["rows_edited"] > 0 and rt["rows_guided"] > 0
 
 
+LONG = list(range(20, 150))  # a prompt longer than one KV cache block (128 tokens on CPU)
+
+
+def _first(rec) -> int:
+    return int(rec.positions[0])
+
+
 @torch.no_grad()
 def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     tiny_model, tmp_path
@@ -150,7 +157,9 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     position 0) for a request without a window, and its own 'last_prompt' for one with it,
     each row equal to transformers; a bad window is a 400. The second request also asks for
     its rows back with the completion (tllm_results): the same row as the record's; a third
-    asks for its last row ('last', delivered at its finish) and gets it back too.
+    asks for its last row ('last', delivered at its finish) and gets it back too. A long
+    prompt sent twice is served from the prefix cache the second time: its rows start after
+    the cached block, each equal to transformers at its position.
 
     The same engine steers every row (a residual edit at layer 1, prefill and decode): the
     exported downstream states (layer 2, final) equal transformers' with the same vector
@@ -162,7 +171,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     from reference import hf_states
     from serve_util import get_json, tllm_serve
 
-    from consumers.export import read_export
+    from consumers.export import IncompleteExportWarning, read_export
     from tllm_core import decode_results
 
     scale = 4.0
@@ -200,10 +209,20 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
         final = {"tllm_export_window": "last", "tllm_results": "export"}
         assert complete(url, [13, 14], final) == 200
         assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
+        # prefix caching: the same long prompt twice; the second one's first cache block
+        # (128 positions on CPU) is never computed, so its rows start after it
+        assert complete(url, LONG, None) == 200
+        assert complete(url, LONG, None) == 200
         runtime = get_json(f"{url}/tllm/counters")["runtime"]
     assert runtime["rows_edited"] > 0
-    recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
+    with pytest.warns(IncompleteExportWarning, match="positions_missing: 127"):
+        records = list(read_export(out, verify=True))  # the cached positions 1..127
+    long = sorted((r for r in records if r.num_prompt_tokens == len(LONG)), key=_first)
+    recs = {r.num_prompt_tokens: r for r in records if r.num_prompt_tokens != len(LONG)}
     assert sorted(recs) == [2, 3, 4], sorted(recs)
+    assert [_first(r) for r in long] == [1, 128], [r.positions.tolist() for r in long]
+    assert long[1].positions.tolist() == list(range(128, len(LONG) + 2))
+    assert long[1].token_ids.tolist() == long[0].token_ids.tolist()
     assert recs[2].positions.tolist() == [3]  # last: the row that sampled the 3rd token
     assert recs[4].positions.tolist() == [1, 2, 3, 4, 5]  # all[1:] of 4 prompt + 2 fed
     assert recs[3].positions.tolist() == [2]  # last_prompt (within all[1:])
@@ -216,7 +235,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     # transformers with the same edit: layer 0 (before it) is plain transformers' too
     handle = hf_model(tiny_model).model.layers[1].register_forward_hook(add)
     try:
-        for rec in recs.values():
+        for rec in [*recs.values(), *long]:
             ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
             for key in ("layer.0", "layer.2", "final"):
                 want = ref[key][rec.positions]
