@@ -162,8 +162,9 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     the cached block, each equal to transformers at its position.
 
     The same engine steers every row (a residual edit at layer 1, prefill and decode): the
-    exported downstream states (layer 2, final) equal transformers' with the same vector
-    added by a forward hook; layer 0, before the edit, equals plain transformers'. (One V2
+    exported downstream states (layer 2, layer 3's MLP output, final) equal transformers'
+    with the same vector added by a forward hook; layer 0 and layer 1's attention output,
+    before the edit, equal plain transformers'. (One V2
     engine for both: each is an interpreted V2 start, ~40 s.)"""
     import urllib.error
     import urllib.request
@@ -178,7 +179,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     vec = _unit_vector(tmp_path / "v.pt")
     steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": scale}]}
     out = tmp_path / "x"
-    export = {"out": str(out), "layers": [0, 2, "final"], "phase": "all[1:]"}
+    export = {"out": str(out), "layers": [0, "attn.1", "mlp.3", 2, "final"], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
     args += ["--consumer", f"steer:{json.dumps(steer)}"]
     args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
@@ -237,7 +238,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     try:
         for rec in [*recs.values(), *long]:
             ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
-            for key in ("layer.0", "layer.2", "final"):
+            for key in ("layer.0", "attn.1", "mlp.3", "layer.2", "final"):
                 want = ref[key][rec.positions]
                 torch.testing.assert_close(rec.hidden[key], want, rtol=1e-4, atol=1e-4, msg=key)
     finally:
