@@ -9,6 +9,7 @@ itself is given nothing: it follows the runner vLLM chose, and says which.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -143,6 +144,7 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
 
 
 LONG = list(range(20, 150))  # a prompt longer than one KV cache block (128 tokens on CPU)
+CUT = list(range(30, 36))  # the prompt of a request its client abandons
 
 
 def _first(rec) -> int:
@@ -164,13 +166,16 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     The same engine steers every row (a residual edit at layer 1, prefill and decode): the
     exported downstream states (layer 2, layer 3's MLP output, final) equal transformers'
     with the same vector added by a forward hook; layer 0 and layer 1's attention output,
-    before the edit, equal plain transformers'. (One V2
-    engine for both: each is an interpreted V2 start, ~40 s.)"""
+    before the edit, equal plain transformers'. stats (always on) returns its figures with
+    the second completion, equal to transformers'; a client that goes away mid-generation
+    leaves its request cut short in the export. (One V2 engine for all of it: each is an
+    interpreted V2 start, ~40 s.)"""
     import urllib.error
     import urllib.request
 
     from reference import hf_states
     from serve_util import get_json, tllm_serve
+    from test_serve_state import _disconnect_while_running
 
     from consumers.export import IncompleteExportWarning, read_export
     from tllm_core import decode_results
@@ -181,7 +186,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     out = tmp_path / "x"
     export = {"out": str(out), "layers": [0, "attn.1", "mlp.3", 2, "final"], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
-    args += ["--consumer", f"steer:{json.dumps(steer)}"]
+    args += ["--consumer", f"steer:{json.dumps(steer)}", "--consumer", 'stats:{"layers": [0]}']
     args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
 
     answers: list[dict] = []
@@ -205,7 +210,7 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     with tllm_serve(args, tmp_path / "serve.log", env=v2_env()) as url:
         assert "on vLLM's V2 runner" in (tmp_path / "serve.log").read_text()
         assert complete(url, [5, 6, 7, 8], None) == 200
-        last = {"tllm_export_window": "last_prompt", "tllm_results": "export"}
+        last = {"tllm_export_window": "last_prompt", "tllm_results": "export,stats"}
         assert complete(url, [9, 10, 11], last) == 200
         final = {"tllm_export_window": "last", "tllm_results": "export"}
         assert complete(url, [13, 14], final) == 200
@@ -214,10 +219,22 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
         # (128 positions on CPU) is never computed, so its rows start after it
         assert complete(url, LONG, None) == 200
         assert complete(url, LONG, None) == 200
+        # a client gone mid-generation: vLLM aborts its request, the export hears it cut short
+        _disconnect_while_running(url, CUT, max_tokens=500)
+        deadline = time.monotonic() + 60
+        while (
+            get_json(f"{url}/tllm/counters")["consumers"]["export"].get("requests_cut_short", 0) < 1
+        ):
+            assert time.monotonic() < deadline, "the aborted request was not cut short"
+            time.sleep(0.5)
+        assert get_json(f"{url}/tllm/status")["worker"]["requests_open"] == 0
         runtime = get_json(f"{url}/tllm/counters")["runtime"]
     assert runtime["rows_edited"] > 0
     with pytest.warns(IncompleteExportWarning, match="positions_missing: 127"):
         records = list(read_export(out, verify=True))  # the cached positions 1..127
+    (cut,) = [r for r in records if not r.finished]
+    assert cut.num_prompt_tokens == len(CUT) and 1 <= len(cut.generated_token_ids) < 500
+    records.remove(cut)
     long = sorted((r for r in records if r.num_prompt_tokens == len(LONG)), key=_first)
     recs = {r.num_prompt_tokens: r for r in records if r.num_prompt_tokens != len(LONG)}
     assert sorted(recs) == [2, 3, 4], sorted(recs)
@@ -244,8 +261,15 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     finally:
         handle.remove()
     assert "tllm" not in answers[0]  # did not ask
-    returned = decode_results(answers[1]["tllm"][0])["export"]
+    results = decode_results(answers[1]["tllm"][0])
+    returned = results["export"]
     assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]
+    # stats (layer 0, before the edit: plain transformers) over every fed position 0..4
+    h = hf_states(tiny_model, recs[3].token_ids[:-1].tolist())["layer.0"]
+    figures = results["stats"]["layer.0"]
+    assert figures["rows"] == len(h) == 5
+    assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
+    assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
     np.testing.assert_array_equal(returned["layer.0"], recs[3].hidden["layer.0"].numpy())
     returned = decode_results(answers[2]["tllm"][0])["export"]
     assert returned["positions"].tolist() == [3]
