@@ -145,6 +145,8 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
 
 LONG = list(range(20, 150))  # a prompt longer than one KV cache block (128 tokens on CPU)
 CUT = list(range(30, 36))  # the prompt of a request its client abandons
+PLAIN = [5, 6, 7, 8, 9]  # the prompt of a request that switches on stats only
+ON = "export,steer,stats"  # the per-request consumers the other requests switch on
 
 
 def _first(rec) -> int:
@@ -166,9 +168,10 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     The same engine steers every row (a residual edit at layer 1, prefill and decode): the
     exported downstream states (layer 2, layer 3's MLP output, final) equal transformers'
     with the same vector added by a forward hook; layer 0 and layer 1's attention output,
-    before the edit, equal plain transformers'. stats (always on) returns its figures with
-    the second completion, equal to transformers'; a client that goes away mid-generation
-    leaves its request cut short in the export. (One V2 engine for all of it: each is an
+    before the edit, equal plain transformers'. The consumers are per-request: stats returns
+    its figures with the second completion, equal to transformers' (steered after layer 1);
+    a request switching on stats only is neither steered nor exported. A client that goes
+    away mid-generation leaves its request cut short in the export. (One V2 engine for all of it: each is an
     interpreted V2 start, ~40 s.)"""
     import urllib.error
     import urllib.request
@@ -186,16 +189,23 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     out = tmp_path / "x"
     export = {"out": str(out), "layers": [0, "attn.1", "mlp.3", 2, "final"], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
-    args += ["--consumer", f"steer:{json.dumps(steer)}", "--consumer", 'stats:{"layers": [0]}']
-    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    args += ["--consumer", f"steer:{json.dumps(steer)}", "--consumer", 'stats:{"layers": [0, 2]}']
+    args += [
+        "--per-request",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+        "--",
+        "--enforce-eager",
+    ]
 
     answers: list[dict] = []
 
-    def complete(url: str, prompt: list[int], xargs: dict | None) -> int:
-        body = {"model": "default", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    def complete(url: str, prompt: list[int], xargs: dict | None, max_tokens: int = 3) -> int:
+        body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         body["ignore_eos"] = True
-        if xargs:
-            body["vllm_xargs"] = xargs
+        body["vllm_xargs"] = {"tllm_consumers": ON, **(xargs or {})}
         req = urllib.request.Request(
             f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -219,8 +229,11 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
         # (128 positions on CPU) is never computed, so its rows start after it
         assert complete(url, LONG, None) == 200
         assert complete(url, LONG, None) == 200
+        # per-request consumers: this one switches on stats only (no edit, no export)
+        only_stats = {"tllm_consumers": "stats", "tllm_results": "stats"}
+        assert complete(url, PLAIN, only_stats, max_tokens=1) == 200
         # a client gone mid-generation: vLLM aborts its request, the export hears it cut short
-        _disconnect_while_running(url, CUT, max_tokens=500)
+        _disconnect_while_running(url, CUT, 500, {"tllm_consumers": ON})
         deadline = time.monotonic() + 60
         while (
             get_json(f"{url}/tllm/counters")["consumers"]["export"].get("requests_cut_short", 0) < 1
@@ -258,18 +271,27 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
             for key in ("layer.0", "attn.1", "mlp.3", "layer.2", "final"):
                 want = ref[key][rec.positions]
                 torch.testing.assert_close(rec.hidden[key], want, rtol=1e-4, atol=1e-4, msg=key)
+        steered = hf_states(tiny_model, recs[3].token_ids[:-1].tolist())["layer.2"]
     finally:
         handle.remove()
     assert "tllm" not in answers[0]  # did not ask
     results = decode_results(answers[1]["tllm"][0])
     returned = results["export"]
     assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]
-    # stats (layer 0, before the edit: plain transformers) over every fed position 0..4
-    h = hf_states(tiny_model, recs[3].token_ids[:-1].tolist())["layer.0"]
-    figures = results["stats"]["layer.0"]
-    assert figures["rows"] == len(h) == 5
-    assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
-    assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
+    # stats over every fed position 0..4: layer 0 (before the edit) plain transformers',
+    # layer 2 steered; the request that switched on stats only is not steered
+    plain = hf_states(tiny_model, PLAIN)["layer.2"]
+    only = decode_results(answers[5]["tllm"][0])["stats"]
+    cases = [
+        (results["stats"]["layer.0"], hf_states(tiny_model, recs[3].token_ids[:-1].tolist())),
+        (results["stats"]["layer.2"], {"layer.0": steered}),
+        (only["layer.2"], {"layer.0": plain}),
+    ]
+    for figures, ref in cases:
+        h = ref["layer.0"]
+        assert figures["rows"] == len(h) == 5
+        assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
+        assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
     np.testing.assert_array_equal(returned["layer.0"], recs[3].hidden["layer.0"].numpy())
     returned = decode_results(answers[2]["tllm"][0])["export"]
     assert returned["positions"].tolist() == [3]
