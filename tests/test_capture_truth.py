@@ -103,3 +103,39 @@ def test_eager_in_process_matches_transformers(tiny_model, engines):
     report = llm.close()
     assert check_against_hf(tiny_model, report["results"]["recorder"], 4, 2) > 0
     engines.close()
+
+
+@pytest.mark.vllm
+def test_prefix_cached_prompt_rows_match_transformers_on_v1(tiny_model, engines):
+    """A prompt longer than one KV cache block (128 tokens on CPU) twice: the second time
+    its first block comes from the prefix cache and is never computed, so its rows start at
+    position 128, each equal to transformers at its position. (V2: the same check in
+    test_runner_v2.py's server test.)"""
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    llm = engines.get(
+        ("truth-prefix-cache", tiny_model),
+        lambda: TllmLLM(
+            tiny_model, [{"name": "recorder", "config": {"layers": [0, "final"]}}], **ENGINE_KW
+        ),
+    )
+    prompt = {"prompt_token_ids": list(range(20, 150))}
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for _ in range(2):  # one after the other: the first fills the cache
+        llm.generate([prompt], params, use_tqdm=False)
+    rows = llm.close()["results"]["recorder"]["rows"]
+    engines.close()
+    by = {}
+    for r in rows:
+        by.setdefault(r["request_id"], []).append(r)
+    first, second = (sorted(r["position"] for r in v) for v in by.values())
+    assert first == list(range(131)) and second == list(range(128, 131)), (first, second)
+    seq = [*range(20, 150), next(r["token_id"] for r in rows if r["position"] == 130)]
+    ref = hf_states(tiny_model, seq)
+    for r in rows:
+        assert r["token_id"] == seq[r["position"]], r["position"]
+        for k, v in r["hidden"].items():
+            want = ref[k][r["position"]]
+            torch.testing.assert_close(torch.tensor(v), want, rtol=1e-4, atol=1e-4, msg=k)

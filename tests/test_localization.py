@@ -91,3 +91,47 @@ def test_recomputation_after_preemption_is_flagged(tiny_model, engines):
     stats = check_localization(llm, prompts, [2, 1, 2, 1], 60)
     assert stats["recomputed"] > 0, "expected preemption with a tiny KV cache"
     engines.close()
+
+
+# The check above in a process of its own, under the V2 test fixture (docs/runners.md).
+V2_PREEMPTION = """
+import json, sys
+from test_localization import check_localization
+from tllm_core.app.engine import TllmLLM
+spec = {"name": "recorder", "config": {"layers": [0], "keep_hidden": False}}
+llm = TllmLLM(sys.argv[1], [spec], dtype="float32", enforce_eager=True, max_model_len=256,
+              max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False,
+              num_gpu_blocks_override=3)
+runner = llm.status["runner"]
+prompts = [[(7 * i + j) % 49151 + 1 for j in range(110 + 5 * i)] for i in range(2)]
+stats = check_localization(llm, prompts, [1, 2], 30)
+llm.close()
+print(json.dumps({**stats, "runner": runner}))
+"""
+
+
+@pytest.mark.slow  # ~80 s: an interpreted V2 engine; preemption on V1 above
+def test_recomputation_after_preemption_is_flagged_on_v2(tiny_model):
+    """Three KV blocks of 128 tokens for three sequences of ~140 tokens: V2 preempts and
+    recomputes; every row is still where vLLM's outputs say, recomputed rows flagged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cli_util import v2_env
+    from conftest import cli_env
+
+    env = cli_env(**v2_env())
+    env["PYTHONPATH"] += os.pathsep + os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", V2_PREEMPTION, tiny_model],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["runner"].startswith("V2 runner"), stats["runner"]
+    assert stats["recomputed"] > 0, "expected preemption with a tiny KV cache"

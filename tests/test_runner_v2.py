@@ -9,6 +9,7 @@ itself is given nothing: it follows the runner vLLM chose, and says which.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -142,6 +143,16 @@ def test_v2_serve_esamp_and_steer_per_request_and_bad_key(tiny_model, tmp_path):
     assert rt["rows_edited"] > 0 and rt["rows_guided"] > 0
 
 
+LONG = list(range(20, 150))  # a prompt longer than one KV cache block (128 tokens on CPU)
+CUT = list(range(30, 36))  # the prompt of a request its client abandons
+PLAIN = [5, 6, 7, 8, 9]  # the prompt of a request that switches on stats only
+ON = "export,steer,stats"  # the per-request consumers the other requests switch on
+
+
+def _first(rec) -> int:
+    return int(rec.positions[0])
+
+
 @torch.no_grad()
 def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     tiny_model, tmp_path
@@ -150,37 +161,51 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     position 0) for a request without a window, and its own 'last_prompt' for one with it,
     each row equal to transformers; a bad window is a 400. The second request also asks for
     its rows back with the completion (tllm_results): the same row as the record's; a third
-    asks for its last row ('last', delivered at its finish) and gets it back too.
+    asks for its last row ('last', delivered at its finish) and gets it back too. A long
+    prompt sent twice is served from the prefix cache the second time: its rows start after
+    the cached block, each equal to transformers at its position.
 
     The same engine steers every row (a residual edit at layer 1, prefill and decode): the
-    exported downstream states (layer 2, final) equal transformers' with the same vector
-    added by a forward hook; layer 0, before the edit, equals plain transformers'. (One V2
-    engine for both: each is an interpreted V2 start, ~40 s.)"""
+    exported downstream states (layer 2, layer 3's MLP output, final) equal transformers'
+    with the same vector added by a forward hook; layer 0 and layer 1's attention output,
+    before the edit, equal plain transformers'. The consumers are per-request: stats returns
+    its figures with the second completion, equal to transformers' (steered after layer 1);
+    a request switching on stats only is neither steered nor exported. A client that goes
+    away mid-generation leaves its request cut short in the export. (One V2 engine for all of it: each is an
+    interpreted V2 start, ~40 s.)"""
     import urllib.error
     import urllib.request
 
     from reference import hf_states
     from serve_util import get_json, tllm_serve
+    from test_serve_state import _disconnect_while_running
 
-    from consumers.export import read_export
+    from consumers.export import IncompleteExportWarning, read_export
     from tllm_core import decode_results
 
     scale = 4.0
     vec = _unit_vector(tmp_path / "v.pt")
     steer = {"vectors": [{"layer": 1, "path": str(tmp_path / "v.pt"), "scale": scale}]}
     out = tmp_path / "x"
-    export = {"out": str(out), "layers": [0, 2, "final"], "phase": "all[1:]"}
+    export = {"out": str(out), "layers": [0, "attn.1", "mlp.3", 2, "final"], "phase": "all[1:]"}
     args = ["--model", tiny_model, "--consumer", f"export:{json.dumps(export)}"]
-    args += ["--consumer", f"steer:{json.dumps(steer)}"]
-    args += ["--max-model-len", "512", "--kv-cache-gib", "1", "--", "--enforce-eager"]
+    args += ["--consumer", f"steer:{json.dumps(steer)}", "--consumer", 'stats:{"layers": [0, 2]}']
+    args += [
+        "--per-request",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "1",
+        "--",
+        "--enforce-eager",
+    ]
 
     answers: list[dict] = []
 
-    def complete(url: str, prompt: list[int], xargs: dict | None) -> int:
-        body = {"model": "default", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    def complete(url: str, prompt: list[int], xargs: dict | None, max_tokens: int = 3) -> int:
+        body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         body["ignore_eos"] = True
-        if xargs:
-            body["vllm_xargs"] = xargs
+        body["vllm_xargs"] = {"tllm_consumers": ON, **(xargs or {})}
         req = urllib.request.Request(
             f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
@@ -195,15 +220,40 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     with tllm_serve(args, tmp_path / "serve.log", env=v2_env()) as url:
         assert "on vLLM's V2 runner" in (tmp_path / "serve.log").read_text()
         assert complete(url, [5, 6, 7, 8], None) == 200
-        last = {"tllm_export_window": "last_prompt", "tllm_results": "export"}
+        last = {"tllm_export_window": "last_prompt", "tllm_results": "export,stats"}
         assert complete(url, [9, 10, 11], last) == 200
         final = {"tllm_export_window": "last", "tllm_results": "export"}
         assert complete(url, [13, 14], final) == 200
         assert complete(url, [12], {"tllm_export_window": "generated[-1:]"}) == 400
+        # prefix caching: the same long prompt twice; the second one's first cache block
+        # (128 positions on CPU) is never computed, so its rows start after it
+        assert complete(url, LONG, None) == 200
+        assert complete(url, LONG, None) == 200
+        # per-request consumers: this one switches on stats only (no edit, no export)
+        only_stats = {"tllm_consumers": "stats", "tllm_results": "stats"}
+        assert complete(url, PLAIN, only_stats, max_tokens=1) == 200
+        # a client gone mid-generation: vLLM aborts its request, the export hears it cut short
+        _disconnect_while_running(url, CUT, 500, {"tllm_consumers": ON})
+        deadline = time.monotonic() + 60
+        while (
+            get_json(f"{url}/tllm/counters")["consumers"]["export"].get("requests_cut_short", 0) < 1
+        ):
+            assert time.monotonic() < deadline, "the aborted request was not cut short"
+            time.sleep(0.5)
+        assert get_json(f"{url}/tllm/status")["worker"]["requests_open"] == 0
         runtime = get_json(f"{url}/tllm/counters")["runtime"]
     assert runtime["rows_edited"] > 0
-    recs = {r.num_prompt_tokens: r for r in read_export(out, verify=True)}
+    with pytest.warns(IncompleteExportWarning, match="positions_missing: 127"):
+        records = list(read_export(out, verify=True))  # the cached positions 1..127
+    (cut,) = [r for r in records if not r.finished]
+    assert cut.num_prompt_tokens == len(CUT) and 1 <= len(cut.generated_token_ids) < 500
+    records.remove(cut)
+    long = sorted((r for r in records if r.num_prompt_tokens == len(LONG)), key=_first)
+    recs = {r.num_prompt_tokens: r for r in records if r.num_prompt_tokens != len(LONG)}
     assert sorted(recs) == [2, 3, 4], sorted(recs)
+    assert [_first(r) for r in long] == [1, 128], [r.positions.tolist() for r in long]
+    assert long[1].positions.tolist() == list(range(128, len(LONG) + 2))
+    assert long[1].token_ids.tolist() == long[0].token_ids.tolist()
     assert recs[2].positions.tolist() == [3]  # last: the row that sampled the 3rd token
     assert recs[4].positions.tolist() == [1, 2, 3, 4, 5]  # all[1:] of 4 prompt + 2 fed
     assert recs[3].positions.tolist() == [2]  # last_prompt (within all[1:])
@@ -216,16 +266,32 @@ def test_v2_windows_export_their_rows_and_a_steering_edit_matches_transformers(
     # transformers with the same edit: layer 0 (before it) is plain transformers' too
     handle = hf_model(tiny_model).model.layers[1].register_forward_hook(add)
     try:
-        for rec in recs.values():
+        for rec in [*recs.values(), *long]:
             ref = hf_states(tiny_model, rec.token_ids[:-1].tolist())
-            for key in ("layer.0", "layer.2", "final"):
+            for key in ("layer.0", "attn.1", "mlp.3", "layer.2", "final"):
                 want = ref[key][rec.positions]
                 torch.testing.assert_close(rec.hidden[key], want, rtol=1e-4, atol=1e-4, msg=key)
+        steered = hf_states(tiny_model, recs[3].token_ids[:-1].tolist())["layer.2"]
     finally:
         handle.remove()
     assert "tllm" not in answers[0]  # did not ask
-    returned = decode_results(answers[1]["tllm"][0])["export"]
+    results = decode_results(answers[1]["tllm"][0])
+    returned = results["export"]
     assert returned["positions"].tolist() == [2] and returned["token_ids"].tolist() == [11]
+    # stats over every fed position 0..4: layer 0 (before the edit) plain transformers',
+    # layer 2 steered; the request that switched on stats only is not steered
+    plain = hf_states(tiny_model, PLAIN)["layer.2"]
+    only = decode_results(answers[5]["tllm"][0])["stats"]
+    cases = [
+        (results["stats"]["layer.0"], hf_states(tiny_model, recs[3].token_ids[:-1].tolist())),
+        (results["stats"]["layer.2"], {"layer.0": steered}),
+        (only["layer.2"], {"layer.0": plain}),
+    ]
+    for figures, ref in cases:
+        h = ref["layer.0"]
+        assert figures["rows"] == len(h) == 5
+        assert figures["mean_norm"] == pytest.approx(h.norm(dim=-1).mean().item(), rel=1e-4)
+        assert figures["max_abs"] == pytest.approx(h.abs().max().item(), rel=1e-4)
     np.testing.assert_array_equal(returned["layer.0"], recs[3].hidden["layer.0"].numpy())
     returned = decode_results(answers[2]["tllm"][0])["export"]
     assert returned["positions"].tolist() == [3]

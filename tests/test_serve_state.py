@@ -53,13 +53,16 @@ def _state(url: str) -> dict:
     }
 
 
-def _disconnect_while_running(url: str) -> None:
+def _disconnect_while_running(
+    url: str, prompt: str | list[int] = "Long story:", max_tokens=2000, xargs=None
+) -> None:
     """A long request whose client closes the connection once the engine runs it (vLLM
     then cancels the handler and aborts the request)."""
     u = urllib.parse.urlsplit(url)
-    body = json.dumps(
-        {"model": "default", "prompt": "Long story:", "max_tokens": 2000, "ignore_eos": True}
-    ).encode()
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    if xargs:
+        body["vllm_xargs"] = xargs
+    body = json.dumps(body).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
