@@ -888,3 +888,103 @@ def test_a_bundle_without_a_port_or_of_the_wrong_width_fails_naming_it(tmp_path)
     ):
         c.on_bundle(Bundle(step=1, rows=rows, hidden={key: torch.zeros(2, H + 1)}))
     c.close()
+
+
+def _rewrite_shard(path: Path, change) -> None:
+    from safetensors.torch import save_file
+
+    t = load_file(str(path))
+    change(t)
+    save_file(t, str(path))
+
+
+def _rewrite_manifest(out: Path, change) -> None:
+    m = json.loads((out / fmt.MANIFEST).read_text())
+    (out / fmt.MANIFEST).write_text(json.dumps(change(m)))
+
+
+_DAMAGE = {
+    # file cut by a full disk or a copy stopped half way; a file of another program
+    "truncated shard": (
+        lambda o: (o / fmt.shard_name(1)).write_bytes((o / fmt.shard_name(1)).read_bytes()[:100]),
+        r"shard-00001\.safetensors' cannot be read",
+    ),
+    "empty shard": (
+        lambda o: (o / fmt.shard_name(0)).write_bytes(b""),
+        r"shard-00000\.safetensors' cannot be read",
+    ),
+    "shard without a column": (
+        lambda o: _rewrite_shard(o / fmt.shard_name(0), lambda t: t.pop("hidden.final")),
+        r"shard-00000\.safetensors' cannot be read.*hidden\.final",
+    ),
+    "shard of another dtype": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t.update({"hidden.final": t["hidden.final"].half()})
+        ),
+        r"shard-00000\.safetensors'.*'final' is torch\.float16.*torch\.float32",
+    ),
+    "shard of another width": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0),
+            lambda t: t.update({"hidden.final": t["hidden.final"].repeat(1, 2)}),
+        ),
+        r"shard-00000\.safetensors'.*'final'.*shape \(4, 16\).*width 8",
+    ),
+    "shard with a short column": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t.update({"hidden.final": t["hidden.final"][:2]})
+        ),
+        r"shard-00000\.safetensors' has 2 rows, the manifest says 4",
+    ),
+    "manifest dtype differs": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "dtype": "float16"}),
+        r"'final' is torch\.float32.*the manifest says torch\.float16",
+    ),
+    "manifest without keys": (
+        lambda o: _rewrite_manifest(o, lambda m: {k: v for k, v in m.items() if k != "keys"}),
+        r"manifest\.json' lacks a field or has a bad one: KeyError\('keys'\)",
+    ),
+    "manifest with an unknown dtype": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "dtype": "float7"}),
+        r"manifest\.json' lacks a field or has a bad one.*float7",
+    ),
+    "manifest that is a list": (
+        lambda o: (o / fmt.MANIFEST).write_text("[]"),
+        r"manifest\.json' is not a tllm-export manifest",
+    ),
+    "manifest of a newer version": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "version": 3}),
+        r"manifest\.json' has format version 3; this reader reads versions 1 to 2",
+    ),
+    "request entry without token ids": (
+        lambda o: (o / fmt.REQUESTS_FILE).write_text(
+            "".join(
+                json.dumps({k: v for k, v in json.loads(line).items() if k != "token_ids"}) + "\n"
+                for line in (o / fmt.REQUESTS_FILE).read_text().splitlines()
+            )
+        ),
+        r"request \d lacks a field or has a bad one: KeyError\('token_ids'\)",
+    ),
+    "position past the token ids": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t["position"].__setitem__(0, 10**6)
+        ),
+        r"request \d has rows at positions \d+\.\.1000000, outside its \d+ token ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_a_damaged_export_is_an_error_naming_the_file(tmp_path, damage):
+    """A shard cut short, of the wrong dtype or width, a manifest lacking fields: an
+    ExportFormatError naming the file and what is wrong, not a safetensors/torch/KeyError
+    traceback (nor, for a dtype or width mismatch, records read silently)."""
+    out = tmp_path / "e"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([5, 3], [4, 4], ["final"]), c.on_bundle)
+    c.close()
+    assert len(list(read_export(out))) == 2  # undamaged, it reads
+    change, message = _DAMAGE[damage]
+    change(out)
+    with pytest.raises(ExportFormatError, match=message):
+        list(read_export(out))

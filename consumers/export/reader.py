@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from consumers.export import format as fmt
 
@@ -107,7 +107,7 @@ class ExportReader:
                 self.manifest: dict[str, Any] = json.load(f)
         except json.JSONDecodeError as e:
             raise ExportFormatError(f"{mpath!r} is not valid JSON: {e}") from None
-        if self.manifest.get("format") != self.format_name:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != self.format_name:
             raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
         if version not in range(1, self.format_version + 1):
@@ -115,10 +115,17 @@ class ExportReader:
                 f"{mpath!r} has format version {version!r}; this reader reads versions 1 to "
                 f"{self.format_version}"
             )
-        self.keys: list[str] = list(self.manifest["keys"])
-        self.hidden_size: int = int(self.manifest["hidden_size"])
-        self.dtype: str = self.manifest["dtype"]
-        self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+        try:  # a manifest cut by hand or by another writer: name the file, not a KeyError
+            self.keys: list[str] = list(self.manifest["keys"])
+            self.hidden_size: int = int(self.manifest["hidden_size"])
+            self.dtype: str = self.manifest["dtype"]
+            self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+            # Each key's empty column: the dtype and width its shard tensors must have.
+            self._columns = {k: self._no_rows(k) for k in self.keys}
+            for s in self.shards:
+                int(s["rows"]), str(s["file"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         try:
             self.requests: list[dict[str, Any]] = fmt.request_table(self.path, self.manifest)
         except (OSError, ValueError) as e:
@@ -150,20 +157,34 @@ class ExportReader:
                 raise ExportFormatError(f"shard {self.shards[i]['file']!r} fails its sha256 check")
         return p
 
+    def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors ``names`` of shard ``i``; a truncated or foreign file is an ExportFormatError."""
+        p = self._check(i)
+        try:
+            with safe_open(p, framework="pt") as f:
+                return {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError) as e:
+            raise ExportFormatError(
+                f"shard {p!r} cannot be read (truncated or corrupt?): {e}"
+            ) from None
+
     def load_shard(self, i: int, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of shard ``i``: row tensors plus ``hidden.{key}`` for ``keys`` (default all)."""
-        p = self._check(i)
-        names = list(fmt.ROW_TENSORS) + [self.tensor_name(k) for k in (keys or self.keys)]
-        out = {}
-        with safe_open(p, framework="pt") as f:
-            for name in names:
-                out[name] = f.get_tensor(name)
-        rows = int(self.shards[i]["rows"])
-        if out[fmt.POSITION].shape[0] != rows:
-            raise ExportFormatError(
-                f"shard {self.shards[i]['file']!r} has {out[fmt.POSITION].shape[0]} rows, the "
-                f"manifest says {rows}"
-            )
+        keys = keys or self.keys
+        out = self._tensors(i, list(fmt.ROW_TENSORS) + [self.tensor_name(k) for k in keys])
+        rows, name = int(self.shards[i]["rows"]), os.path.join(self.path, self.shards[i]["file"])
+        for t in out.values():
+            if t.shape[0] != rows:
+                raise ExportFormatError(
+                    f"shard {name!r} has {t.shape[0]} rows, the manifest says {rows}"
+                )
+        for k in keys:
+            t, want = out[self.tensor_name(k)], self._columns[k]
+            if t.dtype != want.dtype or t.shape[1:] != want.shape[1:]:
+                raise ExportFormatError(
+                    f"shard {name!r}: {k!r} is {t.dtype} of shape {tuple(t.shape)}, the manifest "
+                    f"says {want.dtype} rows of width {want.shape[1]}"
+                )
         return out
 
     def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
@@ -183,15 +204,25 @@ class ExportReader:
             dec = torch.zeros(0, dtype=torch.bool)
             data = {k: self._no_rows(k) for k in self.keys}
         meta = self.requests[r]
-        fields = {
-            "request_id": meta["request_id"],
-            "prompt_index": int(meta["prompt_index"]),
-            "sample_index": int(meta["sample_index"]),
-            "num_prompt_tokens": int(meta["num_prompt_tokens"]),
-            "token_ids": torch.tensor(meta["token_ids"], dtype=torch.int64),
-            "finished": bool(meta.get("finished", False)),
-            "engine_id": meta.get("engine_id", ""),
-        }
+        try:
+            fields = {
+                "request_id": meta["request_id"],
+                "prompt_index": int(meta["prompt_index"]),
+                "sample_index": int(meta["sample_index"]),
+                "num_prompt_tokens": int(meta["num_prompt_tokens"]),
+                "token_ids": torch.tensor(meta["token_ids"], dtype=torch.int64),
+                "finished": bool(meta.get("finished", False)),
+                "engine_id": meta.get("engine_id", ""),
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportFormatError(
+                f"{self.path!r}: request {r} lacks a field or has a bad one: {e!r}"
+            ) from None
+        if len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < len(fields["token_ids"]):
+            raise ExportFormatError(
+                f"{self.path!r}: request {r} has rows at positions {int(pos[0])}..{int(pos[-1])}, "
+                f"outside its {len(fields['token_ids'])} token ids"
+            )
         return self._make(fields, pos, dec, data)
 
     def _no_rows(self, key: str) -> torch.Tensor:
@@ -208,8 +239,7 @@ class ExportReader:
         n_req = len(self.requests)
         last = [-1] * n_req
         for i in range(len(self.shards)):
-            with safe_open(self._check(i), framework="pt") as f:
-                row_request = f.get_tensor(fmt.ROW_REQUEST)
+            row_request = self._tensors(i, [fmt.ROW_REQUEST])[fmt.ROW_REQUEST]
             for r in torch.unique(row_request).tolist():
                 if not 0 <= r < n_req:
                     raise ExportFormatError(
