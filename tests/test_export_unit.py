@@ -934,7 +934,7 @@ _DAMAGE = {
         lambda o: _rewrite_shard(
             o / fmt.shard_name(0), lambda t: t.update({"hidden.final": t["hidden.final"][:2]})
         ),
-        r"shard-00000\.safetensors' has 2 rows, the manifest says 4",
+        r"shard-00000\.safetensors' has 2 rows, the manifest: 4",
     ),
     "manifest dtype differs": (
         lambda o: _rewrite_manifest(o, lambda m: {**m, "dtype": "float16"}),
@@ -963,7 +963,7 @@ _DAMAGE = {
                 for line in (o / fmt.REQUESTS_FILE).read_text().splitlines()
             )
         ),
-        r"request \d lacks a field or has a bad one: KeyError\('token_ids'\)",
+        r"request \d has a bad entry: KeyError\('token_ids'\)",
     ),
     "position past the token ids": (
         lambda o: _rewrite_shard(

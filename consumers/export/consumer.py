@@ -101,8 +101,7 @@ class ExportConfig(ConsumerConfig):
 
 class ExportRequest(RequestSettings):
     window: WindowSetting = Field(
-        None,
-        description="Rows of this request to export, within the config's 'phase'.",
+        None, description="Rows of this request to export, within the config's 'phase'."
     )
 
 

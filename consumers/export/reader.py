@@ -120,10 +120,9 @@ class ExportReader:
             self.hidden_size: int = int(self.manifest["hidden_size"])
             self.dtype: str = self.manifest["dtype"]
             self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+            self.num_rows: int = sum(int(s["rows"]) for s in self.shards)
             # Each key's empty column: the dtype and width its shard tensors must have.
             self._columns = {k: self._no_rows(k) for k in self.keys}
-            for s in self.shards:
-                int(s["rows"]), str(s["file"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         try:
@@ -137,10 +136,6 @@ class ExportReader:
                 incomplete_message(self.path, self.manifest), IncompleteExportWarning, stacklevel=2
             )
 
-    @property
-    def num_rows(self) -> int:
-        return sum(int(s["rows"]) for s in self.shards)
-
     def __len__(self) -> int:
         return len(self.requests)
 
@@ -148,13 +143,11 @@ class ExportReader:
         """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
         p = os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
-            raise ExportFormatError(
-                f"shard {self.shards[i]['file']!r} listed in the manifest is missing"
-            )
+            raise ExportFormatError(f"shard {p!r} listed in the manifest is missing")
         if self.verify:
             digest, size = fmt.sha256_file(p)
             if digest != self.shards[i]["sha256"] or size != self.shards[i]["bytes"]:
-                raise ExportFormatError(f"shard {self.shards[i]['file']!r} fails its sha256 check")
+                raise ExportFormatError(f"shard {p!r} fails its sha256 check")
         return p
 
     def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -164,9 +157,7 @@ class ExportReader:
             with safe_open(p, framework="pt") as f:
                 return {name: f.get_tensor(name) for name in names}
         except (SafetensorError, OSError) as e:
-            raise ExportFormatError(
-                f"shard {p!r} cannot be read (truncated or corrupt?): {e}"
-            ) from None
+            raise ExportFormatError(f"shard {p!r} cannot be read (cut short?): {e}") from None
 
     def load_shard(self, i: int, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of shard ``i``: row tensors plus ``hidden.{key}`` for ``keys`` (default all)."""
@@ -175,9 +166,7 @@ class ExportReader:
         rows, name = int(self.shards[i]["rows"]), os.path.join(self.path, self.shards[i]["file"])
         for t in out.values():
             if t.shape[0] != rows:
-                raise ExportFormatError(
-                    f"shard {name!r} has {t.shape[0]} rows, the manifest says {rows}"
-                )
+                raise ExportFormatError(f"shard {name!r} has {len(t)} rows, the manifest: {rows}")
         for k in keys:
             t, want = out[self.tensor_name(k)], self._columns[k]
             if t.dtype != want.dtype or t.shape[1:] != want.shape[1:]:
@@ -192,16 +181,14 @@ class ExportReader:
         twice keeps its first row)."""
         if pieces:
             pos = torch.cat([p[fmt.POSITION] for p in pieces])
-            order = torch.argsort(pos, stable=True)
-            pos = pos[order]
+            pos, order = torch.sort(pos, stable=True)
             keep = torch.ones_like(pos, dtype=torch.bool)
             keep[1:] = pos[1:] != pos[:-1]
             pos, order = pos[keep], order[keep]
             dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])[order]
             data = {k: torch.cat([p[k] for p in pieces])[order] for k in self.keys}
         else:
-            pos = torch.zeros(0, dtype=torch.int64)
-            dec = torch.zeros(0, dtype=torch.bool)
+            pos, dec = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
             data = {k: self._no_rows(k) for k in self.keys}
         meta = self.requests[r]
         try:
@@ -215,9 +202,7 @@ class ExportReader:
                 "engine_id": meta.get("engine_id", ""),
             }
         except (KeyError, TypeError, ValueError) as e:
-            raise ExportFormatError(
-                f"{self.path!r}: request {r} lacks a field or has a bad one: {e!r}"
-            ) from None
+            raise ExportFormatError(f"{self.path!r}: request {r} has a bad entry: {e!r}") from None
         if len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < len(fields["token_ids"]):
             raise ExportFormatError(
                 f"{self.path!r}: request {r} has rows at positions {int(pos[0])}..{int(pos[-1])}, "
@@ -300,23 +285,16 @@ class DataParallelExport:
         sizes = set()
         for rank, part in self.parts:
             dp = part.manifest.get("data_parallel")
-            if (
-                not isinstance(dp, dict)
-                or dp.get("rank") != rank
-                or not isinstance(dp.get("size"), int)
-            ):
+            if not isinstance(dp, dict) or (dp.get("rank"), type(dp.get("size"))) != (rank, int):
                 raise ExportFormatError(
                     f"{part.path!r} is not the part of data-parallel rank {rank} (its manifest "
                     f"says data_parallel={dp!r})"
                 )
-            sizes.add(dp.get("size"))
+            sizes.add(dp["size"])
         first = self.parts[0][1]
         for what in ("keys", "hidden_size", "dtype"):
-            values = {repr(getattr(p, what)) for _, p in self.parts}
-            if len(values) > 1:
-                raise ExportFormatError(
-                    f"the parts of {self.path!r} disagree on {what}: {sorted(values)}"
-                )
+            if len(values := {repr(getattr(p, what)) for _, p in self.parts}) > 1:
+                raise ExportFormatError(f"the parts of {self.path!r} disagree on {what}: {values}")
         ranks = [r for r, _ in self.parts]
         if len(sizes) > 1 or max(ranks) >= min(sizes):
             raise ExportFormatError(

@@ -75,10 +75,8 @@ def _part_below(name: str, size: int) -> bool:
 def remove_export_files(path: str) -> None:
     """Remove the export files in ``path`` (manifest first); other files stay. A file that
     vanishes meanwhile (another data-parallel engine cleaning the same folder) is fine."""
-    names = sorted(os.listdir(path))
     # Manifest first: the directory never claims shards that are being removed.
-    names.sort(key=lambda n: n != fmt.MANIFEST)
-    for name in names:
+    for name in sorted(os.listdir(path), key=lambda n: (n != fmt.MANIFEST, n)):
         if fmt.is_export_file(name):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, name))
