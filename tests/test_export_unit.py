@@ -988,3 +988,26 @@ def test_a_damaged_export_is_an_error_naming_the_file(tmp_path, damage):
     change(out)
     with pytest.raises(ExportFormatError, match=message):
         list(read_export(out))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_exports_writing_one_folder_at_once_the_second_is_refused(tmp_path, overwrite):
+    """Two runs (or an export and an sae consumer) given one out, both built while it was
+    empty: the second's first write is refused naming the folder, and nothing of the first
+    is removed or mixed (with overwrite it removed the first's files, and both wrote
+    shard-00000...). Once the first is closed, the folder is free again."""
+    out = tmp_path / "shared"
+    first = make_export(out, layers=["final"], shard_rows=4, overwrite=overwrite)
+    second = make_export(out, layers=["final"], shard_rows=4, overwrite=overwrite)
+    engine = FakeEngine([6, 6], [6, 6], ["final"])
+    run_engine(first, engine, first.on_bundle, max_steps=2)
+    with pytest.raises(OSError, match=r"is being written by another export.*nothing was written"):
+        run_engine(second, FakeEngine([9], [3], ["final"]), second.on_bundle)
+    run_engine(first, engine, first.on_bundle)
+    first.close()
+    check_records(read_export(out, verify=True), engine, ["final"])
+    third = make_export(out, layers=["final"], shard_rows=4, overwrite=True)
+    engine = FakeEngine([3], [2], ["final"])
+    run_engine(third, engine, third.on_bundle)
+    third.close()
+    check_records(read_export(out, verify=True), engine, ["final"])

@@ -31,10 +31,8 @@ class IncompleteExportWarning(UserWarning):
 def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
     """Why the export at ``path`` is not complete, from its manifest."""
     losses = manifest.get("losses")
-    if not isinstance(losses, dict) or not any(losses.values()):
-        why = "it was interrupted or is still being written"
-    else:
-        why = ", ".join(f"{k}: {v}" for k, v in losses.items() if v)
+    lost = [f"{k}: {v}" for k, v in losses.items() if v] if isinstance(losses, dict) else []
+    why = ", ".join(lost) or "it was interrupted or is still being written"
     if manifest.get("error"):
         why = f"a write failed: {manifest['error']}; {why}"
     if manifest.get(fmt.RUN_ERROR):
@@ -141,13 +139,11 @@ class ExportReader:
 
     def _check(self, i: int) -> str:
         """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
-        p = os.path.join(self.path, self.shards[i]["file"])
+        s, p = self.shards[i], os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
             raise ExportFormatError(f"shard {p!r} listed in the manifest is missing")
-        if self.verify:
-            digest, size = fmt.sha256_file(p)
-            if digest != self.shards[i]["sha256"] or size != self.shards[i]["bytes"]:
-                raise ExportFormatError(f"shard {p!r} fails its sha256 check")
+        if self.verify and fmt.sha256_file(p) != (s["sha256"], s["bytes"]):
+            raise ExportFormatError(f"shard {p!r} fails its sha256 check")
         return p
 
     def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -264,13 +260,10 @@ def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
     root = os.fspath(path)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        rank = fmt.part_rank(name)
-        folder = os.path.join(root, name)
-        if rank is not None and os.path.isfile(os.path.join(folder, fmt.MANIFEST)):
-            found.append((rank, folder))
-    return sorted(found)
+    found = [(fmt.part_rank(n), os.path.join(root, n)) for n in os.listdir(root)]
+    return sorted(
+        (r, p) for r, p in found if r is not None and os.path.isfile(f"{p}/{fmt.MANIFEST}")
+    )
 
 
 class DataParallelExport:

@@ -6,6 +6,7 @@ later rows are dropped (``rows_unwritten``) and the manifest says ``complete: fa
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -105,8 +106,7 @@ class OutputLayout:
         keep = self.dp_size if self.dp_size > 1 else 0
         with os.scandir(self.root) as it:
             parts = [e for e in it if e.is_dir() and fmt.part_rank(e.name) is not None]
-        stale = [e.path for e in parts if not _part_below(e.name, keep)]
-        for part in stale:
+        for part in [e.path for e in parts if not _part_below(e.name, keep)]:
             with contextlib.suppress(FileNotFoundError):  # another engine removed it
                 remove_export_files(part)
             with contextlib.suppress(OSError):  # removed already, or holds other files
@@ -164,6 +164,7 @@ class RecordWriter:
         # Seconds spent writing shards (serialization, file write, fsync, manifest).
         self.seconds_writing = 0.0
         self._prepared = False
+        self._lock: int | None = None  # the folder's descriptor, flock-ed while writing
         self._cap = 0
         self._fill = 0
         self._hidden: dict[str, torch.Tensor] = {}
@@ -182,7 +183,6 @@ class RecordWriter:
         if rows <= self._cap:
             return
         cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self._cap)))
-        cap = min(cap, self.shard_rows)
         n = self._fill
         hidden = {k: torch.empty(cap, w, dtype=dt) for k, (w, dt) in self.columns.items()}
         meta = {
@@ -224,12 +224,7 @@ class RecordWriter:
     ) -> int:
         """Append rows (``columns[key]`` is ``[R, width]``); writes a shard each time the
         buffer reaches ``shard_rows``. Returns the number of shards written by this call."""
-        meta = {
-            fmt.ROW_REQUEST: row_request,
-            fmt.POSITION: positions,
-            fmt.TOKEN_ID: tokens,
-            fmt.IS_DECODE: is_decode,
-        }
+        meta = dict(zip(fmt.ROW_TENSORS, (row_request, positions, tokens, is_decode), strict=True))
         total = len(positions)
         with self.lock:
             self.used, self.closed = True, False
@@ -269,20 +264,40 @@ class RecordWriter:
             self.table.drop(requests)
 
     def prepare(self) -> None:
-        """Create the directory (first write only); with ``overwrite``, remove old export files
-        (and, first, what an earlier export left in the output directory: ``clean_root``)."""
+        """Create the directory and lock it until close (another writer of the folder, in this
+        run or another, is refused: its shards would mix with these); at the first write, with
+        ``overwrite``, remove old export files (first, what an earlier export left in the output
+        directory: ``clean_root``)."""
+        if self._lock is not None:
+            return
+        if not self._prepared:
+            self.layout.clean_root()
+            os.makedirs(self.path, exist_ok=True)
+        self._lock = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._unlock()
+            raise ValueError(
+                f"export: {self.path!r} is being written by another export (another run, or "
+                f"another consumer of this one): give each its own out"
+            ) from None
         if self._prepared:
             return
-        self.layout.clean_root()
-        os.makedirs(self.path, exist_ok=True)
         names = sorted(os.listdir(self.path))
         if names and not self.layout.overwrite:
+            self._unlock()
             raise ValueError(
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
                 f"refusing to mix exports (set overwrite=true to replace)"
             )
         remove_export_files(self.path)
         self._prepared = True
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def write_shard(self) -> dict[str, Any] | None:
         """Write the buffered rows as the next shard and rewrite the manifest."""
@@ -327,6 +342,8 @@ class RecordWriter:
         self.error = f"writing {path}: {_cause(e)}"
         self.rows_unwritten += rows
         self._fill = 0
+        if self._lock is None:  # the folder is not ours (another writer's, or none): touch nothing
+            raise ExportWriteError(f"export: {self.error}; nothing was written") from e
         with contextlib.suppress(OSError):
             os.remove(path + fmt.TMP_SUFFIX)
         mpath = os.path.join(self.path, fmt.MANIFEST)
@@ -410,4 +427,5 @@ class RecordWriter:
                 if self._fill == 0:  # drop the (empty) buffers
                     self._hidden, self._meta, self._cap = {}, {}, 0
                 self.table.release()
+                self._unlock()
             return len(self.shards) - before
