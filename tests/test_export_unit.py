@@ -1011,3 +1011,21 @@ def test_two_exports_writing_one_folder_at_once_the_second_is_refused(tmp_path, 
     run_engine(third, engine, third.on_bundle)
     third.close()
     check_records(read_export(out, verify=True), engine, ["final"])
+
+
+def test_a_file_system_without_locks_still_exports(tmp_path, monkeypatch):
+    """flock refused by the file system (ENOLCK on some network file systems): the export is
+    written as before, without the one-writer lock."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "nfs"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    check_records(read_export(out, verify=True), engine, ["final"])

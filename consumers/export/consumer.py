@@ -246,8 +246,6 @@ class ExportConsumer(Consumer):
         self.counters.add("rows_returned", int(sel.size))
 
     def _sync_counters(self, shards_before: int) -> None:
-        if self.writer is None:
-            return
         new = self.writer.shards[shards_before:]
         if new:
             self.counters.add("shards_written", len(new))

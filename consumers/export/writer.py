@@ -282,6 +282,8 @@ class RecordWriter:
                 f"export: {self.path!r} is being written by another export (another run, or "
                 f"another consumer of this one): give each its own out"
             ) from None
+        except OSError:  # a file system without flock (some network ones): write unlocked
+            pass
         if self._prepared:
             return
         names = sorted(os.listdir(self.path))
