@@ -279,8 +279,8 @@ class RecordWriter:
         except BlockingIOError:
             self._unlock()
             raise ValueError(
-                f"export: {self.path!r} is being written by another export (another run, or "
-                f"another consumer of this one): give each its own out"
+                f"export: {self.path!r} is being written by another export (another run or "
+                f"consumer, or an engine of this process not closed): give each its own out"
             ) from None
         except OSError:  # a file system without flock (some network ones): write unlocked
             pass
