@@ -1029,3 +1029,17 @@ def test_a_file_system_without_locks_still_exports(tmp_path, monkeypatch):
     run_engine(c, engine, c.on_bundle)
     c.close()
     check_records(read_export(out, verify=True), engine, ["final"])
+
+
+def test_shards_are_as_readable_as_their_folder(tmp_path):
+    """safetensors writes 0600 files: in a folder colleagues may read (a shared project dir,
+    0775), the manifest and request file were readable and the shards not."""
+    out = tmp_path / "shared"
+    out.mkdir()
+    out.chmod(0o775)
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([5, 3], [4, 4], ["final"]), c.on_bundle)
+    c.close()
+    shards = sorted(out.glob("shard-*.safetensors"))
+    assert len(shards) > 1
+    assert {oct(p.stat().st_mode & 0o777) for p in shards} == {oct(0o664)}

@@ -317,13 +317,12 @@ class RecordWriter:
         try:
             self.prepare()
             tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.columns}
-            for k in fmt.ROW_TENSORS:
-                tensors[k] = torch.from_numpy(self._meta[k][:n])
-            tmp = final + fmt.TMP_SUFFIX
-            metadata = {"format": self.format_name, "version": str(fmt.FORMAT_VERSION)}
-            save_file(
-                tensors, tmp, metadata={**metadata, "shard_index": str(index), "rows": str(n)}
-            )
+            tensors |= {k: torch.from_numpy(self._meta[k][:n]) for k in fmt.ROW_TENSORS}
+            tmp, version = final + fmt.TMP_SUFFIX, str(fmt.FORMAT_VERSION)
+            meta = {"format": self.format_name, "version": version, "shard_index": str(index)}
+            save_file(tensors, tmp, metadata={**meta, "rows": str(n)})
+            # safetensors makes it 0600: readable like its folder instead (a shared project dir)
+            os.chmod(tmp, os.stat(self.path).st_mode & 0o666)
             digest, size = fmt.sha256_file(tmp)
             fmt.fsync(tmp)
             os.replace(tmp, final)
