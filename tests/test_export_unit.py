@@ -1043,3 +1043,19 @@ def test_shards_are_as_readable_as_their_folder(tmp_path):
     shards = sorted(out.glob("shard-*.safetensors"))
     assert len(shards) > 1
     assert {oct(p.stat().st_mode & 0o777) for p in shards} == {oct(0o664)}
+
+
+def test_verify_hashes_each_shard_once(tmp_path, monkeypatch):
+    """read_export(verify=True) opens each shard twice (its request rows, then its data): it
+    hashed the whole file both times, reading every byte of a large export twice more."""
+    out = tmp_path / "v"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    hashed = []
+    real = fmt.sha256_file
+    monkeypatch.setattr(fmt, "sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
+    reader = ExportReader(out, verify=True)
+    check_records(list(reader), engine, ["final"])
+    assert sorted(hashed) == sorted(str(out / s["file"]) for s in reader.shards)

@@ -90,8 +90,7 @@ class ExportReader:
         self.path = os.fspath(path)
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
-            parts = [os.path.basename(p) for _, p in export_parts(self.path)]
-            if parts:
+            if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
                 raise ExportFormatError(
                     f"{self.path!r} holds the parts of a data-parallel export ({', '.join(parts)}), "
                     f"not one manifest: read it with read_export() or open_export()"
@@ -129,6 +128,7 @@ class ExportReader:
             raise ExportFormatError(f"{self.path!r}: cannot read its request table: {e}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
         self.verify = verify
+        self._unverified = set(range(len(self.shards))) if verify else set()  # hashed once each
         if not self.complete:
             warnings.warn(
                 incomplete_message(self.path, self.manifest), IncompleteExportWarning, stacklevel=2
@@ -142,8 +142,9 @@ class ExportReader:
         s, p = self.shards[i], os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
             raise ExportFormatError(f"shard {p!r} listed in the manifest is missing")
-        if self.verify and fmt.sha256_file(p) != (s["sha256"], s["bytes"]):
+        if i in self._unverified and fmt.sha256_file(p) != (s["sha256"], s["bytes"]):
             raise ExportFormatError(f"shard {p!r} fails its sha256 check")
+        self._unverified.discard(i)
         return p
 
     def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -178,8 +179,7 @@ class ExportReader:
         if pieces:
             pos = torch.cat([p[fmt.POSITION] for p in pieces])
             pos, order = torch.sort(pos, stable=True)
-            keep = torch.ones_like(pos, dtype=torch.bool)
-            keep[1:] = pos[1:] != pos[:-1]
+            keep = torch.cat([torch.ones_like(pos[:1], dtype=torch.bool), pos[1:] != pos[:-1]])
             pos, order = pos[keep], order[keep]
             dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])[order]
             data = {k: torch.cat([p[k] for p in pieces])[order] for k in self.keys}
