@@ -1059,3 +1059,30 @@ def test_verify_hashes_each_shard_once(tmp_path, monkeypatch):
     reader = ExportReader(out, verify=True)
     check_records(list(reader), engine, ["final"])
     assert sorted(hashed) == sorted(str(out / s["file"]) for s in reader.shards)
+
+
+def test_a_position_written_twice_keeps_its_first_row(tmp_path):
+    """Rows of one position in two shards (out of order, the second a recomputation): the
+    record has each position once, in order, with the row written first."""
+    from consumers.sae.features import FeatureWriter, read_features
+
+    out = tmp_path / "dup"
+    w = FeatureWriter(str(out), 1, "float32", 2, False, lambda: {})
+    r = RequestInfo("0-x", "0", 0, 0, 2)
+    for pos, val in (([2, 0], [20.0, 0.0]), ([1, 2], [10.0, 99.0]), ([3], [30.0])):
+        n = len(pos)
+        p = np.array(pos)
+        w.append(
+            [r] * n,
+            p,
+            p + 5,
+            p >= 2,
+            torch.zeros(n, 1, dtype=torch.int32),
+            torch.tensor(val)[:, None],
+        )
+    w.finished(r)
+    w.close()
+    (rec,) = read_features(out)
+    assert rec.positions.tolist() == [0, 1, 2, 3]
+    assert rec.values[:, 0].tolist() == [0.0, 10.0, 20.0, 30.0]
+    assert rec.is_decode.tolist() == [False, False, True, True]
