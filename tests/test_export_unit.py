@@ -1086,3 +1086,17 @@ def test_a_position_written_twice_keeps_its_first_row(tmp_path):
     assert rec.positions.tolist() == [0, 1, 2, 3]
     assert rec.values[:, 0].tolist() == [0.0, 10.0, 20.0, 30.0]
     assert rec.is_decode.tolist() == [False, False, True, True]
+
+
+def test_the_reader_expands_home_like_the_writer(tmp_path, monkeypatch):
+    """out='~/acts' is written to $HOME/acts; read_export('~/acts') must find it there (it
+    looked for a folder literally named '~')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    c = make_export("~/acts", layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    assert (tmp_path / "acts" / fmt.MANIFEST).is_file()
+    check_records(read_export("~/acts"), engine, ["final"])
+    assert len(ExportReader("~/acts")) == 2

@@ -87,7 +87,7 @@ class ExportReader:
     tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
             if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
@@ -271,7 +271,7 @@ class DataParallelExport:
     yields each part's records in rank order (``data_parallel_rank`` names the engine)."""
 
     def __init__(self, path: str | os.PathLike, parts: list[tuple[int, ExportReader]]):
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
         if not parts:
             raise ExportFormatError(f"{self.path!r} holds no data-parallel part")
         self.parts = sorted(parts, key=lambda p: p[0])
@@ -320,7 +320,7 @@ def open_export(
 ) -> ExportReader | DataParallelExport:
     """The export at ``path``: one export, or the parts of a data-parallel run merged. ``reader``
     reads one export (formats on this layout pass their subclass)."""
-    root = os.fspath(path)
+    root = os.path.expanduser(os.fspath(path))
     if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
         parts = export_parts(root)
         if parts:
