@@ -53,8 +53,7 @@ class StatsConfig(ConsumerConfig):
 
 class StatsRequest(RequestSettings):
     window: WindowSetting = Field(
-        None,
-        description="rows of this request to count, within the config's phase",
+        None, description="rows of this request to count, within the config's phase"
     )
 
 

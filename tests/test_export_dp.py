@@ -184,3 +184,13 @@ def test_sae_feature_records_of_two_ranks_are_merged(tmp_path):
         rec = recs[f"r{rank}"]
         assert rec.data_parallel_rank == rank
         assert rec.indices.tolist() == [[rank, 5], [7, rank]]
+
+
+def test_parts_that_disagree_on_their_columns_are_not_merged(tmp_path):
+    """A part left by an export of other layers (or dtype) is named, not merged."""
+    out = tmp_path / "exp"
+    run_ranks(out, 2, [([3], [2]), ([4], [2])])
+    m = json.loads((out / "dp1" / fmt.MANIFEST).read_text())
+    (out / "dp1" / fmt.MANIFEST).write_text(json.dumps({**m, "keys": ["final"]}))
+    with pytest.raises(ExportFormatError, match=r"parts of .* disagree on keys: .*'final'\]"):
+        open_export(out)

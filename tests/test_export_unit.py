@@ -888,3 +888,215 @@ def test_a_bundle_without_a_port_or_of_the_wrong_width_fails_naming_it(tmp_path)
     ):
         c.on_bundle(Bundle(step=1, rows=rows, hidden={key: torch.zeros(2, H + 1)}))
     c.close()
+
+
+def _rewrite_shard(path: Path, change) -> None:
+    from safetensors.torch import save_file
+
+    t = load_file(str(path))
+    change(t)
+    save_file(t, str(path))
+
+
+def _rewrite_manifest(out: Path, change) -> None:
+    m = json.loads((out / fmt.MANIFEST).read_text())
+    (out / fmt.MANIFEST).write_text(json.dumps(change(m)))
+
+
+_DAMAGE = {
+    # file cut by a full disk or a copy stopped half way; a file of another program
+    "truncated shard": (
+        lambda o: (o / fmt.shard_name(1)).write_bytes((o / fmt.shard_name(1)).read_bytes()[:100]),
+        r"shard-00001\.safetensors' cannot be read",
+    ),
+    "empty shard": (
+        lambda o: (o / fmt.shard_name(0)).write_bytes(b""),
+        r"shard-00000\.safetensors' cannot be read",
+    ),
+    "shard without a column": (
+        lambda o: _rewrite_shard(o / fmt.shard_name(0), lambda t: t.pop("hidden.final")),
+        r"shard-00000\.safetensors' cannot be read.*hidden\.final",
+    ),
+    "shard of another dtype": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t.update({"hidden.final": t["hidden.final"].half()})
+        ),
+        r"shard-00000\.safetensors'.*'final' is torch\.float16.*torch\.float32",
+    ),
+    "shard of another width": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0),
+            lambda t: t.update({"hidden.final": t["hidden.final"].repeat(1, 2)}),
+        ),
+        r"shard-00000\.safetensors'.*'final'.*shape \(4, 16\).*width 8",
+    ),
+    "shard with a short column": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t.update({"hidden.final": t["hidden.final"][:2]})
+        ),
+        r"shard-00000\.safetensors' has 2 rows, the manifest: 4",
+    ),
+    "manifest dtype differs": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "dtype": "float16"}),
+        r"'final' is torch\.float32.*the manifest says torch\.float16",
+    ),
+    "manifest without keys": (
+        lambda o: _rewrite_manifest(o, lambda m: {k: v for k, v in m.items() if k != "keys"}),
+        r"manifest\.json' lacks a field or has a bad one: KeyError\('keys'\)",
+    ),
+    "manifest with an unknown dtype": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "dtype": "float7"}),
+        r"manifest\.json' lacks a field or has a bad one.*float7",
+    ),
+    "manifest that is a list": (
+        lambda o: (o / fmt.MANIFEST).write_text("[]"),
+        r"manifest\.json' is not a tllm-export manifest",
+    ),
+    "manifest of a newer version": (
+        lambda o: _rewrite_manifest(o, lambda m: {**m, "version": 3}),
+        r"manifest\.json' has format version 3; this reader reads versions 1 to 2",
+    ),
+    "request entry without token ids": (
+        lambda o: (o / fmt.REQUESTS_FILE).write_text(
+            "".join(
+                json.dumps({k: v for k, v in json.loads(line).items() if k != "token_ids"}) + "\n"
+                for line in (o / fmt.REQUESTS_FILE).read_text().splitlines()
+            )
+        ),
+        r"request \d has a bad entry: KeyError\('token_ids'\)",
+    ),
+    "position past the token ids": (
+        lambda o: _rewrite_shard(
+            o / fmt.shard_name(0), lambda t: t["position"].__setitem__(0, 10**6)
+        ),
+        r"request \d has rows at positions \d+\.\.1000000, outside its \d+ token ids",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGE))
+def test_a_damaged_export_is_an_error_naming_the_file(tmp_path, damage):
+    """A shard cut short, of the wrong dtype or width, a manifest lacking fields: an
+    ExportFormatError naming the file and what is wrong, not a safetensors/torch/KeyError
+    traceback (nor, for a dtype or width mismatch, records read silently)."""
+    out = tmp_path / "e"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([5, 3], [4, 4], ["final"]), c.on_bundle)
+    c.close()
+    assert len(list(read_export(out))) == 2  # undamaged, it reads
+    change, message = _DAMAGE[damage]
+    change(out)
+    with pytest.raises(ExportFormatError, match=message):
+        list(read_export(out))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_two_exports_writing_one_folder_at_once_the_second_is_refused(tmp_path, overwrite):
+    """Two runs (or an export and an sae consumer) given one out, both built while it was
+    empty: the second's first write is refused naming the folder, and nothing of the first
+    is removed or mixed (with overwrite it removed the first's files, and both wrote
+    shard-00000...). Once the first is closed, the folder is free again."""
+    out = tmp_path / "shared"
+    first = make_export(out, layers=["final"], shard_rows=4, overwrite=overwrite)
+    second = make_export(out, layers=["final"], shard_rows=4, overwrite=overwrite)
+    engine = FakeEngine([6, 6], [6, 6], ["final"])
+    run_engine(first, engine, first.on_bundle, max_steps=2)
+    with pytest.raises(OSError, match=r"is being written by another export.*nothing was written"):
+        run_engine(second, FakeEngine([9], [3], ["final"]), second.on_bundle)
+    run_engine(first, engine, first.on_bundle)
+    first.close()
+    check_records(read_export(out, verify=True), engine, ["final"])
+    third = make_export(out, layers=["final"], shard_rows=4, overwrite=True)
+    engine = FakeEngine([3], [2], ["final"])
+    run_engine(third, engine, third.on_bundle)
+    third.close()
+    check_records(read_export(out, verify=True), engine, ["final"])
+
+
+def test_a_file_system_without_locks_still_exports(tmp_path, monkeypatch):
+    """flock refused by the file system (ENOLCK on some network file systems): the export is
+    written as before, without the one-writer lock."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "nfs"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    check_records(read_export(out, verify=True), engine, ["final"])
+
+
+def test_shards_are_as_readable_as_their_folder(tmp_path):
+    """safetensors writes 0600 files: in a folder colleagues may read (a shared project dir,
+    0775), the manifest and request file were readable and the shards not."""
+    out = tmp_path / "shared"
+    out.mkdir()
+    out.chmod(0o775)
+    c = make_export(out, layers=["final"], shard_rows=4)
+    run_engine(c, FakeEngine([5, 3], [4, 4], ["final"]), c.on_bundle)
+    c.close()
+    shards = sorted(out.glob("shard-*.safetensors"))
+    assert len(shards) > 1
+    assert {oct(p.stat().st_mode & 0o777) for p in shards} == {oct(0o664)}
+
+
+def test_verify_hashes_each_shard_once(tmp_path, monkeypatch):
+    """read_export(verify=True) opens each shard twice (its request rows, then its data): it
+    hashed the whole file both times, reading every byte of a large export twice more."""
+    out = tmp_path / "v"
+    c = make_export(out, layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    hashed = []
+    real = fmt.sha256_file
+    monkeypatch.setattr(fmt, "sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
+    reader = ExportReader(out, verify=True)
+    check_records(list(reader), engine, ["final"])
+    assert sorted(hashed) == sorted(str(out / s["file"]) for s in reader.shards)
+
+
+def test_a_position_written_twice_keeps_its_first_row(tmp_path):
+    """Rows of one position in two shards (out of order, the second a recomputation): the
+    record has each position once, in order, with the row written first."""
+    from consumers.sae.features import FeatureWriter, read_features
+
+    out = tmp_path / "dup"
+    w = FeatureWriter(str(out), 1, "float32", 2, False, lambda: {})
+    r = RequestInfo("0-x", "0", 0, 0, 2)
+    for pos, val in (([2, 0], [20.0, 0.0]), ([1, 2], [10.0, 99.0]), ([3], [30.0])):
+        n = len(pos)
+        p = np.array(pos)
+        w.append(
+            [r] * n,
+            p,
+            p + 5,
+            p >= 2,
+            torch.zeros(n, 1, dtype=torch.int32),
+            torch.tensor(val)[:, None],
+        )
+    w.finished(r)
+    w.close()
+    (rec,) = read_features(out)
+    assert rec.positions.tolist() == [0, 1, 2, 3]
+    assert rec.values[:, 0].tolist() == [0.0, 10.0, 20.0, 30.0]
+    assert rec.is_decode.tolist() == [False, False, True, True]
+
+
+def test_the_reader_expands_home_like_the_writer(tmp_path, monkeypatch):
+    """out='~/acts' is written to $HOME/acts; read_export('~/acts') must find it there (it
+    looked for a folder literally named '~')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    c = make_export("~/acts", layers=["final"], shard_rows=4)
+    engine = FakeEngine([5, 3], [4, 4], ["final"])
+    run_engine(c, engine, c.on_bundle)
+    c.close()
+    assert (tmp_path / "acts" / fmt.MANIFEST).is_file()
+    check_records(read_export("~/acts"), engine, ["final"])
+    assert len(ExportReader("~/acts")) == 2

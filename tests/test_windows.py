@@ -250,3 +250,58 @@ def test_request_windows_on_vllm_export_those_rows_equal_to_transformers(
             torch.testing.assert_close(
                 rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4, msg=key
             )
+
+
+@pytest.mark.vllm
+@torch.no_grad()
+def test_n_samples_with_request_windows_map_each_row_to_its_sample(tiny_model, engines, tmp_path):
+    """n=3 samples per prompt, each prompt with its own window, sampled at temperature 1 (the
+    samples differ): every record is one (prompt, sample) of vLLM's outputs, its token ids are
+    that sample's, its rows are exactly its window's positions, and each row equals
+    transformers on that sample's own tokens."""
+    from conftest import ENGINE_KW
+    from vllm import SamplingParams
+
+    from consumers.export import read_export
+    from tllm_core.app.engine import TllmLLM
+
+    out = tmp_path / "n3"
+    spec = [{"name": "export", "config": {"out": str(out), "layers": [1, "final"]}}]
+    llm = engines.get(
+        ("windows-n", tiny_model, str(out)), lambda: TllmLLM(tiny_model, spec, **ENGINE_KW)
+    )
+    prompts, windows = ["sea rain stone light", "river song"], ["generated[1:3]", "prompt[-2:]"]
+    params = [
+        SamplingParams(
+            n=3,
+            max_tokens=4,
+            temperature=1.0,
+            seed=11 + i,
+            ignore_eos=True,
+            extra_args={"tllm_export_window": w},
+        )
+        for i, w in enumerate(windows)
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    report = llm.close()
+    engines.close()
+    assert report["results"]["export"]["complete"], report["results"]["export"]
+    expected = {
+        (o.request_id, c.index): list(o.prompt_token_ids) + list(c.token_ids)
+        for o in outs
+        for c in o.outputs
+    }
+    records = list(read_export(out, verify=True))
+    assert sorted((r.request_id, r.sample_index) for r in records) == sorted(expected)
+    assert len({tuple(s) for s in expected.values()}) > 2  # the samples differ
+    for rec in records:
+        seq = expected[(rec.request_id, rec.sample_index)]
+        assert rec.token_ids.tolist() == seq
+        n = rec.num_prompt_tokens
+        want = [n + 1, n + 2] if rec.prompt_index == 0 else [n - 2, n - 1]
+        assert rec.positions.tolist() == want, (rec.request_id, rec.sample_index)
+        ref = hf_states(tiny_model, seq)
+        for key in ("layer.1", "final"):
+            torch.testing.assert_close(
+                rec.hidden[key], ref[key][rec.positions], rtol=1e-4, atol=1e-4, msg=key
+            )

@@ -101,8 +101,7 @@ class ExportConfig(ConsumerConfig):
 
 class ExportRequest(RequestSettings):
     window: WindowSetting = Field(
-        None,
-        description="Rows of this request to export, within the config's 'phase'.",
+        None, description="Rows of this request to export, within the config's 'phase'."
     )
 
 
@@ -148,25 +147,17 @@ class ExportConsumer(Consumer):
             config.out, config.overwrite, context.data_parallel_rank, context.data_parallel_size
         )
         row_bytes = self.hidden_size * self.dtype.itemsize * len(self.keys)
-        if config.shard_rows is not None:
-            shard_rows = config.shard_rows
-        else:
-            target = config.shard_bytes if config.shard_bytes is not None else DEFAULT_SHARD_BYTES
-            shard_rows = target // row_bytes
-            if shard_rows < 1:
-                raise ValueError(
-                    f"export: shard_bytes={target} is smaller than one row "
-                    f"({row_bytes} bytes: {len(self.keys)} key(s) x hidden size {self.hidden_size} x "
-                    f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
-                )
-        self.shard_rows = int(shard_rows)
+        target = config.shard_bytes if config.shard_bytes is not None else DEFAULT_SHARD_BYTES
+        self.shard_rows = int(config.shard_rows or target // row_bytes)  # shard_rows >= 1
+        if self.shard_rows < 1:
+            raise ValueError(
+                f"export: shard_bytes={target} is smaller than one row "
+                f"({row_bytes} bytes: {len(self.keys)} key(s) x hidden size {self.hidden_size} x "
+                f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
+            )
+        # The columns ({}) are fixed by each key's first rows (_take_rows).
         self.writer = RecordWriter(
-            layout,
-            {},  # fixed by each key's first rows (_take_rows)
-            self.shard_rows,
-            self._manifest_fields,
-            phase=self.phase,
-            owner=self,
+            layout, {}, self.shard_rows, self._manifest_fields, phase=self.phase, owner=self
         )
 
     def reads(self) -> list[ReadPort]:
@@ -255,8 +246,6 @@ class ExportConsumer(Consumer):
         self.counters.add("rows_returned", int(sel.size))
 
     def _sync_counters(self, shards_before: int) -> None:
-        if self.writer is None:
-            return
         new = self.writer.shards[shards_before:]
         if new:
             self.counters.add("shards_written", len(new))

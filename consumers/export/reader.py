@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from consumers.export import format as fmt
 
@@ -31,10 +31,8 @@ class IncompleteExportWarning(UserWarning):
 def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
     """Why the export at ``path`` is not complete, from its manifest."""
     losses = manifest.get("losses")
-    if not isinstance(losses, dict) or not any(losses.values()):
-        why = "it was interrupted or is still being written"
-    else:
-        why = ", ".join(f"{k}: {v}" for k, v in losses.items() if v)
+    lost = [f"{k}: {v}" for k, v in losses.items() if v] if isinstance(losses, dict) else []
+    why = ", ".join(lost) or "it was interrupted or is still being written"
     if manifest.get("error"):
         why = f"a write failed: {manifest['error']}; {why}"
     if manifest.get(fmt.RUN_ERROR):
@@ -89,11 +87,10 @@ class ExportReader:
     tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
-            parts = [os.path.basename(p) for _, p in export_parts(self.path)]
-            if parts:
+            if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
                 raise ExportFormatError(
                     f"{self.path!r} holds the parts of a data-parallel export ({', '.join(parts)}), "
                     f"not one manifest: read it with read_export() or open_export()"
@@ -107,7 +104,7 @@ class ExportReader:
                 self.manifest: dict[str, Any] = json.load(f)
         except json.JSONDecodeError as e:
             raise ExportFormatError(f"{mpath!r} is not valid JSON: {e}") from None
-        if self.manifest.get("format") != self.format_name:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != self.format_name:
             raise ExportFormatError(f"{mpath!r} is not a {self.format_name} manifest")
         version = self.manifest.get("version")
         if version not in range(1, self.format_version + 1):
@@ -115,55 +112,65 @@ class ExportReader:
                 f"{mpath!r} has format version {version!r}; this reader reads versions 1 to "
                 f"{self.format_version}"
             )
-        self.keys: list[str] = list(self.manifest["keys"])
-        self.hidden_size: int = int(self.manifest["hidden_size"])
-        self.dtype: str = self.manifest["dtype"]
-        self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+        try:  # a manifest cut by hand or by another writer: name the file, not a KeyError
+            self.keys: list[str] = list(self.manifest["keys"])
+            self.hidden_size: int = int(self.manifest["hidden_size"])
+            self.dtype: str = self.manifest["dtype"]
+            self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
+            self.num_rows: int = sum(int(s["rows"]) for s in self.shards)
+            # Each key's empty column: the dtype and width its shard tensors must have.
+            self._columns = {k: self._no_rows(k) for k in self.keys}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         try:
             self.requests: list[dict[str, Any]] = fmt.request_table(self.path, self.manifest)
         except (OSError, ValueError) as e:
             raise ExportFormatError(f"{self.path!r}: cannot read its request table: {e}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
         self.verify = verify
+        self._unverified = set(range(len(self.shards))) if verify else set()  # hashed once each
         if not self.complete:
             warnings.warn(
                 incomplete_message(self.path, self.manifest), IncompleteExportWarning, stacklevel=2
             )
-
-    @property
-    def num_rows(self) -> int:
-        return sum(int(s["rows"]) for s in self.shards)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def _check(self, i: int) -> str:
         """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
-        p = os.path.join(self.path, self.shards[i]["file"])
+        s, p = self.shards[i], os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
-            raise ExportFormatError(
-                f"shard {self.shards[i]['file']!r} listed in the manifest is missing"
-            )
-        if self.verify:
-            digest, size = fmt.sha256_file(p)
-            if digest != self.shards[i]["sha256"] or size != self.shards[i]["bytes"]:
-                raise ExportFormatError(f"shard {self.shards[i]['file']!r} fails its sha256 check")
+            raise ExportFormatError(f"shard {p!r} listed in the manifest is missing")
+        if i in self._unverified and fmt.sha256_file(p) != (s["sha256"], s["bytes"]):
+            raise ExportFormatError(f"shard {p!r} fails its sha256 check")
+        self._unverified.discard(i)
         return p
+
+    def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Tensors ``names`` of shard ``i``; a truncated or foreign file is an ExportFormatError."""
+        p = self._check(i)
+        try:
+            with safe_open(p, framework="pt") as f:
+                return {name: f.get_tensor(name) for name in names}
+        except (SafetensorError, OSError) as e:
+            raise ExportFormatError(f"shard {p!r} cannot be read (cut short?): {e}") from None
 
     def load_shard(self, i: int, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of shard ``i``: row tensors plus ``hidden.{key}`` for ``keys`` (default all)."""
-        p = self._check(i)
-        names = list(fmt.ROW_TENSORS) + [self.tensor_name(k) for k in (keys or self.keys)]
-        out = {}
-        with safe_open(p, framework="pt") as f:
-            for name in names:
-                out[name] = f.get_tensor(name)
-        rows = int(self.shards[i]["rows"])
-        if out[fmt.POSITION].shape[0] != rows:
-            raise ExportFormatError(
-                f"shard {self.shards[i]['file']!r} has {out[fmt.POSITION].shape[0]} rows, the "
-                f"manifest says {rows}"
-            )
+        keys = keys or self.keys
+        out = self._tensors(i, list(fmt.ROW_TENSORS) + [self.tensor_name(k) for k in keys])
+        rows, name = int(self.shards[i]["rows"]), os.path.join(self.path, self.shards[i]["file"])
+        for t in out.values():
+            if t.shape[0] != rows:
+                raise ExportFormatError(f"shard {name!r} has {len(t)} rows, the manifest: {rows}")
+        for k in keys:
+            t, want = out[self.tensor_name(k)], self._columns[k]
+            if t.dtype != want.dtype or t.shape[1:] != want.shape[1:]:
+                raise ExportFormatError(
+                    f"shard {name!r}: {k!r} is {t.dtype} of shape {tuple(t.shape)}, the manifest "
+                    f"says {want.dtype} rows of width {want.shape[1]}"
+                )
         return out
 
     def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
@@ -171,27 +178,32 @@ class ExportReader:
         twice keeps its first row)."""
         if pieces:
             pos = torch.cat([p[fmt.POSITION] for p in pieces])
-            order = torch.argsort(pos, stable=True)
-            pos = pos[order]
-            keep = torch.ones_like(pos, dtype=torch.bool)
-            keep[1:] = pos[1:] != pos[:-1]
+            pos, order = torch.sort(pos, stable=True)
+            keep = torch.cat([torch.ones_like(pos[:1], dtype=torch.bool), pos[1:] != pos[:-1]])
             pos, order = pos[keep], order[keep]
             dec = torch.cat([p[fmt.IS_DECODE] for p in pieces])[order]
             data = {k: torch.cat([p[k] for p in pieces])[order] for k in self.keys}
         else:
-            pos = torch.zeros(0, dtype=torch.int64)
-            dec = torch.zeros(0, dtype=torch.bool)
+            pos, dec = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
             data = {k: self._no_rows(k) for k in self.keys}
         meta = self.requests[r]
-        fields = {
-            "request_id": meta["request_id"],
-            "prompt_index": int(meta["prompt_index"]),
-            "sample_index": int(meta["sample_index"]),
-            "num_prompt_tokens": int(meta["num_prompt_tokens"]),
-            "token_ids": torch.tensor(meta["token_ids"], dtype=torch.int64),
-            "finished": bool(meta.get("finished", False)),
-            "engine_id": meta.get("engine_id", ""),
-        }
+        try:
+            fields = {
+                "request_id": meta["request_id"],
+                "prompt_index": int(meta["prompt_index"]),
+                "sample_index": int(meta["sample_index"]),
+                "num_prompt_tokens": int(meta["num_prompt_tokens"]),
+                "token_ids": torch.tensor(meta["token_ids"], dtype=torch.int64),
+                "finished": bool(meta.get("finished", False)),
+                "engine_id": meta.get("engine_id", ""),
+            }
+        except (KeyError, TypeError, ValueError) as e:
+            raise ExportFormatError(f"{self.path!r}: request {r} has a bad entry: {e!r}") from None
+        if len(pos) and not 0 <= int(pos[0]) <= int(pos[-1]) < len(fields["token_ids"]):
+            raise ExportFormatError(
+                f"{self.path!r}: request {r} has rows at positions {int(pos[0])}..{int(pos[-1])}, "
+                f"outside its {len(fields['token_ids'])} token ids"
+            )
         return self._make(fields, pos, dec, data)
 
     def _no_rows(self, key: str) -> torch.Tensor:
@@ -208,8 +220,7 @@ class ExportReader:
         n_req = len(self.requests)
         last = [-1] * n_req
         for i in range(len(self.shards)):
-            with safe_open(self._check(i), framework="pt") as f:
-                row_request = f.get_tensor(fmt.ROW_REQUEST)
+            row_request = self._tensors(i, [fmt.ROW_REQUEST])[fmt.ROW_REQUEST]
             for r in torch.unique(row_request).tolist():
                 if not 0 <= r < n_req:
                     raise ExportFormatError(
@@ -249,13 +260,10 @@ def export_parts(path: str | os.PathLike) -> list[tuple[int, str]]:
     root = os.fspath(path)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        rank = fmt.part_rank(name)
-        folder = os.path.join(root, name)
-        if rank is not None and os.path.isfile(os.path.join(folder, fmt.MANIFEST)):
-            found.append((rank, folder))
-    return sorted(found)
+    found = [(fmt.part_rank(n), os.path.join(root, n)) for n in os.listdir(root)]
+    return sorted(
+        (r, p) for r, p in found if r is not None and os.path.isfile(f"{p}/{fmt.MANIFEST}")
+    )
 
 
 class DataParallelExport:
@@ -263,30 +271,23 @@ class DataParallelExport:
     yields each part's records in rank order (``data_parallel_rank`` names the engine)."""
 
     def __init__(self, path: str | os.PathLike, parts: list[tuple[int, ExportReader]]):
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
         if not parts:
             raise ExportFormatError(f"{self.path!r} holds no data-parallel part")
         self.parts = sorted(parts, key=lambda p: p[0])
         sizes = set()
         for rank, part in self.parts:
             dp = part.manifest.get("data_parallel")
-            if (
-                not isinstance(dp, dict)
-                or dp.get("rank") != rank
-                or not isinstance(dp.get("size"), int)
-            ):
+            if not isinstance(dp, dict) or (dp.get("rank"), type(dp.get("size"))) != (rank, int):
                 raise ExportFormatError(
                     f"{part.path!r} is not the part of data-parallel rank {rank} (its manifest "
                     f"says data_parallel={dp!r})"
                 )
-            sizes.add(dp.get("size"))
+            sizes.add(dp["size"])
         first = self.parts[0][1]
         for what in ("keys", "hidden_size", "dtype"):
-            values = {repr(getattr(p, what)) for _, p in self.parts}
-            if len(values) > 1:
-                raise ExportFormatError(
-                    f"the parts of {self.path!r} disagree on {what}: {sorted(values)}"
-                )
+            if len(values := {repr(getattr(p, what)) for _, p in self.parts}) > 1:
+                raise ExportFormatError(f"the parts of {self.path!r} disagree on {what}: {values}")
         ranks = [r for r, _ in self.parts]
         if len(sizes) > 1 or max(ranks) >= min(sizes):
             raise ExportFormatError(
@@ -319,7 +320,7 @@ def open_export(
 ) -> ExportReader | DataParallelExport:
     """The export at ``path``: one export, or the parts of a data-parallel run merged. ``reader``
     reads one export (formats on this layout pass their subclass)."""
-    root = os.fspath(path)
+    root = os.path.expanduser(os.fspath(path))
     if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
         parts = export_parts(root)
         if parts:

@@ -77,10 +77,7 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
     recomputation after a preemption (those are counted in ``rows_skipped_recomputed``:
     their position was written already)."""
     wanted = row_mask(
-        phase,
-        np.asarray(rows.is_decode, np.bool_),
-        rows.position,
-        rows.prompt_lengths,
+        phase, np.asarray(rows.is_decode, np.bool_), rows.position, rows.prompt_lengths
     )
     recomputed = np.asarray(rows.recomputed, np.bool_)
     skipped = int((wanted & recomputed).sum())

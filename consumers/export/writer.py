@@ -6,6 +6,7 @@ later rows are dropped (``rows_unwritten``) and the manifest says ``complete: fa
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -75,10 +76,8 @@ def _part_below(name: str, size: int) -> bool:
 def remove_export_files(path: str) -> None:
     """Remove the export files in ``path`` (manifest first); other files stay. A file that
     vanishes meanwhile (another data-parallel engine cleaning the same folder) is fine."""
-    names = sorted(os.listdir(path))
     # Manifest first: the directory never claims shards that are being removed.
-    names.sort(key=lambda n: n != fmt.MANIFEST)
-    for name in names:
+    for name in sorted(os.listdir(path), key=lambda n: (n != fmt.MANIFEST, n)):
         if fmt.is_export_file(name):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, name))
@@ -107,8 +106,7 @@ class OutputLayout:
         keep = self.dp_size if self.dp_size > 1 else 0
         with os.scandir(self.root) as it:
             parts = [e for e in it if e.is_dir() and fmt.part_rank(e.name) is not None]
-        stale = [e.path for e in parts if not _part_below(e.name, keep)]
-        for part in stale:
+        for part in [e.path for e in parts if not _part_below(e.name, keep)]:
             with contextlib.suppress(FileNotFoundError):  # another engine removed it
                 remove_export_files(part)
             with contextlib.suppress(OSError):  # removed already, or holds other files
@@ -166,6 +164,7 @@ class RecordWriter:
         # Seconds spent writing shards (serialization, file write, fsync, manifest).
         self.seconds_writing = 0.0
         self._prepared = False
+        self._lock: int | None = None  # the folder's descriptor, flock-ed while writing
         self._cap = 0
         self._fill = 0
         self._hidden: dict[str, torch.Tensor] = {}
@@ -184,7 +183,6 @@ class RecordWriter:
         if rows <= self._cap:
             return
         cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self._cap)))
-        cap = min(cap, self.shard_rows)
         n = self._fill
         hidden = {k: torch.empty(cap, w, dtype=dt) for k, (w, dt) in self.columns.items()}
         meta = {
@@ -226,12 +224,7 @@ class RecordWriter:
     ) -> int:
         """Append rows (``columns[key]`` is ``[R, width]``); writes a shard each time the
         buffer reaches ``shard_rows``. Returns the number of shards written by this call."""
-        meta = {
-            fmt.ROW_REQUEST: row_request,
-            fmt.POSITION: positions,
-            fmt.TOKEN_ID: tokens,
-            fmt.IS_DECODE: is_decode,
-        }
+        meta = dict(zip(fmt.ROW_TENSORS, (row_request, positions, tokens, is_decode), strict=True))
         total = len(positions)
         with self.lock:
             self.used, self.closed = True, False
@@ -271,20 +264,42 @@ class RecordWriter:
             self.table.drop(requests)
 
     def prepare(self) -> None:
-        """Create the directory (first write only); with ``overwrite``, remove old export files
-        (and, first, what an earlier export left in the output directory: ``clean_root``)."""
+        """Create the directory and lock it until close (another writer of the folder, in this
+        run or another, is refused: its shards would mix with these); at the first write, with
+        ``overwrite``, remove old export files (first, what an earlier export left in the output
+        directory: ``clean_root``)."""
+        if self._lock is not None:
+            return
+        if not self._prepared:
+            self.layout.clean_root()
+            os.makedirs(self.path, exist_ok=True)
+        self._lock = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._unlock()
+            raise ValueError(
+                f"export: {self.path!r} is being written by another export (another run or "
+                f"consumer, or an engine of this process not closed): give each its own out"
+            ) from None
+        except OSError:  # a file system without flock (some network ones): write unlocked
+            pass
         if self._prepared:
             return
-        self.layout.clean_root()
-        os.makedirs(self.path, exist_ok=True)
         names = sorted(os.listdir(self.path))
         if names and not self.layout.overwrite:
+            self._unlock()
             raise ValueError(
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
                 f"refusing to mix exports (set overwrite=true to replace)"
             )
         remove_export_files(self.path)
         self._prepared = True
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def write_shard(self) -> dict[str, Any] | None:
         """Write the buffered rows as the next shard and rewrite the manifest."""
@@ -302,13 +317,12 @@ class RecordWriter:
         try:
             self.prepare()
             tensors = {self.tensor_name(k): self._hidden[k][:n] for k in self.columns}
-            for k in fmt.ROW_TENSORS:
-                tensors[k] = torch.from_numpy(self._meta[k][:n])
-            tmp = final + fmt.TMP_SUFFIX
-            metadata = {"format": self.format_name, "version": str(fmt.FORMAT_VERSION)}
-            save_file(
-                tensors, tmp, metadata={**metadata, "shard_index": str(index), "rows": str(n)}
-            )
+            tensors |= {k: torch.from_numpy(self._meta[k][:n]) for k in fmt.ROW_TENSORS}
+            tmp, version = final + fmt.TMP_SUFFIX, str(fmt.FORMAT_VERSION)
+            meta = {"format": self.format_name, "version": version, "shard_index": str(index)}
+            save_file(tensors, tmp, metadata={**meta, "rows": str(n)})
+            # safetensors makes it 0600: readable like its folder instead (a shared project dir)
+            os.chmod(tmp, os.stat(self.path).st_mode & 0o666)
             digest, size = fmt.sha256_file(tmp)
             fmt.fsync(tmp)
             os.replace(tmp, final)
@@ -329,6 +343,8 @@ class RecordWriter:
         self.error = f"writing {path}: {_cause(e)}"
         self.rows_unwritten += rows
         self._fill = 0
+        if self._lock is None:  # the folder is not ours (another writer's, or none): touch nothing
+            raise ExportWriteError(f"export: {self.error}; nothing was written") from e
         with contextlib.suppress(OSError):
             os.remove(path + fmt.TMP_SUFFIX)
         mpath = os.path.join(self.path, fmt.MANIFEST)
@@ -412,4 +428,5 @@ class RecordWriter:
                 if self._fill == 0:  # drop the (empty) buffers
                     self._hidden, self._meta, self._cap = {}, {}, 0
                 self.table.release()
+                self._unlock()
             return len(self.shards) - before

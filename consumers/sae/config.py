@@ -67,8 +67,7 @@ class SaeConfig(ConsumerConfig):
         32, ge=1, le=65536, description="Active features recorded per row (with 'out')."
     )
     out: Folder | None = Field(
-        None,
-        description="Directory for sparse feature records (export layout); none: no records.",
+        None, description="Directory for sparse feature records (export layout); none: no records."
     )
     steer: list[FeatureSteer] = Field(
         default_factory=list,

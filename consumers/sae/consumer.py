@@ -315,10 +315,8 @@ class SaeConsumer(Consumer):
             self.writer.dropped(requests)  # the bus counts it (bundles_dropped.sae)
 
     def close(self) -> None:
-        if self.writer is not None:
-            wrote = self.writer.close()
-            if wrote:
-                self.counters.add("shards_written", wrote)
+        if self.writer is not None and (wrote := self.writer.close()):
+            self.counters.add("shards_written", wrote)
 
     def result(self) -> dict[str, Any]:
         self._count_clamped()  # the last forward's (no forward runs while results are read)

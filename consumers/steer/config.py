@@ -117,8 +117,7 @@ class SteerConfig(ConsumerConfig):
         default_factory=list, description="Vectors to apply (at least one, or open_layers)."
     )
     positions: Literal["prompt", "generated", "all"] = Field(
-        "all",
-        description="Rows edited: prompt tokens, generated tokens (decode rows), or both.",
+        "all", description="Rows edited: prompt tokens, generated tokens (decode rows), or both."
     )
     open_layers: list[int] = Field(
         default_factory=list,
