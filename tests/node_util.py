@@ -93,8 +93,9 @@ def kill_group(proc: subprocess.Popen, but: str = "") -> list[int]:
 
 
 def descendants(pid: int, settle: float = 0) -> list[int]:
-    """Processes the command ``pid`` started (by the ``TLLM_CLI_PID`` it gives them, which
-    survives re-parenting), still alive after up to ``settle`` s (they may be exiting)."""
+    """Processes the command ``pid`` started (its session, which :func:`start` gives it, or
+    the ``TLLM_CLI_PID`` it gives them: both survive re-parenting; a process vLLM retitled
+    shows no environment), still alive after up to ``settle`` s (they may be exiting)."""
     import psutil
 
     deadline = time.monotonic() + settle
@@ -104,7 +105,7 @@ def descendants(pid: int, settle: float = 0) -> list[int]:
             try:
                 if p.pid == pid or p.status() == psutil.STATUS_ZOMBIE:
                     continue
-                if p.environ().get("TLLM_CLI_PID") == str(pid):
+                if os.getsid(p.pid) == pid or p.environ().get("TLLM_CLI_PID") == str(pid):
                     left.append(p.pid)
             except (psutil.Error, OSError):
                 continue

@@ -90,6 +90,29 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
     assert records and not any(r.finished for r in records), len(records)
 
 
+@pytest.mark.vllm
+def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
+    """vLLM's engine core does not watch its parent: after a ``kill -9`` of the command it kept
+    running (and on a GPU its memory). Each engine process of the command stops itself."""
+    log = tmp_path / "run.log"
+    argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "8"]
+    argv += ["--max-tokens", "480", "--ignore-eos", *SMALL_ENGINE]
+    proc = start(argv, log)
+    try:
+        wait_for(log, "tllm: engine ready", proc, 300)
+        assert descendants(proc.pid), "no engine process to orphan"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = descendants(proc.pid, settle=DEATH_BOUND_S)
+    finally:
+        import psutil
+
+        for pid in descendants(proc.pid):
+            with __import__("contextlib").suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    assert left == [], log.read_text()[-4000:]
+
+
 KILL_DURING_GENERATE = r"""
 import os, signal, sys, threading, time
 from vllm import SamplingParams

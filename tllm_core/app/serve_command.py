@@ -127,8 +127,8 @@ READY_WAIT_S = 3600.0  # the longest wait for the server to answer /health (a fi
 class LastCounters:
     """The last report read from ``{url}/tllm/counters``."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, ready: Callable[[], None] = lambda: None):
+        self.url, self.ready = url, ready
         self.report: dict[str, Any] | None = None
         self.read_at = 0.0
         self._stop = threading.Event()
@@ -156,6 +156,7 @@ class LastCounters:
             ):
                 if r.status == 200:
                     say(f"ready: {self.url}/v1{_runner_note(self.url)} (Ctrl-C stops the server)")
+                    self.ready()
                     break
         while not self._stop.wait(COUNTERS_INTERVAL_S):
             self.read_once()
@@ -260,13 +261,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             say(line)
         say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
     bind_cpu_threads(ranks)
-    last = None
-    if not follower:  # says when it is ready, and what the consumers did when it stops
-        last = LastCounters(url)
-        last.start()
-    wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     # The command's stop (its watchdog bounds the server's); a lost node is recorded there.
     signals = stop.installed() or stop.StopSignals()
+    last = None
+    if not follower:  # says when it is ready, and what the consumers did when it stops
+        last = LastCounters(url, signals.note_children)  # a killed engine's files: at exit
+        last.start()
+    wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     if not follower:  # a multi-node leader tells its followers when it is asked to stop
         signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
     pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)

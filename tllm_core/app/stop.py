@@ -60,7 +60,7 @@ class StopSignals:
             self._received.append(signum)
         if first:
             self.nodes.stop()  # peers that stop answering now are part of this stop
-            self._children.update(p.pid for p in _descendants())
+            self.note_children()
             threading.Thread(
                 target=self._watchdog,
                 args=(stop_timeout(),),
@@ -80,6 +80,10 @@ class StopSignals:
         # must not interrupt the cleanup it started (that is what leaves files behind).
         if self.note(signum):
             raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def note_children(self) -> None:
+        """Remember this command's engine processes now (a killed one's files go at exit)."""
+        self._children.update(p.pid for p in _descendants())
 
     def forget_dead_children(self) -> list[str]:
         """Remove stopped processes' Intel OpenMP files in /dev/shm (libiomp5 does at exit only)."""

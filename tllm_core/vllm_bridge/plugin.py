@@ -6,11 +6,13 @@ Also a ``tllm`` plugin whose ``tllm_architectures`` hook describes vLLM's decode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
@@ -57,6 +59,27 @@ def command_process() -> None:
         # An engine process: a terminal's Ctrl-C reaches the whole process group; the
         # command handles it (vLLM would stop the engine under the command's feet).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _stop_without(int(cli_pid))
+
+
+def _stop_without(pid: int, poll_s: float = 1.0) -> None:
+    """SIGTERM this engine process once the command ``pid`` is gone without stopping it (a
+    ``kill -9``): vLLM's engine core does not watch its parent, and would keep its device."""
+    import psutil
+
+    def alive(command: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):  # gone, or its pid reused: not running
+            return command.is_running() and command.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    def watch(command: psutil.Process) -> None:
+        while alive(command):
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own stop; its workers follow
+
+    with contextlib.suppress(psutil.Error):
+        command = psutil.Process(pid)
+        threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
 
 
 # The tllm plugin (tllm_core.plugins.loader registers this module).
