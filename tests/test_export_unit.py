@@ -578,7 +578,7 @@ def test_non_empty_dir_needs_overwrite(tmp_path):
     (out / "notes.txt").write_text("keep me")
     old_shards = len(json.loads((out / fmt.MANIFEST).read_text())["shards"])
     assert old_shards > 1
-    with pytest.raises(ValueError, match="not empty.*overwrite"):
+    with pytest.raises(ValueError, match="not empty.*overwrite=true .tllm export: --overwrite"):
         make_export(out, layers=["final"])
     c2 = make_export(out, layers=["final"], shard_rows=100, overwrite=True)
     c2.close()  # unused: old export untouched

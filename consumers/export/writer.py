@@ -50,7 +50,7 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
             shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
             raise ValueError(
                 f"export: out={out!r} is not empty ({shown}); choose an empty or new directory, "
-                f"or set overwrite=true to replace the export files in it"
+                f"or set overwrite=true (tllm export: --overwrite) to replace the export files in it"
             )
         return path
     # Does not exist yet: the nearest existing ancestor (at worst "/") must be a writable
@@ -291,7 +291,7 @@ class RecordWriter:
             self._unlock()
             raise ValueError(
                 f"export: {self.path!r} became non-empty before the first write ({names[:5]}); "
-                f"refusing to mix exports (set overwrite=true to replace)"
+                f"refusing to mix exports (set overwrite=true, tllm export: --overwrite, to replace)"
             )
         remove_export_files(self.path)
         self._prepared = True
