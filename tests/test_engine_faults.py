@@ -113,6 +113,48 @@ def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
     assert left == [], log.read_text()[-4000:]
 
 
+FORKED_ENGINE = r"""
+import argparse, multiprocessing as mp, os, signal, threading
+from tllm_core.app.cli_common import prepare_engine_processes
+
+def child(q):
+    names = [t.name for t in threading.enumerate()]
+    q.put((names, signal.getsignal(signal.SIGINT) == signal.SIG_IGN))
+
+if __name__ == "__main__":
+    prepare_engine_processes(argparse.Namespace())
+    ctx = mp.get_context("fork")  # vLLM's default on GPUs: vLLM's plugins are not loaded again
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(q.get(timeout=60), flush=True)
+    p.join(60)
+"""
+
+
+def test_a_forked_engine_process_of_the_command_leaves_ctrl_c_to_it_and_watches_it(tmp_path):
+    """On a GPU vLLM forks its engine processes, which then skip loading vLLM's plugins (the
+    command loaded them): the command's settings must still reach them (at fork)."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_ENGINE)
+    env = {**os.environ, "TLLM_NO_PRELOAD": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'tllm-command'" in out.stdout and out.stdout.strip().endswith("True)"), out.stdout
+
+
+def test_an_engine_process_whose_command_is_already_gone_stops_at_once():
+    """The command killed while its engine process was still starting: no process to watch,
+    so the engine process stops at once rather than run on without it."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=-1)
+    code = "import time; from tllm_core.vllm_bridge.plugin import _stop_without\n"
+    code += f"_stop_without({int(gone.stdout)}); time.sleep(60)"
+    out = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert out.returncode == -signal.SIGTERM
+
+
 KILL_DURING_GENERATE = r"""
 import os, signal, sys, threading, time
 from vllm import SamplingParams

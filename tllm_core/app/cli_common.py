@@ -259,10 +259,12 @@ def set_cpu_kv_cache(gib: int | None) -> None:
 def prepare_engine_processes(args: argparse.Namespace) -> None:
     """The environment the command's engine processes inherit; call it before they start."""
     from tllm_core.app.cpu_preload import apply as preload
-    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV
+    from tllm_core.vllm_bridge.plugin import CLI_PID_ENV, command_process
 
     # The engine processes leave Ctrl-C to the command (it aborts, flushes, stops them).
     os.environ[CLI_PID_ENV] = str(os.getpid())
+    # A forked one (vLLM's default on GPUs) does not load vLLM's plugins again: it runs this.
+    os.register_at_fork(after_in_child=command_process)
     # vLLM's 5 s for a worker to exit is too short on a busy 2-core machine.
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     set_cpu_kv_cache(getattr(args, "kv_cache_gib", None))

@@ -83,7 +83,7 @@ class StopSignals:
 
     def note_children(self) -> None:
         """Remember this command's engine processes now (a killed one's files go at exit)."""
-        self._children.update(p.pid for p in _descendants())
+        self._children = self._children | {p.pid for p in _descendants()}  # read at exit
 
     def forget_dead_children(self) -> list[str]:
         """Remove stopped processes' Intel OpenMP files in /dev/shm (libiomp5 does at exit only)."""

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
+from tllm_core.runtime.environ import env_seconds
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
 
 log = logging.getLogger("tllm")
@@ -72,14 +73,18 @@ def _stop_without(pid: int, poll_s: float = 1.0) -> None:
             return command.is_running() and command.status() != psutil.STATUS_ZOMBIE
         return False
 
-    def watch(command: psutil.Process) -> None:
-        while alive(command):
+    def watch(command: psutil.Process | None) -> None:
+        while command is not None and alive(command):
             time.sleep(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own stop; its workers follow
+        time.sleep(env_seconds("TLLM_STOP_TIMEOUT_S", 120.0))  # a stop that hangs: the end
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    with contextlib.suppress(psutil.Error):
+    try:
         command = psutil.Process(pid)
-        threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
+    except psutil.NoSuchProcess:  # gone before this process started
+        command = None
+    threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
 
 
 # The tllm plugin (tllm_core.plugins.loader registers this module).
