@@ -76,6 +76,23 @@ def _slot_params(c: ESampConsumer, slot: int) -> torch.Tensor:
     return torch.cat([t.flatten() for b in range(2) for t in (gate[0, b], up[0, b], down[0, b])])
 
 
+def _model(seed: int) -> tuple[torch.Generator, torch.Tensor, ModelInfo]:
+    """A model of H hidden and V tokens whose head is a random matrix ``w``, and the
+    generator that drew it (the test draws its rows from it next)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g)
+    model = ModelInfo(
+        hidden_size=H,
+        num_layers=4,
+        vocab_size=V,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        lm_head=lambda z: z @ w.t(),
+        lm_head_weight=w,
+    )
+    return g, w, model
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -89,17 +106,7 @@ def _slot_params(c: ESampConsumer, slot: int) -> torch.Tensor:
 )
 def test_consumer_matches_the_spec_reference_step_by_step(cfg):
     cfg = dict(cfg)
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(V, H, generator=g)
-    model = ModelInfo(
-        hidden_size=H,
-        num_layers=4,
-        vocab_size=V,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        lm_head=lambda z: z @ w.t(),
-        lm_head_weight=w,
-    )
+    g, w, model = _model(seed=0)
     cuda_path = cfg.pop("cuda_path", None)
     config = ESampConfig(intermediate_size=INTER, **{"cpu_update": "inline", **cfg})
     ctx = ConsumerContext(model, lambda i: resolve_layer(i, 4))
@@ -170,17 +177,7 @@ def test_a_sample_still_in_prefill_keeps_its_groups_distiller():
     """The spec frees a group's distiller "when its last request finishes": a sample whose
     prefill is still running (chunked prefill) when its siblings finish joins the distiller
     they trained, not a fresh one."""
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(V, H, generator=g)
-    model = ModelInfo(
-        hidden_size=H,
-        num_layers=4,
-        vocab_size=V,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        lm_head=lambda z: z @ w.t(),
-        lm_head_weight=w,
-    )
+    g, w, model = _model(seed=1)
     config = ESampConfig(intermediate_size=INTER, cpu_update="inline")
     c = ESampConsumer(config, ConsumerContext(model, lambda i: resolve_layer(i, 4)))
     a, b = (RequestInfo(f"{s}-r0", "r0", 0, s, 3) for s in range(2))

@@ -28,7 +28,9 @@ class ResultStore:
         self.counters = counters
         self.max_result_bytes = int(max_result_bytes)
         self.max_requests = int(max_requests)
-        self.max_bytes = STORE_RESULTS * self.max_result_bytes if max_bytes is None else max_bytes
+        self.max_bytes = (
+            STORE_RESULTS * self.max_result_bytes if max_bytes is None else int(max_bytes)
+        )
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._sizes: dict[str, int] = {}
