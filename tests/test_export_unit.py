@@ -903,6 +903,11 @@ def _rewrite_manifest(out: Path, change) -> None:
     (out / fmt.MANIFEST).write_text(json.dumps(change(m)))
 
 
+def _rewrite_requests(out: Path, change) -> None:
+    path = out / fmt.REQUESTS_FILE
+    path.write_text("\n".join(change(path.read_text().splitlines())) + "\n")
+
+
 _DAMAGE = {
     # file cut by a full disk or a copy stopped half way; a file of another program
     "truncated shard": (
@@ -964,6 +969,23 @@ _DAMAGE = {
             )
         ),
         r"request \d has a bad entry: KeyError\('token_ids'\)",
+    ),
+    "requests file line not JSON": (
+        lambda o: _rewrite_requests(o, lambda lines: [lines[0], "{torn"]),
+        r"requests\.jsonl' line 2: not valid JSON",
+    ),
+    "request entry without an index": (
+        lambda o: _rewrite_requests(o, lambda lines: [json.dumps({"finished": True}), *lines[1:]]),
+        r"requests\.jsonl' line 1: not a request entry \(a JSON object with a whole-number "
+        r"\"index\"\)",
+    ),
+    "manifest without its requests": (
+        lambda o: _rewrite_manifest(o, lambda m: {k: v for k, v in m.items() if k != "requests"}),
+        r"manifest\.json' lacks a field or has a bad one: KeyError\('requests'\)",
+    ),
+    "requests file missing": (
+        lambda o: (o / fmt.REQUESTS_FILE).unlink(),
+        r"requests\.jsonl' cannot be read \(No such file or directory\); the manifest lists 2",
     ),
     "position past the token ids": (
         lambda o: _rewrite_shard(

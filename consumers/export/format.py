@@ -140,21 +140,39 @@ def write_json_atomic(path: str, obj: Any) -> None:
 def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
     """The request table of the export in ``path``: the first ``manifest["requests_closed"]``
     lines of its requests file plus the manifest's ``requests``, in index order. ``ValueError``
-    when the file is short or the indices have gaps."""
+    naming the file (and line) when it is missing, short or damaged, or the indices have gaps."""
     inline = list(manifest["requests"])
     n = int(manifest.get("requests_closed", 0))
     if n == 0:
         return inline
     name = manifest.get("requests_file", REQUESTS_FILE)
-    closed = []
-    with open(os.path.join(path, name), encoding="utf-8") as f:
-        for line in f:
-            if len(closed) == n:
-                break  # later lines: requests closed after this manifest was written
-            closed.append(json.loads(line))
+    file, closed = os.path.join(path, name), []
+    try:
+        with open(file, "rb") as f:  # bytes: a line not UTF-8 is an error naming its number
+            for number, line in enumerate(f, 1):
+                if len(closed) == n:
+                    break  # later lines: requests closed after this manifest was written
+                closed.append(_request_entry(line, file, number))
+    except OSError as e:
+        raise ValueError(
+            f"{file!r} cannot be read ({e.strerror}); the manifest lists {n} requests in it"
+        ) from None
     if len(closed) < n:
         raise ValueError(f"{name!r} holds {len(closed)} requests, the manifest says {n}")
     table = sorted(closed + inline, key=lambda e: e["index"])
     if [e["index"] for e in table] != list(range(len(table))):
         raise ValueError(f"the request table of {path!r} has gaps or duplicate indices")
     return table
+
+
+def _request_entry(line: bytes, file: str, number: int) -> dict[str, Any]:
+    """Line ``number`` of requests file ``file``; ``ValueError`` naming both when damaged."""
+    try:
+        entry = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{file!r} line {number}: not valid JSON ({e})") from None
+    if not isinstance(entry, dict) or type(entry.get("index")) is not int:
+        raise ValueError(
+            f'{file!r} line {number}: not a request entry (a JSON object with a whole-number "index")'
+        )
+    return entry

@@ -124,8 +124,10 @@ class ExportReader:
             raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         try:
             self.requests: list[dict[str, Any]] = fmt.request_table(self.path, self.manifest)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # the requests file's errors name it (and the line)
             raise ExportFormatError(f"{self.path!r}: cannot read its request table: {e}") from None
+        except (LookupError, TypeError) as e:  # the manifest's part of the table
+            raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
         self.complete: bool = bool(self.manifest.get("complete", False))
         self.verify = verify
         self._unverified = set(range(len(self.shards))) if verify else set()  # hashed once each
