@@ -27,6 +27,21 @@ from tllm_core.app.cli import build_parser
         (["steer", "compute", "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
         (["serve", "--port", "70000"], "argument --port: must be <= 65535, got 70000"),
         (["serve", "--port", "0"], "argument --port: must be >= 1, got 0"),  # vLLM: any port
+        # A setting in bytes given in MiB or KiB: its bounds in the flag's unit, the value as
+        # typed (they were in bytes: "<= 2147483648, got 4294967296 (4096 x 1048576)").
+        (
+            ["serve", "--max-body-mib", "0"],
+            "argument --max-body-mib: max_body_bytes in MiB must be >= 1, got 0; "
+            "allowed: int, >= 1, <= 2048\n",
+        ),
+        (["serve", "--max-body-mib", "-1"], "max_body_bytes in MiB must be >= 1, got -1;"),
+        (["serve", "--max-body-mib", "4096"], "max_body_bytes in MiB must be <= 2048, got 4096;"),
+        (["serve", "--max-body-mib", "x"], "in MiB must be a whole number, got 'x'; allowed: int,"),
+        (
+            ["serve", "--max-result-kib", "3000000"],
+            "argument --max-result-kib: max_result_bytes in KiB must be <= 2097152, got 3000000; "
+            "allowed: int, >= 1, <= 2097152\n",
+        ),
     ],
 )
 def test_out_of_range_options_are_refused(capsys, argv, message):

@@ -68,11 +68,19 @@ def checked_arg(
     field: str | Any, unit: int = 1, model: type[BaseModel] = RuntimeSettings
 ) -> Callable[[str], Any]:
     """An argparse ``type`` checked by settings field ``field`` itself, as ``TllmLLM`` and a
-    server's JSON are (in ``unit``s of it), or by a type (:data:`COUNT`; its description: a note)."""
+    server's JSON are (in ``unit``s of it: the message in those units, as typed), or by a type
+    (:data:`COUNT`; its description: a note)."""
     named = isinstance(field, str)
     info = model.model_fields[field] if named else FieldInfo.from_annotation(field)
     finite = ConfigDict(allow_inf_nan=False)  # as the settings: every wait bounded
     number, what = TypeAdapter(info.annotation, config=finite), f"{field} " if named else ""
+    if unit != 1:  # the field's bounds in the flag's unit (whole units within them)
+        info = FieldInfo.from_annotation(
+            Annotated[
+                (info.annotation, *(_scaled(m, unit, info.annotation) for m in info.metadata))
+            ]
+        )
+        what += f"in {({1024: 'KiB', 1024 * 1024: 'MiB'}).get(unit, f'units of {unit}')} "
     check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
     note = f" ({info.description})" if info.description and not named else ""
 
@@ -80,14 +88,26 @@ def checked_arg(
         got = repr(text)
         try:
             value = number.validate_strings(text)
-            got = str(value) if unit == 1 else f"{value * unit} ({text} x {unit})"
-            check.validate_python(value * unit)
+            got = str(value)
+            check.validate_python(value)
         except ValidationError as e:
             words = f"{what}{error_words(e.errors()[0])}, got {got}"
             raise argparse.ArgumentTypeError(f"{words}; allowed: {allowed(info)}{note}") from None
         return value
 
     return parse
+
+
+def _scaled(bound: Any, unit: int, kind: type) -> Any:
+    """Bound ``bound`` (``Ge(1024)``) of a setting in units of ``unit`` (``Ge(1)`` in KiB)."""
+    attr = next((a for a in ("ge", "gt", "le", "lt") if getattr(bound, a, None) is not None), "")
+    if not attr:
+        return bound
+    b = getattr(bound, attr)
+    if kind is not int:
+        return Field(**{attr: b / unit})
+    # x * unit >= b  <=>  x >= ceil(b / unit), for whole x; x * unit > b  <=>  x > floor(...)
+    return Field(**{attr: -(-b // unit) if attr in ("ge", "lt") else b // unit})
 
 
 # Options counting something, and other whole numbers (vLLM would replace some silently).
