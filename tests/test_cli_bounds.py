@@ -3,6 +3,8 @@ values vLLM or tllm silently replaces."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tllm_core.app.cli import build_parser
@@ -117,3 +119,38 @@ def test_a_model_folder_without_config_json_is_named_before_anything_starts(
     assert f"--model {str(tmp_path)!r} has no config.json" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no config.json"):
         TllmLLM(str(tmp_path), ["stats"])
+
+
+@pytest.mark.parametrize(
+    "host, why",
+    [
+        ("not..a..host", "is not a host name or IP address"),
+        ("999.1.1.1", "is not a host name or IP address"),
+        ("192.0.2.1", "is not an address of this machine"),  # TEST-NET-1: no machine's own
+    ],
+)
+def test_a_serve_host_it_cannot_listen_on_is_refused_before_the_engine(capsys, host, why):
+    """``--host`` went to vLLM unchecked: a bad one failed in its bind, after the engine had
+    loaded (a minute). Refused when parsed, naming the value and what is allowed; a ``--host``
+    after ``--`` (vLLM's, which wins) by the same check, before the engine too."""
+    from tllm_core.app.cli_common import CliError
+    from tllm_core.app.serve_command import listen_host
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--host", host])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --host: {host!r} {why} (" in err, err
+    assert "; allowed: an IP address or name of this machine" in err
+    with pytest.raises(CliError, match=f"^--host: {re.escape(repr(host))} {why}"):
+        listen_host(build_parser().parse_args(["serve", "--", f"--host={host}"]))
+
+
+def test_a_serve_host_of_this_machine_is_listened_on_and_named_in_its_url():
+    from tllm_core.app.serve_command import listen_host, server_url
+
+    for host in ("127.0.0.1", "localhost", "0.0.0.0", ""):
+        assert listen_host(build_parser().parse_args(["serve", "--host", host])) == host
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--", "--host", "localhost"])
+    assert listen_host(args) == "localhost"  # vLLM's --host wins: the URL names it
+    assert server_url("0.0.0.0", 8000) == server_url("", 8000) == "http://127.0.0.1:8000"
+    assert server_url("::", 80) == "http://[::1]:80" and server_url("::1", 80) == "http://[::1]:80"

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -108,6 +110,33 @@ def _scaled(bound: Any, unit: int, kind: type) -> Any:
         return Field(**{attr: b / unit})
     # x * unit >= b  <=>  x >= ceil(b / unit), for whole x; x * unit > b  <=>  x > floor(...)
     return Field(**{attr: -(-b // unit) if attr in ("ge", "lt") else b // unit})
+
+
+HOSTS_ALLOWED = (
+    "an IP address or name of this machine: 127.0.0.1 (this machine only), 0.0.0.0 (every IPv4 "
+    "interface), :: (every IPv6 interface), or the address of one of its interfaces"
+)
+
+
+def checked_host(text: str) -> str:
+    """An address to serve on (``--host``), checked as vLLM will bind it (port 0 here): at
+    parsing, not after the engine loaded. Name lookups are bounded by the resolver's timeouts."""
+    try:
+        socket.getaddrinfo(text or None, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # UnicodeError: an empty label (``not..a..host``)
+        why = f"is not a host name or IP address ({getattr(e, 'strerror', None) or e})"
+    else:
+        try:  # vLLM's socket: IPv6 for an IPv6 address, else IPv4 (a name too)
+            ipv6 = ipaddress.ip_address(text).version == 6
+        except ValueError:
+            ipv6 = False
+        try:
+            with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET) as s:
+                s.bind((text, 0))
+            return text
+        except (OSError, UnicodeError) as e:
+            why = f"is not an address of this machine ({getattr(e, 'strerror', None) or e})"
+    raise argparse.ArgumentTypeError(f"{text!r} {why}; allowed: {HOSTS_ALLOWED}")
 
 
 # Options counting something, and other whole numbers (vLLM would replace some silently).

@@ -92,6 +92,19 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
     )
 
 
+def listen_host(args: argparse.Namespace) -> str:
+    """The address the server listens on: ``--host``, or one given after ``--`` (vLLM's, which
+    wins), checked as ``--host`` is (:func:`~tllm_core.app.cli_common.checked_host`)."""
+    given = _flag(list(args.vllm_args or []), ("--host",), cli_common.checked_host)
+    return args.host if given is None else given
+
+
+def server_url(host: str, port: int) -> str:
+    """Where this machine reaches a server listening on ``host`` (a wildcard: loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
     extra = list(args.vllm_args or [])
@@ -235,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
     ranks = parallel_ranks(args)
+    url = server_url(listen_host(args), args.port)
     model = cli_common.local_model(args.model)
     checked = validate_consumers(args.consumer or [], model)
     if args.per_request:
@@ -245,8 +259,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_model(model, args.dtype)  # known refusals, before the server starts (as TllmLLM)
     fault_note = NoteFile("tllm-fault-")  # a hung callback's report, from the engine (watchdog.py)
     settings = serve_settings(args, checked, fault_note.path)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-    url = f"http://{host}:{args.port}"
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
     follower = headless(args)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
@@ -315,7 +327,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
         help="consumers act only on requests naming them in vllm_xargs tllm_consumers",
     )
     cli_common.add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument(
+        "--host",
+        type=cli_common.checked_host,
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)",
+    )
     s.add_argument("--port", type=cli_common.PORT, default=8000, help="port (default 8000)")
     s.add_argument("--tensor-parallel-size", type=cli_common.COUNT, default=1, help="vLLM's option")
     s.add_argument(
