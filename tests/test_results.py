@@ -236,6 +236,45 @@ def test_tllm_serve_returns_rows_with_the_completion_to_the_openai_client(
     assert tllm_core.decode_results(again.tllm[0])["export"]["positions"].tolist() == [5, 6]
 
 
+def test_tllm_serve_refuses_prompts_that_together_overflow_the_results_store(
+    tiny_model, guarded_server
+):
+    """A completion request with a list of prompts (vLLM runs each as its own request): each
+    prompt's 4 choices fit the store (8 x 64 KiB), 4 prompts together could not: HTTP 400
+    before generating, not results dropped uncollected after; 2 prompts that fit get all."""
+    import time
+
+    import openai
+    from serve_util import get_json
+
+    import tllm_core
+
+    url, key = guarded_server.url, guarded_server.key
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    xargs = {"tllm_consumers": "export", "tllm_results": "export"}
+
+    def complete(prompts: list[list[int]], window: str, **kw):
+        body = {"vllm_xargs": {**xargs, "tllm_export_window": window}, "ignore_eos": True}
+        return client.completions.create(model="default", prompt=prompts, extra_body=body, **kw)
+
+    def sampled() -> int:
+        return get_json(f"{url}/tllm/counters", key)["runtime"].get("rows_captured.sampled", 0)
+
+    before = sampled()
+    # generated[0:30]: 30 rows x 2 layers x hidden 128, as base64: 41984 bytes a choice
+    with pytest.raises(openai.BadRequestError) as ei:
+        complete([[5, 6, 7, 8, 9]] * 4, "generated[0:30]", n=4, max_tokens=40)
+    message = str(ei.value)
+    assert "4 prompts x 4 choices could hold up to 671744 bytes, past the 524288" in message
+    assert "fewer prompts, choices (n) or rows" in message
+    time.sleep(1.0)  # the prompts admitted before the refused one were aborted, not run on
+    assert sampled() - before < 3 * 4 * 40 // 2, (before, sampled())
+    r = complete([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]], "generated[0:3]", n=2, max_tokens=4)
+    assert [e["index"] for e in r.tllm] == [0, 1, 2, 3] and len(r.choices) == 4
+    for entry in r.tllm:
+        assert tllm_core.decode_results(entry)["export"]["positions"].tolist() == [5, 6, 7]
+
+
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
     """``stats`` returns its per-request figures and ``sae`` each token's top features, both
     equal to what transformers' hidden states give on the same tokens."""
@@ -599,3 +638,63 @@ def test_a_request_whose_choices_together_overflow_the_results_store_is_refused(
 
     assert why(1) is None and why(16) is None  # 16 x 512 = 8 x 1024: what the store keeps
     assert "17 choices could hold up to 8704 bytes, past the 8192" in why(17)
+
+
+def test_the_prompts_of_one_completion_request_together_must_fit_the_results_store():
+    """vLLM runs prompt i of a completion request as its own engine request "{id}-{i}", and
+    all their choices wait in one store: prompts that each fit but together pass it are
+    refused (HTTP 400, naming the numbers), those admitted before asked for nothing more;
+    prompts that fit together get every result, and the next HTTP request starts afresh."""
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from tllm_core.plugins.registry import Registry
+    from tllm_core.serving.keys import EngineConsumers
+    from tllm_core.vllm_bridge import request_marks as rr
+    from tllm_core.vllm_bridge.serving import install_request_checks
+
+    registry = Registry()
+    specs = [ConsumerSpec(name="stats", config={"layers": [0, 1, 2, 3]})]
+    server = EngineConsumers.of(specs, registry.check(specs), registry)
+    processor = SimpleNamespace(assign_request_id=lambda request: None)
+    install_request_checks(processor, server, b"k" * 32, max_result_bytes=1024, hidden_size=64)
+
+    async def ask(method, ids):  # every result there at once
+        return [{rid: {str(s): {"stats": {"v": rid}} for s in range(4)} for rid in ids}]
+
+    def completion(prompts: int) -> tuple[int, dict]:
+        async def app(scope, receive, send):  # vLLM's completion route, prompt by prompt
+            status, out = 200, {"id": "cmpl-1", "choices": [{}] * (4 * prompts)}
+            for i in range(prompts):
+                params = SimpleNamespace(n=4, max_tokens=4, extra_args={"tllm_results": "stats"})
+                request = SimpleNamespace(
+                    sampling_params=params, prompt_token_ids=[1, 2], request_id=f"cmpl-1-{i}"
+                )
+                request.cache_salt = None
+                try:
+                    processor.assign_request_id(request)
+                except VLLMValidationError as e:
+                    assert rr.ASKED.get() == {}  # prompts admitted before: no results awaited
+                    status, out = 400, {"error": str(e)}
+                    break
+            payload = json.dumps(out).encode()
+            headers = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": payload})
+
+        wrapped = rr.ResultReturn(app, ("/v1/completions",), ask=lambda: ask, wait_s=1.0)
+        start, body = _asgi(wrapped, path="/v1/completions")
+        return start["status"], json.loads(body)
+
+    # A stats result is bounded by 512 bytes (4 layers): 4 prompts x 4 choices fill the 8 x
+    # 1024 bytes the store keeps; each prompt alone (2048 bytes) fits, 5 together do not.
+    status, got = completion(4)
+    assert status == 200 and len(got["tllm"]) == 16, got
+    assert [e["index"] for e in got["tllm"]] == list(range(16))
+    assert [e["stats"]["v"] for e in got["tllm"][::4]] == [f"cmpl-1-{i}" for i in range(4)]
+    status, got = completion(5)
+    assert status == 400, got
+    assert "5 prompts x 4 choices could hold up to 10240 bytes, past the 8192" in got["error"]
+    assert "fewer prompts, choices (n) or rows" in got["error"]
+    assert completion(4)[0] == 200  # each HTTP request counts its own prompts

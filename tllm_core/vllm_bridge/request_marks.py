@@ -157,6 +157,9 @@ def install_abort_marks(engine_core: Any, ask: Ask) -> None:
 ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
     "tllm_results_asked", default=None
 )
+# Caller id -> the bytes its results can hold, of the requests one HTTP request had admitted
+# (check_bounds: together they must fit the store).
+HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
 # vLLM's completion route runs prompt i of a request as "{request id}-{i}".
 _PROMPT_SUFFIX = re.compile(r"-(\d+)$")
 FIRST_POLL_S = 0.005
@@ -164,9 +167,16 @@ LAST_POLL_S = 0.25
 
 
 def check_bounds(
-    request: Any, extra: dict[str, Any], server: EngineConsumers, limit: int, hidden_size: int
+    request: Any,
+    extra: dict[str, Any],
+    server: EngineConsumers,
+    limit: int,
+    hidden_size: int,
+    held: dict[str, int] | None = None,
 ) -> str | None:
-    """Why vLLM's engine ``request`` must be refused (a result bounded past ``limit``)."""
+    """Why vLLM's engine ``request`` must be refused (a result bounded past ``limit``, or all
+    results of its HTTP request past the store); ``held``: the bytes its HTTP request's
+    requests admitted before could hold, by caller id (this one's added when admitted)."""
     params = request.sampling_params
     prompt = len(getattr(request, "prompt_token_ids", None) or ())
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
@@ -180,13 +190,21 @@ def check_bounds(
                 f"of {limit} bytes (setting max_result_bytes); ask for fewer rows (a narrower "
                 "window, fewer tokens or layers)"
             )
-    n = int(getattr(params, "n", None) or 1)  # all its choices wait in one store together
-    if (total := n * sum(bounds.values())) > STORE_RESULTS * limit:
+    # All choices of all prompts of one HTTP request wait in one store together (vLLM's
+    # completion route runs prompt i as its own request "{id}-{i}", checked one by one).
+    n = int(getattr(params, "n", None) or 1)
+    mine = n * sum(bounds.values())
+    if (total := sum((held or {}).values()) + mine) > STORE_RESULTS * limit:
+        what, fewer = f"{n} choices", "choices (n)"
+        if held:  # the requests admitted before are aborted by vLLM with this one's error
+            what, fewer = f"{len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
         return (
-            f"tllm: the results of this request's {n} choices could hold up to {total} bytes, "
+            f"tllm: the results of this request's {what} could hold up to {total} bytes, "
             f"past the {STORE_RESULTS * limit} bytes this server keeps uncollected "
-            f"({STORE_RESULTS} x max_result_bytes); ask for fewer choices (n) or rows"
+            f"({STORE_RESULTS} x max_result_bytes); ask for fewer {fewer} or rows"
         )
+    if held is not None:
+        held[str(getattr(request, "external_req_id", None) or request.request_id)] = mine
     return None
 
 
@@ -265,7 +283,7 @@ class ResultReturn:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         asked: dict[str, tuple[list[str], int]] = {}
-        token = ASKED.set(asked)
+        token, held_token = ASKED.set(asked), HELD.set({})
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
@@ -300,6 +318,7 @@ class ResultReturn:
             await self.app(scope, receive, with_results)
         finally:
             ASKED.reset(token)
+            HELD.reset(held_token)
 
     async def _with_results(self, body: bytes, asked: dict) -> bytes:
         try:

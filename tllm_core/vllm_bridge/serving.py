@@ -35,6 +35,8 @@ from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
+    ASKED,
+    HELD,
     EngineNoAnswer,
     FailureMarks,
     ResultReturn,
@@ -473,8 +475,10 @@ def install_request_checks(
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
         if extra and RESULTS_KEY in extra and max_result_bytes is not None:
-            why = check_bounds(request, extra, server, max_result_bytes, hidden_size)
+            why = check_bounds(request, extra, server, max_result_bytes, hidden_size, HELD.get())
             if why is not None:
+                # Its prompts admitted before are aborted with it: no results to wait for.
+                (ASKED.get() or {}).clear()
                 raise VLLMValidationError(why, parameter="vllm_xargs")
         assign_orig(request)
         note_asked(request, extra)
