@@ -113,6 +113,80 @@ def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
     assert left == [], log.read_text()[-4000:]
 
 
+ORPHANED_SCRIPT = r"""
+import sys, time
+from tllm_core import TllmLLM
+
+llm = TllmLLM(sys.argv[1], consumers=["stats"], enforce_eager=True, max_model_len=512)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a TllmLLM start (~40 s); the command's case above is the default one
+def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_path):
+    """As the command's: a Python script's engine processes stop once it is ``kill -9``-ed."""
+    import psutil
+
+    log = tmp_path / "script.log"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ORPHANED_SCRIPT, tiny_model],
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # descendants() finds its engine processes by session
+        )
+    try:
+        wait_for(log, "ready", proc, 300)
+        assert descendants(proc.pid), "no engine process to orphan"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        left = descendants(proc.pid, settle=DEATH_BOUND_S)
+    finally:
+        for pid in descendants(proc.pid):
+            with __import__("contextlib").suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    assert left == [], log.read_text()[-4000:]
+
+
+def test_an_engine_process_watches_its_tllmllm_front_end_only_where_it_runs(monkeypatch):
+    """The front end's (pid, create_time) in the settings: watched when that process runs on
+    this machine; not this process (in-process engine), not a pid with another create_time (a
+    reused pid, another node's), not a gone one, not the command (it watches itself)."""
+    import psutil
+
+    from tllm_core.vllm_bridge import plugin
+
+    watched: list[int] = []
+    monkeypatch.setattr(plugin, "_stop_without", watched.append)
+    monkeypatch.delenv(plugin.CLI_PID_ENV, raising=False)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        created = psutil.Process(child.pid).create_time()
+        plugin.watch_front_end(None)
+        plugin.watch_front_end((os.getpid(), psutil.Process().create_time()))
+        plugin.watch_front_end((child.pid, created - 3600))
+        monkeypatch.setenv(plugin.CLI_PID_ENV, str(child.pid))
+        plugin.watch_front_end([child.pid, created])
+        assert watched == []
+        monkeypatch.delenv(plugin.CLI_PID_ENV)
+        plugin.watch_front_end([child.pid, created])  # a list: the settings' JSON
+        assert watched == [child.pid]
+    finally:
+        child.kill()
+        child.wait(30)
+    plugin.watch_front_end([child.pid, created])  # gone (reaped)
+    assert watched == [child.pid]
+
+
 FORKED_ENGINE = r"""
 import argparse, multiprocessing as mp, os, signal, threading
 from tllm_core.app.cli_common import prepare_engine_processes

@@ -34,6 +34,7 @@ def test_settings_compared_across_nodes_ignore_per_process_fields():
     a = {"consumers": [{"name": "stats"}], "queue_size": 64, "start_error_file": "/tmp/a"}
     b = {**a, "start_error_file": "/tmp/b", "server": {"max_body_bytes": 1}}
     b["hung_stop_s"] = 60.0  # a `tllm serve --headless` follower of a TllmLLM leader (0)
+    b["front_end"] = [4242, 1.5]  # each node's own TllmLLM
     assert comparable(a) == comparable(b)
     c = {**a, "consumers": [{"name": "esamp"}]}
     assert comparable(c) != comparable(a) and differences(a, c) == ["consumers"]

@@ -231,8 +231,16 @@ class TllmLLM:
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
+        import psutil  # vLLM's dependency
+
+        # Its engine processes stop themselves once this process is gone (plugin.py).
+        front_end = (os.getpid(), psutil.Process().create_time())
         sent = self.settings.model_copy(
-            update={"start_error_file": note.path, "fault_file": self._fault_note.path}
+            update={
+                "start_error_file": note.path,
+                "fault_file": self._fault_note.path,
+                "front_end": front_end,
+            }
         )
         additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
         from vllm import LLM  # after check_version

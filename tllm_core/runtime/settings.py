@@ -139,3 +139,8 @@ class RuntimeSettings(BaseModel):
         description="a file the engine writes why tllm refused to start into, for the front "
         "end to report (runtime/start_error.py)",
     )
+    front_end: tuple[int, float] | None = Field(
+        None,
+        description="the (pid, psutil create_time) of the TllmLLM whose engine this is: its "
+        "engine processes on its machine stop themselves once it is gone (a kill -9)",
+    )

@@ -20,8 +20,9 @@ from tllm_core.vllm_bridge.errors import EngineNoAnswer, UnsupportedEngineError
 
 log = logging.getLogger("vllm.tllm")
 
-# Per-process fields: notes, the API server's limits, and each node's own hung-stop delay.
-LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s")
+# Per-process fields: notes, the API server's limits, each node's own hung-stop delay and
+# front end.
+LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s", "front_end")
 
 
 def comparable(settings: dict[str, Any] | None) -> str:

@@ -63,9 +63,30 @@ def command_process() -> None:
         _stop_without(int(cli_pid))
 
 
+def watch_front_end(front_end: list | tuple | None) -> None:
+    """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time)``
+    from its settings, is gone. Only where that very process runs: not a same-numbered pid on
+    another node or a reused one, not this process (an in-process engine)."""
+    if not front_end:
+        return
+    import psutil
+
+    pid, created = int(front_end[0]), float(front_end[1])
+    if pid == os.getpid() or os.environ.get(CLI_PID_ENV) == str(pid):  # or command_process's
+        return
+    try:
+        # A second's slack: create_time adds the boot time, which moves with clock steps.
+        here = abs(psutil.Process(pid).create_time() - created) <= 1.0
+    except psutil.Error:  # no such process here: another node's, or already gone
+        return
+    if here:
+        _stop_without(pid)
+
+
 def _stop_without(pid: int, poll_s: float = 1.0) -> None:
-    """SIGTERM this engine process once the command ``pid`` is gone without stopping it (a
-    ``kill -9``): vLLM's engine core does not watch its parent, and would keep its device."""
+    """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
+    gone without stopping it (a ``kill -9``): vLLM's engine core does not watch its parent, and
+    would keep its device."""
     import psutil
 
     def alive(command: psutil.Process) -> bool:
@@ -121,6 +142,7 @@ def _wrap_init_device() -> None:
         worker_setup.before_device(settings, _nodes(config))
         out = orig(self, *args, **kwargs)
         _same_on_every_node(config, settings)
+        watch_front_end(settings.get("front_end"))  # checked settings by now
         worker_setup.attach(self.worker, settings)
         return out
 
