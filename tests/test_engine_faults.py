@@ -4,6 +4,7 @@ a broken ``config.json`` is bad input (exit 2) before vLLM starts, naming the fi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -108,7 +109,7 @@ def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
         import psutil
 
         for pid in descendants(proc.pid):
-            with __import__("contextlib").suppress(psutil.Error):
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
     assert left == [], log.read_text()[-4000:]
 
@@ -152,7 +153,7 @@ def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_p
         left = descendants(proc.pid, settle=DEATH_BOUND_S)
     finally:
         for pid in descendants(proc.pid):
-            with __import__("contextlib").suppress(psutil.Error):
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
     assert left == [], log.read_text()[-4000:]
 
@@ -442,7 +443,7 @@ def test_a_killed_engine_core_is_named_and_every_wait_on_it_ends():
         assert not _running(worker)  # the orphaned worker is killed too
     finally:
         proc.kill()
-        with __import__("contextlib").suppress(OSError):
+        with contextlib.suppress(OSError):
             os.kill(worker, signal.SIGKILL)
             os.unlink(kmp)
 
