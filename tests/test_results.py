@@ -297,7 +297,7 @@ def test_tllm_serve_refuses_prompts_that_together_overflow_the_results_store(
 def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_server):
     """vLLM's output handler aborts in the engine core the requests its detokenizer ended on a
     stop string: they ran to their end (finish_reason "stop"), so consumers do not hear them
-    as cut short, and their results come back."""
+    as cut short, and their results come back. A client gone mid-generation is cut short."""
     import time
 
     import openai
@@ -334,12 +334,12 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
     assert cut_short() == before
 
     # A client gone mid-generation: its request is cut short, and its results, which nobody
-    # will take, leave the store at once.
+    # will take, leave the store as it ends.
     discarded = runtime().get("results_discarded", 0)
     _disconnect_while_running(url, [5, 6, 7], 400, body["vllm_xargs"], key=key)
     deadline = time.monotonic() + 60
-    while cut_short() == before:
-        assert time.monotonic() < deadline, "the aborted request was not cut short"
+    while cut_short() == before or runtime().get("results_discarded", 0) == discarded:
+        assert time.monotonic() < deadline, "not cut short, or its results were kept"
         time.sleep(0.2)
     assert runtime().get("results_discarded", 0) == discarded + 1
 

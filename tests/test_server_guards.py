@@ -660,6 +660,7 @@ def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine
         )
         input_processor = SimpleNamespace(assign_request_id=lambda request: None)
         engine_core = SimpleNamespace(abort_requests_async=None)
+        abort = None
 
         async def collective_rpc(self, method, args=()):
             await asyncio.Event().wait()  # bounded: the start's timeout cancels it
