@@ -80,6 +80,25 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
     assert counters.snapshot()["results_failed"] == 1
 
 
+def test_results_of_a_request_cut_short_are_dropped_at_once():
+    """A request its caller aborted (a client gone, a sibling prompt refused): nobody takes
+    its results, so they leave the store at once, with its samples that ended before the
+    abort; results of requests that ended on their own are kept."""
+    from tllm_core.api.counters import Counters
+    from tllm_core.api.rows import RequestInfo
+    from tllm_core.runtime.request_results import ResultStore
+
+    counters = Counters()
+    store = ResultStore(counters, max_result_bytes=2048)
+    store.put(RequestInfo("0_a-abcdefgh", "a", 0, 0, 4), "c", {"v": 0})  # ended before
+    cut = RequestInfo("1_a-abcdefgh", "a", 0, 1, 4)
+    cut.cut_short = True
+    store.put(RequestInfo("b-abcdefgh", "b", 0, 0, 4), "c", {"v": 2})
+    store.put(cut, "c", {"v": 1})
+    assert len(store) == 1 and counters.snapshot()["results_discarded"] == 2
+    assert store.take(["a", "b"]) == {"b": {0: {"c": {"v": 2}}}}
+
+
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
     from tllm_core.testing import ConsumerKit
 
@@ -273,6 +292,56 @@ def test_tllm_serve_refuses_prompts_that_together_overflow_the_results_store(
     assert [e["index"] for e in r.tllm] == [0, 1, 2, 3] and len(r.choices) == 4
     for entry in r.tllm:
         assert tllm_core.decode_results(entry)["export"]["positions"].tolist() == [5, 6, 7]
+
+
+def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_server):
+    """vLLM's output handler aborts in the engine core the requests its detokenizer ended on a
+    stop string: they ran to their end (finish_reason "stop"), so consumers do not hear them
+    as cut short, and their results come back. A client gone mid-generation is cut short."""
+    import time
+
+    import openai
+    from serve_util import get_json
+    from test_serve_state import _disconnect_while_running
+
+    import tllm_core
+
+    url, key = guarded_server.url, guarded_server.key
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    xargs = {"tllm_consumers": "export", "tllm_results": "export"}
+    body = {"vllm_xargs": {**xargs, "tllm_export_window": "last_prompt"}, "ignore_eos": True}
+
+    def complete(**kw):
+        return client.completions.create(
+            model="default", prompt=[5, 6, 7, 8, 9], temperature=0.0, extra_body=body, **kw
+        )
+
+    def cut_short() -> int:
+        export = get_json(f"{url}/tllm/counters", key)["consumers"]["export"]
+        return export.get("requests_cut_short", 0)
+
+    def runtime() -> dict:
+        return get_json(f"{url}/tllm/counters", key)["runtime"]
+
+    # Greedy: a character of the first generated token ends the request at once.
+    stop = complete(max_tokens=1).choices[0].text.strip()[:1]
+    assert stop, "the first token has no visible text"
+    before = cut_short()
+    r = complete(max_tokens=8, stop=[stop])
+    assert (r.choices[0].finish_reason, r.choices[0].stop_reason) == ("stop", stop)
+    # on_request_finished ran before the result was made, so the counter is up to date
+    assert tllm_core.decode_results(r.tllm[0])["export"]["positions"].tolist() == [4]
+    assert cut_short() == before
+
+    # A client gone mid-generation: its request is cut short, and its results, which nobody
+    # will take, leave the store as it ends.
+    discarded = runtime().get("results_discarded", 0)
+    _disconnect_while_running(url, [5, 6, 7], 400, body["vllm_xargs"], key=key)
+    deadline = time.monotonic() + 60
+    while cut_short() == before or runtime().get("results_discarded", 0) == discarded:
+        assert time.monotonic() < deadline, "not cut short, or its results were kept"
+        time.sleep(0.2)
+    assert runtime().get("results_discarded", 0) == discarded + 1
 
 
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):

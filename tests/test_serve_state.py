@@ -54,10 +54,10 @@ def _state(url: str) -> dict:
 
 
 def _disconnect_while_running(
-    url: str, prompt: str | list[int] = "Long story:", max_tokens=2000, xargs=None
+    url: str, prompt: str | list[int] = "Long story:", max_tokens=2000, xargs=None, key=None
 ) -> None:
     """A long request whose client closes the connection once the engine runs it (vLLM
-    then cancels the handler and aborts the request)."""
+    then cancels the handler and aborts the request); ``key``: the server's API key."""
     u = urllib.parse.urlsplit(url)
     body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     if xargs:
@@ -65,12 +65,14 @@ def _disconnect_while_running(
     body = json.dumps(body).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        + (f"Authorization: Bearer {key}\r\n" if key else "")
+        + "\r\n"
     )
     with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
         sock.sendall(head.encode() + body)
         deadline = time.monotonic() + 60
-        while get_json(f"{url}/tllm/status")["worker"]["requests_open"] == 0:
+        while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"] == 0:
             assert time.monotonic() < deadline, "the long request never ran"
             time.sleep(0.05)
 

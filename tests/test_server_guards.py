@@ -516,7 +516,8 @@ def test_requests_naming_a_failed_consumer_get_503():
 def test_aborted_requests_are_marked_cut_short_before_the_abort():
     """A client that disconnects: vLLM aborts its request; the workers hear which requests
     are cut short before the engine core gets the abort (so no finish notice overtakes it),
-    and the abort happens even when the mark cannot be sent."""
+    and the abort happens even when the mark cannot be sent. The output handler's aborts of
+    requests ended on a stop string (straight to the engine core) are not marked."""
     from types import SimpleNamespace
 
     from tllm_core.vllm_bridge.request_marks import install_abort_marks
@@ -524,8 +525,11 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     calls = []
     broken = []
 
-    async def abort(ids):
+    async def core_abort(ids):
         calls.append(("abort", list(ids)))
+
+    async def abort(request_id, internal=False):  # AsyncLLM.abort: the engine-core ids
+        await client.engine_core.abort_requests_async([f"{i}_{request_id}" for i in range(2)])
 
     async def ask(method, ids):  # serving's rpc_all on every worker
         if broken:
@@ -533,17 +537,21 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
         calls.append((method, ids))
         return [None]
 
-    core = SimpleNamespace(abort_requests_async=abort)
-    install_abort_marks(core, ask)
-    asyncio.run(core.abort_requests_async(["0_r-abcdefgh", "1_r-abcdefgh"]))
+    client = SimpleNamespace(engine_core=SimpleNamespace(abort_requests_async=core_abort))
+    client.abort = abort
+    install_abort_marks(client, ask)
+    asyncio.run(client.abort("r-abcdefgh", internal=True))
     assert calls == [
         ("tllm_mark_cut_short", ["0_r-abcdefgh", "1_r-abcdefgh"]),
         ("abort", ["0_r-abcdefgh", "1_r-abcdefgh"]),
     ]
     calls.clear()
+    asyncio.run(client.engine_core.abort_requests_async(["s-abcdefgh"]))  # a stop string
+    assert calls == [("abort", ["s-abcdefgh"])]
+    calls.clear()
     broken.append(True)
-    asyncio.run(core.abort_requests_async(["x-abcdefgh"]))
-    assert calls == [("abort", ["x-abcdefgh"])]
+    asyncio.run(client.abort("x-abcdefgh"))
+    assert calls == [("abort", ["0_x-abcdefgh", "1_x-abcdefgh"])]
 
 
 def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
@@ -652,6 +660,7 @@ def test_server_start_waits_for_the_engine_a_bounded_time_naming_the_call(engine
         )
         input_processor = SimpleNamespace(assign_request_id=lambda request: None)
         engine_core = SimpleNamespace(abort_requests_async=None)
+        abort = None
 
         async def collective_rpc(self, method, args=()):
             await asyncio.Event().wait()  # bounded: the start's timeout cancels it

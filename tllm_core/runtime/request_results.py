@@ -41,7 +41,16 @@ class ResultStore:
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
-        """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread)."""
+        """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread);
+        a request cut short (its caller aborted it) drops its results: nobody takes them."""
+        rid = request.request_id
+        if request.cut_short:
+            with self._lock:
+                gone = self._kept.pop(rid, {})  # its samples that ended before the abort
+                self._total -= self._sizes.pop(rid, 0)
+                self._dropped.pop(rid, None)
+            self.counters.add("results_discarded", 1 + sum(map(len, gone.values())))
+            return
         try:
             out = encode(value)
             size = json_bytes(out)
@@ -61,7 +70,6 @@ class ResultStore:
             size = json_bytes(out)
         elif not (isinstance(out, dict) and "error" in out):
             self.counters.add("results_made", of=consumer)
-        rid = request.request_id
         with self._lock:
             self._kept.setdefault(rid, {}).setdefault(request.sample_index, {})[consumer] = out
             self._kept.move_to_end(rid)

@@ -134,21 +134,36 @@ class FailureMarks:
             REQUEST_IDS.reset(token)
 
 
-def install_abort_marks(engine_core: Any, ask: Ask) -> None:
-    """Requests vLLM aborts (a client gone) reach the consumers as ``cut_short``: the workers
-    mark them before the abort (the engine core handles its input in order)."""
-    abort_orig = engine_core.abort_requests_async
+# Set while ``AsyncLLM.abort`` runs (a client gone, a request cancelled): the engine core's
+# aborts of requests its detokenizer finished on a stop string (the output handler, another
+# task) ran to their end and are not marked.
+FRONT_END_ABORT: ContextVar[bool] = ContextVar("tllm_front_end_abort", default=False)
+
+
+def install_abort_marks(engine_client: Any, ask: Ask) -> None:
+    """Requests the front end aborts (a client gone) reach the consumers as ``cut_short``: the
+    workers mark them before the abort (the engine core handles its input in order)."""
+    engine_core = engine_client.engine_core
+    abort_orig, core_abort_orig = engine_client.abort, engine_core.abort_requests_async
+
+    async def abort(*args: Any, **kwargs: Any) -> None:
+        token = FRONT_END_ABORT.set(True)
+        try:
+            await abort_orig(*args, **kwargs)
+        finally:
+            FRONT_END_ABORT.reset(token)
 
     async def abort_requests_async(request_ids: list[str]) -> None:
-        if request_ids:
+        if request_ids and FRONT_END_ABORT.get():
             try:
                 await ask("tllm_mark_cut_short", list(request_ids))
             except ServerStopping:
                 pass  # the engine is stopping: its requests end with it
             except Exception:  # noqa: BLE001 - the abort itself must still happen
                 log.exception("tllm: could not mark aborted requests %s", request_ids)
-        await abort_orig(request_ids)
+        await core_abort_orig(request_ids)
 
+    engine_client.abort = abort
     engine_core.abort_requests_async = abort_requests_async
 
 

@@ -510,9 +510,7 @@ async def init_state(
         hidden_size=int(engine_client.vllm_config.model_config.get_hidden_size()),
     )
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
-    install_abort_marks(
-        engine_client.engine_core, lambda method, ids: ask_engine(engine_client, method, ids)
-    )
+    install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
