@@ -28,6 +28,11 @@ from tllm_core.app.cli import build_parser
         ),
         (["steer", "compute", "--max-model-len", "-1"], "argument --max-model-len: must be >= 1"),
         (["serve", "--port", "70000"], "argument --port: must be <= 65535, got 70000"),
+        (
+            ["run", "--dtype", "foo"],
+            "argument --dtype: invalid choice: 'foo' (choose from 'auto', 'bfloat16'",
+        ),
+        (["serve", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["serve", "--port", "0"], "argument --port: must be >= 1, got 0"),  # vLLM: any port
         # A setting in bytes given in MiB or KiB: its bounds in the flag's unit, the value as
         # typed (they were in bytes: "<= 2147483648, got 4294967296 (4096 x 1048576)").

@@ -157,6 +157,7 @@ def add_model_args(g: Any) -> None:
     g.add_argument(
         "--dtype",
         default=DEFAULT_DTYPE,
+        choices=("auto", "bfloat16", "float32", "float", "float16", "half"),  # vLLM's own
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
     g.add_argument(
