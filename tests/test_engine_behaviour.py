@@ -113,6 +113,22 @@ def test_esamp_trains_guides_and_changes_text(tiny_model, engines, plain_tokens)
     assert rep["errors"] == []
 
 
+def test_samples_scheduled_one_at_a_time_share_one_distiller(tiny_model, engines):
+    """max_num_seqs=1: each sample of the prompt waits until its sibling has finished, and
+    still continues the prompt's distiller (TllmLLM tags the requests with their n)."""
+    from vllm import SamplingParams
+
+    from tllm_core.app.engine import TllmLLM
+
+    consumers = ['esamp:{"beta": 0.5}']
+    make = lambda: TllmLLM(tiny_model, consumers, max_num_seqs=1, **ENGINE_KW)  # noqa: E731
+    llm = engines.get(("tllm-one-seq", tiny_model), make)
+    llm.generate(PROMPTS[:1], SamplingParams(n=3, max_tokens=6, seed=3), use_tqdm=False)
+    es = llm.collect()["consumers"]["esamp"]
+    assert es["groups_created"] == es["groups_freed"] == 1 and es["groups_alive"] == 0
+    assert es["optimizer_steps"] > 0
+
+
 def test_per_request_consumer_acts_only_on_requests_that_ask(tiny_model, engines, plain_tokens):
     spec = {"name": "esamp", "config": {"beta": 1.0}, "per_request": True}
     llm = _tllm(engines, tiny_model, [spec])

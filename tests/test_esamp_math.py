@@ -398,6 +398,100 @@ def test_consumer_group_cap_and_batch_scope():
     assert b.counters.get("groups_freed") == 1
 
 
+def _samples(n: int, **extra) -> list[RequestInfo]:
+    """The ``n`` samples of prompt r0, tagged with their number as TllmLLM and tllm serve do."""
+    return [RequestInfo(f"0-{s}", "r0", 0, s, 3, {"tllm_n": n, **extra}) for s in range(n)]
+
+
+def _train(fake, c, reqs, step=1):
+    rows, hidden = fake.step(reqs)
+    c.on_bundle(Bundle(step, rows, hidden))
+    c.result()  # the update settled
+
+
+def test_late_sibling_continues_its_groups_distiller():
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline")
+    reqs = _samples(3)
+    _train(fake, c, reqs[:2])  # the third still waits to be scheduled
+    slot = c.groups.by_key["r0"].slot
+    trained = _state(c.distiller, slot)
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    assert c.counters.get("groups_freed") == 0 and _same(_state(c.distiller, slot), trained)
+    _train(fake, c, reqs[2:], step=2)
+    assert c.counters.get("groups_created") == 1 and c.groups.by_key["r0"].slot == slot
+    assert c.counters.get("optimizer_steps") == 2 and c.groups.by_key["r0"].age == 2
+    c.on_request_finished(reqs[2])
+    k = c.counters.snapshot()
+    assert k["groups_freed"] == 1 and k["groups_alive"] == 0 and not c.groups.by_key
+
+
+@pytest.mark.parametrize("aborted_first", [True, False])
+def test_sibling_aborted_unseen_does_not_keep_the_slot(aborted_first):
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline")
+    reqs = _samples(3)
+    if aborted_first:  # before its group exists (its siblings not scheduled yet)
+        c.on_request_finished(reqs[2])
+    _train(fake, c, reqs[:2])
+    if not aborted_first:
+        c.on_request_finished(reqs[2])
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    k = c.counters.snapshot()
+    assert k["finished_unseen"] == 1 and k["groups_freed"] == 1 and k["groups_alive"] == 0
+    assert not c.groups.by_key and not c.groups.idle and not c.groups.early
+
+
+@pytest.mark.parametrize("growable", [False, True])  # at max_groups; instead of growing
+def test_waiting_group_yields_at_the_cap_and_after_wait_s(monkeypatch, growable):
+    from algorithms.esamp import lifecycle
+
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline", **({} if growable else {"max_groups": 1}))
+    more = c.distiller.capacity - 1 if growable else 0  # other live groups: all slots taken
+    reqs = _samples(3)
+    _train(fake, c, reqs[:2] + [RequestInfo(f"f{i}", f"f{i}", 9, 0, 3) for i in range(more)])
+    for r in reqs[:2]:
+        c.on_request_finished(r)  # r0 waits for its third sample
+    other, size = RequestInfo("1-0", "r1", 1, 0, 3, {"tllm_n": 1}), c.distiller.capacity
+    _train(fake, c, [other], step=2)  # a new group takes r0's slot
+    k = c.counters.snapshot()
+    assert k["groups_created"] == 2 + more and k["groups_freed"] == 1
+    assert k["rows_skipped_cap"] == 0 and c.distiller.capacity == size
+    assert "r0" not in c.groups.by_key and c.groups.freed == [0]
+    c.on_request_finished(other)
+    assert c.counters.get("groups_freed") == 2 and c.groups.freed == []
+    c = fake.consumer(cpu_update="inline")  # no cap: a third never scheduled, WAIT_S at most
+    _train(fake, c, reqs[:2])
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    _train(fake, c, [other], step=2)
+    assert c.counters.get("groups_freed") == 0 and list(c.groups.idle) == ["r0"]
+    monkeypatch.setattr(lifecycle, "WAIT_S", -1.0)
+    _train(fake, c, [other], step=3)
+    assert c.counters.get("groups_freed") == 1 and list(c.groups.by_key) == ["r1"]
+
+
+@pytest.mark.parametrize(
+    "extra, scope, waits",
+    [
+        ({"tllm_group": "pool"}, "group", False),  # a caller's group may pool prompts
+        ({"tllm_group": "request/x-abc"}, "group", True),  # tllm serve's own group
+        ({}, "batch", False),
+    ],
+)
+def test_waiting_for_siblings_only_in_a_prompts_own_group(extra, scope, waits):
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline", scope=scope)
+    reqs = _samples(3, **extra)
+    _train(fake, c, reqs[:2])
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    assert c.counters.get("groups_freed") == (0 if waits else 1)
+
+
 def test_consumer_latent_full_vocab_matches_logits_mode():
     fake = Fake()
     reqs = fake.requests(1, 3)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
+from tllm_core.api.rows import RequestInfo
 from tllm_core.runtime.settings import RuntimeSettings, ServerSettings
 from tllm_core.serving import EngineConsumers, request_salt
 from tllm_core.serving.guard import HIDDEN, BearerGuard, hide_paths
@@ -240,8 +241,8 @@ def _admit(engine):
     )
     install_request_checks(processor, engine)
 
-    def admit(extra, cache_salt=None, request_id="r"):
-        params = SimpleNamespace(extra_args=extra)
+    def admit(extra, cache_salt=None, request_id="r", n=1):
+        params = SimpleNamespace(extra_args=extra, n=n)
         request = SimpleNamespace(
             sampling_params=params, cache_salt=cache_salt, request_id=request_id
         )
@@ -280,6 +281,11 @@ def test_groups_are_scoped_to_a_client(engine):
     # Default group: the request's own; the same X-Request-Id does not make two share one.
     assert group({}, request_id="x") != group({}, request_id="x")
     assert group(None, request_id="x").startswith("request/x-rand")
+    # The samples of a request know how many they are; a client's group may pool prompts.
+    own, pooled = (admit(e, n=3).sampling_params.extra_args for e in ({}, dict(named)))
+    info = lambda extra: RequestInfo("0_r-rand9", "r", 0, 0, 1, extra_args=extra)  # noqa: E731
+    assert own["tllm_n"] == 3 and info(own).group_size == 3
+    assert info(pooled).num_samples == 3 and info(pooled).group_size is None
     # The middleware names the client by its Authorization header, keyed by the secret.
     seen = []
 
@@ -616,7 +622,7 @@ def test_a_served_requests_keys_are_validated_once_in_the_api_server(engine, mon
     app.add_middleware(serving.XargsCheck, server=engine)
 
     def admit(body):  # what vLLM's add_request does with the request's vllm_xargs
-        params = SimpleNamespace(extra_args=dict(body["vllm_xargs"]))
+        params = SimpleNamespace(extra_args=dict(body["vllm_xargs"]), n=1)
         request = SimpleNamespace(sampling_params=params, cache_salt=None, request_id="r")
         try:
             processor.assign_request_id(request)

@@ -149,9 +149,11 @@ class ESampConsumer(Consumer):
         self.trainer.on_bundle(bundle)
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        serial = self.groups.finish(request)
-        if serial is not None:
-            self.losses.freed(serial)
+        self.groups.finish(request)
+        if self.groups.freed:  # freed now, or earlier for a new group at the cap
+            for serial in self.groups.freed:
+                self.losses.freed(serial)
+            self.groups.freed.clear()
             self.trainer.prune_losses()
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:

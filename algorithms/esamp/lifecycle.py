@@ -1,9 +1,12 @@
 """What ESamp's jobs share: config, distiller, counters, layer keys, the row gathers, and
 the groups (a prompt's requests, or the whole batch) with their slots, taken at a group's
-first row that needs one and freed with its last request."""
+first row that needs one and freed with its last request (of all its prompt's samples
+where their number is known)."""
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,6 +23,8 @@ if TYPE_CHECKING:  # these need pydantic, which the GPU image lacks (gpu_smoke.p
     from tllm_core import RequestInfo, RowInfo
 
 _BATCH_KEY = "__batch__"
+WAIT_S = 60.0  # the longest a group keeps its slot for a sibling not seen yet
+_EARLY = 1024  # groups remembered with unseen finishes before their first row
 
 
 @dataclass
@@ -29,6 +34,9 @@ class Group:
     serial: int = -1  # creation order; stable id for loss bookkeeping (slots are reused)
     age: int = 0  # train steps submitted
     warmed: bool = False  # warm start done (or not needed)
+    size: int | None = None  # its requests (its prompt's samples), where known
+    done: int = 0  # its requests finished, seen or not
+    idle_since: float = 0.0  # monotonic time its seen requests had all finished
 
 
 # admit(row, request, group) -> whether the row, its group tracked, may take a slot.
@@ -37,7 +45,10 @@ Admit = Callable[[int, "RequestInfo", Group], bool]
 
 class Groups:
     """The live groups by key and by slot; counts groups_created / groups_freed /
-    groups_alive / finished_unseen where a slot is allocated or freed."""
+    groups_alive / finished_unseen where a slot is allocated or freed. A group whose size is
+    known and whose seen requests all finished before the rest waits (``idle``) for them,
+    WAIT_S at most, and yields its slot to a new group at the cap. ``freed``: serials of
+    the groups freed, for the caller to take."""
 
     def __init__(
         self, distiller: SlotDistiller, counters: Counters, scope: str, max_groups: int | None
@@ -46,6 +57,9 @@ class Groups:
         self.scope, self.max_groups = scope, max_groups
         self.by_key: dict[str, Group] = {}
         self.by_slot: dict[int, Group] = {}
+        self.idle: dict[str, Group] = {}  # oldest first
+        self.early: OrderedDict[str, int] = OrderedDict()  # key -> finishes before its group
+        self.freed: list[int] = []
         self._serials = 0
 
     def key(self, req: RequestInfo) -> str:
@@ -55,9 +69,9 @@ class Groups:
         """The group's slot, allocated on first use; None at the cap or a full fixed capacity."""
         if g.slot is None:
             d, cap = self.distiller, self.max_groups
-            if (cap is not None and d.num_live >= cap) or (
-                not d.growable and d.num_live >= d.capacity
-            ):
+            while self.idle and d.num_live >= min(cap or d.capacity, d.capacity):
+                self._free(next(iter(self.idle)))  # a group waiting for a sibling yields first
+            if (cap and d.num_live >= cap) or (not d.growable and d.num_live >= d.capacity):
                 return None
             g.slot = d.alloc()
             g.serial, g.age = self._serials, 0
@@ -75,9 +89,17 @@ class Groups:
         sel: list[int] = []
         slots: list[int] = []
         capped = 0
+        now = time.monotonic()
+        while self.idle and now - next(iter(self.idle.values())).idle_since > WAIT_S:
+            self._free(next(iter(self.idle)))
         for i in rows:
             req = requests[i]
-            g = self.by_key.setdefault(self.key(req), Group())
+            key = self.key(req)
+            g = self.by_key.get(key)
+            if g is None:
+                size = req.group_size if self.scope == "group" else None
+                g = self.by_key[key] = Group(size=size, done=self.early.pop(key, 0))
+            self.idle.pop(key, None)
             g.live.add(req.engine_id)
             if admit is not None and not admit(i, req, g):
                 continue
@@ -89,23 +111,38 @@ class Groups:
             slots.append(slot)
         return sel, slots, capped
 
-    def finish(self, request: RequestInfo) -> int | None:
-        """A request finished; returns the serial of its group if freed now, else None."""
+    def finish(self, request: RequestInfo) -> None:
+        """A request finished: its group is freed when it was the group's last."""
         key = self.key(request)
         g = self.by_key.get(key)
-        if g is None or request.engine_id not in g.live:  # no row of it seen (aborted waiting)
+        if g is None or request.engine_id not in g.live:  # no row of it seen
             self.counters.add("finished_unseen")
-            return None
+            if g is None:
+                if self.scope == "group" and request.group_size is not None:
+                    self.early[key] = self.early.pop(key, 0) + 1  # its group may come yet
+                    if len(self.early) > _EARLY:
+                        self.early.popitem(last=False)
+                return
         g.live.discard(request.engine_id)
+        g.done += 1
         if g.live:
-            return None
-        del self.by_key[key]
+            return
+        self.idle.pop(key, None)
+        if g.size is not None and g.done < g.size:  # a sibling not seen yet: keep the slot
+            g.idle_since = time.monotonic()
+            self.idle[key] = g
+        else:
+            self._free(key)
+
+    def _free(self, key: str) -> None:
+        g = self.by_key.pop(key)
+        self.idle.pop(key, None)
         if g.slot is not None:
             del self.by_slot[g.slot]
             self.distiller.free(g.slot)
             self.counters.add("groups_freed")
             self.counters.set("groups_alive", self.distiller.num_live)
-        return g.serial
+        self.freed.append(g.serial)
 
 
 @dataclass

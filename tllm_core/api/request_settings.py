@@ -91,7 +91,10 @@ PREFIX = "tllm_"
 # Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
 CONSUMERS_KEY = "tllm_consumers"
 GROUP_KEY = "tllm_group"
-# Internal tags TllmLLM adds to every request (row localization); not for clients.
+# How tllm serve's group of a request without a ``tllm_group`` begins (a client's: "client-").
+OWN_GROUP = "request/"
+# Internal tags TllmLLM adds to every request (row localization; tllm serve adds tllm_n);
+# not for clients.
 TAGS = ("tllm_prompt_index", "tllm_n")
 RESULTS_KEY = "tllm_results"
 GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)

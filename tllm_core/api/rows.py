@@ -14,6 +14,7 @@ import torch
 from tllm_core.api.ports import Phase, as_selector
 from tllm_core.api.request_settings import (
     GROUP_KEY,
+    OWN_GROUP,
     WINDOW_FIELD,
     RequestSettings,
     acts_on,
@@ -105,6 +106,20 @@ class RequestInfo:
         """Key shared by the ``n`` samples of one prompt (overridable via extra_args)."""
         key = self.extra_args.get(GROUP_KEY)
         return str(key) if key is not None else self.request_id
+
+    @property
+    def num_samples(self) -> int | None:
+        """The ``n`` of its prompt (``extra_args["tllm_n"]``, tagged by TllmLLM and by tllm
+        serve), or None where the caller did not say."""
+        n = self.extra_args.get("tllm_n")
+        return int(n) if n is not None else None
+
+    @property
+    def group_size(self) -> int | None:
+        """How many requests its group has, where known: :attr:`num_samples` when the group is
+        its prompt's own (no caller ``tllm_group``), else None (a group may pool prompts)."""
+        key = self.extra_args.get(GROUP_KEY)
+        return self.num_samples if key is None or str(key).startswith(OWN_GROUP) else None
 
 
 def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:

@@ -10,7 +10,7 @@ import secrets
 from contextvars import ContextVar
 from typing import Any
 
-from tllm_core.api.request_settings import GROUP_KEY
+from tllm_core.api.request_settings import GROUP_KEY, OWN_GROUP
 
 TLLM_PREFIX = "/tllm"
 HIDDEN = "<hidden>"
@@ -47,7 +47,7 @@ def _authorization(headers: list[tuple[bytes, bytes]]) -> bytes:
 def scoped_group(extra: dict[str, Any], client: str, request_id: str) -> str:
     """A client's ``tllm_group`` inside its own namespace, else the request's own group."""
     group = extra.get(GROUP_KEY)
-    return f"client-{client}/{group}" if group is not None else f"request/{request_id}"
+    return f"client-{client}/{group}" if group is not None else f"{OWN_GROUP}{request_id}"
 
 
 class ClientScope:

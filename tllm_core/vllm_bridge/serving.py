@@ -489,9 +489,9 @@ def install_request_checks(
         note_request(request)
         if params is not None:
             # After the salt (the group does not change KV); before the n fan-out, so the
-            # samples of one request share the group.
+            # samples of one request share the group and know how many they are.
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
-            params.extra_args = {**(extra or {}), GROUP_KEY: group}
+            params.extra_args = {**(extra or {}), GROUP_KEY: group, "tllm_n": params.n}
 
     input_processor.assign_request_id = assign_request_id
 
