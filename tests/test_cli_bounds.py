@@ -159,3 +159,14 @@ def test_a_serve_host_of_this_machine_is_listened_on_and_named_in_its_url():
     assert listen_host(args) == "localhost"  # vLLM's --host wins: the URL names it
     assert server_url("0.0.0.0", 8000) == server_url("", 8000) == "http://127.0.0.1:8000"
     assert server_url("::", 80) == "http://[::1]:80" and server_url("::1", 80) == "http://[::1]:80"
+
+
+@pytest.mark.parametrize("extra", [["--host"], ["--host", "--port", "8001"], ["--nnodes"]])
+def test_a_vllm_flag_after_the_separator_without_its_value_is_named(extra):
+    """``tllm serve -- --host`` read the missing value as "" (every interface)."""
+    from tllm_core.app.cli_common import CliError
+    from tllm_core.app.serve_command import followers_store, listen_host
+
+    args = build_parser().parse_args(["serve", "--", *extra])
+    with pytest.raises(CliError, match=f"^{extra[0]} \\(after --\\) expects a value, got none$"):
+        listen_host(args) if extra[0] == "--host" else followers_store(extra)

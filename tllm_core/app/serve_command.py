@@ -72,7 +72,9 @@ def _flag(
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
         if flag in flags:
-            value = value if eq else (extra[i + 1] if i + 1 < len(extra) else "")
+            if not eq and (i + 1 == len(extra) or extra[i + 1].startswith("--")):
+                raise cli_common.CliError(f"{flag} (after --) expects a value, got none")
+            value = value if eq else extra[i + 1]
             try:
                 found = convert(value)
             except argparse.ArgumentTypeError as e:
