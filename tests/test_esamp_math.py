@@ -474,6 +474,43 @@ def test_waiting_group_yields_at_the_cap_and_after_wait_s(monkeypatch, growable)
     assert c.counters.get("groups_freed") == 1 and list(c.groups.by_key) == ["r1"]
 
 
+def test_group_refused_a_slot_does_not_wait_nor_yield():
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline", max_groups=1)
+    hold, reqs = RequestInfo("h", "h", 9, 0, 3), _samples(3)
+    _train(fake, c, [hold] + reqs[:2])  # h takes the only slot; r0 is refused one
+    for r in reqs[:2]:
+        c.groups.finish(r)  # not via the consumer, which takes ``freed`` at once
+    assert not c.groups.idle and not c.groups.freed and c.groups.early == {"r0": 2}
+    _train(fake, c, [RequestInfo("1-0", "r1", 1, 0, 3, {"tllm_n": 1})], step=2)
+    assert c.groups.freed == [] and c.counters.get("train_rows_skipped_cap") == 3
+    _train(fake, c, reqs[2:], step=3)  # the late sibling's group counts the two
+    c.on_request_finished(reqs[2])
+    assert list(c.groups.by_key) == ["h", "r1"] and not c.groups.early
+
+
+@pytest.mark.parametrize("how", ["cap", "wait_s"])
+def test_late_sibling_of_a_freed_waiting_group_does_not_wait(monkeypatch, how):
+    from algorithms.esamp import lifecycle
+
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline", **({"max_groups": 1} if how == "cap" else {}))
+    reqs = _samples(3)
+    _train(fake, c, reqs[:2])
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    if how == "wait_s":
+        monkeypatch.setattr(lifecycle, "WAIT_S", -1.0)
+    other = RequestInfo("1-0", "r1", 1, 0, 3, {"tllm_n": 1})
+    _train(fake, c, [other], step=2)  # r0 yields its slot, or its wait expires
+    c.on_request_finished(other)
+    assert c.counters.get("groups_freed") == 2 and c.groups.early == {"r0": 2}
+    _train(fake, c, reqs[2:], step=3)
+    c.on_request_finished(reqs[2])  # the last of three: freed, not waiting another WAIT_S
+    k = c.counters.snapshot()
+    assert k["groups_freed"] == 3 and k["groups_alive"] == 0 and not c.groups.idle
+
+
 @pytest.mark.parametrize(
     "extra, scope, waits",
     [

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # these need pydantic, which the GPU image lacks (gpu_smoke.p
 
 _BATCH_KEY = "__batch__"
 WAIT_S = 60.0  # the longest a group keeps its slot for a sibling not seen yet
-_EARLY = 1024  # groups remembered with unseen finishes before their first row
+_EARLY = 1024  # keys remembered with finishes for a group not (or no longer) there
 
 
 @dataclass
@@ -45,10 +45,10 @@ Admit = Callable[[int, "RequestInfo", Group], bool]
 
 class Groups:
     """The live groups by key and by slot; counts groups_created / groups_freed /
-    groups_alive / finished_unseen where a slot is allocated or freed. A group whose size is
-    known and whose seen requests all finished before the rest waits (``idle``) for them,
-    WAIT_S at most, and yields its slot to a new group at the cap. ``freed``: serials of
-    the groups freed, for the caller to take."""
+    groups_alive / finished_unseen where a slot is allocated or freed. A group with a slot
+    whose seen requests all finished before the rest waits (``idle``) for them, WAIT_S at
+    most, yielding its slot to a new group at the cap; one freed early leaves its count in
+    ``early``. ``freed``: serials of the freed groups that held a slot, for the caller."""
 
     def __init__(
         self, distiller: SlotDistiller, counters: Counters, scope: str, max_groups: int | None
@@ -95,10 +95,7 @@ class Groups:
         for i in rows:
             req = requests[i]
             key = self.key(req)
-            g = self.by_key.get(key)
-            if g is None:
-                size = req.group_size if self.scope == "group" else None
-                g = self.by_key[key] = Group(size=size, done=self.early.pop(key, 0))
+            g = self.by_key.get(key) or self._new(key, req)
             self.idle.pop(key, None)
             g.live.add(req.engine_id)
             if admit is not None and not admit(i, req, g):
@@ -117,32 +114,36 @@ class Groups:
         g = self.by_key.get(key)
         if g is None or request.engine_id not in g.live:  # no row of it seen
             self.counters.add("finished_unseen")
-            if g is None:
-                if self.scope == "group" and request.group_size is not None:
-                    self.early[key] = self.early.pop(key, 0) + 1  # its group may come yet
-                    if len(self.early) > _EARLY:
-                        self.early.popitem(last=False)
-                return
+        g = g or self._new(key, request)  # slotless: freed below, its count kept in early
         g.live.discard(request.engine_id)
         g.done += 1
         if g.live:
             return
         self.idle.pop(key, None)
-        if g.size is not None and g.done < g.size:  # a sibling not seen yet: keep the slot
+        if g.size is not None and g.done < g.size and g.slot is not None:  # wait for a sibling
             g.idle_since = time.monotonic()
             self.idle[key] = g
         else:
             self._free(key)
 
+    def _new(self, key: str, req: RequestInfo) -> Group:
+        size = req.group_size if self.scope == "group" else None
+        g = self.by_key[key] = Group(size=size, done=self.early.pop(key, 0))
+        return g
+
     def _free(self, key: str) -> None:
         g = self.by_key.pop(key)
         self.idle.pop(key, None)
+        if g.size is not None and g.done < g.size:  # a later sibling's group takes the count
+            self.early[key] = g.done
+            if len(self.early) > _EARLY:
+                self.early.popitem(last=False)
         if g.slot is not None:
             del self.by_slot[g.slot]
             self.distiller.free(g.slot)
             self.counters.add("groups_freed")
             self.counters.set("groups_alive", self.distiller.num_live)
-        self.freed.append(g.serial)
+            self.freed.append(g.serial)
 
 
 @dataclass
