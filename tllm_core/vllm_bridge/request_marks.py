@@ -153,15 +153,27 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
         finally:
             FRONT_END_ABORT.reset(token)
 
-    async def abort_requests_async(request_ids: list[str]) -> None:
-        if request_ids and FRONT_END_ABORT.get():
-            try:
-                await ask("tllm_mark_cut_short", list(request_ids))
-            except ServerStopping:
-                pass  # the engine is stopping: its requests end with it
-            except Exception:  # noqa: BLE001 - the abort itself must still happen
-                log.exception("tllm: could not mark aborted requests %s", request_ids)
+    pending: set[asyncio.Future] = set()  # strong references: a bare task may be collected
+
+    async def mark_then_abort(request_ids: list[str]) -> None:
+        try:  # bounded: ask is serving.answered (engine_answer_s)
+            await ask("tllm_mark_cut_short", request_ids)
+        except ServerStopping:
+            pass  # the engine is stopping: its requests end with it
+        except Exception:  # noqa: BLE001 - the abort itself must still happen
+            log.exception("tllm: could not mark aborted requests %s", request_ids)
         await core_abort_orig(request_ids)
+
+    async def abort_requests_async(request_ids: list[str]) -> None:
+        if not (request_ids and FRONT_END_ABORT.get()):
+            return await core_abort_orig(request_ids)
+        # One task of its own: a streamed response's client gone, anyio cancels the caller
+        # again at each await, which would skip the abort after the mark (the request then
+        # runs to max_tokens); the shield lets the task run on to the abort.
+        task = asyncio.ensure_future(mark_then_abort(list(request_ids)))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        await asyncio.shield(task)
 
     engine_client.abort = abort
     engine_core.abort_requests_async = abort_requests_async
