@@ -83,7 +83,8 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
 def test_results_of_a_request_cut_short_are_dropped_at_once():
     """A request its caller aborted (a client gone, a sibling prompt refused): nobody takes
     its results, so they leave the store at once, with its samples that ended before the
-    abort; results of requests that ended on their own are kept."""
+    abort; results of requests that ended on their own are kept. A response that still
+    waits for them (a stream's other prompt failed) gets an error at once, not the wait."""
     from tllm_core.api.counters import Counters
     from tllm_core.api.rows import RequestInfo
     from tllm_core.runtime.request_results import ResultStore
@@ -96,7 +97,10 @@ def test_results_of_a_request_cut_short_are_dropped_at_once():
     store.put(RequestInfo("b-abcdefgh", "b", 0, 0, 4), "c", {"v": 2})
     store.put(cut, "c", {"v": 1})
     assert len(store) == 1 and counters.snapshot()["results_discarded"] == 2
-    assert store.take(["a", "b"]) == {"b": {0: {"c": {"v": 2}}}}
+    assert store._total == len('{"v":2}')  # only b's result is held
+    cut_error = {"c": {"error": "cut short: the request was aborted before its end"}}
+    assert store.take(["a", "b"]) == {"a": {0: cut_error, 1: cut_error}, "b": {0: {"c": {"v": 2}}}}
+    assert store._total == 0 and store.take(["a"]) == {}
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
