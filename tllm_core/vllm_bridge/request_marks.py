@@ -187,6 +187,9 @@ ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
 # Caller id -> the bytes its results can hold, of the requests one HTTP request had admitted
 # (check_bounds: together they must fit the store).
 HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
+# Why a prompt of one HTTP request was refused: vLLM starts all its prompts together, so the
+# later ones reach check_bounds after it, and each is refused with this reason.
+REFUSED: ContextVar[list[str] | None] = ContextVar("tllm_results_refused", default=None)
 # vLLM's completion route runs prompt i of a request as "{request id}-{i}".
 _PROMPT_SUFFIX = re.compile(r"-(\d+)$")
 FIRST_POLL_S = 0.005
@@ -224,7 +227,7 @@ def check_bounds(
     if (total := sum((held or {}).values()) + mine) > STORE_RESULTS * limit:
         what, fewer = f"{n} choices", "choices (n)"
         if held:  # the requests admitted before are aborted by vLLM with this one's error
-            what, fewer = f"{len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
+            what, fewer = f"first {len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
         return (
             f"tllm: the results of this request's {what} could hold up to {total} bytes, "
             f"past the {STORE_RESULTS * limit} bytes this server keeps uncollected "
@@ -310,7 +313,7 @@ class ResultReturn:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         asked: dict[str, tuple[list[str], int]] = {}
-        token, held_token = ASKED.set(asked), HELD.set({})
+        token, held_token, refused_token = ASKED.set(asked), HELD.set({}), REFUSED.set([])
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
@@ -346,6 +349,7 @@ class ResultReturn:
         finally:
             ASKED.reset(token)
             HELD.reset(held_token)
+            REFUSED.reset(refused_token)
 
     async def _with_results(self, body: bytes, asked: dict) -> bytes:
         try:
