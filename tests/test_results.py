@@ -83,7 +83,8 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
 def test_results_of_a_request_cut_short_are_dropped_at_once():
     """A request its caller aborted (a client gone, a sibling prompt refused): nobody takes
     its results, so they leave the store at once, with its samples that ended before the
-    abort; results of requests that ended on their own are kept."""
+    abort; results of requests that ended on their own are kept. A response that still
+    waits for them (a stream's other prompt failed) gets an error at once, not the wait."""
     from tllm_core.api.counters import Counters
     from tllm_core.api.rows import RequestInfo
     from tllm_core.runtime.request_results import ResultStore
@@ -96,7 +97,10 @@ def test_results_of_a_request_cut_short_are_dropped_at_once():
     store.put(RequestInfo("b-abcdefgh", "b", 0, 0, 4), "c", {"v": 2})
     store.put(cut, "c", {"v": 1})
     assert len(store) == 1 and counters.snapshot()["results_discarded"] == 2
-    assert store.take(["a", "b"]) == {"b": {0: {"c": {"v": 2}}}}
+    assert store._total == len('{"v":2}')  # only b's result is held
+    cut_error = {"c": {"error": "cut short: the request was aborted before its end"}}
+    assert store.take(["a", "b"]) == {"a": {0: cut_error, 1: cut_error}, "b": {0: {"c": {"v": 2}}}}
+    assert store._total == 0 and store.take(["a"]) == {}
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
@@ -286,8 +290,16 @@ def test_tllm_serve_refuses_prompts_that_together_overflow_the_results_store(
     message = str(ei.value)
     assert "4 prompts x 4 choices could hold up to 671744 bytes, past the 524288" in message
     assert "fewer prompts, choices (n) or rows" in message
-    time.sleep(1.0)  # the prompts admitted before the refused one were aborted, not run on
-    assert sampled() - before < 3 * 4 * 40 // 2, (before, sampled())
+    # The prompts admitted before the refused one were aborted, not run on: once the engine
+    # is idle (no request open, no rows added for 1 s; run on, they would end by then), they
+    # made fewer than half their rows.
+    deadline, rows, quiet = time.monotonic() + 120, sampled(), 0
+    while quiet < 5:
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.2)
+        idle = get_json(f"{url}/tllm/status", key)["worker"]["requests_open"] == 0
+        quiet, rows = (quiet + 1 if idle and sampled() == rows else 0), sampled()
+    assert rows - before < 3 * 4 * 40 // 2, (before, rows)
     r = complete([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]], "generated[0:3]", n=2, max_tokens=4)
     assert [e["index"] for e in r.tllm] == [0, 1, 2, 3] and len(r.choices) == 4
     for entry in r.tllm:
@@ -342,6 +354,30 @@ def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_se
         assert time.monotonic() < deadline, "not cut short, or its results were kept"
         time.sleep(0.2)
     assert runtime().get("results_discarded", 0) == discarded + 1
+
+
+def test_tllm_serve_aborts_a_stream_whose_client_went_away(guarded_server):
+    """A streamed completion's client gone: anyio cancels the handler at every await, also
+    while tllm marks the request cut short; the engine still gets the abort, so the request
+    does not run on to max_tokens (measured by the rows export captured for it)."""
+    import time
+
+    from serve_util import get_json
+    from test_serve_state import _disconnect_while_running
+
+    url, key = guarded_server.url, guarded_server.key
+
+    def sampled() -> int:
+        return get_json(f"{url}/tllm/counters", key)["runtime"].get("rows_captured.sampled", 0)
+
+    before = sampled()
+    xargs = {"tllm_consumers": "export"}
+    _disconnect_while_running(url, [5, 6, 7], 480, xargs, key=key, stream=True)
+    deadline = time.monotonic() + 120
+    while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"]:
+        assert time.monotonic() < deadline, "the request never ended"
+        time.sleep(0.1)
+    assert sampled() - before < 480 // 2, (before, sampled())
 
 
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
@@ -712,7 +748,8 @@ def test_a_request_whose_choices_together_overflow_the_results_store_is_refused(
 def test_the_prompts_of_one_completion_request_together_must_fit_the_results_store():
     """vLLM runs prompt i of a completion request as its own engine request "{id}-{i}", and
     all their choices wait in one store: prompts that each fit but together pass it are
-    refused (HTTP 400, naming the numbers), those admitted before asked for nothing more;
+    refused (HTTP 400, naming the numbers), those admitted before asked for nothing more,
+    those after (vLLM starts them all together) are refused too, even one that would fit;
     prompts that fit together get every result, and the next HTTP request starts afresh."""
     from types import SimpleNamespace
 
@@ -726,17 +763,24 @@ def test_the_prompts_of_one_completion_request_together_must_fit_the_results_sto
     registry = Registry()
     specs = [ConsumerSpec(name="stats", config={"layers": [0, 1, 2, 3]})]
     server = EngineConsumers.of(specs, registry.check(specs), registry)
-    processor = SimpleNamespace(assign_request_id=lambda request: None)
+    admitted: list[str] = []  # the engine requests vLLM would run
+    processor = SimpleNamespace(
+        assign_request_id=lambda request: admitted.append(request.request_id)
+    )
     install_request_checks(processor, server, b"k" * 32, max_result_bytes=1024, hidden_size=64)
 
     async def ask(method, ids):  # every result there at once
-        return [{rid: {str(s): {"stats": {"v": rid}} for s in range(4)} for rid in ids}]
+        return [{rid: {str(s): {"stats": {"v": rid}} for s in range(17)} for rid in ids}]
 
-    def completion(prompts: int) -> tuple[int, dict]:
-        async def app(scope, receive, send):  # vLLM's completion route, prompt by prompt
-            status, out = 200, {"id": "cmpl-1", "choices": [{}] * (4 * prompts)}
-            for i in range(prompts):
-                params = SimpleNamespace(n=4, max_tokens=4, extra_args={"tllm_results": "stats"})
+    def completion(ns: list[int]) -> tuple[int, dict]:
+        """Prompt i with ``ns[i]`` choices (stats' bound does not grow with the prompt: a
+        larger n stands in for a longer prompt)."""
+        admitted.clear()
+
+        async def app(scope, receive, send):  # vLLM's completion route, every prompt started
+            status, out = 200, {"id": "cmpl-1", "choices": [{}] * sum(ns)}
+            for i, n in enumerate(ns):
+                params = SimpleNamespace(n=n, max_tokens=4, extra_args={"tllm_results": "stats"})
                 request = SimpleNamespace(
                     sampling_params=params, prompt_token_ids=[1, 2], request_id=f"cmpl-1-{i}"
                 )
@@ -745,8 +789,8 @@ def test_the_prompts_of_one_completion_request_together_must_fit_the_results_sto
                     processor.assign_request_id(request)
                 except VLLMValidationError as e:
                     assert rr.ASKED.get() == {}  # prompts admitted before: no results awaited
-                    status, out = 400, {"error": str(e)}
-                    break
+                    if status == 200:
+                        status, out = 400, {"error": str(e)}
             payload = json.dumps(out).encode()
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -758,12 +802,18 @@ def test_the_prompts_of_one_completion_request_together_must_fit_the_results_sto
 
     # A stats result is bounded by 512 bytes (4 layers): 4 prompts x 4 choices fill the 8 x
     # 1024 bytes the store keeps; each prompt alone (2048 bytes) fits, 5 together do not.
-    status, got = completion(4)
+    status, got = completion([4] * 4)
     assert status == 200 and len(got["tllm"]) == 16, got
     assert [e["index"] for e in got["tllm"]] == list(range(16))
     assert [e["stats"]["v"] for e in got["tllm"][::4]] == [f"cmpl-1-{i}" for i in range(4)]
-    status, got = completion(5)
+    status, got = completion([4] * 6)
     assert status == 400, got
-    assert "5 prompts x 4 choices could hold up to 10240 bytes, past the 8192" in got["error"]
+    message = "request's first 5 prompts x 4 choices could hold up to 10240 bytes, past the 8192"
+    assert message in got["error"]
     assert "fewer prompts, choices (n) or rows" in got["error"]
-    assert completion(4)[0] == 200  # each HTTP request counts its own prompts
+    assert admitted == [f"cmpl-1-{i}" for i in range(4)]  # not the 6th, after the 5th
+    assert completion([4] * 4)[0] == 200  # each HTTP request counts its own prompts
+    # The first prompt alone past the store (17 x 512 bytes), the second fits: none runs.
+    status, got = completion([17, 1])
+    assert status == 400 and "17 choices could hold up to 8704 bytes" in got["error"], got
+    assert admitted == []

@@ -54,12 +54,18 @@ def _state(url: str) -> dict:
 
 
 def _disconnect_while_running(
-    url: str, prompt: str | list[int] = "Long story:", max_tokens=2000, xargs=None, key=None
+    url: str,
+    prompt: str | list[int] = "Long story:",
+    max_tokens=2000,
+    xargs=None,
+    key=None,
+    stream=False,
 ) -> None:
     """A long request whose client closes the connection once the engine runs it (vLLM
     then cancels the handler and aborts the request); ``key``: the server's API key."""
     u = urllib.parse.urlsplit(url)
     body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body["stream"] = stream
     if xargs:
         body["vllm_xargs"] = xargs
     body = json.dumps(body).encode()

@@ -560,6 +560,50 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     assert calls == [("abort", ["0_x-abcdefgh", "1_x-abcdefgh"])]
 
 
+def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():
+    """A streamed response whose client went away: anyio cancels the handler task again at
+    each await until its scope exits, also inside vLLM's ``generate`` abort; the mark must not
+    make the engine-core abort skippable (the request would run on to max_tokens)."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.request_marks import install_abort_marks
+
+    calls = []
+
+    async def core_abort(ids):
+        calls.append(("abort", list(ids)))
+
+    async def abort(request_id, internal=False):  # AsyncLLM.abort
+        await client.engine_core.abort_requests_async([request_id])
+
+    async def ask(method, ids):  # the RPC to the workers takes a while
+        await asyncio.sleep(0.05)
+        calls.append((method, ids))
+
+    async def generate():  # AsyncLLM.generate: its task cancelled, it aborts, then re-raises
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            await client.abort("r-abcdefgh", internal=True)
+            raise
+
+    async def main():
+        task = asyncio.ensure_future(generate())
+        await asyncio.sleep(0.01)
+        deadline = asyncio.get_running_loop().time() + 5
+        while not task.done():  # anyio's cancel scope: a cancel at every await
+            assert asyncio.get_running_loop().time() < deadline
+            task.cancel()
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.2)  # the shielded mark and abort run on
+
+    client = SimpleNamespace(engine_core=SimpleNamespace(abort_requests_async=core_abort))
+    client.abort = abort
+    install_abort_marks(client, ask)
+    asyncio.run(main())
+    assert calls == [("tllm_mark_cut_short", ["r-abcdefgh"]), ("abort", ["r-abcdefgh"])]
+
+
 def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     client = _app(engine, None)
     marked = client.post("/v1/completions", json={"prompt": "x", "run": ["ok-1", "bad-2"]})

@@ -39,17 +39,23 @@ class ResultStore:
         self._dropped: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes ({STORE_RESULTS} x max_result_bytes)"
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
+        self._cut = {"error": "cut short: the request was aborted before its end"}
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread);
-        a request cut short (its caller aborted it) drops its results: nobody takes them."""
+        a request cut short (its caller aborted it) drops its results, mostly never taken:
+        a small error is left instead, for a response that still waits for them."""
         rid = request.request_id
         if request.cut_short:
             with self._lock:
                 gone = self._kept.pop(rid, {})  # its samples that ended before the abort
                 self._total -= self._sizes.pop(rid, 0)
-                self._dropped.pop(rid, None)
-            self.counters.add("results_discarded", 1 + sum(map(len, gone.values())))
+                gone.setdefault(request.sample_index, {})[consumer] = None
+                dropped = self._dropped.setdefault(rid, {})
+                for sample, per in gone.items():
+                    dropped.setdefault(sample, {}).update(dict.fromkeys(per, self._cut))
+                self._bound_dropped()
+            self.counters.add("results_discarded", sum(map(len, gone.values())))
             return
         try:
             out = encode(value)
@@ -83,8 +89,11 @@ class ResultStore:
                 self.counters.add("results_expired")
                 gone = {s: dict.fromkeys(per, self._gone) for s, per in lost.items()}
                 self._dropped.setdefault(old, {}).update(gone)
-                while sum(map(len, self._dropped.values())) > self.max_requests:
-                    self._dropped.popitem(last=False)  # bounded too (then: the wait)
+                self._bound_dropped()
+
+    def _bound_dropped(self) -> None:  # under the lock
+        while sum(map(len, self._dropped.values())) > self.max_requests:
+            self._dropped.popitem(last=False)  # bounded too (then: the wait)
 
     def take(self, request_ids: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
         """The results kept for these caller ids, removed from the store."""

@@ -153,15 +153,27 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
         finally:
             FRONT_END_ABORT.reset(token)
 
-    async def abort_requests_async(request_ids: list[str]) -> None:
-        if request_ids and FRONT_END_ABORT.get():
-            try:
-                await ask("tllm_mark_cut_short", list(request_ids))
-            except ServerStopping:
-                pass  # the engine is stopping: its requests end with it
-            except Exception:  # noqa: BLE001 - the abort itself must still happen
-                log.exception("tllm: could not mark aborted requests %s", request_ids)
+    pending: set[asyncio.Future] = set()  # strong references: a bare task may be collected
+
+    async def mark_then_abort(request_ids: list[str]) -> None:
+        try:  # bounded: ask is serving.answered (engine_answer_s)
+            await ask("tllm_mark_cut_short", request_ids)
+        except ServerStopping:
+            pass  # the engine is stopping: its requests end with it
+        except Exception:  # noqa: BLE001 - the abort itself must still happen
+            log.exception("tllm: could not mark aborted requests %s", request_ids)
         await core_abort_orig(request_ids)
+
+    async def abort_requests_async(request_ids: list[str]) -> None:
+        if not (request_ids and FRONT_END_ABORT.get()):
+            return await core_abort_orig(request_ids)
+        # One task of its own: a streamed response's client gone, anyio cancels the caller
+        # again at each await, which would skip the abort after the mark (the request then
+        # runs to max_tokens); the shield lets the task run on to the abort.
+        task = asyncio.ensure_future(mark_then_abort(list(request_ids)))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        await asyncio.shield(task)
 
     engine_client.abort = abort
     engine_core.abort_requests_async = abort_requests_async
@@ -175,6 +187,9 @@ ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
 # Caller id -> the bytes its results can hold, of the requests one HTTP request had admitted
 # (check_bounds: together they must fit the store).
 HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
+# Why a prompt of one HTTP request was refused: vLLM starts all its prompts together, so the
+# later ones reach check_bounds after it, and each is refused with this reason.
+REFUSED: ContextVar[list[str] | None] = ContextVar("tllm_results_refused", default=None)
 # vLLM's completion route runs prompt i of a request as "{request id}-{i}".
 _PROMPT_SUFFIX = re.compile(r"-(\d+)$")
 FIRST_POLL_S = 0.005
@@ -212,7 +227,7 @@ def check_bounds(
     if (total := sum((held or {}).values()) + mine) > STORE_RESULTS * limit:
         what, fewer = f"{n} choices", "choices (n)"
         if held:  # the requests admitted before are aborted by vLLM with this one's error
-            what, fewer = f"{len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
+            what, fewer = f"first {len(held) + 1} prompts x {n} choices", "prompts, choices (n)"
         return (
             f"tllm: the results of this request's {what} could hold up to {total} bytes, "
             f"past the {STORE_RESULTS * limit} bytes this server keeps uncollected "
@@ -298,7 +313,7 @@ class ResultReturn:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         asked: dict[str, tuple[list[str], int]] = {}
-        token, held_token = ASKED.set(asked), HELD.set({})
+        token, held_token, refused_token = ASKED.set(asked), HELD.set({}), REFUSED.set([])
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
@@ -334,6 +349,7 @@ class ResultReturn:
         finally:
             ASKED.reset(token)
             HELD.reset(held_token)
+            REFUSED.reset(refused_token)
 
     async def _with_results(self, body: bytes, asked: dict) -> bytes:
         try:

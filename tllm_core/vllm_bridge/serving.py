@@ -37,6 +37,7 @@ from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     ASKED,
     HELD,
+    REFUSED,
     EngineNoAnswer,
     FailureMarks,
     ResultReturn,
@@ -475,10 +476,17 @@ def install_request_checks(
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
         if extra and RESULTS_KEY in extra and max_result_bytes is not None:
-            why = check_bounds(request, extra, server, max_result_bytes, hidden_size, HELD.get())
+            refused = REFUSED.get()
+            why = refused[0] if refused else None
+            why = why or check_bounds(
+                request, extra, server, max_result_bytes, hidden_size, HELD.get()
+            )
             if why is not None:
-                # Its prompts admitted before are aborted with it: no results to wait for.
+                # Its prompts admitted before are aborted with it, those after refused too:
+                # no results to wait for.
                 (ASKED.get() or {}).clear()
+                if refused == []:
+                    refused.append(why)
                 raise VLLMValidationError(why, parameter="vllm_xargs")
         assign_orig(request)
         note_asked(request, extra)
