@@ -98,20 +98,27 @@ def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
     log = tmp_path / "run.log"
     argv = ["run", "--model", tiny_model, "--consumer", "stats", "-n", "8"]
     argv += ["--max-tokens", "480", "--ignore-eos", *SMALL_ENGINE]
-    proc = start(argv, log)
+    assert _left_after_kill_9(start(argv, log), log, "tllm: engine ready") == []
+
+
+def _left_after_kill_9(proc: subprocess.Popen, log, ready: str) -> list[int]:
+    """``proc``'s processes still there ``DEATH_BOUND_S`` after its ``kill -9`` (once ``ready``
+    is in its ``log``); whatever is left is killed, and the log's tail shown on failure."""
+    import psutil
+
     try:
-        wait_for(log, "tllm: engine ready", proc, 300)
+        wait_for(log, ready, proc, 300)
         assert descendants(proc.pid), "no engine process to orphan"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         left = descendants(proc.pid, settle=DEATH_BOUND_S)
     finally:
-        import psutil
-
         for pid in descendants(proc.pid):
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-    assert left == [], log.read_text()[-4000:]
+    if left:
+        print(log.read_text()[-4000:])
+    return left
 
 
 ORPHANED_SCRIPT = r"""
@@ -128,8 +135,6 @@ time.sleep(600)
 @pytest.mark.slow  # a TllmLLM start (~40 s); the command's case above is the default one
 def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_path):
     """As the command's: a Python script's engine processes stop once it is ``kill -9``-ed."""
-    import psutil
-
     log = tmp_path / "script.log"
     env = {
         **os.environ,
@@ -145,17 +150,7 @@ def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_p
             stderr=out,
             start_new_session=True,  # descendants() finds its engine processes by session
         )
-    try:
-        wait_for(log, "ready", proc, 300)
-        assert descendants(proc.pid), "no engine process to orphan"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        left = descendants(proc.pid, settle=DEATH_BOUND_S)
-    finally:
-        for pid in descendants(proc.pid):
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-    assert left == [], log.read_text()[-4000:]
+    assert _left_after_kill_9(proc, log, "ready") == []
 
 
 def test_an_engine_process_watches_its_tllmllm_front_end_only_where_it_runs(monkeypatch):
