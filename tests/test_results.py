@@ -82,9 +82,9 @@ def test_the_result_store_is_bounded_and_refuses_large_results():
 
 def test_results_of_a_request_cut_short_are_dropped_at_once():
     """A request its caller aborted (a client gone, a sibling prompt refused): nobody takes
-    its results, so they leave the store at once, with its samples that ended before the
-    abort; results of requests that ended on their own are kept. A response that still
-    waits for them (a stream's other prompt failed) gets an error at once, not the wait."""
+    its result, so it is not kept; results of requests that ended on their own are kept, its
+    sibling samples' too (a stream whose other prompt failed still takes them). A response
+    that still waits for the dropped one gets an error at once, not the wait."""
     from tllm_core.api.counters import Counters
     from tllm_core.api.rows import RequestInfo
     from tllm_core.runtime.request_results import ResultStore
@@ -96,10 +96,11 @@ def test_results_of_a_request_cut_short_are_dropped_at_once():
     cut.cut_short = True
     store.put(RequestInfo("b-abcdefgh", "b", 0, 0, 4), "c", {"v": 2})
     store.put(cut, "c", {"v": 1})
-    assert len(store) == 1 and counters.snapshot()["results_discarded"] == 2
-    assert store._total == len('{"v":2}')  # only b's result is held
+    assert len(store) == 2 and counters.snapshot()["results_discarded"] == 1
+    assert store._total == 2 * len('{"v":2}')  # a's sample 0 and b: not the one cut short
     cut_error = {"c": {"error": "cut short: the request was aborted before its end"}}
-    assert store.take(["a", "b"]) == {"a": {0: cut_error, 1: cut_error}, "b": {0: {"c": {"v": 2}}}}
+    want = {"a": {0: {"c": {"v": 0}}, 1: cut_error}, "b": {0: {"c": {"v": 2}}}}
+    assert store.take(["a", "b"]) == want
     assert store._total == 0 and store.take(["a"]) == {}
 
 

@@ -119,10 +119,9 @@ class Groups:
         g.done += 1
         if g.live:
             return
-        self.idle.pop(key, None)
         if g.size is not None and g.done < g.size and g.slot is not None:  # wait for a sibling
-            g.idle_since = time.monotonic()
-            self.idle[key] = g
+            if key not in self.idle:  # an unseen sibling's finish keeps the wait's start
+                g.idle_since, self.idle[key] = time.monotonic(), g
         else:
             self._free(key)
 

@@ -43,19 +43,16 @@ class ResultStore:
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread);
-        a request cut short (its caller aborted it) drops its results, mostly never taken:
-        a small error is left instead, for a response that still waits for them."""
+        a request cut short (its caller aborted it) drops its result, mostly never taken: a
+        small error is left instead, for a response that still waits for it. Its sibling
+        samples that ended on their own keep theirs (a response may still take them)."""
         rid = request.request_id
         if request.cut_short:
             with self._lock:
-                gone = self._kept.pop(rid, {})  # its samples that ended before the abort
-                self._total -= self._sizes.pop(rid, 0)
-                gone.setdefault(request.sample_index, {})[consumer] = None
                 dropped = self._dropped.setdefault(rid, {})
-                for sample, per in gone.items():
-                    dropped.setdefault(sample, {}).update(dict.fromkeys(per, self._cut))
+                dropped.setdefault(request.sample_index, {})[consumer] = self._cut
                 self._bound_dropped()
-            self.counters.add("results_discarded", sum(map(len, gone.values())))
+            self.counters.add("results_discarded")
             return
         try:
             out = encode(value)
