@@ -996,3 +996,17 @@ def test_consumer_returns_each_rows_error_the_loss_is_the_mean_of(cpu_update, cu
     assert c.counters.get("rows_returned") == 3 * steps and not c.returned.waits_for("1-0")
     assert c.request_result(other)["positions"].size == 0
     c.close()
+
+
+def test_an_unseen_siblings_finish_keeps_a_waiting_groups_start():
+    """The wait for a sibling is WAIT_S from the seen samples' end: an unseen sibling's
+    finish meanwhile (counted) does not start it again."""
+    fake = Fake()
+    c = fake.consumer(cpu_update="inline")
+    reqs = _samples(4)
+    _train(fake, c, reqs[:2])
+    for r in reqs[:2]:
+        c.on_request_finished(r)
+    since = c.groups.idle["r0"].idle_since
+    c.on_request_finished(reqs[2])  # never seen: counted, still waiting for the fourth
+    assert c.groups.idle["r0"].idle_since == since and c.groups.by_key["r0"].done == 3
