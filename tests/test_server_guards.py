@@ -519,14 +519,14 @@ def test_requests_naming_a_failed_consumer_get_503():
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200
 
 
-def test_aborted_requests_are_marked_cut_short_before_the_abort():
+def test_aborted_requests_are_marked_cut_short_before_the_abort(caplog):
     """A client that disconnects: vLLM aborts its request; the workers hear which requests
     are cut short before the engine core gets the abort (so no finish notice overtakes it),
     and the abort happens even when the mark cannot be sent. The output handler's aborts of
     requests ended on a stop string (straight to the engine core) are not marked."""
     from types import SimpleNamespace
 
-    from tllm_core.vllm_bridge.request_marks import install_abort_marks
+    from tllm_core.vllm_bridge.request_marks import EngineNoAnswer, install_abort_marks
 
     calls = []
     broken = []
@@ -539,7 +539,7 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
 
     async def ask(method, ids):  # serving's rpc_all on every worker
         if broken:
-            raise RuntimeError("engine core gone")
+            raise broken[-1]
         calls.append((method, ids))
         return [None]
 
@@ -555,9 +555,17 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     asyncio.run(client.engine_core.abort_requests_async(["s-abcdefgh"]))  # a stop string
     assert calls == [("abort", ["s-abcdefgh"])]
     calls.clear()
-    broken.append(True)
+    broken.append(RuntimeError("engine core gone"))
     asyncio.run(client.abort("x-abcdefgh"))
     assert calls == [("abort", ["0_x-abcdefgh", "1_x-abcdefgh"])]
+    # An engine that does not answer (stopping, or stuck): one line, the abort still sent.
+    calls.clear()
+    caplog.clear()
+    broken.append(EngineNoAnswer("the engine did not answer 'tllm_mark_cut_short' in 1 s"))
+    asyncio.run(client.abort("y-abcdefgh"))
+    assert calls == [("abort", ["0_y-abcdefgh", "1_y-abcdefgh"])]
+    (rec,) = [r for r in caplog.records if "not marked cut short" in r.getMessage()]
+    assert rec.levelname == "WARNING" and rec.exc_info is None and "in 1 s" in rec.getMessage()
 
 
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():

@@ -158,8 +158,8 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
     async def mark_then_abort(request_ids: list[str]) -> None:
         try:  # bounded: ask is serving.answered (engine_answer_s)
             await ask("tllm_mark_cut_short", request_ids)
-        except ServerStopping:
-            pass  # the engine is stopping: its requests end with it
+        except EngineNoAnswer as e:  # a stopping or stuck engine: one line, no traceback
+            log.warning("tllm: aborted requests %s not marked cut short: %s", request_ids, e)
         except Exception:  # noqa: BLE001 - the abort itself must still happen
             log.exception("tllm: could not mark aborted requests %s", request_ids)
         await core_abort_orig(request_ids)
