@@ -378,7 +378,9 @@ def test_tllm_serve_aborts_a_stream_whose_client_went_away(guarded_server):
     while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"]:
         assert time.monotonic() < deadline, "the request never ended"
         time.sleep(0.1)
-    assert sampled() - before < 480 // 2, (before, sampled())
+    # Fewer than max_tokens: it was aborted (without the abort all 480 rows came); how many
+    # before the abort landed depends on the machine's speed.
+    assert sampled() - before < 480, (before, sampled())
 
 
 def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
