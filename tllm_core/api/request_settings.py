@@ -95,7 +95,8 @@ GROUP_KEY = "tllm_group"
 OWN_GROUP = "request/"
 # Internal tags TllmLLM adds to every request (row localization; tllm serve adds tllm_n);
 # not for clients.
-TAGS = ("tllm_prompt_index", "tllm_n")
+SAMPLES_KEY = "tllm_n"  # the n of the request's prompt
+TAGS = ("tllm_prompt_index", SAMPLES_KEY)
 RESULTS_KEY = "tllm_results"
 GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 

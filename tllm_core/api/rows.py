@@ -15,6 +15,7 @@ from tllm_core.api.ports import Phase, as_selector
 from tllm_core.api.request_settings import (
     GROUP_KEY,
     OWN_GROUP,
+    SAMPLES_KEY,
     WINDOW_FIELD,
     RequestSettings,
     acts_on,
@@ -111,7 +112,7 @@ class RequestInfo:
     def num_samples(self) -> int | None:
         """The ``n`` of its prompt (``extra_args["tllm_n"]``, tagged by TllmLLM and by tllm
         serve), or None where the caller did not say."""
-        n = self.extra_args.get("tllm_n")
+        n = self.extra_args.get(SAMPLES_KEY)
         return int(n) if n is not None else None
 
     @property

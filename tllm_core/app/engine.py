@@ -18,6 +18,7 @@ from typing import Any
 
 from tllm_core.api.consumer import ConsumerConfig
 from tllm_core.api.consumer_spec import ConsumerSpec
+from tllm_core.api.request_settings import SAMPLES_KEY
 from tllm_core.api.results import asked_results, decode_results, merge_taken, with_missing
 from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE, default_kv_cache
@@ -352,7 +353,7 @@ class TllmLLM:
             sp = sp.clone()
             extra = dict(sp.extra_args or {})
             extra.setdefault("tllm_prompt_index", i)
-            extra["tllm_n"] = sp.n
+            extra[SAMPLES_KEY] = sp.n
             sp.extra_args = extra
             tagged.append(sp)
             salts.append(request_salt(extra, can_change_kv=edits))

@@ -23,6 +23,7 @@ from tllm_core.api.consumer import Consumer, ModelInfo
 from tllm_core.api.consumer_spec import ConsumerSpec
 from tllm_core.api.edits import EditBuffers, apply_edit
 from tllm_core.api.norms import norm_eps, rmsnorm_gain
+from tllm_core.api.request_settings import SAMPLES_KEY
 from tllm_core.api.results import asked_results, decode_results, with_missing
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
@@ -448,7 +449,7 @@ class ConsumerKit:
             extra = dict((extras[i] if extras is not None else extra_args) or {})
             validate_extra_args(extra, self._keys, where="extra_args", tags=True)
             extra.setdefault("tllm_prompt_index", i)
-            extra["tllm_n"] = n
+            extra[SAMPLES_KEY] = n
             ids = self.tokenize(p) if isinstance(p, str) else [int(t) for t in p]
             rid = str(self._next_id)
             self._next_id += 1

@@ -14,6 +14,7 @@ import torch
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.edits import EditBuffers
+from tllm_core.api.request_settings import SAMPLES_KEY
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.runtime.runtime import Runtime
@@ -30,7 +31,7 @@ _CHILD = re.compile(r"^(?P<index>\d+)_(?P<rest>.+)$")
 def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, int]:
     """(caller's request id, sample index) from vLLM's internal request id."""
     rest, sample = engine_id, 0
-    n_hint = extra_args.get("tllm_n")
+    n_hint = extra_args.get(SAMPLES_KEY)
     m = _CHILD.match(engine_id)
     if m and (n_hint is None or int(n_hint) > 1):
         sample, rest = int(m.group("index")), m.group("rest")

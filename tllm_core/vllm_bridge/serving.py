@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.api.consumer import ControlError
-from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY, short_repr
+from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY, SAMPLES_KEY, short_repr
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
@@ -499,7 +499,7 @@ def install_request_checks(
             # After the salt (the group does not change KV); before the n fan-out, so the
             # samples of one request share the group and know how many they are.
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
-            params.extra_args = {**(extra or {}), GROUP_KEY: group, "tllm_n": params.n}
+            params.extra_args = {**(extra or {}), GROUP_KEY: group, SAMPLES_KEY: params.n}
 
     input_processor.assign_request_id = assign_request_id
 
