@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,10 @@ def bench_step(
 ) -> dict[str, Any]:
     """ms per step of :class:`SyntheticDecode` and a sampler stand-in (min-p 0.1, exponential
     race: no host sync), plain and with ESamp through tllm's runtime: what ESamp adds, the host
-    time of the runtime's calls, ESamp's floor (its bytes at the measured copy bandwidth), a
-    step under ``torch.cuda.set_sync_debug_mode("error")``, the memory plan against the peak."""
+    time of the runtime's calls (``host_ms`` from an idle GPU; ``host_pipelined_ms`` in the
+    timed run, where a launch may wait for room in the GPU's queue), ESamp's floor (its bytes
+    at the measured copy bandwidth), a step under ``torch.cuda.set_sync_debug_mode("error")``,
+    the memory plan against ESamp's peak (what it built and what its step adds)."""
     from esamp_steps import RuntimeStep
 
     from tllm_core.api.consumer import ModelInfo
@@ -142,13 +145,29 @@ def bench_step(
     def logits() -> torch.Tensor:
         return _min_p(decode.run_logits().float())
 
+    def plain() -> None:
+        _sample(logits())
+
     def with_esamp() -> None:
         host.append(rs.step(taps.__getitem__, logits(), temp, _sample))
 
-    fns = (lambda: _sample(logits()), with_esamp)  # a plain step, then one with ESamp
-    plain_ms, esamp_ms = (time_us(fn, iters, device, warmup, 3) / 1e3 for fn in fns)
+    def peak_of(fn: Callable[[], Any]) -> tuple[float, int]:
+        """ms per step of ``fn`` and the peak allocation above ``base`` meanwhile."""
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        ms = time_us(fn, iters, device, warmup, 3) / 1e3
+        return ms, torch.cuda.max_memory_allocated(device) - base
+
+    # A plain step, then one with ESamp; ESamp's memory is what it built and what its step
+    # adds to the peak of a plain step (the synthetic sampler's temporaries are not ESamp's).
+    (plain_ms, peak_plain), (esamp_ms, peak_esamp) = map(peak_of, (plain, with_esamp))
+    pipelined_ms = statistics.median(host) * 1e3  # launches may wait on a full GPU queue
+    host.clear()
+    for _ in range(iters):  # the host's own time: the GPU idle at each step's start
+        torch.cuda.synchronize(device)
+        with_esamp()
     host_ms = statistics.median(host) * 1e3
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = built + max(0, peak_esamp - peak_plain)
     torch.cuda.synchronize(device)
     errors_before = len(rs.runtime.bus.errors)
     torch.cuda.set_sync_debug_mode("error")
@@ -176,6 +195,7 @@ def bench_step(
         "added_ms": added,
         "ratio": plain_ms / esamp_ms,
         "host_ms": host_ms,
+        "host_pipelined_ms": pipelined_ms,
         "floor_ms": floor_ms,
         "added_over_floor": added / floor_ms,
         "copy_bandwidth": bw,
@@ -183,6 +203,7 @@ def bench_step(
         "memory": {
             "plan_bytes": plan["total_bytes"],
             "built_bytes": built,
+            "step_bytes": peak - built,
             "peak_bytes": peak,
             "within_plan": peak <= plan["total_bytes"],
         },

@@ -1,9 +1,9 @@
 """ESamp's fused kernels (``algorithms.esamp.kernels``) against independent PyTorch references:
 ``torch._fused_adam_`` / ``torch.optim.Adam`` on the explicitly formed gradient, ``torch.bmm``,
 and the fp64 gather-and-multiply (``candidate_dot``). Each op is checked twice: the Triton
-kernel, run on CPU by Triton's interpreter (decorated afresh with ``TRITON_INTERPRET=1`` set;
-skipped without Triton), and the op's CPU implementation (the PyTorch reference, reached
-through ``torch.ops``)."""
+kernel (compiled, on a CUDA device where one is; else on CPU by Triton's interpreter, decorated
+afresh with ``TRITON_INTERPRET=1`` set; skipped without Triton), and the op's CPU
+implementation (the PyTorch reference, reached through ``torch.ops``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from esamp_kernel_helpers import interpreted_kernels
+from esamp_kernel_helpers import triton_under_test
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from algorithms.esamp.kernels import (
@@ -43,22 +43,24 @@ UNTOUCHED = (2, 4)
 
 
 @pytest.fixture(scope="module")
-def interpreted() -> SimpleNamespace:
-    """The Triton launchers with kernels decorated under ``TRITON_INTERPRET=1`` (Triton reads
-    the variable when a kernel is decorated), so they run on CPU tensors."""
-    kernels = interpreted_kernels()
+def triton_ops() -> SimpleNamespace:
+    """The Triton launchers: compiled, on CUDA copies of the tensors, where a GPU is; else
+    interpreted on CPU (``esamp_kernel_helpers.triton_under_test``)."""
+    kernels, wrap = triton_under_test()
     from algorithms.esamp.kernels import op_candidate_dot, op_grad_adam, op_slot_matmul
 
     # Small tiles, so the test shapes span several tiles with ragged edges.
     return SimpleNamespace(
-        grad_adam=functools.partial(
-            op_grad_adam.run_triton, kernels=kernels, block_n=16, block_k=32
+        grad_adam=wrap(
+            functools.partial(op_grad_adam.run_triton, kernels=kernels, block_n=16, block_k=32)
         ),
-        slot_matmul=functools.partial(
-            op_slot_matmul.run_triton, kernels=kernels, block_n=16, block_k=16
+        slot_matmul=wrap(
+            functools.partial(op_slot_matmul.run_triton, kernels=kernels, block_n=16, block_k=16)
         ),
-        candidate_dot=functools.partial(
-            op_candidate_dot.run_triton, kernels=kernels, block_p=4, block_h=16
+        candidate_dot=wrap(
+            functools.partial(
+                op_candidate_dot.run_triton, kernels=kernels, block_p=4, block_h=16
+            )
         ),
     )
 
@@ -71,9 +73,9 @@ def _grad_adam_cpu_op(*args, input_precision="ieee"):
     )  # fmt: skip
 
 
-def _impl(name: str, interpreted_fixture) -> SimpleNamespace:
+def _impl(name: str, triton_fixture) -> SimpleNamespace:
     if name == "triton":
-        return interpreted_fixture()
+        return triton_fixture()
     return SimpleNamespace(
         grad_adam=_grad_adam_cpu_op,
         slot_matmul=lambda x, w, s, out, transpose_w, input_precision="ieee", split_k=0: (
@@ -88,7 +90,7 @@ def _impl(name: str, interpreted_fixture) -> SimpleNamespace:
 
 @pytest.fixture(params=["triton", "cpu"])
 def impl(request) -> SimpleNamespace:
-    return _impl(request.param, lambda: request.getfixturevalue("interpreted"))
+    return _impl(request.param, lambda: request.getfixturevalue("triton_ops"))
 
 
 def _offsets() -> list[int]:
@@ -191,17 +193,18 @@ def test_grad_adam_steps_like_torch_optim_adam(impl):
     torch.testing.assert_close(v[0], opt.state[p]["exp_avg_sq"])
 
 
-def test_grad_adam_tf32_switch_and_bad_precision(interpreted):
+def test_grad_adam_tf32_switch_and_bad_precision(triton_ops):
     gen = torch.Generator().manual_seed(3)
     theta, m, v = _state(torch.float32, gen)
     ref = [t.clone() for t in (theta, m, v)]
     a, b, scale = _factors(16, *MATS[0], gen)
-    # The interpreter computes every dot in fp32: this checks that "tf32" is accepted.
-    _run_adam(interpreted.grad_adam, a, b, scale, *(_view(t, 0) for t in (theta, m, v)), "tf32")
+    # The interpreter computes every dot in fp32 (this checks that "tf32" is accepted); a
+    # GPU rounds the gradient's products to tf32: within the tolerance below.
+    _run_adam(triton_ops.grad_adam, a, b, scale, *(_view(t, 0) for t in (theta, m, v)), "tf32")
     _reference_adam(a, b, scale, *(_view(t, 0) for t in ref))
     torch.testing.assert_close(theta, ref[0], rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="'fp16' is not one of ieee, tf32, tf32x3"):
-        _run_adam(interpreted.grad_adam, a, b, scale, *(_view(t, 0) for t in ref), "fp16")
+        _run_adam(triton_ops.grad_adam, a, b, scale, *(_view(t, 0) for t in ref), "fp16")
 
 
 def test_grad_adam_bad_input_names_the_argument():
@@ -316,8 +319,8 @@ def test_dispatch_mode_sees_each_call_as_one_op():
     ]
 
 
-def test_triton_kernels_equal_the_cpu_ops_on_random_layouts(interpreted):
-    """Property: for random shapes, slot assignments and skips, the interpreted kernels equal
+def test_triton_kernels_equal_the_cpu_ops_on_random_layouts(triton_ops):
+    """Property: for random shapes, slot assignments and skips, the Triton kernels equal
     the CPU ops (themselves checked against torch above)."""
     hyp = pytest.importorskip("hypothesis")
     st = hyp.strategies
@@ -341,14 +344,14 @@ def test_triton_kernels_equal_the_cpu_ops_on_random_layouts(interpreted):
         # w, m, v rows of different lengths and offsets: each tensor's own strides matter.
         state = [torch.randn(slots, n * k + 1 + 2 * i, generator=gen).abs() for i in range(3)]
         twin = [t.clone() for t in state]
-        for run, st8 in ((interpreted.grad_adam, state), (_grad_adam_cpu_op, twin)):
+        for run, st8 in ((triton_ops.grad_adam, state), (_grad_adam_cpu_op, twin)):
             views = [t[:, 1 + i : 1 + i + n * k].view(slots, n, k) for i, t in enumerate(st8)]
             run(a, b, scale, gs, ok, step, *views, 1e-3, 0.9, 0.999, 1e-8)
         for x, y in zip(state, twin, strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
         out, out_ref = torch.zeros(groups, rows, k), torch.zeros(groups, rows, k)
         w = state[0][:, 1:].view(slots, n, k)
-        interpreted.slot_matmul(a, w, gs, out, transpose_w=False)
+        triton_ops.slot_matmul(a, w, gs, out, transpose_w=False)
         slot_matmul(a, w, gs, out_ref, transpose_w=False)
         torch.testing.assert_close(out, out_ref)
 
@@ -530,8 +533,8 @@ def test_candidate_dot_reference_chunks_join_up():
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_candidate_dot_equals_the_fp64_gather_on_random_shapes(interpreted):
-    """Property: random N, H, table sizes and dtypes, the interpreted kernel and the CPU op
+def test_candidate_dot_equals_the_fp64_gather_on_random_shapes(triton_ops):
+    """Property: random N, H, table sizes and dtypes, the Triton kernel and the CPU op
     both equal the fp64 gather."""
     hyp = pytest.importorskip("hypothesis")
     st = hyp.strategies
@@ -548,7 +551,7 @@ def test_candidate_dot_equals_the_fp64_gather_on_random_shapes(interpreted):
         rows = torch.randint(0, r, (n,), generator=gen)
         tokens = torch.randint(0, v, (n,), generator=gen)
         ref = _reference_dot(weight, f, rows, tokens)
-        for run in (interpreted.candidate_dot, candidate_dot):
+        for run in (triton_ops.candidate_dot, candidate_dot):
             out = torch.full((n,), float("nan"))
             run(weight, f, rows, tokens, out)
             torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
