@@ -58,9 +58,7 @@ def triton_ops() -> SimpleNamespace:
             functools.partial(op_slot_matmul.run_triton, kernels=kernels, block_n=16, block_k=16)
         ),
         candidate_dot=wrap(
-            functools.partial(
-                op_candidate_dot.run_triton, kernels=kernels, block_p=4, block_h=16
-            )
+            functools.partial(op_candidate_dot.run_triton, kernels=kernels, block_p=4, block_h=16)
         ),
     )
 
