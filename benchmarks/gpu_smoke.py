@@ -477,13 +477,53 @@ def render(sm: dict[str, Any]) -> str:
         if isinstance(rec, dict) and "skipped" in rec
     ]
     device = f"{sm['device']}, torch {sm['torch']}"
-    command = f"python benchmarks/gpu_smoke.py --device {sm['device']} --out FILE"
+    flag = "cpu" if sm["device"] == "cpu" else "cuda"
+    command = f"python benchmarks/gpu_smoke.py --device {flag} --out FILE"
+    tables = [*_gpu_tables(sm), table(["figure", "value"], rows)]
     return section(
-        f"GPU smoke run on {sm['device']}",
-        {**sm, "machine": {"device": device}},
-        table(["figure", "value"], rows),
+        f"GPU smoke run on {sm['device']}", {**sm, "machine": {"device": device}}, *tables,
         command=command,
-    )
+    )  # fmt: skip
+
+
+def _gpu_tables(sm: dict[str, Any]) -> list[str]:
+    """The parts that only a GPU measures: the CUDA tests' outcome, ESamp's step beside the
+    synthetic decode step and its targets, the kernels against their bytes' floor."""
+    out: list[str] = []
+    ct = sm["cuda_tests"]
+    if "rc" in ct:
+        outcome = (ct["tail"].strip().splitlines() or ["no output"])[-1].strip("= ")
+        rows = [["CUDA tests (" + ", ".join(Path(t).stem for t in CUDA_TESTS) + ")", outcome]]
+        rows += [["failed", line] for line in ct.get("failed", [])]
+        out.append(table(["check", "outcome"], rows))
+    es = sm["esamp_step"]
+    if "targets" in es:
+        head = ["prompts x n", "plain step ms", "with ESamp ms", "added ms", "ratio"]
+        head += ["floor ms", "added / floor", "host ms", "host ms, pipelined", "memory MiB / plan"]
+        rows = []
+        for k, v in es.items():
+            if not (isinstance(v, dict) and "memory" in v):  # ran_on, targets
+                continue
+            mem = v["memory"]
+            used = f"{mem['peak_bytes'] / 2**20:.0f} / {mem['plan_bytes'] / 2**20:.0f}"
+            rows.append(
+                [k, *(f"{v[f]:.3f}" for f in ("plain_ms", "esamp_ms", "added_ms", "ratio")),
+                 f"{v['floor_ms']:.3f}", f"{v['added_over_floor']:.2f}", f"{v['host_ms']:.2f}",
+                 f"{v.get('host_pipelined_ms', float('nan')):.2f}", used]
+            )  # fmt: skip
+        out.append(table(head, rows))
+        out.append(table(["target", "met"], [[k, v] for k, v in es["targets"].items()]))
+    kern = sm["kernels"]
+    if kern.get("ran_on") not in (None, "cpu", "not run") and "cases" in kern:
+        rows = [
+            [f"{c['groups']} of {c['capacity']}", name, f"{c[name]['ms']:.3f}"]
+            + [f"{c[name]['x_floor']:.2f}"]
+            for c in kern["cases"]
+            for name in ("grad_adam", "grad_adam_bf16", "slot_matmul", "dense_matmul")
+            if name in c
+        ]
+        out.append(table(["groups of slots", "kernel", "ms", "x its bytes' floor"], rows))
+    return out
 
 
 if __name__ == "__main__":

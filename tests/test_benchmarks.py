@@ -333,6 +333,10 @@ def test_results_page_is_rendered_from_the_saved_results():
     used = {name for _, name, _ in report.SECTIONS}
     saved = {p.name for p in (BENCH / "results").glob("*.json")}
     assert saved <= used, f"results no section renders: {sorted(saved - used)}"
+    # A GPU run's own parts: the CUDA tests' outcome, ESamp's step and targets, the kernels.
+    smoke = _load("gpu_smoke").render(json.loads((BENCH / "results/gpu_smoke.json").read_text()))
+    for shown in ("| CUDA tests (", "| 8x16 | ", "| memory within plan | ", "| slot_matmul | "):
+        assert shown in smoke, shown
 
 
 def test_kernel_benchmark_quick_mode_runs_on_cpu():
