@@ -628,6 +628,21 @@ def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():
     asyncio.run(main())
     assert calls == [("tllm_mark_cut_short", ["r-abcdefgh"]), ("abort", ["r-abcdefgh"])]
 
+    # The engine-core abort fails after its caller was cancelled: said in one error line
+    # (no caller is left to raise it to), not as asyncio's "never retrieved" at collection.
+    async def failing_abort(ids):
+        raise RuntimeError("engine core gone")
+
+    client = SimpleNamespace(engine_core=SimpleNamespace(abort_requests_async=failing_abort))
+    client.abort = abort
+    install_abort_marks(client, ask)
+    with _records("vllm.tllm") as records:
+        asyncio.run(main())
+    said = [r.getMessage() for r in records if r.levelname == "ERROR"]
+    assert said == [
+        "tllm: aborting requests ['r-abcdefgh'] failed: RuntimeError('engine core gone')"
+    ]
+
 
 def test_a_response_names_the_consumers_that_failed_on_its_requests(engine):
     client = _app(engine, None)

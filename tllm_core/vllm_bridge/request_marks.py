@@ -172,8 +172,17 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
         # runs to max_tokens); the shield lets the task run on to the abort.
         task = asyncio.ensure_future(mark_then_abort(list(request_ids)))
         pending.add(task)
-        task.add_done_callback(pending.discard)
-        await asyncio.shield(task)
+        outer = asyncio.shield(task)
+
+        def settled(t: asyncio.Future) -> None:
+            pending.discard(t)
+            # A caller still waiting gets the error from ``outer``; one cancelled meanwhile
+            # cannot, so it is said here (else asyncio's "exception was never retrieved").
+            if not t.cancelled() and t.exception() is not None and outer.cancelled():
+                log.error("tllm: aborting requests %s failed: %r", request_ids, t.exception())
+
+        task.add_done_callback(settled)
+        await outer
 
     engine_client.abort = abort
     engine_core.abort_requests_async = abort_requests_async
