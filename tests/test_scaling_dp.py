@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +99,63 @@ def test_counters_route_asks_every_engine_core():
     out = asyncio.run(rpc_all(Client(), "tllm_collect"))
     assert out == [{"rank": 0}, {"rank": 1}]
     assert calls == [("collective_rpc", ("tllm_collect", None, (), None))]
+
+
+def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
+    """vLLM balances each of a request's n children alone; tllm's server sends them all to
+    the engine the first went to (ESamp: one distiller per prompt), keeps a request's own
+    ``data_parallel_rank``, leaves a single-engine client alone, and forgets parents."""
+    from tllm_core.api.request_settings import SAMPLES_KEY
+    from tllm_core.vllm_bridge import serving
+
+    class Core:  # DPLBAsyncMPClient: round robin, a set rank obeyed, in-flight books kept
+        core_engines = [b"e0", b"e1"]
+
+        def __init__(self):
+            self.next, self.in_flight = 0, {}
+
+        def get_core_engine_for_request(self, request):
+            if (rank := request.data_parallel_rank) is None:
+                rank, self.next = self.next, (self.next + 1) % 2
+            self.in_flight[request.request_id] = self.core_engines[rank]
+            return self.core_engines[rank]
+
+    def client(dp_size: int = 2) -> SimpleNamespace:
+        parallel = SimpleNamespace(data_parallel_size=dp_size)
+        out = SimpleNamespace(engine_core=Core(), vllm_config=SimpleNamespace())
+        out.vllm_config.parallel_config = parallel
+        serving.install_sample_affinity(out)
+        return out
+
+    def req(rid: str, n: int = 4, rank: int | None = None) -> SimpleNamespace:
+        params = SimpleNamespace(extra_args={SAMPLES_KEY: n}, n=1)
+        return SimpleNamespace(request_id=rid, sampling_params=params, data_parallel_rank=rank)
+
+    c = client()
+    core = c.engine_core
+    route = core.get_core_engine_for_request
+    got, sent = {}, []
+    for parent in ("a-1", "b-2"):  # vLLM alone: e0, e1, e0, e1 for each
+        for i in range(4):
+            sent.append(req(f"{i}_{parent}"))
+            got.setdefault(parent, []).append(route(sent[-1]))
+    assert got == {"a-1": [b"e0"] * 4, "b-2": [b"e1"] * 4}
+    assert all(r.data_parallel_rank is None for r in sent)  # sent to the engine unchanged
+    assert core.in_flight["3_a-1"] == b"e0"  # vLLM's books (aborts) know where each went
+    assert route(req("x_1-1", n=1)) == b"e0" and route(req("y_2-1", n=1)) == b"e1"
+    set_rank = [req(f"{i}_c-3", rank=1) for i in range(4)]
+    assert [route(r) for r in set_rank] == [b"e1"] * 4
+    assert [r.data_parallel_rank for r in set_rank] == [1] * 4
+    assert route.placed == {}  # every parent routed in full is forgotten
+    monkeypatch.setattr(serving, "MAX_FANOUTS", 3)
+    for i in range(10):  # fan-outs aborted after their first child: the oldest dropped
+        route(req(f"0_gone-{i}"))
+    assert list(route.placed) == ["gone-7", "gone-8", "gone-9"]
+    single = client(dp_size=1)
+    assert "get_core_engine_for_request" not in vars(single.engine_core)
+    broken = SimpleNamespace(engine_core=SimpleNamespace(), vllm_config=c.vllm_config)
+    with pytest.raises(Exception, match="client lacks 'core_engines'"):  # vLLM changed: loud
+        serving.install_sample_affinity(broken)
 
 
 def test_worker_shutdown_closes_the_runtime_once():
@@ -209,6 +267,23 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         assert 0 < rep["consumers"]["esamp"]["rows_guided"] <= 8 * 7
         assert len(rep["results"]["export"]) == 2
         assert rep["errors"] == []
+
+        # The n = 4 samples of one prompt all run on one engine (vLLM alone balances each
+        # sample: 2 + 2 here), so ESamp trains one distiller over all four.
+        body = {"model": "default", "prompt": "Four tellings of one tale", "n": 4, **FULL}
+        body.update(max_tokens=4, temperature=1.0)
+        body["vllm_xargs"] = {"tllm_consumers": "esamp,stats", "tllm_esamp_beta": 0.5}
+        assert len(_post(f"{url}/v1/completions", body)["choices"]) == 4
+        for _ in range(20):  # bounded: the engines count a finish at their next step
+            after = get_json(f"{url}/tllm/counters")["ranks"]
+            more = [after[d]["runtime"].get("requests_finished", 0) - finished[d] for d in (0, 1)]
+            if sum(more) == 4:
+                break
+            time.sleep(0.25)
+        assert sorted(more) == [0, 4], f"the samples split over the engines: {more}"
+        esamp = [(after[d]["consumers"]["esamp"], ranks[d]["consumers"]["esamp"]) for d in (0, 1)]
+        groups = [a.get("groups_created", 0) - b.get("groups_created", 0) for a, b in esamp]
+        assert sorted(groups) == [0, 1], groups
 
         # Full rows (no window), one request sent to each engine (vLLM's header): 31+ rows each,
         # so each part's record spans shards of 16 rows, and the result comes from one rank.

@@ -9,8 +9,9 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import secrets
-from collections import deque
+from collections import OrderedDict, deque
 from contextvars import ContextVar
 from typing import Any
 
@@ -504,6 +505,51 @@ def install_request_checks(
     input_processor.assign_request_id = assign_request_id
 
 
+MAX_FANOUTS = 4096  # parents with children left to route (aborted fan-outs age out)
+_CHILD_ID = re.compile(r"\d+_(.+)")  # vLLM's n > 1 child: "{index}_{parent id}"
+
+
+def install_sample_affinity(engine_client: Any) -> None:
+    """Data parallel behind this server: all ``n`` samples of a request go to the engine its
+    first went to (vLLM balances each child alone), so a group of samples (ESamp's one
+    distiller per prompt) lives in one engine. A request's ``data_parallel_rank`` is kept."""
+    core = engine_client.engine_core
+    engines = getattr(core, "core_engines", None)
+    if engine_client.vllm_config.parallel_config.data_parallel_size < 2 or (
+        engines is not None and len(engines) < 2
+    ):
+        return  # one engine here (no DP, or an external balancer in front)
+    require_attrs(core, ("core_engines", "get_core_engine_for_request"), "data-parallel client")
+    route = core.get_core_engine_for_request
+    placed: OrderedDict[str, list[int]] = OrderedDict()  # parent -> [engine index, left]
+
+    def get_core_engine_for_request(request: Any) -> Any:
+        child = _CHILD_ID.fullmatch(request.request_id)
+        params = getattr(request, "sampling_params", None)
+        n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY) or 1)
+        if child is None or n < 2 or request.data_parallel_rank is not None:
+            return route(request)
+        parent = child.group(1)
+        if (seen := placed.get(parent)) is None:
+            engine = route(request)
+            placed[parent] = [core.core_engines.index(engine), n - 1]
+            while len(placed) > MAX_FANOUTS:
+                placed.popitem(last=False)
+            return engine
+        seen[1] -= 1
+        if seen[1] <= 0:
+            del placed[parent]
+        # vLLM's own path for a set rank: its in-flight books (aborts, load) stay right.
+        request.data_parallel_rank = seen[0]
+        try:
+            return route(request)
+        finally:
+            request.data_parallel_rank = None
+
+    get_core_engine_for_request.placed = placed  # type: ignore[attr-defined] # for tests
+    core.get_core_engine_for_request = get_core_engine_for_request
+
+
 async def init_state(
     engine_client: Any, state: Any, server: EngineConsumers, watch: nodes.NodeWatch
 ) -> None:
@@ -519,6 +565,7 @@ async def init_state(
     )
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
+    install_sample_affinity(engine_client)
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     # Data-parallel engines on other nodes: the same settings there, and followers that
