@@ -6,6 +6,7 @@ generation. Values are checked against transformers on the same tokens."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -102,6 +103,26 @@ def test_results_of_a_request_cut_short_are_dropped_at_once():
     want = {"a": {0: {"c": {"v": 0}}, 1: cut_error}, "b": {0: {"c": {"v": 2}}}}
     assert store.take(["a", "b"]) == want
     assert store._total == 0 and store.take(["a"]) == {}
+
+
+def test_results_of_a_failed_response_are_discarded_at_once():
+    """A prompt refused (its response fails): what the prompts admitted before it left in the
+    store, results and errors, goes at once, counted as discarded; other requests keep theirs."""
+    from tllm_core.api.counters import Counters
+    from tllm_core.api.rows import RequestInfo
+    from tllm_core.runtime.request_results import ResultStore
+
+    counters = Counters()
+    store = ResultStore(counters, max_result_bytes=2048)
+    for engine_id, rid, sample in [("0_a-0-x", "a-0", 0), ("1_a-0-x", "a-0", 1), ("b-x", "b", 0)]:
+        store.put(RequestInfo(engine_id, rid, 0, sample, 4), "c", {"v": sample})
+    cut = RequestInfo("a-1-x", "a-1", 1, 0, 4)
+    cut.cut_short = True
+    store.put(cut, "c", {"v": 3})
+    store.discard(["a-0", "a-1"])
+    assert counters.snapshot()["results_discarded"] == 1 + 2  # cut short, then the 2 kept
+    assert len(store) == 1 and store._total == len('{"v":0}') and not store._dropped
+    assert store.take(["a-0", "a-1", "b"]) == {"b": {0: {"c": {"v": 0}}}}
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):
@@ -305,6 +326,68 @@ def test_tllm_serve_refuses_prompts_that_together_overflow_the_results_store(
     assert [e["index"] for e in r.tllm] == [0, 1, 2, 3] and len(r.choices) == 4
     for entry in r.tllm:
         assert tllm_core.decode_results(entry)["export"]["positions"].tolist() == [5, 6, 7]
+
+
+def test_tllm_serve_a_stream_with_a_refused_prompt_leaves_no_results_behind(guarded_server):
+    """A streamed completion whose third prompt would overflow the results store: the client
+    gets one error event naming the bound and the prompts, no results; the two prompts
+    admitted before (one step each: they may end before vLLM aborts them) leave nothing in
+    the store, every result of theirs discarded; another client's request then gets its own.
+    Whether they end before the abort depends on timing (without the server's discard, 7 of
+    8 results were once kept); test_server_guards checks the discard itself."""
+    import time
+
+    import httpx
+    from serve_util import get_json
+
+    import tllm_core
+
+    url, key = guarded_server.url, guarded_server.key
+    xargs = {"tllm_consumers": "export", "tllm_results": "export"}
+    prompt = list(range(5, 45))  # 41 rows x 2 layers x hidden 128: ~56 kB a choice, 4 a prompt
+
+    def runtime() -> dict:
+        return get_json(f"{url}/tllm/counters", key)["runtime"]
+
+    def idle() -> tuple[int, int]:  # once the engine ran every request: (kept, discarded)
+        deadline = time.monotonic() + 60
+        while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"]:
+            assert time.monotonic() < deadline, "the engine never went idle"
+            time.sleep(0.1)
+        got = get_json(f"{url}/tllm/counters", key)
+        run, cut = got["runtime"], got["consumers"]["export"].get("requests_cut_short", 0)
+        # made, less taken, less discarded after made (discarded: also those cut short)
+        kept = run.get("results_made", 0) - run.get("results_taken", 0)
+        return kept - run.get("results_discarded", 0) + cut, run.get("results_discarded", 0)
+
+    before = idle()
+    body = {"model": "default", "prompt": [prompt] * 3, "n": 4, "max_tokens": 1}
+    body |= {"stream": True, "vllm_xargs": xargs}
+    headers = {"Authorization": f"Bearer {key}"}
+    got = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert got.status_code == 200, got.text  # a stream: its headers left before the refusal
+    events = [e[6:] for e in got.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", got.text
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert not [e for e in parsed if "tllm" in e], got.text  # no results to return
+    [error] = [e["error"] for e in parsed if "error" in e]
+    message = error["message"]
+    assert re.search(
+        r"first 3 prompts x 4 choices could hold up to \d+ bytes, past the 524288", message
+    ), message
+    assert "fewer prompts, choices (n) or rows" in message
+    # Each of the 2 x 4 choices admitted: never run (aborted first), cut short, or its result
+    # made and then discarded (the server does that once the client has its [DONE]).
+    deadline = time.monotonic() + 60
+    while (after := idle())[0] != before[0]:
+        assert time.monotonic() < deadline, f"kept: {after[0] - before[0]} results"
+        time.sleep(0.2)
+
+    plain = {**body, "prompt": [5, 6, 7], "n": 1, "max_tokens": 2, "stream": False}
+    plain["vllm_xargs"] = {**xargs, "tllm_export_window": "last_prompt"}
+    r = httpx.post(f"{url}/v1/completions", json=plain, headers=headers, timeout=120).json()
+    assert tllm_core.decode_results(r["tllm"][0])["export"]["positions"].tolist() == [2]
+    assert runtime().get("results_discarded", 0) == after[1]
 
 
 def test_tllm_serve_requests_ended_by_a_stop_string_are_not_cut_short(guarded_server):

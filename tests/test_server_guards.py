@@ -411,6 +411,55 @@ def test_an_engine_that_never_answers_gets_504_naming_the_call(engine):
     assert got.json()["error"] == "the engine did not answer 'tllm_collect' in 0.5 s"
 
 
+def test_a_refused_prompt_has_the_prompts_admitted_before_aborted_then_their_results_dropped(
+    engine,
+):
+    """A completion request one of whose prompts is refused (its results past the store)
+    fails as a whole: once its response is out, its prompts admitted before are aborted
+    (those not run never run, those running end cut short), then the engine drops what they
+    made (one may have ended before vLLM's own abort): in this order, one engine queue."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from fastapi.testclient import TestClient
+
+    from tllm_core.vllm_bridge.request_marks import HELD, REFUSED
+    from tllm_core.vllm_bridge.serving import attach_routes
+
+    calls: list[tuple] = []
+
+    class Client:
+        async def abort(self, request_ids):
+            calls.append(("abort", list(request_ids)))
+
+        async def collective_rpc(self, method, args=()):
+            calls.append((method, *args))
+            return [None]
+
+    app = FastAPI()
+    app.state.args = SimpleNamespace(api_key=None)
+    attach_routes(app, engine)
+    app.state.tllm_engine_client = Client()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        HELD.get().update(dict.fromkeys(body["admitted"], 1))  # as check_bounds admits
+        if body.get("refused"):  # as the input processor's wrapper refuses the next prompt
+            REFUSED.get().append("past the store")
+            return JSONResponse({"error": {"message": "past the store"}}, 400)
+        return {"ok": True}
+
+    client = TestClient(app)
+    assert client.post("/v1/completions", json={"admitted": ["c-0", "c-1"]}).status_code == 200
+    assert calls == []  # nothing refused: the response takes what they made
+    ids = ["d-0", "d-1"]
+    got = client.post("/v1/completions", json={"admitted": ids, "refused": True})
+    assert got.status_code == 400
+    assert calls == [("abort", ids), ("tllm_discard_results", ids)]
+
+
 def test_a_failed_read_fails_every_request_that_waited_for_it():
     from tllm_core.serving.throttle import Throttle
 

@@ -108,6 +108,16 @@ class ResultStore:
         self.counters.add("results_taken", taken)
         return out
 
+    def discard(self, request_ids: list[str]) -> None:
+        """Drop all kept for these caller ids, errors too: their response failed (a sibling
+        prompt refused), so nobody takes them."""
+        with self._lock:
+            for rid in request_ids:
+                self._dropped.pop(rid, None)  # counted when dropped
+                gone = self._kept.pop(rid, {})
+                self._total -= self._sizes.pop(rid, 0)
+                self.counters.add("results_discarded", sum(map(len, gone.values())))
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._kept)

@@ -233,6 +233,16 @@ class RunnerHooks:
             if req is not None:
                 req.cut_short = True
 
+    def discard_results(self, request_ids: list[str]) -> None:
+        """Nobody takes these caller ids' results: those still open are dropped as they end,
+        those made (after the background consumers catch up, bounded) at once."""
+        ids = set(request_ids)
+        for req in self.requests.values():
+            if req.request_id in ids:
+                req.cut_short = True
+        self.runtime.bus.flush()
+        self.runtime.results.discard(sorted(ids))
+
     def finish_all(self) -> None:
         """Treat every known request as finished (an offline batch ended or was interrupted)."""
         self._deliver_pending(set())

@@ -298,12 +298,18 @@ class ResultReturn:
     """Pure ASGI middleware: the ``tllm`` results in responses on ``paths`` that asked."""
 
     def __init__(
-        self, app: Any, paths: tuple[str, ...], ask: Callable[[], Ask | None], wait_s: float
+        self,
+        app: Any,
+        paths: tuple[str, ...],
+        ask: Callable[[], Ask | None],
+        wait_s: float,
+        discard: Callable[[list[str]], Awaitable[None]] | None = None,
     ):
         self.app = app
         self.paths = paths
         self.ask = ask
         self.wait_s = wait_s
+        self.discard = discard  # of the caller ids whose response failed
 
     async def results(self, asked: dict[str, tuple[list[str], int]]) -> list[dict[str, Any]]:
         ask = self.ask()
@@ -322,7 +328,10 @@ class ResultReturn:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         asked: dict[str, tuple[list[str], int]] = {}
-        token, held_token, refused_token = ASKED.set(asked), HELD.set({}), REFUSED.set([])
+        admitted: dict[str, int] = {}  # HELD: the prompts admitted, refused: REFUSED's why
+        refused: list[str] = []
+        token, held_token = ASKED.set(asked), HELD.set(admitted)
+        refused_token = REFUSED.set(refused)
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
@@ -359,6 +368,12 @@ class ResultReturn:
             ASKED.reset(token)
             HELD.reset(held_token)
             REFUSED.reset(refused_token)
+        # No response takes what the prompts admitted before a refused one made.
+        if refused and admitted and self.discard:
+            try:
+                await self.discard(list(admitted))
+            except Exception as e:  # noqa: BLE001 - the response is out; they expire instead
+                log.warning("tllm: results of refused requests %s kept: %r", sorted(admitted), e)
 
     async def _with_results(self, body: bytes, asked: dict) -> bytes:
         try:

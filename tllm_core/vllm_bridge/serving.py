@@ -260,7 +260,16 @@ def attach_routes(
     def ask_workers():  # None while the engine is not up
         return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
 
-    app.add_middleware(ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s)
+    async def discard(request_ids: list[str]) -> None:
+        """Abort these requests (through install_abort_marks: those running end cut short,
+        those not started never run), then have the engine drop what they made: in this
+        order, so that none ends after and is kept. Bounded: engine_answer_s each."""
+        await ask("abort", call=app.state.tllm_engine_client.abort(request_ids))
+        await ask("tllm_discard_results", request_ids)
+
+    app.add_middleware(
+        ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s, discard=discard
+    )
     app.add_middleware(FailureMarks, paths=CHECKED_PATHS, ask=ask_workers)
     app.add_middleware(XargsCheck, server=server, max_body_bytes=settings.max_body_bytes)
     app.state.tllm_secret = secrets.token_bytes(32)

@@ -58,6 +58,10 @@ class TllmWorkerExtension:
     def tllm_mark_cut_short(self, hooks: Any, engine_ids: list[str]) -> None:
         hooks.mark_cut_short(engine_ids)
 
+    @_with_hooks()
+    def tllm_discard_results(self, hooks: Any, request_ids: list[str]) -> None:
+        hooks.discard_results([str(i) for i in request_ids])
+
     @_with_hooks([])
     def tllm_end_batch(self, hooks: Any) -> list[dict[str, Any]]:
         """Finish the batch's requests; the consumer errors so far."""
