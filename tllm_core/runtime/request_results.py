@@ -5,6 +5,7 @@ client that went away never takes its results)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -13,6 +14,7 @@ from tllm_core.api.results import encode, json_bytes
 from tllm_core.api.rows import RequestInfo
 
 STORE_RESULTS = 8  # the store holds this many max_result_bytes of uncollected results
+UNWANTED_S = 300.0  # a discarded caller id's late results (background consumers) are dropped
 
 
 class ResultStore:
@@ -40,6 +42,7 @@ class ResultStore:
         why = f"dropped uncollected: the engine keeps {self.max_bytes} bytes ({STORE_RESULTS} x max_result_bytes)"
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
         self._cut = {"error": "cut short: the request was aborted before its end"}
+        self._unwanted: OrderedDict[str, float] = OrderedDict()  # caller id -> until when
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread);
@@ -47,11 +50,13 @@ class ResultStore:
         small error is left instead, for a response that still waits for it. Its sibling
         samples that ended on their own keep theirs (a response may still take them)."""
         rid = request.request_id
-        if request.cut_short:
-            with self._lock:
+        with self._lock:
+            unwanted = self._unwanted.get(rid, 0.0) > time.monotonic()
+            if request.cut_short and not unwanted:
                 dropped = self._dropped.setdefault(rid, {})
                 dropped.setdefault(request.sample_index, {})[consumer] = self._cut
                 self._bound_dropped()
+        if request.cut_short or unwanted:
             self.counters.add("results_discarded")
             return
         try:
@@ -109,14 +114,20 @@ class ResultStore:
         return out
 
     def discard(self, request_ids: list[str]) -> None:
-        """Drop all kept for these caller ids, errors too: their response failed (a sibling
-        prompt refused), so nobody takes them."""
+        """Drop all kept for these caller ids, errors too, and what they make in the next
+        ``UNWANTED_S`` (a background consumer's late result): their response failed (a
+        sibling prompt refused), so nobody takes them. Nothing here waits for a consumer."""
+        until = time.monotonic() + UNWANTED_S
         with self._lock:
             for rid in request_ids:
                 self._dropped.pop(rid, None)  # counted when dropped
                 gone = self._kept.pop(rid, {})
                 self._total -= self._sizes.pop(rid, 0)
                 self.counters.add("results_discarded", sum(map(len, gone.values())))
+                self._unwanted[rid] = until
+                self._unwanted.move_to_end(rid)
+            while len(self._unwanted) > self.max_requests:
+                self._unwanted.popitem(last=False)
 
     def __len__(self) -> int:
         with self._lock:

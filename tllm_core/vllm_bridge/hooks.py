@@ -234,13 +234,13 @@ class RunnerHooks:
                 req.cut_short = True
 
     def discard_results(self, request_ids: list[str]) -> None:
-        """Nobody takes these caller ids' results: those still open are dropped as they end,
-        those made (after the background consumers catch up, bounded) at once."""
+        """Nobody takes these caller ids' results: those made go now, those still to come are
+        dropped as they come (no wait here: a client's refused request must not hold the
+        engine for a background consumer)."""
         ids = set(request_ids)
         for req in self.requests.values():
             if req.request_id in ids:
                 req.cut_short = True
-        self.runtime.bus.flush()
         self.runtime.results.discard(sorted(ids))
 
     def finish_all(self) -> None:
