@@ -124,7 +124,8 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     assert len(store) == 1 and store._total == len('{"v":0}') and not store._dropped
     # A background consumer's result that comes after: dropped too (nothing waited for it).
     store.put(RequestInfo("2_a-0-x", "a-0", 0, 2, 4), "c", {"v": 2})
-    assert counters.snapshot()["results_discarded"] == 4 and len(store) == 1
+    snap = counters.snapshot()
+    assert snap["results_discarded"] == 4 and snap["results_made"] == 4 and len(store) == 1
     assert store.take(["a-0", "a-1", "b"]) == {"b": {0: {"c": {"v": 0}}}}
     # Past UNWANTED_S the caller id is anyone's again (a client may reuse its ids).
     store._unwanted["a-0"] = 0.0

@@ -57,6 +57,8 @@ class ResultStore:
                 dropped.setdefault(request.sample_index, {})[consumer] = self._cut
                 self._bound_dropped()
         if request.cut_short or unwanted:
+            if not request.cut_short:  # made (the request ran to its end), then discarded
+                self.counters.add("results_made", of=consumer)
             self.counters.add("results_discarded")
             return
         try:
