@@ -127,10 +127,14 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     snap = counters.snapshot()
     assert snap["results_discarded"] == 4 and snap["results_made"] == 4 and len(store) == 1
     assert store.take(["a-0", "a-1", "b"]) == {"b": {0: {"c": {"v": 0}}}}
-    # Past UNWANTED_S the caller id is anyone's again (a client may reuse its ids).
-    store._unwanted["a-0"] = 0.0
+    # A new request with that caller id (a client's retry reuses its id) keeps its results,
+    # as does any after UNWANTED_S.
+    store.reuse("a-0")
     store.put(RequestInfo("0_a-0-y", "a-0", 0, 0, 4), "c", {"v": 5})
     assert store.take(["a-0"]) == {"a-0": {0: {"c": {"v": 5}}}}
+    store._unwanted["a-1"] = 0.0
+    store.put(RequestInfo("0_a-1-y", "a-1", 0, 0, 4), "c", {"v": 6})
+    assert store.take(["a-1"]) == {"a-1": {0: {"c": {"v": 6}}}}
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):

@@ -151,6 +151,10 @@ def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
     for i in range(10):  # fan-outs aborted after their first child: the oldest dropped
         route(req(f"0_gone-{i}"))
     assert list(route.placed) == ["gone-7", "gone-8", "gone-9"]
+    # An engine removed mid fan-out (elastic EP): the next sibling is balanced again.
+    core.core_engines = [b"e0"]
+    core.next = 0
+    assert route(req("1_gone-9")) == b"e0"
     single = client(dp_size=1)
     assert "get_core_engine_for_request" not in vars(single.engine_core)
     broken = SimpleNamespace(engine_core=SimpleNamespace(), vllm_config=c.vllm_config)

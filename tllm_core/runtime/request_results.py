@@ -117,8 +117,9 @@ class ResultStore:
 
     def discard(self, request_ids: list[str]) -> None:
         """Drop all kept for these caller ids, errors too, and what they make in the next
-        ``UNWANTED_S`` (a background consumer's late result): their response failed (a
-        sibling prompt refused), so nobody takes them. Nothing here waits for a consumer."""
+        ``UNWANTED_S`` (a background consumer's late result) unless a new request takes the
+        id (:meth:`reuse`): their response failed (a sibling prompt refused), so nobody takes
+        them. Nothing here waits for a consumer."""
         until = time.monotonic() + UNWANTED_S
         with self._lock:
             for rid in request_ids:
@@ -130,6 +131,13 @@ class ResultStore:
                 self._unwanted.move_to_end(rid)
             while len(self._unwanted) > self.max_requests:
                 self._unwanted.popitem(last=False)
+
+    def reuse(self, request_id: str) -> None:
+        """A new request with this caller id (clients may reuse ids): its results are kept,
+        though a refused request of the same id had them discarded."""
+        if request_id in self._unwanted:
+            with self._lock:
+                self._unwanted.pop(request_id, None)
 
     def __len__(self) -> int:
         with self._lock:

@@ -130,6 +130,7 @@ class RunnerHooks:
                 prompt_token_ids=prompt_ids,
             )
             req.cut_short = rid in self._aborting
+            self.runtime.results.reuse(rid)  # a new request: its results are wanted
             self.requests[engine_id] = req
         return req
 
@@ -236,12 +237,10 @@ class RunnerHooks:
     def discard_results(self, request_ids: list[str]) -> None:
         """Nobody takes these caller ids' results: those made go now, those still to come are
         dropped as they come (no wait here: a client's refused request must not hold the
-        engine for a background consumer)."""
-        ids = set(request_ids)
-        for req in self.requests.values():
-            if req.request_id in ids:
-                req.cut_short = True
-        self.runtime.results.discard(sorted(ids))
+        engine for a background consumer). Its running requests were marked cut short by
+        their engine ids when vLLM aborted them, not here by caller id: another client's
+        request may use the same id."""
+        self.runtime.results.discard(sorted(set(request_ids)))
 
     def finish_all(self) -> None:
         """Treat every known request as finished (an offline batch ended or was interrupted)."""

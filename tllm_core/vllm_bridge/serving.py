@@ -261,10 +261,10 @@ def attach_routes(
         return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
 
     async def discard(request_ids: list[str]) -> None:
-        """Abort these requests (through install_abort_marks: those running end cut short,
-        those not started never run), then have the engine drop what they made: in this
-        order, so that none ends after and is kept. Bounded: engine_answer_s each."""
-        await ask("abort", call=app.state.tllm_engine_client.abort(request_ids))
+        """Have the engine drop what these requests made (bounded: engine_answer_s). vLLM
+        already aborted them by their engine ids when the refused prompt failed the response
+        (marked cut short there); an abort by these caller ids could reach another client's
+        request that uses the same id."""
         await ask("tllm_discard_results", request_ids)
 
     app.add_middleware(
@@ -548,6 +548,8 @@ def install_sample_affinity(engine_client: Any) -> None:
         seen[1] -= 1
         if seen[1] <= 0:
             del placed[parent]
+        if seen[0] >= len(core.core_engines):  # engines removed meanwhile (elastic EP)
+            return route(request)
         # vLLM's own path for a set rank: its in-flight books (aborts, load) stay right.
         request.data_parallel_rank = seen[0]
         try:
