@@ -3,7 +3,6 @@ adapter (``runners.py``); nothing here reads a runner's internals."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from time import perf_counter
@@ -14,29 +13,14 @@ import torch
 
 from tllm_core.api.architectures import Architectures
 from tllm_core.api.edits import EditBuffers
-from tllm_core.api.request_settings import SAMPLES_KEY
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.runtime.runtime import Runtime
+from tllm_core.vllm_bridge.engine_ids import parse_engine_id
 from tllm_core.vllm_bridge.layouts import builtin_architectures
 from tllm_core.vllm_bridge.parallel import ParallelInfo, sync_edits, sync_sampled
 from tllm_core.vllm_bridge.runners import RunnerAdapterBase
 from tllm_core.vllm_bridge.sites import TapBuffers, install_tap, tap_info
-
-# Engine ids: "{external}-{8 chars}"; n>1 children: "{index}_{external}-{8 chars}".
-_SUFFIX = re.compile(r"^(?P<base>.*)-[0-9A-Za-z]{8}$")
-_CHILD = re.compile(r"^(?P<index>\d+)_(?P<rest>.+)$")
-
-
-def parse_engine_id(engine_id: str, extra_args: dict[str, Any]) -> tuple[str, int]:
-    """(caller's request id, sample index) from vLLM's internal request id."""
-    rest, sample = engine_id, 0
-    n_hint = extra_args.get(SAMPLES_KEY)
-    m = _CHILD.match(engine_id)
-    if m and (n_hint is None or int(n_hint) > 1):
-        sample, rest = int(m.group("index")), m.group("rest")
-    m = _SUFFIX.match(rest)
-    return (m.group("base") if m else rest), sample
 
 
 class RunnerHooks:

@@ -177,7 +177,7 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
         def settled(t: asyncio.Future) -> None:
             pending.discard(t)
             # A caller still waiting gets the error from ``outer``; one cancelled meanwhile
-            # cannot, so it is said here (else asyncio's "exception was never retrieved").
+            # cannot, so it is said here (no caller is left to raise it to).
             if not t.cancelled() and t.exception() is not None and outer.cancelled():
                 log.error("tllm: aborting requests %s failed: %r", request_ids, t.exception())
 

@@ -9,7 +9,6 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import secrets
 from collections import OrderedDict, deque
 from contextvars import ContextVar
@@ -34,6 +33,7 @@ from tllm_core.serving.guard import (
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
+from tllm_core.vllm_bridge.engine_ids import CHILD
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     ASKED,
@@ -515,7 +515,6 @@ def install_request_checks(
 
 
 MAX_FANOUTS = 4096  # parents with children left to route (aborted fan-outs age out)
-_CHILD_ID = re.compile(r"\d+_(.+)")  # vLLM's n > 1 child: "{index}_{parent id}"
 
 
 def install_sample_affinity(engine_client: Any) -> None:
@@ -533,12 +532,12 @@ def install_sample_affinity(engine_client: Any) -> None:
     placed: OrderedDict[str, list[int]] = OrderedDict()  # parent -> [engine index, left]
 
     def get_core_engine_for_request(request: Any) -> Any:
-        child = _CHILD_ID.fullmatch(request.request_id)
+        child = CHILD.match(request.request_id)
         params = getattr(request, "sampling_params", None)
         n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY) or 1)
         if child is None or n < 2 or request.data_parallel_rank is not None:
             return route(request)
-        parent = child.group(1)
+        parent = child.group("rest")
         if (seen := placed.get(parent)) is None:
             engine = route(request)
             placed[parent] = [core.core_engines.index(engine), n - 1]
