@@ -57,7 +57,7 @@ def test_other_settings_are_refused_naming_both_sides_and_stop_a_headless_node()
     kills = []
     command = nodes.NodeWatch()  # the node's command's, which reads the note
     with nodes.shared_note() as note:
-        command.listen(note)
+        command.note = note
         answer = nodes.join_leader(
             ESAMP,
             STATS,
@@ -142,7 +142,7 @@ def test_a_leaders_requested_stop_stops_its_follower_node_without_an_error(reque
     kills = []
     command = nodes.NodeWatch()  # the follower node's command's, which reads the note
     with nodes.shared_note() as note:
-        command.listen(note)
+        command.note = note
         kill = lambda *a: kills.append(a)  # noqa: E731
         answer = nodes.join_leader(
             STATS, STATS, 1, [host, port, kind], True, kill, watcher=nodes.NodeWatch()

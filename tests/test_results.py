@@ -740,8 +740,12 @@ def test_the_server_middleware_adds_results_to_json_and_streams():
     def app_for(ids, payload: bytes, stream: bool):
         async def app(scope, receive, send):
             for rid in ids:  # what vLLM's input processor does per request it admits
-                req = type("R", (), {"external_req_id": rid, "sampling_params": Params()})
-                rr.note_asked(req, {"tllm_results": "stats"} if rid else {})
+                req = type(
+                    "R",
+                    (),
+                    {"external_req_id": rid, "request_id": rid, "sampling_params": Params()},
+                )
+                rr.note_request(req, {"tllm_results": "stats"} if rid else {})
             kind = b"text/event-stream" if stream else b"application/json"
             await send(
                 {

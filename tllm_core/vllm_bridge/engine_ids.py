@@ -1,7 +1,5 @@
 """vLLM's internal request ids (CONTRACT.md, "Request ids"): ``"{external id}-{8 chars}"``;
-with ``n > 1`` the front end fans a request out into children ``"{index}_{parent id}"``. One
-grammar for the workers (whose caller and sample a row is) and the server (whose children
-go to one data-parallel engine)."""
+``n > 1`` fans a request out into children ``"{index}_{parent id}"``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Notice a dead engine process within a second, name it, and end every wait on it (vLLM's
-offline client waits on a dead engine core without a timeout); see CONTRACT.md ("Engine
-lifecycle")."""
+offline client waits on a dead engine core without a timeout); CONTRACT.md, "Engine lifecycle"."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLL_S = 0.25  # a death is noticed within this
-# After one died, the others get this long to exit (vLLM's workers do within about a second).
-LEFTOVER_GRACE_S = 5.0
+LEFTOVER_GRACE_S = 5.0  # for the others to exit after a death (vLLM's workers take ~1 s)
 SHM_EVERY = 8  # looks between two reads of the processes' shared memory (/proc/PID/maps)
 # Kernels built without CONFIG_PROC_CHILDREN have no /proc/PID/task/TID/children.
 KERNEL_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
@@ -25,8 +23,6 @@ KERNEL_CHILDREN = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/childr
 
 @dataclass(frozen=True)
 class Death:
-    """One dead engine process: what it was, its pid, how it ended."""
-
     what: str
     pid: int
     how: str
@@ -45,7 +41,7 @@ class EngineDiedError(RuntimeError):
 
 
 def how_it_ended(exitcode: int | None) -> str:
-    """``multiprocessing``'s exit code in words (negative: the signal that ended it)."""
+    """``multiprocessing``'s exit code in words."""
     if exitcode is None:
         return "its exit status went to its parent process"
     if exitcode < 0:
@@ -55,13 +51,19 @@ def how_it_ended(exitcode: int | None) -> str:
     return f"exit status {exitcode}"
 
 
+def _read(path: str) -> bytes:
+    """The bytes of a /proc file (empty where it cannot be read: the process is gone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _stat(pid: int) -> list[bytes]:
     """The fields of ``/proc/PID/stat`` from the state on (empty where it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
+    _, paren, rest = _read(f"/proc/{pid}/stat").rpartition(b")")
+    return rest.split() if paren else []
 
 
 def _alive(pid: int) -> bool:
@@ -71,21 +73,18 @@ def _alive(pid: int) -> bool:
 
 
 def exit_code(pid: int) -> int | None:
-    """How zombie ``pid`` ended, as ``multiprocessing``'s exit code (``/proc/PID/stat`` field
-    52: a worker is not our child, only its zombie tells); None otherwise."""
+    """How zombie ``pid`` ended, as ``multiprocessing``'s exit code (a worker is not our child:
+    only its zombie's ``/proc/PID/stat`` tells); None otherwise."""
     fields = _stat(pid)
-    if len(fields) < 50 or fields[0] != b"Z":
+    if len(fields) < 50 or fields[0] != b"Z" or not fields[49].isdigit():
         return None
-    try:
-        status = int(fields[49])
-    except ValueError:
-        return None
+    status = int(fields[49])
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 def _children(pid: int) -> list[int]:
-    """Every process below ``pid`` (an empty list where /proc is not readable). The kernel's
-    lists, where it keeps them: psutil's ``children`` reads every process's stat."""
+    """Every process below ``pid``, from the kernel's lists where it keeps them (psutil reads
+    every process's stat)."""
     if not KERNEL_CHILDREN:
         import psutil  # vLLM's dependency
 
@@ -94,36 +93,21 @@ def _children(pid: int) -> list[int]:
         return []
     out, todo = [], [pid]
     while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
+        for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            kids = [int(k) for k in _read(path).split()]
             out += kids
             todo += kids
     return out
 
 
 def _vllm_started(pid: int) -> bool:
-    """Whether ``pid`` is a process vLLM started (a ``VLLM::`` title or spawn), not the
-    resource tracker or another helper (e.g. a compiler)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            line = f.read()
-    except OSError:
-        return False
+    """Whether vLLM started ``pid`` (not the resource tracker or a helper such as a compiler)."""
+    line = _read(f"/proc/{pid}/cmdline")
     return b"resource_tracker" not in line and (b"VLLM::" in line or b"spawn_main" in line)
 
 
 def remove_openmp_files(pids: Iterable[int]) -> list[str]:
-    """Remove the Intel OpenMP files of the dead ``pids`` (libiomp5 removes its own only at a
-    normal exit); the paths removed."""
+    """Remove the dead ``pids``' Intel OpenMP files (libiomp5 does only at a normal exit)."""
     removed = []
     for pid in sorted(set(pids)):
         if _alive(pid):
@@ -137,18 +121,14 @@ def remove_openmp_files(pids: Iterable[int]) -> list[str]:
 
 def mapped_shm(pid: int | str) -> set[str]:
     """The ``/dev/shm`` shared memory (``psm_*``) and semaphores (``sem.*``) ``pid`` maps."""
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
+    lines = _read(f"/proc/{pid}/maps").decode(errors="surrogateescape").splitlines()
     names = {ln.rsplit("/dev/shm/", 1)[1].split(" ")[0] for ln in lines if "/dev/shm/" in ln}
     return {n for n in names if n.startswith(("psm_", "sem."))}
 
 
 def release_shm(names: Iterable[str]) -> list[str]:
     """Unlink the segments ``names`` no process of ours maps, and unregister them from
-    ``multiprocessing``'s resource tracker (else it warns of leaks at exit)."""
+    ``multiprocessing``'s resource tracker (else it warns of leaks)."""
     from multiprocessing import resource_tracker
 
     ours = mapped_shm("self")
@@ -175,8 +155,7 @@ def engine_processes(core: Any) -> list[Any]:
 
 
 class EngineWatch:
-    """Watches the processes of vLLM's engine client ``core`` from a daemon thread (nothing to
-    watch in-process)."""
+    """Watches the processes of vLLM's engine client ``core`` from a daemon thread."""
 
     def __init__(self, core: Any, poll_s: float = POLL_S) -> None:
         self.core = core
@@ -185,8 +164,7 @@ class EngineWatch:
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
         self._workers: set[int] = set()  # alive at the last look
-        # A pidfd per worker, readable once it exits: its status is read before its parent
-        # (the engine core) reaps it.
+        # A pidfd per worker, readable once it exits: its status is read before it is reaped.
         self._pidfds: dict[int, int] = {}
         self._codes: dict[int, int] = {}  # worker pid -> exit code, read from its zombie
         self.shm: set[str] = set()  # shared memory the engine processes had mapped
@@ -240,19 +218,15 @@ class EngineWatch:
             poller.register(fd, select.POLLIN)
         by_fd = {fd: pid for pid, fd in self._pidfds.items()}
         for fd, _ in poller.poll(self.poll_s * 1000):
-            pid = by_fd.get(fd)
-            code = None if pid is None else exit_code(pid)
-            if code is not None:
-                self._codes.setdefault(pid, code)
+            if (code := exit_code(by_fd[fd])) is not None:
+                self._codes.setdefault(by_fd[fd], code)
         return self._stopping.is_set()
 
     def _follow(self, workers: set[int]) -> None:
         """A pidfd for each new worker (none where the kernel has no ``pidfd_open``)."""
         for pid in workers - set(self._pidfds):
-            try:
+            with contextlib.suppress(AttributeError, OSError):  # gone, or Linux < 5.3: polled
                 self._pidfds[pid] = os.pidfd_open(pid)
-            except (AttributeError, OSError):  # gone already, or Linux < 5.3: polled only
-                continue
 
     def _close_pidfds(self) -> None:
         fds, self._pidfds = list(self._pidfds.values()), {}
@@ -262,16 +236,14 @@ class EngineWatch:
 
     def _look(self) -> Death | None:
         """One look; the death that is the cause: one killed by a signal (an engine core
-        first), else a worker (its engine core exits because it did)."""
+        first), else a worker's."""
         deaths = []
         for pid in sorted(self._workers):
             if not _alive(pid):
-                code = self._codes.get(pid)
-                code = exit_code(pid) if code is None else code
+                code = self._codes[pid] if pid in self._codes else exit_code(pid)
                 deaths.append(Death("vLLM's worker process", pid, how_it_ended(code)))
         for p in self.cores:
-            code = p.exitcode
-            if code is not None:
+            if (code := p.exitcode) is not None:
                 deaths.insert(0, Death("vLLM's engine core", int(p.pid), how_it_ended(code)))
         if deaths:
             killed = [d for d in deaths if "killed" in d.how]
@@ -288,7 +260,6 @@ class EngineWatch:
         return None
 
     def _wake_waiters(self) -> None:
-        """End every wait on the dead engine."""
         assert self.death is not None
         error = EngineDiedError(self.death)
         resources = getattr(self.core, "resources", None)
@@ -302,8 +273,8 @@ class EngineWatch:
             outputs.put_nowait(error)
 
     def clean_up(self, grace: float = LEFTOVER_GRACE_S) -> list[int]:
-        """After a death: ``grace`` s for the others to exit, SIGKILL the rest, remove what
-        they leave; the pids killed."""
+        """After a death: ``grace`` s for the others to exit, SIGKILL the rest, remove their
+        files; the pids killed."""
         self.stop()
         deadline = time.monotonic() + grace
         while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:

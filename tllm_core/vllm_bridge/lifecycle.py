@@ -17,27 +17,13 @@ WAKE_REQUEST_ID = "tllm-shutdown-wakeup"  # no request has it: aborting it chang
 
 
 def shutdown_engine(llm: Any, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
-    """Stop the engine processes of ``llm`` (in-process engines in place); idempotent."""
+    """Stop the engine processes of ``llm`` (in-process engines in place); idempotent. vLLM's
+    ``Process.join`` of an engine core also wakes it every :data:`WAKE_INTERVAL_S` meanwhile
+    (a SIGTERM arriving as it waits for input stays pending until a message comes)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is None:
         return
-    with wakeups_while_stopping(core):
-        try:
-            core.shutdown(timeout=timeout)
-        except TypeError:  # a client whose shutdown takes no timeout
-            core.shutdown()
-
-
-@contextlib.contextmanager
-def wakeups_while_stopping(core: Any) -> Iterator[None]:
-    """While inside, vLLM's ``Process.join`` of an engine core also wakes it every
-    :data:`WAKE_INTERVAL_S` (a SIGTERM arriving as it waits for input stays pending until a
-    message comes)."""
     procs = engine_processes(core)
-
-    def wake() -> None:
-        with contextlib.suppress(Exception):  # engine gone or client closed: nothing to wake
-            core.abort_requests([WAKE_REQUEST_ID])
 
     def waking_join(proc: Any, join: Callable[[float | None], None]) -> Callable[..., None]:
         def joining(timeout: float | None = None) -> None:
@@ -47,14 +33,18 @@ def wakeups_while_stopping(core: Any) -> Iterator[None]:
                 join(max(0.0, min(WAKE_INTERVAL_S, left)))
                 if not proc.is_alive() or (deadline is not None and time.monotonic() >= deadline):
                     return
-                wake()
+                with contextlib.suppress(Exception):  # engine gone or client closed
+                    core.abort_requests([WAKE_REQUEST_ID])
 
         return joining
 
     for p in procs:
         p.join = waking_join(p, p.join)
     try:
-        yield
+        try:
+            core.shutdown(timeout=timeout)
+        except TypeError:  # a client whose shutdown takes no timeout
+            core.shutdown()
     finally:
         for p in procs:
             vars(p).pop("join", None)
@@ -67,10 +57,9 @@ def unfinished_ids(llm: Any) -> list[str]:
 
 def abort_unfinished(llm: Any, ids: list[str] | None = None) -> int:
     """Abort the external requests ``ids`` (None: every one still tracked); how many."""
-    engine = llm.llm_engine
     ids = unfinished_ids(llm) if ids is None else ids
     if ids:
-        engine.abort_request(ids, internal=False)
+        llm.llm_engine.abort_request(ids, internal=False)
     return len(ids)
 
 

@@ -1,14 +1,15 @@
-"""Engines across several nodes (``--nnodes``, or data-parallel engines on other nodes): the
-same tllm settings on every node (settings that differ would diverge or hang in a collective),
-and watches for a node that is gone."""
+"""Engines across several nodes (``--nnodes``, or remote data-parallel engines): the same tllm
+settings on every node (else a collective diverges or hangs), and watches for a lost node."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -20,8 +21,7 @@ from tllm_core.vllm_bridge.errors import EngineNoAnswer, UnsupportedEngineError
 
 log = logging.getLogger("vllm.tllm")
 
-# Per-process fields: notes, the API server's limits, each node's own hung-stop delay and
-# front end.
+# Per-process fields: notes, the API server's limits, the hung-stop delay and the front end.
 LOCAL_FIELDS = ("start_error_file", "fault_file", "server", "hung_stop_s", "front_end")
 
 
@@ -42,7 +42,7 @@ def differences(leader: dict[str, Any] | None, mine: dict[str, Any] | None) -> l
 
 
 def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None) -> str:
-    """The refusal naming both sides: the leader's and the other node's place and settings."""
+    """The refusal naming both sides' places and settings."""
     fields = ", ".join(differences(lset, oset))
     return (
         f"tllm settings differ between the nodes of this engine (fields: {fields}): leader "
@@ -67,10 +67,8 @@ def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> No
             raise UnsupportedEngineError(differ_message(f"node_rank {lnode}", lset, other, oset))
 
 
-# -- a node that is gone ------------------------------------------------------------------------
-# An engine notices a dead peer only at its next collective, and a dead remote data-parallel
-# engine makes every request hang; so the leader's API server runs a barrier over every
-# engine and rank (:func:`node_check`) every NODE_CHECK_INTERVAL_S.
+# -- a lost node: an engine notices one only at its next collective (a dead remote DP engine
+# hangs every request), so the leader's API server runs :func:`node_check` every few seconds.
 NODE_CHECK_ENV = "TLLM_NODE_CHECK_S"
 NODE_CHECK_INTERVAL_S = 5.0
 # An answer slower than this (a peer that hangs rather than dies) counts as a lost node.
@@ -78,7 +76,7 @@ NODE_CHECK_TIMEOUT_S = 30.0
 
 
 def node_check() -> int:
-    """On a worker: a barrier over every rank (fails at once when a peer is gone); its rank."""
+    """On a worker: a barrier over every rank (fails when a peer is gone); its rank."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_world_group
 
@@ -112,10 +110,8 @@ def node_count(parallel: Any) -> int:
     return nnodes
 
 
-# -- a follower whose leader is gone ------------------------------------------------------------
-# A headless follower waits for its leader without limit, so it probes the leader's TCP store
-# (--master-addr:--master-port): once it answered, refused LEADER_MISSES times in a row means
-# the leader is gone. A requested stop: the leader sets STOP_KEY there (exit 0 on followers).
+# -- a lost leader: a headless follower waits for it without limit, so it probes the leader's
+# TCP store; a requested stop: the leader sets STOP_KEY there (exit 0 on followers).
 LEADER_MISSES = 3
 STOP_KEY = "tllm/leader-stopping"
 STOP_POLL_S = 0.5
@@ -123,25 +119,18 @@ STORE_TIMEOUT_S = 5.0
 
 
 def _store(host: str, port: int) -> Any:
-    """A client of the TCP store at ``host:port`` (the engine's torch.distributed store)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=False,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=STORE_TIMEOUT_S),
-    )
+    timeout = timedelta(seconds=STORE_TIMEOUT_S)
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
 
 
 def leader_store(
     nnodes: Any, node_rank: Any, master_addr: Any = None, master_port: Any = None
 ) -> tuple[str, int] | None:
-    """Where a multi-node leader's engine store listens (``master_addr:master_port``); None
-    unless this is node rank 0 of a multi-node engine."""
+    """Where node rank 0's engine store listens (None: not a multi-node leader)."""
     if int(nnodes or 1) <= 1 or int(node_rank or 0) != 0:
         return None
     return str(master_addr or "127.0.0.1"), int(master_port or 29501)
@@ -156,18 +145,8 @@ def announce_stop(host: str, port: int) -> bool:
     return True
 
 
-def leader_stopping(store: Any) -> bool | None:
-    """Whether the leader announced a requested stop (None: its store did not answer)."""
-    try:
-        return bool(store.check([STOP_KEY]))
-    except Exception:  # noqa: BLE001 - a closed connection: the leader's store is gone
-        return None
-
-
 def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
     """Whether something accepts TCP connections at ``host:port``."""
-    import socket
-
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
@@ -176,22 +155,20 @@ def leader_reachable(host: str, port: int, timeout: float = 5.0) -> bool:
 
 
 class NodeWatch:
-    """What this process's node watches found: the first lost node (:meth:`lost`), or a stop
-    on request (:meth:`stop`: a peer that stops answering then is no lost node)."""
+    """This process's node watches: the first lost node, or a stop on request (after which a
+    peer that stops answering is no lost node)."""
 
     def __init__(self) -> None:
         self._lost: list[str] = []
         self._stopping = threading.Event()
-        self._note: Any = None  # a headless node's note (shared_note), once it listens
+        self.note: Any = None  # a headless node's (shared_note): what its engines told
         self.leader_watch: threading.Thread | None = None  # the one watch_leader thread
-        # A leader's (host, port) of its engine's store: its followers are told of its stop.
+        # Where the leader tells its followers of its stop; a DP leader's store for it (kept).
         self.followers_store: tuple[str, int] | None = None
-        # A data-parallel leader's own store for that (stop_beacon), kept alive here.
         self.beacon: Any = None
 
     def stop(self) -> None:
-        """Stop on request: report nothing more; tell a leader's followers (from a thread: this
-        runs in a signal handler)."""
+        """Stop on request; tell a leader's followers (from a thread: signal handlers call it)."""
         first = not self._stopping.is_set()
         self._stopping.set()
         if first and self.followers_store is not None:
@@ -206,15 +183,11 @@ class NodeWatch:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def listen(self, note: Any) -> None:
-        """Also report what the engines told through ``note`` (:func:`shared_note`)."""
-        self._note = note
-
     def lost(self) -> str | None:
         """Why this node stops on its own (a lost node, or what its engines told), else None."""
         if self._lost:
             return self._lost[0]
-        told = None if self._note is None else self._note.read() or None
+        told = None if self.note is None else self.note.read() or None
         return None if told == STOP_REQUESTED else told
 
     def _report(self, reason: str, on_lost: Any) -> None:
@@ -224,14 +197,10 @@ class NodeWatch:
 
     async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
         """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``."""
-        import asyncio
-
         while True:
             await asyncio.sleep(interval)
             try:
                 await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S)
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
                 why = "no answer" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
                 reason = (
@@ -242,26 +211,21 @@ class NodeWatch:
                 return
 
     def watch_leader(
-        self,
-        host: str,
-        port: int,
-        interval: float,
-        on_lost: Any,
-        on_stop: Any = None,
+        self, host: str, port: int, interval: float, on_lost: Any, on_stop: Any = None
     ) -> threading.Thread:
-        """Start a daemon thread probing the leader every ``interval`` s; once it answered,
-        :data:`LEADER_MISSES` failed probes in a row call ``on_lost(reason)`` once. With
-        ``on_stop``, the leader's store is read every :data:`STOP_POLL_S`: once the leader
-        announced a stop, its store going away calls :meth:`stop` and ``on_stop()``."""
+        """A daemon thread probing the leader every ``interval`` s: once it answered,
+        :data:`LEADER_MISSES` failed probes in a row call ``on_lost(reason)``. With ``on_stop``,
+        its store going away after it announced a stop calls :meth:`stop` and ``on_stop()``."""
 
         def run() -> None:
             misses, seen, store, announced = 0, False, None, False
             while True:
                 if store is not None:
-                    # A refused connection first: a read on the store's closed connection has
-                    # torch log a C++ stack trace.
-                    up = leader_reachable(host, port, 1.0)
-                    state = leader_stopping(store) if up else None
+                    # Probed first: a read on a closed store has torch log a C++ stack trace.
+                    state = None  # whether the leader announced a stop (None: no answer)
+                    if leader_reachable(host, port, 1.0):
+                        with contextlib.suppress(Exception):  # a closed store: the leader is gone
+                            state = bool(store.check([STOP_KEY]))
                     if state is None and announced:
                         if not self.stopping:
                             self.stop()
@@ -279,10 +243,8 @@ class NodeWatch:
                 if leader_reachable(host, port):
                     misses, seen = 0, True
                     if on_stop is not None and store is None:
-                        try:
+                        with contextlib.suppress(Exception):  # not a store: probes only
                             store = _store(host, port)
-                        except Exception:  # noqa: BLE001 - not a store: probes only
-                            store = None
                 elif seen:  # a leader not up yet is waited for (vLLM's own start timeout)
                     misses += 1
                 if self.stopping:
@@ -295,15 +257,13 @@ class NodeWatch:
                     self._report(reason, on_lost)
                     return
 
-        t = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")
-        t.start()
-        self.leader_watch = t
-        return t
+        self.leader_watch = threading.Thread(target=run, daemon=True, name="tllm-leader-watch")
+        self.leader_watch.start()
+        return self.leader_watch
 
 
-# -- why a headless node stops, told by its engine processes ------------------------------------
-# The headless ``tllm serve`` process names a note file in NOTE_ENV ("{pid}:{path}"); the first
-# engine process to :func:`tell` writes the reason there and SIGTERMs that pid.
+# -- why a headless node stops: its ``tllm serve`` names a note in NOTE_ENV ("{pid}:{path}");
+# the first engine process to :func:`tell` writes the reason there and SIGTERMs that pid.
 NOTE_ENV = "TLLM_NODE_NOTE"
 # What an engine tells when its leader stopped on request: this node stops too (exit 0).
 STOP_REQUESTED = "the leader stopped on request"
@@ -311,8 +271,7 @@ STOP_REQUESTED = "the leader stopped on request"
 
 @contextlib.contextmanager
 def shared_note() -> Iterator[NoteFile]:
-    """In the node's command while its engines run: an empty note named in :data:`NOTE_ENV`;
-    removed on leaving (what was told is kept)."""
+    """In the node's command: an empty note named in :data:`NOTE_ENV` while inside."""
     note = NoteFile("tllm-node-")
     try:
         with note.shared(NOTE_ENV):
@@ -321,14 +280,9 @@ def shared_note() -> Iterator[NoteFile]:
         note.close()
 
 
-def on_headless_node() -> bool:
-    """Whether this process runs under a node's command that reads the note."""
-    return named(NOTE_ENV) is not None
-
-
 def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:
-    """In an engine process: write ``reason`` to the note and SIGTERM the node's command,
-    unless another process told first or there is no note. Whether it told."""
+    """In an engine process: write ``reason`` to the note and SIGTERM the node's command
+    (unless another told first, or no note); whether it told."""
     note = named(NOTE_ENV)
     if note is None or not write_once(note[1], reason):
         return False
@@ -336,13 +290,11 @@ def tell(reason: str, kill: Callable[[int, int], None] = os.kill) -> bool:
     return True
 
 
-# -- data-parallel engines on other nodes (``tllm serve --headless``) ---------------------------
-# The leader's API server sends every engine its settings and an address to watch (RPC
-# ``tllm_join_leader``); an engine whose settings differ refuses, and a headless node's engine
-# stops its node when the leader is gone (exit 1) or stopped on request (:func:`stop_beacon`).
+# -- remote data-parallel engines (``tllm serve --headless``): the leader's API server sends
+# each its settings and an address to watch (``tllm_join_leader``); one whose settings differ
+# refuses, a headless node's stops its node when the leader is gone or stopped on request.
 
-# A refusing engine tells its node's command this much later, so that its answer reaches the
-# leader before the node stops its engines.
+# A refusing engine tells its node this much later: its answer reaches the leader first.
 TELL_DELAY_S = 2.0
 LEADER_NAME = "(API server, data-parallel rank 0)"
 WILDCARDS = ("0.0.0.0", "::", "*", "")
@@ -357,16 +309,14 @@ def remote_engines(parallel: Any) -> bool:
 
 def parse_tcp(endpoint: str) -> tuple[str, int] | None:
     """``("host", port)`` of a ZMQ ``tcp://host:port`` endpoint; None for another transport."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    if not host or not port.isdigit():
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not endpoint.startswith("tcp://") or not host or not port.isdigit():
         return None
     return host.strip("[]"), int(port)
 
 
 def leader_endpoint(engine_client: Any) -> tuple[str, int] | None:
-    """Where the leader's engine client receives from its engines (its input socket)."""
+    """Where the leader's engine client receives from its engines."""
     import zmq
 
     sock = getattr(getattr(engine_client, "engine_core", None), "input_socket", None)
@@ -376,14 +326,13 @@ def leader_endpoint(engine_client: Any) -> tuple[str, int] | None:
     return parse_tcp(raw.decode() if isinstance(raw, bytes) else str(raw))
 
 
-# Marks a leader address that is a stop store (a follower reads the stop key there; the
-# engine input socket of an older leader is only probed).
+# Marks a leader address that is a stop store (else it is only probed).
 STOP_STORE = "stop-store"
 
 
 def stop_beacon(endpoint: tuple[str, int] | None, watch: NodeWatch) -> tuple | None:
-    """On the leader's API server: a TCP store (kept in ``watch``) where it announces its stop;
-    the address followers watch, ``(host, store port, STOP_STORE)``, else ``endpoint``."""
+    """On the leader's API server: a TCP store (kept in ``watch``) to announce its stop; the
+    address followers watch, ``(host, store port, STOP_STORE)``, else ``endpoint``."""
     if endpoint is None:
         return None
     try:
@@ -406,15 +355,14 @@ async def check_followers(
     watch: NodeWatch | None = None,
 ) -> None:
     """On a leader's API server with remote engines: every engine takes the leader's
-    ``settings``, or the server refuses to start naming both (``rpc``: ``serving.answered``
-    with its bound)."""
+    ``settings``, or the server refuses to start naming both (``rpc``: ``serving.answered``)."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
     endpoint = leader_endpoint(engine_client)
     if watch is not None:
         endpoint = stop_beacon(endpoint, watch)
     try:
-        # bounded: rpc is serving.answered, bounded by engine_answer_s
+        # bounded: rpc is serving.answered (engine_answer_s)
         answers = await rpc(engine_client, "tllm_join_leader", settings, endpoint)
     except EngineNoAnswer:
         raise  # a slow engine, not one without tllm: the error names the call
@@ -444,18 +392,17 @@ def join_leader(
 ) -> dict[str, Any]:
     """On an engine's worker: ``{"refused": message}`` when the leader's settings differ from
     ``mine`` (a headless node is told to stop), else ``{"watching": bool}``: whether this
-    worker (``watch``: the leading rank) watches the leader at ``endpoint`` (a wildcard host
-    becomes ``fallback_host``) through ``watcher`` (at most one leader watch)."""
+    leading rank (``watch``) watches the leader at ``endpoint`` (once per ``watcher``)."""
     if comparable(mine) != comparable(leader):
         msg = differ_message(LEADER_NAME, leader, f"data-parallel rank {dp_rank}", mine)
-        if on_headless_node():
+        if named(NOTE_ENV) is not None:  # under a headless node's command
             log.error("tllm: %s; stopping this node", msg)
             timer = threading.Timer(delay, tell, args=(msg, kill))
             timer.daemon = True
             timer.start()
         return {"refused": msg}
     interval = check_interval()
-    if not watch or endpoint is None or interval == 0 or not on_headless_node():
+    if not watch or endpoint is None or interval == 0 or named(NOTE_ENV) is None:
         return {"watching": False}
     if watcher.leader_watch is None:
         host, port, *kind = endpoint

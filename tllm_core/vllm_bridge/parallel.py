@@ -1,6 +1,5 @@
-"""vLLM's parallel engines: which rank does what for tllm (docs/scaling.md). Under tensor
-parallel TP rank 0 is the **leader**: only it keeps consumers; its edit buffers and (when a
-consumer guides) sampled tokens are broadcast to the other ranks. Pipeline parallel is
+"""vLLM's parallel engines (docs/scaling.md): TP rank 0 is the **leader**, the only rank with
+consumers; its edit buffers and guided sampled tokens are broadcast to the other ranks. PP is
 refused; data-parallel engines are independent, each with its own leader."""
 
 from __future__ import annotations
@@ -49,15 +48,14 @@ class ParallelInfo:
 
 
 def check_layout(parallel_config: Any) -> None:
-    """Refuse layouts tllm does not support (pipeline parallel)."""
     pp = int(parallel_config.pipeline_parallel_size)
     if pp != 1:
         raise UnsupportedEngineError(PP_REFUSAL.format(pp=pp))
 
 
 def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
-    """``(rank, size)`` of this engine among the data-parallel engines (vLLM resets an
-    independent engine's own fields; see CONTRACT.md, "Data parallel")."""
+    """``(rank, size)`` of this engine among the data-parallel engines (CONTRACT.md, "Data
+    parallel": vLLM resets an independent engine's own fields)."""
     size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
     rank = getattr(parallel_config, "data_parallel_index", None)
     if rank is None:
@@ -69,7 +67,7 @@ def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
 
 
 def parallel_info(parallel_config: Any) -> ParallelInfo:
-    """Ranks of this worker, read from vLLM's initialised parallel groups (PP is refused)."""
+    """Ranks of this worker, from vLLM's initialised parallel groups."""
     tp, tp_rank = int(parallel_config.tensor_parallel_size), 0
     if tp > 1:
         from vllm.distributed.parallel_state import get_tp_group
@@ -79,8 +77,8 @@ def parallel_info(parallel_config: Any) -> ParallelInfo:
 
 
 def sync_edits(buffers: Iterable[EditBuffers], device: torch.device) -> None:
-    """Broadcast the leader's edit buffers (the rows it wrote this step) to the TP group;
-    called on every rank, in the same step, with buffers in the same order."""
+    """Broadcast the leader's edit buffers (rows written this step) to the TP group; called on
+    every rank in the same step, buffers in the same order."""
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
@@ -110,7 +108,7 @@ def sync_sampled(token_ids: torch.Tensor) -> None:
 
 def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks a contiguous group of
-    the allowed cores (the first groups one more when uneven): ``"0,1|2,3"``."""
+    the allowed cores: ``"0,1|2,3"``."""
     ids = sorted(set(cpus))
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
@@ -124,8 +122,8 @@ def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
 
 
 def bind_cpu_threads(world_size: int) -> str | None:
-    """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` ranks on
-    this machine (TP size times DP size) unless the user set it; the value set, or None."""
+    """On vLLM's CPU platform, set ``VLLM_CPU_OMP_THREADS_BIND`` for ``world_size`` (TP x DP)
+    ranks unless the user set it; the value set, or None."""
     if world_size <= 1 or os.environ.get(BIND_ENV):
         return None
     from vllm.platforms import current_platform

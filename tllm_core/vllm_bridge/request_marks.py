@@ -1,8 +1,7 @@
-"""What the server tells about single requests: the ``X-Tllm-Failed`` mark, the ``cut_short``
-mark of requests vLLM aborts, and per-request results (a top-level ``"tllm"`` list, one
-``{"index": i, "<consumer>": result}`` per choice; a stream: one more event before
-``data: [DONE]``); and tllm routes' waits on the engine, cut short when the server stops (vLLM
-stops its engine before its HTTP server)."""
+"""What the server tells about single requests: the ``X-Tllm-Failed`` mark, ``cut_short`` of
+requests vLLM aborts, per-request results (a top-level ``"tllm"`` list, one entry per choice;
+a stream: one more event before ``data: [DONE]``); and waits on the engine that end at the
+server's stop (vLLM stops its engine before its HTTP server)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -23,12 +22,10 @@ from tllm_core.vllm_bridge.errors import EngineNoAnswer
 
 log = logging.getLogger("vllm.tllm")
 
-# Caller ids of the requests an HTTP request made vLLM run (FailureMarks gives each HTTP
-# request its own list; serving's assign_request_id wrapper fills it through note_request).
+# Caller ids of the requests an HTTP request made vLLM run (set by FailureMarks; note_request).
 REQUEST_IDS: ContextVar[list[str] | None] = ContextVar("tllm_request_ids", default=None)
 FAILED_HEADER = b"x-tllm-failed"
-# The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it
-# (clients skip comment lines, as the SSE format says they must).
+# The last event of an OpenAI stream; a stream's mark is an SSE comment line just before it.
 STREAM_END = b"data: [DONE]"
 SSE = b"text/event-stream"
 
@@ -41,9 +38,8 @@ class ServerStopping(RuntimeError):
 
 
 async def until_server_stops(app: Any, awaitable: Any, what: str, timeout: float) -> Any:
-    """``await awaitable``, unless the HTTP server starts to stop first (``app.state.server``
-    gets ``should_exit``: :class:`ServerStopping`) or ``timeout`` s pass
-    (:class:`EngineNoAnswer` naming ``what``); the wait is then cancelled."""
+    """``await awaitable``, cancelled with :class:`ServerStopping` once ``app.state.server``
+    should exit, or with :class:`EngineNoAnswer` naming ``what`` past ``timeout`` s."""
     task = asyncio.ensure_future(awaitable)
     deadline = asyncio.get_running_loop().time() + timeout
     try:
@@ -60,8 +56,17 @@ async def until_server_stops(app: Any, awaitable: Any, what: str, timeout: float
             task.cancel()
 
 
+@contextlib.contextmanager
+def bound(var: ContextVar, value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` inside (in this task's context)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def is_stream(start: dict) -> bool:
-    """Whether a response start is an event stream's."""
     return any(k.lower() == b"content-type" and SSE in v for k, v in start.get("headers", ()))
 
 
@@ -71,11 +76,18 @@ def before_end(body: bytes, line: bytes) -> bytes:
     return body[:at] + line + body[at:]
 
 
-def note_request(request: Any) -> None:
-    """Called once per request vLLM admits: remember its caller id for the HTTP request."""
-    ids = REQUEST_IDS.get()
-    if ids is not None:
-        ids.append(getattr(request, "external_req_id", None) or request.request_id)
+def caller_id(request: Any) -> str:
+    return str(getattr(request, "external_req_id", None) or request.request_id)
+
+
+def note_request(request: Any, extra: dict[str, Any] | None) -> None:
+    """Called once per request vLLM admits: note its caller id and the results it asks for."""
+    rid = caller_id(request)
+    if (ids := REQUEST_IDS.get()) is not None:
+        ids.append(rid)
+    names = asked_results(extra) if extra else []
+    if (asked := ASKED.get()) is not None and names:
+        asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
 
 
 class FailureMarks:
@@ -111,8 +123,6 @@ class FailureMarks:
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
         ids: list[str] = []
-        token = REQUEST_IDS.set(ids)
-
         stream = False
 
         async def marked(msg: dict) -> None:
@@ -128,30 +138,24 @@ class FailureMarks:
                     msg = {**msg, "body": before_end(body, line)}
             await send(msg)
 
-        try:
+        with bound(REQUEST_IDS, ids):
             await self.app(scope, receive, marked)
-        finally:
-            REQUEST_IDS.reset(token)
 
 
-# Set while ``AsyncLLM.abort`` runs (a client gone, a request cancelled): the engine core's
-# aborts of requests its detokenizer finished on a stop string (the output handler, another
-# task) ran to their end and are not marked.
+# Set while ``AsyncLLM.abort`` runs (a client gone): the engine core's aborts of requests ended
+# on a stop string (by the output handler, another task) are not marked.
 FRONT_END_ABORT: ContextVar[bool] = ContextVar("tllm_front_end_abort", default=False)
 
 
 def install_abort_marks(engine_client: Any, ask: Ask) -> None:
-    """Requests the front end aborts (a client gone) reach the consumers as ``cut_short``: the
-    workers mark them before the abort (the engine core handles its input in order)."""
+    """Requests the front end aborts (a client gone) reach the consumers as ``cut_short``
+    (marked before the abort; the engine core handles its input in order)."""
     engine_core = engine_client.engine_core
     abort_orig, core_abort_orig = engine_client.abort, engine_core.abort_requests_async
 
     async def abort(*args: Any, **kwargs: Any) -> None:
-        token = FRONT_END_ABORT.set(True)
-        try:
+        with bound(FRONT_END_ABORT, True):
             await abort_orig(*args, **kwargs)
-        finally:
-            FRONT_END_ABORT.reset(token)
 
     pending: set[asyncio.Future] = set()  # strong references: a bare task may be collected
 
@@ -188,16 +192,13 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
     engine_core.abort_requests_async = abort_requests_async
 
 
-# -- per-request results, read from the workers until all are there or results_wait_s passed --
-# Caller id -> (consumers asked, n) of the requests of one HTTP request that ask for results.
+# Per HTTP request (set by ResultReturn): caller id -> (consumers asked, n) of its requests.
 ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
     "tllm_results_asked", default=None
 )
-# Caller id -> the bytes its results can hold, of the requests one HTTP request had admitted
-# (check_bounds: together they must fit the store).
+# Caller id -> the bytes its results can hold, of the requests admitted (check_bounds).
 HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
-# Why a prompt of one HTTP request was refused: vLLM starts all its prompts together, so the
-# later ones reach check_bounds after it, and each is refused with this reason.
+# Why a prompt was refused: vLLM starts all prompts together, the later ones get this reason.
 REFUSED: ContextVar[list[str] | None] = ContextVar("tllm_results_refused", default=None)
 # vLLM's completion route runs prompt i of a request as "{request id}-{i}".
 _PROMPT_SUFFIX = re.compile(r"-(\d+)$")
@@ -213,9 +214,8 @@ def check_bounds(
     hidden_size: int,
     held: dict[str, int] | None = None,
 ) -> str | None:
-    """Why vLLM's engine ``request`` must be refused (a result bounded past ``limit``, or all
-    results of its HTTP request past the store); ``held``: the bytes its HTTP request's
-    requests admitted before could hold, by caller id (this one's added when admitted)."""
+    """Why ``request`` must be refused (a result bounded past ``limit``, or its HTTP request's
+    past the store), else None; ``held``: :data:`HELD` (this one is added when admitted)."""
     params = request.sampling_params
     prompt = len(getattr(request, "prompt_token_ids", None) or ())
     max_tokens = int(getattr(params, "max_tokens", None) or 0)
@@ -229,8 +229,7 @@ def check_bounds(
                 f"of {limit} bytes (setting max_result_bytes); ask for fewer rows (a narrower "
                 "window, fewer tokens or layers)"
             )
-    # All choices of all prompts of one HTTP request wait in one store together (vLLM's
-    # completion route runs prompt i as its own request "{id}-{i}", checked one by one).
+    # All choices of all prompts ("{id}-{i}", checked one by one) wait in one store together.
     n = int(getattr(params, "n", None) or 1)
     mine = n * sum(bounds.values())
     if (total := sum((held or {}).values()) + mine) > STORE_RESULTS * limit:
@@ -243,25 +242,8 @@ def check_bounds(
             f"({STORE_RESULTS} x max_result_bytes); ask for fewer {fewer} or rows"
         )
     if held is not None:
-        held[str(getattr(request, "external_req_id", None) or request.request_id)] = mine
+        held[caller_id(request)] = mine
     return None
-
-
-def note_asked(request: Any, extra: dict[str, Any] | None) -> None:
-    """Called once per request vLLM admits: remember what it asked for, by caller id."""
-    asked = ASKED.get()
-    names = asked_results(extra) if extra else []
-    if asked is None or not names:
-        return
-    rid = getattr(request, "external_req_id", None) or request.request_id
-    asked[str(rid)] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
-
-
-def choice_index(rid: str, ids: list[str], n: int, sample: int) -> int:
-    """The choice a sample fills: prompt ``i`` (id suffix ``-i``) holds ``i*n .. i*n+n-1``."""
-    m = _PROMPT_SUFFIX.search(rid)
-    prompt = int(m.group(1)) if (m and len(ids) > 1) else 0
-    return prompt * n + sample
 
 
 async def gather_results(
@@ -286,11 +268,11 @@ async def gather_results(
             break
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         pause = min(pause * 2, LAST_POLL_S)
-    out = [
-        {"index": choice_index(rid, ids, n, s), **with_missing(names, made(rid, s), wait_s)}
-        for rid, (names, n) in asked.items()
-        for s in range(n)
-    ]
+    out = []
+    for rid, (names, n) in asked.items():  # prompt i (id suffix -i) fills choices i*n .. i*n+n-1
+        m = _PROMPT_SUFFIX.search(rid)
+        first = int(m.group(1)) * n if (m and len(ids) > 1) else 0
+        out += [{"index": first + s, **with_missing(names, made(rid, s), wait_s)} for s in range(n)]
     return sorted(out, key=lambda e: e["index"])
 
 
@@ -330,8 +312,6 @@ class ResultReturn:
         asked: dict[str, tuple[list[str], int]] = {}
         admitted: dict[str, int] = {}  # HELD: the prompts admitted, refused: REFUSED's why
         refused: list[str] = []
-        token, held_token = ASKED.set(asked), HELD.set(admitted)
-        refused_token = REFUSED.set(refused)
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far
         chunks: list[bytes] = []
         first_event: list[dict[str, Any]] = []  # a stream's first JSON event (id, model...)
@@ -362,12 +342,8 @@ class ResultReturn:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-        try:
+        with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
             await self.app(scope, receive, with_results)
-        finally:
-            ASKED.reset(token)
-            HELD.reset(held_token)
-            REFUSED.reset(refused_token)
         # No response takes what the prompts admitted before a refused one made.
         if refused and admitted and self.discard:
             try:

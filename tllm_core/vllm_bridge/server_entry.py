@@ -1,6 +1,5 @@
-"""vLLM's OpenAI-compatible server run in this process (``tllm serve``), so the command's
-settings and Ctrl-C handling apply; the consumers it checked reach the endpoint gate through
-:data:`CHECKED` (not validated twice)."""
+"""vLLM's OpenAI server in this process (``tllm serve``): the command's settings and Ctrl-C
+handling apply, and the consumers it checked reach the endpoint gate (:data:`CHECKED`)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 @dataclass(frozen=True)
 class CheckedServer:
     """Consumers the command checked for ``settings`` (used only when ``--additional-config``
-    carries exactly these); ``nodes``: where the server's watches record a lost node."""
+    carries exactly these); ``nodes``: the server's node watches."""
 
     settings: dict[str, Any]
     engine: Any  # tllm_core.serving.keys.EngineConsumers
@@ -74,14 +73,13 @@ def run_headless_node(argv: list[str], nodes: NodeWatch) -> None:
     _watch_leader(args, nodes)
     # A data-parallel engine of this node tells it to stop through the note (nodes.py).
     with shared_note() as note:
-        nodes.listen(note)
+        nodes.note = note
         try:
             run_headless(args)
         except SystemExit:
-            if (reason := nodes.lost()) is None:
+            if nodes.lost() is None:
                 raise
-        else:
-            reason = nodes.lost()
+        reason = nodes.lost()
     if reason:  # the leader is gone, or refused: an error, not a requested stop
         # Raised, not returned: the interpreter's exit stops what vLLM left running.
         print(f"tllm: error: {reason}", file=sys.stderr, flush=True)

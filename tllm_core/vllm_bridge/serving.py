@@ -43,9 +43,9 @@ from tllm_core.vllm_bridge.request_marks import (
     FailureMarks,
     ResultReturn,
     ServerStopping,
+    bound,
     check_bounds,
     install_abort_marks,
-    note_asked,
     note_request,
     until_server_stops,
 )
@@ -61,24 +61,22 @@ STATUS_PATH = "/tllm/status"
 HEALTH_PATH = "/health"  # vLLM's own route
 
 
-# Whether the HTTP request being served had its ``vllm_xargs`` checked by XargsCheck (set
-# there, read in the input processor's assign_request_id, which runs in the request's task).
+# Set by XargsCheck in the request's task: assign_request_id need not check vllm_xargs again.
 XARGS_CHECKED: ContextVar[bool] = ContextVar("tllm_xargs_checked", default=False)
 # Routes whose JSON body carries ``vllm_xargs`` at the top level.
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Routes whose answers carry per-request results (choices), and the one that cannot.
 RESULTS_PATHS = ("/v1/completions", "/v1/chat/completions")
 NO_RESULTS = ("/v1/responses",)
-# A body past the limit is still read (and dropped) up to this many times the limit, so that
-# the client can read the 413 (see XargsCheck.refuse).
+# A body past the limit is still read up to this many times it, so the client sees the 413.
 DRAIN_FACTOR = 4
 # A control call answered after its 504 is still adopted up to this many times engine_answer_s.
 LATE_CONTROL_FACTOR = 10
 
 
 def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
-    """The ``vllm_xargs`` of a request body that names tllm keys (None: it does not, or the
-    body is vLLM's to refuse), or the HTTP 400 of a body too deeply nested to parse."""
+    """The ``vllm_xargs`` of a body naming tllm keys (else None), or the 400 of one nested
+    too deeply to parse."""
     if b"tllm_" not in body and b"\\u" not in body:  # a key may be spelt "\u0074llm_..."
         return None, None
     try:
@@ -127,8 +125,7 @@ class XargsCheck:
         self.max_body_bytes = max_body_bytes
 
     async def refuse(self, receive, send, more: bool) -> None:
-        """413, after reading and dropping the rest of a body up to ``DRAIN_FACTOR`` times the
-        limit (a client still sending would see a connection reset, not the 413)."""
+        """413, after dropping the rest of the body (a client still sending sees a reset)."""
         budget = DRAIN_FACTOR * self.max_body_bytes
         while more and budget > 0:
             msg = await receive()
@@ -147,12 +144,9 @@ class XargsCheck:
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers") or ()}
         declared = headers.get(b"content-length", b"")
-        declared = int(declared) if declared.isdigit() else None
-        if declared is not None and declared > self.max_body_bytes:
-            # Past the drain budget: answer at once, the client may see a reset instead.
-            return await self.refuse(
-                receive, send, more=declared <= DRAIN_FACTOR * self.max_body_bytes
-            )
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            more = int(declared) <= DRAIN_FACTOR * self.max_body_bytes
+            return await self.refuse(receive, send, more=more)
         messages: deque = deque()
         size = 0
         while True:
@@ -180,12 +174,8 @@ class XargsCheck:
         async def replay():
             return messages.popleft() if messages else await receive()
 
-        # The request's tllm keys passed here: the input processor does not check them again.
-        token = XARGS_CHECKED.set(xargs is not None)
-        try:
+        with bound(XARGS_CHECKED, xargs is not None):
             await self.app(scope, replay, send)
-        finally:
-            XARGS_CHECKED.reset(token)
 
 
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
@@ -201,7 +191,7 @@ async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
 
 
 async def answered(timeout: float, engine_client: Any, method: str, *args: Any) -> list[Any]:
-    """:func:`rpc_all`, or :class:`EngineNoAnswer` naming ``method`` past ``timeout`` s."""
+    """:func:`rpc_all`, or :class:`EngineNoAnswer` past ``timeout`` s."""
     try:
         return await asyncio.wait_for(rpc_all(engine_client, method, *args), timeout)
     except asyncio.TimeoutError:
@@ -251,8 +241,7 @@ def attach_routes(
     ``results_wait_s``: :class:`ResultReturn`)."""
     settings = settings or ServerSettings()
 
-    def ask(method: str, *args: Any, call: Any = None) -> Any:
-        """The workers' answers to ``method`` (``call``: that RPC, already sent), bounded."""
+    def ask(method: str, *args: Any, call: Any = None) -> Any:  # call: that RPC, already sent
         if call is None:
             call = rpc_all(app.state.tllm_engine_client, method, *args)
         return until_server_stops(app, call, repr(method), settings.engine_answer_s)
@@ -260,13 +249,8 @@ def attach_routes(
     def ask_workers():  # None while the engine is not up
         return ask if getattr(app.state, "tllm_engine_client", None) is not None else None
 
-    async def discard(request_ids: list[str]) -> None:
-        """Have the engine drop what these requests made (bounded: engine_answer_s). vLLM
-        already aborted them by their engine ids when the refused prompt failed the response
-        (marked cut short there); an abort by these caller ids could reach another client's
-        request that uses the same id."""
-        await ask("tllm_discard_results", request_ids)
-
+    # Not aborted by caller id (vLLM aborted them by engine id): another client may share it.
+    discard = functools.partial(ask, "tllm_discard_results")
     app.add_middleware(
         ResultReturn, paths=RESULTS_PATHS, ask=ask_workers, wait_s=results_wait_s, discard=discard
     )
@@ -280,9 +264,8 @@ def attach_routes(
     app.add_middleware(BearerGuard, tokens=tokens)
     router = APIRouter()
     control_lock = asyncio.Lock()  # the front end's configs and the engine's change in step
-    # Control actions the engine did not answer in time (consumer -> action): still waited
-    # for, and given up on (the front end's config of that consumer may differ from the
-    # engine's); late_tasks holds the waiting tasks.
+    # Control actions (consumer -> action) the engine did not answer in time: still waited
+    # for, and given up on (the front end's config may then differ from the engine's).
     pending: dict[str, str] = {}
     unconfirmed: dict[str, str] = {}
     late_tasks: set[asyncio.Task] = set()
@@ -291,9 +274,7 @@ def attach_routes(
         return {"controls_pending": dict(pending), "controls_unconfirmed": dict(unconfirmed)}
 
     async def adopt_late(call: Any, name: str, action: str, new: Any) -> None:
-        """A control call that timed out may still be applied by the engine: wait for its
-        answer (bounded) and then keep the front end's config in step, holding the control
-        lock until then so that the next control call starts from the engine's config."""
+        """Adopt the engine's late answer to a control call, holding the control lock till then."""
         try:
             what = f"'tllm_control' ({name} {action}, after its 504)"
             out = await until_server_stops(
@@ -320,8 +301,7 @@ def attach_routes(
         return body if settings.show_paths else hide_paths(body)
 
     async def guarded(answer: Any, unanswered: str = "") -> Any:
-        """``await answer()``, or 503 while tllm is not initialised or the server stops, or
-        504 (``unanswered`` added to the message) when the engine does not answer in time."""
+        """``await answer()``; 503 with no engine or at the server's stop; 504 + ``unanswered``."""
         if getattr(app.state, "tllm_engine_client", None) is None:
             return _error("tllm is not initialised in this server", 503)
         try:
@@ -340,10 +320,8 @@ def attach_routes(
 
     @router.get(COUNTERS_PATH)
     async def tllm_counters(request: Request):
-        async def read() -> JSONResponse:
-            return JSONResponse(await counters.get())  # bounded: until_server_stops, shared
-
-        return await guarded(read)
+        got = await guarded(counters.get)  # bounded: until_server_stops, shared
+        return got if isinstance(got, JSONResponse) else JSONResponse(got)
 
     @router.get(STATUS_PATH)
     async def tllm_status(request: Request):
@@ -466,48 +444,38 @@ def install_request_checks(
     max_result_bytes: int | None = None,
     hidden_size: int = 0,
 ) -> None:
-    """Instance-level wrappers on the front end's input processor (this server only).
-    ``secret``: of the cache salts and client ids; ``max_result_bytes``: requests whose
-    results a consumer bounds past it are refused."""
+    """Wrap this server's input processor: checks, cache salts (keyed by ``secret``), groups;
+    requests whose results a consumer bounds past ``max_result_bytes`` are refused."""
     from vllm.exceptions import VLLMValidationError
 
     require_attrs(input_processor, ("assign_request_id",), "input processor")
-    # Per-server secret of the cache salts (see request_salt): clients cannot forge them.
     salt_key = secret if secret is not None else secrets.token_bytes(32)
     assign_orig = input_processor.assign_request_id
 
     def assign_request_id(request: Any) -> None:
         params = getattr(request, "sampling_params", None)
         extra = getattr(params, "extra_args", None)
-        # Requests whose body XargsCheck parsed were checked there; others are checked here.
         if extra and not XARGS_CHECKED.get():
             try:
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
         if extra and RESULTS_KEY in extra and max_result_bytes is not None:
-            refused = REFUSED.get()
+            refused, held = REFUSED.get(), HELD.get()
             why = refused[0] if refused else None
-            why = why or check_bounds(
-                request, extra, server, max_result_bytes, hidden_size, HELD.get()
-            )
-            if why is not None:
-                # Its prompts admitted before are aborted with it, those after refused too:
-                # no results to wait for.
+            why = why or check_bounds(request, extra, server, max_result_bytes, hidden_size, held)
+            if why is not None:  # its other prompts are aborted or refused: no results to wait for
                 (ASKED.get() or {}).clear()
                 if refused == []:
                     refused.append(why)
                 raise VLLMValidationError(why, parameter="vllm_xargs")
         assign_orig(request)
-        note_asked(request, extra)
+        note_request(request, extra)
         salt = request_salt(extra, salt_key)
         if salt is not None:
             old = request.cache_salt
             request.cache_salt = f"{old}|{salt}" if old else salt
-        note_request(request)
-        if params is not None:
-            # After the salt (the group does not change KV); before the n fan-out, so the
-            # samples of one request share the group and know how many they are.
+        if params is not None:  # before the n fan-out: the samples share the group and know n
             group = scoped_group(extra or {}, CLIENT.get(), request.request_id)
             params.extra_args = {**(extra or {}), GROUP_KEY: group, SAMPLES_KEY: params.n}
 
@@ -518,9 +486,8 @@ MAX_FANOUTS = 4096  # parents with children left to route (aborted fan-outs age 
 
 
 def install_sample_affinity(engine_client: Any) -> None:
-    """Data parallel behind this server: all ``n`` samples of a request go to the engine its
-    first went to (vLLM balances each child alone), so a group of samples (ESamp's one
-    distiller per prompt) lives in one engine. A request's ``data_parallel_rank`` is kept."""
+    """Data parallel: all ``n`` samples of a request go to its first one's engine (vLLM balances
+    each child alone), so a group of samples lives in one engine (CONTRACT.md)."""
     core = engine_client.engine_core
     engines = getattr(core, "core_engines", None)
     if engine_client.vllm_config.parallel_config.data_parallel_size < 2 or (
@@ -563,7 +530,6 @@ def install_sample_affinity(engine_client: Any) -> None:
 async def init_state(
     engine_client: Any, state: Any, server: EngineConsumers, watch: nodes.NodeWatch
 ) -> None:
-    # This server's settings, read once: its limits here, its followers' check below.
     leader = tllm_settings(engine_client.vllm_config.additional_config)
     mine = RuntimeSettings.model_validate(leader or {})
     install_request_checks(
@@ -578,8 +544,6 @@ async def init_state(
     install_sample_affinity(engine_client)
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
-    # Data-parallel engines on other nodes: the same settings there, and followers that
-    # watch this leader (nodes.py).
     await nodes.check_followers(engine_client, ask_engine, leader, watch)
     status = await ask_engine(engine_client, "tllm_status")
     if not status or not all(s.get("installed") for s in status):
@@ -587,7 +551,13 @@ async def init_state(
             f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is set but the tllm runtime is not "
             f"installed in the model runner (worker status: {status})"
         )
-    watch_peer_nodes(engine_client, state, watch)
+    # A multi-node leader checks every engine and rank; a lost node stops this server.
+    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
+    interval = nodes.check_interval()
+    if nnodes > 1 and interval != 0:
+        ask = functools.partial(rpc_all, engine_client, "tllm_node_check")
+        watching = watch.watch_nodes(ask, nnodes, interval, nodes.stop_self("the server"))
+        state.tllm_node_watch = asyncio.get_running_loop().create_task(watching)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
         sorted(server.per_request),
@@ -598,9 +568,8 @@ async def init_state(
 
 
 async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
-    """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``): a
-    request whose engine went away would otherwise never complete. vLLM's server installs
-    no signal handler, so it is found in ``state.server``, which appears after ``init_state``."""
+    """Bound the HTTP server's wait for open requests at shutdown (``close_http_soon``), once
+    vLLM's server appears in ``state.server`` (after ``init_state``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     while loop.time() < deadline:
@@ -609,17 +578,3 @@ async def bound_http_close(state: Any, wait_s: float = 60.0) -> None:
             close_http_soon(getattr(server, "handle_exit", None))
             return
         await asyncio.sleep(0.1)
-
-
-def watch_peer_nodes(engine_client: Any, state: Any, watch: nodes.NodeWatch) -> None:
-    """On the leader of a multi-node engine: check every engine and rank every few seconds; a
-    lost node (recorded in ``watch``) stops this server."""
-    nnodes = nodes.node_count(engine_client.vllm_config.parallel_config)
-    interval = nodes.check_interval()
-    if nnodes <= 1 or interval == 0:
-        return
-    ask = lambda: rpc_all(engine_client, "tllm_node_check")  # noqa: E731
-    on_lost = nodes.stop_self("the server")
-    state.tllm_node_watch = asyncio.get_running_loop().create_task(
-        watch.watch_nodes(ask, nnodes, interval, on_lost)
-    )

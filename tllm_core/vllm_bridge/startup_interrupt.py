@@ -1,6 +1,5 @@
-"""Ctrl-C while a tllm front end waits for its engine to start: vLLM's ``zmq_socket_ctx``
-swallows ``KeyboardInterrupt`` during the handshake (the front end would wait up to 600 s);
-:func:`interrupts_reach_caller` passes it on after the original closed its socket."""
+"""Ctrl-C while a front end waits for its engine to start: vLLM's ``zmq_socket_ctx`` swallows
+``KeyboardInterrupt`` in the handshake (then waits up to 600 s); this passes it on."""
 
 from __future__ import annotations
 
