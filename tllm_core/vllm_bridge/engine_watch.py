@@ -83,8 +83,7 @@ def exit_code(pid: int) -> int | None:
 
 
 def _children(pid: int) -> list[int]:
-    """Every process below ``pid``, from the kernel's lists where it keeps them (psutil reads
-    every process's stat)."""
+    """Every process below ``pid``: the kernel's lists (psutil's scan reads every process)."""
     if not KERNEL_CHILDREN:
         import psutil  # vLLM's dependency
 
@@ -235,8 +234,7 @@ class EngineWatch:
                 os.close(fd)
 
     def _look(self) -> Death | None:
-        """One look; the death that is the cause: one killed by a signal (an engine core
-        first), else a worker's."""
+        """One look; the causing death: one killed by a signal (core first), else a worker's."""
         deaths = []
         for pid in sorted(self._workers):
             if not _alive(pid):
@@ -273,8 +271,7 @@ class EngineWatch:
             outputs.put_nowait(error)
 
     def clean_up(self, grace: float = LEFTOVER_GRACE_S) -> list[int]:
-        """After a death: ``grace`` s for the others to exit, SIGKILL the rest, remove their
-        files; the pids killed."""
+        """After a death: wait ``grace`` s, SIGKILL the rest, remove their files; pids killed."""
         self.stop()
         deadline = time.monotonic() + grace
         while any(_alive(p) for p in self.pids) and time.monotonic() < deadline:

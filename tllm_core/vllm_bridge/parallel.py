@@ -107,8 +107,7 @@ def sync_sampled(token_ids: torch.Tensor) -> None:
 
 
 def cpu_thread_binding(world_size: int, cpus: Iterable[int]) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` giving each of ``world_size`` ranks a contiguous group of
-    the allowed cores: ``"0,1|2,3"``."""
+    """``VLLM_CPU_OMP_THREADS_BIND``: each rank a contiguous group of ``cpus`` (``"0,1|2,3"``)."""
     ids = sorted(set(cpus))
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")

@@ -75,8 +75,7 @@ LATE_CONTROL_FACTOR = 10
 
 
 def parse_xargs(body: bytes) -> tuple[dict | None, tuple[int, str] | None]:
-    """The ``vllm_xargs`` of a body naming tllm keys (else None), or the 400 of one nested
-    too deeply to parse."""
+    """``vllm_xargs`` naming tllm keys (else None), or the 400 of a body nested too deeply."""
     if b"tllm_" not in body and b"\\u" not in body:  # a key may be spelt "\u0074llm_..."
         return None, None
     try:
@@ -116,8 +115,7 @@ def _error_response(status: int, message: str, kind: str, param: str | None = No
 
 
 class XargsCheck:
-    """Pure ASGI middleware: HTTP 413 for a body past ``max_body_bytes``, HTTP 400 for bad
-    tllm vllm_xargs, both before the handler runs (chunks joined once, not quadratically)."""
+    """Pure ASGI middleware: 413 past ``max_body_bytes``, 400 for bad tllm vllm_xargs."""
 
     def __init__(self, app: Any, server: EngineConsumers, max_body_bytes: int = 32 * MIB):
         self.app = app
@@ -179,8 +177,7 @@ class XargsCheck:
 
 
 async def rpc_all(engine_client: Any, method: str, *args: Any) -> list[Any]:
-    """``collective_rpc(method, args=args)`` on every worker of every engine core, flattened
-    (the client's own reaches the first data-parallel engine only)."""
+    """``collective_rpc`` on every worker of every engine core (the client's: the first only)."""
     core = getattr(engine_client, "engine_core", None)
     call_all = getattr(core, "call_utility_all_async", None)
     if call_all is not None and len(getattr(core, "core_engines", ()) or ()) > 1:
@@ -199,8 +196,7 @@ async def answered(timeout: float, engine_client: Any, method: str, *args: Any) 
 
 
 class HungHealth:
-    """ASGI middleware: ``GET /health`` answers 503 naming the consumer while the engine's
-    watchdog reports a hung callback in ``fault_file`` (the engine answers no RPC then)."""
+    """ASGI middleware: ``GET /health`` is 503 naming the consumer while a callback hangs."""
 
     def __init__(self, app: Any, fault_file: str | None):
         self.app = app
