@@ -135,6 +135,19 @@ class EngineCache:
 
 
 @pytest.fixture(autouse=True)
+def _one_torch_thread_per_worker(request):
+    """A worker of the spread suite computes (references, in-process engines) on one intra-op
+    thread: two workers of two threads each oversubscribe the two cores, and OpenMP's waiting
+    threads then make a tiny model's forward about ten times slower. torch._C's binding:
+    vLLM's CPU worker replaces torch.set_num_threads with a no-op in its process."""
+    if hasattr(request.config, "workerinput"):
+        import torch
+
+        torch._C.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_dist_ident():
     """vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; an in-process engine thus
     leaves it in the test process, and a ``tllm`` subprocess started later would inherit it

@@ -16,10 +16,10 @@ def hf_model(path: str):
 
 
 @torch.no_grad()
-def hf_states(path: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
+def hf_states(path: str, token_ids: list[int] | list[list[int]]) -> dict[str, torch.Tensor]:
     """``layer.{i}`` (residual stream after layer i), ``final`` (normed), ``attn.{i}`` and
     ``mlp.{i}`` (the blocks' outputs, from forward hooks on ``self_attn`` / ``mlp``) for
-    every position.
+    every position; for a batch of equal-length sequences, each key holds ``[batch, seq, ...]``.
 
     transformers' last ``hidden_states`` entry is already normed, so the last layer's own
     output is taken with a forward hook.
@@ -36,18 +36,21 @@ def hf_states(path: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
         handles.append(layer.self_attn.register_forward_hook(keep(f"attn.{i}")))
         handles.append(layer.mlp.register_forward_hook(keep(f"mlp.{i}")))
     try:
-        out = model(torch.tensor([token_ids]), output_hidden_states=True)
+        batch = torch.tensor(token_ids if isinstance(token_ids[0], list) else [token_ids])
+        out = model(batch, output_hidden_states=True)
     finally:
         for h in handles:
             h.remove()
     hs = out.hidden_states
     n = len(layers)
-    states = {f"layer.{i}": hs[i + 1][0] for i in range(n - 1)}
-    states[f"layer.{n - 1}"] = last["h"][0]
-    states["final"] = hs[n][0]
+    states = {f"layer.{i}": hs[i + 1] for i in range(n - 1)}
+    states[f"layer.{n - 1}"] = last["h"]
+    states["final"] = hs[n]
     for i in range(n):
-        states[f"attn.{i}"] = last[f"attn.{i}"][0]
-        states[f"mlp.{i}"] = last[f"mlp.{i}"][0]
+        states[f"attn.{i}"] = last[f"attn.{i}"]
+        states[f"mlp.{i}"] = last[f"mlp.{i}"]
+    if not isinstance(token_ids[0], list):
+        states = {k: v[0] for k, v in states.items()}
     return states
 
 

@@ -260,7 +260,8 @@ def _seeded_run(llm):
 
 
 @pytest.mark.vllm
-def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(
+@pytest.mark.slow  # a third engine start; the workaround's effect is checked below by default
+def test_seeded_requests_with_chunked_prefill_kill_the_engine_without_the_workaround(
     tiny_model, engines, monkeypatch
 ):
     from tllm_core.app.engine import TllmLLM
@@ -279,7 +280,11 @@ def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(
     engines.llm, engines.key = broken, "broken"
     engines.close()
     assert any("does not use offset" in c for c in chain) or "EngineDead" in repr(info.value), chain
-    monkeypatch.undo()
+
+
+@pytest.mark.vllm
+def test_seeded_requests_with_chunked_prefill_survive_and_reproduce(tiny_model, engines):
+    from tllm_core.app.engine import TllmLLM
 
     llm = engines.get(
         ("seeded-chunked", tiny_model), lambda: TllmLLM(tiny_model, [], **CHUNKED, **ENGINE_KW)
