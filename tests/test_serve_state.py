@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import time
 import urllib.parse
@@ -78,8 +79,11 @@ def _disconnect_while_running(
     with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
         sock.sendall(head.encode() + body)
         deadline = time.monotonic() + 60
-        while get_json(f"{url}/tllm/status", key)["worker"]["requests_open"] == 0:
-            assert time.monotonic() < deadline, "the long request never ran"
+        while (status := get_json(f"{url}/tllm/status", key))["worker"]["requests_open"] == 0:
+            # An answer before the engine ran it (a refusal, or a request over already) says why.
+            if select.select([sock], [], [], 0)[0]:
+                raise AssertionError(f"answered before it ran: {sock.recv(4096)[:600]!r}")
+            assert time.monotonic() < deadline, f"the long request never ran: {status}"
             time.sleep(0.05)
 
 
