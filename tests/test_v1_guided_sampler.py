@@ -40,7 +40,7 @@ def _forward(events: Events, live: bool = True):
 
     md = SimpleNamespace(temperature=torch.ones(ROWS), all_random=True)
     batch = SimpleNamespace(sampling_metadata=md, temperature_cpu=np.ones(ROWS, np.float32))
-    runner = SimpleNamespace(input_batch=batch, requests={})
+    runner = SimpleNamespace(input_batch=batch, requests={}, max_num_tokens=ROWS, vllm_config=None)
     adapter = V1RunnerAdapter(runner)
     adapter.live, adapter._ids = live, ["a", "b", "c"]
     return adapter._guided_forward(events, orig), seen, runner

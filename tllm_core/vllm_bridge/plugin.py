@@ -1,8 +1,6 @@
-"""vLLM general plugin (entry point ``vllm.general_plugins: tllm``), run in every process vLLM
-starts; never harms a plain engine (never raises, imports no runner). Two switches that only
-read the configuration: ``WorkerWrapperBase.init_device`` (:mod:`.worker_setup` takes over
-with ``additional_config["tllm"]``) and ``load_endpoint_plugins`` (:class:`EndpointGate`).
-Also a ``tllm`` plugin whose ``tllm_architectures`` hook describes vLLM's decoder families."""
+"""vLLM general plugin, run in every process vLLM starts: two switches that only read the
+configuration, never raising (CONTRACT.md, "Installation path"); also a ``tllm`` plugin whose
+``tllm_architectures`` hook describes vLLM's decoder families."""
 
 from __future__ import annotations
 
@@ -17,7 +15,9 @@ from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
 from tllm_core.runtime.environ import env_seconds
+from tllm_core.runtime.start_error import record, watch_engine_start
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
+from tllm_core.vllm_bridge.quiet import install_if_quiet
 
 log = logging.getLogger("tllm")
 
@@ -28,24 +28,17 @@ CLI_PID_ENV = "TLLM_CLI_PID"
 def register() -> None:
     if os.environ.get("TLLM_DISABLE_PLUGIN") == "1":
         return
-    for install in (command_process, _wrap_init_device, _patch_endpoint_plugins, _start_errors):
+    for setup in (command_process, _wrap_init_device, _patch_endpoint_plugins, watch_engine_start):
         try:
-            install()
+            setup()
         except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
             log.warning(
                 "tllm: %s failed (%s: %s); plain vLLM is unaffected, but tllm is not "
                 "available in this process",
-                install.__name__,
+                setup.__name__,
                 type(e).__name__,
                 e,
             )
-
-
-def _start_errors() -> None:
-    """An engine process a ``TllmLLM`` is starting: its first vLLM error goes to the front end."""
-    from tllm_core.runtime.start_error import watch_engine_start
-
-    watch_engine_start()
 
 
 def command_process() -> None:
@@ -53,8 +46,6 @@ def command_process() -> None:
     cli_pid = os.environ.get(CLI_PID_ENV)
     if not cli_pid:
         return
-    from tllm_core.vllm_bridge.quiet import install_if_quiet
-
     install_if_quiet()
     if cli_pid != str(os.getpid()) and threading.current_thread() is threading.main_thread():
         # An engine process: a terminal's Ctrl-C reaches the whole process group; the
@@ -83,7 +74,7 @@ def watch_front_end(front_end: list | tuple | None) -> None:
         _stop_without(pid)
 
 
-def _stop_without(pid: int, poll_s: float = 1.0) -> None:
+def _stop_without(pid: int) -> None:
     """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
     gone without stopping it (a ``kill -9``): vLLM's engine core does not watch its parent, and
     would keep its device."""
@@ -96,7 +87,7 @@ def _stop_without(pid: int, poll_s: float = 1.0) -> None:
 
     def watch(command: psutil.Process | None) -> None:
         while command is not None and alive(command):
-            time.sleep(poll_s)
+            time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own stop; its workers follow
         time.sleep(env_seconds("TLLM_STOP_TIMEOUT_S", 120.0))  # a stop that hangs: the end
         os.kill(os.getpid(), signal.SIGKILL)
@@ -120,8 +111,7 @@ def tllm_architectures() -> list[object]:
 def _wrap_init_device() -> None:
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    cls = WorkerWrapperBase
-    orig = cls.__dict__.get("init_device")
+    orig = WorkerWrapperBase.__dict__.get("init_device")
     if orig is None:
         raise AttributeError("vllm WorkerWrapperBase has no init_device")
     if getattr(orig, _PATCHED_ATTR, False):
@@ -147,7 +137,7 @@ def _wrap_init_device() -> None:
         return out
 
     setattr(init_device, _PATCHED_ATTR, True)
-    cls.init_device = init_device
+    WorkerWrapperBase.init_device = init_device
 
 
 def _nodes(config: Any) -> int:
@@ -166,8 +156,6 @@ def _same_on_every_node(config: Any, settings: dict | None) -> None:
         if settings is not None:
             worker_setup.check_settings(settings)
     except Exception as e:
-        from tllm_core.runtime.start_error import record
-
         record((settings or {}).get("start_error_file"), str(e))
         raise
 

@@ -73,18 +73,14 @@ def quiet_env(verbose: bool) -> dict[str, str]:
     env = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout is for results
     if verbose:
         return env
-    ours = ",".join(PY_WARNINGS)
     theirs = os.environ.get("PYTHONWARNINGS", "")
-    env.update(
-        {
-            QUIET_ENV: "1",
-            "VLLM_LOGGING_CONFIG_PATH": str(LOGGING_CONFIG),
-            "VLLM_LOGGING_LEVEL": "WARNING",
-            "PYTHONWARNINGS": f"{theirs},{ours}" if theirs else ours,
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-        }
-    )
-    return env
+    return env | {
+        QUIET_ENV: "1",
+        "VLLM_LOGGING_CONFIG_PATH": str(LOGGING_CONFIG),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+        "PYTHONWARNINGS": ",".join(w for w in (theirs, *PY_WARNINGS) if w),
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+    }
 
 
 def install() -> None:

@@ -1,8 +1,5 @@
 """The runner adapters, the only code that reads or wraps vLLM's model runners (CONTRACT.md,
-"Runners"): what every generation reads the same way (model, config, decoder layers, LM head),
-then one adapter per generation. V2 keeps no request map (requests are recorded as
-``add_requests`` admits them), and its post-filter candidates exist only inside
-``sampler._sample_random``, where the guide filters them itself."""
+"Runners"): what every generation reads the same way, then one adapter per generation."""
 
 from __future__ import annotations
 
@@ -41,29 +38,30 @@ COMMON_ATTRS = (
 
 
 class RunnerAdapterBase:
-    """Static facts of a hooked runner. Subclasses add ``install`` and ``request``."""
+    """Static facts of a hooked runner; each generation adds ``request`` and ``install``."""
 
     #: the runner generation this adapter hooks ("V1", "V2"), for logs and errors
     generation: ClassVar[str] = "?"
-    #: every runner attribute (dotted path) the adapter reads or wraps; checked before the
-    #: weights load (``worker_setup.check_runner``)
+    #: every runner attribute (dotted path) it reads or wraps (``worker_setup.check_runner``)
     required_attrs: ClassVar[tuple[str, ...]] = COMMON_ATTRS
 
     def __init__(self, runner: Any):
         self.runner = runner
         self.live = False  # the step in flight was reported with its rows (``begin``)
+        self.max_num_tokens = int(runner.max_num_tokens)
+        # Whether vLLM schedules step k+1 before step k's sampled tokens are known.
+        sched = getattr(runner.vllm_config, "scheduler_config", None)
+        self.async_scheduling = bool(getattr(sched, "async_scheduling", False))
 
     def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         """``(extra_args, prompt length, prompt token ids)`` of a scheduled request."""
         raise NotImplementedError
 
     def install(self, events: Any, guides: bool, sync_sampled: SyncSampled = None) -> None:
-        """Wrap the runner (instance attributes only) so that each step reports ``events``
-        (``hooks.RunnerHooks``); the guide is wired only when ``guides``; ``sync_sampled``
-        runs after every sampling."""
+        """Wrap the runner's instance attributes so that each step reports ``events``
+        (``hooks.RunnerHooks``); the guide only when ``guides``."""
         raise NotImplementedError
 
-    # -- what both generations report around their own calls ------------------------------
     def _finished(self, events: Any, scheduler_output: Any) -> list[str]:
         """Before a step runs: who finished since the last one."""
         finished = list(scheduler_output.finished_req_ids)
@@ -85,20 +83,6 @@ class RunnerAdapterBase:
         if self.live:
             events.sampled(sampled[:, 0])
 
-    @property
-    def max_num_tokens(self) -> int:
-        return int(self.runner.max_num_tokens)
-
-    @property
-    def parallel_config(self) -> Any:
-        return self.runner.vllm_config.parallel_config
-
-    @property
-    def async_scheduling(self) -> bool:
-        """Whether vLLM schedules step k+1 before step k's sampled tokens are known."""
-        sched = getattr(self.runner.vllm_config, "scheduler_config", None)
-        return bool(getattr(sched, "async_scheduling", False))
-
     def describe(self) -> str:
         cls = type(self.runner)
         return f"{self.generation} runner {cls.__module__}.{cls.__name__}"
@@ -113,7 +97,6 @@ class RunnerAdapterBase:
         model = runner.model
         mc = runner.model_config
         vocab = mc.get_vocab_size()
-        weight = None
         head = getattr(model, "lm_head", None)
         lp = getattr(model, "logits_processor", None)
         plain = (
@@ -124,14 +107,12 @@ class RunnerAdapterBase:
             and float(getattr(lp, "scale", 1.0)) == 1.0
             and isinstance(getattr(head, "weight", None), torch.Tensor)
         )
-        lm_head = model.compute_logits
-        if self.parallel_config.tensor_parallel_size > 1:
+        lm_head, weight = model.compute_logits, head.weight[:vocab] if plain else None
+        if runner.vllm_config.parallel_config.tensor_parallel_size > 1:
             # compute_logits all-gathers over the TP group: a collective that only the leader
             # would call. Consumers get a local head built from the gathered weight instead.
             lm_head, full = _local_head(head, lp, vocab)
             weight = full if plain else None
-        elif plain:
-            weight = head.weight[:vocab]
         norm, gain, eps = _final_norm(model, mc.get_hidden_size(), mc.dtype, runner.device)
         return ModelInfo(
             hidden_size=mc.get_hidden_size(),
@@ -237,11 +218,8 @@ class V1RunnerAdapter(RunnerAdapterBase):
         )
 
     def _min_p_active(self) -> bool:
-        for rid in self._ids:
-            st = self.runner.requests.get(rid)
-            if st is not None and st.sampling_params is not None and st.sampling_params.min_p > 0:
-                return True
-        return False
+        sps = (getattr(self.runner.requests.get(rid), "sampling_params", None) for rid in self._ids)
+        return any(sp is not None and sp.min_p > 0 for sp in sps)
 
     def install(self, events: Any, guides: bool, sync_sampled: SyncSampled = None) -> None:
         r = self.runner
@@ -316,17 +294,6 @@ class V2RunnerAdapter(RunnerAdapterBase):
     def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         return self._admitted.get(engine_id, ({}, 0, None))
 
-    def _admit(self, scheduler_output: Any) -> None:
-        for new in scheduler_output.scheduled_new_reqs:
-            sp = new.sampling_params
-            extra = dict((sp.extra_args or {}) if sp is not None else {})
-            n_prompt = getattr(new, "prompt_len", None)
-            ids = new.prompt_token_ids
-            if n_prompt is None:
-                n_prompt = len(ids or ())
-            ids = None if ids is None else tuple(ids[: int(n_prompt)])
-            self._admitted[new.req_id] = (extra, int(n_prompt), ids)
-
     @staticmethod
     def _layout(batch: Any) -> StepLayout:
         n = batch.num_reqs
@@ -344,8 +311,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
         r = self.runner
         require_attrs(r, self.sampler_attrs, "V2 runner")
         execute, add, prepare, sample = r.execute_model, r.add_requests, r.prepare_inputs, r.sample
-        sampler = r.sampler
-        raw_sample = sampler.sample
+        sampler, raw_sample = r.sampler, r.sampler.sample
 
         def execute_model(scheduler_output, *a, **kw):
             if kw.get("dummy_run") or (len(a) >= 2 and a[1]):
@@ -360,7 +326,12 @@ class V2RunnerAdapter(RunnerAdapterBase):
             return out
 
         def add_requests(scheduler_output, *a, **kw):
-            self._admit(scheduler_output)
+            for new in scheduler_output.scheduled_new_reqs:
+                sp, ids = new.sampling_params, new.prompt_token_ids
+                extra = dict((sp.extra_args or {}) if sp is not None else {})
+                n = getattr(new, "prompt_len", None)
+                n = len(ids or ()) if n is None else int(n)
+                self._admitted[new.req_id] = (extra, n, None if ids is None else tuple(ids[:n]))
             return add(scheduler_output, *a, **kw)
 
         def prepare_inputs(scheduler_output, *a, **kw):
@@ -410,8 +381,7 @@ class V2RunnerAdapter(RunnerAdapterBase):
             temperature = states.temperature.gpu[expanded_idx_mapping]
             is_random = states.temperature.np[idx_mapping_np] >= _GREEDY_EPS
             min_p = bool((states.min_p.np[idx_mapping_np] > 0).any())
-            changed = events.guide(cand, temperature, is_random, filters or min_p)
-            if changed:
+            if events.guide(cand, temperature, is_random, filters or min_p):
                 return orig(cand, *rows, None, None, False)
             if work is processed:
                 # Filtered in place already: the rest of vLLM's own (unfused) path.

@@ -4,6 +4,7 @@ writes to the edit buffers or step clock change the next forward without recompi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -29,17 +30,15 @@ class TapBuffers:
     edited: torch.Tensor  # int64 [1]
 
 
-class _Tap(nn.Module):
-    """Wraps a module; captures (and optionally edits) one tensor of its output."""
+class OutputTap(nn.Module):
+    """Wraps a module whose output is one tensor (self-attention, MLP): captures (and
+    optionally edits) it. The base of every tap."""
 
     def __init__(self, inner: nn.Module, buffers: TapBuffers):
         super().__init__()
         self.inner = inner
-        self.capture = buffers.capture
-        self.edit = buffers.edit
-        self.clock = buffers.clock
-        self.stamp = buffers.stamp
-        self.edited = buffers.edited
+        for name, value in vars(buffers).items():  # capture, edit, clock, stamp, edited
+            setattr(self, name, value)
 
     def value(self, out):
         return out
@@ -75,7 +74,7 @@ class _Tap(nn.Module):
         return out
 
 
-class ResidualTap(_Tap):
+class ResidualTap(OutputTap):
     """Output ``(h, residual)``: the value is ``h + residual`` ("sum"), or ``h`` with
     ``stream_first`` ("first"); a bare tensor is the value itself (Granite)."""
 
@@ -101,11 +100,7 @@ class StreamFirstResidualTap(ResidualTap):
     stream_first = True
 
 
-class OutputTap(_Tap):
-    """A block whose output is one tensor (self-attention, MLP)."""
-
-
-class RouterTap(_Tap):
+class RouterTap(OutputTap):
     """An MoE router gate's logits ``[tokens, experts]``, in fp32. A forward hook, not a
     wrapper: vLLM's MoE runner keeps its own reference to the gate (Qwen3-MoE)."""
 
@@ -123,7 +118,7 @@ class RouterTap(_Tap):
 
 
 # SiteSpec.output -> the tap reading that convention
-TAPS: Mapping[str, type[_Tap]] = MappingProxyType(
+TAPS: Mapping[str, type[OutputTap]] = MappingProxyType(
     {
         "tensor": OutputTap,
         "sum": ResidualTap,
@@ -136,7 +131,7 @@ ROUTER_GATES = ("gate", "router")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    while isinstance(module, _Tap):
+    while isinstance(module, OutputTap):
         module = module.inner
     return module
 
@@ -263,17 +258,11 @@ def install_tap(
         setattr(layer, name, tap(getattr(layer, name), buffers))
 
 
-def _at(root: nn.Module, path: str) -> object:
-    for part in path.split("."):
-        root = getattr(root, part, None)
-    return root
-
-
 def find_layers(model: nn.Module, num_layers: int, architectures: Architectures) -> nn.ModuleList:
     """The ``ModuleList`` of decoder layers: at a registered spec's ``layers`` path, else the
     shallowest list of ``num_layers`` modules."""
     for spec, path in architectures.layer_paths():
-        found = _at(model, path)
+        found = functools.reduce(lambda m, part: getattr(m, part, None), path.split("."), model)
         if (
             isinstance(found, nn.ModuleList)
             and len(found)

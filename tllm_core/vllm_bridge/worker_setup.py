@@ -1,9 +1,6 @@
-"""What a tllm engine goes through in the process that runs the model (from the plugin's
-``init_device`` wrapper): :func:`before_device` (settings, version, AOT off), then :func:`attach`
-(runner checked, RPC methods added, hooks installed after ``load_model``, consumers closed at
-shutdown). The adapter of a runner is read from its class hierarchy by module name
-(CONTRACT.md, "Runners"), so neither of vLLM's runner modules is imported (V2's pulls in Triton
-kernels)."""
+"""What a tllm engine goes through in the process that runs the model (CONTRACT.md,
+"Installation path"). A runner's adapter is found by the module names in its class hierarchy:
+neither of vLLM's runner modules is imported (V2's pulls in Triton kernels)."""
 
 from __future__ import annotations
 
@@ -49,11 +46,10 @@ ADAPTERS: Mapping[tuple[str, str], type[RunnerAdapterBase]] = MappingProxyType(
 
 def adapter_class(runner: object) -> type[RunnerAdapterBase]:
     """The adapter for ``runner``'s generation, or ``UnsupportedEngineError`` naming it."""
-    for cls in type(runner).__mro__:
-        found = ADAPTERS.get((cls.__module__, cls.__name__))
-        if found is not None:
-            return found
     cls = type(runner)
+    for key in ((c.__module__, c.__name__) for c in cls.__mro__):
+        if key in ADAPTERS:
+            return ADAPTERS[key]
     known = ", ".join(f"{m}.{c}" for m, c in ADAPTERS)
     raise UnsupportedEngineError(
         f"tllm has no adapter for vLLM's model runner {cls.__module__}.{cls.__name__}; "
@@ -64,10 +60,8 @@ def adapter_class(runner: object) -> type[RunnerAdapterBase]:
 def check_runner(runner: object) -> type[RunnerAdapterBase]:
     """Refuse, before the first step, a runner tllm cannot hook; return its adapter class."""
     adapter = adapter_class(runner)
-    paths = adapter.required_attrs
-    if getattr(runner, "model", None) is not None:
-        paths = paths + LOADED_MODEL_ATTRS
-    require_attrs(runner, paths, f"{adapter.generation} runner")
+    loaded = LOADED_MODEL_ATTRS if getattr(runner, "model", None) is not None else ()
+    require_attrs(runner, adapter.required_attrs + loaded, f"{adapter.generation} runner")
     if getattr(runner, "speculative_config", None) is not None:
         raise UnsupportedEngineError("tllm does not support speculative decoding yet")
     check_layout(runner.vllm_config.parallel_config)
@@ -175,7 +169,7 @@ def install(runner: Any, raw_settings: dict[str, Any]) -> RunnerHooks:
     """Hook ``runner`` (after ``load_model``; :func:`before_device` checked the version)."""
     adapter = check_runner(runner)(runner)
     settings = RuntimeSettings.model_validate(raw_settings)
-    rank = parallel_info(adapter.parallel_config)
+    rank = parallel_info(runner.vllm_config.parallel_config)
     registry = Registry()
     with torch.inference_mode(False):  # consumer parameters must not be inference tensors
         runtime = Runtime(
