@@ -96,17 +96,15 @@ def tensor_bytes(tree: Any) -> int:
 
 def host_wait_kind(func: Any, args: tuple, kwargs: dict) -> str | None:
     """Why ``func`` makes the host wait for a CUDA device (a WAIT rule), or None."""
-    name = _name(func)
-    rule = RULES.get(name, NONE)
-    if rule.does != WAIT or (rule.when is not None and not rule.when(func, args, kwargs)):
-        return None
-    return rule.kind or name
+    rule = RULES.get(_name(func), NONE)
+    if rule.does == WAIT and (rule.when is None or rule.when(func, args, kwargs)):
+        return rule.kind or _name(func)
+    return None
 
 
 def copy_rule(to_device: bool, non_blocking: bool, host_pinned: bool) -> tuple[bool, bool]:
-    """``(host waits, pageable)`` for a copy between host and device: only a non-blocking
-    one with pinned host memory (or to the device: staged) leaves the host free; one to the
-    device from memory that is not pinned is pageable."""
+    """``(host waits, pageable)``: only a non-blocking copy from pinned memory (or to the device:
+    staged) leaves the host free; one to the device from unpinned memory is pageable."""
     return not (non_blocking and (host_pinned or to_device)), to_device and not host_pinned
 
 
@@ -213,8 +211,7 @@ def active() -> FakeCuda | None:
 
 
 def is_cuda(device: torch.device | str) -> bool:
-    """Whether code should take its CUDA branch on ``device``: a CUDA device, or the active
-    fake device (type ``"meta"``)."""
+    """Whether to take the CUDA branch on ``device``: a CUDA device or the active fake one."""
     dev = torch.device(device)
     fc = active()
     return dev.type == "cuda" or (fc is not None and dev == fc.device)
@@ -664,7 +661,6 @@ class FakeCuda:
 
     def __init__(
         self,
-        total_memory: int = 80 * 2**30,
         device_name: str = "FakeCuda (meta)",
         order: bool = False,
         rehearsal: bool = False,
@@ -673,7 +669,7 @@ class FakeCuda:
     ):
         self.device = torch.device(device)
         self.computes = self.device.type != "meta"
-        self.total_memory = total_memory
+        self.total_memory = 80 * 2**30
         self.device_name = device_name
         self.rehearsal = rehearsal
         # Operator name -> its CUDA implementation, run before the operator's meta kernel.
@@ -839,8 +835,7 @@ class FakeCuda:
             )
 
     def _host_wait(self, what: str, joins_current: bool = True) -> None:
-        """``joins_current``: the host waits for the current stream (else the caller tells
-        the stream order)."""
+        """``joins_current``: the host waits for the current stream (else the caller orders)."""
         self._flag("host_wait", what)
         if joins_current:
             self._order.host_joins(self._order.clock(torch.cuda.current_stream().stream_id))
@@ -856,15 +851,6 @@ class FakeCuda:
             counts = by_op.setdefault(op, [0, 0])
             counts[0] += n
             counts[1] += nbytes
-
-    def _allocated(self, what: str, t: torch.Tensor) -> None:
-        nbytes = tensor_bytes(t)
-        pool = "construction" if self._capture is not None else None  # a graph's, at capture
-        if nbytes and pool:
-            self._count("allocation", phase=pool)
-        elif nbytes:
-            self._flag("allocation", what)
-        self._count("allocated_bytes", nbytes, phase=pool)
 
     def _replay(self, graph: FakeGraph) -> None:
         self._count("graph_replays")
@@ -933,9 +919,7 @@ class FakeCuda:
     def _copy(self, func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         src, dst = (args[1], args[0]) if name == "copy_" else (args[0], None)
         to = dst.device if dst is not None else torch.device(kwargs.get("device") or src.device)
-        non_blocking = kwargs.get(
-            "non_blocking", args[2] if name == "copy_" and len(args) > 2 else False
-        )
+        non_blocking = kwargs.get("non_blocking", len(args) > 2 and args[2])  # copy_(dst, src, nb)
         if self.is_fake(src) and to.type == "cpu":
             self._launch(f"aten.{name}", 2 * tensor_bytes(src))
             self._order.tensors(True, [(src, False)] + ([(dst, True)] if dst is not None else []))
@@ -960,9 +944,14 @@ class FakeCuda:
         self._order.operation(True, func, args, kwargs, out)
         if moves_data(func):
             self._launch(f"aten.{name}", op_bytes(func, args, kwargs, out))
+        pool = "construction" if self._capture is not None else None  # a graph's, at capture
         for t in tree_leaves(fresh_outputs(func, out)):
-            if _tensor(t) and self.is_fake(t):
-                self._allocated(f"aten.{name}", t)
+            nbytes = tensor_bytes(t) if _tensor(t) and self.is_fake(t) else 0
+            if nbytes and pool:
+                self._count("allocation", phase=pool)
+            elif nbytes:
+                self._flag("allocation", f"aten.{name}")
+            self._count("allocated_bytes", nbytes, phase=pool)
         s = torch.cuda.current_stream() if RULES.get(name, NONE).does == MATMUL else None
         if s is not None and s.stream_id not in self._cublas_streams:
             self._cublas_streams.add(s.stream_id)
@@ -1006,12 +995,10 @@ class FakeCuda:
     def assert_clean(self) -> None:
         """Raise an AssertionError listing every failure with its source line."""
         bad = self.failures()
-        if bad:
-            lines = [
-                f"FakeCuda: {len(bad)} finding(s) that would stall, allocate or race on a GPU:"
-            ]
-            for f in bad:
-                cap = " (in a graph capture)" if f.in_capture else ""
-                lines.append(f"  {f.kind}: {f.what} at {f.where} x{f.count}{cap}")
-                lines.append(f"      {f.code}")
-            raise AssertionError("\n".join(lines))
+        if not bad:
+            return
+        lines = [f"FakeCuda: {len(bad)} finding(s) that would stall, allocate or race on a GPU:"]
+        for f in bad:
+            cap = " (in a graph capture)" if f.in_capture else ""
+            lines += [f"  {f.kind}: {f.what} at {f.where} x{f.count}{cap}", f"      {f.code}"]
+        raise AssertionError("\n".join(lines))

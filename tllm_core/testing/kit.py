@@ -4,6 +4,7 @@ scheduled and sampled as vLLM does, without vLLM (what differs: docs/testing-con
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -109,15 +110,6 @@ def model_info(hf: Any) -> ModelInfo:
     )
 
 
-class Window:
-    """Which packed rows the running forward covers: ``here.span``, its ``(offset, rows)``
-    (per thread: forwards may run side by side)."""
-
-    def __init__(self) -> None:
-        self.here = threading.local()
-        self.lockstep: Lockstep | None = None  # set only during the kit's own forwards
-
-
 class LockstepBroken(RuntimeError):
     """Another forward of the step failed (or was late) while this one waited at a tap."""
 
@@ -167,11 +159,10 @@ class Lockstep:
 class HfTap:
     """One tap: captures into ``capture`` (``[T, width]`` for the step) and edits via ``edit``."""
 
-    def __init__(self, key: str, width: int, dtype: torch.dtype, window: Window):
+    def __init__(self, key: str, width: int, dtype: torch.dtype):
         self.key = key
         self.width = width
         self.dtype = dtype
-        self.window = window
         self.capture: torch.Tensor | None = None
         self.edit: EditBuffers | None = None
         self.edited = torch.zeros(1, dtype=torch.int64)
@@ -181,21 +172,21 @@ class HfTap:
         self.capture = torch.zeros(total, self.width, dtype=self.dtype)
         self.edited.zero_()
 
-    def process(self, s: torch.Tensor) -> torch.Tensor | None:
-        """``s`` ``[n, width]``: this request's rows; returns the edited tensor (None: as is)."""
-        lo, n = self.window.here.span
+    def process(self, s: torch.Tensor, lo: int, step: Lockstep) -> torch.Tensor | None:
+        """One request's rows ``s``, the step's from row ``lo``, edited (None: as is)."""
+        rows = slice(lo, lo + len(s))
         new = None
         if self.edit is not None:
             e = self.edit
-            mask = e.mask[lo : lo + n]
-            new = apply_edit(s, mask, e.keep[lo : lo + n], e.add[lo : lo + n], e.dir[lo : lo + n])
+            mask = e.mask[rows]
+            new = apply_edit(s, mask, e.keep[rows], e.add[rows], e.dir[rows])
             if e.transforms:  # over the step's rows, as in the engine
-                new, mask = self.window.lockstep.meet(self.key, lo, new, self._transform)
+                new, mask = step.meet(self.key, lo, new, self._transform)
             changed = ((new != s) & (new == new)).any(-1, keepdim=True) & mask
             with self._count:
                 self.edited += changed.sum()
             s = new
-        self.capture[lo : lo + n] = s.detach().to(self.dtype)
+        self.capture[rows] = s.detach().to(self.dtype)
         return new
 
     def _transform(self, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,20 +198,6 @@ class HfTap:
             new = torch.where(rows, module(new, rows), new)
             mask = mask | rows
         return new, mask
-
-    def install(self, hf: Any, site: str, layer: int | None) -> Any:
-        """Hook this tap on ``site``; returns the hook handle."""
-
-        def hook(_module: Any, _args: Any, out: Any) -> Any:
-            if self.window.lockstep is None:  # not the kit's forward (a test may call the model)
-                return None
-            t = out[0] if isinstance(out, tuple) else out  # [1, n, width]: one request
-            new = self.process(t[0])
-            if new is None:
-                return None
-            return (new[None], *out[1:]) if isinstance(out, tuple) else new[None]
-
-        return site_module(hf, site, layer or 0).register_forward_hook(hook)
 
 
 # -- the sampler: vLLM's order of greedy, temperature, min-p, top-k / top-p, guidance, draw -----
@@ -246,9 +223,8 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
     """``(filtered, filtered_any)``: fp32 logits divided by temperature (greedy rows by 1), min-p
     then top-k / top-p applied per row (removed entries ``-inf``); ``filtered_any`` as the
     ``GuideView.filtered`` flag: a top-k or top-p for the batch, or min-p > 0 for a row."""
-    out = logits.float().clone()
-    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=out.dtype)
-    out /= temp[:, None]
+    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+    out = logits.float() / temp[:, None]
     for i, p in enumerate(params):
         row = out[i]
         if p.min_p > 0:
@@ -347,13 +323,14 @@ class ConsumerKit:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.budget}")
         self.raise_on_disabled = raise_on_disabled
         self._raised: set[str] = set()
-        self._window = Window()
+        self._here = threading.local()  # lo: the first step row of this thread's forward
+        self._lockstep: Lockstep | None = None  # set only during the kit's own forwards
         self._taps: dict[str, HfTap] = {}
         self._handles: list[Any] = []
         self._edits: dict[str, EditBuffers] = {}
         self._install_taps()
-        self._next_id = 0
-        self._seq = 0
+        self._ids = itertools.count()  # request ids "0", "1", ... across calls, as vLLM's
+        self._seqs = itertools.count(1)
         self._finished: list[RequestInfo] = []
         # The last generate's per-request results: (prompt index, sample) -> {consumer: value}.
         self.results: dict[tuple[int, int], dict[str, Any]] = {}
@@ -377,13 +354,23 @@ class ConsumerKit:
         for tap in sorted(self.runtime.taps, key=lambda t: t.key):
             if tap.site in ("logits", "sampled"):
                 continue  # filled from the sampler
-            t = self._taps[tap.key] = HfTap(tap.key, info.hidden_size, info.dtype, self._window)
+            t = self._taps[tap.key] = HfTap(tap.key, info.hidden_size, info.dtype)
             if tap.key in edit_keys:
                 e = EditBuffers(self.budget, info.hidden_size, info.dtype, torch.device("cpu"))
                 for owner, module in self.runtime.transforms(tap.key):
                     e.add_transform(owner, module)
                 t.edit = self._edits[tap.key] = e
-            self._handles.append(t.install(self.hf, tap.site, tap.layer))
+            module = site_module(self.hf, tap.site, tap.layer or 0)
+            self._handles.append(module.register_forward_hook(functools.partial(self._hook, t)))
+
+    def _hook(self, tap: HfTap, _module: Any, _args: Any, out: Any) -> Any:
+        if self._lockstep is None:  # not the kit's forward (a test may call the model)
+            return None
+        t = out[0] if isinstance(out, tuple) else out  # [1, n, width]: one request
+        new = tap.process(t[0], self._here.lo, self._lockstep)
+        if new is None:
+            return None
+        return (new[None], *out[1:]) if isinstance(out, tuple) else new[None]
 
     # -- what a test reads ------------------------------------------------------------------------
     def consumer(self, name: str) -> Consumer:
@@ -451,13 +438,11 @@ class ConsumerKit:
             extra.setdefault("tllm_prompt_index", i)
             extra[SAMPLES_KEY] = n
             ids = self.tokenize(p) if isinstance(p, str) else [int(t) for t in p]
-            rid = str(self._next_id)
-            self._next_id += 1
+            rid = str(next(self._ids))
             for j in range(n):
-                self._seq += 1
-                base = f"{rid}-kit{self._seq:05d}"
-                gen = torch.Generator()
-                gen.manual_seed((seed if seed is not None else self._seq) * 1009 + j)
+                seq = next(self._seqs)
+                base = f"{rid}-kit{seq:05d}"
+                gen = torch.Generator().manual_seed((seed if seed is not None else seq) * 1009 + j)
                 info = RequestInfo(
                     engine_id=f"{j}_{base}" if n > 1 else base,
                     request_id=rid,
@@ -539,7 +524,7 @@ class ConsumerKit:
         try:
             logits = self._forward(sched, fed)
         finally:
-            self._window.lockstep = None
+            self._lockstep = None
         step.tensors = {k: t.capture for k, t in self._taps.items() if t.capture is not None}
         raw = torch.stack(logits)
         step.tensors["logits"] = raw
@@ -573,7 +558,7 @@ class ConsumerKit:
         forwards run side by side and meet at its tap, so that it sees the whole step."""
         spans = np.cumsum([0] + [k for _, k in sched])[:-1].tolist()
         transforms = any(t.edit is not None and t.edit.transforms for t in self._taps.values())
-        step = self._window.lockstep = Lockstep(len(sched), self.lockstep_timeout)
+        step = self._lockstep = Lockstep(len(sched), self.lockstep_timeout)
         if len(sched) < 2 or not transforms:  # one party: the tap's meeting runs at once
             return [
                 self._forward_one(r, ids, lo)
@@ -606,7 +591,7 @@ class ConsumerKit:
         return [x for x in logits if x is not None]
 
     def _forward_one(self, r: _Request, ids: list[int], lo: int) -> torch.Tensor:
-        self._window.here.span = (lo, len(ids))
+        self._here.lo = lo
         pos = torch.arange(r.computed, r.computed + len(ids))[None]
         out = self.hf(
             input_ids=torch.tensor([ids]),
