@@ -84,8 +84,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config, "workerinput", {}).get("tllm_dist") == "loadgroup":
         config.option.loadgroup = True
     if hasattr(config, "workerinput") and config.option.markexpr == DEFAULT_MARKS:
-        # The engines two workers start at once each get both cores (cli_util.UNBOUND).
+        # The engines two workers start at once each get both cores (cli_util.UNBOUND), and
+        # one OpenMP thread each: two of two threads would oversubscribe them (see below).
         os.environ.setdefault(BIND_ENV, UNBOUND)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if config.getoption("write_durations") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_GroupSeconds(), "tllm-group-seconds")
 
