@@ -15,6 +15,7 @@ from tllm_core.api.counters import Counters
 from tllm_core.api.ports import Delivery
 from tllm_core.api.rows import RequestInfo, RowInfo
 from tllm_core.runtime.bus import Bus
+from tllm_core.runtime.settings import RuntimeSettings
 
 # Generous bounds for "returned at all" on a busy machine; a hang would exceed them.
 HANG_S = 20
@@ -64,7 +65,7 @@ def _returns(fn, *args) -> bool:
 @pytest.mark.parametrize("overflow", ["drop", "block"])
 def test_finish_notices_never_wait_on_a_full_queue(overflow):
     counters = Counters()
-    bus = Bus(counters, queue_size=1, overflow=overflow)
+    bus = Bus(counters, RuntimeSettings(queue_size=1, overflow=overflow))
     c = Gated()
     bus.publish(c, Bundle(0, _rows(1)))
     assert c.entered.wait(HANG_S)  # taken by the thread, which waits at the gate
@@ -81,7 +82,7 @@ def test_finish_notices_never_wait_on_a_full_queue(overflow):
 
 def test_background_thread_survives_any_error():
     counters = Counters()
-    bus = Bus(counters, queue_size=1)
+    bus = Bus(counters, RuntimeSettings(queue_size=1))
 
     class Exits(Consumer):
         name = "exits"
@@ -103,7 +104,7 @@ def test_background_thread_survives_any_error():
 
 def test_flush_and_close_time_out():
     counters = Counters()
-    bus = Bus(counters, queue_size=4, wait_timeout_s=0.2)
+    bus = Bus(counters, RuntimeSettings(queue_size=4, wait_timeout_s=0.2))
     c = Gated()
     bus.publish(c, Bundle(0, _rows(1)))
     assert bus.flush() is False and counters.get("flush_timeouts") == 1
@@ -114,7 +115,7 @@ def test_flush_and_close_time_out():
 
 def test_a_failed_consumer_is_still_closed():
     counters = Counters()
-    bus = Bus(counters, max_consecutive_failures=1)  # off at the first error
+    bus = Bus(counters, RuntimeSettings(max_consecutive_failures=1))  # off at the first error
     closed = []
 
     class Fails(Consumer):
@@ -174,7 +175,7 @@ def test_failed_requests_name_their_consumers_and_stay_bounded(monkeypatch):
     import tllm_core.runtime.bus as bus_mod
 
     monkeypatch.setattr(bus_mod, "MAX_FAILED_REQUESTS", 3)
-    bus = Bus(Counters(), max_consecutive_failures=100)
+    bus = Bus(Counters(), RuntimeSettings(max_consecutive_failures=100))
 
     class Picky(Consumer):
         name = "picky"

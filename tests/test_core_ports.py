@@ -312,7 +312,7 @@ def test_a_requests_last_window_is_read_once_per_step(monkeypatch):
 def test_held_last_rows_are_taken_with_one_index_copy(monkeypatch):
     """At a request's finish its held rows (token ids and two ports) are taken with one
     index sent to their device, not one per tensor."""
-    import tllm_core.runtime.last_rows as last_rows
+    import tllm_core.runtime.reads as last_rows
 
     sent = []
     real = last_rows.index_to

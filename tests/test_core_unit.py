@@ -19,6 +19,7 @@ from tllm_core.api.ports import Delivery, residual_port, resolve_layer
 from tllm_core.api.rows import RequestInfo, RowInfo, request_runs
 from tllm_core.plugins.registry import ConsumerSpec, ConsumerSpecError, Registry
 from tllm_core.runtime.bus import Bus
+from tllm_core.runtime.settings import RuntimeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,7 +101,7 @@ class _Slow(Consumer):
 @pytest.mark.parametrize("overflow", ["drop", "block"])
 def test_background_queue_overflow_policy_is_counted(overflow):
     counters = Counters()
-    bus = Bus(counters, queue_size=2, overflow=overflow)
+    bus = Bus(counters, RuntimeSettings(queue_size=2, overflow=overflow))
     c = _Slow()
     hidden = {"layer.0": torch.zeros(1, 4)}
 
@@ -143,7 +144,7 @@ def test_background_bundles_are_host_copies():
 def test_background_consumer_thread_gets_its_own_intra_op_threads(threads):
     main = torch.get_num_threads()
     counters = Counters()
-    bus = Bus(counters, background_threads=threads)
+    bus = Bus(counters, RuntimeSettings(background_threads=threads))
     c = _Slow()
     c.gate.set()
     seen = []
@@ -179,7 +180,7 @@ def test_a_consumer_error_is_counted_and_logged_once_and_the_consumer_goes_on(ca
     """Failure isolated per request: errors that do not repeat in a row leave the consumer
     on for later requests; each is counted, only the first is logged (with its name)."""
     counters = Counters()
-    bus = Bus(counters, max_consecutive_failures=2)
+    bus = Bus(counters, RuntimeSettings(max_consecutive_failures=2))
 
     class Flaky(Consumer):
         name = "flaky"
@@ -214,7 +215,7 @@ def test_a_consumer_error_is_counted_and_logged_once_and_the_consumer_goes_on(ca
     bus.publish(c, Bundle(8, _rows(1)))
     bus.publish(c, Bundle(10, _rows(1)))
     assert not bus.active(c) and bus.errors[-1]["disabled"] is True
-    strict = Bus(Counters(), max_consecutive_failures=1)
+    strict = Bus(Counters(), RuntimeSettings(max_consecutive_failures=1))
     strict.publish(c, Bundle(0, _rows(1)))
     assert not strict.active(c)
 

@@ -16,7 +16,7 @@ import torch
 from edit_steps import KINDS, run
 
 from tllm_core.api.edits import EditBuffers
-from tllm_core.runtime.step_indices import StepIndices
+from tllm_core.runtime.buffer_pool import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
 
 H, ROWS = 16, 8

@@ -30,6 +30,7 @@ from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
 from tllm_core.runtime.bus import Bus
 from tllm_core.runtime.reads import build_bundle, plan_reads
+from tllm_core.runtime.settings import RuntimeSettings
 
 REPO = Path(__file__).resolve().parents[1]
 H = 8
@@ -268,7 +269,7 @@ def test_round_trip_background_bus(tmp_path):
     keys = ["layer.1", "layer.3", "final"]
     assert c.keys == keys
     engine = FakeEngine([5, 9, 3], [4, 6, 1], keys, chunk=4)
-    bus = Bus(Counters(), queue_size=2)
+    bus = Bus(Counters(), RuntimeSettings(queue_size=2))
     run_engine(c, engine, lambda b: bus.publish(c, b), bus=bus)
     bus.flush()
     c.close()
@@ -677,7 +678,7 @@ def test_dropped_bundles_make_the_export_incomplete(tmp_path):
     out = tmp_path / "drop"
     c = make_export(out, layers=["final"], shard_rows=5)
     engine = FakeEngine([4, 4], [6, 6], ["final"], chunk=4)
-    bus = Bus(Counters(), queue_size=1, overflow="drop")
+    bus = Bus(Counters(), RuntimeSettings(queue_size=1, overflow="drop"))
     gate = threading.Event()
     take = c.on_bundle
 

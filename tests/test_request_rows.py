@@ -1,4 +1,4 @@
-"""Per-request consumers' rows (``tllm_core/runtime/request_rows.py``): a consumer switched on
+"""Per-request consumers' rows (``tllm_core/runtime/reads.py``): a consumer switched on
 by some requests (``tllm_consumers``) sees only their rows, as views of the step's tensors
 where they form one range and gathered into the runtime's reused buffers otherwise; its
 guide writes only their logits (in place, or written back) and leaves them bit for bit when
@@ -16,7 +16,7 @@ from tllm_core.api.edits import EditBuffers
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
-from tllm_core.runtime.request_rows import RowSelection, span
+from tllm_core.runtime.reads import RowSelection, span
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.testing.fake_cuda import FakeCuda

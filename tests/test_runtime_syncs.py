@@ -217,7 +217,7 @@ def test_guided_counts_summed_on_the_device_are_right_at_collect():
 
 def test_guided_counts_made_in_inference_mode_are_drained_outside_it():
     """The sampler runs under ``torch.inference_mode``; ``collect`` (an RPC) does not."""
-    from tllm_core.runtime.guided_counts import GuidedCounts
+    from tllm_core.runtime.buffer_pool import GuidedCounts
 
     counts = GuidedCounts()
     for _ in range(2):

@@ -1,5 +1,4 @@
-"""The runtime's reused per-step buffers (``tllm_core/runtime/buffer_pool.py``,
-``step_indices.py``): a buffer is reused only when nothing holds it, so a bundle a consumer
+"""The runtime's reused per-step buffers (``tllm_core/runtime/buffer_pool.py``): a buffer is reused only when nothing holds it, so a bundle a consumer
 keeps keeps its values; gathers into the pool equal ``index_select``; the step's indices go
 to the device in one copy from a pinned staging ring that is rewritten only after its copy
 ran; a buffer moved to another stream is reused after the work of the one it left."""
@@ -15,12 +14,10 @@ from tllm_core.api.consumer import ModelInfo
 from tllm_core.api.rows import RequestInfo, StepLayout, layout_rows
 from tllm_core.api.step import StepCapture
 from tllm_core.plugins.registry import Registry
-from tllm_core.runtime.buffer_pool import BufferPool
-from tllm_core.runtime.guided_counts import GuidedCounts
+from tllm_core.runtime.buffer_pool import BufferPool, GuidedCounts, StepIndices
 from tllm_core.runtime.reads import build_bundle
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
-from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.testing.fake_cuda import FakeCuda
 
 H = 4

@@ -49,7 +49,7 @@ def test_the_grammar_and_the_rows_each_window_keeps():
     with pytest.raises(ValueError, match=r"HiddenStates\(phase='final'\).*last_prompt"):
         HiddenStates(1, "final")
     # 'last' (each request's last row) keeps no row when a step is cut: it is delivered at
-    # the request's finish (tllm_core/runtime/last_rows.py)
+    # the request's finish (tllm_core/runtime/reads.py)
     assert not Window.parse("last").mask(position, prompt).any()
     assert str(as_selector("last", "x")) == "last" and takes_last(lw := as_selector("last", "x"))
     assert takes_last(lw.union(Window.parse("prompt[-1:]"))) and not takes_last(Phase.ALL)

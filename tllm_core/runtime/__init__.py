@@ -1,2 +1,1 @@
-"""The engine-neutral runtime: the consumers built in the engine, each step's reads cut into
-bundles and delivered over the bus, and the reports that come back."""
+"""The engine-neutral runtime: consumers built in the engine, fed each step over the bus."""

@@ -1,19 +1,21 @@
-"""Device buffers reused from step to step (a steady decode step allocates nothing): one is
-handed out again only when nothing outside the pool holds its storage, and after the work
-queued on the stream it was last handed out on (work on a consumer's own stream must hold
-the tensor until it ran)."""
+"""Device buffers reused from step to step (a steady decode step allocates nothing), the step's
+row indices sent in one pinned copy, and the guided counts summed on the device. A buffer is
+reused only when nothing outside the pool holds it, after the work queued on its last stream."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from tllm_core.api.transfers import async_copies, pow2_rows
+from tllm_core.api.transfers import StagingRing, async_copies, index_to, pow2_rows
 
 # Where torch lacks it, nothing is reused (every take allocates, as without a pool).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+RING = 16  # index staging slots of a few KB; editors not in the step's plan take one each
 
 
 def storage_uses(t: torch.Tensor) -> int:
@@ -44,8 +46,7 @@ class BufferPool:
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """An uninitialised tensor of ``shape`` on ``device``, a view of a pooled buffer kept
-        from reuse while it (or a view) is alive."""
+        """An uninitialised tensor, a view of a pooled buffer kept from reuse while alive."""
         n, rest = int(shape[0]), tuple(int(s) for s in shape[1:])
         stream = torch.cuda.current_stream(device) if async_copies(device) else None
         bufs = self._buffers.setdefault((dtype, device, rest), [])
@@ -77,3 +78,104 @@ class BufferPool:
         # Not an inference tensor: written in place outside inference mode too.
         with torch.inference_mode(False):
             return torch.empty(shape, dtype=dtype, device=device)
+
+
+class StepIndices:
+    """The runtime's per-step device indices and gathered rows. ``copies``: index copies
+    queued; ``waits``: staging buffers the host waited for."""
+
+    def __init__(self, pool: BufferPool | None = None, ring: int = RING) -> None:
+        self.pool = pool or BufferPool()
+        self._ring = ring
+        self._staging: StagingRing | None = None  # made for the first device planned
+        # The step's indices on the device, by device and their bytes (as int64).
+        self._index: dict[tuple[torch.device, bytes], torch.Tensor] = {}
+
+    @property
+    def copies(self) -> int:
+        return self._staging.copies if self._staging else 0
+
+    @property
+    def waits(self) -> int:
+        return self._staging.waits if self._staging else 0
+
+    def plan(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
+        """Send ``arrays`` (the step's host indices) in one copy; the previous plan's go."""
+        self.release()
+        self.send(arrays, device)
+
+    def send(self, arrays: Iterable[np.ndarray], device: torch.device) -> None:
+        """Send ``arrays`` to ``device`` in one copy, beside the step's other indices."""
+        if not async_copies(device):
+            return  # index() makes each index on the device as it is needed
+        new: dict[tuple[torch.device, bytes], np.ndarray] = {}
+        for x in arrays:
+            a = np.ascontiguousarray(x, dtype=np.int64)
+            key = (device, a.tobytes())
+            if key not in self._index:
+                new.setdefault(key, a)
+        total = sum(a.size for a in new.values())
+        if total == 0:
+            for key in new:
+                self._index[key] = self.pool.take((0,), torch.int64, device)
+            return
+        dev = self.pool.take((total,), torch.int64, device)
+        self._staging = self._staging or StagingRing(device, self._ring)
+        i, host = self._staging.take(total)
+        np.concatenate(list(new.values()), out=host.numpy())  # straight into the pinned buffer
+        self._staging.send(i, dev)
+        off = 0
+        for key, a in new.items():
+            self._index[key] = dev[off : off + a.size]
+            off += a.size
+
+    def release(self) -> None:
+        """Let the step's device indices go (their buffer is reused by a later plan)."""
+        self._index.clear()
+
+    def index(self, idx: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``idx`` on ``device`` (the planned copy's view, else sent alone) until the next plan."""
+        if not async_copies(device):
+            return index_to(idx, device)
+        key = (device, np.ascontiguousarray(idx, dtype=np.int64).tobytes())
+        if key not in self._index:
+            self.send([idx], device)
+        return self._index[key]
+
+    def gather(self, t: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        """``t.index_select(0, idx)`` into a pooled buffer."""
+        out = self.pool.take((len(idx), *t.shape[1:]), t.dtype, t.device)
+        return torch.index_select(t, 0, self.index(idx, t.device), out=out)
+
+
+class GuidedCounts:
+    """``rows_guided`` and ``candidates_guided`` summed per device without a host read (one per
+    step would stall the host until the step's kernels finish); read at :meth:`drain`."""
+
+    def __init__(self, pool: BufferPool | None = None) -> None:
+        self._pool = pool
+        # Per device: the two totals, then the two sums of the view being added.
+        self._totals: dict[torch.device, torch.Tensor] = {}
+
+    def add(self, changed_per_row: torch.Tensor) -> None:
+        """Add one view's ``changed_per_row`` (int64 ``[R]``, on its device)."""
+        c = changed_per_row
+        total = self._totals.get(c.device)
+        if total is None:
+            total = self._totals[c.device] = torch.zeros(4, dtype=torch.long, device=c.device)
+        out = None if self._pool is None else self._pool.take(c.shape, torch.bool, c.device)
+        mask = torch.gt(c, 0, out=out)
+        torch.sum(mask, 0, out=total[2])
+        torch.sum(c, 0, out=total[3])
+        total[:2].add_(total[2:])
+
+    def drain(self) -> tuple[int, int]:
+        """``(rows_guided, candidates_guided)`` since the last drain (a host read per device)."""
+        rows = candidates = 0
+        for total in self._totals.values():
+            r, c = total[:2].cpu().tolist()
+            rows, candidates = rows + r, candidates + c
+        # Dropped, not zeroed: a total made in the sampler is an inference tensor, which
+        # may not be changed in place outside inference mode.
+        self._totals.clear()
+        return rows, candidates

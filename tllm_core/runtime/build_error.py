@@ -37,7 +37,7 @@ class LayerResolver:
 
 
 def _fields_holding(config: Any, value: int) -> list[str]:
-    """Config fields whose value is ``value`` or a list containing it (as an int)."""
+    """Config fields whose value is the int ``value`` or a list containing it."""
     out = []
     for name, v in getattr(config, "__dict__", {}).items():
         items = v if isinstance(v, (list, tuple)) else [v]

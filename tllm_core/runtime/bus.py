@@ -11,7 +11,7 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,11 +21,11 @@ from tllm_core.api.counters import Counters
 from tllm_core.api.ports import Delivery
 from tllm_core.api.rows import RequestInfo
 from tllm_core.runtime.request_results import ResultStore
+from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.watchdog import BACKGROUND, STEP, Watchdog
 
 log = logging.getLogger("tllm")
 
-Overflow = Literal["block", "drop"]
 # Requests whose consumers failed, kept for the server's response marks (newest kept).
 MAX_FAILED_REQUESTS = 1024
 _STOP = object()
@@ -41,26 +41,22 @@ def bundle_requests(bundle: Bundle) -> Iterator[RequestInfo]:
                 yield r
 
 
-class _Dropped(NamedTuple):
-    """Queued in place of a dropped bundle: the consumer hears which requests lost data."""
-
+class _Dropped(NamedTuple):  # queued in place of a dropped bundle
     step: int
     requests: list[RequestInfo]
 
 
 class _BackgroundChannel:
-    """A queue drained by one daemon thread per background consumer. Bundles take one of the
-    bus's ``queue_size`` slots (a full channel blocks or drops them, per its ``overflow``);
-    finish notices take none: they never wait, are never dropped, and come after the request's
-    bundles."""
+    """A background consumer's queue and daemon thread. Bundles take one of ``queue_size``
+    slots (when full: block or drop, per ``overflow``); finish notices take none (never wait,
+    never dropped) and come after the request's bundles."""
 
     def __init__(self, bus: Bus, consumer: Consumer):
         self.bus = bus
         self.consumer = consumer
         self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
-        # Its thread is stuck in a callback past its deadline: nothing waits for it any more.
-        self.abandoned = False
-        self.slots = threading.BoundedSemaphore(bus.queue_size)
+        self.abandoned = False  # stuck in a callback past its deadline: nothing waits for it
+        self.slots = threading.BoundedSemaphore(bus.settings.queue_size)
         self._pending = 0  # bundles queued, for queue_depth_max
         self._lock = threading.Lock()
         self.thread = threading.Thread(
@@ -70,7 +66,7 @@ class _BackgroundChannel:
 
     def put(self, bundle: Bundle) -> None:
         if not self.slots.acquire(blocking=False):
-            if self.bus.overflow == "drop":
+            if self.bus.settings.overflow == "drop":
                 self.bus.counters.add("bundles_dropped", of=self.consumer.name)
                 # Takes no slot, like finish notices.
                 self.queue.put(_Dropped(bundle.step, list(bundle_requests(bundle))))
@@ -88,8 +84,7 @@ class _BackgroundChannel:
             self.queue.put(request)
 
     def abandon(self) -> int:
-        """Give up on the thread (stuck in a callback): drop what is queued; how many
-        bundles were dropped."""
+        """Give up on the stuck thread: drop what is queued; how many bundles were dropped."""
         self.abandoned = True
         dropped = 0
         while True:
@@ -104,7 +99,7 @@ class _BackgroundChannel:
             self.queue.task_done()
 
     def _taken(self, item: Any) -> None:
-        """An item left the queue: a bundle's slot is free again (as a queue's would be)."""
+        """An item left the queue: a bundle's slot is free again."""
         if isinstance(item, Bundle):
             with self._lock:
                 self._pending -= 1
@@ -114,7 +109,7 @@ class _BackgroundChannel:
         # Intra-op threads are per thread (OpenMP). torch._C's binding: vLLM's CPU worker
         # replaces torch.set_num_threads with a no-op.
         try:
-            torch._C.set_num_threads(self.bus.background_threads)
+            torch._C.set_num_threads(self.bus.settings.background_threads)
         except Exception:  # noqa: BLE001 - the consumer still runs, with torch's default
             log.exception("tllm: could not set the threads of %s", self.thread.name)
         self.bus.counters.max("background_threads", torch.get_num_threads())
@@ -141,7 +136,6 @@ class _BackgroundChannel:
                 self.queue.task_done()
 
     def join(self, timeout: float) -> bool:
-        """Wait until everything queued is handled; False when ``timeout`` s pass first."""
         q = self.queue
         with q.all_tasks_done:
             return q.all_tasks_done.wait_for(
@@ -160,22 +154,14 @@ class Bus:
     def __init__(
         self,
         counters: Counters,
-        queue_size: int = 64,
-        overflow: Overflow = "block",
-        background_threads: int = 1,
-        wait_timeout_s: float = 120.0,
-        max_consecutive_failures: int = 3,
+        settings: RuntimeSettings | None = None,
         watchdog: Watchdog | None = None,
         results: ResultStore | None = None,
     ) -> None:
         self.counters = counters
+        self.settings = settings or RuntimeSettings()
         self.results = results
         self.watchdog = watchdog
-        self.max_consecutive_failures = max_consecutive_failures
-        self.wait_timeout_s = wait_timeout_s
-        self.queue_size = queue_size
-        self.overflow = overflow
-        self.background_threads = background_threads
         self.errors: list[dict[str, str]] = []
         self.disabled: set[str] = set()
         # (consumer, callback) -> its failures in a row; a call that returns resets it.
@@ -200,8 +186,7 @@ class Bus:
         kind: str = STEP,
     ) -> bool:
         """Run one consumer callback; True if it succeeded (else :meth:`fail`). ``requests``:
-        those it acted on; ``kind``: the watchdog's deadline; ``even_if_disabled``: run it
-        for a switched-off consumer too (``close``: it still writes what it holds)."""
+        those it acted on; ``kind``: the watchdog's deadline."""
         if consumer.name in self.disabled and not even_if_disabled:
             return False
         # Counted before the call: a callback that never returns was still called.
@@ -225,13 +210,12 @@ class Bus:
         requests: Iterable[RequestInfo] = (),
         disable: bool = False,
     ) -> None:
-        """Count ``e``, raised by ``consumer`` in ``what``; report the consumer's first error;
-        switch it off after ``max_consecutive_failures`` in a row, or when ``disable``; note
-        ``requests`` in :attr:`failed_requests`."""
+        """Count ``e``; report the consumer's first error; switch it off after
+        ``max_consecutive_failures`` in a row, or when ``disable``; note ``requests``."""
         name = consumer.name
         self.counters.add("consumer_errors", of=name)
         msg = f"consumer {name!r} raised in {what}: {type(e).__name__}: {e}"
-        limit = self.max_consecutive_failures
+        limit = self.settings.max_consecutive_failures
         with self._fail_lock:
             n = self._failures[(name, what)] = self._failures.get((name, what), 0) + 1
             off = (disable or n >= limit) and name not in self.disabled
@@ -280,7 +264,6 @@ class Bus:
             self.deliver_now(consumer, bundle)
 
     def finished(self, consumer: Consumer, request: RequestInfo) -> None:
-        """A request finished; background consumers hear it after its queued bundles."""
         ch = self._channels.get(consumer.name)
         if ch is not None and ch.abandoned:
             if self.results is not None and request.wants_result(consumer.name):
@@ -292,8 +275,7 @@ class Bus:
             self.request_done(consumer, request, STEP)
 
     def request_done(self, consumer: Consumer, request: RequestInfo, kind: str) -> None:
-        """``on_request_finished``, then the request's result if it asked for one (an error in
-        its place when the consumer failed: nobody waits for it)."""
+        """``on_request_finished``, then the result if asked (an error when the consumer failed)."""
         c, name, acted = consumer, consumer.name, (request,)
         self.call(
             c, "on_request_finished", c.on_request_finished, request, requests=acted, kind=kind
@@ -322,8 +304,7 @@ class Bus:
             self.counters.add("bundles_delivered", of=consumer.name)
 
     def abandon(self, name: str, why: str) -> None:
-        """Switch off the background consumer ``name``, stuck in a callback, and drop its
-        queue; the engine goes on."""
+        """Switch off the background consumer ``name``, stuck in a callback; drop its queue."""
         self.disabled.add(name)
         ch = self._channels.get(name)
         dropped = ch.abandon() if ch is not None else 0
@@ -343,7 +324,7 @@ class Bus:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued bundle has been handled, at most ``timeout`` seconds (else
         ``wait_timeout_s``) per consumer; False (counted, logged) when one has not caught up."""
-        timeout = self.wait_timeout_s if timeout is None else timeout
+        timeout = self.settings.wait_timeout_s if timeout is None else timeout
         ok = True
         for name, ch in self._channels.items():
             if not ch.join(timeout):
@@ -359,8 +340,7 @@ class Bus:
         return ok
 
     def close(self, timeout: float | None = None) -> None:
-        """Stop the background threads (each given at most ``timeout`` seconds)."""
-        timeout = self.wait_timeout_s if timeout is None else timeout
+        timeout = self.settings.wait_timeout_s if timeout is None else timeout
         for name, ch in self._channels.items():
             if not ch.close(timeout):
                 self.counters.add("close_timeouts")
@@ -369,7 +349,7 @@ class Bus:
 
 
 def _to_host(bundle: Bundle) -> Bundle:
-    """Host copies (``copy=True`` on CPU too): the step's buffers are reused next step."""
+    """Host copies (on CPU too): the step's buffers are reused next step."""
     return Bundle(
         step=bundle.step,
         rows=bundle.rows.to_host(),

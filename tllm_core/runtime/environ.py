@@ -1,5 +1,4 @@
-"""Environment variables: one set for a block (processes started in it inherit it), and
-seconds read from one with a clear error."""
+"""Environment variables: one set for a block, and seconds read from one with a clear error."""
 
 from __future__ import annotations
 

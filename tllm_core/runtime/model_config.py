@@ -27,7 +27,6 @@ class BadModelConfig(ValueError):
 class ModelConfig:
     """A checked ``config.json``, its text model's part and the sizes tllm needs."""
 
-    path: Path
     raw: dict[str, Any]
     text: dict[str, Any]
     hidden_size: int
@@ -36,8 +35,7 @@ class ModelConfig:
 
 
 def read_model_config(model_path: str, what: str = "model") -> ModelConfig:
-    """``model_path``/config.json, checked (:class:`BadModelConfig` naming the file and key;
-    ``what``: the folder's name in messages)."""
+    """``model_path``/config.json, checked; ``what``: the folder's name in messages."""
     path = Path(model_path) / "config.json"
     if not path.exists():
         raise BadModelConfig(
@@ -61,7 +59,7 @@ def read_model_config(model_path: str, what: str = "model") -> ModelConfig:
         raise BadModelConfig(f"the model's config {path}: 'text_config' is not a JSON object")
     where = f"{path}" + (" (text_config)" if cfg is not raw else "")
     sizes = [_size(cfg, key, names, where) for key, names in SIZES.items()]
-    return ModelConfig(path, raw, cfg, *sizes)
+    return ModelConfig(raw, cfg, *sizes)
 
 
 def _size(cfg: dict[str, Any], key: str, names: tuple[str, ...], where: str) -> int:

@@ -1,8 +1,5 @@
-"""Note files: how an engine process tells the process that started it why it failed or stops.
-
-The starter makes an empty file and names it to the processes it spawns in an environment
-variable as ``"{pid}:{path}"``; the first process to write wins; the starter reads it, also
-after vLLM reported only "see root cause above"."""
+"""Note files: how an engine process tells its starter why it failed or stops. The starter
+names an empty file to the processes it spawns (env ``"{pid}:{path}"``); the first to write wins."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from tllm_core.runtime.environ import env_set
 
 
 class NoteFile:
-    """An empty temporary file for other processes to write into; what they wrote is kept once
-    it is removed (:meth:`close`)."""
+    """An empty temporary file for other processes to write into, read kept at :meth:`close`."""
 
     def __init__(self, prefix: str) -> None:
         fd, self.path = tempfile.mkstemp(prefix=prefix, suffix=".txt")
@@ -47,9 +43,8 @@ def named(env: str) -> tuple[int, str] | None:
 
 
 def write_once(path: str | None, text: str, create: bool = False) -> bool:
-    """Write ``text`` to the note at ``path`` unless another process wrote first (processes of
-    one engine may fail at once); whether it wrote. Never raises: a missing note (the starter
-    is gone) is left missing unless ``create``."""
+    """Write ``text`` to the note at ``path`` unless another process wrote first; whether it
+    wrote. Never raises: a missing note (the starter is gone) stays missing unless ``create``."""
     if not path:
         return False
     try:

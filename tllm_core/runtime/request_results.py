@@ -1,6 +1,5 @@
-"""The engine side of per-request results, kept until the front end takes them: each bounded by
-``max_result_bytes``, the store by ``max_requests`` and ``max_bytes`` (the oldest dropped: a
-client that went away never takes its results)."""
+"""Per-request results kept in the engine until the front end takes them, each bounded by
+``max_result_bytes``, the store by ``max_requests`` and ``max_bytes`` (the oldest dropped)."""
 
 from __future__ import annotations
 
@@ -45,10 +44,8 @@ class ResultStore:
         self._unwanted: OrderedDict[str, float] = OrderedDict()  # caller id -> until when
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
-        """Keep ``consumer``'s result for ``request`` (encoded here, on the caller's thread);
-        a request cut short (its caller aborted it) drops its result, mostly never taken: a
-        small error is left instead, for a response that still waits for it. Its sibling
-        samples that ended on their own keep theirs (a response may still take them)."""
+        """Keep ``consumer``'s result for ``request`` (encoded on the caller's thread); a request
+        cut short (aborted) leaves a small error instead, its siblings keep theirs."""
         rid = request.request_id
         with self._lock:
             unwanted = self._unwanted.get(rid, 0.0) > time.monotonic()
@@ -116,10 +113,8 @@ class ResultStore:
         return out
 
     def discard(self, request_ids: list[str]) -> None:
-        """Drop all kept for these caller ids, errors too, and what they make in the next
-        ``UNWANTED_S`` (a background consumer's late result) unless a new request takes the
-        id (:meth:`reuse`): their response failed (a sibling prompt refused), so nobody takes
-        them. Nothing here waits for a consumer."""
+        """Drop all kept for these caller ids (their response failed), errors too, and what
+        they make in the next ``UNWANTED_S`` unless a new request takes the id (:meth:`reuse`)."""
         until = time.monotonic() + UNWANTED_S
         with self._lock:
             for rid in request_ids:
@@ -133,8 +128,7 @@ class ResultStore:
                 self._unwanted.popitem(last=False)
 
     def reuse(self, request_id: str) -> None:
-        """A new request with this caller id (clients may reuse ids): its results are kept,
-        though a refused request of the same id had them discarded."""
+        """A new request reuses this caller id: its results are kept again."""
         if request_id in self._unwanted:
             with self._lock:
                 self._unwanted.pop(request_id, None)

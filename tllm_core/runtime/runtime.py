@@ -32,25 +32,25 @@ from tllm_core.api.rows import RequestInfo, RowInfo, request_runs, row_mask
 from tllm_core.api.step import StaleTapError, StepCapture
 from tllm_core.api.windows import takes_last
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.buffer_pool import GuidedCounts, StepIndices
 from tllm_core.runtime.build_error import ENGINE, LayerResolver, explain
 from tllm_core.runtime.bus import Bus
-from tllm_core.runtime.guided_counts import GuidedCounts
-from tllm_core.runtime.last_rows import LastRows, last_rows
 from tllm_core.runtime.reads import (
+    LastRows,
     PortRead,
     ReadPlan,
     RowMasks,
+    RowSelection,
     build_bundle,
     bundle_indices,
+    last_rows,
     plan_reads,
     step_runs,
     unwritten,
 )
 from tllm_core.runtime.request_results import ResultStore
-from tllm_core.runtime.request_rows import RowSelection
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.runtime.stamp_copies import StampRead, StampReader
-from tllm_core.runtime.step_indices import StepIndices
 from tllm_core.runtime.watchdog import (
     BACKGROUND,
     CLOSE,
@@ -74,8 +74,7 @@ class _Slot:
     per_request: bool = False
     window_key: str | None = None  # ``tllm_{name}_window`` when its Request declares one
     last: LastRows | None = None  # window ``last``: the rows held
-    # Set by each step's plan: its guide's rows (per-request), the rows it may take, and the
-    # rows it holds as its requests' last (a mask over the step's rows) with their slots.
+    # Set by each step's plan: its guide's rows, the rows it may take, the rows held as last.
     selection: RowSelection | None = None
     masks: RowMasks = field(default_factory=RowMasks)
     held: tuple[np.ndarray, np.ndarray] | None = None
@@ -101,9 +100,8 @@ def _write_plan(
     steps: StepIndices,
     index: np.ndarray | None,
 ) -> None:
-    """Check, then write, one consumer's plan (its rows ``index`` into the step's, when it
-    saw a selection) into the edit taps' buffers; its row indices go to the device in one
-    pinned copy (per device)."""
+    """Check, then write, one consumer's plan (``index``: its rows in the step's) into the
+    edit taps' buffers, its row indices sent in one copy per device."""
     if index is not None:
         plan.remap(index)
     by_device: dict[torch.device, list[np.ndarray]] = {}
@@ -127,8 +125,7 @@ def build_consumers(
     model_path: str = "",
     max_result_bytes: int = ConsumerContext.max_result_bytes,
 ) -> list[_Slot]:
-    """Construct consumers from their checked configs and resolve their ports; a failure is
-    a ConsumerBuildError naming the consumer, its field and ``where`` the build ran."""
+    """Construct consumers and resolve their ports (else a ConsumerBuildError)."""
     slots = []
     for spec, config in zip(specs, configs, strict=True):
         resolve = LayerResolver(model.num_layers)
@@ -143,40 +140,41 @@ def build_consumers(
                 data_parallel_size=data_parallel[1],
                 max_result_bytes=max_result_bytes,
             )
-            slots.append(_slot(cls(config, context), spec, resolve, registry))
+            consumer = cls(config, context)
+            reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
+            slot = _Slot(consumer, reads, per_request=spec.per_request)
+            if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
+                slot.window_key = request_key(cls.name, WINDOW_FIELD)
+            windowed = slot.window_key is not None
+            slot.last = last_rows(reads, cls.request_window_rows, windowed=windowed)
+            for w in consumer.writes():
+                if isinstance(w, Edit):
+                    target = w.target.resolve(resolve)
+                    slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
+                    if w.transform is not None:
+                        slot.transforms[target.key] = w.transform
+                elif isinstance(w, SamplerGuide):
+                    slot.guides = True
+                else:
+                    raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+            guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
+            if guide_only and not slot.guides:
+                raise ValueError(
+                    f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but "
+                    "the consumer declares no SamplerGuide write port: it would never see that "
+                    "data; use another phase to get it in on_bundle"
+                )
+            slots.append(slot)
         except Exception as e:
             raise explain(spec.name, config, e, resolve, where, model_path) from e
     return slots
 
 
-def _slot(
-    consumer: Consumer, spec: ConsumerSpec, resolve: LayerResolver, registry: Registry
-) -> _Slot:
-    """A constructed consumer's ports resolved."""
-    cls = type(consumer)
-    reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
-    slot = _Slot(consumer, reads, per_request=spec.per_request)
-    if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
-        slot.window_key = request_key(cls.name, WINDOW_FIELD)
-    slot.last = last_rows(reads, cls.request_window_rows, windowed=slot.window_key is not None)
-    for w in consumer.writes():
-        if isinstance(w, Edit):
-            target = w.target.resolve(resolve)
-            slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
-            if w.transform is not None:
-                slot.transforms[target.key] = w.transform
-        elif isinstance(w, SamplerGuide):
-            slot.guides = True
-        else:
-            raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
-    guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
-    if guide_only and not slot.guides:
-        raise ValueError(
-            f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but the "
-            "consumer declares no SamplerGuide write port: it would never see that data; "
-            "use another phase to get it in on_bundle"
-        )
-    return slot
+def _kept_rows(step: StepCapture) -> np.ndarray:
+    """The step's rows with a kept sample (each request's last row so far)."""
+    kept = np.zeros(len(step.rows), np.bool_)
+    kept[step.sample_token_row[step.sample_kept]] = True
+    return kept
 
 
 _NOT_ACTING = (
@@ -184,17 +182,9 @@ _NOT_ACTING = (
 )
 
 
-def _kept_rows(step: StepCapture) -> np.ndarray:
-    """Over the step's rows: those with a kept sample (each request's last row so far)."""
-    kept = np.zeros(len(step.rows), np.bool_)
-    kept[step.sample_token_row[step.sample_kept]] = True
-    return kept
-
-
 class Runtime:
     """One engine's consumers and their step flow. ``deliver=False``: a follower (a tensor-
-    parallel rank whose output is not kept) builds the consumers only so that every rank asks
-    for the same taps, then closes them. ``data_parallel``: this engine's ``(rank, size)``."""
+    parallel rank whose output is not kept) builds them only to ask for the same taps."""
 
     def __init__(
         self,
@@ -220,8 +210,7 @@ class Runtime:
             max_result_bytes=settings.max_result_bytes,
         )
         self.configured = bool(self.slots)
-        # What the bridge installs: every tap (reads and edits), and on each edit tap the
-        # in-graph transforms in consumer order (on a follower too: its forward must match).
+        # What the bridge installs, on a follower too (its forward must match).
         self.taps = frozenset(t for s in self.slots for t in s.reads.taps() | {*s.edits.values()})
         for tap in sorted(self.taps, key=lambda t: t.key):  # before any consumer's first step
             registry.architectures.check_site(tap.site)
@@ -245,36 +234,25 @@ class Runtime:
         )
         self._engine_stop = EngineStop(settings.hung_stop_s)
         self.results = ResultStore(self.counters, settings.max_result_bytes)
-        self.bus = Bus(
-            self.counters,
-            settings.queue_size,
-            settings.overflow,
-            settings.background_threads,
-            settings.wait_timeout_s,
-            settings.max_consecutive_failures,
-            self.watchdog,
-            self.results,
-        )
+        self.bus = Bus(self.counters, settings, self.watchdog, self.results)
         self.step_index = 0
         self._buffers = StepIndices()
         self._planned: StepCapture | None = None  # the step whose indices were sent
         self._window_warned: set[str] = set()  # consumers whose bad window was logged
         self._guided = GuidedCounts(self._buffers.pool)
         self._stamps = StampReader()
-        # Steps delivered before their stamps reached the host, oldest first, each with the
-        # ports its bundles handed out unchecked (settled by _settle).
+        # Steps delivered before their stamps arrived, with the ports handed out unchecked.
         self._unsettled: deque[tuple[StepCapture, StampRead, list[tuple[str, set[str]]]]] = deque()
         self.tap_errors: list[dict[str, str]] = []
         self._closed_report: dict[str, Any] | None = None
-        # Every port read by some consumer, by key (phases merged): what rows_captured counts.
+        # Every port read by some consumer (phases merged): what rows_captured counts.
         self._read_ports: dict[str, PortRead] = {
             k: r for s in self.slots for k, r in (*s.reads.token.items(), *s.reads.sample.items())
         }
         self._guide_reads = {k: r for s in self.slots if s.guides for k, r in s.reads.token.items()}
 
     def _hung(self, hung: Hung) -> None:
-        """A callback past its deadline (on the watchdog's thread): a background consumer is
-        switched off; otherwise the front end is told (``fault_file``) and the engine stopped."""
+        """A background consumer is switched off; otherwise the front end is told, engine stopped."""
         self.counters.add("callbacks_hung", of=hung.consumer)
         if hung.kind == BACKGROUND:
             self.bus.abandon(hung.consumer, hung.report())
@@ -291,13 +269,12 @@ class Runtime:
         return list(self._transforms.get(tap_key, []))
 
     def count_step(self) -> None:
-        """One engine step (alone when there is no consumer to build row metadata for)."""
+        """One engine step (called alone when no consumer needs row metadata)."""
         self.step_index += 1
         self.counters.add("engine_steps")
 
     def begin_step(self, rows: RowInfo, buffers: dict[str, EditBuffers]) -> None:
-        """Before the forward: reset the edit taps' buffers (by tap key) and write each
-        editing consumer's plan into them, in consumer order."""
+        """Before the forward: write each editing consumer's plan into the reset edit buffers."""
         self.count_step()
         self.counters.add("rows_seen", len(rows))
         for b in buffers.values():
@@ -325,8 +302,7 @@ class Runtime:
                 self.bus.call(c, "edit (buffers)", _write_plan, *args, requests=acted)
 
     def _plan(self, step: StepCapture) -> None:
-        """Send every index the step's guide and bundles will use to the device in one copy
-        (once per step: at its guide, or at its end when nothing guides)."""
+        """Send every index the step's guide and bundles use to the device, once, in one copy."""
         if self._planned is step:
             return
         self._planned = step
@@ -337,7 +313,7 @@ class Runtime:
             mask = s.enabled(requests) if s.guides else None
             s.selection = RowSelection(mask) if mask is not None and mask.any() else None
             arrays += s.selection.indices() if s.selection is not None else []
-        runs = None
+        runs = functools.cache(functools.partial(step_runs, step))  # only if windows are taken
         kept = _kept_rows(step) if any(s.last is not None for s in self.slots) else None
         for s in self.slots:
             s.held = None
@@ -349,9 +325,7 @@ class Runtime:
             if s.last is not None and s.last.every:  # each request's last row so far
                 last = kept.copy() if enabled is None else kept & enabled
             if s.window_key is not None:
-                if runs is None:  # once per step, and only when some consumer takes windows
-                    runs = step_runs(step)
-                s.masks, last = self._windowed(s, step, runs, enabled, last)
+                s.masks, last = self._windowed(s, step, runs(), enabled, last)
             arrays += bundle_indices(s.reads, step, s.masks)
             if s.last is not None and last is not None and last.any():
                 slots = s.last.place([step.rows.requests[r] for r in np.nonzero(last)[0]])
@@ -367,9 +341,8 @@ class Runtime:
         enabled: np.ndarray | None,
         last: np.ndarray | None,
     ) -> tuple[RowMasks, np.ndarray | None]:
-        """``enabled`` and ``last`` (the rows held as requests' last) as the windows of the
-        requests that set the consumer's window key decide (only those cost anything); a
-        window the engine cannot parse takes no row (``rows_window_invalid.{consumer}``)."""
+        """``enabled`` and ``last`` narrowed by the windows of requests that set the window
+        key; a window the engine cannot parse takes no row (counted)."""
         key, out, rows = s.window_key, None, step.rows
         for j, (req, start, stop) in enumerate(runs):
             if key not in req.extra_args or (enabled is not None and not enabled[start]):
@@ -415,16 +388,14 @@ class Runtime:
         is_random: np.ndarray,
         filtered: bool,
     ) -> bool:
-        """In the sampler, after filtering: let guiding consumers change candidate logits.
-        True when a guide wrote logits (vLLM then samples from the guided logits)."""
+        """In the sampler, after filtering: guides change candidate logits; True when one wrote."""
         self._guided_step = step.step
         self._plan(step)
         idx = step.sample_token_row
         srows = step.rows.take(idx, self._buffers.gather(step.rows.token_ids, idx))
         hidden = {}
         for key, r in self._guide_reads.items():
-            # No stamp read here (the host would wait for the forward before sampling): rows
-            # of a tap the forward did not write read NaN, reported after sampling.
+            # No stamp read (the host would wait for the forward): unwritten rows read NaN.
             try:
                 hidden[key] = self._guide_rows(step, r)
             except StaleTapError as e:
@@ -433,8 +404,7 @@ class Runtime:
         for s in self.slots:
             if not s.guides or not self.bus.active(s.consumer):
                 continue
-            # Per-request: only its requests' rows (views, or gathered and written back).
-            sel = s.selection
+            sel = s.selection  # per-request: only its requests' rows
             if s.per_request and sel is None:
                 continue  # no request of the step switched it on
             n = len(srows) if sel is None else len(sel)
@@ -459,8 +429,8 @@ class Runtime:
         return changed
 
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
-        """A token port's rows at the sampling rows, NaN where its taps were not written by
-        this step's forward (decided on the device)."""
+        """A token port at the sampling rows, NaN (on the device) where this step's forward
+        did not write its taps."""
         with step.unconfirmed() as taps:
             buf = r.producer.read(r.port, step)
         rows = self._buffers.gather(buf, step.sample_token_row)
@@ -478,9 +448,8 @@ class Runtime:
             self.tap_errors.append({"consumer": "(runtime)", "where": key, "error": str(error)})
 
     def end_step(self, step: StepCapture) -> None:
-        """After sampling: deliver bundles, mark positions, count what the taps confirm. The
-        host does not wait for the stamps: until they arrive (not at once on a GPU) a stale
-        tap's rows are delivered as NaN and checked later (:meth:`_settle`)."""
+        """After sampling: deliver bundles, mark positions, count what the taps confirm. Until
+        the stamps arrive, a stale tap's rows are delivered as NaN and checked later."""
         if self.guides and self._guided_step != step.step and step.sample_kept.any():
             # vLLM calls no sampler hook for an all-greedy batch: say why guides did nothing.
             self.counters.add("steps_greedy")
@@ -527,13 +496,9 @@ class Runtime:
         self._settle(wait=False)
 
     def _settle(self, wait: bool) -> None:
-        """Count and check the delivered steps whose stamps have reached the host, in order
-        (``wait``: all of them, waiting for the device)."""
-        while self._unsettled:
-            step, read, unchecked = self._unsettled[0]
-            if not wait and not read.ready():
-                return
-            self._unsettled.popleft()
+        """Count and check delivered steps whose stamps arrived, in order (``wait``: all)."""
+        while self._unsettled and (wait or self._unsettled[0][1].ready()):
+            step, _, unchecked = self._unsettled.popleft()
             self._count_step(step, unchecked)
 
     def _count_step(self, step: StepCapture, unchecked: list[tuple[str, set[str]]]) -> None:
@@ -579,8 +544,7 @@ class Runtime:
                     self.results.put(req, name, {"error": f"no consumer {name!r} in this engine"})
 
     def take_results(self, request_ids: list[str], wait_s: float = 0.0) -> dict[str, Any]:
-        """The per-request results made so far for these caller ids (removed from the store),
-        after waiting ``wait_s`` at most for background consumers to catch up."""
+        """Take the results made for these caller ids, after waiting ``wait_s`` at most."""
         if wait_s > 0:
             self.bus.flush(wait_s)
         return self.results.take(request_ids)

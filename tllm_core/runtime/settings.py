@@ -3,26 +3,24 @@ among them as consumer specs (:class:`~tllm_core.api.consumer_spec.ConsumerSpec`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tllm_core.api.consumer_spec import ConsumerSpec
 
 ADDITIONAL_CONFIG_KEY = "tllm"
-
-
 MIB = 1024 * 1024
+Seconds = Annotated[float, Field(gt=0, le=86400)]  # a bounded wait: at most a day
+Bytes = Annotated[int, Field(ge=1024, le=2**31)]
 
 
 class ServerSettings(BaseModel):
     """Settings of tllm's part of an OpenAI server (``tllm serve``/``vllm serve``), API-server side."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every wait bounded
-    max_body_bytes: int = Field(
+    max_body_bytes: Bytes = Field(
         32 * MIB,
-        ge=1024,
-        le=2**31,
         description="largest request body accepted (HTTP 413 past it): a body is read whole "
         "to check its tllm keys before vLLM sees it",
     )
@@ -34,10 +32,8 @@ class ServerSettings(BaseModel):
         "old (0: only with a read that started after the request arrived); reads run one at "
         "a time and are shared by the requests waiting for them",
     )
-    engine_answer_s: float = Field(
+    engine_answer_s: Seconds = Field(
         900.0,
-        gt=0,
-        le=86400,
         description="longest a /tllm/* route (or a completion's tllm marks) waits for the "
         "engine to answer (HTTP 504 past it); above the engine's own deadlines, so that a "
         "slow but healthy engine (a long result() under close_deadline_s) is not cut off",
@@ -58,10 +54,8 @@ class RuntimeSettings(BaseModel):
         default_factory=ServerSettings, description="the OpenAI server's limits (serving only)"
     )
     queue_size: int = Field(64, ge=1, description="bundles per background queue")
-    max_result_bytes: int = Field(
+    max_result_bytes: Bytes = Field(
         16 * MIB,
-        ge=1024,
-        le=2**31,
         description="largest per-request result a consumer returns with a completion (JSON "
         "bytes; tllm_results): a larger one is replaced by an error saying so, and the server "
         "refuses (HTTP 400) a request whose result a consumer bounds past it",
@@ -77,10 +71,8 @@ class RuntimeSettings(BaseModel):
     overflow: Literal["block", "drop"] = Field(
         "block", description="full background queue: wait (block) or drop the bundle (counted)"
     )
-    wait_timeout_s: float = Field(
+    wait_timeout_s: Seconds = Field(
         120.0,
-        gt=0,
-        le=86400,
         description="longest wait for a background consumer to catch up (flush: reading "
         "results, closing) before going on without it (counted: flush_timeouts, close_timeouts)",
     )
@@ -99,25 +91,19 @@ class RuntimeSettings(BaseModel):
         description="torch intra-op threads of each background consumer's thread (the "
         "engine's own threads already use the cores)",
     )
-    callback_deadline_s: float = Field(
+    callback_deadline_s: Seconds = Field(
         120.0,
-        gt=0,
-        le=86400,
         description="longest run of one consumer callback on the engine thread (edit, guide, "
         "on_bundle, on_request_finished): past it the watchdog names the consumer, the callback "
         "and its stack, and the engine stops (runtime/watchdog.py)",
     )
-    background_deadline_s: float = Field(
+    background_deadline_s: Seconds = Field(
         300.0,
-        gt=0,
-        le=86400,
         description="longest run of one callback of a background consumer: past it that "
         "consumer is switched off and its queue dropped (counted); the engine goes on",
     )
-    close_deadline_s: float = Field(
+    close_deadline_s: Seconds = Field(
         600.0,
-        gt=0,
-        le=86400,
         description="longest run of a consumer's close or result (writing what it holds): "
         "past it the watchdog names it and the engine stops",
     )

@@ -41,17 +41,10 @@ def _settle(read: StampRead, host: torch.Tensor) -> None:
 
 
 class StampReader:
-    """Starts :class:`StampRead` s of steps with the same stamp and edit keys."""
-
     def __init__(self) -> None:
         self._keys: tuple[str, ...] | None = None
         self._device: torch.Tensor | None = None
         self._ring: HostCopyRing | None = None
-
-    @property
-    def waits(self) -> int:
-        """Reads the host waited for when their buffer came round again."""
-        return self._ring.waits if self._ring is not None else 0
 
     def start(self, stamps: dict[str, torch.Tensor], edited: dict[str, torch.Tensor]) -> StampRead:
         """Queue the copy of ``stamps`` then ``edited`` (one-element tensors on one device)."""

@@ -14,8 +14,7 @@ record = write_once  # (path, message): the first rank's reason wins; never rais
 
 
 class FirstErrorLog(logging.Handler):
-    """On the ``vllm`` logger: the first logged exception goes into the note, then (or once
-    the note is gone) it removes itself."""
+    """On the ``vllm`` logger: notes the first logged exception, then removes itself."""
 
     def __init__(self, path: str):
         super().__init__(logging.ERROR)
@@ -31,8 +30,7 @@ class FirstErrorLog(logging.Handler):
 
 
 def watch_engine_start() -> None:
-    """In a process the front end spawned while starting its engine, note vLLM's first
-    logged exception (elsewhere a no-op)."""
+    """In a process spawned while its engine starts, note vLLM's first logged exception."""
     note = named(ENV)
     if note is not None and note[0] != os.getpid():
         logging.getLogger("vllm").addHandler(FirstErrorLog(note[1]))

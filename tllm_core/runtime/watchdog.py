@@ -46,7 +46,6 @@ class Hung:
     stack: str
 
     def message(self) -> str:
-        """One line naming it (the stack is :attr:`stack`)."""
         return (
             f"consumer {self.consumer!r} is stuck in {self.callback} ({self.seconds:.0f} s; "
             f"the deadline of a {self.kind} callback is {self.deadline_s:g} s)"
@@ -64,7 +63,6 @@ class Hung:
         return f"{path.strip(chr(34))}:{line} in {func}"
 
     def report(self) -> str:
-        """The line and where it is stuck."""
         return f"{self.message()}; stuck at (thread {self.thread}):\n{self.stack}"
 
 
@@ -78,8 +76,7 @@ class _Call:
 
 
 class Watchdog:
-    """Reports callbacks past their deadline (``deadlines``: seconds by kind) to ``on_hung``,
-    from its own daemon thread, started at the first callback."""
+    """Reports callbacks past their deadline (``deadlines``: seconds by kind) to ``on_hung``."""
 
     def __init__(self, deadlines: dict[str, float], on_hung: Callable[[Hung], None]):
         self.deadlines = dict(deadlines)
@@ -87,7 +84,8 @@ class Watchdog:
         self.interval_s = min(1.0, min(self.deadlines.values()) / CHECKS_PER_DEADLINE)
         self._calls: dict[int, _Call] = {}  # thread id -> the callback running on it
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # Started at the first callback (a runtime with no callback runs no thread).
+        self._thread = threading.Thread(target=self._watch, name="tllm-watchdog", daemon=True)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -97,12 +95,9 @@ class Watchdog:
         if tid in self._calls:
             yield
             return
-        if self._thread is None:
-            with self._lock:  # the watchdog's thread starts at the first callback
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._watch, name="tllm-watchdog", daemon=True
-                    )
+        if self._thread.ident is None:
+            with self._lock:
+                if self._thread.ident is None:
                     self._thread.start()
         self._calls[tid] = _Call(consumer, callback, kind)
         try:
@@ -110,37 +105,23 @@ class Watchdog:
         finally:
             self._calls.pop(tid, None)
 
-    def stuck(self) -> list[Hung]:
-        """The callbacks past their deadline now (reported or not)."""
-        return [h for _, h in self._late(time.monotonic())]
-
     def close(self) -> None:
         self._stop.set()
 
-    def _late(self, now: float) -> list[tuple[_Call, Hung]]:
-        out = []
-        frames = None
-        for tid, call in list(self._calls.items()):
-            deadline = self.deadlines[call.kind]
-            if now - call.start <= deadline:
-                continue
-            if frames is None:
-                frames = sys._current_frames()
-            frame = frames.get(tid)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
-            thread = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
-            hung = Hung(
-                call.consumer, call.callback, call.kind, deadline, now - call.start, thread, stack
-            )
-            out.append((call, hung))
-        return out
-
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
-            for call, hung in self._late(time.monotonic()):
-                if call.reported:
+            now, frames = time.monotonic(), None
+            for tid, call in list(self._calls.items()):
+                deadline = self.deadlines[call.kind]
+                if call.reported or now - call.start <= deadline:
                     continue
                 call.reported = True
+                frames = frames or sys._current_frames()  # only when one is late
+                frame = frames.get(tid)
+                stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+                thread = next((t.name for t in threading.enumerate() if t.ident == tid), str(tid))
+                late = now - call.start
+                hung = Hung(call.consumer, call.callback, call.kind, deadline, late, thread, stack)
                 try:
                     self.on_hung(hung)
                 except Exception:  # noqa: BLE001 - the watchdog must keep watching
@@ -148,8 +129,7 @@ class Watchdog:
 
 
 def write_note(path: str | None, hung: Hung) -> None:
-    """Write ``hung`` into the front end's note at ``path`` (JSON), unless one is there (the
-    first hang is the cause); never raises."""
+    """Write ``hung`` (JSON) into the front end's note unless one is there; never raises."""
     write_once(path, json.dumps(asdict(hung)), create=True)
 
 
@@ -163,8 +143,8 @@ def read_note(path: str | None) -> Hung | None:
 
 
 class EngineStop:
-    """Exits the engine process with :data:`HUNG_EXIT_CODE` ``after_s`` seconds after a callback
-    hung; in the front end's own process (an in-process engine) it is only reported."""
+    """Exits the engine process (:data:`HUNG_EXIT_CODE`) ``after_s`` seconds after a callback
+    hung; an engine in the front end's own process is only reported."""
 
     def __init__(self, after_s: float, exit: Callable[[int], Any] = os._exit):
         self.after_s = after_s
@@ -184,10 +164,8 @@ class EngineStop:
     def _stop(self, hung: Hung) -> None:
         log.error("tllm: stopping the engine: %s", hung.message())
         for h in logging.getLogger().handlers + log.handlers:
-            try:
+            with contextlib.suppress(Exception):  # exiting anyway
                 h.flush()
-            except Exception:  # noqa: BLE001, S110 - exiting anyway
-                pass
         sys.stderr.flush()
         if self._exit is os._exit:
             _end_engine_core()
@@ -200,8 +178,7 @@ class EngineStop:
 
 
 def _end_engine_core() -> None:
-    """In a worker whose parent is an offline engine core (not the front end), end the engine
-    core first, which would otherwise log this exit as its own fatal error."""
+    """End a parent offline engine core first (else it logs this exit as its own fatal error)."""
     front = named(ENV)
     parent = os.getppid()
     if front is None or parent in (1, front[0], os.getpid()):
