@@ -286,22 +286,22 @@ def test_a_clients_bad_request_in_a_stream_is_logged_in_one_line():
 
 
 def test_cpu_preload_env():
-    from tllm_core.app import cpu_preload
+    from tllm_core.app.cli_common import preload_libraries
 
-    libs = cpu_preload.apply({})  # what this machine has: tcmalloc, Intel OpenMP
+    libs = preload_libraries({})  # what this machine has: tcmalloc, Intel OpenMP
     if not libs:
         pytest.skip("neither tcmalloc nor libiomp5 is installed here")
     env: dict[str, str] = {"LD_PRELOAD": "/x/libfoo.so"}
-    assert cpu_preload.apply(env) == libs
+    assert preload_libraries(env) == libs
     assert env["LD_PRELOAD"] == ":".join([*libs, "/x/libfoo.so"])
-    assert cpu_preload.apply(env) == []  # already there: nothing added twice
+    assert preload_libraries(env) == []  # already there: nothing added twice
     # Another OpenMP runtime already preloaded (vLLM puts PyTorch's libgomp there): no libiomp,
     # vLLM refuses both at once.
     gomp = {"LD_PRELOAD": "/t/torch/lib/libgomp-a34b3233.so.1"}
-    cpu_preload.apply(gomp)
+    preload_libraries(gomp)
     assert "libiomp" not in gomp["LD_PRELOAD"]
     off = {"TLLM_NO_PRELOAD": "1"}
-    assert cpu_preload.apply(off) == [] and "LD_PRELOAD" not in off
+    assert preload_libraries(off) == [] and "LD_PRELOAD" not in off
 
 
 def test_a_swallowed_interrupt_goes_on_after_the_original_cleanup():

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,33 +24,17 @@ from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.progress import say
 from tllm_core.runtime.settings import RuntimeSettings
 
-
-class CliError(ValueError):
-    """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
-
-
-# A process of the engine died during the command (``vllm_bridge.engine_watch``).
-EXIT_ENGINE_DIED = 3
-
-
+EXIT_ENGINE_DIED = 3  # a process of the engine died during the command (engine_watch)
 # Engine start times of the embedded model on an idle 2-core machine (docs/getting-started.md).
 START_COMPILE_S, START_CACHED_S, START_EAGER_S = 95, 40, 30
-
 DEFAULT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 # prompts x n x max_tokens at or below which a command runs eager unless told otherwise:
 # compiling costs more start time than such a job gains (docs/getting-started.md).
 EAGER_MAX_TOKENS = 2048
-# The options of add_generation_args that are SamplingParams fields of the same name.
-SAMPLING_OPTIONS = (
-    "n",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "ignore_eos",
-)
+
+
+class CliError(ValueError):
+    """Bad command-line input; reported as ``tllm: ...`` with exit status 2."""
 
 
 def local_model(model: str | None) -> str | None:
@@ -77,11 +60,8 @@ def checked_arg(
     finite = ConfigDict(allow_inf_nan=False)  # as the settings: every wait bounded
     number, what = TypeAdapter(info.annotation, config=finite), f"{field} " if named else ""
     if unit != 1:  # the field's bounds in the flag's unit (whole units within them)
-        info = FieldInfo.from_annotation(
-            Annotated[
-                (info.annotation, *(_scaled(m, unit, info.annotation) for m in info.metadata))
-            ]
-        )
+        bounds = (_scaled(m, unit, info.annotation) for m in info.metadata)
+        info = FieldInfo.from_annotation(Annotated[(info.annotation, *bounds)])
         what += f"in {({1024: 'KiB', 1024 * 1024: 'MiB'}).get(unit, f'units of {unit}')} "
     check = TypeAdapter(Annotated[(info.annotation, *info.metadata)])
     note = f" ({info.description})" if info.description and not named else ""
@@ -126,12 +106,8 @@ def checked_host(text: str) -> str:
     except (OSError, UnicodeError) as e:  # UnicodeError: an empty label (``not..a..host``)
         why = f"is not a host name or IP address ({getattr(e, 'strerror', None) or e})"
     else:
-        try:  # vLLM's socket: IPv6 for an IPv6 address, else IPv4 (a name too)
-            ipv6 = ipaddress.ip_address(text).version == 6
-        except ValueError:
-            ipv6 = False
-        try:
-            with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET) as s:
+        try:  # as vLLM binds: IPv6 for an IPv6 address (resolved, with ':'), else IPv4
+            with socket.socket(socket.AF_INET6 if ":" in text else socket.AF_INET) as s:
                 s.bind((text, 0))
             return text
         except (OSError, UnicodeError) as e:
@@ -160,16 +136,11 @@ def add_model_args(g: Any) -> None:
         choices=("auto", "bfloat16", "float32", "float", "float16", "half"),  # vLLM's own
         help=f"model dtype: float32, bfloat16, auto (the model's own; default {DEFAULT_DTYPE})",
     )
-    g.add_argument(
-        "--max-model-len",
-        type=COUNT,
-        help="context length (default: the model's own, as vLLM derives it)",
-    )
-    g.add_argument(
-        "--kv-cache-gib",
-        type=COUNT,
-        help="CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)",
-    )
+    for opt, help in (
+        ("--max-model-len", "context length (default: the model's own, as vLLM derives it)"),
+        ("--kv-cache-gib", "CPU KV cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE; default 2)"),
+    ):
+        g.add_argument(opt, type=COUNT, help=help)
     g.add_argument(
         "--callback-deadline",
         type=checked_arg("callback_deadline_s"),
@@ -266,21 +237,16 @@ def read_prompt_file(path: Path, what: str = "prompt file") -> list[str]:
     return prompts
 
 
-def prompts(args: argparse.Namespace) -> list[str]:
-    """``--prompt``s, the ``--prompts`` file, or the built-in prompt."""
-    if args.prompts is not None:
-        return read_prompt_file(args.prompts, "--prompts file")
-    return args.prompt or [DEFAULT_PROMPT]
-
-
 def sampling(args: argparse.Namespace):
     """``SamplingParams`` from the sampling options (vLLM's checks; ours ran before)."""
     from vllm import SamplingParams
 
     from tllm_core.vllm_bridge.errors import vllm_value_errors
 
+    # The options of add_generation_args that are SamplingParams fields of the same name.
+    names = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
     try:
-        return SamplingParams(**{k: getattr(args, k) for k in SAMPLING_OPTIONS})
+        return SamplingParams(**{k: getattr(args, k) for k in names})
     except vllm_value_errors() as e:
         raise CliError(f"bad sampling option: {e}") from None
 
@@ -306,9 +272,37 @@ def set_cpu_kv_cache(gib: int | None) -> None:
         os.environ[KV_ENV] = value
 
 
+def preload_libraries(env: MutableMapping[str, str] | None = None) -> list[str]:
+    """Prepend to ``LD_PRELOAD`` (``os.environ``'s: the engine processes') the libraries vLLM's
+    CPU backend asks to have preloaded, tcmalloc and Intel OpenMP, of kinds it lacks
+    (``TLLM_NO_PRELOAD=1``: off); returns what was added."""
+    env = os.environ if env is None else env
+    if not sys.platform.startswith("linux") or env.get("TLLM_NO_PRELOAD", "") not in ("", "0"):
+        return []
+    prefixes = dict.fromkeys([sys.prefix, sys.base_prefix, sys.exec_prefix])
+    system = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/lib/aarch64-linux-gnu")
+    dirs = [*(Path(p) / "lib" for p in prefixes), *map(Path, system), Path("/usr/local/lib")]
+
+    def find(*files: str) -> str | None:  # the first in the first folder holding one
+        return next((str(d / f) for d in dirs for f in files if (d / f).is_file()), None)
+
+    current = env.get("LD_PRELOAD", "")
+    added = []
+    tcmalloc = find("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+    if tcmalloc and "libtcmalloc" not in current:
+        added.append(tcmalloc)
+    iomp = find("libiomp5.so")
+    # One OpenMP runtime only: vLLM refuses an LD_PRELOAD naming both libiomp and libgomp
+    # (e.g. inherited from a process where vLLM preloaded PyTorch's libgomp itself).
+    if iomp and not any(k in current for k in ("libiomp", "libomp", "libgomp")):
+        added.append(iomp)
+    if added:
+        env["LD_PRELOAD"] = ":".join([*added, *([current] if current else [])])
+    return added
+
+
 def prepare_engine_processes(args: argparse.Namespace) -> None:
     """The environment the command's engine processes inherit; call it before they start."""
-    from tllm_core.app.cpu_preload import apply as preload
     from tllm_core.vllm_bridge.plugin import CLI_PID_ENV, command_process
 
     # The engine processes leave Ctrl-C to the command (it aborts, flushes, stops them).
@@ -318,7 +312,7 @@ def prepare_engine_processes(args: argparse.Namespace) -> None:
     # vLLM's 5 s for a worker to exit is too short on a busy 2-core machine.
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "30")
     set_cpu_kv_cache(getattr(args, "kv_cache_gib", None))
-    preload()  # tcmalloc / Intel OpenMP (off: TLLM_NO_PRELOAD=1)
+    preload_libraries()
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -342,9 +336,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def choose_eager(args: argparse.Namespace, new_tokens: int) -> str | None:
     """Eager mode for a small job unless ``--compile``/``--enforce-eager``; returns why."""
-    if getattr(args, "compile", False) or getattr(args, "enforce_eager", False):
-        return None
-    if new_tokens > EAGER_MAX_TOKENS:
+    told = getattr(args, "compile", False) or getattr(args, "enforce_eager", False)
+    if told or new_tokens > EAGER_MAX_TOKENS:
         return None
     args.enforce_eager = True
     return f"a small job of {new_tokens} new tokens at most, --compile to compile"
@@ -383,17 +376,26 @@ def generate_with(
 
         check_out_dir(args.report)
     model = local_model(args.model)
-    texts_in = prompts(args)
+    if args.prompts is not None:  # else the --prompt's, or the built-in prompt
+        texts_in = read_prompt_file(args.prompts, "--prompts file")
+    else:
+        texts_in = args.prompt or [DEFAULT_PROMPT]
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
-    asked = _results_arg(args, checked)
-    converting = None
-    if model is None:
-        # Converted while vLLM is imported; before the engine processes' preload is set.
-        converting = default_model.convert_in_background()
-        if converting is None:  # cached: the dry build now, before vLLM is imported
-            model = str(default_model.default_model_path())
-            checked = validate_consumers(checked, model)
+    asked = getattr(args, "results", None)
+    if asked:  # checked as a request's tllm_results is
+        from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+
+        engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        try:
+            validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
+        except ValueError as e:
+            raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+    # The default model converts while vLLM is imported; before the engine processes' preload.
+    converting = default_model.convert_in_background() if model is None else None
+    if model is None and converting is None:  # cached: the dry build now, before vLLM's import
+        model = str(default_model.default_model_path())
+        checked = validate_consumers(checked, model)
     prepare_engine_processes(args)
     params = sampling(args)  # vLLM's own checks of the sampling options (imports vLLM)
     if asked:
@@ -403,14 +405,16 @@ def generate_with(
         default_model.wait_for_conversion(converting)
         model = str(default_model.default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
-    if args.chat is None:
-        args.chat = has_chat_template(Path(model))
+    if args.chat is None:  # whether the model folder ships a chat template
+        cfg = Path(model) / "tokenizer_config.json"
+        args.chat = (Path(model) / "chat_template.jinja").is_file() or (
+            cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+        )
     names = [s.name for s in checked.specs]
     say(f"loading {Path(model).name} with consumers {', '.join(names) or '(none)'}")
-    if eager_note:  # the one line that says why, and how to override
-        say(f"starting vLLM (eager mode for {eager_note}: about {START_EAGER_S} s)")
-    else:
-        say(f"starting vLLM ({engine_note(args)})")
+    # With eager_note: the one line that says why, and how to override.
+    note = f"eager mode for {eager_note}: about {START_EAGER_S} s" if eager_note else None
+    say(f"starting vLLM ({note or engine_note(args)})")
     t0 = time.perf_counter()
     # The command reports a disabled consumer itself (ERROR lines, exit status 1).
     llm = TllmLLM(
@@ -423,6 +427,7 @@ def generate_with(
     )
     say(f"engine ready in {time.perf_counter() - t0:.0f} s on vLLM's {llm.status['runner']}")
     progress = RunProgress(extra=status) if not args.json or sys.stderr.isatty() else None
+    items = [[{"role": "user", "content": p}] for p in texts_in] if args.chat else texts_in
     interrupted = False
     died: EngineDiedError | None = None
     try:
@@ -430,11 +435,7 @@ def generate_with(
         t1 = time.perf_counter()
         with finished_outputs(llm.llm) as done:
             try:
-                if args.chat:
-                    convs = [[{"role": "user", "content": p}] for p in texts_in]
-                    llm.chat(convs, params, use_tqdm=progress or False)
-                else:
-                    llm.generate(texts_in, params, use_tqdm=progress or False)
+                (llm.chat if args.chat else llm.generate)(items, params, use_tqdm=progress or False)
             except KeyboardInterrupt:
                 interrupted = True
             except EngineDiedError as e:  # no report to collect: the finished outputs only
@@ -481,38 +482,11 @@ def generate_with(
     return texts_in, texts, report
 
 
-def _results_arg(args: argparse.Namespace, checked: Any) -> str | None:
-    """``--results``, checked as a request's ``tllm_results`` is (before the engine starts)."""
-    names = getattr(args, "results", None)
-    if not names:
-        return None
-    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
-
-    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
-    try:
-        validate_extra_args({RESULTS_KEY: names}, engine, where="--results")
-    except ValueError as e:
-        raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
-    return names
-
-
-def has_chat_template(model: Path) -> bool:
-    """Whether the model folder ships a chat template."""
-    if (model / "chat_template.jinja").is_file():
-        return True
-    cfg = model / "tokenizer_config.json"
-    return cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
-
-
-def _counters(report: dict[str, Any]) -> dict[str, Any]:
-    return {"runtime": report["runtime"], **report["consumers"]}
-
-
 def json_report(texts: list[list[str | None]], report: dict[str, Any]) -> dict[str, Any]:
     """The ``--json`` object: outputs, counters, results, errors, run."""
     return {
         "outputs": texts,
-        "counters": _counters(report),
+        "counters": {"runtime": report["runtime"], **report["consumers"]},
         "results": report.get("results", {}),
         **({"request_results": report["request_results"]} if "request_results" in report else {}),
         "errors": report.get("errors", []),
@@ -549,7 +523,7 @@ def print_report(
             print(f"--- sample {j}\n{t.strip() if t is not None else '(not finished)'}")
     if counters:
         print("\n=== counters")
-        for group, values in _counters(report).items():
+        for group, values in json_report(texts, report)["counters"].items():
             print(f"[{group}]")
             for k, v in sorted(values.items()):
                 print(f"  {k:<40} {count_text(v)}")

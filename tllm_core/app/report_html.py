@@ -13,9 +13,7 @@ from typing import Any
 
 from tllm_core.api.plots import Plot
 from tllm_core.app.progress import say
-from tllm_core.app.summary import Lookup, Summary, call_consumer, registry_lookup, summarize
-
-PAGE = "index.html"
+from tllm_core.app.summary import Lookup, call_consumer, registry_lookup, summarize
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;
@@ -111,52 +109,6 @@ def _esc(text: Any) -> str:
     return html.escape(str(text))
 
 
-def _outputs(run: dict[str, Any]) -> str:
-    prompts = run.get("prompts") or []
-    parts = []
-    for i, samples in enumerate(run.get("outputs", [])):
-        prompt = prompts[i] if i < len(prompts) else f"prompt {i}"
-        cards = "".join(
-            f'<div class="sample"><div class="label">sample {j}</div>'
-            f'<div class="text">{_esc(t.strip() if t is not None else "(not finished)")}</div></div>'
-            for j, t in enumerate(samples)
-        )
-        parts.append(
-            f'<section class="prompt"><h3>Prompt {i}</h3>'
-            f'<div class="prompt-text">{_esc(prompt)}</div><div class="samples">{cards}</div>'
-            "</section>"
-        )
-    return "".join(parts) or "<p>(no outputs)</p>"
-
-
-def _summary(summary: Summary, errors: list[dict[str, Any]]) -> str:
-    items = [f"<li>{_esc(line)}</li>" for line in [summary.head, *summary.lines]]
-    items += [f'<li class="warning">warning: {_esc(w)}</li>' for w in summary.warnings]
-    items += [f'<li class="warning">ERROR: {_esc(e.get("error", e))}</li>' for e in errors]
-    return f'<ul class="summary">{"".join(items)}</ul>'
-
-
-def _counters(run: dict[str, Any]) -> str:
-    rows = []
-    for group, values in run.get("counters", {}).items():
-        rows.append(f'<tr><td colspan="2"><b>[{_esc(group)}]</b></td></tr>')
-        for k, v in sorted(values.items()):
-            shown = f"{v:.6g}" if isinstance(v, float) else v
-            rows.append(f'<tr><td>{_esc(k)}</td><td class="v">{_esc(shown)}</td></tr>')
-    return f"<details><summary>All counters</summary><table>{''.join(rows)}</table></details>"
-
-
-def _figure(name: str, plot: Plot, png: Path) -> str:
-    data = base64.b64encode(png.read_bytes()).decode("ascii")
-    caption = f"{_esc(plot.title)}" + (f": {_esc(plot.caption)}" if plot.caption else "")
-    return (
-        f'<figure class="plot" id="plot-{_esc(name)}-{_esc(plot.name)}">'
-        f'<img alt="{_esc(plot.title)}" src="data:image/png;base64,{data}">'
-        f'<figcaption>{caption} (<a href="{_esc(png.name)}">{_esc(png.name)}</a>)</figcaption>'
-        "</figure>"
-    )
-
-
 def check_out_dir(out_dir: Path) -> None:
     """The report's folder can be written (it need not exist yet); else a ValueError."""
     out_dir = Path(out_dir)
@@ -183,12 +135,43 @@ def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = Non
     if not (run_json.exists() and run_json.read_text() == text):
         run_json.write_text(text)
     summary = summarize(run, lookup)
+    items = [f"<li>{_esc(line)}</li>" for line in [summary.head, *summary.lines]]
+    items += [f'<li class="warning">warning: {_esc(w)}</li>' for w in summary.warnings]
+    items += [
+        f'<li class="warning">ERROR: {_esc(e.get("error", e))}</li>' for e in run.get("errors", [])
+    ]
     figures = []
     for name, plot in consumer_plots(run, lookup):
         png = out_dir / f"{name}-{plot.name}.png"
         render_png(plot, png)
-        figures.append(_figure(name, plot, png))
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        caption = f"{_esc(plot.title)}" + (f": {_esc(plot.caption)}" if plot.caption else "")
+        figures.append(
+            f'<figure class="plot" id="plot-{_esc(name)}-{_esc(plot.name)}">'
+            f'<img alt="{_esc(plot.title)}" src="data:image/png;base64,{data}">'
+            f'<figcaption>{caption} (<a href="{_esc(png.name)}">{_esc(png.name)}</a>)</figcaption>'
+            "</figure>"
+        )
     outputs, runner = run.get("outputs", []), run.get("run", {}).get("runner")
+    prompts, parts = run.get("prompts") or [], []
+    for i, samples in enumerate(outputs):
+        prompt = prompts[i] if i < len(prompts) else f"prompt {i}"
+        cards = "".join(
+            f'<div class="sample"><div class="label">sample {j}</div>'
+            f'<div class="text">{_esc(t.strip() if t is not None else "(not finished)")}</div></div>'
+            for j, t in enumerate(samples)
+        )
+        parts.append(
+            f'<section class="prompt"><h3>Prompt {i}</h3>'
+            f'<div class="prompt-text">{_esc(prompt)}</div><div class="samples">{cards}</div>'
+            "</section>"
+        )
+    rows = []
+    for group, values in run.get("counters", {}).items():
+        rows.append(f'<tr><td colspan="2"><b>[{_esc(group)}]</b></td></tr>')
+        for k, v in sorted(values.items()):
+            shown = f"{v:.6g}" if isinstance(v, float) else v
+            rows.append(f'<tr><td>{_esc(k)}</td><td class="v">{_esc(shown)}</td></tr>')
     meta = f"{len(outputs)} prompt(s) · {sum(map(len, outputs))} sample(s)"
     meta += f" · {_esc(runner)}" if runner else ""
     plots = f'<div class="plots">{"".join(figures)}</div>' if figures else "<p>(no plots)</p>"
@@ -197,13 +180,14 @@ def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = Non
         "<title>tllm run report</title>"
         f"<style>{CSS}</style></head><body>"
         f'<h1>tllm run report</h1><div class="meta">{meta}</div>'
-        f'<h2 id="summary">Summary</h2>{_summary(summary, run.get("errors", []))}'
+        f'<h2 id="summary">Summary</h2><ul class="summary">{"".join(items)}</ul>'
         f'<h2 id="plots">Plots</h2>{plots}'
-        f'<h2 id="outputs">Outputs</h2>{_outputs(run)}'
-        f'<h2 id="counters">Counters</h2>{_counters(run)}'
+        f'<h2 id="outputs">Outputs</h2>{"".join(parts) or "<p>(no outputs)</p>"}'
+        f'<h2 id="counters">Counters</h2><details><summary>All counters</summary>'
+        f"<table>{''.join(rows)}</table></details>"
         "</body></html>\n"
     )
-    path = out_dir / PAGE
+    path = out_dir / "index.html"
     path.write_text(page)
     return path
 
@@ -215,17 +199,14 @@ EPILOG = """examples:
 `tllm run ... --report DIR` writes the same page at the end of a run."""
 
 
-def default_out(run_json: Path) -> Path:
-    """A report's own run.json: its folder; any other file: ``<stem>-report`` beside it."""
-    if run_json.name == "run.json" and (run_json.parent / "index.html").is_file():
-        return run_json.parent
-    return run_json.with_name(f"{run_json.stem}-report")
-
-
 def cmd_report(args: argparse.Namespace) -> int:
-    run = read_run(args.run_json)
-    page = write_report(run, args.out or default_out(args.run_json))
-    say(f"report: {page}")
+    run, out = read_run(args.run_json), args.out
+    if out is None:  # a report's own run.json: its folder; another file: <stem>-report beside it
+        own = args.run_json.name == "run.json" and (args.run_json.parent / "index.html").is_file()
+        out = (
+            args.run_json.parent if own else args.run_json.with_name(f"{args.run_json.stem}-report")
+        )
+    say(f"report: {write_report(run, out)}")
     return 0
 
 

@@ -44,10 +44,9 @@ def server_argv(args: argparse.Namespace, model: str, settings: RuntimeSettings)
     argv += ["--dtype", args.dtype]
     if args.max_model_len is not None:  # else vLLM derives it from the model's config
         argv += ["--max-model-len", str(args.max_model_len)]
-    if args.tensor_parallel_size != 1:
-        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
-    if args.data_parallel_size != 1:
-        argv += ["--data-parallel-size", str(args.data_parallel_size)]
+    for size in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, size) != 1:
+            argv += ["--" + size.replace("_", "-"), str(getattr(args, size))]
     if headless(args) and "--headless" not in extra:
         argv += ["--headless"]
     # vLLM's default --shutdown-timeout, 0, kills the engine processes at once; a worker alone
@@ -149,13 +148,11 @@ class LastCounters:
         self._stop = threading.Event()
 
     def read_once(self) -> bool:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             report = _get_json(f"{self.url}/tllm/counters")
-        except (OSError, ValueError):
-            return False
-        if isinstance(report, dict) and "consumers" in report:
-            self.report, self.read_at = report, time.monotonic()
-            return True
+            if isinstance(report, dict) and "consumers" in report:
+                self.report, self.read_at = report, time.monotonic()
+                return True
         return False
 
     def start(self) -> None:
@@ -185,13 +182,12 @@ class LastCounters:
             return []
         runtime = self.report.get("runtime", {})
         age = time.monotonic() - self.read_at
-        s = summarize({**self.report, "run": {}})
         head = (
             f"served {runtime.get('requests_finished', 0)} request(s), "
             f"{runtime.get('rows_seen', 0)} token rows (counters read {age:.0f} s before the "
             "server stopped)"
         )
-        return [head, *s.text()[1:]]
+        return [head, *summarize({**self.report, "run": {}}).text()[1:]]
 
 
 def describe(url: str, engine) -> list[str]:
@@ -206,8 +202,7 @@ def describe(url: str, engine) -> list[str]:
     for name, c in info["consumers"].items():
         scope = "only on requests naming it in tllm_consumers" if c["per_request"] else "always"
         lines.append(f"consumer {name}: acts {scope}")
-        for k in c["request_keys"]:
-            lines.append(f"  vllm_xargs {k['key']}: {k['allowed']}")
+        lines += [f"  vllm_xargs {k['key']}: {k['allowed']}" for k in c["request_keys"]]
     lines.append("request keys for all: " + ", ".join(KEYS))
     return lines
 
@@ -264,16 +259,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
     follower = headless(args)
     args.enforce_eager = "--enforce-eager" in (args.vllm_args or [])  # for the note
-    if follower:
-        say(
-            "headless node: engine ranks only, no API server; the leader (node rank 0) "
-            "serves the API, runs the consumers and gathers the counters"
-        )
-        say(f"starting this node's engine ranks ({cli_common.engine_note(args)})")
-    else:
-        for line in describe(url, engine):
-            say(line)
-        say(f"starting vLLM's OpenAI server ({cli_common.engine_note(args)})")
+    headless_note = (
+        "headless node: engine ranks only, no API server; the leader (node rank 0) serves the "
+        "API, runs the consumers and gathers the counters"
+    )
+    lines = [headless_note] if follower else describe(url, engine)
+    starting = "this node's engine ranks" if follower else "vLLM's OpenAI server"
+    for line in [*lines, f"starting {starting} ({cli_common.engine_note(args)})"]:
+        say(line)
     bind_cpu_threads(ranks)
     # The command's stop (its watchdog bounds the server's); a lost node is recorded there.
     signals = stop.installed() or stop.StopSignals()
@@ -281,9 +274,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not follower:  # says when it is ready, and what the consumers did when it stops
         last = LastCounters(url, signals.note_children)  # a killed engine's files: at exit
         last.start()
-    wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
-    if not follower:  # a multi-node leader tells its followers when it is asked to stop
+        # A multi-node leader tells its followers when it is asked to stop.
         signals.nodes.followers_store = followers_store(list(args.vllm_args or []))
+    wire = json.loads(json.dumps(settings.model_dump()))  # as the server reads it back
     pre = CheckedServer(settings=wire, engine=engine, nodes=signals.nodes)
     started_at = time.time()  # files older than this are not this server's (tllm_run_failed)
     with signals.noting_handlers(close_http_soon):  # vLLM's own stop, bounded by the watchdog
@@ -306,9 +299,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(f"error: {cause.replace('(errors in its log)', '(errors above)')}")
         stop.exit_now(1)
     say("headless node stopped" if follower else "server stopped")
-    if last is not None:
-        for line in last.lines():
-            say(line)
+    for line in last.lines() if last is not None else []:
+        say(line)
     stop.exit_now(0)
 
 

@@ -48,10 +48,8 @@ class StopSignals:
         """The first stop signal received (None: none)."""
         return self._received[0] if self._received else None
 
-    def exit_code(self, default: int = 130) -> int:
-        """``128 + signal`` for the first stop signal received, else ``default``."""
-        sig = self.received()
-        return default if sig is None else 128 + int(sig)
+    def exit_code(self, default: int = 130) -> int:  # as the module's exit_code
+        return default if not self._received else 128 + int(self._received[0])
 
     def note(self, signum: int) -> bool:
         """Record a stop signal; the first one (True) starts the watchdog."""
@@ -75,9 +73,8 @@ class StopSignals:
         return first
 
     def handle(self, signum: int, frame: Any) -> None:
-        """The SIGTERM/SIGINT handler :func:`install` sets."""
-        # The first signal interrupts whatever runs (KeyboardInterrupt, as Ctrl-C); later ones
-        # must not interrupt the cleanup it started (that is what leaves files behind).
+        """The SIGTERM/SIGINT handler :func:`install` sets: the first signal interrupts whatever
+        runs (as Ctrl-C); later ones must not interrupt the cleanup it started (files left)."""
         if self.note(signum):
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -167,11 +164,6 @@ def uninstall() -> None:
 def installed() -> StopSignals | None:
     """The :class:`StopSignals` :func:`install` made (None: not installed)."""
     return _installed
-
-
-def received() -> int | None:
-    """The first stop signal this process received (None: none, or nothing installed)."""
-    return None if _installed is None else _installed.received()
 
 
 def exit_code(default: int = 130) -> int:

@@ -69,27 +69,6 @@ def run_line(
     return rate_line(tokens, seconds) + ("; " + ", ".join(parts) if parts else "")
 
 
-def generic_line(name: str, counters: dict[str, Any], declared: str = "", calls: int = 0) -> str:
-    """``name: <proof counter> <value>``, or that it did no work."""
-    found = proof_counter(counters, declared)
-    if found is None:
-        return f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
-    return f"{name}: {found[0]} {count_text(found[1])}"
-
-
-def idle_warning(name: str, runtime: dict[str, Any]) -> str:
-    """Why consumer ``name`` shows no work: called and produced nothing, or never called."""
-    calls = runtime.get(f"consumer_calls.{name}", 0)
-    if calls:
-        return (
-            f"consumer {name!r} was called {count_text(calls)} time(s) but produced no result "
-            "(all its counters are zero)"
-        )
-    if any(k.startswith("consumer_calls.") for k in runtime):
-        return f"consumer {name!r} was never called (all its counters are zero)"
-    return f"consumer {name!r} did no work (all its counters are zero)"  # an older report
-
-
 def call_consumer(cls: type | None, method: str, name: str, counters: Any, result: Any) -> list:
     """``cls.method(counters, result)`` as a list; a failing one is logged and returns none."""
     fn = getattr(cls, method, None)
@@ -138,14 +117,6 @@ def runtime_warnings(runtime: dict[str, Any], names: list[str]) -> list[str]:
     return out
 
 
-def _head(run: dict[str, Any]) -> str:
-    head = rate_line(run.get("tokens", 0), run.get("seconds", 0.0))
-    text = run.get("summary", "")
-    if run.get("interrupted") and text.startswith(("interrupted", "the engine died")):
-        head = f"{text.split('; ', 1)[0]}; {head}"
-    return head
-
-
 def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
     """The summary of ``report`` (``TllmLLM.close()`` plus ``run``, or the ``--json`` object)."""
     if "consumers" not in report and "counters" in report:  # the --json form
@@ -154,22 +125,37 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
         report = {**report, "runtime": runtime, "consumers": counters}
     lookup = lookup or registry_lookup()
     consumers: dict[str, dict[str, Any]] = report.get("consumers", {})
-    out = Summary(_head(report.get("run", {})))
-    runtime = report.get("runtime", {})
+    run, runtime = report.get("run", {}), report.get("runtime", {})
+    out = Summary(rate_line(run.get("tokens", 0), run.get("seconds", 0.0)))
+    cut = run.get("summary", "")
+    if run.get("interrupted") and cut.startswith(("interrupted", "the engine died")):
+        out.head = f"{cut.split('; ', 1)[0]}; {out.head}"
     for name, counters in consumers.items():
         cls = lookup(name)
         result = report.get("results", {}).get(name)
         if isinstance(result, list) and "ranks" in report:  # data parallel: the first engine's
             result = next((r for r in result if r is not None), None)
         lines = [str(x) for x in call_consumer(cls, "summary", name, counters, result)]
-        if not lines:
-            calls = runtime.get(f"consumer_calls.{name}", 0)
-            lines = [generic_line(name, counters, getattr(cls, "proof_counter", ""), calls)]
+        calls = runtime.get(f"consumer_calls.{name}", 0)
+        if not lines:  # the proof counter, or that it did no work
+            found = proof_counter(counters, getattr(cls, "proof_counter", ""))
+            if found is not None:
+                lines = [f"{name}: {found[0]} {count_text(found[1])}"]
+            else:
+                lines = [
+                    f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
+                ]
         elif not lines[0].startswith(f"{name}:"):
             lines = [f"{name}: {lines[0]}", *lines[1:]]
         out.lines += lines
-        if proof_counter(counters) is None:
-            out.warnings.append(idle_warning(name, runtime))
+        if proof_counter(counters) is None:  # called and produced nothing, or never called
+            if calls:
+                idle = f"was called {count_text(calls)} time(s) but produced no result"
+            elif any(k.startswith("consumer_calls.") for k in runtime):
+                idle = "was never called"
+            else:
+                idle = "did no work"  # an older report
+            out.warnings.append(f"consumer {name!r} {idle} (all its counters are zero)")
         warnings = call_consumer(cls, "summary_warnings", name, counters, result)
         out.warnings += [f"{name}: {w}" for w in warnings]
     out.warnings += runtime_warnings(runtime, list(consumers))

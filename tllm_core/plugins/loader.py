@@ -73,32 +73,28 @@ class Plugins:
         environ: Mapping[str, str] | None = None,
     ) -> Plugins:
         """Every ``tllm`` entry point the allow-list lets through, each registered and checked."""
-        out = cls(on_broken=on_broken)
-        if load_entry_points:
-            out._load_entry_points(allowed_plugins(environ))
-        return out
-
-    def _load_entry_points(self, allowed: frozenset[str] | None) -> None:
-        for dist in importlib.metadata.distributions():
+        out, allowed = cls(on_broken=on_broken), allowed_plugins(environ)
+        for dist in importlib.metadata.distributions() if load_entry_points else []:
             dist_name = dist.metadata["name"] or "?"
             own = re.sub(r"[-_.]+", "-", dist_name).lower() == OWN_DISTRIBUTION
             for ep in dist.entry_points:
-                if ep.group != ENTRY_POINT_GROUP or self.pm.has_plugin(ep.name):
+                if ep.group != ENTRY_POINT_GROUP or out.pm.has_plugin(ep.name):
                     continue  # a distribution seen twice on sys.path registers once
-                if self.pm.is_blocked(ep.name) or any(b.name == ep.name for b in self.broken):
+                if out.pm.is_blocked(ep.name) or any(b.name == ep.name for b in out.broken):
                     continue
                 if not own and allowed is not None and ep.name not in allowed:
                     continue
-                self._dists[ep.name] = dist_name
+                out._dists[ep.name] = dist_name
                 try:
                     plugin = ep.load()
                 except Exception as e:  # noqa: BLE001 - any import failure skips the plugin
-                    self._skip(ep.name, ep.value, f"import failed: {type(e).__name__}: {e}")
+                    out._skip(ep.name, ep.value, f"import failed: {type(e).__name__}: {e}")
                     continue
                 try:
-                    self.register(plugin, ep.name)
+                    out.register(plugin, ep.name)
                 except Exception as e:  # noqa: BLE001 - e.g. a misspelled hook
-                    self._skip(ep.name, ep.value, f"{type(e).__name__}: {e}")
+                    out._skip(ep.name, ep.value, f"{type(e).__name__}: {e}")
+        return out
 
     def register(self, plugin: object, name: str | None = None) -> str:
         """Register ``plugin``; a misspelled hook raises ``PluginValidationError`` (unregistered)."""
@@ -124,7 +120,6 @@ class Plugins:
 
     @property
     def loaded(self) -> list[str]:
-        """Names of the registered plugins."""
         return [n for n, _ in self.pm.list_name_plugin()]
 
 

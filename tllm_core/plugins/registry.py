@@ -48,7 +48,6 @@ class Registry:
 
     @property
     def broken(self) -> list[BrokenPlugin]:
-        """The plugins skipped because they failed to load or register."""
         return list(self.plugins.broken)
 
     @contextlib.contextmanager

@@ -138,16 +138,6 @@ class EngineConsumers:
         }
 
 
-def _check_tag(key: str, value: Any, where: str) -> None:
-    """The row tags ``TllmLLM`` sets, when its caller gives them: whole numbers to index with."""
-    low = 0 if key == "tllm_prompt_index" else 1
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
-        raise ValueError(
-            f"{where}[{key!r}] must be a whole number in [{low}, {2**31 - 1}], got "
-            f"{short_repr(value)}"
-        )
-
-
 def validate_extra_args(
     extra: dict[str, Any] | None,
     engine: EngineConsumers,
@@ -162,8 +152,13 @@ def validate_extra_args(
     for key, value in extra.items():
         if not key.startswith(PREFIX):
             continue
-        if tags and key in TAGS:
-            _check_tag(key, value, where)
+        if tags and key in TAGS:  # the row tags TllmLLM sets, when its caller gives them
+            low = 0 if key == "tllm_prompt_index" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**31:
+                raise ValueError(
+                    f"{where}[{key!r}] must be a whole number in [{low}, {2**31 - 1}], got "
+                    f"{short_repr(value)}"
+                )
             continue
         if key in engine.owners:
             mine.setdefault(engine.owners[key][0], key)
@@ -192,7 +187,20 @@ def validate_extra_args(
     group = extra.get(GROUP_KEY)
     if isinstance(group, str) and not group.strip():
         raise ValueError(f"{where}[{GROUP_KEY!r}] must not be empty")
-    _check_results(extra, engine, where)
+    # tllm_results: configured consumers that make results and act on the request.
+    makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
+    for name in asked_results(extra, where):
+        if name not in makers:
+            what = "is not configured" if name not in engine.per_request else "makes none"
+            raise ValueError(
+                f"{where}[{RESULTS_KEY!r}] names {short_repr(name)}, which {what}; consumers that "
+                f"return per-request results here: {makers or 'none'}"
+            )
+        if not engine.active(name, extra):
+            raise ValueError(
+                f"{where}[{RESULTS_KEY!r}] names {name!r}, which is per-request and not switched "
+                f'on for this request (add "{name}" to {where}[{CONSUMERS_KEY!r}])'
+            )
     for name, key in mine.items():
         if name not in engine.per_request:
             raise ValueError(
@@ -207,23 +215,6 @@ def validate_extra_args(
         model = engine.models[name]
         assert model is not None  # it owns a key
         parse_request_settings(name, model, extra, where, config=engine.configs.get(name))
-
-
-def _check_results(extra: dict[str, Any], engine: EngineConsumers, where: str) -> None:
-    """``tllm_results``: configured consumers that make results and act on the request."""
-    makers = sorted(n for n, c in engine.classes.items() if c.makes_results())
-    for name in asked_results(extra, where):
-        if name not in makers:
-            what = "is not configured" if name not in engine.per_request else "makes none"
-            raise ValueError(
-                f"{where}[{RESULTS_KEY!r}] names {short_repr(name)}, which {what}; consumers that "
-                f"return per-request results here: {makers or 'none'}"
-            )
-        if not engine.active(name, extra):
-            raise ValueError(
-                f"{where}[{RESULTS_KEY!r}] names {name!r}, which is per-request and not switched "
-                f'on for this request (add "{name}" to {where}[{CONSUMERS_KEY!r}])'
-            )
 
 
 def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str, int]:
