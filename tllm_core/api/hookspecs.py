@@ -1,5 +1,5 @@
-"""pluggy hook specifications of the ``tllm`` plugin system (entry-point group ``tllm``; the
-built-ins register through the same hooks). docs/hooks.md has each hook's thread and timing."""
+"""pluggy hook specifications of the ``tllm`` plugin system (entry-point group ``tllm``;
+docs/hooks.md)."""
 
 from __future__ import annotations
 

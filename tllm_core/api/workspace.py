@@ -1,5 +1,4 @@
-"""Preallocated step temporaries: named tensors carved out of one flat device allocation, for a
-step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph)."""
+"""Named step temporaries carved out of one flat device allocation (no allocation per step)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def workspace_bytes(spec: WorkspaceSpec) -> int:
 def carve_workspace(
     spec: WorkspaceSpec, device: torch.device | str
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One zeroed uint8 allocation of :func:`workspace_bytes` and a contiguous view of it
-    per ``(name, shape, dtype)`` of ``spec``. Returns ``(flat, parts)``."""
+    """``(flat, parts)``: one zeroed uint8 allocation and a view per part of ``spec``."""
     flat = torch.zeros(workspace_bytes(spec), dtype=torch.uint8, device=device)
     return flat, carve_workspace_from(flat, spec)
 
