@@ -30,16 +30,14 @@ def identifier(value: object, what: str) -> str:
 
 @dataclass(frozen=True)
 class SiteSpec:
-    """A tap site inside a decoder layer: a module whose output carries one ``[tokens, hidden]``
-    tensor, read and edited there (docs/ports.md, "Add a port")."""
+    """A tap site in a decoder layer: a module whose output carries one tensor (docs/ports.md)."""
 
     name: str
     # Child attributes of the layer that may hold the module, tried in order; empty: the layer.
     children: tuple[str, ...] = ()
     output: str = "tensor"  # a key of OUTPUTS
     what: str = ""  # for errors: "self-attention block"
-    # Siblings whose output the layer adds to the site's inline: with one, no module carries
-    # the value, so the site is refused at that layer.
+    # Siblings whose output the layer adds to the site's inline: the site is refused there.
     partial_if: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

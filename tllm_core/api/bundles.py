@@ -23,8 +23,7 @@ from tllm_core.api.rows import RowInfo
 
 @dataclass
 class Bundle:
-    """One step's data of a consumer's read ports: ``hidden`` per row of ``rows``,
-    ``per_sample`` per row of ``sampled_rows`` (docs/ports.md)."""
+    """One step's data of a consumer's read ports (docs/ports.md, "Read ports")."""
 
     step: int
     rows: RowInfo
@@ -44,8 +43,7 @@ class Bundle:
 
 
 class GuideView:
-    """The sampler's view for one step (write port ``SamplerGuide``): filtered fp32 logits,
-    changed only through the ``update*`` methods (docs/ports.md, "SamplerGuide")."""
+    """The sampler's view of one step, changed only through ``update*`` (docs/ports.md)."""
 
     def __init__(
         self,
@@ -149,10 +147,7 @@ class GuideView:
         return top_candidate_entries(self.logits, k, version=self._writes, buffers=buffers)
 
     def update_top_candidates(
-        self,
-        top: TopCandidates,
-        new_logits: torch.Tensor,
-        drop_rest: torch.Tensor | None = None,
+        self, top: TopCandidates, new_logits: torch.Tensor, drop_rest: torch.Tensor | None = None
     ) -> None:
         """Set the valid slots of ``top`` to ``new_logits [R, k]`` (``drop_rest`` rows: every
         other candidate to ``-inf``)."""

@@ -1,5 +1,4 @@
-"""The candidates of a guided step (logits ``> -inf`` after filtering): all of them, or up to
-``k`` per row in fixed shapes; and :class:`GuideBuffers` (docs/ports.md, "SamplerGuide")."""
+"""A guided step's candidates (logits ``> -inf`` after filtering) and :class:`GuideBuffers`."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) ->
 
 
 class GuideBuffers:
-    """One allocation of temporaries for views of up to ``rows`` rows over ``vocab`` tokens:
-    the search of ``top_k`` candidates per row and whole-row writes (``dense``)."""
+    """One allocation of temporaries for guide views of up to ``rows`` rows (docs/ports.md)."""
 
     def __init__(
         self,

@@ -1,5 +1,4 @@
-"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the forward,
-and the per-row buffers a tap reads inside it (how edits compose: docs/ports.md, "Edit")."""
+"""Edits (write port ``Edit``): a consumer's plan and the buffers a tap reads (docs/ports.md)."""
 
 from __future__ import annotations
 
@@ -140,8 +139,8 @@ class EditValues:
         self.device = device
         self.dtype = dtype
         self.keep = keep
-        # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
-        # reused; the prepared value; its tag; a host copy to compare a host tensor with)
+        # (id, version, ablate) -> (the tensor, kept so its id is not reused; prepared; tag;
+        # a host tensor's copy to compare with)
         self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
         self._tags = itertools.count(1)
         self._warned = False
@@ -223,10 +222,7 @@ class EditBuffers:
             self._dirty = 0
 
     def check(
-        self,
-        ops: list[tuple[np.ndarray, str, torch.Tensor]],
-        what: str,
-        index: IndexTo = index_to,
+        self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str, index: IndexTo = index_to
     ) -> None:
         """``ValueError`` before writing if ``ops`` ablate a second direction on a row."""
         for rows, kind, value in ops:

@@ -1,5 +1,4 @@
-"""pluggy hook specifications of the ``tllm`` plugin system (entry-point group ``tllm``;
-docs/hooks.md)."""
+"""pluggy hook specifications of the ``tllm`` plugin system (docs/hooks.md)."""
 
 from __future__ import annotations
 

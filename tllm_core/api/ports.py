@@ -80,8 +80,7 @@ class LayerPort(TokenPort):
 
 @dataclass(frozen=True)
 class HiddenStates(TokenPort):
-    """Residual stream after decoder layer ``layer`` (negative: from the end), or ``"final"``
-    (the LM head's input)."""
+    """Residual stream after decoder layer ``layer`` (negative: from the end), or ``"final"``."""
 
     layer: int | Literal["final"]
     phase: Phase = Phase.ALL

@@ -43,8 +43,7 @@ def check_f32(value: float) -> float:
     return value
 
 
-#: Type of every float field of a ``ConsumerConfig`` or ``RequestSettings``
-#: (``scale: FiniteF32 = 1.0``): a value the model's float32 can hold.
+#: Type of every float field of a ``ConsumerConfig`` or ``RequestSettings``: float32-finite.
 FiniteF32 = Annotated[float, AfterValidator(check_f32)]
 
 # The request-settings field name the runtime narrows a consumer's rows by.
@@ -67,8 +66,7 @@ def request_window(value: Any) -> Any:
     return selector
 
 
-#: Type of a consumer's per-request ``window`` field (request key ``tllm_{consumer}_window``):
-#: a window text in, its selector held.
+#: Type of a consumer's per-request ``window`` field: a window text in, its selector held.
 WindowSetting = Annotated[Any, PlainValidator(request_window)]
 
 
@@ -81,8 +79,7 @@ def config_window(value: Any, info: ValidationInfo) -> str:
     return text
 
 
-#: Type of a capturing consumer's config field ``phase`` (export, stats, sae): a phase or a
-#: capture window, kept as its text (``as_selector(config.phase, ...)`` gives its selector).
+#: Type of a capturing consumer's config field ``phase``: a capture window, kept as its text.
 CaptureWindow = Annotated[str, BeforeValidator(config_window)]
 
 PREFIX = "tllm_"

@@ -1,5 +1,4 @@
-"""Per-request results a consumer returns with a completion (``tllm_results``;
-docs/serving.md#results-with-the-completion)."""
+"""Per-request results returned with a completion (docs/serving.md#results-with-the-completion)."""
 
 from __future__ import annotations
 

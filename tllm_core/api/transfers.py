@@ -67,11 +67,7 @@ class StagingRing:
     (each grown to :func:`pow2_rows` elements as needed; ``numel``: allocated at once)."""
 
     def __init__(
-        self,
-        device: torch.device,
-        slots: int,
-        dtype: torch.dtype = torch.int64,
-        numel: int = 0,
+        self, device: torch.device, slots: int, dtype: torch.dtype = torch.int64, numel: int = 0
     ) -> None:
         self.pinned = async_copies(torch.device(device))
         self.dtype = dtype
@@ -182,8 +178,7 @@ class HostCopyRing:
 
 
 class DeviceSums:
-    """Sums kept on the device (``values``), read on the host without a wait through a
-    :class:`HostCopyRing` of ``ring`` copies (docs/ports.md has an example)."""
+    """Sums kept on the device (``values``), read on the host without a wait (docs/ports.md)."""
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-# Byte alignment of each part (vectorised loads and cuBLAS want at least 16; 256 keeps every
-# part on its own cache lines).
+# Byte alignment of each part (cuBLAS wants 16; 256 keeps every part on its own cache lines).
 ALIGN = 256
 
 WorkspaceSpec = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
