@@ -149,8 +149,7 @@ class GuideView:
     def update_top_candidates(
         self, top: TopCandidates, new_logits: torch.Tensor, drop_rest: torch.Tensor | None = None
     ) -> None:
-        """Set the valid slots of ``top`` to ``new_logits [R, k]`` (``drop_rest`` rows: every
-        other candidate to ``-inf``)."""
+        """Set ``top``'s valid slots to ``new_logits [R, k]`` (``drop_rest`` rows: others -inf)."""
         b = top.buffers  # with buffers every temporary is a row view of them
         if b is not None:
             if id(b) in self._busy:

@@ -32,5 +32,4 @@ def tllm_architectures() -> list[object]:
 
 @hookspec
 def tllm_run_failed(consumers: list, cause: str, started_at: float) -> None:
-    """An offline run's engine was stopped by a fault: mark files written since
-    ``started_at`` incomplete."""
+    """A fault stopped an offline run: mark files written since ``started_at`` incomplete."""

@@ -182,15 +182,13 @@ class RowInfo:
 
 @dataclass
 class StepLayout:
-    """How a runner packed one step (filled by a runner adapter). Per scheduled request, in
-    packing order: engine id, tokens scheduled this step, tokens computed before, and total
-    tokens so far (prompt + output, no speculative ones); ``token_ids``: the packed ``[T]``."""
+    """How a runner packed one step (filled by a runner adapter), per scheduled request."""
 
-    engine_ids: list[str]
-    num_scheduled: np.ndarray  # int64 [R]
-    num_computed: np.ndarray  # int64 [R]
-    num_tokens: np.ndarray  # int64 [R]
-    token_ids: torch.Tensor  # [T]
+    engine_ids: list[str]  # in packing order
+    num_scheduled: np.ndarray  # int64 [R]: tokens scheduled this step
+    num_computed: np.ndarray  # int64 [R]: tokens computed before
+    num_tokens: np.ndarray  # int64 [R]: prompt + output so far, no speculative ones
+    token_ids: torch.Tensor  # [T]: the packed tokens
 
     @property
     def total(self) -> int:
@@ -246,8 +244,7 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
 
 
 def window_rows(consumer: str, selector: Any, request: Any) -> int:
-    """:func:`max_rows` of a consumer's ports for a planned request, narrowed by its own
-    ``tllm_{consumer}_window``: a result's bound."""
+    """:func:`max_rows` of a consumer's ports for a planned request, within its own window."""
     prompt, generated = request.prompt_tokens, request.max_tokens
     rows = max_rows(selector, prompt, generated)
     text = request.extra_args.get(request_key(consumer, WINDOW_FIELD))
