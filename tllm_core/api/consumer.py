@@ -117,7 +117,7 @@ class Consumer:
         return None
 
     def request_result(self, request: RequestInfo) -> Any:
-        """The result returned with ``request``'s completion if ``tllm_results`` names us."""
+        """What this consumer returns with ``request``'s completion if its ``tllm_results`` asks."""
         return None
 
     @classmethod

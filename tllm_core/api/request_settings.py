@@ -129,7 +129,7 @@ def request_key(consumer: str, field: str) -> str:
 
 
 def request_keys(consumer: str, model: type[RequestSettings] | None) -> dict[str, str]:
-    """Key -> field name of every field of ``model`` (None: none)."""
+    """Key -> field name of every field of ``model`` (empty for None)."""
     if model is None:
         return {}
     return {request_key(consumer, f): f for f in model.model_fields}

@@ -19,10 +19,20 @@ MAX_INDEX = 1 << 40
 
 
 class Selector:
-    """What selects rows (a Phase, window or :class:`AnyOf`): they unite with :func:`union`."""
+    """What selects rows: a Phase, window or :class:`AnyOf`."""
 
     def union(self, other: Any) -> Any:
-        return union(self, other)
+        """Rows this or ``other`` (or None) selects; a Phase compared by its value."""
+        if other is None or other == self or other == "guide":
+            return self
+        if self == "guide" or other == "all":
+            return other
+        if self == "all":
+            return self
+        if isinstance(self, str) and isinstance(other, str):  # prefill and decode
+            return type(self)("all")
+        both = (x.parts if isinstance(x, AnyOf) else {x} for x in (self, other))
+        return AnyOf(frozenset().union(*both))
 
 
 @dataclass(frozen=True)
@@ -128,20 +138,6 @@ class AnyOf(Selector):
     """Rows any of ``parts`` (phases and windows) selects."""
 
     parts: frozenset
-
-
-def union(a: Any, b: Any) -> Any:
-    """Rows ``a`` or ``b`` (or None) selects; a Phase by its value (windows import no ports)."""
-    if b is None or b == a or b == "guide":
-        return a
-    if a == "guide" or b == "all":
-        return b
-    if a == "all":
-        return a
-    if isinstance(a, str) and isinstance(b, str):  # prefill and decode
-        return type(a)("all")
-    both = (x.parts if isinstance(x, AnyOf) else {x} for x in (a, b))
-    return AnyOf(frozenset().union(*both))
 
 
 def window_text(selector: Any) -> str:
