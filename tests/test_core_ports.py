@@ -566,11 +566,11 @@ def test_guide_view_counts_only_changed_rows():
     view = GuideView(1, RowsStub(2), logits.clone(), torch.ones(2), np.ones(2, bool), True, {})
     cand = view.candidates()
     view.update_candidates(torch.arange(len(cand)), cand.logits.clone())  # same values back
-    assert view.rows_guided == 0 and view.candidates_guided == 0
+    assert view.guided_counts() == (0, 0)
     view.update(torch.tensor([1]), torch.tensor([[2.0, 0.0, 4.0]]))
-    assert view.rows_guided == 1 and view.candidates_guided == 1
+    assert view.guided_counts() == (1, 1)
     view.rollback()
-    assert view.rows_guided == 0 and torch.equal(view.logits, logits)
+    assert view.guided_counts()[0] == 0 and torch.equal(view.logits, logits)
 
 
 class RowsStub:

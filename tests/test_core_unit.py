@@ -408,7 +408,7 @@ def test_guide_view_update_touches_only_candidates_of_given_rows():
     view.update(torch.tensor([0]), torch.full((1, 3), 9.0))
     assert logits[0].tolist() == [9.0, float("-inf"), 9.0]
     assert logits[1].tolist() == [3.0, 4.0, float("-inf")]
-    assert view.rows_guided == 1 and view.candidates_guided == 2
+    assert view.guided_counts() == (1, 2)
 
 
 def test_guide_view_sparse_candidates_update_and_rollback():
@@ -431,7 +431,7 @@ def test_guide_view_sparse_candidates_update_and_rollback():
     )
     assert torch.equal(c.logits, before[c.rows, c.tokens])
     view.update_candidates(torch.tensor([1, 3]), torch.tensor([9.0, 7.0]))
-    assert view.rows_guided == 2 and view.candidates_guided == 2
+    assert view.guided_counts() == (2, 2)
     changed = (logits != before) & torch.isfinite(before)
     assert changed.nonzero().tolist() == [[0, 4], [2, 2]]
     assert logits[0, 4] == 9.0 and logits[2, 2] == 7.0

@@ -364,7 +364,7 @@ def test_consumer_beta_zero_runs_guidance_and_keeps_logits():
     assert torch.equal(v.logits, logits)
     # The path ran (both rows predicted) but no logit changed, and nothing was written.
     assert c.counters.get("rows_visited") == 2 and c.counters.get("rows_guided") == 0
-    assert c.counters.get("candidates_guided") == 0 and v.rows_guided == 0
+    assert c.counters.get("candidates_guided") == 0 and v.guided_counts()[0] == 0
     assert not v.wrote  # so the runtime lets vLLM's own sampling call go on
     c.on_bundle(Bundle(1, rows, hidden))
     c.result()
@@ -808,7 +808,7 @@ def test_rows_guided_counts_only_rows_whose_logits_changed(mode):
     assert k["candidates_guided"] == 6  # row 0's candidates (full_vocab: the finite ones)
     assert not torch.equal(v.logits[0], logits[0])
     assert torch.equal(v.logits[1:], logits[1:])
-    assert v.rows_guided == 1  # the view saw writes to row 0 only
+    assert v.guided_counts()[0] == 1  # the view saw writes to row 0 only
 
 
 def test_training_counters_count_only_steps_and_rows_really_trained():

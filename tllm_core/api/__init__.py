@@ -1,2 +1,1 @@
-"""The consumer API: what a consumer, producer or plugin author touches (re-exported by
-``tllm_core``). Imports nothing from the other layers."""
+"""The consumer API (re-exported by ``tllm_core``); imports nothing from the other layers."""

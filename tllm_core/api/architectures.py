@@ -1,5 +1,4 @@
-"""How a model family looks to the engine bridge: where its decoder layers are and the tap
-sites inside each layer (registered through ``tllm_architectures``; docs/architectures.md)."""
+"""Where a model family's decoder layers and tap sites are (docs/architectures.md)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from types import MappingProxyType
 # Per-step sites (``TapRequest`` with no layer), read from the runner after the forward.
 STEP_SITES = ("final", "logits", "sampled")
 
-# How a site's module output holds the site's tensor (each also takes a bare tensor, which
-# is then the value: Granite's decoder layers return one tensor):
+# How a site's module output holds its tensor (a bare tensor is the value in each form):
 OUTPUTS = MappingProxyType(
     {
         "tensor": "the output is the tensor",
@@ -32,17 +30,14 @@ def identifier(value: object, what: str) -> str:
 
 @dataclass(frozen=True)
 class SiteSpec:
-    """A tap site inside a decoder layer: a module whose output carries one ``[tokens,
-    hidden]`` tensor, captured (read ports) and replaceable (edit ports)."""
+    """A tap site in a decoder layer: a module whose output carries one tensor (docs/ports.md)."""
 
     name: str
-    # Child attributes of the layer that may hold the site's module, tried in order
-    # (families name them differently: ``self_attn``, gpt-oss ``attn``); empty: the layer.
+    # Child attributes of the layer that may hold the module, tried in order; empty: the layer.
     children: tuple[str, ...] = ()
     output: str = "tensor"  # a key of OUTPUTS
     what: str = ""  # for errors: "self-attention block"
-    # Sibling modules whose output the layer adds to the site's inline: with one present no
-    # one module carries the value, so the site is refused at that layer.
+    # Siblings whose output the layer adds to the site's inline: the site is refused there.
     partial_if: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -66,11 +61,9 @@ class ArchitectureSpec:
     """A family of decoder layers: where the layer list is and how its sites differ."""
 
     name: str
-    # Decoder layer class names (``type(layer).__name__``) this spec describes; empty: the
-    # default family (every layer no other spec claims). One default may be registered.
+    # Decoder layer class names (``type(layer).__name__``); empty: the one default family.
     layer_classes: frozenset[str] = frozenset()
-    # Dotted path from vLLM's model to the ``ModuleList`` of decoder layers (``model.layers``);
-    # None, or a path the model lacks: the list is found by shape (one entry per layer).
+    # Dotted path to the decoder layers' ``ModuleList``; None or absent: found by shape.
     layers: str | None = None
     sites: tuple[SiteSpec, ...] = ()
 
@@ -87,8 +80,7 @@ class ArchitectureSpec:
 
 
 class Architectures:
-    """Every registered spec, merged; ``ValueError`` naming both when two claim the same
-    general site, layer class or default."""
+    """Every registered spec, merged; ``ValueError`` naming both when two claim one thing."""
 
     def __init__(self, specs: Iterable[ArchitectureSpec | SiteSpec] = ()):
         self.default: ArchitectureSpec | None = None
@@ -138,8 +130,7 @@ class Architectures:
         return sorted(set(self.sites) | fam)
 
     def site(self, name: str, layer_class: str) -> SiteSpec | None:
-        """The site ``name`` at a layer of class ``layer_class`` (its family's own variant
-        first), or None where neither the family nor the general sites have it."""
+        """Site ``name`` at a ``layer_class`` layer (its family's variant first), or None."""
         family = self._by_class.get(layer_class)
         for s in family.sites if family is not None else ():
             if s.name == name:

@@ -23,8 +23,7 @@ from tllm_core.api.rows import RowInfo
 
 @dataclass
 class Bundle:
-    """One step's data for a consumer's read ports: ``hidden[key]`` per token row of
-    ``rows``, ``per_sample[key]`` per row of ``sampled_rows`` (docs/delivery.md)."""
+    """One step's data of a consumer's read ports (docs/ports.md, "Read ports")."""
 
     step: int
     rows: RowInfo
@@ -44,8 +43,7 @@ class Bundle:
 
 
 class GuideView:
-    """The sampler's view for one step (write port ``SamplerGuide``): filtered fp32 logits,
-    changed only through the ``update*`` methods (docs/ports.md, "SamplerGuide")."""
+    """The sampler's view of one step, changed only through ``update*`` (docs/ports.md)."""
 
     def __init__(
         self,
@@ -110,7 +108,7 @@ class GuideView:
         self._busy.clear()
 
     def hidden(self, key: str) -> torch.Tensor:
-        """A token port's data (``"layer.{i}"``, ``"final"``, ...) at the sampling rows, ``[R, H]``."""
+        """A token port's data at the sampling rows, ``[R, H]``; ``KeyError`` if not read."""
         try:
             return self._hidden[key]
         except KeyError:
@@ -127,8 +125,7 @@ class GuideView:
         return self._candidates
 
     def update_candidates(self, entries: torch.Tensor, new_logits: torch.Tensor) -> None:
-        """Set candidate entries ``entries`` (indices into :meth:`candidates`) to
-        ``new_logits`` ``[len(entries)]``; every other logit stays bit for bit."""
+        """Set entries ``entries`` of :meth:`candidates` to ``new_logits [len(entries)]``."""
         if entries.numel() == 0:
             return
         cand = self.candidates()
@@ -150,13 +147,9 @@ class GuideView:
         return top_candidate_entries(self.logits, k, version=self._writes, buffers=buffers)
 
     def update_top_candidates(
-        self,
-        top: TopCandidates,
-        new_logits: torch.Tensor,
-        drop_rest: torch.Tensor | None = None,
+        self, top: TopCandidates, new_logits: torch.Tensor, drop_rest: torch.Tensor | None = None
     ) -> None:
-        """Set the valid slots of ``top`` to ``new_logits [R, k]`` (``drop_rest`` rows: every
-        other candidate to ``-inf``). No host sync."""
+        """Set ``top``'s valid slots to ``new_logits [R, k]`` (``drop_rest`` rows: others -inf)."""
         b = top.buffers  # with buffers every temporary is a row view of them
         if b is not None:
             if id(b) in self._busy:
@@ -200,8 +193,8 @@ class GuideView:
     def update_all(
         self, new_logits: torch.Tensor, buffers: GuideBuffers, rows: torch.Tensor | None = None
     ) -> None:
-        """Set every (``rows``: those) row's candidate entries to ``new_logits [R, V]``,
-        allocating nothing; ``new_logits`` is copied in when the guide returns."""
+        """Set every (``rows``: those) row's candidates to ``new_logits [R, V]``, copied in when
+        the guide returns; allocates nothing."""
         logits = self.logits
         if new_logits.shape != logits.shape or new_logits.dtype != logits.dtype:
             raise ValueError(
@@ -228,20 +221,10 @@ class GuideView:
         return self._changed
 
     def guided_counts(self) -> tuple[int, int]:
-        """``(rows_guided, candidates_guided)`` in one host read."""
+        """Rows with a logit changed through this view, and logits changed (one host read)."""
         c = self._changed
         rows, cands = torch.stack([(c > 0).sum(), c.sum()]).cpu().tolist()
         return rows, cands
-
-    @property
-    def rows_guided(self) -> int:
-        """Rows with at least one logit changed through this view (a host read)."""
-        return self.guided_counts()[0]
-
-    @property
-    def candidates_guided(self) -> int:
-        """Logits changed through this view (a host read)."""
-        return self.guided_counts()[1]
 
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""

@@ -1,6 +1,4 @@
-"""The candidates of a guided step (logits ``> -inf`` after top-k/top-p/min-p): all of them
-(a ``nonzero``: the host waits), or up to ``k`` per row in fixed shapes (no host sync); and
-:class:`GuideBuffers`, preallocated temporaries so that guidance allocates nothing per step."""
+"""A guided step's candidates (logits ``> -inf`` after filtering) and :class:`GuideBuffers`."""
 
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ def candidate_entries(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tens
 
 
 def count_rows(mask: torch.Tensor, block: int = 8, out: torch.Tensor | None = None) -> torch.Tensor:
-    """True entries per row of a bool ``[R, V]`` mask (int64 ``[R]``), a few rows at a time:
-    on CPU summing a bool tensor first casts all of it to int64."""
+    """True entries per row of a bool ``[R, V]`` mask; on CPU a few rows at a time (a bool
+    sum there first casts all of it to int64)."""
     if mask.device.type != "cpu" or mask.shape[0] == 0:  # a GPU reduces bools directly
         return torch.sum(mask, -1, out=out)
     parts = [mask[i : i + block].sum(-1) for i in range(0, mask.shape[0], block)]
@@ -64,8 +62,7 @@ def guide_buffers_spec(rows: int, vocab: int, top_k: int | None, dense: bool) ->
 
 
 class GuideBuffers:
-    """Temporaries for views of up to ``rows`` rows over ``vocab`` tokens: the search of
-    ``top_k`` candidates per row and whole-row writes (``dense``), in one allocation."""
+    """One allocation of temporaries for guide views of up to ``rows`` rows (docs/ports.md)."""
 
     def __init__(
         self,
@@ -113,8 +110,7 @@ def part(buffers: GuideBuffers | None, name: str, rows: int) -> torch.Tensor | N
 
 @dataclass(frozen=True)
 class Candidates:
-    """A ``GuideView``'s candidate entries, row-major: entry ``j`` is token ``tokens[j]`` of
-    view row ``rows[j]`` with logit ``logits[j]``."""
+    """A ``GuideView``'s candidate entries, row-major: token ``tokens[j]`` of row ``rows[j]``."""
 
     rows: torch.Tensor  # int64 [N]: view row of each entry
     tokens: torch.Tensor  # int64 [N]
@@ -126,8 +122,7 @@ class Candidates:
 
 @dataclass(frozen=True)
 class TopCandidates:
-    """A row's ``k`` highest candidates, unordered: slot ``[i, j]`` is token ``tokens[i, j]``
-    with logit ``logits[i, j]`` where ``valid`` (``over_cap[i]``: the others)."""
+    """Each row's ``k`` highest candidates, unordered (``over_cap[i]``: those left out)."""
 
     tokens: torch.Tensor  # int64 [R, k]
     logits: torch.Tensor  # fp32 [R, k]
@@ -141,9 +136,8 @@ class TopCandidates:
 def top_candidate_entries(
     logits: torch.Tensor, k: int, version: int = -1, buffers: GuideBuffers | None = None
 ) -> TopCandidates:
-    """The ``k`` highest candidates of each row of ``logits [R, V]`` (``k`` capped at ``V``),
-    every shape fixed by ``R`` and ``k`` (no data-dependent output size). With ``buffers``
-    (made with ``top_k=k``) every tensor is a row view of them: nothing is allocated."""
+    """The ``k`` (at most ``V``) highest candidates of each row of ``logits [R, V]``, in shapes
+    fixed by ``R`` and ``k``; with ``buffers`` (``top_k=k``) every tensor is a view of them."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     k = min(k, logits.shape[-1])

@@ -27,21 +27,16 @@ class ConsumerConfig(BaseModel):
 
 @dataclass
 class ModelInfo:
-    """What a consumer may know about the model it runs in."""
+    """What a consumer may know about the model it runs in (docs/testing-consumers.md)."""
 
     hidden_size: int
     num_layers: int
     vocab_size: int
     dtype: torch.dtype
     device: torch.device
-    # Final hidden state -> logits, exactly as the model computes them.
     lm_head: Callable[[torch.Tensor], torch.Tensor]
-    # [vocab, hidden] when the head is a plain linear map (no bias, soft-cap or scale).
     lm_head_weight: torch.Tensor | None
-    # Residual stream -> the LM head's input: ``lm_head(final_norm(h))`` are the logits of
-    # ``h`` (logit lens). None where unknown (the dry build has no weights).
     final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # Gain g of a plain RMSNorm ``h / sqrt(mean(h**2) + eps) * g`` (Gemma's ``w`` as ``1 + w``).
     final_norm_weight: torch.Tensor | None = None
     final_norm_eps: float | None = None
 
@@ -51,12 +46,10 @@ class ConsumerContext:
     model: ModelInfo
     # A (possibly negative) layer index -> absolute; ValueError naming the layer count.
     resolve_layer: Callable[[int], int]
-    # A token port from its name ("3", "final", "attn.2"; tllm_core.api.port_names).
-    # Without a registry (unit tests): residual stream and final only.
+    # A token port from its name ("3", "attn.2"; without a registry: residual and final only).
     parse_port: Callable[[str, Phase], TokenPort] = residual_port
     # The consumer acts only on requests naming it in extra_args["tllm_consumers"].
     per_request: bool = False
-    # This engine among independent data-parallel engines (files are named per rank).
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
     # The largest per-request result (JSON bytes) the engine keeps.
@@ -73,8 +66,8 @@ class ControlError(ValueError):
 
 
 class Consumer:
-    """Base class of every consumer: set ``name``, ``description``, ``Config`` (and
-    optionally ``Request``), declare ports and implement the callbacks (docs/hooks.md)."""
+    """Base class of every consumer: set ``name``, ``description``, ``Config`` (and optionally
+    ``Request``), declare ports and implement the callbacks (docs/hooks.md)."""
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
@@ -82,11 +75,9 @@ class Consumer:
     Request: ClassVar[type[RequestSettings] | None] = None
     # A class attribute, or set per instance in ``__init__`` (e.g. from the config).
     delivery: Delivery = Delivery.END_OF_STEP
-    # The counter that proves this consumer's work, shown in the ``tllm`` command's summary
-    # line (empty: its first non-zero counter).
+    # The counter shown in the ``tllm`` command's summary line (empty: its first non-zero one).
     proof_counter: ClassVar[str] = ""
-    # The rows a request's capture window narrows: "token" (token ports) and "sample"
-    # (sampling ports).
+    # The rows (of token, sample ports) a request's capture window narrows.
     request_window_rows: ClassVar[frozenset[str]] = frozenset({"token", "sample"})
 
     def __init__(self, config: ConsumerConfig, context: ConsumerContext):
@@ -94,7 +85,6 @@ class Consumer:
         self.context = context
         self.counters = Counters()
 
-    # -- declarations -------------------------------------------------------------
     def reads(self) -> list[ReadPort]:
         """Read ports; their data arrive in :meth:`on_bundle`."""
         return []
@@ -107,7 +97,6 @@ class Consumer:
         """Whether this consumer acts on ``request`` (always, unless it is per-request)."""
         return request.acted_on_by(self.name, self.context.per_request)
 
-    # -- callbacks ----------------------------------------------------------------
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         """Before the forward of a step: ask for residual edits on selected rows."""
 
@@ -127,10 +116,8 @@ class Consumer:
         """A JSON-able result returned to the caller after the run (optional)."""
         return None
 
-    # -- per-request results (returned with the completion: tllm_core/api/results.py) -------
     def request_result(self, request: RequestInfo) -> Any:
-        """What this consumer computed for ``request``, returned with its completion when
-        ``tllm_results`` names this consumer (once, after :meth:`on_request_finished`)."""
+        """What this consumer returns with ``request``'s completion if its ``tllm_results`` asks."""
         return None
 
     @classmethod
@@ -146,24 +133,21 @@ class Consumer:
     def close(self) -> None:
         """Flush and release resources; called at shutdown and when results are collected."""
 
-    # -- control requests (a running server: ``POST /tllm/consumers/{name}/control``) --------
     @classmethod
     def check_control(
         cls, action: str, payload: dict[str, Any], config: ConsumerConfig
     ) -> tuple[ConsumerConfig, Any]:
-        """In the server's front end: check a control request; ``(config, reply)`` or a
-        :class:`ControlError` (default: 404)."""
+        """In the server's front end (``POST /tllm/consumers/{name}/control``): check a control
+        request; ``(config, reply)`` or a :class:`ControlError` (default: 404)."""
         raise ControlError(f"consumer {cls.name!r} takes no control requests", 404)
 
     def control(self, action: str, payload: dict[str, Any]) -> Any:
         """In the engine, between steps: apply a request :meth:`check_control` accepted."""
         raise ControlError(f"consumer {self.name!r} takes no control requests", 404)
 
-    # -- the run's summary and report: class methods, called in the ``tllm`` command's
-    # process on the counters and result the engine returned (docs/hooks.md).
     @classmethod
     def summary(cls, counters: dict[str, Any], result: Any) -> list[str]:
-        """One or two lines saying what this consumer did (default: :attr:`proof_counter`)."""
+        """In the ``tllm`` command's process: one or two lines saying what this consumer did."""
         return []
 
     @classmethod

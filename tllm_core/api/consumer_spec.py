@@ -1,5 +1,4 @@
-"""A consumer spec: the one form a consumer choice takes from the command line, ``TllmLLM`` or
-a server to the worker: ``{"name", "config", "per_request"}``."""
+"""A consumer spec: the one form a consumer choice takes from any front end to the worker."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class ConsumerSpec(BaseModel):
 
     @classmethod
     def coerce(cls, value: str | dict | ConsumerSpec) -> ConsumerSpec:
-        """A spec from a ``NAME[:JSON]`` string, a ``{"name", "config", "per_request"}`` dict
-        or a spec."""
+        """A spec from a ``NAME[:JSON]`` string, a dict of its fields, or a spec."""
         if isinstance(value, ConsumerSpec):
             return value
         if isinstance(value, str):

@@ -1,5 +1,4 @@
-"""Edits of token tensors (write port ``Edit``): the plan a consumer fills before the forward,
-and the per-row buffers a tap reads inside it (how edits compose: docs/ports.md, "Edit")."""
+"""Edits (write port ``Edit``): a consumer's plan and the buffers a tap reads (docs/ports.md)."""
 
 from __future__ import annotations
 
@@ -113,8 +112,7 @@ class EditPlan:
                 ops[i] = (index[rows], kind, value)
 
     def transform(self, target: EditTarget, rows: np.ndarray) -> None:
-        """Run the consumer's ``Edit(target, transform=...)`` on ``rows`` in this step's
-        forward, after every consumer's other edits of that target."""
+        """Run the consumer's ``Edit(target, transform=...)`` on ``rows`` in this step."""
         self._push(target, rows, "transform")
 
     def add(self, target: EditTarget, rows: np.ndarray, vector: torch.Tensor) -> None:
@@ -126,8 +124,7 @@ class EditPlan:
         self._push(target, rows, "replace", values)
 
     def ablate(self, target: EditTarget, rows: np.ndarray, direction: torch.Tensor) -> None:
-        """Remove the component along ``direction`` (``[H]`` or ``[len(rows), H]``, normalised
-        when written) from the incoming tensor at ``rows``."""
+        """Remove the component along ``direction`` (normalised) from the target at ``rows``."""
         self._push(target, rows, "ablate", direction)
 
 
@@ -135,16 +132,15 @@ KEEP = 32  # values kept per tap; the oldest goes first
 
 
 class EditValues:
-    """Values of one tap's edits on its buffers' device and dtype, moved (an ablation's
-    normalised) once: a 1-D value is kept by the tensor's identity and version; 2-D values and
-    inference tensors are prepared every step (counted in ``prepared``)."""
+    """One tap's edit values moved to its buffers' device and dtype (an ablation's normalised):
+    a 1-D value once, kept by identity and version; others every step (counted in ``prepared``)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = KEEP) -> None:
         self.device = device
         self.dtype = dtype
         self.keep = keep
-        # (id, version, ablate) -> (the consumer's tensor, kept alive so its id is not
-        # reused; the prepared value; its tag; a host copy to compare a host tensor with)
+        # (id, version, ablate) -> (the tensor, kept so its id is not reused; prepared; tag;
+        # a host tensor's copy to compare with)
         self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
         self._tags = itertools.count(1)
         self._warned = False
@@ -194,7 +190,7 @@ class EditBuffers:
         self.keep = torch.ones(max_tokens, 1, dtype=dtype, device=device)
         self.add = torch.zeros(max_tokens, width, dtype=dtype, device=device)
         self.dir = torch.zeros(max_tokens, width, dtype=dtype, device=device)
-        # One row mask per in-graph transform on this tap (consumer order), and its owner.
+        # (owner, module, row mask) per in-graph transform on this tap, in consumer order.
         self.transforms: list[tuple[str, torch.nn.Module, torch.Tensor]] = []
         self.values = EditValues(torch.device(device), dtype)
         # Per row, the tag (EditValues) of the direction written this step; 0: none.
@@ -226,13 +222,9 @@ class EditBuffers:
             self._dirty = 0
 
     def check(
-        self,
-        ops: list[tuple[np.ndarray, str, torch.Tensor]],
-        what: str,
-        index: IndexTo = index_to,
+        self, ops: list[tuple[np.ndarray, str, torch.Tensor]], what: str, index: IndexTo = index_to
     ) -> None:
-        """``ValueError`` before writing if ``ops`` would ablate a second, different direction
-        on a row."""
+        """``ValueError`` before writing if ``ops`` ablate a second direction on a row."""
         for rows, kind, value in ops:
             if kind != "ablate":
                 continue

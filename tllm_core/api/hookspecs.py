@@ -1,5 +1,4 @@
-"""pluggy hook specifications of the ``tllm`` plugin system (entry-point group ``tllm``; the
-built-ins register through the same hooks). docs/hooks.md has each hook's thread and timing."""
+"""pluggy hook specifications of the ``tllm`` plugin system (docs/hooks.md)."""
 
 from __future__ import annotations
 
@@ -33,5 +32,4 @@ def tllm_architectures() -> list[object]:
 
 @hookspec
 def tllm_run_failed(consumers: list, cause: str, started_at: float) -> None:
-    """An offline run's engine was stopped by a fault: mark files written since
-    ``started_at`` incomplete."""
+    """A fault stopped an offline run: mark files written since ``started_at`` incomplete."""

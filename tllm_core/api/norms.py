@@ -1,5 +1,4 @@
-"""The gain of a plain RMSNorm, read from what the norm computes (Gemma's ``1 + w`` included),
-not from its stored weight."""
+"""The gain of a plain RMSNorm, read from what the norm computes, not from its weight."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Plots a consumer describes for the run report (:meth:`Consumer.report_plots`): data, drawn
-by the report in the command's process, so a consumer needs no plotting library."""
+"""Plots a consumer describes for the run report (:meth:`Consumer.report_plots`): data only."""
 
 from __future__ import annotations
 

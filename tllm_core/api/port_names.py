@@ -1,5 +1,4 @@
-"""Port names: the one grammar for naming a token port in text (``{i}``, ``layer.{i}``,
-``final``, ``{prefix}.{i}``), and its one formatter."""
+"""Port names: the one grammar for naming a token port in text (docs/ports.md, "Port names")."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ _NAME = re.compile(r"(?:([A-Za-z_]\w*)\.)?(-?\d+)")
 
 @dataclass(frozen=True)
 class PortName:
-    """A parsed port name: ``prefix`` is :data:`RESIDUAL`, :data:`FINAL` or a layer port's
-    prefix; ``layer`` is the layer index (``None`` for ``final``)."""
+    """A parsed port name: ``prefix`` and layer index (``None`` for ``final``)."""
 
     prefix: str
     layer: int | None = None
@@ -46,18 +44,6 @@ def format_port_name(prefix: str, layer: int | None = None) -> str:
     return f"{prefix}.{int(layer)}"
 
 
-def allowed_port_names(prefixes: Collection[str] | None = None, final: bool = True) -> str:
-    """The forms :func:`parse_port_name` accepts, for error messages."""
-    forms = ["'{i}'", f"'{RESIDUAL}.{{i}}'"]
-    if final:
-        forms.append(f"'{FINAL}'")
-    if prefixes is None:
-        forms.append("'<port>.{i}' (e.g. 'attn.3', 'mlp.-1')")
-    else:
-        forms += [f"'{p}.{{i}}'" for p in sorted(prefixes) if p != RESIDUAL]
-    return ", ".join(forms) + " (i a layer index, negative counts from the end)"
-
-
 def parse_port_name(
     value: int | str,
     prefixes: Collection[str] | None = None,
@@ -77,7 +63,13 @@ def parse_port_name(
         prefix = m.group(1) or RESIDUAL
         if prefix == RESIDUAL or prefixes is None or prefix in prefixes:
             return PortName(prefix, int(m.group(2)))
-    raise ValueError(f"bad {what} {value!r}: expected {allowed_port_names(prefixes, final)}")
+    forms = ["'{i}'", f"'{RESIDUAL}.{{i}}'"] + ([f"'{FINAL}'"] if final else [])
+    if prefixes is None:
+        forms.append("'<port>.{i}' (e.g. 'attn.3', 'mlp.-1')")
+    else:
+        forms += [f"'{p}.{{i}}'" for p in sorted(prefixes) if p != RESIDUAL]
+    allowed = ", ".join(forms) + " (i a layer index, negative counts from the end)"
+    raise ValueError(f"bad {what} {value!r}: expected {allowed}")
 
 
 def tap_port_name(tap_key: str) -> str:

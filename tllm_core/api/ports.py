@@ -1,5 +1,4 @@
-"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md); a
-package adds read ports by subclassing :class:`TokenPort` or :class:`SamplePort`."""
+"""Ports: what a consumer reads from, and writes into, a running engine (docs/ports.md)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ ResolveLayer = Callable[[int], int]
 
 
 class Phase(Selector, str, Enum):
-    """Which token rows a read port selects: ``PREFILL`` (prompt tokens), ``DECODE``
-    (generated tokens), ``ALL``, or ``GUIDE`` (none for bundles: read only at guide time,
-    ``GuideView.hidden``)."""
+    """Which token rows a read port selects (docs/ports.md, "Rows and phases")."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -29,16 +26,15 @@ class Phase(Selector, str, Enum):
 
 
 class Delivery(str, Enum):
-    """When a consumer receives its bundles: ``END_OF_STEP`` (engine thread, device tensors
-    valid during the call) or ``BACKGROUND`` (host copies on a worker thread, bounded queue)."""
+    """When and on which thread a consumer receives its bundles (docs/delivery.md)."""
 
     END_OF_STEP = "end_of_step"
     BACKGROUND = "background"
 
 
 class ReadPort:
-    """Base of read ports: frozen dataclasses with a ``phase`` field. ``key``: the bundle
-    key; ``resolve``: the port with absolute layer indices (``ValueError`` on bad ones)."""
+    """Base of read ports (frozen dataclasses with a ``phase``): ``key`` is the bundle key,
+    ``resolve`` the port with absolute layer indices (``ValueError`` on bad ones)."""
 
     rows: ClassVar[Literal["token", "sample"]]
     phase: Phase
@@ -52,23 +48,20 @@ class ReadPort:
 
 
 class TokenPort(ReadPort):
-    """A read port with one row per token row of the step (prompt and generated tokens);
-    its data arrive in ``Bundle.hidden[port.key]``."""
+    """A read port with one row per token row; data in ``Bundle.hidden[port.key]``."""
 
     rows = "token"
 
 
 class SamplePort(ReadPort):
-    """A read port with one row per sampling row (rows whose sampled token is kept); its
-    data arrive in ``Bundle.per_sample[port.key]``."""
+    """A read port with one row per kept sampling row; data in ``Bundle.per_sample``."""
 
     rows = "sample"
 
 
 @dataclass(frozen=True)
 class LayerPort(TokenPort):
-    """A token port at one decoder layer, key ``"{prefix}.{layer}"``: a subclass sets only
-    the class attribute ``prefix`` (docs/ports.md)."""
+    """A token port at one decoder layer, key ``"{prefix}.{layer}"``: subclasses set ``prefix``."""
 
     prefix: ClassVar[str]
     layer: int
@@ -85,15 +78,11 @@ class LayerPort(TokenPort):
         return dataclasses.replace(self, layer=resolve_layer(int(self.layer)))
 
 
-LayerSpec = int | Literal["final"]
-
-
 @dataclass(frozen=True)
 class HiddenStates(TokenPort):
-    """Residual stream after decoder layer ``layer`` (negative counts from the end), or the
-    final hidden state (``"final"``: the LM head's input). Key ``"layer.{i}"`` or ``"final"``."""
+    """Residual stream after decoder layer ``layer`` (negative: from the end), or ``"final"``."""
 
-    layer: LayerSpec
+    layer: int | Literal["final"]
     phase: Phase = Phase.ALL
 
     def __post_init__(self) -> None:
@@ -126,8 +115,7 @@ class _StepSamplePort(SamplePort):
 
 @dataclass(frozen=True)
 class Logits(_StepSamplePort):
-    """Raw model logits of the sampling rows (before processors and temperature):
-    ``Bundle.logits``."""
+    """Raw model logits of the sampling rows (before processors and temperature)."""
 
     _key = "logits"
 
@@ -145,8 +133,7 @@ class WritePort:
 
 @dataclass(frozen=True)
 class Edit(WritePort):
-    """Write port: edit token port ``target`` on rows selected in :meth:`Consumer.edit`;
-    ``transform``: a module run in the forward (docs/ports.md, "Edit")."""
+    """Write port: edit token port ``target`` in :meth:`Consumer.edit` (docs/ports.md, "Edit")."""
 
     target: TokenPort
     transform: Any = dataclasses.field(default=None, kw_only=True, compare=False)
@@ -154,8 +141,7 @@ class Edit(WritePort):
 
 @dataclass(frozen=True)
 class ResidualEdit(Edit):
-    """Write port: edit the residual stream after decoder layer ``layer`` (shorthand for
-    ``Edit(HiddenStates(layer))``)."""
+    """Write port: ``Edit(HiddenStates(layer))``, the residual stream after ``layer``."""
 
     target: TokenPort = dataclasses.field(init=False, repr=False)
     layer: int = 0
@@ -168,8 +154,7 @@ class ResidualEdit(Edit):
 
 @dataclass(frozen=True)
 class SamplerGuide(WritePort):
-    """Write port: change the logits of the candidates that survive top-k/top-p/min-p,
-    for rows the consumer selects in :meth:`Consumer.guide`, in the same step."""
+    """Write port: change surviving candidates' logits in :meth:`Consumer.guide`."""
 
 
 def layer_arg(value: Any, prefix: str, *, final: bool, port: str) -> int | str:
@@ -208,8 +193,7 @@ def layer_key(layer: int | str) -> str:
 
 
 def residual_port(text: str, phase: Phase = Phase.ALL) -> HiddenStates:
-    """A residual-stream port (``{i}``, ``layer.{i}``, ``final``) from its name, without a
-    registry."""
+    """A residual-stream port from its name (``{i}``, ``layer.{i}``, ``final``)."""
     name = parse_port_name(text, prefixes=())
     return HiddenStates(FINAL if name.is_final else int(name.layer), phase)  # type: ignore[arg-type]
 

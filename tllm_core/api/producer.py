@@ -1,5 +1,4 @@
-"""The producer plugin interface: which engine taps a port needs and how to read them into one
-tensor for the whole step. Producers register through the ``tllm_producers`` hook."""
+"""The producer plugin interface: the engine taps a port needs, read into its step tensor."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from tllm_core.api.step import StepCapture
 
 @dataclass(frozen=True)
 class TapRequest:
-    """One tensor a producer needs the engine bridge to capture each step: a site of the
-    registered architectures at decoder layer ``layer`` (editable), or a per-step site
-    (:data:`STEP_SITES`, no layer, read-only). Only its form is checked here."""
+    """A tensor the bridge captures each step: ``site`` at decoder layer ``layer`` (editable),
+    or a per-step site (:data:`STEP_SITES`: no layer, read-only)."""
 
     site: str
     layer: int | None = None
@@ -41,8 +39,7 @@ class TapRequest:
 
 class Producer:
     """Base class of producers: subclasses set ``name`` and ``ports`` (the read-port classes
-    they serve) and implement :meth:`taps`; override :meth:`read` when a port's data is not
-    simply its first tap."""
+    served) and implement :meth:`taps` (docs/ports.md, "Add a port")."""
 
     name: ClassVar[str] = ""
     ports: ClassVar[tuple[type[ReadPort], ...]] = ()
@@ -52,8 +49,7 @@ class Producer:
         raise NotImplementedError
 
     def read(self, port: ReadPort, step: StepCapture) -> torch.Tensor:
-        """The port's data for every row of the step: ``[T, ...]`` for token ports (all
-        token rows), ``[S, ...]`` for sample ports (all sampling rows)."""
+        """The port's data for every token row (``[T, ...]``) or sampling row (``[S, ...]``)."""
         return step.tensor(self.taps(port)[0].key)
 
     def edit_tap(self, port: ReadPort) -> TapRequest:
@@ -68,9 +64,7 @@ class Producer:
 
 
 class LayerProducer(Producer):
-    """A producer of :class:`~tllm_core.api.ports.LayerPort` s whose tap site is the port's
-    ``prefix``: one tap at the port's layer (``attn.{i}`` reads site ``attn`` at layer ``i``).
-    Subclasses set ``name`` and ``ports``."""
+    """A producer of ``LayerPort`` s: one tap, site ``port.prefix`` at the port's layer."""
 
     def taps(self, port: ReadPort) -> list[TapRequest]:
         return [TapRequest(port.prefix, int(port.layer))]  # type: ignore[attr-defined]

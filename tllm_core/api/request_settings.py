@@ -1,6 +1,5 @@
 """Per-request settings a consumer declares (field ``f`` of consumer ``c``'s ``Request`` is the
-``extra_args`` key ``tllm_{c}_{f}``), and the field types :data:`FiniteF32`,
-:data:`WindowSetting`, :data:`CaptureWindow`."""
+``extra_args`` key ``tllm_{c}_{f}``), and the field types of configs and settings."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def check_f32(value: float) -> float:
     return value
 
 
-#: Type of every float field of a ``ConsumerConfig`` or ``RequestSettings``
-#: (``scale: FiniteF32 = 1.0``): a value the model's float32 can hold.
+#: Type of every float field of a ``ConsumerConfig`` or ``RequestSettings``: float32-finite.
 FiniteF32 = Annotated[float, AfterValidator(check_f32)]
 
 # The request-settings field name the runtime narrows a consumer's rows by.
@@ -54,8 +52,7 @@ WINDOW_ERROR = "capture_window"
 
 
 def request_window(value: Any) -> Any:
-    """A request's window setting checked: ``None``, or its selector (a ``Phase`` or a
-    :class:`Window`)."""
+    """A request's window setting checked: ``None``, or its selector."""
     if value is None:
         return None
     if not isinstance(value, (str, Phase, Window, LastRow)):
@@ -69,32 +66,29 @@ def request_window(value: Any) -> Any:
     return selector
 
 
-#: Type of a consumer's per-request ``window`` field (request key ``tllm_{consumer}_window``):
-#: a window text in, its selector held.
+#: Type of a consumer's per-request ``window`` field: a window text in, its selector held.
 WindowSetting = Annotated[Any, PlainValidator(request_window)]
 
 
 def config_window(value: Any, info: ValidationInfo) -> str:
-    """A config's ``phase`` checked as a capture window and kept as its text; ``ValueError``
-    naming the consumer (``context["consumer"]``), the field and the grammar."""
+    """A config's ``phase`` checked as a capture window (``ValueError`` naming the consumer in
+    ``context["consumer"]``, the field and the grammar) and kept as its text."""
     text = str(getattr(value, "value", value))
     consumer = (info.context or {}).get("consumer")
     as_selector(text, f"{consumer}: {info.field_name}" if consumer else str(info.field_name))
     return text
 
 
-#: Type of a capturing consumer's config field ``phase`` (export, stats, sae): a phase or a
-#: capture window, kept as its text (``as_selector(config.phase, ...)`` gives its selector).
+#: Type of a capturing consumer's config field ``phase``: a capture window, kept as its text.
 CaptureWindow = Annotated[str, BeforeValidator(config_window)]
 
 PREFIX = "tllm_"
-# Keys tllm itself reads (see tllm_core.serving.keys); no consumer field may map onto one.
+# Keys tllm itself reads (tllm_core.serving.keys); no consumer field may map onto one.
 CONSUMERS_KEY = "tllm_consumers"
 GROUP_KEY = "tllm_group"
 # How tllm serve's group of a request without a ``tllm_group`` begins (a client's: "client-").
 OWN_GROUP = "request/"
-# Internal tags TllmLLM adds to every request (row localization; tllm serve adds tllm_n);
-# not for clients.
+# Internal tags TllmLLM adds to every request (tllm serve: tllm_n), not for clients.
 SAMPLES_KEY = "tllm_n"  # the n of the request's prompt
 TAGS = ("tllm_prompt_index", SAMPLES_KEY)
 RESULTS_KEY = "tllm_results"
@@ -102,8 +96,8 @@ GENERIC_KEYS = (CONSUMERS_KEY, GROUP_KEY, RESULTS_KEY, *TAGS)
 
 
 def consumer_names(extra_args: Mapping[str, Any] | None, key: str, where: str) -> list[str]:
-    """The consumer names in ``extra_args[key]`` (a comma-separated string), in order, once
-    each; ``ValueError`` naming ``where`` for any other value."""
+    """The names in ``extra_args[key]`` (comma-separated), in order, once each; ``ValueError``
+    naming ``where`` for a value not a string."""
     raw = (extra_args or {}).get(key, "")
     if not isinstance(raw, str):
         raise ValueError(
@@ -119,8 +113,7 @@ def enabled_consumers(extra_args: Mapping[str, Any], where: str = "extra_args") 
 
 
 def acts_on(consumer: str, per_request: bool, extra_args: Mapping[str, Any]) -> bool:
-    """Whether ``consumer`` acts on a request: always, unless it is per-request and the
-    request does not name it."""
+    """Whether ``consumer`` acts on a request: unless per-request and not named by it."""
     return not per_request or consumer in enabled_consumers(extra_args)
 
 
@@ -136,7 +129,7 @@ def request_key(consumer: str, field: str) -> str:
 
 
 def request_keys(consumer: str, model: type[RequestSettings] | None) -> dict[str, str]:
-    """Key -> field name of every field of ``model`` (empty when the consumer declares none)."""
+    """Key -> field name of every field of ``model`` (empty for None)."""
     if model is None:
         return {}
     return {request_key(consumer, f): f for f in model.model_fields}
@@ -156,7 +149,7 @@ def _parts(annotation: Any) -> Iterator[Any]:
 
 
 def type_name(t: Any) -> str:
-    """Readable annotation: ``int | 'final'``, ``list[int | str]``, ``'a' | 'b'``."""
+    """Readable annotation: ``int | 'final'``, ``list[int | str]``."""
     origin, args = typing.get_origin(t), typing.get_args(t)
     if origin is typing.Annotated:
         return type_name(args[0])

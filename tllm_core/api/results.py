@@ -1,5 +1,4 @@
-"""Per-request results a consumer returns with a completion (``tllm_results``; arrays as
-``{"dtype", "shape", "b64"}``: docs/serving.md#results-with-the-completion)."""
+"""Per-request results returned with a completion (docs/serving.md#results-with-the-completion)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def asked_results(extra_args: Mapping[str, Any] | None, where: str = "extra_args
 def merge_taken(
     answers: Iterable[Any], into: dict[str, dict[str, dict[str, Any]]] | None = None
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Every rank's answer to ``tllm_take_results`` merged (into ``into``): caller id -> sample
-    index as text -> consumer -> result."""
+    """Ranks' ``tllm_take_results`` answers merged: caller id -> sample -> consumer -> result."""
     out = {} if into is None else into
     for answer in answers:
         for rid, per in (answer or {}).items():
@@ -76,8 +74,8 @@ def encode_array(a: Any) -> dict[str, Any]:
 
 
 def encode(value: Any) -> Any:
-    """``value`` with every tensor and array (at any depth of dicts, lists and tuples) encoded
-    by :func:`encode_array`, and NumPy scalars as Python numbers: JSON-able."""
+    """``value`` made JSON-able: tensors and arrays at any depth by :func:`encode_array`,
+    NumPy scalars as Python numbers."""
     if isinstance(value, Mapping):
         return {str(k): encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -90,8 +88,7 @@ def encode(value: Any) -> Any:
 
 
 def decode_results(value: Any) -> Any:
-    """The inverse of :func:`encode`: every ``{"dtype", "shape", "b64"}`` becomes a writable
-    NumPy array."""
+    """The inverse of :func:`encode`: each encoded array becomes a writable NumPy array."""
     if isinstance(value, Mapping):
         if set(value) == ARRAY_FIELDS:
             raw = base64.b64decode(value["b64"])
@@ -109,15 +106,13 @@ def json_bytes(value: Any) -> int:
 
 
 def array_json_bytes(num_values: int, itemsize: int) -> int:
-    """An upper bound of :func:`encode_array`'s JSON size for ``num_values`` items of
-    ``itemsize`` bytes."""
+    """A bound of :func:`encode_array`'s JSON size for ``num_values`` items of ``itemsize``."""
     return 4 * ((num_values * itemsize + 2) // 3) + 96
 
 
 class RequestRows:
-    """Per-request rows a consumer keeps for the results of the requests that ask: columns of
-    arrays or tensors added step by step, concatenated when taken. Past ``limit`` bytes
-    (base64 counted) the result is an error and the rows are let go at once."""
+    """Per-request columns (arrays or tensors) a consumer adds step by step for the results of
+    the requests that ask; past ``limit`` bytes (base64) an error, the rows let go at once."""
 
     def __init__(self, limit: int, what: str):
         self.limit = int(limit)

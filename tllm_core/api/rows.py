@@ -19,7 +19,6 @@ from tllm_core.api.request_settings import (
     WINDOW_FIELD,
     RequestSettings,
     acts_on,
-    enabled_consumers,
     parse_request_settings,
     request_key,
 )
@@ -47,11 +46,9 @@ class RequestInfo:
     sample_index: int
     num_prompt_tokens: int
     extra_args: dict[str, Any] = field(default_factory=dict)
-    # Highest position already delivered: rows at or below it are recomputation
-    # (preemption) and are flagged, so consumers can count each position once.
+    # Highest position delivered so far: rows at or below it are flagged ``recomputed``.
     max_position_seen: int = -1
-    # True when the request did not run to its end (aborted, or closed unfinished); False
-    # when it finished on its own (stop, length). Set before ``on_request_finished``.
+    # Aborted or closed unfinished (not stop or length); set before ``on_request_finished``.
     cut_short: bool = False
     # The prompt's token ids where the runner gives them.
     prompt_token_ids: tuple[int, ...] | None = field(default=None, repr=False, compare=False)
@@ -60,8 +57,7 @@ class RequestInfo:
     )
 
     def settings(self, consumer: SettingsOwner) -> RequestSettings:
-        """This request's validated settings for ``consumer`` (an instance of its ``Request``;
-        missing keys take the field defaults), parsed once."""
+        """This request's validated ``consumer.Request`` settings (defaults for absent keys)."""
         out = self._settings.get(consumer.name)
         if out is None:
             model = type(consumer).Request
@@ -74,8 +70,7 @@ class RequestInfo:
         return out
 
     def window(self, consumer: SettingsOwner) -> Any:
-        """The capture window (a ``Phase`` or :class:`Window`) this request sets for
-        ``consumer`` with ``tllm_{name}_window``, or None."""
+        """The selector this request's ``tllm_{name}_window`` sets for ``consumer``, or None."""
         if request_key(consumer.name, WINDOW_FIELD) not in self.extra_args:
             return None
         model = type(consumer).Request
@@ -83,19 +78,13 @@ class RequestInfo:
             return None
         return getattr(self.settings(consumer), WINDOW_FIELD)
 
-    @property
-    def enabled_consumers(self) -> frozenset[str]:
-        """Consumers this request switched on (``extra_args["tllm_consumers"]``, comma-separated)."""
-        return frozenset(enabled_consumers(self.extra_args))
-
     def acted_on_by(self, consumer: str, per_request: bool) -> bool:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
         return acts_on(consumer, per_request, self.extra_args)
 
     @functools.cached_property
     def results_asked(self) -> frozenset[str]:
-        """The consumers whose per-request results this request asks for
-        (``extra_args["tllm_results"]``), parsed once."""
+        """The consumers whose results this request asks for (``tllm_results``)."""
         return frozenset(asked_results(self.extra_args))
 
     def wants_result(self, consumer: str) -> bool:
@@ -110,22 +99,19 @@ class RequestInfo:
 
     @property
     def num_samples(self) -> int | None:
-        """The ``n`` of its prompt (``extra_args["tllm_n"]``, tagged by TllmLLM and by tllm
-        serve), or None where the caller did not say."""
+        """The ``n`` of its prompt (``tllm_n``), or None where the caller did not say."""
         n = self.extra_args.get(SAMPLES_KEY)
         return int(n) if n is not None else None
 
     @property
     def group_size(self) -> int | None:
-        """How many requests its group has, where known: :attr:`num_samples` when the group is
-        its prompt's own (no caller ``tllm_group``), else None (a group may pool prompts)."""
+        """:attr:`num_samples` when its group is its prompt's own, else None (docs/ports.md)."""
         key = self.extra_args.get(GROUP_KEY)
         return self.num_samples if key is None or str(key).startswith(OWN_GROUP) else None
 
 
 def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
-    """``(request, start, stop)`` for each run of consecutive rows of one request (compared
-    by identity), in order: per-request work once per run, not per row."""
+    """``(request, start, stop)`` per run of consecutive rows of one request (by identity)."""
     n = len(requests)
     start = 0
     for i in range(1, n + 1):
@@ -136,10 +122,7 @@ def request_runs(requests: Sequence[Any]) -> Iterator[tuple[Any, int, int]]:
 
 @dataclass
 class RowInfo:
-    """Metadata of a set of token rows (host arrays, one entry per row): ``row`` indexes the
-    step's packed token rows; ``requests[i]`` describes row ``i``; ``token_ids`` (a device
-    tensor) the token fed there. ``mid_prefill[i]``: a prompt row of a request whose prompt
-    is not complete after this step (its sampled token is discarded)."""
+    """Metadata of a set of token rows, one entry per row (docs/ports.md, "Rows and phases")."""
 
     row: np.ndarray  # int64 [R]: packed row index in the step
     requests: list[RequestInfo]
@@ -147,7 +130,7 @@ class RowInfo:
     is_decode: np.ndarray  # bool [R]
     recomputed: np.ndarray  # bool [R]: position was delivered before (preemption)
     token_ids: torch.Tensor  # [R]
-    mid_prefill: np.ndarray | None = None  # bool [R]; None: all False (filled in)
+    mid_prefill: np.ndarray | None = None  # bool [R]: prompt unfinished after the step
 
     def __post_init__(self) -> None:
         if self.mid_prefill is None:
@@ -180,8 +163,7 @@ class RowInfo:
         return self._per_row("sample_index")
 
     def take(self, idx: np.ndarray, token_ids: torch.Tensor | None = None) -> RowInfo:
-        """Rows at indices ``idx`` (in that order, repeats allowed); ``token_ids``: theirs,
-        when already gathered."""
+        """Rows at indices ``idx`` (``token_ids``: theirs, when already gathered)."""
         if token_ids is None:
             token_ids = self.token_ids[index_to(idx, self.token_ids.device)]
         return RowInfo(
@@ -200,15 +182,13 @@ class RowInfo:
 
 @dataclass
 class StepLayout:
-    """How a runner packed one step (filled by a runner adapter). Per scheduled request, in
-    packing order: engine id, tokens scheduled this step, tokens computed before, and total
-    tokens so far (prompt + output, no speculative ones); ``token_ids``: the packed ``[T]``."""
+    """How a runner packed one step (filled by a runner adapter), per scheduled request."""
 
-    engine_ids: list[str]
-    num_scheduled: np.ndarray  # int64 [R]
-    num_computed: np.ndarray  # int64 [R]
-    num_tokens: np.ndarray  # int64 [R]
-    token_ids: torch.Tensor  # [T]
+    engine_ids: list[str]  # in packing order
+    num_scheduled: np.ndarray  # int64 [R]: tokens scheduled this step
+    num_computed: np.ndarray  # int64 [R]: tokens computed before
+    num_tokens: np.ndarray  # int64 [R]: prompt + output so far, no speculative ones
+    token_ids: torch.Tensor  # [T]: the packed tokens
 
     @property
     def total(self) -> int:
@@ -254,8 +234,7 @@ def phase_mask(is_decode: np.ndarray, phase: Phase) -> np.ndarray:
 
 
 def max_rows(selector: Any, prompt: int, generated: int) -> int:
-    """How many rows ``selector`` (a Phase, Window or AnyOf) keeps at most of a request with
-    ``prompt`` prompt tokens and up to ``generated`` generated-token rows."""
+    """At most how many rows of a request (``prompt``, ``generated`` rows) ``selector`` keeps."""
     if isinstance(selector, Phase):
         counts = {Phase.PREFILL: prompt, Phase.DECODE: generated, Phase.ALL: prompt + generated}
         return counts.get(selector, 0)
@@ -265,8 +244,7 @@ def max_rows(selector: Any, prompt: int, generated: int) -> int:
 
 
 def window_rows(consumer: str, selector: Any, request: Any) -> int:
-    """:func:`max_rows` of a consumer's ports for a planned request, narrowed by its own
-    ``tllm_{consumer}_window``: a result's bound."""
+    """:func:`max_rows` of a consumer's ports for a planned request, within its own window."""
     prompt, generated = request.prompt_tokens, request.max_tokens
     rows = max_rows(selector, prompt, generated)
     text = request.extra_args.get(request_key(consumer, WINDOW_FIELD))

@@ -1,5 +1,4 @@
-"""What one engine step computed, in engine-neutral form: the contract between the engine
-bridge (which fills it) and the runtime and producers (which read it)."""
+"""What one engine step computed: the bridge fills it, the runtime and producers read it."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class StaleTapError(RuntimeError):
 @dataclass
 class StepCapture:
     """One engine step: ``rows`` are all packed token rows; sampling row ``j`` is token row
-    ``sample_token_row[j]``, kept unless mid-prefill (``sample_kept[j]``). ``tensors[tap_key]``
-    holds what a tap captured (``[T, ...]`` or ``[S, ...]``); taps inside the forward also set
+    ``sample_token_row[j]``. ``tensors[tap_key]``: what a tap captured; taps in the forward set
     ``stamps[tap_key]`` to the step number in-graph, so a stale buffer is detected."""
 
     step: int
@@ -34,8 +32,7 @@ class StepCapture:
     stamps: dict[str, torch.Tensor] = field(default_factory=dict)
     # Rows each edit tap changed in this step's forward (one-element tensors, written in-graph).
     edited: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Static facts of taps whose tensor is not hidden-size rows (``router.{i}``: ``width``,
-    # ``top_k``, ``renormalize``, ``routing``).
+    # Static facts of taps whose tensor is not hidden-size rows (``router.{i}``: ``top_k``...).
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The stamps then edit counts from a read already queued (runtime/stamp_copies.py).
     stamp_values: Callable[[], list[int]] | None = None
@@ -55,8 +52,8 @@ class StepCapture:
             self._unconfirmed = None
 
     def written(self, keys: set[str], out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """On the device: whether this step's forward stamped every tap in ``keys`` (a 0-dim
-        bool; None when none has a stamp). ``out``: 2 bools to compute in (no allocation)."""
+        """Whether this step's forward stamped every tap in ``keys``, a 0-dim device bool (None:
+        no stamp); ``out``: 2 bools to compute in."""
         ok = None
         for k in sorted(keys):
             stamp = self.stamps.get(k)
@@ -77,8 +74,7 @@ class StepCapture:
         return self._stale is not None
 
     def confirm(self) -> set[str]:
-        """Read every stamp and edit count once (one host read, or :attr:`stamp_values`);
-        returns the stale tap keys."""
+        """The stale tap keys, from one read of every stamp and edit count."""
         if self._stale is None:
             stamps, edited = list(self.stamps), list(self.edited)
             if self.stamp_values is not None:

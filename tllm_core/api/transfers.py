@@ -1,6 +1,5 @@
-"""Copies between the host and the device that never make the host wait in a steady step
-(host waits counted in ``waits``). Imports torch and numpy only: the GPU image has neither
-pydantic nor vLLM."""
+"""Copies between host and device that make the host wait in no steady step (docs/ports.md).
+Imports torch and numpy only: the GPU image has neither pydantic nor vLLM."""
 
 from __future__ import annotations
 
@@ -64,15 +63,11 @@ def _recorded(event: Any | None, stream: Any | None) -> Any:
 
 
 class StagingRing:
-    """Host-to-device staging: ``slots`` flat host buffers of ``dtype`` in rotation, each
-    grown to :func:`pow2_rows` elements when asked for more (``numel``: allocated at once)."""
+    """Host-to-device staging through ``slots`` flat host buffers of ``dtype`` in rotation
+    (each grown to :func:`pow2_rows` elements as needed; ``numel``: allocated at once)."""
 
     def __init__(
-        self,
-        device: torch.device,
-        slots: int,
-        dtype: torch.dtype = torch.int64,
-        numel: int = 0,
+        self, device: torch.device, slots: int, dtype: torch.dtype = torch.int64, numel: int = 0
     ) -> None:
         self.pinned = async_copies(torch.device(device))
         self.dtype = dtype
@@ -85,8 +80,7 @@ class StagingRing:
         self.copies = 0
 
     def take(self, numel: int) -> tuple[int, torch.Tensor]:
-        """The next buffer's slot and first ``numel`` elements, once the copy last queued
-        from it has run; write the values there, then :meth:`send` the slot."""
+        """The next slot and its first ``numel`` elements, free once its last copy ran."""
         i = self._next
         self._next = (i + 1) % len(self.buffers)
         self.waits += _wait(self._events[i])
@@ -96,8 +90,7 @@ class StagingRing:
         return i, buf[:numel]
 
     def send(self, slot: int, dst: torch.Tensor, stream: Any | None = None) -> None:
-        """Queue the copy of slot ``slot``'s values into ``dst`` on the current stream; the
-        slot's event is recorded on ``stream`` (None: the current one)."""
+        """Queue the copy of ``slot`` into ``dst``; its event recorded on ``stream``."""
         buf = self.buffers[slot]
         assert buf is not None, "send() of a slot not taken"
         dst.copy_(buf[: dst.numel()].view(dst.shape), non_blocking=self.pinned)
@@ -143,8 +136,8 @@ class HostCopyRing:
     def send(
         self, src: torch.Tensor | Sequence[torch.Tensor], tag: Any = None, stream: Any = None
     ) -> None:
-        """Queue a copy of ``src`` into a free host buffer, on ``stream`` (None: the current
-        one); a full ring first waits for its oldest copy."""
+        """Queue a copy of ``src`` on ``stream`` (None: the current one); a full ring first
+        waits for its oldest copy."""
         if not self._free:
             self._take_oldest(wait=True)
         i = self._free.popleft()
@@ -185,8 +178,7 @@ class HostCopyRing:
 
 
 class DeviceSums:
-    """Sums kept on the device (``values``), read on the host without a wait through a
-    :class:`HostCopyRing` of ``ring`` copies (docs/ports.md has an example)."""
+    """Sums kept on the device (``values``), read on the host without a wait (docs/ports.md)."""
 
     def __init__(self, values: torch.Tensor, ring: int = 2) -> None:
         self.values = values
@@ -200,7 +192,7 @@ class DeviceSums:
 
     def send(self) -> bool:
         """Queue a copy of the sums to the host and their reset; False when nothing was added
-        or every host buffer is in flight (the sums go with a later copy)."""
+        or the ring is full."""
         if not self._added or self._copies.full:
             return False
         self._copies.send(self.values.reshape(-1))

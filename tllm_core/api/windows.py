@@ -1,5 +1,4 @@
-"""Capture windows: which token rows of each request a read port selects, by position
-(grammar and costs: docs/ports.md#capture-windows)."""
+"""Capture windows: which token rows of each request a read port selects (docs/ports.md)."""
 
 from __future__ import annotations
 
@@ -20,10 +19,20 @@ MAX_INDEX = 1 << 40
 
 
 class Selector:
-    """What selects rows (a Phase, window or :class:`AnyOf`): they unite with :func:`union`."""
+    """What selects rows: a Phase, window or :class:`AnyOf`."""
 
     def union(self, other: Any) -> Any:
-        return union(self, other)
+        """Rows this or ``other`` (or None) selects; a Phase compared by its value."""
+        if other is None or other == self or other == "guide":
+            return self
+        if self == "guide" or other == "all":
+            return other
+        if self == "all":
+            return self
+        if isinstance(self, str) and isinstance(other, str):  # prefill and decode
+            return type(self)("all")
+        both = (x.parts if isinstance(x, AnyOf) else {x} for x in (self, other))
+        return AnyOf(frozenset().union(*both))
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class Window(Selector):
         return f"{self.region}[{a}:{b}{k}]"
 
     def mask(self, position: np.ndarray, num_prompt: np.ndarray) -> np.ndarray:
-        """Which rows (their positions, their requests' prompt lengths) the window keeps."""
+        """Which rows (by position and their request's prompt length) the window keeps."""
         position = np.asarray(position, np.int64)
         num_prompt = np.asarray(num_prompt, np.int64)
         if self.region == "prompt":
@@ -85,16 +94,15 @@ class Window(Selector):
         return keep
 
     def max_rows(self, prompt: int, generated: int) -> int:
-        """How many rows the window keeps at most of a request with ``prompt`` prompt tokens
-        and up to ``generated`` generated-token rows."""
+        """At most how many rows of a request (``prompt``, ``generated`` rows) it keeps."""
         length = {"prompt": prompt, "generated": generated, "all": prompt + generated}
         return len(range(*slice(self.start, self.stop, self.step).indices(length[self.region])))
 
 
 @dataclass(frozen=True)
 class LastRow(Selector):
-    """Each request's last token row (``"last"``): known only when the request finishes, so
-    a step's cut keeps none of its rows (:meth:`mask`); the runtime delivers it at the finish."""
+    """Each request's last token row (``"last"``), known only at its finish: delivered then, so
+    a step's cut keeps none of its rows (docs/ports.md, "last")."""
 
     def __str__(self) -> str:
         return "last"
@@ -127,25 +135,9 @@ def _bound(value: int | None, length: np.ndarray | None) -> Any:
 
 @dataclass(frozen=True)
 class AnyOf(Selector):
-    """Rows any of ``parts`` (phases and windows) selects: several ports of one consumer
-    with the same key, or one bundle's token ports."""
+    """Rows any of ``parts`` (phases and windows) selects."""
 
     parts: frozenset
-
-
-def union(a: Any, b: Any) -> Any:
-    """Rows ``a`` or ``b`` selects (``b`` may be None). A Phase is compared by its value here:
-    windows do not import the ports."""
-    if b is None or b == a or b == "guide":
-        return a
-    if a == "guide" or b == "all":
-        return b
-    if a == "all":
-        return a
-    if isinstance(a, str) and isinstance(b, str):  # prefill and decode
-        return type(a)("all")
-    both = (x.parts if isinstance(x, AnyOf) else {x} for x in (a, b))
-    return AnyOf(frozenset().union(*both))
 
 
 def window_text(selector: Any) -> str:

@@ -1,5 +1,4 @@
-"""Preallocated step temporaries: named tensors carved out of one flat device allocation, for a
-step that must not allocate (after vLLM sized its KV cache, or in a CUDA graph)."""
+"""Named step temporaries carved out of one flat device allocation (no allocation per step)."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-# Byte alignment of each part (vectorised loads and cuBLAS want at least 16; 256 keeps every
-# part on its own cache lines).
+# Byte alignment of each part (cuBLAS wants 16; 256 keeps every part on its own cache lines).
 ALIGN = 256
 
 WorkspaceSpec = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
@@ -31,8 +29,7 @@ def workspace_bytes(spec: WorkspaceSpec) -> int:
 def carve_workspace(
     spec: WorkspaceSpec, device: torch.device | str
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One zeroed uint8 allocation of :func:`workspace_bytes` and a contiguous view of it
-    per ``(name, shape, dtype)`` of ``spec``. Returns ``(flat, parts)``."""
+    """``(flat, parts)``: one zeroed uint8 allocation and a view per part of ``spec``."""
     flat = torch.zeros(workspace_bytes(spec), dtype=torch.uint8, device=device)
     return flat, carve_workspace_from(flat, spec)
 
