@@ -131,9 +131,8 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request table of the export in ``path``: the first ``manifest["requests_closed"]``
-    lines of its requests file plus the manifest's ``requests``, in index order. ``ValueError``
-    naming the file (and line) when it is missing, short or damaged, or the indices have gaps."""
+    """The export's request table: the requests file's first ``requests_closed`` lines plus the
+    manifest's ``requests``, by index; ``ValueError`` naming the file (and line) when damaged."""
     inline = list(manifest["requests"])
     n = int(manifest.get("requests_closed", 0))
     if n == 0:

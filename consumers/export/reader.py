@@ -67,9 +67,8 @@ class RequestRecord:
 
 @dataclass
 class ExportRecord(RequestRecord):
-    """Everything exported for one request (one sample of one prompt): row ``j`` of each
-    ``hidden[key]`` (``"layer.{i}"``, ``"final"``, ...) is the state after feeding
-    ``token_ids[positions[j]]``."""
+    """Everything exported for one request (one sample): row ``j`` of each ``hidden[key]``
+    (``"layer.{i}"``, ``"final"``, ...) is the state after feeding ``token_ids[positions[j]]``."""
 
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
 

@@ -164,9 +164,8 @@ def top_codes(
 
 
 def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` largest activations per row: ``(indices int32, values fp32)``, each
-    ``[R, top_k]``, sorted by value (descending). Slots beyond a row's active features
-    (activation 0) get index ``-1`` and value ``0``."""
+    """The ``top_k`` largest activations per row, descending: ``(indices int32, values fp32)``
+    ``[R, top_k]``; slots beyond a row's active features get index ``-1`` and value ``0``."""
     vals, idx = acts.topk(min(top_k, acts.shape[-1]), dim=-1, sorted=True)
     return _marked_and_padded(idx, vals, top_k)
 

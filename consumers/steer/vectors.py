@@ -28,9 +28,8 @@ def _pick(tensors: dict, key: str | None, what: str) -> object:
 
 
 def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
-    """A 1-D float32 CPU steering vector of size ``hidden_size`` from a ``.safetensors`` (one
-    tensor, or ``file.safetensors::key``), ``.pt``/``.pth`` (a tensor or a dict, ``::key``) or
-    ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
+    """A float32 CPU vector ``[hidden_size]`` from a ``.safetensors``/``.pt``/``.pth`` (one tensor,
+    or ``PATH::KEY``) or ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
     what = repr(os.fspath(path))
     file, sep, key = os.fspath(path).rpartition(KEY_SEP)
     if not sep:
