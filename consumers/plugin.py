@@ -23,12 +23,12 @@ def tllm_commands(subparsers):
     add_steer(subparsers)
 
 
-# Consumers writing an export-format directory (manifest and shards) to config["out"].
 WRITERS = ("export", "sae")
 
 
 @hookimpl
 def tllm_run_failed(consumers, cause, started_at):
+    # Mark the export-format directories (config["out"]) of the consumers that write one.
     from consumers.export.format import mark_run_failed
 
     for spec in consumers:

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from consumers.export.report import layer_order
 from tllm_core import (
     Bundle,
     CaptureWindow,
@@ -128,7 +129,6 @@ class StatsConsumer(Consumer):
 
     @classmethod
     def report_plots(cls, counters: dict[str, Any], result: Any) -> list[Plot]:
-        """Per port: the mean L2 norm (weighted by rows) and the largest |x| over requests."""
         if not isinstance(result, dict):
             return []
         acc: dict[str, list[float]] = {}  # key -> [rows, sum of norms, max |x|]
@@ -138,9 +138,7 @@ class StatsConsumer(Consumer):
                 a[0] += f["rows"]
                 a[1] += f["mean_norm"] * f["rows"]
                 a[2] = max(a[2], f["max_abs"])
-        keys = sorted(
-            acc, key=lambda k: (k == "final", int(k.split(".")[-1]) if k[-1].isdigit() else 0)
-        )
+        keys = sorted(acc, key=layer_order)
         if not keys:
             return []
         return [

@@ -21,8 +21,7 @@ def _phase(text: str) -> str:
 
 def cmd_export(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
-    # Port names as given (grammar: tllm_core.api.port_names); the config checks their syntax,
-    # the export consumer checks them against the registered producers.
+    # The config checks the names' syntax, the consumer checks them against the producers.
     layers: list[int | str] = [s.strip() for s in args.layers.split(",") if s.strip()]
     config = dict(out=str(args.out), layers=layers, phase=args.phase, overwrite=args.overwrite)
     spec = ConsumerSpec(name="export", config=config)
@@ -35,8 +34,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     prompts, texts, report = cli_common.generate_with(
         args, consumers, status=lambda: written(args.out)
     )
-    # The export's own summary lines (rows, MB, shards; "not complete") are its consumer
-    # class's summary and summary_warnings.
     return cli_common.show(args, prompts, texts, report)
 
 

@@ -114,17 +114,15 @@ class ExportConsumer(Consumer):
     )
     Config = ExportConfig
     Request = ExportRequest
-    # Sampled tokens complete each request's token ids: a request's window narrows the
-    # exported rows only.
+    # Sampled tokens complete the token ids: a request's window narrows the rows only.
     request_window_rows = frozenset({"token"})
     delivery = Delivery.BACKGROUND
 
-    config: ExportConfig  # the registry builds it from the spec (validated there, once)
+    config: ExportConfig
 
     def __init__(self, config: ExportConfig, context: ConsumerContext):
         super().__init__(config, context)
-        model = context.model
-        self.hidden_size = int(model.hidden_size)
+        self.hidden_size = int(context.model.hidden_size)
         ports: dict[str, TokenPort] = {}  # by key, in the config's order, each once
         for spec in config.layers:
             try:
@@ -136,7 +134,6 @@ class ExportConsumer(Consumer):
         self.dtype = getattr(torch, config.dtype)
         self.phase = as_selector(config.phase, "export: phase")
         self._lock = threading.Lock()
-        # Rows of the requests that ask for them back (tllm_results=export).
         self._returned = RequestRows(context.max_result_bytes, "export")
         self.writer: RecordWriter | None = None
         self.shard_rows = 0
@@ -155,14 +152,13 @@ class ExportConsumer(Consumer):
                 f"({row_bytes} bytes: {len(self.keys)} key(s) x hidden size {self.hidden_size} x "
                 f"{self.dtype.itemsize} bytes); use at least {row_bytes}"
             )
-        # The columns ({}) are fixed by each key's first rows (_take_rows).
+        # Each key's column is fixed by its first rows (_take_rows).
         self.writer = RecordWriter(
             layout, {}, self.shard_rows, self._manifest_fields, phase=self.phase, owner=self
         )
 
     def reads(self) -> list[ReadPort]:
-        # Only the rows to write are captured: the prompt's token ids come with each request
-        # (RequestInfo.prompt_token_ids).
+        # The prompt's token ids come with each request: only the rows to write are captured.
         ports: list[ReadPort] = [dataclasses.replace(p, phase=self.phase) for p in self._ports]
         ports.append(SampledTokens(Phase.ALL))
         return ports
@@ -175,7 +171,6 @@ class ExportConsumer(Consumer):
             self._take_rows(bundle)
             if (sampled := sampled_tokens(bundle)) is not None:
                 self._note(*sampled)
-        # This thread's time per bundle (shard writes included: seconds_writing of it).
         self.counters.add("seconds_taking", time.perf_counter() - t)
 
     def _note(
@@ -200,9 +195,7 @@ class ExportConsumer(Consumer):
             if t is None:  # a tap the step did not write (see StaleTapError)
                 raise ValueError(f"export: bundle lacks {key!r} (has {sorted(bundle.hidden)})")
             width = int(t.shape[-1])
-            if self.writer is not None:
-                # A key's row width is fixed by its first rows: the hidden size, or (router
-                # ports) the number of experts or top-k; floats are stored as the config's dtype.
+            if self.writer is not None:  # width: hidden size, or (router ports) experts or top-k
                 dtype = self.dtype if t.is_floating_point() else torch.int64
                 width = self.writer.columns.setdefault(key, (width, dtype))[0]
             if t.shape != (n, width):
@@ -222,9 +215,8 @@ class ExportConsumer(Consumer):
             return
         idx = np.nonzero(keep)[0]
         tidx = torch.from_numpy(idx)
-        all_rows = idx.size == n
         hidden = {
-            k: (bundle.hidden[k] if all_rows else bundle.hidden[k].index_select(0, tidx))
+            k: (bundle.hidden[k] if idx.size == n else bundle.hidden[k].index_select(0, tidx))
             for k in self.keys
         }
         decode = np.asarray(rows.is_decode, np.bool_)[idx]
@@ -255,8 +247,6 @@ class ExportConsumer(Consumer):
         self.counters.set("seconds_writing", self.writer.seconds_writing)
 
     def on_request_finished(self, request: RequestInfo) -> None:
-        # Background thread (after the request's bundles), or the engine thread when no
-        # bundle ever reached this consumer: then no shard write holds the lock.
         with self._lock:
             if self.writer is not None:
                 self.writer.finished(request)
@@ -272,21 +262,18 @@ class ExportConsumer(Consumer):
                     self._returned.lose(r.engine_id)
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
-        """The rows this export captured of ``request`` (one sample): ``positions``,
-        ``token_ids`` and one ``[rows, width]`` array per key, in the config's dtype."""
+        """``positions``, ``token_ids`` and one ``[rows, width]`` array per key of ``request``."""
         with self._lock:
             none = np.zeros(0, np.int64)
             return self._returned.take(request.engine_id, {"positions": none, "token_ids": none})
 
     @classmethod
     def result_bytes(cls, config: ExportConfig, request: PlannedRequest) -> int | None:
-        """JSON bytes of a request's result at most: its rows (the config's phase, narrowed by
-        the request's window) times one hidden-size array per key, plus positions and ids."""
         itemsize = getattr(torch, config.dtype).itemsize
         keys = len(dict.fromkeys(str(k) for k in config.layers))
         rows = window_rows("export", as_selector(config.phase, "export: phase"), request)
-        width = request.hidden_size
-        return keys * array_json_bytes(rows * width, itemsize) + 2 * array_json_bytes(rows, 8)
+        hidden = array_json_bytes(rows * request.hidden_size, itemsize)
+        return keys * hidden + 2 * array_json_bytes(rows, 8)
 
     def _manifest_fields(self) -> dict[str, Any]:
         # "columns": the keys whose rows are not hidden_size wide in dtype (router ports).
@@ -305,7 +292,6 @@ class ExportConsumer(Consumer):
         }
 
     def flush(self) -> None:
-        """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         self._write(RecordWriter.flush)
 
     def close(self) -> None:

@@ -1,6 +1,5 @@
-"""On-disk layout of an ``export`` directory (``docs/export-format.md``), one definition for the
-writer and the reader. Data parallel: each engine writes a complete export of its requests into
-the part folder ``dp{rank}`` of the output directory; the reader merges the parts."""
+"""On-disk layout of an ``export`` directory (``docs/export-format.md``) for writer and reader.
+Data parallel: each engine writes a complete export into the part folder ``dp{rank}``."""
 
 from __future__ import annotations
 
@@ -29,8 +28,6 @@ TOKEN_ID = "token_id"  # int64: token fed at that position
 IS_DECODE = "is_decode"  # bool: position >= num_prompt_tokens
 ROW_TENSORS = (ROW_REQUEST, POSITION, TOKEN_ID, IS_DECODE)
 
-PART_PATTERN = re.compile(r"^dp(\d+)$")
-
 
 def _a_path(path: str) -> str:
     if not path.strip():
@@ -49,7 +46,7 @@ def part_name(rank: int) -> str:
 
 def part_rank(name: str) -> int | None:
     """The rank of a part folder name (``"dp3"`` -> 3), else None."""
-    m = PART_PATTERN.match(name)
+    m = re.match(r"^dp(\d+)$", name)
     return None if m is None else int(m.group(1))
 
 
@@ -58,7 +55,6 @@ def shard_name(index: int) -> str:
 
 
 def hidden_tensor_name(key: str) -> str:
-    """Shard tensor name for bundle key ``"layer.{i}"`` / ``"final"``."""
     return f"hidden.{key}"
 
 
@@ -80,7 +76,7 @@ def fsync(path: str) -> None:
 
 
 def fsync_dir(path: str) -> None:
-    """Make a rename in ``path`` durable (best effort where directories cannot be opened)."""
+    """Make a rename in ``path`` durable (where directories can be opened)."""
     with contextlib.suppress(OSError):
         fsync(path)
 
@@ -96,15 +92,13 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-# Manifest field: why the run that wrote the export ended early (set by the front end after
-# the engine was stopped by a fault: mark_run_failed).
+# Manifest field: the fault that stopped the run that wrote the export (mark_run_failed).
 RUN_ERROR = "run_error"
 
 
 def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
-    """After a fault stopped the engine (its processes gone): mark each manifest at ``out`` (and
-    its part folders) written since ``since`` (the run's ``time.time()`` start) ``complete: false``
-    with the cause (:data:`RUN_ERROR`). Returns the manifests marked."""
+    """After a fault stopped the engine: mark each manifest at ``out`` (and its part folders)
+    written since ``since`` (``time.time()``) ``complete: false`` with the cause; returns them."""
     root = os.path.abspath(os.path.expanduser(out))
     if not os.path.isdir(root):
         return []
@@ -119,7 +113,7 @@ def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
                 manifest = json.load(f)
         except (OSError, ValueError):  # none, or not one of ours: nothing to mark
             continue
-        if not isinstance(manifest, dict):
+        if not isinstance(manifest, dict):  # not one of ours either
             continue
         write_json_atomic(path, {**manifest, "complete": False, RUN_ERROR: cause})
         marked.append(path)
@@ -127,7 +121,6 @@ def mark_run_failed(out: str, cause: str, since: float) -> list[str]:
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
-    """Write JSON to ``path.tmp``, fsync, rename over ``path``, fsync the directory."""
     tmp = path + TMP_SUFFIX
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, separators=(",", ":"))
@@ -138,9 +131,8 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request table of the export in ``path``: the first ``manifest["requests_closed"]``
-    lines of its requests file plus the manifest's ``requests``, in index order. ``ValueError``
-    naming the file (and line) when it is missing, short or damaged, or the indices have gaps."""
+    """The export's request table: the requests file's first ``requests_closed`` lines plus the
+    manifest's ``requests``, by index; ``ValueError`` naming the file (and line) when damaged."""
     inline = list(manifest["requests"])
     n = int(manifest.get("requests_closed", 0))
     if n == 0:
@@ -166,7 +158,6 @@ def request_table(path: str, manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _request_entry(line: bytes, file: str, number: int) -> dict[str, Any]:
-    """Line ``number`` of requests file ``file``; ``ValueError`` naming both when damaged."""
     try:
         entry = json.loads(line)
     except ValueError as e:

@@ -1,8 +1,5 @@
-"""Read an ``export`` directory back: one record per (request, sample), one shard at a time.
-
-Only the shards the manifest lists are read; a record is yielded once the last shard holding
-its rows is read. A data-parallel export (part folders ``dp{rank}``) is merged
-(:class:`DataParallelExport`)."""
+"""Read an ``export`` directory back: one record per (request, sample), one listed shard at a
+time; a data-parallel export (part folders ``dp{rank}``) is merged (:class:`DataParallelExport`)."""
 
 from __future__ import annotations
 
@@ -45,8 +42,8 @@ def incomplete_message(path: str, manifest: dict[str, Any]) -> str:
 
 @dataclass
 class RequestRecord:
-    """What every record on the export layout holds (export and SAE feature records): ids, the
-    token sequence (prompt then generated) and the rows' positions (indices into ``token_ids``)."""
+    """What every record on the export layout holds: ids, the token sequence (prompt then
+    generated) and the rows' positions (indices into ``token_ids``)."""
 
     request_id: str
     prompt_index: int
@@ -57,7 +54,6 @@ class RequestRecord:
     is_decode: torch.Tensor  # bool [P]
     finished: bool = field(default=True, kw_only=True)
     engine_id: str = field(default="", kw_only=True)
-    # The engine that served the request (data parallel).
     data_parallel_rank: int = field(default=0, kw_only=True)
 
     @property
@@ -71,23 +67,21 @@ class RequestRecord:
 
 @dataclass
 class ExportRecord(RequestRecord):
-    """Everything exported for one request (one sample of one prompt): row ``j`` of each
-    ``hidden[key]`` (``"layer.{i}"``, ``"final"``, ...) is the state after feeding
-    ``token_ids[positions[j]]``."""
+    """Everything exported for one request (one sample): row ``j`` of each ``hidden[key]``
+    (``"layer.{i}"``, ``"final"``, ...) is the state after feeding ``token_ids[positions[j]]``."""
 
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> [P, H]
 
 
 class ExportReader:
-    """An export directory: its manifest, request table and shards (formats on the same layout
-    subclass it)."""
+    """An export directory: manifest, request table and shards (other formats subclass it)."""
 
     format_name = fmt.FORMAT_NAME
     format_version = fmt.FORMAT_VERSION
     tensor_name = staticmethod(fmt.hidden_tensor_name)  # shard tensor name of a manifest key
 
     def __init__(self, path: str | os.PathLike, verify: bool = False):
-        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
+        self.path = os.path.expanduser(os.fspath(path))
         mpath = os.path.join(self.path, fmt.MANIFEST)
         if not os.path.isfile(mpath):
             if parts := [os.path.basename(p) for _, p in export_parts(self.path)]:
@@ -118,7 +112,6 @@ class ExportReader:
             self.dtype: str = self.manifest["dtype"]
             self.shards: list[dict[str, Any]] = list(self.manifest["shards"])
             self.num_rows: int = sum(int(s["rows"]) for s in self.shards)
-            # Each key's empty column: the dtype and width its shard tensors must have.
             self._columns = {k: self._no_rows(k) for k in self.keys}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ExportFormatError(f"{mpath!r} lacks a field or has a bad one: {e!r}") from None
@@ -140,7 +133,6 @@ class ExportReader:
         return len(self.requests)
 
     def _check(self, i: int) -> str:
-        """The path of shard ``i``, checked (and with ``verify``, its sha256 too)."""
         s, p = self.shards[i], os.path.join(self.path, self.shards[i]["file"])
         if not os.path.isfile(p):
             raise ExportFormatError(f"shard {p!r} listed in the manifest is missing")
@@ -150,7 +142,6 @@ class ExportReader:
         return p
 
     def _tensors(self, i: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """Tensors ``names`` of shard ``i``; a truncated or foreign file is an ExportFormatError."""
         p = self._check(i)
         try:
             with safe_open(p, framework="pt") as f:
@@ -176,8 +167,7 @@ class ExportReader:
         return out
 
     def _record(self, r: int, pieces: list[dict[str, torch.Tensor]]) -> Any:
-        """Request ``r``'s record from its shard pieces, in position order (a position written
-        twice keeps its first row)."""
+        """Request ``r``'s record from its shard pieces, by position (a repeated one: first row)."""
         if pieces:
             pos = torch.cat([p[fmt.POSITION] for p in pieces])
             pos, order = torch.sort(pos, stable=True)
@@ -209,7 +199,6 @@ class ExportReader:
         return self._make(fields, pos, dec, data)
 
     def _no_rows(self, key: str) -> torch.Tensor:
-        """An empty column of ``key`` (a request without captured rows)."""
         c = self.manifest.get("columns", {}).get(key, {})
         dtype = getattr(torch, c.get("dtype", self.dtype))
         return torch.zeros(0, c.get("width", self.hidden_size), dtype=dtype)
@@ -242,9 +231,8 @@ class ExportReader:
             for r, c in zip(uniq.tolist(), counts.tolist(), strict=True):
                 sel = order[start : start + c]
                 start += c
-                piece = {fmt.POSITION: t[fmt.POSITION][sel], fmt.IS_DECODE: t[fmt.IS_DECODE][sel]}
-                for k in self.keys:
-                    piece[k] = t[self.tensor_name(k)][sel]
+                piece = {k: t[self.tensor_name(k)][sel] for k in self.keys}
+                piece |= {n: t[n][sel] for n in (fmt.POSITION, fmt.IS_DECODE)}
                 pending.setdefault(r, []).append(piece)
             del t
             for r in closing.get(i, []):
@@ -273,7 +261,7 @@ class DataParallelExport:
     yields each part's records in rank order (``data_parallel_rank`` names the engine)."""
 
     def __init__(self, path: str | os.PathLike, parts: list[tuple[int, ExportReader]]):
-        self.path = os.path.expanduser(os.fspath(path))  # as the writer does with out
+        self.path = os.path.expanduser(os.fspath(path))
         if not parts:
             raise ExportFormatError(f"{self.path!r} holds no data-parallel part")
         self.parts = sorted(parts, key=lambda p: p[0])
@@ -320,8 +308,8 @@ class DataParallelExport:
 def open_export(
     path: str | os.PathLike, verify: bool = False, reader: type[ExportReader] = ExportReader
 ) -> ExportReader | DataParallelExport:
-    """The export at ``path``: one export, or the parts of a data-parallel run merged. ``reader``
-    reads one export (formats on this layout pass their subclass)."""
+    """The export at ``path``: one export, or the parts of a data-parallel run merged; ``reader``
+    reads one part."""
     root = os.path.expanduser(os.fspath(path))
     if not os.path.isfile(os.path.join(root, fmt.MANIFEST)):
         parts = export_parts(root)
@@ -331,7 +319,6 @@ def open_export(
 
 
 def read_export(path: str | os.PathLike, verify: bool = False) -> Iterator[ExportRecord]:
-    """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``, reading
-    one shard at a time (a data-parallel export: part by part). ``verify=True`` checks each
-    shard's sha256 against the manifest first."""
+    """Yield one :class:`ExportRecord` per (request, sample) of the export at ``path``, one
+    shard at a time; ``verify=True`` checks each shard's sha256 against the manifest first."""
     return iter(open_export(path, verify=verify))

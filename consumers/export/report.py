@@ -1,6 +1,4 @@
-"""What a person reads and sees of an export: the summary line, "not complete" and the
-report's per-layer norm plots, read back from the export itself
-(``ExportConsumer.summary`` / ``summary_warnings`` / ``report_plots``)."""
+"""An export's summary line, "not complete" warning and report plots (read back from it)."""
 
 from __future__ import annotations
 
@@ -10,8 +8,7 @@ from typing import Any
 
 from tllm_core import Plot, Series
 
-# Records read back for the plots: enough for the shape of the norms, bounded for a large
-# export.
+# Records read back for the plots: enough for the shape of the norms, bounded.
 MAX_RECORDS = 256
 
 
@@ -25,9 +22,7 @@ def summary(counters: dict[str, Any], result: Any) -> list[str]:
 
 
 def warnings(counters: dict[str, Any], result: Any) -> list[str]:
-    # Requests cut short make an export incomplete; rows lost to dropped bundles are the
-    # runtime's own warning. (An open export, e.g. a server's before shutdown, is not
-    # complete yet either: that is no warning.)
+    # Rows lost to dropped bundles are the runtime's own warning; an open export is no warning.
     if isinstance(result, dict) and result.get("error"):
         return [f"not complete: {result['error']} (the manifest says complete: false)"]
     cut = counters.get("requests_cut_short", 0)
@@ -39,7 +34,7 @@ def warnings(counters: dict[str, Any], result: Any) -> list[str]:
     return []
 
 
-def _layer_order(key: str) -> tuple[int, float, str]:
+def layer_order(key: str) -> tuple[int, float, str]:
     """``layer.3`` < ``layer.10`` < ``attn.*`` ... < ``final``."""
     kind, _, index = key.partition(".")
     try:
@@ -69,7 +64,7 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
     if not isinstance(result, dict) or not result.get("out") or not result.get("rows"):
         return []
     per_key, by_pos = norms(result["out"])
-    keys = sorted(per_key, key=_layer_order)
+    keys = sorted(per_key, key=layer_order)
     if not keys:
         return []
     mean = [sum(per_key[k]) / len(per_key[k]) for k in keys]
@@ -84,10 +79,10 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
             caption=f"from the export's first {MAX_RECORDS} records at most",
         )
     ]
-    series = []
-    for k in keys:
-        pos = sorted(by_pos[k])
-        series.append(Series(k, pos, [sum(by_pos[k][p]) / len(by_pos[k][p]) for p in pos]))
+    series = [
+        Series(k, sorted(by_pos[k]), [sum(v) / len(v) for _, v in sorted(by_pos[k].items())])
+        for k in keys
+    ]
     out.append(
         Plot(
             name="norms_by_position",

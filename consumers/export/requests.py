@@ -1,7 +1,6 @@
-"""The request table of an export-layout record (``export``, ``sae`` features), bounded: only
-running requests are held in memory; a finished one's entry is appended to ``requests.jsonl``
-at the next manifest write (after the shard holding its last rows) and forgotten, so memory and
-manifest rewrites do not grow with the requests served. Not thread-safe: the owner locks."""
+"""The request table of an export-layout record, bounded: only running requests are held in
+memory; a finished one's entry goes to ``requests.jsonl`` at the next manifest write (after the
+shard holding its last rows) and is forgotten. Not thread-safe: the owner locks."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from tllm_core import Counters, Phase, RequestInfo, RowInfo, row_mask, window_te
 
 
 class RequestTokens:
-    """One request's entry in the request table plus its token sequence so far, and which
-    positions' rows were delivered (``fed``: a prompt position whose row never came, e.g. a
-    prefix-cache hit, has its token id from the request but no row)."""
+    """One request's token sequence so far, and which positions' rows were delivered (``fed``:
+    a prompt position whose row never came, e.g. a prefix-cache hit, has its id but no row)."""
 
     __slots__ = ("index", "info", "tokens", "fed", "length")
 
@@ -36,7 +34,6 @@ class RequestTokens:
             self.put(np.arange(len(prompt), dtype=np.int64), np.asarray(prompt, np.int64), False)
 
     def put(self, positions: np.ndarray, tokens: np.ndarray, fed: bool = True) -> None:
-        """Token ids at ``positions``; ``fed``: their rows were delivered."""
         if positions.size == 0:
             return
         end = int(positions.max()) + 1
@@ -47,7 +44,7 @@ class RequestTokens:
         self.length = max(self.length, end)
 
     def put_one(self, position: int, token: int) -> None:
-        """One delivered row (a decode step's, the common case): no numpy fancy indexing."""
+        """One delivered row (a decode step's): no numpy fancy indexing."""
         self._grow(position + 1)
         self.tokens[position] = token
         self.fed[position] = True
@@ -73,9 +70,8 @@ class RequestTokens:
 
 
 def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
-    """Mask of the rows ``phase`` (a Phase or a capture window) selects that are not
-    recomputation after a preemption (those are counted in ``rows_skipped_recomputed``:
-    their position was written already)."""
+    """Mask of the rows ``phase`` selects that are not recomputed after a preemption (counted
+    in ``rows_skipped_recomputed``: their position was written already)."""
     wanted = row_mask(
         phase, np.asarray(rows.is_decode, np.bool_), rows.position, rows.prompt_lengths
     )
@@ -87,8 +83,8 @@ def rows_to_write(rows: RowInfo, phase: Any, counters: Counters) -> np.ndarray:
 
 
 def sampled_tokens(bundle: Any) -> tuple[list[RequestInfo], np.ndarray, np.ndarray] | None:
-    """A bundle's sampled tokens as ``(requests, positions, token ids)``, each at the sampled
-    token's own position (one past its row's); None when it has none."""
+    """A bundle's sampled tokens as ``(requests, positions, token ids)`` (positions one past
+    their rows'), or None."""
     srows, ids = bundle.sampled_rows, bundle.sampled_token_ids
     if srows is None or ids is None or not len(srows):
         return None
@@ -97,9 +93,8 @@ def sampled_tokens(bundle: Any) -> tuple[list[RequestInfo], np.ndarray, np.ndarr
 
 
 class RequestTable:
-    """Open requests in memory, closed ones in ``requests.jsonl`` of the ``writer``'s folder
-    (a ``RecordWriter``); ``owner``: the consumer whose per-request capture windows
-    (``tllm_{name}_window``) narrow its rows."""
+    """Open requests in memory, closed ones in ``requests.jsonl`` of the ``writer``'s folder;
+    ``owner``: the consumer whose per-request windows narrow its rows."""
 
     def __init__(self, writer: Any, phase: Any = Phase.ALL, owner: Any = None):
         self._writer = writer
@@ -120,7 +115,6 @@ class RequestTable:
         return len(self._open)
 
     def get(self, info: Any) -> RequestTokens:
-        """The entry of ``info`` (``RequestInfo``), created at its first data."""
         req = self._open.get(info.engine_id)
         if req is None:
             req = self._open[info.engine_id] = RequestTokens(self.seen, info)
@@ -128,14 +122,12 @@ class RequestTable:
         return req
 
     def drop(self, requests: list[Any]) -> None:
-        """A bundle with rows or tokens of ``requests`` was dropped."""
         self.bundles_dropped += 1
         for r in requests:
             self._dropped[r.engine_id] = self._dropped.get(r.engine_id, 0) + 1
 
     def finish(self, request: Any) -> None:
-        """A request's finish notice: ``finished`` unless ``request.cut_short`` (aborted or
-        closed before its end). Its entry goes to ``requests.jsonl``."""
+        """``request`` finished (``cut_short``: before its end); its entry goes to the file."""
         dropped = self._dropped.pop(request.engine_id, 0)
         req = self._open.pop(request.engine_id, None)
         if req is None:  # no data reached the record: it has no entry
@@ -146,8 +138,7 @@ class RequestTable:
         self._pending.append(e)
 
     def _write_pending(self) -> None:
-        """Append the finished entries to the file, durably; ``closed`` counts them only
-        then (a partly written line lies past what any manifest vouches for)."""
+        """Append the finished entries durably; only then does ``closed`` count them."""
         if not self._pending:
             return
         if self._file is None:
@@ -164,7 +155,6 @@ class RequestTable:
         self._pending = []
 
     def _entry(self, req: RequestTokens, finished: bool, dropped: int) -> dict[str, Any]:
-        """One request's entry in the table (``docs/export-format.md``)."""
         info = req.info
         # The request's own capture window within the phase; None: none set, or one the
         # engine could not parse (it took no row, and the phase's rows count as missing).
@@ -187,9 +177,8 @@ class RequestTable:
         }
 
     def manifest_fields(self) -> dict[str, Any]:
-        """A manifest's ``losses`` and table: open requests inline, closed ones as the first
-        ``requests_closed`` lines of the file (made durable here, before the manifest naming them).
-        After a failed write the finished requests not in the file yet stay inline."""
+        """A manifest's ``losses`` and table: open (and, after a failed write, unfiled) requests
+        inline, closed ones as the first ``requests_closed`` lines of the file (made durable here)."""
         if self._writer.error is None:
             self._write_pending()
         opened = [self._entry(r, False, self._dropped.get(e, 0)) for e, r in self._open.items()]
@@ -206,7 +195,7 @@ class RequestTable:
         return {**out, "requests": sorted(self._pending + opened, key=lambda e: e["index"])}
 
     def release(self) -> None:
-        """Close the file (after the final manifest); a later request reopens it."""
+        """Close the file after the final manifest; a later request reopens it."""
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -1,7 +1,6 @@
-"""Shard writer of the export layout: at most one shard of rows buffered; each shard, then the
-manifest, written to ``.tmp``, fsynced and renamed, so the directory always holds complete shards
-and a manifest naming exactly those. A failed write is :class:`ExportWriteError` naming the file;
-later rows are dropped (``rows_unwritten``) and the manifest says ``complete: false`` and why."""
+"""Shard writer of the export layout: each shard, then the manifest, written to ``.tmp``,
+fsynced and renamed, so the directory only ever names complete shards. After a failed write
+(:class:`ExportWriteError`) later rows are dropped and the manifest says why."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def _cause(e: BaseException) -> str:
 
 
 def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
-    """Check ``out`` without creating anything; its absolute path. ``ValueError`` naming it when
-    it is (or lies under) a file, is not writable, or is non-empty without ``overwrite``; part
-    folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own)."""
+    """``out``'s absolute path, checked without creating anything (``ValueError`` naming it);
+    part folders ``dp{r}`` with ``r < parts_below`` do not count (each engine checks its own)."""
     path = os.path.abspath(os.path.expanduser(str(out)))
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"export: out={out!r} exists and is not a directory")
@@ -53,8 +51,7 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
                 f"or set overwrite=true (tllm export: --overwrite) to replace the export files in it"
             )
         return path
-    # Does not exist yet: the nearest existing ancestor (at worst "/") must be a writable
-    # directory.
+    # Does not exist yet: the nearest existing ancestor must be a writable directory.
     parent = os.path.dirname(path)
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
@@ -68,15 +65,13 @@ def check_output_dir(out: str, overwrite: bool, parts_below: int = 0) -> str:
 
 
 def _part_below(name: str, size: int) -> bool:
-    """``name`` is the part folder of a data-parallel rank below ``size``."""
     rank = fmt.part_rank(name)
     return rank is not None and rank < size
 
 
 def remove_export_files(path: str) -> None:
-    """Remove the export files in ``path`` (manifest first); other files stay. A file that
-    vanishes meanwhile (another data-parallel engine cleaning the same folder) is fine."""
-    # Manifest first: the directory never claims shards that are being removed.
+    """Remove the export files in ``path``, manifest first (it never claims removed shards);
+    other files stay, and one another engine removes meanwhile is fine."""
     for name in sorted(os.listdir(path), key=lambda n: (n != fmt.MANIFEST, n)):
         if fmt.is_export_file(name):
             with contextlib.suppress(FileNotFoundError):
@@ -86,8 +81,7 @@ def remove_export_files(path: str) -> None:
 
 @dataclass(frozen=True)
 class OutputLayout:
-    """Where one engine writes: the output directory ``root`` itself, or, under data
-    parallel, its part folder ``root/dp{dp_rank}`` (see :mod:`consumers.export.format`)."""
+    """Where one engine writes: ``root`` itself, or under data parallel ``root/dp{dp_rank}``."""
 
     root: str
     path: str
@@ -97,8 +91,7 @@ class OutputLayout:
 
     def clean_root(self) -> None:
         """With ``overwrite``, before the first write: remove what an earlier export left in
-        ``root`` that this one does not replace (top-level files under data parallel, part
-        folders of ranks it lacks). Every engine does it, tolerating the others doing so."""
+        ``root`` that this one does not replace (every engine does it, tolerating the others)."""
         if not self.overwrite or not os.path.isdir(self.root):
             return
         if self.dp_size > 1:
@@ -114,8 +107,7 @@ class OutputLayout:
 
 
 def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1) -> OutputLayout:
-    """Check ``out`` (and, under data parallel, this engine's part folder in it) without
-    creating anything; raises ``ValueError`` as :func:`check_output_dir`."""
+    """Check ``out`` (and this engine's part folder in it) as :func:`check_output_dir`."""
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise ValueError(f"export: data-parallel rank {dp_rank} of size {dp_size} is invalid")
     root = path = check_output_dir(out, overwrite, parts_below=dp_size if dp_size > 1 else 0)
@@ -125,12 +117,9 @@ def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1)
 
 
 class RecordWriter:
-    """One engine's record in the export layout (``export``, ``sae`` features), thread-safe: its
-    request table, at most one shard of rows buffered, numbered shards and the manifest.
+    """One engine's record in the export layout (``export``, ``sae`` features), thread-safe.
     ``columns``: each key's ``(width, dtype)``; ``fields``: the format's own manifest fields;
-    ``phase``: the rows recorded (a selected prompt position without a row is missing);
-    ``owner``: the consumer whose per-request windows narrow them; ``tensor_name`` maps a key
-    to its shard tensor name."""
+    ``phase``/``owner``: the rows recorded and the consumer whose request windows narrow them."""
 
     def __init__(
         self,
@@ -153,37 +142,27 @@ class RecordWriter:
         self.tensor_name = tensor_name
         self.lock = threading.RLock()
         self.used = False
-        self.closed = False  # closed after the last data
-        self.complete = False  # ... and nothing was lost
+        self.closed = False  # after the last data
+        self.complete = False  # closed, and nothing was lost
         self.shards: list[dict[str, Any]] = []
         # The first failed write ("writing FILE: cause"); from then on rows are dropped.
         self.error: str | None = None
         self.rows_unwritten = 0
         self.rows_written = 0
         self.buffer_rows_max = 0
-        # Seconds spent writing shards (serialization, file write, fsync, manifest).
         self.seconds_writing = 0.0
         self._prepared = False
         self._lock: int | None = None  # the folder's descriptor, flock-ed while writing
-        self._cap = 0
-        self._fill = 0
+        self.capacity = self.buffered = 0  # rows allocated, rows held
         self._hidden: dict[str, torch.Tensor] = {}
         self._meta: dict[str, np.ndarray] = {}
         self.table = RequestTable(self, phase, owner)
 
-    @property
-    def buffered(self) -> int:
-        return self._fill
-
-    @property
-    def capacity(self) -> int:
-        return self._cap
-
     def _ensure_capacity(self, rows: int) -> None:
-        if rows <= self._cap:
+        if rows <= self.capacity:
             return
-        cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self._cap)))
-        n = self._fill
+        cap = max(rows, min(self.shard_rows, max(_INITIAL_ROWS, 2 * self.capacity)))
+        n = self.buffered
         hidden = {k: torch.empty(cap, w, dtype=dt) for k, (w, dt) in self.columns.items()}
         meta = {
             k: np.empty(cap, np.bool_ if k == fmt.IS_DECODE else np.int64) for k in fmt.ROW_TENSORS
@@ -192,7 +171,7 @@ class RecordWriter:
             for old, new in ((self._hidden, hidden), (self._meta, meta)):
                 for k, buf in new.items():
                     buf[:n] = old[k][:n]
-        self._hidden, self._meta, self._cap = hidden, meta, cap
+        self._hidden, self._meta, self.capacity = hidden, meta, cap
 
     def note_tokens(
         self,
@@ -201,8 +180,7 @@ class RecordWriter:
         tokens: np.ndarray,
         runs: Iterable[tuple[Any, int, int]] | None = None,
     ) -> np.ndarray:
-        """Token ids fed (or sampled) at ``positions``; returns each row's request index.
-        ``runs``: ``request_runs(requests)`` when the caller has it already."""
+        """Token ids fed (or sampled) at ``positions``; returns each row's request index."""
         index = np.empty(len(requests), np.int64)
         with self.lock:
             for info, start, stop in request_runs(requests) if runs is None else runs:
@@ -222,8 +200,7 @@ class RecordWriter:
         is_decode: np.ndarray,
         columns: dict[str, torch.Tensor],
     ) -> int:
-        """Append rows (``columns[key]`` is ``[R, width]``); writes a shard each time the
-        buffer reaches ``shard_rows``. Returns the number of shards written by this call."""
+        """Append rows (``columns[key]``: ``[R, width]``); returns the shards this call wrote."""
         meta = dict(zip(fmt.ROW_TENSORS, (row_request, positions, tokens, is_decode), strict=True))
         total = len(positions)
         with self.lock:
@@ -231,20 +208,19 @@ class RecordWriter:
             if self.error is not None:
                 self.rows_unwritten += total
                 return 0
-            written = 0
-            start = 0
+            written = start = 0
             while start < total:
-                take = min(total - start, self.shard_rows - self._fill)
-                self._ensure_capacity(self._fill + take)
-                a, b = self._fill, self._fill + take
+                take = min(total - start, self.shard_rows - self.buffered)
+                self._ensure_capacity(self.buffered + take)
+                a, b = self.buffered, self.buffered + take
                 for key in self.columns:
                     self._hidden[key][a:b] = columns[key][start : start + take]
                 for k in fmt.ROW_TENSORS:
                     self._meta[k][a:b] = meta[k][start : start + take]
-                self._fill = b
-                self.buffer_rows_max = max(self.buffer_rows_max, self._fill)
+                self.buffered = b
+                self.buffer_rows_max = max(self.buffer_rows_max, self.buffered)
                 start += take
-                if self._fill >= self.shard_rows:
+                if self.buffered >= self.shard_rows:
                     try:
                         self.write_shard()
                     except ExportWriteError:
@@ -254,20 +230,16 @@ class RecordWriter:
             return written
 
     def finished(self, request: Any) -> None:
-        """A request's finish notice (``request.cut_short``: it did not run to its end)."""
         with self.lock:
             self.table.finish(request)
 
     def dropped(self, requests: list[Any]) -> None:
-        """A bundle holding rows or tokens of ``requests`` was dropped."""
         with self.lock:
             self.table.drop(requests)
 
     def prepare(self) -> None:
-        """Create the directory and lock it until close (another writer of the folder, in this
-        run or another, is refused: its shards would mix with these); at the first write, with
-        ``overwrite``, remove old export files (first, what an earlier export left in the output
-        directory: ``clean_root``)."""
+        """Create the directory and flock it until close (another writer's shards would mix
+        with these); at the first write, with ``overwrite``, remove old export files."""
         if self._lock is not None:
             return
         if not self._prepared:
@@ -303,12 +275,12 @@ class RecordWriter:
 
     def write_shard(self) -> dict[str, Any] | None:
         """Write the buffered rows as the next shard and rewrite the manifest."""
-        n = self._fill
+        n = self.buffered
         if n == 0:
             return None
         if self.error is not None:
             self.rows_unwritten += n
-            self._fill = 0
+            self.buffered = 0
             return None
         index = len(self.shards)
         name = fmt.shard_name(index)
@@ -332,17 +304,16 @@ class RecordWriter:
         entry = {"file": name, "rows": n, "bytes": size, "sha256": digest}
         self.shards.append(entry)
         self.rows_written += n
-        self._fill = 0
+        self.buffered = 0
         self.write_manifest()
         self.seconds_writing += time.perf_counter() - t
         return entry
 
     def _fail(self, path: str, e: BaseException, rows: int) -> NoReturn:
-        """A failed write of ``path``: drop the buffered ``rows``, leave a manifest that says
-        why (when one can be written), raise :class:`ExportWriteError`."""
+        """Drop the buffered ``rows``, leave a manifest saying why if one can be written."""
         self.error = f"writing {path}: {_cause(e)}"
         self.rows_unwritten += rows
-        self._fill = 0
+        self.buffered = 0
         if self._lock is None:  # the folder is not ours (another writer's, or none): touch nothing
             raise ExportWriteError(f"export: {self.error}; nothing was written") from e
         with contextlib.suppress(OSError):
@@ -368,7 +339,6 @@ class RecordWriter:
         ) from e
 
     def write_manifest(self) -> None:
-        """Rewrite the manifest (after a failed write: ``complete: false`` and the cause)."""
         mpath = os.path.join(self.path, fmt.MANIFEST)
         try:
             self.prepare()
@@ -384,12 +354,9 @@ class RecordWriter:
         table = self.table.manifest_fields()
         if self.error is not None:  # after a failed write: the cause, and the rows it cost
             table["losses"]["rows_unwritten"] = self.rows_unwritten
-        # Complete: closed after its last data, with every request finished on its own, no
-        # position missing, no bundle dropped and no failed write.
         losses = table["losses"].values()
         self.complete = self.closed and not any(losses) and self.error is None
-        layout = self.layout
-        part = {}
+        layout, part = self.layout, {}
         if layout.dp_size > 1:
             part = {"data_parallel": {"rank": layout.dp_rank, "size": layout.dp_size}}
         return {
@@ -408,25 +375,24 @@ class RecordWriter:
     def flush(self) -> None:
         """Write buffered rows as a (possibly short) shard and rewrite the manifest."""
         with self.lock:
-            if self.used and (not self._fill or self.write_shard() is None):
+            if self.used and (not self.buffered or self.write_shard() is None):
                 self.write_manifest()  # (a shard's write rewrote it)
 
     def close(self) -> int:
-        """Write buffered rows and the final manifest (nothing when never used); returns the
-        shards written."""
+        """Write buffered rows and the final manifest (if ever used); returns the shards written."""
         with self.lock:
             if not self.used:
                 return 0
             before = len(self.shards)
             self.closed = True
             try:
-                if self._fill:
+                if self.buffered:
                     self.write_shard()  # rewrites the manifest too
                 else:
                     self.write_manifest()
             finally:  # a failed write (ExportWriteError) still lets go of the files
-                if self._fill == 0:  # drop the (empty) buffers
-                    self._hidden, self._meta, self._cap = {}, {}, 0
+                if self.buffered == 0:  # drop the (empty) buffers
+                    self._hidden, self._meta, self.capacity = {}, {}, 0
                 self.table.release()
                 self._unlock()
             return len(self.shards) - before

@@ -1,5 +1,4 @@
-"""Config of the ``sae`` consumer (field names fixed by the issue: ``path``, ``site``,
-``top_k``, ``out``, ``steer``, ``watch``), its per-request settings and the ports of its ``site``."""
+"""Config of the ``sae`` consumer, its per-request settings and the ports of its ``site``."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from tllm_core import (
     parse_port_name,
 )
 
-# The ``site`` an SAE reads and edits, a port name: ``{i}``/``layer.{i}`` (residual stream after
-# layer ``i``), ``attn.{i}`` or ``mlp.{i}``; not ``final`` (an SAE there could not edit it).
+# A site is a residual layer, attn.{i} or mlp.{i}; not final (an SAE there could not edit it).
 SITE_PREFIXES = ("attn", "mlp")
 
 
@@ -38,7 +36,6 @@ def parse_site(value: int | str) -> PortName:
 
 
 def read_port(site: PortName, phase: Any) -> ReadPort:
-    """The read port of ``site`` (absolute layer); ``phase`` a Phase or a capture window."""
     layer = int(site.layer)  # type: ignore[arg-type]  # a site is never 'final'
     if site.is_residual:
         return HiddenStates(layer, phase)
@@ -46,8 +43,7 @@ def read_port(site: PortName, phase: Any) -> ReadPort:
 
 
 def edit_port(site: PortName, transform: Any = None) -> WritePort:
-    """The write port that edits ``site``: a plain residual edit, or an ``Edit`` of the
-    site's tensor with an in-graph per-row ``transform`` (clamps)."""
+    """The write port that edits ``site`` (with an in-graph ``transform``: the clamps)."""
     if site.is_residual and transform is None:
         return ResidualEdit(int(site.layer))  # type: ignore[arg-type]
     return Edit(read_port(site, Phase.ALL), transform=transform)
@@ -100,8 +96,8 @@ class SaeConfig(ConsumerConfig):
     _d_sae: int | None = PrivateAttr(None)
 
     def declared_d_sae(self) -> int | None:
-        """``d_sae`` as the SAE folder's ``cfg.json`` declares it (read once), or ``None`` when
-        the folder cannot be read here (the engine, which loads it, reports why)."""
+        """``d_sae`` from the SAE's ``cfg.json`` (read once); None when unreadable here (the
+        engine, which loads it, reports why)."""
         if self._d_sae is None:
             try:
                 self._d_sae = int(read_config(self.path)["d_sae"])
@@ -117,8 +113,7 @@ class SaeConfig(ConsumerConfig):
 
 
 class SaeRequest(RequestSettings):
-    """Per-request settings (``tllm_sae_{field}``); feature indices are checked against the
-    configured SAE's ``cfg.json``, so the server answers 400 to a bad one."""
+    """Per-request settings; features are checked against the SAE's ``cfg.json`` (400)."""
 
     steer: list[FeatureSteer] | None = Field(
         None,
@@ -137,8 +132,7 @@ class SaeRequest(RequestSettings):
 
     @field_validator("steer", mode="before")
     @classmethod
-    def _json_text(cls, v: Any) -> Any:
-        # vllm_xargs values are often strings: accept the list as JSON text too.
+    def _json_text(cls, v: Any) -> Any:  # vllm_xargs values are often strings
         if isinstance(v, str):
             try:
                 return json.loads(v)

@@ -1,6 +1,5 @@
 """``sae``: encode one site's activations with a sparse autoencoder while vLLM serves: summary
-counters, optional top-k feature records (``out``) and steering by feature (``steer``), per
-request too (``SaeRequest``)."""
+counters, top-k feature records (``out``) and steering by feature (``steer``), per request too."""
 
 from __future__ import annotations
 
@@ -51,16 +50,14 @@ class SaeConsumer(Consumer):
     )
     Config = SaeConfig
     Request: ClassVar[type[SaeRequest]] = SaeRequest
-    # Sampled tokens complete the records' token ids: a request's window narrows the
-    # encoded rows only.
+    # Sampled tokens complete the token ids: a request's window narrows the rows only.
     request_window_rows = frozenset({"token"})
 
-    config: SaeConfig  # the registry builds it from the spec (validated there, once)
+    config: SaeConfig
 
     def __init__(self, config: SaeConfig, context: ConsumerContext):
         super().__init__(config, context)
         self.delivery = Delivery(config.delivery)
-        model = context.model
         site = parse_site(config.site)
         try:
             layer = context.resolve_layer(site.layer)
@@ -74,13 +71,12 @@ class SaeConsumer(Consumer):
         except ValueError as e:
             raise ValueError(f"sae: {e}") from None
         try:
-            sae = load_sae(config.path, d_model=int(model.hidden_size))
+            sae = load_sae(config.path, d_model=int(context.model.hidden_size))
         except ValueError as e:
             raise ValueError(f"sae: path {config.path!r}: {e}") from None
         check_features((e.feature for e in config.steer), sae.d_sae, "sae: steer[{}].feature")
         check_features(config.watch, sae.d_sae, "sae: watch[{}]")
         self.sae = sae  # host copy (fp32): encodes background bundles
-        # Top features of the requests that ask for them back (tllm_results=sae).
         self._returned = RequestRows(context.max_result_bytes, "sae")
         k = config.top_k
         self._no_rows = {
@@ -88,9 +84,10 @@ class SaeConsumer(Consumer):
             "features": np.zeros((0, k), np.int64),
             "values": np.zeros((0, k), np.float32),
         }
-        dev = model.device if model.device.type != "meta" else torch.device("cpu")
+        dev = context.model.device
+        dev = dev if dev.type != "meta" else torch.device("cpu")
         self.sae_dev = sae if dev.type == "cpu" else sae.to(dev)
-        # (feature, value) of the clamp entries; a later entry for the same feature wins.
+        # (feature, value); a later entry for the same feature wins.
         clamps = list(
             {e.feature: float(e.clamp) for e in config.steer if e.clamp is not None}.items()
         )
@@ -119,36 +116,29 @@ class SaeConsumer(Consumer):
             )
 
     def _vector(self, entries: list[FeatureSteer]) -> torch.Tensor | None:
-        """``sum(scale * W_dec[feature])`` over the ``scale`` entries, in the model's dtype (None:
-        none, or all zeros: it changes nothing); W_dec[f] is what a unit of feature f adds. Made
-        on the host copy and sent without a wait: a request's first edit is in the engine's step."""
+        """``sum(scale * W_dec[feature])`` over the ``scale`` entries in the model's dtype (None:
+        it changes nothing); made on the host copy and sent without a wait."""
         vs = [e.scale * self.sae.W_dec[e.feature] for e in entries if e.scale is not None]
         v = sum(vs[1:], vs[0]).to(self.context.model.dtype) if vs else None
         return host_to_device(v, self.sae_dev.W_dec.device) if v is not None and v.any() else None
 
     def describe(self) -> dict[str, Any]:
-        """What the feature manifest says about the SAE."""
         s = self.sae
         return {
             "path": self.config.path,
             "site": self.site.short(),
             "key": self.key,
-            "architecture": s.architecture,
-            "d_in": s.d_in,
-            "d_sae": s.d_sae,
-            "k": s.k,
+            **{a: getattr(s, a) for a in ("architecture", "d_in", "d_sae", "k")},
             "hook_name": s.metadata.get("hook_name"),
         }
 
     def _plan(self, req: RequestInfo) -> tuple[torch.Tensor | None, bool, bool]:
-        """``req``'s steering vector, whether the config's clamps apply to it (a request's own
-        'steer' replaces the config's, clamps included) and whether it records; cached."""
+        """``req``'s steering vector, whether the config's clamps apply (a request's own 'steer'
+        replaces them) and whether it records; cached."""
         got = self._plans.get(req.engine_id)
         if got is None:
             try:
-                # The same validation as the front end's (feature range, no clamps): a failure
-                # here means the request bypassed it.
-                s = req.settings(self)
+                s = req.settings(self)  # failing only where the front end's check was bypassed
             except ValueError as e:
                 self.counters.add("invalid_request_settings")
                 log.warning("sae: request %r: %s; not steered, not recorded", req.request_id, e)
@@ -159,9 +149,6 @@ class SaeConsumer(Consumer):
                 got = (vec, clamped, self.writer is not None and s.record is not False)
             self._plans[req.engine_id] = got
         return got
-
-    def _records(self, req: RequestInfo) -> bool:
-        return self._plan(req)[2]
 
     def reads(self) -> list[ReadPort]:
         if self.writer is None:
@@ -220,7 +207,7 @@ class SaeConsumer(Consumer):
         sel = np.nonzero(keep)[0]
         rec = None
         if self.writer is not None:
-            rec = np.fromiter((self._records(rows.requests[j]) for j in sel), np.bool_, sel.size)
+            rec = np.fromiter((self._plan(rows.requests[j])[2] for j in sel), np.bool_, sel.size)
             # Token ids of the rows that are not recorded below (recorded rows carry theirs).
             unrecorded = np.ones(n, np.bool_)
             unrecorded[sel[rec]] = False
@@ -232,7 +219,6 @@ class SaeConsumer(Consumer):
         with torch.no_grad():
             codes = _Codes.encode(sae, xs, self.config.watch)
             m = int(sel.size)
-            # one device-to-host read for all the summary figures of this step
             stats = codes.stats.tolist()
             self.counters.add("rows_encoded", m)
             self.counters.add("active_features", int(stats[0]))
@@ -262,7 +248,6 @@ class SaeConsumer(Consumer):
     def _return_features(
         self, rows: RowInfo, sel: np.ndarray, positions: np.ndarray, codes: _Codes
     ) -> None:
-        """Top features of the encoded rows of requests that ask for them (tllm_results)."""
         asking = np.fromiter(
             (rows.requests[j].wants_result(self.name) for j in sel), np.bool_, sel.size
         )
@@ -279,8 +264,7 @@ class SaeConsumer(Consumer):
         self.counters.add("rows_returned", int(at.size))
 
     def request_result(self, request: RequestInfo) -> dict[str, Any]:
-        """This request's encoded rows: ``positions`` and, per row, the ``top_k`` strongest
-        ``features`` (indices) with their ``values``."""
+        """``positions`` and per row the ``top_k`` strongest ``features`` with their ``values``."""
         return self._returned.take(request.engine_id, self._no_rows)
 
     @classmethod
@@ -295,10 +279,10 @@ class SaeConsumer(Consumer):
         ids: np.ndarray,
         among: np.ndarray | None = None,
     ) -> None:
-        """Token ids of the rows (in the mask ``among`` when given) of requests that record."""
+        """Token ids of the rows (in the mask ``among``) of requests that record."""
         if among is not None and not among.any():
             return
-        rec = np.fromiter((self._records(r) for r in requests), np.bool_, len(requests))
+        rec = np.fromiter((self._plan(r)[2] for r in requests), np.bool_, len(requests))
         sel = np.nonzero(rec if among is None else rec & among)[0]
         if sel.size:
             self.writer.note_tokens([requests[j] for j in sel], pos[sel], ids[sel])
@@ -334,17 +318,17 @@ class SaeConsumer(Consumer):
             },
             "rows_selected_steer": int(c.get("rows_selected_steer")),
         }
-        if self.writer is not None:
-            w = self.writer
-            out["out"] = w.path
-            out["rows_recorded"] = int(c.get("rows_recorded"))
-            out["shards"] = len(w.shards)
-            out["requests_open"] = w.table.open_count
-            if w.error:
-                out["error"] = w.error
-            out["bytes_per_row"] = {
-                "features": bytes_per_row(self.config.top_k, self.config.values_dtype),
-                "dense_float32": self.sae.d_in * 4 + 25,
+        if (w := self.writer) is not None:
+            out |= {
+                "out": w.path,
+                "rows_recorded": int(c.get("rows_recorded")),
+                "shards": len(w.shards),
+                "requests_open": w.table.open_count,
+                **({"error": w.error} if w.error else {}),
+                "bytes_per_row": {
+                    "features": bytes_per_row(self.config.top_k, self.config.values_dtype),
+                    "dense_float32": self.sae.d_in * 4 + 25,
+                },
             }
         return out
 
@@ -385,13 +369,7 @@ class _Codes:
 
     def top(self, top_k: int, rows: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`top_features` of ``rows`` (all when None)."""
+        sel = slice(None) if rows is None else torch.from_numpy(rows).to(self.stats.device)
         if self.codes is not None:
-            idx, vals = self.codes
-            if rows is not None:
-                sel = torch.from_numpy(rows).to(idx.device)
-                idx, vals = idx[sel], vals[sel]
-            return top_codes(idx, vals, top_k)
-        acts = self.dense
-        if rows is not None:
-            acts = acts[torch.from_numpy(rows).to(acts.device)]
-        return top_features(acts, top_k)
+            return top_codes(self.codes[0][sel], self.codes[1][sel], top_k)
+        return top_features(self.dense[sel], top_k)

@@ -1,6 +1,5 @@
-"""Sparse feature records of the ``sae`` consumer: the export layout (``docs/export-format.md``,
-format ``tllm-sae-features``) with per row ``indices`` (int32 ``[rows, top_k]``, ``-1`` unused)
-and ``values`` (fp16/fp32); one definition for the writer and the reader."""
+"""Sparse feature records of the ``sae`` consumer: the export layout with per row ``indices``
+(int32 ``[rows, top_k]``, ``-1`` unused) and ``values`` (fp16/fp32), for writer and reader."""
 
 from __future__ import annotations
 
@@ -20,9 +19,7 @@ FORMAT_NAME = "tllm-sae-features"
 INDICES = "indices"
 VALUES = "values"
 KEYS = (INDICES, VALUES)
-# bytes of the row tensors every shard row carries (row_request, position, token_id: int64;
-# is_decode: bool)
-ROW_META_BYTES = 8 + 8 + 8 + 1
+ROW_META_BYTES = 8 + 8 + 8 + 1  # row_request, position, token_id: int64; is_decode: bool
 
 
 def bytes_per_row(top_k: int, value_dtype: str) -> int:
@@ -31,8 +28,6 @@ def bytes_per_row(top_k: int, value_dtype: str) -> int:
 
 
 class FeatureWriter(RecordWriter):
-    """The feature record of one engine: request table + shards of sparse rows."""
-
     def __init__(
         self,
         path: str,
@@ -45,14 +40,11 @@ class FeatureWriter(RecordWriter):
         phase: Any = "all",
         owner: Any = None,
     ):
-        """``layout`` (data parallel): this engine's part folder of the output directory;
-        ``describe``: the SAE's description in the manifest."""
         fields = {"hidden_size": top_k, "top_k": top_k, "dtype": value_dtype, "keys": list(KEYS)}
         super().__init__(
             layout or OutputLayout(path, path, overwrite=overwrite),
             {INDICES: (top_k, torch.int32), VALUES: (top_k, getattr(torch, value_dtype))},
             shard_rows,
-            # hidden_size: the width of each column (the reader's generic field)
             lambda: {**fields, "sae": describe()},
             phase=as_selector(phase, "phase"),
             owner=owner,
@@ -69,7 +61,6 @@ class FeatureWriter(RecordWriter):
         indices: torch.Tensor,
         values: torch.Tensor,
     ) -> int:
-        """Append rows; returns the number of shards written by this call."""
         with self.lock:
             index = self.note_tokens(requests, positions, tokens)
             return self.write_rows(
@@ -98,7 +89,6 @@ class FeatureReader(ExportReader):
 
     @property
     def sae(self) -> dict[str, Any]:
-        """The SAE's description stored by the writer (path, site, architecture, sizes)."""
         return dict(self.manifest.get("sae", {}))
 
     def _no_rows(self, key: str) -> torch.Tensor:
@@ -111,7 +101,5 @@ class FeatureReader(ExportReader):
 
 
 def read_features(path: str | os.PathLike, verify: bool = False) -> Iterator[FeatureRecord]:
-    """Yield one :class:`FeatureRecord` per (request, sample) of the feature directory
-    ``path``, reading one shard at a time (the parts of a data-parallel run, ``dp{rank}``,
-    part by part). ``verify=True`` checks shard sha256 sums."""
+    """:func:`~consumers.export.read_export` for a feature directory."""
     return iter(open_export(path, verify=verify, reader=FeatureReader))

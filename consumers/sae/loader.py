@@ -1,6 +1,5 @@
-"""Read and write SAEs in SAELens's folder layout (``cfg.json`` + ``sae_weights.safetensors``,
-SAELens < 6.0 configs too). Every problem is :class:`SAEFileError` (a ``ValueError``) naming
-the file, the field or tensor, and what is allowed."""
+"""Read and write SAEs in SAELens's folder layout (SAELens < 6.0 configs too); every problem is
+:class:`SAEFileError` naming the file, the field or tensor, and what is allowed."""
 
 from __future__ import annotations
 
@@ -124,7 +123,6 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def _shapes(arch: str, d_in: int, d_sae: int) -> dict[str, tuple[int, ...]]:
-    """The tensors of an ``arch`` SAE in the weights file, and their shapes."""
     shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
     if arch == "jumprelu":
         shapes["threshold"] = (d_sae,)

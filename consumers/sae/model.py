@@ -1,6 +1,4 @@
-"""A sparse autoencoder's encode/decode math, as SAELens defines it for inference (``standard``,
-``jumprelu``, ``topk``; optional input normalization, undone when decoding with the encoded
-rows' statistics). Everything is computed in fp32 whatever the weights' dtype."""
+"""A sparse autoencoder's encode/decode math as SAELens defines it for inference, in fp32."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ _LN_EPS = 1e-5
 
 @dataclass
 class NormState:
-    """Per-row statistics of the input normalization, needed to decode (``None``: identity)."""
+    """Per-row statistics of the input normalization, undone when decoding."""
 
     mean: torch.Tensor | None = None  # [R, 1] (layer_norm)
     scale: torch.Tensor | None = None  # [R, 1]: normalized = (x - mean) * scale
@@ -28,8 +26,7 @@ class NormState:
 
 @dataclass
 class SparseAutoencoder:
-    """Weights and settings of one SAE (SAELens layout: ``W_enc [d_in, d_sae]``,
-    ``b_enc [d_sae]``, ``W_dec [d_sae, d_in]``, ``b_dec [d_in]``, ``threshold [d_sae]``)."""
+    """Weights (SAELens layout: ``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_in]``) and settings."""
 
     W_enc: torch.Tensor
     b_enc: torch.Tensor
@@ -56,7 +53,6 @@ class SparseAutoencoder:
         return self.W_enc.device
 
     def to(self, device: torch.device | str) -> SparseAutoencoder:
-        """A copy with every tensor on ``device`` (fp32)."""
         moved = {
             f.name: t.to(device=device, dtype=torch.float32)
             for f in fields(self)
@@ -65,7 +61,6 @@ class SparseAutoencoder:
         return replace(self, **moved, metadata=dict(self.metadata))
 
     def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
-        """``x`` (any float dtype, ``[R, d_in]``) -> fp32 normalized input and its statistics."""
         x = x.float()
         if self.normalize_activations == "layer_norm":
             mean = x.mean(dim=-1, keepdim=True)
@@ -78,7 +73,9 @@ class SparseAutoencoder:
         return x, NormState()
 
     @staticmethod
-    def denormalize(y: torch.Tensor, state: NormState) -> torch.Tensor:
+    def denormalize(y: torch.Tensor, state: NormState | None) -> torch.Tensor:
+        if state is None:
+            return y
         if state.scale is not None:
             y = y / state.scale
         if state.mean is not None:
@@ -86,7 +83,6 @@ class SparseAutoencoder:
         return y
 
     def pre_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
-        """Encoder pre-activations ``[R, d_sae]`` of raw inputs ``x [R, d_in]``."""
         xn, state = self.normalize(x)
         if self.apply_b_dec_to_input:
             xn = xn - self.b_dec
@@ -96,7 +92,6 @@ class SparseAutoencoder:
         return pre, state
 
     def activate(self, pre: torch.Tensor) -> torch.Tensor:
-        """The architecture's activation function on pre-activations."""
         if self.architecture == "standard":
             return torch.relu(pre)
         if self.architecture == "jumprelu":
@@ -108,7 +103,6 @@ class SparseAutoencoder:
         raise ValueError(f"unknown SAE architecture {self.architecture!r}")
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, NormState]:
-        """Feature activations ``[R, d_sae]`` (fp32) and the rows' normalization state."""
         pre, state = self.pre_activations(x)
         return self.activate(pre), state
 
@@ -116,13 +110,11 @@ class SparseAutoencoder:
         """Reconstruction ``[R, d_in]`` in the input's own space (normalization undone)."""
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             acts = acts / self.W_dec.norm(dim=-1)
-        y = acts @ self.W_dec + self.b_dec
-        return self.denormalize(y, state) if state is not None else y
+        return self.denormalize(acts @ self.W_dec + self.b_dec, state)
 
     def decode_sparse(self, acts: torch.Tensor, state: NormState | None = None) -> torch.Tensor:
-        """:meth:`decode` for inference outside a graph (no autograd): when at most 1/16 of
-        the activations are non-zero, as in a working SAE, the product runs on a CSR copy
-        of ``acts`` and costs O(active features x d_in) instead of O(d_sae x d_in)."""
+        """:meth:`decode` outside autograd: when at most 1/16 of the activations are non-zero
+        the product runs on a CSR copy, O(active features x d_in) instead of O(d_sae x d_in)."""
         if (
             acts.layout is not torch.strided
             or acts.dim() != 2
@@ -137,12 +129,11 @@ class SparseAutoencoder:
         with warnings.catch_warnings():  # "sparse CSR support is in beta"
             warnings.simplefilter("ignore", UserWarning)
             y = torch.sparse.mm(acts.to_sparse_csr(), self.W_dec) + self.b_dec
-        return self.denormalize(y, state) if state is not None else y
+        return self.denormalize(y, state)
 
     def encode_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, NormState]:
-        """A ``topk`` SAE's activations as codes: feature indices ``[R, k]`` (int64) and
-        their activations ``[R, k]`` (fp32, 0 where the ReLU zeroed one); :meth:`encode`
-        scattered into a dense tensor holds exactly these."""
+        """A ``topk`` SAE's activations as codes: feature indices and activations ``[R, k]``;
+        :meth:`encode` scattered into a dense tensor holds exactly these."""
         if self.architecture != "topk" or self.k is None:
             raise ValueError(f"encode_codes needs a topk SAE, this one is {self.architecture!r}")
         pre, state = self.pre_activations(x)
@@ -150,7 +141,6 @@ class SparseAutoencoder:
         return idx, vals, state
 
     def _top_k_codes(self, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``k`` largest pre-activations of each row, ReLU'd: (indices, values)."""
         assert self.k is not None
         vals, idx = pre.topk(min(self.k, pre.shape[-1]), dim=-1, sorted=False)
         return idx, torch.relu(vals)
@@ -158,30 +148,24 @@ class SparseAutoencoder:
     def decode_codes(
         self, idx: torch.Tensor, vals: torch.Tensor, state: NormState | None = None
     ) -> torch.Tensor:
-        """:meth:`decode` of codes from :meth:`encode_codes`: a weighted sum of ``k`` decoder
-        rows per row (O(k x d_in), not O(d_sae x d_in))."""
+        """:meth:`decode` of codes from :meth:`encode_codes`, in O(k x d_in)."""
         if self.rescale_acts_by_decoder_norm:
             vals = vals / self.W_dec.norm(dim=-1)[idx]
-        y = (
-            torch.nn.functional.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
-            + self.b_dec
-        )
-        return self.denormalize(y, state) if state is not None else y
+        y = torch.nn.functional.embedding_bag(idx, self.W_dec, per_sample_weights=vals, mode="sum")
+        return self.denormalize(y + self.b_dec, state)
 
 
 def top_codes(
     idx: torch.Tensor, vals: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_features` of the dense activations that the codes ``(idx, vals)`` stand
-    for (every feature outside ``idx`` is 0), without building them."""
+    """:func:`top_features` of the dense activations the codes ``(idx, vals)`` stand for."""
     v, order = vals.topk(min(top_k, vals.shape[-1]), dim=-1, sorted=True)
     return _marked_and_padded(idx.gather(-1, order), v, top_k)
 
 
 def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``top_k`` largest activations per row: ``(indices int32, values fp32)``, each
-    ``[R, top_k]``, sorted by value (descending). Slots beyond a row's active features
-    (activation 0) get index ``-1`` and value ``0``."""
+    """The ``top_k`` largest activations per row, descending: ``(indices int32, values fp32)``
+    ``[R, top_k]``; slots beyond a row's active features get index ``-1`` and value ``0``."""
     vals, idx = acts.topk(min(top_k, acts.shape[-1]), dim=-1, sorted=True)
     return _marked_and_padded(idx, vals, top_k)
 
@@ -189,8 +173,8 @@ def top_features(acts: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Te
 def _marked_and_padded(
     idx: torch.Tensor, vals: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted top features as records store them: int32 indices, inactive slots (value
-    <= 0) as index -1 / value 0, padded the same way to ``top_k`` columns."""
+    """Sorted top features as records store them: inactive slots (value <= 0) and padding to
+    ``top_k`` columns as index -1 / value 0."""
     idx = idx.to(torch.int32)
     inactive = vals <= 0
     idx = idx.masked_fill(inactive, -1)

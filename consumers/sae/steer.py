@@ -1,7 +1,5 @@
 """Steering by SAE feature: ``{"feature": f, "scale": s}`` adds ``s * W_dec[f]``;
-``{"feature": f, "clamp": v}`` sets feature ``f`` to ``v`` and adds the difference of the two
-reconstructions, ``x' = x + decode(a with a_f = v) - decode(a)`` (the SAE's error term kept),
-which depends on the row itself and so runs in the forward (:class:`Clamp`)."""
+``{"feature": f, "clamp": v}`` adds ``decode(a with a_f = v) - decode(a)``, in the forward."""
 
 from __future__ import annotations
 
@@ -13,15 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from consumers.sae.model import SparseAutoencoder
 from tllm_core import FiniteF32
 
-# Entries of one steering list (config or request): each is a vector add or a clamp per row.
-MAX_STEER_ENTRIES = 1024
-# Feature indices index int32-sized tensors.
+MAX_STEER_ENTRIES = 1024  # per steering list (config or request)
 MAX_FEATURE = 2**31 - 1
 
 
 class FeatureSteer(BaseModel):
-    """One steering entry: exactly one of ``scale`` and ``clamp``."""
-
     model_config = ConfigDict(extra="forbid")
     feature: int = Field(
         ..., ge=0, le=MAX_FEATURE, description="SAE feature index (0 <= feature < d_sae)."
@@ -44,8 +38,7 @@ class FeatureSteer(BaseModel):
 
 
 def check_features(features: Iterable[int], d_sae: int, where: str) -> None:
-    """Raise ``ValueError`` for a feature index outside the SAE (``where.format(i)`` names
-    the ``i``-th)."""
+    """``ValueError`` for an index outside the SAE (``where.format(i)`` names the ``i``-th)."""
     for i, f in enumerate(features):
         if not 0 <= f < d_sae:
             raise ValueError(
@@ -57,9 +50,8 @@ def check_features(features: Iterable[int], d_sae: int, where: str) -> None:
 def clamp_delta(
     sae: SparseAutoencoder, x: torch.Tensor, clamps: list[tuple[int, float]]
 ) -> torch.Tensor:
-    """``decode(a') - decode(a)`` for rows ``x [R, d_in]``, ``a = encode(x)`` and ``a'`` equal
-    to ``a`` but ``a'[:, f] = v`` per clamp (for a top-k SAE even when ``f`` is not among the
-    row's ``k``). fp32 ``[R, d_in]``."""
+    """``decode(a') - decode(a)`` (fp32) for rows ``x``, ``a = encode(x)``, ``a'[:, f] = v``
+    per clamp (for a top-k SAE even when ``f`` is not among the row's ``k``)."""
     acts, state = sae.encode(x)
     changed = acts.clone()
     for f, v in clamps:
@@ -68,8 +60,7 @@ def clamp_delta(
 
 
 class Clamp(torch.nn.Module):
-    """The in-graph edit of the config's clamps: ``x + clamp_delta(sae, x, clamps)`` in
-    ``x``'s dtype, on each selected row; tensor operations only."""
+    """The in-graph edit of the config's clamps: ``x + clamp_delta(sae, x, clamps)``."""
 
     def __init__(self, sae: SparseAutoencoder, clamps: list[tuple[int, float]]):
         super().__init__()
@@ -83,7 +74,7 @@ class Clamp(torch.nn.Module):
         return (s.float() + clamp_delta(self.sae, s, self.clamps)).to(s.dtype)
 
     def take_rows(self) -> int:
-        """Rows clamped since the last call; call between forwards (engine thread)."""
+        """Rows clamped since the last call (between forwards)."""
         n = int(self.rows_done.item())
         if n:
             self.rows_done.sub_(n)

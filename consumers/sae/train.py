@@ -1,7 +1,6 @@
-"""A tiny pure-torch SAE trainer for tests and the docs example (a few hundred Adam steps on
-exported activations; no resampling, no schedules). ``standard``: MSE + L1 on decoder-weighted
-activations; ``topk``: MSE only; ``jumprelu``: as ``standard``, then each threshold set to a
-quantile of the feature's positive activations."""
+"""A tiny pure-torch SAE trainer for tests and the docs example (Adam on exported activations).
+``standard``: MSE + L1 on decoder-weighted activations; ``topk``: MSE only; ``jumprelu``: as
+``standard``, then each threshold set to a quantile of the feature's positive activations."""
 
 from __future__ import annotations
 
@@ -86,9 +85,8 @@ def train_sae(
 
 
 def _threshold(pos: torch.Tensor, quantile: float, rel_gap: float = 1e-3) -> float:
-    """A threshold near the ``quantile`` of the positive activations ``pos``, placed in the
-    middle of a clear gap between two of them: repeated rows (a shared first token) must
-    not sit within rounding noise of the threshold, where ``pre > threshold`` would flip."""
+    """A threshold near the ``quantile`` of ``pos``, mid-gap between two of them: repeated rows
+    (a shared first token) must not sit within rounding noise of it."""
     if pos.numel() == 0:
         return 0.0
     s = pos.sort().values

@@ -1,6 +1,5 @@
-"""``tllm steer compute`` (contributed through ``tllm_commands``): a steering vector as the mean
-difference of activations between contrastive prompt sets, computed through the export path
-(prompt rows of one layer). Imports no torch until it runs (``tllm --help`` loads it)."""
+"""``tllm steer compute``: a steering vector as the mean difference of one layer's prompt rows
+between contrastive prompt sets, through the export path. Imports no torch until it runs."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ if TYPE_CHECKING:
 def cmd_steer_compute(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
-    vec, info = compute_steering_vector(args)
+    _, info = compute_steering_vector(args)
     if args.json:
         print(json.dumps(info))
     else:

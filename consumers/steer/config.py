@@ -1,5 +1,4 @@
-"""``steer``'s configuration and per-request settings (pydantic models), and the registered
-vectors kept in its ``keep_dir``."""
+"""``steer``'s config and per-request settings, and the registered vectors kept in ``keep_dir``."""
 
 from __future__ import annotations
 
@@ -162,8 +161,6 @@ class SteerConfig(ConsumerConfig):
 
 
 class SteerRequest(RequestSettings):
-    """Per-request settings: ``tllm_steer_scale``, ``tllm_steer_vectors``."""
-
     scale: FiniteF32 | None = Field(
         None,
         description="replaces the 'scale' of every 'add' vector for this request "
@@ -204,13 +201,12 @@ class SteerRequest(RequestSettings):
         return self
 
 
-# Registered steering vectors kept on disk (keep_dir): one NAME.safetensors per vector (the
-# vector, with its layer, mode, scale and normalize as metadata), written atomically.
+# keep_dir holds one NAME.safetensors per registered vector (layer, mode, scale and normalize
+# as metadata).
 KEPT_SUFFIX = ".safetensors"
 
 
 def kept_entries(folder: str) -> list[dict[str, Any]]:
-    """The vector entries kept in ``folder`` (none when it does not exist yet)."""
     from safetensors import safe_open
 
     path = Path(folder)
@@ -235,7 +231,7 @@ def kept_entries(folder: str) -> list[dict[str, Any]]:
 
 
 def keep(folder: str, name: str, vector: torch.Tensor, entry: dict[str, Any]) -> None:
-    """Write ``NAME.safetensors`` atomically (a reader never sees half a file)."""
+    """Write ``NAME.safetensors`` atomically."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)

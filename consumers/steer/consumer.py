@@ -1,8 +1,6 @@
 """``steer``: add, ablate or clamp vectors in the residual stream at chosen layers, optionally
-gated by a probe. Vectors registered on a running server (``POST
-/tllm/consumers/steer/control``): ``add`` or ``ablate`` at a layer opened at start, used only by
-requests that name them, removable; kept in ``keep_dir`` when set. The front end checks a
-control request (:func:`check_control`), the engine applies it (``SteerConsumer.control``)."""
+gated by a probe. A running server registers vectors (``POST /tllm/consumers/steer/control``):
+the front end checks the request (:func:`check_control`), the engine applies it (``control``)."""
 
 from __future__ import annotations
 
@@ -29,13 +27,10 @@ from tllm_core import (
 )
 
 
-# steer's edits that depend on the row's own value (a clamp, a probe gate) run inside the
-# forward as the transform of Edit(HiddenStates(layer)): tensor operations on buffers made at
-# construction, so they trace into vLLM's compiled graph and read nothing back per step.
 class SteerTransform(torch.nn.Module):
-    """``entry``'s ``add`` (scaled here), ``ablate`` or ``clamp`` of ``vector``, optionally
-    gated by ``s . probe > threshold`` (``above=False``: ``<``); ``gated`` counts the rows it
-    edited, on the device."""
+    """An edit that depends on the row's own value (a clamp, a probe gate), run inside the
+    forward: tensor operations on buffers only, so it traces into vLLM's compiled graph.
+    ``gated`` counts the rows it edited, on the device."""
 
     def __init__(self, entry: SteerVector, vector: torch.Tensor, probe: torch.Tensor | None):
         super().__init__()
@@ -49,7 +44,7 @@ class SteerTransform(torch.nn.Module):
         self.register_buffer("gated", torch.zeros(1, dtype=torch.int64, device=v.device))
 
     def edited(self, x: torch.Tensor) -> torch.Tensor:
-        """The edit on float32 rows ``x`` ``[n, H]``, ungated (the reference of the math)."""
+        """The edit on float32 rows ``x`` ``[n, H]``, ungated."""
         if self.mode == "add":
             return x + self.vector
         u = self.vector
@@ -63,7 +58,6 @@ class SteerTransform(torch.nn.Module):
         return x + (q - p)[:, None] * u
 
     def fires(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, 1]`` bool: rows where the gate fires (all rows without a gate)."""
         if self.probe is None:
             return torch.ones(x.shape[0], 1, dtype=torch.bool, device=x.device)
         score = x @ self.probe
@@ -83,14 +77,11 @@ KEEP_SCALED = 64
 
 @dataclass(eq=False)
 class _Vec:
-    """``entry`` built for the model: its layer resolved, its vector on the model's device."""
-
     entry: SteerVector
     layer: int
     vector: torch.Tensor
     transform: SteerTransform | None = None  # gated or clamping: decided inside the forward
-    # scale -> vector * scale, made once: the same tensor every step, so the edit
-    # buffers move it to the model's dtype once (tllm_core/api/edits.py).
+    # scale -> vector * scale: the same tensor every step, moved to the model's dtype once.
     scaled: dict[float, torch.Tensor] = field(default_factory=dict)
 
     def times(self, scale: float) -> torch.Tensor:
@@ -99,8 +90,7 @@ class _Vec:
         if out is None:
             if len(self.scaled) >= KEEP_SCALED:
                 self.scaled.pop(next(iter(self.scaled)))
-            # Not an inference tensor (edit runs in vLLM's inference mode): one has no
-            # version, and the edit buffers keep only values whose changes they can see.
+            # Not an inference tensor: the edit buffers keep only values with a version.
             with torch.inference_mode(False):
                 out = self.scaled[scale] = self.vector * scale
         return out
@@ -184,12 +174,12 @@ class SteerConsumer(Consumer):
     Config = SteerConfig
     Request = SteerRequest
 
-    config: SteerConfig  # the registry builds it from the spec (validated there, once)
+    config: SteerConfig
 
     def __init__(self, config: SteerConfig, context: ConsumerContext):
         super().__init__(config, context)
         self.vectors: list[_Vec] = []
-        for i, entry in enumerate(config.vectors):
+        for i, entry in enumerate(config.vectors):  # each checked against those before it
             self.vectors.append(self._build(entry, f"vectors[{i}]"))
         try:
             opened = {context.resolve_layer(layer) for layer in config.open_layers}
@@ -199,7 +189,6 @@ class SteerConsumer(Consumer):
         self._req_cache: dict[str, _State] = {}
 
     def _build(self, entry: SteerVector, what: str) -> _Vec:
-        """One vector, checked against the model and against the vectors built before it."""
         hidden = int(self.context.model.hidden_size)
         try:
             layer = self.context.resolve_layer(entry.layer)
@@ -252,15 +241,13 @@ class SteerConsumer(Consumer):
         ]
 
     def _request_state(self, req: RequestInfo) -> _State:
-        if req.engine_id in self._req_cache:
-            return self._req_cache[req.engine_id]
-        if not self.acts_on(req):
+        if req.engine_id not in self._req_cache:
             state = None  # per-request steer that this request did not name
-        else:
-            settings = req.settings(self)
-            state = (settings.scale, settings.vectors)
-        self._req_cache[req.engine_id] = state
-        return state
+            if self.acts_on(req):
+                settings = req.settings(self)
+                state = (settings.scale, settings.vectors)
+            self._req_cache[req.engine_id] = state
+        return self._req_cache[req.engine_id]
 
     def edit(self, rows: RowInfo, plan: EditPlan) -> None:
         n = len(rows)
@@ -326,7 +313,7 @@ class SteerConsumer(Consumer):
             self.vectors = [v for v in self.vectors if v.entry.name != payload["name"]]
             if self.config.keep_dir is not None:
                 forget(self.config.keep_dir, payload["name"])
-        self.config = new  # requests are validated against its names from here on
+        self.config = new  # requests are validated against its names
         return reply
 
     def result(self) -> dict[str, Any]:
@@ -335,7 +322,7 @@ class SteerConsumer(Consumer):
             for v in self.vectors
             if (t := v.transform) is not None and t.probe is not None
         ]
-        for layer, t in gated:  # the forwards' gate counts into the counters (read at the end)
+        for layer, t in gated:  # the forwards' counts into the counters
             n = int(t.gated.item())
             t.gated.zero_()
             self.counters.add(f"rows_gated.layer.{layer}", n)
@@ -350,7 +337,6 @@ class SteerConsumer(Consumer):
 
 
 def _vector(path: str | None, inline: list[float] | None, hidden: int, what: str) -> torch.Tensor:
-    """A vector from its file or inline list, checked against the model width."""
     if path is not None:
         try:
             return load_vector(path, hidden)

@@ -28,11 +28,10 @@ def _pick(tensors: dict, key: str | None, what: str) -> object:
 
 
 def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
-    """A 1-D float32 CPU steering vector of size ``hidden_size`` from a ``.safetensors`` (one
-    tensor, or ``file.safetensors::key``), ``.pt``/``.pth`` (a tensor or a dict, ``::key``) or
-    ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
+    """A float32 CPU vector ``[hidden_size]`` from a ``.safetensors``/``.pt``/``.pth`` (one tensor,
+    or ``PATH::KEY``) or ``.npy`` file; ``ValueError`` naming the file for anything wrong."""
     what = repr(os.fspath(path))
-    file, sep, key = os.fspath(path).rpartition(KEY_SEP)  # "file.safetensors::key"
+    file, sep, key = os.fspath(path).rpartition(KEY_SEP)
     if not sep:
         file, key = key, None
     elif not key:
@@ -54,9 +53,7 @@ def load_vector(path: str | os.PathLike, hidden_size: int) -> torch.Tensor:
             from safetensors import safe_open
 
             with safe_open(file, framework="pt") as f:
-                names = list(f.keys())
-                chosen = _pick({n: n for n in names}, key, what)
-                value = f.get_tensor(chosen)
+                value = f.get_tensor(_pick({n: n for n in f.keys()}, key, what))  # noqa: SIM118
         elif suffix in (".pt", ".pth"):
             obj = torch.load(file, map_location="cpu", weights_only=True)
             if isinstance(obj, dict):
