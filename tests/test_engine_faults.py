@@ -153,6 +153,32 @@ def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_p
     assert _left_after_kill_9(proc, log, "ready") == []
 
 
+UNCLOSED_SCRIPT = """
+import sys
+from tllm_core import TllmLLM
+llm = TllmLLM(sys.argv[1], [], dtype="float32", max_model_len=256, enforce_eager=True)
+print("NOTE", llm._fault_note.path, flush=True)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # a TllmLLM start in a fresh interpreter (~30 s)
+def test_a_tllmllm_script_that_never_closes_leaves_no_note_file(tiny_model):
+    """A script that ends without ``close``: its engine's note file goes with it at exit."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    p = subprocess.run(
+        [sys.executable, "-c", UNCLOSED_SCRIPT, tiny_model],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    notes = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("NOTE ")]
+    assert p.returncode == 0 and notes, p.stderr[-3000:]
+    assert not os.path.exists(notes[0]), f"left behind: {notes[0]}"
+
+
 def test_an_engine_process_watches_its_tllmllm_front_end_only_where_it_runs(monkeypatch):
     """The front end's (pid, create_time) in the settings: watched when that process runs on
     this machine; not this process (in-process engine), not a pid with another create_time (a

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -225,6 +226,8 @@ class TllmLLM:
             log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
+        # Removed with this object (or at exit) when no one calls close or shutdown.
+        weakref.finalize(self, self._fault_note.close)
         additional = dict(llm_kwargs.pop("additional_config", None) or {})
         import psutil  # vLLM's dependency
 
