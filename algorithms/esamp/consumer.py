@@ -1,6 +1,5 @@
-"""ESamp consumer: predict f(h_1) in the sampler, mix it into the candidate logits, and train
-the group's distiller on the step's rows after sampling (guidance at step t uses the
-distiller trained through step t-1). The jobs live in their own modules, composed here."""
+"""ESamp consumer: predict f(h_1) in the sampler and mix it into the logits, then train the
+group's distiller on the step's rows (strictly fresh); the jobs' modules composed."""
 
 from __future__ import annotations
 
@@ -79,9 +78,8 @@ class ESampConsumer(Consumer):
         super().__init__(config, context)
         model = context.model
         self._src = context.resolve_layer(config.source_layer)
-        self._tgt = (
-            FINAL if config.target_layer == FINAL else context.resolve_layer(config.target_layer)
-        )
+        tgt = config.target_layer
+        self._tgt = FINAL if tgt == FINAL else context.resolve_layer(tgt)
         if self._tgt == self._src:
             raise ValueError(f"source_layer and target_layer both resolve to layer {self._src}")
         on_gpu = model.device.type == "cuda"
@@ -99,20 +97,17 @@ class ESampConsumer(Consumer):
             noise=config.ablation in NOISE_ABLATIONS,
             **{name: getattr(config, name) for name in _PLAN_FIELDS},
         )
-        # Checked before anything is allocated: a plan that does not fit is refused here,
-        # with its numbers, instead of failing later for lack of KV cache.
+        # Refused before anything is allocated, not later for lack of KV cache.
         self._device_bytes = device_total_bytes(model.device)
         if self._device_bytes is not None:
             check_plan(self.memory_plan, self._device_bytes, config.max_memory_fraction)
         self.distiller = distiller_for(config, model.hidden_size, model.device, slots)
-        # The CUDA code path (counters and losses read back only where a sync is paid).
         on_cuda = isinstance(self.distiller, CudaGroupedDistiller)
         on_cuda = on_cuda if cuda_path is None else cuda_path
         src_key, tgt_key = layer_key(self._src), layer_key(self._tgt)
         self.shared = Shared(config, self.distiller, self.counters, src_key, tgt_key, on_cuda)
         self.groups = Groups(self.distiller, self.counters, config.scope, config.max_groups)
         self.diagnostics = Diagnostics(self.counters) if config.diagnostics else None
-        # The guidance of the code path: CUDA (no allocation, no host read) or host.
         guide = CudaGuide if on_cuda else HostGuide
         self.guide_step = guide(self.shared, self.groups, model, self.diagnostics, self._beta)
         self.losses = LossBook(self.counters)
@@ -132,11 +127,9 @@ class ESampConsumer(Consumer):
         return [HiddenStates(self._src, phase), HiddenStates(self._tgt, phase)]
 
     def writes(self) -> list:
-        # Declared even for beta = 0: the guidance path then runs and must leave sampling
-        # bit-identical, which is what the non-intrusion test checks.
+        # Even for beta = 0: the path runs and must leave sampling bit-identical (tested).
         return [SamplerGuide()]
 
-    # -- callbacks: each job in its module ----------------------------------------------
     def _beta(self, req: RequestInfo) -> float:
         """The request's beta: its ``tllm_esamp_beta`` if given, else the config's."""
         given = req.settings(self).beta  # validated and cached per request

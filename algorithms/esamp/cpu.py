@@ -1,6 +1,5 @@
-"""The CPU grouped distiller: all groups of a step in one batched computation, updated in place
-with the weights as views of the state. Not the update graph's ``train_groups``: its
-slot-gathered weights and moments made an 8 x 16 update at hidden 576 about 2.7 times slower."""
+"""The CPU grouped distiller: a step's groups in one batched computation, updated in place on
+views of the state (``train_groups``' slot gathers were 2.7x slower at 8 x 16, hidden 576)."""
 
 from __future__ import annotations
 
@@ -18,21 +17,19 @@ import torch
 from algorithms.esamp import kernels
 from algorithms.esamp.kernels.op_loss_dy import loss_per_row
 from algorithms.esamp.mlp import Activations, backward_factors, forward_acts
-from algorithms.esamp.params import CLIP_EPS, STATS, adam_stats, block_weights, fused_adam_
+from algorithms.esamp.params import CLIP_EPS, adam_stats, block_weights, fused_adam_
 from algorithms.esamp.slots import Packing, SlotDistiller, TrainResult, make_packing
 from tllm_core import allowed_cpus
 
 log = logging.getLogger("tllm")
 
 _STOP = object()
-# Longest wait for the jobs (a training step takes milliseconds to seconds): past it the
-# engine thread gives up with an error (the consumer is then switched off) instead of hanging.
+# Longest wait for the jobs: past it the engine thread fails (consumer switched off), not hangs.
 WAIT_TIMEOUT_S = 300.0
 
 
 def _widen_affinity() -> str:
-    """Let the calling thread run on every core the process may use (vLLM pins its engine
-    thread; a new thread inherits the pin); returns what was set, for the log."""
+    """Widen the calling thread to every allowed core (it inherits vLLM's pin); for the log."""
     try:  # Linux: the affinity of the calling thread only.
         os.sched_setaffinity(0, allowed_cpus())
         return f"cpus {sorted(os.sched_getaffinity(0))}"
@@ -41,9 +38,8 @@ def _widen_affinity() -> str:
 
 
 class SideThread:
-    """The counterpart of the CUDA side stream: jobs run in order on one daemon thread, on a
-    core the model leaves idle, and the engine thread waits for them before reading the state.
-    Normal priority on purpose: its work is on the next prediction's path."""
+    """The CUDA side stream's counterpart: ordered jobs on one normal-priority thread (they are
+    on the next prediction's path) that readers wait for."""
 
     def __init__(self, name: str = "tllm-side"):
         self._jobs: queue.Queue = queue.Queue()
@@ -99,9 +95,8 @@ class SideThread:
 
 @dataclass
 class HostBatch:
-    """Where the packed groups of one step live in the stacked state (CPU path): a slice of
-    rows (weights are views) when the slots fill a short range, else the slots (gathered);
-    ``pos [G]``: each group's batch index (other entries get zero rows, never updated)."""
+    """A step's packed groups in the state: a slice of rows (views) when the slots fill a short
+    range, else the slots (gathered); ``pos [G]``: each group's batch index."""
 
     rows: slice | torch.Tensor
     pos: np.ndarray
@@ -133,9 +128,8 @@ class HostBatch:
 
 
 class GroupedDistiller(SlotDistiller):
-    """Slots of independent distillers, CPU path. With ``side_thread=True`` train steps and
-    slot resets run in order on a side thread that readers wait for (strict staleness). A
-    train step on the last prediction's rows and parameters reuses its forward."""
+    """The CPU path; ``side_thread``: updates and slot resets run in order on a side thread
+    that predictions wait for. An update of the last prediction's rows reuses its forward."""
 
     def __init__(self, hidden_size: int, *, side_thread: bool = False, **kwargs: Any):
         device = torch.device(kwargs.get("device", "cpu"))
@@ -172,7 +166,6 @@ class GroupedDistiller(SlotDistiller):
         self._side.submit(change) if self._side is not None else change()
 
     def close(self) -> None:
-        """Finish pending work and stop the side thread (if any)."""
         self._drain()
         if self._side is not None:
             self._side.close()
@@ -203,20 +196,13 @@ class GroupedDistiller(SlotDistiller):
         if saved is None:
             return None
         version, slots, x_saved, fwd = saved
-        if (
-            version != self._version
-            or not np.array_equal(slots, pk.slots)
-            or x.shape != x_saved.shape
-            or not torch.equal(x.float(), x_saved)
-        ):
-            return None
-        return fwd
+        same = version == self._version and np.array_equal(slots, pk.slots)
+        return fwd if same and torch.equal(x.float(), x_saved) else None  # False on a shape change
 
     def _train(
         self, pk: Packing, x: torch.Tensor, target: torch.Tensor, rows_id: object, row_errors: bool
     ) -> TrainResult:
-        """One in-place update of all packed groups, inline or on the side thread; the
-        results are filled when it has run."""
+        """One in-place update of all packed groups (inline or queued), results filled after."""
         self._submitted[pk.slots] += 1
         # vLLM samples under inference mode: the state and results are made outside it.
         with torch.inference_mode(False):
@@ -229,12 +215,8 @@ class GroupedDistiller(SlotDistiller):
             res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
 
             def run() -> None:
-                loss, ok, st = self._step(pk, HostBatch.plan(pk.slots), x, target, forward, errors)
+                self._step(pk, x, target, forward, res)
                 self.applied[torch.from_numpy(pk.slots)] += 1
-                res.losses.copy_(torch.tensor(loss))
-                res.updated.copy_(torch.tensor(ok))
-                if res.stats is not None:
-                    res.stats.copy_(st)
                 res.done.set()
 
             self._ordered(run)
@@ -243,18 +225,15 @@ class GroupedDistiller(SlotDistiller):
     def _step(
         self,
         pk: Packing,
-        batch: HostBatch,
         x: torch.Tensor,
         target: torch.Tensor,
-        forward: tuple[torch.Tensor, Activations] | None = None,
-        row_errors: torch.Tensor | None = None,
-    ) -> tuple[list[float], list[bool], torch.Tensor | None]:
-        """One update of each packed group, the backward batched over groups (every core): per
-        group (loss, updated) and with ``hp.stats`` the statistics (NaN where not updated).
-        ``forward``: the prediction's, when already computed; ``row_errors``: filled."""
-        theta, m, v, step = self.theta, self.m, self.v, self.step
-        shape, hp = self.shape, self.hp
-        weights = block_weights(batch.take(theta), shape)
+        forward: tuple[torch.Tensor, Activations] | None,
+        res: TrainResult,
+    ) -> None:
+        """One update of each packed group, batched, into ``res`` (``forward``: if computed)."""
+        m, v, step, shape, hp = self.m, self.v, self.step, self.shape, self.hp
+        batch = HostBatch.plan(pk.slots)
+        weights = block_weights(batch.take(self.theta), shape)
         if forward is None:
             forward = forward_acts(weights, batch.pack(pk, x))
         h, acts = forward
@@ -267,10 +246,10 @@ class GroupedDistiller(SlotDistiller):
         loss_parts, dy = h.new_empty(batch.size, 1), torch.empty_like(h)
         tp = batch.pack(pk, target)
         kernels.loss_dy(h, tp, mask, loss_parts, dy, reduction=hp.loss_reduction)
-        if row_errors is not None:  # each row's term of its group's loss, times its rows
+        if res.row_errors is not None:  # each row's term of its group's loss, times its rows
             diff = batch.unpack(pk, h) - batch.unpack(pk, tp)
             per_row = loss_per_row(shape.hidden_size, hp.loss_reduction)
-            row_errors.copy_(diff.square_().sum(-1).div_(per_row))
+            res.row_errors.copy_(diff.square_().sum(-1).div_(per_row))
         factors, sq = backward_factors(weights, acts, dy)
         ok_b = torch.empty(batch.size, dtype=torch.bool)
         losses, coef, norm = (h.new_empty(batch.size) for _ in range(3))
@@ -282,14 +261,12 @@ class GroupedDistiller(SlotDistiller):
         todo = [(int(batch.pos[gi]), int(slot)) for gi, slot in enumerate(pk.slots) if ok[gi]]
         if todo:
             self._update(factors, coef, todo, batch.size)
-        stats = None
-        if hp.stats:
-            stats = torch.full((len(ok), len(STATS)), float("nan"))
-            done = [gi for gi in range(len(ok)) if ok[gi]]
-            if done:
-                sl = torch.from_numpy(pk.slots[done])
-                stats[done] = adam_stats(m[sl], v[sl], step[sl], norm[pos[done]], hp)
-        return losses[pos].tolist(), ok, stats
+        res.losses.copy_(losses[pos])
+        res.updated.copy_(ok_b[pos])
+        done = [gi for gi, good in enumerate(ok) if good]
+        if res.stats is not None and done:  # NaN where not updated (as unfilled)
+            sl = torch.from_numpy(pk.slots[done])
+            res.stats[done] = adam_stats(m[sl], v[sl], step[sl], norm[pos[done]], hp)
 
     def _update(self, factors, coef, todo, size) -> None:
         """Each weight's clipped gradient for all groups, then Adam on ``todo`` (index, slot)."""
@@ -303,14 +280,8 @@ class GroupedDistiller(SlotDistiller):
             grad = self._scratch[: size * numel].view(size, *rows[0][0][j].shape)
             # Each group's gradient A^T B times its clip coefficient (folded into A).
             torch.bmm((f[2] * coef[:, None, None]).transpose(1, 2), f[3], out=grad)
-            fused_adam_(
-                [r[0][j] for r in rows],
-                [grad[i] for i, _ in todo],
-                [r[1][j] for r in rows],
-                [r[2][j] for r in rows],
-                steps,
-                self.hp,
-            )
+            ws, ms, vs = ([r[k][j] for r in rows] for k in range(3))  # theta, m, v
+            fused_adam_(ws, [grad[i] for i, _ in todo], ms, vs, steps, self.hp)
 
     def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], ...]:
         # Capacity only grows, so a row count names one allocation of the state.

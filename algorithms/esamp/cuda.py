@@ -23,10 +23,8 @@ from tllm_core import HostCopyRing, StagingRing, pow2_rows
 
 log = logging.getLogger("tllm")
 
-# Pinned host plan vectors in rotation (tllm_core's StagingRing).
-_PLAN_BUFFERS = 8
-# The graphs of each layout: prediction, update, update on the prediction's forward.
-_KINDS = ("predict", "train", "train_reuse")
+_PLAN_BUFFERS = 8  # pinned host plan vectors in rotation
+_KINDS = ("predict", "train", "train_reuse")  # per layout (train_reuse: on the prediction's)
 
 
 @dataclass(frozen=True)
@@ -65,8 +63,7 @@ def split(counts: np.ndarray, options: list[Layout]) -> list[Batch]:
                 "(cuda_capacity x cuda_graph_max_rows)"
             )
         rest = len(order) - i
-        # The shortest groups that hold every remaining group, else the layout with the most
-        # groups of this size (then another batch).
+        # The shortest groups holding every remaining one, else the most groups of this size.
         lay = next((x for x in fits if x.groups >= rest), fits[0])
         take = min(rest, lay.groups)
         batches.append(Batch(lay, np.sort(order[i : i + take])))
@@ -83,10 +80,8 @@ def fill_plan(
     capacity: int,
     ring_row: int,
 ) -> None:
-    """One batch's row plan into ``out`` (pinned host memory, sent in one copy): ``pos [T]``
-    and ``dest [T]`` (``T`` packed rows, read by a layout as ``G`` groups of ``M``; ``T``:
-    the trash row), ``group_slot [C]`` (-1: padding), ``submitted [C]`` (the updates
-    submitted for each of ``pk``'s slots), ``ring_row [1]``, then the packed rows' mask."""
+    """One batch's row plan into pinned ``out``: ``pos [T]``, ``dest [T]`` (``T``: the trash
+    row), ``group_slot [C]`` (-1: padding), ``submitted [C]``, ``ring_row``, the rows' mask."""
     row_group, row_pos = pk.row_group, pk.row_pos
     g_of = np.full(len(pk.slots), -1, dtype=np.int64)
     g_of[batch.groups] = np.arange(len(batch.groups))
@@ -114,23 +109,21 @@ def plan_size(total: int, capacity: int) -> int:
     return 2 * total + 2 * capacity + 1 + -(-total // 8)
 
 
-# Update results kept on the device between background copies, copied every _COPY_EVERY.
-RESULT_ROWS = 512
+RESULT_ROWS = 512  # update results kept on the device between copies (every _COPY_EVERY)
 _COPY_EVERY = 32
 
 
 @dataclass
 class Pending:
-    """One submitted train step: its batches' ring rows and which step groups each holds."""
+    """One submitted train step."""
 
-    parts: list[tuple[int, np.ndarray]]  # (ring row, indices of the step's groups)
+    parts: list[tuple[int, np.ndarray]]  # per batch: (ring row, indices of the step's groups)
     res: TrainResult  # filled in from the ring
     serial: int = 0  # updates logged before and including this one
 
 
 class ResultLog:
-    """The device ring of update results (a row per update batch) and the staleness maximum
-    ``stale``, copied back without blocking (only :meth:`drain` waits)."""
+    """The device ring of update results and ``stale``, copied back without blocking (but drain)."""
 
     def __init__(self, capacity: int, stats: bool, device: torch.device):
         rows = self.rows = RESULT_ROWS
@@ -153,7 +146,6 @@ class ResultLog:
         return [self.losses, self.ok, self.stale] + ([self.stats] if self.stats is not None else [])
 
     def next_row(self) -> int:
-        """The ring row of the next update batch."""
         if self._next - self._copied >= self.rows:
             raise RuntimeError("result ring overrun: copy() was not called in time")
         row = self._next % self.rows
@@ -177,8 +169,7 @@ class ResultLog:
         self._copied = self._next
 
     def poll(self) -> None:
-        """Hand out every result whose copy has arrived (no waiting)."""
-        self._copies.arrived()
+        self._copies.arrived()  # no waiting
 
     def drain(self, stream) -> None:
         """Copy and wait for every result logged (a host sync)."""
@@ -242,18 +233,16 @@ class CudaGroupedDistiller(SlotDistiller):
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)
         self.stage_t = torch.zeros(t, h, device=dev)
-        # The packed inputs and every block's output, [T + 1, H] each, in one allocation: the
-        # blocks' inputs equally spaced (one Adam launch for every gate and up).
+        # The packed inputs and every block's output, [T + 1, H] each, in one allocation
+        # (equally spaced block inputs: one Adam launch for every gate and up).
         nb, i = self.shape.num_blocks, self.shape.intermediate_size
         self.hs = torch.zeros((nb + 1) * (t + 1) * h, device=dev)
         self.xp = self.hs[: (t + 1) * h].view(t + 1, h)
         self.tp = torch.zeros(t + 1, h, device=dev)
         self.y = torch.zeros(t + 1, h, device=dev)
-        # The forward (the prediction's, kept for the update of the same rows): per block
-        # its output (in hs) and a, u, s, p [T, I] (here, in one allocation).
+        # The forward (kept for an update of the same rows): a, u, s, p [T, I] per block.
         self.acts = torch.zeros(nb * 4 * t * i, device=dev)
-        # The _key of the last prediction, whose forward self.acts holds (None: none).
-        self._predicted: tuple | None = None
+        self._predicted: tuple | None = None  # the _key of the forward in acts (None: none)
         self.plan = torch.zeros(plan_size(t, capacity), dtype=torch.long, device=dev)
         self._plans = StagingRing(dev, _PLAN_BUFFERS, numel=plan_size(t, capacity))
         self.results = ResultLog(capacity, self.hp.stats, dev)
@@ -285,14 +274,12 @@ class CudaGroupedDistiller(SlotDistiller):
         self._drain()
 
     def poll(self) -> None:
-        """Hand out the update results already copied back (no waiting)."""
         self.results.poll()
 
     def staleness_max(self) -> int:
         """The device-side maximum as of the last result copy (exact after synchronize)."""
         return self.results.staleness_max
 
-    # -- graph bodies (fixed shapes, no host sync) ---------------------------------------
     def _pack(
         self, lay: Layout, src: torch.Tensor, dst: torch.Tensor, zero: bool = True
     ) -> torch.Tensor:
@@ -334,9 +321,7 @@ class CudaGroupedDistiller(SlotDistiller):
         if self.zero_output:
             flat = (h - xp).reshape(-1, h.shape[-1])
             rows = self.plan[:t].clamp(max=flat.shape[0] - 1)
-        else:
-            # The last block's whole output segment of hs ([T + 1, H], h its first G x M
-            # rows): the trash position T indexes it without a clamp.
+        else:  # the last block's [T + 1, H] segment of hs: trash row T needs no clamp
             nb, hid = self.shape.num_blocks, self.shape.hidden_size
             flat = self.hs[nb * (t + 1) * hid :].view(t + 1, hid)
             rows = self.plan[:t]
@@ -390,8 +375,7 @@ class CudaGroupedDistiller(SlotDistiller):
             self._body(kind)(lay)
 
     def _warm_up(self) -> None:
-        """Run every body once with no slot (no state change), so lazy allocations and
-        kernel compilation happen inside the memory vLLM profiles."""
+        """Run every body once with no slot: lazy allocations inside vLLM's memory profile."""
         with torch.cuda.stream(self.stream), torch.no_grad(), _matmul_precision(self.tf32):
             t, c = self.total_rows, self.capacity
             self.plan.fill_(-1)  # every group padding
@@ -454,8 +438,7 @@ class CudaGroupedDistiller(SlotDistiller):
             self._run("predict", batch.layout)
 
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
-        """As the base class; a :meth:`train_step` with the same ``rows_id`` (the caller's
-        promise of the same ``x``) reuses this prediction's forward."""
+        """As the base class (a same ``rows_id`` is the caller's promise of the same ``x``)."""
         self._predicted = None  # the buffers are about to hold this prediction's forward
         pk = make_packing(slots)
         if not pk.slots.size:
@@ -508,11 +491,8 @@ class CudaGroupedDistiller(SlotDistiller):
                     self.eager_updates += 1
                 self._run(kind, batch.layout)
                 parts.append((row, batch.groups))
-        # The bundle's tensors may be overwritten by the next forward: only their copy is
-        # waited for, not the update.
-        cur.wait_event(self._copied)
-        # Not inference tensors (the step runs in inference mode): the results are written
-        # in when they arrive, which may be at a closing read outside it.
+        cur.wait_event(self._copied)  # the next forward may overwrite the rows: their copy only
+        # Not inference tensors: results are written in when they arrive, maybe outside it.
         with torch.inference_mode(False):
             res = TrainResult.unfilled(pk, self.hp.stats, row_errors=errors)
         self.results.add(Pending(parts, res))
@@ -522,8 +502,7 @@ class CudaGroupedDistiller(SlotDistiller):
     def _row_errors(
         self, pk, batches: list[Batch], x: torch.Tensor, target: torch.Tensor, reuse: bool
     ) -> torch.Tensor:
-        """Each row's error before the update, from the prediction ``y`` (run here unless
-        reused), copied to pinned memory on the side stream: final with the update's results."""
+        """Each row's error before the update, in pinned memory: final with the results."""
         n = x.shape[0]
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)

@@ -1,6 +1,5 @@
-"""The update step with fixed shapes and no host sync, captured as a CUDA graph, on two
-slot-indexed operations: a product with each packed group's own slot of the stacked weights,
-and each weight's clipped gradient formed inside its Adam step. Runs on any device."""
+"""The update step, fixed shapes and no host sync (a CUDA graph's body; runs anywhere), on two
+slot-indexed operations: a product with each group's weights, Adam forming the gradients."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from algorithms.esamp import kernels
 from algorithms.esamp.mlp import Activations, MatMul, factor_weights, forward_slots, fused_backward
 from algorithms.esamp.params import CLIP_EPS, AdamHyper, DistillerShape, adam_stats
 
-# Hidden columns per program of the loss kernel (a group's loss in that many parts), so
-# that a few long groups still spread over the GPU.
-LOSS_CHUNK = 256
+LOSS_CHUNK = 256  # hidden columns per loss-kernel program: a few long groups still spread
 
 
 def slot_matmul(
@@ -27,8 +24,7 @@ def slot_matmul(
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`algorithms.esamp.kernels.slot_matmul` into ``out`` (else a new tensor), the
-    :data:`~algorithms.esamp.mlp.MatMul` of the update; ``precision``: ``"ieee"`` or ``"tf32"``."""
+    """The update's MatMul: ``kernels.slot_matmul`` into ``out`` (``precision``: ieee, tf32)."""
     if out is None:
         n = w.shape[-2] if transpose_w else w.shape[-1]
         per_matrix = w.dim() == 4 and x.dim() == 3
@@ -40,8 +36,7 @@ def slot_matmul(
 
 
 def slots_bound(mm: Callable[..., torch.Tensor], group_slot: torch.Tensor) -> MatMul:
-    """``mm`` (as :func:`slot_matmul`) with ``group_slot`` bound: the :data:`MatMul` of
-    :func:`~algorithms.esamp.mlp.forward_slots`."""
+    """``mm`` (as :func:`slot_matmul`) with ``group_slot`` bound: a :data:`MatMul`."""
     return lambda x, w, transpose_w, **kw: mm(x, w, group_slot, transpose_w, **kw)
 
 
@@ -62,11 +57,8 @@ def train_groups(
     forward: tuple[torch.Tensor, Activations] | None = None,
     precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One Adam step for every packed group with rows, in place in its slot ``group_slot[g]``
-    (-1: padding) of ``theta``/``m``/``v``/``step``; returns ``(losses [G], updated [G])``.
-    ``xp``/``tp [G, M, H]`` hold the rows ``mask`` marks; non-finite groups keep their state.
-    ``applied``: counted per slot; ``stats``: filled with ``hp.stats``; ``ops``: the slot
-    product and Adam (as ``kernels.grad_adam``); ``forward``: the prediction's, when kept."""
+    """One Adam step per packed group, in place in slot ``group_slot[g]`` (-1: padding; non-finite
+    groups kept): ``(losses, updated)``. ``ops``: (slot product, Adam) to use instead."""
     mm, grad_adam = ops or (partial(slot_matmul, precision=precision), kernels.grad_adam)
     adam = dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, input_precision=precision)
     with torch.no_grad():
@@ -75,8 +67,7 @@ def train_groups(
         if forward is None:
             forward = forward_slots(theta, shape, xp, slot_mm)
         h, acts = forward
-        # Allocated here: the graph's pool on CUDA (nothing per replay).
-        g_n, rows, hidden = xp.shape
+        g_n, rows, hidden = xp.shape  # allocations below: the graph's pool on CUDA
         loss_parts = xp.new_empty(g_n, max(1, -(-hidden // LOSS_CHUNK)))
         dys = xp.new_empty(shape.num_blocks, g_n, rows, hidden)  # each block's output grad
         kernels.loss_dy(h, tp, mask, loss_parts, dys[-1], reduction=hp.loss_reduction)

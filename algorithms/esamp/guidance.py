@@ -1,6 +1,4 @@
-"""ESamp guidance's math, written once: each function allocates its temporaries, or writes
-them into the workspace ``ws``'s parts. ``ref`` logits are the sampler's (temperature-scaled);
-``dist`` logits are raw head projections, divided by the same temperature here."""
+"""ESamp guidance's math (temporaries new or in ``ws``); ``dist`` logits get the temperature."""
 
 from __future__ import annotations
 
@@ -58,8 +56,7 @@ def mix_full_vocab_logits(
     inplace: bool = False,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """Whole-vocabulary mix ``(1+beta)*ref - beta*dist/T``; ``inplace``: into ``dist_logits``
-    (no ``[R, V]`` temporary)."""
+    """Whole-vocabulary mix ``(1+beta)*ref - beta*dist/T``; ``inplace``: into ``dist_logits``."""
     if not isinstance(beta, torch.Tensor) and beta == 0:
         return ref_logits.clone()
     dev, b = ref_logits.device, _per_row(beta)
@@ -94,8 +91,7 @@ def candidate_dist(
     lm_head: Callable[[torch.Tensor], torch.Tensor],
     dense_fraction: float = 0.25,
 ) -> torch.Tensor:
-    """Raw dist logits (fp32) of the pairs ``(rows, toks)``: the gather-dot with a plain head
-    and a sparse set, else the model's ``lm_head`` over the vocabulary, gathered."""
+    """Raw dist logits (fp32) of pairs ``(rows, toks)``: a gather-dot, else ``lm_head`` gathered."""
     n = rows.numel()
     if weight is not None and n <= dense_fraction * f_pred.shape[0] * weight.shape[0]:
         out = torch.empty(n, dtype=torch.float32, device=f_pred.device)
@@ -144,8 +140,7 @@ def f_noise_prediction(
 def relative_error(
     h_target: torch.Tensor, f_pred: torch.Tensor, ws: GuideWorkspace | None = None
 ) -> torch.Tensor:
-    """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; a zero or non-finite norm of
-    the target counts as 1)."""
+    """Per row ``||h_target - f_pred|| / ||h_target||`` (fp32; 1 where the latter is 0 or NaN)."""
     (n, hidden), dev, f32 = h_target.shape, h_target.device, torch.float32
     h = take(ws, "hf", (n, hidden), f32, dev).copy_(h_target)
     den = torch.linalg.vector_norm(h, dim=-1, out=take(ws, "den", (n,), f32, dev))
@@ -179,8 +174,8 @@ def candidate_shift(
     tokens: torch.Tensor | None = None,
     ws: GuideWorkspace | None = None,
 ) -> torch.Tensor:
-    """How a mix moved each row's ``live`` candidates: fp32 ``[R, 4]`` (candidates, top token
-    before, after, total-variation distance of the softmaxes); a row without any: 0, -1, -1, 0."""
+    """How a mix moved each row's ``live`` candidates: fp32 ``[R, 4]`` (count, top token before,
+    after, total-variation distance); a row without any: 0, -1, -1, 0."""
     (r, k), dev, f32 = before.shape, before.device, torch.float32
     out = take(ws, "dg_rows", (r, 4), f32, dev)
     count = torch.sum(live, -1, out=take(ws, "dg_cnt", (r,), torch.long, dev))

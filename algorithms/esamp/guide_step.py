@@ -1,6 +1,5 @@
-"""ESamp's guidance, in the sampler: ``f(h_1)`` of the step's random-sampling decode rows
-mixed into their logits (:class:`HostGuide`: allocating, the exact candidate set;
-:class:`CudaGuide`: no allocation or host read in the step), and the opt-in diagnostics."""
+"""ESamp's guidance in the sampler: ``f(h_1)`` of random-sampling decode rows mixed into their
+logits (:class:`HostGuide` allocates; :class:`CudaGuide` neither allocates nor reads back)."""
 
 from __future__ import annotations
 
@@ -37,15 +36,10 @@ if TYPE_CHECKING:  # pydantic-free on the GPU image (gpu_smoke.py)
 
 log = logging.getLogger("tllm")
 
-# Ablations that replace the prediction by seeded noise (the workspace then holds it).
-NOISE_ABLATIONS = ("noise", "f_noise")
-# What a guided step counts, in order.
-GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")
-
-
+NOISE_ABLATIONS = ("noise", "f_noise")  # the prediction replaced by seeded noise
+GUIDED_COUNTERS = ("rows_guided", "candidates_guided", "candidates_over_cap")  # in order
 _DIAG_CAP = 50000  # records kept (the counters go on counting)
-# A guided row's values, in order (a DeviceRecords ring row; CudaGuide writes them).
-RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")
+RING_COLUMNS = ("rel_err", "candidates", "top_ref", "top_new", "tv", "beta")  # a guided row's
 _INT_COLUMNS = ("candidates", "top_ref", "top_new")
 
 
@@ -63,8 +57,7 @@ class Diagnostics:
                 self._err_age.add(age, [e])
 
     def add_shift(self, ages: list[int], values: list[list[float]]) -> None:
-        """Records of guided rows whose candidate shift was measured (:data:`RING_COLUMNS`):
-        those with candidates are kept (up to the cap) and counted."""
+        """Records (:data:`RING_COLUMNS`) of guided rows: those with candidates kept and counted."""
         cols = {
             "age": ages,
             **{name: [r[j] for r in values] for j, name in enumerate(RING_COLUMNS)},
@@ -89,8 +82,7 @@ class Diagnostics:
 
 
 class DeviceRecords:
-    """CUDA: each guided step's per-row values in a device ring used in two halves; a full
-    half is copied to the host without a wait while the steps go on in the other."""
+    """CUDA: guided rows in a device ring of two halves, a full one copied back without a wait."""
 
     def __init__(self, diagnostics: Diagnostics, ring: torch.Tensor):
         self.diagnostics = diagnostics
@@ -109,8 +101,7 @@ class DeviceRecords:
     def begin(self, ages: list[int], shift: bool) -> torch.Tensor:
         """The ring row of a guided step (``shift``: its candidate columns are written)."""
         self._hand_arrived(wait=False)
-        if len(self._steps) == self._halves[self._cur].shape[0]:
-            # Copy the full half to the host (no waiting) and go on in the other.
+        if len(self._steps) == self._halves[self._cur].shape[0]:  # full: copy, use the other
             if self._copies.full:  # both host buffers hold copies not yet handed over
                 self._hand_arrived(wait=True)
             self._copies.send(self._halves[self._cur], tag=self._steps)
@@ -155,8 +146,7 @@ class Rows:
 def f_positions(
     n_rows: int, idx: torch.Tensor, mixed: torch.Tensor, ws: GuideWorkspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per view row: its position in the prediction of rows ``idx`` (0 where it has none, so
-    that every index stays valid) and whether it is ``mixed``. Masks, no nonzero."""
+    """Per view row: its position in the prediction of rows ``idx`` (else 0), and if mixed."""
     n, dev = idx.numel(), idx.device
     arange = torch.arange(n, device=dev) if ws is None else ws.take("arange", n)
     pos = take(ws, "pos", (n_rows,), torch.long, dev).zero_().index_copy_(0, idx, arange)
@@ -165,8 +155,7 @@ def f_positions(
 
 
 class FitScale:
-    """``beta_schedule: "fit"``: each row's beta scaled by ``clamp(1 - e, 0, 1)`` of its group's
-    recent relative error ``e``, kept per slot on the device (a step reads nothing back)."""
+    """``beta_schedule: "fit"``: each group's recent error per slot on the device."""
 
     def __init__(
         self,
@@ -177,8 +166,7 @@ class FitScale:
     ):
         """``ws``: the CUDA guidance's workspace (else the errors grow with the slots)."""
         self.decay, self.counters, self.device, self.ws = decay, counters, device, ws
-        # [slots] recent relative error
-        self._err: torch.Tensor | None = None if ws is None else ws.parts["err"]
+        self._err: torch.Tensor | None = None if ws is None else ws.parts["err"]  # [slots]
         self._serial: dict[int, int] = {}  # slot -> serial of the group whose error it holds
         self._n = 0
         self._sum = 0.0
@@ -201,8 +189,7 @@ class FitScale:
         return fresh
 
     def scale(self, slots: torch.Tensor, fresh: torch.Tensor, rel: torch.Tensor) -> torch.Tensor:
-        """Each row's factor from its group's error *before* this step; then the averages
-        updated with this step's finite errors."""
+        """Each row's factor from its group's error *before* this step, then the update."""
         ws, n, d, dev, f32 = self.ws, slots.numel(), self.decay, rel.device, torch.float32
         err = self._err
         if fresh.numel():
@@ -240,8 +227,7 @@ class FitScale:
 
 
 class Guide:
-    """Picks a step's rows and guides them (:meth:`guide`); the strategies (``stage``,
-    ``record``, ``mix_candidates``, ``mix_full``, ``add_counts``) say where values live."""
+    """Picks a step's rows and guides them; subclasses say where values live (``stage`` ...)."""
 
     def __init__(
         self,
@@ -297,8 +283,7 @@ class Guide:
         self.guide(view, sel, slots, [self.beta_of(rows.requests[i]) for i in sel])
 
     def read_guided(self, wait: bool = True) -> None:
-        """Count what the strategy summed on the device (``wait``: all of it); warn once
-        when candidates were dropped at the cap."""
+        """Count what the strategy summed on the device (``wait``: all); warn once of drops."""
         counts = self.read(wait)
         if counts is None:
             return
@@ -335,8 +320,7 @@ class Guide:
         if not any(host_betas):
             return  # nothing written: vLLM's own sampling call goes on
         dev = view.logits.device
-        # The view counts what its writes really change; ESamp's rows_guided and
-        # candidates_guided are that count, per consumer (the runtime's are totals).
+        # rows_guided, candidates_guided: what the view's writes change, for this consumer.
         before = take(ws, "before", (r,), torch.long, dev).copy_(view.changed_per_row())
         counts = take(ws, "counts", (3,), torch.long, dev)
         every = len(sel) == r and sel[-1] == r - 1
@@ -359,8 +343,7 @@ class Guide:
         slots: list[int],
         rows: Callable[[torch.Tensor, str], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``f(h_1)`` (or its noise stand-in) for rows ``sel`` and, with 'fit' or
-        diagnostics, each row's relative error."""
+        """``f(h_1)`` (or noise) of rows ``sel``, and with 'fit' or diagnostics each row's error."""
         s, ablation, ws = self.s, self.s.cfg.ablation, self.ws
         f = f_real = s.distiller.predict(
             torch.tensor(slots, dtype=torch.long),
@@ -424,8 +407,7 @@ class HostGuide(Guide):
             self.fit.read()
 
     def mix_candidates(self, rows: Rows, over: torch.Tensor, rec: object) -> None:
-        # Sparse: the dist logits of the surviving candidates only, written back entry by entry.
-        view = rows.view
+        view = rows.view  # sparse: the surviving candidates only, written back one by one
         over.zero_()
         cand = view.candidates()
         if cand.logits.numel() == 0:
@@ -453,8 +435,7 @@ class HostGuide(Guide):
 
     def mix_full(self, rows: Rows) -> None:
         view, idx = rows.view, rows.idx
-        # Every row in order (the usual decode step): the view's logits themselves, no copy
-        # (read only until view.update below).
+        # Every row in order: the view's logits themselves (read only until view.update).
         ref = view.logits if rows.every else view.logits[idx]
         temp = view.temperature[idx].float().to(ref.device)
         if self.latent_fallback(int(idx.numel())):
@@ -467,8 +448,6 @@ class HostGuide(Guide):
 
 
 class CudaGuide(Guide):
-    """No device allocation, no host read in the step (see the module's docstring)."""
-
     def _workspace(self) -> GuideWorkspace:
         shared, model, diagnostics, cfg = self.s, self.model, self.diagnostics, self.s.cfg
         shape = GuideShape(
@@ -489,8 +468,7 @@ class CudaGuide(Guide):
         if diagnostics is not None:
             self.records = DeviceRecords(diagnostics, ws.parts["dg_ring"])
         if self.weight is not None and "p_slot" in ws.parts:
-            # The gather-dot once on every pair: on CUDA its Triton kernel is compiled now,
-            # not in the first guided step (a host stall of about a second there).
+            # Compile the gather-dot's kernel now, not in the first guided step (~1 s stall).
             pairs = ws.parts["p_slot"].zero_()
             candidate_dot(self.weight, ws.parts["hf"].zero_(), pairs, pairs, ws.parts["dist"])
         if self.weight is None:

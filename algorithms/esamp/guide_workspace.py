@@ -1,6 +1,5 @@
-"""The CUDA guidance's preallocated temporaries: row views of one device allocation made with
-the consumer (so the step allocates nothing and the memory plan counts it), and the step's
-host values sent in one copy from a pinned :class:`~tllm_core.StagingRing`."""
+"""The CUDA guidance's temporaries: views of one device allocation made with the consumer (the
+step allocates nothing; the memory plan counts it), and the step's host values in one copy."""
 
 from __future__ import annotations
 
@@ -19,12 +18,9 @@ from tllm_core import (
     workspace_bytes,
 )
 
-# Pinned staging buffers in rotation.
-STAGING_BUFFERS = 4
-# diagnostics: guided steps whose records the device ring holds before a read; per row
-# (rel_err, candidates, top_ref, top_new, tv, beta) in fp32 (token ids exact below 2**24).
-DIAG_STEPS = 256
-DIAG_FIELDS = 6
+STAGING_BUFFERS = 4  # pinned staging buffers in rotation
+DIAG_STEPS = 256  # diagnostics: guided steps the device ring holds before a read
+DIAG_FIELDS = 6  # per row, fp32 (guide_step.RING_COLUMNS; token ids exact below 2**24)
 MODES = ("post_filter", "full_vocab", "auto")
 
 
@@ -35,11 +31,6 @@ def _parts(names: str, shape: tuple[int, ...], dtype: torch.dtype) -> WorkspaceS
 
 def _stage_spec(rows: int) -> WorkspaceSpec:
     return _parts("idx slots fresh", (rows,), torch.long) + _parts("betas", (rows,), torch.float32)
-
-
-def _aliases_masks(mode: str, dtype: torch.dtype) -> bool:
-    """Whether the head's ``[rows, vocab]`` output fits in the view buffers' two masks."""
-    return mode != "post_filter" and dtype.itemsize <= 2
 
 
 @dataclass(frozen=True)
@@ -56,6 +47,11 @@ class GuideShape:
     noise: bool = False
     diagnostics: bool = False
 
+    @property
+    def aliases_masks(self) -> bool:
+        """Whether the head's ``[rows, vocab]`` output fits in the view buffers' two masks."""
+        return self.mode != "post_filter" and self.dtype.itemsize <= 2
+
     def view_buffers_args(self) -> dict:
         """The :class:`~tllm_core.GuideBuffers` options of this mode."""
         return {
@@ -66,7 +62,7 @@ class GuideShape:
 
 def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     """The workspace's parts (name, shape, dtype) for this shape."""
-    mode, vocab, max_candidates, slots = shape.mode, shape.vocab, shape.max_candidates, shape.slots
+    mode, vocab, slots = shape.mode, shape.vocab, shape.slots
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     r, h, dtype, f32 = shape.rows, shape.hidden, shape.dtype, torch.float32
@@ -93,7 +89,7 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
     if shape.diagnostics:
         spec.append(("dg_ring", (DIAG_STEPS, r, DIAG_FIELDS), f32))
     if mode != "full_vocab":
-        k = min(max_candidates, vocab)
+        k = min(shape.max_candidates, vocab)
         spec += [
             ("p_slot", (r * k,), torch.long),
             ("dist", (r * k,), f32),
@@ -109,14 +105,13 @@ def workspace_spec(shape: GuideShape) -> WorkspaceSpec:
                 *_parts("dg_arg dg_tok", (r, 1), torch.long),
                 ("dg_cnt", (r,), torch.long),
                 ("dg_none", (r, 1), torch.bool),
-                ("dg_rows", (r, 4), f32),
-                ("dg_sel", (r, 4), f32),
+                *_parts("dg_rows dg_sel", (r, 4), f32),
                 ("ninf", (), f32),
             ]
     if mode != "post_filter":
         spec += [("new", (r, vocab), f32), *_parts("fw fb", (r, h), f32)]
         spec += [("bfull", (r,), f32), ("mfull", (r,), torch.bool)]
-        if not _aliases_masks(mode, dtype):
+        if not shape.aliases_masks:
             spec.append(("proj", (r, vocab), dtype))
     return spec
 
@@ -129,20 +124,17 @@ def guidance_workspace_bytes(shape: GuideShape) -> int:
 
 
 class GuideWorkspace:
-    """Row views of the guided step's temporaries (``take``), the view buffers
-    (``view_buffers``) and the pinned staging of the step's host values (``stage``)."""
+    """The guided step's temporaries (``take``), view buffers and pinned staging (``stage``)."""
 
     def __init__(self, shape: GuideShape, device: torch.device):
-        rows, vocab, mode, dtype = shape.rows, shape.vocab, shape.mode, shape.dtype
-        self.rows, self.vocab = rows, vocab
+        rows, vocab = self.rows, self.vocab = shape.rows, shape.vocab
         self.flat, self.parts = carve_workspace(workspace_spec(shape), device)
         self.view_buffers = GuideBuffers(rows, vocab, device, **shape.view_buffers_args())
         self.parts["arange"].copy_(torch.arange(rows, device=device))
         self.parts["err"].fill_(1.0)  # 'fit': a slot's error starts at 1
         if "ninf" in self.parts:
             self.parts["ninf"].fill_(float("-inf"))
-        self._proj_aliased = _aliases_masks(mode, dtype)
-        self._dtype = dtype
+        self._proj_aliased, self._dtype = shape.aliases_masks, shape.dtype
         self._stage_dev = carve_workspace_from(self.parts["stage"], _stage_spec(rows))
         n = self.parts["stage"].numel()
         self._staging = StagingRing(device, STAGING_BUFFERS, torch.uint8, numel=n)
@@ -158,8 +150,8 @@ class GuideWorkspace:
         """``[rows, vocab]`` for the head's output (the view buffers' masks when it fits)."""
         if not self._proj_aliased:
             return self.parts["proj"][:rows]
-        n = rows * self.vocab
         flat = self.view_buffers.parts["masks"].view(-1).view(torch.uint8)
+        n = rows * self.vocab
         return flat[: n * self._dtype.itemsize].view(self._dtype).view(rows, self.vocab)
 
     def stage(
@@ -169,8 +161,7 @@ class GuideWorkspace:
         slots: Sequence[int] = (),
         fresh: Sequence[int] = (),
     ) -> tuple[torch.Tensor, ...]:
-        """The step's host values on the device in one copy: ``(idx, betas, slots, fresh)``
-        (slots and fresh: 'fit' only)."""
+        """``(idx, betas, slots, fresh)`` on the device in one copy (slots, fresh: 'fit' only)."""
         i, _ = self._staging.take(self.parts["stage"].numel())
         values = {"idx": idx, "betas": betas, "slots": slots, "fresh": fresh}
         for name, v in values.items():

@@ -1,7 +1,5 @@
-"""What ESamp's jobs share: config, distiller, counters, layer keys, the row gathers, and
-the groups (a prompt's requests, or the whole batch) with their slots, taken at a group's
-first row that needs one and freed with its last request (of all its prompt's samples
-where their number is known)."""
+"""What ESamp's jobs share: config, distiller, counters, layer keys, the row gathers, and the
+groups (a prompt's requests, or the whole batch) with their distiller slots."""
 
 from __future__ import annotations
 
@@ -44,11 +42,8 @@ Admit = Callable[[int, "RequestInfo", Group], bool]
 
 
 class Groups:
-    """The live groups by key and by slot; counts groups_created / groups_freed /
-    groups_alive / finished_unseen where a slot is allocated or freed. A group with a slot
-    whose seen requests all finished before the rest waits (``idle``) for them, WAIT_S at
-    most, yielding its slot to a new group at the cap; one freed early leaves its count in
-    ``early``. ``freed``: serials of the freed groups that held a slot, for the caller."""
+    """The live groups by key and by slot; one whose seen requests finished waits (``idle``)
+    WAIT_S at most for its other samples, yielding its slot at the cap."""
 
     def __init__(
         self, distiller: SlotDistiller, counters: Counters, scope: str, max_groups: int | None
@@ -84,12 +79,10 @@ class Groups:
     def claim(
         self, requests: list[RequestInfo], rows: Iterable[int], admit: Admit | None = None
     ) -> tuple[list[int], list[int], int]:
-        """Track each row's group and give the rows ``admit`` takes their group's slot.
-        Returns (rows kept, their slots, rows refused at the slot cap)."""
+        """Track each row's group; rows ``admit`` takes get its slot: (rows, slots, capped)."""
         sel: list[int] = []
         slots: list[int] = []
-        capped = 0
-        now = time.monotonic()
+        capped, now = 0, time.monotonic()
         while self.idle and now - next(iter(self.idle.values())).idle_since > WAIT_S:
             self._free(next(iter(self.idle)))
         for i in rows:
@@ -152,11 +145,8 @@ class Shared:
     counters: Counters
     src_key: str  # the source layer's port key (the distiller's input)
     tgt_key: str  # the target layer's port key (what it predicts)
-    # Device counters and losses are read back only at a blocking flush: on CUDA every
-    # read is a host sync.
-    on_cuda: bool
-    # 0 .. cuda_rows_per_step - 1 on the device (the CUDA guidance workspace's): the row
-    # index of a step that takes every row in order is a view of it (see row_index).
+    on_cuda: bool  # read back only at a blocking flush (on CUDA every read is a host sync)
+    # 0 .. cuda_rows_per_step - 1 on the device (CUDA workspace): see row_index.
     arange: torch.Tensor | None = None
 
 
@@ -172,8 +162,7 @@ def select_rows(
     ws: GuideWorkspace | None = None,
     part: str = "",
 ) -> torch.Tensor:
-    """``t[idx]`` (into the workspace's ``part`` when given), or ``t`` itself when ``sel`` is
-    every row in order."""
+    """``t[idx]`` (into ``ws``'s ``part`` if given); ``t`` itself when ``sel`` is every row."""
     if len(sel) == t.shape[0] and sel[-1] == len(sel) - 1:
         return t
     if ws is None or t.dtype != ws.parts[part].dtype:

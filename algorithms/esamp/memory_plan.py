@@ -1,6 +1,5 @@
-"""ESamp's device memory, planned from shapes before anything is allocated (it comes out of
-vLLM's KV cache), so a setting that does not fit is refused at start with the numbers. Terms
-and formulas: docs/consumers/esamp.md, "The memory plan". Torch only (no pydantic, vLLM)."""
+"""ESamp's device memory planned from shapes before anything is allocated, so a setting that
+does not fit is refused at start (docs/consumers/esamp.md, "The memory plan"). Torch only."""
 
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        """The sum of the ``*_bytes`` terms."""
         return sum(getattr(self, f.name) for f in fields(self) if f.name.endswith("_bytes"))
 
     def as_dict(self) -> dict[str, int | float]:
@@ -97,15 +95,9 @@ def plan_memory(
     guide = GuideShape(
         rows_per_step, h, vocab_size, max_candidates, mode, s, dtype, noise, diagnostics
     )
+    dims = (hidden_size, intermediate_size, num_blocks, vocab_size, s, m, rows_per_step, p)
     return MemoryPlan(
-        hidden_size,
-        intermediate_size,
-        num_blocks,
-        vocab_size,
-        s,
-        m,
-        rows_per_step,
-        p,
+        *dims,
         state_bytes=s * (p * (4 + 2 * moment_bytes) + 4) + s * 8 + p * 4,
         inputs_bytes=2 * t * h * 4 + 3 * (t + 1) * h * 4 + plan + ring + kept_forward,
         update_workspace_bytes=t * ((3 + 3 * nb) * h + 9 * nb * i) * 4,
@@ -129,6 +121,4 @@ def check_plan(plan: MemoryPlan, device_bytes: int, max_fraction: float) -> None
 def device_total_bytes(device: torch.device | str) -> int | None:
     """Total memory of a CUDA device; None elsewhere (the CPU state grows instead)."""
     dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    return int(torch.cuda.mem_get_info(dev)[1])
+    return int(torch.cuda.mem_get_info(dev)[1]) if dev.type == "cuda" else None

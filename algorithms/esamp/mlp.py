@@ -1,7 +1,6 @@
 """The distiller's ``f``: residual gated-SwiGLU blocks ``x <- x + down(silu(gate x) * up x)``
-(no biases, fp32) batched over groups, and its backward. Each weight's gradient is ``A^T B``
-of two thin factors, so its squared norm ``sum((A A^T) * (B B^T))`` comes from ``M x M`` Gram
-matrices before any gradient exists (clipping first, gradients formed once)."""
+(no biases, fp32) batched over groups, and its backward. Each weight's gradient ``A^T B`` has
+its squared norm from ``M x M`` Gram matrices, so clipping comes before any gradient exists."""
 
 from __future__ import annotations
 
@@ -12,33 +11,24 @@ import torch
 from algorithms.esamp import kernels
 from algorithms.esamp.params import DistillerShape, block_weights, split_params
 
-# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]:
-# what the backward needs from the forward.
+# Per block (h_in, a = h_in gate^T, u = h_in up^T, s = silu(a), p = s * u), each [B, M, .]
 Activations = list[tuple[torch.Tensor, ...]]
-
-# mm(x, w, transpose_w) -> x @ w^T (transpose_w) or x @ w, batched over the first dimension
-# (the slot-indexed form also takes ``out=`` and ``add=``: forward_slots).
+# mm(x, w, transpose_w) -> x @ w^T or x @ w per batch entry (slot-indexed: out=, add= too)
 MatMul = Callable[..., torch.Tensor]
-
-# Per block (h_out, a, u, s, p), each [B, M, .]: where :func:`forward_slots` writes a block's
-# output and activations (the CUDA prediction keeps them for the update that follows it).
+# Per block (h_out, a, u, s, p) [B, M, .]: where forward_slots writes (CUDA keeps them)
 ActBuffers = list[tuple[torch.Tensor, ...]]
 
 
-def batched_mm(
-    x: torch.Tensor, w: torch.Tensor, transpose_w: bool, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def batched_mm(x: torch.Tensor, w: torch.Tensor, transpose_w: bool) -> torch.Tensor:
     """The dense form of :data:`MatMul`: batch entry ``i`` of ``x`` with weight ``w[i]``."""
-    return torch.bmm(x, w.transpose(1, 2) if transpose_w else w, out=out)
+    return torch.bmm(x, w.transpose(1, 2) if transpose_w else w)
 
 
 def forward_acts(
     weights: list[tuple[torch.Tensor, ...]], xp: torch.Tensor, mm: MatMul = batched_mm
 ) -> tuple[torch.Tensor, Activations]:
-    """``f`` of packed rows ``xp [B, M, H]`` and the activations its backward needs (zero
-    padding rows stay zero)."""
-    acts = []
-    h = xp
+    """``f`` of packed rows ``xp [B, M, H]`` (zero rows stay zero) and its backward's inputs."""
+    acts, h = [], xp
     for gate, up, down in weights:
         a, u = mm(h, gate, True), mm(h, up, True)
         s, p = torch.empty_like(a), torch.empty_like(a)
@@ -58,8 +48,7 @@ def saved_forward(xp: torch.Tensor, out: ActBuffers) -> tuple[torch.Tensor, Acti
 
 
 def gate_up_pairs(theta: torch.Tensor, shape: DistillerShape) -> list[torch.Tensor]:
-    """Per block, gate and up of ``theta [B, P]`` (or ``m``/``v``) as one view ``[B, 2, I,
-    H]``: one launch for both."""
+    """Per block, gate and up of ``theta [B, P]`` as one view ``[B, 2, I, H]`` (one launch)."""
     b, n = theta.shape[0], shape.block_numel
     nb, i, h = shape.num_blocks, shape.intermediate_size, shape.hidden_size
     both = theta[:, : 2 * n].view(b, 2, nb, i, h)
@@ -100,9 +89,7 @@ def forward_slots(
     mm: MatMul,
     out: ActBuffers | None = None,
 ) -> tuple[torch.Tensor, Activations]:
-    """:func:`forward_acts` in three launches per block, for a slot-indexed ``mm`` (taking
-    ``[S, 2, ., .]`` weights and ``add=``). ``out``: where each block's output and
-    activations go (else equally spaced views of new buffers)."""
+    """:func:`forward_acts` in three launches per block, for a slot-indexed ``mm``."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     if out is None:
@@ -111,8 +98,7 @@ def forward_slots(
         outs = xp.new_empty(nb, g, rows, hid)
         inner = xp.new_empty(nb, 4, g, rows, i)  # a, u, s, p: each contiguous
         out = [(outs[b], *inner[b].unbind(0)) for b in range(nb)]
-    acts = []
-    h = xp
+    acts, h = [], xp
     for b, (gu, down) in enumerate(zip(pairs, downs, strict=True)):
         h_out, a, u, s, p = out[b]
         mm(h, gu, True, out=pair_view(a, u))
@@ -124,9 +110,8 @@ def forward_slots(
 
 # (block, matrix 0/1/2 = gate/up/down, A, B): that matrix's gradient is A^T B.
 Factor = tuple[int, int, torch.Tensor, torch.Tensor]
-# fused_backward's matrix index for gate and up together, and block index for every block.
-GATE_UP = -1
-ALL_BLOCKS = -1
+GATE_UP = -1  # fused_backward's matrix index for gate and up together
+ALL_BLOCKS = -1  # fused_backward's block index for every block
 
 
 def backward_factors(
@@ -135,8 +120,7 @@ def backward_factors(
     dy: torch.Tensor,
     mm: MatMul = batched_mm,
 ) -> tuple[list[Factor], torch.Tensor]:
-    """The gradient factors of every weight matrix and each group's squared gradient norm
-    ``[B]``, from the forward's activations and the output gradient ``dy [B, M, H]``."""
+    """Every weight matrix's gradient factors and each group's squared gradient norm ``[B]``."""
     factors: list[Factor] = []
     groups, rows, _ = dy.shape
     parts = dy.new_empty(len(weights), groups, kernels.norm_parts(rows))
@@ -160,10 +144,8 @@ def fused_backward(
     mm: MatMul,
     precision: str = "ieee",
 ) -> tuple[list[Factor], torch.Tensor]:
-    """:func:`backward_factors` in fewer launches (the update graph's), for a slot-indexed
-    ``mm``. ``dys [NB, B, M, H]``: ``dys[-1]`` the output gradient; block ``b``'s is written
-    to ``dys[b]``. Returns the factors (one of :data:`ALL_BLOCKS` / :data:`GATE_UP` where the
-    activations are equally spaced) and the norm parts ``[B, NB * T]``."""
+    """:func:`backward_factors` in fewer launches (``dys[-1]``: the output gradient, ``dys[b]``
+    written: block ``b``'s)."""
     pairs = gate_up_pairs(theta, shape)
     downs = [w[2] for w in block_weights(theta, shape)]
     nb, groups, rows, _ = dys.shape
@@ -193,8 +175,7 @@ def fused_backward(
 
 
 def factor_weights(t: torch.Tensor, shape: DistillerShape, block: int, matrix: int) -> torch.Tensor:
-    """The matrices of ``t [S, P]`` (``theta``, ``m`` or ``v``) a :func:`fused_backward`
-    factor's gradient belongs to."""
+    """The matrices of ``t [S, P]`` a :func:`fused_backward` factor's gradient belongs to."""
     if block == ALL_BLOCKS:
         if matrix == GATE_UP:
             n, i, h = shape.block_numel, shape.intermediate_size, shape.hidden_size

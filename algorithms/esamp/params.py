@@ -1,6 +1,5 @@
-"""The distiller's parameter layout: one flat fp32 row of ``P`` parameters per group (``m``
-and ``v`` alike): gate ``[NB, I, H]``, up ``[NB, I, H]``, down ``[NB, H, I]``; and its Adam
-(``torch.optim.Adam``'s fused kernel, clipping as ``clip_grad_norm_``)."""
+"""The distiller's parameters, one flat fp32 row per group (``m``, ``v`` alike): gate ``[NB, I,
+H]``, up ``[NB, I, H]``, down ``[NB, H, I]``; and its Adam (torch's fused kernel)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ class DistillerShape:
 
     @property
     def num_params(self) -> int:
-        # gate, up: [NB, I, H]; down: [NB, H, I]
         return 3 * self.block_numel
 
 
@@ -32,10 +30,8 @@ class AdamHyper:
     eps: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = 0.5
-    # The loss's reduction (algorithms.esamp.kernels.op_loss_dy): "mean" or "sum".
-    loss_reduction: str = "mean"
-    # Measure each update (clipped, share of eps-dominated denominators, step size).
-    stats: bool = False
+    loss_reduction: str = "mean"  # "mean" or "sum" (kernels.op_loss_dy)
+    stats: bool = False  # measure each update (adam_stats)
 
 
 def split_params(
@@ -52,8 +48,7 @@ def split_params(
 
 
 def block_weights(theta: torch.Tensor, shape: DistillerShape) -> list[tuple[torch.Tensor, ...]]:
-    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]`` (or
-    the same rows of ``m``/``v``, which share the layout)."""
+    """Per block ``(gate [B,I,H], up [B,I,H], down [B,H,I])``: views into ``theta [B, P]``."""
     gate, up, down = split_params(theta, shape)
     return [(gate[:, b], up[:, b], down[:, b]) for b in range(shape.num_blocks)]
 
@@ -90,8 +85,7 @@ def fused_adam_(
     hp: AdamHyper,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam step of each ``ws[i]`` in place (``steps`` already incremented): the step
-    every path runs. ``found_inf`` holding 1.0: nothing is touched (no host sync)."""
+    """Every path's Adam step, in place (``steps`` already incremented; ``found_inf`` 1: none)."""
     b1, b2 = hp.betas
     torch._fused_adam_(
         ws, grads, ms, vs, [], steps,
@@ -107,9 +101,8 @@ STATS = ("clipped", "eps_share", "update_size", "grad_norm")
 def adam_stats(
     m: torch.Tensor, v: torch.Tensor, step: torch.Tensor, norm: torch.Tensor, hp: AdamHyper
 ) -> torch.Tensor:
-    """Statistics ``[c, 4]`` (:data:`STATS`) of the Adam update just applied to rows
-    ``m``/``v``: clipped, share with ``sqrt(v_hat) < eps``, mean ``|delta theta| / lr``, and
-    the gradient norm before clipping."""
+    """:data:`STATS` ``[c, 4]`` of the Adam update just applied to rows ``m``/``v``: clipped,
+    share with ``sqrt(v_hat) < eps``, mean ``|delta theta| / lr``, gradient norm."""
     clipped = torch.zeros_like(norm)  # 1.0 where clipping scaled the gradient down
     if hp.grad_clip is not None:
         clipped = (norm + CLIP_EPS > hp.grad_clip).to(norm.dtype)

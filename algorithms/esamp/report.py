@@ -24,13 +24,11 @@ def summary(counters: dict[str, Any], result: Any) -> list[str]:
     seen, guided = sampled_rows(counters), _n(counters, "rows_guided")
     share = f" ({100 * guided / seen:.0f}%)" if seen else ""
     lines = [f"esamp: guided {guided} of {seen} sampled rows{share}"]
-    steps = _n(counters, "optimizer_steps")
-    if not steps:
+    if not (steps := _n(counters, "optimizer_steps")):
         lines.append("esamp: the distiller did not train (0 optimizer steps)")
         return lines
-    train = (
-        f"esamp: distiller trained {steps} optimizer steps on {_n(counters, 'rows_trained')} rows"
-    )
+    rows = _n(counters, "rows_trained")
+    train = f"esamp: distiller trained {steps} optimizer steps on {rows} rows"
     loss = f"loss {_f(counters.get('loss_first'))} → {_f(counters.get('loss_last'))}"
     groups = _n(counters, "groups_created")
     if groups > 1 and isinstance(result, dict):
@@ -43,24 +41,21 @@ def summary(counters: dict[str, Any], result: Any) -> list[str]:
 
 def warnings(counters: dict[str, Any], result: Any) -> list[str]:
     out = []
-    cap = _n(counters, "candidates_over_cap")
-    if cap:
+    if cap := _n(counters, "candidates_over_cap"):
         out.append(
             f"{cap} candidate logits past cuda_max_candidates were dropped "
             "(a top-k filter; raise cuda_max_candidates for wide top-p)"
         )
-    no_slot = _n(counters, "rows_skipped_cap") + _n(counters, "train_rows_skipped_cap")
-    if no_slot:
+    guide_cap, train_cap = _n(counters, "rows_skipped_cap"), _n(counters, "train_rows_skipped_cap")
+    if guide_cap or train_cap:
         out.append(
-            f"{_n(counters, 'rows_skipped_cap')} rows not guided and "
-            f"{_n(counters, 'train_rows_skipped_cap')} not trained: their group had no "
+            f"{guide_cap} rows not guided and {train_cap} not trained: their group had no "
             "distiller (max_groups or cuda_capacity reached)"
         )
-    bad = _n(counters, "nonfinite_losses_skipped")
-    if bad:
+    if bad := _n(counters, "nonfinite_losses_skipped"):
         out.append(f"{bad} non-finite losses skipped (those updates were not applied)")
-    if _n(counters, "graph_failures"):
-        out.append(f"{_n(counters, 'graph_failures')} CUDA graph failures (updates ran eagerly)")
+    if failures := _n(counters, "graph_failures"):
+        out.append(f"{failures} CUDA graph failures (updates ran eagerly)")
     return out
 
 
@@ -89,18 +84,12 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
         title = "ESamp distiller loss by optimizer step"
         series = Series("mean over groups", x, y)
         out.append(_by_step("loss", title, "distiller loss (MSE)", series, caption=caption))
-    guided = _n(counters, "rows_guided")
-    visited = _n(counters, "rows_visited")
-    bars = [
-        ("guided", guided),
-        ("visited, unchanged", max(visited - guided, 0)),
-        *(
-            (f"skipped: {r}", _n(counters, f"rows_skipped_{r}"))
-            for r in ("prefill", "greedy", "cap", "mixed")
-        ),
-    ]
+    guided, visited = _n(counters, "rows_guided"), _n(counters, "rows_visited")
+    reasons = ("prefill", "greedy", "cap", "mixed")
+    labels = ["guided", "visited, unchanged", *(f"skipped: {r}" for r in reasons)]
+    skipped = [_n(counters, f"rows_skipped_{r}") for r in reasons]
     if visited or _n(counters, "rows_skipped"):
-        series = (Series("rows", [b[0] for b in bars], [b[1] for b in bars]),)
+        series = (Series("rows", labels, [guided, max(visited - guided, 0), *skipped]),)
         caption = (
             f"{guided} of {sampled_rows(counters)} sampled rows guided; the first token of "
             "each sample (a prefill row) is never guided"
@@ -111,8 +100,7 @@ def plots(counters: dict[str, Any], result: Any) -> list[Plot]:
     if x:
         title, series = "ESamp prediction error by step", Series("mean relative error", x, y)
         out.append(_by_step("rel_err", title, "‖h_L − f(h_1)‖ / ‖h_L‖", series))
-    curve = res.get("optimizer_curve") or []
-    if curve:
+    if curve := res.get("optimizer_curve"):
         x, size = _curve(curve, 3)
         _, norm = _curve(curve, 4)
         title = "ESamp optimizer: update size and gradient norm"

@@ -1,6 +1,5 @@
-"""Slots of independent distillers (base class): one flat fp32 row of ``theta [C, P]`` and its
-Adam state per group, the slot lifecycle, the staleness bookkeeping and the packing of a
-step's rows per group. The math lives in :mod:`~algorithms.esamp.cpu` and ``.cuda``."""
+"""Slots of independent distillers (base class; the math in ``cpu`` and ``cuda``): the stacked
+state, the slot lifecycle, the staleness bookkeeping and the packing of a step's rows."""
 
 from __future__ import annotations
 
@@ -50,10 +49,8 @@ class TrainResult:
     # Set once the values are final (CPU side thread); None: final after synchronize().
     done: threading.Event | None = None
     counts: np.ndarray | None = None  # int64 [G] (host): rows of each group in the step
-    # fp32 [G, 4] with optimizer_stats: the update's statistics (algorithms.esamp.params.STATS)
-    stats: torch.Tensor | None = None
-    # fp32 [R] (host) with ``train_step(row_errors=True)``: each row's term of its group's
-    # loss before the update (its squared error over loss_per_row); final when ready().
+    stats: torch.Tensor | None = None  # fp32 [G, 4] with optimizer_stats (params.STATS)
+    # fp32 [R] (host), train_step(row_errors=True): each row's loss term before the update
     row_errors: torch.Tensor | None = None
 
     def ready(self) -> bool:
@@ -71,9 +68,8 @@ class TrainResult:
 
 
 class SlotDistiller:
-    """Stacked state of ``capacity`` distiller slots and their lifecycle (base class).
-    Staleness is measured: a prediction compares ``_submitted`` (host) with ``applied``
-    (counted where the update runs) for its slots."""
+    """Stacked state of ``capacity`` distiller slots and their lifecycle. Staleness: a
+    prediction compares ``_submitted`` (host) with ``applied`` (where updates run)."""
 
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
@@ -104,22 +100,15 @@ class SlotDistiller:
         self.shape = DistillerShape(hidden_size, intermediate_size, num_blocks)
         self.hp = AdamHyper(lr, eps, tuple(betas), grad_clip, loss_reduction, optimizer_stats)
         self.moments_dtype = moments_dtype  # Adam's m and v (bf16: CUDA only, opt-in)
-        # init 'zero_output': predict returns blocks(x) - x, trained toward target + x.
-        self.zero_output = zero_output
+        self.zero_output = zero_output  # predict blocks(x) - x, trained toward target + x
         self.device = torch.device(device)
         self.template = init_params(self.shape, init, seed).to(self.device)
-        self.capacity = 0
-        self.theta = self.m = self.v = self.step = torch.empty(0)
-        self.applied = torch.empty(0, dtype=torch.long)
-        self._submitted = np.zeros(0, dtype=np.int64)
-        self._staleness_max = 0
+        self.capacity = self._staleness_max = 0
         self._free: list[int] = []
         self._live: set[int] = set()
-        # Bumped by every change of the parameters (update, slot reset, growth).
-        self._version = 0
-        self._grow(capacity)
+        self._version = 0  # bumped by every change of the parameters (update, reset, growth)
+        self._grow(capacity)  # allocates theta, m, v, step, applied, _submitted
 
-    # -- ordering hooks (the subclasses' queues) -------------------------------------
     asynchronous = False  # True: train steps return before they have run
 
     def _drain(self) -> None:
@@ -130,7 +119,6 @@ class SlotDistiller:
         change()
 
     def synchronize(self) -> None:
-        """Wait for pending work."""
         self._drain()
 
     def poll(self) -> None:
@@ -177,9 +165,7 @@ class SlotDistiller:
                     f"all {self.capacity} distiller slots are live and this distiller's "
                     "capacity is fixed"
                 )
-            # vLLM calls consumers under inference mode; state made there could not be
-            # trained in place later.
-            with torch.inference_mode(False):
+            with torch.inference_mode(False):  # else the state could not be trained in place
                 self._grow(2 * self.capacity)
         slot = heapq.heappop(self._free)
         self._live.add(slot)
@@ -189,11 +175,7 @@ class SlotDistiller:
         """Release ``slot``: its parameters go back to init and its Adam state to zero."""
         if slot not in self._live:
             raise ValueError(f"slot {slot} is not live (live: {self.live_slots})")
-        self._reset(slot)
-        self._live.remove(slot)
-        heapq.heappush(self._free, slot)
 
-    def _reset(self, slot: int) -> None:
         def reset() -> None:
             self.theta[slot].copy_(self.template)
             for t in (self.m, self.v, self.step, self.applied):
@@ -201,18 +183,17 @@ class SlotDistiller:
 
         self._version += 1
         self._submitted[slot] = 0
-        # Queued after the slot's pending updates, before any later use of the slot.
-        self._ordered(reset)
+        self._ordered(reset)  # after the slot's pending updates, before any later use of it
+        self._live.remove(slot)
+        heapq.heappush(self._free, slot)
 
     def _check_live(self, pk: Packing) -> None:
         dead = [int(s) for s in pk.slots if int(s) not in self._live]
         if dead:
             raise ValueError(f"slots {dead} are not live (live: {self.live_slots})")
 
-    # -- math (device-specific parts in the subclasses) ---------------------------------
     def predict(self, slots: torch.Tensor, x: torch.Tensor, rows_id: object = None) -> torch.Tensor:
-        """``f_slot(x)`` for each row: ``slots [R]`` (host), ``x [R, H]`` -> fp32 ``[R, H]``; a
-        :meth:`train_step` of the same ``rows_id`` may reuse its forward (CPU: rows compared)."""
+        """``f_slot(x)`` per row, fp32 ``[R, H]``; a same-``rows_id`` update may reuse it."""
         raise NotImplementedError
 
     def train_step(
@@ -223,8 +204,7 @@ class SlotDistiller:
         rows_id: object = None,
         row_errors: bool = False,
     ) -> TrainResult:
-        """One Adam step per group present, on its rows; non-finite groups are skipped.
-        ``row_errors``: also each row's error before the update; ``rows_id``: as predict's."""
+        """One Adam step per group present (non-finite ones skipped), measuring ``row_errors``."""
         pk = make_packing(slots)
         if not pk.slots.size:
             empty = torch.zeros(0)
@@ -243,8 +223,7 @@ class SlotDistiller:
 
     def memory_bytes_per_group(self) -> int:
         """Parameters + Adam moments + step counter of one slot, in bytes."""
-        moments = 2 * torch.finfo(self.moments_dtype).bits // 8
-        return (self.shape.num_params * (4 + moments)) + 4
+        return self.shape.num_params * (4 + 2 * self.moments_dtype.itemsize) + 4
 
     def memory_bytes(self) -> int:
         """Bytes held by the stacked state (all slots, live or not) plus the template."""

@@ -1,6 +1,5 @@
-"""ESamp's training, after sampling: each step's decode rows train their group's distiller
-(warm start: its prompt rows first); results are read back as the distiller allows and
-turned into the loss counters and curves (with ``optimizer_stats`` the update statistics)."""
+"""ESamp's training, after sampling: each step's decode rows (warm start: prompt rows first)
+train their group's distiller; results read back become the loss counters and curves."""
 
 from __future__ import annotations
 
@@ -15,14 +14,11 @@ from algorithms.esamp.lifecycle import Group, Groups, Shared, row_index, rows_id
 from algorithms.esamp.slots import TrainResult
 from tllm_core import Bundle, Counters, RequestInfo, RequestRows, array_json_bytes, request_runs
 
-# Queued updates: losses are read back this often without waiting, and with a wait once
-# _FLUSH_LIMIT are not back (the host's bookkeeping stays bounded).
+# Queued updates: read back every _FLUSH_EVERY without waiting, with a wait at _FLUSH_LIMIT
+# (bounded bookkeeping); device counters sent every _READ_EVERY non-waiting flushes.
 _FLUSH_EVERY = 256
 _FLUSH_LIMIT = 4 * _FLUSH_EVERY
-# The device-side counters are sent to the host every this many flushes that do not wait.
 _READ_EVERY = 32
-
-
 _CURVE_POINTS = 64
 T = TypeVar("T")
 
@@ -54,8 +50,7 @@ class ByAge:
 
 
 def split_final(items: list[T], block: bool, result: Callable[[T], TrainResult]) -> tuple:
-    """``items`` (oldest first) whose ``result`` can be read now (``block``: all, after a
-    sync), and the rest."""
+    """(``items`` whose ``result`` is readable now, oldest first; the rest). ``block``: all."""
     n = 0
     while n < len(items) and (block or result(items[n]).ready()):
         n += 1
@@ -65,15 +60,13 @@ def split_final(items: list[T], block: bool, result: Callable[[T], TrainResult])
 class LossBook:
     def __init__(self, counters: Counters):
         self.counters = counters
-        # optimizer_stats: each decode update's statistics (rows in STATS order), by step
-        # index and in total (all at index 0).
+        # optimizer_stats (STATS order): by step index, and in total (at index 0)
         self._opt_by_age, self._opt_total = ByAge(), ByAge()
         self._sum, self._n = 0.0, 0
         self._first: float | None = None
         self._last: float | None = None
         self._by_age = ByAge()
-        # Per-group first and last losses, as sums over every group so far (a server runs
-        # for ever: a last loss is kept only for groups that may still report one).
+        # Per-group first and last losses as sums (a last loss is kept only while needed).
         self._group_last: dict[int, float] = {}  # serial -> last loss
         self._freed: set[int] = set()  # freed groups whose losses may still be read back
         self._gfirst_sum = self._glast_sum = 0.0
@@ -158,8 +151,7 @@ class LossBook:
 
 
 class ReturnedErrors:
-    """ESamp's per-request results (``tllm_results: "esamp"``): each decode row's prediction
-    error, kept from submission until the request's result is taken."""
+    """Per-request results (``tllm_results: "esamp"``): each decode row's prediction error."""
 
     EMPTY = {"positions": np.zeros(0, np.int64), "prediction_error": np.zeros(0, np.float32)}
 
@@ -209,10 +201,8 @@ class Trainer:
         read_deferred: Callable[[bool], None],
         returned: ReturnedErrors,
     ):
-        self.s, self.groups, self.losses = shared, groups, losses
-        # The device counters, read at each flush (True: waiting for them, at a blocking one).
-        self.read_deferred = read_deferred
-        self.returned = returned  # per-row errors of the requests that ask (tllm_results)
+        self.s, self.groups, self.losses, self.returned = shared, groups, losses, returned
+        self.read_deferred = read_deferred  # the device counters (True: wait for them)
         self.training = shared.cfg.train and shared.cfg.ablation != "frozen"
         self._pending: list[Submitted] = []
         self._warm_pending: list[TrainResult] = []  # warm-start steps not yet read back
@@ -228,9 +218,7 @@ class Trainer:
         if self.s.cfg.skip_mixed_batches and not is_dec.all():
             counters.add("train_rows_skipped_mixed", int(is_dec.sum()))
             return
-        recomputed = np.asarray(rows.recomputed, dtype=bool)
-        # Preemption recomputation: those positions were already trained on (their groups
-        # are tracked all the same).
+        recomputed = np.asarray(rows.recomputed, dtype=bool)  # preemption: trained on already
         sel, slots, capped = self.groups.claim(
             rows.requests, np.flatnonzero(is_dec).tolist(), lambda i, *_: not recomputed[i]
         )
@@ -239,13 +227,12 @@ class Trainer:
         # Indices into sel of the rows whose request asks for ESamp's result.
         wants = (k for k, i in enumerate(sel) if rows.requests[i].wants_result(self.returned.name))
         asking = np.fromiter(wants, np.int64)
-        ask = asking.size > 0
         rid = rows_id(bundle.step, bundle.rows, sel)
-        submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=ask)
+        submitted = self._submit(bundle, sel, slots, 1, rid, row_errors=asking.size > 0)
         if not submitted:
             return
         res = submitted[0]
-        if ask:
+        if asking.size:
             at = [sel[k] for k in asking]
             positions = np.asarray(rows.position, np.int64)[at]
             self.returned.submitted(res, asking, [rows.requests[i] for i in at], positions)
@@ -256,8 +243,7 @@ class Trainer:
         self._after_submit()
 
     def _warm_start(self, bundle: Bundle, is_dec: np.ndarray) -> None:
-        """warm_start_steps: train each new group's distiller on its first request's prompt
-        rows (once per group)."""
+        """warm_start_steps: train each new group on its first request's prompt rows, once."""
         recomputed = np.asarray(bundle.rows.recomputed, dtype=bool)
         first: dict[int, str] = {}  # id(group) -> engine id whose rows are used
 
@@ -288,8 +274,7 @@ class Trainer:
         rows: object = None,
         row_errors: bool = False,
     ) -> list[TrainResult]:
-        """``steps`` train steps of the rows ``sel`` (none when training is off). ``rows``:
-        their :func:`rows_id`; ``row_errors``: the first step measures each row's error."""
+        """``steps`` train steps of rows ``sel`` (``row_errors``: the first measures them)."""
         if not sel:
             return []
         if not self.training:
@@ -298,20 +283,18 @@ class Trainer:
         src, tgt = bundle.hidden[self.s.src_key], bundle.hidden[self.s.tgt_key]
         slot_t = torch.tensor(slots, dtype=torch.long)
         idx = row_index(sel, src.device, self.s.arange)
-        x = select_rows(src, sel, idx)
-        target = select_rows(tgt, sel, idx)
+        x, target = select_rows(src, sel, idx), select_rows(tgt, sel, idx)
         train = self.s.distiller.train_step
         return [train(slot_t, x, target, rows, row_errors and k == 0) for k in range(steps)]
 
     def _after_submit(self) -> None:
         """Read back the results of submitted train steps as the distiller allows."""
         n = len(self._pending)
-        # Queued updates (CUDA side stream, CPU side thread): results read in batches.
         if not (self.s.on_cuda or self.s.distiller.asynchronous) or n >= _FLUSH_LIMIT:
             self.flush()
         elif self.s.distiller.asynchronous or n >= _FLUSH_EVERY:
-            # The updates that have already run (no waiting): every step on the CPU side
-            # thread; on CUDA in batches (each result copy back is a copy and an event).
+            # Those already run, no waiting: every step on the CPU side thread; on CUDA in
+            # batches (each read back is a copy and an event).
             self.flush(block=False)
 
     def flush(self, block: bool = True) -> None:
