@@ -107,13 +107,6 @@ def tree_rss_mib(pid: int) -> dict[str, float]:
     return {"total": round((own + children) / MIB, 1), "front_end": round(own / MIB, 1)}
 
 
-def _strict(data: bytes) -> Any:
-    def refuse(name: str) -> None:
-        raise ValueError(f"not strict JSON: {name}")
-
-    return json.loads(data, parse_constant=refuse)
-
-
 class Traffic:
     """Requests of each shape to an OpenAI-compatible server (``client``: an
     ``httpx.AsyncClient`` on its URL), each read to an :class:`Outcome`."""
@@ -183,7 +176,11 @@ class Traffic:
     async def counters(self) -> dict[str, Any]:
         r = await self.client.get("/tllm/counters")
         r.raise_for_status()
-        return _strict(r.content)
+
+        def refuse(name: str) -> None:
+            raise ValueError(f"not strict JSON: {name}")
+
+        return json.loads(r.content, parse_constant=refuse)
 
     async def poll(self, interval: float, polls: Counter, stop: asyncio.Event) -> None:
         """Reads the counters every ``interval`` s until ``stop``; ``polls`` counts the reads

@@ -155,12 +155,7 @@ def extract_answer(text: str) -> int | None:
     marks = list(re.finditer(r"answer", text, flags=re.IGNORECASE))
     after = _INT.findall(text[marks[-1].end() :]) if marks else []
     nums = after[:1] or _INT.findall(text)[-1:]
-    if not nums:
-        return None
-    try:
-        return int(nums[0].replace(",", ""))
-    except ValueError:
-        return None
+    return int(nums[0].replace(",", "")) if nums else None
 
 
 def check(problem: dict, text: str) -> bool:
@@ -176,10 +171,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
     if n - c < k:
         return 1.0
-    prod = 1.0
-    for i in range(n - c + 1, n + 1):
-        prod *= 1.0 - k / i
-    return 1.0 - prod
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def pass_curve(n: int, c: int) -> list[float]:

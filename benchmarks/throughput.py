@@ -271,12 +271,9 @@ class _Case:
         for p in warm:
             p.max_tokens = min(cfg["warmup_tokens"], cfg["max_tokens"])
         self.llm.generate(self.prompts, warm, use_tqdm=False)
+        # Every engine step (schedule + forward + sample + outputs) of the timed runs is timed:
+        # the median step is robust to bursts of outside load that skew a run's mean.
         self._step_s: list[float] = []
-        self._time_engine_steps()
-
-    def _time_engine_steps(self) -> None:
-        """Time every engine step (schedule + forward + sample + outputs) of the timed runs:
-        the median step is robust to bursts of outside load that skew a run's mean."""
         engine = getattr(self.llm, "llm", self.llm).llm_engine
         orig = engine.step
 
@@ -616,7 +613,6 @@ def main(argv: list[str] | None = None) -> int:
             "ok": not probs,
             "problems": probs,
         }
-    machine = run_machine(load_start)
     result = {
         "command": command_line("throughput.py", argv),
         "baseline_tok_s": base,
@@ -635,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", minus the RSS before the "
         "engine started (after imports); extra = that growth for the case minus "
         "the same for plain (medians over rounds)",
-        "machine": machine,
+        "machine": run_machine(load_start),
         "ok": not failures,
         "failures": failures,
         "raw_rounds": {
