@@ -226,10 +226,10 @@ def test_settings_flags_not_given_are_the_settings_defaults():
 @pytest.mark.parametrize(
     "config, hint",
     [
-        ({"beta": -1}, "0 leaves sampling bit-identical to vanilla"),
+        ({"beta": -1}, "0: sampling bit-identical to vanilla"),
         ({"grad_clip": 0}, "None disables clipping"),
-        ({"max_groups": 0}, "None = unlimited"),
-        ({"warm_start_steps": -1}, "0 = off"),
+        ({"max_groups": 0}, "None: unlimited"),
+        ({"warm_start_steps": -1}, "0: off"),
         ({"fit_decay": 1}, "fit_decay: float, >= 0, < 1"),
     ],
 )

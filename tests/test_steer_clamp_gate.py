@@ -89,7 +89,10 @@ def _threshold(path: str, u) -> float:
     for ids in tok_ids:
         h = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0]
         scores.append(h.float() @ d)
-    return float(torch.cat(scores).median())
+    # Midway between the two middle scores: a threshold equal to a row's score (the median of
+    # an odd count) would gate that row by rounding (one thread or two decide it).
+    s = torch.cat(scores).sort().values
+    return float(s[len(s) // 2 - 1 : len(s) // 2 + 1].mean())
 
 
 # -- config and request validation (no model) ----------------------------------------------
