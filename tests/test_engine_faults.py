@@ -92,6 +92,7 @@ def test_kill_9_of_the_engine_core_mid_run_ends_the_run_naming_it(tiny_model, tm
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # an engine start (~60 s); the watch itself: the two unit tests below
 def test_kill_9_of_the_command_stops_its_engine_processes(tiny_model, tmp_path):
     """vLLM's engine core does not watch its parent: after a ``kill -9`` of the command it kept
     running (and on a GPU its memory). Each engine process of the command stops itself."""
@@ -544,6 +545,7 @@ def test_kill_9_of_a_worker_mid_run_ends_the_run_naming_it(tmp_path):
 
 # -- served: a killed engine core ends the server ------------------------------------------------
 @pytest.mark.vllm
+@pytest.mark.slow  # a server start (~55 s); the command's case above is the default one
 def test_kill_9_of_the_engine_core_ends_tllm_serve_naming_it(tiny_model, tmp_path):
     from serve_util import free_port
 
@@ -593,13 +595,13 @@ def test_sigterm_ends_a_run_whose_consumer_hangs_within_the_stop_timeout(tiny_mo
     hang = json.dumps({"callback": "on_bundle", "after": 2, "seconds": 600})
     argv = ["run", "--model", tiny_model, "--consumer", f"hang:{hang}", "-n", "2"]
     argv += ["--max-tokens", "64", "--callback-deadline", "300", *SMALL_ENGINE]
-    proc = start(argv, log, TLLM_STOP_TIMEOUT_S="20")
+    proc = start(argv, log, TLLM_STOP_TIMEOUT_S="8")
     try:
         wait_for(log, "tllm: engine ready", proc, 300)
         time.sleep(5)  # on_bundle's second call hangs at once
         pids = set(descendants(proc.pid))
         proc.send_signal(signal.SIGTERM)
-        code = exit_within(proc, 20 + 15)
+        code = exit_within(proc, 8 + 15)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -227,7 +227,7 @@ def _floats_fit(value) -> bool:
     return True
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_any_config_is_valid_or_a_clean_error(data):
     name = data.draw(st.sampled_from(["esamp", "steer", "sae"] * 3 + ["stats", "export"]))
