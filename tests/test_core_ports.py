@@ -568,7 +568,7 @@ def test_guide_view_counts_only_changed_rows():
     view.update_candidates(torch.arange(len(cand)), cand.logits.clone())  # same values back
     assert view.guided_counts() == (0, 0)
     view.update(torch.tensor([1]), torch.tensor([[2.0, 0.0, 4.0]]))
-    assert view.guided_counts() == (1, 1)
+    assert view.guided_counts() == (1, 1) == (view.rows_guided, view.candidates_guided)
     view.rollback()
     assert view.guided_counts()[0] == 0 and torch.equal(view.logits, logits)
 

@@ -606,6 +606,8 @@ def test_every_acts_on_asks_the_one_rule(extra, per_request):
         "EngineConsumers.active": engine.active("me", extra),
     }
     assert answers == dict.fromkeys(answers, expected)
+    named = "me" in [n.strip() for n in extra.get("tllm_consumers", "").split(",")]
+    assert ("me" in req.enabled_consumers) == named
     assert not engine.active("not-configured", extra)
     mask = _Slot(consumer, None, per_request=per_request).enabled([req, req])
     assert (mask is None) if not per_request else (mask.tolist() == [expected] * 2)

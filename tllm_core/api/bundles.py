@@ -226,6 +226,16 @@ class GuideView:
         rows, cands = torch.stack([(c > 0).sum(), c.sum()]).cpu().tolist()
         return rows, cands
 
+    @property
+    def rows_guided(self) -> int:
+        """Rows with at least one logit changed through this view (a host read)."""
+        return self.guided_counts()[0]
+
+    @property
+    def candidates_guided(self) -> int:
+        """Logits changed through this view (a host read)."""
+        return self.guided_counts()[1]
+
     def rollback(self) -> None:
         """Undo every write made through this view (newest first)."""
         self._drops.clear()

@@ -19,6 +19,7 @@ from tllm_core.api.request_settings import (
     WINDOW_FIELD,
     RequestSettings,
     acts_on,
+    enabled_consumers,
     parse_request_settings,
     request_key,
 )
@@ -77,6 +78,11 @@ class RequestInfo:
         if model is None or WINDOW_FIELD not in model.model_fields:
             return None
         return getattr(self.settings(consumer), WINDOW_FIELD)
+
+    @property
+    def enabled_consumers(self) -> frozenset[str]:
+        """Consumers this request switched on (``extra_args["tllm_consumers"]``, comma-separated)."""
+        return frozenset(enabled_consumers(self.extra_args))
 
     def acted_on_by(self, consumer: str, per_request: bool) -> bool:
         """Whether consumer ``consumer`` (per-request or not) acts on this request."""
