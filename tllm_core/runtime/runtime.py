@@ -140,34 +140,40 @@ def build_consumers(
                 data_parallel_size=data_parallel[1],
                 max_result_bytes=max_result_bytes,
             )
-            consumer = cls(config, context)
-            reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
-            slot = _Slot(consumer, reads, per_request=spec.per_request)
-            if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
-                slot.window_key = request_key(cls.name, WINDOW_FIELD)
-            windowed = slot.window_key is not None
-            slot.last = last_rows(reads, cls.request_window_rows, windowed=windowed)
-            for w in consumer.writes():
-                if isinstance(w, Edit):
-                    target = w.target.resolve(resolve)
-                    slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
-                    if w.transform is not None:
-                        slot.transforms[target.key] = w.transform
-                elif isinstance(w, SamplerGuide):
-                    slot.guides = True
-                else:
-                    raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
-            guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
-            if guide_only and not slot.guides:
-                raise ValueError(
-                    f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but "
-                    "the consumer declares no SamplerGuide write port: it would never see that "
-                    "data; use another phase to get it in on_bundle"
-                )
-            slots.append(slot)
+            slots.append(_slot(cls(config, context), spec, resolve, registry))
         except Exception as e:
             raise explain(spec.name, config, e, resolve, where, model_path) from e
     return slots
+
+
+def _slot(
+    consumer: Consumer, spec: ConsumerSpec, resolve: LayerResolver, registry: Registry
+) -> _Slot:
+    """A constructed consumer's ports resolved."""
+    cls = type(consumer)
+    reads = plan_reads(consumer.reads(), resolve, registry.producer_for)
+    slot = _Slot(consumer, reads, per_request=spec.per_request)
+    if cls.Request is not None and WINDOW_FIELD in cls.Request.model_fields:
+        slot.window_key = request_key(cls.name, WINDOW_FIELD)
+    slot.last = last_rows(reads, cls.request_window_rows, windowed=slot.window_key is not None)
+    for w in consumer.writes():
+        if isinstance(w, Edit):
+            target = w.target.resolve(resolve)
+            slot.edits[target.key] = registry.producer_for(target).edit_tap(target)
+            if w.transform is not None:
+                slot.transforms[target.key] = w.transform
+        elif isinstance(w, SamplerGuide):
+            slot.guides = True
+        else:
+            raise TypeError(f"consumer {spec.name!r}: not a write port: {w!r}")
+    guide_only = [r.port for r in reads.token.values() if r.phase is Phase.GUIDE]
+    if guide_only and not slot.guides:
+        raise ValueError(
+            f"read port {guide_only[0]!r} has Phase.GUIDE (read at guide time only) but the "
+            "consumer declares no SamplerGuide write port: it would never see that data; "
+            "use another phase to get it in on_bundle"
+        )
+    return slot
 
 
 def _kept_rows(step: StepCapture) -> np.ndarray:
