@@ -4,7 +4,6 @@ writes to the edit buffers or step clock change the next forward without recompi
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -30,15 +29,17 @@ class TapBuffers:
     edited: torch.Tensor  # int64 [1]
 
 
-class OutputTap(nn.Module):
-    """Wraps a module whose output is one tensor (self-attention, MLP): captures (and
-    optionally edits) it. The base of every tap."""
+class _Tap(nn.Module):
+    """Wraps a module; captures (and optionally edits) one tensor of its output."""
 
     def __init__(self, inner: nn.Module, buffers: TapBuffers):
         super().__init__()
         self.inner = inner
-        for name, value in vars(buffers).items():  # capture, edit, clock, stamp, edited
-            setattr(self, name, value)
+        self.capture = buffers.capture
+        self.edit = buffers.edit
+        self.clock = buffers.clock
+        self.stamp = buffers.stamp
+        self.edited = buffers.edited
 
     def value(self, out):
         return out
@@ -74,7 +75,7 @@ class OutputTap(nn.Module):
         return out
 
 
-class ResidualTap(OutputTap):
+class ResidualTap(_Tap):
     """Output ``(h, residual)``: the value is ``h + residual`` ("sum"), or ``h`` with
     ``stream_first`` ("first"); a bare tensor is the value itself (Granite)."""
 
@@ -100,7 +101,11 @@ class StreamFirstResidualTap(ResidualTap):
     stream_first = True
 
 
-class RouterTap(OutputTap):
+class OutputTap(_Tap):
+    """A block whose output is one tensor (self-attention, MLP)."""
+
+
+class RouterTap(_Tap):
     """An MoE router gate's logits ``[tokens, experts]``, in fp32. A forward hook, not a
     wrapper: vLLM's MoE runner keeps its own reference to the gate (Qwen3-MoE)."""
 
@@ -118,7 +123,7 @@ class RouterTap(OutputTap):
 
 
 # SiteSpec.output -> the tap reading that convention
-TAPS: Mapping[str, type[OutputTap]] = MappingProxyType(
+TAPS: Mapping[str, type[_Tap]] = MappingProxyType(
     {
         "tensor": OutputTap,
         "sum": ResidualTap,
@@ -131,7 +136,7 @@ ROUTER_GATES = ("gate", "router")
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    while isinstance(module, OutputTap):
+    while isinstance(module, _Tap):
         module = module.inner
     return module
 
@@ -258,11 +263,17 @@ def install_tap(
         setattr(layer, name, tap(getattr(layer, name), buffers))
 
 
+def _at(root: nn.Module, path: str) -> object:
+    for part in path.split("."):
+        root = getattr(root, part, None)
+    return root
+
+
 def find_layers(model: nn.Module, num_layers: int, architectures: Architectures) -> nn.ModuleList:
     """The ``ModuleList`` of decoder layers: at a registered spec's ``layers`` path, else the
     shallowest list of ``num_layers`` modules."""
     for spec, path in architectures.layer_paths():
-        found = functools.reduce(lambda m, part: getattr(m, part, None), path.split("."), model)
+        found = _at(model, path)
         if (
             isinstance(found, nn.ModuleList)
             and len(found)
