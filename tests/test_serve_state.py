@@ -79,14 +79,17 @@ def _disconnect_while_running(
     with socket.create_connection((u.hostname, u.port), timeout=120) as sock:
         sock.sendall(head.encode() + body)
         deadline = time.monotonic() + 60
+        answer = b""
         while (status := get_json(f"{url}/tllm/status", key))["worker"]["requests_open"] == 0:
-            # A streamed token proves the engine runs it (the status may not show it yet); any
-            # other answer before the engine ran it (a refusal, a request over already) says why.
+            # A stream's 200 may come before the engine runs it, and its first token proves it
+            # runs (the status may not show it yet); any other answer before the engine ran it
+            # (a refusal, a request over already) says why.
             if select.select([sock], [], [], 0)[0]:
-                answer = sock.recv(4096)
-                if stream and answer.startswith(b"HTTP/1.1 200") and b"data: " in answer:
+                answer += sock.recv(4096)
+                if not (stream and answer.startswith(b"HTTP/1.1 200")):
+                    raise AssertionError(f"answered before it ran: {answer[:600]!r}")
+                if b"data: " in answer:
                     return
-                raise AssertionError(f"answered before it ran: {answer[:600]!r}")
             assert time.monotonic() < deadline, f"the long request never ran: {status}"
             time.sleep(0.05)
 
