@@ -7,11 +7,12 @@ default multiprocess layout run the ``tllm`` command in a subprocess instead.
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -349,6 +350,19 @@ def run_cli(*args: str, timeout: int = 600, env: dict | None = None) -> subproce
     proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     proc.pid = p.pid  # the front end's pid: consumers must run elsewhere
     return proc
+
+
+def cli_in_process(*args: str) -> dict:
+    """The ``--json`` report of ``tllm *args`` run by its ``main`` in this process, with an
+    in-process engine: seconds to start, not the ~40 s of the multiprocess layout's three
+    interpreters. For tests of what a command computes, not of its processes."""
+    from tllm_core.app.cli import main
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        status = main([*args, "--json"])
+    assert status == 0, f"tllm {' '.join(args)} exited {status}"
+    return json.loads(out.getvalue().strip().splitlines()[-1])
 
 
 def cli_json(proc: subprocess.CompletedProcess) -> dict:

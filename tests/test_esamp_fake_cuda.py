@@ -44,12 +44,17 @@ def test_a_long_group_replays_its_layout_and_stays_clean(mode, fit):
 
 
 @pytest.mark.parametrize("fit", [False, True], ids=["constant", "fit"])
-def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit):
-    """300 guided decode steps (past the 256 queued updates that once forced a blocking
-    read-back): the update results come back by the background copies, the guided counts
-    and the fit's sums by copies into pinned memory, all without a host wait, and the
-    counters move during the run (not only at a blocking flush at the end)."""
-    res = run(8, 16, "post_filter", fit, steps=300)
+def test_a_long_run_reads_its_results_and_counters_back_without_a_wait(fit, monkeypatch):
+    """Guided decode steps past the queued updates' read-back (every 16 here, 256 shipped;
+    it once forced a blocking read-back) and the counters' (every 2nd read-back here): the
+    update results come back by the background copies, the guided counts and the fit's sums
+    by copies into pinned memory, all without a host wait, and the counters move during the
+    run (not only at a blocking flush at the end)."""
+    from algorithms.esamp import training
+
+    monkeypatch.setattr(training, "_FLUSH_EVERY", 16)
+    monkeypatch.setattr(training, "_READ_EVERY", 2)
+    res = run(8, 16, "post_filter", fit, steps=60)
     assert res["failures"] == [] and res["host_waits"] == 0, res
     assert res["rows_guided_counted_in_the_run"] > 0, res
 
@@ -110,11 +115,14 @@ def test_a_per_request_esamp_runtime_step_waits_for_nothing_and_allocates_nothin
     assert res["acted_on"] == 64 and res["rows_guide_visited"] == 3 * 64, res
 
 
-def test_diagnostics_in_a_long_run_wait_for_nothing():
-    """300 guided steps with diagnostics (past the 256-step ring): each full half of the ring
-    goes to the host in a copy nothing waits for (not a blocking read of the whole ring when
-    it fills)."""
-    res = run(8, 16, "post_filter", False, steps=300, diagnostics=True)
+def test_diagnostics_in_a_long_run_wait_for_nothing(monkeypatch):
+    """Guided steps with diagnostics past the ring (32 steps here, 256 shipped): each full
+    half of the ring goes to the host in a copy nothing waits for (not a blocking read of the
+    whole ring when it fills)."""
+    from algorithms.esamp import guide_workspace
+
+    monkeypatch.setattr(guide_workspace, "DIAG_STEPS", 32)
+    res = run(8, 16, "post_filter", False, steps=80, diagnostics=True)
     assert res["failures"] == [] and res["host_waits"] == 0, res
 
 

@@ -528,39 +528,41 @@ def test_kit_returns_stats_figures_and_sae_top_features(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("runner", ["v1", pytest.param("v2", marks=pytest.mark.slow)])
-def test_tllm_run_results_on_v1_and_v2(tiny_model, runner):
+def test_tllm_run_results_on_v1_and_v2(tiny_model, runner, capsys):
     """``tllm run --results``: each sample's result in the JSON, on both model runners (V2
-    through Triton's interpreter, ~2 min: slow), equal to transformers; a bad name is refused
-    before vLLM starts."""
+    through Triton's interpreter, ~2 min: slow; V1 in this process: the results' way from
+    vLLM's engine process is the server's, test_tllm_serve_returns_rows...), equal to
+    transformers; a bad name is refused before vLLM starts."""
     from cli_util import v2_env
-    from conftest import cli_json, run_cli
+    from conftest import cli_in_process, cli_json, run_cli
 
     import tllm_core
+    from tllm_core.app.cli import main
 
     spec = {"out": None, "layers": [1], "phase": "last_prompt"}
     args = ["run", "--model", tiny_model, "--consumer", f"export:{json.dumps(spec)}"]
     args += ["--results", "export", "--prompt", "sea rain stone", "--prompt", "light"]
-    args += ["-n", "1", "--max-tokens", "2", "--temperature", "0", "--json", "--no-chat"]
+    args += ["-n", "1", "--max-tokens", "2", "--temperature", "0", "--no-chat"]
     args += ["--enforce-eager", "--max-model-len", "256", "--kv-cache-gib", "1"]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    for env in [v2_env()] if runner == "v2" else [{}]:
-        out = cli_json(run_cli(*args, env=env))
-        assert out["run"]["runner"].startswith("V2" if env else "V1"), out["run"]["runner"]
-        for text, per_prompt in zip(
-            ["sea rain stone", "light"], out["request_results"], strict=True
-        ):
-            ids = tok(text).input_ids
-            rows = tllm_core.decode_results(per_prompt[0])["export"]
-            assert rows["positions"].tolist() == [len(ids) - 1]  # the last prompt token only
-            assert rows["token_ids"].tolist() == [ids[-1]]
-            ref = hf_states(tiny_model, ids)["layer.1"][-1]
-            torch.testing.assert_close(
-                torch.from_numpy(rows["layer.1"][0]), ref, rtol=1e-3, atol=1e-3
-            )
-    bad = run_cli("run", "--model", tiny_model, "--consumer", "stats", "--results", "nope")
-    assert bad.returncode == 2 and "--results" in bad.stderr and "'nope'" in bad.stderr
+    if runner == "v2":
+        out = cli_json(run_cli(*args, "--json", env=v2_env()))
+    else:
+        out = cli_in_process(*args)
+    assert out["run"]["runner"].startswith(runner.upper()), out["run"]["runner"]
+    for text, per_prompt in zip(["sea rain stone", "light"], out["request_results"], strict=True):
+        ids = tok(text).input_ids
+        rows = tllm_core.decode_results(per_prompt[0])["export"]
+        assert rows["positions"].tolist() == [len(ids) - 1]  # the last prompt token only
+        assert rows["token_ids"].tolist() == [ids[-1]]
+        ref = hf_states(tiny_model, ids)["layer.1"][-1]
+        torch.testing.assert_close(torch.from_numpy(rows["layer.1"][0]), ref, rtol=1e-3, atol=1e-3)
+    capsys.readouterr()
+    assert main(["run", "--model", tiny_model, "--consumer", "stats", "--results", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "--results" in err and "'nope'" in err, err
 
 
 def test_result_bounds_follow_the_window_and_the_request():

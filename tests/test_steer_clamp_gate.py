@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_json, run_cli
+from conftest import cli_in_process, cli_json, run_cli
 from reference import hf_model
 
 from consumers.steer.consumer import SteerConfig, SteerRequest
@@ -170,10 +170,13 @@ def _export(tiny_model, tmp_path, u, d, thr, *extra: str, env=None) -> tuple[dic
     out = tmp_path / "steered"
     args = ["export", "--model", tiny_model, "--layers", "1,2", "--out", str(out)]
     args += ["--consumer", f"steer:{json.dumps(_config(u, d, thr))}", "--max-tokens", "4"]
-    args += ["--temperature", "0", "-n", "1", "--no-chat", "--json", "--max-model-len", "512"]
+    args += ["--temperature", "0", "-n", "1", "--no-chat", "--max-model-len", "512"]
     for p in PROMPTS:
         args += ["--prompt", p]
-    report = cli_json(run_cli(*args, *extra, env=env, timeout=900))
+    if env is None and "--compile" not in extra:  # the engine's processes are not the point
+        report = cli_in_process(*args, *extra)
+    else:
+        report = cli_json(run_cli(*args, *extra, "--json", env=env, timeout=900))
     return report, list(read_export(out, verify=True))
 
 

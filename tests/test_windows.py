@@ -11,7 +11,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import cli_json, run_cli
+from conftest import cli_in_process
 from reference import hf_states
 
 from tllm_core import HiddenStates, Phase
@@ -88,8 +88,8 @@ def test_the_last_prompt_token_of_512_prompts_at_two_layers(tiny_model, tmp_path
     out = tmp_path / "probe"
     args = ["export", "--model", tiny_model, "--layers", "0,-1", "--phase", "last_prompt"]
     args += ["--prompts", str(tmp_path / "prompts.txt"), "--out", str(out), "--max-tokens", "1"]
-    args += ["-n", "1", "--no-chat", "--json", "--enforce-eager", "--max-model-len", "64"]
-    report = cli_json(run_cli(*args, timeout=900))
+    args += ["-n", "1", "--no-chat", "--enforce-eager", "--max-model-len", "64"]
+    report = cli_in_process(*args)
     recs = list(read_export(out, verify=True))
     assert len(recs) == 512
     assert sum(len(r.positions) for r in recs) == 512  # exactly one row per prompt

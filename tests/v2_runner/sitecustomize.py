@@ -4,7 +4,8 @@ vLLM refuses V2 when ``vllm.triton_utils.importing.HAS_TRITON`` is False, which 
 Triton wheel has no CPU driver. With ``TRITON_INTERPRET=1`` Triton's interpreter runs V2's
 kernels on CPU tensors, so this file flips that one flag right after the module computes it
 (before ``vllm.triton_utils`` picks real Triton over placeholders), and routes the one kernel
-the interpreter cannot run (top-k/top-p filtering) to vLLM's PyTorch version of it. Put this folder on
+the interpreter cannot run (top-k/top-p filtering) to vLLM's PyTorch version of it, and runs
+the Gumbel sampling kernel in one block per row (the same result, far fewer programs). Put this folder on
 ``PYTHONPATH`` (with ``TRITON_INTERPRET=1`` and ``VLLM_USE_V2_MODEL_RUNNER=1``) and every
 Python process, vLLM's spawned engine processes included, gets it. It never ships with tllm.
 """
@@ -28,10 +29,34 @@ def _torch_top_k_top_p(module):
     module.apply_top_k_top_p_triton = apply_top_k_top_p_triton
 
 
+def _one_block_gumbel(module):
+    # The interpreter pays per program, not per element: V2's Gumbel sampling kernel, one
+    # program per 1024-token block of the vocabulary, was ~90% of an interpreted step (py-spy).
+    # The same kernel over the whole vocabulary in one block per row computes the same
+    # maximum and argmax; the other blocks' maxima are -inf, so vLLM's reduction picks block 0.
+    import triton
+
+    kernel = module._gumbel_sample_kernel
+
+    class OneBlock:
+        def __getitem__(self, grid):
+            def launch(local_argmax, argmax_stride, local_max, max_stride, *args, **kw):
+                local_max.fill_(float("-inf"))
+                local_argmax.zero_()
+                kw["BLOCK_SIZE"] = triton.next_power_of_2(args[-1])  # args[-1]: vocab_size
+                head = (local_argmax, argmax_stride, local_max, max_stride)
+                kernel[(grid[0], 1)](*head, *args, **kw)
+
+            return launch
+
+    module._gumbel_sample_kernel = OneBlock()
+
+
 # module -> what to change right after it has run
 _AFTER_EXEC = {
     "vllm.triton_utils.importing": _has_triton,
     "vllm.v1.sample.ops.topk_topp_sampler": _torch_top_k_top_p,
+    "vllm.v1.worker.gpu.sample.gumbel": _one_block_gumbel,
 }
 
 

@@ -354,6 +354,52 @@ def engine_note(args: argparse.Namespace) -> str:
     )
 
 
+def prompts(args: argparse.Namespace) -> list[str]:
+    """The ``--prompts`` file's prompts, else the ``--prompt``'s, else the built-in prompt."""
+    if args.prompts is not None:
+        return read_prompt_file(args.prompts, "--prompts file")
+    return args.prompt or [DEFAULT_PROMPT]
+
+
+def has_chat_template(model: str) -> bool:
+    """Whether the model folder ships a chat template (``--chat``'s default)."""
+    cfg = Path(model) / "tokenizer_config.json"
+    return (Path(model) / "chat_template.jinja").is_file() or (
+        cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
+    )
+
+
+def check_results_arg(asked: str, checked: Any) -> None:
+    """``--results`` checked as a request's ``tllm_results`` is, against the consumers."""
+    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+
+    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+    try:
+        validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
+    except ValueError as e:
+        raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+
+
+def _outputs(
+    done: list[Any], first: int, num_prompts: int, n: int
+) -> tuple[list[list[str | None]], list[list[Any]], int]:
+    """(texts, encoded results, tokens) per prompt and sample from the finished outputs of
+    this run's requests (request ids from ``first``); an unfinished sample stays None."""
+    from tllm_core.api.results import encode
+
+    texts: list[list[str | None]] = [[None] * n for _ in range(num_prompts)]
+    results: list[list[Any]] = [[None] * n for _ in range(num_prompts)]
+    tokens = 0
+    for o in done:
+        i = int(o.request_id) - first
+        if 0 <= i < num_prompts:
+            for c in o.outputs:
+                texts[i][c.index] = c.text
+                tokens += len(c.token_ids)
+                results[i][c.index] = encode(getattr(c, "tllm", None))
+    return texts, results, tokens
+
+
 def generate_with(
     args: argparse.Namespace,
     consumers: ConsumersArg,
@@ -363,7 +409,6 @@ def generate_with(
     """Start the engine with ``consumers``, generate for the prompts of ``args``, close;
     return (prompts, texts per prompt and sample, report). Ctrl-C makes the report partial
     (``report["run"]["interrupted"]``, unfinished samples None)."""
-    from tllm_core.api.results import encode
     from tllm_core.app import default_model
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
@@ -376,21 +421,12 @@ def generate_with(
 
         check_out_dir(args.report)
     model = local_model(args.model)
-    if args.prompts is not None:  # else the --prompt's, or the built-in prompt
-        texts_in = read_prompt_file(args.prompts, "--prompts file")
-    else:
-        texts_in = args.prompt or [DEFAULT_PROMPT]
+    texts_in = prompts(args)
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = getattr(args, "results", None)
-    if asked:  # checked as a request's tllm_results is
-        from tllm_core.serving.keys import EngineConsumers, validate_extra_args
-
-        engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
-        try:
-            validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
-        except ValueError as e:
-            raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+    if asked:
+        check_results_arg(asked, checked)
     # The default model converts while vLLM is imported; before the engine processes' preload.
     converting = default_model.convert_in_background() if model is None else None
     if model is None and converting is None:  # cached: the dry build now, before vLLM's import
@@ -405,11 +441,8 @@ def generate_with(
         default_model.wait_for_conversion(converting)
         model = str(default_model.default_model_path())
         checked = validate_consumers(checked, model)  # before vLLM starts
-    if args.chat is None:  # whether the model folder ships a chat template
-        cfg = Path(model) / "tokenizer_config.json"
-        args.chat = (Path(model) / "chat_template.jinja").is_file() or (
-            cfg.is_file() and "chat_template" in json.loads(cfg.read_text())
-        )
+    if args.chat is None:
+        args.chat = has_chat_template(model)
     names = [s.name for s in checked.specs]
     say(f"loading {Path(model).name} with consumers {', '.join(names) or '(none)'}")
     # With eager_note: the one line that says why, and how to override.
@@ -450,16 +483,7 @@ def generate_with(
     finally:
         llm.shutdown()
     args.engine_stopped = True  # the command may exit without the interpreter's teardown
-    texts: list[list[str | None]] = [[None] * params.n for _ in texts_in]
-    results: list[list[Any]] = [[None] * params.n for _ in texts_in]
-    tokens = 0
-    for o in done:
-        i = int(o.request_id) - first
-        if 0 <= i < len(texts):
-            for c in o.outputs:
-                texts[i][c.index] = c.text
-                tokens += len(c.token_ids)
-                results[i][c.index] = encode(getattr(c, "tllm", None))
+    texts, results, tokens = _outputs(done, first, len(texts_in), params.n)
     if asked:
         report["request_results"] = results
     proofs = {n: getattr(checked.registry.get(n), "proof_counter", "") for n in report["consumers"]}
