@@ -128,9 +128,10 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     assert snap["results_discarded"] == 4 and snap["results_made"] == 4 and len(store) == 1
     assert store.take(["a-0", "a-1", "b"]) == {"b": {0: {"c": {"v": 0}}}}
     # A new request with that caller id (a client's retry reuses its id) keeps its results,
-    # as does any after UNWANTED_S.
-    store.reuse("a-0")
+    # as does any after UNWANTED_S; a late result of the discarded request is still dropped.
+    store.reuse("a-0", "0_a-0-y")
     store.put(RequestInfo("0_a-0-y", "a-0", 0, 0, 4), "c", {"v": 5})
+    store.put(RequestInfo("3_a-0-x", "a-0", 0, 3, 4), "c", {"v": 3})
     assert store.take(["a-0"]) == {"a-0": {0: {"c": {"v": 5}}}}
     store._unwanted["a-1"] = 0.0
     store.put(RequestInfo("0_a-1-y", "a-1", 0, 0, 4), "c", {"v": 6})

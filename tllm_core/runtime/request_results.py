@@ -42,13 +42,18 @@ class ResultStore:
         self._gone = {"error": f"{why}; ask for fewer choices or rows at once"}
         self._cut = {"error": "cut short: the request was aborted before its end"}
         self._unwanted: OrderedDict[str, float] = OrderedDict()  # caller id -> until when
+        # Caller id -> engine ids of the requests that reused it after its discard: theirs
+        # are wanted, a late result of the discarded ones is not.
+        self._reused: dict[str, set[str]] = {}
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded on the caller's thread); a request
         cut short (aborted) leaves a small error instead, its siblings keep theirs."""
         rid = request.request_id
         with self._lock:
-            unwanted = self._unwanted.get(rid, 0.0) > time.monotonic()
+            unwanted = self._unwanted.get(rid, 0.0) > time.monotonic() and (
+                request.engine_id not in self._reused.get(rid, ())
+            )
             if request.cut_short and not unwanted:
                 dropped = self._dropped.setdefault(rid, {})
                 dropped.setdefault(request.sample_index, {})[consumer] = self._cut
@@ -124,14 +129,17 @@ class ResultStore:
                 self.counters.add("results_discarded", sum(map(len, gone.values())))
                 self._unwanted[rid] = until
                 self._unwanted.move_to_end(rid)
+                self._reused.pop(rid, None)
             while len(self._unwanted) > self.max_requests:
-                self._unwanted.popitem(last=False)
+                self._reused.pop(self._unwanted.popitem(last=False)[0], None)
 
-    def reuse(self, request_id: str) -> None:
-        """A new request reuses this caller id: its results are kept again."""
+    def reuse(self, request_id: str, engine_id: str) -> None:
+        """A new request (``engine_id``) reuses this caller id: its results are kept, while
+        late ones of the discarded requests of that id are still dropped."""
         if request_id in self._unwanted:
             with self._lock:
-                self._unwanted.pop(request_id, None)
+                if request_id in self._unwanted:
+                    self._reused.setdefault(request_id, set()).add(engine_id)
 
     def __len__(self) -> int:
         with self._lock:

@@ -110,7 +110,7 @@ class RunnerHooks:
                 prompt_token_ids=prompt_ids,
             )
             req.cut_short = rid in self._aborting
-            self.runtime.results.reuse(rid)  # a new request: its results are wanted
+            self.runtime.results.reuse(rid, engine_id)  # a new request: its results are wanted
             self.requests[engine_id] = req
         return req
 
