@@ -632,6 +632,54 @@ def test_aborted_requests_are_marked_cut_short_before_the_abort():
     assert rec.levelname == "WARNING" and rec.exc_info is None and "in 1 s" in rec.getMessage()
 
 
+def test_many_aborts_at_once_share_their_mark_rpcs_and_each_is_marked_before_its_abort():
+    """Fifty clients gone at once: the aborts made while a mark RPC is in flight share the
+    next one (two RPCs, not fifty), each request is marked before its own abort, and a mark
+    that fails reaches every abort of its batch (each still aborts)."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.request_marks import install_abort_marks
+
+    marked: set[str] = set()
+    rpcs: list[list[str]] = []
+    aborted: list[str] = []
+    late: list[str] = []
+    failing: list[Exception] = []
+
+    async def ask(method, ids):
+        assert method == "tllm_mark_cut_short"
+        rpcs.append(list(ids))
+        await asyncio.sleep(0.05)  # the workers answer after a while
+        if failing:
+            raise failing[0]
+        marked.update(ids)
+
+    async def core_abort(ids):
+        aborted.extend(ids)
+        late.extend(i for i in ids if i not in marked)
+
+    async def abort(request_id, internal=False):
+        await client.engine_core.abort_requests_async([request_id])
+
+    async def gone(n: int, prefix: str) -> None:
+        await asyncio.gather(*(client.abort(f"{prefix}{i}") for i in range(n)))
+
+    client = SimpleNamespace(engine_core=SimpleNamespace(abort_requests_async=core_abort))
+    client.abort = abort
+    install_abort_marks(client, ask)
+    asyncio.run(gone(50, "r"))
+    assert sorted(aborted) == sorted(f"r{i}" for i in range(50)) and late == []
+    assert len(rpcs) == 2 and sorted(sum(rpcs, [])) == sorted(aborted), rpcs
+    rpcs.clear()
+    aborted.clear()
+    failing.append(RuntimeError("engine core gone"))
+    with _records("vllm.tllm") as records:
+        asyncio.run(gone(5, "x"))
+    assert sorted(aborted) == [f"x{i}" for i in range(5)] and len(rpcs) == 2
+    said = [r for r in records if "could not mark aborted requests" in r.getMessage()]
+    assert len(said) == 5, [r.getMessage() for r in records]
+
+
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():
     """A streamed response whose client went away: anyio cancels the handler task again at
     each await until its scope exits, also inside vLLM's ``generate`` abort; the mark must not

@@ -147,6 +147,36 @@ class FailureMarks:
 FRONT_END_ABORT: ContextVar[bool] = ContextVar("tllm_front_end_abort", default=False)
 
 
+class MarkBatches:
+    """Cut-short marks, one RPC to the workers at a time: the aborts made while one is in
+    flight (many clients gone at once) share the next, not one RPC each."""
+
+    def __init__(self, ask: Ask) -> None:
+        self.ask = ask
+        self.open: tuple[list[str], asyncio.Future] | None = None  # the next RPC's ids
+        self.sending: asyncio.Future | None = None  # the RPC in flight: settled when answered
+
+    async def mark(self, request_ids: list[str]) -> None:
+        """Returns once the workers have marked ``request_ids``; raises as ``ask`` does."""
+        if self.open is not None:  # waiting for the RPC in flight: join it
+            self.open[0].extend(request_ids)
+            return await self.open[1]
+        ids, done = list(request_ids), asyncio.get_running_loop().create_future()
+        self.open = (ids, done)
+        if self.sending is not None:
+            await asyncio.wait([self.sending])  # its outcome is its callers'
+        self.open, self.sending = None, done
+        try:
+            await self.ask("tllm_mark_cut_short", ids)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - every caller of the batch hears it
+            done.set_exception(e)
+        finally:
+            if self.sending is done:
+                self.sending = None
+        return await done
+
+
 def install_abort_marks(engine_client: Any, ask: Ask) -> None:
     """Requests the front end aborts (a client gone) reach the consumers as ``cut_short``
     (marked before the abort; the engine core handles its input in order)."""
@@ -158,10 +188,11 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
             await abort_orig(*args, **kwargs)
 
     pending: set[asyncio.Future] = set()  # strong references: a bare task may be collected
+    marks = MarkBatches(ask)
 
     async def mark_then_abort(request_ids: list[str]) -> None:
-        try:  # bounded: ask is serving.answered (engine_answer_s)
-            await ask("tllm_mark_cut_short", request_ids)
+        try:  # bounded: ask is serving.answered (engine_answer_s), twice at most
+            await marks.mark(request_ids)
         except EngineNoAnswer as e:  # a stopping or stuck engine: one line, no traceback
             log.warning("tllm: aborted requests %s not marked cut short: %s", request_ids, e)
         except Exception:  # noqa: BLE001 - the abort itself must still happen
