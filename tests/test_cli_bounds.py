@@ -150,6 +150,26 @@ def test_a_serve_host_it_cannot_listen_on_is_refused_before_the_engine(capsys, h
         listen_host(build_parser().parse_args(["serve", "--", f"--host={host}"]))
 
 
+def test_a_serve_host_the_resolver_never_answers_for_is_refused_within_the_bound(
+    capsys, monkeypatch
+):
+    """A name lookup that hangs (a resolver that does not answer) ends at HOST_LOOKUP_S with
+    the value named, not when the resolver gives up."""
+    import threading
+
+    from tllm_core.app import cli_common
+
+    never = threading.Event()
+    monkeypatch.setattr(cli_common, "HOST_LOOKUP_S", 0.5)
+    monkeypatch.setattr(cli_common.socket, "getaddrinfo", lambda *a, **k: never.wait(60))
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--host", "slow.example"])
+    never.set()
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "'slow.example' was not resolved within 0.5 s" in err, err
+
+
 def test_a_serve_host_of_this_machine_is_listened_on_and_named_in_its_url():
     from tllm_core.app.serve_command import listen_host, server_url
 

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -98,20 +99,40 @@ HOSTS_ALLOWED = (
 )
 
 
-def checked_host(text: str) -> str:
-    """An address to serve on (``--host``), checked as vLLM will bind it (port 0 here): at
-    parsing, not after the engine loaded. Name lookups are bounded by the resolver's timeouts."""
+HOST_LOOKUP_S = 10.0  # --host: a name the resolver does not answer for is refused after this
+
+
+def _host_problem(text: str) -> str | None:
+    """Why vLLM could not listen on ``text`` (None: it can), as it will bind it (port 0 here)."""
     try:
         socket.getaddrinfo(text or None, 0, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:  # UnicodeError: an empty label (``not..a..host``)
-        why = f"is not a host name or IP address ({getattr(e, 'strerror', None) or e})"
+        return f"is not a host name or IP address ({getattr(e, 'strerror', None) or e})"
+    try:  # as vLLM binds: IPv6 for an IPv6 address (resolved, with ':'), else IPv4
+        with socket.socket(socket.AF_INET6 if ":" in text else socket.AF_INET) as s:
+            s.bind((text, 0))
+        return None
+    except (OSError, UnicodeError) as e:
+        return f"is not an address of this machine ({getattr(e, 'strerror', None) or e})"
+
+
+def checked_host(text: str) -> str:
+    """An address to serve on (``--host``), checked at parsing, not after the engine loaded;
+    the name's lookup within :data:`HOST_LOOKUP_S` (a daemon thread: a resolver that never
+    answers holds neither the command nor its exit)."""
+    done, found = threading.Event(), []
+
+    def look() -> None:
+        found.append(_host_problem(text))
+        done.set()
+
+    threading.Thread(target=look, name="tllm-host-lookup", daemon=True).start()
+    if not done.wait(HOST_LOOKUP_S):
+        why = f"was not resolved within {HOST_LOOKUP_S:g} s (the resolver did not answer)"
+    elif found[0] is None:
+        return text
     else:
-        try:  # as vLLM binds: IPv6 for an IPv6 address (resolved, with ':'), else IPv4
-            with socket.socket(socket.AF_INET6 if ":" in text else socket.AF_INET) as s:
-                s.bind((text, 0))
-            return text
-        except (OSError, UnicodeError) as e:
-            why = f"is not an address of this machine ({getattr(e, 'strerror', None) or e})"
+        why = found[0]
     raise argparse.ArgumentTypeError(f"{text!r} {why}; allowed: {HOSTS_ALLOWED}")
 
 
