@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tllm_core.api.hookspecs import hookimpl
@@ -32,13 +36,17 @@ def register() -> None:
         try:
             setup()
         except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
-            log.warning(
-                "tllm: %s failed (%s: %s); plain vLLM is unaffected, but tllm is not "
-                "available in this process",
-                setup.__name__,
-                type(e).__name__,
-                e,
-            )
+            _not_available(setup.__name__, e)
+
+
+def _not_available(what: str, e: Exception) -> None:
+    log.warning(
+        "tllm: %s failed (%s: %s); plain vLLM is unaffected, but tllm is not available in "
+        "this process",
+        what,
+        type(e).__name__,
+        e,
+    )
 
 
 def command_process() -> None:
@@ -108,9 +116,59 @@ def tllm_architectures() -> list[object]:
     return list(ARCHITECTURES)
 
 
-def _wrap_init_device() -> None:
-    from vllm.v1.worker.worker_base import WorkerWrapperBase
+WORKER_BASE = "vllm.v1.worker.worker_base"
 
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` once, right after module ``name`` is first imported (by the
+    finder that would load it anyway), then leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
+        self.name, self.patch = name, patch
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader, self.patch)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """``loader``, then ``patch`` on the module it ran (the rest asked of ``loader``)."""
+
+    def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
+        self.loader, self.patch = loader, patch
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        module.__loader__ = module.__spec__.loader = self.loader  # as if never wrapped
+        try:
+            self.patch(module)
+        except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
+            _not_available(self.patch.__name__, e)
+
+
+def _wrap_init_device() -> None:
+    """Wrap vLLM's ``WorkerWrapperBase.init_device``, once vLLM's worker module is loaded:
+    importing it here would cost ~5 s in a process that never runs a worker (an API server)."""
+    module = sys.modules.get(WORKER_BASE)
+    if module is not None:
+        _patch_init_device(module)
+    elif not any(getattr(f, "name", None) == WORKER_BASE for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(WORKER_BASE, _patch_init_device))
+
+
+def _patch_init_device(module: Any) -> None:
+    WorkerWrapperBase = module.WorkerWrapperBase
     orig = WorkerWrapperBase.__dict__.get("init_device")
     if orig is None:
         raise AttributeError("vllm WorkerWrapperBase has no init_device")
