@@ -680,6 +680,37 @@ def test_many_aborts_at_once_share_their_mark_rpcs_and_each_is_marked_before_its
     assert len(said) == 5, [r.getMessage() for r in records]
 
 
+def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
+    """The abort that opened the next batch is cancelled while it waits for the RPC in flight:
+    the aborts that joined it hear so at once (and then abort), later ones get a batch of
+    their own; nothing waits for a batch that will never be sent."""
+    from tllm_core.vllm_bridge.request_marks import MarkBatches
+
+    sent: list[list[str]] = []
+
+    async def ask(method, ids):
+        sent.append(list(ids))
+        await asyncio.sleep(0.05)
+
+    async def main():
+        marks = MarkBatches(ask)
+        first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
+        await asyncio.sleep(0)
+        opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
+        await asyncio.sleep(0)
+        joiner = asyncio.ensure_future(marks.mark(["c"]))  # joins it
+        await asyncio.sleep(0)
+        opener.cancel()
+        with pytest.raises(RuntimeError, match=r"marking \['b', 'c'\] cut short was cancelled"):
+            await asyncio.wait_for(joiner, 5)
+        await asyncio.wait_for(first, 5)
+        await asyncio.wait_for(marks.mark(["d"]), 5)
+        assert opener.cancelled()
+
+    asyncio.run(main())
+    assert sent == [["a"], ["d"]]
+
+
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():
     """A streamed response whose client went away: anyio cancels the handler task again at
     each await until its scope exits, also inside vLLM's ``generate`` abort; the mark must not

@@ -163,7 +163,7 @@ def _wrap_init_device() -> None:
     module = sys.modules.get(WORKER_BASE)
     if module is not None:
         _patch_init_device(module)
-    elif not any(getattr(f, "name", None) == WORKER_BASE for f in sys.meta_path):
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):  # register() again
         sys.meta_path.insert(0, _AfterImport(WORKER_BASE, _patch_init_device))
 
 

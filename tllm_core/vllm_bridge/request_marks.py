@@ -163,14 +163,20 @@ class MarkBatches:
             return await self.open[1]
         ids, done = list(request_ids), asyncio.get_running_loop().create_future()
         self.open = (ids, done)
-        if self.sending is not None:
-            await asyncio.wait([self.sending])  # its outcome is its callers'
-        self.open, self.sending = None, done
         try:
+            if self.sending is not None:
+                await asyncio.wait([self.sending])  # bounded as ask; its outcome is its callers'
+            self.open, self.sending = None, done
             await self.ask("tllm_mark_cut_short", ids)
             done.set_result(None)
-        except BaseException as e:  # noqa: BLE001 - every caller of the batch hears it
+        except Exception as e:  # every caller of the batch hears it
             done.set_exception(e)
+        except BaseException as e:  # this sender cancelled: its batch is not left waiting
+            if self.open is not None and self.open[1] is done:
+                self.open = None
+            done.set_exception(RuntimeError(f"marking {ids} cut short was cancelled"))
+            done.exception()  # told to the batch's other callers, if any
+            raise e
         finally:
             if self.sending is done:
                 self.sending = None
