@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -134,8 +135,12 @@ time.sleep(600)
 
 @pytest.mark.vllm
 @pytest.mark.slow  # a TllmLLM start (~40 s); the command's case above is the default one
-def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_path):
-    """As the command's: a Python script's engine processes stop once it is ``kill -9``-ed."""
+@pytest.mark.parametrize("when", ["ready", "starting"])
+def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_path, when):
+    """As the command's: a Python script's engine processes stop once it is ``kill -9``-ed,
+    also when that was before they looked (``starting``: once its engine core has its
+    configuration, before its worker starts; vLLM's engine core would then load the model and
+    wait minutes for a front end that is gone)."""
     log = tmp_path / "script.log"
     env = {
         **os.environ,
@@ -143,6 +148,7 @@ def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_p
     }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env["VLLM_LOGGING_LEVEL"] = "INFO"  # the engine core's first line tells when to kill
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-c", ORPHANED_SCRIPT, tiny_model],
@@ -151,7 +157,8 @@ def test_kill_9_of_a_tllmllm_script_stops_its_engine_processes(tiny_model, tmp_p
             stderr=out,
             start_new_session=True,  # descendants() finds its engine processes by session
         )
-    assert _left_after_kill_9(proc, log, "ready") == []
+    ready = "ready" if when == "ready" else "Initializing a V1 LLM engine"  # vLLM's EngineCore
+    assert _left_after_kill_9(proc, log, ready) == []
 
 
 UNCLOSED_SCRIPT = """
@@ -181,33 +188,66 @@ def test_a_tllmllm_script_that_never_closes_leaves_no_note_file(tiny_model):
 
 
 def test_an_engine_process_watches_its_tllmllm_front_end_only_where_it_runs(monkeypatch):
-    """The front end's (pid, create_time) in the settings: watched when that process runs on
-    this machine; not this process (in-process engine), not a pid with another create_time (a
-    reused pid, another node's), not a gone one, not the command (it watches itself)."""
+    """The front end's (pid, create_time, pid space) in the settings: watched when that
+    process runs in this pid space; stopped at once when it is already gone there (a kill -9
+    while the engine started), its pid free or reused; not this process (in-process engine),
+    not another pid space's pid, not the command (it watches itself)."""
     import psutil
 
     from tllm_core.vllm_bridge import plugin
 
-    watched: list[int] = []
-    monkeypatch.setattr(plugin, "_stop_without", watched.append)
+    watched: list[tuple[int, bool]] = []
+    monkeypatch.setattr(
+        plugin, "_stop_without", lambda pid, gone=False: watched.append((pid, gone))
+    )
     monkeypatch.delenv(plugin.CLI_PID_ENV, raising=False)
+    here, elsewhere = plugin.pid_space(), "another-boot:1"
+    assert here, "no boot id or pid namespace on this Linux machine"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         created = psutil.Process(child.pid).create_time()
         plugin.watch_front_end(None)
-        plugin.watch_front_end((os.getpid(), psutil.Process().create_time()))
-        plugin.watch_front_end((child.pid, created - 3600))
+        plugin.watch_front_end((os.getpid(), psutil.Process().create_time(), here))
+        plugin.watch_front_end((child.pid, created, elsewhere))
+        plugin.watch_front_end((child.pid, created - 3600))  # no pid space: a live one only
         monkeypatch.setenv(plugin.CLI_PID_ENV, str(child.pid))
-        plugin.watch_front_end([child.pid, created])
+        plugin.watch_front_end([child.pid, created, here])
         assert watched == []
         monkeypatch.delenv(plugin.CLI_PID_ENV)
-        plugin.watch_front_end([child.pid, created])  # a list: the settings' JSON
-        assert watched == [child.pid]
+        plugin.watch_front_end([child.pid, created, here])  # a list: the settings' JSON
+        assert watched == [(child.pid, False)]
+        plugin.watch_front_end([child.pid, created - 3600, here])  # its pid reused here
+        assert watched[1:] == [(child.pid, True)]
     finally:
         child.kill()
         child.wait(30)
-    plugin.watch_front_end([child.pid, created])  # gone (reaped)
-    assert watched == [child.pid]
+    del watched[:]
+    plugin.watch_front_end([child.pid, created])  # gone, no pid space: another node's maybe
+    plugin.watch_front_end([child.pid, created, elsewhere])
+    assert watched == []
+    plugin.watch_front_end([child.pid, created, here])  # gone before the engine looked
+    assert watched == [(child.pid, True)]
+
+
+def test_an_engine_process_whose_front_end_is_gone_stops_at_once(monkeypatch):
+    """``_stop_without(pid, gone=True)`` does not watch whatever now holds that pid: it stops
+    this engine process (vLLM's SIGTERM stop) at once."""
+    from tllm_core.vllm_bridge import plugin
+
+    killed: list[int] = []
+    both = threading.Event()
+
+    def kill(pid: int, sig: int) -> None:
+        assert pid == os.getpid()
+        killed.append(sig)
+        if len(killed) == 2:
+            both.set()
+
+    monkeypatch.setattr(plugin.os, "kill", kill)
+    monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "0.1")  # then SIGKILL: a stop that hangs
+    plugin._stop_without(os.getpid(), gone=True)  # this pid runs: it would be watched
+    assert both.wait(10), f"the engine process was not stopped within 10 s: {killed}"
+    assert killed == [signal.SIGTERM, signal.SIGKILL]
 
 
 FORKED_ENGINE = r"""

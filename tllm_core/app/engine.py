@@ -39,6 +39,7 @@ from tllm_core.vllm_bridge.lifecycle import abort_unfinished, shutdown_engine, u
 from tllm_core.vllm_bridge.nodes import announce_stop, leader_store
 from tllm_core.vllm_bridge.offline import chat_with_salts
 from tllm_core.vllm_bridge.parallel import bind_cpu_threads
+from tllm_core.vllm_bridge.plugin import pid_space
 from tllm_core.vllm_bridge.startup_interrupt import interrupts_reach_caller
 from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
@@ -233,7 +234,7 @@ class TllmLLM:
 
         sent: dict[str, Any] = {"start_error_file": note.path, "fault_file": self._fault_note.path}
         # Its engine processes stop themselves once this process is gone (plugin.py).
-        sent["front_end"] = (os.getpid(), psutil.Process().create_time())
+        sent["front_end"] = (os.getpid(), psutil.Process().create_time(), pid_space())
         additional[ADDITIONAL_CONFIG_KEY] = self.settings.model_copy(update=sent).model_dump()
         from vllm import LLM  # after check_version
 

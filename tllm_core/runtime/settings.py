@@ -125,8 +125,8 @@ class RuntimeSettings(BaseModel):
         description="a file the engine writes why tllm refused to start into, for the front "
         "end to report (runtime/start_error.py)",
     )
-    front_end: tuple[int, float] | None = Field(
+    front_end: tuple[int, float, str] | tuple[int, float] | None = Field(
         None,
-        description="the (pid, psutil create_time) of the TllmLLM whose engine this is: its "
-        "engine processes on its machine stop themselves once it is gone (a kill -9)",
+        description="the (pid, psutil create_time, pid space) of the TllmLLM whose engine this "
+        "is: its engine processes in its pid space stop themselves once it is gone (a kill -9)",
     )

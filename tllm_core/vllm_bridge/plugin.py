@@ -63,29 +63,47 @@ def command_process() -> None:
 
 
 def watch_front_end(front_end: list | tuple | None) -> None:
-    """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time)``
-    from its settings, is gone. Only where that very process runs: not a same-numbered pid on
-    another node or a reused one, not this process (an in-process engine)."""
+    """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time,
+    pid_space)`` from its settings, is gone, also when it was gone before this process looked
+    (a kill -9 while the engine started). Only in the front end's own pid space: not a
+    same-numbered pid on another node, not this process (an in-process engine)."""
     if not front_end:
         return
     import psutil
 
     pid, created = int(front_end[0]), float(front_end[1])
+    space = str(front_end[2]) if len(front_end) > 2 else ""  # "": unknown, act on a live one only
     if pid == os.getpid() or os.environ.get(CLI_PID_ENV) == str(pid):  # or command_process's
+        return
+    if space and space != pid_space():  # another node's (or container's) pid
         return
     try:
         # A second's slack: create_time adds the boot time, which moves with clock steps.
         here = abs(psutil.Process(pid).create_time() - created) <= 1.0
-    except psutil.Error:  # no such process here: another node's, or already gone
+    except psutil.NoSuchProcess:
+        here = False
+    except psutil.Error:  # there, but not ours to read: cannot tell
         return
     if here:
         _stop_without(pid)
+    elif space:  # its pid is free or reused here: the front end is gone
+        _stop_without(pid, gone=True)
 
 
-def _stop_without(pid: int) -> None:
+def pid_space() -> str:
+    """This machine's boot and pid namespace ("" where unknown): a pid names the same process
+    only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{f.read().strip()}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _stop_without(pid: int, gone: bool = False) -> None:
     """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
-    gone without stopping it (a ``kill -9``): vLLM's engine core does not watch its parent, and
-    would keep its device."""
+    gone without stopping it (a ``kill -9``; ``gone``: already, its pid maybe reused): vLLM's
+    engine core does not watch its parent, and would keep its device."""
     import psutil
 
     def alive(command: psutil.Process) -> bool:
@@ -101,7 +119,7 @@ def _stop_without(pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     try:
-        command = psutil.Process(pid)
+        command = None if gone else psutil.Process(pid)
     except psutil.NoSuchProcess:  # gone before this process started
         command = None
     threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
