@@ -101,11 +101,12 @@ def test_counters_route_asks_every_engine_core():
     assert calls == [("collective_rpc", ("tllm_collect", None, (), None))]
 
 
-def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
-    """vLLM balances each of a request's n children alone; tllm's server sends them all to
-    the engine the first went to (ESamp: one distiller per prompt), keeps a request's own
-    ``data_parallel_rank``, leaves a single-engine client alone, and forgets parents."""
-    from tllm_core.api.request_settings import SAMPLES_KEY
+def test_the_requests_of_a_group_go_to_one_engine(monkeypatch):
+    """vLLM balances each request and each of its n children alone; tllm's server sends a
+    group (a request's samples, a client's ``tllm_group``) to the engine its first went to
+    (ESamp: one distiller per group), keeps a request's own ``data_parallel_rank``, leaves a
+    single-engine client alone, and forgets groups (least recently routed first)."""
+    from tllm_core.api.request_settings import GROUP_KEY, OWN_GROUP, SAMPLES_KEY
     from tllm_core.vllm_bridge import serving
 
     class Core:  # DPLBAsyncMPClient: round robin, a set rank obeyed, in-flight books kept
@@ -124,11 +125,12 @@ def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
         parallel = SimpleNamespace(data_parallel_size=dp_size)
         out = SimpleNamespace(engine_core=Core(), vllm_config=SimpleNamespace())
         out.vllm_config.parallel_config = parallel
-        serving.install_sample_affinity(out)
+        serving.install_group_affinity(out)
         return out
 
-    def req(rid: str, n: int = 4, rank: int | None = None) -> SimpleNamespace:
-        params = SimpleNamespace(extra_args={SAMPLES_KEY: n}, n=1)
+    def req(rid: str, n: int = 4, rank: int | None = None, group: str = "") -> SimpleNamespace:
+        group = group or OWN_GROUP + rid.partition("_")[2]  # as assign_request_id sets it
+        params = SimpleNamespace(extra_args={SAMPLES_KEY: n, GROUP_KEY: group}, n=1)
         return SimpleNamespace(request_id=rid, sampling_params=params, data_parallel_rank=rank)
 
     c = client()
@@ -146,11 +148,21 @@ def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
     set_rank = [req(f"{i}_c-3", rank=1) for i in range(4)]
     assert [route(r) for r in set_rank] == [b"e1"] * 4
     assert [r.data_parallel_rank for r in set_rank] == [1] * 4
-    assert route.placed == {}  # every parent routed in full is forgotten
-    monkeypatch.setattr(serving, "MAX_FANOUTS", 3)
-    for i in range(10):  # fan-outs aborted after their first child: the oldest dropped
+    assert route.placed == {}  # every request's samples routed in full are forgotten
+    # A client's group: its requests (n = 1 or more) all follow its first, whatever vLLM says.
+    pooled = [req("p-1", n=1, group="client-x/g"), req("0_p-2", group="client-x/g")]
+    pooled += [req(f"{i}_p-3", group="client-x/g") for i in range(3)]
+    assert route(req("q-1", n=1)) == b"e0"  # a request of its own: vLLM's choice
+    assert [route(r) for r in pooled] == [b"e1"] * 5
+    assert [route(req(f"r-{i}", n=1, group="client-y/g")) for i in range(3)] == [b"e0"] * 3
+    monkeypatch.setattr(serving, "MAX_GROUPS", 3)
+    route(req("0_gone-0"))
+    assert route(req("s-1", n=1, group="client-x/g")) == b"e1"  # routed last: kept
+    route(req("0_gone-1"))  # client-y/g, routed least recently, is dropped
+    assert list(route.placed) == ["request/gone-0", "client-x/g", "request/gone-1"]
+    for i in range(2, 10):  # fan-outs aborted after their first child: the oldest dropped
         route(req(f"0_gone-{i}"))
-    assert list(route.placed) == ["gone-7", "gone-8", "gone-9"]
+    assert list(route.placed) == [f"request/gone-{i}" for i in (7, 8, 9)]
     # An engine removed mid fan-out (elastic EP): the next sibling is balanced again.
     core.core_engines = [b"e0"]
     core.next = 0
@@ -159,7 +171,7 @@ def test_the_samples_of_a_request_go_to_one_engine(monkeypatch):
     assert "get_core_engine_for_request" not in vars(single.engine_core)
     broken = SimpleNamespace(engine_core=SimpleNamespace(), vllm_config=c.vllm_config)
     with pytest.raises(Exception, match="client lacks 'core_engines'"):  # vLLM changed: loud
-        serving.install_sample_affinity(broken)
+        serving.install_group_affinity(broken)
 
 
 def test_worker_shutdown_closes_the_runtime_once():
@@ -288,6 +300,28 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         esamp = [(after[d]["consumers"]["esamp"], ranks[d]["consumers"]["esamp"]) for d in (0, 1)]
         groups = [a.get("groups_created", 0) - b.get("groups_created", 0) for a, b in esamp]
         assert sorted(groups) == [0, 1], groups
+
+        # Four requests of one client's tllm_group, sent at once: all on one engine.
+        body["vllm_xargs"] = {**body["vllm_xargs"], "tllm_group": "tale"}
+        body.update(n=1)
+        before = after
+        with ThreadPoolExecutor(4) as pool:
+            assert all(len(r["choices"]) == 1 for r in pool.map(
+                lambda i: _post(f"{url}/v1/completions", {**body, "prompt": f"Tale {i}"}),
+                range(4),
+            ))  # fmt: skip
+        for _ in range(20):
+            after = get_json(f"{url}/tllm/counters")["ranks"]
+            done = [after[d]["runtime"].get("requests_finished", 0) for d in (0, 1)]
+            more = [done[d] - before[d]["runtime"].get("requests_finished", 0) for d in (0, 1)]
+            if sum(more) == 4:
+                break
+            time.sleep(0.25)
+        assert sorted(more) == [0, 4], f"the group split over the engines: {more}"
+        esamp = [(after[d]["consumers"]["esamp"], before[d]["consumers"]["esamp"]) for d in (0, 1)]
+        groups = [a.get("groups_created", 0) - b.get("groups_created", 0) for a, b in esamp]
+        # One engine's distillers (one, or more if a request ended before the next came).
+        assert min(groups) == 0 < max(groups), groups
 
         # Full rows (no window), one request sent to each engine (vLLM's header): 31+ rows each,
         # so each part's record spans shards of 16 rows, and the result comes from one rank.

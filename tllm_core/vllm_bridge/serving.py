@@ -18,7 +18,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tllm_core.api.consumer import ControlError
-from tllm_core.api.request_settings import GROUP_KEY, RESULTS_KEY, SAMPLES_KEY, short_repr
+from tllm_core.api.request_settings import (
+    GROUP_KEY,
+    OWN_GROUP,
+    RESULTS_KEY,
+    SAMPLES_KEY,
+    short_repr,
+)
 from tllm_core.runtime.reports import json_safe, merge_reports
 from tllm_core.runtime.settings import ADDITIONAL_CONFIG_KEY, MIB, RuntimeSettings, ServerSettings
 from tllm_core.runtime.watchdog import read_note
@@ -33,7 +39,6 @@ from tllm_core.serving.guard import (
 from tllm_core.serving.keys import EngineConsumers, request_salt, validate_extra_args
 from tllm_core.serving.throttle import Throttle
 from tllm_core.vllm_bridge import nodes
-from tllm_core.vllm_bridge.engine_ids import CHILD
 from tllm_core.vllm_bridge.engine_settings import tllm_settings
 from tllm_core.vllm_bridge.request_marks import (
     ASKED,
@@ -478,12 +483,13 @@ def install_request_checks(
     input_processor.assign_request_id = assign_request_id
 
 
-MAX_FANOUTS = 4096  # parents with children left to route (aborted fan-outs age out)
+MAX_GROUPS = 4096  # groups remembered (least recently routed dropped; aborted fan-outs age out)
 
 
-def install_sample_affinity(engine_client: Any) -> None:
-    """Data parallel: all ``n`` samples of a request go to its first one's engine (vLLM balances
-    each child alone), so a group of samples lives in one engine (CONTRACT.md)."""
+def install_group_affinity(engine_client: Any) -> None:
+    """Data parallel: the requests of one group go to one engine (vLLM balances each request
+    and each of its ``n`` samples alone): the group's first request goes where vLLM sends it,
+    the rest follow, so a group (ESamp: one distiller) lives in one engine (CONTRACT.md)."""
     core = engine_client.engine_core
     engines = getattr(core, "core_engines", None)
     if engine_client.vllm_config.parallel_config.data_parallel_size < 2 or (
@@ -492,26 +498,28 @@ def install_sample_affinity(engine_client: Any) -> None:
         return  # one engine here (no DP, or an external balancer in front)
     require_attrs(core, ("core_engines", "get_core_engine_for_request"), "data-parallel client")
     route = core.get_core_engine_for_request
-    placed: OrderedDict[str, list[int]] = OrderedDict()  # parent -> [engine index, left]
+    # group -> [engine index, samples left to route (a request's own group), else None]
+    placed: OrderedDict[str, list] = OrderedDict()
 
     def get_core_engine_for_request(request: Any) -> Any:
-        child = CHILD.match(request.request_id)
-        params = getattr(request, "sampling_params", None)
-        n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY) or 1)
-        if child is None or n < 2 or request.data_parallel_rank is not None:
+        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+        group, n = extra.get(GROUP_KEY), int(extra.get(SAMPLES_KEY) or 1)
+        own = isinstance(group, str) and group.startswith(OWN_GROUP)
+        if group is None or (own and n < 2) or request.data_parallel_rank is not None:
             return route(request)
-        parent = child.group("rest")
-        if (seen := placed.get(parent)) is None:
+        seen = placed.get(group)
+        if seen is None or seen[0] >= len(core.core_engines):  # new, or its engine removed
             engine = route(request)
-            placed[parent] = [core.core_engines.index(engine), n - 1]
-            while len(placed) > MAX_FANOUTS:
+            placed[group] = [core.core_engines.index(engine), n - 1 if own else None]
+            placed.move_to_end(group)
+            while len(placed) > MAX_GROUPS:
                 placed.popitem(last=False)
             return engine
-        seen[1] -= 1
-        if seen[1] <= 0:
-            del placed[parent]
-        if seen[0] >= len(core.core_engines):  # engines removed meanwhile (elastic EP)
-            return route(request)
+        placed.move_to_end(group)
+        if own:
+            seen[1] -= 1
+            if seen[1] <= 0:  # a request's samples are all routed
+                del placed[group]
         # vLLM's own path for a set rank: its in-flight books (aborts, load) stay right.
         request.data_parallel_rank = seen[0]
         try:
@@ -537,7 +545,7 @@ async def init_state(
     )
     ask_engine = functools.partial(answered, mine.server.engine_answer_s)
     install_abort_marks(engine_client, lambda method, ids: ask_engine(engine_client, method, ids))
-    install_sample_affinity(engine_client)
+    install_group_affinity(engine_client)
     state.tllm_engine_client = engine_client
     state.tllm_http_close = asyncio.get_running_loop().create_task(bound_http_close(state))
     await nodes.check_followers(engine_client, ask_engine, leader, watch)
