@@ -161,13 +161,25 @@ def test_a_serve_host_the_resolver_never_answers_for_is_refused_within_the_bound
 
     never = threading.Event()
     monkeypatch.setattr(cli_common, "HOST_LOOKUP_S", 0.5)
-    monkeypatch.setattr(cli_common.socket, "getaddrinfo", lambda *a, **k: never.wait(60))
+
+    def hangs(*args, **kwargs):
+        never.wait(60)
+        raise OSError("the resolver gave up")  # after the test: no real lookup
+
+    monkeypatch.setattr(cli_common.socket, "getaddrinfo", hangs)
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--host", "slow.example"])
     never.set()
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert "'slow.example' was not resolved within 0.5 s" in err, err
+    # A lookup that fails unexpectedly is said at once, not taken for a silent resolver.
+    monkeypatch.setattr(cli_common, "HOST_LOOKUP_S", 30.0)
+    monkeypatch.setattr(cli_common.socket, "getaddrinfo", lambda *a, **k: 1 / 0)
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--host", "odd.example"])
+    err = capsys.readouterr().err
+    assert "'odd.example' could not be looked up (ZeroDivisionError" in err, err
 
 
 def test_a_serve_host_of_this_machine_is_listened_on_and_named_in_its_url():

@@ -136,6 +136,10 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     store._unwanted["a-1"] = 0.0
     store.put(RequestInfo("0_a-1-y", "a-1", 0, 0, 4), "c", {"v": 6})
     assert store.take(["a-1"]) == {"a-1": {0: {"c": {"v": 6}}}}
+    # Ids reused after that: nothing more remembered for them (a client with a fixed id).
+    for i in range(3):
+        store.reuse("a-1", f"0_a-1-{i}")
+    assert "a-1" not in store._unwanted and "a-1" not in store._reused
 
 
 def test_kit_returns_the_exported_rows_of_the_requests_that_ask(tiny_model):

@@ -711,6 +711,33 @@ def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
     assert sent == [["a"], ["d"]]
 
 
+def test_a_cancelled_joiner_of_a_mark_batch_leaves_the_batch_to_the_others():
+    """An abort that joined the next batch is cancelled (a server stopping): the batch is
+    still sent, with its ids, and every other caller of it returns once it is answered."""
+    from tllm_core.vllm_bridge.request_marks import MarkBatches
+
+    sent: list[list[str]] = []
+
+    async def ask(method, ids):
+        sent.append(list(ids))
+        await asyncio.sleep(0.05)
+
+    async def main():
+        marks = MarkBatches(ask)
+        first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
+        await asyncio.sleep(0)
+        opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
+        await asyncio.sleep(0)
+        joiners = [asyncio.ensure_future(marks.mark([x])) for x in "cd"]
+        await asyncio.sleep(0)
+        joiners[0].cancel()
+        await asyncio.wait_for(asyncio.gather(first, opener, joiners[1]), 5)
+        assert joiners[0].cancelled()
+
+    asyncio.run(main())
+    assert sent == [["a"], ["b", "c", "d"]]
+
+
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():
     """A streamed response whose client went away: anyio cancels the handler task again at
     each await until its scope exits, also inside vLLM's ``generate`` abort; the mark must not

@@ -50,9 +50,13 @@ import json, sys
 import vllm.plugins as vp
 vp.load_general_plugins()
 worker_module_loaded = "vllm.v1.worker.worker_base" in sys.modules
+import importlib.util
+probed = importlib.util.find_spec("vllm.v1.worker.worker_base") is not None  # looked up only
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 registered = {
     "worker_module_loaded": worker_module_loaded,
+    "probed": probed,
+    "finders_left": [type(f).__name__ for f in sys.meta_path if "tllm" in type(f).__module__],
     "modules": sorted(m for m in sys.modules if m.startswith(("vllm.v1.worker", "tllm_core"))),
     "init_device_patched": getattr(WorkerWrapperBase.init_device, "_tllm_patched", False),
     "endpoints_patched": getattr(vp.load_endpoint_plugins, "_tllm_patched", False),
@@ -88,6 +92,7 @@ def test_register_imports_no_runner_and_installs_only_config_checks(plain_runs):
     # vLLM's worker module (~5 s to import on 2 cores) is patched once something imports it:
     # an API server's process, which never does, does not pay for it.
     assert on["worker_module_loaded"] is off["worker_module_loaded"] is False
+    assert on["probed"] and on["finders_left"] == []  # a lookup first: patched at the import
     for mod in RUNNER_MODULES + TLLM_ENGINE_MODULES:
         assert mod not in on["modules"], f"register() imported {mod}"
     assert not off["init_device_patched"] and not off["endpoints_patched"]

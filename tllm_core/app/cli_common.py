@@ -123,8 +123,12 @@ def checked_host(text: str) -> str:
     done, found = threading.Event(), []
 
     def look() -> None:
-        found.append(_host_problem(text))
-        done.set()
+        try:
+            found.append(_host_problem(text))
+        except Exception as e:  # noqa: BLE001 - said as the problem, not as a silent resolver
+            found.append(f"could not be looked up ({type(e).__name__}: {e})")
+        finally:
+            done.set()
 
     threading.Thread(target=look, name="tllm-host-lookup", daemon=True).start()
     if not done.wait(HOST_LOOKUP_S):

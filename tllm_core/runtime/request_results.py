@@ -138,7 +138,11 @@ class ResultStore:
         late ones of the discarded requests of that id are still dropped."""
         if request_id in self._unwanted:
             with self._lock:
-                if request_id in self._unwanted:
+                until = self._unwanted.get(request_id)
+                if until is not None and until <= time.monotonic():  # over: nothing unwanted
+                    del self._unwanted[request_id]
+                    self._reused.pop(request_id, None)
+                elif until is not None:
                     self._reused.setdefault(request_id, set()).add(engine_id)
 
     def __len__(self) -> int:

@@ -64,8 +64,8 @@ def command_process() -> None:
 
 def watch_front_end(front_end: list | tuple | None) -> None:
     """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time,
-    pid_space)`` from its settings, is gone, also when it was gone before this process looked
-    (a kill -9 while the engine started). Only in the front end's own pid space: not a
+    pid_space)`` from its settings, is gone, also when its pid was free before this process
+    looked (a kill -9 while the engine started). Only in the front end's own pid space: not a
     same-numbered pid on another node, not this process (an in-process engine)."""
     if not front_end:
         return
@@ -78,16 +78,16 @@ def watch_front_end(front_end: list | tuple | None) -> None:
     if space and space != pid_space():  # another node's (or container's) pid
         return
     try:
-        # A second's slack: create_time adds the boot time, which moves with clock steps.
-        here = abs(psutil.Process(pid).create_time() - created) <= 1.0
+        # A second's slack: create_time adds the boot time, which moves with clock steps (a
+        # larger step makes it another process: not watched, never stopped for).
+        if abs(psutil.Process(pid).create_time() - created) <= 1.0:
+            _stop_without(pid)
     except psutil.NoSuchProcess:
-        here = False
+        if space:  # no such pid in its own pid space: the front end is gone
+            log.warning("tllm: the TllmLLM process %d is gone; this engine process stops", pid)
+            _stop_without(pid, gone=True)
     except psutil.Error:  # there, but not ours to read: cannot tell
-        return
-    if here:
-        _stop_without(pid)
-    elif space:  # its pid is free or reused here: the front end is gone
-        _stop_without(pid, gone=True)
+        pass
 
 
 def pid_space() -> str:
@@ -102,7 +102,7 @@ def pid_space() -> str:
 
 def _stop_without(pid: int, gone: bool = False) -> None:
     """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
-    gone without stopping it (a ``kill -9``; ``gone``: already, its pid maybe reused): vLLM's
+    gone without stopping it (a ``kill -9``; ``gone``: already): vLLM's
     engine core does not watch its parent, and would keep its device."""
     import psutil
 
@@ -139,7 +139,8 @@ WORKER_BASE = "vllm.v1.worker.worker_base"
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``patch(module)`` once, right after module ``name`` is first imported (by the
-    finder that would load it anyway), then leaves ``sys.meta_path``."""
+    finder that would load it anyway), then leaves ``sys.meta_path``; a spec only looked up
+    (``importlib.util.find_spec``) patches nothing and leaves it in place."""
 
     def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
         self.name, self.patch = name, patch
@@ -147,11 +148,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != self.name:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _PatchingLoader(spec.loader, self.patch)
-        return spec
+        for finder in list(sys.meta_path):  # the others, in order (not through import: no loop)
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if finder is not self and find else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, self._patched)
+                return spec
+        return None
+
+    def _patched(self, module: Any) -> None:
+        # A new list, not an edit: another thread's import may be walking the old one.
+        sys.meta_path = [f for f in sys.meta_path if f is not self]
+        self.patch(module)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -172,7 +181,7 @@ class _PatchingLoader(importlib.abc.Loader):
         try:
             self.patch(module)
         except Exception as e:  # noqa: BLE001 - never break plain vLLM from a plugin
-            _not_available(self.patch.__name__, e)
+            _not_available(f"wrapping {module.__name__}", e)
 
 
 def _wrap_init_device() -> None:

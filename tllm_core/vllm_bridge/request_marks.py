@@ -160,7 +160,8 @@ class MarkBatches:
         """Returns once the workers have marked ``request_ids``; raises as ``ask`` does."""
         if self.open is not None:  # waiting for the RPC in flight: join it
             self.open[0].extend(request_ids)
-            return await self.open[1]
+            # Shielded: a cancelled joiner must not cancel the batch its other callers wait on.
+            return await asyncio.shield(self.open[1])
         ids, done = list(request_ids), asyncio.get_running_loop().create_future()
         self.open = (ids, done)
         try:
