@@ -53,6 +53,9 @@ class Gated(Consumer):
     def on_request_finished(self, request):
         self.got.append(request.engine_id)
 
+    def on_bundle_dropped(self, step, requests):
+        self.got.append(f"dropped {step}")
+
 
 def _returns(fn, *args) -> bool:
     """Whether ``fn(*args)`` returns within HANG_S seconds (run on a side thread)."""
@@ -111,6 +114,24 @@ def test_flush_and_close_time_out():
     assert _returns(bus.close)
     assert counters.get("close_timeouts") == 1
     c.gate.set()
+
+
+def test_a_consumer_that_lags_at_close_hears_its_queue_as_dropped_then_stops():
+    """Flush gave up on a slow background consumer: closing the bus stops its thread once
+    the callback it is in returns, the bundles still queued told as dropped (in order, with
+    the finish notices), so nothing reaches the consumer after the runtime closes it."""
+    counters = Counters()
+    bus = Bus(counters, RuntimeSettings(queue_size=4, wait_timeout_s=0.1))
+    c = Gated()
+    for step in range(3):
+        bus.publish(c, Bundle(step, _rows(1)))
+    assert c.entered.wait(HANG_S)
+    bus.finished(c, RequestInfo("0-abcdefgh", "0", 0, 0, 4))
+    assert bus.flush() is False
+    threading.Timer(0.3, c.gate.set).start()  # the slow callback returns during the close
+    assert bus.close(HANG_S) == set()
+    assert c.got == [0, "dropped 1", "dropped 2", "0-abcdefgh"]
+    assert counters.get("bundles_dropped.gated") == 2 and counters.get("close_timeouts") == 0
 
 
 def test_a_failed_consumer_is_still_closed():

@@ -56,6 +56,7 @@ class _BackgroundChannel:
         self.consumer = consumer
         self.queue: queue.Queue = queue.Queue()  # unbounded: bundles are bounded by the slots
         self.abandoned = False  # stuck in a callback past its deadline: nothing waits for it
+        self.shedding = False  # closing: bundles still queued are told as dropped, not run
         self.slots = threading.BoundedSemaphore(bus.settings.queue_size)
         self._pending = 0  # bundles queued, for queue_depth_max
         self._lock = threading.Lock()
@@ -123,11 +124,14 @@ class _BackgroundChannel:
                 c = self.consumer
                 if isinstance(item, RequestInfo):
                     self.bus.request_done(c, item, BACKGROUND)
-                elif isinstance(item, _Dropped):
+                elif self.shedding and isinstance(item, Bundle):  # a lagging consumer's close
+                    self.bus.counters.add("bundles_dropped", of=c.name)
+                    item = _Dropped(item.step, list(bundle_requests(item)))
+                if isinstance(item, _Dropped):
                     self.bus.call(
                         c, "on_bundle_dropped", c.on_bundle_dropped, *item, kind=BACKGROUND
                     )
-                else:
+                elif isinstance(item, Bundle):
                     self.bus.deliver_now(c, item, kind=BACKGROUND)
             except BaseException as e:  # noqa: BLE001 - a dead drain thread would block put
                 # SystemExit & co.: the consumer goes off, the thread goes on draining.
@@ -143,8 +147,11 @@ class _BackgroundChannel:
             )
 
     def close(self, timeout: float) -> bool:
+        """Stop the thread once it has told the consumer what is queued (bundles as dropped:
+        a consumer that lags at the end is not run past it); False if still running."""
         if self.abandoned:
-            return True  # a daemon thread stuck in the consumer: never joined
+            return False  # a daemon thread stuck in the consumer: never joined
+        self.shedding = True
         self.queue.put(_STOP)
         self.thread.join(timeout)
         return not self.thread.is_alive()
@@ -339,13 +346,25 @@ class Bus:
                 )
         return ok
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> set[str]:
+        """Stop the background threads, each within ``timeout`` (else ``wait_timeout_s``);
+        returns the consumers whose thread is still inside them (abandoned, or late): not to
+        be closed, which would race it."""
         timeout = self.settings.wait_timeout_s if timeout is None else timeout
+        busy = set()
         for name, ch in self._channels.items():
             if not ch.close(timeout):
-                self.counters.add("close_timeouts")
-                log.error("tllm: the thread of consumer %r did not stop in %.0f s", name, timeout)
+                busy.add(name)
+                if not ch.abandoned:
+                    self.counters.add("close_timeouts")
+                    log.error(
+                        "tllm: the thread of consumer %r did not stop in %.0f s; the consumer "
+                        "is not closed",
+                        name,
+                        timeout,
+                    )
         self._channels.clear()
+        return busy
 
 
 def _to_host(bundle: Bundle) -> Bundle:

@@ -599,14 +599,16 @@ class Runtime:
         """Flush queues, close consumers (once), return the final report."""
         if self._closed_report is None:
             self.bus.flush()
+            # Threads stopped before their consumers close: one that lagged hears the rest of
+            # its queue as dropped (its records say so), never a bundle after its close.
+            busy = self.bus.close()
             for s in self.slots:
-                if self.bus.abandoned(s.consumer.name):
+                if s.consumer.name in busy:
                     continue  # its thread is still inside it: closing now would race it
                 # Failed consumers too: what they hold (buffered rows, a manifest) is written.
                 self.bus.call(
                     s.consumer, "close", s.consumer.close, even_if_disabled=True, kind=CLOSE
                 )
-            self.bus.close()
             self._closed_report = self.collect()
             self.watchdog.close()
         return self._closed_report
