@@ -111,6 +111,23 @@ def test_a_registered_vector_is_used_by_the_next_request_that_names_it():
     assert _steered(consumer, tllm_steer_vectors="") == {}
 
 
+def test_a_request_admitted_before_its_vector_was_removed_is_only_itself_unsteered():
+    """A request that named a vector, admitted, then the vector removed before its first
+    step: that request runs unsteered (counted), the batch's others steered, steer stays on."""
+    client, engine, consumer = _server({"vectors": [], "open_layers": [1]})
+    for name in ("calm", "keep"):
+        body = {"action": "add", "name": name, "layer": 1, "vector": [1.0] * H}
+        assert client.post(URL, json=body, headers=AUTH).status_code == 200
+    gone = request(0, 3, tllm_consumers="steer", tllm_steer_vectors="calm")
+    kept = request(1, 3, tllm_consumers="steer", tllm_steer_vectors="keep")
+    assert client.post(URL, json={"action": "remove", "name": "calm"}, headers=AUTH).is_success
+    rows = make_rows([(gone, [3]), (kept, [3])])
+    plan = EditPlan(rows, {"layer.1": "residual.1"}, H)
+    consumer.edit(rows, plan)  # raised before: every request of the step lost its steering
+    assert [r.tolist() for r, _, _ in plan.ops["layer.1"]] == [[1]]
+    assert consumer.counters.get("invalid_request_settings") == 1
+
+
 def test_registration_is_refused_when_unauthenticated_malformed_or_too_large():
     cfg = {"vectors": [{"name": "base", "layer": 1, "vector": [1.0] * H}], "max_registered": 2}
     client, engine, consumer = _server({**cfg, "max_registered_mib": 0.0001})

@@ -4,6 +4,7 @@ the front end checks the request (:func:`check_control`), the engine applies it 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from tllm_core import (
     RowInfo,
     WritePort,
 )
+
+log = logging.getLogger("tllm")
 
 
 class SteerTransform(torch.nn.Module):
@@ -244,8 +247,12 @@ class SteerConsumer(Consumer):
         if req.engine_id not in self._req_cache:
             state = None  # per-request steer that this request did not name
             if self.acts_on(req):
-                settings = req.settings(self)
-                state = (settings.scale, settings.vectors)
+                try:  # checked at admission; a vector removed since then fails here
+                    settings = req.settings(self)
+                    state = (settings.scale, settings.vectors)
+                except ValueError as e:  # that request unsteered, the others as asked
+                    self.counters.add("invalid_request_settings")
+                    log.warning("steer: request %r: %s; not steered", req.request_id, e)
             self._req_cache[req.engine_id] = state
         return self._req_cache[req.engine_id]
 
