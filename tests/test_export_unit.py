@@ -440,6 +440,8 @@ def test_failure_during_shard_write(tmp_path, monkeypatch):
     assert [s["file"] for s in manifest["shards"]] == [fmt.shard_name(0), fmt.shard_name(1)]
     recs = list(read_export(out))
     assert sum(len(r.positions) for r in recs) == 6
+    snap = c.counters.snapshot()  # the shards on disk, written in the call that failed too
+    assert (snap.get("shards_written"), snap.get("rows_exported")) == (2, 6), snap
 
 
 _KILL_SCRIPT = textwrap.dedent(
@@ -577,6 +579,7 @@ def test_non_empty_dir_needs_overwrite(tmp_path):
     run_engine(c, FakeEngine([3, 3], [3, 3], ["final"]), c.on_bundle)
     c.close()
     (out / "notes.txt").write_text("keep me")
+    (out / ".tmpK2wYzx").write_bytes(b"\0" * 64)  # safetensors' own, left by a killed write
     old_shards = len(json.loads((out / fmt.MANIFEST).read_text())["shards"])
     assert old_shards > 1
     with pytest.raises(ValueError, match="not empty.*overwrite=true .tllm export: --overwrite"):
@@ -1034,6 +1037,38 @@ def test_two_exports_writing_one_folder_at_once_the_second_is_refused(tmp_path, 
     run_engine(third, engine, third.on_bundle)
     third.close()
     check_records(read_export(out, verify=True), engine, ["final"])
+
+
+@pytest.mark.parametrize("first, second", [((0, 1), (0, 2)), ((0, 2), (0, 1))])
+def test_overwrite_removes_no_export_of_another_layout_being_written(tmp_path, first, second):
+    """A plain export running in out and a data-parallel one started there with overwrite
+    (or the reverse): the second is refused before it removes anything of the first."""
+    from types import SimpleNamespace
+
+    from consumers.export.writer import RecordWriter, output_layout
+
+    def writer(rank_size):
+        meta = {"hidden_size": 8, "num_layers": 1, "dtype": "float32"}
+        meta.update(keys=["final"], phase="all")
+        layout = output_layout(str(tmp_path / "acts"), True, *rank_size)
+        return RecordWriter(layout, {"final": (8, torch.float32)}, 4, lambda: meta)
+
+    def write(w, i):
+        req = [SimpleNamespace(engine_id=f"e{i}", request_id=str(i), prompt_index=i,
+                               sample_index=0, num_prompt_tokens=4, prompt_token_ids=None,
+                               cut_short=False, window=lambda o: None)] * 4  # fmt: skip
+        pos = np.arange(4)
+        idx = w.note_tokens(req, pos, pos + 100)
+        w.write_rows(idx, pos, pos + 100, np.zeros(4, bool), {"final": torch.randn(4, 8)})
+
+    a = writer(first)
+    write(a, 0)  # a shard written, the folder locked
+    b = writer(second)
+    with pytest.raises(Exception, match="being written by another export"):
+        write(b, 1)
+    write(a, 2)
+    a.close()
+    assert len(list(read_export(a.path, verify=True))) == 2
 
 
 def test_a_file_system_without_locks_still_exports(tmp_path, monkeypatch):

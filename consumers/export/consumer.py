@@ -221,8 +221,10 @@ class ExportConsumer(Consumer):
         }
         decode = np.asarray(rows.is_decode, np.bool_)[idx]
         before = len(self.writer.shards)
-        self.writer.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
-        self._sync_counters(before)
+        try:
+            self.writer.write_rows(row_request[idx], positions[idx], tokens[idx], decode, hidden)
+        finally:  # a failed write still counts the shards it wrote before
+            self._sync_counters(before)
 
     def _return_rows(
         self, info: RequestInfo, bundle: Bundle, sel: np.ndarray, pos: np.ndarray, ids: np.ndarray

@@ -19,6 +19,8 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 REQUESTS_FILE = "requests.jsonl"
 TMP_SUFFIX = ".tmp"
+# safetensors' own temporary file in the folder, left there when a write is killed.
+SAFETENSORS_TMP = re.compile(r"^\.tmp[A-Za-z0-9_]{6}$")
 SHARD_PATTERN = re.compile(r"^shard-(\d{5,})\.safetensors$")
 
 # Tensors of every shard (besides ``hidden.{key}``), all with one entry per row.
@@ -64,6 +66,7 @@ def is_export_file(name: str) -> bool:
         name in (MANIFEST, REQUESTS_FILE)
         or SHARD_PATTERN.match(name) is not None
         or (name.endswith(TMP_SUFFIX) and (name.startswith("shard-") or name.startswith(MANIFEST)))
+        or SAFETENSORS_TMP.match(name) is not None
     )
 
 

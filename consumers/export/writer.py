@@ -95,15 +95,36 @@ class OutputLayout:
         if not self.overwrite or not os.path.isdir(self.root):
             return
         if self.dp_size > 1:
+            _refuse_if_written(self.root)  # a plain export running there
             remove_export_files(self.root)
         keep = self.dp_size if self.dp_size > 1 else 0
         with os.scandir(self.root) as it:
             parts = [e for e in it if e.is_dir() and fmt.part_rank(e.name) is not None]
         for part in [e.path for e in parts if not _part_below(e.name, keep)]:
+            _refuse_if_written(part)  # another data-parallel export running there
             with contextlib.suppress(FileNotFoundError):  # another engine removed it
                 remove_export_files(part)
             with contextlib.suppress(OSError):  # removed already, or holds other files
                 os.rmdir(part)
+
+
+def _refuse_if_written(folder: str) -> None:
+    """Overwrite removes no export being written (its writer holds the folder's flock)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # gone meanwhile
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(
+            f"export: {folder!r} is being written by another export, which overwrite does not "
+            f"remove: give each its own out"
+        ) from None
+    except OSError:  # a file system without flock: as the writer, unlocked
+        pass
+    finally:
+        os.close(fd)  # and with it the lock
 
 
 def output_layout(out: str, overwrite: bool, dp_rank: int = 0, dp_size: int = 1) -> OutputLayout:

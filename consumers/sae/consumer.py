@@ -233,16 +233,22 @@ class SaeConsumer(Consumer):
             ind, val = codes.top(self.config.top_k, None if ridx.size == m else ridx)
         vdt = torch.float16 if self.config.values_dtype == "float16" else torch.float32
         rsel = sel[ridx]
-        wrote = self.writer.append(
-            [rows.requests[j] for j in rsel],
-            positions[rsel],
-            tokens[rsel],
-            np.asarray(rows.is_decode, np.bool_)[rsel],
-            ind.cpu(),
-            val.to("cpu", vdt),
-        )
-        self.counters.add("rows_recorded", int(rsel.size))
-        if wrote:
+        before = len(self.writer.shards)
+        try:
+            self.writer.append(
+                [rows.requests[j] for j in rsel],
+                positions[rsel],
+                tokens[rsel],
+                np.asarray(rows.is_decode, np.bool_)[rsel],
+                ind.cpu(),
+                val.to("cpu", vdt),
+            )
+            self.counters.add("rows_recorded", int(rsel.size))
+        finally:  # a failed write still counts the shards it wrote before
+            self._count_shards(before)
+
+    def _count_shards(self, before: int) -> None:
+        if wrote := len(self.writer.shards) - before:
             self.counters.add("shards_written", wrote)
 
     def _return_features(
@@ -299,8 +305,12 @@ class SaeConsumer(Consumer):
             self.writer.dropped(requests)  # the bus counts it (bundles_dropped.sae)
 
     def close(self) -> None:
-        if self.writer is not None and (wrote := self.writer.close()):
-            self.counters.add("shards_written", wrote)
+        if self.writer is not None:
+            before = len(self.writer.shards)
+            try:
+                self.writer.close()
+            finally:
+                self._count_shards(before)
 
     def result(self) -> dict[str, Any]:
         self._count_clamped()  # the last forward's (no forward runs while results are read)
