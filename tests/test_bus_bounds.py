@@ -83,6 +83,29 @@ def test_finish_notices_never_wait_on_a_full_queue(overflow):
     assert counters.get("bundles_dropped") == 0
 
 
+def test_an_error_whose_message_raises_is_still_isolated():
+    """A consumer's exception whose ``__str__`` raises: counted and reported like any other,
+    nothing escapes into the engine's step."""
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no words")
+
+    class Raises(Consumer):
+        name = "raises"
+
+        def on_bundle(self, bundle):
+            raise Unprintable()
+
+    counters = Counters()
+    bus = Bus(counters)
+    assert (
+        bus.call(Raises(ConsumerConfig(), None), "on_bundle", Raises.on_bundle, None, None) is False
+    )
+    assert counters.get("consumer_errors.raises") == 1
+    assert bus.errors[0]["error"].endswith("Unprintable (its message could not be read)")
+
+
 def test_background_thread_survives_any_error():
     counters = Counters()
     bus = Bus(counters, RuntimeSettings(queue_size=1))

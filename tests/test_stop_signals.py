@@ -98,6 +98,15 @@ def test_exit_codes_and_timeout_setting(monkeypatch):
             stop.stop_timeout()
     monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "7.5")
     assert stop.stop_timeout() == 7.5
+    # Refused when the command starts (exit 2, the variable named), not in a signal handler,
+    # where the error would leave the stop without its bound.
+    monkeypatch.setenv("TLLM_STOP_TIMEOUT_S", "2m")
+    with pytest.raises(ValueError, match="TLLM_STOP_TIMEOUT_S must be"):
+        stop.StopSignals()
+    from tllm_core.app.cli import main
+
+    monkeypatch.setattr(stop, "_installed", None)
+    assert main(["consumers"]) == 2 and stop.installed() is None
 
 
 def test_install_makes_one_owner_and_uninstall_puts_the_handlers_back():

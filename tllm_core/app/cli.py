@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         # This process's later registries and its engine processes load only these.
         os.environ[ALLOW_ENV] = ",".join(plugins.loaded)
     args = parser.parse_args(argv)
-    stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
     try:
+        stop.install()  # SIGTERM stops the command as Ctrl-C does, within a bound (stop.py)
         status = args.func(args)
     # Bad input (ConsumerSpecError and CliError included); refused before vLLM starts.
     except (ValueError, UnsupportedEngineError) as e:

@@ -43,6 +43,8 @@ class StopSignals:
         self._children: set[int] = set()  # the processes when the first stop signal came
         self.nodes = NodeWatch()
         self.replaced: dict[int, Any] = {}  # the handlers install() replaced
+        # Read now, refused naming the variable: in the signal handler an error unbounds the stop.
+        self.timeout = stop_timeout()
 
     def received(self) -> int | None:
         """The first stop signal received (None: none)."""
@@ -61,14 +63,14 @@ class StopSignals:
             self.note_children()
             threading.Thread(
                 target=self._watchdog,
-                args=(stop_timeout(),),
+                args=(self.timeout,),
                 daemon=True,
                 name="tllm-stop-watchdog",
             ).start()
         else:
             _say(
                 f"already stopping ({signal.Signals(signum).name} again); exiting within "
-                f"{stop_timeout():.0f} s of the first signal"
+                f"{self.timeout:.0f} s of the first signal"
             )
         return first
 

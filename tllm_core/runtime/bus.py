@@ -221,7 +221,7 @@ class Bus:
         ``max_consecutive_failures`` in a row, or when ``disable``; note ``requests``."""
         name = consumer.name
         self.counters.add("consumer_errors", of=name)
-        msg = f"consumer {name!r} raised in {what}: {type(e).__name__}: {e}"
+        msg = f"consumer {name!r} raised in {what}: {_words(e)}"
         limit = self.settings.max_consecutive_failures
         with self._fail_lock:
             n = self._failures[(name, what)] = self._failures.get((name, what), 0) + 1
@@ -365,6 +365,15 @@ class Bus:
                     )
         self._channels.clear()
         return busy
+
+
+def _words(e: BaseException) -> str:
+    """``Type: message``, also for an exception whose ``__str__`` raises (it must not escape
+    into the engine's step from the failure path)."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001
+        return f"{type(e).__name__} (its message could not be read)"
 
 
 def _to_host(bundle: Bundle) -> Bundle:
