@@ -649,3 +649,29 @@ def test_sigterm_ends_a_run_whose_consumer_hangs_within_the_stop_timeout(tiny_mo
     assert code is not None and code != 0, text[-4000:]
     assert descendants(proc.pid, settle=DEATH_BOUND_S) == [], text[-4000:]
     assert leftover_shm(before, pids | {proc.pid}) == [], text[-4000:]
+
+
+@pytest.mark.vllm
+def test_a_tllmllm_whose_engine_lacks_the_runtime_stops_that_engine(tiny_model, monkeypatch):
+    """The engine started but reports no tllm runtime (the plugin filtered out): the error
+    names the cause, and the engine is stopped, not left holding its processes and device."""
+    import vllm
+
+    from tllm_core import TllmLLM
+    from tllm_core.app import engine as engine_module
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+
+    stopped = []
+
+    class Started:  # vllm.LLM with an engine whose workers have no tllm runtime
+        def __init__(self, **kwargs):
+            self.llm_engine = None
+
+        def collective_rpc(self, method):
+            return [{"installed": False}]
+
+    monkeypatch.setattr(vllm, "LLM", Started)
+    monkeypatch.setattr(engine_module, "shutdown_engine", lambda llm, **kw: stopped.append(llm))
+    with pytest.raises(UnsupportedEngineError, match="runtime was not installed"):
+        TllmLLM(tiny_model, [], enforce_eager=True)
+    assert len(stopped) == 1 and isinstance(stopped[0], Started)

@@ -269,6 +269,14 @@ class TllmLLM:
         # From here on a dead engine process ends every wait on the engine (engine_watch).
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         self._watch = EngineWatch(core).start()
+        self._closed_report: dict[str, Any] | None = None
+        try:
+            self.status = self._installed_status()
+        except BaseException:  # a started engine is not left running (nor its device held)
+            self.shutdown()
+            raise
+
+    def _installed_status(self) -> dict[str, Any]:
         with self._naming_a_dead_engine():
             statuses = self.llm.collective_rpc("tllm_status")
         status = next((s for s in statuses if s.get("rank", {}).get("leader", True)), None)
@@ -278,8 +286,7 @@ class TllmLLM:
                 "(its vllm.general_plugins entry point 'tllm' must be visible) and not "
                 "filtered out by VLLM_PLUGINS?"
             )
-        self.status = status
-        self._closed_report: dict[str, Any] | None = None
+        return status
 
     def _rpc(self, method: str) -> Any:  # every rank's report, merged (docs/scaling.md)
         with self._naming_a_dead_engine():
