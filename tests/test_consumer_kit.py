@@ -213,7 +213,9 @@ def test_a_disabled_consumer_raises_as_in_tllmllm(tiny_model):
     kit = ConsumerKit(tiny_model, [Crash], max_consecutive_failures=2)
     with pytest.raises(ConsumerDisabledError, match="consumer 'crash' was disabled.*boom"):
         kit.generate(["a b"], max_tokens=4)
-    assert kit.collect()["runtime"]["consumers_disabled"] == 1
+    runtime = kit.collect()["runtime"]
+    assert runtime["consumers_disabled"] == 1
+    assert runtime["rows_bundled.crash"] == 2  # no row cut for it once it was switched off
 
 
 def test_a_guide_that_leaves_a_row_nothing_to_draw_is_named(tiny_model):

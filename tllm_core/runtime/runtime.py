@@ -468,7 +468,7 @@ class Runtime:
         # Again now: async scheduling may have dropped rows since the plan.
         kept = _kept_rows(step) if any(s.held is not None for s in self.slots) else None
         for s in self.slots:
-            if s.reads.empty:
+            if s.reads.empty or not self.bus.active(s.consumer):  # switched off: nothing cut
                 continue
             # A port stale in both the step's bundle and its last rows: one read refused.
             stale: dict[str, StaleTapError] = {}
@@ -533,7 +533,7 @@ class Runtime:
         for s in self.slots:  # window ``last``: the rows come before the finish notices
             if s.last is not None and len(s.last):
                 bundle = s.last.take(requests, self.step_index)
-                if bundle is not None:
+                if bundle is not None and self.bus.active(s.consumer):
                     self.counters.add(f"rows_bundled.{s.consumer.name}", len(bundle.rows))
                     self.bus.publish(s.consumer, bundle)
         for req in requests:
