@@ -926,3 +926,10 @@ def test_the_prompts_of_one_completion_request_together_must_fit_the_results_sto
     status, got = completion([17, 1])
     assert status == 400 and "17 choices could hold up to 8704 bytes" in got["error"], got
     assert admitted == []
+    # A route that returns no results (/v1/messages, /invocations, ...): refused, not kept in
+    # the store, where they would push out other clients' results.
+    params = SimpleNamespace(n=4, max_tokens=4, extra_args={"tllm_results": "stats"})
+    request = SimpleNamespace(sampling_params=params, prompt_token_ids=[1], request_id="msg-1")
+    with pytest.raises(VLLMValidationError, match="tllm_results is answered on /v1/completions"):
+        processor.assign_request_id(request)
+    assert admitted == []

@@ -461,6 +461,12 @@ def install_request_checks(
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
+        if extra and RESULTS_KEY in extra and ASKED.get() is None:  # a route without results
+            raise VLLMValidationError(
+                f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this "
+                "route returns no results",
+                parameter="vllm_xargs",
+            )
         if extra and RESULTS_KEY in extra and max_result_bytes is not None:
             refused, held = REFUSED.get(), HELD.get()
             why = refused[0] if refused else None
