@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,8 @@ from safetensors.torch import save_file
 from consumers.export import format as fmt
 from consumers.export.requests import RequestTable
 from tllm_core import Phase, request_runs
+
+log = logging.getLogger("tllm")
 
 # First buffer allocation (rows); the buffer doubles up to the shard size as rows arrive.
 _INITIAL_ROWS = 256
@@ -275,8 +278,13 @@ class RecordWriter:
                 f"export: {self.path!r} is being written by another export (another run or "
                 f"consumer, or an engine of this process not closed): give each its own out"
             ) from None
-        except OSError:  # a file system without flock (some network ones): write unlocked
-            pass
+        except OSError as e:  # a file system without flock (some network ones): write unlocked
+            log.warning(
+                "export: %r cannot be locked (%s): written without the one-writer lock; give "
+                "no other export this out",
+                self.path,
+                e.strerror or e,
+            )
         if self._prepared:
             return
         names = sorted(os.listdir(self.path))
