@@ -933,3 +933,76 @@ def test_the_prompts_of_one_completion_request_together_must_fit_the_results_sto
     with pytest.raises(VLLMValidationError, match="tllm_results is answered on /v1/completions"):
         processor.assign_request_id(request)
     assert admitted == []
+
+
+def test_a_request_id_waiting_for_its_results_is_not_taken_by_another_request():
+    """Results are kept by the client's request id: a second request asking for results
+    under an id whose first request still waits for its own is refused (400 naming the id),
+    not served the first one's results; once the first is answered, the id is free."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from vllm.exceptions import VLLMValidationError
+
+    from tllm_core.plugins.registry import Registry
+    from tllm_core.serving.keys import EngineConsumers
+    from tllm_core.vllm_bridge import request_marks as rr
+    from tllm_core.vllm_bridge.serving import install_request_checks
+
+    registry = Registry()
+    specs = [ConsumerSpec(name="stats", config={"layers": [0]})]
+    server = EngineConsumers.of(specs, registry.check(specs), registry)
+
+    def assign(request):  # vLLM's: the client's id kept, a unique one made
+        request.external_req_id, request.request_id = request.request_id, request.request_id + "-x"
+
+    processor = SimpleNamespace(assign_request_id=assign)
+    install_request_checks(processor, server, b"k" * 32, max_result_bytes=1 << 20, hidden_size=8)
+    release = asyncio.Event()
+
+    async def ask(method, ids):
+        await release.wait()
+        return [{rid: {"0": {"stats": {"v": rid}}} for rid in ids}]
+
+    async def app(scope, receive, send):  # vLLM's completion route: one prompt, id "cmpl-abc"
+        status, out = 200, {"id": "cmpl-abc", "choices": [{}]}
+        params = SimpleNamespace(n=1, max_tokens=4, extra_args={"tllm_results": "stats"})
+        request = SimpleNamespace(sampling_params=params, prompt_token_ids=[1], cache_salt=None)
+        request.request_id, request.external_req_id = "cmpl-abc", None
+        try:
+            processor.assign_request_id(request)
+        except VLLMValidationError as e:
+            status, out = 400, {"error": str(e)}
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(out).encode()})
+
+    wrapped = rr.ResultReturn(app, ("/v1/completions",), ask=lambda: ask, wait_s=5.0)
+
+    async def post() -> tuple[int, dict]:
+        sent: list[dict] = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(msg):
+            sent.append(msg)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        await wrapped(scope, receive, send)
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return sent[0]["status"], json.loads(body)
+
+    async def main():
+        first = asyncio.ensure_future(post())
+        await asyncio.sleep(0.05)  # admitted, waiting for its results
+        status, got = await asyncio.wait_for(post(), 5)
+        assert status == 400 and "request id 'cmpl-abc' is that of another request" in got["error"]
+        release.set()
+        status, got = await asyncio.wait_for(first, 5)
+        assert status == 200 and got["tllm"] == [{"index": 0, "stats": {"v": "cmpl-abc"}}], got
+        assert wrapped.in_flight == {}
+        status, got = await asyncio.wait_for(post(), 5)  # the id is free again
+        assert status == 200, got
+
+    asyncio.run(main())

@@ -88,6 +88,21 @@ def note_request(request: Any, extra: dict[str, Any] | None) -> None:
     names = asked_results(extra) if extra else []
     if (asked := ASKED.get()) is not None and names:
         asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
+        if (busy := RESULTS_IN_FLIGHT.get()) is not None:
+            busy[rid] = asked  # its HTTP request's, until that one is answered
+
+
+def id_in_use(request: Any) -> str | None:
+    """Why ``request`` may not ask for results (None: it may): its caller id is that of
+    another HTTP request still waiting for its results (results are kept by caller id)."""
+    busy, mine = RESULTS_IN_FLIGHT.get(), ASKED.get()
+    rid = caller_id(request)
+    if busy is None or busy.get(rid, mine) is mine:
+        return None
+    return (
+        f"tllm: request id {rid!r} is that of another request still waiting for its results; "
+        "give each request its own id (X-Request-Id, request_id), or none"
+    )
 
 
 class FailureMarks:
@@ -234,6 +249,10 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
 ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
     "tllm_results_asked", default=None
 )
+# Server-wide (bound by ResultReturn): caller id -> the ASKED of the HTTP request it belongs to.
+RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
+    "tllm_results_in_flight", default=None
+)
 # Caller id -> the bytes its results can hold, of the requests admitted (check_bounds).
 HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
 # Why a prompt was refused: vLLM starts all prompts together, the later ones get this reason.
@@ -328,6 +347,7 @@ class ResultReturn:
         self.app = app
         self.paths = paths
         self.ask = ask
+        self.in_flight: dict[str, Any] = {}  # RESULTS_IN_FLIGHT
         self.wait_s = wait_s
         self.discard = discard  # of the caller ids whose response failed
 
@@ -380,8 +400,13 @@ class ResultReturn:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-        with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
-            await self.app(scope, receive, with_results)
+        try:
+            with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
+                with bound(RESULTS_IN_FLIGHT, self.in_flight):
+                    await self.app(scope, receive, with_results)
+        finally:  # its caller ids are free again
+            for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
+                del self.in_flight[rid]
         # No response takes what the prompts admitted before a refused one made.
         if refused and admitted and self.discard:
             try:

@@ -50,6 +50,7 @@ from tllm_core.vllm_bridge.request_marks import (
     ServerStopping,
     bound,
     check_bounds,
+    id_in_use,
     install_abort_marks,
     note_request,
     until_server_stops,
@@ -467,10 +468,11 @@ def install_request_checks(
                 "route returns no results",
                 parameter="vllm_xargs",
             )
-        if extra and RESULTS_KEY in extra and max_result_bytes is not None:
+        if extra and RESULTS_KEY in extra:
             refused, held = REFUSED.get(), HELD.get()
-            why = refused[0] if refused else None
-            why = why or check_bounds(request, extra, server, max_result_bytes, hidden_size, held)
+            why = (refused[0] if refused else None) or id_in_use(request)
+            if why is None and max_result_bytes is not None:
+                why = check_bounds(request, extra, server, max_result_bytes, hidden_size, held)
             if why is not None:  # its other prompts are aborted or refused: no results to wait for
                 (ASKED.get() or {}).clear()
                 if refused == []:
