@@ -438,9 +438,12 @@ def test_tllmllm_refuses_a_broken_config_before_vllm(tmp_path, monkeypatch):
 def _engine_core_with_a_worker() -> None:
     """A fake engine core (forked): starts a worker process, then waits. As vLLM's executor
     does, it notices a dead worker soon and reaps it (then only it knows the exit status)."""
-    # Named as vLLM names its workers (a process without such a name is a helper).
-    sleep = [sys.executable, "-c", "import time; time.sleep(120)", "VLLM::Worker_TP0"]
-    worker = subprocess.Popen(sleep)
+    # Named as vLLM names its workers (a process without such a name is a helper); it forks
+    # a short-lived child of the same name, as a consumer's process pool in a worker would.
+    child = "import time; time.sleep(1.5)"
+    work = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}, "
+    work += "'VLLM::Worker_TP0']).wait(); time.sleep(120)"
+    worker = subprocess.Popen([sys.executable, "-c", work, "VLLM::Worker_TP0"])
     while worker.poll() is None:
         time.sleep(0.2)
     time.sleep(120)
@@ -522,6 +525,8 @@ def test_a_killed_worker_is_named_and_a_requested_stop_is_no_death(kernel_lists,
     (worker,) = _kids(proc.pid)
     watch = EngineWatch(core).start()
     try:
+        time.sleep(2.5)  # the worker's own child has ended meanwhile: no death of the engine
+        assert watch.death is None, watch.death
         os.kill(worker, signal.SIGKILL)
         assert watch.wait_for_death(5) is not None
         assert str(watch.death) == f"vLLM's worker process (pid {worker}) died (killed by SIGKILL)"

@@ -82,20 +82,21 @@ def exit_code(pid: int) -> int | None:
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
-def _children(pid: int) -> list[int]:
-    """Every process below ``pid``: the kernel's lists (psutil's scan reads every process)."""
+def _children(pid: int, recursive: bool = True) -> list[int]:
+    """The processes below ``pid`` (``recursive``: every one, else its children): the kernel's
+    lists (psutil's scan reads every process)."""
     if not KERNEL_CHILDREN:
         import psutil  # vLLM's dependency
 
         with contextlib.suppress(psutil.Error):
-            return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            return [c.pid for c in psutil.Process(pid).children(recursive=recursive)]
         return []
     out, todo = [], [pid]
     while todo:
         for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
             kids = [int(k) for k in _read(path).split()]
             out += kids
-            todo += kids
+            todo += kids if recursive else []
     return out
 
 
@@ -247,10 +248,12 @@ class EngineWatch:
             killed = [d for d in deaths if "killed" in d.how]
             workers = [d for d in deaths if "worker" in d.what]
             return (killed or workers or deaths)[0]
-        workers = {c for p in self.cores for c in _children(int(p.pid))}
-        self._workers = {w for w in workers if _vllm_started(w)}
+        # Workers are an engine core's children: a process a worker forks (a consumer's pool)
+        # keeps its "VLLM::" title, and its end is no worker's death.
+        kids = {c for p in self.cores for c in _children(int(p.pid), recursive=False)}
+        self._workers = {w for w in kids if _vllm_started(w)}
         self._follow(self._workers)
-        self.pids |= workers
+        self.pids |= kids | {c for w in kids for c in _children(w)}
         if self._looks % SHM_EVERY == 0:
             for pid in self.pids:
                 self.shm |= mapped_shm(pid)
