@@ -165,7 +165,7 @@ def test_registration_is_refused_when_unauthenticated_malformed_or_too_large():
     assert r.status_code == 413 and "at most 1" in r.json()["error"]
 
 
-def test_memory_stays_bounded_over_a_thousand_add_remove_cycles():
+def test_memory_stays_bounded_over_many_add_remove_cycles():
     client, engine, consumer = _server({"vectors": [], "open_layers": [1]})
     body = {"action": "add", "name": "v", "layer": 1, "vector": np.ones(H).tolist()}
 
@@ -180,12 +180,13 @@ def test_memory_stays_bounded_over_a_thousand_add_remove_cycles():
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
-    cycle(1000)
+    cycle(300)
     gc.collect()
     grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
     tracemalloc.stop()
     assert consumer.vectors == [] and engine.configs["steer"].vectors == []
-    assert grown < 256 * 1024, f"{grown} bytes more after 1,000 cycles"
+    # ~30 KiB here whatever the count (caches): a leak of 170+ bytes a cycle is past it.
+    assert grown < 80 * 1024, f"{grown} bytes more after 300 cycles"
 
 
 def test_kept_vectors_come_back_after_a_restart(tmp_path):
