@@ -208,3 +208,42 @@ def test_a_requests_last_row_is_never_a_row_past_its_stop(async_scheduling, port
     last = runtime.slots[0].consumer.last
     # async: a's step-1 row came after its stop; its last kept row is the prompt's last
     assert last == {"a": PROMPT - 1 if async_scheduling else PROMPT, "b": PROMPT + 1}
+
+
+def test_v2_start_up_warm_up_requests_reach_no_consumer():
+    """The V2 runner's JIT warm-up runs vLLM's own requests (``_warmup_0_``, ...) through the
+    hooked runner at start: no step, no rows for them; a user's request right after is
+    reported as usual."""
+    from types import SimpleNamespace
+
+    from tllm_core.vllm_bridge.runners import V2RunnerAdapter
+
+    class Events:
+        active = True
+
+        def __init__(self):
+            self.begun = []
+
+        def begin(self, layout):
+            self.begun.append(list(layout.engine_ids))
+
+    def batch(*ids):
+        n = len(ids)
+        return SimpleNamespace(
+            req_ids=list(ids), num_reqs=n, num_scheduled_tokens=np.ones(n, np.int64),
+            num_computed_tokens_np=np.zeros(n, np.int64), prefill_len_np=np.ones(n, np.int64),
+            input_ids=torch.zeros(n, dtype=torch.long),
+        )  # fmt: skip
+
+    sampler = SimpleNamespace(sample=None, _sample_random=None)
+    sampler.sampling_states = SimpleNamespace(temperature=None, min_p=None)
+    runner = SimpleNamespace(max_num_tokens=8, vllm_config=None, sampler=sampler)
+    runner.execute_model = runner.add_requests = runner.sample = None
+    runner.prepare_inputs = lambda out: out  # the scheduler output stands for the batch here
+    adapter, events = V2RunnerAdapter(runner), Events()
+    adapter.install(events, guides=False)
+    runner.prepare_inputs(batch("_warmup_0_", "_warmup_1_"))
+    runner.prepare_inputs(batch("_v2_mixed_warmup_0"))
+    assert events.begun == [] and not adapter.live
+    runner.prepare_inputs(batch("cmpl-1-0-abcdefgh"))
+    assert events.begun == [["cmpl-1-0-abcdefgh"]] and adapter.live

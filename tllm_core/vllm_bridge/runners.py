@@ -37,6 +37,11 @@ COMMON_ATTRS = (
 )
 
 
+# Request ids of the V2 runner's start-up warm-up (``gpu/warmup.py``; run through the real
+# ``execute_model`` once tllm's hooks are in place, with JIT warm-up on: GPUs).
+WARMUP_IDS = ("_warmup_", "_v2_mixed_warmup")
+
+
 class RunnerAdapterBase:
     """Static facts of a hooked runner; each generation adds ``request`` and ``install``."""
 
@@ -201,8 +206,8 @@ class V1RunnerAdapter(RunnerAdapterBase):
     def request(self, engine_id: str) -> tuple[dict[str, Any], int, tuple[int, ...] | None]:
         st = self.runner.requests[engine_id]
         extra = dict((st.sampling_params.extra_args or {}) if st.sampling_params else {})
-        ids = st.prompt_token_ids
-        return extra, len(ids or ()), None if ids is None else tuple(ids)
+        ids = st.prompt_token_ids  # None for a prompt given as embeddings: its length is kept
+        return extra, int(st.num_prompt_tokens), None if ids is None else tuple(ids)
 
     def _layout(self, num_scheduled_tokens: np.ndarray) -> StepLayout:
         ib = self.runner.input_batch
@@ -336,6 +341,9 @@ class V2RunnerAdapter(RunnerAdapterBase):
 
         def prepare_inputs(scheduler_output, *a, **kw):
             batch = prepare(scheduler_output, *a, **kw)
+            if any(str(e).startswith(WARMUP_IDS) for e in batch.req_ids[: batch.num_reqs]):
+                self.live = False  # vLLM's own start-up requests: no user's rows, no step
+                return batch
             self._begin(events, lambda: self._layout(batch))
             return batch
 
