@@ -84,6 +84,29 @@ def _prefill_bundle(fake: Fake, reqs, n_tok: int, step: int = 0):
     return Bundle(step, rows, hidden), rows, hidden
 
 
+def test_warm_start_takes_what_one_step_holds_each_groups_last_prompt_rows():
+    """A distiller whose step holds fewer rows than the new groups' prompts (CUDA: capacity x
+    cuda_graph_max_rows) warms each group on an equal share, its last prompt rows, instead
+    of raising for the whole bundle (every request of it marked failed)."""
+    fake = Fake()
+    c = fake.consumer(warm_start_steps=1, lr=1e-2)
+    c.distiller.max_step_rows = 6
+    reqs = fake.requests(prompts=2, n=2)
+    bundle, rows, hidden = _prefill_bundle(fake, reqs, n_tok=4)
+    c.on_bundle(bundle)
+    c.result()
+    k = c.counters.snapshot()
+    assert k["warm_start_rows"] == 6 and k["warm_start_rows_skipped"] == 2, k
+    assert k["warm_start_steps"] == 2
+    ref = _ref_distiller(hidden["layer.0"].shape[1], "paper")
+    ref.hp = c.distiller.hp
+    s = ref.alloc()
+    x, t = hidden["layer.0"][1:4], hidden["final"][1:4]  # group r0's first request: last 3
+    ref.train_step(torch.tensor([s] * 3), x, t)
+    c.distiller.synchronize()
+    torch.testing.assert_close(c.distiller.theta[c.groups.by_key["r0"].slot], ref.theta[s])
+
+
 @pytest.mark.parametrize("ablation", ["none", "frozen"])
 def test_warm_start_trains_each_group_on_its_first_request_prefill(ablation):
     fake = Fake()

@@ -58,8 +58,6 @@ def test_finite_f32_accepts_float32_values(good):
     [
         ("tllm_steer_scale", 1e39, "['tllm_steer_scale']"),
         ("tllm_steer_scale", "-inf", "['tllm_steer_scale']"),
-        ("tllm_esamp_beta", 1e39, "['tllm_esamp_beta']"),
-        ("tllm_esamp_beta", "Infinity", "['tllm_esamp_beta']"),
         ("tllm_sae_steer", '[{"feature": 1, "scale": 1e39}]', "['tllm_sae_steer'][0].scale"),
         ("tllm_sae_steer", '[{"feature": 1, "scale": Infinity}]', "['tllm_sae_steer'][0].scale"),
     ],
@@ -72,6 +70,16 @@ def test_request_numbers_past_float32_are_refused(engine, key, value, where):
     msg = str(e.value)
     assert msg.startswith(f"vllm_xargs{where} must be finite and {RANGE}"), msg
     assert "got " in msg
+
+
+@pytest.mark.parametrize("beta", [1e39, "Infinity", 3e38, 1000.5])
+def test_esamp_beta_past_its_bound_is_refused_in_the_config_and_the_request(engine, beta):
+    """beta near float32's max made a row's logits NaN ((1+beta) x a logit overflows): one
+    bound, 1000, for the config and a request's tllm_esamp_beta, named in both refusals."""
+    with pytest.raises(ValueError, match=r"tllm_esamp_beta.*<= 1000"):
+        validate_extra_args({"tllm_consumers": "esamp", "tllm_esamp_beta": beta}, engine)
+    with pytest.raises(ConsumerSpecError, match=r"beta\n.*less than or equal to 1000"):
+        Registry().validate(ConsumerSpec(name="esamp", config={"beta": beta}))
 
 
 def test_request_lists_are_bounded(engine):
@@ -100,8 +108,6 @@ def test_request_lists_are_bounded(engine):
 @pytest.mark.parametrize(
     "name, config, field",
     [
-        ("esamp", {"beta": math.inf}, "beta"),
-        ("esamp", {"beta": 1e39}, "beta"),
         ("esamp", {"lr": math.inf}, "lr"),
         ("esamp", {"eps": 1e39}, "eps"),
         ("esamp", {"grad_clip": math.inf}, "grad_clip"),

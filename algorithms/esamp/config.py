@@ -8,6 +8,10 @@ from pydantic import Field, model_validator
 
 from tllm_core import ConsumerConfig, FiniteF32
 
+# Far past any useful tilt; below it (1+beta) x a logit stays finite in fp32 (a request's
+# beta near fp32's max made its row's logits NaN).
+MAX_BETA = 1000.0
+
 
 class ESampConfig(ConsumerConfig):
     """ESamp settings. Unknown fields are errors (inherited)."""
@@ -15,6 +19,7 @@ class ESampConfig(ConsumerConfig):
     beta: FiniteF32 = Field(
         0.25,
         ge=0,
+        le=MAX_BETA,
         description="Exploration strength: logits_new = (1+beta)*logits_ref - beta*logits_dist "
         "(0: sampling bit-identical to vanilla; the distiller still trains).",
     )

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import Field
 
 from algorithms.esamp import report
-from algorithms.esamp.config import ESampConfig
+from algorithms.esamp.config import MAX_BETA, ESampConfig
 from algorithms.esamp.cuda import CudaGroupedDistiller
 from algorithms.esamp.factory import distiller_for
 from algorithms.esamp.guide_step import NOISE_ABLATIONS, CudaGuide, Diagnostics, HostGuide
@@ -57,6 +57,7 @@ class ESampRequest(RequestSettings):
     beta: FiniteF32 | None = Field(
         None,
         ge=0,
+        le=MAX_BETA,
         description="ESamp's beta for this request (0: no guidance); default: the config's beta",
     )
 

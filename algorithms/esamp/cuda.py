@@ -229,6 +229,7 @@ class CudaGroupedDistiller(SlotDistiller):
         self.stream = torch.cuda.Stream(device=dev)
         self.graph_rows = pow2_rows(graph_max_rows)
         self.total_rows = t = capacity * self.graph_rows
+        self.max_step_rows = t
         self.layouts = layouts(capacity, self.graph_rows)
         # Packed buffers (row t: the trash row of rows not in a batch).
         self.stage_x = torch.zeros(t, h, device=dev)

@@ -72,6 +72,7 @@ class SlotDistiller:
     prediction compares ``_submitted`` (host) with ``applied`` (where updates run)."""
 
     growable = True  # False: alloc() never reallocates the state (fixed capacity)
+    max_step_rows: int | None = None  # rows one train_step takes at most (None: any)
     graph_failures = 0  # CUDA only: update graphs whose capture failed
     eager_updates = 0  # CUDA only: update steps run without a captured graph
     updates_reusing_prediction = 0  # CUDA only: update runs on the prediction's forward

@@ -255,6 +255,7 @@ class Trainer:
         prompt_rows = np.flatnonzero(~is_dec & ~recomputed).tolist()
         sel, slots, capped = self.groups.claim(bundle.rows.requests, prompt_rows, admit)
         self.s.counters.add("train_rows_skipped_cap", capped)
+        sel, slots = self._last_rows(sel, slots, self.s.distiller.max_step_rows)
         for slot in slots:
             self.groups.by_slot[slot].warmed = True
         submitted = self._submit(bundle, sel, slots, self.s.cfg.warm_start_steps)
@@ -264,6 +265,21 @@ class Trainer:
         self.s.counters.add("warm_start_groups", len(set(slots)))
         self.s.counters.add("warm_start_rows", len(sel))
         self._after_submit()  # warm_start_steps: counted from the results, in flush
+
+    def _last_rows(
+        self, sel: list[int], slots: list[int], limit: int | None
+    ) -> tuple[list[int], list[int]]:
+        """At most ``limit`` rows (a CUDA step's packed rows), an equal share per group: each
+        group's last prompt rows (a long prompt trained as far as the step holds)."""
+        if limit is None or len(sel) <= limit:
+            return sel, slots
+        share = limit // len(set(slots))
+        keep: list[int] = []
+        for slot in dict.fromkeys(slots):
+            keep += [k for k, s in enumerate(slots) if s == slot][-share:]
+        keep.sort()
+        self.s.counters.add("warm_start_rows_skipped", len(sel) - len(keep))
+        return [sel[k] for k in keep], [slots[k] for k in keep]
 
     def _submit(
         self,
