@@ -88,7 +88,8 @@ def _run(async_scheduling: bool) -> tuple[dict, dict]:
     kept = {}
     for s in rec["sampled"]:
         kept.setdefault(s["request_id"], []).append(s["token_id"])
-    return kept, report["runtime"]
+    rows_of_a = sorted(r["position"] for r in rec["rows"] if r["request_id"] == "a")
+    return kept, {**report["runtime"], "rows_of_a": rows_of_a}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -96,13 +97,16 @@ def test_rows_past_a_stop_are_not_kept_under_async_scheduling(async_scheduling):
     kept, runtime = _run(async_scheduling)
     assert kept["b"] == [6, 8, 9]
     if async_scheduling:
-        # step 2's row of a was computed after a's stop: delivered, but not as kept
+        # step 2's row of a was computed after a's stop: not kept, and its hidden rows
+        # (which a synchronous engine never computes) reach no bundle
         assert kept["a"] == [5]
         assert runtime["rows_past_stop"] == 1
+        assert runtime["rows_of_a"] == [0, 1, 2]
     else:
         # in step; a's finish after step 2 means its step-2 token was its last kept one
         assert kept["a"] == [5, 7]
         assert runtime.get("rows_past_stop", 0) == 0
+        assert runtime["rows_of_a"] == [0, 1, 2, 3]
     assert runtime["engine_steps"] == 3
 
 

@@ -36,6 +36,9 @@ class StepCapture:
     tap_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The stamps then edit counts from a read already queued (runtime/stamp_copies.py).
     stamp_values: Callable[[], list[int]] | None = None
+    # bool [rows]: rows of requests that had stopped before this step (async scheduling still
+    # ran them once); taken by no bundle (None: none)
+    past_stop: np.ndarray | None = None
     _stale: set[str] | None = None
     _edited_rows: dict[str, int] = field(default_factory=dict)
     # Inside unconfirmed(): the tap keys handed out without the stamp read.

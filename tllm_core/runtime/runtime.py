@@ -326,6 +326,8 @@ class Runtime:
             if s.reads.empty:
                 continue
             enabled = s.enabled(step.rows.requests)
+            if step.past_stop is not None:  # rows a synchronous engine never computes
+                enabled = ~step.past_stop if enabled is None else enabled & ~step.past_stop
             s.masks = RowMasks(enabled, enabled)
             last = None
             if s.last is not None and s.last.every:  # each request's last row so far
@@ -464,6 +466,8 @@ class Runtime:
         if read.ready():
             step.confirm()
         unchecked: list[tuple[str, set[str]]] = []
+        if step.past_stop is not None and self._planned is step:  # planned at guide time
+            self._planned = None  # again, without the rows past a stop
         self._plan(step)
         # Again now: async scheduling may have dropped rows since the plan.
         kept = _kept_rows(step) if any(s.held is not None for s in self.slots) else None

@@ -157,6 +157,8 @@ class RunnerHooks:
                 if past.any():
                     step.sample_kept = step.sample_kept & ~past
                     self.runtime.counters.add("rows_past_stop", int(past.sum()))
+                    gone = {r.engine_id for r, p in zip(reqs, past, strict=True) if p}
+                    step.past_stop = np.array([r.engine_id in gone for r in step.rows.requests])
             self.runtime.end_step(step)
 
     def forward_done(self, final_hidden: torch.Tensor | None, logits: torch.Tensor) -> None:
