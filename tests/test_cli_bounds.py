@@ -202,3 +202,45 @@ def test_a_vllm_flag_after_the_separator_without_its_value_is_named(extra):
     args = build_parser().parse_args(["serve", "--", *extra])
     with pytest.raises(CliError, match=f"^{extra[0]} \\(after --\\) expects a value, got none$"):
         listen_host(args) if extra[0] == "--host" else followers_store(extra)
+
+
+def test_a_seed_past_vllms_bound_is_refused_at_parsing(capsys):
+    """vLLM takes seeds in [-2**63, 2**64 - 1]; a larger one failed in the engine, after its
+    start (the run ended as an engine death)."""
+    assert build_parser().parse_args(["run", "--seed", str(2**64 - 1)]).seed == 2**64 - 1
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["run", "--seed", "99999999999999999999"])
+    assert e.value.code == 2
+    assert "<= 18446744073709551615, got 99999999999999999999" in capsys.readouterr().err
+
+
+def test_a_port_given_after_the_separator_is_the_one_named_and_checked():
+    """``tllm serve -- --port 9000``: vLLM listens on 9000, so that is where the command
+    says it is ready and reads its counters; a bad one is refused naming it."""
+    from tllm_core.app.cli_common import CliError
+    from tllm_core.app.serve_command import listen_port
+
+    parse = build_parser().parse_args
+    assert listen_port(parse(["serve", "--port", "8001"])) == 8001
+    assert listen_port(parse(["serve", "--port", "8001", "--", "--port", "9000"])) == 9000
+    assert listen_port(parse(["serve", "--", "--port=9001"])) == 9001
+    with pytest.raises(CliError, match="--port: .*70000"):
+        listen_port(parse(["serve", "--", "--port", "70000"]))
+
+
+def test_a_steer_vector_out_that_is_a_folder_is_refused_before_the_run(tmp_path):
+    from consumers.steer.command import check_out
+
+    (tmp_path / "v.npy").mkdir()
+    with pytest.raises(ValueError, match="is a directory; give a file name"):
+        check_out(tmp_path / "v.npy")
+
+
+def test_a_model_cache_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    """``TLLM_CACHE_DIR`` under a file: a one-line error naming the folder, not a traceback."""
+    from tllm_core.app import default_model
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TLLM_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(default_model.DefaultModelUnavailable, match="cannot be made.*TLLM_CACHE"):
+        default_model.default_model_path()

@@ -227,6 +227,7 @@ from tllm_core import hookimpl
 
 @hookimpl
 def tllm_commands(subparsers):
+    subparsers.add_parser("halfmade", help="added before the hook failed")
     raise RuntimeError("boom in tllm_commands")
 """
 
@@ -241,6 +242,11 @@ def test_a_plugin_whose_command_hook_fails_leaves_the_other_commands(site):
     assert "recorder-hello" in help_text and "export" in help_text
     assert [b.name for b in named] == ["badcmd"] and "boom in tllm_commands" in named[0].error
     assert not plugins.pm.has_plugin("badcmd")
+    # What it added before it failed goes too: not listed, and an unknown command if typed.
+    assert "halfmade" not in help_text
+    with pytest.raises(SystemExit) as e:
+        build_parser(Plugins.load(on_broken=named.append)).parse_args(["halfmade"])
+    assert e.value.code == 2
 
 
 def test_esamp_entry_point_imports_no_torch():

@@ -33,6 +33,8 @@ def cmd_steer_compute(args: argparse.Namespace) -> int:
 def check_out(out: Path) -> None:
     if out.suffix not in (".safetensors", ".pt", ".npy"):
         raise ValueError(f"--out must end in .safetensors, .pt or .npy, got {out.name!r}")
+    if out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a directory; give a file name")
     parent = out.parent if str(out.parent) else Path(".")
     if parent.exists() and not os.access(parent, os.W_OK):
         raise ValueError(f"--out directory {parent} is not writable")

@@ -111,11 +111,19 @@ def build_parser(plugins: Plugins | None = None) -> argparse.ArgumentParser:
 
     # Commands of plugins (built-ins included), one plugin at a time: a failing one is skipped.
     for impl in plugins.pm.hook.tllm_commands.get_hookimpls():
+        before = set(sub.choices)
         try:
             impl.function(subparsers=sub)
         except Exception as e:  # noqa: BLE001 - a broken plugin must not stop `tllm --help`
             plugins.mark_broken(impl.plugin_name, f"{type(e).__name__}: {e}")
+            _drop_commands(sub, set(sub.choices) - before)  # half made: none of its commands
     return p
+
+
+def _drop_commands(sub: argparse._SubParsersAction, names: set[str]) -> None:
+    for name in names:
+        del sub.choices[name]
+    sub._choices_actions = [a for a in sub._choices_actions if a.dest not in names]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,7 +229,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="0 disables top-k",
     )
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument(  # vLLM's own bound (a larger seed fails in the engine, after its start)
+        "--seed", type=checked_arg(Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]), default=None
+    )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument(
         "--results",

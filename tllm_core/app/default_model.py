@@ -142,7 +142,13 @@ def default_model_path() -> Path:
     if _is_complete(target):
         return target
     source = gguf_source()
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelUnavailable(
+            f"the model cache folder {str(target.parent)!r} cannot be made ({e.strerror or e}); "
+            "set TLLM_CACHE_DIR to a writable folder, or give --model"
+        ) from None
     with _file_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
         if _is_complete(target):  # another process converted it while we waited
             return target

@@ -100,6 +100,13 @@ def listen_host(args: argparse.Namespace) -> str:
     return args.host if given is None else given
 
 
+def listen_port(args: argparse.Namespace) -> int:
+    """The port the server listens on: ``--port``, or one given after ``--`` (vLLM's, which
+    wins), checked as ``--port`` is."""
+    given = _flag(list(args.vllm_args or []), ("--port",), cli_common.PORT)
+    return args.port if given is None else given
+
+
 def server_url(host: str, port: int) -> str:
     """Where this machine reaches a server listening on ``host`` (a wildcard: loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
@@ -245,7 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli_common.quiet(args)
     cli_common.prepare_engine_processes(args)
     ranks = parallel_ranks(args)
-    url = server_url(listen_host(args), args.port)
+    url = server_url(listen_host(args), listen_port(args))
     model = cli_common.local_model(args.model)
     checked = validate_consumers(args.consumer or [], model)
     if args.per_request:
