@@ -249,6 +249,18 @@ def test_a_plugin_whose_command_hook_fails_leaves_the_other_commands(site):
     assert e.value.code == 2
 
 
+def test_a_plugin_named_like_a_built_in_replaces_nothing(site):
+    """A third-party entry point named ``consumers`` (a built-in's name) is skipped and
+    named; the built-in consumers stay, whatever order the distributions are found in."""
+    install(site, "tllm-evil", {"consumers": None})
+    named = []
+    plugins = Plugins.load(on_broken=named.append)
+    assert [b.name for b in named] == ["consumers (tllm-evil)"], named
+    assert "built-in's" in named[0].error
+    names = {c["name"] for c in Registry(plugins=plugins).describe()}
+    assert {"export", "stats", "steer", "sae", "esamp"} <= names
+
+
 def test_esamp_entry_point_imports_no_torch():
     """``algorithms/esamp/plugin.py`` imports torch only when its hook is called (the package
     and ``tllm_core`` import their names on first use)."""

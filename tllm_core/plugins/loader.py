@@ -74,11 +74,20 @@ class Plugins:
     ) -> Plugins:
         """Every ``tllm`` entry point the allow-list lets through, each registered and checked."""
         out, allowed = cls(on_broken=on_broken), allowed_plugins(environ)
-        for dist in importlib.metadata.distributions() if load_entry_points else []:
+        dists = importlib.metadata.distributions() if load_entry_points else []
+        builtin: set[str] = set()  # tllm's own entry points: first, and no one else's name
+        for dist in sorted(dists, key=lambda d: not _own(d)):
             dist_name = dist.metadata["name"] or "?"
-            own = re.sub(r"[-_.]+", "-", dist_name).lower() == OWN_DISTRIBUTION
+            own = _own(dist)
             for ep in dist.entry_points:
-                if ep.group != ENTRY_POINT_GROUP or out.pm.has_plugin(ep.name):
+                if ep.group != ENTRY_POINT_GROUP:
+                    continue
+                if not own and ep.name in builtin:
+                    why = f"its entry point name {ep.name!r} is a built-in's; it must use another"
+                    out._skip(f"{ep.name} ({dist_name})", ep.value, why)
+                    continue
+                builtin |= {ep.name} if own else set()
+                if out.pm.has_plugin(ep.name):
                     continue  # a distribution seen twice on sys.path registers once
                 if out.pm.is_blocked(ep.name) or any(b.name == ep.name for b in out.broken):
                     continue
@@ -121,6 +130,10 @@ class Plugins:
     @property
     def loaded(self) -> list[str]:
         return [n for n, _ in self.pm.list_name_plugin()]
+
+
+def _own(dist: importlib.metadata.Distribution) -> bool:
+    return re.sub(r"[-_.]+", "-", dist.metadata["name"] or "").lower() == OWN_DISTRIBUTION
 
 
 def _new_manager() -> pluggy.PluginManager:
