@@ -82,9 +82,13 @@ def test_report_command_reads_json_and_refuses_other_files(tmp_path, capsys):
     assert {p.name for p in (tmp_path / "out-report").glob("*.png")} == PLOTS
     assert "report: " in capsys.readouterr().err
     bad = tmp_path / "bad.json"
-    bad.write_text('{"a": 1}')
-    assert main(["report", str(bad)]) == 2
-    assert "is not a run's JSON: expected an object with 'outputs'" in capsys.readouterr().err
+    for text in ('{"a": 1}', '{"outputs": [[1]], "counters": {}}', '{"outputs": [], "counters": {"runtime": 5}}'):  # fmt: skip
+        bad.write_text(text)
+        assert main(["report", str(bad)]) == 2
+        assert "is not a run's JSON: expected an object with 'outputs'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(run), "--out", str(tmp_path / "file" / "r")]) == 2
+    assert "is not a folder this user can write in" in capsys.readouterr().err
 
 
 def _lines_after_outputs(merged: str, outputs: list[list[str]]) -> list[str]:
@@ -152,3 +156,6 @@ def test_a_report_folder_that_is_a_file_is_refused_before_the_engine_starts(tmp_
     # No engine starts: the check runs before the model is even looked at.
     assert main(["run", "--model", str(tmp_path), "--report", str(taken)]) == 2
     assert f"--report {taken}: exists and is not a directory" in capsys.readouterr().err
+    under = taken / "report"  # a folder that can never be made: refused before the run too
+    assert main(["run", "--model", str(tmp_path), "--report", str(under)]) == 2
+    assert "is not a folder this user can write in" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import argparse
 import base64
 import html
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,16 @@ def read_run(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not JSON ({e}); give the output of `tllm run --json`"
         ) from None
-    if not isinstance(run, dict) or "outputs" not in run or "counters" not in run:
+    shaped = isinstance(run, dict) and isinstance(run.get("counters"), dict)
+    shaped = shaped and all(isinstance(v, dict) for v in run["counters"].values())
+    outputs = run.get("outputs") if shaped else None
+    if not (isinstance(outputs, list) and all(isinstance(o, list) for o in outputs)):
+        shaped = False
+    if not shaped or not all(t is None or isinstance(t, str) for o in outputs for t in o):
         raise ValueError(
-            f"{path} is not a run's JSON: expected an object with 'outputs' and 'counters' "
-            "(the output of `tllm run --json`, or a report's run.json)"
+            f"{path} is not a run's JSON: expected an object with 'outputs' (a list of lists "
+            "of texts) and 'counters' (an object of objects): the output of `tllm run --json`, "
+            "or a report's run.json"
         )
     return run
 
@@ -114,6 +121,9 @@ def check_out_dir(out_dir: Path) -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--report {out_dir}: exists and is not a directory")
+    there = next((p for p in [out_dir, *out_dir.parents] if p.exists()), Path("."))
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+        raise ValueError(f"--report {out_dir}: {there} is not a folder this user can write in")
     try:
         import matplotlib  # noqa: F401 - checked here, before a run, not after it
     except ImportError:
@@ -206,7 +216,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         out = (
             args.run_json.parent if own else args.run_json.with_name(f"{args.run_json.stem}-report")
         )
-    say(f"report: {write_report(run, out)}")
+    try:
+        say(f"report: {write_report(run, out)}")
+    except OSError as e:  # a folder made unwritable meanwhile, a full disk
+        raise ValueError(f"the report was not written to {out}: {e.strerror or e}") from None
     return 0
 
 
