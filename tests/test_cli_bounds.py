@@ -244,3 +244,13 @@ def test_a_model_cache_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch
     monkeypatch.setenv("TLLM_CACHE_DIR", str(tmp_path / "file" / "cache"))
     with pytest.raises(default_model.DefaultModelUnavailable, match="cannot be made.*TLLM_CACHE"):
         default_model.default_model_path()
+
+
+def test_what_killed_conversions_left_is_removed_before_the_next(tmp_path):
+    from tllm_core.app import default_model
+
+    left = tmp_path / f".{default_model.MODEL_DIRNAME}.tmp-abc123"
+    (left / "sub").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    assert default_model.remove_stale_conversions(tmp_path) == [left]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]

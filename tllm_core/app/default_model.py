@@ -136,6 +136,15 @@ def _make_readable(root: Path) -> None:
             os.chmod(f, 0o666 & ~umask)
 
 
+def remove_stale_conversions(folder: Path) -> list[Path]:
+    """Remove what killed conversions left in ``folder`` (~0.5 GB each); call it holding the
+    conversion lock (no conversion runs then)."""
+    stale = sorted(folder.glob(f".{MODEL_DIRNAME}.tmp-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
 def default_model_path() -> Path:
     """Folder of the embedded default model, converting the GGUF file on first use (~10-20 s)."""
     target = cache_root() / MODEL_DIRNAME
@@ -152,6 +161,7 @@ def default_model_path() -> Path:
     with _file_lock(target.parent / f".{MODEL_DIRNAME}.lock"):
         if _is_complete(target):  # another process converted it while we waited
             return target
+        remove_stale_conversions(target.parent)
         say(f"converting {source.name} -> {target} (once, under a minute)")
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=target.parent))
