@@ -254,3 +254,12 @@ def test_what_killed_conversions_left_is_removed_before_the_next(tmp_path):
     (tmp_path / "other").mkdir()
     assert default_model.remove_stale_conversions(tmp_path) == [left]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_a_prompts_file_that_is_not_utf8_is_named(tmp_path):
+    from tllm_core.app.cli_common import read_prompt_file
+
+    bad = tmp_path / "p.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ValueError, match=r"--prompts file .*p.txt is not UTF-8 text \(byte 3"):
+        read_prompt_file(bad, "--prompts file")

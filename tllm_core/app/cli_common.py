@@ -258,7 +258,11 @@ def read_prompt_file(path: Path, what: str = "prompt file") -> list[str]:
     """The prompts in ``path``, one a line; a ValueError naming the file if missing or empty."""
     if not path.is_file():
         raise ValueError(f"{what} not found: {path}")
-    prompts = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    prompts = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not prompts:
         raise ValueError(f"{what} {path} holds no prompt")
     return prompts
