@@ -33,6 +33,7 @@ class Record(Consumer):
         self.rows: dict[tuple[str, int, int, str], torch.Tensor] = {}
         self.sampled: list[tuple[str, int, int, int]] = []
         self.bundle_rows: list[tuple[list[int], list[bool], list[bool]]] = []
+        self.dtypes: set[torch.dtype] = set()
 
     def reads(self):
         ports = [self.context.parse_port(k, self.config.phase) for k in self.config.keys]
@@ -47,7 +48,9 @@ class Record(Consumer):
             for i, req in enumerate(rows.requests):
                 pos = int(rows.position[i])
                 self.rows[(req.request_id, req.sample_index, pos, key)] = h[i].clone()
+        self.dtypes.add(rows.token_ids.dtype)  # vLLM's: int32 (the kit must not differ)
         if bundle.sampled_rows is not None:
+            self.dtypes.add(bundle.sampled_token_ids.dtype)
             s = bundle.sampled_rows
             for i, req in enumerate(s.requests):
                 tok = int(bundle.sampled_token_ids[i])
@@ -96,6 +99,7 @@ def test_kit_captures_equal_transformers_at_every_position(tiny_model):
     rec = kit.consumer("record")
     report = kit.close()
     assert report["errors"] == [] and report["runtime"]["requests_finished"] == 4
+    assert rec.dtypes == {torch.int32}  # token ids as vLLM gives them
     for i, p in enumerate(prompts):
         prompt = kit.tokenize(p)
         for j in range(2):
@@ -402,3 +406,46 @@ def test_the_kit_checks_its_consumers_before_it_loads_the_model(consumers, says,
 
     with pytest.raises(ConsumerSpecError, match=says):
         ConsumerKit(tmp_path, consumers)
+
+
+def test_the_kit_builds_consumers_as_the_engine_does_first_on_the_meta_device(tiny_model):
+    """TllmLLM first builds each consumer on the meta device (no weights, no final norm):
+    a consumer that needs the weights at construction fails there, so in the kit too."""
+    from tllm_core.runtime.build_error import ConsumerBuildError
+
+    class NeedsWeights(Consumer):
+        name = "needsweights"
+
+        def __init__(self, config, context):
+            super().__init__(config, context)
+            context.model.final_norm(torch.zeros(1, context.model.hidden_size))
+
+        def reads(self):
+            return [HiddenStates(0)]
+
+    with pytest.raises(ConsumerBuildError, match="needsweights"):
+        ConsumerKit(tiny_model, [NeedsWeights])
+
+
+def test_a_consumer_switched_off_while_closing_raises_at_the_kits_close(tiny_model):
+    from tllm_core.app.engine import ConsumerDisabledError
+
+    class FailsAtClose(Consumer):
+        name = "failsatclose"
+
+        ran = False
+
+        def reads(self):
+            return [HiddenStates(0)]
+
+        def on_bundle(self, bundle):
+            self.ran = True
+
+        def close(self):
+            if self.ran:  # not the dry build's close
+                raise RuntimeError("cannot flush")
+
+    kit = ConsumerKit(tiny_model, [FailsAtClose], max_consecutive_failures=1)
+    kit.generate(["a b"], max_tokens=2)
+    with pytest.raises(ConsumerDisabledError, match="failsatclose.*cannot flush"):
+        kit.close()

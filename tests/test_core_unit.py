@@ -66,7 +66,7 @@ def test_registry_lists_builtins_and_names_bad_values():
     assert any(f["name"] == "beta" for f in described["esamp"]["fields"])
     keys = {k["key"]: k for c in described.values() for k in c["request_keys"]}
     assert keys["tllm_esamp_beta"]["allowed"] == (
-        "float | None, >= 0, finite float32 (|x| <= 3.4028235e+38)"
+        "float | None, >= 0, <= 1000.0, finite float32 (|x| <= 3.4028235e+38)"
     )
     assert keys["tllm_steer_scale"]["description"]
     assert reg.request_keys["tllm_esamp_beta"] == ("esamp", "beta")

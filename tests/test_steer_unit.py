@@ -228,12 +228,12 @@ def test_scale_override_without_per_request_and_bad_override():
     ((_, _, value),) = plan.ops["layer.0"]
     scales = torch.tensor([1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0])
     torch.testing.assert_close(value, scales[:, None] * torch.tensor(vec()))
-    # A bad value is an error naming the key (the front end rejects it before the engine).
-    with pytest.raises(ValueError, match=r"'tllm_steer_scale'\] must be a number, got 'lots'"):
-        plan_for(
-            steer(vectors=[{"layer": 0, "vector": vec()}]),
-            mixed_rows({2: {"tllm_steer_scale": "lots"}}),
-        )
+    # A bad value (the front end refuses it before the engine; here it got past): that
+    # request runs unsteered, named in the log and counted; the others are steered.
+    bad = steer(vectors=[{"layer": 0, "vector": vec()}])
+    plan = plan_for(bad, mixed_rows({2: {"tllm_steer_scale": "lots"}}))
+    assert rows_in(plan, 0) == [0, 1, 2, 3, 5, 6]  # not row 4, the request that set it
+    assert bad.counters.get("invalid_request_settings") == 1
     with pytest.raises(ValueError, match="steer's config.per_request was removed"):
         SteerConfig(vectors=[{"layer": 0, "vector": vec()}], per_request=True)
 

@@ -32,6 +32,7 @@ from tllm_core.app.default_model import default_model_path
 from tllm_core.app.defaults import DEFAULT_DTYPE
 from tllm_core.app.engine import raise_newly_disabled
 from tllm_core.plugins.registry import Registry
+from tllm_core.runtime.dry_run import dry_build
 from tllm_core.runtime.runtime import Runtime
 from tllm_core.runtime.settings import RuntimeSettings
 from tllm_core.serving.keys import EngineConsumers, validate_extra_args
@@ -248,7 +249,7 @@ def draw(
     raw: torch.Tensor, guided: torch.Tensor, params: list[Sampling], gens: list[torch.Generator]
 ) -> torch.Tensor:
     """Token per row: greedy rows the raw logits' argmax, random ones a draw from the guided."""
-    out = torch.empty(len(params), dtype=torch.long)
+    out = torch.empty(len(params), dtype=torch.int32)  # as vLLM's sampler gives them
     for i, p in enumerate(params):
         if p.greedy:
             out[i] = raw[i].argmax()
@@ -307,6 +308,7 @@ class ConsumerKit:
             raise ValueError(
                 f"model {str(model)!r} is not a local Hugging Face folder (no config.json)"
             )
+        dry_build(specs, configs, self.model_path, self.registry)  # as TllmLLM does first
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         load = _load_shared if share_model else _load  # shared: weights must not change
         self.hf, self.tokenizer = load(self.model_path, name)
@@ -393,7 +395,10 @@ class ConsumerKit:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        return self.runtime.close()
+        report = self.runtime.close()
+        if self.raise_on_disabled:  # as TllmLLM.close: switched off while closing
+            raise_newly_disabled(report["errors"], self._raised, report=report)
+        return report
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, as vLLM's ``generate`` tokenizes it."""
@@ -507,7 +512,7 @@ class ConsumerKit:
             num_scheduled=num,
             num_computed=np.array([r.computed for r, _ in sched], dtype=np.int64),
             num_tokens=np.array([len(r.tokens) for r, _ in sched], dtype=np.int64),
-            token_ids=torch.tensor([t for f in fed for t in f], dtype=torch.long),
+            token_ids=torch.tensor([t for f in fed for t in f], dtype=torch.int32),  # as vLLM
         )
         rows, sample_row, kept = layout_rows(layout, [r.info for r, _ in sched])
         total = int(num.sum())
