@@ -32,6 +32,9 @@ def test_pipeline_parallel_is_refused_with_the_measured_reason():
     PC.pipeline_parallel_size = 1
     PC.tensor_parallel_size = 2
     check_layout(PC())  # tensor parallel is accepted
+    PC.decode_context_parallel_size = 2  # context parallel: refused, as every rank would lead
+    with pytest.raises(UnsupportedEngineError, match="decode_context_parallel_size > 1 .got 2"):
+        check_layout(PC())
 
 
 def test_leader_is_tp_rank_zero_of_the_last_stage():

@@ -51,6 +51,13 @@ def check_layout(parallel_config: Any) -> None:
     pp = int(parallel_config.pipeline_parallel_size)
     if pp != 1:
         raise UnsupportedEngineError(PP_REFUSAL.format(pp=pp))
+    for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+        if (cp := int(getattr(parallel_config, name, 1) or 1)) != 1:  # each rank a leader
+            raise UnsupportedEngineError(
+                f"tllm does not support {name} > 1 (got {cp}): a request's rows are split over "
+                "those ranks, and each would run the consumers on its part; use "
+                "tensor_parallel_size instead"
+            )
 
 
 def data_parallel_layout(parallel_config: Any) -> tuple[int, int]:
