@@ -84,6 +84,29 @@ def test_node_watch_reports_a_failed_check_once():
     assert nodes.NodeWatch().lost() is None  # each watch its own
 
 
+def test_a_node_check_held_by_a_long_step_is_no_lost_node(monkeypatch):
+    """The check waits behind the engine's steps: an answer within the callback deadline
+    (plus the check's own bound) is a live node; later, a lost one."""
+    import asyncio
+
+    from tllm_core.vllm_bridge import nodes
+
+    monkeypatch.setattr(nodes, "NODE_CHECK_TIMEOUT_S", 0.05)
+    calls, lost = [], []
+
+    async def slow():  # a step holds the check 0.2 s: within a 0.3 s callback deadline
+        calls.append(1)
+        await asyncio.sleep(0.2)
+        if len(calls) == 2:
+            raise RuntimeError("peer gone")
+
+    asyncio.run(nodes.NodeWatch().watch_nodes(slow, 2, 0.01, lost.append, step_s=0.3))
+    assert len(calls) == 2 and "peer gone" in lost[0]
+    lost.clear()
+    asyncio.run(nodes.NodeWatch().watch_nodes(slow, 2, 0.01, lost.append))
+    assert "no answer" in lost[0]  # without the deadline: taken for a lost node
+
+
 def test_node_count_sees_tp_nodes_and_remote_dp_engines():
     from types import SimpleNamespace as NS
 

@@ -195,12 +195,16 @@ class NodeWatch:
             self._lost.append(reason)
             on_lost(reason)
 
-    async def watch_nodes(self, ask: Any, nnodes: int, interval: float, on_lost: Any) -> None:
-        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``."""
+    async def watch_nodes(
+        self, ask: Any, nnodes: int, interval: float, on_lost: Any, step_s: float = 0.0
+    ) -> None:
+        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``.
+        ``step_s``: how long a step may hold the check (it waits behind the engine's steps: a
+        consumer callback within its deadline is no lost node)."""
         while True:
             await asyncio.sleep(interval)
             try:
-                await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S)
+                await asyncio.wait_for(ask(), timeout=NODE_CHECK_TIMEOUT_S + step_s)
             except Exception as e:  # noqa: BLE001 - any failure of the check means a lost node
                 why = "no answer" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
                 reason = (

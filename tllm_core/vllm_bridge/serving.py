@@ -568,7 +568,8 @@ async def init_state(
     interval = nodes.check_interval()
     if nnodes > 1 and interval != 0:
         ask = functools.partial(rpc_all, engine_client, "tllm_node_check")
-        watching = watch.watch_nodes(ask, nnodes, interval, nodes.stop_self("the server"))
+        lost = nodes.stop_self("the server")
+        watching = watch.watch_nodes(ask, nnodes, interval, lost, mine.callback_deadline_s)
         state.tllm_node_watch = asyncio.get_running_loop().create_task(watching)
     log.info(
         "tllm: serving with consumers %s (per request: %s) on vLLM's %s; counters at GET %s",
