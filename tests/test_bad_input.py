@@ -364,3 +364,16 @@ def test_a_multi_node_bare_vllm_engine_compares_its_settings_before_it_refuses_t
     with pytest.raises(ValidationError, match="queue_size"):
         WorkerWrapperBase.init_device(SimpleNamespace(vllm_config=config))
     assert calls == ["device", "compared"]
+
+
+def test_a_consumer_config_that_json_cannot_carry_is_refused_naming_the_consumer():
+    """A NumPy number in a config passed validation and then failed inside vLLM's LLM()
+    (the settings travel as JSON), naming no consumer."""
+    import numpy as np
+
+    from tllm_core.api.consumer_spec import ConsumerSpec, ConsumerSpecError
+
+    with pytest.raises(ConsumerSpecError, match="consumer 'steer': its config must be plain JSON"):
+        ConsumerSpec.coerce({"name": "steer", "config": {"scale": np.float32(2)}})
+    with pytest.raises(ConsumerSpecError, match="consumer 'stats'.*float32"):
+        ConsumerSpec.coerce(ConsumerSpec(name="stats", config={"x": np.float32(1)}))

@@ -24,6 +24,18 @@ class ConsumerSpec(BaseModel):
         description="act only on requests whose extra_args['tllm_consumers'] names this consumer",
     )
 
+    def json_ready(self) -> ConsumerSpec:
+        """This spec, refused naming the value its config holds that JSON cannot (a NumPy
+        number, a tensor): the config travels to the engine as JSON."""
+        try:
+            json.dumps(self.config)
+        except (TypeError, ValueError) as e:
+            raise ConsumerSpecError(
+                f"consumer {self.name!r}: its config must be plain JSON (numbers, strings, lists, "
+                f"objects), it is sent to the engine as JSON: {e}"
+            ) from None
+        return self
+
     @classmethod
     def parse(cls, text: str) -> ConsumerSpec:
         """``NAME`` or ``NAME:{json config}`` (the command line's ``--consumer``)."""
@@ -56,12 +68,12 @@ class ConsumerSpec(BaseModel):
     def coerce(cls, value: str | dict | ConsumerSpec) -> ConsumerSpec:
         """A spec from a ``NAME[:JSON]`` string, a dict of its fields, or a spec."""
         if isinstance(value, ConsumerSpec):
-            return value
+            return value.json_ready()
         if isinstance(value, str):
             return cls.parse(value)
         if isinstance(value, dict):
             try:
-                return cls.model_validate(value)
+                return cls.model_validate(value).json_ready()
             except ValidationError as e:
                 raise ConsumerSpecError(f"invalid consumer spec {value!r}:\n{e}") from None
         raise ConsumerSpecError(
