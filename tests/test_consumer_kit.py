@@ -383,16 +383,25 @@ def test_kit_replays_an_engine_run_and_esamp_writes_the_same(tiny_model, engines
         ("top_p", 0.0, "greater than 0"),
         ("top_p", 1.5, "less than or equal to 1"),
         ("min_p", 2.0, "less than or equal to 1"),
-        ("top_k", -1, "greater than or equal to 0"),
+        ("top_k", -2, "greater than or equal to -1"),
+        ("temperature", 3.0, "less than or equal to 2"),
     ],
 )
 def test_bad_sampling_is_refused_naming_the_field_value_and_bound(field, value, bound):
+    """As vLLM's SamplingParams refuses them (and only those: top_k -1 is off, as in vLLM)."""
     from tllm_core.testing import Sampling
 
     with pytest.raises(ValueError) as e:
         Sampling(**{field: value})
     text = str(e.value)
     assert field in text and f"input_value={value}" in text and bound in text, text
+    assert Sampling(top_k=-1).top_k == -1
+
+
+def test_the_kit_refuses_several_greedy_samples_as_vllm_does(tiny_model):
+    kit = ConsumerKit(tiny_model, [])
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling, got 2"):
+        kit.generate(["a"], max_tokens=2, n=2, temperature=0)
 
 
 @pytest.mark.parametrize(

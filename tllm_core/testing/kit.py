@@ -209,8 +209,8 @@ GREEDY_BELOW = 1e-5  # vLLM treats a temperature below this as greedy
 class Sampling:
     """One request's sampling settings (the fields of vLLM's ``SamplingParams`` the kit uses)."""
 
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0)  # 0: off
+    temperature: float = Field(1.0, ge=0, le=2)  # vLLM's bounds
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off (vLLM's)
     top_p: float = Field(1.0, gt=0, le=1)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
@@ -231,7 +231,7 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
         if p.min_p > 0:
             probs = row.softmax(-1)
             row.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
-        if p.top_k and p.top_k < row.numel():
+        if p.top_k > 0 and p.top_k < row.numel():
             kth = row.topk(p.top_k).values[-1]
             row.masked_fill_(row < kth, float("-inf"))
         if p.top_p < 1.0:
@@ -241,7 +241,7 @@ def filter_logits(logits: torch.Tensor, params: list[Sampling]) -> tuple[torch.T
             drop = before >= p.top_p
             drop[0] = False
             row[idx[drop]] = float("-inf")
-    filtered = any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in params)
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params)
     return out, filtered
 
 
@@ -432,6 +432,8 @@ class ConsumerKit:
         if max_tokens < 1 or n < 1:
             raise ValueError(f"max_tokens and n must be >= 1, got {max_tokens} and {n}")
         sampling = Sampling(temperature, top_k, top_p, min_p, seed)
+        if sampling.greedy and n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {n} (vLLM's rule)")
         if tokens is not None and (
             len(tokens) != len(items) or any(len(t) != n or not all(t) for t in tokens)
         ):
