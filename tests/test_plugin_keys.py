@@ -39,7 +39,7 @@ def test_tllm_consumers_lists_request_keys():
     proc = run_cli("consumers", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "tllm_tally_weight: int | None, >= 0, <= 1000  weight of this request's" in proc.stdout
-    assert "tllm_esamp_beta: float | None, >= 0, finite" in proc.stdout
+    assert "tllm_esamp_beta: float | None, >= 0, <= 1000.0, finite" in proc.stdout
     assert "tllm_steer_scale" in proc.stdout
 
 

@@ -136,6 +136,15 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     store._unwanted["a-1"] = 0.0
     store.put(RequestInfo("0_a-1-y", "a-1", 0, 0, 4), "c", {"v": 6})
     assert store.take(["a-1"]) == {"a-1": {0: {"c": {"v": 6}}}}
+    # A discarded request the engine first sees after its discard (queued, then scheduled
+    # once before vLLM's abort) is no retry: its results and its samples' are still dropped.
+    store.discard(["q"], ["q-x"])
+    for engine_id, sample in (("q-x", 0), ("1_q-x", 1)):
+        store.reuse("q", engine_id)
+        store.put(RequestInfo(engine_id, "q", 0, sample, 4), "c", {"v": 7})
+    store.reuse("q", "q-y")  # a retry under that id: its own are kept
+    store.put(RequestInfo("q-y", "q", 0, 0, 4), "c", {"v": 8})
+    assert store.take(["q"]) == {"q": {0: {"c": {"v": 8}}}}
     # Ids reused after that: nothing more remembered for them (a client with a fixed id).
     for i in range(3):
         store.reuse("a-1", f"0_a-1-{i}")

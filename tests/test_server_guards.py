@@ -422,7 +422,7 @@ def test_a_refused_prompt_has_the_results_of_the_prompts_admitted_before_dropped
     from fastapi.responses import JSONResponse
     from fastapi.testclient import TestClient
 
-    from tllm_core.vllm_bridge.request_marks import HELD, REFUSED
+    from tllm_core.vllm_bridge.request_marks import ADMITTED, HELD, REFUSED
     from tllm_core.vllm_bridge.serving import attach_routes
 
     calls: list[tuple] = []
@@ -444,6 +444,7 @@ def test_a_refused_prompt_has_the_results_of_the_prompts_admitted_before_dropped
     async def completions(request: Request):
         body = await request.json()
         HELD.get().update(dict.fromkeys(body["admitted"], 1))  # as check_bounds admits
+        ADMITTED.get().extend(f"{r}-x" for r in body["admitted"])  # and vLLM's engine ids
         if body.get("refused"):  # as the input processor's wrapper refuses the next prompt
             REFUSED.get().append("past the store")
             return JSONResponse({"error": {"message": "past the store"}}, 400)
@@ -455,7 +456,8 @@ def test_a_refused_prompt_has_the_results_of_the_prompts_admitted_before_dropped
     ids = ["d-0", "d-1"]
     got = client.post("/v1/completions", json={"admitted": ids, "refused": True})
     assert got.status_code == 400
-    assert calls == [("tllm_discard_results", ids)]
+    # With their engine ids: the engine may first see one after the discard (no retry).
+    assert calls == [("tllm_discard_results", ids, ["d-0-x", "d-1-x"])]
 
 
 def test_a_failed_read_fails_every_request_that_waited_for_it():

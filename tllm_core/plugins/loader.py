@@ -74,14 +74,9 @@ class Plugins:
     ) -> Plugins:
         """Every ``tllm`` entry point the allow-list lets through, each registered and checked."""
         out, allowed = cls(on_broken=on_broken), allowed_plugins(environ)
-        dists = importlib.metadata.distributions() if load_entry_points else []
         builtin: set[str] = set()  # tllm's own entry points: first, and no one else's name
-        for dist in sorted(dists, key=lambda d: not _own(d)):
-            dist_name = dist.metadata["name"] or "?"
-            own = _own(dist)
-            for ep in dist.entry_points:
-                if ep.group != ENTRY_POINT_GROUP:
-                    continue
+        for own, dist_name, eps in _tllm_entry_points() if load_entry_points else []:
+            for ep in eps:
                 if not own and ep.name in builtin:
                     why = f"its entry point name {ep.name!r} is a built-in's; it must use another"
                     out._skip(f"{ep.name} ({dist_name})", ep.value, why)
@@ -132,8 +127,17 @@ class Plugins:
         return [n for n, _ in self.pm.list_name_plugin()]
 
 
-def _own(dist: importlib.metadata.Distribution) -> bool:
-    return re.sub(r"[-_.]+", "-", dist.metadata["name"] or "").lower() == OWN_DISTRIBUTION
+def _tllm_entry_points() -> list[tuple[bool, str, list[importlib.metadata.EntryPoint]]]:
+    """``(tllm's own, distribution name, its tllm entry points)``, tllm's own first; only
+    distributions with such entry points have their metadata read (slow: hundreds of them)."""
+    found = []
+    for dist in importlib.metadata.distributions():
+        eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        if eps:
+            name = dist.metadata["name"] or "?"
+            own = re.sub(r"[-_.]+", "-", name).lower() == OWN_DISTRIBUTION
+            found.append((own, name, eps))
+    return sorted(found, key=lambda f: not f[0])
 
 
 def _new_manager() -> pluggy.PluginManager:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from tllm_core.api.counters import Counters
@@ -45,6 +46,8 @@ class ResultStore:
         # Caller id -> engine ids of the requests that reused it after its discard: theirs
         # are wanted, a late result of the discarded ones is not.
         self._reused: dict[str, set[str]] = {}
+        # Engine ids of discarded requests: the engine may first see one after its discard.
+        self._discarded: OrderedDict[str, None] = OrderedDict()
 
     def put(self, request: RequestInfo, consumer: str, value: Any) -> None:
         """Keep ``consumer``'s result for ``request`` (encoded on the caller's thread); a request
@@ -117,11 +120,15 @@ class ResultStore:
         self.counters.add("results_taken", taken)
         return out
 
-    def discard(self, request_ids: list[str]) -> None:
+    def discard(self, request_ids: list[str], engine_ids: Iterable[str] = ()) -> None:
         """Drop all kept for these caller ids (their response failed), errors too, and what
-        they make in the next ``UNWANTED_S`` unless a new request takes the id (:meth:`reuse`)."""
+        they make in the next ``UNWANTED_S`` unless a new request takes the id (:meth:`reuse`;
+        ``engine_ids``: the discarded requests' own, never such a new one)."""
         until = time.monotonic() + UNWANTED_S
         with self._lock:
+            self._discarded.update(dict.fromkeys(engine_ids))
+            while len(self._discarded) > 16 * self.max_requests:
+                self._discarded.popitem(last=False)
             for rid in request_ids:
                 self._dropped.pop(rid, None)  # counted when dropped
                 gone = self._kept.pop(rid, {})
@@ -136,6 +143,8 @@ class ResultStore:
     def reuse(self, request_id: str, engine_id: str) -> None:
         """A new request (``engine_id``) reuses this caller id: its results are kept, while
         late ones of the discarded requests of that id are still dropped."""
+        if engine_id in self._discarded or engine_id.partition("_")[2] in self._discarded:
+            return  # a discarded request (a sample of one) first seen by the engine
         if request_id in self._unwanted:
             with self._lock:
                 until = self._unwanted.get(request_id)

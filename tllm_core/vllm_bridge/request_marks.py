@@ -85,6 +85,8 @@ def note_request(request: Any, extra: dict[str, Any] | None) -> None:
     rid = caller_id(request)
     if (ids := REQUEST_IDS.get()) is not None:
         ids.append(rid)
+    if (engines := ADMITTED.get()) is not None:
+        engines.append(str(request.request_id))  # vLLM's engine id by now
     names = asked_results(extra) if extra else []
     if (asked := ASKED.get()) is not None and names:
         asked[rid] = (names, int(getattr(request.sampling_params, "n", 1) or 1))
@@ -253,6 +255,8 @@ ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
 RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
     "tllm_results_in_flight", default=None
 )
+# The engine ids of the requests an HTTP request had admitted (a refused one's discard).
+ADMITTED: ContextVar[list[str] | None] = ContextVar("tllm_admitted", default=None)
 # Caller id -> the bytes its results can hold, of the requests admitted (check_bounds).
 HELD: ContextVar[dict[str, int] | None] = ContextVar("tllm_results_held", default=None)
 # Why a prompt was refused: vLLM starts all prompts together, the later ones get this reason.
@@ -400,9 +404,10 @@ class ResultReturn:
             await send({**start, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
+        engines: list[str] = []
         try:
             with bound(ASKED, asked), bound(HELD, admitted), bound(REFUSED, refused):
-                with bound(RESULTS_IN_FLIGHT, self.in_flight):
+                with bound(RESULTS_IN_FLIGHT, self.in_flight), bound(ADMITTED, engines):
                     await self.app(scope, receive, with_results)
         finally:  # its caller ids are free again
             for rid in [r for r, owner in self.in_flight.items() if owner is asked]:
@@ -410,7 +415,7 @@ class ResultReturn:
         # No response takes what the prompts admitted before a refused one made.
         if refused and admitted and self.discard:
             try:
-                await self.discard(list(admitted))
+                await self.discard(list(admitted), engines)
             except Exception as e:  # noqa: BLE001 - the response is out; they expire instead
                 log.warning("tllm: results of refused requests %s kept: %r", sorted(admitted), e)
 

@@ -59,8 +59,10 @@ class TllmWorkerExtension:
         hooks.mark_cut_short(engine_ids)
 
     @_with_hooks()
-    def tllm_discard_results(self, hooks: Any, request_ids: list[str]) -> None:
-        hooks.discard_results([str(i) for i in request_ids])
+    def tllm_discard_results(
+        self, hooks: Any, request_ids: list[str], engine_ids: list[str] = ()
+    ) -> None:
+        hooks.discard_results([str(i) for i in request_ids], [str(e) for e in engine_ids])
 
     @_with_hooks([])
     def tllm_end_batch(self, hooks: Any) -> list[dict[str, Any]]:
