@@ -140,7 +140,7 @@ def test_results_of_a_failed_response_are_discarded_at_once():
     # once before vLLM's abort) is no retry: its results and its samples' are still dropped.
     store.discard(["q"], ["q-x"])
     for engine_id, sample in (("q-x", 0), ("1_q-x", 1)):
-        store.reuse("q", engine_id)
+        store.reuse("q", engine_id, "q-x")  # hooks: parse_engine_id's parent
         store.put(RequestInfo(engine_id, "q", 0, sample, 4), "c", {"v": 7})
     store.reuse("q", "q-y")  # a retry under that id: its own are kept
     store.put(RequestInfo("q-y", "q", 0, 0, 4), "c", {"v": 8})

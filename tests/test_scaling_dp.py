@@ -284,42 +284,47 @@ def test_serve_dp2_per_request_consumer_counters_summed_and_export_parts(tiny_mo
         assert len(rep["results"]["export"]) == 2
         assert rep["errors"] == []
 
+        def four_more_since(before: list[dict]) -> tuple[list[int], list[int], list[dict]]:
+            """Per engine: requests finished and ESamp groups created since ``before`` (once
+            4 more finished; bounded: the engines count a finish at their next step), and
+            the ranks' counters now."""
+            for _ in range(20):
+                after = get_json(f"{url}/tllm/counters")["ranks"]
+                more = [
+                    a["runtime"].get("requests_finished", 0)
+                    - b["runtime"].get("requests_finished", 0)
+                    for a, b in zip(after, before, strict=True)
+                ]
+                if sum(more) == 4:
+                    break
+                time.sleep(0.25)
+            groups = [
+                a["consumers"]["esamp"].get("groups_created", 0)
+                - b["consumers"]["esamp"].get("groups_created", 0)
+                for a, b in zip(after, before, strict=True)
+            ]
+            return more, groups, after
+
         # The n = 4 samples of one prompt all run on one engine (vLLM alone balances each
         # sample: 2 + 2 here), so ESamp trains one distiller over all four.
         body = {"model": "default", "prompt": "Four tellings of one tale", "n": 4, **FULL}
         body.update(max_tokens=4, temperature=1.0)
         body["vllm_xargs"] = {"tllm_consumers": "esamp,stats", "tllm_esamp_beta": 0.5}
         assert len(_post(f"{url}/v1/completions", body)["choices"]) == 4
-        for _ in range(20):  # bounded: the engines count a finish at their next step
-            after = get_json(f"{url}/tllm/counters")["ranks"]
-            more = [after[d]["runtime"].get("requests_finished", 0) - finished[d] for d in (0, 1)]
-            if sum(more) == 4:
-                break
-            time.sleep(0.25)
+        more, groups, after = four_more_since(ranks)
         assert sorted(more) == [0, 4], f"the samples split over the engines: {more}"
-        esamp = [(after[d]["consumers"]["esamp"], ranks[d]["consumers"]["esamp"]) for d in (0, 1)]
-        groups = [a.get("groups_created", 0) - b.get("groups_created", 0) for a, b in esamp]
         assert sorted(groups) == [0, 1], groups
 
         # Four requests of one client's tllm_group, sent at once: all on one engine.
         body["vllm_xargs"] = {**body["vllm_xargs"], "tllm_group": "tale"}
         body.update(n=1)
-        before = after
         with ThreadPoolExecutor(4) as pool:
             assert all(len(r["choices"]) == 1 for r in pool.map(
                 lambda i: _post(f"{url}/v1/completions", {**body, "prompt": f"Tale {i}"}),
                 range(4),
             ))  # fmt: skip
-        for _ in range(20):
-            after = get_json(f"{url}/tllm/counters")["ranks"]
-            done = [after[d]["runtime"].get("requests_finished", 0) for d in (0, 1)]
-            more = [done[d] - before[d]["runtime"].get("requests_finished", 0) for d in (0, 1)]
-            if sum(more) == 4:
-                break
-            time.sleep(0.25)
+        more, groups, _ = four_more_since(after)
         assert sorted(more) == [0, 4], f"the group split over the engines: {more}"
-        esamp = [(after[d]["consumers"]["esamp"], before[d]["consumers"]["esamp"]) for d in (0, 1)]
-        groups = [a.get("groups_created", 0) - b.get("groups_created", 0) for a, b in esamp]
         # One engine's distillers (one, or more if a request ended before the next came).
         assert min(groups) == 0 < max(groups), groups
 

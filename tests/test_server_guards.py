@@ -682,10 +682,10 @@ def test_many_aborts_at_once_share_their_mark_rpcs_and_each_is_marked_before_its
     assert len(said) == 5, [r.getMessage() for r in records]
 
 
-def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
-    """The abort that opened the next batch is cancelled while it waits for the RPC in flight:
-    the aborts that joined it hear so at once (and then abort), later ones get a batch of
-    their own; nothing waits for a batch that will never be sent."""
+async def _batch_behind_one_in_flight(joining: str):
+    """A MarkBatches with ``["a"]`` in flight (its RPC 0.05 s), ``["b"]`` opening the next batch
+    and one abort per letter of ``joining`` joined to it: (sent ids per RPC, marks, the tasks
+    in flight, opener, joiners)."""
     from tllm_core.vllm_bridge.request_marks import MarkBatches
 
     sent: list[list[str]] = []
@@ -694,50 +694,46 @@ def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
         sent.append(list(ids))
         await asyncio.sleep(0.05)
 
+    marks = MarkBatches(ask)
+    first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
+    await asyncio.sleep(0)
+    opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
+    await asyncio.sleep(0)
+    joiners = [asyncio.ensure_future(marks.mark([x])) for x in joining]  # join it
+    await asyncio.sleep(0)
+    return sent, marks, first, opener, joiners
+
+
+def test_a_mark_batch_whose_sender_is_cancelled_leaves_no_caller_waiting():
+    """The abort that opened the next batch is cancelled while it waits for the RPC in flight:
+    the aborts that joined it hear so at once (and then abort), later ones get a batch of
+    their own; nothing waits for a batch that will never be sent."""
+
     async def main():
-        marks = MarkBatches(ask)
-        first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
-        await asyncio.sleep(0)
-        opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
-        await asyncio.sleep(0)
-        joiner = asyncio.ensure_future(marks.mark(["c"]))  # joins it
-        await asyncio.sleep(0)
+        sent, marks, first, opener, (joiner,) = await _batch_behind_one_in_flight("c")
         opener.cancel()
         with pytest.raises(RuntimeError, match=r"marking \['b', 'c'\] cut short was cancelled"):
             await asyncio.wait_for(joiner, 5)
         await asyncio.wait_for(first, 5)
         await asyncio.wait_for(marks.mark(["d"]), 5)
         assert opener.cancelled()
+        return sent
 
-    asyncio.run(main())
-    assert sent == [["a"], ["d"]]
+    assert asyncio.run(main()) == [["a"], ["d"]]
 
 
 def test_a_cancelled_joiner_of_a_mark_batch_leaves_the_batch_to_the_others():
     """An abort that joined the next batch is cancelled (a server stopping): the batch is
     still sent, with its ids, and every other caller of it returns once it is answered."""
-    from tllm_core.vllm_bridge.request_marks import MarkBatches
-
-    sent: list[list[str]] = []
-
-    async def ask(method, ids):
-        sent.append(list(ids))
-        await asyncio.sleep(0.05)
 
     async def main():
-        marks = MarkBatches(ask)
-        first = asyncio.ensure_future(marks.mark(["a"]))  # in flight
-        await asyncio.sleep(0)
-        opener = asyncio.ensure_future(marks.mark(["b"]))  # opens the next batch, waits
-        await asyncio.sleep(0)
-        joiners = [asyncio.ensure_future(marks.mark([x])) for x in "cd"]
-        await asyncio.sleep(0)
+        sent, _, first, opener, joiners = await _batch_behind_one_in_flight("cd")
         joiners[0].cancel()
         await asyncio.wait_for(asyncio.gather(first, opener, joiners[1]), 5)
         assert joiners[0].cancelled()
+        return sent
 
-    asyncio.run(main())
-    assert sent == [["a"], ["b", "c", "d"]]
+    assert asyncio.run(main()) == [["a"], ["b", "c", "d"]]
 
 
 def test_an_abort_happens_though_its_caller_is_cancelled_at_every_await():

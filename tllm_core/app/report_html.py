@@ -49,12 +49,14 @@ def read_run(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not JSON ({e}); give the output of `tllm run --json`"
         ) from None
-    shaped = isinstance(run, dict) and isinstance(run.get("counters"), dict)
-    shaped = shaped and all(isinstance(v, dict) for v in run["counters"].values())
-    outputs = run.get("outputs") if shaped else None
-    if not (isinstance(outputs, list) and all(isinstance(o, list) for o in outputs)):
-        shaped = False
-    if not shaped or not all(t is None or isinstance(t, str) for o in outputs for t in o):
+    counters, outputs = (
+        (run.get("counters"), run.get("outputs")) if isinstance(run, dict) else ((), ())
+    )
+    texts = isinstance(outputs, list) and all(
+        isinstance(o, list) and all(t is None or isinstance(t, str) for t in o) for o in outputs
+    )
+    by_group = isinstance(counters, dict) and all(isinstance(v, dict) for v in counters.values())
+    if not (texts and by_group):
         raise ValueError(
             f"{path} is not a run's JSON: expected an object with 'outputs' (a list of lists "
             "of texts) and 'counters' (an object of objects): the output of `tllm run --json`, "

@@ -81,7 +81,8 @@ class Plugins:
                     why = f"its entry point name {ep.name!r} is a built-in's; it must use another"
                     out._skip(f"{ep.name} ({dist_name})", ep.value, why)
                     continue
-                builtin |= {ep.name} if own else set()
+                if own:
+                    builtin.add(ep.name)
                 if out.pm.has_plugin(ep.name):
                     continue  # a distribution seen twice on sys.path registers once
                 if out.pm.is_blocked(ep.name) or any(b.name == ep.name for b in out.broken):

@@ -140,11 +140,12 @@ class ResultStore:
             while len(self._unwanted) > self.max_requests:
                 self._reused.pop(self._unwanted.popitem(last=False)[0], None)
 
-    def reuse(self, request_id: str, engine_id: str) -> None:
-        """A new request (``engine_id``) reuses this caller id: its results are kept, while
-        late ones of the discarded requests of that id are still dropped."""
-        if engine_id in self._discarded or engine_id.partition("_")[2] in self._discarded:
-            return  # a discarded request (a sample of one) first seen by the engine
+    def reuse(self, request_id: str, engine_id: str, parent_id: str | None = None) -> None:
+        """A new request (``engine_id``; a sample of ``parent_id``) reuses this caller id: its
+        results are kept, while late ones of the discarded requests of that id are still
+        dropped."""
+        if (parent_id or engine_id) in self._discarded:
+            return  # a discarded request (or a sample of one) first seen by the engine
         if request_id in self._unwanted:
             with self._lock:
                 until = self._unwanted.get(request_id)

@@ -99,7 +99,7 @@ class RunnerHooks:
         req = self.requests.get(engine_id)
         if req is None:
             extra, n_prompt, prompt_ids = self.adapter.request(engine_id)
-            rid, sample = parse_engine_id(engine_id, extra)
+            rid, sample, parent = parse_engine_id(engine_id, extra)
             req = RequestInfo(
                 engine_id=engine_id,
                 request_id=rid,
@@ -110,7 +110,7 @@ class RunnerHooks:
                 prompt_token_ids=prompt_ids,
             )
             req.cut_short = rid in self._aborting
-            self.runtime.results.reuse(rid, engine_id)  # a new request: its results are wanted
+            self.runtime.results.reuse(rid, engine_id, parent)  # a new request: wanted
             self.requests[engine_id] = req
         return req
 
