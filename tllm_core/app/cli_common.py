@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from tllm_core.api.request_settings import RESULTS_KEY, allowed, error_words
-from tllm_core.app.defaults import DEFAULT_DTYPE
+from tllm_core.app.defaults import DEFAULT_DTYPE, KV_ENV, kv_cache_gib
 from tllm_core.app.progress import say
 from tllm_core.runtime.settings import RuntimeSettings
 
@@ -93,12 +93,6 @@ def _scaled(bound: Any, unit: int, kind: type) -> Any:
     return Field(**{attr: -(-b // unit) if attr in ("ge", "lt") else b // unit})
 
 
-HOSTS_ALLOWED = (
-    "an IP address or name of this machine: 127.0.0.1 (this machine only), 0.0.0.0 (every IPv4 "
-    "interface), :: (every IPv6 interface), or the address of one of its interfaces"
-)
-
-
 HOST_LOOKUP_S = 10.0  # --host: a name the resolver does not answer for is refused after this
 
 
@@ -137,7 +131,11 @@ def checked_host(text: str) -> str:
         return text
     else:
         why = found[0]
-    raise argparse.ArgumentTypeError(f"{text!r} {why}; allowed: {HOSTS_ALLOWED}")
+    raise argparse.ArgumentTypeError(
+        f"{text!r} {why}; allowed: an IP address or name of this machine: 127.0.0.1 (this "
+        "machine only), 0.0.0.0 (every IPv4 interface), :: (every IPv6 interface), or the "
+        "address of one of its interfaces"
+    )
 
 
 # Options counting something, and other whole numbers (vLLM would replace some silently).
@@ -296,8 +294,6 @@ def quiet(args: argparse.Namespace) -> None:
 
 def set_cpu_kv_cache(gib: int | None) -> None:
     """``--kv-cache-gib``, else the user's ``VLLM_CPU_KVCACHE_SPACE``, else the default."""
-    from tllm_core.app.defaults import KV_ENV, kv_cache_gib
-
     value = kv_cache_gib(gib)
     if value is not None:
         os.environ[KV_ENV] = value

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -76,31 +77,22 @@ def _file_lock(lock_path: Path, timeout: float = CONVERT_TIMEOUT_S) -> Iterator[
         yield
 
 
-@contextlib.contextmanager
-def _cached_tensor_name_map() -> Iterator[None]:
-    """gguf's tensor-name map cached while converting (transformers builds it per module)."""
-    import functools
-
-    import gguf
-
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map = original
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into an fp32 Hugging Face folder at ``out_dir`` (which must exist)."""
+    import gguf
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    with _cached_tensor_name_map():
+    # gguf's tensor-name map cached while converting (transformers builds it per module).
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(original)
+    try:
         model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    finally:
+        gguf.get_tensor_name_map = original
     config = model.config
     config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
 

@@ -45,8 +45,7 @@ from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
 
-# Seconds to wait for the engine watch to name the dead process once vLLM said its engine
-# is dead (vLLM may notice first, e.g. a dead worker reported by the engine core).
+# Seconds for the engine watch to name the dead process once vLLM says its engine is dead.
 DEATH_NOTICE_S = 2.0
 # Settings whose documented default is None (TllmLLM's); another's None is refused, as elsewhere.
 NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
@@ -162,12 +161,8 @@ def tell_run_failed(checked: CheckedConsumers, cause: str, started_at: float) ->
         try:
             impl.function(consumers=list(checked.specs), cause=cause, started_at=started_at)
         except Exception as e:  # noqa: BLE001 - the run's own error is the one to see
-            log.warning(
-                "tllm: plugin %r's tllm_run_failed failed (%s: %s)",
-                impl.plugin_name,
-                type(e).__name__,
-                e,
-            )
+            why = f"{type(e).__name__}: {e}"
+            log.warning("tllm: plugin %r's tllm_run_failed failed (%s)", impl.plugin_name, why)
 
 
 class TllmLLM:

@@ -54,9 +54,7 @@ class RunProgress:
 
     def _refresh(self) -> None:
         while not self._stop.wait(1.0):
-            bar = self.bar
-            if bar is not None:
-                bar.refresh()
+            self.bar.refresh()  # type: ignore[union-attr] - set before this thread starts
 
     def close(self) -> None:
         self._stop.set()

@@ -14,7 +14,7 @@ from typing import Any
 
 from tllm_core.api.plots import Plot
 from tllm_core.app.progress import say
-from tllm_core.app.summary import Lookup, call_consumer, registry_lookup, summarize
+from tllm_core.app.summary import Lookup, call_consumer, count_text, registry_lookup, summarize
 
 CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px;
@@ -182,8 +182,7 @@ def write_report(run: dict[str, Any], out_dir: Path, lookup: Lookup | None = Non
     for group, values in run.get("counters", {}).items():
         rows.append(f'<tr><td colspan="2"><b>[{_esc(group)}]</b></td></tr>')
         for k, v in sorted(values.items()):
-            shown = f"{v:.6g}" if isinstance(v, float) else v
-            rows.append(f'<tr><td>{_esc(k)}</td><td class="v">{_esc(shown)}</td></tr>')
+            rows.append(f'<tr><td>{_esc(k)}</td><td class="v">{_esc(count_text(v))}</td></tr>')
     meta = f"{len(outputs)} prompt(s) · {sum(map(len, outputs))} sample(s)"
     meta += f" · {_esc(runner)}" if runner else ""
     plots = f'<div class="plots">{"".join(figures)}</div>' if figures else "<p>(no plots)</p>"

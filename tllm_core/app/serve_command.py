@@ -64,10 +64,13 @@ HUNG_STOP_S = 60.0
 
 
 def _flag(
-    extra: list[str], flags: tuple[str, ...], convert: Callable[[str], Any] = cli_common.WHOLE
+    extra: list[str],
+    flags: tuple[str, ...],
+    convert: Callable[[str], Any] = cli_common.WHOLE,
+    default: Any = None,
 ) -> Any:
-    """The last of ``flags``'s value among vLLM's arguments, checked (None: not given)."""
-    found = None
+    """The last of ``flags``'s value among vLLM's arguments, checked (``default``: not given)."""
+    found = default
     for i, a in enumerate(extra):
         flag, eq, value = a.partition("=")
         if flag in flags:
@@ -96,15 +99,13 @@ def followers_store(extra: list[str]) -> tuple[str, int] | None:
 def listen_host(args: argparse.Namespace) -> str:
     """The address the server listens on: ``--host``, or one given after ``--`` (vLLM's, which
     wins), checked as ``--host`` is (:func:`~tllm_core.app.cli_common.checked_host`)."""
-    given = _flag(list(args.vllm_args or []), ("--host",), cli_common.checked_host)
-    return args.host if given is None else given
+    return _flag(args.vllm_args or [], ("--host",), cli_common.checked_host, args.host)
 
 
 def listen_port(args: argparse.Namespace) -> int:
     """The port the server listens on: ``--port``, or one given after ``--`` (vLLM's, which
     wins), checked as ``--port`` is."""
-    given = _flag(list(args.vllm_args or []), ("--port",), cli_common.PORT)
-    return args.port if given is None else given
+    return _flag(args.vllm_args or [], ("--port",), cli_common.PORT, args.port)
 
 
 def server_url(host: str, port: int) -> str:
@@ -115,7 +116,7 @@ def server_url(host: str, port: int) -> str:
 
 def parallel_ranks(args: argparse.Namespace) -> int:
     """Model ranks on this machine (a size given after ``--`` wins); one API server only."""
-    extra = list(args.vllm_args or [])
+    extra = args.vllm_args or []
     servers = _flag(extra, ("--api-server-count", "-asc"), str)
     if servers is not None and servers != "1":
         raise cli_common.CliError(
@@ -123,15 +124,13 @@ def parallel_ranks(args: argparse.Namespace) -> int:
             "checks and /tllm routes live in that process); allowed: 1. Several engines "
             "behind it: --data-parallel-size N"
         )
-    dp = _flag(extra, ("--data-parallel-size", "-dp"), cli_common.COUNT)
-    dp = args.data_parallel_size if dp is None else dp
+    dp = _flag(extra, ("--data-parallel-size", "-dp"), cli_common.COUNT, args.data_parallel_size)
     tp = args.tensor_parallel_size
     # This node's share: --data-parallel-size-local engines, else tp * dp / nodes.
     dp_local = _flag(extra, ("--data-parallel-size-local", "-dpl"))
     if dp_local is not None:
         return tp * max(dp_local, 1)
-    nodes = _flag(extra, ("--nnodes",), cli_common.COUNT) or 1
-    return max(1, tp * dp // nodes)
+    return max(1, tp * dp // _flag(extra, ("--nnodes",), cli_common.COUNT, 1))
 
 
 def headless(args: argparse.Namespace) -> bool:
