@@ -167,7 +167,6 @@ def add_model_args(g: Any) -> None:
     g.add_argument(
         "--callback-deadline",
         type=checked_arg("callback_deadline_s"),
-        default=None,
         metavar="S",
         help="longest run of one consumer callback on the engine thread before the watchdog "
         "names it and stops the engine (default 120 s)",
@@ -227,9 +226,8 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         help="0 disables top-k",
     )
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument(  # vLLM's own bound (a larger seed fails in the engine, after its start)
-        "--seed", type=checked_arg(Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]), default=None
-    )
+    # vLLM's own bound on --seed (a larger seed fails in the engine, after its start)
+    g.add_argument("--seed", type=checked_arg(Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]))
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument(
         "--results",
@@ -396,17 +394,6 @@ def has_chat_template(model: str) -> bool:
     )
 
 
-def check_results_arg(asked: str, checked: Any) -> None:
-    """``--results`` checked as a request's ``tllm_results`` is, against the consumers."""
-    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
-
-    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
-    try:
-        validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
-    except ValueError as e:
-        raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
-
-
 def _outputs(
     done: list[Any], first: int, num_prompts: int, n: int
 ) -> tuple[list[list[str | None]], list[list[Any]], int]:
@@ -440,6 +427,7 @@ def generate_with(
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
     from tllm_core.app.summary import run_line
+    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
@@ -452,8 +440,12 @@ def generate_with(
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = getattr(args, "results", None)
-    if asked:
-        check_results_arg(asked, checked)
+    if asked:  # checked as a request's tllm_results is
+        engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+        try:
+            validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
+        except ValueError as e:
+            raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
     # The default model converts while vLLM is imported; before the engine processes' preload.
     converting = default_model.convert_in_background() if model is None else None
     if model is None and converting is None:  # cached: the dry build now, before vLLM's import
