@@ -25,8 +25,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m-instruct"
 _DONE_MARKER = ".tllm-complete"
 _FORMAT_VERSION = 1
-# The conversion takes under a minute; a stuck one (or a lock held by a stuck process) must
-# not hang a run.
+# A conversion takes under a minute: a stuck one (or its lock, held) must not hang a run.
 CONVERT_TIMEOUT_S = 600.0
 
 

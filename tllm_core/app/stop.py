@@ -128,8 +128,7 @@ class StopSignals:
         )
         self._children.update(kill_children())
         self.forget_dead_children()
-        # A lost node is the error to report.
-        os._exit(1 if self.nodes.lost() else EXIT_STOP_TIMEOUT)
+        os._exit(1 if self.nodes.lost() else EXIT_STOP_TIMEOUT)  # a lost node: the error
 
 
 def install() -> StopSignals | None:
