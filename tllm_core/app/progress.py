@@ -54,7 +54,7 @@ class RunProgress:
 
     def _refresh(self) -> None:
         while not self._stop.wait(1.0):
-            self.bar.refresh()  # type: ignore[union-attr] - set before this thread starts
+            self.bar.refresh()  # type: ignore[union-attr]  # set before this thread starts
 
     def close(self) -> None:
         self._stop.set()

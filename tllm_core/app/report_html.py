@@ -211,12 +211,11 @@ EPILOG = """examples:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    run, out = read_run(args.run_json), args.out
+    path, out = args.run_json, args.out
+    run = read_run(path)
     if out is None:  # a report's own run.json: its folder; another file: <stem>-report beside it
-        own = args.run_json.name == "run.json" and (args.run_json.parent / "index.html").is_file()
-        out = (
-            args.run_json.parent if own else args.run_json.with_name(f"{args.run_json.stem}-report")
-        )
+        own = path.name == "run.json" and (path.parent / "index.html").is_file()
+        out = path.parent if own else path.with_name(f"{path.stem}-report")
     try:
         say(f"report: {write_report(run, out)}")
     except OSError as e:  # a folder made unwritable meanwhile, a full disk
