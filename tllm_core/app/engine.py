@@ -145,11 +145,9 @@ def raise_newly_disabled(errors: list[dict[str, Any]], raised: set[str], **where
 
 def _salted(prompt: Any, salt: str | None) -> Any:
     """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
-    if salt is None:
-        return prompt
-    if isinstance(prompt, str):
+    if salt is not None and isinstance(prompt, str):
         return {"prompt": prompt, "cache_salt": salt}
-    if isinstance(prompt, dict) and "cache_salt" not in prompt:
+    if salt is not None and isinstance(prompt, dict) and "cache_salt" not in prompt:
         return {**prompt, "cache_salt": salt}
     return prompt
 

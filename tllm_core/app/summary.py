@@ -141,10 +141,10 @@ def summarize(report: dict[str, Any], lookup: Lookup | None = None) -> Summary:
             found = proof_counter(counters, getattr(cls, "proof_counter", ""))
             if found is not None:
                 lines = [f"{name}: {found[0]} {count_text(found[1])}"]
+            elif calls:
+                lines = [f"{name}: called {calls} time(s), no result"]
             else:
-                lines = [
-                    f"{name}: called {calls} time(s), no result" if calls else f"{name}: no work"
-                ]
+                lines = [f"{name}: no work"]
         elif not lines[0].startswith(f"{name}:"):
             lines = [f"{name}: {lines[0]}", *lines[1:]]
         out.lines += lines
