@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
-import importlib.util
 import logging
 import os
 import signal
@@ -158,17 +157,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.patch(module)
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     """``loader``, then ``patch`` on the module it ran (the rest asked of ``loader``)."""
 
     def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
         self.loader, self.patch = loader, patch
 
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+    def __getattr__(self, name: str) -> Any:  # create_module, get_source, ...
         return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
