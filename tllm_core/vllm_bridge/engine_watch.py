@@ -83,7 +83,7 @@ def exit_code(pid: int) -> int | None:
 
 
 def _children(pid: int, recursive: bool = True) -> list[int]:
-    """The processes below ``pid`` (``recursive``: every one, else its children): the kernel's
+    """The processes below ``pid`` (``recursive``: all, else its children), from the kernel's
     lists (psutil's scan reads every process)."""
     if not KERNEL_CHILDREN:
         import psutil  # vLLM's dependency
@@ -200,12 +200,10 @@ class EngineWatch:
     def _run(self) -> None:
         try:
             while not self._wait():
-                if self.death is None:
-                    self.death = self._look()
-                    if self.death is None:
-                        continue
+                self.death = self.death or self._look()
+                if self.death is not None:
                     self._close_pidfds()
-                self._wake_waiters()
+                    self._wake_waiters()
         finally:
             self._close_pidfds()
 

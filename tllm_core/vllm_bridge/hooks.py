@@ -208,12 +208,6 @@ class RunnerHooks:
         for e in self.requests.keys() & set(engine_ids):
             self.requests[e].cut_short = True
 
-    def discard_results(self, request_ids: list[str], engine_ids: list[str] = ()) -> None:
-        """Drop these caller ids' results, made and to come (no wait: a refused request must
-        not hold the engine); ``engine_ids``: the discarded requests' own, none a retry when
-        the engine first sees it. Not marked cut short here: another client may share the id."""
-        self.runtime.results.discard(sorted(set(request_ids)), engine_ids)
-
     def finish_all(self) -> None:
         """Treat every known request as finished (an offline batch ended or was interrupted)."""
         self._deliver_pending(set())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.abc
-import importlib.util
 import logging
 import os
 import signal
@@ -63,10 +62,8 @@ def command_process() -> None:
 
 
 def watch_front_end(front_end: list | tuple | None) -> None:
-    """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time,
-    pid_space)`` from its settings, is gone, also when its pid was free before this process
-    looked (a kill -9 while the engine started). Only in the front end's own pid space: not a
-    same-numbered pid on another node, not this process (an in-process engine)."""
+    """A ``TllmLLM``'s engine process stops itself once its front end ``(pid, create_time,
+    pid_space)`` is gone (also before this process looked), in that pid space only."""
     if not front_end:
         return
     import psutil
@@ -101,9 +98,8 @@ def pid_space() -> str:
 
 
 def _stop_without(pid: int, gone: bool = False) -> None:
-    """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
-    gone without stopping it (a ``kill -9``; ``gone``: already): vLLM's
-    engine core does not watch its parent, and would keep its device."""
+    """SIGTERM this engine process once its front end ``pid`` is gone (``gone``: already):
+    vLLM's engine core does not watch its parent, and would keep its device."""
     import psutil
 
     def alive(command: psutil.Process) -> bool:
@@ -125,8 +121,7 @@ def _stop_without(pid: int, gone: bool = False) -> None:
     threading.Thread(target=watch, args=(command,), name="tllm-command", daemon=True).start()
 
 
-# The tllm plugin (tllm_core.plugins.loader registers this module).
-@hookimpl
+@hookimpl  # the tllm plugin (tllm_core.plugins.loader registers this module)
 def tllm_architectures() -> list[object]:
     """vLLM's decoder families and the built-in tap sites (``layouts.py``)."""
     from tllm_core.vllm_bridge.layouts import ARCHITECTURES
@@ -138,9 +133,8 @@ WORKER_BASE = "vllm.v1.worker.worker_base"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``patch(module)`` once, right after module ``name`` is first imported (by the
-    finder that would load it anyway), then leaves ``sys.meta_path``; a spec only looked up
-    (``importlib.util.find_spec``) patches nothing and leaves it in place."""
+    """Runs ``patch(module)`` once, right after module ``name`` is first imported, then leaves
+    ``sys.meta_path`` (a spec only looked up patches nothing)."""
 
     def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
         self.name, self.patch = name, patch
@@ -163,17 +157,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.patch(module)
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     """``loader``, then ``patch`` on the module it ran (the rest asked of ``loader``)."""
 
     def __init__(self, loader: Any, patch: Callable[[Any], None]) -> None:
         self.loader, self.patch = loader, patch
 
-    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+    def __getattr__(self, name: str) -> Any:  # create_module, get_source, ...
         return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)

@@ -30,6 +30,7 @@ STREAM_END = b"data: [DONE]"
 SSE = b"text/event-stream"
 
 Ask = Callable[[str, list[str] | None], Awaitable[list[Any]]]
+Asked = dict[str, tuple[list[str], int]]  # caller id -> (consumers asked, n)
 STOP_POLL_S = 0.25  # how often a wait on the engine looks whether the server is stopping
 
 
@@ -226,17 +227,15 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
     async def abort_requests_async(request_ids: list[str]) -> None:
         if not (request_ids and FRONT_END_ABORT.get()):
             return await core_abort_orig(request_ids)
-        # One task of its own: a streamed response's client gone, anyio cancels the caller
-        # again at each await, which would skip the abort after the mark (the request then
-        # runs to max_tokens); the shield lets the task run on to the abort.
+        # A task of its own, shielded: anyio cancels a gone stream's caller at each await,
+        # which would skip the abort after the mark (the request would run to max_tokens).
         task = asyncio.ensure_future(mark_then_abort(list(request_ids)))
         pending.add(task)
         outer = asyncio.shield(task)
 
         def settled(t: asyncio.Future) -> None:
             pending.discard(t)
-            # A caller still waiting gets the error from ``outer``; one cancelled meanwhile
-            # cannot, so it is said here (no caller is left to raise it to).
+            # A caller cancelled meanwhile cannot hear the error from ``outer``: logged here.
             if not t.cancelled() and t.exception() is not None and outer.cancelled():
                 log.error("tllm: aborting requests %s failed: %r", request_ids, t.exception())
 
@@ -247,10 +246,8 @@ def install_abort_marks(engine_client: Any, ask: Ask) -> None:
     engine_core.abort_requests_async = abort_requests_async
 
 
-# Per HTTP request (set by ResultReturn): caller id -> (consumers asked, n) of its requests.
-ASKED: ContextVar[dict[str, tuple[list[str], int]] | None] = ContextVar(
-    "tllm_results_asked", default=None
-)
+# Per HTTP request (set by ResultReturn): what its requests asked.
+ASKED: ContextVar[Asked | None] = ContextVar("tllm_results_asked", default=None)
 # Server-wide (bound by ResultReturn): caller id -> the ASKED of the HTTP request it belongs to.
 RESULTS_IN_FLIGHT: ContextVar[dict[str, Any] | None] = ContextVar(
     "tllm_results_in_flight", default=None
@@ -307,9 +304,7 @@ def check_bounds(
     return None
 
 
-async def gather_results(
-    ask: Ask, asked: dict[str, tuple[list[str], int]], wait_s: float
-) -> list[dict[str, Any]]:
+async def gather_results(ask: Ask, asked: Asked, wait_s: float) -> list[dict[str, Any]]:
     """The ``tllm`` entries of a response, read until all are there or ``wait_s`` passed."""
     ids = list(asked)
     have: dict[str, dict[str, dict[str, Any]]] = {}
@@ -355,7 +350,7 @@ class ResultReturn:
         self.wait_s = wait_s
         self.discard = discard  # of the caller ids whose response failed
 
-    async def results(self, asked: dict[str, tuple[list[str], int]]) -> list[dict[str, Any]]:
+    async def results(self, asked: Asked) -> list[dict[str, Any]]:
         ask = self.ask()
         try:
             if ask is None:
@@ -371,7 +366,7 @@ class ResultReturn:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].endswith(self.paths):
             return await self.app(scope, receive, send)
-        asked: dict[str, tuple[list[str], int]] = {}
+        asked: Asked = {}
         admitted: dict[str, int] = {}  # HELD: the prompts admitted, refused: REFUSED's why
         refused: list[str] = []
         held: dict[str, Any] = {}  # a non-streamed response: its start and body so far

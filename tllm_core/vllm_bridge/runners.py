@@ -37,8 +37,7 @@ COMMON_ATTRS = (
 )
 
 
-# Request ids of the V2 runner's start-up warm-up (``gpu/warmup.py``; run through the real
-# ``execute_model`` once tllm's hooks are in place, with JIT warm-up on: GPUs).
+# Request ids of the V2 runner's start-up warm-up (``gpu/warmup.py``), run through the hooks.
 WARMUP_IDS = ("_warmup_", "_v2_mixed_warmup")
 
 
@@ -63,8 +62,7 @@ class RunnerAdapterBase:
         raise NotImplementedError
 
     def install(self, events: Any, guides: bool, sync_sampled: SyncSampled = None) -> None:
-        """Wrap the runner's instance attributes so that each step reports ``events``
-        (``hooks.RunnerHooks``); the guide only when ``guides``."""
+        """Wrap the runner's instance attributes to report each step to ``events``."""
         raise NotImplementedError
 
     def _finished(self, events: Any, scheduler_output: Any) -> list[str]:

@@ -1,7 +1,5 @@
-"""tllm in vLLM's OpenAI-compatible server, API-server side (active with
-``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`): request checks,
-cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks (docs/serving.md).
-"""
+"""tllm in vLLM's OpenAI server, API-server side (:class:`~.plugin.EndpointGate`): request
+checks, cache salts, ``/tllm`` routes, ``/health`` while hung (docs/serving.md)."""
 
 from __future__ import annotations
 
@@ -462,13 +460,13 @@ def install_request_checks(
                 validate_extra_args(extra, server)
             except ValueError as e:
                 raise VLLMValidationError(f"tllm: {e}", parameter="vllm_xargs") from None
-        if extra and RESULTS_KEY in extra and ASKED.get() is None:  # a route without results
-            raise VLLMValidationError(
-                f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this "
-                "route returns no results",
-                parameter="vllm_xargs",
-            )
         if extra and RESULTS_KEY in extra:
+            if ASKED.get() is None:  # a route without results
+                raise VLLMValidationError(
+                    f"tllm: {RESULTS_KEY} is answered on {' and '.join(RESULTS_PATHS)} only; this "
+                    "route returns no results",
+                    parameter="vllm_xargs",
+                )
             refused, held = REFUSED.get(), HELD.get()
             why = (refused[0] if refused else None) or id_in_use(request)
             if why is None and max_result_bytes is not None:

@@ -124,12 +124,7 @@ class RouterTap(_Tap):
 
 # SiteSpec.output -> the tap reading that convention
 TAPS: Mapping[str, type[_Tap]] = MappingProxyType(
-    {
-        "tensor": OutputTap,
-        "sum": ResidualTap,
-        "first": StreamFirstResidualTap,
-        "router": RouterTap,
-    }
+    {"tensor": OutputTap, "sum": ResidualTap, "first": StreamFirstResidualTap, "router": RouterTap}
 )
 # Names of an MoE block's router gate (gpt-oss: ``router``), beside its ``experts``.
 ROUTER_GATES = ("gate", "router")
@@ -187,8 +182,8 @@ def find_router(block: nn.Module) -> tuple[nn.Module | None, str | None]:
 def _site_module(
     layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures | None
 ) -> tuple[SiteSpec, nn.Module, str | None]:
-    """``site``'s spec at layer ``index``, the layer and the attribute holding the site's
-    module (None: the layer itself); refusals name the layer, the site and why."""
+    """``site``'s spec at layer ``index``, the layer, and the attribute holding the site's
+    module (None: the layer itself)."""
     archs = archs or builtin_architectures()
     layer = unwrap(layers[index])
     of = f" of {model}" if model else ""

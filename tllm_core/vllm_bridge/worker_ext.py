@@ -62,7 +62,11 @@ class TllmWorkerExtension:
     def tllm_discard_results(
         self, hooks: Any, request_ids: list[str], engine_ids: list[str] = ()
     ) -> None:
-        hooks.discard_results([str(i) for i in request_ids], [str(e) for e in engine_ids])
+        """Drop these caller ids' results, made and to come (no wait: a refused request must
+        not hold the engine); ``engine_ids``: the discarded requests' own, none a retry when
+        the engine first sees it. Not marked cut short: another client may share the id."""
+        ids = sorted({str(i) for i in request_ids})
+        hooks.runtime.results.discard(ids, [str(e) for e in engine_ids])
 
     @_with_hooks([])
     def tllm_end_batch(self, hooks: Any) -> list[dict[str, Any]]:
