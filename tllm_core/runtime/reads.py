@@ -294,13 +294,10 @@ class LastRows:
 
     def place(self, requests: list[RequestInfo]) -> np.ndarray:
         """The slots of ``requests``' rows (found at the plan, sent in its one index copy)."""
-        slots = np.empty(len(requests), np.int64)
-        for i, req in enumerate(requests):
-            slot = self._slots.get(req.engine_id)
-            if slot is None:
-                slot = self._slots[req.engine_id] = self._take_slot()
-            slots[i] = slot
-        return slots
+        for req in requests:
+            if req.engine_id not in self._slots:
+                self._slots[req.engine_id] = self._take_slot()
+        return np.array([self._slots[req.engine_id] for req in requests], np.int64)
 
     def keep(self, bundle: Bundle, slots: np.ndarray, steps: StepIndices) -> None:
         """``bundle``'s rows (one per request at most) become their requests' last rows."""
