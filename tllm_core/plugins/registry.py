@@ -146,9 +146,8 @@ class Registry:
     def producer_for(self, port: ReadPort) -> Producer:
         """The producer serving ``port``'s type (or its nearest registered base type)."""
         for t in type(port).__mro__:
-            prod = self._producers.get(t)
-            if prod is not None:
-                return prod
+            if t in self._producers:
+                return self._producers[t]
         raise ValueError(
             f"no producer serves port {type(port).__name__}; served: "
             f"{', '.join(sorted(t.__name__ for t in self._producers)) or '(none)'}"

@@ -84,8 +84,8 @@ class StepIndices:
     """The runtime's per-step device indices and gathered rows. ``copies``: index copies
     queued; ``waits``: staging buffers the host waited for."""
 
-    def __init__(self, pool: BufferPool | None = None, ring: int = RING) -> None:
-        self.pool = pool or BufferPool()
+    def __init__(self, ring: int = RING) -> None:
+        self.pool = BufferPool()
         self._ring = ring
         self._staging: StagingRing | None = None  # made for the first device planned
         # The step's indices on the device, by device and their bytes (as int64).

@@ -93,6 +93,17 @@ def unwritten(
     return ~ok if flag is None else ok.logical_not_()
 
 
+def read_unconfirmed(
+    r: PortRead, step: StepCapture, buffers: StepIndices | None
+) -> tuple[torch.Tensor, set[str], torch.Tensor | None]:
+    """The port's tensor read before the stamps arrive, its taps, and (floating point only)
+    :func:`unwritten`'s flag."""
+    with step.unconfirmed() as taps:
+        t = r.producer.read(r.port, step)
+    stale = unwritten(step, taps, t.device, buffers) if t.is_floating_point() else None
+    return t, taps, stale
+
+
 @dataclass(frozen=True)
 class RowMasks:
     """Masks over ``step.rows`` (None: every row) a consumer's token and sampling ports may
@@ -163,10 +174,8 @@ def build_bundle(
     def read(r: PortRead) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The port's tensor and :func:`unwritten`'s flag (None: known to be written)."""
         if unconfirmed is not None and not step.confirmed:
-            with step.unconfirmed() as taps:
-                t = r.producer.read(r.port, step)
+            t, taps, stale = read_unconfirmed(r, step, buffers)
             if t.is_floating_point():
-                stale = unwritten(step, taps, t.device, buffers)
                 if stale is not None:
                     unconfirmed.append((r.port.key, set(taps)))
                 return t, stale
@@ -237,30 +246,6 @@ class RowSelection:
         """The selected rows' metadata and token ids."""
         return rows.take(self.index, self.cut(rows.token_ids, buffers))
 
-    def guide_view(
-        self,
-        buffers: StepIndices,
-        step: int,
-        rows: RowInfo,
-        logits: torch.Tensor,
-        temperature: torch.Tensor,
-        is_random: np.ndarray,
-        filtered: bool,
-        hidden: dict[str, torch.Tensor],
-        changed: torch.Tensor,
-    ) -> GuideView:
-        """The consumer's guide view of the step's sampling rows."""
-        return GuideView(
-            step,
-            self.rows(rows, buffers),
-            self.cut(logits, buffers),
-            self.cut(temperature, buffers),
-            is_random[self.mask],
-            filtered,
-            {k: self.cut(v, buffers) for k, v in hidden.items()},
-            changed,
-        )
-
     def write_back(self, logits: torch.Tensor, view: GuideView, buffers: StepIndices) -> None:
         """A guide that wrote: its logits into the step's (a range wrote them in place)."""
         if self.span is None:
@@ -309,13 +294,10 @@ class LastRows:
 
     def place(self, requests: list[RequestInfo]) -> np.ndarray:
         """The slots of ``requests``' rows (found at the plan, sent in its one index copy)."""
-        slots = np.empty(len(requests), np.int64)
-        for i, req in enumerate(requests):
-            slot = self._slots.get(req.engine_id)
-            if slot is None:
-                slot = self._slots[req.engine_id] = self._take_slot()
-            slots[i] = slot
-        return slots
+        for req in requests:
+            if req.engine_id not in self._slots:
+                self._slots[req.engine_id] = self._take_slot()
+        return np.array([self._slots[req.engine_id] for req in requests], np.int64)
 
     def keep(self, bundle: Bundle, slots: np.ndarray, steps: StepIndices) -> None:
         """``bundle``'s rows (one per request at most) become their requests' last rows."""

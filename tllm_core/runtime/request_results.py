@@ -1,5 +1,5 @@
-"""Per-request results kept in the engine until the front end takes them, each bounded by
-``max_result_bytes``, the store by ``max_requests`` and ``max_bytes`` (the oldest dropped)."""
+"""Per-request results kept in the engine until taken, each bounded by ``max_result_bytes``,
+the store by ``max_requests`` and ``STORE_RESULTS`` of them (the oldest dropped)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,11 @@ UNWANTED_S = 300.0  # a discarded caller id's late results (background consumers
 class ResultStore:
     """Caller request id -> sample index -> consumer -> its encoded result."""
 
-    def __init__(
-        self,
-        counters: Counters,
-        max_result_bytes: int,
-        max_requests: int = 4096,
-        max_bytes: int | None = None,
-    ) -> None:
+    def __init__(self, counters: Counters, max_result_bytes: int, max_requests: int = 4096):
         self.counters = counters
         self.max_result_bytes = int(max_result_bytes)
         self.max_requests = int(max_requests)
-        self.max_bytes = (
-            STORE_RESULTS * self.max_result_bytes if max_bytes is None else int(max_bytes)
-        )
+        self.max_bytes = STORE_RESULTS * self.max_result_bytes
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, dict[int, dict[str, Any]]] = OrderedDict()
         self._sizes: dict[str, int] = {}

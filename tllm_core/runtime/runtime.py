@@ -45,8 +45,8 @@ from tllm_core.runtime.reads import (
     bundle_indices,
     last_rows,
     plan_reads,
+    read_unconfirmed,
     step_runs,
-    unwritten,
 )
 from tllm_core.runtime.request_results import ResultStore
 from tllm_core.runtime.settings import RuntimeSettings
@@ -417,11 +417,23 @@ class Runtime:
                 continue  # no request of the step switched it on
             n = len(srows) if sel is None else len(sel)
             counts = self._buffers.pool.take((n,), torch.long, logits.device)
-            args = (logits, temperature, is_random, filtered, hidden, counts)
             if sel is None:
-                view = GuideView(step.step, srows, *args)
+                view = GuideView(
+                    step.step, srows, logits, temperature, is_random, filtered, hidden, counts
+                )
             else:
-                view = sel.guide_view(self._buffers, step.step, srows, *args)
+                cut = functools.partial(sel.cut, buffers=self._buffers)
+                cuts = {k: cut(v) for k, v in hidden.items()}
+                view = GuideView(
+                    step.step,
+                    sel.rows(srows, self._buffers),
+                    cut(logits),
+                    cut(temperature),
+                    is_random[sel.mask],
+                    filtered,
+                    cuts,
+                    counts,
+                )
             self.counters.add("rows_guide_visited", len(view.rows))
             if not self.bus.call(
                 s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests
@@ -439,14 +451,9 @@ class Runtime:
     def _guide_rows(self, step: StepCapture, r: PortRead) -> torch.Tensor:
         """A token port at the sampling rows, NaN (on the device) where this step's forward
         did not write its taps."""
-        with step.unconfirmed() as taps:
-            buf = r.producer.read(r.port, step)
+        buf, _, stale = read_unconfirmed(r, step, self._buffers)
         rows = self._buffers.gather(buf, step.sample_token_row)
-        if rows.is_floating_point():
-            stale = unwritten(step, taps, buf.device, self._buffers)
-            if stale is not None:
-                rows.masked_fill_(stale, float("nan"))
-        return rows
+        return rows if stale is None else rows.masked_fill_(stale, float("nan"))
 
     def _stale(self, key: str, error: StaleTapError | str) -> None:
         """A tap buffer the forward did not write: never delivered, counted, an error."""

@@ -221,12 +221,10 @@ def result_bounds(request: PlannedRequest, engine: EngineConsumers) -> dict[str,
     """The bound (JSON bytes) of each result a request asks for, where its consumer gives one."""
     out = {}
     for name in asked_results(request.extra_args):
-        cls = engine.classes.get(name)
-        if cls is None:
-            continue
-        bound = cls.result_bytes(engine.configs[name], request)
-        if bound is not None:
-            out[name] = int(bound)
+        if name in engine.classes:
+            bound = engine.classes[name].result_bytes(engine.configs[name], request)
+            if bound is not None:
+                out[name] = int(bound)
     return out
 
 
