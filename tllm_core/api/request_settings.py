@@ -287,8 +287,5 @@ def describe_field(f: FieldInfo) -> dict[str, Any]:
 
 def describe_request_keys(consumer: str, model: type[RequestSettings] | None) -> list[dict]:
     """Key, allowed values, default and description of each request key of a consumer."""
-    fields = model.model_fields if model is not None else {}
-    return [
-        {"key": key, **describe_field(fields[fname])}
-        for key, fname in request_keys(consumer, model).items()
-    ]
+    keys = request_keys(consumer, model)  # empty when model is None
+    return [{"key": k, **describe_field(model.model_fields[f])} for k, f in keys.items()]
