@@ -158,9 +158,8 @@ def type_name(t: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if origin is not None:
-        return (
-            f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
-        )
+        inner = ", ".join(type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
     if t is type(None):
         return "None"
     return getattr(t, "__name__", str(t))
