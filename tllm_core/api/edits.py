@@ -135,10 +135,9 @@ class EditValues:
     """One tap's edit values moved to its buffers' device and dtype (an ablation's normalised):
     a 1-D value once, kept by identity and version; others every step (counted in ``prepared``)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = KEEP) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device = device
         self.dtype = dtype
-        self.keep = keep
         # (id, version, ablate) -> (the tensor, kept so its id is not reused; prepared; tag;
         # a host tensor's copy to compare with)
         self._kept: dict[tuple[int, int, bool], tuple[Any, ...]] = {}
@@ -162,7 +161,7 @@ class EditValues:
         hit = self._kept.get(key)
         if hit is not None and hit[0] is value and (hit[3] is None or torch.equal(value, hit[3])):
             return hit[1], hit[2]
-        if len(self._kept) >= self.keep:
+        if len(self._kept) >= KEEP:
             del self._kept[next(iter(self._kept))]
         prepared, tag = self._prepare(value, ablate)
         # A host vector can change without a new version (through ``.numpy()``).

@@ -158,9 +158,8 @@ def type_name(t: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
     if origin is not None:
-        return (
-            f"{getattr(origin, '__name__', str(origin))}[{', '.join(type_name(a) for a in args)}]"
-        )
+        inner = ", ".join(type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
     if t is type(None):
         return "None"
     return getattr(t, "__name__", str(t))
@@ -287,8 +286,5 @@ def describe_field(f: FieldInfo) -> dict[str, Any]:
 
 def describe_request_keys(consumer: str, model: type[RequestSettings] | None) -> list[dict]:
     """Key, allowed values, default and description of each request key of a consumer."""
-    fields = model.model_fields if model is not None else {}
-    return [
-        {"key": key, **describe_field(fields[fname])}
-        for key, fname in request_keys(consumer, model).items()
-    ]
+    keys = request_keys(consumer, model)  # empty when model is None
+    return [{"key": k, **describe_field(model.model_fields[f])} for k, f in keys.items()]

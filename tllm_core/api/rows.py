@@ -207,7 +207,7 @@ def layout_rows(
     """``(rows, sample_token_row, sample_kept)`` of a step (``requests[j]`` describes
     ``layout.engine_ids[j]``): a request samples at its last row, kept unless mid-prefill."""
     nsched = layout.num_scheduled.astype(np.int64)
-    total = int(nsched.sum())
+    total = layout.total
     req_idx = np.repeat(np.arange(len(requests)), nsched)
     cu = np.cumsum(nsched)
     offs = np.arange(total) - np.repeat(cu - nsched, nsched)

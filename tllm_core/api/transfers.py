@@ -55,13 +55,6 @@ def _wait(event: Any | None) -> bool:
     return True
 
 
-def _recorded(event: Any | None, stream: Any | None) -> Any:
-    """``event`` (made if None) recorded on ``stream`` (None: the current stream)."""
-    event = event or torch.cuda.Event()
-    event.record(stream) if stream is not None else event.record()
-    return event
-
-
 class StagingRing:
     """Host-to-device staging through ``slots`` flat host buffers of ``dtype`` in rotation
     (each grown to :func:`pow2_rows` elements as needed; ``numel``: allocated at once)."""
@@ -94,8 +87,9 @@ class StagingRing:
         buf = self.buffers[slot]
         assert buf is not None, "send() of a slot not taken"
         dst.copy_(buf[: dst.numel()].view(dst.shape), non_blocking=self.pinned)
-        if self.pinned:
-            self._events[slot] = _recorded(self._events[slot], stream)
+        if self.pinned:  # Event.record(None): on the current stream
+            event = self._events[slot] = self._events[slot] or torch.cuda.Event()
+            event.record(stream)
         self.copies += 1
 
 
@@ -150,7 +144,8 @@ class HostCopyRing:
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 for host, s in zip(self._host[i], srcs, strict=True):
                     host.copy_(s, non_blocking=True)
-            event = _recorded(None, stream)
+            event = torch.cuda.Event()
+            event.record(stream)
         self._flight.append((i, event, tag))
 
     def arrived(self, wait: bool = False, until: Any = None) -> list[tuple[Any, Any]]:

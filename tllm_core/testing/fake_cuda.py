@@ -973,7 +973,7 @@ class FakeCuda:
         the capture itself fails) and every race (a wrong value in any phase)."""
         return [
             f
-            for f in self._findings.values()
+            for f in self.findings(None)
             if f.phase == "steps" or f.kind == "race" or (f.in_capture and f.kind in _SYNC_KINDS)
         ]
 
@@ -986,9 +986,7 @@ class FakeCuda:
                 out[p] = dict(self._phase_stats[p])
                 by_op = sorted(self._by_op[p].items(), key=lambda kv: -kv[1][1])
                 out[p]["by_op"] = {op: {"launches": n, "bytes": b} for op, (n, b) in by_op}
-                out[p]["findings"] = [
-                    {**asdict(f), "where": f.where} for f in self._findings.values() if f.phase == p
-                ]
+                out[p]["findings"] = [{**asdict(f), "where": f.where} for f in self.findings(p)]
             out["steps"]["per_step"] = [dict(s) for s in self._per_step]
             return out
 
