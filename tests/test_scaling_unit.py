@@ -102,3 +102,20 @@ def test_follower_runtime_asks_for_the_same_taps_and_keeps_no_consumer():
     assert follower.edit_taps == leader.edit_taps and follower.edit_taps
     assert follower.configured and leader.configured
     assert follower.slots == [] and len(leader.slots) == 2
+
+
+def test_tllmllm_failing_before_vllm_starts_leaves_no_thread_binding(tiny_model, monkeypatch):
+    """TllmLLM binds its ranks' cores for vLLM's start only: a failure before the start (here
+    the multi-node leader's store) must not leave the binding for a later engine."""
+    import os
+
+    import tllm_core.app.engine as engine
+
+    def no_store(*a, **k):
+        raise RuntimeError("before vLLM's start")
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(engine, "leader_store", no_store)
+    with pytest.raises(RuntimeError, match="before vLLM's start"):
+        engine.TllmLLM(tiny_model, [], tensor_parallel_size=2)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ

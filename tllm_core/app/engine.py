@@ -214,10 +214,6 @@ class TllmLLM:
         self._checked = checked  # told if a fault stops the engine (tllm_run_failed)
         self._died: EngineDiedError | None = None  # the error a fault was reported as
         self._failure_told = False
-        sizes = (llm_kwargs.get(k) or 1 for k in ("tensor_parallel_size", "pipeline_parallel_size"))
-        bound = bind_cpu_threads(math.prod(int(n) for n in sizes))
-        if bound is not None:
-            log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         note = NoteFile("tllm-start-")  # why the engine refused to start (start_error.py)
         self._fault_note = NoteFile("tllm-fault-")  # a hung callback's report (watchdog.py)
         # Removed with this object (or at exit) when no one calls close or shutdown.
@@ -235,6 +231,12 @@ class TllmLLM:
         # A multi-node leader tells its followers of a requested stop (nodes.announce_stop).
         nodes = ("nnodes", "node_rank", "master_addr", "master_port")
         self._followers_store = leader_store(*(llm_kwargs.get(k) for k in nodes))
+        sizes = (llm_kwargs.get(k) or 1 for k in ("tensor_parallel_size", "pipeline_parallel_size"))
+        # Set here, just before the try that removes it: an error before vLLM starts leaves
+        # no binding for a later engine of this process.
+        bound = bind_cpu_threads(math.prod(int(n) for n in sizes))
+        if bound is not None:
+            log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
         try:
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
             # the engine processes note their first error for us.

@@ -54,7 +54,9 @@ class RunProgress:
 
     def _refresh(self) -> None:
         while not self._stop.wait(1.0):
-            self.bar.refresh()  # type: ignore[union-attr]  # set before this thread starts
+            bar = self.bar
+            if bar is not None:
+                bar.refresh()
 
     def close(self) -> None:
         self._stop.set()

@@ -62,8 +62,10 @@ def command_process() -> None:
 
 
 def watch_front_end(front_end: list | tuple | None) -> None:
-    """A ``TllmLLM``'s engine process stops itself once its front end ``(pid, create_time,
-    pid_space)`` is gone (also before this process looked), in that pid space only."""
+    """A ``TllmLLM``'s engine process stops itself once its front end, ``(pid, create_time,
+    pid_space)`` from its settings, is gone, also when its pid was free before this process
+    looked (a kill -9 while the engine started). Only in the front end's own pid space: not a
+    same-numbered pid on another node, not this process (an in-process engine)."""
     if not front_end:
         return
     import psutil
@@ -98,8 +100,9 @@ def pid_space() -> str:
 
 
 def _stop_without(pid: int, gone: bool = False) -> None:
-    """SIGTERM this engine process once its front end ``pid`` is gone (``gone``: already):
-    vLLM's engine core does not watch its parent, and would keep its device."""
+    """SIGTERM this engine process once its front end ``pid`` (the command, a ``TllmLLM``) is
+    gone without stopping it (a ``kill -9``; ``gone``: already): vLLM's
+    engine core does not watch its parent, and would keep its device."""
     import psutil
 
     def alive(command: psutil.Process) -> bool:
@@ -133,8 +136,9 @@ WORKER_BASE = "vllm.v1.worker.worker_base"
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``patch(module)`` once, right after module ``name`` is first imported, then leaves
-    ``sys.meta_path`` (a spec only looked up patches nothing)."""
+    """Runs ``patch(module)`` once, right after module ``name`` is first imported (by the
+    finder that would load it anyway), then leaves ``sys.meta_path``; a spec only looked up
+    (``importlib.util.find_spec``) patches nothing and leaves it in place."""
 
     def __init__(self, name: str, patch: Callable[[Any], None]) -> None:
         self.name, self.patch = name, patch
