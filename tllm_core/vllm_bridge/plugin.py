@@ -225,8 +225,8 @@ def _nodes(config: Any) -> int:
 
 
 def _same_on_every_node(config: Any, settings: dict | None) -> None:
-    """Multi-node engines (plain ones too: every rank joins the gather): refuse settings that
-    differ between the nodes, then bad ones (every node has the same)."""
+    """Multi-node engines (plain ones too: a plain rank compares with a leader that has tllm):
+    refuse settings that differ between the nodes, then bad ones (every node has the same)."""
     if _nodes(config) <= 1:
         return
     from tllm_core.vllm_bridge import nodes, worker_setup
