@@ -72,13 +72,17 @@ def _alive(pid: int) -> bool:
     return bool(fields) and fields[0] not in (b"Z", b"X")
 
 
-def exit_code(pid: int) -> int | None:
+def exit_code(pid: int, exiting: bool = False) -> int | None:
     """How zombie ``pid`` ended, as ``multiprocessing``'s exit code (a worker is not our child:
-    only its zombie's ``/proc/PID/stat`` tells); None otherwise."""
+    only its ``/proc/PID/stat`` tells); ``exiting``: also while it exits, before it is a zombie
+    (the kernel sets the status first; its parent may reap the zombie before a look); None
+    otherwise."""
     fields = _stat(pid)
-    if len(fields) < 50 or fields[0] != b"Z" or not fields[49].isdigit():
+    if len(fields) < 50 or not fields[49].isdigit():
         return None
     status = int(fields[49])
+    if fields[0] != b"Z" and not (exiting and status):
+        return None
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
@@ -239,6 +243,8 @@ class EngineWatch:
             if not _alive(pid):
                 code = self._codes[pid] if pid in self._codes else exit_code(pid)
                 deaths.append(Death("vLLM's worker process", pid, how_it_ended(code)))
+            elif (code := exit_code(pid, exiting=True)) is not None:
+                self._codes.setdefault(pid, code)
         for p in self.cores:
             if (code := p.exitcode) is not None:
                 deaths.insert(0, Death("vLLM's engine core", int(p.pid), how_it_ended(code)))
@@ -247,9 +253,10 @@ class EngineWatch:
             workers = [d for d in deaths if "worker" in d.what]
             return (killed or workers or deaths)[0]
         # Workers are an engine core's children: a process a worker forks (a consumer's pool)
-        # keeps its "VLLM::" title, and its end is no worker's death.
+        # keeps its "VLLM::" title, and its end is no worker's death. A worker stays one until
+        # it dies: a killed one's title reads empty while it exits, before it is a zombie.
         kids = {c for p in self.cores for c in _children(int(p.pid), recursive=False)}
-        self._workers = {w for w in kids if _vllm_started(w)}
+        self._workers |= {w for w in kids - self._workers if _vllm_started(w)}
         self._follow(self._workers)
         self.pids |= kids | {c for w in kids for c in _children(w)}
         if self._looks % SHM_EVERY == 0:
