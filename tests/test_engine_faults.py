@@ -559,7 +559,10 @@ def test_a_worker_seen_while_it_exits_stays_watched_and_named_with_its_signal(mo
         resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[proc]))
     )
     # /proc/PID/stat from the state on: the exit status is its 50th field (9: SIGKILL).
-    stat = {"worker": [b"S", *[b"0"] * 49], "exiting": [b"R", *[b"0"] * 48, b"9"], "reaped": []}
+    # ptrace-stopped: a signal in that field too, no PF_EXITING (4) in its flags (the 7th).
+    exiting = [b"R", *[b"0"] * 5, b"4", *[b"0"] * 42, b"9"]
+    stat = {"worker": [b"S", *[b"0"] * 49], "traced": [b"t", *[b"0"] * 48, b"5"]}
+    stat |= {"exiting": exiting, "reaped": []}
 
     def children(pid: int, recursive: bool = True) -> list[int]:
         return [p for p, s in state.items() if s != "reaped"] if pid == core_pid else []
@@ -570,6 +573,8 @@ def test_a_worker_seen_while_it_exits_stays_watched_and_named_with_its_signal(mo
     monkeypatch.setattr(engine_watch, "mapped_shm", lambda pid: set())
     watch = EngineWatch(core)  # not started: the looks are made here, one at a time
     assert watch._look() is None and watch._workers == {a, b}
+    state[b] = "traced"  # a debugger's stop: no status to keep
+    assert watch._look() is None and watch._codes == {}
     state[b] = "exiting"
     assert watch._look() is None
     state[b] = "reaped"

@@ -58,7 +58,7 @@ def _compare_on_ranks(ranks: dict[int, dict | None | str]) -> dict[int, str | No
 
     def one(rank: int, settings: dict | None) -> None:
         try:
-            compare_settings(store, rank, len(ranks), rank, settings, waits=(2.0, 0.5))
+            compare_settings(store, rank, len(ranks), rank, settings, waits=(3.0, 2.0))
             out[rank] = None
         except UnsupportedEngineError as e:
             out[rank] = str(e)

@@ -232,12 +232,13 @@ class TllmLLM:
         nodes = ("nnodes", "node_rank", "master_addr", "master_port")
         self._followers_store = leader_store(*(llm_kwargs.get(k) for k in nodes))
         sizes = (llm_kwargs.get(k) or 1 for k in ("tensor_parallel_size", "pipeline_parallel_size"))
-        # Set here, just before the try that removes it: an error before vLLM starts leaves
-        # no binding for a later engine of this process.
-        bound = bind_cpu_threads(math.prod(int(n) for n in sizes))
-        if bound is not None:
-            log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
+        bound = None
         try:
+            # Inside the try that removes it (and closes the note): an error before vLLM
+            # starts leaves no binding for a later engine of this process.
+            bound = bind_cpu_threads(math.prod(int(n) for n in sizes))
+            if bound is not None:
+                log.info("tllm: VLLM_CPU_OMP_THREADS_BIND=%s (one core group per rank)", bound)
             # Ctrl-C while the engine starts stops it; the CPU KV cache is the CLI's default;
             # the engine processes note their first error for us.
             with (

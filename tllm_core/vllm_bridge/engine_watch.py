@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 POLL_S = 0.25  # a death is noticed within this
+PF_EXITING = 0x4  # the kernel's flag of a process that is exiting (/proc/PID/stat, field 9)
 LEFTOVER_GRACE_S = 5.0  # for the others to exit after a death (vLLM's workers take ~1 s)
 SHM_EVERY = 8  # looks between two reads of the processes' shared memory (/proc/PID/maps)
 # Kernels built without CONFIG_PROC_CHILDREN have no /proc/PID/task/TID/children.
@@ -78,10 +79,12 @@ def exit_code(pid: int, exiting: bool = False) -> int | None:
     (the kernel sets the status first; its parent may reap the zombie before a look); None
     otherwise."""
     fields = _stat(pid)
-    if len(fields) < 50 or not fields[49].isdigit():
+    if len(fields) < 50 or not fields[49].isdigit() or not fields[6].isdigit():
         return None
     status = int(fields[49])
-    if fields[0] != b"Z" and not (exiting and status):
+    # Alive, the field holds a ptrace stop's signal: trusted only once the kernel marks it
+    # exiting (PF_EXITING in its flags).
+    if fields[0] != b"Z" and not (exiting and status and int(fields[6]) & PF_EXITING):
         return None
     return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
@@ -167,10 +170,10 @@ class EngineWatch:
         self.cores = engine_processes(core)
         self.death: Death | None = None
         self.pids: set[int] = {int(p.pid) for p in self.cores if p.pid}  # every one seen
-        self._workers: set[int] = set()  # alive at the last look
+        self._workers: set[int] = set()  # every worker seen, until its death
         # A pidfd per worker, readable once it exits: its status is read before it is reaped.
         self._pidfds: dict[int, int] = {}
-        self._codes: dict[int, int] = {}  # worker pid -> exit code, read from its zombie
+        self._codes: dict[int, int] = {}  # worker pid -> exit code, read as it exits
         self.shm: set[str] = set()  # shared memory the engine processes had mapped
         self._looks = 0
         self._stopping = threading.Event()

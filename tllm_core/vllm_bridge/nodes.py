@@ -86,30 +86,43 @@ def compare_settings(
 ) -> None:
     """Publish this rank's settings in ``store`` and compare: a rank with settings against
     every rank's, a plain rank (None) against the leader's only, if it has tllm."""
-    from datetime import timedelta
-
     keys = [SETTINGS_KEY.format(rank=r) for r in range(size)]
     store.set(keys[rank], json.dumps([node, settings], default=str))
     if settings is None and rank == 0:
         return
     wanted = keys if settings is not None else keys[:1]
-    try:
-        store.wait(wanted, timedelta(seconds=waits[settings is None]))
-    except Exception:  # noqa: BLE001 - torch's timeout error differs between its versions
+    if not _keys_within(store, wanted, waits[settings is None]):
         if settings is None:
             return  # a leader without tllm: nothing to compare, this rank stays plain
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        who = "some ranks"
+        with contextlib.suppress(Exception):  # the store's server (rank 0) may be gone
+            who = f"ranks {[r for r, k in enumerate(keys) if not store.check([k])]}"
         raise UnsupportedEngineError(
-            f"ranks {missing} of this multi-node engine did not tell their tllm settings within "
+            f"{who} of this multi-node engine did not tell their tllm settings within "
             f"{waits[0]:g} s: install tllm on every node and start each with the same tllm "
             "options, or tllm on none of them"
-        ) from None
+        )
     seen = [json.loads(store.get(k)) for k in wanted]
     lnode, lset = seen[0]
     for r, (onode, oset) in enumerate(seen) if settings is not None else [(rank, (node, None))]:
         if comparable(oset) != comparable(lset):
             other = f"node_rank {onode} (rank {r})"
             raise UnsupportedEngineError(differ_message(f"node_rank {lnode}", lset, other, oset))
+
+
+def _keys_within(store: Any, keys: list[str], timeout: float) -> bool:
+    """Whether ``keys`` are all in ``store`` within ``timeout`` s (polled: torch's own wait logs
+    a warning when it times out, and a plain vLLM with tllm installed must not)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if store.check(keys):
+                return True
+        except Exception:  # noqa: BLE001 - the store's server is gone: they never will be
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 # -- a lost node: an engine notices one only at its next collective (a dead remote DP engine
