@@ -20,9 +20,15 @@ SHM = Path("/dev/shm")
 SHM_KINDS = re.compile(r"^(psm_|sem\.|__KMP_REGISTERED_LIB_)")
 
 
-def start(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
-    """``python -m tllm_core.app.cli ARGV`` in its own session (a signal to it reaches it
-    alone), this checkout first on the path, stdout and stderr to ``log``."""
+CLI = ("-m", "tllm_core.app.cli")
+
+
+def start(
+    argv: list[str], log: Path, python: tuple[str, ...] = CLI, **env: str
+) -> subprocess.Popen:
+    """``python -m tllm_core.app.cli ARGV`` (``python``: other interpreter arguments) in its own
+    session (a signal to it reaches it alone), this checkout first on the path, stdout and
+    stderr to ``log``."""
     full = dict(os.environ)
     full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     without_binding(full)
@@ -30,7 +36,7 @@ def start(argv: list[str], log: Path, **env: str) -> subprocess.Popen:
     full["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full.get("PYTHONPATH")) if p)
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "tllm_core.app.cli", *argv],
+            [sys.executable, *python, *argv],
             env=full,
             stdout=out,
             stderr=out,

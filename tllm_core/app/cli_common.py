@@ -394,6 +394,17 @@ def has_chat_template(model: str) -> bool:
     )
 
 
+def check_results_arg(asked: str, checked: Any) -> None:
+    """``--results`` checked as a request's ``tllm_results`` is, against the consumers."""
+    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
+
+    engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
+    try:
+        validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
+    except ValueError as e:
+        raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+
+
 def _outputs(
     done: list[Any], first: int, num_prompts: int, n: int
 ) -> tuple[list[list[str | None]], list[list[Any]], int]:
@@ -427,7 +438,6 @@ def generate_with(
     from tllm_core.app.engine import TllmLLM, validate_consumers
     from tllm_core.app.progress import RunProgress
     from tllm_core.app.summary import run_line
-    from tllm_core.serving.keys import EngineConsumers, validate_extra_args
     from tllm_core.vllm_bridge.engine_watch import EngineDiedError
     from tllm_core.vllm_bridge.lifecycle import finished_outputs, next_request_index
 
@@ -440,12 +450,8 @@ def generate_with(
     # Names, configs and (with --model) the dry build fail before vLLM is imported.
     checked = validate_consumers(consumers, model)
     asked = getattr(args, "results", None)
-    if asked:  # checked as a request's tllm_results is
-        engine = EngineConsumers.of(checked.specs, checked.configs, checked.registry)
-        try:
-            validate_extra_args({RESULTS_KEY: asked}, engine, where="--results")
-        except ValueError as e:
-            raise CliError(str(e).replace("--results['tllm_results']", "--results")) from None
+    if asked:
+        check_results_arg(asked, checked)
     # The default model converts while vLLM is imported; before the engine processes' preload.
     converting = default_model.convert_in_background() if model is None else None
     if model is None and converting is None:  # cached: the dry build now, before vLLM's import

@@ -45,7 +45,8 @@ from tllm_core.vllm_bridge.version import UnsupportedEngineError, check_version
 
 log = logging.getLogger("tllm")
 
-# Seconds for the engine watch to name the dead process once vLLM says its engine is dead.
+# Seconds to wait for the engine watch to name the dead process once vLLM said its engine
+# is dead (vLLM may notice first, e.g. a dead worker reported by the engine core).
 DEATH_NOTICE_S = 2.0
 # Settings whose documented default is None (TllmLLM's); another's None is refused, as elsewhere.
 NONE_IS_DEFAULT = ("callback_deadline_s", "background_deadline_s", "close_deadline_s")
@@ -145,9 +146,11 @@ def raise_newly_disabled(errors: list[dict[str, Any]], raised: set[str], **where
 
 def _salted(prompt: Any, salt: str | None) -> Any:
     """A completion prompt carrying ``salt`` (a salt the caller set is kept)."""
-    if salt is not None and isinstance(prompt, str):
+    if salt is None:
+        return prompt
+    if isinstance(prompt, str):
         return {"prompt": prompt, "cache_salt": salt}
-    if salt is not None and isinstance(prompt, dict) and "cache_salt" not in prompt:
+    if isinstance(prompt, dict) and "cache_salt" not in prompt:
         return {**prompt, "cache_salt": salt}
     return prompt
 

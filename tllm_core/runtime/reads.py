@@ -246,6 +246,30 @@ class RowSelection:
         """The selected rows' metadata and token ids."""
         return rows.take(self.index, self.cut(rows.token_ids, buffers))
 
+    def guide_view(
+        self,
+        buffers: StepIndices,
+        step: int,
+        rows: RowInfo,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        is_random: np.ndarray,
+        filtered: bool,
+        hidden: dict[str, torch.Tensor],
+        changed: torch.Tensor,
+    ) -> GuideView:
+        """The consumer's guide view of the step's sampling rows."""
+        return GuideView(
+            step,
+            self.rows(rows, buffers),
+            self.cut(logits, buffers),
+            self.cut(temperature, buffers),
+            is_random[self.mask],
+            filtered,
+            {k: self.cut(v, buffers) for k, v in hidden.items()},
+            changed,
+        )
+
     def write_back(self, logits: torch.Tensor, view: GuideView, buffers: StepIndices) -> None:
         """A guide that wrote: its logits into the step's (a range wrote them in place)."""
         if self.span is None:

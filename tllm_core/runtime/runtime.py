@@ -417,23 +417,11 @@ class Runtime:
                 continue  # no request of the step switched it on
             n = len(srows) if sel is None else len(sel)
             counts = self._buffers.pool.take((n,), torch.long, logits.device)
+            args = (logits, temperature, is_random, filtered, hidden, counts)
             if sel is None:
-                view = GuideView(
-                    step.step, srows, logits, temperature, is_random, filtered, hidden, counts
-                )
+                view = GuideView(step.step, srows, *args)
             else:
-                cut = functools.partial(sel.cut, buffers=self._buffers)
-                cuts = {k: cut(v) for k, v in hidden.items()}
-                view = GuideView(
-                    step.step,
-                    sel.rows(srows, self._buffers),
-                    cut(logits),
-                    cut(temperature),
-                    is_random[sel.mask],
-                    filtered,
-                    cuts,
-                    counts,
-                )
+                view = sel.guide_view(self._buffers, step.step, srows, *args)
             self.counters.add("rows_guide_visited", len(view.rows))
             if not self.bus.call(
                 s.consumer, "guide", s.consumer.guide, view, requests=view.rows.requests

@@ -51,14 +51,6 @@ def differ_message(leader: str, lset: dict | None, other: str, oset: dict | None
     )
 
 
-def _world() -> tuple[Any, Any]:
-    """``(torch.distributed, vLLM's world group)`` on a worker."""
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import get_world_group
-
-    return dist, get_world_group()
-
-
 SETTINGS_KEY = "tllm/settings/{rank}"
 # How long a rank with tllm settings waits for every rank's, and a plain rank for the
 # leader's (a leader without tllm writes none; the plain rank then goes on, untouched).
@@ -135,7 +127,10 @@ NODE_CHECK_TIMEOUT_S = 30.0
 
 def node_check() -> int:
     """On a worker: a barrier over every rank (fails when a peer is gone); its rank."""
-    dist, group = _world()
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_world_group
+
+    group = get_world_group()
     dist.barrier(group=group.cpu_group)
     return int(group.rank)
 
@@ -253,8 +248,9 @@ class NodeWatch:
     async def watch_nodes(
         self, ask: Any, nnodes: int, interval: float, on_lost: Any, step_s: float = 0.0
     ) -> None:
-        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``
-        (``step_s``: a step's callback deadline, which the check waits behind)."""
+        """Every ``interval`` s ``await ask()``; the first failure or timeout calls ``on_lost``.
+        ``step_s``: how long a step may hold the check (it waits behind the engine's steps: a
+        consumer callback within its deadline is no lost node)."""
         while True:
             await asyncio.sleep(interval)
             try:
@@ -373,6 +369,17 @@ def parse_tcp(endpoint: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def leader_endpoint(engine_client: Any) -> tuple[str, int] | None:
+    """Where the leader's engine client receives from its engines."""
+    import zmq
+
+    sock = getattr(getattr(engine_client, "engine_core", None), "input_socket", None)
+    if sock is None:
+        return None
+    raw = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return parse_tcp(raw.decode() if isinstance(raw, bytes) else str(raw))
+
+
 # Marks a leader address that is a stop store (else it is only probed).
 STOP_STORE = "stop-store"
 
@@ -405,14 +412,7 @@ async def check_followers(
     ``settings``, or the server refuses to start naming both (``rpc``: ``serving.answered``)."""
     if not remote_engines(engine_client.vllm_config.parallel_config):
         return
-    import zmq
-
-    # Where the leader's engine client receives from its engines.
-    sock = getattr(getattr(engine_client, "engine_core", None), "input_socket", None)
-    endpoint = None
-    if sock is not None:
-        raw = sock.getsockopt(zmq.LAST_ENDPOINT)
-        endpoint = parse_tcp(raw.decode() if isinstance(raw, bytes) else str(raw))
+    endpoint = leader_endpoint(engine_client)
     if watch is not None:
         endpoint = stop_beacon(endpoint, watch)
     try:

@@ -37,7 +37,8 @@ COMMON_ATTRS = (
 )
 
 
-# Request ids of the V2 runner's start-up warm-up (``gpu/warmup.py``), run through the hooks.
+# Request ids of the V2 runner's start-up warm-up (``gpu/warmup.py``; run through the real
+# ``execute_model`` once tllm's hooks are in place, with JIT warm-up on: GPUs).
 WARMUP_IDS = ("_warmup_", "_v2_mixed_warmup")
 
 
@@ -62,7 +63,8 @@ class RunnerAdapterBase:
         raise NotImplementedError
 
     def install(self, events: Any, guides: bool, sync_sampled: SyncSampled = None) -> None:
-        """Wrap the runner's instance attributes to report each step to ``events``."""
+        """Wrap the runner's instance attributes so that each step reports ``events``
+        (``hooks.RunnerHooks``); the guide only when ``guides``."""
         raise NotImplementedError
 
     def _finished(self, events: Any, scheduler_output: Any) -> list[str]:

@@ -1,5 +1,7 @@
-"""tllm in vLLM's OpenAI server, API-server side (:class:`~.plugin.EndpointGate`): request
-checks, cache salts, ``/tllm`` routes, ``/health`` while hung (docs/serving.md)."""
+"""tllm in vLLM's OpenAI-compatible server, API-server side (active with
+``--additional-config '{"tllm": {...}}'``, :class:`~.plugin.EndpointGate`): request checks,
+cache salts, ``/tllm`` routes, ``/health`` while hung, results and failure marks (docs/serving.md).
+"""
 
 from __future__ import annotations
 

@@ -182,8 +182,8 @@ def find_router(block: nn.Module) -> tuple[nn.Module | None, str | None]:
 def _site_module(
     layers: nn.ModuleList, site: str, index: int, model: str | None, archs: Architectures | None
 ) -> tuple[SiteSpec, nn.Module, str | None]:
-    """``site``'s spec at layer ``index``, the layer, and the attribute holding the site's
-    module (None: the layer itself)."""
+    """``site``'s spec at layer ``index``, the layer and the attribute holding the site's
+    module (None: the layer itself); refusals name the layer, the site and why."""
     archs = archs or builtin_architectures()
     layer = unwrap(layers[index])
     of = f" of {model}" if model else ""
